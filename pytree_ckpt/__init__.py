@@ -1,0 +1,30 @@
+"""pytree-ckpt: activation recompute, frozen-result replay and offload that compose.
+
+Importing this package touches no accelerator and imports no optional dependency.
+"""
+
+from .boundary import BoundaryOptions, checkpoint, checkpointed
+from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError
+from .frames import reuse_during_recompute
+from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
+                     remove_activation_checkpointing)
+from .phase import Phase, current_phase
+
+__all__ = [
+    "BoundaryOptions",
+    "CheckpointConfigError",
+    "CheckpointError",
+    "Phase",
+    "ReplayMismatchError",
+    "ReuseError",
+    "apply_activation_checkpointing",
+    "checkpoint",
+    "checkpoint_layers",
+    "checkpointed",
+    "current_phase",
+    "is_checkpointed",
+    "remove_activation_checkpointing",
+    "reuse_during_recompute",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,35 @@
+"""The one error family of pytree-ckpt.
+
+Every message names where the problem is (a PyTree key path such as ``output['dsa_topk_ids']``
+or a callable), shows both sides of a mismatch, and ends with a tip.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError"]
+
+
+class CheckpointError(RuntimeError):
+    """Anything that goes wrong at a checkpoint boundary."""
+
+    def __init__(self, what: str, /, *, expected: object = None, got: object = None,
+                 tip: str | None = None) -> None:
+        parts = [what]
+        if expected is not None or got is not None:
+            parts.append(f"  expected: {expected}")
+            parts.append(f"  got:      {got}")
+        if tip:
+            parts.append(f"  tip: {tip}")
+        super().__init__("\n".join(parts))
+
+
+class CheckpointConfigError(CheckpointError, ValueError):
+    """A configuration value is out of range or of the wrong kind (also a ``ValueError``)."""
+
+
+class ReplayMismatchError(CheckpointError):
+    """The replay produced something other than the original pass did."""
+
+
+class ReuseError(CheckpointError):
+    """A frozen result was recorded or replayed wrongly (see ``reuse_during_recompute``)."""

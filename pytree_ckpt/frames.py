@@ -1,0 +1,138 @@
+"""Replay frames: frozen results recorded in a boundary's original pass, replayed in its replay.
+
+NOTE [frame semantics]: every boundary invocation owns one ``Frame``: a FIFO of results per
+callable (keyed by the callable object; bound methods of one object compare equal). When
+``reuse_during_recompute(fn, ...)`` runs, the active invocations are walked from the innermost
+outwards:
+
+1. the invocations in their original pass (phase ``forward``) up to the first one that is
+   replaying are the *recorders*; each appends the result to its own frame, so each of their
+   replays finds it;
+2. if a replaying invocation (phase ``recompute``) encloses them, the result is taken from its
+   frame, without calling ``fn``; otherwise ``fn`` is called.
+
+So a nested boundary whose original pass runs inside an enclosing replay reads the enclosing
+frame (its results were recorded the first time round) and records them again for its own
+replay: ``fn`` runs once per top-level original pass, however deep the nesting.
+
+NOTE [frame lifetime]: a frame lives on its invocation, which lives on the autograd node; it is
+cleared when the node's saved tensors are freed (end of a backward without ``retain_graph``) or
+when the graph is garbage collected without a backward. Cursors are reset at the start of each
+replay, so ``backward(retain_graph=True)`` can replay twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .errors import ReuseError
+from .phase import ACTIVE, Phase
+from .tree import flatten, leaf_paths
+
+__all__ = ["Frame", "reuse_during_recompute"]
+
+T = TypeVar("T")
+
+
+def callable_name(fn: Callable[..., Any], /) -> str:
+    """A readable name for ``fn`` in messages (``DsaIndexer.forward``, ``topk_ids``)."""
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", fn)
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    if owner is not None and not isinstance(owner, type):
+        return f"{type(owner).__name__}.{getattr(func, '__name__', name)}"
+    return name
+
+
+class Frame:
+    """The recorded frozen results of one boundary invocation."""
+
+    __slots__ = ("results", "cursors")
+
+    def __init__(self) -> None:
+        self.results: dict[Callable[..., Any], list[Any]] = {}
+        self.cursors: dict[Callable[..., Any], int] = {}
+
+    def record(self, fn: Callable[..., Any], result: Any) -> None:
+        self.results.setdefault(fn, []).append(result)
+
+    def take(self, fn: Callable[..., Any]) -> Any:
+        recorded = self.results.get(fn, ())
+        position = self.cursors.get(fn, 0)
+        if position >= len(recorded):
+            raise ReuseError(
+                f"the replay asked reuse_during_recompute for result #{position + 1} of "
+                f"{callable_name(fn)}, but the original pass recorded {len(recorded)}",
+                expected=f"at most {len(recorded)} call(s)", got=f"call #{position + 1}",
+                tip="the replay must make the same reuse_during_recompute calls, in the same "
+                    "order, as the original pass; branch on inputs, not on current_phase()")
+        self.cursors[fn] = position + 1
+        return recorded[position]
+
+    def start_replay(self) -> None:
+        self.cursors.clear()
+
+    def check_consumed(self) -> None:
+        for fn, recorded in self.results.items():
+            used = self.cursors.get(fn, 0)
+            if used != len(recorded):
+                raise ReuseError(
+                    f"the replay consumed {used} of the {len(recorded)} results recorded for "
+                    f"{callable_name(fn)} by reuse_during_recompute",
+                    expected=f"{len(recorded)} call(s)", got=f"{used} call(s)",
+                    tip="the replay must make the same reuse_during_recompute calls as the "
+                        "original pass; a result left over means the replay took another path")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held by the frame (for memory accounting)."""
+        found: list[torch.Tensor] = []
+        for recorded in self.results.values():
+            for result in recorded:
+                flat = flatten(result)
+                found.extend(flat.leaves[i] for i in flat.tensor_index)
+        return found
+
+    def clear(self) -> None:
+        self.results.clear()
+        self.cursors.clear()
+
+
+def _check_frozen(fn: Callable[..., Any], result: Any) -> None:
+    flat = flatten(result)
+    for i in flat.tensor_index:
+        if flat.leaves[i].requires_grad:
+            path = leaf_paths(flat.spec, root="result")[i]
+            raise ReuseError(
+                f"reuse_during_recompute({callable_name(fn)}) returned {path} that requires "
+                "grad; only frozen results may be replayed",
+                expected="tensor leaves with requires_grad=False",
+                got=f"{path}.requires_grad=True",
+                tip="compute it under torch.no_grad() or .detach() it; a differentiable result "
+                    "that should stay resident belongs in a save unit")
+
+
+def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Call ``fn(*args, **kwargs)`` once per step and replay its result during recompute.
+
+    Outside any boundary this is a plain call. In a boundary's original pass the result (any
+    PyTree of frozen tensors and objects) is recorded in the invocation's frame; in the replay
+    the recorded result is returned *without calling* ``fn``. See NOTE [frame semantics].
+    """
+    invocation = ACTIVE.get()
+    if invocation is None:
+        return fn(*args, **kwargs)
+    recorders = []
+    while invocation is not None and invocation.phase is Phase.FORWARD:
+        recorders.append(invocation)
+        invocation = invocation.parent
+    if invocation is None:
+        result = fn(*args, **kwargs)
+        _check_frozen(fn, result)
+    else:
+        result = invocation.frame.take(fn)
+    for recorder in recorders:
+        recorder.frame.record(fn, result)
+    return result

@@ -1,0 +1,116 @@
+"""Routing a module's forward through the boundary, in place, and choosing layers by ratio.
+
+NOTE [in-place wrapping]: the boundary is installed as an instance attribute ``forward`` on the
+module itself, so the module keeps its class, parameters, buffers, submodules, names and
+``state_dict`` keys (no ``_checkpoint_wrapped_module.`` prefix). ``nn.Module.__call__`` still
+runs the forward pre-hooks and hooks (FSDP2's unshard/reshard among them) *outside* the
+boundary: the replay in backward calls only the bare forward. The installed callable holds the
+module through a weak reference, so wrapping creates no reference cycle.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from .boundary import BoundaryOptions, run_boundary
+from .errors import CheckpointConfigError
+
+__all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing",
+           "is_checkpointed", "checkpoint_layers"]
+
+_INSTALLED = "_pytree_ckpt_installed"
+
+
+class _CheckpointedForward:
+    """The ``forward`` instance attribute that sends a module's forward through the boundary."""
+
+    __slots__ = ("module_ref", "bare", "options")
+
+    def __init__(self, module: nn.Module, bare: Any, options: BoundaryOptions) -> None:
+        self.module_ref = weakref.ref(module)
+        self.bare = bare  # an instance-level forward that was there before, else None
+        self.options = options
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        if module is None:
+            raise ReferenceError("the checkpointed module no longer exists")
+        forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
+        return run_boundary(forward, args, kwargs, self.options, module)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
+        # copy.deepcopy(module) registers the new module in memo before copying its __dict__.
+        module = self.module_ref()
+        twin = memo.get(id(module), module)
+        return _CheckpointedForward(twin, self.bare, self.options)
+
+    def __reduce__(self) -> Any:
+        return (_CheckpointedForward, (self.module_ref(), self.bare, self.options))
+
+
+def is_checkpointed(module: nn.Module, /) -> bool:
+    """Whether ``apply_activation_checkpointing`` is in effect on ``module``."""
+    return _INSTALLED in module.__dict__
+
+
+def apply_activation_checkpointing(module: nn.Module, /, *,
+                                   preserve_rng_state: bool = True) -> nn.Module:
+    """Route ``module``'s forward through the boundary, in place; returns ``module``.
+
+    Applying again with the same options is a no-op; with other options it raises (remove it
+    first). See NOTE [in-place wrapping].
+    """
+    if not isinstance(module, nn.Module):
+        raise CheckpointConfigError(
+            "apply_activation_checkpointing expects an nn.Module",
+            expected="nn.Module", got=type(module).__name__,
+            tip="wrap a plain function with pytree_ckpt.checkpoint(fn, *args) instead")
+    options = BoundaryOptions(preserve_rng_state=preserve_rng_state)
+    installed = module.__dict__.get(_INSTALLED)
+    if installed is not None:
+        if installed.options != options:
+            raise CheckpointConfigError(
+                f"{type(module).__name__} is already checkpointed with other options",
+                expected=installed.options, got=options,
+                tip="call remove_activation_checkpointing(module) first, then apply again")
+        return module
+    forward = _CheckpointedForward(module, module.__dict__.get("forward"), options)
+    module.__dict__["forward"] = forward
+    module.__dict__[_INSTALLED] = forward
+    return module
+
+
+def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
+    """Undo ``apply_activation_checkpointing`` (a no-op on an unwrapped module)."""
+    installed = module.__dict__.pop(_INSTALLED, None)
+    if installed is not None:
+        if installed.bare is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = installed.bare
+    return module
+
+
+def _validate_ratio(ratio: object) -> float:
+    if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
+            or not math.isfinite(float(ratio)) or not 0.0 <= float(ratio) <= 1.0):
+        raise CheckpointConfigError(
+            "the checkpoint ratio must be a number in [0, 1]",
+            expected="0.0 <= ratio <= 1.0 (the fraction of layers to checkpoint)",
+            got=repr(ratio), tip="use 1.0 to checkpoint every layer, 0.0 for none")
+    return float(ratio)
+
+
+def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
+                      preserve_rng_state: bool = True) -> list[int]:
+    """Checkpoint the first ``int(len(layers) * ratio)`` layers; return their indices."""
+    count = int(len(layers) * _validate_ratio(ratio))
+    for layer in layers[:count]:
+        apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state)
+    return list(range(count))

@@ -1,0 +1,51 @@
+"""The explicit phase of the checkpoint boundary.
+
+NOTE [phase is state, not grad mode]: which pass is running is recorded by the boundary itself
+in a ``ContextVar`` stack of active invocations, one entry per boundary call being executed. It
+is never inferred from ``torch.is_grad_enabled()``: user code may enable grad inside an original
+pass, and a replay may run with grad disabled regions. A ``ContextVar`` keeps two threads (and
+two asyncio tasks) from seeing each other's invocations.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .frames import Frame
+
+__all__ = ["Phase", "current_phase"]
+
+
+class Phase(str, enum.Enum):
+    """Where code is running relative to checkpoint boundaries (compares equal to its value)."""
+
+    PLAIN = "plain"          # outside every boundary
+    FORWARD = "forward"      # the original pass of a boundary (grad disabled)
+    RECOMPUTE = "recompute"  # the replay of a boundary during backward (grad enabled)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Invocation:
+    """One boundary call being executed: its phase and its replay frame."""
+
+    __slots__ = ("phase", "frame", "parent")
+
+    def __init__(self, phase: Phase, frame: Frame, parent: Invocation | None) -> None:
+        self.phase = phase
+        self.frame = frame
+        self.parent = parent
+
+
+# The innermost active invocation; each one links to its enclosing invocation.
+ACTIVE: ContextVar[Invocation | None] = ContextVar("pytree_ckpt_active_invocation", default=None)
+
+
+def current_phase() -> Phase:
+    """The phase of the innermost active boundary: ``"plain"``, ``"forward"`` or ``"recompute"``."""
+    invocation = ACTIVE.get()
+    return Phase.PLAIN if invocation is None else invocation.phase

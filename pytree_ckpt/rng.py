@@ -1,0 +1,73 @@
+"""What the replay must see as the original pass saw it: RNG streams and autocast state."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+import torch
+
+__all__ = ["ReplayEnvironment"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    # NOTE: "cuda" is only read once CUDA is initialised, so a CPU run never touches it.
+    devices = _AUTOCAST_DEVICES if torch.cuda.is_initialized() else ("cpu",)
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
+
+
+class _RestoreRng:
+    """Sets the recorded RNG states for the replay and puts the ambient ones back after it."""
+
+    def __init__(self, cpu_state: torch.Tensor, cuda_states: dict[int, torch.Tensor]) -> None:
+        self.cpu_state = cpu_state
+        self.cuda_states = cuda_states
+        self.saved: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+
+    def __enter__(self) -> None:
+        self.saved = (torch.get_rng_state(),
+                      {d: torch.cuda.get_rng_state(d) for d in self.cuda_states})
+        torch.set_rng_state(self.cpu_state)
+        for device, state in self.cuda_states.items():
+            torch.cuda.set_rng_state(state, device)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.saved is not None
+        cpu_state, cuda_states = self.saved
+        torch.set_rng_state(cpu_state)
+        for device, state in cuda_states.items():
+            torch.cuda.set_rng_state(state, device)
+
+
+class ReplayEnvironment:
+    """RNG states and autocast settings captured at the start of an original pass."""
+
+    __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache")
+
+    def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
+                 autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool) -> None:
+        self.cpu_rng = cpu_rng
+        self.cuda_rng = cuda_rng
+        self.autocast = autocast
+        self.autocast_cache = autocast_cache
+
+    @classmethod
+    def capture(cls, tensors: tuple[torch.Tensor, ...], *, preserve_rng: bool) -> ReplayEnvironment:
+        cpu_rng = None
+        cuda_rng: dict[int, torch.Tensor] = {}
+        if preserve_rng:
+            cpu_rng = torch.get_rng_state()
+            # As torch's checkpoint: the CUDA generators of the devices the inputs live on.
+            for device in {t.device.index for t in tensors if t.is_cuda}:
+                cuda_rng[device] = torch.cuda.get_rng_state(device)
+        return cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled())
+
+    def enter(self, stack: ExitStack) -> None:
+        """Enter, on ``stack``, what makes the replay see the original pass's environment."""
+        if self.cpu_rng is not None:
+            stack.enter_context(_RestoreRng(self.cpu_rng, self.cuda_rng))
+        # Backward may run under another autocast state than forward did: set only what differs.
+        if _autocast_state() != self.autocast:
+            for device, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, enabled=enabled, dtype=dtype,
+                                                   cache_enabled=self.autocast_cache))

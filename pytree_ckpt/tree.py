@@ -1,0 +1,87 @@
+"""The tree bridge: flatten any argument or output PyTree to tensor leaves and back.
+
+Containers are whatever optree knows (dict and TypedDict, list, tuple, namedtuple, None,
+``collections`` mappings) plus plain dataclasses, which are registered on first sight in this
+package's own optree namespace (so the global registry stays untouched). Leaves that are not
+tensors (ints, strings, config objects) ride along unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+__all__ = ["FlatTree", "flatten", "unflatten", "leaf_paths", "describe_leaf"]
+
+NAMESPACE = "pytree_ckpt"
+_registered: set[type] = set()
+_register_lock = threading.Lock()
+
+
+def _register_dataclass(cls: type) -> None:
+    names = tuple(f.name for f in dataclasses.fields(cls))
+
+    def flatten_one(obj: Any) -> tuple[list[Any], tuple[str, ...], tuple[str, ...]]:
+        return [getattr(obj, n) for n in names], names, names
+
+    def unflatten_one(field_names: tuple[str, ...], children: list[Any]) -> Any:
+        # NOTE: rebuilt without calling __init__/__post_init__: the rebuilt object is the same
+        # state with tensors swapped, not a new construction (frozen dataclasses included).
+        obj = object.__new__(cls)
+        for name, value in zip(field_names, children):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    optree.register_pytree_node(cls, flatten_one, unflatten_one, namespace=NAMESPACE)
+
+
+def _is_unregistered_dataclass(leaf: Any) -> bool:
+    return (dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
+            and type(leaf) not in _registered)
+
+
+class FlatTree(NamedTuple):
+    """A flattened PyTree: its leaves, its spec and where the tensor leaves are."""
+
+    leaves: list[Any]
+    spec: optree.PyTreeSpec
+    tensor_index: list[int]
+
+
+def flatten(tree: Any, /) -> FlatTree:
+    """Flatten ``tree``; dataclass instances are opened like named containers."""
+    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    while True:
+        pending = {type(leaf) for leaf in leaves
+                   if type(leaf) is not torch.Tensor and _is_unregistered_dataclass(leaf)}
+        if not pending:
+            break
+        with _register_lock:
+            for cls in pending - _registered:
+                _register_dataclass(cls)
+                _registered.add(cls)
+        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    return FlatTree(leaves, spec, tensor_index)
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any], /) -> Any:
+    """Rebuild a tree from ``spec`` and ``leaves`` with the original container types."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def leaf_paths(spec: optree.PyTreeSpec, /, *, root: str) -> list[str]:
+    """Readable key paths of every leaf, e.g. ``output['dsa_topk_ids']`` (for error messages)."""
+    return [accessor.codify(root) for accessor in optree.treespec_accessors(spec)]
+
+
+def describe_leaf(leaf: Any, /) -> str:
+    """A short description of a leaf for messages: shape and dtype for tensors."""
+    if isinstance(leaf, torch.Tensor):
+        return f"Tensor(shape={tuple(leaf.shape)}, dtype={leaf.dtype}, device={leaf.device})"
+    return f"{type(leaf).__name__} {leaf!r:.60}"

@@ -1,0 +1,52 @@
+"""Shared test helpers: an eager twin to compare against, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # examples/ is importable from the repository root
+    sys.path.insert(0, str(ROOT))
+
+
+def grads_of(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def zero_grads(tensors: Iterable[torch.Tensor]) -> None:
+    for t in tensors:
+        t.grad = None
+
+
+def assert_same_grads(expected: list[torch.Tensor | None], got: list[torch.Tensor | None]) -> None:
+    assert len(expected) == len(got)
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a is None or b is None:
+            assert a is None and b is None, f"grad #{i}: {a} vs {b}"
+        else:
+            assert torch.equal(a, b), f"grad #{i} differs: max |d| = {(a - b).abs().max()}"
+
+
+def run_twice(step: Callable[[bool], Any], leaves: list[torch.Tensor], *,
+              seed: int = 0) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Run ``step(checkpointed)`` eagerly then checkpointed from the same seed; return grads."""
+    torch.manual_seed(seed)
+    step(False)
+    eager = grads_of(leaves)
+    zero_grads(leaves)
+    torch.manual_seed(seed)
+    step(True)
+    ckpt = grads_of(leaves)
+    zero_grads(leaves)
+    return eager, ckpt
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed() -> None:
+    torch.manual_seed(1234)

@@ -1,0 +1,333 @@
+"""The PyTree-aware reentrant boundary against an unwrapped twin, bit for bit in fp32."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Any, TypedDict
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
+from tests.conftest import assert_same_grads, run_twice
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+@dataclasses.dataclass
+class Batch:
+    hidden: torch.Tensor
+    scale: torch.Tensor
+    tag: str = "mb"
+
+
+class LayerOut(TypedDict):
+    hidden_states: torch.Tensor
+    dsa_topk_ids: torch.Tensor
+    aux: list[Any]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.gate = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, micro: list[dict[str, Any]], batch: Batch, *, pair: Pair,
+                fn: float = 1.0, preserve_rng_state: str = "a kwarg of the layer") -> LayerOut:
+        total = sum(self.proj(m["x"]) * m["w"] for m in micro)
+        hidden = self.drop(torch.tanh(self.gate(batch.hidden) + total)) * batch.scale
+        hidden = hidden + pair.left * pair.right * fn
+        ids = torch.topk(hidden.detach(), 2, dim=-1).indices
+        return LayerOut(hidden_states=hidden, dsa_topk_ids=ids,
+                        aux=[None, (hidden.mean(), 3), preserve_rng_state])
+
+
+def make_inputs(width: int = 8) -> tuple[list[dict[str, Any]], Batch, Pair, list[torch.Tensor]]:
+    xs = [torch.randn(3, width, requires_grad=True) for _ in range(2)]
+    ws = [torch.randn(1, requires_grad=True), torch.randn(1)]  # one leaf needs no grad
+    hidden = torch.randn(3, width, requires_grad=True)
+    scale = torch.randn(width, requires_grad=True)
+    left = torch.randn(width, requires_grad=True)
+    right = torch.randn(3, width)
+    micro = [{"x": xs[0], "w": ws[0]}, {"x": xs[1], "w": ws[1]}]
+    leaves = [*xs, ws[0], hidden, scale, left]
+    return micro, Batch(hidden, scale), Pair(left, right), leaves
+
+
+def test_nested_keyword_and_dataclass_inputs_give_eager_gradients_and_output_types() -> None:
+    block = Block()
+    micro, batch, pair, leaves = make_inputs()
+    outputs: dict[bool, LayerOut] = {}
+
+    def step(wrapped: bool) -> None:
+        call = (lambda *a, **k: checkpoint(block, *a, **k)) if wrapped else block
+        out = call(micro, batch, pair=pair, fn=0.5, preserve_rng_state="kept")
+        (out["hidden_states"].square().sum() + out["aux"][1][0]).backward()
+        outputs[wrapped] = out
+
+    eager, ckpt = run_twice(step, [*block.parameters(), *leaves])
+    assert_same_grads(eager, ckpt)
+    plain, wrapped = outputs[False], outputs[True]
+    assert type(wrapped) is dict and list(wrapped) == list(plain)
+    assert type(wrapped["aux"]) is list and type(wrapped["aux"][1]) is tuple
+    assert wrapped["aux"][0] is None and wrapped["aux"][1][1] == 3
+    assert wrapped["aux"][2] == "kept"  # keywords named like options still reach fn
+    assert torch.equal(wrapped["dsa_topk_ids"], plain["dsa_topk_ids"])
+    assert not wrapped["dsa_topk_ids"].requires_grad
+
+
+def test_all_detached_inputs_still_give_parameter_gradients_without_warning() -> None:
+    block = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6))
+    x = torch.randn(4, 6)
+
+    def step(wrapped: bool) -> None:
+        out = checkpoint(block, x) if wrapped else block(x)
+        out.pow(2).sum().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eager, ckpt = run_twice(step, list(block.parameters()))
+    assert all(g is not None for g in ckpt)
+    assert_same_grads(eager, ckpt)
+
+
+def test_closure_over_parameters_with_detached_inputs_still_gets_gradients() -> None:
+    weight = nn.Parameter(torch.randn(5, 5))
+    x = torch.randn(2, 5)
+
+    def fn(inp: torch.Tensor) -> torch.Tensor:
+        return torch.sin(inp @ weight)
+
+    eager, ckpt = run_twice(lambda w: (checkpoint(fn, x) if w else fn(x)).sum().backward(), [weight])
+    assert_same_grads(eager, ckpt)
+
+
+def test_frozen_module_without_grad_inputs_is_not_replayed() -> None:
+    calls = collections.Counter()
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    head = nn.Linear(4, 1)
+    frozen.register_forward_pre_hook(lambda *_: calls.update(["hook"]))
+    original = frozen.forward
+
+    def counting_forward(x: torch.Tensor) -> torch.Tensor:
+        calls[current_phase().value] += 1
+        return original(x)
+
+    frozen.forward = counting_forward  # type: ignore[method-assign]
+    pytree_ckpt.apply_activation_checkpointing(frozen)
+    head(frozen(torch.randn(3, 4))).sum().backward()
+    assert calls == {"hook": 1, "plain": 1}
+    assert head.weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_and_inference_mode_run_once_and_leave_no_graph(mode: Any) -> None:
+    seen: list[tuple[str, bool]] = []
+    lin = nn.Linear(3, 3)
+
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        seen.append((current_phase().value, torch.is_grad_enabled()))
+        return {"y": lin(x)}
+
+    with mode():
+        out = checkpoint(fn, torch.randn(2, 3, requires_grad=True))
+    assert seen == [("plain", False)]
+    assert out["y"].grad_fn is None and not out["y"].requires_grad
+    assert current_phase() == "plain"
+
+
+def test_every_input_leaf_reaches_an_outer_pack_hook_once_and_nothing_inside_does() -> None:
+    block = Block()
+    micro, batch, pair, leaves = make_inputs()
+    packed: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = checkpoint(block, micro, batch, pair=pair)
+        loss = out["hidden_states"].sum()
+        forward_packs = list(packed)
+        loss.backward()  # the replay runs inside the hook's context too
+    tensor_leaves = [micro[0]["x"], micro[0]["w"], micro[1]["x"], micro[1]["w"], batch.hidden,
+                     batch.scale, pair.left, pair.right]
+    # hidden and scale appear once each even though Batch and the call both hold them
+    assert len(forward_packs) == len(tensor_leaves)
+    assert {id(t) for t in forward_packs} == {id(t) for t in tensor_leaves}
+    # `sum` saves nothing, so every pack (forward and backward) is one of the inputs
+    assert len(packed) == len(tensor_leaves)
+
+
+def test_original_pass_and_replay_see_their_phase_and_grad_mode() -> None:
+    seen: list[tuple[str, bool]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append((current_phase().value, torch.is_grad_enabled()))
+        return x.exp()
+
+    x = torch.randn(3, requires_grad=True)
+    assert current_phase() == "plain"
+    checkpoint(fn, x).sum().backward()
+    assert seen == [("forward", False), ("recompute", True)]
+    assert current_phase() == pytree_ckpt.Phase.PLAIN
+
+
+def test_dropout_masks_are_identical_in_the_replay() -> None:
+    drop = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def step(wrapped: bool) -> None:
+        out = checkpoint(drop, x) if wrapped else drop(x)
+        torch.rand(100)  # advance the RNG between forward and backward
+        out.sum().backward()
+
+    eager, ckpt = run_twice(step, [x, *drop.parameters()], seed=7)
+    assert_same_grads(eager, ckpt)
+
+
+def test_without_rng_preservation_dropout_masks_differ() -> None:
+    drop = nn.Dropout(0.5)
+    x = torch.randn(64, requires_grad=True)
+    fn = pytree_ckpt.checkpointed(lambda t: drop(t) * t, preserve_rng_state=False)
+
+    def step(wrapped: bool) -> None:
+        (fn(x) if wrapped else drop(x) * x).sum().backward()
+
+    eager, ckpt = run_twice(step, [x], seed=3)
+    assert not torch.equal(eager[0], ckpt[0])  # the replay drew another mask
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dropout_masks_are_identical_in_the_replay() -> None:
+    drop = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).cuda()
+    x = torch.randn(8, 16, device="cuda", requires_grad=True)
+
+    def step(wrapped: bool) -> None:
+        out = checkpoint(drop, x) if wrapped else drop(x)
+        torch.rand(100, device="cuda")
+        out.sum().backward()
+
+    eager, ckpt = run_twice(step, [x, *drop.parameters()], seed=7)
+    assert_same_grads(eager, ckpt)
+
+
+def test_autocast_state_of_the_original_pass_is_replayed() -> None:
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    dtypes: list[torch.dtype] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        out = lin(t)
+        dtypes.append(out.dtype)
+        return out.float().tanh()
+
+    def step(wrapped: bool) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = checkpoint(fn, x) if wrapped else fn(x)
+        out.sum().backward()  # backward (and so the replay) runs outside autocast
+
+    eager, ckpt = run_twice(step, [x, *lin.parameters()])
+    assert dtypes == [torch.bfloat16] * 3
+    assert_same_grads(eager, ckpt)
+
+
+def test_nested_boundaries_give_eager_gradients() -> None:
+    inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+    outer_lin = nn.Linear(6, 6)
+    x = torch.randn(3, 6, requires_grad=True)
+
+    def outer(t: torch.Tensor, wrapped: bool) -> torch.Tensor:
+        h = outer_lin(t)
+        h = checkpoint(inner, h) if wrapped else inner(h)
+        return h * t
+
+    def step(wrapped: bool) -> None:
+        out = checkpoint(outer, x, wrapped) if wrapped else outer(x, False)
+        out.sum().backward()
+
+    eager, ckpt = run_twice(step, [x, *inner.parameters(), *outer_lin.parameters()])
+    assert_same_grads(eager, ckpt)
+
+
+def test_backward_with_retain_graph_twice_gives_eager_gradients_twice() -> None:
+    block = nn.Sequential(nn.Linear(5, 5), nn.SiLU(), nn.Dropout(0.3))
+    x = torch.randn(2, 5, requires_grad=True)
+
+    def step(wrapped: bool) -> None:
+        loss = (checkpoint(block, x) if wrapped else block(x)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    eager, ckpt = run_twice(step, [x, *block.parameters()])
+    assert_same_grads(eager, ckpt)
+
+
+def test_replay_with_another_output_structure_names_the_difference() -> None:
+    def fn(x: torch.Tensor) -> dict[str, Any]:
+        if current_phase() == "recompute":
+            return {"hidden_states": x * 2, "extra": x}
+        return {"hidden_states": x * 2}
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError, match="different output structure") as err:
+        out["hidden_states"].sum().backward()
+    assert "extra" in str(err.value) and "tip:" in str(err.value)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_replay_with_another_leaf_shape_or_dtype_names_the_key_path(change: str) -> None:
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        ids = torch.arange(4)
+        if current_phase() == "recompute":
+            ids = ids[:3] if change == "shape" else ids.int()
+        return {"hidden_states": x * 2, "dsa_topk_ids": ids}
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError) as err:
+        out["hidden_states"].sum().backward()
+    message = str(err.value)
+    assert "output['dsa_topk_ids']" in message
+    assert "expected: Tensor(shape=(4,), dtype=torch.int64)" in message
+    assert "reuse_during_recompute" in message
+
+
+def test_autograd_grad_through_a_boundary_raises_a_clear_error() -> None:
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    loss = checkpoint(lin, x).sum()
+    with pytest.raises(CheckpointError, match="torch.autograd.grad") as err:
+        torch.autograd.grad(loss, [x])
+    assert "loss.backward()" in str(err.value)
+    loss2 = checkpoint(lin, x).sum()
+    with pytest.raises(CheckpointError):
+        loss2.backward(inputs=[x])
+
+
+def test_same_tensor_passed_twice_gets_the_summed_gradient() -> None:
+    x = torch.randn(4, requires_grad=True)
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b.sin()
+
+    eager, ckpt = run_twice(lambda w: (checkpoint(fn, x, x) if w else fn(x, x)).sum().backward(), [x])
+    assert_same_grads(eager, ckpt)
+
+
+def test_an_input_returned_unchanged_keeps_its_storage_and_gradient() -> None:
+    ids = torch.arange(6)
+    x = torch.randn(6, requires_grad=True)
+
+    def fn(h: torch.Tensor, topk: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden_states": h * 3, "dsa_topk_ids": topk, "residual": h}
+
+    out = checkpoint(fn, x, ids)
+    assert out["dsa_topk_ids"].untyped_storage().data_ptr() == ids.untyped_storage().data_ptr()
+    (out["hidden_states"].sum() + out["residual"].sum()).backward()
+    assert torch.equal(x.grad, torch.full((6,), 4.0))

@@ -1,0 +1,254 @@
+"""Frozen-result replay: reuse_during_recompute and its per-invocation FIFO frames."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pytree_ckpt import ReuseError, checkpoint, current_phase, reuse_during_recompute
+
+
+class CountingTopk:
+    """A frozen computation whose calls are counted per phase."""
+
+    def __init__(self, k: int = 2) -> None:
+        self.k = k
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.results: list[torch.Tensor] = []
+        self.seen: list[torch.Tensor] = []  # ids each pass received (the object is a leaf)
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        self.calls[current_phase().value] += 1
+        ids = torch.topk(scores.detach(), self.k, dim=-1).indices
+        self.results.append(ids)
+        return ids
+
+
+def gathered(x: torch.Tensor, topk: CountingTopk) -> torch.Tensor:
+    ids = reuse_during_recompute(topk, x)
+    topk.seen.append(ids)
+    return torch.gather(x, -1, ids).exp().sum() * x
+
+
+def test_outside_a_boundary_the_function_is_just_called() -> None:
+    topk = CountingTopk()
+    ids = reuse_during_recompute(topk, torch.randn(3, 5))
+    assert topk.calls == {"plain": 1} and ids is topk.results[0]
+
+
+def test_the_replay_returns_the_recorded_result_without_calling() -> None:
+    topk = CountingTopk()
+    seen = topk.seen
+    x = torch.randn(3, 5, requires_grad=True)
+    checkpoint(gathered, x, topk).sum().backward()
+    assert topk.calls == {"forward": 1}
+    assert len(seen) == 2 and seen[1] is seen[0]  # the very object recorded
+
+
+def test_results_are_fifo_per_callable() -> None:
+    first, second = CountingTopk(1), CountingTopk(2)
+    order: list[tuple[str, int]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = x
+        for step in range(3):
+            ids_a = reuse_during_recompute(first, out + step)
+            ids_b = reuse_during_recompute(second, out - step)
+            order.append((current_phase().value, int(ids_a.sum() + ids_b.sum())))
+            out = out * 1.5 + torch.gather(out, -1, ids_a).sum()
+        return out
+
+    x = torch.randn(2, 6, requires_grad=True)
+    checkpoint(fn, x).sum().backward()
+    assert first.calls == {"forward": 3} and second.calls == {"forward": 3}
+    forward = [v for p, v in order if p == "forward"]
+    assert [v for p, v in order if p == "recompute"] == forward
+
+
+def test_two_invocations_of_one_boundary_never_mix_their_frames() -> None:
+    topk = CountingTopk()
+    seen = topk.seen
+    layer = nn.Linear(5, 5)
+
+    def depth(h: torch.Tensor) -> torch.Tensor:  # a shared-weight layer applied twice
+        return gathered(layer(h), topk)
+
+    x = torch.randn(3, 5, requires_grad=True)
+    out = checkpoint(depth, checkpoint(depth, x))
+    out.sum().backward()
+    assert topk.calls == {"forward": 2}
+    forward_ids, replay_ids = seen[:2], seen[2:]
+    assert not torch.equal(forward_ids[0], forward_ids[1])
+    # backward replays the second invocation first, each from its own frame
+    assert replay_ids[0] is forward_ids[1] and replay_ids[1] is forward_ids[0]
+
+
+def test_micro_batches_each_call_once_and_accumulate_eager_gradients() -> None:
+    topk = CountingTopk()
+    layer = nn.Linear(5, 5)
+    batches = [torch.randn(3, 5) for _ in range(2)]
+
+    def run(wrapped: bool) -> list[torch.Tensor]:
+        for b in batches:
+            fn = (lambda h: gathered(layer(h), topk)) if not wrapped else (
+                lambda h: checkpoint(gathered, layer(h), topk))
+            fn(b).sum().backward()
+        grads = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        return grads
+
+    eager = run(False)
+    topk.calls.clear()
+    assert all(torch.equal(a, b) for a, b in zip(eager, run(True)))
+    assert topk.calls == {"forward": 2}
+
+
+def test_replay_asking_for_more_results_names_the_callable_and_both_counts() -> None:
+    topk = CountingTopk()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        reuse_during_recompute(topk, x)
+        if current_phase() == "recompute":
+            reuse_during_recompute(topk, x)
+        return x * 2
+
+    out = checkpoint(fn, torch.randn(4, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"result #2 of CountingTopk.* recorded 1") as err:
+        out.sum().backward()
+    assert "tip:" in str(err.value)
+
+
+def test_replay_leaving_results_unused_names_the_callable_and_both_counts() -> None:
+    def frozen_ids(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().argsort()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        reuse_during_recompute(frozen_ids, x)
+        if current_phase() == "forward":
+            reuse_during_recompute(frozen_ids, x)
+        return x * 2
+
+    out = checkpoint(fn, torch.randn(4, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"consumed 1 of the 2 results recorded for .*frozen_ids"):
+        out.sum().backward()
+
+
+def test_a_result_that_requires_grad_is_refused_with_its_key_path() -> None:
+    def differentiable(x: torch.Tensor) -> dict[str, Any]:
+        with torch.enable_grad():  # the original pass runs under no-grad; this opts out
+            return {"ids": x.detach().argsort(), "weights": [x * 2]}
+
+    with pytest.raises(ReuseError, match=r"result\['weights'\]\[0\] that requires grad") as err:
+        checkpoint(lambda x: reuse_during_recompute(differentiable, x)["ids"] * 1.0 + x,
+                   torch.randn(3, requires_grad=True))
+    assert "save unit" in str(err.value)
+
+
+def test_threads_never_see_each_others_frames() -> None:
+    topk = CountingTopk()
+    inside = threading.Event()
+    release = threading.Event()
+    other_thread: list[str] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        reuse_during_recompute(topk, x)
+        if current_phase() == "forward":
+            inside.set()
+            assert release.wait(10)
+        return x * 3
+
+    def other() -> None:
+        assert inside.wait(10)
+        other_thread.append(current_phase().value)
+        reuse_during_recompute(topk, torch.randn(4))  # plain call, recorded nowhere
+        release.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    out = checkpoint(fn, torch.randn(4, requires_grad=True))
+    worker.join(10)
+    out.sum().backward()  # exactly one result recorded: the replay consumes it without error
+    assert other_thread == ["plain"]
+    assert topk.calls == {"forward": 1, "plain": 1}
+
+
+def test_nested_boundaries_call_the_function_once_and_replay_it_at_every_depth() -> None:
+    topk = CountingTopk()
+    seen = topk.seen
+    lin = nn.Linear(5, 5)
+
+    def inner(h: torch.Tensor) -> torch.Tensor:
+        return gathered(h, topk)
+
+    def outer(x: torch.Tensor, wrapped: bool) -> torch.Tensor:
+        h = lin(x)
+        return (checkpoint(inner, h) if wrapped else inner(h)) + x
+
+    x = torch.randn(3, 5, requires_grad=True)
+    outer(x, False).sum().backward()
+    eager = [x.grad.clone(), *(p.grad.clone() for p in lin.parameters())]
+    x.grad = None
+    lin.zero_grad(set_to_none=True)
+    topk.calls.clear()
+    seen.clear()
+    checkpoint(outer, x, True).sum().backward()
+    assert topk.calls == {"forward": 1}
+    # outer forward (inner runs plainly, no grad), inner original pass in the outer replay,
+    # inner replay: all three see the one recorded result
+    assert len(seen) == 3 and all(ids is seen[0] for ids in seen)
+    got = [x.grad, *(p.grad for p in lin.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(eager, got))
+
+
+def test_a_grad_enabled_nested_boundary_records_for_both_replays() -> None:
+    topk = CountingTopk()
+    seen = topk.seen
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():  # the inner boundary is real even in the outer's forward
+            return checkpoint(lambda h: gathered(h, topk), x * 2)
+
+    x = torch.randn(3, 5, requires_grad=True)
+    checkpoint(outer, x).sum().backward()
+    assert topk.calls == {"forward": 1}
+    assert all(ids is seen[0] for ids in seen) and len(seen) >= 3
+
+
+def test_retain_graph_replays_the_frame_twice() -> None:
+    topk = CountingTopk()
+    x = torch.randn(3, 5, requires_grad=True)
+    loss = checkpoint(gathered, x, topk).sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    assert topk.calls == {"forward": 1}
+    assert torch.equal(x.grad, first * 2)
+
+
+def test_frames_are_released_after_backward_and_with_an_unused_graph_over_100_steps() -> None:
+    topk = CountingTopk()
+    lin = nn.Linear(5, 5)
+    alive: list[weakref.ref[torch.Tensor]] = []
+    for step in range(100):
+        x = torch.randn(3, 5)
+        loss = checkpoint(gathered, lin(x), topk).sum()
+        alive.append(weakref.ref(topk.results.pop()))
+        topk.seen.clear()
+        if step % 2 == 0:
+            loss.backward()
+            topk.seen.clear()
+            # still holding `loss`: the frame went with the backward, not with the graph
+            assert alive[-1]() is None
+        else:
+            del loss  # a forward whose backward never runs
+            assert alive[-1]() is None
+    gc.collect()
+    assert not any(ref() is not None for ref in alive)
+    assert topk.calls == {"forward": 100}

@@ -1,0 +1,173 @@
+"""Wrapping modules in place: names, state dicts, hooks, idempotence, removal, layer ratio."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import (CheckpointConfigError, apply_activation_checkpointing, checkpoint_layers,
+                         current_phase, is_checkpointed, remove_activation_checkpointing)
+from tests.conftest import assert_same_grads, run_twice
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.phases: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.phases.append(current_phase().value)
+        return x + self.mlp(self.attn(x) * self.scale)
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def names(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
+    return ([n for n, _ in model.named_parameters()], [n for n, _ in model.named_modules()],
+            list(model.state_dict()))
+
+
+def test_wrapping_keeps_names_state_dict_keys_class_and_attributes() -> None:
+    model = Stack()
+    before = names(model)
+    state = copy.deepcopy(model.state_dict())
+    layer0 = model.layers[0]
+    apply_activation_checkpointing(layer0)
+    assert names(model) == before
+    assert not any("_checkpoint_wrapped_module" in n for n in sum(names(model), []))
+    assert type(layer0) is Layer and isinstance(layer0, Layer) and layer0.attn.out_features == 8
+    model.load_state_dict(state)  # round trip with the wrapped layer
+    assert all(torch.equal(a, b) for a, b in zip(state.values(), model.state_dict().values()))
+    remove_activation_checkpointing(layer0)
+    assert names(model) == before and not is_checkpointed(layer0)
+    assert "forward" not in layer0.__dict__
+
+
+def test_wrapped_stack_gives_eager_gradients_and_replays_each_layer_once() -> None:
+    model = Stack()
+    x = torch.randn(3, 8, requires_grad=True)
+    twin = copy.deepcopy(model)
+    for layer in twin.layers:
+        apply_activation_checkpointing(layer)
+    params = list(model.parameters())
+    twin_params = list(twin.parameters())
+    model(x).square().sum().backward()
+    eager = [p.grad for p in params] + [x.grad.clone()]
+    x.grad = None
+    twin(x).square().sum().backward()
+    assert_same_grads(eager, [p.grad for p in twin_params] + [x.grad])
+    assert [layer.phases for layer in twin.layers] == [["forward", "recompute"]] * 4
+
+
+def test_applying_twice_is_a_no_op_and_other_options_are_refused() -> None:
+    layer = Layer()
+    assert apply_activation_checkpointing(layer) is layer
+    installed = layer.__dict__["forward"]
+    apply_activation_checkpointing(layer)
+    assert layer.__dict__["forward"] is installed
+    layer(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert layer.phases == ["forward", "recompute"]  # one boundary, not two nested ones
+    with pytest.raises(CheckpointConfigError, match="already checkpointed"):
+        apply_activation_checkpointing(layer, preserve_rng_state=False)
+
+
+def test_forward_hooks_run_once_outside_the_replay() -> None:
+    layer = apply_activation_checkpointing(Layer())
+    seen: list[tuple[str, str]] = []
+    layer.register_forward_pre_hook(lambda *_: seen.append(("pre", current_phase().value)))
+    layer.register_forward_hook(lambda *_: seen.append(("post", current_phase().value)))
+    layer(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert seen == [("pre", "plain"), ("post", "plain")]
+    assert layer.phases == ["forward", "recompute"]
+
+
+def test_wrapping_creates_no_reference_cycle() -> None:
+    layer = apply_activation_checkpointing(Layer())
+    ref = weakref.ref(layer)
+    gc.disable()
+    try:
+        del layer
+        assert ref() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
+def test_deepcopy_and_pickle_of_a_wrapped_module_run_their_own_weights() -> None:
+    layer = apply_activation_checkpointing(Layer())
+    x = torch.randn(2, 8, requires_grad=True)
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert is_checkpointed(twin)
+        with torch.no_grad():
+            twin.attn.weight.zero_()
+        twin.phases.clear()
+        twin(x).sum().backward()
+        assert twin.phases == ["forward", "recompute"] and twin.attn.weight.grad is not None
+        assert layer.attn.weight.grad is None and not torch.equal(layer(x), twin(x))
+
+
+def test_an_instance_level_forward_is_wrapped_and_restored() -> None:
+    layer = Layer()
+    custom = lambda x: layer.attn(x) * 2  # noqa: E731
+    layer.forward = custom  # type: ignore[method-assign]
+    apply_activation_checkpointing(layer)
+    x = torch.randn(2, 8, requires_grad=True)
+    eager, ckpt = run_twice(lambda w: (layer(x) if w else custom(x)).sum().backward(),
+                            [x, *layer.attn.parameters()])
+    assert_same_grads(eager, ckpt)
+    remove_activation_checkpointing(layer)
+    assert layer.forward is custom
+
+
+@pytest.mark.parametrize(("ratio", "expected"), [(0, []), (0.5, [0, 1]), (1.0, [0, 1, 2, 3]),
+                                                 (0.3, [0])])
+def test_layer_ratio_checkpoints_the_first_int_n_times_ratio_layers(ratio: float,
+                                                                     expected: list[int]) -> None:
+    model = Stack()
+    assert checkpoint_layers(model.layers, ratio=ratio) == expected
+    assert [is_checkpointed(layer) for layer in model.layers] == [i in expected for i in range(4)]
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan"), True, "1", None])
+def test_layer_ratio_outside_zero_to_one_is_refused_with_a_tip(ratio: object) -> None:
+    with pytest.raises(CheckpointConfigError, match=r"ratio must be a number in \[0, 1\]") as err:
+        checkpoint_layers(Stack().layers, ratio=ratio)  # type: ignore[arg-type]
+    assert isinstance(err.value, ValueError) and "tip:" in str(err.value)
+
+
+def test_wrapping_something_else_than_a_module_is_refused() -> None:
+    with pytest.raises(CheckpointConfigError, match="expects an nn.Module"):
+        apply_activation_checkpointing(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_lean_import_touches_no_cuda_and_imports_no_optional_package() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, warnings; warnings.simplefilter('error');"
+            "import pytree_ckpt, offload, torch;"
+            "bad = [m for m in ('flash_attn', 'tilelang', 'matplotlib', 'hypothesis') if m in sys.modules];"
+            "assert not bad, bad; assert not torch.cuda.is_initialized();"
+            "print(sorted(pytree_ckpt.__all__) == pytree_ckpt.__all__)")
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "True" and out.stderr == ""
+    assert pytree_ckpt.__version__

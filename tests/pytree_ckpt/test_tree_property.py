@@ -1,0 +1,122 @@
+"""Property test: random input and output PyTrees give eager gradients through the boundary."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import optree
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pytree_ckpt import checkpoint
+from pytree_ckpt.tree import flatten
+from tests.conftest import assert_same_grads
+
+Point = collections.namedtuple("Point", "a b")
+
+
+@dataclasses.dataclass
+class Box:
+    first: Any
+    second: Any
+
+
+def tensor_leaf() -> st.SearchStrategy[Any]:
+    floating = st.tuples(st.sampled_from([torch.float32, torch.float64]), st.booleans(),
+                         st.integers(1, 3)).map(
+        lambda spec: torch.randn(spec[2], dtype=spec[0]).requires_grad_(spec[1]))
+    integer = st.integers(1, 4).map(lambda n: torch.arange(n, dtype=torch.int64))
+    return st.one_of(floating, integer)
+
+
+leaves = st.one_of(tensor_leaf(), st.integers(-3, 3), st.text(max_size=3), st.none(),
+                   st.sampled_from([torch.bfloat16, "cfg"]))
+trees = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.sampled_from("abcd"), children, max_size=3),
+        st.tuples(children, children).map(lambda ab: Point(*ab)),
+        st.tuples(children, children).map(lambda ab: Box(*ab)),
+    ),
+    max_leaves=8,
+)
+# The tree bridge opens dataclasses (registering them on first sight); the test flattens with
+# it too, so eager and checkpointed runs see the same leaves.
+# An output skeleton: each slot says what the function puts there.
+slots = st.sampled_from(["mix", "passthrough", "ids", "object", "none"])
+out_skeletons = st.recursive(
+    slots,
+    lambda children: st.one_of(
+        st.lists(children, min_size=1, max_size=3),
+        st.dictionaries(st.sampled_from(["hidden_states", "dsa_topk_ids", "aux"]), children,
+                        min_size=1, max_size=3),
+        st.tuples(children, children).map(lambda ab: Point(*ab)),
+        st.tuples(children, children).map(lambda ab: Box(*ab)),
+    ),
+    max_leaves=6,
+)
+
+
+def make_fn(skeleton: Any, weight: torch.Tensor) -> Any:
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        floats = [t for t in flatten((args, kwargs)).leaves
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        mixed = weight.sin()
+        for i, t in enumerate(floats):
+            mixed = mixed + (t.double().square().sum() * (i + 1)).to(mixed.dtype)
+        counter = iter(range(100))
+
+        def fill(slot: str) -> Any:
+            k = next(counter)
+            if slot == "mix":
+                return mixed * (k + 1) + weight.cos()
+            if slot == "passthrough":
+                return floats[k % len(floats)] * 2 if floats else weight * 2
+            if slot == "ids":
+                return torch.arange(k + 1)
+            return None if slot == "none" else ("obj", k)
+
+        flat = flatten(skeleton)
+        return optree.tree_unflatten(flat.spec, [fill(slot) for slot in flat.leaves])
+
+    return fn
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64)
+    for leaf in flatten(out).leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            total = total + leaf.double().sum()
+    return total
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(args=st.lists(trees, max_size=3), kwargs=st.dictionaries(st.sampled_from(["x", "y", "fn"]),
+                                                              trees, max_size=2),
+       skeleton=out_skeletons)
+def test_random_pytrees_give_eager_gradients_and_the_same_structure(args: list[Any],
+                                                                    kwargs: dict[str, Any],
+                                                                    skeleton: Any) -> None:
+    weight = torch.randn(3, requires_grad=True)
+    fn = make_fn(skeleton, weight)
+    grad_leaves = [weight] + [t for t in flatten((args, kwargs)).leaves
+                              if isinstance(t, torch.Tensor) and t.requires_grad]
+    eager_out = fn(*args, **kwargs)
+    eager_loss = loss_of(eager_out)
+    if eager_loss.requires_grad:
+        eager_loss.backward()
+    eager = [None if t.grad is None else t.grad.clone() for t in grad_leaves]
+    for t in grad_leaves:
+        t.grad = None
+    out = checkpoint(fn, *args, **kwargs)
+    assert flatten(out).spec == flatten(eager_out).spec
+    loss = loss_of(out)
+    assert torch.equal(loss.detach(), eager_loss.detach())
+    if loss.requires_grad:
+        loss.backward()
+    assert_same_grads(eager, [t.grad for t in grad_leaves])
