@@ -4,6 +4,7 @@ Importing this package touches no accelerator and imports no optional dependency
 """
 
 from .boundary import BoundaryOptions, checkpoint, checkpointed
+from .census import ActivationCensus, Mechanism
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError
 from .frames import reuse_during_recompute
 from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
@@ -11,9 +12,11 @@ from .module import (apply_activation_checkpointing, checkpoint_layers, is_check
 from .phase import Phase, current_phase
 
 __all__ = [
+    "ActivationCensus",
     "BoundaryOptions",
     "CheckpointConfigError",
     "CheckpointError",
+    "Mechanism",
     "Phase",
     "ReplayMismatchError",
     "ReuseError",

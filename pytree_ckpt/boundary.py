@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
 from .frames import Frame
 from .phase import ACTIVE, Invocation, Phase
@@ -169,7 +170,8 @@ def _fn_name(fn: Callable[..., Any]) -> str:
 
 def _release_frame_if_freed(ctx: Any, frame: Frame) -> None:
     # NOTE [frame lifetime]: runs once the graph task finished; autograd has then released the
-    # node's saved tensors unless retain_graph was set, and the frame goes with them.
+    # node's saved tensors unless retain_graph was set, and the frame goes with them. (The census
+    # reads frame.released as "this invocation no longer holds its inputs".)
     try:
         ctx._raw_saved_tensors
     except RuntimeError:
@@ -201,6 +203,9 @@ class _BoundaryFunction(torch.autograd.Function):
         frozen = [t for t in out_tensors if not (t.is_floating_point() or t.is_complex())]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
+        if census_active():
+            report_held(tensors, Mechanism.BOUNDARY, holder=call.frame)
+            report_held(call.frame.tensors(), Mechanism.REPLAY_FRAME, holder=call.frame)
         ctx.save_for_backward(*tensors)
         return out_tensors
 

@@ -50,11 +50,12 @@ def callable_name(fn: Callable[..., Any], /) -> str:
 class Frame:
     """The recorded frozen results of one boundary invocation."""
 
-    __slots__ = ("results", "cursors")
+    __slots__ = ("results", "cursors", "released", "__weakref__")
 
     def __init__(self) -> None:
         self.results: dict[Callable[..., Any], list[Any]] = {}
         self.cursors: dict[Callable[..., Any], int] = {}
+        self.released = False  # set once cleared after its last replay (read by the census)
 
     def record(self, fn: Callable[..., Any], result: Any) -> None:
         self.results.setdefault(fn, []).append(result)
@@ -98,6 +99,7 @@ class Frame:
     def clear(self) -> None:
         self.results.clear()
         self.cursors.clear()
+        self.released = True
 
 
 def _check_frozen(fn: Callable[..., Any], result: Any) -> None:
@@ -110,8 +112,8 @@ def _check_frozen(fn: Callable[..., Any], result: Any) -> None:
                 "grad; only frozen results may be replayed",
                 expected="tensor leaves with requires_grad=False",
                 got=f"{path}.requires_grad=True",
-                tip="compute it under torch.no_grad() or .detach() it; a differentiable result "
-                    "that should stay resident belongs in a save unit")
+                tip="compute it under torch.no_grad() or .detach() it; differentiable work "
+                    "must be recomputed in the replay, not replayed")
 
 
 def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

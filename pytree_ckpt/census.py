@@ -1,0 +1,249 @@
+"""The activation census: what is held for backward, by which module, through which mechanism.
+
+NOTE [how the census sees tensors]: two sources, merged per storage.
+
+1. Its own saved-tensor pack hook, installed for the ``with`` block. It *chains* to the hooks
+   that were active when the census was entered (so a user's or an outer offload hook still
+   runs), and records every tensor ordinary autograd saves while it is the innermost hook.
+2. Explicit reports from the library's mechanisms (``report_held``), through a ``ContextVar``
+   holding the active census: the checkpoint boundary reports the inputs it saves, replay frames
+   the results they hold, and later mechanisms (offload, save units, output discard) what they
+   hold or moved. Hooks pushed *inside* the census (an offload window) shadow its pack hook,
+   which is why mechanisms report explicitly; a report wins over the generic record.
+
+Each storage is counted once, with its whole size (a saved view keeps its whole storage alive),
+for as long as it is held: by the graph (the census's pack hook hands autograd a small handle
+and watches it) or by the reporting mechanism (the tensor itself is watched). The census holds
+weak references only, so it never changes what is freed, and reading it after backward shows
+what is still held. Parameters and
+buffers are not activations and are left out. A mechanism that means to release a storage (a
+frame after its replay) gives a ``holder`` whose ``released`` turns true; a storage still alive
+after its holder released it is *flagged*: something else keeps it.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["ActivationCensus", "Mechanism", "census_active", "report_held"]
+
+
+class Mechanism(str, enum.Enum):
+    """Why a storage is held for backward."""
+
+    BOUNDARY = "checkpoint boundary"    # inputs saved by a checkpoint boundary
+    REPLAY_FRAME = "replay frame"       # frozen results held for a replay
+    AUTOGRAD = "autograd"               # saved by ordinary autograd outside any boundary
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Mechanisms whose release is meant to free the storage.
+_FREEING = frozenset({Mechanism.REPLAY_FRAME})
+
+
+class Holder(Protocol):
+    """What a mechanism gives so the census can tell whether it let go."""
+
+    @property
+    def released(self) -> bool: ...
+
+
+class _Packed:
+    """What the census's pack hook hands autograd: alive exactly as long as the graph holds it."""
+
+    __slots__ = ("inner", "__weakref__")
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+
+def _holds(keeper: weakref.ref[Any]) -> bool:
+    obj = keeper()
+    return obj is not None and not getattr(obj, "released", False)
+
+
+@dataclass
+class _Entry:
+    tensor: weakref.ref[torch.Tensor]  # is the storage still alive at all?
+    keepers: list[weakref.ref[Any]]    # the graph's handles and the mechanisms' holders
+    nbytes: int
+    device: str
+    module: str
+    mechanism: Mechanism
+
+    def held(self) -> bool:
+        return any(_holds(keeper) for keeper in self.keepers)
+
+    def flagged(self) -> bool:
+        # A mechanism that frees memory let go, yet the storage lives on: something else keeps
+        # it. (A boundary letting go of its inputs frees nothing by itself: never flagged.)
+        return (self.mechanism in _FREEING and not self.held() and self.tensor() is not None)
+
+
+_ACTIVE: ContextVar[ActivationCensus | None] = ContextVar("pytree_ckpt_census", default=None)
+
+
+def census_active() -> bool:
+    """Whether a census is recording here (lets mechanisms skip building their reports)."""
+    return _ACTIVE.get() is not None
+
+
+def report_held(tensors: Iterable[torch.Tensor], mechanism: Mechanism, /, *,
+                holder: Holder) -> None:
+    """Tell the active census (if any) that ``mechanism`` holds ``tensors`` through ``holder``.
+
+    The census treats them as held while ``holder`` is alive and not ``holder.released``.
+    """
+    census = _ACTIVE.get()
+    if census is not None:
+        for tensor in tensors:
+            census._note(tensor, mechanism, holder)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+class ActivationCensus:
+    """Count the activations a forward pass leaves held for backward.
+
+    ``with ActivationCensus(model) as census: loss = model(batch)``; then ``census.total_bytes``,
+    ``census.report()`` (a table) or ``census.to_dict()``. ``model`` (optional) gives module
+    paths and the parameters and buffers to leave out.
+    """
+
+    def __init__(self, model: nn.Module | None = None, /) -> None:
+        self._model = model
+        self._entries: dict[tuple[str, int], _Entry] = {}
+        self._excluded: set[tuple[str, int]] = set()
+        self._stack: list[str] = []
+        self._handles: list[Any] = []
+        self._hooks: Any = None
+        self._token: Any = None
+
+    # -- recording ---------------------------------------------------------------------------
+    def __enter__(self) -> ActivationCensus:
+        if self._token is not None:
+            raise RuntimeError("an ActivationCensus cannot be entered twice")
+        if self._model is not None:
+            for tensor in (*self._model.parameters(), *self._model.buffers()):
+                self._excluded.add(_storage_key(tensor))
+            for path, module in self._model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._push(path)))
+                self._handles.append(module.register_forward_hook(self._pop, always_call=True))
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            # NOTE: holding the tensor itself would tie a saved *output* to its own grad_fn (a
+            # reference cycle that outlives `del loss`); a detached alias holds only the data.
+            packed = _Packed(outer_pack(tensor) if outer_pack is not None else tensor.detach())
+            self._note(tensor, Mechanism.AUTOGRAD, packed)
+            return packed
+
+        def unpack(packed: _Packed) -> torch.Tensor:
+            return outer_unpack(packed.inner) if outer_unpack is not None else packed.inner
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        self._hooks.__enter__()
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.reset(self._token)
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def _push(self, path: str) -> Any:
+        def hook(*_: Any) -> None:
+            self._stack.append(path or "<root>")
+        return hook
+
+    def _pop(self, *_: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def _note(self, tensor: torch.Tensor, mechanism: Mechanism, keeper: Any) -> None:
+        if isinstance(tensor, nn.Parameter) or tensor.untyped_storage().nbytes() == 0:
+            return
+        key = _storage_key(tensor)
+        if key in self._excluded:
+            return
+        # A storage is held while one of its keepers is: the graph's handle of a saved tensor
+        # (alive while the graph holds it), or a mechanism's holder until it is released.
+        known = self._entries.get(key)
+        if known is not None and (known.held() or known.tensor() is not None):
+            known.keepers.append(weakref.ref(keeper))
+            if mechanism is not Mechanism.AUTOGRAD:  # a mechanism's report is more specific
+                known.mechanism = mechanism
+            return
+        module = self._stack[-1] if self._stack else "<outside any module>"
+        self._entries[key] = _Entry(weakref.ref(tensor), [weakref.ref(keeper)],
+                                    tensor.untyped_storage().nbytes(), str(tensor.device),
+                                    module, mechanism)
+
+    # -- reading -----------------------------------------------------------------------------
+    def _alive(self) -> list[_Entry]:
+        return [e for e in self._entries.values() if e.held()]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the distinct activation storages still held."""
+        return sum(e.nbytes for e in self._alive())
+
+    def bytes_by(self, what: str, /) -> dict[str, int]:
+        """Bytes grouped by ``"device"``, ``"module"`` or ``"mechanism"``."""
+        if what not in ("device", "module", "mechanism"):
+            raise ValueError(f"bytes_by takes 'device', 'module' or 'mechanism', not {what!r}")
+        grouped: dict[str, int] = defaultdict(int)
+        for entry in self._alive():
+            grouped[str(getattr(entry, what))] += entry.nbytes
+        return dict(grouped)
+
+    def flagged(self) -> list[dict[str, Any]]:
+        """Storages a mechanism released that something else still keeps alive."""
+        return [{"module": e.module, "mechanism": str(e.mechanism), "bytes": e.nbytes,
+                 "device": e.device}
+                for e in self._entries.values() if e.flagged()]
+
+    def to_dict(self) -> dict[str, Any]:
+        rows: dict[tuple[str, str, str], int] = defaultdict(int)
+        for e in self._alive():
+            rows[(e.module, str(e.mechanism), e.device)] += e.nbytes
+        return {
+            "total_bytes": self.total_bytes,
+            "by_device": self.bytes_by("device"),
+            "by_mechanism": self.bytes_by("mechanism"),
+            "rows": [{"module": m, "mechanism": k, "device": d, "bytes": b}
+                     for (m, k, d), b in sorted(rows.items())],
+            "flagged": self.flagged(),
+        }
+
+    def report(self) -> str:
+        """A readable table: one row per module, mechanism and device."""
+        data = self.to_dict()
+        lines = [f"{'module':<32} {'mechanism':<20} {'device':<8} {'bytes':>14}",
+                 "-" * 77]
+        lines += [f"{r['module']:<32.32} {r['mechanism']:<20} {r['device']:<8} {r['bytes']:>14,}"
+                  for r in data["rows"]]
+        lines.append("-" * 77)
+        for device, nbytes in sorted(data["by_device"].items()):
+            lines.append(f"{'total':<32} {'':<20} {device:<8} {nbytes:>14,}")
+        for flag in data["flagged"]:
+            lines.append(f"FLAGGED: {flag['bytes']:,} bytes released by {flag['mechanism']} in "
+                         f"{flag['module']} are still alive (something else references them)")
+        return "\n".join(lines)

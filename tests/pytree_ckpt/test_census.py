@@ -1,0 +1,135 @@
+"""The activation census counts distinct saved storages, by module and mechanism, in bytes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pytree_ckpt import (ActivationCensus, apply_activation_checkpointing, checkpoint,
+                         reuse_during_recompute)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3), nn.Sigmoid())
+
+
+def test_without_boundaries_the_total_is_the_distinct_storages_autograd_saved() -> None:
+    model = mlp()
+    x = torch.randn(5, 6)
+    packed: dict[int, torch.Tensor] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # the test's own, outer hook
+        if t.untyped_storage().data_ptr() not in params:
+            packed[t.untyped_storage().data_ptr()] = t.detach()
+        return t.detach()  # (returning t itself would tie a saved output to its own graph)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with ActivationCensus(model) as census:
+            out = model(x)
+    assert packed, "the census must chain to the outer hook"
+    assert census.total_bytes == sum(nbytes(t) for t in packed.values())
+    hidden = torch.relu(model[0](x))
+    # Linear 0 saves its input; ReLU saves its output, which Linear 2 saves again (counted
+    # once, under the first module); Sigmoid saves its output.
+    assert census.bytes_by("module") == {"0": nbytes(x), "1": nbytes(hidden),
+                                         "3": nbytes(out)}
+    assert census.bytes_by("mechanism") == {"autograd": census.total_bytes}
+    assert census.bytes_by("device") == {"cpu": census.total_bytes}
+    del out
+    assert census.total_bytes == 0  # the graph is gone: nothing is held for backward any more
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.topk_calls = 0
+
+    def topk(self, h: torch.Tensor) -> torch.Tensor:
+        self.topk_calls += 1
+        return torch.topk(h.detach(), 3, dim=-1).indices
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if ids is None:
+            ids = reuse_during_recompute(self.topk, h)
+        out = torch.tanh(self.proj(h)) + torch.gather(h, -1, ids).sum(-1, keepdim=True)
+        return {"hidden_states": out, "dsa_topk_ids": ids}
+
+
+def test_with_every_layer_checkpointed_the_census_shows_exactly_the_layer_inputs() -> None:
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    for layer in layers:
+        apply_activation_checkpointing(layer)
+    x = torch.randn(5, 8, requires_grad=True)
+    with ActivationCensus(layers) as census:
+        h, ids, inputs = x, None, []
+        for i, layer in enumerate(layers):
+            inputs.append(h)
+            out = layer(h, ids if i % 2 else None)  # odd layers consume the ids
+            h, ids = out["hidden_states"], out["dsa_topk_ids"]
+            if i % 2 == 0:
+                inputs.append(ids)
+        loss = h.sum()
+    # hidden states in: 4 x (5 x 8 fp32); ids consumers receive: 2 x (5 x 3 int64)
+    expected = 4 * 5 * 8 * 4 + 2 * 5 * 3 * 8
+    assert sum(nbytes(t) for t in inputs) == expected
+    by_mechanism = census.bytes_by("mechanism")
+    assert by_mechanism["checkpoint boundary"] == expected
+    # a computing layer's frame holds the ids it recorded: the storage consumers receive, so
+    # counted once, under the first module that held it and the boundary that saves it
+    hidden, ids_bytes = 5 * 8 * 4, 5 * 3 * 8
+    assert census.bytes_by("module") == {"0": hidden + ids_bytes, "1": hidden,
+                                         "2": hidden + ids_bytes, "3": hidden}
+    del inputs, out, h, ids
+    loss.backward()
+    assert census.total_bytes == 0
+
+
+def test_replay_frame_bytes_appear_under_their_mechanism_and_go_after_backward() -> None:
+    layer = Layer()
+    x = torch.randn(5, 8, requires_grad=True)
+    with ActivationCensus(layer) as census:
+        out = checkpoint(lambda h: layer(h)["hidden_states"], x)
+    frame_bytes = 5 * 3 * 8
+    assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(x),
+                                            "replay frame": frame_bytes}
+    assert census.flagged() == []
+    out.sum().backward()
+    assert census.bytes_by("mechanism") == {}  # x lives on (the test holds it), but not for us
+    assert layer.topk_calls == 1
+
+
+def test_a_storage_kept_alive_after_its_frame_released_it_is_flagged() -> None:
+    kept: list[torch.Tensor] = []
+    layer = Layer()
+
+    def keep_topk(h: torch.Tensor) -> torch.Tensor:
+        ids = layer.topk(h)
+        kept.append(ids)  # the test holds the frozen result beyond the frame's life
+        return ids
+
+    with ActivationCensus() as census:
+        out = checkpoint(lambda h: torch.gather(h, -1, reuse_during_recompute(keep_topk, h)),
+                         torch.randn(5, 8, requires_grad=True))
+    out.sum().backward()
+    assert census.flagged() == [{"module": "<outside any module>", "mechanism": "replay frame",
+                                 "bytes": nbytes(kept[0]), "device": "cpu"}]
+    assert "FLAGGED" in census.report()
+    kept.clear()
+    assert census.flagged() == []
+
+
+def test_report_and_to_dict_agree_with_the_totals() -> None:
+    model = mlp()
+    with ActivationCensus(model) as census:
+        out = model(torch.randn(3, 6))
+    data = census.to_dict()
+    assert data["total_bytes"] == census.total_bytes == sum(r["bytes"] for r in data["rows"])
+    report = census.report()
+    assert f"{census.total_bytes:,}" in report and "autograd" in report
+    del out
