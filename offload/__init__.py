@@ -1,6 +1,9 @@
-"""pytree-ckpt's activation offload (pinned-memory windows over saved storages).
+"""pytree-ckpt's activation offload: storage windows copied once to pooled host memory.
 
-The manager lands with its own issue; importing this package is cheap and touches no device.
+Importing this package touches no device. See docs/offload.md.
 """
 
-__all__: list[str] = []
+from .manager import OffloadConfig, OffloadManager, Window, default_manager, env_flag
+from .pool import HostPool, size_class
+
+__all__ = ["HostPool", "OffloadConfig", "OffloadManager", "Window", "default_manager", "env_flag", "size_class"]

@@ -41,6 +41,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from offload import OffloadManager
+
 from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
 from .frames import Frame
@@ -56,9 +58,14 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class BoundaryOptions:
-    """Options of a boundary; they never travel as keywords of ``fn``."""
+    """Options of a boundary; they never travel as keywords of ``fn``.
+
+    ``offload``: a manager that opens a window over the boundary's input tensor leaves at each
+    call, so the inputs it saves (hidden states, top-k ids) go to host memory until backward.
+    """
 
     preserve_rng_state: bool = True
+    offload: OffloadManager | None = None
 
 
 DEFAULT_OPTIONS = BoundaryOptions()
@@ -277,7 +284,13 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         anchor = _anchor()
     call = _Call(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.original_call = (args, kwargs)
-    out_tensors = _BoundaryFunction.apply(call, anchor, *unique)
+    if options.offload is None:
+        out_tensors = _BoundaryFunction.apply(call, anchor, *unique)
+    else:
+        # NOTE: the window covers only the save of the inputs (the original pass inside runs
+        # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
+        with options.offload.window(unique):
+            out_tensors = _BoundaryFunction.apply(call, anchor, *unique)
     return call.outputs(out_tensors)
 
 
@@ -289,9 +302,10 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
 
 
-def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True) -> Callable[..., T]:
+def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
+                 offload: OffloadManager | None = None) -> Callable[..., T]:
     """Return ``fn`` wrapped in a boundary with the given options."""
-    options = BoundaryOptions(preserve_rng_state=preserve_rng_state)
+    options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=offload)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> T:

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["ActivationCensus", "Mechanism", "census_active", "report_held"]
 
@@ -42,6 +43,8 @@ class Mechanism(str, enum.Enum):
 
     BOUNDARY = "checkpoint boundary"    # inputs saved by a checkpoint boundary
     REPLAY_FRAME = "replay frame"       # frozen results held for a replay
+    OFFLOADED = "offloaded to host"     # host copies of offloaded storages
+    OFFLOAD_IN_FLIGHT = "offload in flight"  # device storages the manager holds until copied
     AUTOGRAD = "autograd"               # saved by ordinary autograd outside any boundary
 
     def __str__(self) -> str:
@@ -49,7 +52,7 @@ class Mechanism(str, enum.Enum):
 
 
 # Mechanisms whose release is meant to free the storage.
-_FREEING = frozenset({Mechanism.REPLAY_FRAME})
+_FREEING = frozenset({Mechanism.REPLAY_FRAME, Mechanism.OFFLOAD_IN_FLIGHT})
 
 
 class Holder(Protocol):
@@ -75,7 +78,7 @@ def _holds(keeper: weakref.ref[Any]) -> bool:
 
 @dataclass
 class _Entry:
-    tensor: weakref.ref[torch.Tensor]  # is the storage still alive at all?
+    storage: StorageWeakRef  # is the storage still alive at all?
     keepers: list[weakref.ref[Any]]    # the graph's handles and the mechanisms' holders
     nbytes: int
     device: str
@@ -88,7 +91,7 @@ class _Entry:
     def flagged(self) -> bool:
         # A mechanism that frees memory let go, yet the storage lives on: something else keeps
         # it. (A boundary letting go of its inputs frees nothing by itself: never flagged.)
-        return (self.mechanism in _FREEING and not self.held() and self.tensor() is not None)
+        return self.mechanism in _FREEING and not self.held() and not self.storage.expired()
 
 
 _ACTIVE: ContextVar[ActivationCensus | None] = ContextVar("pytree_ckpt_census", default=None)
@@ -100,15 +103,17 @@ def census_active() -> bool:
 
 
 def report_held(tensors: Iterable[torch.Tensor], mechanism: Mechanism, /, *,
-                holder: Holder) -> None:
+                holder: Holder, replace: bool = False) -> None:
     """Tell the active census (if any) that ``mechanism`` holds ``tensors`` through ``holder``.
 
     The census treats them as held while ``holder`` is alive and not ``holder.released``.
+    ``replace``: earlier holders of these storages no longer hold them (the saved reference
+    was swapped, as offload does).
     """
     census = _ACTIVE.get()
     if census is not None:
         for tensor in tensors:
-            census._note(tensor, mechanism, holder)
+            census._note(tensor, mechanism, holder, replace=replace)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -177,7 +182,8 @@ class ActivationCensus:
         if self._stack:
             self._stack.pop()
 
-    def _note(self, tensor: torch.Tensor, mechanism: Mechanism, keeper: Any) -> None:
+    def _note(self, tensor: torch.Tensor, mechanism: Mechanism, keeper: Any, *,
+              replace: bool = False) -> None:
         if isinstance(tensor, nn.Parameter) or tensor.untyped_storage().nbytes() == 0:
             return
         key = _storage_key(tensor)
@@ -186,13 +192,16 @@ class ActivationCensus:
         # A storage is held while one of its keepers is: the graph's handle of a saved tensor
         # (alive while the graph holds it), or a mechanism's holder until it is released.
         known = self._entries.get(key)
-        if known is not None and (known.held() or known.tensor() is not None):
+        if known is not None and (known.held() or not known.storage.expired()):
+            if replace:
+                known.keepers.clear()
             known.keepers.append(weakref.ref(keeper))
             if mechanism is not Mechanism.AUTOGRAD:  # a mechanism's report is more specific
                 known.mechanism = mechanism
             return
         module = self._stack[-1] if self._stack else "<outside any module>"
-        self._entries[key] = _Entry(weakref.ref(tensor), [weakref.ref(keeper)],
+        self._entries[key] = _Entry(StorageWeakRef(tensor.untyped_storage()),
+                                    [weakref.ref(keeper)],
                                     tensor.untyped_storage().nbytes(), str(tensor.device),
                                     module, mechanism)
 

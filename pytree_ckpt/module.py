@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
+from offload import OffloadManager, default_manager, env_flag
+
 from .boundary import BoundaryOptions, run_boundary
 from .errors import CheckpointConfigError
 
+OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
+
 __all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing",
-           "is_checkpointed", "checkpoint_layers"]
+           "is_checkpointed", "checkpoint_layers", "resolve_offload"]
 
 _INSTALLED = "_pytree_ckpt_installed"
 
@@ -59,10 +64,39 @@ def is_checkpointed(module: nn.Module, /) -> bool:
     return _INSTALLED in module.__dict__
 
 
-def apply_activation_checkpointing(module: nn.Module, /, *,
-                                   preserve_rng_state: bool = True) -> nn.Module:
+def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager | None:
+    """The manager an ``offload=`` argument means; ``None`` reads XTUNER_ACTIVATION_OFFLOAD.
+
+    ``True`` (or the variable set to 1/true) uses the process's default manager, whose only
+    lasting state is its host pool (see ``offload.default_manager``).
+    """
+    if offload is None:
+        try:
+            offload = env_flag(OFFLOAD_ENV)
+        except ValueError as err:
+            raise CheckpointConfigError(
+                str(err), expected="XTUNER_ACTIVATION_OFFLOAD in {1, true, 0, false, unset}",
+                got=repr(os.environ.get(OFFLOAD_ENV)),
+                tip="unset it, or pass offload=True/False explicitly") from None
+    if offload is True:
+        return default_manager()
+    if offload is False:
+        return None
+    if isinstance(offload, OffloadManager):
+        return offload
+    raise CheckpointConfigError(
+        "offload= takes None (read XTUNER_ACTIVATION_OFFLOAD), a bool or an OffloadManager",
+        expected="None | bool | offload.OffloadManager", got=type(offload).__name__,
+        tip="build one with offload.OffloadManager(offload.OffloadConfig(...))")
+
+
+def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: bool = True,
+                                   offload: bool | OffloadManager | None = None) -> nn.Module:
     """Route ``module``'s forward through the boundary, in place; returns ``module``.
 
+    ``offload``: ``None`` reads ``XTUNER_ACTIVATION_OFFLOAD`` (``1``/``true`` on, ``0``/
+    ``false``/unset off); ``True``/``False`` override it; a manager is used as given. With
+    offload on, each call opens a window over the call's input tensor leaves.
     Applying again with the same options is a no-op; with other options it raises (remove it
     first). See NOTE [in-place wrapping].
     """
@@ -71,7 +105,8 @@ def apply_activation_checkpointing(module: nn.Module, /, *,
             "apply_activation_checkpointing expects an nn.Module",
             expected="nn.Module", got=type(module).__name__,
             tip="wrap a plain function with pytree_ckpt.checkpoint(fn, *args) instead")
-    options = BoundaryOptions(preserve_rng_state=preserve_rng_state)
+    options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
+                              offload=resolve_offload(offload))
     installed = module.__dict__.get(_INSTALLED)
     if installed is not None:
         if installed.options != options:
@@ -108,9 +143,15 @@ def _validate_ratio(ratio: object) -> float:
 
 
 def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
-                      preserve_rng_state: bool = True) -> list[int]:
-    """Checkpoint the first ``int(len(layers) * ratio)`` layers; return their indices."""
+                      preserve_rng_state: bool = True,
+                      offload: bool | OffloadManager | None = None) -> list[int]:
+    """Checkpoint the first ``int(len(layers) * ratio)`` layers; return their indices.
+
+    ``offload`` is resolved once, so every layer shares one manager (one window numbering).
+    """
     count = int(len(layers) * _validate_ratio(ratio))
+    manager = resolve_offload(offload)
     for layer in layers[:count]:
-        apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state)
+        apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
+                                       offload=manager if manager is not None else False)
     return list(range(count))

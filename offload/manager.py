@@ -1,0 +1,336 @@
+"""The offload manager: storage windows, one host copy per storage, bounded prefetch.
+
+``with manager.window(tensors):`` installs saved-tensor hooks for its duration. A tensor that
+autograd saves inside it is offloaded when its untyped storage is the storage of one of the
+window's tensors and that storage reaches ``min_bytes``; anything else (parameters always) is
+saved as usual.
+
+NOTE [one copy per storage]: the unit is the *storage*, not the tensor. The first saved tensor
+on a window storage copies the whole storage to a host buffer; every other saved alias (a view,
+a slice with an offset, a transposed stride) gets a handle to the same copy, and each is rebuilt
+in backward from one restored device storage with its own offset, size and stride. A storage
+offloaded by an earlier window of the same pass that is still alive and unmodified (same version)
+is not copied again: RoPE tables or ``cu_seqlens`` passed to every layer cost one copy.
+
+NOTE [saved reference, not the live tensor]: autograd keeps the handle instead of the tensor;
+the live tensor is never resized or freed by us, so other holders keep valid data. We keep the
+device tensor until its copy completed (stream rule 1) and drop our reference one window late;
+if the storage is still alive then, something else holds it and the bytes are reported as
+``alive_elsewhere_bytes`` (and flagged by an active census): that offload saved nothing.
+
+NOTE [lifetimes]: all per-step state hangs off the handles that the autograd graph holds. A copy
+lives while a handle to it does; when the last handle goes (after the node's backward, or when a
+graph is dropped without backward, or an exception unwinds it) the host buffer returns to the
+pool. The manager itself keeps only weak references to windows, its pool and its counters.
+
+NOTE [window ids and prefetch]: one planner (the manager) numbers windows densely in call
+order: a new pass starts at 0 when a window opens and no window of the current pass is alive.
+In backward, the first unpack from window ``i`` restores it (if no prefetch did) and starts
+restoring windows ``i-1 .. i-prefetch``, which backward needs next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .pool import HostPool
+from .streams import CopyEngine
+
+__all__ = ["OffloadConfig", "OffloadManager", "Window", "default_manager", "env_flag"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """How the manager offloads.
+
+    ``min_bytes``: storages smaller than this stay where they are (copies of tiny tensors cost
+    more than they save). ``prefetch``: how many windows ahead backward restores (0: restore on
+    demand). ``pin_memory``: pinned host buffers; ``None`` pins when CUDA is available.
+    """
+
+    min_bytes: int = 1 << 16
+    prefetch: int = 1
+    pin_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("min_bytes", "prefetch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"OffloadConfig.{name} must be an int >= 0, got {value!r}; "
+                                 f"tip: min_bytes=0 offloads every window storage")
+
+
+class _Copy:
+    """One window storage copied to host; shared by every handle on that storage."""
+
+    __slots__ = ("manager", "window", "host", "nbytes", "device", "version", "storage_ref",
+                 "device_bytes", "d2h_event", "restored", "h2d_event", "released",
+                 "host_holder", "__weakref__")
+
+    def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.manager = manager
+        self.window = window
+        self.nbytes = storage.nbytes()
+        self.device = tensor.device
+        self.version = tensor._version
+        self.storage_ref = StorageWeakRef(storage)
+        self.host = manager.pool.acquire(self.nbytes)
+        # NOTE [stream rules] 1: we keep the device bytes until the copy's event completes.
+        self.device_bytes: torch.Tensor | None = torch.empty(
+            0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
+        self.restored: torch.Tensor | None = None
+        self.h2d_event: Any = None
+        self.released = False  # the device copy was let go (read by the census)
+        self.host_holder = _HostHolder()  # lives exactly as long as this copy (for the census)
+        manager._counters["offloaded_bytes"] += self.nbytes
+        manager._pending.append(self)
+
+    def drop_device_copy(self) -> None:
+        if self.device_bytes is None:
+            return
+        self.device_bytes = None
+        self.released = True
+        if not self.storage_ref.expired():
+            self.manager._counters["alive_elsewhere_bytes"] += self.nbytes
+            log.debug("offloaded storage of %d bytes is still alive elsewhere", self.nbytes)
+
+    def restore(self) -> None:
+        if self.restored is None:
+            self.restored, self.h2d_event = self.manager.engine.to_device(
+                self.host, self.nbytes, self.d2h_event)
+            self.manager._counters["restored_bytes"] += self.nbytes
+
+    def __del__(self) -> None:
+        # The last handle is gone: the host buffer goes back with the last copy that used it.
+        manager = getattr(self, "manager", None)
+        if manager is not None and getattr(self, "host", None) is not None:
+            last = self.h2d_event if self.h2d_event is not None else self.d2h_event
+            manager.pool.release(self.host, event=last)
+
+
+class _HostHolder:
+    """Stands for "this copy still holds its host buffer" in the census (no ``released``)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Handle:
+    """What autograd holds instead of an offloaded tensor: the copy plus this alias's layout."""
+
+    __slots__ = ("copy", "dtype", "size", "stride", "offset")
+
+    def __init__(self, copy: _Copy, tensor: torch.Tensor) -> None:
+        self.copy = copy
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+
+
+class Window:
+    """The storages of one ``manager.window(...)`` call, and the copies made for them."""
+
+    __slots__ = ("id", "keys", "copies", "restored", "__weakref__")
+
+    def __init__(self, window_id: int, keys: set[tuple[str, int]]) -> None:
+        self.id = window_id
+        self.keys = keys
+        # Weak: copies hold their window, not the other way round (no cycle to wait on gc).
+        self.copies: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
+            weakref.WeakValueDictionary())
+        self.restored = False
+
+
+def _key(tensor: torch.Tensor) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+class OffloadManager:
+    """Offloads saved activations by storage windows to a pooled host buffer."""
+
+    def __init__(self, config: OffloadConfig | None = None, /, *,
+                 device: torch.device | str | None = None) -> None:
+        self.config = config if config is not None else OffloadConfig()
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+        pin = self.config.pin_memory
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self.pool = HostPool(pin_memory=pin)
+        self.engine = CopyEngine(self.device)
+        self._pass: list[weakref.ref[Window]] = []
+        self._pending: list[_Copy] = []
+        self._shared: dict[tuple[str, int], weakref.ref[_Copy]] = {}
+        self._events: list[tuple[str, int]] = []
+        self._prefetched: set[int] = set()
+        self._counters: dict[str, int] = {}
+        self._reset_counters()
+
+    # -- statistics --------------------------------------------------------------------------
+    def _reset_counters(self) -> None:
+        self._counters = {"offloaded_bytes": 0, "restored_bytes": 0, "prefetch_hits": 0,
+                          "alive_elsewhere_bytes": 0, "windows": 0}
+        self._pool_base = (self.pool.hits, self.pool.misses)
+        self.engine.reset_waits()
+
+    def stats(self, *, reset: bool = False) -> dict[str, float]:
+        """Counters since the last reset: bytes, pool hits/misses, prefetch hits, waits."""
+        self._collect_finished()
+        out: dict[str, float] = dict(self._counters)
+        out["pool_hits"] = self.pool.hits - self._pool_base[0]
+        out["pool_misses"] = self.pool.misses - self._pool_base[1]
+        out["host_bytes"] = self.pool.host_bytes
+        out["host_buffers_in_use"] = self.pool.checked_out
+        if self.engine.cuda:
+            out["wait_ms"] = self.engine.waited_ms()
+        if reset:
+            self._reset_counters()
+        return out
+
+    def events(self) -> list[tuple[str, int]]:
+        """This pass's ``("restore" | "prefetch" | "prefetch_hit", window id)`` in order."""
+        return list(self._events)
+
+    # -- forward -----------------------------------------------------------------------------
+    def _collect_finished(self) -> None:
+        still = []
+        for copy in self._pending:
+            if self.engine.done(copy.d2h_event):
+                copy.drop_device_copy()
+            else:
+                still.append(copy)
+        self._pending = still
+
+    def _open(self, tensors: Sequence[torch.Tensor]) -> Window:
+        self._collect_finished()
+        self._pass = [ref for ref in self._pass if ref() is not None]
+        if not self._pass:  # a new pass: ids restart, the shared-storage registry too
+            self._events = []
+            self._prefetched = set()
+            self._shared = {}
+        window = Window(len(self._pass) and (self._pass[-1]().id + 1),  # type: ignore[union-attr]
+                        {_key(t) for t in tensors if not isinstance(t, nn.Parameter)})
+        self._pass.append(weakref.ref(window))
+        self._counters["windows"] += 1
+        return window
+
+    def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
+        if isinstance(tensor, nn.Parameter) or tensor.device != self.device:
+            return tensor
+        key = _key(tensor)
+        if key not in window.keys or tensor.untyped_storage().nbytes() < self.config.min_bytes:
+            return tensor
+        copy = window.copies.get(key)
+        if copy is None or copy.version != tensor._version:
+            shared = self._shared.get(key)
+            copy = shared() if shared is not None else None
+            if copy is None or copy.version != tensor._version or copy.storage_ref.expired():
+                copy = _Copy(self, window, tensor)
+                self._shared[key] = weakref.ref(copy)
+                _report_offload(copy, tensor)
+            window.copies[key] = copy
+        return _Handle(copy, tensor)
+
+    @contextmanager
+    def window(self, tensors: Sequence[torch.Tensor], /) -> Iterator[Window]:
+        """Offload what autograd saves on the storages of ``tensors`` while the block runs."""
+        window = self._open(tensors)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            return self._pack(window, tensor)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield window
+        # NOTE: device tensors are released one window late (at the next window, the first
+        # restore in backward, or stats()): by then the copy has usually completed, and the
+        # caller has dropped its own reference to the window's inputs, so "still alive
+        # elsewhere" means something really keeps them.
+
+    # -- backward ----------------------------------------------------------------------------
+    def _restore_window(self, window: Window, *, kind: str) -> None:
+        window.restored = True
+        self._events.append((kind, window.id))
+        if kind == "prefetch":
+            self._prefetched.add(window.id)
+        for copy in list(window.copies.values()):
+            copy.restore()
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        if self._pending:
+            self._collect_finished()
+        copy = packed.copy
+        window = copy.window
+        if not window.restored:
+            self._restore_window(window, kind="restore")
+            self._prefetch_before(window.id)
+        elif window.id in self._prefetched:
+            self._prefetched.discard(window.id)
+            self._events.append(("prefetch_hit", window.id))
+            self._counters["prefetch_hits"] += 1
+            self._prefetch_before(window.id)
+        copy.restore()  # a storage shared with an earlier window may be restored here first
+        self.engine.wait(copy.h2d_event)
+        assert copy.restored is not None
+        return torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
+            copy.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+    def _prefetch_before(self, window_id: int) -> None:
+        for ref in reversed(self._pass):  # nearest first: backward needs it first
+            window = ref()
+            if (window is not None and not window.restored
+                    and window_id - self.config.prefetch <= window.id < window_id):
+                self._restore_window(window, kind="prefetch")
+
+
+_default_managers: dict[str, OffloadManager] = {}
+
+
+def default_manager() -> OffloadManager:
+    """The process's manager for ``offload=True`` / XTUNER_ACTIVATION_OFFLOAD=1, one per device.
+
+    It holds no step state of its own: windows and copies live on the autograd graph, and what
+    it keeps across steps is its host pool (the point of a pool) and counters.
+    """
+    device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    manager = _default_managers.get(device)
+    if manager is None:
+        manager = _default_managers[device] = OffloadManager(device=device)
+    return manager
+
+
+def _report_offload(copy: _Copy, tensor: torch.Tensor) -> None:
+    from pytree_ckpt.census import Mechanism, census_active, report_held
+
+    if census_active():
+        # The device storage is held (by us) until its copy completed, then flagged if it is
+        # still alive; the host copy is held while the copy object lives.
+        report_held([tensor], Mechanism.OFFLOAD_IN_FLIGHT, holder=copy, replace=True)
+        report_held([copy.host], Mechanism.OFFLOADED, holder=copy.host_holder)
+
+
+def env_flag(name: str, /) -> bool:
+    """Parse an on/off environment variable: ``1``/``true`` on, ``0``/``false``/unset off."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip().lower() in ("", "0", "false"):
+        return False
+    if raw.strip().lower() in ("1", "true"):
+        return True
+    raise ValueError(f"{name}={raw!r} is not understood; accepted values: 1, true (on), "
+                     f"0, false or unset (off)")

@@ -1,0 +1,86 @@
+"""A pool of host buffers, bucketed by size class and reused across steps.
+
+Pinned host allocation costs milliseconds per call (torchtune's offload went from 22% to 50%
+overhead without a pool), so buffers are never freed while the pool lives: a released buffer
+goes back to its size class and the next request of that class reuses it. After one warm-up
+step with the same shapes the pool does not grow.
+
+NOTE [host buffer lifetime]: a buffer is checked out from ``acquire`` until ``release``. A buffer
+that a pending device copy still reads or writes is released together with that copy's event;
+``acquire`` only hands out buffers whose event has completed (waiting on it if it must).
+Where pinning is unavailable (CPU-only torch) buffers are ordinary host memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+__all__ = ["HostPool", "size_class"]
+
+log = logging.getLogger(__name__)
+
+_MIN_CLASS = 512
+
+
+def size_class(nbytes: int, /) -> int:
+    """Round up to a size class: powers of two split in quarters (at most 25% waste)."""
+    if nbytes <= _MIN_CLASS:
+        return _MIN_CLASS
+    top = 1 << (nbytes - 1).bit_length()   # next power of two >= nbytes
+    quarter = top // 8                     # classes at 4/8, 5/8, 6/8, 7/8, 8/8 of `top`
+    return -(-nbytes // quarter) * quarter
+
+
+class HostPool:
+    """Host buffers (``uint8`` tensors) by size class, pinned when ``pin_memory``."""
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.host_bytes = 0
+        self.checked_out = 0
+
+    def reserve(self, nbytes_list: list[int], /) -> None:
+        """Allocate buffers up front (e.g. one step's worth) so the first step hits too."""
+        for nbytes in nbytes_list:
+            self._free[size_class(nbytes)].append((self._allocate(size_class(nbytes)), None))
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        self.host_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def acquire(self, nbytes: int, /) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes, checked out until ``release``."""
+        cls = size_class(nbytes)
+        with self._lock:
+            free = self._free.get(cls)
+            entry = free.pop() if free else None
+            if entry is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+            self.checked_out += 1
+        if entry is None:
+            log.debug("host pool miss: allocating %d bytes (pinned=%s)", cls, self.pin_memory)
+            return self._allocate(cls)
+        buffer, event = entry
+        if event is not None:
+            event.synchronize()  # the copy that last used it must be done (rare: backward ran)
+        return buffer
+
+    def release(self, buffer: torch.Tensor, /, *, event: Any = None) -> None:
+        """Give ``buffer`` back; ``event`` marks the last device copy that uses it."""
+        with self._lock:
+            self._free[buffer.numel()].append((buffer, event))
+            self.checked_out -= 1
+
+    def free_buffers(self) -> int:
+        return sum(len(v) for v in self._free.values())

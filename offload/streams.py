@@ -1,0 +1,91 @@
+"""Copies between device and host, on side streams where the device has them.
+
+NOTE [stream rules]:
+1. Device-to-host: the d2h stream first waits for the compute stream (the tensor's producer
+   may still be running), copies with ``non_blocking``, and records an event. The device tensor
+   must stay alive until that event completes: the manager keeps a reference and drops it only
+   once ``done(event)`` (the caching allocator could otherwise hand the memory to a new tensor
+   while the copy still reads it).
+2. Host-to-device: the destination is allocated on the compute stream, the h2d stream waits for
+   the compute stream (the allocation is ordered) and for the d2h event (the host copy is
+   complete), copies, and records an event; ``record_stream`` tells the allocator the buffer is
+   in use on the h2d stream. The compute stream waits on that event before any use.
+3. A host buffer goes back to the pool with the event of the last copy that uses it.
+On a device without streams (CPU) every copy is synchronous and every event is ``None``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["CopyEngine"]
+
+
+class CopyEngine:
+    """Device<->host byte copies; CUDA side streams, or synchronous copies elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._waits: list[tuple[Any, Any]] = []  # (before, after) timing events around waits
+        if self.cuda:
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+
+    def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> Any:
+        """Copy ``device_bytes`` into the front of ``host``; returns the event (rule 1)."""
+        target = host[: device_bytes.numel()]
+        if not self.cuda:
+            target.copy_(device_bytes)
+            return None
+        stream = self.d2h_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            target.copy_(device_bytes, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def to_device(self, host: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any]:
+        """A new device buffer filled from ``host[:nbytes]``; returns it and its event (rule 2)."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if not self.cuda:
+            buffer.copy_(host[:nbytes])
+            return buffer, None
+        stream = self.h2d_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            buffer.copy_(host[:nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        buffer.record_stream(stream)
+        return buffer, event
+
+    def wait(self, event: Any) -> None:
+        """Make the compute stream wait for ``event`` (no host blocking)."""
+        if event is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if event.query():
+            stream.wait_event(event)
+            return
+        # Not done yet: time the compute stream's wait with a pair of timing events.
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._waits.append((before, after))
+
+    def waited_ms(self) -> float:
+        """Milliseconds the compute stream spent waiting on restores (completed waits only)."""
+        return sum(b.elapsed_time(a) for b, a in self._waits if a.query())
+
+    def reset_waits(self) -> None:
+        self._waits = []
+
+    def done(self, event: Any) -> bool:
+        return event is None or event.query()

@@ -1,0 +1,286 @@
+"""The offload manager on CPU: storage windows, one copy per storage, pool, prefetch, lifetimes.
+
+On CPU the same code path runs with synchronous copies and ordinary host buffers, so every rule
+except stream overlap is checked here.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import pytree_ckpt
+from offload import OffloadConfig, OffloadManager, size_class
+from pytree_ckpt import CheckpointConfigError, apply_activation_checkpointing
+from tests.conftest import assert_same_grads
+
+
+class Probe(torch.autograd.Function):
+    """Saves its inputs; its backward records whether each came back bit-identical."""
+
+    results: list[bool] = []
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        ctx.expected = [t.clone() for t in tensors]
+        ctx.layouts = [(t.shape, t.stride(), t.storage_offset()) for t in tensors]
+        return sum(t.sum() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        for t, e, layout in zip(ctx.saved_tensors, ctx.expected, ctx.layouts):
+            Probe.results.append(torch.equal(t, e) and (t.shape, t.stride(),
+                                                        t.storage_offset()) == layout)
+        return tuple(grad.expand_as(t) for t in ctx.saved_tensors)
+
+
+def manager(**config: Any) -> OffloadManager:
+    return OffloadManager(OffloadConfig(**{"min_bytes": 0, **config}))
+
+
+def test_views_of_one_storage_are_copied_once_and_each_restores_its_layout() -> None:
+    Probe.results = []
+    m = manager()
+    base = torch.randn(16, 32, requires_grad=True) * 1.0
+    with m.window([base]):
+        loss = Probe.apply(base, base[3:, 5:], base.t(), base[::2, ::3])
+    assert m.stats()["offloaded_bytes"] == base.untyped_storage().nbytes()  # once
+    loss.backward()
+    assert Probe.results == [True] * 4
+    stats = m.stats()
+    assert stats["restored_bytes"] == base.untyped_storage().nbytes()
+    assert stats["host_buffers_in_use"] == 0
+
+
+def test_parameters_and_storages_below_the_floor_are_left_alone() -> None:
+    m = manager(min_bytes=1024)
+    weight = nn.Parameter(torch.randn(64, 64))
+    small = torch.randn(8, requires_grad=True) * 1.0   # 32 bytes
+    big = torch.randn(64, 64, requires_grad=True) * 1.0
+    packed: list[Any] = []
+    original_pack = m._pack
+
+    def spy(window: Any, t: torch.Tensor) -> Any:
+        out = original_pack(window, t)
+        packed.append(out is t)
+        return out
+
+    m._pack = spy  # type: ignore[method-assign]
+    with m.window([weight, small, big]):
+        (small * small).sum().backward(retain_graph=False)
+        (weight @ big).sum()
+    assert m.stats()["offloaded_bytes"] == big.untyped_storage().nbytes()
+    # small (twice: both operands) and weight stay; big is offloaded
+    assert packed.count(False) == 1 and packed.count(True) == 3
+
+
+def test_the_device_tensor_is_released_once_copied_unless_something_else_holds_it() -> None:
+    m = manager()
+    x = torch.randn(32, 32, requires_grad=True)
+    h = x * 2
+    storage = StorageWeakRef(h.untyped_storage())
+    with m.window([h]):
+        loss = (h * h).sum()
+    del h
+    assert m.stats()["alive_elsewhere_bytes"] == 0  # released one window late (here: stats)
+    assert storage.expired()  # only autograd held it, and autograd now holds the host copy
+    kept = x * 3
+    with m.window([kept]):
+        loss2 = (kept * kept).sum()
+    assert m.stats()["alive_elsewhere_bytes"] == kept.untyped_storage().nbytes()
+    (loss + loss2).backward()
+    offloaded = x.grad.clone()
+    x.grad = None
+    h, kept = x * 2, x * 3  # the same graph, without offload
+    ((h * h).sum() + (kept * kept).sum()).backward()
+    assert torch.equal(offloaded, x.grad)
+
+
+def test_a_storage_already_offloaded_by_an_earlier_window_is_not_copied_again() -> None:
+    m = manager()
+    rope = torch.randn(64, 16)  # shared by every layer, alive all step
+    x = torch.randn(64, 16, requires_grad=True)
+    h = x
+    for _ in range(4):
+        with m.window([h, rope]):
+            h = h * rope + h.square()  # mul saves rope, square saves h
+    stats = m.stats()
+    per_hidden = x.untyped_storage().nbytes()
+    # rope once, each window's hidden state once (x, a leaf, too)
+    assert stats["offloaded_bytes"] == rope.untyped_storage().nbytes() + 4 * per_hidden
+    h.sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    h = x
+    for _ in range(4):
+        h = h * rope + h.square()
+    h.sum().backward()
+    assert torch.equal(expected, x.grad)
+
+
+def test_an_in_place_change_between_windows_gets_a_fresh_copy() -> None:
+    m = manager()
+    x = torch.randn(64, 16, requires_grad=True)
+    shared = torch.randn(64, 16)
+    with m.window([shared]):
+        a = (x * shared).sum()
+    shared.mul_(2)  # a new version: the next window must not reuse the old copy
+    with m.window([shared]):
+        b = (x * shared).sum()
+    assert m.stats()["offloaded_bytes"] == 2 * shared.untyped_storage().nbytes()
+    (a + b).backward()
+    assert torch.equal(x.grad, shared / 2 + shared)
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.proj(h))
+
+
+def run_stack(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    h = x
+    for layer in layers:
+        h = layer(h)
+    return h
+
+
+@pytest.mark.parametrize(("depth", "expected"), [
+    (1, [("restore", 7), ("prefetch", 6), ("prefetch_hit", 6), ("prefetch", 5),
+         ("prefetch_hit", 5), ("prefetch", 4), ("prefetch_hit", 4), ("prefetch", 3),
+         ("prefetch_hit", 3), ("prefetch", 2), ("prefetch_hit", 2), ("prefetch", 1),
+         ("prefetch_hit", 1), ("prefetch", 0), ("prefetch_hit", 0)]),
+    (0, [("restore", i) for i in range(7, -1, -1)]),
+    (2, [("restore", 7), ("prefetch", 6), ("prefetch", 5), ("prefetch_hit", 6),
+         ("prefetch", 4), ("prefetch_hit", 5), ("prefetch", 3), ("prefetch_hit", 4),
+         ("prefetch", 2), ("prefetch_hit", 3), ("prefetch", 1), ("prefetch_hit", 2),
+         ("prefetch", 0), ("prefetch_hit", 1), ("prefetch_hit", 0)]),
+])
+def test_prefetch_order_for_an_eight_layer_stack(depth: int, expected: list[tuple[str, int]]) -> None:
+    m = manager(prefetch=depth)
+    layers = nn.ModuleList(Layer() for _ in range(8))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(4, 32, requires_grad=True)
+    run_stack(layers, x).sum().backward()
+    assert m.events() == expected
+    assert m.stats()["prefetch_hits"] == sum(1 for kind, _ in expected if kind == "prefetch_hit")
+
+
+def test_checkpoint_with_offload_gives_eager_gradients_and_retain_graph_twice_works() -> None:
+    torch.manual_seed(0)
+    eager_layers = nn.ModuleList(Layer() for _ in range(4))
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    layers.load_state_dict(eager_layers.state_dict())
+    m = manager()
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(4, 32, requires_grad=True)
+    for model in (eager_layers, layers):
+        loss = run_stack(model, x).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    grads = [p.grad for p in eager_layers.parameters()]
+    assert_same_grads(grads, [p.grad for p in layers.parameters()])
+    assert m.stats()["offloaded_bytes"] == 4 * x.untyped_storage().nbytes()
+
+
+def test_the_pool_does_not_grow_after_warm_up_over_fifty_steps() -> None:
+    m = manager()
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    warm = m.stats(reset=True)
+    for _ in range(50):
+        run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    stats = m.stats()
+    assert stats["pool_misses"] == 0 and stats["pool_hits"] == 50 * 4
+    assert stats["host_bytes"] == warm["host_bytes"] and stats["host_buffers_in_use"] == 0
+
+
+def test_a_forward_without_backward_and_an_exception_leave_nothing_checked_out() -> None:
+    m = manager()
+    layers = nn.ModuleList(Layer() for _ in range(3))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
+    assert m.stats()["host_buffers_in_use"] == 3
+    del out
+    assert m.stats()["host_buffers_in_use"] == 0
+    x = torch.randn(4, 32, requires_grad=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        with m.window([x]):
+            y = torch.tanh(x * 2)
+            raise RuntimeError("boom")
+    del y
+    gc.collect()
+    assert m.stats()["host_buffers_in_use"] == 0
+    assert torch.autograd.graph.saved_tensors_hooks  # hooks popped: a new save is plain
+    z = x * x
+    assert z.grad_fn._saved_self is x
+
+
+def test_size_classes_waste_at_most_a_quarter() -> None:
+    for n in [1, 511, 513, 1000, 4096, 5000, 123457, 10**7]:
+        c = size_class(n)
+        assert c >= n and (n <= 512 or c <= n * 1.25)
+    assert size_class(4096) == 4096 and size_class(4097) == 5120
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("TRUE", True),
+                                           ("0", False), ("false", False), (None, False)])
+def test_the_environment_switch_turns_offload_on_and_off(monkeypatch: pytest.MonkeyPatch,
+                                                         value: str | None, on: bool) -> None:
+    if value is None:
+        monkeypatch.delenv("XTUNER_ACTIVATION_OFFLOAD", raising=False)
+    else:
+        monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", value)
+    layer = apply_activation_checkpointing(Layer())
+    assert (layer.forward.options.offload is not None) is on
+    # an explicit argument overrides the variable
+    other = apply_activation_checkpointing(Layer(), offload=not on)
+    assert (other.forward.options.offload is not None) is (not on)
+
+
+def test_an_unknown_environment_value_is_refused_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "yes")
+    with pytest.raises(ValueError, match="XTUNER_ACTIVATION_OFFLOAD='yes'.*accepted values"):
+        apply_activation_checkpointing(Layer())
+    with pytest.raises(CheckpointConfigError, match="offload= takes"):
+        apply_activation_checkpointing(Layer(), offload="on")  # type: ignore[arg-type]
+
+
+def test_bad_offload_config_is_refused_with_a_tip() -> None:
+    with pytest.raises(ValueError, match="min_bytes must be an int >= 0.*tip"):
+        OffloadConfig(min_bytes=-1)
+
+
+def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() -> None:
+    m = manager()
+    layers = nn.ModuleList(Layer() for _ in range(3))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(4, 32, requires_grad=True)  # the test keeps x: its offload saves nothing
+    with pytree_ckpt.ActivationCensus(layers) as census:
+        out = run_stack(layers, x)
+    per = x.untyped_storage().nbytes()
+    # host copies of the 3 inputs; the last window's device storage is released one window
+    # late (at the first restore, or stats()); none is held by a boundary any more
+    assert census.bytes_by("mechanism") == {"offloaded to host": size_class(per) * 3,
+                                            "offload in flight": per}
+    assert [f["bytes"] for f in census.flagged()] == [per]  # x: the test keeps it
+    m.stats()
+    assert census.bytes_by("mechanism") == {"offloaded to host": size_class(per) * 3}
+    out.sum().backward()
+    assert census.total_bytes == 0
