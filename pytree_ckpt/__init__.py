@@ -8,7 +8,7 @@ from .census import ActivationCensus, Mechanism
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError
 from .frames import reuse_during_recompute
 from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
-                     remove_activation_checkpointing)
+                     remove_activation_checkpointing, resolve_offload)
 from .phase import Phase, current_phase
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "current_phase",
     "is_checkpointed",
     "remove_activation_checkpointing",
+    "resolve_offload",
     "reuse_during_recompute",
 ]
 

@@ -17,16 +17,25 @@ census) ever sees a tensor computed inside the boundary. Non-tensor leaves and t
 are kept by reference on the autograd node; tensor leaves are never kept there, so swapping the
 saved reference (offload) really frees the device copy.
 
-NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``) or when
-nothing can receive a gradient (no input requires grad and ``fn`` is a module, or a bound method
-of one, with no trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
-When no input requires grad but ``fn`` may use trainable parameters (an unknown callable counts
-as such), a tiny requires-grad *anchor* is passed to the Function so that its backward runs and
-the replay's ``torch.autograd.backward`` accumulates the parameters' gradients.
+NOTE [parameters are inputs]: when the boundary knows the module whose parameters ``fn`` uses
+(``fn`` is a module, a bound method of one, or the forward installed by
+``apply_activation_checkpointing``), its trainable parameters (and those of modules passed as
+arguments) are extra inputs of the Function. The replay then computes their gradients with
+``torch.autograd.grad`` and returns them, so autograd adds them to ``.grad`` exactly where and
+in the order eager would: bit-identical gradients with micro-batch accumulation and layers used
+several times (shared-weight MTP), parameters get gradients when no input requires grad, and
+``torch.autograd.grad`` / ``backward(inputs=...)`` work. The first replay of each module checks
+that its graph reaches no other tensor that requires grad (it would silently get no gradient).
 
-NOTE [.grad() and backward(inputs=...)]: like every reentrant checkpoint, the replay accumulates
-parameter gradients into ``.grad`` with its own backward call, which cannot honour a restricted
-set of inputs. Such calls raise ``CheckpointError`` instead of returning partial results.
+NOTE [unknown callables]: for any other callable the parameters it closes over cannot be known,
+so the replay accumulates every leaf's gradient with ``torch.autograd.backward``, as torch's
+reentrant checkpoint does; when no input requires grad a tiny requires-grad *anchor* makes the
+backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(inputs=...)``:
+those raise ``CheckpointError`` instead of returning partial results.
+
+NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``) or when
+nothing can receive a gradient (no input requires grad and ``fn`` belongs to a module with no
+trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 """
 
 from __future__ import annotations
@@ -89,13 +98,44 @@ def _owning_module(fn: Callable[..., Any]) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
-def _may_need_parameter_grads(fn: Callable[..., Any], leaves: list[Any],
-                              owner: nn.Module | None) -> bool:
-    owner = owner if owner is not None else _owning_module(fn)
-    if owner is None:
-        return True  # unknown callable: it may close over trainable parameters
-    modules = [owner] + [leaf for leaf in leaves if isinstance(leaf, nn.Module)]
-    return any(p.requires_grad for m in modules for p in m.parameters())
+_PARAMETER_DICTS = "_pytree_ckpt_parameter_dicts"
+_VERIFIED = "_pytree_ckpt_verified"
+
+
+def _trainable_parameters(modules: list[nn.Module], skip: set[int]) -> list[torch.Tensor]:
+    """The trainable parameters of ``modules`` (deduplicated, without ids in ``skip``).
+
+    Each module caches the ``_parameters`` dicts of its submodules (dicts, not modules: no
+    reference cycle); reading them per call picks up parameters swapped in place (FSDP2).
+    """
+    found: list[torch.Tensor] = []
+    for module in modules:
+        dicts = module.__dict__.get(_PARAMETER_DICTS)
+        if dicts is None:
+            dicts = tuple(m._parameters for m in module.modules())
+            module.__dict__[_PARAMETER_DICTS] = dicts
+        for params in dicts:
+            for param in params.values():
+                if param is not None and param.requires_grad and id(param) not in skip:
+                    skip.add(id(param))
+                    found.append(param)
+    return found
+
+
+def _foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
+    """A leaf that requires grad, reached from ``outs``, that is not in ``known`` (by id)."""
+    seen: set[Any] = set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in known:
+            return variable
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return None
 
 
 def _identity(x: Any) -> Any:
@@ -106,7 +146,7 @@ class _Call:
     """Everything one boundary call needs for its replay, minus the tensors themselves."""
 
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
-                 "out_spec", "out_leaves", "out_tensor_index", "out_meta", "frame", "env",
+                 "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index", "out_meta", "frame", "env",
                  "original_call")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
@@ -117,6 +157,9 @@ class _Call:
         self.in_leaves = in_leaves  # tensor leaves replaced by None (NOTE [what is saved])
         self.in_tensor_index = in_tensor_index
         self.in_slots = in_slots
+        self.n_inputs = 0
+        self.params: list[torch.Tensor] | None = None  # None: an unknown callable
+        self.owner: nn.Module | None = None
         self.frame = Frame()
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
@@ -187,9 +230,10 @@ def _release_frame_if_freed(ctx: Any, frame: Frame) -> None:
 
 class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: _Call, anchor: torch.Tensor | None, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, call: _Call, anchor: torch.Tensor | None, *inputs: torch.Tensor) -> Any:
         ctx.call = call
         ctx.set_materialize_grads(False)
+        tensors = inputs[: call.n_inputs]  # the rest are parameters (NOTE [parameters are inputs])
         call.env = ReplayEnvironment.capture(tensors, preserve_rng=call.options.preserve_rng_state)
         assert call.original_call is not None
         args, kwargs = call.original_call
@@ -219,15 +263,20 @@ class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
-        if not torch.autograd._is_checkpoint_valid():
+        explicit = call.params is not None
+        if not explicit and not torch.autograd._is_checkpoint_valid():
             raise CheckpointError(
                 f"the boundary around {_fn_name(call.fn)} was reached by torch.autograd.grad() "
                 "or backward(inputs=...)",
-                expected="loss.backward() without inputs=", got="a restricted backward",
-                tip="reentrant replay accumulates parameter gradients into .grad; call "
-                    "loss.backward() and read .grad, or leave this region unwrapped")
+                expected="a module (or a method of one) as fn, or loss.backward()",
+                got="an arbitrary callable under a restricted backward",
+                tip="wrap a module (pytree_ckpt.checkpoint(module, ...) or "
+                    "apply_activation_checkpointing) so its parameters are known, or call "
+                    "loss.backward() and read .grad")
         needs = ctx.needs_input_grad[2:]
-        detached = tuple(t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs))
+        n = call.n_inputs
+        detached = tuple(t.detach().requires_grad_(need)
+                         for t, need in zip(ctx.saved_tensors, needs[:n]))
         args, kwargs = call.inputs(detached)
         call.frame.start_replay()
         assert call.env is not None
@@ -249,11 +298,38 @@ class _BoundaryFunction(torch.autograd.Function):
             if grad is not None and out.requires_grad:
                 outs.append(out)
                 grads.append(grad)
-        if outs:
-            torch.autograd.backward(outs, grads)
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_release_frame_if_freed, ctx, call.frame))
-        return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
+        if not explicit:
+            if outs:
+                torch.autograd.backward(outs, grads)
+            return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
+        assert call.params is not None
+        wrt = [*detached, *call.params]
+        wanted = [i for i, need in enumerate(needs) if need]
+        if outs and call.owner is not None and not call.owner.__dict__.get(_VERIFIED):
+            _verify_leaves(call, outs, wrt)
+        result: list[torch.Tensor | None] = [None] * len(wrt)
+        if outs and wanted:
+            got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads, allow_unused=True)
+            for i, grad in zip(wanted, got):
+                result[i] = grad
+        return (None, None, *result)
+
+
+def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
+    # NOTE [parameters are inputs]: once per module, on its first replay.
+    foreign = _foreign_leaf(outs, {id(t) for t in wrt})
+    assert call.owner is not None
+    if foreign is not None:
+        raise CheckpointError(
+            f"the forward of {type(call.owner).__name__} uses a tensor that requires grad but is "
+            "neither an input nor a parameter of the module; it would get no gradient",
+            expected="inputs, and parameters of the module or of modules passed as arguments",
+            got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
+            tip="pass the tensor (or the module owning it) as an argument, or register it as a "
+                "parameter of a submodule")
+    call.owner.__dict__[_VERIFIED] = True
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -277,20 +353,29 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             unique.append(tensor)
         slots.append(slot)
         leaves[index] = None
+    owner = owner if owner is not None else _owning_module(fn)
+    params: list[torch.Tensor] | None = None
+    if owner is not None:
+        modules = [owner, *(leaf for leaf in leaves if isinstance(leaf, nn.Module))]
+        params = _trainable_parameters(modules, set(seen))
     anchor = None
-    if not any(t.requires_grad for t in unique):
-        if not _may_need_parameter_grads(fn, leaves, owner):
+    if not params and not any(t.requires_grad for t in unique):
+        if params is not None:  # a module with nothing trainable: nothing to replay for
             return fn(*args, **kwargs)
         anchor = _anchor()
     call = _Call(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.original_call = (args, kwargs)
+    call.n_inputs = len(unique)
+    call.params = params
+    call.owner = owner
+    inputs = unique if not params else [*unique, *params]
     if options.offload is None:
-        out_tensors = _BoundaryFunction.apply(call, anchor, *unique)
+        out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
     else:
         # NOTE: the window covers only the save of the inputs (the original pass inside runs
         # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
         with options.offload.window(unique):
-            out_tensors = _BoundaryFunction.apply(call, anchor, *unique)
+            out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
     return call.outputs(out_tensors)
 
 

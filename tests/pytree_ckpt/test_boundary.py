@@ -298,16 +298,62 @@ def test_replay_with_another_leaf_shape_or_dtype_names_the_key_path(change: str)
     assert "reuse_during_recompute" in message
 
 
-def test_autograd_grad_through_a_boundary_raises_a_clear_error() -> None:
+def test_autograd_grad_through_a_module_boundary_gives_eager_results() -> None:
+    lin = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    x = torch.randn(4, 3, requires_grad=True)
+    wrt = [x, lin[0].weight, lin[2].bias]
+    eager = torch.autograd.grad(lin(x).square().sum(), wrt)
+    got = torch.autograd.grad(checkpoint(lin, x).square().sum(), wrt)
+    assert_same_grads(list(eager), list(got))
+    assert all(p.grad is None for p in lin.parameters())  # .grad() accumulates nothing
+    loss = checkpoint(lin, x).sum()
+    loss.backward(inputs=[lin[0].bias])
+    assert lin[0].bias.grad is not None and lin[0].weight.grad is None and x.grad is None
+
+
+def test_autograd_grad_through_an_arbitrary_callable_raises_a_clear_error() -> None:
     lin = nn.Linear(3, 3)
     x = torch.randn(2, 3, requires_grad=True)
-    loss = checkpoint(lin, x).sum()
+    loss = checkpoint(lambda t: lin(t) * 2, x).sum()
     with pytest.raises(CheckpointError, match="torch.autograd.grad") as err:
         torch.autograd.grad(loss, [x])
-    assert "loss.backward()" in str(err.value)
-    loss2 = checkpoint(lin, x).sum()
+    assert "apply_activation_checkpointing" in str(err.value)
+    loss2 = checkpoint(lambda t: lin(t) * 2, x).sum()
     with pytest.raises(CheckpointError):
         loss2.backward(inputs=[x])
+
+
+def test_micro_batch_accumulation_in_a_layer_used_twice_is_bit_identical() -> None:
+    shared = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+    batches = [torch.randn(5, 16) for _ in range(3)]
+
+    def step(wrapped: bool) -> None:
+        call = (lambda h: checkpoint(shared, h)) if wrapped else shared
+        for b in batches:  # gradient accumulation over micro-batches
+            h = call(b)
+            h = call(h * 0.5)  # the same weights applied twice (shared-weight MTP depths)
+            h.square().mean().backward()
+
+    eager, ckpt = run_twice(step, list(shared.parameters()))
+    assert_same_grads(eager, ckpt)
+
+
+def test_a_module_using_a_foreign_trainable_tensor_is_refused_not_silently_dropped() -> None:
+    stray = torch.randn(4, requires_grad=True)
+
+    class Leaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * stray  # a closure over a tensor the module does not own
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Leaky())
+    out = layer(torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        out.sum().backward()
+    assert "shape=(4,)" in str(err.value) and "tip:" in str(err.value)
 
 
 def test_same_tensor_passed_twice_gets_the_summed_gradient() -> None:

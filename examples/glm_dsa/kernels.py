@@ -1,0 +1,222 @@
+"""The DSA kernels as ``torch.library`` custom ops, and the backends that run them.
+
+NOTE [why custom ops for every backend]: the indexer top-k and the sparse attention are
+registered operators (``glm_dsa::indexer_topk``, ``glm_dsa::sparse_mla_attention`` and its
+backward) whatever backend computes them. A registered op is visible by *op identity* (a
+selective-checkpoint policy, a dispatch mode or a compiler sees one node, not the Python body),
+and its fake implementation lets ``torch.compile`` trace through it without running it. A
+plain-Python backend would be invisible to all three.
+
+NOTE [backends]: each op's implementation asks :func:`select_backend` for the tensors' device.
+The registry holds only ``"torch"`` (pure torch, any device). A fused kernel (flash-attn,
+tilelang, ...) plugs in with :func:`register_backend`, naming the package it needs in
+``requires``; that package is imported lazily, the first time a tensor on the backend's device
+type asks for it, never at module import and never for a CPU tensor. Nothing else is
+registered here because nothing else is implemented here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from .common import sequence_ids
+
+__all__ = ["Backend", "available_backends", "indexer_topk", "register_backend",
+           "select_backend", "sparse_mla_attention", "sparse_mla_attention_backward"]
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One implementation of the three DSA ops.
+
+    ``device_type`` is the device it runs on (``None``: any); ``requires`` the package it
+    imports, checked lazily (``None``: nothing to import).
+    """
+
+    name: str
+    device_type: str | None
+    requires: str | None
+    indexer_topk: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
+    sparse_attention: Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
+    sparse_attention_backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float],
+                                        tuple[Tensor, Tensor, Tensor]]
+
+
+# --------------------------------------------------------------------------- torch backend
+
+
+def _torch_indexer_topk(q_index: Tensor, k_index: Tensor, weights: Tensor, cu_seqlens: Tensor,
+                        topk: int) -> Tensor:
+    """``I[t,s] = sum_j w[t,j] H^-.5 d^-.5 relu(qI[t,j].kI[s])``, masked, then top-k ids."""
+    total, heads, dim = q_index.shape
+    logits = torch.einsum("thd,sd->ths", q_index, k_index).relu()
+    scores = torch.einsum("ths,th->ts", logits, weights * (heads ** -0.5 * dim ** -0.5))
+    # start(t) <= s <= t: causal and inside t's own packed sequence.
+    seq = sequence_ids(cu_seqlens, total)
+    positions = torch.arange(total, device=q_index.device)
+    allowed = (seq[:, None] == seq[None, :]) & (positions[None, :] <= positions[:, None])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    ids = scores.topk(min(topk, total), dim=-1).indices
+    # Every allowed score is finite, so allowed keys are picked before any masked one; the
+    # masked picks (fewer allowed keys than slots) become -1.
+    ids = ids.masked_fill(~allowed.gather(1, ids), -1)
+    if topk > total:
+        ids = torch.cat([ids, ids.new_full((total, topk - total), -1)], dim=1)
+    return ids
+
+
+def _gather_keys(k: Tensor, v: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    valid = topk_ids >= 0
+    safe = topk_ids.clamp(min=0)  # -1 slots read key 0 and are masked out of the softmax
+    return k[safe], v[safe], valid, safe
+
+
+def _probs(q: Tensor, k_sel: Tensor, valid: Tensor, scale: float) -> Tensor:
+    scores = torch.einsum("thd,tkhd->thk", q, k_sel) * scale
+    # Never a fully masked row: query t may always attend to itself (s = t is allowed).
+    return scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+
+
+def _torch_sparse_attention(q: Tensor, k: Tensor, v: Tensor, topk_ids: Tensor,
+                            scale: float) -> Tensor:
+    k_sel, v_sel, valid, _ = _gather_keys(k, v, topk_ids)
+    return torch.einsum("thk,tkhd->thd", _probs(q, k_sel, valid, scale), v_sel)
+
+
+def _torch_sparse_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                                     topk_ids: Tensor, scale: float
+                                     ) -> tuple[Tensor, Tensor, Tensor]:
+    # The softmax is recomputed with the forward's own code (same bits), then the textbook
+    # attention backward; gathered-key gradients are scattered back with index_add_.
+    k_sel, v_sel, valid, safe = _gather_keys(k, v, topk_ids)
+    probs = _probs(q, k_sel, valid, scale)
+    d_probs = torch.einsum("thd,tkhd->thk", grad_out, v_sel)
+    d_scores = probs * (d_probs - (probs * d_probs).sum(dim=-1, keepdim=True)) * scale
+    dq = torch.einsum("thk,tkhd->thd", d_scores, k_sel)
+    dk_sel = torch.einsum("thk,thd->tkhd", d_scores, q)
+    dv_sel = torch.einsum("thk,thd->tkhd", probs, grad_out)
+    flat = safe.flatten()
+    dk = torch.zeros_like(k).index_add_(0, flat, dk_sel.flatten(0, 1))
+    dv = torch.zeros_like(v).index_add_(0, flat, dv_sel.flatten(0, 1))
+    return dq, dk, dv
+
+
+TORCH_BACKEND = Backend("torch", None, None, _torch_indexer_topk, _torch_sparse_attention,
+                        _torch_sparse_attention_backward)
+
+# Most preferred first; "torch" stays last as the fallback that runs everywhere.
+_REGISTRY: list[Backend] = [TORCH_BACKEND]
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@functools.cache
+def _importable(package: str) -> bool:
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        return False
+    return True
+
+
+def register_backend(backend: Backend, /) -> None:
+    """Prefer ``backend`` over those registered before it (one with its name is replaced)."""
+    _REGISTRY[:] = [backend] + [b for b in _REGISTRY if b.name != backend.name]
+
+
+def _usable(backend: Backend, device_type: str) -> bool:
+    # The device test comes first: a CPU tensor never triggers an optional import.
+    if backend.device_type is not None and backend.device_type != device_type:
+        return False
+    return backend.requires is None or _importable(backend.requires)
+
+
+def available_backends(device: torch.device | str, /) -> list[str]:
+    """Names of the backends that can run on ``device``, most preferred first."""
+    device_type = torch.device(device).type
+    return [b.name for b in _REGISTRY if _usable(b, device_type)]
+
+
+def select_backend(device: torch.device | str, /) -> Backend:
+    """The most preferred backend that can run on ``device`` (``"torch"`` at worst)."""
+    device_type = torch.device(device).type
+    return next(b for b in _REGISTRY if _usable(b, device_type))
+
+
+# --------------------------------------------------------------------------- the ops
+
+
+@torch.library.custom_op("glm_dsa::indexer_topk", mutates_args=())
+def indexer_topk(q_index: Tensor, k_index: Tensor, weights: Tensor, cu_seqlens: Tensor,
+                 topk: int) -> Tensor:
+    """Top-``topk`` key ids per query from the lightning-indexer scores; ``-1`` pads.
+
+    ``q_index`` ``[T, H, d]``, ``k_index`` ``[T, d]``, ``weights`` ``[T, H]``, ``cu_seqlens``
+    int32 ``[B + 1]``. Returns int64 ``[T, topk]``; no id exceeds its query position or leaves
+    its packed sequence.
+    """
+    return select_backend(q_index.device).indexer_topk(q_index, k_index, weights, cu_seqlens,
+                                                       topk)
+
+
+@indexer_topk.register_fake
+def _(q_index: Tensor, k_index: Tensor, weights: Tensor, cu_seqlens: Tensor,
+      topk: int) -> Tensor:
+    return q_index.new_empty((q_index.shape[0], topk), dtype=torch.int64)
+
+
+@torch.library.custom_op("glm_dsa::sparse_mla_attention", mutates_args=())
+def sparse_mla_attention(q: Tensor, k: Tensor, v: Tensor, topk_ids: Tensor,
+                         softmax_scale: float) -> Tensor:
+    """Attention of each query ``t`` over the keys ``topk_ids[t]`` (``-1`` slots ignored).
+
+    ``q``/``k`` ``[T, H, Dqk]``, ``v`` ``[T, H, Dv]``, ``topk_ids`` ``[T, K]``; returns
+    ``[T, H, Dv]``.
+    """
+    return select_backend(q.device).sparse_attention(q, k, v, topk_ids, softmax_scale)
+
+
+@sparse_mla_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, topk_ids: Tensor, softmax_scale: float) -> Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+
+
+@torch.library.custom_op("glm_dsa::sparse_mla_attention_backward", mutates_args=())
+def sparse_mla_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                                  topk_ids: Tensor, softmax_scale: float
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`sparse_mla_attention` with respect to ``q``, ``k`` and ``v``."""
+    return select_backend(q.device).sparse_attention_backward(grad_out, q, k, v, topk_ids,
+                                                              softmax_scale)
+
+
+@sparse_mla_attention_backward.register_fake
+def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, topk_ids: Tensor,
+      softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...],
+                   output: Tensor) -> None:
+    q, k, v, topk_ids, softmax_scale = inputs
+    ctx.save_for_backward(q, k, v, topk_ids)
+    ctx.softmax_scale = softmax_scale  # type: ignore[attr-defined]
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
+              ) -> tuple[Tensor | None, ...]:
+    q, k, v, topk_ids = ctx.saved_tensors  # type: ignore[attr-defined]
+    dq, dk, dv = sparse_mla_attention_backward(grad_out.contiguous(), q, k, v, topk_ids,
+                                               ctx.softmax_scale)  # type: ignore[attr-defined]
+    return dq, dk, dv, None, None
+
+
+sparse_mla_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,443 @@
+"""The GLM-5-style reference model under pytree-ckpt: exactness, call counts and invariants.
+
+Every comparison is against an uncheckpointed twin, bit for bit in fp32 (``torch.equal``),
+and every claim about the indexer or the router is checked by counting the calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+import torch
+
+import pytree_ckpt
+from examples.glm_dsa import (DsaIndexer, GlmDsaConfig, GlmDsaForCausalLM, make_packed_batch,
+                              topk_source_layers)
+from examples.glm_dsa import attention as attention_module
+from examples.glm_dsa import kernels, train
+from examples.glm_dsa.common import position_ids, rope_tables
+from examples.glm_dsa.mlp import Router, SwiGLU
+from examples.glm_dsa.mtp import mtp_labels
+from pytree_ckpt import Phase
+
+SEQ_LENS = (20, 12)  # T = 32 > index_topk = 8, so the attention really is sparse
+SOURCES = [0, 1, 2, 6]  # topk_source_layers of the default config, worked out by hand
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    # These tensors are tiny: intra-op threads only add sync, and on a busy 2-core CI box
+    # spinning OpenMP workers made this file 20x slower (5 s vs 120 s measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def build(**overrides: Any) -> tuple[GlmDsaConfig, GlmDsaForCausalLM]:
+    config = GlmDsaConfig(**overrides)
+    torch.manual_seed(0)
+    return config, GlmDsaForCausalLM(config)
+
+
+def checkpointed_twin(model: GlmDsaForCausalLM, ratio: float = 1.0) -> GlmDsaForCausalLM:
+    twin = copy.deepcopy(model)
+    twin.checkpoint_layers(ratio)
+    return twin
+
+
+def grads(model: GlmDsaForCausalLM) -> dict[str, torch.Tensor | None]:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_same_grads(expected: dict[str, Any], got: dict[str, Any]) -> None:
+    assert expected.keys() == got.keys()
+    for name, grad in expected.items():
+        if grad is None:
+            assert got[name] is None, name
+        else:
+            diff = (grad - got[name]).abs().max()
+            assert torch.equal(grad, got[name]), f"{name}: max |d| = {diff}"
+
+
+def differing_grads(expected: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    return [name for name, grad in expected.items()
+            if grad is not None and not torch.equal(grad, got[name])]
+
+
+def indexers(model: GlmDsaForCausalLM) -> dict[str, DsaIndexer]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, DsaIndexer)}
+
+
+class CallLog:
+    """Counts calls per (name, step part), where the test sets the part around each pass."""
+
+    def __init__(self) -> None:
+        self.part = "forward"
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.phases: list[Phase] = []
+
+    def hook(self, name: str) -> Any:
+        def record(module: Any, args: Any) -> None:
+            self.calls[name, self.part] += 1
+            self.phases.append(pytree_ckpt.current_phase())
+        return record
+
+    def in_backward(self) -> int:
+        return sum(n for (_, part), n in self.calls.items() if part == "backward")
+
+
+def train_step(model: GlmDsaForCausalLM, batch: dict[str, torch.Tensor], *,
+               seed: int = 7, log: CallLog | None = None) -> torch.Tensor:
+    """One forward and backward; ``log`` (if any) is told which of the two is running."""
+    log = log or CallLog()
+    torch.manual_seed(seed)  # the same dropout masks for both twins
+    log.part = "forward"
+    loss = model(**batch)["loss"]
+    log.part = "backward"
+    loss.backward()
+    log.part = "forward"
+    return loss.detach()
+
+
+def count_indexer_calls(model: GlmDsaForCausalLM) -> CallLog:
+    log = CallLog()
+    for name, indexer in indexers(model).items():
+        indexer.register_forward_pre_hook(log.hook(name))
+    return log
+
+
+# --------------------------------------------------------------------------- 1. exactness
+
+
+@pytest.mark.parametrize("overrides, ratio", [
+    ({}, 1.0),
+    ({"moe": True}, 1.0),
+    ({"dropout": 0.2, "moe": True}, 1.0),  # dropout: the replay must redraw the same masks
+    ({"dropout": 0.2}, 0.5),               # half the decoder layers checkpointed, MTP too
+])
+def test_checkpointed_model_gives_bit_identical_loss_and_grads_to_its_eager_twin(
+        overrides: dict[str, Any], ratio: float) -> None:
+    config, eager = build(**overrides)
+    ckpt = checkpointed_twin(eager, ratio)
+    assert all(pytree_ckpt.is_checkpointed(m) for m in ckpt.mtp_layers)
+    batch = make_packed_batch(config, SEQ_LENS)
+    assert torch.equal(train_step(eager, batch), train_step(ckpt, batch))
+    expected = grads(eager)
+    # Indexers are trained by a separate loss in GLM-5; the LM loss gives them no gradient.
+    assert {n for n, g in expected.items() if g is None} == {
+        n for n in expected if ".indexer." in n}
+    assert_same_grads(expected, grads(ckpt))
+
+
+# --------------------------------------------------------------------------- 2. call counts
+
+
+def test_each_computing_indexer_runs_once_per_micro_batch_and_never_during_recompute() -> None:
+    config, eager = build()
+    model = checkpointed_twin(eager)
+    assert [i for i, s in enumerate(topk_source_layers(config)) if s] == SOURCES
+    # Consumers own no indexer at all; the one shared MTP layer owns one.
+    assert [layer.self_attn.indexer is not None for layer in model.layers] == \
+        topk_source_layers(config)
+    assert set(indexers(model)) == {f"layers.{i}.self_attn.indexer" for i in SOURCES} | {
+        "mtp_layers.0.block.self_attn.indexer"}
+    log = count_indexer_calls(model)
+    first = make_packed_batch(config, SEQ_LENS, seed=1)
+    second = make_packed_batch(config, (9, 23), seed=2)
+    train_step(model, first, log=log)
+    assert log.calls == Counter({(name, "forward"): 1 for name in indexers(model)})
+    train_step(model, second, log=log)  # a second micro-batch accumulates into the grads
+    assert log.calls == Counter({(name, "forward"): 2 for name in indexers(model)})
+    assert set(log.phases) == {Phase.FORWARD}  # only ever in an original pass
+    # ...and the accumulated grads are those of the eager twin, bit for bit, the shared MTP
+    # layer (used at two depths) included: the boundary returns parameter gradients to
+    # autograd instead of adding them to .grad itself, so the sums associate as in eager.
+    train_step(eager, first)
+    train_step(eager, second)
+    assert_same_grads(grads(eager), grads(model))
+
+
+# --------------------------------------------------------------------------- 3. storage
+
+
+def test_a_consumer_receives_the_storage_its_source_produced_in_forward_and_in_replay() -> None:
+    config, model = build()
+    model.checkpoint_layers(1.0)
+    seen: dict[tuple[str, str, Phase], list[int]] = defaultdict(list)
+
+    def watch(name: str, attn: torch.nn.Module) -> None:
+        def before(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            if kwargs["dsa_topk_ids"] is not None:
+                ptr = kwargs["dsa_topk_ids"].untyped_storage().data_ptr()
+                seen[name, "in", pytree_ckpt.current_phase()].append(ptr)
+
+        def after(module: Any, args: Any, kwargs: Any, output: dict[str, Any]) -> None:
+            ptr = output["dsa_topk_ids"].untyped_storage().data_ptr()
+            seen[name, "out", pytree_ckpt.current_phase()].append(ptr)
+
+        attn.register_forward_pre_hook(before, with_kwargs=True)
+        attn.register_forward_hook(after, with_kwargs=True)
+
+    for i, layer in enumerate(model.layers):
+        watch(str(i), layer.self_attn)
+    watch("mtp", model.mtp_layers[0].block.self_attn)
+    train_step(model, make_packed_batch(config, SEQ_LENS))
+
+    for phase in (Phase.FORWARD, Phase.RECOMPUTE):
+        for consumer, source in {3: 2, 4: 2, 5: 2, 7: 6}.items():
+            produced = seen[str(source), "out", Phase.FORWARD]
+            assert seen[str(consumer), "in", phase] == produced, (consumer, phase)
+            assert seen[str(consumer), "out", phase] == produced, (consumer, phase)
+        for source in SOURCES:
+            assert (str(source), "in", phase) not in seen
+            assert seen[str(source), "out", phase] == seen[str(source), "out", Phase.FORWARD]
+        # MTP: depth 1 computes, depth 2 receives depth 1's ids (the replay runs depth 2 first).
+        depth1 = seen["mtp", "out", Phase.FORWARD][0]
+        assert seen["mtp", "in", phase] == [depth1]
+        assert seen["mtp", "out", phase] == [depth1, depth1]
+    distinct = {seen[str(s), "out", Phase.FORWARD][0] for s in SOURCES}
+    assert len(distinct) == len(SOURCES)  # the sources really produce separate tensors
+
+
+# --------------------------------------------------------------------------- 4. why reuse
+
+
+def test_reuse_keeps_grads_exact_under_a_nondeterministic_indexer_and_a_direct_call_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An indexer that picks other keys on every call (as ties or a racy kernel could).
+    calls = itertools.count()
+    original = DsaIndexer.forward
+
+    def erratic(self: DsaIndexer, hidden_states: torch.Tensor, q_latent: torch.Tensor,
+                cu_seqlens: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(next(calls))
+        noise = torch.randn(hidden_states.shape, generator=generator)
+        return original(self, hidden_states + 10 * noise, q_latent, cu_seqlens)
+
+    monkeypatch.setattr(DsaIndexer, "forward", erratic)
+    config, eager = build()
+    batch = make_packed_batch(config, SEQ_LENS)
+    indexer = eager.layers[0].self_attn.indexer
+    args = (torch.randn(32, config.hidden_size), torch.randn(32, config.q_lora_rank),
+            batch["cu_seqlens"])
+    assert not torch.equal(indexer(*args), indexer(*args)), "the indexer must be erratic"
+
+    calls = itertools.count()
+    eager_loss = train_step(eager, batch)
+    expected = grads(eager)
+    results = {}
+    for reuse in (True, False):
+        model = checkpointed_twin(eager)
+        model.zero_grad(set_to_none=True)
+        for attn in (m for m in model.modules() if isinstance(m, attention_module.MlaAttention)):
+            attn.reuse_indexer = reuse
+        log = count_indexer_calls(model)
+        calls = itertools.count()  # the original pass sees the same ids as the eager run
+        assert torch.equal(train_step(model, batch, log=log), eager_loss)
+        results[reuse] = (differing_grads(expected, grads(model)), log)
+
+    differing, log = results[True]
+    assert differing == []
+    assert log.in_backward() == 0
+    # Direct calls rerun every source indexer in replay, pick other keys, and the gradients
+    # silently change: no error, same shapes, different numbers.
+    differing, log = results[False]
+    assert log.in_backward() == len(SOURCES) + 1
+    assert any(name.startswith("layers.0.self_attn.") for name in differing)
+    # The head's gradient reads the original pass's outputs: only what a replay rebuilds changed.
+    assert "lm_head.weight" not in differing and "norm.weight" not in differing
+
+
+# --------------------------------------------------------------------------- 5. invariants
+
+
+def dense_causal_mla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     seq_lens: tuple[int, ...], scale: float) -> torch.Tensor:
+    """Dense attention, causal inside each packed sequence (the reference, written here)."""
+    total = q.shape[0]
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
+    allowed = (seq[:, None] == seq[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+# NOTE: sparse and dense attention sum the same terms in a different order and over a different
+# layout (gathered [T, K] keys vs a masked [T, T] matrix), so they agree to about one float32
+# ulp (1.2e-7 measured) rather than bit for bit; 1e-6 is a few ulps at these magnitudes.
+ATOL = 1e-6
+
+
+def test_sparse_attention_with_topk_covering_every_key_equals_dense_causal_attention(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    total = sum(SEQ_LENS)
+    config, model = build(index_topk=total)
+    batch = make_packed_batch(config, SEQ_LENS)
+    cu_seqlens = batch["cu_seqlens"]
+    cos, sin = rope_tables(position_ids(cu_seqlens, total), config.qk_rope_head_dim,
+                           config.rope_theta)
+    layer = model.layers[0]
+    a = layer.input_layernorm(model.embed_tokens(batch["input_ids"][0]))
+    proj = layer.self_attn.project(a, cos, sin)
+    ids = layer.self_attn.indexer(a, proj.q_latent, cu_seqlens)
+    sparse = kernels.sparse_mla_attention(proj.q, proj.k, proj.v, ids, config.softmax_scale)
+    dense = dense_causal_mla(proj.q, proj.k, proj.v, SEQ_LENS, config.softmax_scale)
+    torch.testing.assert_close(sparse, dense, atol=ATOL, rtol=0)
+
+    # The whole model, with every layer attending densely instead: the same loss and grads.
+    sparse_loss = train_step(model, batch)
+    sparse_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(attention_module, "sparse_mla_attention",
+                        lambda q, k, v, ids, scale: dense_causal_mla(q, k, v, SEQ_LENS, scale))
+    torch.testing.assert_close(train_step(model, batch), sparse_loss, atol=ATOL, rtol=0)
+    for name, grad in grads(model).items():
+        if grad is not None:
+            torch.testing.assert_close(grad, sparse_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_indexer_ids_are_the_top_scores_causal_in_their_sequence_padded_with_minus_one() -> None:
+    seq_lens = (20, 5, 7)  # the 5-token sequence has fewer keys than index_topk = 8
+    config, model = build()
+    batch = make_packed_batch(config, seq_lens)
+    total = sum(seq_lens)
+    indexer = model.layers[0].self_attn.indexer
+    hidden = torch.randn(total, config.hidden_size)
+    q_latent = torch.randn(total, config.q_lora_rank)
+    ids = indexer(hidden, q_latent, batch["cu_seqlens"])
+    assert ids.dtype == torch.int64 and ids.shape == (total, config.index_topk)
+    assert not ids.requires_grad
+
+    # The score, from the formula: I[t,s] = sum_j w[t,j] H^-.5 d^-.5 relu(qI[t,j] . kI[s]).
+    with torch.no_grad():
+        heads, dim = config.index_n_heads, config.index_head_dim
+        q_index = indexer.wq(q_latent).view(total, heads, dim)
+        k_index = indexer.k_norm(indexer.wk(hidden))
+        w = indexer.weights_proj(hidden)
+        scores = (w[:, :, None] * heads ** -0.5 * dim ** -0.5
+                  * (q_index @ k_index.T).relu()).sum(dim=1)
+    starts = [s for s, n in zip(itertools.accumulate((0,) + seq_lens), seq_lens) for _ in range(n)]
+    for t, start in enumerate(starts):
+        row = ids[t].tolist()
+        keys = min(config.index_topk, t - start + 1)
+        chosen, padding = row[:keys], row[keys:]
+        assert padding == [-1] * (config.index_topk - keys), (t, row)
+        assert all(start <= s <= t for s in chosen), (t, row)
+        best = (scores[t, start:t + 1].topk(keys).indices + start).tolist()
+        assert sorted(chosen) == sorted(best), (t, row)
+
+
+def test_moe_expert_assignment_is_replayed_even_when_routing_is_erratic(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = itertools.count()
+    log = CallLog()
+
+    def erratic_select(self: Router, logits: torch.Tensor) -> torch.Tensor:
+        log.calls["select", log.part] += 1
+        log.phases.append(pytree_ckpt.current_phase())
+        g = torch.Generator().manual_seed(next(calls))
+        return torch.rand(logits.shape, generator=g).topk(self.top_k, dim=-1).indices
+
+    monkeypatch.setattr(Router, "select", erratic_select)
+    config, eager = build(moe=True)
+    model = checkpointed_twin(eager)
+    batch = make_packed_batch(config, SEQ_LENS)
+    tokens_per_expert: dict[Phase, Counter[tuple[int, int]]] = defaultdict(Counter)
+    for index, expert in enumerate(m for m in model.modules() if isinstance(m, SwiGLU)):
+        def count(module: Any, args: Any, index: int = index) -> None:
+            tokens_per_expert[pytree_ckpt.current_phase()][index, args[0].shape[0]] += 1
+        expert.register_forward_pre_hook(count)
+
+    calls = itertools.count()
+    eager_loss = train_step(eager, batch)
+    log.calls.clear()
+    calls = itertools.count()  # the original pass routes as the eager run did
+    assert torch.equal(train_step(model, batch, log=log), eager_loss)
+    # 8 decoder layers + 2 MTP depths route once each, in forward only.
+    assert log.calls == Counter({("select", "forward"): config.num_layers + config.mtp_depth})
+    assert tokens_per_expert[Phase.RECOMPUTE] == tokens_per_expert[Phase.FORWARD]
+    assert_same_grads(grads(eager), grads(model))
+    assert all(model.layers[i].mlp.router.proj.weight.grad.abs().sum() > 0 for i in range(8))
+
+
+def test_positions_restart_per_sequence_and_mtp_labels_never_cross_a_sequence_end() -> None:
+    config, model = build()
+    batch = make_packed_batch(config, (5, 3))
+    cu_seqlens, labels = batch["cu_seqlens"], batch["labels"][0]
+    assert position_ids(cu_seqlens, 8).tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    tokens = batch["input_ids"][0].tolist()
+    assert labels.tolist() == tokens[1:5] + [-100] + tokens[6:8] + [-100]
+    # Depth k predicts token t + k + 1 of t's own sequence, or nothing.
+    assert mtp_labels(labels, cu_seqlens, 1).tolist() == tokens[2:5] + [-100] * 2 + [
+        tokens[7], -100, -100]
+    assert mtp_labels(labels, cu_seqlens, 2).tolist() == tokens[3:5] + [-100] * 6
+    out = model(**batch)
+    assert len(out["mtp_losses"]) == config.mtp_depth and out["logits"].shape == (1, 8, 256)
+    assert torch.equal(out["loss"], out["main_loss"] + config.mtp_loss_weight
+                       * torch.stack(out["mtp_losses"]).mean())
+
+
+# --------------------------------------------------------------------------- kernels, config
+
+
+def test_custom_ops_pass_opcheck_and_the_backward_matches_autograd_in_float64() -> None:
+    total, heads = 12, 2
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    ids = kernels.indexer_topk(torch.randn(total, heads, 4), torch.randn(total, 4),
+                               torch.randn(total, heads), cu_seqlens, 4)
+    q, k = (torch.randn(total, heads, 6, dtype=torch.float64, requires_grad=True) for _ in "qk")
+    v = torch.randn(total, heads, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda q, k, v: kernels.sparse_mla_attention(q, k, v, ids, 0.4),
+                             (q, k, v))
+    torch.library.opcheck(kernels.sparse_mla_attention, (q, k, v, ids, 0.4))
+    torch.library.opcheck(kernels.indexer_topk, (torch.randn(total, heads, 4),
+                                                 torch.randn(total, 4), torch.randn(total, heads),
+                                                 cu_seqlens, 4))
+
+
+def test_a_cpu_run_never_tries_to_import_an_optional_cuda_backend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    imports: list[str] = []
+    monkeypatch.setattr(kernels, "_importable", lambda package: imports.append(package) or True)
+    fused = kernels.Backend("fused", "cuda", "some_fused_kernels", *(lambda *a: None,) * 3)
+    monkeypatch.setattr(kernels, "_REGISTRY", list(kernels._REGISTRY))
+    kernels.register_backend(fused)
+    assert kernels.available_backends("cpu") == ["torch"]
+    config, model = build()
+    train_step(model, make_packed_batch(config, SEQ_LENS))
+    assert imports == []
+    assert kernels.available_backends("cuda") == ["fused", "torch"]  # only now: a CUDA ask
+    assert imports == ["some_fused_kernels"]
+
+
+@pytest.mark.parametrize("field, value", [("index_skip_topk_offset", 0), ("dropout", 1.0),
+                                          ("num_experts_per_tok", 5), ("qk_rope_head_dim", 7)])
+def test_an_invalid_config_names_its_field_and_gives_a_tip(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"GlmDsaConfig\.{field} .*tip:"):
+        GlmDsaConfig(**{field: value})
+
+
+# --------------------------------------------------------------------------- 6. train.py
+
+
+def test_the_training_script_learns_and_its_first_loss_is_the_eager_models(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    losses = train.main(["--steps", "2", "--seed", "3", "--ratio", "1.0"])
+    printed = capsys.readouterr().out
+    assert [line.split()[:2] for line in printed.splitlines() if line.startswith("step")] == [
+        ["step", "1"], ["step", "2"]]
+    assert len(losses) == 2 and losses[1] < losses[0]  # same batch: only the parameters moved
+    config = GlmDsaConfig()
+    torch.manual_seed(3)  # the script's documented initialisation
+    eager = GlmDsaForCausalLM(config)
+    batch = make_packed_batch(config, seed=3)
+    with torch.no_grad():
+        assert eager(**batch)["loss"].item() == losses[0]
