@@ -1,0 +1,108 @@
+"""The reference model with checkpoint + frozen-result replay + offload, against its eager twin."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import pytree_ckpt
+from examples.glm_dsa import make_packed_batch
+from examples.glm_dsa.decoder import DecoderLayer
+from offload import OffloadConfig, OffloadManager
+from tests.examples.test_glm_dsa_model import (SEQ_LENS, _one_thread, assert_same_grads, build,
+                                               grads, train_step)
+
+__all__ = ["_one_thread"]  # the module-scoped one-thread fixture applies here too
+
+
+def offloaded_twin(model: Any, **config: Any) -> tuple[Any, OffloadManager]:
+    manager = OffloadManager(OffloadConfig(**{"min_bytes": 0, **config}))
+    twin = copy.deepcopy(model)
+    twin.checkpoint_layers(1.0, offload=manager)
+    return twin, manager
+
+
+@pytest.mark.parametrize("overrides", [{}, {"moe": True, "dropout": 0.2}])
+def test_checkpoint_replay_and_offload_give_bit_identical_loss_and_grads(
+        overrides: dict[str, Any]) -> None:
+    config, eager = build(**overrides)
+    model, manager = offloaded_twin(eager)
+    batch = make_packed_batch(config, SEQ_LENS)
+    assert torch.equal(train_step(eager, batch), train_step(model, batch))
+    assert_same_grads(grads(eager), grads(model))
+    stats = manager.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] > 0
+    assert stats["host_buffers_in_use"] == 0
+
+
+def test_top_k_ids_and_mtp_depths_are_offloaded_once_and_restored_exactly() -> None:
+    config, eager = build()
+    model, manager = offloaded_twin(eager)
+    batch = make_packed_batch(config, SEQ_LENS)
+    total = sum(SEQ_LENS)
+    offloaded: list[torch.Tensor] = []
+    copies: dict[int, torch.Tensor] = {}  # one entry per host copy
+    restored: list[torch.Tensor] = []
+    pack, unpack = manager._pack, manager._unpack
+
+    def spy_pack(window: Any, t: torch.Tensor) -> Any:
+        out = pack(window, t)
+        if out is not t:
+            offloaded.append(t.detach().clone())
+            copies.setdefault(id(out.copy), t)
+        return out
+
+    def spy_unpack(handle: Any) -> torch.Tensor:
+        out = unpack(handle)
+        restored.append(out.detach().clone())
+        return out
+
+    manager._pack, manager._unpack = spy_pack, spy_unpack  # type: ignore[method-assign]
+    seen_ids: dict[str, list[torch.Tensor]] = {"forward": [], "recompute": []}
+    original = DecoderLayer.forward
+
+    def recording_forward(self: DecoderLayer, *args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("dsa_topk_ids")
+        if ids is not None:
+            seen_ids[pytree_ckpt.current_phase().value].append(ids.clone())
+        return original(self, *args, **kwargs)
+
+    DecoderLayer.forward = recording_forward  # type: ignore[method-assign]
+    try:
+        train_step(model, batch)
+    finally:
+        DecoderLayer.forward = original  # type: ignore[method-assign]
+    ids_saved = [t for t in offloaded if t.dtype == torch.int64 and t.shape == (total, 8)]
+    ids_copied = [t for t in copies.values() if t.dtype == torch.int64 and t.dim() == 2]
+    # consumers: layers 3, 4, 5 receive layer 2's ids, layer 7 layer 6's, MTP depth 2 those of
+    # depth 1: five saves, but each distinct ids storage is copied exactly once
+    assert len(ids_saved) == 5 and len(ids_copied) == 3
+    # every consumer's replay received exactly the ids its forward did, from the host copy
+    assert len(seen_ids["recompute"]) == len(seen_ids["forward"]) == 5
+    for before, after in zip(seen_ids["forward"], reversed(seen_ids["recompute"])):
+        assert torch.equal(before, after)
+    # hidden states of all 8 decoder layers and both MTP depths went out and came back
+    hidden = [t for t in offloaded if t.dtype == torch.float32 and t.shape == (total, 64)]
+    assert len(hidden) >= 8 + 2
+    assert len(restored) >= len(offloaded)
+    assert all(any(torch.equal(r, o) for r in restored) for o in offloaded)
+
+
+def test_rope_tables_and_cu_seqlens_are_copied_once_per_step_not_once_per_layer() -> None:
+    config, eager = build()
+    model, manager = offloaded_twin(eager)
+    batch = make_packed_batch(config, SEQ_LENS)
+    train_step(model, batch)
+    total = sum(SEQ_LENS)
+    stats = manager.stats()
+    per_hidden = total * config.hidden_size * 4
+    per_ids = total * config.index_topk * 8
+    rope = 2 * total * config.qk_rope_head_dim * 4   # cos and sin
+    cu = (len(SEQ_LENS) + 1) * 4
+    # 8 decoder layer inputs + 2 MTP depth inputs (hidden) and token embeddings for 2 depths
+    expected = (8 + 2) * per_hidden + 2 * per_hidden + 3 * per_ids + rope + cu
+    assert stats["offloaded_bytes"] == expected
+    assert stats["windows"] == 8 + 2
