@@ -204,6 +204,7 @@ def test_without_rng_preservation_dropout_masks_differ() -> None:
     assert not torch.equal(eager[0], ckpt[0])  # the replay drew another mask
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_dropout_masks_are_identical_in_the_replay() -> None:
     drop = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).cuda()

@@ -1,0 +1,84 @@
+"""The boundary benchmark script runs end to end and reports a coherent result structure.
+
+No timing is asserted here: timing claims live in the script's output only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples import bench_boundary
+
+EXPECTED_CONFIGS = {"ours", "ours (module)", "torch reentrant", "torch non-reentrant", "eager"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    path = tmp_path_factory.mktemp("bench") / "times.json"
+    results = bench_boundary.main(
+        ["--sizes", "small", "--rounds", "2", "--warmup", "1", "--json", str(path)])
+    return results, path
+
+
+def test_the_tiny_run_reports_every_configuration_for_the_small_size(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    results, _ = tiny_run
+    assert set(results["sizes"]) == {"small"}
+    small = results["sizes"]["small"]
+    assert set(small["configs"]) == EXPECTED_CONFIGS
+    assert set(bench_boundary.CONFIGS) == EXPECTED_CONFIGS
+
+
+def test_the_gradients_of_ours_are_reported_bit_identical_to_eager(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    results, _ = tiny_run
+    assert results["sizes"]["small"]["grads_equal"] is True
+
+
+def test_every_configuration_has_positive_medians_and_one_raw_time_per_round(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    small = tiny_run[0]["sizes"]["small"]
+    for config, stats in small["configs"].items():
+        assert len(stats["times_ms"]) == 2, config
+        assert all(t > 0 for t in stats["times_ms"]), config
+        assert stats["median_ms"] > 0, config
+        assert stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"], config
+
+
+def test_the_ratios_are_the_quotients_of_the_medians(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    small = tiny_run[0]["sizes"]["small"]
+    medians = {config: stats["median_ms"] for config, stats in small["configs"].items()}
+    for config, stats in small["configs"].items():
+        assert stats["ratio_vs_torch_reentrant"] == pytest.approx(
+            medians[config] / medians["torch reentrant"], rel=1e-12)
+    ours = small["ours_ratios"]
+    assert ours["vs_torch_reentrant"] == pytest.approx(
+        medians["ours"] / medians["torch reentrant"], rel=1e-12)
+    assert ours["vs_torch_non_reentrant"] == pytest.approx(
+        medians["ours"] / medians["torch non-reentrant"], rel=1e-12)
+    assert ours["vs_eager"] == pytest.approx(medians["ours"] / medians["eager"], rel=1e-12)
+    assert small["target_met"] == (ours["vs_torch_reentrant"] <= small["target"])
+
+
+def test_the_json_file_holds_the_same_results_as_the_return_value(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    results, path = tiny_run
+    assert json.loads(path.read_text()) == results
+
+
+def test_no_timings_are_reported_when_the_gradients_differ_from_eager(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def off_by_a_bit(layer: Any, x: Any) -> Any:
+        return layer(x) * 1.001
+
+    monkeypatch.setitem(bench_boundary.LAYER_CALLS, "ours", off_by_a_bit)
+    results = bench_boundary.main(["--sizes", "small", "--rounds", "1", "--warmup", "0"])
+    small = results["sizes"]["small"]
+    assert small["grads_equal"] is False
+    assert "configs" not in small
+    assert "timings not reported" in capsys.readouterr().out
