@@ -10,17 +10,25 @@ from .frames import reuse_during_recompute
 from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
                      remove_activation_checkpointing, resolve_offload)
 from .phase import Phase, current_phase
+from .save_units import (KeptCallables, KeptOps, RecomputeConfig, RecomputeTargetMap, SaveUnit,
+                         apply_recompute_config)
 
 __all__ = [
     "ActivationCensus",
     "BoundaryOptions",
     "CheckpointConfigError",
     "CheckpointError",
+    "KeptCallables",
+    "KeptOps",
     "Mechanism",
     "Phase",
+    "RecomputeConfig",
+    "RecomputeTargetMap",
     "ReplayMismatchError",
     "ReuseError",
+    "SaveUnit",
     "apply_activation_checkpointing",
+    "apply_recompute_config",
     "checkpoint",
     "checkpoint_layers",
     "checkpointed",

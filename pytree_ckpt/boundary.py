@@ -55,6 +55,7 @@ from offload import OffloadManager
 from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
 from .frames import Frame
+from .keep import KeepMode, KeepPolicy
 from .phase import ACTIVE, Invocation, Phase
 from .rng import ReplayEnvironment
 from .tree import describe_leaf, flatten, leaf_paths, unflatten
@@ -71,10 +72,12 @@ class BoundaryOptions:
 
     ``offload``: a manager that opens a window over the boundary's input tensor leaves at each
     call, so the inputs it saves (hidden states, top-k ids) go to host memory until backward.
+    ``keep``: the ops whose outputs stay resident instead of being recomputed (save units).
     """
 
     preserve_rng_state: bool = True
     offload: OffloadManager | None = None
+    keep: KeepPolicy | None = None  # what stays resident (apply_recompute_config builds it)
 
 
 DEFAULT_OPTIONS = BoundaryOptions()
@@ -240,7 +243,11 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         token = ACTIVE.set(Invocation(Phase.FORWARD, call.frame, ACTIVE.get()))
         try:
-            output = call.fn(*args, **kwargs)
+            if call.options.keep is None:
+                output = call.fn(*args, **kwargs)
+            else:
+                with KeepMode(call.options.keep):
+                    output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
         flat = flatten(output)
@@ -286,6 +293,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 call.env.enter(stack)
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
+                if call.options.keep is not None:
+                    stack.enter_context(KeepMode(call.options.keep))
                 output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)

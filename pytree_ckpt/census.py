@@ -43,6 +43,7 @@ class Mechanism(str, enum.Enum):
 
     BOUNDARY = "checkpoint boundary"    # inputs saved by a checkpoint boundary
     REPLAY_FRAME = "replay frame"       # frozen results held for a replay
+    SAVE_UNIT = "save unit"             # op outputs a save unit keeps instead of recomputing
     OFFLOADED = "offloaded to host"     # host copies of offloaded storages
     OFFLOAD_IN_FLIGHT = "offload in flight"  # device storages the manager holds until copied
     AUTOGRAD = "autograd"               # saved by ordinary autograd outside any boundary

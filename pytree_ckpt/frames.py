@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from .errors import ReuseError
+from .keep import IN_REUSE
 from .phase import ACTIVE, Phase
 from .tree import flatten, leaf_paths
 
@@ -38,7 +39,9 @@ T = TypeVar("T")
 
 
 def callable_name(fn: Callable[..., Any], /) -> str:
-    """A readable name for ``fn`` in messages (``DsaIndexer.forward``, ``topk_ids``)."""
+    """A readable name for ``fn`` in messages (``DsaIndexer.forward``, ``aten.mm.default``)."""
+    if isinstance(fn, torch._ops.OpOverload):
+        return str(fn)
     owner = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", fn)
     name = getattr(func, "__qualname__", None) or type(func).__name__
@@ -64,12 +67,15 @@ class Frame:
         recorded = self.results.get(fn, ())
         position = self.cursors.get(fn, 0)
         if position >= len(recorded):
+            what = ("a save unit for kept output" if isinstance(fn, torch._ops.OpOverload)
+                    else "reuse_during_recompute for result")
             raise ReuseError(
-                f"the replay asked reuse_during_recompute for result #{position + 1} of "
-                f"{callable_name(fn)}, but the original pass recorded {len(recorded)}",
+                f"the replay asked {what} #{position + 1} of {callable_name(fn)}, but the "
+                f"original pass recorded {len(recorded)}",
                 expected=f"at most {len(recorded)} call(s)", got=f"call #{position + 1}",
-                tip="the replay must make the same reuse_during_recompute calls, in the same "
-                    "order, as the original pass; branch on inputs, not on current_phase()")
+                tip="the replay must make the same calls (and dispatch the same kept ops), in "
+                    "the same order, as the original pass; branch on inputs, not on "
+                    "current_phase() or grad mode")
         self.cursors[fn] = position + 1
         return recorded[position]
 
@@ -88,9 +94,11 @@ class Frame:
                         "original pass; a result left over means the replay took another path")
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held by the frame (for memory accounting)."""
+        """Every frozen-result tensor the frame holds (kept op outputs excluded)."""
         found: list[torch.Tensor] = []
-        for recorded in self.results.values():
+        for fn, recorded in self.results.items():
+            if isinstance(fn, torch._ops.OpOverload):
+                continue  # a save unit's kept outputs: reported as such by the keep mode
             for result in recorded:
                 flat = flatten(result)
                 found.extend(flat.leaves[i] for i in flat.tensor_index)
@@ -131,7 +139,11 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         recorders.append(invocation)
         invocation = invocation.parent
     if invocation is None:
-        result = fn(*args, **kwargs)
+        token = IN_REUSE.set(True)  # the replay will not run these ops: never keep them
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            IN_REUSE.reset(token)
         _check_frozen(fn, result)
     else:
         result = invocation.frame.take(fn)

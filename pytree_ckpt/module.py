@@ -107,6 +107,11 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
             tip="wrap a plain function with pytree_ckpt.checkpoint(fn, *args) instead")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload))
+    return install_boundary(module, options)
+
+
+def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Module:
+    """Install the boundary with ``options`` on ``module`` (see ``apply_activation_checkpointing``)."""
     installed = module.__dict__.get(_INSTALLED)
     if installed is not None:
         if installed.options != options:
@@ -132,7 +137,8 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     return module
 
 
-def _validate_ratio(ratio: object) -> float:
+def validate_ratio(ratio: object, /) -> float:
+    """``ratio`` as a float in [0, 1], or a ``CheckpointConfigError`` with a tip."""
     if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
             or not math.isfinite(float(ratio)) or not 0.0 <= float(ratio) <= 1.0):
         raise CheckpointConfigError(
@@ -149,7 +155,7 @@ def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
 
     ``offload`` is resolved once, so every layer shares one manager (one window numbering).
     """
-    count = int(len(layers) * _validate_ratio(ratio))
+    count = int(len(layers) * validate_ratio(ratio))
     manager = resolve_offload(offload)
     for layer in layers[:count]:
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,

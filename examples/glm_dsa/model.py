@@ -19,6 +19,8 @@ from torch import nn
 
 import pytree_ckpt
 from offload import OffloadManager
+from pytree_ckpt import (KeptCallables, KeptOps, RecomputeConfig, RecomputeTargetMap, SaveUnit,
+                         apply_recompute_config)
 
 from .common import (RMSNorm, default_cu_seqlens, position_ids, rope_tables,
                      validate_cu_seqlens)
@@ -47,6 +49,18 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class GlmDsaForCausalLM(nn.Module):
     """A small GLM-5-style decoder with DSA sparse attention and multi-token prediction."""
 
+    # What each save unit keeps in this model (tests resolve every name, so a rename cannot
+    # silently make a unit keep nothing). Attention and the indexer top-k by op identity (both
+    # are custom ops whatever backend runs them); the MoE gate by the router's projection
+    # method, which encloses only the projection (not the in-place-free top-k after it).
+    recompute_targets: RecomputeTargetMap = {
+        SaveUnit.ATTN: KeptOps("glm_dsa::sparse_mla_attention",
+                               "flash_attn::_flash_attn_varlen_forward",
+                               "flash_attn_3::_flash_attn_forward"),
+        SaveUnit.DSA_INDEXER: KeptOps("glm_dsa::indexer_topk"),
+        SaveUnit.MOE_GATE: KeptCallables("Router.project"),
+    }
+
     def __init__(self, config: GlmDsaConfig) -> None:
         super().__init__()
         self.config = config
@@ -63,19 +77,22 @@ class GlmDsaForCausalLM(nn.Module):
             MtpLayer(config, computes_topk=j == 0) for j in range(num_mtp))
 
     def checkpoint_layers(self, ratio: float = 1.0, *, mtp: bool = True,
-                          offload: bool | OffloadManager | None = None) -> list[int]:
+                          offload: bool | OffloadManager | None = None,
+                          save: list[SaveUnit | str] | bool | None = None) -> list[int]:
         """Checkpoint the first ``ratio`` of the decoder layers and, if ``mtp``, the MTP layers.
 
-        ``offload`` as in ``pytree_ckpt.apply_activation_checkpointing`` (``None`` reads
+        ``save``: the save units to keep resident (``RecomputeConfig.save``). ``offload`` as in
+        ``pytree_ckpt.apply_activation_checkpointing`` (``None`` reads
         XTUNER_ACTIVATION_OFFLOAD); resolved once, so all layers share one manager. Returns the
         indices of the checkpointed decoder layers.
         """
-        manager = pytree_ckpt.resolve_offload(offload)
-        chosen = pytree_ckpt.checkpoint_layers(self.layers, ratio=ratio,
-                                               offload=manager or False)
-        if mtp:
-            for layer in self.mtp_layers:
-                pytree_ckpt.apply_activation_checkpointing(layer, offload=manager or False)
+        manager = pytree_ckpt.resolve_offload(offload) or False
+        targets = self.recompute_targets
+        chosen = apply_recompute_config(self.layers, RecomputeConfig(ratio, save), targets,
+                                        offload=manager)
+        if mtp and len(self.mtp_layers):
+            apply_recompute_config(self.mtp_layers, RecomputeConfig(1.0, save), targets,
+                                   offload=manager)
         return chosen
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,

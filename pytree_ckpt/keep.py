@@ -1,0 +1,125 @@
+"""Keeping selected ops' outputs resident inside the reentrant boundary (selective recompute).
+
+A ``KeepPolicy`` says which ops to keep: by op identity (``OpOverloadPacket``s, free under
+``torch.compile`` since the op is the unit), or every op dispatched inside a kept callable
+(a region flag set by a wrapper around the callable, which for that reason leaves compile).
+
+NOTE [how keeping works inside one boundary]: a ``KeepMode`` (a ``TorchDispatchMode``, below
+autograd) is active around the original pass and around the replay, and only when the boundary
+has a policy: no policy, no mode, no per-op cost. In the original pass a kept op runs and its
+outputs are recorded in the invocation's frame (FIFO per op, like frozen results); in the replay
+the op is *not* run: the recorded outputs are returned. Autograd sits above the mode, so it
+still records the op's node with the replay's inputs, and gradients flow. Rules:
+
+1. collectives (``c10d``, ``_c10d_functional``) are never kept: every rank must run them;
+2. a mutating op (in-place, ``out=``) is never kept; inside a kept callable it is recomputed,
+   with one warning per op;
+3. a kept output mutated between the original pass and the replay (its version counter moved)
+   raises ``CheckpointError`` naming the op;
+4. ops run by ``reuse_during_recompute`` are not kept: the replay never runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable
+from contextvars import ContextVar
+from typing import Any
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .census import Mechanism, census_active, report_held
+from .errors import CheckpointError
+from .phase import ACTIVE, Phase
+
+__all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE"]
+
+log = logging.getLogger(__name__)
+
+# Set while a kept callable runs (KeptCallables) / while reuse_during_recompute computes.
+IN_KEPT_CALLABLE: ContextVar[bool] = ContextVar("pytree_ckpt_in_kept_callable", default=False)
+IN_REUSE: ContextVar[bool] = ContextVar("pytree_ckpt_in_reuse", default=False)
+
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                                    "_dtensor"})
+
+
+class KeepPolicy:
+    """Which ops a boundary keeps: ``ops`` by identity, plus everything in kept callables."""
+
+    def __init__(self, ops: Iterable[Any], *, callables: bool, description: str) -> None:
+        self.ops = frozenset(ops)
+        self.callables = callables
+        self.description = description
+        self._warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"KeepPolicy({self.description})"
+
+    def keeps(self, func: Any) -> bool:
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            return False
+        by_op = func.overloadpacket in self.ops
+        by_region = self.callables and IN_KEPT_CALLABLE.get()
+        if not (by_op or by_region):
+            return False
+        if func._schema.is_mutable:
+            name = str(func)
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(f"pytree_ckpt: {name} mutates its inputs inside a kept unit; it "
+                              "is recomputed in the replay, not kept", stacklevel=2)
+            return False
+        return True
+
+
+def _tracking_alias(x: Any) -> Any:
+    # Below autograd a plain detach() would get its own version counter; with ADInplaceOrView
+    # re-enabled the alias shares the output's counter, so a later in-place change shows.
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+class KeepMode(TorchDispatchMode):
+    """Records kept ops' outputs in the original pass, returns them in the replay."""
+
+    def __init__(self, policy: KeepPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        invocation = ACTIVE.get()
+        if invocation is None or IN_REUSE.get() or not self.policy.keeps(func):
+            return func(*args, **kwargs)
+        frame = invocation.frame
+        if invocation.phase is Phase.FORWARD:
+            out = func(*args, **kwargs)
+            kept = optree.tree_map(_tracking_alias, out)
+            frame.record(func, (kept, [t._version for t in _tensors(kept)]))
+            if census_active():
+                report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=frame)
+            return out
+        kept, versions = frame.take(func)
+        for tensor, version in zip(_tensors(kept), versions):
+            if tensor._version != version:
+                raise CheckpointError(
+                    f"an output of {func} kept by a save unit was mutated between the original "
+                    "pass and the replay (Tensor cached during selective activation checkpoint "
+                    "has been mutated)",
+                    expected=f"version {version}", got=f"version {tensor._version}",
+                    tip="keep the op before the in-place change, not after it; or drop the "
+                        "unit that keeps it, or clone before mutating")
+        # A fresh alias each time (a replay may run twice with retain_graph): autograd, above
+        # this mode, attaches this replay's history to it.
+        return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept)

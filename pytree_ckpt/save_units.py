@@ -1,0 +1,253 @@
+"""Selective save units: ``RecomputeConfig(ratio, save)`` and a model's ``RecomputeTargetMap``.
+
+``ratio`` decides which layers are checkpointed (the first ``int(n * ratio)``); ``save`` decides
+what stays resident inside them. A ``SaveUnit`` member means *keep this*: its outputs are kept
+from the original pass and returned in the replay instead of being recomputed. Each unit a model
+declares resolves to ``KeptOps`` (by op identity: free under torch.compile) or ``KeptCallables``
+(everything a callable dispatches; the callable leaves compile). See ``keep.py`` for the engine.
+
+``save`` is tri-state: ``None``/``False`` keep nothing and install no dispatch mode at all;
+``True`` keeps every unit the model declares (this follows the library and model version: pin an
+explicit list for stable memory); a list keeps exactly those units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from .boundary import BoundaryOptions
+from .errors import CheckpointConfigError
+from .keep import IN_KEPT_CALLABLE, KeepPolicy
+from .module import install_boundary, resolve_offload, validate_ratio
+
+__all__ = ["KeptCallables", "KeptOps", "RecomputeConfig", "RecomputeTargetMap", "SaveUnit",
+           "apply_recompute_config"]
+
+log = logging.getLogger(__name__)
+
+
+class SaveUnit(str, enum.Enum):
+    """A part of a layer that may be kept resident instead of recomputed."""
+
+    ATTN = "attn"
+    DSA_INDEXER = "dsa_indexer"
+    MOE_GATE = "moe_gate"
+    MOE_DISPATCH = "moe_dispatch"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class KeptOps:
+    """Keep the outputs of ops, by qualified name (``"aten::mm"``, ``"glm_dsa::topk"``).
+
+    Names this torch build lacks are skipped (so a v2/v3 pair of kernel names resolves);
+    a unit none of whose names exists warns once when applied.
+    """
+
+    def __init__(self, *op_names: str) -> None:
+        if not op_names or not all(isinstance(n, str) and "::" in n for n in op_names):
+            raise CheckpointConfigError(
+                "KeptOps takes one or more op names of the form 'namespace::name'",
+                expected="e.g. KeptOps('aten::mm', 'glm_dsa::sparse_mla_attention')",
+                got=repr(op_names), tip="op identity is the namespace and the op's name")
+        self.op_names = tuple(op_names)
+
+    def __repr__(self) -> str:
+        return f"KeptOps{self.op_names!r}"
+
+    def resolve(self) -> list[Any]:
+        """The ``OpOverloadPacket``s of the names that exist in this build."""
+        found = []
+        for name in self.op_names:
+            namespace, op = name.split("::", 1)
+            try:
+                found.append(getattr(getattr(torch.ops, namespace), op))
+            except (AttributeError, RuntimeError):
+                continue
+        return found
+
+
+class KeptCallables:
+    """Keep everything these callables dispatch: methods (functions or ``"Class.method"``).
+
+    Each matching method of a checkpointed layer's submodules is wrapped so the ops it runs
+    are kept; the wrapper is excluded from torch.compile (it must see every op).
+    """
+
+    def __init__(self, *callables_or_qualnames: Callable[..., Any] | str) -> None:
+        if not callables_or_qualnames:
+            raise CheckpointConfigError("KeptCallables needs at least one callable",
+                                        expected="a method or 'Class.method'", got="nothing",
+                                        tip="e.g. KeptCallables('Router.project')")
+        self.targets = tuple(callables_or_qualnames)
+
+    def __repr__(self) -> str:
+        return f"KeptCallables{self.targets!r}"
+
+    def matches(self, module: nn.Module) -> list[str]:
+        """Names of ``module``'s methods that this unit keeps."""
+        names = []
+        classes = {c.__qualname__ for c in type(module).__mro__}
+        for target in self.targets:
+            if isinstance(target, str):
+                owner, _, method = target.rpartition(".")
+                if owner in classes and callable(getattr(type(module), method, None)):
+                    names.append(method)
+            else:
+                name = getattr(target, "__name__", "")
+                if getattr(type(module), name, None) is target:
+                    names.append(name)
+        return names
+
+
+RecomputeTarget = Union[KeptOps, KeptCallables]
+RecomputeTargetMap = Mapping[SaveUnit, RecomputeTarget]
+
+
+def _unit(value: object, /) -> SaveUnit:
+    try:
+        return SaveUnit(value)
+    except ValueError:
+        raise CheckpointConfigError(
+            f"unknown save unit {value!r}", expected=[u.value for u in SaveUnit], got=repr(value),
+            tip="use SaveUnit members or their string values") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeConfig:
+    """Which layers are recomputed (``ratio``) and what stays resident in them (``save``)."""
+
+    ratio: float = 1.0
+    save: tuple[SaveUnit, ...] | bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ratio", validate_ratio(self.ratio))
+        save = self.save
+        if save is None or isinstance(save, bool):
+            return
+        if isinstance(save, (str, SaveUnit)) or not isinstance(save, Sequence):
+            raise CheckpointConfigError(
+                "RecomputeConfig.save takes None, a bool, or a list of save units",
+                expected="None | bool | list[SaveUnit | str]", got=repr(save),
+                tip="wrap a single unit in a list: save=['attn']")
+        units = tuple(dict.fromkeys(_unit(v) for v in save))
+        object.__setattr__(self, "save", units)
+
+    def to_json(self) -> str:
+        save = self.save if self.save is None or isinstance(self.save, bool) else [
+            u.value for u in self.save]
+        return json.dumps({"ratio": self.ratio, "save": save})
+
+    @classmethod
+    def from_json(cls, text: str, /) -> RecomputeConfig:
+        data = json.loads(text)
+        unknown = set(data) - {"ratio", "save"}
+        if unknown:
+            raise CheckpointConfigError(
+                f"RecomputeConfig JSON has unknown keys {sorted(unknown)}",
+                expected=["ratio", "save"], got=sorted(data), tip="remove or rename them")
+        return cls(**data)
+
+
+class _KeptMethod:
+    """A module's method wrapped so every op it dispatches is kept (weak: no cycle)."""
+
+    __slots__ = ("module_ref", "name", "__weakref__")
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module_ref = weakref.ref(module)
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        assert module is not None
+        token = IN_KEPT_CALLABLE.set(True)
+        try:
+            return getattr(type(module), self.name)(module, *args, **kwargs)
+        finally:
+            IN_KEPT_CALLABLE.reset(token)
+
+
+def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[SaveUnit]:
+    if config.save is None or config.save is False:
+        return []
+    declared = [_unit(u) for u in targets]
+    if config.save is True:
+        if not declared:
+            warnings.warn("RecomputeConfig(save=True) on a model that declares no save units: "
+                          "nothing is kept", stacklevel=3)
+        return declared
+    assert isinstance(config.save, tuple)
+    missing = [u for u in config.save if u not in declared]
+    if missing:
+        raise CheckpointConfigError(
+            f"save units {[u.value for u in missing]} are not declared by this model",
+            expected=[u.value for u in declared], got=[u.value for u in config.save],
+            tip="choose among the units the model's RecomputeTargetMap declares")
+    return list(config.save)
+
+
+def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
+                           targets: RecomputeTargetMap, /, *, preserve_rng_state: bool = True,
+                           offload: Any = None) -> list[int]:
+    """Checkpoint the first ``int(n * config.ratio)`` layers keeping ``config.save``'s units.
+
+    Returns the indices of the checkpointed layers. ``offload`` as in
+    ``apply_activation_checkpointing``.
+    """
+    count = int(len(layers) * config.ratio)
+    chosen = list(layers[:count])
+    units = _selected(config, targets)
+    ops: list[Any] = []
+    wrapped: list[str] = []
+    for unit in units:
+        target = targets[unit]
+        if isinstance(target, KeptOps):
+            found = target.resolve()
+            if not found:
+                warnings.warn(f"save unit {unit.value!r} keeps nothing: none of the ops "
+                              f"{list(target.op_names)} exists in this build", stacklevel=2)
+            ops.extend(found)
+            log.info("save unit %s keeps ops %s", unit.value, [str(op) for op in found])
+        else:
+            names = _install_kept_methods(chosen, target)
+            if not names:
+                warnings.warn(f"save unit {unit.value!r} keeps nothing: no checkpointed layer "
+                              f"has a method matching {list(target.targets)}", stacklevel=2)
+            wrapped.extend(names)
+            log.info("save unit %s keeps everything %s dispatch; these leave torch.compile",
+                     unit.value, sorted(set(names)))
+    policy = None
+    if units:
+        policy = KeepPolicy(ops, callables=bool(wrapped),
+                            description=", ".join(u.value for u in units))
+    options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
+                              offload=resolve_offload(offload), keep=policy)
+    for layer in chosen:
+        install_boundary(layer, options)
+    return list(range(count))
+
+
+def _install_kept_methods(layers: list[nn.Module], target: KeptCallables) -> list[str]:
+    names = []
+    for layer in layers:
+        for path, module in layer.named_modules():
+            for name in target.matches(module):
+                if not getattr(module.__dict__.get(name), "_pytree_ckpt_kept", False):
+                    # Excluded from torch.compile: the region flag must see every op it runs.
+                    kept = torch.compiler.disable(_KeptMethod(module, name))
+                    kept._pytree_ckpt_kept = True  # type: ignore[attr-defined]
+                    module.__dict__[name] = kept
+                names.append(f"{type(module).__qualname__}.{name}")
+    return names

@@ -1,0 +1,243 @@
+"""Selective save units inside the reentrant boundary: what runs in the replay, and what errs."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+import pytree_ckpt
+from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError, KeptCallables,
+                         KeptOps, RecomputeConfig, SaveUnit, apply_recompute_config,
+                         current_phase)
+from tests.conftest import assert_same_grads
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that really execute, per phase (entered outside the boundary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[current_phase().value, str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def accumulate(self, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        total.add_(self.proj(x).exp())  # in place on a tensor from outside the kept region
+        return total
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.gate = Gate()
+        self.mix = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(torch.mm(x, self.attn.weight.t()))  # aten.mm: "attention"
+        return x + h * self.mix(self.gate.project(h)).sigmoid()
+
+
+TARGETS = {SaveUnit.ATTN: KeptOps("aten::mm", "nonexistent_ns::attention_v3"),
+           SaveUnit.MOE_GATE: KeptCallables("Gate.project")}
+
+
+def run(save: Any, *, ratio: float = 1.0, layers: int = 3, seed: int = 0,
+        counter: OpCounter | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    torch.manual_seed(seed)
+    stack = nn.ModuleList(Block() for _ in range(layers))
+    if save != "eager":
+        apply_recompute_config(stack, RecomputeConfig(ratio, save), TARGETS)
+    x = torch.randn(5, 8, requires_grad=True)
+    if counter is None:
+        counter = OpCounter()
+    with counter:
+        h = x
+        for layer in stack:
+            h = layer(h)
+        loss = h.square().sum()
+        loss.backward()
+    return loss.detach(), [p.grad for p in stack.parameters()] + [x.grad]
+
+
+@pytest.mark.parametrize("save", [None, False, ["attn"], ["moe_gate"], True])
+def test_loss_and_grads_are_bit_identical_whatever_is_kept(save: Any) -> None:
+    eager_loss, eager = run("eager")
+    loss, got = run(save)
+    assert torch.equal(eager_loss, loss)
+    assert_same_grads(eager, got)
+
+
+def test_a_kept_op_runs_zero_times_in_the_replay_and_others_run_again() -> None:
+    full = OpCounter()
+    run(None, counter=full)
+    kept = OpCounter()
+    run(["attn"], counter=kept)
+    assert full.counts["recompute", "aten.mm"] == 3      # one per layer, recomputed
+    assert kept.counts["recompute", "aten.mm"] == 0      # kept: not run again
+    assert kept.counts["recompute", "aten.tanh"] == full.counts["recompute", "aten.tanh"] == 3
+    gate = OpCounter()
+    run(["moe_gate"], counter=gate)
+    # the gate's projection (an addmm under nn.Linear) is kept; the mix Linear's is not
+    assert full.counts["recompute", "aten.addmm"] == 6
+    assert gate.counts["recompute", "aten.addmm"] == 3
+    assert gate.counts["recompute", "aten.mm"] == 3
+
+
+def test_without_save_units_no_dispatch_mode_is_active_in_forward_or_replay() -> None:
+    seen: list[Any] = []
+
+    class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((current_phase().value, _get_current_dispatch_mode()))
+            return self.lin(x)
+
+    for save in (None, False):
+        seen.clear()
+        spy = Spy()
+        apply_recompute_config([spy], RecomputeConfig(1.0, save), TARGETS)
+        spy(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        assert seen == [("forward", None), ("recompute", None)]
+
+
+def test_the_census_shows_kept_bytes_under_the_save_unit_mechanism() -> None:
+    stack = nn.ModuleList(Block() for _ in range(2))
+    apply_recompute_config(stack, RecomputeConfig(1.0, ["attn"]), TARGETS)
+    x = torch.randn(5, 8, requires_grad=True)
+    with ActivationCensus(stack) as census:
+        h = x
+        for layer in stack:
+            h = layer(h)
+    # each layer keeps its mm output: 5 x 8 fp32
+    assert census.bytes_by("mechanism")["save unit"] == 2 * 5 * 8 * 4
+    h.sum().backward()
+    assert "save unit" not in census.bytes_by("mechanism")
+
+
+def test_a_kept_output_mutated_before_the_replay_raises_naming_the_op() -> None:
+    class Mutating(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.mm(x, self.w)
+            out = h.tanh() * 2
+            h.mul_(3)  # the kept output changes after it was kept
+            return out + h
+
+    layer = Mutating()
+    apply_recompute_config([layer], RecomputeConfig(1.0, ["attn"]), TARGETS)
+    out = layer(torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(CheckpointError, match=r"aten.mm.default kept by a save unit was mutated"):
+        out.sum().backward()
+
+
+def test_an_in_place_op_inside_a_kept_callable_is_recomputed_with_one_warning() -> None:
+    class Accumulating(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = Gate()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gate.accumulate(x, torch.ones(x.shape[0], 4)) * 2
+
+    layer = Accumulating()
+    twin = copy.deepcopy(layer)
+    apply_recompute_config([layer], RecomputeConfig(1.0, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("Gate.accumulate")})
+    counter = OpCounter()
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"aten.add_.Tensor mutates its inputs .* recomputed"):
+        with counter:
+            layer(x).sum().backward()
+            layer(x).sum().backward()
+    assert counter.counts["recompute", "aten.add_"] == 2  # recomputed each replay
+    assert counter.counts["recompute", "aten.exp"] == 0   # the rest of the region is kept
+    assert counter.counts["recompute", "aten.addmm"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per op: no second warning
+        layer(x).sum().backward()
+    for _ in range(3):
+        twin(x).sum().backward()
+    assert_same_grads([p.grad for p in twin.parameters()], [p.grad for p in layer.parameters()])
+
+
+@pytest.mark.parametrize(("ratio", "expected"), [(0, []), (0.5, [0, 1]), (1, [0, 1, 2, 3])])
+def test_ratio_checkpoints_the_first_int_n_times_ratio_layers(ratio: float,
+                                                              expected: list[int]) -> None:
+    stack = nn.ModuleList(Block() for _ in range(4))
+    assert apply_recompute_config(stack, RecomputeConfig(ratio, ["attn"]), TARGETS) == expected
+    assert [pytree_ckpt.is_checkpointed(b) for b in stack] == [i in expected for i in range(4)]
+
+
+@pytest.mark.parametrize("config", [RecomputeConfig(), RecomputeConfig(0.5, True),
+                                    RecomputeConfig(1.0, False),
+                                    RecomputeConfig(0.25, ["attn", SaveUnit.MOE_GATE, "attn"])])
+def test_recompute_config_round_trips_through_json(config: RecomputeConfig) -> None:
+    assert RecomputeConfig.from_json(config.to_json()) == config
+    assert config.save is None or isinstance(config.save, (bool, tuple))
+
+
+def test_recompute_config_refuses_bad_values_with_a_tip() -> None:
+    with pytest.raises(CheckpointConfigError, match="unknown save unit 'atn'") as err:
+        RecomputeConfig(1.0, ["atn"])
+    assert "'dsa_indexer'" in str(err.value)
+    with pytest.raises(CheckpointConfigError, match="wrap a single unit in a list"):
+        RecomputeConfig(1.0, "attn")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"ratio must be a number in \[0, 1\]"):
+        RecomputeConfig(1.5)
+    with pytest.raises(CheckpointConfigError, match="unknown keys"):
+        RecomputeConfig.from_json('{"ratio": 1.0, "keep": []}')
+
+
+def test_an_undeclared_unit_is_refused_listing_what_the_model_supports() -> None:
+    with pytest.raises(ValueError, match=r"\['dsa_indexer'\] are not declared") as err:
+        apply_recompute_config([Block()], RecomputeConfig(1.0, ["dsa_indexer"]), TARGETS)
+    assert "['attn', 'moe_gate']" in str(err.value)
+
+
+def test_inert_selections_warn() -> None:
+    with pytest.warns(UserWarning, match="declares no save units"):
+        apply_recompute_config([Block()], RecomputeConfig(1.0, True), {})
+    with pytest.warns(UserWarning, match=r"'attn' keeps nothing: none of the ops \['x::y'\]"):
+        apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]),
+                               {SaveUnit.ATTN: KeptOps("x::y")})
+    with pytest.warns(UserWarning, match="'moe_gate' keeps nothing: no checkpointed layer"):
+        apply_recompute_config([Block()], RecomputeConfig(1.0, ["moe_gate"]),
+                               {SaveUnit.MOE_GATE: KeptCallables("Router.project")})
+    with warnings.catch_warnings():  # one missing name of a pair is skipped quietly
+        warnings.simplefilter("error")
+        apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]), TARGETS)
+
+
+def test_collectives_are_never_kept() -> None:
+    policy = pytree_ckpt.keep.KeepPolicy([torch.ops.aten.mm], callables=True, description="t")
+    token = pytree_ckpt.keep.IN_KEPT_CALLABLE.set(True)
+    try:
+        assert not policy.keeps(torch.ops._c10d_functional.all_reduce.default)
+        assert policy.keeps(torch.ops.aten.mm.default)
+    finally:
+        pytree_ckpt.keep.IN_KEPT_CALLABLE.reset(token)
