@@ -166,8 +166,10 @@ class OffloadManager:
                  device: torch.device | str | None = None) -> None:
         self.config = config if config is not None else OffloadConfig()
         self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            # Saved tensors carry an indexed device: compare like with like.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         pin = self.config.pin_memory
         if pin is None:
             pin = torch.cuda.is_available()
@@ -245,6 +247,19 @@ class OffloadManager:
                 _report_offload(copy, tensor)
             window.copies[key] = copy
         return _Handle(copy, tensor)
+
+    def offload_into(self, window: Window, tensor: torch.Tensor, /) -> Any:
+        """Offload ``tensor`` (not saved by autograd: a replay frame's result) in ``window``.
+
+        Returns a handle for ``restore``, or ``tensor`` itself where the window rule says no
+        (below ``min_bytes``, another device, a parameter).
+        """
+        window.keys.add(_key(tensor))
+        return self._pack(window, tensor)
+
+    def restore(self, packed: Any, /) -> torch.Tensor:
+        """The tensor behind a handle from ``offload_into`` (restoring it if needed)."""
+        return self._unpack(packed)
 
     @contextmanager
     def window(self, tensors: Sequence[torch.Tensor], /) -> Iterator[Window]:

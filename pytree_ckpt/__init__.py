@@ -5,6 +5,8 @@ Importing this package touches no accelerator and imports no optional dependency
 
 from .boundary import BoundaryOptions, checkpoint, checkpointed
 from .census import ActivationCensus, Mechanism
+from .discard import (CheckpointWithoutOutput, CheckpointWithoutOutputManager,
+                      ResidualRecomputeContext, build_residual_stream_recompute_plan)
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError
 from .frames import reuse_during_recompute
 from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
@@ -18,6 +20,8 @@ __all__ = [
     "BoundaryOptions",
     "CheckpointConfigError",
     "CheckpointError",
+    "CheckpointWithoutOutput",
+    "CheckpointWithoutOutputManager",
     "KeptCallables",
     "KeptOps",
     "Mechanism",
@@ -25,10 +29,12 @@ __all__ = [
     "RecomputeConfig",
     "RecomputeTargetMap",
     "ReplayMismatchError",
+    "ResidualRecomputeContext",
     "ReuseError",
     "SaveUnit",
     "apply_activation_checkpointing",
     "apply_recompute_config",
+    "build_residual_stream_recompute_plan",
     "checkpoint",
     "checkpoint_layers",
     "checkpointed",

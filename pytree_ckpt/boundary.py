@@ -92,7 +92,7 @@ def _anchor() -> torch.Tensor:
     return _anchor_tensor
 
 
-def _owning_module(fn: Callable[..., Any]) -> nn.Module | None:
+def owning_module(fn: Callable[..., Any]) -> nn.Module | None:
     while isinstance(fn, functools.partial):
         fn = fn.func
     if isinstance(fn, nn.Module):
@@ -105,7 +105,7 @@ _PARAMETER_DICTS = "_pytree_ckpt_parameter_dicts"
 _VERIFIED = "_pytree_ckpt_verified"
 
 
-def _trainable_parameters(modules: list[nn.Module], skip: set[int]) -> list[torch.Tensor]:
+def trainable_parameters(modules: list[nn.Module], skip: set[int]) -> list[torch.Tensor]:
     """The trainable parameters of ``modules`` (deduplicated, without ids in ``skip``).
 
     Each module caches the ``_parameters`` dicts of its submodules (dicts, not modules: no
@@ -215,7 +215,7 @@ class _Call:
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
-    owner = _owning_module(fn)
+    owner = owning_module(fn)
     if owner is not None:
         return type(owner).__name__
     return getattr(fn, "__qualname__", None) or repr(fn)
@@ -284,7 +284,6 @@ class _BoundaryFunction(torch.autograd.Function):
         n = call.n_inputs
         detached = tuple(t.detach().requires_grad_(need)
                          for t, need in zip(ctx.saved_tensors, needs[:n]))
-        args, kwargs = call.inputs(detached)
         call.frame.start_replay()
         assert call.env is not None
         token = ACTIVE.set(Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get()))
@@ -293,6 +292,11 @@ class _BoundaryFunction(torch.autograd.Function):
                 call.env.enter(stack)
                 stack.enter_context(torch.enable_grad())
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
+                # fn sees non-leaf aliases (made with grad enabled): module hooks watching their
+                # inputs' gradients (FSDP, FlopCounterMode's module tracker) cannot hook a leaf
+                # under torch.autograd.grad.
+                args, kwargs = call.inputs(tuple(d.view_as(d) if d.requires_grad else d
+                                                 for d in detached))
                 if call.options.keep is not None:
                     stack.enter_context(KeepMode(call.options.keep))
                 output = call.fn(*args, **kwargs)
@@ -362,11 +366,11 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             unique.append(tensor)
         slots.append(slot)
         leaves[index] = None
-    owner = owner if owner is not None else _owning_module(fn)
+    owner = owner if owner is not None else owning_module(fn)
     params: list[torch.Tensor] | None = None
     if owner is not None:
         modules = [owner, *(leaf for leaf in leaves if isinstance(leaf, nn.Module))]
-        params = _trainable_parameters(modules, set(seen))
+        params = trainable_parameters(modules, set(seen))
     anchor = None
     if not params and not any(t.requires_grad for t in unique):
         if params is not None:  # a module with nothing trainable: nothing to replay for
@@ -383,8 +387,11 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     else:
         # NOTE: the window covers only the save of the inputs (the original pass inside runs
         # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
-        with options.offload.window(unique):
+        manager = options.offload
+        with manager.window(unique) as window:
             out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
+        if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
+            call.frame.offload(functools.partial(manager.offload_into, window), manager.restore)
     return call.outputs(out_tensors)
 
 

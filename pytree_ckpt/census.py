@@ -85,6 +85,7 @@ class _Entry:
     device: str
     module: str
     mechanism: Mechanism
+    discarded: bool = False  # its storage was freed by output discard (until refilled)
 
     def held(self) -> bool:
         return any(_holds(keeper) for keeper in self.keepers)
@@ -96,6 +97,11 @@ class _Entry:
 
 
 _ACTIVE: ContextVar[ActivationCensus | None] = ContextVar("pytree_ckpt_census", default=None)
+
+
+def active_census() -> ActivationCensus | None:
+    """The census recording here, if any (for mechanisms that report after the block ends)."""
+    return _ACTIVE.get()
 
 
 def census_active() -> bool:
@@ -207,8 +213,26 @@ class ActivationCensus:
                                     module, mechanism)
 
     # -- reading -----------------------------------------------------------------------------
+    def note_discarded(self, tensor: torch.Tensor, /) -> None:
+        """Output discard is about to free ``tensor``'s storage: stop counting it as resident."""
+        entry = self._entries.get(_storage_key(tensor))
+        if entry is not None:
+            entry.discarded = True
+
+    def note_refilled(self, tensor: torch.Tensor, /) -> None:
+        """A discarded storage was rebuilt for backward: resident again."""
+        cdata = StorageWeakRef(tensor.untyped_storage()).cdata
+        for entry in self._entries.values():
+            if entry.discarded and entry.storage.cdata == cdata:
+                entry.discarded = False
+
+    @property
+    def discarded_bytes(self) -> int:
+        """Bytes whose storage output discard freed (held for backward, but not resident)."""
+        return sum(e.nbytes for e in self._entries.values() if e.held() and e.discarded)
+
     def _alive(self) -> list[_Entry]:
-        return [e for e in self._entries.values() if e.held()]
+        return [e for e in self._entries.values() if e.held() and not e.discarded]
 
     @property
     def total_bytes(self) -> int:
@@ -241,6 +265,7 @@ class ActivationCensus:
             "rows": [{"module": m, "mechanism": k, "device": d, "bytes": b}
                      for (m, k, d), b in sorted(rows.items())],
             "flagged": self.flagged(),
+            "discarded_bytes": self.discarded_bytes,
         }
 
     def report(self) -> str:

@@ -26,12 +26,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import optree
 import torch
 
 from .errors import ReuseError
 from .keep import IN_REUSE
 from .phase import ACTIVE, Phase
-from .tree import flatten, leaf_paths
+from .tree import NAMESPACE, flatten, leaf_paths, unflatten
 
 __all__ = ["Frame", "reuse_during_recompute"]
 
@@ -50,15 +51,44 @@ def callable_name(fn: Callable[..., Any], /) -> str:
     return name
 
 
+class _Offloaded:
+    """A frame result's tensor leaf that lives on host until the replay takes it."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
 class Frame:
     """The recorded frozen results of one boundary invocation."""
 
-    __slots__ = ("results", "cursors", "released", "__weakref__")
+    __slots__ = ("results", "cursors", "released", "restore", "__weakref__")
 
     def __init__(self) -> None:
         self.results: dict[Callable[..., Any], list[Any]] = {}
         self.cursors: dict[Callable[..., Any], int] = {}
         self.released = False  # set once cleared after its last replay (read by the census)
+        # Set when the frame's tensors were offloaded: turns a handle back into a tensor.
+        self.restore: Callable[[Any], torch.Tensor] | None = None
+
+    def offload(self, pack: Callable[[torch.Tensor], Any],
+                restore: Callable[[Any], torch.Tensor]) -> None:
+        """Swap every frozen-result tensor for ``pack(tensor)`` (an offload handle).
+
+        NOTE: a frame holds the ids its layer computed until the replay; without this, the
+        consumers' offloaded copies of those ids would free nothing (the frame keeps them).
+        """
+        self.restore = restore
+        for fn, recorded in self.results.items():
+            if isinstance(fn, torch._ops.OpOverload):
+                continue  # save units keep their outputs resident by definition
+            for i, result in enumerate(recorded):
+                flat = flatten(result)
+                leaves = list(flat.leaves)
+                for j in flat.tensor_index:
+                    leaves[j] = _Offloaded(pack(leaves[j]))
+                recorded[i] = unflatten(flat.spec, leaves)
 
     def record(self, fn: Callable[..., Any], result: Any) -> None:
         self.results.setdefault(fn, []).append(result)
@@ -77,7 +107,13 @@ class Frame:
                     "the same order, as the original pass; branch on inputs, not on "
                     "current_phase() or grad mode")
         self.cursors[fn] = position + 1
-        return recorded[position]
+        result = recorded[position]
+        if self.restore is not None and not isinstance(fn, torch._ops.OpOverload):
+            restore = self.restore
+            result = optree.tree_map(
+                lambda leaf: restore(leaf.packed) if isinstance(leaf, _Offloaded) else leaf,
+                result, namespace=NAMESPACE)
+        return result
 
     def start_replay(self) -> None:
         self.cursors.clear()

@@ -71,6 +71,7 @@ def rope_tables(positions: torch.Tensor, dim: int, theta: float,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (``[T, ..., dim]``) by the per-position angles ``cos``/``sin`` ``[T, dim]``."""
     shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
-    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    # In x's dtype: fp32 tables must not promote a bf16 (autocast) q or k above v's dtype.
+    cos, sin = cos.reshape(shape).to(x.dtype), sin.reshape(shape).to(x.dtype)
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-second, first], dim=-1) * sin

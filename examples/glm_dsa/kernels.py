@@ -220,3 +220,67 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
 
 
 sparse_mla_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- FLOP formulas
+#
+# NOTE [FLOP formulas]: torch.utils.flop_counter.FlopCounterMode counts only the ops it has a
+# formula for, and a custom op is opaque to it (it sees one node, not the einsums inside), so
+# without these the DSA kernels would count as free. Each formula counts 2 FLOPs per
+# multiply-add of the work the shapes imply for the torch backend, masked slots included (the
+# backend computes them, then masks): T tokens, H heads, K top-k slots.
+#
+# - indexer_topk: logits ``qI . kI`` for every (t, s, head): T*T*H*d mul-adds, then the
+#   head-weighted sum: T*T*H mul-adds -> 2*T*T*H*(d + 1). ReLU, masking and top-k are not
+#   mul-adds and are not counted (FlopCounterMode counts no elementwise op either).
+# - sparse_mla_attention: scores ``q . k_sel`` T*H*K*Dqk, ``probs . v_sel`` T*H*K*Dv
+#   -> 2*T*H*K*(Dqk + Dv).
+# - sparse_mla_attention_backward: the probabilities are recomputed (T*H*K*Dqk), then
+#   dP = dO . v_sel (T*H*K*Dv), dq (T*H*K*Dqk), dk_sel (T*H*K*Dqk), dv_sel (T*H*K*Dv)
+#   -> 2*T*H*K*(3*Dqk + 2*Dv).
+
+
+def indexer_topk_flops(q_index_shape: torch.Size | tuple[int, ...],
+                       k_index_shape: torch.Size | tuple[int, ...]) -> int:
+    """FLOPs of ``indexer_topk`` for ``q_index`` ``[T, H, d]`` and ``k_index`` ``[S, d]``."""
+    total, heads, dim = q_index_shape
+    keys = k_index_shape[0]
+    return 2 * total * keys * heads * (dim + 1)
+
+
+def sparse_attention_flops(q_shape: torch.Size | tuple[int, ...],
+                           v_shape: torch.Size | tuple[int, ...],
+                           ids_shape: torch.Size | tuple[int, ...], *,
+                           backward: bool = False) -> int:
+    """FLOPs of the sparse attention forward (or ``backward``) for these shapes."""
+    total, heads, dqk = q_shape
+    dv = v_shape[-1]
+    slots = ids_shape[-1]
+    per_slot = 3 * dqk + 2 * dv if backward else dqk + dv
+    return 2 * total * heads * slots * per_slot
+
+
+def _register_flop_formulas() -> None:
+    from torch.utils.flop_counter import register_flop_formula
+
+    def indexer(q_index: torch.Size, k_index: torch.Size, *_: object, **__: object) -> int:
+        return indexer_topk_flops(q_index, k_index)
+
+    def attention(q: torch.Size, k: torch.Size, v: torch.Size, topk_ids: torch.Size,
+                  *_: object, **__: object) -> int:
+        return sparse_attention_flops(q, v, topk_ids)
+
+    def attention_backward(grad_out: torch.Size, q: torch.Size, k: torch.Size, v: torch.Size,
+                           topk_ids: torch.Size, *_: object, **__: object) -> int:
+        return sparse_attention_flops(q, v, topk_ids, backward=True)
+
+    for op, formula in ((torch.ops.glm_dsa.indexer_topk, indexer),
+                        (torch.ops.glm_dsa.sparse_mla_attention, attention),
+                        (torch.ops.glm_dsa.sparse_mla_attention_backward, attention_backward)):
+        try:
+            register_flop_formula(op)(formula)
+        except RuntimeError:  # already registered (this module was reloaded)
+            pass
+
+
+_register_flop_formulas()

@@ -77,9 +77,10 @@ def test_top_k_ids_and_mtp_depths_are_offloaded_once_and_restored_exactly() -> N
         DecoderLayer.forward = original  # type: ignore[method-assign]
     ids_saved = [t for t in offloaded if t.dtype == torch.int64 and t.shape == (total, 8)]
     ids_copied = [t for t in copies.values() if t.dtype == torch.int64 and t.dim() == 2]
-    # consumers: layers 3, 4, 5 receive layer 2's ids, layer 7 layer 6's, MTP depth 2 those of
-    # depth 1: five saves, but each distinct ids storage is copied exactly once
-    assert len(ids_saved) == 5 and len(ids_copied) == 3
+    # the frames of the 5 computing passes (layers 0, 1, 2, 6, MTP depth 1) offload the ids
+    # they recorded; consumers (layers 3, 4, 5 take layer 2's, 7 takes 6's, MTP depth 2 takes
+    # depth 1's) save them again: 10 offloads, but each distinct ids storage is copied once
+    assert len(ids_saved) == 10 and len(ids_copied) == 5
     # every consumer's replay received exactly the ids its forward did, from the host copy
     assert len(seen_ids["recompute"]) == len(seen_ids["forward"]) == 5
     for before, after in zip(seen_ids["forward"], reversed(seen_ids["recompute"])):
@@ -102,7 +103,24 @@ def test_rope_tables_and_cu_seqlens_are_copied_once_per_step_not_once_per_layer(
     per_ids = total * config.index_topk * 8
     rope = 2 * total * config.qk_rope_head_dim * 4   # cos and sin
     cu = (len(SEQ_LENS) + 1) * 4
-    # 8 decoder layer inputs + 2 MTP depth inputs (hidden) and token embeddings for 2 depths
-    expected = (8 + 2) * per_hidden + 2 * per_hidden + 3 * per_ids + rope + cu
+    # 8 decoder layer inputs + 2 MTP depth inputs (hidden) and token embeddings for 2 depths;
+    # the ids of the 5 computing passes (held by their frames, received by the consumers)
+    expected = (8 + 2) * per_hidden + 2 * per_hidden + 5 * per_ids + rope + cu
     assert stats["offloaded_bytes"] == expected
     assert stats["windows"] == 8 + 2
+
+
+def test_ids_held_by_a_replay_frame_leave_the_device_with_offload() -> None:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    config, eager = build()
+    model, manager = offloaded_twin(eager)
+    source = model.layers[2]
+    refs: list[StorageWeakRef] = []
+    source.register_forward_hook(
+        lambda m, a, out: refs.append(StorageWeakRef(out["dsa_topk_ids"].untyped_storage())))
+    loss = model(**make_packed_batch(config, SEQ_LENS))["loss"]
+    manager.stats()  # device copies are released one window late; this collects the last
+    # layer 2's frame and its consumers (3, 4, 5) all hold handles: the device ids are gone
+    assert len(refs) == 1 and refs[0].expired()
+    loss.backward()

@@ -37,6 +37,7 @@ def stack(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 
 def test_host_buffers_are_pinned_and_copies_run_on_side_streams() -> None:
     manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
+    assert manager.device.index is not None  # "cuda" must match tensors on "cuda:0"
     x = torch.randn(256, 256, device="cuda", requires_grad=True)
     h = x * 2
     with manager.window([h]):

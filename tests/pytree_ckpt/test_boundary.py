@@ -378,3 +378,17 @@ def test_an_input_returned_unchanged_keeps_its_storage_and_gradient() -> None:
     assert out["dsa_topk_ids"].untyped_storage().data_ptr() == ids.untyped_storage().data_ptr()
     (out["hidden_states"].sum() + out["residual"].sum()).backward()
     assert torch.equal(x.grad, torch.full((6,), 4.0))
+
+
+def test_flop_counter_mode_counts_the_replay_of_a_wrapped_module() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    with FlopCounterMode(display=False) as eager:
+        block(x).sum().backward()
+    pytree_ckpt.apply_activation_checkpointing(block)
+    with FlopCounterMode(display=False) as ckpt:  # its module tracker hooks the replay's inputs
+        block(x).sum().backward()
+    forward_flops = 2 * 8 * 16 * 32 * 2
+    assert ckpt.get_total_flops() - eager.get_total_flops() == forward_flops

@@ -1,0 +1,322 @@
+"""Output-discard replay for cheap ops (Megatron-style), and ordered block replay.
+
+A cheap op (an RMSNorm, a residual read) produces an output that a consumer saves for its own
+backward (the QKV projection saves the norm's output), so it lives from forward to backward.
+``CheckpointWithoutOutput`` frees exactly that: the op runs under no-grad, its output's storage
+is released once the consumer holds it, and a hook on a later tensor's gradient rebuilds it in
+place just before the consumer's backward needs it.
+
+NOTE [discard lifetimes]:
+1. ``checkpoint(fn, *args)`` saves the inputs through autograd (``save_for_backward``: an outer
+   offload hook sees them) and records RNG state; the outputs are returned under no-grad.
+2. ``discard_output_and_register_recompute(hook_tensor)`` resizes each output's storage to 0
+   bytes: every tensor and view on it (the consumer's saved one included) stays a valid object
+   with no memory. An output that aliases an input is never freed: the input is still needed.
+3. The hook on ``hook_tensor``'s gradient reruns ``fn`` with grad enabled, resizes each storage
+   back, and copies the recomputed bytes into *that very storage*, so every alias sees them.
+   The recomputed outputs are kept for the Function's backward, which backpropagates through
+   the small recomputed graph when autograd reaches it.
+4. A manager replays several chained checkpoints (a later one may take an earlier one's
+   discarded output as input) in forward order, from one hook, once.
+Discarding twice, replaying twice, or a replay of another shape raises ``CheckpointError``.
+With grad disabled (a checkpoint boundary's original pass) ``checkpoint`` just calls ``fn``
+and discarding is a no-op: nothing was saved; the boundary's replay discards for real.
+
+NOTE [exactness]: when ``fn`` is a module (or a method of one) its trainable parameters are
+inputs of the Function, as in the checkpoint boundary, so they get bit-identical gradients
+(other callables accumulate into ``.grad`` from the replay, reentrant-style). A tensor that
+``fn`` uses *and* something else uses (the residual stream's input) receives its gradient as a
+sum whose association differs from eager (``fn``'s own contributions are summed first), so it
+matches eager up to float rounding (a few ulp), as in Megatron; in a residual stream that
+rounding then reaches everything upstream. This is the price of the nested backward through
+the small recomputed graph, which is what lets the op's own intermediates go unsaved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from .boundary import owning_module, trainable_parameters
+from .census import ActivationCensus, active_census
+from .errors import CheckpointConfigError, CheckpointError
+from .rng import ReplayEnvironment
+
+__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager",
+           "ResidualRecomputeContext", "build_residual_stream_recompute_plan"]
+
+log = logging.getLogger(__name__)
+
+
+class _DiscardFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
+        args = inputs[: owner.n_args]  # the rest are fn's parameters (as in the boundary)
+        owner.env = ReplayEnvironment.capture(
+            tuple(t for t in args if isinstance(t, torch.Tensor)),
+            preserve_rng=owner.preserve_rng_state)
+        with torch.no_grad():
+            outputs = owner.fn(*args)
+        single = isinstance(outputs, torch.Tensor)
+        outputs = (outputs,) if single else tuple(outputs)
+        owner.single = single
+        owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]
+        owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
+        ctx.owner = owner
+        ctx.save_for_backward(*(t for t in args if isinstance(t, torch.Tensor)))
+        owner.ctx = weakref.ref(ctx)  # weak: the node owns us, not the other way round
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        owner: CheckpointWithoutOutput = ctx.owner
+        if owner.recomputed is None:
+            owner._replay()  # never discarded (or its hook never fired): replay now
+        assert owner.recomputed is not None and owner.detached is not None
+        pairs = [(o, g) for o, g in zip(owner.recomputed, grads)
+                 if g is not None and o.requires_grad]
+        outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
+        needs = ctx.needs_input_grad[1:]
+        owner.recomputed = None  # the recomputed graph is done with
+        if owner.params is None:  # an unknown callable: accumulate, as a reentrant checkpoint
+            if outs:
+                torch.autograd.backward(outs, out_grads)
+            detached = iter(owner.detached)
+            return (None, *(next(detached).grad if kind else None for kind in owner.arg_kinds))
+        # Known parameters are inputs: return their grads so autograd sums them as eager does.
+        detached = iter(owner.detached)
+        wrt: list[torch.Tensor | None] = [next(detached) if kind else None
+                                          for kind in owner.arg_kinds]
+        wrt += owner.params
+        wanted = [i for i, need in enumerate(needs) if need and wrt[i] is not None]
+        result: list[torch.Tensor | None] = [None] * len(wrt)
+        if outs and wanted:
+            got = torch.autograd.grad(outs, [wrt[i] for i in wanted], out_grads,
+                                      allow_unused=True)
+            for i, grad in zip(wanted, got):
+                result[i] = grad
+        return (None, *result)
+
+
+class CheckpointWithoutOutput:
+    """Run a cheap ``fn`` under no-grad now; free its output; rebuild it just before backward."""
+
+    def __init__(self, *, preserve_rng_state: bool = True) -> None:
+        self.preserve_rng_state = preserve_rng_state
+        self.fn: Callable[..., Any] | None = None
+        self.ctx: Any = None
+        self.env: ReplayEnvironment | None = None
+        self.single = True
+        self.arg_kinds: list[bool] = []
+        self.non_tensor_args: list[Any] = []
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.sizes: list[int] = []   # bytes of each freed storage (0: kept)
+        self.discarded = False
+        self.replayed = False
+        self.recomputed: tuple[torch.Tensor, ...] | None = None
+        self.detached: list[torch.Tensor] | None = None
+        self.census: ActivationCensus | None = None
+        self.passthrough = False  # ran without grad: no graph, nothing to discard or replay
+        self.n_args = 0
+        self.params: list[torch.Tensor] | None = None  # fn's parameters, when fn is a module
+
+    def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
+        """``fn(*args)`` under no-grad; inputs saved through autograd; returns its output."""
+        if self.fn is not None:
+            raise CheckpointError("this CheckpointWithoutOutput was already used",
+                                  expected="one checkpoint() per object", got="a second call",
+                                  tip="create one CheckpointWithoutOutput per op call")
+        self.fn = fn
+        if not torch.is_grad_enabled():
+            # Nothing will be saved (no_grad, or a checkpoint boundary's original pass): there
+            # is nothing to discard; the boundary's replay runs this again with grad enabled.
+            self.passthrough = True
+            return fn(*args)
+        owner = owning_module(fn)
+        self.n_args = len(args)
+        self.params = None
+        if owner is not None:
+            skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
+            self.params = trainable_parameters([owner], skip)
+        outputs = tuple(_DiscardFunction.apply(self, *args, *(self.params or ())))
+        # Detached aliases: the same storages, without a grad_fn pointing back at our node.
+        self.outputs = tuple(o.detach() for o in outputs)
+        return outputs[0] if self.single else outputs
+
+    def _saved(self) -> tuple[torch.Tensor, ...]:
+        ctx = self.ctx() if self.ctx is not None else None
+        if ctx is None:
+            raise CheckpointError(f"the graph of {self._name()} is gone",
+                                  expected="a live autograd graph", got="a freed one",
+                                  tip="discard and replay before the graph is freed")
+        return ctx.saved_tensors
+
+    def _name(self) -> str:
+        return getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+
+    def discard_output(self) -> None:
+        """Free each output's storage (NOTE [discard lifetimes] 2)."""
+        if self.discarded:
+            raise CheckpointError(f"the output of {self._name()} was already discarded",
+                                  expected="one discard", got="a second discard",
+                                  tip="discard each checkpoint once (a manager discards all)")
+        self.discarded = True
+        if self.passthrough:
+            return
+        inputs = {t.untyped_storage().data_ptr() for t in self._saved()}
+        self.census = active_census()
+        for out in self.outputs:
+            storage = out.untyped_storage()
+            if storage.data_ptr() in inputs:
+                log.debug("output of %s aliases an input: kept", self._name())
+                self.sizes.append(0)
+                continue
+            self.sizes.append(storage.nbytes())
+            if self.census is not None:
+                self.census.note_discarded(out)
+            storage.resize_(0)
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor, /) -> None:
+        """Free the outputs now; rebuild them when ``hook_tensor``'s gradient is computed."""
+        self.discard_output()
+        if not self.passthrough:
+            hook_tensor.register_hook(self._hook)
+
+    def _hook(self, grad: torch.Tensor) -> None:
+        self._replay()
+
+    def _replay(self) -> None:
+        if self.replayed:
+            raise CheckpointError(f"the output of {self._name()} was already replayed",
+                                  expected="one replay per forward", got="a second replay",
+                                  tip="retain_graph=True cannot replay a discarded output twice")
+        self.replayed = True
+        saved = iter(self._saved())
+        self.detached = []
+        args = []
+        for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
+            if is_tensor:
+                t = next(saved)
+                d = t.detach().requires_grad_(t.requires_grad)
+                self.detached.append(d)
+                args.append(d)
+            else:
+                args.append(other)
+        assert self.env is not None and self.fn is not None
+        with ExitStack() as stack:
+            self.env.enter(stack)
+            stack.enter_context(torch.enable_grad())
+            outputs = self.fn(*args)
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+        for original, new, size in zip(self.outputs, outputs, self.sizes):
+            if new.shape != original.shape or new.dtype != original.dtype:
+                raise CheckpointError(
+                    f"the replay of {self._name()} returned another shape or dtype",
+                    expected=f"{tuple(original.shape)} {original.dtype}",
+                    got=f"{tuple(new.shape)} {new.dtype}",
+                    tip="a discarded op must be deterministic in shape")
+            if size:
+                storage = original.untyped_storage()
+                storage.resize_(size)
+                with torch.no_grad():
+                    storage.copy_(new.untyped_storage())
+                if self.census is not None:
+                    self.census.note_refilled(original)
+        self.recomputed = outputs
+
+
+class CheckpointWithoutOutputManager:
+    """Several chained checkpoints, discarded together, replayed in forward order by one hook."""
+
+    def __init__(self, *, preserve_rng_state: bool = True) -> None:
+        self.preserve_rng_state = preserve_rng_state
+        self.checkpoints: list[CheckpointWithoutOutput] = []
+        self.replay_order: list[int] = []  # indices, in the order replays happened
+        self.registered = False
+
+    def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
+        ckpt = CheckpointWithoutOutput(preserve_rng_state=self.preserve_rng_state)
+        self.checkpoints.append(ckpt)
+        return ckpt.checkpoint(fn, *args)
+
+    def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor,
+                                                           /) -> None:
+        if self.registered:
+            raise CheckpointError("this manager's outputs were already discarded",
+                                  expected="one discard per manager", got="a second discard",
+                                  tip="use one manager per block and forward")
+        self.registered = True
+        for ckpt in self.checkpoints:
+            ckpt.discard_output()
+        if not all(c.passthrough for c in self.checkpoints):
+            hook_tensor.register_hook(self._hook)
+
+    def _hook(self, grad: torch.Tensor) -> None:
+        for index, ckpt in enumerate(self.checkpoints):  # forward order (NOTE 4)
+            if not ckpt.passthrough:
+                ckpt._replay()
+                self.replay_order.append(index)
+
+
+@dataclasses.dataclass
+class ResidualRecomputeContext:
+    """One layer's place in a residual-stream recompute plan."""
+
+    layer_index: int
+    block_index: int
+    manager: CheckpointWithoutOutputManager
+    is_block_end: bool
+
+
+def build_residual_stream_recompute_plan(
+        num_layers: int, block_size: int | None, *,
+        atomic_layer_pairs: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
+) -> list[ResidualRecomputeContext]:
+    """One context per layer; layers of a block share a manager; pairs never split.
+
+    ``block_size=None`` makes the whole stack one block. A pair ``(a, b)`` keeps layers
+    ``a..b`` in one block even when that exceeds ``block_size`` (``block_size=1`` included).
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise CheckpointConfigError("num_layers must be a positive int", expected=">= 1",
+                                    got=repr(num_layers), tip="pass the number of layers")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                   or block_size < 1):
+        raise CheckpointConfigError("block_size must be a positive int or None",
+                                    expected=">= 1, or None for the whole stack",
+                                    got=repr(block_size), tip="None makes one block")
+    unit_of = list(range(num_layers))  # the first layer of the atomic unit holding each layer
+    for pair in atomic_layer_pairs:
+        a, b = pair
+        if not 0 <= a < b < num_layers:
+            raise CheckpointConfigError(
+                f"atomic_layer_pairs entry {pair!r} is not a pair of layer indices a < b",
+                expected=f"0 <= a < b < {num_layers}", got=repr(pair),
+                tip="list each pair once, smaller index first")
+        for layer in range(a + 1, b + 1):
+            unit_of[layer] = unit_of[a]
+    units: list[list[int]] = []
+    for layer in range(num_layers):
+        if units and unit_of[layer] == unit_of[units[-1][0]]:
+            units[-1].append(layer)
+        else:
+            units.append([layer])
+    limit = num_layers if block_size is None else block_size
+    blocks: list[list[int]] = []
+    for unit in units:
+        if blocks and len(blocks[-1]) + len(unit) <= limit:
+            blocks[-1].extend(unit)
+        else:
+            blocks.append(list(unit))
+    plan = []
+    for block_index, block in enumerate(blocks):
+        manager = CheckpointWithoutOutputManager()
+        for layer in block:
+            plan.append(ResidualRecomputeContext(layer, block_index, manager, layer == block[-1]))
+    return plan
