@@ -54,6 +54,9 @@ class GlmDsaConfig:
     # Call the indexer through pytree_ckpt.reuse_during_recompute (True) or directly (False,
     # which reruns it in every checkpoint replay: only useful to show why reuse exists).
     reuse_indexer: bool = True
+    # Run both pre-norms through output-discard replay (pytree_ckpt.CheckpointWithoutOutput):
+    # their outputs are freed once the projections saved them, and rebuilt in backward.
+    discard_norm_outputs: bool = False
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "q_lora_rank",

@@ -7,6 +7,8 @@ from typing import TypedDict
 import torch
 from torch import nn
 
+from pytree_ckpt import CheckpointWithoutOutput
+
 from .attention import MlaAttention
 from .common import RMSNorm
 from .config import GlmDsaConfig
@@ -34,6 +36,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: GlmDsaConfig, layer_idx: int, *, computes_topk: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.discard_norm_outputs = config.discard_norm_outputs
         self.computes_topk = computes_topk
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MlaAttention(config, has_indexer=computes_topk)
@@ -44,9 +47,25 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *, rope_cos: torch.Tensor,
                 rope_sin: torch.Tensor, cu_seqlens: torch.Tensor,
                 dsa_topk_ids: torch.Tensor | None = None) -> DecoderLayerOutput:
-        attn = self.self_attn(self.input_layernorm(hidden_states), rope_cos=rope_cos,
-                              rope_sin=rope_sin, cu_seqlens=cu_seqlens,
+        if not self.discard_norm_outputs:
+            attn = self.self_attn(self.input_layernorm(hidden_states), rope_cos=rope_cos,
+                                  rope_sin=rope_sin, cu_seqlens=cu_seqlens,
+                                  dsa_topk_ids=dsa_topk_ids)
+            hidden_states = hidden_states + attn["hidden_states"]
+            hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+            return DecoderLayerOutput(hidden_states=hidden_states,
+                                      dsa_topk_ids=attn["dsa_topk_ids"])
+        # Output discard: each norm's output is freed once its consumers saved it, and rebuilt
+        # when the gradient of the consumer's output arrives (inside a checkpoint boundary this
+        # happens in the replay; the original pass runs without grad and discards nothing).
+        norm = CheckpointWithoutOutput()
+        attn = self.self_attn(norm.checkpoint(self.input_layernorm, hidden_states),
+                              rope_cos=rope_cos, rope_sin=rope_sin, cu_seqlens=cu_seqlens,
                               dsa_topk_ids=dsa_topk_ids)
+        norm.discard_output_and_register_recompute(attn["hidden_states"])
         hidden_states = hidden_states + attn["hidden_states"]
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        return DecoderLayerOutput(hidden_states=hidden_states, dsa_topk_ids=attn["dsa_topk_ids"])
+        post_norm = CheckpointWithoutOutput()
+        mlp_out = self.mlp(post_norm.checkpoint(self.post_attention_layernorm, hidden_states))
+        post_norm.discard_output_and_register_recompute(mlp_out)
+        return DecoderLayerOutput(hidden_states=hidden_states + mlp_out,
+                                  dsa_topk_ids=attn["dsa_topk_ids"])
