@@ -199,19 +199,20 @@ class CheckpointWithoutOutput:
         self.replayed = True
         saved = iter(self._saved())
         self.detached = []
-        args = []
-        for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
-            if is_tensor:
-                t = next(saved)
-                d = t.detach().requires_grad_(t.requires_grad)
-                self.detached.append(d)
-                args.append(d)
-            else:
-                args.append(other)
         assert self.env is not None and self.fn is not None
         with ExitStack() as stack:
             self.env.enter(stack)
             stack.enter_context(torch.enable_grad())
+            args = []
+            for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
+                if not is_tensor:
+                    args.append(other)
+                    continue
+                t = next(saved)
+                d = t.detach().requires_grad_(t.requires_grad)
+                self.detached.append(d)
+                # a non-leaf alias, as in the boundary's replay (module input-gradient hooks)
+                args.append(d.view_as(d) if d.requires_grad else d)
             outputs = self.fn(*args)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         for original, new, size in zip(self.outputs, outputs, self.sizes):

@@ -69,24 +69,24 @@ class Preset:
 
 
 _GPU_SMALL = GlmDsaConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8,
-                          q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+                          moe=True, moe_intermediate_size=704, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
                           qk_rope_head_dim=32, v_head_dim=64, index_n_heads=4,
                           index_head_dim=64, index_topk=256, intermediate_size=2816)
-# fp32 throughout: the example model is not autocast-safe (RoPE promotes q and k to fp32
-# while v stays bf16, and the torch backend's backward then fails in index_add_). Its torch
+# fp32 throughout, for bit-equality columns that mean something on GPU too. Its torch
 # backend gathers [T, K, H, D] keys per layer: T=8192, K=128, H=16 keeps one gather near
 # 6 GiB, and backward's four of them plus eight model copies well inside 139 GiB.
 _GPU_LARGE = GlmDsaConfig(vocab_size=32000, hidden_size=2048, num_layers=12, num_heads=16,
-                          q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=64,
+                          moe=True, moe_intermediate_size=1408, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=64,
                           qk_rope_head_dim=32, v_head_dim=64, index_n_heads=8,
                           index_head_dim=64, index_topk=128, intermediate_size=5632)
 
 PRESETS: dict[str, Preset] = {
     # Seconds: the test suite runs it. Default sizes of GlmDsaConfig (CONTEXT.md section 5).
-    "tiny": Preset("tiny", GlmDsaConfig(), (20, 12), rounds=3, warmup=1),
+    # The tiny MoE (a GLM-5 trait) is on so the moe_gate unit has something to keep.
+    "tiny": Preset("tiny", GlmDsaConfig(moe=True), (20, 12), rounds=3, warmup=1),
     # The CPU demo: default widths, ten times the tokens (three packed sequences), so compute
     # rather than Python overhead dominates and top-k 8 of up to 160 keys is really sparse.
-    "demo": Preset("demo", GlmDsaConfig(), (160, 96, 64), rounds=36, warmup=3),
+    "demo": Preset("demo", GlmDsaConfig(moe=True), (160, 96, 64), rounds=20, warmup=2),
     "gpu-small": Preset("gpu-small", _GPU_SMALL, (2048, 1024, 1024), rounds=10, warmup=3,
                         cuda_only=True, offload_min_bytes=1 << 16),
     "gpu-large": Preset("gpu-large", _GPU_LARGE, (4096, 2048, 2048), rounds=8, warmup=3,
@@ -204,19 +204,21 @@ def _torch_mode(**options: Any) -> Callable[[GlmDsaForCausalLM, Preset, torch.de
     return build
 
 
-def _pytree(*, reuse: bool, offload: bool
-            ) -> Callable[[GlmDsaForCausalLM, Preset, torch.device], Variant]:
+def _pytree(*, reuse: bool = True, offload: bool = False, save: list[str] | None = None,
+            discard: bool = False) -> Callable[[GlmDsaForCausalLM, Preset, torch.device], Variant]:
     def build(base: GlmDsaForCausalLM, preset: Preset, device: torch.device) -> Variant:
-        if reuse:
+        if reuse and not discard:
             model = copy.deepcopy(base)
         else:
-            # reuse_indexer is read when the attention is built: build from the config, then
-            # copy the weights, so the model differs from the base in that switch only.
-            model = GlmDsaForCausalLM(dataclasses.replace(base.config, reuse_indexer=False))
+            # These switches are read when the layers are built: build from the config, then
+            # copy the weights, so the model differs from the base in those switches only.
+            model = GlmDsaForCausalLM(dataclasses.replace(
+                base.config, reuse_indexer=reuse, discard_norm_outputs=discard))
             model.to(device).load_state_dict(base.state_dict())
         manager = (OffloadManager(OffloadConfig(min_bytes=preset.offload_min_bytes),
                                   device=device) if offload else None)
-        model.checkpoint_layers(1.0, mtp=True, offload=manager if offload else False)
+        model.checkpoint_layers(1.0, mtp=True, offload=manager if offload else False,
+                                save=save)
         return Variant(model, manager=manager)
     return build
 
@@ -244,6 +246,14 @@ CONFIGS: tuple[BenchConfig, ...] = (
                 _pytree(reuse=True, offload=False)),
     BenchConfig("pytree_offload", "pytree-ckpt + replay + offload", "pytree-ckpt",
                 _pytree(reuse=True, offload=True)),
+    BenchConfig("pytree_save_attn", "pytree-ckpt + replay, keep attn", "pytree-ckpt",
+                _pytree(save=["attn"])),
+    BenchConfig("pytree_save_indexer", "pytree-ckpt, reuse off, keep dsa_indexer",
+                "pytree-ckpt", _pytree(reuse=False, save=["dsa_indexer"])),
+    BenchConfig("pytree_save_gate", "pytree-ckpt + replay, keep moe_gate", "pytree-ckpt",
+                _pytree(save=["moe_gate"])),
+    BenchConfig("pytree_discard", "pytree-ckpt + replay, norms discarded", "pytree-ckpt",
+                _pytree(discard=True)),
     BenchConfig("save_on_cpu", "torch save_on_cpu (eager)", "torch", _save_on_cpu,
                 cuda_only=True),
 )
