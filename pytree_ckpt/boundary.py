@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, TypeVar
@@ -62,7 +61,6 @@ from .tree import describe_leaf, flatten, leaf_paths, unflatten
 
 __all__ = ["BoundaryOptions", "checkpoint", "checkpointed"]
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -149,8 +147,8 @@ class _Call:
     """Everything one boundary call needs for its replay, minus the tensors themselves."""
 
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
-                 "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index", "out_meta", "frame", "env",
-                 "original_call")
+                 "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
+                 "out_meta", "frame", "env", "original_call")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:

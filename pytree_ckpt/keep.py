@@ -21,7 +21,6 @@ still records the op's node with the replay's inputs, and gradients flow. Rules:
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Iterable
 from contextvars import ContextVar
@@ -37,7 +36,6 @@ from .phase import ACTIVE, Phase
 
 __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE"]
 
-log = logging.getLogger(__name__)
 
 # Set while a kept callable runs (KeptCallables) / while reuse_during_recompute computes.
 IN_KEPT_CALLABLE: ContextVar[bool] = ContextVar("pytree_ckpt_in_kept_callable", default=False)

@@ -111,7 +111,8 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
 
 
 def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Module:
-    """Install the boundary with ``options`` on ``module`` (see ``apply_activation_checkpointing``)."""
+    """Install a boundary with ``options`` on ``module``; ``apply_activation_checkpointing``'s
+    core, also used by ``apply_recompute_config``."""
     installed = module.__dict__.get(_INSTALLED)
     if installed is not None:
         if installed.options != options:

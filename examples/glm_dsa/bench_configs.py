@@ -69,14 +69,16 @@ class Preset:
 
 
 _GPU_SMALL = GlmDsaConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8,
-                          moe=True, moe_intermediate_size=704, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+                          moe=True, moe_intermediate_size=704, q_lora_rank=384, kv_lora_rank=256,
+                          qk_nope_head_dim=64,
                           qk_rope_head_dim=32, v_head_dim=64, index_n_heads=4,
                           index_head_dim=64, index_topk=256, intermediate_size=2816)
 # fp32 throughout, for bit-equality columns that mean something on GPU too. Its torch
 # backend gathers [T, K, H, D] keys per layer: T=8192, K=128, H=16 keeps one gather near
-# 6 GiB, and backward's four of them plus eight model copies well inside 139 GiB.
+# 6 GiB, and backward's four of them plus a dozen model copies well inside 139 GiB.
 _GPU_LARGE = GlmDsaConfig(vocab_size=32000, hidden_size=2048, num_layers=12, num_heads=16,
-                          moe=True, moe_intermediate_size=1408, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=64,
+                          moe=True, moe_intermediate_size=1408, q_lora_rank=768, kv_lora_rank=512,
+                          qk_nope_head_dim=64,
                           qk_rope_head_dim=32, v_head_dim=64, index_n_heads=8,
                           index_head_dim=64, index_topk=128, intermediate_size=5632)
 
