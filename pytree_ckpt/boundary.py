@@ -148,7 +148,7 @@ class _Call:
 
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
-                 "out_meta", "frame", "env", "original_call")
+                 "out_meta", "frame", "env", "original_call", "reported")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -170,6 +170,7 @@ class _Call:
         # The caller's own args and kwargs, for the original pass only (then dropped): fn sees
         # the very containers it was given, as in eager; the replay gets rebuilt containers.
         self.original_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.reported = False  # an ActivationCensus watches this call's frame
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -260,6 +261,7 @@ class _BoundaryFunction(torch.autograd.Function):
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         if census_active():
+            call.reported = True
             report_held(tensors, Mechanism.BOUNDARY, holder=call.frame)
             report_held(call.frame.tensors(), Mechanism.REPLAY_FRAME, holder=call.frame)
         ctx.save_for_backward(*tensors)
@@ -289,7 +291,11 @@ class _BoundaryFunction(torch.autograd.Function):
             with ExitStack() as stack:
                 call.env.enter(stack)
                 stack.enter_context(torch.enable_grad())
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
+                if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+                    # Shadow an ambient hook (offload, census): the replay's short-lived graph
+                    # is not theirs to see. Only then: the hooks cost ~1 us per saved tensor.
+                    stack.enter_context(
+                        torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
                 # fn sees non-leaf aliases (made with grad enabled): module hooks watching their
                 # inputs' gradients (FSDP, FlopCounterMode's module tracker) cannot hook a leaf
                 # under torch.autograd.grad.
@@ -309,8 +315,11 @@ class _BoundaryFunction(torch.autograd.Function):
             if grad is not None and out.requires_grad:
                 outs.append(out)
                 grads.append(grad)
-        torch.autograd.Variable._execution_engine.queue_callback(
-            functools.partial(_release_frame_if_freed, ctx, call.frame))
+        if call.frame.results or call.reported:
+            # Only frames with something to free (or watched by a census) need the check,
+            # which costs ~10 us (a raised and caught error per call).
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_release_frame_if_freed, ctx, call.frame))
         if not explicit:
             if outs:
                 torch.autograd.backward(outs, grads)

@@ -137,7 +137,7 @@ class ActivationCensus:
 
     def __init__(self, model: nn.Module | None = None, /) -> None:
         self._model = model
-        self._entries: dict[tuple[str, int], _Entry] = {}
+        self._entries: dict[tuple[str, int], _Entry] = {}  # by (device, storage data_ptr)
         self._excluded: set[tuple[str, int]] = set()
         self._stack: list[str] = []
         self._handles: list[Any] = []
@@ -215,9 +215,11 @@ class ActivationCensus:
     # -- reading -----------------------------------------------------------------------------
     def note_discarded(self, tensor: torch.Tensor, /) -> None:
         """Output discard is about to free ``tensor``'s storage: stop counting it as resident."""
-        entry = self._entries.get(_storage_key(tensor))
+        entry = self._entries.pop(_storage_key(tensor), None)
         if entry is not None:
             entry.discarded = True
+            # Freed memory gets reused at once: file it under a key no new storage can have.
+            self._entries[("discarded", id(entry))] = entry
 
     def note_refilled(self, tensor: torch.Tensor, /) -> None:
         """A discarded storage was rebuilt for backward: resident again."""

@@ -12,6 +12,8 @@ the op is *not* run: the recorded outputs are returned. Autograd sits above the 
 still records the op's node with the replay's inputs, and gradients flow. Rules:
 
 1. collectives (``c10d``, ``_c10d_functional``) are never kept: every rank must run them;
+   nor are views (``detach`` included): they cost nothing, and autograd dispatches some of them
+   only when grad is enabled, so only in the replay;
 2. a mutating op (in-place, ``out=``) is never kept; inside a kept callable it is recomputed,
    with one warning per op;
 3. a kept output mutated between the original pass and the replay (its version counter moved)
@@ -58,7 +60,9 @@ class KeepPolicy:
         return f"KeepPolicy({self.description})"
 
     def keeps(self, func: Any) -> bool:
-        if func.namespace in _COLLECTIVE_NAMESPACES:
+        if func.namespace in _COLLECTIVE_NAMESPACES or func.is_view:
+            # Views (detach included) hold no memory of their own, and autograd dispatches some
+            # (saving an output) only when grad is on, i.e. in the replay alone.
             return False
         by_op = func.overloadpacket in self.ops
         by_region = self.callables and IN_KEPT_CALLABLE.get()

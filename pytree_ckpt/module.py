@@ -6,6 +6,17 @@ module itself, so the module keeps its class, parameters, buffers, submodules, n
 runs the forward pre-hooks and hooks (FSDP2's unshard/reshard among them) *outside* the
 boundary: the replay in backward calls only the bare forward. The installed callable holds the
 module through a weak reference, so wrapping creates no reference cycle.
+
+NOTE [the boundary stays eager]: the installed callable is opaque to dynamo
+(``torch.compiler.disable``), so ``torch.compile(model)``, ``layer.compile()`` or any compiled
+caller graph-breaks at the layer call and runs the boundary eagerly. Traced instead, dynamo
+rebuilt ``type(module).forward.__get__(module)`` as the attribute ``module.forward``, which is
+this callable again: endless recursion, or a boundary around a traced boundary. To compile a
+layer's *body*, install a compiled forward before wrapping
+(``layer.forward = torch.compile(layer.forward)``): it is kept as ``bare`` and called in the
+original pass and in the replay, and a ``torch.compile``d function compiles even when called
+from a disabled region. Wrapping is done once per process, at the first install, because
+importing dynamo costs about a second (a first backward imports it anyway).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from offload import OffloadManager, default_manager, env_flag
@@ -57,6 +69,18 @@ class _CheckpointedForward:
 
     def __reduce__(self) -> Any:
         return (_CheckpointedForward, (self.module_ref(), self.bare, self.options))
+
+
+_boundary_is_opaque = False
+
+
+def _keep_boundary_eager() -> None:
+    """Make the installed callable opaque to dynamo: NOTE [the boundary stays eager]."""
+    global _boundary_is_opaque
+    if not _boundary_is_opaque:
+        _CheckpointedForward.__call__ = torch.compiler.disable(  # type: ignore[method-assign]
+            _CheckpointedForward.__call__)
+        _boundary_is_opaque = True
 
 
 def is_checkpointed(module: nn.Module, /) -> bool:
@@ -121,6 +145,7 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Modul
                 expected=installed.options, got=options,
                 tip="call remove_activation_checkpointing(module) first, then apply again")
         return module
+    _keep_boundary_eager()
     forward = _CheckpointedForward(module, module.__dict__.get("forward"), options)
     module.__dict__["forward"] = forward
     module.__dict__[_INSTALLED] = forward

@@ -1,0 +1,303 @@
+"""Step time of pytree-ckpt's boundary against torch's checkpoint, on CPU.
+
+    python -m examples.bench_boundary [--sizes small,moderate] [--rounds N] [--warmup N]
+                                      [--threads N] [--json PATH]
+
+An 8-layer pre-norm decoder stack (RMSNorm, causal SDPA attention, SwiGLU MLP, residuals) is
+run forward + backward under each configuration, all on the *same* layer objects:
+
+- ``eager``: no checkpoint (reference);
+- ``ours``: ``pytree_ckpt.checkpoint(layer, x)`` around each layer;
+- ``ours (module)``: ``apply_activation_checkpointing`` installed on the same layers for the
+  step (installed and removed outside the timed region);
+- ``torch reentrant`` / ``torch non-reentrant``: ``torch.utils.checkpoint.checkpoint(layer, x,
+  use_reentrant=True / False)``.
+
+Two sizes: ``small`` (hidden 64, seq 32) where per-call overhead dominates, and ``moderate``
+(hidden 512, seq 512) where compute does. Before timing, the stack's gradients under ``ours``
+are checked bit for bit against eager; timings are not reported for a size that fails.
+
+NOTE [measurement]: every configuration first runs ``warmup`` steps; then ``rounds`` rounds run
+one step of each configuration, in an order rotated each round, so slow drifts of the machine
+(frequency, other tenants) hit every configuration alike. Only forward + loss + backward is
+inside ``time.perf_counter``; zeroing the grads (and installing the module wrapping) is not.
+Medians are reported, with p10/p90 to show the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_ckpt
+from torch import nn
+
+import pytree_ckpt
+
+__all__ = ["DecoderBlock", "SIZES", "CONFIGS", "main"]
+
+LAYERS = 8
+OURS = "ours"
+OURS_MODULE = "ours (module)"
+EAGER = "eager"
+TORCH_REENTRANT = "torch reentrant"
+TORCH_NON_REENTRANT = "torch non-reentrant"
+CONFIGS = (OURS, OURS_MODULE, TORCH_REENTRANT, TORCH_NON_REENTRANT, EAGER)
+# ours / torch reentrant: the boundary's extra per-call cost must stay within these.
+TARGETS = {"small": 1.03, "moderate": 1.01}
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    hidden: int
+    seq: int
+    batch: int
+    heads: int
+    # Defaults picked so the whole default run takes ~2-3 minutes on 2 CPU cores: small steps
+    # take milliseconds (many rounds are cheap and needed to tame noise), moderate ones ~1 s.
+    rounds: int
+    warmup: int
+
+
+SIZES = {
+    "small": Size(hidden=64, seq=32, batch=1, heads=4, rounds=1000, warmup=50),
+    "moderate": Size(hidden=512, seq=512, batch=1, heads=8, rounds=15, warmup=2),
+}
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + swiglu(norm(x))."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        ffn = (8 * hidden // 3 + 31) // 32 * 32  # the usual 2/3 * 4h SwiGLU width, rounded
+        self.attn_norm = nn.RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden)
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(batch, seq, 3, self.heads, hidden // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, heads, seq, head_dim)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attn.transpose(1, 2).reshape(batch, seq, hidden))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+LayerCall = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _eager(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+def _ours(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return pytree_ckpt.checkpoint(layer, x)
+
+
+def _torch_reentrant(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch_ckpt.checkpoint(layer, x, use_reentrant=True)
+
+
+def _torch_non_reentrant(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch_ckpt.checkpoint(layer, x, use_reentrant=False)
+
+
+# OURS_MODULE calls the layer plainly: the wrapping is installed on the layers around the step.
+LAYER_CALLS: dict[str, LayerCall] = {
+    EAGER: _eager, OURS: _ours, OURS_MODULE: _eager,
+    TORCH_REENTRANT: _torch_reentrant, TORCH_NON_REENTRANT: _torch_non_reentrant,
+}
+
+
+class Bench:
+    """One size: the layer stack, its input, and one timed step per configuration."""
+
+    def __init__(self, size: Size, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(DecoderBlock(size.hidden, size.heads) for _ in range(LAYERS))
+        # Stands in for the embedding output: it requires grad, as torch's reentrant checkpoint
+        # needs for parameter gradients to flow.
+        self.x = torch.randn(size.batch, size.seq, size.hidden, requires_grad=True)
+        self.leaves = [self.x, *self.layers.parameters()]
+
+    def zero_grad(self) -> None:
+        for t in self.leaves:
+            t.grad = None
+
+    def step(self, config: str) -> float:
+        """Zero grads, then run forward + backward once; return its seconds."""
+        self.zero_grad()
+        call = LAYER_CALLS[config]
+        if config == OURS_MODULE:
+            for layer in self.layers:
+                pytree_ckpt.apply_activation_checkpointing(layer)
+        try:
+            start = time.perf_counter()
+            h = self.x
+            for layer in self.layers:
+                h = call(layer, h)
+            h.square().mean().backward()
+            elapsed = time.perf_counter() - start
+        finally:
+            if config == OURS_MODULE:
+                for layer in self.layers:
+                    pytree_ckpt.remove_activation_checkpointing(layer)
+        return elapsed
+
+    def grads(self) -> list[torch.Tensor | None]:
+        return [None if t.grad is None else t.grad.clone() for t in self.leaves]
+
+    def grads_equal(self, config: str) -> bool:
+        """Whether ``config`` gives gradients bit-identical to eager on every leaf."""
+        self.step(EAGER)
+        eager = self.grads()
+        self.step(config)
+        got = self.grads()
+        self.zero_grad()
+        return all(a is not None and b is not None and torch.equal(a, b)
+                   for a, b in zip(eager, got))
+
+
+def _summary(times_s: Sequence[float]) -> dict[str, float]:
+    ms = np.asarray(times_s) * 1e3
+    return {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
+            "p90_ms": float(np.percentile(ms, 90))}
+
+
+def run_size(name: str, size: Size, rounds: int, warmup: int) -> dict[str, Any]:
+    bench = Bench(size)
+    result: dict[str, Any] = {
+        "shape": {"layers": LAYERS, "hidden": size.hidden, "seq": size.seq,
+                  "batch": size.batch, "heads": size.heads},
+        "rounds": rounds, "warmup": warmup,
+        # Both ours variants are checked: the module wrapping runs another code path.
+        "grads_equal": bench.grads_equal(OURS) and bench.grads_equal(OURS_MODULE),
+        "target": TARGETS.get(name),
+    }
+    if not result["grads_equal"]:
+        return result  # timings of a boundary that computes other gradients mean nothing
+    for config in CONFIGS:
+        for _ in range(warmup):
+            bench.step(config)
+    times: dict[str, list[float]] = {config: [] for config in CONFIGS}
+    for r in range(rounds):
+        shift = r % len(CONFIGS)
+        for config in CONFIGS[shift:] + CONFIGS[:shift]:
+            times[config].append(bench.step(config))
+    bench.zero_grad()
+    configs = {config: {**_summary(t), "times_ms": [s * 1e3 for s in t]}
+               for config, t in times.items()}
+    reference = configs[TORCH_REENTRANT]["median_ms"]
+    for stats in configs.values():
+        stats["ratio_vs_torch_reentrant"] = stats["median_ms"] / reference
+    ours = configs[OURS]["median_ms"]
+    result["configs"] = configs
+    result["ours_ratios"] = {
+        "vs_torch_reentrant": ours / reference,
+        "vs_torch_non_reentrant": ours / configs[TORCH_NON_REENTRANT]["median_ms"],
+        "vs_eager": ours / configs[EAGER]["median_ms"],
+    }
+    if result["target"] is not None:
+        result["target_met"] = result["ours_ratios"]["vs_torch_reentrant"] <= result["target"]
+    return result
+
+
+def format_report(results: dict[str, Any]) -> str:
+    sizes: dict[str, Any] = results["sizes"]
+    checks = ", ".join(f"{name} {'yes' if r['grads_equal'] else 'NO'}"
+                       for name, r in sizes.items())
+    lines = [
+        f"pytree-ckpt boundary vs torch.utils.checkpoint, {LAYERS}-layer decoder, CPU, "
+        f"torch {torch.__version__}, {results['threads']} threads",
+        f"grads of ours (checkpoint and module wrapping) bit-identical to eager: {checks}",
+        "",
+        "| size | config | median ms | p10/p90 ms | ratio vs torch reentrant |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, r in sizes.items():
+        if "configs" not in r:
+            continue
+        for config, s in r["configs"].items():
+            lines.append(f"| {name} | {config} | {s['median_ms']:.3f} | "
+                         f"{s['p10_ms']:.3f}/{s['p90_ms']:.3f} | "
+                         f"{s['ratio_vs_torch_reentrant']:.3f} |")
+    lines.append("")
+    for name, r in sizes.items():
+        shape = r["shape"]
+        where = (f"{name} (hidden {shape['hidden']}, seq {shape['seq']}, batch {shape['batch']}, "
+                 f"heads {shape['heads']}; {r['rounds']} rounds, {r['warmup']} warm-up)")
+        if "configs" not in r:
+            lines.append(f"{where}: gradients differ from eager, timings not reported")
+            continue
+        o = r["ours_ratios"]
+        line = (f"{where}: ours/torch-reentrant {o['vs_torch_reentrant']:.3f}, "
+                f"ours/torch-non-reentrant {o['vs_torch_non_reentrant']:.3f}, "
+                f"ours/eager {o['vs_eager']:.3f}")
+        if r["target"] is not None:
+            verdict = "met" if r["target_met"] else "not met"
+            line += f"; target ours/torch-reentrant <= {r['target']:.2f}: {verdict}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m examples.bench_boundary",
+                                     description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--sizes", default="small,moderate",
+                        help=f"comma-separated, from {', '.join(SIZES)}")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds per size (default: per size, " + ", ".join(
+                            f"{n} {s.rounds}" for n, s in SIZES.items()) + ")")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up steps per configuration (default: per size)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: leave as is)")
+    parser.add_argument("--json", type=Path, default=None, help="write results and raw times")
+    args = parser.parse_args(argv)
+    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in args.sizes if s not in SIZES]
+    if unknown or not args.sizes:
+        parser.error(f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the table, return the results (raw times included)."""
+    args = _parse(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    results: dict[str, Any] = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                               "sizes": {}}
+    for name in args.sizes:
+        size = SIZES[name]
+        rounds = size.rounds if args.rounds is None else args.rounds
+        warmup = size.warmup if args.warmup is None else args.warmup
+        results["sizes"][name] = run_size(name, size, rounds, warmup)
+    print(format_report(results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    out = main()
+    raise SystemExit(0 if all(r["grads_equal"] for r in out["sizes"].values()) else 1)
