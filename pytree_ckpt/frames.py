@@ -160,6 +160,9 @@ def _check_frozen(fn: Callable[..., Any], result: Any) -> None:
                     "must be recomputed in the replay, not replayed")
 
 
+# Opaque to dynamo: a compiled body graph-breaks here, since the frame lives in a ContextVar
+# that traced code would not follow (the replay then found nothing recorded).
+@torch._disable_dynamo
 def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Call ``fn(*args, **kwargs)`` once per step and replay its result during recompute.
 

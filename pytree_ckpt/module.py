@@ -9,9 +9,10 @@ module through a weak reference, so wrapping creates no reference cycle.
 
 NOTE [the boundary stays eager]: the installed callable is opaque to dynamo
 (``torch.compiler.disable``), so ``torch.compile(model)``, ``layer.compile()`` or any compiled
-caller graph-breaks at the layer call and runs the boundary eagerly. Traced instead, dynamo
-rebuilt ``type(module).forward.__get__(module)`` as the attribute ``module.forward``, which is
-this callable again: endless recursion, or a boundary around a traced boundary. To compile a
+caller graph-breaks at the layer call and runs the boundary eagerly. Traced, it broke:
+``layer.compile()`` recursed without end (dynamo rebuilt ``type(module).forward.__get__(module)``
+as the attribute ``module.forward``, which is this callable again) and ``torch.compile(model)``
+raised ``ReplayMismatchError`` (the traced flatten lost the PyTree namespace). To compile a
 layer's *body*, install a compiled forward before wrapping
 (``layer.forward = torch.compile(layer.forward)``): it is kept as ``bare`` and called in the
 original pass and in the replay, and a ``torch.compile``d function compiles even when called
@@ -54,6 +55,7 @@ class _CheckpointedForward:
         self.bare = bare  # an instance-level forward that was there before, else None
         self.options = options
 
+    @torch._disable_dynamo  # NOTE [the boundary stays eager]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
         if module is None:
@@ -69,18 +71,6 @@ class _CheckpointedForward:
 
     def __reduce__(self) -> Any:
         return (_CheckpointedForward, (self.module_ref(), self.bare, self.options))
-
-
-_boundary_is_opaque = False
-
-
-def _keep_boundary_eager() -> None:
-    """Make the installed callable opaque to dynamo: NOTE [the boundary stays eager]."""
-    global _boundary_is_opaque
-    if not _boundary_is_opaque:
-        _CheckpointedForward.__call__ = torch.compiler.disable(  # type: ignore[method-assign]
-            _CheckpointedForward.__call__)
-        _boundary_is_opaque = True
 
 
 def is_checkpointed(module: nn.Module, /) -> bool:
@@ -145,7 +135,6 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Modul
                 expected=installed.options, got=options,
                 tip="call remove_activation_checkpointing(module) first, then apply again")
         return module
-    _keep_boundary_eager()
     forward = _CheckpointedForward(module, module.__dict__.get("forward"), options)
     module.__dict__["forward"] = forward
     module.__dict__[_INSTALLED] = forward

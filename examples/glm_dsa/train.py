@@ -1,7 +1,10 @@
 """Train the example model for a few AdamW steps on one synthetic packed batch (CPU-fast).
 
     python -m examples.glm_dsa.train --steps 5 --ratio 1.0 [--no-reuse] [--moe] \\
-        [--mtp-depth 2] [--seed 0] [--offload [--offload-min-bytes 1024]]
+        [--mtp-depth 2] [--seed 0] [--offload [--offload-min-bytes 1024]] \\
+        [--compile [--compile-backend inductor]]
+    torchrun --nproc-per-node N -m examples.glm_dsa.train --fsdp [--compile] [...]
+    torchrun --nproc-per-node N -m examples.glm_dsa.train --ddp [...]
 
 The model is initialised right after ``torch.manual_seed(seed)`` and trained on
 ``make_packed_batch(config, seed=seed)`` at every step: one fixed batch, so a falling loss shows
@@ -10,12 +13,20 @@ layers behind a checkpoint boundary (the MTP layer is checkpointed whenever ``ra
 ``--no-reuse`` makes the attention call its indexer directly, so every replay reruns it.
 ``--offload`` copies what the checkpointed layers save (hidden states, top-k ids) to host memory
 with an ``offload.OffloadManager`` and prints what it moved per step; without it offload follows
-``XTUNER_ACTIVATION_OFFLOAD`` as everywhere else.
+``XTUNER_ACTIVATION_OFFLOAD`` as everywhere else. ``--compile`` compiles each layer's body
+before it is checkpointed (the boundary stays eager; see docs/scaling.md).
+
+Under torchrun, ``--fsdp`` shards every decoder and MTP layer, then the root, with FSDP2, and
+``--ddp`` wraps the model in DistributedDataParallel; CUDA with nccl when available, else CPU
+with gloo. Every rank builds the same model (same seed) and trains on its own fixed batch,
+``make_packed_batch(config, seed=seed + rank)``; the printed loss is the mean over ranks.
+Without torchrun the script runs in one process, on CPU, as it always did.
 """
 
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +35,8 @@ from offload import OffloadConfig, OffloadManager
 
 from .config import GlmDsaConfig
 from .data import make_packed_batch
+from .distributed import (DistEnv, compile_layer_bodies, init_from_env, shard_model,
+                          torchrun_world_size, wrap_ddp)
 from .model import GlmDsaForCausalLM
 
 __all__ = ["main", "parse_args"]
@@ -47,6 +60,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # silently move nothing, so the example lowers it.
     parser.add_argument("--offload-min-bytes", type=int,
                         help="smallest storage --offload moves (default 1024 bytes)")
+    parallel = parser.add_mutually_exclusive_group()
+    parallel.add_argument("--fsdp", action="store_true",
+                          help="shard every layer, then the root, with FSDP2 (under torchrun)")
+    parallel.add_argument("--ddp", action="store_true",
+                          help="DistributedDataParallel around the model (under torchrun)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each decoder and MTP layer's body")
+    parser.add_argument("--compile-backend",
+                        help="torch.compile backend for --compile (default inductor)")
     args = parser.parse_args(argv)
     if args.offload and args.ratio <= 0:
         parser.error("--offload needs --ratio > 0: offload windows open at checkpoint "
@@ -57,38 +79,80 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.offload_min_bytes = 1024
     if args.offload_min_bytes < 0:
         parser.error(f"--offload-min-bytes must be >= 0, got {args.offload_min_bytes}")
+    if args.compile_backend is not None and not args.compile:
+        parser.error("--compile-backend only applies with --compile")
+    if args.compile_backend is None:
+        args.compile_backend = "inductor"
+    world = torchrun_world_size()
+    if (args.fsdp or args.ddp) and world is None:
+        parser.error(f"--{'fsdp' if args.fsdp else 'ddp'} needs a process group; tip: launch "
+                     "with torchrun --nproc-per-node N -m examples.glm_dsa.train "
+                     f"--{'fsdp' if args.fsdp else 'ddp'}")
+    if world is not None and world > 1 and not (args.fsdp or args.ddp):
+        parser.error(f"launched with WORLD_SIZE={world} but neither --fsdp nor --ddp: every "
+                     "rank would train its own copy; tip: add --fsdp or --ddp")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> list[float]:
     """Run the training loop; print and return the loss of every step."""
     args = parse_args(argv)
+    env = init_from_env() if args.fsdp or args.ddp else None
+    try:
+        return _train(args, env)
+    finally:
+        if env is not None:
+            torch.distributed.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
+    rank = 0 if env is None else env.rank
+    device = torch.device("cpu") if env is None else env.device
     config = GlmDsaConfig(mtp_depth=args.mtp_depth, moe=args.moe,
                           reuse_indexer=not args.no_reuse)
     torch.manual_seed(args.seed)
-    model = GlmDsaForCausalLM(config)
-    manager = (OffloadManager(OffloadConfig(min_bytes=args.offload_min_bytes))
+    model = GlmDsaForCausalLM(config).to(device)
+    if args.compile:  # the bodies first: the boundary keeps the compiled forward it finds
+        compile_layer_bodies(model, backend=args.compile_backend)
+    manager = (OffloadManager(OffloadConfig(min_bytes=args.offload_min_bytes),
+                              **({} if env is None else {"device": device}))
                if args.offload else None)
     # None (no --offload) keeps the XTUNER_ACTIVATION_OFFLOAD behaviour.
     checkpointed = model.checkpoint_layers(args.ratio, mtp=args.ratio > 0, offload=manager)
-    batch = make_packed_batch(config, seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    print(f"checkpointed decoder layers: {checkpointed}; tokens per step: "
-          f"{batch['input_ids'].shape[1]}")
+    trained: torch.nn.Module = model
+    if args.fsdp:
+        # The root returns logits[None], a view; nothing modifies it in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        trained = shard_model(model)
+    elif args.ddp:
+        assert env is not None
+        trained = wrap_ddp(model, env)
+    batch = {k: v.to(device) for k, v in make_packed_batch(config, seed=args.seed + rank).items()}
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=args.lr)
+    say = print if rank == 0 else (lambda *_: None)
+    where = "" if env is None else (f"; {env.world_size} ranks ({env.backend}, "
+                                    f"{'FSDP2' if args.fsdp else 'DDP'})")
+    say(f"checkpointed decoder layers: {checkpointed}; tokens per step: "
+        f"{batch['input_ids'].shape[1]}{where}")
     losses = []
     for step in range(1, args.steps + 1):
-        out = model(**batch)
+        out = trained(**batch)
         out["loss"].backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(out["loss"].item())
-        mtp = " ".join(f"{x.item():.4f}" for x in out["mtp_losses"])
-        print(f"step {step} loss {losses[-1]:.6f} main {out['main_loss'].item():.6f} mtp [{mtp}]")
+        shown = torch.stack([out["loss"], out["main_loss"], *out["mtp_losses"]]).detach()
+        if env is not None:  # the mean over ranks (each trains on its own batch)
+            torch.distributed.all_reduce(shown)
+            shown /= env.world_size
+        values = shown.tolist()
+        losses.append(values[0])
+        mtp = " ".join(f"{x:.4f}" for x in values[2:])
+        say(f"step {step} loss {values[0]:.6f} main {values[1]:.6f} mtp [{mtp}]")
         if manager is not None:
             stats = manager.stats(reset=True)
-            print(f"  offload: {int(stats['offloaded_bytes'])} bytes to host in "
-                  f"{int(stats['windows'])} windows, {int(stats['restored_bytes'])} restored, "
-                  f"{int(stats['alive_elsewhere_bytes'])} alive elsewhere")
+            say(f"  offload: {int(stats['offloaded_bytes'])} bytes to host in "
+                f"{int(stats['windows'])} windows, {int(stats['restored_bytes'])} restored, "
+                f"{int(stats['alive_elsewhere_bytes'])} alive elsewhere")
     return losses
 
 

@@ -252,3 +252,24 @@ def test_frames_are_released_after_backward_and_with_an_unused_graph_over_100_st
     gc.collect()
     assert not any(ref() is not None for ref in alive)
     assert topk.calls == {"forward": 100}
+
+
+def test_a_compiled_body_calling_reuse_still_replays_its_frame() -> None:
+    topk = CountingTopk()
+    lin = nn.Linear(5, 5)
+
+    def body(h: torch.Tensor) -> torch.Tensor:
+        ids = reuse_during_recompute(topk, h)  # dynamo graph-breaks here, by design
+        return torch.gather(lin(h), -1, ids).exp().sum(-1, keepdim=True) * h
+
+    compiled = torch.compile(body, backend="eager")
+    x = torch.randn(3, 5, requires_grad=True)
+    body(x).sum().backward()
+    eager = [x.grad.clone(), *(p.grad.clone() for p in lin.parameters())]
+    x.grad = None
+    lin.zero_grad(set_to_none=True)
+    topk.calls.clear()
+    checkpoint(compiled, x).sum().backward()
+    assert topk.calls == {"forward": 1}
+    got = [x.grad, *(p.grad for p in lin.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(eager, got))

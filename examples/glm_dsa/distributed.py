@@ -1,0 +1,192 @@
+"""Scaling the example model out: compiled layer bodies, FSDP2, DDP, and the process group.
+
+NOTE [wrapping order]: three mechanisms nest around each decoder and MTP layer, innermost
+first, and are applied in that order:
+
+1. ``compile_layer_bodies``: the layer's *bare* forward becomes a ``torch.compile``d function,
+   installed as the instance attribute ``forward``;
+2. ``model.checkpoint_layers`` (``pytree_ckpt.apply_activation_checkpointing``): the boundary
+   keeps that compiled forward as the body it calls in the original pass and in the replay, and
+   stays eager itself (it is opaque to dynamo);
+3. ``shard_model`` (FSDP2 ``fully_shard``, each layer then the root) or ``wrap_ddp``: FSDP's
+   unshard/reshard run as forward hooks of the layer, so outside the boundary; the replay calls
+   only the bare forward, and sees the parameters FSDP's pre-backward hook has already
+   unsharded.
+
+Compiling after checkpointing would compile the boundary's callable instead of the body, so
+``compile_layer_bodies`` refuses a layer that is already checkpointed.
+
+NOTE [reuse stays eager]: ``pytree_ckpt.reuse_during_recompute`` must run eagerly, never
+traced: it finds the replay frame through a ``ContextVar``, and records into or takes from that
+frame, state dynamo can neither trace nor guard. Left to dynamo, a compiled MoE body lost the
+router's recording in the original pass, and its replay raised ``ReuseError`` ("the original
+pass recorded 0"). So ``compile_layer_bodies`` marks the methods that make those calls with
+``torch.compiler.disable``, per instance: ``MlaAttention.select_keys`` of a layer that computes
+its own top-k (the indexer runs eagerly, once per step, as before) and ``MoE.forward`` (the
+router's expert choice; its data-dependent expert shapes would break the graph anyway). Such a
+body has a graph break at that call; every other body (the consumers of top-k ids with a dense
+MLP) compiles with ``fullgraph=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pytree_ckpt
+
+from .attention import MlaAttention
+from .mlp import MoE
+from .model import GlmDsaForCausalLM
+
+__all__ = ["DistEnv", "body_allows_fullgraph", "compile_layer_bodies", "full_gradients",
+           "init_from_env", "shard_model", "torchrun_world_size", "wrap_ddp", "wrapped_layers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job: rank, world size and the device it trains on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def torchrun_world_size() -> int | None:
+    """``WORLD_SIZE`` when this process was launched by torchrun (or set up like it), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def init_from_env(*, timeout: datetime.timedelta | None = None) -> DistEnv:
+    """Join the process group torchrun described in the environment.
+
+    CUDA when available (``nccl``, one device per local rank), else CPU (``gloo``): the same
+    command runs on both. ``timeout`` bounds every collective (the default is torch's).
+    """
+    if torchrun_world_size() is None:
+        raise RuntimeError("no process group to join: RANK and WORLD_SIZE are not set; tip: "
+                           "launch with torchrun --nproc-per-node N -m examples.glm_dsa.train")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, **kwargs)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def wrapped_layers(model: GlmDsaForCausalLM) -> Iterator[tuple[str, nn.Module]]:
+    """The decoder and MTP layers, by name: what compile, checkpoint and FSDP each wrap."""
+    for i, layer in enumerate(model.layers):
+        yield f"layers.{i}", layer
+    for i, layer in enumerate(model.mtp_layers):
+        yield f"mtp_layers.{i}", layer
+
+
+def _reuse_sites(layer: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The methods of ``layer``'s submodules that call ``reuse_during_recompute``."""
+    sites: list[tuple[nn.Module, str]] = []
+    for module in layer.modules():
+        if isinstance(module, MlaAttention) and module.indexer is not None and \
+                module.reuse_indexer:
+            sites.append((module, "select_keys"))
+        elif isinstance(module, MoE):
+            sites.append((module, "forward"))  # Router.select goes through the reuse
+    return sites
+
+
+def body_allows_fullgraph(layer: nn.Module) -> bool:
+    """Whether ``layer``'s forward makes no ``reuse_during_recompute`` call."""
+    return not _reuse_sites(layer)
+
+
+def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "inductor",
+                         fullgraph: bool | None = None, **options: Any) -> dict[str, bool]:
+    """Compile each layer's bare forward; call before ``checkpoint_layers`` and sharding.
+
+    ``fullgraph=None`` uses ``fullgraph=True`` exactly for the bodies that allow it
+    (:func:`body_allows_fullgraph`); the calls to ``reuse_during_recompute`` stay eager (NOTE
+    [reuse stays eager]). ``options`` go to ``torch.compile``. Returns, per layer name, the
+    ``fullgraph`` it was compiled with.
+    """
+    chosen: dict[str, bool] = {}
+    for name, layer in wrapped_layers(model):
+        if pytree_ckpt.is_checkpointed(layer):
+            raise ValueError(
+                f"{name} is already checkpointed: compiling its forward now would compile the "
+                "checkpoint boundary, not the layer body; tip: compile first, then "
+                "model.checkpoint_layers(...), then shard (see docs/scaling.md)")
+        if "forward" in layer.__dict__:
+            raise ValueError(f"{name} already has an instance-level forward (compiled twice?); "
+                             "tip: compile each layer once, on a freshly built model")
+        sites = _reuse_sites(layer)
+        for module, method in sites:
+            # An instance attribute shadowing the method: the body graph-breaks at this call.
+            setattr(module, method, torch.compiler.disable(getattr(module, method)))
+        full = not sites if fullgraph is None else fullgraph
+        # An instance attribute: apply_activation_checkpointing keeps it as the body it calls.
+        layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=full, **options)
+        chosen[name] = full
+    return chosen
+
+
+def shard_model(model: GlmDsaForCausalLM, /, *, mesh: Any = None,
+                reshard_after_forward: bool = True) -> GlmDsaForCausalLM:
+    """FSDP2: ``fully_shard`` every decoder and MTP layer, then the root (embedding, head).
+
+    Apply after ``checkpoint_layers`` (NOTE [wrapping order]). Each layer is one FSDP group:
+    its pre-forward hook all-gathers the layer's parameters once per call, and its
+    pre-backward hook all-gathers them again before the boundary replays the layer.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for _, layer in wrapped_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def wrap_ddp(model: GlmDsaForCausalLM, env: DistEnv, /) -> nn.Module:
+    """``DistributedDataParallel`` around the whole (checkpointed) model.
+
+    ``find_unused_parameters=True``: the DSA indexers' parameters get no gradient from the
+    language-model loss (GLM-5 trains them with a separate loss). In an uncheckpointed layer
+    they never enter the graph, and without the flag DDP would wait for them forever. In a
+    checkpointed layer they are inputs of the boundary's autograd node (NOTE [parameters are
+    inputs] in ``pytree_ckpt/boundary.py``), so autograd visits them with no gradient; without
+    the flag DDP would count that as used and reduce zeros into their ``.grad`` (measured),
+    where eager leaves ``None`` and AdamW would not touch them. With it, DDP warns once that it
+    "did not find any unused parameters" (its traversal sees them in the graph), yet leaves
+    their ``.grad`` at ``None``, exactly as eager does.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
+
+
+def full_gradients(model: nn.Module, /) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient, unsharded (an FSDP2 DTensor is all-gathered: collective)."""
+    found: dict[str, torch.Tensor | None] = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is not None and hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        found[name.removeprefix("module.")] = None if grad is None else grad.detach().clone()
+    return found
