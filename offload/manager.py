@@ -18,10 +18,14 @@ device tensor until its copy completed (stream rule 1) and drop our reference on
 if the storage is still alive then, something else holds it and the bytes are reported as
 ``alive_elsewhere_bytes`` (and flagged by an active census): that offload saved nothing.
 
-NOTE [lifetimes]: all per-step state hangs off the handles that the autograd graph holds. A copy
-lives while a handle to it does; when the last handle goes (after the node's backward, or when a
+NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds. A copy lives
+while a handle to it does; when the last handle goes (after the node's backward, or when a
 graph is dropped without backward, or an exception unwinds it) the host buffer returns to the
-pool. The manager itself keeps only weak references to windows, its pool and its counters.
+pool. The manager holds windows and shared copies weakly; strongly only its pool, counters,
+this pass's event log, and the copies whose device-to-host copy it has not yet seen complete
+(``_pending``, emptied at the next window, the first restore, or ``stats()``; on a GPU, a host
+running far ahead of the device keeps more of them pending: their device memory is released
+once the copies land).
 
 NOTE [window ids and prefetch]: one planner (the manager) numbers windows densely in call
 order: a new pass starts at 0 when a window opens and no window of the current pass is alive.
@@ -42,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from pytree_ckpt.errors import CheckpointConfigError
 
 from .pool import HostPool
 from .streams import CopyEngine
@@ -68,8 +74,10 @@ class OffloadConfig:
         for name in ("min_bytes", "prefetch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"OffloadConfig.{name} must be an int >= 0, got {value!r}; "
-                                 f"tip: min_bytes=0 offloads every window storage")
+                raise CheckpointConfigError(
+                    f"OffloadConfig.{name} must be an int >= 0", expected="an int >= 0",
+                    got=repr(value), tip="min_bytes=0 offloads every window storage; "
+                                         "prefetch=0 restores on demand")
 
 
 class _Copy:
@@ -347,5 +355,7 @@ def env_flag(name: str, /) -> bool:
         return False
     if raw.strip().lower() in ("1", "true"):
         return True
-    raise ValueError(f"{name}={raw!r} is not understood; accepted values: 1, true (on), "
-                     f"0, false or unset (off)")
+    raise CheckpointConfigError(
+        f"{name}={raw!r} is not understood; accepted values: 1, true (on), 0, false or unset "
+        "(off)", expected="1 | true | 0 | false | unset", got=repr(raw),
+        tip=f"unset {name}, or set it to 1 or 0")

@@ -30,6 +30,7 @@ class CopyEngine:
         self.device = device
         self.cuda = device.type == "cuda"
         self._waits: list[tuple[Any, Any]] = []  # (before, after) timing events around waits
+        self._waited_ms = 0.0
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
@@ -79,13 +80,22 @@ class CopyEngine:
         stream.wait_event(event)
         after.record(stream)
         self._waits.append((before, after))
+        if len(self._waits) > 256:  # nobody read stats(): fold what completed
+            self.waited_ms()
 
     def waited_ms(self) -> float:
-        """Milliseconds the compute stream spent waiting on restores (completed waits only)."""
-        return sum(b.elapsed_time(a) for b, a in self._waits if a.query())
+        """Milliseconds the compute stream spent waiting on restores (completed waits only).
+
+        Completed waits are folded into a running total, so the event list stays short.
+        """
+        done = [(b, a) for b, a in self._waits if a.query()]
+        self._waited_ms += sum(b.elapsed_time(a) for b, a in done)
+        self._waits = [(b, a) for b, a in self._waits if not a.query()]
+        return self._waited_ms
 
     def reset_waits(self) -> None:
         self._waits = []
+        self._waited_ms = 0.0
 
     def done(self, event: Any) -> bool:
         return event is None or event.query()

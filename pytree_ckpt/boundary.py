@@ -24,8 +24,9 @@ arguments) are extra inputs of the Function. The replay then computes their grad
 ``torch.autograd.grad`` and returns them, so autograd adds them to ``.grad`` exactly where and
 in the order eager would: bit-identical gradients with micro-batch accumulation and layers used
 several times (shared-weight MTP), parameters get gradients when no input requires grad, and
-``torch.autograd.grad`` / ``backward(inputs=...)`` work. The first replay of each module checks
-that its graph reaches no other tensor that requires grad (it would silently get no gradient).
+``torch.autograd.grad`` / ``backward(inputs=...)`` work. The first replay of each module (and
+the first after any module gains or swaps a submodule) checks that its graph reaches no other
+tensor that requires grad: it would silently get no gradient.
 
 NOTE [unknown callables]: for any other callable the parameters it closes over cannot be known,
 so the replay accumulates every leaf's gradient with ``torch.autograd.backward``, as torch's
@@ -44,12 +45,10 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-
-from offload import OffloadManager
 
 from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
@@ -58,6 +57,9 @@ from .keep import KeepMode, KeepPolicy
 from .phase import ACTIVE, Invocation, Phase
 from .rng import ReplayEnvironment
 from .tree import describe_leaf, flatten, leaf_paths, unflatten
+
+if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
+    from offload import OffloadManager
 
 __all__ = ["BoundaryOptions", "checkpoint", "checkpointed"]
 
@@ -101,21 +103,39 @@ def owning_module(fn: Callable[..., Any]) -> nn.Module | None:
 
 _PARAMETER_DICTS = "_pytree_ckpt_parameter_dicts"
 _VERIFIED = "_pytree_ckpt_verified"
+# Bumped whenever any module gets a submodule (torch's global registration hook, installed at
+# the first boundary call): cached parameter lists and verifications older than it are stale.
+_structure_generation = 0
+_hook_installed = False
+
+
+def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
+    global _structure_generation
+    _structure_generation += 1
+
+
+def _watch_module_structure() -> None:
+    global _hook_installed
+    if not _hook_installed:
+        nn.modules.module.register_module_module_registration_hook(_bump_generation)
+        _hook_installed = True
 
 
 def trainable_parameters(modules: list[nn.Module], skip: set[int]) -> list[torch.Tensor]:
     """The trainable parameters of ``modules`` (deduplicated, without ids in ``skip``).
 
     Each module caches the ``_parameters`` dicts of its submodules (dicts, not modules: no
-    reference cycle); reading them per call picks up parameters swapped in place (FSDP2).
+    reference cycle); reading them per call picks up parameters swapped in place (FSDP2), and
+    the cache is rebuilt after any submodule is added or replaced (an adapter injected later).
     """
+    _watch_module_structure()
     found: list[torch.Tensor] = []
     for module in modules:
-        dicts = module.__dict__.get(_PARAMETER_DICTS)
-        if dicts is None:
-            dicts = tuple(m._parameters for m in module.modules())
-            module.__dict__[_PARAMETER_DICTS] = dicts
-        for params in dicts:
+        cached = module.__dict__.get(_PARAMETER_DICTS)
+        if cached is None or cached[0] != _structure_generation:
+            cached = (_structure_generation, tuple(m._parameters for m in module.modules()))
+            module.__dict__[_PARAMETER_DICTS] = cached
+        for params in cached[1]:
             for param in params.values():
                 if param is not None and param.requires_grad and id(param) not in skip:
                     skip.add(id(param))
@@ -240,12 +260,13 @@ class _BoundaryFunction(torch.autograd.Function):
         assert call.original_call is not None
         args, kwargs = call.original_call
         call.original_call = None
-        token = ACTIVE.set(Invocation(Phase.FORWARD, call.frame, ACTIVE.get()))
+        invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
+        token = ACTIVE.set(invocation)
         try:
             if call.options.keep is None:
                 output = call.fn(*args, **kwargs)
             else:
-                with KeepMode(call.options.keep):
+                with KeepMode(call.options.keep, invocation):
                     output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
@@ -286,7 +307,8 @@ class _BoundaryFunction(torch.autograd.Function):
                          for t, need in zip(ctx.saved_tensors, needs[:n]))
         call.frame.start_replay()
         assert call.env is not None
-        token = ACTIVE.set(Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get()))
+        invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
+        token = ACTIVE.set(invocation)
         try:
             with ExitStack() as stack:
                 call.env.enter(stack)
@@ -302,7 +324,7 @@ class _BoundaryFunction(torch.autograd.Function):
                 args, kwargs = call.inputs(tuple(d.view_as(d) if d.requires_grad else d
                                                  for d in detached))
                 if call.options.keep is not None:
-                    stack.enter_context(KeepMode(call.options.keep))
+                    stack.enter_context(KeepMode(call.options.keep, invocation))
                 output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
@@ -327,7 +349,8 @@ class _BoundaryFunction(torch.autograd.Function):
         assert call.params is not None
         wrt = [*detached, *call.params]
         wanted = [i for i, need in enumerate(needs) if need]
-        if outs and call.owner is not None and not call.owner.__dict__.get(_VERIFIED):
+        if outs and call.owner is not None and \
+                call.owner.__dict__.get(_VERIFIED) != _structure_generation:
             _verify_leaves(call, outs, wrt)
         result: list[torch.Tensor | None] = [None] * len(wrt)
         if outs and wanted:
@@ -349,7 +372,7 @@ def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor
             got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
             tip="pass the tensor (or the module owning it) as an argument, or register it as a "
                 "parameter of a submodule")
-    call.owner.__dict__[_VERIFIED] = True
+    call.owner.__dict__[_VERIFIED] = _structure_generation
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -42,11 +42,13 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .boundary import owning_module, trainable_parameters
 from .census import ActivationCensus, active_census
-from .errors import CheckpointConfigError, CheckpointError
+from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
 from .rng import ReplayEnvironment
+from .tree import flatten
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager",
            "ResidualRecomputeContext", "build_residual_stream_recompute_plan"]
@@ -69,8 +71,20 @@ class _DiscardFunction(torch.autograd.Function):
         owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]
         owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
         ctx.owner = owner
-        ctx.save_for_backward(*(t for t in args if isinstance(t, torch.Tensor)))
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        # Which storages are inputs, read now: in forward, ctx.saved_tensors would run an
+        # ambient unpack hook (an offload restore) and hand back copies.
+        owner.input_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors}
+        ctx.save_for_backward(*tensors)
         owner.ctx = weakref.ref(ctx)  # weak: the node owns us, not the other way round
+        for out in outputs:
+            if not isinstance(out, torch.Tensor):
+                raise CheckpointConfigError(
+                    f"CheckpointWithoutOutput needs {owner._name()} to return a tensor or a "
+                    "tuple of tensors", expected="Tensor | tuple[Tensor, ...]",
+                    got=type(out).__name__,
+                    tip="discard only simple ops; wrap structured outputs in "
+                        "pytree_ckpt.checkpoint instead")
         return outputs
 
     @staticmethod
@@ -84,11 +98,21 @@ class _DiscardFunction(torch.autograd.Function):
         outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
         needs = ctx.needs_input_grad[1:]
         owner.recomputed = None  # the recomputed graph is done with
+        owner.outputs = ()       # and so are the storages (NOTE [discard lifetimes])
         if owner.params is None:  # an unknown callable: accumulate, as a reentrant checkpoint
+            if not torch.autograd._is_checkpoint_valid():
+                raise CheckpointError(
+                    f"the discarded output of {owner._name()} was reached by "
+                    "torch.autograd.grad() or backward(inputs=...)",
+                    expected="a module (or a method of one) as fn, or loss.backward()",
+                    got="an arbitrary callable under a restricted backward",
+                    tip="pass a module or its method so its parameters are known")
             if outs:
                 torch.autograd.backward(outs, out_grads)
             detached = iter(owner.detached)
-            return (None, *(next(detached).grad if kind else None for kind in owner.arg_kinds))
+            grads_in = [next(detached).grad if kind else None for kind in owner.arg_kinds]
+            owner.detached = None
+            return (None, *grads_in)
         # Known parameters are inputs: return their grads so autograd sums them as eager does.
         detached = iter(owner.detached)
         wrt: list[torch.Tensor | None] = [next(detached) if kind else None
@@ -101,6 +125,7 @@ class _DiscardFunction(torch.autograd.Function):
                                       allow_unused=True)
             for i, grad in zip(wanted, got):
                 result[i] = grad
+        owner.detached = None
         return (None, *result)
 
 
@@ -125,6 +150,7 @@ class CheckpointWithoutOutput:
         self.passthrough = False  # ran without grad: no graph, nothing to discard or replay
         self.n_args = 0
         self.params: list[torch.Tensor] | None = None  # fn's parameters, when fn is a module
+        self.input_storages: set[int] = set()
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
         """``fn(*args)`` under no-grad; inputs saved through autograd; returns its output."""
@@ -133,17 +159,27 @@ class CheckpointWithoutOutput:
                                   expected="one checkpoint() per object", got="a second call",
                                   tip="create one CheckpointWithoutOutput per op call")
         self.fn = fn
-        if not torch.is_grad_enabled():
-            # Nothing will be saved (no_grad, or a checkpoint boundary's original pass): there
-            # is nothing to discard; the boundary's replay runs this again with grad enabled.
-            self.passthrough = True
-            return fn(*args)
+        for arg in args:
+            if isinstance(arg, (list, tuple, dict)) and any(
+                    isinstance(x, torch.Tensor) for x in flatten(arg).leaves):
+                raise CheckpointConfigError(
+                    f"CheckpointWithoutOutput takes tensors as plain arguments; {self._name()} "
+                    "got a container of tensors", expected="fn(tensor, ..., other_values)",
+                    got=type(arg).__name__,
+                    tip="pass the tensors as separate arguments, or use pytree_ckpt.checkpoint "
+                        "for structured inputs")
         owner = owning_module(fn)
         self.n_args = len(args)
-        self.params = None
         if owner is not None:
             skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
             self.params = trainable_parameters([owner], skip)
+        needs_grad = bool(self.params) or any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        if not torch.is_grad_enabled() or not needs_grad:
+            # Nothing will be saved (no_grad, a checkpoint boundary's original pass, or nothing
+            # that needs a gradient): nothing to discard; a boundary's replay runs this again.
+            self.passthrough = True
+            return fn(*args)
         outputs = tuple(_DiscardFunction.apply(self, *args, *(self.params or ())))
         # Detached aliases: the same storages, without a grad_fn pointing back at our node.
         self.outputs = tuple(o.detach() for o in outputs)
@@ -169,11 +205,10 @@ class CheckpointWithoutOutput:
         self.discarded = True
         if self.passthrough:
             return
-        inputs = {t.untyped_storage().data_ptr() for t in self._saved()}
         self.census = active_census()
         for out in self.outputs:
             storage = out.untyped_storage()
-            if storage.data_ptr() in inputs:
+            if StorageWeakRef(storage).cdata in self.input_storages:
                 log.debug("output of %s aliases an input: kept", self._name())
                 self.sizes.append(0)
                 continue
@@ -184,6 +219,8 @@ class CheckpointWithoutOutput:
 
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor, /) -> None:
         """Free the outputs now; rebuild them when ``hook_tensor``'s gradient is computed."""
+        if not self.passthrough:
+            _check_hook_tensor(hook_tensor, self._name())
         self.discard_output()
         if not self.passthrough:
             hook_tensor.register_hook(self._hook)
@@ -215,10 +252,16 @@ class CheckpointWithoutOutput:
                 args.append(d.view_as(d) if d.requires_grad else d)
             outputs = self.fn(*args)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-        for original, new, size in zip(self.outputs, outputs, self.sizes):
+        if len(outputs) != len(self.outputs):
+            raise ReplayMismatchError(
+                f"the replay of {self._name()} returned another number of outputs",
+                expected=len(self.outputs), got=len(outputs),
+                tip="a discarded op must return the same outputs in its replay")
+        for index, (original, new, size) in enumerate(zip(self.outputs, outputs, self.sizes)):
             if new.shape != original.shape or new.dtype != original.dtype:
-                raise CheckpointError(
-                    f"the replay of {self._name()} returned another shape or dtype",
+                raise ReplayMismatchError(
+                    f"the replay of {self._name()} returned another shape or dtype at "
+                    f"output[{index}]",
                     expected=f"{tuple(original.shape)} {original.dtype}",
                     got=f"{tuple(new.shape)} {new.dtype}",
                     tip="a discarded op must be deterministic in shape")
@@ -230,6 +273,17 @@ class CheckpointWithoutOutput:
                 if self.census is not None:
                     self.census.note_refilled(original)
         self.recomputed = outputs
+
+
+def _check_hook_tensor(hook_tensor: Any, name: str) -> None:
+    if not isinstance(hook_tensor, torch.Tensor) or not hook_tensor.requires_grad:
+        raise CheckpointConfigError(
+            f"the hook tensor for {name} must be a tensor that requires grad",
+            expected="a later tensor in the graph (the consumer's output)",
+            got=type(hook_tensor).__name__ if not isinstance(hook_tensor, torch.Tensor)
+            else "a tensor with requires_grad=False",
+            tip="pass the output of the op that consumes the discarded output; nothing was "
+                "freed")
 
 
 class CheckpointWithoutOutputManager:
@@ -252,6 +306,13 @@ class CheckpointWithoutOutputManager:
             raise CheckpointError("this manager's outputs were already discarded",
                                   expected="one discard per manager", got="a second discard",
                                   tip="use one manager per block and forward")
+        if not all(c.passthrough for c in self.checkpoints):
+            _check_hook_tensor(hook_tensor, "this manager's block")
+        if any(c.discarded for c in self.checkpoints):
+            raise CheckpointError("a checkpoint of this manager was already discarded on its own",
+                                  expected="discards through the manager only",
+                                  got="an earlier discard_output()",
+                                  tip="let the manager discard all of its checkpoints")
         self.registered = True
         for ckpt in self.checkpoints:
             ckpt.discard_output()

@@ -105,7 +105,8 @@ class Frame:
                 expected=f"at most {len(recorded)} call(s)", got=f"call #{position + 1}",
                 tip="the replay must make the same calls (and dispatch the same kept ops), in "
                     "the same order, as the original pass; branch on inputs, not on "
-                    "current_phase() or grad mode")
+                    "current_phase() or grad mode; and pass the same callable object each "
+                    "time (a new lambda or functools.partial per call is another callable)")
         self.cursors[fn] = position + 1
         result = recorded[position]
         if self.restore is not None and not isinstance(fn, torch._ops.OpOverload):
@@ -122,9 +123,11 @@ class Frame:
         for fn, recorded in self.results.items():
             used = self.cursors.get(fn, 0)
             if used != len(recorded):
+                by = ("a save unit" if isinstance(fn, torch._ops.OpOverload)
+                      else "reuse_during_recompute")
                 raise ReuseError(
                     f"the replay consumed {used} of the {len(recorded)} results recorded for "
-                    f"{callable_name(fn)} by reuse_during_recompute",
+                    f"{callable_name(fn)} by {by}",
                     expected=f"{len(recorded)} call(s)", got=f"{used} call(s)",
                     tip="the replay must make the same reuse_during_recompute calls as the "
                         "original pass; a result left over means the replay took another path")

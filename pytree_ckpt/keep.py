@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError
-from .phase import ACTIVE, Phase
+from .phase import Invocation, Phase
 
 __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE"]
 
@@ -58,6 +58,17 @@ class KeepPolicy:
 
     def __repr__(self) -> str:
         return f"KeepPolicy({self.description})"
+
+    # Two policies that keep the same things are the same option (re-applying a config is a
+    # no-op, as for apply_activation_checkpointing).
+    def _key(self) -> tuple[frozenset[Any], bool]:
+        return self.ops, self.callables
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeepPolicy) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def keeps(self, func: Any) -> bool:
         if func.namespace in _COLLECTIVE_NAMESPACES or func.is_view:
@@ -92,18 +103,25 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 class KeepMode(TorchDispatchMode):
-    """Records kept ops' outputs in the original pass, returns them in the replay."""
+    """Records kept ops' outputs in the original pass, returns them in the replay.
 
-    def __init__(self, policy: KeepPolicy) -> None:
+    A mode belongs to one boundary invocation (its frame and phase), not to whichever is
+    innermost: in an outer replay, a nested boundary's original pass runs under both the outer
+    mode (which returns what the outer original pass kept) and its own (which records that for
+    its own replay). Modes stack, so each sees the op once.
+    """
+
+    def __init__(self, policy: KeepPolicy, invocation: Invocation) -> None:
         super().__init__()
         self.policy = policy
+        self.invocation = invocation
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        invocation = ACTIVE.get()
-        if invocation is None or IN_REUSE.get() or not self.policy.keeps(func):
+        if IN_REUSE.get() or not self.policy.keeps(func):
             return func(*args, **kwargs)
+        invocation = self.invocation
         frame = invocation.frame
         if invocation.phase is Phase.FORWARD:
             out = func(*args, **kwargs)

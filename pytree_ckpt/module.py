@@ -8,34 +8,39 @@ boundary: the replay in backward calls only the bare forward. The installed call
 module through a weak reference, so wrapping creates no reference cycle.
 
 NOTE [the boundary stays eager]: the installed callable is opaque to dynamo
-(``torch.compiler.disable``), so ``torch.compile(model)``, ``layer.compile()`` or any compiled
-caller graph-breaks at the layer call and runs the boundary eagerly. Traced, it broke:
+(``torch._disable_dynamo``, torch's lazy form of ``torch.compiler.disable``), so
+``torch.compile(model)``, ``layer.compile()`` or any compiled caller graph-breaks at the layer
+call and runs the boundary eagerly. Traced, it broke:
 ``layer.compile()`` recursed without end (dynamo rebuilt ``type(module).forward.__get__(module)``
 as the attribute ``module.forward``, which is this callable again) and ``torch.compile(model)``
 raised ``ReplayMismatchError`` (the traced flatten lost the PyTree namespace). To compile a
 layer's *body*, install a compiled forward before wrapping
 (``layer.forward = torch.compile(layer.forward)``): it is kept as ``bare`` and called in the
 original pass and in the replay, and a ``torch.compile``d function compiles even when called
-from a disabled region. Wrapping is done once per process, at the first install, because
-importing dynamo costs about a second (a first backward imports it anyway).
+from a disabled region. Dynamo is imported at the first *call* (about a second; a first
+backward imports it anyway), never by ``import pytree_ckpt``. A copy (deepcopy, pickle) of a
+module whose forward was replaced by something other than its own bound method is refused:
+it would keep computing with the original's weights.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import os
+import types
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from offload import OffloadManager, default_manager, env_flag
 
 from .boundary import BoundaryOptions, run_boundary
-from .errors import CheckpointConfigError
+from .errors import CheckpointConfigError, CheckpointError
+
+if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
+    from offload import OffloadManager
 
 OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 
@@ -63,14 +68,39 @@ class _CheckpointedForward:
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
         return run_boundary(forward, args, kwargs, self.options, module)
 
+    def _bare_for(self, twin: nn.Module) -> Any:
+        # An instance-level forward must follow the copy: a bound method of the module is
+        # rebound; anything else (a compiled forward) would keep computing with the original's
+        # weights, so copying is refused rather than silently wrong.
+        bare = self.bare
+        if bare is None:
+            return None
+        if isinstance(bare, types.MethodType) and bare.__self__ is self.module_ref():
+            return types.MethodType(bare.__func__, twin)
+        raise CheckpointError(
+            f"cannot copy a checkpointed {type(twin).__name__} whose forward was replaced "
+            "before wrapping",
+            expected="no instance-level forward, or a bound method of the module",
+            got=type(bare).__name__,
+            tip="copy the module first, then compile its forward and wrap each copy")
+
     def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
         # copy.deepcopy(module) registers the new module in memo before copying its __dict__.
         module = self.module_ref()
         twin = memo.get(id(module), module)
-        return _CheckpointedForward(twin, self.bare, self.options)
+        return _CheckpointedForward(twin, self._bare_for(twin), self.options)
 
     def __reduce__(self) -> Any:
-        return (_CheckpointedForward, (self.module_ref(), self.bare, self.options))
+        module = self.module_ref()
+        bare = self._bare_for(module)  # refuses what could not come back right
+        name = None if bare is None else bare.__func__.__name__
+        return (_restore_forward, (module, name, self.options))
+
+
+def _restore_forward(module: nn.Module, method: str | None,
+                     options: BoundaryOptions) -> _CheckpointedForward:
+    bare = None if method is None else types.MethodType(getattr(type(module), method), module)
+    return _CheckpointedForward(module, bare, options)
 
 
 def is_checkpointed(module: nn.Module, /) -> bool:
@@ -84,14 +114,10 @@ def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager 
     ``True`` (or the variable set to 1/true) uses the process's default manager, whose only
     lasting state is its host pool (see ``offload.default_manager``).
     """
+    from offload import OffloadManager, default_manager, env_flag
+
     if offload is None:
-        try:
-            offload = env_flag(OFFLOAD_ENV)
-        except ValueError as err:
-            raise CheckpointConfigError(
-                str(err), expected="XTUNER_ACTIVATION_OFFLOAD in {1, true, 0, false, unset}",
-                got=repr(os.environ.get(OFFLOAD_ENV)),
-                tip="unset it, or pass offload=True/False explicitly") from None
+        offload = env_flag(OFFLOAD_ENV)  # CheckpointConfigError (a ValueError) if unparsable
     if offload is True:
         return default_manager()
     if offload is False:
@@ -143,6 +169,8 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Modul
 
 def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     """Undo ``apply_activation_checkpointing`` (a no-op on an unwrapped module)."""
+    module.__dict__.pop("_pytree_ckpt_parameter_dicts", None)
+    module.__dict__.pop("_pytree_ckpt_verified", None)
     installed = module.__dict__.pop(_INSTALLED, None)
     if installed is not None:
         if installed.bare is None:

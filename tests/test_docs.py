@@ -13,6 +13,17 @@ DOCS = sorted((Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
+LINK = re.compile(r"\]\(([^)#]+\.md)(#[^)]*)?\)")
+
+
+def test_every_relative_link_in_the_readme_and_docs_points_at_a_file() -> None:
+    root = Path(__file__).resolve().parents[1]
+    for page in [root / "README.md", *DOCS]:
+        for target, _ in LINK.findall(page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).is_file(), f"{page.name} links to {target}"
+
+
 def test_every_doc_page_has_runnable_examples() -> None:
     assert DOCS, "docs/ has no pages"
     assert all(BLOCK.search(page.read_text()) for page in DOCS)

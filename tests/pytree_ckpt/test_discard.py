@@ -200,3 +200,31 @@ def test_bad_plans_are_refused(args: tuple[Any, ...], match: str) -> None:
     pairs = args[2] if len(args) > 2 else ()
     with pytest.raises(ValueError, match=match):
         build_residual_stream_recompute_plan(args[0], args[1], atomic_layer_pairs=pairs)
+
+
+def test_an_output_aliasing_its_input_is_kept_even_inside_an_offload_window() -> None:
+    manager = OffloadManager(OffloadConfig(min_bytes=0))
+    x = torch.randn(6, requires_grad=True) * 1.0
+    with manager.window([x]):
+        ckpt = CheckpointWithoutOutput()
+        view = ckpt.checkpoint(lambda t: t[:3], x)
+        y = view * 2
+        ckpt.discard_output_and_register_recompute(y)
+    assert x.untyped_storage().nbytes() == 6 * 4  # the input was not freed
+    assert manager.events() == []                 # and nothing was restored in forward
+    y.sum().backward()
+
+
+def test_a_hook_tensor_that_needs_no_grad_is_refused_before_anything_is_freed() -> None:
+    x = torch.randn(4, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    out = ckpt.checkpoint(torch.tanh, x)
+    with pytest.raises(ValueError, match="must be a tensor that requires grad"):
+        ckpt.discard_output_and_register_recompute(out.detach())
+    assert out.untyped_storage().nbytes() == 4 * 4 and not ckpt.discarded
+
+
+def test_structured_arguments_are_refused_with_a_tip() -> None:
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(ValueError, match="(?s)container of tensors.*tip"):
+        ckpt.checkpoint(lambda xs: xs[0] * 2, [torch.randn(2, requires_grad=True)])

@@ -171,3 +171,28 @@ def test_lean_import_touches_no_cuda_and_imports_no_optional_package() -> None:
                          text=True, check=True)
     assert out.stdout.strip() == "True" and out.stderr == ""
     assert pytree_ckpt.__version__
+
+
+def test_a_submodule_added_after_the_first_replay_still_gets_gradients() -> None:
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Identity())
+    apply_activation_checkpointing(layer)
+    x = torch.randn(2, 4, requires_grad=True)
+    layer(x).sum().backward()
+    layer[1] = nn.Linear(4, 4)  # an adapter injected after training started
+    layer(x).sum().backward()
+    assert layer[1].weight.grad is not None
+
+
+def test_copies_rebind_an_instance_level_bound_forward_and_refuse_anything_else() -> None:
+    layer = Layer()
+    layer.forward = layer.forward  # an instance attribute: the module's own bound method
+    apply_activation_checkpointing(layer)
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        twin.phases.clear()
+        twin(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        assert twin.phases == ["forward", "recompute"] and layer.phases == []
+    other = Layer()
+    other.forward = lambda x: other.attn(x)  # type: ignore[method-assign]
+    apply_activation_checkpointing(other)
+    with pytest.raises(pytree_ckpt.CheckpointError, match="cannot copy"):
+        copy.deepcopy(other)

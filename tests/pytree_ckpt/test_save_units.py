@@ -241,3 +241,35 @@ def test_collectives_are_never_kept() -> None:
         assert policy.keeps(torch.ops.aten.mm.default)
     finally:
         pytree_ckpt.keep.IN_KEPT_CALLABLE.reset(token)
+
+
+def test_save_units_compose_with_nested_boundaries() -> None:
+    inner = Block()
+    outer_lin = nn.Linear(8, 8)
+    apply_recompute_config([inner], RecomputeConfig(1.0, ["attn"]), TARGETS)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.lin = inner, outer_lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(torch.mm(x, self.lin.weight))
+
+    outer = Outer()
+    x = torch.randn(5, 8, requires_grad=True)
+    outer(x).square().sum().backward()
+    eager = [None if p.grad is None else p.grad.clone() for p in outer.parameters()]
+    outer.zero_grad(set_to_none=True)
+    apply_recompute_config([outer], RecomputeConfig(1.0, ["attn"]), TARGETS)
+    outer(x).square().sum().backward()
+    assert_same_grads(eager, [p.grad for p in outer.parameters()])
+
+
+def test_applying_the_same_config_twice_is_a_no_op() -> None:
+    stack = nn.ModuleList(Block() for _ in range(2))
+    config = RecomputeConfig(1.0, ["attn", "moe_gate"])
+    apply_recompute_config(stack, config, TARGETS)
+    apply_recompute_config(stack, config, TARGETS)
+    with pytest.raises(CheckpointConfigError, match="already checkpointed"):
+        apply_recompute_config(stack, RecomputeConfig(1.0, ["attn"]), TARGETS)
