@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -57,7 +58,7 @@ __all__ = ["OffloadConfig", "OffloadManager", "Window", "default_manager", "env_
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
     """How the manager offloads.
 
@@ -323,6 +324,7 @@ class OffloadManager:
 
 
 _default_managers: dict[str, OffloadManager] = {}
+_default_lock = threading.Lock()
 
 
 def default_manager() -> OffloadManager:
@@ -332,9 +334,10 @@ def default_manager() -> OffloadManager:
     it keeps across steps is its host pool (the point of a pool) and counters.
     """
     device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    manager = _default_managers.get(device)
-    if manager is None:
-        manager = _default_managers[device] = OffloadManager(device=device)
+    with _default_lock:
+        manager = _default_managers.get(device)
+        if manager is None:
+            manager = _default_managers[device] = OffloadManager(device=device)
     return manager
 
 

@@ -81,6 +81,3 @@ class HostPool:
         with self._lock:
             self._free[buffer.numel()].append((buffer, event))
             self.checked_out -= 1
-
-    def free_buffers(self) -> int:
-        return sum(len(v) for v in self._free.values())

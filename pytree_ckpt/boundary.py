@@ -438,7 +438,7 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     """Return ``fn`` wrapped in a boundary with the given options."""
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=offload)
 
-    @functools.wraps(fn)
+    @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
     def run(*args: Any, **kwargs: Any) -> T:
         return run_boundary(fn, args, kwargs, options)
 

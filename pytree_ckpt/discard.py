@@ -337,10 +337,12 @@ class ResidualRecomputeContext:
 
 
 def build_residual_stream_recompute_plan(
-        num_layers: int, block_size: int | None, *,
+        num_layers: int, block_size: int | None, /, *,
         atomic_layer_pairs: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
 ) -> list[ResidualRecomputeContext]:
     """One context per layer; layers of a block share a manager; pairs never split.
+
+    Managers are single-use (one discard and one replay per forward): build a plan per step.
 
     ``block_size=None`` makes the whole stack one block. A pair ``(a, b)`` keeps layers
     ``a..b`` in one block even when that exceeds ``block_size`` (``block_size=1`` included).

@@ -30,8 +30,9 @@ def _register_dataclass(cls: type) -> None:
         return [getattr(obj, n) for n in names], names, names
 
     def unflatten_one(field_names: tuple[str, ...], children: list[Any]) -> Any:
-        # NOTE: rebuilt without calling __init__/__post_init__: the rebuilt object is the same
-        # state with tensors swapped, not a new construction (frozen dataclasses included).
+        # NOTE: rebuilt without calling __init__/__post_init__: the rebuilt object holds the
+        # same field values with tensors swapped, not a new construction (frozen dataclasses
+        # included). Attributes that are not dataclass fields are not carried over.
         obj = object.__new__(cls)
         for name, value in zip(field_names, children):
             object.__setattr__(obj, name, value)

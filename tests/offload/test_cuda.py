@@ -90,3 +90,37 @@ def test_peak_memory_with_offload_drops_by_all_but_two_layer_inputs() -> None:
     ckpt_bytes = held_after_forward(plain)
     off_bytes = held_after_forward(offloaded)
     assert ckpt_bytes - off_bytes >= (num_layers - 2) * input_bytes, (ckpt_bytes, off_bytes)
+
+
+def test_the_copy_to_host_waits_for_the_kernel_that_produces_the_tensor() -> None:
+    # NOTE [stream rules] 1: the d2h stream must wait for the compute stream. Keep the compute
+    # stream busy, enqueue the producer behind it, and offload at once: without the wait the
+    # host copy would read the storage before the producer wrote it.
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the compute stream
+    h = x * 2                       # queued behind the sleep
+    with manager.window([h]):
+        loss = (h * h).sum()
+    del h
+    loss.backward()
+    assert torch.equal(x.grad, 8 * x.detach())  # d(4x^2)/dx, from the restored bytes
+
+
+def test_a_restored_tensor_is_not_read_before_its_copy_lands() -> None:
+    # NOTE [stream rules] 2: the compute stream waits on the restore's event.
+    manager = OffloadManager(OffloadConfig(min_bytes=0, prefetch=0), device="cuda")
+    x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+    h = x * 3
+    with manager.window([h]):
+        loss = (h * h).sum()
+    del h
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the compute stream is busy while the restore is issued
+    loss.backward()
+    got = x.grad.clone()
+    x.grad = None
+    h = x * 3
+    (h * h).sum().backward()  # the same graph, without offload
+    assert torch.equal(got, x.grad)
