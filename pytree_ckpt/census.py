@@ -24,6 +24,7 @@ after its holder released it is *flagged*: something else keeps it.
 from __future__ import annotations
 
 import enum
+import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -139,7 +140,7 @@ class ActivationCensus:
         self._model = model
         self._entries: dict[tuple[str, int], _Entry] = {}  # by (device, storage data_ptr)
         self._excluded: set[tuple[str, int]] = set()
-        self._stack: list[str] = []
+        self._local = threading.local()  # each thread's stack of running module paths
         self._handles: list[Any] = []
         self._hooks: Any = None
         self._token: Any = None
@@ -179,6 +180,13 @@ class ActivationCensus:
             handle.remove()
         self._handles.clear()
         self._stack.clear()
+
+    @property
+    def _stack(self) -> list[str]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
     def _push(self, path: str) -> Any:
         def hook(*_: Any) -> None:

@@ -168,9 +168,15 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Modul
 
 
 def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
-    """Undo ``apply_activation_checkpointing`` (a no-op on an unwrapped module)."""
+    """Undo ``apply_activation_checkpointing`` or ``apply_recompute_config`` on ``module``.
+
+    A no-op on an unwrapped module; methods wrapped by a save unit are restored too.
+    """
     module.__dict__.pop("_pytree_ckpt_parameter_dicts", None)
     module.__dict__.pop("_pytree_ckpt_verified", None)
+    for sub in module.modules():  # methods a save unit wrapped (KeptCallables)
+        for name in [n for n, v in sub.__dict__.items() if getattr(v, "_pytree_ckpt_kept", False)]:
+            del sub.__dict__[name]
     installed = module.__dict__.pop(_INSTALLED, None)
     if installed is not None:
         if installed.bare is None:

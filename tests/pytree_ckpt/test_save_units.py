@@ -273,3 +273,11 @@ def test_applying_the_same_config_twice_is_a_no_op() -> None:
     apply_recompute_config(stack, config, TARGETS)
     with pytest.raises(CheckpointConfigError, match="already checkpointed"):
         apply_recompute_config(stack, RecomputeConfig(1.0, ["attn"]), TARGETS)
+
+
+def test_removing_the_boundary_also_unwraps_kept_methods() -> None:
+    block = Block()
+    apply_recompute_config([block], RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+    assert "project" in block.gate.__dict__
+    pytree_ckpt.remove_activation_checkpointing(block)
+    assert "project" not in block.gate.__dict__ and not pytree_ckpt.is_checkpointed(block)
