@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from pytree_ckpt.census import storage_key
 from pytree_ckpt.errors import CheckpointConfigError
 
 from .pool import HostPool
@@ -85,8 +86,8 @@ class _Copy:
     """One window storage copied to host; shared by every handle on that storage."""
 
     __slots__ = ("manager", "window", "host", "nbytes", "device", "version", "storage_ref",
-                 "device_bytes", "d2h_event", "restored", "h2d_event", "released",
-                 "host_holder", "__weakref__")
+                 "device_bytes", "d2h_event", "restored", "h2d_event", "host_holder",
+                 "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -103,16 +104,19 @@ class _Copy:
         self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
         self.restored: torch.Tensor | None = None
         self.h2d_event: Any = None
-        self.released = False  # the device copy was let go (read by the census)
         self.host_holder = _HostHolder()  # lives exactly as long as this copy (for the census)
         manager._counters["offloaded_bytes"] += self.nbytes
         manager._pending.append(self)
+
+    @property
+    def released(self) -> bool:
+        """The device copy was let go (read by the census)."""
+        return self.device_bytes is None
 
     def drop_device_copy(self) -> None:
         if self.device_bytes is None:
             return
         self.device_bytes = None
-        self.released = True
         if not self.storage_ref.expired():
             self.manager._counters["alive_elsewhere_bytes"] += self.nbytes
             log.debug("offloaded storage of %d bytes is still alive elsewhere", self.nbytes)
@@ -162,10 +166,6 @@ class Window:
         self.copies: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
             weakref.WeakValueDictionary())
         self.restored = False
-
-
-def _key(tensor: torch.Tensor) -> tuple[str, int]:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
 class OffloadManager:
@@ -235,7 +235,7 @@ class OffloadManager:
             self._prefetched = set()
             self._shared = {}
         window = Window(len(self._pass) and (self._pass[-1]().id + 1),  # type: ignore[union-attr]
-                        {_key(t) for t in tensors if not isinstance(t, nn.Parameter)})
+                        {storage_key(t) for t in tensors if not isinstance(t, nn.Parameter)})
         self._pass.append(weakref.ref(window))
         self._counters["windows"] += 1
         return window
@@ -243,7 +243,7 @@ class OffloadManager:
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device != self.device:
             return tensor
-        key = _key(tensor)
+        key = storage_key(tensor)
         if key not in window.keys or tensor.untyped_storage().nbytes() < self.config.min_bytes:
             return tensor
         copy = window.copies.get(key)
@@ -263,7 +263,7 @@ class OffloadManager:
         Returns a handle for ``restore``, or ``tensor`` itself where the window rule says no
         (below ``min_bytes``, another device, a parameter).
         """
-        window.keys.add(_key(tensor))
+        window.keys.add(storage_key(tensor))
         return self._pack(window, tensor)
 
     def restore(self, packed: Any, /) -> torch.Tensor:

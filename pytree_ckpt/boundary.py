@@ -12,10 +12,11 @@ again during backward (the *replay*), exactly like torch's reentrant checkpoint,
 
 NOTE [what is saved]: only the *unique* tensor leaves of the inputs, once each, through
 ``ctx.save_for_backward``. Nothing computed inside the original pass is saved (it runs under
-no-grad), and the replay runs under identity saved-tensor hooks, so no ambient hook (offload, a
-census) ever sees a tensor computed inside the boundary. Non-tensor leaves and the tree specs
-are kept by reference on the autograd node; tensor leaves are never kept there, so swapping the
-saved reference (offload) really frees the device copy.
+no-grad), and when an ambient hook exists the replay runs under identity saved-tensor hooks
+that shadow it, so no ambient hook (offload, a census) ever sees a tensor computed inside the
+boundary. Non-tensor leaves and the tree specs are kept by reference on the autograd node;
+tensor leaves are never kept there, so swapping the saved reference (offload) really frees the
+device copy.
 
 NOTE [parameters are inputs]: when the boundary knows the module whose parameters ``fn`` uses
 (``fn`` is a module, a bound method of one, or the forward installed by
@@ -52,7 +53,7 @@ from torch import nn
 
 from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
-from .frames import Frame
+from .frames import Frame, callable_name
 from .keep import KeepMode, KeepPolicy
 from .phase import ACTIVE, Invocation, Phase
 from .rng import ReplayEnvironment
@@ -237,7 +238,7 @@ def _fn_name(fn: Callable[..., Any]) -> str:
     owner = owning_module(fn)
     if owner is not None:
         return type(owner).__name__
-    return getattr(fn, "__qualname__", None) or repr(fn)
+    return callable_name(fn)
 
 
 def _release_frame_if_freed(ctx: Any, frame: Frame) -> None:

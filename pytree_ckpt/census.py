@@ -124,7 +124,8 @@ def report_held(tensors: Iterable[torch.Tensor], mechanism: Mechanism, /, *,
             census._note(tensor, mechanism, holder, replace=replace)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+def storage_key(tensor: torch.Tensor, /) -> tuple[str, int]:
+    """``(device, storage data_ptr)``: which storage a tensor lives on, while it is alive."""
     return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
@@ -151,7 +152,7 @@ class ActivationCensus:
             raise RuntimeError("an ActivationCensus cannot be entered twice")
         if self._model is not None:
             for tensor in (*self._model.parameters(), *self._model.buffers()):
-                self._excluded.add(_storage_key(tensor))
+                self._excluded.add(storage_key(tensor))
             for path, module in self._model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(self._push(path)))
                 self._handles.append(module.register_forward_hook(self._pop, always_call=True))
@@ -201,7 +202,7 @@ class ActivationCensus:
               replace: bool = False) -> None:
         if isinstance(tensor, nn.Parameter) or tensor.untyped_storage().nbytes() == 0:
             return
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key in self._excluded:
             return
         # A storage is held while one of its keepers is: the graph's handle of a saved tensor
@@ -223,7 +224,7 @@ class ActivationCensus:
     # -- reading -----------------------------------------------------------------------------
     def note_discarded(self, tensor: torch.Tensor, /) -> None:
         """Output discard is about to free ``tensor``'s storage: stop counting it as resident."""
-        entry = self._entries.pop(_storage_key(tensor), None)
+        entry = self._entries.pop(storage_key(tensor), None)
         if entry is not None:
             entry.discarded = True
             # Freed memory gets reused at once: file it under a key no new storage can have.

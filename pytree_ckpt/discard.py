@@ -47,6 +47,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .boundary import owning_module, trainable_parameters
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
+from .frames import callable_name
 from .rng import ReplayEnvironment
 from .tree import flatten
 
@@ -194,7 +195,7 @@ class CheckpointWithoutOutput:
         return ctx.saved_tensors
 
     def _name(self) -> str:
-        return getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+        return callable_name(self.fn) if self.fn is not None else "CheckpointWithoutOutput"
 
     def discard_output(self) -> None:
         """Free each output's storage (NOTE [discard lifetimes] 2)."""

@@ -284,3 +284,17 @@ def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() 
     assert census.bytes_by("mechanism") == {"offloaded to host": size_class(per) * 3}
     out.sum().backward()
     assert census.total_bytes == 0
+
+
+def test_a_reservation_up_front_makes_the_first_step_hit_the_pool() -> None:
+    m = manager()
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(4, 32, requires_grad=True)
+    m.pool.reserve([x.untyped_storage().nbytes()] * 4)
+    reserved = m.pool.host_bytes
+    run_stack(layers, x).sum().backward()
+    stats = m.stats()
+    assert stats["pool_misses"] == 0 and stats["pool_hits"] == 4
+    assert stats["host_bytes"] == reserved
