@@ -40,7 +40,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,7 +49,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.census import storage_key
-from pytree_ckpt.errors import CheckpointConfigError
+from pytree_ckpt.errors import CheckpointConfigError, CheckpointError
 
 from .pool import HostPool
 from .streams import CopyEngine
@@ -142,30 +142,61 @@ class _HostHolder:
 
 
 class _Handle:
-    """What autograd holds instead of an offloaded tensor: the copy plus this alias's layout."""
+    """What autograd holds instead of an offloaded tensor: the copy plus this alias's layout.
 
-    __slots__ = ("copy", "dtype", "size", "stride", "offset")
+    NOTE [in-place check]: autograd skips its "modified by an inplace operation" check for a
+    tensor whose saving was hooked, so the handle does it: it remembers the tensor (weakly, so
+    the tensor can still be freed) and its version, and ``_unpack`` refuses a tensor modified
+    since. On a GPU such a change may also have raced with the copy to host.
+    """
 
-    def __init__(self, copy: _Copy, tensor: torch.Tensor) -> None:
+    __slots__ = ("copy", "key", "dtype", "size", "stride", "offset", "source", "version")
+
+    def __init__(self, copy: _Copy, key: tuple[str, int], tensor: torch.Tensor) -> None:
         self.copy = copy
+        self.key = key
         self.dtype = tensor.dtype
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.offset = tensor.storage_offset()
+        self.source = weakref.ref(tensor)
+        self.version = tensor._version
+
+    def check_unmodified(self) -> None:
+        source = self.source()
+        if source is None or source._version == self.version:
+            return
+        window = self.copy.window
+        raise CheckpointError(
+            f"{window.describe(self.key)} (offload window {window.id}, "
+            f"{self.dtype}{list(self.size)}) was modified in place after it was saved for "
+            "backward", expected=f"version {self.version} (when saved)",
+            got=f"version {source._version}",
+            tip="eager autograd refuses this too ('modified by an inplace operation'): modify a "
+                "clone (x = x.clone()) or make the in-place change before the layer")
 
 
 class Window:
     """The storages of one ``manager.window(...)`` call, and the copies made for them."""
 
-    __slots__ = ("id", "keys", "copies", "restored", "__weakref__")
+    __slots__ = ("id", "keys", "name", "copies", "restored", "__weakref__")
 
-    def __init__(self, window_id: int, keys: set[tuple[str, int]]) -> None:
+    def __init__(self, window_id: int, keys: dict[tuple[str, int], int | None],
+                 name: Callable[[int], str] | None) -> None:
         self.id = window_id
-        self.keys = keys
+        self.keys = keys  # storage key -> index of the first window tensor on it (None: frames)
+        self.name = name
         # Weak: copies hold their window, not the other way round (no cycle to wait on gc).
         self.copies: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
             weakref.WeakValueDictionary())
         self.restored = False
+
+    def describe(self, key: tuple[str, int]) -> str:
+        """Where a storage of this window came from, for messages (e.g. ``args[0]``)."""
+        index = self.keys.get(key)
+        if index is None:
+            return "a frozen result (replay frame)"
+        return self.name(index) if self.name is not None else f"window tensor #{index}"
 
 
 class OffloadManager:
@@ -227,15 +258,20 @@ class OffloadManager:
                 still.append(copy)
         self._pending = still
 
-    def _open(self, tensors: Sequence[torch.Tensor]) -> Window:
+    def _open(self, tensors: Sequence[torch.Tensor], name: Callable[[int], str] | None
+              ) -> Window:
         self._collect_finished()
         self._pass = [ref for ref in self._pass if ref() is not None]
         if not self._pass:  # a new pass: ids restart, the shared-storage registry too
             self._events = []
             self._prefetched = set()
             self._shared = {}
+        keys: dict[tuple[str, int], int | None] = {}
+        for index, tensor in enumerate(tensors):
+            if not isinstance(tensor, nn.Parameter):
+                keys.setdefault(storage_key(tensor), index)
         window = Window(len(self._pass) and (self._pass[-1]().id + 1),  # type: ignore[union-attr]
-                        {storage_key(t) for t in tensors if not isinstance(t, nn.Parameter)})
+                        keys, name)
         self._pass.append(weakref.ref(window))
         self._counters["windows"] += 1
         return window
@@ -255,7 +291,7 @@ class OffloadManager:
                 self._shared[key] = weakref.ref(copy)
                 _report_offload(copy, tensor)
             window.copies[key] = copy
-        return _Handle(copy, tensor)
+        return _Handle(copy, key, tensor)
 
     def offload_into(self, window: Window, tensor: torch.Tensor, /) -> Any:
         """Offload ``tensor`` (not saved by autograd: a replay frame's result) in ``window``.
@@ -263,7 +299,7 @@ class OffloadManager:
         Returns a handle for ``restore``, or ``tensor`` itself where the window rule says no
         (below ``min_bytes``, another device, a parameter).
         """
-        window.keys.add(storage_key(tensor))
+        window.keys.setdefault(storage_key(tensor), None)
         return self._pack(window, tensor)
 
     def restore(self, packed: Any, /) -> torch.Tensor:
@@ -271,9 +307,14 @@ class OffloadManager:
         return self._unpack(packed)
 
     @contextmanager
-    def window(self, tensors: Sequence[torch.Tensor], /) -> Iterator[Window]:
-        """Offload what autograd saves on the storages of ``tensors`` while the block runs."""
-        window = self._open(tensors)
+    def window(self, tensors: Sequence[torch.Tensor], /, *,
+               name: Callable[[int], str] | None = None) -> Iterator[Window]:
+        """Offload what autograd saves on the storages of ``tensors`` while the block runs.
+
+        ``name(i)``, if given, says where ``tensors[i]`` came from in error messages (the
+        boundary passes the input's key path, e.g. ``args[0]``).
+        """
+        window = self._open(tensors, name)
 
         def pack(tensor: torch.Tensor) -> Any:
             return self._pack(window, tensor)
@@ -297,6 +338,7 @@ class OffloadManager:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
             return packed
+        packed.check_unmodified()
         if self._pending:
             self._collect_finished()
         copy = packed.copy

@@ -200,6 +200,16 @@ class _Call:
         args, kwargs = unflatten(self.in_spec, leaves)
         return args, kwargs
 
+    def input_path(self, slot: int) -> str:
+        """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]``
+        or ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
+        path = leaf_paths(self.in_spec, root="inputs")[
+            self.in_tensor_index[self.in_slots.index(slot)]]
+        for root, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
+            if path.startswith(root):
+                return readable + path[len(root):]
+        return path
+
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.out_leaves)
         for index, tensor in zip(self.out_tensor_index, tensors):
@@ -419,7 +429,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # NOTE: the window covers only the save of the inputs (the original pass inside runs
         # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
         manager = options.offload
-        with manager.window(unique) as window:
+        with manager.window(unique, name=call.input_path) as window:
             out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
         if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
             call.frame.offload(functools.partial(manager.offload_into, window), manager.restore)

@@ -1,0 +1,231 @@
+"""The stream rules of NOTE [stream rules], checked on CPU against a simulated asynchronous GPU.
+
+On CPU the real ``CopyEngine`` copies synchronously, so a manager that forgot a wait or freed a
+tensor too early would still pass every other test. ``SimulatedStreams`` replaces it with copies
+that run only when their stream reaches them: a copy is queued on its stream and runs when its
+event completes, either because the simulated device made progress (at random points, from a
+seeded generator) or because someone must wait for it (``wait``, ``event.synchronize``). Until a
+copy has run its destination holds poison bytes (NaN in every float dtype), and a device-to-host
+copy whose source the manager no longer holds fails loudly. So each rule becomes checkable:
+
+1. the device tensor stays referenced until its device-to-host copy ran;
+2. a restore waits for the host copy to land, and the compute stream waits for the restore;
+3. a host buffer is reused only after the last copy that reads it ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offload import OffloadConfig, OffloadManager
+from pytree_ckpt import checkpoint_layers
+from tests.conftest import assert_same_grads
+
+POISON = 0xFF  # 0xFFFF... is a NaN in float16, bfloat16, float32 and float64
+
+
+class SimEvent:
+    def __init__(self, streams: SimulatedStreams, stream: str, run: Callable[[], None]) -> None:
+        self.streams, self.stream, self.run, self.done = streams, stream, run, False
+
+    def query(self) -> bool:
+        self.streams.progress()
+        return self.done
+
+    def synchronize(self) -> None:
+        self.streams.complete(self)
+
+
+class SimulatedStreams:
+    """A stand-in for ``offload.streams.CopyEngine`` with deferred, stream-ordered copies."""
+
+    cuda = False  # no timing events to report
+
+    def __init__(self, device: torch.device, *, seed: int | None, progress: float = 0.5) -> None:
+        self.device = device
+        self.rng = random.Random(seed)
+        self.chance = 0.0 if seed is None else progress  # seed None: the device never runs ahead
+        self.queues: dict[str, list[SimEvent]] = {"d2h": [], "h2d": []}
+        self.violations: list[str] = []
+
+    # -- the device --------------------------------------------------------------------------
+    def complete(self, event: SimEvent) -> None:
+        """Run ``event``'s stream up to and including ``event`` (streams run in order)."""
+        queue = self.queues[event.stream]
+        while not event.done:
+            head = queue.pop(0)
+            head.run()
+            head.done = True
+
+    def progress(self) -> None:
+        """The device gets ahead on its own, by a random amount."""
+        for queue in self.queues.values():
+            while queue and self.rng.random() < self.chance:
+                self.complete(queue[0])
+
+    def finish(self) -> None:
+        for queue in self.queues.values():
+            while queue:
+                self.complete(queue[-1])
+
+    def _enqueue(self, stream: str, run: Callable[[], None]) -> SimEvent:
+        event = SimEvent(self, stream, run)
+        self.queues[stream].append(event)
+        self.progress()
+        return event
+
+    # -- the CopyEngine interface --------------------------------------------------------------
+    def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> SimEvent:
+        target = host[: device_bytes.numel()]
+        target.fill_(POISON)  # undefined until the copy ran (and catches a reader still on it)
+        source = weakref.ref(device_bytes)  # the real engine holds no reference either
+
+        def run() -> None:
+            alive = source()
+            if alive is None:
+                self.violations.append("rule 1: device bytes dropped before the copy to host ran")
+                return
+            target.copy_(alive)
+        return self._enqueue("d2h", run)
+
+    def to_device(self, host: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any]:
+        buffer = torch.full((nbytes,), POISON, dtype=torch.uint8)
+
+        def run() -> None:
+            if after is not None:
+                self.complete(after)  # the h2d stream waits on the copy to host
+            buffer.copy_(host[:nbytes])
+        return buffer, self._enqueue("h2d", run)
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            self.complete(event)  # the compute stream is ordered after it
+
+    def done(self, event: Any) -> bool:
+        return event is None or event.query()
+
+    def waited_ms(self) -> float:
+        return 0.0
+
+    def reset_waits(self) -> None:
+        pass
+
+
+def simulated(seed: int | None, **config: Any) -> tuple[OffloadManager, SimulatedStreams]:
+    manager = OffloadManager(OffloadConfig(**{"min_bytes": 0, **config}), device="cpu")
+    streams = SimulatedStreams(manager.device, seed=seed)
+    manager.engine = streams  # type: ignore[assignment]
+    return manager, streams
+
+
+class Layer(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.proj(h)) * h
+
+
+def stack_grads(layers: nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor | None]:
+    h = x
+    for layer in layers:
+        h = layer(h)
+    h.square().sum().backward()
+    return [p.grad for p in layers.parameters()] + [x.grad]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("seed", [None, 0, 1, 2, 3])
+def test_gradients_are_exact_however_the_simulated_copies_are_timed(seed: int | None,
+                                                                    prefetch: int) -> None:
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(6))
+    model = copy.deepcopy(eager)
+    manager, streams = simulated(seed, prefetch=prefetch)
+    checkpoint_layers(model, offload=manager)
+    x = torch.randn(8, 32)
+    expected = stack_grads(eager, x.clone().requires_grad_())
+    for _ in range(3):  # later steps reuse pooled host buffers (rule 3)
+        model.zero_grad(set_to_none=True)
+        got = stack_grads(model, x.clone().requires_grad_())
+        assert_same_grads(expected, got)
+    assert streams.violations == []
+    streams.finish()
+    stats = manager.stats()
+    assert stats["host_buffers_in_use"] == 0 and stats["pool_misses"] == 6
+
+
+def test_device_tensors_stay_held_until_their_copy_ran_then_are_released() -> None:
+    manager, streams = simulated(None)  # the device never runs ahead on its own
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    checkpoint_layers(layers, offload=manager)
+    x = torch.randn(8, 32, requires_grad=True)
+    h = x
+    storages: list[StorageWeakRef] = []
+    for layer in layers:
+        h = layer(h)
+        storages.append(StorageWeakRef(h.untyped_storage()))
+    out = h.sum()
+    del h
+    manager.stats()
+    # Layers 1-3's inputs (outputs of layers 0-2): only the manager holds them, for their copies.
+    assert not any(ref.expired() for ref in storages[:3])
+    streams.finish()
+    manager.stats()
+    assert all(ref.expired() for ref in storages[:3])
+    # Only layer 0's input is still alive elsewhere (the test holds it): that copy saved nothing.
+    assert manager.stats()["alive_elsewhere_bytes"] == x.untyped_storage().nbytes()
+    out.backward()
+    assert streams.violations == []
+
+
+def _skip_compute_wait(streams: SimulatedStreams) -> None:
+    streams.wait = lambda event: None  # type: ignore[method-assign]
+
+
+def _restore_without_waiting_for_the_host_copy(streams: SimulatedStreams) -> None:
+    to_device = streams.to_device
+    streams.to_device = (  # type: ignore[method-assign]
+        lambda host, nbytes, after: to_device(host, nbytes, None))
+
+
+@pytest.mark.parametrize("break_rule_2", [_skip_compute_wait,
+                                          _restore_without_waiting_for_the_host_copy])
+def test_the_simulation_catches_a_restore_read_too_early(
+        break_rule_2: Callable[[SimulatedStreams], None]) -> None:
+    # The simulation is only worth something if a broken rule shows: poison reaches the grads.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(3))
+    model = copy.deepcopy(eager)
+    manager, streams = simulated(None)
+    break_rule_2(streams)
+    checkpoint_layers(model, offload=manager)
+    x = torch.randn(8, 32)
+    expected = stack_grads(eager, x.clone().requires_grad_())
+    got = stack_grads(model, x.clone().requires_grad_())
+    assert not any(g.isnan().any() for g in expected if g is not None)
+    assert any(g.isnan().any() for g in got if g is not None)
+
+
+def test_the_simulation_catches_a_device_tensor_dropped_before_its_copy_ran() -> None:
+    manager, streams = simulated(None)
+    manager.engine.done = lambda event: True  # type: ignore[method-assign]  # forget rule 1
+    layers = nn.ModuleList(Layer() for _ in range(3))
+    checkpoint_layers(layers, offload=manager)
+    h = torch.randn(8, 32, requires_grad=True)
+    for layer in layers:
+        h = layer(h)
+    h = h.sum()
+    manager.stats()  # "completed": the manager lets go of the device bytes
+    streams.finish()
+    assert any(v.startswith("rule 1") for v in streams.violations)
