@@ -106,6 +106,7 @@ class _Copy:
         self.h2d_event: Any = None
         self.host_holder = _HostHolder()  # lives exactly as long as this copy (for the census)
         manager._counters["offloaded_bytes"] += self.nbytes
+        manager._pass_offloaded += self.nbytes
         manager._pending.append(self)
 
     @property
@@ -179,7 +180,7 @@ class _Handle:
 class Window:
     """The storages of one ``manager.window(...)`` call, and the copies made for them."""
 
-    __slots__ = ("id", "keys", "name", "copies", "restored", "__weakref__")
+    __slots__ = ("id", "keys", "name", "copies", "restored", "small", "__weakref__")
 
     def __init__(self, window_id: int, keys: dict[tuple[str, int], int | None],
                  name: Callable[[int], str] | None) -> None:
@@ -190,6 +191,7 @@ class Window:
         self.copies: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
             weakref.WeakValueDictionary())
         self.restored = False
+        self.small: set[tuple[str, int]] = set()  # window storages left alone: below min_bytes
 
     def describe(self, key: tuple[str, int]) -> str:
         """Where a storage of this window came from, for messages (e.g. ``args[0]``)."""
@@ -222,11 +224,16 @@ class OffloadManager:
         self._prefetched: set[int] = set()
         self._counters: dict[str, int] = {}
         self._reset_counters()
+        # This pass's offloaded bytes and largest storage left below min_bytes: a pass that
+        # offloaded nothing because of the floor is logged (once), not silently accepted.
+        self._pass_offloaded = 0
+        self._pass_largest_small = 0
+        self._warned_nothing = False
 
     # -- statistics --------------------------------------------------------------------------
     def _reset_counters(self) -> None:
         self._counters = {"offloaded_bytes": 0, "restored_bytes": 0, "prefetch_hits": 0,
-                          "alive_elsewhere_bytes": 0, "windows": 0}
+                          "alive_elsewhere_bytes": 0, "below_min_bytes": 0, "windows": 0}
         self._pool_base = (self.pool.hits, self.pool.misses)
         self.engine.reset_waits()
 
@@ -263,6 +270,7 @@ class OffloadManager:
         self._collect_finished()
         self._pass = [ref for ref in self._pass if ref() is not None]
         if not self._pass:  # a new pass: ids restart, the shared-storage registry too
+            self._check_pass_offloaded()
             self._events = []
             self._prefetched = set()
             self._shared = {}
@@ -276,11 +284,30 @@ class OffloadManager:
         self._counters["windows"] += 1
         return window
 
+    def _check_pass_offloaded(self) -> None:
+        if (self._pass_offloaded == 0 and self._pass_largest_small > 0
+                and not self._warned_nothing):
+            self._warned_nothing = True
+            log.warning(
+                "offload is on, but a whole pass offloaded nothing: every window storage was "
+                "below OffloadConfig.min_bytes=%d (the largest had %d bytes); lower min_bytes "
+                "to offload them, or turn offload off", self.config.min_bytes,
+                self._pass_largest_small)
+        self._pass_offloaded = 0
+        self._pass_largest_small = 0
+
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device != self.device:
             return tensor
         key = storage_key(tensor)
-        if key not in window.keys or tensor.untyped_storage().nbytes() < self.config.min_bytes:
+        if key not in window.keys:
+            return tensor
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes < self.config.min_bytes:
+            if key not in window.small:
+                window.small.add(key)
+                self._counters["below_min_bytes"] += nbytes
+                self._pass_largest_small = max(self._pass_largest_small, nbytes)
             return tensor
         copy = window.copies.get(key)
         if copy is None or copy.version != tensor._version:

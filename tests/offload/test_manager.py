@@ -338,3 +338,29 @@ def test_a_reservation_up_front_makes_the_first_step_hit_the_pool() -> None:
     stats = m.stats()
     assert stats["pool_misses"] == 0 and stats["pool_hits"] == 4
     assert stats["host_bytes"] == reserved
+
+
+def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    m = manager(min_bytes=1 << 20)
+    layers = nn.ModuleList(Layer() for _ in range(3))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        for _ in range(3):
+            run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == 0
+    assert stats["below_min_bytes"] == 3 * 3 * 4 * 32 * 4  # 3 steps x 3 layer inputs
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    assert len(warnings) == 1
+    assert "min_bytes=1048576 (the largest had 512 bytes)" in warnings[0]
+    caplog.clear()
+    fine = manager(min_bytes=0)
+    for layer in layers:
+        pytree_ckpt.remove_activation_checkpointing(layer)
+        apply_activation_checkpointing(layer, offload=fine)
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        for _ in range(2):
+            run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    assert not caplog.records and fine.stats()["below_min_bytes"] == 0
