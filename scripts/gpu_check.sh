@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Every CUDA test and the GPU bench preset, in one call, for a machine with one GPU (< 8 min).
+# Every CUDA test and the GPU benchmarks, in one call, for a machine with one GPU (< 8 min).
 # Uses the machine's own python3 (with a CUDA torch); optree, if missing there, is installed
 # from wheels carried in .whl/ (see /work/.library/device/README.md, "wheels").
-# Usage: scripts/gpu_check.sh [OUT_DIR]     (results: OUT_DIR/gpu_tests.log, OUT_DIR/bench/)
+# Usage: scripts/gpu_check.sh [OUT_DIR]
+#   OUT_DIR/offload.log, offload.json  the offload targets (16 layers, hidden 2048, 8k, bf16)
+#   OUT_DIR/gpu_tests.log              pytest -m cuda
+#   OUT_DIR/bench.log, bench/          the GLM-DSA comparison at the gpu-small preset
+# Each step has its own time limit (180 + 180 + 120 s); a failing step does not stop the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-check-out}}
@@ -14,8 +18,11 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())' || exit 1
 status=0
+timeout 180 python3 -m examples.bench_offload --size realistic --device cuda \
+  --json "$out/offload.json" 2>&1 | tee "$out/offload.log" || status=1
 # -p no:cacheprovider: the tree may be read-only there
-timeout 300 python3 -m pytest -p no:cacheprovider -q -m cuda tests 2>&1 | tee "$out/gpu_tests.log" || status=1
-timeout 240 python3 -m examples.glm_dsa.bench --preset gpu-small --device cuda --out "$out/bench" 2>&1 \
-  | tee "$out/bench.log" || status=1
+timeout 180 python3 -m pytest -p no:cacheprovider -q -m cuda tests 2>&1 | tee "$out/gpu_tests.log" \
+  || status=1
+timeout 120 python3 -m examples.glm_dsa.bench --preset gpu-small --device cuda --rounds 5 \
+  --warmup 1 --out "$out/bench" 2>&1 | tee "$out/bench.log" || status=1
 exit $status

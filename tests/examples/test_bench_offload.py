@@ -1,0 +1,66 @@
+"""The offload benchmark script runs end to end on CPU and reports what it measured.
+
+No timing is asserted here: timing claims live in the script's output only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples import bench_offload
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    path = tmp_path_factory.mktemp("bench") / "offload.json"
+    result = bench_offload.main(["--size", "tiny", "--rounds", "2", "--warmup", "1",
+                                 "--json", str(path)])
+    return result, path
+
+
+def test_checkpoint_offload_and_save_on_cpu_give_eager_gradients_bit_for_bit(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    configs = tiny_run[0]["configs"]
+    assert set(configs) == set(bench_offload.CONFIGS)
+    for config in (bench_offload.CHECKPOINT, bench_offload.OFFLOAD, bench_offload.SAVE_ON_CPU):
+        assert configs[config]["grads_equal_eager"], config
+        assert configs[config]["grads_max_abs_diff"] == 0.0, config
+
+
+def test_every_layer_input_is_offloaded_once_per_step_and_restored(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    result = tiny_run[0]
+    size = bench_offload.SIZES["tiny"]
+    probe = result["offload_probe"]
+    assert probe["windows"] == size.layers
+    assert probe["offloaded_bytes"] == probe["restored_bytes"] == size.layers * size.input_bytes()
+    timed = result["offload_timed"]  # 2 timed rounds after warm-up: the pool no longer grows
+    assert timed["offloaded_bytes"] == 2 * size.layers * size.input_bytes()
+    assert timed["pool_misses"] == 0
+
+
+def test_the_ratios_are_the_quotients_of_the_medians_and_cpu_has_no_memory_columns(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    result, path = tiny_run
+    configs = result["configs"]
+    reference = configs[bench_offload.CHECKPOINT]["median_ms"]
+    for config, stats in configs.items():
+        assert len(stats["times_ms"]) == 2, config
+        assert stats["ratio_vs_checkpoint"] == pytest.approx(stats["median_ms"] / reference,
+                                                             rel=1e-12)
+        assert stats["held_bytes"] is None and stats["peak_bytes"] is None
+    targets = result["targets"]
+    assert targets["overhead"]["value"] == configs[bench_offload.OFFLOAD]["ratio_vs_checkpoint"]
+    assert "held_drop" not in targets  # memory is only measured on CUDA
+    assert json.loads(path.read_text())["configs"].keys() == configs.keys()
+
+
+def test_the_realistic_size_is_refused_on_cpu_with_a_tip(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_offload.main(["--size", "realistic", "--device", "cpu"])
+    assert "needs --device cuda; tip: --size tiny on CPU" in capsys.readouterr().err
