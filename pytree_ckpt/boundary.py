@@ -200,16 +200,6 @@ class _Call:
         args, kwargs = unflatten(self.in_spec, leaves)
         return args, kwargs
 
-    def input_path(self, slot: int) -> str:
-        """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]``
-        or ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
-        path = leaf_paths(self.in_spec, root="inputs")[
-            self.in_tensor_index[self.in_slots.index(slot)]]
-        for root, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
-            if path.startswith(root):
-                return readable + path[len(root):]
-        return path
-
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.out_leaves)
         for index, tensor in zip(self.out_tensor_index, tensors):
@@ -242,6 +232,16 @@ class _Call:
                     got=describe_leaf(leaf),
                     tip=tip + "; for results that may change between passes (top-k ids, MoE "
                               "routing) use reuse_during_recompute")
+
+
+def _input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int) -> str:
+    """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]`` or
+    ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
+    path = leaf_paths(spec, root="inputs")[tensor_index[slots.index(slot)]]
+    for root, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
+        if path.startswith(root):
+            return readable + path[len(root):]
+    return path
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -429,7 +429,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # NOTE: the window covers only the save of the inputs (the original pass inside runs
         # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
         manager = options.offload
-        with manager.window(unique, name=call.input_path) as window:
+        # Named from the spec and index lists only: the window must not hold `call`, whose
+        # frame holds this window's handles (a cycle only the garbage collector would free).
+        name = functools.partial(_input_path, flat.spec, flat.tensor_index, slots)
+        with manager.window(unique, name=name) as window:
             out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
         if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
             call.frame.offload(functools.partial(manager.offload_into, window), manager.restore)
