@@ -17,11 +17,9 @@ Two sizes: ``small`` (hidden 64, seq 32) where per-call overhead dominates, and 
 (hidden 512, seq 512) where compute does. Before timing, the stack's gradients under ``ours``
 are checked bit for bit against eager; timings are not reported for a size that fails.
 
-NOTE [measurement]: every configuration first runs ``warmup`` steps; then ``rounds`` rounds run
-one step of each configuration, in an order rotated each round, so slow drifts of the machine
-(frequency, other tenants) hit every configuration alike. Only forward + loss + backward is
-inside ``time.perf_counter``; zeroing the grads (and installing the module wrapping) is not.
-Medians are reported, with p10/p90 to show the spread.
+NOTE [measurement] (``examples.timing``): warm-up, then rounds that interleave the
+configurations in a rotated order, medians. Only forward + loss + backward is inside
+``time.perf_counter``; zeroing the grads (and installing the module wrapping) is not.
 """
 
 from __future__ import annotations
@@ -34,13 +32,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 
 import pytree_ckpt
+from examples.timing import (add_round_options, check_round_options, summarize_ms,
+                             time_interleaved)
 
 __all__ = ["DecoderBlock", "SIZES", "CONFIGS", "main"]
 
@@ -172,12 +171,6 @@ class Bench:
                    for a, b in zip(eager, got))
 
 
-def _summary(times_s: Sequence[float]) -> dict[str, float]:
-    ms = np.asarray(times_s) * 1e3
-    return {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
-            "p90_ms": float(np.percentile(ms, 90))}
-
-
 def run_size(name: str, size: Size, rounds: int, warmup: int) -> dict[str, Any]:
     bench = Bench(size)
     result: dict[str, Any] = {
@@ -190,17 +183,9 @@ def run_size(name: str, size: Size, rounds: int, warmup: int) -> dict[str, Any]:
     }
     if not result["grads_equal"]:
         return result  # timings of a boundary that computes other gradients mean nothing
-    for config in CONFIGS:
-        for _ in range(warmup):
-            bench.step(config)
-    times: dict[str, list[float]] = {config: [] for config in CONFIGS}
-    for r in range(rounds):
-        shift = r % len(CONFIGS)
-        for config in CONFIGS[shift:] + CONFIGS[:shift]:
-            times[config].append(bench.step(config))
+    times = time_interleaved(bench.step, CONFIGS, rounds=rounds, warmup=warmup)
     bench.zero_grad()
-    configs = {config: {**_summary(t), "times_ms": [s * 1e3 for s in t]}
-               for config, t in times.items()}
+    configs = {config: summarize_ms(t) for config, t in times.items()}
     reference = configs[TORCH_REENTRANT]["median_ms"]
     for stats in configs.values():
         stats["ratio_vs_torch_reentrant"] = stats["median_ms"] / reference
@@ -259,11 +244,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                                      description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sizes", default="small,moderate",
                         help=f"comma-separated, from {', '.join(SIZES)}")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="timed rounds per size (default: per size, " + ", ".join(
-                            f"{n} {s.rounds}" for n, s in SIZES.items()) + ")")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="warm-up steps per configuration (default: per size)")
+    add_round_options(parser, default_help="per size, " + ", ".join(
+        f"{n}: {s.rounds} rounds, {s.warmup} warm-up" for n, s in SIZES.items()))
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: leave as is)")
     parser.add_argument("--json", type=Path, default=None, help="write results and raw times")
@@ -272,10 +254,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [s for s in args.sizes if s not in SIZES]
     if unknown or not args.sizes:
         parser.error(f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
-    if args.rounds is not None and args.rounds < 1:
-        parser.error("--rounds must be >= 1")
-    if args.warmup is not None and args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    check_round_options(parser, args)
     return args
 
 

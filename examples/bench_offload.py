@@ -19,13 +19,12 @@ Every configuration runs on the same layer objects:
 - ``checkpoint + offload``: the same, with an ``offload.OffloadManager``;
 - ``torch save_on_cpu``: the eager forward under ``save_on_cpu``.
 
-NOTE [measurement]: as in ``examples.bench_boundary``, each configuration first runs its
-warm-up steps. The timed rounds then run one step of each configuration, in an order rotated
-each round, and medians are reported. On CUDA the device is synchronised before and after each
-timed step, never inside it, so copy/compute overlap is measured as a training loop sees it.
-Memory is read in one untimed probe step per configuration: the bytes still allocated after
-forward (what the graph holds for backward; offload's finished copies released first) and
-the step's peak. On CPU the memory columns are empty and the targets are informative only.
+NOTE [measurement] (``examples.timing``): warm-up, then rounds that interleave the
+configurations in a rotated order, medians. On CUDA the device is synchronised before and after
+each timed step, never inside it, so copy/compute overlap is measured as a training loop sees
+it. Memory is read in one untimed probe step per configuration: the bytes still allocated after
+forward (what the graph holds for backward; offload's finished copies released first) and the
+step's peak. On CPU the memory columns are empty and the targets are informative only.
 """
 
 from __future__ import annotations
@@ -39,13 +38,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 
 import pytree_ckpt
 from examples.bench_boundary import DecoderBlock
+from examples.timing import (add_round_options, check_round_options, summarize_ms,
+                             time_interleaved)
 from offload import OffloadConfig, OffloadManager
 
 __all__ = ["CONFIGS", "SIZES", "Size", "main"]
@@ -177,26 +177,17 @@ def _grad_difference(expected: list[Any], got: list[Any]) -> tuple[bool, float]:
 def run(size: Size, device: torch.device, rounds: int, warmup: int) -> dict[str, Any]:
     bench = Bench(size, device)
     probes = {config: bench.probe(config) for config in CONFIGS}
-    for config in CONFIGS:
-        for _ in range(warmup):
-            bench.step(config)
     bench.manager.stats(reset=True)
-    times: dict[str, list[float]] = {config: [] for config in CONFIGS}
-    for r in range(rounds):
-        shift = r % len(CONFIGS)
-        for config in CONFIGS[shift:] + CONFIGS[:shift]:
-            times[config].append(bench.step(config))
-    timed_offload = bench.manager.stats(reset=True)
+    times = time_interleaved(bench.step, CONFIGS, rounds=rounds, warmup=warmup)
+    timed_offload = bench.manager.stats(reset=True)  # warm-up and timed steps, after the probe
     reference = probes[EAGER]["grads"]
     configs: dict[str, Any] = {}
     for config in CONFIGS:
-        ms = np.asarray(times[config]) * 1e3
         equal, worst = _grad_difference(reference, probes[config]["grads"])
         configs[config] = {
-            "median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
-            "p90_ms": float(np.percentile(ms, 90)), "times_ms": ms.tolist(),
-            "held_bytes": probes[config]["held_bytes"], "peak_bytes": probes[config]["peak_bytes"],
-            "grads_equal_eager": equal, "grads_max_abs_diff": worst}
+            **summarize_ms(times[config]), "held_bytes": probes[config]["held_bytes"],
+            "peak_bytes": probes[config]["peak_bytes"], "grads_equal_eager": equal,
+            "grads_max_abs_diff": worst}
     for stats in configs.values():
         stats["ratio_vs_checkpoint"] = stats["median_ms"] / configs[CHECKPOINT]["median_ms"]
     result: dict[str, Any] = {
@@ -244,10 +235,10 @@ def format_report(result: dict[str, Any]) -> str:
                      f"| {c['ratio_vs_checkpoint']:.3f} | {_mib(c['held_bytes'])} | "
                      f"{_mib(c['peak_bytes'])} | {grads} |")
     o = result["offload_timed"]
-    steps = max(1, result["rounds"])
-    lines += ["", f"offload per timed step: {o['offloaded_bytes'] / steps / MIB:.1f} MiB in "
-                  f"{o['windows'] / steps:.0f} windows; over all timed steps: pool misses "
-                  f"{o['pool_misses']}, prefetch hits {o['prefetch_hits']}"
+    steps = max(1, result["rounds"] + result["warmup"])
+    lines += ["", f"offload per step: {o['offloaded_bytes'] / steps / MIB:.1f} MiB in "
+                  f"{o['windows'] / steps:.0f} windows; over the {steps} steps after the probe "
+                  f"step: pool misses {o['pool_misses']}, prefetch hits {o['prefetch_hits']}"
                   + (f", compute stream waited {o['wait_ms']:.1f} ms" if "wait_ms" in o else "")]
     note = "" if gpu else " (CPU: informative only, the targets are for a GPU)"
     t = result["targets"]
@@ -271,8 +262,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                                      description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default: the size's)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per configuration")
+    add_round_options(parser, default_help="the size's")
     parser.add_argument("--json", type=Path, default=None, help="write results and raw times")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -281,10 +271,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if SIZES[args.size].cuda_only and args.device != "cuda":
         parser.error(f"--size {args.size} is sized for a GPU and needs --device cuda; tip: "
                      "--size tiny on CPU")
-    if args.rounds is not None and args.rounds < 1:
-        parser.error("--rounds must be >= 1")
-    if args.warmup is not None and args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    check_round_options(parser, args)
     return args
 
 

@@ -1,0 +1,63 @@
+"""Interleaved timing shared by ``examples.bench_boundary`` and ``examples.bench_offload``.
+
+NOTE [measurement]: every configuration first runs its warm-up steps. Then each round runs one
+step of every configuration, in an order rotated each round, so slow drifts of the machine
+(clock frequency, other tenants) hit every configuration alike. The garbage collector runs
+between rounds, never inside a timed step, where it would be charged to whichever
+configuration happened to run. Medians are reported, with p10/p90 to show the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["add_round_options", "check_round_options", "summarize_ms", "time_interleaved"]
+
+
+def time_interleaved(step: Callable[[str], float], configs: Sequence[str], /, *, rounds: int,
+                     warmup: int) -> dict[str, list[float]]:
+    """``step(config)`` returns one step's seconds; returns every timed round's, by config."""
+    for config in configs:
+        for _ in range(warmup):
+            step(config)
+    times: dict[str, list[float]] = {config: [] for config in configs}
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            shift = r % len(configs)
+            for config in [*configs[shift:], *configs[:shift]]:
+                times[config].append(step(config))
+            gc.collect()
+    finally:
+        if was_enabled:
+            gc.enable()
+    return times
+
+
+def summarize_ms(times_s: Sequence[float], /) -> dict[str, Any]:
+    """Median, p10 and p90 in milliseconds, and the raw times."""
+    ms = np.asarray(times_s) * 1e3
+    return {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
+            "p90_ms": float(np.percentile(ms, 90)), "times_ms": ms.tolist()}
+
+
+def add_round_options(parser: argparse.ArgumentParser, /, *, default_help: str) -> None:
+    """``--rounds`` and ``--warmup`` (``None``: the script's own default, ``default_help``)."""
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"timed rounds (default: {default_help})")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"warm-up steps per configuration (default: {default_help})")
+
+
+def check_round_options(parser: argparse.ArgumentParser, args: argparse.Namespace, /) -> None:
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error("--warmup must be >= 0")
