@@ -92,8 +92,9 @@ class Bench:
         self.size, self.device = size, device
         self.layers = nn.ModuleList(DecoderBlock(size.hidden, size.heads)
                                     for _ in range(size.layers)).to(device, size.dtype)
-        # Stands in for the embedding output (a leaf the caller holds: its offload saves
-        # nothing, which is one of the two layer inputs the memory target allows for).
+        # Stands in for the embedding output: a leaf the caller holds, allocated before the
+        # probe's baseline, so its offload saves nothing and it is in no "held" column. The
+        # drop can reach L-1 layer inputs; the target asks for L-2.
         self.x = torch.randn(1, size.seq, size.hidden, device=device, dtype=size.dtype,
                              requires_grad=True)
         self.leaves = [self.x, *self.layers.parameters()]

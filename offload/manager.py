@@ -146,28 +146,35 @@ class _Handle:
     """What autograd holds instead of an offloaded tensor: the copy plus this alias's layout.
 
     NOTE [in-place check]: autograd skips its "modified by an inplace operation" check for a
-    tensor whose saving was hooked, so the handle does it: it remembers the tensor (weakly, so
-    the tensor can still be freed) and its version, and ``_unpack`` refuses a tensor modified
-    since. On a GPU such a change may also have raced with the copy to host.
+    tensor whose saving was hooked, so the handle does it: it remembers the tensor's version
+    and, weakly (so the tensor can still be freed), the tensor, or the base of a view (views
+    share their base's version counter, and a view made inside an op has no Python object of
+    its own that outlives the save). ``_unpack`` refuses a tensor modified since. The check
+    sees what Python still references; on a GPU such a change may also have raced with the
+    copy to host.
     """
 
-    __slots__ = ("copy", "key", "dtype", "size", "stride", "offset", "source", "version")
+    __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "source",
+                 "version")
 
-    def __init__(self, copy: _Copy, key: tuple[str, int], tensor: torch.Tensor) -> None:
+    def __init__(self, copy: _Copy, window: Window, key: tuple[str, int],
+                 tensor: torch.Tensor) -> None:
         self.copy = copy
+        self.window = window  # the window that saved this alias (the copy may be older)
         self.key = key
         self.dtype = tensor.dtype
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.offset = tensor.storage_offset()
-        self.source = weakref.ref(tensor)
+        base = tensor._base
+        self.source = weakref.ref(base if base is not None else tensor)
         self.version = tensor._version
 
     def check_unmodified(self) -> None:
         source = self.source()
         if source is None or source._version == self.version:
             return
-        window = self.copy.window
+        window = self.window
         raise CheckpointError(
             f"{window.describe(self.key)} (offload window {window.id}, "
             f"{self.dtype}{list(self.size)}) was modified in place after it was saved for "
@@ -240,6 +247,8 @@ class OffloadManager:
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """Counters since the last reset: bytes, pool hits/misses, prefetch hits, waits."""
         self._collect_finished()
+        if not any(ref() is not None for ref in self._pass):  # the pass is over
+            self._check_pass_offloaded()
         out: dict[str, float] = dict(self._counters)
         out["pool_hits"] = self.pool.hits - self._pool_base[0]
         out["pool_misses"] = self.pool.misses - self._pool_base[1]
@@ -289,10 +298,10 @@ class OffloadManager:
                 and not self._warned_nothing):
             self._warned_nothing = True
             log.warning(
-                "offload is on, but a whole pass offloaded nothing: every window storage was "
-                "below OffloadConfig.min_bytes=%d (the largest had %d bytes); lower min_bytes "
-                "to offload them, or turn offload off", self.config.min_bytes,
-                self._pass_largest_small)
+                "offload is on, but the last pass offloaded nothing: the window storages on %s "
+                "were below OffloadConfig.min_bytes=%d (the largest had %d bytes); lower "
+                "min_bytes to offload them, or turn offload off", self.device,
+                self.config.min_bytes, self._pass_largest_small)
         self._pass_offloaded = 0
         self._pass_largest_small = 0
 
@@ -318,7 +327,7 @@ class OffloadManager:
                 self._shared[key] = weakref.ref(copy)
                 _report_offload(copy, tensor)
             window.copies[key] = copy
-        return _Handle(copy, key, tensor)
+        return _Handle(copy, window, key, tensor)
 
     def offload_into(self, window: Window, tensor: torch.Tensor, /) -> Any:
         """Offload ``tensor`` (not saved by autograd: a replay frame's result) in ``window``.

@@ -68,7 +68,7 @@ def compiled_run() -> Iterator[CompiledRun]:
         model = copy.deepcopy(eager)  # before compiling: a compiled forward is bound to its layer
         counter = CompileCounterWithBackend("aot_eager")
         run.fullgraph = compile_layer_bodies(model, backend=counter)
-        model.checkpoint_layers(1.0, offload=OffloadManager(OffloadConfig(min_bytes=0)))
+        model.checkpoint_layers(1.0, offload=OffloadManager(OffloadConfig(min_bytes=0), device="cpu"))
         batch = make_packed_batch(config, SEQ_LENS, seed=0)
         for index in range(3):
             model.zero_grad(set_to_none=True)

@@ -107,7 +107,7 @@ def hook_layers(model: GlmDsaForCausalLM, root: torch.nn.Module) -> None:
 def scenario_fsdp(out: Path, rank: int, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     _, model = build()
     plain_keys = list(model.state_dict())
-    manager = OffloadManager(OffloadConfig(min_bytes=0))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
     model.checkpoint_layers(1.0, offload=manager)
     shard_model(model)
     hook_layers(model, model)
@@ -136,7 +136,7 @@ def scenario_fsdp(out: Path, rank: int, batch: dict[str, torch.Tensor]) -> dict[
 def scenario_ddp(out: Path, rank: int, batch: dict[str, torch.Tensor],
                  env: DistEnv) -> dict[str, Any]:
     _, model = build()
-    manager = OffloadManager(OffloadConfig(min_bytes=0))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
     model.checkpoint_layers(1.0, offload=manager)
     ddp = wrap_ddp(model, env)
     hook_layers(model, ddp)
@@ -163,7 +163,7 @@ def scenario_fsdp_compile(out: Path, rank: int, batch: dict[str, torch.Tensor]) 
     counter = CompileCounterWithBackend("aot_eager")
     _, model = build()
     fullgraph = compile_layer_bodies(model, backend=counter)
-    model.checkpoint_layers(1.0, offload=OffloadManager(OffloadConfig(min_bytes=0)))
+    model.checkpoint_layers(1.0, offload=OffloadManager(OffloadConfig(min_bytes=0), device="cpu"))
     shard_model(model)
     result: dict[str, Any] = {"fullgraph": fullgraph, "steps": []}
     for index in range(3):

@@ -19,7 +19,7 @@ __all__ = ["_one_thread"]  # the module-scoped one-thread fixture applies here t
 
 
 def offloaded_twin(model: Any, **config: Any) -> tuple[Any, OffloadManager]:
-    manager = OffloadManager(OffloadConfig(**{"min_bytes": 0, **config}))
+    manager = OffloadManager(OffloadConfig(**{"min_bytes": 0, **config}), device="cpu")
     twin = copy.deepcopy(model)
     twin.checkpoint_layers(1.0, offload=manager)
     return twin, manager

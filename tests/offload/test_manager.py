@@ -41,7 +41,7 @@ class Probe(torch.autograd.Function):
 
 
 def manager(**config: Any) -> OffloadManager:
-    return OffloadManager(OffloadConfig(**{"min_bytes": 0, **config}))
+    return OffloadManager(OffloadConfig(**{"min_bytes": 0, **config}), device="cpu")
 
 
 def test_views_of_one_storage_are_copied_once_and_each_restores_its_layout() -> None:
@@ -147,6 +147,33 @@ def test_an_in_place_change_between_windows_gets_a_fresh_copy_and_the_stale_save
         c = (y * z).sum()
         z.mul_(2)
         c.backward()
+
+
+def test_a_view_saved_from_a_temporary_is_still_checked_through_its_base() -> None:
+    # The view `x[:, :8]` has no Python object left once saved; its base does, and shares
+    # its version counter.
+    layer = nn.Linear(8, 8)
+    apply_activation_checkpointing(layer, offload=manager())
+    x = torch.randn(4, 16, requires_grad=True) * 1.0
+    out = layer(x[:, :8])
+    x.add_(1)
+    with pytest.raises(pytree_ckpt.CheckpointError, match=r"args\[0\] \(offload window 0"):
+        out.sum().backward()
+
+
+def test_the_error_names_the_window_that_saved_a_shared_copy() -> None:
+    m = manager()
+    rope = torch.randn(64, 16)
+    x = torch.randn(64, 16, requires_grad=True)
+    with m.window([rope]):
+        a = (x * rope).sum()  # window 0 copies rope
+    with m.window([x, rope], name=["hidden", "rope"].__getitem__):
+        b = (x * rope).sum()  # window 1 shares window 0's copy
+    assert m.stats()["offloaded_bytes"] == rope.untyped_storage().nbytes()  # mul saves rope
+    rope.mul_(2)
+    with pytest.raises(pytree_ckpt.CheckpointError, match=r"rope \(offload window 1"):
+        b.backward()
+    del a
 
 
 class Scaled(nn.Module):
@@ -391,6 +418,15 @@ def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
     warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
     assert len(warnings) == 1
     assert "min_bytes=1048576 (the largest had 512 bytes)" in warnings[0]
+    caplog.clear()
+    once = manager(min_bytes=1 << 20)  # a single pass: stats() after it tells, too
+    for layer in layers:
+        pytree_ckpt.remove_activation_checkpointing(layer)
+        apply_activation_checkpointing(layer, offload=once)
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+        once.stats()
+    assert len(caplog.records) == 1
     caplog.clear()
     fine = manager(min_bytes=0)
     for layer in layers:

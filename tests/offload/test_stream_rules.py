@@ -6,11 +6,16 @@ that run only when their stream reaches them: a copy is queued on its stream and
 event completes, either because the simulated device made progress (at random points, from a
 seeded generator) or because someone must wait for it (``wait``, ``event.synchronize``). Until a
 copy has run its destination holds poison bytes (NaN in every float dtype), and a device-to-host
-copy whose source the manager no longer holds fails loudly. So each rule becomes checkable:
+copy whose source the manager no longer holds is recorded as a violation. Two rules become
+checkable, as the manager sees them:
 
-1. the device tensor stays referenced until its device-to-host copy ran;
-2. a restore waits for the host copy to land, and the compute stream waits for the restore;
-3. a host buffer is reused only after the last copy that reads it ran.
+1. the manager keeps the device tensor referenced until its device-to-host copy ran;
+2. a restore waits for the host copy to land, and the compute stream waits for the restore.
+
+Not modelled: the copy stream's wait for the compute stream (``tests/offload/test_cuda.py``
+checks it on a GPU), the allocator side of rule 2 (``record_stream``), and rule 3: here a
+restore has always run before its host buffer can go back to the pool, so a buffer released
+without its event would go unnoticed.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def test_discard_works_inside_a_checkpoint_boundary_and_with_offload() -> None:
     eager = [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()]
     blocks.zero_grad(set_to_none=True)
     x.grad = None
-    manager = OffloadManager(OffloadConfig(min_bytes=0))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
     h = x
     with manager.window([x]):
         for block in blocks:
@@ -206,7 +206,7 @@ def test_bad_plans_are_refused(args: tuple[Any, ...], match: str) -> None:
 
 
 def test_an_output_aliasing_its_input_is_kept_even_inside_an_offload_window() -> None:
-    manager = OffloadManager(OffloadConfig(min_bytes=0))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
     x = torch.randn(6, requires_grad=True) * 1.0
     with manager.window([x]):
         ckpt = CheckpointWithoutOutput()
