@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-__all__ = ["FlatTree", "flatten", "unflatten", "leaf_paths", "describe_leaf"]
+__all__ = ["FlatTree", "LEAF_SPEC", "flatten", "flatten_call", "unflatten", "leaf_paths",
+           "describe_leaf"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -54,8 +55,18 @@ class FlatTree(NamedTuple):
     tensor_index: list[int]
 
 
+# NOTE [fast paths]: a layer's usual call is ``layer(hidden)`` returning one tensor. For a
+# plain tensor, and for positional plain tensors without keywords, the spec is known without
+# asking optree (a few microseconds per boundary call, several times per call). The specs are
+# optree's own, so they compare equal to what the general path builds for the same tree.
+LEAF_SPEC = optree.tree_structure(torch.empty(0), namespace=NAMESPACE)
+_CALL_SPECS: dict[int, optree.PyTreeSpec] = {}
+
+
 def flatten(tree: Any, /) -> FlatTree:
     """Flatten ``tree``; dataclass instances are opened like named containers."""
+    if type(tree) is torch.Tensor:
+        return FlatTree([tree], LEAF_SPEC, [0])
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     while True:
         pending = {type(leaf) for leaf in leaves
@@ -71,8 +82,20 @@ def flatten(tree: Any, /) -> FlatTree:
     return FlatTree(leaves, spec, tensor_index)
 
 
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
+    """Flatten a call's ``(args, kwargs)``; see NOTE [fast paths]."""
+    if not kwargs and all(type(arg) is torch.Tensor for arg in args):
+        spec = _CALL_SPECS.get(len(args))
+        if spec is None:
+            spec = _CALL_SPECS[len(args)] = flatten((args, kwargs)).spec
+        return FlatTree([*args], spec, list(range(len(args))))
+    return flatten((args, kwargs))
+
+
 def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any], /) -> Any:
     """Rebuild a tree from ``spec`` and ``leaves`` with the original container types."""
+    if spec is LEAF_SPEC:
+        return leaves[0]
     return optree.tree_unflatten(spec, leaves)
 
 

@@ -299,6 +299,19 @@ def test_replay_with_another_leaf_shape_or_dtype_names_the_key_path(change: str)
     assert "reuse_during_recompute" in message
 
 
+@pytest.mark.parametrize("change", ["shape", "container"])
+def test_a_single_tensor_output_that_changes_in_the_replay_is_refused(change: str) -> None:
+    # The one-tensor call and output take the tree bridge's fast paths (NOTE [fast paths]).
+    def fn(x: torch.Tensor) -> Any:
+        if current_phase() == "recompute":
+            return x[:2] * 2 if change == "shape" else [x * 2]
+        return x * 2
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError, match="different (tensor at output|output struc)"):
+        out.sum().backward()
+
+
 def test_autograd_grad_through_a_module_boundary_gives_eager_results() -> None:
     lin = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
     x = torch.randn(4, 3, requires_grad=True)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pytree_ckpt import checkpoint
-from pytree_ckpt.tree import flatten
+from pytree_ckpt.tree import LEAF_SPEC, NAMESPACE, flatten, flatten_call, unflatten
 from tests.conftest import assert_same_grads
 
 Point = collections.namedtuple("Point", "a b")
@@ -120,3 +120,17 @@ def test_random_pytrees_give_eager_gradients_and_the_same_structure(args: list[A
     if loss.requires_grad:
         loss.backward()
     assert_same_grads(eager, [t.grad for t in grad_leaves])
+
+
+@given(n=st.integers(0, 4), with_kwargs=st.booleans())
+def test_the_fast_paths_build_optrees_own_specs_and_leaves(n: int, with_kwargs: bool) -> None:
+    args = tuple(torch.randn(2) for _ in range(n))
+    kwargs = {"scale": torch.randn(1)} if with_kwargs else {}
+    fast = flatten_call(args, kwargs)
+    leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
+    assert fast.spec == spec and fast.tensor_index == list(range(len(leaves)))
+    assert all(a is b for a, b in zip(fast.leaves, leaves)) and len(fast.leaves) == len(leaves)
+    assert optree.tree_unflatten(fast.spec, fast.leaves) == (args, kwargs)
+    tensor = torch.randn(3)
+    assert flatten(tensor).spec == optree.tree_structure(tensor, namespace=NAMESPACE) == LEAF_SPEC
+    assert unflatten(LEAF_SPEC, [tensor]) is tensor
