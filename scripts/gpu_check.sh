@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Every CUDA test and the GPU benchmarks, in one call, for a machine with one GPU (< 8 min).
 # Uses the machine's own python3 (with a CUDA torch); optree, if missing there, is installed
-# from wheels carried in .whl/ (see /work/.library/device/README.md, "wheels").
+# from wheels carried in .whl/ (ignored by git; see /work/.library/device/README.md, "wheels").
+# Prepare them once, here, for the device's Python 3.12 on x86-64:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl optree==0.20.0
+# then run it with the device tool: command "bash scripts/gpu_check.sh $OUT", carry [".whl"].
 # Usage: scripts/gpu_check.sh [OUT_DIR]
 #   OUT_DIR/offload.log, offload.json  the offload targets (16 layers, hidden 2048, 8k, bf16)
 #   OUT_DIR/gpu_tests.log              pytest -m cuda
