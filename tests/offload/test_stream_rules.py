@@ -6,21 +6,23 @@ that run only when their stream reaches them: a copy is queued on its stream and
 event completes, either because the simulated device made progress (at random points, from a
 seeded generator) or because someone must wait for it (``wait``, ``event.synchronize``). Until a
 copy has run its destination holds poison bytes (NaN in every float dtype), and a device-to-host
-copy whose source the manager no longer holds is recorded as a violation. Two rules become
+copy whose source the manager no longer holds is recorded as a violation. The rules become
 checkable, as the manager sees them:
 
 1. the manager keeps the device tensor referenced until its device-to-host copy ran;
 2. a restore waits for the host copy to land, and the compute stream waits for the restore.
 
+3. a host buffer goes back to the pool only with the event of the last copy that reads it:
+   a restore still queued when its buffer is handed out again is recorded as a violation.
+
 Not modelled: the copy stream's wait for the compute stream (``tests/offload/test_cuda.py``
-checks it on a GPU), the allocator side of rule 2 (``record_stream``), and rule 3: here a
-restore has always run before its host buffer can go back to the pool, so a buffer released
-without its event would go unnoticed.
+checks it on a GPU) and the allocator side of rule 2 (``record_stream``).
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import random
 import weakref
 from collections.abc import Callable
@@ -61,6 +63,7 @@ class SimulatedStreams:
         self.chance = 0.0 if seed is None else progress  # seed None: the device never runs ahead
         self.queues: dict[str, list[SimEvent]] = {"d2h": [], "h2d": []}
         self.violations: list[str] = []
+        self.writes: dict[int, int] = {}  # host buffer address -> copies to host queued into it
 
     # -- the device --------------------------------------------------------------------------
     def complete(self, event: SimEvent) -> None:
@@ -92,6 +95,7 @@ class SimulatedStreams:
     def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> SimEvent:
         target = host[: device_bytes.numel()]
         target.fill_(POISON)  # undefined until the copy ran (and catches a reader still on it)
+        self.writes[host.data_ptr()] = self.writes.get(host.data_ptr(), 0) + 1
         source = weakref.ref(device_bytes)  # the real engine holds no reference either
 
         def run() -> None:
@@ -104,10 +108,14 @@ class SimulatedStreams:
 
     def to_device(self, host: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any]:
         buffer = torch.full((nbytes,), POISON, dtype=torch.uint8)
+        writes = self.writes.get(host.data_ptr(), 0)
 
         def run() -> None:
             if after is not None:
                 self.complete(after)  # the h2d stream waits on the copy to host
+            if self.writes.get(host.data_ptr(), 0) != writes:
+                self.violations.append("rule 3: a host buffer was reused before the restore "
+                                       "that reads it ran")
             buffer.copy_(host[:nbytes])
         return buffer, self._enqueue("h2d", run)
 
@@ -234,3 +242,43 @@ def test_the_simulation_catches_a_device_tensor_dropped_before_its_copy_ran() ->
     manager.stats()  # "completed": the manager lets go of the device bytes
     streams.finish()
     assert any(v.startswith("rule 1") for v in streams.violations)
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        return h * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed on purpose")
+
+
+@pytest.mark.parametrize("break_rule_3", [False, True])
+def test_a_host_buffer_is_reused_only_after_the_restore_that_reads_it_ran(
+        break_rule_3: bool) -> None:
+    manager, streams = simulated(None)  # copies run only when something waits for them
+    if break_rule_3:  # hand buffers back without the event of their last copy
+        release = manager.pool.release
+        manager.pool.release = lambda buffer, *, event=None: release(buffer)  # type: ignore
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    checkpoint_layers(layers, offload=manager)
+
+    def forward() -> torch.Tensor:
+        h = torch.randn(8, 32, requires_grad=True)
+        h = FailingBackward.apply(layers[1](layers[0](h)))
+        return layers[3](layers[2](h)).sum()
+
+    loss = forward()
+    with pytest.raises(RuntimeError, match="on purpose"):
+        loss.backward()
+    # Backward restored windows 3 and 2 and was prefetching window 1 when it failed: that
+    # restore is still queued when the graph goes and its host buffer returns to the pool.
+    assert manager.events()[-1] == ("prefetch", 1)
+    del loss
+    gc.collect()
+    assert manager.stats()["host_buffers_in_use"] == 0
+    forward()  # the next step's copies to host reuse those buffers
+    streams.finish()
+    caught = any(v.startswith("rule 3") for v in streams.violations)
+    assert caught == break_rule_3
