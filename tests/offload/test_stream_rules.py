@@ -10,8 +10,7 @@ copy whose source the manager no longer holds is recorded as a violation. The ru
 checkable, as the manager sees them:
 
 1. the manager keeps the device tensor referenced until its device-to-host copy ran;
-2. a restore waits for the host copy to land, and the compute stream waits for the restore.
-
+2. a restore waits for the host copy to land, and the compute stream waits for the restore;
 3. a host buffer goes back to the pool only with the event of the last copy that reads it:
    a restore still queued when its buffer is handed out again is recorded as a violation.
 
