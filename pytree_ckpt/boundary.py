@@ -287,7 +287,13 @@ class _BoundaryFunction(torch.autograd.Function):
         finally:
             ACTIVE.reset(token)
         flat = flatten(output)
-        out_tensors = tuple(flat.leaves[i] for i in flat.tensor_index)
+        # NOTE [outputs made before the call]: the original pass runs under no-grad, so an
+        # output that requires grad (a parameter, or a graph tensor fn closed over) existed
+        # before fn ran. Returned as it is, autograd would attach this node to that very tensor
+        # (a parameter would stop being a leaf, and a later backward would loop through it).
+        # It leaves as an alias instead. Inputs returned as they are, autograd aliases itself.
+        out_tensors = tuple(t.view_as(t) if t.requires_grad else t
+                            for t in (flat.leaves[i] for i in flat.tensor_index))
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
         call.out_meta = [(t.shape, t.dtype) for t in out_tensors]
@@ -444,6 +450,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     return call.outputs(out_tensors)
 
 
+@torch._disable_dynamo  # NOTE [the boundary stays eager] in module.py, for calls too
 def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
 
@@ -458,6 +465,7 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=offload)
 
     @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
+    @torch._disable_dynamo  # NOTE [the boundary stays eager] in module.py
     def run(*args: Any, **kwargs: Any) -> T:
         return run_boundary(fn, args, kwargs, options)
 

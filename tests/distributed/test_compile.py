@@ -196,3 +196,42 @@ def test_compiling_around_a_checkpointed_layer_keeps_its_boundary_eager_and_exac
             assert counter.frame_count > 0  # the code around the boundary did compile
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("api", ["checkpoint", "checkpointed"])
+def test_a_compiled_caller_of_the_functional_api_runs_the_boundary_eagerly_with_exact_grads(
+        api: str) -> None:
+    # Traced by dynamo, the boundary's autograd Function met PyTree outputs it cannot handle
+    # ("length mismatch" under aot_eager); opaque to dynamo, it runs eagerly and exactly.
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        lin = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+        def mix(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            return a * b, {"k": a}
+
+        wrapped_lin, wrapped_mix = pytree_ckpt.checkpointed(lin), pytree_ckpt.checkpointed(mix)
+
+        def step(x: torch.Tensor, boundary: bool) -> torch.Tensor:
+            if not boundary:
+                y = lin(x)
+                out = mix(y, x)
+            elif api == "checkpoint":
+                y = pytree_ckpt.checkpoint(lin, x)
+                out = pytree_ckpt.checkpoint(mix, y, x)
+            else:
+                y = wrapped_lin(x)
+                out = wrapped_mix(y, x)
+            return out[0].sum() + out[1]["k"].sum()
+
+        x = torch.randn(3, 4, requires_grad=True)
+        step(x, False).backward()
+        eager = [x.grad.clone(), *(p.grad.clone() for p in lin.parameters())]
+        lin.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.compile(step, backend="aot_eager")(x, True).backward()
+        assert_grads_equal(dict(enumerate(eager)),
+                           dict(enumerate([x.grad, *(p.grad for p in lin.parameters())])))
+    finally:
+        torch._dynamo.reset()

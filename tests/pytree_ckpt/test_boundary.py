@@ -312,6 +312,26 @@ def test_a_single_tensor_output_that_changes_in_the_replay_is_refused(change: st
         out.sum().backward()
 
 
+def test_a_parameter_returned_as_it_is_stays_a_leaf_and_gets_its_eager_gradient() -> None:
+    lin = nn.Linear(3, 3)
+    x = torch.randn(3, requires_grad=True)
+
+    def fn(a: torch.Tensor) -> dict[str, torch.Tensor]:  # an arbitrary callable
+        return {"weight": lin.weight, "y": lin(a)}
+
+    def loss_of(out: dict[str, torch.Tensor]) -> torch.Tensor:
+        return out["weight"].square().sum() + out["y"].sum()
+
+    loss_of(fn(x)).backward()
+    eager = [lin.weight.grad.clone(), lin.bias.grad.clone(), x.grad.clone()]
+    lin.zero_grad(set_to_none=True)
+    x.grad = None
+    out = checkpoint(fn, x)
+    assert lin.weight.is_leaf and lin.weight.grad_fn is None  # not taken over by the node
+    loss_of(out).backward()
+    assert_same_grads(eager, [lin.weight.grad, lin.bias.grad, x.grad])
+
+
 def test_autograd_grad_through_a_module_boundary_gives_eager_results() -> None:
     lin = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
     x = torch.randn(4, 3, requires_grad=True)
