@@ -104,16 +104,13 @@ def hook_layers(model: GlmDsaForCausalLM, root: torch.nn.Module) -> None:
             with_kwargs=True)
 
 
-def scenario_fsdp(out: Path, rank: int, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    _, model = build()
-    plain_keys = list(model.state_dict())
-    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
-    model.checkpoint_layers(1.0, offload=manager)
-    shard_model(model)
-    hook_layers(model, model)
-    result: dict[str, Any] = {"plain_keys": plain_keys, "steps": []}
+def two_passes(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+               manager: OffloadManager) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Two training steps: per step the loss, the logged events and the offload stats; the full
+    gradients of each step; and whether the second step's equal the first's bit for bit."""
+    result: dict[str, Any] = {"steps": []}
     grads = []
-    for _ in range(2):  # the second pass checks the steady state (FSDP's lazy init is done)
+    for _ in range(2):
         model.zero_grad(set_to_none=True)
         loss = step(model, batch)
         stats = manager.stats(reset=True)
@@ -122,6 +119,19 @@ def scenario_fsdp(out: Path, rank: int, batch: dict[str, torch.Tensor]) -> dict[
     result["second_pass_grads_equal"] = all(
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in zip(grads[0].values(), grads[1].values()))
+    return result, grads
+
+
+def scenario_fsdp(out: Path, rank: int, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    _, model = build()
+    plain_keys = list(model.state_dict())
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    model.checkpoint_layers(1.0, offload=manager)
+    shard_model(model)
+    hook_layers(model, model)
+    # The second pass checks the steady state (FSDP's lazy init is done).
+    result, grads = two_passes(model, batch, manager)
+    result["plain_keys"] = plain_keys
     result["state_dict_keys"] = list(model.state_dict())
     result["dcp_keys"] = list(get_model_state_dict(model))
     result["sharded"] = sorted({type(p).__name__ for p in model.parameters()})
@@ -140,17 +150,9 @@ def scenario_ddp(out: Path, rank: int, batch: dict[str, torch.Tensor],
     model.checkpoint_layers(1.0, offload=manager)
     ddp = wrap_ddp(model, env)
     hook_layers(model, ddp)
-    result: dict[str, Any] = {"steps": [], "find_unused_parameters": ddp.find_unused_parameters}
-    grads = []
-    for _ in range(2):  # a second pass fails if the first left a bucket unreduced
-        ddp.zero_grad(set_to_none=True)
-        loss = step(ddp, batch)
-        stats = manager.stats(reset=True)
-        result["steps"].append({"loss": loss, "events": LOG.take(), "offload": stats})
-        grads.append(full_gradients(ddp))
-    result["second_pass_grads_equal"] = all(
-        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-        for a, b in zip(grads[0].values(), grads[1].values()))
+    # A second pass fails if the first left a bucket unreduced.
+    result, grads = two_passes(ddp, batch, manager)
+    result["find_unused_parameters"] = ddp.find_unused_parameters
     result["state_dict_keys"] = list(model.state_dict())
     if rank == 0:
         torch.save(grads[0], out / "ddp.grads.pt")
