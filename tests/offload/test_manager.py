@@ -1,7 +1,8 @@
 """The offload manager on CPU: storage windows, one copy per storage, pool, prefetch, lifetimes.
 
-On CPU the same code path runs with synchronous copies and ordinary host buffers, so every rule
-except stream overlap is checked here.
+On CPU the same code path runs with synchronous copies and ordinary host buffers. The stream
+rules, which synchronous copies cannot break, are checked against a simulated asynchronous
+device in ``test_stream_rules.py``.
 """
 
 from __future__ import annotations
