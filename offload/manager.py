@@ -22,15 +22,19 @@ NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds.
 while a handle to it does; when the last handle goes (after the node's backward, or when a
 graph is dropped without backward, or an exception unwinds it) the host buffer returns to the
 pool. The manager holds windows and shared copies weakly; strongly only its pool, counters,
-this pass's event log, and the copies whose device-to-host copy it has not yet seen complete
+two passes (the one new windows join, the one whose backward ran last), and the copies whose device-to-host copy it has not yet seen complete
 (``_pending``, emptied at the next window, the first restore, or ``stats()``; on a GPU, a host
 running far ahead of the device keeps more of them pending: their device memory is released
 once the copies land).
 
-NOTE [window ids and prefetch]: one planner (the manager) numbers windows densely in call
-order: a new pass starts at 0 when a window opens and no window of the current pass is alive.
-In backward, the first unpack from window ``i`` restores it (if no prefetch did) and starts
-restoring windows ``i-1 .. i-prefetch``, which backward needs next.
+NOTE [passes, window ids and prefetch]: a pass is one forward's windows; one planner (the
+manager) numbers them densely from 0 in call order. A window opens a new pass when no window of
+the current pass is alive, or when backward has begun on the current pass (pipeline schedules
+run the next micro-batch's forward while earlier graphs are still alive). The pass's state (its
+window list, event log, shared-storage registry) hangs off its windows and goes with them, so
+schedules that always keep some graph alive do not accumulate it. In backward, the first
+unpack from window ``i`` restores it (if no prefetch did) and starts restoring windows
+``i-1 .. i-prefetch`` of the same pass, which backward needs next.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ class _Copy:
         self.h2d_event: Any = None
         self.host_holder = _HostHolder()  # lives exactly as long as this copy (for the census)
         manager._counters["offloaded_bytes"] += self.nbytes
-        manager._pass_offloaded += self.nbytes
+        window.pass_.offloaded += self.nbytes
         manager._pending.append(self)
 
     @property
@@ -184,14 +188,38 @@ class _Handle:
                 "clone (x = x.clone()) or make the in-place change before the layer")
 
 
+class _Pass:
+    """One forward's windows, numbered from 0, and what backward did with them."""
+
+    __slots__ = ("windows", "events", "prefetched", "shared", "backward", "offloaded",
+                 "largest_small", "__weakref__")
+
+    def __init__(self) -> None:
+        self.windows: list[weakref.ref[Window]] = []  # weak, indexed by window id
+        self.events: list[tuple[str, int]] = []
+        self.prefetched: set[int] = set()
+        # Storages offloaded by an earlier window of this pass (RoPE tables): copied once.
+        self.shared: dict[tuple[str, int], weakref.ref[_Copy]] = {}
+        self.backward = False  # a window was restored: new windows belong to a new pass
+        # Offloaded bytes and the largest storage left below min_bytes: a pass that offloaded
+        # nothing because of the floor is logged (once per manager), not silently accepted.
+        self.offloaded = 0
+        self.largest_small = 0
+
+    def alive(self) -> bool:
+        return any(ref() is not None for ref in self.windows)
+
+
 class Window:
     """The storages of one ``manager.window(...)`` call, and the copies made for them."""
 
-    __slots__ = ("id", "keys", "name", "copies", "restored", "small", "__weakref__")
+    __slots__ = ("pass_", "id", "keys", "name", "copies", "restored", "small", "__weakref__")
 
-    def __init__(self, window_id: int, keys: dict[tuple[str, int], int | None],
+    def __init__(self, pass_: _Pass, keys: dict[tuple[str, int], int | None],
                  name: Callable[[int], str] | None) -> None:
-        self.id = window_id
+        self.pass_ = pass_  # strong: the pass lives as long as one of its windows
+        self.id = len(pass_.windows)
+        pass_.windows.append(weakref.ref(self))
         self.keys = keys  # storage key -> index of the first window tensor on it (None: frames)
         self.name = name
         # Weak: copies hold their window, not the other way round (no cycle to wait on gc).
@@ -224,17 +252,12 @@ class OffloadManager:
             pin = torch.cuda.is_available()
         self.pool = HostPool(pin_memory=pin)
         self.engine = CopyEngine(self.device)
-        self._pass: list[weakref.ref[Window]] = []
         self._pending: list[_Copy] = []
-        self._shared: dict[tuple[str, int], weakref.ref[_Copy]] = {}
-        self._events: list[tuple[str, int]] = []
-        self._prefetched: set[int] = set()
+        # The pass new windows join, and the one whose backward ran last (for ``events()``).
+        # Older passes are held only by their windows (NOTE [passes, window ids and prefetch]).
+        self._pass = self._recent = _Pass()
         self._counters: dict[str, int] = {}
         self._reset_counters()
-        # This pass's offloaded bytes and largest storage left below min_bytes: a pass that
-        # offloaded nothing because of the floor is logged (once), not silently accepted.
-        self._pass_offloaded = 0
-        self._pass_largest_small = 0
         self._warned_nothing = False
 
     # -- statistics --------------------------------------------------------------------------
@@ -247,8 +270,8 @@ class OffloadManager:
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """Counters since the last reset: bytes, pool hits/misses, prefetch hits, waits."""
         self._collect_finished()
-        if not any(ref() is not None for ref in self._pass):  # the pass is over
-            self._check_pass_offloaded()
+        if not self._pass.alive():  # the pass is over
+            self._check_pass_offloaded(self._pass)
         out: dict[str, float] = dict(self._counters)
         out["pool_hits"] = self.pool.hits - self._pool_base[0]
         out["pool_misses"] = self.pool.misses - self._pool_base[1]
@@ -261,8 +284,9 @@ class OffloadManager:
         return out
 
     def events(self) -> list[tuple[str, int]]:
-        """This pass's ``("restore" | "prefetch" | "prefetch_hit", window id)`` in order."""
-        return list(self._events)
+        """``("restore" | "prefetch" | "prefetch_hit", window id)`` in order, for the pass whose
+        backward ran last (empty before any backward)."""
+        return list(self._recent.events)
 
     # -- forward -----------------------------------------------------------------------------
     def _collect_finished(self) -> None:
@@ -277,33 +301,27 @@ class OffloadManager:
     def _open(self, tensors: Sequence[torch.Tensor], name: Callable[[int], str] | None
               ) -> Window:
         self._collect_finished()
-        self._pass = [ref for ref in self._pass if ref() is not None]
-        if not self._pass:  # a new pass: ids restart, the shared-storage registry too
-            self._check_pass_offloaded()
-            self._events = []
-            self._prefetched = set()
-            self._shared = {}
+        if self._pass.backward or not self._pass.alive():
+            # A new pass: ids restart at 0, the shared-storage registry and event log too.
+            self._check_pass_offloaded(self._pass)
+            self._pass = _Pass()
         keys: dict[tuple[str, int], int | None] = {}
         for index, tensor in enumerate(tensors):
             if not isinstance(tensor, nn.Parameter):
                 keys.setdefault(storage_key(tensor), index)
-        window = Window(len(self._pass) and (self._pass[-1]().id + 1),  # type: ignore[union-attr]
-                        keys, name)
-        self._pass.append(weakref.ref(window))
         self._counters["windows"] += 1
-        return window
+        return Window(self._pass, keys, name)
 
-    def _check_pass_offloaded(self) -> None:
-        if (self._pass_offloaded == 0 and self._pass_largest_small > 0
+    def _check_pass_offloaded(self, pass_: _Pass) -> None:
+        if (pass_.offloaded == 0 and pass_.largest_small > 0
                 and not self._warned_nothing):
             self._warned_nothing = True
             log.warning(
                 "offload is on, but the last pass offloaded nothing: the window storages on %s "
                 "were below OffloadConfig.min_bytes=%d (the largest had %d bytes); lower "
                 "min_bytes to offload them, or turn offload off", self.device,
-                self.config.min_bytes, self._pass_largest_small)
-        self._pass_offloaded = 0
-        self._pass_largest_small = 0
+                self.config.min_bytes, pass_.largest_small)
+        pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
 
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device != self.device:
@@ -316,15 +334,15 @@ class OffloadManager:
             if key not in window.small:
                 window.small.add(key)
                 self._counters["below_min_bytes"] += nbytes
-                self._pass_largest_small = max(self._pass_largest_small, nbytes)
+                window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
             return tensor
         copy = window.copies.get(key)
         if copy is None or copy.version != tensor._version:
-            shared = self._shared.get(key)
+            shared = window.pass_.shared.get(key)
             copy = shared() if shared is not None else None
             if copy is None or copy.version != tensor._version or copy.storage_ref.expired():
                 copy = _Copy(self, window, tensor)
-                self._shared[key] = weakref.ref(copy)
+                window.pass_.shared[key] = weakref.ref(copy)
                 _report_offload(copy, tensor)
             window.copies[key] = copy
         return _Handle(copy, window, key, tensor)
@@ -365,9 +383,9 @@ class OffloadManager:
     # -- backward ----------------------------------------------------------------------------
     def _restore_window(self, window: Window, *, kind: str) -> None:
         window.restored = True
-        self._events.append((kind, window.id))
+        window.pass_.events.append((kind, window.id))
         if kind == "prefetch":
-            self._prefetched.add(window.id)
+            window.pass_.prefetched.add(window.id)
         for copy in list(window.copies.values()):
             copy.restore()
 
@@ -379,26 +397,29 @@ class OffloadManager:
             self._collect_finished()
         copy = packed.copy
         window = copy.window
+        pass_ = window.pass_
         if not window.restored:
+            pass_.backward = True
+            self._recent = pass_
             self._restore_window(window, kind="restore")
-            self._prefetch_before(window.id)
-        elif window.id in self._prefetched:
-            self._prefetched.discard(window.id)
-            self._events.append(("prefetch_hit", window.id))
+            self._prefetch_before(window)
+        elif window.id in pass_.prefetched:
+            pass_.prefetched.discard(window.id)
+            pass_.events.append(("prefetch_hit", window.id))
             self._counters["prefetch_hits"] += 1
-            self._prefetch_before(window.id)
+            self._prefetch_before(window)
         copy.restore()  # a storage shared with an earlier window may be restored here first
         self.engine.wait(copy.h2d_event)
         assert copy.restored is not None
         return torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
             copy.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
 
-    def _prefetch_before(self, window_id: int) -> None:
-        for ref in reversed(self._pass):  # nearest first: backward needs it first
-            window = ref()
-            if (window is not None and not window.restored
-                    and window_id - self.config.prefetch <= window.id < window_id):
-                self._restore_window(window, kind="prefetch")
+    def _prefetch_before(self, window: Window) -> None:
+        windows = window.pass_.windows
+        for earlier_id in range(window.id - 1, max(window.id - self.config.prefetch, 0) - 1, -1):
+            earlier = windows[earlier_id]()  # nearest first: backward needs it first
+            if earlier is not None and not earlier.restored:
+                self._restore_window(earlier, kind="prefetch")
 
 
 _default_managers: dict[str, OffloadManager] = {}

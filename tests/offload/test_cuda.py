@@ -40,9 +40,9 @@ def test_host_buffers_are_pinned_and_copies_run_on_side_streams() -> None:
     assert manager.device.index is not None  # "cuda" must match tensors on "cuda:0"
     x = torch.randn(256, 256, device="cuda", requires_grad=True)
     h = x * 2
-    with manager.window([h]):
+    with manager.window([h]) as window:
         loss = (h * h).sum()
-    copy_ = next(iter(manager._pass[-1]().copies.values()))  # type: ignore[union-attr]
+    copy_ = next(iter(window.copies.values()))
     assert copy_.host.is_pinned()
     assert copy_.d2h_event is not None
     assert manager.engine.d2h_stream != torch.cuda.current_stream()

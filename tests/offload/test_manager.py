@@ -7,6 +7,7 @@ device in ``test_stream_rules.py``.
 
 from __future__ import annotations
 
+import copy
 import gc
 from typing import Any
 
@@ -274,6 +275,59 @@ def test_the_pool_does_not_grow_after_warm_up_over_fifty_steps() -> None:
     stats = m.stats()
     assert stats["pool_misses"] == 0 and stats["pool_hits"] == 50 * 4
     assert stats["host_bytes"] == warm["host_bytes"] and stats["host_buffers_in_use"] == 0
+
+
+def test_a_pipeline_schedule_gets_eager_gradients_uses_every_prefetch_and_restarts_ids() -> None:
+    # One-forward-one-backward with two micro-batches in flight: the next forward runs while
+    # earlier graphs are alive, so there is never a moment with no window alive. Passes must
+    # still end (window ids restart instead of running on, with their state, for ever), and
+    # each backward must restore its own micro-batch's windows: every prefetch used.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(4))
+    layers = copy.deepcopy(eager)
+    m = manager()
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    inputs = [torch.randn(4, 32) for _ in range(30)]
+    in_flight: list[torch.Tensor] = []
+    largest_id = 0
+    for x in inputs:
+        in_flight.append(run_stack(layers, x).square().sum())
+        if len(in_flight) > 2:
+            in_flight.pop(0).backward()
+            largest_id = max(largest_id, *(i for _, i in m.events()))
+    while in_flight:
+        in_flight.pop(0).backward()
+    for x in inputs:
+        run_stack(eager, x).square().sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
+    stats = m.stats()
+    assert stats["restored_bytes"] == stats["offloaded_bytes"] == 30 * 4 * 4 * 32 * 4
+    assert stats["prefetch_hits"] == 30 * 3  # per micro-batch: 1 restore, 3 prefetches, all hit
+    assert largest_id < 3 * 4  # a pass holds at most the 3 micro-batches alive at once
+    assert stats["host_buffers_in_use"] == 0
+
+
+def test_two_forwards_share_a_pass_and_only_a_reverse_order_backward_prefetches_early() -> None:
+    # The documented limit, pinned down: micro-batch 1 has windows 0-2, micro-batch 2 has 3-5.
+    m = manager()
+    layers = nn.ModuleList(Layer() for _ in range(3))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    both = [("restore", 5)] + [e for i in range(4, -1, -1)
+                               for e in (("prefetch", i), ("prefetch_hit", i))]
+    first, second = (run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum()
+                     for _ in range(2))
+    (first + second).backward()  # one backward through both: 5 .. 0, every prefetch used
+    assert m.events() == both
+    m.stats(reset=True)
+    first, second = (run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum()
+                     for _ in range(2))
+    second.backward()  # its first window prefetches micro-batch 1's last one early
+    assert m.events() == both[:6]
+    assert m.stats()["restored_bytes"] == 4 * 4 * 32 * 4  # its 3 windows and 1 of batch 1
+    first.backward()
+    assert m.events() == both and m.stats()["restored_bytes"] == 6 * 4 * 32 * 4
 
 
 def test_a_forward_without_backward_and_an_exception_leave_nothing_checked_out() -> None:
