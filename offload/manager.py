@@ -14,18 +14,18 @@ is not copied again: RoPE tables or ``cu_seqlens`` passed to every layer cost on
 
 NOTE [saved reference, not the live tensor]: autograd keeps the handle instead of the tensor;
 the live tensor is never resized or freed by us, so other holders keep valid data. We keep the
-device tensor until its copy completed (stream rule 1) and drop our reference one window late;
-if the storage is still alive then, something else holds it and the bytes are reported as
+device tensor until its copy completed, or the compute stream waits for it (stream rule 1), and
+drop our reference at least one window late; if the storage is still alive then, something
+else holds it and the bytes are reported as
 ``alive_elsewhere_bytes`` (and flagged by an active census): that offload saved nothing.
 
 NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds. A copy lives
 while a handle to it does; when the last handle goes (after the node's backward, or when a
 graph is dropped without backward, or an exception unwinds it) the host buffer returns to the
 pool. The manager holds windows and shared copies weakly; strongly only its pool, counters,
-two passes (the one new windows join, the one whose backward ran last), and the copies whose device-to-host copy it has not yet seen complete
-(``_pending``, emptied at the next window, the first restore, or ``stats()``; on a GPU, a host
-running far ahead of the device keeps more of them pending: their device memory is released
-once the copies land).
+two passes (the one new windows join, the one whose backward ran last), and the copies whose
+device-to-host copy it has not yet released (``_pending``: at most the last two windows' after
+a window opens, none after backward's first restore; see NOTE [copies in flight]).
 
 NOTE [passes, window ids and prefetch]: a pass is one forward's windows; one planner (the
 manager) numbers them densely from 0 in call order. A window opens a new pass when no window of
@@ -213,12 +213,14 @@ class _Pass:
 class Window:
     """The storages of one ``manager.window(...)`` call, and the copies made for them."""
 
-    __slots__ = ("pass_", "id", "keys", "name", "copies", "restored", "small", "__weakref__")
+    __slots__ = ("pass_", "id", "seq", "keys", "name", "copies", "restored", "small",
+                 "__weakref__")
 
     def __init__(self, pass_: _Pass, keys: dict[tuple[str, int], int | None],
-                 name: Callable[[int], str] | None) -> None:
+                 name: Callable[[int], str] | None, *, seq: int) -> None:
         self.pass_ = pass_  # strong: the pass lives as long as one of its windows
         self.id = len(pass_.windows)
+        self.seq = seq  # opening order across passes, for NOTE [copies in flight]
         pass_.windows.append(weakref.ref(self))
         self.keys = keys  # storage key -> index of the first window tensor on it (None: frames)
         self.name = name
@@ -259,6 +261,7 @@ class OffloadManager:
         self._counters: dict[str, int] = {}
         self._reset_counters()
         self._warned_nothing = False
+        self._opened = 0  # windows opened so far, in all passes (NOTE [copies in flight])
 
     # -- statistics --------------------------------------------------------------------------
     def _reset_counters(self) -> None:
@@ -289,10 +292,25 @@ class OffloadManager:
         return list(self._recent.events)
 
     # -- forward -----------------------------------------------------------------------------
-    def _collect_finished(self) -> None:
+    def _collect_finished(self, *, force_before: int | None = None) -> None:
+        """Let go of device tensors whose copy to host completed, and of those from windows
+        opened before ``force_before``, once the compute stream waits for their copy.
+
+        NOTE [copies in flight]: a host running ahead of the device (the usual case with large
+        layers) would otherwise find no copy complete and keep every layer input on the device
+        until backward: the peak would not drop. So a window's device tensors are released
+        two windows later at the latest: the compute stream (not the host) waits on the copy's
+        event, and the freed memory, which belongs to the compute stream (the window's
+        tensors were produced there), is reused only by kernels ordered after that wait. The
+        copy of window ``k`` overlaps window ``k+1``'s compute; window ``k+2`` waits for it.
+        Backward's first restore releases every copy still in flight the same way.
+        """
         still = []
         for copy in self._pending:
             if self.engine.done(copy.d2h_event):
+                copy.drop_device_copy()
+            elif force_before is not None and copy.window.seq < force_before:
+                self.engine.wait(copy.d2h_event)  # stream rule 1: ordered after the copy
                 copy.drop_device_copy()
             else:
                 still.append(copy)
@@ -300,7 +318,9 @@ class OffloadManager:
 
     def _open(self, tensors: Sequence[torch.Tensor], name: Callable[[int], str] | None
               ) -> Window:
-        self._collect_finished()
+        # The window opening now is number ``self._opened``; its predecessor's copy may still
+        # run (it overlaps this window's compute), older ones must be done.
+        self._collect_finished(force_before=self._opened - 1)
         if self._pass.backward or not self._pass.alive():
             # A new pass: ids restart at 0, the shared-storage registry and event log too.
             self._check_pass_offloaded(self._pass)
@@ -310,7 +330,8 @@ class OffloadManager:
             if not isinstance(tensor, nn.Parameter):
                 keys.setdefault(storage_key(tensor), index)
         self._counters["windows"] += 1
-        return Window(self._pass, keys, name)
+        self._opened += 1
+        return Window(self._pass, keys, name, seq=self._opened - 1)
 
     def _check_pass_offloaded(self, pass_: _Pass) -> None:
         if (pass_.offloaded == 0 and pass_.largest_small > 0
@@ -393,8 +414,8 @@ class OffloadManager:
         if not isinstance(packed, _Handle):
             return packed
         packed.check_unmodified()
-        if self._pending:
-            self._collect_finished()
+        if self._pending:  # backward began: nothing from forward stays on the device
+            self._collect_finished(force_before=self._opened)
         copy = packed.copy
         window = copy.window
         pass_ = window.pass_

@@ -3,9 +3,11 @@
 NOTE [stream rules]:
 1. Device-to-host: the d2h stream first waits for the compute stream (the tensor's producer
    may still be running), copies with ``non_blocking``, and records an event. The device tensor
-   must stay alive until that event completes: the manager keeps a reference and drops it only
-   once ``done(event)`` (the caching allocator could otherwise hand the memory to a new tensor
-   while the copy still reads it).
+   must stay alive until that event completes, or until ``wait(event)`` has put the compute
+   stream behind it (the caching allocator could otherwise hand the memory to a new tensor
+   while the copy still reads it; memory freed after the wait belongs to the compute stream,
+   whose later kernels are ordered after the copy). The manager drops its reference on
+   ``done(event)``, or after ``wait(event)`` two windows later (NOTE [copies in flight]).
 2. Host-to-device: the destination is allocated on the compute stream, the h2d stream waits for
    the compute stream (the allocation is ordered) and for the d2h event (the host copy is
    complete), copies, and records an event; ``record_stream`` tells the allocator the buffer is
@@ -84,7 +86,7 @@ class CopyEngine:
             self.waited_ms()
 
     def waited_ms(self) -> float:
-        """Milliseconds the compute stream spent waiting on restores (completed waits only).
+        """Milliseconds the compute stream spent waiting on copies (completed waits only).
 
         Completed waits are folded into a running total, so the event list stays short.
         """

@@ -63,7 +63,11 @@ def test_offload_gives_bit_identical_gradients_on_cuda() -> None:
     assert_same_grads([p.grad for p in layers.parameters()], [p.grad for p in twin.parameters()])
 
 
-def test_peak_memory_with_offload_drops_by_all_but_two_layer_inputs() -> None:
+def test_peak_memory_drops_by_all_but_two_layer_inputs_with_the_host_far_ahead() -> None:
+    # The target: the peak drops by (L-2) of the L layer inputs (all but the one being
+    # recomputed and the one prefetched). The GPU is held back first, so the host enqueues the
+    # whole forward before any copy to host has run: NOTE [copies in flight] must still
+    # release each input two windows later, in stream order.
     torch.manual_seed(0)
     num_layers, tokens, width = 8, 8192, 1024
     layers = nn.ModuleList(Block(width) for _ in range(num_layers)).cuda()
@@ -73,23 +77,23 @@ def test_peak_memory_with_offload_drops_by_all_but_two_layer_inputs() -> None:
     manager = OffloadManager(OffloadConfig(min_bytes=1 << 20), device="cuda")
     checkpoint_layers(offloaded, offload=manager)
     input_bytes = tokens * width * 4
+    x = torch.randn(tokens, width, device="cuda", requires_grad=True)
 
-    def held_after_forward(model: nn.ModuleList) -> int:
-        x = torch.randn(tokens, width, device="cuda", requires_grad=True)
+    def peak(model: nn.ModuleList) -> int:
+        for t in [x, *model.parameters()]:
+            t.grad = None
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        out = stack(model, x)
-        manager.stats()  # releases device copies whose events completed
+        torch.cuda._sleep(100_000_000)  # the GPU lags behind the host from here on
+        stack(model, x.clone()).sum().backward()  # the clone: an input only the graph holds
         torch.cuda.synchronize()
-        manager.stats()
-        held = torch.cuda.memory_allocated() - base
-        out.sum().backward()
-        return held
+        return torch.cuda.max_memory_allocated() - base
 
-    held_after_forward(offloaded)  # warm the pool
-    ckpt_bytes = held_after_forward(plain)
-    off_bytes = held_after_forward(offloaded)
+    peak(offloaded)  # warm the pool
+    ckpt_bytes, off_bytes = peak(plain), peak(offloaded)
     assert ckpt_bytes - off_bytes >= (num_layers - 2) * input_bytes, (ckpt_bytes, off_bytes)
+    assert manager.stats()["alive_elsewhere_bytes"] == 0
 
 
 def test_the_copy_to_host_waits_for_the_kernel_that_produces_the_tensor() -> None:
