@@ -16,8 +16,8 @@ NOTE [saved reference, not the live tensor]: autograd keeps the handle instead o
 the live tensor is never resized or freed by us, so other holders keep valid data. We keep the
 device tensor until its copy completed, or the compute stream waits for it (stream rule 1), and
 drop our reference at least one window late; if the storage is still alive then, something
-else holds it and the bytes are reported as
-``alive_elsewhere_bytes`` (and flagged by an active census): that offload saved nothing.
+else holds it and the bytes are reported as ``alive_elsewhere_bytes`` (and flagged by an
+active census): that offload saved nothing.
 
 NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds. A copy lives
 while a handle to it does; when the last handle goes (after the node's backward, or when a
@@ -417,7 +417,7 @@ class OffloadManager:
         if self._pending:  # backward began: nothing from forward stays on the device
             self._collect_finished(force_before=self._opened)
         copy = packed.copy
-        window = copy.window
+        window = packed.window  # not copy.window: a shared copy may come from an earlier one
         pass_ = window.pass_
         if not window.restored:
             pass_.backward = True
@@ -429,7 +429,7 @@ class OffloadManager:
             pass_.events.append(("prefetch_hit", window.id))
             self._counters["prefetch_hits"] += 1
             self._prefetch_before(window)
-        copy.restore()  # a storage shared with an earlier window may be restored here first
+        copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
         self.engine.wait(copy.h2d_event)
         assert copy.restored is not None
         return torch.empty(0, dtype=packed.dtype, device=copy.device).set_(

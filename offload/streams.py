@@ -90,9 +90,13 @@ class CopyEngine:
 
         Completed waits are folded into a running total, so the event list stays short.
         """
-        done = [(b, a) for b, a in self._waits if a.query()]
-        self._waited_ms += sum(b.elapsed_time(a) for b, a in done)
-        self._waits = [(b, a) for b, a in self._waits if not a.query()]
+        still = []
+        for before, after in self._waits:  # one query each: a wait is counted exactly once
+            if after.query():
+                self._waited_ms += before.elapsed_time(after)
+            else:
+                still.append((before, after))
+        self._waits = still
         return self._waited_ms
 
     def reset_waits(self) -> None:

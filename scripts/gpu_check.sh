@@ -25,8 +25,8 @@ python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; pr
 status=0
 timeout 180 python3 -m examples.bench_offload --size realistic --device cuda \
   --json "$out/offload.json" 2>&1 | tee "$out/offload.log" || status=1
-# -p no:cacheprovider: the tree may be read-only there
-timeout 180 python3 -m pytest -p no:cacheprovider -q -m cuda tests 2>&1 | tee "$out/gpu_tests.log" \
+# -p no:cacheprovider: the tree may be read-only there; -v names a test the timeout stops
+timeout 180 python3 -m pytest -p no:cacheprovider -v -m cuda tests 2>&1 | tee "$out/gpu_tests.log" \
   || status=1
 timeout 120 python3 -m examples.glm_dsa.bench --preset gpu-small --device cuda --rounds 5 \
   --warmup 1 --out "$out/bench" 2>&1 | tee "$out/bench.log" || status=1

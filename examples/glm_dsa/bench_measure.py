@@ -212,6 +212,8 @@ def census_of(variant: Variant, batch: Batch, device: torch.device) -> dict[str,
     # Not part of total_bytes: the census did not see them (see _CacheMeter).
     data["unseen_sac_cache_bytes"] = (None if meter is None
                                       else sum(meter.storages.values()))
+    if variant.manager is not None:
+        variant.manager.stats()  # lets go of device tensors whose copies have landed (synced)
     data["held_after_forward_bytes"] = (None if before is None
                                         else torch.cuda.memory_allocated(device) - before)
     del loss  # the graph goes without a backward: frames and offload copies are released

@@ -126,6 +126,19 @@ def test_a_storage_already_offloaded_by_an_earlier_window_is_not_copied_again() 
     assert torch.equal(expected, x.grad)
 
 
+def test_a_shared_storage_does_not_pull_back_the_window_that_first_copied_it() -> None:
+    # Backward of window 2 unpacks rope, whose copy window 0 made: window 0's own hidden state
+    # must stay on the host until backward reaches window 0.
+    m = manager(prefetch=0)
+    rope = torch.randn(64, 16)
+    h = torch.randn(64, 16, requires_grad=True) * 1.0
+    for _ in range(3):
+        with m.window([h, rope]):
+            h = h.square() * rope  # square saves h, then mul saves rope
+    h.sum().backward()
+    assert m.events() == [("restore", 2), ("restore", 1), ("restore", 0)]
+
+
 def test_an_in_place_change_between_windows_gets_a_fresh_copy_and_the_stale_save_is_refused(
         ) -> None:
     m = manager()
