@@ -89,14 +89,18 @@ class OffloadConfig:
 class _Copy:
     """One window storage copied to host; shared by every handle on that storage."""
 
-    __slots__ = ("manager", "window", "host", "nbytes", "device", "version", "storage_ref",
-                 "device_bytes", "d2h_event", "restored", "h2d_event", "host_holder",
-                 "__weakref__")
+    __slots__ = ("manager", "seq", "stream", "host", "nbytes", "device", "version",
+                 "storage_ref", "device_bytes", "d2h_event", "restored", "h2d_event",
+                 "host_holder", "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         self.manager = manager
-        self.window = window
+        # Not the window: a copy still in flight must not keep its window (and pass) alive.
+        self.seq = window.seq
+        # Where the tensor was produced, the stream that must wait before its memory is freed
+        # (NOTE [copies in flight]); None without streams.
+        self.stream = manager.engine.current_stream()
         self.nbytes = storage.nbytes()
         self.device = tensor.device
         self.version = tensor._version
@@ -191,15 +195,19 @@ class _Handle:
 class _Pass:
     """One forward's windows, numbered from 0, and what backward did with them."""
 
-    __slots__ = ("windows", "events", "prefetched", "shared", "backward", "offloaded",
-                 "largest_small", "__weakref__")
+    __slots__ = ("windows", "next_id", "events", "prefetched", "shared", "backward",
+                 "offloaded", "largest_small", "__weakref__")
 
     def __init__(self) -> None:
-        self.windows: list[weakref.ref[Window]] = []  # weak, indexed by window id
+        # Weak, by id: a dead window's entry goes at once, so a pass that never reaches
+        # backward (grad-enabled evaluation holding its last output) stays small.
+        self.windows: weakref.WeakValueDictionary[int, Window] = weakref.WeakValueDictionary()
+        self.next_id = 0
         self.events: list[tuple[str, int]] = []
         self.prefetched: set[int] = set()
         # Storages offloaded by an earlier window of this pass (RoPE tables): copied once.
-        self.shared: dict[tuple[str, int], weakref.ref[_Copy]] = {}
+        self.shared: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
+            weakref.WeakValueDictionary())
         self.backward = False  # a window was restored: new windows belong to a new pass
         # Offloaded bytes and the largest storage left below min_bytes: a pass that offloaded
         # nothing because of the floor is logged (once per manager), not silently accepted.
@@ -207,7 +215,7 @@ class _Pass:
         self.largest_small = 0
 
     def alive(self) -> bool:
-        return any(ref() is not None for ref in self.windows)
+        return len(self.windows) > 0
 
 
 class Window:
@@ -219,9 +227,10 @@ class Window:
     def __init__(self, pass_: _Pass, keys: dict[tuple[str, int], int | None],
                  name: Callable[[int], str] | None, *, seq: int) -> None:
         self.pass_ = pass_  # strong: the pass lives as long as one of its windows
-        self.id = len(pass_.windows)
+        self.id = pass_.next_id
+        pass_.next_id += 1
+        pass_.windows[self.id] = self
         self.seq = seq  # opening order across passes, for NOTE [copies in flight]
-        pass_.windows.append(weakref.ref(self))
         self.keys = keys  # storage key -> index of the first window tensor on it (None: frames)
         self.name = name
         # Weak: copies hold their window, not the other way round (no cycle to wait on gc).
@@ -299,18 +308,20 @@ class OffloadManager:
         NOTE [copies in flight]: a host running ahead of the device (the usual case with large
         layers) would otherwise find no copy complete and keep every layer input on the device
         until backward: the peak would not drop. So a window's device tensors are released
-        two windows later at the latest: the compute stream (not the host) waits on the copy's
-        event, and the freed memory, which belongs to the compute stream (the window's
-        tensors were produced there), is reused only by kernels ordered after that wait. The
-        copy of window ``k`` overlaps window ``k+1``'s compute; window ``k+2`` waits for it.
-        Backward's first restore releases every copy still in flight the same way.
+        two windows later at the latest: the stream that was current when the tensor was
+        saved (not the host, and not whatever stream is current now) waits on the copy's
+        event; the freed memory belongs to that stream, so the allocator reuses it only for
+        kernels ordered after the wait. The copy of window ``k`` overlaps window ``k+1``'s
+        compute; window ``k+2`` waits for it. Backward's first restore releases every copy
+        still in flight the same way.
         """
         still = []
         for copy in self._pending:
             if self.engine.done(copy.d2h_event):
                 copy.drop_device_copy()
-            elif force_before is not None and copy.window.seq < force_before:
-                self.engine.wait(copy.d2h_event)  # stream rule 1: ordered after the copy
+            elif force_before is not None and copy.seq < force_before:
+                # Stream rule 1: the producing stream, which owns the memory, waits.
+                self.engine.wait(copy.d2h_event, stream=copy.stream)
                 copy.drop_device_copy()
             else:
                 still.append(copy)
@@ -359,11 +370,10 @@ class OffloadManager:
             return tensor
         copy = window.copies.get(key)
         if copy is None or copy.version != tensor._version:
-            shared = window.pass_.shared.get(key)
-            copy = shared() if shared is not None else None
+            copy = window.pass_.shared.get(key)
             if copy is None or copy.version != tensor._version or copy.storage_ref.expired():
                 copy = _Copy(self, window, tensor)
-                window.pass_.shared[key] = weakref.ref(copy)
+                window.pass_.shared[key] = copy
                 _report_offload(copy, tensor)
             window.copies[key] = copy
         return _Handle(copy, window, key, tensor)
@@ -438,7 +448,7 @@ class OffloadManager:
     def _prefetch_before(self, window: Window) -> None:
         windows = window.pass_.windows
         for earlier_id in range(window.id - 1, max(window.id - self.config.prefetch, 0) - 1, -1):
-            earlier = windows[earlier_id]()  # nearest first: backward needs it first
+            earlier = windows.get(earlier_id)  # nearest first: backward needs it first
             if earlier is not None and not earlier.restored:
                 self._restore_window(earlier, kind="prefetch")
 

@@ -68,11 +68,16 @@ class CopyEngine:
         buffer.record_stream(stream)
         return buffer, event
 
-    def wait(self, event: Any) -> None:
-        """Make the compute stream wait for ``event`` (no host blocking)."""
+    def current_stream(self) -> Any:
+        """The stream work is queued on now (``None`` without streams)."""
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def wait(self, event: Any, *, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current one) wait for ``event`` (no host blocking)."""
         if event is None:
             return
-        stream = torch.cuda.current_stream(self.device)
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
         if event.query():
             stream.wait_event(event)
             return

@@ -434,7 +434,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     call.params = params
     call.owner = owner
     inputs = unique if not params else [*unique, *params]
-    if options.offload is None:
+    active = ACTIVE.get()
+    if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):
+        # NOTE: a boundary nested in another's replay runs in backward, where its inputs are
+        # needed again at once: copying them to host and straight back would only cost time.
         out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
     else:
         # NOTE: the window covers only the save of the inputs (the original pass inside runs

@@ -343,6 +343,59 @@ def test_two_forwards_share_a_pass_and_only_a_reverse_order_backward_prefetches_
     assert m.events() == both and m.stats()["restored_bytes"] == 6 * 4 * 32 * 4
 
 
+def test_forwards_that_never_reach_backward_keep_only_their_live_windows() -> None:
+    # Grad-enabled evaluation that holds each output until the next forward: some window is
+    # always alive and no backward begins, so the pass never ends. It must still hold only
+    # the live windows (and opening one must not get slower step after step).
+    m = manager()
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
+    for _ in range(50):
+        out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
+    assert len(m._pass.windows) == 4 and m._pass.next_id == 51 * 4
+    del out
+    assert m.stats()["host_buffers_in_use"] == 0
+    run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    assert m.events()[0] == ("restore", 3)  # no window was alive: a new pass, ids from 0
+
+
+class Block(nn.Module):
+    """Two layers, the first checkpointed on its own as well as inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = Layer(), Layer()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.inner(h))
+
+
+def test_a_boundary_nested_in_a_replay_does_not_offload_in_backward(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The inner boundary runs again inside the block's replay, in backward: its inputs are
+    # needed at once, so copying them to host and back would only cost time (and open
+    # passes of their own that hid the block's events and warned of offloading nothing).
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Block() for _ in range(3))
+    model = copy.deepcopy(eager)
+    m = manager(min_bytes=1)
+    for block in model:
+        apply_activation_checkpointing(block.inner, offload=m)
+        apply_activation_checkpointing(block, offload=m)
+    x = torch.randn(4, 32)
+    run_stack(eager, x.clone().requires_grad_()).square().sum().backward()
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        run_stack(model, x.clone().requires_grad_()).square().sum().backward()
+        stats = m.stats()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()])
+    assert stats["windows"] == 3 and stats["offloaded_bytes"] == 3 * x.untyped_storage().nbytes()
+    assert m.events() == [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1), ("prefetch", 0),
+                          ("prefetch_hit", 0)]
+    assert not caplog.records
+
+
 def test_a_forward_without_backward_and_an_exception_leave_nothing_checked_out() -> None:
     m = manager()
     layers = nn.ModuleList(Layer() for _ in range(3))

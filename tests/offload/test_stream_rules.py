@@ -14,8 +14,9 @@ checkable, as the manager sees them:
 3. a host buffer goes back to the pool only with the event of the last copy that reads it:
    a restore still queued when its buffer is handed out again is recorded as a violation.
 
-Not modelled: the copy stream's wait for the compute stream (``tests/offload/test_cuda.py``
-checks it on a GPU) and the allocator side of rule 2 (``record_stream``).
+Streams other than the two copy streams are names only (which one waits is recorded). Not
+modelled: the copy stream's wait for the compute stream (``tests/offload/test_cuda.py`` checks
+it on a GPU) and the allocator side of rule 2 (``record_stream``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class SimulatedStreams:
         self.queues: dict[str, list[SimEvent]] = {"d2h": [], "h2d": []}
         self.violations: list[str] = []
         self.writes: dict[int, int] = {}  # host buffer address -> copies to host queued into it
+        self.current = "compute"  # the name current_stream() gives
+        self.waits: list[tuple[str, str]] = []  # (copy's stream, waiting stream)
 
     # -- the device --------------------------------------------------------------------------
     def complete(self, event: SimEvent) -> None:
@@ -118,9 +121,13 @@ class SimulatedStreams:
             buffer.copy_(host[:nbytes])
         return buffer, self._enqueue("h2d", run)
 
-    def wait(self, event: Any) -> None:
+    def current_stream(self) -> str:
+        return self.current  # a name only: every simulated stream is ordered the same way
+
+    def wait(self, event: Any, *, stream: Any = None) -> None:
         if event is not None:
-            self.complete(event)  # the compute stream is ordered after it
+            self.waits.append((event.stream, stream if stream is not None else self.current))
+            self.complete(event)  # the waiting stream is ordered after it
 
     def done(self, event: Any) -> bool:
         return event is None or event.query()
@@ -177,6 +184,20 @@ def test_gradients_are_exact_however_the_simulated_copies_are_timed(seed: int | 
     assert stats["host_buffers_in_use"] == 0 and stats["pool_misses"] == 6
 
 
+class Checkpoint(torch.autograd.Function):
+    """Identity whose backward runs ``check`` (placed between layers: runs mid-backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, check: Callable[[], None]) -> torch.Tensor:
+        ctx.check = check
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.check()
+        return grad, None
+
+
 def test_a_host_running_ahead_holds_device_tensors_of_the_last_two_windows_at_most() -> None:
     # NOTE [copies in flight]: the simulated device never runs ahead on its own, as a GPU
     # busy with large layers would not; the host opens window after window.
@@ -184,10 +205,17 @@ def test_a_host_running_ahead_holds_device_tensors_of_the_last_two_windows_at_mo
     layers = nn.ModuleList(Layer() for _ in range(6))
     checkpoint_layers(layers, offload=manager)
     x = torch.randn(8, 32, requires_grad=True)
+    inputs: list[StorageWeakRef] = []  # of layers 1-5
+    seen_in_backward: list[list[bool]] = []
+
+    def after_first_restore() -> None:  # runs once layer 5's backward (the first) is done
+        seen_in_backward.append([ref.expired() for ref in inputs])
+
     h = x
-    inputs: list[StorageWeakRef] = []  # of layers 1-5: outputs of layers 0-4
-    for layer in layers:
+    for index, layer in enumerate(layers):
         h = layer(h)
+        if index == 4:
+            h = Checkpoint.apply(h, after_first_restore)
         inputs.append(StorageWeakRef(h.untyped_storage()))
     out = h.sum()
     del h
@@ -196,16 +224,55 @@ def test_a_host_running_ahead_holds_device_tensors_of_the_last_two_windows_at_mo
     # copies. Windows 4 and 5 stay held by the manager until their copies ran.
     assert [ref.expired() for ref in inputs[:5]] == [True, True, True, False, False]
     assert streams.queues["d2h"] != []  # their copies really are still queued
-    out.backward()  # the first restore releases the rest the same way
-    assert all(ref.expired() for ref in inputs[:5])
+    out.backward()
+    # Backward's first restore released both (waiting for their copies), not only the window
+    # it restored: the checkpoint right after it sees neither.
+    assert seen_in_backward == [[True] * 6]
     # Layer 0's input is still alive elsewhere (the test holds it): that copy saved nothing.
     assert manager.stats()["alive_elsewhere_bytes"] == x.untyped_storage().nbytes()
     streams.finish()
     assert streams.violations == []
 
 
-def _skip_compute_wait(streams: SimulatedStreams) -> None:
-    streams.wait = lambda event: None  # type: ignore[method-assign]
+def test_a_graph_dropped_with_copies_in_flight_ends_its_pass() -> None:
+    # Copies still queued hold their device tensors, not their windows: once the graph goes,
+    # the next forward starts a new pass (ids from 0) and the buffers come back with the copies.
+    manager, streams = simulated(None)
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    checkpoint_layers(layers, offload=manager)
+    stack_grads(layers, torch.randn(8, 32, requires_grad=True))  # warm: one pass done
+    out = layers[3](layers[2](layers[1](layers[0](torch.randn(8, 32, requires_grad=True)))))
+    del out  # two copies are still queued
+    stack_grads(layers, torch.randn(8, 32, requires_grad=True))
+    assert manager.events()[0] == ("restore", 3)
+    streams.finish()
+    assert manager.stats()["host_buffers_in_use"] == 0 and streams.violations == []
+
+
+def test_a_copy_is_waited_for_on_the_stream_that_saved_it_not_the_current_one() -> None:
+    # The freed memory belongs to the stream that was current when the tensor was saved: a
+    # window opened under another stream must make that one wait, not its own.
+    manager, streams = simulated(None)
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    checkpoint_layers(layers, offload=manager)
+    h = layers[1](layers[0](torch.randn(8, 32, requires_grad=True)))
+    streams.current = "side"
+    layers[3](layers[2](h)).sum()
+    assert [w for w in streams.waits if w[0] == "d2h"] == [("d2h", "compute"), ("d2h", "compute")]
+
+
+def _skip_waits_on(kind: str) -> Callable[[SimulatedStreams], None]:
+    """Break one rule only: the compute stream no longer waits on ``kind`` ("d2h"/"h2d")."""
+
+    def breaker(streams: SimulatedStreams) -> None:
+        wait = streams.wait
+
+        def selective(event: Any, *, stream: Any = None) -> None:
+            if event is None or event.stream != kind:
+                wait(event, stream=stream)
+        streams.wait = selective  # type: ignore[method-assign]
+    breaker.__name__ = f"skip_waits_on_{kind}"
+    return breaker
 
 
 def test_the_simulation_catches_a_restore_read_too_early() -> None:
@@ -216,7 +283,7 @@ def test_the_simulation_catches_a_restore_read_too_early() -> None:
     eager = nn.ModuleList(Layer() for _ in range(3))
     model = copy.deepcopy(eager)
     manager, streams = simulated(None)
-    _skip_compute_wait(streams)
+    _skip_waits_on("h2d")(streams)  # restores only: the copies to host are still waited for
     checkpoint_layers(model, offload=manager)
     x = torch.randn(8, 32)
     expected = stack_grads(eager, x.clone().requires_grad_())
@@ -229,7 +296,7 @@ def _think_every_copy_done(streams: SimulatedStreams) -> None:
     streams.done = lambda event: True  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("break_rule_1", [_think_every_copy_done, _skip_compute_wait])
+@pytest.mark.parametrize("break_rule_1", [_think_every_copy_done, _skip_waits_on("d2h")])
 def test_the_simulation_catches_a_device_tensor_dropped_before_its_copy_ran(
         break_rule_1: Callable[[SimulatedStreams], None]) -> None:
     manager, streams = simulated(None)
