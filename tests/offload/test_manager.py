@@ -229,6 +229,14 @@ class Layer(nn.Module):
         return h + torch.tanh(self.proj(h))
 
 
+def offloaded_stack(m: OffloadManager, n: int, layer: type[nn.Module] = Layer) -> nn.ModuleList:
+    """``n`` layers, each checkpointed with offload through ``m``."""
+    layers = nn.ModuleList(layer() for _ in range(n))
+    for each in layers:
+        apply_activation_checkpointing(each, offload=m)
+    return layers
+
+
 def run_stack(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     h = x
     for layer in layers:
@@ -249,9 +257,7 @@ def run_stack(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 ])
 def test_prefetch_order_for_an_eight_layer_stack(depth: int, expected: list[tuple[str, int]]) -> None:
     m = manager(prefetch=depth)
-    layers = nn.ModuleList(Layer() for _ in range(8))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 8)
     x = torch.randn(4, 32, requires_grad=True)
     run_stack(layers, x).sum().backward()
     assert m.events() == expected
@@ -278,9 +284,7 @@ def test_checkpoint_with_offload_gives_eager_gradients_and_retain_graph_twice_wo
 
 def test_the_pool_does_not_grow_after_warm_up_over_fifty_steps() -> None:
     m = manager()
-    layers = nn.ModuleList(Layer() for _ in range(4))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 4)
     run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     warm = m.stats(reset=True)
     for _ in range(50):
@@ -324,9 +328,7 @@ def test_a_pipeline_schedule_gets_eager_gradients_uses_every_prefetch_and_restar
 def test_two_forwards_share_a_pass_and_only_a_reverse_order_backward_prefetches_early() -> None:
     # The documented limit, pinned down: micro-batch 1 has windows 0-2, micro-batch 2 has 3-5.
     m = manager()
-    layers = nn.ModuleList(Layer() for _ in range(3))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 3)
     both = [("restore", 5)] + [e for i in range(4, -1, -1)
                                for e in (("prefetch", i), ("prefetch_hit", i))]
     first, second = (run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum()
@@ -348,9 +350,7 @@ def test_forwards_that_never_reach_backward_keep_only_their_live_windows() -> No
     # always alive and no backward begins, so the pass never ends. It must still hold only
     # the live windows (and opening one must not get slower step after step).
     m = manager()
-    layers = nn.ModuleList(Layer() for _ in range(4))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 4)
     out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
     for _ in range(50):
         out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
@@ -398,9 +398,7 @@ def test_a_boundary_nested_in_a_replay_does_not_offload_in_backward(
 
 def test_a_forward_without_backward_and_an_exception_leave_nothing_checked_out() -> None:
     m = manager()
-    layers = nn.ModuleList(Layer() for _ in range(3))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 3)
     out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
     assert m.stats()["host_buffers_in_use"] == 3
     del out
@@ -438,9 +436,7 @@ def test_a_dropped_graph_with_offloaded_frames_returns_its_buffers_without_the_g
     # counting alone must return the host buffers (and the frames' ids) the moment the graph
     # goes. The garbage collector is off to prove it.
     m = manager()
-    layers = nn.ModuleList(Routed() for _ in range(3))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 3, Routed)
     # A first step, so one-time work (torch's lazy imports, with their own cycles) is done.
     run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     gc.collect()
@@ -492,9 +488,7 @@ def test_bad_offload_config_is_refused_with_a_tip() -> None:
 
 def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() -> None:
     m = manager()
-    layers = nn.ModuleList(Layer() for _ in range(3))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 3)
     x = torch.randn(4, 32, requires_grad=True)  # the test keeps x: its offload saves nothing
     with pytree_ckpt.ActivationCensus(layers) as census:
         out = run_stack(layers, x)
@@ -512,9 +506,7 @@ def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() 
 
 def test_a_reservation_up_front_makes_the_first_step_hit_the_pool() -> None:
     m = manager()
-    layers = nn.ModuleList(Layer() for _ in range(4))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 4)
     x = torch.randn(4, 32, requires_grad=True)
     m.pool.reserve([x.untyped_storage().nbytes()] * 4)
     reserved = m.pool.host_bytes
@@ -527,9 +519,7 @@ def test_a_reservation_up_front_makes_the_first_step_hit_the_pool() -> None:
 def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
     m = manager(min_bytes=1 << 20)
-    layers = nn.ModuleList(Layer() for _ in range(3))
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
+    layers = offloaded_stack(m, 3)
     with caplog.at_level("WARNING", logger="offload.manager"):
         for _ in range(3):
             run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
