@@ -98,15 +98,16 @@ class _Copy:
         self.manager = manager
         # Not the window: a copy still in flight must not keep its window (and pass) alive.
         self.seq = window.seq
-        # Where the tensor was produced, the stream that must wait before its memory is freed
-        # (NOTE [copies in flight]); None without streams.
+        # The stream current when the tensor is saved: the one that must wait before its
+        # memory is let go (NOTE [copies in flight]); None without streams.
         self.stream = manager.engine.current_stream()
         self.nbytes = storage.nbytes()
         self.device = tensor.device
         self.version = tensor._version
         self.storage_ref = StorageWeakRef(storage)
         self.host = manager.pool.acquire(self.nbytes)
-        # NOTE [stream rules] 1: we keep the device bytes until the copy's event completes.
+        # NOTE [stream rules] 1: we keep the device bytes until the copy's event completes, or
+        # until ``self.stream`` waits on it.
         self.device_bytes: torch.Tensor | None = torch.empty(
             0, dtype=torch.uint8, device=tensor.device).set_(storage)
         self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
@@ -233,7 +234,7 @@ class Window:
         self.seq = seq  # opening order across passes, for NOTE [copies in flight]
         self.keys = keys  # storage key -> index of the first window tensor on it (None: frames)
         self.name = name
-        # Weak: copies hold their window, not the other way round (no cycle to wait on gc).
+        # Weak: handles hold their window and copy; the window holds no copy (no cycle).
         self.copies: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
             weakref.WeakValueDictionary())
         self.restored = False
