@@ -27,9 +27,9 @@ it. Memory is read in one untimed probe step per configuration: the bytes still 
 forward (what the graph holds for backward; offload's finished copies released first) and the
 step's peak. The probe's gradients are allocated before it starts, as in a steady-state step
 (or under gradient accumulation); gradients set to None instead are created during backward,
-and at this size (each layer's weight gradients are three layer inputs) they would set both
-peaks and hide the activations. With prefetch 1 the peak drop is at best exactly (L-2) layer
-inputs. On CPU the memory columns are empty and the targets are informative only.
+and at this size (each layer's weight gradients are three layer inputs) they would dominate
+both peaks and hide the activations. With prefetch 1 the peak drop is at best exactly (L-2)
+layer inputs. On CPU the memory columns are empty and the targets are informative only.
 """
 
 from __future__ import annotations

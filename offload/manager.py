@@ -238,7 +238,7 @@ class Window:
         self.copies: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
             weakref.WeakValueDictionary())
         self.restored = False
-        self.small: set[tuple[str, int]] = set()  # window storages left alone: below min_bytes
+        self.small: set[tuple[str, int]] = set()  # left alone: below min_bytes, or elsewhere
 
     def describe(self, key: tuple[str, int]) -> str:
         """Where a storage of this window came from, for messages (e.g. ``args[0]``)."""
@@ -271,12 +271,14 @@ class OffloadManager:
         self._counters: dict[str, int] = {}
         self._reset_counters()
         self._warned_nothing = False
+        self._warned_device = False
         self._opened = 0  # windows opened so far, in all passes (NOTE [copies in flight])
 
     # -- statistics --------------------------------------------------------------------------
     def _reset_counters(self) -> None:
         self._counters = {"offloaded_bytes": 0, "restored_bytes": 0, "prefetch_hits": 0,
-                          "alive_elsewhere_bytes": 0, "below_min_bytes": 0, "windows": 0}
+                          "alive_elsewhere_bytes": 0, "below_min_bytes": 0,
+                          "other_device_bytes": 0, "windows": 0}
         self._pool_base = (self.pool.hits, self.pool.misses)
         self.engine.reset_waits()
 
@@ -357,10 +359,13 @@ class OffloadManager:
         pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
 
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, nn.Parameter) or tensor.device != self.device:
+        if isinstance(tensor, nn.Parameter):
             return tensor
         key = storage_key(tensor)
         if key not in window.keys:
+            return tensor
+        if tensor.device != self.device:
+            self._other_device(window, key, tensor)
             return tensor
         nbytes = tensor.untyped_storage().nbytes()
         if nbytes < self.config.min_bytes:
@@ -378,6 +383,21 @@ class OffloadManager:
                 _report_offload(copy, tensor)
             window.copies[key] = copy
         return _Handle(copy, window, key, tensor)
+
+    def _other_device(self, window: Window, key: tuple[str, int], tensor: torch.Tensor) -> None:
+        # Not silent: the usual cause is a manager built (or a default one picked) before
+        # torch.cuda.set_device(local_rank), so every rank but one would offload nothing.
+        if key in window.small:
+            return
+        window.small.add(key)  # counted once per window storage, like the size floor
+        self._counters["other_device_bytes"] += tensor.untyped_storage().nbytes()
+        if not self._warned_device:
+            self._warned_device = True
+            log.warning(
+                "offload is on for %s, but a window's tensors are on %s: they stay there, "
+                "nothing of theirs is offloaded; build the manager with device=%r, or call "
+                "torch.cuda.set_device() before applying checkpointing with offload=True or "
+                "XTUNER_ACTIVATION_OFFLOAD=1", self.device, tensor.device, str(tensor.device))
 
     def offload_into(self, window: Window, tensor: torch.Tensor, /) -> Any:
         """Offload ``tensor`` (not saved by autograd: a replay frame's result) in ``window``.
@@ -461,8 +481,9 @@ _default_lock = threading.Lock()
 def default_manager() -> OffloadManager:
     """The process's manager for ``offload=True`` / XTUNER_ACTIVATION_OFFLOAD=1, one per device.
 
-    It holds no step state of its own: windows and copies live on the autograd graph, and what
-    it keeps across steps is its host pool (the point of a pool) and counters.
+    The device is the current CUDA device when this is called (when checkpointing is
+    applied): call ``torch.cuda.set_device(local_rank)`` first. Windows and copies live on the
+    autograd graph; across steps it keeps its host pool (the point of a pool) and counters.
     """
     device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     with _default_lock:

@@ -111,8 +111,9 @@ def is_checkpointed(module: nn.Module, /) -> bool:
 def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager | None:
     """The manager an ``offload=`` argument means; ``None`` reads XTUNER_ACTIVATION_OFFLOAD.
 
-    ``True`` (or the variable set to 1/true) uses the process's default manager, whose only
-    lasting state is its host pool (see ``offload.default_manager``).
+    ``True`` (or the variable set to 1/true) uses the process's default manager for the
+    current device, chosen now: call ``torch.cuda.set_device`` first (see
+    ``offload.default_manager``).
     """
     from offload import OffloadManager, default_manager, env_flag
 

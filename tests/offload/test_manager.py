@@ -516,6 +516,23 @@ def test_a_reservation_up_front_makes_the_first_step_hit_the_pool() -> None:
     assert stats["host_bytes"] == reserved
 
 
+def test_window_tensors_on_another_device_are_counted_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A manager for another device (built before torch.cuda.set_device, say) offloads
+    # nothing of a model on this one: that must show, not pass silently.
+    m = OffloadManager(OffloadConfig(min_bytes=0), device="meta")
+    layers = offloaded_stack(m, 3)
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        for _ in range(2):
+            run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == 0
+    assert stats["other_device_bytes"] == 2 * 3 * 4 * 32 * 4  # 2 steps x 3 layer inputs
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    assert len(warnings) == 1 and "offload is on for meta" in warnings[0]
+    assert "device='cpu'" in warnings[0] and "set_device" in warnings[0]
+
+
 def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
     m = manager(min_bytes=1 << 20)
