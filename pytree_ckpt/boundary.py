@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -103,14 +103,16 @@ def owning_module(fn: Callable[..., Any]) -> nn.Module | None:
 
 
 _PARAMETER_DICTS = "_pytree_ckpt_parameter_dicts"
+_BUFFER_DICTS = "_pytree_ckpt_buffer_dicts"
 _VERIFIED = "_pytree_ckpt_verified"
-# Bumped whenever any module gets a submodule (torch's global registration hook, installed at
-# the first boundary call): cached parameter lists and verifications older than it are stale.
+# Bumped whenever any module gets a submodule or a buffer (torch's global registration hooks,
+# installed at the first boundary call): cached parameter and buffer dicts and verifications
+# older than it are stale.
 _structure_generation = 0
 _hook_installed = False
 
 
-def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
+def _bump_generation(module: nn.Module, name: str, value: Any) -> None:
     global _structure_generation
     _structure_generation += 1
 
@@ -119,6 +121,7 @@ def _watch_module_structure() -> None:
     global _hook_installed
     if not _hook_installed:
         nn.modules.module.register_module_module_registration_hook(_bump_generation)
+        nn.modules.module.register_module_buffer_registration_hook(_bump_generation)
         _hook_installed = True
 
 
@@ -142,6 +145,31 @@ def trainable_parameters(modules: list[nn.Module], skip: set[int]) -> list[torch
                     skip.add(id(param))
                     found.append(param)
     return found
+
+
+def module_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers of ``module`` and its submodules, read now from cached ``_buffers`` dicts
+    (only the non-empty ones: registering a buffer bumps the structure generation)."""
+    _watch_module_structure()
+    cached = module.__dict__.get(_BUFFER_DICTS)
+    if cached is None or cached[0] != _structure_generation:
+        cached = (_structure_generation, tuple(m._buffers for m in module.modules() if m._buffers))
+        module.__dict__[_BUFFER_DICTS] = cached
+    return [b for buffers in cached[1] for b in buffers.values() if b is not None]
+
+
+def _returned_as_is(call: _Call, inputs: tuple[torch.Tensor, ...],
+                    outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Outputs that are inputs or module buffers requiring no grad, returned as they are.
+
+    NOTE [outputs made before the call], continued: eager hands such a tensor back untouched.
+    Marked non-differentiable it stays so: autograd neither gives it this node nor makes it
+    require grad (a buffer would otherwise join every step's graph, and keep it alive).
+    """
+    known = {id(t) for t in inputs if not t.requires_grad}
+    if call.owner is not None:
+        known.update(id(b) for b in module_buffers(call.owner))
+    return [t for t in outputs if id(t) in known and not t.requires_grad]
 
 
 def _foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
@@ -169,7 +197,7 @@ class _Call:
 
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
-                 "out_meta", "frame", "env", "original_call", "reported")
+                 "out_meta", "frame", "env", "original_call", "reported", "as_is")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -192,6 +220,9 @@ class _Call:
         # the very containers it was given, as in eager; the replay gets rebuilt containers.
         self.original_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.reported = False  # an ActivationCensus watches this call's frame
+        # Inputs the original pass returned as they are, by output position; for run_boundary
+        # only (then dropped).
+        self.as_is: list[tuple[int, torch.Tensor]] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -200,7 +231,7 @@ class _Call:
         args, kwargs = unflatten(self.in_spec, leaves)
         return args, kwargs
 
-    def outputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+    def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.out_leaves)
         for index, tensor in zip(self.out_tensor_index, tensors):
             leaves[index] = tensor
@@ -294,6 +325,7 @@ class _BoundaryFunction(torch.autograd.Function):
         # It leaves as an alias instead. Inputs returned as they are, autograd aliases itself.
         out_tensors = tuple(t.view_as(t) if t.requires_grad else t
                             for t in (flat.leaves[i] for i in flat.tensor_index))
+        as_is = _returned_as_is(call, tensors, out_tensors)
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
         call.out_meta = [(t.shape, t.dtype) for t in out_tensors]
@@ -301,8 +333,12 @@ class _BoundaryFunction(torch.autograd.Function):
         for index in flat.tensor_index:
             call.out_leaves[index] = None
         frozen = [t for t in out_tensors if not (t.is_floating_point() or t.is_complex())]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
+        if frozen or as_is:
+            ctx.mark_non_differentiable(*frozen, *as_is)
+        # Autograd returns an input as a view of it even so: the caller gets the input itself.
+        if as_is:
+            call.as_is = [(k, t) for k, t in enumerate(out_tensors)
+                          if any(t is x for x in as_is) and any(t is x for x in tensors)]
         if census_active():
             call.reported = True
             report_held(tensors, Mechanism.BOUNDARY, holder=call.frame)
@@ -450,6 +486,11 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
         if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
             call.frame.offload(functools.partial(manager.offload_into, window), manager.restore)
+    if call.as_is:
+        out_tensors = list(out_tensors)
+        for position, tensor in call.as_is:
+            out_tensors[position] = tensor
+        call.as_is = None
     return call.outputs(out_tensors)
 
 

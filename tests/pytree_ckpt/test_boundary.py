@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import warnings
 from typing import Any, TypedDict
@@ -330,6 +331,36 @@ def test_a_parameter_returned_as_it_is_stays_a_leaf_and_gets_its_eager_gradient(
     assert lin.weight.is_leaf and lin.weight.grad_fn is None  # not taken over by the node
     loss_of(out).backward()
     assert_same_grads(eager, [lin.weight.grad, lin.bias.grad, x.grad])
+
+
+class PassesThrough(nn.Module):
+    """Returns its mask input and its own buffer along with what it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("freqs", torch.randn(4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": self.lin(x) * mask + self.freqs, "mask": mask, "freqs": self.freqs}
+
+
+def test_inputs_and_buffers_returned_as_they_are_come_back_untouched_as_in_eager() -> None:
+    # Autograd would give such a tensor this node (a buffer would join every step's graph and
+    # keep it alive) and make it require grad; eager hands it back untouched.
+    layer = PassesThrough()
+    twin = copy.deepcopy(layer)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    x, mask = torch.randn(2, 4, requires_grad=True), torch.ones(2, 4)
+    for model in (layer, twin):
+        out = model(x, mask)
+        assert out["mask"] is mask and out["freqs"] is model.freqs
+        assert not model.freqs.requires_grad and model.freqs.grad_fn is None
+        assert not out["mask"].requires_grad
+        (out["h"].square().sum() + (out["freqs"] * out["mask"]).sum()).backward()
+    assert_same_grads([p.grad for p in layer.parameters()], [p.grad for p in twin.parameters()])
+    twin.freqs = torch.zeros(4)  # reassigned: the new buffer is recognised too
+    assert twin(x, mask)["freqs"] is twin.freqs and twin.freqs.grad_fn is None
 
 
 def test_autograd_grad_through_a_module_boundary_gives_eager_results() -> None:
