@@ -105,28 +105,38 @@ def owning_module(fn: Callable[..., Any]) -> nn.Module | None:
 _PARAMETER_DICTS = "_pytree_ckpt_parameter_dicts"
 _BUFFER_DICTS = "_pytree_ckpt_buffer_dicts"
 _VERIFIED = "_pytree_ckpt_verified"
-# Bumped whenever any module gets a submodule or a buffer (torch's global registration hooks,
-# installed at the first boundary call): cached parameter and buffer dicts and verifications
-# older than it are stale.
+# Bumped whenever any module gets a submodule (torch's global registration hook, installed at
+# the first boundary call): cached parameter dicts and verifications older than it are stale.
 _structure_generation = 0
+# Bumped when a module gets a buffer under a new name (reassigning one is read live from the
+# cached dicts, and steps that do so must not invalidate every cache): cached buffer dicts.
+_buffer_generation = 0
 _hook_installed = False
 
 
-def _bump_generation(module: nn.Module, name: str, value: Any) -> None:
+def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     global _structure_generation
     _structure_generation += 1
+
+
+def _bump_buffer_generation(module: nn.Module, name: str, buffer: Any) -> None:
+    global _buffer_generation
+    if name not in module._buffers:
+        _buffer_generation += 1
 
 
 def _watch_module_structure() -> None:
     global _hook_installed
     if not _hook_installed:
         nn.modules.module.register_module_module_registration_hook(_bump_generation)
-        nn.modules.module.register_module_buffer_registration_hook(_bump_generation)
+        nn.modules.module.register_module_buffer_registration_hook(_bump_buffer_generation)
         _hook_installed = True
 
 
-def trainable_parameters(modules: list[nn.Module], skip: set[int]) -> list[torch.Tensor]:
-    """The trainable parameters of ``modules`` (deduplicated, without ids in ``skip``).
+def trainable_parameters(modules: list[nn.Module], skip: set[int], *,
+                         frozen: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The trainable parameters of ``modules`` (deduplicated, without ids in ``skip``); the
+    frozen ones go to ``frozen`` when given.
 
     Each module caches the ``_parameters`` dicts of its submodules (dicts, not modules: no
     reference cycle); reading them per call picks up parameters swapped in place (FSDP2), and
@@ -141,35 +151,44 @@ def trainable_parameters(modules: list[nn.Module], skip: set[int]) -> list[torch
             module.__dict__[_PARAMETER_DICTS] = cached
         for params in cached[1]:
             for param in params.values():
-                if param is not None and param.requires_grad and id(param) not in skip:
+                if param is None or id(param) in skip:
+                    continue
+                if param.requires_grad:
                     skip.add(id(param))
                     found.append(param)
+                elif frozen is not None:
+                    frozen.append(param)
     return found
 
 
-def module_buffers(module: nn.Module) -> list[torch.Tensor]:
+def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
     """The buffers of ``module`` and its submodules, read now from cached ``_buffers`` dicts
-    (only the non-empty ones: registering a buffer bumps the structure generation)."""
+    (only the non-empty ones: a buffer under a new name invalidates the cache)."""
     _watch_module_structure()
+    key = (_structure_generation, _buffer_generation)
     cached = module.__dict__.get(_BUFFER_DICTS)
-    if cached is None or cached[0] != _structure_generation:
-        cached = (_structure_generation, tuple(m._buffers for m in module.modules() if m._buffers))
+    if cached is None or cached[0] != key:
+        cached = (key, tuple(m._buffers for m in module.modules() if m._buffers))
         module.__dict__[_BUFFER_DICTS] = cached
     return [b for buffers in cached[1] for b in buffers.values() if b is not None]
 
 
-def _returned_as_is(call: _Call, inputs: tuple[torch.Tensor, ...],
+def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor, ...],
                     outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """Outputs that are inputs or module buffers requiring no grad, returned as they are.
+    """Outputs that existed before the call and require no grad: inputs, and the frozen
+    parameters and buffers in ``before`` (taken before ``fn`` ran).
 
     NOTE [outputs made before the call], continued: eager hands such a tensor back untouched.
     Marked non-differentiable it stays so: autograd neither gives it this node nor makes it
-    require grad (a buffer would otherwise join every step's graph, and keep it alive).
+    require grad (a buffer would otherwise join every step's graph, and keep it alive). The
+    snapshot must predate ``fn``: a result ``fn`` stores into a buffer slot and returns is
+    fresh, and needs its gradient.
     """
-    known = {id(t) for t in inputs if not t.requires_grad}
-    if call.owner is not None:
-        known.update(id(b) for b in module_buffers(call.owner))
-    return [t for t in outputs if id(t) in known and not t.requires_grad]
+    as_is = []
+    for t in outputs:
+        if not t.requires_grad and (before.get(id(t)) is t or any(t is x for x in inputs)):
+            as_is.append(t)
+    return as_is
 
 
 def _foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
@@ -197,7 +216,7 @@ class _Call:
 
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
-                 "out_meta", "frame", "env", "original_call", "reported", "as_is")
+                 "out_meta", "frame", "env", "original_call", "reported", "before", "as_is")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -220,6 +239,8 @@ class _Call:
         # the very containers it was given, as in eager; the replay gets rebuilt containers.
         self.original_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.reported = False  # an ActivationCensus watches this call's frame
+        # Frozen parameters and buffers by id, taken before fn runs; for the original pass only.
+        self.before: dict[int, torch.Tensor] | None = None
         # Inputs the original pass returned as they are, by output position; for run_boundary
         # only (then dropped).
         self.as_is: list[tuple[int, torch.Tensor]] | None = None
@@ -325,7 +346,8 @@ class _BoundaryFunction(torch.autograd.Function):
         # It leaves as an alias instead. Inputs returned as they are, autograd aliases itself.
         out_tensors = tuple(t.view_as(t) if t.requires_grad else t
                             for t in (flat.leaves[i] for i in flat.tensor_index))
-        as_is = _returned_as_is(call, tensors, out_tensors)
+        as_is = _returned_as_is(call.before or {}, tensors, out_tensors)
+        call.before = None
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
         call.out_meta = [(t.shape, t.dtype) for t in out_tensors]
@@ -392,6 +414,8 @@ class _BoundaryFunction(torch.autograd.Function):
         outs, grads = [], []
         for index, grad in zip(flat.tensor_index, grad_outputs):
             out = flat.leaves[index]
+            if out.grad_fn is ctx:
+                _raise_attached_to_outside_tensor(call, flat.spec, index)
             if grad is not None and out.requires_grad:
                 outs.append(out)
                 grads.append(grad)
@@ -416,6 +440,21 @@ class _BoundaryFunction(torch.autograd.Function):
             for i, grad in zip(wanted, got):
                 result[i] = grad
         return (None, None, *result)
+
+
+def _raise_attached_to_outside_tensor(call: _Call, spec: Any, index: int) -> None:
+    # NOTE [outputs made before the call]: a tensor from outside that requires no grad and is
+    # neither an input nor known to belong to the module cannot be told from a fresh result;
+    # autograd gave it this node. The replay returns the very same tensor, still carrying this
+    # node: backpropagating through it would re-enter this backward without end.
+    path = leaf_paths(spec, root="output")[index]
+    raise CheckpointError(
+        f"{path} of {_fn_name(call.fn)} is a tensor from outside the call (not computed by it, "
+        "not one of its inputs), and the boundary attached itself to it",
+        expected="tensors computed by fn, its inputs, or buffers and parameters of the module "
+                 "fn belongs to", got="the same outside tensor, returned again by the replay",
+        tip="return a clone (t.clone()) of it, or checkpoint the module itself "
+            "(pytree_ckpt.checkpoint(module, ...)) so its buffers are known")
 
 
 def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
@@ -456,9 +495,12 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         leaves[index] = None
     owner = owner if owner is not None else owning_module(fn)
     params: list[torch.Tensor] | None = None
+    before: list[torch.Tensor] = []  # frozen parameters and buffers, as they are before fn
     if owner is not None:
         modules = [owner, *(leaf for leaf in leaves if isinstance(leaf, nn.Module))]
-        params = trainable_parameters(modules, set(seen))
+        params = trainable_parameters(modules, set(seen), frozen=before)
+        for module in modules:
+            before.extend(module_buffers(module))
     anchor = None
     if not params and not any(t.requires_grad for t in unique):
         if params is not None:  # a module with nothing trainable: nothing to replay for
@@ -469,6 +511,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     call.n_inputs = len(unique)
     call.params = params
     call.owner = owner
+    call.before = {id(t): t for t in before} if before else None
     inputs = unique if not params else [*unique, *params]
     active = ACTIVE.get()
     if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):

@@ -174,6 +174,7 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     A no-op on an unwrapped module; methods wrapped by a save unit are restored too.
     """
     module.__dict__.pop("_pytree_ckpt_parameter_dicts", None)
+    module.__dict__.pop("_pytree_ckpt_buffer_dicts", None)
     module.__dict__.pop("_pytree_ckpt_verified", None)
     for sub in module.modules():  # methods a save unit wrapped (KeptCallables)
         for name in [n for n, v in sub.__dict__.items() if getattr(v, "_pytree_ckpt_kept", False)]:

@@ -363,6 +363,63 @@ def test_inputs_and_buffers_returned_as_they_are_come_back_untouched_as_in_eager
     assert twin(x, mask)["freqs"] is twin.freqs and twin.freqs.grad_fn is None
 
 
+class Caches(nn.Module):
+    """Stores a fresh result in a buffer slot and returns it, and returns a frozen weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
+        self.register_buffer("last", None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.lin(x)
+        self.last = h.tanh()
+        return h, self.last, self.frozen
+
+
+def test_a_result_stored_in_a_buffer_slot_keeps_its_gradient_and_a_frozen_weight_stays() -> None:
+    # What counts as "made before the call" is taken before fn runs: a buffer slot that fn
+    # fills with a fresh result is fresh, and needs its gradient.
+    torch.manual_seed(0)
+    layer = Caches()
+    twin = copy.deepcopy(layer)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    x = torch.randn(2, 4, requires_grad=True)
+    for model in (layer, twin):
+        h, last, frozen = model(x)
+        assert last.requires_grad and frozen is model.frozen and frozen.grad_fn is None
+        (h.sum() + last.square().sum() + (frozen * h).sum()).backward()
+    assert_same_grads([layer.lin.weight.grad, layer.lin.bias.grad],
+                      [twin.lin.weight.grad, twin.lin.bias.grad])
+
+
+def test_reassigning_a_buffer_every_step_keeps_the_boundarys_caches() -> None:
+    from pytree_ckpt import boundary
+
+    layer = pytree_ckpt.apply_activation_checkpointing(PassesThrough())
+    x, mask = torch.randn(2, 4, requires_grad=True), torch.ones(2, 4)
+    layer(x, mask)["h"].sum().backward()
+    generations = (boundary._structure_generation, boundary._buffer_generation)
+    for step in range(3):
+        layer.freqs = torch.full((4,), float(step))  # a step counter, a RoPE cache refreshed
+        out = layer(x, mask)
+        assert out["freqs"] is layer.freqs
+        out["h"].sum().backward()
+    assert (boundary._structure_generation, boundary._buffer_generation) == generations
+
+
+def test_an_outside_tensor_returned_by_a_plain_callable_is_refused_in_backward() -> None:
+    # Not a module's: the boundary cannot tell it from a fresh result, and attaches itself to
+    # it. Backpropagating through it would re-enter the same backward without end.
+    constant = torch.randn(3)
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(lambda a: {"y": a * 2, "c": constant}, x)
+    with pytest.raises(CheckpointError, match=r"output\['c'\] of \S*<lambda> is a tensor from "
+                                              r"outside the call(?s:.*)clone"):
+        (out["y"].sum() + out["c"].sum()).backward()
+
+
 def test_autograd_grad_through_a_module_boundary_gives_eager_results() -> None:
     lin = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
     x = torch.randn(4, 3, requires_grad=True)
