@@ -323,7 +323,7 @@ class OffloadManager:
             if self.engine.done(copy.d2h_event):
                 copy.drop_device_copy()
             elif force_before is not None and copy.seq < force_before:
-                # Stream rule 1: the producing stream, which owns the memory, waits.
+                # Stream rule 1: the stream current at the save, which owns the memory, waits.
                 self.engine.wait(copy.d2h_event, stream=copy.stream)
                 copy.drop_device_copy()
             else:

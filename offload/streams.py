@@ -6,8 +6,9 @@ NOTE [stream rules]:
    must stay alive until that event completes, or until ``wait(event, stream=...)`` has put
    the stream that was current when the tensor was saved behind it (the caching allocator
    could otherwise hand the memory to a new tensor while the copy still reads it; the memory
-   belongs to that stream, whose later kernels are ordered after the copy). The manager drops its reference on
-   ``done(event)``, or after ``wait(event)`` two windows later (NOTE [copies in flight]).
+   belongs to that stream, whose later kernels are ordered after the copy). The manager drops
+   its reference on ``done(event)``, or after ``wait(event)`` two windows later (NOTE [copies
+   in flight]).
 2. Host-to-device: the destination is allocated on the compute stream, the h2d stream waits for
    the compute stream (the allocation is ordered) and for the d2h event (the host copy is
    complete), copies, and records an event; ``record_stream`` tells the allocator the buffer is
