@@ -14,25 +14,10 @@ from torch import nn
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import checkpoint_layers
 from tests.conftest import assert_same_grads
+from tests.offload.blocks import Block, stack
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.nn.functional.gelu(self.up(h)))
-
-
-def stack(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        x = layer(x)
-    return x
 
 
 def test_host_buffers_are_pinned_and_copies_run_on_side_streams() -> None:

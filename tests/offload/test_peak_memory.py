@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from pytree_ckpt import checkpoint_layers
+from tests.offload.blocks import Block, stack
 from tests.offload.simulated import simulated
 
 
@@ -52,23 +53,13 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-class Layer(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.nn.functional.gelu(self.up(h)))
-
-
 def test_with_the_device_lagging_the_peak_drops_by_all_but_two_layer_inputs() -> None:
     # All but the one being recomputed and the one prefetched; with prefetch 1 that is also
     # the best possible, so the bound is tight by design.
     torch.manual_seed(0)
     num_layers, tokens, width = 8, 256, 64
     input_bytes = tokens * width * 4
-    layers = nn.ModuleList(Layer(width) for _ in range(num_layers))
+    layers = nn.ModuleList(Block(width) for _ in range(num_layers))
     plain = copy.deepcopy(layers)
     checkpoint_layers(plain, offload=False)
     offloaded = copy.deepcopy(layers)
@@ -80,11 +71,9 @@ def test_with_the_device_lagging_the_peak_drops_by_all_but_two_layer_inputs() ->
         for t in [x, *model.parameters()]:  # a steady-state step: gradients already exist
             t.grad = torch.zeros_like(t)
         with LiveBytes() as live:
-            h = x.clone()  # the first input: only the graph holds it, as an embedding output
-            for layer in model:
-                h = layer(h)
-            h.square().sum().backward()  # a real gradient into the last layer
-            del h
+            # The clone: a first input only the graph holds, as an embedding output; square:
+            # a real gradient into the last layer.
+            stack(model, x.clone()).square().sum().backward()
         return live.peak
 
     peak(offloaded)  # warm the host pool: no host buffer is allocated in the measured step
