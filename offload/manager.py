@@ -126,16 +126,30 @@ class _Copy:
     def drop_device_copy(self) -> None:
         if self.device_bytes is None:
             return
+        reused = self.restored is self.device_bytes  # backward holds it now, not "elsewhere"
         self.device_bytes = None
-        if not self.storage_ref.expired():
+        if not reused and not self.storage_ref.expired():
             self.manager._counters["alive_elsewhere_bytes"] += self.nbytes
             log.debug("offloaded storage of %d bytes is still alive elsewhere", self.nbytes)
 
     def restore(self) -> None:
-        if self.restored is None:
-            self.restored, self.h2d_event = self.manager.engine.to_device(
-                self.host, self.nbytes, self.d2h_event)
-            self.manager._counters["restored_bytes"] += self.nbytes
+        if self.restored is not None:
+            return
+        counters = self.manager._counters
+        counters["restored_bytes"] += self.nbytes
+        if self.device_bytes is not None:
+            # NOTE [reuse at the turn]: the device bytes were not let go yet (the last
+            # windows of a forward, at backward's first restore): backward takes them as they
+            # are, with no copy back. They are the saved tensor's own storage, unmodified
+            # (``_Handle.check_unmodified``), exactly what eager autograd would read; the copy
+            # to host may still be reading them too, which is harmless. The manager lets go of
+            # its reference as for any copy in flight, after the saving stream waited on the
+            # copy to host (stream rule 1), so the memory is reused only after that copy.
+            self.restored = self.device_bytes
+            counters["reused_bytes"] += self.nbytes
+            return
+        self.restored, self.h2d_event = self.manager.engine.to_device(
+            self.host, self.nbytes, self.d2h_event)
 
     def __del__(self) -> None:
         # The last handle is gone: the host buffer goes back with the last copy that used it.
@@ -276,7 +290,8 @@ class OffloadManager:
 
     # -- statistics --------------------------------------------------------------------------
     def _reset_counters(self) -> None:
-        self._counters = {"offloaded_bytes": 0, "restored_bytes": 0, "prefetch_hits": 0,
+        self._counters = {"offloaded_bytes": 0, "restored_bytes": 0, "reused_bytes": 0,
+                          "prefetch_hits": 0,
                           "alive_elsewhere_bytes": 0, "below_min_bytes": 0,
                           "other_device_bytes": 0, "windows": 0}
         self._pool_base = (self.pool.hits, self.pool.misses)
@@ -304,7 +319,8 @@ class OffloadManager:
         return list(self._recent.events)
 
     # -- forward -----------------------------------------------------------------------------
-    def _collect_finished(self, *, force_before: int | None = None) -> None:
+    def _collect_finished(self, *, force_before: int | None = None,
+                          keep: Sequence[Window] = ()) -> None:
         """Let go of device tensors whose copy to host completed, and of those from windows
         opened before ``force_before``, once the compute stream waits for their copy.
 
@@ -316,11 +332,15 @@ class OffloadManager:
         event; the freed memory belongs to that stream, so the allocator reuses it only for
         kernels ordered after the wait. The copy of window ``k`` overlaps window ``k+1``'s
         compute; window ``k+2`` waits for it. Backward's first restore releases every copy
-        still in flight the same way.
+        still in flight the same way, those of the windows it restores now (``keep``) last:
+        it reuses their device bytes (NOTE [reuse at the turn]).
         """
+        kept = {id(copy) for window in keep for copy in window.copies.values()}
         still = []
         for copy in self._pending:
-            if self.engine.done(copy.d2h_event):
+            if id(copy) in kept:
+                still.append(copy)
+            elif self.engine.done(copy.d2h_event):
                 copy.drop_device_copy()
             elif force_before is not None and copy.seq < force_before:
                 # Stream rule 1: the stream current at the save, which owns the memory, waits.
@@ -445,33 +465,49 @@ class OffloadManager:
         if not isinstance(packed, _Handle):
             return packed
         packed.check_unmodified()
-        if self._pending:  # backward began: nothing from forward stays on the device
-            self._collect_finished(force_before=self._opened)
         copy = packed.copy
         window = packed.window  # not copy.window: a shared copy may come from an earlier one
         pass_ = window.pass_
-        if not window.restored:
+        # The first unpack from a window restores it, or records that a prefetch did; either
+        # way backward has moved on to it, so the windows before it are prefetched.
+        restore_now = not window.restored
+        moved_on = restore_now or window.id in pass_.prefetched
+        if restore_now:
             pass_.backward = True
             self._recent = pass_
-            self._restore_window(window, kind="restore")
-            self._prefetch_before(window)
-        elif window.id in pass_.prefetched:
+        elif moved_on:
             pass_.prefetched.discard(window.id)
             pass_.events.append(("prefetch_hit", window.id))
             self._counters["prefetch_hits"] += 1
-            self._prefetch_before(window)
+        ahead = self._prefetch_targets(window) if moved_on else []
+        # Backward began: nothing from forward stays on the device, but what is restored now
+        # reuses the device bytes still held for it (NOTE [reuse at the turn]). The rest is
+        # let go first, before any restore allocates; the reused ones once restored.
+        if self._pending:
+            self._collect_finished(force_before=self._opened,
+                                   keep=[window, *ahead] if restore_now else ahead)
+        if restore_now:
+            self._restore_window(window, kind="restore")
+        for earlier in ahead:
+            self._restore_window(earlier, kind="prefetch")
+        if self._pending:
+            self._collect_finished(force_before=self._opened)
         copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
         self.engine.wait(copy.h2d_event)
         assert copy.restored is not None
         return torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
             copy.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
 
-    def _prefetch_before(self, window: Window) -> None:
+    def _prefetch_targets(self, window: Window) -> list[Window]:
+        """The windows before ``window`` to restore now, nearest first (backward needs it
+        first): up to ``prefetch`` ids back, those of its pass alive and not restored yet."""
         windows = window.pass_.windows
+        targets = []
         for earlier_id in range(window.id - 1, max(window.id - self.config.prefetch, 0) - 1, -1):
-            earlier = windows.get(earlier_id)  # nearest first: backward needs it first
+            earlier = windows.get(earlier_id)
             if earlier is not None and not earlier.restored:
-                self._restore_window(earlier, kind="prefetch")
+                targets.append(earlier)
+        return targets
 
 
 _default_managers: dict[str, OffloadManager] = {}

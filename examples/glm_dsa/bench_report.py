@@ -128,7 +128,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             notes.append(
                 f"{row['label']}: per step the manager offloaded "
                 f"{format_bytes(int(last['offloaded_bytes']))} in {int(last['windows'])} windows, "
-                f"restored {format_bytes(int(last['restored_bytes']))}, "
+                f"restored {format_bytes(int(last['restored_bytes']))} "
+                f"({format_bytes(int(last['reused_bytes']))} of it without a copy back), "
                 f"{int(last['prefetch_hits'])} prefetch hits; it counted "
                 f"{format_bytes(int(last['alive_elsewhere_bytes']))} as alive elsewhere when it "
                 f"let go of them; host pool {format_bytes(int(last['host_bytes']))}, "

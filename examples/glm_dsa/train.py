@@ -151,7 +151,8 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
         if manager is not None:
             stats = manager.stats(reset=True)
             say(f"  offload: {int(stats['offloaded_bytes'])} bytes to host in "
-                f"{int(stats['windows'])} windows, {int(stats['restored_bytes'])} restored, "
+                f"{int(stats['windows'])} windows, {int(stats['restored_bytes'])} restored "
+                f"({int(stats['reused_bytes'])} without a copy back), "
                 f"{int(stats['alive_elsewhere_bytes'])} alive elsewhere")
     return losses
 

@@ -42,11 +42,14 @@ def test_offload_gives_bit_identical_gradients_on_cuda() -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(Block(256) for _ in range(6)).cuda()
     twin = copy.deepcopy(layers)
-    checkpoint_layers(twin, offload=OffloadManager(OffloadConfig(min_bytes=0), device="cuda"))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
+    checkpoint_layers(twin, offload=manager)
     x = torch.randn(512, 256, device="cuda", requires_grad=True)
     for model in (layers, twin):
         stack(model, x).square().mean().backward()
     assert_same_grads([p.grad for p in layers.parameters()], [p.grad for p in twin.parameters()])
+    stats = manager.stats()  # both paths ran: copies back, and NOTE [reuse at the turn]
+    assert stats["restored_bytes"] > stats["reused_bytes"] > 0
 
 
 def test_peak_memory_drops_by_all_but_two_layer_inputs_with_the_host_far_ahead() -> None:
@@ -100,7 +103,12 @@ def test_the_copy_to_host_waits_for_the_kernel_that_produces_the_tensor() -> Non
     with manager.window([h]):
         loss = (h * h).sum()
     del h
+    for _ in range(2):  # two more windows: the manager lets go of h's device bytes, so
+        with manager.window([]):  # backward must copy them back (no NOTE [reuse at the turn])
+            pass
     loss.backward()
+    stats = manager.stats()
+    assert stats["reused_bytes"] == 0 and stats["restored_bytes"] == x.nbytes
     assert torch.equal(x.grad, 8 * x.detach())  # d(4x^2)/dx, from the restored bytes
 
 
@@ -113,8 +121,10 @@ def test_a_restored_tensor_is_not_read_before_its_copy_lands() -> None:
         loss = (h * h).sum()
     del h
     torch.cuda.synchronize()
+    manager.stats()  # the copy landed: the manager lets go of h, backward must copy it back
     torch.cuda._sleep(200_000_000)  # the compute stream is busy while the restore is issued
     loss.backward()
+    assert manager.stats()["reused_bytes"] == 0
     got = x.grad.clone()
     x.grad = None
     h = x * 3

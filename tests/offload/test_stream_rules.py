@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt import checkpoint_layers
 from tests.conftest import assert_same_grads
+from offload import OffloadConfig, OffloadManager
 from tests.offload.simulated import SimulatedStreams, simulated
 
 
@@ -93,9 +94,11 @@ def test_a_host_running_ahead_holds_device_tensors_of_the_last_two_windows_at_mo
     x = torch.randn(8, 32, requires_grad=True)
     inputs: list[StorageWeakRef] = []  # of layers 1-5
     seen_in_backward: list[list[bool]] = []
+    copies_waited_for: list[int] = []
 
     def after_first_restore() -> None:  # runs once layer 5's backward (the first) is done
         seen_in_backward.append([ref.expired() for ref in inputs])
+        copies_waited_for.append(sum(1 for w in streams.waits if w[0] == "d2h"))
 
     h = x
     for index, layer in enumerate(layers):
@@ -111,13 +114,59 @@ def test_a_host_running_ahead_holds_device_tensors_of_the_last_two_windows_at_mo
     assert [ref.expired() for ref in inputs[:5]] == [True, True, True, False, False]
     assert streams.queues["d2h"] != []  # their copies really are still queued
     out.backward()
-    # Backward's first restore released both (waiting for their copies), not only the window
-    # it restored: the checkpoint right after it sees neither.
-    assert seen_in_backward == [[True] * 6]
+    # Backward's first restore took both as they were (NOTE [reuse at the turn]): window 5 for
+    # layer 5, window 4 as the prefetch for layer 4, which the checkpoint right after layer 5's
+    # backward still sees alive; the manager let go of both once the compute stream waited for
+    # their copies to host.
+    assert seen_in_backward == [[True, True, True, False, True, True]]
+    assert copies_waited_for == [6]  # windows 0-3 in forward, 4 and 5 at the first restore
     # Layer 0's input is still alive elsewhere (the test holds it): that copy saved nothing.
     assert manager.stats()["alive_elsewhere_bytes"] == x.untyped_storage().nbytes()
     streams.finish()
     assert streams.violations == []
+
+
+@pytest.mark.parametrize("device_keeps_up", [False, True])
+def test_backward_reuses_the_device_bytes_it_still_holds_instead_of_copying_them_back(
+        device_keeps_up: bool) -> None:
+    # With the host far ahead the manager still holds the last two windows' device tensors
+    # when backward begins; with every copy landed at once (the real engine on CPU) only the
+    # last window's, released one window late. Those come back with no copy to the device;
+    # everything else is copied back from host, and the gradients are exact either way.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(6))
+    model = copy.deepcopy(eager)
+    if device_keeps_up:
+        manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+        copies_back = count_calls(manager.engine, "to_device")
+    else:
+        manager, streams = simulated(None)
+        copies_back = count_calls(streams, "to_device")
+    checkpoint_layers(model, offload=manager)
+    x = torch.randn(8, 32)
+    expected = stack_grads(eager, x.clone().requires_grad_())
+    got = stack_grads(model, x.clone().requires_grad_())
+    assert_same_grads(expected, got)
+    held = 1 if device_keeps_up else 2
+    stats = manager.stats()
+    window_bytes = 8 * 32 * 4
+    assert stats["restored_bytes"] == stats["offloaded_bytes"] == 6 * window_bytes
+    assert stats["reused_bytes"] == held * window_bytes
+    assert copies_back == [6 - held]
+    # Window 0's input is the test's leaf, alive elsewhere; the reused ones are not counted.
+    assert stats["alive_elsewhere_bytes"] == window_bytes
+
+
+def count_calls(obj: Any, name: str) -> list[int]:
+    """Wrap ``obj.name`` to count its calls; the one-element list holds the count."""
+    count = [0]
+    method = getattr(obj, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return method(*args, **kwargs)
+    setattr(obj, name, counted)
+    return count
 
 
 def test_a_graph_dropped_with_copies_in_flight_ends_its_pass() -> None:
