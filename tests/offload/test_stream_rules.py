@@ -157,6 +157,40 @@ def test_backward_reuses_the_device_bytes_it_still_holds_instead_of_copying_them
     assert stats["alive_elsewhere_bytes"] == window_bytes
 
 
+def test_copies_of_another_micro_batch_are_let_go_before_backward_copies_anything_back() -> None:
+    # One forward, one backward, the host far ahead: when micro-batch 0's backward begins, the
+    # manager holds micro-batch 1's last two layer inputs (its copies are still queued). They
+    # are let go before the first copy back allocates device memory, or the peak would rise.
+    manager, streams = simulated(None)
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    checkpoint_layers(layers, offload=manager)
+    inputs_of_1: list[StorageWeakRef] = []
+
+    def micro_batch(record: bool) -> torch.Tensor:
+        h = torch.randn(8, 32, requires_grad=True)
+        for layer in layers:
+            if record:
+                inputs_of_1.append(StorageWeakRef(h.untyped_storage()))
+            h = layer(h)
+        return h.sum()
+
+    loss0 = micro_batch(False)
+    loss1 = micro_batch(True)
+    assert [ref.expired() for ref in inputs_of_1[1:]] == [True, False, False]  # 0: the leaf
+    alive_at_copies_back: list[list[bool]] = []
+    to_device = streams.to_device
+
+    def recording(*args: Any) -> Any:
+        alive_at_copies_back.append([not ref.expired() for ref in inputs_of_1[1:]])
+        return to_device(*args)
+    streams.to_device = recording  # type: ignore[method-assign]
+    loss0.backward()
+    assert alive_at_copies_back and not any(any(alive) for alive in alive_at_copies_back)
+    loss1.backward()
+    streams.finish()
+    assert streams.violations == []
+
+
 def count_calls(obj: Any, name: str) -> list[int]:
     """Wrap ``obj.name`` to count its calls; the one-element list holds the count."""
     count = [0]
