@@ -90,8 +90,8 @@ class _Copy:
     """One window storage copied to host; shared by every handle on that storage."""
 
     __slots__ = ("manager", "seq", "stream", "host", "nbytes", "device", "version",
-                 "storage_ref", "device_bytes", "d2h_event", "restored", "h2d_event",
-                 "host_holder", "__weakref__")
+                 "storage_ref", "data_ptr", "device_bytes", "d2h_event", "restored", "reused",
+                 "h2d_event", "host_holder", "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -105,6 +105,7 @@ class _Copy:
         self.device = tensor.device
         self.version = tensor._version
         self.storage_ref = StorageWeakRef(storage)
+        self.data_ptr = storage.data_ptr()
         self.host = manager.pool.acquire(self.nbytes)
         # NOTE [stream rules] 1: we keep the device bytes until the copy's event completes, or
         # until ``self.stream`` waits on it.
@@ -112,6 +113,7 @@ class _Copy:
             0, dtype=torch.uint8, device=tensor.device).set_(storage)
         self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
         self.restored: torch.Tensor | None = None
+        self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
         self.h2d_event: Any = None
         self.host_holder = _HostHolder()  # lives exactly as long as this copy (for the census)
         manager._counters["offloaded_bytes"] += self.nbytes
@@ -120,15 +122,15 @@ class _Copy:
 
     @property
     def released(self) -> bool:
-        """The device copy was let go (read by the census)."""
-        return self.device_bytes is None
+        """This copy no longer holds the device storage (read by the census)."""
+        return self.device_bytes is None and not self.reused
 
     def drop_device_copy(self) -> None:
         if self.device_bytes is None:
             return
-        reused = self.restored is self.device_bytes  # backward holds it now, not "elsewhere"
         self.device_bytes = None
-        if not reused and not self.storage_ref.expired():
+        # A reused storage is checked when backward is done with it (``__del__``).
+        if not self.reused and not self.storage_ref.expired():
             self.manager._counters["alive_elsewhere_bytes"] += self.nbytes
             log.debug("offloaded storage of %d bytes is still alive elsewhere", self.nbytes)
 
@@ -137,24 +139,39 @@ class _Copy:
             return
         counters = self.manager._counters
         counters["restored_bytes"] += self.nbytes
-        if self.device_bytes is not None:
+        device_bytes = self.device_bytes
+        if device_bytes is not None and self._storage_intact(device_bytes):
             # NOTE [reuse at the turn]: the device bytes were not let go yet (the last
             # windows of a forward, at backward's first restore): backward takes them as they
-            # are, with no copy back. They are the saved tensor's own storage, unmodified
-            # (``_Handle.check_unmodified``), exactly what eager autograd would read; the copy
-            # to host may still be reading them too, which is harmless. The manager lets go of
-            # its reference as for any copy in flight, after the saving stream waited on the
-            # copy to host (stream rule 1), so the memory is reused only after that copy.
-            self.restored = self.device_bytes
+            # are, with no copy back. They are the saved tensor's own storage, exactly what
+            # eager autograd would read: every handle still checks its version when unpacked
+            # (NOTE [in-place check]); a storage resized since (freed, regrown) is copied back
+            # from host instead. The copy to host may still be reading the bytes, which is
+            # harmless. The manager lets go of its reference as for any copy in flight, after
+            # the saving stream waited on the copy to host (stream rule 1), so the memory is
+            # reused only after that copy; whether it was alive elsewhere is known once
+            # backward is done with it (``__del__``).
+            self.restored = device_bytes
+            self.reused = True
             counters["reused_bytes"] += self.nbytes
             return
         self.restored, self.h2d_event = self.manager.engine.to_device(
             self.host, self.nbytes, self.d2h_event)
 
+    def _storage_intact(self, device_bytes: torch.Tensor) -> bool:
+        storage = device_bytes.untyped_storage()
+        return storage.nbytes() == self.nbytes and storage.data_ptr() == self.data_ptr
+
     def __del__(self) -> None:
-        # The last handle is gone: the host buffer goes back with the last copy that used it.
         manager = getattr(self, "manager", None)
-        if manager is not None and getattr(self, "host", None) is not None:
+        if manager is None:
+            return
+        if getattr(self, "reused", False):
+            self.restored = None  # ours: anything still holding the storage is someone else's
+            if not self.storage_ref.expired():
+                manager._counters["alive_elsewhere_bytes"] += self.nbytes
+        # The last handle is gone: the host buffer goes back with the last copy that used it.
+        if getattr(self, "host", None) is not None:
             last = self.h2d_event if self.h2d_event is not None else self.d2h_event
             manager.pool.release(self.host, event=last)
 

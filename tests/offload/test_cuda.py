@@ -52,6 +52,33 @@ def test_offload_gives_bit_identical_gradients_on_cuda() -> None:
     assert stats["restored_bytes"] > stats["reused_bytes"] > 0
 
 
+def test_backward_reuses_the_last_two_windows_while_their_copies_to_host_still_run() -> None:
+    # NOTE [reuse at the turn] on a GPU held back: the host enqueues the whole step before any
+    # copy to host has run, so the manager still holds the last two windows' device tensors
+    # when backward begins. They come back with no copy, the others from host, and the
+    # gradients are eager's bit for bit.
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Block(256) for _ in range(6)).cuda()
+    twin = copy.deepcopy(layers)
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
+    checkpoint_layers(twin, offload=manager)
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    stack(layers, x).square().mean().backward()
+    expected = [p.grad for p in layers.parameters()] + [x.grad]
+    x.grad = None
+    stack(twin, x.clone()).square().mean().backward()  # warm the pool: no allocation below
+    twin.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.cuda.synchronize()
+    manager.stats(reset=True)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of everything below
+    stack(twin, x).square().mean().backward()
+    torch.cuda.synchronize()
+    assert_same_grads(expected, [p.grad for p in twin.parameters()] + [x.grad])
+    stats = manager.stats()
+    assert stats["reused_bytes"] == 2 * x.nbytes and stats["restored_bytes"] == 6 * x.nbytes
+
+
 def test_peak_memory_drops_by_all_but_two_layer_inputs_with_the_host_far_ahead() -> None:
     # The issue's target: the peak drops by (L-2) of the L layer inputs, all but the one being
     # recomputed and the one prefetched; with prefetch 1 that is also the best possible, so the

@@ -504,6 +504,56 @@ def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() 
     assert census.total_bytes == 0
 
 
+def test_a_reused_storage_the_caller_keeps_is_still_counted_as_alive_elsewhere() -> None:
+    # NOTE [reuse at the turn]: backward takes the last window's device bytes as they are, so
+    # whether something else kept them is known only once backward is done with them.
+    m = manager()
+    layers = offloaded_stack(m, 4)
+    h = torch.randn(8, 32, requires_grad=True)
+    kept = []  # every layer input, as output_hidden_states would: no offload saves anything
+    for layer in layers:
+        kept.append(h)
+        h = layer(h)
+    h.sum().backward()
+    stats = m.stats()
+    per = kept[0].untyped_storage().nbytes()
+    assert stats["reused_bytes"] == per  # the last window: released one window late
+    assert stats["alive_elsewhere_bytes"] == stats["offloaded_bytes"] == 4 * per
+
+
+def test_the_census_does_not_flag_a_reused_storage_that_backward_still_holds() -> None:
+    m = manager()
+    layers = offloaded_stack(m, 3)
+    with pytree_ckpt.ActivationCensus(layers) as census:
+        out = run_stack(layers, torch.randn(4, 32, requires_grad=True).clone())
+    loss = out.sum()
+    del out
+    loss.backward(retain_graph=True)  # the graph, and the reused last input, stay
+    assert m.stats()["reused_bytes"] > 0
+    assert census.flagged() == []
+
+
+def test_a_storage_freed_after_forward_is_copied_back_from_host_not_reused() -> None:
+    # A caller may free a layer input's memory after forward (resizing its storage, which no
+    # version counter sees), trusting the host copy: backward must not read the freed storage.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(3))
+    layers = copy.deepcopy(eager)
+    m = manager()
+    for each in layers:
+        apply_activation_checkpointing(each, offload=m)
+    x = torch.randn(8, 32, requires_grad=True)
+    run_stack(eager, x).sum().backward()
+    expected = [p.grad for p in eager.parameters()] + [x.grad]
+    x.grad = None
+    h = run_stack(layers[:2], x)
+    out = layers[2](h)
+    h.untyped_storage().resize_(0)
+    out.sum().backward()
+    assert_same_grads(expected, [p.grad for p in layers.parameters()] + [x.grad])
+    assert m.stats()["reused_bytes"] == 0
+
+
 def test_a_reservation_up_front_makes_the_first_step_hit_the_pool() -> None:
     m = manager()
     layers = offloaded_stack(m, 4)
