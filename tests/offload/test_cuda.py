@@ -38,25 +38,12 @@ def test_host_buffers_are_pinned_and_copies_run_on_side_streams() -> None:
     assert manager.stats()["host_buffers_in_use"] == 0
 
 
-def test_offload_gives_bit_identical_gradients_on_cuda() -> None:
-    torch.manual_seed(0)
-    layers = nn.ModuleList(Block(256) for _ in range(6)).cuda()
-    twin = copy.deepcopy(layers)
-    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
-    checkpoint_layers(twin, offload=manager)
-    x = torch.randn(512, 256, device="cuda", requires_grad=True)
-    for model in (layers, twin):
-        stack(model, x).square().mean().backward()
-    assert_same_grads([p.grad for p in layers.parameters()], [p.grad for p in twin.parameters()])
-    stats = manager.stats()  # both paths ran: copies back, and NOTE [reuse at the turn]
-    assert stats["restored_bytes"] > stats["reused_bytes"] > 0
-
-
-def test_backward_reuses_the_last_two_windows_while_their_copies_to_host_still_run() -> None:
-    # NOTE [reuse at the turn] on a GPU held back: the host enqueues the whole step before any
-    # copy to host has run, so the manager still holds the last two windows' device tensors
-    # when backward begins. They come back with no copy, the others from host, and the
-    # gradients are eager's bit for bit.
+@pytest.mark.parametrize("gpu_held_back", [False, True])
+def test_offload_gives_bit_identical_gradients_on_cuda(gpu_held_back: bool) -> None:
+    # Held back, the host enqueues the whole step before any copy to host has run, so the
+    # manager still holds the last two windows' device tensors when backward begins: they come
+    # back with no copy (NOTE [reuse at the turn]), the others from host. Idle, the copies
+    # usually land at once and only the last window (released one window late) is reused.
     torch.manual_seed(0)
     layers = nn.ModuleList(Block(256) for _ in range(6)).cuda()
     twin = copy.deepcopy(layers)
@@ -71,12 +58,15 @@ def test_backward_reuses_the_last_two_windows_while_their_copies_to_host_still_r
     x.grad = None
     torch.cuda.synchronize()
     manager.stats(reset=True)
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of everything below
+    if gpu_held_back:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of everything below
     stack(twin, x).square().mean().backward()
     torch.cuda.synchronize()
     assert_same_grads(expected, [p.grad for p in twin.parameters()] + [x.grad])
     stats = manager.stats()
-    assert stats["reused_bytes"] == 2 * x.nbytes and stats["restored_bytes"] == 6 * x.nbytes
+    assert stats["restored_bytes"] == 6 * x.nbytes
+    reused_windows = stats["reused_bytes"] / x.nbytes
+    assert reused_windows == 2 if gpu_held_back else reused_windows in (1, 2)
 
 
 def test_peak_memory_drops_by_all_but_two_layer_inputs_with_the_host_far_ahead() -> None:

@@ -536,12 +536,10 @@ def test_the_census_does_not_flag_a_reused_storage_that_backward_still_holds() -
 def test_a_storage_freed_after_forward_is_copied_back_from_host_not_reused() -> None:
     # A caller may free a layer input's memory after forward (resizing its storage, which no
     # version counter sees), trusting the host copy: backward must not read the freed storage.
-    torch.manual_seed(0)
-    eager = nn.ModuleList(Layer() for _ in range(3))
-    layers = copy.deepcopy(eager)
     m = manager()
-    for each in layers:
-        apply_activation_checkpointing(each, offload=m)
+    layers = offloaded_stack(m, 3)
+    eager = nn.ModuleList(Layer() for _ in range(3))
+    eager.load_state_dict(layers.state_dict())  # the unwrapped twin
     x = torch.randn(8, 32, requires_grad=True)
     run_stack(eager, x).sum().backward()
     expected = [p.grad for p in eager.parameters()] + [x.grad]
