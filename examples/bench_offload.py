@@ -243,8 +243,9 @@ def format_report(result: dict[str, Any]) -> str:
     o = result["offload_timed"]
     steps = max(1, result["rounds"] + result["warmup"])
     lines += ["", f"offload per step: {o['offloaded_bytes'] / steps / MIB:.2f} MiB in "
-                  f"{o['windows'] / steps:.0f} windows ({o['reused_bytes'] / steps / MIB:.2f} MiB of "
-                  f"it back with no copy); over the {steps} steps after the probe "
+                  f"{o['windows'] / steps:.0f} windows "
+                  f"({o['reused_bytes'] / steps / MIB:.2f} MiB of it back with no copy); "
+                  f"over the {steps} steps after the probe "
                   f"step: pool misses {o['pool_misses']}, prefetch hits {o['prefetch_hits']}"
                   + (f", compute stream waited {o['wait_ms']:.1f} ms" if "wait_ms" in o else "")]
     note = "" if gpu else " (CPU: informative only, the targets are for a GPU)"

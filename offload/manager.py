@@ -308,8 +308,7 @@ class OffloadManager:
     # -- statistics --------------------------------------------------------------------------
     def _reset_counters(self) -> None:
         self._counters = {"offloaded_bytes": 0, "restored_bytes": 0, "reused_bytes": 0,
-                          "prefetch_hits": 0,
-                          "alive_elsewhere_bytes": 0, "below_min_bytes": 0,
+                          "prefetch_hits": 0, "alive_elsewhere_bytes": 0, "below_min_bytes": 0,
                           "other_device_bytes": 0, "windows": 0}
         self._pool_base = (self.pool.hits, self.pool.misses)
         self.engine.reset_waits()

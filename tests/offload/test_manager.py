@@ -255,7 +255,8 @@ def run_stack(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
          ("prefetch", 2), ("prefetch_hit", 3), ("prefetch", 1), ("prefetch_hit", 2),
          ("prefetch", 0), ("prefetch_hit", 1), ("prefetch_hit", 0)]),
 ])
-def test_prefetch_order_for_an_eight_layer_stack(depth: int, expected: list[tuple[str, int]]) -> None:
+def test_prefetch_order_for_an_eight_layer_stack(depth: int,
+                                                expected: list[tuple[str, int]]) -> None:
     m = manager(prefetch=depth)
     layers = offloaded_stack(m, 8)
     x = torch.randn(4, 32, requires_grad=True)
