@@ -1,0 +1,159 @@
+"""Where the boundary's small-size cost comes from: how a replay hands back parameter gradients.
+
+    python -m examples.bench_grad_path [--size small] [--rounds N] [--warmup N] [--threads N]
+
+``examples.bench_boundary`` finds this library's boundary a few percent slower than torch's
+reentrant checkpoint on tiny layers. The difference (NOTE [parameters are inputs] in
+``pytree_ckpt/boundary.py``) is how the replay in backward produces parameter gradients. This
+script isolates it: one minimal autograd Function per layer of the same decoder stack, whose
+backward replays the layer and produces the parameter gradients in one of four ways:
+
+- ``accumulate``: ``torch.autograd.backward(outputs)`` adds them to ``.grad`` inside the replay;
+  the parameters are not inputs of the Function (torch's reentrant checkpoint);
+- ``accumulate, params as inputs``: the same, but the parameters are also inputs of the
+  Function (it returns no gradient for them): the cost of the extra inputs alone;
+- ``backward(inputs=)``: ``torch.autograd.backward(outputs, inputs=[x, *params])`` adds them
+  inside the replay, parameters as inputs: autograd's path for explicit inputs;
+- ``grad, returned``: ``torch.autograd.grad(outputs, [x, *params])``, returned as the
+  Function's gradients for its parameter inputs, so the outer backward adds them (this
+  library's boundary).
+
+Before timing, all four are checked to give gradients bit-identical to eager (each parameter
+is used once, so the order of additions is the same). NOTE [measurement]: ``examples.timing``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from examples.bench_boundary import LAYERS, SIZES, DecoderBlock
+from examples.timing import (add_round_options, check_round_options, summarize_ms,
+                             time_interleaved)
+
+__all__ = ["PATHS", "main"]
+
+ACCUMULATE = "accumulate"
+ACCUMULATE_PARAMS_INPUTS = "accumulate, params as inputs"
+BACKWARD_INPUTS = "backward(inputs=)"
+GRAD_RETURNED = "grad, returned"
+PATHS = (ACCUMULATE, ACCUMULATE_PARAMS_INPUTS, BACKWARD_INPUTS, GRAD_RETURNED)
+
+
+class _Replay(torch.autograd.Function):
+    """Runs ``layer`` without a graph; its backward replays it and takes ``path``."""
+
+    @staticmethod
+    def forward(ctx: Any, layer: nn.Module, path: str, x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.layer, ctx.path = layer, path
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (saved,) = ctx.saved_tensors
+        x = saved.detach().requires_grad_()
+        with torch.enable_grad():
+            out = ctx.layer(x.view_as(x))
+        params = list(ctx.layer.parameters())
+        if ctx.path == GRAD_RETURNED:
+            grads = torch.autograd.grad([out], [x, *params], [grad], allow_unused=True)
+            return (None, None, *grads)
+        inputs = [x, *params] if ctx.path == BACKWARD_INPUTS else None
+        torch.autograd.backward([out], [grad], inputs=inputs)
+        return (None, None, x.grad, *[None] * (len(ctx.needs_input_grad) - 3))
+
+
+class Bench:
+    def __init__(self, size: str, seed: int = 0) -> None:
+        spec = SIZES[size]
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(DecoderBlock(spec.hidden, spec.heads) for _ in range(LAYERS))
+        self.x = torch.randn(spec.batch, spec.seq, spec.hidden, requires_grad=True)
+        self.leaves = [self.x, *self.layers.parameters()]
+
+    def step(self, path: str | None) -> float:
+        """Forward + backward with every layer taking ``path`` (``None``: eager)."""
+        for t in self.leaves:
+            t.grad = None
+        start = time.perf_counter()
+        h = self.x
+        for layer in self.layers:
+            if path is None:
+                h = layer(h)
+            elif path == ACCUMULATE:
+                h = _Replay.apply(layer, path, h)
+            else:
+                h = _Replay.apply(layer, path, h, *layer.parameters())
+        h.square().mean().backward()
+        return time.perf_counter() - start
+
+    def grads_equal_eager(self, path: str) -> bool:
+        self.step(None)
+        eager = [t.grad for t in self.leaves]
+        self.step(path)
+        return all(a is not None and b is not None and torch.equal(a, b)
+                   for a, b in zip(eager, (t.grad for t in self.leaves)))
+
+
+def run(size: str, rounds: int, warmup: int) -> dict[str, Any]:
+    bench = Bench(size)
+    result: dict[str, Any] = {"size": size, "layers": LAYERS, "rounds": rounds,
+                              "warmup": warmup, "torch": torch.__version__,
+                              "threads": torch.get_num_threads(),
+                              "grads_equal_eager": {p: bench.grads_equal_eager(p)
+                                                    for p in PATHS}}
+    if not all(result["grads_equal_eager"].values()):
+        return result  # timings of paths that compute other gradients mean nothing
+    times = time_interleaved(bench.step, PATHS, rounds=rounds, warmup=warmup)
+    paths = {path: summarize_ms(t) for path, t in times.items()}
+    reference = paths[ACCUMULATE]["median_ms"]
+    for stats in paths.values():
+        stats["extra_us_per_layer"] = (stats["median_ms"] - reference) * 1e3 / LAYERS
+    result["paths"] = paths
+    return result
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [f"parameter gradients from a replay, {result['layers']}-layer decoder, size "
+             f"{result['size']}, CPU, torch {result['torch']}, {result['threads']} threads",
+             "grads bit-identical to eager: " + ", ".join(
+                 f"{p} {'yes' if ok else 'NO'}" for p, ok in result["grads_equal_eager"].items())]
+    if "paths" not in result:
+        return "\n".join([*lines, "timings not reported: gradients differ"])
+    lines += ["", "| path | median ms | p10/p90 ms | extra µs per layer vs accumulate |",
+              "|---|---:|---:|---:|"]
+    for path, s in result["paths"].items():
+        lines.append(f"| {path} | {s['median_ms']:.3f} | {s['p10_ms']:.3f}/{s['p90_ms']:.3f} | "
+                     f"{s['extra_us_per_layer']:+.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the comparison, print the table, return the results (raw times included)."""
+    parser = argparse.ArgumentParser(prog="python -m examples.bench_grad_path",
+                                     description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--size", default="small", choices=sorted(SIZES))
+    add_round_options(parser, default_help="500 rounds, 50 warm-up")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: leave as is)")
+    args = parser.parse_args(argv)
+    check_round_options(parser, args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = run(args.size, 500 if args.rounds is None else args.rounds,
+                 50 if args.warmup is None else args.warmup)
+    print(format_report(result))
+    return result
+
+
+if __name__ == "__main__":
+    out = main()
+    raise SystemExit(0 if all(out["grads_equal_eager"].values()) else 1)

@@ -1,0 +1,38 @@
+"""The gradient-path comparison behind docs/benchmarks.md: every path computes eager's gradients.
+
+No timing is asserted here: timing claims live in the script's output only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from examples import bench_grad_path
+
+
+def test_every_gradient_path_gives_eager_gradients_and_is_timed_each_round() -> None:
+    result = bench_grad_path.main(["--rounds", "2", "--warmup", "1"])
+    assert result["grads_equal_eager"] == {path: True for path in bench_grad_path.PATHS}
+    assert set(result["paths"]) == set(bench_grad_path.PATHS)
+    for path, stats in result["paths"].items():
+        assert len(stats["times_ms"]) == 2 and stats["median_ms"] > 0, path
+    assert result["paths"][bench_grad_path.ACCUMULATE]["extra_us_per_layer"] == 0
+
+
+def test_a_path_that_drops_parameter_gradients_is_caught_before_timing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The equality check is what makes the timings comparable: break one path and it must fail.
+    backward = bench_grad_path._Replay.backward
+
+    def dropping(ctx: Any, grad: torch.Tensor) -> Any:
+        grads = backward(ctx, grad)
+        if ctx.path == bench_grad_path.GRAD_RETURNED:
+            return (*grads[:3], *[None] * (len(grads) - 3))
+        return grads
+    monkeypatch.setattr(bench_grad_path._Replay, "backward", staticmethod(dropping))
+    result = bench_grad_path.main(["--rounds", "1", "--warmup", "0"])
+    assert result["grads_equal_eager"][bench_grad_path.GRAD_RETURNED] is False
+    assert "paths" not in result
