@@ -106,7 +106,7 @@ class CopyEngine:
         return self._waited_ms
 
     def reset_waits(self) -> None:
-        self._waits = []
+        """Start a new total; waits still running are kept and count in it once done."""
         self._waited_ms = 0.0
 
     def done(self, event: Any) -> bool:
