@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import checkpoint_layers
 from tests.conftest import assert_same_grads
-from offload import OffloadConfig, OffloadManager
 from tests.offload.simulated import SimulatedStreams, simulated
 
 
@@ -207,7 +207,7 @@ def test_backward_reuses_the_device_bytes_it_still_holds_instead_of_copying_them
     assert stats["restored_bytes"] == stats["offloaded_bytes"] == 6 * window_bytes
     assert stats["reused_bytes"] == held * window_bytes
     assert copies_back == [6 - held]
-    # Window 0's input is the test's leaf, alive elsewhere; the reused ones are not counted.
+    # Window 0's input is the test's leaf: alive elsewhere. Nothing else holds the reused ones.
     assert stats["alive_elsewhere_bytes"] == window_bytes
 
 
