@@ -72,6 +72,8 @@ class _Replay(torch.autograd.Function):
 
 
 class Bench:
+    """The decoder stack at one size, its input, and one timed step per path."""
+
     def __init__(self, size: str, seed: int = 0) -> None:
         spec = SIZES[size]
         torch.manual_seed(seed)
