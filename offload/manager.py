@@ -2,8 +2,8 @@
 
 ``with manager.window(tensors):`` installs saved-tensor hooks for its duration. A tensor that
 autograd saves inside it is offloaded when its untyped storage is the storage of one of the
-window's tensors and that storage reaches ``min_bytes``; anything else (parameters always) is
-saved as usual.
+window's tensors and that storage reaches ``min_bytes``; anything else (parameters and views
+of them always, tensors without a plain storage too) is saved as usual.
 
 NOTE [one copy per storage]: the unit is the *storage*, not the tensor. The first saved tensor
 on a window storage copies the whole storage to a host buffer; every other saved alias (a view,
@@ -15,9 +15,10 @@ is not copied again: RoPE tables or ``cu_seqlens`` passed to every layer cost on
 NOTE [saved reference, not the live tensor]: autograd keeps the handle instead of the tensor;
 the live tensor is never resized or freed by us, so other holders keep valid data. We keep the
 device tensor until its copy completed, or the compute stream waits for it (stream rule 1), and
-drop our reference at least one window late; if the storage is still alive then, something
-else holds it and the bytes are reported as ``alive_elsewhere_bytes`` (and flagged by an
-active census): that offload saved nothing.
+drop our reference at least one window late; if the storage is still alive when backward
+begins (the forward that passed it from layer to layer is over by then), something else holds
+it and the bytes are reported as ``alive_elsewhere_bytes`` (and flagged by an active census):
+that offload saved nothing.
 
 NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds. A copy lives
 while a handle to it does; when the last handle goes (after the node's backward, or when a
@@ -106,15 +107,21 @@ class _Copy:
         self.version = tensor._version
         self.storage_ref = StorageWeakRef(storage)
         self.data_ptr = storage.data_ptr()
-        self.host = manager.pool.acquire(self.nbytes)
+        self.restored: torch.Tensor | None = None
+        self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
+        self.d2h_event: Any = None
+        self.h2d_event: Any = None
         # NOTE [stream rules] 1: we keep the device bytes until the copy's event completes, or
         # until ``self.stream`` waits on it.
         self.device_bytes: torch.Tensor | None = torch.empty(
             0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
-        self.restored: torch.Tensor | None = None
-        self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
-        self.h2d_event: Any = None
+        self.host: torch.Tensor | None = manager.pool.acquire(self.nbytes)
+        try:
+            self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
+        except BaseException:
+            manager.pool.release(self.host)  # the copy failed: nothing reads the buffer
+            self.host = None
+            raise
         self.host_holder = _HostHolder()  # lives exactly as long as this copy (for the census)
         manager._counters["offloaded_bytes"] += self.nbytes
         window.pass_.offloaded += self.nbytes
@@ -129,24 +136,24 @@ class _Copy:
         if self.device_bytes is None:
             return
         self.device_bytes = None
-        # A reused storage is checked when backward is done with it (``__del__``).
+        # Still alive now may be a later layer's input or a table every layer gets: it counts
+        # as alive elsewhere only if still alive when backward begins (``_judge_alive``). A
+        # reused storage is checked when backward is done with it (``__del__``).
         if not self.reused and not self.storage_ref.expired():
-            self.manager._counters["alive_elsewhere_bytes"] += self.nbytes
-            log.debug("offloaded storage of %d bytes is still alive elsewhere", self.nbytes)
+            self.manager._suspects.append((self.storage_ref, self.nbytes))
 
     def restore(self) -> None:
         if self.restored is not None:
             return
         counters = self.manager._counters
-        counters["restored_bytes"] += self.nbytes
         device_bytes = self.device_bytes
         if device_bytes is not None and self._storage_intact(device_bytes):
             # NOTE [reuse at the turn]: the device bytes were not let go yet (the last
             # windows of a forward, at backward's first restore): backward takes them as they
             # are, with no copy back. They are the saved tensor's own storage, exactly what
             # eager autograd would read: every handle still checks its version when unpacked
-            # (NOTE [in-place check]); a storage resized since (freed, regrown) is copied back
-            # from host instead. The copy to host may still be reading the bytes, which is
+            # (NOTE [in-place check]); a storage resized since (freed, regrown elsewhere or to
+            # another size) is copied back from host instead. The copy to host may still be reading the bytes, which is
             # harmless. The manager lets go of its reference as for any copy in flight, after
             # the saving stream waited on the copy to host (stream rule 1), so the memory is
             # reused only after that copy; whether it was alive elsewhere is known once
@@ -154,9 +161,11 @@ class _Copy:
             self.restored = device_bytes
             self.reused = True
             counters["reused_bytes"] += self.nbytes
-            return
-        self.restored, self.h2d_event = self.manager.engine.to_device(
-            self.host, self.nbytes, self.d2h_event)
+        else:
+            assert self.host is not None
+            self.restored, self.h2d_event = self.manager.engine.to_device(
+                self.host, self.nbytes, self.d2h_event)
+        counters["restored_bytes"] += self.nbytes
 
     def _storage_intact(self, device_bytes: torch.Tensor) -> bool:
         storage = device_bytes.untyped_storage()
@@ -190,8 +199,9 @@ class _Handle:
     and, weakly (so the tensor can still be freed), the tensor, or the base of a view (views
     share their base's version counter, and a view made inside an op has no Python object of
     its own that outlives the save). ``_unpack`` refuses a tensor modified since. The check
-    sees what Python still references; on a GPU such a change may also have raced with the
-    copy to host.
+    sees what Python still references: an alias made by ``detach()`` shares the version
+    counter without being a view, so once it is gone a change through the original is not
+    seen. On a GPU such a change may also have raced with the copy to host.
     """
 
     __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "source",
@@ -303,6 +313,9 @@ class OffloadManager:
         self._reset_counters()
         self._warned_nothing = False
         self._warned_device = False
+        self._warned_plain = False
+        # Storages let go while still alive: judged when backward begins (``_judge_alive``).
+        self._suspects: list[tuple[StorageWeakRef, int]] = []
         self._opened = 0  # windows opened so far, in all passes (NOTE [copies in flight])
 
     # -- statistics --------------------------------------------------------------------------
@@ -316,6 +329,7 @@ class OffloadManager:
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """Counters since the last reset: bytes, pool hits/misses, prefetch hits, waits."""
         self._collect_finished()
+        self._judge_alive()
         if not self._pass.alive():  # the pass is over
             self._check_pass_offloaded(self._pass)
         out: dict[str, float] = dict(self._counters)
@@ -333,6 +347,20 @@ class OffloadManager:
         """``("restore" | "prefetch" | "prefetch_hit", window id)`` in order, for the pass whose
         backward ran last (empty before any backward)."""
         return list(self._recent.events)
+
+    def _judge_alive(self) -> None:
+        """Count the storages let go while still alive that are alive still.
+
+        Called when backward begins, at ``stats()`` and when a new pass opens: by then the
+        forward that held them is over (a RoPE table made per forward, a layer input that is
+        also the next layer's, are gone), so what is still alive is kept by something else,
+        and its copy saved nothing.
+        """
+        for ref, nbytes in self._suspects:
+            if not ref.expired():
+                self._counters["alive_elsewhere_bytes"] += nbytes
+                log.debug("offloaded storage of %d bytes is still alive elsewhere", nbytes)
+        self._suspects = []
 
     # -- forward -----------------------------------------------------------------------------
     def _collect_finished(self, *, force_before: int | None = None,
@@ -374,11 +402,15 @@ class OffloadManager:
         if self._pass.backward or not self._pass.alive():
             # A new pass: ids restart at 0, the shared-storage registry and event log too.
             self._check_pass_offloaded(self._pass)
+            self._judge_alive()
             self._pass = _Pass()
         keys: dict[tuple[str, int], int | None] = {}
         for index, tensor in enumerate(tensors):
-            if not isinstance(tensor, nn.Parameter):
-                keys.setdefault(storage_key(tensor), index)
+            if _is_parameter(tensor):
+                continue
+            key = self._plain_storage_key(tensor)
+            if key is not None:
+                keys.setdefault(key, index)
         self._counters["windows"] += 1
         self._opened += 1
         return Window(self._pass, keys, name, seq=self._opened - 1)
@@ -395,10 +427,10 @@ class OffloadManager:
         pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
 
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, nn.Parameter):
+        if _is_parameter(tensor):
             return tensor
-        key = storage_key(tensor)
-        if key not in window.keys:
+        key = self._plain_storage_key(tensor)
+        if key is None or key not in window.keys:
             return tensor
         if tensor.device != self.device:
             self._other_device(window, key, tensor)
@@ -419,6 +451,23 @@ class OffloadManager:
                 _report_offload(copy, tensor)
             window.copies[key] = copy
         return _Handle(copy, window, key, tensor)
+
+    def _plain_storage_key(self, tensor: torch.Tensor) -> tuple[str, int] | None:
+        """The tensor's storage key, or ``None`` where it has no plain storage to copy: sparse
+        layouts, and wrapper subclasses (DTensor and the like) whose bytes live in inner
+        tensors. Those stay on the device, logged once."""
+        if tensor.layout is torch.strided:
+            try:
+                return storage_key(tensor)
+            except RuntimeError:  # "invalid python storage": a wrapper subclass
+                pass
+        if not self._warned_plain:
+            self._warned_plain = True
+            log.warning(
+                "offload is on, but a window tensor (%s, layout %s) has no plain storage to copy: "
+                "it stays on the device (offload copies strided storages; a DTensor's local "
+                "shard, DTensor.to_local(), is one)", type(tensor).__name__, tensor.layout)
+        return None
 
     def _other_device(self, window: Window, key: tuple[str, int], tensor: torch.Tensor) -> None:
         # Not silent: the usual cause is a manager built (or a default one picked) before
@@ -441,7 +490,9 @@ class OffloadManager:
         Returns a handle for ``restore``, or ``tensor`` itself where the window rule says no
         (below ``min_bytes``, another device, a parameter).
         """
-        window.keys.setdefault(storage_key(tensor), None)
+        key = self._plain_storage_key(tensor)
+        if key is not None:
+            window.keys.setdefault(key, None)
         return self._pack(window, tensor)
 
     def restore(self, packed: Any, /) -> torch.Tensor:
@@ -470,12 +521,13 @@ class OffloadManager:
 
     # -- backward ----------------------------------------------------------------------------
     def _restore_window(self, window: Window, *, kind: str) -> None:
+        for copy in list(window.copies.values()):
+            copy.restore()
+        # Only now: a restore that failed (out of memory) is retried at the next unpack.
         window.restored = True
         window.pass_.events.append((kind, window.id))
         if kind == "prefetch":
             window.pass_.prefetched.add(window.id)
-        for copy in list(window.copies.values()):
-            copy.restore()
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
@@ -508,6 +560,8 @@ class OffloadManager:
             self._restore_window(earlier, kind="prefetch")
         if self._pending:
             self._collect_finished(force_before=self._opened)
+        if self._suspects and restore_now:
+            self._judge_alive()
         copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
         self.engine.wait(copy.h2d_event)
         assert copy.restored is not None
@@ -524,6 +578,12 @@ class OffloadManager:
             if earlier is not None and not earlier.restored:
                 targets.append(earlier)
         return targets
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one: never offloaded (its storage stays resident anyway, and
+    restoring it would allocate a second copy of the whole parameter)."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
 _default_managers: dict[str, OffloadManager] = {}

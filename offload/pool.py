@@ -54,8 +54,10 @@ class HostPool:
             self._free[size_class(nbytes)].append((self._allocate(size_class(nbytes)), None))
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        self.host_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        with self._lock:
+            self.host_bytes += nbytes  # counted once allocated: a failed allocation holds nothing
+        return buffer
 
     def acquire(self, nbytes: int, /) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes, checked out until ``release``."""
@@ -63,17 +65,19 @@ class HostPool:
         with self._lock:
             free = self._free.get(cls)
             entry = free.pop() if free else None
+        if entry is None:
+            log.debug("host pool miss: allocating %d bytes (pinned=%s)", cls, self.pin_memory)
+            buffer = self._allocate(cls)
+        else:
+            buffer, event = entry
+            if event is not None:
+                event.synchronize()  # the copy that last used it must be done (backward ran)
+        with self._lock:  # checked out only once the caller gets it
             if entry is None:
                 self.misses += 1
             else:
                 self.hits += 1
             self.checked_out += 1
-        if entry is None:
-            log.debug("host pool miss: allocating %d bytes (pinned=%s)", cls, self.pin_memory)
-            return self._allocate(cls)
-        buffer, event = entry
-        if event is not None:
-            event.synchronize()  # the copy that last used it must be done (rare: backward ran)
         return buffer
 
     def release(self, buffer: torch.Tensor, /, *, event: Any = None) -> None:

@@ -582,6 +582,140 @@ def test_window_tensors_on_another_device_are_counted_and_logged_once(
     assert "device='cpu'" in warnings[0] and "set_device" in warnings[0]
 
 
+class WithTable(nn.Module):
+    """Layers that all read a table: a slice of a parameter, or one made per forward."""
+
+    def __init__(self, per_forward: bool) -> None:
+        super().__init__()
+        self.per_forward = per_forward
+        self.layers = nn.ModuleList(TableLayer() for _ in range(3))
+        self.table = nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = (torch.cos(self.table.detach()[:4] * 1.0) if self.per_forward
+                 else self.table[:4])  # a view of the parameter
+        h = x
+        for layer in self.layers:
+            h = layer(h, table)
+        return h
+
+
+class TableLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.proj(h)) * table
+
+
+def test_a_view_of_a_parameter_passed_to_every_layer_is_never_offloaded() -> None:
+    # Its storage is the whole parameter, resident anyway: copying it would move nothing off
+    # the device, and restoring it would allocate a second copy of the parameter.
+    model = WithTable(per_forward=False)
+    m = manager()
+    pytree_ckpt.checkpoint_layers(model.layers, offload=m)
+    out = model(torch.randn(4, 32, requires_grad=True).clone())
+    out.sum().backward()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == 3 * 4 * 32 * 4  # the three hidden states only
+    assert model.table.grad is not None
+
+
+def test_a_table_made_per_forward_for_every_layer_is_not_counted_as_alive_elsewhere() -> None:
+    # It is copied once (NOTE [one copy per storage]) and let go while later layers still use
+    # it; it is gone by the time backward begins, so the copy did save memory.
+    model = WithTable(per_forward=True)
+    m = manager()
+    pytree_ckpt.checkpoint_layers(model.layers, offload=m)
+    out = model(torch.randn(4, 32, requires_grad=True).clone())
+    out.sum().backward()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == 4 * 4 * 32 * 4  # 3 hidden states + the table, once
+    assert stats["alive_elsewhere_bytes"] == 0
+
+
+class Densify(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        dense = extra.to_dense() if extra.is_sparse else extra
+        return self.proj(h) * dense
+
+
+def test_window_tensors_without_plain_storage_stay_on_the_device_and_are_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Sparse layouts and wrapper subclasses (DTensor, here TwoTensor) have no storage bytes of
+    # their own to copy: they are left where they are, the rest of the window is offloaded.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    eager = Densify()
+    layer = copy.deepcopy(eager)
+    m = manager()
+    apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(8, 32, requires_grad=True)
+    extras = [torch.randn(8, 32).relu().to_sparse(),
+              TwoTensor(torch.randn(8, 32), torch.randn(8, 32))]
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        for extra in extras:
+            for model in (eager, layer):
+                model.zero_grad(set_to_none=True)
+                model(x, extra).sum().backward()
+            assert_same_grads([p.grad for p in eager.parameters()],
+                              [p.grad for p in layer.parameters()])
+    assert m.stats()["offloaded_bytes"] == 2 * x.nbytes  # x, in both steps
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    assert len(warnings) == 1 and "no plain storage" in warnings[0]
+
+
+def test_a_failed_host_allocation_or_copy_to_host_returns_its_buffer() -> None:
+    m = manager()
+    layer = Layer()
+    apply_activation_checkpointing(layer, offload=m)
+    allocate, to_host = m.pool._allocate, m.engine.to_host
+
+    def out_of_memory(*args: Any) -> Any:
+        raise RuntimeError("out of memory (simulated)")
+    for name, obj in (("_allocate", m.pool), ("to_host", m.engine)):
+        setattr(obj, name, out_of_memory)
+        with pytest.raises(RuntimeError, match="simulated"):
+            layer(torch.randn(8, 32, requires_grad=True))
+        m.pool._allocate, m.engine.to_host = allocate, to_host
+        gc.collect()
+        assert m.stats()["host_buffers_in_use"] == 0, name
+    assert m.pool.host_bytes == size_class(8 * 32 * 4)  # the failed allocation holds nothing
+    layer(torch.randn(8, 32, requires_grad=True)).sum().backward()  # and the next step works
+    assert m.stats()["host_buffers_in_use"] == 0
+
+
+def test_a_restore_that_failed_is_retried_and_counted_once() -> None:
+    # Out of memory in a copy back (caught by the training loop, then backward run again with
+    # the retained graph): the window is restored on demand later, and counted once.
+    torch.manual_seed(0)
+    m = manager()
+    layers = offloaded_stack(m, 4)
+    loss = run_stack(layers, torch.randn(8, 32, requires_grad=True)).sum()
+    m.stats()  # lets go of every landed copy: every window is copied back
+    to_device, calls = m.engine.to_device, [0]
+
+    def second_fails(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:  # the prefetch of window 2
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return to_device(*args)
+    m.engine.to_device = second_fails  # type: ignore[method-assign]
+    with pytest.raises(torch.OutOfMemoryError):
+        loss.backward(retain_graph=True)
+    loss.backward()
+    stats = m.stats()
+    assert stats["restored_bytes"] == stats["offloaded_bytes"] == 4 * 8 * 32 * 4
+    assert m.events() == [("restore", 3), ("restore", 2), ("prefetch", 1), ("prefetch_hit", 1),
+                          ("prefetch", 0), ("prefetch_hit", 0)]
+
+
 def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
     m = manager(min_bytes=1 << 20)
