@@ -609,15 +609,18 @@ class TableLayer(nn.Module):
         return h + torch.tanh(self.proj(h)) * table
 
 
+def step_with_table(*, per_forward: bool) -> tuple[WithTable, dict[str, float]]:
+    model = WithTable(per_forward)
+    m = manager()
+    pytree_ckpt.checkpoint_layers(model.layers, offload=m)
+    model(torch.randn(4, 32, requires_grad=True).clone()).sum().backward()
+    return model, m.stats()
+
+
 def test_a_view_of_a_parameter_passed_to_every_layer_is_never_offloaded() -> None:
     # Its storage is the whole parameter, resident anyway: copying it would move nothing off
     # the device, and restoring it would allocate a second copy of the parameter.
-    model = WithTable(per_forward=False)
-    m = manager()
-    pytree_ckpt.checkpoint_layers(model.layers, offload=m)
-    out = model(torch.randn(4, 32, requires_grad=True).clone())
-    out.sum().backward()
-    stats = m.stats()
+    model, stats = step_with_table(per_forward=False)
     assert stats["offloaded_bytes"] == 3 * 4 * 32 * 4  # the three hidden states only
     assert model.table.grad is not None
 
@@ -625,12 +628,7 @@ def test_a_view_of_a_parameter_passed_to_every_layer_is_never_offloaded() -> Non
 def test_a_table_made_per_forward_for_every_layer_is_not_counted_as_alive_elsewhere() -> None:
     # It is copied once (NOTE [one copy per storage]) and let go while later layers still use
     # it; it is gone by the time backward begins, so the copy did save memory.
-    model = WithTable(per_forward=True)
-    m = manager()
-    pytree_ckpt.checkpoint_layers(model.layers, offload=m)
-    out = model(torch.randn(4, 32, requires_grad=True).clone())
-    out.sum().backward()
-    stats = m.stats()
+    _, stats = step_with_table(per_forward=True)
     assert stats["offloaded_bytes"] == 4 * 4 * 32 * 4  # 3 hidden states + the table, once
     assert stats["alive_elsewhere_bytes"] == 0
 
