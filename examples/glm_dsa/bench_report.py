@@ -131,8 +131,8 @@ def markdown_table(results: dict[str, Any]) -> str:
                 f"restored {format_bytes(int(last['restored_bytes']))} "
                 f"({format_bytes(int(last['reused_bytes']))} of it without a copy back), "
                 f"{int(last['prefetch_hits'])} prefetch hits; it counted "
-                f"{format_bytes(int(last['alive_elsewhere_bytes']))} as alive elsewhere when it "
-                f"let go of them; host pool {format_bytes(int(last['host_bytes']))}, "
+                f"{format_bytes(int(last['alive_elsewhere_bytes']))} as still alive elsewhere "
+                f"when backward began; host pool {format_bytes(int(last['host_bytes']))}, "
                 f"{int(last['pool_misses'])} pool misses in the last step.")
     lines.append("")
     lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)]
