@@ -186,9 +186,13 @@ class _Copy:
 
 
 class _HostHolder:
-    """Stands for "this copy still holds its host buffer" in the census (no ``released``)."""
+    """Stands for "this copy still holds its host buffer" in the census: held while alive."""
 
     __slots__ = ("__weakref__",)
+
+    @property
+    def released(self) -> bool:
+        return False  # the host buffer goes back exactly when this (with the copy) dies
 
 
 class _Handle:
@@ -612,6 +616,7 @@ def _report_offload(copy: _Copy, tensor: torch.Tensor) -> None:
         # The device storage is held (by us) until its copy completed, then flagged if it is
         # still alive; the host copy is held while the copy object lives.
         report_held([tensor], Mechanism.OFFLOAD_IN_FLIGHT, holder=copy, replace=True)
+        assert copy.host is not None  # set for as long as the copy is in use
         report_held([copy.host], Mechanism.OFFLOADED, holder=copy.host_holder)
 
 

@@ -64,6 +64,7 @@ class _DiscardFunction(torch.autograd.Function):
         owner.env = ReplayEnvironment.capture(
             tuple(t for t in args if isinstance(t, torch.Tensor)),
             preserve_rng=owner.preserve_rng_state)
+        assert owner.fn is not None  # set by __call__ before the Function runs
         with torch.no_grad():
             outputs = owner.fn(*args)
         single = isinstance(outputs, torch.Tensor)
@@ -122,8 +123,8 @@ class _DiscardFunction(torch.autograd.Function):
         wanted = [i for i, need in enumerate(needs) if need and wrt[i] is not None]
         result: list[torch.Tensor | None] = [None] * len(wrt)
         if outs and wanted:
-            got = torch.autograd.grad(outs, [wrt[i] for i in wanted], out_grads,
-                                      allow_unused=True)
+            inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
+            got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
             for i, grad in zip(wanted, got):
                 result[i] = grad
         owner.detached = None

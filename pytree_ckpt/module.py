@@ -62,11 +62,15 @@ class _CheckpointedForward:
 
     @torch._disable_dynamo  # NOTE [the boundary stays eager]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
+        return run_boundary(forward, args, kwargs, self.options, module)
+
+    def _module(self) -> nn.Module:
         module = self.module_ref()
         if module is None:
             raise ReferenceError("the checkpointed module no longer exists")
-        forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
-        return run_boundary(forward, args, kwargs, self.options, module)
+        return module
 
     def _bare_for(self, twin: nn.Module) -> Any:
         # An instance-level forward must follow the copy: a bound method of the module is
@@ -86,12 +90,12 @@ class _CheckpointedForward:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward:
         # copy.deepcopy(module) registers the new module in memo before copying its __dict__.
-        module = self.module_ref()
+        module = self._module()
         twin = memo.get(id(module), module)
         return _CheckpointedForward(twin, self._bare_for(twin), self.options)
 
     def __reduce__(self) -> Any:
-        module = self.module_ref()
+        module = self._module()
         bare = self._bare_for(module)  # refuses what could not come back right
         name = None if bare is None else bare.__func__.__name__
         return (_restore_forward, (module, name, self.options))

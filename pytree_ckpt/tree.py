@@ -34,7 +34,7 @@ def _register_dataclass(cls: type) -> None:
         # NOTE: rebuilt without calling __init__/__post_init__: the rebuilt object holds the
         # same field values with tensors swapped, not a new construction (frozen dataclasses
         # included). Attributes that are not dataclass fields are not carried over.
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         for name, value in zip(field_names, children):
             object.__setattr__(obj, name, value)
         return obj
