@@ -412,7 +412,7 @@ class OffloadManager:
         for index, tensor in enumerate(tensors):
             if _is_parameter(tensor):
                 continue
-            key = self._plain_storage_key(tensor)
+            key = self._plain_storage_key(tensor, warn=False)
             if key is not None:
                 keys.setdefault(key, index)
         self._counters["windows"] += 1
@@ -433,7 +433,8 @@ class OffloadManager:
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
         if _is_parameter(tensor):
             return tensor
-        key = self._plain_storage_key(tensor)
+        # Not a window tensor's storage, or none to copy (warned of when the window opened).
+        key = self._plain_storage_key(tensor, warn=False)
         if key is None or key not in window.keys:
             return tensor
         if tensor.device != self.device:
@@ -456,16 +457,17 @@ class OffloadManager:
             window.copies[key] = copy
         return _Handle(copy, window, key, tensor)
 
-    def _plain_storage_key(self, tensor: torch.Tensor) -> tuple[str, int] | None:
+    def _plain_storage_key(self, tensor: torch.Tensor, *,
+                           warn: bool = True) -> tuple[str, int] | None:
         """The tensor's storage key, or ``None`` where it has no plain storage to copy: sparse
         layouts, and wrapper subclasses (DTensor and the like) whose bytes live in inner
-        tensors. Those stay on the device, logged once."""
+        tensors. Window tensors of that kind stay on the device, logged once."""
         if tensor.layout is torch.strided:
             try:
                 return storage_key(tensor)
             except RuntimeError:  # "invalid python storage": a wrapper subclass
                 pass
-        if not self._warned_plain:
+        if warn and not self._warned_plain:
             self._warned_plain = True
             log.warning(
                 "offload is on, but a window tensor (%s, layout %s) has no plain storage to copy: "
@@ -494,7 +496,7 @@ class OffloadManager:
         Returns a handle for ``restore``, or ``tensor`` itself where the window rule says no
         (below ``min_bytes``, another device, a parameter).
         """
-        key = self._plain_storage_key(tensor)
+        key = self._plain_storage_key(tensor, warn=False)
         if key is not None:
             window.keys.setdefault(key, None)
         return self._pack(window, tensor)

@@ -669,6 +669,18 @@ def test_window_tensors_without_plain_storage_stay_on_the_device_and_are_logged_
     assert len(warnings) == 1 and "no plain storage" in warnings[0]
 
 
+def test_a_sparse_tensor_saved_inside_a_window_but_not_on_its_storage_is_not_warned_of(
+        caplog: pytest.LogCaptureFixture) -> None:
+    m = manager()
+    x = torch.randn(8, 32, requires_grad=True) * 1.0
+    sparse = torch.randn(8, 8).relu().to_sparse().requires_grad_()
+    with caplog.at_level("WARNING", logger="offload.manager"), m.window([x]):
+        loss = (torch.sparse.mm(sparse, x)).sum()  # saves the sparse operand: not a window's
+    loss.backward()
+    assert m.stats()["offloaded_bytes"] == x.nbytes
+    assert [r for r in caplog.records if r.name == "offload.manager"] == []
+
+
 def test_a_failed_host_allocation_or_copy_to_host_returns_its_buffer() -> None:
     m = manager()
     layer = Layer()
