@@ -412,7 +412,7 @@ class OffloadManager:
         for index, tensor in enumerate(tensors):
             if _is_parameter(tensor):
                 continue
-            key = self._plain_storage_key(tensor, warn=False)
+            key = self._plain_storage_key(tensor)
             if key is not None:
                 keys.setdefault(key, index)
         self._counters["windows"] += 1
@@ -496,7 +496,7 @@ class OffloadManager:
         Returns a handle for ``restore``, or ``tensor`` itself where the window rule says no
         (below ``min_bytes``, another device, a parameter).
         """
-        key = self._plain_storage_key(tensor, warn=False)
+        key = self._plain_storage_key(tensor)
         if key is not None:
             window.keys.setdefault(key, None)
         return self._pack(window, tensor)
