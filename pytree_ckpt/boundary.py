@@ -371,6 +371,7 @@ class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
+        refuse_double_backward(f"the boundary around {_fn_name(call.fn)}")
         explicit = call.params is not None
         if not explicit and not torch.autograd._is_checkpoint_valid():
             raise CheckpointError(
@@ -440,6 +441,19 @@ class _BoundaryFunction(torch.autograd.Function):
             for i, grad in zip(wanted, got):
                 result[i] = grad
         return (None, None, *result)
+
+
+def refuse_double_backward(where: str, /) -> None:
+    """Refuse a backward with ``create_graph=True`` (autograd runs a Function's backward with
+    grad mode on exactly then). The replay starts from detached inputs, so the gradient it
+    returns has no graph back to them: a gradient penalty would silently lose its terms."""
+    if torch.is_grad_enabled():
+        raise CheckpointError(
+            f"{where} was reached by a backward with create_graph=True (double backward, a "
+            "gradient penalty)", expected="create_graph=False", got="create_graph=True",
+            tip="second-order gradients through a replay would be incomplete: take the penalty "
+                "with checkpointing off for this module (remove_activation_checkpointing, "
+                "or call it outside checkpoint())")
 
 
 def _raise_attached_to_outside_tensor(call: _Call, spec: Any, index: int) -> None:

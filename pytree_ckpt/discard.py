@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .boundary import owning_module, trainable_parameters
+from .boundary import owning_module, refuse_double_backward, trainable_parameters
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
 from .frames import callable_name
@@ -92,6 +92,7 @@ class _DiscardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         owner: CheckpointWithoutOutput = ctx.owner
+        refuse_double_backward(f"the output-discard checkpoint of {owner._name()}")
         if owner.recomputed is None:
             owner._replay()  # never discarded (or its hook never fired): replay now
         assert owner.recomputed is not None and owner.detached is not None

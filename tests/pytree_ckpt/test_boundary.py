@@ -513,3 +513,16 @@ def test_flop_counter_mode_counts_the_replay_of_a_wrapped_module() -> None:
         block(x).sum().backward()
     forward_flops = 2 * 8 * 16 * 32 * 2
     assert ckpt.get_total_flops() - eager.get_total_flops() == forward_flops
+
+
+def test_a_backward_with_create_graph_is_refused_instead_of_losing_second_order_terms() -> None:
+    # A gradient penalty through a replay would miss every term that goes through the detached
+    # inputs; eager computes them, so the boundary refuses instead of returning less.
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(pytree_ckpt.CheckpointError, match="create_graph=True") as caught:
+        torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+    assert "remove_activation_checkpointing" in str(caught.value)
+    (grad,) = torch.autograd.grad(layer(x).sum(), x)  # first order: as before
+    assert grad.shape == x.shape

@@ -231,3 +231,13 @@ def test_structured_arguments_are_refused_with_a_tip() -> None:
     ckpt = CheckpointWithoutOutput()
     with pytest.raises(ValueError, match="(?s)container of tensors.*tip"):
         ckpt.checkpoint(lambda xs: xs[0] * 2, [torch.randn(2, requires_grad=True)])
+
+
+def test_a_backward_with_create_graph_through_a_discarded_output_is_refused() -> None:
+    norm, proj = nn.LayerNorm(16), nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(norm, x))
+    ckpt.discard_output_and_register_recompute(out)
+    with pytest.raises(CheckpointError, match="create_graph=True"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
