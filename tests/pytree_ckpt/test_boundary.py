@@ -526,3 +526,39 @@ def test_a_backward_with_create_graph_is_refused_instead_of_losing_second_order_
     assert "remove_activation_checkpointing" in str(caught.value)
     (grad,) = torch.autograd.grad(layer(x).sum(), x)  # first order: as before
     assert grad.shape == x.shape
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("change", ["insert", "delete"])
+def test_a_layer_inserted_or_deleted_behind_the_registration_hooks_is_seen_at_once(
+        change: str) -> None:
+    # ModuleList.insert and del edit _modules directly: no registration hook fires, yet the
+    # cached parameter list must follow (an inserted layer silently got no gradient).
+    torch.manual_seed(0)
+    eager = Stack()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(4, 8)
+    for step in range(2):
+        if step == 1:
+            for model in (eager, wrapped):
+                torch.manual_seed(1)
+                if change == "insert":
+                    model.layers.insert(0, nn.Linear(8, 8))
+                else:
+                    del model.layers[0]
+                model.zero_grad(set_to_none=True)
+        for model in (eager, wrapped):
+            model(x).sum().backward()
+        assert_same_grads([p.grad for p in eager.parameters()],
+                          [p.grad for p in wrapped.parameters()])
