@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -460,10 +460,32 @@ class _BoundaryFunction(torch.autograd.Function):
             _verify_leaves(call, outs, wrt)
         result: list[torch.Tensor | None] = [None] * len(wrt)
         if outs and wanted:
-            got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads, allow_unused=True)
+            with parameter_hooks_paused(call.params):
+                got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads,
+                                          allow_unused=True)
             for i, grad in zip(wanted, got):
                 result[i] = grad
         return (None, None, *result)
+
+
+@contextmanager
+def parameter_hooks_paused(params: Sequence[torch.Tensor], /) -> Iterator[None]:
+    """NOTE [parameter hooks run once]: ``torch.autograd.grad`` runs a leaf's tensor hooks
+    (``param.register_hook``) on the gradient it captures, and autograd runs them again when
+    the returned gradient reaches the parameter in the outer backward: a hook that scales or
+    masks would apply twice. Paused for the replay's ``grad``, they run once, where eager runs
+    them. The hook dict is emptied and refilled in place: autograd's hook object reads it at
+    call time, so nothing is re-registered.
+    """
+    stash = [(hooks, list(hooks.items())) for p in params
+             if (hooks := p._backward_hooks)]
+    for hooks, _ in stash:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in stash:
+            hooks.update(items)
 
 
 def refuse_double_backward(where: str, /) -> None:

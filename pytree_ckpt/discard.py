@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .boundary import owning_module, refuse_double_backward, trainable_parameters
+from .boundary import (owning_module, parameter_hooks_paused, refuse_double_backward,
+                       trainable_parameters)
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
 from .frames import callable_name
@@ -125,7 +126,8 @@ class _DiscardFunction(torch.autograd.Function):
         result: list[torch.Tensor | None] = [None] * len(wrt)
         if outs and wanted:
             inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
-            got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
+            with parameter_hooks_paused(owner.params):  # NOTE [parameter hooks run once]
+                got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
             for i, grad in zip(wanted, got):
                 result[i] = grad
         owner.detached = None

@@ -562,3 +562,28 @@ def test_a_layer_inserted_or_deleted_behind_the_registration_hooks_is_seen_at_on
             model(x).sum().backward()
         assert_same_grads([p.grad for p in eager.parameters()],
                           [p.grad for p in wrapped.parameters()])
+
+
+def test_a_hook_on_a_parameter_runs_once_as_in_eager() -> None:
+    # torch.autograd.grad in the replay runs a parameter's tensor hooks on what it captures,
+    # and the outer backward runs them again: a scaling hook applied twice (NOTE [parameter
+    # hooks run once]).
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    calls = {"eager": 0, "wrapped": 0}
+
+    def halve(name: str) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            calls[name] += 1
+            return grad * 0.5
+        return hook
+    eager[0].weight.register_hook(halve("eager"))
+    wrapped[0].weight.register_hook(halve("wrapped"))
+    x = torch.randn(4, 8)
+    for model in (eager, wrapped):
+        model(x).sum().backward()
+    assert calls == {"eager": 1, "wrapped": 1}
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in wrapped.parameters()])
+    assert len(wrapped[0].weight._backward_hooks) == 1  # still registered, in order
