@@ -35,6 +35,7 @@ the small recomputed graph, which is what lets the op's own intermediates go uns
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .boundary import (owning_module, parameter_hooks_paused, refuse_double_backward,
@@ -56,6 +58,59 @@ __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager",
            "ResidualRecomputeContext", "build_residual_stream_recompute_plan"]
 
 log = logging.getLogger(__name__)
+
+
+def _reachable_tensors(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """Tensors that exist outside ``fn`` and that it can return a view of: the parameters and
+    buffers of the module it belongs to and of modules among its arguments, and tensors and
+    modules it closes over or names as globals (a lambda, a ``functools.partial``).
+
+    NOTE [discard frees only fn's own storages]: an output that is a view of one of these (a
+    rotary cache sliced to the sequence length, learned positions) is kept, like an output that
+    aliases an input: freeing it would destroy the module's state. Globals that ``fn`` names
+    count too; a tensor reached any other way (through an object's attribute, say) cannot be
+    told from a fresh result.
+    """
+    found: list[Any] = list(args)
+    owner = owning_module(fn)
+    if owner is not None:
+        found.append(owner)
+    target = fn
+    if isinstance(target, functools.partial):
+        found += [*target.args, *target.keywords.values()]
+        target = target.func
+    found += [cell.cell_contents for cell in getattr(target, "__closure__", None) or ()
+              if _cell_filled(cell)]
+    code, names = getattr(target, "__code__", None), getattr(target, "__globals__", {})
+    if code is not None:  # globals it names (a model defined at module level)
+        found += [names[name] for name in code.co_names if name in names]
+    tensors = []
+    for obj in found:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif isinstance(obj, nn.Module):
+            tensors += [*obj.parameters(), *obj.buffers()]
+    return tensors
+
+
+def _storage_ids(tensors: tuple[torch.Tensor, ...]) -> set[int]:
+    ids = set()
+    for t in tensors:
+        if t.layout is not torch.strided:
+            continue
+        try:
+            ids.add(StorageWeakRef(t.untyped_storage()).cdata)
+        except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
+            continue
+    return ids
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
+        return False
+    return True
 
 
 class _DiscardFunction(torch.autograd.Function):
@@ -75,9 +130,9 @@ class _DiscardFunction(torch.autograd.Function):
         owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
         ctx.owner = owner
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
-        # Which storages are inputs, read now: in forward, ctx.saved_tensors would run an
-        # ambient unpack hook (an offload restore) and hand back copies.
-        owner.input_storages = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors}
+        # Which storages exist outside fn, read now: in forward, ctx.saved_tensors would run
+        # an ambient unpack hook (an offload restore) and hand back copies.
+        owner.input_storages = _storage_ids((*tensors, *_reachable_tensors(owner.fn, args)))
         ctx.save_for_backward(*tensors)
         owner.ctx = weakref.ref(ctx)  # weak: the node owns us, not the other way round
         for out in outputs:

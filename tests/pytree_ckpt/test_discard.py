@@ -241,3 +241,50 @@ def test_a_backward_with_create_graph_through_a_discarded_output_is_refused() ->
     ckpt.discard_output_and_register_recompute(out)
     with pytest.raises(CheckpointError, match="create_graph=True"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+class Positions(nn.Module):
+    """Returns a view of its own state: learned positions, or a rotary-style buffer."""
+
+    def __init__(self, learned: bool) -> None:
+        super().__init__()
+        table = torch.randn(16, 8)
+        if learned:
+            self.table = nn.Parameter(table)
+        else:
+            self.register_buffer("table", table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table[: x.shape[0]]
+
+
+@pytest.mark.parametrize("learned", [True, False])
+def test_an_output_that_is_a_view_of_module_state_is_kept_not_freed(learned: bool) -> None:
+    # NOTE [discard frees only fn's own storages]: freeing it would destroy the parameter or
+    # buffer for every later step.
+    torch.manual_seed(0)
+    positions, proj = Positions(learned), nn.Linear(8, 8)
+    before = positions.table.detach().clone()
+    x = torch.randn(4, 8, requires_grad=True)
+    eager_out = proj(positions(x))
+    eager_out.sum().backward()
+    expected = [t.grad.clone() for t in (*positions.parameters(), *proj.parameters())]
+    for t in (*positions.parameters(), *proj.parameters()):
+        t.grad = None
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(positions, x))
+    ckpt.discard_output_and_register_recompute(out)
+    assert positions.table.untyped_storage().nbytes() == 16 * 8 * 4  # intact
+    out.sum().backward()
+    assert torch.equal(positions.table, before)
+    assert_same_grads(expected, [t.grad for t in (*positions.parameters(), *proj.parameters())])
+
+
+def test_a_view_of_a_tensor_a_lambda_closes_over_is_kept() -> None:
+    table = torch.randn(16, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    rows = ckpt.checkpoint(lambda t: table[: t.shape[0]], x)
+    out = (x * rows).sum()
+    ckpt.discard_output_and_register_recompute(out)
+    assert table.untyped_storage().nbytes() == 16 * 8 * 4
