@@ -63,10 +63,13 @@ class _Offloaded:
 class Frame:
     """The recorded frozen results of one boundary invocation."""
 
-    __slots__ = ("results", "cursors", "released", "restore", "__weakref__")
+    __slots__ = ("results", "versions", "cursors", "released", "restore", "__weakref__")
 
     def __init__(self) -> None:
         self.results: dict[Callable[..., Any], list[Any]] = {}
+        # The version counters of each recorded result's tensors, when recorded: the replay
+        # hands back those very tensors, so a change made to them since would count twice.
+        self.versions: dict[Callable[..., Any], list[list[int]]] = {}
         self.cursors: dict[Callable[..., Any], int] = {}
         self.released = False  # set once cleared after its last replay (read by the census)
         # Set when the frame's tensors were offloaded: turns a handle back into a tensor.
@@ -84,6 +87,7 @@ class Frame:
             if isinstance(fn, torch._ops.OpOverload):
                 continue  # save units keep their outputs resident by definition
             for i, result in enumerate(recorded):
+                self._check_unmodified(fn, i)  # the handles check from here on
                 flat = flatten(result)
                 leaves = list(flat.leaves)
                 for j in flat.tensor_index:
@@ -92,6 +96,23 @@ class Frame:
 
     def record(self, fn: Callable[..., Any], result: Any) -> None:
         self.results.setdefault(fn, []).append(result)
+        if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
+            flat = flatten(result)
+            self.versions.setdefault(fn, []).append(
+                [flat.leaves[i]._version for i in flat.tensor_index])
+
+    def _check_unmodified(self, fn: Callable[..., Any], position: int) -> None:
+        flat = flatten(self.results[fn][position])
+        for i, before in zip(flat.tensor_index, self.versions[fn][position]):
+            leaf = flat.leaves[i]
+            if isinstance(leaf, torch.Tensor) and leaf._version != before:
+                path = leaf_paths(flat.spec, root="result")[i]
+                raise ReuseError(
+                    f"{path} of {callable_name(fn)}, recorded by reuse_during_recompute, was "
+                    "modified in place after it was returned",
+                    expected=f"version {before} (when recorded)", got=f"version {leaf._version}",
+                    tip="the replay hands back the recorded tensor, so the change would be made "
+                        "twice: change a clone (ids = ids.clone(); ids += 1)")
 
     def take(self, fn: Callable[..., Any]) -> Any:
         recorded = self.results.get(fn, ())
@@ -109,6 +130,8 @@ class Frame:
                     "time (a new lambda or functools.partial per call is another callable)")
         self.cursors[fn] = position + 1
         result = recorded[position]
+        if self.restore is None and not isinstance(fn, torch._ops.OpOverload):
+            self._check_unmodified(fn, position)
         if self.restore is not None and not isinstance(fn, torch._ops.OpOverload):
             restore = self.restore
             result = optree.tree_map(
@@ -145,6 +168,7 @@ class Frame:
 
     def clear(self) -> None:
         self.results.clear()
+        self.versions.clear()
         self.cursors.clear()
         self.released = True
 
@@ -176,6 +200,13 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     invocation = ACTIVE.get()
     if invocation is None:
         return fn(*args, **kwargs)
+    if getattr(type(fn), "__hash__", None) is None:
+        raise ReuseError(
+            f"reuse_during_recompute needs a hashable callable: its results are recorded by "
+            f"callable, and {callable_name(fn)} ({type(fn).__name__}) is not hashable",
+            expected="a function, a bound method, a module or another hashable callable",
+            got=f"{type(fn).__name__} with __hash__ = None",
+            tip="pass a function or a method that does the call, or give the class a __hash__")
     recorders = []
     while invocation is not None and invocation.phase is Phase.FORWARD:
         recorders.append(invocation)

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+import pytree_ckpt
+from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import ReuseError, checkpoint, current_phase, reuse_during_recompute
 
 
@@ -273,3 +275,47 @@ def test_a_compiled_body_calling_reuse_still_replays_its_frame() -> None:
     assert topk.calls == {"forward": 1}
     got = [x.grad, *(p.grad for p in lin.parameters())]
     assert all(torch.equal(a, b) for a, b in zip(eager, got))
+
+
+def _rotated_topk(h: torch.Tensor) -> torch.Tensor:
+    return torch.topk(h, 2, dim=-1).indices
+
+
+class RotatesIds(nn.Module):
+    """Changes its replayed ids in place: the replay would apply the change a second time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        ids = pytree_ckpt.reuse_during_recompute(_rotated_topk, h.detach())
+        ids += 1
+        return torch.gather(h, -1, ids % 8).sum(-1, keepdim=True) * h
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_a_replayed_result_changed_in_place_is_refused_with_a_tip(offloaded: bool) -> None:
+    layer = RotatesIds()
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offloaded else False
+    pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="modified in place") as caught:
+        layer(x).sum().backward()  # offloaded: refused in forward, before the copy is made
+    assert "ids = ids.clone()" in str(caught.value) and "version 0" in str(caught.value)
+
+
+def test_an_unhashable_callable_is_refused_with_a_tip_inside_a_boundary() -> None:
+    class Argmax:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, h: torch.Tensor) -> torch.Tensor:
+            return h.argmax(-1)
+
+    argmax = Argmax()
+    x = torch.randn(4, 8, requires_grad=True)
+    assert torch.equal(pytree_ckpt.reuse_during_recompute(argmax, x), x.argmax(-1))  # outside
+    with pytest.raises(ReuseError, match="hashable callable"):
+        pytree_ckpt.checkpoint(lambda t: t * pytree_ckpt.reuse_during_recompute(argmax, t)
+                               .unsqueeze(-1), x)
