@@ -32,6 +32,7 @@ import torch
 from .errors import ReuseError
 from .keep import IN_REUSE
 from .phase import ACTIVE, Phase
+from .rng import RngState, rng_changed, rng_state, set_rng_state
 from .tree import NAMESPACE, flatten, leaf_paths, unflatten
 
 __all__ = ["Frame", "reuse_during_recompute"]
@@ -63,13 +64,22 @@ class _Offloaded:
 class Frame:
     """The recorded frozen results of one boundary invocation."""
 
-    __slots__ = ("results", "versions", "cursors", "released", "restore", "__weakref__")
+    __slots__ = ("results", "versions", "rng_jumps", "rng_devices", "cursors", "released",
+                 "restore", "__weakref__")
 
     def __init__(self) -> None:
         self.results: dict[Callable[..., Any], list[Any]] = {}
         # The version counters of each recorded result's tensors, when recorded: the replay
         # hands back those very tensors, so a change made to them since would count twice.
         self.versions: dict[Callable[..., Any], list[list[int]]] = {}
+        # NOTE [skipped work keeps the RNG in step]: a recorded call that drew random numbers
+        # (router jitter, a kept dropout) is skipped in the replay, so the generators would
+        # stay behind and every later random op (dropout) would draw other numbers than in
+        # the original pass. The states after such a call are recorded; the replay jumps to
+        # them when it takes the result. Only with the boundary's RNG preserved (its replay
+        # restores these generators, and puts the ambient ones back after it).
+        self.rng_jumps: dict[Callable[..., Any], list[RngState | None]] = {}
+        self.rng_devices: tuple[int, ...] | None = None  # set by the boundary's original pass
         self.cursors: dict[Callable[..., Any], int] = {}
         self.released = False  # set once cleared after its last replay (read by the census)
         # Set when the frame's tensors were offloaded: turns a handle back into a tensor.
@@ -94,8 +104,10 @@ class Frame:
                     leaves[j] = _Offloaded(pack(leaves[j]))
                 recorded[i] = unflatten(flat.spec, leaves)
 
-    def record(self, fn: Callable[..., Any], result: Any) -> None:
+    def record(self, fn: Callable[..., Any], result: Any, rng_after: RngState | None = None
+               ) -> None:
         self.results.setdefault(fn, []).append(result)
+        self.rng_jumps.setdefault(fn, []).append(rng_after)
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
             flat = flatten(result)
             self.versions.setdefault(fn, []).append(
@@ -130,6 +142,9 @@ class Frame:
                     "time (a new lambda or functools.partial per call is another callable)")
         self.cursors[fn] = position + 1
         result = recorded[position]
+        jump = self.rng_jumps[fn][position]
+        if jump is not None and self.rng_devices is not None:
+            set_rng_state(jump, devices=self.rng_devices)
         if self.restore is None and not isinstance(fn, torch._ops.OpOverload):
             self._check_unmodified(fn, position)
         if self.restore is not None and not isinstance(fn, torch._ops.OpOverload):
@@ -169,6 +184,7 @@ class Frame:
     def clear(self) -> None:
         self.results.clear()
         self.versions.clear()
+        self.rng_jumps.clear()
         self.cursors.clear()
         self.released = True
 
@@ -211,15 +227,28 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     while invocation is not None and invocation.phase is Phase.FORWARD:
         recorders.append(invocation)
         invocation = invocation.parent
+    rng_after = None
     if invocation is None:
+        devices = rng_devices_of(recorders)
+        before = rng_state(devices) if devices is not None else None
         token = IN_REUSE.set(True)  # the replay will not run these ops: never keep them
         try:
             result = fn(*args, **kwargs)
         finally:
             IN_REUSE.reset(token)
         _check_frozen(fn, result)
+        if before is not None:  # NOTE [skipped work keeps the RNG in step]
+            after = rng_state(devices)
+            rng_after = after if rng_changed(before, after) else None
     else:
         result = invocation.frame.take(fn)
     for recorder in recorders:
-        recorder.frame.record(fn, result)
+        recorder.frame.record(fn, result, rng_after)
     return result
+
+
+def rng_devices_of(invocations: list[Any], /) -> tuple[int, ...] | None:
+    """The CUDA devices whose generators any of ``invocations`` restores in its replay, or
+    ``None`` when none restores RNG at all."""
+    devices = [i.frame.rng_devices for i in invocations if i.frame.rng_devices is not None]
+    return None if not devices else tuple(sorted({d for ds in devices for d in ds}))

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError
 from .phase import Invocation, Phase
+from .rng import rng_changed, rng_state
 
 __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE"]
 
@@ -124,9 +125,16 @@ class KeepMode(TorchDispatchMode):
         invocation = self.invocation
         frame = invocation.frame
         if invocation.phase is Phase.FORWARD:
+            devices = frame.rng_devices
+            before = rng_state(devices) if devices is not None else None
             out = func(*args, **kwargs)
+            rng_after = None
+            if before is not None and devices is not None:
+                # NOTE [skipped work keeps the RNG in step] (frames.py): the replay skips it.
+                after = rng_state(devices)
+                rng_after = after if rng_changed(before, after) else None
             kept = optree.tree_map(_tracking_alias, out)
-            frame.record(func, (kept, [t._version for t in _tensors(kept)]))
+            frame.record(func, (kept, [t._version for t in _tensors(kept)]), rng_after)
             if census_active():
                 report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=frame)
             return out

@@ -5,7 +5,28 @@ from __future__ import annotations
 from contextlib import ExitStack
 import torch
 
-__all__ = ["ReplayEnvironment"]
+__all__ = ["ReplayEnvironment", "RngState", "rng_changed", "rng_state", "set_rng_state"]
+
+# The CPU generator's state and, by device index, CUDA generators' states.
+RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
+
+
+def rng_state(devices: tuple[int, ...], /) -> RngState:
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+def rng_changed(before: RngState, after: RngState, /) -> bool:
+    return not torch.equal(before[0], after[0]) or any(
+        not torch.equal(state, after[1][d]) for d, state in before[1].items())
+
+
+def set_rng_state(state: RngState, /, *, devices: tuple[int, ...]) -> None:
+    """Set the CPU generator and those of ``devices`` (only: others the replay does not
+    restore afterwards, so changing them would leak out of it)."""
+    torch.set_rng_state(state[0])
+    for device in devices:
+        if device in state[1]:
+            torch.cuda.set_rng_state(state[1][device], device)
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -61,6 +82,11 @@ class ReplayEnvironment:
             for device in {t.device.index for t in tensors if t.is_cuda}:
                 cuda_rng[device] = torch.cuda.get_rng_state(device)
         return cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled())
+
+    def rng_devices(self) -> tuple[int, ...] | None:
+        """The CUDA devices whose generators the replay restores (and the CPU one); ``None``
+        when it restores none (``preserve_rng_state=False``)."""
+        return None if self.cpu_rng is None else tuple(sorted(self.cuda_rng))
 
     def enter(self, stack: ExitStack) -> None:
         """Enter, on ``stack``, what makes the replay see the original pass's environment."""

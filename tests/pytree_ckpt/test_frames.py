@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import gc
 import threading
 import weakref
@@ -15,6 +16,7 @@ from torch import nn
 import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import ReuseError, checkpoint, current_phase, reuse_during_recompute
+from tests.conftest import assert_same_grads
 
 
 class CountingTopk:
@@ -319,3 +321,42 @@ def test_an_unhashable_callable_is_refused_with_a_tip_inside_a_boundary() -> Non
     with pytest.raises(ReuseError, match="hashable callable"):
         pytree_ckpt.checkpoint(lambda t: t * pytree_ckpt.reuse_during_recompute(argmax, t)
                                .unsqueeze(-1), x)
+
+
+def _jittered_topk(h: torch.Tensor) -> torch.Tensor:
+    return torch.topk(h + torch.rand_like(h) * 1e-3, 2, dim=-1).indices  # draws random numbers
+
+
+class JitteredRouting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        ids = pytree_ckpt.reuse_during_recompute(_jittered_topk, h.detach())
+        y = torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+        return nn.functional.dropout(y, 0.5, training=True)
+
+
+def test_a_replayed_call_that_drew_random_numbers_keeps_later_dropout_masks_in_step() -> None:
+    # NOTE [skipped work keeps the RNG in step]: the replay skips the jittered routing, yet the
+    # dropout after it must draw the mask the original pass drew.
+    torch.manual_seed(0)
+    eager = JitteredRouting()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for model in (eager, wrapped):
+        torch.manual_seed(5)
+        model(x).sum().backward()
+        grads.append([*(p.grad.clone() for p in model.parameters()), x.grad.clone()])
+        x.grad = None
+    assert_same_grads(*grads)
+    torch.manual_seed(5)
+    wrapped(x)  # forward only: the generator moves as in eager, the replay does not move it
+    after_forward = torch.get_rng_state()
+    torch.manual_seed(5)
+    eager(x)
+    assert torch.equal(after_forward, torch.get_rng_state())

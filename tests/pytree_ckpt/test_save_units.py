@@ -281,3 +281,32 @@ def test_removing_the_boundary_also_unwraps_kept_methods() -> None:
     assert "project" in block.gate.__dict__
     pytree_ckpt.remove_activation_checkpointing(block)
     assert "project" not in block.gate.__dict__ and not pytree_ckpt.is_checkpointed(block)
+
+
+class KeptCoinFlips(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        mask = torch.bernoulli(torch.full_like(h, 0.5))  # kept below: draws random numbers
+        return nn.functional.dropout(h * mask, 0.5, training=True)
+
+
+def test_a_kept_op_that_drew_random_numbers_keeps_later_dropout_masks_in_step() -> None:
+    # NOTE [skipped work keeps the RNG in step]: the replay takes the kept op's output instead
+    # of running it; the dropout after it must still draw the original pass's mask.
+    torch.manual_seed(0)
+    eager = KeptCoinFlips()
+    wrapped = copy.deepcopy(eager)
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::bernoulli")}, offload=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for model in (eager, wrapped):
+        torch.manual_seed(1)
+        model(x).sum().backward()
+        grads.append([*(p.grad.clone() for p in model.parameters()), x.grad.clone()])
+        x.grad = None
+    assert_same_grads(*grads)
