@@ -1,8 +1,10 @@
 """The tree bridge: flatten any argument or output PyTree to tensor leaves and back.
 
 Containers are whatever optree knows (dict and TypedDict, list, tuple, namedtuple, None,
-``collections`` mappings) plus plain dataclasses, which are registered on first sight in this
-package's own optree namespace (so the global registry stays untouched). Leaves that are not
+``collections`` mappings) plus dataclasses (their extra instance attributes included; one that
+is also a mapping, as transformers' ModelOutput, is rebuilt through its ``__init__``), which
+are registered on first sight in this package's own optree namespace (so the global registry
+stays untouched). Leaves that are not
 tensors (ints, strings, config objects) ride along unchanged.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -25,17 +27,32 @@ _register_lock = threading.Lock()
 
 
 def _register_dataclass(cls: type) -> None:
-    names = tuple(f.name for f in dataclasses.fields(cls))
+    fields = dataclasses.fields(cls)
+    names = tuple(f.name for f in fields)
+    field_set = frozenset(names)
+    init_names = frozenset(f.name for f in fields if f.init)
+    is_mapping = issubclass(cls, Mapping)
 
     def flatten_one(obj: Any) -> tuple[list[Any], tuple[str, ...], tuple[str, ...]]:
-        return [getattr(obj, n) for n in names], names, names
+        # Instance attributes beyond the fields (set in __post_init__, say) are children too:
+        # nothing is dropped, and a tensor among them carries gradient like a field.
+        extra = tuple(k for k in getattr(obj, "__dict__", {}) if k not in field_set)
+        keys = names + extra
+        return [getattr(obj, k) for k in keys], keys, keys
 
-    def unflatten_one(field_names: tuple[str, ...], children: list[Any]) -> Any:
-        # NOTE: rebuilt without calling __init__/__post_init__: the rebuilt object holds the
-        # same field values with tensors swapped, not a new construction (frozen dataclasses
-        # included). Attributes that are not dataclass fields are not carried over.
-        obj: Any = object.__new__(cls)
-        for name, value in zip(field_names, children):
+    def unflatten_one(keys: tuple[str, ...], children: list[Any]) -> Any:
+        # NOTE: a plain dataclass is rebuilt without calling __init__/__post_init__: the same
+        # attribute values with tensors swapped, not a new construction (frozen ones included).
+        # A dataclass that is also a mapping (transformers' ModelOutput) keeps its items in
+        # step with its fields through its own __init__, so it is rebuilt through that.
+        values = dict(zip(keys, children))
+        if is_mapping:
+            obj: Any = cls(**{k: v for k, v in values.items() if k in init_names})
+            rest = {k: v for k, v in values.items() if k not in init_names}
+        else:
+            obj = object.__new__(cls)
+            rest = values
+        for name, value in rest.items():
             object.__setattr__(obj, name, value)
         return obj
 

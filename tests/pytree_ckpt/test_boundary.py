@@ -587,3 +587,45 @@ def test_a_hook_on_a_parameter_runs_once_as_in_eager() -> None:
     assert calls == {"eager": 1, "wrapped": 1}
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in wrapped.parameters()])
     assert len(wrapped[0].weight._backward_hooks) == 1  # still registered, in order
+
+
+@dataclasses.dataclass
+class WithDerived:
+    hidden: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.scale = self.hidden.square().mean()  # not a field: still part of the output
+
+
+class MappingOutput(collections.OrderedDict):  # how transformers' ModelOutput is built
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)
+            if value is not None:
+                self[field.name] = value
+
+
+@dataclasses.dataclass
+class LMOutput(MappingOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@pytest.mark.parametrize("make", [lambda t: WithDerived(t * 2),
+                                  lambda t: LMOutput(logits=t * 2)])
+def test_dataclass_outputs_keep_extra_attributes_and_mapping_items(make: Any) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    eager, wrapped = make(x), pytree_ckpt.checkpoint(make, x)
+    assert type(wrapped) is type(eager)
+    if isinstance(eager, WithDerived):
+        assert wrapped.scale.requires_grad  # carried over, and differentiable
+        losses = [o.scale + o.hidden.sum() for o in (eager, wrapped)]
+    else:
+        assert list(wrapped.keys()) == ["logits"] and wrapped["logits"] is wrapped.logits
+        losses = [o["logits"].square().sum() for o in (eager, wrapped)]
+    grads = []
+    for loss in losses:  # a plain callable: backward() and .grad, not autograd.grad
+        loss.backward()
+        grads.append(x.grad)
+        x.grad = None
+    assert torch.equal(*grads)
