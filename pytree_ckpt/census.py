@@ -118,10 +118,12 @@ def report_held(tensors: Iterable[torch.Tensor], mechanism: Mechanism, /, *,
     ``replace``: earlier holders of these storages no longer hold them (the saved reference
     was swapped, as offload does).
     """
+    tensors = list(tensors)
     census = _ACTIVE.get()
-    if census is not None:
+    while census is not None:  # a census nested in another: both see it
         for tensor in tensors:
             census._note(tensor, mechanism, holder, replace=replace)
+        census = census._parent
 
 
 def storage_key(tensor: torch.Tensor, /) -> tuple[str, int]:
@@ -145,6 +147,7 @@ class ActivationCensus:
         self._handles: list[Any] = []
         self._hooks: Any = None
         self._token: Any = None
+        self._parent: ActivationCensus | None = None  # the census this one is nested in
 
     # -- recording ---------------------------------------------------------------------------
     def __enter__(self) -> ActivationCensus:
@@ -171,6 +174,7 @@ class ActivationCensus:
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
+        self._parent = _ACTIVE.get()
         self._token = _ACTIVE.set(self)
         return self
 
@@ -229,6 +233,8 @@ class ActivationCensus:
             entry.discarded = True
             # Freed memory gets reused at once: file it under a key no new storage can have.
             self._entries[("discarded", id(entry))] = entry
+        if self._parent is not None:
+            self._parent.note_discarded(tensor)
 
     def note_refilled(self, tensor: torch.Tensor, /) -> None:
         """A discarded storage was rebuilt for backward: resident again."""
@@ -236,6 +242,8 @@ class ActivationCensus:
         for entry in self._entries.values():
             if entry.discarded and entry.storage.cdata == cdata:
                 entry.discarded = False
+        if self._parent is not None:
+            self._parent.note_refilled(tensor)
 
     @property
     def discarded_bytes(self) -> int:

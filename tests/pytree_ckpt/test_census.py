@@ -133,3 +133,16 @@ def test_report_and_to_dict_agree_with_the_totals() -> None:
     report = census.report()
     assert f"{census.total_bytes:,}" in report and "autograd" in report
     del out
+
+
+def test_a_census_nested_in_another_reports_the_same_bytes_to_both() -> None:
+    # Mechanisms report to the census recording here; one nested in another must not hide
+    # them from the outer one (it saw frame bytes as 0, boundary inputs as autograd).
+    layer = Layer()
+    x = torch.randn(5, 8, requires_grad=True)
+    with ActivationCensus(layer) as outer, ActivationCensus(layer) as inner:
+        out = checkpoint(lambda h: layer(h)["hidden_states"], x)
+    expected = {"checkpoint boundary": nbytes(x), "replay frame": 5 * 3 * 8}
+    assert outer.bytes_by("mechanism") == inner.bytes_by("mechanism") == expected
+    out.sum().backward()
+    assert outer.bytes_by("mechanism") == inner.bytes_by("mechanism") == {}
