@@ -30,7 +30,7 @@ import optree
 import torch
 
 from .errors import ReuseError
-from .keep import IN_REUSE
+from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import RngState, rng_changed, rng_state, set_rng_state
 from .tree import NAMESPACE, flatten, leaf_paths, unflatten
@@ -112,6 +112,11 @@ class Frame:
             flat = flatten(result)
             self.versions.setdefault(fn, []).append(
                 [flat.leaves[i]._version for i in flat.tensor_index])
+
+    def unkeep(self, op: Callable[..., Any], position: int, /) -> None:
+        """Take back a save unit's record: the replay runs ``op`` again (keep.py, rule 3)."""
+        self.results[op][position] = RECOMPUTE
+        self.rng_jumps[op][position] = None  # the op draws its own random numbers again
 
     def _check_unmodified(self, fn: Callable[..., Any], position: int) -> None:
         flat = flatten(self.results[fn][position])

@@ -16,8 +16,11 @@ still records the op's node with the replay's inputs, and gradients flow. Rules:
    only when grad is enabled, so only in the replay;
 2. a mutating op (in-place, ``out=``) is never kept; inside a kept callable it is recomputed,
    with one warning per op;
-3. a kept output mutated between the original pass and the replay (its version counter moved)
-   raises ``CheckpointError`` naming the op;
+3. a kept output that a later op of the same original pass changes in place (``relu_``, the
+   ``bernoulli_`` of a dropout, a ``scatter_add_`` into ``zeros_like``) is not kept after all:
+   the replay recomputes that op, and the change is made to the fresh output, as in eager. One
+   changed after the original pass and before the replay (its version counter moved) raises
+   ``CheckpointError`` naming the op;
 4. ops run by ``reuse_during_recompute`` are not kept: the replay never runs them.
 """
 
@@ -103,6 +106,25 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
+RECOMPUTE = object()  # a frame record taken back: the replay runs the op (rule 3)
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` writes to (its schema's mutable arguments)."""
+    written: list[torch.Tensor] = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        written += [t for t in values if isinstance(t, torch.Tensor)]
+    return written
+
+
 class KeepMode(TorchDispatchMode):
     """Records kept ops' outputs in the original pass, returns them in the replay.
 
@@ -116,10 +138,15 @@ class KeepMode(TorchDispatchMode):
         super().__init__()
         self.policy = policy
         self.invocation = invocation
+        # Original pass: the storages of kept outputs -> (op, position in the frame), so that
+        # a later in-place change can take the record back (rule 3).
+        self._kept_at: dict[int, tuple[Any, int]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self._kept_at and func._schema.is_mutable:
+            self._unkeep_written(func, args, kwargs)
         if IN_REUSE.get() or not self.policy.keeps(func):
             return func(*args, **kwargs)
         invocation = self.invocation
@@ -135,10 +162,16 @@ class KeepMode(TorchDispatchMode):
                 rng_after = after if rng_changed(before, after) else None
             kept = optree.tree_map(_tracking_alias, out)
             frame.record(func, (kept, [t._version for t in _tensors(kept)]), rng_after)
+            position = len(frame.results[func]) - 1
+            for tensor in _tensors(kept):
+                self._kept_at[_storage_id(tensor)] = (func, position)
             if census_active():
                 report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=frame)
             return out
-        kept, versions = frame.take(func)
+        record = frame.take(func)
+        if record is RECOMPUTE:  # changed in place later in the original pass (rule 3)
+            return func(*args, **kwargs)
+        kept, versions = record
         for tensor, version in zip(_tensors(kept), versions):
             if tensor._version != version:
                 raise CheckpointError(
@@ -151,3 +184,11 @@ class KeepMode(TorchDispatchMode):
         # A fresh alias each time (a replay may run twice with retain_graph): autograd, above
         # this mode, attaches this replay's history to it.
         return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept)
+
+    def _unkeep_written(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        # Rule 3: the kept value would be the changed one, and the replay would change it again.
+        for tensor in _written(func, args, kwargs):
+            found = self._kept_at.pop(_storage_id(tensor), None)
+            if found is not None:
+                op, position = found
+                self.invocation.frame.unkeep(op, position)

@@ -137,20 +137,20 @@ def test_the_census_shows_kept_bytes_under_the_save_unit_mechanism() -> None:
 
 
 def test_a_kept_output_mutated_before_the_replay_raises_naming_the_op() -> None:
-    class Mutating(nn.Module):
+    class Returning(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.w = nn.Parameter(torch.randn(4, 4))
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             h = torch.mm(x, self.w)
-            out = h.tanh() * 2
-            h.mul_(3)  # the kept output changes after it was kept
-            return out + h
+            return h.tanh() * 2, h
 
-    layer = Mutating()
+    layer = Returning()
     apply_recompute_config([layer], RecomputeConfig(1.0, ["attn"]), TARGETS)
-    out = layer(torch.randn(2, 4, requires_grad=True))
+    out, h = layer(torch.randn(2, 4, requires_grad=True))
+    with torch.no_grad():
+        h.mul_(3)  # the kept output changes after the original pass, before the replay
     with pytest.raises(CheckpointError, match=r"aten.mm.default kept by a save unit was mutated"):
         out.sum().backward()
 
@@ -309,4 +309,52 @@ def test_a_kept_op_that_drew_random_numbers_keeps_later_dropout_masks_in_step() 
         model(x).sum().backward()
         grads.append([*(p.grad.clone() for p in model.parameters()), x.grad.clone()])
         x.grad = None
+    assert_same_grads(*grads)
+
+
+class InPlaceGate(nn.Module):
+    """A kept region whose outputs are then changed in place (rule 3 of keep.py)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.w = nn.Linear(8, 4)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.w(x)
+        if self.how == "scatter_add_":
+            ids = logits.topk(2, -1).indices
+            mask = torch.zeros_like(logits).scatter_add_(1, ids, torch.ones_like(logits))
+        elif self.how == "relu_":
+            logits = logits * 1.0
+            logits.relu_()
+            mask = torch.ones_like(logits)
+        else:
+            mask = torch.full_like(logits, 2.0)
+            mask.mul_(3)
+        return logits * mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x) * 2
+
+
+@pytest.mark.parametrize("how", ["scatter_add_", "relu_", "mul_"])
+def test_a_kept_output_changed_in_place_later_in_the_forward_is_recomputed_not_kept_twice(
+        how: str) -> None:
+    # Keeping it would hand the replay the changed value, and the replay would change it again
+    # (x2, x3 gradients) or refuse with a misleading error.
+    torch.manual_seed(0)
+    eager = InPlaceGate(how)
+    wrapped = copy.deepcopy(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "mutates its inputs inside a kept unit": expected
+        apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+                               {SaveUnit.MOE_GATE: KeptCallables("InPlaceGate.project")},
+                               offload=False)
+        x = torch.randn(3, 8, requires_grad=True)
+        grads = []
+        for model in (eager, wrapped):
+            model(x).sum().backward()
+            grads.append([*(p.grad.clone() for p in model.parameters()), x.grad.clone()])
+            x.grad = None
     assert_same_grads(*grads)
