@@ -241,6 +241,15 @@ class CheckpointWithoutOutput:
             self.passthrough = True
             return fn(*args)
         outputs = tuple(_DiscardFunction.apply(self, *args, *(self.params or ())))
+        if not any(o.requires_grad for o in outputs):
+            # No output can carry a gradient, so autograd keeps no node (and no inputs) to
+            # replay from: the discard would free what nothing can rebuild.
+            raise CheckpointConfigError(
+                f"CheckpointWithoutOutput needs {self._name()} to return a floating output",
+                expected="at least one output that can require grad",
+                got=", ".join(str(o.dtype) for o in outputs),
+                tip="integer results (argmax ids) are small: call the op plainly, or replay "
+                    "them with pytree_ckpt.reuse_during_recompute inside a checkpoint")
         # Detached aliases: the same storages, without a grad_fn pointing back at our node.
         self.outputs = tuple(o.detach() for o in outputs)
         return outputs[0] if self.single else outputs
@@ -256,8 +265,11 @@ class CheckpointWithoutOutput:
     def _name(self) -> str:
         return callable_name(self.fn) if self.fn is not None else "CheckpointWithoutOutput"
 
-    def discard_output(self) -> None:
-        """Free each output's storage (NOTE [discard lifetimes] 2)."""
+    def _discard_output(self) -> None:
+        """Free each output's storage (NOTE [discard lifetimes] 2). Private: freeing without
+        registering the rebuild leaves the consumer's backward reading freed memory, so it
+        only comes with a registration (``discard_output_and_register_recompute``, or a
+        manager's unified one)."""
         if self.discarded:
             raise CheckpointError(f"the output of {self._name()} was already discarded",
                                   expected="one discard", got="a second discard",
@@ -281,7 +293,7 @@ class CheckpointWithoutOutput:
         """Free the outputs now; rebuild them when ``hook_tensor``'s gradient is computed."""
         if not self.passthrough:
             _check_hook_tensor(hook_tensor, self._name())
-        self.discard_output()
+        self._discard_output()
         if not self.passthrough:
             hook_tensor.register_hook(self._hook)
 
@@ -371,11 +383,11 @@ class CheckpointWithoutOutputManager:
         if any(c.discarded for c in self.checkpoints):
             raise CheckpointError("a checkpoint of this manager was already discarded on its own",
                                   expected="discards through the manager only",
-                                  got="an earlier discard_output()",
+                                  got="an earlier discard_output_and_register_recompute()",
                                   tip="let the manager discard all of its checkpoints")
         self.registered = True
         for ckpt in self.checkpoints:
-            ckpt.discard_output()
+            ckpt._discard_output()
         if not all(c.passthrough for c in self.checkpoints):
             hook_tensor.register_hook(self._hook)
 

@@ -136,7 +136,7 @@ class RecomputeConfig:
         save = self.save
         if save is None or isinstance(save, bool):
             return
-        if isinstance(save, (str, SaveUnit)) or not isinstance(save, Sequence):
+        if isinstance(save, (str, bytes, SaveUnit)) or not isinstance(save, Sequence):
             raise CheckpointConfigError(
                 "RecomputeConfig.save takes None, a bool, or a list of save units",
                 expected="None | bool | list[SaveUnit | str]", got=repr(save),
@@ -152,6 +152,10 @@ class RecomputeConfig:
     @classmethod
     def from_json(cls, text: str, /) -> RecomputeConfig:
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise CheckpointConfigError(
+                "RecomputeConfig JSON must be an object", expected='{"ratio": ..., "save": ...}',
+                got=type(data).__name__, tip="write it with RecomputeConfig.to_json()")
         unknown = set(data) - {"ratio", "save"}
         if unknown:
             raise CheckpointConfigError(
@@ -206,6 +210,19 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
     Returns the indices of the checkpointed layers. ``offload`` as in
     ``apply_activation_checkpointing``.
     """
+    if not isinstance(config, RecomputeConfig):
+        raise CheckpointConfigError(
+            "apply_recompute_config takes a RecomputeConfig", expected="RecomputeConfig",
+            got=type(config).__name__,
+            tip="RecomputeConfig(ratio, save), or RecomputeConfig.from_json(text)")
+    for unit, target in targets.items():
+        if not isinstance(target, (KeptOps, KeptCallables)):
+            raise CheckpointConfigError(
+                f"the target of save unit {unit!r} is neither KeptOps nor KeptCallables",
+                expected="KeptOps(op names) | KeptCallables(method paths)",
+                got=type(target).__name__,
+                tip="KeptOps('aten::mm') keeps ops by name; KeptCallables('Gate.project') "
+                    "keeps everything a method dispatches")
     count = int(len(layers) * config.ratio)
     chosen = list(layers[:count])
     units = _selected(config, targets)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from offload import OffloadConfig, OffloadManager
-from pytree_ckpt import (ActivationCensus, CheckpointError, CheckpointWithoutOutput,
-                         CheckpointWithoutOutputManager, build_residual_stream_recompute_plan,
+from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError,
+                         CheckpointWithoutOutput, CheckpointWithoutOutputManager, build_residual_stream_recompute_plan,
                          checkpoint, current_phase)
 from tests.conftest import assert_same_grads
 
@@ -288,3 +288,9 @@ def test_a_view_of_a_tensor_a_lambda_closes_over_is_kept() -> None:
     out = (x * rows).sum()
     ckpt.discard_output_and_register_recompute(out)
     assert table.untyped_storage().nbytes() == 16 * 8 * 4
+
+
+def test_an_op_with_only_integer_outputs_is_refused_when_checkpointed() -> None:
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(CheckpointConfigError, match="floating output"):
+        CheckpointWithoutOutput().checkpoint(lambda t: t.argmax(-1), x)

@@ -358,3 +358,17 @@ def test_a_kept_output_changed_in_place_later_in_the_forward_is_recomputed_not_k
             grads.append([*(p.grad.clone() for p in model.parameters()), x.grad.clone()])
             x.grad = None
     assert_same_grads(*grads)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: apply_recompute_config([nn.Linear(2, 2)], {"ratio": 1.0}, {}),  # type: ignore
+     "takes a RecomputeConfig"),
+    (lambda: apply_recompute_config([nn.Linear(2, 2)], RecomputeConfig(1.0, ["attn"]),
+                                    {SaveUnit.ATTN: "aten::mm"}),  # type: ignore[dict-item]
+     "neither KeptOps nor KeptCallables"),
+    (lambda: RecomputeConfig.from_json("[1, null]"), "must be an object"),
+    (lambda: RecomputeConfig(1.0, b"attn"), "a list of save units"),  # type: ignore[arg-type]
+])
+def test_malformed_configs_are_refused_with_a_config_error(call: Any, message: str) -> None:
+    with pytest.raises(CheckpointConfigError, match=message):
+        call()
