@@ -153,11 +153,11 @@ class _Copy:
             # are, with no copy back. They are the saved tensor's own storage, exactly what
             # eager autograd would read: every handle still checks its version when unpacked
             # (NOTE [in-place check]); a storage resized since (freed, regrown elsewhere or to
-            # another size) is copied back from host instead. The copy to host may still be reading the bytes, which is
-            # harmless. The manager lets go of its reference as for any copy in flight, after
-            # the saving stream waited on the copy to host (stream rule 1), so the memory is
-            # reused only after that copy; whether it was alive elsewhere is known once
-            # backward is done with it (``__del__``).
+            # another size) is copied back from host instead. The copy to host may still be
+            # reading the bytes, which is harmless. The manager lets go of its reference as for
+            # any copy in flight, after the saving stream waited on the copy to host (stream
+            # rule 1), so the memory is reused only after that copy; whether it was alive
+            # elsewhere is known once backward is done with it (``__del__``).
             self.restored = device_bytes
             self.reused = True
             counters["reused_bytes"] += self.nbytes

@@ -348,7 +348,8 @@ class _BoundaryFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         tensors = inputs[: call.n_inputs]  # the rest are parameters (NOTE [parameters are inputs])
         call.env = ReplayEnvironment.capture(tensors, preserve_rng=call.options.preserve_rng_state)
-        call.frame.rng_devices = call.env.rng_devices()  # NOTE [skipped work keeps the RNG ...]
+        # NOTE [skipped work keeps the RNG in step] (frames.py): the generators it restores.
+        call.frame.rng_devices = call.env.rng_devices()
         assert call.original_call is not None
         args, kwargs = call.original_call
         call.original_call = None

@@ -242,7 +242,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         finally:
             IN_REUSE.reset(token)
         _check_frozen(fn, result)
-        if before is not None:  # NOTE [skipped work keeps the RNG in step]
+        if before is not None and devices is not None:  # NOTE [skipped work keeps the RNG in step]
             after = rng_state(devices)
             rng_after = after if rng_changed(before, after) else None
     else:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # examples/ is importable from the repository root
@@ -31,6 +32,19 @@ def assert_same_grads(expected: list[torch.Tensor | None], got: list[torch.Tenso
             assert a is None and b is None, f"grad #{i}: {a} vs {b}"
         else:
             assert torch.equal(a, b), f"grad #{i} differs: max |d| = {(a - b).abs().max()}"
+
+
+def grads_per_model(models: Sequence[nn.Module], x: torch.Tensor, *,
+                    seed: int) -> list[list[torch.Tensor | None]]:
+    """Per model, from the same seed: ``model(x).sum().backward()``, then the gradients of its
+    parameters and of ``x`` (reset between models)."""
+    grads = []
+    for model in models:
+        torch.manual_seed(seed)
+        model(x).sum().backward()
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    return grads
 
 
 def run_twice(step: Callable[[bool], Any], leaves: list[torch.Tensor], *,

@@ -10,8 +10,8 @@ from torch import nn
 
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError,
-                         CheckpointWithoutOutput, CheckpointWithoutOutputManager, build_residual_stream_recompute_plan,
-                         checkpoint, current_phase)
+                         CheckpointWithoutOutput, CheckpointWithoutOutputManager,
+                         build_residual_stream_recompute_plan, checkpoint, current_phase)
 from tests.conftest import assert_same_grads
 
 

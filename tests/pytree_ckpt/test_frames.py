@@ -16,7 +16,7 @@ from torch import nn
 import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import ReuseError, checkpoint, current_phase, reuse_during_recompute
-from tests.conftest import assert_same_grads
+from tests.conftest import assert_same_grads, grads_per_model
 
 
 class CountingTopk:
@@ -347,13 +347,7 @@ def test_a_replayed_call_that_drew_random_numbers_keeps_later_dropout_masks_in_s
     wrapped = copy.deepcopy(eager)
     pytree_ckpt.apply_activation_checkpointing(wrapped)
     x = torch.randn(4, 8, requires_grad=True)
-    grads = []
-    for model in (eager, wrapped):
-        torch.manual_seed(5)
-        model(x).sum().backward()
-        grads.append([*(p.grad.clone() for p in model.parameters()), x.grad.clone()])
-        x.grad = None
-    assert_same_grads(*grads)
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=5))
     torch.manual_seed(5)
     wrapped(x)  # forward only: the generator moves as in eager, the replay does not move it
     after_forward = torch.get_rng_state()

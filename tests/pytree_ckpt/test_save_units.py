@@ -16,7 +16,7 @@ import pytree_ckpt
 from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError, KeptCallables,
                          KeptOps, RecomputeConfig, SaveUnit, apply_recompute_config,
                          current_phase)
-from tests.conftest import assert_same_grads
+from tests.conftest import assert_same_grads, grads_per_model
 
 
 class OpCounter(TorchDispatchMode):
@@ -303,13 +303,7 @@ def test_a_kept_op_that_drew_random_numbers_keeps_later_dropout_masks_in_step() 
     apply_recompute_config([wrapped], RecomputeConfig(1.0, ["attn"]),
                            {SaveUnit.ATTN: KeptOps("aten::bernoulli")}, offload=False)
     x = torch.randn(4, 8, requires_grad=True)
-    grads = []
-    for model in (eager, wrapped):
-        torch.manual_seed(1)
-        model(x).sum().backward()
-        grads.append([*(p.grad.clone() for p in model.parameters()), x.grad.clone()])
-        x.grad = None
-    assert_same_grads(*grads)
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
 
 
 class InPlaceGate(nn.Module):
@@ -351,12 +345,7 @@ def test_a_kept_output_changed_in_place_later_in_the_forward_is_recomputed_not_k
         apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
                                {SaveUnit.MOE_GATE: KeptCallables("InPlaceGate.project")},
                                offload=False)
-        x = torch.randn(3, 8, requires_grad=True)
-        grads = []
-        for model in (eager, wrapped):
-            model(x).sum().backward()
-            grads.append([*(p.grad.clone() for p in model.parameters()), x.grad.clone()])
-            x.grad = None
+        grads = grads_per_model([eager, wrapped], torch.randn(3, 8, requires_grad=True), seed=0)
     assert_same_grads(*grads)
 
 
