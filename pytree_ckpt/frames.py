@@ -132,6 +132,11 @@ class Frame:
                         "twice: change a clone (ids = ids.clone(); ids += 1)")
 
     def take(self, fn: Callable[..., Any]) -> Any:
+        return self.take_with_rng(fn)[0]
+
+    def take_with_rng(self, fn: Callable[..., Any]) -> tuple[Any, RngState | None]:
+        """The next recorded result for ``fn``, and the RNG states recorded after it (already
+        applied here; a nested boundary recording it again needs them too)."""
         recorded = self.results.get(fn, ())
         position = self.cursors.get(fn, 0)
         if position >= len(recorded):
@@ -157,7 +162,7 @@ class Frame:
             result = optree.tree_map(
                 lambda leaf: restore(leaf.packed) if isinstance(leaf, _Offloaded) else leaf,
                 result, namespace=NAMESPACE)
-        return result
+        return result, jump
 
     def start_replay(self) -> None:
         self.cursors.clear()
@@ -245,8 +250,8 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         if before is not None and devices is not None:  # NOTE [skipped work keeps the RNG in step]
             after = rng_state(devices)
             rng_after = after if rng_changed(before, after) else None
-    else:
-        result = invocation.frame.take(fn)
+    else:  # a nested boundary's original pass inside a replay records the jump it took too
+        result, rng_after = invocation.frame.take_with_rng(fn)
     for recorder in recorders:
         recorder.frame.record(fn, result, rng_after)
     return result

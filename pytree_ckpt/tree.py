@@ -33,19 +33,25 @@ def _register_dataclass(cls: type) -> None:
     init_names = frozenset(f.name for f in fields if f.init)
     is_mapping = issubclass(cls, Mapping)
 
-    def flatten_one(obj: Any) -> tuple[list[Any], tuple[str, ...], tuple[str, ...]]:
-        # Instance attributes beyond the fields (set in __post_init__, say) are children too:
-        # nothing is dropped, and a tensor among them carries gradient like a field.
-        extra = tuple(k for k in getattr(obj, "__dict__", {}) if k not in field_set)
-        keys = names + extra
-        return [getattr(obj, k) for k in keys], keys, keys
+    def flatten_one(obj: Any) -> tuple[list[Any], tuple[tuple[Any, ...], tuple[Any, ...]],
+                                       tuple[Any, ...]]:
+        # Instance attributes beyond the fields (set in __post_init__, say) are children too,
+        # and so are a mapping's items that are not fields: nothing is dropped, and a tensor
+        # among them carries gradient like a field.
+        # (A field left unset, as an init=False one may be, is left unset in the copy too.)
+        attrs = tuple(n for n in names if hasattr(obj, n)) + tuple(
+            k for k in getattr(obj, "__dict__", {}) if k not in field_set)
+        items = tuple(k for k in obj.keys() if k not in field_set) if is_mapping else ()
+        children = [getattr(obj, k) for k in attrs] + [obj[k] for k in items]
+        return children, (attrs, items), attrs + items
 
-    def unflatten_one(keys: tuple[str, ...], children: list[Any]) -> Any:
+    def unflatten_one(keys: tuple[tuple[Any, ...], tuple[Any, ...]], children: list[Any]) -> Any:
         # NOTE: a plain dataclass is rebuilt without calling __init__/__post_init__: the same
         # attribute values with tensors swapped, not a new construction (frozen ones included).
         # A dataclass that is also a mapping (transformers' ModelOutput) keeps its items in
         # step with its fields through its own __init__, so it is rebuilt through that.
-        values = dict(zip(keys, children))
+        attrs, items = keys
+        values = dict(zip(attrs, children))
         if is_mapping:
             obj: Any = cls(**{k: v for k, v in values.items() if k in init_names})
             rest = {k: v for k, v in values.items() if k not in init_names}
@@ -54,6 +60,8 @@ def _register_dataclass(cls: type) -> None:
             rest = values
         for name, value in rest.items():
             object.__setattr__(obj, name, value)
+        for key, value in zip(items, children[len(attrs):]):
+            obj[key] = value
         return obj
 
     optree.register_pytree_node(cls, flatten_one, unflatten_one, namespace=NAMESPACE)

@@ -294,3 +294,12 @@ def test_an_op_with_only_integer_outputs_is_refused_when_checkpointed() -> None:
     x = torch.randn(5, 8, requires_grad=True)
     with pytest.raises(CheckpointConfigError, match="floating output"):
         CheckpointWithoutOutput().checkpoint(lambda t: t.argmax(-1), x)
+
+
+def test_a_view_of_a_tensor_in_a_dict_a_lambda_closes_over_is_kept() -> None:
+    caches = {"cos": torch.randn(16, 8)}
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    rows = ckpt.checkpoint(lambda t: caches["cos"][: t.shape[0]], x)
+    ckpt.discard_output_and_register_recompute((x * rows).sum())
+    assert caches["cos"].untyped_storage().nbytes() == 16 * 8 * 4

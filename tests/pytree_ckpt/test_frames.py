@@ -354,3 +354,38 @@ def test_a_replayed_call_that_drew_random_numbers_keeps_later_dropout_masks_in_s
     torch.manual_seed(5)
     eager(x)
     assert torch.equal(after_forward, torch.get_rng_state())
+
+
+class JitteredInner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = pytree_ckpt.reuse_during_recompute(_jittered_topk, x.detach())
+        h = self.proj(x) * (ids.float().sum(-1, keepdim=True) + 1)
+        return nn.functional.dropout(h, 0.5, training=True)
+
+
+class JitteredOuter(nn.Module):
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        self.nested = nested
+        self.inner = JitteredInner()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.inner, x) if self.nested else self.inner(x)
+        return self.proj(h)
+
+
+def test_the_rng_jump_of_a_replayed_call_reaches_a_nested_boundary_too() -> None:
+    # The inner boundary's first run happens inside the outer replay, where the jump is taken
+    # from the outer frame; the inner replay later needs that jump as well.
+    torch.manual_seed(0)
+    eager = JitteredOuter(nested=False)
+    nested = JitteredOuter(nested=True)
+    nested.load_state_dict(eager.state_dict())
+    pytree_ckpt.apply_activation_checkpointing(nested)
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([eager, nested], x, seed=5))
