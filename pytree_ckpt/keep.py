@@ -109,6 +109,12 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 RECOMPUTE = object()  # a frame record taken back: the replay runs the op (rule 3)
 
 
+def _may_draw_random(func: Any) -> bool:
+    # aten tags every op that draws random numbers (dropout, the attention kernels with a
+    # dropout_p); other namespaces' ops (flash-attn's) cannot be told, so they are checked.
+    return func.namespace != "aten" or torch.Tag.nondeterministic_seeded in func.tags
+
+
 def _storage_id(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
@@ -152,7 +158,7 @@ class KeepMode(TorchDispatchMode):
         invocation = self.invocation
         frame = invocation.frame
         if invocation.phase is Phase.FORWARD:
-            devices = frame.rng_devices
+            devices = frame.rng_devices if _may_draw_random(func) else None
             before = rng_state(devices) if devices is not None else None
             out = func(*args, **kwargs)
             rng_after = None
