@@ -109,6 +109,16 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 RECOMPUTE = object()  # a frame record taken back: the replay runs the op (rule 3)
 
 
+class _RecordHolder:
+    """Held by one kept record: the census counts the record's bytes while it is alive."""
+
+    __slots__ = ("__weakref__",)
+
+    @property
+    def released(self) -> bool:
+        return False  # it goes with the record (taken back, or the frame cleared)
+
+
 def _may_draw_random(func: Any) -> bool:
     # aten tags every op that draws random numbers (dropout, the attention kernels with a
     # dropout_p); other namespaces' ops (flash-attn's) cannot be told, so they are checked.
@@ -167,17 +177,20 @@ class KeepMode(TorchDispatchMode):
                 after = rng_state(devices)
                 rng_after = after if rng_changed(before, after) else None
             kept = optree.tree_map(_tracking_alias, out)
-            frame.record(func, (kept, [t._version for t in _tensors(kept)]), rng_after)
+            # The census counts the kept bytes while this record holds them: a record taken
+            # back (rule 3), or cleared with the frame, lets go of its holder.
+            holder = _RecordHolder()
+            frame.record(func, (kept, [t._version for t in _tensors(kept)], holder), rng_after)
             position = len(frame.results[func]) - 1
             for tensor in _tensors(kept):
                 self._kept_at[_storage_id(tensor)] = (func, position)
             if census_active():
-                report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=frame)
+                report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=holder)
             return out
         record = frame.take(func)
         if record is RECOMPUTE:  # changed in place later in the original pass (rule 3)
             return func(*args, **kwargs)
-        kept, versions = record
+        kept, versions, _ = record
         for tensor, version in zip(_tensors(kept), versions):
             if tensor._version != version:
                 raise CheckpointError(

@@ -361,3 +361,23 @@ def test_a_kept_output_changed_in_place_later_in_the_forward_is_recomputed_not_k
 def test_malformed_configs_are_refused_with_a_config_error(call: Any, message: str) -> None:
     with pytest.raises(CheckpointConfigError, match=message):
         call()
+
+
+def test_the_census_stops_counting_a_kept_output_once_it_is_taken_back() -> None:
+    class ReluInPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.mm(x, self.w)
+            h.relu_()  # takes the kept mm output back (keep.py, rule 3)
+            return h * 2
+
+    layer = ReluInPlace()
+    apply_recompute_config([layer], RecomputeConfig(1.0, ["attn"]), TARGETS, offload=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    with ActivationCensus(layer) as census:
+        out = layer(x)
+    assert "save unit" not in census.bytes_by("mechanism")
+    out.sum().backward()
