@@ -125,8 +125,11 @@ def _may_draw_random(func: Any) -> bool:
     return func.namespace != "aten" or torch.Tag.nondeterministic_seeded in func.tags
 
 
-def _storage_id(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+def _storage_id(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor), a sparse tensor
+        return None
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -183,7 +186,9 @@ class KeepMode(TorchDispatchMode):
             frame.record(func, (kept, [t._version for t in _tensors(kept)], holder), rng_after)
             position = len(frame.results[func]) - 1
             for tensor in _tensors(kept):
-                self._kept_at[_storage_id(tensor)] = (func, position)
+                key = _storage_id(tensor)
+                if key is not None:
+                    self._kept_at[key] = (func, position)
             if census_active():
                 report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=holder)
             return out
@@ -207,7 +212,8 @@ class KeepMode(TorchDispatchMode):
     def _unkeep_written(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         # Rule 3: the kept value would be the changed one, and the replay would change it again.
         for tensor in _written(func, args, kwargs):
-            found = self._kept_at.pop(_storage_id(tensor), None)
+            key = _storage_id(tensor)
+            found = self._kept_at.pop(key, None) if key is not None else None
             if found is not None:
                 op, position = found
                 self.invocation.frame.unkeep(op, position)
