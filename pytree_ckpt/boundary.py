@@ -137,6 +137,28 @@ def _watch_module_structure() -> None:
 _SHAPE = "_pytree_ckpt_shape"
 
 
+def _dropped() -> None:
+    return None
+
+
+class _Shape:
+    """The cached shape of a module tree (weak references): a copy or a pickle of the module
+    carries no cache (it is rebuilt at the next call), as weak references cannot be pickled
+    and would point at the original's submodules."""
+
+    __slots__ = ("generation", "entries")
+
+    def __init__(self, generation: int, entries: tuple[Any, ...]) -> None:
+        self.generation = generation
+        self.entries = entries
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _dropped, ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+
 def _check_structure(module: nn.Module) -> None:
     """Bump the generation when ``module``'s tree changed behind torch's registration hooks.
 
@@ -148,12 +170,12 @@ def _check_structure(module: nn.Module) -> None:
     """
     global _structure_generation
     shape = module.__dict__.get(_SHAPE)
-    if shape is not None and shape[0] == _structure_generation:
+    if shape is not None and shape.generation == _structure_generation:
         if all((m := ref()) is not None and m._modules is modules and len(modules) == n
-               for ref, modules, n in shape[1]):
+               for ref, modules, n in shape.entries):
             return
         _structure_generation += 1  # changed behind the hooks: every cache is stale
-    module.__dict__[_SHAPE] = (_structure_generation, tuple(
+    module.__dict__[_SHAPE] = _Shape(_structure_generation, tuple(
         (weakref.ref(m), m._modules, len(m._modules)) for m in module.modules()))
 
 

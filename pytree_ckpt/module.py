@@ -107,9 +107,19 @@ def _restore_forward(module: nn.Module, method: str | None,
     return _CheckpointedForward(module, bare, options)
 
 
+def _installed(module: nn.Module) -> _CheckpointedForward | None:
+    """The boundary installed on ``module`` and still in effect: a ``forward`` assigned over it
+    since (by the user) means it is not."""
+    installed = module.__dict__.get(_INSTALLED)
+    if installed is not None and module.__dict__.get("forward") is not installed:
+        del module.__dict__[_INSTALLED]  # replaced: forget it, and leave the new forward be
+        return None
+    return installed
+
+
 def is_checkpointed(module: nn.Module, /) -> bool:
     """Whether ``apply_activation_checkpointing`` is in effect on ``module``."""
-    return _INSTALLED in module.__dict__
+    return _installed(module) is not None
 
 
 def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager | None:
@@ -158,7 +168,7 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
 def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Module:
     """Install a boundary with ``options`` on ``module``; ``apply_activation_checkpointing``'s
     core, also used by ``apply_recompute_config``."""
-    installed = module.__dict__.get(_INSTALLED)
+    installed = _installed(module)
     if installed is not None:
         if installed.options != options:
             raise CheckpointConfigError(
@@ -175,21 +185,36 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Modul
 def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     """Undo ``apply_activation_checkpointing`` or ``apply_recompute_config`` on ``module``.
 
-    A no-op on an unwrapped module; methods wrapped by a save unit are restored too.
+    A no-op on an unwrapped module (and on one whose ``forward`` was assigned over the
+    boundary since: that forward stays); methods wrapped by its save units are restored too,
+    those of layers wrapped on their own are left to them.
     """
-    module.__dict__.pop("_pytree_ckpt_parameter_dicts", None)
-    module.__dict__.pop("_pytree_ckpt_buffer_dicts", None)
-    module.__dict__.pop("_pytree_ckpt_verified", None)
-    for sub in module.modules():  # methods a save unit wrapped (KeptCallables)
+    for cache in ("_pytree_ckpt_parameter_dicts", "_pytree_ckpt_buffer_dicts",
+                  "_pytree_ckpt_verified", "_pytree_ckpt_shape"):
+        module.__dict__.pop(cache, None)
+    installed = _installed(module)
+    module.__dict__.pop(_INSTALLED, None)
+    if installed is None:
+        return module  # never wrapped (or its forward replaced since): nothing to undo
+    for sub in _own_submodules(module):  # methods its save units wrapped (KeptCallables)
         for name in [n for n, v in sub.__dict__.items() if getattr(v, "_pytree_ckpt_kept", False)]:
             del sub.__dict__[name]
-    installed = module.__dict__.pop(_INSTALLED, None)
-    if installed is not None:
-        if installed.bare is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.__dict__["forward"] = installed.bare
+    if installed.bare is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = installed.bare
     return module
+
+
+def _own_submodules(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its submodules, without those behind another boundary (their save
+    units are theirs to remove)."""
+    found, stack = [], [module]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        stack += [m for m in current.children() if _INSTALLED not in m.__dict__]
+    return found
 
 
 def validate_ratio(ratio: object, /) -> float:

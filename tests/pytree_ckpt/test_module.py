@@ -124,6 +124,66 @@ def test_deepcopy_and_pickle_of_a_wrapped_module_run_their_own_weights() -> None
         assert layer.attn.weight.grad is None and not torch.equal(layer(x), twin(x))
 
 
+def test_a_wrapped_module_and_its_parent_pickle_after_a_step_too() -> None:
+    # The caches a step leaves behind (weak references among them) are not pickled: they
+    # are rebuilt at the next call.
+    parent = nn.Sequential(apply_activation_checkpointing(Layer()))
+    x = torch.randn(2, 8, requires_grad=True)
+    parent(x).sum().backward()
+    for copy_of in (pickle.loads(pickle.dumps(parent)), copy.deepcopy(parent)):
+        copy_of.zero_grad(set_to_none=True)
+        copy_of(x).sum().backward()
+        assert_same_grads([p.grad for p in parent.parameters()],
+                          [p.grad for p in copy_of.parameters()])
+    remove_activation_checkpointing(parent[0])
+    pickle.dumps(parent)
+
+
+def test_a_forward_assigned_over_the_boundary_is_respected() -> None:
+    layer = apply_activation_checkpointing(Layer())
+    mine = lambda x: layer.attn(x) * 3  # noqa: E731
+    layer.forward = mine  # type: ignore[method-assign]
+    assert not is_checkpointed(layer)
+    apply_activation_checkpointing(layer)  # wraps the new forward
+    assert is_checkpointed(layer)
+    remove_activation_checkpointing(layer)
+    assert layer.forward is mine  # restored, not deleted
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x).tanh()
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x) + x
+
+
+def test_removing_from_an_unwrapped_root_leaves_wrapped_layers_and_their_save_units() -> None:
+    root = nn.Sequential(Gated(), Gated())
+    pytree_ckpt.apply_recompute_config(
+        list(root), pytree_ckpt.RecomputeConfig(1.0, ["moe_gate"]),
+        {pytree_ckpt.SaveUnit.MOE_GATE: pytree_ckpt.KeptCallables("Gate.project")})
+    assert all("project" in layer.gate.__dict__ for layer in root)
+    remove_activation_checkpointing(root)  # the root itself was never wrapped: a no-op
+    assert all(is_checkpointed(layer) for layer in root)
+    assert all("project" in layer.gate.__dict__ for layer in root)
+    remove_activation_checkpointing(root[0])  # the layer's own removal takes its units too
+    assert "project" not in root[0].gate.__dict__ and "project" in root[1].gate.__dict__
+
+
 def test_an_instance_level_forward_is_wrapped_and_restored() -> None:
     layer = Layer()
     custom = lambda x: layer.attn(x) * 2  # noqa: E731
