@@ -153,6 +153,15 @@ class ActivationCensus:
     def __enter__(self) -> ActivationCensus:
         if self._token is not None:
             raise RuntimeError("an ActivationCensus cannot be entered twice")
+        try:
+            return self._enter()
+        except BaseException:  # nothing may stay registered on the model
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            raise
+
+    def _enter(self) -> ActivationCensus:
         if self._model is not None:
             for tensor in (*self._model.parameters(), *self._model.buffers()):
                 self._excluded.add(storage_key(tensor))
@@ -204,9 +213,16 @@ class ActivationCensus:
 
     def _note(self, tensor: torch.Tensor, mechanism: Mechanism, keeper: Any, *,
               replace: bool = False) -> None:
-        if isinstance(tensor, nn.Parameter) or tensor.untyped_storage().nbytes() == 0:
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            return  # parameters, and their views (a Linear saves weight.t()): not activations
+        if tensor.layout is not torch.strided:
+            return  # sparse: no storage to count (a limit, see docs/census.md)
+        try:
+            if tensor.untyped_storage().nbytes() == 0:
+                return
+            key = storage_key(tensor)
+        except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
             return
-        key = storage_key(tensor)
         if key in self._excluded:
             return
         # A storage is held while one of its keepers is: the graph's handle of a saved tensor

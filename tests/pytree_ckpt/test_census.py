@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -146,3 +147,32 @@ def test_a_census_nested_in_another_reports_the_same_bytes_to_both() -> None:
     assert outer.bytes_by("mechanism") == inner.bytes_by("mechanism") == expected
     out.sum().backward()
     assert outer.bytes_by("mechanism") == inner.bytes_by("mechanism") == {}
+
+
+def test_saved_tensors_without_a_plain_storage_do_not_break_the_forward() -> None:
+    # A sparse operand (and wrapper subclasses such as DTensor) has no storage to count: the
+    # census leaves it out instead of failing the model's forward.
+    dense = torch.randn(8, 4, requires_grad=True)
+    sparse = torch.randn(8, 8).relu().to_sparse().requires_grad_()
+    with ActivationCensus() as census:
+        out = torch.sparse.mm(sparse, dense * 1.0)
+    assert census.total_bytes == nbytes(dense)  # the dense operand only
+    out.sum().backward()
+
+
+def test_views_of_parameters_are_not_counted_even_without_a_model() -> None:
+    layer = nn.Linear(16, 16)  # addmm saves weight.t() (a view of the parameter) for x.grad
+    x = torch.randn(4, 16, requires_grad=True)
+    with ActivationCensus() as census:
+        out = layer(x)
+    assert census.total_bytes == nbytes(x)
+    out.sum().backward()
+
+
+def test_a_census_that_fails_to_start_leaves_no_hooks_on_the_model() -> None:
+    layer = Layer()
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        with pytest.raises(RuntimeError, match="no hooks here"):
+            with ActivationCensus(layer):
+                pass
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in layer.modules())
