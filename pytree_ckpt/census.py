@@ -229,11 +229,16 @@ class ActivationCensus:
         # (alive while the graph holds it), or a mechanism's holder until it is released.
         known = self._entries.get(key)
         if known is not None and (known.held() or not known.storage.expired()):
-            if replace:
-                known.keepers.clear()
+            if replace:  # the mechanisms' earlier holders; other autograd saves still hold it
+                known.keepers = [k for k in known.keepers if isinstance(k(), _Packed)]
             known.keepers.append(weakref.ref(keeper))
             if mechanism is not Mechanism.AUTOGRAD:  # a mechanism's report is more specific
                 known.mechanism = mechanism
+            if any(isinstance(k(), _Packed) for k in known.keepers) and \
+                    known.mechanism in _FREEING:
+                # A plain autograd save holds it too: that, not the freeing mechanism, is
+                # what keeps it (and what the census files it under).
+                known.mechanism = Mechanism.AUTOGRAD
             return
         module = self._stack[-1] if self._stack else "<outside any module>"
         self._entries[key] = _Entry(StorageWeakRef(tensor.untyped_storage()),

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import (ActivationCensus, apply_activation_checkpointing, checkpoint,
-                         reuse_during_recompute)
+                         checkpoint_layers, reuse_during_recompute)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -176,3 +177,27 @@ def test_a_census_that_fails_to_start_leaves_no_hooks_on_the_model() -> None:
             with ActivationCensus(layer):
                 pass
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in layer.modules())
+
+
+@pytest.mark.parametrize("autograd_first", [True, False])
+def test_a_storage_both_saved_by_autograd_and_offloaded_counts_once_under_autograd(
+        autograd_first: bool) -> None:
+    # The offload window's report replaces the earlier holders from mechanisms, not the handle
+    # of another autograd node that saved the same storage: that one keeps it resident.
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(2))
+    checkpoint_layers(layers, offload=manager)
+    x = torch.randn(32, 64, requires_grad=True)
+    with ActivationCensus(layers) as census:
+        y = x * 1.5
+        if autograd_first:
+            s = y.sin()  # saves y
+            h = layers[1](layers[0](y))
+        else:
+            h = layers[1](layers[0](y))
+            s = y.sin()
+        loss = h.sum() + s.sum()
+    manager.stats()  # the manager lets go of its device tensors
+    assert census.bytes_by("mechanism")["autograd"] == nbytes(y)
+    assert census.flagged() == []
+    loss.backward()
