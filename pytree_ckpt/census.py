@@ -131,6 +131,15 @@ def storage_key(tensor: torch.Tensor, /) -> tuple[str, int]:
     return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
+def _stored_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors an outer saved-tensor hook stored: the object, or those in a tuple/list."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [x for x in obj if isinstance(x, torch.Tensor)]
+    return []
+
+
 class ActivationCensus:
     """Count the activations a forward pass leaves held for backward.
 
@@ -174,8 +183,16 @@ class ActivationCensus:
         def pack(tensor: torch.Tensor) -> Any:
             # NOTE: holding the tensor itself would tie a saved *output* to its own grad_fn (a
             # reference cycle that outlives `del loss`); a detached alias holds only the data.
-            packed = _Packed(outer_pack(tensor) if outer_pack is not None else tensor.detach())
-            self._note(tensor, Mechanism.AUTOGRAD, packed)
+            if outer_pack is None:
+                packed = _Packed(tensor.detach())
+                self._note(tensor, Mechanism.AUTOGRAD, packed)
+                return packed
+            # An outer hook that keeps a copy (save_on_cpu, a compression) holds that copy,
+            # not the tensor: count what it stored where it shows (a tensor, or tensors in a
+            # tuple); an opaque handle is counted as the tensor it stands for.
+            packed = _Packed(outer_pack(tensor))
+            for stored in _stored_tensors(packed.inner) or [tensor]:
+                self._note(stored, Mechanism.AUTOGRAD, packed)
             return packed
 
         def unpack(packed: _Packed) -> torch.Tensor:

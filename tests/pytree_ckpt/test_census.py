@@ -201,3 +201,18 @@ def test_a_storage_both_saved_by_autograd_and_offloaded_counts_once_under_autogr
     assert census.bytes_by("mechanism")["autograd"] == nbytes(y)
     assert census.flagged() == []
     loss.backward()
+
+
+def test_an_outer_hook_that_keeps_a_copy_is_counted_by_what_it_stored() -> None:
+    # save_on_cpu or a compression hook entered before the census keep a copy, not the
+    # tensor: the copies are what is held (the originals are freed, their addresses reused).
+    x = torch.randn(64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: ("kept", t.to(torch.bfloat16)),
+                                                  lambda packed: packed[1].float()):
+        with ActivationCensus() as census:
+            h = x
+            for _ in range(5):
+                h = (h * 1.0001).sin()
+            loss = h.sum()
+    assert census.total_bytes == 5 * 64 * 64 * 2  # five bf16 copies of the sin inputs
+    loss.backward()
