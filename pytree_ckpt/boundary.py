@@ -159,6 +159,12 @@ class _Shape:
         return None
 
 
+def drop_caches(module: nn.Module, /) -> None:
+    """Forget what the boundary cached on ``module`` (rebuilt at its next call)."""
+    for name in (_PARAMETER_DICTS, _BUFFER_DICTS, _VERIFIED, _SHAPE):
+        module.__dict__.pop(name, None)
+
+
 def _check_structure(module: nn.Module) -> None:
     """Bump the generation when ``module``'s tree changed behind torch's registration hooks.
 

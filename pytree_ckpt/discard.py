@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .boundary import (module_buffers, owning_module, parameter_hooks_paused,
                        refuse_double_backward, trainable_parameters)

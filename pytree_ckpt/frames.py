@@ -239,7 +239,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         invocation = invocation.parent
     rng_after = None
     if invocation is None:
-        devices = rng_devices_of(recorders)
+        devices = _rng_devices_of(recorders)
         before = rng_state(devices) if devices is not None else None
         token = IN_REUSE.set(True)  # the replay will not run these ops: never keep them
         try:
@@ -257,7 +257,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     return result
 
 
-def rng_devices_of(invocations: list[Any], /) -> tuple[int, ...] | None:
+def _rng_devices_of(invocations: list[Any], /) -> tuple[int, ...] | None:
     """The CUDA devices whose generators any of ``invocations`` restores in its replay, or
     ``None`` when none restores RNG at all."""
     devices = [i.frame.rng_devices for i in invocations if i.frame.rng_devices is not None]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 
-from .boundary import BoundaryOptions, run_boundary
+from .boundary import BoundaryOptions, drop_caches, run_boundary
 from .errors import CheckpointConfigError, CheckpointError
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -111,10 +111,7 @@ def _installed(module: nn.Module) -> _CheckpointedForward | None:
     """The boundary installed on ``module`` and still in effect: a ``forward`` assigned over it
     since (by the user) means it is not."""
     installed = module.__dict__.get(_INSTALLED)
-    if installed is not None and module.__dict__.get("forward") is not installed:
-        del module.__dict__[_INSTALLED]  # replaced: forget it, and leave the new forward be
-        return None
-    return installed
+    return installed if module.__dict__.get("forward") is installed else None
 
 
 def is_checkpointed(module: nn.Module, /) -> bool:
@@ -189,9 +186,7 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     boundary since: that forward stays); methods wrapped by its save units are restored too,
     those of layers wrapped on their own are left to them.
     """
-    for cache in ("_pytree_ckpt_parameter_dicts", "_pytree_ckpt_buffer_dicts",
-                  "_pytree_ckpt_verified", "_pytree_ckpt_shape"):
-        module.__dict__.pop(cache, None)
+    drop_caches(module)
     installed = _installed(module)
     module.__dict__.pop(_INSTALLED, None)
     if installed is None:
@@ -213,7 +208,7 @@ def _own_submodules(module: nn.Module) -> list[nn.Module]:
     while stack:
         current = stack.pop()
         found.append(current)
-        stack += [m for m in current.children() if _INSTALLED not in m.__dict__]
+        stack += [m for m in current.children() if _installed(m) is None]
     return found
 
 

@@ -43,21 +43,16 @@ class _RestoreRng:
     def __init__(self, cpu_state: torch.Tensor, cuda_states: dict[int, torch.Tensor]) -> None:
         self.cpu_state = cpu_state
         self.cuda_states = cuda_states
-        self.saved: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+        self.saved: RngState | None = None
 
     def __enter__(self) -> None:
-        self.saved = (torch.get_rng_state(),
-                      {d: torch.cuda.get_rng_state(d) for d in self.cuda_states})
-        torch.set_rng_state(self.cpu_state)
-        for device, state in self.cuda_states.items():
-            torch.cuda.set_rng_state(state, device)
+        devices = tuple(self.cuda_states)
+        self.saved = rng_state(devices)
+        set_rng_state((self.cpu_state, self.cuda_states), devices=devices)
 
     def __exit__(self, *exc: object) -> None:
         assert self.saved is not None
-        cpu_state, cuda_states = self.saved
-        torch.set_rng_state(cpu_state)
-        for device, state in cuda_states.items():
-            torch.cuda.set_rng_state(state, device)
+        set_rng_state(self.saved, devices=tuple(self.saved[1]))
 
 
 class ReplayEnvironment:

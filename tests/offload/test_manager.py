@@ -565,19 +565,26 @@ def test_a_reservation_up_front_makes_the_first_step_hit_the_pool() -> None:
     assert stats["host_bytes"] == reserved
 
 
+def steps_logged(m: OffloadManager, caplog: pytest.LogCaptureFixture, *,
+                 steps: int) -> tuple[nn.ModuleList, dict[str, float], list[str]]:
+    """Train a 3-layer stack offloaded through ``m`` for ``steps`` steps; its layers, the
+    manager's stats and the manager's warnings."""
+    layers = offloaded_stack(m, 3)
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        for _ in range(steps):
+            run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    return layers, m.stats(), warnings
+
+
 def test_window_tensors_on_another_device_are_counted_and_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
     # A manager for another device (built before torch.cuda.set_device, say) offloads
     # nothing of a model on this one: that must show, not pass silently.
     m = OffloadManager(OffloadConfig(min_bytes=0), device="meta")
-    layers = offloaded_stack(m, 3)
-    with caplog.at_level("WARNING", logger="offload.manager"):
-        for _ in range(2):
-            run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
-    stats = m.stats()
+    _, stats, warnings = steps_logged(m, caplog, steps=2)
     assert stats["offloaded_bytes"] == 0
     assert stats["other_device_bytes"] == 2 * 3 * 4 * 32 * 4  # 2 steps x 3 layer inputs
-    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
     assert len(warnings) == 1 and "offload is on for meta" in warnings[0]
     assert "device='cpu'" in warnings[0] and "set_device" in warnings[0]
 
@@ -729,14 +736,9 @@ def test_a_restore_that_failed_is_retried_and_counted_once() -> None:
 def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
     m = manager(min_bytes=1 << 20)
-    layers = offloaded_stack(m, 3)
-    with caplog.at_level("WARNING", logger="offload.manager"):
-        for _ in range(3):
-            run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
-    stats = m.stats()
+    layers, stats, warnings = steps_logged(m, caplog, steps=3)
     assert stats["offloaded_bytes"] == 0
     assert stats["below_min_bytes"] == 3 * 3 * 4 * 32 * 4  # 3 steps x 3 layer inputs
-    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
     assert len(warnings) == 1
     assert "min_bytes=1048576 (the largest had 512 bytes)" in warnings[0]
     caplog.clear()
