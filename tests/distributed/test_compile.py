@@ -51,6 +51,8 @@ def compiled_run() -> Iterator[CompiledRun]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch._dynamo.reset()
+    # dynamo's counters are process-wide and reset() keeps them: count only this run's breaks
+    breaks_before = Counter(counters["graph_break"])
     torch_backend = kernels.TORCH_BACKEND
 
     def topk(*args: Any) -> torch.Tensor:  # counted where it really runs: inside the op
@@ -86,7 +88,8 @@ def compiled_run() -> Iterator[CompiledRun]:
             if index == 0:
                 run.grads = {n: None if p.grad is None else p.grad.clone()
                              for n, p in model.named_parameters()}
-        run.graph_breaks = [reason.splitlines()[0] for reason in counters["graph_break"]]
+        run.graph_breaks = [reason.splitlines()[0] for reason, n in counters["graph_break"].items()
+                            if n > breaks_before[reason]]
         loss = eager(**batch)["loss"]
         loss.backward()
         run.eager_loss = loss.item()
