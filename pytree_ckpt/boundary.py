@@ -215,8 +215,13 @@ def trainable_parameters(modules: list[nn.Module], skip: set[int], *,
 
 
 def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
-    """The buffers of ``module`` and its submodules, read now from cached ``_buffers`` dicts
-    (only the non-empty ones: a buffer under a new name invalidates the cache)."""
+    """The buffers of ``module`` and its submodules, read now from cached ``_buffers`` dicts."""
+    return [b for buffers in buffer_dicts(module) for b in buffers.values() if b is not None]
+
+
+def buffer_dicts(module: nn.Module, /) -> tuple[dict[str, torch.Tensor | None], ...]:
+    """The ``_buffers`` dicts of ``module`` and its submodules, the non-empty ones (cached: a
+    buffer under a new name invalidates the cache)."""
     _watch_module_structure()
     _check_structure(module)
     key = (_structure_generation, _buffer_generation)
@@ -224,7 +229,7 @@ def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
     if cached is None or cached[0] != key:
         cached = (key, tuple(m._buffers for m in module.modules() if m._buffers))
         module.__dict__[_BUFFER_DICTS] = cached
-    return [b for buffers in cached[1] for b in buffers.values() if b is not None]
+    return cached[1]
 
 
 def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor, ...],
@@ -270,7 +275,8 @@ class _Call:
 
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
-                 "out_meta", "frame", "env", "original_call", "reported", "before", "as_is")
+                 "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
+                 "buffer_dicts", "changed_state")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -298,6 +304,11 @@ class _Call:
         # Inputs the original pass returned as they are, by output position; for run_boundary
         # only (then dropped).
         self.as_is: list[tuple[int, torch.Tensor]] | None = None
+        # The modules' buffers, by submodule; for the original pass only (then dropped).
+        self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
+        # Buffers and frozen parameters the original pass changed in place (NOTE [state the
+        # forward changes]); None when it changed none.
+        self.changed_state: list[torch.Tensor] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -385,6 +396,9 @@ class _BoundaryFunction(torch.autograd.Function):
         args, kwargs = call.original_call
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
+        versions = [t._version for t in tensors]
+        state = list(call.before.values()) if call.before else []
+        state_versions = [t._version for t in state]
         token = ACTIVE.set(invocation)
         try:
             if call.options.keep is None:
@@ -394,6 +408,12 @@ class _BoundaryFunction(torch.autograd.Function):
                     output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
+        for slot, (tensor, version) in enumerate(zip(tensors, versions)):
+            if tensor._version != version:
+                _raise_input_changed(call, slot, version, tensor._version)
+        if any(t._version != v for t, v in zip(state, state_versions)):
+            call.changed_state = _changed_state(call, state, state_versions)
+        call.buffer_dicts = []
         flat = flatten(output)
         # NOTE [outputs made before the call]: the original pass runs under no-grad, so an
         # output that requires grad (a parameter, or a graph tensor fn closed over) existed
@@ -428,77 +448,131 @@ class _BoundaryFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
         refuse_double_backward(f"the boundary around {_fn_name(call.fn)}")
-        explicit = call.params is not None
-        if not explicit and not torch.autograd._is_checkpoint_valid():
-            raise CheckpointError(
-                f"the boundary around {_fn_name(call.fn)} was reached by torch.autograd.grad() "
-                "or backward(inputs=...)",
-                expected="a module (or a method of one) as fn, or loss.backward()",
-                got="an arbitrary callable under a restricted backward",
-                tip="wrap a module (pytree_ckpt.checkpoint(module, ...) or "
-                    "apply_activation_checkpointing) so its parameters are known, or call "
-                    "loss.backward() and read .grad")
-        needs = ctx.needs_input_grad[2:]
-        n = call.n_inputs
-        detached = tuple(t.detach().requires_grad_(need)
-                         for t, need in zip(ctx.saved_tensors, needs[:n]))
-        call.frame.start_replay()
-        assert call.env is not None
-        invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
-        token = ACTIVE.set(invocation)
-        try:
-            with ExitStack() as stack:
-                call.env.enter(stack)
-                stack.enter_context(torch.enable_grad())
-                if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-                    # Shadow an ambient hook (offload, census): the replay's short-lived graph
-                    # is not theirs to see. Only then: the hooks cost ~1 us per saved tensor.
-                    stack.enter_context(
-                        torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
-                # fn sees non-leaf aliases (made with grad enabled): module hooks watching their
-                # inputs' gradients (FSDP, FlopCounterMode's module tracker) cannot hook a leaf
-                # under torch.autograd.grad.
-                args, kwargs = call.inputs(tuple(d.view_as(d) if d.requires_grad else d
-                                                 for d in detached))
-                if call.options.keep is not None:
-                    stack.enter_context(KeepMode(call.options.keep, invocation))
-                output = call.fn(*args, **kwargs)
-        finally:
-            ACTIVE.reset(token)
-        call.frame.check_consumed()
-        flat = flatten(output)
-        call.check_replay(flat.spec, flat.leaves, flat.tensor_index)
-        outs, grads = [], []
-        for index, grad in zip(flat.tensor_index, grad_outputs):
-            out = flat.leaves[index]
-            if out.grad_fn is ctx:
-                _raise_attached_to_outside_tensor(call, flat.spec, index)
-            if grad is not None and out.requires_grad:
-                outs.append(out)
-                grads.append(grad)
-        if call.frame.results or call.reported:
-            # Only frames with something to free (or watched by a census) need the check,
-            # which costs ~10 us (a raised and caught error per call).
-            torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(_release_frame_if_freed, ctx, call.frame))
-        if not explicit:
-            if outs:
-                torch.autograd.backward(outs, grads)
-            return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
-        assert call.params is not None
-        wrt = [*detached, *call.params]
-        wanted = [i for i, need in enumerate(needs) if need]
-        if outs and call.owner is not None and \
-                call.owner.__dict__.get(_VERIFIED) != _structure_generation:
-            _verify_leaves(call, outs, wrt)
-        result: list[torch.Tensor | None] = [None] * len(wrt)
-        if outs and wanted:
-            with parameter_hooks_paused(call.params):
-                got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads,
-                                          allow_unused=True)
-            for i, grad in zip(wanted, got):
-                result[i] = grad
-        return (None, None, *result)
+        if call.changed_state is None:
+            return _replay_backward(ctx, call, grad_outputs)
+        with _state_put_back(call.changed_state):
+            return _replay_backward(ctx, call, grad_outputs)
+
+
+def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
+    """The replay of ``call`` and the gradients of its inputs (and parameters)."""
+    explicit = call.params is not None
+    if not explicit and not torch.autograd._is_checkpoint_valid():
+        raise CheckpointError(
+            f"the boundary around {_fn_name(call.fn)} was reached by torch.autograd.grad() "
+            "or backward(inputs=...)",
+            expected="a module (or a method of one) as fn, or loss.backward()",
+            got="an arbitrary callable under a restricted backward",
+            tip="wrap a module (pytree_ckpt.checkpoint(module, ...) or "
+                "apply_activation_checkpointing) so its parameters are known, or call "
+                "loss.backward() and read .grad")
+    needs = ctx.needs_input_grad[2:]
+    n = call.n_inputs
+    detached = tuple(t.detach().requires_grad_(need)
+                     for t, need in zip(ctx.saved_tensors, needs[:n]))
+    call.frame.start_replay()
+    assert call.env is not None
+    invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
+    token = ACTIVE.set(invocation)
+    try:
+        with ExitStack() as stack:
+            call.env.enter(stack)
+            stack.enter_context(torch.enable_grad())
+            if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+                # Shadow an ambient hook (offload, census): the replay's short-lived graph
+                # is not theirs to see. Only then: the hooks cost ~1 us per saved tensor.
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
+            # fn sees non-leaf aliases (made with grad enabled): module hooks watching their
+            # inputs' gradients (FSDP, FlopCounterMode's module tracker) cannot hook a leaf
+            # under torch.autograd.grad.
+            args, kwargs = call.inputs(tuple(d.view_as(d) if d.requires_grad else d
+                                             for d in detached))
+            if call.options.keep is not None:
+                stack.enter_context(KeepMode(call.options.keep, invocation))
+            output = call.fn(*args, **kwargs)
+    finally:
+        ACTIVE.reset(token)
+    call.frame.check_consumed()
+    flat = flatten(output)
+    call.check_replay(flat.spec, flat.leaves, flat.tensor_index)
+    outs, grads = [], []
+    for index, grad in zip(flat.tensor_index, grad_outputs):
+        out = flat.leaves[index]
+        if out.grad_fn is ctx:
+            _raise_attached_to_outside_tensor(call, flat.spec, index)
+        if grad is not None and out.requires_grad:
+            outs.append(out)
+            grads.append(grad)
+    if call.frame.results or call.reported:
+        # Only frames with something to free (or watched by a census) need the check,
+        # which costs ~10 us (a raised and caught error per call).
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_release_frame_if_freed, ctx, call.frame))
+    if not explicit:
+        if outs:
+            torch.autograd.backward(outs, grads)
+        return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
+    assert call.params is not None
+    wrt = [*detached, *call.params]
+    wanted = [i for i, need in enumerate(needs) if need]
+    if outs and call.owner is not None and \
+            call.owner.__dict__.get(_VERIFIED) != _structure_generation:
+        _verify_leaves(call, outs, wrt)
+    result: list[torch.Tensor | None] = [None] * len(wrt)
+    if outs and wanted:
+        with parameter_hooks_paused(call.params):
+            got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads,
+                                      allow_unused=True)
+        for i, grad in zip(wanted, got):
+            result[i] = grad
+    return (None, None, *result)
+
+
+@contextmanager
+def _state_put_back(state: list[torch.Tensor]) -> Iterator[None]:
+    """NOTE [state the forward changes]: buffers (BatchNorm's running statistics, a step
+    counter) and frozen parameters that the original pass changed in place would be changed
+    again by the replay, which eager never runs. Their values when backward reaches the
+    boundary are copied back once its gradients are computed (not sooner: the replay's graph
+    may have saved them), so the module's state after backward is eager's. The replay itself
+    sees them as the forward left them (BatchNorm in training normalises with the batch's
+    statistics and only updates the running ones, so its replay is exact). Only tensors whose
+    version counter moved during the original pass are copied, once per replay.
+    """
+    saved = [t.detach().clone() for t in state]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(state, saved):
+                tensor.copy_(value)
+
+
+def _changed_state(call: _Call, state: list[torch.Tensor],
+                   versions: list[int]) -> list[torch.Tensor]:
+    """The state to put back after each replay (NOTE [state the forward changes]): frozen
+    parameters whose version moved, and every buffer of a submodule one of whose buffers did.
+    A kernel may update a buffer without moving its version: BatchNorm's running statistics
+    move only ``num_batches_tracked``."""
+    moved = {id(t) for t, v in zip(state, versions) if t._version != v}
+    changed = {id(b): b for d in call.buffer_dicts
+               if any(id(b) in moved for b in d.values() if b is not None)
+               for b in d.values() if b is not None}
+    for tensor in state:
+        if id(tensor) in moved:
+            changed.setdefault(id(tensor), tensor)
+    return list(changed.values())
+
+
+def _raise_input_changed(call: _Call, slot: int, before: int, after: int) -> None:
+    path = _input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
+    raise CheckpointError(
+        f"{_fn_name(call.fn)} changed its input {path} in place; the replay would run on the "
+        "changed tensor and give wrong gradients", expected="inputs left as they are "
+        f"(version {before})", got=f"version {after} after the original pass",
+        tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
+            "change outside the checkpointed call")
 
 
 @contextmanager
@@ -588,11 +662,14 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     owner = owner if owner is not None else owning_module(fn)
     params: list[torch.Tensor] | None = None
     before: list[torch.Tensor] = []  # frozen parameters and buffers, as they are before fn
+    buffers: list[dict[str, torch.Tensor | None]] = []
     if owner is not None:
         modules = [owner, *(leaf for leaf in leaves if isinstance(leaf, nn.Module))]
         params = trainable_parameters(modules, set(seen), frozen=before)
         for module in modules:
-            before.extend(module_buffers(module))
+            dicts = buffer_dicts(module)
+            buffers.extend(dicts)
+            before.extend(b for d in dicts for b in d.values() if b is not None)
     anchor = None
     if not params and not any(t.requires_grad for t in unique):
         if params is not None:  # a module with nothing trainable: nothing to replay for
@@ -604,6 +681,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     call.params = params
     call.owner = owner
     call.before = {id(t): t for t in before} if before else None
+    call.buffer_dicts = buffers
     inputs = unique if not params else [*unique, *params]
     active = ACTIVE.get()
     if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):

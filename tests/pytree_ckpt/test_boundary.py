@@ -636,3 +636,79 @@ def test_dataclass_outputs_keep_extra_attributes_and_mapping_items(make: Any) ->
         grads.append(x.grad)
         x.grad = None
     assert torch.equal(*grads)
+
+
+class ScalesInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        mask.mul_(2.0)  # the replay would see the doubled mask, and double it again
+        return self.lin(x) * mask
+
+
+def test_a_layer_that_changes_its_input_in_place_is_refused_naming_the_input() -> None:
+    layer = pytree_ckpt.apply_activation_checkpointing(ScalesInPlace())
+    x, mask = torch.randn(3, 4, requires_grad=True), torch.ones(3, 4)
+    with pytest.raises(CheckpointError) as raised:
+        layer(x, mask=mask)
+    message = str(raised.value)
+    assert "ScalesInPlace changed its input kwargs['mask'] in place" in message
+    assert "expected: inputs left as they are (version 0)" in message
+    assert "got:      version 1" in message and "x = x.clone()" in message
+    # Without grad there is no replay: the layer runs as it is.
+    with torch.no_grad():
+        layer(x, mask=mask)
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+def test_batchnorm_running_statistics_end_the_step_as_in_eager() -> None:
+    # BatchNorm's kernel updates the running statistics without moving their version counter;
+    # only num_batches_tracked moves. The replay would update all three a second time.
+    torch.manual_seed(0)
+    eager = Normed()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        xs = [torch.randn(8, 4, requires_grad=True) for _ in range(2)]  # two micro-batches
+        for model in (eager, twin):
+            sum(model(x).square().sum() for x in xs).backward()
+    for name, buffer in eager.named_buffers():
+        assert torch.equal(buffer, twin.get_buffer(name)), name
+    assert int(twin.norm.num_batches_tracked) == 4
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
+
+
+class SetsItsScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.fill_(2.0)  # set again by the replay, whose graph saves the buffer
+        return self.lin(x) * self.scale
+
+
+def test_a_buffer_the_replays_graph_saved_is_put_back_only_after_its_gradients() -> None:
+    torch.manual_seed(0)
+    eager = SetsItsScale()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 4, requires_grad=True)
+    versions = [eager.scale._version, twin.scale._version]
+    for model in (eager, twin):
+        for _ in range(2):
+            model(x).sum().backward()
+    assert eager.scale._version - versions[0] == 2
+    assert twin.scale._version - versions[1] == 6  # and two replays, two put-backs
+    assert torch.equal(twin.scale, eager.scale)
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
