@@ -16,7 +16,7 @@ Every configuration runs on the same layer objects:
 
 - ``eager``: no checkpoint (the reference for gradients);
 - ``torch reentrant``: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``;
-- ``checkpoint``: ``pytree_ckpt.checkpointed(layer)``;
+- ``checkpoint``: ``pytree_ckpt.checkpointed(layer, offload=False)``;
 - ``checkpoint + offload``: the same, with an ``offload.OffloadManager``;
 - ``torch save_on_cpu``: the eager forward under ``save_on_cpu``.
 
@@ -108,7 +108,7 @@ class Bench:
         self.calls: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
             EAGER: [plain(layer) for layer in self.layers],
             TORCH_REENTRANT: [_torch_reentrant(layer) for layer in self.layers],
-            CHECKPOINT: [pytree_ckpt.checkpointed(layer) for layer in self.layers],
+            CHECKPOINT: [pytree_ckpt.checkpointed(layer, offload=False) for layer in self.layers],
             OFFLOAD: [pytree_ckpt.checkpointed(layer, offload=self.manager)
                       for layer in self.layers],
             SAVE_ON_CPU: [plain(layer) for layer in self.layers],

@@ -58,7 +58,7 @@ from .frames import Frame, callable_name
 from .keep import KeepMode, KeepPolicy
 from .phase import ACTIVE, Invocation, Phase
 from .rng import ReplayEnvironment
-from .tree import describe_leaf, flatten, flatten_call, leaf_paths, unflatten
+from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -333,9 +333,10 @@ class _Call:
         tip = ("the replay must return what the original pass returned; make the output depend "
                "only on the inputs (not on current_phase() or grad mode)")
         if spec != self.out_spec:
+            path, expected, got = first_difference(self.out_spec, spec, root="output")
             raise ReplayMismatchError(
-                f"the replay of {name} returned a different output structure",
-                expected=self.out_spec, got=spec, tip=tip)
+                f"the replay of {name} returned a different output structure at {path}",
+                expected=expected, got=got, tip=tip)
         paths: list[str] | None = None
         if tensor_index != self.out_tensor_index:
             paths = leaf_paths(spec, root="output")
@@ -717,9 +718,16 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
 
 def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
-                 offload: OffloadManager | None = None) -> Callable[..., T]:
-    """Return ``fn`` wrapped in a boundary with the given options."""
-    options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=offload)
+                 offload: bool | OffloadManager | None = None) -> Callable[..., T]:
+    """Return ``fn`` wrapped in a boundary with the given options.
+
+    ``offload`` as in ``apply_activation_checkpointing``: ``None`` reads
+    ``XTUNER_ACTIVATION_OFFLOAD`` now, ``True`` the process's default manager, ``False`` none.
+    """
+    from .module import resolve_offload  # module builds on this file
+
+    options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
+                              offload=resolve_offload(offload))
 
     @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
     @torch._disable_dynamo  # NOTE [the boundary stays eager] in module.py

@@ -67,15 +67,41 @@ class KeptOps:
         return f"KeptOps{self.op_names!r}"
 
     def resolve(self) -> list[Any]:
-        """The ``OpOverloadPacket``s of the names that exist in this build."""
+        """The ``OpOverloadPacket``s of the names that exist in this build.
+
+        An op that torch decomposes before dispatch (a ``CompositeImplicitAutograd`` kernel:
+        ``aten::linear``, ``aten::scaled_dot_product_attention``) never reaches the mode that
+        keeps ops, so naming it would silently keep nothing: refused with the fix.
+        """
         found = []
         for name in self.op_names:
             namespace, op = name.split("::", 1)
             try:
-                found.append(getattr(getattr(torch.ops, namespace), op))
+                packet = getattr(getattr(torch.ops, namespace), op)
             except (AttributeError, RuntimeError):
                 continue
+            if _decomposed_before_dispatch(name, packet):
+                raise CheckpointConfigError(
+                    f"KeptOps({name!r}) would keep nothing: torch decomposes {name} into other "
+                    "ops (a CompositeImplicitAutograd kernel) before the mode that keeps ops "
+                    "sees it", expected="an op that reaches dispatch (aten::mm, aten::addmm, "
+                    "aten::_scaled_dot_product_flash_attention_for_cpu, a custom op)",
+                    got=name, tip="name the ops it becomes (list them by running the layer "
+                    "under torch.utils.flop_counter.FlopCounterMode or a TorchDispatchMode), or "
+                    "keep the method that calls it with KeptCallables('Class.method')")
+            found.append(packet)
         return found
+
+
+def _decomposed_before_dispatch(name: str, packet: Any) -> bool:
+    """Every functional overload of ``packet`` has a CompositeImplicitAutograd kernel (the
+    out= overloads are never what a forward calls)."""
+    functional = [overload for overload in packet.overloads()
+                  if not getattr(packet, overload)._schema.is_mutable]
+    return bool(functional) and all(
+        torch._C._dispatch_has_kernel_for_dispatch_key(
+            name if overload == "default" else f"{name}.{overload}", "CompositeImplicitAutograd")
+        for overload in functional)
 
 
 class KeptCallables:

@@ -129,6 +129,27 @@ def leaf_paths(spec: optree.PyTreeSpec, /, *, root: str) -> list[str]:
     return [accessor.codify(root) for accessor in optree.treespec_accessors(spec)]
 
 
+def first_difference(expected: optree.PyTreeSpec, got: optree.PyTreeSpec, /, *,
+                     root: str) -> tuple[str, str, str]:
+    """Where two different specs first part: the key path, and what each side has there."""
+    path = root
+    while not (expected.is_leaf() or got.is_leaf()) and expected.type is got.type and \
+            expected.entries() == got.entries():
+        pairs = zip(expected.one_level().accessors(), expected.children(), got.children())
+        accessor, expected, got = next((a, e, g) for a, e, g in pairs if e != g)
+        path += accessor.codify("")
+    return path, _describe_node(expected), _describe_node(got)
+
+
+def _describe_node(spec: optree.PyTreeSpec) -> str:
+    if spec.is_leaf():
+        return "a leaf (a tensor or another object)"
+    if spec.type is type(None):
+        return "None"
+    text = str(spec)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def describe_leaf(leaf: Any, /) -> str:
     """A short description of a leaf for messages: shape and dtype for tensors."""
     if isinstance(leaf, torch.Tensor):

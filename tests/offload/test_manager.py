@@ -17,6 +17,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import pytree_ckpt
+import offload
 from offload import OffloadConfig, OffloadManager, size_class
 from pytree_ckpt import CheckpointConfigError, apply_activation_checkpointing
 from tests.conftest import assert_same_grads
@@ -459,7 +460,8 @@ def test_size_classes_waste_at_most_a_quarter() -> None:
 
 
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("TRUE", True),
-                                           ("0", False), ("false", False), (None, False)])
+                                           (" 1 ", True), ("0", False), ("false", False),
+                                           ("", False), (None, False)])
 def test_the_environment_switch_turns_offload_on_and_off(monkeypatch: pytest.MonkeyPatch,
                                                          value: str | None, on: bool) -> None:
     if value is None:
@@ -471,6 +473,13 @@ def test_the_environment_switch_turns_offload_on_and_off(monkeypatch: pytest.Mon
     # an explicit argument overrides the variable
     other = apply_activation_checkpointing(Layer(), offload=not on)
     assert (other.forward.options.offload is not None) is (not on)
+    # checkpointed() reads it too, when it wraps, and runs its windows when on
+    m = Layer()
+    wrapped = pytree_ckpt.checkpointed(m)
+    manager = offload.default_manager()
+    before = manager.stats()["offloaded_bytes"]
+    wrapped(torch.randn(1024, 32, requires_grad=True)).sum().backward()  # 128 KiB: above the floor
+    assert (manager.stats()["offloaded_bytes"] > before) is on
 
 
 def test_an_unknown_environment_value_is_refused_naming_the_variable(
@@ -478,8 +487,11 @@ def test_an_unknown_environment_value_is_refused_naming_the_variable(
     monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "yes")
     with pytest.raises(ValueError, match="XTUNER_ACTIVATION_OFFLOAD='yes'.*accepted values"):
         apply_activation_checkpointing(Layer())
-    with pytest.raises(CheckpointConfigError, match="offload= takes"):
-        apply_activation_checkpointing(Layer(), offload="on")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="XTUNER_ACTIVATION_OFFLOAD='yes'"):
+        pytree_ckpt.checkpointed(Layer())
+    for wrap in (apply_activation_checkpointing, pytree_ckpt.checkpointed):
+        with pytest.raises(CheckpointConfigError, match="offload= takes"):
+            wrap(Layer(), offload="on")  # type: ignore[arg-type]
 
 
 def test_bad_offload_config_is_refused_with_a_tip() -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import warnings
 from typing import Any, TypedDict
 
+import optree
 import pytest
 import torch
 from torch import nn
@@ -271,16 +272,27 @@ def test_backward_with_retain_graph_twice_gives_eager_gradients_twice() -> None:
     assert_same_grads(eager, ckpt)
 
 
-def test_replay_with_another_output_structure_names_the_difference() -> None:
-    def fn(x: torch.Tensor) -> dict[str, Any]:
-        if current_phase() == "recompute":
-            return {"hidden_states": x * 2, "extra": x}
-        return {"hidden_states": x * 2}
+@pytest.mark.parametrize(("replayed", "path", "expected", "got"), [
+    ({"hidden_states": 1, "extra": 1}, "output", "PyTreeSpec({'hidden_states': *})",
+     "PyTreeSpec({'extra': *, 'hidden_states': *})"),
+    ({"hidden_states": 1, "aux": (1, None)}, "output['aux'][1]", "a leaf", "None"),
+    ({"hidden_states": 1, "aux": (1, [1])}, "output['aux'][1]", "a leaf", "PyTreeSpec([*])"),
+])
+def test_replay_with_another_output_structure_names_the_key_path_and_both_sides(
+        replayed: dict[str, Any], path: str, expected: str, got: str) -> None:
+    original = {"hidden_states": 1, "aux": (1, 1)} if "aux" in replayed else {"hidden_states": 1}
+
+    def fn(x: torch.Tensor) -> Any:
+        shape = replayed if current_phase() == "recompute" else original
+        return optree.tree_map(lambda leaf: x * 2, shape, none_is_leaf=False)
 
     out = checkpoint(fn, torch.randn(3, requires_grad=True))
-    with pytest.raises(ReplayMismatchError, match="different output structure") as err:
+    with pytest.raises(ReplayMismatchError) as err:
         out["hidden_states"].sum().backward()
-    assert "extra" in str(err.value) and "tip:" in str(err.value)
+    message = str(err.value)
+    assert f"returned a different output structure at {path}\n" in message
+    assert f"expected: {expected}" in message and f"got:      {got}" in message
+    assert "tip:" in message
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype"])

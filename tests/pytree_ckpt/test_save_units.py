@@ -233,6 +233,17 @@ def test_inert_selections_warn() -> None:
         apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]), TARGETS)
 
 
+@pytest.mark.parametrize("name", ["aten::linear", "aten::scaled_dot_product_attention"])
+def test_an_op_torch_decomposes_before_dispatch_is_refused_not_silently_kept_empty(
+        name: str) -> None:
+    # Such an op never reaches the keeping mode: its unit would keep nothing, silently.
+    with pytest.raises(CheckpointConfigError, match=f"KeptOps\\('{name}'\\) would keep nothing"
+                       ) as err:
+        apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]),
+                               {SaveUnit.ATTN: KeptOps(name, "aten::mm")})
+    assert "KeptCallables" in str(err.value)
+
+
 def test_collectives_are_never_kept() -> None:
     policy = pytree_ckpt.keep.KeepPolicy([torch.ops.aten.mm], callables=True, description="t")
     token = pytree_ckpt.keep.IN_KEPT_CALLABLE.set(True)
