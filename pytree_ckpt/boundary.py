@@ -68,7 +68,7 @@ __all__ = ["BoundaryOptions", "checkpoint", "checkpointed"]
 T = TypeVar("T")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BoundaryOptions:
     """Options of a boundary; they never travel as keywords of ``fn``.
 

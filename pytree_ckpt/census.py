@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .errors import CheckpointConfigError, CheckpointError
+
 __all__ = ["ActivationCensus", "Mechanism", "census_active", "report_held"]
 
 
@@ -161,7 +163,10 @@ class ActivationCensus:
     # -- recording ---------------------------------------------------------------------------
     def __enter__(self) -> ActivationCensus:
         if self._token is not None:
-            raise RuntimeError("an ActivationCensus cannot be entered twice")
+            raise CheckpointError(
+                "an ActivationCensus cannot be entered twice", expected="one with-block per "
+                "census", got="a second __enter__ while the first is open",
+                tip="make a new ActivationCensus for each measurement")
         try:
             return self._enter()
         except BaseException:  # nothing may stay registered on the model
@@ -299,7 +304,9 @@ class ActivationCensus:
     def bytes_by(self, what: str, /) -> dict[str, int]:
         """Bytes grouped by ``"device"``, ``"module"`` or ``"mechanism"``."""
         if what not in ("device", "module", "mechanism"):
-            raise ValueError(f"bytes_by takes 'device', 'module' or 'mechanism', not {what!r}")
+            raise CheckpointConfigError(
+                f"bytes_by cannot group by {what!r}", expected="'device', 'module' or "
+                "'mechanism'", got=repr(what), tip="e.g. census.bytes_by('mechanism')")
         grouped: dict[str, int] = defaultdict(int)
         for entry in self._alive():
             grouped[str(getattr(entry, what))] += entry.nbytes

@@ -429,7 +429,7 @@ class CheckpointWithoutOutputManager:
                 self.replay_order.append(index)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ResidualRecomputeContext:
     """One layer's place in a residual-stream recompute plan."""
 
@@ -485,5 +485,7 @@ def build_residual_stream_recompute_plan(
     for block_index, block in enumerate(blocks):
         manager = CheckpointWithoutOutputManager()
         for layer in block:
-            plan.append(ResidualRecomputeContext(layer, block_index, manager, layer == block[-1]))
+            plan.append(ResidualRecomputeContext(layer_index=layer, block_index=block_index,
+                                                 manager=manager,
+                                                 is_block_end=layer == block[-1]))
     return plan

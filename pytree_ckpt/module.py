@@ -69,7 +69,10 @@ class _CheckpointedForward:
     def _module(self) -> nn.Module:
         module = self.module_ref()
         if module is None:
-            raise ReferenceError("the checkpointed module no longer exists")
+            raise CheckpointError(
+                "the checkpointed module no longer exists", expected="the module whose forward "
+                "this is, alive", got="a forward kept after its module was freed",
+                tip="call the module itself (module(...)), not a forward taken from it")
         return module
 
     def _bare_for(self, twin: nn.Module) -> Any:

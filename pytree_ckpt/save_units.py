@@ -20,7 +20,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from .boundary import BoundaryOptions
 from .errors import CheckpointConfigError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy
 from .module import install_boundary, resolve_offload, validate_ratio
+
+if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
+    from offload import OffloadManager
 
 __all__ = ["KeptCallables", "KeptOps", "RecomputeConfig", "RecomputeTargetMap", "SaveUnit",
            "apply_recompute_config"]
@@ -155,7 +158,8 @@ class RecomputeConfig:
     """Which layers are recomputed (``ratio``) and what stays resident in them (``save``)."""
 
     ratio: float = 1.0
-    save: tuple[SaveUnit, ...] | bool | None = None
+    # Given as any sequence of units or their names; stored as a tuple of SaveUnit.
+    save: Sequence[SaveUnit | str] | bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", validate_ratio(self.ratio))
@@ -172,12 +176,18 @@ class RecomputeConfig:
 
     def to_json(self) -> str:
         save = self.save if self.save is None or isinstance(self.save, bool) else [
-            u.value for u in self.save]
+            _unit(u).value for u in self.save]
         return json.dumps({"ratio": self.ratio, "save": save})
 
     @classmethod
     def from_json(cls, text: str, /) -> RecomputeConfig:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise CheckpointConfigError(
+                f"RecomputeConfig JSON does not parse: {err}", expected='{"ratio": ..., '
+                '"save": ...}', got=repr(text[:80]),
+                tip="write it with RecomputeConfig.to_json()") from None
         if not isinstance(data, dict):
             raise CheckpointConfigError(
                 "RecomputeConfig JSON must be an object", expected='{"ratio": ..., "save": ...}',
@@ -230,7 +240,7 @@ def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[Save
 
 def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
                            targets: RecomputeTargetMap, /, *, preserve_rng_state: bool = True,
-                           offload: Any = None) -> list[int]:
+                           offload: bool | OffloadManager | None = None) -> list[int]:
     """Checkpoint the first ``int(n * config.ratio)`` layers keeping ``config.save``'s units.
 
     Returns the indices of the checkpointed layers. ``offload`` as in

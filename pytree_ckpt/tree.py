@@ -64,7 +64,9 @@ def _register_dataclass(cls: type) -> None:
             obj[key] = value
         return obj
 
-    optree.register_pytree_node(cls, flatten_one, unflatten_one, namespace=NAMESPACE)
+    # optree's stubs type the callbacks more loosely than these are
+    optree.register_pytree_node(cls, flatten_one, unflatten_one,  # type: ignore[arg-type]
+                                namespace=NAMESPACE)
 
 
 def _is_unregistered_dataclass(leaf: Any) -> bool:
@@ -84,7 +86,7 @@ class FlatTree(NamedTuple):
 # plain tensor, and for positional plain tensors without keywords, the spec is known without
 # asking optree (a few microseconds per boundary call, several times per call). The specs are
 # optree's own, so they compare equal to what the general path builds for the same tree.
-LEAF_SPEC = optree.tree_structure(torch.empty(0), namespace=NAMESPACE)
+LEAF_SPEC = optree.tree_structure(torch.empty(0), namespace=NAMESPACE)  # type: ignore[arg-type]
 _CALL_SPECS: dict[int, optree.PyTreeSpec] = {}
 
 
@@ -135,7 +137,9 @@ def first_difference(expected: optree.PyTreeSpec, got: optree.PyTreeSpec, /, *,
     path = root
     while not (expected.is_leaf() or got.is_leaf()) and expected.type is got.type and \
             expected.entries() == got.entries():
-        pairs = zip(expected.one_level().accessors(), expected.children(), got.children())
+        level = expected.one_level()
+        assert level is not None  # not a leaf
+        pairs = zip(level.accessors(), expected.children(), got.children())
         accessor, expected, got = next((a, e, g) for a, e, g in pairs if e != g)
         path += accessor.codify("")
     return path, _describe_node(expected), _describe_node(got)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from offload import OffloadConfig, OffloadManager
-from pytree_ckpt import (ActivationCensus, apply_activation_checkpointing, checkpoint,
+from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError,
+                         apply_activation_checkpointing, checkpoint,
                          checkpoint_layers, reuse_during_recompute)
 
 
@@ -216,3 +217,12 @@ def test_an_outer_hook_that_keeps_a_copy_is_counted_by_what_it_stored() -> None:
             loss = h.sum()
     assert census.total_bytes == 5 * 64 * 64 * 2  # five bf16 copies of the sin inputs
     loss.backward()
+
+
+def test_census_misuse_raises_the_librarys_errors_with_a_tip() -> None:
+    census = ActivationCensus(nn.Linear(2, 2))
+    with census:
+        with pytest.raises(CheckpointError, match="cannot be entered twice"):
+            census.__enter__()
+    with pytest.raises(CheckpointConfigError, match="(?s)cannot group by 'modules'.*tip"):
+        census.bytes_by("modules")

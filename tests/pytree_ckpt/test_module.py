@@ -256,3 +256,12 @@ def test_copies_rebind_an_instance_level_bound_forward_and_refuse_anything_else(
     apply_activation_checkpointing(other)
     with pytest.raises(pytree_ckpt.CheckpointError, match="cannot copy"):
         copy.deepcopy(other)
+
+
+def test_a_forward_kept_after_its_module_was_freed_raises_a_checkpoint_error() -> None:
+    layer = apply_activation_checkpointing(nn.Linear(2, 2))
+    forward = layer.forward
+    del layer
+    gc.collect()
+    with pytest.raises(pytree_ckpt.CheckpointError, match="(?s)no longer exists.*tip"):
+        forward(torch.randn(1, 2, requires_grad=True))

@@ -367,6 +367,7 @@ def test_a_kept_output_changed_in_place_later_in_the_forward_is_recomputed_not_k
                                     {SaveUnit.ATTN: "aten::mm"}),  # type: ignore[dict-item]
      "neither KeptOps nor KeptCallables"),
     (lambda: RecomputeConfig.from_json("[1, null]"), "must be an object"),
+    (lambda: RecomputeConfig.from_json("ratio=1"), "does not parse"),
     (lambda: RecomputeConfig(1.0, b"attn"), "a list of save units"),  # type: ignore[arg-type]
 ])
 def test_malformed_configs_are_refused_with_a_config_error(call: Any, message: str) -> None:
