@@ -60,10 +60,12 @@ def position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def rope_tables(positions: torch.Tensor, dim: int, theta: float,
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` of shape ``[T, dim]`` for the rotate-half RoPE convention."""
+    """``cos`` and ``sin`` of shape ``[T, dim]`` for the rotate-half RoPE convention (computed
+    in float32, or in ``dtype`` when that is wider)."""
+    wide = torch.promote_types(dtype, torch.float32)
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device,
-                                            dtype=torch.float32) / dim)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+                                            dtype=wide) / dim)
+    angles = positions.to(wide)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -63,7 +63,10 @@ def _torch_indexer_topk(q_index: Tensor, k_index: Tensor, weights: Tensor, cu_se
     positions = torch.arange(total, device=q_index.device)
     allowed = (seq[:, None] == seq[None, :]) & (positions[None, :] <= positions[:, None])
     scores = scores.masked_fill(~allowed, float("-inf"))
-    ids = scores.topk(min(topk, total), dim=-1).indices
+    # Ties go to the earliest key (a stable sort; topk's choice among equal scores depends on
+    # the row's length and position, so a sequence would attend to other keys when packed
+    # after another). Ties are common: a key whose dot products are all <= 0 scores exactly 0.
+    ids = scores.sort(dim=-1, descending=True, stable=True).indices[:, :min(topk, total)]
     # Every allowed score is finite, so allowed keys are picked before any masked one; the
     # masked picks (fewer allowed keys than slots) become -1.
     ids = ids.masked_fill(~allowed.gather(1, ids), -1)
@@ -80,8 +83,11 @@ def _gather_keys(k: Tensor, v: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor
 
 def _probs(q: Tensor, k_sel: Tensor, valid: Tensor, scale: float) -> Tensor:
     scores = torch.einsum("thd,tkhd->thk", q, k_sel) * scale
-    # Never a fully masked row: query t may always attend to itself (s = t is allowed).
-    return scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+    # The model's indexer always selects at least the query itself, but ids from elsewhere may
+    # leave a row without any valid key: it attends to nothing (zeros, and zero gradients),
+    # instead of a NaN softmax whose gradient the backward would add into key 0.
+    return probs.masked_fill(~valid.any(dim=-1)[:, None, None], 0.0)
 
 
 def _torch_sparse_attention(q: Tensor, k: Tensor, v: Tensor, topk_ids: Tensor,
@@ -160,8 +166,9 @@ def indexer_topk(q_index: Tensor, k_index: Tensor, weights: Tensor, cu_seqlens: 
     """Top-``topk`` key ids per query from the lightning-indexer scores; ``-1`` pads.
 
     ``q_index`` ``[T, H, d]``, ``k_index`` ``[T, d]``, ``weights`` ``[T, H]``, ``cu_seqlens``
-    int32 ``[B + 1]``. Returns int64 ``[T, topk]``; no id exceeds its query position or leaves
-    its packed sequence.
+    int32 ``[B + 1]``. Returns int64 ``[T, topk]``, best score first; no id exceeds its query
+    position or leaves its packed sequence. Among equal scores the earliest key wins, so a
+    sequence selects the same keys wherever it sits in the packed batch.
     """
     return select_backend(q_index.device).indexer_topk(q_index, k_index, weights, cu_seqlens,
                                                        topk)
@@ -176,7 +183,8 @@ def _(q_index: Tensor, k_index: Tensor, weights: Tensor, cu_seqlens: Tensor,
 @torch.library.custom_op("glm_dsa::sparse_mla_attention", mutates_args=())
 def sparse_mla_attention(q: Tensor, k: Tensor, v: Tensor, topk_ids: Tensor,
                          softmax_scale: float) -> Tensor:
-    """Attention of each query ``t`` over the keys ``topk_ids[t]`` (``-1`` slots ignored).
+    """Attention of each query ``t`` over the keys ``topk_ids[t]`` (``-1`` slots ignored; a
+    query without any valid id gets zeros).
 
     ``q``/``k`` ``[T, H, Dqk]``, ``v`` ``[T, H, Dv]``, ``topk_ids`` ``[T, K]``; returns
     ``[T, H, Dv]``.
