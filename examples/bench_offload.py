@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -180,41 +181,90 @@ def _grad_difference(expected: list[Any], got: list[Any]) -> tuple[bool, float]:
     return equal, worst
 
 
-def run(size: Size, device: torch.device, rounds: int, warmup: int) -> dict[str, Any]:
+def _progress(line: str) -> None:
+    # NOTE: on a GPU lent for minutes, a run cut short by its time limit must still show how
+    # far it got: one flushed line per probe and per timed step, on stderr (stdout: the table).
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(size: Size, device: torch.device, rounds: int, warmup: int,
+        json_path: Path | None = None) -> dict[str, Any]:
+    """Probe, then time, every configuration. A configuration that fails is reported with its
+    error and left out of the timing; ``json_path`` gets the probes' results before timing
+    starts, so a run stopped during timing still leaves its memory and gradient results."""
     bench = Bench(size, device)
-    probes = {config: bench.probe(config) for config in CONFIGS}
-    bench.manager.stats(reset=True)
-    times = time_interleaved(bench.step, CONFIGS, rounds=rounds, warmup=warmup)
-    timed_offload = bench.manager.stats(reset=True)  # warm-up and timed steps, after the probe
-    reference = probes[EAGER]["grads"]
-    configs: dict[str, Any] = {}
-    for config in CONFIGS:
-        equal, worst = _grad_difference(reference, probes[config]["grads"])
-        configs[config] = {
-            **summarize_ms(times[config]), "held_bytes": probes[config]["held_bytes"],
-            "peak_bytes": probes[config]["peak_bytes"], "grads_equal_eager": equal,
-            "grads_max_abs_diff": worst}
-    for stats in configs.values():
-        stats["ratio_vs_checkpoint"] = stats["median_ms"] / configs[CHECKPOINT]["median_ms"]
     result: dict[str, Any] = {
         "size": {**dataclasses.asdict(size), "dtype": str(size.dtype)},
         "device": str(device), "torch": torch.__version__, "rounds": rounds, "warmup": warmup,
-        "input_bytes": size.input_bytes(), "configs": configs,
-        "offload_probe": probes[OFFLOAD]["offload"], "offload_timed": timed_offload,
+        "input_bytes": size.input_bytes(), "failed": {},
     }
+    probes: dict[str, Any] = {}
+    for config in CONFIGS:
+        try:
+            probes[config] = bench.probe(config)
+        except Exception as err:  # reported, never hidden: the row says why it is missing
+            result["failed"][config] = f"{type(err).__name__}: {err}"
+            _progress(f"probe {config}: FAILED {result['failed'][config]}")
+            continue
+        _progress(f"probe {config}: held {_mib(probes[config]['held_bytes'])} MiB, peak "
+                  f"{_mib(probes[config]['peak_bytes'])} MiB")
+    if EAGER not in probes:
+        raise RuntimeError(f"the eager reference failed: {result['failed'][EAGER]}")
+    # Eager against itself: non-deterministic kernels (flash attention's backward in bf16)
+    # differ between two runs; gradient differences below this floor are not the library's.
+    noise_equal, noise = _grad_difference(probes[EAGER]["grads"], bench.probe(EAGER)["grads"])
+    result["eager_repeat"] = {"grads_equal": noise_equal, "grads_max_abs_diff": noise}
+    reference = probes[EAGER]["grads"]
+    configs: dict[str, Any] = {}
+    for config, probe in probes.items():
+        equal, worst = _grad_difference(reference, probe["grads"])
+        configs[config] = {"held_bytes": probe["held_bytes"], "peak_bytes": probe["peak_bytes"],
+                           "grads_equal_eager": equal, "grads_max_abs_diff": worst}
+    result["configs"] = configs
+    if OFFLOAD in probes:
+        result["offload_probe"] = probes[OFFLOAD]["offload"]
+    if json_path is not None:
+        _write_json(json_path, result)
+    bench.manager.stats(reset=True)
+
+    def timed_step(config: str) -> float:
+        seconds = bench.step(config)
+        _progress(f"step {config}: {seconds * 1e3:.1f} ms")
+        return seconds
+
+    times = time_interleaved(timed_step, list(probes), rounds=rounds, warmup=warmup)
+    result["offload_timed"] = bench.manager.stats(reset=True)  # every step after the probes
+    for config, stats in configs.items():
+        stats.update(summarize_ms(times[config]))
+    for stats in configs.values():
+        stats["ratio_vs_checkpoint"] = (stats["median_ms"] / configs[CHECKPOINT]["median_ms"]
+                                        if CHECKPOINT in configs else None)
+    result["targets"] = _targets(size, configs)
+    return result
+
+
+def _targets(size: Size, configs: dict[str, Any]) -> dict[str, Any]:
+    """The verdicts, for the configurations that ran."""
+    if not {CHECKPOINT, OFFLOAD} <= configs.keys():
+        return {}
     overhead = configs[OFFLOAD]["ratio_vs_checkpoint"]
-    vs_save_on_cpu = configs[OFFLOAD]["median_ms"] / configs[SAVE_ON_CPU]["median_ms"]
     targets: dict[str, Any] = {
-        "overhead": {"value": overhead, "limit": MAX_OVERHEAD, "met": overhead <= MAX_OVERHEAD},
-        "vs_save_on_cpu": {"value": vs_save_on_cpu, "limit": 1.0, "met": vs_save_on_cpu < 1.0},
-    }
+        "overhead": {"value": overhead, "limit": MAX_OVERHEAD, "met": overhead <= MAX_OVERHEAD}}
+    if SAVE_ON_CPU in configs:
+        vs_save_on_cpu = configs[OFFLOAD]["median_ms"] / configs[SAVE_ON_CPU]["median_ms"]
+        targets["vs_save_on_cpu"] = {"value": vs_save_on_cpu, "limit": 1.0,
+                                     "met": vs_save_on_cpu < 1.0}
     needed = (size.layers - 2) * size.input_bytes()
     for key, column in (("peak_drop", "peak_bytes"), ("held_drop", "held_bytes")):
         ckpt, off = configs[CHECKPOINT][column], configs[OFFLOAD][column]
         if ckpt is not None and off is not None:
             targets[key] = {"value": ckpt - off, "limit": needed, "met": ckpt - off >= needed}
-    result["targets"] = targets
-    return result
+    return targets
+
+
+def _write_json(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
 
 
 def _mib(nbytes: int | None) -> str:
@@ -237,23 +287,37 @@ def format_report(result: dict[str, Any]) -> str:
     for config, c in result["configs"].items():
         grads = "bit-identical" if c["grads_equal_eager"] else \
             f"max abs diff {c['grads_max_abs_diff']:.3g}"
+        ratio = "" if c["ratio_vs_checkpoint"] is None else f"{c['ratio_vs_checkpoint']:.3f}"
         lines.append(f"| {config} | {c['median_ms']:.2f} | {c['p10_ms']:.2f}/{c['p90_ms']:.2f} "
-                     f"| {c['ratio_vs_checkpoint']:.3f} | {_mib(c['held_bytes'])} | "
-                     f"{_mib(c['peak_bytes'])} | {grads} |")
+                     f"| {ratio} | {_mib(c['held_bytes'])} | {_mib(c['peak_bytes'])} | {grads} |")
+    for config, error in result["failed"].items():
+        lines.append(f"| {config} | failed: {error[:200]} | | | | | |")
+    noise = result["eager_repeat"]
+    lines += ["", "eager against a second eager run: " + (
+        "bit-identical" if noise["grads_equal"] else
+        f"max abs diff {noise['grads_max_abs_diff']:.3g} (non-deterministic kernels: gradient "
+        "differences up to about this are noise, not the library)")]
     o = result["offload_timed"]
     steps = max(1, result["rounds"] + result["warmup"])
-    lines += ["", f"offload per step: {o['offloaded_bytes'] / steps / MIB:.2f} MiB in "
-                  f"{o['windows'] / steps:.0f} windows "
-                  f"({o['reused_bytes'] / steps / MIB:.2f} MiB of it back with no copy); "
-                  f"over the {steps} steps after the probe "
-                  f"step: pool misses {o['pool_misses']}, prefetch hits {o['prefetch_hits']}"
-                  + (f", compute stream waited {o['wait_ms']:.1f} ms" if "wait_ms" in o else "")]
+    if OFFLOAD in result["configs"]:
+        lines.append(
+            f"offload per step: {o['offloaded_bytes'] / steps / MIB:.2f} MiB in "
+            f"{o['windows'] / steps:.0f} windows "
+            f"({o['reused_bytes'] / steps / MIB:.2f} MiB of it back with no copy); "
+            f"over the {steps} steps after the probe "
+            f"step: pool misses {o['pool_misses']}, prefetch hits {o['prefetch_hits']}"
+            + (f", compute stream waited {o['wait_ms']:.1f} ms" if "wait_ms" in o else ""))
     note = "" if gpu else " (CPU: informative only, the targets are for a GPU)"
     t = result["targets"]
+    if not t:
+        lines.append("targets: not measured (checkpoint or checkpoint + offload failed)")
+        return "\n".join(lines)
     lines.append(f"target: checkpoint + offload / checkpoint <= {MAX_OVERHEAD}: "
                  f"{t['overhead']['value']:.3f}, {_verdict(t['overhead'])}{note}")
-    lines.append(f"target: checkpoint + offload / save_on_cpu < 1: "
-                 f"{t['vs_save_on_cpu']['value']:.3f}, {_verdict(t['vs_save_on_cpu'])}{note}")
+    if "vs_save_on_cpu" in t:
+        lines.append(f"target: checkpoint + offload / save_on_cpu < 1: "
+                     f"{t['vs_save_on_cpu']['value']:.3f}, {_verdict(t['vs_save_on_cpu'])}"
+                     f"{note}")
     for key, what in (("peak_drop", "peak"), ("held_drop", "held after forward")):
         if key in t:
             lines.append(f"target: {what} drops by >= (L-2) layer inputs = "
@@ -290,11 +354,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     size = SIZES[args.size]
     result = run(size, torch.device(args.device),
                  size.rounds if args.rounds is None else args.rounds,
-                 size.warmup if args.warmup is None else args.warmup)
+                 size.warmup if args.warmup is None else args.warmup, args.json)
+    if args.json is not None:  # before the table: a table that fails must not lose the data
+        _write_json(args.json, result)
     print(format_report(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
     return result
 
 

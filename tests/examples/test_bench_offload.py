@@ -58,6 +58,31 @@ def test_the_ratios_are_the_quotients_of_the_medians_and_cpu_has_no_memory_colum
     assert targets["overhead"]["value"] == configs[bench_offload.OFFLOAD]["ratio_vs_checkpoint"]
     assert "peak_drop" not in targets and "held_drop" not in targets  # only measured on CUDA
     assert json.loads(path.read_text())["configs"].keys() == configs.keys()
+    assert result["eager_repeat"] == {"grads_equal": True, "grads_max_abs_diff": 0.0}
+    assert result["failed"] == {}
+
+
+def test_a_configuration_that_fails_is_reported_and_the_others_still_measured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    probe = bench_offload.Bench.probe
+
+    def failing(self: bench_offload.Bench, config: str) -> dict[str, Any]:
+        if config == bench_offload.SAVE_ON_CPU:
+            raise RuntimeError("pinned allocation failed")
+        return probe(self, config)
+
+    monkeypatch.setattr(bench_offload.Bench, "probe", failing)
+    path = tmp_path / "offload.json"
+    result = bench_offload.main(["--size", "tiny", "--rounds", "1", "--warmup", "0",
+                                 "--json", str(path)])
+    assert result["failed"] == {bench_offload.SAVE_ON_CPU: "RuntimeError: pinned allocation failed"}
+    assert bench_offload.SAVE_ON_CPU not in result["configs"]
+    assert set(result["targets"]) == {"overhead"}  # vs save_on_cpu: not measured
+    out = capsys.readouterr()
+    assert "| torch save_on_cpu | failed: RuntimeError: pinned allocation failed |" in out.out
+    assert "probe torch save_on_cpu: FAILED" in out.err
+    assert json.loads(path.read_text())["failed"] == result["failed"]
 
 
 def test_the_realistic_size_is_refused_on_cpu_with_a_tip(
