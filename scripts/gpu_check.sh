@@ -8,26 +8,30 @@
 #     --platform manylinux2014_x86_64 -d .whl optree==0.20.0
 # then run it with the device tool: command "bash scripts/gpu_check.sh $OUT", carry [".whl"].
 # Usage: scripts/gpu_check.sh [OUT_DIR]
+#   OUT_DIR/gpu_tests.log              pytest -m cuda (first: the cheapest correctness signal)
 #   OUT_DIR/offload.log, offload.json  the offload targets (16 layers, hidden 2048, 8k, bf16)
-#   OUT_DIR/gpu_tests.log              pytest -m cuda
 #   OUT_DIR/bench.log, bench/          the GLM-DSA comparison at the gpu-small preset
-# Each step has its own time limit (180 + 180 + 120 s); a failing step does not stop the rest.
+# Each step has its own time limit (150 + 180 + 120 s); a failing step does not stop the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-check-out}}
 mkdir -p "$out"
 if ! python3 -c 'import optree' 2>/dev/null; then
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "gpu_check: optree is missing here and no wheel was carried in .whl/ (see the header)" >&2
+    exit 2
+  fi
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())' || exit 1
 status=0
+# -p no:cacheprovider: the tree may be read-only there; -v names a test the timeout stops
+timeout 150 python3 -m pytest -p no:cacheprovider -v -m cuda tests 2>&1 | tee "$out/gpu_tests.log" \
+  || status=1
 timeout 180 python3 -m examples.bench_offload --size realistic --device cuda \
   --json "$out/offload.json" 2>&1 | tee "$out/offload.log" || status=1
-# -p no:cacheprovider: the tree may be read-only there; -v names a test the timeout stops
-timeout 180 python3 -m pytest -p no:cacheprovider -v -m cuda tests 2>&1 | tee "$out/gpu_tests.log" \
-  || status=1
-timeout 120 python3 -m examples.glm_dsa.bench --preset gpu-small --device cuda --rounds 5 \
+timeout 120 python3 -m examples.glm_dsa.bench --preset gpu-small --device cuda --rounds 3 \
   --warmup 1 --out "$out/bench" 2>&1 | tee "$out/bench.log" || status=1
 exit $status

@@ -70,6 +70,10 @@ def _row(key: str, row: dict[str, Any]) -> list[str]:
             _yes_no(equality.get("loss_equal")), _yes_no(equality.get("grads_equal"))]
 
 
+def _count(value: int | None) -> str:
+    return "n/a (a configuration it needs failed)" if value is None else f"{value:,}"
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     """The table, then numbered notes: what was measured and everything that went wrong."""
     rows = results["configs"]
@@ -86,9 +90,10 @@ def markdown_table(results: dict[str, Any]) -> str:
         "optimizer, so the weights stay identical across configurations and rounds; equality "
         "is `torch.equal` of step 1's loss and of every parameter gradient against eager.",
         f"Indexer check: the recompute-FLOP drop from reuse off to reuse on is "
-        f"{check['recompute_drop']:,} FLOPs; the indexer forward FLOPs (its "
+        f"{_count(check['recompute_drop'])} FLOPs; the indexer forward FLOPs (its "
         f"{check['indexer_calls']} calls of one forward, run alone under FlopCounterMode) are "
-        f"{check['indexer_forward_flops']:,}: {'match' if check['match'] else 'NO MATCH'}.",
+        f"{_count(check['indexer_forward_flops'])}: "
+        f"{'match' if check['match'] else 'NO MATCH'}.",
         "Census = `ActivationCensus` after one untimed forward: it sees what passes through "
         "saved-tensor hooks and what pytree-ckpt reports. torch's selective checkpoint keeps "
         "the outputs of its saved ops in its own cache, which no saved-tensor hook sees: the "

@@ -122,3 +122,14 @@ def test_gpu_presets_refuse_to_run_on_cpu(capsys: pytest.CaptureFixture[str]) ->
         bench.main(["--preset", "gpu-small", "--device", "cpu"])
     assert exit_info.value.code == 2
     assert "needs --device cuda" in capsys.readouterr().err
+
+
+def test_the_table_still_renders_when_a_configuration_the_indexer_check_needs_failed(
+        run: tuple[dict[str, Any], Path]) -> None:
+    # A first CUDA run may fail a row; the table (and results.json after it) must survive.
+    results = json.loads(json.dumps(run[0]))
+    results["configs"]["pytree_reuse_on"].update(status="error", note="step 1 failed: boom")
+    results["indexer_check"].update(recompute_drop=None, match=False)
+    table = bench.markdown_table(results)
+    assert "n/a (a configuration it needs failed)" in table and "NO MATCH" in table
+    assert "step 1 failed: boom" in table
