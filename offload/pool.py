@@ -27,11 +27,18 @@ log = logging.getLogger(__name__)
 _MIN_CLASS = 512
 
 
-def size_class(nbytes: int, /) -> int:
-    """Round up to a size class: powers of two split in quarters (at most 25% waste)."""
+def size_class(nbytes: int, /, *, pinned: bool = False) -> int:
+    """Round up to a size class: powers of two split in quarters (at most 25% waste).
+
+    Pinned buffers come from torch's caching host allocator, which rounds every request up to
+    a power of two: there the classes are the powers of two, so ``host_bytes`` counts what is
+    really pinned and two requests of one power share buffers.
+    """
     if nbytes <= _MIN_CLASS:
         return _MIN_CLASS
     top = 1 << (nbytes - 1).bit_length()   # next power of two >= nbytes
+    if pinned:
+        return top
     quarter = top // 8                     # classes at 4/8, 5/8, 6/8, 7/8, 8/8 of `top`
     return -(-nbytes // quarter) * quarter
 
@@ -51,7 +58,8 @@ class HostPool:
     def reserve(self, nbytes_list: list[int], /) -> None:
         """Allocate buffers up front (e.g. one step's worth) so the first step hits too."""
         for nbytes in nbytes_list:
-            self._free[size_class(nbytes)].append((self._allocate(size_class(nbytes)), None))
+            cls = size_class(nbytes, pinned=self.pin_memory)
+            self._free[cls].append((self._allocate(cls), None))
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
@@ -61,7 +69,7 @@ class HostPool:
 
     def acquire(self, nbytes: int, /) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes, checked out until ``release``."""
-        cls = size_class(nbytes)
+        cls = size_class(nbytes, pinned=self.pin_memory)
         with self._lock:
             free = self._free.get(cls)
             entry = free.pop() if free else None

@@ -6,7 +6,8 @@ NOTE [stream rules]:
    must stay alive until that event completes, or until ``wait(event, stream=...)`` has put
    the stream that was current when the tensor was saved behind it (the caching allocator
    could otherwise hand the memory to a new tensor while the copy still reads it; the memory
-   belongs to that stream, whose later kernels are ordered after the copy). The manager drops
+   belongs to that stream, whose later kernels are ordered after the copy; this assumes the
+   tensor was allocated on the stream current when it was saved). The manager drops
    its reference on ``done(event)``, or after ``wait(event)`` two windows later (NOTE [copies
    in flight]).
 2. Host-to-device: the destination is allocated on the compute stream, the h2d stream waits for

@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import pytree_ckpt
 import offload
-from offload import OffloadConfig, OffloadManager, size_class
+from offload import HostPool, OffloadConfig, OffloadManager, size_class
 from pytree_ckpt import CheckpointConfigError, apply_activation_checkpointing
 from tests.conftest import assert_same_grads
 
@@ -457,6 +457,19 @@ def test_size_classes_waste_at_most_a_quarter() -> None:
         c = size_class(n)
         assert c >= n and (n <= 512 or c <= n * 1.25)
     assert size_class(4096) == 4096 and size_class(4097) == 5120
+
+
+def test_pinned_buffers_are_classed_by_power_of_two_as_torchs_pinned_allocator_rounds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [size_class(n, pinned=True) for n in (1, 513, 4097, 5000, 8192, 8193)] == \
+        [512, 1024, 8192, 8192, 8192, 16384]
+    pool = HostPool(pin_memory=True)
+    empty = torch.empty  # CPU-only torch cannot pin: the allocation itself is not the point
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    first = pool.acquire(4097)
+    pool.release(first)
+    assert first.numel() == 8192 and pool.acquire(6000) is first  # one class: shared
+    assert pool.host_bytes == 8192
 
 
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("TRUE", True),
