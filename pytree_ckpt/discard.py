@@ -300,6 +300,12 @@ class CheckpointWithoutOutput:
         registering the rebuild leaves the consumer's backward reading freed memory, so it
         only comes with a registration (``discard_output_and_register_recompute``, or a
         manager's unified one)."""
+        if self.fn is None:
+            raise CheckpointError(
+                "discard_output_and_register_recompute was called before checkpoint()",
+                expected="ckpt.checkpoint(fn, *args) first, then the discard",
+                got="a discard with nothing checkpointed",
+                tip="call checkpoint() on this object for the op whose output is to be freed")
         if self.discarded:
             raise CheckpointError(f"the output of {self._name()} was already discarded",
                                   expected="one discard", got="a second discard",

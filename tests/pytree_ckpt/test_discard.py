@@ -101,9 +101,11 @@ def test_an_output_that_aliases_its_input_is_kept() -> None:
     y.sum().backward()
 
 
-def test_discarding_twice_and_replaying_twice_raise() -> None:
+def test_discarding_before_checkpointing_twice_and_replaying_twice_raise() -> None:
     x = torch.randn(4, requires_grad=True)
     ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointError, match="(?s)before checkpoint\\(\\).*tip"):
+        ckpt.discard_output_and_register_recompute(x * 2)
     out = ckpt.checkpoint(torch.tanh, x)
     y = out * 2
     ckpt.discard_output_and_register_recompute(y)
