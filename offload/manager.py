@@ -85,6 +85,10 @@ class OffloadConfig:
                     f"OffloadConfig.{name} must be an int >= 0", expected="an int >= 0",
                     got=repr(value), tip="min_bytes=0 offloads every window storage; "
                                          "prefetch=0 restores on demand")
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise CheckpointConfigError(
+                "OffloadConfig.pin_memory must be None or a bool", expected="None | bool",
+                got=repr(self.pin_memory), tip="None pins host buffers when CUDA is available")
 
 
 class _Copy:
@@ -321,6 +325,17 @@ class OffloadManager:
         # Storages let go while still alive: judged when backward begins (``_judge_alive``).
         self._suspects: list[tuple[StorageWeakRef, int]] = []
         self._opened = 0  # windows opened so far, in all passes (NOTE [copies in flight])
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # NOTE: a pickled model (its wrapped layers' options hold the manager) comes back with
+        # a manager of the same config and device and none of the run-time state (host pool,
+        # streams, counters, graphs' windows); layers that shared one share the new one
+        # (pickle memoizes it). The process's default manager comes back as the loading
+        # process's default for that device.
+        device = str(self.device)
+        if _default_managers.get(device) is self:
+            return _default_for, (device,)
+        return _new_manager, (self.config, device)
 
     # -- statistics --------------------------------------------------------------------------
     def _reset_counters(self) -> None:
@@ -592,6 +607,10 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
+def _new_manager(config: OffloadConfig, device: str) -> OffloadManager:
+    return OffloadManager(config, device=device)
+
+
 _default_managers: dict[str, OffloadManager] = {}
 _default_lock = threading.Lock()
 
@@ -604,6 +623,10 @@ def default_manager() -> OffloadManager:
     autograd graph; across steps it keeps its host pool (the point of a pool) and counters.
     """
     device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    return _default_for(device)
+
+
+def _default_for(device: str) -> OffloadManager:
     with _default_lock:
         manager = _default_managers.get(device)
         if manager is None:

@@ -64,3 +64,14 @@ def run_twice(step: Callable[[bool], Any], leaves: list[torch.Tensor], *,
 @pytest.fixture(autouse=True)
 def _fresh_seed() -> None:
     torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_offload(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The suite must not depend on the caller's shell (XTUNER_ACTIVATION_OFFLOAD=1 would turn
+    # offload on for every wrapped layer), nor tests on each other's process-wide default
+    # managers: each test starts with none.
+    import offload.manager
+
+    monkeypatch.delenv("XTUNER_ACTIVATION_OFFLOAD", raising=False)
+    monkeypatch.setattr(offload.manager, "_default_managers", {})

@@ -507,9 +507,12 @@ def test_an_unknown_environment_value_is_refused_naming_the_variable(
             wrap(Layer(), offload="on")  # type: ignore[arg-type]
 
 
-def test_bad_offload_config_is_refused_with_a_tip() -> None:
-    with pytest.raises(ValueError, match="(?s)min_bytes must be an int >= 0.*tip"):
-        OffloadConfig(min_bytes=-1)
+@pytest.mark.parametrize(("field", "value"), [
+    ("min_bytes", -1), ("min_bytes", True), ("min_bytes", 1.5), ("prefetch", -1),
+    ("prefetch", True), ("pin_memory", "no"), ("pin_memory", 1)])
+def test_bad_offload_config_is_refused_with_a_tip(field: str, value: Any) -> None:
+    with pytest.raises(CheckpointConfigError, match=f"(?s)OffloadConfig.{field} must be.*tip"):
+        OffloadConfig(**{field: value})
 
 
 def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() -> None:

@@ -265,3 +265,29 @@ def test_a_forward_kept_after_its_module_was_freed_raises_a_checkpoint_error() -
     gc.collect()
     with pytest.raises(pytree_ckpt.CheckpointError, match="(?s)no longer exists.*tip"):
         forward(torch.randn(1, 2, requires_grad=True))
+
+
+def test_a_model_with_offload_pickles_with_one_fresh_manager_shared_as_before() -> None:
+    from offload import OffloadConfig, OffloadManager, default_manager
+
+    manager = OffloadManager(OffloadConfig(min_bytes=0, prefetch=2), device="cpu")
+    model = nn.Sequential(Layer(), Layer())
+    checkpoint_layers(model, offload=manager)
+    x = torch.randn(2, 8, requires_grad=True)
+    model(x).sum().backward()  # a pool with buffers, counters, a finished pass
+    twin = pickle.loads(pickle.dumps(model))
+    managers = {id(layer.forward.options.offload) for layer in twin}
+    assert len(managers) == 1  # still one manager for both layers, numbering their windows
+    fresh = twin[0].forward.options.offload
+    assert fresh is not manager
+    assert fresh.config == manager.config and fresh.device == manager.device
+    assert fresh.stats()["offloaded_bytes"] == 0 and fresh.pool.host_bytes == 0
+    model.zero_grad(set_to_none=True)
+    manager.stats(reset=True)
+    model(x).sum().backward()
+    twin(x).sum().backward()
+    assert_same_grads([p.grad for p in model.parameters()], [p.grad for p in twin.parameters()])
+    assert fresh.stats()["offloaded_bytes"] == manager.stats()["offloaded_bytes"] > 0
+    # offload=True's process default comes back as the loading process's default
+    default = apply_activation_checkpointing(Layer(), offload=True)
+    assert pickle.loads(pickle.dumps(default)).forward.options.offload is default_manager()
