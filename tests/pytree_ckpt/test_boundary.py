@@ -194,6 +194,22 @@ def test_dropout_masks_are_identical_in_the_replay() -> None:
     assert_same_grads(eager, ckpt)
 
 
+def test_after_the_replays_the_rng_continues_where_eager_would() -> None:
+    # The replays set the recorded states; each must put the ambient state back, or the next
+    # step's dropout masks would repeat this step's.
+    layers = [nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)) for _ in range(2)]
+    x = torch.randn(8, 16, requires_grad=True)
+    after = []
+    for wrapped in (False, True):
+        torch.manual_seed(3)
+        h = x
+        for layer in layers:
+            h = checkpoint(layer, h) if wrapped else layer(h)
+        h.sum().backward()
+        after.append(torch.get_rng_state())
+    assert torch.equal(after[0], after[1])
+
+
 def test_without_rng_preservation_dropout_masks_differ() -> None:
     drop = nn.Dropout(0.5)
     x = torch.randn(64, requires_grad=True)

@@ -226,3 +226,13 @@ def test_census_misuse_raises_the_librarys_errors_with_a_tip() -> None:
             census.__enter__()
     with pytest.raises(CheckpointConfigError, match="(?s)cannot group by 'modules'.*tip"):
         census.bytes_by("modules")
+
+
+def test_a_saved_slice_counts_its_whole_storage_once() -> None:
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x * 1.0
+    with ActivationCensus() as census:
+        top = h[:8].sin()       # saves a 2 KiB view: the whole 16 KiB storage stays alive
+        bottom = h[8:].cos()    # another view of the same storage: not counted again
+    assert census.total_bytes == h.untyped_storage().nbytes() == 64 * 64 * 4
+    (top.sum() + bottom.sum()).backward()

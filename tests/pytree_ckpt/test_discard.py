@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -290,6 +291,42 @@ def test_a_view_of_a_tensor_a_lambda_closes_over_is_kept() -> None:
     out = (x * rows).sum()
     ckpt.discard_output_and_register_recompute(out)
     assert table.untyped_storage().nbytes() == 16 * 8 * 4
+
+
+GLOBAL_TABLE = torch.randn(16, 8)
+
+
+def _rows_of_the_global_table(t: torch.Tensor) -> torch.Tensor:
+    return GLOBAL_TABLE[: t.shape[0]]
+
+
+def _rows_of(t: torch.Tensor, table: torch.Tensor | nn.Module) -> torch.Tensor:
+    table = table.get_buffer("table") if isinstance(table, nn.Module) else table
+    return table[: t.shape[0]]
+
+
+@pytest.mark.parametrize("reach", ["global", "partial", "module argument"])
+def test_a_view_of_state_reached_as_a_global_a_partial_or_a_module_argument_is_kept(
+        reach: str) -> None:
+    # Plain tensors (a buffer, not parameters, which are always kept): only finding them
+    # where fn can reach them keeps them.
+    holder = nn.Module()
+    holder.register_buffer("table", torch.randn(16, 8))
+    fn, args, state = {
+        "global": (_rows_of_the_global_table, (), GLOBAL_TABLE),
+        "partial": (functools.partial(_rows_of, table=holder.table), (), holder.table),
+        "module argument": (_rows_of, (holder,), holder.table),
+    }[reach]
+    before = state.clone()
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    rows = ckpt.checkpoint(fn, x, *args)
+    out = (x * rows).sum()
+    ckpt.discard_output_and_register_recompute(out)
+    nbytes = state.untyped_storage().nbytes()  # (a freed tensor must not reach a repr)
+    assert nbytes == 16 * 8 * 4
+    out.backward()
+    assert torch.equal(state, before) and torch.equal(x.grad, before[:4])
 
 
 def test_an_op_with_only_integer_outputs_is_refused_when_checkpointed() -> None:

@@ -76,6 +76,33 @@ def test_results_are_fifo_per_callable() -> None:
     assert [v for p, v in order if p == "recompute"] == forward
 
 
+def test_distinct_results_of_one_callable_replay_in_call_order_with_eager_gradients() -> None:
+    # The largest and the smallest entries, from one callable: a replay in any other order
+    # than the calls' would gather the wrong entries.
+    topk = CountingTopk(2)
+    got: list[torch.Tensor] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        largest_ids = reuse_during_recompute(topk, x)
+        smallest_ids = reuse_during_recompute(topk, -x)
+        got.extend([largest_ids, smallest_ids])
+        largest, smallest = torch.gather(x, -1, largest_ids), torch.gather(x, -1, smallest_ids)
+        return largest.exp().sum() + 3 * smallest.exp().sum()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    fn(x).backward()
+    eager = x.grad
+    x.grad = None
+    got.clear()
+    topk.calls.clear()
+    checkpoint(fn, x).backward()
+    assert topk.calls == {"forward": 2}  # never in the replay
+    recorded, replayed = got[:2], got[2:]
+    assert not torch.equal(recorded[0], recorded[1])
+    assert replayed[0] is recorded[0] and replayed[1] is recorded[1]
+    assert torch.equal(x.grad, eager)
+
+
 def test_two_invocations_of_one_boundary_never_mix_their_frames() -> None:
     topk = CountingTopk()
     seen = topk.seen

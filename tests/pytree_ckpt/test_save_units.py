@@ -61,11 +61,12 @@ TARGETS = {SaveUnit.ATTN: KeptOps("aten::mm", "nonexistent_ns::attention_v3"),
 
 
 def run(save: Any, *, ratio: float = 1.0, layers: int = 3, seed: int = 0,
-        counter: OpCounter | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        counter: OpCounter | None = None, targets: Any = None
+        ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     torch.manual_seed(seed)
     stack = nn.ModuleList(Block() for _ in range(layers))
     if save != "eager":
-        apply_recompute_config(stack, RecomputeConfig(ratio, save), TARGETS)
+        apply_recompute_config(stack, RecomputeConfig(ratio, save), targets or TARGETS)
     x = torch.randn(5, 8, requires_grad=True)
     if counter is None:
         counter = OpCounter()
@@ -100,6 +101,11 @@ def test_a_kept_op_runs_zero_times_in_the_replay_and_others_run_again() -> None:
     assert full.counts["recompute", "aten.addmm"] == 6
     assert gate.counts["recompute", "aten.addmm"] == 3
     assert gate.counts["recompute", "aten.mm"] == 3
+    # the method given as a function object keeps exactly what its qualified name keeps
+    by_function = OpCounter()
+    run(["moe_gate"], counter=by_function,
+        targets={**TARGETS, SaveUnit.MOE_GATE: KeptCallables(Gate.project)})
+    assert by_function.counts == gate.counts
 
 
 def test_without_save_units_no_dispatch_mode_is_active_in_forward_or_replay() -> None:
