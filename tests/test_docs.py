@@ -42,3 +42,22 @@ def test_doc_page_examples_run(page: Path, monkeypatch: pytest.MonkeyPatch) -> N
             exec(code, namespace)
         except Exception as err:  # pragma: no cover - the message is the point
             raise AssertionError(f"{page.name} block #{number} (line {line}) failed: {err!r}") from err
+
+
+def test_every_name_the_readme_uses_exists_in_the_public_api() -> None:
+    # The README's usage sketch needs a model to run (docs/ has the runnable versions); its
+    # names must still be real: every `pytree_ckpt.x` / `offload.x`, and every backticked
+    # call in the usage section.
+    import offload
+    import pytree_ckpt
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    packages = {"pytree_ckpt": pytree_ckpt, "offload": offload}
+    dotted = re.findall(r"(?<!/)\b(pytree_ckpt|offload)\.([A-Za-z_]\w*)\b(?!\.md)", text)
+    usage = text[text.index("## Usage"):]
+    called = re.findall(r"`([A-Za-z_]\w*)\(", usage)
+    assert dotted and called
+    for package, name in dotted:
+        assert name in packages[package].__all__, f"README: {package}.{name}"
+    for name in called:
+        assert name in pytree_ckpt.__all__, f"README: {name}(...)"

@@ -54,9 +54,7 @@ class GlmDsaForCausalLM(nn.Module):
     # are custom ops whatever backend runs them); the MoE gate by the router's projection
     # method, which encloses only the projection (not the in-place-free top-k after it).
     recompute_targets: RecomputeTargetMap = {
-        SaveUnit.ATTN: KeptOps("glm_dsa::sparse_mla_attention",
-                               "flash_attn::_flash_attn_varlen_forward",
-                               "flash_attn_3::_flash_attn_forward"),
+        SaveUnit.ATTN: KeptOps("glm_dsa::sparse_mla_attention"),
         SaveUnit.DSA_INDEXER: KeptOps("glm_dsa::indexer_topk"),
         SaveUnit.MOE_GATE: KeptCallables("Router.project"),
     }

@@ -493,6 +493,10 @@ def test_the_environment_switch_turns_offload_on_and_off(monkeypatch: pytest.Mon
     before = manager.stats()["offloaded_bytes"]
     wrapped(torch.randn(1024, 32, requires_grad=True)).sum().backward()  # 128 KiB: above the floor
     assert (manager.stats()["offloaded_bytes"] > before) is on
+    # the one-off checkpoint() never offloads
+    before = manager.stats()["offloaded_bytes"]
+    pytree_ckpt.checkpoint(m, torch.randn(1024, 32, requires_grad=True)).sum().backward()
+    assert manager.stats()["offloaded_bytes"] == before
 
 
 def test_an_unknown_environment_value_is_refused_naming_the_variable(

@@ -233,13 +233,17 @@ def test_lean_import_touches_no_cuda_and_imports_no_optional_package() -> None:
     assert pytree_ckpt.__version__
 
 
-def test_a_submodule_added_after_the_first_replay_still_gets_gradients() -> None:
-    layer = nn.Sequential(nn.Linear(4, 4), nn.Identity())
-    apply_activation_checkpointing(layer)
+def test_a_submodule_added_after_the_first_replay_gets_eager_gradients() -> None:
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Identity())
+    layer = apply_activation_checkpointing(copy.deepcopy(eager))
     x = torch.randn(2, 4, requires_grad=True)
     layer(x).sum().backward()
-    layer[1] = nn.Linear(4, 4)  # an adapter injected after training started
-    layer(x).sum().backward()
+    adapter = nn.Linear(4, 4)  # an adapter injected after training started
+    eager[1], layer[1] = adapter, copy.deepcopy(adapter)
+    layer.zero_grad(set_to_none=True)
+    for model in (eager, layer):
+        model(x).square().sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layer.parameters()])
     assert layer[1].weight.grad is not None
 
 
