@@ -33,6 +33,8 @@ def test_ranks_that_outlive_the_timeout_are_killed_with_their_process_groups(
     run = run_ranks(["-c", SLEEPER, str(tmp_path), "none"], 2, timeout=3.0, log_dir=tmp_path)
     assert run.timed_out and not run.ok
     assert all(code is not None and code != 0 for code in run.returncodes)
+    # Not a speed claim: the ranks sleep 120 s, so returning in well under that shows the
+    # launcher did not wait for them (15 s leaves a loaded CI machine 5x the 3 s timeout).
     assert time.monotonic() - start < 15
     assert not any(_alive(tmp_path / str(rank)) for rank in range(2))
 
