@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,8 +133,25 @@ def _supervise(procs: list[subprocess.Popen[bytes]],
     return [p.poll() for p in procs], timed_out
 
 
+# free_port() lets the port go before the ranks bind it: another process may take it between.
+_PORT_TAKEN = ("address already in use", "eaddrinuse", "failed to listen")
+
+
+def _retry_if_port_taken(launch: Callable[[], Run]) -> Run:
+    """Run ``launch`` again, once, on a new port, if the first run lost its port to a race."""
+    run = launch()
+    if not run.ok and not run.timed_out and any(
+            marker in run.output().lower() for marker in _PORT_TAKEN):
+        run = launch()
+    return run
+
+
 def run_ranks(argv: list[str], nproc: int, *, timeout: float, log_dir: Path) -> Run:
     """Run ``python *argv`` as ``nproc`` ranks, set up as torchrun would (without the agent)."""
+    return _retry_if_port_taken(lambda: _run_ranks(argv, nproc, timeout, log_dir))
+
+
+def _run_ranks(argv: list[str], nproc: int, timeout: float, log_dir: Path) -> Run:
     port = free_port()
     procs, logs = [], []
     try:
@@ -155,6 +173,10 @@ def run_ranks(argv: list[str], nproc: int, *, timeout: float, log_dir: Path) -> 
 
 def run_torchrun(args: list[str], nproc: int, *, timeout: float, log_dir: Path) -> Run:
     """``python -m torch.distributed.run --nproc-per-node nproc *args`` on a free loopback port."""
+    return _retry_if_port_taken(lambda: _run_torchrun(args, nproc, timeout, log_dir))
+
+
+def _run_torchrun(args: list[str], nproc: int, timeout: float, log_dir: Path) -> Run:
     port = free_port()
     log_path = log_dir / "torchrun.log"
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
