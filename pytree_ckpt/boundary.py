@@ -276,7 +276,7 @@ class _Call:
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
-                 "buffer_dicts", "changed_state")
+                 "buffer_dicts", "frozen", "changed_state")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -304,11 +304,13 @@ class _Call:
         # Inputs the original pass returned as they are, by output position; for run_boundary
         # only (then dropped).
         self.as_is: list[tuple[int, torch.Tensor]] | None = None
-        # The modules' buffers, by submodule; for the original pass only (then dropped).
+        # The modules' buffers, by submodule, and frozen parameters; for the original pass
+        # only (then dropped).
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
-        # Buffers and frozen parameters the original pass changed in place (NOTE [state the
-        # forward changes]); None when it changed none.
-        self.changed_state: list[torch.Tensor] | None = None
+        self.frozen: list[torch.Tensor] = []
+        # What the original pass changed of the modules' state (NOTE [state the forward
+        # changes]); None when it changed nothing.
+        self.changed_state: _ChangedState | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -397,9 +399,8 @@ class _BoundaryFunction(torch.autograd.Function):
         args, kwargs = call.original_call
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
-        versions = [t._version for t in tensors]
-        state = list(call.before.values()) if call.before else []
-        state_versions = [t._version for t in state]
+        versions = _versions(tensors)
+        watch = _StateWatch(call.buffer_dicts, call.frozen) if call.owner is not None else None
         token = ACTIVE.set(invocation)
         try:
             if call.options.keep is None:
@@ -409,12 +410,13 @@ class _BoundaryFunction(torch.autograd.Function):
                     output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
-        for slot, (tensor, version) in enumerate(zip(tensors, versions)):
-            if tensor._version != version:
-                _raise_input_changed(call, slot, version, tensor._version)
-        if any(t._version != v for t, v in zip(state, state_versions)):
-            call.changed_state = _changed_state(call, state, state_versions)
-        call.buffer_dicts = []
+        moved = [slot for slot, version in enumerate(_versions(tensors))
+                 if version != versions[slot]]
+        if moved:
+            _raise_input_changed(call, tensors, moved)
+        if watch is not None:
+            call.changed_state = watch.changed()
+        call.buffer_dicts, call.frozen = [], []
         flat = flatten(output)
         # NOTE [outputs made before the call]: the original pass runs under no-grad, so an
         # output that requires grad (a parameter, or a graph tensor fn closed over) existed
@@ -451,7 +453,7 @@ class _BoundaryFunction(torch.autograd.Function):
         refuse_double_backward(f"the boundary around {_fn_name(call.fn)}")
         if call.changed_state is None:
             return _replay_backward(ctx, call, grad_outputs)
-        with _state_put_back(call.changed_state):
+        with call.changed_state.put_back():
             return _replay_backward(ctx, call, grad_outputs)
 
 
@@ -530,48 +532,92 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     return (None, None, *result)
 
 
-@contextmanager
-def _state_put_back(state: list[torch.Tensor]) -> Iterator[None]:
-    """NOTE [state the forward changes]: buffers (BatchNorm's running statistics, a step
-    counter) and frozen parameters that the original pass changed in place would be changed
-    again by the replay, which eager never runs. Their values when backward reaches the
-    boundary are copied back once its gradients are computed (not sooner: the replay's graph
-    may have saved them), so the module's state after backward is eager's. The replay itself
-    sees them as the forward left them (BatchNorm in training normalises with the batch's
-    statistics and only updates the running ones, so its replay is exact). Only tensors whose
-    version counter moved during the original pass are copied, once per replay.
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    # Inference tensors keep no version counter (and cannot be changed outside inference mode).
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
+class _StateWatch:
+    """NOTE [state the forward changes]: the replay runs ``fn`` again, and with it every change
+    ``fn`` makes to its modules' buffers (BatchNorm's running statistics, a step counter, an
+    EMA reassigned) and frozen parameters, which eager never repeats. The original pass notes
+    which submodules' buffers changed, in place (a version counter moved) or by reassignment
+    (another object under a name); backward takes their state as it finds it and puts it back
+    once the replay's gradients are computed (not sooner: the replay's graph may have saved
+    them). So the module's state after backward is eager's. A submodule counts as a whole, since
+    a kernel may update a buffer without moving its version (BatchNorm's running statistics:
+    only ``num_batches_tracked`` moves). The replay itself sees the state as the forward left
+    it: exact for BatchNorm in training, which normalises with the batch's statistics; not for a
+    layer whose output reads what it changed (documented). Changes through ``.data`` move no
+    version and are not seen. The common case, nothing changed, costs one version read and
+    one identity check per buffer.
     """
-    saved = [t.detach().clone() for t in state]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for tensor, value in zip(state, saved):
-                tensor.copy_(value)
+
+    __slots__ = ("dicts", "items", "versions", "frozen", "frozen_versions")
+
+    def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
+                 frozen: list[torch.Tensor]) -> None:
+        self.dicts = dicts
+        self.items = [tuple(d.items()) for d in dicts]
+        self.versions = [_versions([b for b in d.values() if b is not None]) for d in dicts]
+        self.frozen = frozen
+        self.frozen_versions = _versions(frozen)
+
+    def changed(self) -> _ChangedState | None:
+        in_place, reassigned = [], []
+        for d, items, versions in zip(self.dicts, self.items, self.versions):
+            if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items):
+                reassigned.append(d)
+            elif _versions([b for b in d.values() if b is not None]) != versions:
+                in_place.append(d)
+        params = [p for p, v in zip(self.frozen, self.frozen_versions)
+                  if not p.is_inference() and p._version != v]
+        if not (in_place or reassigned or params):
+            return None
+        return _ChangedState(in_place, reassigned, params)
 
 
-def _changed_state(call: _Call, state: list[torch.Tensor],
-                   versions: list[int]) -> list[torch.Tensor]:
-    """The state to put back after each replay (NOTE [state the forward changes]): frozen
-    parameters whose version moved, and every buffer of a submodule one of whose buffers did.
-    A kernel may update a buffer without moving its version: BatchNorm's running statistics
-    move only ``num_batches_tracked``."""
-    moved = {id(t) for t, v in zip(state, versions) if t._version != v}
-    changed = {id(b): b for d in call.buffer_dicts
-               if any(id(b) in moved for b in d.values() if b is not None)
-               for b in d.values() if b is not None}
-    for tensor in state:
-        if id(tensor) in moved:
-            changed.setdefault(id(tensor), tensor)
-    return list(changed.values())
+class _ChangedState:
+    """What the original pass changed (NOTE [state the forward changes]); put back around each
+    replay by :meth:`put_back`."""
+
+    __slots__ = ("in_place", "reassigned", "params")
+
+    def __init__(self, in_place: list[dict[str, torch.Tensor | None]],
+                 reassigned: list[dict[str, torch.Tensor | None]],
+                 params: list[torch.Tensor]) -> None:
+        self.in_place = in_place
+        self.reassigned = reassigned
+        self.params = params
+
+    @contextmanager
+    def put_back(self) -> Iterator[None]:
+        entries = [dict(d) for d in self.reassigned]
+        values = [(t, t.detach().clone()) for d in self.in_place for t in d.values()
+                  if t is not None and not t.is_inference()]
+        values += [(p, p.detach().clone()) for p in self.params]
+        try:
+            yield
+        finally:
+            for d, before in zip(self.reassigned, entries):
+                d.clear()
+                d.update(before)
+            with torch.no_grad():
+                for tensor, value in values:
+                    tensor.copy_(value)
 
 
-def _raise_input_changed(call: _Call, slot: int, before: int, after: int) -> None:
-    path = _input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
+def _raise_input_changed(call: _Call, tensors: Sequence[torch.Tensor], moved: list[int]) -> None:
+    paths = [_input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
+             for slot in moved]
+    views = any(tensors[slot]._base is not None for slot in moved)
+    where = paths[0] if len(paths) == 1 else "one of " + ", ".join(paths)
+    shared = (" (views share their base's version counter: the write may have gone to another "
+              "view of the same tensor)" if views else "")
     raise CheckpointError(
-        f"{_fn_name(call.fn)} changed its input {path} in place; the replay would run on the "
-        "changed tensor and give wrong gradients", expected="inputs left as they are "
-        f"(version {before})", got=f"version {after} after the original pass",
+        f"{_fn_name(call.fn)} changed its input {where} in place{shared}; the replay would run "
+        "on the changed tensor and give wrong gradients",
+        expected="inputs left as they are", got="a version counter moved by the original pass",
         tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
             "change outside the checkpointed call")
 
@@ -664,9 +710,11 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     params: list[torch.Tensor] | None = None
     before: list[torch.Tensor] = []  # frozen parameters and buffers, as they are before fn
     buffers: list[dict[str, torch.Tensor | None]] = []
+    frozen: list[torch.Tensor] = []
     if owner is not None:
         modules = [owner, *(leaf for leaf in leaves if isinstance(leaf, nn.Module))]
         params = trainable_parameters(modules, set(seen), frozen=before)
+        frozen = list(before)
         for module in modules:
             dicts = buffer_dicts(module)
             buffers.extend(dicts)
@@ -683,6 +731,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     call.owner = owner
     call.before = {id(t): t for t in before} if before else None
     call.buffer_dicts = buffers
+    call.frozen = frozen
     inputs = unique if not params else [*unique, *params]
     active = ACTIVE.get()
     if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):

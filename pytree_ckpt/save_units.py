@@ -70,11 +70,13 @@ class KeptOps:
         return f"KeptOps{self.op_names!r}"
 
     def resolve(self) -> list[Any]:
-        """The ``OpOverloadPacket``s of the names that exist in this build.
+        """The ``OpOverloadPacket``s of the names that exist in this build and reach dispatch.
 
-        An op that torch decomposes before dispatch (a ``CompositeImplicitAutograd`` kernel:
-        ``aten::linear``, ``aten::scaled_dot_product_attention``) never reaches the mode that
-        keeps ops, so naming it would silently keep nothing: refused with the fix.
+        An op that this build decomposes before dispatch (only a ``CompositeImplicitAutograd``
+        kernel: ``aten::linear``, ``aten::scaled_dot_product_attention``) never reaches the
+        mode that keeps ops: it is skipped with a warning naming the fix, like a missing name
+        (a build with a kernel of its own for it, e.g. CUDA's ``aten::_fused_rms_norm``, keeps
+        it).
         """
         found = []
         for name in self.op_names:
@@ -84,27 +86,42 @@ class KeptOps:
             except (AttributeError, RuntimeError):
                 continue
             if _decomposed_before_dispatch(name, packet):
-                raise CheckpointConfigError(
-                    f"KeptOps({name!r}) would keep nothing: torch decomposes {name} into other "
-                    "ops (a CompositeImplicitAutograd kernel) before the mode that keeps ops "
-                    "sees it", expected="an op that reaches dispatch (aten::mm, aten::addmm, "
-                    "aten::_scaled_dot_product_flash_attention_for_cpu, a custom op)",
-                    got=name, tip="name the ops it becomes (list them by running the layer "
-                    "under torch.utils.flop_counter.FlopCounterMode or a TorchDispatchMode), or "
-                    "keep the method that calls it with KeptCallables('Class.method')")
+                warnings.warn(
+                    f"KeptOps({name!r}) keeps nothing in this build: torch decomposes {name} "
+                    "into other ops (a CompositeImplicitAutograd kernel) before the mode that "
+                    "keeps ops sees it; name the ops it becomes (list them by running the layer "
+                    "under torch.utils.flop_counter.FlopCounterMode or a TorchDispatchMode), "
+                    "e.g. aten::addmm for aten::linear, or keep the method that calls it with "
+                    "KeptCallables('Class.method')", stacklevel=3)
+                continue
             found.append(packet)
         return found
 
 
+# A kernel under any of these keys runs the op itself on that device: the mode that keeps ops
+# sees it there (``aten::_fused_rms_norm`` has CUDA kernels and a composite fallback).
+_OWN_KERNEL_KEYS = ("CPU", "CUDA", "XPU", "MPS", "PrivateUse1", "CompositeExplicitAutograd",
+                    "CompositeExplicitAutogradNonFunctional")
+
+
 def _decomposed_before_dispatch(name: str, packet: Any) -> bool:
-    """Every functional overload of ``packet`` has a CompositeImplicitAutograd kernel (the
-    out= overloads are never what a forward calls)."""
-    functional = [overload for overload in packet.overloads()
-                  if not getattr(packet, overload)._schema.is_mutable]
-    return bool(functional) and all(
-        torch._C._dispatch_has_kernel_for_dispatch_key(
-            name if overload == "default" else f"{name}.{overload}", "CompositeImplicitAutograd")
-        for overload in functional)
+    """Every functional overload of ``packet`` has a CompositeImplicitAutograd kernel and no
+    kernel of its own on any device (the out= overloads are never what a forward calls)."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    decomposed = None
+    for overload in packet.overloads():
+        qualified = name if overload == "default" else f"{name}.{overload}"
+        try:
+            if getattr(packet, overload)._schema.is_mutable:
+                continue
+            composite_only = has(qualified, "CompositeImplicitAutograd") and not any(
+                has(qualified, key) for key in _OWN_KERNEL_KEYS)
+        except RuntimeError:  # listed, but unknown to the dispatcher (aten::einsum.sublist)
+            continue
+        if not composite_only:
+            return False
+        decomposed = True
+    return bool(decomposed)
 
 
 class KeptCallables:

@@ -140,7 +140,10 @@ def first_difference(expected: optree.PyTreeSpec, got: optree.PyTreeSpec, /, *,
         level = expected.one_level()
         assert level is not None  # not a leaf
         pairs = zip(level.accessors(), expected.children(), got.children())
-        accessor, expected, got = next((a, e, g) for a, e, g in pairs if e != g)
+        child = next(((a, e, g) for a, e, g in pairs if e != g), None)
+        if child is None:  # the nodes differ in their metadata (a deque's maxlen, say)
+            break
+        accessor, expected, got = child
         path += accessor.codify("")
     return path, _describe_node(expected), _describe_node(got)
 
