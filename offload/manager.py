@@ -331,10 +331,10 @@ class OffloadManager:
         # a manager of the same config and device and none of the run-time state (host pool,
         # streams, counters, graphs' windows); layers that shared one share the new one
         # (pickle memoizes it). The process's default manager comes back as the loading
-        # process's default for that device.
+        # process's default_manager() (its current device: a rank loads onto its own GPU).
         device = str(self.device)
         if _default_managers.get(device) is self:
-            return _default_for, (device,)
+            return default_manager, ()
         return _new_manager, (self.config, device)
 
     # -- statistics --------------------------------------------------------------------------
@@ -623,10 +623,6 @@ def default_manager() -> OffloadManager:
     autograd graph; across steps it keeps its host pool (the point of a pool) and counters.
     """
     device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    return _default_for(device)
-
-
-def _default_for(device: str) -> OffloadManager:
     with _default_lock:
         manager = _default_managers.get(device)
         if manager is None:

@@ -35,9 +35,22 @@ class CopyEngine:
         self.cuda = device.type == "cuda"
         self._waits: list[tuple[Any, Any]] = []  # (before, after) timing events around waits
         self._waited_ms = 0.0
-        if self.cuda:
-            self.d2h_stream = torch.cuda.Stream(device)
-            self.h2d_stream = torch.cuda.Stream(device)
+        # Made at the first copy, not here: a manager unpickled where there is no CUDA (a
+        # model saved on a GPU, loaded on a CPU machine) must not fail before it is used.
+        self._streams: tuple[Any, Any] | None = None
+
+    @property
+    def d2h_stream(self) -> Any:
+        return self._side_streams()[0]
+
+    @property
+    def h2d_stream(self) -> Any:
+        return self._side_streams()[1]
+
+    def _side_streams(self) -> tuple[Any, Any]:
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._streams
 
     def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> Any:
         """Copy ``device_bytes`` into the front of ``host``; returns the event (rule 1)."""

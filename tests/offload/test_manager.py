@@ -791,3 +791,16 @@ def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
         for _ in range(2):
             run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     assert not caplog.records and fine.stats()["below_min_bytes"] == 0
+
+
+def test_a_manager_for_cuda_unpickles_where_there_is_no_cuda() -> None:
+    # A model saved on a GPU machine, loaded on a CPU one: the side streams are made at the
+    # first copy, so loading works (and offloading on CUDA there would fail, as it must).
+    import pickle
+
+    from offload.manager import _new_manager
+
+    manager = _new_manager(OffloadConfig(prefetch=2), "cuda:0")  # what unpickling calls
+    assert manager.device == torch.device("cuda:0") and manager.config.prefetch == 2
+    assert manager.engine._streams is None
+    pickle.loads(pickle.dumps(manager))  # and again, still without touching CUDA
