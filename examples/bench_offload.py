@@ -212,8 +212,12 @@ def run(size: Size, device: torch.device, rounds: int, warmup: int,
         raise RuntimeError(f"the eager reference failed: {result['failed'][EAGER]}")
     # Eager against itself: non-deterministic kernels (flash attention's backward in bf16)
     # differ between two runs; gradient differences below this floor are not the library's.
-    noise_equal, noise = _grad_difference(probes[EAGER]["grads"], bench.probe(EAGER)["grads"])
-    result["eager_repeat"] = {"grads_equal": noise_equal, "grads_max_abs_diff": noise}
+    try:
+        noise_equal, noise = _grad_difference(probes[EAGER]["grads"],
+                                              bench.probe(EAGER)["grads"])
+        result["eager_repeat"] = {"grads_equal": noise_equal, "grads_max_abs_diff": noise}
+    except Exception as err:
+        result["eager_repeat"] = {"error": f"{type(err).__name__}: {err}"}
     reference = probes[EAGER]["grads"]
     configs: dict[str, Any] = {}
     for config, probe in probes.items():
@@ -228,12 +232,21 @@ def run(size: Size, device: torch.device, rounds: int, warmup: int,
     bench.manager.stats(reset=True)
 
     def timed_step(config: str) -> float:
-        seconds = bench.step(config)
+        if config in result["failed"]:  # failed in an earlier round: not run again
+            return float("nan")
+        try:
+            seconds = bench.step(config)
+        except Exception as err:  # out of memory, say: the others are still measured
+            result["failed"][config] = f"{type(err).__name__}: {err}"
+            _progress(f"step {config}: FAILED {result['failed'][config]}")
+            return float("nan")
         _progress(f"step {config}: {seconds * 1e3:.1f} ms")
         return seconds
 
     times = time_interleaved(timed_step, list(probes), rounds=rounds, warmup=warmup)
     result["offload_timed"] = bench.manager.stats(reset=True)  # every step after the probes
+    for config in result["failed"]:
+        configs.pop(config, None)
     for config, stats in configs.items():
         stats.update(summarize_ms(times[config]))
     for stats in configs.values():
@@ -294,6 +307,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"| {config} | failed: {error[:200]} | | | | | |")
     noise = result["eager_repeat"]
     lines += ["", "eager against a second eager run: " + (
+        f"failed: {noise['error'][:200]}" if "error" in noise else
         "bit-identical" if noise["grads_equal"] else
         f"max abs diff {noise['grads_max_abs_diff']:.3g} (non-deterministic kernels: gradient "
         "differences up to about this are noise, not the library)")]

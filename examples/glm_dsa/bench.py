@@ -202,11 +202,17 @@ def _write_outputs(results: dict[str, Any], table: str, out: Path) -> dict[str, 
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, str | None] = {"table": str(out / "table.md"),
                                     "results": str(out / "results.json"), "plot": None}
-    plot = write_plot(results, out / "plot.png")
-    paths["plot"] = None if plot is None else str(plot)
     results["outputs"] = paths
     (out / "table.md").write_text(table)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    try:  # last: a plotting failure must not cost the measurements
+        plot = write_plot(results, out / "plot.png")
+    except Exception as err:
+        print(f"plot failed: {_error_text(err)}")
+        plot = None
+    if plot is not None:
+        paths["plot"] = str(plot)
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return paths
 
 

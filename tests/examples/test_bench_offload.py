@@ -85,6 +85,27 @@ def test_a_configuration_that_fails_is_reported_and_the_others_still_measured(
     assert json.loads(path.read_text())["failed"] == result["failed"]
 
 
+def test_a_configuration_that_fails_while_timed_is_reported_and_not_run_again(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    step = bench_offload.Bench.step
+    calls: list[str] = []
+
+    def failing(self: bench_offload.Bench, config: str) -> float:
+        calls.append(config)
+        if config == bench_offload.TORCH_REENTRANT:
+            raise MemoryError("out of memory")
+        return step(self, config)
+
+    monkeypatch.setattr(bench_offload.Bench, "step", failing)
+    result = bench_offload.main(["--size", "tiny", "--rounds", "2", "--warmup", "1"])
+    assert result["failed"] == {bench_offload.TORCH_REENTRANT: "MemoryError: out of memory"}
+    assert calls.count(bench_offload.TORCH_REENTRANT) == 1
+    assert calls.count(bench_offload.CHECKPOINT) == 3  # warm-up and two rounds
+    assert bench_offload.TORCH_REENTRANT not in result["configs"]
+    assert result["targets"]["overhead"]["value"] > 0
+    assert "| torch reentrant | failed: MemoryError: out of memory |" in capsys.readouterr().out
+
+
 def test_the_realistic_size_is_refused_on_cpu_with_a_tip(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
