@@ -245,8 +245,9 @@ def run(size: Size, device: torch.device, rounds: int, warmup: int,
 
     times = time_interleaved(timed_step, list(probes), rounds=rounds, warmup=warmup)
     result["offload_timed"] = bench.manager.stats(reset=True)  # every step after the probes
-    for config in result["failed"]:
-        configs.pop(config, None)
+    # Failed while timed: its memory and gradient results stay, apart from the timed rows.
+    result["probed_not_timed"] = {config: configs.pop(config) for config in result["failed"]
+                                  if config in configs}
     for config, stats in configs.items():
         stats.update(summarize_ms(times[config]))
     for stats in configs.values():

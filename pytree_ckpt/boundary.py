@@ -559,22 +559,28 @@ class _StateWatch:
                  frozen: list[torch.Tensor]) -> None:
         self.dicts = dicts
         self.items = [tuple(d.items()) for d in dicts]
-        self.versions = [_versions([b for b in d.values() if b is not None]) for d in dicts]
+        self.versions = [_object_versions(items) for items in self.items]
         self.frozen = frozen
         self.frozen_versions = _versions(frozen)
 
     def changed(self) -> _ChangedState | None:
         in_place, reassigned = [], []
         for d, items, versions in zip(self.dicts, self.items, self.versions):
+            # Both can happen in one submodule (self.ema = ...; self.step += 1).
             if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items):
                 reassigned.append(d)
-            elif _versions([b for b in d.values() if b is not None]) != versions:
+            if _object_versions(items) != versions:
                 in_place.append(d)
         params = [p for p, v in zip(self.frozen, self.frozen_versions)
                   if not p.is_inference() and p._version != v]
         if not (in_place or reassigned or params):
             return None
         return _ChangedState(in_place, reassigned, params)
+
+
+def _object_versions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list[int | None]:
+    """The version of each object in ``items`` (the objects themselves, wherever they are now)."""
+    return [None if t is None or t.is_inference() else t._version for _, t in items]
 
 
 class _ChangedState:
@@ -592,6 +598,8 @@ class _ChangedState:
 
     @contextmanager
     def put_back(self) -> Iterator[None]:
+        # The entries as backward finds them, then the values of their tensors: the entries
+        # are put back first, so the values go into the very objects the forward left.
         entries = [dict(d) for d in self.reassigned]
         values = [(t, t.detach().clone()) for d in self.in_place for t in d.values()
                   if t is not None and not t.is_inference()]

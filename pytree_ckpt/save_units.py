@@ -287,7 +287,8 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
             found = target.resolve()
             if not found:
                 warnings.warn(f"save unit {unit.value!r} keeps nothing: none of the ops "
-                              f"{list(target.op_names)} exists in this build", stacklevel=2)
+                              f"{list(target.op_names)} exists in this build and reaches "
+                              "dispatch", stacklevel=2)
             ops.extend(found)
             log.info("save unit %s keeps ops %s", unit.value, [str(op) for op in found])
         else:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA test and the GPU benchmarks, in one call, for a machine with one GPU (< 8 min).
-# Uses the machine's own python3 (with a CUDA torch); optree, if missing there, is installed
+# Uses the machine's own python3 (with a CUDA torch, numpy, pytest and hypothesis: the test
+# files import hypothesis at collection); optree, if missing there, is installed
 # from wheels carried in .whl/ (ignored by git; see /work/.library/device/README.md, "wheels").
 # Prepare them once, here, for the device's Python 3.12 on x86-64:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \

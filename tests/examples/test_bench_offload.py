@@ -102,6 +102,7 @@ def test_a_configuration_that_fails_while_timed_is_reported_and_not_run_again(
     assert calls.count(bench_offload.TORCH_REENTRANT) == 1
     assert calls.count(bench_offload.CHECKPOINT) == 3  # warm-up and two rounds
     assert bench_offload.TORCH_REENTRANT not in result["configs"]
+    assert result["probed_not_timed"][bench_offload.TORCH_REENTRANT]["grads_equal_eager"]
     assert result["targets"]["overhead"]["value"] > 0
     assert "| torch reentrant | failed: MemoryError: out of memory |" in capsys.readouterr().out
 

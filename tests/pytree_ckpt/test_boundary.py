@@ -767,10 +767,12 @@ class Averages(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
         self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)  # reassigned, not in place
+        self.steps += 1  # and, in the same submodule, in place
         return h
 
 
@@ -782,7 +784,7 @@ def test_a_buffer_reassigned_in_forward_ends_the_step_as_in_eager() -> None:
     for model in (eager, twin):
         outs = [model(x) for x in xs]
         sum(o.square().sum() for o in reversed(outs)).backward()
-    assert torch.equal(eager.ema, twin.ema)
+    assert torch.equal(eager.ema, twin.ema) and int(twin.steps) == int(eager.steps) == 2
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
 
 
