@@ -131,6 +131,14 @@ class _Copy:
         window.pass_.offloaded += self.nbytes
         manager._pending.append(self)
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether this copy is of ``tensor``'s storage as it is now. NOTE: the very storage
+        object, not only its address: a storage whose memory was freed in place (output
+        discard's ``resize_(0)``) stays alive, and a new tensor the allocator places at the
+        same address must not be taken for it."""
+        return (self.version == tensor._version and not self.storage_ref.expired()
+                and self.storage_ref.cdata == tensor.untyped_storage()._cdata)
+
     @property
     def released(self) -> bool:
         """This copy no longer holds the device storage (read by the census)."""
@@ -463,9 +471,9 @@ class OffloadManager:
                 window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
             return tensor
         copy = window.copies.get(key)
-        if copy is None or copy.version != tensor._version:
+        if copy is None or not copy.holds(tensor):
             copy = window.pass_.shared.get(key)
-            if copy is None or copy.version != tensor._version or copy.storage_ref.expired():
+            if copy is None or not copy.holds(tensor):
                 copy = _Copy(self, window, tensor)
                 window.pass_.shared[key] = copy
                 _report_offload(copy, tensor)

@@ -72,6 +72,12 @@ class HostPool:
         cls = size_class(nbytes, pinned=self.pin_memory)
         with self._lock:
             free = self._free.get(cls)
+            if not free:
+                # Lengths that vary from step to step would otherwise add buffers in every class
+                # they touch: a free buffer of a larger class, up to twice this one, serves too
+                # (copies use its front; it goes back to its own class).
+                larger = [c for c, buffers in self._free.items() if buffers and cls < c <= 2 * cls]
+                free = self._free[min(larger)] if larger else None
             entry = free.pop() if free else None
         if entry is None:
             log.debug("host pool miss: allocating %d bytes (pinned=%s)", cls, self.pin_memory)

@@ -6,10 +6,12 @@ NOTE [stream rules]:
    must stay alive until that event completes, or until ``wait(event, stream=...)`` has put
    the stream that was current when the tensor was saved behind it (the caching allocator
    could otherwise hand the memory to a new tensor while the copy still reads it; the memory
-   belongs to that stream, whose later kernels are ordered after the copy; this assumes the
-   tensor was allocated on the stream current when it was saved). The manager drops
+   belongs to that stream, whose later kernels are ordered after the copy). The manager drops
    its reference on ``done(event)``, or after ``wait(event)`` two windows later (NOTE [copies
-   in flight]).
+   in flight]). ``record_stream`` also marks the source as used on the d2h stream: memory freed
+   while the copy is queued, by a holder other than the manager (an output discard's
+   ``resize_(0)`` of a layer input) or allocated on another stream than the one that saved
+   it, is not handed out again before the copy is done.
 2. Host-to-device: the destination is allocated on the compute stream, the h2d stream waits for
    the compute stream (the allocation is ordered) and for the d2h event (the host copy is
    complete), copies, and records an event; ``record_stream`` tells the allocator the buffer is
@@ -64,6 +66,7 @@ class CopyEngine:
             target.copy_(device_bytes, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
+        device_bytes.record_stream(stream)  # rule 1, for memory freed by someone else
         return event
 
     def to_device(self, host: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any]:
