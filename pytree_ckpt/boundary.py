@@ -95,8 +95,14 @@ def _anchor() -> torch.Tensor:
 
 
 def owning_module(fn: Callable[..., Any]) -> nn.Module | None:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    for _ in range(8):  # through partials and wrappers (torch.compiler.disable, functools.wraps)
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif not isinstance(fn, nn.Module) and getattr(fn, "__self__", None) is None and \
+                getattr(fn, "__wrapped__", None) is not None:
+            fn = getattr(fn, "__wrapped__")
+        else:
+            break
     if isinstance(fn, nn.Module):
         return fn
     owner = getattr(fn, "__self__", None)
@@ -250,7 +256,7 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
     return as_is
 
 
-def _foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
+def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
     """A leaf that requires grad, reached from ``outs``, that is not in ``known`` (by id)."""
     seen: set[Any] = set()
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
@@ -680,7 +686,7 @@ def _raise_attached_to_outside_tensor(call: _Call, spec: Any, index: int) -> Non
 
 def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
     # NOTE [parameters are inputs]: once per module, on its first replay.
-    foreign = _foreign_leaf(outs, {id(t) for t in wrt})
+    foreign = foreign_leaf(outs, {id(t) for t in wrt})
     assert call.owner is not None
     if foreign is not None:
         raise CheckpointError(

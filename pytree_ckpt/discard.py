@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .boundary import (module_buffers, owning_module, parameter_hooks_paused,
+from .boundary import (foreign_leaf, module_buffers, owning_module, parameter_hooks_paused,
                        refuse_double_backward, trainable_parameters)
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
@@ -108,9 +108,8 @@ def _root_key(tensor: torch.Tensor) -> tuple[int, int] | None:
     views and its ``detach()`` aliases. ``None`` where there is no plain storage."""
     if tensor.layout is not torch.strided:
         return None
-    root = tensor._base if tensor._base is not None else tensor
-    try:
-        return root.get_device(), root.data_ptr()
+    try:  # the storage's address: a detach() alias of a slice has no _base but the storage
+        return tensor.get_device(), tensor.untyped_storage().data_ptr()
     except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
         return None
 
@@ -208,6 +207,15 @@ class _DiscardFunction(torch.autograd.Function):
                                           for kind in owner.arg_kinds]
         wrt += owner.params
         wanted = [i for i, need in enumerate(needs) if need and wrt[i] is not None]
+        foreign = foreign_leaf(outs, {id(t) for t in wrt if t is not None}) if outs else None
+        if foreign is not None:  # it would get no gradient: refused, as at the boundary
+            raise CheckpointError(
+                f"the discarded op {owner._name()} uses a tensor that requires grad but is "
+                "neither an input nor a parameter of its module; it would get no gradient",
+                expected="inputs, and parameters of the op's module or of modules passed as "
+                         "arguments",
+                got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
+                tip="pass the tensor (or the module owning it) as an argument of checkpoint()")
         result: list[torch.Tensor | None] = [None] * len(wrt)
         if outs and wanted:
             inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
@@ -241,6 +249,7 @@ class CheckpointWithoutOutput:
         self.n_args = 0
         self.params: list[torch.Tensor] | None = None  # fn's parameters, when fn is a module
         self.made_outside: list[bool] = []  # per output: on an input's or fn's state's storage
+        self.versions: list[int] = []  # per output, when checkpointed
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
         """``fn(*args)`` under no-grad; inputs saved through autograd; returns its output."""
@@ -260,9 +269,15 @@ class CheckpointWithoutOutput:
                         "for structured inputs")
         owner = owning_module(fn)
         self.n_args = len(args)
-        if owner is not None:
-            skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
-            self.params = trainable_parameters([owner], skip)
+        modules = [m for m in (owner, *args) if isinstance(m, nn.Module)]
+        skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        if modules:
+            self.params = trainable_parameters(modules, skip)
+        elif not any(t.requires_grad and id(t) not in skip for t in _reachable_tensors(fn, args)):
+            # A plain function that reaches nothing trainable (F.gelu, a lambda, a partial):
+            # its gradients are its inputs' alone, so the explicit path serves, also under
+            # torch.autograd.grad (a checkpoint boundary's replay uses it).
+            self.params = []
         needs_grad = bool(self.params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         if not torch.is_grad_enabled() or not needs_grad:
@@ -282,6 +297,7 @@ class CheckpointWithoutOutput:
                     "them with pytree_ckpt.reuse_during_recompute inside a checkpoint")
         # Detached aliases: the same storages, without a grad_fn pointing back at our node.
         self.outputs = tuple(o.detach() for o in outputs)
+        self.versions = [o._version for o in self.outputs]  # they share the outputs' counters
         return outputs[0] if self.single else outputs
 
     def _saved(self) -> tuple[torch.Tensor, ...]:
@@ -310,9 +326,18 @@ class CheckpointWithoutOutput:
             raise CheckpointError(f"the output of {self._name()} was already discarded",
                                   expected="one discard", got="a second discard",
                                   tip="discard each checkpoint once (a manager discards all)")
-        self.discarded = True
         if self.passthrough:
+            self.discarded = True
             return
+        for index, (out, version) in enumerate(zip(self.outputs, self.versions)):
+            if out._version != version:  # before anything is freed
+                raise CheckpointError(
+                    f"output[{index}] of {self._name()} was changed in place before its discard",
+                    expected="the output as the op made it", got="an in-place change (relu_, "
+                    "mul_, ...) by a consumer", tip="the rebuild would write the op's own "
+                    "result back under the consumer: make the consumer out of place, or do not "
+                    "discard this output")
+        self.discarded = True
         self.census = active_census()
         for out, outside in zip(self.outputs, self.made_outside):
             storage = out.untyped_storage()
@@ -330,6 +355,7 @@ class CheckpointWithoutOutput:
         """Free the outputs now; rebuild them when ``hook_tensor``'s gradient is computed."""
         if not self.passthrough:
             _check_hook_tensor(hook_tensor, self._name())
+            _refuse_discarded_hook(hook_tensor, [self])
         self._discard_output()
         if not self.passthrough:
             hook_tensor.register_hook(self._hook)
@@ -384,6 +410,22 @@ class CheckpointWithoutOutput:
         self.recomputed = outputs
 
 
+def _refuse_discarded_hook(hook_tensor: torch.Tensor,
+                           checkpoints: list[CheckpointWithoutOutput]) -> None:
+    """The hook tensor must outlive the discard: one on a storage being freed could never be
+    read by the backward that fires the hook (nothing was freed yet when this raises)."""
+    key = _root_key(hook_tensor)
+    for ckpt in checkpoints:
+        for out, outside in zip(ckpt.outputs, ckpt.made_outside):
+            if key is not None and not outside and _root_key(out) == key:
+                raise CheckpointError(
+                    f"the hook tensor is an output of {ckpt._name()}, which is being discarded",
+                    expected="a later tensor: the output of the op that consumes the "
+                             "discarded one", got="the discarded output itself (or a view)",
+                    tip="register on the consumer's result; a block's final output (the next "
+                        "block's input) must stay outside the discarded ops")
+
+
 def _check_hook_tensor(hook_tensor: Any, name: str) -> None:
     if not isinstance(hook_tensor, torch.Tensor) or not hook_tensor.requires_grad:
         raise CheckpointConfigError(
@@ -405,6 +447,14 @@ class CheckpointWithoutOutputManager:
         self.registered = False
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
+        if self.registered:
+            raise CheckpointError(
+                "this manager's outputs were already discarded; it takes no more checkpoints",
+                expected="every checkpoint() of the block before its discard",
+                got="a checkpoint() after discard_all_outputs_and_register_unified_recompute",
+                tip="use one manager per block and forward (build the plan per step); inside "
+                    "checkpointed layers, whose replays run in reverse order, a block cannot "
+                    "span layers: block_size=1")
         ckpt = CheckpointWithoutOutput(preserve_rng_state=self.preserve_rng_state)
         self.checkpoints.append(ckpt)
         return ckpt.checkpoint(fn, *args)
@@ -422,11 +472,17 @@ class CheckpointWithoutOutputManager:
                                   expected="discards through the manager only",
                                   got="an earlier discard_output_and_register_recompute()",
                                   tip="let the manager discard all of its checkpoints")
+        if all(c.passthrough for c in self.checkpoints):
+            # Nothing was saved (no grad: a checkpoint boundary's original pass, whose replay
+            # runs the block again with this manager): nothing to discard, and the manager
+            # starts over for that replay.
+            self.checkpoints = []
+            return
+        _refuse_discarded_hook(hook_tensor, self.checkpoints)
         self.registered = True
         for ckpt in self.checkpoints:
             ckpt._discard_output()
-        if not all(c.passthrough for c in self.checkpoints):
-            hook_tensor.register_hook(self._hook)
+        hook_tensor.register_hook(self._hook)
 
     def _hook(self, grad: torch.Tensor) -> None:
         for index, ckpt in enumerate(self.checkpoints):  # forward order (NOTE 4)
@@ -466,12 +522,15 @@ def build_residual_stream_recompute_plan(
                                     got=repr(block_size), tip="None makes one block")
     unit_of = list(range(num_layers))  # the first layer of the atomic unit holding each layer
     for pair in atomic_layer_pairs:
-        a, b = pair
-        if not 0 <= a < b < num_layers:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                and all(isinstance(i, int) for i in pair) and 0 <= pair[0] < pair[1] < num_layers):
             raise CheckpointConfigError(
                 f"atomic_layer_pairs entry {pair!r} is not a pair of layer indices a < b",
                 expected=f"0 <= a < b < {num_layers}", got=repr(pair),
                 tip="list each pair once, smaller index first")
+    # In order of their first layer, so that overlapping pairs chain into one unit whatever
+    # order they are listed in.
+    for a, b in sorted(tuple(pair) for pair in atomic_layer_pairs):
         for layer in range(a + 1, b + 1):
             unit_of[layer] = unit_of[a]
     units: list[list[int]] = []

@@ -226,6 +226,11 @@ class _KeptMethod:
         self.module_ref = weakref.ref(module)
         self.name = name
 
+    @property
+    def __self__(self) -> nn.Module | None:
+        # Like a bound method's: whoever checkpoints it (output discard) finds the module.
+        return self.module_ref()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
         assert module is not None

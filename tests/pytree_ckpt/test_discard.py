@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError,
                          CheckpointWithoutOutput, CheckpointWithoutOutputManager,
@@ -342,3 +344,144 @@ def test_a_view_of_a_tensor_in_a_dict_a_lambda_closes_over_is_kept() -> None:
     rows = ckpt.checkpoint(lambda t: caches["cos"][: t.shape[0]], x)
     ckpt.discard_output_and_register_recompute((x * rows).sum())
     assert caches["cos"].untyped_storage().nbytes() == 16 * 8 * 4
+
+
+def test_a_consumer_that_changed_the_output_in_place_refuses_the_discard() -> None:
+    # The rebuild would write the op's own result back under the consumer's saved tensor.
+    norm, proj = nn.LayerNorm(8), nn.Linear(8, 8)
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(norm, torch.randn(4, 8, requires_grad=True))
+    out = proj(torch.relu_(normed))
+    with pytest.raises(CheckpointError, match="output\\[0\\] of LayerNorm was changed in place"):
+        ckpt.discard_output_and_register_recompute(out)
+    assert normed.untyped_storage().nbytes() == 4 * 8 * 4  # nothing was freed
+
+
+def test_the_hook_tensor_cannot_be_the_discarded_output_itself() -> None:
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(nn.LayerNorm(8), torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(CheckpointError, match="the hook tensor is an output of LayerNorm"):
+        ckpt.discard_output_and_register_recompute(normed)
+
+
+class _Modulated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8, elementwise_affine=False)
+        self.shift: torch.Tensor | None = None  # computed outside, stored on the module
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.shift is not None
+        return self.norm(h) * (1 + self.shift)
+
+    def scaled_by(self, h: torch.Tensor, other: nn.Module) -> torch.Tensor:
+        return torch.tanh(other(self.norm(h)))
+
+
+def test_module_arguments_get_their_gradients_and_an_unlisted_trainable_tensor_is_refused(
+        ) -> None:
+    torch.manual_seed(0)
+    layer, other, proj = _Modulated(), nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    proj(layer.scaled_by(x, other)).square().sum().backward()
+    eager = [other.weight.grad, other.bias.grad, x.grad]
+    for t in (other.weight, other.bias, x):
+        t.grad = None
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(layer.scaled_by, x, other))
+    ckpt.discard_output_and_register_recompute(out)
+    out.square().sum().backward()
+    assert_same_grads(eager[:2], [other.weight.grad, other.bias.grad])
+    # the modulation's graph is neither an input nor a parameter: it would get no gradient
+    cond = torch.randn(1, 8, requires_grad=True)
+    layer.shift = nn.Linear(8, 8)(cond)
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(layer, x))
+    ckpt.discard_output_and_register_recompute(out)
+    with pytest.raises(CheckpointError, match="uses a tensor that requires grad but is neither"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("fn", [torch.nn.functional.gelu, lambda t: t.sigmoid() * t,
+                                functools.partial(torch.nn.functional.leaky_relu,
+                                                  negative_slope=0.2)],
+                         ids=["function", "lambda", "partial"])
+def test_a_plain_function_discarded_inside_a_checkpointed_layer_gives_eager_gradients(
+        fn: Any) -> None:
+    # The boundary's replay differentiates with torch.autograd.grad: a callable whose
+    # parameters are unknown could not be replayed there; one that reaches none can.
+    class Mlp(nn.Module):
+        def __init__(self, discard: bool) -> None:
+            super().__init__()
+            self.up, self.down, self.discard = nn.Linear(8, 16), nn.Linear(16, 8), discard
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            if not self.discard:
+                return self.down(fn(self.up(h)))
+            ckpt = CheckpointWithoutOutput()
+            out = self.down(ckpt.checkpoint(fn, self.up(h)))
+            ckpt.discard_output_and_register_recompute(out)
+            return out
+
+    torch.manual_seed(0)
+    eager = Mlp(discard=False)
+    twin = pytree_ckpt.apply_activation_checkpointing(Mlp(discard=True))
+    twin.load_state_dict(eager.state_dict())
+    x = torch.randn(4, 8, requires_grad=True)
+    for model in (eager, twin):
+        model(x).square().sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
+
+
+def test_a_residual_plan_with_one_layer_blocks_works_inside_checkpointed_layers() -> None:
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, h: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+            if ctx is None:
+                return h + self.proj(self.norm(h))
+            out = h + self.proj(ctx.manager.checkpoint(self.norm, h))
+            if ctx.is_block_end:
+                ctx.manager.discard_all_outputs_and_register_unified_recompute(out)
+            return out
+
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(3))
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.checkpoint_layers(twin)
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x
+    for layer in eager:
+        h = layer(h)
+    h.square().sum().backward()
+    expected = [p.grad for p in eager.parameters()]
+    h = x
+    for layer, ctx in zip(twin, build_residual_stream_recompute_plan(3, 1)):
+        h = layer(h, ctx)
+    h.square().sum().backward()
+    # the norms' input is also the residual: its gradient sums in another order (NOTE
+    # [exactness]); the parameters' gradients are exact
+    assert_same_grads(expected, [p.grad for p in twin.parameters()])
+    plan = build_residual_stream_recompute_plan(3, 2)  # a block across two checkpointed layers
+    h = x
+    with pytest.raises(CheckpointError, match="block_size=1"):
+        for layer, ctx in zip(twin, plan):
+            h = layer(h, ctx)
+        h.sum().backward()
+
+
+@pytest.mark.parametrize("pairs", [[(1, 2), (2, 3)], [(2, 3), (1, 2)]])
+def test_overlapping_atomic_pairs_chain_into_one_block_in_any_order(pairs: Any) -> None:
+    plan = build_residual_stream_recompute_plan(4, 1, atomic_layer_pairs=pairs)
+    assert [ctx.block_index for ctx in plan] == [0, 1, 1, 1]
+
+
+def test_an_output_that_is_a_detached_alias_of_a_slice_input_is_kept() -> None:
+    big = torch.randn(8, 8)
+    part = big[2:].requires_grad_()  # a slice, a leaf of its own
+    ckpt = CheckpointWithoutOutput()
+    out = ckpt.checkpoint(lambda t: t.detach(), part)
+    ckpt.discard_output_and_register_recompute(part * out.sum())
+    assert big.untyped_storage().nbytes() == 8 * 8 * 4
