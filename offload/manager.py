@@ -147,11 +147,12 @@ class _Copy:
     def drop_device_copy(self) -> None:
         if self.device_bytes is None:
             return
+        freed = self.device_bytes.untyped_storage().nbytes() == 0  # in place, by a discard
         self.device_bytes = None
         # Still alive now may be a later layer's input or a table every layer gets: it counts
         # as alive elsewhere only if still alive when backward begins (``_judge_alive``). A
         # reused storage is checked when backward is done with it (``__del__``).
-        if not self.reused and not self.storage_ref.expired():
+        if not self.reused and not freed and not self.storage_ref.expired():
             self.manager._suspects.append((self.storage_ref, self.nbytes))
 
     def restore(self) -> None:

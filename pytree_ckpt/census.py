@@ -96,7 +96,8 @@ class _Entry:
     def flagged(self) -> bool:
         # A mechanism that frees memory let go, yet the storage lives on: something else keeps
         # it. (A boundary letting go of its inputs frees nothing by itself: never flagged.)
-        return self.mechanism in _FREEING and not self.held() and not self.storage.expired()
+        return (self.mechanism in _FREEING and not self.held() and not self.storage.expired()
+                and not self.discarded)  # freed in place by output discard: nothing lives on
 
 
 _ACTIVE: ContextVar[ActivationCensus | None] = ContextVar("pytree_ckpt_census", default=None)

@@ -227,6 +227,10 @@ class _DiscardFunction(torch.autograd.Function):
         return (None, *result)
 
 
+# Ops whose inert discard was logged (a warning once per op name, not once per step).
+_INERT_LOGGED: set[str] = set()
+
+
 class CheckpointWithoutOutput:
     """Run a cheap ``fn`` under no-grad now; free its output; rebuild it just before backward."""
 
@@ -283,6 +287,12 @@ class CheckpointWithoutOutput:
         if not torch.is_grad_enabled() or not needs_grad:
             # Nothing will be saved (no_grad, a checkpoint boundary's original pass, or nothing
             # that needs a gradient): nothing to discard; a boundary's replay runs this again.
+            if torch.is_grad_enabled() and self._name() not in _INERT_LOGGED:
+                _INERT_LOGGED.add(self._name())  # once per op: a step would repeat it
+                log.warning("output discard of %s frees nothing: no input needs grad and it has "
+                            "no trainable parameters, so no graph node can rebuild its output "
+                            "(a trainable consumer keeps it whole, as without discard)",
+                            self._name())
             self.passthrough = True
             return fn(*args)
         outputs = tuple(_DiscardFunction.apply(self, *args, *(self.params or ())))

@@ -842,3 +842,23 @@ def test_with_lengths_varying_each_step_larger_free_buffers_serve_and_the_pool_s
         for buffer in buffers:
             pool.release(buffer)
     assert pool.host_bytes <= 1.1 * largest and pool.checked_out == 0
+
+
+def test_a_layer_input_freed_by_output_discard_is_not_reported_as_alive_elsewhere() -> None:
+    # The discard frees the storage in place (resize_(0)); the storage object lives on in the
+    # discard's records, but its memory does not: no "offload saved nothing".
+    torch.manual_seed(0)
+    norms = nn.ModuleList(nn.LayerNorm(32) for _ in range(3))
+    m = manager()
+    layers = offloaded_stack(m, 3)
+    x = torch.randn(16, 32, requires_grad=True)
+    with pytree_ckpt.ActivationCensus(nn.ModuleList([norms, layers])) as census:
+        h = x
+        for norm, layer in zip(norms, layers):
+            ckpt = pytree_ckpt.CheckpointWithoutOutput()
+            out = layer(ckpt.checkpoint(norm, h))
+            ckpt.discard_output_and_register_recompute(out)
+            h = h + out
+    assert census.flagged() == []
+    assert m.stats()["alive_elsewhere_bytes"] == 0
+    h.sum().backward()

@@ -485,3 +485,21 @@ def test_an_output_that_is_a_detached_alias_of_a_slice_input_is_kept() -> None:
     out = ckpt.checkpoint(lambda t: t.detach(), part)
     ckpt.discard_output_and_register_recompute(part * out.sum())
     assert big.untyped_storage().nbytes() == 8 * 8 * 4
+
+
+def test_a_discard_that_can_free_nothing_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    # A frozen norm on an input that needs no grad (a frozen base under LoRA): no node to
+    # rebuild from, so the consumer keeps the output whole; logged, not silent.
+    from pytree_ckpt import discard
+
+    norm = nn.LayerNorm(8).requires_grad_(False)
+    proj = nn.Linear(8, 8)
+    discard._INERT_LOGGED.discard("LayerNorm")
+    with caplog.at_level("WARNING", logger="pytree_ckpt.discard"):
+        for _ in range(2):
+            ckpt = CheckpointWithoutOutput()
+            normed = ckpt.checkpoint(norm, torch.randn(4, 8))
+            ckpt.discard_output_and_register_recompute(proj(normed))
+            assert normed.untyped_storage().nbytes() == 4 * 8 * 4
+    assert [r.getMessage()[:40] for r in caplog.records] == [
+        "output discard of LayerNorm frees nothin"]
