@@ -270,15 +270,18 @@ class ActivationCensus:
                                     module, mechanism)
 
     # -- reading -----------------------------------------------------------------------------
-    def note_discarded(self, tensor: torch.Tensor, /) -> None:
-        """Output discard is about to free ``tensor``'s storage: stop counting it as resident."""
+    def note_discarded(self, tensor: torch.Tensor, /, *, keeper: Any = None) -> None:
+        """Output discard is about to free ``tensor``'s storage: stop counting it as resident.
+        ``keeper`` (the discard) holds it for backward from now on, whoever else lets go."""
         entry = self._entries.pop(storage_key(tensor), None)
         if entry is not None:
             entry.discarded = True
+            if keeper is not None:
+                entry.keepers.append(weakref.ref(keeper))
             # Freed memory gets reused at once: file it under a key no new storage can have.
             self._entries[("discarded", id(entry))] = entry
         if self._parent is not None:
-            self._parent.note_discarded(tensor)
+            self._parent.note_discarded(tensor, keeper=keeper)
 
     def note_refilled(self, tensor: torch.Tensor, /) -> None:
         """A discarded storage was rebuilt for backward: resident again."""

@@ -310,6 +310,11 @@ class CheckpointWithoutOutput:
         self.versions = [o._version for o in self.outputs]  # they share the outputs' counters
         return outputs[0] if self.single else outputs
 
+    @property
+    def released(self) -> bool:
+        """Backward is done with the outputs (read by the census, which keeps this weakly)."""
+        return self.discarded and not self.outputs
+
     def _saved(self) -> tuple[torch.Tensor, ...]:
         ctx = self.ctx() if self.ctx is not None else None
         if ctx is None:
@@ -358,7 +363,7 @@ class CheckpointWithoutOutput:
                 continue
             self.sizes.append(storage.nbytes())
             if self.census is not None:
-                self.census.note_discarded(out)
+                self.census.note_discarded(out, keeper=self)
             storage.resize_(0)
 
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor, /) -> None:
