@@ -17,8 +17,8 @@ the live tensor is never resized or freed by us, so other holders keep valid dat
 device tensor until its copy completed, or the compute stream waits for it (stream rule 1), and
 drop our reference at least one window late; if the storage is still alive when backward
 begins (the forward that passed it from layer to layer is over by then), something else holds
-it and the bytes are reported as ``alive_elsewhere_bytes`` (and flagged by an active census):
-that offload saved nothing.
+it and the bytes are reported as ``alive_elsewhere_bytes`` (and flagged by an active census,
+unless autograd also saves it): that offload saved nothing.
 
 NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds. A copy lives
 while a handle to it does; when the last handle goes (after the node's backward, or when a

@@ -115,16 +115,20 @@ def _root_key(tensor: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _made_outside(outputs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor],
-                  fn: Callable[..., Any], args: tuple[Any, ...]) -> list[bool]:
+                  fn: Callable[..., Any], args: tuple[Any, ...],
+                  reachable: list[torch.Tensor] | None = None) -> list[bool]:
     """Per output: does its storage exist outside ``fn`` (an input's, or state ``fn`` can
-    reach)? Those are never freed (NOTE [discard frees only fn's own storages])."""
+    reach: ``reachable`` when already found)? Those are never freed (NOTE [discard frees only
+    fn's own storages])."""
     keys = [_root_key(o) for o in outputs]
     outside = [key is None or isinstance(o._base if o._base is not None else o, nn.Parameter)
                for key, o in zip(keys, outputs)]
     wanted = {key for key, out in zip(keys, outside) if key is not None and not out}
     found: set[tuple[int, int]] = set()
     if wanted:
-        for tensor in (*inputs, *_reachable_tensors(fn, args)):
+        if reachable is None:
+            reachable = _reachable_tensors(fn, args)
+        for tensor in (*inputs, *reachable):
             key = _root_key(tensor)
             if key in wanted:
                 found.add(key)
@@ -161,7 +165,8 @@ class _DiscardFunction(torch.autograd.Function):
         # Which outputs live on storages from outside fn, read now: in forward,
         # ctx.saved_tensors would run an ambient unpack hook (an offload restore) and hand
         # back copies.
-        owner.made_outside = _made_outside(outputs, tensors, owner.fn, args)
+        owner.made_outside = _made_outside(outputs, tensors, owner.fn, args, owner.reachable)
+        owner.reachable = None  # found for this call only
         ctx.save_for_backward(*tensors)
         owner.ctx = weakref.ref(ctx)  # weak: the node owns us, not the other way round
         for out in outputs:
@@ -254,6 +259,7 @@ class CheckpointWithoutOutput:
         self.params: list[torch.Tensor] | None = None  # fn's parameters, when fn is a module
         self.made_outside: list[bool] = []  # per output: on an input's or fn's state's storage
         self.versions: list[int] = []  # per output, when checkpointed
+        self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
         """``fn(*args)`` under no-grad; inputs saved through autograd; returns its output."""
@@ -277,7 +283,8 @@ class CheckpointWithoutOutput:
         skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
         if modules:
             self.params = trainable_parameters(modules, skip)
-        elif not any(t.requires_grad and id(t) not in skip for t in _reachable_tensors(fn, args)):
+        elif not any(t.requires_grad and id(t) not in skip
+                     for t in self._found_reachable(fn, args)):
             # A plain function that reaches nothing trainable (F.gelu, a lambda, a partial):
             # its gradients are its inputs' alone, so the explicit path serves, also under
             # torch.autograd.grad (a checkpoint boundary's replay uses it).
@@ -294,6 +301,7 @@ class CheckpointWithoutOutput:
                             "(a trainable consumer keeps it whole, as without discard)",
                             self._name())
             self.passthrough = True
+            self.reachable = None
             return fn(*args)
         outputs = tuple(_DiscardFunction.apply(self, *args, *(self.params or ())))
         if not any(o.requires_grad for o in outputs):
@@ -309,6 +317,13 @@ class CheckpointWithoutOutput:
         self.outputs = tuple(o.detach() for o in outputs)
         self.versions = [o._version for o in self.outputs]  # they share the outputs' counters
         return outputs[0] if self.single else outputs
+
+    def _found_reachable(self, fn: Callable[..., Any], args: tuple[Any, ...]
+                         ) -> list[torch.Tensor]:
+        # Kept for the forward's own search (_made_outside): the scan can be long (a global
+        # model), so it runs once per call.
+        self.reachable = _reachable_tensors(fn, args)
+        return self.reachable
 
     @property
     def released(self) -> bool:
