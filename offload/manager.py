@@ -20,14 +20,6 @@ begins (the forward that passed it from layer to layer is over by then), somethi
 it and the bytes are reported as ``alive_elsewhere_bytes`` (and flagged by an active census,
 unless autograd also saves it): that offload saved nothing.
 
-NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds. A copy lives
-while a handle to it does; when the last handle goes (after the node's backward, or when a
-graph is dropped without backward, or an exception unwinds it) the host buffer returns to the
-pool. The manager holds windows and shared copies weakly; strongly only its pool, counters,
-two passes (the one new windows join, the one whose backward ran last), and the copies whose
-device-to-host copy it has not yet released (``_pending``: at most the last two windows' after
-a window opens, none after backward's first restore; see NOTE [copies in flight]).
-
 NOTE [passes, window ids and prefetch]: a pass is one forward's windows; one planner (the
 manager) numbers them densely from 0 in call order. A window opens a new pass when no window of
 the current pass is alive, or when backward has begun on the current pass (pipeline schedules
@@ -44,7 +36,6 @@ import dataclasses
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -54,10 +45,11 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.census import storage_key
-from pytree_ckpt.errors import CheckpointConfigError, CheckpointError
+from pytree_ckpt.errors import CheckpointConfigError
 
 from .pool import HostPool
 from .streams import CopyEngine
+from .window import Copy, Handle, Pass, Window
 
 __all__ = ["OffloadConfig", "OffloadManager", "Window", "default_manager", "env_flag"]
 
@@ -91,221 +83,6 @@ class OffloadConfig:
                 got=repr(self.pin_memory), tip="None pins host buffers when CUDA is available")
 
 
-class _Copy:
-    """One window storage copied to host; shared by every handle on that storage."""
-
-    __slots__ = ("manager", "seq", "stream", "host", "nbytes", "device", "version",
-                 "storage_ref", "data_ptr", "device_bytes", "d2h_event", "restored", "reused",
-                 "h2d_event", "host_holder", "__weakref__")
-
-    def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        self.manager = manager
-        # Not the window: a copy still in flight must not keep its window (and pass) alive.
-        self.seq = window.seq
-        # The stream current when the tensor is saved: the one that must wait before its
-        # memory is let go (NOTE [copies in flight]); None without streams.
-        self.stream = manager.engine.current_stream()
-        self.nbytes = storage.nbytes()
-        self.device = tensor.device
-        self.version = tensor._version
-        self.storage_ref = StorageWeakRef(storage)
-        self.data_ptr = storage.data_ptr()
-        self.restored: torch.Tensor | None = None
-        self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
-        self.d2h_event: Any = None
-        self.h2d_event: Any = None
-        # NOTE [stream rules] 1: we keep the device bytes until the copy's event completes, or
-        # until ``self.stream`` waits on it.
-        self.device_bytes: torch.Tensor | None = torch.empty(
-            0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self.host: torch.Tensor | None = manager.pool.acquire(self.nbytes)
-        try:
-            self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
-        except BaseException:
-            manager.pool.release(self.host)  # the copy failed: nothing reads the buffer
-            self.host = None
-            raise
-        self.host_holder = _HostHolder()  # lives exactly as long as this copy (for the census)
-        manager._counters["offloaded_bytes"] += self.nbytes
-        window.pass_.offloaded += self.nbytes
-        manager._pending.append(self)
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether this copy is of ``tensor``'s storage as it is now. NOTE: the very storage
-        object, not only its address: a storage whose memory was freed in place (output
-        discard's ``resize_(0)``) stays alive, and a new tensor the allocator places at the
-        same address must not be taken for it."""
-        return (self.version == tensor._version and not self.storage_ref.expired()
-                and self.storage_ref.cdata == tensor.untyped_storage()._cdata)
-
-    @property
-    def released(self) -> bool:
-        """This copy no longer holds the device storage (read by the census)."""
-        return self.device_bytes is None and not self.reused
-
-    def drop_device_copy(self) -> None:
-        if self.device_bytes is None:
-            return
-        freed = self.device_bytes.untyped_storage().nbytes() == 0  # in place, by a discard
-        self.device_bytes = None
-        # Still alive now may be a later layer's input or a table every layer gets: it counts
-        # as alive elsewhere only if still alive when backward begins (``_judge_alive``). A
-        # reused storage is checked when backward is done with it (``__del__``).
-        if not self.reused and not freed and not self.storage_ref.expired():
-            self.manager._suspects.append((self.storage_ref, self.nbytes))
-
-    def restore(self) -> None:
-        if self.restored is not None:
-            return
-        counters = self.manager._counters
-        device_bytes = self.device_bytes
-        if device_bytes is not None and self._storage_intact(device_bytes):
-            # NOTE [reuse at the turn]: the device bytes were not let go yet (the last
-            # windows of a forward, at backward's first restore): backward takes them as they
-            # are, with no copy back. They are the saved tensor's own storage, exactly what
-            # eager autograd would read: every handle still checks its version when unpacked
-            # (NOTE [in-place check]); a storage resized since (freed, regrown elsewhere or to
-            # another size) is copied back from host instead. The copy to host may still be
-            # reading the bytes, which is harmless. The manager lets go of its reference as for
-            # any copy in flight, after the saving stream waited on the copy to host (stream
-            # rule 1), so the memory is reused only after that copy; whether it was alive
-            # elsewhere is known once backward is done with it (``__del__``).
-            self.restored = device_bytes
-            self.reused = True
-            counters["reused_bytes"] += self.nbytes
-        else:
-            assert self.host is not None
-            self.restored, self.h2d_event = self.manager.engine.to_device(
-                self.host, self.nbytes, self.d2h_event)
-        counters["restored_bytes"] += self.nbytes
-
-    def _storage_intact(self, device_bytes: torch.Tensor) -> bool:
-        storage = device_bytes.untyped_storage()
-        return storage.nbytes() == self.nbytes and storage.data_ptr() == self.data_ptr
-
-    def __del__(self) -> None:
-        manager = getattr(self, "manager", None)
-        if manager is None:
-            return
-        if getattr(self, "reused", False):
-            self.restored = None  # ours: anything still holding the storage is someone else's
-            if not self.storage_ref.expired():
-                manager._counters["alive_elsewhere_bytes"] += self.nbytes
-        # The last handle is gone: the host buffer goes back with the last copy that used it.
-        if getattr(self, "host", None) is not None:
-            last = self.h2d_event if self.h2d_event is not None else self.d2h_event
-            manager.pool.release(self.host, event=last)
-
-
-class _HostHolder:
-    """Stands for "this copy still holds its host buffer" in the census: held while alive."""
-
-    __slots__ = ("__weakref__",)
-
-    @property
-    def released(self) -> bool:
-        return False  # the host buffer goes back exactly when this (with the copy) dies
-
-
-class _Handle:
-    """What autograd holds instead of an offloaded tensor: the copy plus this alias's layout.
-
-    NOTE [in-place check]: autograd skips its "modified by an inplace operation" check for a
-    tensor whose saving was hooked, so the handle does it: it remembers the tensor's version
-    and, weakly (so the tensor can still be freed), the tensor, or the base of a view (views
-    share their base's version counter, and a view made inside an op has no Python object of
-    its own that outlives the save). ``_unpack`` refuses a tensor modified since. The check
-    sees what Python still references: an alias made by ``detach()`` shares the version
-    counter without being a view, so once it is gone a change through the original is not
-    seen. On a GPU such a change may also have raced with the copy to host.
-    """
-
-    __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "source",
-                 "version")
-
-    def __init__(self, copy: _Copy, window: Window, key: tuple[str, int],
-                 tensor: torch.Tensor) -> None:
-        self.copy = copy
-        self.window = window  # the window that saved this alias (the copy may be older)
-        self.key = key
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
-        base = tensor._base
-        self.source = weakref.ref(base if base is not None else tensor)
-        self.version = tensor._version
-
-    def check_unmodified(self) -> None:
-        source = self.source()
-        if source is None or source._version == self.version:
-            return
-        window = self.window
-        raise CheckpointError(
-            f"{window.describe(self.key)} (offload window {window.id}, "
-            f"{self.dtype}{list(self.size)}) was modified in place after it was saved for "
-            "backward", expected=f"version {self.version} (when saved)",
-            got=f"version {source._version}",
-            tip="eager autograd refuses this too ('modified by an inplace operation'): modify a "
-                "clone (x = x.clone()) or make the in-place change before the layer")
-
-
-class _Pass:
-    """One forward's windows, numbered from 0, and what backward did with them."""
-
-    __slots__ = ("windows", "next_id", "events", "prefetched", "shared", "backward",
-                 "offloaded", "largest_small", "__weakref__")
-
-    def __init__(self) -> None:
-        # Weak, by id: a dead window's entry goes at once, so a pass that never reaches
-        # backward (grad-enabled evaluation holding its last output) stays small.
-        self.windows: weakref.WeakValueDictionary[int, Window] = weakref.WeakValueDictionary()
-        self.next_id = 0
-        self.events: list[tuple[str, int]] = []
-        self.prefetched: set[int] = set()
-        # Storages offloaded by an earlier window of this pass (RoPE tables): copied once.
-        self.shared: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
-            weakref.WeakValueDictionary())
-        self.backward = False  # a window was restored: new windows belong to a new pass
-        # Offloaded bytes and the largest storage left below min_bytes: a pass that offloaded
-        # nothing because of the floor is logged (once per manager), not silently accepted.
-        self.offloaded = 0
-        self.largest_small = 0
-
-    def alive(self) -> bool:
-        return len(self.windows) > 0
-
-
-class Window:
-    """The storages of one ``manager.window(...)`` call, and the copies made for them."""
-
-    __slots__ = ("pass_", "id", "seq", "keys", "name", "copies", "restored", "small",
-                 "__weakref__")
-
-    def __init__(self, pass_: _Pass, keys: dict[tuple[str, int], int | None],
-                 name: Callable[[int], str] | None, *, seq: int) -> None:
-        self.pass_ = pass_  # strong: the pass lives as long as one of its windows
-        self.id = pass_.next_id
-        pass_.next_id += 1
-        pass_.windows[self.id] = self
-        self.seq = seq  # opening order across passes, for NOTE [copies in flight]
-        self.keys = keys  # storage key -> index of the first window tensor on it (None: frames)
-        self.name = name
-        # Weak: handles hold their window and copy; the window holds no copy (no cycle).
-        self.copies: weakref.WeakValueDictionary[tuple[str, int], _Copy] = (
-            weakref.WeakValueDictionary())
-        self.restored = False
-        self.small: set[tuple[str, int]] = set()  # left alone: below min_bytes, or elsewhere
-
-    def describe(self, key: tuple[str, int]) -> str:
-        """Where a storage of this window came from, for messages (e.g. ``args[0]``)."""
-        index = self.keys.get(key)
-        if index is None:
-            return "a frozen result (replay frame)"
-        return self.name(index) if self.name is not None else f"window tensor #{index}"
-
-
 class OffloadManager:
     """Offloads saved activations by storage windows to a pooled host buffer."""
 
@@ -322,10 +99,10 @@ class OffloadManager:
             pin = torch.cuda.is_available()
         self.pool = HostPool(pin_memory=pin)
         self.engine = CopyEngine(self.device)
-        self._pending: list[_Copy] = []
+        self._pending: list[Copy] = []
         # The pass new windows join, and the one whose backward ran last (for ``events()``).
         # Older passes are held only by their windows (NOTE [passes, window ids and prefetch]).
-        self._pass = self._recent = _Pass()
+        self._pass = self._recent = Pass()
         self._counters: dict[str, int] = {}
         self._reset_counters()
         self._warned_nothing = False
@@ -431,7 +208,7 @@ class OffloadManager:
             # A new pass: ids restart at 0, the shared-storage registry and event log too.
             self._check_pass_offloaded(self._pass)
             self._judge_alive()
-            self._pass = _Pass()
+            self._pass = Pass()
         keys: dict[tuple[str, int], int | None] = {}
         for index, tensor in enumerate(tensors):
             if _is_parameter(tensor):
@@ -443,7 +220,7 @@ class OffloadManager:
         self._opened += 1
         return Window(self._pass, keys, name, seq=self._opened - 1)
 
-    def _check_pass_offloaded(self, pass_: _Pass) -> None:
+    def _check_pass_offloaded(self, pass_: Pass) -> None:
         if (pass_.offloaded == 0 and pass_.largest_small > 0
                 and not self._warned_nothing):
             self._warned_nothing = True
@@ -475,11 +252,11 @@ class OffloadManager:
         if copy is None or not copy.holds(tensor):
             copy = window.pass_.shared.get(key)
             if copy is None or not copy.holds(tensor):
-                copy = _Copy(self, window, tensor)
+                copy = Copy(self, window, tensor)
                 window.pass_.shared[key] = copy
                 _report_offload(copy, tensor)
             window.copies[key] = copy
-        return _Handle(copy, window, key, tensor)
+        return Handle(copy, window, key, tensor)
 
     def _plain_storage_key(self, tensor: torch.Tensor, *,
                            warn: bool = True) -> tuple[str, int] | None:
@@ -560,7 +337,7 @@ class OffloadManager:
             window.pass_.prefetched.add(window.id)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Handle):
+        if not isinstance(packed, Handle):
             return packed
         packed.check_unmodified()
         copy = packed.copy
@@ -639,7 +416,7 @@ def default_manager() -> OffloadManager:
     return manager
 
 
-def _report_offload(copy: _Copy, tensor: torch.Tensor) -> None:
+def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:
     from pytree_ckpt.census import Mechanism, census_active, report_held
 
     if census_active():

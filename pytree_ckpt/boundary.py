@@ -35,6 +35,9 @@ reentrant checkpoint does; when no input requires grad a tiny requires-grad *anc
 backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(inputs=...)``:
 those raise ``CheckpointError`` instead of returning partial results.
 
+What the boundary knows of the modules a call uses (their parameters and buffers, cached, and
+the state the original pass changes) is in ``module_state.py``.
+
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``) or when
 nothing can receive a gradient (no input requires grad and ``fn`` belongs to a module with no
 trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
@@ -44,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,6 +58,8 @@ from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
 from .frames import Frame, callable_name
 from .keep import KeepMode, KeepPolicy
+from .module_state import (ChangedState, StateWatch, buffer_dicts, foreign_leaf, is_verified,
+                           mark_verified, owning_module, trainable_parameters, versions)
 from .phase import ACTIVE, Invocation, Phase
 from .rng import ReplayEnvironment
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
@@ -94,150 +98,6 @@ def _anchor() -> torch.Tensor:
     return _anchor_tensor
 
 
-def owning_module(fn: Callable[..., Any]) -> nn.Module | None:
-    for _ in range(8):  # through partials and wrappers (torch.compiler.disable, functools.wraps)
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif not isinstance(fn, nn.Module) and getattr(fn, "__self__", None) is None and \
-                getattr(fn, "__wrapped__", None) is not None:
-            fn = getattr(fn, "__wrapped__")
-        else:
-            break
-    if isinstance(fn, nn.Module):
-        return fn
-    owner = getattr(fn, "__self__", None)
-    return owner if isinstance(owner, nn.Module) else None
-
-
-_PARAMETER_DICTS = "_pytree_ckpt_parameter_dicts"
-_BUFFER_DICTS = "_pytree_ckpt_buffer_dicts"
-_VERIFIED = "_pytree_ckpt_verified"
-# Bumped whenever any module gets a submodule (torch's global registration hook, installed at
-# the first boundary call): cached parameter dicts and verifications older than it are stale.
-_structure_generation = 0
-# Bumped when a module gets a buffer under a new name (reassigning one is read live from the
-# cached dicts, and steps that do so must not invalidate every cache): cached buffer dicts.
-_buffer_generation = 0
-_hook_installed = False
-
-
-def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
-    global _structure_generation
-    _structure_generation += 1
-
-
-def _bump_buffer_generation(module: nn.Module, name: str, buffer: Any) -> None:
-    global _buffer_generation
-    if name not in module._buffers:
-        _buffer_generation += 1
-
-
-def _watch_module_structure() -> None:
-    global _hook_installed
-    if not _hook_installed:
-        nn.modules.module.register_module_module_registration_hook(_bump_generation)
-        nn.modules.module.register_module_buffer_registration_hook(_bump_buffer_generation)
-        _hook_installed = True
-
-
-_SHAPE = "_pytree_ckpt_shape"
-
-
-def _dropped() -> None:
-    return None
-
-
-class _Shape:
-    """The cached shape of a module tree (weak references): a copy or a pickle of the module
-    carries no cache (it is rebuilt at the next call), as weak references cannot be pickled
-    and would point at the original's submodules."""
-
-    __slots__ = ("generation", "entries")
-
-    def __init__(self, generation: int, entries: tuple[Any, ...]) -> None:
-        self.generation = generation
-        self.entries = entries
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return _dropped, ()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
-
-
-def drop_caches(module: nn.Module, /) -> None:
-    """Forget what the boundary cached on ``module`` (rebuilt at its next call)."""
-    for name in (_PARAMETER_DICTS, _BUFFER_DICTS, _VERIFIED, _SHAPE):
-        module.__dict__.pop(name, None)
-
-
-def _check_structure(module: nn.Module) -> None:
-    """Bump the generation when ``module``'s tree changed behind torch's registration hooks.
-
-    ``ModuleList.insert``, ``Sequential.insert`` and deleting a submodule edit ``_modules``
-    directly, and no hook fires: a layer inserted so would silently get no gradient. Each
-    submodule's ``_modules`` dict and its size show it (``del module_list[i]`` replaces the
-    dict; an insert grows it). Weak references to the submodules: no reference cycle. About
-    2 µs per call for a decoder layer.
-    """
-    global _structure_generation
-    shape = module.__dict__.get(_SHAPE)
-    if shape is not None and shape.generation == _structure_generation:
-        if all((m := ref()) is not None and m._modules is modules and len(modules) == n
-               for ref, modules, n in shape.entries):
-            return
-        _structure_generation += 1  # changed behind the hooks: every cache is stale
-    module.__dict__[_SHAPE] = _Shape(_structure_generation, tuple(
-        (weakref.ref(m), m._modules, len(m._modules)) for m in module.modules()))
-
-
-def trainable_parameters(modules: list[nn.Module], skip: set[int], *,
-                         frozen: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The trainable parameters of ``modules`` (deduplicated, without ids in ``skip``); the
-    frozen ones go to ``frozen`` when given.
-
-    Each module caches the ``_parameters`` dicts of its submodules (dicts, not modules: no
-    reference cycle); reading them per call picks up parameters swapped in place (FSDP2), and
-    the cache is rebuilt after any submodule is added or replaced (an adapter injected later).
-    """
-    _watch_module_structure()
-    found: list[torch.Tensor] = []
-    for module in modules:
-        _check_structure(module)
-        cached = module.__dict__.get(_PARAMETER_DICTS)
-        if cached is None or cached[0] != _structure_generation:
-            cached = (_structure_generation, tuple(m._parameters for m in module.modules()))
-            module.__dict__[_PARAMETER_DICTS] = cached
-        for params in cached[1]:
-            for param in params.values():
-                if param is None or id(param) in skip:
-                    continue
-                if param.requires_grad:
-                    skip.add(id(param))
-                    found.append(param)
-                elif frozen is not None:
-                    frozen.append(param)
-    return found
-
-
-def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
-    """The buffers of ``module`` and its submodules, read now from cached ``_buffers`` dicts."""
-    return [b for buffers in buffer_dicts(module) for b in buffers.values() if b is not None]
-
-
-def buffer_dicts(module: nn.Module, /) -> tuple[dict[str, torch.Tensor | None], ...]:
-    """The ``_buffers`` dicts of ``module`` and its submodules, the non-empty ones (cached: a
-    buffer under a new name invalidates the cache)."""
-    _watch_module_structure()
-    _check_structure(module)
-    key = (_structure_generation, _buffer_generation)
-    cached = module.__dict__.get(_BUFFER_DICTS)
-    if cached is None or cached[0] != key:
-        cached = (key, tuple(m._buffers for m in module.modules() if m._buffers))
-        module.__dict__[_BUFFER_DICTS] = cached
-    return cached[1]
-
-
 def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor, ...],
                     outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Outputs that existed before the call and require no grad: inputs, and the frozen
@@ -254,23 +114,6 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
         if not t.requires_grad and (before.get(id(t)) is t or any(t is x for x in inputs)):
             as_is.append(t)
     return as_is
-
-
-def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
-    """A leaf that requires grad, reached from ``outs``, that is not in ``known`` (by id)."""
-    seen: set[Any] = set()
-    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) not in known:
-            return variable
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return None
-
 
 def _identity(x: Any) -> Any:
     return x
@@ -315,8 +158,8 @@ class _Call:
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
         self.frozen: list[torch.Tensor] = []
         # What the original pass changed of the modules' state (NOTE [state the forward
-        # changes]); None when it changed nothing.
-        self.changed_state: _ChangedState | None = None
+        # changes] in module_state.py); None when it changed nothing.
+        self.changed_state: ChangedState | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -405,8 +248,8 @@ class _BoundaryFunction(torch.autograd.Function):
         args, kwargs = call.original_call
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
-        versions = _versions(tensors)
-        watch = _StateWatch(call.buffer_dicts, call.frozen) if call.owner is not None else None
+        input_versions = versions(tensors)
+        watch = StateWatch(call.buffer_dicts, call.frozen) if call.owner is not None else None
         token = ACTIVE.set(invocation)
         try:
             if call.options.keep is None:
@@ -416,8 +259,8 @@ class _BoundaryFunction(torch.autograd.Function):
                     output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
-        moved = [slot for slot, version in enumerate(_versions(tensors))
-                 if version != versions[slot]]
+        moved = [slot for slot, version in enumerate(versions(tensors))
+                 if version != input_versions[slot]]
         if moved:
             _raise_input_changed(call, tensors, moved)
         if watch is not None:
@@ -526,7 +369,7 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     wrt = [*detached, *call.params]
     wanted = [i for i, need in enumerate(needs) if need]
     if outs and call.owner is not None and \
-            call.owner.__dict__.get(_VERIFIED) != _structure_generation:
+            not is_verified(call.owner):
         _verify_leaves(call, outs, wrt)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
@@ -538,87 +381,6 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     return (None, None, *result)
 
 
-def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
-    # Inference tensors keep no version counter (and cannot be changed outside inference mode).
-    return [None if t.is_inference() else t._version for t in tensors]
-
-
-class _StateWatch:
-    """NOTE [state the forward changes]: the replay runs ``fn`` again, and with it every change
-    ``fn`` makes to its modules' buffers (BatchNorm's running statistics, a step counter, an
-    EMA reassigned) and frozen parameters, which eager never repeats. The original pass notes
-    which submodules' buffers changed, in place (a version counter moved) or by reassignment
-    (another object under a name); backward takes their state as it finds it and puts it back
-    once the replay's gradients are computed (not sooner: the replay's graph may have saved
-    them). So the module's state after backward is eager's. A submodule counts as a whole, since
-    a kernel may update a buffer without moving its version (BatchNorm's running statistics:
-    only ``num_batches_tracked`` moves). The replay itself sees the state as the forward left
-    it: exact for BatchNorm in training, which normalises with the batch's statistics; not for a
-    layer whose output reads what it changed (documented). Changes through ``.data`` move no
-    version and are not seen. The common case, nothing changed, costs one version read and
-    one identity check per buffer.
-    """
-
-    __slots__ = ("dicts", "items", "versions", "frozen", "frozen_versions")
-
-    def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
-                 frozen: list[torch.Tensor]) -> None:
-        self.dicts = dicts
-        self.items = [tuple(d.items()) for d in dicts]
-        self.versions = [_object_versions(items) for items in self.items]
-        self.frozen = frozen
-        self.frozen_versions = _versions(frozen)
-
-    def changed(self) -> _ChangedState | None:
-        in_place, reassigned = [], []
-        for d, items, versions in zip(self.dicts, self.items, self.versions):
-            # Both can happen in one submodule (self.ema = ...; self.step += 1).
-            if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items):
-                reassigned.append(d)
-            if _object_versions(items) != versions:
-                in_place.append(d)
-        params = [p for p, v in zip(self.frozen, self.frozen_versions)
-                  if not p.is_inference() and p._version != v]
-        if not (in_place or reassigned or params):
-            return None
-        return _ChangedState(in_place, reassigned, params)
-
-
-def _object_versions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list[int | None]:
-    """The version of each object in ``items`` (the objects themselves, wherever they are now)."""
-    return [None if t is None or t.is_inference() else t._version for _, t in items]
-
-
-class _ChangedState:
-    """What the original pass changed (NOTE [state the forward changes]); put back around each
-    replay by :meth:`put_back`."""
-
-    __slots__ = ("in_place", "reassigned", "params")
-
-    def __init__(self, in_place: list[dict[str, torch.Tensor | None]],
-                 reassigned: list[dict[str, torch.Tensor | None]],
-                 params: list[torch.Tensor]) -> None:
-        self.in_place = in_place
-        self.reassigned = reassigned
-        self.params = params
-
-    @contextmanager
-    def put_back(self) -> Iterator[None]:
-        # The entries as backward finds them, then the values of their tensors: the entries
-        # are put back first, so the values go into the very objects the forward left.
-        entries = [dict(d) for d in self.reassigned]
-        values = [(t, t.detach().clone()) for d in self.in_place for t in d.values()
-                  if t is not None and not t.is_inference()]
-        values += [(p, p.detach().clone()) for p in self.params]
-        try:
-            yield
-        finally:
-            for d, before in zip(self.reassigned, entries):
-                d.clear()
-                d.update(before)
-            with torch.no_grad():
-                for tensor, value in values:
-                    tensor.copy_(value)
 
 
 def _raise_input_changed(call: _Call, tensors: Sequence[torch.Tensor], moved: list[int]) -> None:
@@ -696,7 +458,7 @@ def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor
             got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
             tip="pass the tensor (or the module owning it) as an argument, or register it as a "
                 "parameter of a submodule")
-    call.owner.__dict__[_VERIFIED] = _structure_generation
+    mark_verified(call.owner)
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],

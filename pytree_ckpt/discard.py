@@ -45,11 +45,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .boundary import (foreign_leaf, module_buffers, owning_module, parameter_hooks_paused,
-                       refuse_double_backward, trainable_parameters)
+from .boundary import parameter_hooks_paused, refuse_double_backward
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
 from .frames import callable_name
+from .module_state import foreign_leaf, module_buffers, owning_module, trainable_parameters
 from .rng import ReplayEnvironment
 from .tree import flatten
 

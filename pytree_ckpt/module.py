@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-
-from .boundary import BoundaryOptions, drop_caches, run_boundary
+from .boundary import BoundaryOptions, run_boundary
 from .errors import CheckpointConfigError, CheckpointError
+from .module_state import drop_caches
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager

@@ -423,18 +423,18 @@ def test_a_result_stored_in_a_buffer_slot_keeps_its_gradient_and_a_frozen_weight
 
 
 def test_reassigning_a_buffer_every_step_keeps_the_boundarys_caches() -> None:
-    from pytree_ckpt import boundary
+    from pytree_ckpt import module_state
 
     layer = pytree_ckpt.apply_activation_checkpointing(PassesThrough())
     x, mask = torch.randn(2, 4, requires_grad=True), torch.ones(2, 4)
     layer(x, mask)["h"].sum().backward()
-    generations = (boundary._structure_generation, boundary._buffer_generation)
+    generations = (module_state._structure_generation, module_state._buffer_generation)
     for step in range(3):
         layer.freqs = torch.full((4,), float(step))  # a step counter, a RoPE cache refreshed
         out = layer(x, mask)
         assert out["freqs"] is layer.freqs
         out["h"].sum().backward()
-    assert (boundary._structure_generation, boundary._buffer_generation) == generations
+    assert (module_state._structure_generation, module_state._buffer_generation) == generations
 
 
 def test_an_outside_tensor_returned_by_a_plain_callable_is_refused_in_backward() -> None:

@@ -1,0 +1,283 @@
+"""What the boundary knows of the modules a call uses.
+
+- which module ``fn`` belongs to (``owning_module``);
+- their trainable parameters and their buffers, read per call from ``_parameters`` and
+  ``_buffers`` dicts cached per module, and kept fresh when the module tree changes (torch's
+  registration hooks, and a structure check for edits that bypass them);
+- whether a module's graph was verified to reach no tensor that would silently get no gradient
+  (``foreign_leaf``, once per module and structure);
+- what the original pass changed of their state, to be put back after the replay
+  (NOTE [state the forward changes]).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ChangedState", "StateWatch", "buffer_dicts", "drop_caches", "foreign_leaf",
+           "is_verified", "mark_verified", "module_buffers", "owning_module",
+           "trainable_parameters", "versions"]
+
+
+def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
+    """The module whose parameters ``fn`` uses: ``fn`` itself, or the module of a bound method,
+    seen through ``functools.partial`` and wrappers that set ``__wrapped__``; ``None`` for any
+    other callable (NOTE [unknown callables] in boundary.py)."""
+    for _ in range(8):  # through partials and wrappers (torch.compiler.disable, functools.wraps)
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif not isinstance(fn, nn.Module) and getattr(fn, "__self__", None) is None and \
+                getattr(fn, "__wrapped__", None) is not None:
+            fn = getattr(fn, "__wrapped__")
+        else:
+            break
+    if isinstance(fn, nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+_PARAMETER_DICTS = "_pytree_ckpt_parameter_dicts"
+_BUFFER_DICTS = "_pytree_ckpt_buffer_dicts"
+_VERIFIED = "_pytree_ckpt_verified"
+# Bumped whenever any module gets a submodule (torch's global registration hook, installed at
+# the first boundary call): cached parameter dicts and verifications older than it are stale.
+_structure_generation = 0
+# Bumped when a module gets a buffer under a new name (reassigning one is read live from the
+# cached dicts, and steps that do so must not invalidate every cache): cached buffer dicts.
+_buffer_generation = 0
+_hook_installed = False
+
+
+def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
+    global _structure_generation
+    _structure_generation += 1
+
+
+def _bump_buffer_generation(module: nn.Module, name: str, buffer: Any) -> None:
+    global _buffer_generation
+    if name not in module._buffers:
+        _buffer_generation += 1
+
+
+def _watch_module_structure() -> None:
+    global _hook_installed
+    if not _hook_installed:
+        nn.modules.module.register_module_module_registration_hook(_bump_generation)
+        nn.modules.module.register_module_buffer_registration_hook(_bump_buffer_generation)
+        _hook_installed = True
+
+
+_SHAPE = "_pytree_ckpt_shape"
+
+
+def _dropped() -> None:
+    return None
+
+
+class _Shape:
+    """The cached shape of a module tree (weak references): a copy or a pickle of the module
+    carries no cache (it is rebuilt at the next call), as weak references cannot be pickled
+    and would point at the original's submodules."""
+
+    __slots__ = ("generation", "entries")
+
+    def __init__(self, generation: int, entries: tuple[Any, ...]) -> None:
+        self.generation = generation
+        self.entries = entries
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _dropped, ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+
+def drop_caches(module: nn.Module, /) -> None:
+    """Forget what the boundary cached on ``module`` (rebuilt at its next call)."""
+    for name in (_PARAMETER_DICTS, _BUFFER_DICTS, _VERIFIED, _SHAPE):
+        module.__dict__.pop(name, None)
+
+
+def _check_structure(module: nn.Module) -> None:
+    """Bump the generation when ``module``'s tree changed behind torch's registration hooks.
+
+    ``ModuleList.insert``, ``Sequential.insert`` and deleting a submodule edit ``_modules``
+    directly, and no hook fires: a layer inserted so would silently get no gradient. Each
+    submodule's ``_modules`` dict and its size show it (``del module_list[i]`` replaces the
+    dict; an insert grows it). Weak references to the submodules: no reference cycle. About
+    2 µs per call for a decoder layer.
+    """
+    global _structure_generation
+    shape = module.__dict__.get(_SHAPE)
+    if shape is not None and shape.generation == _structure_generation:
+        if all((m := ref()) is not None and m._modules is modules and len(modules) == n
+               for ref, modules, n in shape.entries):
+            return
+        _structure_generation += 1  # changed behind the hooks: every cache is stale
+    module.__dict__[_SHAPE] = _Shape(_structure_generation, tuple(
+        (weakref.ref(m), m._modules, len(m._modules)) for m in module.modules()))
+
+
+def trainable_parameters(modules: list[nn.Module], skip: set[int], *,
+                         frozen: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The trainable parameters of ``modules`` (deduplicated, without ids in ``skip``); the
+    frozen ones go to ``frozen`` when given.
+
+    Each module caches the ``_parameters`` dicts of its submodules (dicts, not modules: no
+    reference cycle); reading them per call picks up parameters swapped in place (FSDP2), and
+    the cache is rebuilt after any submodule is added or replaced (an adapter injected later).
+    """
+    _watch_module_structure()
+    found: list[torch.Tensor] = []
+    for module in modules:
+        _check_structure(module)
+        cached = module.__dict__.get(_PARAMETER_DICTS)
+        if cached is None or cached[0] != _structure_generation:
+            cached = (_structure_generation, tuple(m._parameters for m in module.modules()))
+            module.__dict__[_PARAMETER_DICTS] = cached
+        for params in cached[1]:
+            for param in params.values():
+                if param is None or id(param) in skip:
+                    continue
+                if param.requires_grad:
+                    skip.add(id(param))
+                    found.append(param)
+                elif frozen is not None:
+                    frozen.append(param)
+    return found
+
+
+def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
+    """The buffers of ``module`` and its submodules, read now from cached ``_buffers`` dicts."""
+    return [b for buffers in buffer_dicts(module) for b in buffers.values() if b is not None]
+
+
+def buffer_dicts(module: nn.Module, /) -> tuple[dict[str, torch.Tensor | None], ...]:
+    """The ``_buffers`` dicts of ``module`` and its submodules, the non-empty ones (cached: a
+    buffer under a new name invalidates the cache)."""
+    _watch_module_structure()
+    _check_structure(module)
+    key = (_structure_generation, _buffer_generation)
+    cached = module.__dict__.get(_BUFFER_DICTS)
+    if cached is None or cached[0] != key:
+        cached = (key, tuple(m._buffers for m in module.modules() if m._buffers))
+        module.__dict__[_BUFFER_DICTS] = cached
+    return cached[1]
+
+
+def is_verified(module: nn.Module, /) -> bool:
+    """Whether ``module``'s graph was checked (``foreign_leaf``) since its tree last changed."""
+    return module.__dict__.get(_VERIFIED) == _structure_generation
+
+
+def mark_verified(module: nn.Module, /) -> None:
+    module.__dict__[_VERIFIED] = _structure_generation
+
+
+def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
+    """A leaf that requires grad, reached from ``outs``, that is not in ``known`` (by id)."""
+    seen: set[Any] = set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in known:
+            return variable
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return None
+
+
+
+
+def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    # Inference tensors keep no version counter (and cannot be changed outside inference mode).
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
+class StateWatch:
+    """NOTE [state the forward changes]: the replay runs ``fn`` again, and with it every change
+    ``fn`` makes to its modules' buffers (BatchNorm's running statistics, a step counter, an
+    EMA reassigned) and frozen parameters, which eager never repeats. The original pass notes
+    which submodules' buffers changed, in place (a version counter moved) or by reassignment
+    (another object under a name); backward takes their state as it finds it and puts it back
+    once the replay's gradients are computed (not sooner: the replay's graph may have saved
+    them). So the module's state after backward is eager's. A submodule counts as a whole, since
+    a kernel may update a buffer without moving its version (BatchNorm's running statistics:
+    only ``num_batches_tracked`` moves). The replay itself sees the state as the forward left
+    it: exact for BatchNorm in training, which normalises with the batch's statistics; not for a
+    layer whose output reads what it changed (documented). Changes through ``.data`` move no
+    version and are not seen. The common case, nothing changed, costs one version read and
+    one identity check per buffer.
+    """
+
+    __slots__ = ("dicts", "items", "versions", "frozen", "frozen_versions")
+
+    def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
+                 frozen: list[torch.Tensor]) -> None:
+        self.dicts = dicts
+        self.items = [tuple(d.items()) for d in dicts]
+        self.versions = [_objectversions(items) for items in self.items]
+        self.frozen = frozen
+        self.frozen_versions = versions(frozen)
+
+    def changed(self) -> ChangedState | None:
+        in_place, reassigned = [], []
+        for d, items, versions in zip(self.dicts, self.items, self.versions):
+            # Both can happen in one submodule (self.ema = ...; self.step += 1).
+            if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items):
+                reassigned.append(d)
+            if _objectversions(items) != versions:
+                in_place.append(d)
+        params = [p for p, v in zip(self.frozen, self.frozen_versions)
+                  if not p.is_inference() and p._version != v]
+        if not (in_place or reassigned or params):
+            return None
+        return ChangedState(in_place, reassigned, params)
+
+
+def _objectversions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list[int | None]:
+    """The version of each object in ``items`` (the objects themselves, wherever they are now)."""
+    return [None if t is None or t.is_inference() else t._version for _, t in items]
+
+
+class ChangedState:
+    """What the original pass changed (NOTE [state the forward changes]); put back around each
+    replay by :meth:`put_back`."""
+
+    __slots__ = ("in_place", "reassigned", "params")
+
+    def __init__(self, in_place: list[dict[str, torch.Tensor | None]],
+                 reassigned: list[dict[str, torch.Tensor | None]],
+                 params: list[torch.Tensor]) -> None:
+        self.in_place = in_place
+        self.reassigned = reassigned
+        self.params = params
+
+    @contextmanager
+    def put_back(self) -> Iterator[None]:
+        # The entries as backward finds them, then the values of their tensors: the entries
+        # are put back first, so the values go into the very objects the forward left.
+        entries = [dict(d) for d in self.reassigned]
+        values = [(t, t.detach().clone()) for d in self.in_place for t in d.values()
+                  if t is not None and not t.is_inference()]
+        values += [(p, p.detach().clone()) for p in self.params]
+        try:
+            yield
+        finally:
+            for d, before in zip(self.reassigned, entries):
+                d.clear()
+                d.update(before)
+            with torch.no_grad():
+                for tensor, value in values:
+                    tensor.copy_(value)
