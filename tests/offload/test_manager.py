@@ -18,9 +18,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import pytree_ckpt
 import offload
-from offload import HostPool, OffloadConfig, OffloadManager, size_class
+from offload import OffloadConfig, OffloadManager, size_class
 from pytree_ckpt import CheckpointConfigError, apply_activation_checkpointing
 from tests.conftest import assert_same_grads
+from tests.offload.blocks import (Layer, grads_with_last_input_changed, manager, offloaded_stack,
+                                  stack)
 
 
 class Probe(torch.autograd.Function):
@@ -41,10 +43,6 @@ class Probe(torch.autograd.Function):
             Probe.results.append(torch.equal(t, e) and (t.shape, t.stride(),
                                                         t.storage_offset()) == layout)
         return tuple(grad.expand_as(t) for t in ctx.saved_tensors)
-
-
-def manager(**config: Any) -> OffloadManager:
-    return OffloadManager(OffloadConfig(**{"min_bytes": 0, **config}), device="cpu")
 
 
 def test_views_of_one_storage_are_copied_once_and_each_restores_its_layout() -> None:
@@ -221,30 +219,6 @@ def test_a_layer_input_modified_in_place_after_the_layer_is_refused_like_eager(
             out.sum().backward()
 
 
-class Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(32, 32)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.proj(h))
-
-
-def offloaded_stack(m: OffloadManager, n: int, layer: type[nn.Module] = Layer) -> nn.ModuleList:
-    """``n`` layers, each checkpointed with offload through ``m``."""
-    layers = nn.ModuleList(layer() for _ in range(n))
-    for each in layers:
-        apply_activation_checkpointing(each, offload=m)
-    return layers
-
-
-def run_stack(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    h = x
-    for layer in layers:
-        h = layer(h)
-    return h
-
-
 @pytest.mark.parametrize(("depth", "expected"), [
     (1, [("restore", 7), ("prefetch", 6), ("prefetch_hit", 6), ("prefetch", 5),
          ("prefetch_hit", 5), ("prefetch", 4), ("prefetch_hit", 4), ("prefetch", 3),
@@ -261,7 +235,7 @@ def test_prefetch_order_for_an_eight_layer_stack(depth: int,
     m = manager(prefetch=depth)
     layers = offloaded_stack(m, 8)
     x = torch.randn(4, 32, requires_grad=True)
-    run_stack(layers, x).sum().backward()
+    stack(layers, x).sum().backward()
     assert m.events() == expected
     assert m.stats()["prefetch_hits"] == sum(1 for kind, _ in expected if kind == "prefetch_hit")
 
@@ -276,7 +250,7 @@ def test_checkpoint_with_offload_gives_eager_gradients_and_retain_graph_twice_wo
         apply_activation_checkpointing(layer, offload=m)
     x = torch.randn(4, 32, requires_grad=True)
     for model in (eager_layers, layers):
-        loss = run_stack(model, x).square().sum()
+        loss = stack(model, x).square().sum()
         loss.backward(retain_graph=True)
         loss.backward()
     grads = [p.grad for p in eager_layers.parameters()]
@@ -287,10 +261,10 @@ def test_checkpoint_with_offload_gives_eager_gradients_and_retain_graph_twice_wo
 def test_the_pool_does_not_grow_after_warm_up_over_fifty_steps() -> None:
     m = manager()
     layers = offloaded_stack(m, 4)
-    run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     warm = m.stats(reset=True)
     for _ in range(50):
-        run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+        stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     stats = m.stats()
     assert stats["pool_misses"] == 0 and stats["pool_hits"] == 50 * 4
     assert stats["host_bytes"] == warm["host_bytes"] and stats["host_buffers_in_use"] == 0
@@ -311,14 +285,14 @@ def test_a_pipeline_schedule_gets_eager_gradients_uses_every_prefetch_and_restar
     in_flight: list[torch.Tensor] = []
     largest_id = 0
     for x in inputs:
-        in_flight.append(run_stack(layers, x).square().sum())
+        in_flight.append(stack(layers, x).square().sum())
         if len(in_flight) > 2:
             in_flight.pop(0).backward()
             largest_id = max(largest_id, *(i for _, i in m.events()))
     while in_flight:
         in_flight.pop(0).backward()
     for x in inputs:
-        run_stack(eager, x).square().sum().backward()
+        stack(eager, x).square().sum().backward()
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
     stats = m.stats()
     assert stats["restored_bytes"] == stats["offloaded_bytes"] == 30 * 4 * 4 * 32 * 4
@@ -333,12 +307,12 @@ def test_two_forwards_share_a_pass_and_only_a_reverse_order_backward_prefetches_
     layers = offloaded_stack(m, 3)
     both = [("restore", 5)] + [e for i in range(4, -1, -1)
                                for e in (("prefetch", i), ("prefetch_hit", i))]
-    first, second = (run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum()
+    first, second = (stack(layers, torch.randn(4, 32, requires_grad=True)).sum()
                      for _ in range(2))
     (first + second).backward()  # one backward through both: 5 .. 0, every prefetch used
     assert m.events() == both
     m.stats(reset=True)
-    first, second = (run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum()
+    first, second = (stack(layers, torch.randn(4, 32, requires_grad=True)).sum()
                      for _ in range(2))
     second.backward()  # its first window prefetches micro-batch 1's last one early
     assert m.events() == both[:6]
@@ -353,13 +327,13 @@ def test_forwards_that_never_reach_backward_keep_only_their_live_windows() -> No
     # the live windows (and opening one must not get slower step after step).
     m = manager()
     layers = offloaded_stack(m, 4)
-    out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
+    out = stack(layers, torch.randn(4, 32, requires_grad=True))
     for _ in range(50):
-        out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
+        out = stack(layers, torch.randn(4, 32, requires_grad=True))
     assert len(m._pass.windows) == 4 and m._pass.next_id == 51 * 4
     del out
     assert m.stats()["host_buffers_in_use"] == 0
-    run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     assert m.events()[0] == ("restore", 3)  # no window was alive: a new pass, ids from 0
 
 
@@ -387,9 +361,9 @@ def test_a_boundary_nested_in_a_replay_does_not_offload_in_backward(
         apply_activation_checkpointing(block.inner, offload=m)
         apply_activation_checkpointing(block, offload=m)
     x = torch.randn(4, 32)
-    run_stack(eager, x.clone().requires_grad_()).square().sum().backward()
+    stack(eager, x.clone().requires_grad_()).square().sum().backward()
     with caplog.at_level("WARNING", logger="offload.manager"):
-        run_stack(model, x.clone().requires_grad_()).square().sum().backward()
+        stack(model, x.clone().requires_grad_()).square().sum().backward()
         stats = m.stats()
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()])
     assert stats["windows"] == 3 and stats["offloaded_bytes"] == 3 * x.untyped_storage().nbytes()
@@ -401,7 +375,7 @@ def test_a_boundary_nested_in_a_replay_does_not_offload_in_backward(
 def test_a_forward_without_backward_and_an_exception_leave_nothing_checked_out() -> None:
     m = manager()
     layers = offloaded_stack(m, 3)
-    out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
+    out = stack(layers, torch.randn(4, 32, requires_grad=True))
     assert m.stats()["host_buffers_in_use"] == 3
     del out
     assert m.stats()["host_buffers_in_use"] == 0
@@ -440,36 +414,16 @@ def test_a_dropped_graph_with_offloaded_frames_returns_its_buffers_without_the_g
     m = manager()
     layers = offloaded_stack(m, 3, Routed)
     # A first step, so one-time work (torch's lazy imports, with their own cycles) is done.
-    run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     gc.collect()
     gc.disable()
     try:
-        out = run_stack(layers, torch.randn(4, 32, requires_grad=True))
+        out = stack(layers, torch.randn(4, 32, requires_grad=True))
         assert m.stats()["host_buffers_in_use"] == 6  # per layer: its input and its ids
         del out
         assert m.stats()["host_buffers_in_use"] == 0
     finally:
         gc.enable()
-
-
-def test_size_classes_waste_at_most_a_quarter() -> None:
-    for n in [1, 511, 513, 1000, 4096, 5000, 123457, 10**7]:
-        c = size_class(n)
-        assert c >= n and (n <= 512 or c <= n * 1.25)
-    assert size_class(4096) == 4096 and size_class(4097) == 5120
-
-
-def test_pinned_buffers_are_classed_by_power_of_two_as_torchs_pinned_allocator_rounds(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    assert [size_class(n, pinned=True) for n in (1, 513, 4097, 5000, 8192, 8193)] == \
-        [512, 1024, 8192, 8192, 8192, 16384]
-    pool = HostPool(pin_memory=True)
-    empty = torch.empty  # CPU-only torch cannot pin: the allocation itself is not the point
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
-    first = pool.acquire(4097)
-    pool.release(first)
-    assert first.numel() == 8192 and pool.acquire(6000) is first  # one class: shared
-    assert pool.host_bytes == 8192
 
 
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("TRUE", True),
@@ -524,7 +478,7 @@ def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() 
     layers = offloaded_stack(m, 3)
     x = torch.randn(4, 32, requires_grad=True)  # the test keeps x: its offload saves nothing
     with pytree_ckpt.ActivationCensus(layers) as census:
-        out = run_stack(layers, x)
+        out = stack(layers, x)
     per = x.untyped_storage().nbytes()
     # host copies of the 3 inputs; the last window's device storage is released one window
     # late (at the first restore, or stats()); none is held by a boundary any more
@@ -558,7 +512,7 @@ def test_the_census_does_not_flag_a_reused_storage_that_backward_still_holds() -
     m = manager()
     layers = offloaded_stack(m, 3)
     with pytree_ckpt.ActivationCensus(layers) as census:
-        out = run_stack(layers, torch.randn(4, 32, requires_grad=True).clone())
+        out = stack(layers, torch.randn(4, 32, requires_grad=True).clone())
     loss = out.sum()
     del out
     loss.backward(retain_graph=True)  # the graph, and the reused last input, stay
@@ -570,18 +524,8 @@ def test_a_storage_freed_after_forward_is_copied_back_from_host_not_reused() -> 
     # A caller may free a layer input's memory after forward (resizing its storage, which no
     # version counter sees), trusting the host copy: backward must not read the freed storage.
     m = manager()
-    layers = offloaded_stack(m, 3)
-    eager = nn.ModuleList(Layer() for _ in range(3))
-    eager.load_state_dict(layers.state_dict())  # the unwrapped twin
-    x = torch.randn(8, 32, requires_grad=True)
-    run_stack(eager, x).sum().backward()
-    expected = [p.grad for p in eager.parameters()] + [x.grad]
-    x.grad = None
-    h = run_stack(layers[:2], x)
-    out = layers[2](h)
-    h.untyped_storage().resize_(0)
-    out.sum().backward()
-    assert_same_grads(expected, [p.grad for p in layers.parameters()] + [x.grad])
+    expected, got = grads_with_last_input_changed(m, lambda h: h.untyped_storage().resize_(0))
+    assert_same_grads(expected, got)
     assert m.stats()["reused_bytes"] == 0
 
 
@@ -591,7 +535,7 @@ def test_a_reservation_up_front_makes_the_first_step_hit_the_pool() -> None:
     x = torch.randn(4, 32, requires_grad=True)
     m.pool.reserve([x.untyped_storage().nbytes()] * 4)
     reserved = m.pool.host_bytes
-    run_stack(layers, x).sum().backward()
+    stack(layers, x).sum().backward()
     stats = m.stats()
     assert stats["pool_misses"] == 0 and stats["pool_hits"] == 4
     assert stats["host_bytes"] == reserved
@@ -604,7 +548,7 @@ def steps_logged(m: OffloadManager, caplog: pytest.LogCaptureFixture, *,
     layers = offloaded_stack(m, 3)
     with caplog.at_level("WARNING", logger="offload.manager"):
         for _ in range(steps):
-            run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+            stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
     return layers, m.stats(), warnings
 
@@ -746,7 +690,7 @@ def test_a_restore_that_failed_is_retried_and_counted_once() -> None:
     torch.manual_seed(0)
     m = manager()
     layers = offloaded_stack(m, 4)
-    loss = run_stack(layers, torch.randn(8, 32, requires_grad=True)).sum()
+    loss = stack(layers, torch.randn(8, 32, requires_grad=True)).sum()
     m.stats()  # lets go of every landed copy: every window is copied back
     to_device, calls = m.engine.to_device, [0]
 
@@ -779,7 +723,7 @@ def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
         pytree_ckpt.remove_activation_checkpointing(layer)
         apply_activation_checkpointing(layer, offload=once)
     with caplog.at_level("WARNING", logger="offload.manager"):
-        run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+        stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
         once.stats()
     assert len(caplog.records) == 1
     caplog.clear()
@@ -789,7 +733,7 @@ def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(
         apply_activation_checkpointing(layer, offload=fine)
     with caplog.at_level("WARNING", logger="offload.manager"):
         for _ in range(2):
-            run_stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+            stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     assert not caplog.records and fine.stats()["below_min_bytes"] == 0
 
 
@@ -824,24 +768,6 @@ def test_a_new_storage_at_an_address_already_copied_is_copied_itself() -> None:
         (model[0](first) + model[1](second)).square().sum().backward()
     assert m.stats()["offloaded_bytes"] == 2 * 32 * 32 * 4  # one copy per storage
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
-
-
-def test_with_lengths_varying_each_step_larger_free_buffers_serve_and_the_pool_stays_small(
-        ) -> None:
-    # Packed batches of 12k-16k tokens: exact size classes alone grew to 2.6x a step's need
-    # over 200 steps (a buffer per class touched, per layer); a free buffer up to twice the
-    # request serves instead.
-    import random
-
-    pool, rng, largest = HostPool(pin_memory=False), random.Random(0), 0
-    for _ in range(200):
-        sizes = [rng.randint(12288, 16384) * 64] * 32  # 32 layer inputs of one length
-        largest = max(largest, sum(sizes))
-        buffers = [pool.acquire(n) for n in sizes]
-        assert all(b.numel() >= n for b, n in zip(buffers, sizes))
-        for buffer in buffers:
-            pool.release(buffer)
-    assert pool.host_bytes <= 1.1 * largest and pool.checked_out == 0
 
 
 def test_a_layer_input_freed_by_output_discard_is_not_reported_as_alive_elsewhere() -> None:

@@ -30,7 +30,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import checkpoint_layers
 from tests.conftest import assert_same_grads
-from tests.offload.simulated import SimulatedStreams, simulated
+from tests.offload.blocks import grads_with_last_input_changed, manager
+from tests.offload.simulated import POISON, SimulatedStreams, simulated
 
 
 class Layer(nn.Module):
@@ -373,3 +374,33 @@ def test_a_host_buffer_is_reused_only_after_the_restore_that_reads_it_ran(
     streams.finish()
     caught = any(v.startswith("rule 3") for v in streams.violations)
     assert caught == break_rule_3
+
+
+class IdleRestoreStream(SimulatedStreams):
+    """The copies to host stay queued (the d2h stream is behind), the h2d stream is idle: a
+    restore runs as soon as it is queued, after what its stream was told to wait for. A copy
+    to host reads the bytes its source had when queued (on a GPU the allocator keeps memory
+    freed meanwhile for it: ``record_stream``), so a source freed in place can be modelled."""
+
+    def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> Any:
+        target, snapshot = host[: device_bytes.numel()], device_bytes.clone()
+        target.fill_(POISON)
+        return self._enqueue("d2h", lambda: target.copy_(snapshot))
+
+    def to_device(self, host: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any]:
+        buffer, event = super().to_device(host, nbytes, after)
+        self.complete(event)
+        return buffer, event
+
+
+def test_a_copy_back_waits_for_the_copy_to_host_still_in_flight_at_backward() -> None:
+    # Guards against a copy back that does not wait for the copy to host (no ``after`` event).
+    # The last layer's input was freed in place after forward (as an output discard does)
+    # while its copy to host is still queued: backward cannot reuse it and copies it back
+    # from host, which must wait for that copy to land, or the gradients are computed from
+    # the host buffer's stale bytes.
+    m = manager()
+    m.engine = IdleRestoreStream(m.device, seed=None)  # type: ignore[assignment]
+    expected, got = grads_with_last_input_changed(m, lambda h: h.untyped_storage().resize_(0),
+                                                  layer=Layer)
+    assert_same_grads(expected, got)

@@ -1,0 +1,103 @@
+"""The host pool: size classes, reuse across steps, reservations, what a miss costs.
+
+Pinned memory needs CUDA; on CPU-only torch the pinned pool's bookkeeping is checked with
+ordinary allocations (``unpinned_empty``).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from offload import HostPool, size_class
+
+
+@pytest.fixture
+def unpinned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU-only torch cannot pin: pinned pools allocate ordinary memory (as the suite does)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+
+
+def test_size_classes_waste_at_most_a_quarter() -> None:
+    for n in [1, 511, 513, 1000, 4096, 5000, 123457, 10**7]:
+        c = size_class(n)
+        assert c >= n and (n <= 512 or c <= n * 1.25)
+    assert size_class(4096) == 4096 and size_class(4097) == 5120
+
+
+def test_pinned_buffers_are_classed_by_power_of_two_as_torchs_pinned_allocator_rounds(
+        unpinned_empty: None) -> None:
+    assert [size_class(n, pinned=True) for n in (1, 513, 4097, 5000, 8192, 8193)] == \
+        [512, 1024, 8192, 8192, 8192, 16384]
+    pool = HostPool(pin_memory=True)
+    first = pool.acquire(4097)
+    pool.release(first)
+    assert first.numel() == 8192 and pool.acquire(6000) is first  # one class: shared
+    assert pool.host_bytes == 8192
+
+
+def test_with_lengths_varying_each_step_larger_free_buffers_serve_and_the_pool_stays_small(
+        ) -> None:
+    # Packed batches of 12k-16k tokens: exact size classes alone grew to 2.6x a step's need
+    # over 200 steps (a buffer per class touched, per layer); a free buffer up to twice the
+    # request serves instead.
+    pool, rng, largest = HostPool(pin_memory=False), random.Random(0), 0
+    for _ in range(200):
+        sizes = [rng.randint(12288, 16384) * 64] * 32  # 32 layer inputs of one length
+        largest = max(largest, sum(sizes))
+        buffers = [pool.acquire(n) for n in sizes]
+        assert all(b.numel() >= n for b, n in zip(buffers, sizes))
+        for buffer in buffers:
+            pool.release(buffer)
+    assert pool.host_bytes <= 1.1 * largest and pool.checked_out == 0
+
+
+def test_a_reservation_in_a_pinned_pool_serves_the_first_request(unpinned_empty: None) -> None:
+    # Guards against: reserve() rounds to the unpinned size classes, acquire() to the pinned ones.
+    pool = HostPool(pin_memory=True)
+    pool.reserve([5000])
+    buffer = pool.acquire(5000)
+    assert (pool.hits, pool.misses) == (1, 0)
+    assert buffer.numel() == pool.host_bytes == size_class(5000, pinned=True)
+
+
+def test_a_failed_host_allocation_adds_nothing_to_host_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: _allocate counts host_bytes before torch.empty returns.
+    pool = HostPool(pin_memory=False)
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("out of memory (simulated)")
+    monkeypatch.setattr(torch, "empty", out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated"):
+        pool.acquire(4096)
+    assert pool.host_bytes == 0 and pool.checked_out == 0
+
+
+def test_a_free_buffer_more_than_twice_a_request_is_not_handed_out_for_it() -> None:
+    # Guards against: acquire() lets any larger free buffer serve. A small request would take the
+    # large buffer, and the next large request allocate another one.
+    pool = HostPool(pin_memory=False)
+    big = pool.acquire(1 << 20)
+    pool.release(big)
+    small = pool.acquire(1000)
+    assert small is not big and small.numel() == size_class(1000)
+    assert pool.acquire(1 << 20) is big
+    assert pool.misses == 2 and pool.hits == 1
+    assert pool.host_bytes == size_class(1 << 20) + size_class(1000)
+
+
+def test_a_request_takes_the_smallest_larger_free_buffer_leaving_the_larger_for_later() -> None:
+    # Guards against: acquire() takes the largest of the free buffers up to twice the request.
+    pool = HostPool(pin_memory=False)
+    five, eight = pool.acquire(5000), pool.acquire(8000)  # classes 5120 and 8192
+    assert (five.numel(), eight.numel()) == (5120, 8192)
+    pool.release(five)
+    pool.release(eight)
+    assert pool.acquire(4096) is five  # class 4096 is empty: the next larger class serves
+    assert pool.acquire(8000) is eight
+    assert pool.misses == 2 and pool.hits == 2

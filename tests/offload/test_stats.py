@@ -1,0 +1,121 @@
+"""``manager.stats()``, ``events()`` and the "offloaded nothing" warning: each counts what it
+says, once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from offload import OffloadConfig, OffloadManager
+from tests.offload.blocks import manager, offloaded_stack, stack
+
+
+def manager_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+
+
+def test_a_small_storage_saved_twice_in_a_window_counts_once_below_the_floor() -> None:
+    # Guards against: _pack counts below_min_bytes at every save instead of once per window
+    # storage.
+    m = manager(min_bytes=1 << 20)
+    h = torch.randn(64, requires_grad=True) * 1.0
+    with m.window([h]):
+        loss = (h * h).sum()  # mul saves h twice
+    assert m.stats()["below_min_bytes"] == h.untyped_storage().nbytes()
+    loss.backward()
+
+
+def test_a_storage_on_another_device_saved_twice_in_a_window_counts_once() -> None:
+    # Guards against: _other_device drops its ``key in window.small`` early return.
+    m = OffloadManager(OffloadConfig(min_bytes=0), device="meta")
+    h = torch.randn(64, requires_grad=True) * 1.0
+    with m.window([h]):
+        loss = (h * h).sum()  # mul saves h twice
+    assert m.stats()["other_device_bytes"] == h.untyped_storage().nbytes()
+    loss.backward()
+
+
+def test_a_pass_that_offloads_its_large_storages_is_not_warned_of_for_its_small_ones(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: _Copy does not add to ``pass_.offloaded``; or _check_pass_offloaded drops its
+    # ``pass_.offloaded == 0`` condition. Either warns "offloaded nothing" for a working pass.
+    m = manager(min_bytes=1024)
+    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+        for _ in range(2):  # the second window opens a new pass: the first is judged there
+            big = torch.randn(64, 64, requires_grad=True) * 1.0
+            small = torch.randn(8, requires_grad=True) * 1.0
+            with m.window([big, small]):
+                loss = big.square().sum() + small.square().sum()
+            loss.backward()
+        stats = m.stats()
+    assert stats["offloaded_bytes"] == 2 * big.untyped_storage().nbytes()
+    assert stats["below_min_bytes"] == 2 * small.untyped_storage().nbytes()
+    assert manager_warnings(caplog) == []
+
+
+def test_stats_read_in_the_middle_of_a_pass_does_not_make_it_look_like_it_offloaded_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: stats() runs _check_pass_offloaded on a pass still alive, which zeroes its
+    # ``offloaded``; the rest of the pass is below the floor, and its end warns falsely.
+    m = manager(min_bytes=1024)
+    big = torch.randn(64, 64, requires_grad=True) * 1.0
+    small = torch.randn(8, requires_grad=True) * 1.0
+    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+        with m.window([big]):
+            first = big.square().sum()
+        m.stats()  # mid-pass: window 0 is alive
+        with m.window([small]):
+            second = small.square().sum()
+        (first + second).backward()
+        m.stats()  # the pass is over: judged
+    assert manager_warnings(caplog) == []
+
+
+def test_stats_reset_starts_pool_hits_from_zero() -> None:
+    # Guards against: stats() reports pool.hits without subtracting the value at the last reset.
+    m = manager()
+    layers = offloaded_stack(m, 3)
+    for _ in range(2):  # the second step hits the pool 3 times
+        stack(layers, torch.randn(4, 32, requires_grad=True).clone()).sum().backward()
+    assert m.stats(reset=True)["pool_hits"] == 3
+    stack(layers, torch.randn(4, 32, requires_grad=True).clone()).sum().backward()
+    stats = m.stats()
+    assert stats["pool_hits"] == 3 and stats["pool_misses"] == 0
+
+
+def test_layer_inputs_kept_past_the_next_forward_count_as_alive_elsewhere_when_it_opens(
+        ) -> None:
+    # Guards against: _open does not judge the suspects when it opens a new pass. A grad-enabled
+    # evaluation keeps its hidden states until the next step's forward has begun; judged only at
+    # that step's backward (or at stats()), they are gone and the copies look useful.
+    m = manager()
+    layers = offloaded_stack(m, 3)
+    kept = []
+    h = torch.randn(4, 32, requires_grad=True)
+    for layer in layers:
+        kept.append(h.detach())  # the storage only, not the graph (as a hidden-states list)
+        h = layer(h)
+    per = h.untyped_storage().nbytes()
+    del h  # the graph is dropped without backward: no window alive, the pass is over
+    out = stack(layers, torch.randn(4, 32, requires_grad=True).clone())  # a new pass
+    del kept
+    out.sum().backward()
+    assert m.stats()["alive_elsewhere_bytes"] == 3 * per
+
+
+def test_a_window_saved_several_times_counts_one_prefetch_hit() -> None:
+    # Guards against: _unpack no longer discards the window from ``prefetched`` at its first
+    # unpack, so every later unpack of a prefetched window counts (and logs) another hit.
+    m = manager(prefetch=1)
+    x = torch.randn(16, 32, requires_grad=True)
+    h = x * 1.0
+    for _ in range(4):
+        with m.window([h]):
+            h = torch.tanh(h * h)  # mul saves h twice: two handles per window
+    h.sum().backward()
+    assert m.events() == [("restore", 3), ("prefetch", 2), ("prefetch_hit", 2),
+                          ("prefetch", 1), ("prefetch_hit", 1), ("prefetch", 0),
+                          ("prefetch_hit", 0)]
+    assert m.stats()["prefetch_hits"] == 3

@@ -1,0 +1,101 @@
+"""The window rule and restores, at the edges: which saved tensors a window takes, and which
+bytes backward gets back when the saved storage changed after forward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.conftest import assert_same_grads
+from tests.offload.blocks import grads_with_last_input_changed, manager
+from tests.offload.simulated import POISON
+
+
+def test_a_tensor_saved_in_a_window_on_a_storage_of_none_of_its_tensors_is_saved_as_usual(
+        ) -> None:
+    # Guards against: _pack drops ``key not in window.keys`` (offloads whatever is saved in the
+    # block).
+    m = manager()
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x * 1.0
+    with m.window([h]):
+        y = torch.tanh(h @ h)  # mm saves h (the window's storage); tanh saves y (not one)
+    assert m.stats()["offloaded_bytes"] == h.untyped_storage().nbytes()
+    y.sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    h = x * 1.0
+    torch.tanh(h @ h).sum().backward()
+    assert torch.equal(got, x.grad)
+
+
+def test_a_storage_of_exactly_min_bytes_is_offloaded() -> None:
+    # Guards against: ``nbytes < min_bytes`` -> ``nbytes <= min_bytes`` (docs: *smaller* stays).
+    x = torch.randn(32, 32, requires_grad=True)
+    m = manager(min_bytes=x.untyped_storage().nbytes())
+    h = x * 1.0
+    with m.window([h]):
+        loss = h.square().sum()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == x.untyped_storage().nbytes()
+    assert stats["below_min_bytes"] == 0
+    loss.backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_a_parameter_passed_as_a_window_tensor_is_not_offloaded_through_a_detached_alias(
+        ) -> None:
+    # Guards against: _open keys parameters' storages too. ``p.detach()`` is neither a Parameter
+    # nor a view of one, so only the missing key keeps the whole parameter storage off the host.
+    m = manager()
+    p = nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x * 1.0
+    with m.window([h, p]):
+        loss = (h * p.detach()).sum()  # saves the detached alias of p (for h's gradient)
+    assert m.stats()["offloaded_bytes"] == 0
+    loss.backward()
+    assert torch.equal(x.grad, p.detach())
+
+
+def test_an_alias_changed_in_place_after_its_save_and_then_dropped_restores_its_saved_bytes(
+        ) -> None:
+    # Guards against: _unpack drops its own ``copy.restore()``. The window's copy for the storage
+    # was replaced by a fresh one after the in-place change; the first save's handle (its tensor
+    # gone, so the in-place check has nothing to compare) must still get its own copy back.
+    m = manager()
+    x = torch.randn(64, 16, requires_grad=True)
+    h = x * 1.0
+    with m.window([h]):
+        first = h.square().sum()   # saves h at version 0
+        h.mul_(2)
+        second = h.square().sum()  # saves h at version 1: a second copy of the storage
+    del h
+    assert m.stats()["offloaded_bytes"] == 2 * x.untyped_storage().nbytes()
+    (first + second).backward()
+    # d/dx [sum(x^2) + sum((2x)^2)] = 2x + 8x, from the bytes each save had
+    assert torch.equal(x.grad, 2 * x.detach() + 8 * x.detach())
+
+
+def test_a_storage_regrown_elsewhere_after_forward_is_copied_back_from_host_not_reused() -> None:
+    # Guards against: _storage_intact compares only nbytes, not the address. The last layer's input
+    # is freed and regrown to the same size at another address, holding other bytes: backward must
+    # read the host copy, not the regrown storage.
+    blockers: list[torch.Tensor] = []
+
+    def regrow_elsewhere(h: torch.Tensor) -> None:
+        storage, nbytes, address = h.untyped_storage(), h.untyped_storage().nbytes(), h.data_ptr()
+        for _ in range(100):  # the allocator may hand the same address back: hold it until not
+            storage.resize_(0)
+            blockers.append(torch.empty(nbytes, dtype=torch.uint8))
+            storage.resize_(nbytes)
+            if storage.data_ptr() != address:
+                break
+        assert storage.data_ptr() != address and storage.nbytes() == nbytes
+        # Other bytes, written through a tensor with its own version counter (h's is untouched).
+        torch.empty(0, dtype=torch.uint8).set_(storage).fill_(POISON)
+
+    m = manager()
+    expected, got = grads_with_last_input_changed(m, regrow_elsewhere)
+    assert_same_grads(expected, got)
+    assert m.stats()["reused_bytes"] == 0
