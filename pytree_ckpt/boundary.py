@@ -489,7 +489,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     frozen: list[torch.Tensor] = []
     if owner is not None:
         modules = [owner, *(leaf for leaf in leaves if isinstance(leaf, nn.Module))]
-        params = trainable_parameters(modules, set(seen), frozen=before)
+        # Not skipping inputs: a parameter also passed as an argument is used both ways, and
+        # each use needs its gradient (the argument's comes through its input slot).
+        params = trainable_parameters(modules, set(), frozen=before)
         frozen = list(before)
         for module in modules:
             dicts = buffer_dicts(module)

@@ -16,6 +16,7 @@ from torch import nn
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
 from tests.conftest import assert_same_grads, run_twice
+from tests.pytree_ckpt.models import MappingOutput, Stack
 
 Pair = collections.namedtuple("Pair", "left right")
 
@@ -557,17 +558,6 @@ def test_a_backward_with_create_graph_is_refused_instead_of_losing_second_order_
     assert torch.equal(grad, torch.autograd.grad(layer(x).sum(), x)[0])
 
 
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 @pytest.mark.parametrize("change", ["insert", "delete", "insert then delete"])
 def test_a_layer_inserted_or_deleted_behind_the_registration_hooks_is_seen_at_once(
         change: str) -> None:
@@ -624,14 +614,6 @@ class WithDerived:
 
     def __post_init__(self) -> None:
         self.scale = self.hidden.square().mean()  # not a field: still part of the output
-
-
-class MappingOutput(collections.OrderedDict):  # how transformers' ModelOutput is built
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, field.name)
-            if value is not None:
-                self[field.name] = value
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ import pytree_ckpt
 from pytree_ckpt import (CheckpointConfigError, apply_activation_checkpointing, checkpoint_layers,
                          current_phase, is_checkpointed, remove_activation_checkpointing)
 from tests.conftest import assert_same_grads, run_twice
+from tests.pytree_ckpt.models import Gate
 
 
 class Layer(nn.Module):
@@ -148,18 +149,6 @@ def test_a_forward_assigned_over_the_boundary_is_respected() -> None:
     assert is_checkpointed(layer)
     remove_activation_checkpointing(layer)
     assert layer.forward is mine  # restored, not deleted
-
-
-class Gate(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Linear(8, 8)
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x).tanh()
 
 
 class Gated(nn.Module):

@@ -1,0 +1,46 @@
+"""Small modules and outputs that several of the package's test files use."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+from torch import nn
+
+__all__ = ["Gate", "MappingOutput", "Stack"]
+
+
+class Stack(nn.Module):
+    """Two linear layers in a ModuleList: a tree that tests edit (insert, delete, swap)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class Gate(nn.Module):
+    """A module with a method (``project``) that a save unit can name as ``Gate.project``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x).tanh()
+
+
+class MappingOutput(collections.OrderedDict):  # how transformers' ModelOutput is built
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)
+            if value is not None:
+                self[field.name] = value

@@ -1,0 +1,65 @@
+"""The boundary's errors name the right key path and both sides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
+
+
+def test_a_leaf_that_becomes_a_tensor_in_the_replay_is_named_at_the_first_such_key() -> None:
+    # Guards against: check_replay names the last differing leaf (max instead of min), or inverts
+    # which kind was expected.
+    def fn(x: torch.Tensor) -> dict[str, Any]:
+        if current_phase() == "recompute":
+            return {"h": x * 2, "m": x.sum(), "n": x.mean()}
+        return {"h": x * 2, "m": 3, "n": 4}
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError) as err:
+        out["h"].sum().backward()
+    message = str(err.value)
+    assert "returned a different kind of leaf at output['m']\n" in message
+    assert "expected: a non-tensor leaf" in message
+    assert "got:      Tensor(shape=(), dtype=torch.float32, device=cpu)" in message
+
+
+def test_an_input_changed_in_place_after_a_repeated_input_is_named_by_its_own_path() -> None:
+    # Guards against: _input_path indexes the leaf positions by the unique-input slot; once a
+    # tensor is passed twice, slot 1 is leaf 2, and the message named args[1] (the repeated x).
+    def fn(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        mask.mul_(2.0)
+        return a * b * mask
+
+    x, mask = torch.randn(3, requires_grad=True), torch.ones(3)
+    with pytest.raises(CheckpointError, match=r"changed its input args\[2\] in place;"):
+        checkpoint(fn, x, x, mask)
+
+
+@pytest.mark.parametrize(("original", "replayed", "path", "expected", "got"), [
+    # the container type changes (list -> tuple): named there, not deeper
+    ({"h": 1, "aux": [1, [1]]}, {"h": 1, "aux": (1, (1,))}, "output['aux']",
+     "PyTreeSpec([*, [*]])", "PyTreeSpec((*, (*,)))"),
+    # the keys change: named at the dict, not at a key the replay does not have
+    ({"h": 1, "aux": 1}, {"h": 1, "extra": [1]}, "output",
+     "PyTreeSpec({'aux': *, 'h': *})", "PyTreeSpec({'extra': [*], 'h': *})"),
+])
+def test_a_replay_with_another_container_is_named_where_the_containers_part(
+        original: Any, replayed: Any, path: str, expected: str, got: str) -> None:
+    # Guards against: first_difference descends although the node types (or keys) differ, and names
+    # a deeper path (output['aux'][1], or output['aux'] which the replay does not have).
+    import optree
+
+    def fn(x: torch.Tensor) -> Any:
+        shape = replayed if current_phase() == "recompute" else original
+        return optree.tree_map(lambda leaf: x * 2, shape)
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError) as err:
+        out["h"].sum().backward()
+    message = str(err.value)
+    assert f"returned a different output structure at {path}\n" in message
+    assert f"expected: {expected}" in message and f"got:      {got}" in message

@@ -1,0 +1,187 @@
+"""What a save unit keeps, and only that: function targets, op names, kept regions of nested
+layers (also after an outer boundary is removed), RNG of kept ops outside aten, ``save=True``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import (CheckpointConfigError, KeptCallables, KeptOps, RecomputeConfig, SaveUnit,
+                         apply_recompute_config, current_phase)
+from tests.conftest import assert_same_grads, grads_of, grads_per_model
+from tests.pytree_ckpt.models import Gate
+
+
+class Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 8)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # same method name, another class
+        return self.w(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x).sigmoid()
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.router = Gate(), Router()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x) + self.router(x)
+
+
+def test_removing_an_outer_boundary_leaves_a_nested_layers_save_units() -> None:
+    # Guards against: _own_submodules descends into submodules behind their own boundary and
+    # removes their kept methods: the inner layer silently stops keeping what its config says.
+    inner = Inner()
+    apply_recompute_config([inner], RecomputeConfig(1.0, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("Gate.project")})
+    outer = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(inner, nn.Linear(8, 8)))
+    pytree_ckpt.remove_activation_checkpointing(outer)
+    assert not pytree_ckpt.is_checkpointed(outer) and pytree_ckpt.is_checkpointed(inner)
+    assert "project" in inner.gate.__dict__
+
+
+def test_a_function_object_keeps_only_its_own_class_method_not_a_namesake() -> None:
+    # Guards against: KeptCallables.matches compares a function target by name only: Router.project
+    # is wrapped (and kept) although only Gate.project was named.
+    inner = Inner()
+    apply_recompute_config([inner], RecomputeConfig(1.0, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables(Gate.project)})
+    assert "project" in inner.gate.__dict__
+    assert "project" not in inner.router.__dict__
+
+
+@pytest.mark.parametrize("name", ["mm", "aten.mm", ""])
+def test_an_op_name_without_a_namespace_is_refused_when_the_unit_is_built(name: str) -> None:
+    # Guards against: KeptOps accepts any string; the mistake surfaces later as a bare unpacking
+    # ValueError from resolve() with no tip.
+    with pytest.raises(CheckpointConfigError, match="'namespace::name'"):
+        KeptOps(name)
+
+
+@torch.library.custom_op("pytree_ckpt_proposed::noise_like", mutates_args=())
+def noise_like(x: torch.Tensor) -> torch.Tensor:
+    """A kernel outside aten that draws random numbers (as flash-attn's dropout does)."""
+    return torch.rand_like(x)
+
+
+@noise_like.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class NoisyThenDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        noise = torch.ops.pytree_ckpt_proposed.noise_like(h.detach())  # kept below
+        return nn.functional.dropout(h * noise, 0.5, training=True)
+
+
+def test_a_kept_op_outside_aten_that_draws_random_numbers_keeps_dropout_masks_in_step() -> None:
+    # Guards against: _may_draw_random trusts only aten's nondeterministic_seeded tag: the RNG jump
+    # of a kept non-aten op is not recorded, the replay skips the op, and the dropout after it
+    # draws another mask than the original pass (wrong gradients).
+    torch.manual_seed(0)
+    eager = NoisyThenDropout()
+    wrapped = copy.deepcopy(eager)
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["attn"]),
+                           {SaveUnit.ATTN: KeptOps("pytree_ckpt_proposed::noise_like")},
+                           offload=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+
+
+class GatedInner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x) + x
+
+
+class AttnOuter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.inner = GatedInner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.mm(x, self.w))
+
+
+def test_a_layer_keeping_only_ops_does_not_keep_a_nested_layers_kept_callable() -> None:
+    # Guards against: KeepPolicy.keeps honours the kept-callable region flag even when the policy
+    # keeps no callables: the outer layer (save=['attn']) also keeps everything the inner layer's
+    # Gate.project dispatches, holding memory its config never asked for.
+    outer = AttnOuter()
+    apply_recompute_config([outer.inner], RecomputeConfig(1.0, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("Gate.project")})
+    apply_recompute_config([outer], RecomputeConfig(1.0, ["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::mm")})
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytree_ckpt.ActivationCensus(outer) as census:
+        out = outer(x)
+    assert census.bytes_by("mechanism")["save unit"] == 5 * 8 * 4  # the mm output alone
+    out.sum().backward()
+
+
+class CountReplayOps:
+    """Counts the ops that really execute while a replay runs (a dispatch mode entered outside)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict[str, int] = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                if current_phase() == "recompute":
+                    name = str(func.overloadpacket)
+                    counts[name] = counts.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.counts, self.mode = counts, Mode()
+
+
+class MmThenGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(torch.mm(x, self.w).tanh())
+
+
+def test_save_true_keeps_every_declared_unit_out_of_the_replay() -> None:
+    # Guards against: save=True selects no unit: nothing is kept, every op is recomputed, and the
+    # loss and gradients stay identical, so only what runs in the replay shows it.
+    torch.manual_seed(0)
+    eager = MmThenGate()
+    layer = copy.deepcopy(eager)
+    apply_recompute_config([layer], RecomputeConfig(1.0, True),
+                           {SaveUnit.ATTN: KeptOps("aten::mm"),
+                            SaveUnit.MOE_GATE: KeptCallables("Gate.project")})
+    counter = CountReplayOps()
+    x = torch.randn(5, 8, requires_grad=True)
+    with counter.mode:
+        layer(x).sum().backward()
+    assert counter.counts.get("aten.mm", 0) == 0 and counter.counts.get("aten.addmm", 0) == 0
+    assert counter.counts["aten.tanh"] == 2  # what no unit keeps is recomputed
+    eager(x).sum().backward()
+    assert_same_grads(grads_of(eager.parameters()), grads_of(layer.parameters()))

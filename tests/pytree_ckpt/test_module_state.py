@@ -1,0 +1,334 @@
+"""What the boundary knows of a call's modules (``module_state.py``): the owning module, its
+parameters and buffers after structure changes, copies and lazy registration, the state a
+forward changes put back, and parameters that are also arguments. Gradients are compared bit
+for bit with an unwrapped eager twin."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import CheckpointError, checkpoint
+from tests.conftest import assert_same_grads, grads_of, grads_per_model
+from tests.pytree_ckpt.models import Stack
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * scale
+
+
+@pytest.mark.parametrize("make", [lambda m: functools.partial(m, scale=2.0),
+                                  lambda m: functools.partial(m.forward, scale=2.0)])
+def test_autograd_grad_through_a_partial_of_a_module_gives_eager_results(make: Any) -> None:
+    # Guards against: owning_module no longer unwraps functools.partial -> the partial is an
+    # unknown callable and torch.autograd.grad raises instead of returning the parameters'
+    # gradients.
+    layer = Scaled()
+    x = torch.randn(3, 4, requires_grad=True)
+    wrt = [x, layer.lin.weight, layer.lin.bias]
+    eager = torch.autograd.grad(layer(x, scale=2.0).square().sum(), wrt)
+    got = torch.autograd.grad(checkpoint(make(layer), x).square().sum(), wrt)
+    assert_same_grads(list(eager), list(got))
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_a_layer_inserted_while_the_removed_one_stays_alive_gets_its_eager_gradient() -> None:
+    # Guards against: _check_structure compares only the size of each cached _modules dict, not its
+    # identity. insert(0) + del [-1] leaves the old dict at its old size and replaces it; with the
+    # removed layer still referenced, no weak reference dies either: the cached parameter list is
+    # stale and the inserted layer silently gets no gradient.
+    torch.manual_seed(0)
+    eager = Stack()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    for model in (eager, wrapped):
+        model(x).sum().backward()
+    removed = []
+    for model in (eager, wrapped):
+        torch.manual_seed(1)
+        model.layers.insert(0, nn.Linear(8, 8))
+        removed.append(model.layers[-1])  # kept alive (moved elsewhere, say)
+        del model.layers[-1]
+        model.zero_grad(set_to_none=True)
+    for model in (eager, wrapped):
+        model(x).sum().backward()
+    assert wrapped.layers[0].weight.grad is not None
+    assert_same_grads(grads_of(eager.parameters()), grads_of(wrapped.parameters()))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight  # tied: one Parameter in two _parameters dicts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_tied_weights_get_their_eager_gradient_once_not_twice() -> None:
+    # Guards against: trainable_parameters does not deduplicate (skip.add dropped): the tied weight
+    # is two inputs of the Function, autograd.grad fills both, and .grad gets it added twice.
+    torch.manual_seed(0)
+    eager = Tied()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    assert_same_grads(*grads_per_model([eager, wrapped], torch.randn(3, 4, requires_grad=True),
+                                       seed=0))
+
+
+class Counter(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "calls" in self._buffers:
+            self.calls += 1
+        return x
+
+
+def test_a_buffer_registered_between_steps_in_a_bufferless_submodule_is_put_back() -> None:
+    # Guards against: buffer_dicts' cache key ignores _buffer_generation (or the cache is never
+    # invalidated): the new buffer is not watched, and the replay increments it a second time.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), Counter())
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4, requires_grad=True)
+    for model in (eager, twin):
+        model(x).sum().backward()  # the caches are built without the buffer
+        model[1].register_buffer("calls", torch.zeros((), dtype=torch.long))
+        for _ in range(2):
+            model(x).sum().backward()
+    assert int(eager[1].calls) == 2
+    assert int(twin[1].calls) == 2
+
+
+class CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "calls" in self._buffers:
+            self.calls = self.calls + 1  # reassigned
+        else:
+            self.register_buffer("calls", torch.ones(()))  # first call: a new name
+        return self.lin(x) * self.scale
+
+
+def test_a_buffer_created_under_a_new_name_in_forward_ends_the_step_as_in_eager() -> None:
+    # Guards against: _StateWatch.changed ignores len(d) != len(items): a name added by the
+    # original pass is not seen, the replay reassigns it again and the counter ends at 2 instead of
+    # 1.
+    torch.manual_seed(0)
+    eager = CountsCalls()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4, requires_grad=True)
+    for step in range(2):
+        for model in (eager, twin):
+            model(x).sum().backward()
+        assert float(twin.calls) == float(eager.calls) == step + 1
+    assert_same_grads(grads_of(eager.parameters()), grads_of(twin.parameters()))
+
+
+class TracksAverage(nn.Module):
+    """A frozen parameter (a teacher copy) updated in place by the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.teacher = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.teacher.lerp_(self.lin.weight.detach(), 0.5)
+        return self.lin(x)
+
+
+def test_a_frozen_parameter_updated_in_forward_ends_the_step_as_in_eager() -> None:
+    # Guards against: _ChangedState.put_back does not restore frozen parameters: the replay's
+    # second lerp_ stays, the teacher drifts twice as fast as in eager.
+    torch.manual_seed(0)
+    eager = TracksAverage()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(2):
+        for model in (eager, twin):
+            model(x).sum().backward()
+    assert torch.equal(eager.teacher, twin.teacher)
+    assert_same_grads(grads_of(eager.parameters()), grads_of(twin.parameters()))
+
+
+class Leaky(nn.Module):
+    def __init__(self, stray: torch.Tensor) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.stray = [stray]  # not a parameter: a tensor the module does not own
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.stray[0]
+
+
+def test_a_submodule_swapped_in_after_the_first_replay_is_verified_again() -> None:
+    # Guards against: the first-replay verification is keyed on "ever verified" instead of the
+    # structure generation: an adapter swapped in later that uses a foreign trainable tensor is not
+    # refused, and that tensor silently gets no gradient.
+    layer = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(nn.Linear(4, 4),
+                                                                     nn.Identity()))
+    x = torch.randn(2, 4, requires_grad=True)
+    layer(x).sum().backward()
+    stray = torch.randn(4, requires_grad=True)
+    layer[1] = Leaky(stray)
+    out = layer(x)
+    with pytest.raises(CheckpointError, match="the forward of Sequential uses a tensor that "
+                                              "requires grad but is neither an input nor a "
+                                              "parameter") as err:
+        out.sum().backward()
+    assert "shape=(4,)" in str(err.value)
+
+
+class LoRA(nn.Module):
+    """An adapter that wraps the layer it replaces: the replaced layer stays alive inside it."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(8, 2, bias=False)
+        self.up = nn.Linear(2, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_an_adapter_wrapping_the_layer_it_replaces_gets_eager_gradients() -> None:
+    # Guards against: torch's module registration hook is not installed. layer[1] = LoRA(layer[1])
+    # keeps the _modules dict, its size and every old submodule alive, so only the hook can tell:
+    # without it the cached parameter list is stale and the adapter gets no gradient.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 8)
+    for model in (eager, wrapped):
+        model(x).sum().backward()
+    for model in (eager, wrapped):
+        torch.manual_seed(1)
+        model[1] = LoRA(model[1])
+        model.zero_grad(set_to_none=True)
+    for model in (eager, wrapped):
+        model(x).square().sum().backward()
+    assert wrapped[1].up.weight.grad is not None
+    assert_same_grads(grads_of(eager.parameters()), grads_of(wrapped.parameters()))
+
+
+def test_a_deep_copy_made_after_a_step_sees_a_layer_inserted_after_its_own_step() -> None:
+    # Guards against: the cached module-tree shape survives deepcopy, its weak references pointing
+    # at the original's submodules: a layer inserted into the copy (the original alive and
+    # unchanged) is not seen, and gets no gradient.
+    torch.manual_seed(0)
+    original = pytree_ckpt.apply_activation_checkpointing(Stack())
+    x = torch.randn(4, 8)
+    original(x).sum().backward()
+    eager = pytree_ckpt.remove_activation_checkpointing(copy.deepcopy(original))
+    twin = copy.deepcopy(original)
+    for model in (eager, twin):
+        model(x).sum().backward()  # the copy's own first step
+        torch.manual_seed(1)
+        model.layers.insert(0, nn.Linear(8, 8))
+        model.zero_grad(set_to_none=True)
+    for model in (eager, twin):
+        model(x).sum().backward()
+    assert twin.layers[0].weight.grad is not None
+    assert_same_grads(grads_of(eager.parameters()), grads_of(twin.parameters()))
+
+
+def test_removing_checkpointing_lets_a_layer_deleted_afterwards_be_freed() -> None:
+    # Guards against: drop_caches is a no-op: remove_activation_checkpointing leaves the cached
+    # _parameters dicts on the module, and a layer deleted later keeps its weights alive.
+    import gc
+    import weakref
+
+    model = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(nn.Linear(4, 4),
+                                                                     nn.Linear(4, 4)))
+    model(torch.randn(2, 4)).sum().backward()
+    pytree_ckpt.remove_activation_checkpointing(model)
+    weight = weakref.ref(model[1].weight)
+    del model[1]
+    gc.collect()
+    assert weight() is None
+
+
+class UsesOwnWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) @ w
+
+
+def test_a_parameter_also_passed_as_an_argument_of_its_own_module_gets_its_eager_gradient(
+        ) -> None:
+    # The first replay verifies the module with an unrelated argument; the next call passes
+    # lin.weight itself, so lin.weight is used twice and needs both contributions. (A parameter
+    # passed as an argument used to be left out of the parameter inputs: it then got only the
+    # argument's gradient, silently, or on a first replay was refused as a foreign tensor.)
+    torch.manual_seed(0)
+    eager = UsesOwnWeight()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x, other = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    for model in (eager, twin):
+        model(x, other).sum().backward()
+        model.zero_grad(set_to_none=True)
+        model(x, model.lin.weight).sum().backward()
+    assert torch.equal(eager.lin.weight.grad, twin.lin.weight.grad)
+
+
+class Lazy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "calls"):
+            self.register_buffer("calls", torch.zeros(()))  # created lazily, first call
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_buffer_registered_lazily_in_the_first_forward_ends_the_step_as_in_eager() -> None:
+    torch.manual_seed(0)
+    eager = Lazy()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4, requires_grad=True)
+    for model in (eager, twin):
+        model(x).sum().backward()
+    assert float(eager.calls) == 1.0
+    assert float(twin.calls) == 1.0  # not 2.0: the replay's increment is put back
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_layer_inserted_into_a_copy_before_its_first_call_gets_its_eager_gradient(
+        how: str) -> None:
+    torch.manual_seed(0)
+    original = pytree_ckpt.apply_activation_checkpointing(Stack())
+    x = torch.randn(4, 8)
+    original(x).sum().backward()  # leaves the caches behind
+    eager = pytree_ckpt.remove_activation_checkpointing(copy.deepcopy(original))
+    twin = copy.deepcopy(original) if how == "deepcopy" else pickle.loads(pickle.dumps(original))
+    for model in (eager, twin):
+        torch.manual_seed(1)
+        model.layers.insert(0, nn.Linear(8, 8))  # behind the hooks, before the copy's 1st call
+        model.zero_grad(set_to_none=True)
+    for model in (eager, twin):
+        model(x).sum().backward()
+    assert twin.layers[0].weight.grad is not None  # the copy's stale caches left it out
+    assert_same_grads(grads_of(eager.parameters()), grads_of(twin.parameters()))

@@ -1,0 +1,107 @@
+"""PyTree handling at the edges: dataclass outputs, registration under threads, long specs
+in messages."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from pytree_ckpt import ReplayMismatchError, checkpoint, current_phase
+from tests.pytree_ckpt.models import MappingOutput
+
+
+@dataclasses.dataclass
+class WithLazyField:
+    hidden: torch.Tensor
+    cache: torch.Tensor = dataclasses.field(init=False)  # left unset
+
+
+def test_a_dataclass_output_with_an_unset_init_false_field_round_trips() -> None:
+    # Guards against: the dataclass flattener reads every field, including one never set:
+    # AttributeError.
+    x = torch.randn(3, requires_grad=True)
+    eager = WithLazyField(x * 2)
+    wrapped = checkpoint(lambda t: WithLazyField(t * 2), x)
+    assert type(wrapped) is WithLazyField and not hasattr(wrapped, "cache")
+    wrapped.hidden.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    eager.hidden.sum().backward()
+    assert torch.equal(grad, x.grad)
+
+
+@dataclasses.dataclass
+class LMOutput(MappingOutput):
+    logits: torch.Tensor | None = None
+
+
+def test_a_mapping_dataclass_output_keeps_an_extra_attribute_and_its_gradient() -> None:
+    # Guards against: a mapping dataclass is rebuilt through __init__ and the attributes that are
+    # not init fields are dropped: the attribute is gone after the boundary.
+    def make(t: torch.Tensor) -> LMOutput:
+        out = LMOutput(logits=t * 2)
+        out.aux_loss = t.square().sum()  # type: ignore[attr-defined]
+        return out
+
+    x = torch.randn(3, requires_grad=True)
+    grads = []
+    for out in (make(x), checkpoint(make, x)):
+        assert type(out) is LMOutput and list(out.keys()) == ["logits"]
+        (out["logits"].sum() + out.aux_loss).backward()
+        grads.append(x.grad.clone())
+        x.grad = None
+    assert torch.equal(*grads)
+
+
+def test_two_threads_flattening_a_new_dataclass_at_once_register_it_once() -> None:
+    # Guards against: a registered class is not recorded in _registered: a second thread that saw
+    # the class unregistered before taking the lock registers it again, and optree refuses that.
+    import threading
+    import time
+
+    from pytree_ckpt import tree
+
+    @dataclasses.dataclass
+    class Fresh:  # a type no flatten has seen
+        value: torch.Tensor
+
+    errors: list[BaseException] = []
+
+    def flatten_one() -> None:
+        try:
+            tree.flatten({"x": Fresh(torch.ones(1))})
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=flatten_one) for _ in range(2)]
+    with tree._register_lock:  # both threads find Fresh unregistered, then queue on the lock
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert tree.flatten(Fresh(torch.ones(1))).tensor_index == [0]
+
+
+def test_a_structure_mismatch_of_a_large_output_shows_each_side_in_at_most_120_characters() -> None:
+    # Guards against: _describe_node no longer shortens a spec: a model-sized output prints its
+    # whole spec on each side of the message.
+    original = {f"layer_{i}": 1 for i in range(40)}
+    replayed = {**original, "extra": 1}
+
+    def fn(x: torch.Tensor) -> Any:
+        return {k: x * 2 for k in (replayed if current_phase() == "recompute" else original)}
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError) as err:
+        out["layer_0"].sum().backward()
+    lines = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+             for line in str(err.value).splitlines()[1:] if ":" in line}
+    for side in ("expected", "got"):
+        assert len(lines[side]) <= 120 and lines[side].endswith("..."), lines[side]
+        assert lines[side].startswith("PyTreeSpec({'extra': *" if side == "got"
+                                      else "PyTreeSpec({'layer_0': *")
