@@ -282,7 +282,9 @@ class CheckpointWithoutOutput:
         modules = [m for m in (owner, *args) if isinstance(m, nn.Module)]
         skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
         if modules:
-            self.params = trainable_parameters(modules, skip)
+            # Tensor arguments not skipped: a parameter the module also receives as an argument
+            # is used both ways, and each use needs its gradient (as in the boundary).
+            self.params = trainable_parameters(modules, set())
         elif not any(t.requires_grad and id(t) not in skip
                      for t in self._found_reachable(fn, args)):
             # A plain function that reaches nothing trainable (F.gelu, a lambda, a partial):

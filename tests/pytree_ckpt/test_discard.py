@@ -15,7 +15,7 @@ from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError,
                          CheckpointWithoutOutput, CheckpointWithoutOutputManager,
                          build_residual_stream_recompute_plan, checkpoint, current_phase)
-from tests.conftest import assert_same_grads
+from tests.conftest import assert_same_grads, grads_of
 
 
 class Norm(nn.Module):
@@ -503,3 +503,29 @@ def test_a_discard_that_can_free_nothing_says_so_once(caplog: pytest.LogCaptureF
             assert normed.untyped_storage().nbytes() == 4 * 8 * 4
     assert [r.getMessage()[:40] for r in caplog.records] == [
         "output discard of LayerNorm frees nothin"]
+
+
+class UsesOwnWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) @ w
+
+
+def test_a_parameter_the_discarded_module_also_receives_as_an_argument_gets_its_eager_gradient(
+        ) -> None:
+    # lin.weight is used twice, as a parameter and as the argument ``w``: both contributions
+    # reach it (it was left out of the parameter inputs and refused as a foreign tensor).
+    eager = UsesOwnWeight()
+    twin = copy.deepcopy(eager)
+    x = torch.randn(3, 4, requires_grad=True)
+    (eager(x, eager.lin.weight) * 2).sum().backward()
+    expected = grads_of([x, *eager.parameters()])
+    x.grad = None
+    ckpt = pytree_ckpt.CheckpointWithoutOutput()
+    y = ckpt.checkpoint(twin, x, twin.lin.weight) * 2
+    ckpt.discard_output_and_register_recompute(y)
+    y.sum().backward()
+    assert_same_grads(expected, grads_of([x, *twin.parameters()]))
