@@ -8,7 +8,9 @@ import dataclasses
 import torch
 from torch import nn
 
-__all__ = ["Gate", "MappingOutput", "Stack"]
+from pytree_ckpt import reuse_during_recompute
+
+__all__ = ["Gate", "JitteredOnly", "MappingOutput", "Stack", "jittered_topk"]
 
 
 class Stack(nn.Module):
@@ -44,3 +46,20 @@ class MappingOutput(collections.OrderedDict):  # how transformers' ModelOutput i
             value = getattr(self, field.name)
             if value is not None:
                 self[field.name] = value
+
+
+def jittered_topk(h: torch.Tensor) -> torch.Tensor:
+    return torch.topk(h + torch.rand_like(h) * 1e-3, 2, dim=-1).indices  # draws random numbers
+
+
+class JitteredOnly(nn.Module):
+    """Jittered routing, no other random op: gradients depend only on the replayed ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        ids = reuse_during_recompute(jittered_topk, h.detach())
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h

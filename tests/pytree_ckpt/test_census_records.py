@@ -1,0 +1,201 @@
+"""What the census records at the edges: buffers, outer hooks' copies, nesting, discarded and
+refilled outputs, storages at reused addresses, its own lifetime."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import ActivationCensus, CheckpointWithoutOutput, apply_activation_checkpointing
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class Scaled(nn.Module):
+    """Multiplies by a buffer: mul saves the buffer for the input's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.rand(64, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.scale
+
+
+def test_buffers_of_the_model_are_not_counted_as_activations() -> None:
+    model = Scaled()
+    x = torch.randn(64, 16, requires_grad=True)
+    with ActivationCensus(model) as census:
+        out = model(x)
+    # mul saves the buffer (for proj(x)'s gradient), not proj(x): only Linear's input is left
+    assert census.bytes_by("module") == {"proj": nbytes(x)}
+    out.sum().backward()
+
+
+def test_an_outer_hook_that_stores_a_list_is_counted_by_what_it_stored() -> None:
+    x = torch.randn(64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: ["kept", t.to(torch.bfloat16)],
+                                                  lambda packed: packed[1].float()):
+        with ActivationCensus() as census:
+            h = x
+            for _ in range(3):
+                h = (h * 1.0001).sin()
+            loss = h.sum()
+    assert census.total_bytes == 3 * 64 * 64 * 2  # three bf16 copies of the sin inputs
+    loss.backward()
+
+
+def test_after_its_block_the_census_records_nothing_and_leaves_no_hooks() -> None:
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+    apply_activation_checkpointing(layers[0])
+    x = torch.randn(4, 8, requires_grad=True)
+    with ActivationCensus(layers) as census:
+        first = layers[0](x)
+    assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(x)}
+    second = layers[1](layers[0](x * 2))  # another forward after the block: not counted
+    assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(x)}
+    assert not pytree_ckpt.census.census_active()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in layers.modules())
+    (first.sum() + second.sum()).backward()
+
+
+def test_rows_of_one_module_sum_every_storage_it_saved() -> None:
+    class TwoSaves(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a.sin() + b.cos()  # two storages saved under one module and mechanism
+
+    model = TwoSaves()
+    a, b = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    with ActivationCensus(model) as census:
+        a2, b2 = a * 1.0, b * 1.0
+        out = model(a2, b2)
+    rows = census.to_dict()["rows"]
+    assert rows == [{"module": "<root>", "mechanism": "autograd", "device": "cpu",
+                     "bytes": nbytes(a2) + nbytes(b2)}]
+    assert f"{nbytes(a2) + nbytes(b2):>14,}" in census.report()
+    out.sum().backward()
+
+
+def test_empty_saved_tensors_leave_no_rows() -> None:
+    x = torch.randn(0, 4, requires_grad=True)
+    with ActivationCensus() as census:
+        out = (x * 1.0).sin()
+    assert census.to_dict()["rows"] == [] and census.bytes_by("mechanism") == {}
+    out.sum().backward()
+
+
+class Norm(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def _discarding_forward(norm: nn.Module, proj: nn.Module, x: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(norm, x)
+    out = proj(normed)  # saves normed
+    ckpt.discard_output_and_register_recompute(out)
+    return out, normed
+
+
+def test_a_census_nested_in_another_sees_the_same_discarded_bytes() -> None:
+    norm, proj = Norm(), nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    with ActivationCensus() as outer, ActivationCensus() as inner:
+        out, _ = _discarding_forward(norm, proj, x)
+    assert outer.discarded_bytes == inner.discarded_bytes == 8 * 16 * 4
+    assert outer.total_bytes == inner.total_bytes
+    assert outer.to_dict()["discarded_bytes"] == 8 * 16 * 4
+    out.sum().backward()
+
+
+def test_a_refilled_output_is_resident_again_for_every_census() -> None:
+    # note_refilled: after a backward that keeps the graph, the rebuilt output is held again.
+    norm, proj = Norm(), nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    with ActivationCensus() as outer, ActivationCensus() as inner:
+        out, normed = _discarding_forward(norm, proj, x)
+        held = outer.total_bytes
+    loss = out.sum()
+    loss.backward(retain_graph=True)  # the proj node still saves normed, now refilled
+    for census in (outer, inner):
+        assert census.discarded_bytes == 0
+        assert census.total_bytes == held + nbytes(normed) == held + 8 * 16 * 4
+
+
+def test_a_dropped_graph_leaves_no_discarded_bytes() -> None:
+    norm, proj = Norm(), nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    with ActivationCensus() as census:
+        out, normed = _discarding_forward(norm, proj, x)
+    assert census.discarded_bytes == 8 * 16 * 4
+    del out, normed  # the graph, and with it the discard, is gone without a backward
+    gc.collect()
+    assert census.discarded_bytes == 0 and census.total_bytes == 0
+
+
+def test_a_discarded_offloaded_input_whose_graph_was_dropped_is_not_flagged() -> None:
+    # flagged(): the discard freed the storage in place (0 bytes left); a caller's alias of
+    # the tensor keeps only the empty storage object, so no offload "saved nothing".
+    from tests.offload.blocks import manager, offloaded_stack
+
+    norm = nn.LayerNorm(32)
+    m = manager()
+    layers = offloaded_stack(m, 1)
+    x = torch.randn(16, 32, requires_grad=True)
+    with ActivationCensus(nn.ModuleList([norm, layers])) as census:
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(norm, x)
+        out = layers[0](normed)
+        ckpt.discard_output_and_register_recompute(out)
+    m.stats()  # the manager lets go of its device tensors
+    alias = normed.detach()  # holds the (freed) storage, not the graph
+    del out, normed, ckpt  # a step abandoned without backward
+    gc.collect()
+    assert alias.untyped_storage().nbytes() == 0
+    assert census.flagged() == [] and census.total_bytes == census.discarded_bytes == 0
+
+
+def test_a_new_storage_at_the_address_of_a_dead_one_is_counted_by_its_own_size() -> None:
+    # Two storage objects at one address, one after the other (what the allocator does with
+    # freed memory): the second is a new entry, not the first's.
+    buffer = bytearray(torch.randn(32, 32).numpy().tobytes())
+    w = torch.randn(32, 32, requires_grad=True)
+    with ActivationCensus() as census:
+        first = torch.frombuffer(buffer, dtype=torch.float32).view(32, 32)
+        out = w * first  # saves first
+        del out, first   # its graph and its storage are gone
+        second = torch.frombuffer(buffer, dtype=torch.float32, count=8 * 32).view(8, 32)
+        out = w[:8] * second
+    assert nbytes(second) == 8 * 32 * 4
+    assert census.total_bytes == nbytes(second)
+    out.sum().backward()
+
+
+def test_a_storage_at_the_address_of_a_discarded_one_is_counted_as_resident() -> None:
+    # note_discarded: output discard frees the memory at once and the allocator may hand the
+    # address to the next tensor; that one is a new, resident storage. (Two storage objects at
+    # one address are made here from one buffer, as in test_manager, without the allocator.)
+    buffer = bytearray(torch.randn(32, 32).numpy().tobytes())
+    w = torch.randn(32, 32, requires_grad=True)
+    discard = CheckpointWithoutOutput()  # stands for the discard that holds it for backward
+    with ActivationCensus() as census:
+        first = torch.frombuffer(buffer, dtype=torch.float32).view(32, 32)
+        loss = (w * first).sum()  # saves first
+        census.note_discarded(first, keeper=discard)
+        second = torch.frombuffer(buffer, dtype=torch.float32, count=16 * 32).view(16, 32)
+        assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        loss = loss + (w[:16] * second).sum()  # saves second
+    assert census.discarded_bytes == nbytes(first) == 32 * 32 * 4
+    assert census.total_bytes == nbytes(second) == 16 * 32 * 4
+    del loss

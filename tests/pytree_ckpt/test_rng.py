@@ -1,0 +1,168 @@
+"""The replay environment: RNG state (CPU, and CUDA through stand-in generators on CPU) and
+autocast, captured in the original pass and re-entered in the replay."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import apply_activation_checkpointing, checkpoint, reuse_during_recompute
+from pytree_ckpt.rng import ReplayEnvironment, rng_changed, rng_state, set_rng_state
+from tests.conftest import assert_same_grads, grads_of, run_twice
+from tests.pytree_ckpt.models import JitteredOnly, jittered_topk
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def test_without_rng_preservation_the_replay_never_moves_the_generator() -> None:
+    # ReplayEnvironment.rng_devices() is None without preservation: the replay restores no
+    # generator, so it must not jump to a recorded state either (that would rewind it).
+    layer = JitteredOnly()
+    pytree_ckpt.apply_activation_checkpointing(layer, preserve_rng_state=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(0)
+    out = layer(x)
+    torch.rand(100)  # the caller draws between forward and backward
+    before_backward = torch.get_rng_state()
+    out.sum().backward()
+    assert torch.equal(torch.get_rng_state(), before_backward)
+
+
+def test_the_replay_runs_under_the_original_passs_autocast_dtype() -> None:
+    # ReplayEnvironment.enter: the dtype is part of the state (float16 here, not CPU's default
+    # bfloat16).
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    dtypes: list[torch.dtype] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        out = lin(t)
+        dtypes.append(out.dtype)
+        return out.float().tanh()
+
+    def step(wrapped: bool) -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = checkpoint(fn, x) if wrapped else fn(x)
+        out.sum().backward()  # backward (and so the replay) runs outside autocast
+
+    eager, ckpt = run_twice(step, [x, *lin.parameters()])
+    assert dtypes == [torch.float16] * 3
+    assert_same_grads(eager, ckpt)
+
+
+class FakeCudaGenerators:
+    """CUDA generator states by device, for checking the CUDA paths of rng.py on CPU."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, devices: int = 2) -> None:
+        self.states = {d: torch.full((16,), d, dtype=torch.uint8) for d in range(devices)}
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d: self.states[d].clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state",
+                            lambda s, d: self.states.__setitem__(d, s.clone()))
+
+
+def test_a_change_of_a_cuda_generator_alone_counts_as_a_change() -> None:
+    # rng_changed: a jittered routing on the GPU moves only a CUDA generator.
+    cpu = torch.get_rng_state()
+    before = (cpu, {0: torch.zeros(16, dtype=torch.uint8)})
+    after = (cpu.clone(), {0: torch.ones(16, dtype=torch.uint8)})
+    assert rng_changed(before, after)
+    assert not rng_changed(before, (cpu.clone(), {0: torch.zeros(16, dtype=torch.uint8)}))
+
+
+def test_rng_state_and_set_rng_state_cover_exactly_the_named_cuda_devices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gens = FakeCudaGenerators(monkeypatch)
+    state = rng_state((0, 1))
+    assert set(state[1]) == {0, 1} and torch.equal(state[1][1], gens.states[1])
+    jump = (torch.get_rng_state(), {0: torch.full((16,), 7, dtype=torch.uint8),
+                                    1: torch.full((16,), 9, dtype=torch.uint8)})
+    set_rng_state(jump, devices=(0,))  # device 1 is not restored after the replay: untouched
+    assert torch.equal(gens.states[0], jump[1][0])
+    assert torch.equal(gens.states[1], torch.full((16,), 1, dtype=torch.uint8))
+
+
+def test_the_replay_environment_sets_the_recorded_cuda_state_and_puts_the_ambient_one_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gens = FakeCudaGenerators(monkeypatch, devices=1)
+    captured = ReplayEnvironment.capture((), preserve_rng=True)
+    recorded = torch.full((16,), 5, dtype=torch.uint8)
+    env = ReplayEnvironment(captured.cpu_rng, {0: recorded}, captured.autocast,
+                            captured.autocast_cache)
+    assert env.rng_devices() == (0,)
+    ambient = gens.states[0].clone()
+    with ExitStack() as stack:
+        env.enter(stack)
+        assert torch.equal(gens.states[0], recorded)
+        gens.states[0] = torch.full((16,), 6, dtype=torch.uint8)  # the replay draws
+    assert torch.equal(gens.states[0], ambient)
+
+
+# ------------------------------------------- CUDA paths of rng.py (not runnable without a GPU)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class CudaJitteredRouting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        ids = reuse_during_recompute(jittered_topk, h.detach())  # draws on the CUDA generator
+        y = torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+        return nn.functional.dropout(y, 0.5, training=True)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_a_skipped_jittered_routing_keeps_dropout_masks_and_the_generator_in_step(
+        ) -> None:
+    # rng_state / rng_changed read the CUDA generators: the routing moves only the CUDA one,
+    # and the replay's generator must be put back afterwards.
+    torch.manual_seed(0)
+    eager = CudaJitteredRouting().cuda()
+    wrapped = copy.deepcopy(eager)
+    apply_activation_checkpointing(wrapped)
+    x = torch.randn(8, 16, device="cuda", requires_grad=True)
+    after = []
+    grads = []
+    for model in (eager, wrapped):
+        torch.manual_seed(5)
+        out = model(x)
+        torch.rand(100, device="cuda")  # the caller draws between forward and backward
+        out.sum().backward()
+        after.append(torch.cuda.get_rng_state())
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
+    assert torch.equal(after[0], after[1])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_the_replay_runs_under_the_original_passs_autocast_state() -> None:
+    lin = nn.Linear(16, 16).cuda()
+    x = torch.randn(8, 16, device="cuda", requires_grad=True)
+    dtypes: list[torch.dtype] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        out = lin(t)
+        dtypes.append(out.dtype)
+        return out.float().tanh()
+
+    def step(wrapped: bool) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = checkpoint(fn, x) if wrapped else fn(x)
+        out.sum().backward()  # the replay runs outside autocast
+
+    eager, ckpt = run_twice(step, [x, *lin.parameters()])
+    assert dtypes == [torch.bfloat16] * 3
+    assert_same_grads(eager, ckpt)
