@@ -238,7 +238,8 @@ def test_cuda_dropout_masks_are_identical_in_the_replay() -> None:
     assert_same_grads(eager, ckpt)
 
 
-def test_autocast_state_of_the_original_pass_is_replayed() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # float16: not CPU's default
+def test_autocast_state_of_the_original_pass_is_replayed(dtype: torch.dtype) -> None:
     lin = nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)
     dtypes: list[torch.dtype] = []
@@ -249,12 +250,12 @@ def test_autocast_state_of_the_original_pass_is_replayed() -> None:
         return out.float().tanh()
 
     def step(wrapped: bool) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             out = checkpoint(fn, x) if wrapped else fn(x)
         out.sum().backward()  # backward (and so the replay) runs outside autocast
 
     eager, ckpt = run_twice(step, [x, *lin.parameters()])
-    assert dtypes == [torch.bfloat16] * 3
+    assert dtypes == [dtype] * 3
     assert_same_grads(eager, ckpt)
 
 

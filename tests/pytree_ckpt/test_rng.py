@@ -35,28 +35,6 @@ def test_without_rng_preservation_the_replay_never_moves_the_generator() -> None
     assert torch.equal(torch.get_rng_state(), before_backward)
 
 
-def test_the_replay_runs_under_the_original_passs_autocast_dtype() -> None:
-    # ReplayEnvironment.enter: the dtype is part of the state (float16 here, not CPU's default
-    # bfloat16).
-    lin = nn.Linear(8, 8)
-    x = torch.randn(4, 8, requires_grad=True)
-    dtypes: list[torch.dtype] = []
-
-    def fn(t: torch.Tensor) -> torch.Tensor:
-        out = lin(t)
-        dtypes.append(out.dtype)
-        return out.float().tanh()
-
-    def step(wrapped: bool) -> None:
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = checkpoint(fn, x) if wrapped else fn(x)
-        out.sum().backward()  # backward (and so the replay) runs outside autocast
-
-    eager, ckpt = run_twice(step, [x, *lin.parameters()])
-    assert dtypes == [torch.float16] * 3
-    assert_same_grads(eager, ckpt)
-
-
 class FakeCudaGenerators:
     """CUDA generator states by device, for checking the CUDA paths of rng.py on CPU."""
 
