@@ -10,7 +10,7 @@ from torch import nn
 
 from pytree_ckpt import reuse_during_recompute
 
-__all__ = ["Gate", "JitteredOnly", "MappingOutput", "Stack", "jittered_topk"]
+__all__ = ["Gate", "JitteredOnly", "MappingOutput", "Stack", "UsesOwnWeight", "jittered_topk"]
 
 
 class Stack(nn.Module):
@@ -63,3 +63,15 @@ class JitteredOnly(nn.Module):
         h = self.proj(x)
         ids = reuse_during_recompute(jittered_topk, h.detach())
         return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+
+
+class UsesOwnWeight(nn.Module):
+    """Uses its own weight and a weight argument: called with ``self.lin.weight``, one weight
+    is used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) @ w

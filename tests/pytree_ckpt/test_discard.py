@@ -16,6 +16,7 @@ from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointErro
                          CheckpointWithoutOutput, CheckpointWithoutOutputManager,
                          build_residual_stream_recompute_plan, checkpoint, current_phase)
 from tests.conftest import assert_same_grads, grads_of
+from tests.pytree_ckpt.models import UsesOwnWeight
 
 
 class Norm(nn.Module):
@@ -503,15 +504,6 @@ def test_a_discard_that_can_free_nothing_says_so_once(caplog: pytest.LogCaptureF
             assert normed.untyped_storage().nbytes() == 4 * 8 * 4
     assert [r.getMessage()[:40] for r in caplog.records] == [
         "output discard of LayerNorm frees nothin"]
-
-
-class UsesOwnWeight(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x)) @ w
 
 
 def test_a_parameter_the_discarded_module_also_receives_as_an_argument_gets_its_eager_gradient(

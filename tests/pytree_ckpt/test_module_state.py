@@ -17,7 +17,7 @@ from torch import nn
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, checkpoint
 from tests.conftest import assert_same_grads, grads_of, grads_per_model
-from tests.pytree_ckpt.models import Stack
+from tests.pytree_ckpt.models import Stack, UsesOwnWeight
 
 
 class Scaled(nn.Module):
@@ -264,15 +264,6 @@ def test_removing_checkpointing_lets_a_layer_deleted_afterwards_be_freed() -> No
     del model[1]
     gc.collect()
     assert weight() is None
-
-
-class UsesOwnWeight(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x)) @ w
 
 
 def test_a_parameter_also_passed_as_an_argument_of_its_own_module_gets_its_eager_gradient(
