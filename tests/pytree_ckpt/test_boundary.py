@@ -238,10 +238,15 @@ def test_cuda_dropout_masks_are_identical_in_the_replay() -> None:
     assert_same_grads(eager, ckpt)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # float16: not CPU's default
-def test_autocast_state_of_the_original_pass_is_replayed(dtype: torch.dtype) -> None:
-    lin = nn.Linear(8, 8)
-    x = torch.randn(4, 8, requires_grad=True)
+@pytest.mark.parametrize(("device", "dtype"), [
+    ("cpu", torch.bfloat16), ("cpu", torch.float16),  # float16: not CPU's default
+    pytest.param("cuda", torch.bfloat16, marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_autocast_state_of_the_original_pass_is_replayed(device: str, dtype: torch.dtype) -> None:
+    lin = nn.Linear(8, 8).to(device)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
     dtypes: list[torch.dtype] = []
 
     def fn(t: torch.Tensor) -> torch.Tensor:
@@ -250,7 +255,7 @@ def test_autocast_state_of_the_original_pass_is_replayed(dtype: torch.dtype) -> 
         return out.float().tanh()
 
     def step(wrapped: bool) -> None:
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device, dtype=dtype):
             out = checkpoint(fn, x) if wrapped else fn(x)
         out.sum().backward()  # backward (and so the replay) runs outside autocast
 

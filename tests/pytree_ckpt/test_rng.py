@@ -1,5 +1,6 @@
-"""The replay environment: RNG state (CPU, and CUDA through stand-in generators on CPU) and
-autocast, captured in the original pass and re-entered in the replay."""
+"""The replay environment's RNG state (CPU, and CUDA through stand-in generators on CPU),
+captured in the original pass and re-entered in the replay; its autocast state is tested in
+``test_boundary.py``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 from torch import nn
 
 import pytree_ckpt
-from pytree_ckpt import apply_activation_checkpointing, checkpoint, reuse_during_recompute
+from pytree_ckpt import apply_activation_checkpointing, reuse_during_recompute
 from pytree_ckpt.rng import ReplayEnvironment, rng_changed, rng_state, set_rng_state
-from tests.conftest import assert_same_grads, grads_of, run_twice
+from tests.conftest import assert_same_grads, grads_of
 from tests.pytree_ckpt.models import JitteredOnly, jittered_topk
 
 
@@ -122,25 +123,3 @@ def test_on_cuda_a_skipped_jittered_routing_keeps_dropout_masks_and_the_generato
         x.grad = None
     assert_same_grads(*grads)
     assert torch.equal(after[0], after[1])
-
-
-@pytest.mark.cuda
-@needs_cuda
-def test_on_cuda_the_replay_runs_under_the_original_passs_autocast_state() -> None:
-    lin = nn.Linear(16, 16).cuda()
-    x = torch.randn(8, 16, device="cuda", requires_grad=True)
-    dtypes: list[torch.dtype] = []
-
-    def fn(t: torch.Tensor) -> torch.Tensor:
-        out = lin(t)
-        dtypes.append(out.dtype)
-        return out.float().tanh()
-
-    def step(wrapped: bool) -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = checkpoint(fn, x) if wrapped else fn(x)
-        out.sum().backward()  # the replay runs outside autocast
-
-    eager, ckpt = run_twice(step, [x, *lin.parameters()])
-    assert dtypes == [torch.bfloat16] * 3
-    assert_same_grads(eager, ckpt)
