@@ -58,8 +58,9 @@ from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
 from .frames import Frame, callable_name
 from .keep import KeepMode, KeepPolicy
-from .module_state import (ChangedState, StateWatch, buffer_dicts, foreign_leaf, is_verified,
-                           mark_verified, owning_module, trainable_parameters, versions)
+from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch,
+                           collect_parameters, foreign_leaf, is_verified, mark_verified,
+                           module_dicts, owning_module, versions)
 from .phase import ACTIVE, Invocation, Phase
 from .rng import ReplayEnvironment
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
@@ -125,7 +126,7 @@ class _Call:
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
-                 "buffer_dicts", "frozen", "changed_state")
+                 "buffer_dicts", "frozen", "changed_state", "modules", "forward_modules")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -160,6 +161,10 @@ class _Call:
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in module_state.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
+        # The modules fn uses and their dicts, for the original pass only (then dropped); what
+        # they were then, for the replay (NOTE [the replay sees the forward's modules]).
+        self.modules: tuple[list[nn.Module], list[ModuleDicts]] | None = None
+        self.forward_modules: ForwardModules | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -265,7 +270,9 @@ class _BoundaryFunction(torch.autograd.Function):
             _raise_input_changed(call, tensors, moved)
         if watch is not None:
             call.changed_state = watch.changed()
-        call.buffer_dicts, call.frozen = [], []
+        if call.modules is not None:
+            call.forward_modules = ForwardModules(*call.modules)
+        call.buffer_dicts, call.frozen, call.modules = [], [], None
         flat = flatten(output)
         # NOTE [outputs made before the call]: the original pass runs under no-grad, so an
         # output that requires grad (a parameter, or a graph tensor fn closed over) existed
@@ -342,6 +349,8 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
                                              for d in detached))
             if call.options.keep is not None:
                 stack.enter_context(KeepMode(call.options.keep, invocation))
+            if call.forward_modules is not None:
+                stack.enter_context(call.forward_modules.reinstated())
             output = call.fn(*args, **kwargs)
     finally:
         ACTIVE.reset(token)
@@ -367,7 +376,9 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
         return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
     assert call.params is not None
     wrt = [*detached, *call.params]
-    wanted = [i for i, need in enumerate(needs) if need]
+    # A parameter frozen since the forward (requires_grad_(False) before backward) gets no
+    # gradient, as in eager, where its AccumulateGrad then does nothing.
+    wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
     if outs and call.owner is not None and \
             not is_verified(call.owner):
         _verify_leaves(call, outs, wrt)
@@ -487,16 +498,17 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     before: list[torch.Tensor] = []  # frozen parameters and buffers, as they are before fn
     buffers: list[dict[str, torch.Tensor | None]] = []
     frozen: list[torch.Tensor] = []
+    trees: list[ModuleDicts] = []
     if owner is not None:
         modules = [owner, *(leaf for leaf in leaves if isinstance(leaf, nn.Module))]
+        trees = [module_dicts(module) for module in modules]
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
         # each use needs its gradient (the argument's comes through its input slot).
-        params = trainable_parameters(modules, set(), frozen=before)
+        params = collect_parameters(trees, set(), frozen=before)
         frozen = list(before)
-        for module in modules:
-            dicts = buffer_dicts(module)
-            buffers.extend(dicts)
-            before.extend(b for d in dicts for b in d.values() if b is not None)
+        for tree in trees:
+            buffers.extend(tree.buffers)
+            before.extend(b for d in tree.buffers for b in d.values() if b is not None)
     anchor = None
     if not params and not any(t.requires_grad for t in unique):
         if params is not None:  # a module with nothing trainable: nothing to replay for
@@ -510,6 +522,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     call.before = {id(t): t for t in before} if before else None
     call.buffer_dicts = buffers
     call.frozen = frozen
+    if trees:
+        call.modules = (modules, trees)
     inputs = unique if not params else [*unique, *params]
     active = ACTIVE.get()
     if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):

@@ -7,23 +7,26 @@
 - whether a module's graph was verified to reach no tensor that would silently get no gradient
   (``foreign_leaf``, once per module and structure);
 - what the original pass changed of their state, to be put back after the replay
-  (NOTE [state the forward changes]).
+  (NOTE [state the forward changes]);
+- what their modes and parameter entries were in the original pass, put back for the replay
+  if they changed before backward (NOTE [the replay sees the forward's modules]).
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["ChangedState", "StateWatch", "buffer_dicts", "drop_caches", "foreign_leaf",
-           "is_verified", "mark_verified", "module_buffers", "owning_module",
-           "trainable_parameters", "versions"]
+__all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "collect_parameters",
+           "drop_caches", "foreign_leaf", "is_verified", "mark_verified", "module_buffers",
+           "module_dicts", "owning_module", "trainable_parameters", "versions"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -44,8 +47,7 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
-_PARAMETER_DICTS = "_pytree_ckpt_parameter_dicts"
-_BUFFER_DICTS = "_pytree_ckpt_buffer_dicts"
+_DICTS = "_pytree_ckpt_dicts"
 _VERIFIED = "_pytree_ckpt_verified"
 # Bumped whenever any module gets a submodule (torch's global registration hook, installed at
 # the first boundary call): cached parameter dicts and verifications older than it are stale.
@@ -102,7 +104,7 @@ class _Shape:
 
 def drop_caches(module: nn.Module, /) -> None:
     """Forget what the boundary cached on ``module`` (rebuilt at its next call)."""
-    for name in (_PARAMETER_DICTS, _BUFFER_DICTS, _VERIFIED, _SHAPE):
+    for name in (_DICTS, _VERIFIED, _SHAPE):
         module.__dict__.pop(name, None)
 
 
@@ -130,24 +132,48 @@ def _check_structure(module: nn.Module) -> None:
         (weakref.ref(m), m._modules, len(m._modules)) for m in module.modules()))
 
 
-def trainable_parameters(modules: list[nn.Module], skip: set[int], *,
-                         frozen: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The trainable parameters of ``modules`` (deduplicated, without ids in ``skip``); the
+class ModuleDicts(NamedTuple):
+    """The dicts of a module tree the boundary reads per call (dicts, not modules: no reference
+    cycle); cached on the root per structure and buffer generation."""
+
+    parameters: tuple[dict[str, torch.Tensor | None], ...]  # each module's _parameters
+    # Each module's _buffers, empty ones too: a buffer registered in the forward (lazily, at the
+    # first call) lands in one, and must be watched like the others (NOTE [state the forward
+    # changes]).
+    buffers: tuple[dict[str, torch.Tensor | None], ...]
+    # Each submodule's __dict__ (for its training flag), without the root's own, which holds
+    # this cache.
+    submodules: tuple[dict[str, Any], ...]
+
+
+def module_dicts(module: nn.Module, /) -> ModuleDicts:
+    """The dicts of ``module``'s tree, checked against its structure (call once per call)."""
+    _watch_module_structure()
+    _check_structure(module)
+    key = (_structure_generation, _buffer_generation)
+    cached = module.__dict__.get(_DICTS)
+    if cached is None or cached[0] != key:
+        tree = list(module.modules())
+        # _parameters holds Parameters, or any tensor functional_call swaps in.
+        cached = (key, ModuleDicts(tuple(m._parameters for m in tree),  # type: ignore[misc]
+                                   tuple(m._buffers for m in tree),
+                                   tuple(m.__dict__ for m in tree if m is not module)))
+        module.__dict__[_DICTS] = cached
+    return cached[1]
+
+
+def collect_parameters(trees: Sequence[ModuleDicts], skip: set[int], *,
+                       frozen: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The trainable parameters of ``trees`` (deduplicated, without ids in ``skip``); the
     frozen ones go to ``frozen`` when given.
 
-    Each module caches the ``_parameters`` dicts of its submodules (dicts, not modules: no
-    reference cycle); reading them per call picks up parameters swapped in place (FSDP2), and
-    the cache is rebuilt after any submodule is added or replaced (an adapter injected later).
+    Reading the cached ``_parameters`` dicts per call picks up parameters swapped in place
+    (FSDP2, ``torch.func.functional_call``); the cache is rebuilt after any submodule is added
+    or replaced (an adapter injected later).
     """
-    _watch_module_structure()
     found: list[torch.Tensor] = []
-    for module in modules:
-        _check_structure(module)
-        cached = module.__dict__.get(_PARAMETER_DICTS)
-        if cached is None or cached[0] != _structure_generation:
-            cached = (_structure_generation, tuple(m._parameters for m in module.modules()))
-            module.__dict__[_PARAMETER_DICTS] = cached
-        for params in cached[1]:
+    for tree in trees:
+        for params in tree.parameters:
             for param in params.values():
                 if param is None or id(param) in skip:
                     continue
@@ -159,24 +185,16 @@ def trainable_parameters(modules: list[nn.Module], skip: set[int], *,
     return found
 
 
+def trainable_parameters(modules: Sequence[nn.Module], skip: set[int], *,
+                         frozen: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``collect_parameters`` of the trees of ``modules``."""
+    return collect_parameters([module_dicts(m) for m in modules], skip, frozen=frozen)
+
+
 def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
     """The buffers of ``module`` and its submodules, read now from cached ``_buffers`` dicts."""
-    return [b for buffers in buffer_dicts(module) for b in buffers.values() if b is not None]
-
-
-def buffer_dicts(module: nn.Module, /) -> tuple[dict[str, torch.Tensor | None], ...]:
-    """The ``_buffers`` dicts of ``module`` and its submodules, empty ones included (cached: a
-    buffer under a new name invalidates the cache)."""
-    _watch_module_structure()
-    _check_structure(module)
-    key = (_structure_generation, _buffer_generation)
-    cached = module.__dict__.get(_BUFFER_DICTS)
-    if cached is None or cached[0] != key:
-        # Empty dicts too: a buffer registered in the forward (lazily, at the first call) lands
-        # in one, and must be watched like the others (NOTE [state the forward changes]).
-        cached = (key, tuple(m._buffers for m in module.modules()))
-        module.__dict__[_BUFFER_DICTS] = cached
-    return cached[1]
+    return [b for buffers in module_dicts(module).buffers for b in buffers.values()
+            if b is not None]
 
 
 def is_verified(module: nn.Module, /) -> bool:
@@ -303,3 +321,67 @@ class ChangedState:
             with torch.no_grad():
                 for tensor, value in values:
                     tensor.copy_(value)
+
+
+class ForwardModules:
+    """NOTE [the replay sees the forward's modules]: what the modules of a call were when the
+    original pass ran, put back for the replay if it changed before backward:
+
+    - each submodule's ``training`` flag: a model switched to ``eval()`` between forward and
+      backward (a validation pass) would otherwise replay without dropout, and backpropagate
+      through another function than the one that ran;
+    - the entries of its ``_parameters`` and ``_buffers`` dicts, as the original pass left
+      them: ``torch.func.functional_call`` (and ``torch.nn.utils.stateless``) swap tensors in
+      for the call only, so the replay in backward would run on the module's own parameters
+      and the tensors passed in would get no gradient.
+
+    The forward keeps a list of flags and a shallow copy of each dict (about 2 us for a decoder
+    layer); when nothing changed (FSDP2 keeps its unsharded parameter objects), backward
+    compares and changes nothing. Values are not part of it: what the
+    forward changes in place is ``StateWatch``'s.
+    """
+
+    __slots__ = ("roots", "submodules", "modes", "entries")
+
+    def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts]) -> None:
+        self.roots = roots
+        if len(trees) == 1:  # the usual case, without concatenation
+            self.submodules = trees[0].submodules
+            dicts = trees[0].parameters + trees[0].buffers
+        else:
+            self.submodules = tuple(d for tree in trees for d in tree.submodules)
+            dicts = tuple(d for tree in trees for d in (*tree.parameters, *tree.buffers))
+        self.modes = [m.training for m in roots], [d.get("training") for d in self.submodules]
+        self.entries = [(d, d.copy()) for d in dicts if d]
+
+    @contextmanager
+    def reinstated(self) -> Iterator[None]:
+        modes = [m.training for m in self.roots], [d.get("training") for d in self.submodules]
+        # Same objects in the same order: one C-level pass per dict (a reordered dict counts as
+        # swapped, harmlessly: its entries are set again).
+        swapped = [(d, entries, d.copy()) for d, entries in self.entries
+                   if len(d) != len(entries) or
+                   not all(map(operator.is_, d.values(), entries.values()))]
+        if modes == self.modes and not swapped:
+            yield
+            return
+        self._set_modes(self.modes)
+        for d, entries, _ in swapped:
+            d.clear()
+            d.update(entries)
+        try:
+            yield
+        finally:
+            self._set_modes(modes)
+            for d, _, now in swapped:
+                d.clear()
+                d.update(now)
+
+    def _set_modes(self, modes: tuple[list[bool], list[Any]]) -> None:
+        # Plain attribute writes, not train()/eval(): a module overriding train() (to keep its
+        # BatchNorm frozen) already chose these flags.
+        for module, flag in zip(self.roots, modes[0]):
+            module.training = flag
+        for d, flag in zip(self.submodules, modes[1]):
+            if flag is not None:
+                d["training"] = flag

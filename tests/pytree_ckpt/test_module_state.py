@@ -323,3 +323,84 @@ def test_a_layer_inserted_into_a_copy_before_its_first_call_gets_its_eager_gradi
         model(x).sum().backward()
     assert twin.layers[0].weight.grad is not None  # the copy's stale caches left it out
     assert_same_grads(grads_of(eager.parameters()), grads_of(twin.parameters()))
+
+
+class Dropped(nn.Module):
+    """Dropout and a BatchNorm: both read their module's training flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(torch.tanh(self.lin(x))))
+
+
+def test_a_model_switched_to_eval_before_backward_gets_the_gradients_of_the_forward_that_ran(
+) -> None:
+    # A validation pass between the step's forward and its backward leaves the model in eval():
+    # eager backpropagates through the forward that ran (dropout on, batch statistics). The
+    # replay must run in the forward's modes, and the modes the caller set must stay.
+    x = torch.randn(6, 8, requires_grad=True)
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = Dropped()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        layer.train()
+        torch.manual_seed(1)
+        loss = layer(x).square().sum()
+        layer.eval()
+        loss.backward()
+        assert not any(m.training for m in layer.modules())
+        grads.append(grads_of([*layer.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
+
+
+def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient_as_in_eager() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        loss = layer(x).square().sum()
+        layer[0].weight.requires_grad_(False)
+        loss.backward()
+        assert layer[0].weight.grad is None and layer[0].bias.grad is not None
+        grads.append(grads_of([*layer.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["first call", "after a step"])
+def test_functional_call_through_a_wrapped_module_gives_the_passed_tensors_eager_gradients(
+        warm: bool) -> None:
+    # torch.func.functional_call swaps tensors into the module for the call only: the replay
+    # in backward must run on them (parameters and buffers), not on the module's own.
+    x = torch.randn(6, 8, requires_grad=True)
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = Dropped().eval()  # eval: the BatchNorm reads its (swapped) running statistics
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        if warm:
+            layer(x).sum().backward()
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+        own = dict(layer.named_parameters()) | dict(layer.named_buffers())
+        swapped = {name: (t.detach() * 1.5 + 0.25).requires_grad_(t.requires_grad)
+                   for name, t in own.items() if t.is_floating_point()}
+        torch.func.functional_call(layer, swapped, (x,)).square().sum().backward()
+        assert dict(layer.named_parameters()) | dict(layer.named_buffers()) == own
+        assert all(p.grad is None for p in layer.parameters())
+        results.append([x.grad, *(t.grad for t in swapped.values() if t.requires_grad)])
+        x.grad = None
+    assert all(g is not None for g in results[1])
+    assert_same_grads(*results)
