@@ -64,6 +64,10 @@ SAVE_ON_CPU = "torch save_on_cpu"
 CONFIGS = (EAGER, TORCH_REENTRANT, CHECKPOINT, OFFLOAD, SAVE_ON_CPU)
 MAX_OVERHEAD = 1.03  # checkpoint + offload / checkpoint
 MIB = 1 << 20
+# The caching allocator does not split a block that would leave 1 MiB or less, and counts such an
+# allocation at the whole block: the two runs' peaks may differ by a few MiB that are rounding,
+# not activations. The memory verdicts allow this much (under 1% of the realistic target).
+ROUNDING = 4 * MIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +212,11 @@ def run(size: Size, device: torch.device, rounds: int, warmup: int,
             continue
         _progress(f"probe {config}: held {_mib(probes[config]['held_bytes'])} MiB, peak "
                   f"{_mib(probes[config]['peak_bytes'])} MiB")
+        # Written as it goes: a run stopped by a time limit keeps what it measured.
+        result.setdefault("probe_memory", {})[config] = {
+            key: probes[config][key] for key in ("held_bytes", "peak_bytes")}
+        if json_path is not None:
+            _write_json(json_path, result)
     if EAGER not in probes:
         raise RuntimeError(f"the eager reference failed: {result['failed'][EAGER]}")
     # Eager against itself: non-deterministic kernels (flash attention's backward in bf16)
@@ -272,7 +281,8 @@ def _targets(size: Size, configs: dict[str, Any]) -> dict[str, Any]:
     for key, column in (("peak_drop", "peak_bytes"), ("held_drop", "held_bytes")):
         ckpt, off = configs[CHECKPOINT][column], configs[OFFLOAD][column]
         if ckpt is not None and off is not None:
-            targets[key] = {"value": ckpt - off, "limit": needed, "met": ckpt - off >= needed}
+            targets[key] = {"value": ckpt - off, "limit": needed,
+                            "met": ckpt - off >= needed - ROUNDING}
     return targets
 
 
@@ -336,7 +346,8 @@ def format_report(result: dict[str, Any]) -> str:
     for key, what in (("peak_drop", "peak"), ("held_drop", "held after forward")):
         if key in t:
             lines.append(f"target: {what} drops by >= (L-2) layer inputs = "
-                         f"{_mib(t[key]['limit'])} MiB: {_mib(t[key]['value'])} MiB "
+                         f"{_mib(t[key]['limit'])} MiB (less {_mib(ROUNDING)} MiB of allocator "
+                         f"rounding): {_mib(t[key]['value'])} MiB "
                          f"({t[key]['value']} bytes), {_verdict(t[key])}")
     return "\n".join(lines)
 

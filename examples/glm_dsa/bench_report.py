@@ -108,9 +108,8 @@ def markdown_table(results: dict[str, Any]) -> str:
                  f"grads equal {_yes_no(repeat['grads_equal'])}.")
     if rows.get("save_on_cpu", {}).get("status") == "ok":
         notes.append("torch save_on_cpu: the census sees what eager saves (its pack hook "
-                     "chains to save_on_cpu's) and counts it at the device; save_on_cpu "
-                     "actually holds it in pinned host memory, as the device and peak columns "
-                     "show.")
+                     "chains to save_on_cpu's), held in pinned host memory; the device "
+                     "and peak columns show what stays on the device.")
     for key, row in rows.items():
         if row["status"] == "skipped":
             notes.append(f"{row['label']}: skipped ({row['note']}).")

@@ -114,6 +114,8 @@ def test_the_copy_to_host_waits_for_the_kernel_that_produces_the_tensor() -> Non
     # host copy would read the storage before the producer wrote it.
     manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    # Pinned allocation may synchronize streams: none may happen while the GPU is held.
+    manager.pool.reserve([x.untyped_storage().nbytes()])
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the compute stream
     h = x * 2                       # queued behind the sleep
