@@ -298,7 +298,11 @@ class ActivationCensus:
         return sum(e.nbytes for e in self._entries.values() if e.held() and e.discarded)
 
     def _alive(self) -> list[_Entry]:
-        return [e for e in self._entries.values() if e.held() and not e.discarded]
+        # Held and still there: a holder may outlive the storage it reported (a boundary's
+        # frame holds its inputs, but offload swapped the saved reference and the device copy
+        # was freed; a later window shared the storage one earlier window copied).
+        return [e for e in self._entries.values()
+                if e.held() and not e.discarded and not e.storage.expired()]
 
     @property
     def total_bytes(self) -> int:

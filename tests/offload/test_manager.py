@@ -491,6 +491,38 @@ def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() 
     assert census.total_bytes == 0
 
 
+class Biased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(h)) + bias
+
+
+def test_the_census_does_not_count_a_shared_input_whose_device_storage_is_gone() -> None:
+    # A table made in the forward and passed to every layer (a mask, RoPE cos/sin) is copied
+    # by the first window only; every boundary's frame still holds its inputs, but the device
+    # storage was freed once the first window let go: only its host copy is resident.
+    m = manager()
+    layers = offloaded_stack(m, 3, Biased)
+    x = torch.randn(4, 32, requires_grad=True).clone()
+    with pytree_ckpt.ActivationCensus(layers) as census:
+        bias = torch.randn(4, 32)
+        gone = StorageWeakRef(bias.untyped_storage())
+        h = x
+        for layer in layers:
+            h = layer(h, bias)
+        del bias, x
+    m.stats()  # lets go of the last window too
+    assert gone.expired()
+    per = h.untyped_storage().nbytes()
+    assert m.stats()["offloaded_bytes"] == 4 * per  # three layer inputs and the table, once
+    assert census.bytes_by("mechanism") == {"offloaded to host": 4 * size_class(per)}
+    h.sum().backward()
+    assert census.total_bytes == 0
+
+
 def test_a_reused_storage_the_caller_keeps_is_still_counted_as_alive_elsewhere() -> None:
     # NOTE [reuse at the turn]: backward takes the last window's device bytes as they are, so
     # whether something else kept them is known only once backward is done with them.
