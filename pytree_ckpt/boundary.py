@@ -47,12 +47,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
@@ -71,6 +74,7 @@ if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at r
 __all__ = ["BoundaryOptions", "checkpoint", "checkpointed"]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -352,6 +356,21 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
             if call.forward_modules is not None:
                 stack.enter_context(call.forward_modules.reinstated())
             output = call.fn(*args, **kwargs)
+    except CheckpointError:
+        raise
+    except Exception as error:
+        # The usual cause of an error only the replay meets is an argument the original pass
+        # changed (a key/value cache object it appended to; containers are rebuilt, but the
+        # objects in them are passed as they are). The error keeps its type (an
+        # out-of-memory error stays one); the note says where it came from.
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(
+                f"pytree_ckpt: raised by the replay of {_fn_name(call.fn)} in backward, which "
+                "runs the forward again on the same arguments; an object the forward changed "
+                "(a key/value cache filled with use_cache=True) is not as it was then. Tip: "
+                "pass use_cache=False in training, or keep such state outside the "
+                "checkpointed call.")
+        raise
     finally:
         ACTIVE.reset(token)
     call.frame.check_consumed()
@@ -469,7 +488,42 @@ def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor
             got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
             tip="pass the tensor (or the module owning it) as an argument, or register it as a "
                 "parameter of a submodule")
+    _warn_forward_hooks(call.owner)
     mark_verified(call.owner)
+
+
+_LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
+
+
+def _warn_forward_hooks(owner: nn.Module) -> None:
+    """Warn, once per module and structure, about forward hooks inside the boundary.
+
+    Such a hook runs in the original pass, under no-grad, and again in the replay, in backward.
+    A tensor it keeps (transformers collect ``router_logits`` and ``output_attentions`` so)
+    carries no gradient, and a loss built from it is silently wrong; torch's reentrant
+    checkpoint has the same trap. Hooks of torch and of this library only read or rewrite.
+    """
+    def user_hooks(hooks: Any) -> list[str]:
+        names = []
+        for hook in hooks.values():
+            fn = hook.func if isinstance(hook, functools.partial) else hook
+            module = getattr(fn, "__module__", None) or type(fn).__module__
+            if not (module + ".").startswith(_LIBRARY_HOOKS):
+                names.append(getattr(fn, "__qualname__", type(fn).__qualname__))
+        return names
+
+    found = [f"{name}: {hook}" for name, sub in owner.named_modules() if sub is not owner
+             for hook in user_hooks(sub._forward_hooks)]
+    found += [f"(global): {hook}"
+              for hook in user_hooks(nn.modules.module._global_forward_hooks)]
+    if found:
+        warnings.warn(
+            f"pytree_ckpt: forward hooks inside the checkpointed {type(owner).__name__} run "
+            f"under no-grad in the original pass and again in backward: {', '.join(found)}. A "
+            "tensor such a hook keeps (transformers' router_logits or output_attentions) has no "
+            "gradient, and a loss built from it is wrong; a hook that only reads or rewrites "
+            "the output is fine. Tip: return such values as outputs of the layer (any PyTree).",
+            stacklevel=2)
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -506,6 +560,13 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # each use needs its gradient (the argument's comes through its input slot).
         params = collect_parameters(trees, set(), frozen=before)
         frozen = list(before)
+        if not is_verified(owner) and any(is_lazy(p) for p in (*params, *frozen)):
+            # A lazy module (nn.LazyLinear) gives its parameters their shape in its first call:
+            # taken as inputs before it, they would get gradients of the wrong shape. That call
+            # runs as eager does, without the boundary; the next ones are checkpointed.
+            logger.info("%s has uninitialized (lazy) parameters: its first call runs without "
+                        "checkpointing, and materializes them", type(owner).__name__)
+            return fn(*args, **kwargs)
         for tree in trees:
             buffers.extend(tree.buffers)
             before.extend(b for d in tree.buffers for b in d.values() if b is not None)

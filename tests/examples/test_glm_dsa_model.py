@@ -168,6 +168,7 @@ def test_each_computing_indexer_runs_once_per_micro_batch_and_never_during_recom
 # --------------------------------------------------------------------------- 3. storage
 
 
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks")  # they only read (see boundary)
 def test_a_consumer_receives_the_storage_its_source_produced_in_forward_and_in_replay() -> None:
     config, model = build()
     model.checkpoint_layers(1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -63,3 +64,72 @@ def test_a_replay_with_another_container_is_named_where_the_containers_part(
     message = str(err.value)
     assert f"returned a different output structure at {path}\n" in message
     assert f"expected: {expected}" in message and f"got:      {got}" in message
+
+
+class KeyValueCache:
+    """An object a layer appends to, as transformers' caches with use_cache=True."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class Cached(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: KeyValueCache) -> torch.Tensor:
+        cache.keys.append(self.lin(x))
+        return x * torch.cat(cache.keys)
+
+
+def test_an_error_only_the_replay_meets_keeps_its_type_and_says_it_came_from_the_replay() -> None:
+    # The replay appends to the cache a second time: torch raises a shape error there.
+    layer = Cached()
+    out = checkpoint(layer, torch.randn(2, 4), KeyValueCache())
+    with pytest.raises(RuntimeError, match="must match") as raised:
+        out.sum().backward()
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    if hasattr(raised.value, "add_note"):  # Python 3.11+
+        assert "raised by the replay of Cached in backward" in notes
+        assert "use_cache=False" in notes
+
+
+class Gated(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(4, 2)
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.gate(x).softmax(-1).sum(-1, keepdim=True)
+
+
+def test_a_forward_hook_that_keeps_a_tensor_inside_the_boundary_is_warned_about_once() -> None:
+    # transformers collect router_logits so: what the hook keeps in the original pass has no
+    # gradient, and an auxiliary loss built from it would be silently wrong.
+    import pytree_ckpt
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Gated())
+    kept: list[torch.Tensor] = []
+    layer.gate.register_forward_hook(lambda module, args, out: kept.append(out))
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"(?s)forward hooks inside the checkpointed Gated.*"
+                                         r"gate: .*<lambda>.*return such values as outputs"):
+        layer(x).sum().backward()
+    assert not kept[0].requires_grad  # what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x).sum().backward()  # once per module and structure
+
+
+def test_hooks_of_torch_and_of_this_library_inside_the_boundary_are_not_warned_about() -> None:
+    import pytree_ckpt
+    from torch.utils.flop_counter import FlopCounterMode
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Gated())
+    x = torch.randn(3, 4, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytree_ckpt.ActivationCensus(layer), FlopCounterMode(display=False):
+            layer(x).sum().backward()

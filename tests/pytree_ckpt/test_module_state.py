@@ -404,3 +404,35 @@ def test_functional_call_through_a_wrapped_module_gives_the_passed_tensors_eager
         x.grad = None
     assert all(g is not None for g in results[1])
     assert_same_grads(*results)
+
+
+class Lazy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.LazyLinear(8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.proj(x))
+
+
+def test_a_lazy_module_gets_eager_gradients_and_is_checkpointed_from_its_second_call() -> None:
+    # Its parameters take their shape in its first call: that call runs without the boundary.
+    x = torch.randn(4, 16, requires_grad=True)
+    results, calls = [], []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = Lazy()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        step_grads = []
+        for _ in range(2):
+            layer(x).square().sum().backward()
+            step_grads += grads_of([*layer.parameters(), x])
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            calls.append(layer.calls)
+        results.append(step_grads)
+    assert_same_grads(*results)
+    assert calls == [1, 2, 1, 3]  # eager: one call a step; wrapped: then original and replay
