@@ -406,7 +406,7 @@ def test_functional_call_through_a_wrapped_module_gives_the_passed_tensors_eager
     assert_same_grads(*results)
 
 
-class Lazy(nn.Module):
+class LazyProjection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.LazyLinear(8)
@@ -423,7 +423,7 @@ def test_a_lazy_module_gets_eager_gradients_and_is_checkpointed_from_its_second_
     results, calls = [], []
     for wrap in (False, True):
         torch.manual_seed(0)
-        layer = Lazy()
+        layer = LazyProjection()
         if wrap:
             pytree_ckpt.apply_activation_checkpointing(layer)
         step_grads = []
