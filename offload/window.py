@@ -215,7 +215,10 @@ class Pass:
 
 
 class Window:
-    """The storages of one ``manager.window(...)`` call, and the copies made for them."""
+    """The storages of one ``manager.window(...)`` call, and the copies made for them.
+
+    Exported for type annotations: ``with manager.window(tensors) as window`` gives one; it is
+    not built directly (its pass belongs to the manager)."""
 
     __slots__ = ("pass_", "id", "seq", "keys", "name", "copies", "restored", "small",
                  "__weakref__")

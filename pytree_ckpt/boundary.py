@@ -83,7 +83,8 @@ class BoundaryOptions:
 
     ``offload``: a manager that opens a window over the boundary's input tensor leaves at each
     call, so the inputs it saves (hidden states, top-k ids) go to host memory until backward.
-    ``keep``: the ops whose outputs stay resident instead of being recomputed (save units).
+    ``keep``: the ops whose outputs stay resident instead of being recomputed (save units);
+    ``apply_recompute_config`` builds it from a ``RecomputeConfig``, not user code.
     """
 
     preserve_rng_state: bool = True
@@ -616,7 +617,20 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
     Every keyword goes to ``fn``; set boundary options with :func:`checkpointed`.
     """
-    return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
+    try:
+        return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
+    except TypeError as error:
+        # Code moved over from torch.utils.checkpoint passes its options as keywords.
+        torch_options = sorted({"use_reentrant", "preserve_rng_state", "context_fn",
+                                "determinism_check", "debug"} & kwargs.keys())
+        if torch_options and hasattr(error, "add_note") and \
+                any(name in str(error) for name in torch_options):
+            error.add_note(
+                f"pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} included "
+                "(torch.utils.checkpoint's options). Tip: drop use_reentrant (the boundary is "
+                "always reentrant-style, and takes any PyTree), and set other options with "
+                "pytree_ckpt.checkpointed(fn, preserve_rng_state=...).")
+        raise
 
 
 def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,

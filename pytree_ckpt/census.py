@@ -327,6 +327,8 @@ class ActivationCensus:
                 for e in self._entries.values() if e.flagged()]
 
     def to_dict(self) -> dict[str, Any]:
+        """Everything as plain data: totals, bytes by device and by mechanism, one row per
+        (module, mechanism, device), and the flagged storages (for a JSON report)."""
         rows: dict[tuple[str, str, str], int] = defaultdict(int)
         for e in self._alive():
             rows[(e.module, str(e.mechanism), e.device)] += e.nbytes

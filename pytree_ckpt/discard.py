@@ -479,6 +479,8 @@ class CheckpointWithoutOutputManager:
         self.registered = False
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
+        """``fn(*args)`` through a new ``CheckpointWithoutOutput`` of this manager, in forward
+        order; returns its output."""
         if self.registered:
             raise CheckpointError(
                 "this manager's outputs were already discarded; it takes no more checkpoints",
@@ -493,6 +495,8 @@ class CheckpointWithoutOutputManager:
 
     def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor,
                                                            /) -> None:
+        """Free every output checkpointed so far, and rebuild them all, in forward order, when
+        ``hook_tensor``'s gradient is computed (see docs/discard.md for where to put it)."""
         if self.registered:
             raise CheckpointError("this manager's outputs were already discarded",
                                   expected="one discard per manager", got="a second discard",

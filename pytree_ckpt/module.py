@@ -233,6 +233,12 @@ def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
 
     ``offload`` is resolved once, so every layer shares one manager (one window numbering).
     """
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        raise CheckpointConfigError(
+            f"checkpoint_layers takes a sequence of layers, not one {type(layers).__name__}",
+            expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
+            got=type(layers).__name__,
+            tip="apply_activation_checkpointing(module) checkpoints one module")
     count = int(len(layers) * validate_ratio(ratio))
     manager = resolve_offload(offload)
     for layer in layers[:count]:

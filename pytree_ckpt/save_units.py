@@ -192,6 +192,7 @@ class RecomputeConfig:
         object.__setattr__(self, "save", units)
 
     def to_json(self) -> str:
+        """The config as JSON (``from_json`` reads it back)."""
         save = self.save if self.save is None or isinstance(self.save, bool) else [
             _unit(u).value for u in self.save]
         return json.dumps({"ratio": self.ratio, "save": save})

@@ -133,3 +133,15 @@ def test_hooks_of_torch_and_of_this_library_inside_the_boundary_are_not_warned_a
         warnings.simplefilter("error")
         with pytree_ckpt.ActivationCensus(layer), FlopCounterMode(display=False):
             layer(x).sum().backward()
+
+
+def test_torch_checkpoint_options_given_to_checkpoint_get_a_note_saying_where_they_went() -> None:
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match="use_reentrant") as raised:
+        checkpoint(scaled, x, use_reentrant=False)
+    if hasattr(raised.value, "add_note"):  # Python 3.11+
+        assert "passes every keyword to fn, ['use_reentrant'] included" in \
+            "\n".join(raised.value.__notes__)

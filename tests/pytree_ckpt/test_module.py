@@ -284,3 +284,10 @@ def test_a_model_with_offload_pickles_with_one_fresh_manager_shared_as_before() 
     # offload=True's process default comes back as the loading process's default
     default = apply_activation_checkpointing(Layer(), offload=True)
     assert pickle.loads(pickle.dumps(default)).forward.options.offload is default_manager()
+
+
+def test_checkpoint_layers_given_one_module_is_refused_with_a_tip() -> None:
+    with pytest.raises(CheckpointConfigError, match="(?s)not one Linear.*apply_activation_chec"):
+        checkpoint_layers(nn.Linear(2, 2))
+    layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert checkpoint_layers(layers) == [0, 1]  # a Sequential is a sequence of layers
