@@ -441,15 +441,16 @@ def test_the_environment_switch_turns_offload_on_and_off(monkeypatch: pytest.Mon
     other = apply_activation_checkpointing(Layer(), offload=not on)
     assert (other.forward.options.offload is not None) is (not on)
     # checkpointed() reads it too, when it wraps, and runs its windows when on
-    m = Layer()
+    manager = offload.default_manager()  # on a CUDA machine, the current CUDA device's
+    m = Layer().to(manager.device)
     wrapped = pytree_ckpt.checkpointed(m)
-    manager = offload.default_manager()
     before = manager.stats()["offloaded_bytes"]
-    wrapped(torch.randn(1024, 32, requires_grad=True)).sum().backward()  # 128 KiB: above the floor
+    x = torch.randn(1024, 32, device=manager.device, requires_grad=True)  # 128 KiB: > the floor
+    wrapped(x).sum().backward()
     assert (manager.stats()["offloaded_bytes"] > before) is on
     # the one-off checkpoint() never offloads
     before = manager.stats()["offloaded_bytes"]
-    pytree_ckpt.checkpoint(m, torch.randn(1024, 32, requires_grad=True)).sum().backward()
+    pytree_ckpt.checkpoint(m, x).sum().backward()
     assert manager.stats()["offloaded_bytes"] == before
 
 

@@ -1,4 +1,8 @@
-"""Output-discard replay: freed storages, exact gradients, forward-order block replay, plans."""
+"""Output-discard replay: freed storages, exact gradients, forward-order block replay, plans.
+
+Storage sizes are read into a local before they are asserted: a failing assert shows the
+objects in its expression, and printing a tensor whose storage was freed reads freed memory
+(a crash of the whole run instead of one failure)."""
 
 from __future__ import annotations
 
@@ -59,16 +63,20 @@ def test_discarded_outputs_hold_no_bytes_and_backward_gives_eager_gradients() ->
     x.grad = None
     out = block(x, discard=True)
     normed = block.last_norm_out
-    assert normed is not None and normed.untyped_storage().nbytes() == 0
+    assert normed is not None
+    size = normed.untyped_storage().nbytes()
+    assert size == 0
     saved = out.grad_fn.next_functions[1][0]  # AddmmBackward of the projection
-    assert saved._saved_mat1.untyped_storage().nbytes() == 0  # a valid object, no memory
+    size = saved._saved_mat1.untyped_storage().nbytes()
+    assert size == 0  # a valid object, no memory
     out.square().sum().backward()
     # parameters exactly; x (used by the norm and by the residual) up to float association,
     # see NOTE [exactness] in pytree_ckpt/discard.py
     assert_same_grads(eager[:-1], [p.grad for p in block.parameters()])
     torch.testing.assert_close(x.grad, eager[-1], rtol=1e-6, atol=1e-6)
     assert block.norm.calls == ["plain", "no-grad", "plain"]  # eager, discard fwd, replay
-    assert normed.untyped_storage().nbytes() == 8 * 16 * 4     # refilled in place
+    size = normed.untyped_storage().nbytes()
+    assert size == 8 * 16 * 4     # refilled in place
 
 
 def test_a_manager_replays_its_block_once_in_forward_order() -> None:
@@ -101,7 +109,8 @@ def test_an_output_that_aliases_its_input_is_kept() -> None:
     view = ckpt.checkpoint(lambda t: t[:3], x)
     y = view * 2
     ckpt.discard_output_and_register_recompute(y)
-    assert view.untyped_storage().nbytes() == 6 * 4  # not freed: the input needs it
+    size = view.untyped_storage().nbytes()
+    assert size == 6 * 4  # not freed: the input needs it
     y.sum().backward()
 
 
@@ -219,7 +228,8 @@ def test_an_output_aliasing_its_input_is_kept_even_inside_an_offload_window() ->
         view = ckpt.checkpoint(lambda t: t[:3], x)
         y = view * 2
         ckpt.discard_output_and_register_recompute(y)
-    assert x.untyped_storage().nbytes() == 6 * 4  # the input was not freed
+    size = x.untyped_storage().nbytes()
+    assert size == 6 * 4  # the input was not freed
     assert manager.events() == []                 # and nothing was restored in forward
     y.sum().backward()
 
@@ -230,7 +240,8 @@ def test_a_hook_tensor_that_needs_no_grad_is_refused_before_anything_is_freed() 
     out = ckpt.checkpoint(torch.tanh, x)
     with pytest.raises(ValueError, match="must be a tensor that requires grad"):
         ckpt.discard_output_and_register_recompute(out.detach())
-    assert out.untyped_storage().nbytes() == 4 * 4 and not ckpt.discarded
+    size = out.untyped_storage().nbytes()
+    assert size == 4 * 4 and not ckpt.discarded
 
 
 def test_structured_arguments_are_refused_with_a_tip() -> None:
@@ -280,7 +291,8 @@ def test_an_output_that_is_a_view_of_module_state_is_kept_not_freed(learned: boo
     ckpt = CheckpointWithoutOutput()
     out = proj(ckpt.checkpoint(positions, x))
     ckpt.discard_output_and_register_recompute(out)
-    assert positions.table.untyped_storage().nbytes() == 16 * 8 * 4  # intact
+    size = positions.table.untyped_storage().nbytes()
+    assert size == 16 * 8 * 4  # intact
     out.sum().backward()
     assert torch.equal(positions.table, before)
     assert_same_grads(expected, [t.grad for t in (*positions.parameters(), *proj.parameters())])
@@ -293,7 +305,8 @@ def test_a_view_of_a_tensor_a_lambda_closes_over_is_kept() -> None:
     rows = ckpt.checkpoint(lambda t: table[: t.shape[0]], x)
     out = (x * rows).sum()
     ckpt.discard_output_and_register_recompute(out)
-    assert table.untyped_storage().nbytes() == 16 * 8 * 4
+    size = table.untyped_storage().nbytes()
+    assert size == 16 * 8 * 4
 
 
 GLOBAL_TABLE = torch.randn(16, 8)
@@ -344,7 +357,8 @@ def test_a_view_of_a_tensor_in_a_dict_a_lambda_closes_over_is_kept() -> None:
     ckpt = CheckpointWithoutOutput()
     rows = ckpt.checkpoint(lambda t: caches["cos"][: t.shape[0]], x)
     ckpt.discard_output_and_register_recompute((x * rows).sum())
-    assert caches["cos"].untyped_storage().nbytes() == 16 * 8 * 4
+    size = caches["cos"].untyped_storage().nbytes()
+    assert size == 16 * 8 * 4
 
 
 def test_a_consumer_that_changed_the_output_in_place_refuses_the_discard() -> None:
@@ -355,7 +369,8 @@ def test_a_consumer_that_changed_the_output_in_place_refuses_the_discard() -> No
     out = proj(torch.relu_(normed))
     with pytest.raises(CheckpointError, match="output\\[0\\] of LayerNorm was changed in place"):
         ckpt.discard_output_and_register_recompute(out)
-    assert normed.untyped_storage().nbytes() == 4 * 8 * 4  # nothing was freed
+    size = normed.untyped_storage().nbytes()
+    assert size == 4 * 8 * 4  # nothing was freed
 
 
 def test_the_hook_tensor_cannot_be_the_discarded_output_itself() -> None:
@@ -485,7 +500,8 @@ def test_an_output_that_is_a_detached_alias_of_a_slice_input_is_kept() -> None:
     ckpt = CheckpointWithoutOutput()
     out = ckpt.checkpoint(lambda t: t.detach(), part)
     ckpt.discard_output_and_register_recompute(part * out.sum())
-    assert big.untyped_storage().nbytes() == 8 * 8 * 4
+    size = big.untyped_storage().nbytes()
+    assert size == 8 * 8 * 4
 
 
 def test_a_discard_that_can_free_nothing_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -501,7 +517,8 @@ def test_a_discard_that_can_free_nothing_says_so_once(caplog: pytest.LogCaptureF
             ckpt = CheckpointWithoutOutput()
             normed = ckpt.checkpoint(norm, torch.randn(4, 8))
             ckpt.discard_output_and_register_recompute(proj(normed))
-            assert normed.untyped_storage().nbytes() == 4 * 8 * 4
+            size = normed.untyped_storage().nbytes()
+            assert size == 4 * 8 * 4
     assert [r.getMessage()[:40] for r in caplog.records] == [
         "output discard of LayerNorm frees nothin"]
 
