@@ -52,6 +52,20 @@ def callable_name(fn: Callable[..., Any], /) -> str:
     return name
 
 
+# NOTE [kept ops dispatched differently]: the original pass runs under no-grad, the replay with
+# grad, and torch picks some kernels by whether an operand requires grad. A tensor computed in
+# the forward (a weight_norm or merged LoRA weight) requires none in the original pass and does
+# in the replay: torch.matmul of a non-contiguous 3-D input by it dispatches aten::bmm in one
+# and aten::mm in the other, and a save unit keeping either op sees different calls.
+KEPT_OP_TIP = ("the replay must dispatch the same kept ops, in the same order, as the original "
+               "pass; branch on inputs, not on current_phase() or grad mode. torch itself "
+               "chooses some kernels by whether an operand requires grad, which differs for a "
+               "tensor computed inside the layer (torch.matmul: aten::mm or aten::bmm for a "
+               "weight_norm or merged LoRA weight): compute such a weight outside the "
+               "checkpointed layer and pass it in, make the input 2-D or contiguous before the "
+               "product, or keep that code by another unit")
+
+
 class _Offloaded:
     """A frame result's tensor leaf that lives on host until the replay takes it."""
 
@@ -140,16 +154,17 @@ class Frame:
         recorded = self.results.get(fn, ())
         position = self.cursors.get(fn, 0)
         if position >= len(recorded):
-            what = ("a save unit for kept output" if isinstance(fn, torch._ops.OpOverload)
-                    else "reuse_during_recompute for result")
+            kept_op = isinstance(fn, torch._ops.OpOverload)
+            what = "a save unit for kept output" if kept_op else "reuse_during_recompute for result"
             raise ReuseError(
                 f"the replay asked {what} #{position + 1} of {callable_name(fn)}, but the "
                 f"original pass recorded {len(recorded)}",
                 expected=f"at most {len(recorded)} call(s)", got=f"call #{position + 1}",
-                tip="the replay must make the same calls (and dispatch the same kept ops), in "
-                    "the same order, as the original pass; branch on inputs, not on "
-                    "current_phase() or grad mode; and pass the same callable object each "
-                    "time (a new lambda or functools.partial per call is another callable)")
+                tip=KEPT_OP_TIP if kept_op else
+                "the replay must make the same calls, in the same order, as the original pass; "
+                "branch on inputs, not on current_phase() or grad mode; and pass the same "
+                "callable object each time (a new lambda or functools.partial per call is "
+                "another callable)")
         self.cursors[fn] = position + 1
         result = recorded[position]
         jump = self.rng_jumps[fn][position]
@@ -177,8 +192,9 @@ class Frame:
                     f"the replay consumed {used} of the {len(recorded)} results recorded for "
                     f"{callable_name(fn)} by {by}",
                     expected=f"{len(recorded)} call(s)", got=f"{used} call(s)",
-                    tip="the replay must make the same reuse_during_recompute calls as the "
-                        "original pass; a result left over means the replay took another path")
+                    tip=KEPT_OP_TIP if isinstance(fn, torch._ops.OpOverload) else
+                    "the replay must make the same reuse_during_recompute calls as the "
+                    "original pass; a result left over means the replay took another path")
 
     def tensors(self) -> list[torch.Tensor]:
         """Every frozen-result tensor the frame holds (kept op outputs excluded)."""

@@ -226,6 +226,12 @@ def validate_ratio(ratio: object, /) -> float:
     return float(ratio)
 
 
+def layer_count(n: int, ratio: float, /) -> int:
+    """``int(n * ratio)``, forgiving float rounding: ``100 * 0.58`` is 57.99999999999999 in
+    floats, and a user asking for 58% of 100 layers gets 58 (``3 * (1/3)`` still gives 1)."""
+    return math.floor(n * ratio + 1e-9)
+
+
 def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
                       preserve_rng_state: bool = True,
                       offload: bool | OffloadManager | None = None) -> list[int]:
@@ -239,7 +245,7 @@ def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
             expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
             got=type(layers).__name__,
             tip="apply_activation_checkpointing(module) checkpoints one module")
-    count = int(len(layers) * validate_ratio(ratio))
+    count = layer_count(len(layers), validate_ratio(ratio))
     manager = resolve_offload(offload)
     for layer in layers[:count]:
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,

@@ -28,7 +28,7 @@ from torch import nn
 from .boundary import BoundaryOptions
 from .errors import CheckpointConfigError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy
-from .module import install_boundary, resolve_offload, validate_ratio
+from .module import install_boundary, layer_count, resolve_offload, validate_ratio
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -78,7 +78,11 @@ class KeptOps:
         (a build with a kernel of its own for it, e.g. CUDA's ``aten::_fused_rms_norm``, keeps
         it).
         """
-        found = []
+        return self._resolve()[0]
+
+    def _resolve(self) -> tuple[list[Any], list[str]]:
+        """``resolve``'s ops, and the names skipped (with a warning) as decomposed."""
+        found, decomposed = [], []
         for name in self.op_names:
             namespace, op = name.split("::", 1)
             try:
@@ -93,9 +97,10 @@ class KeptOps:
                     "under torch.utils.flop_counter.FlopCounterMode or a TorchDispatchMode), "
                     "e.g. aten::addmm for aten::linear, or keep the method that calls it with "
                     "KeptCallables('Class.method')", stacklevel=3)
+                decomposed.append(name)
                 continue
             found.append(packet)
-        return found
+        return found, decomposed
 
 
 # A kernel under any of these keys runs the op itself on that device: the mode that keeps ops
@@ -282,19 +287,24 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
                 got=type(target).__name__,
                 tip="KeptOps('aten::mm') keeps ops by name; KeptCallables('Gate.project') "
                     "keeps everything a method dispatches")
-    count = int(len(layers) * config.ratio)
+    count = layer_count(len(layers), config.ratio)
     chosen = list(layers[:count])
     units = _selected(config, targets)
     ops: list[Any] = []
     wrapped: list[str] = []
-    for unit in units:
+    if units and not chosen:
+        warnings.warn(f"RecomputeConfig(ratio={config.ratio}) checkpoints none of the "
+                      f"{len(layers)} layers: the save units {[u.value for u in units]} keep "
+                      "nothing", stacklevel=2)
+    for unit in units if chosen else ():
         target = targets[unit]
         if isinstance(target, KeptOps):
-            found = target.resolve()
-            if not found:
-                warnings.warn(f"save unit {unit.value!r} keeps nothing: none of the ops "
-                              f"{list(target.op_names)} exists in this build and reaches "
-                              "dispatch", stacklevel=2)
+            found, decomposed = target._resolve()
+            missing = [name for name in target.op_names if name not in decomposed]
+            if not found and missing:  # the decomposed ones were warned about by name
+                warnings.warn(f"save unit {unit.value!r} keeps nothing: the ops {missing} do "
+                              "not exist in this build (and the others, if any, are "
+                              "decomposed before dispatch)", stacklevel=2)
             ops.extend(found)
             log.info("save unit %s keeps ops %s", unit.value, [str(op) for op in found])
         else:

@@ -291,3 +291,14 @@ def test_checkpoint_layers_given_one_module_is_refused_with_a_tip() -> None:
         checkpoint_layers(nn.Linear(2, 2))
     layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     assert checkpoint_layers(layers) == [0, 1]  # a Sequential is a sequence of layers
+
+
+def test_a_ratio_checkpoints_the_share_of_layers_it_names_despite_float_rounding() -> None:
+    # 100 * 0.58 is 57.99999999999999 in floats: int() of it checkpointed 57 layers.
+    layers = nn.ModuleList(nn.Linear(1, 1) for _ in range(100))
+    assert len(checkpoint_layers(layers, ratio=0.58)) == 58
+    thirds = nn.ModuleList(nn.Linear(1, 1) for _ in range(3))
+    assert checkpoint_layers(thirds, ratio=1 / 3) == [0]
+    others = nn.ModuleList(nn.Linear(1, 1) for _ in range(100))
+    config = pytree_ckpt.RecomputeConfig(0.29)
+    assert len(pytree_ckpt.apply_recompute_config(others, config, {})) == 29

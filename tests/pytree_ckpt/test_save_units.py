@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import pytree_ckpt
 from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError, KeptCallables,
-                         KeptOps, RecomputeConfig, SaveUnit, apply_recompute_config,
+                         KeptOps, RecomputeConfig, ReuseError, SaveUnit, apply_recompute_config,
                          current_phase)
 from tests.conftest import assert_same_grads, grads_per_model
 
@@ -191,6 +191,7 @@ def test_an_in_place_op_inside_a_kept_callable_is_recomputed_with_one_warning() 
     assert_same_grads([p.grad for p in twin.parameters()], [p.grad for p in layer.parameters()])
 
 
+@pytest.mark.filterwarnings("ignore:RecomputeConfig.ratio=0")  # inert: warned, tested below
 @pytest.mark.parametrize(("ratio", "expected"), [(0, []), (0.5, [0, 1]), (1, [0, 1, 2, 3])])
 def test_ratio_checkpoints_the_first_int_n_times_ratio_layers(ratio: float,
                                                               expected: list[int]) -> None:
@@ -228,7 +229,7 @@ def test_an_undeclared_unit_is_refused_listing_what_the_model_supports() -> None
 def test_inert_selections_warn() -> None:
     with pytest.warns(UserWarning, match="declares no save units"):
         apply_recompute_config([Block()], RecomputeConfig(1.0, True), {})
-    with pytest.warns(UserWarning, match=r"'attn' keeps nothing: none of the ops \['x::y'\]"):
+    with pytest.warns(UserWarning, match=r"'attn' keeps nothing: the ops \['x::y'\] do not"):
         apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]),
                                {SaveUnit.ATTN: KeptOps("x::y")})
     with pytest.warns(UserWarning, match="'moe_gate' keeps nothing: no checkpointed layer"):
@@ -237,6 +238,20 @@ def test_inert_selections_warn() -> None:
     with warnings.catch_warnings():  # one missing name of a pair is skipped quietly
         warnings.simplefilter("error")
         apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]), TARGETS)
+
+
+def test_each_inert_selection_warns_once_naming_its_own_cause() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]),
+                               {SaveUnit.ATTN: KeptOps("aten::linear")})
+    assert [str(w.message)[:40] for w in caught] == ["KeptOps('aten::linear') keeps nothing in"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([Block(), Block()], RecomputeConfig(0.0, True), TARGETS)
+    assert [str(w.message) for w in caught] == [
+        "RecomputeConfig(ratio=0.0) checkpoints none of the 2 layers: the save units "
+        "['attn', 'moe_gate'] keep nothing"]
 
 
 @pytest.mark.parametrize("name", ["aten::linear", "aten::scaled_dot_product_attention"])
@@ -403,3 +418,26 @@ def test_the_census_stops_counting_a_kept_output_once_it_is_taken_back() -> None
         out = layer(x)
     assert "save unit" not in census.bytes_by("mechanism")
     out.sum().backward()
+
+
+class TokenMixing(nn.Module):
+    """A weight-normed Linear over a transposed 3-D input: its weight is computed in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.tok(x.transpose(1, 2))).transpose(1, 2)
+
+
+def test_a_kept_op_torch_dispatches_differently_in_the_replay_is_refused_naming_the_cause() -> None:
+    # NOTE [kept ops dispatched differently]: the computed weight requires no grad in the
+    # no-grad original pass (torch.matmul runs aten::bmm) and requires grad in the replay
+    # (aten::mm). Refused in backward, with a tip naming torch's choice, not the user's code.
+    layers = nn.ModuleList([TokenMixing()])
+    apply_recompute_config(layers, RecomputeConfig(1.0, ["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::mm")})
+    loss = layers[0](torch.randn(2, 16, 16, requires_grad=True)).square().sum()
+    with pytest.raises(ReuseError, match="(?s)aten.mm.*torch itself chooses.*weight_norm"):
+        loss.backward()
