@@ -2,6 +2,7 @@
 
     python -m examples.glm_dsa.train --steps 5 --ratio 1.0 [--no-reuse] [--moe] \\
         [--mtp-depth 2] [--seed 0] [--offload [--offload-min-bytes 1024]] \\
+        [--save attn,dsa_indexer,moe_gate | --save all] [--discard-norms] \\
         [--compile [--compile-backend inductor]]
     torchrun --nproc-per-node N -m examples.glm_dsa.train --fsdp [--compile] [...]
     torchrun --nproc-per-node N -m examples.glm_dsa.train --ddp [...]
@@ -13,8 +14,10 @@ layers behind a checkpoint boundary (the MTP layer is checkpointed whenever ``ra
 ``--no-reuse`` makes the attention call its indexer directly, so every replay reruns it.
 ``--offload`` copies what the checkpointed layers save (hidden states, top-k ids) to host memory
 with an ``offload.OffloadManager`` and prints what it moved per step; without it offload follows
-``XTUNER_ACTIVATION_OFFLOAD`` as everywhere else. ``--compile`` compiles each layer's body
-before it is checkpointed (the boundary stays eager; see docs/scaling.md).
+``XTUNER_ACTIVATION_OFFLOAD`` as everywhere else. ``--save`` keeps save units resident inside
+the checkpointed layers (docs/save_units.md); ``--discard-norms`` frees the norms' outputs and
+rebuilds them before backward needs them (docs/discard.md). ``--compile`` compiles each layer's
+body before it is checkpointed (the boundary stays eager; see docs/scaling.md).
 
 Under torchrun, ``--fsdp`` shards every decoder and MTP layer, then the root, with FSDP2, and
 ``--ddp`` wraps the model in DistributedDataParallel; CUDA with nccl when available, else CPU
@@ -31,7 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
-from offload import OffloadConfig, OffloadManager
+from offload import OffloadConfig, OffloadManager, default_manager, env_flag
+from pytree_ckpt import SaveUnit
 
 from .config import GlmDsaConfig
 from .data import make_packed_batch
@@ -60,6 +64,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # silently move nothing, so the example lowers it.
     parser.add_argument("--offload-min-bytes", type=int,
                         help="smallest storage --offload moves (default 1024 bytes)")
+    parser.add_argument("--save", type=_save_units, default=None, metavar="UNITS",
+                        help="save units to keep resident, comma-separated ("
+                             f"{', '.join(u.value for u in SaveUnit)}), or 'all' for the model's")
+    parser.add_argument("--discard-norms", action="store_true",
+                        help="output-discard replay of the norms (gradients equal to rounding)")
     parallel = parser.add_mutually_exclusive_group()
     parallel.add_argument("--fsdp", action="store_true",
                           help="shard every layer, then the root, with FSDP2 (under torchrun)")
@@ -70,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile-backend",
                         help="torch.compile backend for --compile (default inductor)")
     args = parser.parse_args(argv)
+    if args.save is not None and args.ratio <= 0:
+        parser.error("--save needs --ratio > 0: save units live inside checkpointed layers")
     if args.offload and args.ratio <= 0:
         parser.error("--offload needs --ratio > 0: offload windows open at checkpoint "
                      "boundaries, and with ratio 0 there are none")
@@ -94,6 +105,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _save_units(text: str) -> list[SaveUnit] | bool:
+    if text.strip() == "all":
+        return True
+    try:
+        return [SaveUnit(name.strip()) for name in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the units are {', '.join(u.value for u in SaveUnit)}, or 'all'") from None
+
+
 def main(argv: Sequence[str] | None = None) -> list[float]:
     """Run the training loop; print and return the loss of every step."""
     args = parse_args(argv)
@@ -109,7 +130,7 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
     rank = 0 if env is None else env.rank
     device = torch.device("cpu") if env is None else env.device
     config = GlmDsaConfig(mtp_depth=args.mtp_depth, moe=args.moe,
-                          reuse_indexer=not args.no_reuse)
+                          reuse_indexer=not args.no_reuse, discard_norm_outputs=args.discard_norms)
     torch.manual_seed(args.seed)
     model = GlmDsaForCausalLM(config).to(device)
     if args.compile:  # the bodies first: the boundary keeps the compiled forward it finds
@@ -118,7 +139,15 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
                               **({} if env is None else {"device": device}))
                if args.offload else None)
     # None (no --offload) keeps the XTUNER_ACTIVATION_OFFLOAD behaviour.
-    checkpointed = model.checkpoint_layers(args.ratio, mtp=args.ratio > 0, offload=manager)
+    checkpointed = model.checkpoint_layers(args.ratio, mtp=args.ratio > 0, offload=manager,
+                                           save=args.save)
+    if manager is None and args.ratio > 0 and env_flag("XTUNER_ACTIVATION_OFFLOAD"):
+        manager = default_manager()  # what the variable turned on: report it too
+        say_first = (f"XTUNER_ACTIVATION_OFFLOAD=1: the default manager moves storages of at "
+                     f"least {manager.config.min_bytes} bytes (--offload sets a lower floor "
+                     "for this CPU-sized model)")
+    else:
+        say_first = None
     trained: torch.nn.Module = model
     if args.fsdp:
         # The root returns logits[None], a view; nothing modifies it in place.
@@ -134,6 +163,8 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
                                     f"{'FSDP2' if args.fsdp else 'DDP'})")
     say(f"checkpointed decoder layers: {checkpointed}; tokens per step: "
         f"{batch['input_ids'].shape[1]}{where}")
+    if say_first is not None:
+        say(say_first)
     losses = []
     for step in range(1, args.steps + 1):
         out = trained(**batch)

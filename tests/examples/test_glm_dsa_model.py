@@ -501,3 +501,20 @@ def test_the_training_script_learns_and_its_first_loss_is_the_eager_models(
     batch = make_packed_batch(config, seed=3)
     with torch.no_grad():
         assert eager(**batch)["loss"].item() == losses[0]
+
+
+def test_the_training_script_keeps_save_units_and_discards_norms_on_request(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The first loss is the forward's: bit-identical to eager whatever is kept or discarded.
+    losses = train.main(["--steps", "1", "--seed", "3", "--moe", "--save", "attn,moe_gate",
+                         "--discard-norms"])
+    config = GlmDsaConfig(moe=True)
+    torch.manual_seed(3)
+    eager = GlmDsaForCausalLM(config)
+    with torch.no_grad():
+        assert eager(**make_packed_batch(config, seed=3))["loss"].item() == losses[0]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--save", "attention"])
+    assert "the units are attn, dsa_indexer" in capsys.readouterr().err
+    assert train.parse_args(["--save", "all"]).save is True
