@@ -75,6 +75,7 @@ __all__ = ["BoundaryOptions", "checkpoint", "checkpointed"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+_STILL_LAZY = "_pytree_ckpt_still_lazy"  # a module warned about lazy state its call left lazy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -312,9 +313,17 @@ class _BoundaryFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
         refuse_double_backward(f"the boundary around {_fn_name(call.fn)}")
-        if call.changed_state is None:
+        if call.changed_state is None and call.forward_modules is None:
             return _replay_backward(ctx, call, grad_outputs)
-        with call.changed_state.put_back():
+        with ExitStack() as stack:
+            # The forward's modules first (NOTE [the replay sees the forward's modules]), so
+            # that put_back saves and restores the very tensors the replay changes (a buffer
+            # torch.func.functional_call passed in), and so that what runs in the replay's
+            # backward (an output discard's rebuild) sees them too.
+            if call.forward_modules is not None:
+                stack.enter_context(call.forward_modules.reinstated())
+            if call.changed_state is not None:
+                stack.enter_context(call.changed_state.put_back())
             return _replay_backward(ctx, call, grad_outputs)
 
 
@@ -354,8 +363,6 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
                                              for d in detached))
             if call.options.keep is not None:
                 stack.enter_context(KeepMode(call.options.keep, invocation))
-            if call.forward_modules is not None:
-                stack.enter_context(call.forward_modules.reinstated())
             output = call.fn(*args, **kwargs)
     except CheckpointError:
         raise
@@ -478,8 +485,14 @@ def _raise_attached_to_outside_tensor(call: _Call, spec: Any, index: int) -> Non
 
 
 def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
-    # NOTE [parameters are inputs]: once per module, on its first replay.
-    foreign = foreign_leaf(outs, {id(t) for t in wrt})
+    # NOTE [parameters are inputs]: once per module, on its first replay. A parameter of the
+    # modules that was frozen in the forward and unfrozen since gets no gradient, as in eager
+    # (it was not in the forward's graph): known, not foreign.
+    known = {id(t) for t in wrt}
+    if call.forward_modules is not None:
+        known.update(id(t) for _, entries in call.forward_modules.entries
+                     for t in entries.values())
+    foreign = foreign_leaf(outs, known)
     assert call.owner is not None
     if foreign is not None:
         raise CheckpointError(
@@ -489,14 +502,15 @@ def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor
             got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
             tip="pass the tensor (or the module owning it) as an argument, or register it as a "
                 "parameter of a submodule")
-    _warn_forward_hooks(call.owner)
+    # fn is the module itself (checkpoint(module, x)): its own hooks run inside the boundary.
+    _warn_forward_hooks(call.owner, own=call.fn is call.owner)
     mark_verified(call.owner)
 
 
 _LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
 
 
-def _warn_forward_hooks(owner: nn.Module) -> None:
+def _warn_forward_hooks(owner: nn.Module, *, own: bool = False) -> None:
     """Warn, once per module and structure, about forward hooks inside the boundary.
 
     Such a hook runs in the original pass, under no-grad, and again in the replay, in backward.
@@ -513,7 +527,8 @@ def _warn_forward_hooks(owner: nn.Module) -> None:
                 names.append(getattr(fn, "__qualname__", type(fn).__qualname__))
         return names
 
-    found = [f"{name}: {hook}" for name, sub in owner.named_modules() if sub is not owner
+    found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()
+             if own or sub is not owner
              for hook in user_hooks(sub._forward_hooks)]
     found += [f"(global): {hook}"
               for hook in user_hooks(nn.modules.module._global_forward_hooks)]
@@ -525,6 +540,12 @@ def _warn_forward_hooks(owner: nn.Module) -> None:
             "gradient, and a loss built from it is wrong; a hook that only reads or rewrites "
             "the output is fine. Tip: return such values as outputs of the layer (any PyTree).",
             stacklevel=2)
+
+
+def _any_lazy(trees: Sequence[ModuleDicts]) -> bool:
+    """Whether a parameter or buffer of ``trees`` is still uninitialized (a lazy module's)."""
+    return any(t is not None and is_lazy(t) for tree in trees
+               for d in (*tree.parameters, *tree.buffers) for t in d.values())
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -561,13 +582,22 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # each use needs its gradient (the argument's comes through its input slot).
         params = collect_parameters(trees, set(), frozen=before)
         frozen = list(before)
-        if not is_verified(owner) and any(is_lazy(p) for p in (*params, *frozen)):
-            # A lazy module (nn.LazyLinear) gives its parameters their shape in its first call:
-            # taken as inputs before it, they would get gradients of the wrong shape. That call
-            # runs as eager does, without the boundary; the next ones are checkpointed.
-            logger.info("%s has uninitialized (lazy) parameters: its first call runs without "
-                        "checkpointing, and materializes them", type(owner).__name__)
-            return fn(*args, **kwargs)
+        if not is_verified(owner) and _any_lazy(trees):
+            # A lazy module (nn.LazyLinear) gives its parameters (and buffers) their shape in
+            # its first call: taken as inputs before it, they would get gradients of the wrong
+            # shape. That call runs as eager does, without the boundary; the next ones are
+            # checkpointed.
+            logger.info("%s has uninitialized (lazy) parameters or buffers: its first call "
+                        "runs without checkpointing, and materializes them", type(owner).__name__)
+            output = fn(*args, **kwargs)
+            if _STILL_LAZY not in owner.__dict__ and _any_lazy(trees):
+                # A lazy submodule this call did not run stays lazy, and every call runs so.
+                owner.__dict__[_STILL_LAZY] = True  # warned once per module
+                logger.warning("%s still has uninitialized (lazy) parameters or buffers after "
+                               "a call: it is not checkpointed until they are materialized "
+                               "(run a dummy batch through every lazy submodule first)",
+                               type(owner).__name__)
+            return output
         for tree in trees:
             buffers.extend(tree.buffers)
             before.extend(b for d in tree.buffers for b in d.values() if b is not None)

@@ -49,7 +49,8 @@ from .boundary import parameter_hooks_paused, refuse_double_backward
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
 from .frames import callable_name
-from .module_state import foreign_leaf, module_buffers, owning_module, trainable_parameters
+from .module_state import (ForwardModules, foreign_leaf, module_buffers, module_dicts,
+                           owning_module, trainable_parameters)
 from .rng import ReplayEnvironment
 from .tree import flatten
 
@@ -155,6 +156,10 @@ class _DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by __call__ before the Function runs
         with torch.no_grad():
             outputs = owner.fn(*args)
+        if owner.modules:  # NOTE [the replay sees the forward's modules], as at the boundary
+            owner.forward_modules = ForwardModules(
+                owner.modules, [module_dicts(m) for m in owner.modules])
+        owner.modules = None
         single = isinstance(outputs, torch.Tensor)
         outputs = (outputs,) if single else tuple(outputs)
         owner.single = single
@@ -260,6 +265,8 @@ class CheckpointWithoutOutput:
         self.made_outside: list[bool] = []  # per output: on an input's or fn's state's storage
         self.versions: list[int] = []  # per output, when checkpointed
         self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
+        self.modules: list[nn.Module] | None = None  # fn's modules, until its forward ran
+        self.forward_modules: ForwardModules | None = None
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
         """``fn(*args)`` under no-grad; inputs saved through autograd; returns its output."""
@@ -282,6 +289,7 @@ class CheckpointWithoutOutput:
         modules = [m for m in (owner, *args) if isinstance(m, nn.Module)]
         skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
         if modules:
+            self.modules = modules
             # Tensor arguments not skipped: a parameter the module also receives as an argument
             # is used both ways, and each use needs its gradient (as in the boundary).
             self.params = trainable_parameters(modules, set())
@@ -407,6 +415,8 @@ class CheckpointWithoutOutput:
         with ExitStack() as stack:
             self.env.enter(stack)
             stack.enter_context(torch.enable_grad())
+            if self.forward_modules is not None:
+                stack.enter_context(self.forward_modules.reinstated())
             args = []
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
                 if not is_tensor:

@@ -144,6 +144,9 @@ class ModuleDicts(NamedTuple):
     # Each submodule's __dict__ (for its training flag), without the root's own, which holds
     # this cache.
     submodules: tuple[dict[str, Any], ...]
+    # Submodules whose training flag is not in their __dict__ (a property): read and set as
+    # attributes.
+    flagged_otherwise: tuple[nn.Module, ...] = ()
 
 
 def module_dicts(module: nn.Module, /) -> ModuleDicts:
@@ -157,7 +160,9 @@ def module_dicts(module: nn.Module, /) -> ModuleDicts:
         # _parameters holds Parameters, or any tensor functional_call swaps in.
         cached = (key, ModuleDicts(tuple(m._parameters for m in tree),  # type: ignore[misc]
                                    tuple(m._buffers for m in tree),
-                                   tuple(m.__dict__ for m in tree if m is not module)))
+                                   tuple(m.__dict__ for m in tree if m is not module),
+                                   tuple(m for m in tree if m is not module and
+                                         "training" not in m.__dict__)))
         module.__dict__[_DICTS] = cached
     return cached[1]
 
@@ -344,7 +349,9 @@ class ForwardModules:
     __slots__ = ("roots", "submodules", "modes", "entries")
 
     def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts]) -> None:
-        self.roots = roots
+        others = [m for tree in trees for m in tree.flagged_otherwise]
+        self.roots = [*roots, *others] if others else roots
+        roots = self.roots
         if len(trees) == 1:  # the usual case, without concatenation
             self.submodules = trees[0].submodules
             dicts = trees[0].parameters + trees[0].buffers

@@ -145,3 +145,12 @@ def test_torch_checkpoint_options_given_to_checkpoint_get_a_note_saying_where_th
     if hasattr(raised.value, "add_note"):  # Python 3.11+
         assert "passes every keyword to fn, ['use_reentrant'] included" in \
             "\n".join(raised.value.__notes__)
+
+
+def test_a_forward_hook_of_the_checkpointed_module_itself_is_warned_about() -> None:
+    # checkpoint(module, x) runs the module's own hooks inside the boundary too.
+    layer = Gated()
+    kept: list[torch.Tensor] = []
+    layer.register_forward_hook(lambda module, args, out: kept.append(out))
+    with pytest.warns(UserWarning, match=r"\(itself\): .*<lambda>"):
+        checkpoint(layer, torch.randn(3, 4, requires_grad=True)).sum().backward()

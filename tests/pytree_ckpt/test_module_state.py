@@ -436,3 +436,138 @@ def test_a_lazy_module_gets_eager_gradients_and_is_checkpointed_from_its_second_
         results.append(step_grads)
     assert_same_grads(*results)
     assert calls == [1, 2, 1, 3]  # eager: one call a step; wrapped: then original and replay
+
+
+def test_batchnorm_buffers_passed_through_functional_call_are_updated_once_as_in_eager() -> None:
+    # The replay updates the buffers it runs on: those passed in, which must be put back.
+    states = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        state = {name: b.clone() for name, b in layer.named_buffers()}
+        x = torch.randn(6, 8, requires_grad=True)
+        torch.func.functional_call(layer, state, (x,)).square().sum().backward()
+        states.append([*state.values(), x.grad])
+    assert int(states[1][2]) == 1  # num_batches_tracked: once, not twice
+    assert_same_grads(*states)
+
+
+class DiscardedNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.Sequential(nn.LayerNorm(8), nn.Dropout(0.5))
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        discard = pytree_ckpt.CheckpointWithoutOutput()
+        out = self.proj(discard.checkpoint(self.act, x))
+        discard.discard_output_and_register_recompute(out)
+        return out
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["alone", "in a checkpointed layer"])
+@pytest.mark.parametrize("functional", [False, True], ids=["own weights", "functional_call"])
+def test_an_output_discard_rebuilds_with_the_forwards_modes_and_weights(
+        wrap: bool, functional: bool) -> None:
+    # Its rebuild runs in backward, after eval() and after functional_call returned.
+    grads = []
+    for discard in (False, True):
+        torch.manual_seed(0)
+        layer = DiscardedNorm()
+        if not discard:  # the eager twin: the same modules, nothing discarded
+            layer.forward = lambda x, layer=layer: layer.proj(layer.act(x))  # type: ignore
+        elif wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        fast = {k: v.detach().clone().requires_grad_() for k, v in layer.named_parameters()}
+        torch.manual_seed(1)
+        out = torch.func.functional_call(layer, fast, (x,)) if functional else layer(x)
+        loss = out.square().sum()
+        layer.eval()
+        loss.backward()
+        grads.append([x.grad, *(t.grad for t in fast.values())] if functional else
+                     grads_of([x, *layer.parameters()]))
+    # Discard is exact only to float rounding in general (docs/discard.md); here the rebuilt
+    # norm is the very op of the forward, and nothing else is summed: bit-identical.
+    assert_same_grads(*grads)
+
+
+class PropertyMode(nn.Module):
+    """A module whose training flag is a property (not in its __dict__)."""
+
+    def __init__(self) -> None:
+        self._mode = True
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        return self._mode
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        self._mode = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5, self.training)
+
+
+def test_a_submodule_whose_training_flag_is_a_property_replays_in_the_forwards_mode() -> None:
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(8, 8), PropertyMode(), nn.Linear(8, 8))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        torch.manual_seed(1)
+        loss = layer(x).square().sum()
+        layer.eval()
+        loss.backward()
+        assert not layer[1].training
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
+
+
+def test_a_parameter_unfrozen_between_forward_and_backward_gets_no_gradient_as_in_eager() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        layer[0].weight.requires_grad_(False)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        loss = layer(x).square().sum()
+        layer[0].weight.requires_grad_(True)
+        loss.backward()  # the first replay: verified, not refused as a foreign tensor
+        assert layer[0].weight.grad is None
+        grads.append(grads_of([*layer.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
+
+
+class LazyNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LazyBatchNorm1d(affine=False)  # lazy buffers only
+        self.unused = nn.LazyLinear(4)  # never called: stays lazy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+def test_lazy_buffers_are_materialized_and_a_module_left_lazy_is_reported(
+        caplog: pytest.LogCaptureFixture) -> None:
+    layer = pytree_ckpt.apply_activation_checkpointing(LazyNorm())
+    eager = LazyNorm()
+    eager.load_state_dict(layer.state_dict())
+    x = torch.randn(6, 8, requires_grad=True)
+    with caplog.at_level("WARNING", logger="pytree_ckpt.boundary"):
+        for model in (eager, layer, layer):
+            model(x).square().sum().backward()
+    assert [r.getMessage()[:45] for r in caplog.records] == [
+        "LazyNorm still has uninitialized (lazy) param"]  # once, not per call
+    assert torch.equal(eager.lin.weight.grad * 2, layer.lin.weight.grad)
