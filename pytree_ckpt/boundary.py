@@ -313,15 +313,17 @@ class _BoundaryFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
         refuse_double_backward(f"the boundary around {_fn_name(call.fn)}")
-        if call.changed_state is None and call.forward_modules is None:
+        changes = call.forward_modules.changes() if call.forward_modules is not None else None
+        if call.changed_state is None and changes is None:
             return _replay_backward(ctx, call, grad_outputs)
         with ExitStack() as stack:
             # The forward's modules first (NOTE [the replay sees the forward's modules]), so
             # that put_back saves and restores the very tensors the replay changes (a buffer
             # torch.func.functional_call passed in), and so that what runs in the replay's
             # backward (an output discard's rebuild) sees them too.
-            if call.forward_modules is not None:
-                stack.enter_context(call.forward_modules.reinstated())
+            if changes is not None:
+                assert call.forward_modules is not None
+                stack.enter_context(call.forward_modules.reinstated(changes))
             if call.changed_state is not None:
                 stack.enter_context(call.changed_state.put_back())
             return _replay_backward(ctx, call, grad_outputs)

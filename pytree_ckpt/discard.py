@@ -415,8 +415,10 @@ class CheckpointWithoutOutput:
         with ExitStack() as stack:
             self.env.enter(stack)
             stack.enter_context(torch.enable_grad())
-            if self.forward_modules is not None:
-                stack.enter_context(self.forward_modules.reinstated())
+            changes = self.forward_modules.changes() if self.forward_modules else None
+            if changes is not None:
+                assert self.forward_modules is not None
+                stack.enter_context(self.forward_modules.reinstated(changes))
             args = []
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
                 if not is_tensor:

@@ -328,6 +328,11 @@ class ChangedState:
                     tensor.copy_(value)
 
 
+# The caller's modes, and (dict, the forward's entries, the caller's entries) per swapped dict.
+Changes = tuple[tuple[list[bool], list[Any]],
+                list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]]
+
+
 class ForwardModules:
     """NOTE [the replay sees the forward's modules]: what the modules of a call were when the
     original pass ran, put back for the replay if it changed before backward:
@@ -361,8 +366,8 @@ class ForwardModules:
         self.modes = [m.training for m in roots], [d.get("training") for d in self.submodules]
         self.entries = [(d, d.copy()) for d in dicts if d]
 
-    @contextmanager
-    def reinstated(self) -> Iterator[None]:
+    def changes(self) -> Changes | None:
+        """What differs now from the forward, or ``None`` (the usual case: nothing)."""
         modes = [m.training for m in self.roots], [d.get("training") for d in self.submodules]
         # Same objects in the same order: one C-level pass per dict (a reordered dict counts as
         # swapped, harmlessly: its entries are set again).
@@ -370,8 +375,14 @@ class ForwardModules:
                    if len(d) != len(entries) or
                    not all(map(operator.is_, d.values(), entries.values()))]
         if modes == self.modes and not swapped:
-            yield
-            return
+            return None
+        return modes, swapped
+
+    @contextmanager
+    def reinstated(self, changes: Changes, /) -> Iterator[None]:
+        """The forward's modes and entries for the block, ``changes`` (from ``changes()``)
+        put back after it."""
+        modes, swapped = changes
         self._set_modes(self.modes)
         for d, entries, _ in swapped:
             d.clear()
