@@ -48,22 +48,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.parameter import is_lazy
 
 from .census import Mechanism, census_active, report_held
 from .errors import CheckpointError, ReplayMismatchError
 from .frames import Frame, callable_name
 from .keep import KeepMode, KeepPolicy
-from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch,
+from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
                            collect_parameters, foreign_leaf, is_verified, mark_verified,
-                           module_dicts, owning_module, versions)
+                           module_dicts, owning_module, versions, warn_forward_hooks)
 from .phase import ACTIVE, Invocation, Phase
 from .rng import ReplayEnvironment
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
@@ -505,49 +503,8 @@ def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor
             tip="pass the tensor (or the module owning it) as an argument, or register it as a "
                 "parameter of a submodule")
     # fn is the module itself (checkpoint(module, x)): its own hooks run inside the boundary.
-    _warn_forward_hooks(call.owner, own=call.fn is call.owner)
+    warn_forward_hooks(call.owner, own=call.fn is call.owner)
     mark_verified(call.owner)
-
-
-_LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
-
-
-def _warn_forward_hooks(owner: nn.Module, *, own: bool = False) -> None:
-    """Warn, once per module and structure, about forward hooks inside the boundary.
-
-    Such a hook runs in the original pass, under no-grad, and again in the replay, in backward.
-    A tensor it keeps (transformers collect ``router_logits`` and ``output_attentions`` so)
-    carries no gradient, and a loss built from it is silently wrong; torch's reentrant
-    checkpoint has the same trap. Hooks of torch and of this library only read or rewrite.
-    """
-    def user_hooks(hooks: Any) -> list[str]:
-        names = []
-        for hook in hooks.values():
-            fn = hook.func if isinstance(hook, functools.partial) else hook
-            module = getattr(fn, "__module__", None) or type(fn).__module__
-            if not (module + ".").startswith(_LIBRARY_HOOKS):
-                names.append(getattr(fn, "__qualname__", type(fn).__qualname__))
-        return names
-
-    found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()
-             if own or sub is not owner
-             for hook in user_hooks(sub._forward_hooks)]
-    found += [f"(global): {hook}"
-              for hook in user_hooks(nn.modules.module._global_forward_hooks)]
-    if found:
-        warnings.warn(
-            f"pytree_ckpt: forward hooks inside the checkpointed {type(owner).__name__} run "
-            f"under no-grad in the original pass and again in backward: {', '.join(found)}. A "
-            "tensor such a hook keeps (transformers' router_logits or output_attentions) has no "
-            "gradient, and a loss built from it is wrong; a hook that only reads or rewrites "
-            "the output is fine. Tip: return such values as outputs of the layer (any PyTree).",
-            stacklevel=2)
-
-
-def _any_lazy(trees: Sequence[ModuleDicts]) -> bool:
-    """Whether a parameter or buffer of ``trees`` is still uninitialized (a lazy module's)."""
-    return any(t is not None and is_lazy(t) for tree in trees
-               for d in (*tree.parameters, *tree.buffers) for t in d.values())
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -584,7 +541,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # each use needs its gradient (the argument's comes through its input slot).
         params = collect_parameters(trees, set(), frozen=before)
         frozen = list(before)
-        if not is_verified(owner) and _any_lazy(trees):
+        if not is_verified(owner) and any_lazy(trees):
             # A lazy module (nn.LazyLinear) gives its parameters (and buffers) their shape in
             # its first call: taken as inputs before it, they would get gradients of the wrong
             # shape. That call runs as eager does, without the boundary; the next ones are
@@ -592,7 +549,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             logger.info("%s has uninitialized (lazy) parameters or buffers: its first call "
                         "runs without checkpointing, and materializes them", type(owner).__name__)
             output = fn(*args, **kwargs)
-            if _STILL_LAZY not in owner.__dict__ and _any_lazy(trees):
+            if _STILL_LAZY not in owner.__dict__ and any_lazy(trees):
                 # A lazy submodule this call did not run stays lazy, and every call runs so.
                 owner.__dict__[_STILL_LAZY] = True  # warned once per module
                 logger.warning("%s still has uninitialized (lazy) parameters or buffers after "

@@ -9,13 +9,15 @@
 - what the original pass changed of their state, to be put back after the replay
   (NOTE [state the forward changes]);
 - what their modes and parameter entries were in the original pass, put back for the replay
-  if they changed before backward (NOTE [the replay sees the forward's modules]).
+  if they changed before backward (NOTE [the replay sees the forward's modules]);
+- lazy modules not yet materialized, and forward hooks inside the boundary (warned about).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,10 +25,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
-__all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "collect_parameters",
-           "drop_caches", "foreign_leaf", "is_verified", "mark_verified", "module_buffers",
-           "module_dicts", "owning_module", "trainable_parameters", "versions"]
+__all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
+           "collect_parameters", "drop_caches", "foreign_leaf", "is_verified", "mark_verified",
+           "module_buffers", "module_dicts", "owning_module", "trainable_parameters", "versions",
+           "warn_forward_hooks"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -227,6 +231,48 @@ def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | No
     return None
 
 
+
+
+_LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
+
+
+def warn_forward_hooks(owner: nn.Module, /, *, own: bool = False) -> None:
+    """Warn about forward hooks inside the boundary (the boundary calls this once per module
+    and structure, at its first replay); ``own``: the module's own hooks run inside it too.
+
+    Such a hook runs in the original pass, under no-grad, and again in the replay, in backward.
+    A tensor it keeps (transformers collect ``router_logits`` and ``output_attentions`` so)
+    carries no gradient, and a loss built from it is silently wrong; torch's reentrant
+    checkpoint has the same trap. Hooks of torch and of this library only read or rewrite.
+    """
+    def user_hooks(hooks: Any) -> list[str]:
+        names = []
+        for hook in hooks.values():
+            fn = hook.func if isinstance(hook, functools.partial) else hook
+            module = getattr(fn, "__module__", None) or type(fn).__module__
+            if not (module + ".").startswith(_LIBRARY_HOOKS):
+                names.append(getattr(fn, "__qualname__", type(fn).__qualname__))
+        return names
+
+    found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()
+             if own or sub is not owner
+             for hook in user_hooks(sub._forward_hooks)]
+    found += [f"(global): {hook}"
+              for hook in user_hooks(nn.modules.module._global_forward_hooks)]
+    if found:
+        warnings.warn(
+            f"pytree_ckpt: forward hooks inside the checkpointed {type(owner).__name__} run "
+            f"under no-grad in the original pass and again in backward: {', '.join(found)}. A "
+            "tensor such a hook keeps (transformers' router_logits or output_attentions) has no "
+            "gradient, and a loss built from it is wrong; a hook that only reads or rewrites "
+            "the output is fine. Tip: return such values as outputs of the layer (any PyTree).",
+            stacklevel=2)
+
+
+def any_lazy(trees: Sequence[ModuleDicts], /) -> bool:
+    """Whether a parameter or buffer of ``trees`` is still uninitialized (a lazy module's)."""
+    return any(t is not None and is_lazy(t) for tree in trees
+               for d in (*tree.parameters, *tree.buffers) for t in d.values())
 
 
 def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
