@@ -46,6 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.census import storage_key
 from pytree_ckpt.errors import CheckpointConfigError
+from pytree_ckpt.saved import Unchanged
 
 from .pool import HostPool
 from .streams import CopyEngine
@@ -232,22 +233,24 @@ class OffloadManager:
         pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
 
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
+        # What stays on the device is still checked for in-place changes when unpacked: NOTE
+        # [hooks switch off the in-place check] in pytree_ckpt/saved.py.
         if _is_parameter(tensor):
-            return tensor
+            return Unchanged(tensor)
         # Not a window tensor's storage, or none to copy (warned of when the window opened).
         key = self._plain_storage_key(tensor, warn=False)
         if key is None or key not in window.keys:
-            return tensor
+            return Unchanged(tensor)
         if tensor.device != self.device:
             self._other_device(window, key, tensor)
-            return tensor
+            return Unchanged(tensor)
         nbytes = tensor.untyped_storage().nbytes()
         if nbytes < self.config.min_bytes:
             if key not in window.small:
                 window.small.add(key)
                 self._counters["below_min_bytes"] += nbytes
                 window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
-            return tensor
+            return Unchanged(tensor)
         copy = window.copies.get(key)
         if copy is None or not copy.holds(tensor):
             copy = window.pass_.shared.get(key)
@@ -338,7 +341,7 @@ class OffloadManager:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, Handle):
-            return packed
+            return packed.get()  # Unchanged
         packed.check_unmodified()
         copy = packed.copy
         window = packed.window  # not copy.window: a shared copy may come from an earlier one

@@ -64,6 +64,7 @@ from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch
                            module_dicts, owning_module, versions, warn_forward_hooks)
 from .phase import ACTIVE, Invocation, Phase
 from .rng import ReplayEnvironment
+from .saved import Unchanged
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
@@ -119,10 +120,6 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
         if not t.requires_grad and (before.get(id(t)) is t or any(t is x for x in inputs)):
             as_is.append(t)
     return as_is
-
-def _identity(x: Any) -> Any:
-    return x
-
 
 class _Call:
     """Everything one boundary call needs for its replay, minus the tensors themselves."""
@@ -354,8 +351,9 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
             if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
                 # Shadow an ambient hook (offload, census): the replay's short-lived graph
                 # is not theirs to see. Only then: the hooks cost ~1 us per saved tensor.
+                # NOTE [hooks switch off the in-place check] in saved.py: Unchanged checks.
                 stack.enter_context(
-                    torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
+                    torch.autograd.graph.saved_tensors_hooks(Unchanged, Unchanged.get))
             # fn sees non-leaf aliases (made with grad enabled): module hooks watching their
             # inputs' gradients (FSDP, FlopCounterMode's module tracker) cannot hook a leaf
             # under torch.autograd.grad.

@@ -37,6 +37,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import CheckpointConfigError, CheckpointError
+from .saved import raise_changed
 
 __all__ = ["ActivationCensus", "Mechanism", "census_active", "report_held"]
 
@@ -67,12 +68,15 @@ class Holder(Protocol):
 
 
 class _Packed:
-    """What the census's pack hook hands autograd: alive exactly as long as the graph holds it."""
+    """What the census's pack hook hands autograd: alive exactly as long as the graph holds it.
+    ``inner`` is a detached alias of the tensor (sharing its version counter: NOTE [hooks switch
+    off the in-place check] in saved.py), or what an outer hook made of it."""
 
-    __slots__ = ("inner", "__weakref__")
+    __slots__ = ("inner", "version", "__weakref__")
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, version: int | None = None) -> None:
         self.inner = inner
+        self.version = version
 
 
 def _holds(keeper: weakref.ref[Any]) -> bool:
@@ -190,7 +194,8 @@ class ActivationCensus:
             # NOTE: holding the tensor itself would tie a saved *output* to its own grad_fn (a
             # reference cycle that outlives `del loss`); a detached alias holds only the data.
             if outer_pack is None:
-                packed = _Packed(tensor.detach())
+                packed = _Packed(tensor.detach(),
+                                 None if tensor.is_inference() else tensor._version)
                 self._note(tensor, Mechanism.AUTOGRAD, packed)
                 return packed
             # An outer hook that keeps a copy (save_on_cpu, a compression) holds that copy,
@@ -202,7 +207,11 @@ class ActivationCensus:
             return packed
 
         def unpack(packed: _Packed) -> torch.Tensor:
-            return outer_unpack(packed.inner) if outer_unpack is not None else packed.inner
+            if outer_unpack is not None:  # its own business, as without a census
+                return outer_unpack(packed.inner)
+            if packed.version is not None and packed.inner._version != packed.version:
+                raise_changed(packed.inner, packed.version)
+            return packed.inner
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()

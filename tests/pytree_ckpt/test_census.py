@@ -236,3 +236,39 @@ def test_a_saved_slice_counts_its_whole_storage_once() -> None:
         bottom = h[8:].cos()    # another view of the same storage: not counted again
     assert census.total_bytes == h.untyped_storage().nbytes() == 64 * 64 * 4
     (top.sum() + bottom.sum()).backward()
+
+
+def test_a_census_does_not_turn_a_refused_in_place_change_into_wrong_gradients() -> None:
+    # NOTE [hooks switch off the in-place check] (saved.py): eager refuses this backward;
+    # under the census's hooks autograd does not check, so the census must.
+    x = torch.randn(4, 4, requires_grad=True) * 1.0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = x.sin()  # saves x
+        with torch.no_grad():
+            x.add_(1)
+        y.sum().backward()
+    x = torch.randn(4, 4, requires_grad=True) * 1.0
+    with ActivationCensus():
+        y = x.sin()
+    with torch.no_grad():
+        x.add_(1)
+    with pytest.raises(CheckpointError, match="modified by an in-place operation"):
+        y.sum().backward()
+
+
+def test_a_replay_under_an_ambient_hook_still_refuses_an_in_place_change_of_a_saved_tensor(
+) -> None:
+    # The boundary shadows ambient hooks in the replay with hooks of its own: those check too.
+    def changes_what_it_saved(x: torch.Tensor) -> torch.Tensor:
+        y = x.exp()
+        z = y.sin()  # saves y
+        y.add_(1)    # eager refuses the backward of this
+        return z
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        changes_what_it_saved(x).sum().backward()
+    with ActivationCensus():  # around the backward too: the replay runs under its hook
+        out = checkpoint(changes_what_it_saved, x)
+        with pytest.raises(CheckpointError, match="modified by an in-place operation"):
+            out.sum().backward()

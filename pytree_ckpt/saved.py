@@ -1,0 +1,45 @@
+"""A tensor a saved-tensor hook hands back as it is, checked for in-place changes on unpack.
+
+NOTE [hooks switch off the in-place check]: autograd refuses a backward that needs a saved
+tensor changed in place since it was saved ("modified by an inplace operation"), but it makes
+that check only for tensors saved without hooks. Any ``saved_tensors_hooks``, even an identity
+pair, switches it off. Every hook of this project that hands autograd the tensor itself (a
+census, offload's tensors it does not copy, the replay's shadowing hooks) packs it in
+``Unchanged``, which remembers the version and makes the check on unpack: wrapping a step in a
+census or a window never turns an error into wrong gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["Unchanged", "raise_changed"]
+
+
+class Unchanged:
+    """``tensor`` (or an alias sharing its version counter) and its version when saved."""
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        # Inference tensors keep no version counter (and cannot be changed outside inference).
+        self.version = None if tensor.is_inference() else tensor._version
+
+    def get(self) -> torch.Tensor:
+        """The tensor, or a ``CheckpointError`` if it was changed in place since it was saved."""
+        if self.version is not None and self.tensor._version != self.version:
+            raise_changed(self.tensor, self.version)
+        return self.tensor
+
+
+def raise_changed(tensor: torch.Tensor, saved_version: int, /) -> None:
+    raise CheckpointError(
+        f"a tensor saved for backward (shape {tuple(tensor.shape)}, {tensor.dtype}) was "
+        "modified by an in-place operation after it was saved",
+        expected=f"version {saved_version} (when saved)", got=f"version {tensor._version}",
+        tip="eager autograd refuses this backward too (saved-tensor hooks switch its own check "
+            "off, so it is made here): clone the tensor before changing it, or change it after "
+            "backward; torch.autograd.set_detect_anomaly(True) names the op that saved it")
