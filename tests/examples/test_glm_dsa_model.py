@@ -518,3 +518,49 @@ def test_the_training_script_keeps_save_units_and_discards_norms_on_request(
         train.parse_args(["--save", "attention"])
     assert "the units are attn, dsa_indexer" in capsys.readouterr().err
     assert train.parse_args(["--save", "all"]).save is True
+    with pytest.raises(SystemExit):  # save units live inside checkpointed layers: none at 0
+        train.parse_args(["--save", "attn", "--ratio", "0"])
+    assert "--save needs --ratio > 0" in capsys.readouterr().err
+
+
+def _train_counting_ops(argv: list[str]) -> Any:
+    from tests.pytree_ckpt.test_save_units import OpCounter
+
+    counter = OpCounter()
+    with counter:
+        train.main(argv)
+    return counter.counts
+
+
+def test_the_training_script_keeps_the_named_units_out_of_the_replay_and_rebuilds_the_norms(
+        ) -> None:
+    # The first loss cannot tell: the forward is the same whatever is kept or discarded. The
+    # calls can: a kept attention op never runs in the replay, and each discarded norm (two per
+    # layer, one attention call each) is rebuilt once more in backward, outside any replay.
+    argv = ["--steps", "1", "--seed", "3", "--moe"]
+    plain = _train_counting_ops(argv)
+    flagged = _train_counting_ops([*argv, "--save", "attn", "--discard-norms"])
+    attention = "glm_dsa.sparse_mla_attention"
+    layers = plain["forward", attention]
+    assert layers > 0 and plain["recompute", attention] == layers
+    assert flagged["forward", attention] == layers and flagged["recompute", attention] == 0
+    assert flagged["plain", "aten.rsqrt"] == plain["plain", "aten.rsqrt"] + 2 * layers
+    assert flagged["recompute", "aten.rsqrt"] == plain["recompute", "aten.rsqrt"]
+
+
+def test_the_training_script_reports_the_managers_offload_turns_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from offload import default_manager
+
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
+    train.main(["--steps", "2", "--seed", "3"])
+    printed = capsys.readouterr().out.splitlines()
+    floor = default_manager().config.min_bytes
+    assert f"XTUNER_ACTIVATION_OFFLOAD=1: the default manager moves storages of at least " \
+        f"{floor} bytes" in printed[1]
+    # one window per checkpointed call a step: every decoder layer and every MTP depth
+    config = GlmDsaConfig()
+    calls = str(config.num_layers + config.mtp_depth)
+    windows = [line.split(" in ")[1].split()[0] for line in printed
+               if line.startswith("  offload: ")]
+    assert windows == [calls, calls]

@@ -154,3 +154,66 @@ def test_a_forward_hook_of_the_checkpointed_module_itself_is_warned_about() -> N
     layer.register_forward_hook(lambda module, args, out: kept.append(out))
     with pytest.warns(UserWarning, match=r"\(itself\): .*<lambda>"):
         checkpoint(layer, torch.randn(3, 4, requires_grad=True)).sum().backward()
+
+
+def test_a_wrapped_modules_own_forward_hook_runs_outside_the_boundary_and_is_not_warned_about(
+) -> None:
+    # apply_activation_checkpointing wraps forward: the module's own hooks run once, with grad,
+    # around the boundary, and what they keep has a gradient (nothing to warn about).
+    import pytree_ckpt
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Gated())
+    kept: list[torch.Tensor] = []
+    layer.register_forward_hook(lambda module, args, out: kept.append(out))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert len(kept) == 1 and kept[0].requires_grad
+
+
+def test_a_global_forward_hook_of_user_code_is_warned_about() -> None:
+    # register_module_forward_hook runs for every module, those inside the boundary included.
+    kept: list[torch.Tensor] = []
+
+    def keep_gate(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+        if isinstance(module, torch.nn.Linear) and out.shape[-1] == 2:
+            kept.append(out)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(keep_gate)
+    try:
+        import pytree_ckpt
+
+        layer = pytree_ckpt.apply_activation_checkpointing(Gated())
+        with pytest.warns(UserWarning, match=r"\(global\): .*keep_gate"):
+            layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    finally:
+        handle.remove()
+    assert len(kept) == 2 and not kept[0].requires_grad  # original pass and replay
+
+
+def test_a_library_hook_wrapped_in_a_partial_is_not_warned_about() -> None:
+    # torch wraps some of its hooks in functools.partial: the wrapped function's module counts.
+    import functools
+
+    import pytree_ckpt
+
+    def torch_hook(tag: str, module: torch.nn.Module, args: Any, out: Any) -> None:
+        return None
+
+    torch_hook.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"  # as FSDP's
+    layer = pytree_ckpt.apply_activation_checkpointing(Gated())
+    layer.gate.register_forward_hook(functools.partial(torch_hook, "post"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
+
+
+def test_a_type_error_of_fn_itself_gets_no_note_about_torch_checkpoint_options() -> None:
+    # fn takes `debug` as its own keyword: its TypeError does not name it, and is fn's.
+    def scaled(x: torch.Tensor, *, debug: bool = False) -> torch.Tensor:
+        return x + "2"  # type: ignore[operator]
+
+    with pytest.raises(TypeError) as raised:
+        checkpoint(scaled, torch.randn(3, requires_grad=True), debug=True)
+    assert "debug" not in str(raised.value)
+    assert not getattr(raised.value, "__notes__", None)

@@ -89,8 +89,11 @@ def test_a_callable_the_replay_never_asks_for_is_reported_as_left_over() -> None
 
     out = checkpoint(fn, torch.randn(4, requires_grad=True))
     with pytest.raises(ReuseError, match=r"consumed 0 of the 1 results recorded for "
-                                         r".*frozen_ids by reuse_during_recompute"):
+                                         r".*frozen_ids by reuse_during_recompute") as raised:
         out.sum().backward()
+    # the tip for a callable's results, not the kept ops' (torch's dispatch is not the cause)
+    assert "same reuse_during_recompute calls" in str(raised.value)
+    assert "torch itself chooses" not in str(raised.value)
 
 
 class KeptCoinFlipsChanged(nn.Module):
@@ -143,8 +146,10 @@ def test_a_replay_that_leaves_a_save_units_record_unused_is_refused() -> None:
                            {SaveUnit.ATTN: KeptOps("aten::mm")}, offload=False)
     out = layer(torch.randn(4, 8, requires_grad=True))
     with pytest.raises(ReuseError, match=r"consumed 1 of the 2 results recorded for "
-                                         r"aten\.mm\.default by a save unit"):
+                                         r"aten\.mm\.default by a save unit") as raised:
         out.sum().backward()
+    # NOTE [kept ops dispatched differently]: the kept ops' tip names torch's dispatch too
+    assert "torch itself chooses" in str(raised.value)
 
 
 def test_a_nested_boundary_without_rng_preservation_ignores_the_outer_jump() -> None:

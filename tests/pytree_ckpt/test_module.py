@@ -302,3 +302,15 @@ def test_a_ratio_checkpoints_the_share_of_layers_it_names_despite_float_rounding
     others = nn.ModuleList(nn.Linear(1, 1) for _ in range(100))
     config = pytree_ckpt.RecomputeConfig(0.29)
     assert len(pytree_ckpt.apply_recompute_config(others, config, {})) == 29
+
+
+@pytest.mark.parametrize(("n", "ratio", "count"), [(3, 0.5, 1), (10, 0.99, 9), (10, 0.999, 9),
+                                                    (7, 0.3, 2)])
+def test_a_ratio_rounds_a_share_that_is_not_a_whole_layer_down(n: int, ratio: float,
+                                                                count: int) -> None:
+    # The forgiveness is for float error only: half of 3 layers is 1, 99.9% of 10 is 9.
+    layers = nn.ModuleList(nn.Linear(1, 1) for _ in range(n))
+    assert checkpoint_layers(layers, ratio=ratio) == list(range(count))
+    others = nn.ModuleList(nn.Linear(1, 1) for _ in range(n))
+    config = pytree_ckpt.RecomputeConfig(ratio)
+    assert pytree_ckpt.apply_recompute_config(others, config, {}) == list(range(count))

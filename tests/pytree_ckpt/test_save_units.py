@@ -254,6 +254,16 @@ def test_each_inert_selection_warns_once_naming_its_own_cause() -> None:
         "['attn', 'moe_gate'] keep nothing"]
 
 
+def test_a_ratio_of_zero_without_save_units_checkpoints_nothing_and_warns_nothing() -> None:
+    # Nothing is selected, so nothing is inert: only a ratio 0 with save units warns.
+    for save in (None, False):
+        stack = nn.ModuleList(Block() for _ in range(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert apply_recompute_config(stack, RecomputeConfig(0.0, save), TARGETS) == []
+        assert not any(pytree_ckpt.is_checkpointed(b) for b in stack)
+
+
 @pytest.mark.parametrize("name", ["aten::linear", "aten::scaled_dot_product_attention"])
 def test_an_op_this_build_decomposes_before_dispatch_warns_and_the_rest_is_kept(
         name: str) -> None:
@@ -439,5 +449,8 @@ def test_a_kept_op_torch_dispatches_differently_in_the_replay_is_refused_naming_
     apply_recompute_config(layers, RecomputeConfig(1.0, ["attn"]),
                            {SaveUnit.ATTN: KeptOps("aten::mm")})
     loss = layers[0](torch.randn(2, 16, 16, requires_grad=True)).square().sum()
-    with pytest.raises(ReuseError, match="(?s)aten.mm.*torch itself chooses.*weight_norm"):
+    with pytest.raises(ReuseError, match="(?s)aten.mm.*torch itself chooses.*weight_norm"
+                       ) as raised:
         loss.backward()
+    # The library's own error says what happened: no note about a changed argument added.
+    assert not getattr(raised.value, "__notes__", None)

@@ -1,0 +1,325 @@
+"""Tests for NOTE [the replay sees the forward's modules] that a mutation audit found unguarded:
+each compares gradients bit for bit (fp32) with an unwrapped eager twin, or the module's
+dicts with what the caller left, and fails if one piece of ``ForwardModules`` is dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from tests.conftest import assert_same_grads, grads_of
+
+
+class OwnDropout(nn.Module):
+    """Reads its own training flag in its forward (no submodule holds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(torch.tanh(self.lin(x)), 0.5, self.training)
+
+
+def test_a_module_reading_its_own_training_flag_replays_in_the_forwards_mode() -> None:
+    # The root's flag is not in any submodule's __dict__: it must be put back as the root's.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = OwnDropout()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(6, 8, requires_grad=True)
+        torch.manual_seed(1)
+        loss = layer(x).square().sum()
+        layer.eval()
+        loss.backward()
+        assert not layer.training  # the caller's mode stays
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
+
+
+class Shared(nn.Module):
+    """A module that is not a submodule of the layer, passed to it as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(torch.tanh(self.lin(x))))
+
+
+class UsesShared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, shared: Shared) -> torch.Tensor:
+        return self.proj(shared(x))
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = UsesShared()
+        self.shared = Shared()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, self.shared)
+
+
+def test_a_module_passed_as_an_argument_replays_in_the_forwards_mode() -> None:
+    # Its submodules (the dropout) are another tree than the layer's: their flags count too.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = Pair()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model.layer)
+        x = torch.randn(6, 8, requires_grad=True)
+        torch.manual_seed(1)
+        loss = model(x).square().sum()
+        model.eval()
+        loss.backward()
+        assert not any(m.training for m in model.modules())
+        grads.append(grads_of([x, *model.parameters()]))
+    assert_same_grads(*grads)
+
+
+def test_functional_call_swapping_an_argument_modules_buffers_gives_eager_gradients() -> None:
+    # functional_call on the parent swaps the shared module's tensors for the call only; the
+    # replay must read the swapped running statistics (eval) and parameters, not its own.
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = Pair().eval()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model.layer)
+        own = dict(model.named_parameters()) | dict(model.named_buffers())
+        swapped = {name: (t.detach() * 1.5 + 0.25).requires_grad_(t.requires_grad)
+                   for name, t in own.items()
+                   if name.startswith("shared.") and t.is_floating_point()}
+        x = torch.randn(6, 8, requires_grad=True)
+        torch.func.functional_call(model, swapped, (x,)).square().sum().backward()
+        assert dict(model.named_parameters()) | dict(model.named_buffers()) == own
+        results.append([x.grad, *(t.grad for t in swapped.values() if t.requires_grad),
+                        *(p.grad for p in model.layer.parameters())])
+    assert all(g is not None for g in results[1])
+    assert_same_grads(*results)
+
+
+class SumOfScales(nn.Module):
+    """Its forward uses every parameter its ``scales`` submodule holds when it runs (read from
+    ``_parameters``: a ParameterList would keep its length outside it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scales = nn.Module()
+        self.scales.register_parameter("0", nn.Parameter(torch.full((8,), 0.5)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        for scale in self.scales.parameters():
+            h = h * scale
+        return h
+
+
+def test_a_parameter_appended_between_forward_and_backward_is_not_in_the_replay() -> None:
+    # Eager backpropagates through the forward that ran, with one scale; the replay must not
+    # see the second (an entry added at the end of a dict: its other entries are unchanged).
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = SumOfScales()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        layer(x).sum().backward()  # a first step: the module is verified
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        loss = layer(x).square().sum()
+        layer.scales.register_parameter("1", nn.Parameter(torch.full((8,), 3.0)))
+        loss.backward()
+        assert list(layer.scales._parameters) == ["0", "1"]  # what the caller left
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert grads[0][-1] is None  # the appended scale took no part in the forward
+    assert_same_grads(*grads)
+
+
+class WithExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("shift", torch.full((8,), 0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + self.shift
+
+
+def test_a_buffer_deleted_between_forward_and_backward_stays_deleted() -> None:
+    # The replay runs with the forward's entries; afterwards the caller's (without the buffer)
+    # are back, as in eager, where backward touches no module.
+    for wrap in (False, True):
+        layer = WithExtra()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        loss = layer(x).square().sum()
+        del layer.shift
+        loss.backward()
+        assert "shift" not in layer._buffers and dict(layer.named_buffers()) == {}
+        assert "shift" not in layer.state_dict()
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["eager", "checkpointed"])
+def test_a_replay_leaves_no_module_mode_or_entry_of_the_forward_behind(wrap: bool) -> None:
+    # Train in one mode, switch, backward: every flag and dict is the caller's afterwards.
+    model = Pair()
+    if wrap:
+        pytree_ckpt.apply_activation_checkpointing(model.layer)
+    x = torch.randn(6, 8, requires_grad=True)
+    loss = model(x).square().sum()
+    model.eval()
+    entries = [dict(m._parameters) | dict(m._buffers) for m in model.modules()]
+    loss.backward()
+    assert [m.training for m in model.modules()] == [False] * len(list(model.modules()))
+    assert [dict(m._parameters) | dict(m._buffers) for m in model.modules()] == entries
+
+
+def test_a_parameter_added_to_an_empty_dict_between_forward_and_backward_is_not_in_the_replay(
+) -> None:
+    # As the appended one above, in a submodule that had no parameter when the forward ran.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = SumOfScales()
+        del layer.scales._parameters["0"]
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        layer(x).sum().backward()  # a first step: the module is verified
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        loss = layer(x).square().sum()
+        layer.scales.register_parameter("0", nn.Parameter(torch.full((8,), 3.0)))
+        loss.backward()
+        assert list(layer.scales._parameters) == ["0"]  # what the caller left
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert grads[0][-1] is None  # the added scale took no part in the forward
+    assert_same_grads(*grads)
+
+
+def test_a_training_flag_property_replays_in_the_forwards_mode_after_the_tree_changed() -> None:
+    # Putting modes back must write no flag into the __dict__ of a module whose flag is a
+    # property: the next cache (after a structure change) would read that, not the property.
+    from tests.pytree_ckpt.test_module_state import PropertyMode
+
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(8, 8), PropertyMode(), nn.Linear(8, 8))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        step_grads = []
+        for step in range(2):
+            layer.train()
+            torch.manual_seed(1 + step)
+            loss = layer(x).square().sum()
+            layer.eval()
+            loss.backward()
+            step_grads += grads_of([x, *layer.parameters()])
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            layer.append(nn.Identity())  # the tree changes: the cached dicts are rebuilt
+        assert "training" not in layer[1].__dict__
+        grads.append(step_grads)
+    assert_same_grads(*grads)
+
+
+class OnlyLazyBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LazyBatchNorm1d(affine=False)  # lazy buffers, no lazy parameter
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.norm(self.lin(x)))
+
+
+def test_a_module_whose_only_lazy_state_is_buffers_runs_its_first_call_as_eager(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Lazy buffers alone make the first call materializing: it runs without the boundary, the
+    # next ones are checkpointed (the statistics and gradients of both steps as eager's), and
+    # nothing is left lazy to warn about.
+    x = torch.randn(6, 8, requires_grad=True)
+    results, calls = [], []
+    caplog.set_level("WARNING", logger="pytree_ckpt.boundary")
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = OnlyLazyBuffers()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        step_results = []
+        for _ in range(2):
+            layer(x).square().sum().backward()
+            step_results += [*grads_of([*layer.parameters(), x]), *layer.buffers()]
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            calls.append(layer.calls)
+        results.append([t.clone() if t is not None else None for t in step_results])
+    assert_same_grads(*results)
+    assert calls == [1, 2, 1, 3]  # eager: one call a step; wrapped: then original and replay
+    assert caplog.records == []
+
+
+class NormThen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor, after: nn.Module) -> torch.Tensor:
+        return after(self.norm(x))
+
+
+class DiscardedWithModuleArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = NormThen()
+        self.drop = nn.Dropout(0.5)  # not the discarded module's: passed to it
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        discard = pytree_ckpt.CheckpointWithoutOutput()
+        out = self.proj(discard.checkpoint(self.act, x, self.drop))
+        discard.discard_output_and_register_recompute(out)
+        return out
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["alone", "in a checkpointed layer"])
+def test_an_output_discard_rebuilds_a_module_argument_in_the_forwards_mode(wrap: bool) -> None:
+    grads = []
+    for discard in (False, True):
+        torch.manual_seed(0)
+        layer = DiscardedWithModuleArgument()
+        if not discard:  # the eager twin: the same modules, nothing discarded
+            layer.forward = lambda x, layer=layer: layer.proj(  # type: ignore[method-assign]
+                layer.act(x, layer.drop))
+        elif wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        torch.manual_seed(1)
+        loss = layer(x).square().sum()
+        layer.eval()
+        loss.backward()
+        assert not layer.drop.training
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
