@@ -10,7 +10,7 @@ from torch import nn
 
 from pytree_ckpt import reuse_during_recompute
 
-__all__ = ["Gate", "JitteredOnly", "MappingOutput", "Stack", "UsesOwnWeight", "jittered_topk"]
+__all__ = ["Dropped", "Gate", "JitteredOnly", "MappingOutput", "Stack", "UsesOwnWeight", "jittered_topk"]
 
 
 class Stack(nn.Module):
@@ -75,3 +75,16 @@ class UsesOwnWeight(nn.Module):
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.lin(x)) @ w
+
+
+class Dropped(nn.Module):
+    """Dropout and a BatchNorm: both read their module's training flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(torch.tanh(self.lin(x))))

@@ -17,7 +17,7 @@ from torch import nn
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, checkpoint
 from tests.conftest import assert_same_grads, grads_of, grads_per_model
-from tests.pytree_ckpt.models import Stack, UsesOwnWeight
+from tests.pytree_ckpt.models import Dropped, Stack, UsesOwnWeight
 
 
 class Scaled(nn.Module):
@@ -323,19 +323,6 @@ def test_a_layer_inserted_into_a_copy_before_its_first_call_gets_its_eager_gradi
         model(x).sum().backward()
     assert twin.layers[0].weight.grad is not None  # the copy's stale caches left it out
     assert_same_grads(grads_of(eager.parameters()), grads_of(twin.parameters()))
-
-
-class Dropped(nn.Module):
-    """Dropout and a BatchNorm: both read their module's training flag."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.norm = nn.BatchNorm1d(8)
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.norm(torch.tanh(self.lin(x))))
 
 
 def test_a_model_switched_to_eval_before_backward_gets_the_gradients_of_the_forward_that_ran(

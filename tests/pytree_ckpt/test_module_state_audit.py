@@ -10,6 +10,7 @@ from torch import nn
 
 import pytree_ckpt
 from tests.conftest import assert_same_grads, grads_of
+from tests.pytree_ckpt.models import Dropped
 
 
 class OwnDropout(nn.Module):
@@ -41,25 +42,12 @@ def test_a_module_reading_its_own_training_flag_replays_in_the_forwards_mode() -
     assert_same_grads(*grads)
 
 
-class Shared(nn.Module):
-    """A module that is not a submodule of the layer, passed to it as an argument."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.norm = nn.BatchNorm1d(8)
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.norm(torch.tanh(self.lin(x))))
-
-
 class UsesShared(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(8, 8)
 
-    def forward(self, x: torch.Tensor, shared: Shared) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shared: Dropped) -> torch.Tensor:
         return self.proj(shared(x))
 
 
@@ -67,7 +55,7 @@ class Pair(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layer = UsesShared()
-        self.shared = Shared()
+        self.shared = Dropped()  # not a submodule of the layer: passed to it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x, self.shared)
