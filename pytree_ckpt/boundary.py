@@ -417,8 +417,6 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     return (None, None, *result)
 
 
-
-
 def _raise_input_changed(call: _Call, tensors: Sequence[torch.Tensor], moved: list[int]) -> None:
     paths = [_input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
              for slot in moved]

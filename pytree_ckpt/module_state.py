@@ -231,8 +231,6 @@ def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | No
     return None
 
 
-
-
 _LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
 
 
