@@ -194,7 +194,9 @@ class ActivationCensus:
             # NOTE: holding the tensor itself would tie a saved *output* to its own grad_fn (a
             # reference cycle that outlives `del loss`); a detached alias holds only the data.
             if outer_pack is None:
-                packed = _Packed(tensor.detach(),
+                # A leaf has no grad_fn to cycle through: held itself, as autograd holds it
+                # (a `param.data = ...` swap, ZeRO-3 style, frees and reaches backward as in eager).
+                packed = _Packed(tensor if tensor.is_leaf else tensor.detach(),
                                  None if tensor.is_inference() else tensor._version)
                 self._note(tensor, Mechanism.AUTOGRAD, packed)
                 return packed

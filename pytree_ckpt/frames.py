@@ -33,6 +33,7 @@ from .errors import ReuseError
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import RngState, rng_changed, rng_state, set_rng_state
+from .saved import Unchanged
 from .tree import NAMESPACE, flatten, leaf_paths, unflatten
 
 __all__ = ["Frame", "reuse_during_recompute"]
@@ -85,7 +86,7 @@ class Frame:
         self.results: dict[Callable[..., Any], list[Any]] = {}
         # The version counters of each recorded result's tensors, when recorded: the replay
         # hands back those very tensors, so a change made to them since would count twice.
-        self.versions: dict[Callable[..., Any], list[list[int]]] = {}
+        self.versions: dict[Callable[..., Any], list[dict[int, int]]] = {}
         # NOTE [skipped work keeps the RNG in step]: a recorded call that drew random numbers
         # (router jitter, a kept dropout) is skipped in the replay, so the generators would
         # stay behind and every later random op (dropout) would draw other numbers than in
@@ -125,7 +126,7 @@ class Frame:
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
             flat = flatten(result)
             self.versions.setdefault(fn, []).append(
-                [flat.leaves[i]._version for i in flat.tensor_index])
+                {i: flat.leaves[i]._version for i in flat.tensor_index})
 
     def unkeep(self, op: Callable[..., Any], position: int, /) -> None:
         """Take back a save unit's record: the replay runs ``op`` again (keep.py, rule 3)."""
@@ -134,8 +135,10 @@ class Frame:
 
     def _check_unmodified(self, fn: Callable[..., Any], position: int) -> None:
         flat = flatten(self.results[fn][position])
-        for i, before in zip(flat.tensor_index, self.versions[fn][position]):
+        for i, before in self.versions[fn][position].items():
             leaf = flat.leaves[i]
+            if isinstance(leaf, _Offloaded) and isinstance(leaf.packed, Unchanged):
+                leaf = leaf.packed.tensor  # left on the device by offload: checked here too
             if isinstance(leaf, torch.Tensor) and leaf._version != before:
                 path = leaf_paths(flat.spec, root="result")[i]
                 raise ReuseError(
@@ -170,7 +173,7 @@ class Frame:
         jump = self.rng_jumps[fn][position]
         if jump is not None and self.rng_devices is not None:
             set_rng_state(jump, devices=self.rng_devices)
-        if self.restore is None and not isinstance(fn, torch._ops.OpOverload):
+        if not isinstance(fn, torch._ops.OpOverload):  # offload handles check their copies
             self._check_unmodified(fn, position)
         if self.restore is not None and not isinstance(fn, torch._ops.OpOverload):
             restore = self.restore

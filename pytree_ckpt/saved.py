@@ -19,12 +19,20 @@ __all__ = ["Unchanged", "raise_changed"]
 
 
 class Unchanged:
-    """``tensor`` (or an alias sharing its version counter) and its version when saved."""
+    """``tensor`` (a leaf) or a detached alias of it (sharing its version counter), and its
+    version when saved.
+
+    A non-leaf is held by a detached alias, as autograd itself holds a saved output
+    (``tensor_data()``): the tensor itself would hold its own grad_fn when it is that node's
+    output (tensor -> grad_fn -> saved Unchanged -> tensor), a cycle through C++ that not even
+    the garbage collector frees when the graph is dropped without backward. A leaf has no
+    grad_fn: it is held itself, as autograd does, so ``param.data = ...`` swaps (ZeRO-3 style)
+    reach backward as they do in eager."""
 
     __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor if tensor.is_leaf else tensor.detach()
         # Inference tensors keep no version counter (and cannot be changed outside inference).
         self.version = None if tensor.is_inference() else tensor._version
 
@@ -38,7 +46,7 @@ class Unchanged:
 def raise_changed(tensor: torch.Tensor, saved_version: int, /) -> None:
     raise CheckpointError(
         f"a tensor saved for backward (shape {tuple(tensor.shape)}, {tensor.dtype}) was "
-        "modified by an in-place operation after it was saved",
+        "modified by an inplace operation after it was saved (autograd's check)",
         expected=f"version {saved_version} (when saved)", got=f"version {tensor._version}",
         tip="eager autograd refuses this backward too (saved-tensor hooks switch its own check "
             "off, so it is made here): clone the tensor before changing it, or change it after "

@@ -11,7 +11,6 @@ the loss weight.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest

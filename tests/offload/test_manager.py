@@ -70,7 +70,8 @@ def test_parameters_and_storages_below_the_floor_are_left_alone() -> None:
 
     def spy(window: Any, t: torch.Tensor) -> Any:
         out = original_pack(window, t)
-        packed.append(isinstance(out, Unchanged) and out.tensor is t)  # left as it is
+        # left as it is (a non-leaf held by a detached alias: NOTE in pytree_ckpt/saved.py)
+        packed.append(isinstance(out, Unchanged) and out.tensor.data_ptr() == t.data_ptr())
         return out
 
     m._pack = spy  # type: ignore[method-assign]
@@ -838,5 +839,50 @@ def test_a_saved_tensor_the_manager_leaves_alone_is_still_checked_for_in_place_c
         loss = (x @ w).sum()  # saves both
     with torch.no_grad():
         x.add_(1)  # a window tensor left on the device, or a tensor of no window
-    with pytest.raises(CheckpointError, match="modified by an in-place operation"):
+    with pytest.raises(CheckpointError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_saved_output_the_manager_leaves_alone_is_freed_with_a_graph_dropped_unused() -> None:
+    # NOTE in pytree_ckpt/saved.py: held itself, a saved output would hold its own grad_fn
+    # (output -> grad_fn -> packed -> output), a cycle not even the garbage collector frees.
+    m = manager(min_bytes=0)
+    x = torch.randn(1 << 12, requires_grad=True)
+    gc.disable()
+    try:
+        with m.window([torch.zeros(1)]):  # the saved output is on no window storage
+            y = x.exp()  # saves its output
+            loss = y.sum()
+        gone = StorageWeakRef(y.untyped_storage())
+        del y, loss
+        assert gone.expired()
+    finally:
+        gc.enable()
+
+
+class RoutedWithIds(nn.Module):
+    """``Routed``, returning its ids too (the caller changes them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        return h.detach().abs().argsort(dim=-1)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = pytree_ckpt.reuse_during_recompute(self.route, h)
+        return h + torch.tanh(self.proj(h)).gather(-1, ids), ids
+
+
+@pytest.mark.parametrize("min_bytes", [None, 1 << 20], ids=["no offload", "below min_bytes"])
+def test_a_recorded_result_changed_in_place_is_named_whether_offload_copied_it_or_not(
+        min_bytes: int | None) -> None:
+    # A result left on the device by offload is checked by its frame, as without offload.
+    layer = RoutedWithIds()
+    apply_activation_checkpointing(
+        layer, offload=False if min_bytes is None else manager(min_bytes=min_bytes))
+    out, ids = layer(torch.randn(4, 32, requires_grad=True))
+    ids.add_(0)
+    with pytest.raises(pytree_ckpt.ReuseError, match="RoutedWithIds.route.*modified in place"):
+        out.sum().backward()
