@@ -259,16 +259,19 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     rng_after = None
     if invocation is None:
         devices = _rng_devices_of(recorders)
-        before = rng_state(devices) if devices is not None else None
-        token = IN_REUSE.set(True)  # the replay will not run these ops: never keep them
+        # The replay will not run these ops, nor the RNG comparison (torch.equal dispatches
+        # aten::equal): a save unit keeping everything a callable dispatches must not keep them.
+        token = IN_REUSE.set(True)
         try:
+            before = rng_state(devices) if devices is not None else None
             result = fn(*args, **kwargs)
+            if before is not None and devices is not None:
+                # NOTE [skipped work keeps the RNG in step]
+                after = rng_state(devices)
+                rng_after = after if rng_changed(before, after) else None
         finally:
             IN_REUSE.reset(token)
         _check_frozen(fn, result)
-        if before is not None and devices is not None:  # NOTE [skipped work keeps the RNG in step]
-            after = rng_state(devices)
-            rng_after = after if rng_changed(before, after) else None
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after = invocation.frame.take_with_rng(fn)
     for recorder in recorders:

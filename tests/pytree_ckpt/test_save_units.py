@@ -454,3 +454,42 @@ def test_a_kept_op_torch_dispatches_differently_in_the_replay_is_refused_naming_
         loss.backward()
     # The library's own error says what happened: no note about a changed argument added.
     assert not getattr(raised.value, "__notes__", None)
+
+
+class ReusingRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 4)
+
+    def topk(self, h: torch.Tensor) -> torch.Tensor:
+        return h.topk(2, -1).indices
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # the kept method
+        logits = self.w(h)
+        return logits, pytree_ckpt.reuse_during_recompute(self.topk, logits.detach())
+
+
+class ReusingLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = ReusingRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, ids = self.router.project(x)
+        return logits.gather(-1, ids)
+
+
+def test_a_reused_call_inside_a_kept_method_gives_eager_gradients() -> None:
+    # The reuse's own RNG comparison (torch.equal) dispatched inside the kept method, was kept
+    # by the unit, and the replay (which skips the call) was refused for not asking for it.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layers = nn.ModuleList([ReusingLayer()])
+        if wrap:
+            apply_recompute_config(layers, RecomputeConfig(1.0, ["moe_gate"]),
+                                   {SaveUnit.MOE_GATE: KeptCallables("ReusingRouter.project")})
+        x = torch.randn(4, 8, requires_grad=True)
+        layers[0](x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in layers.parameters())])
+    assert_same_grads(*grads)
