@@ -37,7 +37,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import CheckpointConfigError, CheckpointError
-from .saved import raise_changed
+from .saved import Unchanged
 
 __all__ = ["ActivationCensus", "Mechanism", "census_active", "report_held"]
 
@@ -69,14 +69,13 @@ class Holder(Protocol):
 
 class _Packed:
     """What the census's pack hook hands autograd: alive exactly as long as the graph holds it.
-    ``inner`` is a detached alias of the tensor (sharing its version counter: NOTE [hooks switch
-    off the in-place check] in saved.py), or what an outer hook made of it."""
+    ``inner`` is the tensor in an ``Unchanged`` (NOTE [hooks switch off the in-place check] in
+    saved.py), or what an outer hook made of it."""
 
-    __slots__ = ("inner", "version", "__weakref__")
+    __slots__ = ("inner", "__weakref__")
 
-    def __init__(self, inner: Any, version: int | None = None) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.version = version
 
 
 def _holds(keeper: weakref.ref[Any]) -> bool:
@@ -191,13 +190,9 @@ class ActivationCensus:
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(tensor: torch.Tensor) -> Any:
-            # NOTE: holding the tensor itself would tie a saved *output* to its own grad_fn (a
-            # reference cycle that outlives `del loss`); a detached alias holds only the data.
             if outer_pack is None:
-                # A leaf has no grad_fn to cycle through: held itself, as autograd holds it
-                # (a `param.data = ...` swap, ZeRO-3 style, frees and reaches backward as in eager).
-                packed = _Packed(tensor if tensor.is_leaf else tensor.detach(),
-                                 None if tensor.is_inference() else tensor._version)
+                # Held as autograd holds it, and checked for in-place changes (saved.py).
+                packed = _Packed(Unchanged(tensor))
                 self._note(tensor, Mechanism.AUTOGRAD, packed)
                 return packed
             # An outer hook that keeps a copy (save_on_cpu, a compression) holds that copy,
@@ -211,9 +206,7 @@ class ActivationCensus:
         def unpack(packed: _Packed) -> torch.Tensor:
             if outer_unpack is not None:  # its own business, as without a census
                 return outer_unpack(packed.inner)
-            if packed.version is not None and packed.inner._version != packed.version:
-                raise_changed(packed.inner, packed.version)
-            return packed.inner
+            return packed.inner.get()
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()

@@ -138,7 +138,8 @@ def _check_structure(module: nn.Module) -> None:
 
 class ModuleDicts(NamedTuple):
     """The dicts of a module tree the boundary reads per call (dicts, not modules: no reference
-    cycle); cached on the root per structure and buffer generation."""
+    cycle, but for the rare submodule in ``flagged_otherwise``); cached on the root per
+    structure and buffer generation."""
 
     parameters: tuple[dict[str, torch.Tensor | None], ...]  # each module's _parameters
     # Each module's _buffers, empty ones too: a buffer registered in the forward (lazily, at the

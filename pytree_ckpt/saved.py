@@ -15,7 +15,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["Unchanged", "raise_changed"]
+__all__ = ["Unchanged"]
 
 
 class Unchanged:
@@ -33,17 +33,17 @@ class Unchanged:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor if tensor.is_leaf else tensor.detach()
-        # Inference tensors keep no version counter (and cannot be changed outside inference).
-        self.version = None if tensor.is_inference() else tensor._version
+        # (Autograd refuses to save an inference tensor, which has no version, before any hook.)
+        self.version = tensor._version
 
     def get(self) -> torch.Tensor:
         """The tensor, or a ``CheckpointError`` if it was changed in place since it was saved."""
-        if self.version is not None and self.tensor._version != self.version:
-            raise_changed(self.tensor, self.version)
+        if self.tensor._version != self.version:
+            _raise_changed(self.tensor, self.version)
         return self.tensor
 
 
-def raise_changed(tensor: torch.Tensor, saved_version: int, /) -> None:
+def _raise_changed(tensor: torch.Tensor, saved_version: int, /) -> None:
     raise CheckpointError(
         f"a tensor saved for backward (shape {tuple(tensor.shape)}, {tensor.dtype}) was "
         "modified by an inplace operation after it was saved (autograd's check)",

@@ -141,13 +141,6 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
     # None (no --offload) keeps the XTUNER_ACTIVATION_OFFLOAD behaviour.
     checkpointed = model.checkpoint_layers(args.ratio, mtp=args.ratio > 0, offload=manager,
                                            save=args.save)
-    if manager is None and args.ratio > 0 and env_flag("XTUNER_ACTIVATION_OFFLOAD"):
-        manager = default_manager()  # what the variable turned on: report it too
-        say_first = (f"XTUNER_ACTIVATION_OFFLOAD=1: the default manager moves storages of at "
-                     f"least {manager.config.min_bytes} bytes (--offload sets a lower floor "
-                     "for this CPU-sized model)")
-    else:
-        say_first = None
     trained: torch.nn.Module = model
     if args.fsdp:
         # The root returns logits[None], a view; nothing modifies it in place.
@@ -163,8 +156,11 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
                                     f"{'FSDP2' if args.fsdp else 'DDP'})")
     say(f"checkpointed decoder layers: {checkpointed}; tokens per step: "
         f"{batch['input_ids'].shape[1]}{where}")
-    if say_first is not None:
-        say(say_first)
+    if manager is None and args.ratio > 0 and env_flag("XTUNER_ACTIVATION_OFFLOAD"):
+        manager = default_manager()  # what the variable turned on: report it too
+        say(f"XTUNER_ACTIVATION_OFFLOAD=1: the default manager moves storages of at least "
+            f"{manager.config.min_bytes} bytes (--offload sets a lower floor for this CPU-sized "
+            "model)")
     losses = []
     for step in range(1, args.steps + 1):
         out = trained(**batch)

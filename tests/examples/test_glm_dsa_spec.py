@@ -22,14 +22,9 @@ from examples.glm_dsa import indexer as indexer_module
 from examples.glm_dsa.common import position_ids, rope_tables
 from examples.glm_dsa.config import topk_source_layers
 from examples.glm_dsa.mlp import MoE
+from tests.examples.test_glm_dsa_model import _one_thread
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+__all__ = ["_one_thread"]  # the module-scoped one-thread fixture applies here too
 
 
 # --------------------------------------------------------------------------- the spec, by hand
