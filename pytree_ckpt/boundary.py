@@ -499,7 +499,9 @@ def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor
             tip="pass the tensor (or the module owning it) as an argument, or register it as a "
                 "parameter of a submodule")
     # fn is the module itself (checkpoint(module, x)): its own hooks run inside the boundary.
-    warn_forward_hooks(call.owner, own=call.fn is call.owner)
+    # So do those of a module passed as an argument, when fn calls it.
+    passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
+    warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
     mark_verified(call.owner)
 
 

@@ -235,9 +235,11 @@ def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | No
 _LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
 
 
-def warn_forward_hooks(owner: nn.Module, /, *, own: bool = False) -> None:
+def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
+                       own: bool = False) -> None:
     """Warn about forward hooks inside the boundary (the boundary calls this once per module
-    and structure, at its first replay); ``own``: the module's own hooks run inside it too.
+    and structure, at its first replay); ``own``: the module's own hooks run inside it too;
+    ``passed``: modules passed as arguments, whose own hooks run inside when ``fn`` calls them.
 
     Such a hook runs in the original pass, under no-grad, and again in the replay, in backward.
     A tensor it keeps (transformers collect ``router_logits`` and ``output_attentions`` so)
@@ -256,6 +258,12 @@ def warn_forward_hooks(owner: nn.Module, /, *, own: bool = False) -> None:
     found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()
              if own or sub is not owner
              for hook in user_hooks(sub._forward_hooks)]
+    inside = {id(m) for m in owner.modules()}
+    for module in passed:
+        found += [f"(argument {type(module).__name__}){'.' + name if name else ''}: {hook}"
+                  for name, sub in module.named_modules() if id(sub) not in inside
+                  for hook in user_hooks(sub._forward_hooks)]
+        inside.update(id(m) for m in module.modules())
     found += [f"(global): {hook}"
               for hook in user_hooks(nn.modules.module._global_forward_hooks)]
     if found:

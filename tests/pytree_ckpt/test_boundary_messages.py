@@ -123,6 +123,27 @@ def test_a_forward_hook_that_keeps_a_tensor_inside_the_boundary_is_warned_about_
         layer(x).sum().backward()  # once per module and structure
 
 
+def test_a_forward_hook_on_a_module_passed_as_an_argument_is_warned_about_too() -> None:
+    import pytree_ckpt
+
+    class Mixer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, router: torch.nn.Module) -> torch.Tensor:
+            return self.proj(x) * router(x).softmax(-1).sum(-1, keepdim=True)
+
+    router = Gated()
+    kept: list[torch.Tensor] = []
+    router.gate.register_forward_hook(lambda module, args, out: kept.append(out))
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"(?s)inside the checkpointed Mixer.*"
+                                         r"\(argument Gated\)\.gate: .*<lambda>"):
+        pytree_ckpt.checkpoint(Mixer(), x, router).sum().backward()
+    assert not kept[0].requires_grad  # what the warning is about
+
+
 def test_hooks_of_torch_and_of_this_library_inside_the_boundary_are_not_warned_about() -> None:
     import pytree_ckpt
     from torch.utils.flop_counter import FlopCounterMode
