@@ -200,8 +200,8 @@ class OffloadManager:
                 still.append(copy)
         self._pending = still
 
-    def _open(self, tensors: Sequence[torch.Tensor], name: Callable[[int], str] | None
-              ) -> Window:
+    def _open(self, tensors: Sequence[torch.Tensor], name: Callable[[int], str] | None,
+              resident: Sequence[torch.Tensor] = ()) -> Window:
         # The window opening now is number ``self._opened``; its predecessor's copy may still
         # run (it overlaps this window's compute), older ones must be done.
         self._collect_finished(force_before=self._opened - 1)
@@ -211,12 +211,23 @@ class OffloadManager:
             self._judge_alive()
             self._pass = Pass()
         keys: dict[tuple[str, int], int | None] = {}
+        resident_keys: set[tuple[str, int]] | None = None
         for index, tensor in enumerate(tensors):
             if _is_parameter(tensor):
                 continue
             key = self._plain_storage_key(tensor)
-            if key is not None:
-                keys.setdefault(key, index)
+            if key is None:
+                continue
+            # A .detach() or .data alias of a parameter is a leaf that requires no grad, and
+            # neither a Parameter nor a view of one: only its storage tells. Activations are
+            # rarely such leaves, so the resident keys are read only for those that are.
+            if resident and tensor.is_leaf and not tensor.requires_grad:
+                if resident_keys is None:
+                    resident_keys = {k for t in resident
+                                     if (k := self._plain_storage_key(t, warn=False))}
+                if key in resident_keys:
+                    continue
+            keys.setdefault(key, index)
         self._counters["windows"] += 1
         self._opened += 1
         return Window(self._pass, keys, name, seq=self._opened - 1)
@@ -311,13 +322,16 @@ class OffloadManager:
 
     @contextmanager
     def window(self, tensors: Sequence[torch.Tensor], /, *,
-               name: Callable[[int], str] | None = None) -> Iterator[Window]:
+               name: Callable[[int], str] | None = None,
+               resident: Sequence[torch.Tensor] = ()) -> Iterator[Window]:
         """Offload what autograd saves on the storages of ``tensors`` while the block runs.
 
         ``name(i)``, if given, says where ``tensors[i]`` came from in error messages (the
-        boundary passes the input's key path, e.g. ``args[0]``).
+        boundary passes the input's key path, e.g. ``args[0]``). ``resident``: tensors whose
+        storages stay on the device even when a window tensor shares them (the boundary passes
+        its module's parameters, so that a ``.detach()`` alias of one is not copied).
         """
-        window = self._open(tensors, name)
+        window = self._open(tensors, name, resident)
 
         def pack(tensor: torch.Tensor) -> Any:
             return self._pack(window, tensor)

@@ -586,7 +586,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # Named from the spec and index lists only: the window must not hold `call`, whose
         # frame holds this window's handles (a cycle only the garbage collector would free).
         name = functools.partial(_input_path, flat.spec, flat.tensor_index, slots)
-        with manager.window(unique, name=name) as window:
+        # The module's parameters: a detached alias of one passed in stays resident.
+        resident = [*params, *frozen] if params is not None else ()
+        with manager.window(unique, name=name, resident=resident) as window:
             out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
         if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
             call.frame.offload(functools.partial(manager.offload_into, window), manager.restore)

@@ -58,6 +58,48 @@ def test_a_parameter_passed_as_a_window_tensor_is_not_offloaded_through_a_detach
     assert torch.equal(x.grad, p.detach())
 
 
+def test_a_detached_alias_of_a_resident_parameter_stays_on_the_device() -> None:
+    # ``p.detach()`` is neither a Parameter nor a view of one: without ``resident`` its storage
+    # is the window's, and the whole parameter would be copied to host (and restored as a
+    # second copy) once per window.
+    p = nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(64, 64, requires_grad=True)
+    for resident, copied in (((), p.untyped_storage().nbytes()), ((p,), 0)):
+        m = manager()
+        alias = p.detach()
+        with m.window([alias], resident=resident):
+            loss = (x * alias).sum()  # saves the alias (for x's gradient)
+        assert m.stats()["offloaded_bytes"] == copied
+        x.grad = None
+        loss.backward()
+        assert torch.equal(x.grad, p.detach())
+
+
+def test_a_checkpointed_module_keeps_a_detached_alias_of_its_own_parameter_resident() -> None:
+    import pytree_ckpt
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x: torch.Tensor, frozen_weight: torch.Tensor) -> torch.Tensor:
+            return (x @ self.weight) * frozen_weight
+
+    m = manager()
+    layer = Scaled()
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x * 1.0
+    out = pytree_ckpt.checkpointed(layer, offload=m)(h, layer.weight.detach())
+    # Only h: the alias of layer.weight stays where the parameter is.
+    assert m.stats()["offloaded_bytes"] == h.untyped_storage().nbytes()
+    out.sum().backward()
+    got = [x.grad, layer.weight.grad]
+    x.grad = layer.weight.grad = None
+    ((x * 1.0) @ layer.weight * layer.weight.detach()).sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], layer.weight.grad)
+
+
 def test_an_alias_changed_in_place_after_its_save_and_then_dropped_restores_its_saved_bytes(
         ) -> None:
     # Guards against: _unpack drops its own ``copy.restore()``. The window's copy for the storage
