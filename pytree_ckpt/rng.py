@@ -1,11 +1,16 @@
-"""What the replay must see as the original pass saw it: RNG streams and autocast state."""
+"""What the replay must see as the original pass saw it: RNG streams and autocast state; and
+what each pass must not share with the caller (a parametrization cache)."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-import torch
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
-__all__ = ["ReplayEnvironment", "RngState", "rng_changed", "rng_state", "set_rng_state"]
+import torch
+from torch.nn.utils import parametrize
+
+__all__ = ["ReplayEnvironment", "RngState", "own_parametrize_cache", "rng_changed", "rng_state",
+           "set_rng_state"]
 
 # The CPU generator's state and, by device index, CUDA generators' states.
 RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
@@ -92,3 +97,28 @@ class ReplayEnvironment:
             for device, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device, enabled=enabled, dtype=dtype,
                                                    cache_enabled=self.autocast_cache))
+
+
+@contextmanager
+def own_parametrize_cache() -> Iterator[None]:
+    """NOTE [each pass caches its own parametrizations]: inside ``parametrize.cached()`` a
+    parametrized weight (``parametrizations.weight_norm``, ``orthogonal``, a custom one) is
+    computed at its first use and read from a process-wide cache until the block ends. The
+    original pass runs under no-grad: the weight it would cache has no graph, and the replay,
+    or a use after the boundary in the same block (a head tied to it), would read it and its
+    parametrization would silently get no gradient. Each pass (the original one, a replay)
+    therefore computes and caches its weights in a cache of its own, as eager computes them
+    once per block; the caller's cache is put back after the pass. Within one call the
+    gradients stay eager's; a weight used by several calls (or also outside them) gets one
+    gradient per call, equal to eager's to float rounding, as for any parameter used several
+    times within calls (docs/boundary.md, invariant 4).
+    """
+    if not parametrize._cache_enabled:  # the usual case: caching is off, nothing to isolate
+        yield
+        return
+    outer = parametrize._cache
+    parametrize._cache = {}
+    try:
+        yield
+    finally:
+        parametrize._cache = outer
