@@ -51,7 +51,7 @@ from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
 from .frames import callable_name
 from .module_state import (ForwardModules, foreign_leaf, module_buffers, module_dicts,
                            owning_module, trainable_parameters)
-from .rng import ReplayEnvironment, own_parametrize_cache
+from .rng import ReplayEnvironment, attention_fast_path_off, own_parametrize_cache
 from .tree import flatten
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager",
@@ -154,8 +154,9 @@ class _DiscardFunction(torch.autograd.Function):
             tuple(t for t in args if isinstance(t, torch.Tensor)),
             preserve_rng=owner.preserve_rng_state)
         assert owner.fn is not None  # set by __call__ before the Function runs
-        # NOTE [each pass caches its own parametrizations] in rng.py, as at the boundary.
-        with torch.no_grad(), own_parametrize_cache():
+        # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
+        # mode] in rng.py, as at the boundary.
+        with torch.no_grad(), own_parametrize_cache(), attention_fast_path_off():
             outputs = owner.fn(*args)
         if owner.modules:  # NOTE [the replay sees the forward's modules], as at the boundary
             owner.forward_modules = ForwardModules(
@@ -417,6 +418,7 @@ class CheckpointWithoutOutput:
             self.env.enter(stack)
             stack.enter_context(torch.enable_grad())
             stack.enter_context(own_parametrize_cache())
+            stack.enter_context(attention_fast_path_off())
             changes = self.forward_modules.changes() if self.forward_modules else None
             if changes is not None:
                 assert self.forward_modules is not None

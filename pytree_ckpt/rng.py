@@ -1,5 +1,6 @@
 """What the replay must see as the original pass saw it: RNG streams and autocast state; and
-what each pass must not share with the caller (a parametrization cache)."""
+what each pass must not share with the caller (a parametrization cache) or choose by grad mode
+(attention's fast path)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch.nn.utils import parametrize
 
-__all__ = ["ReplayEnvironment", "RngState", "own_parametrize_cache", "rng_changed", "rng_state",
-           "set_rng_state"]
+__all__ = ["ReplayEnvironment", "RngState", "attention_fast_path_off", "own_parametrize_cache",
+           "rng_changed", "rng_state", "set_rng_state"]
 
 # The CPU generator's state and, by device index, CUDA generators' states.
 RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
@@ -122,3 +123,26 @@ def own_parametrize_cache() -> Iterator[None]:
         yield
     finally:
         parametrize._cache = outer
+
+
+@contextmanager
+def attention_fast_path_off() -> Iterator[None]:
+    """NOTE [no fast path by grad mode]: ``nn.MultiheadAttention`` and
+    ``nn.TransformerEncoderLayer`` (and ``TransformerEncoder``'s nested tensors) in eval mode
+    take a fused fast path when grad is disabled, which the original pass always is; eager,
+    with an input or weight that requires grad, takes the composite path. The fast path rounds
+    differently (and zeroes padded positions), so the layer's output was not eager's, and the
+    replay (composite, grad enabled) backpropagated through another function than the one
+    that ran. Both passes therefore run with ``torch.backends.mha``'s fast path off, and agree
+    with each other always, and with eager whenever something in the attention requires grad
+    (a frozen attention fed a frozen input takes the fast path in eager: equal to rounding).
+    The caller's setting is put back after each pass.
+    """
+    if not torch.backends.mha.get_fastpath_enabled():
+        yield
+        return
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)

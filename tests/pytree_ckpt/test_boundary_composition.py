@@ -58,3 +58,30 @@ def test_a_parametrized_weight_cached_by_the_boundary_keeps_its_graph_for_later_
     for expected, got in zip(*grads):
         assert expected is not None and got is not None
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def encoder() -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+def test_attention_in_eval_mode_gives_eager_outputs_and_gradients() -> None:
+    # nn.MultiheadAttention and nn.TransformerEncoderLayer take a fused fast path when grad is
+    # off (or nothing requires it) in eval mode; eager with a grad-requiring input never does.
+    # The original pass runs under no-grad: it took the fast path, so the output (and the next
+    # layer's replay, fed by it) differed from eager by rounding, silently.
+    eager = encoder()
+    twin = copy.deepcopy(eager)
+    for layer in twin.layers:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    outs, grads = [], []
+    for model in (eager, twin):
+        out = model(x)
+        out.pow(2).sum().backward()
+        outs.append(out.detach())
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    assert torch.equal(*outs)
+    assert_same_grads(*grads)
