@@ -38,7 +38,8 @@ those raise ``CheckpointError`` instead of returning partial results.
 What the boundary knows of the modules a call uses (their parameters and buffers, cached, and
 the state the original pass changes) is in ``module_state.py``.
 
-NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``) or when
+NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
+``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), or when
 nothing can receive a gradient (no input requires grad and ``fn`` belongs to a module with no
 trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 """
@@ -516,7 +517,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.
     """
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+        # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
+        # jacrev) too: the Function has no setup_context, and torch's error would name no fix.
         return fn(*args, **kwargs)
     flat = flatten_call(args, kwargs)
     leaves = flat.leaves
