@@ -64,7 +64,7 @@ from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch
                            collect_parameters, foreign_leaf, is_verified, mark_verified,
                            module_dicts, owning_module, versions, warn_forward_hooks)
 from .phase import ACTIVE, Invocation, Phase
-from .rng import ReplayEnvironment, attention_fast_path_off, own_parametrize_cache
+from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
 
@@ -261,7 +261,7 @@ class _BoundaryFunction(torch.autograd.Function):
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
             # mode] in rng.py.
-            with own_parametrize_cache(), attention_fast_path_off():
+            with IsolatedPass():
                 if call.options.keep is None:
                     output = call.fn(*args, **kwargs)
                 else:
@@ -352,8 +352,7 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
         with ExitStack() as stack:
             call.env.enter(stack)
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(own_parametrize_cache())
-            stack.enter_context(attention_fast_path_off())
+            stack.enter_context(IsolatedPass())
             if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
                 # Shadow an ambient hook (offload, census): the replay's short-lived graph
                 # is not theirs to see. Only then: the hooks cost ~1 us per saved tensor.

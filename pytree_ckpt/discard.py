@@ -51,7 +51,7 @@ from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
 from .frames import callable_name
 from .module_state import (ForwardModules, foreign_leaf, module_buffers, module_dicts,
                            owning_module, trainable_parameters)
-from .rng import ReplayEnvironment, attention_fast_path_off, own_parametrize_cache
+from .rng import IsolatedPass, ReplayEnvironment
 from .tree import flatten
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager",
@@ -156,7 +156,7 @@ class _DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by __call__ before the Function runs
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
-        with torch.no_grad(), own_parametrize_cache(), attention_fast_path_off():
+        with torch.no_grad(), IsolatedPass():
             outputs = owner.fn(*args)
         if owner.modules:  # NOTE [the replay sees the forward's modules], as at the boundary
             owner.forward_modules = ForwardModules(
@@ -417,8 +417,7 @@ class CheckpointWithoutOutput:
         with ExitStack() as stack:
             self.env.enter(stack)
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(own_parametrize_cache())
-            stack.enter_context(attention_fast_path_off())
+            stack.enter_context(IsolatedPass())
             changes = self.forward_modules.changes() if self.forward_modules else None
             if changes is not None:
                 assert self.forward_modules is not None

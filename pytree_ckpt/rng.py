@@ -4,14 +4,14 @@ what each pass must not share with the caller (a parametrization cache) or choos
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
+from typing import Any
 
 import torch
 from torch.nn.utils import parametrize
 
-__all__ = ["ReplayEnvironment", "RngState", "attention_fast_path_off", "own_parametrize_cache",
-           "rng_changed", "rng_state", "set_rng_state"]
+__all__ = ["IsolatedPass", "ReplayEnvironment", "RngState", "rng_changed", "rng_state",
+           "set_rng_state"]
 
 # The CPU generator's state and, by device index, CUDA generators' states.
 RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
@@ -100,34 +100,24 @@ class ReplayEnvironment:
                                                    cache_enabled=self.autocast_cache))
 
 
-@contextmanager
-def own_parametrize_cache() -> Iterator[None]:
-    """NOTE [each pass caches its own parametrizations]: inside ``parametrize.cached()`` a
+class IsolatedPass:
+    """A context for one pass (the original one, or a replay) of a checkpointed call: what it
+    must not share with the caller, or let grad mode choose. One plain class, not two
+    generator contexts: it is entered twice per layer call.
+
+    NOTE [each pass caches its own parametrizations]: inside ``parametrize.cached()`` a
     parametrized weight (``parametrizations.weight_norm``, ``orthogonal``, a custom one) is
     computed at its first use and read from a process-wide cache until the block ends. The
     original pass runs under no-grad: the weight it would cache has no graph, and the replay,
     or a use after the boundary in the same block (a head tied to it), would read it and its
-    parametrization would silently get no gradient. Each pass (the original one, a replay)
-    therefore computes and caches its weights in a cache of its own, as eager computes them
-    once per block; the caller's cache is put back after the pass. Within one call the
-    gradients stay eager's; a weight used by several calls (or also outside them) gets one
-    gradient per call, equal to eager's to float rounding, as for any parameter used several
-    times within calls (docs/boundary.md, invariant 4).
-    """
-    if not parametrize._cache_enabled:  # the usual case: caching is off, nothing to isolate
-        yield
-        return
-    outer = parametrize._cache
-    parametrize._cache = {}
-    try:
-        yield
-    finally:
-        parametrize._cache = outer
+    parametrization would silently get no gradient. Each pass therefore computes and caches
+    its weights in a cache of its own, as eager computes them once per block; the caller's
+    cache is put back after the pass. Within one call the gradients stay eager's; a weight
+    used by several calls (or also outside them) gets one gradient per call, equal to eager's
+    to float rounding, as for any parameter used several times within calls
+    (docs/boundary.md, invariant 4).
 
-
-@contextmanager
-def attention_fast_path_off() -> Iterator[None]:
-    """NOTE [no fast path by grad mode]: ``nn.MultiheadAttention`` and
+    NOTE [no fast path by grad mode]: ``nn.MultiheadAttention`` and
     ``nn.TransformerEncoderLayer`` (and ``TransformerEncoder``'s nested tensors) in eval mode
     take a fused fast path when grad is disabled, which the original pass always is; eager,
     with an input or weight that requires grad, takes the composite path. The fast path rounds
@@ -138,11 +128,20 @@ def attention_fast_path_off() -> Iterator[None]:
     (a frozen attention fed a frozen input takes the fast path in eager: equal to rounding).
     The caller's setting is put back after each pass.
     """
-    if not torch.backends.mha.get_fastpath_enabled():
-        yield
-        return
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
+
+    __slots__ = ("outer_cache", "fast_path")
+
+    def __enter__(self) -> None:
+        self.outer_cache: dict[Any, Any] | None = None
+        if parametrize._cache_enabled:  # usually off: nothing to isolate
+            self.outer_cache = parametrize._cache
+            parametrize._cache = {}
+        self.fast_path = torch.backends.mha.get_fastpath_enabled()
+        if self.fast_path:
+            torch.backends.mha.set_fastpath_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outer_cache is not None:
+            parametrize._cache = self.outer_cache
+        if self.fast_path:
+            torch.backends.mha.set_fastpath_enabled(True)
