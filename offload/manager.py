@@ -389,8 +389,14 @@ class OffloadManager:
         copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
         self.engine.wait(copy.h2d_event)
         assert copy.restored is not None
-        return torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
+        restored = torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
             copy.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
+        # NOTE [lazy bits] in window.py: the layout does not carry a conj or neg bit.
+        if packed.conj:
+            restored = restored.conj()
+        if packed.neg:
+            restored = torch._neg_view(restored)
+        return restored
 
     def _prefetch_targets(self, window: Window) -> list[Window]:
         """The windows before ``window`` to restore now, nearest first (backward needs it

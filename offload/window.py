@@ -158,8 +158,8 @@ class Handle:
     seen. On a GPU such a change may also have raced with the copy to host.
     """
 
-    __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "source",
-                 "version")
+    __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "conj", "neg",
+                 "source", "version")
 
     def __init__(self, copy: Copy, window: Window, key: tuple[str, int],
                  tensor: torch.Tensor) -> None:
@@ -170,6 +170,12 @@ class Handle:
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.offset = tensor.storage_offset()
+        # NOTE [lazy bits]: a conjugate or negative view (``x.conj()`` of a complex tensor,
+        # ``torch._neg_view``) shares its storage's bytes unchanged and says so only with a
+        # bit on the tensor; offset, size and stride do not carry it. The restore sets them
+        # back, or backward reads x where it saved conj(x).
+        self.conj = tensor.is_conj()
+        self.neg = tensor.is_neg()
         base = tensor._base
         self.source = weakref.ref(base if base is not None else tensor)
         self.version = tensor._version

@@ -141,3 +141,47 @@ def test_a_storage_regrown_elsewhere_after_forward_is_copied_back_from_host_not_
     expected, got = grads_with_last_input_changed(m, regrow_elsewhere)
     assert_same_grads(expected, got)
     assert m.stats()["reused_bytes"] == 0
+
+
+def test_a_conjugate_view_saved_in_a_window_restores_conjugated_like_eager() -> None:
+    # Guards against: the restore rebuilding only offset, size and stride. ``b.conj()`` of a
+    # complex tensor is a lazy view (the conj bit, same bytes); mm saves it as is, and a restore
+    # without the bit gives backward b where it saved conj(b): wrong gradients, silently.
+    torch.manual_seed(0)
+    b0 = torch.randn(8, 8, dtype=torch.complex64)
+    w0 = torch.randn(8, 8, dtype=torch.complex64)
+
+    def grads(offloaded: bool) -> list[torch.Tensor]:
+        b, w = b0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        if offloaded:
+            m = manager()
+            with m.window([b]):
+                loss = (b.conj() @ w).abs().sum() + (torch._neg_view(b) @ w).real.sum()
+            assert m.stats()["offloaded_bytes"] == b.untyped_storage().nbytes()
+        else:
+            loss = (b.conj() @ w).abs().sum() + (torch._neg_view(b) @ w).real.sum()
+        loss.backward()
+        return [b.grad, w.grad]
+
+    expected, got = grads(False), grads(True)
+    assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
+
+
+def test_a_conjugate_view_passed_to_an_offloaded_boundary_gets_eager_gradients() -> None:
+    # The same through the boundary, which saves its inputs as they are.
+    from pytree_ckpt import checkpointed
+
+    torch.manual_seed(0)
+    x0 = torch.randn(8, 8, dtype=torch.complex64)
+    w0 = torch.randn(8, 8, dtype=torch.complex64)
+
+    def fn(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return a @ w
+
+    def grads(f: object) -> list[torch.Tensor]:
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        f((x * 1).conj(), w).abs().sum().backward()  # type: ignore[operator]
+        return [x.grad, w.grad]
+
+    expected, got = grads(fn), grads(checkpointed(fn, offload=manager()))
+    assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
