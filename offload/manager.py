@@ -400,12 +400,26 @@ class OffloadManager:
 
     def _prefetch_targets(self, window: Window) -> list[Window]:
         """The windows before ``window`` to restore now, nearest first (backward needs it
-        first): up to ``prefetch`` ids back, those of its pass alive and not restored yet."""
+        first): up to ``prefetch`` windows back that have something to restore, those of its
+        pass alive and not restored yet.
+
+        NOTE [empty windows take no prefetch slot]: a window that copied nothing (every storage
+        below ``min_bytes``, on another device, or a parameter) stays alive with its graph
+        (autograd keeps the hooks) but no handle of its ever unpacks, so no prefetch hit on it
+        would move the prefetch on. Counted as a slot, it would end the chain: the window
+        before it would be restored on demand, an exposed copy. It is passed over instead.
+        """
         windows = window.pass_.windows
         targets = []
-        for earlier_id in range(window.id - 1, max(window.id - self.config.prefetch, 0) - 1, -1):
+        budget = self.config.prefetch
+        earlier_id = window.id - 1
+        while budget > 0 and earlier_id >= 0:
             earlier = windows.get(earlier_id)
-            if earlier is not None and not earlier.restored:
+            earlier_id -= 1
+            if earlier is None or not earlier.copies:
+                continue
+            budget -= 1
+            if not earlier.restored:
                 targets.append(earlier)
         return targets
 

@@ -242,6 +242,26 @@ def test_prefetch_order_for_an_eight_layer_stack(depth: int,
     assert m.stats()["prefetch_hits"] == sum(1 for kind, _ in expected if kind == "prefetch_hit")
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_window_that_copied_nothing_does_not_end_the_prefetch_chain(depth: int) -> None:
+    # Guards against: a window whose storages all stayed on the device (here below min_bytes)
+    # taking a prefetch slot. No handle of it ever unpacks, so no prefetch hit moves the chain
+    # on: the window before it was restored on demand, an exposed copy ("Limits": every window
+    # after the first is prefetched).
+    x = torch.randn(8, 32, requires_grad=True)
+    m = manager(prefetch=depth, min_bytes=x.untyped_storage().nbytes())
+    layers = offloaded_stack(m, 6)
+    h = x * 1.0
+    for index, layer in enumerate(layers):
+        if index in (2, 3):
+            h = h + layer(h[:1].clone())  # a layer input below min_bytes: nothing copied
+        else:
+            h = layer(h)
+    h.sum().backward()
+    assert [e for e in m.events() if e[0] == "restore"] == [("restore", 5)]
+    assert m.stats()["prefetch_hits"] == 3  # windows 4, 1 and 0
+
+
 def test_checkpoint_with_offload_gives_eager_gradients_and_retain_graph_twice_works() -> None:
     torch.manual_seed(0)
     eager_layers = nn.ModuleList(Layer() for _ in range(4))
