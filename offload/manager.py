@@ -109,8 +109,10 @@ class OffloadManager:
         self._warned_nothing = False
         self._warned_device = False
         self._warned_plain = False
-        # Storages let go while still alive: judged when backward begins (``_judge_alive``).
-        self._suspects: list[tuple[StorageWeakRef, int]] = []
+        # Storages let go while still alive: judged when backward begins (``_judge_alive``),
+        # by storage (``StorageWeakRef.cdata``) with the bytes of every copy of it let go.
+        self._suspects: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._suspects_limit = 64  # NOTE [suspects stay bounded]
         self._opened = 0  # windows opened so far, in all passes (NOTE [copies in flight])
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -162,11 +164,31 @@ class OffloadManager:
         also the next layer's, are gone), so what is still alive is kept by something else,
         and its copy saved nothing.
         """
-        for ref, nbytes in self._suspects:
+        for ref, nbytes in self._suspects.values():
             if not ref.expired():
                 self._counters["alive_elsewhere_bytes"] += nbytes
                 log.debug("offloaded storage of %d bytes is still alive elsewhere", nbytes)
-        self._suspects = []
+        self._suspects = {}
+
+    def _suspect(self, ref: StorageWeakRef, nbytes: int) -> None:
+        """Note a storage let go while still alive, for ``_judge_alive``.
+
+        NOTE [suspects stay bounded]: they are judged when a backward or a new pass begins, or
+        at ``stats()``; forwards that never reach backward while some graph stays alive
+        (grad-enabled evaluation that keeps its last output until the next forward) do neither,
+        so the record must not grow per forward: one entry per storage (our weak reference
+        keeps its ``cdata`` from being reused), and entries of storages gone since are
+        dropped as new ones come.
+        """
+        entry = self._suspects.get(ref.cdata)
+        if entry is not None and not entry[0].expired():
+            self._suspects[ref.cdata] = (entry[0], entry[1] + nbytes)
+            return
+        if len(self._suspects) >= self._suspects_limit:  # amortized: the limit doubles
+            self._suspects = {key: value for key, value in self._suspects.items()
+                              if not value[0].expired()}
+            self._suspects_limit = max(64, 2 * len(self._suspects))
+        self._suspects[ref.cdata] = (ref, nbytes)
 
     # -- forward -----------------------------------------------------------------------------
     def _collect_finished(self, *, force_before: int | None = None,

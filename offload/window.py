@@ -90,7 +90,7 @@ class Copy:
         # as alive elsewhere only if still alive when backward begins (``_judge_alive``). A
         # reused storage is checked when backward is done with it (``__del__``).
         if not self.reused and not freed and not self.storage_ref.expired():
-            self.manager._suspects.append((self.storage_ref, self.nbytes))
+            self.manager._suspect(self.storage_ref, self.nbytes)
 
     def restore(self) -> None:
         if self.restored is not None:

@@ -906,3 +906,20 @@ def test_a_recorded_result_changed_in_place_is_named_whether_offload_copied_it_o
     ids.add_(0)
     with pytest.raises(pytree_ckpt.ReuseError, match="RoutedWithIds.route.*modified in place"):
         out.sum().backward()
+
+
+def test_forwards_that_never_reach_backward_do_not_grow_the_managers_state() -> None:
+    # Guards against: the storages let go while alive (``_suspects``) being judged only when a
+    # backward or a new pass begins, or at stats(). Grad-enabled evaluation that keeps its last
+    # output until the next forward does neither: the pass never ends, and the record grew by
+    # an entry (a weak storage reference) per forward, for as long as the loop ran.
+    m = manager()
+    layers = offloaded_stack(m, 4)
+    kept = torch.randn(8, 32)  # an input the caller keeps: alive elsewhere, still counted
+    out = stack(layers, kept)
+    for _ in range(150):
+        x = torch.randn(8, 32)  # alive until the next step: let go while alive, then freed
+        out = stack(layers, x)
+    assert len(m._suspects) <= 64
+    del out, x
+    assert m.stats()["alive_elsewhere_bytes"] == kept.untyped_storage().nbytes()
