@@ -29,6 +29,16 @@ several times (shared-weight MTP), parameters get gradients when no input requir
 the first after any module gains or swaps a submodule) checks that its graph reaches no other
 tensor that requires grad: it would silently get no gradient.
 
+NOTE [attributes set before the call]: a module's own forward pre-hooks run before its wrapped
+forward, outside the boundary. One that sets a tensor with a graph as a plain attribute (the
+deprecated ``torch.nn.utils.weight_norm`` and ``spectral_norm`` compute ``module.weight`` so,
+every call) leaves the replay, in backward, reading whatever the attribute holds then: the last
+call's tensor, whose outside graph ``torch.autograd.grad`` would walk and free (a second call in
+one loss, or ``retain_graph=True``, then fails). When the module has forward pre-hooks, such
+attributes (tensors that require grad, in the module's own ``__dict__``) are extra inputs of the
+Function, after the call's inputs, and the replay sees detached aliases of this call's tensors
+in their place: their gradients leave through the boundary into their own graphs, as in eager.
+
 NOTE [unknown callables]: for any other callable the parameters it closes over cannot be known,
 so the replay accumulates every leaf's gradient with ``torch.autograd.backward``, as torch's
 reentrant checkpoint does; when no input requires grad a tiny requires-grad *anchor* makes the
@@ -61,8 +71,9 @@ from .errors import CheckpointError, ReplayMismatchError
 from .frames import Frame, callable_name
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
-                           collect_parameters, foreign_leaf, is_verified, mark_verified,
-                           module_dicts, owning_module, versions, warn_forward_hooks)
+                           collect_parameters, foreign_leaf, graph_attributes, is_verified,
+                           mark_verified, module_dicts, owning_module, versions,
+                           warn_forward_hooks)
 from .phase import ACTIVE, Invocation, Phase
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
@@ -128,6 +139,7 @@ class _Call:
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
+                 "attributes",
                  "buffer_dicts", "frozen", "changed_state", "modules", "forward_modules")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
@@ -139,6 +151,9 @@ class _Call:
         self.in_tensor_index = in_tensor_index
         self.in_slots = in_slots
         self.n_inputs = 0
+        # Names of the owner's attributes passed as inputs after the call's own (NOTE
+        # [attributes set before the call]).
+        self.attributes: list[str] = []
         self.params: list[torch.Tensor] | None = None  # None: an unknown callable
         self.owner: nn.Module | None = None
         self.frame = Frame()
@@ -271,6 +286,8 @@ class _BoundaryFunction(torch.autograd.Function):
             ACTIVE.reset(token)
         moved = [slot for slot, version in enumerate(versions(tensors))
                  if version != input_versions[slot]]
+        # NOTE [attributes set before the call]: saved with the inputs, after them.
+        saved = inputs[: call.n_inputs + len(call.attributes)]
         if moved:
             _raise_input_changed(call, tensors, moved)
         if watch is not None:
@@ -303,9 +320,9 @@ class _BoundaryFunction(torch.autograd.Function):
                           if any(t is x for x in as_is) and any(t is x for x in tensors)]
         if census_active():
             call.reported = True
-            report_held(tensors, Mechanism.BOUNDARY, holder=call.frame)
+            report_held(saved, Mechanism.BOUNDARY, holder=call.frame)
             report_held(call.frame.tensors(), Mechanism.REPLAY_FRAME, holder=call.frame)
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*saved)
         return out_tensors
 
     @staticmethod
@@ -341,7 +358,7 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
                 "apply_activation_checkpointing) so its parameters are known, or call "
                 "loss.backward() and read .grad")
     needs = ctx.needs_input_grad[2:]
-    n = call.n_inputs
+    n = call.n_inputs + len(call.attributes)
     detached = tuple(t.detach().requires_grad_(need)
                      for t, need in zip(ctx.saved_tensors, needs[:n]))
     call.frame.start_replay()
@@ -362,8 +379,12 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
             # fn sees non-leaf aliases (made with grad enabled): module hooks watching their
             # inputs' gradients (FSDP, FlopCounterMode's module tracker) cannot hook a leaf
             # under torch.autograd.grad.
-            args, kwargs = call.inputs(tuple(d.view_as(d) if d.requires_grad else d
-                                             for d in detached))
+            aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
+            args, kwargs = call.inputs(aliases)
+            if call.attributes:
+                assert call.owner is not None
+                stack.enter_context(_attributes_set(call.owner, call.attributes,
+                                                    aliases[call.n_inputs:]))
             if call.options.keep is not None:
                 stack.enter_context(KeepMode(call.options.keep, invocation))
             output = call.fn(*args, **kwargs)
@@ -455,6 +476,27 @@ def parameter_hooks_paused(params: Sequence[torch.Tensor], /) -> Iterator[None]:
     finally:
         for hooks, items in stash:
             hooks.update(items)
+
+
+@contextmanager
+def _attributes_set(module: nn.Module, names: Sequence[str],
+                    tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """``module``'s attributes ``names`` set to ``tensors`` for the block (NOTE [attributes
+    set before the call]); what they held before is put back after it."""
+    held = module.__dict__
+    before = [held.get(name, _MISSING) for name in names]
+    held.update(zip(names, tensors))
+    try:
+        yield
+    finally:
+        for name, value in zip(names, before):
+            if value is _MISSING:
+                held.pop(name, None)
+            else:
+                held[name] = value
+
+
+_MISSING = object()
 
 
 def refuse_double_backward(where: str, /) -> None:
@@ -565,8 +607,12 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         for tree in trees:
             buffers.extend(tree.buffers)
             before.extend(b for d in tree.buffers for b in d.values() if b is not None)
+    attributes: list[tuple[str, torch.Tensor]] = []
+    if owner is not None and fn is not owner and \
+            (owner._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks):
+        attributes = graph_attributes(owner)  # NOTE [attributes set before the call]
     anchor = None
-    if not params and not any(t.requires_grad for t in unique):
+    if not params and not attributes and not any(t.requires_grad for t in unique):
         if params is not None:  # a module with nothing trainable: nothing to replay for
             return fn(*args, **kwargs)
         anchor = _anchor()
@@ -580,7 +626,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     call.frozen = frozen
     if trees:
         call.modules = (modules, trees)
-    inputs = unique if not params else [*unique, *params]
+    call.attributes = [name for name, _ in attributes]
+    inputs = unique
+    if params or attributes:
+        inputs = [*unique, *(t for _, t in attributes), *(params or ())]
     active = ACTIVE.get()
     if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):
         # NOTE: a boundary nested in another's replay runs in backward, where its inputs are

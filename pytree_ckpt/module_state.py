@@ -28,9 +28,9 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
-           "collect_parameters", "drop_caches", "foreign_leaf", "is_verified", "mark_verified",
-           "module_buffers", "module_dicts", "owning_module", "trainable_parameters", "versions",
-           "warn_forward_hooks"]
+           "collect_parameters", "drop_caches", "foreign_leaf", "graph_attributes", "is_verified",
+           "mark_verified", "module_buffers", "module_dicts", "owning_module",
+           "trainable_parameters", "versions", "warn_forward_hooks"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -280,6 +280,13 @@ def any_lazy(trees: Sequence[ModuleDicts], /) -> bool:
     """Whether a parameter or buffer of ``trees`` is still uninitialized (a lazy module's)."""
     return any(t is not None and is_lazy(t) for tree in trees
                for d in (*tree.parameters, *tree.buffers) for t in d.values())
+
+
+def graph_attributes(module: nn.Module, /) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s plain tensor attributes that require grad (in its own ``__dict__``; NOTE
+    [attributes set before the call] in boundary.py)."""
+    return [(name, value) for name, value in module.__dict__.items()
+            if isinstance(value, torch.Tensor) and value.requires_grad]
 
 
 def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
