@@ -157,9 +157,13 @@ class KeepMode(TorchDispatchMode):
         super().__init__()
         self.policy = policy
         self.invocation = invocation
-        # Original pass: the storages of kept outputs -> (op, position in the frame), so that
-        # a later in-place change can take the record back (rule 3).
-        self._kept_at: dict[int, tuple[Any, int]] = {}
+        # Original pass: the storages of kept outputs -> every (op, position in the frame) kept
+        # on it, so that a later in-place change can take the records back (rule 3).
+        # NOTE [kept outputs share storages]: several records may hold one storage without
+        # being views of each other: reshape of a non-viewable tensor dispatches aten.clone,
+        # then aten._unsafe_view of the clone, a new tensor (its own version counter) on the
+        # clone's storage. A write through either changes both, so all are taken back.
+        self._kept_at: dict[int, list[tuple[Any, int]]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -188,7 +192,7 @@ class KeepMode(TorchDispatchMode):
             for tensor in _tensors(kept):
                 key = _storage_id(tensor)
                 if key is not None:
-                    self._kept_at[key] = (func, position)
+                    self._kept_at.setdefault(key, []).append((func, position))
             if census_active():
                 report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=holder)
             return out
@@ -213,7 +217,6 @@ class KeepMode(TorchDispatchMode):
         # Rule 3: the kept value would be the changed one, and the replay would change it again.
         for tensor in _written(func, args, kwargs):
             key = _storage_id(tensor)
-            found = self._kept_at.pop(key, None) if key is not None else None
-            if found is not None:
-                op, position = found
+            found = self._kept_at.pop(key, ()) if key is not None else ()
+            for op, position in found:  # NOTE [kept outputs share storages]
                 self.invocation.frame.unkeep(op, position)

@@ -493,3 +493,39 @@ def test_a_reused_call_inside_a_kept_method_gives_eager_gradients() -> None:
         layers[0](x).square().sum().backward()
         grads.append([x.grad, *(p.grad for p in layers.parameters())])
     assert_same_grads(*grads)
+
+
+class ReshapingGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 6))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        # reshape of a transposed tensor is no view: aten.clone, then aten._unsafe_view of the
+        # clone (a new tensor on the clone's storage, not a view by its schema); both are kept
+        return (x @ self.w).t().reshape(-1).view(-1, 4)
+
+
+class ReshapedInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = ReshapingGate()
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gate.project(x)
+        y.mul_(2)  # changes the storage of both kept outputs
+        return self.out(y * y)
+
+
+def test_kept_outputs_sharing_a_storage_changed_in_place_later_are_all_recomputed() -> None:
+    # Rule 3 took back only the last record made on the storage (the _unsafe_view): the kept
+    # clone still handed the replay the doubled values, which the replay doubled again.
+    torch.manual_seed(0)
+    eager = ReshapedInPlace()
+    wrapped = copy.deepcopy(eager)
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("ReshapingGate.project")},
+                           offload=False)
+    grads = grads_per_model([eager, wrapped], torch.randn(4, 8, requires_grad=True), seed=0)
+    assert_same_grads(*grads)
