@@ -243,7 +243,10 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     the recorded result is returned *without calling* ``fn``. See NOTE [frame semantics].
     """
     invocation = ACTIVE.get()
-    if invocation is None:
+    if invocation is None or IN_REUSE.get():
+        # NOTE [reuse inside reuse]: a call made while another reused fn runs is a plain call.
+        # The replay skips the enclosing call, so it never asks for this one: recorded, its
+        # result would be left over and backward refused.
         return fn(*args, **kwargs)
     if getattr(type(fn), "__hash__", None) is None:
         raise ReuseError(

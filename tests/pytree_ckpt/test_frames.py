@@ -424,3 +424,28 @@ def test_the_rng_jump_of_a_replayed_call_reaches_a_nested_boundary_too() -> None
     pytree_ckpt.apply_activation_checkpointing(nested)
     x = torch.randn(4, 8, requires_grad=True)
     assert_same_grads(*grads_per_model([eager, nested], x, seed=5))
+
+
+def _helper_topk(scores: torch.Tensor) -> torch.Tensor:
+    return torch.topk(scores, 2, dim=-1).indices
+
+
+def _routing_that_reuses_a_helper(scores: torch.Tensor) -> dict[str, Any]:
+    ids = reuse_during_recompute(_helper_topk, scores)  # a reused call inside a reused call
+    return {"ids": ids, "count": int(ids.max())}
+
+
+def _routed(x: torch.Tensor) -> torch.Tensor:
+    routing = reuse_during_recompute(_routing_that_reuses_a_helper, x.detach())
+    return torch.gather(x, -1, routing["ids"]).exp().sum(-1, keepdim=True) * x
+
+
+def test_a_reused_call_made_inside_another_reused_call_gives_eager_gradients() -> None:
+    # The replay skips the outer call, so it never asks for the inner one: recording the inner
+    # result too left it over, and backward was refused though both passes made the same calls.
+    x = torch.randn(3, 5, requires_grad=True)
+    _routed(x).sum().backward()
+    eager = x.grad.clone()
+    x.grad = None
+    checkpoint(_routed, x).sum().backward()
+    assert torch.equal(x.grad, eager)
