@@ -312,6 +312,15 @@ class _BoundaryFunction(torch.autograd.Function):
         for index in flat.tensor_index:
             call.out_leaves[index] = None
         frozen = [t for t in out_tensors if not (t.is_floating_point() or t.is_complex())]
+        if call.frame.results and len(frozen) < len(out_tensors):
+            # NOTE [frozen results returned as outputs]: a float result of
+            # reuse_during_recompute returned as it is (router probabilities for statistics)
+            # is known to be frozen. Given this node, the recorded tensor itself would carry
+            # it, and the replay, which returns that very tensor, would find its own node on
+            # it. It leaves non-differentiable and untouched, as in eager.
+            recorded = {id(t) for t in call.frame.tensors()}
+            frozen += [t for t in out_tensors if (t.is_floating_point() or t.is_complex())
+                       and not t.requires_grad and id(t) in recorded]
         if frozen or as_is:
             ctx.mark_non_differentiable(*frozen, *as_is)
         # Autograd returns an input as a view of it even so: the caller gets the input itself.

@@ -449,3 +449,41 @@ def test_a_reused_call_made_inside_another_reused_call_gives_eager_gradients() -
     x.grad = None
     checkpoint(_routed, x).sum().backward()
     assert torch.equal(x.grad, eager)
+
+
+def _router_probs(h: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(h, -1)  # a frozen float result (h is detached)
+
+
+class ReturnsItsFrozenProbs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.proj(x)
+        probs = reuse_during_recompute(_router_probs, h.detach())
+        return {"hidden": h * probs, "probs": probs}  # probs also returned, for statistics
+
+
+@pytest.mark.parametrize("wrap", ["module", "function"])
+def test_a_float_frozen_result_returned_as_an_output_gives_eager_gradients(wrap: str) -> None:
+    # The boundary attached its node to the recorded tensor itself; the replay returned that
+    # very tensor, and backward was refused as if it came from outside the call.
+    torch.manual_seed(0)
+    eager = ReturnsItsFrozenProbs()
+    wrapped = copy.deepcopy(eager)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = eager(x)
+    out["hidden"].sum().backward()
+    expected = [x.grad.clone(), *(p.grad for p in eager.parameters())]
+    x.grad = None
+    if wrap == "module":
+        pytree_ckpt.apply_activation_checkpointing(wrapped)
+        got = wrapped(x)
+    else:
+        got = checkpoint(lambda t: ReturnsItsFrozenProbs.forward(wrapped, t), x)
+    got["hidden"].sum().backward()
+    assert_same_grads(expected, [x.grad, *(p.grad for p in wrapped.parameters())])
+    assert torch.equal(got["probs"], out["probs"])
+    assert not got["probs"].requires_grad  # frozen, as in eager
