@@ -13,7 +13,8 @@ still records the op's node with the replay's inputs, and gradients flow. Rules:
 
 1. collectives (``c10d``, ``_c10d_functional``) are never kept: every rank must run them;
    nor are views (``detach`` included): they cost nothing, and autograd dispatches some of them
-   only when grad is enabled, so only in the replay;
+   only when grad is enabled, so only in the replay; nor, under autocast, casts (NOTE
+   [autocast casts are never kept]);
 2. a mutating op (in-place, ``out=``) is never kept; inside a kept callable it is recomputed,
    with one warning per op;
 3. a kept output that a later op of the same original pass changes in place (``relu_``, the
@@ -125,6 +126,10 @@ def _may_draw_random(func: Any) -> bool:
     return func.namespace != "aten" or torch.Tag.nondeterministic_seeded in func.tags
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+
+
 def _storage_id(tensor: torch.Tensor) -> int | None:
     try:
         return tensor.untyped_storage().data_ptr()
@@ -164,13 +169,24 @@ class KeepMode(TorchDispatchMode):
         # then aten._unsafe_view of the clone, a new tensor (its own version counter) on the
         # clone's storage. A write through either changes both, so all are taken back.
         self._kept_at: dict[int, list[tuple[Any, int]]] = {}
+        # NOTE [autocast casts are never kept]: autocast caches its casts of leaves that
+        # require grad (weights; a leaf input in the original pass, a view of one in the
+        # replay) for its whole region, so whether a pass dispatches such a cast depends on
+        # the cache (filled by the original pass, or not, when backward runs inside the
+        # region), not on the code, and a kept cast would be handed to another cast in the
+        # replay. Casts are cheap to redo: none is kept on a device where autocast is on when
+        # the pass starts (the same in both: the replay re-enters the original pass's autocast
+        # state). Read here: inside dispatch, autocast reads as off.
+        self._autocast_on = frozenset(d for d in _AUTOCAST_DEVICE_TYPES
+                                      if torch.is_autocast_enabled(d))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self._kept_at and func._schema.is_mutable:
             self._unkeep_written(func, args, kwargs)
-        if IN_REUSE.get() or not self.policy.keeps(func):
+        if IN_REUSE.get() or not self.policy.keeps(func) or \
+                (func is _TO_COPY and self._autocast_cast(args)):
             return func(*args, **kwargs)
         invocation = self.invocation
         frame = invocation.frame
@@ -212,6 +228,11 @@ class KeepMode(TorchDispatchMode):
         # A fresh alias each time (a replay may run twice with retain_graph): autograd, above
         # this mode, attaches this replay's history to it.
         return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept)
+
+    def _autocast_cast(self, args: Any) -> bool:
+        # NOTE [autocast casts are never kept]
+        return bool(args) and isinstance(args[0], torch.Tensor) and \
+            args[0].device.type in self._autocast_on
 
     def _unkeep_written(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         # Rule 3: the kept value would be the changed one, and the replay would change it again.

@@ -529,3 +529,53 @@ def test_kept_outputs_sharing_a_storage_changed_in_place_later_are_all_recompute
                            offload=False)
     grads = grads_per_model([eager, wrapped], torch.randn(4, 8, requires_grad=True), seed=0)
     assert_same_grads(*grads)
+
+
+class SquareGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class TwiceProjected(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = SquareGate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate.project(x) * self.gate.project(x).tanh()
+
+
+@pytest.mark.parametrize("backward_under_autocast", [False, True])
+def test_a_kept_callable_under_autocast_gives_the_gradients_of_keeping_nothing(
+        backward_under_autocast: bool) -> None:
+    # Autocast caches its casts of leaves that require grad (the weight; the input x here) for
+    # the whole autocast region, so which aten._to_copy a pass dispatches depends on the cache,
+    # not on the code: the original pass cast w and x once each; the replay (x is a view there)
+    # cast x twice and asked for a third record, or (backward inside the region) found w cached
+    # and took w's kept cast for x: silently wrong gradients.
+    # Under autocast the boundary is not bit-identical to eager (autocast sums the two uses of
+    # x's cached cast in bf16, the replay's two casts of a view of x in fp32): the twin is the
+    # same boundary keeping nothing, as "bit-identical whatever is kept" promises.
+    torch.manual_seed(0)
+    unkept = TwiceProjected()
+    wrapped = copy.deepcopy(unkept)
+    pytree_ckpt.apply_activation_checkpointing(unkept, offload=False)
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("SquareGate.project")},
+                           offload=False)
+    x = torch.randn(8, 8, requires_grad=True)  # square: w's cast fits where x's belongs
+    grads = []
+    for model in (unkept, wrapped):
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+            if backward_under_autocast:
+                loss.backward()
+        if not backward_under_autocast:
+            loss.backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)
