@@ -152,8 +152,8 @@ class Frame:
         return self.take_with_rng(fn)[0]
 
     def take_with_rng(self, fn: Callable[..., Any]) -> tuple[Any, RngState | None]:
-        """The next recorded result for ``fn``, and the RNG states recorded after it (already
-        applied here; a nested boundary recording it again needs them too)."""
+        """The next recorded result for ``fn``, and the RNG states recorded after it, if this
+        replay jumped to them (a nested boundary recording it again needs them too)."""
         recorded = self.results.get(fn, ())
         position = self.cursors.get(fn, 0)
         if position >= len(recorded):
@@ -173,6 +173,11 @@ class Frame:
         jump = self.rng_jumps[fn][position]
         if jump is not None and self.rng_devices is not None:
             set_rng_state(jump, devices=self.rng_devices)
+        else:
+            # NOTE: a replay that restores no generator (preserve_rng_state=False) does not
+            # jump either; a nested boundary whose first run this is must then not jump in its
+            # own replay, or its random ops would draw other numbers than in that first run.
+            jump = None
         if not isinstance(fn, torch._ops.OpOverload):  # offload handles check their copies
             self._check_unmodified(fn, position)
         if self.restore is not None and not isinstance(fn, torch._ops.OpOverload):

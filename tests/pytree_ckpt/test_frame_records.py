@@ -209,3 +209,51 @@ def test_save_units_with_offload_keep_their_outputs_resident_and_give_eager_grad
 
     assert_same_grads(run(eager), run(wrapped))
     assert manager.stats()["offloaded_bytes"] > 0
+
+
+def _jittered_ids(x: torch.Tensor) -> torch.Tensor:
+    return (x + torch.rand_like(x)).topk(2, -1).indices  # draws random numbers
+
+
+class MaskRecordingInner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.masks: list[tuple[str, torch.Tensor]] = []
+        self.factor = torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = reuse_during_recompute(_jittered_ids, x.detach())
+        self.factor = ids.float().sum(-1, keepdim=True) + 1
+        h = self.proj(x) * self.factor
+        mask = (torch.rand_like(h) > 0.5).float()  # a dropout mask, recorded
+        self.masks.append((str(current_phase()), mask))
+        return h * mask
+
+
+def test_a_nested_boundary_replays_the_masks_its_own_first_run_drew_under_an_outer_without_rng(
+        ) -> None:
+    # The outer boundary restores no generator: its replay, where the inner boundary's first
+    # run takes the ids from the outer frame, does not jump to the state after the jittered
+    # call either. The inner boundary recorded that jump anyway, and its replay took it: its
+    # dropout mask was the outer original pass's, not the one its first run drew, so the
+    # gradient was not that of the function the outer replay computed.
+    torch.manual_seed(0)
+    inner = MaskRecordingInner()
+    twin = copy.deepcopy(inner)
+    inner_ckpt = pytree_ckpt.checkpointed(inner, preserve_rng_state=True)
+
+    def outer(t: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():  # the inner boundary is real in the outer's forward too
+            return inner_ckpt(t * 2)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    pytree_ckpt.checkpointed(outer, preserve_rng_state=False)(x).sum().backward()
+    phases = [phase for phase, _ in inner.masks]
+    assert phases == ["forward", "forward", "recompute"]  # outer original, outer replay, inner
+    # the gradient of what the outer replay computed: with the mask its inner run drew
+    x_twin = x.detach().requires_grad_()
+    (twin.proj(x_twin * 2) * inner.factor * inner.masks[1][1]).sum().backward()
+    assert_same_grads(grads_of([x_twin, *twin.parameters()]), grads_of([x, *inner.parameters()]))
+    # "dropout masks are identical in the replay": the inner replay draws its first run's
+    assert torch.equal(inner.masks[2][1], inner.masks[1][1])
