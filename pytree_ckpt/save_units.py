@@ -224,9 +224,16 @@ class RecomputeConfig:
 
 
 class _KeptMethod:
-    """A module's method wrapped so every op it dispatches is kept (weak: no cycle)."""
+    """A module's method wrapped so every op it dispatches is kept (weak: no cycle).
+
+    NOTE [kept methods follow copies]: installed as an instance attribute, it is copied with
+    its module's ``__dict__``. A function would be shared by ``copy.deepcopy`` (functions copy
+    as themselves) and would go on calling the *original* module's method, and it could not be
+    pickled; this object is rebound to the copy instead, as the installed forward is.
+    """
 
     __slots__ = ("module_ref", "name", "__weakref__")
+    _pytree_ckpt_kept = True  # what remove_activation_checkpointing looks for
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module_ref = weakref.ref(module)
@@ -237,6 +244,8 @@ class _KeptMethod:
         # Like a bound method's: whoever checkpoints it (output discard) finds the module.
         return self.module_ref()
 
+    # Excluded from torch.compile: the region flag must see every op it runs.
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
         assert module is not None
@@ -245,6 +254,14 @@ class _KeptMethod:
             return getattr(type(module), self.name)(module, *args, **kwargs)
         finally:
             IN_KEPT_CALLABLE.reset(token)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _KeptMethod:
+        # copy.deepcopy(module) registers the new module in memo before copying its __dict__.
+        module = self.module_ref()
+        return _KeptMethod(memo.get(id(module), module), self.name)
+
+    def __reduce__(self) -> Any:
+        return (_KeptMethod, (self.module_ref(), self.name))
 
 
 def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[SaveUnit]:
@@ -332,9 +349,6 @@ def _install_kept_methods(layers: list[nn.Module], target: KeptCallables) -> lis
         for path, module in layer.named_modules():
             for name in target.matches(module):
                 if not getattr(module.__dict__.get(name), "_pytree_ckpt_kept", False):
-                    # Excluded from torch.compile: the region flag must see every op it runs.
-                    kept = torch.compiler.disable(_KeptMethod(module, name))
-                    kept._pytree_ckpt_kept = True  # type: ignore[attr-defined]
-                    module.__dict__[name] = kept
+                    module.__dict__[name] = _KeptMethod(module, name)
                 names.append(f"{type(module).__qualname__}.{name}")
     return names

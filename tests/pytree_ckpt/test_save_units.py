@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import copy
 import warnings
 from typing import Any
@@ -579,3 +580,41 @@ def test_a_kept_callable_under_autocast_gives_the_gradients_of_keeping_nothing(
             loss.backward()
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert_same_grads(*grads)
+
+
+class CopiedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+        self.out = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.gate.project(x).tanh())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_layer_with_a_kept_callable_computes_with_its_own_weights(how: str) -> None:
+    # The kept method was a function closing over a weak reference to the original module:
+    # copy.deepcopy shared it, so the copy's gate ran on the original's weights (an EMA or
+    # teacher copy silently computed with the live model's gate); pickling failed.
+    torch.manual_seed(0)
+    original = CopiedBlock()
+    apply_recompute_config([original], RecomputeConfig(1.0, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("Gate.project")}, offload=False)
+    if how == "deepcopy":
+        twin = copy.deepcopy(original)
+    else:
+        buffer = io.BytesIO()
+        torch.save(original, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        twin.gate.proj.weight.mul_(-1)  # the copy's gate is not the original's any more
+    eager = CopiedBlock()
+    eager.load_state_dict(twin.state_dict())
+    x = torch.randn(3, 8, requires_grad=True)
+    grads = grads_per_model([eager, twin], x, seed=0)
+    assert_same_grads(*grads)
+    assert original.gate.proj.weight.grad is None
+    with torch.no_grad():
+        assert torch.equal(twin(x), eager(x))
