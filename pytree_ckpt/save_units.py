@@ -258,6 +258,7 @@ class _KeptMethod:
     def __deepcopy__(self, memo: dict[int, Any]) -> _KeptMethod:
         # copy.deepcopy(module) registers the new module in memo before copying its __dict__.
         module = self.module_ref()
+        assert module is not None  # a module being copied is alive
         return _KeptMethod(memo.get(id(module), module), self.name)
 
     def __reduce__(self) -> Any:
