@@ -168,18 +168,24 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
 def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Module:
     """Install a boundary with ``options`` on ``module``; ``apply_activation_checkpointing``'s
     core, also used by ``apply_recompute_config``."""
-    installed = _installed(module)
-    if installed is not None:
-        if installed.options != options:
-            raise CheckpointConfigError(
-                f"{type(module).__name__} is already checkpointed with other options",
-                expected=installed.options, got=options,
-                tip="call remove_activation_checkpointing(module) first, then apply again")
+    if refuse_other_options(module, options):
         return module
     forward = _CheckpointedForward(module, module.__dict__.get("forward"), options)
     module.__dict__["forward"] = forward
     module.__dict__[_INSTALLED] = forward
     return module
+
+
+def refuse_other_options(module: nn.Module, options: BoundaryOptions, /) -> bool:
+    """Whether ``module`` already has a boundary with ``options``; raises if it has one with
+    other options (callers check every layer before changing any)."""
+    installed = _installed(module)
+    if installed is not None and installed.options != options:
+        raise CheckpointConfigError(
+            f"{type(module).__name__} is already checkpointed with other options",
+            expected=installed.options, got=options,
+            tip="call remove_activation_checkpointing(module) first, then apply again")
+    return installed is not None
 
 
 def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:

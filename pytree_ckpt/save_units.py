@@ -28,7 +28,8 @@ from torch import nn
 from .boundary import BoundaryOptions
 from .errors import CheckpointConfigError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy
-from .module import install_boundary, layer_count, resolve_offload, validate_ratio
+from .module import (install_boundary, layer_count, refuse_other_options, resolve_offload,
+                     validate_ratio)
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -310,6 +311,7 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
     units = _selected(config, targets)
     ops: list[Any] = []
     wrapped: list[str] = []
+    kept: list[tuple[nn.Module, str]] = []  # installed once every layer was checked
     if units and not chosen:
         warnings.warn(f"RecomputeConfig(ratio={config.ratio}) checkpoints none of the "
                       f"{len(layers)} layers: the save units {[u.value for u in units]} keep "
@@ -326,7 +328,9 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
             ops.extend(found)
             log.info("save unit %s keeps ops %s", unit.value, [str(op) for op in found])
         else:
-            names = _install_kept_methods(chosen, target)
+            found_methods = _kept_methods(chosen, target)
+            kept.extend(found_methods)
+            names = [f"{type(module).__qualname__}.{name}" for module, name in found_methods]
             if not names:
                 warnings.warn(f"save unit {unit.value!r} keeps nothing: no checkpointed layer "
                               f"has a method matching {list(target.targets)}", stacklevel=2)
@@ -339,17 +343,18 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
                             description=", ".join(u.value for u in units))
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload), keep=policy)
+    for layer in chosen:  # before anything changes: a refused call leaves the layers as they were
+        refuse_other_options(layer, options)
+    for module, name in kept:
+        if not getattr(module.__dict__.get(name), "_pytree_ckpt_kept", False):
+            module.__dict__[name] = _KeptMethod(module, name)
     for layer in chosen:
         install_boundary(layer, options)
     return list(range(count))
 
 
-def _install_kept_methods(layers: list[nn.Module], target: KeptCallables) -> list[str]:
-    names = []
-    for layer in layers:
-        for path, module in layer.named_modules():
-            for name in target.matches(module):
-                if not getattr(module.__dict__.get(name), "_pytree_ckpt_kept", False):
-                    module.__dict__[name] = _KeptMethod(module, name)
-                names.append(f"{type(module).__qualname__}.{name}")
-    return names
+def _kept_methods(layers: list[nn.Module], target: KeptCallables
+                  ) -> list[tuple[nn.Module, str]]:
+    """The (module, method name) pairs of ``layers`` that ``target`` keeps."""
+    return [(module, name) for layer in layers for module in layer.modules()
+            for name in target.matches(module)]

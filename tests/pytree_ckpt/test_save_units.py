@@ -618,3 +618,15 @@ def test_a_copy_of_a_layer_with_a_kept_callable_computes_with_its_own_weights(ho
     assert original.gate.proj.weight.grad is None
     with torch.no_grad():
         assert torch.equal(twin(x), eager(x))
+
+
+def test_a_refused_second_config_leaves_the_layers_methods_as_they_were() -> None:
+    stack = nn.ModuleList(Block() for _ in range(2))
+    apply_recompute_config(stack, RecomputeConfig(1.0, ["attn"]), TARGETS)
+    with pytest.raises(CheckpointConfigError, match="already checkpointed with other options"):
+        apply_recompute_config(stack, RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+    # The gate's method was not wrapped on the way to the refusal: the first config holds.
+    assert all("project" not in layer.gate.__dict__ for layer in stack)
+    pytree_ckpt.remove_activation_checkpointing(stack[0])
+    pytree_ckpt.remove_activation_checkpointing(stack[1])
+    assert all("forward" not in layer.__dict__ for layer in stack)
