@@ -255,7 +255,12 @@ class ActivationCensus:
         # A storage is held while one of its keepers is: the graph's handle of a saved tensor
         # (alive while the graph holds it), or a mechanism's holder until it is released.
         known = self._entries.get(key)
-        if known is not None and (known.held() or not known.storage.expired()):
+        # NOTE [one address, one storage]: a record whose storage died describes no storage at
+        # this address any more, even while one of its keepers lives on (an outer hook's opaque
+        # handle that did not keep the tensor, a frame whose input offload freed): the
+        # allocator hands freed memory out again at once, and a tensor there now is a new
+        # storage with its own size. Merged into the dead record it was counted as nothing.
+        if known is not None and not known.storage.expired():
             if replace:  # the mechanisms' earlier holders; other autograd saves still hold it
                 known.keepers = [k for k in known.keepers if isinstance(k(), _Packed)]
             known.keepers.append(weakref.ref(keeper))

@@ -199,3 +199,35 @@ def test_a_storage_at_the_address_of_a_discarded_one_is_counted_as_resident() ->
     assert census.discarded_bytes == nbytes(first) == 32 * 32 * 4
     assert census.total_bytes == nbytes(second) == 16 * 32 * 4
     del loss
+
+
+class _Compressed:
+    """An outer hook's opaque handle: a half-precision copy, not the tensor it was given."""
+
+    given: list[int] = []  # the ground truth: the storages the hook was given, by address
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.half = tensor.detach().half()
+        _Compressed.given.append(tensor.untyped_storage().data_ptr())
+
+
+def test_a_storage_at_the_address_of_a_dead_one_whose_handle_lives_is_counted() -> None:
+    # The first storage is saved through an opaque handle that does not keep it: it dies while
+    # the graph still holds the handle. The allocator hands its address to the next tensor,
+    # which the graph also saves: that is a new storage, held, and must be counted (it was
+    # merged into the dead one's record and counted as nothing). (Two storages at one address,
+    # one after the other, made from one buffer as in the tests above.)
+    buffer = bytearray(torch.randn(32, 32).numpy().tobytes())
+    w = torch.randn(32, 32, requires_grad=True)
+    _Compressed.given.clear()
+    with torch.autograd.graph.saved_tensors_hooks(_Compressed, lambda c: c.half.float()):
+        with ActivationCensus() as census:
+            first = torch.frombuffer(buffer, dtype=torch.float32).view(32, 32)
+            out = w * first  # saves first, through a handle that does not keep it
+            del first
+            gc.collect()
+            second = torch.frombuffer(buffer, dtype=torch.float32, count=8 * 32).view(8, 32)
+            out2 = w[:8] * second  # saves second: alive (the test holds it) and held
+    assert _Compressed.given[-1] == second.untyped_storage().data_ptr()  # mul saved second
+    assert census.total_bytes == nbytes(second) == 8 * 32 * 4
+    (out.sum() + out2.sum()).backward()
