@@ -291,6 +291,11 @@ class OffloadManager:
                 copy = Copy(self, window, tensor)
                 window.pass_.shared[key] = copy
                 _report_offload(copy, tensor)
+            else:
+                # This window's boundary has just reported the storage as its input; what
+                # holds it for backward is the earlier window's copy (the census filed it as a
+                # resident boundary input, never flagged when the caller keeps it).
+                _report_shared(copy, tensor)
             window.copies[key] = copy
         return Handle(copy, window, key, tensor)
 
@@ -484,6 +489,13 @@ def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:
         report_held([tensor], Mechanism.OFFLOAD_IN_FLIGHT, holder=copy, replace=True)
         assert copy.host is not None  # set for as long as the copy is in use
         report_held([copy.host], Mechanism.OFFLOADED, holder=copy.host_holder)
+
+
+def _report_shared(copy: Copy, tensor: torch.Tensor) -> None:
+    from pytree_ckpt.census import Mechanism, census_active, report_held
+
+    if census_active():  # its host copy was reported with the copy
+        report_held([tensor], Mechanism.OFFLOAD_IN_FLIGHT, holder=copy, replace=True)
 
 
 def env_flag(name: str, /) -> bool:

@@ -297,3 +297,37 @@ def test_a_census_lets_a_parameter_swapped_through_data_free_and_reach_backward_
         loss.backward()
         grads.append(x.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+class _TableLayer(nn.Module):
+    """Takes a table every layer gets (a RoPE table, say) next to the hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.proj(h) * table
+
+
+def test_a_table_every_offloaded_layer_gets_that_the_caller_keeps_is_flagged_once() -> None:
+    # docs/offload.md: a storage still alive though the manager let it go (the caller holds
+    # it) saved nothing; the manager counts it in alive_elsewhere_bytes and the census flags
+    # it. The second window shares the first one's copy of the table; that window's
+    # boundary must not re-file it as a resident boundary input (it was, and not flagged).
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    layers = nn.ModuleList(_TableLayer() for _ in range(2))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=manager)
+    x = torch.randn(32, 32, requires_grad=True)
+    table = torch.randn(32, 32)  # the caller keeps it for the whole step
+    with ActivationCensus(layers) as census:
+        h = x * 1.0
+        for layer in layers:
+            h = layer(h, table)
+    manager.stats()  # the manager lets go of its device tensors
+    h.sum().backward()
+    elsewhere = manager.stats()["alive_elsewhere_bytes"]  # the manager's own judgement
+    assert elsewhere == nbytes(table)
+    assert census.flagged() == [{"module": "0", "mechanism": "offload in flight",
+                                 "bytes": elsewhere, "device": "cpu"}]
