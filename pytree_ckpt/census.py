@@ -260,7 +260,10 @@ class ActivationCensus:
         # handle that did not keep the tensor, a frame whose input offload freed): the
         # allocator hands freed memory out again at once, and a tensor there now is a new
         # storage with its own size. Merged into the dead record it was counted as nothing.
-        if known is not None and not known.storage.expired():
+        # And a record none of whose keepers holds it any more is over (its backward ran, or
+        # its graph was dropped): a new save of that storage is a new record, filed under its
+        # own mechanism and module, not the ones of the step before.
+        if known is not None and not known.storage.expired() and known.held():
             if replace:  # the mechanisms' earlier holders; other autograd saves still hold it
                 known.keepers = [k for k in known.keepers if isinstance(k(), _Packed)]
             known.keepers.append(weakref.ref(keeper))

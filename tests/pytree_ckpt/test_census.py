@@ -329,5 +329,25 @@ def test_a_table_every_offloaded_layer_gets_that_the_caller_keeps_is_flagged_onc
     h.sum().backward()
     elsewhere = manager.stats()["alive_elsewhere_bytes"]  # the manager's own judgement
     assert elsewhere == nbytes(table)
-    assert census.flagged() == [{"module": "0", "mechanism": "offload in flight",
+    # (Filed under the layer whose window saved it last: the manager had let go of the first
+    # window's hold on it before the second layer saved it.)
+    assert census.flagged() == [{"module": "1", "mechanism": "offload in flight",
                                  "bytes": elsewhere, "device": "cpu"}]
+
+
+def test_a_storage_saved_again_after_its_holders_let_go_is_filed_under_its_new_saver() -> None:
+    # A census over two steps: x is a boundary input in the first (released by its backward),
+    # then saved by plain autograd, outside any module, in the second. The new save is a new
+    # record: it was merged into the old one and filed under "checkpoint boundary".
+    lin = nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    with ActivationCensus(lin) as census:
+        checkpoint(lin, x).sum().backward()
+        assert census.total_bytes == 0
+        loss = x.sin().sum()
+    saved = loss.grad_fn.next_functions[0][0]._saved_self  # the ground truth: sin saved x
+    assert saved.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert census.to_dict()["rows"] == [{"module": "<outside any module>",
+                                         "mechanism": "autograd", "device": "cpu",
+                                         "bytes": nbytes(x)}]
+    loss.backward()
