@@ -137,6 +137,18 @@ def storage_key(tensor: torch.Tensor, /) -> tuple[str, int]:
     return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
+def _record_key(tensor: torch.Tensor, /) -> tuple[Any, ...]:
+    """Which storage the census files ``tensor`` under: ``storage_key``, except for storages
+    without memory of their own to tell them apart (the meta device: every data_ptr is 0),
+    filed by the storage object itself (NOTE [one address, one storage] keeps that apart from a
+    later one at its place)."""
+    storage = tensor.untyped_storage()
+    pointer = storage.data_ptr()
+    if pointer == 0:
+        return str(tensor.device), "storage", storage._cdata
+    return str(tensor.device), pointer
+
+
 def _stored_tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors an outer saved-tensor hook stored: the object, or those in a tuple/list."""
     if isinstance(obj, torch.Tensor):
@@ -156,8 +168,8 @@ class ActivationCensus:
 
     def __init__(self, model: nn.Module | None = None, /) -> None:
         self._model = model
-        self._entries: dict[tuple[str, int], _Entry] = {}  # by (device, storage data_ptr)
-        self._excluded: set[tuple[str, int]] = set()
+        self._entries: dict[tuple[Any, ...], _Entry] = {}  # by _record_key
+        self._excluded: set[tuple[Any, ...]] = set()
         self._local = threading.local()  # each thread's stack of running module paths
         self._handles: list[Any] = []
         self._hooks: Any = None
@@ -182,7 +194,7 @@ class ActivationCensus:
     def _enter(self) -> ActivationCensus:
         if self._model is not None:
             for tensor in (*self._model.parameters(), *self._model.buffers()):
-                self._excluded.add(storage_key(tensor))
+                self._excluded.add(_record_key(tensor))
             for path, module in self._model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(self._push(path)))
                 self._handles.append(module.register_forward_hook(self._pop, always_call=True))
@@ -247,7 +259,7 @@ class ActivationCensus:
         try:
             if tensor.untyped_storage().nbytes() == 0:
                 return
-            key = storage_key(tensor)
+            key = _record_key(tensor)
         except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
             return
         if key in self._excluded:
@@ -285,7 +297,7 @@ class ActivationCensus:
     def note_discarded(self, tensor: torch.Tensor, /, *, keeper: Any = None) -> None:
         """Output discard is about to free ``tensor``'s storage: stop counting it as resident.
         ``keeper`` (the discard) holds it for backward from now on, whoever else lets go."""
-        entry = self._entries.pop(storage_key(tensor), None)
+        entry = self._entries.pop(_record_key(tensor), None)
         if entry is not None:
             entry.discarded = True
             if keeper is not None:

@@ -231,3 +231,25 @@ def test_a_storage_at_the_address_of_a_dead_one_whose_handle_lives_is_counted() 
     assert _Compressed.given[-1] == second.untyped_storage().data_ptr()  # mul saved second
     assert census.total_bytes == nbytes(second) == 8 * 32 * 4
     (out.sum() + out2.sum()).backward()
+
+
+def test_storages_on_the_meta_device_are_counted_each_once() -> None:
+    # Meta storages all have data_ptr 0: keyed by address they were one storage, and a model
+    # on meta (a shape-only memory estimate) had every activation "excluded" as a parameter.
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64)).to("meta")
+    x = torch.empty(32, 64, device="meta", requires_grad=True)
+    packed: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # the ground truth: what autograd saves
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with ActivationCensus(model) as census:
+            out = model(x).exp()
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    truth = {t.untyped_storage()._cdata: nbytes(t) for t in packed
+             if t.untyped_storage()._cdata not in params}
+    assert len(truth) == 3  # x, the tanh output (saved by Tanh and Linear 2), the exp output
+    assert census.total_bytes == sum(truth.values())
+    del out
