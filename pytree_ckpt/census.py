@@ -169,7 +169,6 @@ class ActivationCensus:
     def __init__(self, model: nn.Module | None = None, /) -> None:
         self._model = model
         self._entries: dict[tuple[Any, ...], _Entry] = {}  # by _record_key
-        self._excluded: set[tuple[Any, ...]] = set()
         self._local = threading.local()  # each thread's stack of running module paths
         self._handles: list[Any] = []
         self._hooks: Any = None
@@ -193,8 +192,6 @@ class ActivationCensus:
 
     def _enter(self) -> ActivationCensus:
         if self._model is not None:
-            for tensor in (*self._model.parameters(), *self._model.buffers()):
-                self._excluded.add(_record_key(tensor))
             for path, module in self._model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(self._push(path)))
                 self._handles.append(module.register_forward_hook(self._pop, always_call=True))
@@ -262,8 +259,6 @@ class ActivationCensus:
             key = _record_key(tensor)
         except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
             return
-        if key in self._excluded:
-            return
         # A storage is held while one of its keepers is: the graph's handle of a saved tensor
         # (alive while the graph holds it), or a mechanism's holder until it is released.
         known = self._entries.get(key)
@@ -321,12 +316,31 @@ class ActivationCensus:
         """Bytes whose storage output discard freed (held for backward, but not resident)."""
         return sum(e.nbytes for e in self._entries.values() if e.held() and e.discarded)
 
+    def _model_storages(self) -> set[int]:
+        """The storages the model's parameters and buffers are on now, by storage object.
+
+        NOTE [parameters are left out when read]: not by the addresses they had when the
+        census was entered: a buffer rebuilt during the census (a mask, a rotary cache) is a
+        new storage that is left out too, and the old one's freed address, handed to the next
+        activation by the allocator, does not leave that activation out."""
+        if self._model is None:
+            return set()
+        found = set()
+        for tensor in (*self._model.parameters(), *self._model.buffers()):
+            try:
+                found.add(tensor.untyped_storage()._cdata)
+            except RuntimeError:  # a wrapper subclass (DTensor): no plain storage
+                pass
+        return found
+
     def _alive(self) -> list[_Entry]:
         # Held and still there: a holder may outlive the storage it reported (a boundary's
         # frame holds its inputs, but offload swapped the saved reference and the device copy
         # was freed; a later window shared the storage one earlier window copied).
+        model = self._model_storages()
         return [e for e in self._entries.values()
-                if e.held() and not e.discarded and not e.storage.expired()]
+                if e.held() and not e.discarded and not e.storage.expired()
+                and e.storage.cdata not in model]
 
     @property
     def total_bytes(self) -> int:

@@ -253,3 +253,49 @@ def test_storages_on_the_meta_device_are_counted_each_once() -> None:
     assert len(truth) == 3  # x, the tanh output (saved by Tanh and Linear 2), the exp output
     assert census.total_bytes == sum(truth.values())
     del out
+
+
+def test_an_activation_at_the_address_of_a_replaced_buffer_is_counted() -> None:
+    # Parameters and buffers were left out by their addresses when the census was entered. A
+    # buffer rebuilt later frees its old storage, and the allocator hands that address to the
+    # next activation, which was then left out as the buffer. (Two storages at one address,
+    # one after the other, made from one buffer as in the tests above.)
+    memory = bytearray(torch.randn(32, 32).numpy().tobytes())
+    model = nn.Module()
+    model.register_buffer("mask", torch.frombuffer(memory, dtype=torch.float32).view(32, 32))
+    w = torch.randn(32, 32, requires_grad=True)
+    with ActivationCensus(model) as census:
+        model.mask = torch.ones(32, 32)  # rebuilt (a mask, a cache): the old storage is freed
+        gc.collect()
+        h = torch.frombuffer(memory, dtype=torch.float32).view(32, 32)  # at the freed address
+        loss = (w * h).sum()  # saves h
+    saved = loss.grad_fn.next_functions[0][0]._saved_other  # the ground truth: mul saved h
+    assert saved.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+    assert census.total_bytes == nbytes(h)
+    loss.backward()
+
+
+class _Cached(nn.Module):
+    """Rebuilds its table buffer when a longer input arrives (as rotary caches do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.rand(4, 16), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] > self.table.shape[0]:
+            self.table = torch.rand(h.shape[0], 16)
+        return h * self.table[: h.shape[0]]  # saves the table for h's gradient
+
+
+def test_a_buffer_the_model_rebuilds_in_its_forward_is_not_counted() -> None:
+    # docs/census.md: parameters and buffers of the model are left out; one made during the
+    # forward was counted as an activation.
+    model = _Cached()
+    x = torch.randn(8, 16, requires_grad=True)
+    with ActivationCensus(model) as census:
+        out = model(x)
+    assert out.grad_fn._saved_other.untyped_storage().data_ptr() == \
+        model.table.untyped_storage().data_ptr()  # what mul saved: the new buffer only
+    assert census.total_bytes == 0
+    out.sum().backward()
