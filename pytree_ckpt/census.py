@@ -168,6 +168,9 @@ class ActivationCensus:
 
     def __init__(self, model: nn.Module | None = None, /) -> None:
         self._model = model
+        # NOTE: weak once the block ended: a census kept for its report must not keep the
+        # model (and every parameter) alive; while it is alive, its parameters are left out.
+        self._model_ref: weakref.ref[nn.Module] | None = None
         self._entries: dict[tuple[Any, ...], _Entry] = {}  # by _record_key
         self._local = threading.local()  # each thread's stack of running module paths
         self._handles: list[Any] = []
@@ -230,6 +233,9 @@ class ActivationCensus:
             handle.remove()
         self._handles.clear()
         self._stack.clear()
+        if self._model is not None:
+            self._model_ref = weakref.ref(self._model)
+            self._model = None
 
     @property
     def _stack(self) -> list[str]:
@@ -323,10 +329,11 @@ class ActivationCensus:
         census was entered: a buffer rebuilt during the census (a mask, a rotary cache) is a
         new storage that is left out too, and the old one's freed address, handed to the next
         activation by the allocator, does not leave that activation out."""
-        if self._model is None:
+        model = self._model if self._model_ref is None else self._model_ref()
+        if model is None:
             return set()
         found = set()
-        for tensor in (*self._model.parameters(), *self._model.buffers()):
+        for tensor in (*model.parameters(), *model.buffers()):
             try:
                 found.add(tensor.untyped_storage()._cdata)
             except RuntimeError:  # a wrapper subclass (DTensor): no plain storage

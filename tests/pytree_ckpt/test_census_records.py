@@ -4,6 +4,7 @@ refilled outputs, storages at reused addresses, its own lifetime."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 from torch import nn
@@ -299,3 +300,18 @@ def test_a_buffer_the_model_rebuilds_in_its_forward_is_not_counted() -> None:
         model.table.untyped_storage().data_ptr()  # what mul saved: the new buffer only
     assert census.total_bytes == 0
     out.sum().backward()
+
+
+def test_a_census_kept_for_its_report_does_not_keep_the_model_alive() -> None:
+    # The census holds weak references only (docs/census.md); it held the model it was given,
+    # and with it every parameter, for as long as the census object lived.
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    weight = weakref.ref(model[0].weight)
+    x = torch.randn(8, 64, requires_grad=True)
+    with ActivationCensus(model) as census:
+        out = model(x)
+    out.sum().backward()
+    del out, model
+    gc.collect()
+    assert weight() is None
+    assert census.total_bytes == 0 and census.report().startswith("module")
