@@ -77,7 +77,8 @@ from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch
 from .phase import ACTIVE, Invocation, Phase
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
-from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
+from .tree import (describe_leaf, first_difference, flatten, flatten_call, hidden_tensor,
+                   leaf_paths, unflatten)
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -230,6 +231,41 @@ class _Call:
                               "routing) use reuse_during_recompute")
 
 
+def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any],
+                           tensor_index: list[int]) -> None:
+    """NOTE [leaves that hold tensors] (tree.py), for outputs: a floating tensor that ``fn``
+    computed (under no-grad, so it requires none) inside an output leaf the bridge does not
+    open never becomes an output of the Function: it leaves without gradient, and eager's
+    gradient through it silently goes missing. Refused in the original pass, naming its path.
+    Not refused: a leaf that is one of the inputs (an object passed on, a cache), and tensors
+    that require grad or are known from before the call (parameters, buffers): eager hands
+    back those very tensors too."""
+    passed = {id(leaf) for leaf in call.in_leaves if leaf is not None}
+    tensors = set(tensor_index)
+    for index, leaf in enumerate(leaves):
+        if index in tensors or leaf is None or id(leaf) in passed or \
+                isinstance(leaf, (int, float, str, bool)):
+            continue
+        found = hidden_tensor(leaf)
+        if found is None:
+            continue
+        where, tensor = found
+        if tensor.requires_grad or not (tensor.is_floating_point() or tensor.is_complex()) or \
+                (call.before is not None and call.before.get(id(tensor)) is tensor):
+            continue
+        path = leaf_paths(spec, root="output")[index]
+        raise CheckpointError(
+            f"{_fn_name(call.fn)} returned a {type(leaf).__name__} at {path} that holds a "
+            f"tensor at {path}{where}; the tree bridge does not open a {type(leaf).__name__}, "
+            "so that tensor would leave the boundary without gradient",
+            expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or types "
+                     "registered with optree in namespace 'pytree_ckpt'",
+            got=f"{type(leaf).__name__} holding {describe_leaf(tensor)}",
+            tip=f"return a plain container (dict(...), list(...)) or a dataclass instead, or "
+                f"register {type(leaf).__name__} with optree.register_pytree_node(..., "
+                "namespace='pytree_ckpt')")
+
+
 def _input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int) -> str:
     """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]`` or
     ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
@@ -296,6 +332,8 @@ class _BoundaryFunction(torch.autograd.Function):
             call.forward_modules = ForwardModules(*call.modules)
         call.buffer_dicts, call.frozen, call.modules = [], [], None
         flat = flatten(output)
+        if len(flat.tensor_index) < len(flat.leaves):
+            _refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index)
         # NOTE [outputs made before the call]: the original pass runs under no-grad, so an
         # output that requires grad (a parameter, or a graph tensor fn closed over) existed
         # before fn ran. Returned as it is, autograd would attach this node to that very tensor

@@ -10,8 +10,10 @@ tensors (ints, strings, config objects) ride along unchanged.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -19,7 +21,7 @@ import optree
 import torch
 
 __all__ = ["FlatTree", "LEAF_SPEC", "flatten", "flatten_call", "unflatten", "leaf_paths",
-           "describe_leaf"]
+           "describe_leaf", "hidden_tensor"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -162,3 +164,45 @@ def describe_leaf(leaf: Any, /) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"Tensor(shape={tuple(leaf.shape)}, dtype={leaf.dtype}, device={leaf.device})"
     return f"{type(leaf).__name__} {leaf!r:.60}"
+
+
+def hidden_tensor(leaf: Any, /, *, depth: int = 3) -> tuple[str, torch.Tensor] | None:
+    """The first tensor inside a leaf the bridge did not open, with its path from the leaf
+    (``['aux']``, ``.h``, ``[0]``), looking ``depth`` levels down; ``None`` if there is none.
+
+    NOTE [leaves that hold tensors]: optree opens dict, list and tuple themselves, not their
+    subclasses (a ``dict`` subclass, ``UserDict``), nor sets, nor a class registered only with
+    ``torch.utils._pytree``, nor plain objects: to the bridge those are leaves, passed by
+    reference. A tensor in one is not an input or output of the boundary. Modules are
+    skipped (their parameters are known otherwise), and so are strings and bytes.
+    """
+    budget = [64]  # objects looked at in all: a huge leaf costs a bounded time
+
+    def search(obj: Any, level: int) -> tuple[str, torch.Tensor] | None:
+        budget[0] -= 1
+        if isinstance(obj, torch.Tensor):
+            return "", obj
+        if level == 0 or budget[0] <= 0 or obj is None or \
+                isinstance(obj, (str, bytes, int, float, complex, type, torch.nn.Module)):
+            return None
+        if isinstance(obj, Mapping):
+            children: Any = ((f"[{key!r}]", value) for key, value in obj.items())
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            children = ((f"[{i}]" if not isinstance(obj, (set, frozenset)) else "", item)
+                        for i, item in enumerate(obj))
+        elif isinstance(getattr(obj, "__dict__", None), dict) and \
+                not callable(obj) and not isinstance(obj, types.ModuleType):
+            children = ((f".{name}", value) for name, value in vars(obj).items())
+        else:
+            return None
+        for key, child in children:
+            found = search(child, level - 1)
+            if found is not None:
+                return key + found[0], found[1]
+            if budget[0] <= 0:
+                break
+        return None
+
+    if isinstance(leaf, torch.Tensor):
+        return None
+    return search(leaf, depth)

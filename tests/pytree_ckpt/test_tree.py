@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pytree_ckpt import ReplayMismatchError, checkpoint, current_phase
+from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
 from tests.pytree_ckpt.models import MappingOutput
 
 
@@ -105,3 +105,42 @@ def test_a_structure_mismatch_of_a_large_output_shows_each_side_in_at_most_120_c
         assert len(lines[side]) <= 120 and lines[side].endswith("..."), lines[side]
         assert lines[side].startswith("PyTreeSpec({'extra': *" if side == "got"
                                       else "PyTreeSpec({'layer_0': *")
+
+
+class Extras(dict):  # a dict subclass: optree does not open it (only dict itself)
+    pass
+
+
+class Holder:  # an unregistered plain class
+    def __init__(self, aux: torch.Tensor) -> None:
+        self.aux = aux
+
+
+@pytest.mark.parametrize(("make", "read", "path"), [
+    (lambda t: Extras(aux=t * 2), lambda o: o["aux"], "output[1]['aux']"),
+    (lambda t: {t * 2}, lambda o: next(iter(o)), "output[1]"),
+    (lambda t: Holder(t * 2), lambda o: o.aux, "output[1].aux"),
+], ids=["dict-subclass", "set", "plain-object"])
+def test_a_tensor_inside_an_output_leaf_the_bridge_does_not_open_is_refused_naming_its_path(
+        make: Any, read: Any, path: str) -> None:
+    # Guards against: an output container optree does not open (a dict subclass, a set, an
+    # unregistered class) is a leaf: the tensor fn computed in it under no-grad leaves the
+    # boundary without gradient, and its share of the loss silently vanishes (x.grad 3, not 5).
+    x = torch.randn(3, requires_grad=True)
+    eager = (x * 3, make(x))
+    (eager[0].sum() + read(eager[1]).sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 5.0))
+    with pytest.raises(CheckpointError) as err:
+        checkpoint(lambda t: (t * 3, make(t)), x)
+    message = str(err.value)
+    assert f"holds a tensor at {path}" in message
+    assert "expected: " in message and "got:      " in message and "tip: " in message
+
+
+def test_an_output_leaf_holding_only_tensors_from_before_the_call_passes() -> None:
+    # An object fn passes on (a config holding a constant table) is not fn's result: it keeps
+    # what it holds, as in eager, and is not refused.
+    table = Holder(torch.arange(3.0))
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(lambda t, cfg: (t * 2, cfg), x, table)
+    assert out[1] is table
