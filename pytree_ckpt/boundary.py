@@ -266,14 +266,35 @@ def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any],
                 "namespace='pytree_ckpt')")
 
 
-def _input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int) -> str:
-    """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]`` or
-    ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
-    path = leaf_paths(spec, root="inputs")[tensor_index[slots.index(slot)]]
+def _refuse_iterators(fn: Callable[..., Any], spec: Any, leaves: list[Any]) -> None:
+    """An iterator (a generator, ``iter(list)``, ``zip``) is a leaf, passed as it is to both
+    passes: the original pass consumes it, and the replay reads whatever is left, so it runs on
+    other values (or none) than the forward did. Refused before the original pass."""
+    for index, leaf in enumerate(leaves):
+        if leaf is not None and not isinstance(leaf, (torch.Tensor, nn.Module)) and \
+                isinstance(leaf, Iterator):
+            path = _readable(leaf_paths(spec, root="inputs")[index])
+            raise CheckpointError(
+                f"{_fn_name(fn)} was given an iterator at {path}; the original pass consumes "
+                "it, and the replay in backward would read other items (or none)",
+                expected="inputs the replay can read again (a list, a tuple, tensors)",
+                got=f"{type(leaf).__name__} {leaf!r:.60}",
+                tip="materialize it at the call site: checkpoint(fn, list(items)) (or "
+                    "tuple(...))")
+
+
+def _readable(path: str) -> str:
+    """``inputs[0][1]`` as ``args[1]``, ``inputs[1]['mask']`` as ``kwargs['mask']``."""
     for root, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
         if path.startswith(root):
             return readable + path[len(root):]
     return path
+
+
+def _input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int) -> str:
+    """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]`` or
+    ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
+    return _readable(leaf_paths(spec, root="inputs")[tensor_index[slots.index(slot)]])
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -663,6 +684,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         if params is not None:  # a module with nothing trainable: nothing to replay for
             return fn(*args, **kwargs)
         anchor = _anchor()
+    if len(flat.tensor_index) < len(leaves):
+        _refuse_iterators(fn, flat.spec, leaves)
     call = _Call(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.original_call = (args, kwargs)
     call.n_inputs = len(unique)

@@ -238,3 +238,21 @@ def test_a_type_error_of_fn_itself_gets_no_note_about_torch_checkpoint_options()
         checkpoint(scaled, torch.randn(3, requires_grad=True), debug=True)
     assert "debug" not in str(raised.value)
     assert not getattr(raised.value, "__notes__", None)
+
+
+def test_an_iterator_among_the_inputs_is_refused_naming_its_path() -> None:
+    # Guards against: an iterator is a leaf passed as it is to both passes; the original pass
+    # consumes it, so the replay reads the next items: next(it) is x1 in the forward and x2 in
+    # the replay, and x2 silently got x1's gradient (x1.grad None, eager's 2).
+    def first(it: Any, *, scale: float) -> torch.Tensor:
+        return next(it) * scale
+
+    x1, x2 = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    first(iter([x1, x2]), scale=2.0).sum().backward()
+    assert torch.equal(x1.grad, torch.full((3,), 2.0)) and x2.grad is None
+    x1.grad = None
+    with pytest.raises(CheckpointError) as err:
+        checkpoint(first, iter([x1, x2]), scale=2.0)
+    message = str(err.value)
+    assert "args[0]" in message and "list_iterator" in message
+    assert "expected: " in message and "tip: " in message and "list(" in message
