@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from .census import Mechanism, census_active, report_held
-from .errors import CheckpointError, ReplayMismatchError
+from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame, callable_name
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
@@ -103,6 +103,9 @@ class BoundaryOptions:
     preserve_rng_state: bool = True
     offload: OffloadManager | None = None
     keep: KeepPolicy | None = None  # what stays resident (apply_recompute_config builds it)
+
+    def __post_init__(self) -> None:
+        validate_bool(self.preserve_rng_state, name="preserve_rng_state")
 
 
 DEFAULT_OPTIONS = BoundaryOptions()

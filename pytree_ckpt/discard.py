@@ -47,7 +47,7 @@ from torch import nn
 
 from .boundary import parameter_hooks_paused, refuse_double_backward
 from .census import ActivationCensus, active_census
-from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError
+from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
 from .module_state import (ForwardModules, foreign_leaf, module_buffers, module_dicts,
                            owning_module, trainable_parameters)
@@ -247,7 +247,7 @@ class CheckpointWithoutOutput:
     """Run a cheap ``fn`` under no-grad now; free its output; rebuild it just before backward."""
 
     def __init__(self, *, preserve_rng_state: bool = True) -> None:
-        self.preserve_rng_state = preserve_rng_state
+        self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
         self.fn: Callable[..., Any] | None = None
         self.ctx: Any = None
         self.env: ReplayEnvironment | None = None
@@ -488,7 +488,7 @@ class CheckpointWithoutOutputManager:
     """Several chained checkpoints, discarded together, replayed in forward order by one hook."""
 
     def __init__(self, *, preserve_rng_state: bool = True) -> None:
-        self.preserve_rng_state = preserve_rng_state
+        self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
         self.checkpoints: list[CheckpointWithoutOutput] = []
         self.replay_order: list[int] = []  # indices, in the order replays happened
         self.registered = False

@@ -6,7 +6,8 @@ or a callable), shows both sides of a mismatch, and ends with a tip.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError"]
+__all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError",
+           "validate_bool"]
 
 
 class CheckpointError(RuntimeError):
@@ -33,3 +34,16 @@ class ReplayMismatchError(CheckpointError):
 
 class ReuseError(CheckpointError):
     """A frozen result was recorded or replayed wrongly (see ``reuse_during_recompute``)."""
+
+
+def validate_bool(value: object, /, *, name: str) -> bool:
+    """``value`` if it is a bool, else a ``CheckpointConfigError`` naming option ``name``.
+
+    NOTE: options are never read by truthiness: ``preserve_rng_state=None`` (a config's missing
+    key) would silently turn RNG restoring off and give other dropout masks in the replay.
+    """
+    if not isinstance(value, bool):
+        raise CheckpointConfigError(
+            f"{name} takes a bool", expected="True or False", got=repr(value),
+            tip=f"pass {name}=True (the default) or {name}=False")
+    return value

@@ -256,3 +256,50 @@ def test_an_iterator_among_the_inputs_is_refused_naming_its_path() -> None:
     message = str(err.value)
     assert "args[0]" in message and "list_iterator" in message
     assert "expected: " in message and "tip: " in message and "list(" in message
+
+
+@pytest.mark.parametrize("value", [None, "no", 0, 1.0])
+@pytest.mark.parametrize("entry", ["checkpointed", "apply_activation_checkpointing",
+                                   "checkpoint_layers", "CheckpointWithoutOutput"])
+def test_a_preserve_rng_state_that_is_not_a_bool_is_refused_naming_the_option(
+        entry: str, value: Any) -> None:
+    # Guards against: the option was read by truthiness: None (a config's missing key) or 0
+    # silently turned RNG restoring off, so the replay drew other dropout masks than the
+    # forward and the gradients were silently wrong; "no" silently meant yes.
+    import pytree_ckpt
+
+    calls = {
+        "checkpointed": lambda: pytree_ckpt.checkpointed(torch.sin, preserve_rng_state=value),
+        "apply_activation_checkpointing": lambda: pytree_ckpt.apply_activation_checkpointing(
+            torch.nn.Linear(2, 2), preserve_rng_state=value),
+        "checkpoint_layers": lambda: pytree_ckpt.checkpoint_layers(
+            [torch.nn.Linear(2, 2)], preserve_rng_state=value),
+        "CheckpointWithoutOutput": lambda: pytree_ckpt.CheckpointWithoutOutput(
+            preserve_rng_state=value),
+    }
+    with pytest.raises(pytree_ckpt.CheckpointConfigError) as err:
+        calls[entry]()
+    message = str(err.value)
+    assert "preserve_rng_state" in message and f"got:      {value!r}" in message
+    assert "expected: True or False" in message and "tip: " in message
+
+
+def test_none_as_preserve_rng_state_gave_other_dropout_masks_than_eager() -> None:
+    # The silent consequence the refusal above prevents, shown with the public API.
+    import pytree_ckpt
+
+    def drop(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, 0.5) * x
+
+    x = torch.randn(64, requires_grad=True)
+    torch.manual_seed(0)
+    drop(x).sum().backward()
+    eager = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(0)
+    try:
+        wrapped = pytree_ckpt.checkpointed(drop, preserve_rng_state=None)  # type: ignore[arg-type]
+    except pytree_ckpt.CheckpointConfigError:
+        return
+    wrapped(x).sum().backward()
+    assert torch.equal(eager, x.grad)
