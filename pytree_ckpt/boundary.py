@@ -78,7 +78,7 @@ from .phase import ACTIVE, Invocation, Phase
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
 from .tree import (describe_leaf, first_difference, flatten, flatten_call, hidden_tensor,
-                   leaf_paths, unflatten)
+                   is_container, leaf_paths, unflatten)
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -249,13 +249,10 @@ def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any],
         if index in tensors or leaf is None or id(leaf) in passed or \
                 isinstance(leaf, (int, float, str, bool)):
             continue
-        found = hidden_tensor(leaf)
+        found = hidden_tensor(leaf, functools.partial(_fresh_float, call.before or {}))
         if found is None:
             continue
         where, tensor = found
-        if tensor.requires_grad or not (tensor.is_floating_point() or tensor.is_complex()) or \
-                (call.before is not None and call.before.get(id(tensor)) is tensor):
-            continue
         path = leaf_paths(spec, root="output")[index]
         raise CheckpointError(
             f"{_fn_name(call.fn)} returned a {type(leaf).__name__} at {path} that holds a "
@@ -269,13 +266,39 @@ def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any],
                 "namespace='pytree_ckpt')")
 
 
-def _refuse_iterators(fn: Callable[..., Any], spec: Any, leaves: list[Any]) -> None:
-    """An iterator (a generator, ``iter(list)``, ``zip``) is a leaf, passed as it is to both
+def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any]) -> None:
+    """Input leaves the boundary cannot hand to the replay as the forward had them, refused
+    before the original pass.
+
+    An iterator (a generator, ``iter(list)``, ``zip``) is a leaf, passed as it is to both
     passes: the original pass consumes it, and the replay reads whatever is left, so it runs on
-    other values (or none) than the forward did. Refused before the original pass."""
+    other values (or none) than the forward did.
+
+    NOTE [leaves that hold tensors] (tree.py), for inputs: a tensor that requires grad inside
+    a container the bridge does not open (a ``dict`` subclass, a set) is no input of the
+    Function: not saved (nor offloaded), and its gradient comes, if at all, from the replay's
+    own backward into its graph (for a module a foreign-tensor error; for a tensor with a
+    graph torch's "backward through the graph a second time"). Plain objects (a key/value
+    cache) are passed as they are, as documented."""
     for index, leaf in enumerate(leaves):
-        if leaf is not None and not isinstance(leaf, (torch.Tensor, nn.Module)) and \
-                isinstance(leaf, Iterator):
+        if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
+            continue
+        if is_container(leaf):
+            found = hidden_tensor(leaf, _requires_grad)
+            if found is not None:
+                path = _readable(leaf_paths(spec, root="inputs")[index])
+                kind = type(leaf).__name__
+                raise CheckpointError(
+                    f"{_fn_name(fn)} was given a {kind} at {path} that holds a tensor that "
+                    f"requires grad at {path}{found[0]}; the tree bridge does not open a {kind}, "
+                    "so that tensor is no input of the boundary (not saved, no exact gradient)",
+                    expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or "
+                             "types registered with optree in namespace 'pytree_ckpt'",
+                    got=f"{kind} holding {describe_leaf(found[1])}",
+                    tip=f"pass a plain container (dict(...), list(...)) or a dataclass instead, "
+                        f"or register {kind} with optree.register_pytree_node(..., "
+                        "namespace='pytree_ckpt')")
+        elif isinstance(leaf, Iterator):
             path = _readable(leaf_paths(spec, root="inputs")[index])
             raise CheckpointError(
                 f"{_fn_name(fn)} was given an iterator at {path}; the original pass consumes "
@@ -286,12 +309,21 @@ def _refuse_iterators(fn: Callable[..., Any], spec: Any, leaves: list[Any]) -> N
                     "tuple(...))")
 
 
+def _requires_grad(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad
+
+
 def _readable(path: str) -> str:
     """``inputs[0][1]`` as ``args[1]``, ``inputs[1]['mask']`` as ``kwargs['mask']``."""
     for root, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
         if path.startswith(root):
             return readable + path[len(root):]
     return path
+
+
+def _fresh_float(before: dict[int, torch.Tensor], tensor: torch.Tensor) -> bool:
+    return not tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()) \
+        and before.get(id(tensor)) is not tensor
 
 
 def _input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int) -> str:
@@ -688,7 +720,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             return fn(*args, **kwargs)
         anchor = _anchor()
     if len(flat.tensor_index) < len(leaves):
-        _refuse_iterators(fn, flat.spec, leaves)
+        _refuse_unreadable_inputs(fn, flat.spec, leaves)
     call = _Call(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.original_call = (args, kwargs)
     call.n_inputs = len(unique)

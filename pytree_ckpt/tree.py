@@ -14,14 +14,15 @@ import collections
 import dataclasses
 import threading
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
 __all__ = ["FlatTree", "LEAF_SPEC", "flatten", "flatten_call", "unflatten", "leaf_paths",
-           "describe_leaf", "hidden_tensor"]
+           "describe_leaf", "hidden_tensor", "is_container"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -166,9 +167,10 @@ def describe_leaf(leaf: Any, /) -> str:
     return f"{type(leaf).__name__} {leaf!r:.60}"
 
 
-def hidden_tensor(leaf: Any, /, *, depth: int = 3) -> tuple[str, torch.Tensor] | None:
-    """The first tensor inside a leaf the bridge did not open, with its path from the leaf
-    (``['aux']``, ``.h``, ``[0]``), looking ``depth`` levels down; ``None`` if there is none.
+def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
+                  depth: int = 3) -> tuple[str, torch.Tensor] | None:
+    """The first ``wanted`` tensor inside a leaf the bridge did not open, with its path from
+    the leaf (``['aux']``, ``.h``, ``[0]``), looking ``depth`` levels down; ``None`` if none.
 
     NOTE [leaves that hold tensors]: optree opens dict, list and tuple themselves, not their
     subclasses (a ``dict`` subclass, ``UserDict``), nor sets, nor a class registered only with
@@ -181,7 +183,7 @@ def hidden_tensor(leaf: Any, /, *, depth: int = 3) -> tuple[str, torch.Tensor] |
     def search(obj: Any, level: int) -> tuple[str, torch.Tensor] | None:
         budget[0] -= 1
         if isinstance(obj, torch.Tensor):
-            return "", obj
+            return ("", obj) if wanted(obj) else None
         if level == 0 or budget[0] <= 0 or obj is None or \
                 isinstance(obj, (str, bytes, int, float, complex, type, torch.nn.Module)):
             return None
@@ -206,3 +208,11 @@ def hidden_tensor(leaf: Any, /, *, depth: int = 3) -> tuple[str, torch.Tensor] |
     if isinstance(leaf, torch.Tensor):
         return None
     return search(leaf, depth)
+
+
+def is_container(leaf: Any, /) -> bool:
+    """Whether a leaf is a container by its type (a ``dict`` or ``list`` subclass, a set, a
+    ``UserDict``, a ``SimpleNamespace``) that optree left unopened; plain objects (a key/value
+    cache, a config) are not containers here."""
+    return isinstance(leaf, (Mapping, AbstractSet, types.SimpleNamespace)) or (
+        isinstance(leaf, Sequence) and not isinstance(leaf, (str, bytes, bytearray)))

@@ -144,3 +144,32 @@ def test_an_output_leaf_holding_only_tensors_from_before_the_call_passes() -> No
     x = torch.randn(3, requires_grad=True)
     out = checkpoint(lambda t, cfg: (t * 2, cfg), x, table)
     assert out[1] is table
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.lin(batch["h"])
+
+
+@pytest.mark.parametrize("fn", ["module", "function"])
+def test_a_tensor_inside_an_input_container_the_bridge_does_not_open_is_refused_naming_its_path(
+        fn: str) -> None:
+    # Guards against: a dict subclass is a leaf, so its tensor is no input of the boundary: not
+    # saved (nor offloaded), and then for a module a CheckpointError whose tip says "pass the
+    # tensor as an argument" (it was), and for a function whose tensor has a graph, torch's
+    # "Trying to backward through the graph a second time" from the replay's own backward.
+    layer = Scaled()
+    call = layer if fn == "module" else (lambda batch: torch.tanh(batch["h"]))
+    x0 = torch.randn(2, 3, requires_grad=True)
+    h = layer.lin(x0)
+    (call(Extras(h=h)).sum() + h.sum()).backward()  # eager is fine
+    h = layer.lin(x0)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint(call, Extras(h=h))
+    message = str(err.value)
+    assert "args[0]['h']" in message and "Extras" in message
+    assert "expected: " in message and "got:      " in message and "register" in message
