@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from .census import Mechanism, census_active, report_held
-from .errors import CheckpointError, ReplayMismatchError, validate_bool
+from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame, callable_name
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
@@ -641,6 +641,7 @@ def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor
     foreign = foreign_leaf(outs, known)
     assert call.owner is not None
     if foreign is not None:
+        _refuse_fsdp_units_inside(call.owner)
         raise CheckpointError(
             f"the forward of {type(call.owner).__name__} uses a tensor that requires grad but is "
             "neither an input nor a parameter of the module; it would get no gradient",
@@ -653,6 +654,30 @@ def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor
     passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
     warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
     mark_verified(call.owner)
+
+
+def _refuse_fsdp_units_inside(owner: nn.Module) -> None:
+    """NOTE [FSDP units inside a boundary]: a submodule that is an FSDP2 unit of its own swaps
+    its parameters in its hooks, which run *inside* the boundary: the boundary collects its
+    sharded parameters (DTensors, which the replay never uses) and the replay all-gathers
+    unsharded ones that ``torch.autograd.grad`` would leave without gradient. Found as a
+    foreign leaf at the first replay; said here in FSDP's terms, with the two ways out."""
+    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
+    unit_type = getattr(fsdp, "FSDPModule", None)
+    if unit_type is None:
+        return
+    units = [name for name, sub in owner.named_modules()
+             if sub is not owner and isinstance(sub, unit_type)]
+    if not units:
+        return
+    name = type(owner).__name__
+    raise CheckpointConfigError(
+        f"the checkpointed {name} contains separate FSDP units {units}: their hooks all-gather "
+        "their parameters inside the boundary, so the replay's gradients for them would be lost",
+        expected=f"no fully_shard()ed submodule inside the checkpointed {name}",
+        got=f"fully_shard() applied to {', '.join(repr(u) for u in units)}",
+        tip=f"checkpoint each unit instead (apply_activation_checkpointing on {units[0]!r}, "
+            f"...), or make {name} itself the FSDP unit (fully_shard it, not its children)")
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -10,13 +10,15 @@ gradients must equal ``(grad(batch 0) + grad(batch 1)) / 2`` of the eager model 
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .common import (CALLS_PER_FORWARD, LAYERS, WORKER_LR, Reference, WorkerRun,
+from .common import (CALLS_PER_FORWARD, LAYERS, WORKER_LR, WORLD, Reference, WorkerRun,
                      assert_grads_equal, build, events)
 
 pytestmark = pytest.mark.distributed
@@ -132,3 +134,24 @@ def test_fsdp2_with_compiled_bodies_matches_eager_and_compiles_nothing_after_the
     # eager autograd (max |d| ~1e-8 measured on gradients of order 1e-3..1); rtol 1e-5 is
     # ~100 ulp, far below any missing, doubled or misrouted gradient term.
     assert_grads_equal(reference.grads, worker_run.grads("fsdp_compile"), rtol=1e-5, atol=1e-7)
+
+
+def test_checkpointing_a_module_whose_children_are_separate_fsdp_units_names_the_units_and_the_fix(
+        tmp_path: Path) -> None:
+    # The children's parameters are sharded DTensors when the boundary collects them, and
+    # all-gathered inside it: their unsharded parameters would get no gradient. The boundary
+    # catches it at the first replay; the message must say why (FSDP units inside it), not call
+    # a registered parameter "neither an input nor a parameter of the module".
+    from .launch import run_ranks
+
+    case = "checkpointed_pair_of_fsdp_units"
+    run = run_ranks([str(Path(__file__).with_name("fsdp_cases.py")), str(tmp_path), case],
+                    WORLD, timeout=120.0, log_dir=tmp_path)
+    assert run.ok, run.output()
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"{case}.rank{rank}.json").read_text())
+        assert result["ok"], result["error"]
+        assert result["error_type"] == "CheckpointConfigError", result
+        message = result["error"]
+        assert "Pair" in message and "'first'" in message and "'second'" in message
+        assert "fully_shard" in message and "apply_activation_checkpointing" in message

@@ -1,0 +1,81 @@
+"""Small two-rank FSDP2 cases, one per ``python tests/distributed/fsdp_cases.py OUT CASE``.
+
+Each case writes ``OUT/<case>.rank<r>.json``: ``{"ok": true, ...}`` or the error it raised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import pytree_ckpt
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class Pair(nn.Module):
+    """Two blocks, each to be its own FSDP unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = Block()
+        self.second = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def checkpointed_pair_of_fsdp_units(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Pair(), nn.Linear(8, 1))
+    pair = model[1]
+    pytree_ckpt.apply_activation_checkpointing(pair, offload=False)
+    fully_shard(pair.first)  # the units sit inside the checkpointed module
+    fully_shard(pair.second)
+    fully_shard(model)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    try:
+        model(x).sum().backward()
+    except pytree_ckpt.CheckpointError as error:
+        return {"error_type": type(error).__name__, "error": str(error)}
+    return {"error_type": None}
+
+
+CASES = {"checkpointed_pair_of_fsdp_units": checkpointed_pair_of_fsdp_units}
+
+
+def main(out: Path, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    for name in names:
+        try:
+            result = {"ok": True, **CASES[name](rank)}
+        except Exception:
+            result = {"ok": False, "error": traceback.format_exc()}
+        (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
