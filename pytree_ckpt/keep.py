@@ -1,8 +1,9 @@
 """Keeping selected ops' outputs resident inside the reentrant boundary (selective recompute).
 
-A ``KeepPolicy`` says which ops to keep: by op identity (``OpOverloadPacket``s, free under
-``torch.compile`` since the op is the unit), or every op dispatched inside a kept callable
-(a region flag set by a wrapper around the callable, which for that reason leaves compile).
+A ``KeepPolicy`` says which ops to keep: by op identity (``OpOverloadPacket``s), or every op
+dispatched inside a kept callable (a region flag set by a wrapper around the callable). The mode
+makes dynamo skip compiled frames, so a layer that keeps units must have an eager body (NOTE
+[save units need eager bodies] in save_units.py).
 
 NOTE [how keeping works inside one boundary]: a ``KeepMode`` (a ``TorchDispatchMode``, below
 autograd) is active around the original pass and around the replay, and only when the boundary

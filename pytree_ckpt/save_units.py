@@ -3,8 +3,9 @@
 ``ratio`` decides which layers are checkpointed (the first ``int(n * ratio)``); ``save`` decides
 what stays resident inside them. A ``SaveUnit`` member means *keep this*: its outputs are kept
 from the original pass and returned in the replay instead of being recomputed. Each unit a model
-declares resolves to ``KeptOps`` (by op identity: free under torch.compile) or ``KeptCallables``
-(everything a callable dispatches; the callable leaves compile). See ``keep.py`` for the engine.
+declares resolves to ``KeptOps`` (by op identity) or ``KeptCallables`` (everything a callable
+dispatches). Either way the layer's body runs eagerly: a compiled body is refused (NOTE [save
+units need eager bodies]). See ``keep.py`` for the engine.
 
 ``save`` is tri-state: ``None``/``False`` keep nothing and install no dispatch mode at all;
 ``True`` keeps every unit the model declares (this follows the library and model version: pin an
@@ -28,7 +29,7 @@ from torch import nn
 from .boundary import BoundaryOptions
 from .errors import CheckpointConfigError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy
-from .module import (install_boundary, layer_count, refuse_other_options, resolve_offload,
+from .module import (_installed, install_boundary, layer_count, refuse_other_options, resolve_offload,
                      validate_ratio)
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -309,6 +310,8 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
     count = layer_count(len(layers), config.ratio)
     chosen = list(layers[:count])
     units = _selected(config, targets)
+    if units:
+        _refuse_compiled_bodies(chosen)
     ops: list[Any] = []
     wrapped: list[str] = []
     kept: list[tuple[nn.Module, str]] = []  # installed once every layer was checked
@@ -335,7 +338,7 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
                 warnings.warn(f"save unit {unit.value!r} keeps nothing: no checkpointed layer "
                               f"has a method matching {list(target.targets)}", stacklevel=2)
             wrapped.extend(names)
-            log.info("save unit %s keeps everything %s dispatch; these leave torch.compile",
+            log.info("save unit %s keeps everything %s dispatch",
                      unit.value, sorted(set(names)))
     policy = None
     if units:
@@ -351,6 +354,34 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
     for layer in chosen:
         install_boundary(layer, options)
     return list(range(count))
+
+
+def _compiled(forward: Any) -> bool:
+    """Whether ``forward`` is a ``torch.compile``d callable (not a ``torch.compiler.disable``d
+    one, which carries the same marker)."""
+    return getattr(forward, "_torchdynamo_orig_callable", None) is not None and \
+        not getattr(forward, "_torchdynamo_disable", False)
+
+
+def _refuse_compiled_bodies(layers: list[nn.Module]) -> None:
+    """NOTE [save units need eager bodies]: a unit keeps ops through a ``TorchDispatchMode``
+    active around the original pass and the replay, and dynamo skips every frame while a
+    (non-infra) dispatch mode is active. A compiled body behind a save unit therefore runs
+    eagerly, dynamo marks its code skipped for every later call (other layers sharing the code,
+    checkpointed or not, stop compiling too), and a ``fullgraph=True`` body raises "found no
+    compiled frames". Refused before anything changes, naming the layer."""
+    for index, layer in enumerate(layers):
+        installed = _installed(layer)  # already checkpointed: the body it calls
+        bare = installed.bare if installed is not None else layer.__dict__.get("forward")
+        if _compiled(bare) or _compiled(layer):
+            raise CheckpointConfigError(
+                f"layer {index} ({type(layer).__name__}) has a torch.compile'd forward, and save "
+                "units cannot run inside a compiled body: the dispatch mode that keeps ops makes "
+                "dynamo skip it (it would run eagerly, or raise with fullgraph=True)",
+                expected="save=None (or False) for layers with compiled bodies",
+                got=f"save units with a compiled forward on layer {index}",
+                tip="drop the save units (RecomputeConfig(ratio, save=None)) to keep the "
+                    "compiled bodies, or do not compile the layers that keep units")
 
 
 def _kept_methods(layers: list[nn.Module], target: KeptCallables

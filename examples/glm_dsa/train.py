@@ -90,6 +90,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.offload_min_bytes = 1024
     if args.offload_min_bytes < 0:
         parser.error(f"--offload-min-bytes must be >= 0, got {args.offload_min_bytes}")
+    if args.save is not None and args.compile:
+        parser.error("--save cannot be combined with --compile: save units need eager layer "
+                     "bodies (docs/save_units.md); tip: drop one of them")
     if args.compile_backend is not None and not args.compile:
         parser.error("--compile-backend only applies with --compile")
     if args.compile_backend is None:

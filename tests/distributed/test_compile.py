@@ -238,3 +238,28 @@ def test_a_compiled_caller_of_the_functional_api_runs_the_boundary_eagerly_with_
                            dict(enumerate([x.grad, *(p.grad for p in lin.parameters())])))
     finally:
         torch._dynamo.reset()
+
+
+def test_save_units_on_a_layer_with_a_compiled_body_are_refused_with_a_tip() -> None:
+    # A save unit runs the body under a TorchDispatchMode, and dynamo skips every frame while
+    # one is active: the "compiled" body ran eagerly (and dynamo then skipped that code for
+    # good, in every layer sharing it), and a fullgraph=True body raised "found no compiled
+    # frames", so `train --compile --save attn` crashed at its first layer. Refused up front.
+    torch._dynamo.reset()
+    try:
+        layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, backend="eager", fullgraph=True)
+        with pytest.raises(pytree_ckpt.CheckpointConfigError, match="torch.compile") as info:
+            pytree_ckpt.apply_recompute_config(
+                layers, pytree_ckpt.RecomputeConfig(1.0, ["attn"]),
+                {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")}, offload=False)
+        assert "layer 0" in str(info.value) and "tip:" in str(info.value)
+        assert not any(pytree_ckpt.is_checkpointed(layer) for layer in layers)  # nothing changed
+        # Without save units the compiled bodies are fine behind the boundary.
+        pytree_ckpt.apply_recompute_config(layers, pytree_ckpt.RecomputeConfig(1.0, None), {},
+                                           offload=False)
+        x = torch.randn(3, 4, requires_grad=True)
+        layers[1](layers[0](x)).sum().backward()
+    finally:
+        torch._dynamo.reset()
