@@ -117,6 +117,13 @@ def _installed(module: nn.Module) -> _CheckpointedForward | None:
     return installed if module.__dict__.get("forward") is installed else None
 
 
+def body_forward(module: nn.Module, /) -> Any:
+    """The forward that runs inside the boundary (or would): the instance-level ``forward``
+    installed before wrapping (a compiled one), else ``None`` for the class's own."""
+    installed = _installed(module)
+    return installed.bare if installed is not None else module.__dict__.get("forward")
+
+
 def is_checkpointed(module: nn.Module, /) -> bool:
     """Whether ``apply_activation_checkpointing`` is in effect on ``module``."""
     return _installed(module) is not None

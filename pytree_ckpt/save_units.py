@@ -29,8 +29,8 @@ from torch import nn
 from .boundary import BoundaryOptions
 from .errors import CheckpointConfigError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy
-from .module import (_installed, install_boundary, layer_count, refuse_other_options, resolve_offload,
-                     validate_ratio)
+from .module import (body_forward, install_boundary, layer_count, refuse_other_options,
+                     resolve_offload, validate_ratio)
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -371,9 +371,7 @@ def _refuse_compiled_bodies(layers: list[nn.Module]) -> None:
     checkpointed or not, stop compiling too), and a ``fullgraph=True`` body raises "found no
     compiled frames". Refused before anything changes, naming the layer."""
     for index, layer in enumerate(layers):
-        installed = _installed(layer)  # already checkpointed: the body it calls
-        bare = installed.bare if installed is not None else layer.__dict__.get("forward")
-        if _compiled(bare) or _compiled(layer):
+        if _compiled(body_forward(layer)) or _compiled(layer):
             raise CheckpointConfigError(
                 f"layer {index} ({type(layer).__name__}) has a torch.compile'd forward, and save "
                 "units cannot run inside a compiled body: the dispatch mode that keeps ops makes "
