@@ -817,6 +817,12 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     """
     from .module import resolve_offload  # module builds on this file
 
+    if not callable(fn):  # refused now, not at the first call, far from where it was made
+        raise CheckpointConfigError(
+            "checkpointed takes the function (or module) to wrap", expected="a callable",
+            got=describe_leaf(fn),
+            tip="checkpointed(layer) or checkpointed(fn, preserve_rng_state=False); the "
+                "arguments go to the wrapper it returns")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload))
 

@@ -303,3 +303,11 @@ def test_none_as_preserve_rng_state_gave_other_dropout_masks_than_eager() -> Non
         return
     wrapped(x).sum().backward()
     assert torch.equal(eager, x.grad)
+
+
+def test_checkpointed_refuses_what_it_cannot_call_when_it_is_made() -> None:
+    import pytree_ckpt
+    from pytree_ckpt import CheckpointConfigError
+
+    with pytest.raises(CheckpointConfigError, match=r"(?s)expected: a callable.*got:\s+int 3"):
+        pytree_ckpt.checkpointed(3)  # type: ignore[arg-type]
