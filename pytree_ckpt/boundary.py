@@ -32,12 +32,15 @@ tensor that requires grad: it would silently get no gradient.
 NOTE [attributes set before the call]: a module's own forward pre-hooks run before its wrapped
 forward, outside the boundary. One that sets a tensor with a graph as a plain attribute (the
 deprecated ``torch.nn.utils.weight_norm`` and ``spectral_norm`` compute ``module.weight`` so,
-every call) leaves the replay, in backward, reading whatever the attribute holds then: the last
-call's tensor, whose outside graph ``torch.autograd.grad`` would walk and free (a second call in
-one loss, or ``retain_graph=True``, then fails). When the module has forward pre-hooks, such
-attributes (tensors that require grad, in the module's own ``__dict__``) are extra inputs of the
-Function, after the call's inputs, and the replay sees detached aliases of this call's tensors
-in their place: their gradients leave through the boundary into their own graphs, as in eager.
+every call, and ``torch.nn.utils.prune`` the pruned tensor) leaves the replay, in backward,
+reading whatever the attribute holds then: the last call's tensor, whose outside graph
+``torch.autograd.grad`` would walk and free (a second call in one loss, or
+``retain_graph=True``, then fails). The attributes those pre-hooks name (tensors that require
+grad, in the module's own ``__dict__``; NOTE [only attributes a pre-hook names] in
+module_state.py) are extra inputs of the Function, after the call's inputs, and the replay sees
+detached aliases of this call's tensors in their place: their gradients leave through the
+boundary into their own graphs, as in eager. A custom pre-hook that sets such an attribute is
+not recognized and behaves as before this note (one call per backward works).
 
 NOTE [unknown callables]: for any other callable the parameters it closes over cannot be known,
 so the replay accumulates every leaf's gradient with ``torch.autograd.backward``, as torch's
@@ -736,8 +739,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             buffers.extend(tree.buffers)
             before.extend(b for d in tree.buffers for b in d.values() if b is not None)
     attributes: list[tuple[str, torch.Tensor]] = []
-    if owner is not None and fn is not owner and \
-            (owner._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks):
+    if owner is not None and fn is not owner and owner._forward_pre_hooks:
         attributes = graph_attributes(owner)  # NOTE [attributes set before the call]
     anchor = None
     if not params and not attributes and not any(t.requires_grad for t in unique):

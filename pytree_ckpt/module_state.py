@@ -283,10 +283,25 @@ def any_lazy(trees: Sequence[ModuleDicts], /) -> bool:
 
 
 def graph_attributes(module: nn.Module, /) -> list[tuple[str, torch.Tensor]]:
-    """``module``'s plain tensor attributes that require grad (in its own ``__dict__``; NOTE
-    [attributes set before the call] in boundary.py)."""
-    return [(name, value) for name, value in module.__dict__.items()
-            if isinstance(value, torch.Tensor) and value.requires_grad]
+    """The plain tensor attributes that require grad (in ``module``'s own ``__dict__``) which
+    its own forward pre-hooks set each call (NOTE [attributes set before the call] in
+    boundary.py).
+
+    NOTE [only attributes a pre-hook names]: an attribute is taken only when a pre-hook says it
+    sets it: ``weight_norm``'s and ``spectral_norm``'s hook objects by ``name``, pruning
+    methods by ``_tensor_name``. Any other graph tensor there is left alone: a forward hook
+    that keeps the module's output (``module.last = output``) leaves one whose graph the
+    step's backward frees, and taken as an input of the next call it made that backward run
+    into the freed graph ("backward through the graph a second time").
+    """
+    names = {name for hook in module._forward_pre_hooks.values()
+             if isinstance(name := getattr(hook, "name", getattr(hook, "_tensor_name", None)),
+                           str)}
+    if not names:
+        return []
+    held = module.__dict__
+    return [(name, value) for name in names
+            if isinstance(value := held.get(name), torch.Tensor) and value.requires_grad]
 
 
 def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:

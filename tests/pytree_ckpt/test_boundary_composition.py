@@ -133,3 +133,54 @@ def test_a_weight_set_by_the_modules_own_pre_hook_gives_eager_gradients_over_two
         x.grad = None
     assert_same_grads(*grads)
     assert "weight" in twin.__dict__  # the caller's attribute is back after the replays
+
+
+def test_a_graph_tensor_a_forward_hook_keeps_as_an_attribute_is_no_input_of_the_next_step() -> None:
+    # A forward hook that keeps the module's output as an attribute (feature extraction,
+    # distillation) leaves a graph tensor in the module's __dict__ whose graph the step's
+    # backward frees. A forward pre-hook (FSDP2's, a census's, a user's) on the same module
+    # made the boundary take every such attribute as an input of the next call, and that
+    # step's backward ran into the freed graph ("backward through the graph a second time").
+    def keep_output(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        module.__dict__["last"] = output
+
+    torch.manual_seed(0)
+    eager, twin = nn.Linear(4, 4), nn.Linear(4, 4)
+    twin.load_state_dict(eager.state_dict())
+    for model in (eager, twin):
+        model.register_forward_hook(keep_output)
+        model.register_forward_pre_hook(lambda *_: None)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (eager, twin):
+        for _ in range(3):
+            y = model(model(x))
+            (y.sum() + model.last.sum()).backward()
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.spectral_norm is old
+def test_weights_set_by_pruning_and_spectral_norm_hooks_give_eager_gradients_over_two_calls(
+        ) -> None:
+    from torch.nn.utils import prune
+
+    def make() -> nn.Linear:
+        torch.manual_seed(0)
+        layer = torch.nn.utils.spectral_norm(nn.Linear(4, 4), name="weight")
+        prune.l1_unstructured(layer, "bias", amount=0.5)
+        return layer
+
+    eager, twin = make(), make()
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (eager.eval(), twin.eval()):  # eval: no power iteration, same weight
+        loss = model(x).exp().sum() + model(x * 2).exp().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
