@@ -237,22 +237,28 @@ class _Call:
                               "routing) use reuse_during_recompute")
 
 
-def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any],
-                           tensor_index: list[int]) -> None:
+def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any], tensor_index: list[int],
+                           inputs: Sequence[torch.Tensor]) -> None:
     """NOTE [leaves that hold tensors] (tree.py), for outputs: a floating tensor that ``fn``
     computed (under no-grad, so it requires none) inside an output leaf the bridge does not
     open never becomes an output of the Function: it leaves without gradient, and eager's
     gradient through it silently goes missing. Refused in the original pass, naming its path.
     Not refused: a leaf that is one of the inputs (an object passed on, a cache), and tensors
-    that require grad or are known from before the call (parameters, buffers): eager hands
-    back those very tensors too."""
+    that require grad or are known from before the call (parameters, buffers, the call's own
+    input tensors: eager hands back those very tensors too), or frozen results of
+    ``reuse_during_recompute`` (frozen when returned bare too: NOTE [frozen results returned
+    as outputs])."""
     passed = {id(leaf) for leaf in call.in_leaves if leaf is not None}
     tensors = set(tensor_index)
+    known: dict[int, torch.Tensor] | None = None
     for index, leaf in enumerate(leaves):
         if index in tensors or leaf is None or id(leaf) in passed or \
                 isinstance(leaf, (int, float, str, bool)):
             continue
-        found = hidden_tensor(leaf, functools.partial(_fresh_float, call.before or {}))
+        if known is None:  # built once, and only for a leaf that needs looking into
+            known = dict(call.before or {})
+            known.update((id(t), t) for t in (*inputs, *call.frame.tensors()))
+        found = hidden_tensor(leaf, functools.partial(_fresh_float, known))
         if found is None:
             continue
         where, tensor = found
@@ -392,7 +398,7 @@ class _BoundaryFunction(torch.autograd.Function):
         call.buffer_dicts, call.frozen, call.modules = [], [], None
         flat = flatten(output)
         if len(flat.tensor_index) < len(flat.leaves):
-            _refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index)
+            _refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         # NOTE [outputs made before the call]: the original pass runs under no-grad, so an
         # output that requires grad (a parameter, or a graph tensor fn closed over) existed
         # before fn ran. Returned as it is, autograd would attach this node to that very tensor

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
+from pytree_ckpt import (CheckpointError, ReplayMismatchError, checkpoint, current_phase,
+                         reuse_during_recompute)
 from tests.pytree_ckpt.models import MappingOutput
 
 
@@ -173,3 +174,24 @@ def test_a_tensor_inside_an_input_container_the_bridge_does_not_open_is_refused_
     message = str(err.value)
     assert "args[0]['h']" in message and "Extras" in message
     assert "expected: " in message and "got:      " in message and "register" in message
+
+
+def test_an_output_leaf_holding_an_input_tensor_or_a_frozen_result_passes() -> None:
+    # Guards against an over-broad refusal: a new object fn returns that holds one of its
+    # input tensors (a float attention mask passed on) or a float frozen result of
+    # reuse_during_recompute (router probabilities for statistics) hands back the very tensor
+    # eager would (an input), or one the boundary freezes anyway (as when returned bare).
+    router = torch.nn.Linear(3, 2)
+
+    def route(v: torch.Tensor) -> torch.Tensor:
+        return router(v).softmax(-1)
+
+    def layer(t: torch.Tensor, mask: torch.Tensor) -> Any:
+        probs = reuse_during_recompute(route, t)
+        return t * mask * probs[:, :1], Holder(mask), Holder(probs)
+
+    x, mask = torch.randn(2, 3, requires_grad=True), torch.ones(2, 3)
+    out, kept_mask, stats = checkpoint(layer, x, mask)
+    assert kept_mask.aux is mask and not stats.aux.requires_grad
+    out.sum().backward()
+    assert x.grad is not None
