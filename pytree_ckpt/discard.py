@@ -218,8 +218,19 @@ class _DiscardFunction(torch.autograd.Function):
         wrt: list[torch.Tensor | None] = [next(detached) if kind else None
                                           for kind in owner.arg_kinds]
         wrt += owner.params
-        wanted = [i for i, need in enumerate(needs) if need and wrt[i] is not None]
-        foreign = foreign_leaf(outs, {id(t) for t in wrt if t is not None}) if outs else None
+        # NOTE [parameters frozen or unfrozen since the forward], as at the boundary: a
+        # parameter frozen since the forward (requires_grad_(False) before backward) gets no
+        # gradient, as in eager, where its AccumulateGrad then does nothing (asking
+        # torch.autograd.grad for it raised torch's "does not require grad"); one frozen in the
+        # forward and unfrozen since was not in the forward's graph: it gets none either, and
+        # is a known tensor of the op's modules, not a foreign one.
+        wanted = [i for i, need in enumerate(needs)
+                  if need and wrt[i] is not None and wrt[i].requires_grad]
+        known = {id(t) for t in wrt if t is not None}
+        if outs and owner.forward_modules is not None:
+            known.update(id(t) for _, entries in owner.forward_modules.entries
+                         for t in entries.values())
+        foreign = foreign_leaf(outs, known) if outs else None
         if foreign is not None:  # it would get no gradient: refused, as at the boundary
             raise CheckpointError(
                 f"the discarded op {owner._name()} uses a tensor that requires grad but is "
