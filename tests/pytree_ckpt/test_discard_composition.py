@@ -53,3 +53,37 @@ def test_a_norm_weight_frozen_or_unfrozen_between_forward_and_backward_gets_eage
     out.square().sum().backward()
     assert twin.weight.grad is None
     assert_same_grads(expected, grads_of([x, twin.weight, *proj.parameters()]))
+
+
+def _two_consumers(hook_on_both: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    torch.manual_seed(0)
+    norm, first, second = _Norm(), nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(norm, x)
+    a, b = first(normed), second(normed)  # both save `normed`
+    joined = a.square() + b
+    ckpt.discard_output_and_register_recompute(joined if hook_on_both else b)
+    return [first.weight], joined.sum()
+
+
+def test_a_restricted_backward_skipping_the_last_consumer_never_fires_its_hook() -> None:
+    # docs/discard.md: the last consumer's result is enough for loss.backward(), not for a
+    # backward restricted to the first consumer's weight: the second's branch is skipped, its
+    # hook never fires, and the first consumer's backward meets the freed output.
+    weights, loss = _two_consumers(hook_on_both=False)
+    with pytest.raises(RuntimeError, match="data is not allocated yet"):
+        loss.backward(inputs=weights)
+
+
+def test_a_hook_on_a_tensor_every_consumer_feeds_rebuilds_under_a_restricted_backward() -> None:
+    weights, loss = _two_consumers(hook_on_both=True)
+    loss.backward(inputs=weights)
+    got = weights[0].grad
+    # the eager twin: the same seed builds the same modules and input
+    torch.manual_seed(0)
+    norm, first, second = _Norm(), nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    normed = norm(x)
+    (first(normed).square() + second(normed)).sum().backward(inputs=[first.weight])
+    assert torch.equal(got, first.weight.grad)
