@@ -106,13 +106,23 @@ def _reachable_tensors(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[to
 
 def _root_key(tensor: torch.Tensor) -> tuple[int, int] | None:
     """(device, address) of the tensor a view chain starts from: equal for a tensor, its
-    views and its ``detach()`` aliases. ``None`` where there is no plain storage."""
+    views and its ``detach()`` aliases. ``None`` where there is no plain storage, or an empty
+    one.
+
+    NOTE [empty storages have no address]: every empty storage has address 0, so by address
+    an empty output would alias any empty tensor: the hook tensor of an MoE expert that got
+    no tokens this step (``proj(silu(tokens[start:start]))``) was refused as "the discarded
+    output itself". An empty storage has nothing to free: ``None`` keeps it, and never
+    matches."""
     if tensor.layout is not torch.strided:
         return None
     try:  # the storage's address: a detach() alias of a slice has no _base but the storage
-        return tensor.get_device(), tensor.untyped_storage().data_ptr()
+        storage = tensor.untyped_storage()
     except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
         return None
+    if storage.nbytes() == 0:
+        return None
+    return tensor.get_device(), storage.data_ptr()
 
 
 def _made_outside(outputs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor],

@@ -87,3 +87,34 @@ def test_a_hook_on_a_tensor_every_consumer_feeds_rebuilds_under_a_restricted_bac
     normed = norm(x)
     (first(normed).square() + second(normed)).sum().backward(inputs=[first.weight])
     assert torch.equal(got, first.weight.grad)
+
+
+def test_an_expert_that_got_no_tokens_discards_its_empty_activation_without_error() -> None:
+    # MoE: each expert's activation is discarded on its slice of the permuted tokens; an
+    # expert with no tokens this step has an empty output and an empty hook tensor, both at
+    # address 0. The hook tensor was refused as "the discarded output itself".
+    torch.manual_seed(0)
+    proj = nn.Linear(8, 8)
+    tokens = torch.randn(6, 8, requires_grad=True)
+    counts = [4, 0, 2]
+
+    def experts(discard: bool) -> torch.Tensor:
+        outs, start = [], 0
+        for count in counts:
+            rows = tokens[start:start + count]  # a slice: the buffer's address, not 0
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                out = proj(ckpt.checkpoint(torch.nn.functional.silu, rows))
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = proj(torch.nn.functional.silu(rows))
+            outs.append(out)
+            start += count
+        return torch.cat(outs)
+
+    experts(discard=False).square().sum().backward()
+    expected = grads_of([tokens, *proj.parameters()])
+    tokens.grad = None
+    proj.zero_grad(set_to_none=True)
+    experts(discard=True).square().sum().backward()
+    assert_same_grads(expected, grads_of([tokens, *proj.parameters()]))
