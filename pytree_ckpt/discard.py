@@ -234,8 +234,8 @@ class _DiscardFunction(torch.autograd.Function):
         # torch.autograd.grad for it raised torch's "does not require grad"); one frozen in the
         # forward and unfrozen since was not in the forward's graph: it gets none either, and
         # is a known tensor of the op's modules, not a foreign one.
-        wanted = [i for i, need in enumerate(needs)
-                  if need and wrt[i] is not None and wrt[i].requires_grad]
+        wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
+                  if need and t is not None and t.requires_grad]
         known = {id(t) for t in wrt if t is not None}
         if outs and owner.forward_modules is not None:
             known.update(id(t) for _, entries in owner.forward_modules.entries
