@@ -80,8 +80,8 @@ from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch
 from .phase import ACTIVE, Invocation, Phase
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
-from .tree import (describe_leaf, first_difference, flatten, flatten_call, hidden_tensor,
-                   is_container, leaf_paths, unflatten)
+from .tree import (CONTAINER, ITERATOR, describe_leaf, first_difference, flatten, flatten_call,
+                   hidden_tensor, leaf_kind, leaf_paths, unflatten)
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -292,7 +292,8 @@ def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[An
     for index, leaf in enumerate(leaves):
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
-        if is_container(leaf):
+        sort = leaf_kind(leaf)
+        if sort is CONTAINER:
             found = hidden_tensor(leaf, _requires_grad)
             if found is not None:
                 path = _readable(leaf_paths(spec, root="inputs")[index])
@@ -307,7 +308,7 @@ def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[An
                     tip=f"pass a plain container (dict(...), list(...)) or a dataclass instead, "
                         f"or register {kind} with optree.register_pytree_node(..., "
                         "namespace='pytree_ckpt')")
-        elif isinstance(leaf, Iterator):
+        elif sort is ITERATOR:
             path = _readable(leaf_paths(spec, root="inputs")[index])
             raise CheckpointError(
                 f"{_fn_name(fn)} was given an iterator at {path}; the original pass consumes "

@@ -14,7 +14,7 @@ import collections
 import dataclasses
 import threading
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
@@ -22,7 +22,7 @@ import optree
 import torch
 
 __all__ = ["FlatTree", "LEAF_SPEC", "flatten", "flatten_call", "unflatten", "leaf_paths",
-           "describe_leaf", "hidden_tensor", "is_container"]
+           "describe_leaf", "hidden_tensor", "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -210,9 +210,29 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
     return search(leaf, depth)
 
 
-def is_container(leaf: Any, /) -> bool:
-    """Whether a leaf is a container by its type (a ``dict`` or ``list`` subclass, a set, a
-    ``UserDict``, a ``SimpleNamespace``) that optree left unopened; plain objects (a key/value
-    cache, a config) are not containers here."""
-    return isinstance(leaf, (Mapping, AbstractSet, types.SimpleNamespace)) or (
-        isinstance(leaf, Sequence) and not isinstance(leaf, (str, bytes, bytearray)))
+CONTAINER = "container"
+ITERATOR = "iterator"
+PLAIN = "plain"
+# By type: the abstract base class checks cost about 1 us per leaf and call otherwise (a
+# key/value cache object among a decoder layer's keyword arguments is looked at every call).
+# A class registered with an ABC after its first instance was seen keeps its first kind.
+_LEAF_KINDS: dict[type, str] = {}
+
+
+def leaf_kind(leaf: Any, /) -> str:
+    """``CONTAINER`` for a leaf that is a container by its type (a ``dict`` or ``list``
+    subclass, a set, a ``UserDict``, a ``SimpleNamespace``) that optree left unopened,
+    ``ITERATOR`` for an iterator (a generator, ``iter(list)``), ``PLAIN`` for anything else
+    (a key/value cache, a config); plain objects are not containers here."""
+    cls = type(leaf)
+    kind = _LEAF_KINDS.get(cls)
+    if kind is None:
+        if issubclass(cls, (Mapping, AbstractSet, types.SimpleNamespace)) or (
+                issubclass(cls, Sequence) and not issubclass(cls, (str, bytes, bytearray))):
+            kind = CONTAINER
+        elif issubclass(cls, Iterator):
+            kind = ITERATOR
+        else:
+            kind = PLAIN
+        _LEAF_KINDS[cls] = kind
+    return kind
