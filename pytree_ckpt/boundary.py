@@ -349,16 +349,6 @@ def _fn_name(fn: Callable[..., Any]) -> str:
     return callable_name(fn)
 
 
-def _release_frame_if_freed(ctx: Any, frame: Frame) -> None:
-    # NOTE [frame lifetime]: runs once the graph task finished; autograd has then released the
-    # node's saved tensors unless retain_graph was set, and the frame goes with them. (The census
-    # reads frame.released as "this invocation no longer holds its inputs".)
-    try:
-        ctx._raw_saved_tensors
-    except RuntimeError:
-        frame.clear()
-
-
 class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, anchor: torch.Tensor | None, *inputs: torch.Tensor) -> Any:
@@ -529,14 +519,22 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
         if grad is not None and out.requires_grad:
             outs.append(out)
             grads.append(grad)
-    if call.frame.results or call.reported:
-        # Only frames with something to free (or watched by a census) need the check,
-        # which costs ~10 us (a raised and caught error per call).
-        torch.autograd.Variable._execution_engine.queue_callback(
-            functools.partial(_release_frame_if_freed, ctx, call.frame))
+    # NOTE [frame lifetime]: without retain_graph this node never runs again (autograd frees
+    # its saved tensors right after it), so its frame is cleared as soon as its own backward
+    # is done, not when the whole backward call is (a callback at the end of the graph task,
+    # as before): with offload, the frozen results (top-k ids) come back to the device for
+    # the replay, and frames held to the end of backward kept every already-replayed layer's
+    # restored ids there, O(layers) device memory at the tail of backward. keep_graph is read
+    # here, in the outer task (the inner backward below is a task of its own); the frame is
+    # cleared after that inner backward, in which a nested boundary's replay may still read
+    # it. (The census reads frame.released as "this invocation no longer holds its inputs".)
+    release = bool(call.frame.results or call.reported) and \
+        not torch._C._autograd._get_current_graph_task_keep_graph()
     if not explicit:
         if outs:
             torch.autograd.backward(outs, grads)
+        if release:
+            call.frame.clear()
         return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
     assert call.params is not None
     wrt = [*detached, *call.params]
@@ -553,6 +551,8 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
                                       allow_unused=True)
         for i, grad in zip(wanted, got):
             result[i] = grad
+    if release:
+        call.frame.clear()
     return (None, None, *result)
 
 

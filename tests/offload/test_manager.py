@@ -923,3 +923,33 @@ def test_forwards_that_never_reach_backward_do_not_grow_the_managers_state() -> 
     assert len(m._suspects) <= 64
     del out, x
     assert m.stats()["alive_elsewhere_bytes"] == kept.untyped_storage().nbytes()
+
+
+_REPLAYED_IDS: list[StorageWeakRef] = []  # the ids each replay received, in backward order
+_ALIVE_AT_REPLAY: list[int] = []  # how many earlier replays' ids were alive at each replay
+
+
+class RoutedWatched(Routed):
+    """``Routed``, noting at each replay how many ids earlier replays received are alive."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ids = pytree_ckpt.reuse_during_recompute(self.route, h)
+        if pytree_ckpt.current_phase() == "recompute":
+            _ALIVE_AT_REPLAY.append(sum(not ref.expired() for ref in _REPLAYED_IDS))
+            _REPLAYED_IDS.append(StorageWeakRef(ids.untyped_storage()))
+        return h + torch.tanh(self.proj(h)).gather(-1, ids)
+
+
+def test_ids_restored_for_a_layers_replay_are_freed_once_its_backward_is_done() -> None:
+    # Guards against: a frame (holding its offloaded ids' handle) cleared only at the end of
+    # the whole backward. Every replayed layer's ids were restored to the device and stayed
+    # there until backward ended: at layer 0's replay all L-1 later layers' ids were resident
+    # again, O(layers) device memory at the tail of backward (the ground truth here: weak
+    # references to the storages each replay received).
+    _REPLAYED_IDS.clear()
+    _ALIVE_AT_REPLAY.clear()
+    m = manager(prefetch=1)
+    layers = offloaded_stack(m, 5, RoutedWatched)
+    stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
+    assert _ALIVE_AT_REPLAY == [0, 0, 0, 0, 0]
+    assert m.stats()["host_buffers_in_use"] == 0
