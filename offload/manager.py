@@ -137,7 +137,13 @@ class OffloadManager:
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """Counters since the last reset: bytes, pool hits/misses, prefetch hits, waits."""
         self._collect_finished()
-        self._judge_alive()
+        # NOTE [judged once the forward is over]: while a pass's forward may still run (alive,
+        # no backward yet) what it let go may be alive for the forward itself (a RoPE table or
+        # cu_seqlens every layer gets, the next layer's input): judged now, a stats() read
+        # from a hook between layers counted them as alive elsewhere. They wait for its
+        # backward, the next pass, or a stats() after the graph is gone.
+        if self._pass.backward or not self._pass.alive():
+            self._judge_alive()
         if not self._pass.alive():  # the pass is over
             self._check_pass_offloaded(self._pass)
         out: dict[str, float] = dict(self._counters)

@@ -119,3 +119,35 @@ def test_a_window_saved_several_times_counts_one_prefetch_hit() -> None:
                           ("prefetch", 1), ("prefetch_hit", 1), ("prefetch", 0),
                           ("prefetch_hit", 0)]
     assert m.stats()["prefetch_hits"] == 3
+
+
+def test_stats_read_between_layers_does_not_count_a_table_every_layer_gets_as_alive_elsewhere(
+        ) -> None:
+    # Guards against: stats() judging the storages let go while a forward still runs. A table
+    # made in forward and passed to every layer (RoPE, cu_seqlens) is let go after the first
+    # layers; a stats() from a logging hook between layers found it alive (the forward uses
+    # it) and counted it as kept by something else, though it is gone when backward begins.
+    from torch import nn
+
+    import pytree_ckpt
+
+    class TableLayer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            return h + torch.tanh(self.proj(h) * table)
+
+    m = manager()
+    layers = nn.ModuleList(TableLayer() for _ in range(4))
+    pytree_ckpt.checkpoint_layers(layers, offload=m)
+    h = torch.randn(8, 32, requires_grad=True) * 1.0
+    table = torch.randn(8, 32)  # made in forward, only the forward holds it
+    for i, layer in enumerate(layers):
+        h = layer(h, table)
+        if i == 2:
+            m.stats()  # a logging hook between layers
+    del table
+    h.sum().backward()
+    assert m.stats()["alive_elsewhere_bytes"] == 0
