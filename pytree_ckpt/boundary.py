@@ -275,7 +275,8 @@ def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any], tensor_ind
                 "namespace='pytree_ckpt')")
 
 
-def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any]) -> None:
+def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], *,
+                              kwargs_use_cache: bool = False) -> None:
     """Input leaves the boundary cannot hand to the replay as the forward had them, refused
     before the original pass.
 
@@ -288,11 +289,28 @@ def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[An
     Function: not saved (nor offloaded), and its gradient comes, if at all, from the replay's
     own backward into its graph (for a module a foreign-tensor error; for a tensor with a
     graph torch's "backward through the graph a second time"). Plain objects (a key/value
-    cache) are passed as they are, as documented."""
+    cache) are passed as they are, as documented, except with ``use_cache=True`` among the
+    keywords: NOTE [a cache filled twice]."""
     for index, leaf in enumerate(leaves):
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
         sort = leaf_kind(leaf)
+        if sort is not ITERATOR and kwargs_use_cache:
+            # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
+            # with use_cache=True is appended to by the original pass and again by the replay.
+            # The replay's attention then reads the keys the no-grad original pass stored
+            # (same values, same shapes, so nothing fails): the key and value projections get
+            # no gradient, silently. transformers' own checkpointing turns use_cache off.
+            path = _readable(leaf_paths(spec, root="inputs")[index])
+            raise CheckpointError(
+                f"{_fn_name(fn)} was called with use_cache=True and an object at {path} "
+                f"({type(leaf).__name__}); the original pass fills that cache and the replay in "
+                "backward fills it again, and may read what the no-grad original pass stored "
+                "(transformers' attention does): gradients through it would be silently "
+                "missing",
+                expected="use_cache=False while training", got="use_cache=True",
+                tip="pass use_cache=False in training (with transformers, "
+                    "model.config.use_cache = False or model(..., use_cache=False))")
         if sort is CONTAINER:
             found = hidden_tensor(leaf, _requires_grad)
             if found is not None:
@@ -754,7 +772,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             return fn(*args, **kwargs)
         anchor = _anchor()
     if len(flat.tensor_index) < len(leaves):
-        _refuse_unreadable_inputs(fn, flat.spec, leaves)
+        _refuse_unreadable_inputs(fn, flat.spec, leaves,
+                                  kwargs_use_cache=kwargs.get("use_cache") is True)
     call = _Call(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.original_call = (args, kwargs)
     call.n_inputs = len(unique)

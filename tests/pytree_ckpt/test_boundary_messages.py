@@ -95,6 +95,39 @@ def test_an_error_only_the_replay_meets_keeps_its_type_and_says_it_came_from_the
         assert "use_cache=False" in notes
 
 
+
+class AppendingAttention(torch.nn.Module):
+    """transformers' attention with a DynamicCache: keys are appended, then all are attended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, cache: KeyValueCache | None = None,
+                use_cache: bool = False) -> torch.Tensor:
+        keys = self.k(x)
+        if use_cache and cache is not None:
+            cache.keys.append(keys)
+            keys = torch.cat(cache.keys)
+        # Causal from the top left, as SDPA's is_causal with more keys than queries: the
+        # replay's queries read the keys the original pass appended, not its own.
+        return (x @ keys[: len(x)].T).softmax(-1) @ keys[: len(x)]
+
+
+def test_a_call_with_use_cache_true_and_a_cache_object_is_refused_naming_the_cache() -> None:
+    # Without the refusal the replay appends to the cache again and attends to the keys the
+    # no-grad original pass stored: same values and shapes, no error, and k gets no gradient
+    # (as a transformers Llama trained with its default use_cache=True did).
+    layer = AppendingAttention()
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"use_cache=True and an object at "
+                                              r"kwargs\['cache'\] \(KeyValueCache\)"):
+        checkpoint(layer, x, cache=KeyValueCache(), use_cache=True)
+    checkpoint(layer, x, cache=KeyValueCache(), use_cache=False).sum().backward()
+    assert layer.k.weight.grad is not None and layer.k.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # no boundary (generation): the cache works as usual
+        checkpoint(layer, x, cache=KeyValueCache(), use_cache=True)
+
 class Gated(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
