@@ -146,8 +146,8 @@ class _Call:
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
-                 "attributes",
-                 "buffer_dicts", "frozen", "changed_state", "modules", "forward_modules")
+                 "attributes", "buffer_dicts", "frozen", "changed_state", "modules",
+                 "forward_modules")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
