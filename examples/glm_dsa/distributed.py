@@ -24,8 +24,10 @@ pass recorded 0"). So ``compile_layer_bodies`` marks the methods that make those
 ``torch.compiler.disable``, per instance: ``MlaAttention.select_keys`` of a layer that computes
 its own top-k (the indexer runs eagerly, once per step, as before) and ``MoE.forward`` (the
 router's expert choice; its data-dependent expert shapes would break the graph anyway). Such a
-body has a graph break at that call; every other body (the consumers of top-k ids with a dense
-MLP) compiles with ``fullgraph=True``.
+body has a graph break at that call; so has a body whose norms go through output discard
+(``discard_norm_outputs``: ``CheckpointWithoutOutput`` is not traceable with grad on, in the
+replay); every other body (the consumers of top-k ids with a dense MLP) compiles with
+``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch import nn
 import pytree_ckpt
 
 from .attention import MlaAttention
+from .decoder import DecoderLayer
 from .mlp import MoE
 from .model import GlmDsaForCausalLM
 
@@ -111,9 +114,17 @@ def _reuse_sites(layer: nn.Module) -> list[tuple[nn.Module, str]]:
     return sites
 
 
+def _discards_outputs(layer: nn.Module) -> bool:
+    """Whether ``layer`` runs its norms through output discard (``CheckpointWithoutOutput``)."""
+    return any(isinstance(module, DecoderLayer) and module.discard_norm_outputs
+               for module in layer.modules())
+
+
 def body_allows_fullgraph(layer: nn.Module) -> bool:
-    """Whether ``layer``'s forward makes no ``reuse_during_recompute`` call."""
-    return not _reuse_sites(layer)
+    """Whether ``layer``'s forward makes no ``reuse_during_recompute`` call and discards no
+    output: ``CheckpointWithoutOutput`` breaks the graph in the replay (with grad), so a
+    ``fullgraph=True`` body raised "found no compiled frames" there (NOTE [reuse stays eager])."""
+    return not _reuse_sites(layer) and not _discards_outputs(layer)
 
 
 def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "inductor",
@@ -139,7 +150,7 @@ def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "i
         for module, method in sites:
             # An instance attribute shadowing the method: the body graph-breaks at this call.
             setattr(module, method, torch.compiler.disable(getattr(module, method)))
-        full = not sites if fullgraph is None else fullgraph
+        full = body_allows_fullgraph(layer) if fullgraph is None else fullgraph
         # An instance attribute: apply_activation_checkpointing keeps it as the body it calls.
         layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=full, **options)
         chosen[name] = full

@@ -34,3 +34,29 @@ def test_norm_outputs_through_output_discard_match_eager(ratio: float) -> None:
         assert (want is None) == (got is None), name
         if want is not None:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_train_with_compile_and_discard_norms_runs_and_gives_the_uncompiled_losses() -> None:
+    # `train --compile --discard-norms` crashed in the first backward: compile_layer_bodies
+    # compiled the consumer layers (3, 4, 5, 7) with fullgraph=True, and their replay (grad on)
+    # cannot trace CheckpointWithoutOutput: "torch.compile with fullgraph=True found no
+    # compiled frames". Such bodies now compile with graph breaks, like the reuse sites.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from examples.glm_dsa import GlmDsaConfig, GlmDsaForCausalLM, train
+    from examples.glm_dsa.distributed import body_allows_fullgraph, compile_layer_bodies
+
+    torch._dynamo.reset()
+    try:
+        model = GlmDsaForCausalLM(GlmDsaConfig(discard_norm_outputs=True))
+        assert not any(body_allows_fullgraph(layer) for layer in model.layers)
+        counter = CompileCounterWithBackend("eager")
+        assert set(compile_layer_bodies(model, backend=counter).values()) == {False}
+        model.checkpoint_layers(1.0)
+        model(**make_packed_batch(model.config, SEQ_LENS))["loss"].backward()
+        assert counter.frame_count > 0  # the bodies did compile, around the breaks
+        torch._dynamo.reset()
+        argv = ["--steps", "1", "--discard-norms"]
+        assert train.main([*argv, "--compile", "--compile-backend", "eager"]) == train.main(argv)
+    finally:
+        torch._dynamo.reset()
