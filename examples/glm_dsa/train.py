@@ -79,6 +79,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile-backend",
                         help="torch.compile backend for --compile (default inductor)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.ratio <= 1.0:  # also refuses nan
+        parser.error(f"--ratio must be in [0, 1], got {args.ratio}; tip: 1.0 checkpoints every "
+                     "layer, 0 none")
+    if args.mtp_depth < 0:
+        parser.error(f"--mtp-depth must be >= 0, got {args.mtp_depth}; tip: 0 disables MTP")
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.save is not None and args.ratio <= 0:
         parser.error("--save needs --ratio > 0: save units live inside checkpointed layers")
     if args.offload and args.ratio <= 0:

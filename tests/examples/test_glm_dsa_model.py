@@ -558,3 +558,14 @@ def test_the_training_script_reports_the_managers_offload_turns_on(
     windows = [line.split(" in ")[1].split()[0] for line in printed
                if line.startswith("  offload: ")]
     assert windows == [calls, calls]
+
+
+@pytest.mark.parametrize("argv", [["--ratio", "2"], ["--ratio", "-0.5"], ["--ratio", "nan"],
+                                  ["--mtp-depth", "-1"], ["--steps", "0"]])
+def test_the_training_script_refuses_an_out_of_range_number_with_a_usage_error(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # --ratio 2 and --mtp-depth -1 got past the parser and died in a traceback once the model
+    # was built; --steps 0 printed the header and trained nothing, silently.
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(argv)
+    assert info.value.code == 2 and f"{argv[0]} must be" in capsys.readouterr().err
