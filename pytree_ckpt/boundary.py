@@ -512,16 +512,19 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     except CheckpointError:
         raise
     except Exception as error:
-        # The usual cause of an error only the replay meets is an argument the original pass
+        # An error only the replay meets has two usual causes: an argument the original pass
         # changed (a key/value cache object it appended to; containers are rebuilt, but the
-        # objects in them are passed as they are). The error keeps its type (an
-        # out-of-memory error stays one); the note says where it came from.
+        # objects in them are passed as they are), or code that behaves otherwise with grad
+        # enabled (the replay's mode; a fullgraph compile that cannot trace it). The error
+        # keeps its type (an out-of-memory error stays one); the note says where it came from
+        # and names the first cause only as a possibility.
         if hasattr(error, "add_note"):  # Python 3.11+
             error.add_note(
                 f"pytree_ckpt: raised by the replay of {_fn_name(call.fn)} in backward, which "
-                "runs the forward again on the same arguments; an object the forward changed "
-                "(a key/value cache filled with use_cache=True) is not as it was then. Tip: "
-                "pass use_cache=False in training, or keep such state outside the "
+                "runs the forward again on the same arguments, with grad enabled. If the "
+                "error does not come from grad mode, check for an object the forward changed "
+                "(a key/value cache it filled): the replay sees it as the forward left it. "
+                "Tip: pass use_cache=False in training, or keep such state outside the "
                 "checkpointed call.")
         raise
     finally:
