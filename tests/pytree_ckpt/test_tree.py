@@ -4,6 +4,7 @@ in messages."""
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import pytest
@@ -195,3 +196,100 @@ def test_an_output_leaf_holding_an_input_tensor_or_a_frozen_result_passes() -> N
     assert kept_mask.aux is mask and not stats.aux.requires_grad
     out.sum().backward()
     assert x.grad is not None
+
+
+class Normed(torch.nn.Module):
+    """A layer that hands its parameters and buffer on in a plain object (for statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.frozen = torch.nn.Linear(3, 3).requires_grad_(False)
+        self.register_buffer("scale", torch.rand(3))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = self.frozen(self.lin(x)) * self.scale
+        return out, Holder(self.lin.weight), Holder(self.frozen.weight), Holder(self.scale)
+
+
+def test_an_output_leaf_holding_the_modules_own_parameters_or_buffers_passes_as_in_eager() -> None:
+    # Guards against an over-broad refusal: a parameter (trainable or frozen) or a buffer the
+    # module returns inside a plain object existed before the call; eager hands back those
+    # very tensors, and so must the boundary, with eager's gradients.
+    torch.manual_seed(0)
+    eager = Normed()
+    twin = Normed()
+    twin.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 3, requires_grad=True)
+    grads = []
+    for model, call in ((eager, eager), (twin, lambda v: checkpoint(twin, v))):
+        out, weight, frozen, scale = call(x)
+        assert weight.aux is model.lin.weight and frozen.aux is model.frozen.weight
+        assert scale.aux is model.scale
+        out.pow(2).sum().backward()
+        grads.append([x.grad.clone(), model.lin.weight.grad.clone(), model.lin.bias.grad.clone()])
+        x.grad = None
+    for expected, got in zip(*grads):
+        assert torch.equal(expected, got)
+
+
+def test_a_complex_tensor_inside_an_output_leaf_the_bridge_does_not_open_is_refused() -> None:
+    # Guards against: only real floating tensors were looked for; a complex one fn computed
+    # (a rotary embedding's polar form) leaves without gradient just the same.
+    x = torch.randn(3, requires_grad=True)
+    eager = Extras(aux=torch.polar(x * 2, x))
+    eager["aux"].real.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]\['aux'\]"):
+        checkpoint(lambda t: (t * 3, Extras(aux=torch.polar(t * 2, t))), x)
+
+
+@pytest.mark.parametrize(("make", "path"), [
+    (lambda t: Extras(a={"b": [1, t * 2]}), "output[1]['a']['b'][1]"),
+    (lambda t: Extras({f"k{i}": i for i in range(24)}, aux=t * 2), "output[1]['aux']"),
+], ids=["three-levels-down", "after-many-plain-entries"])
+def test_a_fresh_tensor_three_levels_down_or_after_many_plain_entries_is_still_found(
+        make: Any, path: str) -> None:
+    # Guards against a search cut short: the bridge's look into an unopened leaf goes three
+    # levels down and through 64 objects; a tensor within those bounds leaves without gradient
+    # unless it is found and refused.
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint(lambda t: (t * 3, make(t)), x)
+    assert f"holds a tensor at {path}" in str(err.value)
+
+
+def test_a_tensor_that_requires_no_grad_inside_an_input_container_passes_as_in_eager() -> None:
+    # Guards against an over-broad refusal: a dict subclass holding a mask that requires no
+    # grad is passed as it is (no gradient is lost), and the result is eager's.
+    x = torch.randn(2, 3, requires_grad=True)
+    extras = Extras(mask=torch.rand(2, 3))
+
+    def fn(t: torch.Tensor, batch: Any) -> torch.Tensor:
+        return torch.tanh(t) * batch["mask"]
+
+    fn(x, extras).pow(2).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(fn, x, extras).pow(2).sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
+@pytest.mark.parametrize(("make", "path"), [
+    (lambda h: types.SimpleNamespace(h=h), "args[0].h"),
+    (lambda h: {h}, "args[0]"),
+    (lambda h: frozenset([h]), "args[0]"),
+], ids=["SimpleNamespace", "set", "frozenset"])
+def test_a_tensor_that_requires_grad_in_a_namespace_or_a_set_input_is_refused_naming_its_path(
+        make: Any, path: str) -> None:
+    # Guards against: only mappings and sequences were looked into among the input leaves; a
+    # SimpleNamespace or a set holding a graph tensor is no input of the boundary either.
+    x0 = torch.randn(2, 3, requires_grad=True)
+    h = x0 * 2
+
+    def fn(batch: Any) -> torch.Tensor:
+        inner = batch.h if isinstance(batch, types.SimpleNamespace) else next(iter(batch))
+        return torch.tanh(inner)
+
+    with pytest.raises(CheckpointError) as err:
+        checkpoint(fn, make(h))
+    assert f"holds a tensor that requires grad at {path}" in str(err.value)
