@@ -184,3 +184,87 @@ def test_weights_set_by_pruning_and_spectral_norm_hooks_give_eager_gradients_ove
         grads.append(grads_of([*model.parameters(), x]))
         x.grad = None
     assert_same_grads(*grads)
+
+
+def test_a_backward_inside_a_cached_block_after_an_outside_use_of_the_weight_gives_eager_grads(
+        ) -> None:
+    # Guards against the replay reading the caller's parametrize cache: a use of the weight
+    # outside the boundary in the same cached() block (a tied head) cached it with the
+    # caller's graph; a replay that read it sent its gradient into that outside graph, through
+    # torch.autograd.grad, instead of computing its own. Equal to float rounding (the
+    # boundary's use comes back as one gradient, NOTE [each pass caches its own
+    # parametrizations]).
+    eager = weight_normed()
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin[0])
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (eager, twin):
+        with parametrize.cached():
+            head = model[0].weight.exp().sum()  # cached by the caller first, with its graph
+            (model(x).sum() + head).backward()
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    for expected, got in zip(*grads):
+        assert expected is not None and got is not None
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_callers_attention_fast_path_setting_is_back_after_forward_and_backward(
+        enabled: bool) -> None:
+    # Guards against a pass that turns the fused fast path off (NOTE [no fast path by grad
+    # mode]) and leaves it off: every later eval-mode attention of the program, checkpointed
+    # or not, would silently stop taking it.
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        model = encoder()
+        for layer in model.layers:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(2, 4, 8, requires_grad=True)
+        out = model(x)
+        assert torch.backends.mha.get_fastpath_enabled() is enabled
+        out.sum().backward()
+        assert torch.backends.mha.get_fastpath_enabled() is enabled
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.weight_norm is deprecated
+def test_after_backward_the_attribute_a_pre_hook_set_is_the_forwards_tensor_as_in_eager() -> None:
+    # Guards against a replay that leaves its alias of the weight in the module: after
+    # backward, eager's module.weight is the tensor its last forward's pre-hook computed; a
+    # later read (logging, a tied use without a new forward) must find that very tensor, not
+    # the replay's detached alias.
+    torch.manual_seed(0)
+    layer = torch.nn.utils.weight_norm(nn.Linear(4, 4))
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = layer(x)
+    weight = layer.weight
+    assert weight.grad_fn is not None  # the pre-hook's, outside the boundary
+    out.sum().backward()
+    assert layer.weight is weight
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.weight_norm is deprecated
+def test_removing_weight_norm_between_forward_and_backward_leaves_the_parameter_visible() -> None:
+    # Guards against a replay that sets an attribute the module no longer has (weight_norm
+    # removed between forward and backward: weight is a Parameter again) and leaves it: the
+    # replay's alias would shadow the Parameter in the module's __dict__ for every later call.
+    torch.manual_seed(0)
+    eager = torch.nn.utils.weight_norm(nn.Linear(4, 4))
+    twin = torch.nn.utils.weight_norm(nn.Linear(4, 4))
+    twin.load_state_dict(eager.state_dict())
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (eager, twin):
+        out = model(x)
+        torch.nn.utils.remove_weight_norm(model)
+        out.sum().backward()
+        assert "weight" not in model.__dict__ and model.weight is model._parameters["weight"]
+        grads.append(grads_of([x]))
+        x.grad = None
+    assert_same_grads(*grads)

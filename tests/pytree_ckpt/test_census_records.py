@@ -315,3 +315,34 @@ def test_a_census_kept_for_its_report_does_not_keep_the_model_alive() -> None:
     gc.collect()
     assert weight() is None
     assert census.total_bytes == 0 and census.report().startswith("module")
+
+
+def test_a_weight_a_pre_hook_sets_is_filed_under_the_boundary_that_holds_it() -> None:
+    # Guards against the census being told only of the call's own inputs: the weight that
+    # weight_norm's pre-hook computes is saved by the boundary too (NOTE [attributes set before
+    # the call]); filed as a plain autograd save, the report put the layer's weight among the
+    # activations outside any checkpoint. Ground truth: the boundary holds x and the weight;
+    # autograd outside it holds weight_norm's norms. The totals equal eager's.
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is old
+        eager = torch.nn.utils.weight_norm(nn.Linear(64, 64))
+        twin = torch.nn.utils.weight_norm(nn.Linear(64, 64))
+    twin.load_state_dict(eager.state_dict())
+    apply_activation_checkpointing(twin)
+    x = torch.randn(32, 64, requires_grad=True)
+    totals, by_mechanism = [], []
+    for model in (eager, twin):
+        with ActivationCensus(model) as census:
+            out = model(x)
+        totals.append(census.total_bytes)
+        by_mechanism.append(census.bytes_by("mechanism"))
+        weight_bytes = nbytes(model.weight)
+        out.sum().backward()
+    norms = totals[0] - nbytes(x) - weight_bytes
+    assert norms == 64 * 4  # one norm per output row, fp32
+    assert by_mechanism[1] == {"checkpoint boundary": nbytes(x) + weight_bytes,
+                               "autograd": norms}
+    assert totals[0] == totals[1]
