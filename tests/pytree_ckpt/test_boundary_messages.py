@@ -344,3 +344,27 @@ def test_checkpointed_refuses_what_it_cannot_call_when_it_is_made() -> None:
 
     with pytest.raises(CheckpointConfigError, match=r"(?s)expected: a callable.*got:\s+int 3"):
         pytree_ckpt.checkpointed(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [None, 0, "no"])
+@pytest.mark.parametrize("entry", ["CheckpointWithoutOutputManager", "apply_recompute_config"])
+def test_the_discard_manager_and_recompute_configs_refuse_a_preserve_rng_state_not_a_bool(
+        entry: str, value: Any) -> None:
+    # Guards against the two other entry points reading the option by truthiness: None (a
+    # config's missing key) silently turned RNG restoring off for every discarded op the
+    # manager chains, and with it their dropout masks in the replay.
+    import pytree_ckpt
+
+    layers = [torch.nn.Linear(2, 2)]
+    calls = {
+        "CheckpointWithoutOutputManager": lambda: pytree_ckpt.CheckpointWithoutOutputManager(
+            preserve_rng_state=value),
+        "apply_recompute_config": lambda: pytree_ckpt.apply_recompute_config(
+            layers, pytree_ckpt.RecomputeConfig(1.0), {},
+            preserve_rng_state=value),
+    }
+    with pytest.raises(pytree_ckpt.CheckpointConfigError) as err:
+        calls[entry]()
+    message = str(err.value)
+    assert "preserve_rng_state" in message and f"got:      {value!r}" in message
+    assert not pytree_ckpt.is_checkpointed(layers[0])

@@ -118,3 +118,64 @@ def test_an_expert_that_got_no_tokens_discards_its_empty_activation_without_erro
     proj.zero_grad(set_to_none=True)
     experts(discard=True).square().sum().backward()
     assert_same_grads(expected, grads_of([tokens, *proj.parameters()]))
+
+
+@pytest.mark.parametrize("tied_first", [False, True], ids=["tied-use-after", "tied-use-first"])
+def test_a_parametrized_op_discarded_inside_a_cached_block_gives_eager_gradients(
+        tied_first: bool) -> None:
+    # Guards against the discard's passes sharing the caller's parametrize cache (NOTE [each
+    # pass caches its own parametrizations], as at the boundary): the no-grad forward cached a
+    # weight without graph that a tied use after it read (the parametrization silently lost
+    # that gradient), and a replay in backward read the weight a tied use before it cached,
+    # sending its gradient into the caller's graph. Equal to float rounding: the replay's use
+    # comes back as a gradient of its own.
+    torch.manual_seed(0)
+    lin, proj = nn.Linear(8, 8), nn.Linear(8, 8)
+    torch.nn.utils.parametrizations.weight_norm(lin)
+    twin = copy.deepcopy(lin)
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for layer, discard in ((lin, False), (twin, True)):
+        with torch.nn.utils.parametrize.cached():
+            head = layer.weight.exp().sum() if tied_first else 0
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                out = proj(ckpt.checkpoint(layer, x))
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = proj(layer(x))
+            if not tied_first:
+                head = layer.weight.exp().sum()
+            (out.square().sum() + head).backward()
+        grads.append(grads_of([x, *layer.parameters(), *proj.parameters()]))
+        x.grad = None
+        proj.zero_grad(set_to_none=True)
+    for expected, got in zip(*grads):
+        assert expected is not None and got is not None
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_an_attention_layer_in_eval_mode_discarded_gives_eager_outputs_and_gradients() -> None:
+    # Guards against the discard's no-grad forward taking attention's fused fast path (NOTE
+    # [no fast path by grad mode]): its output then differed from eager's by rounding, and the
+    # replay (composite, grad enabled) rebuilt another one than the forward had used.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    proj = nn.Linear(8, 8)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    outs, grads = [], []
+    for model, discard in ((layer, False), (twin, True)):
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = proj(ckpt.checkpoint(model, x))
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = proj(model(x))
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append(grads_of([x, *model.parameters(), *proj.parameters()]))
+        x.grad = None
+        proj.zero_grad(set_to_none=True)
+    assert torch.equal(*outs)
+    assert_same_grads(*grads)
