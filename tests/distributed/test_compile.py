@@ -263,3 +263,50 @@ def test_save_units_on_a_layer_with_a_compiled_body_are_refused_with_a_tip() -> 
         layers[1](layers[0](x)).sum().backward()
     finally:
         torch._dynamo.reset()
+
+
+def test_save_units_on_a_layer_compiled_whole_or_behind_an_earlier_boundary_are_refused() -> None:
+    # Guards against two ways round the compiled-body check: a layer list holding
+    # torch.compile(layer) (an OptimizedModule: its own forward is the module's), and a layer
+    # checkpointed earlier over a compiled forward (the body sits behind the installed
+    # boundary's forward). Both run the dispatch mode around a compiled body.
+    torch._dynamo.reset()
+    try:
+        units = pytree_ckpt.RecomputeConfig(1.0, ["attn"])
+        targets = {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")}
+        for layer in (nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.LazyLinear(4)):
+            # A lazy module compiled whole has a plain method as its forward until its first
+            # call: only the OptimizedModule itself says it is compiled.
+            whole = [torch.compile(layer, backend="eager")]
+            with pytest.raises(pytree_ckpt.CheckpointConfigError,
+                               match="torch.compile'd forward"):
+                pytree_ckpt.apply_recompute_config(whole, units, targets, offload=False)
+        behind = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        behind.forward = torch.compile(behind.forward, backend="eager")
+        pytree_ckpt.apply_activation_checkpointing(behind, offload=False)
+        with pytest.raises(pytree_ckpt.CheckpointConfigError, match="torch.compile'd forward"):
+            pytree_ckpt.apply_recompute_config([behind], units, targets, offload=False)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_save_units_on_a_layer_whose_forward_is_excluded_from_compile_give_eager_gradients(
+        ) -> None:
+    # Guards against an over-broad refusal: torch.compiler.disable marks its wrapper like a
+    # compiled one; such a body runs eagerly, as save units need, and is not refused.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    twin = copy.deepcopy(eager)
+    twin.forward = torch.compiler.disable(twin.forward)
+    pytree_ckpt.apply_recompute_config(
+        [twin], pytree_ckpt.RecomputeConfig(1.0, ["attn"]),
+        {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")}, offload=False)
+    assert pytree_ckpt.is_checkpointed(twin)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (eager, twin):
+        model(x).pow(2).sum().backward()
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in model.parameters())])
+        x.grad = None
+    for expected, got in zip(*grads):
+        assert torch.equal(expected, got)

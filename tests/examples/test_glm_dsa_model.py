@@ -517,6 +517,18 @@ def test_the_training_scripts_save_argument_names_the_units_and_needs_checkpoint
     assert "--save needs --ratio > 0" in capsys.readouterr().err
 
 
+def test_the_training_script_refuses_save_units_with_compiled_layer_bodies(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Guards against `--save attn --compile` reaching apply_recompute_config after the layer
+    # bodies were compiled: refused at the command line, naming both flags, before any model
+    # is built. Each alone is accepted.
+    with pytest.raises(SystemExit):
+        train.parse_args(["--save", "attn", "--compile"])
+    assert "--save cannot be combined with --compile" in capsys.readouterr().err
+    assert train.parse_args(["--compile"]).compile
+    assert train.parse_args(["--save", "attn"]).save == [SaveUnit.ATTN]
+
+
 def _train_counting_ops(argv: list[str]) -> Any:
     from tests.pytree_ckpt.test_save_units import OpCounter
 
