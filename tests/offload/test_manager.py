@@ -956,3 +956,18 @@ def test_ids_restored_for_a_layers_replay_are_freed_once_its_backward_is_done() 
     stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()
     assert _ALIVE_AT_REPLAY == [0, 0, 0, 0, 0]
     assert m.stats()["host_buffers_in_use"] == 0
+
+
+def test_each_copy_of_a_kept_storage_let_go_counts_as_alive_elsewhere() -> None:
+    # Guards against the per-storage record (NOTE [suspects stay bounded]) keeping only the
+    # last copy's bytes: a table the caller keeps, changed in place between two forwards of
+    # one pass, is copied to host twice, and neither copy saved anything (its device storage
+    # stayed alive): both count, as the record of every copy did before it was merged.
+    m = manager()
+    layers = offloaded_stack(m, 4)
+    kept = torch.randn(8, 32)
+    out = stack(layers, kept)
+    kept.mul_(2)  # a new version: the next forward copies it again
+    out = stack(layers, kept)
+    del out
+    assert m.stats()["alive_elsewhere_bytes"] == 2 * kept.untyped_storage().nbytes()

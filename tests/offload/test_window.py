@@ -100,6 +100,35 @@ def test_a_checkpointed_module_keeps_a_detached_alias_of_its_own_parameter_resid
     assert torch.equal(got[0], x.grad) and torch.equal(got[1], layer.weight.grad)
 
 
+def test_a_checkpointed_module_keeps_a_detached_alias_of_its_frozen_parameter_resident() -> None:
+    # Guards against only the trainable parameters being passed as resident: a frozen one
+    # (a LoRA base weight, a frozen embedding passed on as a table) is on the device for good
+    # too, and a copy of its alias to host saves nothing.
+    import pytree_ckpt
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64, 64))
+            self.base = nn.Parameter(torch.randn(64, 64), requires_grad=False)
+
+        def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            return (x @ self.weight) * table + x @ self.base
+
+    m = manager()
+    layer = Gated()
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x * 1.0
+    out = pytree_ckpt.checkpointed(layer, offload=m)(h, layer.base.detach())
+    assert m.stats()["offloaded_bytes"] == h.untyped_storage().nbytes()  # only h
+    out.sum().backward()
+    got = [x.grad, layer.weight.grad]
+    x.grad = layer.weight.grad = None
+    h = x * 1.0
+    ((h @ layer.weight) * layer.base.detach() + h @ layer.base).sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], layer.weight.grad)
+
+
 def test_an_alias_changed_in_place_after_its_save_and_then_dropped_restores_its_saved_bytes(
         ) -> None:
     # Guards against: _unpack drops its own ``copy.restore()``. The window's copy for the storage
