@@ -487,3 +487,37 @@ def test_a_float_frozen_result_returned_as_an_output_gives_eager_gradients(wrap:
     assert_same_grads(expected, [x.grad, *(p.grad for p in wrapped.parameters())])
     assert torch.equal(got["probs"], out["probs"])
     assert not got["probs"].requires_grad  # frozen, as in eager
+
+
+def _phases(h: torch.Tensor) -> torch.Tensor:
+    return torch.polar(torch.ones_like(h), h)  # a frozen complex result (h is detached)
+
+
+class ReturnsItsFrozenPhases(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.proj(x)
+        phases = reuse_during_recompute(_phases, h.detach())
+        return {"hidden": h * phases.real, "phases": phases}  # also returned, for statistics
+
+
+def test_a_complex_frozen_result_returned_as_an_output_gives_eager_gradients() -> None:
+    # Guards against only real floating results being known as frozen (NOTE [frozen results
+    # returned as outputs]): a complex one (rotary phases) got the boundary's node attached to
+    # the recorded tensor itself, and backward was refused.
+    torch.manual_seed(0)
+    eager = ReturnsItsFrozenPhases()
+    wrapped = copy.deepcopy(eager)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = eager(x)
+    out["hidden"].sum().backward()
+    expected = [x.grad.clone(), *(p.grad for p in eager.parameters())]
+    x.grad = None
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    got = wrapped(x)
+    got["hidden"].sum().backward()
+    assert_same_grads(expected, [x.grad, *(p.grad for p in wrapped.parameters())])
+    assert torch.equal(got["phases"], out["phases"]) and not got["phases"].requires_grad
