@@ -375,3 +375,25 @@ def test_a_census_lets_a_saved_activation_swapped_through_data_free_as_in_eager(
         grads.append(x.grad)
     assert freed == [True, True]
     assert torch.equal(grads[0], grads[1])
+
+
+def test_a_table_every_offloaded_layer_gets_is_counted_once_on_the_device_while_the_pass_runs(
+        ) -> None:
+    # Guards against the census keeping an earlier layer's filing of a storage a later window
+    # shares (_report_shared must replace the mechanisms' holders): the table counted twice as
+    # "offload in flight", and was not flagged until backward. Ground truth: on the device,
+    # the one table; on the host, a copy of each layer input and one of the table.
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    layers = nn.ModuleList(_TableLayer() for _ in range(3))
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=manager)
+    x = torch.randn(32, 32, requires_grad=True)
+    table = torch.randn(32, 32)
+    with ActivationCensus(layers) as census:
+        h = x * 1.0
+        for layer in layers:
+            h = layer(h, table)
+    assert census.bytes_by("mechanism") == {"offloaded to host": 3 * nbytes(x) + nbytes(table),
+                                            "offload in flight": nbytes(table)}
+    assert [entry["bytes"] for entry in census.flagged()] == [nbytes(table)]
+    h.sum().backward()
