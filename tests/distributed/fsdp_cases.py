@@ -59,7 +59,32 @@ def checkpointed_pair_of_fsdp_units(rank: int) -> dict[str, Any]:
     return {"error_type": None}
 
 
-CASES = {"checkpointed_pair_of_fsdp_units": checkpointed_pair_of_fsdp_units}
+class UsesOutsideTensor(Block):
+    """A block whose forward uses a tensor that requires grad and is none of its own."""
+
+    outside = torch.ones(8, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.outside
+
+
+def checkpointed_fsdp_unit_using_an_outside_tensor(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), UsesOutsideTensor(), nn.Linear(8, 1))
+    pytree_ckpt.apply_activation_checkpointing(model[1], offload=False)
+    fully_shard(model[1])  # the checkpointed module is itself the unit: the usual layout
+    fully_shard(model)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    try:
+        model(x).sum().backward()
+    except pytree_ckpt.CheckpointError as error:
+        return {"error_type": type(error).__name__, "error": str(error)}
+    return {"error_type": None}
+
+
+CASES = {"checkpointed_pair_of_fsdp_units": checkpointed_pair_of_fsdp_units,
+         "checkpointed_fsdp_unit_using_an_outside_tensor":
+             checkpointed_fsdp_unit_using_an_outside_tensor}
 
 
 def main(out: Path, names: list[str]) -> None:

@@ -155,3 +155,21 @@ def test_checkpointing_a_module_whose_children_are_separate_fsdp_units_names_the
         message = result["error"]
         assert "Pair" in message and "'first'" in message and "'second'" in message
         assert "fully_shard" in message and "apply_activation_checkpointing" in message
+
+
+def test_a_checkpointed_module_that_is_itself_an_fsdp_unit_gets_the_foreign_tensor_message(
+        tmp_path: Path) -> None:
+    # Guards against the FSDP-units refusal counting the checkpointed module itself (the usual
+    # layout: each layer its own unit) among the units inside it: a genuine foreign tensor in
+    # its forward was then blamed on FSDP, with a tip to undo the layout that is right.
+    from .launch import run_ranks
+
+    case = "checkpointed_fsdp_unit_using_an_outside_tensor"
+    run = run_ranks([str(Path(__file__).with_name("fsdp_cases.py")), str(tmp_path), case],
+                    WORLD, timeout=120.0, log_dir=tmp_path)
+    assert run.ok, run.output()
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"{case}.rank{rank}.json").read_text())
+        assert result["ok"], result["error"]
+        assert result["error_type"] == "CheckpointError", result
+        assert "neither an input nor a parameter" in result["error"], result
