@@ -60,8 +60,10 @@ trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -275,6 +277,25 @@ def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any], tensor_ind
                 "namespace='pytree_ckpt')")
 
 
+# Leaves that cannot be a cache the original pass fills: immutable values (NOTE [a cache
+# filled twice] refuses only objects that may hold state).
+_STATELESS = (bytes, complex, torch.dtype, torch.device, torch.layout, torch.memory_format,
+              enum.Enum, type, types.FunctionType, slice, range, type(Ellipsis),
+              type(NotImplemented))
+
+
+def _holds_no_state(leaf: Any, /) -> bool:
+    """Whether ``leaf`` is an immutable value (a dtype, a device, an enum, a function, ...)
+    rather than an object a forward could append to. A builtin counts only when it is bound to
+    no object or to a module (``F.scaled_dot_product_attention``): ``cache.append`` is not."""
+    if isinstance(leaf, _STATELESS):
+        return True
+    if isinstance(leaf, types.BuiltinFunctionType):
+        owner = getattr(leaf, "__self__", None)
+        return owner is None or isinstance(owner, types.ModuleType)
+    return False
+
+
 def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], *,
                               kwargs_use_cache: bool = False) -> None:
     """Input leaves the boundary cannot hand to the replay as the forward had them, refused
@@ -295,12 +316,14 @@ def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[An
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
         sort = leaf_kind(leaf)
-        if sort is not ITERATOR and kwargs_use_cache:
+        if sort is not ITERATOR and kwargs_use_cache and not _holds_no_state(leaf):
             # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
             # with use_cache=True is appended to by the original pass and again by the replay.
             # The replay's attention then reads the keys the no-grad original pass stored
             # (same values, same shapes, so nothing fails): the key and value projections get
             # no gradient, silently. transformers' own checkpointing turns use_cache off.
+            # Immutable values (a dtype, a device, an enum, a function) cannot be filled and
+            # pass: such a call (a GPT-2 style layer returning its new keys) is legitimate.
             path = _readable(leaf_paths(spec, root="inputs")[index])
             raise CheckpointError(
                 f"{_fn_name(fn)} was called with use_cache=True and an object at {path} "

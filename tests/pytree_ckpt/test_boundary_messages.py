@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import warnings
 from typing import Any
 
@@ -127,6 +128,42 @@ def test_a_call_with_use_cache_true_and_a_cache_object_is_refused_naming_the_cac
     assert layer.k.weight.grad is not None and layer.k.weight.grad.abs().sum() > 0
     with torch.no_grad():  # no boundary (generation): the cache works as usual
         checkpoint(layer, x, cache=KeyValueCache(), use_cache=True)
+
+
+class _Impl(enum.Enum):
+    SDPA = "sdpa"
+
+
+@pytest.mark.parametrize("value", [torch.float32, torch.device("cpu"), _Impl.SDPA, b"k", 1j,
+                                   slice(0, 2), ..., torch.Tensor, torch.nn.functional.softmax,
+                                   torch.nn.functional.scaled_dot_product_attention, range(3)],
+                         ids=lambda value: type(value).__name__)
+def test_use_cache_true_with_only_immutable_non_tensor_arguments_is_not_refused(
+        value: Any) -> None:
+    # A dtype, a device, an enum, a function or another immutable value cannot be a cache
+    # that the original pass fills: GPT-2 style layers return the new keys with use_cache=True
+    # and keep nothing, and such a call was checkpointed before the cache refusal.
+    lin = torch.nn.Linear(4, 4)
+
+    def layer(x: torch.Tensor, *, use_cache: bool = False, extra: Any = None) -> torch.Tensor:
+        return lin(x) * 2
+
+    x = torch.randn(3, 4, requires_grad=True)
+    checkpoint(layer, x, use_cache=True, extra=value).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, (lin.weight.sum(0) * 2).expand(3, 4))
+
+
+def test_use_cache_true_with_a_bound_method_of_a_cache_is_still_refused() -> None:
+    cache: list[torch.Tensor] = []
+    lin = torch.nn.Linear(4, 4)
+
+    def layer(x: torch.Tensor, *, use_cache: bool = False, append: Any = None) -> torch.Tensor:
+        append(lin(x))
+        return lin(x)
+
+    with pytest.raises(CheckpointError, match="use_cache=True"):
+        checkpoint(layer, torch.randn(3, 4, requires_grad=True), use_cache=True,
+                   append=cache.append)
 
 class Gated(torch.nn.Module):
     def __init__(self) -> None:
