@@ -4,6 +4,7 @@ what each pass must not share with the caller (a parametrization cache) or choos
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 from typing import Any
 
@@ -126,22 +127,54 @@ class IsolatedPass:
     that ran. Both passes therefore run with ``torch.backends.mha``'s fast path off, and agree
     with each other always, and with eager whenever something in the attention requires grad
     (a frozen attention fed a frozen input takes the fast path in eager: equal to rounding).
-    The caller's setting is put back after each pass.
+    The caller's setting is put back after the passes.
+
+    NOTE [passes in several threads]: both settings are process-global, and passes of two
+    threads overlap without nesting: on CUDA autograd replays on one device thread per GPU,
+    concurrently, and a thread-parallel forward runs original passes side by side. Saved and
+    put back per pass, the last pass to end put back what it found: another pass's cache
+    (the caller kept it) and, for the fast path, the setting of whichever pass entered first,
+    leaving a pass still running with the fast path on. So the fast path is off while any pass
+    runs, and the caller's setting comes back when the last one ends (a depth under a lock);
+    and a pass that ends while a later one still runs hands its outer cache to the pass that
+    swapped its own cache out, so the caller's comes back last. Overlapping passes still share
+    whichever cache is current (one process-wide dict): keys are per parametrization object,
+    so only threads running one module at once can see each other's weights.
     """
 
-    __slots__ = ("outer_cache", "fast_path")
+    __slots__ = ("outer_cache", "inner_cache")
+
+    _lock = threading.Lock()
+    _depth = 0  # passes running, in all threads
+    _fast_path_outer = False  # the setting when the first of them began
+    _swapped: list[IsolatedPass] = []  # passes running with a cache of their own
 
     def __enter__(self) -> None:
-        self.outer_cache: dict[Any, Any] | None = None
-        if parametrize._cache_enabled:  # usually off: nothing to isolate
-            self.outer_cache = parametrize._cache
-            parametrize._cache = {}
-        self.fast_path = torch.backends.mha.get_fastpath_enabled()
-        if self.fast_path:
-            torch.backends.mha.set_fastpath_enabled(False)
+        cls = IsolatedPass
+        with cls._lock:
+            self.outer_cache: dict[Any, Any] | None = None
+            self.inner_cache: dict[Any, Any] | None = None
+            if parametrize._cache_enabled:  # usually off: nothing to isolate
+                self.outer_cache = parametrize._cache
+                self.inner_cache = parametrize._cache = {}
+                cls._swapped.append(self)
+            if cls._depth == 0:
+                cls._fast_path_outer = torch.backends.mha.get_fastpath_enabled()
+                if cls._fast_path_outer:
+                    torch.backends.mha.set_fastpath_enabled(False)
+            cls._depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        if self.outer_cache is not None:
-            parametrize._cache = self.outer_cache
-        if self.fast_path:
-            torch.backends.mha.set_fastpath_enabled(True)
+        cls = IsolatedPass
+        with cls._lock:
+            if self.inner_cache is not None:
+                cls._swapped.remove(self)
+                if parametrize._cache is self.inner_cache:
+                    parametrize._cache = self.outer_cache
+                else:  # a later pass swapped ours out and still runs: it puts ours' outer back
+                    for later in cls._swapped:
+                        if later.outer_cache is self.inner_cache:
+                            later.outer_cache = self.outer_cache
+            cls._depth -= 1
+            if cls._depth == 0 and cls._fast_path_outer:
+                torch.backends.mha.set_fastpath_enabled(True)

@@ -1,0 +1,95 @@
+"""Boundaries whose passes overlap in two threads (on CUDA, autograd replays on one device
+thread per GPU, concurrently; a thread-parallel forward does the same): what a pass swaps in
+process-global state (rng.IsolatedPass) must be the caller's again when both are done."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from pytree_ckpt import checkpoint
+
+
+class _Double(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2
+
+
+def _overlapping(first: Callable[[], Any], second: Callable[[], Any]) -> None:
+    """Run ``first`` and ``second`` in two threads, so that their boundaries open A, B and
+    close A, B (not nested: A ends while B is still inside)."""
+    b_inside, a_done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def wrap(fn: Callable[[], Any], done: threading.Event | None) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+            finally:
+                if done is not None:
+                    done.set()
+        return run
+
+    def a_body(x: torch.Tensor) -> torch.Tensor:
+        assert b_inside.wait(10)
+        return x * 2
+
+    def b_body(x: torch.Tensor) -> torch.Tensor:
+        b_inside.set()
+        assert a_done.wait(10)
+        return x * 3
+
+    x = torch.ones(2, requires_grad=True)
+    ta = threading.Thread(target=wrap(lambda: (first(), checkpoint(a_body, x)), a_done))
+    tb = threading.Thread(target=wrap(lambda: (second(), checkpoint(b_body, x)), None))
+    ta.start()
+    tb.start()
+    ta.join(20)
+    tb.join(20)
+    assert not errors, errors
+
+
+def test_two_threads_whose_boundaries_overlap_leave_the_callers_parametrization_cache() -> None:
+    with parametrize.cached():
+        outer = parametrize._cache
+        _overlapping(lambda: None, lambda: None)
+        assert parametrize._cache is outer
+
+
+def test_two_threads_whose_boundaries_overlap_leave_the_attention_fast_path_off_for_both() -> None:
+    seen: list[bool] = []
+    b_inside, a_done = threading.Event(), threading.Event()
+
+    def a_body(x: torch.Tensor) -> torch.Tensor:
+        assert b_inside.wait(10)
+        return x * 2
+
+    def b_body(x: torch.Tensor) -> torch.Tensor:
+        b_inside.set()
+        assert a_done.wait(10)
+        seen.append(torch.backends.mha.get_fastpath_enabled())  # B's original pass, no grad
+        return x * 3
+
+    x = torch.ones(2, requires_grad=True)
+
+    def run_a() -> None:
+        try:
+            checkpoint(a_body, x)
+        finally:
+            a_done.set()
+
+    assert torch.backends.mha.get_fastpath_enabled()
+    ta = threading.Thread(target=run_a)
+    tb = threading.Thread(target=lambda: checkpoint(b_body, x))
+    ta.start()
+    tb.start()
+    ta.join(20)
+    tb.join(20)
+    assert seen == [False]  # eager with x requiring grad takes the composite path
+    assert torch.backends.mha.get_fastpath_enabled()  # the caller's setting again
