@@ -170,11 +170,14 @@ class OffloadManager:
         also the next layer's, are gone), so what is still alive is kept by something else,
         and its copy saved nothing.
         """
-        for ref, nbytes in self._suspects.values():
+        # Taken before reading: on CUDA backward (this, from _unpack) runs on a device thread
+        # while another thread's forward may let go of more storages (a dict must not grow
+        # while it is read). Those land in the fresh dict, judged next time.
+        suspects, self._suspects = self._suspects, {}
+        for ref, nbytes in suspects.values():
             if not ref.expired():
                 self._counters["alive_elsewhere_bytes"] += nbytes
                 log.debug("offloaded storage of %d bytes is still alive elsewhere", nbytes)
-        self._suspects = {}
 
     def _suspect(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Note a storage let go while still alive, for ``_judge_alive``.

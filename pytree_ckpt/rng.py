@@ -168,10 +168,11 @@ class IsolatedPass:
         cls = IsolatedPass
         with cls._lock:
             if self.inner_cache is not None:
+                assert self.outer_cache is not None  # both set together in __enter__
                 cls._swapped.remove(self)
                 if parametrize._cache is self.inner_cache:
                     parametrize._cache = self.outer_cache
-                else:  # a later pass swapped ours out and still runs: it puts ours' outer back
+                else:  # a later pass swapped ours out and still runs: it puts our outer back
                     for later in cls._swapped:
                         if later.outer_cache is self.inner_cache:
                             later.outer_cache = self.outer_cache
