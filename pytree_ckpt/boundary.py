@@ -281,7 +281,8 @@ def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any], tensor_ind
 # filled twice] refuses only objects that may hold state).
 _STATELESS = (bytes, complex, torch.dtype, torch.device, torch.layout, torch.memory_format,
               enum.Enum, type, types.FunctionType, slice, range, type(Ellipsis),
-              type(NotImplemented))
+              type(NotImplemented), types.MethodDescriptorType, types.WrapperDescriptorType,
+              torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # Tensor.add, aten.mm
 
 
 def _holds_no_state(leaf: Any, /) -> bool:

@@ -405,3 +405,66 @@ def test_the_discard_manager_and_recompute_configs_refuse_a_preserve_rng_state_n
     message = str(err.value)
     assert "preserve_rng_state" in message and f"got:      {value!r}" in message
     assert not pytree_ckpt.is_checkpointed(layers[0])
+
+
+class DictCache(dict):
+    """A cache kept in a dict subclass (the bridge does not open it): a container, still a cache."""
+
+
+def test_use_cache_true_with_a_cache_kept_in_a_dict_subclass_is_refused_naming_it() -> None:
+    # A container the bridge leaves unopened holds no tensor that requires grad here, so only
+    # the cache check can refuse it; the replay would append to it again, as with any cache.
+    def layer(x: torch.Tensor, *, cache: DictCache, use_cache: bool = False) -> torch.Tensor:
+        cache.setdefault("keys", []).append(x.detach())
+        return x * 2
+
+    with pytest.raises(CheckpointError, match=r"use_cache=True and an object at "
+                                              r"kwargs\['cache'\] \(DictCache\)"):
+        checkpoint(layer, torch.randn(3, 4, requires_grad=True), cache=DictCache(),
+                   use_cache=True)
+
+
+def test_use_cache_true_with_a_bound_method_of_a_python_cache_object_is_still_refused() -> None:
+    # transformers' DynamicCache.update is a Python method: bound to the cache, it is the cache.
+    cache = KeyValueCache()
+    lin = torch.nn.Linear(4, 4)
+
+    def layer(x: torch.Tensor, *, use_cache: bool = False, update: Any = None) -> torch.Tensor:
+        update(lin(x))
+        return lin(x)
+
+    class Updating:
+        def update(self, keys: torch.Tensor) -> None:
+            cache.keys.append(keys)
+
+    with pytest.raises(CheckpointError, match=r"use_cache=True and an object at "
+                                              r"kwargs\['update'\] \(method\)"):
+        checkpoint(layer, torch.randn(3, 4, requires_grad=True), use_cache=True,
+                   update=Updating().update)
+
+
+def test_an_iterator_with_use_cache_true_is_refused_as_an_iterator_not_as_a_cache() -> None:
+    def layer(x: torch.Tensor, scales: Any, *, use_cache: bool = False) -> torch.Tensor:
+        return x * next(scales)
+
+    with pytest.raises(CheckpointError, match=r"given an iterator at args\[1\]"):
+        checkpoint(layer, torch.randn(3, 4, requires_grad=True), iter([2.0, 3.0]),
+                   use_cache=True)
+
+
+@pytest.mark.parametrize("value", [torch.relu, torch.cat, torch.Tensor.add, torch.Tensor.__add__,
+                                   torch.ops.aten.mm.default, torch.ops.aten.mm, torch.strided,
+                                   torch.channels_last, NotImplemented],
+                         ids=lambda value: repr(value).split(" at ")[0])
+def test_use_cache_true_with_a_torch_function_method_or_op_argument_is_not_refused(
+        value: Any) -> None:
+    # torch.relu and torch.cat are builtins bound to no object (static methods of a type),
+    # torch.Tensor.add an unbound method, aten.mm an op: none can be a cache.
+    lin = torch.nn.Linear(4, 4)
+
+    def layer(x: torch.Tensor, *, use_cache: bool = False, extra: Any = None) -> torch.Tensor:
+        return lin(x) * 2
+
+    x = torch.randn(3, 4, requires_grad=True)
+    checkpoint(layer, x, use_cache=True, extra=value).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, (lin.weight.sum(0) * 2).expand(3, 4))
