@@ -630,3 +630,24 @@ def test_a_refused_second_config_leaves_the_layers_methods_as_they_were() -> Non
     pytree_ckpt.remove_activation_checkpointing(stack[0])
     pytree_ckpt.remove_activation_checkpointing(stack[1])
     assert all("forward" not in layer.__dict__ for layer in stack)
+
+
+def test_applying_one_config_twice_wraps_each_kept_method_once_and_removing_unwraps_it() -> None:
+    block = Block()
+    apply_recompute_config([block], RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+    first = block.gate.__dict__["project"]
+    apply_recompute_config([block], RecomputeConfig(1.0, ["moe_gate"]), TARGETS)  # a no-op
+    assert block.gate.__dict__["project"] is first
+    pytree_ckpt.remove_activation_checkpointing(block)
+    assert "project" not in block.gate.__dict__ and not pytree_ckpt.is_checkpointed(block)
+
+
+def test_a_config_refused_by_a_later_layer_leaves_the_earlier_layers_unchanged() -> None:
+    # Only the second layer is checkpointed already (with other options): every chosen layer
+    # is checked before any is changed, so the first is left as it was too.
+    stack = nn.ModuleList(Block() for _ in range(2))
+    pytree_ckpt.apply_activation_checkpointing(stack[1])
+    with pytest.raises(CheckpointConfigError, match="already checkpointed with other options"):
+        apply_recompute_config(stack, RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+    assert all("project" not in layer.gate.__dict__ for layer in stack)
+    assert not pytree_ckpt.is_checkpointed(stack[0])
