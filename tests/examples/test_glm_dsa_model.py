@@ -581,3 +581,12 @@ def test_the_training_script_refuses_an_out_of_range_number_with_a_usage_error(
     with pytest.raises(SystemExit) as info:
         train.parse_args(argv)
     assert info.value.code == 2 and f"{argv[0]} must be" in capsys.readouterr().err
+
+
+def test_the_training_script_accepts_the_edges_of_every_range_it_checks() -> None:
+    # --mtp-depth 0 disables MTP (the usage error's own tip), --ratio 0 and 1 are the ends of
+    # [0, 1], one step is the fewest: each is a valid run, not a usage error.
+    assert train.parse_args(["--mtp-depth", "0"]).mtp_depth == 0
+    assert train.parse_args(["--ratio", "0"]).ratio == 0.0
+    assert train.parse_args(["--ratio", "1"]).ratio == 1.0
+    assert train.parse_args(["--steps", "1"]).steps == 1
