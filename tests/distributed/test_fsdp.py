@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,21 +137,27 @@ def test_fsdp2_with_compiled_bodies_matches_eager_and_compiles_nothing_after_the
     assert_grads_equal(reference.grads, worker_run.grads("fsdp_compile"), rtol=1e-5, atol=1e-7)
 
 
+def _error_case_results(tmp_path: Path, case: str) -> list[dict[str, Any]]:
+    """Run ``case`` of fsdp_cases.py on every rank; each rank's result (the error it caught)."""
+    from .launch import run_ranks
+
+    run = run_ranks([str(Path(__file__).with_name("fsdp_cases.py")), str(tmp_path), case],
+                    WORLD, timeout=120.0, log_dir=tmp_path)
+    assert run.ok, run.output()
+    results = [json.loads((tmp_path / f"{case}.rank{rank}.json").read_text())
+               for rank in range(WORLD)]
+    for result in results:
+        assert result["ok"], result["error"]
+    return results
+
+
 def test_checkpointing_a_module_whose_children_are_separate_fsdp_units_names_the_units_and_the_fix(
         tmp_path: Path) -> None:
     # The children's parameters are sharded DTensors when the boundary collects them, and
     # all-gathered inside it: their unsharded parameters would get no gradient. The boundary
     # catches it at the first replay; the message must say why (FSDP units inside it), not call
     # a registered parameter "neither an input nor a parameter of the module".
-    from .launch import run_ranks
-
-    case = "checkpointed_pair_of_fsdp_units"
-    run = run_ranks([str(Path(__file__).with_name("fsdp_cases.py")), str(tmp_path), case],
-                    WORLD, timeout=120.0, log_dir=tmp_path)
-    assert run.ok, run.output()
-    for rank in range(WORLD):
-        result = json.loads((tmp_path / f"{case}.rank{rank}.json").read_text())
-        assert result["ok"], result["error"]
+    for result in _error_case_results(tmp_path, "checkpointed_pair_of_fsdp_units"):
         assert result["error_type"] == "CheckpointConfigError", result
         message = result["error"]
         assert "Pair" in message and "'first'" in message and "'second'" in message
@@ -162,14 +169,6 @@ def test_a_checkpointed_module_that_is_itself_an_fsdp_unit_gets_the_foreign_tens
     # Guards against the FSDP-units refusal counting the checkpointed module itself (the usual
     # layout: each layer its own unit) among the units inside it: a genuine foreign tensor in
     # its forward was then blamed on FSDP, with a tip to undo the layout that is right.
-    from .launch import run_ranks
-
-    case = "checkpointed_fsdp_unit_using_an_outside_tensor"
-    run = run_ranks([str(Path(__file__).with_name("fsdp_cases.py")), str(tmp_path), case],
-                    WORLD, timeout=120.0, log_dir=tmp_path)
-    assert run.ok, run.output()
-    for rank in range(WORLD):
-        result = json.loads((tmp_path / f"{case}.rank{rank}.json").read_text())
-        assert result["ok"], result["error"]
+    for result in _error_case_results(tmp_path, "checkpointed_fsdp_unit_using_an_outside_tensor"):
         assert result["error_type"] == "CheckpointError", result
         assert "neither an input nor a parameter" in result["error"], result
