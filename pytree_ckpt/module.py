@@ -183,15 +183,20 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Modul
     return module
 
 
-def refuse_other_options(module: nn.Module, options: BoundaryOptions, /) -> bool:
+def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
+                         index: int | None = None) -> bool:
     """Whether ``module`` already has a boundary with ``options``; raises if it has one with
-    other options (callers check every layer before changing any)."""
+    other options (callers check every layer before changing any). ``index``: the module's
+    place in a layer list, named in the message (layers of one class look alike)."""
     installed = _installed(module)
     if installed is not None and installed.options != options:
+        name = type(module).__name__
+        where, ref = (name, "module") if index is None else \
+            (f"layer {index} ({name})", f"layers[{index}]")
         raise CheckpointConfigError(
-            f"{type(module).__name__} is already checkpointed with other options",
+            f"{where} is already checkpointed with other options",
             expected=installed.options, got=options,
-            tip="call remove_activation_checkpointing(module) first, then apply again")
+            tip=f"call remove_activation_checkpointing({ref}) first, then apply again")
     return installed is not None
 
 
@@ -260,6 +265,9 @@ def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
             tip="apply_activation_checkpointing(module) checkpoints one module")
     count = layer_count(len(layers), validate_ratio(ratio))
     manager = resolve_offload(offload)
+    options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager)
+    for index, layer in enumerate(layers[:count]):  # before any changes: refused, none change
+        refuse_other_options(layer, options, index=index)
     for layer in layers[:count]:
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
                                        offload=manager if manager is not None else False)

@@ -346,8 +346,8 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
                             description=", ".join(u.value for u in units))
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload), keep=policy)
-    for layer in chosen:  # before anything changes: a refused call leaves the layers as they were
-        refuse_other_options(layer, options)
+    for index, layer in enumerate(chosen):  # before anything changes: refused, none change
+        refuse_other_options(layer, options, index=index)
     for module, name in kept:
         if not getattr(module.__dict__.get(name), "_pytree_ckpt_kept", False):
             module.__dict__[name] = _KeptMethod(module, name)

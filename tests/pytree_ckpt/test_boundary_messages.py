@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
 
 
@@ -468,3 +470,26 @@ def test_use_cache_true_with_a_torch_function_method_or_op_argument_is_not_refus
     x = torch.randn(3, 4, requires_grad=True)
     checkpoint(layer, x, use_cache=True, extra=value).sum().backward()
     assert x.grad is not None and torch.equal(x.grad, (lin.weight.sum(0) * 2).expand(3, 4))
+
+
+def test_a_layer_list_checkpointed_again_with_other_options_names_the_layer_and_changes_none(
+        ) -> None:
+    # Layers of one class look alike: "Sequential is already checkpointed" did not say which,
+    # and checkpoint_layers wrapped layer 0 before refusing layer 1 (half-applied).
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(2, 2)) for _ in range(2))
+    pytree_ckpt.apply_activation_checkpointing(layers[1], offload=False)
+    for apply in (lambda: pytree_ckpt.checkpoint_layers(layers, preserve_rng_state=False,
+                                                        offload=False),
+                  lambda: pytree_ckpt.apply_recompute_config(
+                      layers, pytree_ckpt.RecomputeConfig(1.0, ["attn"]),
+                      {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")},
+                      offload=False)):
+        with pytest.raises(pytree_ckpt.CheckpointConfigError) as info:
+            apply()
+        assert "layer 1 (Sequential) is already checkpointed" in str(info.value)
+        assert "remove_activation_checkpointing(layers[1])" in str(info.value)
+        assert not pytree_ckpt.is_checkpointed(layers[0])  # nothing changed
+    pytree_ckpt.remove_activation_checkpointing(layers[1])  # the tip works
+    assert pytree_ckpt.checkpoint_layers(layers, preserve_rng_state=False, offload=False) == [0, 1]
+    x = torch.randn(3, 2, requires_grad=True)
+    layers[1](layers[0](x)).sum().backward()
