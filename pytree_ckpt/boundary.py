@@ -847,6 +847,8 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
     Every keyword goes to ``fn``; set boundary options with :func:`checkpointed`.
     """
+    _require_callable(fn, "checkpoint", "checkpoint(layer, x) or checkpoint(fn, x, ...): the "
+                      "function (or module) first, then its arguments")
     try:
         return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
     except TypeError as error:
@@ -863,6 +865,13 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         raise
 
 
+def _require_callable(fn: Any, where: str, tip: str) -> None:
+    if not callable(fn):
+        raise CheckpointConfigError(
+            f"{where} takes the function (or module) to run behind the boundary",
+            expected="a callable", got=describe_leaf(fn), tip=tip)
+
+
 def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
                  offload: bool | OffloadManager | None = None) -> Callable[..., T]:
     """Return ``fn`` wrapped in a boundary with the given options.
@@ -872,12 +881,9 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     """
     from .module import resolve_offload  # module builds on this file
 
-    if not callable(fn):  # refused now, not at the first call, far from where it was made
-        raise CheckpointConfigError(
-            "checkpointed takes the function (or module) to wrap", expected="a callable",
-            got=describe_leaf(fn),
-            tip="checkpointed(layer) or checkpointed(fn, preserve_rng_state=False); the "
-                "arguments go to the wrapper it returns")
+    # Refused now, not at the first call, far from where it was made.
+    _require_callable(fn, "checkpointed", "checkpointed(layer) or checkpointed(fn, "
+                      "preserve_rng_state=False); the arguments go to the wrapper it returns")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload))
 

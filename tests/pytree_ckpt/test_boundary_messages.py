@@ -377,12 +377,14 @@ def test_none_as_preserve_rng_state_gave_other_dropout_masks_than_eager() -> Non
     assert torch.equal(eager, x.grad)
 
 
-def test_checkpointed_refuses_what_it_cannot_call_when_it_is_made() -> None:
+def test_checkpoint_and_checkpointed_refuse_what_they_cannot_call() -> None:
     import pytree_ckpt
     from pytree_ckpt import CheckpointConfigError
 
     with pytest.raises(CheckpointConfigError, match=r"(?s)expected: a callable.*got:\s+int 3"):
         pytree_ckpt.checkpointed(3)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointConfigError, match=r"(?s)checkpoint takes.*got:\s+int 3"):
+        pytree_ckpt.checkpoint(3, torch.randn(2, requires_grad=True))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value", [None, 0, "no"])
