@@ -43,6 +43,16 @@ class Pair(nn.Module):
         return self.second(self.first(x))
 
 
+def _error_of_a_step(model: nn.Module, rank: int) -> dict[str, Any]:
+    """One forward and backward of ``model``; the CheckpointError it raised, if any."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    try:
+        model(x).sum().backward()
+    except pytree_ckpt.CheckpointError as error:
+        return {"error_type": type(error).__name__, "error": str(error)}
+    return {"error_type": None}
+
+
 def checkpointed_pair_of_fsdp_units(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), Pair(), nn.Linear(8, 1))
@@ -51,12 +61,7 @@ def checkpointed_pair_of_fsdp_units(rank: int) -> dict[str, Any]:
     fully_shard(pair.first)  # the units sit inside the checkpointed module
     fully_shard(pair.second)
     fully_shard(model)
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
-    try:
-        model(x).sum().backward()
-    except pytree_ckpt.CheckpointError as error:
-        return {"error_type": type(error).__name__, "error": str(error)}
-    return {"error_type": None}
+    return _error_of_a_step(model, rank)
 
 
 class UsesOutsideTensor(Block):
@@ -74,12 +79,7 @@ def checkpointed_fsdp_unit_using_an_outside_tensor(rank: int) -> dict[str, Any]:
     pytree_ckpt.apply_activation_checkpointing(model[1], offload=False)
     fully_shard(model[1])  # the checkpointed module is itself the unit: the usual layout
     fully_shard(model)
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
-    try:
-        model(x).sum().backward()
-    except pytree_ckpt.CheckpointError as error:
-        return {"error_type": type(error).__name__, "error": str(error)}
-    return {"error_type": None}
+    return _error_of_a_step(model, rank)
 
 
 CASES = {"checkpointed_pair_of_fsdp_units": checkpointed_pair_of_fsdp_units,

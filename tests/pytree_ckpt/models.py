@@ -88,3 +88,14 @@ class Dropped(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.norm(torch.tanh(self.lin(x))))
+
+
+class RmsNorm(nn.Module):
+    """An RMS norm with a weight (what output discard usually frees the output of)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * self.weight

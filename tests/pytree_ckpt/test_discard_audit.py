@@ -20,15 +20,7 @@ from pytree_ckpt import (CheckpointConfigError, CheckpointError, CheckpointWitho
                          CheckpointWithoutOutputManager, ReplayMismatchError,
                          build_residual_stream_recompute_plan)
 from tests.conftest import assert_same_grads, grads_of
-
-
-class _Norm(nn.Module):
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.rand(width) + 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+from tests.pytree_ckpt.models import RmsNorm as _Norm
 
 
 def _nbytes(*tensors: torch.Tensor) -> list[int]:

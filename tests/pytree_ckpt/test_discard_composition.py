@@ -14,15 +14,7 @@ from torch import nn
 
 from pytree_ckpt import CheckpointWithoutOutput
 from tests.conftest import assert_same_grads, grads_of
-
-
-class _Norm(nn.Module):
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.rand(width) + 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+from tests.pytree_ckpt.models import RmsNorm as _Norm
 
 
 @pytest.mark.parametrize("frozen_in_forward", [False, True],
