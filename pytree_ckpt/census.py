@@ -13,9 +13,10 @@ NOTE [how the census sees tensors]: two sources, merged per storage.
 
 Each storage is counted once, with its whole size (a saved view keeps its whole storage alive),
 for as long as it is held: by the graph (the census's pack hook hands autograd a small handle
-and watches it) or by the reporting mechanism (the tensor itself is watched). The census holds
-weak references only, so it never changes what is freed, and reading it after backward shows
-what is still held. Parameters and
+and watches it) or by the reporting mechanism (the tensor itself is watched). Besides those
+handles, which hold what autograd would, the census holds weak references only, so it does not
+change what is freed (but for a saved activation swapped through ``.data``: docs/census.md),
+and reading it after backward shows what is still held. Parameters and
 buffers are not activations and are left out. A mechanism that means to release a storage (a
 frame after its replay) gives a ``holder`` whose ``released`` turns true; a storage still alive
 after its holder released it is *flagged*: something else keeps it.
