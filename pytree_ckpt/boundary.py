@@ -473,7 +473,7 @@ class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
-        refuse_double_backward(f"the boundary around {_fn_name(call.fn)}")
+        refuse_double_backward(lambda: f"the boundary around {_fn_name(call.fn)}")
         changes = call.forward_modules.changes() if call.forward_modules is not None else None
         if call.changed_state is None and changes is None:
             return _replay_backward(ctx, call, grad_outputs)
@@ -511,28 +511,31 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
     token = ACTIVE.set(invocation)
     try:
-        with ExitStack() as stack:
-            call.env.enter(stack)
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(IsolatedPass())
-            if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-                # Shadow an ambient hook (offload, census): the replay's short-lived graph
-                # is not theirs to see. Only then: the hooks cost ~1 us per saved tensor.
-                # NOTE [hooks switch off the in-place check] in saved.py: Unchanged checks.
-                stack.enter_context(
-                    torch.autograd.graph.saved_tensors_hooks(Unchanged, Unchanged.get))
+        with call.env.replaying(), IsolatedPass():
             # fn sees non-leaf aliases (made with grad enabled): module hooks watching their
             # inputs' gradients (FSDP, FlopCounterMode's module tracker) cannot hook a leaf
             # under torch.autograd.grad.
             aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
             args, kwargs = call.inputs(aliases)
-            if call.attributes:
-                assert call.owner is not None
-                stack.enter_context(_attributes_set(call.owner, call.attributes,
-                                                    aliases[call.n_inputs:]))
-            if call.options.keep is not None:
-                stack.enter_context(KeepMode(call.options.keep, invocation))
-            output = call.fn(*args, **kwargs)
+            hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            if not (hooked or call.attributes or call.options.keep is not None):
+                output = call.fn(*args, **kwargs)  # the usual case, with no context more
+            else:
+                with ExitStack() as stack:
+                    if hooked:
+                        # Shadow an ambient hook (offload, census): the replay's short-lived
+                        # graph is not theirs to see. Only then: the hooks cost ~1 us per saved
+                        # tensor. NOTE [hooks switch off the in-place check] in saved.py:
+                        # Unchanged checks.
+                        stack.enter_context(
+                            torch.autograd.graph.saved_tensors_hooks(Unchanged, Unchanged.get))
+                    if call.attributes:
+                        assert call.owner is not None
+                        stack.enter_context(_attributes_set(call.owner, call.attributes,
+                                                            aliases[call.n_inputs:]))
+                    if call.options.keep is not None:
+                        stack.enter_context(KeepMode(call.options.keep, invocation))
+                    output = call.fn(*args, **kwargs)
     except CheckpointError:
         raise
     except Exception as error:
@@ -591,7 +594,7 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
         _verify_leaves(call, outs, wrt)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
-        with parameter_hooks_paused(call.params):
+        with ParameterHooksPaused(call.params):
             got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads,
                                       allow_unused=True)
         for i, grad in zip(wanted, got):
@@ -616,23 +619,27 @@ def _raise_input_changed(call: _Call, tensors: Sequence[torch.Tensor], moved: li
             "change outside the checkpointed call")
 
 
-@contextmanager
-def parameter_hooks_paused(params: Sequence[torch.Tensor], /) -> Iterator[None]:
+class ParameterHooksPaused:
     """NOTE [parameter hooks run once]: ``torch.autograd.grad`` runs a leaf's tensor hooks
     (``param.register_hook``) on the gradient it captures, and autograd runs them again when
     the returned gradient reaches the parameter in the outer backward: a hook that scales or
     masks would apply twice. Paused for the replay's ``grad``, they run once, where eager runs
     them. The hook dict is emptied and refilled in place: autograd's hook object reads it at
-    call time, so nothing is re-registered.
+    call time, so nothing is re-registered. (A plain class: entered once per layer call.)
     """
-    stash = [(hooks, list(hooks.items())) for p in params
-             if (hooks := p._backward_hooks)]
-    for hooks, _ in stash:
-        hooks.clear()
-    try:
-        yield
-    finally:
-        for hooks, items in stash:
+
+    __slots__ = ("stash",)
+
+    def __init__(self, params: Sequence[torch.Tensor], /) -> None:
+        self.stash = [(hooks, list(hooks.items())) for p in params
+                      if (hooks := p._backward_hooks)]
+
+    def __enter__(self) -> None:
+        for hooks, _ in self.stash:
+            hooks.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        for hooks, items in self.stash:
             hooks.update(items)
 
 
@@ -657,13 +664,14 @@ def _attributes_set(module: nn.Module, names: Sequence[str],
 _MISSING = object()
 
 
-def refuse_double_backward(where: str, /) -> None:
+def refuse_double_backward(where: Callable[[], str], /) -> None:
     """Refuse a backward with ``create_graph=True`` (autograd runs a Function's backward with
     grad mode on exactly then). The replay starts from detached inputs, so the gradient it
-    returns has no graph back to them: a gradient penalty would silently lose its terms."""
+    returns has no graph back to them: a gradient penalty would silently lose its terms.
+    ``where()`` names the node; called only to raise (every backward passes here)."""
     if torch.is_grad_enabled():
         raise CheckpointError(
-            f"{where} was reached by a backward with create_graph=True (double backward, a "
+            f"{where()} was reached by a backward with create_graph=True (double backward, a "
             "gradient penalty)", expected="create_graph=False", got="create_graph=True",
             tip="second-order gradients through a replay would be incomplete: take the penalty "
                 "with checkpointing off for this module (remove_activation_checkpointing, "

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .boundary import parameter_hooks_paused, refuse_double_backward
+from .boundary import ParameterHooksPaused, refuse_double_backward
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
@@ -199,7 +199,7 @@ class _DiscardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         owner: CheckpointWithoutOutput = ctx.owner
-        refuse_double_backward(f"the output-discard checkpoint of {owner._name()}")
+        refuse_double_backward(lambda: f"the output-discard checkpoint of {owner._name()}")
         if owner.recomputed is None:
             owner._replay()  # never discarded (or its hook never fired): replay now
         assert owner.recomputed is not None and owner.detached is not None
@@ -252,7 +252,7 @@ class _DiscardFunction(torch.autograd.Function):
         result: list[torch.Tensor | None] = [None] * len(wrt)
         if outs and wanted:
             inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
-            with parameter_hooks_paused(owner.params):  # NOTE [parameter hooks run once]
+            with ParameterHooksPaused(owner.params):  # NOTE [parameter hooks run once]
                 got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
             for i, grad in zip(wanted, got):
                 result[i] = grad
@@ -436,8 +436,7 @@ class CheckpointWithoutOutput:
         self.detached = []
         assert self.env is not None and self.fn is not None
         with ExitStack() as stack:
-            self.env.enter(stack)
-            stack.enter_context(torch.enable_grad())
+            stack.enter_context(self.env.replaying())
             stack.enter_context(IsolatedPass())
             changes = self.forward_modules.changes() if self.forward_modules else None
             if changes is not None:

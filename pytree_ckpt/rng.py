@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.nn.utils import parametrize
 
-__all__ = ["IsolatedPass", "ReplayEnvironment", "RngState", "rng_changed", "rng_state",
-           "set_rng_state"]
+__all__ = ["IsolatedPass", "ReplayEnvironment", "Replaying", "RngState", "rng_changed",
+           "rng_state", "set_rng_state"]
 
 # The CPU generator's state and, by device index, CUDA generators' states.
 RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
@@ -44,24 +44,6 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
 
 
-class _RestoreRng:
-    """Sets the recorded RNG states for the replay and puts the ambient ones back after it."""
-
-    def __init__(self, cpu_state: torch.Tensor, cuda_states: dict[int, torch.Tensor]) -> None:
-        self.cpu_state = cpu_state
-        self.cuda_states = cuda_states
-        self.saved: RngState | None = None
-
-    def __enter__(self) -> None:
-        devices = tuple(self.cuda_states)
-        self.saved = rng_state(devices)
-        set_rng_state((self.cpu_state, self.cuda_states), devices=devices)
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.saved is not None
-        set_rng_state(self.saved, devices=tuple(self.saved[1]))
-
-
 class ReplayEnvironment:
     """RNG states and autocast settings captured at the start of an original pass."""
 
@@ -90,15 +72,54 @@ class ReplayEnvironment:
         when it restores none (``preserve_rng_state=False``)."""
         return None if self.cpu_rng is None else tuple(sorted(self.cuda_rng))
 
-    def enter(self, stack: ExitStack) -> None:
-        """Enter, on ``stack``, what makes the replay see the original pass's environment."""
-        if self.cpu_rng is not None:
-            stack.enter_context(_RestoreRng(self.cpu_rng, self.cuda_rng))
+    def replaying(self) -> Replaying:
+        """A context in which a replay sees the original pass's environment, grad enabled."""
+        return Replaying(self)
+
+
+class Replaying:
+    """Entered around one replay: sets the recorded RNG states (the ambient ones are put back
+    after it), the recorded autocast settings where backward's differ, and enables grad.
+
+    One plain class rather than an ``ExitStack`` of three contexts: it is entered once per
+    layer call in backward, and the stack's bookkeeping cost more than the work."""
+
+    __slots__ = ("env", "saved_rng", "autocast", "grad")
+
+    def __init__(self, env: ReplayEnvironment) -> None:
+        self.env = env
+        self.saved_rng: RngState | None = None
+        self.autocast: ExitStack | None = None
+        self.grad: bool | None = None  # the caller's grad mode, once set
+
+    def __enter__(self) -> None:
+        env = self.env
+        if env.cpu_rng is not None:
+            devices = tuple(env.cuda_rng)
+            self.saved_rng = rng_state(devices)
+            set_rng_state((env.cpu_rng, env.cuda_rng), devices=devices)
         # Backward may run under another autocast state than forward did: set only what differs.
-        if _autocast_state() != self.autocast:
-            for device, enabled, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device, enabled=enabled, dtype=dtype,
-                                                   cache_enabled=self.autocast_cache))
+        if _autocast_state() != env.autocast:
+            try:
+                with ExitStack() as stack:
+                    for device, enabled, dtype in env.autocast:
+                        stack.enter_context(torch.autocast(device, enabled=enabled, dtype=dtype,
+                                                           cache_enabled=env.autocast_cache))
+                    self.autocast = stack.pop_all()
+            except BaseException:
+                self.__exit__(None, None, None)  # the RNG states go back as they were
+                raise
+        self.grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.grad is not None:
+            torch._C._set_grad_enabled(self.grad)
+        if self.autocast is not None:
+            self.autocast.__exit__(*exc)
+        if self.saved_rng is not None:
+            # Only the devices it set: others the replay does not restore (set_rng_state).
+            set_rng_state(self.saved_rng, devices=tuple(self.saved_rng[1]))
 
 
 class IsolatedPass:

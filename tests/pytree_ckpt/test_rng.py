@@ -5,7 +5,6 @@ captured in the original pass and re-entered in the replay; its autocast state i
 from __future__ import annotations
 
 import copy
-from contextlib import ExitStack
 
 import pytest
 import torch
@@ -76,8 +75,7 @@ def test_the_replay_environment_sets_the_recorded_cuda_state_and_puts_the_ambien
                             captured.autocast_cache)
     assert env.rng_devices() == (0,)
     ambient = gens.states[0].clone()
-    with ExitStack() as stack:
-        env.enter(stack)
+    with env.replaying():
         assert torch.equal(gens.states[0], recorded)
         gens.states[0] = torch.full((16,), 6, dtype=torch.uint8)  # the replay draws
     assert torch.equal(gens.states[0], ambient)
