@@ -49,7 +49,8 @@ backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(
 those raise ``CheckpointError`` instead of returning partial results.
 
 What the boundary knows of the modules a call uses (their parameters and buffers, cached, and
-the state the original pass changes) is in ``module_state.py``.
+the state the original pass changes) is in ``module_state.py``; what it refuses, and how its
+messages say so, in ``refusals.py``.
 
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
 ``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), or when
@@ -60,10 +61,8 @@ trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import logging
-import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -72,18 +71,19 @@ import torch
 from torch import nn
 
 from .census import Mechanism, census_active, report_held
-from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
-from .frames import Frame, callable_name
+from .errors import CheckpointError, ReplayMismatchError, validate_bool
+from .frames import Frame
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
-                           collect_parameters, foreign_leaf, graph_attributes, is_verified,
-                           mark_verified, module_dicts, owning_module, versions,
-                           warn_forward_hooks)
+                           collect_parameters, graph_attributes, is_verified, module_dicts,
+                           owning_module, versions)
 from .phase import ACTIVE, Invocation, Phase
+from .refusals import (fn_name, input_path, raise_attached_to_outside_tensor,
+                       raise_input_changed, refuse_double_backward, refuse_hidden_outputs,
+                       refuse_unreadable_inputs, require_callable, verify_leaves)
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
-from .tree import (CONTAINER, ITERATOR, describe_leaf, first_difference, flatten, flatten_call,
-                   hidden_tensor, leaf_kind, leaf_paths, unflatten)
+from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -142,7 +142,7 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
             as_is.append(t)
     return as_is
 
-class _Call:
+class BoundaryCall:
     """Everything one boundary call needs for its replay, minus the tensors themselves."""
 
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
@@ -211,7 +211,7 @@ class _Call:
                 all(leaves[i].shape == shape and leaves[i].dtype == dtype
                     for i, (shape, dtype) in zip(tensor_index, self.out_meta)):
             return  # the usual case; what follows finds and names the first difference
-        name = _fn_name(self.fn)
+        name = fn_name(self.fn)
         tip = ("the replay must return what the original pass returned; make the output depend "
                "only on the inputs (not on current_phase() or grad mode)")
         if spec != self.out_spec:
@@ -239,161 +239,10 @@ class _Call:
                               "routing) use reuse_during_recompute")
 
 
-def _refuse_hidden_outputs(call: _Call, spec: Any, leaves: list[Any], tensor_index: list[int],
-                           inputs: Sequence[torch.Tensor]) -> None:
-    """NOTE [leaves that hold tensors] (tree.py), for outputs: a floating tensor that ``fn``
-    computed (under no-grad, so it requires none) inside an output leaf the bridge does not
-    open never becomes an output of the Function: it leaves without gradient, and eager's
-    gradient through it silently goes missing. Refused in the original pass, naming its path.
-    Not refused: a leaf that is one of the inputs (an object passed on, a cache), and tensors
-    that require grad or are known from before the call (parameters, buffers, the call's own
-    input tensors: eager hands back those very tensors too), or frozen results of
-    ``reuse_during_recompute`` (frozen when returned bare too: NOTE [frozen results returned
-    as outputs])."""
-    passed = {id(leaf) for leaf in call.in_leaves if leaf is not None}
-    tensors = set(tensor_index)
-    known: dict[int, torch.Tensor] | None = None
-    for index, leaf in enumerate(leaves):
-        if index in tensors or leaf is None or id(leaf) in passed or \
-                isinstance(leaf, (int, float, str, bool)):
-            continue
-        if known is None:  # built once, and only for a leaf that needs looking into
-            known = dict(call.before or {})
-            known.update((id(t), t) for t in (*inputs, *call.frame.tensors()))
-        found = hidden_tensor(leaf, functools.partial(_fresh_float, known))
-        if found is None:
-            continue
-        where, tensor = found
-        path = leaf_paths(spec, root="output")[index]
-        raise CheckpointError(
-            f"{_fn_name(call.fn)} returned a {type(leaf).__name__} at {path} that holds a "
-            f"tensor at {path}{where}; the tree bridge does not open a {type(leaf).__name__}, "
-            "so that tensor would leave the boundary without gradient",
-            expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or types "
-                     "registered with optree in namespace 'pytree_ckpt'",
-            got=f"{type(leaf).__name__} holding {describe_leaf(tensor)}",
-            tip=f"return a plain container (dict(...), list(...)) or a dataclass instead, or "
-                f"register {type(leaf).__name__} with optree.register_pytree_node(..., "
-                "namespace='pytree_ckpt')")
-
-
-# Leaves that cannot be a cache the original pass fills: immutable values (NOTE [a cache
-# filled twice] refuses only objects that may hold state).
-_STATELESS = (bytes, complex, torch.dtype, torch.device, torch.layout, torch.memory_format,
-              enum.Enum, type, types.FunctionType, slice, range, type(Ellipsis),
-              type(NotImplemented), types.MethodDescriptorType, types.WrapperDescriptorType,
-              torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # Tensor.add, aten.mm
-
-
-def _holds_no_state(leaf: Any, /) -> bool:
-    """Whether ``leaf`` is an immutable value (a dtype, a device, an enum, a function, ...)
-    rather than an object a forward could append to. A builtin counts only when it is bound to
-    no object or to a module (``F.scaled_dot_product_attention``): ``cache.append`` is not."""
-    if isinstance(leaf, _STATELESS):
-        return True
-    if isinstance(leaf, types.BuiltinFunctionType):
-        owner = getattr(leaf, "__self__", None)
-        return owner is None or isinstance(owner, types.ModuleType)
-    return False
-
-
-def _refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], *,
-                              kwargs_use_cache: bool = False) -> None:
-    """Input leaves the boundary cannot hand to the replay as the forward had them, refused
-    before the original pass.
-
-    An iterator (a generator, ``iter(list)``, ``zip``) is a leaf, passed as it is to both
-    passes: the original pass consumes it, and the replay reads whatever is left, so it runs on
-    other values (or none) than the forward did.
-
-    NOTE [leaves that hold tensors] (tree.py), for inputs: a tensor that requires grad inside
-    a container the bridge does not open (a ``dict`` subclass, a set) is no input of the
-    Function: not saved (nor offloaded), and its gradient comes, if at all, from the replay's
-    own backward into its graph (for a module a foreign-tensor error; for a tensor with a
-    graph torch's "backward through the graph a second time"). Plain objects (a key/value
-    cache) are passed as they are, as documented, except with ``use_cache=True`` among the
-    keywords: NOTE [a cache filled twice]."""
-    for index, leaf in enumerate(leaves):
-        if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
-            continue
-        sort = leaf_kind(leaf)
-        if sort is not ITERATOR and kwargs_use_cache and not _holds_no_state(leaf):
-            # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
-            # with use_cache=True is appended to by the original pass and again by the replay.
-            # The replay's attention then reads the keys the no-grad original pass stored
-            # (same values, same shapes, so nothing fails): the key and value projections get
-            # no gradient, silently. transformers' own checkpointing turns use_cache off.
-            # Immutable values (a dtype, a device, an enum, a function) cannot be filled and
-            # pass: such a call (a GPT-2 style layer returning its new keys) is legitimate.
-            path = _readable(leaf_paths(spec, root="inputs")[index])
-            raise CheckpointError(
-                f"{_fn_name(fn)} was called with use_cache=True and an object at {path} "
-                f"({type(leaf).__name__}); the original pass fills that cache and the replay in "
-                "backward fills it again, and may read what the no-grad original pass stored "
-                "(transformers' attention does): gradients through it would be silently "
-                "missing",
-                expected="use_cache=False while training", got="use_cache=True",
-                tip="pass use_cache=False in training (with transformers, "
-                    "model.config.use_cache = False or model(..., use_cache=False))")
-        if sort is CONTAINER:
-            found = hidden_tensor(leaf, _requires_grad)
-            if found is not None:
-                path = _readable(leaf_paths(spec, root="inputs")[index])
-                kind = type(leaf).__name__
-                raise CheckpointError(
-                    f"{_fn_name(fn)} was given a {kind} at {path} that holds a tensor that "
-                    f"requires grad at {path}{found[0]}; the tree bridge does not open a {kind}, "
-                    "so that tensor is no input of the boundary (not saved, no exact gradient)",
-                    expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or "
-                             "types registered with optree in namespace 'pytree_ckpt'",
-                    got=f"{kind} holding {describe_leaf(found[1])}",
-                    tip=f"pass a plain container (dict(...), list(...)) or a dataclass instead, "
-                        f"or register {kind} with optree.register_pytree_node(..., "
-                        "namespace='pytree_ckpt')")
-        elif sort is ITERATOR:
-            path = _readable(leaf_paths(spec, root="inputs")[index])
-            raise CheckpointError(
-                f"{_fn_name(fn)} was given an iterator at {path}; the original pass consumes "
-                "it, and the replay in backward would read other items (or none)",
-                expected="inputs the replay can read again (a list, a tuple, tensors)",
-                got=f"{type(leaf).__name__} {leaf!r:.60}",
-                tip="materialize it at the call site: checkpoint(fn, list(items)) (or "
-                    "tuple(...))")
-
-
-def _requires_grad(tensor: torch.Tensor) -> bool:
-    return tensor.requires_grad
-
-
-def _readable(path: str) -> str:
-    """``inputs[0][1]`` as ``args[1]``, ``inputs[1]['mask']`` as ``kwargs['mask']``."""
-    for root, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
-        if path.startswith(root):
-            return readable + path[len(root):]
-    return path
-
-
-def _fresh_float(before: dict[int, torch.Tensor], tensor: torch.Tensor) -> bool:
-    return not tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()) \
-        and before.get(id(tensor)) is not tensor
-
-
-def _input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int) -> str:
-    """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]`` or
-    ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
-    return _readable(leaf_paths(spec, root="inputs")[tensor_index[slots.index(slot)]])
-
-
-def _fn_name(fn: Callable[..., Any]) -> str:
-    owner = owning_module(fn)
-    if owner is not None:
-        return type(owner).__name__
-    return callable_name(fn)
-
-
 class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: _Call, anchor: torch.Tensor | None, *inputs: torch.Tensor) -> Any:
+    def forward(ctx: Any, call: BoundaryCall, anchor: torch.Tensor | None,
+                *inputs: torch.Tensor) -> Any:
         ctx.call = call
         ctx.set_materialize_grads(False)
         tensors = inputs[: call.n_inputs]  # the rest are parameters (NOTE [parameters are inputs])
@@ -423,7 +272,7 @@ class _BoundaryFunction(torch.autograd.Function):
         # NOTE [attributes set before the call]: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
         if moved:
-            _raise_input_changed(call, tensors, moved)
+            raise_input_changed(call, tensors, moved)
         if watch is not None:
             call.changed_state = watch.changed()
         if call.modules is not None:
@@ -431,7 +280,7 @@ class _BoundaryFunction(torch.autograd.Function):
         call.buffer_dicts, call.frozen, call.modules = [], [], None
         flat = flatten(output)
         if len(flat.tensor_index) < len(flat.leaves):
-            _refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
+            refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         # NOTE [outputs made before the call]: the original pass runs under no-grad, so an
         # output that requires grad (a parameter, or a graph tensor fn closed over) existed
         # before fn ran. Returned as it is, autograd would attach this node to that very tensor
@@ -472,8 +321,8 @@ class _BoundaryFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
-        call: _Call = ctx.call
-        refuse_double_backward(lambda: f"the boundary around {_fn_name(call.fn)}")
+        call: BoundaryCall = ctx.call
+        refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
         changes = call.forward_modules.changes() if call.forward_modules is not None else None
         if call.changed_state is None and changes is None:
             return _replay_backward(ctx, call, grad_outputs)
@@ -490,12 +339,13 @@ class _BoundaryFunction(torch.autograd.Function):
             return _replay_backward(ctx, call, grad_outputs)
 
 
-def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
+def _replay_backward(ctx: Any, call: BoundaryCall,
+                     grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
     """The replay of ``call`` and the gradients of its inputs (and parameters)."""
     explicit = call.params is not None
     if not explicit and not torch.autograd._is_checkpoint_valid():
         raise CheckpointError(
-            f"the boundary around {_fn_name(call.fn)} was reached by torch.autograd.grad() "
+            f"the boundary around {fn_name(call.fn)} was reached by torch.autograd.grad() "
             "or backward(inputs=...)",
             expected="a module (or a method of one) as fn, or loss.backward()",
             got="an arbitrary callable under a restricted backward",
@@ -547,7 +397,7 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
         # and names the first cause only as a possibility.
         if hasattr(error, "add_note"):  # Python 3.11+
             error.add_note(
-                f"pytree_ckpt: raised by the replay of {_fn_name(call.fn)} in backward, which "
+                f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
                 "runs the forward again on the same arguments, with grad enabled. If the "
                 "error does not come from grad mode, check for an object the forward changed "
                 "(a key/value cache it filled): the replay sees it as the forward left it. "
@@ -563,7 +413,7 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     for index, grad in zip(flat.tensor_index, grad_outputs):
         out = flat.leaves[index]
         if out.grad_fn is ctx:
-            _raise_attached_to_outside_tensor(call, flat.spec, index)
+            raise_attached_to_outside_tensor(call, flat.spec, index)
         if grad is not None and out.requires_grad:
             outs.append(out)
             grads.append(grad)
@@ -591,7 +441,7 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
     if outs and call.owner is not None and \
             not is_verified(call.owner):
-        _verify_leaves(call, outs, wrt)
+        verify_leaves(call, outs, wrt)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
         with ParameterHooksPaused(call.params):
@@ -602,21 +452,6 @@ def _replay_backward(ctx: Any, call: _Call, grad_outputs: tuple[torch.Tensor | N
     if release:
         call.frame.clear()
     return (None, None, *result)
-
-
-def _raise_input_changed(call: _Call, tensors: Sequence[torch.Tensor], moved: list[int]) -> None:
-    paths = [_input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
-             for slot in moved]
-    views = any(tensors[slot]._base is not None for slot in moved)
-    where = paths[0] if len(paths) == 1 else "one of " + ", ".join(paths)
-    shared = (" (views share their base's version counter: the write may have gone to another "
-              "view of the same tensor)" if views else "")
-    raise CheckpointError(
-        f"{_fn_name(call.fn)} changed its input {where} in place{shared}; the replay would run "
-        "on the changed tensor and give wrong gradients",
-        expected="inputs left as they are", got="a version counter moved by the original pass",
-        tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
-            "change outside the checkpointed call")
 
 
 class ParameterHooksPaused:
@@ -662,85 +497,6 @@ def _attributes_set(module: nn.Module, names: Sequence[str],
 
 
 _MISSING = object()
-
-
-def refuse_double_backward(where: Callable[[], str], /) -> None:
-    """Refuse a backward with ``create_graph=True`` (autograd runs a Function's backward with
-    grad mode on exactly then). The replay starts from detached inputs, so the gradient it
-    returns has no graph back to them: a gradient penalty would silently lose its terms.
-    ``where()`` names the node; called only to raise (every backward passes here)."""
-    if torch.is_grad_enabled():
-        raise CheckpointError(
-            f"{where()} was reached by a backward with create_graph=True (double backward, a "
-            "gradient penalty)", expected="create_graph=False", got="create_graph=True",
-            tip="second-order gradients through a replay would be incomplete: take the penalty "
-                "with checkpointing off for this module (remove_activation_checkpointing, "
-                "or call it outside checkpoint())")
-
-
-def _raise_attached_to_outside_tensor(call: _Call, spec: Any, index: int) -> None:
-    # NOTE [outputs made before the call]: a tensor from outside that requires no grad and is
-    # neither an input nor known to belong to the module cannot be told from a fresh result;
-    # autograd gave it this node. The replay returns the very same tensor, still carrying this
-    # node: backpropagating through it would re-enter this backward without end.
-    path = leaf_paths(spec, root="output")[index]
-    raise CheckpointError(
-        f"{path} of {_fn_name(call.fn)} is a tensor from outside the call (not computed by it, "
-        "not one of its inputs), and the boundary attached itself to it",
-        expected="tensors computed by fn, its inputs, or buffers and parameters of the module "
-                 "fn belongs to", got="the same outside tensor, returned again by the replay",
-        tip="return a clone (t.clone()) of it, or checkpoint the module itself "
-            "(pytree_ckpt.checkpoint(module, ...)) so its buffers are known")
-
-
-def _verify_leaves(call: _Call, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
-    # NOTE [parameters are inputs]: once per module, on its first replay. A parameter of the
-    # modules that was frozen in the forward and unfrozen since gets no gradient, as in eager
-    # (it was not in the forward's graph): known, not foreign.
-    known = {id(t) for t in wrt}
-    if call.forward_modules is not None:
-        known.update(id(t) for _, entries in call.forward_modules.entries
-                     for t in entries.values())
-    foreign = foreign_leaf(outs, known)
-    assert call.owner is not None
-    if foreign is not None:
-        _refuse_fsdp_units_inside(call.owner)
-        raise CheckpointError(
-            f"the forward of {type(call.owner).__name__} uses a tensor that requires grad but is "
-            "neither an input nor a parameter of the module; it would get no gradient",
-            expected="inputs, and parameters of the module or of modules passed as arguments",
-            got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
-            tip="pass the tensor (or the module owning it) as an argument, or register it as a "
-                "parameter of a submodule")
-    # fn is the module itself (checkpoint(module, x)): its own hooks run inside the boundary.
-    # So do those of a module passed as an argument, when fn calls it.
-    passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
-    warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
-    mark_verified(call.owner)
-
-
-def _refuse_fsdp_units_inside(owner: nn.Module) -> None:
-    """NOTE [FSDP units inside a boundary]: a submodule that is an FSDP2 unit of its own swaps
-    its parameters in its hooks, which run *inside* the boundary: the boundary collects its
-    sharded parameters (DTensors, which the replay never uses) and the replay all-gathers
-    unsharded ones that ``torch.autograd.grad`` would leave without gradient. Found as a
-    foreign leaf at the first replay; said here in FSDP's terms, with the two ways out."""
-    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
-    unit_type = getattr(fsdp, "FSDPModule", None)
-    if unit_type is None:
-        return
-    units = [name for name, sub in owner.named_modules()
-             if sub is not owner and isinstance(sub, unit_type)]
-    if not units:
-        return
-    name = type(owner).__name__
-    raise CheckpointConfigError(
-        f"the checkpointed {name} contains separate FSDP units {units}: their hooks all-gather "
-        "their parameters inside the boundary, so the replay's gradients for them would be lost",
-        expected=f"no fully_shard()ed submodule inside the checkpointed {name}",
-        got=f"fully_shard() applied to {', '.join(repr(u) for u in units)}",
-        tip=f"checkpoint each unit instead (apply_activation_checkpointing on {units[0]!r}, "
-            f"...), or make {name} itself the FSDP unit (fully_shard it, not its children)")
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -807,9 +563,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             return fn(*args, **kwargs)
         anchor = _anchor()
     if len(flat.tensor_index) < len(leaves):
-        _refuse_unreadable_inputs(fn, flat.spec, leaves,
+        refuse_unreadable_inputs(fn, flat.spec, leaves,
                                   kwargs_use_cache=kwargs.get("use_cache") is True)
-    call = _Call(fn, options, flat.spec, leaves, flat.tensor_index, slots)
+    call = BoundaryCall(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.original_call = (args, kwargs)
     call.n_inputs = len(unique)
     call.params = params
@@ -834,7 +590,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         manager = options.offload
         # Named from the spec and index lists only: the window must not hold `call`, whose
         # frame holds this window's handles (a cycle only the garbage collector would free).
-        name = functools.partial(_input_path, flat.spec, flat.tensor_index, slots)
+        name = functools.partial(input_path, flat.spec, flat.tensor_index, slots)
         # The module's parameters: a detached alias of one passed in stays resident.
         resident = [*params, *frozen] if params is not None else ()
         with manager.window(unique, name=name, resident=resident) as window:
@@ -855,7 +611,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
     Every keyword goes to ``fn``; set boundary options with :func:`checkpointed`.
     """
-    _require_callable(fn, "checkpoint", "checkpoint(layer, x) or checkpoint(fn, x, ...): the "
+    require_callable(fn, "checkpoint", "checkpoint(layer, x) or checkpoint(fn, x, ...): the "
                       "function (or module) first, then its arguments")
     try:
         return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
@@ -873,13 +629,6 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         raise
 
 
-def _require_callable(fn: Any, where: str, tip: str) -> None:
-    if not callable(fn):
-        raise CheckpointConfigError(
-            f"{where} takes the function (or module) to run behind the boundary",
-            expected="a callable", got=describe_leaf(fn), tip=tip)
-
-
 def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
                  offload: bool | OffloadManager | None = None) -> Callable[..., T]:
     """Return ``fn`` wrapped in a boundary with the given options.
@@ -890,7 +639,7 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     from .module import resolve_offload  # module builds on this file
 
     # Refused now, not at the first call, far from where it was made.
-    _require_callable(fn, "checkpointed", "checkpointed(layer) or checkpointed(fn, "
+    require_callable(fn, "checkpointed", "checkpointed(layer) or checkpointed(fn, "
                       "preserve_rng_state=False); the arguments go to the wrapper it returns")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload))

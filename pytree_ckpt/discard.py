@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .boundary import ParameterHooksPaused, refuse_double_backward
+from .boundary import ParameterHooksPaused
+from .refusals import refuse_double_backward
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name

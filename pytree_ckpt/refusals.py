@@ -1,0 +1,284 @@
+"""What the boundary refuses, and how it says so.
+
+Each check runs where the problem first shows (before the original pass, after it, or in the
+replay) and raises a ``CheckpointError`` that names the PyTree key path, shows both sides and
+gives the fix. The boundary itself (``boundary.py``) calls these; the notes they cite are there
+and in ``tree.py`` and ``module_state.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .errors import CheckpointConfigError, CheckpointError
+from .frames import callable_name
+from .module_state import foreign_leaf, mark_verified, owning_module, warn_forward_hooks
+from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, leaf_paths
+
+if TYPE_CHECKING:  # the boundary imports this module
+    from .boundary import BoundaryCall
+
+__all__ = ["fn_name", "input_path", "raise_attached_to_outside_tensor", "raise_input_changed",
+           "refuse_double_backward", "refuse_hidden_outputs", "refuse_unreadable_inputs",
+           "require_callable", "verify_leaves"]
+
+
+def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
+                           inputs: Sequence[torch.Tensor]) -> None:
+    """NOTE [leaves that hold tensors] (tree.py), for outputs: a floating tensor that ``fn``
+    computed (under no-grad, so it requires none) inside an output leaf the bridge does not
+    open never becomes an output of the Function: it leaves without gradient, and eager's
+    gradient through it silently goes missing. Refused in the original pass, naming its path.
+    Not refused: a leaf that is one of the inputs (an object passed on, a cache), and tensors
+    that require grad or are known from before the call (parameters, buffers, the call's own
+    input tensors: eager hands back those very tensors too), or frozen results of
+    ``reuse_during_recompute`` (frozen when returned bare too: NOTE [frozen results returned
+    as outputs] in boundary.py)."""
+    passed = {id(leaf) for leaf in call.in_leaves if leaf is not None}
+    tensors = set(tensor_index)
+    known: dict[int, torch.Tensor] | None = None
+    for index, leaf in enumerate(leaves):
+        if index in tensors or leaf is None or id(leaf) in passed or \
+                isinstance(leaf, (int, float, str, bool)):
+            continue
+        if known is None:  # built once, and only for a leaf that needs looking into
+            known = dict(call.before or {})
+            known.update((id(t), t) for t in (*inputs, *call.frame.tensors()))
+        found = hidden_tensor(leaf, functools.partial(_fresh_float, known))
+        if found is None:
+            continue
+        where, tensor = found
+        path = leaf_paths(spec, root="output")[index]
+        raise CheckpointError(
+            f"{fn_name(call.fn)} returned a {type(leaf).__name__} at {path} that holds a "
+            f"tensor at {path}{where}; the tree bridge does not open a {type(leaf).__name__}, "
+            "so that tensor would leave the boundary without gradient",
+            expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or types "
+                     "registered with optree in namespace 'pytree_ckpt'",
+            got=f"{type(leaf).__name__} holding {describe_leaf(tensor)}",
+            tip=f"return a plain container (dict(...), list(...)) or a dataclass instead, or "
+                f"register {type(leaf).__name__} with optree.register_pytree_node(..., "
+                "namespace='pytree_ckpt')")
+
+
+# Leaves that cannot be a cache the original pass fills: immutable values (NOTE [a cache
+# filled twice] refuses only objects that may hold state).
+_STATELESS = (bytes, complex, torch.dtype, torch.device, torch.layout, torch.memory_format,
+              enum.Enum, type, types.FunctionType, slice, range, type(Ellipsis),
+              type(NotImplemented), types.MethodDescriptorType, types.WrapperDescriptorType,
+              torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # Tensor.add, aten.mm
+
+
+def _holds_no_state(leaf: Any, /) -> bool:
+    """Whether ``leaf`` is an immutable value (a dtype, a device, an enum, a function, ...)
+    rather than an object a forward could append to. A builtin counts only when it is bound to
+    no object or to a module (``F.scaled_dot_product_attention``): ``cache.append`` is not."""
+    if isinstance(leaf, _STATELESS):
+        return True
+    if isinstance(leaf, types.BuiltinFunctionType):
+        owner = getattr(leaf, "__self__", None)
+        return owner is None or isinstance(owner, types.ModuleType)
+    return False
+
+
+def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], *,
+                              kwargs_use_cache: bool = False) -> None:
+    """Input leaves the boundary cannot hand to the replay as the forward had them, refused
+    before the original pass.
+
+    An iterator (a generator, ``iter(list)``, ``zip``) is a leaf, passed as it is to both
+    passes: the original pass consumes it, and the replay reads whatever is left, so it runs on
+    other values (or none) than the forward did.
+
+    NOTE [leaves that hold tensors] (tree.py), for inputs: a tensor that requires grad inside
+    a container the bridge does not open (a ``dict`` subclass, a set) is no input of the
+    Function: not saved (nor offloaded), and its gradient comes, if at all, from the replay's
+    own backward into its graph (for a module a foreign-tensor error; for a tensor with a
+    graph torch's "backward through the graph a second time"). Plain objects (a key/value
+    cache) are passed as they are, as documented, except with ``use_cache=True`` among the
+    keywords: NOTE [a cache filled twice]."""
+    for index, leaf in enumerate(leaves):
+        if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
+            continue
+        sort = leaf_kind(leaf)
+        if sort is not ITERATOR and kwargs_use_cache and not _holds_no_state(leaf):
+            # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
+            # with use_cache=True is appended to by the original pass and again by the replay.
+            # The replay's attention then reads the keys the no-grad original pass stored
+            # (same values, same shapes, so nothing fails): the key and value projections get
+            # no gradient, silently. transformers' own checkpointing turns use_cache off.
+            # Immutable values (a dtype, a device, an enum, a function) cannot be filled and
+            # pass: such a call (a GPT-2 style layer returning its new keys) is legitimate.
+            path = _readable(leaf_paths(spec, root="inputs")[index])
+            raise CheckpointError(
+                f"{fn_name(fn)} was called with use_cache=True and an object at {path} "
+                f"({type(leaf).__name__}); the original pass fills that cache and the replay in "
+                "backward fills it again, and may read what the no-grad original pass stored "
+                "(transformers' attention does): gradients through it would be silently "
+                "missing",
+                expected="use_cache=False while training", got="use_cache=True",
+                tip="pass use_cache=False in training (with transformers, "
+                    "model.config.use_cache = False or model(..., use_cache=False))")
+        if sort is CONTAINER:
+            found = hidden_tensor(leaf, _requires_grad)
+            if found is not None:
+                path = _readable(leaf_paths(spec, root="inputs")[index])
+                kind = type(leaf).__name__
+                raise CheckpointError(
+                    f"{fn_name(fn)} was given a {kind} at {path} that holds a tensor that "
+                    f"requires grad at {path}{found[0]}; the tree bridge does not open a {kind}, "
+                    "so that tensor is no input of the boundary (not saved, no exact gradient)",
+                    expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or "
+                             "types registered with optree in namespace 'pytree_ckpt'",
+                    got=f"{kind} holding {describe_leaf(found[1])}",
+                    tip=f"pass a plain container (dict(...), list(...)) or a dataclass instead, "
+                        f"or register {kind} with optree.register_pytree_node(..., "
+                        "namespace='pytree_ckpt')")
+        elif sort is ITERATOR:
+            path = _readable(leaf_paths(spec, root="inputs")[index])
+            raise CheckpointError(
+                f"{fn_name(fn)} was given an iterator at {path}; the original pass consumes "
+                "it, and the replay in backward would read other items (or none)",
+                expected="inputs the replay can read again (a list, a tuple, tensors)",
+                got=f"{type(leaf).__name__} {leaf!r:.60}",
+                tip="materialize it at the call site: checkpoint(fn, list(items)) (or "
+                    "tuple(...))")
+
+
+def _requires_grad(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad
+
+
+def _readable(path: str) -> str:
+    """``inputs[0][1]`` as ``args[1]``, ``inputs[1]['mask']`` as ``kwargs['mask']``."""
+    for root, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
+        if path.startswith(root):
+            return readable + path[len(root):]
+    return path
+
+
+def _fresh_float(before: dict[int, torch.Tensor], tensor: torch.Tensor) -> bool:
+    return not tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()) \
+        and before.get(id(tensor)) is not tensor
+
+
+def input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int) -> str:
+    """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]`` or
+    ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
+    return _readable(leaf_paths(spec, root="inputs")[tensor_index[slots.index(slot)]])
+
+
+def fn_name(fn: Callable[..., Any]) -> str:
+    owner = owning_module(fn)
+    if owner is not None:
+        return type(owner).__name__
+    return callable_name(fn)
+
+
+def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
+                        moved: list[int]) -> None:
+    paths = [input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
+             for slot in moved]
+    views = any(tensors[slot]._base is not None for slot in moved)
+    where = paths[0] if len(paths) == 1 else "one of " + ", ".join(paths)
+    shared = (" (views share their base's version counter: the write may have gone to another "
+              "view of the same tensor)" if views else "")
+    raise CheckpointError(
+        f"{fn_name(call.fn)} changed its input {where} in place{shared}; the replay would run "
+        "on the changed tensor and give wrong gradients",
+        expected="inputs left as they are", got="a version counter moved by the original pass",
+        tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
+            "change outside the checkpointed call")
+
+
+def refuse_double_backward(where: Callable[[], str], /) -> None:
+    """Refuse a backward with ``create_graph=True`` (autograd runs a Function's backward with
+    grad mode on exactly then). The replay starts from detached inputs, so the gradient it
+    returns has no graph back to them: a gradient penalty would silently lose its terms.
+    ``where()`` names the node; called only to raise (every backward passes here)."""
+    if torch.is_grad_enabled():
+        raise CheckpointError(
+            f"{where()} was reached by a backward with create_graph=True (double backward, a "
+            "gradient penalty)", expected="create_graph=False", got="create_graph=True",
+            tip="second-order gradients through a replay would be incomplete: take the penalty "
+                "with checkpointing off for this module (remove_activation_checkpointing, "
+                "or call it outside checkpoint())")
+
+
+def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int) -> None:
+    # NOTE [outputs made before the call] (boundary.py): a tensor from outside that requires
+    # no grad and is neither an input nor known to belong to the module cannot be told from a
+    # fresh result; autograd gave it this node. The replay returns the very same tensor, still
+    # carrying this node: backpropagating through it would re-enter this backward without end.
+    path = leaf_paths(spec, root="output")[index]
+    raise CheckpointError(
+        f"{path} of {fn_name(call.fn)} is a tensor from outside the call (not computed by it, "
+        "not one of its inputs), and the boundary attached itself to it",
+        expected="tensors computed by fn, its inputs, or buffers and parameters of the module "
+                 "fn belongs to", got="the same outside tensor, returned again by the replay",
+        tip="return a clone (t.clone()) of it, or checkpoint the module itself "
+            "(pytree_ckpt.checkpoint(module, ...)) so its buffers are known")
+
+
+def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
+    # NOTE [parameters are inputs] (boundary.py): once per module, on its first replay. A
+    # parameter of the modules that was frozen in the forward and unfrozen since gets no
+    # gradient, as in eager (it was not in the forward's graph): known, not foreign.
+    known = {id(t) for t in wrt}
+    if call.forward_modules is not None:
+        known.update(id(t) for _, entries in call.forward_modules.entries
+                     for t in entries.values())
+    foreign = foreign_leaf(outs, known)
+    assert call.owner is not None
+    if foreign is not None:
+        _refuse_fsdp_units_inside(call.owner)
+        raise CheckpointError(
+            f"the forward of {type(call.owner).__name__} uses a tensor that requires grad but is "
+            "neither an input nor a parameter of the module; it would get no gradient",
+            expected="inputs, and parameters of the module or of modules passed as arguments",
+            got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
+            tip="pass the tensor (or the module owning it) as an argument, or register it as a "
+                "parameter of a submodule")
+    # fn is the module itself (checkpoint(module, x)): its own hooks run inside the boundary.
+    # So do those of a module passed as an argument, when fn calls it.
+    passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
+    warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
+    mark_verified(call.owner)
+
+
+def _refuse_fsdp_units_inside(owner: nn.Module) -> None:
+    """NOTE [FSDP units inside a boundary]: a submodule that is an FSDP2 unit of its own swaps
+    its parameters in its hooks, which run *inside* the boundary: the boundary collects its
+    sharded parameters (DTensors, which the replay never uses) and the replay all-gathers
+    unsharded ones that ``torch.autograd.grad`` would leave without gradient. Found as a
+    foreign leaf at the first replay; said here in FSDP's terms, with the two ways out."""
+    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
+    unit_type = getattr(fsdp, "FSDPModule", None)
+    if unit_type is None:
+        return
+    units = [name for name, sub in owner.named_modules()
+             if sub is not owner and isinstance(sub, unit_type)]
+    if not units:
+        return
+    name = type(owner).__name__
+    raise CheckpointConfigError(
+        f"the checkpointed {name} contains separate FSDP units {units}: their hooks all-gather "
+        "their parameters inside the boundary, so the replay's gradients for them would be lost",
+        expected=f"no fully_shard()ed submodule inside the checkpointed {name}",
+        got=f"fully_shard() applied to {', '.join(repr(u) for u in units)}",
+        tip=f"checkpoint each unit instead (apply_activation_checkpointing on {units[0]!r}, "
+            f"...), or make {name} itself the FSDP unit (fully_shard it, not its children)")
+
+
+def require_callable(fn: Any, where: str, tip: str) -> None:
+    if not callable(fn):
+        raise CheckpointConfigError(
+            f"{where} takes the function (or module) to run behind the boundary",
+            expected="a callable", got=describe_leaf(fn), tip=tip)
