@@ -71,6 +71,7 @@ import torch
 from torch import nn
 
 from .census import Mechanism, census_active, report_held
+from .eager import BOUNDARY_REASON, runs_eagerly
 from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
 from .keep import KeepMode, KeepPolicy
@@ -605,7 +606,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     return call.outputs(out_tensors)
 
 
-@torch._disable_dynamo  # NOTE [the boundary stays eager] in module.py, for calls too
+@runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py, for calls too
 def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
 
@@ -645,7 +646,7 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
                               offload=resolve_offload(offload))
 
     @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
-    @torch._disable_dynamo  # NOTE [the boundary stays eager] in module.py
+    @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py
     def run(*args: Any, **kwargs: Any) -> T:
         return run_boundary(fn, args, kwargs, options)
 

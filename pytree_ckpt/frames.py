@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
@@ -238,9 +239,9 @@ def _check_frozen(fn: Callable[..., Any], result: Any) -> None:
                     "must be recomputed in the replay, not replayed")
 
 
-# Opaque to dynamo: a compiled body graph-breaks here, since the frame lives in a ContextVar
-# that traced code would not follow (the replay then found nothing recorded).
-@torch._disable_dynamo
+# Opaque to dynamo (eager.py): a compiled body graph-breaks here, since the frame lives in a
+# ContextVar that traced code would not follow (the replay then found nothing recorded).
+@runs_eagerly(REUSE_REASON)
 def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Call ``fn(*args, **kwargs)`` once per step and replay its result during recompute.
 

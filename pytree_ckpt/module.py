@@ -8,7 +8,7 @@ boundary: the replay in backward calls only the bare forward. The installed call
 module through a weak reference, so wrapping creates no reference cycle.
 
 NOTE [the boundary stays eager]: the installed callable is opaque to dynamo
-(``torch._disable_dynamo``, torch's lazy form of ``torch.compiler.disable``), so
+(``eager.runs_eagerly``: torch's lazy form of ``torch.compiler.disable``, with a reason), so
 ``torch.compile(model)``, ``layer.compile()`` or any compiled caller graph-breaks at the layer
 call and runs the boundary eagerly. Traced, it broke:
 ``layer.compile()`` recursed without end (dynamo rebuilt ``type(module).forward.__get__(module)``
@@ -32,10 +32,10 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from .boundary import BoundaryOptions, run_boundary
+from .eager import BOUNDARY_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
 from .module_state import drop_caches
 
@@ -60,7 +60,7 @@ class _CheckpointedForward:
         self.bare = bare  # an instance-level forward that was there before, else None
         self.options = options
 
-    @torch._disable_dynamo  # NOTE [the boundary stays eager]
+    @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)

@@ -8,6 +8,7 @@ every graph dynamo compiles, step by step and pass by pass.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -197,6 +198,43 @@ def test_compiling_around_a_checkpointed_layer_keeps_its_boundary_eager_and_exac
         assert phases == ["forward", "recompute"] * 2
         if how == "torch.compile(model)":
             assert counter.frame_count > 0  # the code around the boundary did compile
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["module", "checkpoint", "checkpointed", "reuse"])
+def test_a_fullgraph_compile_that_reaches_the_boundary_says_why_and_how_to_compile_instead(
+        how: str) -> None:
+    # Opaque to dynamo by design (NOTE [the boundary stays eager]); torch's lazy disable gave
+    # "Attempted to inline function marked as skipped" and "file an issue to PyTorch", naming
+    # neither the boundary nor the fix.
+    torch._dynamo.reset()
+    try:
+        net = _Net()
+        if how == "module":
+            pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+            run: Any = net
+        elif how == "reuse":
+            def run(x: torch.Tensor) -> torch.Tensor:
+                ids = pytree_ckpt.reuse_during_recompute(torch.argsort, x.detach())
+                return net(x.gather(-1, ids))
+        else:
+            block = net.block
+            boundary = (functools.partial(pytree_ckpt.checkpoint, block) if how == "checkpoint"
+                        else pytree_ckpt.checkpointed(block))
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                return net.out(boundary(torch.tanh(net.inp(x)))).sum()
+        compiled = torch.compile(run, backend="eager", fullgraph=True)
+        with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+            compiled(torch.randn(4, 8, requires_grad=True))
+        message = str(info.value)
+        if how == "reuse":
+            assert "reuse_during_recompute runs eagerly" in message
+            assert "without fullgraph=True" in message
+        else:
+            assert "checkpoint boundary runs eagerly" in message
+            assert "layer.forward = torch.compile(layer.forward, fullgraph=True)" in message
     finally:
         torch._dynamo.reset()
 

@@ -1,0 +1,46 @@
+"""Code dynamo must not trace, and the reason a compiled caller is told.
+
+NOTE [the boundary stays eager] (module.py) makes the boundary's entry points opaque to dynamo
+with ``torch._disable_dynamo``, torch's lazy form of ``torch.compiler.disable`` (dynamo is
+imported at the first call, never by ``import pytree_ckpt``). That form takes no reason: a
+``torch.compile(model, fullgraph=True)`` that reached a checkpointed layer failed with
+"Attempted to inline function marked as skipped", hints to "avoid calling the function" or
+"file an issue to PyTorch", and nothing on the cause or the fix. ``runs_eagerly(reason)`` is
+the same lazy wrapper, marked as dynamo marks its own disabled functions, so the graph break
+and the ``fullgraph`` error quote ``reason``. (The two attributes are dynamo's private names;
+under a torch that reads other ones the wrapper still runs eagerly, with torch's message.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["BOUNDARY_REASON", "REUSE_REASON", "runs_eagerly"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+BOUNDARY_REASON = (
+    "pytree_ckpt's checkpoint boundary runs eagerly: its replay runs in backward, outside any "
+    "graph, so a compiled caller graph-breaks at each checkpointed call. With fullgraph=True, "
+    "compile each layer's body instead (layer.forward = torch.compile(layer.forward, "
+    "fullgraph=True), then apply_activation_checkpointing(layer); see docs/scaling.md), or "
+    "compile the model without fullgraph")
+REUSE_REASON = (
+    "pytree_ckpt.reuse_during_recompute runs eagerly: it records its result in the boundary's "
+    "frame, which traced code would not follow, so a compiled body graph-breaks at the call. "
+    "Compile such a body without fullgraph=True (see docs/scaling.md)")
+
+
+def runs_eagerly(reason: str, /) -> Callable[[F], F]:
+    """Decorate ``fn`` so that dynamo never traces it, and says ``reason`` when it stops."""
+    def decorate(fn: F) -> F:
+        wrapper = torch._disable_dynamo(fn)
+        # Read by dynamo where it meets the function in a compiled caller (the check comes
+        # before its skip-file rule, which gave the reasonless message above).
+        wrapper._torchdynamo_disable = True  # type: ignore[attr-defined]
+        wrapper._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+    return decorate
