@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["BOUNDARY_REASON", "REUSE_REASON", "runs_eagerly"]
+__all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON", "runs_eagerly"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,6 +32,11 @@ REUSE_REASON = (
     "pytree_ckpt.reuse_during_recompute runs eagerly: it records its result in the boundary's "
     "frame, which traced code would not follow, so a compiled body graph-breaks at the call. "
     "Compile such a body without fullgraph=True (see docs/scaling.md)")
+
+KEPT_CALLABLE_REASON = (
+    "a method kept by a pytree_ckpt save unit (KeptCallables) runs eagerly: the region that "
+    "keeps its outputs must see every op it runs. Save units need eager layer bodies (see "
+    "docs/save_units.md)")
 
 
 def runs_eagerly(reason: str, /) -> Callable[[F], F]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .boundary import BoundaryOptions
+from .eager import KEPT_CALLABLE_REASON, runs_eagerly
 from .errors import CheckpointConfigError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy
 from .module import (body_forward, install_boundary, layer_count, refuse_other_options,
@@ -246,8 +247,9 @@ class _KeptMethod:
         # Like a bound method's: whoever checkpoints it (output discard) finds the module.
         return self.module_ref()
 
-    # Excluded from torch.compile: the region flag must see every op it runs.
-    @torch.compiler.disable
+    # Excluded from torch.compile: the region flag must see every op it runs. (Lazily: a
+    # class-level torch.compiler.disable imported dynamo with the package.)
+    @runs_eagerly(KEPT_CALLABLE_REASON)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
         assert module is not None
