@@ -32,7 +32,6 @@ REUSE_REASON = (
     "pytree_ckpt.reuse_during_recompute runs eagerly: it records its result in the boundary's "
     "frame, which traced code would not follow, so a compiled body graph-breaks at the call. "
     "Compile such a body without fullgraph=True (see docs/scaling.md)")
-
 KEPT_CALLABLE_REASON = (
     "a method kept by a pytree_ckpt save unit (KeptCallables) runs eagerly: the region that "
     "keeps its outputs must see every op it runs. Save units need eager layer bodies (see "
