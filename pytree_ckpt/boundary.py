@@ -79,9 +79,10 @@ from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch
                            collect_parameters, graph_attributes, is_verified, module_dicts,
                            owning_module, versions)
 from .phase import ACTIVE, Invocation, Phase
-from .refusals import (fn_name, input_path, raise_attached_to_outside_tensor,
-                       raise_input_changed, refuse_double_backward, refuse_hidden_outputs,
-                       refuse_unreadable_inputs, require_callable, verify_leaves)
+from .refusals import (TORCH_REENTRANT, fn_name, input_path, raise_attached_to_outside_tensor,
+                       raise_input_changed, raise_torch_reentrant_inside,
+                       refuse_double_backward, refuse_hidden_outputs, refuse_unreadable_inputs,
+                       require_callable, verify_leaves)
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
@@ -446,8 +447,13 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
         with ParameterHooksPaused(call.params):
-            got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads,
-                                      allow_unused=True)
+            try:
+                got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads,
+                                          allow_unused=True)
+            except RuntimeError as error:
+                if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
+                    raise
+                raise_torch_reentrant_inside(call, error)
         for i, grad in zip(wanted, got):
             result[i] = grad
     if release:

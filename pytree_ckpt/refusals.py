@@ -12,7 +12,7 @@ import enum
 import functools
 import types
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -25,9 +25,10 @@ from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary import BoundaryCall
 
-__all__ = ["fn_name", "input_path", "raise_attached_to_outside_tensor", "raise_input_changed",
-           "refuse_double_backward", "refuse_hidden_outputs", "refuse_unreadable_inputs",
-           "require_callable", "verify_leaves"]
+__all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outside_tensor",
+           "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
+           "refuse_hidden_outputs", "refuse_unreadable_inputs", "require_callable",
+           "verify_leaves"]
 
 
 def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
@@ -180,6 +181,28 @@ def fn_name(fn: Callable[..., Any]) -> str:
     if owner is not None:
         return type(owner).__name__
     return callable_name(fn)
+
+
+# The start of the error torch's reentrant checkpoint raises in a backward that is not a plain
+# loss.backward() (torch.autograd.grad, backward(inputs=...)).
+TORCH_REENTRANT = "When use_reentrant=True, torch.utils.checkpoint is incompatible"
+
+
+def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError) -> NoReturn:
+    # A module's replay computes its gradients with torch.autograd.grad, under which torch's
+    # reentrant checkpoint refuses to run; its message speaks of .grad() and inputs=, which the
+    # user never called (transformers' gradient_checkpointing_enable(use_reentrant=True) puts
+    # one inside every decoder layer).
+    raise CheckpointError(
+        f"the replay of {fn_name(call.fn)} in backward ran torch.utils.checkpoint with "
+        "use_reentrant=True, which cannot run inside this boundary (it computes the module's "
+        "gradients with torch.autograd.grad); the layer would be checkpointed twice anyway",
+        expected="no reentrant torch checkpoint inside a module's boundary (use_reentrant=False "
+                 "works, but runs the layer a third time)",
+        got="torch.utils.checkpoint(..., use_reentrant=True) inside "
+            f"{fn_name(call.fn)}",
+        tip="drop the inner checkpoint: with transformers, model.gradient_checkpointing_disable() "
+            "(pytree_ckpt already checkpoints the layer)") from error
 
 
 def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],

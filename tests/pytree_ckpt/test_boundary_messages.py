@@ -495,3 +495,44 @@ def test_a_layer_list_checkpointed_again_with_other_options_names_the_layer_and_
     assert pytree_ckpt.checkpoint_layers(layers, preserve_rng_state=False, offload=False) == [0, 1]
     x = torch.randn(3, 2, requires_grad=True)
     layers[1](layers[0](x)).sum().backward()
+
+
+class _SelfCheckpointing(nn.Module):
+    """Checkpoints itself with torch's checkpoint when grad is enabled, as a transformers
+    decoder layer does after ``model.gradient_checkpointing_enable()``."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.lin, self.use_reentrant = nn.Linear(8, 8), use_reentrant
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.body, x,
+                                                     use_reentrant=self.use_reentrant)
+        return self.body(x)
+
+
+def test_a_torch_reentrant_checkpoint_inside_a_wrapped_layer_is_refused_naming_the_fix() -> None:
+    # torch's own message spoke of .grad() and backward(inputs=...), which the user never called.
+    layer = pytree_ckpt.apply_activation_checkpointing(_SelfCheckpointing(use_reentrant=True))
+    with pytest.raises(CheckpointError) as raised:
+        layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    message = str(raised.value)
+    assert "use_reentrant=True" in message and "_SelfCheckpointing" in message
+    assert "gradient_checkpointing_disable()" in message
+    assert "use_reentrant=True, torch.utils.checkpoint is incompatible" in \
+        str(raised.value.__cause__)
+
+
+def test_a_torch_non_reentrant_checkpoint_inside_a_wrapped_layer_gets_eager_gradients() -> None:
+    eager = _SelfCheckpointing(use_reentrant=False)
+    eager.forward = eager.body  # type: ignore[method-assign]
+    layer = pytree_ckpt.apply_activation_checkpointing(_SelfCheckpointing(use_reentrant=False))
+    layer.load_state_dict(eager.state_dict())
+    x = torch.randn(4, 8)
+    eager(x).square().sum().backward()
+    layer(x).square().sum().backward()
+    assert torch.equal(eager.lin.weight.grad, layer.lin.weight.grad)
