@@ -14,8 +14,8 @@ still records the op's node with the replay's inputs, and gradients flow. Rules:
 
 1. collectives (``c10d``, ``_c10d_functional``) are never kept: every rank must run them;
    nor are views (``detach`` included): they cost nothing, and autograd dispatches some of them
-   only when grad is enabled, so only in the replay; nor, under autocast, casts (NOTE
-   [autocast casts are never kept]);
+   only when grad is enabled, so only in the replay; nor clones (NOTE [clones are never
+   kept]); nor, under autocast, casts (NOTE [autocast casts are never kept]);
 2. a mutating op (in-place, ``out=``) is never kept; inside a kept callable it is recomputed,
    with one warning per op;
 3. a kept output that a later op of the same original pass changes in place (``relu_``, the
@@ -51,6 +51,7 @@ IN_REUSE: ContextVar[bool] = ContextVar("pytree_ckpt_in_reuse", default=False)
 
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                     "_dtensor"})
+_CLONE = torch.ops.aten.clone  # NOTE [clones are never kept]
 
 
 class KeepPolicy:
@@ -77,9 +78,16 @@ class KeepPolicy:
         return hash(self._key())
 
     def keeps(self, func: Any) -> bool:
-        if func.namespace in _COLLECTIVE_NAMESPACES or func.is_view:
+        if func.namespace in _COLLECTIVE_NAMESPACES or func.is_view or \
+                func.overloadpacket is _CLONE:
             # Views (detach included) hold no memory of their own, and autograd dispatches some
             # (saving an output) only when grad is on, i.e. in the replay alone.
+            # NOTE [clones are never kept]: an in-place op whose derivative needs the value it
+            # overwrites (``top /= top.sum()`` after a top-k, as transformers' MoE routers do)
+            # makes autograd dispatch ``aten.clone`` of it first, when grad is on: in the replay
+            # alone. A kept clone would make the replay ask for a record the original pass
+            # never made (a ReuseError), or hand autograd's clone the output of another clone.
+            # A clone is a copy, cheap to redo from its input.
             return False
         by_op = func.overloadpacket in self.ops
         by_region = self.callables and IN_KEPT_CALLABLE.get()

@@ -651,3 +651,44 @@ def test_a_config_refused_by_a_later_layer_leaves_the_earlier_layers_unchanged()
         apply_recompute_config(stack, RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
     assert all("project" not in layer.gate.__dict__ for layer in stack)
     assert not pytree_ckpt.is_checkpointed(stack[0])
+
+
+class NormalizingRouter(nn.Module):
+    """transformers' MoE routers (Mixtral, Qwen3-MoE, OlmoE): the top-k weights are
+    normalized in place, so in the replay (grad on) autograd clones them before the division."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = nn.functional.linear(h, self.weight)
+        top, ids = torch.topk(logits.softmax(-1), 2, dim=-1)
+        top /= top.sum(dim=-1, keepdim=True)
+        return logits, top, ids
+
+
+class RoutedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.gate = nn.Linear(8, 8), NormalizingRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        logits, top, _ = self.gate(h)
+        return h * top.sum(-1, keepdim=True) + logits.square().sum(-1, keepdim=True)
+
+
+def test_a_kept_router_that_normalizes_its_top_k_in_place_gets_eager_gradients() -> None:
+    # The replay asked for a kept aten.clone the original pass (no grad) never dispatched:
+    # ReuseError "kept output #1 of aten.clone.default, but the original pass recorded 0".
+    torch.manual_seed(0)
+    eager = RoutedLayer()
+    wrapped = copy.deepcopy(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the in-place division is recomputed, with a warning
+        apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+                               {SaveUnit.MOE_GATE: KeptCallables("NormalizingRouter.forward")},
+                               offload=False)
+        grads = grads_per_model([eager, wrapped], torch.randn(5, 8, requires_grad=True), seed=0)
+    assert_same_grads(*grads)
