@@ -54,6 +54,22 @@ _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional
 _CLONE = torch.ops.aten.clone  # NOTE [clones are never kept]
 
 
+def never_kept(namespace: str, packet: Any, /) -> str | None:
+    """Why ``KeepPolicy.keeps`` never keeps the ops of ``packet`` (in ``namespace``), or
+    ``None`` when it may keep them: ``KeptOps`` naming such an op would keep nothing, silently."""
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return "collectives are never kept: every rank must run them"
+    if packet is _CLONE:
+        return ("clones are never kept: autograd dispatches some in the replay alone (before "
+                "an in-place op that needs the value it overwrites); keep the op that made "
+                "the value instead")
+    overloads = [getattr(packet, name) for name in packet.overloads()]
+    if overloads and all(op.is_view for op in overloads
+                         if not op._schema.is_mutable):
+        return "views are never kept: they hold no memory of their own"
+    return None
+
+
 class KeepPolicy:
     """Which ops a boundary keeps: ``ops`` by identity, plus everything in kept callables."""
 

@@ -29,7 +29,7 @@ from torch import nn
 from .boundary import BoundaryOptions
 from .eager import KEPT_CALLABLE_REASON, runs_eagerly
 from .errors import CheckpointConfigError
-from .keep import IN_KEPT_CALLABLE, KeepPolicy
+from .keep import IN_KEPT_CALLABLE, KeepPolicy, never_kept
 from .module import (body_forward, install_boundary, layer_count, refuse_other_options,
                      resolve_offload, validate_ratio)
 
@@ -58,7 +58,8 @@ class KeptOps:
     """Keep the outputs of ops, by qualified name (``"aten::mm"``, ``"glm_dsa::topk"``).
 
     Names this torch build lacks are skipped (so a v2/v3 pair of kernel names resolves);
-    a unit none of whose names exists warns once when applied.
+    a unit none of whose names exists warns once when applied. An op the keep rules never keep
+    (views, clones, collectives: docs/save_units.md) is skipped with a warning naming why.
     """
 
     def __init__(self, *op_names: str) -> None:
@@ -84,13 +85,19 @@ class KeptOps:
         return self._resolve()[0]
 
     def _resolve(self) -> tuple[list[Any], list[str]]:
-        """``resolve``'s ops, and the names skipped (with a warning) as decomposed."""
-        found, decomposed = [], []
+        """``resolve``'s ops, and the names skipped with a warning (decomposed before
+        dispatch, or ops the keep rules never keep)."""
+        found, warned = [], []
         for name in self.op_names:
             namespace, op = name.split("::", 1)
             try:
                 packet = getattr(getattr(torch.ops, namespace), op)
             except (AttributeError, RuntimeError):
+                continue
+            reason = never_kept(namespace, packet)
+            if reason is not None:
+                warnings.warn(f"KeptOps({name!r}) keeps nothing: {reason}", stacklevel=3)
+                warned.append(name)
                 continue
             if _decomposed_before_dispatch(name, packet):
                 warnings.warn(
@@ -100,10 +107,10 @@ class KeptOps:
                     "under torch.utils.flop_counter.FlopCounterMode or a TorchDispatchMode), "
                     "e.g. aten::addmm for aten::linear, or keep the method that calls it with "
                     "KeptCallables('Class.method')", stacklevel=3)
-                decomposed.append(name)
+                warned.append(name)
                 continue
             found.append(packet)
-        return found, decomposed
+        return found, warned
 
 
 # A kernel under any of these keys runs the op itself on that device: the mode that keeps ops
@@ -324,12 +331,12 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
     for unit in units if chosen else ():
         target = targets[unit]
         if isinstance(target, KeptOps):
-            found, decomposed = target._resolve()
-            missing = [name for name in target.op_names if name not in decomposed]
-            if not found and missing:  # the decomposed ones were warned about by name
+            found, warned = target._resolve()
+            missing = [name for name in target.op_names if name not in warned]
+            if not found and missing:  # the others were warned about by name
                 warnings.warn(f"save unit {unit.value!r} keeps nothing: the ops {missing} do "
-                              "not exist in this build (and the others, if any, are "
-                              "decomposed before dispatch)", stacklevel=2)
+                              "not exist in this build (and the others, if any, were "
+                              "skipped with a warning above)", stacklevel=2)
             ops.extend(found)
             log.info("save unit %s keeps ops %s", unit.value, [str(op) for op in found])
         else:

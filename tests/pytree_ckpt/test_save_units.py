@@ -280,6 +280,19 @@ def test_an_op_this_build_decomposes_before_dispatch_warns_and_the_rest_is_kept(
     assert kept == [torch.ops.aten.mm, torch.ops.aten.native_channel_shuffle]
 
 
+@pytest.mark.parametrize(("name", "why"), [("aten::clone", "clones are never kept"),
+                                           ("aten::transpose", "views are never kept"),
+                                           ("_c10d_functional::all_reduce",
+                                            "collectives are never kept")])
+def test_naming_an_op_the_keep_rules_never_keep_warns_instead_of_keeping_nothing_silently(
+        name: str, why: str) -> None:
+    if name.startswith("_c10d") and not hasattr(torch.ops._c10d_functional, "all_reduce"):
+        pytest.skip("this build has no functional collectives")
+    with pytest.warns(UserWarning, match=f"KeptOps\\('{name}'\\) keeps nothing: {why}"):
+        kept = KeptOps(name, "aten::mm").resolve()
+    assert kept == [torch.ops.aten.mm]
+
+
 def test_collectives_are_never_kept() -> None:
     policy = pytree_ckpt.keep.KeepPolicy([torch.ops.aten.mm], callables=True, description="t")
     token = pytree_ckpt.keep.IN_KEPT_CALLABLE.set(True)
