@@ -74,6 +74,7 @@ from .census import Mechanism, census_active, report_held
 from .eager import BOUNDARY_REASON, runs_eagerly
 from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
+from .hook_outputs import HookedOutputs, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
                            collect_parameters, graph_attributes, is_verified, module_dicts,
@@ -151,7 +152,7 @@ class BoundaryCall:
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
                  "attributes", "buffer_dicts", "frozen", "changed_state", "modules",
-                 "forward_modules")
+                 "forward_modules", "hooked", "hooked_outputs")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -193,6 +194,10 @@ class BoundaryCall:
         # they were then, for the replay (NOTE [the replay sees the forward's modules]).
         self.modules: tuple[list[nn.Module], list[ModuleDicts]] | None = None
         self.forward_modules: ForwardModules | None = None
+        # Modules with user forward hooks run inside (NOTE [hooked outputs leave with
+        # gradients] in hook_outputs.py), and the extra outputs the original pass chose.
+        self.hooked = False
+        self.hooked_outputs: HookedOutputs | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -261,12 +266,11 @@ class _BoundaryFunction(torch.autograd.Function):
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
             # mode] in rng.py.
-            with IsolatedPass():
-                if call.options.keep is None:
-                    output = call.fn(*args, **kwargs)
-                else:
-                    with KeepMode(call.options.keep, invocation):
-                        output = call.fn(*args, **kwargs)
+            with IsolatedPass(), ExitStack() as stack:
+                if call.options.keep is not None:
+                    stack.enter_context(KeepMode(call.options.keep, invocation))
+                recorded = stack.enter_context(recording()) if call.hooked else None
+                output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
         moved = [slot for slot, version in enumerate(versions(tensors))
@@ -291,6 +295,15 @@ class _BoundaryFunction(torch.autograd.Function):
         out_tensors = tuple(t.view_as(t) if t.requires_grad else t
                             for t in (flat.leaves[i] for i in flat.tensor_index))
         as_is = _returned_as_is(call.before or {}, tensors, out_tensors)
+        extra: tuple[torch.Tensor, ...] = ()
+        if recorded:
+            known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,
+                                     *call.frame.tensors())}
+            hooked = HookedOutputs(recorded, known)
+            if hooked.positions:
+                call.hooked_outputs = hooked
+                extra = tuple(hooked.tensors(recorded))
+            del recorded
         call.before = None
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
@@ -305,9 +318,9 @@ class _BoundaryFunction(torch.autograd.Function):
             # is known to be frozen. Given this node, the recorded tensor itself would carry
             # it, and the replay, which returns that very tensor, would find its own node on
             # it. It leaves non-differentiable and untouched, as in eager.
-            recorded = {id(t) for t in call.frame.tensors()}
+            in_frame = {id(t) for t in call.frame.tensors()}
             frozen += [t for t in out_tensors if (t.is_floating_point() or t.is_complex())
-                       and not t.requires_grad and id(t) in recorded]
+                       and not t.requires_grad and id(t) in in_frame]
         if frozen or as_is:
             ctx.mark_non_differentiable(*frozen, *as_is)
         # Autograd returns an input as a view of it even so: the caller gets the input itself.
@@ -319,7 +332,9 @@ class _BoundaryFunction(torch.autograd.Function):
             report_held(saved, Mechanism.BOUNDARY, holder=call.frame)
             report_held(call.frame.tensors(), Mechanism.REPLAY_FRAME, holder=call.frame)
         ctx.save_for_backward(*saved)
-        return out_tensors
+        # NOTE [hooked outputs leave with gradients]: after the outputs of fn, which the
+        # caller gets (run_boundary takes only those).
+        return out_tensors + extra
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
@@ -369,12 +384,14 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
             # under torch.autograd.grad.
             aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
             args, kwargs = call.inputs(aliases)
-            hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-            if not (hooked or call.attributes or call.options.keep is not None):
+            shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            recorded = None
+            if not (shadow or call.attributes or call.options.keep is not None or
+                    call.hooked_outputs is not None):
                 output = call.fn(*args, **kwargs)  # the usual case, with no context more
             else:
                 with ExitStack() as stack:
-                    if hooked:
+                    if shadow:
                         # Shadow an ambient hook (offload, census): the replay's short-lived
                         # graph is not theirs to see. Only then: the hooks cost ~1 us per saved
                         # tensor. NOTE [hooks switch off the in-place check] in saved.py:
@@ -387,6 +404,8 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
                                                             aliases[call.n_inputs:]))
                     if call.options.keep is not None:
                         stack.enter_context(KeepMode(call.options.keep, invocation))
+                    if call.hooked_outputs is not None:
+                        recorded = stack.enter_context(recording())
                     output = call.fn(*args, **kwargs)
     except CheckpointError:
         raise
@@ -419,6 +438,13 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
         if grad is not None and out.requires_grad:
             outs.append(out)
             grads.append(grad)
+    if call.hooked_outputs is not None:
+        assert recorded is not None
+        extra = call.hooked_outputs.replayed(recorded, fn_name(call.fn))
+        for out, grad in zip(extra, grad_outputs[len(flat.tensor_index):]):
+            if grad is not None and out.requires_grad:
+                outs.append(out)
+                grads.append(grad)
     # NOTE [frame lifetime]: without retain_graph this node never runs again (autograd frees
     # its saved tensors right after it), so its frame is cleared as soon as its own backward
     # is done, not when the whole backward call is (a callback at the end of the graph task,
@@ -582,6 +608,12 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     call.frozen = frozen
     if trees:
         call.modules = (modules, trees)
+        # The owner's own hooks see fn's output (already the Function's) or run outside the
+        # boundary (an installed forward); those of modules passed in run inside.
+        call.hooked = hooked_modules(
+            [*(d for tree in trees for d in tree.submodules),
+             *(m.__dict__ for m in modules[1:])],
+            (m for root in modules for m in root.modules() if m is not owner))
     call.attributes = [name for name, _ in attributes]
     inputs = unique
     if params or attributes:

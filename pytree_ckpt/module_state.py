@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from .hook_outputs import is_library_hook, keeps_output_as_is
+
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
            "collect_parameters", "drop_caches", "foreign_leaf", "graph_attributes", "is_verified",
            "mark_verified", "module_buffers", "module_dicts", "owning_module",
@@ -232,7 +234,6 @@ def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | No
     return None
 
 
-_LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
 
 
 def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
@@ -242,17 +243,19 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
     ``passed``: modules passed as arguments, whose own hooks run inside when ``fn`` calls them.
 
     Such a hook runs in the original pass, under no-grad, and again in the replay, in backward.
-    A tensor it keeps (transformers collect ``router_logits`` and ``output_attentions`` so)
-    carries no gradient, and a loss built from it is silently wrong; torch's reentrant
-    checkpoint has the same trap. Hooks of torch and of this library only read or rewrite.
+    The module output it receives leaves the boundary with its gradient (NOTE [hooked outputs
+    leave with gradients] in hook_outputs.py), but a tensor it computes from that output under
+    no-grad does not, and a loss built from it is silently wrong; torch's reentrant checkpoint
+    loses both. Hooks of torch and of this library only read or rewrite; transformers' output
+    capturing hook keeps the output as it is: neither is warned about.
     """
     def user_hooks(hooks: Any) -> list[str]:
         names = []
         for hook in hooks.values():
+            if is_library_hook(hook) or keeps_output_as_is(hook):
+                continue
             fn = hook.func if isinstance(hook, functools.partial) else hook
-            module = getattr(fn, "__module__", None) or type(fn).__module__
-            if not (module + ".").startswith(_LIBRARY_HOOKS):
-                names.append(getattr(fn, "__qualname__", type(fn).__qualname__))
+            names.append(getattr(fn, "__qualname__", type(fn).__qualname__))
         return names
 
     found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()
@@ -269,10 +272,11 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
     if found:
         warnings.warn(
             f"pytree_ckpt: forward hooks inside the checkpointed {type(owner).__name__} run "
-            f"under no-grad in the original pass and again in backward: {', '.join(found)}. A "
-            "tensor such a hook keeps (transformers' router_logits or output_attentions) has no "
-            "gradient, and a loss built from it is wrong; a hook that only reads or rewrites "
-            "the output is fine. Tip: return such values as outputs of the layer (any PyTree).",
+            f"under no-grad in the original pass and again in backward: {', '.join(found)}. The "
+            "module output such a hook receives leaves the boundary with its gradient, but a "
+            "tensor the hook computes from it has none, and a loss built from that is wrong; "
+            "a hook that only reads, rewrites or keeps the output as it is is fine. Tip: "
+            "return such values as outputs of the layer (any PyTree).",
             stacklevel=2)
 
 

@@ -1,0 +1,158 @@
+"""Outputs that forward hooks inside a boundary receive, made outputs of the boundary.
+
+NOTE [hooked outputs leave with gradients]: a forward hook on a module *inside* a boundary runs
+in the no-grad original pass. What it keeps has no graph: transformers collects
+``router_logits`` (the MoE load-balancing loss) and ``output_attentions`` so, with a hook that
+stores the module's output as it is, and the loss built from it silently lost its gradient.
+The boundary therefore records, in both passes, the outputs of the modules inside it that have
+user forward hooks, and returns their floating tensors (those computed inside the call) as
+extra outputs of its autograd Function. Autograd gives a tensor a Function returns its node in
+place, so the very tensor the hook stored now carries the boundary's gradient; the replay
+records the same outputs again and backpropagates the gradients that reached them, as eager
+does. A tensor a hook *computes* from the output (``output.softmax(-1)`` under no-grad) is not
+the output: it still has no gradient (the first replay warns about such hooks).
+
+Recording is a forward hook of this module's, installed once (prepended) on each such module;
+it does nothing unless a boundary pass is recording (a ``ContextVar``: threads and nested
+boundaries each record their own, and a nested boundary's pass records for the enclosing ones
+too). Installed once, it leaves the module's hook dict unchanged from call to call (compiled
+bodies guard on it); copies and pickles of the module carry it. Calls inside
+``reuse_during_recompute`` are not recorded: the replay skips them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ReplayMismatchError
+from .keep import IN_REUSE
+from .tree import flatten
+
+__all__ = ["HookedOutputs", "hooked_modules", "is_library_hook", "keeps_output_as_is",
+           "recording"]
+
+# Every recording pass, innermost last: a module output goes to each of them.
+_RECORDING: ContextVar[tuple[list[Any], ...]] = ContextVar("pytree_ckpt_hooked_outputs",
+                                                           default=())
+_LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
+
+
+def is_library_hook(hook: Any, /) -> bool:
+    """Whether ``hook`` is torch's or this library's (they only read or rewrite outputs)."""
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return (module + ".").startswith(_LIBRARY_HOOKS)
+
+
+# transformers' output capturing hook (``utils/output_capturing.py``, 5.x) appends the output
+# it receives, or one item of it, to its collector: it keeps the output as it is.
+_KEEPS_OUTPUT_AS_IS = ("transformers.utils.output_capturing", "output_capturing_hook")
+
+
+def keeps_output_as_is(hook: Any, /) -> bool:
+    """Whether ``hook`` is known to keep the module output it receives as it is (so the
+    output's gradient is all it needs: NOTE [hooked outputs leave with gradients])."""
+    module, name = _KEEPS_OUTPUT_AS_IS
+    return getattr(hook, "__module__", None) == module and \
+        getattr(hook, "__name__", None) == name
+
+
+def _record_output(module: nn.Module, args: Any, output: Any) -> None:
+    passes = _RECORDING.get()
+    if passes and not IN_REUSE.get():
+        for recorded in passes:
+            recorded.append(output)
+
+
+def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module], /) -> bool:
+    """Whether a module among ``dicts`` (each a module's ``__dict__``) has a user forward hook;
+    if so, the recorder is installed on each such module of ``modules`` that lacks it."""
+    if not any(d["_forward_hooks"] for d in dicts):
+        return False  # the usual case: one dict lookup per submodule
+    found = False
+    for module in modules:
+        hooks = module._forward_hooks
+        if not hooks or all(is_library_hook(hook) for hook in hooks.values()):
+            continue
+        found = True
+        if _record_output not in hooks.values():
+            module.register_forward_hook(_record_output, prepend=True)
+    return found
+
+
+@contextmanager
+def recording() -> Iterator[list[Any]]:
+    """The outputs of hooked modules called in the block, in call order."""
+    recorded: list[Any] = []
+    token = _RECORDING.set((*_RECORDING.get(), recorded))
+    try:
+        yield recorded
+    finally:
+        _RECORDING.reset(token)
+
+
+class HookedOutputs:
+    """Which recorded tensors the original pass returned as extra outputs, and their replay
+    counterparts (NOTE [hooked outputs leave with gradients])."""
+
+    __slots__ = ("count", "positions", "meta")
+
+    def __init__(self, recorded: Sequence[Any], known: set[int]) -> None:
+        self.count = len(recorded)
+        self.positions: list[tuple[int, int]] = []  # (call, tensor leaf) per extra output
+        self.meta: list[tuple[torch.Size, torch.dtype]] = []
+        self._select(recorded, known)
+
+    def _select(self, recorded: Sequence[Any], known: set[int]) -> None:
+        # Computed inside the call, floating, once each: not an input, parameter, buffer or
+        # frozen result (those come back as they are in eager), nor an output of fn already.
+        for call, output in enumerate(recorded):
+            flat = flatten(output)
+            for index in flat.tensor_index:
+                tensor = flat.leaves[index]
+                if tensor.requires_grad or id(tensor) in known or \
+                        not (tensor.is_floating_point() or tensor.is_complex()):
+                    continue
+                known.add(id(tensor))
+                self.positions.append((call, index))
+                self.meta.append((tensor.shape, tensor.dtype))
+
+    def tensors(self, recorded: Sequence[Any]) -> list[torch.Tensor]:
+        """The tensors at the chosen positions of ``recorded`` (one pass's outputs)."""
+        flats = [flatten(output).leaves for output in recorded]
+        return [flats[call][index] for call, index in self.positions]
+
+    def replayed(self, recorded: Sequence[Any], name: str) -> list[torch.Tensor]:
+        """The replay's counterparts, checked against what the original pass recorded."""
+        tip = ("the modules with forward hooks must run the same way in the replay; for results "
+               "that may change between passes use reuse_during_recompute")
+        if len(recorded) != self.count:
+            raise ReplayMismatchError(
+                f"the replay of {name} called its modules with forward hooks another number of "
+                "times", expected=f"{self.count} call(s)", got=f"{len(recorded)} call(s)",
+                tip=tip)
+        try:
+            tensors = self.tensors(recorded)
+        except IndexError:
+            tensors = []
+        for position, ((shape, dtype), tensor) in enumerate(zip(self.meta, tensors)):
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != shape or \
+                    tensor.dtype != dtype:
+                raise ReplayMismatchError(
+                    f"the replay of {name} gave another output of a module with forward hooks "
+                    f"(hooked output {position})",
+                    expected=f"Tensor(shape={tuple(shape)}, dtype={dtype})",
+                    got=repr(type(tensor).__name__), tip=tip)
+        if len(tensors) != len(self.positions):
+            raise ReplayMismatchError(
+                f"the replay of {name} gave outputs of other structure from its modules with "
+                "forward hooks", expected=f"{len(self.positions)} tensor(s)",
+                got=f"{len(tensors)}", tip=tip)
+        return tensors

@@ -1,0 +1,251 @@
+"""NOTE [hooked outputs leave with gradients]: what a forward hook inside a boundary keeps of a
+module's output carries the boundary's gradient, as transformers' router_logits need for the
+MoE load-balancing loss. Every case is compared with an eager twin, bit for bit (fp32)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import CheckpointError, ReplayMismatchError
+
+
+class Router(nn.Module):
+    """Returns (logits, top-k weights normalised in place, ids), as transformers' routers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.gate(x)
+        top, ids = logits.softmax(-1).topk(2, dim=-1)
+        top /= top.sum(-1, keepdim=True)
+        return logits, top, ids
+
+
+class MoeLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = Router()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, top, ids = self.router(x)
+        out = torch.zeros_like(x)
+        for k in range(2):
+            for e, expert in enumerate(self.experts):
+                mask = (ids[:, k] == e).unsqueeze(-1)
+                out = out + mask * top[:, k:k + 1] * expert(x)
+        return x + self.drop(out)
+
+
+class Collector:
+    """Stands in for transformers' output capture: keeps each router output's logits."""
+
+    def __init__(self) -> None:
+        self.logits: list[torch.Tensor] = []
+
+    def hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.logits.append(output[0])
+
+
+def _aux_loss(logits: list[torch.Tensor]) -> torch.Tensor:
+    probs = torch.stack(logits).softmax(-1)
+    return (probs.mean(1) * probs.mean(1)).sum()
+
+
+def _step(model: nn.Sequential, collector: Collector, x: torch.Tensor) -> torch.Tensor:
+    collector.logits.clear()
+    torch.manual_seed(7)
+    loss = model(x).square().mean() + 0.1 * _aux_loss(collector.logits)
+    loss.backward()
+    return loss.detach()
+
+
+def _twins(wrap: Callable[[nn.Sequential], None]) -> tuple[nn.Sequential, nn.Sequential,
+                                                          Collector, Collector]:
+    torch.manual_seed(0)
+    eager = nn.Sequential(MoeLayer(), MoeLayer(), MoeLayer())
+    model = copy.deepcopy(eager)
+    wrap(model)
+    collectors = Collector(), Collector()
+    for net, collector in zip((eager, model), collectors):
+        for layer in net:
+            layer.router.register_forward_hook(collector.hook)
+    return eager, model, *collectors
+
+
+def _assert_eager(eager: nn.Module, model: nn.Module, x: torch.Tensor, x_twin: torch.Tensor,
+                  collectors: tuple[Collector, Collector], steps: int = 2) -> None:
+    for _ in range(steps):
+        expected = _step(eager, collectors[0], x)
+        got = _step(model, collectors[1], x_twin)
+        assert torch.equal(expected, got)
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    assert torch.equal(x.grad, x_twin.grad)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(6, 8, requires_grad=True)
+    return x, x.detach().clone().requires_grad_()
+
+
+def _wrap_each(model: nn.Sequential) -> None:
+    for layer in model:
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+
+
+def test_an_aux_loss_built_from_a_hook_kept_router_output_gets_eager_gradients() -> None:
+    # Before, the kept logits had no graph: the loss value was right, the router's and the
+    # inputs' gradients from the aux loss were silently missing.
+    eager, model, *collectors = _twins(_wrap_each)
+    x, x_twin = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the hook is a user hook: warned about once
+        _assert_eager(eager, model, x, x_twin, (collectors[0], collectors[1]))
+    assert all(t.grad_fn is not None for t in collectors[1].logits)
+
+
+def test_hooked_outputs_get_eager_gradients_with_offload_and_nested_boundaries() -> None:
+    from offload import OffloadManager
+
+    manager = OffloadManager()
+
+    def wrap(model: nn.Sequential) -> None:
+        for layer in model:
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+        outer = model.forward
+        model.forward = lambda x: pytree_ckpt.checkpoint(outer, x)  # type: ignore[method-assign]
+
+    eager, model, *collectors = _twins(wrap)
+    x, x_twin = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _assert_eager(eager, model, x, x_twin, (collectors[0], collectors[1]))
+
+
+def test_a_hooked_module_passed_as_an_argument_gets_eager_gradients() -> None:
+    # A module passed in runs inside the boundary when fn calls it, its own hooks with it.
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, router: nn.Module) -> torch.Tensor:
+            return self.proj(x) * router(x)[1].sum(-1, keepdim=True)
+
+    torch.manual_seed(0)
+    mixer, router = Mixer(), Router()
+    twins = copy.deepcopy((mixer, router))
+    kept: list[list[torch.Tensor]] = [[], []]
+    for net, store in zip((router, twins[1]), kept):
+        net.register_forward_hook(lambda m, a, out, store=store: store.append(out[0]))
+    x, x_twin = _inputs()
+    (mixer(x, router).sum() + kept[0][0].square().sum()).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = pytree_ckpt.checkpoint(twins[0], x_twin, twins[1])
+        (out.sum() + kept[1][0].square().sum()).backward()
+    for p, q in zip([*mixer.parameters(), *router.parameters()],
+                    [*twins[0].parameters(), *twins[1].parameters()]):
+        assert torch.equal(p.grad, q.grad)
+    assert torch.equal(x.grad, x_twin.grad)
+
+
+def test_a_hooked_module_inside_reuse_during_recompute_is_not_recorded() -> None:
+    # The replay skips a reused call, so its modules' outputs are not recorded in either pass
+    # (else the replay would find fewer): the reused result stays frozen, as documented.
+    class Reusing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = Router()
+            self.proj = nn.Linear(8, 8)
+
+        def route(self, h: torch.Tensor) -> torch.Tensor:
+            return self.router(h)[2]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            ids = pytree_ckpt.reuse_during_recompute(self.route, x.detach())
+            return self.proj(x).gather(-1, ids)
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Reusing())
+    kept: list[torch.Tensor] = []
+    layer.router.register_forward_hook(lambda m, a, out: kept.append(out[0]))
+    x = torch.randn(6, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer(x).sum().backward()
+    assert not kept[0].requires_grad and x.grad is not None
+
+
+def test_a_replay_that_calls_a_hooked_module_another_number_of_times_is_refused() -> None:
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = Router()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.router(x)[1]
+            if torch.is_grad_enabled():  # the replay: the forward must not depend on it
+                out = out + self.router(x)[1]
+            return out
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Flaky())
+    layer.router.register_forward_hook(lambda m, a, out: None)
+    x = torch.randn(6, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = layer(x)
+        with pytest.raises(ReplayMismatchError, match="forward hooks another number of times"):
+            out.sum().backward()
+
+
+def test_the_recorder_is_installed_once_and_does_nothing_outside_a_boundary() -> None:
+    layer = MoeLayer()
+    layer.router.register_forward_hook(lambda m, a, out: None)
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(6, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            layer(x).sum().backward()
+    assert len(layer.router._forward_hooks) == 2  # the user's, and one recorder
+    with torch.no_grad():
+        layer(x)  # no boundary: nothing records, nothing fails
+
+
+def test_transformers_output_capturing_hook_is_not_warned_about() -> None:
+    # It keeps the output as it is, which now carries its gradient: no warning is due.
+    def output_capturing_hook(module: nn.Module, args: Any, output: Any) -> None:
+        return None
+
+    output_capturing_hook.__module__ = "transformers.utils.output_capturing"
+    layer = pytree_ckpt.apply_activation_checkpointing(MoeLayer())
+    layer.router.register_forward_hook(output_capturing_hook)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(6, 8, requires_grad=True)).sum().backward()
+
+
+def test_an_unknown_callable_with_hooked_modules_is_not_changed() -> None:
+    # The boundary knows no module of a plain closure: nothing is recorded (and its replay
+    # still accumulates, reentrant-style).
+    router = Router()
+    kept: list[torch.Tensor] = []
+    router.register_forward_hook(lambda m, a, out: kept.append(out[0]))
+    x = torch.randn(6, 8, requires_grad=True)
+    pytree_ckpt.checkpoint(lambda h: router(h)[1], x).sum().backward()
+    assert not kept[0].requires_grad and x.grad is not None
+    with pytest.raises(CheckpointError):
+        out = pytree_ckpt.checkpoint(lambda h: router(h)[1], x).sum()
+        torch.autograd.grad(out, [x])
