@@ -492,23 +492,31 @@ class ParameterHooksPaused:
     (``param.register_hook``) on the gradient it captures, and autograd runs them again when
     the returned gradient reaches the parameter in the outer backward: a hook that scales or
     masks would apply twice. Paused for the replay's ``grad``, they run once, where eager runs
-    them. The hook dict is emptied and refilled in place: autograd's hook object reads it at
-    call time, so nothing is re-registered. (A plain class: entered once per layer call.)
+    them. Each hook in the dict is swapped for a no-op and put back after, in place: autograd's
+    hook object reads the dict at call time, and a handle removed meanwhile (a one-shot hook
+    inside the replay's backward) still finds its key, so it stays removed; a hook registered
+    meanwhile stays too. (A plain class: entered once per layer call.)
     """
 
     __slots__ = ("stash",)
 
     def __init__(self, params: Sequence[torch.Tensor], /) -> None:
-        self.stash = [(hooks, list(hooks.items())) for p in params
-                      if (hooks := p._backward_hooks)]
+        self.stash = [(hooks, dict(hooks)) for p in params if (hooks := p._backward_hooks)]
 
     def __enter__(self) -> None:
-        for hooks, _ in self.stash:
-            hooks.clear()
+        for hooks, paused in self.stash:
+            for key in paused:
+                hooks[key] = _no_hook
 
     def __exit__(self, *exc: object) -> None:
-        for hooks, items in self.stash:
-            hooks.update(items)
+        for hooks, paused in self.stash:
+            for key, hook in paused.items():
+                if hooks.get(key) is _no_hook:  # not removed (or replaced) meanwhile
+                    hooks[key] = hook
+
+
+def _no_hook(grad: torch.Tensor) -> None:
+    return None  # leaves the gradient as it is
 
 
 @contextmanager

@@ -664,6 +664,26 @@ def test_a_hook_on_a_parameter_runs_once_as_in_eager() -> None:
     assert len(wrapped[0].weight._backward_hooks) == 1  # still registered, in order
 
 
+def test_a_parameter_hook_removed_during_the_replay_stays_removed_as_in_eager() -> None:
+    # A one-shot backward hook of a later submodule removes the parameter's hook while the
+    # replay runs (the pause had emptied the dict, so the removal found nothing, and the pause
+    # put the hook back): the gradient was scaled twice over, and the hook kept firing.
+    def run(wrap: bool) -> tuple[torch.Tensor, int]:
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        handle = layer[0].weight.register_hook(lambda g: g * 2)
+        layer[2].register_full_backward_hook(lambda m, gi, go: handle.remove())
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        for _ in range(2):
+            layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        return layer[0].weight.grad, len(layer[0].weight._backward_hooks or {})
+
+    (eager, eager_hooks), (wrapped, wrapped_hooks) = run(False), run(True)
+    assert torch.equal(eager, wrapped)
+    assert eager_hooks == wrapped_hooks == 0
+
+
 @dataclasses.dataclass
 class WithDerived:
     hidden: torch.Tensor
