@@ -35,11 +35,13 @@ deprecated ``torch.nn.utils.weight_norm`` and ``spectral_norm`` compute ``module
 every call, and ``torch.nn.utils.prune`` the pruned tensor) leaves the replay, in backward,
 reading whatever the attribute holds then: the last call's tensor, whose outside graph
 ``torch.autograd.grad`` would walk and free (a second call in one loss, or
-``retain_graph=True``, then fails). The attributes those pre-hooks name (tensors that require
-grad, in the module's own ``__dict__``; NOTE [only attributes a pre-hook names] in
-module_state.py) are extra inputs of the Function, after the call's inputs, and the replay sees
-detached aliases of this call's tensors in their place: their gradients leave through the
-boundary into their own graphs, as in eager. A custom pre-hook that sets such an attribute is
+``retain_graph=True``, then fails). The attributes those pre-hooks name (tensors in the
+module's own ``__dict__``; NOTE [only attributes a pre-hook names] in module_state.py) are
+extra inputs of the Function, after the call's inputs, and the replay sees detached aliases of
+this call's tensors in their place: their gradients leave through the boundary into their own
+graphs, as in eager. One without a graph (``spectral_norm`` over a frozen ``weight_orig``: its
+power iteration still changes it every call) is saved the same way: with several calls before
+backward (micro-batches), each replay reads its own call's tensor, not the last one. A custom pre-hook that sets such an attribute is
 not recognized and behaves as before this note (one call per backward works).
 
 NOTE [unknown callables]: for any other callable the parameters it closes over cannot be known,
@@ -599,7 +601,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     if owner is not None and fn is not owner and owner._forward_pre_hooks:
         attributes = graph_attributes(owner)  # NOTE [attributes set before the call]
     anchor = None
-    if not params and not attributes and not any(t.requires_grad for t in unique):
+    if not params and not any(t.requires_grad for _, t in attributes) and \
+            not any(t.requires_grad for t in unique):
         if params is not None:  # a module with nothing trainable: nothing to replay for
             return fn(*args, **kwargs)
         anchor = _anchor()

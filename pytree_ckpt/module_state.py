@@ -287,9 +287,9 @@ def any_lazy(trees: Sequence[ModuleDicts], /) -> bool:
 
 
 def graph_attributes(module: nn.Module, /) -> list[tuple[str, torch.Tensor]]:
-    """The plain tensor attributes that require grad (in ``module``'s own ``__dict__``) which
-    its own forward pre-hooks set each call (NOTE [attributes set before the call] in
-    boundary.py).
+    """The plain tensor attributes (in ``module``'s own ``__dict__``), with a graph or without
+    one, which its own forward pre-hooks set each call (NOTE [attributes set before the call]
+    in boundary.py).
 
     NOTE [only attributes a pre-hook names]: an attribute is taken only when a pre-hook says it
     sets it: ``weight_norm``'s and ``spectral_norm``'s hook objects by ``name``, pruning
@@ -304,8 +304,7 @@ def graph_attributes(module: nn.Module, /) -> list[tuple[str, torch.Tensor]]:
     if not names:
         return []
     held = module.__dict__
-    return [(name, value) for name in names
-            if isinstance(value := held.get(name), torch.Tensor) and value.requires_grad]
+    return [(name, value) for name in names if isinstance(value := held.get(name), torch.Tensor)]
 
 
 def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:

@@ -186,6 +186,30 @@ def test_weights_set_by_pruning_and_spectral_norm_hooks_give_eager_gradients_ove
     assert_same_grads(*grads)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.spectral_norm is old
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_weight_without_graph_set_by_a_pre_hook_is_each_calls_own_over_micro_batches(
+        order: tuple[int, int]) -> None:
+    # spectral_norm over a frozen weight_orig: the weight its pre-hook sets has no graph, but
+    # the power iteration changes it every call (training mode). Left out of the call's
+    # inputs, the first micro-batch's replay read the second's weight: x0's gradient was off
+    # by about 0.05, silently (found by the session's fuzzer).
+    def run(wrap: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = torch.nn.utils.spectral_norm(nn.Linear(8, 8))
+        layer.weight_orig.requires_grad_(False)  # a frozen layer; its bias still trains
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        generator = torch.Generator().manual_seed(1)
+        xs = [torch.randn(4, 8, generator=generator, requires_grad=True) for _ in range(2)]
+        losses = [torch.tanh(layer(x)).square().sum() for x in xs]
+        for i in order:
+            losses[i].backward()
+        return grads_of([*xs, layer.bias])
+
+    assert_same_grads(run(False), run(True))
+
+
 def test_a_backward_inside_a_cached_block_after_an_outside_use_of_the_weight_gives_eager_grads(
         ) -> None:
     # Guards against the replay reading the caller's parametrize cache: a use of the weight
