@@ -498,6 +498,12 @@ class ParameterHooksPaused:
     hook object reads the dict at call time, and a handle removed meanwhile (a one-shot hook
     inside the replay's backward) still finds its key, so it stays removed; a hook registered
     meanwhile stays too. (A plain class: entered once per layer call.)
+
+    NOTE [unused parameters get no hook call]: a parameter the forward did not use (an MoE
+    expert that got no token, a bias a layer skips) gets ``None`` from the replay, and autograd
+    runs a leaf's hooks even for a ``None`` gradient a Function returns: ``lambda g: g * 2``
+    raised ``TypeError`` in backward, where eager never calls it. Each hook is put back
+    wrapped, so that a ``None`` gradient skips it (a defined one calls it as it is).
     """
 
     __slots__ = ("stash",)
@@ -514,11 +520,28 @@ class ParameterHooksPaused:
         for hooks, paused in self.stash:
             for key, hook in paused.items():
                 if hooks.get(key) is _no_hook:  # not removed (or replaced) meanwhile
-                    hooks[key] = hook
+                    hooks[key] = hook if isinstance(hook, SkipsNoGradient) \
+                        else SkipsNoGradient(hook)
 
 
 def _no_hook(grad: torch.Tensor) -> None:
     return None  # leaves the gradient as it is
+
+
+class SkipsNoGradient:
+    """A parameter's gradient hook that is not called without a gradient (NOTE [unused
+    parameters get no hook call])."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable[[torch.Tensor], Any], /) -> None:
+        self.hook = hook
+
+    def __call__(self, grad: torch.Tensor | None) -> Any:
+        return None if grad is None else self.hook(grad)
+
+    def __repr__(self) -> str:
+        return f"SkipsNoGradient({self.hook!r})"
 
 
 @contextmanager

@@ -684,6 +684,36 @@ def test_a_parameter_hook_removed_during_the_replay_stays_removed_as_in_eager() 
     assert eager_hooks == wrapped_hooks == 0
 
 
+def test_a_parameter_the_forward_did_not_use_gets_no_hook_call_as_in_eager() -> None:
+    # An expert that got no token: the replay returns None for its parameters, and autograd
+    # ran their hooks with None (lambda g: g * 2 raised TypeError), where eager never calls
+    # them (NOTE [unused parameters get no hook call]).
+    class TwoExperts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.experts[0](x))  # experts[1] gets no token this step
+
+    def run(wrap: bool) -> tuple[list[torch.Tensor | None], list[str]]:
+        torch.manual_seed(0)
+        layer = TwoExperts()
+        calls: list[str] = []
+        for name, p in layer.named_parameters():
+            p.register_hook(lambda g, name=name: calls.append(name) or g * 2)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        for _ in range(2):
+            layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        return [p.grad for p in layer.parameters()], calls
+
+    (eager, eager_calls), (wrapped, wrapped_calls) = run(False), run(True)
+    assert_same_grads(eager, wrapped)
+    assert wrapped[2] is None and wrapped[3] is None  # as in eager: no gradient at all
+    assert sorted(eager_calls) == sorted(wrapped_calls)
+
+
 @dataclasses.dataclass
 class WithDerived:
     hidden: torch.Tensor
