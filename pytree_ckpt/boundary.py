@@ -41,8 +41,9 @@ extra inputs of the Function, after the call's inputs, and the replay sees detac
 this call's tensors in their place: their gradients leave through the boundary into their own
 graphs, as in eager. One without a graph (``spectral_norm`` over a frozen ``weight_orig``: its
 power iteration still changes it every call) is saved the same way: with several calls before
-backward (micro-batches), each replay reads its own call's tensor, not the last one. A custom pre-hook that sets such an attribute is
-not recognized and behaves as before this note (one call per backward works).
+backward (micro-batches), each replay reads its own call's tensor, not the last one. A custom
+pre-hook that sets such an attribute is not recognized and behaves as before this note (one
+call per backward works).
 
 NOTE [unknown callables]: for any other callable the parameters it closes over cannot be known,
 so the replay accumulates every leaf's gradient with ``torch.autograd.backward``, as torch's
