@@ -510,7 +510,11 @@ class ParameterHooksPaused:
     __slots__ = ("stash",)
 
     def __init__(self, params: Sequence[torch.Tensor], /) -> None:
-        self.stash = [(hooks, dict(hooks)) for p in params if (hooks := p._backward_hooks)]
+        # Not hooks an enclosing pause holds (a nested boundary's replay runs inside the outer
+        # one's grad): that pause puts them back.
+        self.stash = [(hooks, paused) for p in params if (hooks := p._backward_hooks)
+                      if (paused := {key: hook for key, hook in hooks.items()
+                                     if hook is not _no_hook})]
 
     def __enter__(self) -> None:
         for hooks, paused in self.stash:

@@ -664,6 +664,25 @@ def test_a_hook_on_a_parameter_runs_once_as_in_eager() -> None:
     assert len(wrapped[0].weight._backward_hooks) == 1  # still registered, in order
 
 
+def test_a_hook_on_a_parameter_of_nested_boundaries_runs_once_as_in_eager() -> None:
+    # The inner replay runs inside the outer one's torch.autograd.grad, while the outer pause
+    # holds the hook: the inner pause must leave it to the outer one (it put back its no-op,
+    # wrapped, and the hook was lost for good: gradients half of eager's).
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 8))
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped[0])
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    for model in (eager, wrapped):
+        for p in model.parameters():
+            p.register_hook(lambda g: g * 2)
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):
+        for model in (eager, wrapped):
+            model(x).sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in wrapped.parameters()])
+
+
 def test_a_parameter_hook_removed_during_the_replay_stays_removed_as_in_eager() -> None:
     # A one-shot backward hook of a later submodule removes the parameter's hook while the
     # replay runs (the pause had emptied the dict, so the removal found nothing, and the pause
