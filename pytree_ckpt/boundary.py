@@ -77,16 +77,17 @@ from .census import Mechanism, census_active, report_held
 from .eager import BOUNDARY_REASON, runs_eagerly
 from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
-from .hook_outputs import HookedOutputs, hooked_modules, recording
+from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
                            collect_parameters, graph_attributes, is_verified, module_dicts,
                            owning_module, versions)
 from .phase import ACTIVE, Invocation, Phase
 from .refusals import (TORCH_REENTRANT, fn_name, input_path, raise_attached_to_outside_tensor,
-                       raise_input_changed, raise_torch_reentrant_inside,
-                       refuse_double_backward, refuse_hidden_outputs, refuse_unreadable_inputs,
-                       require_callable, verify_leaves)
+                       raise_hooked_outside_tensor, raise_input_changed,
+                       raise_torch_reentrant_inside, refuse_double_backward,
+                       refuse_hidden_outputs, refuse_unreadable_inputs, require_callable,
+                       verify_leaves)
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
@@ -155,7 +156,7 @@ class BoundaryCall:
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
                  "attributes", "buffer_dicts", "frozen", "changed_state", "modules",
-                 "forward_modules", "hooked", "hooked_outputs")
+                 "forward_modules", "hooked", "hooked_outputs", "held")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -201,6 +202,9 @@ class BoundaryCall:
         # gradients] in hook_outputs.py), and the extra outputs the original pass chose.
         self.hooked = False
         self.hooked_outputs: HookedOutputs | None = None
+        # Ids of the tensors the modules held as attributes before fn ran, when hooked (NOTE
+        # [held tensors are not hooked outputs] in hook_outputs.py); for the original pass only.
+        self.held: set[int] = set()
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -302,12 +306,14 @@ class _BoundaryFunction(torch.autograd.Function):
         if recorded:
             known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,
                                      *call.frame.tensors())}
+            known |= call.held
             hooked = HookedOutputs(recorded, known)
             if hooked.positions:
                 call.hooked_outputs = hooked
                 extra = tuple(hooked.tensors(recorded))
             del recorded
         call.before = None
+        call.held = set()
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
         call.out_meta = [(t.shape, t.dtype) for t in out_tensors]
@@ -444,7 +450,10 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
     if call.hooked_outputs is not None:
         assert recorded is not None
         extra = call.hooked_outputs.replayed(recorded, fn_name(call.fn))
-        for out, grad in zip(extra, grad_outputs[len(flat.tensor_index):]):
+        extra_grads = grad_outputs[len(flat.tensor_index):]
+        for position, (out, grad) in enumerate(zip(extra, extra_grads)):
+            if out.grad_fn is ctx:
+                raise_hooked_outside_tensor(call, position)
             if grad is not None and out.requires_grad:
                 outs.append(out)
                 grads.append(grad)
@@ -653,6 +662,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             [*(d for tree in trees for d in tree.submodules),
              *(m.__dict__ for m in modules[1:])],
             (m for root in modules for m in root.modules() if m is not owner))
+        if call.hooked:
+            call.held = held_tensors([*(m.__dict__ for m in modules),
+                                      *(d for tree in trees for d in tree.submodules)])
     call.attributes = [name for name, _ in attributes]
     inputs = unique
     if params or attributes:

@@ -35,8 +35,8 @@ from .errors import ReplayMismatchError
 from .keep import IN_REUSE
 from .tree import flatten
 
-__all__ = ["HookedOutputs", "hooked_modules", "is_library_hook", "keeps_output_as_is",
-           "recording"]
+__all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
+           "keeps_output_as_is", "recording"]
 
 # Every recording pass, innermost last: a module output goes to each of them.
 _RECORDING: ContextVar[tuple[list[Any], ...]] = ContextVar("pytree_ckpt_hooked_outputs",
@@ -79,12 +79,43 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
     found = False
     for module in modules:
         hooks = module._forward_hooks
-        if not hooks or all(is_library_hook(hook) for hook in hooks.values()):
+        if not hooks:
+            continue
+        if all(is_library_hook(hook) for hook in hooks.values()):
+            # NOTE [a recorder left alone is taken off]: the user's hooks were removed since
+            # the recorder was installed. Left on, it would keep the module on nn.Module's
+            # slow hook path for every call, and every boundary call on this slower walk. Not
+            # while a pass records: an enclosing boundary's replay must find what its forward
+            # recorded.
+            if not _RECORDING.get():
+                for key in [k for k, hook in hooks.items() if hook is _record_output]:
+                    del hooks[key]
             continue
         found = True
         if _record_output not in hooks.values():
             module.register_forward_hook(_record_output, prepend=True)
     return found
+
+
+def held_tensors(dicts: Iterable[dict[str, Any]], /) -> set[int]:
+    """Ids of the tensors the modules hold as plain attributes (each a module's ``__dict__``),
+    directly or in a tuple or list: read before the call, they are no results of it.
+
+    NOTE [held tensors are not hooked outputs]: a hooked module that returns such a tensor (a
+    cached table, ``(cos, sin)`` kept as an attribute) returns the same object in both passes.
+    Made an extra output, it would carry the boundary's node for good: the replay would find it
+    again and backpropagate into its own node (backward hung, or was refused as a foreign
+    tensor), just because a hook, even one that only reads, was on that module. Such a tensor
+    requires no grad in eager either: it leaves as it is.
+    """
+    held: set[int] = set()
+    for d in dicts:
+        for value in d.values():
+            if isinstance(value, torch.Tensor):
+                held.add(id(value))
+            elif isinstance(value, (tuple, list)):
+                held.update(id(v) for v in value if isinstance(v, torch.Tensor))
+    return held
 
 
 @contextmanager
@@ -113,12 +144,18 @@ class HookedOutputs:
     def _select(self, recorded: Sequence[Any], known: set[int]) -> None:
         # Computed inside the call, floating, once each: not an input, parameter, buffer or
         # frozen result (those come back as they are in eager), nor an output of fn already.
+        # NOTE [views of inputs are hooked outputs too]: under the pass's no-grad a view of a
+        # tensor that requires grad (an input sliced or reshaped by the hooked module, a
+        # parameter transposed) requires grad, with no grad_fn: it was made in the call all the
+        # same, and in eager it would carry the view's graph. Skipped, it kept no gradient.
         for call, output in enumerate(recorded):
             flat = flatten(output)
             for index in flat.tensor_index:
                 tensor = flat.leaves[index]
-                if tensor.requires_grad or id(tensor) in known or \
-                        not (tensor.is_floating_point() or tensor.is_complex()):
+                if id(tensor) in known or \
+                        not (tensor.is_floating_point() or tensor.is_complex()) or \
+                        (tensor.requires_grad and
+                         not (tensor.grad_fn is None and tensor._is_view())):
                     continue
                 known.add(id(tensor))
                 self.positions.append((call, index))

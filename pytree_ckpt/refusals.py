@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the boundary imports this module
     from .boundary import BoundaryCall
 
 __all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outside_tensor",
+           "raise_hooked_outside_tensor",
            "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
            "refuse_hidden_outputs", "refuse_unreadable_inputs", "require_callable",
            "verify_leaves"]
@@ -248,6 +249,19 @@ def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int) 
                  "fn belongs to", got="the same outside tensor, returned again by the replay",
         tip="return a clone (t.clone()) of it, or checkpoint the module itself "
             "(pytree_ckpt.checkpoint(module, ...)) so its buffers are known")
+
+
+def raise_hooked_outside_tensor(call: BoundaryCall, position: int) -> None:
+    # NOTE [held tensors are not hooked outputs] (hook_outputs.py): a hooked module returned a
+    # tensor from outside the call that no module holds as an attribute (a global, a closure's
+    # constant); autograd gave it this node, and the replay found it again.
+    raise CheckpointError(
+        f"hooked output {position} of {fn_name(call.fn)} (the output of a module with a forward "
+        "hook inside the boundary) is a tensor from outside the call, and the boundary attached "
+        "itself to it", expected="module outputs computed in the call",
+        got="the same outside tensor, returned again by the replay",
+        tip="have that module return a clone (t.clone()) of it, or hold the tensor as a buffer "
+            "or an attribute of the module")
 
 
 def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:

@@ -249,3 +249,125 @@ def test_an_unknown_callable_with_hooked_modules_is_not_changed() -> None:
     with pytest.raises(CheckpointError):
         out = pytree_ckpt.checkpoint(lambda h: router(h)[1], x).sum()
         torch.autograd.grad(out, [x])
+
+
+class _Slice(nn.Module):
+    """Returns a view of its input, or of its own weight: made in the call all the same."""
+
+    def __init__(self, of_weight: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.of_weight = of_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.t() if self.of_weight else x[:, :4]
+
+
+class _Viewing(nn.Module):
+    def __init__(self, of_weight: bool = False) -> None:
+        super().__init__()
+        self.slice = _Slice(of_weight)
+        self.proj = nn.Linear(8 if of_weight else 4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        view = self.slice(x)
+        return self.proj(x @ view if view.shape[0] == 8 else view)
+
+
+@pytest.mark.parametrize("of_weight", [False, True], ids=["input", "weight"])
+def test_a_hooked_module_returning_a_view_made_in_the_call_gives_eager_gradients(
+        of_weight: bool) -> None:
+    # Under the original pass's no-grad a view of a tensor that requires grad requires grad
+    # itself, with no grad_fn: it was skipped, and the loss built from it lost the gradient
+    # into the input (or the weight) silently.
+    torch.manual_seed(0)
+    eager = _Viewing(of_weight)
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    kept: list[list[torch.Tensor]] = [[], []]
+    for net, store in zip((eager, model), kept):
+        net.slice.register_forward_hook(lambda m, a, out, store=store: store.append(out))
+    x, x_twin = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for net, store, xi in zip((eager, model), kept, (x, x_twin)):
+            (net(xi).square().mean() + store[0].sin().sum()).backward()
+    assert torch.equal(x.grad, x_twin.grad)
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    assert (eager.slice.weight.grad is not None) is of_weight
+
+
+class _Table(nn.Module):
+    def __init__(self, table: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.table = torch.randn(6, 8) if table is None else table  # a plain attribute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table
+
+
+class _Scaled(nn.Module):
+    def __init__(self, table: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.table = _Table(table)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.table(x)
+
+
+def test_a_hooked_module_returning_a_tensor_it_holds_as_an_attribute_works_as_in_eager() -> None:
+    # The table is the same object in both passes: made an extra output it carried the
+    # boundary's node for good, and backward was refused (or, once the module was verified
+    # before the hook came, hung), just because a hook that only reads was on that module.
+    torch.manual_seed(0)
+    eager = _Scaled()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x, x_twin = _inputs()
+    model(x_twin).sum().backward()  # verified without the hook
+    model.zero_grad(set_to_none=True)
+    x_twin.grad = None
+    for net in (eager, model):
+        net.table.register_forward_hook(lambda m, a, out: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for net, xi in zip((eager, model), (x, x_twin)):
+                net(xi).sum().backward()
+    assert not model.table.table.requires_grad and model.table.table.grad_fn is None
+    assert torch.equal(x.grad, x_twin.grad)
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_hooked_module_returning_an_outside_constant_is_refused_instead_of_hanging() -> None:
+    # No attribute holds it, so it cannot be told from a fresh result: the replay finds the
+    # boundary's own node on it, and says so.
+    constant = torch.randn(6, 8)
+    layer = _Scaled()
+    layer.table = nn.Module()
+    layer.table.forward = lambda x: constant  # type: ignore[method-assign]
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(6, 8, requires_grad=True)
+    layer(x).sum().backward()  # verified without the hook
+    layer.table.register_forward_hook(lambda m, a, out: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = layer(x).sum()
+        with pytest.raises(CheckpointError, match="hooked output 0 .* tensor from outside"):
+            out.backward()
+
+
+def test_the_recorder_is_taken_off_once_the_users_hooks_are_removed() -> None:
+    # Left on, it kept the module on nn.Module's slow hook path for every call, and every
+    # boundary call on the slow walk over the module tree.
+    layer = pytree_ckpt.apply_activation_checkpointing(MoeLayer())
+    handle = layer.router.register_forward_hook(lambda m, a, out: None)
+    x = torch.randn(6, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer(x).sum().backward()
+    assert len(layer.router._forward_hooks) == 2
+    handle.remove()
+    layer(x).sum().backward()
+    assert not layer.router._forward_hooks
