@@ -267,16 +267,22 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
                   for name, sub in module.named_modules() if id(sub) not in inside
                   for hook in user_hooks(sub._forward_hooks)]
         inside.update(id(m) for m in module.modules())
-    found += [f"(global): {hook}"
-              for hook in user_hooks(nn.modules.module._global_forward_hooks)]
+    global_hooks = [f"(global): {hook}"
+                    for hook in user_hooks(nn.modules.module._global_forward_hooks)]
+    found += global_hooks
     if found:
+        # Global hooks (register_module_forward_hook) are on no module: nothing records the
+        # outputs they receive (NOTE [hooked outputs leave with gradients]).
+        unrecorded = (" Global forward hooks are not recorded: an output a global hook keeps "
+                      "has no gradient either; register it on the module instead."
+                      if global_hooks else "")
         warnings.warn(
             f"pytree_ckpt: forward hooks inside the checkpointed {type(owner).__name__} run "
             f"under no-grad in the original pass and again in backward: {', '.join(found)}. The "
             "module output such a hook receives leaves the boundary with its gradient, but a "
             "tensor the hook computes from it has none, and a loss built from that is wrong; "
-            "a hook that only reads, rewrites or keeps the output as it is is fine. Tip: "
-            "return such values as outputs of the layer (any PyTree).",
+            "a hook that only reads, rewrites or keeps the output as it is is fine."
+            f"{unrecorded} Tip: return such values as outputs of the layer (any PyTree).",
             stacklevel=2)
 
 
