@@ -18,6 +18,13 @@ backward replays the layer and produces the parameter gradients in one of four w
   Function's gradients for its parameter inputs, so the outer backward adds them (this
   library's boundary).
 
+Two more rows put those in context, in the same interleaved run: ``torch reentrant``
+(``torch.utils.checkpoint(..., use_reentrant=True)``: the first path, plus torch's own
+bookkeeping) and ``pytree-ckpt`` (``pytree_ckpt.checkpoint(layer, x)``: the last path, plus
+this library's bookkeeping: the PyTree bridge, RNG and autocast capture, module state
+watches, frames, isolation of parametrizations). Their difference from the minimal paths is
+what each library adds per call beyond the gradient path itself.
+
 Before timing, all four are checked to give gradients bit-identical to eager (each parameter
 is used once, so the order of additions is the same). NOTE [measurement]: ``examples.timing``.
 """
@@ -31,6 +38,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import pytree_ckpt
 
 from examples.bench_boundary import LAYERS, SIZES, DecoderBlock
 from examples.timing import (add_round_options, check_round_options, summarize_ms,
@@ -42,7 +52,10 @@ ACCUMULATE = "accumulate"
 ACCUMULATE_PARAMS_INPUTS = "accumulate, params as inputs"
 BACKWARD_INPUTS = "backward(inputs=)"
 GRAD_RETURNED = "grad, returned"
-PATHS = (ACCUMULATE, ACCUMULATE_PARAMS_INPUTS, BACKWARD_INPUTS, GRAD_RETURNED)
+TORCH_REENTRANT = "torch reentrant"
+PYTREE_CKPT = "pytree-ckpt"
+PATHS = (ACCUMULATE, ACCUMULATE_PARAMS_INPUTS, BACKWARD_INPUTS, GRAD_RETURNED, TORCH_REENTRANT,
+         PYTREE_CKPT)
 
 
 class _Replay(torch.autograd.Function):
@@ -94,6 +107,10 @@ class Bench:
                 h = layer(h)
             elif path == ACCUMULATE:
                 h = _Replay.apply(layer, path, h)
+            elif path == TORCH_REENTRANT:
+                h = torch_checkpoint(layer, h, use_reentrant=True)
+            elif path == PYTREE_CKPT:
+                h = pytree_ckpt.checkpoint(layer, h)
             else:
                 h = _Replay.apply(layer, path, h, *params)
         h.square().mean().backward()
