@@ -202,9 +202,9 @@ class BoundaryCall:
         # gradients] in hook_outputs.py), and the extra outputs the original pass chose.
         self.hooked = False
         self.hooked_outputs: HookedOutputs | None = None
-        # Ids of the tensors the modules held as attributes before fn ran, when hooked (NOTE
+        # The tensors the modules held as attributes before fn ran, by id, when hooked (NOTE
         # [held tensors are not hooked outputs] in hook_outputs.py); for the original pass only.
-        self.held: set[int] = set()
+        self.held: dict[int, torch.Tensor] = {}
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -290,6 +290,11 @@ class _BoundaryFunction(torch.autograd.Function):
             call.changed_state = watch.changed()
         if call.modules is not None:
             call.forward_modules = ForwardModules(*call.modules)
+            if recorded:  # NOTE [held tensors are not hooked outputs]: after the call too
+                modules, trees = call.modules
+                call.held.update(held_tensors(
+                    [*(m.__dict__ for m in modules),
+                     *(d for tree in trees for d in tree.submodules)]))
         call.buffer_dicts, call.frozen, call.modules = [], [], None
         flat = flatten(output)
         if len(flat.tensor_index) < len(flat.leaves):
@@ -306,14 +311,14 @@ class _BoundaryFunction(torch.autograd.Function):
         if recorded:
             known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,
                                      *call.frame.tensors())}
-            known |= call.held
+            known |= call.held.keys()
             hooked = HookedOutputs(recorded, known)
             if hooked.positions:
                 call.hooked_outputs = hooked
                 extra = tuple(hooked.tensors(recorded))
             del recorded
         call.before = None
-        call.held = set()
+        call.held = {}
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
         call.out_meta = [(t.shape, t.dtype) for t in out_tensors]

@@ -16,8 +16,10 @@ Recording is a forward hook of this module's, installed once (prepended) on each
 it does nothing unless a boundary pass is recording (a ``ContextVar``: threads and nested
 boundaries each record their own, and a nested boundary's pass records for the enclosing ones
 too). Installed once, it leaves the module's hook dict unchanged from call to call (compiled
-bodies guard on it); copies and pickles of the module carry it. Calls inside
-``reuse_during_recompute`` are not recorded: the replay skips them.
+bodies guard on it); copies and pickles of the module carry it. Each record names its module,
+and a replay keeps only the records of the modules its forward recorded, in the same order: a
+hook added elsewhere since (before backward, or between micro-batches) changes nothing. Calls
+inside ``reuse_during_recompute`` are not recorded: the replay skips them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .keep import IN_REUSE
 from .tree import flatten
 
 __all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
-           "keeps_output_as_is", "recording"]
+           "keeps_output_as_is", "recording", "remove_recorder"]
 
 # Every recording pass, innermost last: a module output goes to each of them.
 _RECORDING: ContextVar[tuple[list[Any], ...]] = ContextVar("pytree_ckpt_hooked_outputs",
@@ -68,7 +70,7 @@ def _record_output(module: nn.Module, args: Any, output: Any) -> None:
     passes = _RECORDING.get()
     if passes and not IN_REUSE.get():
         for recorded in passes:
-            recorded.append(output)
+            recorded.append((module, output))
 
 
 def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module], /) -> bool:
@@ -82,14 +84,10 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
         if not hooks:
             continue
         if all(is_library_hook(hook) for hook in hooks.values()):
-            # NOTE [a recorder left alone is taken off]: the user's hooks were removed since
-            # the recorder was installed. Left on, it would keep the module on nn.Module's
-            # slow hook path for every call, and every boundary call on this slower walk. Not
-            # while a pass records: an enclosing boundary's replay must find what its forward
-            # recorded.
-            if not _RECORDING.get():
-                for key in [k for k, hook in hooks.items() if hook is _record_output]:
-                    del hooks[key]
+            # NOTE [a recorder stays]: once the user's hooks are gone, the recorder is left
+            # where it is (it records nothing more: the module has no user hook to find), as a
+            # call still waiting for its backward may need it in its replay (micro-batches);
+            # remove_activation_checkpointing takes it off.
             continue
         found = True
         if _record_output not in hooks.values():
@@ -97,9 +95,19 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
     return found
 
 
-def held_tensors(dicts: Iterable[dict[str, Any]], /) -> set[int]:
-    """Ids of the tensors the modules hold as plain attributes (each a module's ``__dict__``),
-    directly or in a tuple or list: read before the call, they are no results of it.
+def remove_recorder(module: nn.Module, /) -> None:
+    """Take the recorder off ``module`` (``remove_activation_checkpointing``)."""
+    hooks = module._forward_hooks
+    for key in [key for key, hook in hooks.items() if hook is _record_output]:
+        del hooks[key]
+
+
+def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
+    """The tensors the modules hold as plain attributes (each a module's ``__dict__``),
+    directly or in a tuple or list, by id. Read before the call and again after it: they are
+    no results of it (one a module builds in its first call and keeps, a lazy cache, neither).
+    The tensors themselves are kept until the selection is made, so their ids stay theirs (a
+    pre-hook that replaces ``.weight`` frees the old one, and its id went to a fresh output).
 
     NOTE [held tensors are not hooked outputs]: a hooked module that returns such a tensor (a
     cached table, ``(cos, sin)`` kept as an attribute) returns the same object in both passes.
@@ -108,19 +116,19 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> set[int]:
     tensor), just because a hook, even one that only reads, was on that module. Such a tensor
     requires no grad in eager either: it leaves as it is.
     """
-    held: set[int] = set()
+    held: dict[int, torch.Tensor] = {}
     for d in dicts:
         for value in d.values():
             if isinstance(value, torch.Tensor):
-                held.add(id(value))
+                held[id(value)] = value
             elif isinstance(value, (tuple, list)):
-                held.update(id(v) for v in value if isinstance(v, torch.Tensor))
+                held.update((id(v), v) for v in value if isinstance(v, torch.Tensor))
     return held
 
 
 @contextmanager
 def recording() -> Iterator[list[Any]]:
-    """The outputs of hooked modules called in the block, in call order."""
+    """The (module, output) of each hooked module's call in the block, in call order."""
     recorded: list[Any] = []
     token = _RECORDING.set((*_RECORDING.get(), recorded))
     try:
@@ -133,10 +141,12 @@ class HookedOutputs:
     """Which recorded tensors the original pass returned as extra outputs, and their replay
     counterparts (NOTE [hooked outputs leave with gradients])."""
 
-    __slots__ = ("count", "positions", "meta")
+    __slots__ = ("modules", "positions", "meta")
 
-    def __init__(self, recorded: Sequence[Any], known: set[int]) -> None:
-        self.count = len(recorded)
+    def __init__(self, recorded: Sequence[tuple[nn.Module, Any]], known: set[int]) -> None:
+        # Which module made each recorded output, in call order: the replay records those
+        # modules only (a hook added or removed since, on another module, changes nothing).
+        self.modules = [id(module) for module, _ in recorded]
         self.positions: list[tuple[int, int]] = []  # (call, tensor leaf) per extra output
         self.meta: list[tuple[torch.Size, torch.dtype]] = []
         self._select(recorded, known)
@@ -148,7 +158,7 @@ class HookedOutputs:
         # tensor that requires grad (an input sliced or reshaped by the hooked module, a
         # parameter transposed) requires grad, with no grad_fn: it was made in the call all the
         # same, and in eager it would carry the view's graph. Skipped, it kept no gradient.
-        for call, output in enumerate(recorded):
+        for call, (_, output) in enumerate(recorded):
             flat = flatten(output)
             for index in flat.tensor_index:
                 tensor = flat.leaves[index]
@@ -161,20 +171,23 @@ class HookedOutputs:
                 self.positions.append((call, index))
                 self.meta.append((tensor.shape, tensor.dtype))
 
-    def tensors(self, recorded: Sequence[Any]) -> list[torch.Tensor]:
+    def tensors(self, recorded: Sequence[tuple[nn.Module, Any]]) -> list[torch.Tensor]:
         """The tensors at the chosen positions of ``recorded`` (one pass's outputs)."""
-        flats = [flatten(output).leaves for output in recorded]
+        flats = [flatten(output).leaves for _, output in recorded]
         return [flats[call][index] for call, index in self.positions]
 
-    def replayed(self, recorded: Sequence[Any], name: str) -> list[torch.Tensor]:
+    def replayed(self, recorded: Sequence[tuple[nn.Module, Any]],
+                 name: str) -> list[torch.Tensor]:
         """The replay's counterparts, checked against what the original pass recorded."""
         tip = ("the modules with forward hooks must run the same way in the replay; for results "
                "that may change between passes use reuse_during_recompute")
-        if len(recorded) != self.count:
+        forward = set(self.modules)
+        recorded = [entry for entry in recorded if id(entry[0]) in forward]
+        if [id(module) for module, _ in recorded] != self.modules:
             raise ReplayMismatchError(
                 f"the replay of {name} called its modules with forward hooks another number of "
-                "times", expected=f"{self.count} call(s)", got=f"{len(recorded)} call(s)",
-                tip=tip)
+                "times, or in another order", expected=f"{len(self.modules)} call(s)",
+                got=f"{len(recorded)} call(s)", tip=tip)
         try:
             tensors = self.tensors(recorded)
         except IndexError:

@@ -37,6 +37,7 @@ from torch import nn
 from .boundary import BoundaryOptions, run_boundary
 from .eager import BOUNDARY_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
+from .hook_outputs import remove_recorder
 from .module_state import drop_caches
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -215,6 +216,7 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     for sub in _own_submodules(module):  # methods its save units wrapped (KeptCallables)
         for name in [n for n, v in sub.__dict__.items() if getattr(v, "_pytree_ckpt_kept", False)]:
             del sub.__dict__[name]
+        remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
     if installed.bare is None:
         module.__dict__.pop("forward", None)
     else:

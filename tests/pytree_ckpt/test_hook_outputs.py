@@ -358,16 +358,110 @@ def test_a_hooked_module_returning_an_outside_constant_is_refused_instead_of_han
             out.backward()
 
 
-def test_the_recorder_is_taken_off_once_the_users_hooks_are_removed() -> None:
-    # Left on, it kept the module on nn.Module's slow hook path for every call, and every
-    # boundary call on the slow walk over the module tree.
+def test_the_recorder_stays_after_the_users_hooks_go_and_unwrapping_takes_it_off() -> None:
+    # NOTE [a recorder stays]: a call still waiting for its backward (an earlier micro-batch)
+    # needs it in its replay; taken off at the next call, that replay recorded nothing and
+    # backward raised ReplayMismatchError. remove_activation_checkpointing takes it off.
     layer = pytree_ckpt.apply_activation_checkpointing(MoeLayer())
     handle = layer.router.register_forward_hook(lambda m, a, out: None)
     x = torch.randn(6, 8, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layer(x).sum().backward()
-    assert len(layer.router._forward_hooks) == 2
+        first = layer(x).sum()
     handle.remove()
-    layer(x).sum().backward()
+    second = layer(x).sum()  # a second micro-batch, after the hook went
+    first.backward()
+    second.backward()
+    assert len(layer.router._forward_hooks) == 1  # the recorder, recording nothing more
+    pytree_ckpt.remove_activation_checkpointing(layer)
     assert not layer.router._forward_hooks
+
+
+def test_a_hook_added_elsewhere_before_backward_changes_nothing_in_an_enclosing_replay(
+        ) -> None:
+    # The inner boundary, entered during the outer replay, installed a recorder for the new
+    # hook while the outer replay recorded: one output more than its forward had (a
+    # ReplayMismatchError). The replay records the forward's modules only.
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.a(h))
+
+    def step(model: Outer, wrap: bool) -> list[torch.Tensor]:
+        kept: list[torch.Tensor] = []
+        model.a.register_forward_hook(lambda m, a, out: kept.append(out))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = pytree_ckpt.checkpoint(model, x) if wrap else model(x)
+            loss = out.square().mean() + kept[0].square().mean()
+            model.inner[0].register_forward_hook(lambda m, a, out: None)  # after the forward
+            loss.backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    torch.manual_seed(0)
+    eager = Outer()
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin.inner)
+    for a, b in zip(step(eager, False), step(twin, True)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.weight_norm is old
+def test_a_hooked_output_gets_its_gradient_when_a_pre_hook_replaces_a_held_tensor() -> None:
+    # weight_norm's pre-hook replaces .weight in the call; the old one was freed and its id
+    # went to the Linear's output, which then counted as held: no gradient, silently.
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(8, 8)), nn.Tanh())
+        kept: list[torch.Tensor] = []
+        model[0].register_forward_hook(lambda m, a, out: kept.append(out))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = pytree_ckpt.checkpoint(model, x) if wrap else model(x)
+            (out.square().mean() + kept[0].square().mean()).backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+def test_a_table_a_hooked_module_builds_in_its_first_call_and_keeps_stays_as_in_eager(
+        ) -> None:
+    # Not held before the first call, it became an extra output and kept the boundary's node:
+    # backward was refused, and the table required grad afterwards.
+    class Cache(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table: torch.Tensor | None = None
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            if self.table is None:
+                self.table = torch.linspace(0.5, 1.5, 8)
+            return self.table
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cache = Cache()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(h) * self.cache(h))
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Layer())
+    layer.cache.register_forward_hook(lambda m, a, out: None)
+    x = torch.randn(4, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        losses = [layer(x).square().mean() for _ in range(2)]
+        for loss in losses:
+            loss.backward()
+    assert layer.cache.table is not None and not layer.cache.table.requires_grad
+
+
