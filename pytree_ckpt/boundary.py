@@ -661,12 +661,13 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     call.frozen = frozen
     if trees:
         call.modules = (modules, trees)
-        # The owner's own hooks see fn's output (already the Function's) or run outside the
-        # boundary (an installed forward); those of modules passed in run inside.
+        # The owner's own hooks run inside when fn is the owner (checkpoint(module, x): a hook
+        # that keeps the output before another rewrites it keeps no output of fn), outside for
+        # an installed forward; those of modules passed in run inside.
+        roots = modules if fn is owner else modules[1:]
         call.hooked = hooked_modules(
-            [*(d for tree in trees for d in tree.submodules),
-             *(m.__dict__ for m in modules[1:])],
-            (m for root in modules for m in root.modules() if m is not owner))
+            [*(d for tree in trees for d in tree.submodules), *(m.__dict__ for m in roots)],
+            (m for root in modules for m in root.modules() if m is not owner or fn is owner))
         if call.hooked:
             call.held = held_tensors([*(m.__dict__ for m in modules),
                                       *(d for tree in trees for d in tree.submodules)])

@@ -78,6 +78,10 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
     if so, the recorder is installed on each such module of ``modules`` that lacks it."""
     if not any(d["_forward_hooks"] for d in dicts):
         return False  # the usual case: one dict lookup per submodule
+    # An enclosing pass that records (an outer boundary's replay, whose forward recorded a
+    # module inside this boundary) needs this boundary to hand the module's outputs on as
+    # outputs of its node, with or without user hooks on it now.
+    enclosing = bool(_RECORDING.get())
     found = False
     for module in modules:
         hooks = module._forward_hooks
@@ -85,9 +89,11 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
             continue
         if all(is_library_hook(hook) for hook in hooks.values()):
             # NOTE [a recorder stays]: once the user's hooks are gone, the recorder is left
-            # where it is (it records nothing more: the module has no user hook to find), as a
-            # call still waiting for its backward may need it in its replay (micro-batches);
-            # remove_activation_checkpointing takes it off.
+            # where it is, as a call still waiting for its backward may need it in its replay
+            # (micro-batches; an outer replay, above); remove_activation_checkpointing takes it
+            # off.
+            if enclosing and _record_output in hooks.values():
+                found = True
             continue
         found = True
         if _record_output not in hooks.values():

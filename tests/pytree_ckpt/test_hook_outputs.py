@@ -465,3 +465,57 @@ def test_a_table_a_hooked_module_builds_in_its_first_call_and_keeps_stays_as_in_
     assert layer.cache.table is not None and not layer.cache.table.requires_grad
 
 
+
+
+def test_an_inner_boundary_hands_on_what_an_outer_replay_records_after_the_hook_went() -> None:
+    # The hook was removed between two micro-batch forwards; the outer replay of the first
+    # still records the router (its forward did), but the inner boundary, finding no user hook,
+    # returned the router's output without its node: the aux gradient was silently lost
+    # (router weight gradients off by 100%).
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(MoeLayer(), nn.Linear(8, 8))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model[0])  # the inner boundary
+            pytree_ckpt.apply_activation_checkpointing(model)     # the outer one
+        collector = Collector()
+        handle = model[0].router.register_forward_hook(collector.hook)
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(2):
+                torch.manual_seed(i)
+                loss = model(x).square().mean()
+                if collector.logits:
+                    loss = loss + 0.1 * _aux_loss(collector.logits)
+                losses.append(loss)
+                collector.logits.clear()
+                handle.remove()  # gone before the second micro-batch
+            for loss in losses:
+                loss.backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+def test_a_modules_own_hook_that_keeps_its_output_before_another_rewrites_it_gets_eager_grads(
+        ) -> None:
+    # checkpoint(module, x): the module's own hooks run inside the boundary. A hook that keeps
+    # the output before a later one rewrites it keeps no output of fn: it was not recorded.
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        router = Router()
+        kept: list[torch.Tensor] = []
+        router.register_forward_hook(lambda m, a, out: kept.append(out[0]))
+        router.register_forward_hook(lambda m, a, out: (out[0] * 2, *out[1:]))
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = pytree_ckpt.checkpoint(router, x) if wrap else router(x)
+            (out[0].sum() + out[1].sum() + kept[0].square().sum()).backward()
+        return [x.grad, *(p.grad for p in router.parameters())]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
