@@ -13,10 +13,15 @@ does. A tensor a hook *computes* from the output (``output.softmax(-1)`` under n
 the output: it still has no gradient (the first replay warns about such hooks).
 
 Recording is a forward hook of this module's, installed once (prepended) on each such module;
-it does nothing unless a boundary pass is recording (a ``ContextVar``: threads and nested
+it does nothing unless a boundary pass is recording (a thread-local stack: threads and nested
 boundaries each record their own, and a nested boundary's pass records for the enclosing ones
 too). Installed once, it leaves the module's hook dict unchanged from call to call (compiled
-bodies guard on it); copies and pickles of the module carry it. Each record names its module,
+bodies guard on it). NOTE [the recorder is traceable]: a compiled body (``layer.forward =
+torch.compile(layer.forward, fullgraph=True)``, docs/scaling.md) inlines the recorder, and
+dynamo cannot read a ``ContextVar`` (``Unsupported``: the fullgraph compile of any layer with a
+hooked module failed, and a partial one broke its graph at each hooked call); it reads a
+``threading.local`` attribute, and guards on it (a graph for recording passes, one for
+others). ``IN_REUSE`` is not read when compiling: ``reuse_during_recompute`` runs eagerly. copies and pickles of the module carry it. Each record names its module,
 and a replay keeps only the records of the modules its forward recorded, in the same order: a
 hook added elsewhere since (before backward, or between micro-batches) changes nothing. Calls
 inside ``reuse_during_recompute`` are not recorded: the replay skips them.
@@ -25,9 +30,9 @@ inside ``reuse_during_recompute`` are not recorded: the replay skips them.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -40,9 +45,9 @@ from .tree import flatten
 __all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
            "keeps_output_as_is", "recording", "remove_recorder"]
 
-# Every recording pass, innermost last: a module output goes to each of them.
-_RECORDING: ContextVar[tuple[list[Any], ...]] = ContextVar("pytree_ckpt_hooked_outputs",
-                                                           default=())
+# .passes: this thread's recording passes, innermost last (a module output goes to each of
+# them). Not a ContextVar: NOTE [the recorder is traceable].
+_RECORDING = threading.local()
 _LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
 
 
@@ -67,8 +72,8 @@ def keeps_output_as_is(hook: Any, /) -> bool:
 
 
 def _record_output(module: nn.Module, args: Any, output: Any) -> None:
-    passes = _RECORDING.get()
-    if passes and not IN_REUSE.get():
+    passes = getattr(_RECORDING, "passes", ())
+    if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
         for recorded in passes:
             recorded.append((module, output))
 
@@ -81,7 +86,7 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
     # An enclosing pass that records (an outer boundary's replay, whose forward recorded a
     # module inside this boundary) needs this boundary to hand the module's outputs on as
     # outputs of its node, with or without user hooks on it now.
-    enclosing = bool(_RECORDING.get())
+    enclosing = bool(getattr(_RECORDING, "passes", ()))
     found = False
     for module in modules:
         hooks = module._forward_hooks
@@ -136,11 +141,12 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
 def recording() -> Iterator[list[Any]]:
     """The (module, output) of each hooked module's call in the block, in call order."""
     recorded: list[Any] = []
-    token = _RECORDING.set((*_RECORDING.get(), recorded))
+    enclosing = getattr(_RECORDING, "passes", ())
+    _RECORDING.passes = (*enclosing, recorded)
     try:
         yield recorded
     finally:
-        _RECORDING.reset(token)
+        _RECORDING.passes = enclosing
 
 
 class HookedOutputs:

@@ -519,3 +519,20 @@ def test_a_modules_own_hook_that_keeps_its_output_before_another_rewrites_it_get
 
     for a, b in zip(run(False), run(True)):
         assert torch.equal(a, b)
+
+
+def test_a_fullgraph_compiled_layer_body_with_a_hooked_router_compiles_and_gets_eager_gradients(
+) -> None:
+    # NOTE [the recorder is traceable]: dynamo inlines the recorder into a compiled body, and
+    # it read a ContextVar, which dynamo cannot trace: the fullgraph compile of every layer
+    # with a hooked module raised torch._dynamo.exc.Unsupported (docs/scaling.md's order).
+    def compile_and_wrap(model: nn.Sequential) -> None:
+        for layer in model:
+            layer.forward = torch.compile(layer.forward, backend="eager", fullgraph=True)
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+
+    eager, model, *collectors = _twins(compile_and_wrap)
+    x, x_twin = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _assert_eager(eager, model, x, x_twin, (collectors[0], collectors[1]))
