@@ -115,7 +115,7 @@ def remove_recorder(module: nn.Module, /) -> None:
 
 def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
     """The tensors the modules hold as plain attributes (each a module's ``__dict__``),
-    directly or in a tuple or list, by id. Read before the call and again after it: they are
+    directly or in a tuple, list or dict, by id. Read before the call and again after it: they are
     no results of it (one a module builds in its first call and keeps, a lazy cache, neither).
     The tensors themselves are kept until the selection is made, so their ids stay theirs (a
     pre-hook that replaces ``.weight`` frees the old one, and its id went to a fresh output).
@@ -134,6 +134,8 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
                 held[id(value)] = value
             elif isinstance(value, (tuple, list)):
                 held.update((id(v), v) for v in value if isinstance(v, torch.Tensor))
+            elif isinstance(value, dict):  # a cache by key (sequence length, device)
+                held.update((id(v), v) for v in value.values() if isinstance(v, torch.Tensor))
     return held
 
 

@@ -536,3 +536,51 @@ def test_a_fullgraph_compiled_layer_body_with_a_hooked_router_compiles_and_gets_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _assert_eager(eager, model, x, x_twin, (collectors[0], collectors[1]))
+
+
+class _CachedByKey(nn.Module):
+    """Keeps its table in a dict by key, as rotary caches by sequence length do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = {6: torch.randn(6, 8)}
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.cache[x.shape[0]]
+        return self.proj(x) * table, table
+
+
+class _UsesCached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _CachedByKey()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[0]
+
+
+def test_a_hooked_module_returning_a_tensor_it_holds_in_a_dict_attribute_works_as_in_eager(
+) -> None:
+    # NOTE [held tensors are not hooked outputs]: only tensors held directly or in a tuple or
+    # list were known; one in a dict attribute became an extra output and backward raised
+    # CheckpointError (a tensor from outside the call), where eager trains.
+    torch.manual_seed(0)
+    eager = _UsesCached()
+    model = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+    x, x_twin = _inputs()
+    kept: list[list[torch.Tensor]] = [[], []]
+    for net, into in zip((eager, model), kept):
+        net.inner.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for net, xi, into in zip((eager, model), (x, x_twin), kept):
+                into.clear()
+                (net(xi).sum() + into[0].square().sum()).backward()
+    table = model.inner.cache[6]
+    assert not table.requires_grad and table.grad_fn is None
+    assert torch.equal(x.grad, x_twin.grad)
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
