@@ -281,8 +281,11 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
             f"under no-grad in the original pass and again in backward: {', '.join(found)}. The "
             "module output such a hook receives leaves the boundary with its gradient, but a "
             "tensor the hook computes from it has none, and a loss built from that is wrong; "
-            "a hook that only reads, rewrites or keeps the output as it is is fine."
-            f"{unrecorded} Tip: return such values as outputs of the layer (any PyTree).",
+            "a hook that only reads, rewrites or keeps the output as it is is fine (not one "
+            "that keeps what an earlier hook rewrote: only the module's own output is "
+            f"recorded).{unrecorded} Tip: keep the module output itself in the hook and "
+            "compute from it after the layer's call, or return such values as outputs of the "
+            "layer (any PyTree).",
             stacklevel=2)
 
 
