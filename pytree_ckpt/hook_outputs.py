@@ -16,15 +16,17 @@ Recording is a forward hook of this module's, installed once (prepended) on each
 it does nothing unless a boundary pass is recording (a thread-local stack: threads and nested
 boundaries each record their own, and a nested boundary's pass records for the enclosing ones
 too). Installed once, it leaves the module's hook dict unchanged from call to call (compiled
-bodies guard on it). NOTE [the recorder is traceable]: a compiled body (``layer.forward =
-torch.compile(layer.forward, fullgraph=True)``, docs/scaling.md) inlines the recorder, and
-dynamo cannot read a ``ContextVar`` (``Unsupported``: the fullgraph compile of any layer with a
-hooked module failed, and a partial one broke its graph at each hooked call); it reads a
-``threading.local`` attribute, and guards on it (a graph for recording passes, one for
-others). ``IN_REUSE`` is not read when compiling: ``reuse_during_recompute`` runs eagerly. copies and pickles of the module carry it. Each record names its module,
+bodies guard on it); copies and pickles of the module carry it. Each record names its module,
 and a replay keeps only the records of the modules its forward recorded, in the same order: a
 hook added elsewhere since (before backward, or between micro-batches) changes nothing. Calls
 inside ``reuse_during_recompute`` are not recorded: the replay skips them.
+
+NOTE [the recorder is traceable]: a compiled body (``layer.forward =
+torch.compile(layer.forward, fullgraph=True)``, docs/scaling.md) inlines the recorder, and
+dynamo cannot read a ``ContextVar`` (``Unsupported``: the fullgraph compile of any layer with a
+hooked module failed, and a partial one broke its graph at each hooked call). It reads a
+``threading.local`` attribute instead, and guards on it (a graph for recording passes, one for
+others). ``IN_REUSE`` is not read when compiling: ``reuse_during_recompute`` runs eagerly.
 """
 
 from __future__ import annotations
