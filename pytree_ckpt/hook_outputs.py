@@ -51,6 +51,7 @@ __all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
 # them). Not a ContextVar: NOTE [the recorder is traceable].
 _RECORDING = threading.local()
 _LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
+_INSTALLING = threading.Lock()  # held only while a recorder is installed
 
 
 def is_library_hook(hook: Any, /) -> bool:
@@ -104,7 +105,9 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
             continue
         found = True
         if _record_output not in hooks.values():
-            module.register_forward_hook(_record_output, prepend=True)
+            with _INSTALLING:  # two threads' first calls must not both install one
+                if _record_output not in hooks.values():
+                    module.register_forward_hook(_record_output, prepend=True)
     return found
 
 

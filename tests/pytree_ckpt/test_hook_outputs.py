@@ -584,3 +584,35 @@ def test_a_hooked_module_returning_a_tensor_it_holds_in_a_dict_attribute_works_a
     assert torch.equal(x.grad, x_twin.grad)
     for p, q in zip(eager.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_two_threads_first_calls_install_one_recorder() -> None:
+    # Both threads found no recorder and both installed one: every output was then recorded
+    # twice, and a call whose forward ran between the two installs failed its replay.
+    import threading
+    import time
+
+    layer = pytree_ckpt.apply_activation_checkpointing(MoeLayer())
+    router = layer.router
+    router.register_forward_hook(lambda m, a, out: None)
+    register = router.register_forward_hook
+
+    def slow_register(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)  # widens the window between looking and installing
+        return register(*args, **kwargs)
+
+    router.register_forward_hook = slow_register  # type: ignore[method-assign]
+    start = threading.Barrier(2)
+
+    def first_call() -> None:
+        start.wait()
+        layer(torch.randn(6, 8, requires_grad=True)).sum().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        threads = [threading.Thread(target=first_call) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(router._forward_hooks) == 2  # the user's hook and one recorder
