@@ -234,8 +234,6 @@ def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | No
     return None
 
 
-
-
 def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
                        own: bool = False) -> None:
     """Warn about forward hooks inside the boundary (the boundary calls this once per module
