@@ -616,3 +616,24 @@ def test_two_threads_first_calls_install_one_recorder() -> None:
         for thread in threads:
             thread.join()
     assert len(router._forward_hooks) == 2  # the user's hook and one recorder
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/boundary.md, 'Forward hooks inside "
+                   "a layer'): a row a hook indexes out of a tensor output is computed by the hook "
+                   "under no-grad; it claims to require grad but has no graph")
+def test_a_hook_that_keeps_a_row_of_a_tensor_output_gets_eager_gradients() -> None:
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        kept: list[torch.Tensor] = []
+        layer[0].register_forward_hook(lambda m, a, out: kept.append(out[0]))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (layer(x).square().mean() + kept[0].square().sum()).backward()
+        return [x.grad, *(p.grad for p in layer.parameters())]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
