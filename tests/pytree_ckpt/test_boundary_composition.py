@@ -61,6 +61,17 @@ def test_a_parametrized_weight_cached_by_the_boundary_keeps_its_graph_for_later_
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def old_weight_norm_twins() -> tuple[nn.Linear, nn.Linear]:
+    """A Linear under the deprecated torch.nn.utils.weight_norm (its pre-hook sets .weight each
+    call), and a twin with the same weights wrapped in place."""
+    torch.manual_seed(0)
+    eager = torch.nn.utils.weight_norm(nn.Linear(4, 4))
+    twin = torch.nn.utils.weight_norm(nn.Linear(4, 4))
+    twin.load_state_dict(eager.state_dict())
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    return eager, twin
+
+
 def encoder() -> nn.TransformerEncoder:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
@@ -116,11 +127,7 @@ def test_torch_func_transforms_through_a_wrapped_module_give_eager_results() -> 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.weight_norm is deprecated
 def test_a_weight_set_by_the_modules_own_pre_hook_gives_eager_gradients_over_two_calls() -> None:
-    torch.manual_seed(0)
-    eager = torch.nn.utils.weight_norm(nn.Linear(4, 4))
-    twin = torch.nn.utils.weight_norm(nn.Linear(4, 4))
-    twin.load_state_dict(eager.state_dict())
-    pytree_ckpt.apply_activation_checkpointing(twin)
+    eager, twin = old_weight_norm_twins()
     x = torch.randn(3, 4, requires_grad=True)
     grads = []
     for model in (eager, twin):
@@ -277,11 +284,7 @@ def test_removing_weight_norm_between_forward_and_backward_leaves_the_parameter_
     # Guards against a replay that sets an attribute the module no longer has (weight_norm
     # removed between forward and backward: weight is a Parameter again) and leaves it: the
     # replay's alias would shadow the Parameter in the module's __dict__ for every later call.
-    torch.manual_seed(0)
-    eager = torch.nn.utils.weight_norm(nn.Linear(4, 4))
-    twin = torch.nn.utils.weight_norm(nn.Linear(4, 4))
-    twin.load_state_dict(eager.state_dict())
-    pytree_ckpt.apply_activation_checkpointing(twin)
+    eager, twin = old_weight_norm_twins()
     x = torch.randn(3, 4, requires_grad=True)
     grads = []
     for model in (eager, twin):

@@ -455,23 +455,38 @@ def _router_probs(h: torch.Tensor) -> torch.Tensor:
     return torch.softmax(h, -1)  # a frozen float result (h is detached)
 
 
-class ReturnsItsFrozenProbs(nn.Module):
-    def __init__(self) -> None:
+def _phases(h: torch.Tensor) -> torch.Tensor:
+    return torch.polar(torch.ones_like(h), h)  # a frozen complex result (h is detached)
+
+
+class ReturnsItsFrozenResult(nn.Module):
+    """Returns a reused frozen result as an output too, for statistics: router probabilities
+    (float) or rotary phases (complex)."""
+
+    def __init__(self, complex_result: bool) -> None:
         super().__init__()
         self.proj = nn.Linear(4, 4)
+        self.complex_result = complex_result
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.proj(x)
-        probs = reuse_during_recompute(_router_probs, h.detach())
-        return {"hidden": h * probs, "probs": probs}  # probs also returned, for statistics
+        if self.complex_result:
+            frozen = reuse_during_recompute(_phases, h.detach())
+            return {"hidden": h * frozen.real, "frozen": frozen}
+        frozen = reuse_during_recompute(_router_probs, h.detach())
+        return {"hidden": h * frozen, "frozen": frozen}
 
 
-@pytest.mark.parametrize("wrap", ["module", "function"])
-def test_a_float_frozen_result_returned_as_an_output_gives_eager_gradients(wrap: str) -> None:
+@pytest.mark.parametrize(("complex_result", "wrap"),
+                         [(False, "module"), (False, "function"), (True, "module")])
+def test_a_frozen_result_returned_as_an_output_gives_eager_gradients(complex_result: bool,
+                                                                     wrap: str) -> None:
     # The boundary attached its node to the recorded tensor itself; the replay returned that
-    # very tensor, and backward was refused as if it came from outside the call.
+    # very tensor, and backward was refused as if it came from outside the call. A complex
+    # result (rotary phases) too: NOTE [frozen results returned as outputs] once knew only real
+    # floating ones.
     torch.manual_seed(0)
-    eager = ReturnsItsFrozenProbs()
+    eager = ReturnsItsFrozenResult(complex_result)
     wrapped = copy.deepcopy(eager)
     x = torch.randn(2, 4, requires_grad=True)
     out = eager(x)
@@ -482,42 +497,8 @@ def test_a_float_frozen_result_returned_as_an_output_gives_eager_gradients(wrap:
         pytree_ckpt.apply_activation_checkpointing(wrapped)
         got = wrapped(x)
     else:
-        got = checkpoint(lambda t: ReturnsItsFrozenProbs.forward(wrapped, t), x)
+        got = checkpoint(lambda t: ReturnsItsFrozenResult.forward(wrapped, t), x)
     got["hidden"].sum().backward()
     assert_same_grads(expected, [x.grad, *(p.grad for p in wrapped.parameters())])
-    assert torch.equal(got["probs"], out["probs"])
-    assert not got["probs"].requires_grad  # frozen, as in eager
-
-
-def _phases(h: torch.Tensor) -> torch.Tensor:
-    return torch.polar(torch.ones_like(h), h)  # a frozen complex result (h is detached)
-
-
-class ReturnsItsFrozenPhases(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        h = self.proj(x)
-        phases = reuse_during_recompute(_phases, h.detach())
-        return {"hidden": h * phases.real, "phases": phases}  # also returned, for statistics
-
-
-def test_a_complex_frozen_result_returned_as_an_output_gives_eager_gradients() -> None:
-    # Guards against only real floating results being known as frozen (NOTE [frozen results
-    # returned as outputs]): a complex one (rotary phases) got the boundary's node attached to
-    # the recorded tensor itself, and backward was refused.
-    torch.manual_seed(0)
-    eager = ReturnsItsFrozenPhases()
-    wrapped = copy.deepcopy(eager)
-    x = torch.randn(2, 4, requires_grad=True)
-    out = eager(x)
-    out["hidden"].sum().backward()
-    expected = [x.grad.clone(), *(p.grad for p in eager.parameters())]
-    x.grad = None
-    pytree_ckpt.apply_activation_checkpointing(wrapped)
-    got = wrapped(x)
-    got["hidden"].sum().backward()
-    assert_same_grads(expected, [x.grad, *(p.grad for p in wrapped.parameters())])
-    assert torch.equal(got["phases"], out["phases"]) and not got["phases"].requires_grad
+    assert torch.equal(got["frozen"], out["frozen"])
+    assert not got["frozen"].requires_grad  # frozen, as in eager

@@ -19,9 +19,10 @@ class _Double(nn.Module):
         return weight * 2
 
 
-def _overlapping(first: Callable[[], Any], second: Callable[[], Any]) -> None:
+def _overlapping(first: Callable[[], Any], second: Callable[[], Any],
+                 b_after_a: Callable[[], Any] = lambda: None) -> None:
     """Run ``first`` and ``second`` in two threads, so that their boundaries open A, B and
-    close A, B (not nested: A ends while B is still inside)."""
+    close A, B (not nested: A ends while B is still inside, and runs ``b_after_a`` then)."""
     b_inside, a_done = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
@@ -43,6 +44,7 @@ def _overlapping(first: Callable[[], Any], second: Callable[[], Any]) -> None:
     def b_body(x: torch.Tensor) -> torch.Tensor:
         b_inside.set()
         assert a_done.wait(10)
+        b_after_a()
         return x * 3
 
     x = torch.ones(2, requires_grad=True)
@@ -64,32 +66,9 @@ def test_two_threads_whose_boundaries_overlap_leave_the_callers_parametrization_
 
 def test_two_threads_whose_boundaries_overlap_leave_the_attention_fast_path_off_for_both() -> None:
     seen: list[bool] = []
-    b_inside, a_done = threading.Event(), threading.Event()
-
-    def a_body(x: torch.Tensor) -> torch.Tensor:
-        assert b_inside.wait(10)
-        return x * 2
-
-    def b_body(x: torch.Tensor) -> torch.Tensor:
-        b_inside.set()
-        assert a_done.wait(10)
-        seen.append(torch.backends.mha.get_fastpath_enabled())  # B's original pass, no grad
-        return x * 3
-
-    x = torch.ones(2, requires_grad=True)
-
-    def run_a() -> None:
-        try:
-            checkpoint(a_body, x)
-        finally:
-            a_done.set()
-
     assert torch.backends.mha.get_fastpath_enabled()
-    ta = threading.Thread(target=run_a)
-    tb = threading.Thread(target=lambda: checkpoint(b_body, x))
-    ta.start()
-    tb.start()
-    ta.join(20)
-    tb.join(20)
+    # B's original pass (no grad), after A's ended: the fast path must still be off for B.
+    _overlapping(lambda: None, lambda: None,
+                 b_after_a=lambda: seen.append(torch.backends.mha.get_fastpath_enabled()))
     assert seen == [False]  # eager with x requiring grad takes the composite path
     assert torch.backends.mha.get_fastpath_enabled()  # the caller's setting again
