@@ -75,6 +75,7 @@ from torch import nn
 
 from .census import Mechanism, census_active, report_held
 from .eager import BOUNDARY_REASON, runs_eagerly
+from .engine import input_grads
 from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
@@ -273,11 +274,17 @@ class _BoundaryFunction(torch.autograd.Function):
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
             # mode] in rng.py.
-            with IsolatedPass(), ExitStack() as stack:
-                if call.options.keep is not None:
-                    stack.enter_context(KeepMode(call.options.keep, invocation))
-                recorded = stack.enter_context(recording()) if call.hooked else None
-                output = call.fn(*args, **kwargs)
+            with IsolatedPass():
+                recorded = None
+                if call.options.keep is None and not call.hooked:
+                    output = call.fn(*args, **kwargs)  # the usual case, with no context more
+                else:
+                    with ExitStack() as stack:
+                        if call.options.keep is not None:
+                            stack.enter_context(KeepMode(call.options.keep, invocation))
+                        if call.hooked:
+                            recorded = stack.enter_context(recording())
+                        output = call.fn(*args, **kwargs)
         finally:
             ACTIVE.reset(token)
         moved = [slot for slot, version in enumerate(versions(tensors))
@@ -393,10 +400,22 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
     token = ACTIVE.set(invocation)
     try:
         with call.env.replaying(), IsolatedPass():
-            # fn sees non-leaf aliases (made with grad enabled): module hooks watching their
-            # inputs' gradients (FSDP, FlopCounterMode's module tracker) cannot hook a leaf
-            # under torch.autograd.grad.
-            aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
+            # NOTE [the replay's inputs are leaves unless hooks watch them]: fn sees the
+            # detached inputs themselves, as under torch's checkpoint, but for one case. A
+            # module hook that watches its inputs' gradients (the module trackers of
+            # FlopCounterMode and torch.distributed, FSDP) registers a multi-grad hook on them,
+            # which torch refuses on a leaf under torch.autograd.grad (the replay's path for a
+            # module's call). Then fn sees non-leaf aliases (made with grad enabled). Hooks
+            # are read here, not at forward: a FlopCounterMode may be entered around backward
+            # alone. Only then: an alias is one more node in the replay's graph (about 1% of a
+            # small layer call), and autocast never caches a cast of a non-leaf, so a leaf
+            # input used twice under autocast gets two casts, where eager shares one (equal to
+            # rounding; docs/boundary.md, invariant 4).
+            modules = call.forward_modules
+            if explicit and (modules is None or modules.hooked_now()):
+                aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
+            else:
+                aliases = detached
             args, kwargs = call.inputs(aliases)
             shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             recorded = None
@@ -491,8 +510,9 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
     if outs and wanted:
         with ParameterHooksPaused(call.params):
             try:
-                got = torch.autograd.grad(outs, [wrt[i] for i in wanted], grads,
-                                          allow_unused=True)
+                # NOTE [the replay calls the engine directly] (engine.py): outs passed
+                # check_replay, and grads are autograd's own for them.
+                got = input_grads(outs, grads, [wrt[i] for i in wanted])
             except RuntimeError as error:
                 if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
                     raise

@@ -1,0 +1,37 @@
+"""The replay's gradients, straight from autograd's engine.
+
+NOTE [the replay calls the engine directly]: ``torch.autograd.grad`` checks and normalises its
+arguments in Python before it reaches the engine: tensor-or-sequence conversion, ``_make_grads``
+(a shape comparison through symbolic-shape helpers, per output), batched-gradient and
+materialisation options. A replay passes what those checks would only confirm: the
+gradients autograd itself handed the boundary's node for its outputs, and replayed outputs
+already checked to have the original pass's shapes and dtypes (``BoundaryCall.check_replay``),
+as tuples. The checks cost about 70,000 instructions a layer call at the small size of
+``examples.bench_instructions``, a seventh of what the boundary added there over torch's
+reentrant checkpoint, so the replay calls ``torch.autograd.graph._engine_run_backward`` (what
+``torch.autograd.grad`` itself calls last, with its logging hooks and the context it stashes
+for device threads) with the arguments ``grad`` would pass. A torch without that private
+function gets ``torch.autograd.grad`` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["input_grads"]
+
+_engine_run_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def input_grads(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                inputs: Sequence[torch.Tensor], /) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grads, allow_unused=True)``, for ``grads`` of
+    the outputs' own shapes and dtypes (none ``None``)."""
+    if _engine_run_backward is None:
+        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    # (outputs, grad_outputs, retain_graph, create_graph, inputs, allow_unused), as grad passes.
+    return _engine_run_backward(tuple(outputs), tuple(grads), False, False, tuple(inputs),
+                                True, accumulate_grad=False)
