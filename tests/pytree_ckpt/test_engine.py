@@ -1,0 +1,98 @@
+"""NOTE [the replay calls the engine directly]: the replay's gradients skip
+``torch.autograd.grad``'s Python checks, and are eager's whichever way they are computed."""
+
+from __future__ import annotations
+
+import copy
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import pytree_ckpt
+from pytree_ckpt import engine
+
+
+def _twins() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    wrapped = copy.deepcopy(block)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    return block, wrapped, torch.randn(4, 8)
+
+
+def _grads(module: nn.Module, data: torch.Tensor) -> list[torch.Tensor]:
+    x = data.clone().requires_grad_()
+    module(x).square().sum().backward()
+    return [x.grad, *(p.grad for p in module.parameters())]
+
+
+def _assert_equal(eager: list[torch.Tensor], ckpt: list[torch.Tensor]) -> None:
+    assert len(eager) == len(ckpt)
+    for a, b in zip(eager, ckpt):
+        assert torch.equal(a, b)
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass with torch's default ``__torch_function__`` (results stay tagged)."""
+
+
+def _counting_grad(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad",
+                        lambda *args, **kwargs: calls.append(1) or grad(*args, **kwargs))
+    return calls
+
+
+def test_the_replay_of_a_module_reaches_the_engine_without_torch_autograd_grad(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    block, wrapped, data = _twins()
+    calls = _counting_grad(monkeypatch)
+    _assert_equal(_grads(block, data), _grads(wrapped, data))
+    assert calls == []
+
+
+def test_a_tensor_subclass_input_gets_eager_gradients_on_the_direct_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.autograd.grad would first offer the call to the subclass's __torch_function__,
+    # but autograd runs a Function's backward with torch-function handling off: the direct
+    # path skips nothing a replay would have done.
+    block, wrapped, data = _twins()
+    calls = _counting_grad(monkeypatch)
+    eager = _grads(block, data.as_subclass(_Tagged))
+    ckpt = _grads(wrapped, data.as_subclass(_Tagged))
+    assert calls == []
+    _assert_equal(eager, ckpt)
+
+
+class _SeesGrad(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_calls = 0
+
+    def __torch_function__(self, func: object, types: object, args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
+        self.grad_calls += func is torch.autograd.grad
+        return func(*args, **(kwargs or {}))  # type: ignore[operator]
+
+
+def test_a_torch_function_mode_around_backward_is_not_active_inside_the_replay() -> None:
+    # So it never saw the replay's torch.autograd.grad: the direct path hides nothing from it.
+    block, wrapped, data = _twins()
+    eager = _grads(block, data)
+    x = data.clone().requires_grad_()
+    loss = wrapped(x).square().sum()
+    with _SeesGrad() as mode:
+        loss.backward()
+    assert mode.grad_calls == 0
+    _assert_equal(eager, [x.grad, *(p.grad for p in wrapped.parameters())])
+
+
+def test_a_torch_without_the_engine_entry_still_gives_eager_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    block, wrapped, data = _twins()
+    monkeypatch.setattr(engine, "_engine_run_backward", None)
+    calls = _counting_grad(monkeypatch)
+    _assert_equal(_grads(block, data), _grads(wrapped, data))
+    assert calls == [1]
