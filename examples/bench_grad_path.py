@@ -1,6 +1,7 @@
 """Where the boundary's small-size cost comes from: how a replay hands back parameter gradients.
 
-    python -m examples.bench_grad_path [--size small] [--rounds N] [--warmup N] [--threads N]
+    python -m examples.bench_grad_path [--size small] [--layer decoder|moe] [--rounds N]
+                                       [--warmup N] [--threads N]
 
 ``examples.bench_boundary`` finds this library's boundary a few percent slower than torch's
 reentrant checkpoint on tiny layers. The difference (NOTE [parameters are inputs] in
@@ -37,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -46,7 +48,7 @@ from examples.bench_boundary import LAYERS, SIZES, DecoderBlock
 from examples.timing import (add_round_options, check_round_options, summarize_ms,
                              time_interleaved)
 
-__all__ = ["PATHS", "main"]
+__all__ = ["LAYER_KINDS", "PATHS", "MoEBlock", "main"]
 
 ACCUMULATE = "accumulate"
 ACCUMULATE_PARAMS_INPUTS = "accumulate, params as inputs"
@@ -84,13 +86,51 @@ class _Replay(torch.autograd.Function):
         return (None, None, x.grad, *[None] * len(params))
 
 
-class Bench:
-    """The decoder stack at one size, its input, and one timed step per path."""
+class _Expert(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
 
-    def __init__(self, size: str, seed: int = 0) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm MoE feed-forward as transformers writes it (Qwen3-MoE, Mixtral): a router and
+    a ``ModuleList`` of SwiGLU experts, each run on the tokens routed to it (top ``top_k`` of
+    ``experts``). Three parameters per expert: 384 in a layer, most of them used each step."""
+
+    def __init__(self, hidden: int, experts: int = 128, top_k: int = 8) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm = nn.RMSNorm(hidden)
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(hidden, hidden // 2) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.norm(x.reshape(-1, x.shape[-1]))
+        weights, ids = torch.topk(self.router(flat).softmax(-1), self.top_k, dim=-1)
+        out = torch.zeros_like(flat)
+        for expert in ids.unique().tolist():
+            rows, slot = (ids == expert).nonzero(as_tuple=True)
+            out = out.index_add(0, rows, self.experts[expert](flat[rows]) * weights[rows, slot, None])
+        return x + out.view_as(x)
+
+
+LAYER_KINDS = ("decoder", "moe")
+
+
+class Bench:
+    """The layer stack at one size, its input, and one timed step per path."""
+
+    def __init__(self, size: str, seed: int = 0, *, layer: str = "decoder") -> None:
         spec = SIZES[size]
         torch.manual_seed(seed)
-        self.layers = nn.ModuleList(DecoderBlock(spec.hidden, spec.heads) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(
+            DecoderBlock(spec.hidden, spec.heads) if layer == "decoder" else MoEBlock(spec.hidden)
+            for _ in range(LAYERS))
         self.x = torch.randn(spec.batch, spec.seq, spec.hidden, requires_grad=True)
         self.leaves = [self.x, *self.layers.parameters()]
         # Listed once, as the boundary caches them: walking the module tree costs ~8 µs a call.
@@ -120,13 +160,15 @@ class Bench:
         self.step(None)
         eager = [t.grad for t in self.leaves]
         self.step(path)
-        return all(a is not None and b is not None and torch.equal(a, b)
+        # An MoE expert no token reached has no gradient in eager: it must have none here.
+        return all((a is None and b is None) or
+                   (a is not None and b is not None and torch.equal(a, b))
                    for a, b in zip(eager, (t.grad for t in self.leaves)))
 
 
-def run(size: str, rounds: int, warmup: int) -> dict[str, Any]:
-    bench = Bench(size)
-    result: dict[str, Any] = {"size": size, "layers": LAYERS, "rounds": rounds,
+def run(size: str, rounds: int, warmup: int, layer: str = "decoder") -> dict[str, Any]:
+    bench = Bench(size, layer=layer)
+    result: dict[str, Any] = {"size": size, "layer": layer, "layers": LAYERS, "rounds": rounds,
                               "warmup": warmup, "torch": torch.__version__,
                               "threads": torch.get_num_threads(),
                               "grads_equal_eager": {p: bench.grads_equal_eager(p)
@@ -143,7 +185,7 @@ def run(size: str, rounds: int, warmup: int) -> dict[str, Any]:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    lines = [f"parameter gradients from a replay, {result['layers']}-layer decoder, size "
+    lines = [f"parameter gradients from a replay, {result['layers']}-layer {result['layer']}, size "
              f"{result['size']}, CPU, torch {result['torch']}, {result['threads']} threads",
              "grads bit-identical to eager: " + ", ".join(
                  f"{p} {'yes' if ok else 'NO'}" for p, ok in result["grads_equal_eager"].items())]
@@ -162,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m examples.bench_grad_path",
                                      description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--size", default="small", choices=sorted(SIZES))
+    parser.add_argument("--layer", default="decoder", choices=LAYER_KINDS,
+                        help="decoder blocks, or MoE blocks of 128 experts (384 parameters)")
     add_round_options(parser, default_help="500 rounds, 50 warm-up")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: leave as is)")
@@ -170,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     result = run(args.size, 500 if args.rounds is None else args.rounds,
-                 50 if args.warmup is None else args.warmup)
+                 50 if args.warmup is None else args.warmup, args.layer)
     print(format_report(result))
     return result
 

@@ -36,3 +36,14 @@ def test_a_path_that_drops_parameter_gradients_is_caught_before_timing(
     result = bench_grad_path.main(["--rounds", "1", "--warmup", "0"])
     assert result["grads_equal_eager"][bench_grad_path.GRAD_RETURNED] is False
     assert "paths" not in result
+
+
+def test_moe_layers_give_eager_gradients_on_every_path_and_none_for_unrouted_experts() -> None:
+    # Experts no token reached get no gradient in eager: every path must leave them without
+    # one too (a zero would count as a gradient and differ from eager's None).
+    result = bench_grad_path.main(["--layer", "moe", "--rounds", "1", "--warmup", "0"])
+    assert result["grads_equal_eager"] == {path: True for path in bench_grad_path.PATHS}
+    bench = bench_grad_path.Bench("small", layer="moe")
+    bench.step(bench_grad_path.PYTREE_CKPT)
+    unrouted = [p for layer in bench.layers for p in layer.parameters() if p.grad is None]
+    assert unrouted and all(isinstance(layer, bench_grad_path.MoEBlock) for layer in bench.layers)
