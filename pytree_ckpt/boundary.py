@@ -400,22 +400,16 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
     token = ACTIVE.set(invocation)
     try:
         with call.env.replaying(), IsolatedPass():
-            # NOTE [the replay's inputs are leaves unless hooks watch them]: fn sees the
-            # detached inputs themselves, as under torch's checkpoint, but for one case. A
-            # module hook that watches its inputs' gradients (the module trackers of
-            # FlopCounterMode and torch.distributed, FSDP) registers a multi-grad hook on them,
-            # which torch refuses on a leaf under torch.autograd.grad (the replay's path for a
-            # module's call). Then fn sees non-leaf aliases (made with grad enabled). Hooks
-            # are read here, not at forward: a FlopCounterMode may be entered around backward
-            # alone. Only then: an alias is one more node in the replay's graph (about 1% of a
-            # small layer call), and autocast never caches a cast of a non-leaf, so a leaf
-            # input used twice under autocast gets two casts, where eager shares one (equal to
-            # rounding; docs/boundary.md, invariant 4).
-            modules = call.forward_modules
-            if explicit and (modules is None or modules.hooked_now()):
-                aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
-            else:
-                aliases = detached
+            # fn sees non-leaf aliases (made with grad enabled), whatever its inputs were in
+            # eager. Three things need them (a review of a change that handed fn the leaves
+            # found each; tests/pytree_ckpt/test_boundary.py keeps them): a multi-grad hook on
+            # the input, which torch refuses on a leaf under the replay's gradient call (module
+            # trackers such as FlopCounterMode's, FSDP, torch.utils.debug_log, fn itself);
+            # autocast, which caches one cast of a leaf but casts a non-leaf anew at each use,
+            # as eager does for a layer input; and memory, as a cached cast keeps its leaf
+            # alive until the caller's autocast region ends (backward inside it kept every
+            # layer's input).
+            aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
             args, kwargs = call.inputs(aliases)
             shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             recorded = None

@@ -451,9 +451,7 @@ class CheckpointWithoutOutput:
                 t = next(saved)
                 d = t.detach().requires_grad_(t.requires_grad)
                 self.detached.append(d)
-                # Always a non-leaf alias (module input-gradient hooks; NOTE [the replay's
-                # inputs are leaves unless hooks watch them] in boundary.py): a discarded op
-                # is one cheap call per rebuild, not worth the check.
+                # a non-leaf alias, as in the boundary's replay (module input-gradient hooks)
                 args.append(d.view_as(d) if d.requires_grad else d)
             outputs = self.fn(*args)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)

@@ -19,7 +19,7 @@ import functools
 import operator
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -30,7 +30,6 @@ from torch.nn.parameter import is_lazy
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
-           "any_module_hooks",
            "collect_parameters", "drop_caches", "foreign_leaf", "graph_attributes", "is_verified",
            "mark_verified", "module_buffers", "module_dicts", "owning_module",
            "trainable_parameters", "versions", "warn_forward_hooks"]
@@ -288,20 +287,6 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
             stacklevel=2)
 
 
-def any_module_hooks(dicts: Iterable[dict[str, Any]], /) -> bool:
-    """Whether a global module hook (``register_module_forward_pre_hook`` and its kin), or a
-    hook on one of the modules (each given by its ``__dict__``), is registered now."""
-    hooks = nn.modules.module
-    if hooks._global_forward_pre_hooks or hooks._global_forward_hooks or \
-            hooks._global_backward_pre_hooks or hooks._global_backward_hooks:
-        return True
-    for d in dicts:  # a plain loop: read in backward for every layer call
-        if d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_pre_hooks"] or \
-                d["_backward_hooks"]:
-            return True
-    return False
-
-
 def any_lazy(trees: Sequence[ModuleDicts], /) -> bool:
     """Whether a parameter or buffer of ``trees`` is still uninitialized (a lazy module's)."""
     return any(t is not None and is_lazy(t) for tree in trees
@@ -500,12 +485,6 @@ class ForwardModules:
             for d, _, now in swapped:
                 d.clear()
                 d.update(now)
-
-    def hooked_now(self) -> bool:
-        """Whether a module hook is registered now, on these modules or globally (NOTE [the
-        replay's inputs are leaves unless hooks watch them] in boundary.py)."""
-        return any_module_hooks([m.__dict__ for m in self.roots]) or \
-            any_module_hooks(self.submodules)
 
     def _set_modes(self, modes: tuple[list[bool], list[Any]]) -> None:
         # Plain attribute writes, not train()/eval(): a module overriding train() (to keep its

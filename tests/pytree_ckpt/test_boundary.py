@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import gc
 import warnings
+import weakref
 from typing import Any, TypedDict
 
 import optree
@@ -264,34 +266,29 @@ def test_autocast_state_of_the_original_pass_is_replayed(device: str, dtype: tor
     assert_same_grads(eager, ckpt)
 
 
-def _leaf_used_twice_under_autocast(fn_kind: str, backward_under_autocast: bool) -> None:
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/boundary.md, invariant 4): the replay hands its inputs over as "
+    "non-leaf aliases, which autocast never caches; passing the leaf itself would make the "
+    "two uses share one cast, but breaks FlopCounterMode's module tracker under autocast "
+    "(test_flop_counter_mode_counts_the_replay_of_a_layer_fed_a_leaf_under_autocast)"))
+@pytest.mark.parametrize("backward_under_autocast", [False, True])
+def test_a_leaf_input_used_twice_under_autocast_gets_eager_gradients_bit_for_bit(
+        backward_under_autocast: bool) -> None:
     # Autocast casts a float32 leaf that requires grad once per region and reuses the cast:
     # eager sums the two uses' gradients in bfloat16 and casts back once. A replay that hands
     # the layer an alias (never cached) casts it twice and sums in float32: off by rounding.
     # torch's checkpoint (both kinds) passes a detached leaf and is bit-identical here.
     torch.manual_seed(0)
-
-    class Both(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
-
-        def forward(self, t: torch.Tensor) -> torch.Tensor:
-            return self.a(t) * self.b(t)
-
-    layer = Both()
+    a, b = nn.Linear(16, 16), nn.Linear(16, 16)
+    layer = nn.ModuleDict({"a": a, "b": b})
     x = torch.randn(4, 16, requires_grad=True)
-    if fn_kind == "hooked module":
-        layer.a.register_forward_pre_hook(lambda module, args: None)
 
-    def fn(t: torch.Tensor) -> torch.Tensor:  # no module: its replay accumulates
-        return layer.a(t) * layer.b(t)
-
-    wrapped_fn = fn if fn_kind == "closure" else layer
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return a(t) * b(t)
 
     def step(wrapped: bool) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = checkpoint(wrapped_fn, x) if wrapped else layer(x)
+            out = checkpoint(fn, x) if wrapped else fn(x)
             loss = out.float().square().sum()
             if backward_under_autocast:
                 loss.backward()
@@ -302,28 +299,102 @@ def _leaf_used_twice_under_autocast(fn_kind: str, backward_under_autocast: bool)
     assert_same_grads(eager, ckpt)
 
 
-@pytest.mark.parametrize("backward_under_autocast", [False, True])
-@pytest.mark.parametrize("fn_kind", ["module", "closure"])
-def test_a_leaf_input_used_twice_under_autocast_gets_eager_gradients_bit_for_bit(
-        fn_kind: str, backward_under_autocast: bool) -> None:
-    # NOTE [the replay's inputs are leaves unless hooks watch them]: no module hook here, so
-    # the replay hands the layer its detached leaf, and autocast caches one cast as in eager.
-    _leaf_used_twice_under_autocast(fn_kind, backward_under_autocast)
+def test_a_non_leaf_input_used_twice_under_autocast_gets_eager_gradients_bit_for_bit() -> None:
+    # A layer input is usually no leaf (a norm's output): eager casts it anew at each use
+    # (autocast caches casts of leaves only) and sums the uses' gradients in float32. The
+    # replay's alias is no leaf either; handed the detached leaf, autocast would cache one
+    # cast and sum in bfloat16 (off by 5e-3 in a review of a change that did so).
+    torch.manual_seed(0)
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.up = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
+            self.down = nn.Linear(64, 32, bias=False)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.nn.functional.silu(self.gate(t)) * self.up(t))
+
+    mlp = MLP()
+    wrapped = copy.deepcopy(mlp)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    scale = torch.randn(32, requires_grad=True)
+    data = torch.randn(16, 32)
+    grads = []
+    for module in (mlp, wrapped):
+        scale.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(data * scale)  # a float32 non-leaf, used twice inside
+        out.float().square().sum().backward()
+        grads.append([scale.grad, *(p.grad for p in module.parameters())])
+    for eager, ckpt in zip(*grads):
+        assert torch.equal(eager, ckpt)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "documented limit (docs/boundary.md, invariant 4): with a module hook registered, the "
-    "replay of a module's call hands its inputs over as non-leaf aliases (a hook may register "
-    "a multi-grad hook on them, which torch refuses on a leaf under torch.autograd.grad), and "
-    "autocast never caches a cast of a non-leaf"))
-def test_a_leaf_input_used_twice_under_autocast_in_a_hooked_module_gets_eager_gradients() -> None:
-    _leaf_used_twice_under_autocast("hooked module", backward_under_autocast=False)
+def test_backward_inside_autocast_keeps_no_replay_input_alive() -> None:
+    # Backward run inside the forward's autocast region: the replay enters no autocast of its
+    # own, so nothing clears the cache after it. A cached cast keeps the tensor it was cast
+    # from alive until the region ends: the replay's inputs must be no leaves autocast caches,
+    # or every layer's input would stay resident through backward.
+    seen: list[weakref.ref[torch.Tensor]] = []
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            if current_phase() == "recompute":
+                seen.append(weakref.ref(t))
+            return t + self.a(t).float() * self.b(t).float()
+
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    for layer in layers:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x
+        for layer in layers:
+            h = layer(h)
+        h.float().square().mean().backward()
+        gc.collect()
+        assert len(seen) == 4
+        assert [ref() for ref in seen] == [None] * 4
+
+
+def test_a_multi_grad_hook_the_layer_puts_on_its_own_input_fires_once_as_in_eager() -> None:
+    # Not a module hook: the layer's own forward (FSDP1's forward, torch.utils.debug_log) hooks
+    # its input's gradient. torch refuses that hook on a leaf under the replay's gradient call.
+    seen: list[torch.Tensor] = []
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled() and t.requires_grad:  # eager's pass and the replay
+                torch.autograd.graph.register_multi_grad_hook(
+                    (t,), lambda grads: seen.append(grads[0]))
+            return self.lin(t).tanh()
+
+    layer = Layer()
+    wrapped = copy.deepcopy(layer)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    data = torch.randn(4, 8)
+    grads = []
+    for module in (layer, wrapped):
+        x = data.clone().requires_grad_()
+        module(x * 2).sum().backward()
+        grads.append(x.grad)
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_a_flop_counter_entered_around_backward_alone_counts_the_replay_as_torch_does() -> None:
-    # The module tracker's global hooks exist only while backward runs: the replay must read
-    # hooks when it runs, not at forward, to hand its inputs over as aliases (on a leaf the
-    # tracker's multi-grad hook raises under torch.autograd.grad).
+    # The module tracker's global hooks exist only while backward runs, and hook the replay's
+    # inputs (on a leaf its multi-grad hook raises under the replay's gradient call): a
+    # replay that chose leaves or aliases by the hooks it saw at forward would fail here.
     from torch.utils.flop_counter import FlopCounterMode
 
     block = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
