@@ -38,13 +38,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import pytree_ckpt
 
 from examples.bench_boundary import LAYERS, SIZES, DecoderBlock
+from examples.glm_dsa.mlp import SwiGLU
 from examples.timing import (add_round_options, check_round_options, summarize_ms,
                              time_interleaved)
 
@@ -86,17 +86,6 @@ class _Replay(torch.autograd.Function):
         return (None, None, x.grad, *[None] * len(params))
 
 
-class _Expert(nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class MoEBlock(nn.Module):
     """Pre-norm MoE feed-forward as transformers writes it (Qwen3-MoE, Mixtral): a router and
     a ``ModuleList`` of SwiGLU experts, each run on the tokens routed to it (top ``top_k`` of
@@ -107,7 +96,7 @@ class MoEBlock(nn.Module):
         self.top_k = top_k
         self.norm = nn.RMSNorm(hidden)
         self.router = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(_Expert(hidden, hidden // 2) for _ in range(experts))
+        self.experts = nn.ModuleList(SwiGLU(hidden, hidden // 2) for _ in range(experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = self.norm(x.reshape(-1, x.shape[-1]))
