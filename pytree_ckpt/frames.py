@@ -81,14 +81,17 @@ class _Offloaded:
 class Frame:
     """The recorded frozen results of one boundary invocation."""
 
-    __slots__ = ("results", "versions", "rng_jumps", "rng_devices", "cursors", "released",
-                 "restore", "__weakref__")
+    __slots__ = ("results", "versions", "differentiable", "rng_jumps", "rng_devices", "cursors",
+                 "released", "restore", "__weakref__")
 
     def __init__(self) -> None:
         self.results: dict[Callable[..., Any], list[Any]] = {}
         # The version counters of each recorded result's tensors, when recorded: the replay
         # hands back those very tensors, so a change made to them since would count twice.
         self.versions: dict[Callable[..., Any], list[dict[int, int]]] = {}
+        # The key paths of each recorded result's leaves that required grad when fn ran
+        # (NOTE [differentiable results are refused where grad is on]).
+        self.differentiable: dict[Callable[..., Any], list[tuple[str, ...]]] = {}
         # NOTE [skipped work keeps the RNG in step]: a recorded call that drew random numbers
         # (router jitter, a kept dropout) is skipped in the replay, so the generators would
         # stay behind and every later random op (dropout) would draw other numbers than in
@@ -121,14 +124,15 @@ class Frame:
                     leaves[j] = _Offloaded(pack(leaves[j]))
                 recorded[i] = unflatten(flat.spec, leaves)
 
-    def record(self, fn: Callable[..., Any], result: Any, rng_after: RngState | None = None
-               ) -> None:
+    def record(self, fn: Callable[..., Any], result: Any, rng_after: RngState | None = None,
+               differentiable: tuple[str, ...] = ()) -> None:
         self.results.setdefault(fn, []).append(result)
         self.rng_jumps.setdefault(fn, []).append(rng_after)
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
             flat = flatten(result)
             self.versions.setdefault(fn, []).append(
                 {i: flat.leaves[i]._version for i in flat.tensor_index})
+        self.differentiable.setdefault(fn, []).append(differentiable)
 
     def unkeep(self, op: Callable[..., Any], position: int, /) -> None:
         """Take back a save unit's record: the replay runs ``op`` again (keep.py, rule 3)."""
@@ -153,9 +157,11 @@ class Frame:
     def take(self, fn: Callable[..., Any]) -> Any:
         return self.take_with_rng(fn)[0]
 
-    def take_with_rng(self, fn: Callable[..., Any]) -> tuple[Any, RngState | None]:
-        """The next recorded result for ``fn``, and the RNG states recorded after it, if this
-        replay jumped to them (a nested boundary recording it again needs them too)."""
+    def take_with_rng(self, fn: Callable[..., Any]
+                      ) -> tuple[Any, RngState | None, tuple[str, ...]]:
+        """The next recorded result for ``fn``, the RNG states recorded after it if this replay
+        jumped to them, and the key paths of its leaves that required grad when fn ran (a
+        nested boundary recording it again needs both too)."""
         recorded = self.results.get(fn, ())
         position = self.cursors.get(fn, 0)
         if position >= len(recorded):
@@ -187,7 +193,9 @@ class Frame:
             result = optree.tree_map(
                 lambda leaf: restore(leaf.packed) if isinstance(leaf, _Offloaded) else leaf,
                 result, namespace=NAMESPACE)
-        return result, jump
+        differentiable = (() if isinstance(fn, torch._ops.OpOverload)
+                          else self.differentiable[fn][position])
+        return result, jump, differentiable
 
     def start_replay(self) -> None:
         self.cursors.clear()
@@ -220,23 +228,70 @@ class Frame:
     def clear(self) -> None:
         self.results.clear()
         self.versions.clear()
+        self.differentiable.clear()
         self.rng_jumps.clear()
         self.cursors.clear()
         self.released = True
 
 
-def _check_frozen(fn: Callable[..., Any], result: Any) -> None:
+# NOTE [differentiable results are refused where grad is on]: the replay hands back the
+# recorded result, which has no graph, so a float leaf that eager would compute with grad
+# (router weights or probabilities from a trainable gate) would silently lose its gradient
+# under checkpointing. Whether eager computes it with grad depends on the grad mode where
+# reuse_during_recompute is called, which the original pass cannot see (it runs under the
+# boundary's no-grad, whatever the caller's code set), and the replay can (it runs with grad,
+# under the caller's own no_grad blocks). So fn runs with grad enabled in the original pass,
+# as in eager, and the key paths of the leaves that come out requiring grad are recorded
+# (their detached values are what is recorded and returned); the replay refuses them where
+# grad is enabled. fn's own no_grad blocks still apply, so a result computed under no-grad
+# inside fn, or from detached inputs, or an int result, is never refused. That graph saves
+# no tensor (nothing may run backward through it), so a recorded call holds no more memory
+# than under no-grad. Outside any boundary the result itself is checked, so a model that
+# checkpoints only some layers fails the same way in every layer.
+def _frozen(fn: Callable[..., Any], result: Any) -> tuple[Any, tuple[str, ...]]:
+    """``result`` with its leaves that require grad detached, and their key paths."""
     flat = flatten(result)
-    for i in flat.tensor_index:
-        if flat.leaves[i].requires_grad:
-            path = leaf_paths(flat.spec, root="result")[i]
-            raise ReuseError(
-                f"reuse_during_recompute({callable_name(fn)}) returned {path} that requires "
-                "grad; only frozen results may be replayed",
-                expected="tensor leaves with requires_grad=False",
-                got=f"{path}.requires_grad=True",
-                tip="compute it under torch.no_grad() or .detach() it; differentiable work "
-                    "must be recomputed in the replay, not replayed")
+    positions = [i for i in flat.tensor_index if flat.leaves[i].requires_grad]
+    if not positions:
+        return result, ()
+    paths = leaf_paths(flat.spec, root="result")
+    leaves = list(flat.leaves)
+    for i in positions:
+        leaves[i] = leaves[i].detach()
+    return unflatten(flat.spec, leaves), tuple(paths[i] for i in positions)
+
+
+def _refuse_differentiable(fn: Callable[..., Any], path: str, /, *, replay: bool) -> None:
+    where = ("the replay hands back the value recorded in the original pass, which has no graph"
+             if replay else "under checkpointing the replay would hand back a recorded value, "
+             "which has no graph")
+    raise ReuseError(
+        f"reuse_during_recompute({callable_name(fn)}) returned {path}, which requires grad "
+        f"where it is called: {where}, so its gradient would be lost",
+        expected="frozen results only: int ids, or tensors computed under torch.no_grad() or "
+                 "from detached inputs",
+        got=f"{path} computed with grad from parameters or inputs that require grad",
+        tip="return only the frozen part (the top-k ids) from the reused call and compute the "
+            "differentiable part outside it, from those ids (MoE gate weights: gather the "
+            "softmax of the router's scores at the replayed ids, as examples/glm_dsa/mlp.py "
+            "does); if no gradient is wanted, compute it under torch.no_grad() or .detach() it")
+
+
+def _graph_saves_nothing(fn: Callable[..., Any], /) -> Any:
+    """Saved-tensor hooks for fn's call in the original pass (NOTE [differentiable results are
+    refused where grad is on]): its graph only tells which leaves require grad."""
+    def unpack(_: None) -> torch.Tensor:
+        raise ReuseError(
+            f"a backward reached the graph of reuse_during_recompute({callable_name(fn)}) made "
+            "in a boundary's original pass, which keeps no tensor for backward",
+            expected="gradients through the layer's recomputed work only",
+            got=f"a tensor computed by {callable_name(fn)} kept with its graph (stored on a "
+                "module, or returned inside an object)",
+            tip="the replay does not call fn, so nothing it computes can carry a gradient: "
+                "compute what needs one (a router's logits for a load-balancing loss) outside "
+                "the reused call")
+
+    return torch.autograd.graph.saved_tensors_hooks(lambda _: None, unpack)
 
 
 # Opaque to dynamo (eager.py): a compiled body graph-breaks here, since the frame lives in a
@@ -248,13 +303,24 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     Outside any boundary this is a plain call. In a boundary's original pass the result (any
     PyTree of frozen tensors and objects) is recorded in the invocation's frame; in the replay
     the recorded result is returned *without calling* ``fn``. See NOTE [frame semantics].
+    A result leaf that requires grad where the call is made is refused with ``ReuseError``
+    (NOTE [differentiable results are refused where grad is on]).
     """
     invocation = ACTIVE.get()
-    if invocation is None or IN_REUSE.get():
+    if IN_REUSE.get():
         # NOTE [reuse inside reuse]: a call made while another reused fn runs is a plain call.
         # The replay skips the enclosing call, so it never asks for this one: recorded, its
-        # result would be left over and backward refused.
+        # result would be left over and backward refused. (The enclosing result is checked.)
         return fn(*args, **kwargs)
+    if invocation is None:
+        result = fn(*args, **kwargs)
+        if torch.is_grad_enabled():  # NOTE [differentiable results are refused where grad is on]
+            flat = flatten(result)
+            for i in flat.tensor_index:
+                if flat.leaves[i].requires_grad:
+                    _refuse_differentiable(fn, leaf_paths(flat.spec, root="result")[i],
+                                           replay=False)
+        return result
     if getattr(type(fn), "__hash__", None) is None:
         raise ReuseError(
             f"reuse_during_recompute needs a hashable callable: its results are recorded by "
@@ -274,18 +340,22 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         token = IN_REUSE.set(True)
         try:
             before = rng_state(devices) if devices is not None else None
-            result = fn(*args, **kwargs)
+            # NOTE [differentiable results are refused where grad is on]
+            with torch.enable_grad(), _graph_saves_nothing(fn):
+                result = fn(*args, **kwargs)
             if before is not None and devices is not None:
                 # NOTE [skipped work keeps the RNG in step]
                 after = rng_state(devices)
                 rng_after = after if rng_changed(before, after) else None
         finally:
             IN_REUSE.reset(token)
-        _check_frozen(fn, result)
+        result, differentiable = _frozen(fn, result)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
-        result, rng_after = invocation.frame.take_with_rng(fn)
+        result, rng_after, differentiable = invocation.frame.take_with_rng(fn)
+        if differentiable and not recorders and torch.is_grad_enabled():
+            _refuse_differentiable(fn, differentiable[0], replay=True)
     for recorder in recorders:
-        recorder.frame.record(fn, result, rng_after)
+        recorder.frame.record(fn, result, rng_after, differentiable)
     return result
 
 

@@ -171,15 +171,153 @@ def test_replay_leaving_results_unused_names_the_callable_and_both_counts() -> N
         out.sum().backward()
 
 
-def test_a_result_that_requires_grad_is_refused_with_its_key_path() -> None:
+def test_a_result_that_requires_grad_is_refused_in_backward_with_its_key_path() -> None:
     def differentiable(x: torch.Tensor) -> dict[str, Any]:
-        with torch.enable_grad():  # the original pass runs under no-grad; this opts out
-            return {"ids": x.detach().argsort(), "weights": [x * 2]}
+        return {"ids": x.detach().argsort(), "weights": [x * 2]}
 
-    with pytest.raises(ReuseError, match=r"result\['weights'\]\[0\] that requires grad") as err:
-        checkpoint(lambda x: reuse_during_recompute(differentiable, x)["ids"] * 1.0 + x,
-                   torch.randn(3, requires_grad=True))
-    assert "torch.no_grad()" in str(err.value)
+    # The original pass cannot tell whether the caller's code wrapped the call in no_grad
+    # (its own no-grad hides it); the replay, which runs with the caller's grad mode, refuses.
+    out = checkpoint(lambda x: reuse_during_recompute(differentiable, x)["ids"] * 1.0 + x,
+                     torch.randn(3, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"returned result\['weights'\]\[0\], which requires "
+                                         r"grad where it is called") as err:
+        out.sum().backward()
+    assert "torch.no_grad()" in str(err.value) and "gather" in str(err.value)
+
+
+class GateRouter(nn.Module):
+    """An MoE router that returns its gate weights with the expert ids (the mistake)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def route(self, h: torch.Tensor) -> Any:
+        return self.gate(h).softmax(-1).topk(2, dim=-1)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, *, no_grad_at_call: bool = False) -> None:
+        super().__init__()
+        self.router = GateRouter()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.no_grad_at_call = no_grad_at_call
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.no_grad_at_call:
+            with torch.no_grad():  # the caller's own no_grad: eager's weights are frozen too
+                weights, ids = reuse_during_recompute(self.router.route, h)
+        else:
+            weights, ids = reuse_during_recompute(self.router.route, h)
+        out = h
+        for k in range(2):
+            for e, expert in enumerate(self.experts):
+                out = out + (ids[:, k:k + 1] == e) * weights[:, k:k + 1] * expert(h)
+        return out
+
+
+def test_router_gate_weights_replayed_instead_of_recomputed_are_refused_as_in_eager() -> None:
+    # Replayed, the weights carry no graph: the gate would silently get no gradient and the
+    # input a wrong one. Eager (no boundary) refuses the same call, so a model that
+    # checkpoints only some of its layers fails in every layer alike.
+    torch.manual_seed(0)
+    eager = TinyMoE()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(6, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match=r"GateRouter.route\) returned result.values, which "
+                                         r"requires grad") as plain:
+        eager(x)
+    assert "under checkpointing the replay would hand back" in str(plain.value)
+    out = wrapped(x)  # the original pass records (it cannot see the caller's grad mode)
+    with pytest.raises(ReuseError, match=r"GateRouter.route\) returned result.values") as err:
+        out.sum().backward()
+    assert "the replay hands back the value recorded" in str(err.value)
+    assert wrapped.router.gate.weight.grad is None and x.grad is None  # nothing half-done
+
+
+def test_a_reused_call_the_caller_wraps_in_no_grad_may_return_floats_and_matches_eager() -> None:
+    torch.manual_seed(0)
+    eager = TinyMoE(no_grad_at_call=True)
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(6, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+    assert eager.router.gate.weight.grad is None  # frozen in eager too
+
+
+def test_a_float_result_computed_from_int_ids_is_frozen_and_never_refused() -> None:
+    def load(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        ids = x.argmax(-1)  # with grad on: ints carry none, nor what is computed from them
+        return {"ids": ids, "tokens_per_expert": torch.bincount(ids, minlength=4).float()}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        routed = reuse_during_recompute(load, x)
+        return x * routed["tokens_per_expert"][routed["ids"]].unsqueeze(-1)
+
+    x = torch.randn(5, 4, requires_grad=True)
+    fn(x).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(fn, x).sum().backward()
+    assert x.grad is not None and expected is not None and torch.equal(x.grad, expected)
+
+
+def test_the_reused_call_keeps_nothing_for_a_backward_that_could_never_replay_it() -> None:
+    # fn runs with grad in the original pass (to learn what eager would compute with grad),
+    # but its graph saves no tensor: a recorded call holds no more memory than under no-grad,
+    # and a tensor fn stashes with its graph (router logits kept for a load-balancing loss,
+    # silently gradient-free under no-grad) fails with a message naming the fix.
+    freed: list[weakref.ref[torch.Tensor]] = []
+    stash: dict[str, torch.Tensor] = {}
+    gate = nn.Linear(4, 3)
+
+    def route(h: torch.Tensor) -> torch.Tensor:
+        scores = gate(h)
+        freed.append(weakref.ref(scores))
+        stash["probs"] = scores.softmax(-1)  # softmax saves its output; exp-free on purpose
+        return stash["probs"].argmax(-1)
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        ids = reuse_during_recompute(route, h)
+        return h * ids.unsqueeze(-1)
+
+    out = checkpoint(layer, torch.randn(5, 4, requires_grad=True))
+    gc.collect()
+    assert freed[0]() is None  # held by nobody (the saved output is not kept either)
+    assert stash["probs"].requires_grad
+    with pytest.raises(ReuseError, match=r"reached the graph of reuse_during_recompute\(.*route\)"
+                                         r" made in a boundary's original pass") as err:
+        (out.sum() + stash["probs"].square().sum()).backward()
+    assert "load-balancing loss" in str(err.value)
+
+
+def test_the_reused_calls_graph_is_hidden_from_offload_and_other_saved_tensor_hooks() -> None:
+    # Its graph is built inside the layer's offload window (and under a census's or the
+    # caller's hooks); none of them may see what it would save.
+    gate = nn.Linear(16, 4)
+
+    def route(t: torch.Tensor) -> torch.Tensor:
+        return gate(t).softmax(-1).argmax(-1)
+
+    class Layer(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            ids = reuse_during_recompute(route, h)
+            return h * ids.unsqueeze(-1)
+
+    x = torch.randn(8, 16, requires_grad=True)
+    layer = Layer()
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    packed: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t,
+                                                  lambda t: t):
+        layer(x)
+    assert packed == [x.shape]  # the boundary's saved input, and nothing of gate's graph
+    pytree_ckpt.remove_activation_checkpointing(layer)
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+    layer(x).sum().backward()
+    ids_bytes = 8 * torch.empty((), dtype=torch.long).element_size()  # the frame's ids
+    assert manager.stats()["offloaded_bytes"] == x.numel() * x.element_size() + ids_bytes
 
 
 def test_threads_never_see_each_others_frames() -> None:

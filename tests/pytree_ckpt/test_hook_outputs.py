@@ -162,9 +162,10 @@ def test_a_hooked_module_passed_as_an_argument_gets_eager_gradients() -> None:
     assert torch.equal(x.grad, x_twin.grad)
 
 
-def test_a_hooked_module_inside_reuse_during_recompute_is_not_recorded() -> None:
+def test_a_hooked_module_inside_reuse_during_recompute_is_not_recorded_and_says_so() -> None:
     # The replay skips a reused call, so its modules' outputs are not recorded in either pass
-    # (else the replay would find fewer): the reused result stays frozen, as documented.
+    # (else the replay would find fewer). What a hook kept from it was computed with grad, as
+    # in eager, by a graph that keeps nothing: a loss on it fails loudly, never silently.
     class Reusing(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -185,7 +186,10 @@ def test_a_hooked_module_inside_reuse_during_recompute_is_not_recorded() -> None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layer(x).sum().backward()
-    assert not kept[0].requires_grad and x.grad is not None
+    assert x.grad is not None and layer.proj.weight.grad is not None
+    assert kept[0].requires_grad
+    with pytest.raises(pytree_ckpt.ReuseError, match="keeps no tensor for backward"):
+        kept[0].softmax(-1).square().sum().backward()
 
 
 def test_a_replay_that_calls_a_hooked_module_another_number_of_times_is_refused() -> None:

@@ -184,6 +184,7 @@ def test_an_output_leaf_holding_an_input_tensor_or_a_frozen_result_passes() -> N
     # eager would (an input), or one the boundary freezes anyway (as when returned bare).
     router = torch.nn.Linear(3, 2)
 
+    @torch.no_grad()  # frozen (for statistics): with grad, the replay would refuse them
     def route(v: torch.Tensor) -> torch.Tensor:
         return router(v).softmax(-1)
 
