@@ -89,10 +89,24 @@ class OffloadManager:
 
     def __init__(self, config: OffloadConfig | None = None, /, *,
                  device: torch.device | str | None = None) -> None:
+        if config is not None and not isinstance(config, OffloadConfig):
+            raise CheckpointConfigError(
+                "OffloadManager takes an OffloadConfig", expected="OffloadConfig or None",
+                got=type(config).__name__,
+                tip="OffloadManager(OffloadConfig(min_bytes=0, prefetch=2))")
         self.config = config if config is not None else OffloadConfig()
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         if self.device.type == "cuda" and self.device.index is None:
+            # NOTE: an indexed CUDA device (a pickled manager's) is not checked here: a model
+            # saved on a GPU must load on a CPU machine (see __reduce__, CopyEngine).
+            if not torch.cuda.is_available():
+                raise CheckpointConfigError(
+                    f"OffloadManager(device={device!r}) needs CUDA, which this torch cannot "
+                    "use", expected="a device this process has", got=f"{device!r} with "
+                    f"torch.cuda.is_available() False (torch {torch.__version__})",
+                    tip="leave device out (the current CUDA device, or the CPU without one), "
+                        "or install a CUDA build of torch")
             # Saved tensors carry an indexed device: compare like with like.
             self.device = torch.device("cuda", torch.cuda.current_device())
         pin = self.config.pin_memory
@@ -221,7 +235,10 @@ class OffloadManager:
         for copy in self._pending:
             if id(copy) in kept:
                 still.append(copy)
-            elif self.engine.done(copy.d2h_event):
+            elif copy.reused or self.engine.done(copy.d2h_event):
+                # NOTE [reuse at the turn]: a reused copy's storage is held by its restore,
+                # which backward reads (as the copy to host does): backward need not wait for
+                # that copy. Stream rule 1 is applied when backward lets go (Copy.__del__).
                 copy.drop_device_copy()
             elif force_before is not None and copy.seq < force_before:
                 # Stream rule 1: the stream current at the save, which owns the memory, waits.
@@ -249,10 +266,12 @@ class OffloadManager:
             key = self._plain_storage_key(tensor)
             if key is None:
                 continue
-            # A .detach() or .data alias of a parameter is a leaf that requires no grad, and
-            # neither a Parameter nor a view of one: only its storage tells. Activations are
-            # rarely such leaves, so the resident keys are read only for those that are.
-            if resident and tensor.is_leaf and not tensor.requires_grad:
+            # A .detach() or .data alias of a parameter is a leaf (requiring grad or not, as
+            # after .requires_grad_()), or a view of one, and neither a Parameter nor a view of
+            # one: only its storage tells. Activations are rarely leaves or views of leaves
+            # (a model input is), so the resident keys are read only for those that are.
+            base = tensor._base
+            if resident and (tensor.is_leaf or (base is not None and base.is_leaf)):
                 if resident_keys is None:
                     resident_keys = {k for t in resident
                                      if (k := self._plain_storage_key(t, warn=False))}
@@ -311,9 +330,9 @@ class OffloadManager:
     def _plain_storage_key(self, tensor: torch.Tensor, *,
                            warn: bool = True) -> tuple[str, int] | None:
         """The tensor's storage key, or ``None`` where it has no plain storage to copy: sparse
-        layouts, and wrapper subclasses (DTensor and the like) whose bytes live in inner
-        tensors. Window tensors of that kind stay on the device, logged once."""
-        if tensor.layout is torch.strided:
+        layouts, nested tensors, and wrapper subclasses (DTensor and the like) whose bytes live
+        in inner tensors. Window tensors of that kind stay on the device, logged once."""
+        if tensor.layout is torch.strided and not tensor.is_nested:  # a nested one has several
             try:
                 return storage_key(tensor)
             except RuntimeError:  # "invalid python storage": a wrapper subclass
@@ -323,7 +342,8 @@ class OffloadManager:
             log.warning(
                 "offload is on, but a window tensor (%s, layout %s) has no plain storage to copy: "
                 "it stays on the device (offload copies strided storages; a DTensor's local "
-                "shard, DTensor.to_local(), is one)", type(tensor).__name__, tensor.layout)
+                "shard, DTensor.to_local(), is one)",
+                "nested tensor" if tensor.is_nested else type(tensor).__name__, tensor.layout)
         return None
 
     def _other_device(self, window: Window, key: tuple[str, int], tensor: torch.Tensor) -> None:
@@ -425,6 +445,7 @@ class OffloadManager:
         copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
         self.engine.wait(copy.h2d_event)
         assert copy.restored is not None
+        self.engine.use_here(copy.restored, allocated_on=copy.restored_on)
         restored = torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
             copy.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
         # NOTE [lazy bits] in window.py: the layout does not carry a conj or neg bit.

@@ -9,16 +9,24 @@ NOTE [host buffer lifetime]: a buffer is checked out from ``acquire`` until ``re
 that a pending device copy still reads or writes is released together with that copy's event;
 ``acquire`` only hands out buffers whose event has completed (waiting on it if it must).
 Where pinning is unavailable (CPU-only torch) buffers are ordinary host memory.
+
+NOTE [release never waits]: buffers are released by a copy's ``__del__``, which the garbage
+collector runs wherever an allocation happens to start a collection (an offloaded graph in a
+reference cycle), including inside this pool's own locked sections, on the thread that holds
+the lock. ``release`` therefore takes no lock: it appends to a deque (one atomic call), and
+the locked sections move what was returned to the free lists before they read them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
+
+from pytree_ckpt.errors import CheckpointConfigError
 
 __all__ = ["HostPool", "size_class"]
 
@@ -49,20 +57,48 @@ class HostPool:
     def __init__(self, *, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
+        self._returned: deque[tuple[torch.Tensor, Any]] = deque()  # NOTE [release never waits]
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
         self.host_bytes = 0
-        self.checked_out = 0
+        self._out = 0  # acquired, returned or not
+
+    @property
+    def checked_out(self) -> int:
+        """Buffers acquired and not yet released."""
+        with self._lock:
+            self._take_returned()
+            return self._out
+
+    def _take_returned(self) -> None:
+        """Move released buffers to their free lists (the caller holds the lock)."""
+        while self._returned:
+            buffer, event = self._returned.popleft()
+            self._free[buffer.numel()].append((buffer, event))
+            self._out -= 1
 
     def reserve(self, nbytes_list: list[int], /) -> None:
         """Allocate buffers up front (e.g. one step's worth) so the first step hits too."""
         for nbytes in nbytes_list:
             cls = size_class(nbytes, pinned=self.pin_memory)
-            self._free[cls].append((self._allocate(cls), None))
+            buffer = self._allocate(cls)
+            with self._lock:
+                self._free[cls].append((buffer, None))
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        try:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        except RuntimeError as error:
+            if not self.pin_memory or torch.cuda.is_available():
+                raise  # out of host memory, say: torch's message says so
+            # Checked here, not when the config is made: a model saved on a GPU with its
+            # manager must still load where there is none.
+            raise CheckpointConfigError(
+                "OffloadConfig(pin_memory=True) needs CUDA to pin host memory",
+                expected="pin_memory=None (pins where CUDA is available) or False",
+                got=f"pin_memory=True with torch.cuda.is_available() False ({error})",
+                tip="leave pin_memory at None") from error
         with self._lock:
             self.host_bytes += nbytes  # counted once allocated: a failed allocation holds nothing
         return buffer
@@ -71,6 +107,7 @@ class HostPool:
         """A buffer of at least ``nbytes`` bytes, checked out until ``release``."""
         cls = size_class(nbytes, pinned=self.pin_memory)
         with self._lock:
+            self._take_returned()
             free = self._free.get(cls)
             if not free:
                 # Lengths that vary from step to step would otherwise add buffers in every class
@@ -91,11 +128,12 @@ class HostPool:
                 self.misses += 1
             else:
                 self.hits += 1
-            self.checked_out += 1
+            self._out += 1
         return buffer
 
     def release(self, buffer: torch.Tensor, /, *, event: Any = None) -> None:
-        """Give ``buffer`` back; ``event`` marks the last device copy that uses it."""
-        with self._lock:
-            self._free[buffer.numel()].append((buffer, event))
-            self.checked_out -= 1
+        """Give ``buffer`` back; ``event`` marks the last device copy that uses it.
+
+        Takes no lock (NOTE [release never waits]).
+        """
+        self._returned.append((buffer, event))

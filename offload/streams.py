@@ -8,7 +8,8 @@ NOTE [stream rules]:
    could otherwise hand the memory to a new tensor while the copy still reads it; the memory
    belongs to that stream, whose later kernels are ordered after the copy). The manager drops
    its reference on ``done(event)``, or after ``wait(event)`` two windows later (NOTE [copies
-   in flight]). ``record_stream`` also marks the source as used on the d2h stream: memory freed
+   in flight]); bytes backward reused, when backward is done with them (NOTE [reuse at the
+   turn]). ``record_stream`` also marks the source as used on the d2h stream: memory freed
    while the copy is queued, by a holder other than the manager (an output discard's
    ``resize_(0)`` of a layer input) or allocated on another stream than the one that saved
    it, is not handed out again before the copy is done.
@@ -17,6 +18,11 @@ NOTE [stream rules]:
    complete), copies, and records an event; ``record_stream`` tells the allocator the buffer is
    in use on the h2d stream. The compute stream waits on that event before any use.
 3. A host buffer goes back to the pool with the event of the last copy that uses it.
+4. A restored buffer (or reused bytes) read on another stream than the one its memory came
+   from (a prefetch allocates on the stream of the layer whose backward runs; the layer that
+   reads it may have run on another) is marked as used there with ``record_stream``: its
+   memory goes back to the allocating stream's pool, which would otherwise hand it out while
+   the reading stream's kernels are still queued.
 On a device without streams (CPU) every copy is synchronous and every event is ``None``.
 """
 
@@ -85,6 +91,14 @@ class CopyEngine:
             event.record(stream)
         buffer.record_stream(stream)
         return buffer, event
+
+    def use_here(self, buffer: torch.Tensor, *, allocated_on: Any) -> None:
+        """Rule 4: mark ``buffer`` as used on the current stream if its memory came from another."""
+        if not self.cuda or allocated_on is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        if current != allocated_on:
+            buffer.record_stream(current)
 
     def current_stream(self) -> Any:
         """The stream work is queued on now (``None`` without streams)."""

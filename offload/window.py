@@ -33,7 +33,7 @@ class Copy:
 
     __slots__ = ("manager", "seq", "stream", "host", "nbytes", "device", "version",
                  "storage_ref", "data_ptr", "device_bytes", "d2h_event", "restored", "reused",
-                 "h2d_event", "host_holder", "__weakref__")
+                 "restored_on", "h2d_event", "host_holder", "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -50,6 +50,7 @@ class Copy:
         self.data_ptr = storage.data_ptr()
         self.restored: torch.Tensor | None = None
         self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
+        self.restored_on: Any = None  # the stream whose pool ``restored``'s memory came from
         self.d2h_event: Any = None
         self.h2d_event: Any = None
         # NOTE [stream rules] 1: we keep the device bytes until the copy's event completes, or
@@ -109,10 +110,12 @@ class Copy:
             # rule 1), so the memory is reused only after that copy; whether it was alive
             # elsewhere is known once backward is done with it (``__del__``).
             self.restored = device_bytes
+            self.restored_on = self.stream
             self.reused = True
             counters["reused_bytes"] += self.nbytes
         else:
             assert self.host is not None
+            self.restored_on = self.manager.engine.current_stream()  # allocates on it
             self.restored, self.h2d_event = self.manager.engine.to_device(
                 self.host, self.nbytes, self.d2h_event)
         counters["restored_bytes"] += self.nbytes
@@ -126,6 +129,11 @@ class Copy:
         if manager is None:
             return
         if getattr(self, "reused", False):
+            # Stream rule 1, for bytes backward reused (NOTE [reuse at the turn]): the saving
+            # stream waits for the copy to host before the memory is let go. Long done by
+            # now, the copy is not waited for at all.
+            if not manager.engine.done(self.d2h_event):
+                manager.engine.wait(self.d2h_event, stream=self.stream)
             self.restored = None  # ours: anything still holding the storage is someone else's
             if not self.storage_ref.expired():
                 manager._counters["alive_elsewhere_bytes"] += self.nbytes

@@ -7,7 +7,8 @@ for it (``wait``, ``event.synchronize``). Until a copy has run its destination h
 bytes (NaN in every float dtype). Mistakes the manager could make are recorded in
 ``violations``: a device-to-host copy whose source the manager no longer holds (rule 1), and a
 host buffer handed out again while a restore that reads it is still queued (rule 3). Streams
-other than the two copy streams are names only; which one waits is recorded in ``waits``.
+other than the two copy streams are names only; which one waits is recorded in ``waits``, and
+which one reads a restored buffer allocated on another in ``used_on`` (rule 4).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class SimulatedStreams:
         self.writes: dict[int, int] = {}  # host buffer address -> copies to host queued into it
         self.current = "compute"  # the name current_stream() gives
         self.waits: list[tuple[str, str]] = []  # (copy's stream, waiting stream)
+        self.used_on: list[tuple[str, str]] = []  # (allocating stream, reading stream): rule 4
 
     # -- the device --------------------------------------------------------------------------
     def complete(self, event: SimEvent) -> None:
@@ -114,6 +116,10 @@ class SimulatedStreams:
 
     def current_stream(self) -> str:
         return self.current  # a name only: every simulated stream is ordered the same way
+
+    def use_here(self, buffer: torch.Tensor, *, allocated_on: Any) -> None:
+        if allocated_on is not None and allocated_on != self.current:
+            self.used_on.append((allocated_on, self.current))
 
     def wait(self, event: Any, *, stream: Any = None) -> None:
         if event is not None:

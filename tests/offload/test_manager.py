@@ -971,3 +971,22 @@ def test_each_copy_of_a_kept_storage_let_go_counts_as_alive_elsewhere() -> None:
     out = stack(layers, kept)
     del out
     assert m.stats()["alive_elsewhere_bytes"] == 2 * kept.untyped_storage().nbytes()
+
+
+def test_a_manager_given_a_dict_or_a_device_this_torch_lacks_names_the_fix() -> None:
+    with pytest.raises(CheckpointConfigError, match="(?s)takes an OffloadConfig.*got:      dict"):
+        OffloadManager({"min_bytes": 0})  # type: ignore[arg-type]
+    if torch.cuda.is_available():
+        return  # the rest is about a torch without CUDA
+    with pytest.raises(CheckpointConfigError, match="(?s)device='cuda'.*needs CUDA.*tip: leave "
+                                                    "device out"):
+        OffloadManager(device="cuda")
+    # An indexed device is a pickled manager's: it loads (and is not used) without CUDA.
+    assert OffloadManager(device="cuda:0").device == torch.device("cuda", 0)
+    pinned = OffloadManager(OffloadConfig(min_bytes=0, pin_memory=True), device="cpu")
+    h = torch.randn(8, 8, requires_grad=True) * 1
+    with pytest.raises(CheckpointConfigError, match="(?s)pin_memory=True. needs CUDA.*tip: leave "
+                                                    "pin_memory at None"):
+        with pinned.window([h]):
+            h.square()
+    assert pinned.stats()["host_buffers_in_use"] == 0 and pinned.pool.host_bytes == 0

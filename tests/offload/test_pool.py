@@ -138,3 +138,25 @@ def test_the_pools_growth_with_varying_lengths_is_what_docs_offload_md_says() ->
     assert round(_pool_over_lengths(growing), 1) == 2.6
     assert round(_pool_over_lengths([256 + 16128 * i // 199 for i in range(200)]), 1) == 6.4
     assert _pool_over_lengths(growing, reserve=16384) == 1.0
+
+
+def test_a_release_run_by_the_garbage_collector_inside_a_locked_section_does_not_deadlock(
+        ) -> None:
+    # An offloaded graph in a reference cycle is freed by whichever allocation starts a
+    # collection, possibly one inside the pool's own locked section (acquire's scan of its
+    # free lists), on the thread holding the lock: the copy's __del__ then releases its buffer
+    # there. A release that waited for the lock would hang the training step forever.
+    import threading
+
+    pool = HostPool(pin_memory=False)
+    buffer = pool.acquire(4096)
+    done = threading.Event()
+
+    def finalizer_inside_the_lock() -> None:
+        with pool._lock:  # where the collector may run a finalizer
+            pool.release(buffer)
+        done.set()
+
+    threading.Thread(target=finalizer_inside_the_lock, daemon=True).start()
+    assert done.wait(10), "release waited for the lock its own thread holds"
+    assert pool.checked_out == 0 and pool.acquire(4096) is buffer  # counted, and reused

@@ -171,10 +171,12 @@ def test_a_host_running_ahead_holds_device_tensors_of_the_last_two_windows_at_mo
     out.backward()
     # Backward's first restore took both as they were (NOTE [reuse at the turn]): window 5 for
     # layer 5, window 4 as the prefetch for layer 4, which the checkpoint right after layer 5's
-    # backward still sees alive; the manager let go of both once the compute stream waited for
-    # their copies to host.
+    # backward still sees alive. Backward's first kernels do not wait for their copies to
+    # host (both only read the bytes); the saving stream waits for one when backward lets go
+    # of its bytes (stream rule 1), here window 5's after layer 5's backward. On a GPU that
+    # copy has long landed by then, and is not waited for at all.
     assert seen_in_backward == [[True, True, True, False, True, True]]
-    assert copies_waited_for == [6]  # windows 0-3 in forward, 4 and 5 at the first restore
+    assert copies_waited_for == [5]  # windows 0-3 in forward, then window 5 as it let go
     # Layer 0's input is still alive elsewhere (the test holds it): that copy saved nothing.
     assert manager.stats()["alive_elsewhere_bytes"] == x.untyped_storage().nbytes()
     streams.finish()
@@ -283,6 +285,34 @@ def test_a_copy_is_waited_for_on_the_stream_that_saved_it_not_the_current_one() 
     streams.current = "side"
     layers[3](layers[2](h)).sum()
     assert [w for w in streams.waits if w[0] == "d2h"] == [("d2h", "compute"), ("d2h", "compute")]
+
+
+def test_a_restore_read_on_another_stream_than_it_was_allocated_on_is_marked_used_there(
+        ) -> None:
+    # Stream rule 4: window 1 is prefetched while layer 2's backward runs (its buffer comes
+    # from that stream's pool), then read by layer 1's backward, here on another stream. The
+    # buffer must be marked used there, or its memory would go back to the first stream's pool
+    # while the second stream's kernels still read it.
+    manager, streams = simulated(None, prefetch=1)
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    checkpoint_layers(layers, offload=manager)
+    x = torch.randn(8, 32, requires_grad=True)
+    h = layers[1](layers[0](x))
+
+    def switch() -> None:
+        streams.current = "side"  # layer 1's backward (and layer 0's) run on another stream
+
+    h = Checkpoint.apply(h, switch)
+    out = layers[3](layers[2](h)).sum()
+    manager.stats()
+    streams.finish()  # every copy landed: nothing is reused, everything is restored
+    manager.stats()
+    out.backward()
+    # Layer 1's window (prefetched on "compute"), and layer 0's (restored on demand on "side":
+    # same stream, not marked).
+    assert streams.used_on == [("compute", "side")]
+    assert manager.events()[:4] == [("restore", 3), ("prefetch", 2), ("prefetch_hit", 2),
+                                    ("prefetch", 1)]
 
 
 def _skip_waits_on(kind: str) -> Callable[[SimulatedStreams], None]:
