@@ -168,6 +168,12 @@ class ActivationCensus:
     """
 
     def __init__(self, model: nn.Module | None = None, /) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise CheckpointConfigError(
+                "ActivationCensus takes the model whose modules name what is held",
+                expected="an nn.Module or None", got=type(model).__name__,
+                tip="pass the model itself (ActivationCensus(model)), or nothing to record "
+                    "without module paths")
         self._model = model
         # NOTE: weak once the block ended: a census kept for its report must not keep the
         # model (and every parameter) alive; while it is alive, its parameters are left out.
@@ -178,13 +184,15 @@ class ActivationCensus:
         self._hooks: Any = None
         self._token: Any = None
         self._parent: ActivationCensus | None = None  # the census this one is nested in
+        self._ended = False  # its with-block is over (for the message of a second one)
 
     # -- recording ---------------------------------------------------------------------------
     def __enter__(self) -> ActivationCensus:
         if self._token is not None:
             raise CheckpointError(
                 "an ActivationCensus cannot be entered twice", expected="one with-block per "
-                "census", got="a second __enter__ while the first is open",
+                "census", got=("a second __enter__ after its block ended" if self._ended
+                               else "a second __enter__ while the first is open"),
                 tip="make a new ActivationCensus for each measurement")
         try:
             return self._enter()
@@ -228,6 +236,7 @@ class ActivationCensus:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._ended = True
         _ACTIVE.reset(self._token)
         self._hooks.__exit__(*exc)
         for handle in self._handles:

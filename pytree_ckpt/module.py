@@ -29,7 +29,7 @@ import math
 import numbers
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -252,7 +252,7 @@ def layer_count(n: int, ratio: float, /) -> int:
     return math.floor(n * ratio + 1e-9)
 
 
-def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
+def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
                       preserve_rng_state: bool = True,
                       offload: bool | OffloadManager | None = None) -> list[int]:
     """Checkpoint the first ``int(len(layers) * ratio)`` layers; return their indices.
@@ -265,12 +265,14 @@ def checkpoint_layers(layers: Sequence[nn.Module], /, *, ratio: float = 1.0,
             expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
             got=type(layers).__name__,
             tip="apply_activation_checkpointing(module) checkpoints one module")
-    count = layer_count(len(layers), validate_ratio(ratio))
+    # model.children() or a generator of layers: taken in order.
+    listed: list[nn.Module] = list(layers)
+    count = layer_count(len(listed), validate_ratio(ratio))
     manager = resolve_offload(offload)
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager)
-    for index, layer in enumerate(layers[:count]):  # before any changes: refused, none change
+    for index, layer in enumerate(listed[:count]):  # before any changes: refused, none change
         refuse_other_options(layer, options, index=index)
-    for layer in layers[:count]:
+    for layer in listed[:count]:
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
                                        offload=manager if manager is not None else False)
     return list(range(count))

@@ -225,10 +225,17 @@ def test_an_outer_hook_that_keeps_a_copy_is_counted_by_what_it_stored() -> None:
 def test_census_misuse_raises_the_librarys_errors_with_a_tip() -> None:
     census = ActivationCensus(nn.Linear(2, 2))
     with census:
-        with pytest.raises(CheckpointError, match="cannot be entered twice"):
+        with pytest.raises(CheckpointError, match="(?s)cannot be entered twice.*while the first "
+                                                  "is open"):
             census.__enter__()
+    with pytest.raises(CheckpointError, match="(?s)entered twice.*after its block ended.*tip: "
+                                              "make a new ActivationCensus"):
+        with census:
+            pass
     with pytest.raises(CheckpointConfigError, match="(?s)cannot group by 'modules'.*tip"):
         census.bytes_by("modules")
+    with pytest.raises(CheckpointConfigError, match="(?s)takes the model.*got:      function"):
+        ActivationCensus(lambda t: t)  # type: ignore[arg-type]
 
 
 def test_a_saved_slice_counts_its_whole_storage_once() -> None:

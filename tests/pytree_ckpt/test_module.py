@@ -297,6 +297,12 @@ def test_checkpoint_layers_given_one_module_is_refused_with_a_tip() -> None:
     assert checkpoint_layers(layers) == [0, 1]  # a Sequential is a sequence of layers
 
 
+def test_checkpoint_layers_takes_a_generator_of_layers_in_order() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    assert checkpoint_layers(model.children(), ratio=0.5) == [0]  # int(3 * 0.5) layers
+    assert [pytree_ckpt.is_checkpointed(m) for m in model] == [True, False, False]
+
+
 def test_a_ratio_checkpoints_the_share_of_layers_it_names_despite_float_rounding() -> None:
     # 100 * 0.58 is 57.99999999999999 in floats: int() of it checkpointed 57 layers.
     layers = nn.ModuleList(nn.Linear(1, 1) for _ in range(100))
