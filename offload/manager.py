@@ -453,6 +453,10 @@ class OffloadManager:
             restored = restored.conj()
         if packed.neg:
             restored = torch._neg_view(restored)
+        if packed.subclass is not None:  # NOTE [subclasses come back as themselves]
+            cls, attributes = packed.subclass
+            restored = restored.as_subclass(cls)
+            restored.__dict__.update(attributes)
         return restored
 
     def _prefetch_targets(self, window: Window) -> list[Window]:

@@ -167,7 +167,7 @@ class Handle:
     """
 
     __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "conj", "neg",
-                 "source", "version")
+                 "subclass", "source", "version")
 
     def __init__(self, copy: Copy, window: Window, key: tuple[str, int],
                  tensor: torch.Tensor) -> None:
@@ -184,6 +184,12 @@ class Handle:
         # back, or backward reads x where it saved conj(x).
         self.conj = tensor.is_conj()
         self.neg = tensor.is_neg()
+        # NOTE [subclasses come back as themselves]: a __torch_function__ subclass (one with
+        # plain storage; wrapper subclasses stay on the device) is restored as that class, with
+        # the original's attribute dict (the object itself, as eager autograd hands back the
+        # tensor it saved): a layer's replay may branch on either.
+        self.subclass: tuple[type, dict[str, Any]] | None = (
+            None if type(tensor) is torch.Tensor else (type(tensor), tensor.__dict__))
         base = tensor._base
         self.source = weakref.ref(base if base is not None else tensor)
         self.version = tensor._version

@@ -157,7 +157,7 @@ class BoundaryCall:
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
                  "attributes", "buffer_dicts", "frozen", "changed_state", "modules",
-                 "forward_modules", "hooked", "hooked_outputs", "held")
+                 "forward_modules", "hooked", "hooked_outputs", "held", "subclasses")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -206,6 +206,10 @@ class BoundaryCall:
         # The tensors the modules held as attributes before fn ran, by id, when hooked (NOTE
         # [held tensors are not hooked outputs] in hook_outputs.py); for the original pass only.
         self.held: dict[int, torch.Tensor] = {}
+        # Per saved input, its __torch_function__ subclass and attribute dict (None for a plain
+        # tensor); None when every one is plain (NOTE [the replay sees tensor subclasses as the
+        # forward did] in rng.py).
+        self.subclasses: list[tuple[type, dict[str, Any]] | None] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -254,6 +258,19 @@ class BoundaryCall:
                               "routing) use reuse_during_recompute")
 
 
+def _as_saved(tensor: torch.Tensor, kind: tuple[type, dict[str, Any]] | None, *,
+              attributes: bool = False) -> torch.Tensor:
+    """``tensor`` as the subclass (and, with ``attributes``, with the attributes) its input
+    had in the forward."""
+    if kind is None:
+        return tensor
+    if type(tensor) is not kind[0]:
+        tensor = tensor.as_subclass(kind[0])
+    if attributes:
+        tensor.__dict__.update(kind[1])
+    return tensor
+
+
 class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: BoundaryCall, anchor: torch.Tensor | None,
@@ -291,6 +308,10 @@ class _BoundaryFunction(torch.autograd.Function):
                  if version != input_versions[slot]]
         # NOTE [attributes set before the call]: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
+        if any(type(t) is not torch.Tensor for t in saved):
+            # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
+            call.subclasses = [None if type(t) in (torch.Tensor, nn.Parameter) else
+                               (type(t), t.__dict__) for t in saved]
         if moved:
             raise_input_changed(call, tensors, moved)
         if watch is not None:
@@ -392,14 +413,22 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
                 "loss.backward() and read .grad")
     needs = ctx.needs_input_grad[2:]
     n = call.n_inputs + len(call.attributes)
-    detached = tuple(t.detach().requires_grad_(need)
-                     for t, need in zip(ctx.saved_tensors, needs[:n]))
+    saved = ctx.saved_tensors
     call.frame.start_replay()
     assert call.env is not None
     invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
     token = ACTIVE.set(invocation)
     try:
         with call.env.replaying(), IsolatedPass():
+            # Detached here, under the forward's torch-function state: a __torch_function__
+            # subclass input stays one (NOTE [the replay sees tensor subclasses as the forward
+            # did] in rng.py).
+            if call.subclasses is None:
+                detached = tuple(t.detach().requires_grad_(need)
+                                 for t, need in zip(saved, needs[:n]))
+            else:
+                detached = tuple(_as_saved(t.detach(), kind).requires_grad_(need)
+                                 for t, kind, need in zip(saved, call.subclasses, needs[:n]))
             # fn sees non-leaf aliases (made with grad enabled), whatever its inputs were in
             # eager. Three things need them (a review of a change that handed fn the leaves
             # found each; tests/pytree_ckpt/test_boundary.py keeps them): a multi-grad hook on
@@ -410,6 +439,9 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
             # alive until the caller's autocast region ends (backward inside it kept every
             # layer's input).
             aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
+            if call.subclasses is not None:
+                aliases = tuple(_as_saved(a, kind, attributes=True)
+                                for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
             shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             recorded = None

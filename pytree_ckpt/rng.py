@@ -36,6 +36,9 @@ def set_rng_state(state: RngState, /, *, devices: tuple[int, ...]) -> None:
             torch.cuda.set_rng_state(state[1][device], device)
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+# Not in torch's type stubs (torch/csrc/utils/disable_torch_function.cpp).
+_get_torch_function_state: Any = torch._C._get_torch_function_state  # type: ignore[attr-defined]
+_set_torch_function_state: Any = torch._C._set_torch_function_state  # type: ignore[attr-defined]
 
 
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -47,14 +50,22 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 class ReplayEnvironment:
     """RNG states and autocast settings captured at the start of an original pass."""
 
-    __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache")
+    __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function")
 
     def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
-                 autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool) -> None:
+                 autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool,
+                 torch_function: Any) -> None:
         self.cpu_rng = cpu_rng
         self.cuda_rng = cuda_rng
         self.autocast = autocast
         self.autocast_cache = autocast_cache
+        # NOTE [the replay sees tensor subclasses as the forward did]: a backward started from a
+        # tensor subclass (loss.backward() on a __torch_function__ subclass goes through its
+        # __torch_function__, which switches subclass handling off) runs every node with it
+        # off, so the replay's inputs would reach fn as plain tensors, and fn would compute
+        # another function than in the forward (isinstance checks, the subclass's overrides).
+        # The replay runs under the forward's torch-function state.
+        self.torch_function = torch_function
 
     @classmethod
     def capture(cls, tensors: tuple[torch.Tensor, ...], *, preserve_rng: bool) -> ReplayEnvironment:
@@ -65,7 +76,8 @@ class ReplayEnvironment:
             # As torch's checkpoint: the CUDA generators of the devices the inputs live on.
             for device in {t.device.index for t in tensors if t.is_cuda}:
                 cuda_rng[device] = torch.cuda.get_rng_state(device)
-        return cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled())
+        return cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled(),
+                   _get_torch_function_state())
 
     def rng_devices(self) -> tuple[int, ...] | None:
         """The CUDA devices whose generators the replay restores (and the CPU one); ``None``
@@ -79,18 +91,20 @@ class ReplayEnvironment:
 
 class Replaying:
     """Entered around one replay: sets the recorded RNG states (the ambient ones are put back
-    after it), the recorded autocast settings where backward's differ, and enables grad.
+    after it), the recorded autocast settings and torch-function state where backward's
+    differ, and enables grad.
 
     One plain class rather than an ``ExitStack`` of three contexts: it is entered once per
     layer call in backward, and the stack's bookkeeping cost more than the work."""
 
-    __slots__ = ("env", "saved_rng", "autocast", "grad")
+    __slots__ = ("env", "saved_rng", "autocast", "grad", "torch_function")
 
     def __init__(self, env: ReplayEnvironment) -> None:
         self.env = env
         self.saved_rng: RngState | None = None
         self.autocast: ExitStack | None = None
         self.grad: bool | None = None  # the caller's grad mode, once set
+        self.torch_function: Any = None  # backward's torch-function state, where it differs
 
     def __enter__(self) -> None:
         env = self.env
@@ -111,8 +125,14 @@ class Replaying:
                 raise
         self.grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
+        state = _get_torch_function_state()
+        if state != env.torch_function:  # NOTE [the replay sees tensor subclasses as ...]
+            self.torch_function = state
+            _set_torch_function_state(env.torch_function)
 
     def __exit__(self, *exc: Any) -> None:
+        if self.torch_function is not None:
+            _set_torch_function_state(self.torch_function)
         if self.grad is not None:
             torch._C._set_grad_enabled(self.grad)
         if self.autocast is not None:

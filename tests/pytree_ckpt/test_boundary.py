@@ -1062,3 +1062,50 @@ def test_specs_that_differ_only_in_node_metadata_are_named_at_that_node() -> Non
     got = flatten({"aux": collections.deque([1], maxlen=3)}).spec
     path, left, right = first_difference(expected, got, root="output")
     assert path == "output['aux']" and "maxlen=2" in left and "maxlen=3" in right
+
+
+class _Scaled(torch.Tensor):
+    """A __torch_function__ subclass (torch's default: results stay _Scaled)."""
+
+
+class _TypeAware(nn.Module):
+    """Computes another function for a _Scaled input, as a subclass-aware layer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.seen: list[tuple[str, str, Any]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((current_phase().value, type(x).__name__, getattr(x, "tag", None)))
+        return self.proj(x) * (2.0 if isinstance(x, _Scaled) else 3.0)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_torch_function_subclass_input_reaches_the_replay_as_that_subclass(
+        offload: bool) -> None:
+    # loss.backward() on a _Scaled loss goes through its __torch_function__, which switches
+    # subclass handling off for the whole backward: the replay used to detach its inputs to
+    # plain tensors, and the layer computed 3x instead of 2x (gradients off by half).
+    from offload import OffloadConfig, OffloadManager
+
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = _TypeAware()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(
+                layer, offload=OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+                if offload else False)
+        x = torch.randn(2, 4).as_subclass(_Scaled).requires_grad_()
+        h = x * 1
+        h.tag = "layer input"  # type: ignore[attr-defined]
+        out = layer(h)
+        assert type(out) is _Scaled
+        out.square().sum().backward()
+        grads.append([x.grad, layer.proj.weight.grad, layer.proj.bias.grad])
+        if wrap:
+            assert layer.seen == [("forward", "_Scaled", "layer input"),
+                                  ("recompute", "_Scaled", "layer input")]
+    assert_same_grads(*grads)
+    assert torch._C._get_torch_function_state() == torch._C._TorchFunctionState.ENABLED
