@@ -25,9 +25,11 @@ it would keep computing with the original's weights.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import types
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -44,6 +46,8 @@ if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at r
     from offload import OffloadManager
 
 OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing",
            "is_checkpointed", "checkpoint_layers", "resolve_offload"]
@@ -64,6 +68,8 @@ class _CheckpointedForward:
     @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
+        if module.__dict__.get("forward") is not self:
+            _warn_compiled_over(module, self)
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
         return run_boundary(forward, args, kwargs, self.options, module)
 
@@ -105,6 +111,22 @@ class _CheckpointedForward:
         return (_restore_forward, (module, name, self.options))
 
 
+_WARNED_COMPILED = "_pytree_ckpt_warned_compiled"
+
+
+def _warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> None:
+    if module.__dict__.get(_WARNED_COMPILED) or \
+            not _compiled_over(module.__dict__.get("forward"), installed):
+        return
+    module.__dict__[_WARNED_COMPILED] = True
+    warnings.warn(
+        f"pytree_ckpt: the forward of this {type(module).__name__} was compiled after "
+        "checkpointing, which compiles nothing (the boundary is opaque to dynamo, and so is the "
+        "body it runs). Compile the body first: remove_activation_checkpointing(layer), then "
+        "layer.forward = torch.compile(layer.forward), then apply_activation_checkpointing("
+        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=3)
+
+
 def _restore_forward(module: nn.Module, method: str | None,
                      options: BoundaryOptions) -> _CheckpointedForward:
     bare = None if method is None else types.MethodType(getattr(type(module), method), module)
@@ -113,9 +135,29 @@ def _restore_forward(module: nn.Module, method: str | None,
 
 def _installed(module: nn.Module) -> _CheckpointedForward | None:
     """The boundary installed on ``module`` and still in effect: a ``forward`` assigned over it
-    since (by the user) means it is not."""
+    since (by the user) means it is not, unless it is a compiled wrapper of it (NOTE [compiled
+    over the boundary])."""
     installed = module.__dict__.get(_INSTALLED)
-    return installed if module.__dict__.get("forward") is installed else None
+    if installed is None:
+        return None
+    forward = module.__dict__.get("forward")
+    return installed if forward is installed or _compiled_over(forward, installed) else None
+
+
+# NOTE [compiled over the boundary]: ``layer.forward = torch.compile(layer.forward)`` after
+# checkpointing wraps the boundary, which dynamo never traces: nothing is compiled, and the
+# layer is still checkpointed. is_checkpointed says so, applying again does not nest a second
+# boundary, removing drops the wrapper with the boundary, and the first call warns.
+def _compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
+    """Whether ``forward`` is torch.compile's wrapper of ``installed``."""
+    for _ in range(4):  # dynamo's wrapper, then its inline wrapper of a callable object
+        forward = getattr(forward, "_torchdynamo_orig_callable", None) or \
+            getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return False
+        if forward is installed:
+            return True
+    return False
 
 
 def body_forward(module: nn.Module, /) -> Any:
@@ -205,7 +247,8 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     """Undo ``apply_activation_checkpointing`` or ``apply_recompute_config`` on ``module``.
 
     A no-op on an unwrapped module (and on one whose ``forward`` was assigned over the
-    boundary since: that forward stays); methods wrapped by its save units are restored too,
+    boundary since: that forward stays; a ``torch.compile`` wrapper of the boundary goes with
+    it, NOTE [compiled over the boundary]); methods wrapped by its save units are restored too,
     those of layers wrapped on their own are left to them.
     """
     drop_caches(module)
@@ -217,10 +260,15 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
         for name in [n for n, v in sub.__dict__.items() if getattr(v, "_pytree_ckpt_kept", False)]:
             del sub.__dict__[name]
         remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
-    if installed.bare is None:
+    module.__dict__.pop(_WARNED_COMPILED, None)
+    bare = installed.bare
+    if module.__dict__.get("forward") is not installed:  # NOTE [compiled over the boundary]
+        logger.info("%s: the torch.compile wrapper put over its boundary goes with it",
+                    type(module).__name__)
+    if bare is None:
         module.__dict__.pop("forward", None)
     else:
-        module.__dict__["forward"] = installed.bare
+        module.__dict__["forward"] = bare
     return module
 
 

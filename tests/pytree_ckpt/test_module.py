@@ -324,3 +324,45 @@ def test_a_ratio_rounds_a_share_that_is_not_a_whole_layer_down(n: int, ratio: fl
     others = nn.ModuleList(nn.Linear(1, 1) for _ in range(n))
     config = pytree_ckpt.RecomputeConfig(ratio)
     assert pytree_ckpt.apply_recompute_config(others, config, {}) == list(range(count))
+
+
+def test_compiling_a_forward_after_checkpointing_warns_and_the_layer_stays_checkpointed_once(
+        ) -> None:
+    # NOTE [compiled over the boundary]: the compiled wrapper sees only the opaque boundary.
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    phases: list[str] = []
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            phases.append(pytree_ckpt.current_phase().value)
+            return self.proj(x).relu()
+
+    layer = apply_activation_checkpointing(Block())
+    counter = CompileCounterWithBackend("eager")
+    layer.forward = torch.compile(layer.forward, backend=counter)  # the wrong order
+    x = torch.randn(2, 4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            layer(x).sum().backward()
+    assert [str(w.message) for w in caught if "compiled after checkpointing" in str(w.message)
+            and "Compile the body first" in str(w.message)] != []
+    assert len(caught) == 1  # once per module
+    assert counter.frame_count == 0 and phases == ["forward", "recompute"] * 2
+    assert pytree_ckpt.is_checkpointed(layer)
+    apply_activation_checkpointing(layer)  # the same options: a no-op, not a second boundary
+    phases.clear()
+    layer(x).sum().backward()
+    assert phases == ["forward", "recompute"]
+    remove_activation_checkpointing(layer)  # the wrapper goes with the boundary
+    assert not pytree_ckpt.is_checkpointed(layer) and "forward" not in layer.__dict__
+    phases.clear()
+    layer(x).sum().backward()
+    assert phases == ["plain"]
