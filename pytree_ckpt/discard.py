@@ -168,7 +168,7 @@ class _DiscardFunction(torch.autograd.Function):
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
         with torch.no_grad(), IsolatedPass():
-            outputs = owner.fn(*args)
+            outputs = owner.fn(*args, **owner.kwargs)
         if owner.modules:  # NOTE [the replay sees the forward's modules], as at the boundary
             owner.forward_modules = ForwardModules(
                 owner.modules, [module_dicts(m) for m in owner.modules])
@@ -271,6 +271,7 @@ class CheckpointWithoutOutput:
     def __init__(self, *, preserve_rng_state: bool = True) -> None:
         self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
         self.fn: Callable[..., Any] | None = None
+        self.kwargs: dict[str, Any] = {}  # plain values only (checked in checkpoint())
         self.ctx: Any = None
         self.env: ReplayEnvironment | None = None
         self.single = True
@@ -292,13 +293,24 @@ class CheckpointWithoutOutput:
         self.modules: list[nn.Module] | None = None  # fn's modules, until its forward ran
         self.forward_modules: ForwardModules | None = None
 
-    def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
-        """``fn(*args)`` under no-grad; inputs saved through autograd; returns its output."""
+    def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under no-grad; inputs saved through autograd; returns its
+        output. Keyword arguments take plain values only (``eps=1e-6``)."""
         if self.fn is not None:
             raise CheckpointError("this CheckpointWithoutOutput was already used",
                                   expected="one checkpoint() per object", got="a second call",
                                   tip="create one CheckpointWithoutOutput per op call")
+        for key, value in kwargs.items():
+            if any(isinstance(x, (torch.Tensor, nn.Module)) for x in flatten(value).leaves):
+                raise CheckpointConfigError(
+                    f"CheckpointWithoutOutput takes tensors and modules as positional arguments; "
+                    f"{callable_name(fn)} got one as keyword {key!r}",
+                    expected="fn(tensor, ..., option=plain_value)",
+                    got=f"{key}={type(value).__name__}",
+                    tip="pass it positionally (a lambda or a method can reorder arguments: "
+                        "ckpt.checkpoint(lambda x, w: F.layer_norm(x, (64,), weight=w), x, w))")
         self.fn = fn
+        self.kwargs = kwargs
         for arg in args:
             if isinstance(arg, (list, tuple, dict)) and any(
                     isinstance(x, torch.Tensor) for x in flatten(arg).leaves):
@@ -336,7 +348,7 @@ class CheckpointWithoutOutput:
                             self._name())
             self.passthrough = True
             self.reachable = None
-            return fn(*args)
+            return fn(*args, **kwargs)
         outputs = tuple(_DiscardFunction.apply(self, *args, *(self.params or ())))
         if not any(o.requires_grad for o in outputs):
             # No output can carry a gradient, so autograd keeps no node (and no inputs) to
@@ -453,7 +465,7 @@ class CheckpointWithoutOutput:
                 self.detached.append(d)
                 # a non-leaf alias, as in the boundary's replay (module input-gradient hooks)
                 args.append(d.view_as(d) if d.requires_grad else d)
-            outputs = self.fn(*args)
+            outputs = self.fn(*args, **self.kwargs)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         if len(outputs) != len(self.outputs):
             raise ReplayMismatchError(
@@ -514,9 +526,9 @@ class CheckpointWithoutOutputManager:
         self.replay_order: list[int] = []  # indices, in the order replays happened
         self.registered = False
 
-    def checkpoint(self, fn: Callable[..., Any], /, *args: Any) -> Any:
-        """``fn(*args)`` through a new ``CheckpointWithoutOutput`` of this manager, in forward
-        order; returns its output."""
+    def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` through a new ``CheckpointWithoutOutput`` of this manager, in
+        forward order; returns its output."""
         if self.registered:
             raise CheckpointError(
                 "this manager's outputs were already discarded; it takes no more checkpoints",
@@ -527,7 +539,7 @@ class CheckpointWithoutOutputManager:
                     "span layers: block_size=1")
         ckpt = CheckpointWithoutOutput(preserve_rng_state=self.preserve_rng_state)
         self.checkpoints.append(ckpt)
-        return ckpt.checkpoint(fn, *args)
+        return ckpt.checkpoint(fn, *args, **kwargs)
 
     def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor,
                                                            /) -> None:

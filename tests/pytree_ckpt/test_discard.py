@@ -538,3 +538,34 @@ def test_a_parameter_the_discarded_module_also_receives_as_an_argument_gets_its_
     ckpt.discard_output_and_register_recompute(y)
     y.sum().backward()
     assert_same_grads(expected, grads_of([x, *twin.parameters()]))
+
+
+def test_keyword_options_reach_the_op_in_both_passes_and_tensor_keywords_are_refused() -> None:
+    import torch.nn.functional as F
+
+    norm = nn.LayerNorm(8)
+    proj = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def run(discard: bool) -> list[torch.Tensor]:
+        x.grad = None
+        for p in (*norm.parameters(), *proj.parameters()):
+            p.grad = None
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            normed = ckpt.checkpoint(F.layer_norm, x, normalized_shape=(8,), eps=1e-3)
+            out = proj(normed)
+            ckpt.discard_output_and_register_recompute(out)
+            assert normed.untyped_storage().nbytes() == 0
+        else:
+            out = proj(F.layer_norm(x, normalized_shape=(8,), eps=1e-3))
+        (x + out).sum().backward()
+        return [x.grad, proj.weight.grad]
+
+    # One use of x by the norm and one by the residual: their sum's order differs (documented,
+    # "Exactness"); the projection's gradient, which needs only the rebuilt output, is exact.
+    eager, discarded = run(False), run(True)
+    assert torch.equal(eager[1], discarded[1])
+    torch.testing.assert_close(eager[0], discarded[0], rtol=0, atol=1e-6)
+    with pytest.raises(CheckpointConfigError, match="(?s)as keyword 'weight'.*pass it positionally"):
+        CheckpointWithoutOutput().checkpoint(F.layer_norm, x, (8,), weight=norm.weight)
