@@ -254,6 +254,8 @@ CONFIGS: tuple[BenchConfig, ...] = (
                 "pytree-ckpt", _pytree(reuse=False, save=["dsa_indexer"])),
     BenchConfig("pytree_save_gate", "pytree-ckpt + replay, keep moe_gate", "pytree-ckpt",
                 _pytree(save=["moe_gate"])),
+    BenchConfig("pytree_save_dispatch", "pytree-ckpt + replay, keep moe_dispatch",
+                "pytree-ckpt", _pytree(save=["moe_dispatch"])),
     BenchConfig("pytree_discard", "pytree-ckpt + replay, norms discarded", "pytree-ckpt",
                 _pytree(discard=True)),
     BenchConfig("save_on_cpu", "torch save_on_cpu (eager)", "torch", _save_on_cpu,

@@ -63,15 +63,26 @@ class MoE(nn.Module):
             SwiGLU(config.hidden_size, config.moe_intermediate_size)
             for _ in range(config.n_routed_experts))
 
+    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per expert: the tokens routed to it, their top-k slots, and their hidden states.
+
+        The save unit ``moe_dispatch`` keeps what this returns (the token permutation, an
+        all-to-all's output in expert-parallel training) instead of recomputing it.
+        """
+        routed = []
+        for e in range(len(self.experts)):
+            # Data-dependent shapes: exactly what differs if a replay re-routed the tokens.
+            token, slot = (expert_ids == e).nonzero(as_tuple=True)
+            routed.append((token, slot, x[token]))
+        return routed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router.project(x)
         expert_ids = pytree_ckpt.reuse_during_recompute(self.router.select, logits.detach())
         gates = logits.softmax(dim=-1).gather(-1, expert_ids)
         gates = gates / gates.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            # Data-dependent shapes: exactly what differs if a replay re-routed the tokens.
-            token, slot = (expert_ids == e).nonzero(as_tuple=True)
-            y = expert(x[token]) * gates[token, slot, None]
-            out = out.index_add(0, token, y)
+        for expert, (token, slot, tokens) in zip(self.experts, self.dispatch(x, expert_ids)):
+            out = out.index_add(0, token, expert(tokens) * gates[token, slot, None])
         return out

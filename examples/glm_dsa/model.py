@@ -52,11 +52,13 @@ class GlmDsaForCausalLM(nn.Module):
     # What each save unit keeps in this model (tests resolve every name, so a rename cannot
     # silently make a unit keep nothing). Attention and the indexer top-k by op identity (both
     # are custom ops whatever backend runs them); the MoE gate by the router's projection
-    # method, which encloses only the projection (not the in-place-free top-k after it).
+    # method, which encloses only the projection (not the in-place-free top-k after it); the
+    # MoE dispatch by the method that groups tokens per expert.
     recompute_targets: RecomputeTargetMap = {
         SaveUnit.ATTN: KeptOps("glm_dsa::sparse_mla_attention"),
         SaveUnit.DSA_INDEXER: KeptOps("glm_dsa::indexer_topk"),
         SaveUnit.MOE_GATE: KeptCallables("Router.project"),
+        SaveUnit.MOE_DISPATCH: KeptCallables("MoE.dispatch"),
     }
 
     def __init__(self, config: GlmDsaConfig) -> None:

@@ -2,7 +2,7 @@
 
     python -m examples.glm_dsa.train --steps 5 --ratio 1.0 [--no-reuse] [--moe] \\
         [--mtp-depth 2] [--seed 0] [--offload [--offload-min-bytes 1024]] \\
-        [--save attn,dsa_indexer,moe_gate | --save all] [--discard-norms] \\
+        [--save attn,dsa_indexer,moe_gate,moe_dispatch | --save all] [--discard-norms] \\
         [--compile [--compile-backend inductor]]
     torchrun --nproc-per-node N -m examples.glm_dsa.train --fsdp [--compile] [...]
     torchrun --nproc-per-node N -m examples.glm_dsa.train --ddp [...]

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from examples.glm_dsa import GlmDsaForCausalLM, make_packed_batch
-from examples.glm_dsa.mlp import Router
+from examples.glm_dsa import GlmDsaConfig, GlmDsaForCausalLM, make_packed_batch
+from examples.glm_dsa.mlp import MoE, Router
 from pytree_ckpt import ActivationCensus, KeptCallables, KeptOps, SaveUnit
 from tests.examples.test_glm_dsa_model import (SEQ_LENS, _one_thread, assert_same_grads, build,
                                                grads, train_step)
@@ -20,15 +20,17 @@ __all__ = ["_one_thread"]  # the module-scoped one-thread fixture applies here t
 
 def test_every_declared_name_resolves() -> None:
     targets = GlmDsaForCausalLM.recompute_targets
-    assert set(targets) == {SaveUnit.ATTN, SaveUnit.DSA_INDEXER, SaveUnit.MOE_GATE}
-    attn, indexer, gate = targets[SaveUnit.ATTN], targets[SaveUnit.DSA_INDEXER], \
-        targets[SaveUnit.MOE_GATE]
+    assert set(targets) == set(SaveUnit)  # the reference model declares every unit
+    attn, indexer, gate, dispatch = targets[SaveUnit.ATTN], targets[SaveUnit.DSA_INDEXER], \
+        targets[SaveUnit.MOE_GATE], targets[SaveUnit.MOE_DISPATCH]
     assert isinstance(attn, KeptOps) and isinstance(indexer, KeptOps)
     assert torch.ops.glm_dsa.sparse_mla_attention in attn.resolve()
     assert indexer.resolve() == [torch.ops.glm_dsa.indexer_topk]
     # flash-attn names resolve only where flash-attn is installed (a CUDA extra)
     assert isinstance(gate, KeptCallables)
     assert gate.matches(Router(8, 4, 2)) == ["project"]
+    assert isinstance(dispatch, KeptCallables)
+    assert dispatch.matches(MoE(GlmDsaConfig(moe=True))) == ["dispatch"]
 
 
 def twin(eager: GlmDsaForCausalLM, **kwargs: Any) -> GlmDsaForCausalLM:
@@ -37,7 +39,8 @@ def twin(eager: GlmDsaForCausalLM, **kwargs: Any) -> GlmDsaForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("save", [None, ["attn"], ["dsa_indexer"], ["moe_gate"], True])
+@pytest.mark.parametrize("save", [None, ["attn"], ["dsa_indexer"], ["moe_gate"],
+                                  ["moe_dispatch"], True])
 def test_loss_and_grads_are_bit_identical_to_eager_whatever_is_kept(save: Any) -> None:
     config, eager = build(moe=True, dropout=0.1)
     model = twin(eager, save=save)
@@ -64,6 +67,19 @@ def test_kept_attention_and_gate_ops_run_zero_times_in_the_replay() -> None:
     # the router projection (one addmm or mm per MoE layer) is kept; experts recompute
     proj = lambda c: c.counts["recompute", "aten.mm"] + c.counts["recompute", "aten.addmm"]  # noqa: E731
     assert proj(kept) == proj(full) - layers
+    assert kept.counts["recompute", "aten.silu"] == full.counts["recompute", "aten.silu"] > 0
+
+
+def test_a_kept_moe_dispatch_does_not_group_tokens_again_in_the_replay() -> None:
+    config, eager = build(moe=True)
+    batch = make_packed_batch(config, SEQ_LENS)
+    full = count_replay_ops(twin(eager), batch)
+    kept = count_replay_ops(twin(eager, save=["moe_dispatch"]), batch)
+    calls = (config.num_layers + config.mtp_depth) * config.n_routed_experts  # one per expert
+    for op in ("aten.nonzero", "aten.eq"):
+        assert full.counts["recompute", op] == calls and kept.counts["recompute", op] == 0
+    # x[token] is the dispatch's; gates[token, slot] is not, and reruns
+    assert kept.counts["recompute", "aten.index"] == full.counts["recompute", "aten.index"] - calls
     assert kept.counts["recompute", "aten.silu"] == full.counts["recompute", "aten.silu"] > 0
 
 
