@@ -320,6 +320,23 @@ def test_the_reused_calls_graph_is_hidden_from_offload_and_other_saved_tensor_ho
     assert manager.stats()["offloaded_bytes"] == x.numel() * x.element_size() + ids_bytes
 
 
+def test_a_nested_boundary_refuses_a_differentiable_result_its_enclosing_replay_hands_on(
+        ) -> None:
+    # The inner boundary first runs inside the outer one's replay, takes the result from the
+    # outer frame (fn is not called again), and must record the refusal with it.
+    gate = torch.randn(4, 4, requires_grad=True)
+
+    def route(t: torch.Tensor) -> torch.Tensor:
+        return (t @ gate).softmax(-1)
+
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        return reuse_during_recompute(route, t) * t
+
+    out = checkpoint(lambda t: checkpoint(inner, t) * 2, torch.randn(3, 4, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"route\) returned result, which requires grad"):
+        out.sum().backward()
+
+
 def test_threads_never_see_each_others_frames() -> None:
     topk = CountingTopk()
     inside = threading.Event()
