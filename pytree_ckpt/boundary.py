@@ -150,6 +150,9 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
             as_is.append(t)
     return as_is
 
+_Tensor = torch.Tensor  # read per call
+
+
 class BoundaryCall:
     """Everything one boundary call needs for its replay, minus the tensors themselves."""
 
@@ -308,10 +311,12 @@ class _BoundaryFunction(torch.autograd.Function):
                  if version != input_versions[slot]]
         # NOTE [attributes set before the call]: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
-        if any(type(t) is not torch.Tensor for t in saved):
-            # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
-            call.subclasses = [None if type(t) in (torch.Tensor, nn.Parameter) else
-                               (type(t), t.__dict__) for t in saved]
+        for t in saved:
+            if type(t) is not _Tensor:
+                # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
+                call.subclasses = [None if type(t) in (_Tensor, nn.Parameter) else
+                                   (type(t), t.__dict__) for t in saved]
+                break
         if moved:
             raise_input_changed(call, tensors, moved)
         if watch is not None:

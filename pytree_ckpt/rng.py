@@ -39,6 +39,7 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 # Not in torch's type stubs (torch/csrc/utils/disable_torch_function.cpp).
 _get_torch_function_state: Any = torch._C._get_torch_function_state  # type: ignore[attr-defined]
 _set_torch_function_state: Any = torch._C._set_torch_function_state  # type: ignore[attr-defined]
+_TF_ENABLED: Any = torch._C._TorchFunctionState.ENABLED  # type: ignore[attr-defined]
 
 
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -65,7 +66,7 @@ class ReplayEnvironment:
         # off, so the replay's inputs would reach fn as plain tensors, and fn would compute
         # another function than in the forward (isinstance checks, the subclass's overrides).
         # The replay runs under the forward's torch-function state.
-        self.torch_function = torch_function
+        self.torch_function = torch_function  # None: enabled
 
     @classmethod
     def capture(cls, tensors: tuple[torch.Tensor, ...], *, preserve_rng: bool) -> ReplayEnvironment:
@@ -76,8 +77,11 @@ class ReplayEnvironment:
             # As torch's checkpoint: the CUDA generators of the devices the inputs live on.
             for device in {t.device.index for t in tensors if t.is_cuda}:
                 cuda_rng[device] = torch.cuda.get_rng_state(device)
+        # None: enabled, the usual state (read cheaply; the state object costs ~10x more).
+        torch_function = None if torch._C._is_torch_function_enabled() else \
+            _get_torch_function_state()
         return cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled(),
-                   _get_torch_function_state())
+                   torch_function)
 
     def rng_devices(self) -> tuple[int, ...] | None:
         """The CUDA devices whose generators the replay restores (and the CPU one); ``None``
@@ -125,10 +129,16 @@ class Replaying:
                 raise
         self.grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
-        state = _get_torch_function_state()
-        if state != env.torch_function:  # NOTE [the replay sees tensor subclasses as ...]
-            self.torch_function = state
-            _set_torch_function_state(env.torch_function)
+        # NOTE [the replay sees tensor subclasses as the forward did]
+        if env.torch_function is None:
+            if not torch._C._is_torch_function_enabled():
+                self.torch_function = _get_torch_function_state()
+                _set_torch_function_state(_TF_ENABLED)
+        else:
+            state = _get_torch_function_state()
+            if state != env.torch_function:
+                self.torch_function = state
+                _set_torch_function_state(env.torch_function)
 
     def __exit__(self, *exc: Any) -> None:
         if self.torch_function is not None:
