@@ -72,7 +72,7 @@ def test_the_replay_environment_sets_the_recorded_cuda_state_and_puts_the_ambien
     captured = ReplayEnvironment.capture((), preserve_rng=True)
     recorded = torch.full((16,), 5, dtype=torch.uint8)
     env = ReplayEnvironment(captured.cpu_rng, {0: recorded}, captured.autocast,
-                            captured.autocast_cache)
+                            captured.autocast_cache, captured.torch_function)
     assert env.rng_devices() == (0,)
     ambient = gens.states[0].clone()
     with env.replaying():
