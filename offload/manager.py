@@ -47,6 +47,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from pytree_ckpt.census import storage_key
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged
+from pytree_ckpt.subclass import as_kind
 
 from .pool import HostPool
 from .streams import CopyEngine
@@ -453,11 +454,7 @@ class OffloadManager:
             restored = restored.conj()
         if packed.neg:
             restored = torch._neg_view(restored)
-        if packed.subclass is not None:  # NOTE [subclasses come back as themselves]
-            cls, attributes = packed.subclass
-            restored = restored.as_subclass(cls)
-            restored.__dict__.update(attributes)
-        return restored
+        return as_kind(restored, packed.subclass)  # NOTE [subclasses come back as themselves]
 
     def _prefetch_targets(self, window: Window) -> list[Window]:
         """The windows before ``window`` to restore now, nearest first (backward needs it

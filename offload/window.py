@@ -21,6 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.errors import CheckpointError
+from pytree_ckpt.subclass import SubclassKind, kind_of
 
 if TYPE_CHECKING:  # the manager builds these objects; they only read and count into it
     from .manager import OffloadManager
@@ -184,12 +185,10 @@ class Handle:
         # back, or backward reads x where it saved conj(x).
         self.conj = tensor.is_conj()
         self.neg = tensor.is_neg()
-        # NOTE [subclasses come back as themselves]: a __torch_function__ subclass (one with
-        # plain storage; wrapper subclasses stay on the device) is restored as that class, with
-        # the original's attribute dict (the object itself, as eager autograd hands back the
-        # tensor it saved): a layer's replay may branch on either.
-        self.subclass: tuple[type, dict[str, Any]] | None = (
-            None if type(tensor) is torch.Tensor else (type(tensor), tensor.__dict__))
+        # NOTE [subclasses come back as themselves] in pytree_ckpt/subclass.py: a
+        # __torch_function__ subclass (wrapper subclasses stay on the device) is restored as
+        # that class, with its attributes.
+        self.subclass: SubclassKind | None = kind_of(tensor)
         base = tensor._base
         self.source = weakref.ref(base if base is not None else tensor)
         self.version = tensor._version

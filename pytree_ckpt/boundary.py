@@ -58,7 +58,9 @@ messages say so, in ``refusals.py``.
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
 ``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), or when
 nothing can receive a gradient (no input requires grad and ``fn`` belongs to a module with no
-trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
+trainable parameter), or inside ``reuse_during_recompute``'s fn in a boundary's original pass
+(its graph is built only to see what requires grad, and no backward uses it: frozen.py),
+``fn`` is just called: no node, no frame, phase unchanged.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ from .engine import input_grads
 from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
-from .keep import KeepMode, KeepPolicy
+from .keep import IN_REUSE, KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
                            collect_parameters, graph_attributes, is_verified, module_dicts,
                            owning_module, versions)
@@ -91,6 +93,7 @@ from .refusals import (TORCH_REENTRANT, fn_name, input_path, raise_attached_to_o
                        verify_leaves)
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
+from .subclass import SubclassKind, as_kind, kind_of
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
@@ -209,10 +212,10 @@ class BoundaryCall:
         # The tensors the modules held as attributes before fn ran, by id, when hooked (NOTE
         # [held tensors are not hooked outputs] in hook_outputs.py); for the original pass only.
         self.held: dict[int, torch.Tensor] = {}
-        # Per saved input, its __torch_function__ subclass and attribute dict (None for a plain
-        # tensor); None when every one is plain (NOTE [the replay sees tensor subclasses as the
-        # forward did] in rng.py).
-        self.subclasses: list[tuple[type, dict[str, Any]] | None] | None = None
+        # Per saved input, its __torch_function__ subclass and attributes (None for a plain
+        # tensor); None when every one is plain (NOTE [subclasses come back as themselves] in
+        # subclass.py, NOTE [the replay sees tensor subclasses as the forward did] in rng.py).
+        self.subclasses: list[SubclassKind | None] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -261,19 +264,6 @@ class BoundaryCall:
                               "routing) use reuse_during_recompute")
 
 
-def _as_saved(tensor: torch.Tensor, kind: tuple[type, dict[str, Any]] | None, *,
-              attributes: bool = False) -> torch.Tensor:
-    """``tensor`` as the subclass (and, with ``attributes``, with the attributes) its input
-    had in the forward."""
-    if kind is None:
-        return tensor
-    if type(tensor) is not kind[0]:
-        tensor = tensor.as_subclass(kind[0])
-    if attributes:
-        tensor.__dict__.update(kind[1])
-    return tensor
-
-
 class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: BoundaryCall, anchor: torch.Tensor | None,
@@ -314,8 +304,7 @@ class _BoundaryFunction(torch.autograd.Function):
         for t in saved:
             if type(t) is not _Tensor:
                 # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
-                call.subclasses = [None if type(t) in (_Tensor, nn.Parameter) else
-                                   (type(t), t.__dict__) for t in saved]
+                call.subclasses = [kind_of(t) for t in saved]
                 break
         if moved:
             raise_input_changed(call, tensors, moved)
@@ -432,8 +421,8 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
                 detached = tuple(t.detach().requires_grad_(need)
                                  for t, need in zip(saved, needs[:n]))
             else:
-                detached = tuple(_as_saved(t.detach(), kind).requires_grad_(need)
-                                 for t, kind, need in zip(saved, call.subclasses, needs[:n]))
+                detached = tuple(as_kind(t.detach(), kind, attributes=False).requires_grad_(
+                    need) for t, kind, need in zip(saved, call.subclasses, needs[:n]))
             # fn sees non-leaf aliases (made with grad enabled), whatever its inputs were in
             # eager. Three things need them (a review of a change that handed fn the leaves
             # found each; tests/pytree_ckpt/test_boundary.py keeps them): a multi-grad hook on
@@ -445,8 +434,7 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
             # layer's input).
             aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
             if call.subclasses is not None:
-                aliases = tuple(_as_saved(a, kind, attributes=True)
-                                for a, kind in zip(aliases, call.subclasses))
+                aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
             shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             recorded = None
@@ -641,9 +629,11 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.
     """
-    if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None \
+            or IN_REUSE.get():
         # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
-        # jacrev) too: the Function has no setup_context, and torch's error would name no fix.
+        # jacrev) too: the Function has no setup_context, and torch's error would name no fix;
+        # and inside a reused call, whose graph no backward may use (frozen.py).
         return fn(*args, **kwargs)
     flat = flatten_call(args, kwargs)
     leaves = flat.leaves

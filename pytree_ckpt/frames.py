@@ -32,6 +32,7 @@ import torch
 
 from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError
+from .frozen import as_recorded, probed, refuse_in_plain_call, refuse_in_replay
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import RngState, rng_changed, rng_state, set_rng_state
@@ -90,7 +91,7 @@ class Frame:
         # hands back those very tensors, so a change made to them since would count twice.
         self.versions: dict[Callable[..., Any], list[dict[int, int]]] = {}
         # The key paths of each recorded result's leaves that required grad when fn ran
-        # (NOTE [differentiable results are refused where grad is on]).
+        # (NOTE [differentiable results are refused where grad is on] in frozen.py).
         self.differentiable: dict[Callable[..., Any], list[tuple[str, ...]]] = {}
         # NOTE [skipped work keeps the RNG in step]: a recorded call that drew random numbers
         # (router jitter, a kept dropout) is skipped in the replay, so the generators would
@@ -234,66 +235,6 @@ class Frame:
         self.released = True
 
 
-# NOTE [differentiable results are refused where grad is on]: the replay hands back the
-# recorded result, which has no graph, so a float leaf that eager would compute with grad
-# (router weights or probabilities from a trainable gate) would silently lose its gradient
-# under checkpointing. Whether eager computes it with grad depends on the grad mode where
-# reuse_during_recompute is called, which the original pass cannot see (it runs under the
-# boundary's no-grad, whatever the caller's code set), and the replay can (it runs with grad,
-# under the caller's own no_grad blocks). So fn runs with grad enabled in the original pass,
-# as in eager, and the key paths of the leaves that come out requiring grad are recorded
-# (their detached values are what is recorded and returned); the replay refuses them where
-# grad is enabled. fn's own no_grad blocks still apply, so a result computed under no-grad
-# inside fn, or from detached inputs, or an int result, is never refused. That graph saves
-# no tensor (nothing may run backward through it), so a recorded call holds no more memory
-# than under no-grad. Outside any boundary the result itself is checked, so a model that
-# checkpoints only some layers fails the same way in every layer.
-def _frozen(fn: Callable[..., Any], result: Any) -> tuple[Any, tuple[str, ...]]:
-    """``result`` with its leaves that require grad detached, and their key paths."""
-    flat = flatten(result)
-    positions = [i for i in flat.tensor_index if flat.leaves[i].requires_grad]
-    if not positions:
-        return result, ()
-    paths = leaf_paths(flat.spec, root="result")
-    leaves = list(flat.leaves)
-    for i in positions:
-        leaves[i] = leaves[i].detach()
-    return unflatten(flat.spec, leaves), tuple(paths[i] for i in positions)
-
-
-def _refuse_differentiable(fn: Callable[..., Any], path: str, /, *, replay: bool) -> None:
-    where = ("the replay hands back the value recorded in the original pass, which has no graph"
-             if replay else "under checkpointing the replay would hand back a recorded value, "
-             "which has no graph")
-    raise ReuseError(
-        f"reuse_during_recompute({callable_name(fn)}) returned {path}, which requires grad "
-        f"where it is called: {where}, so its gradient would be lost",
-        expected="frozen results only: int ids, or tensors computed under torch.no_grad() or "
-                 "from detached inputs",
-        got=f"{path} computed with grad from parameters or inputs that require grad",
-        tip="return only the frozen part (the top-k ids) from the reused call and compute the "
-            "differentiable part outside it, from those ids (MoE gate weights: gather the "
-            "softmax of the router's scores at the replayed ids, as examples/glm_dsa/mlp.py "
-            "does); if no gradient is wanted, compute it under torch.no_grad() or .detach() it")
-
-
-def _graph_saves_nothing(fn: Callable[..., Any], /) -> Any:
-    """Saved-tensor hooks for fn's call in the original pass (NOTE [differentiable results are
-    refused where grad is on]): its graph only tells which leaves require grad."""
-    def unpack(_: None) -> torch.Tensor:
-        raise ReuseError(
-            f"a backward reached the graph of reuse_during_recompute({callable_name(fn)}) made "
-            "in a boundary's original pass, which keeps no tensor for backward",
-            expected="gradients through the layer's recomputed work only",
-            got=f"a tensor computed by {callable_name(fn)} kept with its graph (stored on a "
-                "module, or returned inside an object)",
-            tip="the replay does not call fn, so nothing it computes can carry a gradient: "
-                "compute what needs one (a router's logits for a load-balancing loss) outside "
-                "the reused call")
-
-    return torch.autograd.graph.saved_tensors_hooks(lambda _: None, unpack)
-
-
 # Opaque to dynamo (eager.py): a compiled body graph-breaks here, since the frame lives in a
 # ContextVar that traced code would not follow (the replay then found nothing recorded).
 @runs_eagerly(REUSE_REASON)
@@ -303,8 +244,8 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     Outside any boundary this is a plain call. In a boundary's original pass the result (any
     PyTree of frozen tensors and objects) is recorded in the invocation's frame; in the replay
     the recorded result is returned *without calling* ``fn``. See NOTE [frame semantics].
-    A result leaf that requires grad where the call is made is refused with ``ReuseError``
-    (NOTE [differentiable results are refused where grad is on]).
+    A result that eager would compute with grad is refused with ``ReuseError`` (NOTE
+    [differentiable results are refused where grad is on] in frozen.py).
     """
     invocation = ACTIVE.get()
     if IN_REUSE.get():
@@ -314,12 +255,8 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         return fn(*args, **kwargs)
     if invocation is None:
         result = fn(*args, **kwargs)
-        if torch.is_grad_enabled():  # NOTE [differentiable results are refused where grad is on]
-            flat = flatten(result)
-            for i in flat.tensor_index:
-                if flat.leaves[i].requires_grad:
-                    _refuse_differentiable(fn, leaf_paths(flat.spec, root="result")[i],
-                                           replay=False)
+        # NOTE [differentiable results are refused where grad is on] in frozen.py
+        refuse_in_plain_call(callable_name(fn), result, args, kwargs)
         return result
     if getattr(type(fn), "__hash__", None) is None:
         raise ReuseError(
@@ -340,8 +277,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         token = IN_REUSE.set(True)
         try:
             before = rng_state(devices) if devices is not None else None
-            # NOTE [differentiable results are refused where grad is on]
-            with torch.enable_grad(), _graph_saves_nothing(fn):
+            with probed(callable_name(fn)):  # NOTE [differentiable results are refused ...]
                 result = fn(*args, **kwargs)
             if before is not None and devices is not None:
                 # NOTE [skipped work keeps the RNG in step]
@@ -349,11 +285,11 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
                 rng_after = after if rng_changed(before, after) else None
         finally:
             IN_REUSE.reset(token)
-        result, differentiable = _frozen(fn, result)
+        result, differentiable = as_recorded(callable_name(fn), result, args, kwargs)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after, differentiable = invocation.frame.take_with_rng(fn)
-        if differentiable and not recorders and torch.is_grad_enabled():
-            _refuse_differentiable(fn, differentiable[0], replay=True)
+        if not recorders:  # the replay itself (a nested original pass checks in its replay)
+            refuse_in_replay(callable_name(fn), differentiable, result, args, kwargs)
     for recorder in recorders:
         recorder.frame.record(fn, result, rng_after, differentiable)
     return result

@@ -149,14 +149,14 @@ def _installed(module: nn.Module) -> _CheckpointedForward | None:
 # layer is still checkpointed. is_checkpointed says so, applying again does not nest a second
 # boundary, removing drops the wrapper with the boundary, and the first call warns.
 def _compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
-    """Whether ``forward`` is torch.compile's wrapper of ``installed``."""
-    for _ in range(4):  # dynamo's wrapper, then its inline wrapper of a callable object
+    """Whether ``forward`` is torch.compile's wrapper of ``installed`` (not any other wrapper:
+    a ``functools.wraps`` one of the user's stays theirs)."""
+    forward = getattr(forward, "_torchdynamo_orig_callable", None)  # dynamo's wrapper
+    for _ in range(3):  # then its inline wrapper of a callable object
+        if forward is None or forward is installed:
+            return forward is installed
         forward = getattr(forward, "_torchdynamo_orig_callable", None) or \
             getattr(forward, "__wrapped__", None)
-        if forward is None:
-            return False
-        if forward is installed:
-            return True
     return False
 
 

@@ -1109,3 +1109,21 @@ def test_a_torch_function_subclass_input_reaches_the_replay_as_that_subclass(
                                   ("recompute", "_Scaled", "layer input")]
     assert_same_grads(*grads)
     assert torch._C._get_torch_function_state() == torch._C._TorchFunctionState.ENABLED
+
+
+class _Slotted(torch.Tensor):
+    __slots__ = ("scale",)
+
+
+def test_a_subclass_input_keeps_its_slot_attributes_in_the_replay() -> None:
+    seen: list[float] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.scale)  # type: ignore[attr-defined]
+        return x * x.scale  # type: ignore[attr-defined]
+
+    x = torch.randn(3).as_subclass(_Slotted).requires_grad_()
+    h = x * 1
+    h.scale = 3.0  # type: ignore[attr-defined]
+    checkpoint(fn, h).sum().backward()
+    assert seen == [3.0, 3.0] and torch.equal(x.grad, torch.full((3,), 3.0))

@@ -246,13 +246,14 @@ def test_a_reused_call_the_caller_wraps_in_no_grad_may_return_floats_and_matches
     assert eager.router.gate.weight.grad is None  # frozen in eager too
 
 
-def test_a_float_result_computed_from_int_ids_is_frozen_and_never_refused() -> None:
+def test_a_float_result_computed_from_int_ids_of_detached_inputs_is_frozen_and_replayed(
+        ) -> None:
     def load(x: torch.Tensor) -> dict[str, torch.Tensor]:
         ids = x.argmax(-1)  # with grad on: ints carry none, nor what is computed from them
         return {"ids": ids, "tokens_per_expert": torch.bincount(ids, minlength=4).float()}
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        routed = reuse_during_recompute(load, x)
+        routed = reuse_during_recompute(load, x.detach())
         return x * routed["tokens_per_expert"][routed["ids"]].unsqueeze(-1)
 
     x = torch.randn(5, 4, requires_grad=True)
@@ -262,11 +263,36 @@ def test_a_float_result_computed_from_int_ids_is_frozen_and_never_refused() -> N
     assert x.grad is not None and expected is not None and torch.equal(x.grad, expected)
 
 
-def test_the_reused_call_keeps_nothing_for_a_backward_that_could_never_replay_it() -> None:
-    # fn runs with grad in the original pass (to learn what eager would compute with grad),
-    # but its graph saves no tensor: a recorded call holds no more memory than under no-grad,
-    # and a tensor fn stashes with its graph (router logits kept for a load-balancing loss,
-    # silently gradient-free under no-grad) fails with a message naming the fix.
+def test_a_float_result_for_an_input_that_requires_grad_is_refused_in_eager_and_replay(
+        ) -> None:
+    # In the original pass the layer's tensors carry no grad, so what fn does with them
+    # cannot be seen there (rule 3): logits computed by the layer and passed to a top-k that
+    # returns its values. The replay's arguments, like eager's, require grad.
+    gate = nn.Linear(8, 4)
+
+    def top2(logits: torch.Tensor) -> Any:
+        return logits.softmax(-1).topk(2, dim=-1)  # values: differentiable in eager
+
+    def moe(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(top2, gate(x))
+        return x[:, :2] * weights + ids
+
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match=r"top2\) returned result.values, which requires grad"):
+        moe(x)  # eager: the values themselves require grad
+    out = checkpoint(moe, x)
+    with pytest.raises(ReuseError, match=r"(?s)returned the float result.values for argument "
+                                         r"args\[0\], which requires grad.*logits.detach"):
+        out.sum().backward()
+    assert gate.weight.grad is None
+
+
+def test_the_reused_calls_graph_goes_when_fn_returns_and_a_stored_part_of_it_is_refused(
+        ) -> None:
+    # fn runs with grad in the original pass (to learn what eager would compute with grad):
+    # what its graph saved goes with it once fn returns, and a tensor fn stores with that
+    # graph (router logits kept for a load-balancing loss, silently gradient-free under
+    # no-grad) fails in backward with a message naming the fix.
     freed: list[weakref.ref[torch.Tensor]] = []
     stash: dict[str, torch.Tensor] = {}
     gate = nn.Linear(4, 3)
@@ -274,16 +300,20 @@ def test_the_reused_call_keeps_nothing_for_a_backward_that_could_never_replay_it
     def route(h: torch.Tensor) -> torch.Tensor:
         scores = gate(h)
         freed.append(weakref.ref(scores))
-        stash["probs"] = scores.softmax(-1)  # softmax saves its output; exp-free on purpose
-        return stash["probs"].argmax(-1)
+        waves = scores.sin()  # saves scores
+        stash["probs"] = waves.softmax(-1)
+        return waves.argmax(-1)
 
     def layer(h: torch.Tensor) -> torch.Tensor:
         ids = reuse_during_recompute(route, h)
         return h * ids.unsqueeze(-1)
 
     out = checkpoint(layer, torch.randn(5, 4, requires_grad=True))
+    del stash["probs"]  # the only holder of the graph
     gc.collect()
-    assert freed[0]() is None  # held by nobody (the saved output is not kept either)
+    assert freed[0]() is None  # saved by sin, gone with the graph
+    out.sum().backward()
+    out = checkpoint(layer, torch.randn(5, 4, requires_grad=True))
     assert stash["probs"].requires_grad
     with pytest.raises(ReuseError, match=r"reached the graph of reuse_during_recompute\(.*route\)"
                                          r" made in a boundary's original pass") as err:
@@ -335,6 +365,72 @@ def test_a_nested_boundary_refuses_a_differentiable_result_its_enclosing_replay_
     out = checkpoint(lambda t: checkpoint(inner, t) * 2, torch.randn(3, 4, requires_grad=True))
     with pytest.raises(ReuseError, match=r"route\) returned result, which requires grad"):
         out.sum().backward()
+
+
+def test_a_parameter_returned_as_it_is_is_refused_whatever_the_grad_mode_at_the_call() -> None:
+    # Eager takes its gradient even under the caller's no_grad (it is the parameter itself).
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.full((4,), 1.5))
+
+        def route(self, x: torch.Tensor) -> Any:
+            return x.argmax(-1), self.scale
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                ids, scale = reuse_during_recompute(self.route, x)
+            return x * scale + ids.unsqueeze(-1)
+
+    layer = Scaled()
+    x = torch.randn(3, 4, requires_grad=True)
+    for run in (layer, lambda t: checkpoint(layer, t)):  # eager, and the original pass
+        with pytest.raises(ReuseError, match=r"(?s)returned result\[1\].*requires grad"):
+            run(x)
+
+
+def test_autograd_inside_a_reused_call_works_and_torch_func_is_refused_with_a_note() -> None:
+    weight = nn.Parameter(torch.randn(4, 4))
+
+    def by_autograd(x: torch.Tensor) -> torch.Tensor:  # a gradient-based choice of ids
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            grad, = torch.autograd.grad((leaf @ weight).square().sum(), leaf)
+        return grad.argmax(-1)
+
+    def by_torch_func(x: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda r: (r @ weight.detach()).square().sum())(x.detach()).argmax(-1)
+
+    def body(fn: Any) -> Any:
+        return lambda x: (x @ weight) * reuse_during_recompute(fn, x).unsqueeze(-1)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    body(by_autograd)(x).sum().backward()
+    expected, x.grad, weight.grad = [x.grad, weight.grad], None, None
+    checkpoint(body(by_autograd), x).sum().backward()
+    assert torch.equal(expected[0], x.grad) and torch.equal(expected[1], weight.grad)
+    with pytest.raises(RuntimeError, match="saved tensor hooks") as err:
+        checkpoint(body(by_torch_func), x)
+    assert any("torch.func transforms refuse them" in note for note in err.value.__notes__)
+
+
+def test_a_checkpointed_module_inside_a_reused_call_opens_no_boundary_of_its_own() -> None:
+    # Its graph would never be used (the replay skips the reused call): no node, no window.
+    inner = pytree_ckpt.apply_activation_checkpointing(nn.Linear(4, 4))
+    phases: list[str] = []
+    inner.register_forward_pre_hook(lambda m, a: phases.append(current_phase().value))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    pytree_ckpt.remove_activation_checkpointing(inner)
+    pytree_ckpt.apply_activation_checkpointing(inner, offload=manager)
+
+    def route(h: torch.Tensor) -> torch.Tensor:
+        return inner(h).argmax(-1)
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        return h * reuse_during_recompute(route, h).unsqueeze(-1)
+
+    checkpoint(layer, torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert phases == ["forward"] and manager.stats()["windows"] == 0
 
 
 def test_threads_never_see_each_others_frames() -> None:

@@ -188,7 +188,7 @@ def test_a_hooked_module_inside_reuse_during_recompute_is_not_recorded_and_says_
         layer(x).sum().backward()
     assert x.grad is not None and layer.proj.weight.grad is not None
     assert kept[0].requires_grad
-    with pytest.raises(pytree_ckpt.ReuseError, match="keeps no tensor for backward"):
+    with pytest.raises(pytree_ckpt.ReuseError, match="reached the graph of .*Reusing.route"):
         kept[0].softmax(-1).square().sum().backward()
 
 

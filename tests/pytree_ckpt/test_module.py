@@ -366,3 +366,24 @@ def test_compiling_a_forward_after_checkpointing_warns_and_the_layer_stays_check
     phases.clear()
     layer(x).sum().backward()
     assert phases == ["plain"]
+
+
+def test_a_functools_wraps_wrapper_over_the_boundary_is_the_users_own() -> None:
+    # Only torch.compile's wrapper counts as the boundary (NOTE [compiled over the boundary]).
+    import functools
+    import warnings
+
+    layer = apply_activation_checkpointing(nn.Linear(4, 4))
+    inner = layer.forward
+
+    @functools.wraps(inner)
+    def logged(*args: object, **kwargs: object) -> torch.Tensor:
+        return inner(*args, **kwargs)
+
+    layer.forward = logged
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(2, 4, requires_grad=True))
+    assert not pytree_ckpt.is_checkpointed(layer)
+    remove_activation_checkpointing(layer)
+    assert layer.__dict__["forward"] is logged

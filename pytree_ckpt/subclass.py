@@ -1,0 +1,53 @@
+"""What a ``__torch_function__`` tensor subclass needs to come back as itself.
+
+NOTE [subclasses come back as themselves]: the replay and an offload restore hand fn a new
+tensor object (a detached alias, a restored copy): of class ``torch.Tensor`` unless made
+otherwise, and without the attributes the original carried. A layer may branch on either
+(``isinstance``, a scale stored on the tensor), so both are recorded at the save and given
+back: the class by ``as_subclass``, the instance dict by reference (the object's own, as
+eager autograd hands back the tensor it saved), and ``__slots__`` values as they were.
+Parameters (and their subclasses) stay what the boundary makes of them: detached aliases.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = ["SubclassKind", "as_kind", "kind_of"]
+
+
+class SubclassKind(NamedTuple):
+    cls: type
+    attributes: dict[str, Any]
+    slots: tuple[tuple[str, Any], ...]
+
+
+def kind_of(tensor: torch.Tensor, /) -> SubclassKind | None:
+    """``tensor``'s subclass and attributes; ``None`` for a plain tensor or a parameter."""
+    cls = type(tensor)
+    if cls is torch.Tensor or issubclass(cls, nn.Parameter):
+        return None
+    slots = []
+    for klass in cls.__mro__:
+        names = klass.__dict__.get("__slots__", ())
+        for name in (names,) if isinstance(names, str) else names:
+            if name not in ("__dict__", "__weakref__") and hasattr(tensor, name):
+                slots.append((name, getattr(tensor, name)))
+    return SubclassKind(cls, tensor.__dict__, tuple(slots))
+
+
+def as_kind(tensor: torch.Tensor, kind: SubclassKind | None, /, *,
+            attributes: bool = True) -> torch.Tensor:
+    """``tensor`` as ``kind``'s class, with its attributes unless ``attributes`` is false."""
+    if kind is None:
+        return tensor
+    if type(tensor) is not kind.cls:
+        tensor = tensor.as_subclass(kind.cls)
+    if attributes:
+        tensor.__dict__.update(kind.attributes)
+        for name, value in kind.slots:
+            setattr(tensor, name, value)
+    return tensor
