@@ -538,6 +538,11 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
                 raise_torch_reentrant_inside(call, error)
         for i, grad in zip(wanted, got):
             result[i] = grad
+    elif call.params:
+        # Every parameter gets None (no output had a gradient): NOTE [unused parameters get
+        # no hook call] holds here too.
+        with ParameterHooksPaused(call.params):
+            pass
     if release:
         call.frame.clear()
     return (None, None, *result)

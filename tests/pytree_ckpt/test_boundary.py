@@ -878,6 +878,27 @@ def test_a_parameter_the_forward_did_not_use_gets_no_hook_call_as_in_eager() -> 
     assert sorted(eager_calls) == sorted(wrapped_calls)
 
 
+def test_a_parameter_gets_no_hook_call_when_no_output_of_the_call_had_a_gradient() -> None:
+    # The replay computes nothing then (found by a fuzzer): the parameters of an unused expert
+    # must still get no None call on this path either.
+    class NoGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.set_materialize_grads(False)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor | None) -> None:
+            return None
+
+    layer = pytree_ckpt.apply_activation_checkpointing(nn.Linear(4, 4))
+    calls: list[bool] = []
+    layer.weight.register_hook(lambda g: calls.append(g is None) or g)
+    x = torch.randn(2, 4, requires_grad=True)
+    (NoGradient.apply(layer(x)).sum() + x.sum()).backward()
+    assert calls == [] and layer.weight.grad is None
+
+
 @dataclasses.dataclass
 class WithDerived:
     hidden: torch.Tensor
