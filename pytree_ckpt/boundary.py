@@ -153,6 +153,7 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
             as_is.append(t)
     return as_is
 
+
 _Tensor = torch.Tensor  # read per call
 
 
