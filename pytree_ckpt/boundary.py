@@ -58,9 +58,7 @@ messages say so, in ``refusals.py``.
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
 ``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), or when
 nothing can receive a gradient (no input requires grad and ``fn`` belongs to a module with no
-trainable parameter), or inside ``reuse_during_recompute``'s fn in a boundary's original pass
-(its graph is built only to see what requires grad, and no backward uses it: frozen.py),
-``fn`` is just called: no node, no frame, phase unchanged.
+trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 """
 
 from __future__ import annotations
@@ -81,7 +79,7 @@ from .engine import input_grads
 from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
-from .keep import IN_REUSE, KeepMode, KeepPolicy
+from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
                            collect_parameters, graph_attributes, is_verified, module_dicts,
                            owning_module, versions)
@@ -635,11 +633,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.
     """
-    if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None \
-            or IN_REUSE.get():
+    if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
         # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
-        # jacrev) too: the Function has no setup_context, and torch's error would name no fix;
-        # and inside a reused call, whose graph no backward may use (frozen.py).
+        # jacrev) too: the Function has no setup_context, and torch's error would name no fix.
         return fn(*args, **kwargs)
     flat = flatten_call(args, kwargs)
     leaves = flat.leaves

@@ -32,7 +32,7 @@ import torch
 
 from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError
-from .frozen import as_recorded, probed, refuse_in_plain_call, refuse_in_replay
+from .frozen import Passthrough, as_recorded, refuse_in_plain_call, refuse_in_replay
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import RngState, rng_changed, rng_state, set_rng_state
@@ -82,7 +82,7 @@ class _Offloaded:
 class Frame:
     """The recorded frozen results of one boundary invocation."""
 
-    __slots__ = ("results", "versions", "differentiable", "rng_jumps", "rng_devices", "cursors",
+    __slots__ = ("results", "versions", "passthrough", "rng_jumps", "rng_devices", "cursors",
                  "released", "restore", "__weakref__")
 
     def __init__(self) -> None:
@@ -90,9 +90,9 @@ class Frame:
         # The version counters of each recorded result's tensors, when recorded: the replay
         # hands back those very tensors, so a change made to them since would count twice.
         self.versions: dict[Callable[..., Any], list[dict[int, int]]] = {}
-        # The key paths of each recorded result's leaves that required grad when fn ran
-        # (NOTE [differentiable results are refused where grad is on] in frozen.py).
-        self.differentiable: dict[Callable[..., Any], list[tuple[str, ...]]] = {}
+        # Each recorded result's float leaves that were tensor arguments of the call (NOTE
+        # [differentiable results are refused where grad is on] in frozen.py).
+        self.passthrough: dict[Callable[..., Any], list[Passthrough]] = {}
         # NOTE [skipped work keeps the RNG in step]: a recorded call that drew random numbers
         # (router jitter, a kept dropout) is skipped in the replay, so the generators would
         # stay behind and every later random op (dropout) would draw other numbers than in
@@ -126,14 +126,14 @@ class Frame:
                 recorded[i] = unflatten(flat.spec, leaves)
 
     def record(self, fn: Callable[..., Any], result: Any, rng_after: RngState | None = None,
-               differentiable: tuple[str, ...] = ()) -> None:
+               passthrough: Passthrough = ()) -> None:
         self.results.setdefault(fn, []).append(result)
         self.rng_jumps.setdefault(fn, []).append(rng_after)
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
             flat = flatten(result)
             self.versions.setdefault(fn, []).append(
                 {i: flat.leaves[i]._version for i in flat.tensor_index})
-        self.differentiable.setdefault(fn, []).append(differentiable)
+        self.passthrough.setdefault(fn, []).append(passthrough)
 
     def unkeep(self, op: Callable[..., Any], position: int, /) -> None:
         """Take back a save unit's record: the replay runs ``op`` again (keep.py, rule 3)."""
@@ -159,10 +159,10 @@ class Frame:
         return self.take_with_rng(fn)[0]
 
     def take_with_rng(self, fn: Callable[..., Any]
-                      ) -> tuple[Any, RngState | None, tuple[str, ...]]:
+                      ) -> tuple[Any, RngState | None, Passthrough]:
         """The next recorded result for ``fn``, the RNG states recorded after it if this replay
-        jumped to them, and the key paths of its leaves that required grad when fn ran (a
-        nested boundary recording it again needs both too)."""
+        jumped to them, and its float leaves that were arguments of the call (a nested boundary
+        recording it again needs both too)."""
         recorded = self.results.get(fn, ())
         position = self.cursors.get(fn, 0)
         if position >= len(recorded):
@@ -194,9 +194,9 @@ class Frame:
             result = optree.tree_map(
                 lambda leaf: restore(leaf.packed) if isinstance(leaf, _Offloaded) else leaf,
                 result, namespace=NAMESPACE)
-        differentiable = (() if isinstance(fn, torch._ops.OpOverload)
-                          else self.differentiable[fn][position])
-        return result, jump, differentiable
+        passthrough = (() if isinstance(fn, torch._ops.OpOverload)
+                       else self.passthrough[fn][position])
+        return result, jump, passthrough
 
     def start_replay(self) -> None:
         self.cursors.clear()
@@ -229,7 +229,7 @@ class Frame:
     def clear(self) -> None:
         self.results.clear()
         self.versions.clear()
-        self.differentiable.clear()
+        self.passthrough.clear()
         self.rng_jumps.clear()
         self.cursors.clear()
         self.released = True
@@ -256,7 +256,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     if invocation is None:
         result = fn(*args, **kwargs)
         # NOTE [differentiable results are refused where grad is on] in frozen.py
-        refuse_in_plain_call(callable_name(fn), result, args, kwargs)
+        refuse_in_plain_call(fn, callable_name(fn), result, args, kwargs)
         return result
     if getattr(type(fn), "__hash__", None) is None:
         raise ReuseError(
@@ -277,21 +277,21 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         token = IN_REUSE.set(True)
         try:
             before = rng_state(devices) if devices is not None else None
-            with probed(callable_name(fn)):  # NOTE [differentiable results are refused ...]
-                result = fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
             if before is not None and devices is not None:
                 # NOTE [skipped work keeps the RNG in step]
                 after = rng_state(devices)
                 rng_after = after if rng_changed(before, after) else None
         finally:
             IN_REUSE.reset(token)
-        result, differentiable = as_recorded(callable_name(fn), result, args, kwargs)
+        # NOTE [differentiable results are refused where grad is on] in frozen.py
+        passthrough = as_recorded(callable_name(fn), result, args, kwargs)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
-        result, rng_after, differentiable = invocation.frame.take_with_rng(fn)
+        result, rng_after, passthrough = invocation.frame.take_with_rng(fn)
         if not recorders:  # the replay itself (a nested original pass checks in its replay)
-            refuse_in_replay(callable_name(fn), differentiable, result, args, kwargs)
+            refuse_in_replay(fn, callable_name(fn), passthrough, result, args, kwargs)
     for recorder in recorders:
-        recorder.frame.record(fn, result, rng_after, differentiable)
+        recorder.frame.record(fn, result, rng_after, passthrough)
     return result
 
 

@@ -3,155 +3,138 @@
 NOTE [differentiable results are refused where grad is on]: the replay hands back the recorded
 result instead of calling fn, so a float leaf that eager computes with grad (router gate
 weights or probabilities) would silently lose its gradient under checkpointing. Whether eager
-computes a leaf with grad depends on three things, each checked where it can be seen:
+computes it with grad cannot be seen in the original pass: it runs under the boundary's
+no-grad, so neither the caller's grad mode at the call nor what requires grad among the
+layer's own tensors shows there; and fn must run there exactly as eager runs it (under the
+caller's no_grad: numpy calls, in-place updates, the kernels torch picks by grad mode). The
+replay sees both, as eager does, but does not call fn. So the rules are static, and the same
+in eager and in the replay, so that a model that checkpoints only some of its layers fails
+alike in every one. Where grad is enabled at the call, a float (or complex) result leaf is
+refused when
 
-1. What fn reaches that requires grad in the original pass (parameters, the boundary's
-   inputs): fn runs with grad enabled there, as in eager (the boundary's own no-grad would hide
-   it), and the key paths of the leaves that come out requiring grad are recorded; their
-   detached values are what is recorded and returned. fn's own no_grad blocks still apply.
-2. The grad mode where reuse_during_recompute is called: the original pass cannot see it (it
-   runs under the boundary's no-grad, whatever the caller's code set); the replay can (it runs
-   with grad, under the caller's own no_grad blocks). The replay refuses the leaves of 1 where
-   grad is enabled.
-3. The inputs that require grad in eager: in the original pass the layer's tensors computed
-   before the call do not (no-grad), so 1 cannot see that fn's float result depends on them
-   (logits computed by the layer, passed to a top-k). The replay's arguments do, as eager's.
-   Whether fn blocks that path itself (a no_grad inside it) cannot be known without calling
-   it, so a float leaf returned for an input that requires grad is refused where grad is
-   enabled: pass such inputs detached when fn's float results are frozen.
+1. it requires grad itself (eager: computed with grad), or
+2. a tensor argument of the call requires grad (logits the layer computed, passed to a
+   top-k that returns its values), or
+3. fn is a module, or a method of one, with a parameter that requires grad (a router whose
+   gate computes the weights it returns).
 
-A leaf that requires grad whatever the grad mode (a parameter or an input returned as it is)
-is refused when recorded. Outside any boundary the result and the arguments are checked at
-once by the same rules, so a model that checkpoints only some layers fails alike in every one.
-
-fn's graph in the original pass is built only to tell 1: its saved tensors are hidden from
-ambient hooks (offload would copy them, a census count them), and a backward that reaches it
-after fn returned (a tensor fn or a hook stored, with that graph) is refused: the replay does
-not call fn, so nothing it computed can carry a gradient there. torch.func transforms refuse
-saved-tensor hooks, so they cannot run inside a reused fn in a boundary.
+Frozen floats therefore come from inputs passed detached, and from a plain function, not a
+method of a trainable module (or are computed outside the reused call). Whatever the grad
+mode, a leaf that requires grad when recorded (fn enabled grad itself, or returned a
+parameter or an input as it is) is refused at once, and so, in the replay, is a float leaf
+that was one of the call's tensor arguments if that argument requires grad (eager would hand
+back the tensor, graph and all). Tensors fn reaches other than through its arguments and its
+module (a closure, an attribute of a plain object) are not seen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .errors import ReuseError
-from .saved import Unchanged
-from .tree import flatten, flatten_call, leaf_paths, unflatten
+from .module_state import owning_module
+from .tree import FlatTree, flatten, flatten_call, leaf_paths
 
-__all__ = ["as_recorded", "probed", "refuse_in_plain_call", "refuse_in_replay"]
+__all__ = ["Passthrough", "as_recorded", "refuse_in_plain_call", "refuse_in_replay"]
 
 _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call and compute "
               "the differentiable part outside it, from those ids (MoE gate weights: gather "
               "the softmax of the router's scores at the replayed ids, as "
               "examples/glm_dsa/mlp.py does)")
-_DETACH_TIP = (_SPLIT_TIP + "; if no gradient is wanted, compute it under torch.no_grad() "
-               "from inputs passed detached")
 
-
-@contextmanager
-def probed(name: str, /) -> Iterator[None]:
-    """fn's call in a boundary's original pass: grad enabled, its graph kept from others."""
-    running = [True]
-
-    def unpack(saved: Unchanged) -> torch.Tensor:
-        if not running[0]:
-            raise ReuseError(
-                f"a backward reached the graph of reuse_during_recompute({name}) made in a "
-                "boundary's original pass",
-                expected="gradients through the layer's recomputed work only",
-                got=f"a tensor computed by {name} kept with its graph (stored on a module, by "
-                    "a hook, or returned inside an object)",
-                tip="the replay does not call fn, so nothing it computes can carry a gradient: "
-                    "compute what needs one (a router's logits for a load-balancing loss) "
-                    "outside the reused call")
-        return saved.get()
-
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(Unchanged, unpack):
-            yield
-    except RuntimeError as error:
-        if "saved tensor hooks" in str(error) and hasattr(error, "add_note"):
-            error.add_note(
-                f"pytree_ckpt: reuse_during_recompute({name}) runs fn with grad enabled under "
-                "saved-tensor hooks in a boundary's original pass (docs/replay.md, 'What may "
-                "be replayed'); torch.func transforms refuse them: compute that result outside "
-                "the checkpointed layer and pass it in")
-        raise
-    finally:
-        running[0] = False
+# A recorded float leaf that was one of the call's tensor arguments: (its key path, the
+# argument's index among the call's flattened leaves).
+Passthrough = tuple[tuple[str, int], ...]
 
 
 def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
-             ) -> tuple[Any, tuple[str, ...]]:
-    """``result`` as recorded (leaves that require grad detached) and those leaves' paths."""
+                ) -> Passthrough:
+    """Check ``result`` as the original pass records it; the float leaves that are arguments."""
     flat = flatten(result)
-    positions = [i for i in flat.tensor_index if flat.leaves[i].requires_grad]
-    if not positions:
-        return result, ()
-    paths = leaf_paths(flat.spec, root="result")
+    if not flat.tensor_index:
+        return ()
+    for i in flat.tensor_index:
+        if flat.leaves[i].requires_grad:  # fn enabled grad itself, or an outside tensor
+            _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
     call = flatten_call(args, kwargs)
-    given = {id(call.leaves[i]) for i in call.tensor_index}
-    leaves = list(flat.leaves)
-    for i in positions:
-        if leaves[i].is_leaf or id(leaves[i]) in given:
-            _refuse_outside(name, paths[i])
-        leaves[i] = leaves[i].detach()
-    return unflatten(flat.spec, leaves), tuple(paths[i] for i in positions)
+    given = {id(call.leaves[j]): j for j in call.tensor_index}
+    passed = [(i, given[id(flat.leaves[i])]) for i in flat.tensor_index
+              if id(flat.leaves[i]) in given and _is_float(flat.leaves[i])]
+    if not passed:
+        return ()
+    paths = leaf_paths(flat.spec, root="result")
+    return tuple((paths[i], j) for i, j in passed)
 
 
-def refuse_in_plain_call(name: str, result: Any, args: tuple[Any, ...],
-                         kwargs: dict[str, Any], /) -> None:
-    """The rules of NOTE [differentiable results are refused where grad is on], outside any
-    boundary, where the result and the grad mode are eager's own."""
+def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,
+                         args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
+    """The rules outside any boundary, where the result and the grad mode are eager's."""
     flat = flatten(result)
+    if not flat.tensor_index:
+        return
     for i in flat.tensor_index:
         if flat.leaves[i].requires_grad:
             _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
     if torch.is_grad_enabled():
-        _refuse_float_for_grad_input(name, flat, args, kwargs, replay=False)
+        _refuse_floats(fn, name, flat, args, kwargs, replay=False)
 
 
-def refuse_in_replay(name: str, differentiable: tuple[str, ...], result: Any,
+def refuse_in_replay(fn: Callable[..., Any], name: str, passthrough: Passthrough, result: Any,
                      args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
-    """Rules 2 and 3 of NOTE [differentiable results are refused where grad is on]."""
-    if not torch.is_grad_enabled():
-        return
-    if differentiable:
-        _refuse_differentiable(name, differentiable[0], replay=True)
-    _refuse_float_for_grad_input(name, flatten(result), args, kwargs, replay=True)
+    """The rules in the replay, which sees eager's grad mode and arguments."""
+    if passthrough:
+        call = flatten_call(args, kwargs)
+        for path, j in passthrough:
+            if call.leaves[j].requires_grad:
+                _refuse_differentiable(name, path, replay=True)
+    if torch.is_grad_enabled():
+        flat = flatten(result)
+        if flat.tensor_index:
+            _refuse_floats(fn, name, flat, args, kwargs, replay=True)
 
 
-def _refuse_float_for_grad_input(name: str, flat: Any, args: tuple[Any, ...],
-                                 kwargs: dict[str, Any], /, *, replay: bool) -> None:
-    floats = [i for i in flat.tensor_index
-              if flat.leaves[i].is_floating_point() or flat.leaves[i].is_complex()]
+def _is_float(tensor: torch.Tensor, /) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], /, *, replay: bool) -> None:
+    floats = [i for i in flat.tensor_index if _is_float(flat.leaves[i])]
     if not floats:
         return
+    result = leaf_paths(flat.spec, root="result")[floats[0]]
+    why = ("the replay hands back the value recorded in the original pass without calling fn"
+           if replay else "under checkpointing the replay would hand back a recorded value "
+           "without calling fn")
     call = flatten_call(args, kwargs)
     for j in call.tensor_index:
         if call.leaves[j].requires_grad:
             argument = _argument_path(call, j)
-            result = leaf_paths(flat.spec, root="result")[floats[0]]
             raise ReuseError(
                 f"reuse_during_recompute({name}) returned the float {result} for {argument}, "
-                "which requires grad: "
-                + ("the replay hands back the value recorded in the original pass without "
-                   "calling fn, so it cannot tell whether eager would compute it with grad"
-                   if replay else "under checkpointing the replay would hand back a recorded "
-                   "value without calling fn, and could not tell whether it needs a gradient"),
-                expected="inputs passed detached when fn returns floats (or int results only)",
-                got=f"{argument}.requires_grad=True and a float {result}",
+                f"which requires grad: {why}, so it cannot tell whether eager computes it with "
+                "grad", expected="inputs passed detached when fn returns floats (or int "
+                "results only)", got=f"{argument}.requires_grad=True and a float {result}",
                 tip="if fn's float results are frozen (computed under no_grad), pass its "
                     "inputs detached: reuse_during_recompute(fn, logits.detach()), as "
                     "examples/glm_dsa/mlp.py does; otherwise " + _SPLIT_TIP)
+    owner = owning_module(fn)
+    if owner is not None and any(p.requires_grad for p in owner.parameters()):
+        raise ReuseError(
+            f"reuse_during_recompute({name}) returned the float {result}, and {name} belongs "
+            f"to a {type(owner).__name__} with trainable parameters: {why}, so it cannot tell "
+            "whether eager computes it with grad from them",
+            expected="float results only from plain functions given detached inputs (or int "
+                     "results only)",
+            got=f"a float {result} from a method of a trainable {type(owner).__name__}",
+            tip=_SPLIT_TIP + "; frozen float statistics (router probabilities) can come from "
+                "a plain function given detached inputs, or be computed outside the call")
 
 
-def _argument_path(call: Any, index: int, /) -> str:
+def _argument_path(call: FlatTree, index: int, /) -> str:
     path = leaf_paths(call.spec, root="call")[index]  # call[0][i] or call[1]['key']
     if path.startswith("call[0]"):
         return "argument " + path.replace("call[0]", "args", 1)
@@ -163,19 +146,10 @@ def _refuse_differentiable(name: str, path: str, /, *, replay: bool) -> None:
              if replay else "under checkpointing the replay would hand back a recorded value, "
              "which has no graph")
     raise ReuseError(
-        f"reuse_during_recompute({name}) returned {path}, which requires grad where it is "
-        f"called: {where}, so its gradient would be lost",
+        f"reuse_during_recompute({name}) returned {path}, which requires grad: {where}, so "
+        "its gradient would be lost",
         expected="frozen results only: int ids, or tensors computed under torch.no_grad() from "
                  "detached inputs",
-        got=f"{path} computed with grad from parameters or inputs that require grad",
-        tip=_DETACH_TIP)
-
-
-def _refuse_outside(name: str, path: str, /) -> None:
-    raise ReuseError(
-        f"reuse_during_recompute({name}) returned {path}, a tensor from outside the call that "
-        "requires grad (a parameter or an input, returned as it is): eager would take its "
-        "gradient whatever the grad mode, and a replayed result carries none",
-        expected="frozen results computed by fn", got=f"{path}.requires_grad=True, a leaf or "
-        "an argument of the call", tip="use the tensor itself outside the reused call; if no "
-        "gradient is wanted, return it .detach()ed")
+        got=f"{path}.requires_grad=True (computed with grad, or a parameter or an input "
+            "returned as it is)",
+        tip=_SPLIT_TIP + "; if no gradient is wanted, .detach() it")

@@ -171,18 +171,20 @@ def test_replay_leaving_results_unused_names_the_callable_and_both_counts() -> N
         out.sum().backward()
 
 
-def test_a_result_that_requires_grad_is_refused_in_backward_with_its_key_path() -> None:
+# NOTE [differentiable results are refused where grad is on] (pytree_ckpt/frozen.py): each
+# rule is checked in eager (no boundary) and under checkpointing, which must fail alike.
+
+
+def test_a_float_result_for_an_argument_that_requires_grad_is_refused_with_both_paths() -> None:
     def differentiable(x: torch.Tensor) -> dict[str, Any]:
         return {"ids": x.detach().argsort(), "weights": [x * 2]}
 
-    # The original pass cannot tell whether the caller's code wrapped the call in no_grad
-    # (its own no-grad hides it); the replay, which runs with the caller's grad mode, refuses.
     out = checkpoint(lambda x: reuse_during_recompute(differentiable, x)["ids"] * 1.0 + x,
                      torch.randn(3, requires_grad=True))
-    with pytest.raises(ReuseError, match=r"returned result\['weights'\]\[0\], which requires "
-                                         r"grad where it is called") as err:
+    with pytest.raises(ReuseError, match=r"returned the float result\['weights'\]\[0\] for "
+                                         r"argument args\[0\], which requires grad") as err:
         out.sum().backward()
-    assert "torch.no_grad()" in str(err.value) and "gather" in str(err.value)
+    assert "logits.detach()" in str(err.value) and "gather" in str(err.value)
 
 
 class GateRouter(nn.Module):
@@ -197,18 +199,20 @@ class GateRouter(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, *, no_grad_at_call: bool = False) -> None:
+    def __init__(self, *, no_grad_at_call: bool = False, detach: bool = False) -> None:
         super().__init__()
         self.router = GateRouter()
         self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
         self.no_grad_at_call = no_grad_at_call
+        self.detach = detach
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        given = h.detach() if self.detach else h
         if self.no_grad_at_call:
             with torch.no_grad():  # the caller's own no_grad: eager's weights are frozen too
-                weights, ids = reuse_during_recompute(self.router.route, h)
+                weights, ids = reuse_during_recompute(self.router.route, given)
         else:
-            weights, ids = reuse_during_recompute(self.router.route, h)
+            weights, ids = reuse_during_recompute(self.router.route, given)
         out = h
         for k in range(2):
             for e, expert in enumerate(self.experts):
@@ -216,12 +220,14 @@ class TinyMoE(nn.Module):
         return out
 
 
-def test_router_gate_weights_replayed_instead_of_recomputed_are_refused_as_in_eager() -> None:
-    # Replayed, the weights carry no graph: the gate would silently get no gradient and the
-    # input a wrong one. Eager (no boundary) refuses the same call, so a model that
-    # checkpoints only some of its layers fails in every layer alike.
+@pytest.mark.parametrize("detach", [False, True])
+def test_router_gate_weights_replayed_instead_of_recomputed_are_refused_as_in_eager(
+        detach: bool) -> None:
+    # Replayed, the weights carry no graph: the gate would silently get no gradient (and the
+    # input a wrong one). Given the hidden states, the argument rule refuses; given them
+    # detached, the gate's own parameters do (a method of a trainable module).
     torch.manual_seed(0)
-    eager = TinyMoE()
+    eager = TinyMoE(detach=detach)
     wrapped = copy.deepcopy(eager)
     pytree_ckpt.apply_activation_checkpointing(wrapped)
     x = torch.randn(6, 8, requires_grad=True)
@@ -230,7 +236,9 @@ def test_router_gate_weights_replayed_instead_of_recomputed_are_refused_as_in_ea
         eager(x)
     assert "under checkpointing the replay would hand back" in str(plain.value)
     out = wrapped(x)  # the original pass records (it cannot see the caller's grad mode)
-    with pytest.raises(ReuseError, match=r"GateRouter.route\) returned result.values") as err:
+    rule = "a GateRouter with trainable parameters" if detach else "for argument args\\[0\\]"
+    with pytest.raises(ReuseError, match=rf"GateRouter.route\) returned the float "
+                                         rf"result.values.*{rule}") as err:
         out.sum().backward()
     assert "the replay hands back the value recorded" in str(err.value)
     assert wrapped.router.gate.weight.grad is None and x.grad is None  # nothing half-done
@@ -246,10 +254,38 @@ def test_a_reused_call_the_caller_wraps_in_no_grad_may_return_floats_and_matches
     assert eager.router.gate.weight.grad is None  # frozen in eager too
 
 
+def test_fn_runs_under_the_callers_no_grad_as_in_eager() -> None:
+    # numpy and in-place parameter updates (k-means centroids) need no-grad, as in eager.
+    class Clusters(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.centroids = nn.Parameter(torch.randn(4, 8))
+            self.proj = nn.Linear(8, 8)
+
+        def assign(self, h: torch.Tensor) -> torch.Tensor:
+            self.centroids.mul_(0.5)  # an EMA step
+            scores = (h @ self.centroids.t()).numpy()
+            return torch.from_numpy(scores.argmax(-1).copy())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            with torch.no_grad():
+                ids = reuse_during_recompute(self.assign, h.detach())
+            return h * ids.unsqueeze(-1)
+
+    torch.manual_seed(0)
+    eager = Clusters()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(5, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+    assert torch.equal(eager.centroids, wrapped.centroids)  # one update each: not replayed
+
+
 def test_a_float_result_computed_from_int_ids_of_detached_inputs_is_frozen_and_replayed(
         ) -> None:
     def load(x: torch.Tensor) -> dict[str, torch.Tensor]:
-        ids = x.argmax(-1)  # with grad on: ints carry none, nor what is computed from them
+        ids = x.argmax(-1)  # ints carry no grad, nor what is computed from them
         return {"ids": ids, "tokens_per_expert": torch.bincount(ids, minlength=4).float()}
 
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -263,11 +299,9 @@ def test_a_float_result_computed_from_int_ids_of_detached_inputs_is_frozen_and_r
     assert x.grad is not None and expected is not None and torch.equal(x.grad, expected)
 
 
-def test_a_float_result_for_an_input_that_requires_grad_is_refused_in_eager_and_replay(
-        ) -> None:
-    # In the original pass the layer's tensors carry no grad, so what fn does with them
-    # cannot be seen there (rule 3): logits computed by the layer and passed to a top-k that
-    # returns its values. The replay's arguments, like eager's, require grad.
+def test_a_top_k_of_logits_the_layer_computed_is_refused_in_eager_and_replay() -> None:
+    # In the original pass the layer's tensors carry no grad, so what fn does with them is
+    # not seen there; the replay's arguments, like eager's, require grad.
     gate = nn.Linear(8, 4)
 
     def top2(logits: torch.Tensor) -> Any:
@@ -287,43 +321,75 @@ def test_a_float_result_for_an_input_that_requires_grad_is_refused_in_eager_and_
     assert gate.weight.grad is None
 
 
-def test_the_reused_calls_graph_goes_when_fn_returns_and_a_stored_part_of_it_is_refused(
+def test_a_method_reading_a_tensor_the_layer_stored_is_refused_for_its_trainable_module(
         ) -> None:
-    # fn runs with grad in the original pass (to learn what eager would compute with grad):
-    # what its graph saved goes with it once fn returns, and a tensor fn stores with that
-    # graph (router logits kept for a load-balancing loss, silently gradient-free under
-    # no-grad) fails in backward with a message naming the fix.
-    freed: list[weakref.ref[torch.Tensor]] = []
-    stash: dict[str, torch.Tensor] = {}
-    gate = nn.Linear(4, 3)
+    # No argument at all: the logits reach fn as an attribute, computed by the layer.
+    class Stored(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(8, 4)
+            self.proj = nn.Linear(8, 8)
 
-    def route(h: torch.Tensor) -> torch.Tensor:
-        scores = gate(h)
-        freed.append(weakref.ref(scores))
-        waves = scores.sin()  # saves scores
-        stash["probs"] = waves.softmax(-1)
-        return waves.argmax(-1)
+        def route(self) -> Any:
+            return self.logits.softmax(-1).topk(2, dim=-1)
 
-    def layer(h: torch.Tensor) -> torch.Tensor:
-        ids = reuse_during_recompute(route, h)
-        return h * ids.unsqueeze(-1)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.logits = self.router(x)
+            weights, _ = reuse_during_recompute(self.route)
+            return self.proj(x) * weights.sum(-1, keepdim=True)
 
-    out = checkpoint(layer, torch.randn(5, 4, requires_grad=True))
-    del stash["probs"]  # the only holder of the graph
-    gc.collect()
-    assert freed[0]() is None  # saved by sin, gone with the graph
-    out.sum().backward()
-    out = checkpoint(layer, torch.randn(5, 4, requires_grad=True))
-    assert stash["probs"].requires_grad
-    with pytest.raises(ReuseError, match=r"reached the graph of reuse_during_recompute\(.*route\)"
-                                         r" made in a boundary's original pass") as err:
-        (out.sum() + stash["probs"].square().sum()).backward()
-    assert "load-balancing loss" in str(err.value)
+    layer = Stored()
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match="belongs to a Stored with trainable parameters"):
+        out.sum().backward()
 
 
-def test_the_reused_calls_graph_is_hidden_from_offload_and_other_saved_tensor_hooks() -> None:
-    # Its graph is built inside the layer's offload window (and under a census's or the
-    # caller's hooks); none of them may see what it would save.
+def test_grad_enabled_inside_fn_is_refused_when_recorded_whatever_the_callers_mode() -> None:
+    gate = nn.Linear(8, 4)
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return gate(x).softmax(-1)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            weights = reuse_during_recompute(route, x.detach())
+        return x * weights.sum(-1, keepdim=True)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match=r"route\) returned result, which requires grad"):
+        layer(x)
+    with pytest.raises(ReuseError, match=r"route\) returned result, which requires grad"):
+        checkpoint(layer, x)
+
+
+def test_an_argument_returned_as_it_is_under_the_callers_no_grad_is_refused_in_the_replay(
+        ) -> None:
+    # Eager hands back the tensor itself, graph and all, whatever the grad mode.
+    proj = nn.Linear(8, 8)
+
+    def pick(h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = proj(x)
+        with torch.no_grad():
+            kept = reuse_during_recompute(pick, h)
+        return kept * 2
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match=r"pick\) returned result, which requires grad"):
+        layer(x)
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=r"pick\) returned result, which requires grad"):
+        out.sum().backward()
+
+
+def test_the_reused_call_saves_nothing_for_offload_or_other_saved_tensor_hooks() -> None:
+    # It runs under the original pass's no-grad: a layer's window holds only its inputs.
     gate = nn.Linear(16, 4)
 
     def route(t: torch.Tensor) -> torch.Tensor:
@@ -353,7 +419,7 @@ def test_the_reused_calls_graph_is_hidden_from_offload_and_other_saved_tensor_ho
 def test_a_nested_boundary_refuses_a_differentiable_result_its_enclosing_replay_hands_on(
         ) -> None:
     # The inner boundary first runs inside the outer one's replay, takes the result from the
-    # outer frame (fn is not called again), and must record the refusal with it.
+    # outer frame (fn is not called again), and its own replay must refuse it.
     gate = torch.randn(4, 4, requires_grad=True)
 
     def route(t: torch.Tensor) -> torch.Tensor:
@@ -363,7 +429,7 @@ def test_a_nested_boundary_refuses_a_differentiable_result_its_enclosing_replay_
         return reuse_during_recompute(route, t) * t
 
     out = checkpoint(lambda t: checkpoint(inner, t) * 2, torch.randn(3, 4, requires_grad=True))
-    with pytest.raises(ReuseError, match=r"route\) returned result, which requires grad"):
+    with pytest.raises(ReuseError, match=r"route\) returned the float result for argument"):
         out.sum().backward()
 
 
@@ -389,7 +455,7 @@ def test_a_parameter_returned_as_it_is_is_refused_whatever_the_grad_mode_at_the_
             run(x)
 
 
-def test_autograd_inside_a_reused_call_works_and_torch_func_is_refused_with_a_note() -> None:
+def test_autograd_and_torch_func_inside_a_reused_call_give_eager_gradients() -> None:
     weight = nn.Parameter(torch.randn(4, 4))
 
     def by_autograd(x: torch.Tensor) -> torch.Tensor:  # a gradient-based choice of ids
@@ -401,36 +467,16 @@ def test_autograd_inside_a_reused_call_works_and_torch_func_is_refused_with_a_no
     def by_torch_func(x: torch.Tensor) -> torch.Tensor:
         return torch.func.grad(lambda r: (r @ weight.detach()).square().sum())(x.detach()).argmax(-1)
 
-    def body(fn: Any) -> Any:
-        return lambda x: (x @ weight) * reuse_during_recompute(fn, x).unsqueeze(-1)
+    for choose in (by_autograd, by_torch_func):
+        def body(x: torch.Tensor, choose: Any = choose) -> torch.Tensor:
+            return (x @ weight) * reuse_during_recompute(choose, x).unsqueeze(-1)
 
-    x = torch.randn(3, 4, requires_grad=True)
-    body(by_autograd)(x).sum().backward()
-    expected, x.grad, weight.grad = [x.grad, weight.grad], None, None
-    checkpoint(body(by_autograd), x).sum().backward()
-    assert torch.equal(expected[0], x.grad) and torch.equal(expected[1], weight.grad)
-    with pytest.raises(RuntimeError, match="saved tensor hooks") as err:
-        checkpoint(body(by_torch_func), x)
-    assert any("torch.func transforms refuse them" in note for note in err.value.__notes__)
-
-
-def test_a_checkpointed_module_inside_a_reused_call_opens_no_boundary_of_its_own() -> None:
-    # Its graph would never be used (the replay skips the reused call): no node, no window.
-    inner = pytree_ckpt.apply_activation_checkpointing(nn.Linear(4, 4))
-    phases: list[str] = []
-    inner.register_forward_pre_hook(lambda m, a: phases.append(current_phase().value))
-    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
-    pytree_ckpt.remove_activation_checkpointing(inner)
-    pytree_ckpt.apply_activation_checkpointing(inner, offload=manager)
-
-    def route(h: torch.Tensor) -> torch.Tensor:
-        return inner(h).argmax(-1)
-
-    def layer(h: torch.Tensor) -> torch.Tensor:
-        return h * reuse_during_recompute(route, h).unsqueeze(-1)
-
-    checkpoint(layer, torch.randn(3, 4, requires_grad=True)).sum().backward()
-    assert phases == ["forward"] and manager.stats()["windows"] == 0
+        x = torch.randn(3, 4, requires_grad=True)
+        body(x).sum().backward()
+        expected, x.grad, weight.grad = [x.grad, weight.grad], None, None
+        checkpoint(body, x).sum().backward()
+        assert torch.equal(expected[0], x.grad) and torch.equal(expected[1], weight.grad)
+        weight.grad = None
 
 
 def test_threads_never_see_each_others_frames() -> None:

@@ -162,10 +162,9 @@ def test_a_hooked_module_passed_as_an_argument_gets_eager_gradients() -> None:
     assert torch.equal(x.grad, x_twin.grad)
 
 
-def test_a_hooked_module_inside_reuse_during_recompute_is_not_recorded_and_says_so() -> None:
+def test_a_hooked_module_inside_reuse_during_recompute_is_not_recorded() -> None:
     # The replay skips a reused call, so its modules' outputs are not recorded in either pass
-    # (else the replay would find fewer). What a hook kept from it was computed with grad, as
-    # in eager, by a graph that keeps nothing: a loss on it fails loudly, never silently.
+    # (else the replay would find fewer): the reused result stays frozen, as documented.
     class Reusing(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -186,10 +185,7 @@ def test_a_hooked_module_inside_reuse_during_recompute_is_not_recorded_and_says_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layer(x).sum().backward()
-    assert x.grad is not None and layer.proj.weight.grad is not None
-    assert kept[0].requires_grad
-    with pytest.raises(pytree_ckpt.ReuseError, match="reached the graph of .*Reusing.route"):
-        kept[0].softmax(-1).square().sum().backward()
+    assert not kept[0].requires_grad and x.grad is not None
 
 
 def test_a_replay_that_calls_a_hooked_module_another_number_of_times_is_refused() -> None:
