@@ -125,8 +125,8 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
     if owner is not None and any(p.requires_grad for p in owner.parameters()):
         raise ReuseError(
             f"reuse_during_recompute({name}) returned the float {result}, and {name} belongs "
-            f"to a {type(owner).__name__} with trainable parameters: {why}, so it cannot tell "
-            "whether eager computes it with grad from them",
+            f"to a module with trainable parameters ({type(owner).__name__}): {why}, so it "
+            "cannot tell whether eager computes it with grad from them",
             expected="float results only from plain functions given detached inputs (or int "
                      "results only)",
             got=f"a float {result} from a method of a trainable {type(owner).__name__}",
