@@ -16,7 +16,8 @@ refused when
 2. a tensor argument of the call requires grad (logits the layer computed, passed to a
    top-k that returns its values), or
 3. fn is a module, or a method of one, with a parameter that requires grad (a router whose
-   gate computes the weights it returns).
+   gate computes the weights it returns); or such a module is among the call's arguments, or
+   bound by a ``functools.partial``.
 
 Frozen floats therefore come from inputs passed detached, and from a plain function, not a
 method of a trainable module (or are computed outside the reused call). Whatever the grad
@@ -29,10 +30,12 @@ module (a closure, an attribute of a plain object) are not seen.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from .errors import ReuseError
 from .module_state import owning_module
@@ -89,7 +92,15 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, passthrough: Passthrough
         call = flatten_call(args, kwargs)
         for path, j in passthrough:
             if call.leaves[j].requires_grad:
-                _refuse_differentiable(name, path, replay=True)
+                argument = _argument_path(call, j)
+                raise ReuseError(
+                    f"reuse_during_recompute({name}) returned {path}, which is {argument} as it "
+                    "is, and that requires grad: eager hands back the tensor itself, graph and "
+                    "all, and the replay the value recorded in the original pass, which has none",
+                    expected="frozen results computed by fn",
+                    got=f"{path} is {argument}, with requires_grad=True",
+                    tip="use the tensor itself outside the reused call; if no gradient is "
+                        "wanted, pass it detached")
     if torch.is_grad_enabled():
         flat = flatten(result)
         if flat.tensor_index:
@@ -121,8 +132,8 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
                 tip="if fn's float results are frozen (computed under no_grad), pass its "
                     "inputs detached: reuse_during_recompute(fn, logits.detach()), as "
                     "examples/glm_dsa/mlp.py does; otherwise " + _SPLIT_TIP)
-    owner = owning_module(fn)
-    if owner is not None and any(p.requires_grad for p in owner.parameters()):
+    owner = _trainable_module(fn, call)
+    if owner is not None:
         raise ReuseError(
             f"reuse_during_recompute({name}) returned the float {result}, and {name} belongs "
             f"to a module with trainable parameters ({type(owner).__name__}): {why}, so it "
@@ -132,6 +143,22 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
             got=f"a float {result} from a method of a trainable {type(owner).__name__}",
             tip=_SPLIT_TIP + "; frozen float statistics (router probabilities) can come from "
                 "a plain function given detached inputs, or be computed outside the call")
+
+
+def _trainable_module(fn: Callable[..., Any], call: FlatTree, /) -> nn.Module | None:
+    """A module with a parameter that requires grad among those fn computes with: fn itself or
+    its owner, modules a ``functools.partial`` binds, and modules among the call's arguments."""
+    candidates = [owning_module(fn)]
+    inner = fn
+    while isinstance(inner, functools.partial):
+        candidates.extend(m for m in (*inner.args, *inner.keywords.values())
+                          if isinstance(m, nn.Module))
+        inner = inner.func
+    candidates.extend(leaf for leaf in call.leaves if isinstance(leaf, nn.Module))
+    for module in candidates:
+        if module is not None and any(p.requires_grad for p in module.parameters()):
+            return module
+    return None
 
 
 def _argument_path(call: FlatTree, index: int, /) -> str:
@@ -152,4 +179,4 @@ def _refuse_differentiable(name: str, path: str, /, *, replay: bool) -> None:
                  "detached inputs",
         got=f"{path}.requires_grad=True (computed with grad, or a parameter or an input "
             "returned as it is)",
-        tip=_SPLIT_TIP + "; if no gradient is wanted, .detach() it")
+        tip=_SPLIT_TIP + "; if no gradient is wanted, pass fn its inputs detached")

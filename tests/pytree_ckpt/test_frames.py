@@ -347,6 +347,44 @@ def test_a_method_reading_a_tensor_the_layer_stored_is_refused_for_its_trainable
         out.sum().backward()
 
 
+@pytest.mark.parametrize("how", ["argument", "partial"])
+def test_a_trainable_module_given_as_an_argument_or_bound_by_a_partial_is_seen(how: str) -> None:
+    import functools
+
+    gate = nn.Linear(8, 4)
+
+    def route_with(module: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+        return module(logits).softmax(-1)
+
+    bound = functools.partial(route_with, gate)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        if how == "argument":
+            weights = reuse_during_recompute(route_with, gate, x.detach())
+        else:
+            weights = reuse_during_recompute(bound, x.detach())
+        return x[:, :4] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result, which requires grad"):
+        layer(x)
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=r"module with trainable parameters \(Linear\)"):
+        out.sum().backward()
+
+
+def test_the_tip_of_a_refused_result_works_when_followed() -> None:
+    lin = nn.Linear(4, 4)
+
+    def ident(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    x = torch.randn(2, 4)
+    with pytest.raises(ReuseError, match="pass fn its inputs detached"):
+        reuse_during_recompute(ident, lin(x))
+    assert not reuse_during_recompute(ident, lin(x).detach()).requires_grad  # as the tip says
+
+
 def test_grad_enabled_inside_fn_is_refused_when_recorded_whatever_the_callers_mode() -> None:
     gate = nn.Linear(8, 4)
 
@@ -384,7 +422,8 @@ def test_an_argument_returned_as_it_is_under_the_callers_no_grad_is_refused_in_t
     with pytest.raises(ReuseError, match=r"pick\) returned result, which requires grad"):
         layer(x)
     out = checkpoint(layer, x)
-    with pytest.raises(ReuseError, match=r"pick\) returned result, which requires grad"):
+    with pytest.raises(ReuseError, match=r"pick\) returned result, which is argument args\[0\] "
+                                         r"as it is, and that requires grad"):
         out.sum().backward()
 
 
