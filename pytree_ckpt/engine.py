@@ -11,11 +11,13 @@ as tuples. The checks cost about 70,000 instructions a layer call at the small s
 reentrant checkpoint, so the replay calls ``torch.autograd.graph._engine_run_backward`` (what
 ``torch.autograd.grad`` itself calls last, with its logging hooks and the context it stashes
 for device threads) with the arguments ``grad`` would pass. What ``grad`` does before its
-checks, handing the call to a tensor subclass's ``__torch_function__`` or to a
-``TorchFunctionMode``, does not happen in a replay either: autograd runs a Function's backward
-with torch-function handling off when a subclass is among its inputs, and no
-``TorchFunctionMode`` is active inside backward (tests/pytree_ckpt/test_engine.py). A torch
-without that private function gets ``torch.autograd.grad`` itself.
+checks, handing the call to a ``TorchFunctionMode`` or to a tensor subclass's
+``__torch_function__``, changes nothing in a replay: no ``TorchFunctionMode`` is active inside
+backward; a backward started from a subclass loss runs with subclass handling off; and
+otherwise a subclass's ``__torch_function__`` is handed ``grad`` itself, which torch's default
+runs unchanged (only a subclass overriding ``torch.autograd.grad`` would see a difference;
+tests/pytree_ckpt/test_engine.py). A torch without that private function gets
+``torch.autograd.grad`` itself.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 
 
 class ReplayEnvironment:
-    """RNG states and autocast settings captured at the start of an original pass."""
+    """RNG states, autocast settings and the torch-function state captured at the start of an
+    original pass."""
 
     __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function")
 

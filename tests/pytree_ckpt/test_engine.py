@@ -53,15 +53,23 @@ def test_the_replay_of_a_module_reaches_the_engine_without_torch_autograd_grad(
     assert calls == []
 
 
+@pytest.mark.parametrize("plain_loss", [False, True])
 def test_a_tensor_subclass_input_gets_eager_gradients_on_the_direct_path(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # torch.autograd.grad would first offer the call to the subclass's __torch_function__,
-    # but autograd runs a Function's backward with torch-function handling off: the direct
-    # path skips nothing a replay would have done.
+        monkeypatch: pytest.MonkeyPatch, plain_loss: bool) -> None:
+    # torch.autograd.grad would first offer the call to the subclass's __torch_function__. A
+    # backward started from a subclass loss runs with subclass handling off; from a plain loss
+    # it runs with it on, and torch's default __torch_function__ runs grad unchanged: either
+    # way the direct path skips nothing a replay would have done.
     block, wrapped, data = _twins()
     calls = _counting_grad(monkeypatch)
-    eager = _grads(block, data.as_subclass(_Tagged))
-    ckpt = _grads(wrapped, data.as_subclass(_Tagged))
+
+    def grads(module: nn.Module) -> list[torch.Tensor]:
+        x = data.clone().as_subclass(_Tagged).requires_grad_()
+        out = module(x)
+        (out.as_subclass(torch.Tensor) if plain_loss else out).square().sum().backward()
+        return [x.grad, *(p.grad for p in module.parameters())]
+
+    eager, ckpt = grads(block), grads(wrapped)
     assert calls == []
     _assert_equal(eager, ckpt)
 
