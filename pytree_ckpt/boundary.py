@@ -397,9 +397,12 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
     explicit = call.params is not None
     if not explicit and not torch.autograd._is_checkpoint_valid():
         raise CheckpointError(
-            f"the boundary around {fn_name(call.fn)} was reached by torch.autograd.grad() "
-            "or backward(inputs=...)",
-            expected="a module (or a method of one) as fn, or loss.backward()",
+            f"the boundary around {fn_name(call.fn)} was reached by a restricted backward: "
+            "torch.autograd.grad(), backward(inputs=...), or the replay of a checkpoint "
+            "boundary or output discard around it (which takes its gradients with "
+            "torch.autograd.grad)",
+            expected="a module (or a method of one) as fn, or loss.backward() with no "
+                     "module-aware replay around it",
             got="an arbitrary callable under a restricted backward",
             tip="wrap a module (pytree_ckpt.checkpoint(module, ...) or "
                 "apply_activation_checkpointing) so its parameters are known, or call "

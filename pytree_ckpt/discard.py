@@ -18,6 +18,15 @@ NOTE [discard lifetimes]:
    the small recomputed graph when autograd reaches it.
 4. A manager replays several chained checkpoints (a later one may take an earlier one's
    discarded output as input) in forward order, from one hook, once.
+5. The rebuild runs ``fn`` again, and with it what ``fn`` changes of its modules' state
+   (BatchNorm's running statistics), which eager does once. The forward watches that state
+   as the boundary does (NOTE [state the forward changes] in module_state.py); the rebuild
+   takes it as it finds it, puts back which tensor is under each name when ``fn`` returns,
+   and the values once the Function's backward has taken its gradients (the rebuilt graph
+   may have saved those very tensors). A rebuild whose gradients never come (the graph
+   dropped after the hook fired) leaves the state as the rebuild left it. ``fn`` changing
+   its tensor arguments in place is refused: they are saved after it ran, so autograd
+   cannot see it, and the rebuild would change them again.
 Discarding twice, replaying twice, or a replay of another shape raises ``CheckpointError``.
 With grad disabled (a checkpoint boundary's original pass) ``checkpoint`` just calls ``fn``
 and discarding is a no-op: nothing was saved; the boundary's replay discards for real.
@@ -50,8 +59,9 @@ from .refusals import refuse_double_backward
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
-from .module_state import (ForwardModules, foreign_leaf, module_buffers, module_dicts,
-                           owning_module, trainable_parameters)
+from .module_state import (ChangedState, ForwardModules, StateWatch, TakenState,
+                           collect_parameters, foreign_leaf, module_buffers, module_dicts,
+                           owning_module, trainable_parameters, versions)
 from .rng import IsolatedPass, ReplayEnvironment
 from .tree import flatten
 
@@ -157,6 +167,31 @@ def _cell_filled(cell: Any) -> bool:
     return True
 
 
+def _raise_input_changed(owner: CheckpointWithoutOutput, args: tuple[Any, ...],
+                         tensor: torch.Tensor) -> None:
+    # As at the boundary (refusals.raise_input_changed): the inputs are saved after fn ran, so
+    # autograd's version check cannot see it, and the rebuild would run fn on the changed
+    # tensor, changing the caller's tensor again in backward.
+    position = next(i for i, a in enumerate(args) if a is tensor)
+    raise CheckpointError(
+        f"{owner._name()} changed its input args[{position}] in place; the rebuild in "
+        "backward would run it on the changed tensor (and change it again) and give wrong "
+        "gradients", expected="inputs left as they are",
+        got="a version counter moved by the op (mul_, relu_, an inplace=True module)",
+        tip="make the op out of place (nn.ReLU() rather than nn.ReLU(inplace=True); "
+            "x = x * s rather than x.mul_(s)), or call it without discarding its output")
+
+
+def _refuse_output(owner: CheckpointWithoutOutput, got: Any) -> None:
+    raise CheckpointConfigError(
+        f"CheckpointWithoutOutput needs {owner._name()} to return a tensor or a tuple of "
+        "tensors", expected="Tensor | tuple[Tensor, ...]",
+        got="None" if got is None else type(got).__name__,
+        tip="discard only ops that return tensors (for a fused op returning (out, None), a "
+            "method of its module that returns out alone); wrap structured outputs in "
+            "pytree_ckpt.checkpoint instead")
+
+
 class _DiscardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
@@ -165,21 +200,35 @@ class _DiscardFunction(torch.autograd.Function):
             tuple(t for t in args if isinstance(t, torch.Tensor)),
             preserve_rng=owner.preserve_rng_state)
         assert owner.fn is not None  # set by __call__ before the Function runs
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        input_versions = versions(tensors)
+        watch = StateWatch(*owner.state) if owner.state is not None else None
+        owner.state = None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
         with torch.no_grad(), IsolatedPass():
             outputs = owner.fn(*args, **owner.kwargs)
+        moved = [i for i, (t, version) in enumerate(zip(tensors, input_versions))
+                 if t._version != version] if tensors else []
+        if moved:
+            _raise_input_changed(owner, args, tensors[moved[0]])
+        if watch is not None:  # NOTE [state the forward changes], as at the boundary
+            owner.changed_state = watch.changed()
         if owner.modules:  # NOTE [the replay sees the forward's modules], as at the boundary
             owner.forward_modules = ForwardModules(
                 owner.modules, [module_dicts(m) for m in owner.modules])
         owner.modules = None
         single = isinstance(outputs, torch.Tensor)
+        if not single and not isinstance(outputs, (tuple, list)):
+            _refuse_output(owner, outputs)  # a dict would give its keys, a dataclass nothing
         outputs = (outputs,) if single else tuple(outputs)
+        for out in outputs:
+            if not isinstance(out, torch.Tensor):
+                _refuse_output(owner, out)  # before reading storages: None has none
         owner.single = single
         owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]
         owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
         ctx.owner = owner
-        tensors = [t for t in args if isinstance(t, torch.Tensor)]
         # Which outputs live on storages from outside fn, read now: in forward,
         # ctx.saved_tensors would run an ambient unpack hook (an offload restore) and hand
         # back copies.
@@ -187,14 +236,6 @@ class _DiscardFunction(torch.autograd.Function):
         owner.reachable = None  # found for this call only
         ctx.save_for_backward(*tensors)
         owner.ctx = weakref.ref(ctx)  # weak: the node owns us, not the other way round
-        for out in outputs:
-            if not isinstance(out, torch.Tensor):
-                raise CheckpointConfigError(
-                    f"CheckpointWithoutOutput needs {owner._name()} to return a tensor or a "
-                    "tuple of tensors", expected="Tensor | tuple[Tensor, ...]",
-                    got=type(out).__name__,
-                    tip="discard only simple ops; wrap structured outputs in "
-                        "pytree_ckpt.checkpoint instead")
         return outputs
 
     @staticmethod
@@ -203,62 +244,75 @@ class _DiscardFunction(torch.autograd.Function):
         refuse_double_backward(lambda: f"the output-discard checkpoint of {owner._name()}")
         if owner.recomputed is None:
             owner._replay()  # never discarded (or its hook never fired): replay now
-        assert owner.recomputed is not None and owner.detached is not None
-        pairs = [(o, g) for o, g in zip(owner.recomputed, grads)
-                 if g is not None and o.requires_grad]
-        outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
-        needs = ctx.needs_input_grad[1:]
-        owner.recomputed = None  # the recomputed graph is done with
-        owner.outputs = ()       # and so are the storages (NOTE [discard lifetimes])
-        if owner.params is None:  # an unknown callable: accumulate, as a reentrant checkpoint
-            if not torch.autograd._is_checkpoint_valid():
-                raise CheckpointError(
-                    f"the discarded output of {owner._name()} was reached by "
-                    "torch.autograd.grad() or backward(inputs=...)",
-                    expected="a module (or a method of one) as fn, or loss.backward()",
-                    got="an arbitrary callable under a restricted backward",
-                    tip="pass a module or its method so its parameters are known")
-            if outs:
-                torch.autograd.backward(outs, out_grads)
-            detached = iter(owner.detached)
-            grads_in = [next(detached).grad if kind else None for kind in owner.arg_kinds]
-            owner.detached = None
-            return (None, *grads_in)
-        # Known parameters are inputs: return their grads so autograd sums them as eager does.
-        detached = iter(owner.detached)
-        wrt: list[torch.Tensor | None] = [next(detached) if kind else None
-                                          for kind in owner.arg_kinds]
-        wrt += owner.params
-        # NOTE [parameters frozen or unfrozen since the forward], as at the boundary: a
-        # parameter frozen since the forward (requires_grad_(False) before backward) gets no
-        # gradient, as in eager, where its AccumulateGrad then does nothing (asking
-        # torch.autograd.grad for it raised torch's "does not require grad"); one frozen in the
-        # forward and unfrozen since was not in the forward's graph: it gets none either, and
-        # is a known tensor of the op's modules, not a foreign one.
-        wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
-                  if need and t is not None and t.requires_grad]
-        known = {id(t) for t in wrt if t is not None}
-        if outs and owner.forward_modules is not None:
-            known.update(id(t) for _, entries in owner.forward_modules.entries
-                         for t in entries.values())
-        foreign = foreign_leaf(outs, known) if outs else None
-        if foreign is not None:  # it would get no gradient: refused, as at the boundary
+        try:
+            return _gradients(ctx, owner, grads)
+        finally:
+            owner._restore_values()  # NOTE [discard lifetimes] 5
+
+
+def _gradients(ctx: Any, owner: CheckpointWithoutOutput,
+               grads: tuple[torch.Tensor | None, ...]) -> Any:
+    """The gradients of the discarded op's inputs (and parameters), from its rebuilt graph."""
+    assert owner.recomputed is not None and owner.detached is not None
+    pairs = [(o, g) for o, g in zip(owner.recomputed, grads)
+             if g is not None and o.requires_grad]
+    outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
+    needs = ctx.needs_input_grad[1:]
+    owner.recomputed = None  # the recomputed graph is done with
+    owner.outputs = ()       # and so are the storages (NOTE [discard lifetimes])
+    if owner.params is None:  # an unknown callable: accumulate, as a reentrant checkpoint
+        if not torch.autograd._is_checkpoint_valid():
             raise CheckpointError(
-                f"the discarded op {owner._name()} uses a tensor that requires grad but is "
-                "neither an input nor a parameter of its module; it would get no gradient",
-                expected="inputs, and parameters of the op's module or of modules passed as "
-                         "arguments",
-                got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
-                tip="pass the tensor (or the module owning it) as an argument of checkpoint()")
-        result: list[torch.Tensor | None] = [None] * len(wrt)
-        if outs and wanted:
-            inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
-            with ParameterHooksPaused(owner.params):  # NOTE [parameter hooks run once]
-                got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
-            for i, grad in zip(wanted, got):
-                result[i] = grad
+                f"the discarded output of {owner._name()} was reached by a restricted "
+                "backward: torch.autograd.grad(), backward(inputs=...), or the replay of a "
+                "checkpointed layer around it (which takes its gradients with "
+                "torch.autograd.grad)",
+                expected="a module (or a method of one) as fn, or a function that reaches "
+                         "no trainable tensor",
+                got="an arbitrary callable that reaches trainable parameters",
+                tip="pass the module or its method so its parameters are known (checkpoint("
+                    "self.norm, x), not checkpoint(lambda t: self.norm(t) * 2, x))")
+        if outs:
+            torch.autograd.backward(outs, out_grads)
+        detached = iter(owner.detached)
+        grads_in = [next(detached).grad if kind else None for kind in owner.arg_kinds]
         owner.detached = None
-        return (None, *result)
+        return (None, *grads_in)
+    # Known parameters are inputs: return their grads so autograd sums them as eager does.
+    detached = iter(owner.detached)
+    wrt: list[torch.Tensor | None] = [next(detached) if kind else None
+                                      for kind in owner.arg_kinds]
+    wrt += owner.params
+    # NOTE [parameters frozen or unfrozen since the forward], as at the boundary: a
+    # parameter frozen since the forward (requires_grad_(False) before backward) gets no
+    # gradient, as in eager, where its AccumulateGrad then does nothing (asking
+    # torch.autograd.grad for it raised torch's "does not require grad"); one frozen in the
+    # forward and unfrozen since was not in the forward's graph: it gets none either, and
+    # is a known tensor of the op's modules, not a foreign one.
+    wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
+              if need and t is not None and t.requires_grad]
+    known = {id(t) for t in wrt if t is not None}
+    if outs and owner.forward_modules is not None:
+        known.update(id(t) for _, entries in owner.forward_modules.entries
+                     for t in entries.values())
+    foreign = foreign_leaf(outs, known) if outs else None
+    if foreign is not None:  # it would get no gradient: refused, as at the boundary
+        raise CheckpointError(
+            f"the discarded op {owner._name()} uses a tensor that requires grad but is "
+            "neither an input nor a parameter of its module; it would get no gradient",
+            expected="inputs, and parameters of the op's module or of modules passed as "
+                     "arguments",
+            got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
+            tip="pass the tensor (or the module owning it) as an argument of checkpoint()")
+    result: list[torch.Tensor | None] = [None] * len(wrt)
+    if outs and wanted:
+        inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
+        with ParameterHooksPaused(owner.params):  # NOTE [parameter hooks run once]
+            got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
+        for i, grad in zip(wanted, got):
+            result[i] = grad
+    owner.detached = None
+    return (None, *result)
 
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
@@ -292,6 +346,12 @@ class CheckpointWithoutOutput:
         self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
         self.modules: list[nn.Module] | None = None  # fn's modules, until its forward ran
         self.forward_modules: ForwardModules | None = None
+        # Their buffer dicts and frozen parameters, until the forward ran; what the forward
+        # changed of them; and, from the rebuild to the gradients, the put-back of that state
+        # (NOTE [state the forward changes] in module_state.py, NOTE [discard lifetimes] 5).
+        self.state: tuple[list[dict[str, torch.Tensor | None]], list[torch.Tensor]] | None = None
+        self.changed_state: ChangedState | None = None
+        self.taken: TakenState | None = None
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` under no-grad; inputs saved through autograd; returns its
@@ -326,9 +386,12 @@ class CheckpointWithoutOutput:
         skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
         if modules:
             self.modules = modules
+            trees = [module_dicts(m) for m in modules]
+            frozen: list[torch.Tensor] = []
             # Tensor arguments not skipped: a parameter the module also receives as an argument
             # is used both ways, and each use needs its gradient (as in the boundary).
-            self.params = trainable_parameters(modules, set())
+            self.params = collect_parameters(trees, set(), frozen=frozen)
+            self.state = ([d for tree in trees for d in tree.buffers], frozen)
         elif not any(t.requires_grad and id(t) not in skip
                      for t in self._found_reachable(fn, args)):
             # A plain function that reaches nothing trainable (F.gelu, a lambda, a partial):
@@ -439,6 +502,16 @@ class CheckpointWithoutOutput:
     def _hook(self, grad: torch.Tensor) -> None:
         self._replay()
 
+    def _restore_values(self) -> None:
+        if self.taken is not None:
+            self.taken.restore_values()
+            self.taken = None
+
+    def _restore_on_error(self, kind: type[BaseException] | None, *_: object) -> bool:
+        if kind is not None:  # no gradient will be taken from a failed rebuild
+            self._restore_values()
+        return False
+
     def _replay(self) -> None:
         if self.replayed:
             raise CheckpointError(f"the output of {self._name()} was already replayed",
@@ -455,6 +528,13 @@ class CheckpointWithoutOutput:
             if changes is not None:
                 assert self.forward_modules is not None
                 stack.enter_context(self.forward_modules.reinstated(changes))
+            if self.changed_state is not None:
+                # NOTE [discard lifetimes] 5: the rebuild repeats the forward's changes to
+                # its modules' state (BatchNorm's running statistics); the entries are put
+                # back when it ends, the values once the gradients are taken.
+                self.taken = self.changed_state.take()
+                stack.callback(self.taken.restore_entries)
+                stack.push(self._restore_on_error)
             args = []
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
                 if not is_tensor:

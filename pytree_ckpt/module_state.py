@@ -31,7 +31,7 @@ from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
            "collect_parameters", "drop_caches", "foreign_leaf", "graph_attributes", "is_verified",
-           "mark_verified", "module_buffers", "module_dicts", "owning_module",
+           "mark_verified", "module_buffers", "module_dicts", "owning_module", "TakenState",
            "trainable_parameters", "versions", "warn_forward_hooks"]
 
 
@@ -393,24 +393,52 @@ class ChangedState:
 
     @contextmanager
     def put_back(self) -> Iterator[None]:
-        # The entries as backward finds them, then the values of their tensors: the entries
-        # are put back first, so the values go into the very objects the forward left.
-        entries = [dict(d) for d in self.reassigned]
+        taken = self.take()
+        try:
+            yield
+        finally:
+            taken.restore_entries()
+            taken.restore_values()
+
+    def take(self) -> TakenState:
+        """The state as backward finds it now, to put back after the replay: first the entries
+        (which object is under each name), then the values (copied into those objects), so
+        the values go into the very objects the forward left. Output discard restores the
+        entries right after its rebuild and the values after its gradients
+        (discard.py, NOTE [discard lifetimes] 5)."""
         # Values of reassigned dicts too: an entry the original pass added (a buffer registered
         # lazily) may be changed in place by the replay, and has no earlier version to compare.
         dicts = {id(d): d for d in (*self.in_place, *self.reassigned)}.values()
         values = [(t, t.detach().clone()) for d in dicts for t in d.values()
                   if t is not None and not t.is_inference()]
         values += [(p, p.detach().clone()) for p in self.params]
-        try:
-            yield
-        finally:
-            for d, before in zip(self.reassigned, entries):
-                d.clear()
-                d.update(before)
-            with torch.no_grad():
-                for tensor, value in values:
-                    tensor.copy_(value)
+        return TakenState([(d, dict(d)) for d in self.reassigned], values)
+
+
+class TakenState:
+    """What :meth:`ChangedState.take` read; each part is put back once."""
+
+    __slots__ = ("entries", "values")
+
+    def __init__(self, entries: list[tuple[dict[str, torch.Tensor | None],
+                                           dict[str, torch.Tensor | None]]],
+                 values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.entries = entries
+        self.values = values
+
+    def restore_entries(self) -> None:
+        for d, before in self.entries:
+            d.clear()
+            d.update(before)
+        self.entries = []
+
+    def restore_values(self) -> None:
+        # Not sooner than the replay's gradients: its graph may have saved these tensors
+        # (BatchNorm saves its running statistics), and copying into them moves their version.
+        with torch.no_grad():
+            for tensor, value in self.values:
+                tensor.copy_(value)
+        self.values = []
 
 
 # The caller's modes, and (dict, the forward's entries, the caller's entries) per swapped dict.
