@@ -71,11 +71,13 @@ def never_kept(namespace: str, packet: Any, /) -> str | None:
 
 
 class KeepPolicy:
-    """Which ops a boundary keeps: ``ops`` by identity, plus everything in kept callables."""
+    """Which ops a boundary keeps: ``ops`` by identity, plus everything the kept callables
+    (``"Class.method"`` names of the wrapped methods) dispatch."""
 
-    def __init__(self, ops: Iterable[Any], *, callables: bool, description: str) -> None:
+    def __init__(self, ops: Iterable[Any], *, callables: Iterable[str],
+                 description: str) -> None:
         self.ops = frozenset(ops)
-        self.callables = callables
+        self.callables = frozenset(callables)
         self.description = description
         self._warned: set[str] = set()
 
@@ -83,8 +85,8 @@ class KeepPolicy:
         return f"KeepPolicy({self.description})"
 
     # Two policies that keep the same things are the same option (re-applying a config is a
-    # no-op, as for apply_activation_checkpointing).
-    def _key(self) -> tuple[frozenset[Any], bool]:
+    # no-op, as for apply_activation_checkpointing); one that wraps other methods is not.
+    def _key(self) -> tuple[frozenset[Any], frozenset[str]]:
         return self.ops, self.callables
 
     def __eq__(self, other: object) -> bool:
@@ -106,7 +108,7 @@ class KeepPolicy:
             # A clone is a copy, cheap to redo from its input.
             return False
         by_op = func.overloadpacket in self.ops
-        by_region = self.callables and IN_KEPT_CALLABLE.get()
+        by_region = bool(self.callables) and IN_KEPT_CALLABLE.get()
         if not (by_op or by_region):
             return False
         if func._schema.is_mutable:

@@ -257,8 +257,12 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     if installed is None:
         return module  # never wrapped (or its forward replaced since): nothing to undo
     for sub in _own_submodules(module):  # methods its save units wrapped (KeptCallables)
-        for name in [n for n, v in sub.__dict__.items() if getattr(v, "_pytree_ckpt_kept", False)]:
-            del sub.__dict__[name]
+        for name, kept in [(n, v) for n, v in sub.__dict__.items()
+                           if getattr(v, "_pytree_ckpt_kept", False)]:
+            if kept.inner is None:  # NOTE [kept methods wrap what the instance had]
+                del sub.__dict__[name]
+            else:
+                sub.__dict__[name] = kept.inner
         remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
     module.__dict__.pop(_WARNED_COMPILED, None)
     bare = installed.bare

@@ -14,8 +14,10 @@ explicit list for stable memory); a list keeps exactly those units.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
+import inspect
 import json
 import logging
 import warnings
@@ -30,8 +32,8 @@ from .boundary import BoundaryOptions
 from .eager import KEPT_CALLABLE_REASON, runs_eagerly
 from .errors import CheckpointConfigError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy, never_kept
-from .module import (body_forward, install_boundary, layer_count, refuse_other_options,
-                     resolve_offload, validate_ratio)
+from .module import (body_forward, install_boundary, is_checkpointed, layer_count,
+                     refuse_other_options, resolve_offload, validate_ratio)
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -240,14 +242,24 @@ class _KeptMethod:
     its module's ``__dict__``. A function would be shared by ``copy.deepcopy`` (functions copy
     as themselves) and would go on calling the *original* module's method, and it could not be
     pickled; this object is rebound to the copy instead, as the installed forward is.
+
+    NOTE [kept methods wrap what the instance had]: an instance attribute already under the
+    name (a patched method, a wrapper another library installed) is what eager calls: it is
+    wrapped (``inner``) and called, not the class's method, and removing checkpointing puts it
+    back. A static or class method is called without the module.
     """
 
-    __slots__ = ("module_ref", "name", "__weakref__")
+    __slots__ = ("module_ref", "name", "inner", "bound", "__weakref__")
     _pytree_ckpt_kept = True  # what remove_activation_checkpointing looks for
 
-    def __init__(self, module: nn.Module, name: str) -> None:
+    def __init__(self, module: nn.Module, name: str, inner: Any = None) -> None:
         self.module_ref = weakref.ref(module)
         self.name = name
+        self.inner = inner  # the instance attribute it replaced, if any
+        # Whether the class's attribute takes the module first (a plain method), read anew at
+        # each call from the class (a patched class method is honoured).
+        self.bound = not isinstance(inspect.getattr_static(type(module), name, None),
+                                    (staticmethod, classmethod))
 
     @property
     def __self__(self) -> nn.Module | None:
@@ -262,18 +274,24 @@ class _KeptMethod:
         assert module is not None
         token = IN_KEPT_CALLABLE.set(True)
         try:
-            return getattr(type(module), self.name)(module, *args, **kwargs)
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            if self.bound:
+                return getattr(type(module), self.name)(module, *args, **kwargs)
+            return getattr(type(module), self.name)(*args, **kwargs)
         finally:
             IN_KEPT_CALLABLE.reset(token)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _KeptMethod:
-        # copy.deepcopy(module) registers the new module in memo before copying its __dict__.
+        # copy.deepcopy(module) registers the new module in memo before copying its __dict__
+        # (a bound method as inner is rebound to the copy the same way).
         module = self.module_ref()
         assert module is not None  # a module being copied is alive
-        return _KeptMethod(memo.get(id(module), module), self.name)
+        return _KeptMethod(memo.get(id(module), module), self.name,
+                           copy.deepcopy(self.inner, memo))
 
     def __reduce__(self) -> Any:
-        return (_KeptMethod, (self.module_ref(), self.name))
+        return (_KeptMethod, (self.module_ref(), self.name, self.inner))
 
 
 def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[SaveUnit]:
@@ -351,18 +369,65 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
                      unit.value, sorted(set(names)))
     policy = None
     if units:
-        policy = KeepPolicy(ops, callables=bool(wrapped),
+        policy = KeepPolicy(ops, callables=wrapped,
                             description=", ".join(u.value for u in units))
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload), keep=policy)
-    for index, layer in enumerate(chosen):  # before anything changes: refused, none change
+    # Before anything changes: refused, nothing changes.
+    for index, layer in enumerate(chosen):
         refuse_other_options(layer, options, index=index)
+    _refuse_checkpointed_beyond(layers, count, config.ratio)
     for module, name in kept:
-        if not getattr(module.__dict__.get(name), "_pytree_ckpt_kept", False):
-            module.__dict__[name] = _KeptMethod(module, name)
+        _refuse_unkeepable(module, name, chosen)
+    for module, name in kept:
+        held = module.__dict__.get(name)
+        if not getattr(held, "_pytree_ckpt_kept", False):
+            module.__dict__[name] = _KeptMethod(module, name, held)
     for layer in chosen:
         install_boundary(layer, options)
     return list(range(count))
+
+
+def _refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: float) -> None:
+    """A layer past the first ``count`` that is checkpointed (an earlier config with a higher
+    ratio) would stay so, and the returned indices would be wrong."""
+    for index in range(count, len(layers)):
+        if is_checkpointed(layers[index]):
+            raise CheckpointConfigError(
+                f"layer {index} ({type(layers[index]).__name__}) is checkpointed, but "
+                f"ratio={ratio} checkpoints only the first {count} of {len(layers)} layers",
+                expected=f"layers {count}..{len(layers) - 1} not checkpointed",
+                got=f"layers[{index}] checkpointed (an earlier apply with a higher ratio?)",
+                tip="call remove_activation_checkpointing on every layer first, then apply "
+                    "the new config")
+
+
+def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) -> None:
+    """NOTE [kept methods wrap what the instance had], and its exceptions: a layer's own
+    forward (the boundary goes there), a boundary of the module's own (``forward``
+    checkpointed on its own) and a compiled callable (NOTE [save units need eager bodies])
+    cannot run inside a kept region."""
+    qualname = f"{type(module).__qualname__}.{name}"
+    if name == "forward" and any(module is layer for layer in layers):
+        raise CheckpointConfigError(
+            f"a save unit keeps {qualname}, the forward of a checkpointed layer: everything "
+            "in it would be kept", expected="methods of the layer's submodules (or its "
+            "other methods)", got=f"{qualname} on a layer the ratio checkpoints",
+            tip="leave such layers out of the checkpointed ones (a lower ratio) instead")
+    if name == "forward" and is_checkpointed(module):
+        raise CheckpointConfigError(
+            f"{qualname} is kept by a save unit, but {type(module).__name__} is checkpointed on "
+            "its own: a unit keeps what a replay would recompute, and a nested boundary "
+            "recomputes it anyway", expected="a kept method that is not itself checkpointed",
+            got=f"apply_activation_checkpointing on the {type(module).__name__} inside a layer",
+            tip=f"remove_activation_checkpointing on the {type(module).__name__}, or drop "
+                "the unit")
+    if _compiled(module.__dict__.get(name)):
+        raise CheckpointConfigError(
+            f"{qualname} is kept by a save unit, but it is a torch.compile'd callable: the "
+            "dispatch mode that keeps ops makes dynamo skip it",
+            expected="an eager method", got="a compiled instance attribute",
+            tip="drop the unit for this method, or do not compile it")
 
 
 def _compiled(forward: Any) -> bool:

@@ -1,0 +1,181 @@
+"""How save units install onto a model: what a kept method wraps (an instance's own patch, a
+static or class method), and which re-applications are refused. Loss and gradients are
+compared with an unwrapped eager twin, exactly in fp32; what is kept is counted in the replay."""
+
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import (CheckpointConfigError, KeptCallables, RecomputeConfig, SaveUnit,
+                         apply_recompute_config, remove_activation_checkpointing)
+from tests.conftest import assert_same_grads
+from tests.pytree_ckpt.test_save_units import OpCounter
+
+
+class Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
+
+    @staticmethod
+    def weigh(logits: torch.Tensor) -> torch.Tensor:
+        return logits.exp()
+
+    @classmethod
+    def squash(cls, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.squash(self.weigh(self.project(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.mix = Router(), nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix(self.router(x))
+
+
+def _halved(router: Router) -> None:
+    """An instance-level patch of the kept method (as a user's, or another library's)."""
+    original = router.project
+    router.project = lambda x: 0.5 * original(x)  # type: ignore[method-assign]
+
+
+def _step(layers: nn.ModuleList, x: torch.Tensor, counter: OpCounter | None = None
+          ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    for p in layers.parameters():
+        p.grad = None
+    with counter or OpCounter():
+        h = x
+        for layer in layers:
+            h = layer(h)
+        loss = h.square().sum()
+        loss.backward()
+    return loss.detach(), [p.grad for p in layers.parameters()]
+
+
+def _apply(layers: nn.ModuleList, *targets: str, ratio: float = 1.0) -> None:
+    apply_recompute_config(layers, RecomputeConfig(ratio, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables(*targets)})
+
+
+def test_a_kept_method_patched_on_the_instance_runs_the_patch_and_removal_puts_it_back() -> None:
+    # The wrapper used to call the class's method: the patch was silently skipped (the loss
+    # changed), and removing checkpointing deleted it.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(2))
+    ours = copy.deepcopy(eager)
+    for layer in (*eager, *ours):  # after the copy: a lambda copies as itself
+        _halved(layer.router)
+    patches = [layer.router.__dict__["project"] for layer in ours]
+    _apply(ours, "Router.project")
+    x = torch.randn(3, 8)
+    expected_loss, expected = _step(eager, x)
+    counter = OpCounter()
+    loss, got = _step(ours, x, counter)
+    assert torch.equal(expected_loss, loss)
+    assert_same_grads(expected, got)
+    # the patch's projection (an addmm) is kept; the mix Linear's is recomputed
+    assert counter.counts["recompute", "aten.addmm"] == 2
+    for layer in ours:
+        remove_activation_checkpointing(layer)
+    assert [layer.router.__dict__["project"] for layer in ours] == patches
+    assert torch.equal(_step(ours, x)[0], expected_loss)
+
+
+def test_a_kept_method_bound_on_the_instance_follows_a_deepcopy_to_the_copy() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList([Layer()])
+    router = layers[0].router
+    router.project = types.MethodType(  # type: ignore[method-assign]
+        lambda self, x: 2 * self.gate(x), router)
+    _apply(layers, "Router.project")
+    twin = copy.deepcopy(layers)
+    with torch.no_grad():
+        twin[0].router.gate.weight.zero_()
+    assert twin[0].router.__dict__["project"].inner.__self__ is twin[0].router
+    x = torch.randn(3, 8)
+    assert torch.equal(twin[0].router.project(x),
+                       2 * twin[0].router.gate.bias.expand(3, 4))
+
+
+@pytest.mark.parametrize("method", ["weigh", "squash"], ids=["staticmethod", "classmethod"])
+def test_a_kept_static_or_class_method_is_called_without_the_module(method: str) -> None:
+    # The module was passed as an extra first argument: TypeError in the layer.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(2))
+    ours = copy.deepcopy(eager)
+    _apply(ours, f"Router.{method}")
+    x = torch.randn(3, 8)
+    expected_loss, expected = _step(eager, x)
+    kept = OpCounter()
+    loss, got = _step(ours, x, kept)
+    assert torch.equal(expected_loss, loss)
+    assert_same_grads(expected, got)
+    op = "aten.exp" if method == "weigh" else "aten.tanh"
+    assert kept.counts["forward", op] == 2 and kept.counts["recompute", op] == 0
+
+
+def test_a_second_config_keeping_other_methods_is_refused_and_the_same_one_is_a_no_op() -> None:
+    # Both used to be "the same options": the second config's methods were wrapped too, and
+    # more was kept than either config said.
+    layers = nn.ModuleList(Layer() for _ in range(2))
+    _apply(layers, "Router.project")
+    _apply(layers, "Router.project")
+    with pytest.raises(CheckpointConfigError, match="already checkpointed with other options"):
+        _apply(layers, "Router.weigh")
+    assert "weigh" not in layers[0].router.__dict__
+
+
+def test_keeping_a_checkpointed_layers_own_forward_is_refused() -> None:
+    layers = nn.ModuleList([Layer()])
+    with pytest.raises(CheckpointConfigError, match="the forward of a checkpointed layer"):
+        _apply(layers, "Layer.forward")
+    assert not pytree_ckpt.is_checkpointed(layers[0])
+
+
+def test_keeping_the_forward_of_a_submodule_checkpointed_on_its_own_is_refused() -> None:
+    layers = nn.ModuleList([Layer()])
+    pytree_ckpt.apply_activation_checkpointing(layers[0].router)
+    with pytest.raises(CheckpointConfigError, match="checkpointed on its own"):
+        _apply(layers, "Router.forward")
+    assert pytree_ckpt.is_checkpointed(layers[0].router)
+    assert not pytree_ckpt.is_checkpointed(layers[0])
+
+
+def test_keeping_a_compiled_instance_method_is_refused() -> None:
+    layers = nn.ModuleList([Layer()])
+    router = layers[0].router
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled: Any = torch.compile(router.project)  # compiles nothing until called
+    router.project = compiled  # type: ignore[method-assign]
+    with pytest.raises(CheckpointConfigError, match="torch.compile'd callable"):
+        _apply(layers, "Router.project")
+    assert router.__dict__["project"] is compiled
+
+
+def test_a_lower_ratio_over_layers_checkpointed_by_a_higher_one_is_refused() -> None:
+    # The layers past the new count stayed checkpointed, and the returned indices said not.
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    assert apply_recompute_config(layers, RecomputeConfig(1.0), {}) == [0, 1, 2, 3]
+    with pytest.raises(CheckpointConfigError, match="layer 2 .* is checkpointed, but ratio=0.5"):
+        apply_recompute_config(layers, RecomputeConfig(0.5), {})
+    for layer in layers:
+        remove_activation_checkpointing(layer)
+    assert apply_recompute_config(layers, RecomputeConfig(0.5), {}) == [0, 1]
+    assert [pytree_ckpt.is_checkpointed(layer) for layer in layers] == [True, True, False, False]
