@@ -51,6 +51,8 @@ def callable_name(fn: Callable[..., Any], /) -> str:
     owner = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", fn)
     name = getattr(func, "__qualname__", None) or type(func).__name__
+    if name.startswith("_VariableFunctionsClass."):  # torch.topk's own qualname
+        return "torch." + name.partition(".")[2]
     if owner is not None and not isinstance(owner, type):
         return f"{type(owner).__name__}.{getattr(func, '__name__', name)}"
     return name

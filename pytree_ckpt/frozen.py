@@ -47,6 +47,13 @@ _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call 
               "the differentiable part outside it, from those ids (MoE gate weights: gather "
               "the softmax of the router's scores at the replayed ids, as "
               "examples/glm_dsa/mlp.py does)")
+# Detaching is for floats that must get no gradient; said second, as following it for gate
+# weights makes them silently lose theirs.
+_DETACH_TIP = ("; only floats that must get no gradient (statistics) may come back: pass fn "
+               "its inputs detached then (reuse_during_recompute(fn, logits.detach()))")
+_MODULE_TIP = ("; a module's trainable parameters give its floats a graph, so detaching the "
+               "inputs does not help: frozen statistics can come from a plain function given "
+               "detached inputs, or be computed outside the call")
 
 # A recorded float leaf that was one of the call's tensor arguments: (its key path, the
 # argument's index among the call's flattened leaves).
@@ -80,7 +87,8 @@ def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,
         return
     for i in flat.tensor_index:
         if flat.leaves[i].requires_grad:
-            _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
+            _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False,
+                                   module=_trainable_module(fn, flatten_call(args, kwargs)))
     if torch.is_grad_enabled():
         _refuse_floats(fn, name, flat, args, kwargs, replay=False)
 
@@ -121,28 +129,28 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
            if replay else "under checkpointing the replay would hand back a recorded value "
            "without calling fn")
     call = flatten_call(args, kwargs)
+    # The module first: detaching the inputs cannot help there.
+    owner = _trainable_module(fn, call)
+    if owner is not None:
+        kind = type(owner).__name__
+        relation = "is" if fn is owner else "belongs to"
+        raise ReuseError(
+            f"reuse_during_recompute({name}) returned the float {result}, and {name} "
+            f"{relation} a module with trainable parameters ({kind}): {why}, so it cannot tell "
+            "whether eager computes it with grad from them",
+            expected="float results only from plain functions given detached inputs (or int "
+                     "results only)",
+            got=f"a float {result} from a trainable {kind}",
+            tip=_SPLIT_TIP + _MODULE_TIP)
     for j in call.tensor_index:
         if call.leaves[j].requires_grad:
             argument = _argument_path(call, j)
             raise ReuseError(
                 f"reuse_during_recompute({name}) returned the float {result} for {argument}, "
                 f"which requires grad: {why}, so it cannot tell whether eager computes it with "
-                "grad", expected="inputs passed detached when fn returns floats (or int "
-                "results only)", got=f"{argument}.requires_grad=True and a float {result}",
-                tip="if fn's float results are frozen (computed under no_grad), pass its "
-                    "inputs detached: reuse_during_recompute(fn, logits.detach()), as "
-                    "examples/glm_dsa/mlp.py does; otherwise " + _SPLIT_TIP)
-    owner = _trainable_module(fn, call)
-    if owner is not None:
-        raise ReuseError(
-            f"reuse_during_recompute({name}) returned the float {result}, and {name} belongs "
-            f"to a module with trainable parameters ({type(owner).__name__}): {why}, so it "
-            "cannot tell whether eager computes it with grad from them",
-            expected="float results only from plain functions given detached inputs (or int "
-                     "results only)",
-            got=f"a float {result} from a method of a trainable {type(owner).__name__}",
-            tip=_SPLIT_TIP + "; frozen float statistics (router probabilities) can come from "
-                "a plain function given detached inputs, or be computed outside the call")
+                "grad", expected="int results only (or floats from inputs passed detached)",
+                got=f"{argument}.requires_grad=True and a float {result}",
+                tip=_SPLIT_TIP + _DETACH_TIP)
 
 
 def _trainable_module(fn: Callable[..., Any], call: FlatTree, /) -> nn.Module | None:
@@ -168,7 +176,8 @@ def _argument_path(call: FlatTree, index: int, /) -> str:
     return "argument " + path.replace("call[1]", "kwargs", 1)
 
 
-def _refuse_differentiable(name: str, path: str, /, *, replay: bool) -> None:
+def _refuse_differentiable(name: str, path: str, /, *, replay: bool,
+                           module: nn.Module | None = None) -> None:
     where = ("the replay hands back the value recorded in the original pass, which has no graph"
              if replay else "under checkpointing the replay would hand back a recorded value, "
              "which has no graph")
@@ -179,4 +188,4 @@ def _refuse_differentiable(name: str, path: str, /, *, replay: bool) -> None:
                  "detached inputs",
         got=f"{path}.requires_grad=True (computed with grad, or a parameter or an input "
             "returned as it is)",
-        tip=_SPLIT_TIP + "; if no gradient is wanted, pass fn its inputs detached")
+        tip=_SPLIT_TIP + (_MODULE_TIP if module is not None else _DETACH_TIP))

@@ -187,6 +187,22 @@ def test_a_float_result_for_an_argument_that_requires_grad_is_refused_with_both_
     assert "logits.detach()" in str(err.value) and "gather" in str(err.value)
 
 
+def test_the_tip_for_top_k_weights_leads_with_gathering_them_outside_and_names_torch_topk(
+) -> None:
+    # The first thing an MoE user tries. The tip used to lead with "pass its inputs
+    # detached": followed, the gate weights silently lost their gradient.
+    probs = nn.Linear(8, 4)(torch.randn(5, 8)).softmax(-1)
+    out = checkpoint(lambda p: reuse_during_recompute(torch.topk, p, 2).values.sum() + p.sum(),
+                     probs)
+    with pytest.raises(ReuseError, match=r"reuse_during_recompute\(torch.topk\) returned the "
+                                         r"float result.values for argument args\[0\]") as err:
+        out.backward()
+    tip = str(err.value).split("tip: ", 1)[1]
+    assert tip.startswith("return only the frozen part (the top-k ids)")
+    assert tip.index("gather") < tip.index("detached")
+    assert "statistics" in tip
+
+
 class GateRouter(nn.Module):
     """An MoE router that returns its gate weights with the expert ids (the mistake)."""
 
@@ -224,8 +240,8 @@ class TinyMoE(nn.Module):
 def test_router_gate_weights_replayed_instead_of_recomputed_are_refused_as_in_eager(
         detach: bool) -> None:
     # Replayed, the weights carry no graph: the gate would silently get no gradient (and the
-    # input a wrong one). Given the hidden states, the argument rule refuses; given them
-    # detached, the gate's own parameters do (a method of a trainable module).
+    # input a wrong one). The module rule refuses, given the hidden states detached or not,
+    # and says detaching cannot help (a method of a trainable module).
     torch.manual_seed(0)
     eager = TinyMoE(detach=detach)
     wrapped = copy.deepcopy(eager)
@@ -236,11 +252,13 @@ def test_router_gate_weights_replayed_instead_of_recomputed_are_refused_as_in_ea
         eager(x)
     assert "under checkpointing the replay would hand back" in str(plain.value)
     out = wrapped(x)  # the original pass records (it cannot see the caller's grad mode)
-    rule = r"trainable parameters \(GateRouter\)" if detach else r"for argument args\[0\]"
-    with pytest.raises(ReuseError, match=rf"GateRouter.route\) returned the float "
-                                         rf"result.values.*{rule}") as err:
+    with pytest.raises(ReuseError, match=r"GateRouter.route\) returned the float result.values, "
+                                         r"and GateRouter.route belongs to a module with "
+                                         r"trainable parameters \(GateRouter\)") as err:
         out.sum().backward()
     assert "the replay hands back the value recorded" in str(err.value)
+    for message in (str(plain.value), str(err.value)):
+        assert "detaching the inputs does not help" in message
     assert wrapped.router.gate.weight.grad is None and x.grad is None  # nothing half-done
 
 
