@@ -65,7 +65,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -74,7 +76,7 @@ import torch
 from torch import nn
 
 from .census import Mechanism, census_active, report_held
-from .eager import BOUNDARY_REASON, runs_eagerly
+from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
 from .engine import input_grads
 from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
@@ -747,6 +749,22 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     return call.outputs(out_tensors)
 
 
+_TORCH_OPTIONS = frozenset({"use_reentrant", "preserve_rng_state", "context_fn",
+                            "determinism_check", "debug"})
+
+
+def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
+    """Those of ``names`` that ``fn`` takes only through ``**kwargs``."""
+    try:  # a module's call takes (*args, **kwargs): its forward says what it names
+        parameters = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn
+                                       ).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): say nothing
+        return []
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    return [name for name in names if name not in parameters]
+
+
 @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py, for calls too
 def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
@@ -755,12 +773,21 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """
     require_callable(fn, "checkpoint", "checkpoint(layer, x) or checkpoint(fn, x, ...): the "
                       "function (or module) first, then its arguments")
+    # Code moved over from torch.utils.checkpoint passes its options as keywords.
+    torch_options = sorted(_TORCH_OPTIONS & kwargs.keys()) if kwargs else []
+    swallowed = _swallowed(fn, torch_options) if torch_options else []
+    if swallowed:
+        # A forward taking **kwargs (a transformers decoder layer) takes them silently; one
+        # that names such a keyword means its own, and one that takes none raises (noted below).
+        warnings.warn(
+            f"pytree_ckpt.checkpoint passes every keyword to fn, so {fn_name(fn)} receives "
+            f"{swallowed} in its **kwargs: options of torch.utils.checkpoint, which mean "
+            "nothing here. Tip: drop use_reentrant (the boundary is always reentrant-style, "
+            "and takes any PyTree), and set other options with pytree_ckpt.checkpointed(fn, "
+            "preserve_rng_state=...)", stacklevel=user_stacklevel())
     try:
         return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
     except TypeError as error:
-        # Code moved over from torch.utils.checkpoint passes its options as keywords.
-        torch_options = sorted({"use_reentrant", "preserve_rng_state", "context_fn",
-                                "determinism_check", "debug"} & kwargs.keys())
         if torch_options and hasattr(error, "add_note") and \
                 any(name in str(error) for name in torch_options):
             error.add_note(

@@ -13,12 +13,16 @@ under a torch that reads other ones the wrapper still runs eagerly, with torch's
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON", "runs_eagerly"]
+__all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON", "runs_eagerly",
+           "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,3 +52,19 @@ def runs_eagerly(reason: str, /) -> Callable[[F], F]:
         wrapper._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
     return decorate
+
+
+_INNER_DIRS = tuple(os.path.dirname(path) + os.sep
+                    for path in (torch.__file__, __file__))  # torch's and this package's
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning name the user's line: the first frame outside
+    torch and this package. The dynamo wrapper of ``runs_eagerly`` (two frames in torch, their
+    number a torch detail) and ``nn.Module``'s call sit between the user and the boundary."""
+    level = 1  # the frame that calls warnings.warn
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INNER_DIRS):
+        level += 1
+        frame = frame.f_back
+    return level

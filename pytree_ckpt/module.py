@@ -25,6 +25,7 @@ it would keep computing with the original's weights.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .boundary import BoundaryOptions, run_boundary
-from .eager import BOUNDARY_REASON, runs_eagerly
+from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
 from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .module_state import drop_caches
@@ -70,8 +71,20 @@ class _CheckpointedForward:
         module = self._module()
         if module.__dict__.get("forward") is not self:
             _warn_compiled_over(module, self)
+        if module.__dict__.get("_compiled_call_impl") is not None:
+            _warn_module_compiled(module)
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
         return run_boundary(forward, args, kwargs, self.options, module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # The layer's own signature, for code that inspects forward (transformers' Trainer
+        # drops the batch columns forward does not name; PEFT checks keywords). Not
+        # __wrapped__: inspect.unwrap would hand such code the bare forward, and a call to it
+        # would skip the boundary.
+        module = self._module()
+        forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
+        return inspect.signature(forward)
 
     def _module(self) -> nn.Module:
         module = self.module_ref()
@@ -124,7 +137,22 @@ def _warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> N
         "checkpointing, which compiles nothing (the boundary is opaque to dynamo, and so is the "
         "body it runs). Compile the body first: remove_activation_checkpointing(layer), then "
         "layer.forward = torch.compile(layer.forward), then apply_activation_checkpointing("
-        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=3)
+        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
+
+
+_WARNED_MODULE_COMPILE = "_pytree_ckpt_warned_module_compile"
+
+
+def _warn_module_compiled(module: nn.Module) -> None:
+    if module.__dict__.get(_WARNED_MODULE_COMPILE):
+        return
+    module.__dict__[_WARNED_MODULE_COMPILE] = True
+    warnings.warn(
+        f"pytree_ckpt: this {type(module).__name__} was compiled with module.compile(), which "
+        "compiles its call up to the boundary and nothing inside it (the boundary is opaque to "
+        "dynamo, and so is the body it runs). Compile the body instead: "
+        "layer.forward = torch.compile(layer.forward) before apply_activation_checkpointing("
+        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
 
 
 def _restore_forward(module: nn.Module, method: str | None,
@@ -220,6 +248,15 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Modul
     core, also used by ``apply_recompute_config``."""
     if refuse_other_options(module, options):
         return module
+    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
+        # A container (ModuleList, ModuleDict): nothing calls its forward, so a boundary
+        # there would checkpoint nothing, silently.
+        raise CheckpointConfigError(
+            f"{type(module).__name__} has no forward of its own: a boundary on it would never "
+            "run, and its layers would not be checkpointed",
+            expected="a module that is called (a decoder layer)",
+            got=f"a {type(module).__name__} (a container of modules)",
+            tip="checkpoint_layers(model.layers) checkpoints each layer it holds")
     forward = _CheckpointedForward(module, module.__dict__.get("forward"), options)
     module.__dict__["forward"] = forward
     module.__dict__[_INSTALLED] = forward
@@ -265,6 +302,7 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
                 sub.__dict__[name] = kept.inner
         remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
     module.__dict__.pop(_WARNED_COMPILED, None)
+    module.__dict__.pop(_WARNED_MODULE_COMPILE, None)
     bare = installed.bare
     if module.__dict__.get("forward") is not installed:  # NOTE [compiled over the boundary]
         logger.info("%s: the torch.compile wrapper put over its boundary goes with it",

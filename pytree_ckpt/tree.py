@@ -148,7 +148,20 @@ def first_difference(expected: optree.PyTreeSpec, got: optree.PyTreeSpec, /, *,
             break
         accessor, expected, got = child
         path += accessor.codify("")
-    return path, _describe_node(expected), _describe_node(got)
+    shown = _describe_node(expected), _describe_node(got)
+    if shown[0] == shown[1] and not (expected.is_leaf() or got.is_leaf()) and \
+            expected.type is not got.type:
+        # Two classes of one name (a namedtuple class made anew at each call): say which.
+        shown = (f"{shown[0]} (class {_class_id(expected.type)})",
+                 f"{shown[1]} (class {_class_id(got.type)})")
+    return path, shown[0], shown[1]
+
+
+def _class_id(cls: type | None) -> str:
+    if cls is None:
+        return "None"
+    return (f"{cls.__module__}.{cls.__qualname__} at {id(cls):#x}: same name, another class "
+            "object; define the class once, at module level")
 
 
 def _describe_node(spec: optree.PyTreeSpec) -> str:

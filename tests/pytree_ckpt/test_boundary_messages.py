@@ -316,7 +316,8 @@ def test_a_type_error_of_fn_itself_gets_no_note_about_torch_checkpoint_options()
     def scaled(x: torch.Tensor, *, debug: bool = False) -> torch.Tensor:
         return x + "2"  # type: ignore[operator]
 
-    with pytest.raises(TypeError) as raised:
+    with pytest.raises(TypeError) as raised, warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no warning: fn names debug, it is its own
         checkpoint(scaled, torch.randn(3, requires_grad=True), debug=True)
     assert "debug" not in str(raised.value)
     assert not getattr(raised.value, "__notes__", None)
@@ -528,3 +529,44 @@ def test_a_torch_non_reentrant_checkpoint_inside_a_wrapped_layer_gets_eager_grad
     eager(x).square().sum().backward()
     layer(x).square().sum().backward()
     assert torch.equal(eager.lin.weight.grad, layer.lin.weight.grad)
+
+
+def test_two_classes_of_one_name_in_the_output_are_told_apart() -> None:
+    # A namedtuple class made anew at each call: both sides printed the same text.
+    import collections
+
+    def layer(x: torch.Tensor) -> Any:
+        Out = collections.namedtuple("Out", "hidden aux")  # noqa: PYI024
+        return Out(x * 2, 3)
+
+    out = checkpoint(layer, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError, match="different output structure at output") as err:
+        out.hidden.sum().backward()
+    expected, got = (line for line in str(err.value).splitlines()
+                     if line.lstrip().startswith(("expected:", "got:")))
+    assert expected.split(":", 1)[1] != got.split(":", 1)[1]
+    assert "same name, another class object; define the class once" in expected
+
+
+def test_torch_checkpoint_options_passed_to_checkpoint_warn_that_fn_receives_them() -> None:
+    # A forward taking **kwargs (a transformers decoder layer) took them silently.
+    received: dict[str, Any] = {}
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            received.update(kwargs)
+            return self.proj(x)
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"Layer receives \['preserve_rng_state', "
+                                         r"'use_reentrant'\] in its \*\*kwargs") as caught:
+        checkpoint(Layer(), x, use_reentrant=False, preserve_rng_state=False)
+    assert received == {"use_reentrant": False, "preserve_rng_state": False}
+    assert {w.filename for w in caught} == {__file__}  # the user's line, not torch's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint(Layer(), x, mask=None)  # other keywords: no warning

@@ -387,3 +387,68 @@ def test_a_functools_wraps_wrapper_over_the_boundary_is_the_users_own() -> None:
     assert not pytree_ckpt.is_checkpointed(layer)
     remove_activation_checkpointing(layer)
     assert layer.__dict__["forward"] is logged
+
+
+def test_module_compile_warns_once_naming_the_body_compile_whichever_order(
+        ) -> None:
+    # module.compile() compiles the call up to the opaque boundary: nothing inside.
+    import inspect
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    x = torch.randn(2, 4, requires_grad=True)
+    for compile_first in (True, False):
+        layer = nn.Linear(4, 4)
+        twin = copy.deepcopy(layer)
+        counter = CompileCounterWithBackend("eager")
+        if compile_first:
+            layer.compile(backend=counter)
+        apply_activation_checkpointing(layer)
+        if not compile_first:
+            layer.compile(backend=counter)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                layer(x).sum().backward()
+        messages = [str(w.message) for w in caught if "module.compile()" in str(w.message)]
+        assert len(messages) == 1 and "layer.forward = torch.compile(layer.forward)" in \
+            messages[0]
+        assert {w.filename for w in caught} == {inspect.getfile(inspect.currentframe())}
+        twin(x).sum().backward()
+        twin(x).sum().backward()
+        assert torch.equal(layer.weight.grad, twin.weight.grad)
+        assert counter.frame_count == 0  # why it warns: nothing inside was compiled
+
+
+def test_a_container_of_layers_is_refused_naming_checkpoint_layers() -> None:
+    # Its forward is never called: the boundary would have checkpointed nothing, silently.
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    for container in (layers, nn.ModuleDict({"a": nn.Linear(4, 4)})):
+        with pytest.raises(CheckpointConfigError, match="has no forward of its own") as err:
+            apply_activation_checkpointing(container)
+        assert "checkpoint_layers(model.layers)" in str(err.value)
+        assert not pytree_ckpt.is_checkpointed(container)
+    assert checkpoint_layers(layers) == [0, 1]
+
+
+def test_a_wrapped_forward_shows_the_layers_own_signature() -> None:
+    # Code that inspects forward (transformers' Trainer drops batch columns forward does not
+    # name) saw (*args, **kwargs).
+    import inspect
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    *, scale: float = 1.0) -> torch.Tensor:
+            return self.proj(hidden_states) * scale
+
+    layer = Layer()
+    before = inspect.signature(layer.forward)
+    apply_activation_checkpointing(layer)
+    assert inspect.signature(layer.forward) == before
+    assert list(before.parameters) == ["hidden_states", "attention_mask", "scale"]
+    assert not hasattr(layer.forward, "__wrapped__")  # inspect.unwrap must not skip the boundary
