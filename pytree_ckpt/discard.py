@@ -208,8 +208,8 @@ class _DiscardFunction(torch.autograd.Function):
         # mode] in rng.py, as at the boundary.
         with torch.no_grad(), IsolatedPass():
             outputs = owner.fn(*args, **owner.kwargs)
-        moved = [i for i, (t, version) in enumerate(zip(tensors, input_versions))
-                 if t._version != version] if tensors else []
+        moved = [i for i, (now, version) in enumerate(zip(versions(tensors), input_versions))
+                 if now != version] if tensors else []
         if moved:
             _raise_input_changed(owner, args, tensors[moved[0]])
         if watch is not None:  # NOTE [state the forward changes], as at the boundary
