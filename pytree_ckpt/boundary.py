@@ -280,7 +280,8 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
-        watch = StateWatch(call.buffer_dicts, call.frozen) if call.owner is not None else None
+        watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1]) \
+            if call.owner is not None and call.modules is not None else None
         token = ACTIVE.set(invocation)
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
@@ -382,14 +383,15 @@ class _BoundaryFunction(torch.autograd.Function):
             return _replay_backward(ctx, call, grad_outputs)
         with ExitStack() as stack:
             # The forward's modules first (NOTE [the replay sees the forward's modules]), so
-            # that put_back saves and restores the very tensors the replay changes (a buffer
+            # that the replay's copies are of the very tensors the forward changed (a buffer
             # torch.func.functional_call passed in), and so that what runs in the replay's
-            # backward (an output discard's rebuild) sees them too.
+            # backward (an output discard's rebuild) sees them too. Copies until the replay's
+            # gradients are taken (NOTE [the replay changes copies]).
             if changes is not None:
                 assert call.forward_modules is not None
                 stack.enter_context(call.forward_modules.reinstated(changes))
             if call.changed_state is not None:
-                stack.enter_context(call.changed_state.put_back())
+                stack.enter_context(call.changed_state.on_copies())
             return _replay_backward(ctx, call, grad_outputs)
 
 

@@ -299,10 +299,11 @@ class ActivationCensus:
                 known.mechanism = Mechanism.AUTOGRAD
             return
         module = self._stack[-1] if self._stack else "<outside any module>"
-        if known is not None and known.flagged():
-            # The same storage, which a freeing mechanism let go of but lives on (a RoPE table
-            # every layer receives, copied to host by the first layer's window): it stays
-            # filed, and flagged, under the module that first held it, not the latest one.
+        if known is not None and known.flagged() and mechanism is not Mechanism.AUTOGRAD:
+            # The same storage, which a freeing mechanism let go of but lives on, held again
+            # by a mechanism (a RoPE table every layer receives, copied to host by the first
+            # layer's window): it stays filed, and flagged, under the module that first held
+            # it, not the latest one. A plain autograd save of it is a save of its own.
             module = known.module
         self._entries[key] = _Entry(StorageWeakRef(tensor.untyped_storage()),
                                     [weakref.ref(keeper)],

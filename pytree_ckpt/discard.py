@@ -20,13 +20,14 @@ NOTE [discard lifetimes]:
    discarded output as input) in forward order, from one hook, once.
 5. The rebuild runs ``fn`` again, and with it what ``fn`` changes of its modules' state
    (BatchNorm's running statistics), which eager does once. The forward watches that state
-   as the boundary does (NOTE [state the forward changes] in module_state.py); the rebuild
-   takes it as it finds it, puts back which tensor is under each name when ``fn`` returns,
-   and the values once the Function's backward has taken its gradients (the rebuilt graph
-   may have saved those very tensors). A rebuild whose gradients never come (the graph
-   dropped after the hook fired) leaves the state as the rebuild left it. ``fn`` changing
-   its tensor arguments in place is refused: they are saved after it ran, so autograd
-   cannot see it, and the rebuild would change them again.
+   as the boundary does (NOTE [state the forward changes] in module_state.py), and the
+   rebuild runs on copies of what changed (NOTE [the replay changes copies]), from the hook
+   until ``fn`` returns: nothing depends on the Function's backward running after it (a
+   restricted backward may not run it), and two rebuilds of one module never interleave
+   their changes. Only a module's state is watched: a plain function reaching state another
+   way (a lambda over a BatchNorm, ``F.batch_norm`` given running statistics) changes it
+   again. ``fn`` changing its tensor arguments in place is refused: they are saved after it
+   ran, so autograd cannot see it, and the rebuild would change them again.
 Discarding twice, replaying twice, or a replay of another shape raises ``CheckpointError``.
 With grad disabled (a checkpoint boundary's original pass) ``checkpoint`` just calls ``fn``
 and discarding is a no-op: nothing was saved; the boundary's replay discards for real.
@@ -59,7 +60,7 @@ from .refusals import refuse_double_backward
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
-from .module_state import (ChangedState, ForwardModules, StateWatch, TakenState,
+from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch,
                            collect_parameters, foreign_leaf, module_buffers, module_dicts,
                            owning_module, trainable_parameters, versions)
 from .rng import IsolatedPass, ReplayEnvironment
@@ -244,75 +245,66 @@ class _DiscardFunction(torch.autograd.Function):
         refuse_double_backward(lambda: f"the output-discard checkpoint of {owner._name()}")
         if owner.recomputed is None:
             owner._replay()  # never discarded (or its hook never fired): replay now
-        try:
-            return _gradients(ctx, owner, grads)
-        finally:
-            owner._restore_values()  # NOTE [discard lifetimes] 5
-
-
-def _gradients(ctx: Any, owner: CheckpointWithoutOutput,
-               grads: tuple[torch.Tensor | None, ...]) -> Any:
-    """The gradients of the discarded op's inputs (and parameters), from its rebuilt graph."""
-    assert owner.recomputed is not None and owner.detached is not None
-    pairs = [(o, g) for o, g in zip(owner.recomputed, grads)
-             if g is not None and o.requires_grad]
-    outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
-    needs = ctx.needs_input_grad[1:]
-    owner.recomputed = None  # the recomputed graph is done with
-    owner.outputs = ()       # and so are the storages (NOTE [discard lifetimes])
-    if owner.params is None:  # an unknown callable: accumulate, as a reentrant checkpoint
-        if not torch.autograd._is_checkpoint_valid():
-            raise CheckpointError(
-                f"the discarded output of {owner._name()} was reached by a restricted "
-                "backward: torch.autograd.grad(), backward(inputs=...), or the replay of a "
-                "checkpointed layer around it (which takes its gradients with "
-                "torch.autograd.grad)",
-                expected="a module (or a method of one) as fn, or a function that reaches "
-                         "no trainable tensor",
-                got="an arbitrary callable that reaches trainable parameters",
-                tip="pass the module or its method so its parameters are known (checkpoint("
-                    "self.norm, x), not checkpoint(lambda t: self.norm(t) * 2, x))")
-        if outs:
-            torch.autograd.backward(outs, out_grads)
+        assert owner.recomputed is not None and owner.detached is not None
+        pairs = [(o, g) for o, g in zip(owner.recomputed, grads)
+                 if g is not None and o.requires_grad]
+        outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
+        needs = ctx.needs_input_grad[1:]
+        owner.recomputed = None  # the recomputed graph is done with
+        owner.outputs = ()       # and so are the storages (NOTE [discard lifetimes])
+        if owner.params is None:  # an unknown callable: accumulate, as a reentrant checkpoint
+            if not torch.autograd._is_checkpoint_valid():
+                raise CheckpointError(
+                    f"the discarded output of {owner._name()} was reached by a restricted "
+                    "backward: torch.autograd.grad(), backward(inputs=...), or the replay of a "
+                    "checkpointed layer around it (which takes its gradients with "
+                    "torch.autograd.grad)",
+                    expected="a module (or a method of one) as fn, or a function that reaches "
+                             "no trainable tensor",
+                    got="an arbitrary callable that reaches trainable parameters",
+                    tip="pass the module or its method so its parameters are known (checkpoint("
+                        "self.norm, x), not checkpoint(lambda t: self.norm(t) * 2, x))")
+            if outs:
+                torch.autograd.backward(outs, out_grads)
+            detached = iter(owner.detached)
+            grads_in = [next(detached).grad if kind else None for kind in owner.arg_kinds]
+            owner.detached = None
+            return (None, *grads_in)
+        # Known parameters are inputs: return their grads so autograd sums them as eager does.
         detached = iter(owner.detached)
-        grads_in = [next(detached).grad if kind else None for kind in owner.arg_kinds]
+        wrt: list[torch.Tensor | None] = [next(detached) if kind else None
+                                          for kind in owner.arg_kinds]
+        wrt += owner.params
+        # NOTE [parameters frozen or unfrozen since the forward], as at the boundary: a
+        # parameter frozen since the forward (requires_grad_(False) before backward) gets no
+        # gradient, as in eager, where its AccumulateGrad then does nothing (asking
+        # torch.autograd.grad for it raised torch's "does not require grad"); one frozen in the
+        # forward and unfrozen since was not in the forward's graph: it gets none either, and
+        # is a known tensor of the op's modules, not a foreign one.
+        wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
+                  if need and t is not None and t.requires_grad]
+        known = {id(t) for t in wrt if t is not None}
+        if outs and owner.forward_modules is not None:
+            known.update(id(t) for _, entries in owner.forward_modules.entries
+                         for t in entries.values())
+        foreign = foreign_leaf(outs, known) if outs else None
+        if foreign is not None:  # it would get no gradient: refused, as at the boundary
+            raise CheckpointError(
+                f"the discarded op {owner._name()} uses a tensor that requires grad but is "
+                "neither an input nor a parameter of its module; it would get no gradient",
+                expected="inputs, and parameters of the op's module or of modules passed as "
+                         "arguments",
+                got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
+                tip="pass the tensor (or the module owning it) as an argument of checkpoint()")
+        result: list[torch.Tensor | None] = [None] * len(wrt)
+        if outs and wanted:
+            inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
+            with ParameterHooksPaused(owner.params):  # NOTE [parameter hooks run once]
+                got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
+            for i, grad in zip(wanted, got):
+                result[i] = grad
         owner.detached = None
-        return (None, *grads_in)
-    # Known parameters are inputs: return their grads so autograd sums them as eager does.
-    detached = iter(owner.detached)
-    wrt: list[torch.Tensor | None] = [next(detached) if kind else None
-                                      for kind in owner.arg_kinds]
-    wrt += owner.params
-    # NOTE [parameters frozen or unfrozen since the forward], as at the boundary: a
-    # parameter frozen since the forward (requires_grad_(False) before backward) gets no
-    # gradient, as in eager, where its AccumulateGrad then does nothing (asking
-    # torch.autograd.grad for it raised torch's "does not require grad"); one frozen in the
-    # forward and unfrozen since was not in the forward's graph: it gets none either, and
-    # is a known tensor of the op's modules, not a foreign one.
-    wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
-              if need and t is not None and t.requires_grad]
-    known = {id(t) for t in wrt if t is not None}
-    if outs and owner.forward_modules is not None:
-        known.update(id(t) for _, entries in owner.forward_modules.entries
-                     for t in entries.values())
-    foreign = foreign_leaf(outs, known) if outs else None
-    if foreign is not None:  # it would get no gradient: refused, as at the boundary
-        raise CheckpointError(
-            f"the discarded op {owner._name()} uses a tensor that requires grad but is "
-            "neither an input nor a parameter of its module; it would get no gradient",
-            expected="inputs, and parameters of the op's module or of modules passed as "
-                     "arguments",
-            got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
-            tip="pass the tensor (or the module owning it) as an argument of checkpoint()")
-    result: list[torch.Tensor | None] = [None] * len(wrt)
-    if outs and wanted:
-        inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
-        with ParameterHooksPaused(owner.params):  # NOTE [parameter hooks run once]
-            got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
-        for i, grad in zip(wanted, got):
-            result[i] = grad
-    owner.detached = None
-    return (None, *result)
+        return (None, *result)
 
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
@@ -346,12 +338,12 @@ class CheckpointWithoutOutput:
         self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
         self.modules: list[nn.Module] | None = None  # fn's modules, until its forward ran
         self.forward_modules: ForwardModules | None = None
-        # Their buffer dicts and frozen parameters, until the forward ran; what the forward
-        # changed of them; and, from the rebuild to the gradients, the put-back of that state
-        # (NOTE [state the forward changes] in module_state.py, NOTE [discard lifetimes] 5).
-        self.state: tuple[list[dict[str, torch.Tensor | None]], list[torch.Tensor]] | None = None
+        # Their buffer dicts, frozen parameters and trees, until the forward ran; what the
+        # forward changed of them (NOTE [state the forward changes] in module_state.py, NOTE
+        # [discard lifetimes] 5).
+        self.state: tuple[list[dict[str, torch.Tensor | None]], list[torch.Tensor],
+                          list[ModuleDicts]] | None = None
         self.changed_state: ChangedState | None = None
-        self.taken: TakenState | None = None
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` under no-grad; inputs saved through autograd; returns its
@@ -391,7 +383,7 @@ class CheckpointWithoutOutput:
             # Tensor arguments not skipped: a parameter the module also receives as an argument
             # is used both ways, and each use needs its gradient (as in the boundary).
             self.params = collect_parameters(trees, set(), frozen=frozen)
-            self.state = ([d for tree in trees for d in tree.buffers], frozen)
+            self.state = ([d for tree in trees for d in tree.buffers], frozen, trees)
         elif not any(t.requires_grad and id(t) not in skip
                      for t in self._found_reachable(fn, args)):
             # A plain function that reaches nothing trainable (F.gelu, a lambda, a partial):
@@ -502,15 +494,6 @@ class CheckpointWithoutOutput:
     def _hook(self, grad: torch.Tensor) -> None:
         self._replay()
 
-    def _restore_values(self) -> None:
-        if self.taken is not None:
-            self.taken.restore_values()
-            self.taken = None
-
-    def _restore_on_error(self, kind: type[BaseException] | None, *_: object) -> bool:
-        if kind is not None:  # no gradient will be taken from a failed rebuild
-            self._restore_values()
-        return False
 
     def _replay(self) -> None:
         if self.replayed:
@@ -528,13 +511,8 @@ class CheckpointWithoutOutput:
             if changes is not None:
                 assert self.forward_modules is not None
                 stack.enter_context(self.forward_modules.reinstated(changes))
-            if self.changed_state is not None:
-                # NOTE [discard lifetimes] 5: the rebuild repeats the forward's changes to
-                # its modules' state (BatchNorm's running statistics); the entries are put
-                # back when it ends, the values once the gradients are taken.
-                self.taken = self.changed_state.take()
-                stack.callback(self.taken.restore_entries)
-                stack.push(self._restore_on_error)
+            if self.changed_state is not None:  # NOTE [discard lifetimes] 5
+                stack.enter_context(self.changed_state.on_copies())
             args = []
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
                 if not is_tensor:

@@ -82,7 +82,9 @@ class _CheckpointedForward:
         # drops the batch columns forward does not name; PEFT checks keywords). Not
         # __wrapped__: inspect.unwrap would hand such code the bare forward, and a call to it
         # would skip the boundary.
-        module = self._module()
+        module = self.module_ref()
+        if module is None:  # hasattr() says False, and the call says why (_module)
+            raise AttributeError("__signature__")
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
         return inspect.signature(forward)
 
@@ -248,15 +250,6 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Modul
     core, also used by ``apply_recompute_config``."""
     if refuse_other_options(module, options):
         return module
-    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
-        # A container (ModuleList, ModuleDict): nothing calls its forward, so a boundary
-        # there would checkpoint nothing, silently.
-        raise CheckpointConfigError(
-            f"{type(module).__name__} has no forward of its own: a boundary on it would never "
-            "run, and its layers would not be checkpointed",
-            expected="a module that is called (a decoder layer)",
-            got=f"a {type(module).__name__} (a container of modules)",
-            tip="checkpoint_layers(model.layers) checkpoints each layer it holds")
     forward = _CheckpointedForward(module, module.__dict__.get("forward"), options)
     module.__dict__["forward"] = forward
     module.__dict__[_INSTALLED] = forward
@@ -268,6 +261,16 @@ def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
     """Whether ``module`` already has a boundary with ``options``; raises if it has one with
     other options (callers check every layer before changing any). ``index``: the module's
     place in a layer list, named in the message (layers of one class look alike)."""
+    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
+        # A container (ModuleList, ModuleDict): nothing calls its forward, so a boundary
+        # there would checkpoint nothing, silently.
+        name = type(module).__name__
+        raise CheckpointConfigError(
+            f"{name if index is None else f'layer {index} ({name})'} has no forward of its "
+            "own: a boundary on it would never run, and its layers would not be checkpointed",
+            expected="a module that is called (a decoder layer)",
+            got=f"a {name} (a container of modules)",
+            tip="checkpoint_layers(model.layers) checkpoints each layer it holds")
     installed = _installed(module)
     if installed is not None and installed.options != options:
         name = type(module).__name__

@@ -6,8 +6,8 @@
   registration hooks, and a structure check for edits that bypass them);
 - whether a module's graph was verified to reach no tensor that would silently get no gradient
   (``foreign_leaf``, once per module and structure);
-- what the original pass changed of their state, to be put back after the replay
-  (NOTE [state the forward changes]);
+- what the original pass changed of their state, copied for the replay to change (NOTE
+  [state the forward changes], NOTE [the replay changes copies]);
 - what their modes and parameter entries were in the original pass, put back for the replay
   if they changed before backward (NOTE [the replay sees the forward's modules]);
 - lazy modules not yet materialized, and forward hooks inside the boundary (warned about).
@@ -31,7 +31,7 @@ from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
            "collect_parameters", "drop_caches", "foreign_leaf", "graph_attributes", "is_verified",
-           "mark_verified", "module_buffers", "module_dicts", "owning_module", "TakenState",
+           "mark_verified", "module_buffers", "module_dicts", "owning_module",
            "trainable_parameters", "versions", "warn_forward_hooks"]
 
 
@@ -328,21 +328,17 @@ class StateWatch:
     EMA reassigned) and frozen parameters, which eager never repeats. The original pass notes
     which submodules' buffers changed, in place (a version counter moved), by reassignment
     (another object under a name) or by registration (a new name: every submodule's dict is
-    watched, empty ones too); backward takes their state as it finds it and puts it back
-    once the replay's gradients are computed (not sooner: the replay's graph may have saved
-    them). So the module's state after backward is eager's. A submodule counts as a whole, since
-    a kernel may update a buffer without moving its version (BatchNorm's running statistics:
-    only ``num_batches_tracked`` moves). The replay itself sees the state as the forward left
-    it: exact for BatchNorm in training, which normalises with the batch's statistics; not for a
-    layer whose output reads what it changed (documented). Changes through ``.data`` move no
-    version and are not seen. The common case, nothing changed, costs one version read and
-    one identity check per buffer.
+    watched, empty ones too). The replay then runs on copies (NOTE [the replay changes
+    copies]). A submodule counts as a whole, since a kernel may update a buffer without
+    moving its version (BatchNorm's running statistics: only ``num_batches_tracked`` moves).
+    Changes through ``.data`` move no version and are not seen. The common case, nothing
+    changed, costs one version read and one identity check per buffer.
     """
 
-    __slots__ = ("watched", "empty", "frozen", "frozen_versions")
+    __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees")
 
     def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
-                 frozen: list[torch.Tensor]) -> None:
+                 frozen: list[torch.Tensor], trees: Sequence[ModuleDicts]) -> None:
         # Most submodules have no buffer: for those only a new entry can happen, a length
         # check (about 0.05 us per submodule; 7 of them cost 0.3 us more than none).
         self.watched: list[tuple[_Buffers, tuple[tuple[str, torch.Tensor | None], ...],
@@ -356,21 +352,23 @@ class StateWatch:
                 self.empty.append(d)
         self.frozen = frozen
         self.frozen_versions = versions(frozen)
+        self.trees = trees  # where the frozen parameters are, read only if one changed
 
     def changed(self) -> ChangedState | None:
-        in_place, reassigned = [], []
+        changed = []
         for d, items, before in self.watched:
-            # Both can happen in one submodule (self.ema = ...; self.step += 1).
-            if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items):
-                reassigned.append(d)
-            if _object_versions(items) != before:
-                in_place.append(d)
-        reassigned += [d for d in self.empty if d]  # a buffer registered by the forward
-        params = [p for p, v in zip(self.frozen, self.frozen_versions)
-                  if not p.is_inference() and p._version != v]
-        if not (in_place or reassigned or params):
+            # Reassigned, or changed in place (both can happen: self.ema = ...; self.step += 1).
+            if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items) or \
+                    _object_versions(items) != before:
+                changed.append(d)
+        changed += [d for d in self.empty if d]  # a buffer registered by the forward
+        params = {id(p) for p, v in zip(self.frozen, self.frozen_versions)
+                  if not p.is_inference() and p._version != v}
+        holding = [d for tree in self.trees for d in tree.parameters
+                   if any(id(t) in params for t in d.values())] if params else []
+        if not (changed or holding):
             return None
-        return ChangedState(in_place, reassigned, params)
+        return ChangedState(changed, holding, params)
 
 
 def _object_versions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list[int | None]:
@@ -379,66 +377,47 @@ def _object_versions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list
 
 
 class ChangedState:
-    """What the original pass changed (NOTE [state the forward changes]); put back around each
-    replay by :meth:`put_back`."""
+    """What the original pass changed (NOTE [state the forward changes]).
 
-    __slots__ = ("in_place", "reassigned", "params")
+    NOTE [the replay changes copies]: around each replay, every buffer of a changed submodule
+    (and each frozen parameter the forward changed) is replaced in its dict by a copy, and the
+    dicts get their entries back when the replay is over. The replay reads the state as the
+    forward left it, and whatever it changes (a second running-statistics update, a
+    reassignment, a new name) goes to the copies, which its graph saves if it saves anything:
+    the tensors the forward left are neither changed again nor written back into (a copy
+    back moved their versions, and a graph of another call that had saved them, BatchNorm
+    called outside the boundary in the same step, then failed in backward). Exact for
+    BatchNorm in training, which normalises with the batch's statistics; not for a layer whose
+    output reads what it changed (documented).
+    """
 
-    def __init__(self, in_place: list[dict[str, torch.Tensor | None]],
-                 reassigned: list[dict[str, torch.Tensor | None]],
-                 params: list[torch.Tensor]) -> None:
-        self.in_place = in_place
-        self.reassigned = reassigned
-        self.params = params
+    __slots__ = ("buffers", "parameters", "params")
+
+    def __init__(self, buffers: list[dict[str, torch.Tensor | None]],
+                 parameters: list[dict[str, torch.Tensor | None]], params: set[int]) -> None:
+        self.buffers = buffers        # the changed submodules' buffer dicts
+        self.parameters = parameters  # the parameter dicts holding a changed frozen parameter
+        self.params = params          # those parameters, by id
 
     @contextmanager
-    def put_back(self) -> Iterator[None]:
-        taken = self.take()
+    def on_copies(self) -> Iterator[None]:
+        entries = [(d, dict(d)) for d in (*self.buffers, *self.parameters)]
+        for d in self.buffers:
+            for name, t in list(d.items()):
+                # Not one that requires grad: the replay's gradient must reach it (and the
+                # boundary refuses such a buffer as a foreign leaf anyway).
+                if t is not None and not t.requires_grad and not t.is_inference():
+                    d[name] = t.detach().clone()
+        for d in self.parameters:
+            for name, t in list(d.items()):
+                if t is not None and id(t) in self.params:
+                    d[name] = t.detach().clone()
         try:
             yield
         finally:
-            taken.restore_entries()
-            taken.restore_values()
-
-    def take(self) -> TakenState:
-        """The state as backward finds it now, to put back after the replay: first the entries
-        (which object is under each name), then the values (copied into those objects), so
-        the values go into the very objects the forward left. Output discard restores the
-        entries right after its rebuild and the values after its gradients
-        (discard.py, NOTE [discard lifetimes] 5)."""
-        # Values of reassigned dicts too: an entry the original pass added (a buffer registered
-        # lazily) may be changed in place by the replay, and has no earlier version to compare.
-        dicts = {id(d): d for d in (*self.in_place, *self.reassigned)}.values()
-        values = [(t, t.detach().clone()) for d in dicts for t in d.values()
-                  if t is not None and not t.is_inference()]
-        values += [(p, p.detach().clone()) for p in self.params]
-        return TakenState([(d, dict(d)) for d in self.reassigned], values)
-
-
-class TakenState:
-    """What :meth:`ChangedState.take` read; each part is put back once."""
-
-    __slots__ = ("entries", "values")
-
-    def __init__(self, entries: list[tuple[dict[str, torch.Tensor | None],
-                                           dict[str, torch.Tensor | None]]],
-                 values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.entries = entries
-        self.values = values
-
-    def restore_entries(self) -> None:
-        for d, before in self.entries:
-            d.clear()
-            d.update(before)
-        self.entries = []
-
-    def restore_values(self) -> None:
-        # Not sooner than the replay's gradients: its graph may have saved these tensors
-        # (BatchNorm saves its running statistics), and copying into them moves their version.
-        with torch.no_grad():
-            for tensor, value in self.values:
-                tensor.copy_(value)
-        self.values = []
+            for d, before in entries:
+                d.clear()
+                d.update(before)
 
 
 # The caller's modes, and (dict, the forward's entries, the caller's entries) per swapped dict.

@@ -422,12 +422,17 @@ def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) ->
             got=f"apply_activation_checkpointing on the {type(module).__name__} inside a layer",
             tip=f"remove_activation_checkpointing on the {type(module).__name__}, or drop "
                 "the unit")
-    if _compiled(module.__dict__.get(name)):
-        raise CheckpointConfigError(
-            f"{qualname} is kept by a save unit, but it is a torch.compile'd callable: the "
-            "dispatch mode that keeps ops makes dynamo skip it",
-            expected="an eager method", got="a compiled instance attribute",
-            tip="drop the unit for this method, or do not compile it")
+    on_class = inspect.getattr_static(type(module), name, None)
+    on_class = getattr(on_class, "__func__", on_class)  # a static or class method's function
+    for where, held in (("instance attribute", module.__dict__.get(name)),
+                        ("class attribute", on_class)):
+        if _compiled(held):
+            raise CheckpointConfigError(
+                f"{qualname} is kept by a save unit, but it is a torch.compile'd callable: "
+                "the dispatch mode that keeps ops makes dynamo skip it (it would run "
+                "eagerly, or raise with fullgraph=True)",
+                expected="an eager method", got=f"a compiled {where}",
+                tip="drop the unit for this method, or do not compile it")
 
 
 def _compiled(forward: Any) -> bool:

@@ -342,6 +342,26 @@ def test_a_table_every_offloaded_layer_gets_that_the_caller_keeps_is_flagged_onc
                                  "bytes": elsewhere, "device": "cpu"}]
 
 
+def test_a_flagged_table_saved_later_by_plain_autograd_is_filed_under_that_module() -> None:
+    # Only a mechanism's hold keeps the first module of a flagged storage; an ordinary save
+    # by another module is that module's.
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    model = nn.ModuleDict({"l0": _TableLayer(), "l1": _TableLayer(), "head": _TableLayer()})
+    for name in ("l0", "l1"):
+        apply_activation_checkpointing(model[name], offload=manager)
+    x = torch.randn(32, 32, requires_grad=True)
+    table = torch.randn(32, 32)
+    with ActivationCensus(model) as census:
+        h = model["l1"](model["l0"](x * 1.0, table), table)
+        manager.stats()
+        h.sum().backward()
+        assert [f["module"] for f in census.flagged()] == ["l0"]
+        out = model["head"](x * 1.0, table)  # the next step: head's Linear saves the table
+    assert {"module": "head", "mechanism": "autograd", "device": "cpu",
+            "bytes": nbytes(table)} in census.to_dict()["rows"]
+    out.sum().backward()
+
+
 def test_a_storage_saved_again_after_its_holders_let_go_is_filed_under_its_new_saver() -> None:
     # A census over two steps: x is a boundary input in the first (released by its backward),
     # then saved by plain autograd, outside any module, in the second. The new save is a new

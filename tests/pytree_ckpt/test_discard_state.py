@@ -177,3 +177,81 @@ def test_a_lambda_reaching_parameters_inside_a_checkpointed_layer_names_the_laye
                        ) as info:
         layer(x).square().sum().backward()
     assert "checkpoint(self.norm, x)" in str(info.value)
+
+
+def _same_state_and_grads(eager: list[nn.Module], ours: list[nn.Module]) -> None:
+    assert_same_grads([b for m in eager for b in _state(m)], [b for m in ours for b in _state(m)])
+    assert_same_grads(grads_of([p for m in eager for p in m.parameters()]),
+                      grads_of([p for m in ours for p in m.parameters()]))
+
+
+def test_two_discarded_calls_of_one_batchnorm_whose_rebuilds_overlap_match_eager() -> None:
+    # Both norms before both consumers: the rebuilds fire one after the other before either
+    # op's backward. (A put-back after each op's gradients crashed backward here: the other
+    # rebuilt graph had saved the running statistics it copied into.)
+    torch.manual_seed(0)
+    norm, left, right = nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 8)
+    twins = copy.deepcopy([norm, left, right])
+    x1, x2 = torch.randn(16, 8), torch.randn(16, 8)
+    (twins[1](twins[0](x1)) * twins[2](twins[0](x2))).sum().backward()
+    first, second = CheckpointWithoutOutput(), CheckpointWithoutOutput()
+    a, b = first.checkpoint(norm, x1), second.checkpoint(norm, x2)
+    ha, hb = left(a), right(b)
+    first.discard_output_and_register_recompute(ha)
+    second.discard_output_and_register_recompute(hb)
+    (ha * hb).sum().backward()
+    _same_state_and_grads(twins, [norm, left, right])
+
+
+def test_a_batchnorm_tied_across_a_managers_block_matches_eager() -> None:
+    torch.manual_seed(0)
+    norm, projs = nn.BatchNorm1d(8), nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+    twin_norm, twin_projs = copy.deepcopy(norm), copy.deepcopy(projs)
+    h0 = torch.randn(16, 8, requires_grad=True)
+    h = h0
+    for proj in twin_projs:
+        h = h + proj(twin_norm(h))
+    h.sum().backward()
+    manager = pytree_ckpt.CheckpointWithoutOutputManager()
+    h = h0
+    for proj in projs:
+        h = h + proj(manager.checkpoint(norm, h))
+    manager.discard_all_outputs_and_register_unified_recompute(h)
+    h.sum().backward()
+    assert_same_grads(_state(twin_norm), _state(norm))
+    assert_same_grads(grads_of(twin_projs.parameters()), grads_of(projs.parameters()))
+
+
+@pytest.mark.parametrize("how", ["discard", "boundary"])
+def test_a_batchnorm_also_called_outside_the_replayed_op_in_the_step_works(how: str) -> None:
+    # The eager call's graph saved the running statistics: a copy back into them after the
+    # replay moved their version, and that graph's backward failed.
+    torch.manual_seed(0)
+    norm, proj = nn.BatchNorm1d(8), nn.Linear(8, 8)
+    twins = copy.deepcopy([norm, proj])
+    x1, x2 = torch.randn(16, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    (twins[0](x1).sum() + twins[1](twins[0](x2)).sum()).backward()
+    aside = norm(x1)
+    if how == "discard":
+        ckpt = CheckpointWithoutOutput()
+        out = proj(ckpt.checkpoint(norm, x2))
+        ckpt.discard_output_and_register_recompute(out)
+    else:
+        out = proj(pytree_ckpt.checkpoint(norm, x2))
+    (aside.sum() + out.sum()).backward()
+    _same_state_and_grads(twins, [norm, proj])
+
+
+def test_a_restricted_backward_that_skips_the_ops_own_backward_changes_its_state_once() -> None:
+    # The consumer needs the rebuilt output (the hook fires), the op's backward is not needed.
+    torch.manual_seed(0)
+    norm, proj = nn.BatchNorm1d(8), nn.Linear(8, 8)
+    twins = copy.deepcopy([norm, proj])
+    x = torch.randn(16, 8, requires_grad=True)
+    twins[1](twins[0](x)).sum().backward(inputs=[twins[1].weight])
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(norm, x))
+    ckpt.discard_output_and_register_recompute(out)
+    out.sum().backward(inputs=[proj.weight])
+    assert_same_grads(_state(twins[0]), _state(norm))
+    assert torch.equal(twins[1].weight.grad, proj.weight.grad)

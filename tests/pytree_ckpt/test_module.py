@@ -430,6 +430,11 @@ def test_a_container_of_layers_is_refused_naming_checkpoint_layers() -> None:
         assert "checkpoint_layers(model.layers)" in str(err.value)
         assert not pytree_ckpt.is_checkpointed(container)
     assert checkpoint_layers(layers) == [0, 1]
+    # Among layers, before any of them changes (checkpoint_layers(model.children())).
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)]))
+    with pytest.raises(CheckpointConfigError, match=r"layer 1 \(ModuleList\) has no forward"):
+        checkpoint_layers(model.children())
+    assert not pytree_ckpt.is_checkpointed(model[0])
 
 
 def test_a_wrapped_forward_shows_the_layers_own_signature() -> None:
@@ -452,3 +457,7 @@ def test_a_wrapped_forward_shows_the_layers_own_signature() -> None:
     assert inspect.signature(layer.forward) == before
     assert list(before.parameters) == ["hidden_states", "attention_mask", "scale"]
     assert not hasattr(layer.forward, "__wrapped__")  # inspect.unwrap must not skip the boundary
+    forward = layer.forward
+    del layer
+    gc.collect()
+    assert not hasattr(forward, "__signature__")  # its module is gone: calling it says so

@@ -169,6 +169,19 @@ def test_keeping_a_compiled_instance_method_is_refused() -> None:
     assert router.__dict__["project"] is compiled
 
 
+def test_keeping_a_method_compiled_on_the_class_is_refused() -> None:
+    class CompiledRouter(Router):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            project = torch.compile(Router.project)  # compiles nothing until called
+
+    layers = nn.ModuleList([Layer()])
+    layers[0].router = CompiledRouter()
+    with pytest.raises(CheckpointConfigError, match="a compiled class attribute"):
+        _apply(layers, "Router.project")  # a subclass of Router: matched through its MRO
+    assert not pytree_ckpt.is_checkpointed(layers[0])
+
+
 def test_a_lower_ratio_over_layers_checkpointed_by_a_higher_one_is_refused() -> None:
     # The layers past the new count stayed checkpointed, and the returned indices said not.
     layers = nn.ModuleList(Layer() for _ in range(4))
