@@ -163,7 +163,8 @@ class BoundaryCall:
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
-                 "attributes", "buffer_dicts", "frozen", "changed_state", "modules",
+                 "attributes", "buffer_dicts", "frozen", "frozen_at_call", "changed_state",
+                 "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
@@ -199,6 +200,7 @@ class BoundaryCall:
         # only (then dropped).
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
         self.frozen: list[torch.Tensor] = []
+        self.frozen_at_call: list[torch.Tensor] = []  # kept until the module is verified
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in module_state.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
@@ -319,6 +321,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 call.held.update(held_tensors(
                     [*(m.__dict__ for m in modules),
                      *(d for tree in trees for d in tree.submodules)]))
+        if call.owner is not None and not is_verified(call.owner):
+            call.frozen_at_call = call.frozen  # for verify_leaves, at the first replay
         call.buffer_dicts, call.frozen, call.modules = [], [], None
         flat = flatten(output)
         if len(flat.tensor_index) < len(flat.leaves):

@@ -204,7 +204,6 @@ class _DiscardFunction(torch.autograd.Function):
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)
         watch = StateWatch(*owner.state) if owner.state is not None else None
-        owner.state = None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
         with torch.no_grad(), IsolatedPass():
@@ -283,10 +282,13 @@ class _DiscardFunction(torch.autograd.Function):
         # is a known tensor of the op's modules, not a foreign one.
         wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
                   if need and t is not None and t.requires_grad]
-        known = {id(t) for t in wrt if t is not None}
+        # As at the boundary (verify_leaves in refusals.py): not a parameter the forward left
+        # in a dict unless it was frozen then (an FSDP2 unit's unsharded one would get none).
+        frozen = owner.state[1] if owner.state is not None else ()
+        known = {id(t) for t in (*(t for t in wrt if t is not None), *frozen)}
         if outs and owner.forward_modules is not None:
             known.update(id(t) for _, entries in owner.forward_modules.entries
-                         for t in entries.values())
+                         for t in entries.values() if not isinstance(t, nn.Parameter))
         foreign = foreign_leaf(outs, known) if outs else None
         if foreign is not None:  # it would get no gradient: refused, as at the boundary
             raise CheckpointError(
@@ -338,9 +340,9 @@ class CheckpointWithoutOutput:
         self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
         self.modules: list[nn.Module] | None = None  # fn's modules, until its forward ran
         self.forward_modules: ForwardModules | None = None
-        # Their buffer dicts, frozen parameters and trees, until the forward ran; what the
-        # forward changed of them (NOTE [state the forward changes] in module_state.py, NOTE
-        # [discard lifetimes] 5).
+        # Their buffer dicts, frozen parameters (known tensors for backward's check) and
+        # trees; what the forward changed of them (NOTE [state the forward changes] in
+        # module_state.py, NOTE [discard lifetimes] 5).
         self.state: tuple[list[dict[str, torch.Tensor | None]], list[torch.Tensor],
                           list[ModuleDicts]] | None = None
         self.changed_state: ChangedState | None = None

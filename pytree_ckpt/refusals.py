@@ -267,15 +267,20 @@ def raise_hooked_outside_tensor(call: BoundaryCall, position: int) -> None:
 def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
     # NOTE [parameters are inputs] (boundary.py): once per module, on its first replay. A
     # parameter of the modules that was frozen in the forward and unfrozen since gets no
-    # gradient, as in eager (it was not in the forward's graph): known, not foreign.
-    known = {id(t) for t in wrt}
+    # gradient, as in eager (it was not in the forward's graph): known, not foreign. So are
+    # the buffers the forward left. Not any other parameter the forward left in a module's
+    # dict: one there that is not an input is one the forward swapped in (an FSDP2 unit's
+    # hooks inside the boundary leave its unsharded parameters with reshard_after_forward=
+    # False), and the replay's gradients would skip it.
+    known = {id(t) for t in (*wrt, *call.frozen_at_call)}
+    call.frozen_at_call = []
     if call.forward_modules is not None:
         known.update(id(t) for _, entries in call.forward_modules.entries
-                     for t in entries.values())
+                     for t in entries.values() if not isinstance(t, nn.Parameter))
     foreign = foreign_leaf(outs, known)
     assert call.owner is not None
     if foreign is not None:
-        _refuse_fsdp_units_inside(call.owner)
+        _refuse_fsdp_units_inside(call.owner, own=call.fn is call.owner)
         raise CheckpointError(
             f"the forward of {type(call.owner).__name__} uses a tensor that requires grad but is "
             "neither an input nor a parameter of the module; it would get no gradient",
@@ -290,21 +295,30 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
     mark_verified(call.owner)
 
 
-def _refuse_fsdp_units_inside(owner: nn.Module) -> None:
+def _refuse_fsdp_units_inside(owner: nn.Module, *, own: bool) -> None:
     """NOTE [FSDP units inside a boundary]: a submodule that is an FSDP2 unit of its own swaps
     its parameters in its hooks, which run *inside* the boundary: the boundary collects its
     sharded parameters (DTensors, which the replay never uses) and the replay all-gathers
     unsharded ones that ``torch.autograd.grad`` would leave without gradient. Found as a
-    foreign leaf at the first replay; said here in FSDP's terms, with the two ways out."""
+    foreign leaf at the first replay; said here in FSDP's terms, with the two ways out.
+    ``own``: the owner's own hooks run inside too (``checkpoint(unit, x)``)."""
     fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
     unit_type = getattr(fsdp, "FSDPModule", None)
     if unit_type is None:
         return
-    units = [name for name, sub in owner.named_modules()
+    name = type(owner).__name__
+    if own and isinstance(owner, unit_type):
+        raise CheckpointConfigError(
+            f"checkpoint() was given the FSDP unit {name} itself: its hooks all-gather its "
+            "parameters inside the boundary, so the replay's gradients for them would be lost",
+            expected="the unit's hooks outside the boundary",
+            got=f"pytree_ckpt.checkpoint({name}, ...) on a fully_shard()ed module",
+            tip=f"apply_activation_checkpointing on the {name} before fully_shard() (its hooks "
+                "then run around the boundary), and call the module itself")
+    units = [path for path, sub in owner.named_modules()
              if sub is not owner and isinstance(sub, unit_type)]
     if not units:
         return
-    name = type(owner).__name__
     raise CheckpointConfigError(
         f"the checkpointed {name} contains separate FSDP units {units}: their hooks all-gather "
         "their parameters inside the boundary, so the replay's gradients for them would be lost",

@@ -82,9 +82,47 @@ def checkpointed_fsdp_unit_using_an_outside_tensor(rank: int) -> dict[str, Any]:
     return _error_of_a_step(model, rank)
 
 
+def checkpointed_pair_of_fsdp_units_kept_unsharded(rank: int) -> dict[str, Any]:
+    # reshard_after_forward=False leaves the unsharded parameters in the modules after the
+    # original pass: they were taken for known tensors, and got no gradient, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Pair(), nn.Linear(8, 1))
+    pair = model[1]
+    pytree_ckpt.apply_activation_checkpointing(pair, offload=False)
+    fully_shard(pair.first, reshard_after_forward=False)
+    fully_shard(pair.second, reshard_after_forward=False)
+    fully_shard(model)
+    return _error_of_a_step(model, rank)
+
+
+class CheckpointsItsBlock(nn.Module):
+    """Calls pytree_ckpt.checkpoint(block, x) on a block that is an FSDP unit itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 8), Block(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(pytree_ckpt.checkpoint(self.block, self.inp(x)))
+
+
+def _fsdp_unit_given_to_checkpoint(rank: int, reshard: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = CheckpointsItsBlock()
+    fully_shard(model.block, reshard_after_forward=reshard)
+    fully_shard(model)
+    return _error_of_a_step(model, rank)
+
+
 CASES = {"checkpointed_pair_of_fsdp_units": checkpointed_pair_of_fsdp_units,
+         "checkpointed_pair_of_fsdp_units_kept_unsharded":
+             checkpointed_pair_of_fsdp_units_kept_unsharded,
          "checkpointed_fsdp_unit_using_an_outside_tensor":
-             checkpointed_fsdp_unit_using_an_outside_tensor}
+             checkpointed_fsdp_unit_using_an_outside_tensor,
+         "fsdp_unit_given_to_checkpoint":
+             lambda rank: _fsdp_unit_given_to_checkpoint(rank, True),
+         "fsdp_unit_kept_unsharded_given_to_checkpoint":
+             lambda rank: _fsdp_unit_given_to_checkpoint(rank, False)}
 
 
 def main(out: Path, names: list[str]) -> None:

@@ -137,15 +137,16 @@ def test_fsdp2_with_compiled_bodies_matches_eager_and_compiles_nothing_after_the
     assert_grads_equal(reference.grads, worker_run.grads("fsdp_compile"), rtol=1e-5, atol=1e-7)
 
 
-def _error_case_results(tmp_path: Path, case: str) -> list[dict[str, Any]]:
-    """Run ``case`` of fsdp_cases.py on every rank; each rank's result (the error it caught)."""
+def _error_case_results(tmp_path: Path, *cases: str) -> list[dict[str, Any]]:
+    """Run ``cases`` of fsdp_cases.py on every rank, in one launch; each case's and rank's
+    result (the error it caught)."""
     from .launch import run_ranks
 
-    run = run_ranks([str(Path(__file__).with_name("fsdp_cases.py")), str(tmp_path), case],
+    run = run_ranks([str(Path(__file__).with_name("fsdp_cases.py")), str(tmp_path), *cases],
                     WORLD, timeout=120.0, log_dir=tmp_path)
     assert run.ok, run.output()
     results = [json.loads((tmp_path / f"{case}.rank{rank}.json").read_text())
-               for rank in range(WORLD)]
+               for case in cases for rank in range(WORLD)]
     for result in results:
         assert result["ok"], result["error"]
     return results
@@ -157,11 +158,27 @@ def test_checkpointing_a_module_whose_children_are_separate_fsdp_units_names_the
     # all-gathered inside it: their unsharded parameters would get no gradient. The boundary
     # catches it at the first replay; the message must say why (FSDP units inside it), not call
     # a registered parameter "neither an input nor a parameter of the module".
-    for result in _error_case_results(tmp_path, "checkpointed_pair_of_fsdp_units"):
+    # With reshard_after_forward=False too: the unsharded parameters the units leave in the
+    # modules were taken for known tensors, and got no gradient, silently.
+    for result in _error_case_results(tmp_path, "checkpointed_pair_of_fsdp_units",
+                                      "checkpointed_pair_of_fsdp_units_kept_unsharded"):
         assert result["error_type"] == "CheckpointConfigError", result
         message = result["error"]
         assert "Pair" in message and "'first'" in message and "'second'" in message
         assert "fully_shard" in message and "apply_activation_checkpointing" in message
+
+
+def test_an_fsdp_unit_given_to_checkpoint_is_refused_naming_the_wrapping_order(
+        tmp_path: Path) -> None:
+    # checkpoint(block, x) runs the unit's own hooks inside the boundary. Kept unsharded after
+    # forward, its parameters silently got no gradient; resharded, the message called them
+    # "neither an input nor a parameter of the module".
+    for result in _error_case_results(tmp_path, "fsdp_unit_given_to_checkpoint",
+                                      "fsdp_unit_kept_unsharded_given_to_checkpoint"):
+        assert result["error_type"] == "CheckpointConfigError", result
+        assert "was given the FSDP unit FSDPBlock itself" in result["error"], result
+        assert "apply_activation_checkpointing on the FSDPBlock before fully_shard()" in \
+            result["error"]
 
 
 def test_a_checkpointed_module_that_is_itself_an_fsdp_unit_gets_the_foreign_tensor_message(
