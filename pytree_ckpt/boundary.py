@@ -90,7 +90,7 @@ from .refusals import (TORCH_REENTRANT, fn_name, input_path, raise_attached_to_o
                        raise_hooked_outside_tensor, raise_input_changed,
                        raise_torch_reentrant_inside, refuse_double_backward,
                        refuse_hidden_outputs, refuse_unreadable_inputs, require_callable,
-                       verify_leaves)
+                       stored_tensors, verify_leaves, warn_stored_scalars)
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
 from .subclass import SubclassKind, as_kind, kind_of
@@ -282,6 +282,13 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
+        stored = None
+        if call.modules is not None and not is_verified(call.modules[0][0]):
+            # NOTE [results stored on a module] (refusals.py): at its first calls only.
+            modules, trees = call.modules
+            dicts = [*(m.__dict__ for m in modules), *(d for tree in trees
+                                                       for d in tree.submodules)]
+            stored = (modules, dicts, stored_tensors(dicts))
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1]) \
             if call.owner is not None and call.modules is not None else None
         token = ACTIVE.set(invocation)
@@ -312,6 +319,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 break
         if moved:
             raise_input_changed(call, tensors, moved)
+        if stored is not None:
+            warn_stored_scalars(stored[0][0], *stored)
         if watch is not None:
             call.changed_state = watch.changed()
         if call.modules is not None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import enum
 import functools
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
 
+from .eager import user_stacklevel
 from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .module_state import foreign_leaf, mark_verified, owning_module, warn_forward_hooks
@@ -29,7 +31,7 @@ __all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outsid
            "raise_hooked_outside_tensor",
            "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
            "refuse_hidden_outputs", "refuse_unreadable_inputs", "require_callable",
-           "verify_leaves"]
+           "stored_tensors", "verify_leaves", "warn_stored_scalars"]
 
 
 def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
@@ -333,3 +335,44 @@ def require_callable(fn: Any, where: str, tip: str) -> None:
         raise CheckpointConfigError(
             f"{where} takes the function (or module) to run behind the boundary",
             expected="a callable", got=describe_leaf(fn), tip=tip)
+
+
+_WARNED_STORED = "_pytree_ckpt_warned_stored"
+
+
+def stored_tensors(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, int]]:
+    """Per module ``__dict__``, the id of each tensor attribute: read before an original pass
+    of a module not yet verified (NOTE [results stored on a module])."""
+    return [{name: id(value) for name, value in d.items() if isinstance(value, torch.Tensor)}
+            for d in dicts]
+
+
+def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
+                        dicts: Sequence[dict[str, Any]], before: list[dict[str, int]]) -> None:
+    """NOTE [results stored on a module]: ``self.aux_loss = ...`` in a forward (an MoE
+    layer's load-balancing loss, collected after the step) stores, in the original pass, a
+    value computed under no-grad: a loss built from it has no gradient through it, silently
+    (the replay stores one with a graph that nothing reads). Documented, and said once per
+    module, at its first calls (until its first replay): a new floating scalar attribute
+    that requires no grad. Scalars only: a cache (a rotary table built at the first call) is
+    no loss, and stays unwarned."""
+    if owner.__dict__.get(_WARNED_STORED):
+        return
+    found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
+             for name, value in d.items()
+             if isinstance(value, torch.Tensor) and old.get(name) != id(value)
+             and value.dim() == 0 and value.is_floating_point() and not value.requires_grad]
+    if not found:
+        return
+    owner.__dict__[_WARNED_STORED] = True
+    names = {id(m.__dict__): path for root in modules
+             for path, m in root.named_modules(prefix="" if root is owner else
+                                               f"({type(root).__name__})")}
+    where = [f"{names.get(id(dicts[i]), '?')}.{name}".lstrip(".") for i, name in found]
+    warnings.warn(
+        f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} stored "
+        f"{', '.join(where)} on a module: computed in the no-grad original pass, it has no "
+        "gradient, and a loss built from it (an auxiliary load-balancing loss) silently "
+        "loses that term. Tip: return it as an output of the layer (any PyTree), or keep the "
+        "router's output with a forward hook and compute the loss from it after the layer's "
+        "call (docs/boundary.md, 'Forward hooks inside a layer')", stacklevel=user_stacklevel())

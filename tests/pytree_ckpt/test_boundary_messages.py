@@ -570,3 +570,40 @@ def test_torch_checkpoint_options_passed_to_checkpoint_warn_that_fn_receives_the
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         checkpoint(Layer(), x, mask=None)  # other keywords: no warning
+
+
+class StoresItsAuxLoss(nn.Module):
+    """An MoE-style layer that stores its load-balancing loss, and a table it caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.proj = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        self.aux_loss = (probs.mean(0) ** 2).sum() * 4  # computed under no-grad when checkpointed
+        if "table" not in self.__dict__:
+            self.table = torch.ones(4, 8)  # a cache: not a loss, not warned about
+        return x + self.proj(x) * probs.max(-1, keepdim=True).values
+
+
+def test_a_scalar_the_forward_stores_on_a_module_is_warned_about_once_at_the_users_line(
+) -> None:
+    # Silently wrong otherwise: the aux loss read after the step has no gradient through it.
+    layer = nn.Sequential(StoresItsAuxLoss())
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(5, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            out = layer(x)
+            assert not layer[0].aux_loss.requires_grad  # what the warning is about
+            (out.sum() + layer[0].aux_loss).backward()
+    told = [w for w in caught if "stored" in str(w.message)]
+    assert len(told) == 1 and told[0].filename == __file__
+    message = str(told[0].message)
+    assert "stored 0.aux_loss on a module" in message and "table" not in message
+    assert "return it as an output of the layer" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # storing nothing: nothing said
+        pytree_ckpt.checkpoint(nn.Linear(8, 8), x).sum().backward()
