@@ -200,7 +200,7 @@ class BoundaryCall:
         # only (then dropped).
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
         self.frozen: list[torch.Tensor] = []
-        self.frozen_at_call: list[torch.Tensor] = []  # kept until the module is verified
+        self.frozen_at_call: list[torch.Tensor] = []  # the frozen ones, kept for backward
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in module_state.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
@@ -330,8 +330,9 @@ class _BoundaryFunction(torch.autograd.Function):
                 call.held.update(held_tensors(
                     [*(m.__dict__ for m in modules),
                      *(d for tree in trees for d in tree.submodules)]))
-        if call.owner is not None and not is_verified(call.owner):
-            call.frozen_at_call = call.frozen  # for verify_leaves, at the first replay
+        # For verify_leaves, should this call's replay be the one that verifies (whether it is
+        # depends on the module structure then, which may change before backward).
+        call.frozen_at_call = call.frozen
         call.buffer_dicts, call.frozen, call.modules = [], [], None
         flat = flatten(output)
         if len(flat.tensor_index) < len(flat.leaves):

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from .boundary import ParameterHooksPaused
-from .refusals import refuse_double_backward
+from .refusals import refuse_double_backward, refuse_module_tensor
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
@@ -282,15 +282,14 @@ class _DiscardFunction(torch.autograd.Function):
         # is a known tensor of the op's modules, not a foreign one.
         wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
                   if need and t is not None and t.requires_grad]
-        # As at the boundary (verify_leaves in refusals.py): not a parameter the forward left
-        # in a dict unless it was frozen then (an FSDP2 unit's unsharded one would get none).
+        # As at the boundary (verify_leaves in refusals.py): the inputs, and the parameters
+        # frozen at the call (unfrozen since, they get no gradient, as in eager).
         frozen = owner.state[1] if owner.state is not None else ()
         known = {id(t) for t in (*(t for t in wrt if t is not None), *frozen)}
-        if outs and owner.forward_modules is not None:
-            known.update(id(t) for _, entries in owner.forward_modules.entries
-                         for t in entries.values() if not isinstance(t, nn.Parameter))
         foreign = foreign_leaf(outs, known) if outs else None
         if foreign is not None:  # it would get no gradient: refused, as at the boundary
+            if owner.forward_modules is not None:  # its roots: fn's modules, then others
+                refuse_module_tensor(foreign, owner.forward_modules.roots)
             raise CheckpointError(
                 f"the discarded op {owner._name()} uses a tensor that requires grad but is "
                 "neither an input nor a parameter of its module; it would get no gradient",

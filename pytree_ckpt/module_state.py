@@ -384,11 +384,13 @@ class ChangedState:
     dicts get their entries back when the replay is over. The replay reads the state as the
     forward left it, and whatever it changes (a second running-statistics update, a
     reassignment, a new name) goes to the copies, which its graph saves if it saves anything:
-    the tensors the forward left are neither changed again nor written back into (a copy
-    back moved their versions, and a graph of another call that had saved them, BatchNorm
-    called outside the boundary in the same step, then failed in backward). Exact for
-    BatchNorm in training, which normalises with the batch's statistics; not for a layer whose
-    output reads what it changed (documented).
+    the tensors the forward left are not changed again, nor written back into (a copy back
+    moved their versions, and a graph of another call that had saved them, BatchNorm called
+    outside the boundary in the same step, then failed in backward). Only one the replay
+    still reached and changed another way (a buffer a hook or a list holds too, a view of it,
+    a buffer that requires grad and so is not swapped) gets its value back, after the replay,
+    from a copy taken before it. Exact for BatchNorm in training, which normalises with the
+    batch's statistics; not for a layer whose output reads what it changed (documented).
     """
 
     __slots__ = ("buffers", "parameters", "params")
@@ -402,15 +404,21 @@ class ChangedState:
     @contextmanager
     def on_copies(self) -> Iterator[None]:
         entries = [(d, dict(d)) for d in (*self.buffers, *self.parameters)]
+        # Each tensor as the forward left it, with its version: one the replay still reaches
+        # another way (a list or a hook holding it, a view of it, one that requires grad and
+        # so is not swapped) and changes gets its value back after the replay.
+        kept: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         for d in self.buffers:
             for name, t in list(d.items()):
-                # Not one that requires grad: the replay's gradient must reach it (and the
-                # boundary refuses such a buffer as a foreign leaf anyway).
-                if t is not None and not t.requires_grad and not t.is_inference():
+                if t is None or t.is_inference():
+                    continue
+                kept.append((t, t._version, t.detach().clone()))
+                if not t.requires_grad:  # one that does stays: the replay's gradient reaches it
                     d[name] = t.detach().clone()
         for d in self.parameters:
             for name, t in list(d.items()):
                 if t is not None and id(t) in self.params:
+                    kept.append((t, t._version, t.detach().clone()))
                     d[name] = t.detach().clone()
         try:
             yield
@@ -418,6 +426,10 @@ class ChangedState:
             for d, before in entries:
                 d.clear()
                 d.update(before)
+            with torch.no_grad():
+                for tensor, version, value in kept:
+                    if tensor._version != version:
+                        tensor.copy_(value)
 
 
 # The caller's modes, and (dict, the forward's entries, the caller's entries) per swapped dict.

@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # the boundary imports this module
 __all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outside_tensor",
            "raise_hooked_outside_tensor",
            "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
-           "refuse_hidden_outputs", "refuse_unreadable_inputs", "require_callable",
+           "refuse_hidden_outputs", "refuse_module_tensor", "refuse_unreadable_inputs",
+           "require_callable",
            "stored_tensors", "verify_leaves", "warn_stored_scalars"]
 
 
@@ -269,20 +270,19 @@ def raise_hooked_outside_tensor(call: BoundaryCall, position: int) -> None:
 def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
     # NOTE [parameters are inputs] (boundary.py): once per module, on its first replay. A
     # parameter of the modules that was frozen in the forward and unfrozen since gets no
-    # gradient, as in eager (it was not in the forward's graph): known, not foreign. So are
-    # the buffers the forward left. Not any other parameter the forward left in a module's
-    # dict: one there that is not an input is one the forward swapped in (an FSDP2 unit's
-    # hooks inside the boundary leave its unsharded parameters with reshard_after_forward=
-    # False), and the replay's gradients would skip it.
+    # gradient, as in eager (it was not in the forward's graph): known, not foreign. Nothing
+    # else the modules hold is: a parameter registered or swapped in while the forward ran
+    # (an FSDP2 unit's hooks inside the boundary leave its unsharded parameters with
+    # reshard_after_forward=False) and a buffer that requires grad are not inputs, and the
+    # replay's gradients would skip them.
     known = {id(t) for t in (*wrt, *call.frozen_at_call)}
     call.frozen_at_call = []
-    if call.forward_modules is not None:
-        known.update(id(t) for _, entries in call.forward_modules.entries
-                     for t in entries.values() if not isinstance(t, nn.Parameter))
     foreign = foreign_leaf(outs, known)
     assert call.owner is not None
     if foreign is not None:
         _refuse_fsdp_units_inside(call.owner, own=call.fn is call.owner)
+        passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
+        refuse_module_tensor(foreign, [call.owner, *passed])
         raise CheckpointError(
             f"the forward of {type(call.owner).__name__} uses a tensor that requires grad but is "
             "neither an input nor a parameter of the module; it would get no gradient",
@@ -295,6 +295,31 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
     passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
     warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
     mark_verified(call.owner)
+
+
+def refuse_module_tensor(foreign: torch.Tensor, modules: Sequence[nn.Module], /) -> None:
+    """A foreign leaf that the modules do hold, said as what it is: a buffer that requires
+    grad, or a parameter the forward registered (or swapped in) after the boundary collected
+    the parameters. Returns if the modules do not hold it."""
+    for root in modules:
+        prefix = "" if root is modules[0] else f"(argument {type(root).__name__})."
+        for path, buffer in root.named_buffers():
+            if buffer is foreign:
+                raise CheckpointError(
+                    f"the buffer {prefix}{path} requires grad: the replay takes gradients for "
+                    "inputs and parameters, so it would get none", expected="buffers that "
+                    "require no grad", got=f"{prefix}{path}.requires_grad=True",
+                    tip="register it as an nn.Parameter, or pass it as an argument")
+        for path, param in root.named_parameters():
+            if param is foreign:
+                raise CheckpointError(
+                    f"the parameter {prefix}{path} was registered (or swapped in) while the "
+                    f"forward of {type(modules[0]).__name__} ran: the boundary collects "
+                    "parameters before the call, so it would get no gradient",
+                    expected="parameters that exist before the call",
+                    got=f"{prefix}{path}, new in the forward",
+                    tip="create it in __init__, or run one call without checkpointing first "
+                        "(as a lazy module's first call runs)")
 
 
 def _refuse_fsdp_units_inside(owner: nn.Module, *, own: bool) -> None:

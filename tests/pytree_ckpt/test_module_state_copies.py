@@ -1,0 +1,192 @@
+"""NOTE [the replay changes copies] (module_state.py) and what the first replay refuses of the
+tensors a module holds: state reached other than through the module's dicts, buffers that
+require grad, parameters registered in the forward, parameters unfrozen before backward. Each
+compares against an unwrapped eager twin, exactly, or checks the error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import CheckpointError, CheckpointWithoutOutput
+
+
+class BufferInAList(nn.Module):
+    """Updates its buffer through a list that holds it too (a foreach-style update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+        self.group = [self.count]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            torch._foreach_add_(self.group, 1.0)
+        return self.lin(x)
+
+
+class ViewOfABuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("stats", torch.zeros(2))
+        self.calls = self.stats[0:1]  # a plain attribute viewing the buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.calls.add_(1)
+        return self.lin(x)
+
+
+class HookCounts(nn.Module):
+    """A pre-hook of a submodule counts rows into a buffer it closes over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(()))
+        seen = self.seen
+
+        def count(module: nn.Module, args: Any) -> None:
+            with torch.no_grad():
+                seen.add_(args[0].shape[0])
+
+        self.lin.register_forward_pre_hook(count)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class EmaTeacher(nn.Module):
+    """A frozen teacher moved towards the student with foreach over lists taken at init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student, self.teacher = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.teacher.requires_grad_(False)
+        self.pairs = list(self.teacher.parameters()), list(self.student.parameters())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            torch._foreach_lerp_(self.pairs[0], self.pairs[1], 0.5)
+        return self.student(x)
+
+
+class CountsWithAGradBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(2, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.calls.add_(1)
+        return self.lin(x)
+
+
+def _state(module: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in (*module.buffers(), *module.parameters())]
+
+
+@pytest.mark.parametrize("make", [BufferInAList, ViewOfABuffer, HookCounts, EmaTeacher,
+                                  CountsWithAGradBuffer])
+def test_state_the_replay_reaches_other_than_through_the_modules_dicts_changes_once(
+        make: Any) -> None:
+    # The replay's copies are in the dicts only: what it changed through another reference
+    # (a list, a view, a hook's closure, a buffer that requires grad and is not swapped)
+    # gets its value back after the replay.
+    states, grads = [], []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        module = make()
+        if wrapped:
+            pytree_ckpt.apply_activation_checkpointing(module)
+        torch.manual_seed(1)
+        for _ in range(2):
+            module(torch.randn(8, 4)).square().sum().backward()
+        states.append(_state(module))
+        grads.append([p.grad for p in module.parameters()])
+    for eager, ours in zip(*states):
+        assert torch.equal(eager, ours)
+    for eager, ours in zip(*grads):
+        assert (eager is None and ours is None) or torch.equal(eager, ours)
+
+
+def test_state_a_discarded_ops_hook_changes_through_a_closure_changes_once() -> None:
+    counts = []
+    for discard in (False, True):
+        torch.manual_seed(0)
+        act, out = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 4)
+        act.register_buffer("seen", torch.zeros(()))
+        seen = act.seen
+
+        def count(module: nn.Module, args: Any) -> None:
+            with torch.no_grad():
+                seen.add_(1)
+
+        act[0].register_forward_pre_hook(count)
+        x = torch.randn(8, 4)
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            y = out(ckpt.checkpoint(act, x))
+            ckpt.discard_output_and_register_recompute(y)
+        else:
+            y = out(act(x))
+        y.square().sum().backward()
+        counts.append(float(act.seen))
+    assert counts == [1.0, 1.0]
+
+
+def test_a_parameter_unfrozen_before_backward_after_any_module_was_built_gets_none() -> None:
+    # Building any module with a submodule meanwhile makes the next replay verify the module
+    # again: its frozen-at-the-call parameters must still be known (it was refused).
+    torch.manual_seed(0)
+    model = pytree_ckpt.apply_activation_checkpointing(
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    model[0].weight.requires_grad_(False)
+    model(torch.randn(8, 4)).sum().backward()
+    loss = model(torch.randn(8, 4)).sum()
+    model[0].weight.requires_grad_(True)
+    nn.Sequential(nn.Linear(2, 2))
+    loss.backward()
+    assert model[0].weight.grad is None  # as in eager: it was not in the forward's graph
+    assert model[2].weight.grad is not None
+
+
+class RegistersItsScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "scale" not in self._parameters:
+            self.scale = nn.Parameter(torch.ones(4))
+        return self.lin(x) * self.scale
+
+
+class ScalesByAGradBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("make, message", [
+    (RegistersItsScale, r"the parameter scale was registered \(or swapped in\) while the forward "
+                        r"of RegistersItsScale ran"),
+    (ScalesByAGradBuffer, r"the buffer scale requires grad")],
+    ids=["parameter registered in the forward", "buffer that requires grad"])
+def test_a_tensor_the_module_holds_but_the_replay_cannot_give_a_gradient_is_refused_by_name(
+        make: Any, message: str) -> None:
+    # Each got no gradient, silently (eager gives both one).
+    module = pytree_ckpt.apply_activation_checkpointing(make())
+    with pytest.raises(CheckpointError, match=message):
+        module(torch.randn(8, 4)).square().sum().backward()
