@@ -393,19 +393,14 @@ class _BoundaryFunction(torch.autograd.Function):
         call: BoundaryCall = ctx.call
         refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
         changes = call.forward_modules.changes() if call.forward_modules is not None else None
-        if call.changed_state is None and changes is None:
+        if changes is None:
             return _replay_backward(ctx, call, grad_outputs)
-        with ExitStack() as stack:
-            # The forward's modules first (NOTE [the replay sees the forward's modules]), so
-            # that the replay's copies are of the very tensors the forward changed (a buffer
-            # torch.func.functional_call passed in), and so that what runs in the replay's
-            # backward (an output discard's rebuild) sees them too. Copies until the replay's
-            # gradients are taken (NOTE [the replay changes copies]).
-            if changes is not None:
-                assert call.forward_modules is not None
-                stack.enter_context(call.forward_modules.reinstated(changes))
-            if call.changed_state is not None:
-                stack.enter_context(call.changed_state.on_copies())
+        # The forward's modules (NOTE [the replay sees the forward's modules]), around the
+        # replay's gradients too: what runs in the replay's backward (an output discard's
+        # rebuild) sees them, and the replay's copies (NOTE [the replay changes copies]) are of
+        # the very tensors the forward changed (a buffer torch.func.functional_call passed in).
+        assert call.forward_modules is not None
+        with call.forward_modules.reinstated(changes):
             return _replay_backward(ctx, call, grad_outputs)
 
 
@@ -459,10 +454,12 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
             shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             recorded = None
             if not (shadow or call.attributes or call.options.keep is not None or
-                    call.hooked_outputs is not None):
+                    call.hooked_outputs is not None or call.changed_state is not None):
                 output = call.fn(*args, **kwargs)  # the usual case, with no context more
             else:
                 with ExitStack() as stack:
+                    if call.changed_state is not None:  # NOTE [the replay changes copies]
+                        stack.enter_context(call.changed_state.on_copies())
                     if shadow:
                         # Shadow an ambient hook (offload, census): the replay's short-lived
                         # graph is not theirs to see. Only then: the hooks cost ~1 us per saved

@@ -326,16 +326,17 @@ class StateWatch:
     """NOTE [state the forward changes]: the replay runs ``fn`` again, and with it every change
     ``fn`` makes to its modules' buffers (BatchNorm's running statistics, a step counter, an
     EMA reassigned) and frozen parameters, which eager never repeats. The original pass notes
-    which submodules' buffers changed, in place (a version counter moved), by reassignment
-    (another object under a name) or by registration (a new name: every submodule's dict is
-    watched, empty ones too). The replay then runs on copies (NOTE [the replay changes
-    copies]). A submodule counts as a whole, since a kernel may update a buffer without
-    moving its version (BatchNorm's running statistics: only ``num_batches_tracked`` moves).
-    Changes through ``.data`` move no version and are not seen. The common case, nothing
-    changed, costs one version read and one identity check per buffer.
+    which buffers changed, in place (a version counter moved), by reassignment (another object
+    under a name) or by registration (a new name: every submodule's dict is watched, empty
+    ones too), and which frozen parameters changed in place or were reassigned. The replay
+    then runs on copies (NOTE [the replay changes copies]). A batch norm's buffers count as a
+    whole, since its kernel updates the running statistics without moving their versions
+    (only ``num_batches_tracked`` moves). Changes through ``.data`` move no version and are
+    not seen. The common case, nothing changed, costs one version read and one identity check
+    per buffer (and, with frozen parameters, one identity check per parameter).
     """
 
-    __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees")
+    __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries")
 
     def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
                  frozen: list[torch.Tensor], trees: Sequence[ModuleDicts]) -> None:
@@ -353,22 +354,62 @@ class StateWatch:
         self.frozen = frozen
         self.frozen_versions = versions(frozen)
         self.trees = trees  # where the frozen parameters are, read only if one changed
+        # Where each frozen parameter is (a forward may reassign one: an EMA kept as a frozen
+        # nn.Parameter); read only when there are frozen parameters.
+        self.frozen_entries = [(d, name, t) for tree in trees for d in tree.parameters
+                               for name, t in d.items()
+                               if t is not None and not t.requires_grad] if frozen else []
 
     def changed(self) -> ChangedState | None:
-        changed = []
+        buffers: list[tuple[_Buffers, _Moved | None]] = []
         for d, items, before in self.watched:
             # Reassigned, or changed in place (both can happen: self.ema = ...; self.step += 1).
             if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items) or \
                     _object_versions(items) != before:
-                changed.append(d)
-        changed += [d for d in self.empty if d]  # a buffer registered by the forward
-        params = {id(p) for p, v in zip(self.frozen, self.frozen_versions)
-                  if not p.is_inference() and p._version != v}
-        holding = [d for tree in self.trees for d in tree.parameters
-                   if any(id(t) in params for t in d.values())] if params else []
-        if not (changed or holding):
+                buffers.append((d, _moved(d, items, before)))
+        buffers += [(d, None) for d in self.empty if d]  # a buffer registered by the forward
+        in_place = {id(p) for p, v in zip(self.frozen, self.frozen_versions)
+                    if not p.is_inference() and p._version != v}
+        parameters: dict[int, tuple[_Buffers, _Moved]] = {}
+        if in_place:
+            for tree in self.trees:
+                for d in tree.parameters:
+                    for name, t in d.items():
+                        if id(t) in in_place:
+                            parameters.setdefault(id(d), (d, []))[1].append((name, None))
+        for d, name, t in self.frozen_entries:
+            if d.get(name) is not t:  # reassigned: the replay starts from the one before
+                parameters.setdefault(id(d), (d, []))[1].append((name, t))
+        if not (buffers or parameters):
             return None
-        return ChangedState(changed, holding, params)
+        return ChangedState(buffers, list(parameters.values()))
+
+
+# Per changed dict: the names the replay gets copies for, each with the tensor the name held
+# before the forward when the forward reassigned it (the replay starts from that one).
+_Moved = list[tuple[str, "torch.Tensor | None"]]
+
+
+def _moved(d: _Buffers, items: tuple[tuple[str, torch.Tensor | None], ...],
+           before: list[int | None]) -> _Moved | None:
+    """The names in a changed buffer dict whose tensor the forward changed, reassigned or
+    registered; ``None`` for all of them in a batch norm's (its kernel writes the running
+    statistics without moving their versions; ``num_batches_tracked`` moves)."""
+    if "num_batches_tracked" in d:
+        return None
+    old = {name: (obj, version) for (name, obj), version in zip(items, before)}
+    moved: _Moved = []
+    for name, t in d.items():
+        was = old.get(name)
+        if t is None:
+            continue
+        if was is None:  # registered by the forward
+            moved.append((name, None))
+        elif was[0] is not t:
+            moved.append((name, was[0]))
+        elif not t.is_inference() and t._version != was[1]:
+            moved.append((name, None))
+    return moved
 
 
 def _object_versions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list[int | None]:
@@ -379,47 +420,49 @@ def _object_versions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list
 class ChangedState:
     """What the original pass changed (NOTE [state the forward changes]).
 
-    NOTE [the replay changes copies]: around each replay, every buffer of a changed submodule
-    (and each frozen parameter the forward changed) is replaced in its dict by a copy, and the
-    dicts get their entries back when the replay is over. The replay reads the state as the
-    forward left it, and whatever it changes (a second running-statistics update, a
-    reassignment, a new name) goes to the copies, which its graph saves if it saves anything:
-    the tensors the forward left are not changed again, nor written back into (a copy back
-    moved their versions, and a graph of another call that had saved them, BatchNorm called
-    outside the boundary in the same step, then failed in backward). Only one the replay
-    still reached and changed another way (a buffer a hook or a list holds too, a view of it,
-    a buffer that requires grad and so is not swapped) gets its value back, after the replay,
-    from a copy taken before it. Exact for BatchNorm in training, which normalises with the
-    batch's statistics; not for a layer whose output reads what it changed (documented).
+    NOTE [the replay changes copies]: around the replay's call of ``fn``, each buffer (and
+    frozen parameter) the original pass changed in place, reassigned or registered (every
+    buffer of a batch norm, whose kernel writes its running statistics without moving their
+    versions) is replaced in its dict by a copy, and the dicts get their entries back when
+    ``fn`` returns. The copy of one the forward reassigned is of the tensor before it (still
+    held): the replay computes what the forward did (an EMA the output reads). Otherwise the
+    replay reads the state as the forward left it, and whatever it changes (a second
+    running-statistics update, a reassignment, a new name) goes to the copies, which its
+    graph saves if it saves anything: the tensors the forward left are not changed again,
+    nor written back into (a copy back moved their versions, and a graph of another call that
+    had saved them, BatchNorm called outside the boundary in the same step, then failed in
+    backward). Only one the replay still reached and changed another way (a buffer a hook or
+    a list holds too, a view of it, a buffer that requires grad and so is not swapped) gets
+    its value back when ``fn`` returns, from a copy taken before it. Not around the replay's
+    gradients: a backward hook that changes the state then changes the module's own (its
+    change was lost in the copies). Exact for BatchNorm in training, which normalises with
+    the batch's statistics; not for a layer whose output reads what it changed in place
+    (documented).
     """
 
-    __slots__ = ("buffers", "parameters", "params")
+    __slots__ = ("buffers", "parameters")
 
-    def __init__(self, buffers: list[dict[str, torch.Tensor | None]],
-                 parameters: list[dict[str, torch.Tensor | None]], params: set[int]) -> None:
-        self.buffers = buffers        # the changed submodules' buffer dicts
-        self.parameters = parameters  # the parameter dicts holding a changed frozen parameter
-        self.params = params          # those parameters, by id
+    def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
+                 parameters: list[tuple[_Buffers, _Moved]]) -> None:
+        self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
+        self.parameters = parameters  # the parameter dicts with a frozen parameter changed
 
     @contextmanager
     def on_copies(self) -> Iterator[None]:
-        entries = [(d, dict(d)) for d in (*self.buffers, *self.parameters)]
-        # Each tensor as the forward left it, with its version: one the replay still reaches
-        # another way (a list or a hook holding it, a view of it, one that requires grad and
-        # so is not swapped) and changes gets its value back after the replay.
+        dicts = [*self.buffers, *self.parameters]
+        entries = [(d, dict(d)) for d, _ in dicts]
+        # Each tensor copied, as the forward left it, with its version: one the replay still
+        # reaches another way (a list or a hook holding it, a view of it, one that requires
+        # grad and so is not swapped) and changes gets its value back after the replay.
         kept: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-        for d in self.buffers:
-            for name, t in list(d.items()):
+        for d, moved in dicts:
+            for name, previous in [(n, None) for n in d] if moved is None else moved:
+                t = d.get(name)
                 if t is None or t.is_inference():
                     continue
                 kept.append((t, t._version, t.detach().clone()))
                 if not t.requires_grad:  # one that does stays: the replay's gradient reaches it
-                    d[name] = t.detach().clone()
-        for d in self.parameters:
-            for name, t in list(d.items()):
-                if t is not None and id(t) in self.params:
-                    kept.append((t, t._version, t.detach().clone()))
-                    d[name] = t.detach().clone()
+                    d[name] = (t if previous is None else previous).detach().clone()
         try:
             yield
         finally:
