@@ -332,8 +332,9 @@ class OffloadManager:
                            warn: bool = True) -> tuple[str, int] | None:
         """The tensor's storage key, or ``None`` where it has no plain storage to copy: sparse
         layouts, nested tensors, and wrapper subclasses (DTensor and the like) whose bytes live
-        in inner tensors. Window tensors of that kind stay on the device, logged once."""
-        if tensor.layout is torch.strided and not tensor.is_nested:  # a nested one has several
+        in inner tensors; quantized tensors too (a restore from bytes would lose their scale
+        and zero point). Window tensors of that kind stay on the device, logged once."""
+        if tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_quantized:
             try:
                 return storage_key(tensor)
             except RuntimeError:  # "invalid python storage": a wrapper subclass
@@ -344,7 +345,8 @@ class OffloadManager:
                 "offload is on, but a window tensor (%s, layout %s) has no plain storage to copy: "
                 "it stays on the device (offload copies strided storages; a DTensor's local "
                 "shard, DTensor.to_local(), is one)",
-                "nested tensor" if tensor.is_nested else type(tensor).__name__, tensor.layout)
+                "nested tensor" if tensor.is_nested else "quantized tensor"
+                if tensor.is_quantized else type(tensor).__name__, tensor.layout)
         return None
 
     def _other_device(self, window: Window, key: tuple[str, int], tensor: torch.Tensor) -> None:

@@ -2,8 +2,10 @@
 
 Pinned host allocation costs milliseconds per call (torchtune's offload went from 22% to 50%
 overhead without a pool), so buffers are never freed while the pool lives: a released buffer
-goes back to its size class and the next request of that class reuses it. After one warm-up
-step with the same shapes the pool does not grow.
+goes back to its size class and the next request of that class reuses it. After a warm-up
+step with the same shapes the pool does not grow (with inputs of several sizes, which free
+buffer of a larger class serves a smaller request can differ between steps: a second or third
+step may still add one; a step that allocates nothing is followed by none that does).
 
 NOTE [host buffer lifetime]: a buffer is checked out from ``acquire`` until ``release``. A buffer
 that a pending device copy still reads or writes is released together with that copy's event;

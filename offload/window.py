@@ -33,8 +33,8 @@ class Copy:
     """One window storage copied to host; shared by every handle on that storage."""
 
     __slots__ = ("manager", "seq", "stream", "host", "nbytes", "device", "version",
-                 "storage_ref", "data_ptr", "device_bytes", "d2h_event", "restored", "reused",
-                 "restored_on", "h2d_event", "host_holder", "__weakref__")
+                 "storage_ref", "data_ptr", "device_bytes", "alias", "d2h_event", "restored",
+                 "reused", "restored_on", "h2d_event", "host_holder", "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -58,6 +58,11 @@ class Copy:
         # until ``self.stream`` waits on it.
         self.device_bytes: torch.Tensor | None = torch.empty(
             0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        # NOTE [in-place check], continued: an alias that shares the saved tensor's version
+        # counter (device_bytes has a counter of its own), held as long as the device bytes
+        # are: a change after the save, by a caller who then dropped the tensor, is still
+        # seen, and reused bytes are never changed ones.
+        self.alias: torch.Tensor | None = tensor.detach()
         self.host: torch.Tensor | None = manager.pool.acquire(self.nbytes)
         try:
             self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
@@ -88,6 +93,8 @@ class Copy:
             return
         freed = self.device_bytes.untyped_storage().nbytes() == 0  # in place, by a discard
         self.device_bytes = None
+        if not self.reused:  # reused, backward reads the very bytes: keep checking them
+            self.alias = None
         # Still alive now may be a later layer's input or a table every layer gets: it counts
         # as alive elsewhere only if still alive when backward begins (``_judge_alive``). A
         # reused storage is checked when backward is done with it (``__del__``).
@@ -99,7 +106,8 @@ class Copy:
             return
         counters = self.manager._counters
         device_bytes = self.device_bytes
-        if device_bytes is not None and self._storage_intact(device_bytes):
+        if device_bytes is not None and self._storage_intact(device_bytes) and \
+                self.alias is not None and self.alias._version == self.version:
             # NOTE [reuse at the turn]: the device bytes were not let go yet (the last
             # windows of a forward, at backward's first restore): backward takes them as they
             # are, with no copy back. They are the saved tensor's own storage, exactly what
@@ -135,7 +143,8 @@ class Copy:
             # now, the copy is not waited for at all.
             if not manager.engine.done(self.d2h_event):
                 manager.engine.wait(self.d2h_event, stream=self.stream)
-            self.restored = None  # ours: anything still holding the storage is someone else's
+            # Ours: anything still holding the storage after these is someone else's.
+            self.restored = self.alias = None
             if not self.storage_ref.expired():
                 manager._counters["alive_elsewhere_bytes"] += self.nbytes
         # The last handle is gone: the host buffer goes back with the last copy that used it.
@@ -161,10 +170,12 @@ class Handle:
     tensor whose saving was hooked, so the handle does it: it remembers the tensor's version
     and, weakly (so the tensor can still be freed), the tensor, or the base of a view (views
     share their base's version counter, and a view made inside an op has no Python object of
-    its own that outlives the save). ``_unpack`` refuses a tensor modified since. The check
-    sees what Python still references: an alias made by ``detach()`` shares the version
-    counter without being a view, so once it is gone a change through the original is not
-    seen. On a GPU such a change may also have raced with the copy to host.
+    its own that outlives the save). ``_unpack`` refuses a tensor modified since. Once the
+    tensor is gone, the copy's own ``detach()`` alias (sharing its version counter) serves,
+    for as long as the copy holds the device bytes. After that, a change through an alias
+    the caller made with ``detach()`` (which shares the counter without being a view) and
+    then dropped is not seen: backward reads the bytes copied to host when the tensor was
+    saved (on a GPU, a change may have raced with that copy).
     """
 
     __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "conj", "neg",
@@ -195,6 +206,8 @@ class Handle:
 
     def check_unmodified(self) -> None:
         source = self.source()
+        if source is None:  # dropped by the caller: the copy's alias shares its counter
+            source = self.copy.alias
         if source is None or source._version == self.version:
             return
         window = self.window

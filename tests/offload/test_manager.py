@@ -224,6 +224,52 @@ def test_a_layer_input_modified_in_place_after_the_layer_is_refused_like_eager(
             out.sum().backward()
 
 
+def test_a_layer_input_changed_in_place_and_then_dropped_is_refused_not_read_changed() -> None:
+    # Nothing references x once the block returns: the handle's weak reference was dead, the
+    # check was skipped, and backward reused the changed device bytes (the last layer's weight
+    # gradient was off by 1.69). Eager refuses this backward.
+    def block(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(layer(x))
+        x.mul_(0.5)  # after the layer saved it
+        return y + x
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    eager = copy.deepcopy(layers)
+    pytree_ckpt.checkpoint_layers(layers, offload=manager())
+    for model, error in ((eager, "modified by an inplace operation"),
+                         (layers, r"args\[0\] \(offload window 2.*modified in place")):
+        h = torch.randn(4, 8, requires_grad=True) * 1.0
+        for layer in model:
+            h = block(layer, h)
+        with pytest.raises(RuntimeError, match=error):
+            h.square().sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated in 2.13
+def test_a_quantized_tensor_in_a_window_stays_on_the_device_with_its_scale() -> None:
+    # Restored from its bytes it lost its scale and zero point (an internal assert on use).
+    got: dict[str, torch.Tensor] = {}
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, anchor: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(t)
+            return anchor * 1
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+            got["t"] = ctx.saved_tensors[0]
+            return grad, None
+
+    q = torch.quantize_per_tensor(torch.randn(64), 0.05, 3, torch.quint8)
+    mgr = manager()
+    with mgr.window([q]):
+        y = Saves.apply(torch.ones(1, requires_grad=True), q)
+    y.sum().backward()
+    assert got["t"] is q and mgr.stats()["offloaded_bytes"] == 0
+
+
 @pytest.mark.parametrize(("depth", "expected"), [
     (1, [("restore", 7), ("prefetch", 6), ("prefetch_hit", 6), ("prefetch", 5),
          ("prefetch_hit", 5), ("prefetch", 4), ("prefetch_hit", 4), ("prefetch", 3),
