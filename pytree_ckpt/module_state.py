@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from .errors import CheckpointError
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
@@ -382,7 +383,47 @@ class StateWatch:
                 parameters.setdefault(id(d), (d, []))[1].append((name, t))
         if not (buffers or parameters):
             return None
-        return ChangedState(buffers, list(parameters.values()))
+        return ChangedState(*self._unchanged(buffers, parameters), list(parameters.values()))
+
+    def _unchanged(self, buffers: list[tuple[_Buffers, _Moved | None]],
+                   parameters: dict[int, tuple[_Buffers, _Moved]]
+                   ) -> tuple[list[tuple[_Buffers, _Moved | None]], list[tuple[str, torch.Tensor]]]:
+        """NOTE [what only the replay changes]: once the forward changed some state, the replay
+        may change state the forward did not: it reads a counter as the forward left it, one
+        step ahead, and a periodic update keyed on it (an EMA every other step) fires in the
+        replay of a call whose forward skipped it. Small buffers the forward left unchanged
+        (at most ``_SMALL_BYTES``) get copies too; each larger one, and each frozen parameter
+        left unchanged, is only checked: the replay changing it is a ``CheckpointError``, as
+        its value before cannot be put back. Read only when something changed."""
+        changed = {id(d): moved for d, moved in buffers}
+        checked: list[tuple[str, torch.Tensor]] = []
+        for d, _, _ in self.watched:
+            moved = changed.get(id(d), [])
+            if moved is None:  # a batch norm's: all of it is copied already
+                continue
+            taken = {name for name, _ in moved}
+            small: _Moved = []
+            for name, t in d.items():
+                if t is None or name in taken or t.is_inference():
+                    continue
+                if t.numel() * t.element_size() <= _SMALL_BYTES and not t.requires_grad:
+                    small.append((name, None))
+                else:
+                    checked.append((f"buffer '{name}'", t))
+            if small and id(d) in changed:
+                moved.extend(small)
+            elif small:
+                buffers.append((d, small))
+        frozen_changed = {id(t) for d, moved in parameters.values() for name, before in moved
+                          for t in (d.get(name), before) if t is not None}
+        checked += [(f"frozen parameter '{name}'", t) for d, name, t in self.frozen_entries
+                    if id(t) not in frozen_changed and not t.is_inference()]
+        return buffers, checked
+
+
+# NOTE [what only the replay changes]: buffers the forward left unchanged that the replay gets
+# copies of anyway (a counter, a flag, a small EMA); larger ones are checked, not copied.
+_SMALL_BYTES = 64 * 1024
 
 
 # Per changed dict: the names the replay gets copies for, each with the tensor the name held
@@ -423,28 +464,31 @@ class ChangedState:
     NOTE [the replay changes copies]: around the replay's call of ``fn``, each buffer (and
     frozen parameter) the original pass changed in place, reassigned or registered (every
     buffer of a batch norm, whose kernel writes its running statistics without moving their
-    versions) is replaced in its dict by a copy, and the dicts get their entries back when
-    ``fn`` returns. The copy of one the forward reassigned is of the tensor before it (still
+    versions), and each small buffer it left unchanged (NOTE [what only the replay changes]),
+    is replaced in its dict by a copy, and the dicts get their entries back when ``fn``
+    returns. The copy of one the forward reassigned is of the tensor before it (still
     held): the replay computes what the forward did (an EMA the output reads). Otherwise the
     replay reads the state as the forward left it, and whatever it changes (a second
     running-statistics update, a reassignment, a new name) goes to the copies, which its
     graph saves if it saves anything: the tensors the forward left are not changed again,
-    nor written back into (a copy back moved their versions, and a graph of another call that
-    had saved them, BatchNorm called outside the boundary in the same step, then failed in
-    backward). Only one the replay still reached and changed another way (a buffer a hook or
-    a list holds too, a view of it, a buffer that requires grad and so is not swapped) gets
-    its value back when ``fn`` returns, from a copy taken before it. Not around the replay's
-    gradients: a backward hook that changes the state then changes the module's own (its
-    change was lost in the copies). Exact for BatchNorm in training, which normalises with
-    the batch's statistics; not for a layer whose output reads what it changed in place
-    (documented).
+    and a graph of another call that saved them (BatchNorm called outside the boundary in
+    the same step) still finds them as it saved them. One the replay still reached and
+    changed another way (a buffer a hook or a list holds too, a view of it, a buffer that
+    requires grad and so is not swapped) gets its value back when ``fn`` returns, from a
+    copy taken before it, and its version counter back too (the copy back must not look
+    like a change to a graph that saved it). Not around the replay's gradients: a backward
+    hook that changes the state then changes the module's own (its change was lost in the
+    copies). Exact for BatchNorm in training, which normalises with the batch's statistics;
+    not for a layer whose output reads what it changed in place (documented).
     """
 
-    __slots__ = ("buffers", "parameters")
+    __slots__ = ("buffers", "checked", "parameters")
 
     def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
+                 checked: list[tuple[str, torch.Tensor]],
                  parameters: list[tuple[_Buffers, _Moved]]) -> None:
-        self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
+        self.buffers = buffers        # the buffer dicts with copies, and what (None: all)
+        self.checked = checked        # unchanged state the replay must not change, by name
         self.parameters = parameters  # the parameter dicts with a frozen parameter changed
 
     @contextmanager
@@ -463,16 +507,33 @@ class ChangedState:
                 kept.append((t, t._version, t.detach().clone()))
                 if not t.requires_grad:  # one that does stays: the replay's gradient reaches it
                     d[name] = (t if previous is None else previous).detach().clone()
+        checked = [(name, t, t._version) for name, t in self.checked]
         try:
             yield
         finally:
             for d, before in entries:
                 d.clear()
                 d.update(before)
-            with torch.no_grad():
-                for tensor, version, value in kept:
-                    if tensor._version != version:
+            restored = [(tensor, version, value) for tensor, version, value in kept
+                        if tensor._version != version]
+            if restored:
+                with torch.no_grad():
+                    for tensor, _, value in restored:
                         tensor.copy_(value)
+                torch._C._autograd._unsafe_set_version_counter(
+                    tuple(t for t, _, _ in restored), tuple(v for _, v, _ in restored))
+        # Only when fn returned: an error it raised goes on from the finally above.
+        changed = [(name, t) for name, t, version in checked if t._version != version]
+        if changed:
+            name, t = changed[0]
+            raise CheckpointError(
+                f"the replay in backward changed {name} (shape {list(t.shape)}, {t.dtype}), "
+                "which the original pass left unchanged: the forward changes state it reads "
+                "(a counter that decides whether to update this), and the replay read it one "
+                "update ahead; the module now holds the change eager never made. Tip: update "
+                "such state outside the checkpointed call (an optimizer-step hook), or keep "
+                f"it in a buffer of at most {_SMALL_BYTES} bytes, which the replay gets a "
+                "copy of (docs/boundary.md, 'Module state ends the step as in eager').")
 
 
 # The caller's modes, and (dict, the forward's entries, the caller's entries) per swapped dict.
