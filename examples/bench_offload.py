@@ -152,10 +152,15 @@ class Bench:
             t.grad = torch.zeros_like(t)
         self.manager.stats(reset=True)
         self._sync()
-        base = 0
+        base = base_reserved = 0
         if cuda:
+            # Reserved too: blocks freed while a copy on a side stream still reads them
+            # (record_stream) return to the allocator's cache only once it completes, so a host
+            # running ahead can make the allocator reserve more than it hands out.
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
+            base_reserved = torch.cuda.memory_reserved(self.device)
         loss = self.forward(config)
         self._sync()
         self.manager.stats()  # lets go of device tensors whose copies completed
@@ -163,7 +168,8 @@ class Bench:
         loss.backward()
         self._sync()
         peak = torch.cuda.max_memory_allocated(self.device) - base if cuda else None
-        return {"held_bytes": held, "peak_bytes": peak,
+        reserved = torch.cuda.max_memory_reserved(self.device) - base_reserved if cuda else None
+        return {"held_bytes": held, "peak_bytes": peak, "peak_reserved_bytes": reserved,
                 "grads": [None if t.grad is None else t.grad.detach().clone()
                           for t in self.leaves],
                 "offload": self.manager.stats(reset=True) if config == OFFLOAD else None}
@@ -214,7 +220,8 @@ def run(size: Size, device: torch.device, rounds: int, warmup: int,
                   f"{_mib(probes[config]['peak_bytes'])} MiB")
         # Written as it goes: a run stopped by a time limit keeps what it measured.
         result.setdefault("probe_memory", {})[config] = {
-            key: probes[config][key] for key in ("held_bytes", "peak_bytes")}
+            key: probes[config][key]
+            for key in ("held_bytes", "peak_bytes", "peak_reserved_bytes")}
         if json_path is not None:
             _write_json(json_path, result)
     if EAGER not in probes:
@@ -232,6 +239,7 @@ def run(size: Size, device: torch.device, rounds: int, warmup: int,
     for config, probe in probes.items():
         equal, worst = _grad_difference(reference, probe["grads"])
         configs[config] = {"held_bytes": probe["held_bytes"], "peak_bytes": probe["peak_bytes"],
+                           "peak_reserved_bytes": probe["peak_reserved_bytes"],
                            "grads_equal_eager": equal, "grads_max_abs_diff": worst}
     result["configs"] = configs
     if OFFLOAD in probes:
@@ -278,7 +286,8 @@ def _targets(size: Size, configs: dict[str, Any]) -> dict[str, Any]:
         targets["vs_save_on_cpu"] = {"value": vs_save_on_cpu, "limit": 1.0,
                                      "met": vs_save_on_cpu < 1.0}
     needed = (size.layers - 2) * size.input_bytes()
-    for key, column in (("peak_drop", "peak_bytes"), ("held_drop", "held_bytes")):
+    for key, column in (("peak_drop", "peak_bytes"), ("held_drop", "held_bytes"),
+                        ("reserved_drop", "peak_reserved_bytes")):
         ckpt, off = configs[CHECKPOINT][column], configs[OFFLOAD][column]
         if ckpt is not None and off is not None:
             targets[key] = {"value": ckpt - off, "limit": needed,
@@ -305,17 +314,18 @@ def format_report(result: dict[str, Any]) -> str:
         f"{result['warmup']} warm-up; medians",
         "",
         "| config | median ms | p10/p90 ms | vs checkpoint | held after forward MiB | "
-        "peak MiB | grads vs eager |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "peak MiB | peak reserved MiB | grads vs eager |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for config, c in result["configs"].items():
         grads = "bit-identical" if c["grads_equal_eager"] else \
             f"max abs diff {c['grads_max_abs_diff']:.3g}"
         ratio = "" if c["ratio_vs_checkpoint"] is None else f"{c['ratio_vs_checkpoint']:.3f}"
         lines.append(f"| {config} | {c['median_ms']:.2f} | {c['p10_ms']:.2f}/{c['p90_ms']:.2f} "
-                     f"| {ratio} | {_mib(c['held_bytes'])} | {_mib(c['peak_bytes'])} | {grads} |")
+                     f"| {ratio} | {_mib(c['held_bytes'])} | {_mib(c['peak_bytes'])} "
+                     f"| {_mib(c['peak_reserved_bytes'])} | {grads} |")
     for config, error in result["failed"].items():
-        lines.append(f"| {config} | failed: {error[:200]} | | | | | |")
+        lines.append(f"| {config} | failed: {error[:200]} | | | | | | |")
     noise = result["eager_repeat"]
     lines += ["", "eager against a second eager run: " + (
         f"failed: {noise['error'][:200]}" if "error" in noise else
@@ -343,7 +353,8 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"target: checkpoint + offload / save_on_cpu < 1: "
                      f"{t['vs_save_on_cpu']['value']:.3f}, {_verdict(t['vs_save_on_cpu'])}"
                      f"{note}")
-    for key, what in (("peak_drop", "peak"), ("held_drop", "held after forward")):
+    for key, what in (("peak_drop", "peak"), ("held_drop", "held after forward"),
+                      ("reserved_drop", "peak reserved (allocator cache included)")):
         if key in t:
             lines.append(f"target: {what} drops by >= (L-2) layer inputs = "
                          f"{_mib(t[key]['limit'])} MiB (less {_mib(ROUNDING)} MiB of allocator "

@@ -113,6 +113,12 @@ class OffloadManager:
         pin = self.config.pin_memory
         if pin is None:
             pin = torch.cuda.is_available()
+        elif not pin and self.device.type == "cuda":
+            # A non-blocking copy into pageable memory returns only once it is done, and the
+            # copy stream waits on the whole compute queue first: each save syncs the device.
+            log.warning("OffloadConfig(pin_memory=False) on %s: every copy to host waits for "
+                        "the device to finish its queued work (pageable memory); correct, but "
+                        "slow. Leave pin_memory unset to pin host buffers", self.device)
         self.pool = HostPool(pin_memory=pin)
         self.engine = CopyEngine(self.device)
         self._pending: list[Copy] = []

@@ -28,6 +28,7 @@ On a device without streams (CPU) every copy is synchronous and every event is `
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ class CopyEngine:
         self.device = device
         self.cuda = device.type == "cuda"
         self._waits: list[tuple[Any, Any]] = []  # (before, after) timing events around waits
+        # Backward (autograd's thread) appends waits while stats() (the caller's) may fold them.
+        self._waits_lock = threading.Lock()
         self._waited_ms = 0.0
         # Made at the first copy, not here: a manager unpickled where there is no CUDA (a
         # model saved on a GPU, loaded on a CPU machine) must not fail before it is used.
@@ -118,8 +121,10 @@ class CopyEngine:
         before.record(stream)
         stream.wait_event(event)
         after.record(stream)
-        self._waits.append((before, after))
-        if len(self._waits) > 256:  # nobody read stats(): fold what completed
+        with self._waits_lock:
+            self._waits.append((before, after))
+            many = len(self._waits) > 256
+        if many:  # nobody read stats(): fold what completed
             self.waited_ms()
 
     def waited_ms(self) -> float:
@@ -127,14 +132,15 @@ class CopyEngine:
 
         Completed waits are folded into a running total, so the event list stays short.
         """
-        still = []
-        for before, after in self._waits:  # one query each: a wait is counted exactly once
-            if after.query():
-                self._waited_ms += before.elapsed_time(after)
-            else:
-                still.append((before, after))
-        self._waits = still
-        return self._waited_ms
+        with self._waits_lock:
+            still = []
+            for before, after in self._waits:  # one query each: a wait is counted once
+                if after.query():
+                    self._waited_ms += before.elapsed_time(after)
+                else:
+                    still.append((before, after))
+            self._waits = still
+            return self._waited_ms
 
     def reset_waits(self) -> None:
         """Start a new total; waits still running are kept and count in it once done."""

@@ -216,8 +216,10 @@ class Handle:
             f"{self.dtype}{list(self.size)}) was modified in place after it was saved for "
             "backward", expected=f"version {self.version} (when saved)",
             got=f"version {source._version}",
-            tip="eager autograd refuses this too ('modified by an inplace operation'): modify a "
-                "clone (x = x.clone()) or make the in-place change before the layer")
+            tip="a checkpointed layer keeps each of its inputs for its replay, where eager "
+                "keeps only what backward needs (an integer position tensor, say): change a "
+                "clone (pos = pos + 4, not pos += 4) or make the in-place change before the "
+                "layer")
 
 
 class Pass:

@@ -33,7 +33,9 @@ status=0
 # -p no:cacheprovider: the tree may be read-only there; -v names a test the timeout stops;
 # a module that fails to import on that torch must not cost the other modules' CUDA tests.
 # timeout -k: a step that ignores SIGTERM is killed 10 s later.
+# -o timeout=45: one hung test (a stream wait that never ends) must not take the whole step.
 timeout -k 10 150 python3 -m pytest -p no:cacheprovider -v -m cuda --continue-on-collection-errors \
+  -o timeout=45 \
   tests 2>&1 | tee "$out/gpu_tests.log" \
   || status=1
 timeout -k 10 180 python3 -m examples.bench_offload --size realistic --device cuda \

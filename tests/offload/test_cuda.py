@@ -104,7 +104,9 @@ def test_peak_memory_drops_by_all_but_two_layer_inputs_with_the_host_far_ahead()
     measure(offloaded)  # warm the pool
     (ckpt_held, ckpt_peak), (off_held, off_peak) = measure(plain), measure(offloaded)
     assert ckpt_held - off_held >= (num_layers - 1) * input_bytes, (ckpt_held, off_held)
-    assert ckpt_peak - off_peak >= (num_layers - 2) * input_bytes, (ckpt_peak, off_peak)
+    # Less 4 MiB of allocator rounding, as examples/bench_offload.py allows.
+    assert ckpt_peak - off_peak >= (num_layers - 2) * input_bytes - (4 << 20), \
+        (ckpt_peak, off_peak)
     assert manager.stats()["alive_elsewhere_bytes"] == 0
 
 
