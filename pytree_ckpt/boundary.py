@@ -86,11 +86,13 @@ from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch
                            collect_parameters, graph_attributes, is_verified, module_dicts,
                            owning_module, versions)
 from .phase import ACTIVE, Invocation, Phase
-from .refusals import (TORCH_REENTRANT, fn_name, input_path, raise_attached_to_outside_tensor,
+from .refusals import (TORCH_REENTRANT, fn_name, input_path, open_containers,
+                       raise_attached_to_outside_tensor,
                        raise_hooked_outside_tensor, raise_input_changed,
                        raise_torch_reentrant_inside, refuse_double_backward,
-                       refuse_hidden_outputs, refuse_unreadable_inputs, require_callable,
-                       stored_tensors, verify_leaves, warn_stored_scalars)
+                       refuse_filled_containers, refuse_hidden_outputs,
+                       refuse_unreadable_inputs, require_callable, stored_numbers,
+                       stored_tensors, verify_leaves, warn_changed_numbers, warn_stored_scalars)
 from .rng import IsolatedPass, ReplayEnvironment
 from .saved import Unchanged
 from .subclass import SubclassKind, as_kind, kind_of
@@ -288,7 +290,8 @@ class _BoundaryFunction(torch.autograd.Function):
             modules, trees = call.modules
             dicts = [*(m.__dict__ for m in modules), *(d for tree in trees
                                                        for d in tree.submodules)]
-            stored = (modules, dicts, stored_tensors(dicts))
+            stored = (modules, dicts, stored_tensors(dicts), stored_numbers(dicts))
+        containers = open_containers(args, kwargs)  # NOTE [containers filled by the forward]
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1]) \
             if call.owner is not None and call.modules is not None else None
         token = ACTIVE.set(invocation)
@@ -306,6 +309,17 @@ class _BoundaryFunction(torch.autograd.Function):
                         if call.hooked:
                             recorded = stack.enter_context(recording())
                         output = call.fn(*args, **kwargs)
+        except RuntimeError as error:
+            # torch's "cannot register a hook on a tensor that doesn't require gradient" (and
+            # kin) from a forward that assumes grad mode: name the boundary's no-grad pass.
+            if "require grad" in str(error) and hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(
+                    f"pytree_ckpt: raised in the original pass of {fn_name(call.fn)}, which "
+                    "runs the forward under torch.no_grad() (the replay in backward runs it "
+                    "with grad). Tip: guard what needs grad, e.g. `if h.requires_grad: "
+                    "h.register_hook(...)`: the hook is then registered in the replay, whose "
+                    "gradients are the ones used.")
+            raise
         finally:
             ACTIVE.reset(token)
         moved = [slot for slot, version in enumerate(versions(tensors))
@@ -319,8 +333,12 @@ class _BoundaryFunction(torch.autograd.Function):
                 break
         if moved:
             raise_input_changed(call, tensors, moved)
+        if containers is not None:
+            refuse_filled_containers(call, containers)
         if stored is not None:
-            warn_stored_scalars(stored[0][0], *stored)
+            modules, dicts, tensors_before, numbers_before = stored
+            warn_stored_scalars(modules[0], modules, dicts, tensors_before)
+            warn_changed_numbers(modules[0], modules, dicts, numbers_before)
         if watch is not None:
             call.changed_state = watch.changed()
         if call.modules is not None:
@@ -404,6 +422,15 @@ class _BoundaryFunction(torch.autograd.Function):
             return _replay_backward(ctx, call, grad_outputs)
 
 
+def _argument_module(leaf: Any, /) -> nn.Module | None:
+    """The module an argument is, or whose method (or partial of one) it is."""
+    if isinstance(leaf, nn.Module):
+        return leaf
+    if isinstance(leaf, (int, float, str, bool, type)) or not callable(leaf):
+        return None
+    return owning_module(leaf)
+
+
 def _replay_backward(ctx: Any, call: BoundaryCall,
                      grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
     """The replay of ``call`` and the gradients of its inputs (and parameters)."""
@@ -422,7 +449,18 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
                 "loss.backward() and read .grad")
     needs = ctx.needs_input_grad[2:]
     n = call.n_inputs + len(call.attributes)
-    saved = ctx.saved_tensors
+    try:
+        saved = ctx.saved_tensors
+    except RuntimeError as error:
+        if "modified by an inplace operation" not in str(error):
+            raise
+        raise CheckpointError(
+            f"an input of {fn_name(call.fn)} was changed in place after the call, and the "
+            "replay in backward needs it as it was", expected="its version when saved",
+            got=str(error).split(". Hint")[0],
+            tip="the boundary keeps each input for the replay, where eager keeps only what "
+                "backward needs (an integer position tensor, say): change a clone after the "
+                "call (pos = pos + 4, not pos += 4)") from error
     call.frame.start_replay()
     assert call.env is not None
     invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
@@ -675,7 +713,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     frozen: list[torch.Tensor] = []
     trees: list[ModuleDicts] = []
     if owner is not None:
-        modules = [owner, *(leaf for leaf in leaves if isinstance(leaf, nn.Module))]
+        # Modules passed as arguments, or their bound methods (an activation passed as
+        # `shared.forward`): their parameters are inputs too.
+        modules = [owner, *(module for leaf in leaves if leaf is not None and
+                            (module := _argument_module(leaf)) is not None)]
         trees = [module_dicts(module) for module in modules]
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
         # each use needs its gradient (the argument's comes through its input slot).

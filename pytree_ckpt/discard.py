@@ -398,10 +398,12 @@ class CheckpointWithoutOutput:
             # that needs a gradient): nothing to discard; a boundary's replay runs this again.
             if torch.is_grad_enabled() and self._name() not in _INERT_LOGGED:
                 _INERT_LOGGED.add(self._name())  # once per op: a step would repeat it
-                log.warning("output discard of %s frees nothing: no input needs grad and it has "
-                            "no trainable parameters, so no graph node can rebuild its output "
-                            "(a trainable consumer keeps it whole, as without discard)",
-                            self._name())
+                why = ("its parameters are unknown (a lambda or function reaching a module's: "
+                       "pass the module or its method instead)" if self.params is None else
+                       "it has no trainable parameters")
+                log.warning("output discard of %s frees nothing: no input needs grad and %s, so "
+                            "no graph node can rebuild its output (a trainable consumer keeps "
+                            "it whole, as without discard)", self._name(), why)
             self.passthrough = True
             self.reachable = None
             return fn(*args, **kwargs)

@@ -32,7 +32,8 @@ import torch
 
 from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError
-from .frozen import Passthrough, as_recorded, refuse_in_plain_call, refuse_in_replay
+from .frozen import (Passthrough, argument_versions, as_recorded, refuse_changed_arguments,
+                     refuse_in_plain_call, refuse_in_replay)
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import RngState, rng_changed, rng_state, set_rng_state
@@ -277,6 +278,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # The replay will not run these ops, nor the RNG comparison (torch.equal dispatches
         # aten::equal): a save unit keeping everything a callable dispatches must not keep them.
         token = IN_REUSE.set(True)
+        call, versions = argument_versions(args, kwargs)
         try:
             before = rng_state(devices) if devices is not None else None
             result = fn(*args, **kwargs)
@@ -286,6 +288,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
                 rng_after = after if rng_changed(before, after) else None
         finally:
             IN_REUSE.reset(token)
+        refuse_changed_arguments(callable_name(fn), call, versions)  # NOTE in frozen.py
         # NOTE [differentiable results are refused where grad is on] in frozen.py
         passthrough = as_recorded(callable_name(fn), result, args, kwargs)
     else:  # a nested boundary's original pass inside a replay records the jump it took too

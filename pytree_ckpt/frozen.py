@@ -41,7 +41,8 @@ from .errors import ReuseError
 from .module_state import owning_module
 from .tree import FlatTree, flatten, flatten_call, leaf_paths
 
-__all__ = ["Passthrough", "as_recorded", "refuse_in_plain_call", "refuse_in_replay"]
+__all__ = ["Passthrough", "argument_versions", "as_recorded", "refuse_changed_arguments",
+           "refuse_in_plain_call", "refuse_in_replay"]
 
 _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call and compute "
               "the differentiable part outside it, from those ids (MoE gate weights: gather "
@@ -77,6 +78,32 @@ def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str,
         return ()
     paths = leaf_paths(flat.spec, root="result")
     return tuple((paths[i], j) for i, j in passed)
+
+
+def argument_versions(args: tuple[Any, ...], kwargs: dict[str, Any], /
+                      ) -> tuple[FlatTree, list[int | None]]:
+    """The call's flattened arguments and their tensors' versions, read before ``fn`` runs."""
+    call = flatten_call(args, kwargs)
+    return call, [None if (t := call.leaves[j]).is_inference() else t._version
+                  for j in call.tensor_index]
+
+
+def refuse_changed_arguments(name: str, call: FlatTree, before: list[int | None], /) -> None:
+    """NOTE [a reused fn changes no argument]: the replay skips ``fn``, so a change ``fn`` made
+    in place to an argument (a mask written into the scores it is given: ``logits.detach()``
+    shares the logits' storage) is not made again, and what reads the tensor after it in the
+    replay (the softmax of those logits) computes another function than eager's."""
+    for j, version in zip(call.tensor_index, before):
+        t = call.leaves[j]
+        if version is not None and t._version != version:
+            raise ReuseError(
+                f"reuse_during_recompute({name}) changed its {_argument_path(call, j)} in "
+                "place: the replay skips the call, so the change is not made again there, "
+                "and what reads the tensor after the call would compute another function "
+                "than eager's", expected="arguments left as they were",
+                got=f"version {version} before the call, {t._version} after",
+                tip="change a clone inside the function (scores = scores.clone()), or make "
+                    "the change before the call, outside it")
 
 
 def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,

@@ -31,8 +31,8 @@ __all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outsid
            "raise_hooked_outside_tensor",
            "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
            "refuse_hidden_outputs", "refuse_module_tensor", "refuse_unreadable_inputs",
-           "require_callable",
-           "stored_tensors", "verify_leaves", "warn_stored_scalars"]
+           "open_containers", "refuse_filled_containers", "require_callable", "stored_numbers",
+           "stored_tensors", "verify_leaves", "warn_changed_numbers", "warn_stored_scalars"]
 
 
 def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
@@ -225,6 +225,66 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
             "change outside the checkpointed call")
 
 
+def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
+                    ) -> list[tuple[str, Any, int]] | None:
+    """The lists and dicts passed directly as arguments, with their lengths: read before an
+    original pass (NOTE [containers filled by the forward])."""
+    found: list[tuple[str, Any, int]] | None = None
+    for i, value in enumerate(args):
+        if type(value) is list or type(value) is dict:
+            found = found or []
+            found.append((f"args[{i}]", value, len(value)))
+    for key, value in kwargs.items():
+        if type(value) is list or type(value) is dict:
+            found = found or []
+            found.append((f"kwargs[{key!r}]", value, len(value)))
+    return found
+
+
+def refuse_filled_containers(call: BoundaryCall, found: list[tuple[str, Any, int]], /) -> None:
+    """NOTE [containers filled by the forward]: a list passed in to collect results (an MoE
+    layer appending its load-balancing loss to a tracker) receives, in the original pass, a
+    value computed under no-grad: a loss built from it silently loses that term, and the
+    replay appends to a list rebuilt from the inputs, which nothing reads. Refused: the length
+    of each list or dict passed directly as an argument is compared around the original pass
+    (a global list is not seen: docs/boundary.md)."""
+    for path, container, length in found:
+        if len(container) != length:
+            raise CheckpointError(
+                f"{fn_name(call.fn)} added to the {type(container).__name__} passed as "
+                f"{path} during its call; what it added was computed in the no-grad original "
+                "pass and has no gradient, so a loss built from it would silently lose that "
+                "term", expected=f"{length} items, as passed", got=f"{len(container)} items",
+                tip="return such values as outputs of the layer (any PyTree) and collect them "
+                    "after the call")
+
+
+def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
+                         dicts: Sequence[dict[str, Any]],
+                         before: list[dict[str, Any]]) -> None:
+    """NOTE [numbers a forward changes]: a Python int or float attribute the forward changes
+    (``self.calls += 1``, a warm-up scale) is changed again by the replay, which computes with
+    the changed value: eager's gradient is not the replay's, and the count ends one ahead.
+    Buffers are watched (NOTE [state the forward changes]); plain numbers are not, so this is
+    said once per module, at its first calls."""
+    if owner.__dict__.get(_WARNED_NUMBERS):
+        return
+    found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
+             for name, value in old.items() if d.get(name) is not value]
+    if not found:
+        return
+    owner.__dict__[_WARNED_NUMBERS] = True
+    where = _attribute_names(owner, modules, dicts, found)
+    warnings.warn(
+        f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} changed the "
+        f"number {', '.join(where)}: the replay in backward runs the forward again, changes it "
+        "again and computes with the changed value (a counter ends a step ahead, a scale read "
+        "from it gives other gradients). Tip: keep such state in a buffer (register_buffer), "
+        "which the replay changes a copy of, and change it outside the checkpointed call if "
+        "the output reads it (docs/boundary.md, 'Module state ends the step as in eager')",
+        stacklevel=user_stacklevel())
+
+
 def refuse_double_backward(where: Callable[[], str], /) -> None:
     """Refuse a backward with ``create_graph=True`` (autograd runs a Function's backward with
     grad mode on exactly then). The replay starts from detached inputs, so the gradient it
@@ -250,8 +310,10 @@ def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int) 
         "not one of its inputs), and the boundary attached itself to it",
         expected="tensors computed by fn, its inputs, or buffers and parameters of the module "
                  "fn belongs to", got="the same outside tensor, returned again by the replay",
-        tip="return a clone (t.clone()) of it, or checkpoint the module itself "
-            "(pytree_ckpt.checkpoint(module, ...)) so its buffers are known")
+        tip="return a clone (t.clone()) of it; or keep it as a buffer of the module "
+            "(register_buffer) and checkpoint that module itself "
+            "(pytree_ckpt.checkpoint(module, ...)) so its buffers are known: a plain "
+            "attribute is never known")
 
 
 def raise_hooked_outside_tensor(call: BoundaryCall, position: int) -> None:
@@ -363,37 +425,72 @@ def require_callable(fn: Any, where: str, tip: str) -> None:
 
 
 _WARNED_STORED = "_pytree_ckpt_warned_stored"
+_WARNED_NUMBERS = "_pytree_ckpt_warned_numbers"
 
 
-def stored_tensors(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, int]]:
-    """Per module ``__dict__``, the id of each tensor attribute: read before an original pass
-    of a module not yet verified (NOTE [results stored on a module])."""
-    return [{name: id(value) for name, value in d.items() if isinstance(value, torch.Tensor)}
-            for d in dicts]
+def stored_tensors(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
+    """Per module ``__dict__``, the id of each tensor attribute, and the ids of the tensors in
+    each dict, list or tuple attribute: read before an original pass of a module not yet
+    verified (NOTE [results stored on a module])."""
+    return [{name: id(value) if isinstance(value, torch.Tensor) else _element_ids(value)
+             for name, value in d.items() if isinstance(value, torch.Tensor) or
+             (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS)} for d in dicts]
+
+
+_HOLDERS = (dict, list, tuple)
+# nn.Module's own dicts (_buffers: a buffer registered in the forward is state, not a result)
+_MODULE_DICTS = frozenset(nn.Module().__dict__)
+
+
+def _elements(value: Any) -> Any:
+    return value.values() if isinstance(value, dict) else value
+
+
+def _element_ids(value: Any) -> frozenset[int]:
+    return frozenset(id(t) for t in _elements(value) if isinstance(t, torch.Tensor))
+
+
+def _scalar_result(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and \
+        value.is_floating_point() and not value.requires_grad
+
+
+def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
+    """Per module ``__dict__``, each int or float attribute (not a bool: a flag set at the
+    first call is no count): read with ``stored_tensors`` (NOTE [numbers a forward changes])."""
+    return [{name: value for name, value in d.items()
+             if type(value) is int or type(value) is float} for d in dicts]
+
+
+def _attribute_names(owner: nn.Module, modules: Sequence[nn.Module],
+                     dicts: Sequence[dict[str, Any]], found: list[tuple[int, str]]) -> list[str]:
+    names = {id(m.__dict__): path for root in modules
+             for path, m in root.named_modules(prefix="" if root is owner else
+                                               f"({type(root).__name__})")}
+    return [f"{names.get(id(dicts[i]), '?')}.{name}".lstrip(".") for i, name in found]
 
 
 def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
-                        dicts: Sequence[dict[str, Any]], before: list[dict[str, int]]) -> None:
+                        dicts: Sequence[dict[str, Any]], before: list[dict[str, Any]]) -> None:
     """NOTE [results stored on a module]: ``self.aux_loss = ...`` in a forward (an MoE
     layer's load-balancing loss, collected after the step) stores, in the original pass, a
     value computed under no-grad: a loss built from it has no gradient through it, silently
     (the replay stores one with a graph that nothing reads). Documented, and said once per
-    module, at its first calls (until its first replay): a new floating scalar attribute
-    that requires no grad. Scalars only: a cache (a rotary table built at the first call) is
-    no loss, and stays unwarned."""
+    module, at its first calls (until its first replay): a new floating scalar that requires
+    no grad, as an attribute or in a dict, list or tuple attribute (``self.stats = {"aux":
+    loss}``). Scalars only: a cache (a rotary table built at the first call) is no loss, and
+    stays unwarned."""
     if owner.__dict__.get(_WARNED_STORED):
         return
     found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
              for name, value in d.items()
-             if isinstance(value, torch.Tensor) and old.get(name) != id(value)
-             and value.dim() == 0 and value.is_floating_point() and not value.requires_grad]
+             if (_scalar_result(value) and old.get(name) != id(value)) or
+             (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS and any(
+                 _scalar_result(t) and id(t) not in old.get(name, ()) for t in _elements(value)))]
     if not found:
         return
     owner.__dict__[_WARNED_STORED] = True
-    names = {id(m.__dict__): path for root in modules
-             for path, m in root.named_modules(prefix="" if root is owner else
-                                               f"({type(root).__name__})")}
-    where = [f"{names.get(id(dicts[i]), '?')}.{name}".lstrip(".") for i, name in found]
+    where = _attribute_names(owner, modules, dicts, found)
     warnings.warn(
         f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} stored "
         f"{', '.join(where)} on a module: computed in the no-grad original pass, it has no "

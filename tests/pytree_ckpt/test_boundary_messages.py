@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import warnings
 from typing import Any
@@ -607,3 +608,154 @@ def test_a_scalar_the_forward_stores_on_a_module_is_warned_about_once_at_the_use
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # storing nothing: nothing said
         pytree_ckpt.checkpoint(nn.Linear(8, 8), x).sum().backward()
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_an_input_changed_in_place_after_the_layer_is_refused_with_the_fix(
+        offloaded: bool) -> None:
+    # Eager keeps no integer position tensor for backward, so `pos += 4` after a layer works
+    # there; the boundary keeps every input for the replay. torch's bare version error named
+    # no input and no fix, and the offload error said eager refused this too.
+    import offload
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return h + self.lin(h) * pos.float().unsqueeze(-1)
+
+    layers = nn.ModuleList(Layer() for _ in range(2))
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu") \
+        if offloaded else False
+    pytree_ckpt.checkpoint_layers(layers, offload=manager)
+    h, pos = torch.randn(4, 8, requires_grad=True), torch.arange(4)
+    for layer in layers:
+        h = layer(h, pos)
+        pos += 4
+    with pytest.raises(CheckpointError) as error:
+        h.sum().backward()
+    message = str(error.value)
+    assert "eager autograd refuses this too" not in message
+    assert "pos = pos + 4" in message
+    if not offloaded:
+        assert message.startswith("an input of Layer was changed in place after the call")
+        assert "[torch.LongTensor [4]] is at version 2; expected version 1" in message
+
+
+class CollectsAuxLoss(nn.Module):
+    """An MoE-style layer appending its load-balancing loss to a list it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, aux: list[torch.Tensor] | None,
+                stats: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        if aux is not None:
+            aux.append((probs.mean(0) ** 2).sum())
+        if stats is not None:
+            stats["max"] = probs.max()
+        return self.up(x) * probs[:, :1]
+
+
+def test_a_list_the_forward_appends_to_is_refused_naming_the_argument() -> None:
+    # The appended loss was computed in the no-grad original pass: the gate's gradient
+    # silently lacked that term (the replay appended to a rebuilt list nothing reads).
+    layer = pytree_ckpt.apply_activation_checkpointing(CollectsAuxLoss())
+    aux: list[torch.Tensor] = []
+    with pytest.raises(CheckpointError) as error:
+        layer(torch.randn(6, 8), aux)
+    message = str(error.value)
+    assert message.startswith("CollectsAuxLoss added to the list passed as args[1]")
+    assert "expected: 0 items, as passed\n  got:      1 items" in message
+    assert "return such values as outputs" in message
+    with pytest.raises(CheckpointError, match=r"the dict passed as kwargs\['stats'\]"):
+        layer(torch.randn(6, 8), None, stats={})
+
+
+def test_a_number_the_forward_changes_on_a_module_is_warned_about_once() -> None:
+    # self.calls += 1 ran again in the replay, which computed with calls + 1: eager's weight
+    # gradient doubled here, and the count ended a step ahead, silently.
+    class Warmup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.calls, self.scale = nn.Linear(8, 8), 0, 0.5
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.lin(x) * min(1.0, self.calls / 4) * self.scale
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Warmup())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            layer(torch.randn(4, 8)).sum().backward()
+    told = [w for w in caught if "changed the number" in str(w.message)]
+    assert len(told) == 1 and told[0].filename == __file__
+    assert "changed the number calls:" in str(told[0].message)  # not scale, left as it was
+    assert layer.calls == 6  # what the warning is about: each call counted twice
+
+
+def test_a_scalar_the_forward_stores_in_a_dict_on_a_module_is_warned_about() -> None:
+    class Stats(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.stats: dict[str, torch.Tensor] = {}
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.stats["aux"] = y.square().mean()
+            return y
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Stats())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(4, 8)).sum().backward()
+    assert [str(w.message).split(":")[1] for w in caught] == [
+        " the forward of the checkpointed Stats stored stats on a module"]
+
+    class Registers(nn.Module):  # a scalar buffer registered in the forward is state
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if "seen" not in self._buffers:
+                self.register_buffer("seen", torch.zeros(()))
+            return self.lin(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pytree_ckpt.apply_activation_checkpointing(Registers())(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes need Python 3.11+")
+def test_a_hook_registered_in_the_forward_gets_a_note_naming_the_no_grad_pass() -> None:
+    class Clamped(nn.Module):
+        def __init__(self, guard: bool) -> None:
+            super().__init__()
+            self.lin, self.guard = nn.Linear(8, 8), guard
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            if h.requires_grad or not self.guard:
+                h.register_hook(lambda g: g.clamp(-0.1, 0.1))
+            return h.tanh()
+
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="doesn't require gradient") as error:
+        pytree_ckpt.apply_activation_checkpointing(Clamped(guard=False))(x)
+    assert "if h.requires_grad: h.register_hook" in "\n".join(error.value.__notes__)
+    torch.manual_seed(0)
+    twin = Clamped(guard=True)  # the tip's guard: the hook clamps the replay's gradients
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(twin))
+    grads = []
+    for model in (twin, ours):
+        x.grad = None
+        model(x).sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

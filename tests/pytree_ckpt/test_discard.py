@@ -523,6 +523,27 @@ def test_a_discard_that_can_free_nothing_says_so_once(caplog: pytest.LogCaptureF
         "output discard of LayerNorm frees nothin"]
 
 
+def test_a_lambda_over_a_trainable_module_with_frozen_inputs_runs_as_without_discard(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The log said the op had no trainable parameters; it has, unknown to the discard, and
+    # they still get their eager gradients.
+    from pytree_ckpt import discard
+
+    torch.manual_seed(0)
+    norm, x = nn.LayerNorm(8), torch.randn(4, 8)
+    twin = copy.deepcopy(norm)
+    discard._INERT_LOGGED.discard("<lambda>")
+    with caplog.at_level("WARNING", logger="pytree_ckpt.discard"):
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(lambda t: norm(t), x)
+        ckpt.discard_output_and_register_recompute(normed.sin())
+        normed.sin().sum().backward()
+    twin(x).sin().sum().backward()
+    assert_same_grads(grads_of(list(twin.parameters())), grads_of(list(norm.parameters())))
+    assert len(caplog.records) == 1
+    assert "its parameters are unknown" in caplog.records[0].getMessage()
+
+
 def test_a_parameter_the_discarded_module_also_receives_as_an_argument_gets_its_eager_gradient(
         ) -> None:
     # lin.weight is used twice, as a parameter and as the argument ``w``: both contributions

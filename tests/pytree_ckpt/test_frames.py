@@ -856,3 +856,33 @@ def test_a_frozen_result_returned_as_an_output_gives_eager_gradients(complex_res
     assert_same_grads(expected, [x.grad, *(p.grad for p in wrapped.parameters())])
     assert torch.equal(got["frozen"], out["frozen"])
     assert not got["frozen"].requires_grad  # frozen, as in eager
+
+
+def test_a_reused_function_that_changes_its_argument_in_place_is_refused_naming_it() -> None:
+    # logits.detach() shares the logits' storage: eager's softmax reads the masked logits, the
+    # replay (which skips route) read them unmasked, and the gate's gradient was silently wrong.
+    def route(scores: torch.Tensor) -> torch.Tensor:
+        scores[:, 0] = float("-inf")
+        return scores.topk(2, -1).indices
+
+    def route_a_clone(scores: torch.Tensor) -> torch.Tensor:  # the tip's fix
+        return route(scores.clone())
+
+    class MoE(nn.Module):
+        def __init__(self, router: Any) -> None:
+            super().__init__()
+            self.gate, self.up, self.router = nn.Linear(8, 4), nn.Linear(8, 8), router
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.gate(x)
+            ids = reuse_during_recompute(self.router, logits.detach())
+            return self.up(x) * logits.softmax(-1).gather(-1, ids).sum(-1, keepdim=True)
+
+    x = torch.randn(6, 8)
+    MoE(route)(x).sum().backward()  # outside a boundary: a plain call, as eager
+    layer = pytree_ckpt.apply_activation_checkpointing(MoE(route))
+    with pytest.raises(ReuseError, match=r"route\) changed its argument args\[0\] in place"):
+        layer(x)
+    twin = MoE(route_a_clone)
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(twin))
+    assert_same_grads(*grads_per_model([twin, ours], x, seed=0))

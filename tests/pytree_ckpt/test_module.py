@@ -6,6 +6,7 @@ import copy
 import gc
 import pickle
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -461,3 +462,34 @@ def test_a_wrapped_forward_shows_the_layers_own_signature() -> None:
     del layer
     gc.collect()
     assert not hasattr(forward, "__signature__")  # its module is gone: calling it says so
+
+
+@pytest.mark.parametrize("how", ["method", "partial of a method", "module"])
+def test_a_method_of_a_module_passed_as_an_argument_gives_its_module_eager_gradients(
+        how: str) -> None:
+    # `shared.forward` as an argument was not seen as its module: its weight was refused in
+    # backward as a tensor from outside, though the user had passed what owns it.
+    import functools
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, act: Any) -> torch.Tensor:
+            return act(self.lin(x)).tanh()
+
+    def as_argument(shared: nn.Module) -> Any:
+        if how == "method":
+            return shared.forward
+        return functools.partial(shared.forward) if how == "partial of a method" else shared
+
+    torch.manual_seed(0)
+    eager, shared = Layer(), nn.Linear(8, 8)
+    ours, ours_shared = copy.deepcopy(eager), copy.deepcopy(shared)
+    apply_activation_checkpointing(ours)
+    x = torch.randn(4, 8)
+    eager(x, as_argument(shared)).sum().backward()
+    ours(x, as_argument(ours_shared)).sum().backward()
+    assert_same_grads([p.grad for p in (*eager.parameters(), *shared.parameters())],
+                      [p.grad for p in (*ours.parameters(), *ours_shared.parameters())])
