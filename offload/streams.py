@@ -144,7 +144,8 @@ class CopyEngine:
 
     def reset_waits(self) -> None:
         """Start a new total; waits still running are kept and count in it once done."""
-        self._waited_ms = 0.0
+        with self._waits_lock:
+            self._waited_ms = 0.0
 
     def done(self, event: Any) -> bool:
         return event is None or event.query()

@@ -83,8 +83,8 @@ from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
-                           collect_parameters, graph_attributes, is_verified, module_dicts,
-                           owning_module, versions)
+                           collect_parameters, contains, graph_attributes, is_verified,
+                           module_dicts, owning_module, versions)
 from .phase import ACTIVE, Invocation, Phase
 from .refusals import (TORCH_REENTRANT, fn_name, input_path, open_containers,
                        raise_attached_to_outside_tensor,
@@ -310,9 +310,9 @@ class _BoundaryFunction(torch.autograd.Function):
                             recorded = stack.enter_context(recording())
                         output = call.fn(*args, **kwargs)
         except RuntimeError as error:
-            # torch's "cannot register a hook on a tensor that doesn't require gradient" (and
-            # kin) from a forward that assumes grad mode: name the boundary's no-grad pass.
-            if "require grad" in str(error) and hasattr(error, "add_note"):  # Python 3.11+
+            # torch's "cannot register a hook on a tensor that doesn't require gradient" from
+            # a forward that assumes grad mode: name the boundary's no-grad pass.
+            if "register a hook" in str(error) and hasattr(error, "add_note"):  # 3.11+
                 error.add_note(
                     f"pytree_ckpt: raised in the original pass of {fn_name(call.fn)}, which "
                     "runs the forward under torch.no_grad() (the replay in backward runs it "
@@ -422,13 +422,16 @@ class _BoundaryFunction(torch.autograd.Function):
             return _replay_backward(ctx, call, grad_outputs)
 
 
-def _argument_module(leaf: Any, /) -> nn.Module | None:
-    """The module an argument is, or whose method (or partial of one) it is."""
+def _argument_module(leaf: Any, owner: nn.Module, /) -> nn.Module | None:
+    """The module an argument is, or whose method (or partial of one) it is, unless that
+    module holds ``owner`` (the root model's ``log`` passed to each layer: all of its
+    parameters as inputs of every layer's call cost the square of the layer count)."""
     if isinstance(leaf, nn.Module):
         return leaf
     if isinstance(leaf, (int, float, str, bool, type)) or not callable(leaf):
         return None
-    return owning_module(leaf)
+    module = owning_module(leaf)
+    return None if module is None or contains(module, owner) else module
 
 
 def _replay_backward(ctx: Any, call: BoundaryCall,
@@ -716,7 +719,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # Modules passed as arguments, or their bound methods (an activation passed as
         # `shared.forward`): their parameters are inputs too.
         modules = [owner, *(module for leaf in leaves if leaf is not None and
-                            (module := _argument_module(leaf)) is not None)]
+                            (module := _argument_module(leaf, owner)) is not None)]
         trees = [module_dicts(module) for module in modules]
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
         # each use needs its gradient (the argument's comes through its input slot).

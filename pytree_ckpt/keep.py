@@ -70,6 +70,10 @@ def never_kept(namespace: str, packet: Any, /) -> str | None:
     return None
 
 
+# Ops warned about as mutating inside a kept unit (a warning's dedupe, not step state).
+_WARNED_MUTATING: set[str] = set()
+
+
 class KeepPolicy:
     """Which ops a boundary keeps: ``ops`` by identity, plus everything the kept callables
     (``"Class.method"`` names of the wrapped methods) dispatch."""
@@ -79,7 +83,6 @@ class KeepPolicy:
         self.ops = frozenset(ops)
         self.callables = frozenset(callables)
         self.description = description
-        self._warned: set[str] = set()
 
     def __repr__(self) -> str:
         return f"KeepPolicy({self.description})"
@@ -113,8 +116,8 @@ class KeepPolicy:
             return False
         if func._schema.is_mutable:
             name = str(func)
-            if name not in self._warned:
-                self._warned.add(name)
+            if name not in _WARNED_MUTATING:  # once per op, however many policies
+                _WARNED_MUTATING.add(name)
                 warnings.warn(f"pytree_ckpt: {name} mutates its inputs inside a kept unit; it "
                               "is recomputed in the replay, not kept", stacklevel=2)
             return False

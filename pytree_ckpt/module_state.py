@@ -27,12 +27,11 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from .errors import CheckpointError
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
-           "collect_parameters", "drop_caches", "foreign_leaf", "graph_attributes", "is_verified",
-           "mark_verified", "module_buffers", "module_dicts", "owning_module",
+           "collect_parameters", "contains", "drop_caches", "foreign_leaf", "graph_attributes",
+           "is_verified", "mark_verified", "module_buffers", "module_dicts", "owning_module",
            "trainable_parameters", "versions", "warn_forward_hooks"]
 
 
@@ -109,9 +108,29 @@ class _Shape:
         return None
 
 
+_CONTAINS = "_pytree_ckpt_contains"
+
+
+def contains(module: nn.Module, other: nn.Module, /) -> bool:
+    """Whether ``other`` is ``module`` or in its tree; cached on ``other`` per structure
+    generation, since ``module`` may be a whole model (a method of the root passed to each
+    layer)."""
+    if module is other:
+        return True
+    if not module._modules:
+        return False
+    cache = other.__dict__.setdefault(_CONTAINS, {})
+    hit = cache.get(id(module))
+    if hit is not None and hit[0] == _structure_generation and hit[1]() is module:
+        return bool(hit[2])
+    found = any(m is other for m in module.modules())
+    cache[id(module)] = (_structure_generation, weakref.ref(module), found)
+    return found
+
+
 def drop_caches(module: nn.Module, /) -> None:
     """Forget what the boundary cached on ``module`` (rebuilt at its next call)."""
-    for name in (_DICTS, _VERIFIED, _SHAPE):
+    for name in (_DICTS, _VERIFIED, _SHAPE, _CONTAINS):
         module.__dict__.pop(name, None)
 
 
@@ -334,10 +353,12 @@ class StateWatch:
     whole, since its kernel updates the running statistics without moving their versions
     (only ``num_batches_tracked`` moves). Changes through ``.data`` move no version and are
     not seen. The common case, nothing changed, costs one version read and one identity check
-    per buffer (and, with frozen parameters, one identity check per parameter).
+    per buffer (and, with frozen parameters, one identity check per parameter), and a clone
+    of each small buffer (NOTE [small state as it was before the forward]).
     """
 
-    __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries")
+    __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries",
+                 "before")
 
     def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
                  frozen: list[torch.Tensor], trees: Sequence[ModuleDicts]) -> None:
@@ -346,10 +367,22 @@ class StateWatch:
         self.watched: list[tuple[_Buffers, tuple[tuple[str, torch.Tensor | None], ...],
                                  list[int | None]]] = []
         self.empty: list[_Buffers] = []
+        # NOTE [small state as it was before the forward]: each small buffer (at most
+        # _SMALL_BYTES: a step counter, running statistics, an EMA vector, spectral norm's
+        # power-iteration vectors) is cloned before the forward, by id; those the forward
+        # changes are what the replay's copies start from, so the replay makes the forward's
+        # decisions again (a periodic update keyed on a counter) and its output reads what
+        # the forward's read (an EMA updated, then used). The others are dropped after the
+        # forward. A larger buffer's copy starts from what the forward left (documented).
+        self.before: dict[int, torch.Tensor] = {}
         for d in dicts:
             if d:
                 items = tuple(d.items())
                 self.watched.append((d, items, _object_versions(items)))
+                for _, t in items:
+                    if t is not None and not t.requires_grad and not t.is_inference() and \
+                            t.numel() * t.element_size() <= _SMALL_BYTES:
+                        self.before[id(t)] = t.detach().clone()
             else:
                 self.empty.append(d)
         self.frozen = frozen
@@ -383,46 +416,16 @@ class StateWatch:
                 parameters.setdefault(id(d), (d, []))[1].append((name, t))
         if not (buffers or parameters):
             return None
-        return ChangedState(*self._unchanged(buffers, parameters), list(parameters.values()))
-
-    def _unchanged(self, buffers: list[tuple[_Buffers, _Moved | None]],
-                   parameters: dict[int, tuple[_Buffers, _Moved]]
-                   ) -> tuple[list[tuple[_Buffers, _Moved | None]], list[tuple[str, torch.Tensor]]]:
-        """NOTE [what only the replay changes]: once the forward changed some state, the replay
-        may change state the forward did not: it reads a counter as the forward left it, one
-        step ahead, and a periodic update keyed on it (an EMA every other step) fires in the
-        replay of a call whose forward skipped it. Small buffers the forward left unchanged
-        (at most ``_SMALL_BYTES``) get copies too; each larger one, and each frozen parameter
-        left unchanged, is only checked: the replay changing it is a ``CheckpointError``, as
-        its value before cannot be put back. Read only when something changed."""
-        changed = {id(d): moved for d, moved in buffers}
-        checked: list[tuple[str, torch.Tensor]] = []
-        for d, _, _ in self.watched:
-            moved = changed.get(id(d), [])
-            if moved is None:  # a batch norm's: all of it is copied already
-                continue
-            taken = {name for name, _ in moved}
-            small: _Moved = []
-            for name, t in d.items():
-                if t is None or name in taken or t.is_inference():
-                    continue
-                if t.numel() * t.element_size() <= _SMALL_BYTES and not t.requires_grad:
-                    small.append((name, None))
-                else:
-                    checked.append((f"buffer '{name}'", t))
-            if small and id(d) in changed:
-                moved.extend(small)
-            elif small:
-                buffers.append((d, small))
-        frozen_changed = {id(t) for d, moved in parameters.values() for name, before in moved
-                          for t in (d.get(name), before) if t is not None}
-        checked += [(f"frozen parameter '{name}'", t) for d, name, t in self.frozen_entries
-                    if id(t) not in frozen_changed and not t.is_inference()]
-        return buffers, checked
+        # Only the clones of what changed are kept (the forward's own, or the one it replaced).
+        changed = {id(obj) for d, moved in buffers
+                   for name, previous in ([(n, None) for n in d] if moved is None else moved)
+                   for obj in (d.get(name), previous) if obj is not None}
+        kept = {key: value for key, value in self.before.items() if key in changed}
+        return ChangedState(buffers, list(parameters.values()), kept)
 
 
-# NOTE [what only the replay changes]: buffers the forward left unchanged that the replay gets
-# copies of anyway (a counter, a flag, a small EMA); larger ones are checked, not copied.
+# NOTE [small state as it was before the forward]: buffers up to this size are cloned before
+# each forward of a module that has them.
 _SMALL_BYTES = 64 * 1024
 
 
@@ -464,32 +467,35 @@ class ChangedState:
     NOTE [the replay changes copies]: around the replay's call of ``fn``, each buffer (and
     frozen parameter) the original pass changed in place, reassigned or registered (every
     buffer of a batch norm, whose kernel writes its running statistics without moving their
-    versions), and each small buffer it left unchanged (NOTE [what only the replay changes]),
-    is replaced in its dict by a copy, and the dicts get their entries back when ``fn``
-    returns. The copy of one the forward reassigned is of the tensor before it (still
-    held): the replay computes what the forward did (an EMA the output reads). Otherwise the
-    replay reads the state as the forward left it, and whatever it changes (a second
+    versions) is replaced in its dict by a copy, and the dicts get their entries back when
+    ``fn`` returns. A small one's copy is of its value before the forward (NOTE [small state
+    as it was before the forward]); a reassigned one's, of the tensor it replaced (still
+    held); a larger one changed in place, of what the forward left. So the replay computes
+    what the forward did (exactly so for small state; not for a layer whose output reads a
+    larger buffer it changed in place, documented), and whatever it changes (a second
     running-statistics update, a reassignment, a new name) goes to the copies, which its
     graph saves if it saves anything: the tensors the forward left are not changed again,
     and a graph of another call that saved them (BatchNorm called outside the boundary in
-    the same step) still finds them as it saved them. One the replay still reached and
-    changed another way (a buffer a hook or a list holds too, a view of it, a buffer that
-    requires grad and so is not swapped) gets its value back when ``fn`` returns, from a
-    copy taken before it, and its version counter back too (the copy back must not look
-    like a change to a graph that saved it). Not around the replay's gradients: a backward
-    hook that changes the state then changes the module's own (its change was lost in the
-    copies). Exact for BatchNorm in training, which normalises with the batch's statistics;
-    not for a layer whose output reads what it changed in place (documented).
+    the same step) still finds them as it saved them. State the forward left unchanged is
+    not copied: a change only the replay makes (a count kept where grad is enabled, so it
+    counts once under reentrant checkpointing) is the module's own, as it is without state
+    changed elsewhere. One the replay still reached and changed another way (a buffer a hook
+    or a list holds too, a view of it, a buffer that requires grad and so is not swapped)
+    gets its value back when ``fn`` returns, from a copy taken before it, and its version
+    counter back too where it covers its whole storage (the copy back must not look like a
+    change to a graph that saved it; a view's counter is its base's, and the rest of the
+    base may have changed). Not around the replay's gradients: a backward hook that changes
+    the state then changes the module's own (its change was lost in the copies).
     """
 
-    __slots__ = ("buffers", "checked", "parameters")
+    __slots__ = ("buffers", "parameters", "before")
 
     def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
-                 checked: list[tuple[str, torch.Tensor]],
-                 parameters: list[tuple[_Buffers, _Moved]]) -> None:
-        self.buffers = buffers        # the buffer dicts with copies, and what (None: all)
-        self.checked = checked        # unchanged state the replay must not change, by name
+                 parameters: list[tuple[_Buffers, _Moved]],
+                 before: dict[int, torch.Tensor]) -> None:
+        self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
         self.parameters = parameters  # the parameter dicts with a frozen parameter changed
+        self.before = before          # small changed buffers before the forward, by id
 
     @contextmanager
     def on_copies(self) -> Iterator[None]:
@@ -499,6 +505,7 @@ class ChangedState:
         # reaches another way (a list or a hook holding it, a view of it, one that requires
         # grad and so is not swapped) and changes gets its value back after the replay.
         kept: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        before = self.before
         for d, moved in dicts:
             for name, previous in [(n, None) for n in d] if moved is None else moved:
                 t = d.get(name)
@@ -506,34 +513,31 @@ class ChangedState:
                     continue
                 kept.append((t, t._version, t.detach().clone()))
                 if not t.requires_grad:  # one that does stays: the replay's gradient reaches it
-                    d[name] = (t if previous is None else previous).detach().clone()
-        checked = [(name, t, t._version) for name, t in self.checked]
+                    source = t if previous is None else previous
+                    d[name] = before.get(id(source), source).detach().clone()
         try:
             yield
         finally:
-            for d, before in entries:
+            for d, entries_before in entries:
                 d.clear()
-                d.update(before)
+                d.update(entries_before)
             restored = [(tensor, version, value) for tensor, version, value in kept
                         if tensor._version != version]
             if restored:
                 with torch.no_grad():
                     for tensor, _, value in restored:
                         tensor.copy_(value)
-                torch._C._autograd._unsafe_set_version_counter(
-                    tuple(t for t, _, _ in restored), tuple(v for _, v, _ in restored))
-        # Only when fn returned: an error it raised goes on from the finally above.
-        changed = [(name, t) for name, t, version in checked if t._version != version]
-        if changed:
-            name, t = changed[0]
-            raise CheckpointError(
-                f"the replay in backward changed {name} (shape {list(t.shape)}, {t.dtype}), "
-                "which the original pass left unchanged: the forward changes state it reads "
-                "(a counter that decides whether to update this), and the replay read it one "
-                "update ahead; the module now holds the change eager never made. Tip: update "
-                "such state outside the checkpointed call (an optimizer-step hook), or keep "
-                f"it in a buffer of at most {_SMALL_BYTES} bytes, which the replay gets a "
-                "copy of (docs/boundary.md, 'Module state ends the step as in eager').")
+                whole = [(t, v) for t, v, _ in restored if _covers_its_storage(t)]
+                if whole:
+                    torch._C._autograd._unsafe_set_version_counter(
+                        tuple(t for t, _ in whole), tuple(v for _, v in whole))
+
+
+def _covers_its_storage(tensor: torch.Tensor, /) -> bool:
+    """Whether ``tensor`` is no view and spans its whole storage (its version counter is then
+    about its bytes only)."""
+    return tensor._base is None and tensor.storage_offset() == 0 and tensor.is_contiguous() \
+        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
 
 
 # The caller's modes, and (dict, the forward's entries, the caller's entries) per swapped dict.

@@ -226,37 +226,53 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
 
 
 def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
-                    ) -> list[tuple[str, Any, int]] | None:
-    """The lists and dicts passed directly as arguments, with their lengths: read before an
-    original pass (NOTE [containers filled by the forward])."""
-    found: list[tuple[str, Any, int]] | None = None
-    for i, value in enumerate(args):
-        if type(value) is list or type(value) is dict:
+                    ) -> list[tuple[str, Any, frozenset[int]]] | None:
+    """The lists and dicts passed as arguments (and those directly in them), with the ids of
+    their elements: read before an original pass (NOTE [containers filled by the forward])."""
+    found: list[tuple[str, Any, frozenset[int]]] | None = None
+    named = [*((f"args[{i}]", v) for i, v in enumerate(args)),
+             *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())]
+    for path, value in named:
+        if isinstance(value, (list, dict)):
             found = found or []
-            found.append((f"args[{i}]", value, len(value)))
-    for key, value in kwargs.items():
-        if type(value) is list or type(value) is dict:
-            found = found or []
-            found.append((f"kwargs[{key!r}]", value, len(value)))
+            elements = _elements(value)
+            found.append((path, value, frozenset(map(id, elements))))
+            keys = value.keys() if isinstance(value, dict) else range(len(value))
+            found += [(f"{path}[{key!r}]", inner, frozenset(map(id, _elements(inner))))
+                      for key, inner in zip(keys, elements) if isinstance(inner, (list, dict))]
     return found
 
 
-def refuse_filled_containers(call: BoundaryCall, found: list[tuple[str, Any, int]], /) -> None:
-    """NOTE [containers filled by the forward]: a list passed in to collect results (an MoE
-    layer appending its load-balancing loss to a tracker) receives, in the original pass, a
-    value computed under no-grad: a loss built from it silently loses that term, and the
-    replay appends to a list rebuilt from the inputs, which nothing reads. Refused: the length
-    of each list or dict passed directly as an argument is compared around the original pass
-    (a global list is not seen: docs/boundary.md)."""
-    for path, container, length in found:
-        if len(container) != length:
-            raise CheckpointError(
-                f"{fn_name(call.fn)} added to the {type(container).__name__} passed as "
-                f"{path} during its call; what it added was computed in the no-grad original "
-                "pass and has no gradient, so a loss built from it would silently lose that "
-                "term", expected=f"{length} items, as passed", got=f"{len(container)} items",
-                tip="return such values as outputs of the layer (any PyTree) and collect them "
-                    "after the call")
+def refuse_filled_containers(call: BoundaryCall,
+                             found: list[tuple[str, Any, frozenset[int]]], /) -> None:
+    """NOTE [containers filled by the forward]: a list or dict passed in to collect results
+    (an MoE layer appending its load-balancing loss to a tracker) receives, in the original
+    pass, a value computed under no-grad: a loss built from it silently loses that term, and
+    the replay adds to a container rebuilt from the inputs, which nothing reads. Refused when
+    the forward put a floating tensor into a list or dict passed as an argument, or into one
+    directly inside such a container (by identity: a pre-keyed ``{"aux": 0.0}`` counts);
+    integer counts and other values (a logging list) pass. A global list is not seen
+    (docs/boundary.md)."""
+    for path, container, ids in found:
+        for element in _elements(container):
+            if id(element) not in ids and _floating(element):
+                raise CheckpointError(
+                    f"{fn_name(call.fn)} put a floating tensor into the "
+                    f"{type(container).__name__} passed as {path} during its call; it was "
+                    "computed in the no-grad original pass and has no gradient, so a loss "
+                    "built from it would silently lose that term",
+                    expected="containers passed in left without new floating tensors",
+                    got=describe_leaf(element),
+                    tip="return such values as outputs of the layer (any PyTree) and collect "
+                        "them after the call")
+
+
+def _floating(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() or value.is_complex()
+    return isinstance(value, (list, tuple, dict)) and any(
+        isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+        for t in _elements(value))
 
 
 def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
@@ -270,7 +286,7 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
     if owner.__dict__.get(_WARNED_NUMBERS):
         return
     found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
-             for name, value in old.items() if d.get(name) is not value]
+             for name, value in old.items() if _differs(d.get(name), value)]
     if not found:
         return
     owner.__dict__[_WARNED_NUMBERS] = True
@@ -460,6 +476,12 @@ def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
     first call is no count): read with ``stored_tensors`` (NOTE [numbers a forward changes])."""
     return [{name: value for name, value in d.items()
              if type(value) is int or type(value) is float} for d in dicts]
+
+
+def _differs(now: Any, before: Any) -> bool:
+    """By value (``self.seq_len = x.shape[1]`` stores an equal new int each call), NaN
+    equal to NaN."""
+    return now != before and not (now != now and before != before)
 
 
 def _attribute_names(owner: nn.Module, modules: Sequence[nn.Module],

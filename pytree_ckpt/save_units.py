@@ -363,7 +363,8 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
             names = [f"{type(module).__qualname__}.{name}" for module, name in found_methods]
             if not names:
                 warnings.warn(f"save unit {unit.value!r} keeps nothing: no checkpointed layer "
-                              f"has a method matching {list(target.targets)}", stacklevel=2)
+                              f"has a method matching {list(target.targets)}"
+                              f"{_near_misses(chosen, target)}", stacklevel=2)
             wrapped.extend(names)
             log.info("save unit %s keeps everything %s dispatch",
                      unit.value, sorted(set(names)))
@@ -459,6 +460,27 @@ def _refuse_compiled_bodies(layers: list[nn.Module]) -> None:
                 got=f"save units with a compiled forward on layer {index}",
                 tip="drop the save units (RecomputeConfig(ratio, save=None)) to keep the "
                     "compiled bodies, or do not compile the layers that keep units")
+
+
+def _near_misses(layers: list[nn.Module], target: KeptCallables, /) -> str:
+    """What a mistyped ``Class.method`` target was likely meant to be (for the warning)."""
+    import difflib  # only on this warning's path
+
+    methods = {f"{cls.__qualname__}.{name}" for layer in layers for module in layer.modules()
+               for cls in type(module).__mro__ if cls.__module__ != "builtins"
+               and not cls.__module__.startswith("torch.")
+               for name, value in vars(cls).items()
+               if callable(value) and not name.startswith("__")}
+    classes = {name.rpartition(".")[0] for name in methods}
+    hints = []
+    for wanted in (t for t in target.targets if isinstance(t, str)):
+        owner, _, method = wanted.rpartition(".")
+        close = difflib.get_close_matches(wanted, sorted(methods), n=1)
+        where = ("" if owner in classes else
+                 f"no class {owner!r} in the checkpointed layers; ") + \
+            (f"did you mean {close[0]!r}?" if close else f"no method {method!r} close to it")
+        hints.append(f"{wanted!r}: {where}")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _kept_methods(layers: list[nn.Module], target: KeptCallables

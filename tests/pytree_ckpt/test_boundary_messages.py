@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import warnings
@@ -534,8 +535,6 @@ def test_a_torch_non_reentrant_checkpoint_inside_a_wrapped_layer_gets_eager_grad
 
 def test_two_classes_of_one_name_in_the_output_are_told_apart() -> None:
     # A namedtuple class made anew at each call: both sides printed the same text.
-    import collections
-
     def layer(x: torch.Tensor) -> Any:
         Out = collections.namedtuple("Out", "hidden aux")  # noqa: PYI024
         return Out(x * 2, 3)
@@ -669,11 +668,41 @@ def test_a_list_the_forward_appends_to_is_refused_naming_the_argument() -> None:
     with pytest.raises(CheckpointError) as error:
         layer(torch.randn(6, 8), aux)
     message = str(error.value)
-    assert message.startswith("CollectsAuxLoss added to the list passed as args[1]")
-    assert "expected: 0 items, as passed\n  got:      1 items" in message
+    assert message.startswith(
+        "CollectsAuxLoss put a floating tensor into the list passed as args[1]")
+    assert "got:      Tensor(shape=(), dtype=torch.float32" in message
     assert "return such values as outputs" in message
     with pytest.raises(CheckpointError, match=r"the dict passed as kwargs\['stats'\]"):
         layer(torch.randn(6, 8), None, stats={})
+    # By identity, not length: a pre-keyed entry replaced, a list inside a dict argument
+    with pytest.raises(CheckpointError, match=r"the defaultdict passed as kwargs\['stats'\]"):
+        layer(torch.randn(6, 8), None, stats=collections.defaultdict(float, {"max": 0.0}))
+
+    class Nested(CollectsAuxLoss):
+        def forward(self, x: torch.Tensor,  # type: ignore[override]
+                    ctx: dict[str, Any]) -> torch.Tensor:
+            return super().forward(x, ctx["aux"])
+
+    nested = pytree_ckpt.apply_activation_checkpointing(Nested())
+    with pytest.raises(CheckpointError, match=r"the list passed as args\[1\]\['aux'\]"):
+        nested(torch.randn(6, 8), {"aux": []})
+
+
+def test_a_list_the_forward_logs_integers_into_is_left_alone() -> None:
+    class LogsCounts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, log: list[Any]) -> torch.Tensor:
+            log.append((x > 0).sum(0))  # an integer count: nothing to differentiate
+            log.append("seen")
+            return self.lin(x)
+
+    layer = pytree_ckpt.apply_activation_checkpointing(LogsCounts())
+    log: list[Any] = []
+    layer(torch.randn(6, 8), log).sum().backward()
+    assert len(log) == 2  # the replay appends to a list rebuilt from the inputs
 
 
 def test_a_number_the_forward_changes_on_a_module_is_warned_about_once() -> None:

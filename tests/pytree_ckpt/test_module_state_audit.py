@@ -243,6 +243,7 @@ class OnlyLazyBuffers(nn.Module):
         return torch.tanh(self.norm(self.lin(x)))
 
 
+@pytest.mark.filterwarnings("ignore:pytree_ckpt.*changed the number")  # its call counter
 def test_a_module_whose_only_lazy_state_is_buffers_runs_its_first_call_as_eager(
         caplog: pytest.LogCaptureFixture) -> None:
     # Lazy buffers alone make the first call materializing: it runs without the boundary, the
