@@ -788,3 +788,24 @@ def test_a_hook_registered_in_the_forward_gets_a_note_naming_the_no_grad_pass() 
         model(x).sum().backward()
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_number_recomputed_to_an_equal_value_each_call_is_not_warned_about() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.rows, self.scale = nn.Linear(8, 8), 0, float("nan")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.rows = int(x.shape[0]) * 1000  # a new int object of an equal value
+            self.scale = float("nan")           # NaN counts as unchanged too
+            return self.lin(x) * 2.0
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Scaled())
+    with pytest.warns(UserWarning, match="changed the number rows"):  # 0 -> 4000: changed
+        layer(torch.randn(4, 8)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh = pytree_ckpt.apply_activation_checkpointing(Scaled())
+        fresh.rows = 4000
+        fresh(torch.randn(4, 8)).sum().backward()

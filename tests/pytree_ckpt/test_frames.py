@@ -886,3 +886,28 @@ def test_a_reused_function_that_changes_its_argument_in_place_is_refused_naming_
     twin = MoE(route_a_clone)
     ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(twin))
     assert_same_grads(*grads_per_model([twin, ours], x, seed=0))
+
+
+def test_a_reused_function_that_counts_into_an_integer_argument_counts_once_as_eager() -> None:
+    # The replay skips the call, so an integer count made in it is made once, as in eager.
+    def route(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, -1).indices
+        counts += torch.bincount(ids.flatten(), minlength=counts.numel())
+        return ids
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+            self.register_buffer("tokens", torch.zeros(4, dtype=torch.long))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.gate(x)
+            ids = reuse_during_recompute(route, logits.detach(), self.tokens)
+            return logits.softmax(-1).gather(-1, ids).sum(-1) * x.sum(-1)
+
+    x = torch.randn(6, 8)
+    twin = MoE()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(twin))
+    assert_same_grads(*grads_per_model([twin, ours], x, seed=0))
+    assert torch.equal(twin.tokens, ours.tokens) and int(ours.tokens.sum()) == 12
