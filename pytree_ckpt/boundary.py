@@ -83,8 +83,8 @@ from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
-                           collect_parameters, contains, graph_attributes, is_verified,
-                           module_dicts, owning_module, versions)
+                           collect_parameters, graph_attributes, is_verified, mark_stateful,
+                           module_dicts, owning_module, snapshots_wanted, versions)
 from .phase import ACTIVE, Invocation, Phase
 from .refusals import (TORCH_REENTRANT, fn_name, input_path, open_containers,
                        raise_attached_to_outside_tensor,
@@ -292,7 +292,8 @@ class _BoundaryFunction(torch.autograd.Function):
                                                        for d in tree.submodules)]
             stored = (modules, dicts, stored_tensors(dicts), stored_numbers(dicts))
         containers = open_containers(args, kwargs)  # NOTE [containers filled by the forward]
-        watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1]) \
+        watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
+                           snapshot=snapshots_wanted(call.owner)) \
             if call.owner is not None and call.modules is not None else None
         token = ACTIVE.set(invocation)
         try:
@@ -341,6 +342,9 @@ class _BoundaryFunction(torch.autograd.Function):
             warn_changed_numbers(modules[0], modules, dicts, numbers_before)
         if watch is not None:
             call.changed_state = watch.changed()
+            if call.changed_state is not None:
+                assert call.owner is not None  # a watch has one
+                mark_stateful(call.owner)
         if call.modules is not None:
             call.forward_modules = ForwardModules(*call.modules)
             if recorded:  # NOTE [held tensors are not hooked outputs]: after the call too
@@ -422,16 +426,16 @@ class _BoundaryFunction(torch.autograd.Function):
             return _replay_backward(ctx, call, grad_outputs)
 
 
-def _argument_module(leaf: Any, owner: nn.Module, /) -> nn.Module | None:
-    """The module an argument is, or whose method (or partial of one) it is, unless that
-    module holds ``owner`` (the root model's ``log`` passed to each layer: all of its
-    parameters as inputs of every layer's call cost the square of the layer count)."""
+def _argument_module(leaf: Any, /) -> nn.Module | None:
+    """The module an argument is, or whose method (or partial of one) it is. A method of the
+    root model passed to every layer (its ``gated`` or ``log``) makes all of the model's
+    parameters inputs of each layer's call: correct (the method may use any of them), at a
+    cost in the square of the layer count."""
     if isinstance(leaf, nn.Module):
         return leaf
     if isinstance(leaf, (int, float, str, bool, type)) or not callable(leaf):
         return None
-    module = owning_module(leaf)
-    return None if module is None or contains(module, owner) else module
+    return owning_module(leaf)
 
 
 def _replay_backward(ctx: Any, call: BoundaryCall,
@@ -719,7 +723,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # Modules passed as arguments, or their bound methods (an activation passed as
         # `shared.forward`): their parameters are inputs too.
         modules = [owner, *(module for leaf in leaves if leaf is not None and
-                            (module := _argument_module(leaf, owner)) is not None)]
+                            (module := _argument_module(leaf)) is not None)]
         trees = [module_dicts(module) for module in modules]
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
         # each use needs its gradient (the argument's comes through its input slot).

@@ -203,7 +203,9 @@ class _DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by __call__ before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)
-        watch = StateWatch(*owner.state) if owner.state is not None else None
+        # NOTE [small state as it was before the forward]: each call (a discarded module is
+        # never marked verified).
+        watch = StateWatch(*owner.state, snapshot=True) if owner.state is not None else None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
         with torch.no_grad(), IsolatedPass():

@@ -30,8 +30,8 @@ from torch.nn.parameter import is_lazy
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
-           "collect_parameters", "contains", "drop_caches", "foreign_leaf", "graph_attributes",
-           "is_verified", "mark_verified", "module_buffers", "module_dicts", "owning_module",
+           "collect_parameters", "drop_caches", "foreign_leaf", "graph_attributes",
+           "is_verified", "mark_stateful", "mark_verified", "snapshots_wanted", "module_buffers", "module_dicts", "owning_module",
            "trainable_parameters", "versions", "warn_forward_hooks"]
 
 
@@ -108,29 +108,9 @@ class _Shape:
         return None
 
 
-_CONTAINS = "_pytree_ckpt_contains"
-
-
-def contains(module: nn.Module, other: nn.Module, /) -> bool:
-    """Whether ``other`` is ``module`` or in its tree; cached on ``other`` per structure
-    generation, since ``module`` may be a whole model (a method of the root passed to each
-    layer)."""
-    if module is other:
-        return True
-    if not module._modules:
-        return False
-    cache = other.__dict__.setdefault(_CONTAINS, {})
-    hit = cache.get(id(module))
-    if hit is not None and hit[0] == _structure_generation and hit[1]() is module:
-        return bool(hit[2])
-    found = any(m is other for m in module.modules())
-    cache[id(module)] = (_structure_generation, weakref.ref(module), found)
-    return found
-
-
 def drop_caches(module: nn.Module, /) -> None:
     """Forget what the boundary cached on ``module`` (rebuilt at its next call)."""
-    for name in (_DICTS, _VERIFIED, _SHAPE, _CONTAINS):
+    for name in (_DICTS, _VERIFIED, _SHAPE):
         module.__dict__.pop(name, None)
 
 
@@ -342,6 +322,21 @@ def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
 _Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
 
 
+_STATEFUL = "_pytree_ckpt_stateful"
+
+
+def mark_stateful(module: nn.Module, /) -> None:
+    """Note that a forward of ``module`` changed its state (NOTE [small state as it was
+    before the forward])."""
+    module.__dict__[_STATEFUL] = True
+
+
+def snapshots_wanted(module: nn.Module, /) -> bool:
+    """Whether the next forward of ``module`` clones its small buffers first: at its first
+    calls (until its first replay), and once a forward of it changed state."""
+    return bool(module.__dict__.get(_STATEFUL)) or not is_verified(module)
+
+
 class StateWatch:
     """NOTE [state the forward changes]: the replay runs ``fn`` again, and with it every change
     ``fn`` makes to its modules' buffers (BatchNorm's running statistics, a step counter, an
@@ -353,36 +348,43 @@ class StateWatch:
     whole, since its kernel updates the running statistics without moving their versions
     (only ``num_batches_tracked`` moves). Changes through ``.data`` move no version and are
     not seen. The common case, nothing changed, costs one version read and one identity check
-    per buffer (and, with frozen parameters, one identity check per parameter), and a clone
-    of each small buffer (NOTE [small state as it was before the forward]).
+    per buffer (and, with frozen parameters, one identity check per parameter).
     """
 
     __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries",
                  "before")
 
     def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
-                 frozen: list[torch.Tensor], trees: Sequence[ModuleDicts]) -> None:
+                 frozen: list[torch.Tensor], trees: Sequence[ModuleDicts], *,
+                 snapshot: bool) -> None:
         # Most submodules have no buffer: for those only a new entry can happen, a length
         # check (about 0.05 us per submodule; 7 of them cost 0.3 us more than none).
         self.watched: list[tuple[_Buffers, tuple[tuple[str, torch.Tensor | None], ...],
                                  list[int | None]]] = []
         self.empty: list[_Buffers] = []
-        # NOTE [small state as it was before the forward]: each small buffer (at most
-        # _SMALL_BYTES: a step counter, running statistics, an EMA vector, spectral norm's
-        # power-iteration vectors) is cloned before the forward, by id; those the forward
-        # changes are what the replay's copies start from, so the replay makes the forward's
-        # decisions again (a periodic update keyed on a counter) and its output reads what
-        # the forward's read (an EMA updated, then used). The others are dropped after the
-        # forward. A larger buffer's copy starts from what the forward left (documented).
-        self.before: dict[int, torch.Tensor] = {}
+        # NOTE [small state as it was before the forward]: with ``snapshot`` (a module's
+        # first calls, and every call once a forward of it changed state: snapshots_wanted),
+        # each storage of a small buffer (at most _SMALL_BYTES: a step counter, running
+        # statistics, an EMA vector, spectral norm's power-iteration vectors) is cloned
+        # before the forward, once however many buffers view it. The replay's copies of the
+        # buffers the forward changed are made from these clones, with the same offsets and
+        # strides (buffers tied or viewing one another stay so), so the replay makes the
+        # forward's decisions again (a periodic update keyed on a counter) and its output
+        # reads what the forward's read (an EMA updated, then used). The clones of storages
+        # nothing changed are dropped after the forward. A larger buffer's copy is made from
+        # what the forward left (documented); so is a small one whose module first changed
+        # state after its first replay (no clone was taken).
+        self.before: dict[Any, torch.UntypedStorage] = {}
         for d in dicts:
             if d:
                 items = tuple(d.items())
                 self.watched.append((d, items, _object_versions(items)))
-                for _, t in items:
-                    if t is not None and not t.requires_grad and not t.is_inference() and \
-                            t.numel() * t.element_size() <= _SMALL_BYTES:
-                        self.before[id(t)] = t.detach().clone()
+                if snapshot:
+                    for _, t in items:
+                        key = _storage_key(t)
+                        if t is not None and key is not None and key not in self.before and \
+                                key[2] <= _SMALL_BYTES:
+                            self.before[key] = t.untyped_storage().clone()
             else:
                 self.empty.append(d)
         self.frozen = frozen
@@ -401,7 +403,8 @@ class StateWatch:
             if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items) or \
                     _object_versions(items) != before:
                 buffers.append((d, _moved(d, items, before)))
-        buffers += [(d, None) for d in self.empty if d]  # a buffer registered by the forward
+        # A buffer registered by the forward in a dict that had none.
+        buffers += [(d, [(name, _ABSENT) for name in d]) for d in self.empty if d]
         in_place = {id(p) for p, v in zip(self.frozen, self.frozen_versions)
                     if not p.is_inference() and p._version != v}
         parameters: dict[int, tuple[_Buffers, _Moved]] = {}
@@ -417,21 +420,43 @@ class StateWatch:
         if not (buffers or parameters):
             return None
         # Only the clones of what changed are kept (the forward's own, or the one it replaced).
-        changed = {id(obj) for d, moved in buffers
+        changed = {_storage_key(obj) for d, moved in buffers
                    for name, previous in ([(n, None) for n in d] if moved is None else moved)
-                   for obj in (d.get(name), previous) if obj is not None}
+                   for obj in (d.get(name), previous)}
         kept = {key: value for key, value in self.before.items() if key in changed}
         return ChangedState(buffers, list(parameters.values()), kept)
 
 
-# NOTE [small state as it was before the forward]: buffers up to this size are cloned before
-# each forward of a module that has them.
+# NOTE [small state as it was before the forward]: storages up to this size are cloned before
+# each forward of a module that changes state.
 _SMALL_BYTES = 64 * 1024
 
 
-# Per changed dict: the names the replay gets copies for, each with the tensor the name held
-# before the forward when the forward reassigned it (the replay starts from that one).
-_Moved = list[tuple[str, "torch.Tensor | None"]]
+class _Absent:
+    """An entry the forward registered: the replay runs without it, as the forward began."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT: Any = _Absent()
+
+
+def _storage_key(t: Any, /) -> Any:
+    """What identifies ``t``'s storage while it is alive, for a plain strided tensor with
+    bytes of its own; ``None`` for anything else (copied as it is)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested or \
+            t.is_quantized or t.device.type == "meta" or t.requires_grad or \
+            t.is_inference() or type(t) not in (torch.Tensor, nn.Parameter):
+        return None
+    storage = t.untyped_storage()
+    return (t.device, storage.data_ptr(), storage.nbytes()) if storage.nbytes() else None
+
+
+# Per changed dict: the names the replay gets copies for, each with what the name held before
+# the forward: ``None`` when it was changed in place, the replaced tensor when reassigned
+# (the replay starts from that one), ``_ABSENT`` when the forward registered it.
+_Moved = list[tuple[str, Any]]
 
 
 def _moved(d: _Buffers, items: tuple[tuple[str, torch.Tensor | None], ...],
@@ -448,7 +473,7 @@ def _moved(d: _Buffers, items: tuple[tuple[str, torch.Tensor | None], ...],
         if t is None:
             continue
         if was is None:  # registered by the forward
-            moved.append((name, None))
+            moved.append((name, _ABSENT))
         elif was[0] is not t:
             moved.append((name, was[0]))
         elif not t.is_inference() and t._version != was[1]:
@@ -465,37 +490,38 @@ class ChangedState:
     """What the original pass changed (NOTE [state the forward changes]).
 
     NOTE [the replay changes copies]: around the replay's call of ``fn``, each buffer (and
-    frozen parameter) the original pass changed in place, reassigned or registered (every
-    buffer of a batch norm, whose kernel writes its running statistics without moving their
-    versions) is replaced in its dict by a copy, and the dicts get their entries back when
-    ``fn`` returns. A small one's copy is of its value before the forward (NOTE [small state
-    as it was before the forward]); a reassigned one's, of the tensor it replaced (still
-    held); a larger one changed in place, of what the forward left. So the replay computes
-    what the forward did (exactly so for small state; not for a layer whose output reads a
-    larger buffer it changed in place, documented), and whatever it changes (a second
-    running-statistics update, a reassignment, a new name) goes to the copies, which its
-    graph saves if it saves anything: the tensors the forward left are not changed again,
-    and a graph of another call that saved them (BatchNorm called outside the boundary in
-    the same step) still finds them as it saved them. State the forward left unchanged is
-    not copied: a change only the replay makes (a count kept where grad is enabled, so it
-    counts once under reentrant checkpointing) is the module's own, as it is without state
-    changed elsewhere. One the replay still reached and changed another way (a buffer a hook
-    or a list holds too, a view of it, a buffer that requires grad and so is not swapped)
-    gets its value back when ``fn`` returns, from a copy taken before it, and its version
-    counter back too where it covers its whole storage (the copy back must not look like a
-    change to a graph that saved it; a view's counter is its base's, and the rest of the
-    base may have changed). Not around the replay's gradients: a backward hook that changes
-    the state then changes the module's own (its change was lost in the copies).
+    frozen parameter) the original pass changed in place or reassigned (every buffer of a
+    batch norm, whose kernel writes its running statistics without moving their versions) is
+    replaced in its dict by a copy, and one it registered is taken out; the dicts get their
+    entries back when ``fn`` returns. A small one's copy is of its value before the forward
+    (NOTE [small state as it was before the forward]); a reassigned one's, of the tensor it
+    replaced (still held); a larger one changed in place, of what the forward left. Copies
+    of one storage share one copy of it. So the replay computes what the forward did
+    (exactly so for small state; not for a layer whose output reads a larger buffer it
+    changed in place, documented), and whatever it changes (a second running-statistics
+    update, a reassignment, a new name) goes to the copies, which its graph saves if it
+    saves anything: the tensors the forward left are not changed again, and a graph of
+    another call that saved them (BatchNorm called outside the boundary in the same step)
+    still finds them as it saved them. State the forward left unchanged is not copied: a
+    change only the replay makes (a count kept only where grad is enabled, so that it counts
+    once under reentrant checkpointing) is the module's own. One the replay still reached
+    and changed another way (a buffer a hook or a list holds too, a view of it, a buffer that
+    requires grad and so is not swapped) gets its value back when ``fn`` returns, from a
+    copy taken before it, and its version counter back too where it covers its whole
+    storage (the copy back must not look like a change to a graph that saved it; a view's
+    counter is its base's, and the rest of the base may have changed). Not around the
+    replay's gradients: a backward hook that changes the state then changes the module's own
+    (its change was lost in the copies).
     """
 
     __slots__ = ("buffers", "parameters", "before")
 
     def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
                  parameters: list[tuple[_Buffers, _Moved]],
-                 before: dict[int, torch.Tensor]) -> None:
+                 before: dict[Any, torch.UntypedStorage]) -> None:
         self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
         self.parameters = parameters  # the parameter dicts with a frozen parameter changed
-        self.before = before          # small changed buffers before the forward, by id
+        self.before = before          # small changed storages before the forward
 
     @contextmanager
     def on_copies(self) -> Iterator[None]:
@@ -505,16 +531,17 @@ class ChangedState:
         # reaches another way (a list or a hook holding it, a view of it, one that requires
         # grad and so is not swapped) and changes gets its value back after the replay.
         kept: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-        before = self.before
+        storages: dict[Any, torch.UntypedStorage] = {}  # this replay's, one per storage
         for d, moved in dicts:
             for name, previous in [(n, None) for n in d] if moved is None else moved:
                 t = d.get(name)
                 if t is None or t.is_inference():
                     continue
                 kept.append((t, t._version, t.detach().clone()))
-                if not t.requires_grad:  # one that does stays: the replay's gradient reaches it
-                    source = t if previous is None else previous
-                    d[name] = before.get(id(source), source).detach().clone()
+                if previous is _ABSENT:
+                    del d[name]
+                elif not t.requires_grad:  # one that does stays: the replay's gradient reaches it
+                    d[name] = self._copy(t if previous is None else previous, storages)
         try:
             yield
         finally:
@@ -531,6 +558,23 @@ class ChangedState:
                 if whole:
                     torch._C._autograd._unsafe_set_version_counter(
                         tuple(t for t, _ in whole), tuple(v for _, v in whole))
+
+    def _copy(self, source: torch.Tensor, storages: dict[Any, torch.UntypedStorage]
+              ) -> torch.Tensor:
+        """The replay's copy of ``source``: over this replay's copy of its storage (made from
+        the clone taken before the forward when there is one), as ``source`` lies in it."""
+        key = _storage_key(source)
+        if key is None:
+            return source.detach().clone()
+        storage = storages.get(key)
+        if storage is None:
+            snapshot = self.before.get(key)
+            if snapshot is None and key[2] > _SMALL_BYTES:
+                return source.detach().clone()  # a large one: its own bytes only
+            storage = storages[key] = (snapshot if snapshot is not None
+                                       else source.untyped_storage()).clone()
+        copy = torch.empty(0, dtype=source.dtype, device=source.device)
+        return copy.set_(storage, source.storage_offset(), source.size(), source.stride())
 
 
 def _covers_its_storage(tensor: torch.Tensor, /) -> bool:

@@ -480,8 +480,10 @@ def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
 
 def _differs(now: Any, before: Any) -> bool:
     """By value (``self.seq_len = x.shape[1]`` stores an equal new int each call), NaN
-    equal to NaN."""
-    return now != before and not (now != now and before != before)
+    equal to NaN; another type (a tensor where a number was) differs."""
+    if type(now) is not type(before):
+        return True
+    return bool(now != before) and not (now != now and before != before)
 
 
 def _attribute_names(owner: nn.Module, modules: Sequence[nn.Module],

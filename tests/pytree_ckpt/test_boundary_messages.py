@@ -809,3 +809,21 @@ def test_a_number_recomputed_to_an_equal_value_each_call_is_not_warned_about() -
         fresh = pytree_ckpt.apply_activation_checkpointing(Scaled())
         fresh.rows = 4000
         fresh(torch.randn(4, 8)).sum().backward()
+
+
+def test_a_number_attribute_replaced_by_a_tensor_is_told_about_without_a_crash() -> None:
+    # Comparing a number with a tensor of several values raised "Boolean value of Tensor
+    # with more than one value is ambiguous" in the forward.
+    class Stat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.stat = nn.Linear(8, 8), 0.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.stat = y.detach().mean(0)
+            return y
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Stat())
+    with pytest.warns(UserWarning, match="changed the number stat"):
+        layer(torch.randn(4, 8)).sum().backward()
