@@ -83,7 +83,8 @@ from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
-                           collect_parameters, graph_attributes, is_verified, mark_stateful,
+                           call_switches, collect_parameters, ever_verified,
+                           graph_attributes, is_verified, mark_stateful,
                            module_dicts, owning_module, snapshots_wanted, versions)
 from .phase import ACTIVE, Invocation, Phase
 from .refusals import (TORCH_REENTRANT, fn_name, input_path, open_containers,
@@ -167,7 +168,8 @@ class BoundaryCall:
                  "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
                  "attributes", "buffer_dicts", "frozen", "frozen_at_call", "changed_state",
                  "modules",
-                 "forward_modules", "hooked", "hooked_outputs", "held", "subclasses")
+                 "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
+                 "switches")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -177,6 +179,7 @@ class BoundaryCall:
         self.in_leaves = in_leaves  # tensor leaves replaced by None (NOTE [what is saved])
         self.in_tensor_index = in_tensor_index
         self.in_slots = in_slots
+        self.switches: Any = None  # NOTE [verified per switch] in module_state.py
         self.n_inputs = 0
         # Names of the owner's attributes passed as inputs after the call's own (NOTE
         # [attributes set before the call]).
@@ -285,7 +288,7 @@ class _BoundaryFunction(torch.autograd.Function):
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
         stored = None
-        if call.modules is not None and not is_verified(call.modules[0][0]):
+        if call.modules is not None and not is_verified(call.modules[0][0], call.switches):
             # NOTE [results stored on a module] (refusals.py): at its first calls only.
             modules, trees = call.modules
             dicts = [*(m.__dict__ for m in modules), *(d for tree in trees
@@ -585,7 +588,7 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
     # gradient, as in eager, where its AccumulateGrad then does nothing.
     wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
     if outs and call.owner is not None and \
-            not is_verified(call.owner):
+            not is_verified(call.owner, call.switches):
         verify_leaves(call, outs, wrt)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
@@ -729,7 +732,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # each use needs its gradient (the argument's comes through its input slot).
         params = collect_parameters(trees, set(), frozen=before)
         frozen = list(before)
-        if not is_verified(owner) and any_lazy(trees):
+        if not ever_verified(owner) and any_lazy(trees):
             # A lazy module (nn.LazyLinear) gives its parameters (and buffers) their shape in
             # its first call: taken as inputs before it, they would get gradients of the wrong
             # shape. That call runs as eager does, without the boundary; the next ones are
@@ -780,6 +783,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         if call.hooked:
             call.held = held_tensors([*(m.__dict__ for m in modules),
                                       *(d for tree in trees for d in tree.submodules)])
+    if owner is not None:
+        call.switches = call_switches(flat.spec, leaves, hooked=call.hooked)
     call.attributes = [name for name, _ in attributes]
     inputs = unique
     if params or attributes:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import operator
 import warnings
@@ -30,8 +31,9 @@ from torch.nn.parameter import is_lazy
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ChangedState", "ForwardModules", "ModuleDicts", "StateWatch", "any_lazy",
-           "collect_parameters", "drop_caches", "foreign_leaf", "graph_attributes",
-           "is_verified", "mark_stateful", "mark_verified", "snapshots_wanted", "module_buffers", "module_dicts", "owning_module",
+           "call_switches", "collect_parameters", "drop_caches", "ever_verified",
+           "foreign_leaf", "graph_attributes", "is_verified", "mark_stateful", "mark_verified",
+           "module_buffers", "module_dicts", "owning_module", "snapshots_wanted",
            "trainable_parameters", "versions", "warn_forward_hooks"]
 
 
@@ -209,13 +211,43 @@ def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
             if b is not None]
 
 
-def is_verified(module: nn.Module, /) -> bool:
-    """Whether ``module``'s graph was checked (``foreign_leaf``) since its tree last changed."""
-    return module.__dict__.get(_VERIFIED) == _structure_generation
+def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool) -> Any:
+    """NOTE [verified per switch]: what a call says about the path its forward takes, other
+    than through tensor values: the structure of its arguments (an optional tensor given or
+    None), its flags (bools, strings, enums), and whether user forward hooks run inside. A
+    module is verified (and its first calls' checks made) once per such key, not once in
+    all: a block that uses a shared head only when told to (``use_head=True``) first reaches
+    it at a later step, and its gradient would be lost there without an error; a hook added
+    after the first step is warned about. Numbers are not part of it (a sequence length would
+    make every step new), nor module attributes. About 1 us a call."""
+    key = (spec, hooked, *[(i, leaf) for i, leaf in enumerate(leaves)
+                   if type(leaf) is bool or type(leaf) is str or isinstance(leaf, enum.Enum)])
+    try:
+        hash(key)
+    except TypeError:  # an unhashable enum value
+        return None
+    return key
 
 
-def mark_verified(module: nn.Module, /) -> None:
-    module.__dict__[_VERIFIED] = _structure_generation
+def is_verified(module: nn.Module, switches: Any, /) -> bool:
+    """Whether ``module``'s graph was checked (``foreign_leaf``) for calls with ``switches``
+    since its tree last changed (NOTE [verified per switch])."""
+    verified = module.__dict__.get(_VERIFIED)
+    return verified is not None and verified[0] == _structure_generation and \
+        switches in verified[1]
+
+
+def ever_verified(module: nn.Module, /) -> bool:
+    """Whether ``module``'s graph was checked for any call since its tree last changed."""
+    verified = module.__dict__.get(_VERIFIED)
+    return verified is not None and verified[0] == _structure_generation
+
+
+def mark_verified(module: nn.Module, switches: Any, /) -> None:
+    verified = module.__dict__.get(_VERIFIED)
+    if verified is None or verified[0] != _structure_generation:
+        module.__dict__[_VERIFIED] = verified = (_structure_generation, set())
+    verified[1].add(switches)
 
 
 def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
@@ -232,6 +264,9 @@ def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | No
             return variable
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return None
+
+
+_WARNED_HOOKS = "_pytree_ckpt_warned_hooks"
 
 
 def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
@@ -268,7 +303,8 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
     global_hooks = [f"(global): {hook}"
                     for hook in user_hooks(nn.modules.module._global_forward_hooks)]
     found += global_hooks
-    if found:
+    if found and owner.__dict__.get(_WARNED_HOOKS) != found:  # a new switch: said once
+        owner.__dict__[_WARNED_HOOKS] = found
         # Global hooks (register_module_forward_hook) are on no module: nothing records the
         # outputs they receive (NOTE [hooked outputs leave with gradients]).
         unrecorded = (" Global forward hooks are not recorded: an output a global hook keeps "
@@ -334,7 +370,7 @@ def mark_stateful(module: nn.Module, /) -> None:
 def snapshots_wanted(module: nn.Module, /) -> bool:
     """Whether the next forward of ``module`` clones its small buffers first: at its first
     calls (until its first replay), and once a forward of it changed state."""
-    return bool(module.__dict__.get(_STATEFUL)) or not is_verified(module)
+    return bool(module.__dict__.get(_STATEFUL)) or not ever_verified(module)
 
 
 class StateWatch:

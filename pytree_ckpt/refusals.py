@@ -372,7 +372,7 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
     # So do those of a module passed as an argument, when fn calls it.
     passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
     warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
-    mark_verified(call.owner)
+    mark_verified(call.owner, call.switches)
 
 
 def refuse_module_tensor(foreign: torch.Tensor, modules: Sequence[nn.Module], /) -> None:

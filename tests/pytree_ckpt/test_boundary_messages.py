@@ -827,3 +827,21 @@ def test_a_number_attribute_replaced_by_a_tensor_is_told_about_without_a_crash()
     layer = pytree_ckpt.apply_activation_checkpointing(Stat())
     with pytest.warns(UserWarning, match="changed the number stat"):
         layer(torch.randn(4, 8)).sum().backward()
+
+
+def test_a_computing_forward_hook_added_after_the_first_step_is_warned_about() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.proj = nn.Linear(8, 4), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) * self.gate(x).softmax(-1).max(-1, keepdim=True).values
+
+    block = pytree_ckpt.apply_activation_checkpointing(Block())
+    x = torch.randn(16, 8, requires_grad=True)
+    block(x).sum().backward()
+    kept: list[torch.Tensor] = []
+    block.gate.register_forward_hook(lambda module, args, out: kept.append(out.double()))
+    with pytest.warns(UserWarning, match="forward hooks inside the checkpointed Block"):
+        block(x).sum().backward()

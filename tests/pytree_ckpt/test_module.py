@@ -533,3 +533,24 @@ def test_a_method_of_the_model_holding_the_layer_gives_the_models_parameters_gra
             model(x, use).sum().backward()
         assert_same_grads([p.grad for p in eager.parameters()],
                           [p.grad for p in ours.parameters()])
+
+
+def test_a_module_reached_only_when_a_later_call_switches_it_on_is_refused_then() -> None:
+    # Verified once per module, the block that first used the shared head at its second
+    # step lost the head's gradient without an error (NOTE [verified per switch]).
+    class Block(nn.Module):
+        def __init__(self, head: nn.Module) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self._shared = (head,)  # held, not registered: no duplicate in state_dict
+
+        def forward(self, h: torch.Tensor, use_head: bool) -> torch.Tensor:
+            h = torch.tanh(self.proj(h))
+            return h + self._shared[0](h) if use_head else h
+
+    block = apply_activation_checkpointing(Block(nn.Linear(8, 8)))
+    x = torch.randn(4, 8)
+    block(x, False).sum().backward()
+    with pytest.raises(pytree_ckpt.CheckpointError, match="neither an input nor a parameter"):
+        block(x, True).sum().backward()
+    block(x, False).sum().backward()  # the verified switch still runs
