@@ -784,7 +784,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             call.held = held_tensors([*(m.__dict__ for m in modules),
                                       *(d for tree in trees for d in tree.submodules)])
     if owner is not None:
-        call.switches = call_switches(flat.spec, leaves, hooked=call.hooked)
+        call.switches = call_switches(flat.spec, leaves, hooked=call.hooked,
+                                      only_tensors=len(flat.tensor_index) == len(leaves))
     call.attributes = [name for name, _ in attributes]
     inputs = unique
     if params or attributes:

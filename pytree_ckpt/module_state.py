@@ -211,7 +211,8 @@ def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
             if b is not None]
 
 
-def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool) -> Any:
+def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool, only_tensors: bool
+                  ) -> Any:
     """NOTE [verified per switch]: what a call says about the path its forward takes, other
     than through tensor values: the structure of its arguments (an optional tensor given or
     None), its flags (bools, strings, enums), and whether user forward hooks run inside. A
@@ -219,14 +220,20 @@ def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool) -> Any:
     all: a block that uses a shared head only when told to (``use_head=True``) first reaches
     it at a later step, and its gradient would be lost there without an error; a hook added
     after the first step is warned about. Numbers are not part of it (a sequence length would
-    make every step new), nor module attributes. About 1 us a call."""
-    key = (spec, hooked, *[(i, leaf) for i, leaf in enumerate(leaves)
-                   if type(leaf) is bool or type(leaf) is str or isinstance(leaf, enum.Enum)])
+    make every step new), nor module attributes. The key is the hash (the sets it is looked
+    up in then hash an int; two keys sharing a 64-bit hash would share a verification).
+    Under a microsecond a call for a decoder layer."""
+    if only_tensors:  # the usual layer call: nothing else to read
+        return hash((spec, hooked))
     try:
-        hash(key)
+        return hash((spec, hooked, *[(i, leaf) for i, leaf in enumerate(leaves)
+                                     if leaf is not None and (type(leaf) in _FLAGS or
+                                                              isinstance(leaf, enum.Enum))]))
     except TypeError:  # an unhashable enum value
         return None
-    return key
+
+
+_FLAGS = (bool, str)
 
 
 def is_verified(module: nn.Module, switches: Any, /) -> bool:
