@@ -230,16 +230,17 @@ def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
     """The lists and dicts passed as arguments (and those directly in them), with the ids of
     their elements: read before an original pass (NOTE [containers filled by the forward])."""
     found: list[tuple[str, Any, frozenset[int]]] | None = None
-    named = [*((f"args[{i}]", v) for i, v in enumerate(args)),
-             *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())]
-    for path, value in named:
-        if isinstance(value, (list, dict)):
+    for where, values in (("args", enumerate(args)), ("kwargs", kwargs.items())):
+        for key, value in values:
+            if not isinstance(value, (list, dict)):  # the usual case: a per-argument check
+                continue
+            path = f"{where}[{key!r}]"
             found = found or []
             elements = _elements(value)
             found.append((path, value, frozenset(map(id, elements))))
             keys = value.keys() if isinstance(value, dict) else range(len(value))
-            found += [(f"{path}[{key!r}]", inner, frozenset(map(id, _elements(inner))))
-                      for key, inner in zip(keys, elements) if isinstance(inner, (list, dict))]
+            found += [(f"{path}[{k!r}]", inner, frozenset(map(id, _elements(inner))))
+                      for k, inner in zip(keys, elements) if isinstance(inner, (list, dict))]
     return found
 
 
