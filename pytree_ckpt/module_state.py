@@ -220,9 +220,10 @@ def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool, only_ten
     all: a block that uses a shared head only when told to (``use_head=True``) first reaches
     it at a later step, and its gradient would be lost there without an error; a hook added
     after the first step is warned about. Numbers are not part of it (a sequence length would
-    make every step new), nor module attributes. The key is the hash (the sets it is looked
+    make every step new), nor module attributes, and a module is verified for at most
+    ``_MOST_SWITCHES`` of them (a request id among the arguments). The key is the hash (the sets it is looked
     up in then hash an int; two keys sharing a 64-bit hash would share a verification).
-    Under a microsecond a call for a decoder layer."""
+    A few microseconds a call with flags, a hash of the spec without."""
     if only_tensors:  # the usual layer call: nothing else to read
         return hash((spec, hooked))
     try:
@@ -241,7 +242,12 @@ def is_verified(module: nn.Module, switches: Any, /) -> bool:
     since its tree last changed (NOTE [verified per switch])."""
     verified = module.__dict__.get(_VERIFIED)
     return verified is not None and verified[0] == _structure_generation and \
-        switches in verified[1]
+        (switches in verified[1] or len(verified[1]) >= _MOST_SWITCHES)
+
+
+# A module called with a new string each call (a request id) would be verified at every call,
+# and remember every key: after this many, new switches count as verified.
+_MOST_SWITCHES = 64
 
 
 def ever_verified(module: nn.Module, /) -> bool:
@@ -395,7 +401,7 @@ class StateWatch:
     """
 
     __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries",
-                 "before")
+                 "before", "storages")
 
     def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
                  frozen: list[torch.Tensor], trees: Sequence[ModuleDicts], *,
@@ -407,27 +413,28 @@ class StateWatch:
         self.empty: list[_Buffers] = []
         # NOTE [small state as it was before the forward]: with ``snapshot`` (a module's
         # first calls, and every call once a forward of it changed state: snapshots_wanted),
-        # each storage of a small buffer (at most _SMALL_BYTES: a step counter, running
-        # statistics, an EMA vector, spectral norm's power-iteration vectors) is cloned
-        # before the forward, once however many buffers view it. The replay's copies of the
-        # buffers the forward changed are made from these clones, with the same offsets and
-        # strides (buffers tied or viewing one another stay so), so the replay makes the
-        # forward's decisions again (a periodic update keyed on a counter) and its output
-        # reads what the forward's read (an EMA updated, then used). The clones of storages
-        # nothing changed are dropped after the forward. A larger buffer's copy is made from
-        # what the forward left (documented); so is a small one whose module first changed
-        # state after its first replay (no clone was taken).
-        self.before: dict[Any, torch.UntypedStorage] = {}
+        # each small buffer (at most _SMALL_BYTES: a step counter, running statistics, an EMA
+        # vector, spectral norm's power-iteration vectors) is saved before the forward, with
+        # where it lay: its storage is cloned (once, however many buffers view it) when that
+        # storage is small too, else the buffer alone. The replay's copies of the buffers the
+        # forward changed are made from these, as they lay before the forward (a resize_ or
+        # a t_ in the forward does not move them), sharing one storage where the buffers
+        # did (tied, or views of one another), so the replay makes the forward's decisions
+        # again (a periodic update keyed on a counter) and its output reads what the
+        # forward's read (an EMA updated, then used). What nothing changed is dropped after
+        # the forward. A larger buffer's copy is made from what the forward left
+        # (documented); so is a small one whose module first changed state after its first
+        # replay (nothing was saved).
+        self.before: dict[int, tuple[Any, Any]] = {}  # by buffer id: (storage key, layout)
+        self.storages: dict[Any, torch.UntypedStorage] = {}
         for d in dicts:
             if d:
                 items = tuple(d.items())
                 self.watched.append((d, items, _object_versions(items)))
                 if snapshot:
                     for _, t in items:
-                        key = _storage_key(t)
-                        if t is not None and key is not None and key not in self.before and \
-                                key[2] <= _SMALL_BYTES:
-                            self.before[key] = t.untyped_storage().clone()
+                        if t is not None and id(t) not in self.before:
+                            self._save(t)
             else:
                 self.empty.append(d)
         self.frozen = frozen
@@ -438,6 +445,18 @@ class StateWatch:
         self.frozen_entries = [(d, name, t) for tree in trees for d in tree.parameters
                                for name, t in d.items()
                                if t is not None and not t.requires_grad] if frozen else []
+
+    def _save(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is not None and key[2] <= _SMALL_BYTES:
+            if key not in self.storages:
+                self.storages[key] = t.untyped_storage().clone()
+            self.before[id(t)] = (key, (t.storage_offset(), t.size(), t.stride()))
+        elif t.layout == torch.strided and not t.is_nested and not t.requires_grad and \
+                not t.is_inference() and t.numel() * t.element_size() <= _SMALL_BYTES:
+            # A small view of a large storage, or a conjugate or negative view (set_ would
+            # drop the bit): the buffer alone, its values resolved.
+            self.before[id(t)] = (None, t.detach().clone())
 
     def changed(self) -> ChangedState | None:
         buffers: list[tuple[_Buffers, _Moved | None]] = []
@@ -463,11 +482,12 @@ class StateWatch:
         if not (buffers or parameters):
             return None
         # Only the clones of what changed are kept (the forward's own, or the one it replaced).
-        changed = {_storage_key(obj) for d, moved in buffers
+        changed = {id(obj) for d, moved in buffers
                    for name, previous in ([(n, None) for n in d] if moved is None else moved)
-                   for obj in (d.get(name), previous)}
-        kept = {key: value for key, value in self.before.items() if key in changed}
-        return ChangedState(buffers, list(parameters.values()), kept)
+                   for obj in (d.get(name), previous) if obj is not None}
+        saved = {i: value for i, value in self.before.items() if i in changed}
+        storages = {key: self.storages[key] for key, _ in saved.values() if key is not None}
+        return ChangedState(buffers, list(parameters.values()), saved, storages)
 
 
 # NOTE [small state as it was before the forward]: storages up to this size are cloned before
@@ -490,7 +510,8 @@ def _storage_key(t: Any, /) -> Any:
     bytes of its own; ``None`` for anything else (copied as it is)."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested or \
             t.is_quantized or t.device.type == "meta" or t.requires_grad or \
-            t.is_inference() or type(t) not in (torch.Tensor, nn.Parameter):
+            t.is_inference() or t.is_conj() or t.is_neg() or \
+            type(t) not in (torch.Tensor, nn.Parameter):
         return None
     storage = t.untyped_storage()
     return (t.device, storage.data_ptr(), storage.nbytes()) if storage.nbytes() else None
@@ -557,14 +578,15 @@ class ChangedState:
     (its change was lost in the copies).
     """
 
-    __slots__ = ("buffers", "parameters", "before")
+    __slots__ = ("buffers", "parameters", "before", "storages")
 
     def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
-                 parameters: list[tuple[_Buffers, _Moved]],
-                 before: dict[Any, torch.UntypedStorage]) -> None:
+                 parameters: list[tuple[_Buffers, _Moved]], before: dict[int, tuple[Any, Any]],
+                 storages: dict[Any, torch.UntypedStorage]) -> None:
         self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
         self.parameters = parameters  # the parameter dicts with a frozen parameter changed
-        self.before = before          # small changed storages before the forward
+        self.before = before          # small changed buffers before the forward, by id
+        self.storages = storages      # their storages then, by key
 
     @contextmanager
     def on_copies(self) -> Iterator[None]:
@@ -604,20 +626,20 @@ class ChangedState:
 
     def _copy(self, source: torch.Tensor, storages: dict[Any, torch.UntypedStorage]
               ) -> torch.Tensor:
-        """The replay's copy of ``source``: over this replay's copy of its storage (made from
-        the clone taken before the forward when there is one), as ``source`` lies in it."""
-        key = _storage_key(source)
-        if key is None:
+        """The replay's copy of ``source`` as it was before the forward, over this replay's
+        copy of its storage then; of what the forward left where nothing was saved."""
+        saved = self.before.get(id(source))
+        if saved is None:
             return source.detach().clone()
+        key, layout = saved
+        if key is None:
+            return layout.clone()  # type: ignore[no-any-return]  # the buffer alone
         storage = storages.get(key)
         if storage is None:
-            snapshot = self.before.get(key)
-            if snapshot is None and key[2] > _SMALL_BYTES:
-                return source.detach().clone()  # a large one: its own bytes only
-            storage = storages[key] = (snapshot if snapshot is not None
-                                       else source.untyped_storage()).clone()
+            storage = storages[key] = self.storages[key].clone()
+        offset, size, stride = layout
         copy = torch.empty(0, dtype=source.dtype, device=source.device)
-        return copy.set_(storage, source.storage_offset(), source.size(), source.stride())
+        return copy.set_(storage, offset, size, stride)
 
 
 def _covers_its_storage(tensor: torch.Tensor, /) -> bool:

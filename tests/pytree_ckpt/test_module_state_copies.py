@@ -511,3 +511,76 @@ def test_small_buffers_are_cloned_before_the_forward_only_of_modules_that_change
         module(torch.randn(8, 4)).sum().backward()
     assert not module_state.snapshots_wanted(constant)  # verified, nothing ever changed
     assert module_state.snapshots_wanted(counting)      # its counter moves every call
+
+
+class Reshaped(nn.Module):
+    """Changes a small buffer's shape or storage in place, then reads it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(4, 4), how
+        self.register_buffer("b", torch.arange(8.0).reshape(2, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.how == "t_":
+                self.b.t_()
+            elif self.how == "resize_":
+                self.b.resize_(self.b.numel() + 4).fill_(1.0)
+            else:
+                self.b.set_(torch.cat([self.b.flatten(), torch.ones(4)]))
+        return self.lin(x) * self.b.flatten()[:4].sum() * self.b.numel()
+
+
+class SmallViewOfALargeStorage(nn.Module):
+    def __init__(self, conj: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        if conj:  # a conjugate view: set_ over its storage would drop the bit
+            self.register_buffer("b", torch.complex(torch.ones(4), torch.arange(4.0)).conj())
+        else:
+            self.flat = torch.ones(2 ** 18)  # 1 MiB, a plain attribute
+            self.register_buffer("b", self.flat[:4])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.b.mul_(2)
+        return self.lin(x) * (self.b.imag if self.b.is_complex() else self.b)
+
+
+@pytest.mark.parametrize("make", [lambda: Reshaped("t_"), lambda: Reshaped("resize_"),
+                                  lambda: Reshaped("set_"),
+                                  lambda: SmallViewOfALargeStorage(conj=False),
+                                  lambda: SmallViewOfALargeStorage(conj=True)],
+                         ids=["t_", "resize_", "set_", "view_of_large", "conj"])
+def test_small_state_the_forward_reshapes_or_that_views_odd_storage_replays_as_it_was(
+        make: Any) -> None:
+    # The pre-forward clone was looked up by the storage the buffer had after the forward,
+    # and laid out as it was then; a small view of a large storage got no clone; a
+    # conjugate view lost its bit: the replay read other values than the forward did.
+    results = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        module = make()
+        if wrapped:
+            pytree_ckpt.apply_activation_checkpointing(module)
+        module(torch.randn(8, 4)).square().sum().backward()
+        results.append([p.grad for p in module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_module_called_with_a_new_string_each_time_stops_remembering_switches() -> None:
+    from pytree_ckpt import module_state
+
+    class Tagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+            return self.lin(x)
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Tagged())
+    for i in range(100):
+        layer(torch.randn(2, 4), f"request-{i}").sum().backward()
+    assert len(layer.__dict__[module_state._VERIFIED][1]) == module_state._MOST_SWITCHES
