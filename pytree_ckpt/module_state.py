@@ -518,8 +518,9 @@ def _storage_key(t: Any, /) -> Any:
 
 
 # Per changed dict: the names the replay gets copies for, each with what the name held before
-# the forward: ``None`` when it was changed in place, the replaced tensor when reassigned
-# (the replay starts from that one), ``_ABSENT`` when the forward registered it.
+# the forward: ``None`` when it was changed in place, the replaced tensor when reassigned, set
+# to None or deleted (the replay starts from that one), ``_ABSENT`` when the forward
+# registered it.
 _Moved = list[tuple[str, Any]]
 
 
@@ -531,7 +532,9 @@ def _moved(d: _Buffers, items: tuple[tuple[str, torch.Tensor | None], ...],
     if "num_batches_tracked" in d:
         return None
     old = {name: (obj, version) for (name, obj), version in zip(items, before)}
-    moved: _Moved = []
+    # Set to None or deleted by the forward (a one-time init): the replay gets it back.
+    moved: _Moved = [(name, obj) for name, (obj, _) in old.items()
+                     if obj is not None and d.get(name) is None]
     for name, t in d.items():
         was = old.get(name)
         if t is None:
@@ -600,7 +603,11 @@ class ChangedState:
         for d, moved in dicts:
             for name, previous in [(n, None) for n in d] if moved is None else moved:
                 t = d.get(name)
-                if t is None or t.is_inference():
+                if t is None:  # the forward set it to None or deleted it: back, as it was
+                    if isinstance(previous, torch.Tensor):
+                        d[name] = self._copy(previous, storages)
+                    continue
+                if t.is_inference():
                     continue
                 kept.append((t, t._version, t.detach().clone()))
                 if previous is _ABSENT:

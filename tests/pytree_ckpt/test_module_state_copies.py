@@ -584,3 +584,40 @@ def test_a_module_called_with_a_new_string_each_time_stops_remembering_switches(
     for i in range(100):
         layer(torch.randn(2, 4), f"request-{i}").sum().backward()
     assert len(layer.__dict__[module_state._VERIFIED][1]) == module_state._MOST_SWITCHES
+
+
+@pytest.mark.parametrize("how", ["none", "del"])
+def test_a_buffer_the_forward_sets_to_none_or_deletes_is_back_for_the_replay(how: str) -> None:
+    # A one-time init: the replay found no `first` and took the other branch, computing
+    # with a scale the forward never used (the bias's gradient was a third of eager's).
+    class Init(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+            self.register_buffer("first", torch.full((4,), 3.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if getattr(self, "first", None) is not None:
+                with torch.no_grad():
+                    self.scale.copy_(self.first)
+                if how == "none":
+                    self.first = None
+                else:
+                    del self.first
+            return self.lin(x) * self.scale
+
+    results = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        module = Init()
+        if wrapped:
+            pytree_ckpt.apply_activation_checkpointing(module)
+        for _ in range(2):
+            module.zero_grad()
+            module(torch.ones(2, 4)).sum().backward()
+            results.append([*(p.grad for p in module.parameters()), *_state(module),
+                            "first" in module._buffers])
+    for eager, ours in zip(results[:2], results[2:]):
+        assert eager[-1] == ours[-1]
+        assert all(torch.equal(a, b) for a, b in zip(eager[:-1], ours[:-1]))
