@@ -89,10 +89,11 @@ def argument_versions(args: tuple[Any, ...], kwargs: dict[str, Any], /
 
 
 def refuse_changed_arguments(name: str, call: FlatTree, before: list[int | None], /) -> None:
-    """NOTE [a reused fn changes no argument]: the replay skips ``fn``, so a change ``fn`` made
-    in place to a floating argument (a mask written into the scores it is given: ``logits.detach()``
-    shares the logits' storage) is not made again, and what reads the tensor after it in the
-    replay (the softmax of those logits) computes another function than eager's."""
+    """NOTE [a reused fn changes no argument]: the replay skips ``fn``, so a change ``fn``
+    made in place to a floating argument (a mask written into the scores it is given:
+    ``logits.detach()`` shares the logits' storage) is not made again, and what reads the
+    tensor after it in the replay (the softmax of those logits) computes another function
+    than eager's."""
     for j, version in zip(call.tensor_index, before):
         t = call.leaves[j]
         # Integer arguments pass: a token count the function adds to counts once, as in

@@ -221,9 +221,9 @@ def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool, only_ten
     it at a later step, and its gradient would be lost there without an error; a hook added
     after the first step is warned about. Numbers are not part of it (a sequence length would
     make every step new), nor module attributes, and a module is verified for at most
-    ``_MOST_SWITCHES`` of them (a request id among the arguments). The key is the hash (the sets it is looked
-    up in then hash an int; two keys sharing a 64-bit hash would share a verification).
-    A few microseconds a call with flags, a hash of the spec without."""
+    ``_MOST_SWITCHES`` of them (a request id among the arguments). The key is the hash (the
+    sets it is looked up in then hash an int; two keys sharing a 64-bit hash would share a
+    verification). A few microseconds a call with flags, a hash of the spec without."""
     if only_tensors:  # the usual layer call: nothing else to read
         return hash((spec, hooked))
     try:
