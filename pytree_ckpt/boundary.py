@@ -287,14 +287,6 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
-        stored = None
-        if call.modules is not None and not is_verified(call.modules[0][0], call.switches):
-            # NOTE [results stored on a module] (refusals.py): at its first calls only.
-            modules, trees = call.modules
-            dicts = [*(m.__dict__ for m in modules), *(d for tree in trees
-                                                       for d in tree.submodules)]
-            stored = (modules, dicts, stored_tensors(dicts), stored_numbers(dicts))
-        containers = open_containers(args, kwargs)  # NOTE [containers filled by the forward]
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
                            snapshot=snapshots_wanted(call.owner)) \
             if call.owner is not None and call.modules is not None else None
@@ -337,12 +329,6 @@ class _BoundaryFunction(torch.autograd.Function):
                 break
         if moved:
             raise_input_changed(call, tensors, moved)
-        if containers is not None:
-            refuse_filled_containers(call, containers)
-        if stored is not None:
-            modules, dicts, tensors_before, numbers_before = stored
-            warn_stored_scalars(modules[0], modules, dicts, tensors_before)
-            warn_changed_numbers(modules[0], modules, dicts, numbers_before)
         if watch is not None:
             call.changed_state = watch.changed()
             if call.changed_state is not None:
@@ -429,6 +415,41 @@ class _BoundaryFunction(torch.autograd.Function):
             return _replay_backward(ctx, call, grad_outputs)
 
 
+class _FirstReplay:
+    """What a module's first replay with a switch (NOTE [verified per switch]) reads around
+    ``fn``: the containers passed in (NOTE [containers filled by the forward]), the scalars
+    and numbers on its modules (NOTE [results stored on a module], NOTE [numbers a forward
+    changes] in refusals.py). The replay runs with grad, so what it adds tells a loss from a
+    value that never had a gradient, which the no-grad original pass cannot."""
+
+    __slots__ = ("containers", "modules", "dicts", "tensors", "numbers")
+
+    def __init__(self, containers: Any, modules: list[nn.Module],
+                 dicts: list[dict[str, Any]]) -> None:
+        self.containers = containers
+        self.modules = modules
+        self.dicts = dicts
+        self.tensors = stored_tensors(dicts)
+        self.numbers = stored_numbers(dicts)
+
+    @classmethod
+    def of(cls, call: BoundaryCall, args: tuple[Any, ...], kwargs: dict[str, Any]
+           ) -> _FirstReplay | None:
+        if call.owner is None or call.forward_modules is None or \
+                is_verified(call.owner, call.switches):
+            return None
+        modules = list(call.forward_modules.roots)
+        return cls(open_containers(args, kwargs), modules,
+                   [*(m.__dict__ for m in modules), *call.forward_modules.submodules])
+
+    def check(self, call: BoundaryCall) -> None:
+        if self.containers is not None:
+            refuse_filled_containers(call, self.containers)
+        owner = self.modules[0]
+        warn_stored_scalars(owner, self.modules, self.dicts, self.tensors)
+        warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
+
+
 def _argument_module(leaf: Any, /) -> nn.Module | None:
     """The module an argument is, or whose method (or partial of one) it is. A method of the
     root model passed to every layer (its ``gated`` or ``log``) makes all of the model's
@@ -499,6 +520,7 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
             if call.subclasses is not None:
                 aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
+            first = _FirstReplay.of(call, args, kwargs)  # None but at a first replay
             shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             recorded = None
             if not (shadow or call.attributes or call.options.keep is not None or
@@ -524,6 +546,8 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
                     if call.hooked_outputs is not None:
                         recorded = stack.enter_context(recording())
                     output = call.fn(*args, **kwargs)
+            if first is not None:
+                first.check(call)
     except CheckpointError:
         raise
     except Exception as error:

@@ -32,8 +32,8 @@ import torch
 
 from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError
-from .frozen import (Passthrough, argument_versions, as_recorded, refuse_changed_arguments,
-                     refuse_in_plain_call, refuse_in_replay)
+from .frozen import (Passthrough, argument_versions, as_recorded, refuse_in_plain_call,
+                     refuse_in_replay, warn_changed_arguments)
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import RngState, rng_changed, rng_state, set_rng_state
@@ -288,7 +288,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
                 rng_after = after if rng_changed(before, after) else None
         finally:
             IN_REUSE.reset(token)
-        refuse_changed_arguments(callable_name(fn), call, versions)  # NOTE in frozen.py
+        warn_changed_arguments(callable_name(fn), call, versions)  # NOTE in frozen.py
         # NOTE [differentiable results are refused where grad is on] in frozen.py
         passthrough = as_recorded(callable_name(fn), result, args, kwargs)
     else:  # a nested boundary's original pass inside a replay records the jump it took too

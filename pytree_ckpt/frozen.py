@@ -31,18 +31,20 @@ module (a closure, an attribute of a plain object) are not seen.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from .eager import user_stacklevel
 from .errors import ReuseError
 from .module_state import owning_module
 from .tree import FlatTree, flatten, flatten_call, leaf_paths
 
-__all__ = ["Passthrough", "argument_versions", "as_recorded", "refuse_changed_arguments",
-           "refuse_in_plain_call", "refuse_in_replay"]
+__all__ = ["Passthrough", "argument_versions", "as_recorded", "refuse_in_plain_call",
+           "refuse_in_replay", "warn_changed_arguments"]
 
 _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call and compute "
               "the differentiable part outside it, from those ids (MoE gate weights: gather "
@@ -88,25 +90,34 @@ def argument_versions(args: tuple[Any, ...], kwargs: dict[str, Any], /
                   for j in call.tensor_index]
 
 
-def refuse_changed_arguments(name: str, call: FlatTree, before: list[int | None], /) -> None:
+def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], /) -> None:
     """NOTE [a reused fn changes no argument]: the replay skips ``fn``, so a change ``fn``
     made in place to a floating argument (a mask written into the scores it is given:
-    ``logits.detach()`` shares the logits' storage) is not made again, and what reads the
-    tensor after it in the replay (the softmax of those logits) computes another function
-    than eager's."""
+    ``logits.detach()`` shares the logits' storage) is not made again, and what reads that
+    storage after the call in the replay (the softmax of those logits) computes another
+    function than eager's. Whether anything reads it cannot be seen (a temporary
+    ``scorer(x).detach()`` masked in place is fine), so this is a warning, once per function.
+    Integer arguments are not told: a token count the function adds to counts once, as in
+    eager, since the replay skips the call."""
+    if name in _WARNED_CHANGED:
+        return
     for j, version in zip(call.tensor_index, before):
         t = call.leaves[j]
-        # Integer arguments pass: a token count the function adds to counts once, as in
-        # eager, since the replay skips the call.
         if version is not None and t._version != version and _is_float(t):
-            raise ReuseError(
-                f"reuse_during_recompute({name}) changed its {_argument_path(call, j)} in "
-                "place: the replay skips the call, so the change is not made again there, "
-                "and what reads the tensor after the call would compute another function "
-                "than eager's", expected="arguments left as they were",
-                got=f"version {version} before the call, {t._version} after",
-                tip="change a clone inside the function (scores = scores.clone()), or make "
-                    "the change before the call, outside it")
+            _WARNED_CHANGED.add(name)
+            warnings.warn(
+                f"pytree_ckpt: reuse_during_recompute({name}) changed its "
+                f"{_argument_path(call, j)} in place; the replay skips the call, so the "
+                "change is not made again there: if anything reads that tensor's storage "
+                "after the call (the logits a logits.detach() argument shares it with), the "
+                "replay computes another function than eager's, silently. Tip: change a "
+                "clone inside the function (scores = scores.clone())",
+                stacklevel=user_stacklevel())
+            return
+
+
+# Functions warned about by warn_changed_arguments (a warning's dedupe, not step state).
+_WARNED_CHANGED: set[str] = set()
 
 
 def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,

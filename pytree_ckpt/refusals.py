@@ -228,7 +228,8 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
 def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
                     ) -> list[tuple[str, Any, frozenset[int]]] | None:
     """The lists and dicts passed as arguments (and those directly in them), with the ids of
-    their elements: read before an original pass (NOTE [containers filled by the forward])."""
+    their elements: read before a module's first replay with a switch (NOTE [containers
+    filled by the forward])."""
     found: list[tuple[str, Any, frozenset[int]]] | None = None
     for where, values in (("args", enumerate(args)), ("kwargs", kwargs.items())):
         for key, value in values:
@@ -249,31 +250,33 @@ def refuse_filled_containers(call: BoundaryCall,
     """NOTE [containers filled by the forward]: a list or dict passed in to collect results
     (an MoE layer appending its load-balancing loss to a tracker) receives, in the original
     pass, a value computed under no-grad: a loss built from it silently loses that term, and
-    the replay adds to a container rebuilt from the inputs, which nothing reads. Refused when
-    the forward put a floating tensor into a list or dict passed as an argument, or into one
-    directly inside such a container (by identity: a pre-keyed ``{"aux": 0.0}`` counts);
-    integer counts and other values (a logging list) pass. A global list is not seen
+    the replay adds to a container rebuilt from the inputs, which nothing reads. What the
+    original pass adds cannot tell a loss from a value that never had a gradient (a rotary
+    table built once and shared, Transformer-XL's detached memories, a logged attention
+    map), so the replay tells: refused, in backward, when the replay put a tensor that
+    requires grad into a list or dict passed as an argument, or into one directly inside such
+    a container (by identity: a pre-keyed ``{"aux": 0.0}`` counts). Checked at a module's
+    first replay with each switch (NOTE [verified per switch]). A global list is not seen
     (docs/boundary.md)."""
     for path, container, ids in found:
         for element in _elements(container):
-            if id(element) not in ids and _floating(element):
+            if id(element) not in ids and _carries_grad(element):
                 raise CheckpointError(
-                    f"{fn_name(call.fn)} put a floating tensor into the "
-                    f"{type(container).__name__} passed as {path} during its call; it was "
-                    "computed in the no-grad original pass and has no gradient, so a loss "
-                    "built from it would silently lose that term",
-                    expected="containers passed in left without new floating tensors",
+                    f"{fn_name(call.fn)} put a tensor that requires grad into the "
+                    f"{type(container).__name__} passed as {path}: the original pass put in "
+                    "its twin computed under no-grad, which has no gradient, so a loss built "
+                    "from what the caller received silently loses that term",
+                    expected="containers passed in left without tensors that require grad",
                     got=describe_leaf(element),
                     tip="return such values as outputs of the layer (any PyTree) and collect "
-                        "them after the call")
+                        "them after the call; detach what needs no gradient")
 
 
-def _floating(value: Any) -> bool:
+def _carries_grad(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
-        return value.is_floating_point() or value.is_complex()
+        return value.requires_grad
     return isinstance(value, (list, tuple, dict)) and any(
-        isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-        for t in _elements(value))
+        isinstance(t, torch.Tensor) and t.requires_grad for t in _elements(value))
 
 
 def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
@@ -283,7 +286,9 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
     (``self.calls += 1``, a warm-up scale) is changed again by the replay, which computes with
     the changed value: eager's gradient is not the replay's, and the count ends one ahead.
     Buffers are watched (NOTE [state the forward changes]); plain numbers are not, so this is
-    said once per module, at its first calls."""
+    said once per module, when the replay changes one again (read around a module's first
+    replay with each switch): one the forward sets to a value it computes
+    (``self.seq_len = x.shape[1]``) is set to the same value by the replay, and not told."""
     if owner.__dict__.get(_WARNED_NUMBERS):
         return
     found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
@@ -294,8 +299,8 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
     where = _attribute_names(owner, modules, dicts, found)
     warnings.warn(
         f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} changed the "
-        f"number {', '.join(where)}: the replay in backward runs the forward again, changes it "
-        "again and computes with the changed value (a counter ends a step ahead, a scale read "
+        f"number {', '.join(where)} again in its replay in backward, and computed with the "
+        "changed value (a counter ends a step ahead, a scale read "
         "from it gives other gradients). Tip: keep such state in a buffer (register_buffer), "
         "which the replay changes a copy of, and change it outside the checkpointed call if "
         "the output reads it (docs/boundary.md, 'Module state ends the step as in eager')",
@@ -468,8 +473,9 @@ def _element_ids(value: Any) -> frozenset[int]:
 
 
 def _scalar_result(value: Any) -> bool:
+    """A floating scalar computed with grad (the replay's twin of an aux loss)."""
     return isinstance(value, torch.Tensor) and value.dim() == 0 and \
-        value.is_floating_point() and not value.requires_grad
+        value.is_floating_point() and value.requires_grad
 
 
 def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
@@ -501,10 +507,10 @@ def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
     layer's load-balancing loss, collected after the step) stores, in the original pass, a
     value computed under no-grad: a loss built from it has no gradient through it, silently
     (the replay stores one with a graph that nothing reads). Documented, and said once per
-    module, at its first calls (until its first replay): a new floating scalar that requires
-    no grad, as an attribute or in a dict, list or tuple attribute (``self.stats = {"aux":
-    loss}``). Scalars only: a cache (a rotary table built at the first call) is no loss, and
-    stays unwarned."""
+    module, when its replay stores a new floating scalar that requires grad (read around a
+    module's first replay with each switch), as an attribute or in a dict, list or tuple
+    attribute (``self.stats = {"aux": loss}``): a constant cached per length needs no grad,
+    and is not told; nor is a cache (a rotary table): scalars only."""
     if owner.__dict__.get(_WARNED_STORED):
         return
     found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))

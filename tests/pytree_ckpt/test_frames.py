@@ -858,7 +858,8 @@ def test_a_frozen_result_returned_as_an_output_gives_eager_gradients(complex_res
     assert not got["frozen"].requires_grad  # frozen, as in eager
 
 
-def test_a_reused_function_that_changes_its_argument_in_place_is_refused_naming_it() -> None:
+def test_a_reused_function_that_changes_its_argument_in_place_is_warned_about_naming_it(
+        ) -> None:
     # logits.detach() shares the logits' storage: eager's softmax reads the masked logits, the
     # replay (which skips route) read them unmasked, and the gate's gradient was silently wrong.
     def route(scores: torch.Tensor) -> torch.Tensor:
@@ -878,10 +879,15 @@ def test_a_reused_function_that_changes_its_argument_in_place_is_refused_naming_
             ids = reuse_during_recompute(self.router, logits.detach())
             return self.up(x) * logits.softmax(-1).gather(-1, ids).sum(-1, keepdim=True)
 
+    from pytree_ckpt import frozen
+
     x = torch.randn(6, 8)
     MoE(route)(x).sum().backward()  # outside a boundary: a plain call, as eager
     layer = pytree_ckpt.apply_activation_checkpointing(MoE(route))
-    with pytest.raises(ReuseError, match=r"route\) changed its argument args\[0\] in place"):
+    frozen._WARNED_CHANGED.discard("route")  # said once per function
+    # A warning, not an error: a temporary (scorer(x).detach()) changed in place is fine,
+    # and nothing tells the two apart.
+    with pytest.warns(UserWarning, match=r"route\) changed its argument args\[0\] in place"):
         layer(x)
     twin = MoE(route_a_clone)
     ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(twin))
