@@ -422,29 +422,31 @@ class _FirstReplay:
     changes] in refusals.py). The replay runs with grad, so what it adds tells a loss from a
     value that never had a gradient, which the no-grad original pass cannot."""
 
-    __slots__ = ("containers", "modules", "dicts", "tensors", "numbers")
+    __slots__ = ("containers", "known", "modules", "dicts", "tensors", "numbers")
 
-    def __init__(self, containers: Any, modules: list[nn.Module],
+    def __init__(self, containers: Any, known: set[int], modules: list[nn.Module],
                  dicts: list[dict[str, Any]]) -> None:
         self.containers = containers
+        self.known = known  # the replay's inputs and parameters: the caller has them
         self.modules = modules
         self.dicts = dicts
         self.tensors = stored_tensors(dicts)
         self.numbers = stored_numbers(dicts)
 
     @classmethod
-    def of(cls, call: BoundaryCall, args: tuple[Any, ...], kwargs: dict[str, Any]
-           ) -> _FirstReplay | None:
+    def of(cls, call: BoundaryCall, args: tuple[Any, ...], kwargs: dict[str, Any],
+           aliases: tuple[torch.Tensor, ...]) -> _FirstReplay | None:
         if call.owner is None or call.forward_modules is None or \
                 is_verified(call.owner, call.switches):
             return None
         modules = list(call.forward_modules.roots)
-        return cls(open_containers(args, kwargs), modules,
+        known = {id(t) for t in (*aliases, *(call.params or ()))}
+        return cls(open_containers(args, kwargs), known, modules,
                    [*(m.__dict__ for m in modules), *call.forward_modules.submodules])
 
     def check(self, call: BoundaryCall) -> None:
         if self.containers is not None:
-            refuse_filled_containers(call, self.containers)
+            refuse_filled_containers(call, self.containers, self.known)
         owner = self.modules[0]
         warn_stored_scalars(owner, self.modules, self.dicts, self.tensors)
         warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
@@ -520,7 +522,7 @@ def _replay_backward(ctx: Any, call: BoundaryCall,
             if call.subclasses is not None:
                 aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
-            first = _FirstReplay.of(call, args, kwargs)  # None but at a first replay
+            first = _FirstReplay.of(call, args, kwargs, aliases)  # None but at a first replay
             shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             recorded = None
             if not (shadow or call.attributes or call.options.keep is not None or

@@ -246,7 +246,8 @@ def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
 
 
 def refuse_filled_containers(call: BoundaryCall,
-                             found: list[tuple[str, Any, frozenset[int]]], /) -> None:
+                             found: list[tuple[str, Any, frozenset[int]]],
+                             known: set[int], /) -> None:
     """NOTE [containers filled by the forward]: a list or dict passed in to collect results
     (an MoE layer appending its load-balancing loss to a tracker) receives, in the original
     pass, a value computed under no-grad: a loss built from it silently loses that term, and
@@ -255,12 +256,14 @@ def refuse_filled_containers(call: BoundaryCall,
     table built once and shared, Transformer-XL's detached memories, a logged attention
     map), so the replay tells: refused, in backward, when the replay put a tensor that
     requires grad into a list or dict passed as an argument, or into one directly inside such
-    a container (by identity: a pre-keyed ``{"aux": 0.0}`` counts). Checked at a module's
-    first replay with each switch (NOTE [verified per switch]). A global list is not seen
-    (docs/boundary.md)."""
+    a container (by identity: a pre-keyed ``{"aux": 0.0}`` counts), other than one the
+    caller has itself (``known``: the replay's inputs and parameters; an input kept in a list
+    of hidden states, a tied weight, inputs repackaged in a tuple), whose gradient the
+    caller's own tensor carries. Checked at a module's first replay with each switch (NOTE
+    [verified per switch]). A global list is not seen (docs/boundary.md)."""
     for path, container, ids in found:
         for element in _elements(container):
-            if id(element) not in ids and _carries_grad(element):
+            if id(element) not in ids and _carries_grad(element, known):
                 raise CheckpointError(
                     f"{fn_name(call.fn)} put a tensor that requires grad into the "
                     f"{type(container).__name__} passed as {path}: the original pass put in "
@@ -272,11 +275,12 @@ def refuse_filled_containers(call: BoundaryCall,
                         "them after the call; detach what needs no gradient")
 
 
-def _carries_grad(value: Any) -> bool:
+def _carries_grad(value: Any, known: set[int]) -> bool:
     if isinstance(value, torch.Tensor):
-        return value.requires_grad
+        return value.requires_grad and id(value) not in known
     return isinstance(value, (list, tuple, dict)) and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in _elements(value))
+        isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in known
+        for t in _elements(value))
 
 
 def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],

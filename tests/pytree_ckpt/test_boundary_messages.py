@@ -898,3 +898,35 @@ def test_a_computing_forward_hook_added_after_the_first_step_is_warned_about() -
     block.gate.register_forward_hook(lambda module, args, out: kept.append(out.double()))
     with pytest.warns(UserWarning, match="forward hooks inside the checkpointed Block"):
         block(x).sum().backward()
+
+
+def test_tensors_the_caller_has_itself_put_into_containers_are_left_alone() -> None:
+    # An input kept in a list of hidden states, a tied weight shared through a dict, inputs
+    # repackaged in a tuple: the container holds the caller's own tensors (the replay's
+    # aliases and parameters), whose gradients eager and the boundary agree on.
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, hidden: list[torch.Tensor],
+                    shared: dict[str, Any], extra: dict[str, Any]) -> torch.Tensor:
+            hidden.append(x)
+            shared["w"] = self.lin.weight
+            extra["pos"] = tuple(extra["pos"])
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    eager = Layer()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for model in (eager, ours):
+        x.grad = None
+        hidden: list[torch.Tensor] = []
+        shared: dict[str, Any] = {}
+        extra: dict[str, Any] = {"pos": [x, x]}
+        out = model(x, hidden, shared, extra)
+        (out.sum() + hidden[0].sum() + shared["w"].sum() + extra["pos"][0].sum()).backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
