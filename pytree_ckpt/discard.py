@@ -499,7 +499,6 @@ class CheckpointWithoutOutput:
     def _hook(self, grad: torch.Tensor) -> None:
         self._replay()
 
-
     def _replay(self) -> None:
         if self.replayed:
             raise CheckpointError(f"the output of {self._name()} was already replayed",

@@ -490,8 +490,8 @@ class StateWatch:
         return ChangedState(buffers, list(parameters.values()), saved, storages)
 
 
-# NOTE [small state as it was before the forward]: storages up to this size are cloned before
-# each forward of a module that changes state.
+# NOTE [small state as it was before the forward]: buffers (and their storages) up to this
+# size are saved before a forward, at a module's first calls and once it changed state.
 _SMALL_BYTES = 64 * 1024
 
 

@@ -297,18 +297,13 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
         return
     found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
              for name, value in old.items() if _differs(d.get(name), value)]
-    if not found:
-        return
-    owner.__dict__[_WARNED_NUMBERS] = True
-    where = _attribute_names(owner, modules, dicts, found)
-    warnings.warn(
+    _warn_naming(owner, _WARNED_NUMBERS, modules, dicts, found, lambda where: (
         f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} changed the "
-        f"number {', '.join(where)} again in its replay in backward, and computed with the "
-        "changed value (a counter ends a step ahead, a scale read "
-        "from it gives other gradients). Tip: keep such state in a buffer (register_buffer), "
-        "which the replay changes a copy of, and change it outside the checkpointed call if "
-        "the output reads it (docs/boundary.md, 'Module state ends the step as in eager')",
-        stacklevel=user_stacklevel())
+        f"number {where} again in its replay in backward, and computed with the changed "
+        "value (a counter ends a step ahead, a scale read from it gives other gradients). "
+        "Tip: keep such state in a buffer (register_buffer), which the replay changes a copy "
+        "of, and change it outside the checkpointed call if the output reads it "
+        "(docs/boundary.md, 'Module state ends the step as in eager')"))
 
 
 def refuse_double_backward(where: Callable[[], str], /) -> None:
@@ -497,6 +492,18 @@ def _differs(now: Any, before: Any) -> bool:
     return bool(now != before) and not (now != now and before != before)
 
 
+def _warn_naming(owner: nn.Module, flag: str, modules: Sequence[nn.Module],
+                 dicts: Sequence[dict[str, Any]], found: list[tuple[int, str]],
+                 message: Callable[[str], str]) -> None:
+    """Warn once per ``owner`` (its ``flag``) about the attributes ``found`` (index into
+    ``dicts``, name), named by their module paths."""
+    if not found:
+        return
+    owner.__dict__[flag] = True
+    warnings.warn(message(", ".join(_attribute_names(owner, modules, dicts, found))),
+                  stacklevel=user_stacklevel())
+
+
 def _attribute_names(owner: nn.Module, modules: Sequence[nn.Module],
                      dicts: Sequence[dict[str, Any]], found: list[tuple[int, str]]) -> list[str]:
     names = {id(m.__dict__): path for root in modules
@@ -522,14 +529,10 @@ def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
              if (_scalar_result(value) and old.get(name) != id(value)) or
              (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS and any(
                  _scalar_result(t) and id(t) not in old.get(name, ()) for t in _elements(value)))]
-    if not found:
-        return
-    owner.__dict__[_WARNED_STORED] = True
-    where = _attribute_names(owner, modules, dicts, found)
-    warnings.warn(
-        f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} stored "
-        f"{', '.join(where)} on a module: computed in the no-grad original pass, it has no "
-        "gradient, and a loss built from it (an auxiliary load-balancing loss) silently "
-        "loses that term. Tip: return it as an output of the layer (any PyTree), or keep the "
-        "router's output with a forward hook and compute the loss from it after the layer's "
-        "call (docs/boundary.md, 'Forward hooks inside a layer')", stacklevel=user_stacklevel())
+    _warn_naming(owner, _WARNED_STORED, modules, dicts, found, lambda where: (
+        f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} stored {where} "
+        "on a module: computed in the no-grad original pass, it has no gradient, and a loss "
+        "built from it (an auxiliary load-balancing loss) silently loses that term. Tip: "
+        "return it as an output of the layer (any PyTree), or keep the router's output with "
+        "a forward hook and compute the loss from it after the layer's call "
+        "(docs/boundary.md, 'Forward hooks inside a layer')"))

@@ -5,6 +5,7 @@ compares against an unwrapped eager twin, exactly, or checks the error."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -93,6 +94,47 @@ def _state(module: nn.Module) -> list[torch.Tensor]:
     return [t.detach().clone() for t in (*module.buffers(), *module.parameters())]
 
 
+def _twins(make: Callable[[], nn.Module], step: Callable[[nn.Module], list[Any]], *,
+           steps: int) -> list[list[list[Any]]]:
+    """What ``step(module)`` returns at each step, for an eager module and a checkpointed
+    twin, each built from seed 0 and fed from seed 1: ``[eager, checkpointed]``."""
+    runs = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        module = make()
+        if wrapped:
+            pytree_ckpt.apply_activation_checkpointing(module)
+        torch.manual_seed(1)
+        runs.append([step(module) for _ in range(steps)])
+    return runs
+
+
+def _assert_same_runs(runs: list[list[list[Any]]]) -> None:
+    """Both twins returned the same at every step: tensors bit for bit, ``None`` for ``None``
+    (a gradient), anything else by ``==``."""
+    eager, ours = runs
+    assert len(eager) == len(ours)
+    for step, (expected, got) in enumerate(zip(eager, ours)):
+        assert len(expected) == len(got), f"step {step}"
+        for item, (a, b) in enumerate(zip(expected, got)):
+            if isinstance(a, torch.Tensor):
+                assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"step {step}: {item}"
+            else:
+                assert a == b, f"step {step}: item {item}: {a!r} != {b!r}"
+
+
+def _trained(shape: tuple[int, ...], *, input_grad: bool = False
+             ) -> Callable[[nn.Module], list[Any]]:
+    """A step: a squared-sum loss of a random input's output, backward; then the input's
+    gradient (with ``input_grad``), the parameters' (cloned: they accumulate), the state."""
+    def step(module: nn.Module) -> list[Any]:
+        x = torch.randn(*shape, requires_grad=input_grad)
+        module(x).square().sum().backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+        return [*([x.grad] if input_grad else []), *grads, *_state(module)]
+    return step
+
+
 @pytest.mark.parametrize("make", [BufferInAList, ViewOfABuffer, HookCounts, EmaTeacher,
                                   CountsWithAGradBuffer])
 def test_state_the_replay_reaches_other_than_through_the_modules_dicts_changes_once(
@@ -100,21 +142,7 @@ def test_state_the_replay_reaches_other_than_through_the_modules_dicts_changes_o
     # The replay's copies are in the dicts only: what it changed through another reference
     # (a list, a view, a hook's closure, a buffer that requires grad and is not swapped)
     # gets its value back after the replay.
-    states, grads = [], []
-    for wrapped in (False, True):
-        torch.manual_seed(0)
-        module = make()
-        if wrapped:
-            pytree_ckpt.apply_activation_checkpointing(module)
-        torch.manual_seed(1)
-        for _ in range(2):
-            module(torch.randn(8, 4)).square().sum().backward()
-        states.append(_state(module))
-        grads.append([p.grad for p in module.parameters()])
-    for eager, ours in zip(*states):
-        assert torch.equal(eager, ours)
-    for eager, ours in zip(*grads):
-        assert (eager is None and ours is None) or torch.equal(eager, ours)
+    _assert_same_runs(_twins(make, _trained((8, 4)), steps=2))
 
 
 def test_state_a_discarded_ops_hook_changes_through_a_closure_changes_once() -> None:
@@ -233,21 +261,9 @@ def test_state_changed_in_backward_or_by_reassignment_ends_each_step_as_in_eager
     # change was lost); a reassigned frozen parameter was not seen (the replay reassigned it
     # again), and the replay now starts from the one before the forward, as the forward did
     # (the output reads it).
-    states, grads = [], []
-    for wrapped in (False, True):
-        torch.manual_seed(0)
-        layer = nn.Sequential(make(), nn.Tanh(), nn.Linear(4, 4))
-        if wrapped:
-            pytree_ckpt.apply_activation_checkpointing(layer)
-        torch.manual_seed(1)
-        for _ in range(3):  # an input that requires grad: the full backward hook's own rule
-            layer(torch.randn(8, 4, requires_grad=True)).square().sum().backward()
-        states.append(_state(layer))
-        grads.append([p.grad for p in layer.parameters()])
-    for eager, ours in zip(*states):
-        assert torch.equal(eager, ours)
-    for eager, ours in zip(*grads):
-        assert (eager is None and ours is None) or torch.equal(eager, ours)
+    # An input that requires grad: the full backward hook's own rule.
+    _assert_same_runs(_twins(lambda: nn.Sequential(make(), nn.Tanh(), nn.Linear(4, 4)),
+                             _trained((8, 4), input_grad=True), steps=3))
 
 
 def test_a_constant_buffer_next_to_a_changed_one_is_not_copied_for_the_replay() -> None:
@@ -324,18 +340,7 @@ def test_a_periodic_update_the_forward_skipped_is_not_made_by_the_replay(discard
 def test_a_large_buffer_a_periodic_update_skips_ends_each_step_as_in_eager() -> None:
     # The replay reads the counter as it was before the forward, so it decides as the forward
     # did: a 128 KiB EMA the forward skipped is not updated by the replay either.
-    states = []
-    for wrapped in (False, True):
-        torch.manual_seed(0)
-        module = PeriodicEma(width=32 * 1024)
-        if wrapped:
-            pytree_ckpt.apply_activation_checkpointing(module)
-        torch.manual_seed(1)
-        for _ in range(4):
-            module(torch.randn(8, 4)).sum().backward()
-            states.append(_state(module))
-    for eager, ours in zip(states[:4], states[4:]):
-        assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+    _assert_same_runs(_twins(lambda: PeriodicEma(width=32 * 1024), _trained((8, 4)), steps=4))
 
 
 class ReadsItsEma(nn.Module):
@@ -358,20 +363,7 @@ class ReadsItsEma(nn.Module):
 def test_an_output_that_reads_small_state_the_forward_changed_gets_eager_gradients() -> None:
     # The replay's copy started from what the forward left: it updated the EMA a second time
     # and computed with that, so x's and the weight's gradients differed on every other step.
-    results = []
-    for wrapped in (False, True):
-        torch.manual_seed(0)
-        module = ReadsItsEma()
-        if wrapped:
-            pytree_ckpt.apply_activation_checkpointing(module)
-        torch.manual_seed(1)
-        for _ in range(4):
-            x = torch.randn(8, 4, requires_grad=True)
-            module(x).square().sum().backward()
-            results.append([x.grad, *(p.grad.clone() for p in module.parameters()),
-                            *_state(module)])
-    for eager, ours in zip(results[:4], results[4:]):
-        assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+    _assert_same_runs(_twins(ReadsItsEma, _trained((8, 4), input_grad=True), steps=4))
 
 
 @pytest.mark.parametrize("width", [4, 32 * 1024])
@@ -395,18 +387,10 @@ def test_a_count_kept_only_where_grad_is_enabled_counts_once_next_to_changed_sta
                     self.tokens[:4] += (x > 0).sum(0)
             return self.lin(x)
 
-    states = []
-    for wrapped in (False, True):
-        torch.manual_seed(0)
-        module = Counts()
-        if wrapped:
-            pytree_ckpt.apply_activation_checkpointing(module)
-        torch.manual_seed(1)
-        for _ in range(3):
-            module(torch.randn(8, 4)).sum().backward()
-        states.append(_state(module))
-    assert all(torch.equal(a, b) for a, b in zip(*states))
-    assert float(states[1][1][:4].sum()) > 0
+    runs = _twins(Counts, _trained((8, 4)), steps=3)
+    _assert_same_runs(runs)
+    tokens = runs[1][-1][-3]  # the state after the last step: calls, tokens, weight, bias
+    assert tokens.shape == (width,) and float(tokens[:4].sum()) > 0
 
 
 def test_state_put_back_after_the_replay_keeps_the_version_the_forward_left() -> None:
@@ -448,17 +432,7 @@ class TiedStats(nn.Module):
 def test_buffers_that_share_memory_still_share_it_in_the_replay(view: bool) -> None:
     # Each name got its own copy: the replay's update through `full` did not reach `row`,
     # which read its value before the forward, and the weight's gradient differed.
-    results = []
-    for wrapped in (False, True):
-        torch.manual_seed(0)
-        module = TiedStats(view)
-        if wrapped:
-            pytree_ckpt.apply_activation_checkpointing(module)
-        torch.manual_seed(1)
-        for _ in range(2):
-            module(torch.randn(4, 8)).square().sum().backward()
-        results.append([*(p.grad for p in module.parameters()), *_state(module)])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    _assert_same_runs(_twins(lambda: TiedStats(view), _trained((4, 8)), steps=2))
 
 
 def test_a_buffer_registered_in_the_forward_is_absent_from_the_replay_too() -> None:
@@ -476,24 +450,23 @@ def test_a_buffer_registered_in_the_forward_is_absent_from_the_replay_too() -> N
                 self.n += 1
             return self.lin(x) * self.n
 
-    results = []
-    for wrapped in (False, True):
-        torch.manual_seed(0)
-        module = Lazy()
-        if wrapped:
-            pytree_ckpt.apply_activation_checkpointing(module)
-        for _ in range(3):
-            module.zero_grad()
-            module(torch.ones(4, 8)).sum().backward()
-            results.append([*(p.grad for p in module.parameters()), *_state(module)])
-    assert all(torch.equal(a, b) for a, b in zip(results[:3], results[3:]) for a, b in zip(a, b))
+    _assert_same_runs(_twins(Lazy, _trained((4, 8)), steps=3))
 
 
 def test_small_buffers_are_cloned_before_the_forward_only_of_modules_that_change_state(
-        ) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # Cloning every small buffer at every call cost 6.4 MB a call for 100 untouched 64 KB
     # buffers: after a module's first replay, only a module that changed state is cloned.
     from pytree_ckpt import module_state
+
+    saved: list[int] = []
+    save = module_state.StateWatch._save
+
+    def counting_save(self: Any, t: torch.Tensor) -> None:
+        saved.append(t.numel())
+        save(self, t)
+
+    monkeypatch.setattr(module_state.StateWatch, "_save", counting_save)
 
     class Constant(nn.Module):
         def __init__(self) -> None:
@@ -509,8 +482,13 @@ def test_small_buffers_are_cloned_before_the_forward_only_of_modules_that_change
     assert module_state.snapshots_wanted(constant) and module_state.snapshots_wanted(counting)
     for module in (constant, counting):
         module(torch.randn(8, 4)).sum().backward()
+    assert len(saved) == 1 + 2  # first calls: the constant's scale, the counter and the EMA
     assert not module_state.snapshots_wanted(constant)  # verified, nothing ever changed
     assert module_state.snapshots_wanted(counting)      # its counter moves every call
+    saved.clear()
+    for module in (constant, counting):
+        module(torch.randn(8, 4)).sum().backward()
+    assert saved == [1, 4]  # the counter and the EMA; not the constant
 
 
 class Reshaped(nn.Module):
@@ -558,15 +536,7 @@ def test_small_state_the_forward_reshapes_or_that_views_odd_storage_replays_as_i
     # The pre-forward clone was looked up by the storage the buffer had after the forward,
     # and laid out as it was then; a small view of a large storage got no clone; a
     # conjugate view lost its bit: the replay read other values than the forward did.
-    results = []
-    for wrapped in (False, True):
-        torch.manual_seed(0)
-        module = make()
-        if wrapped:
-            pytree_ckpt.apply_activation_checkpointing(module)
-        module(torch.randn(8, 4)).square().sum().backward()
-        results.append([p.grad for p in module.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    _assert_same_runs(_twins(make, _trained((8, 4)), steps=2))
 
 
 def test_a_module_called_with_a_new_string_each_time_stops_remembering_switches() -> None:
