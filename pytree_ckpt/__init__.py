@@ -5,13 +5,13 @@ Importing this package touches no accelerator and imports no optional dependency
 
 from .boundary import BoundaryOptions, checkpoint, checkpointed
 from .census import ActivationCensus, Mechanism
-from .discard import (CheckpointWithoutOutput, CheckpointWithoutOutputManager,
-                      ResidualRecomputeContext, build_residual_stream_recompute_plan)
+from .discard import CheckpointWithoutOutput, CheckpointWithoutOutputManager
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError
 from .frames import reuse_during_recompute
 from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
                      remove_activation_checkpointing, resolve_offload)
 from .phase import Phase, current_phase
+from .residual_plan import ResidualRecomputeContext, build_residual_stream_recompute_plan
 from .save_units import (KeptCallables, KeptOps, RecomputeConfig, RecomputeTargetMap, SaveUnit,
                          apply_recompute_config)
 

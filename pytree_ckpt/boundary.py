@@ -51,9 +51,10 @@ reentrant checkpoint does; when no input requires grad a tiny requires-grad *anc
 backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(inputs=...)``:
 those raise ``CheckpointError`` instead of returning partial results.
 
-What the boundary knows of the modules a call uses (their parameters and buffers, cached, and
-the state the original pass changes) is in ``module_state.py``; what it refuses, and how its
-messages say so, in ``refusals.py``.
+Elsewhere: what the boundary knows of the modules a call uses (their parameters and buffers,
+cached) in ``module_state.py``; the state the original pass changes in ``state_changes.py``;
+what it refuses, and how its messages say so, in ``refusals.py``; the replay itself, in
+backward, in ``recompute.py``.
 
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
 ``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), or when
@@ -68,8 +69,8 @@ import functools
 import inspect
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -77,26 +78,20 @@ from torch import nn
 
 from .census import Mechanism, census_active, report_held
 from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
-from .engine import input_grads
-from .errors import CheckpointError, ReplayMismatchError, validate_bool
+from .errors import ReplayMismatchError, validate_bool
 from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
-from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch, any_lazy,
-                           call_switches, collect_parameters, ever_verified,
-                           graph_attributes, is_verified, mark_stateful,
-                           module_dicts, owning_module, snapshots_wanted, versions)
+from .module_state import (ModuleDicts, any_lazy, call_switches, collect_parameters,
+                           ever_verified, graph_attributes, module_dicts, owning_module)
 from .phase import ACTIVE, Invocation, Phase
-from .refusals import (TORCH_REENTRANT, fn_name, input_path, open_containers,
-                       raise_attached_to_outside_tensor,
-                       raise_hooked_outside_tensor, raise_input_changed,
-                       raise_torch_reentrant_inside, refuse_double_backward,
-                       refuse_filled_containers, refuse_hidden_outputs,
-                       refuse_unreadable_inputs, require_callable, stored_numbers,
-                       stored_tensors, verify_leaves, warn_changed_numbers, warn_stored_scalars)
+from .recompute import replay_backward
+from .refusals import (fn_name, input_path, raise_input_changed, refuse_double_backward,
+                       refuse_hidden_outputs, refuse_unreadable_inputs, require_callable)
 from .rng import IsolatedPass, ReplayEnvironment
-from .saved import Unchanged
-from .subclass import SubclassKind, as_kind, kind_of
+from .state_changes import (ChangedState, ForwardModules, StateWatch, mark_stateful,
+                            snapshots_wanted, versions)
+from .subclass import SubclassKind, kind_of
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
@@ -207,7 +202,7 @@ class BoundaryCall:
         self.frozen: list[torch.Tensor] = []
         self.frozen_at_call: list[torch.Tensor] = []  # the frozen ones, kept for backward
         # What the original pass changed of the modules' state (NOTE [state the forward
-        # changes] in module_state.py); None when it changed nothing.
+        # changes] in state_changes.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
         # The modules fn uses and their dicts, for the original pass only (then dropped); what
         # they were then, for the replay (NOTE [the replay sees the forward's modules]).
@@ -405,51 +400,14 @@ class _BoundaryFunction(torch.autograd.Function):
         refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
         changes = call.forward_modules.changes() if call.forward_modules is not None else None
         if changes is None:
-            return _replay_backward(ctx, call, grad_outputs)
+            return replay_backward(ctx, call, grad_outputs)
         # The forward's modules (NOTE [the replay sees the forward's modules]), around the
         # replay's gradients too: what runs in the replay's backward (an output discard's
         # rebuild) sees them, and the replay's copies (NOTE [the replay changes copies]) are of
         # the very tensors the forward changed (a buffer torch.func.functional_call passed in).
         assert call.forward_modules is not None
         with call.forward_modules.reinstated(changes):
-            return _replay_backward(ctx, call, grad_outputs)
-
-
-class _FirstReplay:
-    """What a module's first replay with a switch (NOTE [verified per switch]) reads around
-    ``fn``: the containers passed in (NOTE [containers filled by the forward]), the scalars
-    and numbers on its modules (NOTE [results stored on a module], NOTE [numbers a forward
-    changes] in refusals.py). The replay runs with grad, so what it adds tells a loss from a
-    value that never had a gradient, which the no-grad original pass cannot."""
-
-    __slots__ = ("containers", "known", "modules", "dicts", "tensors", "numbers")
-
-    def __init__(self, containers: Any, known: set[int], modules: list[nn.Module],
-                 dicts: list[dict[str, Any]]) -> None:
-        self.containers = containers
-        self.known = known  # the replay's inputs and parameters: the caller has them
-        self.modules = modules
-        self.dicts = dicts
-        self.tensors = stored_tensors(dicts)
-        self.numbers = stored_numbers(dicts)
-
-    @classmethod
-    def of(cls, call: BoundaryCall, args: tuple[Any, ...], kwargs: dict[str, Any],
-           aliases: tuple[torch.Tensor, ...]) -> _FirstReplay | None:
-        if call.owner is None or call.forward_modules is None or \
-                is_verified(call.owner, call.switches):
-            return None
-        modules = list(call.forward_modules.roots)
-        known = {id(t) for t in (*aliases, *(call.params or ()))}
-        return cls(open_containers(args, kwargs), known, modules,
-                   [*(m.__dict__ for m in modules), *call.forward_modules.submodules])
-
-    def check(self, call: BoundaryCall) -> None:
-        if self.containers is not None:
-            refuse_filled_containers(call, self.containers, self.known)
-        owner = self.modules[0]
-        warn_stored_scalars(owner, self.modules, self.dicts, self.tensors)
-        warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
+            return replay_backward(ctx, call, grad_outputs)
 
 
 def _argument_module(leaf: Any, /) -> nn.Module | None:
@@ -462,261 +420,6 @@ def _argument_module(leaf: Any, /) -> nn.Module | None:
     if isinstance(leaf, (int, float, str, bool, type)) or not callable(leaf):
         return None
     return owning_module(leaf)
-
-
-def _replay_backward(ctx: Any, call: BoundaryCall,
-                     grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
-    """The replay of ``call`` and the gradients of its inputs (and parameters)."""
-    explicit = call.params is not None
-    if not explicit and not torch.autograd._is_checkpoint_valid():
-        raise CheckpointError(
-            f"the boundary around {fn_name(call.fn)} was reached by a restricted backward: "
-            "torch.autograd.grad(), backward(inputs=...), or the replay of a checkpoint "
-            "boundary or output discard around it (which takes its gradients with "
-            "torch.autograd.grad)",
-            expected="a module (or a method of one) as fn, or loss.backward() with no "
-                     "module-aware replay around it",
-            got="an arbitrary callable under a restricted backward",
-            tip="wrap a module (pytree_ckpt.checkpoint(module, ...) or "
-                "apply_activation_checkpointing) so its parameters are known, or call "
-                "loss.backward() and read .grad")
-    needs = ctx.needs_input_grad[2:]
-    n = call.n_inputs + len(call.attributes)
-    try:
-        saved = ctx.saved_tensors
-    except RuntimeError as error:
-        if "modified by an inplace operation" not in str(error):
-            raise
-        raise CheckpointError(
-            f"an input of {fn_name(call.fn)} was changed in place after the call, and the "
-            "replay in backward needs it as it was", expected="its version when saved",
-            got=str(error).split(". Hint")[0],
-            tip="the boundary keeps each input for the replay, where eager keeps only what "
-                "backward needs (an integer position tensor, say): change a clone after the "
-                "call (pos = pos + 4, not pos += 4)") from error
-    call.frame.start_replay()
-    assert call.env is not None
-    invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
-    token = ACTIVE.set(invocation)
-    try:
-        with call.env.replaying(), IsolatedPass():
-            # Detached here, under the forward's torch-function state: a __torch_function__
-            # subclass input stays one (NOTE [the replay sees tensor subclasses as the forward
-            # did] in rng.py).
-            if call.subclasses is None:
-                detached = tuple(t.detach().requires_grad_(need)
-                                 for t, need in zip(saved, needs[:n]))
-            else:
-                detached = tuple(as_kind(t.detach(), kind, attributes=False).requires_grad_(
-                    need) for t, kind, need in zip(saved, call.subclasses, needs[:n]))
-            # fn sees non-leaf aliases (made with grad enabled), whatever its inputs were in
-            # eager. Three things need them (a review of a change that handed fn the leaves
-            # found each; tests/pytree_ckpt/test_boundary.py keeps them): a multi-grad hook on
-            # the input, which torch refuses on a leaf under the replay's gradient call (module
-            # trackers such as FlopCounterMode's, FSDP, torch.utils.debug_log, fn itself);
-            # autocast, which caches one cast of a leaf but casts a non-leaf anew at each use,
-            # as eager does for a layer input; and memory, as a cached cast keeps its leaf
-            # alive until the caller's autocast region ends (backward inside it kept every
-            # layer's input).
-            aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
-            if call.subclasses is not None:
-                aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
-            args, kwargs = call.inputs(aliases)
-            first = _FirstReplay.of(call, args, kwargs, aliases)  # None but at a first replay
-            shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-            recorded = None
-            if not (shadow or call.attributes or call.options.keep is not None or
-                    call.hooked_outputs is not None or call.changed_state is not None):
-                output = call.fn(*args, **kwargs)  # the usual case, with no context more
-            else:
-                with ExitStack() as stack:
-                    if call.changed_state is not None:  # NOTE [the replay changes copies]
-                        stack.enter_context(call.changed_state.on_copies())
-                    if shadow:
-                        # Shadow an ambient hook (offload, census): the replay's short-lived
-                        # graph is not theirs to see. Only then: the hooks cost ~1 us per saved
-                        # tensor. NOTE [hooks switch off the in-place check] in saved.py:
-                        # Unchanged checks.
-                        stack.enter_context(
-                            torch.autograd.graph.saved_tensors_hooks(Unchanged, Unchanged.get))
-                    if call.attributes:
-                        assert call.owner is not None
-                        stack.enter_context(_attributes_set(call.owner, call.attributes,
-                                                            aliases[call.n_inputs:]))
-                    if call.options.keep is not None:
-                        stack.enter_context(KeepMode(call.options.keep, invocation))
-                    if call.hooked_outputs is not None:
-                        recorded = stack.enter_context(recording())
-                    output = call.fn(*args, **kwargs)
-            if first is not None:
-                first.check(call)
-    except CheckpointError:
-        raise
-    except Exception as error:
-        # An error only the replay meets has two usual causes: an argument the original pass
-        # changed (a key/value cache object it appended to; containers are rebuilt, but the
-        # objects in them are passed as they are), or code that behaves otherwise with grad
-        # enabled (the replay's mode; a fullgraph compile that cannot trace it). The error
-        # keeps its type (an out-of-memory error stays one); the note says where it came from
-        # and names the first cause only as a possibility.
-        if hasattr(error, "add_note"):  # Python 3.11+
-            error.add_note(
-                f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
-                "runs the forward again on the same arguments, with grad enabled. If the "
-                "error does not come from grad mode, check for an object the forward changed "
-                "(a key/value cache it filled): the replay sees it as the forward left it. "
-                "Tip: pass use_cache=False in training, or keep such state outside the "
-                "checkpointed call.")
-        raise
-    finally:
-        ACTIVE.reset(token)
-    call.frame.check_consumed()
-    flat = flatten(output)
-    call.check_replay(flat.spec, flat.leaves, flat.tensor_index)
-    outs, grads = [], []
-    for index, grad in zip(flat.tensor_index, grad_outputs):
-        out = flat.leaves[index]
-        if out.grad_fn is ctx:
-            raise_attached_to_outside_tensor(call, flat.spec, index)
-        if grad is not None and out.requires_grad:
-            outs.append(out)
-            grads.append(grad)
-    if call.hooked_outputs is not None:
-        assert recorded is not None
-        extra = call.hooked_outputs.replayed(recorded, fn_name(call.fn))
-        extra_grads = grad_outputs[len(flat.tensor_index):]
-        for position, (out, grad) in enumerate(zip(extra, extra_grads)):
-            if out.grad_fn is ctx:
-                raise_hooked_outside_tensor(call, position)
-            if grad is not None and out.requires_grad:
-                outs.append(out)
-                grads.append(grad)
-    # NOTE [frame lifetime]: without retain_graph this node never runs again (autograd frees
-    # its saved tensors right after it), so its frame is cleared as soon as its own backward
-    # is done, not when the whole backward call is (a callback at the end of the graph task,
-    # as before): with offload, the frozen results (top-k ids) come back to the device for
-    # the replay, and frames held to the end of backward kept every already-replayed layer's
-    # restored ids there, O(layers) device memory at the tail of backward. keep_graph is read
-    # here, in the outer task (the inner backward below is a task of its own); the frame is
-    # cleared after that inner backward, in which a nested boundary's replay may still read
-    # it. (The census reads frame.released as "this invocation no longer holds its inputs".)
-    release = bool(call.frame.results or call.reported) and \
-        not torch._C._autograd._get_current_graph_task_keep_graph()
-    if not explicit:
-        if outs:
-            torch.autograd.backward(outs, grads)
-        if release:
-            call.frame.clear()
-        return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
-    assert call.params is not None
-    wrt = [*detached, *call.params]
-    # A parameter frozen since the forward (requires_grad_(False) before backward) gets no
-    # gradient, as in eager, where its AccumulateGrad then does nothing.
-    wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
-    if outs and call.owner is not None and \
-            not is_verified(call.owner, call.switches):
-        verify_leaves(call, outs, wrt)
-    result: list[torch.Tensor | None] = [None] * len(wrt)
-    if outs and wanted:
-        with ParameterHooksPaused(call.params):
-            try:
-                # NOTE [the replay calls the engine directly] (engine.py): outs passed
-                # check_replay, and grads are autograd's own for them.
-                got = input_grads(outs, grads, [wrt[i] for i in wanted])
-            except RuntimeError as error:
-                if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
-                    raise
-                raise_torch_reentrant_inside(call, error)
-        for i, grad in zip(wanted, got):
-            result[i] = grad
-    elif call.params:
-        # Every parameter gets None (no output had a gradient): NOTE [unused parameters get
-        # no hook call] holds here too.
-        with ParameterHooksPaused(call.params):
-            pass
-    if release:
-        call.frame.clear()
-    return (None, None, *result)
-
-
-class ParameterHooksPaused:
-    """NOTE [parameter hooks run once]: ``torch.autograd.grad`` runs a leaf's tensor hooks
-    (``param.register_hook``) on the gradient it captures, and autograd runs them again when
-    the returned gradient reaches the parameter in the outer backward: a hook that scales or
-    masks would apply twice. Paused for the replay's ``grad``, they run once, where eager runs
-    them. Each hook in the dict is swapped for a no-op and put back after, in place: autograd's
-    hook object reads the dict at call time, and a handle removed meanwhile (a one-shot hook
-    inside the replay's backward) still finds its key, so it stays removed; a hook registered
-    meanwhile stays too. (A plain class: entered once per layer call.)
-
-    NOTE [unused parameters get no hook call]: a parameter the forward did not use (an MoE
-    expert that got no token, a bias a layer skips) gets ``None`` from the replay, and autograd
-    runs a leaf's hooks even for a ``None`` gradient a Function returns: ``lambda g: g * 2``
-    raised ``TypeError`` in backward, where eager never calls it. Each hook is put back
-    wrapped, so that a ``None`` gradient skips it (a defined one calls it as it is).
-    """
-
-    __slots__ = ("stash",)
-
-    def __init__(self, params: Sequence[torch.Tensor], /) -> None:
-        # Not hooks an enclosing pause holds (a nested boundary's replay runs inside the outer
-        # one's grad): that pause puts them back.
-        self.stash = [(hooks, paused) for p in params if (hooks := p._backward_hooks)
-                      if (paused := {key: hook for key, hook in hooks.items()
-                                     if hook is not _no_hook})]
-
-    def __enter__(self) -> None:
-        for hooks, paused in self.stash:
-            for key in paused:
-                hooks[key] = _no_hook
-
-    def __exit__(self, *exc: object) -> None:
-        for hooks, paused in self.stash:
-            for key, hook in paused.items():
-                if hooks.get(key) is _no_hook:  # not removed (or replaced) meanwhile
-                    hooks[key] = hook if isinstance(hook, SkipsNoGradient) \
-                        else SkipsNoGradient(hook)
-
-
-def _no_hook(grad: torch.Tensor) -> None:
-    return None  # leaves the gradient as it is
-
-
-class SkipsNoGradient:
-    """A parameter's gradient hook that is not called without a gradient (NOTE [unused
-    parameters get no hook call])."""
-
-    __slots__ = ("hook",)
-
-    def __init__(self, hook: Callable[[torch.Tensor], Any], /) -> None:
-        self.hook = hook
-
-    def __call__(self, grad: torch.Tensor | None) -> Any:
-        return None if grad is None else self.hook(grad)
-
-    def __repr__(self) -> str:
-        return f"SkipsNoGradient({self.hook!r})"
-
-
-@contextmanager
-def _attributes_set(module: nn.Module, names: Sequence[str],
-                    tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-    """``module``'s attributes ``names`` set to ``tensors`` for the block (NOTE [attributes
-    set before the call]); what they held before is put back after it."""
-    held = module.__dict__
-    before = [held.get(name, _MISSING) for name in names]
-    held.update(zip(names, tensors))
-    try:
-        yield
-    finally:
-        for name, value in zip(names, before):
-            if value is _MISSING:
-                held.pop(name, None)
-            else:
-                held[name] = value
-
-
-_MISSING = object()
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -20,7 +20,7 @@ NOTE [discard lifetimes]:
    discarded output as input) in forward order, from one hook, once.
 5. The rebuild runs ``fn`` again, and with it what ``fn`` changes of its modules' state
    (BatchNorm's running statistics), which eager does once. The forward watches that state
-   as the boundary does (NOTE [state the forward changes] in module_state.py), and the
+   as the boundary does (NOTE [state the forward changes] in state_changes.py), and the
    rebuild runs on copies of what changed (NOTE [the replay changes copies]), from the hook
    until ``fn`` returns: nothing depends on the Function's backward running after it (a
    restricted backward may not run it), and two rebuilds of one module never interleave
@@ -44,7 +44,6 @@ the small recomputed graph, which is what lets the op's own intermediates go uns
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import weakref
@@ -55,19 +54,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .boundary import ParameterHooksPaused
+from .parameter_hooks import ParameterHooksPaused
 from .refusals import refuse_double_backward, refuse_module_tensor
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
-from .module_state import (ChangedState, ForwardModules, ModuleDicts, StateWatch,
-                           collect_parameters, foreign_leaf, module_buffers, module_dicts,
-                           owning_module, trainable_parameters, versions)
+from .module_state import (ModuleDicts, collect_parameters, foreign_leaf, module_buffers,
+                           module_dicts, owning_module, trainable_parameters)
 from .rng import IsolatedPass, ReplayEnvironment
+from .state_changes import ChangedState, ForwardModules, StateWatch, versions
 from .tree import flatten
 
-__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager",
-           "ResidualRecomputeContext", "build_residual_stream_recompute_plan"]
+__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +341,7 @@ class CheckpointWithoutOutput:
         self.forward_modules: ForwardModules | None = None
         # Their buffer dicts, frozen parameters (known tensors for backward's check) and
         # trees; what the forward changed of them (NOTE [state the forward changes] in
-        # module_state.py, NOTE [discard lifetimes] 5).
+        # state_changes.py, NOTE [discard lifetimes] 5).
         self.state: tuple[list[dict[str, torch.Tensor | None]], list[torch.Tensor],
                           list[ModuleDicts]] | None = None
         self.changed_state: ChangedState | None = None
@@ -635,68 +633,3 @@ class CheckpointWithoutOutputManager:
             if not ckpt.passthrough:
                 ckpt._replay()
                 self.replay_order.append(index)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ResidualRecomputeContext:
-    """One layer's place in a residual-stream recompute plan."""
-
-    layer_index: int
-    block_index: int
-    manager: CheckpointWithoutOutputManager
-    is_block_end: bool
-
-
-def build_residual_stream_recompute_plan(
-        num_layers: int, block_size: int | None, /, *,
-        atomic_layer_pairs: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
-) -> list[ResidualRecomputeContext]:
-    """One context per layer; layers of a block share a manager; pairs never split.
-
-    Managers are single-use (one discard and one replay per forward): build a plan per step.
-
-    ``block_size=None`` makes the whole stack one block. A pair ``(a, b)`` keeps layers
-    ``a..b`` in one block even when that exceeds ``block_size`` (``block_size=1`` included).
-    """
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise CheckpointConfigError("num_layers must be a positive int", expected=">= 1",
-                                    got=repr(num_layers), tip="pass the number of layers")
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                   or block_size < 1):
-        raise CheckpointConfigError("block_size must be a positive int or None",
-                                    expected=">= 1, or None for the whole stack",
-                                    got=repr(block_size), tip="None makes one block")
-    unit_of = list(range(num_layers))  # the first layer of the atomic unit holding each layer
-    for pair in atomic_layer_pairs:
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
-                and all(isinstance(i, int) for i in pair) and 0 <= pair[0] < pair[1] < num_layers):
-            raise CheckpointConfigError(
-                f"atomic_layer_pairs entry {pair!r} is not a pair of layer indices a < b",
-                expected=f"0 <= a < b < {num_layers}", got=repr(pair),
-                tip="list each pair once, smaller index first")
-    # In order of their first layer, so that overlapping pairs chain into one unit whatever
-    # order they are listed in.
-    for a, b in sorted(tuple(pair) for pair in atomic_layer_pairs):
-        for layer in range(a + 1, b + 1):
-            unit_of[layer] = unit_of[a]
-    units: list[list[int]] = []
-    for layer in range(num_layers):
-        if units and unit_of[layer] == unit_of[units[-1][0]]:
-            units[-1].append(layer)
-        else:
-            units.append([layer])
-    limit = num_layers if block_size is None else block_size
-    blocks: list[list[int]] = []
-    for unit in units:
-        if blocks and len(blocks[-1]) + len(unit) <= limit:
-            blocks[-1].extend(unit)
-        else:
-            blocks.append(list(unit))
-    plan = []
-    for block_index, block in enumerate(blocks):
-        manager = CheckpointWithoutOutputManager()
-        for layer in block:
-            plan.append(ResidualRecomputeContext(layer_index=layer, block_index=block_index,
-                                                 manager=manager,
-                                                 is_block_end=layer == block[-1]))
-    return plan

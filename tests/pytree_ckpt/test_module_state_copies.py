@@ -1,4 +1,4 @@
-"""NOTE [the replay changes copies] (module_state.py) and what the first replay refuses of the
+"""NOTE [the replay changes copies] (state_changes.py) and what the first replay refuses of the
 tensors a module holds: state reached other than through the module's dicts, buffers that
 require grad, parameters registered in the forward, parameters unfrozen before backward. Each
 compares against an unwrapped eager twin, exactly, or checks the error."""
@@ -457,16 +457,16 @@ def test_small_buffers_are_cloned_before_the_forward_only_of_modules_that_change
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Cloning every small buffer at every call cost 6.4 MB a call for 100 untouched 64 KB
     # buffers: after a module's first replay, only a module that changed state is cloned.
-    from pytree_ckpt import module_state
+    from pytree_ckpt import state_changes
 
     saved: list[int] = []
-    save = module_state.StateWatch._save
+    save = state_changes.StateWatch._save
 
     def counting_save(self: Any, t: torch.Tensor) -> None:
         saved.append(t.numel())
         save(self, t)
 
-    monkeypatch.setattr(module_state.StateWatch, "_save", counting_save)
+    monkeypatch.setattr(state_changes.StateWatch, "_save", counting_save)
 
     class Constant(nn.Module):
         def __init__(self) -> None:
@@ -479,12 +479,12 @@ def test_small_buffers_are_cloned_before_the_forward_only_of_modules_that_change
 
     constant = pytree_ckpt.apply_activation_checkpointing(Constant())
     counting = pytree_ckpt.apply_activation_checkpointing(PeriodicEma())
-    assert module_state.snapshots_wanted(constant) and module_state.snapshots_wanted(counting)
+    assert state_changes.snapshots_wanted(constant) and state_changes.snapshots_wanted(counting)
     for module in (constant, counting):
         module(torch.randn(8, 4)).sum().backward()
     assert len(saved) == 1 + 2  # first calls: the constant's scale, the counter and the EMA
-    assert not module_state.snapshots_wanted(constant)  # verified, nothing ever changed
-    assert module_state.snapshots_wanted(counting)      # its counter moves every call
+    assert not state_changes.snapshots_wanted(constant)  # verified, nothing ever changed
+    assert state_changes.snapshots_wanted(counting)      # its counter moves every call
     saved.clear()
     for module in (constant, counting):
         module(torch.randn(8, 4)).sum().backward()

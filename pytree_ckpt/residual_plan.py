@@ -1,0 +1,77 @@
+"""Megatron's residual-stream recompute plan: which layers share an output-discard manager
+(``CheckpointWithoutOutputManager``, in discard.py), so that a block of layers discards its
+cheap outputs together and replays them, in forward order, from one hook."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .discard import CheckpointWithoutOutputManager
+from .errors import CheckpointConfigError
+
+__all__ = ["ResidualRecomputeContext", "build_residual_stream_recompute_plan"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResidualRecomputeContext:
+    """One layer's place in a residual-stream recompute plan."""
+
+    layer_index: int
+    block_index: int
+    manager: CheckpointWithoutOutputManager
+    is_block_end: bool
+
+
+def build_residual_stream_recompute_plan(
+        num_layers: int, block_size: int | None, /, *,
+        atomic_layer_pairs: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
+) -> list[ResidualRecomputeContext]:
+    """One context per layer; layers of a block share a manager; pairs never split.
+
+    Managers are single-use (one discard and one replay per forward): build a plan per step.
+
+    ``block_size=None`` makes the whole stack one block. A pair ``(a, b)`` keeps layers
+    ``a..b`` in one block even when that exceeds ``block_size`` (``block_size=1`` included).
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise CheckpointConfigError("num_layers must be a positive int", expected=">= 1",
+                                    got=repr(num_layers), tip="pass the number of layers")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                   or block_size < 1):
+        raise CheckpointConfigError("block_size must be a positive int or None",
+                                    expected=">= 1, or None for the whole stack",
+                                    got=repr(block_size), tip="None makes one block")
+    unit_of = list(range(num_layers))  # the first layer of the atomic unit holding each layer
+    for pair in atomic_layer_pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                and all(isinstance(i, int) for i in pair) and 0 <= pair[0] < pair[1] < num_layers):
+            raise CheckpointConfigError(
+                f"atomic_layer_pairs entry {pair!r} is not a pair of layer indices a < b",
+                expected=f"0 <= a < b < {num_layers}", got=repr(pair),
+                tip="list each pair once, smaller index first")
+    # In order of their first layer, so that overlapping pairs chain into one unit whatever
+    # order they are listed in.
+    for a, b in sorted(tuple(pair) for pair in atomic_layer_pairs):
+        for layer in range(a + 1, b + 1):
+            unit_of[layer] = unit_of[a]
+    units: list[list[int]] = []
+    for layer in range(num_layers):
+        if units and unit_of[layer] == unit_of[units[-1][0]]:
+            units[-1].append(layer)
+        else:
+            units.append([layer])
+    limit = num_layers if block_size is None else block_size
+    blocks: list[list[int]] = []
+    for unit in units:
+        if blocks and len(blocks[-1]) + len(unit) <= limit:
+            blocks[-1].extend(unit)
+        else:
+            blocks.append(list(unit))
+    plan = []
+    for block_index, block in enumerate(blocks):
+        manager = CheckpointWithoutOutputManager()
+        for layer in block:
+            plan.append(ResidualRecomputeContext(layer_index=layer, block_index=block_index,
+                                                 manager=manager,
+                                                 is_block_end=layer == block[-1]))
+    return plan

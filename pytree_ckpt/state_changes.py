@@ -1,0 +1,402 @@
+"""What the original pass of a call changes of its modules' state, and what the modules were
+then:
+
+- the buffers and frozen parameters it changed, copied for the replay to change (NOTE [state
+  the forward changes], NOTE [the replay changes copies], NOTE [small state as it was before
+  the forward]);
+- the modes and parameter entries of its modules, put back for the replay if they changed
+  before backward (NOTE [the replay sees the forward's modules]).
+
+Which modules and tensors a call uses is in ``module_state.py``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from .module_state import ModuleDicts, ever_verified
+
+__all__ = ["ChangedState", "ForwardModules", "StateWatch", "mark_stateful", "snapshots_wanted",
+           "versions"]
+
+
+def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    # Inference tensors keep no version counter (and cannot be changed outside inference mode).
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
+_Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
+
+
+_STATEFUL = "_pytree_ckpt_stateful"
+
+
+def mark_stateful(module: nn.Module, /) -> None:
+    """Note that a forward of ``module`` changed its state (NOTE [small state as it was
+    before the forward])."""
+    module.__dict__[_STATEFUL] = True
+
+
+def snapshots_wanted(module: nn.Module, /) -> bool:
+    """Whether the next forward of ``module`` clones its small buffers first: at its first
+    calls (until its first replay), and once a forward of it changed state."""
+    return bool(module.__dict__.get(_STATEFUL)) or not ever_verified(module)
+
+
+class StateWatch:
+    """NOTE [state the forward changes]: the replay runs ``fn`` again, and with it every change
+    ``fn`` makes to its modules' buffers (BatchNorm's running statistics, a step counter, an
+    EMA reassigned) and frozen parameters, which eager never repeats. The original pass notes
+    which buffers changed, in place (a version counter moved), by reassignment (another object
+    under a name) or by registration (a new name: every submodule's dict is watched, empty
+    ones too), and which frozen parameters changed in place or were reassigned. The replay
+    then runs on copies (NOTE [the replay changes copies]). A batch norm's buffers count as a
+    whole, since its kernel updates the running statistics without moving their versions
+    (only ``num_batches_tracked`` moves). Changes through ``.data`` move no version and are
+    not seen. The common case, nothing changed, costs one version read and one identity check
+    per buffer (and, with frozen parameters, one identity check per parameter).
+    """
+
+    __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries",
+                 "before", "storages")
+
+    def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
+                 frozen: list[torch.Tensor], trees: Sequence[ModuleDicts], *,
+                 snapshot: bool) -> None:
+        # Most submodules have no buffer: for those only a new entry can happen, a length
+        # check (about 0.05 us per submodule; 7 of them cost 0.3 us more than none).
+        self.watched: list[tuple[_Buffers, tuple[tuple[str, torch.Tensor | None], ...],
+                                 list[int | None]]] = []
+        self.empty: list[_Buffers] = []
+        # NOTE [small state as it was before the forward]: with ``snapshot`` (a module's
+        # first calls, and every call once a forward of it changed state: snapshots_wanted),
+        # each small buffer (at most _SMALL_BYTES: a step counter, running statistics, an EMA
+        # vector, spectral norm's power-iteration vectors) is saved before the forward, with
+        # where it lay: its storage is cloned (once, however many buffers view it) when that
+        # storage is small too, else the buffer alone. The replay's copies of the buffers the
+        # forward changed are made from these, as they lay before the forward (a resize_ or
+        # a t_ in the forward does not move them), sharing one storage where the buffers
+        # did (tied, or views of one another), so the replay makes the forward's decisions
+        # again (a periodic update keyed on a counter) and its output reads what the
+        # forward's read (an EMA updated, then used). What nothing changed is dropped after
+        # the forward. A larger buffer's copy is made from what the forward left
+        # (documented); so is a small one whose module first changed state after its first
+        # replay (nothing was saved).
+        self.before: dict[int, tuple[Any, Any]] = {}  # by buffer id: (storage key, layout)
+        self.storages: dict[Any, torch.UntypedStorage] = {}
+        for d in dicts:
+            if d:
+                items = tuple(d.items())
+                self.watched.append((d, items, _object_versions(items)))
+                if snapshot:
+                    for _, t in items:
+                        if t is not None and id(t) not in self.before:
+                            self._save(t)
+            else:
+                self.empty.append(d)
+        self.frozen = frozen
+        self.frozen_versions = versions(frozen)
+        self.trees = trees  # where the frozen parameters are, read only if one changed
+        # Where each frozen parameter is (a forward may reassign one: an EMA kept as a frozen
+        # nn.Parameter); read only when there are frozen parameters.
+        self.frozen_entries = [(d, name, t) for tree in trees for d in tree.parameters
+                               for name, t in d.items()
+                               if t is not None and not t.requires_grad] if frozen else []
+
+    def _save(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key is not None and key[2] <= _SMALL_BYTES:
+            if key not in self.storages:
+                self.storages[key] = t.untyped_storage().clone()
+            self.before[id(t)] = (key, (t.storage_offset(), t.size(), t.stride()))
+        elif t.layout == torch.strided and not t.is_nested and not t.requires_grad and \
+                not t.is_inference() and t.numel() * t.element_size() <= _SMALL_BYTES:
+            # A small view of a large storage, or a conjugate or negative view (set_ would
+            # drop the bit): the buffer alone, its values resolved.
+            self.before[id(t)] = (None, t.detach().clone())
+
+    def changed(self) -> ChangedState | None:
+        buffers: list[tuple[_Buffers, _Moved | None]] = []
+        for d, items, before in self.watched:
+            # Reassigned, or changed in place (both can happen: self.ema = ...; self.step += 1).
+            if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items) or \
+                    _object_versions(items) != before:
+                buffers.append((d, _moved(d, items, before)))
+        # A buffer registered by the forward in a dict that had none.
+        buffers += [(d, [(name, _ABSENT) for name in d]) for d in self.empty if d]
+        in_place = {id(p) for p, v in zip(self.frozen, self.frozen_versions)
+                    if not p.is_inference() and p._version != v}
+        parameters: dict[int, tuple[_Buffers, _Moved]] = {}
+        if in_place:
+            for tree in self.trees:
+                for d in tree.parameters:
+                    for name, t in d.items():
+                        if id(t) in in_place:
+                            parameters.setdefault(id(d), (d, []))[1].append((name, None))
+        for d, name, t in self.frozen_entries:
+            if d.get(name) is not t:  # reassigned: the replay starts from the one before
+                parameters.setdefault(id(d), (d, []))[1].append((name, t))
+        if not (buffers or parameters):
+            return None
+        # Only the clones of what changed are kept (the forward's own, or the one it replaced).
+        changed = {id(obj) for d, moved in buffers
+                   for name, previous in ([(n, None) for n in d] if moved is None else moved)
+                   for obj in (d.get(name), previous) if obj is not None}
+        saved = {i: value for i, value in self.before.items() if i in changed}
+        storages = {key: self.storages[key] for key, _ in saved.values() if key is not None}
+        return ChangedState(buffers, list(parameters.values()), saved, storages)
+
+
+# NOTE [small state as it was before the forward]: buffers (and their storages) up to this
+# size are saved before a forward, at a module's first calls and once it changed state.
+_SMALL_BYTES = 64 * 1024
+
+
+class _Absent:
+    """An entry the forward registered: the replay runs without it, as the forward began."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT: Any = _Absent()
+
+
+def _storage_key(t: Any, /) -> Any:
+    """What identifies ``t``'s storage while it is alive, for a plain strided tensor with
+    bytes of its own; ``None`` for anything else (copied as it is)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested or \
+            t.is_quantized or t.device.type == "meta" or t.requires_grad or \
+            t.is_inference() or t.is_conj() or t.is_neg() or \
+            type(t) not in (torch.Tensor, nn.Parameter):
+        return None
+    storage = t.untyped_storage()
+    return (t.device, storage.data_ptr(), storage.nbytes()) if storage.nbytes() else None
+
+
+# Per changed dict: the names the replay gets copies for, each with what the name held before
+# the forward: ``None`` when it was changed in place, the replaced tensor when reassigned, set
+# to None or deleted (the replay starts from that one), ``_ABSENT`` when the forward
+# registered it.
+_Moved = list[tuple[str, Any]]
+
+
+def _moved(d: _Buffers, items: tuple[tuple[str, torch.Tensor | None], ...],
+           before: list[int | None]) -> _Moved | None:
+    """The names in a changed buffer dict whose tensor the forward changed, reassigned or
+    registered; ``None`` for all of them in a batch norm's (its kernel writes the running
+    statistics without moving their versions; ``num_batches_tracked`` moves)."""
+    if "num_batches_tracked" in d:
+        return None
+    old = {name: (obj, version) for (name, obj), version in zip(items, before)}
+    # Set to None or deleted by the forward (a one-time init): the replay gets it back.
+    moved: _Moved = [(name, obj) for name, (obj, _) in old.items()
+                     if obj is not None and d.get(name) is None]
+    for name, t in d.items():
+        was = old.get(name)
+        if t is None:
+            continue
+        if was is None:  # registered by the forward
+            moved.append((name, _ABSENT))
+        elif was[0] is not t:
+            moved.append((name, was[0]))
+        elif not t.is_inference() and t._version != was[1]:
+            moved.append((name, None))
+    return moved
+
+
+def _object_versions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list[int | None]:
+    """The version of each object in ``items`` (the objects themselves, wherever they are now)."""
+    return [None if t is None or t.is_inference() else t._version for _, t in items]
+
+
+class ChangedState:
+    """What the original pass changed (NOTE [state the forward changes]).
+
+    NOTE [the replay changes copies]: around the replay's call of ``fn``, each buffer (and
+    frozen parameter) the original pass changed in place or reassigned (every buffer of a
+    batch norm, whose kernel writes its running statistics without moving their versions) is
+    replaced in its dict by a copy, and one it registered is taken out; the dicts get their
+    entries back when ``fn`` returns. A small one's copy is of its value before the forward
+    (NOTE [small state as it was before the forward]); a reassigned one's, of the tensor it
+    replaced (still held); a larger one changed in place, of what the forward left. Copies
+    of one storage share one copy of it. So the replay computes what the forward did
+    (exactly so for small state; not for a layer whose output reads a larger buffer it
+    changed in place, documented), and whatever it changes (a second running-statistics
+    update, a reassignment, a new name) goes to the copies, which its graph saves if it
+    saves anything: the tensors the forward left are not changed again, and a graph of
+    another call that saved them (BatchNorm called outside the boundary in the same step)
+    still finds them as it saved them. State the forward left unchanged is not copied: a
+    change only the replay makes (a count kept only where grad is enabled, so that it counts
+    once under reentrant checkpointing) is the module's own. One the replay still reached
+    and changed another way (a buffer a hook or a list holds too, a view of it, a buffer that
+    requires grad and so is not swapped) gets its value back when ``fn`` returns, from a
+    copy taken before it, and its version counter back too where it covers its whole
+    storage (the copy back must not look like a change to a graph that saved it; a view's
+    counter is its base's, and the rest of the base may have changed). Not around the
+    replay's gradients: a backward hook that changes the state then changes the module's own
+    (its change was lost in the copies).
+    """
+
+    __slots__ = ("buffers", "parameters", "before", "storages")
+
+    def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
+                 parameters: list[tuple[_Buffers, _Moved]], before: dict[int, tuple[Any, Any]],
+                 storages: dict[Any, torch.UntypedStorage]) -> None:
+        self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
+        self.parameters = parameters  # the parameter dicts with a frozen parameter changed
+        self.before = before          # small changed buffers before the forward, by id
+        self.storages = storages      # their storages then, by key
+
+    @contextmanager
+    def on_copies(self) -> Iterator[None]:
+        dicts = [*self.buffers, *self.parameters]
+        entries = [(d, dict(d)) for d, _ in dicts]
+        # Each tensor copied, as the forward left it, with its version: one the replay still
+        # reaches another way (a list or a hook holding it, a view of it, one that requires
+        # grad and so is not swapped) and changes gets its value back after the replay.
+        kept: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        storages: dict[Any, torch.UntypedStorage] = {}  # this replay's, one per storage
+        for d, moved in dicts:
+            for name, previous in [(n, None) for n in d] if moved is None else moved:
+                t = d.get(name)
+                if t is None:  # the forward set it to None or deleted it: back, as it was
+                    if isinstance(previous, torch.Tensor):
+                        d[name] = self._copy(previous, storages)
+                    continue
+                if t.is_inference():
+                    continue
+                kept.append((t, t._version, t.detach().clone()))
+                if previous is _ABSENT:
+                    del d[name]
+                elif not t.requires_grad:  # one that does stays: the replay's gradient reaches it
+                    d[name] = self._copy(t if previous is None else previous, storages)
+        try:
+            yield
+        finally:
+            for d, entries_before in entries:
+                d.clear()
+                d.update(entries_before)
+            restored = [(tensor, version, value) for tensor, version, value in kept
+                        if tensor._version != version]
+            if restored:
+                with torch.no_grad():
+                    for tensor, _, value in restored:
+                        tensor.copy_(value)
+                whole = [(t, v) for t, v, _ in restored if _covers_its_storage(t)]
+                if whole:
+                    torch._C._autograd._unsafe_set_version_counter(
+                        tuple(t for t, _ in whole), tuple(v for _, v in whole))
+
+    def _copy(self, source: torch.Tensor, storages: dict[Any, torch.UntypedStorage]
+              ) -> torch.Tensor:
+        """The replay's copy of ``source`` as it was before the forward, over this replay's
+        copy of its storage then; of what the forward left where nothing was saved."""
+        saved = self.before.get(id(source))
+        if saved is None:
+            return source.detach().clone()
+        key, layout = saved
+        if key is None:
+            return layout.clone()  # type: ignore[no-any-return]  # the buffer alone
+        storage = storages.get(key)
+        if storage is None:
+            storage = storages[key] = self.storages[key].clone()
+        offset, size, stride = layout
+        copy = torch.empty(0, dtype=source.dtype, device=source.device)
+        return copy.set_(storage, offset, size, stride)
+
+
+def _covers_its_storage(tensor: torch.Tensor, /) -> bool:
+    """Whether ``tensor`` is no view and spans its whole storage (its version counter is then
+    about its bytes only)."""
+    return tensor._base is None and tensor.storage_offset() == 0 and tensor.is_contiguous() \
+        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+
+
+# The caller's modes, and (dict, the forward's entries, the caller's entries) per swapped dict.
+Changes = tuple[tuple[list[bool], list[Any]],
+                list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]]
+
+
+class ForwardModules:
+    """NOTE [the replay sees the forward's modules]: what the modules of a call were when the
+    original pass ran, put back for the replay if it changed before backward:
+
+    - each submodule's ``training`` flag: a model switched to ``eval()`` between forward and
+      backward (a validation pass) would otherwise replay without dropout, and backpropagate
+      through another function than the one that ran;
+    - the entries of its ``_parameters`` and ``_buffers`` dicts, as the original pass left
+      them: ``torch.func.functional_call`` (and ``torch.nn.utils.stateless``) swap tensors in
+      for the call only, so the replay in backward would run on the module's own parameters
+      and the tensors passed in would get no gradient.
+
+    The forward keeps a list of flags, a shallow copy of each non-empty dict and a list of the
+    empty ones (an entry added to one is not the forward's either; about 3 us for a decoder
+    layer); when nothing changed (FSDP2 keeps its unsharded parameter objects), backward
+    compares and changes nothing. Values are not part of it: what the
+    forward changes in place is ``StateWatch``'s.
+    """
+
+    __slots__ = ("roots", "submodules", "modes", "entries", "empty")
+
+    def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts]) -> None:
+        others = [m for tree in trees for m in tree.flagged_otherwise]
+        self.roots = [*roots, *others] if others else roots
+        roots = self.roots
+        if len(trees) == 1:  # the usual case, without concatenation
+            self.submodules = trees[0].submodules
+            dicts = trees[0].parameters + trees[0].buffers
+        else:
+            self.submodules = tuple(d for tree in trees for d in tree.submodules)
+            dicts = tuple(d for tree in trees for d in (*tree.parameters, *tree.buffers))
+        self.modes = [m.training for m in roots], [d.get("training") for d in self.submodules]
+        self.entries = [(d, d.copy()) for d in dicts if d]
+        # Empty ones are not copied (most modules have no buffers, activations no parameters),
+        # but an entry added to one before backward is not the forward's either.
+        self.empty = [d for d in dicts if not d]
+
+    def changes(self) -> Changes | None:
+        """What differs now from the forward, or ``None`` (the usual case: nothing)."""
+        modes = [m.training for m in self.roots], [d.get("training") for d in self.submodules]
+        # Same objects in the same order: one C-level pass per dict (a reordered dict counts as
+        # swapped, harmlessly: its entries are set again).
+        swapped = [(d, entries, d.copy()) for d, entries in self.entries
+                   if len(d) != len(entries) or
+                   not all(map(operator.is_, d.values(), entries.values()))]
+        if any(self.empty):
+            swapped += [(d, {}, d.copy()) for d in self.empty if d]
+        if modes == self.modes and not swapped:
+            return None
+        return modes, swapped
+
+    @contextmanager
+    def reinstated(self, changes: Changes, /) -> Iterator[None]:
+        """The forward's modes and entries for the block, ``changes`` (from ``changes()``)
+        put back after it."""
+        modes, swapped = changes
+        self._set_modes(self.modes)
+        for d, entries, _ in swapped:
+            d.clear()
+            d.update(entries)
+        try:
+            yield
+        finally:
+            self._set_modes(modes)
+            for d, _, now in swapped:
+                d.clear()
+                d.update(now)
+
+    def _set_modes(self, modes: tuple[list[bool], list[Any]]) -> None:
+        # Plain attribute writes, not train()/eval(): a module overriding train() (to keep its
+        # BatchNorm frozen) already chose these flags.
+        for module, flag in zip(self.roots, modes[0]):
+            module.training = flag
+        for d, flag in zip(self.submodules, modes[1]):
+            if flag is not None:
+                d["training"] = flag
