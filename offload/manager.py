@@ -127,7 +127,10 @@ class OffloadManager:
         self._pass = self._recent = Pass()
         self._counters: dict[str, int] = {}
         self._reset_counters()
+        # Warned of a pass that offloaded nothing; some pass offloaded something (a short batch
+        # among long ones is below min_bytes, and says nothing about the setting).
         self._warned_nothing = False
+        self._ever_offloaded = False
         self._warned_device = False
         self._warned_plain = False
         # Storages let go while still alive: judged when backward begins (``_judge_alive``),
@@ -290,13 +293,16 @@ class OffloadManager:
         return Window(self._pass, keys, name, seq=self._opened - 1)
 
     def _check_pass_offloaded(self, pass_: Pass) -> None:
-        if (pass_.offloaded == 0 and pass_.largest_small > 0
+        if pass_.offloaded:
+            self._ever_offloaded = True
+        elif (pass_.largest_small > 0 and not self._ever_offloaded
                 and not self._warned_nothing):
             self._warned_nothing = True
             log.warning(
                 "offload is on, but the last pass offloaded nothing: the window storages on %s "
                 "were below OffloadConfig.min_bytes=%d (the largest had %d bytes); lower "
-                "min_bytes to offload them, or turn offload off", self.device,
+                "min_bytes to offload them, or turn offload off (if your batches vary in "
+                "length, longer ones may reach it)", self.device,
                 self.config.min_bytes, pass_.largest_small)
         pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
 
@@ -373,8 +379,9 @@ class OffloadManager:
     def offload_into(self, window: Window, tensor: torch.Tensor, /) -> Any:
         """Offload ``tensor`` (not saved by autograd: a replay frame's result) in ``window``.
 
-        Returns a handle for ``restore``, or ``tensor`` itself where the window rule says no
-        (below ``min_bytes``, another device, a parameter).
+        Returns an opaque handle: always pass it to ``restore``. Where the window rule says no
+        (below ``min_bytes``, another device, a parameter) it holds ``tensor`` itself, and
+        ``restore`` checks that it was not changed in place since.
         """
         key = self._plain_storage_key(tensor)
         if key is not None:

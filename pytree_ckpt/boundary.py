@@ -164,7 +164,7 @@ class BoundaryCall:
                  "attributes", "buffer_dicts", "frozen", "frozen_at_call", "changed_state",
                  "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
-                 "switches")
+                 "switches", "inference")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -219,6 +219,9 @@ class BoundaryCall:
         # tensor); None when every one is plain (NOTE [subclasses come back as themselves] in
         # subclass.py, NOTE [the replay sees tensor subclasses as the forward did] in rng.py).
         self.subclasses: list[SubclassKind | None] | None = None
+        # Saved inputs made under inference mode, by position (NOTE [inference tensors are
+        # kept as they are]); None when there is none.
+        self.inference: dict[int, torch.Tensor] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
@@ -389,7 +392,16 @@ class _BoundaryFunction(torch.autograd.Function):
             call.reported = True
             report_held(saved, Mechanism.BOUNDARY, holder=call.frame)
             report_held(call.frame.tensors(), Mechanism.REPLAY_FRAME, holder=call.frame)
-        ctx.save_for_backward(*saved)
+        # NOTE [inference tensors are kept as they are]: autograd refuses to save a tensor made
+        # under torch.inference_mode() (a table built there), which eager accepts as an input
+        # of ops that do not save it. It cannot change outside inference mode, so it is kept
+        # by reference instead (never offloaded).
+        if any([t.is_inference() for t in saved]):
+            call.inference = {i: t for i, t in enumerate(saved) if t.is_inference()}
+            ctx.save_for_backward(*(None if i in call.inference else t
+                                    for i, t in enumerate(saved)))
+        else:
+            ctx.save_for_backward(*saved)
         # NOTE [hooked outputs leave with gradients]: after the outputs of fn, which the
         # caller gets (run_boundary takes only those).
         return out_tensors + extra

@@ -143,6 +143,13 @@ class Frame:
         self.results[op][position] = RECOMPUTE
         self.rng_jumps[op][position] = None  # the op draws its own random numbers again
 
+    def upcoming(self, fn: Callable[..., Any], /) -> tuple[int, Any] | None:
+        """The position and record ``take(fn)`` returns next, without taking it (``None`` once
+        every record was taken: ``take`` then raises)."""
+        recorded = self.results.get(fn, ())
+        position = self.cursors.get(fn, 0)
+        return (position, recorded[position]) if position < len(recorded) else None
+
     def _check_unmodified(self, fn: Callable[..., Any], position: int) -> None:
         flat = flatten(self.results[fn][position])
         for i, before in self.versions[fn][position].items():

@@ -23,7 +23,9 @@ still records the op's node with the replay's inputs, and gradients flow. Rules:
    the replay recomputes that op, and the change is made to the fresh output, as in eager. One
    changed after the original pass and before the replay (its version counter moved) raises
    ``CheckpointError`` naming the op;
-4. ops run by ``reuse_during_recompute`` are not kept: the replay never runs them.
+4. ops run by ``reuse_during_recompute`` are not kept: the replay never runs them;
+5. a kept op that the replay calls with other non-tensor arguments than the original pass is
+   recomputed, with one warning per op (NOTE [kept ops called otherwise in the replay]).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .census import Mechanism, census_active, report_held
+from .eager import user_stacklevel
 from .errors import CheckpointError
 from .phase import Invocation, Phase
 from .rng import rng_changed, rng_state
@@ -54,16 +57,18 @@ _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional
 _CLONE = torch.ops.aten.clone  # NOTE [clones are never kept]
 
 
-def never_kept(namespace: str, packet: Any, /) -> str | None:
-    """Why ``KeepPolicy.keeps`` never keeps the ops of ``packet`` (in ``namespace``), or
-    ``None`` when it may keep them: ``KeptOps`` naming such an op would keep nothing, silently."""
+def never_kept(namespace: str, packet: Any, overload: str | None = None, /) -> str | None:
+    """Why ``KeepPolicy.keeps`` never keeps the ops of ``packet`` (in ``namespace``; only its
+    ``overload``, when named), or ``None`` when it may keep them: ``KeptOps`` naming such an op
+    would keep nothing, silently."""
     if namespace in _COLLECTIVE_NAMESPACES:
         return "collectives are never kept: every rank must run them"
     if packet is _CLONE:
         return ("clones are never kept: autograd dispatches some in the replay alone (before "
                 "an in-place op that needs the value it overwrites); keep the op that made "
                 "the value instead")
-    overloads = [getattr(packet, name) for name in packet.overloads()]
+    overloads = [getattr(packet, name) for name in ([overload] if overload
+                                                    else packet.overloads())]
     if overloads and all(op.is_view for op in overloads
                          if not op._schema.is_mutable):
         return "views are never kept: they hold no memory of their own"
@@ -80,7 +85,10 @@ class KeepPolicy:
 
     def __init__(self, ops: Iterable[Any], *, callables: Iterable[str],
                  description: str) -> None:
-        self.ops = frozenset(ops)
+        ops = frozenset(ops)
+        # Whole ops (OpOverloadPackets) and single overloads (KeptOps("aten::mm.default")).
+        self.ops = frozenset(op for op in ops if not isinstance(op, torch._ops.OpOverload))
+        self.overloads = ops - self.ops
         self.callables = frozenset(callables)
         self.description = description
 
@@ -89,8 +97,8 @@ class KeepPolicy:
 
     # Two policies that keep the same things are the same option (re-applying a config is a
     # no-op, as for apply_activation_checkpointing); one that wraps other methods is not.
-    def _key(self) -> tuple[frozenset[Any], frozenset[str]]:
-        return self.ops, self.callables
+    def _key(self) -> tuple[frozenset[Any], frozenset[Any], frozenset[str]]:
+        return self.ops, self.overloads, self.callables
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KeepPolicy) and self._key() == other._key()
@@ -110,7 +118,8 @@ class KeepPolicy:
             # never made (a ReuseError), or hand autograd's clone the output of another clone.
             # A clone is a copy, cheap to redo from its input.
             return False
-        by_op = func.overloadpacket in self.ops
+        by_op = func.overloadpacket in self.ops or \
+            bool(self.overloads) and func in self.overloads
         by_region = bool(self.callables) and IN_KEPT_CALLABLE.get()
         if not (by_op or by_region):
             return False
@@ -165,6 +174,91 @@ def _storage_id(tensor: torch.Tensor) -> int | None:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor), a sparse tensor
         return None
+
+
+# NOTE [kept ops called otherwise in the replay]: a record is matched to the replay's call by
+# op and order; its arguments are the caller's. Callers that choose an argument by grad mode
+# make the no-grad original pass and the replay call one op two ways: on CUDA,
+# scaled_dot_product_attention asks the efficient and cuDNN kernels for the log-sum-exp that
+# their backward needs only when grad is on, so a kept record would hand the replay an empty
+# one (backward then fails, or reads garbage). So:
+# - an argument named in _FOR_BACKWARD is set in the original pass as the replay will set it,
+#   which is also what an eager training step passes (the record holds what backward needs,
+#   as torch's selective checkpoint's does, whose forward runs with grad);
+# - each record keeps the call's non-tensor arguments; a replay calling the op with others
+#   does not use it: the op runs again there, as an op no unit keeps (right numbers, its
+#   memory not saved), and a warning names the op and the argument, once per op.
+_FOR_BACKWARD = frozenset({"compute_log_sumexp"})
+_FLAG_AT: dict[Any, tuple[int, str] | None] = {}  # per op: where its _FOR_BACKWARD flag is
+_TENSOR = object()  # stands for a tensor argument in a call's arguments
+
+
+def _for_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with ``func``'s _FOR_BACKWARD flag (if any) set."""
+    if func in _FLAG_AT:
+        at = _FLAG_AT[func]
+    else:
+        at = _FLAG_AT[func] = next(
+            ((index, argument.name) for index, argument in enumerate(func._schema.arguments)
+             if argument.name in _FOR_BACKWARD), None)
+    if at is None:
+        return args, kwargs
+    index, name = at
+    if index < len(args):
+        if args[index] is False:
+            args = (*args[:index], True, *args[index + 1:])
+    elif kwargs.get(name, False) is False:
+        kwargs = {**kwargs, name: True}
+    return args, kwargs
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _TENSOR
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _call_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The non-tensor arguments of a call (tensors stand as one marker)."""
+    plain = tuple(_plain(a) for a in args)
+    return (plain, tuple(sorted((k, _plain(v)) for k, v in kwargs.items()))) if kwargs \
+        else (plain,)
+
+
+def _first_other(func: Any, recorded: tuple[Any, ...], now: tuple[Any, ...]) -> str:
+    """The first argument of ``func`` whose value differs, as 'name: recorded -> now'."""
+    names = [a.name for a in func._schema.arguments]
+    old, new = dict(enumerate(recorded[0])), dict(enumerate(now[0]))
+    if len(recorded) > 1:
+        old.update(recorded[1])
+    if len(now) > 1:
+        new.update(now[1])
+    for key in [*old, *(k for k in new if k not in old)]:
+        if old.get(key, _TENSOR) != new.get(key, _TENSOR):
+            name = names[key] if isinstance(key, int) and key < len(names) else key
+            return f"{name}: {old.get(key, 'not passed')!r} -> {new.get(key, 'not passed')!r}"
+    return "?"
+
+
+# Ops warned about as called otherwise in the replay (a warning's dedupe, not step state).
+_WARNED_OTHERWISE: set[str] = set()
+
+
+def _warn_called_otherwise(func: Any, difference: str) -> None:
+    name = str(func)
+    if name in _WARNED_OTHERWISE:
+        return
+    _WARNED_OTHERWISE.add(name)
+    warnings.warn(
+        f"pytree_ckpt: the replay called {name}, which a save unit keeps, with another argument "
+        f"than the original pass did ({difference}): its record was not used, and the op ran "
+        "again in the replay (right numbers, its memory not saved). The original pass runs "
+        "under torch.no_grad(): code choosing an argument by grad mode calls the op otherwise "
+        "there. Tip: keep another op (the kernel that code calls in both passes), or drop the "
+        "op from the unit", stacklevel=user_stacklevel())
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -223,6 +317,7 @@ class KeepMode(TorchDispatchMode):
         if invocation.phase is Phase.FORWARD:
             devices = frame.rng_devices if _may_draw_random(func) else None
             before = rng_state(devices) if devices is not None else None
+            args, kwargs = _for_backward(func, args, kwargs)
             out = func(*args, **kwargs)
             rng_after = None
             if before is not None and devices is not None:
@@ -233,7 +328,8 @@ class KeepMode(TorchDispatchMode):
             # The census counts the kept bytes while this record holds them: a record taken
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
-            frame.record(func, (kept, [t._version for t in _tensors(kept)], holder), rng_after)
+            frame.record(func, (kept, [t._version for t in _tensors(kept)], holder,
+                                _call_arguments(args, kwargs)), rng_after)
             position = len(frame.results[func]) - 1
             for tensor in _tensors(kept):
                 key = _storage_id(tensor)
@@ -242,10 +338,18 @@ class KeepMode(TorchDispatchMode):
             if census_active():
                 report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=holder)
             return out
+        upcoming = frame.upcoming(func)
+        if upcoming is not None and upcoming[1] is not RECOMPUTE:
+            # NOTE [kept ops called otherwise in the replay]
+            recorded = upcoming[1][3]
+            now = _call_arguments(*_for_backward(func, args, kwargs))
+            if now != recorded:
+                _warn_called_otherwise(func, _first_other(func, recorded, now))
+                frame.unkeep(func, upcoming[0])
         record = frame.take(func)
-        if record is RECOMPUTE:  # changed in place later in the original pass (rule 3)
-            return func(*args, **kwargs)
-        kept, versions, _ = record
+        if record is RECOMPUTE:  # changed in place later in the original pass (rule 3), or
+            return func(*args, **kwargs)  # called otherwise (rule 5)
+        kept, versions, _, _ = record
         for tensor, version in zip(_tensors(kept), versions):
             if tensor._version != version:
                 raise CheckpointError(

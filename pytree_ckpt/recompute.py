@@ -22,11 +22,12 @@ from .module_state import is_verified
 from .parameter_hooks import ParameterHooksPaused
 from .phase import ACTIVE, Invocation, Phase
 from .refusals import (TORCH_REENTRANT, fn_name, open_containers,
-                       raise_attached_to_outside_tensor, raise_hooked_outside_tensor,
+                       raise_attached_to_outside_tensor, raise_changed_after_call,
+                       raise_hooked_outside_tensor,
                        raise_torch_reentrant_inside, refuse_filled_containers, stored_numbers,
                        stored_tensors, verify_leaves, warn_changed_numbers, warn_stored_scalars)
 from .rng import IsolatedPass
-from .saved import Unchanged
+from .saved import SavedTensorChanged, Unchanged
 from .subclass import as_kind
 from .tree import flatten
 
@@ -94,15 +95,15 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     try:
         saved = ctx.saved_tensors
     except RuntimeError as error:
-        if "modified by an inplace operation" not in str(error):
-            raise
-        raise CheckpointError(
-            f"an input of {fn_name(call.fn)} was changed in place after the call, and the "
-            "replay in backward needs it as it was", expected="its version when saved",
-            got=str(error).split(". Hint")[0],
-            tip="the boundary keeps each input for the replay, where eager keeps only what "
-                "backward needs (an integer position tensor, say): change a clone after the "
-                "call (pos = pos + 4, not pos += 4)") from error
+        # Autograd's own check, or (under a saved-tensor hook: a census, offload's tensors left
+        # on the device) Unchanged's; offload's copies raise their own, naming the input.
+        if isinstance(error, SavedTensorChanged) or (
+                not isinstance(error, CheckpointError) and
+                "modified by an inplace operation" in str(error)):
+            raise_changed_after_call(call, ctx._raw_saved_tensors, error)
+        raise
+    if call.inference is not None:  # NOTE [inference tensors are kept as they are]
+        saved = tuple(call.inference.get(i, t) for i, t in enumerate(saved))
     call.frame.start_replay()
     assert call.env is not None
     invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())

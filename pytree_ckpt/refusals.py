@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from .eager import user_stacklevel
 from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .module_state import foreign_leaf, mark_verified, owning_module, warn_forward_hooks
+from .saved import SavedTensorChanged
 from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, leaf_paths
 
 if TYPE_CHECKING:  # the boundary imports this module
@@ -223,6 +225,42 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
         expected="inputs left as they are", got="a version counter moved by the original pass",
         tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
             "change outside the checkpointed call")
+
+
+_AUTOGRAD_VERSIONS = re.compile(r"is at version (\d+); expected version (\d+)")
+
+
+def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
+                             error: RuntimeError) -> NoReturn:
+    """An input of ``call`` (or an attribute saved with them) was changed in place after the
+    call: autograd's check (or ``Unchanged``'s, under a hook) found it as backward unpacked the
+    boundary's saved tensors. Named by key path: each saved tensor is unpacked again, alone,
+    to find which (an error path: the cost does not matter)."""
+    slot = None
+    for index, saved in enumerate(raw_saved):
+        try:
+            saved.unpack()
+        except Exception:  # the changed one (another error: it is not named)
+            slot = index
+            break
+    if slot is None:
+        where = "an input"
+    elif slot < call.n_inputs:
+        where = f"the input {input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)}"
+    else:
+        where = f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with the inputs)"
+    if isinstance(error, SavedTensorChanged):
+        versions: tuple[object, object] = (error.saved_version, error.version)
+    else:
+        found = _AUTOGRAD_VERSIONS.search(str(error))
+        versions = (found[2], found[1]) if found else ("?", "?")
+    raise CheckpointError(
+        f"{where} of {fn_name(call.fn)} was changed in place after the call, and the replay in "
+        "backward needs it as it was", expected=f"version {versions[0]} (when saved)",
+        got=f"version {versions[1]}",
+        tip="the boundary keeps each input for the replay, where eager keeps only what "
+            "backward needs (an integer position tensor, say): change a clone after the call "
+            "(pos = pos + 4, not pos += 4), or make the change before the call") from error
 
 
 def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /

@@ -15,7 +15,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["Unchanged"]
+__all__ = ["SavedTensorChanged", "Unchanged"]
 
 
 class Unchanged:
@@ -43,11 +43,22 @@ class Unchanged:
         return self.tensor
 
 
+class SavedTensorChanged(CheckpointError):
+    """A tensor saved through a hook was changed in place since it was saved; the boundary
+    rewords it for its own inputs (``raise_changed_after_call`` in refusals.py)."""
+
+    def __init__(self, what: str, /, *, saved_version: int, version: int, tip: str) -> None:
+        super().__init__(what, expected=f"version {saved_version} (when saved)",
+                         got=f"version {version}", tip=tip)
+        self.saved_version = saved_version
+        self.version = version
+
+
 def _raise_changed(tensor: torch.Tensor, saved_version: int, /) -> None:
-    raise CheckpointError(
+    raise SavedTensorChanged(
         f"a tensor saved for backward (shape {tuple(tensor.shape)}, {tensor.dtype}) was "
         "modified by an inplace operation after it was saved (autograd's check)",
-        expected=f"version {saved_version} (when saved)", got=f"version {tensor._version}",
+        saved_version=saved_version, version=tensor._version,
         tip="eager autograd refuses this backward too (saved-tensor hooks switch its own check "
             "off, so it is made here): clone the tensor before changing it, or change it after "
             "backward; torch.autograd.set_detect_anomaly(True) names the op that saved it")

@@ -151,3 +151,28 @@ def test_stats_read_between_layers_does_not_count_a_table_every_layer_gets_as_al
     del table
     h.sum().backward()
     assert m.stats()["alive_elsewhere_bytes"] == 0
+
+
+def test_a_short_batch_after_passes_that_offloaded_is_not_warned_of_but_a_first_one_is(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: the "offloaded nothing ... or turn offload off" warning at the first short
+    # batch of variable-length training, whose long batches offload (the setting is right).
+    def step(m: OffloadManager, rows: int) -> None:
+        h = torch.randn(rows, 64, requires_grad=True) * 1.0
+        with m.window([h]):
+            loss = h.square().sum()
+        loss.backward()
+
+    long_first = manager(min_bytes=16 * 64 * 4)
+    short_first = manager(min_bytes=16 * 64 * 4)
+    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+        for rows in (32, 4, 32, 4):
+            step(long_first, rows)
+        long_first.stats()
+        assert manager_warnings(caplog) == []
+        for rows in (4, 32):
+            step(short_first, rows)
+        short_first.stats()
+    assert len(manager_warnings(caplog)) == 1
+    assert "min_bytes=4096" in manager_warnings(caplog)[0]
+    assert long_first.stats()["offloaded_bytes"] == 2 * 32 * 64 * 4

@@ -17,7 +17,7 @@ from torch import nn
 
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
-from tests.conftest import assert_same_grads, run_twice
+from tests.conftest import assert_same_grads, grads_of, run_twice
 from tests.pytree_ckpt.models import MappingOutput, Stack
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -1151,3 +1151,37 @@ def test_a_subclass_input_keeps_its_slot_attributes_in_the_replay() -> None:
     h.scale = 3.0  # type: ignore[attr-defined]
     checkpoint(fn, h).sum().backward()
     assert seen == [3.0, 3.0] and torch.equal(x.grad, torch.full((3,), 3.0))
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_an_input_made_under_inference_mode_is_accepted_as_in_eager(offloaded: bool) -> None:
+    # Guards against: the boundary saves every input, and autograd refuses to save an inference
+    # tensor ("Inference tensors cannot be saved for backward"), where eager, whose ops here
+    # never save it, runs (NOTE [inference tensors are kept as they are]).
+    import offload
+
+    class AddTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            return self.lin(x + table)
+
+    with torch.inference_mode():
+        table = torch.randn(8, 16)
+    torch.manual_seed(0)
+    eager = AddTable()
+    wrapped = copy.deepcopy(eager)
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu") \
+        if offloaded else False
+    pytree_ckpt.apply_activation_checkpointing(wrapped, offload=manager)
+    x = torch.randn(8, 16, requires_grad=True)
+    grads = []
+    for model in (eager, wrapped):
+        loss = model(x, table).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # the replay runs twice, on the same kept table
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import io
 import copy
+import re
 import warnings
 from typing import Any
 
@@ -291,6 +292,48 @@ def test_an_op_this_build_decomposes_before_dispatch_warns_and_the_rest_is_kept(
     with pytest.warns(UserWarning, match="aten::einsum"):
         kept = KeptOps("aten::mm", "aten::einsum", "aten::native_channel_shuffle").resolve()
     assert kept == [torch.ops.aten.mm, torch.ops.aten.native_channel_shuffle]
+
+
+@pytest.mark.parametrize("op", ["aten::mm.default", torch.ops.aten.mm.default, torch.ops.aten.mm],
+                         ids=["overload name", "OpOverload", "OpOverloadPacket"])
+def test_an_op_named_as_torch_and_torchtitan_list_it_keeps_what_its_plain_name_keeps(
+        op: Any) -> None:
+    # Guards against: 'aten::addmm.default' (how torch's selective checkpoint policies and
+    # torchtitan's op list name ops) resolves to nothing and is skipped silently next to a
+    # valid name: the port keeps less than the torch policy it came from.
+    by_name = OpCounter()
+    run(["attn"], counter=by_name, targets={SaveUnit.ATTN: KeptOps("aten::mm")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ported = OpCounter()
+        loss, grads = run(["attn"], counter=ported, targets={SaveUnit.ATTN: KeptOps(op)})
+    assert ported.counts["recompute", "aten.mm"] == 0 and ported.counts == by_name.counts
+    eager_loss, eager = run("eager")
+    assert torch.equal(loss, eager_loss)
+    assert_same_grads(eager, grads)
+
+
+def test_a_named_overload_keeps_that_overload_only() -> None:
+    policy = pytree_ckpt.keep.KeepPolicy(KeptOps("aten::add.Tensor").resolve(), callables=(),
+                                         description="t")
+    assert policy.keeps(torch.ops.aten.add.Tensor)
+    assert not policy.keeps(torch.ops.aten.add.Scalar)
+
+
+@pytest.mark.parametrize(("name", "suggested"), [
+    ("aten::adddmm", "'aten::addmm' or 'aten::addbmm'?"),
+    ("aten::addmm.defualt", "'aten::addmm.default'")])
+def test_a_mistyped_op_name_next_to_a_valid_one_warns_naming_the_op_it_is_close_to(
+        name: str, suggested: str) -> None:
+    # Guards against: a missing name is skipped quietly when another name of the unit resolves
+    # (meant for a v2/v3 pair of kernel names), so a typo kept less than asked, silently.
+    with pytest.warns(UserWarning, match=rf"KeptOps\('{name}'\) names no op in this build; did "
+                                         rf"you mean .*{re.escape(suggested)}"):
+        assert KeptOps(name, "aten::mm").resolve() == [torch.ops.aten.mm]
+    with warnings.catch_warnings():  # a kernel version this build lacks, beside its pair
+        warnings.simplefilter("error")
+        assert KeptOps("aten::mm", "aten::mm_v3", "nonexistent_ns::mm").resolve() == \
+            [torch.ops.aten.mm]
 
 
 @pytest.mark.parametrize(("name", "why"), [("aten::clone", "clones are never kept"),
