@@ -57,7 +57,8 @@ what it refuses, and how its messages say so, in ``refusals.py``; the replay its
 backward, in ``recompute.py``.
 
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
-``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), or when
+``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), inside
+forward-mode AD (``torch.autograd.forward_ad.dual_level()``: tangents need no backward), or when
 nothing can receive a gradient (no input requires grad and ``fn`` belongs to a module with no
 trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 """
@@ -74,6 +75,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 from .census import Mechanism, census_active, report_held
@@ -84,6 +86,7 @@ from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
 from .module_state import (ModuleDicts, any_lazy, call_switches, collect_parameters,
                            ever_verified, graph_attributes, module_dicts, owning_module)
+from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
 from .refusals import (fn_name, input_path, raise_input_changed, refuse_double_backward,
@@ -440,9 +443,13 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.
     """
-    if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None \
+            or _forward_ad._current_level >= 0:
         # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
-        # jacrev) too: the Function has no setup_context, and torch's error would name no fix.
+        # jacrev) too: the Function has no setup_context, and torch's error would name no fix;
+        # and inside forward-mode AD's dual_level(): the no-grad original pass drops the
+        # tangents of dual tensors it reaches other than as inputs (parameters swapped in by
+        # functional_call), silently.
         return fn(*args, **kwargs)
     flat = flatten_call(args, kwargs)
     leaves = flat.leaves
@@ -455,6 +462,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         if slot is None:
             slot = seen[id(tensor)] = len(unique)
             unique.append(tensor)
+            if tensor.requires_grad and (tensor._backward_hooks or
+                                         tensor._post_accumulate_grad_hooks):
+                skip_no_gradient(tensor)  # NOTE [inputs without a gradient]
         slots.append(slot)
         leaves[index] = None
     owner = owner if owner is not None else owning_module(fn)

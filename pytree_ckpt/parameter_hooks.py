@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ParameterHooksPaused", "SkipsNoGradient"]
+__all__ = ["ParameterHooksPaused", "SkipsNoGradAccumulated", "SkipsNoGradient",
+           "skip_no_gradient"]
 
 
 class ParameterHooksPaused:
@@ -26,7 +27,11 @@ class ParameterHooksPaused:
     expert that got no token, a bias a layer skips) gets ``None`` from the replay, and autograd
     runs a leaf's hooks even for a ``None`` gradient a Function returns: ``lambda g: g * 2``
     raised ``TypeError`` in backward, where eager never calls it. Each hook is put back
-    wrapped, so that a ``None`` gradient skips it (a defined one calls it as it is).
+    wrapped, so that a ``None`` gradient skips it (a defined one calls it as it is). Its
+    post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: an optimizer step in
+    backward) run too, after an accumulation of nothing: they are wrapped to skip while its
+    ``.grad`` is ``None``. (One whose ``.grad`` an earlier call already filled, a micro-batch
+    before, cannot be told apart: its hook runs again, where eager's does not.)
     """
 
     __slots__ = ("stash",)
@@ -37,6 +42,9 @@ class ParameterHooksPaused:
         self.stash = [(hooks, paused) for p in params if (hooks := p._backward_hooks)
                       if (paused := {key: hook for key, hook in hooks.items()
                                      if hook is not _no_hook})]
+        for p in params:
+            if p._post_accumulate_grad_hooks:
+                _skip_no_grad_accumulated(p._post_accumulate_grad_hooks)
 
     def __enter__(self) -> None:
         for hooks, paused in self.stash:
@@ -69,3 +77,42 @@ class SkipsNoGradient:
 
     def __repr__(self) -> str:
         return f"SkipsNoGradient({self.hook!r})"
+
+
+class SkipsNoGradAccumulated:
+    """A post-accumulate-grad hook that is not called while its tensor's ``.grad`` is
+    ``None`` (NOTE [unused parameters get no hook call])."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable[[torch.Tensor], Any], /) -> None:
+        self.hook = hook
+
+    def __call__(self, tensor: torch.Tensor) -> Any:
+        return None if tensor.grad is None else self.hook(tensor)
+
+    def __repr__(self) -> str:
+        return f"SkipsNoGradAccumulated({self.hook!r})"
+
+
+def _skip_no_grad_accumulated(hooks: dict[Any, Any], /) -> None:
+    for key, hook in hooks.items():
+        if not isinstance(hook, SkipsNoGradAccumulated):
+            hooks[key] = SkipsNoGradAccumulated(hook)
+
+
+def skip_no_gradient(tensor: torch.Tensor, /) -> None:
+    """NOTE [inputs without a gradient]: an input that requires grad is an input of the
+    boundary's node, so autograd calls its hooks with the gradient the replay returns for it,
+    ``None`` where the layer used it only through non-differentiable ops (``enc > 0``), where
+    eager, with no edge to it, never calls them: ``lambda g: g * 2`` raised ``TypeError`` in
+    backward. Each of its hooks is wrapped as a parameter's is (NOTE [unused parameters get no
+    hook call]), in place, when the call saves it; so are its post-accumulate-grad hooks.
+    """
+    hooks = tensor._backward_hooks
+    if hooks:
+        for key, hook in hooks.items():
+            if not isinstance(hook, SkipsNoGradient):
+                hooks[key] = SkipsNoGradient(hook)
+    if tensor._post_accumulate_grad_hooks:
+        _skip_no_grad_accumulated(tensor._post_accumulate_grad_hooks)

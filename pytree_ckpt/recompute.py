@@ -74,6 +74,30 @@ class _FirstReplay:
         warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
 
 
+def _used_by_this_backward(edges: tuple[tuple[Any, int], ...], wanted: list[int]
+                           ) -> list[int]:
+    """Those of ``wanted`` whose gradient a restricted backward (``torch.autograd.grad(loss,
+    [bias])``, ``backward(inputs=...)``) will use: eager computes only those, and the replay's
+    backward then runs no hook (a child's full backward hook, a tensor hook inside) that
+    eager's does not. ``edges`` are the node's: its tensor inputs only (not ``call``; a
+    module's boundary takes no anchor). Under ``torch.autograd.grad`` torch cannot say whether
+    it will reach a leaf: every leaf is kept."""
+    will_run = torch._C._will_engine_execute_node
+    used, ask_leaves = [], True
+    for i in wanted:
+        node = edges[i][0]
+        if not ask_leaves and type(node).__name__ == "AccumulateGrad":
+            used.append(i)
+            continue
+        try:
+            runs = will_run(node)
+        except RuntimeError:  # "A leaf node was passed ... running autograd.grad()"
+            ask_leaves, runs = False, True
+        if runs:
+            used.append(i)
+    return used
+
+
 def replay_backward(ctx: Any, call: BoundaryCall,
                     grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
     """The replay of ``call`` and the gradients of its inputs (and parameters)."""
@@ -223,6 +247,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     # A parameter frozen since the forward (requires_grad_(False) before backward) gets no
     # gradient, as in eager, where its AccumulateGrad then does nothing.
     wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
+    if wanted and not torch.autograd._is_checkpoint_valid():
+        wanted = _used_by_this_backward(ctx.next_functions, wanted)
     if outs and call.owner is not None and \
             not is_verified(call.owner, call.switches):
         verify_leaves(call, outs, wrt)

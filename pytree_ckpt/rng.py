@@ -48,16 +48,55 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
 
 
-class ReplayEnvironment:
-    """RNG states, autocast settings and the torch-function state captured at the start of an
-    original pass."""
+# NOTE [the replay picks the forward's kernels]: backend switches that choose a kernel, which
+# users set around the forward only (`with sdpa_kernel(SDPBackend.MATH): loss = model(x)`,
+# then `loss.backward()` outside; `torch.backends.mkldnn.flags(enabled=False)`,
+# `torch.backends.cudnn.flags(...)`), are read with the autocast state and set again for the
+# replay where backward's differ: eager's backward uses what the forward's kernels saved, and
+# a replay on other kernels gave other gradients. Settings meant for a whole run (TF32, matmul
+# precision, deterministic algorithms) are not read (per call, each costs). The switches are
+# process-global, like the fast-path setting (NOTE [passes in several threads]): replays that
+# run at once on several GPUs' device threads, each setting switches that differ from
+# backward's, may see each other's.
+_KERNEL_SWITCHES = tuple(
+    (getattr(torch._C, get), getattr(torch._C, put)) for get, put in (
+        ("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
+        ("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
+        ("_get_math_sdp_enabled", "_set_sdp_use_math"),
+        ("_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
+        ("_get_overrideable_sdp_enabled", "_set_sdp_use_overrideable"),
+        ("_get_sdp_priority_order", "_set_sdp_priority_order"),
+        ("_get_mkldnn_enabled", "_set_mkldnn_enabled"),
+        ("_get_mkldnn_deterministic", "_set_mkldnn_deterministic"),
+        ("_get_cudnn_enabled", "_set_cudnn_enabled"),
+        ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
+        ("_get_cudnn_benchmark", "_set_cudnn_benchmark"))
+    if hasattr(torch._C, get) and hasattr(torch._C, put))  # as this torch build has them
+_KERNEL_GETTERS = tuple(get for get, _ in _KERNEL_SWITCHES)
 
-    __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function")
+
+def _kernel_state() -> list[Any]:
+    return [get() for get in _KERNEL_GETTERS]
+
+
+def _set_kernel_state(state: list[Any], now: list[Any]) -> None:
+    for (_, put), value, current in zip(_KERNEL_SWITCHES, state, now):
+        if value != current:
+            put(value)
+
+
+class ReplayEnvironment:
+    """RNG states, autocast settings, kernel switches and the torch-function state captured
+    at the start of an original pass."""
+
+    __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function",
+                 "kernels")
 
     def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
                  autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool,
-                 torch_function: Any) -> None:
+                 torch_function: Any, kernels: list[Any]) -> None:
         self.cpu_rng = cpu_rng
+        self.kernels = kernels  # NOTE [the replay picks the forward's kernels]
         self.cuda_rng = cuda_rng
         self.autocast = autocast
         self.autocast_cache = autocast_cache
@@ -82,7 +121,7 @@ class ReplayEnvironment:
         torch_function = None if torch._C._is_torch_function_enabled() else \
             _get_torch_function_state()
         return cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled(),
-                   torch_function)
+                   torch_function, _kernel_state())
 
     def rng_devices(self) -> tuple[int, ...] | None:
         """The CUDA devices whose generators the replay restores (and the CPU one); ``None``
@@ -102,10 +141,11 @@ class Replaying:
     One plain class rather than an ``ExitStack`` of three contexts: it is entered once per
     layer call in backward, and the stack's bookkeeping cost more than the work."""
 
-    __slots__ = ("env", "saved_rng", "autocast", "grad", "torch_function")
+    __slots__ = ("env", "saved_rng", "autocast", "grad", "torch_function", "kernels")
 
     def __init__(self, env: ReplayEnvironment) -> None:
         self.env = env
+        self.kernels: list[Any] | None = None  # backward's kernel switches, where they differ
         self.saved_rng: RngState | None = None
         self.autocast: ExitStack | None = None
         self.grad: bool | None = None  # the caller's grad mode, once set
@@ -128,6 +168,10 @@ class Replaying:
             except BaseException:
                 self.__exit__(None, None, None)  # the RNG states go back as they were
                 raise
+        kernels = _kernel_state()
+        if kernels != env.kernels:  # NOTE [the replay picks the forward's kernels]
+            self.kernels = kernels
+            _set_kernel_state(env.kernels, kernels)
         self.grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
         # NOTE [the replay sees tensor subclasses as the forward did]
@@ -146,6 +190,8 @@ class Replaying:
             _set_torch_function_state(self.torch_function)
         if self.grad is not None:
             torch._C._set_grad_enabled(self.grad)
+        if self.kernels is not None:
+            _set_kernel_state(self.kernels, self.env.kernels)
         if self.autocast is not None:
             self.autocast.__exit__(*exc)
         if self.saved_rng is not None:

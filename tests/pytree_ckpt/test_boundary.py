@@ -878,6 +878,40 @@ def test_a_parameter_the_forward_did_not_use_gets_no_hook_call_as_in_eager() -> 
     assert sorted(eager_calls) == sorted(wrapped_calls)
 
 
+def test_an_input_and_a_parameter_that_get_no_gradient_get_no_hook_calls_as_in_eager() -> None:
+    # An encoder output the layer reads only through `enc > 0`, and an expert that got no
+    # token: the boundary's node has edges to both, so autograd ran the input's tensor hooks
+    # with None (lambda g: g * 2 raised TypeError) and both post-accumulate-grad hooks (an
+    # optimizer step in backward) after accumulating nothing, where eager runs none (NOTE
+    # [inputs without a gradient], NOTE [unused parameters get no hook call]).
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+            return self.used(x) * (enc > 0).float().mean()
+
+    def run(wrap: bool) -> tuple[list[torch.Tensor | None], list[str]]:
+        torch.manual_seed(0)
+        layer = Gated()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        calls: list[str] = []
+        for name, p in layer.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: calls.append(name))
+        x, enc = torch.randn(3, 4, requires_grad=True), torch.randn(3, requires_grad=True)
+        enc.register_hook(lambda g: calls.append("enc") or g * 2)
+        enc.register_post_accumulate_grad_hook(lambda t: calls.append("enc accumulated"))
+        x.register_hook(lambda g: calls.append("x") or g * 2)
+        layer(x, enc).sum().backward()
+        return [*(p.grad for p in layer.parameters()), x.grad, enc.grad], calls
+
+    (eager, eager_calls), (wrapped, wrapped_calls) = run(False), run(True)
+    assert_same_grads(eager, wrapped)
+    assert sorted(wrapped_calls) == sorted(eager_calls) == ["used.bias", "used.weight", "x"]
+
+
 def test_a_parameter_gets_no_hook_call_when_no_output_of_the_call_had_a_gradient() -> None:
     # The replay computes nothing then (found by a fuzzer): the parameters of an unused expert
     # must still get no None call on this path either.

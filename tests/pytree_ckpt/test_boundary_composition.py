@@ -125,6 +125,31 @@ def test_torch_func_transforms_through_a_wrapped_module_give_eager_results() -> 
     assert torch.equal(pull(torch.ones(3, 4))[0], pull_twin(torch.ones(3, 4))[0])
 
 
+# torch's forward-mode AD calls torch.jit.script internally, deprecated in torch 2.13
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_forward_mode_ad_through_a_wrapped_module_gives_eager_tangents() -> None:
+    # Inside forward_ad.dual_level() the no-grad original pass dropped the tangent of dual
+    # parameters swapped in by functional_call (the output had none, silently), and a dual
+    # input raised torch's "must implement the jvp function", which names no fix.
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 4, requires_grad=True)
+    tangents = []
+    for model in (eager, twin):
+        with fwad.dual_level():
+            params = {name: fwad.make_dual(p.detach(), torch.ones_like(p))
+                      for name, p in model.named_parameters()}
+            by_params = fwad.unpack_dual(torch.func.functional_call(model, params, (x,))).tangent
+            dual_x = fwad.make_dual(x.detach(), torch.ones_like(x))
+            by_input = fwad.unpack_dual(model(dual_x)).tangent
+        assert by_params is not None and by_input is not None
+        tangents.append((by_params.detach(), by_input.detach()))
+    assert all(torch.equal(a, b) for a, b in zip(*tangents))
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.weight_norm is deprecated
 def test_a_weight_set_by_the_modules_own_pre_hook_gives_eager_gradients_over_two_calls() -> None:
     eager, twin = old_weight_norm_twins()
@@ -295,3 +320,56 @@ def test_removing_weight_norm_between_forward_and_backward_leaves_the_parameter_
         grads.append(grads_of([x]))
         x.grad = None
     assert_same_grads(*grads)
+
+
+class HookedBlock(nn.Module):
+    """Two linears with a tensor hook on the intermediate that logs the block's tag."""
+
+    def __init__(self, tag: int, log: list[int]) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.tag, self.log = tag, log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: self.log.append(self.tag))
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("call", ["grad", "backward"])
+@pytest.mark.parametrize("target", ["x", "h0", "h1", "first b.weight", "last a.weight",
+                                    "embed weight", "h0 and last b.bias"])
+def test_a_restricted_backward_replays_only_the_gradients_it_uses_as_eager_does(
+        call: str, target: str) -> None:
+    # Guards against: the replay differentiated every input and parameter that required grad
+    # in the forward (ctx.needs_input_grad), so grad(loss, [first block's b.weight]) ran the
+    # first block's inner hook, and all of its backward, where eager runs neither.
+    log: list[int] = []
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), HookedBlock(0, log), HookedBlock(1, log))
+    twin = copy.deepcopy(eager)
+    for block in twin[1:]:
+        block.log = log  # not the deep copy's own list
+        pytree_ckpt.apply_activation_checkpointing(block)
+    x = torch.randn(3, 4, requires_grad=True)
+    results = []
+    for model in (eager, twin):
+        log.clear()
+        h0 = model[0](x)
+        h1 = model[1](h0)
+        loss = model[2](h1).square().sum()
+        wrt = {"x": [x], "h0": [h0], "h1": [h1], "first b.weight": [model[1].b.weight],
+               "last a.weight": [model[2].a.weight], "embed weight": [model[0].weight],
+               "h0 and last b.bias": [h0, model[2].b.bias]}[target]
+        if call == "grad":
+            grads = list(torch.autograd.grad(loss, wrt))
+        else:
+            loss.backward(inputs=wrt)
+            grads = [t.grad for t in wrt]
+            for t in (*wrt, *model.parameters(), x):
+                t.grad = None
+        results.append((grads, sorted(log)))
+    (eager_grads, eager_log), (twin_grads, twin_log) = results
+    assert_same_grads(eager_grads, twin_grads)
+    assert twin_log == eager_log

@@ -5,6 +5,7 @@ captured in the original pass and re-entered in the replay; its autocast state i
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_the_replay_environment_sets_the_recorded_cuda_state_and_puts_the_ambien
     captured = ReplayEnvironment.capture((), preserve_rng=True)
     recorded = torch.full((16,), 5, dtype=torch.uint8)
     env = ReplayEnvironment(captured.cpu_rng, {0: recorded}, captured.autocast,
-                            captured.autocast_cache, captured.torch_function)
+                            captured.autocast_cache, captured.torch_function, captured.kernels)
     assert env.rng_devices() == (0,)
     ambient = gens.states[0].clone()
     with env.replaying():
@@ -121,3 +122,48 @@ def test_on_cuda_a_skipped_jittered_routing_keeps_dropout_masks_and_the_generato
         x.grad = None
     assert_same_grads(*grads)
     assert torch.equal(after[0], after[1])
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 64, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(2, 64, 32)
+
+
+def _math_attention() -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _no_onednn() -> Any:
+    return torch.backends.mkldnn.flags(enabled=False)
+
+
+# torch's mkldnn.flags() notes that oneDNN TF32 needs an Intel GPU, on every exit
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN:UserWarning")
+@pytest.mark.parametrize(("model", "switch", "shape"), [
+    (SelfAttention, _math_attention, (2, 64, 32)),
+    (lambda: nn.Sequential(nn.Conv2d(16, 32, 3), nn.Tanh(), nn.Conv2d(32, 16, 3)), _no_onednn,
+     (4, 16, 32, 32))], ids=["sdpa_kernel(MATH)", "mkldnn.flags(enabled=False)"])
+def test_a_kernel_switch_set_around_the_forward_only_is_set_again_for_the_replay(
+        model: Any, switch: Any, shape: tuple[int, ...]) -> None:
+    # Guards against: the replay in backward (outside the switch, as usual) ran the default
+    # kernels, not the forward's, and fp32 gradients differed from eager's, whose backward uses
+    # what the forward's kernels saved (NOTE [the replay picks the forward's kernels]).
+    torch.manual_seed(0)
+    eager = model()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(*shape)
+    before = torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()
+    for layer in (eager, twin):
+        with switch():
+            out = layer(x)
+        out.square().sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
+    assert (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()) == before
