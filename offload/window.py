@@ -211,6 +211,7 @@ class Handle:
         if source is None or source._version == self.version:
             return
         window = self.window
+        from_input = window.keys.get(self.key) is not None
         raise CheckpointError(
             f"{window.describe(self.key)} (offload window {window.id}, "
             f"{self.dtype}{list(self.size)}) was modified in place after it was saved for "
@@ -219,7 +220,9 @@ class Handle:
             tip="a checkpointed layer keeps each of its inputs for its replay, where eager "
                 "keeps only what backward needs (an integer position tensor, say): change a "
                 "clone (pos = pos + 4, not pos += 4) or make the in-place change before the "
-                "layer")
+                "layer" if from_input else
+                "a tensor given to offload_into must stay as it was until restore(): change "
+                "a clone instead")
 
 
 class Pass:
@@ -276,5 +279,5 @@ class Window:
         """Where a storage of this window came from, for messages (e.g. ``args[0]``)."""
         index = self.keys.get(key)
         if index is None:
-            return "a frozen result (replay frame)"
+            return "a tensor given to offload_into (a replay frame's frozen result)"
         return self.name(index) if self.name is not None else f"window tensor #{index}"

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .parameter_hooks import ParameterHooksPaused
+from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .refusals import refuse_double_backward, refuse_module_tensor
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
@@ -304,6 +304,9 @@ class _DiscardFunction(torch.autograd.Function):
                 got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
             for i, grad in zip(wanted, got):
                 result[i] = grad
+        if owner.params:
+            n = len(wrt) - len(owner.params)
+            accumulated_nothing(owner.params, result[n:], needs[n:])
         owner.detached = None
         return (None, *result)
 

@@ -69,8 +69,11 @@ def never_kept(namespace: str, packet: Any, overload: str | None = None, /) -> s
                 "the value instead")
     overloads = [getattr(packet, name) for name in ([overload] if overload
                                                     else packet.overloads())]
-    if overloads and all(op.is_view for op in overloads
-                         if not op._schema.is_mutable):
+    functional = [op for op in overloads if not op._schema.is_mutable]
+    if overloads and not functional:
+        return ("in-place and out= ops are never kept: the replay must make their change "
+                "again; name the functional op (aten::addmm for aten::addmm_)")
+    if functional and all(op.is_view for op in functional):
         return "views are never kept: they hold no memory of their own"
     return None
 
@@ -191,6 +194,7 @@ def _storage_id(tensor: torch.Tensor) -> int | None:
 _FOR_BACKWARD = frozenset({"compute_log_sumexp"})
 _FLAG_AT: dict[Any, tuple[int, str] | None] = {}  # per op: where its _FOR_BACKWARD flag is
 _TENSOR = object()  # stands for a tensor argument in a call's arguments
+_NAN = object()  # stands for a NaN argument
 
 
 def _for_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -213,33 +217,47 @@ def _for_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return args, kwargs
 
 
+_NO_DEFAULT = object()
+# Per op: its arguments' names and defaults (static metadata, not step state).
+_SCHEMAS: dict[Any, tuple[tuple[str, ...], tuple[Any, ...]]] = {}
+
+
+def _schema_of(func: Any) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    known = _SCHEMAS.get(func)
+    if known is None:
+        arguments = func._schema.arguments
+        known = _SCHEMAS[func] = (
+            tuple(a.name for a in arguments),
+            tuple(a.default_value if a.has_default_value() else _NO_DEFAULT for a in arguments))
+    return known
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _TENSOR
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
+    # NaN (masked_fill(mask, nan)) is equal to itself as an argument
+    if isinstance(value, (float, complex)) and value != value:
+        return _NAN
     return value
 
 
-def _call_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The non-tensor arguments of a call (tensors stand as one marker)."""
-    plain = tuple(_plain(a) for a in args)
-    return (plain, tuple(sorted((k, _plain(v)) for k, v in kwargs.items()))) if kwargs \
-        else (plain,)
+def _call_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> tuple[Any, ...]:
+    """The non-tensor arguments of a call by the op's schema, positional or keyword, defaults
+    filled in (torch's Python dispatch drops a trailing argument equal to its default);
+    tensors stand as one marker."""
+    names, defaults = _schema_of(func)
+    return tuple(_plain(args[i] if i < len(args) else kwargs.get(name, defaults[i]))
+                 for i, name in enumerate(names))
 
 
 def _first_other(func: Any, recorded: tuple[Any, ...], now: tuple[Any, ...]) -> str:
     """The first argument of ``func`` whose value differs, as 'name: recorded -> now'."""
-    names = [a.name for a in func._schema.arguments]
-    old, new = dict(enumerate(recorded[0])), dict(enumerate(now[0]))
-    if len(recorded) > 1:
-        old.update(recorded[1])
-    if len(now) > 1:
-        new.update(now[1])
-    for key in [*old, *(k for k in new if k not in old)]:
-        if old.get(key, _TENSOR) != new.get(key, _TENSOR):
-            name = names[key] if isinstance(key, int) and key < len(names) else key
-            return f"{name}: {old.get(key, 'not passed')!r} -> {new.get(key, 'not passed')!r}"
+    for name, old, new in zip(_schema_of(func)[0], recorded, now):
+        if old != new:
+            return f"{name}: {old!r} -> {new!r}"
     return "?"
 
 
@@ -329,7 +347,7 @@ class KeepMode(TorchDispatchMode):
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
             frame.record(func, (kept, [t._version for t in _tensors(kept)], holder,
-                                _call_arguments(args, kwargs)), rng_after)
+                                _call_arguments(func, args, kwargs)), rng_after)
             position = len(frame.results[func]) - 1
             for tensor in _tensors(kept):
                 key = _storage_id(tensor)
@@ -342,7 +360,7 @@ class KeepMode(TorchDispatchMode):
         if upcoming is not None and upcoming[1] is not RECOMPUTE:
             # NOTE [kept ops called otherwise in the replay]
             recorded = upcoming[1][3]
-            now = _call_arguments(*_for_backward(func, args, kwargs))
+            now = _call_arguments(func, *_for_backward(func, args, kwargs))
             if now != recorded:
                 _warn_called_otherwise(func, _first_other(func, recorded, now))
                 frame.unkeep(func, upcoming[0])

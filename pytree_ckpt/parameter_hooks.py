@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 __all__ = ["ParameterHooksPaused", "SkipsNoGradAccumulated", "SkipsNoGradient",
-           "skip_no_gradient"]
+           "accumulated_nothing", "skip_no_gradient"]
 
 
 class ParameterHooksPaused:
@@ -29,9 +29,10 @@ class ParameterHooksPaused:
     raised ``TypeError`` in backward, where eager never calls it. Each hook is put back
     wrapped, so that a ``None`` gradient skips it (a defined one calls it as it is). Its
     post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: an optimizer step in
-    backward) run too, after an accumulation of nothing: they are wrapped to skip while its
-    ``.grad`` is ``None``. (One whose ``.grad`` an earlier call already filled, a micro-batch
-    before, cannot be told apart: its hook runs again, where eager's does not.)
+    backward) run too, after an accumulation of nothing: ``accumulated_nothing`` wraps them
+    to skip while its ``.grad`` is ``None``. (One whose ``.grad`` is already set, by an earlier
+    micro-batch or ``zero_grad(set_to_none=False)``, cannot be told apart: its hook runs
+    again, where eager's does not.)
     """
 
     __slots__ = ("stash",)
@@ -42,9 +43,6 @@ class ParameterHooksPaused:
         self.stash = [(hooks, paused) for p in params if (hooks := p._backward_hooks)
                       if (paused := {key: hook for key, hook in hooks.items()
                                      if hook is not _no_hook})]
-        for p in params:
-            if p._post_accumulate_grad_hooks:
-                _skip_no_grad_accumulated(p._post_accumulate_grad_hooks)
 
     def __enter__(self) -> None:
         for hooks, paused in self.stash:
@@ -55,8 +53,14 @@ class ParameterHooksPaused:
         for hooks, paused in self.stash:
             for key, hook in paused.items():
                 if hooks.get(key) is _no_hook:  # not removed (or replaced) meanwhile
-                    hooks[key] = hook if isinstance(hook, SkipsNoGradient) \
-                        else SkipsNoGradient(hook)
+                    hooks[key] = hook if isinstance(hook, SkipsNoGradient) or \
+                        _torch_own(hook) else SkipsNoGradient(hook)
+
+
+def _torch_own(hook: Any) -> bool:
+    """A hook torch itself registered, which expects its ``None`` calls (a multi-grad hook in
+    "all" mode counts them: wrapped, it would never fire)."""
+    return (getattr(hook, "__module__", None) or "").startswith("torch.")
 
 
 def _no_hook(grad: torch.Tensor) -> None:
@@ -80,25 +84,54 @@ class SkipsNoGradient:
 
 
 class SkipsNoGradAccumulated:
-    """A post-accumulate-grad hook that is not called while its tensor's ``.grad`` is
-    ``None`` (NOTE [unused parameters get no hook call])."""
+    """A post-accumulate-grad hook that is not called after an accumulation of nothing (NOTE
+    [unused parameters get no hook call]). The hooks of one tensor share a ``gate``, set by
+    the first of them from whether ``.grad`` is ``None`` before any of them runs: a hook that
+    clears ``.grad`` (an optimizer step in backward, then ``zero_grad()``) must not stop the
+    hooks after it."""
 
-    __slots__ = ("hook",)
+    __slots__ = ("hook", "gate", "decides")
 
-    def __init__(self, hook: Callable[[torch.Tensor], Any], /) -> None:
+    def __init__(self, hook: Callable[[torch.Tensor], Any], gate: list[bool], /, *,
+                 decides: bool) -> None:
         self.hook = hook
+        self.gate = gate  # [nothing accumulated]
+        self.decides = decides
 
     def __call__(self, tensor: torch.Tensor) -> Any:
-        return None if tensor.grad is None else self.hook(tensor)
+        if self.decides:
+            self.gate[0] = tensor.grad is None
+        return None if self.gate[0] else self.hook(tensor)
 
     def __repr__(self) -> str:
         return f"SkipsNoGradAccumulated({self.hook!r})"
 
 
 def _skip_no_grad_accumulated(hooks: dict[Any, Any], /) -> None:
-    for key, hook in hooks.items():
-        if not isinstance(hook, SkipsNoGradAccumulated):
-            hooks[key] = SkipsNoGradAccumulated(hook)
+    items = list(hooks.items())
+    first = items[0][1]
+    if isinstance(first, SkipsNoGradAccumulated) and first.decides and all(
+            isinstance(h, SkipsNoGradAccumulated) and h.gate is first.gate or _torch_own(h)
+            for _, h in items):
+        return  # wrapped already, and nothing added since
+    gate = [False]
+    decides = True
+    for key, hook in items:
+        inner = hook.hook if isinstance(hook, SkipsNoGradAccumulated) else hook
+        if _torch_own(inner):
+            hooks[key] = inner
+            continue
+        hooks[key] = SkipsNoGradAccumulated(inner, gate, decides=decides)
+        decides = False
+
+
+def accumulated_nothing(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                        needs: Sequence[bool], /) -> None:
+    """Wrap the post-accumulate-grad hooks of the parameters a replay gives ``None`` though
+    autograd has an edge to them (NOTE [unused parameters get no hook call])."""
+    for param, grad, need in zip(params, grads, needs):
+        if grad is None and need and param._post_accumulate_grad_hooks:
+            _skip_no_grad_accumulated(param._post_accumulate_grad_hooks)
 
 
 def skip_no_gradient(tensor: torch.Tensor, /) -> None:
@@ -112,7 +145,7 @@ def skip_no_gradient(tensor: torch.Tensor, /) -> None:
     hooks = tensor._backward_hooks
     if hooks:
         for key, hook in hooks.items():
-            if not isinstance(hook, SkipsNoGradient):
+            if not (isinstance(hook, SkipsNoGradient) or _torch_own(hook)):
                 hooks[key] = SkipsNoGradient(hook)
     if tensor._post_accumulate_grad_hooks:
         _skip_no_grad_accumulated(tensor._post_accumulate_grad_hooks)

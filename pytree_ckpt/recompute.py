@@ -19,7 +19,7 @@ from .errors import CheckpointError
 from .hook_outputs import recording
 from .keep import KeepMode
 from .module_state import is_verified
-from .parameter_hooks import ParameterHooksPaused
+from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .phase import ACTIVE, Invocation, Phase
 from .refusals import (TORCH_REENTRANT, fn_name, open_containers,
                        raise_attached_to_outside_tensor, raise_changed_after_call,
@@ -270,6 +270,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # no hook call] holds here too.
         with ParameterHooksPaused(call.params):
             pass
+    n = len(detached)
+    accumulated_nothing(call.params, result[n:], needs[n:])
     if release:
         call.frame.clear()
     return (None, None, *result)

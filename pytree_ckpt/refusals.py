@@ -236,19 +236,24 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
     call: autograd's check (or ``Unchanged``'s, under a hook) found it as backward unpacked the
     boundary's saved tensors. Named by key path: each saved tensor is unpacked again, alone,
     to find which (an error path: the cost does not matter)."""
-    slot = None
-    for index, saved in enumerate(raw_saved):
+    names = []
+    for slot, saved in enumerate(raw_saved):
         try:
             saved.unpack()
-        except Exception:  # the changed one (another error: it is not named)
-            slot = index
-            break
-    if slot is None:
+        except Exception:  # a changed one (views of one tensor share its version counter)
+            names.append(
+                input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
+                if slot < call.n_inputs else
+                f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with them)")
+    views = ""
+    if not names:
         where = "an input"
-    elif slot < call.n_inputs:
-        where = f"the input {input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)}"
+    elif len(names) == 1:
+        where = f"the input {names[0]}"
     else:
-        where = f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with the inputs)"
+        where = f"one of the inputs {', '.join(names)}"
+        views = (" (views of one tensor share its version counter: the change may have gone "
+                 "through any of them)")
     if isinstance(error, SavedTensorChanged):
         versions: tuple[object, object] = (error.saved_version, error.version)
     else:
@@ -256,7 +261,7 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
         versions = (found[2], found[1]) if found else ("?", "?")
     raise CheckpointError(
         f"{where} of {fn_name(call.fn)} was changed in place after the call, and the replay in "
-        "backward needs it as it was", expected=f"version {versions[0]} (when saved)",
+        f"backward needs it as it was{views}", expected=f"version {versions[0]} (when saved)",
         got=f"version {versions[1]}",
         tip="the boundary keeps each input for the replay, where eager keeps only what "
             "backward needs (an integer position tensor, say): change a clone after the call "

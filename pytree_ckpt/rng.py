@@ -58,30 +58,40 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 # process-global, like the fast-path setting (NOTE [passes in several threads]): replays that
 # run at once on several GPUs' device threads, each setting switches that differ from
 # backward's, may see each other's.
-_KERNEL_SWITCHES = tuple(
-    (getattr(torch._C, get), getattr(torch._C, put)) for get, put in (
-        ("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
-        ("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
-        ("_get_math_sdp_enabled", "_set_sdp_use_math"),
-        ("_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
-        ("_get_overrideable_sdp_enabled", "_set_sdp_use_overrideable"),
-        ("_get_sdp_priority_order", "_set_sdp_priority_order"),
-        ("_get_mkldnn_enabled", "_set_mkldnn_enabled"),
-        ("_get_mkldnn_deterministic", "_set_mkldnn_deterministic"),
-        ("_get_cudnn_enabled", "_set_cudnn_enabled"),
-        ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
-        ("_get_cudnn_benchmark", "_set_cudnn_benchmark"))
-    if hasattr(torch._C, get) and hasattr(torch._C, put))  # as this torch build has them
-_KERNEL_GETTERS = tuple(get for get, _ in _KERNEL_SWITCHES)
+_KERNEL_SWITCHES = (
+    ("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
+    ("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
+    ("_get_math_sdp_enabled", "_set_sdp_use_math"),
+    ("_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
+    ("_get_overrideable_sdp_enabled", "_set_sdp_use_overrideable"),
+    ("_get_sdp_priority_order", "_set_sdp_priority_order"),
+    ("_get_mkldnn_enabled", "_set_mkldnn_enabled"),
+    ("_get_mkldnn_deterministic", "_set_mkldnn_deterministic"),
+    ("_get_cudnn_enabled", "_set_cudnn_enabled"),
+    ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
+    ("_get_cudnn_benchmark", "_set_cudnn_benchmark"))
 
 
-def _kernel_state() -> list[Any]:
-    return [get() for get in _KERNEL_GETTERS]
+def _absent() -> None:
+    return None  # a switch this torch build lacks: always None, never set
 
 
-def _set_kernel_state(state: list[Any], now: list[Any]) -> None:
-    for (_, put), value, current in zip(_KERNEL_SWITCHES, state, now):
-        if value != current:
+(_flash, _efficient, _math, _cudnn_sdp, _overrideable, _priority, _mkldnn,
+ _mkldnn_deterministic, _cudnn, _cudnn_deterministic, _cudnn_benchmark) = (
+    getattr(torch._C, get, _absent) for get, _ in _KERNEL_SWITCHES)
+_KERNEL_SETTERS = tuple(getattr(torch._C, put, None) for _, put in _KERNEL_SWITCHES)
+
+
+def _kernel_state() -> tuple[Any, ...]:
+    # Spelled out: read twice per layer call, and a loop over the getters costs twice as much.
+    return (_flash(), _efficient(), _math(), _cudnn_sdp(), _overrideable(), _priority(),
+            _mkldnn(), _mkldnn_deterministic(), _cudnn(), _cudnn_deterministic(),
+            _cudnn_benchmark())
+
+
+def _set_kernel_state(state: tuple[Any, ...], now: tuple[Any, ...]) -> None:
+    for put, value, current in zip(_KERNEL_SETTERS, state, now):
+        if value != current and put is not None:
             put(value)
 
 
@@ -94,7 +104,7 @@ class ReplayEnvironment:
 
     def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
                  autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool,
-                 torch_function: Any, kernels: list[Any]) -> None:
+                 torch_function: Any, kernels: tuple[Any, ...]) -> None:
         self.cpu_rng = cpu_rng
         self.kernels = kernels  # NOTE [the replay picks the forward's kernels]
         self.cuda_rng = cuda_rng
@@ -145,7 +155,7 @@ class Replaying:
 
     def __init__(self, env: ReplayEnvironment) -> None:
         self.env = env
-        self.kernels: list[Any] | None = None  # backward's kernel switches, where they differ
+        self.kernels: tuple[Any, ...] | None = None  # backward's kernel switches, if they differ
         self.saved_rng: RngState | None = None
         self.autocast: ExitStack | None = None
         self.grad: bool | None = None  # the caller's grad mode, once set

@@ -70,13 +70,20 @@ class KeptOps:
 
     def __init__(self, *ops: str | Any) -> None:
         names = [_op_name(op) for op in ops]
-        if not names or not all(isinstance(n, str) and "::" in n for n in names):
+        bad: Any = next((op for op, n in zip(ops, names)
+                         if not (isinstance(n, str) and "::" in n)), None)
+        if not names or bad is not None:
+            higher_order = isinstance(bad, torch._ops.HigherOrderOperator)
             raise CheckpointConfigError(
                 "KeptOps takes one or more op names of the form 'namespace::name' (or "
                 "'namespace::name.overload'), or torch.ops objects",
                 expected="e.g. KeptOps('aten::mm', 'glm_dsa::sparse_mla_attention') or "
                          "KeptOps(torch.ops.aten.addmm.default)",
-                got=repr(ops), tip="op identity is the namespace and the op's name")
+                got=(f"the higher-order op {bad.name()!r}" if higher_order else repr(bad))
+                if names else "nothing",
+                tip="a higher-order op (flex_attention) is no single op the mode that keeps "
+                    "ops sees: keep the method that calls it with KeptCallables('Class.method')"
+                    if higher_order else "op identity is the namespace and the op's name")
         self.op_names = tuple(names)
 
     def __repr__(self) -> str:
@@ -156,9 +163,12 @@ def _near_op_names(name: str, named: Sequence[str]) -> list[str]:
         return [f"{base}.{o}" for o in packet.overloads()
                 if not getattr(packet, o)._schema.is_mutable]  # out= variants are never kept
     taken = {n.split(".", 1)[0] for n in named}
-    # In-place variants (addmm_) are never kept: not suggested.
+    if any(base != other and (base.startswith(other) or other.startswith(base))
+           for other in taken):
+        return []  # a version of a named op (_efficient_attention_forward_v2)
+    # Not suggested: in-place variants (addmm_, never kept), and backward kernels.
     return [c for c in difflib.get_close_matches(base, sorted(bases), n=3, cutoff=0.85)
-            if c not in taken and not c.endswith("_")]
+            if c not in taken and not c.endswith(("_", "_backward"))]
 
 
 # A kernel under any of these keys runs the op itself on that device: the mode that keeps ops

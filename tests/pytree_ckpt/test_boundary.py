@@ -1187,6 +1187,45 @@ def test_a_subclass_input_keeps_its_slot_attributes_in_the_replay() -> None:
     assert seen == [3.0, 3.0] and torch.equal(x.grad, torch.full((3,), 3.0))
 
 
+def test_post_accumulate_hooks_after_one_that_clears_grad_still_run_as_in_eager() -> None:
+    # Guards against: each wrapped post-accumulate-grad hook read `.grad is None` when it ran,
+    # so after an optimizer-in-backward hook (step, then zero_grad: .grad None) every later
+    # hook on the parameter was skipped, where eager runs them all.
+    def run(wrap: bool) -> list[str]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model)
+        ready: list[str] = []
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            p.register_post_accumulate_grad_hook(lambda p, name=name: ready.append(name))
+        model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        return sorted(ready)
+
+    assert run(True) == run(False) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_a_multi_grad_hook_on_the_inputs_fires_as_in_eager() -> None:
+    # Guards against: torch's own per-tensor hook of register_multi_grad_hook("all") was
+    # wrapped to skip None gradients, so the count of an input the layer reads only through
+    # `enc > 0` never completed and the hook never fired (module trackers, FSDP use them).
+    def run(wrap: bool) -> list[list[bool]]:
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4)
+        forward = layer.forward
+        layer.forward = lambda x, enc: forward(x) * (enc > 0).float().mean()  # type: ignore
+        x, enc = torch.randn(3, 4, requires_grad=True), torch.randn(3, requires_grad=True)
+        fired: list[list[bool]] = []
+        torch.autograd.graph.register_multi_grad_hook(
+            (x, enc), lambda grads: fired.append([g is None for g in grads]))
+        out = pytree_ckpt.checkpoint(layer, x, enc) if wrap else layer(x, enc)
+        out.sum().backward()
+        return fired
+
+    assert run(True) == run(False) == [[False, True]]
+
+
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_an_input_made_under_inference_mode_is_accepted_as_in_eager(offloaded: bool) -> None:
     # Guards against: the boundary saves every input, and autograd refuses to save an inference

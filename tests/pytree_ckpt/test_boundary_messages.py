@@ -645,6 +645,26 @@ def test_an_input_changed_in_place_after_the_layer_is_refused_naming_it_with_the
         assert message.startswith("the input args[1] of Layer was changed in place after the call")
 
 
+def test_views_of_one_tensor_changed_after_the_layer_are_all_named() -> None:
+    # cos and sin sliced from one cache share its version counter: a change through either
+    # moves both, so naming only the first one (args[1]) pointed at the wrong tensor.
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * cos + sin
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Rotary())
+    cache = torch.randn(2, 4, 8)
+    out = layer(torch.randn(4, 8, requires_grad=True), cache[0], cache[1])
+    cache[1].add_(1)
+    with pytest.raises(CheckpointError, match=r"^one of the inputs args\[1\], args\[2\] of "
+                                              r"Rotary was changed in place after the call"):
+        out.sum().backward()
+
+
 class CollectsAuxLoss(nn.Module):
     """An MoE-style layer appending its load-balancing loss to a list it is given."""
 

@@ -20,9 +20,11 @@ CALLS: dict[str, int] = {"attn": 0, "scaled": 0}
 
 
 @torch.library.custom_op("pytree_ckpt_args::attn", mutates_args=())
-def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_log_sumexp: bool
+def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_log_sumexp: bool = False
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention that returns its log-sum-exp only when asked, as the efficient kernel does."""
+    """Attention that returns its log-sum-exp only when asked, as the efficient kernel does
+    (a trailing flag with a default, as aten::_efficient_attention_forward's: torch's Python
+    dispatch drops it when it equals the default, so the two passes spell the call apart)."""
     CALLS["attn"] += 1
     scores = q @ k.transpose(-1, -2)
     lse = scores.logsumexp(-1) if compute_log_sumexp else q.new_empty(0)
@@ -30,7 +32,7 @@ def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_log_sumexp: 
 
 
 @attn.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_log_sumexp: bool
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_log_sumexp: bool = False
       ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty(q.shape[:-1] if compute_log_sumexp else (0,))
 
@@ -179,3 +181,23 @@ def test_kept_cuda_attention_kernels_give_eager_gradients(op: str) -> None:
     # reproducibility notes). Without a real log-sum-exp backward raises or reads garbage.
     for expected, got in zip(*grads):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+class NanFill(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h.masked_fill(h.detach() > 1e9, float("nan")).tanh()  # nothing is filled
+
+
+def test_a_nan_argument_is_the_same_argument_in_both_passes() -> None:
+    # Guards against: nan != nan made every kept masked_fill(mask, nan) look called otherwise:
+    # recomputed, with a warning saying 'value: nan -> nan'.
+    eager, wrapped = _twins(NanFill(), "aten::masked_fill")
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))

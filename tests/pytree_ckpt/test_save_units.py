@@ -320,6 +320,15 @@ def test_a_named_overload_keeps_that_overload_only() -> None:
     assert not policy.keeps(torch.ops.aten.add.Scalar)
 
 
+def test_a_higher_order_op_given_to_keptops_is_refused_naming_it_and_the_fix() -> None:
+    flex = getattr(torch._higher_order_ops, "flex_attention", None)
+    if flex is None:
+        pytest.skip("this build has no flex_attention")
+    with pytest.raises(CheckpointConfigError, match=r"(?s)got: +the higher-order op "
+                                                    r"'flex_attention'.*KeptCallables"):
+        KeptOps("aten::mm", flex)
+
+
 @pytest.mark.parametrize(("name", "suggested"), [
     ("aten::adddmm", "'aten::addmm' or 'aten::addbmm'?"),
     ("aten::addmm.defualt", "'aten::addmm.default'")])
@@ -334,10 +343,16 @@ def test_a_mistyped_op_name_next_to_a_valid_one_warns_naming_the_op_it_is_close_
         warnings.simplefilter("error")
         assert KeptOps("aten::mm", "aten::mm_v3", "nonexistent_ns::mm").resolve() == \
             [torch.ops.aten.mm]
+        # a version beside its pair, close to a backward kernel: still a version
+        assert KeptOps("aten::_efficient_attention_forward",
+                       "aten::_efficient_attention_forward_v2").resolve() == \
+            [torch.ops.aten._efficient_attention_forward]
 
 
 @pytest.mark.parametrize(("name", "why"), [("aten::clone", "clones are never kept"),
                                            ("aten::transpose", "views are never kept"),
+                                           ("aten::addmm_", "in-place and out= ops are never"),
+                                           ("aten::addmm.out", "in-place and out= ops are "),
                                            ("_c10d_functional::all_reduce",
                                             "collectives are never kept")])
 def test_naming_an_op_the_keep_rules_never_keep_warns_instead_of_keeping_nothing_silently(
