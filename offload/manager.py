@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from pytree_ckpt.census import storage_key
+from pytree_ckpt.census import Mechanism, census_active, report_held, storage_key
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged
 from pytree_ckpt.subclass import as_kind
@@ -314,17 +314,17 @@ class OffloadManager:
         # Not a window tensor's storage, or none to copy (warned of when the window opened).
         key = self._plain_storage_key(tensor, warn=False)
         if key is None or key not in window.keys:
-            return Unchanged(tensor)
+            return _left_on_device(tensor)
         if tensor.device != self.device:
             self._other_device(window, key, tensor)
-            return Unchanged(tensor)
+            return _left_on_device(tensor)
         nbytes = tensor.untyped_storage().nbytes()
         if nbytes < self.config.min_bytes:
             if key not in window.small:
                 window.small.add(key)
                 self._counters["below_min_bytes"] += nbytes
                 window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
-            return Unchanged(tensor)
+            return _left_on_device(tensor)
         copy = window.copies.get(key)
         if copy is None or not copy.holds(tensor):
             copy = window.pass_.shared.get(key)
@@ -526,9 +526,17 @@ def default_manager() -> OffloadManager:
     return manager
 
 
-def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:
-    from pytree_ckpt.census import Mechanism, census_active, report_held
+def _left_on_device(tensor: torch.Tensor) -> Unchanged:
+    """A save the window leaves where it is, held as autograd holds it. Its hooks shadow an
+    ActivationCensus's own: the census hears of it from here, as a plain autograd save (a
+    boundary's input it already has under the boundary stays filed there)."""
+    packed = Unchanged(tensor)
+    if census_active():
+        report_held([tensor], Mechanism.AUTOGRAD, holder=packed)
+    return packed
 
+
+def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:
     if census_active():
         # The device storage is held (by us) until its copy completed, then flagged if it is
         # still alive; the host copy is held while the copy object lives.
@@ -538,8 +546,6 @@ def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:
 
 
 def _report_shared(copy: Copy, tensor: torch.Tensor) -> None:
-    from pytree_ckpt.census import Mechanism, census_active, report_held
-
     if census_active():  # its host copy was reported with the copy
         report_held([tensor], Mechanism.OFFLOAD_IN_FLIGHT, holder=copy, replace=True)
 

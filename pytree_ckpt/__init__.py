@@ -11,7 +11,7 @@ from .frames import reuse_during_recompute
 from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
                      remove_activation_checkpointing, resolve_offload)
 from .phase import Phase, current_phase
-from .residual_plan import ResidualRecomputeContext, build_residual_stream_recompute_plan
+from .residual_plan import ResidualStreamRecomputeContext, build_residual_stream_recompute_plan
 from .save_units import (KeptCallables, KeptOps, RecomputeConfig, RecomputeTargetMap, SaveUnit,
                          apply_recompute_config)
 
@@ -29,7 +29,7 @@ __all__ = [
     "RecomputeConfig",
     "RecomputeTargetMap",
     "ReplayMismatchError",
-    "ResidualRecomputeContext",
+    "ResidualStreamRecomputeContext",
     "ReuseError",
     "SaveUnit",
     "apply_activation_checkpointing",

@@ -37,8 +37,8 @@ inputs of the Function, as in the checkpoint boundary, so they get bit-identical
 (other callables accumulate into ``.grad`` from the replay, reentrant-style). A tensor that
 ``fn`` uses *and* something else uses (the residual stream's input) receives its gradient as a
 sum whose association differs from eager (``fn``'s own contributions are summed first), so it
-matches eager up to float rounding (a few ulp), as in Megatron; in a residual stream that
-rounding then reaches everything upstream. This is the price of the nested backward through
+matches eager up to float rounding (a few ulp of the tensor's largest value), as in Megatron;
+in a residual stream that rounding then reaches everything upstream. This is the price of the nested backward through
 the small recomputed graph, which is what lets the op's own intermediates go unsaved.
 """
 
@@ -65,7 +65,7 @@ from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState, ForwardModules, StateWatch, versions
 from .tree import flatten
 
-__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
+__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "refuse_fp8"]
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +311,17 @@ class _DiscardFunction(torch.autograd.Function):
         return (None, *result)
 
 
+def refuse_fp8(fp8: object, /) -> None:
+    """Megatron-Core's ``fp8=`` keyword: only ``False``. The rebuild in backward would not run
+    under the forward's FP8 autocast (Transformer Engine's state is not captured)."""
+    if fp8 is not False:
+        raise CheckpointConfigError(
+            "output discard does not rebuild under FP8 autocast", expected="fp8=False",
+            got=f"fp8={fp8!r}",
+            tip="run the discarded op outside fp8_autocast (a norm usually is), or leave it "
+                "undiscarded")
+
+
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
 
@@ -318,7 +329,8 @@ _INERT_LOGGED: set[str] = set()
 class CheckpointWithoutOutput:
     """Run a cheap ``fn`` under no-grad now; free its output; rebuild it just before backward."""
 
-    def __init__(self, *, preserve_rng_state: bool = True) -> None:
+    def __init__(self, *, fp8: bool = False, preserve_rng_state: bool = True) -> None:
+        refuse_fp8(fp8)  # Megatron-Core's keyword: said, not swallowed
         self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
         self.fn: Callable[..., Any] | None = None
         self.kwargs: dict[str, Any] = {}  # plain values only (checked in checkpoint())

@@ -335,7 +335,8 @@ def validate_ratio(ratio: object, /) -> float:
         raise CheckpointConfigError(
             "the checkpoint ratio must be a number in [0, 1]",
             expected="0.0 <= ratio <= 1.0 (the fraction of layers to checkpoint)",
-            got=repr(ratio), tip="use 1.0 to checkpoint every layer, 0.0 for none")
+            got=repr(ratio), tip="use 1.0 to checkpoint every layer, 0.0 for none; Megatron's "
+                                 "recompute_num_layers=N of L layers is ratio=N/L (the first N)")
     return float(ratio)
 
 

@@ -5,28 +5,48 @@ cheap outputs together and replays them, in forward order, from one hook."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from .discard import CheckpointWithoutOutputManager
+import torch
+
+from .discard import CheckpointWithoutOutputManager, refuse_fp8
 from .errors import CheckpointConfigError
 
-__all__ = ["ResidualRecomputeContext", "build_residual_stream_recompute_plan"]
+__all__ = ["ResidualStreamRecomputeContext", "build_residual_stream_recompute_plan"]
+
+R = TypeVar("R")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ResidualRecomputeContext:
-    """One layer's place in a residual-stream recompute plan."""
+class ResidualStreamRecomputeContext:
+    """One layer's place in a residual-stream recompute plan (Megatron-Core's name, fields
+    and methods, plus the layer's and block's indices)."""
 
     layer_index: int
     block_index: int
     manager: CheckpointWithoutOutputManager
     is_block_end: bool
 
+    def checkpoint(self, function: Callable[..., R], /, *args: Any, fp8: bool = False,
+                   **kwargs: Any) -> R:
+        """Run one cheap op through the block's manager, for ordered replay."""
+        refuse_fp8(fp8)
+        return self.manager.checkpoint(function, *args, **kwargs)  # type: ignore[no-any-return]
+
+    def finalize(self, hidden_states: torch.Tensor, /) -> None:
+        """At the block's last layer, discard the block's outputs and register their rebuild
+        on ``hidden_states`` (the residual stream after the block); elsewhere nothing."""
+        if self.is_block_end:
+            self.manager.discard_all_outputs_and_register_unified_recompute(hidden_states)
+
 
 def build_residual_stream_recompute_plan(
-        num_layers: int, block_size: int | None, /, *,
+        num_layers: int, block_size: int | None, *,
         atomic_layer_pairs: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
-) -> list[ResidualRecomputeContext]:
-    """One context per layer; layers of a block share a manager; pairs never split.
+) -> list[ResidualStreamRecomputeContext]:
+    """One context per layer; layers of a block share a manager; pairs never split. The
+    signature is Megatron-Core's (both arguments may be given by name).
 
     Managers are single-use (one discard and one replay per forward): build a plan per step.
 
@@ -71,7 +91,7 @@ def build_residual_stream_recompute_plan(
     for block_index, block in enumerate(blocks):
         manager = CheckpointWithoutOutputManager()
         for layer in block:
-            plan.append(ResidualRecomputeContext(layer_index=layer, block_index=block_index,
+            plan.append(ResidualStreamRecomputeContext(layer_index=layer, block_index=block_index,
                                                  manager=manager,
                                                  is_block_end=layer == block[-1]))
     return plan

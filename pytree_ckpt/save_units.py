@@ -241,7 +241,12 @@ def _unit(value: object, /) -> SaveUnit:
     except ValueError:
         raise CheckpointConfigError(
             f"unknown save unit {value!r}", expected=[u.value for u in SaveUnit], got=repr(value),
-            tip="use SaveUnit members or their string values") from None
+            tip="use SaveUnit members or their string values. `save` lists what stays "
+                "resident, the inverse of Megatron's recompute_modules (what is recomputed): "
+                "to recompute one submodule (core_attn, mlp), checkpoint it with "
+                "apply_activation_checkpointing; a norm or activation (layernorm, moe_act), "
+                "with CheckpointWithoutOutput (docs/save_units.md, 'Coming from "
+                "Megatron-Core')") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,11 @@ class Unchanged:
         # (Autograd refuses to save an inference tensor, which has no version, before any hook.)
         self.version = tensor._version
 
+    @property
+    def released(self) -> bool:
+        """Never: it holds the tensor for as long as autograd holds it (a census ``Holder``)."""
+        return False
+
     def get(self) -> torch.Tensor:
         """The tensor, or a ``CheckpointError`` if it was changed in place since it was saved."""
         if self.tensor._version != self.version:

@@ -425,3 +425,31 @@ def test_a_table_every_offloaded_layer_gets_is_counted_once_on_the_device_while_
                                             "offload in flight": nbytes(table)}
     assert [entry["bytes"] for entry in census.flagged()] == [nbytes(table)]
     h.sum().backward()
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30], ids=["window offloads", "all below floor"])
+def test_what_a_direct_window_leaves_on_the_device_is_counted_under_autograd(
+        min_bytes: int) -> None:
+    # Guards against: the window's saved-tensor hooks shadow the census's own, and the manager
+    # reported only what it copied: a Linear-GELU-Linear inside `window([h])` (offloading one
+    # activation of a layer that is not checkpointed) showed a ninth of what autograd kept.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    h = x * 1.0
+    with ActivationCensus(model) as plain:
+        loss = model(h).square().mean()
+    expected = plain.bytes_by("mechanism")
+    loss.backward()
+    manager = OffloadManager(OffloadConfig(min_bytes=min_bytes), device="cpu")
+    h = x * 1.0
+    with ActivationCensus(model) as census:
+        with manager.window([h]):
+            out = model(h)
+        loss = out.square().mean()
+    got = census.bytes_by("mechanism")
+    offloaded = manager.stats()["offloaded_bytes"]
+    assert offloaded == (h.untyped_storage().nbytes() if min_bytes == 0 else 0)
+    assert got.get("autograd", 0) == expected["autograd"] - offloaded
+    assert got.get("offload in flight", 0) == offloaded
+    loss.backward()

@@ -590,3 +590,39 @@ def test_keyword_options_reach_the_op_in_both_passes_and_tensor_keywords_are_ref
     torch.testing.assert_close(eager[0], discarded[0], rtol=0, atol=1e-6)
     with pytest.raises(CheckpointConfigError, match="(?s)as keyword 'weight'.*pass it positionally"):
         CheckpointWithoutOutput().checkpoint(F.layer_norm, x, (8,), weight=norm.weight)
+
+
+def test_megatron_style_plan_calls_run_through_the_context_and_fp8_is_refused() -> None:
+    # Guards against: code ported from Megatron-Core (keyword arguments to the plan,
+    # ctx.checkpoint / ctx.finalize, CheckpointWithoutOutput(fp8=False)) raised TypeError or
+    # AttributeError, naming nothing.
+    torch.manual_seed(0)
+    norms = nn.ModuleList(nn.LayerNorm(8) for _ in range(4))
+    projs = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def run(discard: bool) -> list[torch.Tensor | None]:
+        plan = build_residual_stream_recompute_plan(num_layers=4, block_size=2)
+        h = x
+        for ctx, norm, proj in zip(plan, norms, projs):
+            normed = ctx.checkpoint(norm, h) if discard else norm(h)
+            h = h + proj(normed)
+            if discard:
+                ctx.finalize(h)
+        h.square().sum().backward()
+        grads = [p.grad.clone() if p.grad is not None else None
+                 for p in (*norms.parameters(), *projs.parameters())]
+        for p in (*norms.parameters(), *projs.parameters(), x):
+            p.grad = None
+        return grads
+
+    eager, discarded = run(False), run(True)
+    assert len(eager) == len(discarded)
+    for a, b in zip(eager, discarded):  # the discard's summing order: equal to rounding
+        assert a is not None and b is not None
+        torch.testing.assert_close(b, a, rtol=0, atol=8 * torch.finfo(a.dtype).eps * a.abs().max())
+    CheckpointWithoutOutput(fp8=False)
+    with pytest.raises(CheckpointConfigError, match="fp8=True"):
+        CheckpointWithoutOutput(fp8=True)
+    with pytest.raises(CheckpointConfigError, match="fp8=True"):
+        build_residual_stream_recompute_plan(2, 1)[0].checkpoint(norms[0], x, fp8=True)
