@@ -25,7 +25,8 @@ from .refusals import (TORCH_REENTRANT, fn_name, open_containers,
                        raise_attached_to_outside_tensor, raise_changed_after_call,
                        raise_hooked_outside_tensor,
                        raise_torch_reentrant_inside, refuse_filled_containers, stored_numbers,
-                       stored_tensors, verify_leaves, warn_changed_numbers, warn_stored_scalars)
+                       stored_tensors, verify_leaves, warn_changed_numbers,
+                       warn_stacked_checkpointing, warn_stored_scalars)
 from .rng import IsolatedPass
 from .saved import SavedTensorChanged, Unchanged
 from .subclass import as_kind
@@ -70,6 +71,7 @@ class _FirstReplay:
         if self.containers is not None:
             refuse_filled_containers(call, self.containers, self.known)
         owner = self.modules[0]
+        warn_stacked_checkpointing(owner)
         warn_stored_scalars(owner, self.modules, self.dicts, self.tensors)
         warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
 

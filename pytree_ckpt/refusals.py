@@ -83,6 +83,19 @@ _STATELESS = (bytes, complex, torch.dtype, torch.device, torch.layout, torch.mem
               torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # Tensor.add, aten.mm
 
 
+def _is_kv_cache(leaf: Any, /) -> bool:
+    """A key/value cache, by what it can do: transformers' caches have both methods."""
+    kind = type(leaf)
+    return callable(getattr(kind, "update", None)) and \
+        callable(getattr(kind, "get_seq_length", None))
+
+
+def _reads_caches_only(fn: Callable[..., Any], /) -> bool:
+    """The layer's class says it only reads a cache in training (transformers' opt-in)."""
+    owner = owning_module(fn)
+    return bool(getattr(owner if owner is not None else fn, "_can_checkpoint_with_cache", False))
+
+
 def _holds_no_state(leaf: Any, /) -> bool:
     """Whether ``leaf`` is an immutable value (a dtype, a device, an enum, a function, ...)
     rather than an object a forward could append to. A builtin counts only when it is bound to
@@ -115,24 +128,33 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
         sort = leaf_kind(leaf)
-        if sort is not ITERATOR and kwargs_use_cache and not _holds_no_state(leaf):
+        kv_cache = _is_kv_cache(leaf) and not _reads_caches_only(fn)
+        if sort is not ITERATOR and (kv_cache or kwargs_use_cache and not _holds_no_state(leaf)):
             # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
-            # with use_cache=True is appended to by the original pass and again by the replay.
-            # The replay's attention then reads the keys the no-grad original pass stored
-            # (same values, same shapes, so nothing fails): the key and value projections get
-            # no gradient, silently. transformers' own checkpointing turns use_cache off.
-            # Immutable values (a dtype, a device, an enum, a function) cannot be filled and
-            # pass: such a call (a GPT-2 style layer returning its new keys) is legitimate.
+            # is appended to by the original pass and again by the replay. The replay's
+            # attention then reads the keys the no-grad original pass stored (same values,
+            # same shapes, so nothing fails): the key and value projections get no gradient,
+            # silently. transformers' own checkpointing turns use_cache off. Refused: a cache
+            # (an object with update() and get_seq_length(), as transformers' are) under any
+            # name (Gemma, Olmo pass `cache=` with no use_cache keyword), unless the layer's
+            # class says it only reads caches (transformers' _can_checkpoint_with_cache); and
+            # any other object with use_cache=True. Immutable values (a dtype, a device, an
+            # enum, a function) cannot be filled and pass: such a call (a GPT-2 style layer
+            # returning its new keys) is legitimate.
             path = _readable(leaf_paths(spec, root="inputs")[index])
             raise CheckpointError(
-                f"{fn_name(fn)} was called with use_cache=True and an object at {path} "
-                f"({type(leaf).__name__}); the original pass fills that cache and the replay in "
-                "backward fills it again, and may read what the no-grad original pass stored "
+                f"{fn_name(fn)} was called with grad enabled and "
+                + (f"a key/value cache at {path}" if kv_cache else
+                   f"use_cache=True and an object at {path}")
+                + f" ({type(leaf).__name__}); the original pass fills that cache and the replay "
+                "in backward fills it again, and may read what the no-grad original pass stored "
                 "(transformers' attention does): gradients through it would be silently "
                 "missing",
-                expected="use_cache=False while training", got="use_cache=True",
+                expected="no cache (use_cache=False) while training",
+                got=type(leaf).__name__ if kv_cache else "use_cache=True",
                 tip="pass use_cache=False in training (with transformers, "
-                    "model.config.use_cache = False or model(..., use_cache=False))")
+                    "model.config.use_cache = False or model(..., use_cache=False)); run "
+                    "evaluation under torch.no_grad()")
         if sort is CONTAINER:
             found = hidden_tensor(leaf, _requires_grad)
             if found is not None:
@@ -553,6 +575,27 @@ def _attribute_names(owner: nn.Module, modules: Sequence[nn.Module],
              for path, m in root.named_modules(prefix="" if root is owner else
                                                f"({type(root).__name__})")}
     return [f"{names.get(id(dicts[i]), '?')}.{name}".lstrip(".") for i, name in found]
+
+
+_WARNED_STACKED = "_pytree_ckpt_warned_stacked"
+
+
+def warn_stacked_checkpointing(owner: nn.Module, /) -> None:
+    """transformers' own checkpointing switched on for a layer this boundary wraps
+    (``gradient_checkpointing_enable()``, before or after wrapping): its non-reentrant
+    checkpoint around the layer's call recomputes the layer once more, every step
+    (gradients stay exact; its reentrant one is refused in backward). Warned once per
+    layer, at its first replay."""
+    held = owner.__dict__
+    if held.get("gradient_checkpointing") is not True or held.get(_WARNED_STACKED):
+        return
+    held[_WARNED_STACKED] = True
+    warnings.warn(
+        f"pytree_ckpt: {type(owner).__name__} is checkpointed twice: transformers' own "
+        "gradient checkpointing is on for it too, so each step runs its forward once more "
+        "than needed (gradients stay exact). Tip: "
+        "model.gradient_checkpointing_disable() (or TrainingArguments(gradient_checkpointing="
+        "False)) and keep pytree_ckpt's", stacklevel=user_stacklevel())
 
 
 def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],

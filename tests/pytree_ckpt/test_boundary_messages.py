@@ -134,6 +134,63 @@ def test_a_call_with_use_cache_true_and_a_cache_object_is_refused_naming_the_cac
         checkpoint(layer, x, cache=KeyValueCache(), use_cache=True)
 
 
+class TransformersCache(KeyValueCache):
+    """transformers' cache interface: update() and get_seq_length()."""
+
+    def update(self, keys: torch.Tensor) -> torch.Tensor:
+        self.keys.append(keys)
+        return torch.cat(self.keys)
+
+    def get_seq_length(self) -> int:
+        return sum(len(k) for k in self.keys)
+
+
+class GemmaStyleAttention(AppendingAttention):
+    """Gemma's and Olmo's layers: the cache is passed as `cache=`, with no use_cache keyword,
+    and attention updates it whenever it is given."""
+
+    def forward(self, x: torch.Tensor, *, cache: KeyValueCache | None = None,
+                use_cache: bool = False) -> torch.Tensor:
+        keys = self.k(x)
+        if cache is not None:
+            keys = cache.update(keys)  # type: ignore[attr-defined]
+        return (x @ keys[: len(x)].T).softmax(-1) @ keys[: len(x)]
+
+
+def test_a_transformers_cache_is_refused_without_use_cache_unless_the_layer_only_reads_it(
+        ) -> None:
+    # Gemma2/3 and Olmo3 call their layers with `cache=` only: with the config's default
+    # use_cache=True the replay filled the cache again and k got no gradient, silently (the
+    # refusal looked for the use_cache=True keyword).
+    layer = GemmaStyleAttention()
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"a key/value cache at kwargs\['cache'\] "
+                                              r"\(TransformersCache\)") as error:
+        checkpoint(layer, x, cache=TransformersCache())
+    assert "use_cache=False" in str(error.value) and "torch.no_grad()" in str(error.value)
+    checkpoint(layer, x, cache=None).sum().backward()  # what use_cache=False passes
+    with torch.no_grad():  # no boundary (generation): the cache works as usual
+        checkpoint(layer, x, cache=TransformersCache())
+
+    class ReadsOnly(GemmaStyleAttention):
+        _can_checkpoint_with_cache = True  # transformers' opt-in: this layer only reads it
+
+    checkpoint(ReadsOnly(), x, cache=TransformersCache())  # not refused
+
+
+def test_transformers_checkpointing_stacked_on_a_wrapped_layer_is_warned_once() -> None:
+    # gradient_checkpointing_enable() on a model whose layers are wrapped checkpoints every
+    # layer twice: exact, but each step runs its forward once more, and nothing said so.
+    layer = pytree_ckpt.apply_activation_checkpointing(torch.nn.Linear(4, 4))
+    layer.gradient_checkpointing = True  # what transformers' enable sets on each layer
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match="checkpointed twice.*gradient_checkpointing_disable"):
+        layer(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x).sum().backward()
+
+
 class _Impl(enum.Enum):
     SDPA = "sdpa"
 
