@@ -156,6 +156,13 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
 
 
 _Tensor = torch.Tensor  # read per call
+# Whether a torch.func transform is active, read as torch's own Function.apply reads it (the
+# dispatch keys functorch includes while its interpreter stack is not empty). Not
+# torch._C._functorch.peek_interpreter_stack(): the first call of that creates the thread's
+# functorch state, which every autograd node run afterwards (and every ThreadLocalState
+# capture) then deep-copies: about 100,000 instructions a layer call at the small size of
+# examples.bench_instructions, in the caller's own autograd work as much as in the boundary's.
+_functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
 
 
 class BoundaryCall:
@@ -443,10 +450,11 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.
     """
-    if not torch.is_grad_enabled() or torch._C._functorch.peek_interpreter_stack() is not None \
+    if not torch.is_grad_enabled() or _functorch_transforms_active() \
             or _forward_ad._current_level >= 0:
         # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
-        # jacrev) too: the Function has no setup_context, and torch's error would name no fix;
+        # jacrev) too: the Function has no setup_context, and torch's error would name no fix
+        # (read as Function.apply reads it: see _functorch_transforms_active);
         # and inside forward-mode AD's dual_level(): the no-grad original pass drops the
         # tangents of dual tensors it reaches other than as inputs (parameters swapped in by
         # functional_call), silently.
