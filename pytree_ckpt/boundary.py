@@ -326,8 +326,9 @@ class _BoundaryFunction(torch.autograd.Function):
             raise
         finally:
             ACTIVE.reset(token)
-        moved = [slot for slot, version in enumerate(versions(tensors))
-                 if version != input_versions[slot]]
+        now = versions(tensors)
+        moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
+            if now != input_versions else []
         # NOTE [attributes set before the call]: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
         for t in saved:
@@ -419,7 +420,8 @@ class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         call: BoundaryCall = ctx.call
-        refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
+        if torch.is_grad_enabled():  # refused (no closure made per call otherwise)
+            refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
         changes = call.forward_modules.changes() if call.forward_modules is not None else None
         if changes is None:
             return replay_backward(ctx, call, grad_outputs)
@@ -484,8 +486,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     if owner is not None:
         # Modules passed as arguments, or their bound methods (an activation passed as
         # `shared.forward`): their parameters are inputs too.
-        modules = [owner, *(module for leaf in leaves if leaf is not None and
-                            (module := _argument_module(leaf)) is not None)]
+        modules = [owner] if len(flat.tensor_index) == len(leaves) else \
+            [owner, *(module for leaf in leaves if leaf is not None and
+                      (module := _argument_module(leaf)) is not None)]
         trees = [module_dicts(module) for module in modules]
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
         # each use needs its gradient (the argument's comes through its input slot).
@@ -536,8 +539,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # that keeps the output before another rewrites it keeps no output of fn), outside for
         # an installed forward; those of modules passed in run inside.
         roots = modules if fn is owner else modules[1:]
+        submodules = trees[0].submodules if len(trees) == 1 else \
+            [d for tree in trees for d in tree.submodules]
         call.hooked = hooked_modules(
-            [*(d for tree in trees for d in tree.submodules), *(m.__dict__ for m in roots)],
+            [*submodules, *(m.__dict__ for m in roots)] if roots else submodules,
             (m for root in modules for m in root.modules() if m is not owner or fn is owner))
         if call.hooked:
             call.held = held_tensors([*(m.__dict__ for m in modules),
@@ -545,10 +550,12 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     if owner is not None:
         call.switches = call_switches(flat.spec, leaves, hooked=call.hooked,
                                       only_tensors=len(flat.tensor_index) == len(leaves))
-    call.attributes = [name for name, _ in attributes]
     inputs = unique
-    if params or attributes:
+    if attributes:
+        call.attributes = [name for name, _ in attributes]
         inputs = [*unique, *(t for _, t in attributes), *(params or ())]
+    elif params:
+        inputs = [*unique, *params]
     active = ACTIVE.get()
     if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):
         # NOTE: a boundary nested in another's replay runs in backward, where its inputs are

@@ -32,6 +32,7 @@ others). ``IN_REUSE`` is not read when compiling: ``reuse_during_recompute`` run
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -52,6 +53,7 @@ __all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
 _RECORDING = threading.local()
 _LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
 _INSTALLING = threading.Lock()  # held only while a recorder is installed
+_FORWARD_HOOKS = operator.itemgetter("_forward_hooks")  # of a module's __dict__
 
 
 def is_library_hook(hook: Any, /) -> bool:
@@ -84,8 +86,8 @@ def _record_output(module: nn.Module, args: Any, output: Any) -> None:
 def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module], /) -> bool:
     """Whether a module among ``dicts`` (each a module's ``__dict__``) has a user forward hook;
     if so, the recorder is installed on each such module of ``modules`` that lacks it."""
-    if not any(d["_forward_hooks"] for d in dicts):
-        return False  # the usual case: one dict lookup per submodule
+    if not any(map(_FORWARD_HOOKS, dicts)):
+        return False  # the usual case: one dict lookup per submodule (C-level: no generator)
     # An enclosing pass that records (an outer boundary's replay, whose forward recorded a
     # module inside this boundary) needs this boundary to hand the module's outputs on as
     # outputs of its node, with or without user hooks on it now.

@@ -19,7 +19,8 @@ RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
 
 
 def rng_state(devices: tuple[int, ...], /) -> RngState:
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+    return torch.get_rng_state(), \
+        {d: torch.cuda.get_rng_state(d) for d in devices} if devices else {}
 
 
 def rng_changed(before: RngState, after: RngState, /) -> bool:
@@ -44,8 +45,11 @@ _TF_ENABLED: Any = torch._C._TorchFunctionState.ENABLED  # type: ignore[attr-def
 
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     # NOTE: "cuda" is only read once CUDA is initialised, so a CPU run never touches it.
-    devices = _AUTOCAST_DEVICES if torch.cuda.is_initialized() else ("cpu",)
-    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
+    if torch.cuda.is_initialized():
+        return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                     for d in _AUTOCAST_DEVICES)
+    # Spelled out (read twice per layer call): no generator.
+    return (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
 
 
 # NOTE [the replay picks the forward's kernels]: backend switches that choose a kernel, which

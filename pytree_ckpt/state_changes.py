@@ -122,6 +122,8 @@ class StateWatch:
             self.before[id(t)] = (None, t.detach().clone())
 
     def changed(self) -> ChangedState | None:
+        if not (self.watched or self.frozen or any(self.empty)):
+            return None  # no buffer nor frozen parameter, and none registered by the forward
         buffers: list[tuple[_Buffers, _Moved | None]] = []
         for d, items, before in self.watched:
             # Reassigned, or changed in place (both can happen: self.ema = ...; self.step += 1).
