@@ -306,7 +306,8 @@ class OffloadManager:
                 self.config.min_bytes, pass_.largest_small)
         pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
 
-    def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
+    def _pack(self, window: Window, tensor: torch.Tensor, *, saved: bool = True) -> Any:
+        # ``saved``: autograd saves it (the window's hook), not offload_into.
         # What stays on the device is still checked for in-place changes when unpacked: NOTE
         # [hooks switch off the in-place check] in pytree_ckpt/saved.py.
         if _is_parameter(tensor):
@@ -314,17 +315,17 @@ class OffloadManager:
         # Not a window tensor's storage, or none to copy (warned of when the window opened).
         key = self._plain_storage_key(tensor, warn=False)
         if key is None or key not in window.keys:
-            return _left_on_device(tensor)
+            return _left_on_device(tensor, saved)
         if tensor.device != self.device:
             self._other_device(window, key, tensor)
-            return _left_on_device(tensor)
+            return _left_on_device(tensor, saved)
         nbytes = tensor.untyped_storage().nbytes()
         if nbytes < self.config.min_bytes:
             if key not in window.small:
                 window.small.add(key)
                 self._counters["below_min_bytes"] += nbytes
                 window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
-            return _left_on_device(tensor)
+            return _left_on_device(tensor, saved)
         copy = window.copies.get(key)
         if copy is None or not copy.holds(tensor):
             copy = window.pass_.shared.get(key)
@@ -386,7 +387,7 @@ class OffloadManager:
         key = self._plain_storage_key(tensor)
         if key is not None:
             window.keys.setdefault(key, None)
-        return self._pack(window, tensor)
+        return self._pack(window, tensor, saved=False)
 
     def restore(self, packed: Any, /) -> torch.Tensor:
         """The tensor behind a handle from ``offload_into`` (restoring it if needed)."""
@@ -526,12 +527,13 @@ def default_manager() -> OffloadManager:
     return manager
 
 
-def _left_on_device(tensor: torch.Tensor) -> Unchanged:
-    """A save the window leaves where it is, held as autograd holds it. Its hooks shadow an
-    ActivationCensus's own: the census hears of it from here, as a plain autograd save (a
-    boundary's input it already has under the boundary stays filed there)."""
+def _left_on_device(tensor: torch.Tensor, saved: bool) -> Unchanged:
+    """A tensor the window leaves where it is, held as autograd holds it. The window's hooks
+    shadow an ActivationCensus's own: the census hears of an autograd save (``saved``) from
+    here, as a plain autograd save (a boundary's input it already has under the boundary
+    stays filed there). What offload_into leaves, its caller reports (a replay frame)."""
     packed = Unchanged(tensor)
-    if census_active():
+    if saved and census_active():
         report_held([tensor], Mechanism.AUTOGRAD, holder=packed)
     return packed
 

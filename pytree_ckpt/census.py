@@ -79,6 +79,11 @@ class _Packed:
         self.inner = inner
 
 
+# What holds a plain autograd save: the census's own packing, or what an offload window hands
+# autograd for a tensor it leaves on the device (offload's _left_on_device reports it so).
+_AUTOGRAD_KEEPERS = (_Packed, Unchanged)
+
+
 def _holds(keeper: weakref.ref[Any]) -> bool:
     obj = keeper()
     return obj is not None and not getattr(obj, "released", False)
@@ -288,11 +293,11 @@ class ActivationCensus:
         # own mechanism and module, not the ones of the step before.
         if known is not None and not known.storage.expired() and known.held():
             if replace:  # the mechanisms' earlier holders; other autograd saves still hold it
-                known.keepers = [k for k in known.keepers if isinstance(k(), _Packed)]
+                known.keepers = [k for k in known.keepers if isinstance(k(), _AUTOGRAD_KEEPERS)]
             known.keepers.append(weakref.ref(keeper))
             if mechanism is not Mechanism.AUTOGRAD:  # a mechanism's report is more specific
                 known.mechanism = mechanism
-            if any(isinstance(k(), _Packed) for k in known.keepers) and \
+            if any(isinstance(k(), _AUTOGRAD_KEEPERS) for k in known.keepers) and \
                     known.mechanism in _FREEING:
                 # A plain autograd save holds it too: that, not the freeing mechanism, is
                 # what keeps it (and what the census files it under).

@@ -312,11 +312,13 @@ class _DiscardFunction(torch.autograd.Function):
 
 
 def refuse_fp8(fp8: object, /) -> None:
-    """Megatron-Core's ``fp8=`` keyword: only ``False``. The rebuild in backward would not run
-    under the forward's FP8 autocast (Transformer Engine's state is not captured)."""
-    if fp8 is not False:
+    """Megatron-Core's ``fp8=`` keyword: off (``False``, or ``None``, what Megatron passes
+    from a config with FP8 off) only. The rebuild in backward would not run under the
+    forward's FP8 autocast (Transformer Engine's state is not captured)."""
+    if fp8 is not None and fp8 is not False:
         raise CheckpointConfigError(
-            "output discard does not rebuild under FP8 autocast", expected="fp8=False",
+            "output discard does not rebuild under FP8 autocast",
+            expected="fp8=False (or None)",
             got=f"fp8={fp8!r}",
             tip="run the discarded op outside fp8_autocast (a norm usually is), or leave it "
                 "undiscarded")
@@ -329,7 +331,8 @@ _INERT_LOGGED: set[str] = set()
 class CheckpointWithoutOutput:
     """Run a cheap ``fn`` under no-grad now; free its output; rebuild it just before backward."""
 
-    def __init__(self, *, fp8: bool = False, preserve_rng_state: bool = True) -> None:
+    def __init__(self, *, fp8: bool | str | None = False, preserve_rng_state: bool = True
+                 ) -> None:
         refuse_fp8(fp8)  # Megatron-Core's keyword: said, not swallowed
         self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
         self.fn: Callable[..., Any] | None = None

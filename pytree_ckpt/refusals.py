@@ -128,7 +128,9 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
         sort = leaf_kind(leaf)
-        kv_cache = _is_kv_cache(leaf) and not _reads_caches_only(fn)
+        kv_cache = _is_kv_cache(leaf)
+        if kv_cache and _reads_caches_only(fn):
+            continue  # transformers' opt-in: the layer only reads it, use_cache or not
         if sort is not ITERATOR and (kv_cache or kwargs_use_cache and not _holds_no_state(leaf)):
             # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
             # is appended to by the original pass and again by the replay. The replay's

@@ -28,8 +28,8 @@ class ResidualStreamRecomputeContext:
     manager: CheckpointWithoutOutputManager
     is_block_end: bool
 
-    def checkpoint(self, function: Callable[..., R], /, *args: Any, fp8: bool = False,
-                   **kwargs: Any) -> R:
+    def checkpoint(self, function: Callable[..., R], /, *args: Any,
+                   fp8: bool | str | None = False, **kwargs: Any) -> R:
         """Run one cheap op through the block's manager, for ordered replay."""
         refuse_fp8(fp8)
         return self.manager.checkpoint(function, *args, **kwargs)  # type: ignore[no-any-return]
@@ -52,9 +52,10 @@ def build_residual_stream_recompute_plan(
 
     ``block_size=None`` makes the whole stack one block. A pair ``(a, b)`` keeps layers
     ``a..b`` in one block even when that exceeds ``block_size`` (``block_size=1`` included).
+    No layers (a pipeline stage without local layers) is an empty plan, as in Megatron-Core.
     """
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise CheckpointConfigError("num_layers must be a positive int", expected=">= 1",
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise CheckpointConfigError("num_layers must be an int >= 0", expected=">= 0",
                                     got=repr(num_layers), tip="pass the number of layers")
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                    or block_size < 1):
@@ -91,7 +92,7 @@ def build_residual_stream_recompute_plan(
     for block_index, block in enumerate(blocks):
         manager = CheckpointWithoutOutputManager()
         for layer in block:
-            plan.append(ResidualStreamRecomputeContext(layer_index=layer, block_index=block_index,
-                                                 manager=manager,
-                                                 is_block_end=layer == block[-1]))
+            plan.append(ResidualStreamRecomputeContext(
+                layer_index=layer, block_index=block_index, manager=manager,
+                is_block_end=layer == block[-1]))
     return plan

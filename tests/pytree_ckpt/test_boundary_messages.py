@@ -176,6 +176,7 @@ def test_a_transformers_cache_is_refused_without_use_cache_unless_the_layer_only
         _can_checkpoint_with_cache = True  # transformers' opt-in: this layer only reads it
 
     checkpoint(ReadsOnly(), x, cache=TransformersCache())  # not refused
+    checkpoint(ReadsOnly(), x, cache=TransformersCache(), use_cache=True)  # nor with use_cache
 
 
 def test_transformers_checkpointing_stacked_on_a_wrapped_layer_is_warned_once() -> None:

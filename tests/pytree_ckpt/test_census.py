@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -453,3 +454,29 @@ def test_what_a_direct_window_leaves_on_the_device_is_counted_under_autograd(
     assert got.get("autograd", 0) == expected["autograd"] - offloaded
     assert got.get("offload in flight", 0) == offloaded
     loss.backward()
+
+
+def test_a_save_a_window_left_on_the_device_keeps_its_storage_filed_under_autograd() -> None:
+    # Guards against: the census took only its own packing for a plain autograd save, so
+    # when an offloaded boundary later took the same tensor (its report replaces earlier
+    # holders), the window's save was dropped: the tensor, still held by autograd, was
+    # flagged as released by offload and left out of the total.
+    def census_of(use_window: bool) -> tuple[int, dict[str, int], list[Any]]:
+        torch.manual_seed(0)
+        layer = nn.Linear(64, 64)
+        apply_activation_checkpointing(
+            layer, offload=OffloadManager(OffloadConfig(min_bytes=0), device="cpu"))
+        other = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+        x = torch.randn(32, 64, requires_grad=True)
+        with ActivationCensus() as census:
+            h = x * 2.0
+            with other.window([torch.zeros(1)]) if use_window else contextlib.nullcontext():
+                s = h.sin()  # autograd saves h; the window leaves it on the device
+            loss = (s * layer(h)).sum()  # the boundary offloads h
+            del h
+        result = census.total_bytes, census.bytes_by("mechanism"), census.flagged()
+        loss.backward()
+        return result
+
+    assert census_of(True) == census_of(False)
+    assert census_of(True)[2] == []

@@ -195,6 +195,7 @@ def test_discard_works_inside_a_checkpoint_boundary_and_with_offload() -> None:
     (4, None, [], [[0, 1, 2, 3]]),                   # the whole stack
     (4, 1, [(1, 2)], [[0], [1, 2], [3]]),            # a pair beats block_size=1
     (5, 2, [], [[0, 1], [2, 3], [4]]),
+    (0, 2, [], []),                                  # a pipeline stage with no local layers
 ])
 def test_residual_plans_group_layers_into_blocks_without_splitting_pairs(
         num_layers: int, block_size: int | None, pairs: list[tuple[int, int]],
@@ -212,7 +213,7 @@ def test_residual_plans_group_layers_into_blocks_without_splitting_pairs(
         assert [plan[i].is_block_end for i in block] == [i == block[-1] for i in block]
 
 
-@pytest.mark.parametrize(("args", "match"), [((4, 0), "block_size"), ((0, 2), "num_layers"),
+@pytest.mark.parametrize(("args", "match"), [((4, 0), "block_size"), ((-1, 2), "num_layers"),
                                              ((4, 2, [(2, 1)]), "pair of layer indices")])
 def test_bad_plans_are_refused(args: tuple[Any, ...], match: str) -> None:
     pairs = args[2] if len(args) > 2 else ()
@@ -622,6 +623,9 @@ def test_megatron_style_plan_calls_run_through_the_context_and_fp8_is_refused() 
         assert a is not None and b is not None
         torch.testing.assert_close(b, a, rtol=0, atol=8 * torch.finfo(a.dtype).eps * a.abs().max())
     CheckpointWithoutOutput(fp8=False)
+    CheckpointWithoutOutput(fp8=None)  # what Megatron passes from a config with FP8 off
+    with pytest.raises(CheckpointConfigError, match="fp8='e4m3'"):
+        CheckpointWithoutOutput(fp8="e4m3")
     with pytest.raises(CheckpointConfigError, match="fp8=True"):
         CheckpointWithoutOutput(fp8=True)
     with pytest.raises(CheckpointConfigError, match="fp8=True"):
