@@ -306,8 +306,7 @@ class OffloadManager:
                 self.config.min_bytes, pass_.largest_small)
         pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
 
-    def _pack(self, window: Window, tensor: torch.Tensor, *, saved: bool = True) -> Any:
-        # ``saved``: autograd saves it (the window's hook), not offload_into.
+    def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
         # What stays on the device is still checked for in-place changes when unpacked: NOTE
         # [hooks switch off the in-place check] in pytree_ckpt/saved.py.
         if _is_parameter(tensor):
@@ -315,17 +314,17 @@ class OffloadManager:
         # Not a window tensor's storage, or none to copy (warned of when the window opened).
         key = self._plain_storage_key(tensor, warn=False)
         if key is None or key not in window.keys:
-            return _left_on_device(tensor, saved)
+            return Unchanged(tensor)
         if tensor.device != self.device:
             self._other_device(window, key, tensor)
-            return _left_on_device(tensor, saved)
+            return Unchanged(tensor)
         nbytes = tensor.untyped_storage().nbytes()
         if nbytes < self.config.min_bytes:
             if key not in window.small:
                 window.small.add(key)
                 self._counters["below_min_bytes"] += nbytes
                 window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
-            return _left_on_device(tensor, saved)
+            return Unchanged(tensor)
         copy = window.copies.get(key)
         if copy is None or not copy.holds(tensor):
             copy = window.pass_.shared.get(key)
@@ -387,7 +386,7 @@ class OffloadManager:
         key = self._plain_storage_key(tensor)
         if key is not None:
             window.keys.setdefault(key, None)
-        return self._pack(window, tensor, saved=False)
+        return self._pack(window, tensor)
 
     def restore(self, packed: Any, /) -> torch.Tensor:
         """The tensor behind a handle from ``offload_into`` (restoring it if needed)."""
@@ -407,7 +406,14 @@ class OffloadManager:
         window = self._open(tensors, name, resident)
 
         def pack(tensor: torch.Tensor) -> Any:
-            return self._pack(window, tensor)
+            packed = self._pack(window, tensor)
+            if type(packed) is Unchanged and census_active():
+                # Left on the device, held as autograd holds it. These hooks shadow an
+                # ActivationCensus's own: it hears of the save from here, as a plain autograd
+                # save (a boundary's input it already has under the boundary stays filed
+                # there). What offload_into leaves, its caller reports (a replay frame).
+                report_held([tensor], Mechanism.AUTOGRAD, holder=packed)
+            return packed
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield window
@@ -525,17 +531,6 @@ def default_manager() -> OffloadManager:
         if manager is None:
             manager = _default_managers[device] = OffloadManager(device=device)
     return manager
-
-
-def _left_on_device(tensor: torch.Tensor, saved: bool) -> Unchanged:
-    """A tensor the window leaves where it is, held as autograd holds it. The window's hooks
-    shadow an ActivationCensus's own: the census hears of an autograd save (``saved``) from
-    here, as a plain autograd save (a boundary's input it already has under the boundary
-    stays filed there). What offload_into leaves, its caller reports (a replay frame)."""
-    packed = Unchanged(tensor)
-    if saved and census_active():
-        report_held([tensor], Mechanism.AUTOGRAD, holder=packed)
-    return packed
 
 
 def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ Importing this package touches no accelerator and imports no optional dependency
 from .boundary import BoundaryOptions, checkpoint, checkpointed
 from .census import ActivationCensus, Mechanism
 from .discard import CheckpointWithoutOutput, CheckpointWithoutOutputManager
-from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError
+from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError,
+                     SavedTensorChanged)
 from .frames import reuse_during_recompute
 from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
                      remove_activation_checkpointing, resolve_offload)
@@ -32,6 +33,7 @@ __all__ = [
     "ResidualStreamRecomputeContext",
     "ReuseError",
     "SaveUnit",
+    "SavedTensorChanged",
     "apply_activation_checkpointing",
     "apply_recompute_config",
     "build_residual_stream_recompute_plan",

@@ -58,7 +58,9 @@ backward, in ``recompute.py``.
 
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
 ``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), inside
-forward-mode AD (``torch.autograd.forward_ad.dual_level()``: tangents need no backward), or when
+forward-mode AD (``torch.autograd.forward_ad.dual_level()``: the no-grad original pass would
+drop the tangents of dual tensors it reaches other than as inputs, and the Function has no
+jvp), or when
 nothing can receive a gradient (no input requires grad and ``fn`` belongs to a module with no
 trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 """
@@ -215,7 +217,8 @@ class BoundaryCall:
         # changes] in state_changes.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
         # The modules fn uses and their dicts, for the original pass only (then dropped); what
-        # they were then, for the replay (NOTE [the replay sees the forward's modules]).
+        # they were then, for the replay (NOTE [the replay sees the forward's modules] in
+        # state_changes.py).
         self.modules: tuple[list[nn.Module], list[ModuleDicts]] | None = None
         self.forward_modules: ForwardModules | None = None
         # Modules with user forward hooks run inside (NOTE [hooked outputs leave with
@@ -425,7 +428,8 @@ class _BoundaryFunction(torch.autograd.Function):
         changes = call.forward_modules.changes() if call.forward_modules is not None else None
         if changes is None:
             return replay_backward(ctx, call, grad_outputs)
-        # The forward's modules (NOTE [the replay sees the forward's modules]), around the
+        # The forward's modules (NOTE [the replay sees the forward's modules] in
+        # state_changes.py), around the
         # replay's gradients too: what runs in the replay's backward (an output discard's
         # rebuild) sees them, and the replay's copies (NOTE [the replay changes copies]) are of
         # the very tensors the forward changed (a buffer torch.func.functional_call passed in).
@@ -474,7 +478,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             unique.append(tensor)
             if tensor.requires_grad and (tensor._backward_hooks or
                                          tensor._post_accumulate_grad_hooks):
-                skip_no_gradient(tensor)  # NOTE [inputs without a gradient]
+                skip_no_gradient(tensor)  # NOTE [inputs without a gradient] (parameter_hooks.py)
         slots.append(slot)
         leaves[index] = None
     owner = owner if owner is not None else owning_module(fn)

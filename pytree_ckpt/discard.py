@@ -201,8 +201,8 @@ class _DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by __call__ before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)
-        # NOTE [small state as it was before the forward]: each call (a discarded module is
-        # never marked verified).
+        # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
+        # discarded module is never marked verified).
         watch = StateWatch(*owner.state, snapshot=True) if owner.state is not None else None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
@@ -212,9 +212,9 @@ class _DiscardFunction(torch.autograd.Function):
                  if now != version] if tensors else []
         if moved:
             _raise_input_changed(owner, args, tensors[moved[0]])
-        if watch is not None:  # NOTE [state the forward changes], as at the boundary
+        if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
             owner.changed_state = watch.changed()
-        if owner.modules:  # NOTE [the replay sees the forward's modules], as at the boundary
+        if owner.modules:  # NOTE [the replay sees the forward's modules] (state_changes.py)
             owner.forward_modules = ForwardModules(
                 owner.modules, [module_dicts(m) for m in owner.modules])
         owner.modules = None
@@ -274,12 +274,13 @@ class _DiscardFunction(torch.autograd.Function):
         wrt: list[torch.Tensor | None] = [next(detached) if kind else None
                                           for kind in owner.arg_kinds]
         wrt += owner.params
-        # NOTE [parameters frozen or unfrozen since the forward], as at the boundary: a
-        # parameter frozen since the forward (requires_grad_(False) before backward) gets no
-        # gradient, as in eager, where its AccumulateGrad then does nothing (asking
-        # torch.autograd.grad for it raised torch's "does not require grad"); one frozen in the
-        # forward and unfrozen since was not in the forward's graph: it gets none either, and
-        # is a known tensor of the op's modules, not a foreign one.
+        # NOTE [parameters frozen or unfrozen since the forward] (the boundary's replay in
+        # recompute.py follows it too): a parameter frozen since the forward
+        # (requires_grad_(False) before backward) gets no gradient, as in eager, where its
+        # AccumulateGrad then does nothing (asking torch.autograd.grad for it raised torch's
+        # "does not require grad"); one frozen in the forward and unfrozen since was not in the
+        # forward's graph: it gets none either, and is a known tensor of the op's modules, not
+        # a foreign one.
         wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
                   if need and t is not None and t.requires_grad]
         # As at the boundary (verify_leaves in refusals.py): the inputs, and the parameters
@@ -300,7 +301,8 @@ class _DiscardFunction(torch.autograd.Function):
         result: list[torch.Tensor | None] = [None] * len(wrt)
         if outs and wanted:
             inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
-            with ParameterHooksPaused(owner.params):  # NOTE [parameter hooks run once]
+            # NOTE [parameter hooks run once] (parameter_hooks.py)
+            with ParameterHooksPaused(owner.params):
                 got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
             for i, grad in zip(wanted, got):
                 result[i] = grad

@@ -7,7 +7,7 @@ or a callable), shows both sides of a mismatch, and ends with a tip.
 from __future__ import annotations
 
 __all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError",
-           "validate_bool"]
+           "SavedTensorChanged", "validate_bool"]
 
 
 class CheckpointError(RuntimeError):
@@ -34,6 +34,18 @@ class ReplayMismatchError(CheckpointError):
 
 class ReuseError(CheckpointError):
     """A frozen result was recorded or replayed wrongly (see ``reuse_during_recompute``)."""
+
+
+class SavedTensorChanged(CheckpointError):
+    """A tensor saved through a saved-tensor hook (a census, offload) was changed in place
+    since it was saved (saved.py makes autograd's check there); the boundary rewords it for its
+    own inputs (``raise_changed_after_call`` in refusals.py)."""
+
+    def __init__(self, what: str, /, *, saved_version: int, version: int, tip: str) -> None:
+        super().__init__(what, expected=f"version {saved_version} (when saved)",
+                         got=f"version {version}", tip=tip)
+        self.saved_version = saved_version
+        self.version = version
 
 
 def validate_bool(value: object, /, *, name: str) -> bool:

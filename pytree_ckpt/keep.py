@@ -192,7 +192,6 @@ def _storage_id(tensor: torch.Tensor) -> int | None:
 #   does not use it: the op runs again there, as an op no unit keeps (right numbers, its
 #   memory not saved), and a warning names the op and the argument, once per op.
 _FOR_BACKWARD = frozenset({"compute_log_sumexp"})
-_FLAG_AT: dict[Any, tuple[int, str] | None] = {}  # per op: where its _FOR_BACKWARD flag is
 _TENSOR = object()  # stands for a tensor argument in a call's arguments
 _NAN = object()  # stands for a NaN argument
 
@@ -200,12 +199,7 @@ _NAN = object()  # stands for a NaN argument
 def _for_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` with ``func``'s _FOR_BACKWARD flag (if any) set."""
-    if func in _FLAG_AT:
-        at = _FLAG_AT[func]
-    else:
-        at = _FLAG_AT[func] = next(
-            ((index, argument.name) for index, argument in enumerate(func._schema.arguments)
-             if argument.name in _FOR_BACKWARD), None)
+    at = _schema_of(func)[2]
     if at is None:
         return args, kwargs
     index, name = at
@@ -218,17 +212,20 @@ def _for_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 _NO_DEFAULT = object()
-# Per op: its arguments' names and defaults (static metadata, not step state).
-_SCHEMAS: dict[Any, tuple[tuple[str, ...], tuple[Any, ...]]] = {}
+# Per op: its arguments' names and defaults, and where its _FOR_BACKWARD flag is (static
+# metadata, not step state).
+_SCHEMAS: dict[Any, tuple[tuple[str, ...], tuple[Any, ...], tuple[int, str] | None]] = {}
 
 
-def _schema_of(func: Any) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+def _schema_of(func: Any) -> tuple[tuple[str, ...], tuple[Any, ...], tuple[int, str] | None]:
     known = _SCHEMAS.get(func)
     if known is None:
         arguments = func._schema.arguments
+        names = tuple(a.name for a in arguments)
         known = _SCHEMAS[func] = (
-            tuple(a.name for a in arguments),
-            tuple(a.default_value if a.has_default_value() else _NO_DEFAULT for a in arguments))
+            names,
+            tuple(a.default_value if a.has_default_value() else _NO_DEFAULT for a in arguments),
+            next(((i, n) for i, n in enumerate(names) if n in _FOR_BACKWARD), None))
     return known
 
 
@@ -248,7 +245,7 @@ def _call_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     """The non-tensor arguments of a call by the op's schema, positional or keyword, defaults
     filled in (torch's Python dispatch drops a trailing argument equal to its default);
     tensors stand as one marker."""
-    names, defaults = _schema_of(func)
+    names, defaults, _ = _schema_of(func)
     return tuple(_plain(args[i] if i < len(args) else kwargs.get(name, defaults[i]))
                  for i, name in enumerate(names))
 

@@ -144,7 +144,7 @@ class ModuleDicts(NamedTuple):
     parameters: tuple[dict[str, torch.Tensor | None], ...]  # each module's _parameters
     # Each module's _buffers, empty ones too: a buffer registered in the forward (lazily, at the
     # first call) lands in one, and must be watched like the others (NOTE [state the forward
-    # changes]).
+    # changes] in state_changes.py).
     buffers: tuple[dict[str, torch.Tensor | None], ...]
     # Each submodule's __dict__ (for its training flag), without the root's own, which holds
     # this cache.

@@ -1,6 +1,7 @@
-"""Parameter gradient hooks around a replay's gradient call (NOTE [parameter hooks run once],
-NOTE [unused parameters get no hook call]); the boundary's replay and output discard's rebuild
-both take their parameters' gradients with ``torch.autograd.grad``."""
+"""Gradient hooks of a replay's parameters and inputs, around its gradient call (NOTE
+[parameter hooks run once], NOTE [unused parameters get no hook call], NOTE [inputs without a
+gradient]); the boundary's replay and output discard's rebuild both take their parameters'
+gradients with ``torch.autograd.grad``."""
 
 from __future__ import annotations
 

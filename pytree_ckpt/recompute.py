@@ -1,8 +1,8 @@
 """The replay in backward: one boundary call's forward again, with grad, and the gradients of
 its inputs and parameters (``_BoundaryFunction.backward`` in boundary.py calls
 ``replay_backward``). The NOTE blocks it follows are in boundary.py's docstring (what is saved,
-parameters are inputs, attributes set before the call, unknown callables) and next to the code
-below.
+parameters are inputs, attributes set before the call, unknown callables); others are cited
+with their files.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .engine import input_grads
-from .errors import CheckpointError
+from .errors import CheckpointError, SavedTensorChanged
 from .hook_outputs import recording
 from .keep import KeepMode
 from .module_state import is_verified
@@ -28,7 +28,7 @@ from .refusals import (TORCH_REENTRANT, fn_name, open_containers,
                        stored_tensors, verify_leaves, warn_changed_numbers,
                        warn_stacked_checkpointing, warn_stored_scalars)
 from .rng import IsolatedPass
-from .saved import SavedTensorChanged, Unchanged
+from .saved import Unchanged
 from .subclass import as_kind
 from .tree import flatten
 
@@ -39,8 +39,9 @@ __all__ = ["replay_backward"]
 
 
 class _FirstReplay:
-    """What a module's first replay with a switch (NOTE [verified per switch]) reads around
-    ``fn``: the containers passed in (NOTE [containers filled by the forward]), the scalars
+    """What a module's first replay with a switch (NOTE [verified per switch] in
+    module_state.py) reads around ``fn``: the containers passed in (NOTE [containers filled by
+    the forward] in refusals.py), the scalars
     and numbers on its modules (NOTE [results stored on a module], NOTE [numbers a forward
     changes] in refusals.py). The replay runs with grad, so what it adds tells a loss from a
     value that never had a gradient, which the no-grad original pass cannot."""
@@ -128,7 +129,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 "modified by an inplace operation" in str(error)):
             raise_changed_after_call(call, ctx._raw_saved_tensors, error)
         raise
-    if call.inference is not None:  # NOTE [inference tensors are kept as they are]
+    if call.inference is not None:  # NOTE [inference tensors are kept as they are] (boundary.py)
         saved = tuple(call.inference.get(i, t) for i, t in enumerate(saved))
     call.frame.start_replay()
     assert call.env is not None
@@ -166,7 +167,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 output = call.fn(*args, **kwargs)  # the usual case, with no context more
             else:
                 with ExitStack() as stack:
-                    if call.changed_state is not None:  # NOTE [the replay changes copies]
+                    if call.changed_state is not None:
+                        # NOTE [the replay changes copies] in state_changes.py
                         stack.enter_context(call.changed_state.on_copies())
                     if shadow:
                         # Shadow an ambient hook (offload, census): the replay's short-lived
@@ -227,8 +229,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             if grad is not None and out.requires_grad:
                 outs.append(out)
                 grads.append(grad)
-    # NOTE [frame lifetime]: without retain_graph this node never runs again (autograd frees
-    # its saved tensors right after it), so its frame is cleared as soon as its own backward
+    # NOTE [frame lifetime] (frames.py), here: without retain_graph this node never runs
+    # again (autograd frees its saved tensors right after it), so its frame is cleared as
+    # soon as its own backward
     # is done, not when the whole backward call is (a callback at the end of the graph task,
     # as before): with offload, the frozen results (top-k ids) come back to the device for
     # the replay, and frames held to the end of backward kept every already-replayed layer's
@@ -246,8 +249,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
     assert call.params is not None
     wrt = [*detached, *call.params]
-    # A parameter frozen since the forward (requires_grad_(False) before backward) gets no
-    # gradient, as in eager, where its AccumulateGrad then does nothing.
+    # NOTE [parameters frozen or unfrozen since the forward] (discard.py): a parameter frozen
+    # since the forward (requires_grad_(False) before backward) gets no gradient, as in eager,
+    # where its AccumulateGrad then does nothing.
     wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
     if wanted and not torch.autograd._is_checkpoint_valid():
         wanted = _used_by_this_backward(ctx.next_functions, wanted)
@@ -269,7 +273,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             result[i] = grad
     elif call.params:
         # Every parameter gets None (no output had a gradient): NOTE [unused parameters get
-        # no hook call] holds here too.
+        # no hook call] (parameter_hooks.py) holds here too.
         with ParameterHooksPaused(call.params):
             pass
     n = len(detached)
@@ -283,7 +287,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
 def _attributes_set(module: nn.Module, names: Sequence[str],
                     tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """``module``'s attributes ``names`` set to ``tensors`` for the block (NOTE [attributes
-    set before the call]); what they held before is put back after it."""
+    set before the call] in boundary.py); what they held before is put back after it."""
     held = module.__dict__
     before = [held.get(name, _MISSING) for name in names]
     held.update(zip(names, tensors))

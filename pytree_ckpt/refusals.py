@@ -2,8 +2,8 @@
 
 Each check runs where the problem first shows (before the original pass, after it, or in the
 replay) and raises a ``CheckpointError`` that names the PyTree key path, shows both sides and
-gives the fix. The boundary itself (``boundary.py``) calls these; the notes they cite are there
-and in ``tree.py`` and ``module_state.py``.
+gives the fix. The boundary (``boundary.py``), its replay (``recompute.py``) and output
+discard (``discard.py``) call these; each NOTE they cite names its file where it is not here.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from .eager import user_stacklevel
-from .errors import CheckpointConfigError, CheckpointError
+from .errors import CheckpointConfigError, CheckpointError, SavedTensorChanged
 from .frames import callable_name
 from .module_state import foreign_leaf, mark_verified, owning_module, warn_forward_hooks
-from .saved import SavedTensorChanged
 from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, leaf_paths
 
 if TYPE_CHECKING:  # the boundary imports this module
@@ -34,7 +33,8 @@ __all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outsid
            "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
            "refuse_hidden_outputs", "refuse_module_tensor", "refuse_unreadable_inputs",
            "open_containers", "refuse_filled_containers", "require_callable", "stored_numbers",
-           "stored_tensors", "verify_leaves", "warn_changed_numbers", "warn_stored_scalars"]
+           "stored_tensors", "verify_leaves", "warn_changed_numbers", "warn_stored_scalars",
+           "raise_changed_after_call", "warn_stacked_checkpointing"]
 
 
 def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
@@ -121,9 +121,11 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
     a container the bridge does not open (a ``dict`` subclass, a set) is no input of the
     Function: not saved (nor offloaded), and its gradient comes, if at all, from the replay's
     own backward into its graph (for a module a foreign-tensor error; for a tensor with a
-    graph torch's "backward through the graph a second time"). Plain objects (a key/value
-    cache) are passed as they are, as documented, except with ``use_cache=True`` among the
-    keywords: NOTE [a cache filled twice]."""
+    graph torch's "backward through the graph a second time"). Plain objects are passed as
+    they are, as documented, except a key/value cache (an object with ``update()`` and
+    ``get_seq_length()``) under any keyword, unless the layer's class sets
+    ``_can_checkpoint_with_cache``, and any stateful object when ``use_cache=True`` is among
+    the keywords: NOTE [a cache filled twice]."""
     for index, leaf in enumerate(leaves):
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue

@@ -1,6 +1,7 @@
-"""What the replay must see as the original pass saw it: RNG streams and autocast state; and
-what each pass must not share with the caller (a parametrization cache) or choose by grad mode
-(attention's fast path)."""
+"""What the replay must see as the original pass saw it: RNG streams, autocast state, the
+kernel switches (NOTE [the replay picks the forward's kernels]) and the torch-function state;
+and what each pass must not share with the caller (a parametrization cache) or choose by grad
+mode (attention's fast path)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 # `torch.backends.cudnn.flags(...)`), are read with the autocast state and set again for the
 # replay where backward's differ: eager's backward uses what the forward's kernels saved, and
 # a replay on other kernels gave other gradients. Settings meant for a whole run (TF32, matmul
-# precision, deterministic algorithms) are not read (per call, each costs). The switches are
+# precision, torch.use_deterministic_algorithms) are not read (per call, each costs). The switches are
 # process-global, like the fast-path setting (NOTE [passes in several threads]): replays that
 # run at once on several GPUs' device threads, each setting switches that differ from
 # backward's, may see each other's.
@@ -149,8 +150,8 @@ class ReplayEnvironment:
 
 class Replaying:
     """Entered around one replay: sets the recorded RNG states (the ambient ones are put back
-    after it), the recorded autocast settings and torch-function state where backward's
-    differ, and enables grad.
+    after it), the recorded autocast settings, kernel switches and torch-function state where
+    backward's differ, and enables grad.
 
     One plain class rather than an ``ExitStack`` of three contexts: it is entered once per
     layer call in backward, and the stack's bookkeeping cost more than the work."""

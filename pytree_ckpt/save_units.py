@@ -68,7 +68,7 @@ class KeptOps:
     docs/save_units.md) is skipped with a warning naming why.
     """
 
-    def __init__(self, *ops: str | Any) -> None:
+    def __init__(self, *ops: str | torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> None:
         names = [_op_name(op) for op in ops]
         bad: Any = next((op for op, n in zip(ops, names)
                          if not (isinstance(n, str) and "::" in n)), None)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CheckpointError
+from .errors import SavedTensorChanged
 
-__all__ = ["SavedTensorChanged", "Unchanged"]
+__all__ = ["Unchanged"]
 
 
 class Unchanged:
@@ -46,17 +46,6 @@ class Unchanged:
         if self.tensor._version != self.version:
             _raise_changed(self.tensor, self.version)
         return self.tensor
-
-
-class SavedTensorChanged(CheckpointError):
-    """A tensor saved through a hook was changed in place since it was saved; the boundary
-    rewords it for its own inputs (``raise_changed_after_call`` in refusals.py)."""
-
-    def __init__(self, what: str, /, *, saved_version: int, version: int, tip: str) -> None:
-        super().__init__(what, expected=f"version {saved_version} (when saved)",
-                         got=f"version {version}", tip=tip)
-        self.saved_version = saved_version
-        self.version = version
 
 
 def _raise_changed(tensor: torch.Tensor, saved_version: int, /) -> None:

@@ -155,8 +155,8 @@ class StateWatch:
         return ChangedState(buffers, list(parameters.values()), saved, storages)
 
 
-# NOTE [small state as it was before the forward]: buffers (and their storages) up to this
-# size are saved before a forward, at a module's first calls and once it changed state.
+# The size limit of NOTE [small state as it was before the forward] (StateWatch.__init__):
+# buffers (and their storages) up to it are saved before a forward.
 _SMALL_BYTES = 64 * 1024
 
 

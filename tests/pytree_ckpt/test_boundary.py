@@ -1188,7 +1188,8 @@ def test_a_subclass_input_keeps_its_slot_attributes_in_the_replay() -> None:
 
 
 def test_post_accumulate_hooks_after_one_that_clears_grad_still_run_as_in_eager() -> None:
-    # Guards against: each wrapped post-accumulate-grad hook read `.grad is None` when it ran,
+    # Guards the wrapping of post-accumulate-grad hooks (NOTE [unused parameters get no hook
+    # call]) against a first version of it: each wrapped hook read `.grad is None` when it ran,
     # so after an optimizer-in-backward hook (step, then zero_grad: .grad None) every later
     # hook on the parameter was skipped, where eager runs them all.
     def run(wrap: bool) -> list[str]:
@@ -1207,7 +1208,8 @@ def test_post_accumulate_hooks_after_one_that_clears_grad_still_run_as_in_eager(
 
 
 def test_a_multi_grad_hook_on_the_inputs_fires_as_in_eager() -> None:
-    # Guards against: torch's own per-tensor hook of register_multi_grad_hook("all") was
+    # Guards the wrapping of input hooks (NOTE [inputs without a gradient]) against a first
+    # version of it: torch's own per-tensor hook of register_multi_grad_hook("all") was
     # wrapped to skip None gradients, so the count of an input the layer reads only through
     # `enc > 0` never completed and the hook never fired (module trackers, FSDP use them).
     def run(wrap: bool) -> list[list[bool]]:

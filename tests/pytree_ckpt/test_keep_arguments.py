@@ -194,8 +194,9 @@ class NanFill(nn.Module):
 
 
 def test_a_nan_argument_is_the_same_argument_in_both_passes() -> None:
-    # Guards against: nan != nan made every kept masked_fill(mask, nan) look called otherwise:
-    # recomputed, with a warning saying 'value: nan -> nan'.
+    # Guards the comparison of a kept op's arguments (NOTE [kept ops called otherwise in the
+    # replay]) against a first version of it: nan != nan made every kept masked_fill(mask, nan)
+    # look called otherwise: recomputed, with a warning saying 'value: nan -> nan'.
     eager, wrapped = _twins(NanFill(), "aten::masked_fill")
     x = torch.randn(2, 8, 16, requires_grad=True)
     with warnings.catch_warnings():
