@@ -1,6 +1,6 @@
 """What the boundary knows of a call's modules (``module_state.py``): the owning module, its
 parameters and buffers after structure changes, copies and lazy registration, the state a
-forward changes put back, and parameters that are also arguments. Gradients are compared bit
+forward changes (``state_changes.py``), and parameters that are also arguments. Gradients are compared bit
 for bit with an unwrapped eager twin."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class CountsCalls(nn.Module):
 
 
 def test_a_buffer_created_under_a_new_name_in_forward_ends_the_step_as_in_eager() -> None:
-    # Guards against: _StateWatch.changed ignores len(d) != len(items): a name added by the
+    # Guards against: StateWatch.changed ignores len(d) != len(items): a name added by the
     # original pass is not seen, the replay reassigns it again and the counter ends at 2 instead of
     # 1.
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ class TracksAverage(nn.Module):
 
 
 def test_a_frozen_parameter_updated_in_forward_ends_the_step_as_in_eager() -> None:
-    # Guards against: _ChangedState.put_back does not restore frozen parameters: the replay's
+    # Guards against: ChangedState.on_copies does not restore frozen parameters: the replay's
     # second lerp_ stays, the teacher drifts twice as fast as in eager.
     torch.manual_seed(0)
     eager = TracksAverage()
