@@ -84,46 +84,56 @@ class SkipsNoGradient:
         return f"SkipsNoGradient({self.hook!r})"
 
 
+class _Gate:
+    """The first post-accumulate-grad hook of a tensor whose hooks are wrapped: it notes,
+    before any of them runs, whether this accumulation left ``.grad`` set (NOTE [unused
+    parameters get no hook call]). A hook that clears ``.grad`` (an optimizer step in
+    backward, then ``zero_grad()``) must not stop the hooks after it, and a user hook removed
+    meanwhile must not take the decision with it."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = True
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        self.open = tensor.grad is not None
+
+
+_GATE = "pytree_ckpt_gate"  # its key (torch's handles use int keys)
+
+
 class SkipsNoGradAccumulated:
-    """A post-accumulate-grad hook that is not called after an accumulation of nothing (NOTE
-    [unused parameters get no hook call]). The hooks of one tensor share a ``gate``, set by
-    the first of them from whether ``.grad`` is ``None`` before any of them runs: a hook that
-    clears ``.grad`` (an optimizer step in backward, then ``zero_grad()``) must not stop the
-    hooks after it."""
+    """A post-accumulate-grad hook that is not called after an accumulation of nothing, as
+    its tensor's ``_Gate`` found it (NOTE [unused parameters get no hook call])."""
 
-    __slots__ = ("hook", "gate", "decides")
+    __slots__ = ("hook", "gate")
 
-    def __init__(self, hook: Callable[[torch.Tensor], Any], gate: list[bool], /, *,
-                 decides: bool) -> None:
+    def __init__(self, hook: Callable[[torch.Tensor], Any], gate: _Gate, /) -> None:
         self.hook = hook
-        self.gate = gate  # [nothing accumulated]
-        self.decides = decides
+        self.gate = gate
 
     def __call__(self, tensor: torch.Tensor) -> Any:
-        if self.decides:
-            self.gate[0] = tensor.grad is None
-        return None if self.gate[0] else self.hook(tensor)
+        return self.hook(tensor) if self.gate.open else None
 
     def __repr__(self) -> str:
         return f"SkipsNoGradAccumulated({self.hook!r})"
 
 
 def _skip_no_grad_accumulated(hooks: dict[Any, Any], /) -> None:
-    items = list(hooks.items())
-    first = items[0][1]
-    if isinstance(first, SkipsNoGradAccumulated) and first.decides and all(
-            isinstance(h, SkipsNoGradAccumulated) and h.gate is first.gate or _torch_own(h)
-            for _, h in items):
-        return  # wrapped already, and nothing added since
-    gate = [False]
-    decides = True
-    for key, hook in items:
-        inner = hook.hook if isinstance(hook, SkipsNoGradAccumulated) else hook
-        if _torch_own(inner):
-            hooks[key] = inner
-            continue
-        hooks[key] = SkipsNoGradAccumulated(inner, gate, decides=decides)
-        decides = False
+    gate = hooks.get(_GATE)
+    if gate is None:
+        # First in the tensor's dict, which torch walks in its insertion order (the C-level
+        # order: OrderedDict.move_to_end does not change it), so it is refilled in place.
+        gate = _Gate()
+        items = list(hooks.items())
+        hooks.clear()
+        hooks[_GATE] = gate
+        hooks.update(items)
+    for key, hook in list(hooks.items()):
+        if key != _GATE and not isinstance(hook, SkipsNoGradAccumulated) and \
+                not _torch_own(hook):
+            hooks[key] = SkipsNoGradAccumulated(hook, gate)
 
 
 def accumulated_nothing(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],

@@ -1207,6 +1207,37 @@ def test_post_accumulate_hooks_after_one_that_clears_grad_still_run_as_in_eager(
     assert run(True) == run(False) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
+def test_post_accumulate_hooks_of_a_parameter_unused_then_used_run_as_in_eager() -> None:
+    # Guards the post-accumulate gate against a first version of it, where the first user
+    # hook decided for the others: once that hook's handle was removed, the others kept the
+    # last decision ("nothing accumulated") and never ran again for a parameter used later.
+    class Switch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.use_b = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(x) if self.use_b else self.a(x)
+
+    def run(wrap: bool) -> list[str]:
+        torch.manual_seed(0)
+        layer = Switch()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        ready: list[str] = []
+        first = layer.b.weight.register_post_accumulate_grad_hook(lambda p: None)
+        layer.b.weight.register_post_accumulate_grad_hook(lambda p: ready.append("b.weight"))
+        x = torch.randn(3, 4, requires_grad=True)
+        layer(x).sum().backward()  # b unused: gets None, its hooks are wrapped
+        first.remove()
+        layer.use_b = True
+        layer(x).sum().backward()  # b used: its remaining hook runs
+        return ready
+
+    assert run(True) == run(False) == ["b.weight"]
+
+
 def test_a_multi_grad_hook_on_the_inputs_fires_as_in_eager() -> None:
     # Guards the wrapping of input hooks (NOTE [inputs without a gradient]) against a first
     # version of it: torch's own per-tensor hook of register_multi_grad_hook("all") was
