@@ -19,7 +19,7 @@ from .errors import CheckpointError, SavedTensorChanged
 from .hook_outputs import recording
 from .keep import KeepMode
 from .module_state import is_verified
-from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
+from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .refusals import (TORCH_REENTRANT, fn_name, open_containers,
                        raise_attached_to_outside_tensor, raise_changed_after_call,
@@ -99,6 +99,18 @@ def _used_by_this_backward(edges: tuple[tuple[Any, int], ...], wanted: list[int]
         if runs:
             used.append(i)
     return used
+
+
+def _inputs_without_gradient(saved: Sequence[torch.Tensor], grads: Sequence[Any],
+                             needs: Sequence[bool]) -> None:
+    """NOTE [inputs without a gradient] (parameter_hooks.py), for hooks registered on an input
+    after the call, before backward: wrapped now, before autograd calls them with the ``None``
+    this replay returns. (Under offload ``saved`` holds restored copies, without the caller's
+    hooks: those registered after the call are not reached.)"""
+    for tensor, grad, need in zip(saved, grads, needs):
+        if grad is None and need and (tensor._backward_hooks or
+                                      tensor._post_accumulate_grad_hooks):
+            skip_no_gradient(tensor)
 
 
 def replay_backward(ctx: Any, call: BoundaryCall,
@@ -246,7 +258,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             torch.autograd.backward(outs, grads)
         if release:
             call.frame.clear()
-        return (None, None, *(d.grad if need else None for d, need in zip(detached, needs)))
+        from_inputs = [d.grad if need else None for d, need in zip(detached, needs)]
+        _inputs_without_gradient(saved, from_inputs, needs)
+        return (None, None, *from_inputs)
     assert call.params is not None
     wrt = [*detached, *call.params]
     # NOTE [parameters frozen or unfrozen since the forward] (discard.py): a parameter frozen
@@ -278,6 +292,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             pass
     n = len(detached)
     accumulated_nothing(call.params, result[n:], needs[n:])
+    _inputs_without_gradient(saved, result[:n], needs)
     if release:
         call.frame.clear()
     return (None, None, *result)

@@ -1207,6 +1207,34 @@ def test_post_accumulate_hooks_after_one_that_clears_grad_still_run_as_in_eager(
     assert run(True) == run(False) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
+@pytest.mark.parametrize("as_module", [False, True], ids=["function", "module"])
+def test_hooks_put_on_an_input_after_the_call_get_no_call_without_a_gradient(
+        as_module: bool) -> None:
+    # Guards against: the hooks of an input without a gradient were wrapped only when the
+    # call saved it; one registered between forward and backward got None (lambda g: g * 2
+    # raised TypeError), and a post-accumulate one ran, where eager calls neither.
+    layer = nn.Linear(3, 3)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x > 0).float() * w + layer(w)
+
+    def run(wrap: bool) -> list[str]:
+        calls: list[str] = []
+        x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        target: Any = fn
+        if as_module:
+            target = nn.Module()
+            target.layer = layer
+            target.forward = fn  # type: ignore[method-assign]
+        out = pytree_ckpt.checkpoint(target, x, w) if wrap else fn(x, w)
+        x.register_hook(lambda g: calls.append("hook") or g * 2)
+        x.register_post_accumulate_grad_hook(lambda t: calls.append("accumulated"))
+        out.sum().backward()
+        return calls
+
+    assert run(True) == run(False) == []
+
+
 def test_post_accumulate_hooks_of_a_parameter_unused_then_used_run_as_in_eager() -> None:
     # Guards the post-accumulate gate against a first version of it, where the first user
     # hook decided for the others: once that hook's handle was removed, the others kept the
