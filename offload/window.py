@@ -21,6 +21,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.errors import CheckpointError
+from pytree_ckpt.refusals import CHANGED_AFTER_CALL_TIP
 from pytree_ckpt.subclass import SubclassKind, kind_of
 
 if TYPE_CHECKING:  # the manager builds these objects; they only read and count into it
@@ -217,10 +218,7 @@ class Handle:
             f"{self.dtype}{list(self.size)}) was modified in place after it was saved for "
             "backward", expected=f"version {self.version} (when saved)",
             got=f"version {source._version}",
-            tip="a checkpointed layer keeps each of its inputs for its replay, where eager "
-                "keeps only what backward needs (an integer position tensor, say): change a "
-                "clone (pos = pos + 4, not pos += 4) or make the in-place change before the "
-                "layer" if from_input else
+            tip=CHANGED_AFTER_CALL_TIP if from_input else
                 "a tensor given to offload_into must stay as it was until restore(): change "
                 "a clone instead")
 

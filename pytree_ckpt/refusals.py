@@ -28,7 +28,7 @@ from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary import BoundaryCall
 
-__all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outside_tensor",
+__all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outside_tensor",
            "raise_hooked_outside_tensor",
            "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
            "refuse_hidden_outputs", "refuse_module_tensor", "refuse_unreadable_inputs",
@@ -254,6 +254,11 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
 
 
 _AUTOGRAD_VERSIONS = re.compile(r"is at version (\d+); expected version (\d+)")
+# The fix for a boundary input changed in place after the call (offload's copies say it too).
+CHANGED_AFTER_CALL_TIP = (
+    "the boundary keeps each input for the replay, where eager keeps only what backward needs "
+    "(an integer position tensor, say): change a clone after the call (pos = pos + 4, not "
+    "pos += 4), or make the change before the call")
 
 
 def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
@@ -289,9 +294,7 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
         f"{where} of {fn_name(call.fn)} was changed in place after the call, and the replay in "
         f"backward needs it as it was{views}", expected=f"version {versions[0]} (when saved)",
         got=f"version {versions[1]}",
-        tip="the boundary keeps each input for the replay, where eager keeps only what "
-            "backward needs (an integer position tensor, say): change a clone after the call "
-            "(pos = pos + 4, not pos += 4), or make the change before the call") from error
+        tip=CHANGED_AFTER_CALL_TIP) from error
 
 
 def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /

@@ -605,12 +605,18 @@ def test_megatron_style_plan_calls_run_through_the_context_and_fp8_is_refused() 
     def run(discard: bool) -> list[torch.Tensor | None]:
         plan = build_residual_stream_recompute_plan(num_layers=4, block_size=2)
         h = x
+        normed_outputs = []
         for ctx, norm, proj in zip(plan, norms, projs):
             normed = ctx.checkpoint(norm, h) if discard else norm(h)
+            normed_outputs.append(normed)
             h = h + proj(normed)
             if discard:
-                ctx.finalize(h)
+                ctx.finalize(h)  # at layers 1 and 3: the block's two outputs are freed
+        freed = [n.untyped_storage().nbytes() == 0 for n in normed_outputs]
+        assert freed == [discard] * 4
         h.square().sum().backward()
+        if discard:  # each block rebuilt its two outputs, in forward order
+            assert [c.manager.replay_order for c in plan[::2]] == [[0, 1], [0, 1]]
         grads = [p.grad.clone() if p.grad is not None else None
                  for p in (*norms.parameters(), *projs.parameters())]
         for p in (*norms.parameters(), *projs.parameters(), x):
