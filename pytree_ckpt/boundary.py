@@ -176,7 +176,7 @@ class BoundaryCall:
                  "attributes", "buffer_dicts", "frozen", "frozen_at_call", "changed_state",
                  "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
-                 "switches", "inference")
+                 "switches", "inference", "saved_versions")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
@@ -213,6 +213,9 @@ class BoundaryCall:
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
         self.frozen: list[torch.Tensor] = []
         self.frozen_at_call: list[torch.Tensor] = []  # the frozen ones, kept for backward
+        # What ctx saved, as versions when saved: names an input changed after the call where
+        # torch has no SavedTensor.unpack() (before 2.12; refusals.raise_changed_after_call).
+        self.saved_versions: list[int | None] = []
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in state_changes.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
@@ -334,6 +337,7 @@ class _BoundaryFunction(torch.autograd.Function):
             if now != input_versions else []
         # NOTE [attributes set before the call]: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
+        call.saved_versions = versions(saved) if call.attributes else now
         for t in saved:
             if type(t) is not _Tensor:
                 # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.

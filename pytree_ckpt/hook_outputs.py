@@ -109,7 +109,15 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
         if _record_output not in hooks.values():
             with _INSTALLING:  # two threads' first calls must not both install one
                 if _record_output not in hooks.values():
-                    module.register_forward_hook(_record_output, prepend=True)
+                    # First, as prepend=True would put it, but by refilling the dict in place:
+                    # prepend's OrderedDict.move_to_end leaves the C-level order, which
+                    # dynamo's guards on the hooks read before torch 2.13, as it was (the
+                    # fullgraph compile of a hooked layer raised InternalTorchDynamoError).
+                    key = module.register_forward_hook(_record_output).id
+                    rest = [(k, hook) for k, hook in hooks.items() if k != key]
+                    hooks.clear()
+                    hooks[key] = _record_output
+                    hooks.update(rest)
     return found
 
 

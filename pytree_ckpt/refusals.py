@@ -269,9 +269,7 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
     to find which (an error path: the cost does not matter)."""
     names = []
     for slot, saved in enumerate(raw_saved):
-        try:
-            saved.unpack()
-        except Exception:  # a changed one (views of one tensor share its version counter)
+        if _changed_since_saved(saved, call.saved_versions[slot]):
             names.append(
                 input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
                 if slot < call.n_inputs else
@@ -295,6 +293,25 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
         f"backward needs it as it was{views}", expected=f"version {versions[0]} (when saved)",
         got=f"version {versions[1]}",
         tip=CHANGED_AFTER_CALL_TIP) from error
+
+
+def _changed_since_saved(saved: Any, version: int | None) -> bool:
+    """Whether one of autograd's saved tensors, unpacked alone, fails as backward did.
+    torch 2.12 and newer have ``SavedTensor.unpack()``; before it, a saved-tensor hook is
+    called on what it packed, and a tensor saved plainly is compared with its version when
+    saved (its ``data`` skips autograd's check)."""
+    try:
+        unpack = getattr(saved, "unpack", None)
+        if unpack is not None:
+            unpack()
+            return False
+        hook, data = saved.unpack_hook, saved.data
+        if hook is not None:
+            hook(data)
+            return False
+    except Exception:  # a changed one (views of one tensor share its version counter)
+        return True
+    return data is not None and version is not None and data._version != version
 
 
 def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /

@@ -667,14 +667,29 @@ def test_a_scalar_the_forward_stores_on_a_module_is_warned_about_once_at_the_use
         pytree_ckpt.checkpoint(nn.Linear(8, 8), x).sum().backward()
 
 
+class _SavedTensorBefore212:
+    """One of autograd's saved tensors as torch before 2.12 shows it: no ``unpack()``."""
+
+    def __init__(self, saved: Any) -> None:
+        self.data, self.unpack_hook = saved.data, saved.unpack_hook
+
+
+@pytest.mark.parametrize("torch_unpacks", [True, False], ids=["unpack", "torch<2.12"])
 @pytest.mark.parametrize("offloaded", ["no", "left on the device", "copied"])
 def test_an_input_changed_in_place_after_the_layer_is_refused_naming_it_with_the_fix(
-        offloaded: str) -> None:
+        offloaded: str, torch_unpacks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # Eager keeps no integer position tensor for backward, so `pos += 4` after a layer works
     # there; the boundary keeps every input for the replay. torch's bare version error named
     # no input and no fix; under offload, a position tensor below min_bytes (left on the
-    # device) gave two nested messages, one of them saying eager refused this too.
+    # device) gave two nested messages, one of them saying eager refused this too. Before
+    # torch 2.12 (no SavedTensor.unpack()) every input was named, changed or not.
     import offload
+    import pytree_ckpt.recompute as recompute
+
+    if not torch_unpacks:
+        name = recompute.raise_changed_after_call
+        monkeypatch.setattr(recompute, "raise_changed_after_call", lambda call, raw, error: name(
+            call, [_SavedTensorBefore212(saved) for saved in raw], error))
 
     class Layer(nn.Module):
         def __init__(self) -> None:

@@ -377,6 +377,23 @@ def test_the_recorder_stays_after_the_users_hooks_go_and_unwrapping_takes_it_off
     assert not layer.router._forward_hooks
 
 
+def test_the_recorder_is_first_in_the_hook_dicts_own_order_as_dynamo_reads_it() -> None:
+    # Dynamo before torch 2.13 guards on the hooks by dict.keys(), the C-level order, which
+    # prepend=True's OrderedDict.move_to_end does not change: its guard took the user's hook
+    # for the recorder, and the fullgraph compile of a hooked layer raised
+    # InternalTorchDynamoError ('function' object has no attribute '__func__').
+    from pytree_ckpt.hook_outputs import _record_output
+
+    layer = pytree_ckpt.apply_activation_checkpointing(MoeLayer())
+    collector = Collector()
+    layer.router.register_forward_hook(collector.hook)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the hook's warning (does it keep the output?)
+        layer(torch.randn(6, 8, requires_grad=True)).sum().backward()
+    hooks = layer.router._forward_hooks
+    assert list(dict.values(hooks)) == list(hooks.values()) == [_record_output, collector.hook]
+
+
 def test_a_hook_added_elsewhere_before_backward_changes_nothing_in_an_enclosing_replay(
         ) -> None:
     # The inner boundary, entered during the outer replay, installed a recorder for the new
