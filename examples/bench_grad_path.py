@@ -27,7 +27,8 @@ watches, frames, isolation of parametrizations). Their difference from the minim
 what each library adds per call beyond the gradient path itself.
 
 Before timing, all four are checked to give gradients bit-identical to eager (each parameter
-is used once, so the order of additions is the same). NOTE [measurement]: ``examples.timing``.
+is used once, so the order of additions is the same). See NOTE [measurement] in
+``examples/timing.py``.
 """
 
 from __future__ import annotations

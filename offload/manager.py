@@ -246,9 +246,9 @@ class OffloadManager:
             if id(copy) in kept:
                 still.append(copy)
             elif copy.reused or self.engine.done(copy.d2h_event):
-                # NOTE [reuse at the turn]: a reused copy's storage is held by its restore,
-                # which backward reads (as the copy to host does): backward need not wait for
-                # that copy. Stream rule 1 is applied when backward lets go (Copy.__del__).
+                # NOTE [reuse at the turn] (window.py): a reused copy's storage is held by its
+                # restore, which backward reads (as the copy to host does): backward need not wait
+                # for that copy. Stream rule 1 is applied when backward lets go (Copy.__del__).
                 copy.drop_device_copy()
             elif force_before is not None and copy.seq < force_before:
                 # Stream rule 1: the stream current at the save, which owns the memory, waits.

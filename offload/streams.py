@@ -39,7 +39,7 @@ __all__ = ["CopyEngine"]
 class CopyEngine:
     """Device<->host byte copies; CUDA side streams, or synchronous copies elsewhere."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, /) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self._waits: list[tuple[Any, Any]] = []  # (before, after) timing events around waits
@@ -63,7 +63,7 @@ class CopyEngine:
             self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
         return self._streams
 
-    def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> Any:
+    def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor, /) -> Any:
         """Copy ``device_bytes`` into the front of ``host``; returns the event (rule 1)."""
         target = host[: device_bytes.numel()]
         if not self.cuda:
@@ -78,7 +78,8 @@ class CopyEngine:
         device_bytes.record_stream(stream)  # rule 1, for memory freed by someone else
         return event
 
-    def to_device(self, host: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any]:
+    def to_device(self, host: torch.Tensor, nbytes: int, after: Any, /
+                  ) -> tuple[torch.Tensor, Any]:
         """A new device buffer filled from ``host[:nbytes]``; returns it and its event (rule 2)."""
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if not self.cuda:
@@ -95,7 +96,7 @@ class CopyEngine:
         buffer.record_stream(stream)
         return buffer, event
 
-    def use_here(self, buffer: torch.Tensor, *, allocated_on: Any) -> None:
+    def use_here(self, buffer: torch.Tensor, /, *, allocated_on: Any) -> None:
         """Rule 4: mark ``buffer`` as used on the current stream if its memory came from another."""
         if not self.cuda or allocated_on is None:
             return
@@ -107,7 +108,7 @@ class CopyEngine:
         """The stream work is queued on now (``None`` without streams)."""
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
-    def wait(self, event: Any, *, stream: Any = None) -> None:
+    def wait(self, event: Any, /, *, stream: Any = None) -> None:
         """Make ``stream`` (default: the current one) wait for ``event`` (no host blocking)."""
         if event is None:
             return
@@ -147,5 +148,5 @@ class CopyEngine:
         with self._waits_lock:
             self._waited_ms = 0.0
 
-    def done(self, event: Any) -> bool:
+    def done(self, event: Any, /) -> bool:
         return event is None or event.query()

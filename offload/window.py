@@ -37,7 +37,7 @@ class Copy:
                  "storage_ref", "data_ptr", "device_bytes", "alias", "d2h_event", "restored",
                  "reused", "restored_on", "h2d_event", "host_holder", "__weakref__")
 
-    def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor) -> None:
+    def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor, /) -> None:
         storage = tensor.untyped_storage()
         self.manager = manager
         # Not the window: a copy still in flight must not keep its window (and pass) alive.
@@ -76,7 +76,7 @@ class Copy:
         window.pass_.offloaded += self.nbytes
         manager._pending.append(self)
 
-    def holds(self, tensor: torch.Tensor) -> bool:
+    def holds(self, tensor: torch.Tensor, /) -> bool:
         """Whether this copy is of ``tensor``'s storage as it is now. NOTE: the very storage
         object, not only its address: a storage whose memory was freed in place (output
         discard's ``resize_(0)``) stays alive, and a new tensor the allocator places at the
@@ -183,7 +183,7 @@ class Handle:
                  "subclass", "source", "version")
 
     def __init__(self, copy: Copy, window: Window, key: tuple[str, int],
-                 tensor: torch.Tensor) -> None:
+                 tensor: torch.Tensor, /) -> None:
         self.copy = copy
         self.window = window  # the window that saved this alias (the copy may be older)
         self.key = key
@@ -259,7 +259,7 @@ class Window:
                  "__weakref__")
 
     def __init__(self, pass_: Pass, keys: dict[tuple[str, int], int | None],
-                 name: Callable[[int], str] | None, *, seq: int) -> None:
+                 name: Callable[[int], str] | None, /, *, seq: int) -> None:
         self.pass_ = pass_  # strong: the pass lives as long as one of its windows
         self.id = pass_.next_id
         pass_.next_id += 1
@@ -273,7 +273,7 @@ class Window:
         self.restored = False
         self.small: set[tuple[str, int]] = set()  # left alone: below min_bytes, or elsewhere
 
-    def describe(self, key: tuple[str, int]) -> str:
+    def describe(self, key: tuple[str, int], /) -> str:
         """Where a storage of this window came from, for messages (e.g. ``args[0]``)."""
         index = self.keys.get(key)
         if index is None:

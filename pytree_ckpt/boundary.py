@@ -102,7 +102,7 @@ from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_p
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
 
-__all__ = ["BoundaryOptions", "checkpoint", "checkpointed"]
+__all__ = ["BoundaryCall", "BoundaryOptions", "checkpoint", "checkpointed", "run_boundary"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class BoundaryCall:
                  "switches", "inference", "saved_versions")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
-                 in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int]) -> None:
+                 in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
         self.fn = fn
         self.options = options
         self.in_spec = in_spec
@@ -239,20 +239,21 @@ class BoundaryCall:
         # kept as they are]); None when there is none.
         self.inference: dict[int, torch.Tensor] | None = None
 
-    def inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def inputs(self, tensors: tuple[torch.Tensor, ...], /
+               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.in_leaves)
         for index, slot in zip(self.in_tensor_index, self.in_slots):
             leaves[index] = tensors[slot]
         args, kwargs = unflatten(self.in_spec, leaves)
         return args, kwargs
 
-    def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
+    def outputs(self, tensors: Sequence[torch.Tensor], /) -> Any:
         leaves = list(self.out_leaves)
         for index, tensor in zip(self.out_tensor_index, tensors):
             leaves[index] = tensor
         return unflatten(self.out_spec, leaves)
 
-    def check_replay(self, spec: Any, leaves: list[Any], tensor_index: list[int]) -> None:
+    def check_replay(self, spec: Any, leaves: list[Any], tensor_index: list[int], /) -> None:
         if (spec is self.out_spec or spec == self.out_spec) and \
                 tensor_index == self.out_tensor_index and \
                 all(leaves[i].shape == shape and leaves[i].dtype == dtype
@@ -335,7 +336,7 @@ class _BoundaryFunction(torch.autograd.Function):
         now = versions(tensors)
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
             if now != input_versions else []
-        # NOTE [attributes set before the call]: saved with the inputs, after them.
+        # NOTE [attributes set before the call], continued: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
         call.saved_versions = versions(saved) if call.attributes else now
         for t in saved:
@@ -352,7 +353,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 mark_stateful(call.owner)
         if call.modules is not None:
             call.forward_modules = ForwardModules(*call.modules)
-            if recorded:  # NOTE [held tensors are not hooked outputs]: after the call too
+            # NOTE [held tensors are not hooked outputs] (hook_outputs.py): after the call too
+            if recorded:
                 modules, trees = call.modules
                 call.held.update(held_tensors(
                     [*(m.__dict__ for m in modules),
@@ -420,8 +422,8 @@ class _BoundaryFunction(torch.autograd.Function):
                                     for i, t in enumerate(saved)))
         else:
             ctx.save_for_backward(*saved)
-        # NOTE [hooked outputs leave with gradients]: after the outputs of fn, which the
-        # caller gets (run_boundary takes only those).
+        # NOTE [hooked outputs leave with gradients] (hook_outputs.py): after the outputs of fn,
+        # which the caller gets (run_boundary takes only those).
         return out_tensors + extra
 
     @staticmethod
@@ -455,7 +457,7 @@ def _argument_module(leaf: Any, /) -> nn.Module | None:
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 options: BoundaryOptions, owner: nn.Module | None = None) -> T:
+                 options: BoundaryOptions, /, *, owner: nn.Module | None = None) -> T:
     """The boundary itself; ``checkpoint`` and module wrapping both call this.
 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.

@@ -40,7 +40,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .errors import CheckpointConfigError, CheckpointError
 from .saved import Unchanged
 
-__all__ = ["ActivationCensus", "Mechanism", "census_active", "report_held"]
+__all__ = ["ActivationCensus", "Holder", "Mechanism", "active_census", "census_active",
+           "report_held", "storage_key"]
 
 
 class Mechanism(str, enum.Enum):

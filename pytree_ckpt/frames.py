@@ -40,7 +40,7 @@ from .rng import RngState, rng_changed, rng_state, set_rng_state
 from .saved import Unchanged
 from .tree import NAMESPACE, flatten, leaf_paths, unflatten
 
-__all__ = ["Frame", "reuse_during_recompute"]
+__all__ = ["Frame", "callable_name", "reuse_during_recompute"]
 
 T = TypeVar("T")
 
@@ -110,7 +110,7 @@ class Frame:
         self.restore: Callable[[Any], torch.Tensor] | None = None
 
     def offload(self, pack: Callable[[torch.Tensor], Any],
-                restore: Callable[[Any], torch.Tensor]) -> None:
+                restore: Callable[[Any], torch.Tensor], /) -> None:
         """Swap every frozen-result tensor for ``pack(tensor)`` (an offload handle).
 
         NOTE: a frame holds the ids its layer computed until the replay; without this, the
@@ -128,8 +128,8 @@ class Frame:
                     leaves[j] = _Offloaded(pack(leaves[j]))
                 recorded[i] = unflatten(flat.spec, leaves)
 
-    def record(self, fn: Callable[..., Any], result: Any, rng_after: RngState | None = None,
-               passthrough: Passthrough = ()) -> None:
+    def record(self, fn: Callable[..., Any], result: Any, /, *,
+               rng_after: RngState | None = None, passthrough: Passthrough = ()) -> None:
         self.results.setdefault(fn, []).append(result)
         self.rng_jumps.setdefault(fn, []).append(rng_after)
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
@@ -165,10 +165,10 @@ class Frame:
                     tip="the replay hands back the recorded tensor, so the change would be made "
                         "twice: change a clone (ids = ids.clone(); ids += 1)")
 
-    def take(self, fn: Callable[..., Any]) -> Any:
+    def take(self, fn: Callable[..., Any], /) -> Any:
         return self.take_with_rng(fn)[0]
 
-    def take_with_rng(self, fn: Callable[..., Any]
+    def take_with_rng(self, fn: Callable[..., Any], /
                       ) -> tuple[Any, RngState | None, Passthrough]:
         """The next recorded result for ``fn``, the RNG states recorded after it if this replay
         jumped to them, and its float leaves that were arguments of the call (a nested boundary
@@ -303,7 +303,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         if not recorders:  # the replay itself (a nested original pass checks in its replay)
             refuse_in_replay(fn, callable_name(fn), passthrough, result, args, kwargs)
     for recorder in recorders:
-        recorder.frame.record(fn, result, rng_after, passthrough)
+        recorder.frame.record(fn, result, rng_after=rng_after, passthrough=passthrough)
     return result
 
 

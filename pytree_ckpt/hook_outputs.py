@@ -43,7 +43,7 @@ from torch import nn
 
 from .errors import ReplayMismatchError
 from .keep import IN_REUSE
-from .tree import flatten
+from .tree import describe_leaf, flatten
 
 __all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
            "keeps_output_as_is", "recording", "remove_recorder"]
@@ -172,7 +172,7 @@ class HookedOutputs:
 
     __slots__ = ("modules", "positions", "meta")
 
-    def __init__(self, recorded: Sequence[tuple[nn.Module, Any]], known: set[int]) -> None:
+    def __init__(self, recorded: Sequence[tuple[nn.Module, Any]], known: set[int], /) -> None:
         # Which module made each recorded output, in call order: the replay records those
         # modules only (a hook added or removed since, on another module, changes nothing).
         self.modules = [id(module) for module, _ in recorded]
@@ -200,13 +200,13 @@ class HookedOutputs:
                 self.positions.append((call, index))
                 self.meta.append((tensor.shape, tensor.dtype))
 
-    def tensors(self, recorded: Sequence[tuple[nn.Module, Any]]) -> list[torch.Tensor]:
+    def tensors(self, recorded: Sequence[tuple[nn.Module, Any]], /) -> list[torch.Tensor]:
         """The tensors at the chosen positions of ``recorded`` (one pass's outputs)."""
         flats = [flatten(output).leaves for _, output in recorded]
         return [flats[call][index] for call, index in self.positions]
 
     def replayed(self, recorded: Sequence[tuple[nn.Module, Any]],
-                 name: str) -> list[torch.Tensor]:
+                 name: str, /) -> list[torch.Tensor]:
         """The replay's counterparts, checked against what the original pass recorded."""
         tip = ("the modules with forward hooks must run the same way in the replay; for results "
                "that may change between passes use reuse_during_recompute")
@@ -228,10 +228,10 @@ class HookedOutputs:
                     f"the replay of {name} gave another output of a module with forward hooks "
                     f"(hooked output {position})",
                     expected=f"Tensor(shape={tuple(shape)}, dtype={dtype})",
-                    got=repr(type(tensor).__name__), tip=tip)
+                    got=describe_leaf(tensor), tip=tip)
         if len(tensors) != len(self.positions):
             raise ReplayMismatchError(
                 f"the replay of {name} gave outputs of other structure from its modules with "
                 "forward hooks", expected=f"{len(self.positions)} tensor(s)",
-                got=f"{len(tensors)}", tip=tip)
+                got=f"{len(tensors)} tensor(s)", tip=tip)
         return tensors

@@ -45,7 +45,7 @@ from .errors import CheckpointError
 from .phase import Invocation, Phase
 from .rng import rng_changed, rng_state
 
-__all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE"]
+__all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept"]
 
 
 # Set while a kept callable runs (KeptCallables) / while reuse_during_recompute computes.
@@ -86,7 +86,7 @@ class KeepPolicy:
     """Which ops a boundary keeps: ``ops`` by identity, plus everything the kept callables
     (``"Class.method"`` names of the wrapped methods) dispatch."""
 
-    def __init__(self, ops: Iterable[Any], *, callables: Iterable[str],
+    def __init__(self, ops: Iterable[Any], /, *, callables: Iterable[str],
                  description: str) -> None:
         ops = frozenset(ops)
         # Whole ops (OpOverloadPackets) and single overloads (KeptOps("aten::mm.default")).
@@ -109,7 +109,7 @@ class KeepPolicy:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def keeps(self, func: Any) -> bool:
+    def keeps(self, func: Any, /) -> bool:
         if func.namespace in _COLLECTIVE_NAMESPACES or func.is_view or \
                 func.overloadpacket is _CLONE:
             # Views (detach included) hold no memory of their own, and autograd dispatches some
@@ -297,7 +297,7 @@ class KeepMode(TorchDispatchMode):
     its own replay). Modes stack, so each sees the op once.
     """
 
-    def __init__(self, policy: KeepPolicy, invocation: Invocation) -> None:
+    def __init__(self, policy: KeepPolicy, invocation: Invocation, /) -> None:
         super().__init__()
         self.policy = policy
         self.invocation = invocation
@@ -344,7 +344,7 @@ class KeepMode(TorchDispatchMode):
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
             frame.record(func, (kept, [t._version for t in _tensors(kept)], holder,
-                                _call_arguments(func, args, kwargs)), rng_after)
+                                _call_arguments(func, args, kwargs)), rng_after=rng_after)
             position = len(frame.results[func]) - 1
             for tensor in _tensors(kept):
                 key = _storage_id(tensor)

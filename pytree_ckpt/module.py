@@ -51,7 +51,8 @@ OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 logger = logging.getLogger(__name__)
 
 __all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing",
-           "is_checkpointed", "checkpoint_layers", "resolve_offload"]
+           "is_checkpointed", "checkpoint_layers", "resolve_offload", "body_forward",
+           "install_boundary", "layer_count", "refuse_other_options", "validate_ratio"]
 
 _INSTALLED = "_pytree_ckpt_installed"
 
@@ -74,7 +75,7 @@ class _CheckpointedForward:
         if module.__dict__.get("_compiled_call_impl") is not None:
             _warn_module_compiled(module)
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
-        return run_boundary(forward, args, kwargs, self.options, module)
+        return run_boundary(forward, args, kwargs, self.options, owner=module)
 
     @property
     def __signature__(self) -> inspect.Signature:

@@ -172,7 +172,7 @@ def module_dicts(module: nn.Module, /) -> ModuleDicts:
     return cached[1]
 
 
-def collect_parameters(trees: Sequence[ModuleDicts], skip: set[int], *,
+def collect_parameters(trees: Sequence[ModuleDicts], skip: set[int], /, *,
                        frozen: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The trainable parameters of ``trees`` (deduplicated, without ids in ``skip``); the
     frozen ones go to ``frozen`` when given.
@@ -195,7 +195,7 @@ def collect_parameters(trees: Sequence[ModuleDicts], skip: set[int], *,
     return found
 
 
-def trainable_parameters(modules: Sequence[nn.Module], skip: set[int], *,
+def trainable_parameters(modules: Sequence[nn.Module], skip: set[int], /, *,
                          frozen: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """``collect_parameters`` of the trees of ``modules``."""
     return collect_parameters([module_dicts(m) for m in modules], skip, frozen=frozen)
@@ -259,7 +259,7 @@ def mark_verified(module: nn.Module, switches: Any, /) -> None:
     verified[1].add(switches)
 
 
-def foreign_leaf(outs: list[torch.Tensor], known: set[int]) -> torch.Tensor | None:
+def foreign_leaf(outs: list[torch.Tensor], known: set[int], /) -> torch.Tensor | None:
     """A leaf that requires grad, reached from ``outs``, that is not in ``known`` (by id)."""
     seen: set[Any] = set()
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]

@@ -77,7 +77,7 @@ class SkipsNoGradient:
     def __init__(self, hook: Callable[[torch.Tensor], Any], /) -> None:
         self.hook = hook
 
-    def __call__(self, grad: torch.Tensor | None) -> Any:
+    def __call__(self, grad: torch.Tensor | None, /) -> Any:
         return None if grad is None else self.hook(grad)
 
     def __repr__(self) -> str:
@@ -113,7 +113,7 @@ class SkipsNoGradAccumulated:
         self.hook = hook
         self.gate = gate
 
-    def __call__(self, tensor: torch.Tensor) -> Any:
+    def __call__(self, tensor: torch.Tensor, /) -> Any:
         return self.hook(tensor) if self.gate.open else None
 
     def __repr__(self) -> str:

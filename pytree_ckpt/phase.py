@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .frames import Frame
 
-__all__ = ["Phase", "current_phase"]
+__all__ = ["Invocation", "Phase", "current_phase"]
 
 
 class Phase(str, enum.Enum):
@@ -35,7 +35,7 @@ class Invocation:
 
     __slots__ = ("phase", "frame", "parent")
 
-    def __init__(self, phase: Phase, frame: Frame, parent: Invocation | None) -> None:
+    def __init__(self, phase: Phase, frame: Frame, parent: Invocation | None, /) -> None:
         self.phase = phase
         self.frame = frame
         self.parent = parent

@@ -114,7 +114,7 @@ def _inputs_without_gradient(saved: Sequence[torch.Tensor], grads: Sequence[Any]
 
 
 def replay_backward(ctx: Any, call: BoundaryCall,
-                    grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
+                    grad_outputs: tuple[torch.Tensor | None, ...], /) -> Any:
     """The replay of ``call`` and the gradients of its inputs (and parameters)."""
     explicit = call.params is not None
     if not explicit and not torch.autograd._is_checkpoint_valid():

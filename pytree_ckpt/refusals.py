@@ -38,7 +38,7 @@ __all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "fn_name", "input_path",
 
 
 def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
-                           inputs: Sequence[torch.Tensor]) -> None:
+                           inputs: Sequence[torch.Tensor], /) -> None:
     """NOTE [leaves that hold tensors] (tree.py), for outputs: a floating tensor that ``fn``
     computed (under no-grad, so it requires none) inside an output leaf the bridge does not
     open never becomes an output of the Function: it leaves without gradient, and eager's
@@ -108,7 +108,7 @@ def _holds_no_state(leaf: Any, /) -> bool:
     return False
 
 
-def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], *,
+def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], /, *,
                               kwargs_use_cache: bool = False) -> None:
     """Input leaves the boundary cannot hand to the replay as the forward had them, refused
     before the original pass.
@@ -202,13 +202,13 @@ def _fresh_float(before: dict[int, torch.Tensor], tensor: torch.Tensor) -> bool:
         and before.get(id(tensor)) is not tensor
 
 
-def input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int) -> str:
+def input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int, /) -> str:
     """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]`` or
     ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
     return _readable(leaf_paths(spec, root="inputs")[tensor_index[slots.index(slot)]])
 
 
-def fn_name(fn: Callable[..., Any]) -> str:
+def fn_name(fn: Callable[..., Any], /) -> str:
     owner = owning_module(fn)
     if owner is not None:
         return type(owner).__name__
@@ -220,7 +220,7 @@ def fn_name(fn: Callable[..., Any]) -> str:
 TORCH_REENTRANT = "When use_reentrant=True, torch.utils.checkpoint is incompatible"
 
 
-def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError) -> NoReturn:
+def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> NoReturn:
     # A module's replay computes its gradients with torch.autograd.grad, under which torch's
     # reentrant checkpoint refuses to run; its message speaks of .grad() and inputs=, which the
     # user never called (transformers' gradient_checkpointing_enable(use_reentrant=True) puts
@@ -238,7 +238,7 @@ def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError) -> NoR
 
 
 def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
-                        moved: list[int]) -> None:
+                        moved: list[int], /) -> None:
     paths = [input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
              for slot in moved]
     views = any(tensors[slot]._base is not None for slot in moved)
@@ -262,7 +262,7 @@ CHANGED_AFTER_CALL_TIP = (
 
 
 def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
-                             error: RuntimeError) -> NoReturn:
+                             error: RuntimeError, /) -> NoReturn:
     """An input of ``call`` (or an attribute saved with them) was changed in place after the
     call: autograd's check (or ``Unchanged``'s, under a hook) found it as backward unpacked the
     boundary's saved tensors. Named by key path: each saved tensor is unpacked again, alone,
@@ -374,7 +374,7 @@ def _carries_grad(value: Any, known: set[int]) -> bool:
 
 def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
                          dicts: Sequence[dict[str, Any]],
-                         before: list[dict[str, Any]]) -> None:
+                         before: list[dict[str, Any]], /) -> None:
     """NOTE [numbers a forward changes]: a Python int or float attribute the forward changes
     (``self.calls += 1``, a warm-up scale) is changed again by the replay, which computes with
     the changed value: eager's gradient is not the replay's, and the count ends one ahead.
@@ -409,7 +409,7 @@ def refuse_double_backward(where: Callable[[], str], /) -> None:
                 "or call it outside checkpoint())")
 
 
-def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int) -> None:
+def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int, /) -> None:
     # NOTE [outputs made before the call] (boundary.py): a tensor from outside that requires
     # no grad and is neither an input nor known to belong to the module cannot be told from a
     # fresh result; autograd gave it this node. The replay returns the very same tensor, still
@@ -426,7 +426,7 @@ def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int) 
             "attribute is never known")
 
 
-def raise_hooked_outside_tensor(call: BoundaryCall, position: int) -> None:
+def raise_hooked_outside_tensor(call: BoundaryCall, position: int, /) -> None:
     # NOTE [held tensors are not hooked outputs] (hook_outputs.py): a hooked module returned a
     # tensor from outside the call that no module holds as an attribute (a global, a closure's
     # constant); autograd gave it this node, and the replay found it again.
@@ -439,7 +439,8 @@ def raise_hooked_outside_tensor(call: BoundaryCall, position: int) -> None:
             "or an attribute of the module")
 
 
-def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
+def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor], /
+                  ) -> None:
     # NOTE [parameters are inputs] (boundary.py): once per module, on its first replay. A
     # parameter of the modules that was frozen in the forward and unfrozen since gets no
     # gradient, as in eager (it was not in the forward's graph): known, not foreign. Nothing
@@ -527,7 +528,7 @@ def _refuse_fsdp_units_inside(owner: nn.Module, *, own: bool) -> None:
             f"...), or make {name} itself the FSDP unit (fully_shard it, not its children)")
 
 
-def require_callable(fn: Any, where: str, tip: str) -> None:
+def require_callable(fn: Any, where: str, tip: str, /) -> None:
     if not callable(fn):
         raise CheckpointConfigError(
             f"{where} takes the function (or module) to run behind the boundary",
@@ -623,7 +624,7 @@ def warn_stacked_checkpointing(owner: nn.Module, /) -> None:
 
 
 def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
-                        dicts: Sequence[dict[str, Any]], before: list[dict[str, Any]]) -> None:
+                        dicts: Sequence[dict[str, Any]], before: list[dict[str, Any]], /) -> None:
     """NOTE [results stored on a module]: ``self.aux_loss = ...`` in a forward (an MoE
     layer's load-balancing loss, collected after the step) stores, in the original pass, a
     value computed under no-grad: a loss built from it has no gradient through it, silently

@@ -109,7 +109,7 @@ class ReplayEnvironment:
 
     def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
                  autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool,
-                 torch_function: Any, kernels: tuple[Any, ...]) -> None:
+                 torch_function: Any, kernels: tuple[Any, ...], /) -> None:
         self.cpu_rng = cpu_rng
         self.kernels = kernels  # NOTE [the replay picks the forward's kernels]
         self.cuda_rng = cuda_rng
@@ -124,7 +124,8 @@ class ReplayEnvironment:
         self.torch_function = torch_function  # None: enabled
 
     @classmethod
-    def capture(cls, tensors: tuple[torch.Tensor, ...], *, preserve_rng: bool) -> ReplayEnvironment:
+    def capture(cls, tensors: tuple[torch.Tensor, ...], /, *,
+                preserve_rng: bool) -> ReplayEnvironment:
         cpu_rng = None
         cuda_rng: dict[int, torch.Tensor] = {}
         if preserve_rng:
@@ -158,7 +159,7 @@ class Replaying:
 
     __slots__ = ("env", "saved_rng", "autocast", "grad", "torch_function", "kernels")
 
-    def __init__(self, env: ReplayEnvironment) -> None:
+    def __init__(self, env: ReplayEnvironment, /) -> None:
         self.env = env
         self.kernels: tuple[Any, ...] | None = None  # backward's kernel switches, if they differ
         self.saved_rng: RngState | None = None

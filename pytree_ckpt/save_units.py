@@ -31,7 +31,7 @@ from torch import nn
 
 from .boundary import BoundaryOptions
 from .eager import KEPT_CALLABLE_REASON, runs_eagerly
-from .errors import CheckpointConfigError
+from .errors import CheckpointConfigError, CheckpointError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy, never_kept
 from .module import (body_forward, install_boundary, is_checkpointed, layer_count,
                      refuse_other_options, resolve_offload, validate_ratio)
@@ -215,7 +215,7 @@ class KeptCallables:
     def __repr__(self) -> str:
         return f"KeptCallables{self.targets!r}"
 
-    def matches(self, module: nn.Module) -> list[str]:
+    def matches(self, module: nn.Module, /) -> list[str]:
         """Names of ``module``'s methods that this unit keeps."""
         names = []
         classes = {c.__qualname__ for c in type(module).__mro__}
@@ -333,7 +333,13 @@ class _KeptMethod:
     @runs_eagerly(KEPT_CALLABLE_REASON)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module_ref()
-        assert module is not None
+        if module is None:  # a method taken from its module, called after the module was freed
+            raise CheckpointError(
+                f"the module of the kept method {self.name} no longer exists",
+                expected="the module whose method this is, alive",
+                got="a method kept after its module was freed",
+                tip=f"call {self.name} through the module (module.{self.name}(...)), not a "
+                    "method taken from it")
         token = IN_KEPT_CALLABLE.set(True)
         try:
             if self.inner is not None:

@@ -31,7 +31,7 @@ class Unchanged:
 
     __slots__ = ("tensor", "version", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, /) -> None:
         self.tensor = tensor if tensor.is_leaf else tensor.detach()
         # (Autograd refuses to save an inference tensor, which has no version, before any hook.)
         self.version = tensor._version

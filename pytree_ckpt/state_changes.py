@@ -26,7 +26,7 @@ __all__ = ["ChangedState", "ForwardModules", "StateWatch", "mark_stateful", "sna
            "versions"]
 
 
-def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
     # Inference tensors keep no version counter (and cannot be changed outside inference mode).
     return [None if t.is_inference() else t._version for t in tensors]
 
@@ -67,7 +67,7 @@ class StateWatch:
                  "before", "storages")
 
     def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
-                 frozen: list[torch.Tensor], trees: Sequence[ModuleDicts], *,
+                 frozen: list[torch.Tensor], trees: Sequence[ModuleDicts], /, *,
                  snapshot: bool) -> None:
         # Most submodules have no buffer: for those only a new entry can happen, a length
         # check (about 0.05 us per submodule; 7 of them cost 0.3 us more than none).
@@ -250,7 +250,7 @@ class ChangedState:
 
     def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
                  parameters: list[tuple[_Buffers, _Moved]], before: dict[int, tuple[Any, Any]],
-                 storages: dict[Any, torch.UntypedStorage]) -> None:
+                 storages: dict[Any, torch.UntypedStorage], /) -> None:
         self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
         self.parameters = parameters  # the parameter dicts with a frozen parameter changed
         self.before = before          # small changed buffers before the forward, by id
@@ -347,7 +347,7 @@ class ForwardModules:
 
     __slots__ = ("roots", "submodules", "modes", "entries", "empty")
 
-    def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts]) -> None:
+    def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /) -> None:
         others = [m for tree in trees for m in tree.flagged_otherwise]
         self.roots = [*roots, *others] if others else roots
         roots = self.roots

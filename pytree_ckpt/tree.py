@@ -22,7 +22,8 @@ import optree
 import torch
 
 __all__ = ["FlatTree", "LEAF_SPEC", "flatten", "flatten_call", "unflatten", "leaf_paths",
-           "describe_leaf", "hidden_tensor", "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN"]
+           "describe_leaf", "first_difference", "hidden_tensor", "leaf_kind", "CONTAINER",
+           "ITERATOR", "PLAIN"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()

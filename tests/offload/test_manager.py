@@ -596,8 +596,8 @@ def test_the_census_does_not_count_a_shared_input_whose_device_storage_is_gone()
 
 
 def test_a_reused_storage_the_caller_keeps_is_still_counted_as_alive_elsewhere() -> None:
-    # NOTE [reuse at the turn]: backward takes the last window's device bytes as they are, so
-    # whether something else kept them is known only once backward is done with them.
+    # NOTE [reuse at the turn] (window.py): backward takes the last window's device bytes as they
+    # are, so whether something else kept them is known only once backward is done with them.
     m = manager()
     layers = offloaded_stack(m, 4)
     h = torch.randn(8, 32, requires_grad=True)
@@ -899,8 +899,9 @@ def test_a_layer_input_freed_by_output_discard_is_not_reported_as_alive_elsewher
 @pytest.mark.parametrize("what", ["below min_bytes", "not a window tensor"])
 def test_a_saved_tensor_the_manager_leaves_alone_is_still_checked_for_in_place_changes(
         what: str) -> None:
-    # NOTE [hooks switch off the in-place check]: autograd stops checking what a hook hands
-    # back; eager refuses this backward, so the manager must too (it gave wrong gradients).
+    # NOTE [hooks switch off the in-place check] (pytree_ckpt/saved.py): autograd stops checking
+    # what a hook hands back; eager refuses this backward, so the manager must too (it gave wrong
+    # gradients).
     m = manager(min_bytes=1 << 20 if what == "below min_bytes" else 0)
     x = torch.randn(4, 8, requires_grad=True) * 1.0
     w = torch.randn(8, 8, requires_grad=True) * 1.0

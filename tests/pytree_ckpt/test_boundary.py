@@ -1096,9 +1096,9 @@ def test_a_buffer_reassigned_in_forward_ends_the_step_as_in_eager() -> None:
 
 
 def test_a_buffer_the_replays_graph_saves_is_a_copy_and_the_buffer_moves_as_in_eager() -> None:
-    # NOTE [the replay changes copies]: the replay's fill_ and the graph that saves the buffer
-    # are the copy's; the buffer itself is changed by the forwards alone (a copy back after
-    # the replay moved its version too, and broke another graph that had saved it).
+    # NOTE [the replay changes copies] (state_changes.py): the replay's fill_ and the graph that
+    # saves the buffer are the copy's; the buffer itself is changed by the forwards alone (a copy
+    # back after the replay moved its version too, and broke another graph that had saved it).
     torch.manual_seed(0)
     eager = SetsItsScale()
     twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))

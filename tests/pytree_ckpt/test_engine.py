@@ -1,4 +1,4 @@
-"""NOTE [the replay calls the engine directly]: the replay's gradients skip
+"""NOTE [the replay calls the engine directly] (engine.py): the replay's gradients skip
 ``torch.autograd.grad``'s Python checks, and are eager's whichever way they are computed."""
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def test_a_replay_that_leaves_a_save_units_record_unused_is_refused() -> None:
     with pytest.raises(ReuseError, match=r"consumed 1 of the 2 results recorded for "
                                          r"aten\.mm\.default by a save unit") as raised:
         out.sum().backward()
-    # NOTE [kept ops dispatched differently]: the kept ops' tip names torch's dispatch too
+    # NOTE [kept ops dispatched differently] (frames.py): the tip names torch's dispatch too
     assert "torch itself chooses" in str(raised.value)
 
 

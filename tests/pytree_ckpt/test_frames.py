@@ -729,8 +729,8 @@ class JitteredRouting(nn.Module):
 
 
 def test_a_replayed_call_that_drew_random_numbers_keeps_later_dropout_masks_in_step() -> None:
-    # NOTE [skipped work keeps the RNG in step]: the replay skips the jittered routing, yet the
-    # dropout after it must draw the mask the original pass drew.
+    # NOTE [skipped work keeps the RNG in step] (frames.py): the replay skips the jittered routing,
+    # yet the dropout after it must draw the mask the original pass drew.
     torch.manual_seed(0)
     eager = JitteredRouting()
     wrapped = copy.deepcopy(eager)

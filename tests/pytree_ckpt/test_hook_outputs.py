@@ -1,6 +1,7 @@
-"""NOTE [hooked outputs leave with gradients]: what a forward hook inside a boundary keeps of a
-module's output carries the boundary's gradient, as transformers' router_logits need for the
-MoE load-balancing loss. Every case is compared with an eager twin, bit for bit (fp32)."""
+"""NOTE [hooked outputs leave with gradients] (hook_outputs.py): what a forward hook inside a
+boundary keeps of a module's output carries the boundary's gradient, as transformers'
+router_logits need for the MoE load-balancing loss. Every case is compared with an eager twin,
+bit for bit (fp32)."""
 
 from __future__ import annotations
 
@@ -359,9 +360,9 @@ def test_a_hooked_module_returning_an_outside_constant_is_refused_instead_of_han
 
 
 def test_the_recorder_stays_after_the_users_hooks_go_and_unwrapping_takes_it_off() -> None:
-    # NOTE [a recorder stays]: a call still waiting for its backward (an earlier micro-batch)
-    # needs it in its replay; taken off at the next call, that replay recorded nothing and
-    # backward raised ReplayMismatchError. remove_activation_checkpointing takes it off.
+    # NOTE [a recorder stays] (hook_outputs.py): a call still waiting for its backward (an earlier
+    # micro-batch) needs it in its replay; taken off at the next call, that replay recorded nothing
+    # and backward raised ReplayMismatchError. remove_activation_checkpointing takes it off.
     layer = pytree_ckpt.apply_activation_checkpointing(MoeLayer())
     handle = layer.router.register_forward_hook(lambda m, a, out: None)
     x = torch.randn(6, 8, requires_grad=True)
@@ -540,9 +541,10 @@ def test_a_modules_own_hook_that_keeps_its_output_before_another_rewrites_it_get
 
 def test_a_fullgraph_compiled_layer_body_with_a_hooked_router_compiles_and_gets_eager_gradients(
 ) -> None:
-    # NOTE [the recorder is traceable]: dynamo inlines the recorder into a compiled body, and
-    # it read a ContextVar, which dynamo cannot trace: the fullgraph compile of every layer
-    # with a hooked module raised torch._dynamo.exc.Unsupported (docs/scaling.md's order).
+    # NOTE [the recorder is traceable] (hook_outputs.py): dynamo inlines the recorder into a
+    # compiled body, and it read a ContextVar, which dynamo cannot trace: the fullgraph compile of
+    # every layer with a hooked module raised torch._dynamo.exc.Unsupported (docs/scaling.md's
+    # order).
     def compile_and_wrap(model: nn.Sequential) -> None:
         for layer in model:
             layer.forward = torch.compile(layer.forward, backend="eager", fullgraph=True)
@@ -579,9 +581,9 @@ class _UsesCached(nn.Module):
 
 def test_a_hooked_module_returning_a_tensor_it_holds_in_a_dict_attribute_works_as_in_eager(
 ) -> None:
-    # NOTE [held tensors are not hooked outputs]: only tensors held directly or in a tuple or
-    # list were known; one in a dict attribute became an extra output and backward raised
-    # CheckpointError (a tensor from outside the call), where eager trains.
+    # NOTE [held tensors are not hooked outputs] (hook_outputs.py): only tensors held directly or
+    # in a tuple or list were known; one in a dict attribute became an extra output and backward
+    # raised CheckpointError (a tensor from outside the call), where eager trains.
     torch.manual_seed(0)
     eager = _UsesCached()
     model = copy.deepcopy(eager)

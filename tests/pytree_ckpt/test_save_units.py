@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import io
 import copy
+import gc
 import re
 import warnings
 from typing import Any
@@ -426,8 +427,8 @@ class KeptCoinFlips(nn.Module):
 
 
 def test_a_kept_op_that_drew_random_numbers_keeps_later_dropout_masks_in_step() -> None:
-    # NOTE [skipped work keeps the RNG in step]: the replay takes the kept op's output instead
-    # of running it; the dropout after it must still draw the original pass's mask.
+    # NOTE [skipped work keeps the RNG in step] (frames.py): the replay takes the kept op's output
+    # instead of running it; the dropout after it must still draw the original pass's mask.
     torch.manual_seed(0)
     eager = KeptCoinFlips()
     wrapped = copy.deepcopy(eager)
@@ -527,8 +528,8 @@ class TokenMixing(nn.Module):
 
 
 def test_a_kept_op_torch_dispatches_differently_in_the_replay_is_refused_naming_the_cause() -> None:
-    # NOTE [kept ops dispatched differently]: the computed weight requires no grad in the
-    # no-grad original pass (torch.matmul runs aten::bmm) and requires grad in the replay
+    # NOTE [kept ops dispatched differently] (frames.py): the computed weight requires no grad in
+    # the no-grad original pass (torch.matmul runs aten::bmm) and requires grad in the replay
     # (aten::mm). Refused in backward, with a tip naming torch's choice, not the user's code.
     layers = nn.ModuleList([TokenMixing()])
     apply_recompute_config(layers, RecomputeConfig(1.0, ["attn"]),
@@ -776,3 +777,17 @@ def test_a_kept_router_that_normalizes_its_top_k_in_place_gets_eager_gradients()
                                offload=False)
         grads = grads_per_model([eager, wrapped], torch.randn(5, 8, requires_grad=True), seed=0)
     assert_same_grads(*grads)
+
+
+def test_a_kept_method_called_after_its_module_was_freed_is_refused_naming_the_fix() -> None:
+    # The method holds its module weakly (no cycle); a bare assert fired before.
+    stack = nn.ModuleList([Block()])
+    apply_recompute_config(stack, RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+    project = stack[0].gate.project
+    x = torch.randn(5, 8)
+    assert torch.equal(project(x), stack[0].gate.proj(x))
+    del stack
+    gc.collect()
+    with pytest.raises(CheckpointError, match=r"kept method project no longer exists") as error:
+        project(x)
+    assert "module.project(...)" in str(error.value)
