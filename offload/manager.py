@@ -45,6 +45,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.census import Mechanism, census_active, report_held, storage_key
+from pytree_ckpt.discard import DISCARDED_MARK
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged
 from pytree_ckpt.subclass import as_kind
@@ -133,6 +134,7 @@ class OffloadManager:
         self._ever_offloaded = False
         self._warned_device = False
         self._warned_plain = False
+        self._warned_discarded = False
         # Storages let go while still alive: judged when backward begins (``_judge_alive``),
         # by storage (``StorageWeakRef.cdata``) with the bytes of every copy of it let go.
         self._suspects: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -153,8 +155,8 @@ class OffloadManager:
     # -- statistics --------------------------------------------------------------------------
     def _reset_counters(self) -> None:
         self._counters = {"offloaded_bytes": 0, "restored_bytes": 0, "reused_bytes": 0,
-                          "prefetch_hits": 0, "alive_elsewhere_bytes": 0, "below_min_bytes": 0,
-                          "other_device_bytes": 0, "windows": 0}
+                          "prefetch_hits": 0, "alive_elsewhere_bytes": 0, "discarded_bytes": 0,
+                          "below_min_bytes": 0, "other_device_bytes": 0, "windows": 0}
         self._pool_base = (self.pool.hits, self.pool.misses)
         self.engine.reset_waits()
 
@@ -199,9 +201,35 @@ class OffloadManager:
         # while it is read). Those land in the fresh dict, judged next time.
         suspects, self._suspects = self._suspects, {}
         for ref, nbytes in suspects.values():
-            if not ref.expired():
-                self._counters["alive_elsewhere_bytes"] += nbytes
-                log.debug("offloaded storage of %d bytes is still alive elsewhere", nbytes)
+            self._judge(ref, nbytes)
+
+    def _judge(self, ref: StorageWeakRef, nbytes: int, /) -> None:
+        """One storage let go while still alive, now that the forward holding it is over."""
+        if ref.expired():
+            return
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        if getattr(storage, DISCARDED_MARK, False):  # NOTE [discarded storages are marked]
+            self._copied_and_discarded(nbytes)
+            return
+        self._counters["alive_elsewhere_bytes"] += nbytes
+        log.debug("offloaded storage of %d bytes is still alive elsewhere", nbytes)
+
+    def _copied_and_discarded(self, nbytes: int) -> None:
+        """A window storage freed in place after its copy to host: output discard's
+        ``resize_(0)`` (``CheckpointWithoutOutput``, ``ResidualStreamRecomputeContext``) of an
+        output a boundary took as input. Both give the same bytes back for backward, so the
+        numbers are exact, but the work is done twice: copied to host and back, and
+        recomputed."""
+        self._counters["discarded_bytes"] += nbytes
+        if not self._warned_discarded:
+            self._warned_discarded = True
+            log.warning(
+                "offload copied to host %d bytes of a boundary input that output discard then "
+                "freed: they are copied back and also recomputed for backward (exact, but done "
+                "twice; stats()['discarded_bytes'] counts them). Keep one of the two for such "
+                "tensors: do not discard outputs that a checkpointed layer takes as input "
+                "(offload moves them to host already), or leave those layers' offload off",
+                nbytes)
 
     def _suspect(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Note a storage let go while still alive, for ``_judge_alive``.

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from pytree_ckpt.discard import DISCARDED_MARK
 from pytree_ckpt.errors import CheckpointError
 from pytree_ckpt.refusals import CHANGED_AFTER_CALL_TIP
 from pytree_ckpt.subclass import SubclassKind, kind_of
@@ -92,14 +93,18 @@ class Copy:
     def drop_device_copy(self) -> None:
         if self.device_bytes is None:
             return
-        freed = self.device_bytes.untyped_storage().nbytes() == 0  # in place, by a discard
+        storage = self.device_bytes.untyped_storage()
+        freed = storage.nbytes() == 0  # in place, by a discard
         self.device_bytes = None
         if not self.reused:  # reused, backward reads the very bytes: keep checking them
             self.alias = None
         # Still alive now may be a later layer's input or a table every layer gets: it counts
         # as alive elsewhere only if still alive when backward begins (``_judge_alive``). A
         # reused storage is checked when backward is done with it (``__del__``).
-        if not self.reused and not freed and not self.storage_ref.expired():
+        if freed:
+            if getattr(storage, DISCARDED_MARK, False):  # NOTE [discarded storages are marked]
+                self.manager._copied_and_discarded(self.nbytes)
+        elif not self.reused and not self.storage_ref.expired():
             self.manager._suspect(self.storage_ref, self.nbytes)
 
     def restore(self) -> None:
@@ -146,8 +151,7 @@ class Copy:
                 manager.engine.wait(self.d2h_event, stream=self.stream)
             # Ours: anything still holding the storage after these is someone else's.
             self.restored = self.alias = None
-            if not self.storage_ref.expired():
-                manager._counters["alive_elsewhere_bytes"] += self.nbytes
+            manager._judge(self.storage_ref, self.nbytes)
         # The last handle is gone: the host buffer goes back with the last copy that used it.
         if getattr(self, "host", None) is not None:
             last = self.h2d_event if self.h2d_event is not None else self.d2h_event

@@ -65,7 +65,16 @@ from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState, ForwardModules, StateWatch, versions
 from .tree import flatten
 
-__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "refuse_fp8"]
+__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "DISCARDED_MARK",
+           "refuse_fp8"]
+
+# NOTE [discarded storages are marked]: an attribute set on each storage a discard frees (a
+# storage keeps its Python object, and so its attributes, while it is alive; the rebuild
+# resizes that very storage back). The offload manager reads it for a window storage it let
+# go while still alive: one output discard freed (and backward rebuilt before the manager
+# looked) was copied to host for nothing, and is no storage something else keeps
+# (offload/manager.py, ``_copied_and_discarded``).
+DISCARDED_MARK = "_pytree_ckpt_discarded"
 
 log = logging.getLogger(__name__)
 
@@ -503,6 +512,7 @@ class CheckpointWithoutOutput:
             self.sizes.append(storage.nbytes())
             if self.census is not None:
                 self.census.note_discarded(out, keeper=self)
+            setattr(storage, DISCARDED_MARK, True)  # NOTE [discarded storages are marked]
             storage.resize_(0)
 
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor, /) -> None:

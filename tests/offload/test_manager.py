@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 from typing import Any
 
 import pytest
@@ -874,26 +875,53 @@ def test_a_new_storage_at_an_address_already_copied_is_copied_itself() -> None:
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
 
 
-def test_a_layer_input_freed_by_output_discard_is_not_reported_as_alive_elsewhere() -> None:
+@pytest.mark.parametrize("when", ["after each layer", "at the block's end"])
+def test_a_layer_input_freed_by_output_discard_is_counted_as_discarded_and_warned_of_once(
+        when: str, caplog: pytest.LogCaptureFixture) -> None:
     # The discard frees the storage in place (resize_(0)); the storage object lives on in the
-    # discard's records, but its memory does not: no "offload saved nothing".
+    # discard's records, but its memory does not: no "offload saved nothing". The copy to host
+    # was wasted work all the same (the discard's rebuild gives the bytes back too): counted
+    # and warned of. At the block's end (Megatron's residual plan) the manager had let go of
+    # the first copies while they were still alive, and backward rebuilt them before it judged
+    # them: they were counted as kept alive elsewhere (NOTE [discarded storages are marked]).
     torch.manual_seed(0)
     norms = nn.ModuleList(nn.LayerNorm(32) for _ in range(3))
+    eager = nn.ModuleList(Layer() for _ in range(3))
     m = manager()
     layers = offloaded_stack(m, 3)
+    layers.load_state_dict(eager.state_dict())
     x = torch.randn(16, 32, requires_grad=True)
-    with pytree_ckpt.ActivationCensus(nn.ModuleList([norms, layers])) as census:
-        h = x
-        for norm, layer in zip(norms, layers):
-            ckpt = pytree_ckpt.CheckpointWithoutOutput()
-            out = layer(ckpt.checkpoint(norm, h))
-            ckpt.discard_output_and_register_recompute(out)
-            h = h + out
-    assert census.flagged() == []
-    assert m.stats()["alive_elsewhere_bytes"] == 0
-    # every discarded norm output counts as discarded, though the offload copies let go of them
-    assert census.discarded_bytes == 3 * 16 * 32 * 4
+    h = x
+    for norm, layer in zip(norms, eager):
+        h = h + layer(norm(h))
     h.sum().backward()
+    expected = [p.grad for p in [*norms.parameters(), *eager.parameters(), x]]
+    norms.zero_grad(set_to_none=True)
+    x.grad = None
+    plan = pytree_ckpt.build_residual_stream_recompute_plan(3, 3)
+    with caplog.at_level(logging.WARNING, logger="offload.manager"), \
+            pytree_ckpt.ActivationCensus(nn.ModuleList([norms, layers])) as census:
+        h = x
+        for ctx, norm, layer in zip(plan, norms, layers):
+            if when == "after each layer":
+                ckpt = pytree_ckpt.CheckpointWithoutOutput()
+                out = layer(ckpt.checkpoint(norm, h))
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = layer(ctx.checkpoint(norm, h))
+            h = h + out
+            if when != "after each layer":
+                ctx.finalize(h)
+        # every discarded norm output counts as discarded, though the offload copies let go
+        assert census.discarded_bytes == 3 * 16 * 32 * 4
+        assert census.flagged() == []
+        h.sum().backward()
+    assert_same_grads(expected, [p.grad for p in [*norms.parameters(), *layers.parameters(), x]])
+    stats = m.stats()
+    assert stats["alive_elsewhere_bytes"] == 0
+    assert stats["discarded_bytes"] == stats["offloaded_bytes"] == 3 * 16 * 32 * 4
+    warned = [r.getMessage() for r in caplog.records if "output discard" in r.getMessage()]
+    assert len(warned) == 1 and "done twice" in warned[0]
 
 
 @pytest.mark.parametrize("what", ["below min_bytes", "not a window tensor"])
