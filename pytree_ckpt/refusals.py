@@ -267,13 +267,17 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
     call: autograd's check (or ``Unchanged``'s, under a hook) found it as backward unpacked the
     boundary's saved tensors. Named by key path: each saved tensor is unpacked again, alone,
     to find which (an error path: the cost does not matter)."""
-    names = []
-    for slot, saved in enumerate(raw_saved):
-        if _changed_since_saved(saved, call.saved_versions[slot]):
-            names.append(
-                input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
-                if slot < call.n_inputs else
-                f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with them)")
+    def name(slot: int) -> str:
+        return input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot) \
+            if slot < call.n_inputs else \
+            f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with them)"
+
+    changed = [_changed_since_saved(saved, call.saved_versions[slot])
+               for slot, saved in enumerate(raw_saved)]
+    if None in changed:  # this torch cannot tell which: named only if there is one
+        names = [name(0)] if len(raw_saved) == 1 else []
+    else:
+        names = [name(slot) for slot, found in enumerate(changed) if found]
     views = ""
     if not names:
         where = "an input"
@@ -295,16 +299,19 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
         tip=CHANGED_AFTER_CALL_TIP) from error
 
 
-def _changed_since_saved(saved: Any, version: int | None) -> bool:
-    """Whether one of autograd's saved tensors, unpacked alone, fails as backward did.
-    torch 2.12 and newer have ``SavedTensor.unpack()``; before it, a saved-tensor hook is
-    called on what it packed, and a tensor saved plainly is compared with its version when
-    saved (its ``data`` skips autograd's check)."""
+def _changed_since_saved(saved: Any, version: int | None) -> bool | None:
+    """Whether one of autograd's saved tensors, unpacked alone, fails as backward did; None
+    where this torch cannot tell. torch 2.12 and newer have ``SavedTensor.unpack()``; 2.11 has
+    ``data`` and ``unpack_hook``: a saved-tensor hook is called on what it packed, and a tensor
+    saved plainly is compared with its version when saved (``data`` skips autograd's check).
+    Before that a saved tensor can be read only with all the others."""
     try:
         unpack = getattr(saved, "unpack", None)
         if unpack is not None:
             unpack()
             return False
+        if not hasattr(saved, "data"):
+            return None
         hook, data = saved.unpack_hook, saved.data
         if hook is not None:
             hook(data)

@@ -667,6 +667,11 @@ def test_a_scalar_the_forward_stores_on_a_module_is_warned_about_once_at_the_use
         pytree_ckpt.checkpoint(nn.Linear(8, 8), x).sum().backward()
 
 
+# torch before 2.11 cannot read one saved tensor alone (SavedTensor has neither unpack() nor
+# data): the message then says "an input", naming none.
+_NAMES_SAVED = any(hasattr(torch._C._autograd.SavedTensor, a) for a in ("unpack", "data"))
+
+
 class _SavedTensorBefore212:
     """One of autograd's saved tensors as torch before 2.12 shows it: no ``unpack()``."""
 
@@ -687,6 +692,8 @@ def test_an_input_changed_in_place_after_the_layer_is_refused_naming_it_with_the
     import pytree_ckpt.recompute as recompute
 
     if not torch_unpacks:
+        if not hasattr(torch._C._autograd.SavedTensor, "data"):
+            pytest.skip("torch before 2.11: SavedTensor has no data to stand in with")
         name = recompute.raise_changed_after_call
         monkeypatch.setattr(recompute, "raise_changed_after_call", lambda call, raw, error: name(
             call, [_SavedTensorBefore212(saved) for saved in raw], error))
@@ -712,10 +719,11 @@ def test_an_input_changed_in_place_after_the_layer_is_refused_naming_it_with_the
     message = str(error.value)
     assert "eager autograd refuses" not in message
     assert "pos = pos + 4" in message and message.count("tip:") == 1
-    assert "args[1]" in message
+    assert "args[1]" in message or not _NAMES_SAVED
     assert "expected: version 1 (when saved)\n  got:      version 2" in message
     if offloaded != "copied":  # a copy's own message also names its window
-        assert message.startswith("the input args[1] of Layer was changed in place after the call")
+        assert message.startswith(("the input args[1]" if _NAMES_SAVED else "an input") +
+                                  " of Layer was changed in place after the call")
 
 
 def test_views_of_one_tensor_changed_after_the_layer_are_all_named() -> None:
@@ -733,8 +741,9 @@ def test_views_of_one_tensor_changed_after_the_layer_are_all_named() -> None:
     cache = torch.randn(2, 4, 8)
     out = layer(torch.randn(4, 8, requires_grad=True), cache[0], cache[1])
     cache[1].add_(1)
-    with pytest.raises(CheckpointError, match=r"^one of the inputs args\[1\], args\[2\] of "
-                                              r"Rotary was changed in place after the call"):
+    named = r"one of the inputs args\[1\], args\[2\]" if _NAMES_SAVED else "an input"
+    with pytest.raises(CheckpointError, match=rf"^{named} of Rotary was changed in place after "
+                                              r"the call"):
         out.sum().backward()
 
 
