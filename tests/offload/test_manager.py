@@ -1065,3 +1065,21 @@ def test_a_manager_given_a_dict_or_a_device_this_torch_lacks_names_the_fix() -> 
         with pinned.window([h]):
             h.square()
     assert pinned.stats()["host_buffers_in_use"] == 0 and pinned.pool.host_bytes == 0
+
+
+@pytest.mark.parametrize(("value", "on"), [(" 0 ", False), (" False ", False), ("  ", False),
+                                           ("\tTrue\n", True)])
+def test_env_flag_ignores_case_and_surrounding_spaces_for_every_accepted_value(
+        monkeypatch: pytest.MonkeyPatch, value: str, on: bool) -> None:
+    # docs/offload.md: case and surrounding spaces do not matter, off values included.
+    monkeypatch.setenv("SOME_SWITCH", value)
+    assert offload.env_flag("SOME_SWITCH") is on
+
+
+@pytest.mark.parametrize("value", ["on", "off", "yes", "no", "2", "truee", "-1"])
+def test_env_flag_refuses_every_value_but_the_four_it_documents(
+        monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    # Guards against a parser that grows a synonym ("on", "yes") the docs do not list.
+    monkeypatch.setenv("SOME_SWITCH", value)
+    with pytest.raises(CheckpointConfigError, match=f"SOME_SWITCH={value!r}"):
+        offload.env_flag("SOME_SWITCH")

@@ -11,8 +11,8 @@ checkable, as the manager sees them:
    a restore still queued when its buffer is handed out again is recorded as a violation.
 
 Streams other than the two copy streams are names only (which one waits is recorded). Not
-modelled: the copy stream's wait for the compute stream (``tests/offload/test_cuda.py`` checks
-it on a GPU) and the allocator side of rule 2 (``record_stream``).
+modelled: the copy stream's wait for the compute stream and the allocator side of rule 2
+(``record_stream``); ``test_streams.py`` checks that the copy engine issues both, in order.
 """
 
 from __future__ import annotations
@@ -434,3 +434,46 @@ def test_a_copy_back_waits_for_the_copy_to_host_still_in_flight_at_backward() ->
     expected, got = grads_with_last_input_changed(m, lambda h: h.untyped_storage().resize_(0),
                                                   layer=Layer)
     assert_same_grads(expected, got)
+
+
+class TwoInputs(nn.Module):
+    """A layer given two tensors on storages of their own (hidden states and, say, top-k
+    scores): each of its windows copies two storages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.proj(h)) * scores
+
+
+def test_a_prefetch_restores_every_storage_of_the_window_before_backward_reaches_it() -> None:
+    # Guards against a prefetch that restores part of a window and leaves the rest to an
+    # exposed copy on demand: when layer 2's backward is done, window 1 (two storages) has
+    # been copied back whole, and nothing more is copied once layer 1's backward runs.
+    torch.manual_seed(0)
+    manager = OffloadManager(OffloadConfig(min_bytes=0, prefetch=1), device="cpu")
+    copies_back = count_calls(manager.engine, "to_device")
+    eager = nn.ModuleList(TwoInputs() for _ in range(3))
+    layers = copy.deepcopy(eager)
+    checkpoint_layers(layers, offload=manager)
+    scores = [torch.rand(8, 32) for _ in range(3)]
+    x = torch.randn(8, 32)
+    at_layer_1: list[int] = []
+
+    def forward(model: nn.ModuleList, probe: bool) -> torch.Tensor:
+        h = x.clone().requires_grad_()
+        for index, layer in enumerate(model):
+            if probe and index == 2:
+                h = Checkpoint.apply(h, lambda: at_layer_1.append(copies_back[0]))
+            h = layer(h, scores[index].clone())
+        return h
+
+    forward(layers, True).square().sum().backward()
+    forward(eager, False).square().sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
+    # Window 2 is reused (held one window late on CPU); window 1 is prefetched, both storages.
+    assert at_layer_1 == [2]
+    assert copies_back == [4]  # then window 0, prefetched by layer 1's backward
+    assert manager.stats()["prefetch_hits"] == 2

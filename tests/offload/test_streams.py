@@ -81,3 +81,107 @@ def test_the_engine_names_the_current_cuda_stream_as_the_saving_one(
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     assert CopyEngine(torch.device("cuda", 0)).current_stream() is current
     assert CopyEngine(torch.device("cpu")).current_stream() is None
+
+
+class LoggedStream:
+    """A stand-in CUDA stream that logs what is asked of it into a shared list."""
+
+    def __init__(self, name: str, log: list[tuple[Any, ...]]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: LoggedStream) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: Any) -> None:
+        self.log.append(("wait_event", self.name, event.name))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _logged_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[CopyEngine, list[tuple[Any, ...]]]:
+    """A ``CopyEngine`` that takes its device for CUDA, with every stream, event and
+    ``record_stream`` call logged in order (the copies themselves run on the CPU)."""
+    log: list[tuple[Any, ...]] = []
+    compute = LoggedStream("compute", log)
+    side = iter([LoggedStream("d2h", log), LoggedStream("h2d", log)])
+    names = iter(f"event{i}" for i in range(100))
+
+    class LoggedEvent:
+        def __init__(self, **kwargs: Any) -> None:
+            self.name = next(names)
+
+        def record(self, stream: LoggedStream) -> None:
+            log.append(("record", self.name, stream.name))
+
+        def query(self) -> bool:
+            return True
+
+    class Entered:
+        def __init__(self, stream: LoggedStream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            log.append(("enter", self.stream.name))
+
+        def __exit__(self, *exc: Any) -> None:
+            log.append(("exit", self.stream.name))
+
+    def record_stream(tensor: torch.Tensor, stream: LoggedStream) -> None:
+        log.append(("record_stream", tensor.untyped_storage().data_ptr(), stream.name))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: next(side))
+    monkeypatch.setattr(torch.cuda, "Event", LoggedEvent)
+    monkeypatch.setattr(torch.cuda, "stream", Entered)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    engine = CopyEngine(torch.device("cpu"))
+    engine.cuda = True  # the CUDA path, on CPU tensors
+    return engine, log
+
+
+def test_a_copy_to_host_is_queued_after_the_compute_stream_and_marks_its_source_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stream rule 1, as the engine issues it: the d2h stream waits for the compute stream
+    # (the producer may still run) before the copy, records its event on the d2h stream, and
+    # marks the source as used there (memory freed by another holder while the copy is queued).
+    engine, log = _logged_cuda(monkeypatch)
+    source = torch.arange(16, dtype=torch.uint8)
+    host = torch.zeros(32, dtype=torch.uint8)
+    event = engine.to_host(host, source)
+    assert torch.equal(host[:16], source)
+    assert log == [("wait_stream", "d2h", "compute"), ("enter", "d2h"),
+                   ("record", event.name, "d2h"), ("exit", "d2h"),
+                   ("record_stream", source.untyped_storage().data_ptr(), "d2h")]
+
+
+def test_a_copy_back_waits_for_compute_and_the_copy_to_host_and_marks_its_buffer_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stream rule 2: the h2d stream waits for the compute stream (the destination's allocation)
+    # and for the copy to host's event before it copies; it records its own event there, and
+    # the new buffer is marked as used on the h2d stream.
+    engine, log = _logged_cuda(monkeypatch)
+    host = torch.arange(32, dtype=torch.uint8)
+    to_host_event = engine.to_host(host.clone(), torch.zeros(8, dtype=torch.uint8))
+    log.clear()
+    buffer, event = engine.to_device(host, 16, to_host_event)
+    assert torch.equal(buffer, host[:16])
+    assert log == [("wait_stream", "h2d", "compute"),
+                   ("wait_event", "h2d", to_host_event.name), ("enter", "h2d"),
+                   ("record", event.name, "h2d"), ("exit", "h2d"),
+                   ("record_stream", buffer.untyped_storage().data_ptr(), "h2d")]
+
+
+def test_a_buffer_read_on_another_stream_than_its_own_is_marked_used_there_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stream rule 4: record_stream on the reading (current) stream, and only where it differs
+    # from the stream the buffer's memory came from.
+    engine, log = _logged_cuda(monkeypatch)
+    compute = torch.cuda.current_stream()
+    other = LoggedStream("other", log)
+    buffer = torch.zeros(4, dtype=torch.uint8)
+    engine.use_here(buffer, allocated_on=compute)
+    engine.use_here(buffer, allocated_on=None)
+    assert log == []
+    engine.use_here(buffer, allocated_on=other)
+    assert log == [("record_stream", buffer.untyped_storage().data_ptr(), "compute")]

@@ -58,6 +58,22 @@ def test_a_parameter_passed_as_a_window_tensor_is_not_offloaded_through_a_detach
     assert torch.equal(x.grad, p.detach())
 
 
+def test_a_parameter_saved_in_a_window_that_holds_its_storage_is_never_offloaded() -> None:
+    # Guards against: _pack drops its parameter check and relies on _open alone. Called
+    # directly, without ``resident``, a window given a detached alias of ``p`` has p's storage
+    # as its own (the alias may be offloaded, docs/offload.md); ``p`` itself, saved by autograd
+    # there, is a parameter and stays resident.
+    m = manager()
+    p = nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(64, 64, requires_grad=True)
+    with m.window([p.detach()]):
+        loss = (x * p).sum()  # saves p itself (for x's gradient)
+    assert m.stats()["offloaded_bytes"] == 0
+    loss.backward()
+    assert torch.equal(x.grad, p.detach())
+    assert m.stats()["restored_bytes"] == 0
+
+
 def test_a_detached_alias_of_a_resident_parameter_stays_on_the_device() -> None:
     # ``p.detach()`` is neither a Parameter nor a view of one: without ``resident`` its storage
     # is the window's, and the whole parameter would be copied to host (and restored as a
