@@ -170,6 +170,34 @@ def test_every_input_leaf_reaches_an_outer_pack_hook_once_and_nothing_inside_doe
     assert len(packed) == len(tensor_leaves)
 
 
+def test_a_tensor_passed_several_times_reaches_an_outer_pack_hook_once_with_eager_gradients(
+        ) -> None:
+    # Guards against: input leaves were saved per occurrence, not per tensor (the dedupe by id
+    # in run_boundary dropped): a hidden state passed positionally, in a tuple and as a keyword
+    # was packed (offloaded) three times. The docs' own check compares sets of ids, which
+    # cannot see a duplicate.
+    proj = nn.Linear(8, 8)
+
+    def fn(a: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], *,
+           again: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(proj(a)) * pair[0] + pair[1] * again
+
+    x = torch.randn(3, 8, requires_grad=True)
+    packed: list[torch.Tensor] = []
+    grads = []
+    for wrap in (False, True):
+        x.grad = None
+        proj.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                      lambda t: t):
+            packed.clear()
+            out = checkpoint(fn, x, (x, x), again=x) if wrap else fn(x, (x, x), again=x)
+        out.square().sum().backward()
+        grads.append(grads_of([x, *proj.parameters()]))
+    assert len(packed) == 1 and packed[0] is x  # the wrapped call's packs
+    assert_same_grads(*grads)
+
+
 def test_original_pass_and_replay_see_their_phase_and_grad_mode() -> None:
     seen: list[tuple[str, bool]] = []
 
@@ -264,6 +292,34 @@ def test_autocast_state_of_the_original_pass_is_replayed(device: str, dtype: tor
     eager, ckpt = run_twice(step, [x, *lin.parameters()])
     assert dtypes == [dtype] * 3
     assert_same_grads(eager, ckpt)
+
+
+def test_a_forward_under_autocast_without_its_cache_is_replayed_without_it() -> None:
+    # Guards against: the replay re-entered the forward's autocast with the cache on whatever
+    # the forward had: a weight used twice, cast once per use in eager (cache_enabled=False:
+    # its two gradients summed in float32), shared one cast in the replay (summed in
+    # bfloat16), and its gradient differed from eager's.
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(torch.tanh(nn.functional.linear(t, self.weight)),
+                                        self.weight).float()
+
+    torch.manual_seed(0)
+    eager = Twice()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(32, 16, requires_grad=True)
+    grads = []
+    for layer in (eager, twin):
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            out = layer(x)
+        out.square().sum().backward()  # the replay runs outside autocast, re-entering it
+        grads.append(grads_of([x, layer.weight]))
+    assert_same_grads(*grads)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -1169,6 +1225,35 @@ def test_a_torch_function_subclass_input_reaches_the_replay_as_that_subclass(
     assert torch._C._get_torch_function_state() == torch._C._TorchFunctionState.ENABLED
 
 
+class _DoubledTanh(torch.Tensor):
+    """A __torch_function__ subclass whose tanh computes another function (twice torch's)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.tanh else out
+
+
+def test_a_forward_run_with_subclass_handling_off_is_replayed_with_it_off() -> None:
+    # Guards against: the replay ran under backward's torch-function state, not the
+    # forward's: a forward under DisableTorchFunctionSubclass (plain tanh) was replayed with
+    # the subclass's tanh (doubled) and every gradient differed from eager's.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(2, 4).as_subclass(_DoubledTanh).requires_grad_()
+        with torch._C.DisableTorchFunctionSubclass():
+            out = layer(x)
+        out.square().sum().backward()
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
+    assert torch._C._get_torch_function_state() == torch._C._TorchFunctionState.ENABLED
+
+
 class _Slotted(torch.Tensor):
     __slots__ = ("scale",)
 
@@ -1233,6 +1318,35 @@ def test_hooks_put_on_an_input_after_the_call_get_no_call_without_a_gradient(
         return calls
 
     assert run(True) == run(False) == []
+
+
+def test_hooks_of_an_input_without_a_gradient_get_no_call_under_offload() -> None:
+    # Guards against: an input's hooks were wrapped only in backward, on the tensors
+    # ctx.saved_tensors hands back; under offload (or any saved-tensor hook that returns a
+    # copy) those are restored copies without the caller's hooks, so a hook registered before
+    # the call got the replay's None (lambda g: g * 2 raised TypeError) where eager calls none.
+    from offload import OffloadConfig, OffloadManager
+
+    layer = nn.Linear(3, 3)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x > 0).float() * w + layer(w)
+
+    def run(wrap: bool) -> tuple[list[str], list[torch.Tensor | None]]:
+        calls: list[str] = []
+        torch.manual_seed(0)
+        x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        x.register_hook(lambda g: calls.append("hook") or g * 2)
+        x.register_post_accumulate_grad_hook(lambda t: calls.append("accumulated"))
+        layer.zero_grad(set_to_none=True)
+        target = pytree_ckpt.checkpointed(
+            fn, offload=OffloadManager(OffloadConfig(min_bytes=0), device="cpu")) if wrap else fn
+        target(x, w).sum().backward()
+        return calls, grads_of([x, w, *layer.parameters()])
+
+    (eager_calls, eager), (calls, got) = run(False), run(True)
+    assert calls == eager_calls == []
+    assert_same_grads(eager, got)
 
 
 def test_post_accumulate_hooks_of_a_parameter_unused_then_used_run_as_in_eager() -> None:

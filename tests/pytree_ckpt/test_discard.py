@@ -114,6 +114,33 @@ def test_an_output_that_aliases_its_input_is_kept() -> None:
     y.sum().backward()
 
 
+def test_flop_counter_mode_counts_the_rebuild_of_a_discarded_module_fed_a_leaf() -> None:
+    # Guards against: the rebuild handed fn its saved input as the leaf itself, not a non-leaf
+    # alias: FlopCounterMode's module tracker puts a multi-grad hook on a module's inputs, and
+    # under the rebuild's torch.autograd.grad torch refuses one on a leaf ("A leaf node was
+    # passed to _will_engine_execute_node"), so counting FLOPs over such a step raised.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def run(discard: bool) -> tuple[int, list[torch.Tensor | None]]:
+        torch.manual_seed(0)
+        norm, proj = nn.Linear(16, 16), nn.Linear(16, 16)
+        x = torch.randn(8, 16, requires_grad=True)  # a leaf, used by the discarded op only
+        with FlopCounterMode(display=False) as counter:
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                normed = ckpt.checkpoint(norm, x)
+                out = proj(normed)
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = proj(norm(x))
+            out.square().sum().backward()
+        return counter.get_total_flops(), grads_of([x, *norm.parameters(), *proj.parameters()])
+
+    (eager_flops, eager), (flops, got) = run(False), run(True)
+    assert_same_grads(eager, got)
+    assert flops == eager_flops + 2 * 8 * 16 * 16  # the rebuild's one matmul more
+
+
 def test_discarding_before_checkpointing_twice_and_replaying_twice_raise() -> None:
     x = torch.randn(4, requires_grad=True)
     ckpt = CheckpointWithoutOutput()

@@ -187,6 +187,40 @@ def test_a_gradient_hook_on_a_discarded_modules_parameter_runs_once() -> None:
     assert torch.equal(twin.weight.grad, expected)
 
 
+def test_a_discarded_modules_parameter_it_did_not_use_gets_no_hook_call_as_in_eager() -> None:
+    # Guards against: the rebuild's backward returned None for a parameter fn did not use (a
+    # gate the call skips), and autograd then ran its post-accumulate-grad hook (an optimizer
+    # step in backward) after accumulating nothing, where eager, with no edge to it, runs none.
+    class SkipsItsGate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.rand(8) + 0.5)
+            self.gate = nn.Parameter(torch.ones(8))  # unused by this call
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x) * self.scale
+
+    def run(discard: bool) -> tuple[list[str], list[torch.Tensor | None]]:
+        calls: list[str] = []
+        torch.manual_seed(0)
+        op, proj = SkipsItsGate(), nn.Linear(8, 8)
+        op.gate.register_hook(lambda g: calls.append("hook") or g * 2)
+        op.gate.register_post_accumulate_grad_hook(lambda t: calls.append("accumulated"))
+        x = torch.randn(4, 8, requires_grad=True)
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = proj(ckpt.checkpoint(op, x))
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = proj(op(x))
+        out.square().sum().backward()
+        return calls, grads_of([x, *op.parameters(), *proj.parameters()])
+
+    (eager_calls, eager), (calls, got) = run(False), run(True)
+    assert calls == eager_calls == []
+    assert_same_grads(eager, got)
+
+
 def test_a_trainable_norm_on_an_input_that_needs_no_grad_still_frees_its_output() -> None:
     # The first layer after a frozen embedding: only the norm's own weight needs a gradient,
     # which is enough for a node to rebuild from.

@@ -617,6 +617,46 @@ def test_kept_outputs_sharing_a_storage_changed_in_place_later_are_all_recompute
     assert_same_grads(*grads)
 
 
+class BatchedGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 6))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        # A 3-D input by a 2-D weight: aten.mm of the folded input, then aten._unsafe_view of
+        # its output (a new tensor on mm's storage, with a version counter of its own): two
+        # kept records on one storage, now that clones are never kept.
+        return x @ self.w
+
+
+class BatchedInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = BatchedGate()
+        self.out = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gate.project(x)
+        y.mul_(2)  # changes the storage of both kept outputs
+        return self.out(y * y)
+
+
+def test_a_kept_batched_matmul_changed_in_place_later_is_recomputed_whole() -> None:
+    # Rule 3 must take back every record on the written storage: taking back only the last
+    # one (the _unsafe_view) left mm's record handing the replay the doubled values, which
+    # the replay doubled again, silently (mm's version counter never moved). The reshape test
+    # above no longer covers this: its clone is not kept, so only one record was on the
+    # storage.
+    torch.manual_seed(0)
+    eager = BatchedInPlace()
+    wrapped = copy.deepcopy(eager)
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("BatchedGate.project")},
+                           offload=False)
+    grads = grads_per_model([eager, wrapped], torch.randn(2, 3, 8, requires_grad=True), seed=0)
+    assert_same_grads(*grads)
+
+
 class SquareGate(nn.Module):
     def __init__(self) -> None:
         super().__init__()
