@@ -6,6 +6,7 @@ Importing this package touches no accelerator and imports no optional dependency
 from .boundary import BoundaryOptions, checkpoint, checkpointed
 from .census import ActivationCensus, Mechanism
 from .discard import CheckpointWithoutOutput, CheckpointWithoutOutputManager
+from .discarded_reads import detect_discarded_reads
 from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError,
                      SavedTensorChanged)
 from .frames import reuse_during_recompute
@@ -41,6 +42,7 @@ __all__ = [
     "checkpoint_layers",
     "checkpointed",
     "current_phase",
+    "detect_discarded_reads",
     "is_checkpointed",
     "remove_activation_checkpointing",
     "resolve_offload",

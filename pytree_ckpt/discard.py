@@ -68,12 +68,13 @@ from .tree import flatten
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "DISCARDED_MARK",
            "refuse_fp8"]
 
-# NOTE [discarded storages are marked]: an attribute set on each storage a discard frees (a
-# storage keeps its Python object, and so its attributes, while it is alive; the rebuild
-# resizes that very storage back). The offload manager reads it for a window storage it let
-# go while still alive: one output discard freed (and backward rebuilt before the manager
-# looked) was copied to host for nothing, and is no storage something else keeps
-# (offload/manager.py, ``_copied_and_discarded``).
+# NOTE [discarded storages are marked]: an attribute set on each storage a discard frees, the
+# discarded op's name (a storage keeps its Python object, and so its attributes, while it is
+# alive; the rebuild resizes that very storage back). The offload manager reads it for a
+# window storage it let go while still alive: one output discard freed (and backward rebuilt
+# before the manager looked) was copied to host for nothing, and is no storage something else
+# keeps (offload/manager.py, ``_copied_and_discarded``). ``detect_discarded_reads`` reads it
+# for a storage still empty (discarded_reads.py).
 DISCARDED_MARK = "_pytree_ckpt_discarded"
 
 log = logging.getLogger(__name__)
@@ -512,7 +513,8 @@ class CheckpointWithoutOutput:
             self.sizes.append(storage.nbytes())
             if self.census is not None:
                 self.census.note_discarded(out, keeper=self)
-            setattr(storage, DISCARDED_MARK, True)  # NOTE [discarded storages are marked]
+            # NOTE [discarded storages are marked]
+            setattr(storage, DISCARDED_MARK, self._name())
             storage.resize_(0)
 
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor, /) -> None:

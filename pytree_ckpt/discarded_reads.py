@@ -1,0 +1,86 @@
+"""A debug mode for output discard: reads of an output freed and not rebuilt yet are errors.
+
+Output discard frees each output's storage in place (NOTE [discard lifetimes] in discard.py).
+A late reader (a logging hook, a second branch that consumes the output after the discard, a
+consumer's backward that runs before the rebuild) then gets torch's raw "data is not allocated
+yet" or, where torch does not check (plain arithmetic on CPU), crashes the process. Under
+``detect_discarded_reads()`` every op is looked at before its kernel runs: one given a tensor
+on a storage that a discard freed (NOTE [discarded storages are marked] in discard.py) and that
+backward has not rebuilt raises ``CheckpointError`` naming the op, the argument and the
+discarded op instead. Ops that read no data (views, ``detach``, ``empty_like``) pass.
+
+It costs a Python call per op, in forward and backward: a mode for finding the reader, as
+``torch.autograd.detect_anomaly`` is, not for training runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .discard import DISCARDED_MARK
+from .errors import CheckpointError
+
+__all__ = ["detect_discarded_reads"]
+
+_aten = torch.ops.aten
+# Ops that read a tensor's metadata only; views (``OpOverload.is_view``) are found by schema.
+_METADATA_ONLY = frozenset(
+    op.default for op in (_aten.empty_like, _aten.new_empty, _aten.new_empty_strided,
+                          _aten.zeros_like, _aten.ones_like, _aten.full_like,
+                          _aten.is_same_size, _aten.sym_size, _aten.sym_stride,
+                          _aten.sym_numel, _aten.sym_storage_offset))
+
+
+class detect_discarded_reads(TorchDispatchMode):
+    """Within the block, an op reading an output that output discard freed, before backward
+    rebuilt it, raises ``CheckpointError`` (without it: torch's "data is not allocated yet" or
+    a crash). For debugging: it sees every op, as ``torch.autograd.detect_anomaly`` does.
+    Wrap the whole step, backward included::
+
+        with pytree_ckpt.detect_discarded_reads():
+            loss = model(batch)
+            loss.backward()
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not func.is_view and func not in _METADATA_ONLY:
+            for index, value in enumerate(args):
+                _check(func, value, index, None)
+            for name, value in kwargs.items():
+                _check(func, value, None, name)
+        return func(*args, **kwargs)
+
+
+def _check(func: Any, value: Any, index: int | None, name: str | None) -> None:
+    tensors = value if isinstance(value, (list, tuple)) else (value,)
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            continue
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, or no storage of its own
+            continue
+        discarded_by = getattr(storage, DISCARDED_MARK, None)
+        if discarded_by is None or storage.nbytes() > 0:  # never discarded, or rebuilt
+            continue
+        if name is None:
+            arguments = func._schema.arguments
+            name = arguments[index].name if index is not None and index < len(arguments) \
+                else f"#{index}"
+        raise CheckpointError(
+            f"{func} read its argument {name!r} (shape {tuple(tensor.shape)}, "
+            f"{tensor.dtype}), an output of {discarded_by} that output discard freed and "
+            "backward has not rebuilt yet",
+            expected="every read of a discarded output before its discard, or after the "
+                     "rebuild its hook tensor's gradient starts",
+            got=f"a read in between, by {func}",
+            tip="discard only once every consumer of the output has run (a hook or a second "
+                "branch reading it later reads freed memory), and register the rebuild on a "
+                "tensor whose gradient arrives before any consumer's backward needs the output: "
+                "under a restricted backward, one that every consumer's result feeds "
+                "(docs/discard.md, 'After the discard, do not read the output')")

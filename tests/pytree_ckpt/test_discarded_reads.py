@@ -1,0 +1,98 @@
+"""``detect_discarded_reads``: a read of a discarded output before its rebuild is named, not a
+raw torch error or a crash; a correct step under it raises nothing and gives eager's numbers.
+
+A discarded output is never read outside the mode here: plain arithmetic on it crashes the
+process on CPU (docs/discard.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+import pytree_ckpt.discarded_reads as discarded_reads
+from pytree_ckpt import CheckpointError, CheckpointWithoutOutput, detect_discarded_reads
+from tests.conftest import assert_same_grads, grads_of
+from tests.pytree_ckpt.models import RmsNorm
+from tests.pytree_ckpt.test_discard_composition import _two_consumers
+
+
+def test_a_read_after_the_discard_raises_naming_the_op_the_argument_and_the_discarded_op(
+        ) -> None:
+    torch.manual_seed(0)
+    norm, proj = RmsNorm(), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = norm(x).detach()
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(norm, x)
+    out = proj(normed)
+    ckpt.discard_output_and_register_recompute(out)
+    with detect_discarded_reads():
+        with pytest.raises(CheckpointError) as error:
+            normed * 2  # a logging hook, a second branch: a crash without the mode
+        out.sum().backward()
+        assert torch.equal(normed, expected)  # rebuilt: reads pass again
+    message = str(error.value)
+    assert message.startswith("aten.mul.Tensor read its argument 'self' (shape (4, 8), "
+                              "torch.float32), an output of RmsNorm that output discard freed")
+    assert message.count("tip:") == 1 and "docs/discard.md" in message
+
+
+def test_a_restricted_backward_reading_the_freed_output_is_named_under_the_mode() -> None:
+    # Without the mode: torch's "data is not allocated yet" (test_discard_composition.py).
+    weights, loss = _two_consumers(hook_on_both=False)
+    with detect_discarded_reads(), pytest.raises(CheckpointError,
+                                                 match=r"^aten\.mm\.default read its argument "
+                                                       r"'mat2' .* an output of RmsNorm"):
+        loss.backward(inputs=weights)
+
+
+def test_views_and_metadata_of_a_discarded_output_read_no_data_and_pass() -> None:
+    torch.manual_seed(0)
+    norm, proj = RmsNorm(), nn.Linear(8, 8)
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(norm, torch.randn(4, 8, requires_grad=True))
+    out = proj(normed)
+    ckpt.discard_output_and_register_recompute(out)
+    with detect_discarded_reads():
+        view, alias = normed.view(-1), normed.detach()
+        fresh = torch.empty_like(normed)
+        assert view.shape == (32,) and alias.shape == fresh.shape == (4, 8)
+        out.sum().backward()
+
+
+def test_a_correct_step_under_the_mode_checks_every_op_and_changes_no_number(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Megatron's residual plan (docs/discard.md), without the mode first, then under it; the
+    # checks that ran are counted, forward and backward, so a mode seeing nothing fails. The
+    # twin is the discard run without the mode: the residual stream's gradients differ from
+    # eager's by the order of a sum (NOTE [exactness] in discard.py).
+    def step() -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        norms = nn.ModuleList(RmsNorm() for _ in range(4))
+        projs = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        x = torch.randn(4, 8, requires_grad=True)
+        plan = pytree_ckpt.build_residual_stream_recompute_plan(4, 2)
+        h = x
+        for ctx, norm, proj in zip(plan, norms, projs):
+            h = h + proj(ctx.checkpoint(norm, h))
+            ctx.finalize(h)
+        counted["forward"] = counted["all"]
+        h.square().sum().backward()
+        return grads_of([x, *norms.parameters(), *projs.parameters()])
+
+    counted = {"all": 0}
+    check = discarded_reads._check
+
+    def counting(*args: object) -> None:
+        counted["all"] += 1
+        check(*args)  # type: ignore[arg-type]
+
+    unchecked = step()
+    monkeypatch.setattr(discarded_reads, "_check", counting)
+    counted["all"] = 0
+    with detect_discarded_reads():
+        checked = step()
+    assert_same_grads(unchecked, checked)
+    assert counted["forward"] > 0 and counted["all"] > counted["forward"]
