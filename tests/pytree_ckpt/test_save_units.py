@@ -588,7 +588,8 @@ class ReshapingGate(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         # reshape of a transposed tensor is no view: aten.clone, then aten._unsafe_view of the
-        # clone (a new tensor on the clone's storage, not a view by its schema); both are kept
+        # clone (a new tensor on the clone's storage, not a view by its schema); clones are
+        # never kept, so one kept record is on that storage
         return (x @ self.w).t().reshape(-1).view(-1, 4)
 
 
@@ -600,21 +601,8 @@ class ReshapedInPlace(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.gate.project(x)
-        y.mul_(2)  # changes the storage of both kept outputs
+        y.mul_(2)  # changes the storage of the kept _unsafe_view
         return self.out(y * y)
-
-
-def test_kept_outputs_sharing_a_storage_changed_in_place_later_are_all_recomputed() -> None:
-    # Rule 3 took back only the last record made on the storage (the _unsafe_view): the kept
-    # clone still handed the replay the doubled values, which the replay doubled again.
-    torch.manual_seed(0)
-    eager = ReshapedInPlace()
-    wrapped = copy.deepcopy(eager)
-    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
-                           {SaveUnit.MOE_GATE: KeptCallables("ReshapingGate.project")},
-                           offload=False)
-    grads = grads_per_model([eager, wrapped], torch.randn(4, 8, requires_grad=True), seed=0)
-    assert_same_grads(*grads)
 
 
 class BatchedGate(nn.Module):
@@ -641,19 +629,20 @@ class BatchedInPlace(nn.Module):
         return self.out(y * y)
 
 
-def test_a_kept_batched_matmul_changed_in_place_later_is_recomputed_whole() -> None:
+@pytest.mark.parametrize("model, shape", [(ReshapedInPlace, (4, 8)), (BatchedInPlace, (2, 3, 8))],
+                         ids=["one record", "two records"])
+def test_kept_outputs_on_a_storage_changed_in_place_later_are_all_recomputed(
+        model: type[nn.Module], shape: tuple[int, ...]) -> None:
     # Rule 3 must take back every record on the written storage: taking back only the last
     # one (the _unsafe_view) left mm's record handing the replay the doubled values, which
-    # the replay doubled again, silently (mm's version counter never moved). The reshape test
-    # above no longer covers this: its clone is not kept, so only one record was on the
-    # storage.
+    # the replay doubled again, silently (mm's version counter never moved).
     torch.manual_seed(0)
-    eager = BatchedInPlace()
+    eager = model()
     wrapped = copy.deepcopy(eager)
+    gate = type(eager.gate).__name__
     apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
-                           {SaveUnit.MOE_GATE: KeptCallables("BatchedGate.project")},
-                           offload=False)
-    grads = grads_per_model([eager, wrapped], torch.randn(2, 3, 8, requires_grad=True), seed=0)
+                           {SaveUnit.MOE_GATE: KeptCallables(f"{gate}.project")}, offload=False)
+    grads = grads_per_model([eager, wrapped], torch.randn(*shape, requires_grad=True), seed=0)
     assert_same_grads(*grads)
 
 
