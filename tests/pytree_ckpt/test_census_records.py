@@ -346,3 +346,44 @@ def test_a_weight_a_pre_hook_sets_is_filed_under_the_boundary_that_holds_it() ->
     assert by_mechanism[1] == {"checkpoint boundary": nbytes(x) + weight_bytes,
                                "autograd": norms}
     assert totals[0] == totals[1]
+
+
+def test_a_storage_saved_through_an_opaque_handle_counts_nothing_once_it_died() -> None:
+    # docs/census.md: a hook that returns another object is counted as the tensor it was
+    # given "while that tensor is alive"; a handle that keeps only a compressed form of a
+    # tensor since freed counts nothing. The handle (the graph's) still lives: only the
+    # storage's death says it is gone. Nothing else is saved at its address afterwards.
+    x = torch.randn(64, 16, requires_grad=True)
+    _Compressed.given.clear()
+    with torch.autograd.graph.saved_tensors_hooks(_Compressed, lambda c: c.half.float()):
+        with ActivationCensus() as census:
+            loss = x.sin().exp().sum()  # sin saves x (alive), exp its result (dropped now)
+            gc.collect()
+    assert len(_Compressed.given) == 2 and _Compressed.given[0] == x.untyped_storage().data_ptr()
+    assert census.total_bytes == nbytes(x) == 64 * 16 * 4  # x only: exp's result died
+    assert census.bytes_by("mechanism") == {"autograd": 64 * 16 * 4}
+    assert census.to_dict()["rows"] == [{"module": "<outside any module>",
+                                         "mechanism": "autograd", "device": "cpu",
+                                         "bytes": 64 * 16 * 4}]
+    loss.backward()
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("stands for an OOM a training loop catches and retries")
+
+
+def test_saves_after_a_module_forward_raised_are_filed_outside_any_module() -> None:
+    # A forward that raised (an OOM caught to retry with a smaller batch) still leaves the
+    # modules it entered: the loss computed afterwards outside the model is not filed under
+    # the module that failed.
+    model = nn.Sequential(_Fails())
+    x = torch.randn(16, 16, requires_grad=True)
+    with ActivationCensus(model) as census:
+        try:
+            model(x)
+        except torch.OutOfMemoryError:
+            pass
+        loss = x.sin().sum()  # sin saves x
+    assert census.bytes_by("module") == {"<outside any module>": nbytes(x)}
+    loss.backward()

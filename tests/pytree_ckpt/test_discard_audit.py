@@ -411,6 +411,7 @@ def test_a_manager_inside_a_checkpointed_layer_replays_only_the_replays_checkpoi
     ((True, 2), "num_layers"),
     ((4, 2, [(-1, 1)]), "pair of layer indices"),
     ((4, 2, [(2, 4)]), "pair of layer indices"),
+    ((4, 2, [(1, 1)]), "pair of layer indices"),  # a layer paired with itself: no pair
 ])
 def test_more_bad_plans_are_refused(args: tuple[Any, ...], match: str) -> None:
     pairs = args[2] if len(args) > 2 else ()

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 import pytree_ckpt
@@ -104,3 +105,30 @@ def test_a_torch_without_the_engine_entry_still_gives_eager_gradients(
     calls = _counting_grad(monkeypatch)
     _assert_equal(_grads(block, data), _grads(wrapped, data))
     assert calls == [1]
+
+
+class _Saves(nn.Module):
+    """exp and cos both save exp's result; a hook on the projection's output, registered in
+    the replay, runs after their backward and notes whether that storage is still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.freed: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.proj(x)
+        c = a.sin().exp()
+        if torch.is_grad_enabled():  # the replay (the original pass runs under no-grad)
+            storage = StorageWeakRef(c.untyped_storage())
+            a.register_hook(lambda g: self.freed.append(storage.expired()))
+        return c.cos()
+
+
+def test_the_replay_frees_each_ops_saved_tensors_once_its_backward_ran() -> None:
+    # As eager's backward (retain_graph=False): by the time the gradient reaches the
+    # projection's output, exp's saved result is freed, not held until the layer's backward
+    # ends (a replay that retained its graph kept a whole layer's activations at once).
+    layer = pytree_ckpt.apply_activation_checkpointing(_Saves())
+    layer(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    assert layer.freed == [True]

@@ -316,7 +316,7 @@ def test_a_ratio_checkpoints_the_share_of_layers_it_names_despite_float_rounding
 
 
 @pytest.mark.parametrize(("n", "ratio", "count"), [(3, 0.5, 1), (10, 0.99, 9), (10, 0.999, 9),
-                                                    (7, 0.3, 2)])
+                                                    (7, 0.3, 2), (4, 0.2499, 0)])
 def test_a_ratio_rounds_a_share_that_is_not_a_whole_layer_down(n: int, ratio: float,
                                                                 count: int) -> None:
     # The forgiveness is for float error only: half of 3 layers is 1, 99.9% of 10 is 9.
@@ -555,3 +555,36 @@ def test_a_module_reached_only_when_a_later_call_switches_it_on_is_refused_then(
     with pytest.raises(pytree_ckpt.CheckpointError, match="neither an input nor a parameter"):
         block(x, True).sum().backward()
     block(x, False).sum().backward()  # the verified switch still runs
+
+
+def test_checkpoint_layers_without_rng_preservation_lets_each_replay_draw_its_own_mask() -> None:
+    # preserve_rng_state=False reaches every layer: their replays draw dropout masks from the
+    # generator as backward finds it, moving it; preserved replays restore the forward's state
+    # and leave the generator where backward found it.
+    for preserve in (True, False):
+        torch.manual_seed(0)
+        layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)) for _ in range(2))
+        assert checkpoint_layers(layers, preserve_rng_state=preserve) == [0, 1]
+        h = torch.randn(4, 8, requires_grad=True)
+        for layer in layers:
+            h = layer(h)
+        before_backward = torch.get_rng_state()
+        h.sum().backward()
+        assert torch.equal(torch.get_rng_state(), before_backward) is preserve
+
+
+def test_checkpoint_layers_with_offload_false_offloads_nothing_whatever_the_environment_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # offload= is resolved once, and every layer gets exactly that: an explicit False must not
+    # fall back, per layer, to XTUNER_ACTIVATION_OFFLOAD=1.
+    from offload import default_manager
+
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
+    manager = default_manager()
+    x = torch.randn(1024, 32, requires_grad=True)  # 128 KiB inputs: over the default floor
+    for offload, moves in ((False, False), (None, True)):
+        layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        checkpoint_layers(layers, offload=offload)
+        before = manager.stats()["offloaded_bytes"]
+        layers[1](layers[0](x)).sum().backward()
+        assert (manager.stats()["offloaded_bytes"] > before) is moves

@@ -22,9 +22,11 @@ def nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def test_without_rng_preservation_the_replay_never_moves_the_generator() -> None:
+def test_without_rng_preservation_a_replay_of_a_frozen_draw_never_jumps_the_generator() -> None:
     # ReplayEnvironment.rng_devices() is None without preservation: the replay restores no
-    # generator, so it must not jump to a recorded state either (that would rewind it).
+    # generator, so it must not jump to a recorded state either (that would rewind it). The
+    # layer's only draw is replayed from its frame, so nothing else moves the generator (a
+    # replay that draws anew, dropout, does: test_module.py).
     layer = JitteredOnly()
     pytree_ckpt.apply_activation_checkpointing(layer, preserve_rng_state=False)
     x = torch.randn(4, 8, requires_grad=True)
