@@ -235,8 +235,12 @@ sparse_mla_attention.register_autograd(_backward, setup_context=_setup_context)
 # NOTE [FLOP formulas]: torch.utils.flop_counter.FlopCounterMode counts only the ops it has a
 # formula for, and a custom op is opaque to it (it sees one node, not the einsums inside), so
 # without these the DSA kernels would count as free. Each formula counts 2 FLOPs per
-# multiply-add of the work the shapes imply for the torch backend, masked slots included (the
-# backend computes them, then masks): T tokens, H heads, K top-k slots.
+# multiply-add of the algorithmic work the shapes imply, masked slots included (the torch
+# backend computes them, then masks): T tokens, H heads, K top-k slots. That is what the
+# backend's own matmuls count for the two forwards; its backward builds dk_sel and dv_sel as
+# outer products scattered with index_add_, which FlopCounterMode does not count, so the
+# backward's formula is the work of autograd's backward of the forward plus the recomputed
+# probabilities (tests/examples/test_glm_dsa_model.py checks each against FlopCounterMode).
 #
 # - indexer_topk: logits ``qI . kI`` for every (t, s, head): T*T*H*d mul-adds, then the
 #   head-weighted sum: T*T*H mul-adds -> 2*T*T*H*(d + 1). ReLU, masking and top-k are not

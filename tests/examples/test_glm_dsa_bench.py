@@ -1,19 +1,21 @@
 """The GLM-DSA benchmark at its tiny preset: every row, exactness, FLOP accounting, outputs.
 
-One run (module-scoped) serves every test; nothing here looks at timings, which a shared CI
-machine cannot promise.
+One run (module-scoped) serves most tests; nothing here looks at measured timings, which a
+shared CI machine cannot promise. The last tests drive the bench's phases on scripted inputs.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from examples.glm_dsa import bench
+from examples.glm_dsa import GlmDsaConfig, GlmDsaForCausalLM, bench, make_packed_batch
 from examples.glm_dsa.bench_configs import CONFIGS
 from examples.glm_dsa.kernels import indexer_topk_flops, sparse_attention_flops
 
@@ -79,7 +81,9 @@ def test_indexer_flops_follow_the_documented_formula(run: tuple[dict[str, Any], 
     heads, dim, hidden = model["index_n_heads"], model["index_head_dim"], model["hidden_size"]
     # Per call: wq (q_lora -> H*d), wk (hidden -> d), weights_proj (hidden -> H), then top-k.
     projections = 2 * tokens * (model["q_lora_rank"] * heads * dim + hidden * dim + hidden * heads)
-    per_call = projections + indexer_topk_flops((tokens, heads, dim), (tokens, dim))
+    # the logits qI . kI for every (query, key, head) and their head-weighted sum, written
+    # out here rather than read from kernels.indexer_topk_flops, the formula under test
+    per_call = projections + 2 * tokens * tokens * heads * (dim + 1)
     assert results["indexer_check"]["indexer_forward_flops"] == 5 * per_call
     assert sparse_attention_flops((4, 2, 3), (4, 2, 5), (4, 7)) == 2 * 4 * 2 * 7 * (3 + 5)
 
@@ -133,3 +137,152 @@ def test_the_table_still_renders_when_a_configuration_the_indexer_check_needs_fa
     table = bench.markdown_table(results)
     assert "n/a (a configuration it needs failed)" in table and "NO MATCH" in table
     assert "step 1 failed: boom" in table
+
+
+def test_keeping_the_indexer_op_saves_exactly_its_top_k_flops_in_every_computing_replay(
+        run: tuple[dict[str, Any], Path]) -> None:
+    # Reuse off, the replay reruns each of the 5 computing indexers; keeping dsa_indexer (by
+    # op identity) skips only their top-k op: its projections still rerun.
+    results, _ = run
+    rows, model = results["configs"], results["preset"]["model"]
+    tokens = results["preset"]["tokens"]
+    shape = (tokens, model["index_n_heads"], model["index_head_dim"])
+    top_k = 5 * indexer_topk_flops(shape, (tokens, model["index_head_dim"]))
+    off, kept = rows["pytree_reuse_off"], rows["pytree_save_indexer"]
+    assert off["recompute_flops"] - kept["recompute_flops"] == top_k
+    assert off["indexer_flops_recomputed"] - kept["indexer_flops_recomputed"] == top_k
+    assert 0 < kept["indexer_flops_recomputed"] < off["indexer_flops_recomputed"]
+
+
+def test_the_table_shows_each_rows_median_and_ratio_to_eager(
+        run: tuple[dict[str, Any], Path]) -> None:
+    results, _ = run
+    lines = results["table_markdown"].splitlines()
+    for key, row in results["configs"].items():
+        if row["status"] != "ok":
+            continue
+        [line] = [line for line in lines if line.startswith(f"| {row['label']} |")]
+        assert f"| {row['median_ms']:.1f} | {row['ratio_to_eager']:.2f}x |" in line, key
+        assert row["ratio_to_eager"] == row["median_ms"] / results["configs"]["eager"]["median_ms"]
+
+
+# --------------------------------------------------------------------------- the bench's arithmetic
+#
+# The run above cannot tell a median from a mean (two rounds) nor a comparison from a constant
+# (every row it checks is equal). These drive the bench's own phases on scripted inputs.
+
+
+def _bare_bench(keys: tuple[str, ...], *, warmup: int = 0, rounds: int = 0,
+                variants: dict[str, Any] | None = None) -> Any:
+    # A _Bench without building the twelve configurations: only what the phase reads.
+    state = bench._Bench.__new__(bench._Bench)
+    state.preset = SimpleNamespace(warmup=warmup, rounds=rounds)
+    state.device, state.seed = torch.device("cpu"), 0
+    state.rows = {key: {"label": key, "family": "x", "status": "ok", "note": None}
+                  for key in keys}
+    state.variants = variants if variants is not None else {
+        key: SimpleNamespace(manager=None) for key in keys}
+    state.batches = [{"round": r} for r in range(1 + warmup + rounds)]
+    return state
+
+
+def _quiet_progress() -> Any:
+    import io
+
+    from examples.glm_dsa.bench_measure import Progress
+    return Progress(1, stream=io.StringIO())
+
+
+def test_the_median_and_ratio_columns_are_the_median_of_timed_rounds_over_eagers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three timed rounds with a skewed time, so median, mean and min all differ; the warm-up
+    # round's time (1000 ms) must not count.
+    script = {"eager": [1000.0, 10.0, 40.0, 16.0], "pytree_reuse_on": [1000.0, 30.0, 90.0, 33.0]}
+    seen: dict[str, int] = {key: 0 for key in script}
+
+    def fake_timed_step(variant: Any, batch: Any, device: Any) -> float:
+        key = variant.key
+        seen[key] += 1
+        return script[key][batch["round"] - 1]
+
+    variants = {key: SimpleNamespace(manager=None, key=key) for key in script}
+    state = _bare_bench(tuple(script), warmup=1, rounds=3, variants=variants)
+    monkeypatch.setattr(bench, "timed_step", fake_timed_step)
+    state.timing(_quiet_progress())
+    eager, replay = state.rows["eager"], state.rows["pytree_reuse_on"]
+    assert seen == {"eager": 4, "pytree_reuse_on": 4}
+    assert eager["step_times_ms"] == [10.0, 40.0, 16.0]
+    assert replay["step_times_ms"] == [30.0, 90.0, 33.0]
+    assert (eager["median_ms"], replay["median_ms"]) == (16.0, 33.0)
+    assert eager["ratio_to_eager"] == 1.0
+    assert replay["ratio_to_eager"] == 33.0 / 16.0
+
+
+def test_a_step_time_is_reported_in_milliseconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from examples.glm_dsa import bench_measure
+
+    clock = iter([100.0, 100.25])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(bench_measure, "run_step", lambda variant, batch: None)
+    monkeypatch.setattr(bench_measure, "zero_grads", lambda variant: None)
+    assert bench_measure.timed_step(None, {}, torch.device("cpu")) == 250.0
+
+
+def test_compare_step_reports_a_one_ulp_difference_and_a_missing_gradient() -> None:
+    from examples.glm_dsa.bench_measure import compare_step
+
+    loss = torch.tensor(2.0)
+    grad = torch.linspace(-1, 1, 6)
+    ulp = torch.nextafter(grad, torch.full_like(grad, 2.0))
+    reference = (loss, {"a": grad, "b": grad, "c": None})
+    assert compare_step(reference, (loss.clone(), {"a": grad.clone(), "b": grad.clone(),
+                                                   "c": None}))["grads_equal"] is True
+    got = compare_step(reference, (torch.nextafter(loss, torch.tensor(3.0)),
+                                   {"a": ulp, "b": grad.clone(), "c": torch.zeros(1)}))
+    assert got["loss_equal"] is False and got["grads_equal"] is False
+    assert got["grads_differing"] == ["a", "c (grad is None in one)"]
+    assert got["max_abs_grad_diff"] == (ulp - grad).abs().max().item() > 0
+    assert got["grads_compared"] == 3
+
+
+def test_the_equality_phase_compares_each_configuration_with_eagers_step() -> None:
+    from examples.glm_dsa.bench_configs import Variant
+
+    config = GlmDsaConfig()
+    torch.manual_seed(0)
+    model = GlmDsaForCausalLM(config)
+    nudged = copy.deepcopy(model)
+    with torch.no_grad():  # one weight one ulp up: another loss and other gradients
+        weight = nudged.layers[0].mlp.up_proj.weight
+        weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(1.0))
+    variants = {"eager": Variant(model), "same": Variant(copy.deepcopy(model)),
+                "nudged": Variant(nudged)}
+    state = _bare_bench(tuple(variants), variants=variants)
+    state.batches = [make_packed_batch(config, (20, 12))]
+    repeat = state.equality(_quiet_progress())
+    assert repeat["loss_equal"] is True and repeat["grads_equal"] is True
+    assert state.rows["same"]["equality"]["grads_equal"] is True
+    assert state.rows["same"]["equality"]["loss_equal"] is True
+    nudged_row = state.rows["nudged"]["equality"]
+    assert nudged_row["grads_equal"] is False and nudged_row["max_abs_grad_diff"] > 0
+
+
+def test_the_indexer_check_matches_only_when_the_drop_equals_the_indexer_flops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    totals = {"eager": (1000, 40), "pytree_reuse_off": (1700, 80), "pytree_reuse_on": (1660, 40)}
+    monkeypatch.setattr(bench, "flops_of", lambda variant, batch, device: {
+        "total": totals[variant.key][0], "indexer": totals[variant.key][1], "indexer_calls": 1})
+    for alone, match in ((40, True), (41, False)):
+        monkeypatch.setattr(bench, "indexer_forward_flops",
+                            lambda variant, batch, alone=alone: {"flops": alone, "calls": 5})
+        variants = {key: SimpleNamespace(manager=None, key=key)
+                    for key in totals}
+        state = _bare_bench(tuple(totals), variants=variants)
+        check = state.flops(_quiet_progress())
+        rows = state.rows
+        assert [rows[k]["recompute_flops"] for k in totals] == [0, 700, 660]
+        assert [rows[k]["indexer_flops_recomputed"] for k in totals] == [0, 40, 0]
+        assert check == {"indexer_forward_flops": alone, "indexer_calls": 5,
+                         "recompute_drop": 40, "match": match}

@@ -445,6 +445,19 @@ def test_positions_restart_per_sequence_and_mtp_labels_never_cross_a_sequence_en
                        * torch.stack(out["mtp_losses"]).mean())
 
 
+def test_an_mtp_depth_with_no_target_left_adds_zero_to_the_loss_not_nan() -> None:
+    # Two 3-token sequences: depth 1 still has one target per sequence, depth 2 none at all.
+    config, model = build()
+    batch = make_packed_batch(config, (3, 3))
+    assert (mtp_labels(batch["labels"][0], batch["cu_seqlens"], 2) == -100).all()
+    out = model(**batch)
+    assert out["mtp_losses"][1].item() == 0.0 and out["mtp_losses"][0].item() > 0
+    assert torch.equal(out["loss"], out["main_loss"] + config.mtp_loss_weight
+                       * torch.stack(out["mtp_losses"]).mean())
+    out["loss"].backward()
+    assert all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
+
+
 # --------------------------------------------------------------------------- kernels, config
 
 
@@ -462,6 +475,40 @@ def test_custom_ops_pass_opcheck_and_the_backward_matches_autograd_in_float64() 
                                                  torch.randn(total, 4), torch.randn(total, heads),
                                                  cu_seqlens, 4))
 
+
+def test_the_registered_flop_formulas_count_what_the_torch_backend_itself_multiplies() -> None:
+    # FlopCounterMode sees a custom op as one node: the formula registered for it is all the
+    # bench's recompute and indexer FLOPs rest on. Forward: it must equal what the counter
+    # finds when the torch backend's body (plain einsums, not the op) runs under it. Backward:
+    # autograd's backward of that body plus the recomputed probabilities (the body scatters
+    # outer products with index_add_, which the counter does not see as matmuls). Every size
+    # differs, so a formula that drops or swaps a dimension shows.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(fn: Any, *args: Any) -> int:
+        with FlopCounterMode(display=False) as counter:
+            fn(*args)
+        return counter.get_total_flops()
+
+    torch.manual_seed(0)
+    total, heads, dim, topk = 12, 3, 5, 4
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    index_args = (torch.randn(total, heads, dim), torch.randn(total, dim),
+                  torch.randn(total, heads), cu_seqlens, topk)
+    assert flops(kernels.indexer_topk, *index_args) == \
+        flops(kernels._torch_indexer_topk, *index_args) > 0
+    ids = kernels.indexer_topk(*index_args)
+    q, k, v = (torch.randn(total, 2, d, requires_grad=True) for d in (6, 6, 7))
+    args = (q, k, v, ids, 0.4)
+    assert flops(kernels.sparse_mla_attention, *args) == \
+        flops(kernels._torch_sparse_attention, *args) > 0
+    grad_out = torch.randn(total, 2, 7)
+    out = kernels._torch_sparse_attention(*args)
+    k_sel, _, valid, _ = kernels._gather_keys(k.detach(), v.detach(), ids)
+    expected = (flops(out.backward, grad_out)
+                + flops(kernels._probs, q.detach(), k_sel, valid, 0.4))
+    detached = (grad_out, q.detach(), k.detach(), v.detach(), ids, 0.4)
+    assert flops(kernels.sparse_mla_attention_backward, *detached) == expected > 0
 
 def test_a_cpu_run_never_tries_to_import_an_optional_cuda_backend(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -590,3 +637,85 @@ def test_the_training_script_accepts_the_edges_of_every_range_it_checks() -> Non
     assert train.parse_args(["--ratio", "0"]).ratio == 0.0
     assert train.parse_args(["--ratio", "1"]).ratio == 1.0
     assert train.parse_args(["--steps", "1"]).steps == 1
+
+
+def test_the_training_script_takes_the_same_adamw_steps_as_a_plain_eager_loop() -> None:
+    # Checkpointing changes no number: three steps of the script (--lr, --mtp-depth and --seed
+    # as given) are three steps of a hand-written AdamW loop on the eager model, bit for bit.
+    losses = train.main(["--steps", "3", "--seed", "3", "--mtp-depth", "1", "--lr", "0.01"])
+    config = GlmDsaConfig(mtp_depth=1)
+    torch.manual_seed(3)
+    model = GlmDsaForCausalLM(config)
+    batch = make_packed_batch(config, seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    expected = []
+    for _ in range(3):
+        out = model(**batch)
+        assert len(out["mtp_losses"]) == 1
+        out["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        expected.append(out["loss"].item())
+    assert losses == expected
+
+
+def _count_indexer_and_router_calls(monkeypatch: pytest.MonkeyPatch,
+                                    argv: list[str]) -> Counter[tuple[str, str]]:
+    calls: Counter[tuple[str, str]] = Counter()
+    forward, select = DsaIndexer.forward, Router.select
+
+    def counted_forward(self: DsaIndexer, *args: Any) -> Any:
+        calls["indexer", pytree_ckpt.current_phase().value] += 1
+        return forward(self, *args)
+
+    def counted_select(self: Router, logits: torch.Tensor) -> torch.Tensor:
+        calls["router", pytree_ckpt.current_phase().value] += 1
+        return select(self, logits)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DsaIndexer, "forward", counted_forward)
+        patch.setattr(Router, "select", counted_select)
+        train.main(argv)
+    return calls
+
+
+def test_the_training_scripts_no_reuse_and_moe_flags_reach_the_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 5 computing passes (layers 0, 1, 2, 6, MTP depth 1) run the indexer; with --no-reuse
+    # each replay runs it again. --moe routes in 8 decoder layers and 2 MTP depths, once each.
+    plain = _count_indexer_and_router_calls(monkeypatch, ["--steps", "1"])
+    assert plain == Counter({("indexer", "forward"): 5})
+    flagged = _count_indexer_and_router_calls(monkeypatch, ["--steps", "1", "--no-reuse", "--moe"])
+    assert flagged == Counter({("indexer", "forward"): 5, ("indexer", "recompute"): 5,
+                               ("router", "forward"): 10})
+
+
+def _offloaded_bytes(printed: str) -> list[tuple[int, int, int]]:
+    # "  offload: N bytes to host in W windows, R restored (...)"
+    rows = []
+    for line in printed.splitlines():
+        if line.startswith("  offload: "):
+            words = line.split()
+            rows.append((int(words[1]), int(words[6]), int(words[8])))
+    return rows
+
+
+def test_the_training_scripts_offload_flag_moves_the_checkpointed_inputs_above_its_floor(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--steps", "1", "--seed", "3"]
+    loss = train.main(argv)
+    assert _offloaded_bytes(capsys.readouterr().out) == []  # no manager, nothing to report
+    assert train.main([*argv, "--offload"]) == loss  # offload changes no number
+    [(moved, windows, restored)] = _offloaded_bytes(capsys.readouterr().out)
+    # every decoder layer and both MTP depths open a window; the default floor (1024 bytes)
+    # lets at least the 10 hidden-state inputs ([32, 64] float32) go
+    assert windows == 10 and moved == restored >= 10 * 32 * 64 * 4
+    train.main([*argv, "--offload", "--offload-min-bytes", str(1 << 20)])
+    assert _offloaded_bytes(capsys.readouterr().out) == [(0, 10, 0)]  # above every storage
+
+
+def test_with_ratio_0_the_training_script_checkpoints_nothing_not_even_the_mtp_layer(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    counts = _train_counting_ops(["--steps", "1", "--ratio", "0"])
+    assert "checkpointed decoder layers: []" in capsys.readouterr().out
+    assert {phase for phase, _ in counts} == {"plain"}  # no original pass, no replay
