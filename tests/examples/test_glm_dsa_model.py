@@ -137,6 +137,22 @@ def test_checkpointed_model_gives_bit_identical_loss_and_grads_to_its_eager_twin
     assert_same_grads(expected, grads(ckpt))
 
 
+def test_two_mtp_layers_serve_the_depths_in_turn_each_trained_as_in_eager() -> None:
+    # mtp_depth depths share mtp_num_layers physical layers, in turn: with two layers and two
+    # depths each layer serves one depth, so each gets a gradient of its own (depth 1's layer
+    # serving both left the second without any).
+    config, eager = build(mtp_num_layers=2)
+    ckpt = checkpointed_twin(eager)
+    batch = make_packed_batch(config, SEQ_LENS)
+    assert torch.equal(train_step(eager, batch), train_step(ckpt, batch))
+    expected = grads(eager)
+    for index in range(2):
+        trained = [g for n, g in expected.items()
+                   if n.startswith(f"mtp_layers.{index}.") and ".indexer." not in n]
+        assert trained and all(g is not None and g.abs().sum() > 0 for g in trained)
+    assert_same_grads(expected, grads(ckpt))
+
+
 # --------------------------------------------------------------------------- 2. call counts
 
 
