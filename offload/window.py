@@ -40,6 +40,11 @@ class Copy:
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor, /) -> None:
         storage = tensor.untyped_storage()
+        if storage.nbytes() and DISCARDED_MARK in storage.__dict__:
+            # NOTE [discarded storages are marked]: left by a discard that was rebuilt since,
+            # and so not this copy's (an output rebuilt in an earlier step, then kept and given
+            # to a layer): a discard after this copy marks it anew.
+            del storage.__dict__[DISCARDED_MARK]
         self.manager = manager
         # Not the window: a copy still in flight must not keep its window (and pass) alive.
         self.seq = window.seq

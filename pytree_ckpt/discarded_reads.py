@@ -7,7 +7,9 @@ yet" or, where torch does not check (plain arithmetic on CPU), crashes the proce
 ``detect_discarded_reads()`` every op is looked at before its kernel runs: one given a tensor
 on a storage that a discard freed (NOTE [discarded storages are marked] in discard.py) and that
 backward has not rebuilt raises ``CheckpointError`` naming the op, the argument and the
-discarded op instead. Ops that read no data (views, ``detach``, ``empty_like``) pass.
+discarded op instead. Ops that read no data (``detach``, ``empty_like``, ``new_zeros``) pass, and
+views too where torch can make them (``view``, ``reshape``); one it refuses on a freed storage
+(indexing, ``t()``, ``unsqueeze``) is named as a read.
 
 It costs a Python call per op, in forward and backward: a mode for finding the reader, as
 ``torch.autograd.detect_anomaly`` is, not for training runs.
@@ -26,12 +28,16 @@ from .errors import CheckpointError
 __all__ = ["detect_discarded_reads"]
 
 _aten = torch.ops.aten
-# Ops that read a tensor's metadata only; views (``OpOverload.is_view``) are found by schema.
+# Ops that read a tensor's metadata only (every overload but those with ``out=``, which write
+# a tensor given, and randint_like's with a tensor ``high``, which read it); views
+# (``OpOverload.is_view``) are found by schema.
 _METADATA_ONLY = frozenset(
-    op.default for op in (_aten.empty_like, _aten.new_empty, _aten.new_empty_strided,
-                          _aten.zeros_like, _aten.ones_like, _aten.full_like,
-                          _aten.is_same_size, _aten.sym_size, _aten.sym_stride,
-                          _aten.sym_numel, _aten.sym_storage_offset))
+    getattr(packet, name) for packet in (
+        _aten.empty_like, _aten.new_empty, _aten.new_empty_strided, _aten.new_zeros,
+        _aten.new_ones, _aten.new_full, _aten.zeros_like, _aten.ones_like, _aten.full_like,
+        _aten.rand_like, _aten.randn_like, _aten.randint_like, _aten.is_same_size,
+        _aten.sym_size, _aten.sym_stride, _aten.sym_numel, _aten.sym_storage_offset)
+    for name in packet.overloads() if "out" not in name and "Tensor" not in name)
 
 
 class detect_discarded_reads(TorchDispatchMode):
@@ -49,11 +55,25 @@ class detect_discarded_reads(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not func.is_view and func not in _METADATA_ONLY:
-            for index, value in enumerate(args):
-                _check(func, value, index, None)
-            for name, value in kwargs.items():
-                _check(func, value, None, name)
-        return func(*args, **kwargs)
+            _check_all(func, args, kwargs)
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as error:
+            # Most views of a freed storage torch refuses ("setStorage: ... out of bounds for
+            # storage of size 0"): named as a read (``view``, ``reshape``, ``detach`` pass).
+            try:
+                _check_all(func, args, kwargs)
+            except CheckpointError as named:
+                raise named from error
+            raise
+
+
+def _check_all(func: Any, args: Any, kwargs: dict[str, Any], /) -> None:
+    for index, value in enumerate(args):
+        _check(func, value, index, None)
+    for name, value in kwargs.items():
+        _check(func, value, None, name)
 
 
 def _check(func: Any, value: Any, index: int | None, name: str | None) -> None:

@@ -924,6 +924,30 @@ def test_a_layer_input_freed_by_output_discard_is_counted_as_discarded_and_warne
     assert len(warned) == 1 and "done twice" in warned[0]
 
 
+def test_an_output_discarded_and_rebuilt_in_an_earlier_step_then_kept_is_alive_elsewhere(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # NOTE [discarded storages are marked]: the mark outlives the rebuild. A rebuilt output the
+    # caller keeps (a cache, teacher features) and passes to an offloaded layer in a later step,
+    # where nothing is discarded, is kept alive by the caller: the copy saved nothing. It was
+    # counted in discarded_bytes, with the warning that output discard freed it.
+    torch.manual_seed(0)
+    norm, proj = nn.LayerNorm(32), nn.Linear(32, 32)
+    ckpt = pytree_ckpt.CheckpointWithoutOutput()
+    feat = ckpt.checkpoint(norm, torch.randn(16, 32, requires_grad=True))
+    out = proj(feat)
+    ckpt.discard_output_and_register_recompute(out)
+    out.sum().backward()  # rebuilds feat
+    cached = feat.detach()
+    m = manager()
+    layer = offloaded_stack(m, 1)[0]
+    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+        layer(cached).sum().backward()
+    stats = m.stats()
+    assert stats["discarded_bytes"] == 0
+    assert stats["alive_elsewhere_bytes"] == cached.untyped_storage().nbytes()
+    assert not [r for r in caplog.records if "output discard" in r.getMessage()]
+
+
 @pytest.mark.parametrize("what", ["below min_bytes", "not a window tensor"])
 def test_a_saved_tensor_the_manager_leaves_alone_is_still_checked_for_in_place_changes(
         what: str) -> None:

@@ -6,6 +6,8 @@ process on CPU (docs/discard.md)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -96,3 +98,50 @@ def test_a_correct_step_under_the_mode_checks_every_op_and_changes_no_number(
         checked = step()
     assert_same_grads(unchecked, checked)
     assert counted["forward"] > 0 and counted["all"] > counted["forward"]
+
+
+def _discarded() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    norm, proj = RmsNorm(), nn.Linear(8, 8)
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(norm, torch.randn(4, 8, requires_grad=True))
+    out = proj(normed)
+    ckpt.discard_output_and_register_recompute(out)
+    return normed, out
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: t.new_zeros(3), lambda t: t.new_ones(3), lambda t: t.new_full((3,), 1.0),
+    lambda t: t.new_empty(3), lambda t: torch.rand_like(t), lambda t: torch.randn_like(t),
+    lambda t: torch.randint_like(t, 5), lambda t: torch.randint_like(t, 1, 5)],
+    ids=["new_zeros", "new_ones", "new_full", "new_empty", "rand_like", "randn_like",
+         "randint_like", "randint_like low"])
+def test_new_tensors_made_from_a_discarded_outputs_metadata_pass(make: Any) -> None:
+    # Guards against: only the *_like ops of zeros, ones, full and empty were known to read no
+    # data; new_zeros (a mask shaped like the output) raised CheckpointError, where torch runs.
+    normed, out = _discarded()
+    with detect_discarded_reads():
+        try:
+            made = make(normed)
+        finally:
+            out.sum().backward()  # rebuilt before a failure's report reads normed (a crash)
+    assert made.dtype == normed.dtype
+
+
+@pytest.mark.parametrize("take", [lambda t: t[0], lambda t: t[:, -1], lambda t: t.t(),
+                                  lambda t: t.unsqueeze(0), lambda t: t.chunk(2)[1]],
+                         ids=["row", "column", "t", "unsqueeze", "chunk"])
+def test_a_view_torch_cannot_make_of_a_discarded_output_is_named(take: Any) -> None:
+    # Guards against: views passed unchecked, and torch refuses most of them on a freed storage
+    # (its "setStorage: ... out of bounds for storage of size 0"): a logging hook reading
+    # normed[:, -1] got torch's error under the mode, not the discarded op's name.
+    normed, out = _discarded()
+    with detect_discarded_reads():
+        try:
+            with pytest.raises(CheckpointError, match=r"an output of RmsNorm that output "
+                                                      r"discard freed") as error:
+                take(normed)
+        finally:
+            out.sum().backward()  # rebuilt before a failure's report reads normed (a crash)
+        take(normed)
+    assert isinstance(error.value.__cause__, RuntimeError)
