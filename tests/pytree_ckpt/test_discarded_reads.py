@@ -51,12 +51,7 @@ def test_a_restricted_backward_reading_the_freed_output_is_named_under_the_mode(
 
 
 def test_views_and_metadata_of_a_discarded_output_read_no_data_and_pass() -> None:
-    torch.manual_seed(0)
-    norm, proj = RmsNorm(), nn.Linear(8, 8)
-    ckpt = CheckpointWithoutOutput()
-    normed = ckpt.checkpoint(norm, torch.randn(4, 8, requires_grad=True))
-    out = proj(normed)
-    ckpt.discard_output_and_register_recompute(out)
+    normed, out = _discarded()
     with detect_discarded_reads():
         view, alias = normed.view(-1), normed.detach()
         fresh = torch.empty_like(normed)

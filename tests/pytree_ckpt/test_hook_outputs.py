@@ -579,32 +579,6 @@ class _UsesCached(nn.Module):
         return self.inner(x)[0]
 
 
-def test_a_hooked_module_returning_a_tensor_it_holds_in_a_dict_attribute_works_as_in_eager(
-) -> None:
-    # NOTE [held tensors are not hooked outputs] (hook_outputs.py): only tensors held directly or
-    # in a tuple or list were known; one in a dict attribute became an extra output and backward
-    # raised CheckpointError (a tensor from outside the call), where eager trains.
-    torch.manual_seed(0)
-    eager = _UsesCached()
-    model = copy.deepcopy(eager)
-    pytree_ckpt.apply_activation_checkpointing(model, offload=False)
-    x, x_twin = _inputs()
-    kept: list[list[torch.Tensor]] = [[], []]
-    for net, into in zip((eager, model), kept):
-        net.inner.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(2):
-            for net, xi, into in zip((eager, model), (x, x_twin), kept):
-                into.clear()
-                (net(xi).sum() + into[0].square().sum()).backward()
-    table = model.inner.cache[6]
-    assert not table.requires_grad and table.grad_fn is None
-    assert torch.equal(x.grad, x_twin.grad)
-    for p, q in zip(eager.parameters(), model.parameters()):
-        assert torch.equal(p.grad, q.grad)
-
-
 def test_two_threads_first_calls_install_one_recorder() -> None:
     # Both threads found no recorder and both installed one: every output was then recorded
     # twice, and a call whose forward ran between the two installs failed its replay.
@@ -723,13 +697,15 @@ class _UsesSequenceCache(nn.Module):
         return self.inner(x)[0]
 
 
-@pytest.mark.parametrize("kind", [tuple, list])
-def test_a_hooked_module_returning_a_tensor_it_holds_in_a_tuple_or_list_works_as_in_eager(
+@pytest.mark.parametrize("kind", [dict, tuple, list])
+def test_a_hooked_module_returning_a_tensor_it_holds_in_an_attribute_works_as_in_eager(
         kind: type) -> None:
-    # NOTE [held tensors are not hooked outputs]: a table held in a tuple or list attribute is
-    # the same object in both passes; made an extra output, backward was refused.
+    # NOTE [held tensors are not hooked outputs] (hook_outputs.py): a table held directly or in
+    # a tuple, list or dict attribute is the same object in both passes; made an extra output,
+    # backward raised CheckpointError (a tensor from outside the call), where eager trains
+    # (only tensors held directly or in a tuple or list were known once).
     torch.manual_seed(0)
-    eager = _UsesSequenceCache(kind)
+    eager = _UsesCached() if kind is dict else _UsesSequenceCache(kind)
     model = copy.deepcopy(eager)
     pytree_ckpt.apply_activation_checkpointing(model, offload=False)
     x, x_twin = _inputs()
@@ -742,7 +718,7 @@ def test_a_hooked_module_returning_a_tensor_it_holds_in_a_tuple_or_list_works_as
             for net, xi, into in zip((eager, model), (x, x_twin), kept):
                 into.clear()
                 (net(xi).sum() + into[0].square().sum()).backward()
-    table = model.inner.cache[0]
+    table = model.inner.cache[6 if kind is dict else 0]
     assert not table.requires_grad and table.grad_fn is None
     assert torch.equal(x.grad, x_twin.grad)
     for p, q in zip(eager.parameters(), model.parameters()):
