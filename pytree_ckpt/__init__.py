@@ -3,7 +3,8 @@
 Importing this package touches no accelerator and imports no optional dependency.
 """
 
-from .boundary import BoundaryOptions, checkpoint, checkpointed
+from .boundary import BoundaryOptions
+from .functional import checkpoint, checkpointed
 from .census import ActivationCensus, Mechanism
 from .discard import CheckpointWithoutOutput, CheckpointWithoutOutputManager
 from .discarded_reads import detect_discarded_reads

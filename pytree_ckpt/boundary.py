@@ -1,7 +1,8 @@
 """The PyTree-aware reentrant checkpoint boundary.
 
-``checkpoint(fn, *args, **kwargs)`` runs ``fn`` once under no-grad (the *original pass*) and
-again during backward (the *replay*), exactly like torch's reentrant checkpoint, but:
+``checkpoint(fn, *args, **kwargs)`` (functional.py) runs ``fn`` once under no-grad (the
+*original pass*) and again during backward (the *replay*), exactly like torch's reentrant
+checkpoint, but:
 
 - arguments, keyword arguments and outputs may be any PyTree; every tensor leaf of the inputs
   is an input of one autograd Function, so it gets its gradient and is saved through the
@@ -69,9 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -81,7 +80,6 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 from .census import Mechanism, census_active, report_held
-from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
 from .errors import ReplayMismatchError, validate_bool
 from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
@@ -92,7 +90,7 @@ from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
 from .refusals import (fn_name, input_path, raise_input_changed, refuse_double_backward,
-                       refuse_hidden_outputs, refuse_unreadable_inputs, require_callable)
+                       refuse_hidden_outputs, refuse_unreadable_inputs)
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (ChangedState, ForwardModules, StateWatch, mark_stateful,
                             snapshots_wanted, versions)
@@ -102,7 +100,7 @@ from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_p
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
 
-__all__ = ["BoundaryCall", "BoundaryOptions", "checkpoint", "checkpointed", "run_boundary"]
+__all__ = ["DEFAULT_OPTIONS", "BoundaryCall", "BoundaryOptions", "run_boundary"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -590,75 +588,3 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             out_tensors[position] = tensor
         call.as_is = None
     return call.outputs(out_tensors)
-
-
-_TORCH_OPTIONS = frozenset({"use_reentrant", "preserve_rng_state", "context_fn",
-                            "determinism_check", "debug"})
-
-
-def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
-    """Those of ``names`` that ``fn`` takes only through ``**kwargs``."""
-    try:  # a module's call takes (*args, **kwargs): its forward says what it names
-        parameters = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn
-                                       ).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin): say nothing
-        return []
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return []
-    return [name for name in names if name not in parameters]
-
-
-@runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py, for calls too
-def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
-
-    Every keyword goes to ``fn``; set boundary options with :func:`checkpointed`.
-    """
-    require_callable(fn, "checkpoint", "checkpoint(layer, x) or checkpoint(fn, x, ...): the "
-                      "function (or module) first, then its arguments")
-    # Code moved over from torch.utils.checkpoint passes its options as keywords.
-    torch_options = sorted(_TORCH_OPTIONS & kwargs.keys()) if kwargs else []
-    swallowed = _swallowed(fn, torch_options) if torch_options else []
-    if swallowed:
-        # A forward taking **kwargs (a transformers decoder layer) takes them silently; one
-        # that names such a keyword means its own, and one that takes none raises (noted below).
-        warnings.warn(
-            f"pytree_ckpt.checkpoint passes every keyword to fn, so {fn_name(fn)} receives "
-            f"{swallowed} in its **kwargs: options of torch.utils.checkpoint, which mean "
-            "nothing here. Tip: drop use_reentrant (the boundary is always reentrant-style, "
-            "and takes any PyTree), and set other options with pytree_ckpt.checkpointed(fn, "
-            "preserve_rng_state=...)", stacklevel=user_stacklevel())
-    try:
-        return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
-    except TypeError as error:
-        if torch_options and hasattr(error, "add_note") and \
-                any(name in str(error) for name in torch_options):
-            error.add_note(
-                f"pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} included "
-                "(torch.utils.checkpoint's options). Tip: drop use_reentrant (the boundary is "
-                "always reentrant-style, and takes any PyTree), and set other options with "
-                "pytree_ckpt.checkpointed(fn, preserve_rng_state=...).")
-        raise
-
-
-def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
-                 offload: bool | OffloadManager | None = None) -> Callable[..., T]:
-    """Return ``fn`` wrapped in a boundary with the given options.
-
-    ``offload`` as in ``apply_activation_checkpointing``: ``None`` reads
-    ``XTUNER_ACTIVATION_OFFLOAD`` now, ``True`` the process's default manager, ``False`` none.
-    """
-    from .module import resolve_offload  # module builds on this file
-
-    # Refused now, not at the first call, far from where it was made.
-    require_callable(fn, "checkpointed", "checkpointed(layer) or checkpointed(fn, "
-                      "preserve_rng_state=False); the arguments go to the wrapper it returns")
-    options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
-                              offload=resolve_offload(offload))
-
-    @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
-    @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py
-    def run(*args: Any, **kwargs: Any) -> T:
-        return run_boundary(fn, args, kwargs, options)
-
-    return run

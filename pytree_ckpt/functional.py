@@ -1,0 +1,96 @@
+"""The boundary as a function call: ``checkpoint(fn, *args, **kwargs)`` runs ``fn`` behind
+one boundary, and ``checkpointed(fn, ...)`` wraps it with boundary options (boundary.py holds
+the boundary itself; module.py installs it on modules).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from torch import nn
+
+from .boundary import DEFAULT_OPTIONS, BoundaryOptions, run_boundary
+from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
+from .refusals import fn_name, require_callable
+
+if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
+    from offload import OffloadManager
+
+__all__ = ["checkpoint", "checkpointed"]
+
+T = TypeVar("T")
+
+_TORCH_OPTIONS = frozenset({"use_reentrant", "preserve_rng_state", "context_fn",
+                            "determinism_check", "debug"})
+
+
+def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
+    """Those of ``names`` that ``fn`` takes only through ``**kwargs``."""
+    try:  # a module's call takes (*args, **kwargs): its forward says what it names
+        parameters = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn
+                                       ).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): say nothing
+        return []
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    return [name for name in names if name not in parameters]
+
+
+@runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py, for calls too
+def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
+
+    Every keyword goes to ``fn``; set boundary options with :func:`checkpointed`.
+    """
+    require_callable(fn, "checkpoint", "checkpoint(layer, x) or checkpoint(fn, x, ...): the "
+                      "function (or module) first, then its arguments")
+    # Code moved over from torch.utils.checkpoint passes its options as keywords.
+    torch_options = sorted(_TORCH_OPTIONS & kwargs.keys()) if kwargs else []
+    swallowed = _swallowed(fn, torch_options) if torch_options else []
+    if swallowed:
+        # A forward taking **kwargs (a transformers decoder layer) takes them silently; one
+        # that names such a keyword means its own, and one that takes none raises (noted below).
+        warnings.warn(
+            f"pytree_ckpt.checkpoint passes every keyword to fn, so {fn_name(fn)} receives "
+            f"{swallowed} in its **kwargs: options of torch.utils.checkpoint, which mean "
+            "nothing here. Tip: drop use_reentrant (the boundary is always reentrant-style, "
+            "and takes any PyTree), and set other options with pytree_ckpt.checkpointed(fn, "
+            "preserve_rng_state=...)", stacklevel=user_stacklevel())
+    try:
+        return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
+    except TypeError as error:
+        if torch_options and hasattr(error, "add_note") and \
+                any(name in str(error) for name in torch_options):
+            error.add_note(
+                f"pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} included "
+                "(torch.utils.checkpoint's options). Tip: drop use_reentrant (the boundary is "
+                "always reentrant-style, and takes any PyTree), and set other options with "
+                "pytree_ckpt.checkpointed(fn, preserve_rng_state=...).")
+        raise
+
+
+def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
+                 offload: bool | OffloadManager | None = None) -> Callable[..., T]:
+    """Return ``fn`` wrapped in a boundary with the given options.
+
+    ``offload`` as in ``apply_activation_checkpointing``: ``None`` reads
+    ``XTUNER_ACTIVATION_OFFLOAD`` now, ``True`` the process's default manager, ``False`` none.
+    """
+    from .module import resolve_offload  # module builds on this file
+
+    # Refused now, not at the first call, far from where it was made.
+    require_callable(fn, "checkpointed", "checkpointed(layer) or checkpointed(fn, "
+                      "preserve_rng_state=False); the arguments go to the wrapper it returns")
+    options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
+                              offload=resolve_offload(offload))
+
+    @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
+    @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py
+    def run(*args: Any, **kwargs: Any) -> T:
+        return run_boundary(fn, args, kwargs, options)
+
+    return run
