@@ -44,7 +44,6 @@ the small recomputed graph, which is what lets the op's own intermediates go uns
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -59,8 +58,9 @@ from .refusals import refuse_double_backward, refuse_module_tensor
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
-from .module_state import (ModuleDicts, collect_parameters, foreign_leaf, module_buffers,
-                           module_dicts, owning_module, trainable_parameters)
+from .discard_aliases import made_outside, reachable_tensors, root_key
+from .module_state import (ModuleDicts, collect_parameters, foreign_leaf, module_dicts,
+                           owning_module)
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState, ForwardModules, StateWatch, versions
 from .tree import flatten
@@ -80,102 +80,6 @@ __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "DISCARD
 DISCARDED_MARK = "_pytree_ckpt_discarded"
 
 log = logging.getLogger(__name__)
-
-
-def _reachable_tensors(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
-    """Tensors that exist outside ``fn`` and that it can return a view of: the parameters and
-    buffers of the module it belongs to and of modules among its arguments, and tensors and
-    modules it closes over or names as globals (a lambda, a ``functools.partial``).
-
-    NOTE [discard frees only fn's own storages]: an output that is a view of one of these (a
-    rotary cache sliced to the sequence length, learned positions) is kept, like an output that
-    aliases an input: freeing it would destroy the module's state. Globals that ``fn`` names
-    count too, and the values of dicts, lists and tuples among all these; a tensor reached any
-    other way (through an object's attribute, say) cannot be told from a fresh result. The
-    search stops at the first match, else reads every state tensor it can reach: a function
-    naming a whole model as a global scans the model each call (about 0.9 ms for 300 layers on
-    CPU), so pass the submodule.
-    """
-    found: list[Any] = list(args)
-    owner = owning_module(fn)
-    if owner is not None:
-        found.append(owner)
-    target = fn
-    if isinstance(target, functools.partial):
-        found += [*target.args, *target.keywords.values()]
-        target = target.func
-    found += [cell.cell_contents for cell in getattr(target, "__closure__", None) or ()
-              if _cell_filled(cell)]
-    code, names = getattr(target, "__code__", None), getattr(target, "__globals__", {})
-    if code is not None:  # globals it names (a model defined at module level)
-        found += [names[name] for name in code.co_names if name in names]
-    for obj in list(found):  # one level into containers (a dict of caches, say)
-        if isinstance(obj, dict):
-            found += obj.values()
-        elif isinstance(obj, (list, tuple)):
-            found += obj
-    tensors: list[torch.Tensor] = []
-    for obj in found:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-        elif isinstance(obj, nn.Module):  # read from the boundary's cached dicts: cheap
-            frozen: list[torch.Tensor] = []
-            tensors += trainable_parameters([obj], set(), frozen=frozen)
-            tensors += frozen
-            tensors += module_buffers(obj)
-    return tensors
-
-
-def _root_key(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(device, address) of the tensor a view chain starts from: equal for a tensor, its
-    views and its ``detach()`` aliases. ``None`` where there is no plain storage, or an empty
-    one.
-
-    NOTE [empty storages have no address]: every empty storage has address 0, so by address
-    an empty output would alias any empty tensor: the hook tensor of an MoE expert that got
-    no tokens this step (``proj(silu(tokens[start:start]))``) was refused as "the discarded
-    output itself". An empty storage has nothing to free: ``None`` keeps it, and never
-    matches."""
-    if tensor.layout is not torch.strided:
-        return None
-    try:  # the storage's address: a detach() alias of a slice has no _base but the storage
-        storage = tensor.untyped_storage()
-    except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
-        return None
-    if storage.nbytes() == 0:
-        return None
-    return tensor.get_device(), storage.data_ptr()
-
-
-def _made_outside(outputs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor],
-                  fn: Callable[..., Any], args: tuple[Any, ...],
-                  reachable: list[torch.Tensor] | None = None) -> list[bool]:
-    """Per output: does its storage exist outside ``fn`` (an input's, or state ``fn`` can
-    reach: ``reachable`` when already found)? Those are never freed (NOTE [discard frees only
-    fn's own storages])."""
-    keys = [_root_key(o) for o in outputs]
-    outside = [key is None or isinstance(o._base if o._base is not None else o, nn.Parameter)
-               for key, o in zip(keys, outputs)]
-    wanted = {key for key, out in zip(keys, outside) if key is not None and not out}
-    found: set[tuple[int, int]] = set()
-    if wanted:
-        if reachable is None:
-            reachable = _reachable_tensors(fn, args)
-        for tensor in (*inputs, *reachable):
-            key = _root_key(tensor)
-            if key in wanted:
-                found.add(key)
-                if found == wanted:
-                    break
-    return [out or key in found for key, out in zip(keys, outside)]
-
-
-def _cell_filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
-        return False
-    return True
 
 
 def _raise_input_changed(owner: CheckpointWithoutOutput, args: tuple[Any, ...],
@@ -244,7 +148,7 @@ class _DiscardFunction(torch.autograd.Function):
         # Which outputs live on storages from outside fn, read now: in forward,
         # ctx.saved_tensors would run an ambient unpack hook (an offload restore) and hand
         # back copies.
-        owner.made_outside = _made_outside(outputs, tensors, owner.fn, args, owner.reachable)
+        owner.made_outside = made_outside(outputs, tensors, owner.fn, args, owner.reachable)
         owner.reachable = None  # found for this call only
         ctx.save_for_backward(*tensors)
         owner.ctx = weakref.ref(ctx)  # weak: the node owns us, not the other way round
@@ -456,9 +360,9 @@ class CheckpointWithoutOutput:
 
     def _found_reachable(self, fn: Callable[..., Any], args: tuple[Any, ...]
                          ) -> list[torch.Tensor]:
-        # Kept for the forward's own search (_made_outside): the scan can be long (a global
+        # Kept for the forward's own search (made_outside): the scan can be long (a global
         # model), so it runs once per call.
-        self.reachable = _reachable_tensors(fn, args)
+        self.reachable = reachable_tensors(fn, args)
         return self.reachable
 
     @property
@@ -588,10 +492,10 @@ def _refuse_discarded_hook(hook_tensor: torch.Tensor,
                            checkpoints: list[CheckpointWithoutOutput]) -> None:
     """The hook tensor must outlive the discard: one on a storage being freed could never be
     read by the backward that fires the hook (nothing was freed yet when this raises)."""
-    key = _root_key(hook_tensor)
+    key = root_key(hook_tensor)
     for ckpt in checkpoints:
         for out, outside in zip(ckpt.outputs, ckpt.made_outside):
-            if key is not None and not outside and _root_key(out) == key:
+            if key is not None and not outside and root_key(out) == key:
                 raise CheckpointError(
                     f"the hook tensor is an output of {ckpt._name()}, which is being discarded",
                     expected="a later tensor: the output of the op that consumes the "

@@ -305,8 +305,8 @@ class Positions(nn.Module):
 
 @pytest.mark.parametrize("learned", [True, False])
 def test_an_output_that_is_a_view_of_module_state_is_kept_not_freed(learned: bool) -> None:
-    # NOTE [discard frees only fn's own storages] (discard.py): freeing it would destroy the
-    # parameter or buffer for every later step.
+    # NOTE [discard frees only fn's own storages] (discard_aliases.py): freeing it would
+    # destroy the parameter or buffer for every later step.
     torch.manual_seed(0)
     positions, proj = Positions(learned), nn.Linear(8, 8)
     before = positions.table.detach().clone()

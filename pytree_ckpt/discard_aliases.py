@@ -1,0 +1,113 @@
+"""Which outputs of a discarded op must not be freed: those whose storage exists outside the
+op (an input's, or state it can reach), found by the address of the tensor each view chain
+starts from (discard.py frees the others).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .module_state import module_buffers, owning_module, trainable_parameters
+
+__all__ = ["made_outside", "reachable_tensors", "root_key"]
+
+
+def reachable_tensors(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """Tensors that exist outside ``fn`` and that it can return a view of: the parameters and
+    buffers of the module it belongs to and of modules among its arguments, and tensors and
+    modules it closes over or names as globals (a lambda, a ``functools.partial``).
+
+    NOTE [discard frees only fn's own storages]: an output that is a view of one of these (a
+    rotary cache sliced to the sequence length, learned positions) is kept, like an output that
+    aliases an input: freeing it would destroy the module's state. Globals that ``fn`` names
+    count too, and the values of dicts, lists and tuples among all these; a tensor reached any
+    other way (through an object's attribute, say) cannot be told from a fresh result. The
+    search stops at the first match, else reads every state tensor it can reach: a function
+    naming a whole model as a global scans the model each call (about 0.9 ms for 300 layers on
+    CPU), so pass the submodule.
+    """
+    found: list[Any] = list(args)
+    owner = owning_module(fn)
+    if owner is not None:
+        found.append(owner)
+    target = fn
+    if isinstance(target, functools.partial):
+        found += [*target.args, *target.keywords.values()]
+        target = target.func
+    found += [cell.cell_contents for cell in getattr(target, "__closure__", None) or ()
+              if _cell_filled(cell)]
+    code, names = getattr(target, "__code__", None), getattr(target, "__globals__", {})
+    if code is not None:  # globals it names (a model defined at module level)
+        found += [names[name] for name in code.co_names if name in names]
+    for obj in list(found):  # one level into containers (a dict of caches, say)
+        if isinstance(obj, dict):
+            found += obj.values()
+        elif isinstance(obj, (list, tuple)):
+            found += obj
+    tensors: list[torch.Tensor] = []
+    for obj in found:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif isinstance(obj, nn.Module):  # read from the boundary's cached dicts: cheap
+            frozen: list[torch.Tensor] = []
+            tensors += trainable_parameters([obj], set(), frozen=frozen)
+            tensors += frozen
+            tensors += module_buffers(obj)
+    return tensors
+
+
+def root_key(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(device, address) of the tensor a view chain starts from: equal for a tensor, its
+    views and its ``detach()`` aliases. ``None`` where there is no plain storage, or an empty
+    one.
+
+    NOTE [empty storages have no address]: every empty storage has address 0, so by address
+    an empty output would alias any empty tensor: the hook tensor of an MoE expert that got
+    no tokens this step (``proj(silu(tokens[start:start]))``) was refused as "the discarded
+    output itself". An empty storage has nothing to free: ``None`` keeps it, and never
+    matches."""
+    if tensor.layout is not torch.strided:
+        return None
+    try:  # the storage's address: a detach() alias of a slice has no _base but the storage
+        storage = tensor.untyped_storage()
+    except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
+        return None
+    if storage.nbytes() == 0:
+        return None
+    return tensor.get_device(), storage.data_ptr()
+
+
+def made_outside(outputs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor],
+                  fn: Callable[..., Any], args: tuple[Any, ...],
+                  reachable: list[torch.Tensor] | None = None) -> list[bool]:
+    """Per output: does its storage exist outside ``fn`` (an input's, or state ``fn`` can
+    reach: ``reachable`` when already found)? Those are never freed (NOTE [discard frees only
+    fn's own storages])."""
+    keys = [root_key(o) for o in outputs]
+    outside = [key is None or isinstance(o._base if o._base is not None else o, nn.Parameter)
+               for key, o in zip(keys, outputs)]
+    wanted = {key for key, out in zip(keys, outside) if key is not None and not out}
+    found: set[tuple[int, int]] = set()
+    if wanted:
+        if reachable is None:
+            reachable = reachable_tensors(fn, args)
+        for tensor in (*inputs, *reachable):
+            key = root_key(tensor)
+            if key in wanted:
+                found.add(key)
+                if found == wanted:
+                    break
+    return [out or key in found for key, out in zip(keys, outside)]
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
+        return False
+    return True
