@@ -38,8 +38,9 @@ inputs of the Function, as in the checkpoint boundary, so they get bit-identical
 ``fn`` uses *and* something else uses (the residual stream's input) receives its gradient as a
 sum whose association differs from eager (``fn``'s own contributions are summed first), so it
 matches eager up to float rounding (a few ulp of the tensor's largest value), as in Megatron;
-in a residual stream that rounding then reaches everything upstream. This is the price of the nested backward through
-the small recomputed graph, which is what lets the op's own intermediates go unsaved.
+in a residual stream that rounding then reaches everything upstream. This is the price of the
+nested backward through the small recomputed graph, which is what lets the op's own
+intermediates go unsaved.
 """
 
 from __future__ import annotations

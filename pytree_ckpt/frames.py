@@ -17,9 +17,9 @@ replay: ``fn`` runs once per top-level original pass, however deep the nesting.
 
 NOTE [frame lifetime]: a frame lives on its invocation, which lives on the autograd node; it is
 cleared as soon as the node's own backward is done, in a backward without ``retain_graph``
-(autograd frees the node's saved tensors then; ``replay_backward`` (recompute.py) clears the frame), or
-when the graph is garbage collected without a backward. Cursors are reset at the start of each
-replay, so ``backward(retain_graph=True)`` can replay twice.
+(autograd frees the node's saved tensors then; ``replay_backward`` (recompute.py) clears the
+frame), or when the graph is garbage collected without a backward. Cursors are reset at the
+start of each replay, so ``backward(retain_graph=True)`` can replay twice.
 """
 
 from __future__ import annotations

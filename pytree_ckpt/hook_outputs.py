@@ -43,6 +43,7 @@ from torch import nn
 
 from .errors import ReplayMismatchError
 from .keep import IN_REUSE
+from .parameter_hooks import put_first
 from .tree import describe_leaf, flatten
 
 __all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
@@ -109,15 +110,11 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
         if _record_output not in hooks.values():
             with _INSTALLING:  # two threads' first calls must not both install one
                 if _record_output not in hooks.values():
-                    # First, as prepend=True would put it, but by refilling the dict in place:
-                    # prepend's OrderedDict.move_to_end leaves the C-level order, which
-                    # dynamo's guards on the hooks read before torch 2.13, as it was (the
-                    # fullgraph compile of a hooked layer raised InternalTorchDynamoError).
+                    # NOTE [hooks put first in place] (parameter_hooks.py): with prepend=True
+                    # the fullgraph compile of a hooked layer raised InternalTorchDynamoError
+                    # on torch 2.11.
                     key = module.register_forward_hook(_record_output).id
-                    rest = [(k, hook) for k, hook in hooks.items() if k != key]
-                    hooks.clear()
-                    hooks[key] = _record_output
-                    hooks.update(rest)
+                    put_first(hooks, key, _record_output)
     return found
 
 

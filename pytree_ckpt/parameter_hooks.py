@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 __all__ = ["ParameterHooksPaused", "SkipsNoGradAccumulated", "SkipsNoGradient",
-           "accumulated_nothing", "skip_no_gradient"]
+           "accumulated_nothing", "put_first", "skip_no_gradient"]
 
 
 class ParameterHooksPaused:
@@ -123,17 +123,26 @@ class SkipsNoGradAccumulated:
 def _skip_no_grad_accumulated(hooks: dict[Any, Any], /) -> None:
     gate = hooks.get(_GATE)
     if gate is None:
-        # First in the tensor's dict, which torch walks in its insertion order (the C-level
-        # order: OrderedDict.move_to_end does not change it), so it is refilled in place.
         gate = _Gate()
-        items = list(hooks.items())
-        hooks.clear()
-        hooks[_GATE] = gate
-        hooks.update(items)
+        put_first(hooks, _GATE, gate)
     for key, hook in list(hooks.items()):
         if key != _GATE and not isinstance(hook, SkipsNoGradAccumulated) and \
                 not _torch_own(hook):
             hooks[key] = SkipsNoGradAccumulated(hook, gate)
+
+
+def put_first(hooks: dict[Any, Any], key: Any, hook: Any, /) -> None:
+    """Make ``hook`` the first of ``hooks`` (a hooks dict of torch's), under ``key``.
+
+    NOTE [hooks put first in place]: torch walks a tensor's hooks, and dynamo's guards (before
+    torch 2.13) read a module's, in the dict's C-level insertion order, which
+    ``OrderedDict.move_to_end`` (``prepend=True``) does not change. So the dict is refilled in
+    place: the same object, which torch's hook handles hold. (Another thread's call walking
+    the dict while it is refilled could miss its hooks once.)"""
+    rest = [(k, value) for k, value in hooks.items() if k != key]
+    hooks.clear()
+    hooks[key] = hook
+    hooks.update(rest)
 
 
 def accumulated_nothing(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],

@@ -28,8 +28,8 @@ from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary import BoundaryCall
 
-__all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outside_tensor",
-           "raise_hooked_outside_tensor",
+__all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "fn_name", "input_path",
+           "raise_attached_to_outside_tensor", "raise_hooked_outside_tensor",
            "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
            "refuse_hidden_outputs", "refuse_module_tensor", "refuse_unreadable_inputs",
            "open_containers", "refuse_filled_containers", "require_callable", "stored_numbers",

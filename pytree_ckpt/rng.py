@@ -59,10 +59,10 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 # `torch.backends.cudnn.flags(...)`), are read with the autocast state and set again for the
 # replay where backward's differ: eager's backward uses what the forward's kernels saved, and
 # a replay on other kernels gave other gradients. Settings meant for a whole run (TF32, matmul
-# precision, torch.use_deterministic_algorithms) are not read (per call, each costs). The switches are
-# process-global, like the fast-path setting (NOTE [passes in several threads]): replays that
-# run at once on several GPUs' device threads, each setting switches that differ from
-# backward's, may see each other's.
+# precision, torch.use_deterministic_algorithms) are not read (per call, each costs). The
+# switches are process-global, like the fast-path setting
+# (NOTE [passes in several threads]): replays that run at once on several GPUs' device
+# threads, each setting switches that differ from backward's, may see each other's.
 _KERNEL_SWITCHES = (
     ("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
     ("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
