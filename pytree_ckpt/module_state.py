@@ -56,9 +56,6 @@ _VERIFIED = "_pytree_ckpt_verified"
 # Bumped whenever any module gets a submodule (torch's global registration hook, installed at
 # the first boundary call): cached parameter dicts and verifications older than it are stale.
 _structure_generation = 0
-# Bumped when a module gets a buffer under a new name (reassigning one is read live from the
-# cached dicts, and steps that do so must not invalidate every cache): cached buffer dicts.
-_buffer_generation = 0
 _hook_installed = False
 
 
@@ -67,17 +64,10 @@ def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     _structure_generation += 1
 
 
-def _bump_buffer_generation(module: nn.Module, name: str, buffer: Any) -> None:
-    global _buffer_generation
-    if name not in module._buffers:
-        _buffer_generation += 1
-
-
 def _watch_module_structure() -> None:
     global _hook_installed
     if not _hook_installed:
         nn.modules.module.register_module_module_registration_hook(_bump_generation)
-        nn.modules.module.register_module_buffer_registration_hook(_bump_buffer_generation)
         _hook_installed = True
 
 
@@ -139,7 +129,8 @@ def _check_structure(module: nn.Module) -> None:
 class ModuleDicts(NamedTuple):
     """The dicts of a module tree the boundary reads per call (dicts, not modules: no reference
     cycle, but for the rare submodule in ``flagged_otherwise``); cached on the root per
-    structure and buffer generation."""
+    structure generation. The dicts are the modules' own, read live: a buffer registered or
+    reassigned since shows without a new cache."""
 
     parameters: tuple[dict[str, torch.Tensor | None], ...]  # each module's _parameters
     # Each module's _buffers, empty ones too: a buffer registered in the forward (lazily, at the
@@ -158,7 +149,7 @@ def module_dicts(module: nn.Module, /) -> ModuleDicts:
     """The dicts of ``module``'s tree, checked against its structure (call once per call)."""
     _watch_module_structure()
     _check_structure(module)
-    key = (_structure_generation, _buffer_generation)
+    key = _structure_generation
     cached = module.__dict__.get(_DICTS)
     if cached is None or cached[0] != key:
         tree = list(module.modules())

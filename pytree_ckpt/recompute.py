@@ -23,12 +23,12 @@ from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_
 from .phase import ACTIVE, Invocation, Phase
 from .refusals import (TORCH_REENTRANT, fn_name, open_containers,
                        raise_attached_to_outside_tensor, raise_changed_after_call,
-                       raise_hooked_outside_tensor,
-                       raise_torch_reentrant_inside, refuse_filled_containers, stored_numbers,
-                       stored_tensors, verify_leaves, warn_changed_numbers,
-                       warn_stacked_checkpointing, warn_stored_scalars)
+                       raise_hooked_outside_tensor, raise_torch_reentrant_inside,
+                       refuse_filled_containers, verify_leaves)
 from .rng import IsolatedPass
 from .saved import Unchanged
+from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
+                           warn_stacked_checkpointing, warn_stored_scalars)
 from .subclass import as_kind
 from .tree import flatten
 
@@ -43,7 +43,7 @@ class _FirstReplay:
     module_state.py) reads around ``fn``: the containers passed in (NOTE [containers filled by
     the forward] in refusals.py), the scalars
     and numbers on its modules (NOTE [results stored on a module], NOTE [numbers a forward
-    changes] in refusals.py). The replay runs with grad, so what it adds tells a loss from a
+    changes] in stored_state.py). The replay runs with grad, so what it adds tells a loss from a
     value that never had a gradient, which the no-grad original pass cannot."""
 
     __slots__ = ("containers", "known", "modules", "dicts", "tensors", "numbers")

@@ -12,14 +12,12 @@ import enum
 import functools
 import re
 import types
-import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
 
-from .eager import user_stacklevel
 from .errors import CheckpointConfigError, CheckpointError, SavedTensorChanged
 from .frames import callable_name
 from .module_state import foreign_leaf, mark_verified, owning_module, warn_forward_hooks
@@ -28,13 +26,12 @@ from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary import BoundaryCall
 
-__all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "fn_name", "input_path",
-           "raise_attached_to_outside_tensor", "raise_hooked_outside_tensor",
-           "raise_input_changed", "raise_torch_reentrant_inside", "refuse_double_backward",
+__all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "container_elements", "fn_name",
+           "input_path", "open_containers", "raise_attached_to_outside_tensor",
+           "raise_changed_after_call", "raise_hooked_outside_tensor", "raise_input_changed",
+           "raise_torch_reentrant_inside", "refuse_double_backward", "refuse_filled_containers",
            "refuse_hidden_outputs", "refuse_module_tensor", "refuse_unreadable_inputs",
-           "open_containers", "refuse_filled_containers", "require_callable", "stored_numbers",
-           "stored_tensors", "verify_leaves", "warn_changed_numbers", "warn_stored_scalars",
-           "raise_changed_after_call", "warn_stacked_checkpointing"]
+           "require_callable", "verify_leaves"]
 
 
 def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
@@ -333,10 +330,10 @@ def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
                 continue
             path = f"{where}[{key!r}]"
             found = found or []
-            elements = _elements(value)
+            elements = container_elements(value)
             found.append((path, value, frozenset(map(id, elements))))
             keys = value.keys() if isinstance(value, dict) else range(len(value))
-            found += [(f"{path}[{k!r}]", inner, frozenset(map(id, _elements(inner))))
+            found += [(f"{path}[{k!r}]", inner, frozenset(map(id, container_elements(inner))))
                       for k, inner in zip(keys, elements) if isinstance(inner, (list, dict))]
     return found
 
@@ -358,7 +355,7 @@ def refuse_filled_containers(call: BoundaryCall,
     caller's own tensor carries. Checked at a module's first replay with each switch (NOTE
     [verified per switch]). A global list is not seen (docs/boundary.md)."""
     for path, container, ids in found:
-        for element in _elements(container):
+        for element in container_elements(container):
             if id(element) not in ids and _carries_grad(element, known):
                 raise CheckpointError(
                     f"{fn_name(call.fn)} put a tensor that requires grad into the "
@@ -371,35 +368,17 @@ def refuse_filled_containers(call: BoundaryCall,
                         "them after the call; detach what needs no gradient")
 
 
+def container_elements(value: Any, /) -> Any:
+    """The values of a dict, else the container itself (a list or tuple)."""
+    return value.values() if isinstance(value, dict) else value
+
+
 def _carries_grad(value: Any, known: set[int]) -> bool:
     if isinstance(value, torch.Tensor):
         return value.requires_grad and id(value) not in known
     return isinstance(value, (list, tuple, dict)) and any(
         isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in known
-        for t in _elements(value))
-
-
-def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
-                         dicts: Sequence[dict[str, Any]],
-                         before: list[dict[str, Any]], /) -> None:
-    """NOTE [numbers a forward changes]: a Python int or float attribute the forward changes
-    (``self.calls += 1``, a warm-up scale) is changed again by the replay, which computes with
-    the changed value: eager's gradient is not the replay's, and the count ends one ahead.
-    Buffers are watched (NOTE [state the forward changes]); plain numbers are not, so this is
-    said once per module, when the replay changes one again (read around a module's first
-    replay with each switch): one the forward sets to a value it computes
-    (``self.seq_len = x.shape[1]``) is set to the same value by the replay, and not told."""
-    if owner.__dict__.get(_WARNED_NUMBERS):
-        return
-    found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
-             for name, value in old.items() if _differs(d.get(name), value)]
-    _warn_naming(owner, _WARNED_NUMBERS, modules, dicts, found, lambda where: (
-        f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} changed the "
-        f"number {where} again in its replay in backward, and computed with the changed "
-        "value (a counter ends a step ahead, a scale read from it gives other gradients). "
-        "Tip: keep such state in a buffer (register_buffer), which the replay changes a copy "
-        "of, and change it outside the checkpointed call if the output reads it "
-        "(docs/boundary.md, 'Module state ends the step as in eager')"))
+        for t in container_elements(value))
 
 
 def refuse_double_backward(where: Callable[[], str], /) -> None:
@@ -540,117 +519,3 @@ def require_callable(fn: Any, where: str, tip: str, /) -> None:
         raise CheckpointConfigError(
             f"{where} takes the function (or module) to run behind the boundary",
             expected="a callable", got=describe_leaf(fn), tip=tip)
-
-
-_WARNED_STORED = "_pytree_ckpt_warned_stored"
-_WARNED_NUMBERS = "_pytree_ckpt_warned_numbers"
-
-
-def stored_tensors(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
-    """Per module ``__dict__``, the id of each tensor attribute, and the ids of the tensors in
-    each dict, list or tuple attribute: read before an original pass of a module not yet
-    verified (NOTE [results stored on a module])."""
-    return [{name: id(value) if isinstance(value, torch.Tensor) else _element_ids(value)
-             for name, value in d.items() if isinstance(value, torch.Tensor) or
-             (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS)} for d in dicts]
-
-
-_HOLDERS = (dict, list, tuple)
-# nn.Module's own dicts (_buffers: a buffer registered in the forward is state, not a result)
-_MODULE_DICTS = frozenset(nn.Module().__dict__)
-
-
-def _elements(value: Any) -> Any:
-    return value.values() if isinstance(value, dict) else value
-
-
-def _element_ids(value: Any) -> frozenset[int]:
-    return frozenset(id(t) for t in _elements(value) if isinstance(t, torch.Tensor))
-
-
-def _scalar_result(value: Any) -> bool:
-    """A floating scalar computed with grad (the replay's twin of an aux loss)."""
-    return isinstance(value, torch.Tensor) and value.dim() == 0 and \
-        value.is_floating_point() and value.requires_grad
-
-
-def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
-    """Per module ``__dict__``, each int or float attribute (not a bool: a flag set at the
-    first call is no count): read with ``stored_tensors`` (NOTE [numbers a forward changes])."""
-    return [{name: value for name, value in d.items()
-             if type(value) is int or type(value) is float} for d in dicts]
-
-
-def _differs(now: Any, before: Any) -> bool:
-    """By value (``self.seq_len = x.shape[1]`` stores an equal new int each call), NaN
-    equal to NaN; another type (a tensor where a number was) differs."""
-    if type(now) is not type(before):
-        return True
-    return bool(now != before) and not (now != now and before != before)
-
-
-def _warn_naming(owner: nn.Module, flag: str, modules: Sequence[nn.Module],
-                 dicts: Sequence[dict[str, Any]], found: list[tuple[int, str]],
-                 message: Callable[[str], str]) -> None:
-    """Warn once per ``owner`` (its ``flag``) about the attributes ``found`` (index into
-    ``dicts``, name), named by their module paths."""
-    if not found:
-        return
-    owner.__dict__[flag] = True
-    warnings.warn(message(", ".join(_attribute_names(owner, modules, dicts, found))),
-                  stacklevel=user_stacklevel())
-
-
-def _attribute_names(owner: nn.Module, modules: Sequence[nn.Module],
-                     dicts: Sequence[dict[str, Any]], found: list[tuple[int, str]]) -> list[str]:
-    names = {id(m.__dict__): path for root in modules
-             for path, m in root.named_modules(prefix="" if root is owner else
-                                               f"({type(root).__name__})")}
-    return [f"{names.get(id(dicts[i]), '?')}.{name}".lstrip(".") for i, name in found]
-
-
-_WARNED_STACKED = "_pytree_ckpt_warned_stacked"
-
-
-def warn_stacked_checkpointing(owner: nn.Module, /) -> None:
-    """transformers' own checkpointing switched on for a layer this boundary wraps
-    (``gradient_checkpointing_enable()``, before or after wrapping): its non-reentrant
-    checkpoint around the layer's call recomputes the layer once more, every step
-    (gradients stay exact; its reentrant one is refused in backward). Warned once per
-    layer, at its first replay."""
-    held = owner.__dict__
-    if held.get("gradient_checkpointing") is not True or held.get(_WARNED_STACKED):
-        return
-    held[_WARNED_STACKED] = True
-    warnings.warn(
-        f"pytree_ckpt: {type(owner).__name__} is checkpointed twice: transformers' own "
-        "gradient checkpointing is on for it too, so each step runs its forward once more "
-        "than needed (gradients stay exact). Tip: "
-        "model.gradient_checkpointing_disable() (or TrainingArguments(gradient_checkpointing="
-        "False)) and keep pytree_ckpt's", stacklevel=user_stacklevel())
-
-
-def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
-                        dicts: Sequence[dict[str, Any]], before: list[dict[str, Any]], /) -> None:
-    """NOTE [results stored on a module]: ``self.aux_loss = ...`` in a forward (an MoE
-    layer's load-balancing loss, collected after the step) stores, in the original pass, a
-    value computed under no-grad: a loss built from it has no gradient through it, silently
-    (the replay stores one with a graph that nothing reads). Documented, and said once per
-    module, when its replay stores a new floating scalar that requires grad (read around a
-    module's first replay with each switch), as an attribute or in a dict, list or tuple
-    attribute (``self.stats = {"aux": loss}``): a constant cached per length needs no grad,
-    and is not told; nor is a cache (a rotary table): scalars only."""
-    if owner.__dict__.get(_WARNED_STORED):
-        return
-    found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
-             for name, value in d.items()
-             if (_scalar_result(value) and old.get(name) != id(value)) or
-             (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS and any(
-                 _scalar_result(t) and id(t) not in old.get(name, ()) for t in _elements(value)))]
-    _warn_naming(owner, _WARNED_STORED, modules, dicts, found, lambda where: (
-        f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} stored {where} "
-        "on a module: computed in the no-grad original pass, it has no gradient, and a loss "
-        "built from it (an auxiliary load-balancing loss) silently loses that term. Tip: "
-        "return it as an output of the layer (any PyTree), or keep the router's output with "
-        "a forward hook and compute the loss from it after the layer's call "
-        "(docs/boundary.md, 'Forward hooks inside a layer')"))
