@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -27,10 +28,10 @@ from torch.nn.parameter import is_lazy
 
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
-__all__ = ["ModuleDicts", "any_lazy", "call_switches", "collect_parameters", "drop_caches",
-           "ever_verified", "foreign_leaf", "graph_attributes", "is_verified", "mark_verified",
-           "module_buffers", "module_dicts", "owning_module", "trainable_parameters",
-           "warn_forward_hooks"]
+__all__ = ["ModuleDicts", "any_lazy", "call_switches", "changed_submodule", "collect_parameters",
+           "drop_caches", "ever_verified", "foreign_leaf", "graph_attributes", "is_verified",
+           "mark_verified", "module_buffers", "module_dicts", "owning_module",
+           "structure_generation", "trainable_parameters", "warn_forward_hooks"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -124,6 +125,42 @@ def _check_structure(module: nn.Module) -> None:
         _structure_generation += 1  # changed behind the hooks: every cache is stale
     module.__dict__[_SHAPE] = _Shape(_structure_generation, tuple(
         (weakref.ref(m), m._modules, len(m._modules)) for m in module.modules()))
+
+
+def structure_generation() -> int:
+    """The current structure generation (a count of registered submodules, process-wide)."""
+    return _structure_generation
+
+
+def changed_submodule(roots: Sequence[nn.Module], ran: Sequence[dict[str, Any]],
+                      generation: int, /) -> tuple[str, str] | None:
+    """NOTE [the replay runs the forward's submodules]: a submodule replaced, inserted or
+    removed between a call's forward and its backward (``layer.act = nn.SiLU()``,
+    ``layers[1].mlp = new_mlp``) would have the replay run another function than the one
+    that ran, and silently give other gradients (eager backpropagates through the modules
+    that ran). The forward's submodules are known (``ran``: the ``__dict__`` of each submodule
+    of ``roots``, in order, as ``module_dicts`` read them then); their objects are not kept,
+    so they cannot be put back as parameter entries are: the replay refuses. ``None`` when
+    ``roots``' trees are the ones that ran (the generation did not move: one compare per
+    replay, and a tree check as at each call), else (path, what) of the first submodule that
+    did not run, or ("", what) when one that ran is gone."""
+    for root in roots:
+        _check_structure(root)
+    if _structure_generation == generation:
+        return None
+    ran_ids = {id(d) for d in ran}
+    now: list[dict[str, Any]] = []
+    for root in roots:
+        prefix = "" if root is roots[0] else f"(argument {type(root).__name__})."
+        for path, module in root.named_modules():
+            if module is root:
+                continue
+            if id(module.__dict__) not in ran_ids:
+                return f"{prefix}{path}", f"{type(module).__name__}, not the one the forward ran"
+            now.append(module.__dict__)
+    if len(now) != len(ran) or not all(map(operator.is_, now, ran)):
+        return "", "a submodule the forward ran was removed or moved"
+    return None
 
 
 class ModuleDicts(NamedTuple):

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .module_state import ModuleDicts, ever_verified
+from .errors import CheckpointError
+from .module_state import ModuleDicts, changed_submodule, ever_verified, structure_generation
 
 __all__ = ["ChangedState", "ForwardModules", "StateWatch", "mark_stateful", "snapshots_wanted",
            "versions"]
@@ -342,12 +343,15 @@ class ForwardModules:
     empty ones (an entry added to one is not the forward's either; about 3 us for a decoder
     layer); when nothing changed (FSDP2 keeps its unsharded parameter objects), backward
     compares and changes nothing. Values are not part of it: what the
-    forward changes in place is ``StateWatch``'s.
+    forward changes in place is ``StateWatch``'s. Submodules replaced since are refused (NOTE
+    [the replay runs the forward's submodules] in module_state.py).
     """
 
-    __slots__ = ("roots", "submodules", "modes", "entries", "empty")
+    __slots__ = ("roots", "submodules", "modes", "entries", "empty", "trees", "generation")
 
     def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /) -> None:
+        self.trees = roots
+        self.generation = structure_generation()
         others = [m for tree in trees for m in tree.flagged_otherwise]
         self.roots = [*roots, *others] if others else roots
         roots = self.roots
@@ -364,7 +368,19 @@ class ForwardModules:
         self.empty = [d for d in dicts if not d]
 
     def changes(self) -> Changes | None:
-        """What differs now from the forward, or ``None`` (the usual case: nothing)."""
+        """What differs now from the forward, or ``None`` (the usual case: nothing); a
+        submodule replaced since is refused."""
+        changed = changed_submodule(self.trees, self.submodules, self.generation)
+        if changed is not None:
+            path, what = changed
+            where = f"the submodule {path}" if path else "a submodule"
+            raise CheckpointError(
+                f"{where} of the checkpointed {type(self.trees[0]).__name__} changed between "
+                "its forward and this backward: the replay would run other modules than the "
+                "forward ran, and give other gradients than eager, which backpropagates "
+                "through the modules that ran", expected="the submodules the forward ran",
+                got=f"{path}: {what}" if path else what,
+                tip="replace, insert or remove submodules between steps (after backward)")
         modes = [m.training for m in self.roots], [d.get("training") for d in self.submodules]
         # Same objects in the same order: one C-level pass per dict (a reordered dict counts as
         # swapped, harmlessly: its entries are set again).

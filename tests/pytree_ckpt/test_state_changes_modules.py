@@ -312,3 +312,82 @@ def test_an_output_discard_rebuilds_a_module_argument_in_the_forwards_mode(wrap:
         assert not layer.drop.training
         grads.append(grads_of([x, *layer.parameters()]))
     assert_same_grads(*grads)
+
+
+class Activated(nn.Module):
+    """A parameterless submodule and a ModuleList: what can be swapped without a parameter
+    that the boundary would find foreign."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = nn.GELU()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x))
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+@pytest.mark.parametrize(("change", "got"), [
+    ("replaced", "act: SiLU, not the one the forward ran"),
+    ("inserted", "blocks.0: Identity, not the one the forward ran"),  # behind torch's hooks
+    ("removed", "a submodule the forward ran was removed or moved"),
+])
+def test_a_submodule_changed_between_forward_and_backward_is_refused_naming_it(
+        change: str, got: str) -> None:
+    # The forward's module is not kept: replaying SiLU where GELU ran gave gradients 0.46 off,
+    # silently. Eager backpropagates through the modules that ran.
+    layer = pytree_ckpt.apply_activation_checkpointing(Activated())
+    x = torch.randn(5, 8, requires_grad=True)
+    layer(x).sum().backward()  # a first step: the module is verified
+    loss = layer(x).square().sum()
+    if change == "replaced":
+        layer.act = nn.SiLU()
+    elif change == "inserted":
+        layer.blocks.insert(0, nn.Identity())
+    else:
+        del layer.blocks[0]
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=f"(?s)of the checkpointed Activated changed between its forward "
+                             f"and this backward.*got: +{got}.*between steps"):
+        loss.backward()
+
+
+def test_a_submodule_changed_between_steps_gives_eager_gradients() -> None:
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = Activated()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        layer(x).sum().backward()
+        layer.act = nn.SiLU()
+        layer.blocks.insert(0, nn.Identity())
+        layer(x).square().sum().backward()
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
+
+
+def test_modules_built_elsewhere_between_forward_and_backward_change_no_gradient() -> None:
+    # Registering any submodule moves the process-wide structure generation: the replay then
+    # compares its own tree, which is unchanged.
+    from pytree_ckpt.module_state import structure_generation
+
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = Activated()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        loss = layer(x).square().sum()
+        before = structure_generation()
+        nn.Sequential(nn.Linear(2, 2))
+        assert structure_generation() > before or not wrap  # the hook is installed by a call
+        loss.backward()
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
