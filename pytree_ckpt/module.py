@@ -347,6 +347,26 @@ def layer_count(n: int, ratio: float, /) -> int:
     return math.floor(n * ratio + 1e-9)
 
 
+def listed_layers(layers: Iterable[nn.Module], where: str, /) -> list[nn.Module]:
+    """``layers`` (a ``ModuleList``, a ``Sequential``, a list, ``model.children()`` or a
+    generator) as a list, in order; one module or anything else that is not a module is
+    refused, naming ``where``."""
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        raise CheckpointConfigError(
+            f"{where} takes a sequence of layers, not one {type(layers).__name__}",
+            expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
+            got=type(layers).__name__,
+            tip="apply_activation_checkpointing(module) checkpoints one module")
+    listed = list(layers)
+    for index, layer in enumerate(listed):
+        if not isinstance(layer, nn.Module):
+            raise CheckpointConfigError(
+                f"{where} takes modules: layers[{index}] is not one",
+                expected="nn.Module", got=type(layer).__name__,
+                tip="pass model.layers (an nn.ModuleList) or a list of the layer modules")
+    return listed
+
+
 def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
                       preserve_rng_state: bool = True,
                       offload: bool | OffloadManager | None = None) -> list[int]:
@@ -354,14 +374,7 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
 
     ``offload`` is resolved once, so every layer shares one manager (one window numbering).
     """
-    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
-        raise CheckpointConfigError(
-            f"checkpoint_layers takes a sequence of layers, not one {type(layers).__name__}",
-            expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
-            got=type(layers).__name__,
-            tip="apply_activation_checkpointing(module) checkpoints one module")
-    # model.children() or a generator of layers: taken in order.
-    listed: list[nn.Module] = list(layers)
+    listed = listed_layers(layers, "checkpoint_layers")
     count = layer_count(len(listed), validate_ratio(ratio))
     manager = resolve_offload(offload)
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager)

@@ -1,4 +1,4 @@
-"""Selective save units: ``RecomputeConfig(ratio, save)`` and a model's ``RecomputeTargetMap``.
+"""Selective save units: ``RecomputeConfig(ratio, save=...)`` and a model's ``RecomputeTargetMap``.
 
 ``ratio`` decides which layers are checkpointed (the first ``int(n * ratio)``); ``save`` decides
 what stays resident inside them. A ``SaveUnit`` member means *keep this*: its outputs are kept
@@ -23,7 +23,7 @@ import json
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
@@ -34,7 +34,7 @@ from .eager import KEPT_CALLABLE_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy, never_kept
 from .module import (body_forward, install_boundary, is_checkpointed, layer_count,
-                     refuse_other_options, resolve_offload, validate_ratio)
+                     listed_layers, refuse_other_options, resolve_offload, validate_ratio)
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -254,8 +254,9 @@ class RecomputeConfig:
     """Which layers are recomputed (``ratio``) and what stays resident in them (``save``)."""
 
     ratio: float = 1.0
-    # Given as any sequence of units or their names; stored as a tuple of SaveUnit.
-    save: Sequence[SaveUnit | str] | bool | None = None
+    # Given as any sequence of units or their names; stored as a tuple of SaveUnit. An option,
+    # so keyword-only: RecomputeConfig(0.5, save=["attn"]).
+    save: Sequence[SaveUnit | str] | bool | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", validate_ratio(self.ratio))
@@ -381,7 +382,7 @@ def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[Save
     return list(config.save)
 
 
-def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
+def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                            targets: RecomputeTargetMap, /, *, preserve_rng_state: bool = True,
                            offload: bool | OffloadManager | None = None) -> list[int]:
     """Checkpoint the first ``int(n * config.ratio)`` layers keeping ``config.save``'s units.
@@ -393,7 +394,7 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
         raise CheckpointConfigError(
             "apply_recompute_config takes a RecomputeConfig", expected="RecomputeConfig",
             got=type(config).__name__,
-            tip="RecomputeConfig(ratio, save), or RecomputeConfig.from_json(text)")
+            tip="RecomputeConfig(ratio, save=[...]), or RecomputeConfig.from_json(text)")
     for unit, target in targets.items():
         if not isinstance(target, (KeptOps, KeptCallables)):
             raise CheckpointConfigError(
@@ -402,8 +403,9 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
                 got=type(target).__name__,
                 tip="KeptOps('aten::mm') keeps ops by name; KeptCallables('Gate.project') "
                     "keeps everything a method dispatches")
-    count = layer_count(len(layers), config.ratio)
-    chosen = list(layers[:count])
+    listed = listed_layers(layers, "apply_recompute_config")
+    count = layer_count(len(listed), config.ratio)
+    chosen = listed[:count]
     units = _selected(config, targets)
     if units:
         _refuse_compiled_bodies(chosen)
@@ -412,7 +414,7 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
     kept: list[tuple[nn.Module, str]] = []  # installed once every layer was checked
     if units and not chosen:
         warnings.warn(f"RecomputeConfig(ratio={config.ratio}) checkpoints none of the "
-                      f"{len(layers)} layers: the save units {[u.value for u in units]} keep "
+                      f"{len(listed)} layers: the save units {[u.value for u in units]} keep "
                       "nothing", stacklevel=2)
     for unit in units if chosen else ():
         target = targets[unit]
@@ -445,7 +447,7 @@ def apply_recompute_config(layers: Sequence[nn.Module], config: RecomputeConfig,
     # Before anything changes: refused, nothing changes.
     for index, layer in enumerate(chosen):
         refuse_other_options(layer, options, index=index)
-    _refuse_checkpointed_beyond(layers, count, config.ratio)
+    _refuse_checkpointed_beyond(listed, count, config.ratio)
     for module, name in kept:
         _refuse_unkeepable(module, name, chosen)
     for module, name in kept:

@@ -120,7 +120,8 @@ def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
              for name, value in d.items()
              if (_scalar_result(value) and old.get(name) != id(value)) or
              (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS and any(
-                 _scalar_result(t) and id(t) not in old.get(name, ()) for t in container_elements(value)))]
+                 _scalar_result(t) and id(t) not in old.get(name, ())
+                 for t in container_elements(value)))]
     _warn_naming(owner, _WARNED_STORED, modules, dicts, found, lambda where: (
         f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} stored {where} "
         "on a module: computed in the no-grad original pass, it has no gradient, and a loss "

@@ -130,7 +130,8 @@ class TorchCheckpointAdapter(nn.Module):
                 token_embeds: torch.Tensor | None = None) -> Any:
         ids = (dsa_topk_ids if dsa_topk_ids is not None
                else torch.empty(0, dtype=torch.int64, device=hidden_states.device))
-        tensors = ((hidden_states, token_embeds) if self.is_mtp else (hidden_states,))
+        tensors: tuple[torch.Tensor | None, ...] = (
+            (hidden_states, token_embeds) if self.is_mtp else (hidden_states,))
         tensors += (rope_cos, rope_sin, cu_seqlens, ids)
         options: dict[str, Any] = {"use_reentrant": self.use_reentrant}
         if self.context_fn is not None:

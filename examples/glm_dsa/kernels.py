@@ -215,6 +215,8 @@ def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, topk_ids: Tensor,
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...],
                    output: Tensor) -> None:
     q, k, v, topk_ids, softmax_scale = inputs
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and \
+        isinstance(topk_ids, Tensor)  # the op's schema: four tensors and a float
     ctx.save_for_backward(q, k, v, topk_ids)
     ctx.softmax_scale = softmax_scale  # type: ignore[attr-defined]
 

@@ -88,10 +88,10 @@ class GlmDsaForCausalLM(nn.Module):
         """
         manager = pytree_ckpt.resolve_offload(offload) or False
         targets = self.recompute_targets
-        chosen = apply_recompute_config(self.layers, RecomputeConfig(ratio, save), targets,
+        chosen = apply_recompute_config(self.layers, RecomputeConfig(ratio, save=save), targets,
                                         offload=manager)
         if mtp and len(self.mtp_layers):
-            apply_recompute_config(self.mtp_layers, RecomputeConfig(1.0, save), targets,
+            apply_recompute_config(self.mtp_layers, RecomputeConfig(1.0, save=save), targets,
                                    offload=manager)
         return chosen
 

@@ -296,12 +296,12 @@ def test_save_units_on_a_layer_with_a_compiled_body_are_refused_with_a_tip() -> 
             layer.forward = torch.compile(layer.forward, backend="eager", fullgraph=True)
         with pytest.raises(pytree_ckpt.CheckpointConfigError, match="torch.compile") as info:
             pytree_ckpt.apply_recompute_config(
-                layers, pytree_ckpt.RecomputeConfig(1.0, ["attn"]),
+                layers, pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
                 {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")}, offload=False)
         assert "layer 0" in str(info.value) and "tip:" in str(info.value)
         assert not any(pytree_ckpt.is_checkpointed(layer) for layer in layers)  # nothing changed
         # Without save units the compiled bodies are fine behind the boundary.
-        pytree_ckpt.apply_recompute_config(layers, pytree_ckpt.RecomputeConfig(1.0, None), {},
+        pytree_ckpt.apply_recompute_config(layers, pytree_ckpt.RecomputeConfig(1.0, save=None), {},
                                            offload=False)
         x = torch.randn(3, 4, requires_grad=True)
         layers[1](layers[0](x)).sum().backward()
@@ -316,7 +316,7 @@ def test_save_units_on_a_layer_compiled_whole_or_behind_an_earlier_boundary_are_
     # boundary's forward). Both run the dispatch mode around a compiled body.
     torch._dynamo.reset()
     try:
-        units = pytree_ckpt.RecomputeConfig(1.0, ["attn"])
+        units = pytree_ckpt.RecomputeConfig(1.0, save=["attn"])
         targets = {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")}
         for layer in (nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.LazyLinear(4)):
             # A lazy module compiled whole has a plain method as its forward until its first
@@ -343,7 +343,7 @@ def test_save_units_on_a_layer_whose_forward_is_excluded_from_compile_give_eager
     twin = copy.deepcopy(eager)
     twin.forward = torch.compiler.disable(twin.forward)
     pytree_ckpt.apply_recompute_config(
-        [twin], pytree_ckpt.RecomputeConfig(1.0, ["attn"]),
+        [twin], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
         {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")}, offload=False)
     assert pytree_ckpt.is_checkpointed(twin)
     x = torch.randn(3, 4, requires_grad=True)

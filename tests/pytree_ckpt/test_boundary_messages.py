@@ -536,7 +536,7 @@ def test_a_layer_list_checkpointed_again_with_other_options_names_the_layer_and_
     for apply in (lambda: pytree_ckpt.checkpoint_layers(layers, preserve_rng_state=False,
                                                         offload=False),
                   lambda: pytree_ckpt.apply_recompute_config(
-                      layers, pytree_ckpt.RecomputeConfig(1.0, ["attn"]),
+                      layers, pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
                       {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")},
                       offload=False)):
         with pytest.raises(pytree_ckpt.CheckpointConfigError) as info:

@@ -119,7 +119,7 @@ def test_a_random_op_taken_back_from_a_save_unit_redraws_the_original_numbers() 
     wrapped = copy.deepcopy(eager)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        apply_recompute_config([wrapped], RecomputeConfig(1.0, ["attn"]),
+        apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
                                {SaveUnit.ATTN: KeptOps("aten::bernoulli")}, offload=False)
         x = torch.randn(4, 8, requires_grad=True)
         assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
@@ -143,7 +143,7 @@ def test_a_replay_that_leaves_a_save_units_record_unused_is_refused() -> None:
     # Frame.check_consumed covers save units' records too: a leftover means the replay took
     # another path than the original pass.
     layer = BranchingMm()
-    apply_recompute_config([layer], RecomputeConfig(1.0, ["attn"]),
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
                            {SaveUnit.ATTN: KeptOps("aten::mm")}, offload=False)
     out = layer(torch.randn(4, 8, requires_grad=True))
     with pytest.raises(ReuseError, match=r"consumed 1 of the 2 results recorded for "
@@ -195,7 +195,7 @@ def test_save_units_with_offload_keep_their_outputs_resident_and_give_eager_grad
     eager = nn.ModuleList(SaveUnitBlock() for _ in range(2))
     wrapped = copy.deepcopy(eager)
     manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
-    apply_recompute_config(wrapped, RecomputeConfig(1.0, ["attn"]),
+    apply_recompute_config(wrapped, RecomputeConfig(1.0, save=["attn"]),
                            {SaveUnit.ATTN: KeptOps("aten::mm")}, offload=manager)
     x = torch.randn(4, 8, requires_grad=True)
 

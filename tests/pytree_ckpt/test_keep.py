@@ -42,7 +42,7 @@ def test_removing_an_outer_boundary_leaves_a_nested_layers_save_units() -> None:
     # Guards against: _own_submodules descends into submodules behind their own boundary and
     # removes their kept methods: the inner layer silently stops keeping what its config says.
     inner = Inner()
-    apply_recompute_config([inner], RecomputeConfig(1.0, ["moe_gate"]),
+    apply_recompute_config([inner], RecomputeConfig(1.0, save=["moe_gate"]),
                            {SaveUnit.MOE_GATE: KeptCallables("Gate.project")})
     outer = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(inner, nn.Linear(8, 8)))
     pytree_ckpt.remove_activation_checkpointing(outer)
@@ -54,7 +54,7 @@ def test_a_function_object_keeps_only_its_own_class_method_not_a_namesake() -> N
     # Guards against: KeptCallables.matches compares a function target by name only: Router.project
     # is wrapped (and kept) although only Gate.project was named.
     inner = Inner()
-    apply_recompute_config([inner], RecomputeConfig(1.0, ["moe_gate"]),
+    apply_recompute_config([inner], RecomputeConfig(1.0, save=["moe_gate"]),
                            {SaveUnit.MOE_GATE: KeptCallables(Gate.project)})
     assert "project" in inner.gate.__dict__
     assert "project" not in inner.router.__dict__
@@ -97,7 +97,7 @@ def test_a_kept_op_outside_aten_that_draws_random_numbers_keeps_dropout_masks_in
     torch.manual_seed(0)
     eager = NoisyThenDropout()
     wrapped = copy.deepcopy(eager)
-    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["attn"]),
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
                            {SaveUnit.ATTN: KeptOps("pytree_ckpt_proposed::noise_like")},
                            offload=False)
     x = torch.randn(4, 8, requires_grad=True)
@@ -128,9 +128,9 @@ def test_a_layer_keeping_only_ops_does_not_keep_a_nested_layers_kept_callable() 
     # keeps no callables: the outer layer (save=['attn']) also keeps everything the inner layer's
     # Gate.project dispatches, holding memory its config never asked for.
     outer = AttnOuter()
-    apply_recompute_config([outer.inner], RecomputeConfig(1.0, ["moe_gate"]),
+    apply_recompute_config([outer.inner], RecomputeConfig(1.0, save=["moe_gate"]),
                            {SaveUnit.MOE_GATE: KeptCallables("Gate.project")})
-    apply_recompute_config([outer], RecomputeConfig(1.0, ["attn"]),
+    apply_recompute_config([outer], RecomputeConfig(1.0, save=["attn"]),
                            {SaveUnit.ATTN: KeptOps("aten::mm")})
     x = torch.randn(5, 8, requires_grad=True)
     with pytree_ckpt.ActivationCensus(outer) as census:
@@ -174,7 +174,7 @@ def test_save_true_keeps_every_declared_unit_out_of_the_replay() -> None:
     torch.manual_seed(0)
     eager = MmThenGate()
     layer = copy.deepcopy(eager)
-    apply_recompute_config([layer], RecomputeConfig(1.0, True),
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=True),
                            {SaveUnit.ATTN: KeptOps("aten::mm"),
                             SaveUnit.MOE_GATE: KeptCallables("Gate.project")})
     counter = CountReplayOps()

@@ -111,7 +111,7 @@ class ScaledLayer(nn.Module):
 def _twins(layer: nn.Module, op: str) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     wrapped = copy.deepcopy(layer)
-    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["attn"]),
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
                            {SaveUnit.ATTN: KeptOps(op)}, offload=False)
     return layer, wrapped
 

@@ -164,7 +164,7 @@ class Gated(nn.Module):
 def test_removing_from_an_unwrapped_root_leaves_wrapped_layers_and_their_save_units() -> None:
     root = nn.Sequential(Gated(), Gated())
     pytree_ckpt.apply_recompute_config(
-        list(root), pytree_ckpt.RecomputeConfig(1.0, ["moe_gate"]),
+        list(root), pytree_ckpt.RecomputeConfig(1.0, save=["moe_gate"]),
         {pytree_ckpt.SaveUnit.MOE_GATE: pytree_ckpt.KeptCallables("Gate.project")})
     assert all("project" in layer.gate.__dict__ for layer in root)
     remove_activation_checkpointing(root)  # the root itself was never wrapped: a no-op
@@ -291,16 +291,29 @@ def test_a_model_with_offload_pickles_with_one_fresh_manager_shared_as_before() 
     assert pickle.loads(pickle.dumps(default)).forward.options.offload is default_manager()
 
 
-def test_checkpoint_layers_given_one_module_is_refused_with_a_tip() -> None:
-    with pytest.raises(CheckpointConfigError, match="(?s)not one Linear.*apply_activation_chec"):
-        checkpoint_layers(nn.Linear(2, 2))
+def _recompute_config(layers: Any, *, ratio: float = 1.0) -> list[int]:
+    return pytree_ckpt.apply_recompute_config(layers, pytree_ckpt.RecomputeConfig(ratio), {})
+
+
+@pytest.mark.parametrize(("apply", "name"), [(checkpoint_layers, "checkpoint_layers"),
+                                             (_recompute_config, "apply_recompute_config")])
+def test_one_module_or_a_list_with_a_non_module_is_refused_with_a_tip(apply: Any,
+                                                                       name: str) -> None:
+    with pytest.raises(CheckpointConfigError,
+                       match=f"(?s){name} takes a sequence of layers, not one Linear.*"
+                             "apply_activation_chec"):
+        apply(nn.Linear(2, 2))
+    with pytest.raises(CheckpointConfigError, match=r"(?s)layers\[1\] is not one.*got: +str"):
+        apply([nn.Linear(2, 2), "attn"])
     layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    assert checkpoint_layers(layers) == [0, 1]  # a Sequential is a sequence of layers
+    assert apply(layers) == [0, 1]  # a Sequential is a sequence of layers
 
 
-def test_checkpoint_layers_takes_a_generator_of_layers_in_order() -> None:
+@pytest.mark.parametrize("apply", [checkpoint_layers, _recompute_config],
+                         ids=["checkpoint_layers", "apply_recompute_config"])
+def test_a_generator_of_layers_is_taken_in_order(apply: Any) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
-    assert checkpoint_layers(model.children(), ratio=0.5) == [0]  # int(3 * 0.5) layers
+    assert apply(model.children(), ratio=0.5) == [0]  # int(3 * 0.5) layers
     assert [pytree_ckpt.is_checkpointed(m) for m in model] == [True, False, False]
 
 

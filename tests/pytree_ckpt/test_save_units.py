@@ -69,7 +69,7 @@ def run(save: Any, *, ratio: float = 1.0, layers: int = 3, seed: int = 0,
     torch.manual_seed(seed)
     stack = nn.ModuleList(Block() for _ in range(layers))
     if save != "eager":
-        apply_recompute_config(stack, RecomputeConfig(ratio, save), targets or TARGETS)
+        apply_recompute_config(stack, RecomputeConfig(ratio, save=save), targets or TARGETS)
     x = torch.randn(5, 8, requires_grad=True)
     if counter is None:
         counter = OpCounter()
@@ -126,14 +126,14 @@ def test_without_save_units_no_dispatch_mode_is_active_in_forward_or_replay() ->
     for save in (None, False):
         seen.clear()
         spy = Spy()
-        apply_recompute_config([spy], RecomputeConfig(1.0, save), TARGETS)
+        apply_recompute_config([spy], RecomputeConfig(1.0, save=save), TARGETS)
         spy(torch.randn(2, 4, requires_grad=True)).sum().backward()
         assert seen == [("forward", None), ("recompute", None)]
 
 
 def test_the_census_shows_kept_bytes_under_the_save_unit_mechanism() -> None:
     stack = nn.ModuleList(Block() for _ in range(2))
-    apply_recompute_config(stack, RecomputeConfig(1.0, ["attn"]), TARGETS)
+    apply_recompute_config(stack, RecomputeConfig(1.0, save=["attn"]), TARGETS)
     x = torch.randn(5, 8, requires_grad=True)
     with ActivationCensus(stack) as census:
         h = x
@@ -156,7 +156,7 @@ def test_a_kept_output_mutated_before_the_replay_raises_naming_the_op() -> None:
             return h.tanh() * 2, h
 
     layer = Returning()
-    apply_recompute_config([layer], RecomputeConfig(1.0, ["attn"]), TARGETS)
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]), TARGETS)
     out, h = layer(torch.randn(2, 4, requires_grad=True))
     with torch.no_grad():
         h.mul_(3)  # the kept output changes after the original pass, before the replay
@@ -179,7 +179,7 @@ def test_an_in_place_op_inside_a_kept_callable_is_recomputed_with_one_warning() 
     layer, other = Accumulating(), Accumulating()
     twin = copy.deepcopy(layer)
     for each in (layer, other):  # two policies: still one warning
-        apply_recompute_config([each], RecomputeConfig(1.0, ["moe_gate"]),
+        apply_recompute_config([each], RecomputeConfig(1.0, save=["moe_gate"]),
                                {SaveUnit.MOE_GATE: KeptCallables("Gate.accumulate")})
     counter = OpCounter()
     x = torch.randn(3, 8, requires_grad=True)
@@ -207,13 +207,15 @@ def test_an_in_place_op_inside_a_kept_callable_is_recomputed_with_one_warning() 
 def test_ratio_checkpoints_the_first_int_n_times_ratio_layers(ratio: float,
                                                               expected: list[int]) -> None:
     stack = nn.ModuleList(Block() for _ in range(4))
-    assert apply_recompute_config(stack, RecomputeConfig(ratio, ["attn"]), TARGETS) == expected
+    chosen = apply_recompute_config(stack, RecomputeConfig(ratio, save=["attn"]), TARGETS)
+    assert chosen == expected
     assert [pytree_ckpt.is_checkpointed(b) for b in stack] == [i in expected for i in range(4)]
 
 
-@pytest.mark.parametrize("config", [RecomputeConfig(), RecomputeConfig(0.5, True),
-                                    RecomputeConfig(1.0, False),
-                                    RecomputeConfig(0.25, ["attn", SaveUnit.MOE_GATE, "attn"])])
+@pytest.mark.parametrize("config", [RecomputeConfig(), RecomputeConfig(0.5, save=True),
+                                    RecomputeConfig(1.0, save=False),
+                                    RecomputeConfig(0.25,
+                                                    save=["attn", SaveUnit.MOE_GATE, "attn"])])
 def test_recompute_config_round_trips_through_json(config: RecomputeConfig) -> None:
     assert RecomputeConfig.from_json(config.to_json()) == config
     assert config.save is None or isinstance(config.save, (bool, tuple))
@@ -221,50 +223,52 @@ def test_recompute_config_round_trips_through_json(config: RecomputeConfig) -> N
 
 def test_recompute_config_refuses_bad_values_with_a_tip() -> None:
     with pytest.raises(CheckpointConfigError, match="unknown save unit 'atn'") as err:
-        RecomputeConfig(1.0, ["atn"])
+        RecomputeConfig(1.0, save=["atn"])
     assert "'dsa_indexer'" in str(err.value)
     with pytest.raises(CheckpointConfigError, match="wrap a single unit in a list"):
-        RecomputeConfig(1.0, "attn")  # type: ignore[arg-type]
+        RecomputeConfig(1.0, save="attn")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"ratio must be a number in \[0, 1\]"):
         RecomputeConfig(1.5)
+    with pytest.raises(TypeError, match="positional"):  # save is an option: keyword-only
+        RecomputeConfig(1.0, ["attn"])  # type: ignore[misc]
     with pytest.raises(CheckpointConfigError, match="unknown keys"):
         RecomputeConfig.from_json('{"ratio": 1.0, "keep": []}')
 
 
 def test_an_undeclared_unit_is_refused_listing_what_the_model_supports() -> None:
     with pytest.raises(ValueError, match=r"\['dsa_indexer'\] are not declared") as err:
-        apply_recompute_config([Block()], RecomputeConfig(1.0, ["dsa_indexer"]), TARGETS)
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["dsa_indexer"]), TARGETS)
     assert "['attn', 'moe_gate']" in str(err.value)
 
 
 def test_inert_selections_warn() -> None:
     with pytest.warns(UserWarning, match="declares no save units"):
-        apply_recompute_config([Block()], RecomputeConfig(1.0, True), {})
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=True), {})
     with pytest.warns(UserWarning, match=r"'attn' keeps nothing: the ops \['x::y'\] do not"):
-        apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]),
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["attn"]),
                                {SaveUnit.ATTN: KeptOps("x::y")})
     with pytest.warns(UserWarning, match="'moe_gate' keeps nothing: no checkpointed layer"):
-        apply_recompute_config([Block()], RecomputeConfig(1.0, ["moe_gate"]),
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["moe_gate"]),
                                {SaveUnit.MOE_GATE: KeptCallables("Router.project")})
     # A mistyped target names what is missing and the nearest method there is
     with pytest.warns(UserWarning, match=r"'Gat.acumulate': no class 'Gat' in the checkpointed "
                                          r"layers; did you mean 'Gate.accumulate'\?"):
-        apply_recompute_config([Block()], RecomputeConfig(1.0, ["moe_gate"]),
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["moe_gate"]),
                                {SaveUnit.MOE_GATE: KeptCallables("Gat.acumulate")})
     with warnings.catch_warnings():  # one missing name of a pair is skipped quietly
         warnings.simplefilter("error")
-        apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]), TARGETS)
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["attn"]), TARGETS)
 
 
 def test_each_inert_selection_warns_once_naming_its_own_cause() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]),
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["attn"]),
                                {SaveUnit.ATTN: KeptOps("aten::linear")})
     assert [str(w.message)[:40] for w in caught] == ["KeptOps('aten::linear') keeps nothing in"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        apply_recompute_config([Block(), Block()], RecomputeConfig(0.0, True), TARGETS)
+        apply_recompute_config([Block(), Block()], RecomputeConfig(0.0, save=True), TARGETS)
     assert [str(w.message) for w in caught] == [
         "RecomputeConfig(ratio=0.0) checkpoints none of the 2 layers: the save units "
         "['attn', 'moe_gate'] keep nothing"]
@@ -276,7 +280,7 @@ def test_a_ratio_of_zero_without_save_units_checkpoints_nothing_and_warns_nothin
         stack = nn.ModuleList(Block() for _ in range(2))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert apply_recompute_config(stack, RecomputeConfig(0.0, save), TARGETS) == []
+            assert apply_recompute_config(stack, RecomputeConfig(0.0, save=save), TARGETS) == []
         assert not any(pytree_ckpt.is_checkpointed(b) for b in stack)
 
 
@@ -286,7 +290,7 @@ def test_an_op_this_build_decomposes_before_dispatch_warns_and_the_rest_is_kept(
     # Such an op never reaches the keeping mode: naming it alone would keep nothing, silently.
     with pytest.warns(UserWarning, match=f"KeptOps\\('{name}'\\) keeps nothing in this build"
                       ) as caught:
-        apply_recompute_config([Block()], RecomputeConfig(1.0, ["attn"]),
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["attn"]),
                                {SaveUnit.ATTN: KeptOps(name, "aten::mm")})
     assert "KeptCallables" in str(caught[0].message)
     # ops with a kernel of their own are kept; listed-but-unknown overloads do not crash
@@ -378,7 +382,7 @@ def test_collectives_are_never_kept() -> None:
 def test_save_units_compose_with_nested_boundaries() -> None:
     inner = Block()
     outer_lin = nn.Linear(8, 8)
-    apply_recompute_config([inner], RecomputeConfig(1.0, ["attn"]), TARGETS)
+    apply_recompute_config([inner], RecomputeConfig(1.0, save=["attn"]), TARGETS)
 
     class Outer(nn.Module):
         def __init__(self) -> None:
@@ -393,23 +397,23 @@ def test_save_units_compose_with_nested_boundaries() -> None:
     outer(x).square().sum().backward()
     eager = [None if p.grad is None else p.grad.clone() for p in outer.parameters()]
     outer.zero_grad(set_to_none=True)
-    apply_recompute_config([outer], RecomputeConfig(1.0, ["attn"]), TARGETS)
+    apply_recompute_config([outer], RecomputeConfig(1.0, save=["attn"]), TARGETS)
     outer(x).square().sum().backward()
     assert_same_grads(eager, [p.grad for p in outer.parameters()])
 
 
 def test_applying_the_same_config_twice_is_a_no_op() -> None:
     stack = nn.ModuleList(Block() for _ in range(2))
-    config = RecomputeConfig(1.0, ["attn", "moe_gate"])
+    config = RecomputeConfig(1.0, save=["attn", "moe_gate"])
     apply_recompute_config(stack, config, TARGETS)
     apply_recompute_config(stack, config, TARGETS)
     with pytest.raises(CheckpointConfigError, match="already checkpointed"):
-        apply_recompute_config(stack, RecomputeConfig(1.0, ["attn"]), TARGETS)
+        apply_recompute_config(stack, RecomputeConfig(1.0, save=["attn"]), TARGETS)
 
 
 def test_removing_the_boundary_also_unwraps_kept_methods() -> None:
     block = Block()
-    apply_recompute_config([block], RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+    apply_recompute_config([block], RecomputeConfig(1.0, save=["moe_gate"]), TARGETS)
     assert "project" in block.gate.__dict__
     pytree_ckpt.remove_activation_checkpointing(block)
     assert "project" not in block.gate.__dict__ and not pytree_ckpt.is_checkpointed(block)
@@ -432,7 +436,7 @@ def test_a_kept_op_that_drew_random_numbers_keeps_later_dropout_masks_in_step() 
     torch.manual_seed(0)
     eager = KeptCoinFlips()
     wrapped = copy.deepcopy(eager)
-    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["attn"]),
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
                            {SaveUnit.ATTN: KeptOps("aten::bernoulli")}, offload=False)
     x = torch.randn(4, 8, requires_grad=True)
     assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
@@ -474,7 +478,7 @@ def test_a_kept_output_changed_in_place_later_in_the_forward_is_recomputed_not_k
     wrapped = copy.deepcopy(eager)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "mutates its inputs inside a kept unit": expected
-        apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+        apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["moe_gate"]),
                                {SaveUnit.MOE_GATE: KeptCallables("InPlaceGate.project")},
                                offload=False)
         grads = grads_per_model([eager, wrapped], torch.randn(3, 8, requires_grad=True), seed=0)
@@ -484,12 +488,12 @@ def test_a_kept_output_changed_in_place_later_in_the_forward_is_recomputed_not_k
 @pytest.mark.parametrize(("call", "message"), [
     (lambda: apply_recompute_config([nn.Linear(2, 2)], {"ratio": 1.0}, {}),  # type: ignore
      "takes a RecomputeConfig"),
-    (lambda: apply_recompute_config([nn.Linear(2, 2)], RecomputeConfig(1.0, ["attn"]),
+    (lambda: apply_recompute_config([nn.Linear(2, 2)], RecomputeConfig(1.0, save=["attn"]),
                                     {SaveUnit.ATTN: "aten::mm"}),  # type: ignore[dict-item]
      "neither KeptOps nor KeptCallables"),
     (lambda: RecomputeConfig.from_json("[1, null]"), "must be an object"),
     (lambda: RecomputeConfig.from_json("ratio=1"), "does not parse"),
-    (lambda: RecomputeConfig(1.0, b"attn"), "a list of save units"),  # type: ignore[arg-type]
+    (lambda: RecomputeConfig(1.0, save=b"attn"), "a list of save units"),  # type: ignore[arg-type]
 ])
 def test_malformed_configs_are_refused_with_a_config_error(call: Any, message: str) -> None:
     with pytest.raises(CheckpointConfigError, match=message):
@@ -508,7 +512,7 @@ def test_the_census_stops_counting_a_kept_output_once_it_is_taken_back() -> None
             return h * 2
 
     layer = ReluInPlace()
-    apply_recompute_config([layer], RecomputeConfig(1.0, ["attn"]), TARGETS, offload=False)
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]), TARGETS, offload=False)
     x = torch.randn(4, 8, requires_grad=True)
     with ActivationCensus(layer) as census:
         out = layer(x)
@@ -532,7 +536,7 @@ def test_a_kept_op_torch_dispatches_differently_in_the_replay_is_refused_naming_
     # the no-grad original pass (torch.matmul runs aten::bmm) and requires grad in the replay
     # (aten::mm). Refused in backward, with a tip naming torch's choice, not the user's code.
     layers = nn.ModuleList([TokenMixing()])
-    apply_recompute_config(layers, RecomputeConfig(1.0, ["attn"]),
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
                            {SaveUnit.ATTN: KeptOps("aten::mm")})
     loss = layers[0](torch.randn(2, 16, 16, requires_grad=True)).square().sum()
     with pytest.raises(ReuseError, match="(?s)aten.mm.*torch itself chooses.*weight_norm"
@@ -573,7 +577,7 @@ def test_a_reused_call_inside_a_kept_method_gives_eager_gradients() -> None:
         torch.manual_seed(0)
         layers = nn.ModuleList([ReusingLayer()])
         if wrap:
-            apply_recompute_config(layers, RecomputeConfig(1.0, ["moe_gate"]),
+            apply_recompute_config(layers, RecomputeConfig(1.0, save=["moe_gate"]),
                                    {SaveUnit.MOE_GATE: KeptCallables("ReusingRouter.project")})
         x = torch.randn(4, 8, requires_grad=True)
         layers[0](x).square().sum().backward()
@@ -640,7 +644,7 @@ def test_kept_outputs_on_a_storage_changed_in_place_later_are_all_recomputed(
     eager = model()
     wrapped = copy.deepcopy(eager)
     gate = type(eager.gate).__name__
-    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["moe_gate"]),
                            {SaveUnit.MOE_GATE: KeptCallables(f"{gate}.project")}, offload=False)
     grads = grads_per_model([eager, wrapped], torch.randn(*shape, requires_grad=True), seed=0)
     assert_same_grads(*grads)
@@ -679,7 +683,7 @@ def test_a_kept_callable_under_autocast_gives_the_gradients_of_keeping_nothing(
     unkept = TwiceProjected()
     wrapped = copy.deepcopy(unkept)
     pytree_ckpt.apply_activation_checkpointing(unkept, offload=False)
-    apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["moe_gate"]),
                            {SaveUnit.MOE_GATE: KeptCallables("SquareGate.project")},
                            offload=False)
     x = torch.randn(8, 8, requires_grad=True)  # square: w's cast fits where x's belongs
@@ -713,7 +717,7 @@ def test_a_copy_of_a_layer_with_a_kept_callable_computes_with_its_own_weights(ho
     # teacher copy silently computed with the live model's gate); pickling failed.
     torch.manual_seed(0)
     original = CopiedBlock()
-    apply_recompute_config([original], RecomputeConfig(1.0, ["moe_gate"]),
+    apply_recompute_config([original], RecomputeConfig(1.0, save=["moe_gate"]),
                            {SaveUnit.MOE_GATE: KeptCallables("Gate.project")}, offload=False)
     if how == "deepcopy":
         twin = copy.deepcopy(original)
@@ -736,9 +740,9 @@ def test_a_copy_of_a_layer_with_a_kept_callable_computes_with_its_own_weights(ho
 
 def test_a_refused_second_config_leaves_the_layers_methods_as_they_were() -> None:
     stack = nn.ModuleList(Block() for _ in range(2))
-    apply_recompute_config(stack, RecomputeConfig(1.0, ["attn"]), TARGETS)
+    apply_recompute_config(stack, RecomputeConfig(1.0, save=["attn"]), TARGETS)
     with pytest.raises(CheckpointConfigError, match="already checkpointed with other options"):
-        apply_recompute_config(stack, RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+        apply_recompute_config(stack, RecomputeConfig(1.0, save=["moe_gate"]), TARGETS)
     # The gate's method was not wrapped on the way to the refusal: the first config holds.
     assert all("project" not in layer.gate.__dict__ for layer in stack)
     pytree_ckpt.remove_activation_checkpointing(stack[0])
@@ -748,9 +752,9 @@ def test_a_refused_second_config_leaves_the_layers_methods_as_they_were() -> Non
 
 def test_applying_one_config_twice_wraps_each_kept_method_once_and_removing_unwraps_it() -> None:
     block = Block()
-    apply_recompute_config([block], RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+    apply_recompute_config([block], RecomputeConfig(1.0, save=["moe_gate"]), TARGETS)
     first = block.gate.__dict__["project"]
-    apply_recompute_config([block], RecomputeConfig(1.0, ["moe_gate"]), TARGETS)  # a no-op
+    apply_recompute_config([block], RecomputeConfig(1.0, save=["moe_gate"]), TARGETS)  # a no-op
     assert block.gate.__dict__["project"] is first
     pytree_ckpt.remove_activation_checkpointing(block)
     assert "project" not in block.gate.__dict__ and not pytree_ckpt.is_checkpointed(block)
@@ -762,7 +766,7 @@ def test_a_config_refused_by_a_later_layer_leaves_the_earlier_layers_unchanged()
     stack = nn.ModuleList(Block() for _ in range(2))
     pytree_ckpt.apply_activation_checkpointing(stack[1])
     with pytest.raises(CheckpointConfigError, match="already checkpointed with other options"):
-        apply_recompute_config(stack, RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+        apply_recompute_config(stack, RecomputeConfig(1.0, save=["moe_gate"]), TARGETS)
     assert all("project" not in layer.gate.__dict__ for layer in stack)
     assert not pytree_ckpt.is_checkpointed(stack[0])
 
@@ -801,7 +805,7 @@ def test_a_kept_router_that_normalizes_its_top_k_in_place_gets_eager_gradients()
     wrapped = copy.deepcopy(eager)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the in-place division is recomputed, with a warning
-        apply_recompute_config([wrapped], RecomputeConfig(1.0, ["moe_gate"]),
+        apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["moe_gate"]),
                                {SaveUnit.MOE_GATE: KeptCallables("NormalizingRouter.forward")},
                                offload=False)
         grads = grads_per_model([eager, wrapped], torch.randn(5, 8, requires_grad=True), seed=0)
@@ -811,7 +815,7 @@ def test_a_kept_router_that_normalizes_its_top_k_in_place_gets_eager_gradients()
 def test_a_kept_method_called_after_its_module_was_freed_is_refused_naming_the_fix() -> None:
     # The method holds its module weakly (no cycle); a bare assert fired before.
     stack = nn.ModuleList([Block()])
-    apply_recompute_config(stack, RecomputeConfig(1.0, ["moe_gate"]), TARGETS)
+    apply_recompute_config(stack, RecomputeConfig(1.0, save=["moe_gate"]), TARGETS)
     project = stack[0].gate.project
     x = torch.randn(5, 8)
     assert torch.equal(project(x), stack[0].gate.proj(x))

@@ -69,7 +69,7 @@ def _step(layers: nn.ModuleList, x: torch.Tensor, counter: OpCounter | None = No
 
 
 def _apply(layers: nn.ModuleList, *targets: str, ratio: float = 1.0) -> None:
-    apply_recompute_config(layers, RecomputeConfig(ratio, ["moe_gate"]),
+    apply_recompute_config(layers, RecomputeConfig(ratio, save=["moe_gate"]),
                            {SaveUnit.MOE_GATE: KeptCallables(*targets)})
 
 
