@@ -89,11 +89,13 @@ from .module_state import (ModuleDicts, any_lazy, call_switches, collect_paramet
 from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
-from .refusals import (fn_name, input_path, raise_input_changed, refuse_double_backward,
+from .refusals import (fn_name, input_path, raise_input_changed,
+                       raise_parameter_changed_after_call, refuse_double_backward,
                        refuse_hidden_outputs, refuse_unreadable_inputs)
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (ChangedState, ForwardModules, StateWatch, mark_stateful,
                             snapshots_wanted, versions)
+from .stored_state import warn_parameter_changed
 from .subclass import SubclassKind, kind_of
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
 
@@ -174,7 +176,7 @@ class BoundaryCall:
                  "attributes", "buffer_dicts", "frozen", "frozen_at_call", "changed_state",
                  "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
-                 "switches", "inference", "saved_versions")
+                 "switches", "inference", "saved_versions", "param_versions")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -214,6 +216,9 @@ class BoundaryCall:
         # What ctx saved, as versions when saved: names an input changed after the call where
         # torch has no SavedTensor.unpack() (before 2.12; refusals.raise_changed_after_call).
         self.saved_versions: list[int | None] = []
+        # The trainable parameters' versions as the original pass (or the last replay) left
+        # them (NOTE [parameters changed in place] in refusals.py).
+        self.param_versions: list[int | None] | None = None
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in state_changes.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
@@ -334,6 +339,8 @@ class _BoundaryFunction(torch.autograd.Function):
         now = versions(tensors)
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
             if now != input_versions else []
+        if call.params:  # NOTE [parameters changed in place] (refusals.py)
+            call.param_versions = versions(call.params)
         # NOTE [attributes set before the call], continued: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
         call.saved_versions = versions(saved) if call.attributes else now
@@ -429,6 +436,21 @@ class _BoundaryFunction(torch.autograd.Function):
         call: BoundaryCall = ctx.call
         if torch.is_grad_enabled():  # refused (no closure made per call otherwise)
             refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
+        if call.param_versions is not None:
+            assert call.params is not None
+            if versions(call.params) != call.param_versions:
+                raise_parameter_changed_after_call(call)
+            grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
+            now = versions(call.params)
+            if now != call.param_versions:  # the replay changed one again
+                warn_parameter_changed(call, call.param_versions)
+                call.param_versions = now  # a second backward (retain_graph) compares with it
+            return grads
+        return _BoundaryFunction._replay(ctx, call, grad_outputs)
+
+    @staticmethod
+    def _replay(ctx: Any, call: BoundaryCall, grad_outputs: tuple[torch.Tensor | None, ...]
+                ) -> Any:
         changes = call.forward_modules.changes() if call.forward_modules is not None else None
         if changes is None:
             return replay_backward(ctx, call, grad_outputs)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # the boundary imports this module
 
 __all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "container_elements", "fn_name",
            "input_path", "open_containers", "raise_attached_to_outside_tensor",
-           "raise_changed_after_call", "raise_hooked_outside_tensor", "raise_input_changed",
+           "parameter_path", "raise_changed_after_call", "raise_hooked_outside_tensor",
+           "raise_input_changed", "raise_parameter_changed_after_call",
            "raise_torch_reentrant_inside", "refuse_double_backward", "refuse_filled_containers",
            "refuse_hidden_outputs", "refuse_module_tensor", "refuse_unreadable_inputs",
            "require_callable", "verify_leaves"]
@@ -448,12 +449,58 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
             expected="inputs, and parameters of the module or of modules passed as arguments",
             got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
             tip="pass the tensor (or the module owning it) as an argument, or register it as a "
-                "parameter of a submodule")
+                "parameter of a submodule; a leaf the forward makes itself for a gradient "
+                "inside it (pos.detach().requires_grad_() for forces = -dE/dpos) is one the "
+                "boundary cannot tell from an outside tensor: leave that module "
+                "uncheckpointed")
     # fn is the module itself (checkpoint(module, x)): its own hooks run inside the boundary.
     # So do those of a module passed as an argument, when fn calls it.
     passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
     warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
     mark_verified(call.owner, call.switches)
+
+
+def parameter_path(modules: Sequence[nn.Module], tensor: torch.Tensor, /) -> str:
+    """Where ``modules`` (the call's own module first, then modules passed in) hold
+    ``tensor`` as a parameter, or "a parameter"."""
+    for root in modules:
+        prefix = "" if root is modules[0] else f"(argument {type(root).__name__})."
+        for path, param in root.named_parameters(remove_duplicate=False):
+            if param is tensor:
+                return prefix + path
+    return "a parameter"
+
+
+def raise_parameter_changed_after_call(call: BoundaryCall, /) -> NoReturn:
+    """NOTE [parameters changed in place]: the replay runs on the parameters as they are in
+    backward. One changed in place between a call's forward and its backward (an optimizer
+    step on a GAN's discriminator before the generator's backward through it, ``p.add_()``
+    under no-grad) would be replayed with its new values and give other gradients, silently;
+    eager refuses when an op saved it, and the boundary refuses for every trainable parameter
+    whose version moved (versions read after the original pass, compared before the replay).
+    One the forward itself changes in place (a weight constraint, ``nn.Embedding``'s
+    ``max_norm`` renorm) is changed again by the replay: exact only when repeating the change
+    leaves it as it is; warned once per module when the replay moves a version again
+    (``warn_parameter_changed`` in stored_state.py; a change inside
+    ``reuse_during_recompute`` is not replayed, and not told). Writes through ``.data``, and
+    FSDP2's all-gathers (which keep the version counter), are not seen."""
+    assert call.params is not None and call.param_versions is not None
+    moved = [(p, version) for p, version in zip(call.params, call.param_versions)
+             if version is not None and p._version != version]
+    modules = call.forward_modules.roots if call.forward_modules is not None else \
+        [call.owner] if call.owner is not None else []
+    paths = [parameter_path(modules, p) for p, _ in moved]
+    first, version = moved[0]
+    raise CheckpointError(
+        f"{fn_name(call.fn)}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
+        f"{'were' if len(paths) > 1 else 'was'} changed in place between the forward and this "
+        "backward (an optimizer step, an in-place update under no_grad): the replay would run "
+        "on the new values and give other gradients than the forward's",
+        expected="trainable parameters left as the forward used them until its backward",
+        got=f"{paths[0]}: version {version} at the forward, {first._version} now",
+        tip="run backward before changing the parameters (step the optimizer after "
+            "backward), or keep a detached copy for the forward (torch.func.functional_call "
+            "with cloned parameters)")
 
 
 def refuse_module_tensor(foreign: torch.Tensor, modules: Sequence[nn.Module], /) -> None:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .eager import user_stacklevel
-from .refusals import container_elements
+from .refusals import container_elements, fn_name, parameter_path
 
-__all__ = ["stored_numbers", "stored_tensors", "warn_changed_numbers",
+if TYPE_CHECKING:  # the boundary imports this module
+    from .boundary import BoundaryCall
+
+__all__ = ["stored_numbers", "stored_tensors", "warn_changed_numbers", "warn_parameter_changed",
            "warn_stacked_checkpointing", "warn_stored_scalars"]
 
 _WARNED_STORED = "_pytree_ckpt_warned_stored"
@@ -152,3 +155,30 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
         "Tip: keep such state in a buffer (register_buffer), which the replay changes a copy "
         "of, and change it outside the checkpointed call if the output reads it "
         "(docs/boundary.md, 'Module state ends the step as in eager')"))
+
+
+_WARNED_PARAMETER = "_pytree_ckpt_warned_parameter"
+
+
+def warn_parameter_changed(call: BoundaryCall, before: list[int | None], /) -> None:
+    """NOTE [parameters changed in place] (refusals.py): the replay changed a trainable
+    parameter in place (``before``: the versions it started from), as the original pass did.
+    Said once per module, naming the parameters."""
+    assert call.params is not None
+    held = call.owner.__dict__ if call.owner is not None else None
+    if held is not None and held.get(_WARNED_PARAMETER):
+        return
+    if held is not None:
+        held[_WARNED_PARAMETER] = True
+    modules = [call.owner] if call.owner is not None else []
+    paths = [parameter_path(modules, p) for p, version in zip(call.params, before)
+             if version is not None and p._version != version]
+    warnings.warn(
+        f"pytree_ckpt: the forward of {fn_name(call.fn)} changed its "
+        f"parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} in place, and its replay "
+        "in backward changes it again: exact only "
+        "if repeating the change leaves it as it is (a renorm, a clamp; nn.Embedding's "
+        "max_norm), otherwise the step ends with the change made twice and other gradients. "
+        "Tip: make the change outside the checkpointed call (before the forward, or after "
+        "the optimizer step), or compute with a changed copy (w = self.weight * 0.5)",
+        stacklevel=user_stacklevel())

@@ -272,6 +272,7 @@ def test_a_reused_call_the_caller_wraps_in_no_grad_may_return_floats_and_matches
     assert eager.router.gate.weight.grad is None  # frozen in eager too
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # the update is not replayed: not warned
 def test_fn_runs_under_the_callers_no_grad_as_in_eager() -> None:
     # numpy and in-place parameter updates (k-means centroids) need no-grad, as in eager.
     class Clusters(nn.Module):

@@ -4,6 +4,8 @@ dicts with what the caller left, and fails if one piece of ``ForwardModules`` is
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -390,4 +392,76 @@ def test_modules_built_elsewhere_between_forward_and_backward_change_no_gradient
         assert structure_generation() > before or not wrap  # the hook is installed by a call
         loss.backward()
         grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
+
+
+def test_a_parameter_changed_in_place_between_forward_and_backward_is_refused_as_in_eager(
+) -> None:
+    # An optimizer step on a GAN's discriminator before the generator's backward through it:
+    # the replay ran on the new weights and gave another x.grad, silently.
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model)
+        x = torch.randn(3, 4, requires_grad=True)
+        loss = model(x).sum()
+        version = model[2].weight._version
+        with torch.no_grad():
+            model[2].weight.add_(0.5)
+        if not wrap:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+            continue
+        with pytest.raises(pytree_ckpt.CheckpointError,
+                           match=r"(?s)Sequential's parameter 2\.weight was changed in place "
+                                 r"between the forward and this backward.*got: +2\.weight: "
+                                 f"version {version} at the forward, {version + 1} now"
+                                 r".*step the optimizer after"):
+            loss.backward()
+        assert x.grad is None and model[0].weight.grad is None  # nothing half-done
+
+
+class Constrained(nn.Module):
+    """Changes its own trainable weight in the forward (``scale`` each call)."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(4, 4), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.lin.weight.mul_(self.scale)
+        return torch.tanh(self.lin(x))
+
+
+def test_a_forward_that_changes_a_parameter_in_place_is_warned_once_naming_it() -> None:
+    # The replay changes it again: halving twice ends the step at a quarter.
+    layer = pytree_ckpt.apply_activation_checkpointing(Constrained(0.5))
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = layer(x).sum()
+    with pytest.warns(UserWarning, match=r"the forward of Constrained changed its parameter "
+                                         r"lin\.weight in place, and its replay in backward "
+                                         r"changes it again"):
+        loss.backward(retain_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss.backward()  # the replay's change is its own: no refusal, and said once
+        layer(x).sum().backward()
+
+
+def test_an_idempotent_change_to_a_parameter_in_the_forward_gives_eager_gradients() -> None:
+    # nn.Embedding(max_norm=...) renormalizes its weight in place at each call: repeating it
+    # changes nothing, so the replay is exact (and warned about, as it cannot tell).
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 4))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        ids = torch.tensor([1, 3, 3, 7])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            layer(ids).square().sum().backward()
+        grads.append(grads_of([*layer.parameters()]) + [layer[0].weight.detach().clone()])
     assert_same_grads(*grads)
