@@ -431,6 +431,7 @@ class OffloadManager:
         storages stay on the device even when a window tensor shares them (the boundary passes
         its module's parameters, so that a ``.detach()`` alias of one is not copied).
         """
+        _refuse_non_tensors(tensors)
         window = self._open(tensors, name, resident)
 
         def pack(tensor: torch.Tensor) -> Any:
@@ -530,6 +531,23 @@ class OffloadManager:
             if not earlier.restored:
                 targets.append(earlier)
         return targets
+
+
+def _refuse_non_tensors(tensors: Any, /) -> None:
+    """``window``'s argument: a sequence of tensors (iterating one tensor would give its
+    rows, each a view of its storage)."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple, Sequence)):
+        raise CheckpointConfigError(
+            "OffloadManager.window takes a list or tuple of tensors",
+            expected="Sequence[torch.Tensor]", got=type(tensors).__name__,
+            tip="wrap one tensor in a list: manager.window([x])")
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointConfigError(
+                f"OffloadManager.window takes tensors: tensors[{index}] is not one",
+                expected="torch.Tensor", got=type(tensor).__name__,
+                tip="pass only the tensors whose storages the block's saves should go to host "
+                    "from (leave out None and other values)")
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:

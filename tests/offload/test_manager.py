@@ -546,6 +546,22 @@ def test_bad_offload_config_is_refused_with_a_tip(field: str, value: Any) -> Non
         OffloadConfig(**{field: value})
 
 
+@pytest.mark.parametrize(("tensors", "message"), [
+    ([None], r"tensors\[0\] is not one(?s:.*)got: +NoneType"),
+    ((torch.ones(2), 3), r"tensors\[1\] is not one(?s:.*)got: +int"),
+    (torch.ones(3), r"takes a list or tuple of tensors(?s:.*)manager.window\(\[x\]\)"),
+], ids=["None", "an int", "a bare tensor"])
+def test_a_window_over_something_other_than_tensors_is_refused_naming_it(
+        tensors: Any, message: str) -> None:
+    # It raised "'NoneType' object has no attribute '_base'"; a bare tensor was iterated row
+    # by row.
+    m = manager()
+    with pytest.raises(CheckpointConfigError, match=message):
+        with m.window(tensors):
+            pass
+    assert m.stats()["offloaded_bytes"] == 0
+
+
 def test_the_census_shows_offloaded_bytes_and_flags_a_copy_that_saved_nothing() -> None:
     m = manager()
     layers = offloaded_stack(m, 3)
