@@ -54,7 +54,8 @@ from .pool import HostPool
 from .streams import CopyEngine
 from .window import Copy, Handle, Pass, Window
 
-__all__ = ["OffloadConfig", "OffloadManager", "Window", "default_manager", "env_flag"]
+__all__ = ["OffloadConfig", "OffloadManager", "Window", "default_manager", "env_flag",
+           "is_default_manager"]
 
 log = logging.getLogger(__name__)
 
@@ -562,6 +563,12 @@ def _new_manager(config: OffloadConfig, device: str) -> OffloadManager:
 
 _default_managers: dict[str, OffloadManager] = {}
 _default_lock = threading.Lock()
+
+
+def is_default_manager(manager: OffloadManager, /) -> bool:
+    """Whether ``manager`` is a default one (``offload=True``); creates none."""
+    with _default_lock:
+        return any(m is manager for m in _default_managers.values())
 
 
 def default_manager() -> OffloadManager:

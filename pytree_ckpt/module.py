@@ -25,6 +25,7 @@ it would keep computing with the original's weights.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -277,11 +278,33 @@ def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
         name = type(module).__name__
         where, ref = (name, "module") if index is None else \
             (f"layer {index} ({name})", f"layers[{index}]")
+        fields = [field.name for field in dataclasses.fields(BoundaryOptions)
+                  if getattr(installed.options, field.name) != getattr(options, field.name)]
+        env = (" (offload=None reads XTUNER_ACTIVATION_OFFLOAD: a value changed between two "
+               "applies counts)" if "offload" in fields else "")
         raise CheckpointConfigError(
-            f"{where} is already checkpointed with other options",
-            expected=installed.options, got=options,
-            tip=f"call remove_activation_checkpointing({ref}) first, then apply again")
+            f"{where} is already checkpointed with other options: {', '.join(fields)} "
+            f"{'differ' if len(fields) > 1 else 'differs'}",
+            expected="as installed: " + _describe_options(installed.options, fields),
+            got="as requested now: " + _describe_options(options, fields),
+            tip=f"call remove_activation_checkpointing({ref}) first, then apply again{env}")
     return installed is not None
+
+
+def _describe_options(options: BoundaryOptions, fields: list[str], /) -> str:
+    """The ``fields`` of ``options``, as a user set them (a manager by its config)."""
+    from offload.manager import is_default_manager
+
+    parts = []
+    for field in fields:
+        value = getattr(options, field)
+        if field == "offload":
+            value = "off" if value is None else (
+                f"the default manager (offload=True) on {value.device}"
+                if is_default_manager(value) else
+                f"an OffloadManager({value.config}) on {value.device}, id {id(value):#x}")
+        parts.append(f"{field}={value}")
+    return ", ".join(parts)
 
 
 def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from .eager import user_stacklevel
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ModuleDicts", "any_lazy", "call_switches", "changed_submodule", "collect_parameters",
@@ -356,8 +357,10 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
             "that keeps what an earlier hook rewrote: only the module's own output is "
             f"recorded).{unrecorded} Tip: keep the module output itself in the hook and "
             "compute from it after the layer's call, or return such values as outputs of the "
-            "layer (any PyTree).",
-            stacklevel=2)
+            "layer (any PyTree); once your hooks are such, silence this with "
+            "warnings.filterwarnings(\"ignore\", message=\"pytree_ckpt: forward hooks "
+            "inside\") (docs/boundary.md, 'Forward hooks inside a layer').",
+            stacklevel=user_stacklevel())
 
 
 def any_lazy(trees: Sequence[ModuleDicts], /) -> bool:

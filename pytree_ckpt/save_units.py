@@ -378,7 +378,11 @@ def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[Save
         raise CheckpointConfigError(
             f"save units {[u.value for u in missing]} are not declared by this model",
             expected=[u.value for u in declared], got=[u.value for u in config.save],
-            tip="choose among the units the model's RecomputeTargetMap declares")
+            tip="choose among the units the model's RecomputeTargetMap declares" if declared
+            else "declare what each unit keeps in the targets, the third argument: "
+                 "{'attn': KeptOps('aten::_scaled_dot_product_flash_attention_for_cpu')} keeps "
+                 "an op's outputs, {'moe_gate': KeptCallables('Router.forward')} a method's "
+                 "(docs/save_units.md, 'Declaring targets for your model')")
     return list(config.save)
 
 

@@ -601,3 +601,32 @@ def test_checkpoint_layers_with_offload_false_offloads_nothing_whatever_the_envi
         before = manager.stats()["offloaded_bytes"]
         layers[1](layers[0](x)).sum().backward()
         assert (manager.stats()["offloaded_bytes"] > before) is moves
+
+
+def test_applying_again_with_other_options_names_what_differs_as_installed_and_requested(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import offload
+    from offload import manager as offload_manager
+
+    layer = nn.Linear(2, 2)
+    mine = offload.OffloadManager(offload.OffloadConfig(min_bytes=0))
+    apply_activation_checkpointing(layer, offload=mine)
+    defaults = dict(offload_manager._default_managers)
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "0")
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(layer)  # the variable says off
+    message = str(err.value)
+    assert "already checkpointed with other options: offload differs" in message
+    assert "as installed: offload=an OffloadManager(OffloadConfig(min_bytes=0" in message
+    assert "as requested now: offload=off" in message
+    assert "XTUNER_ACTIVATION_OFFLOAD" in message and "remove_activation_checkpointing" in message
+    assert offload_manager._default_managers == defaults  # naming them created none
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(layer, offload=True, preserve_rng_state=False)
+    message = str(err.value)
+    assert "preserve_rng_state, offload differ" in message
+    assert "as requested now: preserve_rng_state=False, offload=the default manager" in message
+    with pytest.raises(CheckpointConfigError) as err:
+        checkpoint_layers([nn.Linear(2, 2), layer], offload=False)
+    assert "layer 1 (Linear) is already checkpointed" in str(err.value)
+    assert "remove_activation_checkpointing(layers[1])" in str(err.value)

@@ -239,6 +239,12 @@ def test_an_undeclared_unit_is_refused_listing_what_the_model_supports() -> None
     with pytest.raises(ValueError, match=r"\['dsa_indexer'\] are not declared") as err:
         apply_recompute_config([Block()], RecomputeConfig(1.0, save=["dsa_indexer"]), TARGETS)
     assert "['attn', 'moe_gate']" in str(err.value)
+    assert "choose among the units" in str(err.value)
+    # With no targets at all, the tip shows how to declare one (it said to choose among none).
+    with pytest.raises(ValueError, match=r"(?s)\['attn'\] are not declared.*expected: \[\]"
+                                         r".*declare what each unit keeps in the targets, the "
+                                         r"third argument: \{'attn': KeptOps\("):
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["attn"]), {})
 
 
 def test_inert_selections_warn() -> None:
