@@ -3,7 +3,6 @@
 Importing this package touches no accelerator and imports no optional dependency.
 """
 
-from .boundary import BoundaryOptions
 from .functional import checkpoint, checkpointed
 from .census import ActivationCensus, Mechanism
 from .discard import CheckpointWithoutOutput, CheckpointWithoutOutputManager
@@ -20,7 +19,6 @@ from .save_units import (KeptCallables, KeptOps, RecomputeConfig, RecomputeTarge
 
 __all__ = [
     "ActivationCensus",
-    "BoundaryOptions",
     "CheckpointConfigError",
     "CheckpointError",
     "CheckpointWithoutOutput",

@@ -416,6 +416,8 @@ class ActivationCensus:
                  "-" * 77]
         lines += [f"{r['module']:<32.32} {r['mechanism']:<20} {r['device']:<8} {r['bytes']:>14,}"
                   for r in data["rows"]]
+        if not data["rows"]:
+            lines.append("(nothing held: no saved activation is alive)")
         lines.append("-" * 77)
         for device, nbytes in sorted(data["by_device"].items()):
             lines.append(f"{'total':<32} {'':<20} {device:<8} {nbytes:>14,}")
