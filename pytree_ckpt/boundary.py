@@ -439,7 +439,9 @@ class _BoundaryFunction(torch.autograd.Function):
         if call.param_versions is not None:
             assert call.params is not None
             if versions(call.params) != call.param_versions:
-                raise_parameter_changed_after_call(call)
+                raise_parameter_changed_after_call(
+                    fn_name(call.fn), call.params, call.param_versions,
+                    call.forward_modules.roots if call.forward_modules is not None else [])
             grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
             now = versions(call.params)
             if now != call.param_versions:  # the replay changed one again

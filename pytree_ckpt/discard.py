@@ -55,7 +55,8 @@ import torch
 from torch import nn
 
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
-from .refusals import refuse_double_backward, refuse_module_tensor
+from .refusals import (raise_parameter_changed_after_call, refuse_double_backward,
+                       refuse_module_tensor)
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
@@ -131,6 +132,8 @@ class _DiscardFunction(torch.autograd.Function):
             _raise_input_changed(owner, args, tensors[moved[0]])
         if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
             owner.changed_state = watch.changed()
+        if owner.params:  # NOTE [parameters changed in place] (refusals.py)
+            owner.param_versions = versions(owner.params)
         if owner.modules:  # NOTE [the replay sees the forward's modules] (state_changes.py)
             owner.forward_modules = ForwardModules(
                 owner.modules, [module_dicts(m) for m in owner.modules])
@@ -271,6 +274,8 @@ class CheckpointWithoutOutput:
         self.passthrough = False  # ran without grad: no graph, nothing to discard or replay
         self.n_args = 0
         self.params: list[torch.Tensor] | None = None  # fn's parameters, when fn is a module
+        # Their versions after the forward (NOTE [parameters changed in place] in refusals.py).
+        self.param_versions: list[int | None] | None = None
         self.made_outside: list[bool] = []  # per output: on an input's or fn's state's storage
         self.versions: list[int] = []  # per output, when checkpointed
         self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
@@ -442,6 +447,12 @@ class CheckpointWithoutOutput:
                                   expected="one replay per forward", got="a second replay",
                                   tip="retain_graph=True cannot replay a discarded output twice")
         self.replayed = True
+        if self.param_versions is not None:
+            assert self.params is not None
+            if versions(self.params) != self.param_versions:
+                raise_parameter_changed_after_call(
+                    self._name(), self.params, self.param_versions,
+                    self.forward_modules.roots if self.forward_modules is not None else [])
         saved = iter(self._saved())
         self.detached = []
         assert self.env is not None and self.fn is not None

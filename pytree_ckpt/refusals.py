@@ -471,7 +471,9 @@ def parameter_path(modules: Sequence[nn.Module], tensor: torch.Tensor, /) -> str
     return "a parameter"
 
 
-def raise_parameter_changed_after_call(call: BoundaryCall, /) -> NoReturn:
+def raise_parameter_changed_after_call(where: str, params: Sequence[torch.Tensor],
+                                       versions: Sequence[int | None],
+                                       modules: Sequence[nn.Module], /) -> NoReturn:
     """NOTE [parameters changed in place]: the replay runs on the parameters as they are in
     backward. One changed in place between a call's forward and its backward (an optimizer
     step on a GAN's discriminator before the generator's backward through it, ``p.add_()``
@@ -483,16 +485,15 @@ def raise_parameter_changed_after_call(call: BoundaryCall, /) -> NoReturn:
     leaves it as it is; warned once per module when the replay moves a version again
     (``warn_parameter_changed`` in stored_state.py; a change inside
     ``reuse_during_recompute`` is not replayed, and not told). Writes through ``.data``, and
-    FSDP2's all-gathers (which keep the version counter), are not seen."""
-    assert call.params is not None and call.param_versions is not None
-    moved = [(p, version) for p, version in zip(call.params, call.param_versions)
+    FSDP2's all-gathers (which keep the version counter), are not seen. Output discard's
+    rebuild (discard.py) checks its op's parameters the same way. ``where`` names the
+    function; ``modules`` hold ``params``, for their paths."""
+    moved = [(p, version) for p, version in zip(params, versions)
              if version is not None and p._version != version]
-    modules = call.forward_modules.roots if call.forward_modules is not None else \
-        [call.owner] if call.owner is not None else []
     paths = [parameter_path(modules, p) for p, _ in moved]
     first, version = moved[0]
     raise CheckpointError(
-        f"{fn_name(call.fn)}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
+        f"{where}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
         f"{'were' if len(paths) > 1 else 'was'} changed in place between the forward and this "
         "backward (an optimizer step, an in-place update under no_grad): the replay would run "
         "on the new values and give other gradients than the forward's",

@@ -255,3 +255,30 @@ def test_a_restricted_backward_that_skips_the_ops_own_backward_changes_its_state
     out.sum().backward(inputs=[proj.weight])
     assert_same_grads(_state(twins[0]), _state(norm))
     assert torch.equal(twins[1].weight.grad, proj.weight.grad)
+
+
+def test_a_parameter_of_the_discarded_op_changed_before_backward_is_refused_as_in_eager() -> None:
+    # NOTE [parameters changed in place]: the rebuild ran on the new weight, silently; eager
+    # refuses (the norm's multiply saved its weight).
+    for discard in (False, True):
+        norm, proj = nn.LayerNorm(8), nn.Linear(8, 8)
+        x = torch.randn(4, 8, requires_grad=True)
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            h = ckpt.checkpoint(norm, x)
+            out = proj(h)
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = proj(norm(x))
+        version = norm.weight._version
+        with torch.no_grad():
+            norm.weight.mul_(2.0)
+        if not discard:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+            continue
+        with pytest.raises(CheckpointError,
+                           match=r"(?s)LayerNorm's parameter weight was changed in place "
+                                 f".*got: +weight: version {version} at the forward, "
+                                 f"{version + 1} now"):
+            out.sum().backward()
