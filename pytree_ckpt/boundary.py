@@ -94,7 +94,7 @@ from .refusals import (fn_name, input_path, raise_input_changed,
                        refuse_hidden_outputs, refuse_unreadable_inputs)
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (ChangedState, ForwardModules, StateWatch, mark_stateful,
-                            snapshots_wanted, versions)
+                            parameter_versions, snapshots_wanted, versions)
 from .stored_state import warn_parameter_changed
 from .subclass import SubclassKind, kind_of
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
@@ -340,7 +340,7 @@ class _BoundaryFunction(torch.autograd.Function):
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
             if now != input_versions else []
         if call.params:  # NOTE [parameters changed in place] (refusals.py)
-            call.param_versions = versions(call.params)
+            call.param_versions = parameter_versions(call.params)
         # NOTE [attributes set before the call], continued: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
         call.saved_versions = versions(saved) if call.attributes else now
@@ -438,12 +438,12 @@ class _BoundaryFunction(torch.autograd.Function):
             refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
         if call.param_versions is not None:
             assert call.params is not None
-            if versions(call.params) != call.param_versions:
+            if parameter_versions(call.params) != call.param_versions:
                 raise_parameter_changed_after_call(
                     fn_name(call.fn), call.params, call.param_versions,
                     call.forward_modules.roots if call.forward_modules is not None else [])
             grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
-            now = versions(call.params)
+            now = parameter_versions(call.params)
             if now != call.param_versions:  # the replay changed one again
                 warn_parameter_changed(call, call.param_versions)
                 call.param_versions = now  # a second backward (retain_graph) compares with it

@@ -64,7 +64,8 @@ from .discard_aliases import made_outside, reachable_tensors, root_key
 from .module_state import (ModuleDicts, collect_parameters, foreign_leaf, module_dicts,
                            owning_module)
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import ChangedState, ForwardModules, StateWatch, versions
+from .state_changes import (ChangedState, ForwardModules, StateWatch, parameter_versions,
+                            versions)
 from .tree import flatten
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "DISCARDED_MARK",
@@ -133,7 +134,7 @@ class _DiscardFunction(torch.autograd.Function):
         if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
             owner.changed_state = watch.changed()
         if owner.params:  # NOTE [parameters changed in place] (refusals.py)
-            owner.param_versions = versions(owner.params)
+            owner.param_versions = parameter_versions(owner.params)
         if owner.modules:  # NOTE [the replay sees the forward's modules] (state_changes.py)
             owner.forward_modules = ForwardModules(
                 owner.modules, [module_dicts(m) for m in owner.modules])
@@ -449,7 +450,7 @@ class CheckpointWithoutOutput:
         self.replayed = True
         if self.param_versions is not None:
             assert self.params is not None
-            if versions(self.params) != self.param_versions:
+            if parameter_versions(self.params) != self.param_versions:
                 raise_parameter_changed_after_call(
                     self._name(), self.params, self.param_versions,
                     self.forward_modules.roots if self.forward_modules is not None else [])

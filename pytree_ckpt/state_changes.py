@@ -23,13 +23,22 @@ from torch import nn
 from .errors import CheckpointError
 from .module_state import ModuleDicts, changed_submodule, ever_verified, structure_generation
 
-__all__ = ["ChangedState", "ForwardModules", "StateWatch", "mark_stateful", "snapshots_wanted",
-           "versions"]
+__all__ = ["ChangedState", "ForwardModules", "StateWatch", "mark_stateful", "parameter_versions",
+           "snapshots_wanted", "versions"]
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
     # Inference tensors keep no version counter (and cannot be changed outside inference mode).
     return [None if t.is_inference() else t._version for t in tensors]
+
+
+def parameter_versions(params: Sequence[torch.Tensor], /) -> list[int | None]:
+    """``versions`` of trainable parameters, read at each call: never inference tensors but
+    in a module built under inference mode (asking raises there), so asked only then."""
+    try:
+        return [p._version for p in params]
+    except RuntimeError:
+        return versions(params)
 
 
 _Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
