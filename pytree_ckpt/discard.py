@@ -15,7 +15,11 @@ NOTE [discard lifetimes]:
 3. The hook on ``hook_tensor``'s gradient reruns ``fn`` with grad enabled, resizes each storage
    back, and copies the recomputed bytes into *that very storage*, so every alias sees them.
    The recomputed outputs are kept for the Function's backward, which backpropagates through
-   the small recomputed graph when autograd reaches it.
+   the small recomputed graph when autograd reaches it. When the Function's node is freed
+   without its backward having run (a restricted backward that did not need it, a graph
+   dropped after the forward), what the checkpoint kept is released with it, as eager's
+   saved tensors are; a checkpoint whose node is gone before the hook fires (its output
+   went unused: nothing in the graph reads it) is not rebuilt.
 4. A manager replays several chained checkpoints (a later one may take an earlier one's
    discarded output as input) in forward order, from one hook, once.
 5. The rebuild runs ``fn`` again, and with it what ``fn`` changes of its modules' state
@@ -45,6 +49,7 @@ intermediates go unsaved.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -110,6 +115,14 @@ def _refuse_output(owner: CheckpointWithoutOutput, got: Any) -> None:
             "pytree_ckpt.checkpoint instead")
 
 
+def _graph_freed(owner_ref: weakref.ref[CheckpointWithoutOutput], _: Any) -> None:
+    """The checkpoint's node was freed (NOTE [discard lifetimes] 3): drop what it kept."""
+    owner = owner_ref()
+    if owner is not None:
+        owner.recomputed = owner.detached = None
+        owner.outputs = ()
+
+
 class _DiscardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
@@ -156,7 +169,8 @@ class _DiscardFunction(torch.autograd.Function):
         owner.made_outside = made_outside(outputs, tensors, owner.fn, args, owner.reachable)
         owner.reachable = None  # found for this call only
         ctx.save_for_backward(*tensors)
-        owner.ctx = weakref.ref(ctx)  # weak: the node owns us, not the other way round
+        # Weak: the node owns us, not the other way round; its end releases what we kept.
+        owner.ctx = weakref.ref(ctx, functools.partial(_graph_freed, weakref.ref(owner)))
         return outputs
 
     @staticmethod
@@ -442,12 +456,15 @@ class CheckpointWithoutOutput:
     def _hook(self, grad: torch.Tensor) -> None:
         self._replay()
 
-    def _replay(self) -> None:
+    def _replay(self) -> bool:
+        """Rebuild the outputs; ``False`` when the node is gone (nothing to rebuild for)."""
         if self.replayed:
             raise CheckpointError(f"the output of {self._name()} was already replayed",
                                   expected="one replay per forward", got="a second replay",
                                   tip="retain_graph=True cannot replay a discarded output twice")
         self.replayed = True
+        if self.ctx is not None and self.ctx() is None:
+            return False  # its node is gone: nothing reads its output (NOTE [discard lifetimes] 3)
         if self.param_versions is not None:
             assert self.params is not None
             if parameter_versions(self.params) != self.param_versions:
@@ -499,6 +516,7 @@ class CheckpointWithoutOutput:
                 if self.census is not None:
                     self.census.note_refilled(original)
         self.recomputed = outputs
+        return True
 
 
 def _refuse_discarded_hook(hook_tensor: torch.Tensor,
@@ -582,5 +600,5 @@ class CheckpointWithoutOutputManager:
     def _hook(self, grad: torch.Tensor) -> None:
         for index, ckpt in enumerate(self.checkpoints):  # forward order (NOTE 4)
             if not ckpt.passthrough:
-                ckpt._replay()
-                self.replay_order.append(index)
+                if ckpt._replay():
+                    self.replay_order.append(index)

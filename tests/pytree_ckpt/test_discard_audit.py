@@ -473,6 +473,72 @@ def test_a_plan_held_through_backward_keeps_no_rebuilt_output_nor_replay_result(
         gc.enable()
 
 
+@pytest.mark.parametrize("how", ["restricted backward", "graph dropped"])
+def test_a_plan_held_after_its_graph_is_gone_keeps_nothing_its_backward_never_ran_for(
+        how: str) -> None:
+    # backward(inputs=[weights]) rebuilds every output but runs no discard node's backward (the
+    # first input's gradient is not asked for): each checkpoint kept its rebuilt output and
+    # the replay's graph for as long as the plan lived (1 MiB here, per layer at scale). Once
+    # the graph is freed, eager holds nothing either.
+    replay_results: list[weakref.ref[torch.Tensor]] = []
+
+    class Traced(_Norm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            if torch.is_grad_enabled():
+                replay_results.append(weakref.ref(out))
+            return out
+
+    torch.manual_seed(0)
+    norms, projs = [Traced() for _ in range(3)], [nn.Linear(8, 8) for _ in range(3)]
+    x = torch.randn(4, 8, requires_grad=True)
+    plan = build_residual_stream_recompute_plan(3, 1)
+    gc.disable()
+    try:
+        with pytree_ckpt.ActivationCensus() as census:
+            h = x
+            for norm, proj, ctx in zip(norms, projs, plan):
+                h = h + proj(ctx.checkpoint(norm, h))
+                ctx.finalize(h)
+            if how == "restricted backward":
+                h.sum().backward(inputs=[p.weight for p in projs])
+                assert len(replay_results) == 3  # every output was rebuilt
+            del h
+            assert census.total_bytes == census.discarded_bytes == 0
+        assert all(r() is None for r in replay_results)
+        checkpoints = [ckpt for ctx in plan for ckpt in ctx.manager.checkpoints]
+        assert all(c.released and c.recomputed is None and c.detached is None
+                   for c in checkpoints)
+    finally:
+        gc.enable()
+
+
+def test_a_block_op_whose_output_goes_unused_is_not_rebuilt_and_the_rest_match_eager() -> None:
+    # An output read only under no-grad (a metric) and dropped: its node is gone when the
+    # block's hook fires. Rebuilding it raised "the graph of ... is gone".
+    grads = []
+    for discard in (False, True):
+        torch.manual_seed(0)
+        norm0, norm1, proj = _Norm(), _Norm(), nn.Linear(8, 8)
+        x = torch.randn(4, 8, requires_grad=True)
+        manager = CheckpointWithoutOutputManager()
+        run = manager.checkpoint if discard else (lambda fn, *args: fn(*args))
+        unused = run(norm0, x)
+        with torch.no_grad():
+            metric = unused.abs().mean().item()
+        del unused
+        h = x + proj(run(norm1, x))
+        if discard:
+            manager.discard_all_outputs_and_register_unified_recompute(h)
+        h.square().sum().backward()
+        grads.append(grads_of([x, *norm1.parameters(), *proj.parameters()]) + [metric])
+    assert manager.replay_order == [1]  # only the used op was rebuilt
+    assert grads[0][-1] == grads[1][-1]
+    assert_same_grads(grads[0][1:-1], grads[1][1:-1])
+    # x also feeds the residual: its gradient is summed in another order (NOTE [exactness])
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-6, atol=1e-6)
+
+
 def test_an_output_kept_because_it_views_its_input_may_carry_the_rebuild_hook() -> None:
     # Only storages being freed are refused as the hook tensor: a kept one (here the block's
     # last op, a reshape of the consumer's result) stays readable, and its gradient arrives
