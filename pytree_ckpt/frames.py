@@ -32,8 +32,9 @@ import torch
 
 from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError
-from .frozen import (Passthrough, argument_versions, as_recorded, refuse_in_plain_call,
-                     refuse_in_replay, warn_changed_arguments)
+from .frozen import (Passthrough, StateAfter, apply_state_after, argument_versions, as_recorded,
+                     buffer_versions, refuse_in_plain_call, refuse_in_replay, state_after,
+                     warn_changed_arguments)
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import RngState, rng_changed, rng_state, set_rng_state
@@ -86,7 +87,7 @@ class Frame:
     """The recorded frozen results of one boundary invocation."""
 
     __slots__ = ("results", "versions", "passthrough", "rng_jumps", "rng_devices", "cursors",
-                 "released", "restore", "__weakref__")
+                 "released", "restore", "state_after", "__weakref__")
 
     def __init__(self) -> None:
         self.results: dict[Callable[..., Any], list[Any]] = {}
@@ -104,6 +105,9 @@ class Frame:
         # restores these generators, and puts the ambient ones back after it).
         self.rng_jumps: dict[Callable[..., Any], list[RngState | None]] = {}
         self.rng_devices: tuple[int, ...] | None = None  # set by the boundary's original pass
+        # NOTE [state a reused call changes] (frozen.py): by (fn, position), only for the calls
+        # that changed an integer argument or a buffer of their module.
+        self.state_after: dict[tuple[Callable[..., Any], int], StateAfter] = {}
         self.cursors: dict[Callable[..., Any], int] = {}
         self.released = False  # set once cleared after its last replay (read by the census)
         # Set when the frame's tensors were offloaded: turns a handle back into a tensor.
@@ -129,7 +133,10 @@ class Frame:
                 recorded[i] = unflatten(flat.spec, leaves)
 
     def record(self, fn: Callable[..., Any], result: Any, /, *,
-               rng_after: RngState | None = None, passthrough: Passthrough = ()) -> None:
+               rng_after: RngState | None = None, passthrough: Passthrough = (),
+               state_after: StateAfter | None = None) -> None:
+        if state_after is not None:
+            self.state_after[fn, len(self.results.get(fn, ()))] = state_after
         self.results.setdefault(fn, []).append(result)
         self.rng_jumps.setdefault(fn, []).append(rng_after)
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
@@ -208,6 +215,11 @@ class Frame:
                        else self.passthrough[fn][position])
         return result, jump, passthrough
 
+    def taken_state_after(self, fn: Callable[..., Any], /) -> StateAfter | None:
+        """What the call whose result ``take_with_rng(fn)`` just returned changed (NOTE
+        [state a reused call changes] in frozen.py)."""
+        return self.state_after.get((fn, self.cursors[fn] - 1)) if self.state_after else None
+
     def start_replay(self) -> None:
         self.cursors.clear()
 
@@ -241,6 +253,7 @@ class Frame:
         self.versions.clear()
         self.passthrough.clear()
         self.rng_jumps.clear()
+        self.state_after.clear()
         self.cursors.clear()
         self.released = True
 
@@ -286,6 +299,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # aten::equal): a save unit keeping everything a callable dispatches must not keep them.
         token = IN_REUSE.set(True)
         call, versions = argument_versions(args, kwargs)
+        buffers = buffer_versions(fn)
         try:
             before = rng_state(devices) if devices is not None else None
             result = fn(*args, **kwargs)
@@ -296,14 +310,23 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         finally:
             IN_REUSE.reset(token)
         warn_changed_arguments(callable_name(fn), call, versions)  # NOTE in frozen.py
+        changes = state_after(call, versions, buffers)  # NOTE [state a reused call changes]
         # NOTE [differentiable results are refused where grad is on] in frozen.py
         passthrough = as_recorded(callable_name(fn), result, args, kwargs)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after, passthrough = invocation.frame.take_with_rng(fn)
+        changes = invocation.frame.taken_state_after(fn)
+        if changes is not None:  # made here as the skipped call made them in the forward
+            token = IN_REUSE.set(True)
+            try:
+                apply_state_after(fn, args, kwargs, changes)
+            finally:
+                IN_REUSE.reset(token)
         if not recorders:  # the replay itself (a nested original pass checks in its replay)
             refuse_in_replay(fn, callable_name(fn), passthrough, result, args, kwargs)
     for recorder in recorders:
-        recorder.frame.record(fn, result, rng_after=rng_after, passthrough=passthrough)
+        recorder.frame.record(fn, result, rng_after=rng_after, passthrough=passthrough,
+                              state_after=changes)
     return result
 
 

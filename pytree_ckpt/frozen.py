@@ -43,8 +43,9 @@ from .errors import ReuseError
 from .module_state import owning_module
 from .tree import FlatTree, flatten, flatten_call, leaf_paths
 
-__all__ = ["Passthrough", "argument_versions", "as_recorded", "refuse_in_plain_call",
-           "refuse_in_replay", "warn_changed_arguments"]
+__all__ = ["Passthrough", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
+           "buffer_versions", "refuse_in_plain_call", "refuse_in_replay", "state_after",
+           "warn_changed_arguments"]
 
 _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call and compute "
               "the differentiable part outside it, from those ids (MoE gate weights: gather "
@@ -114,6 +115,57 @@ def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], 
                 "clone inside the function (scores = scores.clone())",
                 stacklevel=user_stacklevel())
             return
+
+
+# One change a reused call made: ("argument", leaf index, value after) or ("buffer", name,
+# value after) (NOTE [state a reused call changes]).
+StateAfter = tuple[tuple[str, Any, torch.Tensor], ...]
+
+
+def buffer_versions(fn: Callable[..., Any], /) -> list[tuple[str, torch.Tensor, int]]:
+    """The buffers of ``fn``'s module (if any) with their versions, read before ``fn`` runs."""
+    module = owning_module(fn)
+    if module is None:
+        return []
+    return [(name, b, b._version) for name, b in module.named_buffers() if not b.is_inference()]
+
+
+def state_after(call: FlatTree, before: list[int | None],
+                buffers: list[tuple[str, torch.Tensor, int]], /) -> StateAfter | None:
+    """NOTE [state a reused call changes]: the replay skips a reused call, so a change it made
+    in place to an integer argument (a token count it adds to) or to a buffer of its module (a
+    router's load EMA) is not made again there, and what reads that tensor after the call in
+    the replay (which runs on copies of changed module state: NOTE [the replay changes
+    copies] in state_changes.py) read it as it was before the call: other gradients than
+    eager's, at every step. The original pass keeps the changed tensors' values after the
+    call (small state); the replay, skipping the call, writes them into its own tensors (the
+    argument at the same place, the module's buffer of the same name: ``apply_state_after``).
+    Floating arguments are warned about instead (NOTE [a reused fn changes no argument]):
+    logits-sized scores would be kept twice. ``None`` when nothing changed (the usual case)."""
+    changed: list[tuple[str, Any, torch.Tensor]] = [
+        ("argument", j, call.leaves[j].detach().clone())
+        for j, version in zip(call.tensor_index, before)
+        if version is not None and call.leaves[j]._version != version
+        and not _is_float(call.leaves[j])]
+    changed += [("buffer", name, b.detach().clone()) for name, b, version in buffers
+                if b._version != version]
+    return tuple(changed) if changed else None
+
+
+def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                      changes: StateAfter, /) -> None:
+    """Make, in the replay, the changes a skipped reused call made in the original pass (NOTE
+    [state a reused call changes]); a tensor already holding them is left as it is."""
+    call = flatten_call(args, kwargs)
+    module = owning_module(fn)
+    buffers = dict(module.named_buffers()) if module is not None else {}
+    with torch.no_grad():
+        for kind, key, value in changes:
+            target = call.leaves[key] if kind == "argument" and key < len(call.leaves) else \
+                buffers.get(key) if kind == "buffer" else None
+            if isinstance(target, torch.Tensor) and target.shape == value.shape and \
+                    target.dtype == value.dtype and not torch.equal(target, value):
+                target.copy_(value)
 
 
 # Functions warned about by warn_changed_arguments (a warning's dedupe, not step state).
