@@ -137,12 +137,18 @@ class Frame:
                state_after: StateAfter | None = None) -> None:
         if state_after is not None:
             self.state_after[fn, len(self.results.get(fn, ()))] = state_after
-        self.results.setdefault(fn, []).append(result)
-        self.rng_jumps.setdefault(fn, []).append(rng_after)
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
             flat = flatten(result)
+            # NOTE [recorded containers are the frame's own]: the caller may change the
+            # containers it got (r["ids"] = ..., r.pop("ids")), which the replay would see
+            # and change again: the frame keeps containers of its own, and hands out fresh
+            # ones (inference tensors keep no version to check).
+            result = unflatten(flat.spec, list(flat.leaves))
             self.versions.setdefault(fn, []).append(
-                {i: flat.leaves[i]._version for i in flat.tensor_index})
+                {i: flat.leaves[i]._version for i in flat.tensor_index
+                 if not flat.leaves[i].is_inference()})
+        self.results.setdefault(fn, []).append(result)
+        self.rng_jumps.setdefault(fn, []).append(rng_after)
         self.passthrough.setdefault(fn, []).append(passthrough)
 
     def unkeep(self, op: Callable[..., Any], position: int, /) -> None:
@@ -211,6 +217,10 @@ class Frame:
             result = optree.tree_map(
                 lambda leaf: restore(leaf.packed) if isinstance(leaf, _Offloaded) else leaf,
                 result, namespace=NAMESPACE)
+        elif not isinstance(fn, torch._ops.OpOverload):  # fresh containers (NOTE above)
+            flat = flatten(result)
+            if not (len(flat.leaves) == 1 and flat.leaves[0] is result):  # not a bare leaf
+                result = unflatten(flat.spec, list(flat.leaves))
         passthrough = (() if isinstance(fn, torch._ops.OpOverload)
                        else self.passthrough[fn][position])
         return result, jump, passthrough
@@ -281,6 +291,14 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # NOTE [differentiable results are refused where grad is on] in frozen.py
         refuse_in_plain_call(fn, callable_name(fn), result, args, kwargs)
         return result
+    if isinstance(fn, torch._ops.OpOverload):
+        raise ReuseError(
+            f"reuse_during_recompute takes a Python callable, not the op {fn}: save units "
+            "record ops by their identity in the same frame, and a result recorded under the "
+            "op would be mistaken for theirs (its checks skipped)",
+            expected="a function, a bound method or a module", got=f"the op {fn}",
+            tip="wrap it once in a function of your own: def topk_ids(h): return "
+                f"{fn}(h, ...), then reuse_during_recompute(topk_ids, h)")
     if getattr(type(fn), "__hash__", None) is None:
         raise ReuseError(
             f"reuse_during_recompute needs a hashable callable: its results are recorded by "

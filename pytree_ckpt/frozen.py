@@ -41,7 +41,7 @@ from torch import nn
 from .eager import user_stacklevel
 from .errors import ReuseError
 from .module_state import owning_module
-from .tree import FlatTree, flatten, flatten_call, leaf_paths
+from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
 __all__ = ["Passthrough", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
            "buffer_versions", "refuse_in_plain_call", "refuse_in_replay", "state_after",
@@ -68,6 +68,8 @@ def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str,
                 ) -> Passthrough:
     """Check ``result`` as the original pass records it; the float leaves that are arguments."""
     flat = flatten(result)
+    if len(flat.tensor_index) < len(flat.leaves):
+        _refuse_hidden(name, flat, _is_float)
     if not flat.tensor_index:
         return ()
     for i in flat.tensor_index:
@@ -176,6 +178,8 @@ def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,
                          args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
     """The rules outside any boundary, where the result and the grad mode are eager's."""
     flat = flatten(result)
+    if len(flat.tensor_index) < len(flat.leaves):
+        _refuse_hidden(name, flat, lambda t: t.requires_grad)
     if not flat.tensor_index:
         return
     for i in flat.tensor_index:
@@ -267,6 +271,33 @@ def _argument_path(call: FlatTree, index: int, /) -> str:
     if path.startswith("call[0]"):
         return "argument " + path.replace("call[0]", "args", 1)
     return "argument " + path.replace("call[1]", "kwargs", 1)
+
+
+def _refuse_hidden(name: str, flat: FlatTree, wanted: Callable[[torch.Tensor], bool], /
+                   ) -> None:
+    """NOTE [leaves that hold tensors] (tree.py), for reused results: a plain object (a
+    ``SimpleNamespace``, a class of one's own) is a leaf the bridge does not open, so a float
+    in it escapes every check (a router's gate weights, replayed without their graph: the gate
+    silently gets no gradient), and is neither offloaded nor counted. Refused: in the
+    original pass for any float in one (computed under no-grad there, it cannot tell), in a
+    plain call for one that requires grad."""
+    paths = None
+    for i, leaf in enumerate(flat.leaves):
+        if isinstance(leaf, torch.Tensor):
+            continue
+        found = hidden_tensor(leaf, wanted)
+        if found is None:
+            continue
+        paths = paths or leaf_paths(flat.spec, root="result")
+        raise ReuseError(
+            f"reuse_during_recompute({name}) returned a {type(leaf).__name__} holding a float "
+            f"tensor at {paths[i]}{found[0]}: the replay hands the object back as recorded, "
+            "unopened, so that tensor is neither checked nor offloaded, and one computed with "
+            "grad (gate weights) would silently lose its gradient",
+            expected="results as PyTrees: tensors in dicts, lists, tuples, namedtuples or "
+                     "dataclasses", got=f"{type(leaf).__name__} (a leaf the bridge does not open)",
+            tip="return a dataclass or a NamedTuple instead, and compute differentiable parts "
+                "outside the reused call, from its frozen ids")
 
 
 def _refuse_differentiable(name: str, path: str, /, *, replay: bool,

@@ -339,6 +339,11 @@ class KeepMode(TorchDispatchMode):
                 # NOTE [skipped work keeps the RNG in step] (frames.py): the replay skips it.
                 after = rng_state(devices)
                 rng_after = after if rng_changed(before, after) else None
+            if any(t.is_inference() for t in _tensors(out)):
+                # Made under torch.inference_mode() inside the layer: no version to check, and
+                # nothing to save for backward; the replay runs the op again.
+                frame.record(func, RECOMPUTE)
+                return out
             kept = optree.tree_map(_tracking_alias, out)
             # The census counts the kept bytes while this record holds them: a record taken
             # back (rule 3), or cleared with the frame, lets go of its holder.

@@ -16,7 +16,7 @@ from torch import nn
 import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import ReuseError, checkpoint, current_phase, reuse_during_recompute
-from tests.conftest import assert_same_grads, grads_per_model
+from tests.conftest import assert_same_grads, grads_of, grads_per_model
 
 
 class CountingTopk:
@@ -979,3 +979,118 @@ def test_state_a_reused_call_changes_is_read_after_it_in_the_replay_as_in_eager(
         for model in (eager, wrapped):
             model.zero_grad(set_to_none=True)
         assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), wrapped.buffers()))
+
+
+def _route_dict(scores: torch.Tensor) -> dict[str, Any]:
+    return {"ids": scores.topk(2, -1).indices, "offset": 1, "list": []}
+
+
+class ChangesItsResult(nn.Module):
+    """Changes the container a reused call returned (not a tensor in it)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(8, 8), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        routed = reuse_during_recompute(_route_dict, h.detach())
+        if self.how == "rebind":
+            routed["ids"] = (routed["ids"] + routed["offset"]) % 8
+            ids = routed["ids"]
+        elif self.how == "pop":
+            ids = routed.pop("ids")
+        else:
+            routed["list"].append(routed["ids"].flip(-1))
+            ids = routed["list"][-1]
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+
+
+@pytest.mark.parametrize("how", ["rebind", "pop", "append"])
+def test_a_reused_result_whose_container_the_layer_changes_replays_as_in_eager(how: str) -> None:
+    # NOTE [recorded containers are the frame's own]: the replay got the very dict the
+    # original pass changed, and changed it again (other gradients; pop raised KeyError).
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = ChangesItsResult(how)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(4, 8, requires_grad=True)
+        loss = layer(x).square().sum()
+        loss.backward(retain_graph=True)  # twice: each replay gets a fresh container
+        loss.backward()
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
+
+
+class Routing:
+    """A plain result object: a leaf the bridge does not open."""
+
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        self.ids, self.weights = ids, weights
+
+
+class OpaqueRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.lin = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def route(self, h: torch.Tensor) -> Routing:
+        weights, ids = self.gate(h).softmax(-1).topk(2, -1)
+        return Routing(ids, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        routed = reuse_during_recompute(self.route, h)
+        return (torch.gather(h, -1, routed.ids) * routed.weights).sum(-1, keepdim=True) * h
+
+
+def test_a_float_inside_a_plain_result_object_is_refused_naming_it() -> None:
+    # It slipped past every check: the gate weights were replayed without their graph, and the
+    # gate silently got no gradient.
+    layer = OpaqueRouter()
+    x = torch.randn(4, 8)
+    with pytest.raises(ReuseError, match=r"(?s)returned a Routing holding a float tensor at "
+                                         r"result\.weights.*return a dataclass or a NamedTuple"):
+        layer(x)  # eager refuses too: the weights require grad
+    wrapped = pytree_ckpt.apply_activation_checkpointing(OpaqueRouter())
+    with pytest.raises(ReuseError, match=r"returned a Routing holding a float tensor"):
+        wrapped(x)
+
+
+def test_an_op_given_to_reuse_during_recompute_is_refused_with_a_tip() -> None:
+    # Save units record ops by identity in the same frame: the result's checks were skipped,
+    # and an in-place change to it was applied twice, silently.
+    layer = pytree_ckpt.apply_activation_checkpointing(nn.Linear(8, 8))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        ids = reuse_during_recompute(torch.ops.aten.argmax.default, x.detach(), -1, True)
+        return layer(x) * ids
+
+    with pytest.raises(ReuseError, match=r"(?s)takes a Python callable, not the op "
+                                         r"aten\.argmax\.default.*def topk_ids"):
+        checkpoint(forward, torch.randn(4, 8, requires_grad=True))
+
+
+def _top2(scores: torch.Tensor) -> torch.Tensor:
+    return scores.topk(2, -1).indices
+
+
+def test_a_reused_call_under_inference_mode_gives_eager_gradients() -> None:
+    # Its result is an inference tensor, with no version counter to record (it raised).
+    class UnderInference(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            with torch.inference_mode():
+                ids = reuse_during_recompute(_top2, h.detach())
+            return torch.gather(h, -1, ids.clone())
+
+    torch.manual_seed(0)
+    eager = UnderInference()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    assert_same_grads(*grads_per_model([eager, wrapped], torch.randn(4, 8), seed=0))

@@ -185,3 +185,31 @@ def test_save_true_keeps_every_declared_unit_out_of_the_replay() -> None:
     assert counter.counts["aten.tanh"] == 2  # what no unit keeps is recomputed
     eager(x).sum().backward()
     assert_same_grads(grads_of(eager.parameters()), grads_of(layer.parameters()))
+
+
+def test_a_kept_op_run_under_inference_mode_inside_a_layer_runs_again_and_matches_eager(
+) -> None:
+    # Its output is an inference tensor: no version to record (it raised), nothing saved.
+    class TopkUnderInference(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            with torch.inference_mode():
+                ids = torch.topk(h.detach(), 2, -1).indices
+            return h * torch.zeros(4, 8).scatter(-1, ids.clone(), 1.0)
+
+    torch.manual_seed(0)
+    eager = TopkUnderInference()
+    kept = copy.deepcopy(eager)
+    apply_recompute_config([kept], RecomputeConfig(1.0, save=["dsa_indexer"]),
+                           {"dsa_indexer": KeptOps("aten::topk")})
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for model in (eager, kept):
+        model(x).square().sum().backward()
+        grads.append(grads_of([x, *model.parameters()]))
+        x.grad = None
+    assert_same_grads(*grads)
