@@ -94,7 +94,8 @@ from .refusals import (fn_name, input_path, raise_input_changed,
                        refuse_hidden_outputs, refuse_unreadable_inputs)
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (ChangedState, ForwardModules, StateWatch, mark_stateful,
-                            parameter_versions, snapshots_wanted, versions)
+                            ParameterVersions, parameter_versions, snapshots_wanted,
+                            versions)
 from .stored_state import warn_parameter_changed
 from .subclass import SubclassKind, kind_of
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
@@ -218,7 +219,7 @@ class BoundaryCall:
         self.saved_versions: list[int | None] = []
         # The trainable parameters' versions as the original pass (or the last replay) left
         # them (NOTE [parameters changed in place] in refusals.py).
-        self.param_versions: list[int | None] | None = None
+        self.param_versions: ParameterVersions | None = None
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in state_changes.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
@@ -305,6 +306,7 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
+        param_before = parameter_versions(call.params) if call.params else None
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
                            snapshot=snapshots_wanted(call.owner)) \
             if call.owner is not None and call.modules is not None else None
@@ -339,8 +341,9 @@ class _BoundaryFunction(torch.autograd.Function):
         now = versions(tensors)
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
             if now != input_versions else []
-        if call.params:  # NOTE [parameters changed in place] (refusals.py)
-            call.param_versions = parameter_versions(call.params)
+        if param_before is not None:  # NOTE [parameters changed in place] (refusals.py)
+            assert call.params is not None
+            call.param_versions = ParameterVersions(call.params, param_before)
         # NOTE [attributes set before the call], continued: saved with the inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
         call.saved_versions = versions(saved) if call.attributes else now
@@ -436,17 +439,18 @@ class _BoundaryFunction(torch.autograd.Function):
         call: BoundaryCall = ctx.call
         if torch.is_grad_enabled():  # refused (no closure made per call otherwise)
             refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
-        if call.param_versions is not None:
+        watched = call.param_versions
+        if watched is not None:
             assert call.params is not None
-            if parameter_versions(call.params) != call.param_versions:
+            before = parameter_versions(call.params)
+            changed = watched.changed_since(call.params, before)
+            if changed:
                 raise_parameter_changed_after_call(
-                    fn_name(call.fn), call.params, call.param_versions,
+                    fn_name(call.fn), changed,
                     call.forward_modules.roots if call.forward_modules is not None else [])
             grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
-            now = parameter_versions(call.params)
-            if now != call.param_versions:  # the replay changed one again
-                warn_parameter_changed(call, call.param_versions)
-                call.param_versions = now  # a second backward (retain_graph) compares with it
+            if watched.replayed(call.params, before):  # the forward's change, made again
+                warn_parameter_changed(call, before)
             return grads
         return _BoundaryFunction._replay(ctx, call, grad_outputs)
 

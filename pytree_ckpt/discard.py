@@ -69,8 +69,8 @@ from .discard_aliases import made_outside, reachable_tensors, root_key
 from .module_state import (ModuleDicts, collect_parameters, foreign_leaf, module_dicts,
                            owning_module)
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import (ChangedState, ForwardModules, StateWatch, parameter_versions,
-                            versions)
+from .state_changes import (ChangedState, ForwardModules, ParameterVersions, StateWatch,
+                            parameter_versions, versions)
 from .tree import flatten
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "DISCARDED_MARK",
@@ -133,6 +133,7 @@ class _DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by __call__ before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)
+        param_before = parameter_versions(owner.params) if owner.params else None
         # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
         # discarded module is never marked verified).
         watch = StateWatch(*owner.state, snapshot=True) if owner.state is not None else None
@@ -146,8 +147,9 @@ class _DiscardFunction(torch.autograd.Function):
             _raise_input_changed(owner, args, tensors[moved[0]])
         if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
             owner.changed_state = watch.changed()
-        if owner.params:  # NOTE [parameters changed in place] (refusals.py)
-            owner.param_versions = parameter_versions(owner.params)
+        if param_before is not None:  # NOTE [parameters changed in place] (refusals.py)
+            assert owner.params is not None
+            owner.param_versions = ParameterVersions(owner.params, param_before)
         if owner.modules:  # NOTE [the replay sees the forward's modules] (state_changes.py)
             owner.forward_modules = ForwardModules(
                 owner.modules, [module_dicts(m) for m in owner.modules])
@@ -221,7 +223,7 @@ class _DiscardFunction(torch.autograd.Function):
         # As at the boundary (verify_leaves in refusals.py): the inputs, and the parameters
         # frozen at the call (unfrozen since, they get no gradient, as in eager).
         frozen = owner.state[1] if owner.state is not None else ()
-        known = {id(t) for t in (*(t for t in wrt if t is not None), *frozen)}
+        known = [*(t for t in wrt if t is not None), *frozen]
         foreign = foreign_leaf(outs, known) if outs else None
         if foreign is not None:  # it would get no gradient: refused, as at the boundary
             if owner.forward_modules is not None:  # its roots: fn's modules, then others
@@ -290,7 +292,7 @@ class CheckpointWithoutOutput:
         self.n_args = 0
         self.params: list[torch.Tensor] | None = None  # fn's parameters, when fn is a module
         # Their versions after the forward (NOTE [parameters changed in place] in refusals.py).
-        self.param_versions: list[int | None] | None = None
+        self.param_versions: ParameterVersions | None = None
         self.made_outside: list[bool] = []  # per output: on an input's or fn's state's storage
         self.versions: list[int] = []  # per output, when checkpointed
         self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
@@ -465,13 +467,27 @@ class CheckpointWithoutOutput:
         self.replayed = True
         if self.ctx is not None and self.ctx() is None:
             return False  # its node is gone: nothing reads its output (NOTE [discard lifetimes] 3)
-        if self.param_versions is not None:
+        watched, param_before = self.param_versions, None
+        if watched is not None:
             assert self.params is not None
-            if parameter_versions(self.params) != self.param_versions:
+            param_before = parameter_versions(self.params)
+            changed = watched.changed_since(self.params, param_before)
+            if changed:
                 raise_parameter_changed_after_call(
-                    self._name(), self.params, self.param_versions,
+                    self._name(), changed,
                     self.forward_modules.roots if self.forward_modules is not None else [])
-        saved = iter(self._saved())
+        saved_tensors = self._saved()
+        for t in saved_tensors:
+            if t.numel() and not t.untyped_storage().nbytes():
+                raise CheckpointError(
+                    f"an input of {self._name()} is a discarded output that nothing can rebuild: "
+                    "the op that made it has no graph any more (it reached this op only "
+                    "through .detach(), and the caller dropped it)",
+                    expected="a discarded output given to the next op as it is, or kept",
+                    got="its storage freed, and its op's graph gone",
+                    tip="pass the output itself to the next op (not .detach()), or hold it until "
+                        "backward")
+        saved = iter(saved_tensors)
         self.detached = []
         assert self.env is not None and self.fn is not None
         with ExitStack() as stack:
@@ -494,6 +510,9 @@ class CheckpointWithoutOutput:
                 # a non-leaf alias, as in the boundary's replay (module input-gradient hooks)
                 args.append(d.view_as(d) if d.requires_grad else d)
             outputs = self.fn(*args, **self.kwargs)
+        if watched is not None and param_before is not None:  # its own moves, counted
+            assert self.params is not None
+            watched.replayed(self.params, param_before)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         if len(outputs) != len(self.outputs):
             raise ReplayMismatchError(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -68,8 +69,6 @@ def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str,
                 ) -> Passthrough:
     """Check ``result`` as the original pass records it; the float leaves that are arguments."""
     flat = flatten(result)
-    if len(flat.tensor_index) < len(flat.leaves):
-        _refuse_hidden(name, flat, _is_float)
     if not flat.tensor_index:
         return ()
     for i in flat.tensor_index:
@@ -119,54 +118,69 @@ def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], 
             return
 
 
-# One change a reused call made: ("argument", leaf index, value after) or ("buffer", name,
-# value after) (NOTE [state a reused call changes]).
-StateAfter = tuple[tuple[str, Any, torch.Tensor], ...]
+# One change a reused call made: ("argument", leaf index, ...) or ("buffer", name, ...), with
+# the tensor the original pass left there (weakly) and its value after the call (NOTE [state
+# a reused call changes]).
+StateAfter = tuple[tuple[str, Any, "weakref.ref[torch.Tensor]", torch.Tensor], ...]
+Buffers = tuple[dict[str, Any], list[tuple[str, Any, int | None]]]
 
 
-def buffer_versions(fn: Callable[..., Any], /) -> list[tuple[str, torch.Tensor, int]]:
-    """The buffers of ``fn``'s module (if any) with their versions, read before ``fn`` runs."""
+def buffer_versions(fn: Callable[..., Any], /) -> Buffers | None:
+    """The own buffers of ``fn``'s module (if any), with their versions, read before ``fn``
+    runs: its ``_buffers`` dict, and (name, tensor, version) per entry."""
     module = owning_module(fn)
-    if module is None:
-        return []
-    return [(name, b, b._version) for name, b in module.named_buffers() if not b.is_inference()]
+    if module is None or not module._buffers:
+        return None
+    held = module._buffers
+    return held, [(name, b, None if b is None or b.is_inference() else b._version)
+                  for name, b in held.items()]
 
 
-def state_after(call: FlatTree, before: list[int | None],
-                buffers: list[tuple[str, torch.Tensor, int]], /) -> StateAfter | None:
+def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | None, /
+                ) -> StateAfter | None:
     """NOTE [state a reused call changes]: the replay skips a reused call, so a change it made
-    in place to an integer argument (a token count it adds to) or to a buffer of its module (a
-    router's load EMA) is not made again there, and what reads that tensor after the call in
-    the replay (which runs on copies of changed module state: NOTE [the replay changes
-    copies] in state_changes.py) read it as it was before the call: other gradients than
-    eager's, at every step. The original pass keeps the changed tensors' values after the
-    call (small state); the replay, skipping the call, writes them into its own tensors (the
-    argument at the same place, the module's buffer of the same name: ``apply_state_after``).
-    Floating arguments are warned about instead (NOTE [a reused fn changes no argument]):
-    logits-sized scores would be kept twice. ``None`` when nothing changed (the usual case)."""
-    changed: list[tuple[str, Any, torch.Tensor]] = [
-        ("argument", j, call.leaves[j].detach().clone())
+    in place to an integer argument (a token count it adds to), or to a buffer of its module,
+    in place or by reassignment (a router's load EMA), is not made again there, and what reads
+    that tensor after the call in the replay (which runs on copies of changed module state:
+    NOTE [the replay changes copies] in state_changes.py) read it as it was before the call:
+    other gradients than eager's, at every step. The original pass keeps the changed tensors'
+    values after the call (small state), and the tensors themselves weakly; the replay,
+    skipping the call, writes the values into its own tensors (the argument at the same
+    place, the module's buffer of the same name: ``apply_state_after``), but not into the
+    very tensor the original pass changed (one no copy stands for: a plain attribute, a
+    router outside the layer), which later code may have changed since. Floating arguments
+    are warned about instead (NOTE [a reused fn changes no argument]): logits-sized scores
+    would be kept twice. ``None`` when nothing changed (the usual case)."""
+    changed: list[tuple[str, Any, weakref.ref[torch.Tensor], torch.Tensor]] = [
+        ("argument", j, weakref.ref(t), t.detach().clone())
         for j, version in zip(call.tensor_index, before)
-        if version is not None and call.leaves[j]._version != version
-        and not _is_float(call.leaves[j])]
-    changed += [("buffer", name, b.detach().clone()) for name, b, version in buffers
-                if b._version != version]
+        if version is not None and (t := call.leaves[j])._version != version
+        and not _is_float(t)]
+    if buffers is not None:
+        held, entries = buffers
+        for name, b, version in entries:
+            now = held.get(name)
+            if isinstance(now, torch.Tensor) and not now.is_inference() and (
+                    now is not b or now._version != version):
+                changed.append(("buffer", name, weakref.ref(now), now.detach().clone()))
     return tuple(changed) if changed else None
 
 
 def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                       changes: StateAfter, /) -> None:
     """Make, in the replay, the changes a skipped reused call made in the original pass (NOTE
-    [state a reused call changes]); a tensor already holding them is left as it is."""
+    [state a reused call changes]); a tensor already holding them, or the very one the
+    original pass changed, is left as it is."""
     call = flatten_call(args, kwargs)
     module = owning_module(fn)
-    buffers = dict(module.named_buffers()) if module is not None else {}
+    held = module._buffers if module is not None else {}
     with torch.no_grad():
-        for kind, key, value in changes:
+        for kind, key, original, value in changes:
             target = call.leaves[key] if kind == "argument" and key < len(call.leaves) else \
-                buffers.get(key) if kind == "buffer" else None
-            if isinstance(target, torch.Tensor) and target.shape == value.shape and \
-                    target.dtype == value.dtype and not torch.equal(target, value):
+                held.get(key) if kind == "buffer" else None
+            if isinstance(target, torch.Tensor) and target is not original() and \
+                    target.shape == value.shape and target.dtype == value.dtype and \
+                    not torch.equal(target, value):
                 target.copy_(value)
 
 
@@ -178,8 +192,8 @@ def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,
                          args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
     """The rules outside any boundary, where the result and the grad mode are eager's."""
     flat = flatten(result)
-    if len(flat.tensor_index) < len(flat.leaves):
-        _refuse_hidden(name, flat, lambda t: t.requires_grad)
+    if len(flat.tensor_index) < len(flat.leaves) and torch.is_grad_enabled():
+        _refuse_hidden(fn, name, flat, args, kwargs)
     if not flat.tensor_index:
         return
     for i in flat.tensor_index:
@@ -208,6 +222,8 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, passthrough: Passthrough
                         "wanted, pass it detached")
     if torch.is_grad_enabled():
         flat = flatten(result)
+        if len(flat.tensor_index) < len(flat.leaves):
+            _refuse_hidden(fn, name, flat, args, kwargs)
         if flat.tensor_index:
             _refuse_floats(fn, name, flat, args, kwargs, replay=True)
 
@@ -273,27 +289,29 @@ def _argument_path(call: FlatTree, index: int, /) -> str:
     return "argument " + path.replace("call[1]", "kwargs", 1)
 
 
-def _refuse_hidden(name: str, flat: FlatTree, wanted: Callable[[torch.Tensor], bool], /
-                   ) -> None:
+def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], /) -> None:
     """NOTE [leaves that hold tensors] (tree.py), for reused results: a plain object (a
     ``SimpleNamespace``, a class of one's own) is a leaf the bridge does not open, so a float
-    in it escapes every check (a router's gate weights, replayed without their graph: the gate
-    silently gets no gradient), and is neither offloaded nor counted. Refused: in the
-    original pass for any float in one (computed under no-grad there, it cannot tell), in a
-    plain call for one that requires grad."""
-    paths = None
+    in it escapes the float rule below (a router's gate weights, replayed without their graph:
+    the gate silently got no gradient), and is neither offloaded nor counted. Refused where
+    that rule refuses a float in the open (grad on, and ``fn`` of a trainable module or given
+    inputs that require grad), in a plain call as in the replay; one from detached inputs
+    passes, as it does in the open."""
     for i, leaf in enumerate(flat.leaves):
-        if isinstance(leaf, torch.Tensor):
-            continue
-        found = hidden_tensor(leaf, wanted)
+        found = None if isinstance(leaf, torch.Tensor) else hidden_tensor(leaf, _is_float)
         if found is None:
             continue
-        paths = paths or leaf_paths(flat.spec, root="result")
+        call = flatten_call(args, kwargs)
+        if _trainable_module(fn, call) is None and \
+                not any(call.leaves[j].requires_grad for j in call.tensor_index):
+            return
         raise ReuseError(
             f"reuse_during_recompute({name}) returned a {type(leaf).__name__} holding a float "
-            f"tensor at {paths[i]}{found[0]}: the replay hands the object back as recorded, "
-            "unopened, so that tensor is neither checked nor offloaded, and one computed with "
-            "grad (gate weights) would silently lose its gradient",
+            f"tensor at {leaf_paths(flat.spec, root='result')[i]}{found[0]}, computed from "
+            "tensors that require grad: the replay hands the object back as recorded, "
+            "unopened, so that tensor would silently lose its gradient (and is neither "
+            "checked nor offloaded)",
             expected="results as PyTrees: tensors in dicts, lists, tuples, namedtuples or "
                      "dataclasses", got=f"{type(leaf).__name__} (a leaf the bridge does not open)",
             tip="return a dataclass or a NamedTuple instead, and compute differentiable parts "

@@ -32,7 +32,8 @@ from .hook_outputs import is_library_hook, keeps_output_as_is
 __all__ = ["ModuleDicts", "any_lazy", "call_switches", "changed_submodule", "collect_parameters",
            "drop_caches", "ever_verified", "foreign_leaf", "graph_attributes", "is_verified",
            "mark_verified", "module_buffers", "module_dicts", "owning_module",
-           "structure_generation", "trainable_parameters", "warn_forward_hooks"]
+           "structure_generation", "submodules_now", "trainable_parameters",
+           "warn_forward_hooks"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -131,6 +132,19 @@ def _check_structure(module: nn.Module) -> None:
 def structure_generation() -> int:
     """The current structure generation (a count of registered submodules, process-wide)."""
     return _structure_generation
+
+
+def submodules_now(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /
+                   ) -> list[dict[str, Any]] | None:
+    """``None`` when ``trees`` (read before a forward) are still ``roots``' current ones (the
+    usual case: one lookup per root), else the ``__dict__`` of each submodule now (a forward
+    that registered one, a lazy rotary cache module: NOTE [the replay runs the forward's
+    submodules])."""
+    if all((cached := root.__dict__.get(_DICTS)) is not None and
+           cached[0] == _structure_generation and cached[1] is tree
+           for root, tree in zip(roots, trees)):
+        return None
+    return [m.__dict__ for root in roots for m in root.modules() if m is not root]
 
 
 def changed_submodule(roots: Sequence[nn.Module], ran: Sequence[dict[str, Any]],
@@ -288,9 +302,13 @@ def mark_verified(module: nn.Module, switches: Any, /) -> None:
     verified[1].add(switches)
 
 
-def foreign_leaf(outs: list[torch.Tensor], known: set[int], /) -> torch.Tensor | None:
-    """A leaf that requires grad, reached from ``outs``, that is not in ``known`` (by id)."""
-    seen: set[Any] = set()
+def foreign_leaf(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /
+                 ) -> torch.Tensor | None:
+    """A leaf that requires grad, reached from ``outs``, that is not one of ``known``. The walk
+    stops at a known tensor with a graph of its own (a fast weight ``functional_call`` swapped
+    in, computed from the parameters: its gradient is returned, and autograd carries it on)."""
+    known_ids = {id(t) for t in known}
+    seen: set[Any] = {t.grad_fn for t in known if t.grad_fn is not None}
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -298,7 +316,7 @@ def foreign_leaf(outs: list[torch.Tensor], known: set[int], /) -> torch.Tensor |
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) not in known:
+        if variable is not None and id(variable) not in known_ids:
             return variable
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return None

@@ -435,7 +435,7 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
     # (an FSDP2 unit's hooks inside the boundary leave its unsharded parameters with
     # reshard_after_forward=False) and a buffer that requires grad are not inputs, and the
     # replay's gradients would skip them.
-    known = {id(t) for t in (*wrt, *call.frozen_at_call)}
+    known = [*wrt, *call.frozen_at_call]
     call.frozen_at_call = []
     foreign = foreign_leaf(outs, known)
     assert call.owner is not None
@@ -462,17 +462,17 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
 
 def parameter_path(modules: Sequence[nn.Module], tensor: torch.Tensor, /) -> str:
     """Where ``modules`` (the call's own module first, then modules passed in) hold
-    ``tensor`` as a parameter, or "a parameter"."""
+    ``tensor`` as a parameter, or its shape (one ``torch.func.functional_call`` swapped in)."""
     for root in modules:
         prefix = "" if root is modules[0] else f"(argument {type(root).__name__})."
         for path, param in root.named_parameters(remove_duplicate=False):
             if param is tensor:
                 return prefix + path
-    return "a parameter"
+    return f"(one of shape {tuple(tensor.shape)}, not the module's own)"
 
 
-def raise_parameter_changed_after_call(where: str, params: Sequence[torch.Tensor],
-                                       versions: Sequence[int | None],
+def raise_parameter_changed_after_call(where: str,
+                                       changed: Sequence[tuple[torch.Tensor, int, int]],
                                        modules: Sequence[nn.Module], /) -> NoReturn:
     """NOTE [parameters changed in place]: the replay runs on the parameters as they are in
     backward. One changed in place between a call's forward and its backward (an optimizer
@@ -487,18 +487,18 @@ def raise_parameter_changed_after_call(where: str, params: Sequence[torch.Tensor
     ``reuse_during_recompute`` is not replayed, and not told). Writes through ``.data``, and
     FSDP2's all-gathers (which keep the version counter), are not seen. Output discard's
     rebuild (discard.py) checks its op's parameters the same way. ``where`` names the
-    function; ``modules`` hold ``params``, for their paths."""
-    moved = [(p, version) for p, version in zip(params, versions)
-             if version is not None and p._version != version]
-    paths = [parameter_path(modules, p) for p, _ in moved]
-    first, version = moved[0]
+    function, ``changed`` the parameters with their versions then and now (a move our own
+    passes made, the same layer's next micro-batch changing it again, is not counted:
+    ``ParameterVersions`` in state_changes.py); ``modules`` hold them, for their paths."""
+    paths = [parameter_path(modules, p) for p, _, _ in changed]
+    _, version, now = changed[0]
     raise CheckpointError(
         f"{where}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
         f"{'were' if len(paths) > 1 else 'was'} changed in place between the forward and this "
         "backward (an optimizer step, an in-place update under no_grad): the replay would run "
         "on the new values and give other gradients than the forward's",
         expected="trainable parameters left as the forward used them until its backward",
-        got=f"{paths[0]}: version {version} at the forward, {first._version} now",
+        got=f"{paths[0]}: version {version} at the forward, {now} now",
         tip="run backward before changing the parameters (step the optimizer after "
             "backward), or keep a detached copy for the forward (torch.func.functional_call "
             "with cloned parameters)")

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
-from .module_state import ModuleDicts, changed_submodule, ever_verified, structure_generation
+from .module_state import (ModuleDicts, changed_submodule, ever_verified, structure_generation,
+                           submodules_now)
 
-__all__ = ["ChangedState", "ForwardModules", "StateWatch", "mark_stateful", "parameter_versions",
-           "snapshots_wanted", "versions"]
+__all__ = ["ChangedState", "ForwardModules", "ParameterVersions", "StateWatch", "mark_stateful",
+           "parameter_versions", "snapshots_wanted", "versions"]
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
@@ -39,6 +40,55 @@ def parameter_versions(params: Sequence[torch.Tensor], /) -> list[int | None]:
         return [p._version for p in params]
     except RuntimeError:
         return versions(params)
+
+
+# On a parameter, the count of version moves the library's own passes made (a forward or a
+# replay that changes the parameter in place: nn.Embedding's max_norm renorm).
+_OWN_MOVES = "_pytree_ckpt_own_moves"
+
+
+class ParameterVersions:
+    """NOTE [parameters changed in place] (refusals.py): a call's trainable parameters'
+    versions as its pass left them, and the moves the library's own passes had made by then.
+    A move since that no pass of ours made (an optimizer step before backward) is the
+    caller's; those our passes make (the same layer's next micro-batch, another call's
+    replay) are counted on the parameter and told apart."""
+
+    __slots__ = ("versions", "own")
+
+    def __init__(self, params: Sequence[torch.Tensor], before: list[int | None], /) -> None:
+        self.versions = parameter_versions(params)
+        if self.versions != before:
+            _count_own_moves(params, before, self.versions)
+        self.own = [p.__dict__.get(_OWN_MOVES, 0) for p in params]
+
+    def changed_since(self, params: Sequence[torch.Tensor], now: list[int | None], /
+                      ) -> list[tuple[torch.Tensor, int, int]]:
+        """The parameters changed by others than our passes, from their versions ``now``:
+        (parameter, version at the call, version now)."""
+        if now == self.versions:
+            return []
+        return [(p, v, n) for p, v, n, own in zip(params, self.versions, now, self.own)
+                if v is not None and n is not None and
+                n - v != p.__dict__.get(_OWN_MOVES, 0) - own]
+
+    def replayed(self, params: Sequence[torch.Tensor], before: list[int | None], /) -> bool:
+        """Count the replay's own moves; whether it moved any (the forward's change made
+        again). A second backward (retain_graph) compares from here."""
+        now = parameter_versions(params)
+        if now == before:
+            return False
+        _count_own_moves(params, before, now)
+        self.versions = now
+        self.own = [p.__dict__.get(_OWN_MOVES, 0) for p in params]
+        return True
+
+
+def _count_own_moves(params: Sequence[torch.Tensor], before: list[int | None],
+                     after: list[int | None]) -> None:
+    for p, b, a in zip(params, before, after):
+        if a is not None and b is not None and a != b:
+            p.__dict__[_OWN_MOVES] = p.__dict__.get(_OWN_MOVES, 0) + a - b
 
 
 _Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
@@ -356,11 +406,15 @@ class ForwardModules:
     [the replay runs the forward's submodules] in module_state.py).
     """
 
-    __slots__ = ("roots", "submodules", "modes", "entries", "empty", "trees", "generation")
+    __slots__ = ("roots", "submodules", "modes", "entries", "empty", "trees", "generation",
+                 "ran")
 
     def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /) -> None:
         self.trees = roots
         self.generation = structure_generation()
+        # The submodules that ran: as read before the forward, or read again when the forward
+        # registered one (NOTE [the replay runs the forward's submodules]).
+        self.ran = submodules_now(roots, trees)
         others = [m for tree in trees for m in tree.flagged_otherwise]
         self.roots = [*roots, *others] if others else roots
         roots = self.roots
@@ -379,7 +433,8 @@ class ForwardModules:
     def changes(self) -> Changes | None:
         """What differs now from the forward, or ``None`` (the usual case: nothing); a
         submodule replaced since is refused."""
-        changed = changed_submodule(self.trees, self.submodules, self.generation)
+        changed = changed_submodule(self.trees, self.submodules if self.ran is None else
+                                    self.ran, self.generation)
         if changed is not None:
             path, what = changed
             where = f"the submodule {path}" if path else "a submodule"
@@ -390,6 +445,7 @@ class ForwardModules:
                 "through the modules that ran", expected="the submodules the forward ran",
                 got=f"{path}: {what}" if path else what,
                 tip="replace, insert or remove submodules between steps (after backward)")
+        self.generation = structure_generation()  # the same trees: a second backward looks less
         modes = [m.training for m in self.roots], [d.get("training") for d in self.submodules]
         # Same objects in the same order: one C-level pass per dict (a reordered dict counts as
         # swapped, harmlessly: its entries are set again).

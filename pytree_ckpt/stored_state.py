@@ -170,7 +170,8 @@ def warn_parameter_changed(call: BoundaryCall, before: list[int | None], /) -> N
         return
     if held is not None:
         held[_WARNED_PARAMETER] = True
-    modules = [call.owner] if call.owner is not None else []
+    modules = call.forward_modules.roots if call.forward_modules is not None else \
+        [call.owner] if call.owner is not None else []
     paths = [parameter_path(modules, p) for p, version in zip(call.params, before)
              if version is not None and p._version != version]
     warnings.warn(

@@ -557,3 +557,18 @@ def test_an_output_kept_because_it_views_its_input_may_carry_the_rebuild_hook() 
     (flat * 3).sum().backward()
     assert manager.replay_order == [0, 1]
     assert torch.equal(x.grad, expected)
+
+
+def test_a_discarded_output_reaching_the_next_op_only_detached_and_dropped_is_named() -> None:
+    # Its op's graph is gone, so nothing can rebuild it; the next op's rebuild read the freed
+    # storage and raised torch's "data is not allocated yet".
+    norm0, norm1, proj = _Norm(), _Norm(), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    manager = CheckpointWithoutOutputManager()
+    h0 = manager.checkpoint(norm0, x)
+    out = proj(manager.checkpoint(norm1, h0.detach()))
+    manager.discard_all_outputs_and_register_unified_recompute(out)
+    del h0
+    with pytest.raises(CheckpointError, match=r"(?s)an input of \S+ is a discarded output that "
+                                              r"nothing can rebuild.*not \.detach\(\)"):
+        out.sum().backward()

@@ -964,7 +964,23 @@ class ReadsRouterEma(nn.Module):
         return torch.gather(h, -1, ids) * (1 + self.router.ema[:2])
 
 
-@pytest.mark.parametrize("make", [CountsTokens, ReadsRouterEma], ids=["count", "router ema"])
+class ReassigningRouter(EmaRouter):
+    """Reassigns its buffer (a new tensor under the name) instead of changing it in place."""
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, -1).indices
+        self.ema = self.ema * 0.9 + torch.bincount(ids.flatten(), minlength=8).float()
+        return ids
+
+
+class ReassignsRouterEma(ReadsRouterEma):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = ReassigningRouter()
+
+
+@pytest.mark.parametrize("make", [CountsTokens, ReadsRouterEma, ReassignsRouterEma],
+                         ids=["count", "router ema", "router ema reassigned"])
 def test_state_a_reused_call_changes_is_read_after_it_in_the_replay_as_in_eager(
         make: Any) -> None:
     # NOTE [state a reused call changes]: the replay skips the call and ran on a copy of the
@@ -1046,6 +1062,22 @@ class OpaqueRouter(nn.Module):
         return (torch.gather(h, -1, routed.ids) * routed.weights).sum(-1, keepdim=True) * h
 
 
+def _frozen_stats(scores: torch.Tensor) -> Routing:
+    probs = scores.softmax(-1)
+    return Routing(probs.topk(2, -1).indices, probs)
+
+
+class FrozenStats(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        routed = reuse_during_recompute(_frozen_stats, h.detach())
+        return torch.gather(h, -1, routed.ids) * routed.weights.max()
+
+
 def test_a_float_inside_a_plain_result_object_is_refused_naming_it() -> None:
     # It slipped past every check: the gate weights were replayed without their graph, and the
     # gate silently got no gradient.
@@ -1055,8 +1087,14 @@ def test_a_float_inside_a_plain_result_object_is_refused_naming_it() -> None:
                                          r"result\.weights.*return a dataclass or a NamedTuple"):
         layer(x)  # eager refuses too: the weights require grad
     wrapped = pytree_ckpt.apply_activation_checkpointing(OpaqueRouter())
+    out = wrapped(x)  # the original pass runs under no-grad: the replay tells, as eager does
     with pytest.raises(ReuseError, match=r"returned a Routing holding a float tensor"):
-        wrapped(x)
+        out.sum().backward()
+    # Frozen floats in one (from detached inputs, by a plain function) pass, as in the open.
+    torch.manual_seed(0)
+    layer = FrozenStats()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(layer))
+    assert_same_grads(*grads_per_model([layer, twin], x, seed=0))
 
 
 def test_an_op_given_to_reuse_during_recompute_is_refused_with_a_tip() -> None:
@@ -1094,3 +1132,38 @@ def test_a_reused_call_under_inference_mode_gives_eager_gradients() -> None:
     eager = UnderInference()
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     assert_same_grads(*grads_per_model([eager, wrapped], torch.randn(4, 8), seed=0))
+
+
+class PlainCounter(nn.Module):
+    """A token count kept as a plain tensor attribute (no copy of it stands in the replay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.counts = torch.zeros(8, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_count_ids, h.detach(), self.counts)
+        return torch.gather(h, -1, ids)
+
+
+@pytest.mark.parametrize("between", ["reset", "another micro-batch"])
+def test_the_replay_never_writes_back_state_that_changed_after_the_forward(between: str) -> None:
+    # NOTE [state a reused call changes]: only the replay's own copies get the values the
+    # call left; writing them into the very tensor undid a reset (logging) or the next
+    # micro-batch's count.
+    counts = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = PlainCounter()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        loss = layer(torch.randn(4, 8)).square().sum()
+        if between == "reset":
+            layer.counts.zero_()
+        else:
+            loss = loss + layer(torch.randn(4, 8)).square().sum()
+        loss.backward()
+        counts.append(layer.counts.clone())
+    assert torch.equal(*counts)

@@ -450,18 +450,92 @@ def test_a_forward_that_changes_a_parameter_in_place_is_warned_once_naming_it() 
         layer(x).sum().backward()
 
 
-def test_an_idempotent_change_to_a_parameter_in_the_forward_gives_eager_gradients() -> None:
+@pytest.mark.parametrize("calls", [1, 2], ids=["one call", "two calls, one backward"])
+def test_an_idempotent_change_to_a_parameter_in_the_forward_gives_eager_gradients(
+        calls: int) -> None:
     # nn.Embedding(max_norm=...) renormalizes its weight in place at each call: repeating it
-    # changes nothing, so the replay is exact (and warned about, as it cannot tell).
+    # changes nothing, so the replay is exact (and warned about, as it cannot tell). Called
+    # twice before one backward (a tied embedding, micro-batches summed), the second call and
+    # its replay move the version too: ours, not the caller's (it was refused).
     grads = []
     for wrap in (False, True):
         torch.manual_seed(0)
         layer = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 4))
         if wrap:
             pytree_ckpt.apply_activation_checkpointing(layer)
-        ids = torch.tensor([1, 3, 3, 7])
+        batches = [torch.tensor([1, 3, 3, 7]), torch.tensor([2, 9, 4, 1])][:calls]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            layer(ids).square().sum().backward()
+            sum(layer(ids).square().sum() for ids in batches).backward()
         grads.append(grads_of([*layer.parameters()]) + [layer[0].weight.detach().clone()])
+    assert_same_grads(*grads)
+
+
+def test_a_parameter_stepped_between_two_micro_batch_forwards_is_still_refused() -> None:
+    # Our own passes' moves are told apart, not the caller's: a step after the first call's
+    # forward is the caller's, whatever the second call did since.
+    layer = pytree_ckpt.apply_activation_checkpointing(
+        nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = layer(torch.tensor([1, 3])).square().sum()
+        with torch.no_grad():
+            layer[1].weight.add_(1.0)
+        second = layer(torch.tensor([2, 9])).square().sum()
+        with pytest.raises(pytree_ckpt.CheckpointError, match=r"parameter 1\.weight was changed"):
+            (first + second).backward()
+
+
+def test_fast_weights_with_a_graph_given_to_functional_call_get_eager_gradients() -> None:
+    # MAML's inner step: fast weights computed from the parameters. The boundary returns their
+    # gradients and autograd carries them on to the parameters; the check for tensors it
+    # cannot give a gradient walked on into the parameters and refused.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        fast = {name: p * 1.5 for name, p in layer.named_parameters()}
+        torch.func.functional_call(layer, fast, (torch.randn(3, 4),)).sum().backward()
+        grads.append(grads_of([*layer.parameters()]))
+    assert_same_grads(*grads)
+    with torch.no_grad():  # changed before backward: named by shape, not the module's own
+        fast = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
+        loss = torch.func.functional_call(layer, fast, (torch.randn(3, 4),)).sum()
+    loss = torch.func.functional_call(layer, fast, (torch.randn(3, 4),)).sum()
+    with torch.no_grad():
+        fast["0.weight"].add_(1.0)
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=r"parameter \(one of shape \(4, 4\), not the module's own\)"):
+        loss.backward()
+
+
+class MakesItsRotary(nn.Module):
+    """Registers a submodule at its first call (a lazily built rotary cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "rope"):
+            self.rope = nn.Identity()
+        return self.rope(torch.tanh(self.lin(x)))
+
+
+def test_a_submodule_the_forward_registers_is_one_that_ran_when_other_models_are_built() -> None:
+    # The trees were read before the forward: its new submodule looked replaced as soon as
+    # anything moved the structure generation before backward (here, a model built).
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = MakesItsRotary()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        loss = layer(x).square().sum()
+        nn.Sequential(nn.Linear(2, 2))
+        loss.backward()
+        grads.append(grads_of([x, *layer.parameters()]))
     assert_same_grads(*grads)
