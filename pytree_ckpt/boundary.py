@@ -93,9 +93,8 @@ from .refusals import (fn_name, input_path, raise_input_changed,
                        raise_parameter_changed_after_call, refuse_double_backward,
                        refuse_hidden_outputs, refuse_unreadable_inputs)
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import (ChangedState, ForwardModules, StateWatch, mark_stateful,
-                            ParameterVersions, parameter_versions, snapshots_wanted,
-                            versions)
+from .state_changes import (ChangedState, ForwardModules, ParameterVersions, StateWatch,
+                            mark_stateful, snapshots_wanted, versions)
 from .stored_state import warn_parameter_changed
 from .subclass import SubclassKind, kind_of
 from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
@@ -306,7 +305,7 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
-        param_before = parameter_versions(call.params) if call.params else None
+        param_before = ParameterVersions.read(call.params) if call.params else None
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
                            snapshot=snapshots_wanted(call.owner)) \
             if call.owner is not None and call.modules is not None else None
@@ -442,15 +441,15 @@ class _BoundaryFunction(torch.autograd.Function):
         watched = call.param_versions
         if watched is not None:
             assert call.params is not None
-            before = parameter_versions(call.params)
-            changed = watched.changed_since(call.params, before)
+            before = ParameterVersions.read(call.params)
+            changed = watched.changed_since(call.params, before[0])
             if changed:
                 raise_parameter_changed_after_call(
                     fn_name(call.fn), changed,
                     call.forward_modules.roots if call.forward_modules is not None else [])
             grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
             if watched.replayed(call.params, before):  # the forward's change, made again
-                warn_parameter_changed(call, before)
+                warn_parameter_changed(call, before[0])
             return grads
         return _BoundaryFunction._replay(ctx, call, grad_outputs)
 

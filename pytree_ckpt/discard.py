@@ -69,8 +69,7 @@ from .discard_aliases import made_outside, reachable_tensors, root_key
 from .module_state import (ModuleDicts, collect_parameters, foreign_leaf, module_dicts,
                            owning_module)
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import (ChangedState, ForwardModules, ParameterVersions, StateWatch,
-                            parameter_versions, versions)
+from .state_changes import ChangedState, ForwardModules, ParameterVersions, StateWatch, versions
 from .tree import flatten
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "DISCARDED_MARK",
@@ -133,7 +132,7 @@ class _DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by __call__ before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)
-        param_before = parameter_versions(owner.params) if owner.params else None
+        param_before = ParameterVersions.read(owner.params) if owner.params else None
         # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
         # discarded module is never marked verified).
         watch = StateWatch(*owner.state, snapshot=True) if owner.state is not None else None
@@ -470,8 +469,8 @@ class CheckpointWithoutOutput:
         watched, param_before = self.param_versions, None
         if watched is not None:
             assert self.params is not None
-            param_before = parameter_versions(self.params)
-            changed = watched.changed_since(self.params, param_before)
+            param_before = ParameterVersions.read(self.params)
+            changed = watched.changed_since(self.params, param_before[0])
             if changed:
                 raise_parameter_changed_after_call(
                     self._name(), changed,

@@ -42,6 +42,7 @@ from torch import nn
 from .eager import user_stacklevel
 from .errors import ReuseError
 from .module_state import owning_module
+from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
 __all__ = ["Passthrough", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
@@ -119,15 +120,16 @@ def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], 
 
 
 # One change a reused call made: ("argument", leaf index, ...) or ("buffer", name, ...), with
-# the tensor the original pass left there (weakly) and its value after the call (NOTE [state
-# a reused call changes]).
-StateAfter = tuple[tuple[str, Any, "weakref.ref[torch.Tensor]", torch.Tensor], ...]
+# the storage the original pass left it on (weakly) and its value after the call (NOTE
+# [state a reused call changes]).
+StateAfter = tuple[tuple[str, Any, "weakref.ref[torch.UntypedStorage]", torch.Tensor], ...]
 Buffers = tuple[dict[str, Any], list[tuple[str, Any, int | None]]]
 
 
 def buffer_versions(fn: Callable[..., Any], /) -> Buffers | None:
-    """The own buffers of ``fn``'s module (if any), with their versions, read before ``fn``
-    runs: its ``_buffers`` dict, and (name, tensor, version) per entry."""
+    """The own buffers of ``fn``'s module (if any; not its children's: a walk per call), with
+    their versions, read before ``fn`` runs: its ``_buffers`` dict, and (name, tensor,
+    version) per entry."""
     module = owning_module(fn)
     if module is None or not module._buffers:
         return None
@@ -139,20 +141,21 @@ def buffer_versions(fn: Callable[..., Any], /) -> Buffers | None:
 def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | None, /
                 ) -> StateAfter | None:
     """NOTE [state a reused call changes]: the replay skips a reused call, so a change it made
-    in place to an integer argument (a token count it adds to), or to a buffer of its module,
-    in place or by reassignment (a router's load EMA), is not made again there, and what reads
-    that tensor after the call in the replay (which runs on copies of changed module state:
-    NOTE [the replay changes copies] in state_changes.py) read it as it was before the call:
-    other gradients than eager's, at every step. The original pass keeps the changed tensors'
-    values after the call (small state), and the tensors themselves weakly; the replay,
-    skipping the call, writes the values into its own tensors (the argument at the same
-    place, the module's buffer of the same name: ``apply_state_after``), but not into the
-    very tensor the original pass changed (one no copy stands for: a plain attribute, a
-    router outside the layer), which later code may have changed since. Floating arguments
-    are warned about instead (NOTE [a reused fn changes no argument]): logits-sized scores
-    would be kept twice. ``None`` when nothing changed (the usual case)."""
-    changed: list[tuple[str, Any, weakref.ref[torch.Tensor], torch.Tensor]] = [
-        ("argument", j, weakref.ref(t), t.detach().clone())
+    in place to an integer argument (a token count it adds to), or to a buffer of its own
+    module, in place or by reassignment (a router's load EMA), is not made again there, and
+    what reads that tensor after the call in the replay read it as it was before the call:
+    other gradients than eager's, at every step. The original pass keeps the changed
+    tensors' values after the call (small state); the replay, skipping the call, writes them
+    (``apply_state_after``) into its own tensors only: a buffer when the replay runs on its
+    copy (NOTE [the replay changes copies] in state_changes.py marks their storages), an
+    argument unless it is on the very storage the original pass changed (a plain tensor
+    attribute, or a view of it: the caller's, which later code may have changed since; an
+    argument the layer makes itself is the replay's own). State with no copy is read as the
+    caller left it (docs/boundary.md, the micro-batch row). Floating arguments are warned
+    about instead (NOTE [a reused fn changes no argument]): logits-sized scores would be
+    kept twice. ``None`` when nothing changed (the usual case)."""
+    changed: list[tuple[str, Any, weakref.ref[torch.UntypedStorage], torch.Tensor]] = [
+        ("argument", j, weakref.ref(t.untyped_storage()), t.detach().clone())
         for j, version in zip(call.tensor_index, before)
         if version is not None and (t := call.leaves[j])._version != version
         and not _is_float(t)]
@@ -162,25 +165,30 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
             now = held.get(name)
             if isinstance(now, torch.Tensor) and not now.is_inference() and (
                     now is not b or now._version != version):
-                changed.append(("buffer", name, weakref.ref(now), now.detach().clone()))
+                changed.append(("buffer", name, weakref.ref(now.untyped_storage()),
+                                now.detach().clone()))
     return tuple(changed) if changed else None
 
 
 def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                       changes: StateAfter, /) -> None:
-    """Make, in the replay, the changes a skipped reused call made in the original pass (NOTE
-    [state a reused call changes]); a tensor already holding them, or the very one the
-    original pass changed, is left as it is."""
+    """Make, in the replay, the changes a skipped reused call made in the original pass, in
+    the replay's own tensors only (NOTE [state a reused call changes])."""
     call = flatten_call(args, kwargs)
     module = owning_module(fn)
     held = module._buffers if module is not None else {}
     with torch.no_grad():
         for kind, key, original, value in changes:
-            target = call.leaves[key] if kind == "argument" and key < len(call.leaves) else \
-                held.get(key) if kind == "buffer" else None
-            if isinstance(target, torch.Tensor) and target is not original() and \
-                    target.shape == value.shape and target.dtype == value.dtype and \
-                    not torch.equal(target, value):
+            if kind == "argument":
+                target = call.leaves[key] if key < len(call.leaves) else None
+                ours = isinstance(target, torch.Tensor) and \
+                    target.untyped_storage() is not original()
+            else:
+                target = held.get(key)
+                ours = isinstance(target, torch.Tensor) and \
+                    getattr(target.untyped_storage(), REPLAY_COPY_MARK, False)
+            if ours and isinstance(target, torch.Tensor) and target.shape == value.shape and \
+                    target.dtype == value.dtype and not torch.equal(target, value):
                 target.copy_(value)
 
 

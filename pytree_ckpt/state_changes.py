@@ -24,8 +24,8 @@ from .errors import CheckpointError
 from .module_state import (ModuleDicts, changed_submodule, ever_verified, structure_generation,
                            submodules_now)
 
-__all__ = ["ChangedState", "ForwardModules", "ParameterVersions", "StateWatch", "mark_stateful",
-           "parameter_versions", "snapshots_wanted", "versions"]
+__all__ = ["ChangedState", "ForwardModules", "ParameterVersions", "REPLAY_COPY_MARK", "StateWatch",
+           "mark_stateful", "parameter_versions", "snapshots_wanted", "versions"]
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
@@ -43,8 +43,10 @@ def parameter_versions(params: Sequence[torch.Tensor], /) -> list[int | None]:
 
 
 # On a parameter, the count of version moves the library's own passes made (a forward or a
-# replay that changes the parameter in place: nn.Embedding's max_norm renorm).
+# replay that changes the parameter in place: nn.Embedding's max_norm renorm). Until a pass
+# first moves one, in this process, every count is 0 and none is read per call.
 _OWN_MOVES = "_pytree_ckpt_own_moves"
+_own_moves_seen = False
 
 
 class ParameterVersions:
@@ -56,11 +58,17 @@ class ParameterVersions:
 
     __slots__ = ("versions", "own")
 
-    def __init__(self, params: Sequence[torch.Tensor], before: list[int | None], /) -> None:
+    @staticmethod
+    def read(params: Sequence[torch.Tensor], /) -> tuple[list[int | None], list[int] | None]:
+        """Before a pass: the versions, and the own-move counts if any was ever made."""
+        return parameter_versions(params), _own_moves(params)
+
+    def __init__(self, params: Sequence[torch.Tensor],
+                 before: tuple[list[int | None], list[int] | None], /) -> None:
         self.versions = parameter_versions(params)
-        if self.versions != before:
+        if self.versions != before[0]:
             _count_own_moves(params, before, self.versions)
-        self.own = [p.__dict__.get(_OWN_MOVES, 0) for p in params]
+        self.own = _own_moves(params)
 
     def changed_since(self, params: Sequence[torch.Tensor], now: list[int | None], /
                       ) -> list[tuple[torch.Tensor, int, int]]:
@@ -68,30 +76,47 @@ class ParameterVersions:
         (parameter, version at the call, version now)."""
         if now == self.versions:
             return []
-        return [(p, v, n) for p, v, n, own in zip(params, self.versions, now, self.own)
+        own = self.own or [0] * len(params)
+        return [(p, v, n) for p, v, n, was in zip(params, self.versions, now, own)
                 if v is not None and n is not None and
-                n - v != p.__dict__.get(_OWN_MOVES, 0) - own]
+                n - v != p.__dict__.get(_OWN_MOVES, 0) - was]
 
-    def replayed(self, params: Sequence[torch.Tensor], before: list[int | None], /) -> bool:
+    def replayed(self, params: Sequence[torch.Tensor],
+                 before: tuple[list[int | None], list[int] | None], /) -> bool:
         """Count the replay's own moves; whether it moved any (the forward's change made
         again). A second backward (retain_graph) compares from here."""
         now = parameter_versions(params)
-        if now == before:
+        if now == before[0]:
             return False
         _count_own_moves(params, before, now)
         self.versions = now
-        self.own = [p.__dict__.get(_OWN_MOVES, 0) for p in params]
+        self.own = _own_moves(params)
         return True
 
 
-def _count_own_moves(params: Sequence[torch.Tensor], before: list[int | None],
+def _own_moves(params: Sequence[torch.Tensor], /) -> list[int] | None:
+    return [p.__dict__.get(_OWN_MOVES, 0) for p in params] if _own_moves_seen else None
+
+
+def _count_own_moves(params: Sequence[torch.Tensor],
+                     before: tuple[list[int | None], list[int] | None],
                      after: list[int | None]) -> None:
-    for p, b, a in zip(params, before, after):
+    """Add a pass's moves to each parameter's count, but for those a pass nested in it (an
+    inner boundary's forward or replay) counted already."""
+    global _own_moves_seen
+    _own_moves_seen = True
+    versions, own = before
+    for i, (p, b, a) in enumerate(zip(params, versions, after)):
         if a is not None and b is not None and a != b:
-            p.__dict__[_OWN_MOVES] = p.__dict__.get(_OWN_MOVES, 0) + a - b
+            counted = p.__dict__.get(_OWN_MOVES, 0)
+            inner = counted - (own[i] if own is not None else 0)
+            p.__dict__[_OWN_MOVES] = counted + (a - b) - inner
 
 
 _Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
+
+# On the storage of each copy a replay runs on (NOTE [the replay changes copies]).
+REPLAY_COPY_MARK = "_pytree_ckpt_replay_copy"
 
 
 _STATEFUL = "_pytree_ckpt_stateful"
@@ -359,19 +384,23 @@ class ChangedState:
     def _copy(self, source: torch.Tensor, storages: dict[Any, torch.UntypedStorage]
               ) -> torch.Tensor:
         """The replay's copy of ``source`` as it was before the forward, over this replay's
-        copy of its storage then; of what the forward left where nothing was saved."""
+        copy of its storage then; of what the forward left where nothing was saved. Its
+        storage is marked as the replay's own (NOTE [state a reused call changes] in
+        frozen.py writes only into such)."""
         saved = self.before.get(id(source))
         if saved is None:
-            return source.detach().clone()
-        key, layout = saved
-        if key is None:
-            return layout.clone()  # type: ignore[no-any-return]  # the buffer alone
-        storage = storages.get(key)
-        if storage is None:
-            storage = storages[key] = self.storages[key].clone()
-        offset, size, stride = layout
-        copy = torch.empty(0, dtype=source.dtype, device=source.device)
-        return copy.set_(storage, offset, size, stride)
+            copy = source.detach().clone()
+        elif saved[0] is None:
+            copy = saved[1].clone()  # the buffer alone
+        else:
+            key, (offset, size, stride) = saved
+            storage = storages.get(key)
+            if storage is None:
+                storage = storages[key] = self.storages[key].clone()
+            copy = torch.empty(0, dtype=source.dtype, device=source.device)
+            copy.set_(storage, offset, size, stride)
+        setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)
+        return copy
 
 
 def _covers_its_storage(tensor: torch.Tensor, /) -> bool:

@@ -1135,28 +1135,32 @@ def test_a_reused_call_under_inference_mode_gives_eager_gradients() -> None:
 
 
 class PlainCounter(nn.Module):
-    """A token count kept as a plain tensor attribute (no copy of it stands in the replay)."""
+    """A token count kept as a plain tensor attribute (no copy of it stands in the replay),
+    passed as it is or as a view (a new object each pass)."""
 
-    def __init__(self) -> None:
+    def __init__(self, view: bool) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.lin, self.view = nn.Linear(8, 8), view
         self.counts = torch.zeros(8, dtype=torch.long)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
-        ids = reuse_during_recompute(_count_ids, h.detach(), self.counts)
+        counts = self.counts[:] if self.view else self.counts
+        ids = reuse_during_recompute(_count_ids, h.detach(), counts)
         return torch.gather(h, -1, ids)
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["tensor", "view"])
 @pytest.mark.parametrize("between", ["reset", "another micro-batch"])
-def test_the_replay_never_writes_back_state_that_changed_after_the_forward(between: str) -> None:
-    # NOTE [state a reused call changes]: only the replay's own copies get the values the
-    # call left; writing them into the very tensor undid a reset (logging) or the next
+def test_the_replay_never_writes_back_state_that_changed_after_the_forward(
+        between: str, view: bool) -> None:
+    # NOTE [state a reused call changes]: only the replay's own tensors get the values the
+    # call left; writing them into the caller's tensor undid a reset (logging) or the next
     # micro-batch's count.
     counts = []
     for wrap in (False, True):
         torch.manual_seed(0)
-        layer = PlainCounter()
+        layer = PlainCounter(view)
         if wrap:
             pytree_ckpt.apply_activation_checkpointing(layer)
         loss = layer(torch.randn(4, 8)).square().sum()

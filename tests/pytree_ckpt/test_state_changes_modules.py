@@ -471,6 +471,27 @@ def test_an_idempotent_change_to_a_parameter_in_the_forward_gives_eager_gradient
     assert_same_grads(*grads)
 
 
+def test_nested_boundaries_count_their_own_moves_of_a_parameter_once() -> None:
+    # An inner boundary's forward and replay run inside the outer one's: the outer pass's
+    # version change includes theirs, which were counted twice (refused as the caller's).
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 4))
+        with torch.no_grad():
+            inner[0].weight.mul_(3.0)  # every row renormalized at its first use
+        outer = nn.Sequential(inner)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(inner)
+            pytree_ckpt.apply_activation_checkpointing(outer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = outer(torch.tensor([1, 2, 3])).sum() + outer(torch.tensor([3, 4, 5])).sum()
+            loss.backward()
+        grads.append(grads_of([*outer.parameters()]) + [inner[0].weight.detach().clone()])
+    assert_same_grads(*grads)
+
+
 def test_a_parameter_stepped_between_two_micro_batch_forwards_is_still_refused() -> None:
     # Our own passes' moves are told apart, not the caller's: a step after the first call's
     # forward is the caller's, whatever the second call did since.
