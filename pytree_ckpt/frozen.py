@@ -316,10 +316,11 @@ def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
             return
         raise ReuseError(
             f"reuse_during_recompute({name}) returned a {type(leaf).__name__} holding a float "
-            f"tensor at {leaf_paths(flat.spec, root='result')[i]}{found[0]}, computed from "
-            "tensors that require grad: the replay hands the object back as recorded, "
-            "unopened, so that tensor would silently lose its gradient (and is neither "
-            "checked nor offloaded)",
+            f"tensor at {leaf_paths(flat.spec, root='result')[i]}{found[0]}, from a function "
+            "that may compute it with grad (a method of a module with trainable parameters, "
+            "or given inputs that require grad): the replay hands the object back as "
+            "recorded, unopened, so such a tensor would silently lose its gradient (and is "
+            "neither checked nor offloaded)",
             expected="results as PyTrees: tensors in dicts, lists, tuples, namedtuples or "
                      "dataclasses", got=f"{type(leaf).__name__} (a leaf the bridge does not open)",
             tip="return a dataclass or a NamedTuple instead, and compute differentiable parts "

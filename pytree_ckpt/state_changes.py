@@ -403,6 +403,22 @@ class ChangedState:
         return copy
 
 
+def _refuse_replaced_in_forward(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts],
+                                ran: list[dict[str, Any]], /) -> None:
+    now = {id(d) for d in ran}
+    if all(id(d) in now for tree in trees for d in tree.submodules):
+        return  # only added (a lazily built cache module): those ran, or will in the replay
+    raise CheckpointError(
+        f"the forward of {type(roots[0]).__name__} replaced or removed one of its submodules: "
+        "the replay in backward runs the tree the forward left, so where the old one ran "
+        "first (a warm-up activation swapped after use) it would give other gradients than "
+        "eager, which backpropagates through the one that ran; which ran cannot be told",
+        expected="submodules left in place by the forward (adding new ones is fine)",
+        got="a submodule of the tree before the call missing from it after the call",
+        tip="make the change outside the checkpointed call (before the next step), or run "
+            "that first call without checkpointing")
+
+
 def _covers_its_storage(tensor: torch.Tensor, /) -> bool:
     """Whether ``tensor`` is no view and spans its whole storage (its version counter is then
     about its bytes only)."""
@@ -442,8 +458,11 @@ class ForwardModules:
         self.trees = roots
         self.generation = structure_generation()
         # The submodules that ran: as read before the forward, or read again when the forward
-        # registered one (NOTE [the replay runs the forward's submodules]).
+        # registered one (NOTE [the replay runs the forward's submodules]). One it replaced
+        # or removed after running it is refused now: the replay would run the new one.
         self.ran = submodules_now(roots, trees)
+        if self.ran is not None:
+            _refuse_replaced_in_forward(roots, trees, self.ran)
         others = [m for tree in trees for m in tree.flagged_otherwise]
         self.roots = [*roots, *others] if others else roots
         roots = self.roots

@@ -560,3 +560,27 @@ def test_a_submodule_the_forward_registers_is_one_that_ran_when_other_models_are
         loss.backward()
         grads.append(grads_of([x, *layer.parameters()]))
     assert_same_grads(*grads)
+
+
+class SwapsAfterWarmUp(nn.Module):
+    """Runs a warm-up activation, then replaces it for later calls, in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.warm = nn.Linear(4, 4), nn.GELU(), True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.lin(x))
+        if self.warm:
+            self.act, self.warm = nn.SiLU(), False
+        return y
+
+
+def test_a_forward_that_replaces_a_submodule_is_refused_at_the_call() -> None:
+    # The replay runs the tree the forward left: SiLU where GELU ran, silently (the tree was
+    # read again after the forward, for the modules a forward adds).
+    layer = pytree_ckpt.apply_activation_checkpointing(SwapsAfterWarmUp())
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=r"(?s)the forward of SwapsAfterWarmUp replaced or removed one of "
+                             r"its submodules.*outside the checkpointed call"):
+        layer(torch.randn(3, 4))
