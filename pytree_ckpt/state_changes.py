@@ -451,15 +451,15 @@ class ForwardModules:
     [the replay runs the forward's submodules] in module_state.py).
     """
 
-    __slots__ = ("roots", "submodules", "modes", "entries", "empty", "trees", "generation",
+    __slots__ = ("roots", "submodules", "modes", "entries", "empty", "tree_roots", "generation",
                  "ran")
 
     def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /) -> None:
-        self.trees = roots
+        self.tree_roots = roots
         self.generation = structure_generation()
         # The submodules that ran: as read before the forward, or read again when the forward
         # registered one (NOTE [the replay runs the forward's submodules]). One it replaced
-        # or removed after running it is refused now: the replay would run the new one.
+        # or removed is refused now: the replay would run the tree the forward left.
         self.ran = submodules_now(roots, trees)
         if self.ran is not None:
             _refuse_replaced_in_forward(roots, trees, self.ran)
@@ -481,13 +481,13 @@ class ForwardModules:
     def changes(self) -> Changes | None:
         """What differs now from the forward, or ``None`` (the usual case: nothing); a
         submodule replaced since is refused."""
-        changed = changed_submodule(self.trees, self.submodules if self.ran is None else
+        changed = changed_submodule(self.tree_roots, self.submodules if self.ran is None else
                                     self.ran, self.generation)
         if changed is not None:
             path, what = changed
             where = f"the submodule {path}" if path else "a submodule"
             raise CheckpointError(
-                f"{where} of the checkpointed {type(self.trees[0]).__name__} changed between "
+                f"{where} of the checkpointed {type(self.tree_roots[0]).__name__} changed between "
                 "its forward and this backward: the replay would run other modules than the "
                 "forward ran, and give other gradients than eager, which backpropagates "
                 "through the modules that ran", expected="the submodules the forward ran",
