@@ -89,9 +89,9 @@ from .module_state import (ModuleDicts, any_lazy, call_switches, collect_paramet
 from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
-from .refusals import (fn_name, input_path, raise_input_changed,
-                       raise_parameter_changed_after_call, refuse_double_backward,
-                       refuse_hidden_outputs, refuse_unreadable_inputs)
+from .refusals import (fn_name, input_path, raise_input_changed, refuse_double_backward,
+                       refuse_hidden_outputs, refuse_parameters_changed,
+                       refuse_unreadable_inputs)
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (ChangedState, ForwardModules, ParameterVersions, StateWatch,
                             mark_stateful, snapshots_wanted, versions)
@@ -441,12 +441,9 @@ class _BoundaryFunction(torch.autograd.Function):
         watched = call.param_versions
         if watched is not None:
             assert call.params is not None
-            before = ParameterVersions.read(call.params)
-            changed = watched.changed_since(call.params, before[0])
-            if changed:
-                raise_parameter_changed_after_call(
-                    fn_name(call.fn), changed,
-                    call.forward_modules.roots if call.forward_modules is not None else [])
+            before = refuse_parameters_changed(
+                watched, call.params, fn_name(call.fn),
+                call.forward_modules.roots if call.forward_modules is not None else [])
             grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
             if watched.replayed(call.params, before):  # the forward's change, made again
                 warn_parameter_changed(call, before[0])

@@ -60,8 +60,7 @@ import torch
 from torch import nn
 
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
-from .refusals import (raise_parameter_changed_after_call, refuse_double_backward,
-                       refuse_module_tensor)
+from .refusals import refuse_double_backward, refuse_module_tensor, refuse_parameters_changed
 from .census import ActivationCensus, active_census
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
@@ -469,12 +468,9 @@ class CheckpointWithoutOutput:
         watched, param_before = self.param_versions, None
         if watched is not None:
             assert self.params is not None
-            param_before = ParameterVersions.read(self.params)
-            changed = watched.changed_since(self.params, param_before[0])
-            if changed:
-                raise_parameter_changed_after_call(
-                    self._name(), changed,
-                    self.forward_modules.roots if self.forward_modules is not None else [])
+            param_before = refuse_parameters_changed(
+                watched, self.params, self._name(),
+                self.forward_modules.roots if self.forward_modules is not None else [])
         saved_tensors = self._saved()
         for t in saved_tensors:
             if t.numel() and not t.untyped_storage().nbytes():

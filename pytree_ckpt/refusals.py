@@ -25,13 +25,14 @@ from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, 
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary import BoundaryCall
+    from .state_changes import ParameterVersions
 
 __all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "container_elements", "fn_name",
-           "input_path", "open_containers", "raise_attached_to_outside_tensor",
-           "parameter_path", "raise_changed_after_call", "raise_hooked_outside_tensor",
-           "raise_input_changed", "raise_parameter_changed_after_call",
-           "raise_torch_reentrant_inside", "refuse_double_backward", "refuse_filled_containers",
-           "refuse_hidden_outputs", "refuse_module_tensor", "refuse_unreadable_inputs",
+           "input_path", "open_containers", "parameter_path", "raise_attached_to_outside_tensor",
+           "raise_changed_after_call", "raise_hooked_outside_tensor", "raise_input_changed",
+           "raise_parameter_changed_after_call", "raise_torch_reentrant_inside",
+           "refuse_double_backward", "refuse_filled_containers", "refuse_hidden_outputs",
+           "refuse_module_tensor", "refuse_parameters_changed", "refuse_unreadable_inputs",
            "require_callable", "verify_leaves"]
 
 
@@ -469,6 +470,19 @@ def parameter_path(modules: Sequence[nn.Module], tensor: torch.Tensor, /) -> str
             if param is tensor:
                 return prefix + path
     return f"(one of shape {tuple(tensor.shape)}, not the module's own)"
+
+
+def refuse_parameters_changed(watched: ParameterVersions, params: Sequence[torch.Tensor],
+                              where: str, modules: Sequence[nn.Module], /
+                              ) -> tuple[list[int | None], list[int] | None]:
+    """Before a replay (the boundary's, an output discard's rebuild): refuse if a parameter
+    was changed since the forward by others than our passes (NOTE [parameters changed in
+    place]); the versions read, for ``watched.replayed`` after it."""
+    before = watched.read(params)
+    changed = watched.changed_since(params, before[0])
+    if changed:
+        raise_parameter_changed_after_call(where, changed, modules)
+    return before
 
 
 def raise_parameter_changed_after_call(where: str,
