@@ -537,7 +537,7 @@ class OffloadManager:
 def _refuse_non_tensors(tensors: Any, /) -> None:
     """``window``'s argument: a sequence of tensors (iterating one tensor would give its
     rows, each a view of its storage)."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple, Sequence)):
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise CheckpointConfigError(
             "OffloadManager.window takes a list or tuple of tensors",
             expected="Sequence[torch.Tensor]", got=type(tensors).__name__,

@@ -154,7 +154,8 @@ def changed_submodule(roots: Sequence[nn.Module], ran: Sequence[dict[str, Any]],
     ``layers[1].mlp = new_mlp``) would have the replay run another function than the one
     that ran, and silently give other gradients (eager backpropagates through the modules
     that ran). The forward's submodules are known (``ran``: the ``__dict__`` of each submodule
-    of ``roots``, in order, as ``module_dicts`` read them then); their objects are not kept,
+    of ``roots``, in order, as read before the forward, or after it when it registered one:
+    ``submodules_now``; one it replaced is refused at the call); their objects are not kept,
     so they cannot be put back as parameter entries are: the replay refuses. ``None`` when
     ``roots``' trees are the ones that ran (the generation did not move: one compare per
     replay, and a tree check as at each call), else (path, what) of the first submodule that
