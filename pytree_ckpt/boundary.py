@@ -80,7 +80,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 from .census import Mechanism, census_active, report_held
-from .errors import ReplayMismatchError, validate_bool
+from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
@@ -91,13 +91,14 @@ from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
 from .refusals import (fn_name, input_path, raise_input_changed, refuse_double_backward,
                        refuse_hidden_outputs, refuse_parameters_changed,
-                       refuse_unreadable_inputs)
+                       refuse_strided_nested, refuse_unreadable_inputs)
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (ChangedState, ForwardModules, ParameterVersions, StateWatch,
                             mark_stateful, snapshots_wanted, versions)
 from .stored_state import warn_parameter_changed
 from .subclass import SubclassKind, kind_of
-from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
+from .tree import (alias, describe_leaf, first_difference, flatten, flatten_call, leaf_paths,
+                   unflatten)
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -378,8 +379,12 @@ class _BoundaryFunction(torch.autograd.Function):
         # before fn ran. Returned as it is, autograd would attach this node to that very tensor
         # (a parameter would stop being a leaf, and a later backward would loop through it).
         # It leaves as an alias instead. Inputs returned as they are, autograd aliases itself.
-        out_tensors = tuple(t.view_as(t) if t.requires_grad else t
-                            for t in (flat.leaves[i] for i in flat.tensor_index))
+        try:
+            out_tensors = tuple(t.view_as(t) if t.requires_grad else t
+                                for t in (flat.leaves[i] for i in flat.tensor_index))
+        except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts] (tree.py)
+            out_tensors = tuple(alias(t) if t.requires_grad else t
+                                for t in (flat.leaves[i] for i in flat.tensor_index))
         as_is = _returned_as_is(call.before or {}, tensors, out_tensors)
         extra: tuple[torch.Tensor, ...] = ()
         if recorded:
@@ -395,7 +400,12 @@ class _BoundaryFunction(torch.autograd.Function):
         call.held = {}
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
-        call.out_meta = [(t.shape, t.dtype) for t in out_tensors]
+        try:
+            call.out_meta = [(t.shape, t.dtype) for t in out_tensors]
+        except RuntimeError:  # NOTE [tensors of other layouts] (tree.py)
+            refuse_strided_nested(call.fn, flat.spec, flat.tensor_index, out_tensors,
+                                  root="output")
+            raise
         call.out_leaves = flat.leaves
         for index in flat.tensor_index:
             call.out_leaves[index] = None
@@ -589,23 +599,31 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     elif params:
         inputs = [*unique, *params]
     active = ACTIVE.get()
-    if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):
-        # NOTE: a boundary nested in another's replay runs in backward, where its inputs are
-        # needed again at once: copying them to host and straight back would only cost time.
-        out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
-    else:
-        # NOTE: the window covers only the save of the inputs (the original pass inside runs
-        # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
-        manager = options.offload
-        # Named from the spec and index lists only: the window must not hold `call`, whose
-        # frame holds this window's handles (a cycle only the garbage collector would free).
-        name = functools.partial(input_path, flat.spec, flat.tensor_index, slots)
-        # The module's parameters: a detached alias of one passed in stays resident.
-        resident = [*params, *frozen] if params is not None else ()
-        with manager.window(unique, name=name, resident=resident) as window:
+    try:
+        if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):
+            # NOTE: a boundary nested in another's replay runs in backward, where its inputs are
+            # needed again at once: copying them to host and straight back would only cost time.
             out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
-        if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
-            call.frame.offload(functools.partial(manager.offload_into, window), manager.restore)
+        else:
+            # NOTE: the window covers only the save of the inputs (the original pass inside runs
+            # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
+            manager = options.offload
+            # Named from the spec and index lists only: the window must not hold `call`, whose
+            # frame holds this window's handles (a cycle only the garbage collector would free).
+            name = functools.partial(input_path, flat.spec, flat.tensor_index, slots)
+            # The module's parameters: a detached alias of one passed in stays resident.
+            resident = [*params, *frozen] if params is not None else ()
+            with manager.window(unique, name=name, resident=resident) as window:
+                out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
+            if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
+                call.frame.offload(functools.partial(manager.offload_into, window),
+                                   manager.restore)
+    except RuntimeError as error:
+        if not isinstance(error, CheckpointError) and "NestedTensorImpl" in str(error):
+            # NOTE [tensors of other layouts] (tree.py)
+            refuse_strided_nested(fn, flat.spec, flat.tensor_index,
+                                  [unique[slot] for slot in slots], root="inputs")
+        raise
     if call.as_is:
         out_tensors = list(out_tensors)
         for position, tensor in call.as_is:

@@ -32,8 +32,8 @@ __all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "container_elements", "f
            "raise_changed_after_call", "raise_hooked_outside_tensor", "raise_input_changed",
            "raise_parameter_changed_after_call", "raise_torch_reentrant_inside",
            "refuse_double_backward", "refuse_filled_containers", "refuse_hidden_outputs",
-           "refuse_module_tensor", "refuse_parameters_changed", "refuse_unreadable_inputs",
-           "require_callable", "verify_leaves"]
+           "refuse_module_tensor", "refuse_parameters_changed", "refuse_strided_nested",
+           "refuse_unreadable_inputs", "require_callable", "verify_leaves"]
 
 
 def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
@@ -581,3 +581,22 @@ def require_callable(fn: Any, where: str, tip: str, /) -> None:
         raise CheckpointConfigError(
             f"{where} takes the function (or module) to run behind the boundary",
             expected="a callable", got=describe_leaf(fn), tip=tip)
+
+
+def refuse_strided_nested(fn: Callable[..., Any], spec: Any, tensor_index: list[int],
+                          tensors: Sequence[torch.Tensor], /, *, root: str) -> None:
+    """Raise a ``CheckpointError`` naming the first nested tensor of the strided layout among
+    ``tensors`` (the tensor leaves of ``spec``, in order) if there is one (NOTE [tensors of
+    other layouts] in tree.py): torch's autograd Functions cannot take or return one."""
+    for index, tensor in zip(tensor_index, tensors):
+        if tensor.is_nested and tensor.layout is torch.strided:
+            path = _readable(leaf_paths(spec, root=root)[index])
+            raise CheckpointError(
+                f"{fn_name(fn)} {'was given' if root == 'inputs' else 'returned'} a nested "
+                f"tensor of the strided layout at {path}: no autograd Function takes or returns "
+                "one (torch raises \"NestedTensorImpl doesn't support sizes\"; torch's "
+                "reentrant checkpoint too), so it cannot cross the checkpoint boundary",
+                expected="a tensor of the strided or jagged layout, or a sparse one",
+                got="a nested tensor of layout torch.strided",
+                tip="build it with torch.nested.nested_tensor(..., layout=torch.jagged), or "
+                    "pad it (torch.nested.to_padded_tensor) before the call")

@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["FlatTree", "LEAF_SPEC", "flatten", "flatten_call", "unflatten", "leaf_paths",
            "describe_leaf", "first_difference", "hidden_tensor", "leaf_kind", "CONTAINER",
-           "ITERATOR", "PLAIN"]
+           "ITERATOR", "PLAIN", "alias"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -179,6 +179,22 @@ def describe_leaf(leaf: Any, /) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"Tensor(shape={tuple(leaf.shape)}, dtype={leaf.dtype}, device={leaf.device})"
     return f"{type(leaf).__name__} {leaf!r:.60}"
+
+
+# NOTE [tensors of other layouts]: a sparse tensor (COO, CSR) has no view. Where the boundary
+# wants a new tensor object on a leaf's data for autograd to attach a node to (a detached input
+# in the replay, an output that existed before the call), such a tensor gets a clone instead:
+# its backward passes the gradient on as it is, so gradients stay eager's, at the price of one
+# copy. A nested tensor of the strided layout cannot cross any autograd Function (torch raises
+# "NestedTensorImpl doesn't support sizes"): it is refused (refusals.refuse_strided_nested).
+
+
+def alias(tensor: torch.Tensor, /) -> torch.Tensor:
+    """A new tensor object with ``tensor``'s values and a graph to it (NOTE [tensors of other
+    layouts]): a view where the layout has views, a clone otherwise."""
+    if tensor.layout is torch.strided or tensor.layout is torch.jagged:
+        return tensor.view_as(tensor)
+    return tensor.clone()
 
 
 def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
