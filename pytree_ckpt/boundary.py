@@ -141,19 +141,32 @@ def _anchor() -> torch.Tensor:
 
 
 def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor, ...],
-                    outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """Outputs that existed before the call and require no grad: inputs, and the frozen
-    parameters and buffers in ``before`` (taken before ``fn`` ran).
+                    outputs: tuple[torch.Tensor, ...], watch: StateWatch | None
+                    ) -> list[torch.Tensor]:
+    """Outputs that existed before the call, or are views of such a tensor, and require no
+    grad: inputs, and the frozen parameters and buffers in ``before`` (taken before ``fn``
+    ran) that ``fn`` left as they were (``watch`` says which it changed in place).
 
     NOTE [outputs made before the call], continued: eager hands such a tensor back untouched.
     Marked non-differentiable it stays so: autograd neither gives it this node nor makes it
     require grad (a buffer would otherwise join every step's graph, and keep it alive). The
     snapshot must predate ``fn``: a result ``fn`` stores into a buffer slot and returns is
-    fresh, and needs its gradient.
+    fresh, and needs its gradient. So does a buffer ``fn`` wrote a result into in place
+    (``self.buf[:n].copy_(h)``), and a view of it: in eager it requires grad after the write.
+    A view of such a tensor (a RoPE table's rows, ``self.cos[:seq_len]``) is known the same
+    way, by the tensor it views: given this node, a caller that keeps it (a table cached at
+    the first step) would backpropagate into a freed graph at the next step.
     """
     as_is = []
     for t in outputs:
-        if not t.requires_grad and (before.get(id(t)) is t or any(t is x for x in inputs)):
+        if t.requires_grad:
+            continue
+        base = t._base
+        root = t if base is None else base
+        if any(root is x or root is x._base for x in inputs if not x.requires_grad):
+            as_is.append(t)  # changed in place, an input is refused (raise_input_changed)
+        elif before.get(id(root)) is root and not root.requires_grad and (
+                watch is None or watch.unchanged_in_place(root)):
             as_is.append(t)
     return as_is
 
@@ -385,7 +398,13 @@ class _BoundaryFunction(torch.autograd.Function):
         except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts] (tree.py)
             out_tensors = tuple(alias(t) if t.requires_grad else t
                                 for t in (flat.leaves[i] for i in flat.tensor_index))
-        as_is = _returned_as_is(call.before or {}, tensors, out_tensors)
+        if call.before is not None and watch is not None and \
+                any(call.before.get(id(t)) is t for t in out_tensors):
+            # A buffer fn wrote a result into in place and returns (NOTE [outputs made before
+            # the call], continued, in _returned_as_is): an alias too, not the module's own.
+            out_tensors = tuple(alias(t) if call.before.get(id(t)) is t and
+                                not watch.unchanged_in_place(t) else t for t in out_tensors)
+        as_is = _returned_as_is(call.before or {}, tensors, out_tensors, watch)
         extra: tuple[torch.Tensor, ...] = ()
         if recorded:
             known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,

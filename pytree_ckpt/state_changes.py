@@ -206,6 +206,18 @@ class StateWatch:
             # drop the bit): the buffer alone, its values resolved.
             self.before[id(t)] = (None, t.detach().clone())
 
+    def unchanged_in_place(self, tensor: torch.Tensor, /) -> bool:
+        """Whether ``tensor``, a watched buffer or frozen parameter, has the version it had
+        before the forward (read for an output that is one, or a view of one: rare)."""
+        for _, items, before in self.watched:
+            for (_, obj), version in zip(items, before):
+                if obj is tensor:
+                    return version is None or tensor._version == version
+        for obj, version in zip(self.frozen, self.frozen_versions):
+            if obj is tensor:
+                return version is None or tensor._version == version
+        return True
+
     def changed(self) -> ChangedState | None:
         if not (self.watched or self.frozen or any(self.empty)):
             return None  # no buffer nor frozen parameter, and none registered by the forward

@@ -663,6 +663,80 @@ def test_a_result_stored_in_a_buffer_slot_keeps_its_gradient_and_a_frozen_weight
                       [twin.lin.weight.grad, twin.lin.bias.grad])
 
 
+class RotaryTable(nn.Module):
+    """Returns rows of its RoPE buffer and of a mask it was given, as rotary layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("cos", torch.randn(16, 4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos = self.cos[: x.shape[0]]
+        return self.lin(x) * cos, cos, mask[: x.shape[0]]
+
+
+def test_views_of_a_buffer_or_an_input_that_require_no_grad_come_back_untouched_across_steps(
+        ) -> None:
+    # Guards against: only the buffer or input itself was known as made before the call; a view
+    # of it (a RoPE table's rows) left with the boundary's node, requiring grad. A caller that
+    # cached it at the first step backpropagated into that step's freed graph at the second:
+    # "Trying to backward through the graph a second time", where eager trains.
+    torch.manual_seed(0)
+    layer = RotaryTable()
+    twin = copy.deepcopy(layer)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    mask = torch.rand(16, 4)
+    grads = []
+    for model in (layer, twin):
+        torch.manual_seed(1)
+        cached = None
+        for _ in range(2):
+            x = torch.randn(3, 4, requires_grad=True)
+            h, cos, rows = model(x, mask)
+            assert not cos.requires_grad and cos._base is model.cos
+            assert not rows.requires_grad and rows._base is mask
+            cached = cos if cached is None else cached
+            (h * cached * rows).sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)
+
+
+class FillsBuffer(nn.Module):
+    """Writes a result into its buffer in place and returns the buffer, or rows of it."""
+
+    def __init__(self, rows: bool) -> None:
+        super().__init__()
+        self.lin, self.rows = nn.Linear(4, 4), rows
+        self.register_buffer("slots", torch.zeros(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.slots[: x.shape[0]].copy_(self.lin(x))
+        return self.slots[: x.shape[0]] if self.rows else self.slots
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
+def test_a_buffer_the_forward_writes_a_result_into_keeps_its_gradient_when_returned(
+        rows: bool) -> None:
+    # Guards against: the buffer itself counted as made before the call and left
+    # non-differentiable, though eager's requires grad after the write: "element 0 of tensors
+    # does not require grad" in backward, or, with another path to the loss, no gradient for
+    # the layer, silently.
+    torch.manual_seed(0)
+    layer = FillsBuffer(rows)
+    twin = copy.deepcopy(layer)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    grads = []
+    for model in (layer, twin):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = model(x)
+        assert out.requires_grad
+        out.square().sum().backward()
+        grads.append([x.grad, model.lin.weight.grad, model.lin.bias.grad])
+    assert_same_grads(*grads)
+    assert torch.equal(layer.slots, twin.slots)
+
+
 def test_reassigning_a_buffer_every_step_keeps_the_boundarys_caches() -> None:
     from pytree_ckpt import module_state
 
