@@ -311,7 +311,9 @@ class _BoundaryFunction(torch.autograd.Function):
         ctx.call = call
         ctx.set_materialize_grads(False)
         tensors = inputs[: call.n_inputs]  # the rest are parameters (NOTE [parameters are inputs])
-        call.env = ReplayEnvironment.capture(tensors, preserve_rng=call.options.preserve_rng_state)
+        call.env = ReplayEnvironment.capture(
+            tensors, preserve_rng=call.options.preserve_rng_state,
+            leaves=call.in_leaves if len(call.in_tensor_index) < len(call.in_leaves) else None)
         # NOTE [skipped work keeps the RNG in step] (frames.py): the generators it restores.
         call.frame.rng_devices = call.env.rng_devices()
         assert call.original_call is not None

@@ -105,12 +105,18 @@ class ReplayEnvironment:
     at the start of an original pass."""
 
     __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function",
-                 "kernels")
+                 "kernels", "generators")
 
     def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
                  autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool,
                  torch_function: Any, kernels: tuple[Any, ...], /) -> None:
         self.cpu_rng = cpu_rng
+        # NOTE [generators passed in]: a torch.Generator among the call's arguments (a dropout
+        # given its own generator) is one the boundary can see, unlike one a closure or a
+        # module attribute holds. Its state at the start of the original pass is restored for
+        # each replay, and the state backward found is put back after it: the replay draws
+        # the forward's numbers, and the generator ends the step where eager leaves it.
+        self.generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
         self.kernels = kernels  # NOTE [the replay picks the forward's kernels]
         self.cuda_rng = cuda_rng
         self.autocast = autocast
@@ -124,8 +130,10 @@ class ReplayEnvironment:
         self.torch_function = torch_function  # None: enabled
 
     @classmethod
-    def capture(cls, tensors: tuple[torch.Tensor, ...], /, *,
-                preserve_rng: bool) -> ReplayEnvironment:
+    def capture(cls, tensors: tuple[torch.Tensor, ...], /, *, preserve_rng: bool,
+                leaves: list[Any] | None = None) -> ReplayEnvironment:
+        """The environment now; ``leaves``, the call's other leaves, may hold generators
+        (NOTE [generators passed in])."""
         cpu_rng = None
         cuda_rng: dict[int, torch.Tensor] = {}
         if preserve_rng:
@@ -136,8 +144,12 @@ class ReplayEnvironment:
         # None: enabled, the usual state (read cheaply; the state object costs ~10x more).
         torch_function = None if torch._C._is_torch_function_enabled() else \
             _get_torch_function_state()
-        return cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled(),
-                   torch_function, _kernel_state())
+        env = cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled(),
+                  torch_function, _kernel_state())
+        if preserve_rng and leaves:
+            generators = {id(g): g for g in leaves if isinstance(g, torch.Generator)}
+            env.generators = tuple((g, g.get_state()) for g in generators.values())
+        return env
 
     def rng_devices(self) -> tuple[int, ...] | None:
         """The CUDA devices whose generators the replay restores (and the CPU one); ``None``
@@ -157,10 +169,12 @@ class Replaying:
     One plain class rather than an ``ExitStack`` of three contexts: it is entered once per
     layer call in backward, and the stack's bookkeeping cost more than the work."""
 
-    __slots__ = ("env", "saved_rng", "autocast", "grad", "torch_function", "kernels")
+    __slots__ = ("env", "saved_rng", "autocast", "grad", "torch_function", "kernels",
+                 "generators")
 
     def __init__(self, env: ReplayEnvironment, /) -> None:
         self.env = env
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []  # as backward found them
         self.kernels: tuple[Any, ...] | None = None  # backward's kernel switches, if they differ
         self.saved_rng: RngState | None = None
         self.autocast: ExitStack | None = None
@@ -169,10 +183,14 @@ class Replaying:
 
     def __enter__(self) -> None:
         env = self.env
+        # NOTE [generators passed in]: all read before any is set (one may be a default one).
+        self.generators = [(generator, generator.get_state()) for generator, _ in env.generators]
         if env.cpu_rng is not None:
             devices = tuple(env.cuda_rng)
             self.saved_rng = rng_state(devices)
             set_rng_state((env.cpu_rng, env.cuda_rng), devices=devices)
+        for generator, state in env.generators:
+            generator.set_state(state)
         # Backward may run under another autocast state than forward did: set only what differs.
         if _autocast_state() != env.autocast:
             try:
@@ -213,6 +231,9 @@ class Replaying:
         if self.saved_rng is not None:
             # Only the devices it set: others the replay does not restore (set_rng_state).
             set_rng_state(self.saved_rng, devices=tuple(self.saved_rng[1]))
+        for generator, state in self.generators:
+            generator.set_state(state)
+        self.generators = []
 
 
 class IsolatedPass:

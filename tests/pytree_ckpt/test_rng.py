@@ -169,3 +169,35 @@ def test_a_kernel_switch_set_around_the_forward_only_is_set_again_for_the_replay
         out.square().sum().backward()
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
     assert (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()) == before
+
+
+class OwnDropout(nn.Module):
+    """Dropout drawn from a generator the caller passes in (a seeded, per-rank stream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+        keep = torch.rand(x.shape, generator=generator) > 0.5
+        return self.lin(x) * keep * 2
+
+
+@pytest.mark.parametrize("default", [False, True], ids=["own", "default"])
+def test_a_generator_passed_in_draws_the_forwards_numbers_in_the_replay_and_ends_as_in_eager(
+        default: bool) -> None:
+    # Guards against: only the default generators were restored for the replay, so one passed
+    # as an argument drew the next numbers: another dropout mask in the replay, other gradients,
+    # silently, and the generator ended the step two draws on (eager: one).
+    torch.manual_seed(0)
+    layer = OwnDropout()
+    twin = apply_activation_checkpointing(copy.deepcopy(layer))
+    results = []
+    for model in (layer, twin):
+        generator = torch.default_generator if default else torch.Generator()
+        generator.manual_seed(3)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        model(x, generator=generator).square().sum().backward()
+        results.append([*grads_of([x, *model.parameters()]),
+                        torch.rand(8, generator=generator)])  # where the step left it
+    assert_same_grads(*results)
