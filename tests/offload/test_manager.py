@@ -1088,6 +1088,25 @@ def test_each_copy_of_a_kept_storage_let_go_counts_as_alive_elsewhere() -> None:
     assert m.stats()["alive_elsewhere_bytes"] == 2 * kept.untyped_storage().nbytes()
 
 
+def test_where_cuda_is_available_a_manager_takes_the_current_device_and_pins_its_buffers(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # The branches a CUDA machine takes, with torch.cuda answering as on a GPU (nothing here
+    # touches a device: streams are made at the first copy). Unindexed, a manager would never
+    # match the tensors it must offload (they carry cuda:N): every window storage would be
+    # counted as another device's and stay where it is.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for device in ("cuda", None):
+        made = OffloadManager(device=device)
+        assert made.device == torch.device("cuda", 3) and made.pool.pin_memory
+    assert offload.default_manager().device == torch.device("cuda", 3)
+    assert OffloadManager(device="cuda:1").device == torch.device("cuda", 1)
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        pageable = OffloadManager(OffloadConfig(pin_memory=False), device="cuda")
+    assert not pageable.pool.pin_memory
+    assert [r.getMessage() for r in caplog.records if "pageable memory" in r.getMessage()]
+
+
 def test_a_manager_given_a_dict_or_a_device_this_torch_lacks_names_the_fix() -> None:
     with pytest.raises(CheckpointConfigError, match="(?s)takes an OffloadConfig.*got:      dict"):
         OffloadManager({"min_bytes": 0})  # type: ignore[arg-type]

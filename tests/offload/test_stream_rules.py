@@ -315,6 +315,47 @@ def test_a_restore_read_on_another_stream_than_it_was_allocated_on_is_marked_use
                                     ("prefetch", 1)]
 
 
+def _backward_on_another_stream() -> tuple[OffloadManager, SimulatedStreams]:
+    """Four layers, the host far ahead (backward reuses the last two windows' device bytes,
+    NOTE [reuse at the turn]), and backward reading them on another stream ("side") than the
+    one that saved them ("compute"), as a layer run on a side stream does (autograd runs its
+    backward there) when it reads a storage an earlier layer saved."""
+    manager, streams = simulated(None)
+    layers = nn.ModuleList(Layer() for _ in range(4))
+    checkpoint_layers(layers, offload=manager)
+    h = torch.randn(8, 32, requires_grad=True)
+    for layer in layers:
+        h = layer(h)
+    out = h.square().sum()
+    del h
+    streams.current = "side"
+    out.backward()
+    streams.finish()
+    assert streams.violations == []
+    assert manager.stats()["reused_bytes"] == 2 * 8 * 32 * 4  # windows 3 and 2
+    return manager, streams
+
+
+def test_device_bytes_backward_reuses_are_marked_used_on_the_stream_that_reads_them() -> None:
+    # Stream rule 4 for reused bytes: their memory came from the saving stream's pool; read on
+    # another, they must be marked used there, or once backward lets go of them the saving
+    # stream would get the memory back while the reading stream's kernels still read it. The
+    # windows copied back were allocated on the reading stream itself: not marked.
+    _, streams = _backward_on_another_stream()
+    assert streams.used_on == [("compute", "side"), ("compute", "side")]
+
+
+def test_device_bytes_backward_reused_are_let_go_after_the_saving_stream_waits_for_their_copy(
+        ) -> None:
+    # Stream rule 1 for reused bytes (Copy.__del__): the copy to host may still read them when
+    # backward lets go; the stream that owns the memory (the saving one), not the one
+    # backward runs on, must wait for it. Windows 0 and 1 were let go in forward (windows 2
+    # and 3 opening), window 3 as backward let go of its bytes (window 2's copy, queued
+    # before it on the d2h stream, had landed by then: not waited for again).
+    _, streams = _backward_on_another_stream()
+    assert [w for w in streams.waits if w[0] == "d2h"] == [("d2h", "compute")] * 3
+
+
 def _skip_waits_on(kind: str) -> Callable[[SimulatedStreams], None]:
     """Break one rule only: the compute stream no longer waits on ``kind`` ("d2h"/"h2d")."""
 

@@ -117,6 +117,9 @@ def _logged_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[CopyEngine, list[tupl
         def query(self) -> bool:
             return True
 
+        def elapsed_time(self, end: Any) -> float:
+            return 2.5
+
     class Entered:
         def __init__(self, stream: LoggedStream) -> None:
             self.stream = stream
@@ -185,3 +188,18 @@ def test_a_buffer_read_on_another_stream_than_its_own_is_marked_used_there_only(
     assert log == []
     engine.use_here(buffer, allocated_on=other)
     assert log == [("record_stream", buffer.untyped_storage().data_ptr(), "compute")]
+
+
+def test_a_wait_for_a_copy_still_running_is_timed_on_the_stream_that_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The wait_ms statistic: a pair of timing events around the wait, recorded on the stream
+    # that waits (the saving stream when the manager lets go of a copy, NOTE [copies in
+    # flight]), not the current one: elsewhere they would time another stream's queue.
+    engine, log = _logged_cuda(monkeypatch)
+    saving = LoggedStream("saving", log)
+    running = TimingEvent(False)
+    running.name = "copy"  # type: ignore[attr-defined]
+    engine.wait(running, stream=saving)
+    assert [entry[0] for entry in log] == ["record", "wait_event", "record"]
+    assert [entry[2] for entry in log] == ["saving", "copy", "saving"]
+    assert engine.waited_ms() == 2.5  # counted once the closing event completed
