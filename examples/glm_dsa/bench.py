@@ -15,7 +15,9 @@ timed rounds run one step of each configuration per round, the order rotated eve
 slow drifts of a shared machine hit every configuration alike; medians are reported.
 
 ``--out DIR`` writes ``table.md``, ``results.json`` (everything the table shows, raw, plus the
-per-step times) and, when matplotlib is installed, ``plot.png``.
+per-step times) and, when matplotlib is installed, ``plot.png``. ``results.json`` is written
+after each phase and each timed round too (``phases_done`` says how far it got): a run stopped
+by a time limit (``timeout`` ends it without unwinding) keeps what it measured.
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ class _Bench:
         return {"indexer_forward_flops": alone["flops"], "indexer_calls": alone["calls"],
                 "recompute_drop": drop, "match": drop == alone["flops"]}
 
-    def timing(self, progress: Progress) -> None:
+    def timing(self, progress: Progress, after_round: Any = None) -> None:
+        """Warm-up and timed rounds; ``after_round()`` runs after each (outside the timing)."""
         warmup, rounds = self.preset.warmup, self.preset.rounds
         for row in self.rows.values():
             row.update(step_times_ms=[], median_ms=None, ratio_to_eager=None)
@@ -186,6 +189,8 @@ class _Bench:
                     if timed:
                         self.rows[key]["step_times_ms"].append(ms)
                 gc.collect()
+                if after_round is not None:
+                    after_round()
         finally:
             if was_enabled:
                 gc.enable()
@@ -196,6 +201,11 @@ class _Bench:
                 row["median_ms"] = statistics.median(row["step_times_ms"])
                 if eager_median:
                     row["ratio_to_eager"] = row["median_ms"] / eager_median
+
+
+def _write_results(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 def _write_outputs(results: dict[str, Any], table: str, out: Path) -> dict[str, str | None]:
@@ -235,27 +245,44 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     try:
         bench = _Bench(preset, device, args.seed)
+        results: dict[str, Any] = {
+            "preset": preset.describe(), "device": str(device),
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else "cpu"),
+            "torch": torch.__version__, "threads": args.threads, "seed": args.seed,
+            "rounds": preset.rounds, "warmup": preset.warmup,
+            "step": "forward + loss + backward; grads set to None before each step; no optimizer",
+            "configs": bench.rows, "indexer_check": None, "eager_repeat": None,
+            "phases_done": [],
+        }
+
+        def save() -> None:
+            # NOTE: on a GPU lent for minutes the run may be stopped by its time limit, with no
+            # unwinding (SIGTERM): what each phase measured is on disk before the next starts.
+            if args.out is not None:
+                _write_results(results, args.out)
+
+        def done(phase: str) -> None:
+            results["phases_done"].append(phase)
+            save()
+
         n = len(bench.variants)
         cuda_steps = n if device.type == "cuda" else 0
         progress = Progress(2 + 3 * n + 1 + cuda_steps + n * (preset.warmup + preset.rounds))
-        eager_repeat = bench.equality(progress)
+        results["eager_repeat"] = bench.equality(progress)
+        done("equality")
         bench.measure_each(progress, "census", census_of, "census")
-        indexer_check = bench.flops(progress)
+        done("census")
+        results["indexer_check"] = bench.flops(progress)
+        done("flops")
         if device.type == "cuda":
             bench.measure_each(progress, "peak memory", peak_bytes_of, "peak_bytes")
-        bench.timing(progress)
+            done("peak memory")
+        bench.timing(progress, after_round=save)
+        done("timing")
         progress.close()
     finally:
         torch.set_num_threads(threads)
-    results: dict[str, Any] = {
-        "preset": preset.describe(), "device": str(device),
-        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                        else "cpu"),
-        "torch": torch.__version__, "threads": args.threads, "seed": args.seed,
-        "rounds": preset.rounds, "warmup": preset.warmup,
-        "step": "forward + loss + backward; grads set to None before each step; no optimizer",
-        "configs": bench.rows, "indexer_check": indexer_check, "eager_repeat": eager_repeat,
-    }
     try:
         table = markdown_table(results)
     except Exception as err:  # the measurements must survive a formatting bug: still written

@@ -286,3 +286,50 @@ def test_the_indexer_check_matches_only_when_the_drop_equals_the_indexer_flops(
         assert [rows[k]["indexer_flops_recomputed"] for k in totals] == [0, 40, 0]
         assert check == {"indexer_forward_flops": alone, "indexer_calls": 5,
                          "recompute_drop": 40, "match": match}
+
+
+def test_a_run_stopped_during_timing_leaves_what_the_earlier_phases_and_rounds_measured(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # On a GPU lent for minutes, scripts/gpu_check.sh stops the bench at its time limit with
+    # SIGTERM, which unwinds nothing: results.json must hold each phase (and each timed
+    # round) before the next starts. Here the phases run on scripted measurements, and the
+    # second timed round never ends (a BaseException, as nothing may catch it).
+    class Stopped(BaseException):
+        pass
+
+    keys = ("eager", "pytree_reuse_off", "pytree_reuse_on")  # those the FLOP phase reads
+
+    def bare_init(self: Any, preset: Any, device: torch.device, seed: int) -> None:
+        self.__dict__.update(vars(_bare_bench(keys, warmup=preset.warmup,
+                                              rounds=preset.rounds)))
+
+    steps: list[int] = []
+
+    def timed_step(variant: Any, batch: dict[str, int], device: torch.device) -> float:
+        if batch["round"] == 3:  # warm-up is round 1, the first timed round 2
+            raise Stopped
+        steps.append(batch["round"])
+        return 10.0 * batch["round"]
+
+    monkeypatch.setattr(bench._Bench, "__init__", bare_init)
+    monkeypatch.setattr(bench, "step_results", lambda variant, batch, seed: None)
+    monkeypatch.setattr(bench, "compare_step", lambda reference, got: {
+        "loss_equal": True, "grads_equal": True, "grads_differing": []})
+    monkeypatch.setattr(bench, "census_of", lambda variant, batch, device: {"total_bytes": 7})
+    monkeypatch.setattr(bench, "flops_of", lambda variant, batch, device: {
+        "total": 5, "indexer": 2, "indexer_calls": 1})
+    monkeypatch.setattr(bench, "indexer_forward_flops", lambda variant, batch: {
+        "flops": 2, "calls": 1})
+    monkeypatch.setattr(bench, "timed_step", timed_step)
+    with pytest.raises(Stopped):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path),
+                    "--rounds", "2", "--warmup", "1"])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["phases_done"] == ["equality", "census", "flops"]
+    assert saved["eager_repeat"] == {"loss_equal": True, "grads_equal": True}
+    assert saved["indexer_check"]["indexer_forward_flops"] == 2
+    for key in keys:
+        row = saved["configs"][key]
+        assert row["census"] == {"total_bytes": 7} and row["flops"]["total"] == 5
+        assert row["step_times_ms"] == [20.0]  # the first timed round, the warm-up not
+    assert steps == [1, 1, 1, 2, 2, 2]
