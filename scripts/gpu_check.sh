@@ -12,7 +12,14 @@
 #   OUT_DIR/gpu_tests.log              pytest -m cuda (first: the cheapest correctness signal)
 #   OUT_DIR/offload.log, offload.json  the offload targets (16 layers, hidden 2048, 8k, bf16)
 #   OUT_DIR/bench.log, bench/          the GLM-DSA comparison at the gpu-small preset
-# Each step has its own time limit (150 + 180 + 120 s); a failing step does not stop the rest.
+# Each step has its own time limit (120 + 180 + 150 s); a failing step does not stop the rest.
+# Expected on an H200 (estimates, nothing has run there yet): the CUDA tests ~30-45 s (mostly
+# collection, torch import and CUDA start); the offload bench ~30-60 s (16 x 50M-parameter bf16
+# layers, ~0.1-0.2 s a step, ~1 s for save_on_cpu's steps, which copy ~10 GiB each way); the
+# GLM-DSA bench ~40-90 s (13 configurations, ~105 steps of fp32 at 4096 tokens, FLOP-counter and
+# census steps in Python). A bench stopped at its limit still leaves what it measured: the
+# offload bench writes offload.json after each probe, the GLM-DSA bench results.json after each
+# phase and timed round.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-check-out}}
@@ -26,6 +33,9 @@ if ! python3 -c 'import optree, sys; sys.exit(tuple(map(int, optree.__version__.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  # Here, not as a collection error in every test module: a wheel for another Python, or a
+  # dependency it needs (typing_extensions) missing there.
+  python3 -c 'import optree' || { echo "gpu_check: optree from .whl/ does not import" >&2; exit 1; }
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())' || exit 1
@@ -33,13 +43,19 @@ status=0
 # -p no:cacheprovider: the tree may be read-only there; -v names a test the timeout stops;
 # a module that fails to import on that torch must not cost the other modules' CUDA tests.
 # timeout -k: a step that ignores SIGTERM is killed 10 s later.
-# -o timeout=45: one hung test (a stream wait that never ends) must not take the whole step.
-timeout -k 10 150 python3 -m pytest -p no:cacheprovider -v -m cuda --continue-on-collection-errors \
-  -o timeout=45 \
+# -o timeout=45 (pytest-timeout, in the device image): one test stuck in Python must not take
+# the whole step. Where the plugin is missing, the option is left out (it would stop nothing).
+# faulthandler_timeout (pytest's own): a test still running after 40 s dumps every thread's
+# stack, autograd's device threads too, also when it is stuck inside a CUDA call, where
+# pytest-timeout's signal cannot stop it (the step's limit does).
+per_test=()
+if python3 -c 'import pytest_timeout' 2>/dev/null; then per_test=(-o timeout=45); fi
+timeout -k 10 120 python3 -m pytest -p no:cacheprovider -v -m cuda --continue-on-collection-errors \
+  ${per_test[@]+"${per_test[@]}"} -o faulthandler_timeout=40 \
   tests 2>&1 | tee "$out/gpu_tests.log" \
   || status=1
 timeout -k 10 180 python3 -m examples.bench_offload --size realistic --device cuda \
   --json "$out/offload.json" 2>&1 | tee "$out/offload.log" || status=1
-timeout -k 10 120 python3 -m examples.glm_dsa.bench --preset gpu-small --device cuda --rounds 3 \
+timeout -k 10 150 python3 -m examples.glm_dsa.bench --preset gpu-small --device cuda --rounds 3 \
   --warmup 1 --out "$out/bench" 2>&1 | tee "$out/bench.log" || status=1
 exit $status
