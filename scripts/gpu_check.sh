@@ -38,6 +38,9 @@ if ! python3 -c 'import optree, sys; sys.exit(tuple(map(int, optree.__version__.
   python3 -c 'import optree' || { echo "gpu_check: optree from .whl/ does not import" >&2; exit 1; }
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# cuBLAS is deterministic under torch.use_deterministic_algorithms only with a fixed workspace,
+# read when cuBLAS starts: for the tests' deterministic() blocks too, not only the GLM bench's.
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())' || exit 1
 status=0
 # -p no:cacheprovider: the tree may be read-only there; -v names a test the timeout stops;
