@@ -400,11 +400,12 @@ class _BoundaryFunction(torch.autograd.Function):
         except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts] (tree.py)
             out_tensors = tuple(alias(t) if t.requires_grad else t
                                 for t in (flat.leaves[i] for i in flat.tensor_index))
-        if call.before is not None and watch is not None and \
-                any(call.before.get(id(t)) is t for t in out_tensors):
+        before = call.before
+        if before is not None and watch is not None and \
+                any(before.get(id(t)) is t for t in out_tensors):
             # A buffer fn wrote a result into in place and returns (NOTE [outputs made before
             # the call], continued, in _returned_as_is): an alias too, not the module's own.
-            out_tensors = tuple(alias(t) if call.before.get(id(t)) is t and
+            out_tensors = tuple(alias(t) if id(t) in before and
                                 not watch.unchanged_in_place(t) else t for t in out_tensors)
         as_is = _returned_as_is(call.before or {}, tensors, out_tensors, watch)
         extra: tuple[torch.Tensor, ...] = ()
