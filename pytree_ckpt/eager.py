@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON", "runs_eagerly",
-           "user_stacklevel"]
+__all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON", "compiled_wrapper",
+           "in_fullgraph_compile", "runs_eagerly", "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,8 +30,9 @@ BOUNDARY_REASON = (
     "pytree_ckpt's checkpoint boundary runs eagerly: its replay runs in backward, outside any "
     "graph, so a compiled caller graph-breaks at each checkpointed call. With fullgraph=True, "
     "compile each layer's body instead (layer.forward = torch.compile(layer.forward, "
-    "fullgraph=True), then apply_activation_checkpointing(layer); see docs/scaling.md), or "
-    "compile the model without fullgraph")
+    "fullgraph=True), then apply_activation_checkpointing(layer); see docs/scaling.md). "
+    "Without fullgraph the layers run eagerly, and a forward that calls them in a loop is not "
+    "compiled at all (dynamo skips a frame with a graph break in a loop)")
 REUSE_REASON = (
     "pytree_ckpt.reuse_during_recompute runs eagerly: it records its result in the boundary's "
     "frame, which traced code would not follow, so a compiled body graph-breaks at the call. "
@@ -68,3 +69,37 @@ def user_stacklevel() -> int:
         level += 1
         frame = frame.f_back
     return level
+
+
+_WRAPPER_DEPTH = 16  # frames between the boundary and the wrapper's call: 7 on torch 2.13
+_MODULE_CALL_FRAMES = frozenset({"__call__", "_wrapped_call_impl", "_call_impl"})
+
+
+def in_fullgraph_compile() -> bool:
+    """Whether a torch.compile(..., fullgraph=True) call is running in this thread (dynamo's
+    thread-local list of skipped frames is set only then; False on a torch without it)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    tls = getattr(eval_frame, "dynamo_tls", None)
+    return getattr(tls, "skip_reasons", None) is not None
+
+
+def compiled_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The OptimizedModule (``torch.compile(module)``) whose call is running ``module``, if
+    any, found among the frames that led to the boundary (NOTE [compiled around the layer] in
+    module.py). Called from the boundary's entry, two frames below."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported at a first call
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is None:
+        return None
+    frame: FrameType | None = sys._getframe(2)  # above this and the boundary's __call__
+    for _ in range(_WRAPPER_DEPTH):
+        if frame is None:
+            return None
+        # Only nn.Module's call frames hold the wrapper as ``self``: the locals of no other
+        # frame are read (reading them copies them into a dict).
+        if frame.f_code.co_name in _MODULE_CALL_FRAMES:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, optimized) and getattr(owner, "_orig_mod", None) is module:
+                return owner
+        frame = frame.f_back
+    return None

@@ -10,7 +10,8 @@ module through a weak reference, so wrapping creates no reference cycle.
 NOTE [the boundary stays eager]: the installed callable is opaque to dynamo
 (``eager.runs_eagerly``: torch's lazy form of ``torch.compiler.disable``, with a reason), so
 ``torch.compile(model)``, ``layer.compile()`` or any compiled caller graph-breaks at the layer
-call and runs the boundary eagerly. Traced, it broke:
+call and runs the boundary eagerly (``torch.compile(layer)`` is told so: NOTE [compiled around
+the layer]). Traced, it broke:
 ``layer.compile()`` recursed without end (dynamo rebuilt ``type(module).forward.__get__(module)``
 as the attribute ``module.forward``, which is this callable again) and ``torch.compile(model)``
 raised ``ReplayMismatchError`` (the traced flatten lost the PyTree namespace). To compile a
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .boundary import BoundaryOptions, run_boundary
-from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
+from .eager import (BOUNDARY_REASON, compiled_wrapper, in_fullgraph_compile, runs_eagerly,
+                    user_stacklevel)
 from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .module_state import drop_caches
@@ -75,6 +77,8 @@ class _CheckpointedForward:
             _warn_compiled_over(module, self)
         if module.__dict__.get("_compiled_call_impl") is not None:
             _warn_module_compiled(module)
+        if _CHECKED_WRAPPER not in module.__dict__ or in_fullgraph_compile():
+            _check_compiled_wrapper(module)  # NOTE [compiled around the layer]
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
         return run_boundary(forward, args, kwargs, self.options, owner=module)
 
@@ -157,6 +161,48 @@ def _warn_module_compiled(module: nn.Module) -> None:
         "dynamo, and so is the body it runs). Compile the body instead: "
         "layer.forward = torch.compile(layer.forward) before apply_activation_checkpointing("
         "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
+
+
+_CHECKED_WRAPPER = "_pytree_ckpt_checked_compiled_wrapper"
+
+
+# NOTE [compiled around the layer]: torch.compile(layer) after checkpointing (torchtitan
+# compiles each block after applying activation checkpointing) wraps the layer in dynamo's
+# OptimizedModule. Dynamo skips nn.Module's call frames and reaches the boundary only through
+# its eager entry, so nothing compiles, silently; with fullgraph=True torch failed after the
+# whole forward had run, with "found no compiled frames" and a list of torch's own frames.
+# The layer is not told it was wrapped, so the wrapper is looked for on the call stack, at the
+# layer's first call (a frame walk is too costly for every call), and at every call made while
+# a fullgraph compile runs (dynamo's thread-local list of skipped frames is set then; a torch
+# without it checks first calls only). A layer first called eagerly and compiled without
+# fullgraph later is not warned about.
+def _check_compiled_wrapper(module: nn.Module) -> None:
+    wrapper = compiled_wrapper(module)
+    if wrapper is None:
+        module.__dict__[_CHECKED_WRAPPER] = True
+        return
+    name = type(module).__name__
+    fix = ("compile the body inside the boundary: remove_activation_checkpointing(layer), "
+           "then either layer.forward = torch.compile(layer.forward{}) and "
+           "apply_activation_checkpointing(layer), or checkpoint the compiled module, "
+           "apply_activation_checkpointing(torch.compile(layer{})) (docs/scaling.md, "
+           "'Wrapping order')")
+    if getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False):
+        # Not marked checked: every call is refused, rather than torch's message after it.
+        raise CheckpointConfigError(
+            f"this {name} is checkpointed and called through torch.compile(layer, "
+            "fullgraph=True): the compiled wrapper reaches only the boundary, "
+            "which runs eagerly (its replay runs in backward, outside any graph), so no graph "
+            "can be compiled", expected="the layer's body compiled, inside the boundary",
+            got=f"torch.compile around the checkpointed {name}",
+            tip=fix.format(", fullgraph=True", ", fullgraph=True"))
+    module.__dict__[_CHECKED_WRAPPER] = True
+    warnings.warn(
+        f"pytree_ckpt: this {name} is checkpointed and called through torch.compile(layer), "
+        "which compiles nothing: the compiled wrapper reaches only the boundary, "
+        f"which is opaque to dynamo, and so is the body it runs. To compile it, "
+        f"{fix.format('', '')}",
+        stacklevel=user_stacklevel())
 
 
 def _restore_forward(module: nn.Module, method: str | None,
@@ -330,6 +376,7 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
         remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
     module.__dict__.pop(_WARNED_COMPILED, None)
     module.__dict__.pop(_WARNED_MODULE_COMPILE, None)
+    module.__dict__.pop(_CHECKED_WRAPPER, None)
     bare = installed.bare
     if module.__dict__.get("forward") is not installed:  # NOTE [compiled over the boundary]
         logger.info("%s: the torch.compile wrapper put over its boundary goes with it",

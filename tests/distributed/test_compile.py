@@ -208,6 +208,99 @@ def test_compiling_around_a_checkpointed_layer_keeps_its_boundary_eager_and_exac
         torch._dynamo.reset()
 
 
+def test_compiling_a_checkpointed_layer_itself_warns_once_and_stays_exact() -> None:
+    # torch.compile(layer) after checkpointing (torchtitan's per-block compile, applied after
+    # activation checkpointing) compiles nothing: dynamo skips nn.Module's call and reaches the
+    # boundary only through its eager entry. block.compile() warned; this form said nothing.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Net()
+        net = copy.deepcopy(eager)
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        counter = CompileCounterWithBackend("eager")
+        net.block = torch.compile(net.block, backend=counter)  # type: ignore[assignment]
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                net.zero_grad(set_to_none=True)
+                eager.zero_grad(set_to_none=True)
+                net(x).backward()
+                eager(x).backward()
+                assert_grads_equal(
+                    {n: p.grad for n, p in eager.named_parameters()},
+                    {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
+        told = [str(w.message) for w in caught if "torch.compile(layer)" in str(w.message)]
+        assert len(told) == 1, [str(w.message) for w in caught]
+        assert "layer.forward = torch.compile(layer.forward)" in told[0]
+        assert "apply_activation_checkpointing(torch.compile(layer))" in told[0]
+        assert counter.frame_count == 0  # what the warning says: nothing compiled
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("first_call", ["compiled", "eager"])
+def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_naming_the_fix(
+        first_call: str) -> None:
+    # torch.compile(layer, fullgraph=True) failed after running the whole forward eagerly, with
+    # torch's "found no compiled frames" and a list of torch's own skipped frames: neither the
+    # boundary nor the wrapping order was named. Also for a layer that ran eagerly before.
+    torch._dynamo.reset()
+    try:
+        net = _Net()
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        if first_call == "eager":
+            net(torch.randn(4, 8)).backward()
+        net.block = torch.compile(net.block, backend="eager",  # type: ignore[assignment]
+                                  fullgraph=True)
+        with pytest.raises(pytree_ckpt.CheckpointConfigError) as info:
+            net(torch.randn(4, 8))
+        message = str(info.value)
+        assert "Sequential" in message and "fullgraph=True" in message
+        assert "layer.forward = torch.compile(layer.forward, fullgraph=True)" in message
+        assert "apply_activation_checkpointing(torch.compile(layer, fullgraph=True))" in message
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiling_a_checkpointed_layer_before_its_boundary_is_exact_and_compiles_the_body(
+        ) -> None:
+    # The other order, torch.compile(layer) first and the boundary around the compiled module,
+    # compiles the body: one graph for the original pass, one for the replay, none later.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Net()
+        net = copy.deepcopy(eager)
+        counter = CompileCounterWithBackend("aot_eager")
+        net.block = torch.compile(net.block, backend=counter,  # type: ignore[assignment]
+                                  fullgraph=True)
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        x = torch.randn(4, 8)
+        frames = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                before = counter.frame_count
+                net.zero_grad(set_to_none=True)
+                eager.zero_grad(set_to_none=True)
+                net(x).backward()
+                eager(x).backward()
+                frames.append(counter.frame_count - before)
+                assert_grads_equal(
+                    {n: p.grad for n, p in eager.named_parameters()},
+                    {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
+        assert frames == [2, 0]
+        assert not [w for w in caught if "pytree_ckpt" in str(w.message)]  # nothing to say
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("how", ["module", "checkpoint", "checkpointed", "reuse"])
 def test_a_fullgraph_compile_that_reaches_the_boundary_says_why_and_how_to_compile_instead(
         how: str) -> None:
