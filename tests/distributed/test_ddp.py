@@ -6,7 +6,15 @@ for bit]): a two-rank mean is one commutative fp32 addition and an exact halving
 
 from __future__ import annotations
 
+import copy
+import os
+
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pytree_ckpt
 
 from .common import CALLS_PER_FORWARD, Reference, WorkerRun, assert_grads_equal, build, events
 
@@ -46,3 +54,48 @@ def test_ddp_keeps_the_plain_models_state_dict_keys(worker_run: WorkerRun) -> No
     plain = list(build()[1].state_dict())
     for result in worker_run.results("ddp"):
         assert result["state_dict_keys"] == plain
+
+
+class _WithIdleHead(nn.Module):
+    """A layer with a parameter its forward never uses (an auxiliary head, an idle expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(8, 8)
+        self.idle = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.used(x))
+
+
+@pytest.mark.parametrize("ddp_options", [{}, {"find_unused_parameters": True},
+                                         {"static_graph": True}])
+def test_ddp_gives_a_parameter_a_checkpointed_call_leaves_unused_what_the_limits_table_says(
+        ddp_options: dict[str, bool]) -> None:
+    # The boundary's node takes every trainable parameter of the layer as an input (NOTE
+    # [parameters are inputs]), so autograd visits the idle one with no gradient, and DDP's
+    # hook on it fires: without find_unused_parameters or static_graph DDP reduces zeros into
+    # its .grad, where eager leaves None (and eager DDP refuses the next step). The limits table
+    # of docs/boundary.md says so, and names the two options that keep None.
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), _WithIdleHead(), nn.Linear(8, 1))
+        eager = copy.deepcopy(model)
+        pytree_ckpt.apply_activation_checkpointing(model[1], offload=False)
+        ddp = DistributedDataParallel(model, **ddp_options)
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            ddp(x).sum().backward()
+            eager(x).sum().backward()
+        assert eager[1].idle.weight.grad is None
+        if ddp_options:
+            assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                               {n: p.grad for n, p in model.named_parameters()})
+        else:
+            assert torch.equal(model[1].idle.weight.grad, torch.zeros(8, 8))
+    finally:
+        dist.destroy_process_group()
