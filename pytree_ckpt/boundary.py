@@ -498,6 +498,29 @@ class _BoundaryFunction(torch.autograd.Function):
             return replay_backward(ctx, call, grad_outputs)
 
 
+# NOTE [the Function is applied in C]: ``torch.autograd.Function.apply`` (Python) binds default
+# arguments when a Function defines ``setup_context`` (this one does not), hands the call to
+# functorch when a transform is active (run_boundary never gets here then: NOTE [when there is
+# no boundary], read the same way), and otherwise passes each tensor argument through
+# ``torch._C._functorch.unwrap_if_dead`` (a tensor that escaped a ``torch.func`` transform is
+# unwrapped) before calling ``torch._C._FunctionBase.apply``. That Python work, a generator over
+# every argument, cost about 20,000 instructions a layer call at the small size of
+# examples.bench_instructions: the boundary does the same steps itself, unwrapping each input
+# tensor with a C-level map (``call`` and the anchor, the library's own, need none). A torch
+# without ``unwrap_if_dead`` gets ``Function.apply`` itself.
+_unwrap_if_dead: Any = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+_apply_in_c: Any = super(torch.autograd.Function, _BoundaryFunction).apply \
+    if _unwrap_if_dead is not None else None
+
+
+def _apply(call: BoundaryCall, anchor: torch.Tensor | None, inputs: list[torch.Tensor], /
+           ) -> Any:
+    """``_BoundaryFunction.apply(call, anchor, *inputs)`` (NOTE [the Function is applied in C])."""
+    if _apply_in_c is None:
+        return _BoundaryFunction.apply(call, anchor, *inputs)
+    return _apply_in_c(call, anchor, *map(_unwrap_if_dead, inputs))
+
+
 def _argument_module(leaf: Any, /) -> nn.Module | None:
     """The module an argument is, or whose method (or partial of one) it is. A method of the
     root model passed to every layer (its ``gated`` or ``log``) makes all of the model's
@@ -576,7 +599,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             return output
         for tree in trees:
             buffers.extend(tree.buffers)
-            before.extend(b for d in tree.buffers for b in d.values() if b is not None)
+            if any(tree.buffers):  # most layers have none: no walk at each call
+                before.extend(b for d in tree.buffers for b in d.values() if b is not None)
     attributes: list[tuple[str, torch.Tensor]] = []
     if owner is not None and fn is not owner and owner._forward_pre_hooks:
         attributes = graph_attributes(owner)  # NOTE [attributes set before the call]
@@ -625,7 +649,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         if options.offload is None or (active is not None and active.phase is Phase.RECOMPUTE):
             # NOTE: a boundary nested in another's replay runs in backward, where its inputs are
             # needed again at once: copying them to host and straight back would only cost time.
-            out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
+            out_tensors = _apply(call, anchor, inputs)
         else:
             # NOTE: the window covers only the save of the inputs (the original pass inside runs
             # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
@@ -636,7 +660,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             # The module's parameters: a detached alias of one passed in stays resident.
             resident = [*params, *frozen] if params is not None else ()
             with manager.window(unique, name=name, resident=resident) as window:
-                out_tensors = _BoundaryFunction.apply(call, anchor, *inputs)
+                out_tensors = _apply(call, anchor, inputs)
             if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
                 call.frame.offload(functools.partial(manager.offload_into, window),
                                    manager.restore)

@@ -175,18 +175,21 @@ class StateWatch:
         # replay (nothing was saved).
         self.before: dict[int, tuple[Any, Any]] = {}  # by buffer id: (storage key, layout)
         self.storages: dict[Any, torch.UntypedStorage] = {}
-        for d in dicts:
-            if d:
-                items = tuple(d.items())
-                self.watched.append((d, items, _object_versions(items)))
-                if snapshot:
-                    for _, t in items:
-                        if t is not None and id(t) not in self.before:
-                            self._save(t)
-            else:
-                self.empty.append(d)
+        if not any(dicts):  # the usual layer: no buffer at all (one C-level pass)
+            self.empty = list(dicts)
+        else:
+            for d in dicts:
+                if d:
+                    items = tuple(d.items())
+                    self.watched.append((d, items, _object_versions(items)))
+                    if snapshot:
+                        for _, t in items:
+                            if t is not None and id(t) not in self.before:
+                                self._save(t)
+                else:
+                    self.empty.append(d)
         self.frozen = frozen
-        self.frozen_versions = versions(frozen)
+        self.frozen_versions = versions(frozen) if frozen else []
         self.trees = trees  # where the frozen parameters are, read only if one changed
         # Where each frozen parameter is (a forward may reassign one: an EMA kept as a frozen
         # nn.Parameter); read only when there are frozen parameters.

@@ -132,3 +132,41 @@ def test_the_replay_frees_each_ops_saved_tensors_once_its_backward_ran() -> None
     layer = pytree_ckpt.apply_activation_checkpointing(_Saves())
     layer(torch.randn(16, 64, requires_grad=True)).sum().backward()
     assert layer.freed == [True]
+
+
+# NOTE [the Function is applied in C] (boundary.py): the boundary applies its Function without
+# torch.autograd.Function.apply's Python wrapper, and does that wrapper's steps itself.
+
+
+def test_an_input_that_escaped_a_torch_func_transform_is_unwrapped_for_the_replay() -> None:
+    torch.manual_seed(1)
+    leaked: list[torch.Tensor] = []
+
+    def keeps(x: torch.Tensor) -> torch.Tensor:
+        leaked.append(x * 1)  # a functorch wrapper, dead once grad returns
+        return x.sum()
+
+    torch.func.grad(keeps)(torch.randn(8))
+    escaped = leaked[0]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(escaped)
+    wrapped_seen: list[tuple[str, bool]] = []
+
+    class Records(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            wrapped_seen.append((str(pytree_ckpt.current_phase()),
+                                 torch._C._functorch.is_functorch_wrapped_tensor(x)))
+            return self.lin(x)
+
+    eager = Records()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    eager(escaped).square().sum().backward()
+    wrapped(escaped).square().sum().backward()
+    # The forward gets the caller's own tensor; the replay, the input Function.apply unwraps.
+    assert wrapped_seen[1:] == [("forward", True), ("recompute", False)]
+    for a, b in zip(eager.parameters(), wrapped.parameters()):
+        assert torch.equal(a.grad, b.grad)
