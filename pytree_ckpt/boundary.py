@@ -97,8 +97,8 @@ from .state_changes import (ChangedState, ForwardModules, ParameterVersions, Sta
                             mark_stateful, snapshots_wanted, versions)
 from .stored_state import warn_parameter_changed
 from .subclass import SubclassKind, kind_of
-from .tree import (alias, describe_leaf, first_difference, flatten, flatten_call, leaf_paths,
-                   unflatten)
+from .tree import (LEAF_SPEC, alias, describe_leaf, first_difference, flatten, flatten_call,
+                   leaf_paths, unflatten)
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -395,8 +395,13 @@ class _BoundaryFunction(torch.autograd.Function):
         # (a parameter would stop being a leaf, and a later backward would loop through it).
         # It leaves as an alias instead. Inputs returned as they are, autograd aliases itself.
         try:
-            out_tensors = tuple(t.view_as(t) if t.requires_grad else t
-                                for t in (flat.leaves[i] for i in flat.tensor_index))
+            if flat.spec is LEAF_SPEC:  # one tensor, the usual layer output: no generator
+                out = flat.leaves[0]
+                out_tensors: tuple[torch.Tensor, ...] = (
+                    out.view_as(out) if out.requires_grad else out,)
+            else:
+                out_tensors = tuple(t.view_as(t) if t.requires_grad else t
+                                    for t in (flat.leaves[i] for i in flat.tensor_index))
         except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts] (tree.py)
             out_tensors = tuple(alias(t) if t.requires_grad else t
                                 for t in (flat.leaves[i] for i in flat.tensor_index))
@@ -474,7 +479,7 @@ class _BoundaryFunction(torch.autograd.Function):
         if watched is not None:
             assert call.params is not None
             before = refuse_parameters_changed(
-                watched, call.params, fn_name(call.fn),
+                watched, call.params, functools.partial(fn_name, call.fn),
                 call.forward_modules.roots if call.forward_modules is not None else [])
             grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
             if watched.replayed(call.params, before):  # the forward's change, made again
