@@ -296,6 +296,7 @@ def test_a_tensor_that_requires_grad_in_a_namespace_or_a_set_input_is_refused_na
     assert f"holds a tensor that requires grad at {path}" in str(err.value)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's, once
 @pytest.mark.parametrize("to_sparse", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr],
                          ids=["coo", "csr"])
 def test_a_sparse_input_that_requires_grad_gets_eagers_gradients(to_sparse: Any) -> None:
