@@ -78,7 +78,7 @@ class _CheckpointedForward:
         if module.__dict__.get("_compiled_call_impl") is not None:
             _warn_module_compiled(module)
         if _CHECKED_WRAPPER not in module.__dict__ or in_fullgraph_compile():
-            _check_compiled_wrapper(module)  # NOTE [compiled around the layer]
+            _check_compiled_wrapper(module, self.bare)  # NOTE [compiled around the layer]
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
         return run_boundary(forward, args, kwargs, self.options, owner=module)
 
@@ -175,9 +175,11 @@ _CHECKED_WRAPPER = "_pytree_ckpt_checked_compiled_wrapper"
 # layer's first call (a frame walk is too costly for every call), and at every call made while
 # a fullgraph compile runs (dynamo's thread-local list of skipped frames is set then; a torch
 # without it checks first calls only). A layer first called eagerly and compiled without
-# fullgraph later is not warned about.
-def _check_compiled_wrapper(module: nn.Module) -> None:
-    wrapper = compiled_wrapper(module)
+# fullgraph later is not warned about. A body compiled inside the boundary (the order
+# docs/scaling.md gives) makes a wrapper put around it as well harmless: its graphs are
+# compiled frames, so torch runs it, fullgraph=True included, and nothing is said.
+def _check_compiled_wrapper(module: nn.Module, bare: Any) -> None:
+    wrapper = None if hasattr(bare, "_torchdynamo_orig_callable") else compiled_wrapper(module)
     if wrapper is None:
         module.__dict__[_CHECKED_WRAPPER] = True
         return

@@ -266,6 +266,43 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_naming_th
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks", "fullgraph"])
+def test_compiling_a_layer_whose_body_is_compiled_inside_its_boundary_runs_and_says_nothing(
+        fullgraph: bool) -> None:
+    # Guards against: the check for torch.compile(layer) around the boundary looked only for
+    # the wrapper, so a layer compiled in the order docs/scaling.md gives (the body first, then
+    # the boundary) and then compiled again from outside (torchtitan's per-block compile, run
+    # by a framework after the user's own) was told it compiles nothing, and with
+    # fullgraph=True refused, where torch runs it: the body's graphs are compiled frames.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Net()
+        net = copy.deepcopy(eager)
+        body = CompileCounterWithBackend("aot_eager")
+        net.block.forward = torch.compile(net.block.forward, backend=body, fullgraph=True)
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        net.block = torch.compile(net.block, backend="eager",  # type: ignore[assignment]
+                                  fullgraph=fullgraph)
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                net.zero_grad(set_to_none=True)
+                eager.zero_grad(set_to_none=True)
+                net(x).backward()
+                eager(x).backward()
+                assert_grads_equal(
+                    {n: p.grad for n, p in eager.named_parameters()},
+                    {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
+        assert body.frame_count == 2  # the original pass and the replay: the body is compiled
+        assert not [w for w in caught if "pytree_ckpt" in str(w.message)]
+    finally:
+        torch._dynamo.reset()
+
+
 def test_compiling_a_checkpointed_layer_before_its_boundary_is_exact_and_compiles_the_body(
         ) -> None:
     # The other order, torch.compile(layer) first and the boundary around the compiled module,
