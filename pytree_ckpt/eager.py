@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON", "compiled_wrapper",
-           "in_fullgraph_compile", "runs_eagerly", "user_stacklevel"]
+__all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
+           "compile_stance_is_default", "compiled_wrapper", "in_fullgraph_compile",
+           "runs_eagerly", "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -81,6 +82,14 @@ def in_fullgraph_compile() -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     tls = getattr(eval_frame, "dynamo_tls", None)
     return getattr(tls, "skip_reasons", None) is not None
+
+
+def compile_stance_is_default() -> bool:
+    """Whether torch.compiler's stance is the default one: the only one under which torch
+    fails a fullgraph=True call that compiled no frame (``set_stance("force_eager")``, a
+    debugging switch, runs it eagerly; True on a torch without stances)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(getattr(eval_frame, "_stance", None), "stance", "default") == "default"
 
 
 def compiled_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:

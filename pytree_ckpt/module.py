@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .boundary import BoundaryOptions, run_boundary
-from .eager import (BOUNDARY_REASON, compiled_wrapper, in_fullgraph_compile, runs_eagerly,
-                    user_stacklevel)
+from .eager import (BOUNDARY_REASON, compile_stance_is_default, compiled_wrapper,
+                    in_fullgraph_compile, runs_eagerly, user_stacklevel)
 from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .module_state import drop_caches
@@ -189,8 +189,10 @@ def _check_compiled_wrapper(module: nn.Module, bare: Any) -> None:
            "apply_activation_checkpointing(layer), or checkpoint the compiled module, "
            "apply_activation_checkpointing(torch.compile(layer{})) (docs/scaling.md, "
            "'Wrapping order')")
-    if getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False):
+    if getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False) and \
+            compile_stance_is_default():
         # Not marked checked: every call is refused, rather than torch's message after it.
+        # Only where torch fails too: under another stance (force_eager) it runs the call.
         raise CheckpointConfigError(
             f"this {name} is checkpointed and called through torch.compile(layer, "
             "fullgraph=True): the compiled wrapper reaches only the boundary, "
@@ -198,6 +200,8 @@ def _check_compiled_wrapper(module: nn.Module, bare: Any) -> None:
             "can be compiled", expected="the layer's body compiled, inside the boundary",
             got=f"torch.compile around the checkpointed {name}",
             tip=fix.format(", fullgraph=True", ", fullgraph=True"))
+    if _CHECKED_WRAPPER in module.__dict__:
+        return  # a fullgraph call under another stance, checked at each call: told once
     module.__dict__[_CHECKED_WRAPPER] = True
     warnings.warn(
         f"pytree_ckpt: this {name} is checkpointed and called through torch.compile(layer), "

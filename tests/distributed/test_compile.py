@@ -303,6 +303,34 @@ def test_compiling_a_layer_whose_body_is_compiled_inside_its_boundary_runs_and_s
         torch._dynamo.reset()
 
 
+def test_a_fullgraph_compile_of_a_checkpointed_layer_under_the_force_eager_stance_runs(
+        ) -> None:
+    # Guards against: the refusal did not ask whether torch itself would fail. Under
+    # torch.compiler.set_stance("force_eager") (a debugging switch: run compiled callables
+    # eagerly) torch does not check for compiled frames and runs the call; the boundary
+    # refused it.
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Net()
+        net = copy.deepcopy(eager)
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        net.block = torch.compile(net.block, backend="eager",  # type: ignore[assignment]
+                                  fullgraph=True)
+        x = torch.randn(4, 8)
+        with torch.compiler.set_stance("force_eager"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warning that the wrapper compiles nothing
+            net(x).backward()
+        eager(x).backward()
+        assert_grads_equal(
+            {n: p.grad for n, p in eager.named_parameters()},
+            {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
+        with pytest.raises(pytree_ckpt.CheckpointConfigError):  # where torch would fail
+            net(x)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_compiling_a_checkpointed_layer_before_its_boundary_is_exact_and_compiles_the_body(
         ) -> None:
     # The other order, torch.compile(layer) first and the boundary around the compiled module,
