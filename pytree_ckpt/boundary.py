@@ -410,8 +410,10 @@ class _BoundaryFunction(torch.autograd.Function):
                 any(before.get(id(t)) is t for t in out_tensors):
             # A buffer fn wrote a result into in place and returns (NOTE [outputs made before
             # the call], continued, in _returned_as_is): an alias too, not the module's own.
-            out_tensors = tuple(alias(t) if id(t) in before and
-                                not watch.unchanged_in_place(t) else t for t in out_tensors)
+            # Not an integer one (a call counter): it carries no gradient, and stays itself.
+            out_tensors = tuple(alias(t) if id(t) in before and (
+                t.is_floating_point() or t.is_complex()) and not watch.unchanged_in_place(t)
+                else t for t in out_tensors)
         as_is = _returned_as_is(call.before or {}, tensors, out_tensors, watch)
         extra: tuple[torch.Tensor, ...] = ()
         if recorded:

@@ -737,6 +737,31 @@ def test_a_buffer_the_forward_writes_a_result_into_keeps_its_gradient_when_retur
     assert torch.equal(layer.slots, twin.slots)
 
 
+class CountsCalls(nn.Module):
+    """Counts its calls in an integer buffer and returns the counter, as a statistic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        return self.lin(x), self.calls
+
+
+def test_an_integer_buffer_the_forward_counts_up_and_returns_comes_back_as_the_buffer_itself(
+        ) -> None:
+    # Guards against: a buffer changed in place and returned whole left as an alias (for a
+    # gradient the write may carry), also where it cannot carry one: an integer counter came
+    # back as another tensor object, where eager (and the boundary before) returned the buffer.
+    layer = pytree_ckpt.apply_activation_checkpointing(CountsCalls())
+    for step in range(1, 3):
+        h, calls = layer(torch.randn(2, 4, requires_grad=True))
+        assert calls is layer.calls and int(calls) == step and not calls.requires_grad
+        h.sum().backward()
+
+
 def test_reassigning_a_buffer_every_step_keeps_the_boundarys_caches() -> None:
     from pytree_ckpt import module_state
 
