@@ -762,6 +762,44 @@ def test_an_integer_buffer_the_forward_counts_up_and_returns_comes_back_as_the_b
         h.sum().backward()
 
 
+class ReturnsAverage(nn.Module):
+    """Updates a moving average of its output under no-grad and returns it, for logging."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return h, self.average
+
+
+def test_a_floating_buffer_changed_without_gradient_and_returned_whole_is_what_the_table_says(
+        ) -> None:
+    # docs/boundary.md, limits table: the no-grad original pass cannot tell this write from one
+    # of a result (FillsBuffer above), so the buffer leaves as an alias that requires grad; the
+    # gradients stay eager's, and the tip (.detach() at the call site) can be kept across steps.
+    torch.manual_seed(0)
+    layer = ReturnsAverage()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(layer))
+    grads, kept = [], []
+    for model in (layer, twin):
+        torch.manual_seed(1)
+        for step in range(2):
+            x = torch.randn(3, 4, requires_grad=True)
+            h, average = model(x)
+            assert average.requires_grad is (model is twin)  # the documented difference
+            assert torch.equal(average, model.average)
+            kept.append(average.detach())
+            (h * average).sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)
+    assert all(torch.equal(a, b) for a, b in zip(kept[:2], kept[2:]))
+
+
 def test_reassigning_a_buffer_every_step_keeps_the_boundarys_caches() -> None:
     from pytree_ckpt import module_state
 
