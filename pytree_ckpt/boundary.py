@@ -155,7 +155,9 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
     (``self.buf[:n].copy_(h)``), and a view of it: in eager it requires grad after the write.
     A view of such a tensor (a RoPE table's rows, ``self.cos[:seq_len]``) is known the same
     way, by the tensor it views: given this node, a caller that keeps it (a table cached at
-    the first step) would backpropagate into a freed graph at the next step.
+    the first step) would backpropagate into a freed graph at the next step. A buffer that is
+    itself a view (``register_buffer("cos", emb.cos()[None, None])``) is known by its base,
+    the temporary it was sliced from, which its views (and it) have as theirs.
     """
     as_is = []
     for t in outputs:
@@ -165,8 +167,16 @@ def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor,
         root = t if base is None else base
         if any(root is x or root is x._base for x in inputs if not x.requires_grad):
             as_is.append(t)  # changed in place, an input is refused (raise_input_changed)
-        elif before.get(id(root)) is root and not root.requires_grad and (
-                watch is None or watch.unchanged_in_place(root)):
+            continue
+        known = before.get(id(root))
+        if known is not root:
+            # Looked for only among the buffers (a parameter is no view), for views only.
+            known = watch.buffer_viewing(root) if base is not None and watch is not None \
+                else None
+            if known is None:
+                continue
+        # A view shares its base's version counter: the buffer's says whether fn wrote to it.
+        if not known.requires_grad and (watch is None or watch.unchanged_in_place(known)):
             as_is.append(t)
     return as_is
 

@@ -221,6 +221,15 @@ class StateWatch:
                 return version is None or tensor._version == version
         return True
 
+    def buffer_viewing(self, base: torch.Tensor, /) -> torch.Tensor | None:
+        """The watched buffer that is a view of ``base``, if one is: a buffer registered as a
+        slice of a temporary (``emb.cos()[None, None]``), whose views have that as their base."""
+        for _, items, _ in self.watched:
+            for _, obj in items:
+                if obj is not None and obj._base is base:
+                    return obj
+        return None
+
     def changed(self) -> ChangedState | None:
         if not (self.watched or self.frozen or any(self.empty)):
             return None  # no buffer nor frozen parameter, and none registered by the forward

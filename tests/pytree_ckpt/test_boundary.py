@@ -702,6 +702,46 @@ def test_views_of_a_buffer_or_an_input_that_require_no_grad_come_back_untouched_
     assert_same_grads(*grads)
 
 
+class ViewTable(nn.Module):
+    """A RoPE table registered as a view, as transformers' older rotary embeddings did
+    (``register_buffer("cos_cached", emb.cos()[None, None, :, :])``), returned by rows."""
+
+    def __init__(self, rows: bool) -> None:
+        super().__init__()
+        self.lin, self.rows = nn.Linear(4, 4), rows
+        self.register_buffer("cos_cached", torch.randn(3, 4).cos()[None, None, :, :])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cached[:, :, : x.shape[0]] if self.rows else self.cos_cached
+        return self.lin(x) * cos[0, 0], cos
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
+def test_a_buffer_that_is_a_view_or_its_rows_come_back_untouched_across_steps(rows: bool) -> None:
+    # Guards against: an output was known by the tensor it views (its _base), and the _base of
+    # a buffer registered as a view is the temporary it was sliced from, no buffer: the buffer
+    # returned whole (untouched before cff4d06), or its rows, left with the boundary's node,
+    # and a caller that cached it at the first step backpropagated into that step's freed
+    # graph at the second. (Built anew, not copied: a deepcopy of a view is no view.)
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = ViewTable(rows)
+        assert model.cos_cached._base is not None
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model)
+        torch.manual_seed(1)
+        cached = None
+        for _ in range(2):
+            x = torch.randn(3, 4, requires_grad=True)
+            h, cos = model(x)
+            assert not cos.requires_grad and (rows or cos is model.cos_cached)
+            cached = cos if cached is None else cached
+            (h * cached[0, 0]).sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)
+
+
 class FillsBuffer(nn.Module):
     """Writes a result into its buffer in place and returns the buffer, or rows of it."""
 
