@@ -84,6 +84,7 @@ from .errors import CheckpointError, ReplayMismatchError, validate_bool
 from .frames import Frame
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode, KeepPolicy
+from .made_before import leaving_tensors
 from .module_state import (ModuleDicts, any_lazy, call_switches, collect_parameters,
                            ever_verified, graph_attributes, module_dicts, owning_module)
 from .parameter_hooks import skip_no_gradient
@@ -97,8 +98,7 @@ from .state_changes import (ChangedState, ForwardModules, ParameterVersions, Sta
                             mark_stateful, snapshots_wanted, versions)
 from .stored_state import warn_parameter_changed
 from .subclass import SubclassKind, kind_of
-from .tree import (LEAF_SPEC, alias, describe_leaf, first_difference, flatten, flatten_call,
-                   leaf_paths, unflatten)
+from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -138,47 +138,6 @@ def _anchor() -> torch.Tensor:
     if _anchor_tensor is None:
         _anchor_tensor = torch.empty(0, requires_grad=True)
     return _anchor_tensor
-
-
-def _returned_as_is(before: dict[int, torch.Tensor], inputs: tuple[torch.Tensor, ...],
-                    outputs: tuple[torch.Tensor, ...], watch: StateWatch | None
-                    ) -> list[torch.Tensor]:
-    """Outputs that existed before the call, or are views of such a tensor, and require no
-    grad: inputs, and the frozen parameters and buffers in ``before`` (taken before ``fn``
-    ran) that ``fn`` left as they were (``watch`` says which it changed in place).
-
-    NOTE [outputs made before the call], continued: eager hands such a tensor back untouched.
-    Marked non-differentiable it stays so: autograd neither gives it this node nor makes it
-    require grad (a buffer would otherwise join every step's graph, and keep it alive). The
-    snapshot must predate ``fn``: a result ``fn`` stores into a buffer slot and returns is
-    fresh, and needs its gradient. So does a buffer ``fn`` wrote a result into in place
-    (``self.buf[:n].copy_(h)``), and a view of it: in eager it requires grad after the write.
-    A view of such a tensor (a RoPE table's rows, ``self.cos[:seq_len]``) is known the same
-    way, by the tensor it views: given this node, a caller that keeps it (a table cached at
-    the first step) would backpropagate into a freed graph at the next step. A buffer that is
-    itself a view (``register_buffer("cos", emb.cos()[None, None])``) is known by its base,
-    the temporary it was sliced from, which its views (and it) have as theirs.
-    """
-    as_is = []
-    for t in outputs:
-        if t.requires_grad:
-            continue
-        base = t._base
-        root = t if base is None else base
-        if any(root is x or root is x._base for x in inputs if not x.requires_grad):
-            as_is.append(t)  # changed in place, an input is refused (raise_input_changed)
-            continue
-        known = before.get(id(root))
-        if known is not root:
-            # Looked for only among the buffers (a parameter is no view), for views only.
-            known = watch.buffer_viewing(root) if base is not None and watch is not None \
-                else None
-            if known is None:
-                continue
-        # A view shares its base's version counter: the buffer's says whether fn wrote to it.
-        if not known.requires_grad and (watch is None or watch.unchanged_in_place(known)):
-            as_is.append(t)
-    return as_is
 
 
 _Tensor = torch.Tensor  # read per call
@@ -399,32 +358,9 @@ class _BoundaryFunction(torch.autograd.Function):
         flat = flatten(output)
         if len(flat.tensor_index) < len(flat.leaves):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
-        # NOTE [outputs made before the call]: the original pass runs under no-grad, so an
-        # output that requires grad (a parameter, or a graph tensor fn closed over) existed
-        # before fn ran. Returned as it is, autograd would attach this node to that very tensor
-        # (a parameter would stop being a leaf, and a later backward would loop through it).
-        # It leaves as an alias instead. Inputs returned as they are, autograd aliases itself.
-        try:
-            if flat.spec is LEAF_SPEC:  # one tensor, the usual layer output: no generator
-                out = flat.leaves[0]
-                out_tensors: tuple[torch.Tensor, ...] = (
-                    out.view_as(out) if out.requires_grad else out,)
-            else:
-                out_tensors = tuple(t.view_as(t) if t.requires_grad else t
-                                    for t in (flat.leaves[i] for i in flat.tensor_index))
-        except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts] (tree.py)
-            out_tensors = tuple(alias(t) if t.requires_grad else t
-                                for t in (flat.leaves[i] for i in flat.tensor_index))
-        before = call.before
-        if before is not None and watch is not None and \
-                any(before.get(id(t)) is t for t in out_tensors):
-            # A buffer fn wrote a result into in place and returns (NOTE [outputs made before
-            # the call], continued, in _returned_as_is): an alias too, not the module's own.
-            # Not an integer one (a call counter): it carries no gradient, and stays itself.
-            out_tensors = tuple(alias(t) if id(t) in before and (
-                t.is_floating_point() or t.is_complex()) and not watch.unchanged_in_place(t)
-                else t for t in out_tensors)
-        as_is = _returned_as_is(call.before or {}, tensors, out_tensors, watch)
+        # NOTE [outputs made before the call] (made_before.py)
+        out_tensors, as_is = leaving_tensors([flat.leaves[i] for i in flat.tensor_index],
+                                             tensors, call.before, watch)
         extra: tuple[torch.Tensor, ...] = ()
         if recorded:
             known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,

@@ -398,7 +398,7 @@ def refuse_double_backward(where: Callable[[], str], /) -> None:
 
 
 def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int, /) -> None:
-    # NOTE [outputs made before the call] (boundary.py): a tensor from outside that requires
+    # NOTE [outputs made before the call] (made_before.py): a tensor from outside that requires
     # no grad and is neither an input nor known to belong to the module cannot be told from a
     # fresh result; autograd gave it this node. The replay returns the very same tensor, still
     # carrying this node: backpropagating through it would re-enter this backward without end.

@@ -1,0 +1,72 @@
+"""The tensors a boundary call returns, for the outputs that existed before the call.
+
+NOTE [outputs made before the call]: the original pass runs under no-grad, so an output that
+requires grad (a parameter, or a graph tensor fn closed over) existed before fn ran. Returned
+as it is, autograd would attach the boundary's node to that very tensor (a parameter would
+stop being a leaf, and a later backward would loop through it). It leaves as an alias instead.
+Inputs returned as they are, autograd aliases itself.
+
+An output that requires no grad and existed before the call (an input, a frozen parameter or
+a buffer of the module, taken before ``fn`` ran), or is a view of one, comes back untouched, as
+eager hands it back: marked non-differentiable, autograd neither gives it the node nor makes
+it require grad (a buffer would otherwise join every step's graph, and keep it alive; a RoPE
+table's rows, ``self.cos[:seq_len]``, cached by the caller at the first step, would
+backpropagate into a freed graph at the next). The snapshot must predate ``fn``: a result
+``fn`` stores into a buffer slot and returns is fresh, and needs its gradient. So does a
+buffer ``fn`` writes a result into in place (``self.buf[:n].copy_(h)``), and a view of it: in
+eager it requires grad after the write. The no-grad pass cannot tell that write from one
+without a gradient (an EMA updated under ``torch.no_grad()``): a floating buffer changed in
+place leaves with the node either way (docs/boundary.md, limits table); an integer one (a
+call counter) cannot carry a gradient and comes back as itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .state_changes import StateWatch
+from .tree import alias
+
+__all__ = ["leaving_tensors"]
+
+
+def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                    before: dict[int, torch.Tensor] | None, watch: StateWatch | None, /
+                    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """The tensors the boundary's Function returns for ``outputs`` (fn's tensor leaves), and
+    those of them to mark non-differentiable as made before the call (NOTE [outputs made before
+    the call]). ``before``: the frozen parameters and buffers by id, taken before fn ran;
+    ``watch`` says which of them fn changed in place."""
+    try:
+        out = [t.view_as(t) if t.requires_grad else t for t in outputs]
+    except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts] (tree.py)
+        out = [alias(t) if t.requires_grad else t for t in outputs]
+    as_is = []
+    for position, t in enumerate(out):
+        if t.requires_grad:
+            continue
+        base = t._base
+        root = t if base is None else base
+        if any(root is x or root is x._base for x in inputs if not x.requires_grad):
+            as_is.append(t)  # changed in place, an input is refused (raise_input_changed)
+            continue
+        if before is None:
+            continue
+        known = before.get(id(root))
+        if known is not root:
+            # A buffer registered as a view (emb.cos()[None, None]) has the temporary it was
+            # sliced from as its base, as its views do: asked of the buffers, for views only.
+            known = watch.buffer_viewing(root) if base is not None and watch is not None \
+                else None
+            if known is None:
+                continue
+        if known.requires_grad:
+            continue
+        # A view shares its base's version counter: the buffer's says whether fn wrote to it.
+        if watch is None or watch.unchanged_in_place(known):
+            as_is.append(t)
+        elif t is known and (t.is_floating_point() or t.is_complex()):
+            out[position] = alias(t)  # the buffer itself gets no node: an alias does
+    return tuple(out), as_is
