@@ -76,11 +76,20 @@ _WRAPPER_DEPTH = 16  # frames between the boundary and the wrapper's call: 7 on 
 _MODULE_CALL_FRAMES = frozenset({"__call__", "_wrapped_call_impl", "_call_impl"})
 
 
+_dynamo_tls: Any = None  # dynamo's thread-local state, kept once torch._dynamo is imported
+
+
 def in_fullgraph_compile() -> bool:
     """Whether a torch.compile(..., fullgraph=True) call is running in this thread (dynamo's
-    thread-local list of skipped frames is set only then; False on a torch without it)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    tls = getattr(eval_frame, "dynamo_tls", None)
+    thread-local list of skipped frames is set only then; False on a torch without it).
+    Read at every layer call: the module lookup is made until dynamo is imported, not after."""
+    global _dynamo_tls
+    tls = _dynamo_tls
+    if tls is None:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if eval_frame is None:
+            return False  # nothing was compiled in this process yet
+        tls = _dynamo_tls = getattr(eval_frame, "dynamo_tls", False)
     return getattr(tls, "skip_reasons", None) is not None
 
 
