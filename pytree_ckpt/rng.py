@@ -116,6 +116,7 @@ class ReplayEnvironment:
         # module attribute holds. Its state at the start of the original pass is restored for
         # each replay, and the state backward found is put back after it: the replay draws
         # the forward's numbers, and the generator ends the step where eager leaves it.
+        # Only with preserve_rng_state, as for the default generators.
         self.generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
         self.kernels = kernels  # NOTE [the replay picks the forward's kernels]
         self.cuda_rng = cuda_rng
