@@ -242,12 +242,25 @@ def test_compiling_a_checkpointed_layer_itself_warns_once_and_stays_exact() -> N
         torch._dynamo.reset()
 
 
+def _fullgraph_calls_marked() -> bool:
+    """Whether this torch marks a fullgraph compile in progress (dynamo's list of skipped
+    frames, torch 2.13), by which the boundary sees one at every call, not only a first."""
+    from torch._dynamo import eval_frame
+
+    return hasattr(eval_frame.dynamo_tls, "skip_reasons")
+
+
 @pytest.mark.parametrize("first_call", ["compiled", "eager"])
 def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_naming_the_fix(
         first_call: str) -> None:
     # torch.compile(layer, fullgraph=True) failed after running the whole forward eagerly, with
     # torch's "found no compiled frames" and a list of torch's own skipped frames: neither the
     # boundary nor the wrapping order was named. Also for a layer that ran eagerly before.
+    if first_call == "eager" and not _fullgraph_calls_marked():
+        # Before torch 2.13 dynamo keeps no list of skipped frames, by which a fullgraph
+        # compile is seen at every call (NOTE [compiled around the layer]); nor does torch fail
+        # such a call: the layer runs uncompiled, as it does without the boundary's check.
+        pytest.skip("this torch marks no fullgraph compile in progress: first calls only")
     torch._dynamo.reset()
     try:
         net = _Net()
@@ -325,8 +338,9 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_under_the_force_eager_stanc
         assert_grads_equal(
             {n: p.grad for n, p in eager.named_parameters()},
             {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
-        with pytest.raises(pytree_ckpt.CheckpointConfigError):  # where torch would fail
-            net(x)
+        if _fullgraph_calls_marked():  # else checked at first calls only, as above
+            with pytest.raises(pytree_ckpt.CheckpointConfigError):  # where torch would fail
+                net(x)
     finally:
         torch._dynamo.reset()
 
