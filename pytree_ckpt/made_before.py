@@ -57,11 +57,15 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
         known = before.get(id(root))
         if known is not root:
             # A buffer registered as a view (emb.cos()[None, None]) has the temporary it was
-            # sliced from as its base, as its views do: asked of the buffers, for views only.
-            known = watch.buffer_viewing(root) if base is not None and watch is not None \
-                else None
-            if known is None:
+            # sliced from as its base, as its views do: itself if returned whole (its base may
+            # be another buffer's too: k and v of one cache), else asked of the buffers.
+            if base is None:
                 continue
+            known = before.get(id(t))
+            if known is not t:
+                known = watch.buffer_viewing(root) if watch is not None else None
+                if known is None:
+                    continue
         if known.requires_grad:
             continue
         # A view shares its base's version counter: the buffer's says whether fn wrote to it.
