@@ -125,9 +125,11 @@ class _DiscardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
         args = inputs[: owner.n_args]  # the rest are fn's parameters (as in the boundary)
+        # NOTE [generators passed in] (rng.py): among the other arguments, as at the boundary.
         owner.env = ReplayEnvironment.capture(
             tuple(t for t in args if isinstance(t, torch.Tensor)),
-            preserve_rng=owner.preserve_rng_state)
+            preserve_rng=owner.preserve_rng_state,
+            leaves=[*args, *flatten(owner.kwargs).leaves] if owner.kwargs else list(args))
         assert owner.fn is not None  # set by __call__ before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)

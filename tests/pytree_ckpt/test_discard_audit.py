@@ -52,6 +52,36 @@ def test_a_discarded_dropout_replays_the_mask_of_its_forward_after_the_rng_moved
     assert_same_grads(expected, grads_of([x, *proj.parameters()]))
 
 
+def _own_dropout(x: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+    return x * (torch.rand(x.shape, generator=generator) > 0.5) * 2
+
+
+@pytest.mark.parametrize("as_keyword", [True, False], ids=["keyword", "positional"])
+def test_a_discarded_op_given_its_own_generator_replays_its_mask_and_leaves_it_as_eager(
+        as_keyword: bool) -> None:
+    # Guards against: NOTE [generators passed in] (rng.py) was applied at the boundary only;
+    # the rebuild drew the next numbers of a generator passed to the discarded op: another
+    # mask, other gradients, silently, and the generator ended the step two draws on.
+    results = []
+    for discard in (False, True):
+        generator = torch.Generator().manual_seed(3)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        w = torch.randn(8, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        fn = _own_dropout if as_keyword else \
+            (lambda t, g: _own_dropout(t, generator=g))  # noqa: E731
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            h = ckpt.checkpoint(fn, x, generator=generator) if as_keyword else \
+                ckpt.checkpoint(fn, x, generator)
+            out = h @ w
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = (fn(x, generator=generator) if as_keyword else fn(x, generator)) @ w
+        out.square().sum().backward()
+        results.append([*grads_of([x, w]), torch.rand(8, generator=generator)])
+    assert_same_grads(*results)
+
+
 def test_an_output_that_is_an_offset_slice_of_its_input_is_kept() -> None:
     # The slice starts 16 bytes into its input's storage: the storage, not the data pointer,
     # tells that they share memory.
