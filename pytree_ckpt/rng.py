@@ -112,10 +112,11 @@ class ReplayEnvironment:
                  torch_function: Any, kernels: tuple[Any, ...], /) -> None:
         self.cpu_rng = cpu_rng
         # NOTE [generators passed in]: a torch.Generator among the call's arguments (a dropout
-        # given its own generator) is one the boundary can see, unlike one a closure or a
-        # module attribute holds. Its state at the start of the original pass is restored for
-        # each replay, and the state backward found is put back after it: the replay draws
-        # the forward's numbers, and the generator ends the step where eager leaves it.
+        # given its own generator; a boundary's call or an output discard's) is one the replay
+        # can see, unlike one a closure or a module attribute holds. Its state at the start of
+        # the original pass is restored for each replay, and the state backward found is put
+        # back after it: the replay draws the forward's numbers, and the generator ends the
+        # step where eager leaves it.
         # Only with preserve_rng_state, as for the default generators.
         self.generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
         self.kernels = kernels  # NOTE [the replay picks the forward's kernels]
