@@ -170,3 +170,36 @@ def test_an_input_that_escaped_a_torch_func_transform_is_unwrapped_for_the_repla
     assert wrapped_seen[1:] == [("forward", True), ("recompute", False)]
     for a, b in zip(eager.parameters(), wrapped.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+class _Records(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: object, types: object, args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))  # type: ignore[operator]
+
+
+def test_a_torch_function_mode_and_a_subclass_see_what_function_apply_would_show_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards the NOTE's claim that nothing of Function.apply's Python wrapper is skipped that
+    # a torch-function mode around the call, or a __torch_function__ input, would see: the
+    # calls they see, the output's type and the gradients are those of Function.apply's path.
+    from pytree_ckpt import boundary
+
+    def run() -> tuple[list[str], type, list[torch.Tensor]]:
+        block, wrapped, data = _twins()
+        x = data.clone().as_subclass(_Tagged).requires_grad_()
+        with _Records() as mode:
+            out = wrapped(x)
+        out.square().sum().backward()
+        return mode.calls, type(out), [x.grad, *(p.grad for p in wrapped.parameters())]
+
+    in_c = run()
+    monkeypatch.setattr(boundary, "_apply_in_c", None)  # Function.apply itself
+    in_python = run()
+    assert in_c[:2] == in_python[:2] and in_c[1] is _Tagged
+    _assert_equal(in_c[2], in_python[2])
