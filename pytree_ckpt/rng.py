@@ -185,8 +185,10 @@ class Replaying:
 
     def __enter__(self) -> None:
         env = self.env
-        # NOTE [generators passed in]: all read before any is set (one may be a default one).
-        self.generators = [(generator, generator.get_state()) for generator, _ in env.generators]
+        if env.generators:  # NOTE [generators passed in]: all read before any is set (one
+            # may be a default one)
+            self.generators = [(generator, generator.get_state())
+                               for generator, _ in env.generators]
         if env.cpu_rng is not None:
             devices = tuple(env.cuda_rng)
             self.saved_rng = rng_state(devices)
