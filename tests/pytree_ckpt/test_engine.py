@@ -138,7 +138,13 @@ def test_the_replay_frees_each_ops_saved_tensors_once_its_backward_ran() -> None
 # torch.autograd.Function.apply's Python wrapper, and does that wrapper's steps itself.
 
 
-def test_an_input_that_escaped_a_torch_func_transform_is_unwrapped_for_the_replay() -> None:
+def test_an_input_that_escaped_a_torch_func_transform_reaches_the_function_unwrapped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [the Function is applied in C]: Function.apply unwraps a tensor that escaped a
+    # torch.func transform before the Function's forward sees it; the C path must too (without
+    # it the forward got the dead wrapper, a difference no gradient here shows).
+    from pytree_ckpt import boundary
+
     torch.manual_seed(1)
     leaked: list[torch.Tensor] = []
 
@@ -150,6 +156,14 @@ def test_an_input_that_escaped_a_torch_func_transform_is_unwrapped_for_the_repla
     escaped = leaked[0]
     assert torch._C._functorch.is_functorch_wrapped_tensor(escaped)
     wrapped_seen: list[tuple[str, bool]] = []
+    given: list[bool] = []  # whether the Function's forward got a wrapper
+    forward = boundary._BoundaryFunction.forward
+
+    def spy(ctx: object, call: object, anchor: object, *inputs: torch.Tensor) -> object:
+        given.append(torch._C._functorch.is_functorch_wrapped_tensor(inputs[0]))
+        return forward(ctx, call, anchor, *inputs)
+
+    monkeypatch.setattr(boundary._BoundaryFunction, "forward", staticmethod(spy))
 
     class Records(nn.Module):
         def __init__(self) -> None:
@@ -162,14 +176,21 @@ def test_an_input_that_escaped_a_torch_func_transform_is_unwrapped_for_the_repla
             return self.lin(x)
 
     eager = Records()
-    wrapped = copy.deepcopy(eager)
-    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    grads = []
+    for in_c in (True, False):
+        if not in_c:
+            monkeypatch.setattr(boundary, "_apply_in_c", None)  # Function.apply itself
+        wrapped = copy.deepcopy(eager)
+        pytree_ckpt.apply_activation_checkpointing(wrapped)
+        wrapped(escaped).square().sum().backward()
+        grads.append([p.grad for p in wrapped.parameters()])
     eager(escaped).square().sum().backward()
-    wrapped(escaped).square().sum().backward()
-    # The forward gets the caller's own tensor; the replay, the input Function.apply unwraps.
-    assert wrapped_seen[1:] == [("forward", True), ("recompute", False)]
-    for a, b in zip(eager.parameters(), wrapped.parameters()):
-        assert torch.equal(a.grad, b.grad)
+    # The layer's forward gets the caller's own tensor; the Function and the replay, the
+    # unwrapped one, on either path.
+    assert given == [False, False]
+    assert wrapped_seen == [("forward", True), ("recompute", False)] * 2 + [("plain", True)]
+    for grads_of_path in grads:
+        _assert_equal(grads_of_path, [p.grad for p in eager.parameters()])
 
 
 class _Records(TorchFunctionMode):
