@@ -471,7 +471,7 @@ class CheckpointWithoutOutput:
         if watched is not None:
             assert self.params is not None
             param_before = refuse_parameters_changed(
-                watched, self.params, self._name(),
+                watched, self.params, self._name,
                 self.forward_modules.roots if self.forward_modules is not None else [])
         saved_tensors = self._saved()
         for t in saved_tensors:

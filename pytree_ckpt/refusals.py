@@ -473,18 +473,16 @@ def parameter_path(modules: Sequence[nn.Module], tensor: torch.Tensor, /) -> str
 
 
 def refuse_parameters_changed(watched: ParameterVersions, params: Sequence[torch.Tensor],
-                              where: str | Callable[[], str], modules: Sequence[nn.Module], /
+                              where: Callable[[], str], modules: Sequence[nn.Module], /
                               ) -> tuple[list[int | None], list[int] | None]:
     """Before a replay (the boundary's, an output discard's rebuild): refuse if a parameter
     was changed since the forward by others than our passes (NOTE [parameters changed in
-    place]); the versions read, for ``watched.replayed`` after it. ``where`` names the
-    function, or is called to name it only when refusing (every layer's backward passes
-    here)."""
+    place]); the versions read, for ``watched.replayed`` after it. ``where()`` names the
+    function, called only when refusing (every layer's backward passes here)."""
     before = watched.read(params)
     changed = watched.changed_since(params, before[0])
     if changed:
-        raise_parameter_changed_after_call(where if isinstance(where, str) else where(),
-                                           changed, modules)
+        raise_parameter_changed_after_call(where(), changed, modules)
     return before
 
 
