@@ -28,7 +28,7 @@ import gc
 import json
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +157,7 @@ class _Bench:
         return {"indexer_forward_flops": alone["flops"], "indexer_calls": alone["calls"],
                 "recompute_drop": drop, "match": drop == alone["flops"]}
 
-    def timing(self, progress: Progress, after_round: Any = None) -> None:
+    def timing(self, progress: Progress, after_round: Callable[[], None] | None = None) -> None:
         """Warm-up and timed rounds; ``after_round()`` runs after each (outside the timing)."""
         warmup, rounds = self.preset.warmup, self.preset.rounds
         for row in self.rows.values():
