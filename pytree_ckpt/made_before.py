@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from .state_changes import StateWatch
-from .tree import alias
+from .tree import alias, alias_all
 
 __all__ = ["leaving_tensors"]
 
@@ -39,10 +39,7 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
     those of them to mark non-differentiable as made before the call (NOTE [outputs made before
     the call]). ``before``: the frozen parameters and buffers by id, taken before fn ran;
     ``watch`` says which of them fn changed in place."""
-    try:
-        out = [t.view_as(t) if t.requires_grad else t for t in outputs]
-    except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts] (tree.py)
-        out = [alias(t) if t.requires_grad else t for t in outputs]
+    out = list(alias_all(outputs))
     as_is = []
     for position, t in enumerate(out):
         if t.requires_grad:

@@ -30,7 +30,7 @@ from .saved import Unchanged
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
 from .subclass import as_kind
-from .tree import alias, flatten
+from .tree import alias_all, flatten
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary import BoundaryCall
@@ -167,10 +167,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # as eager does for a layer input; and memory, as a cached cast keeps its leaf
             # alive until the caller's autocast region ends (backward inside it kept every
             # layer's input).
-            try:
-                aliases = tuple(d.view_as(d) if d.requires_grad else d for d in detached)
-            except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts]
-                aliases = tuple(alias(d) if d.requires_grad else d for d in detached)
+            aliases = alias_all(detached)  # NOTE [tensors of other layouts]: sparse: clones
             if call.subclasses is not None:
                 aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)

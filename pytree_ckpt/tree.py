@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["FlatTree", "LEAF_SPEC", "flatten", "flatten_call", "unflatten", "leaf_paths",
            "describe_leaf", "first_difference", "hidden_tensor", "leaf_kind", "CONTAINER",
-           "ITERATOR", "PLAIN", "alias"]
+           "ITERATOR", "PLAIN", "alias", "alias_all"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -195,6 +195,15 @@ def alias(tensor: torch.Tensor, /) -> torch.Tensor:
     if tensor.layout is torch.strided or tensor.layout is torch.jagged:
         return tensor.view_as(tensor)
     return tensor.clone()
+
+
+def alias_all(tensors: Sequence[torch.Tensor], /) -> tuple[torch.Tensor, ...]:
+    """``alias`` of each tensor that requires grad, the others as they are. Views are tried
+    first for all: the usual, strided case pays no layout check per tensor."""
+    try:
+        return tuple(t.view_as(t) if t.requires_grad else t for t in tensors)
+    except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts]
+        return tuple(alias(t) if t.requires_grad else t for t in tensors)
 
 
 def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
