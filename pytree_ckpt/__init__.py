@@ -5,7 +5,8 @@ Importing this package touches no accelerator and imports no optional dependency
 
 from .functional import checkpoint, checkpointed
 from .census import ActivationCensus, Mechanism
-from .discard import CheckpointWithoutOutput, CheckpointWithoutOutputManager
+from .discard import CheckpointWithoutOutput
+from .discard_manager import CheckpointWithoutOutputManager
 from .discarded_reads import detect_discarded_reads
 from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError,
                      SavedTensorChanged)

@@ -1,10 +1,15 @@
-"""Output-discard replay for cheap ops (Megatron-style), and ordered block replay.
+"""Output-discard replay for cheap ops (Megatron-style): ``CheckpointWithoutOutput``.
 
 A cheap op (an RMSNorm, a residual read) produces an output that a consumer saves for its own
 backward (the QKV projection saves the norm's output), so it lives from forward to backward.
 ``CheckpointWithoutOutput`` frees exactly that: the op runs under no-grad, its output's storage
 is released once the consumer holds it, and a hook on a later tensor's gradient rebuilds it in
 place just before the consumer's backward needs it.
+
+Here: the checkpoint, the discard and the rebuild. Beside it: the autograd Function whose
+backward differentiates the rebuilt graph (discard_function.py, with NOTE [exactness]), the
+manager that discards a block of chained checkpoints (discard_manager.py), what discard
+refuses (discard_refusals.py), and which outputs are never freed (discard_aliases.py).
 
 NOTE [discard lifetimes]:
 1. ``checkpoint(fn, *args)`` saves the inputs through autograd (``save_for_backward``: an outer
@@ -20,8 +25,8 @@ NOTE [discard lifetimes]:
    dropped after the forward), what the checkpoint kept is released with it, as eager's
    saved tensors are; a checkpoint whose node is gone before the hook fires (its output
    went unused: nothing in the graph reads it) is not rebuilt.
-4. A manager replays several chained checkpoints (a later one may take an earlier one's
-   discarded output as input) in forward order, from one hook, once.
+4. A manager (discard_manager.py) replays several chained checkpoints (a later one may take
+   an earlier one's discarded output as input) in forward order, from one hook, once.
 5. The rebuild runs ``fn`` again, and with it what ``fn`` changes of its modules' state
    (BatchNorm's running statistics), which eager does once. The forward watches that state
    as the boundary does (NOTE [state the forward changes] in state_changes.py), and the
@@ -35,23 +40,11 @@ NOTE [discard lifetimes]:
 Discarding twice, replaying twice, or a replay of another shape raises ``CheckpointError``.
 With grad disabled (a checkpoint boundary's original pass) ``checkpoint`` just calls ``fn``
 and discarding is a no-op: nothing was saved; the boundary's replay discards for real.
-
-NOTE [exactness]: when ``fn`` is a module (or a method of one) its trainable parameters are
-inputs of the Function, as in the checkpoint boundary, so they get bit-identical gradients
-(other callables accumulate into ``.grad`` from the replay, reentrant-style). A tensor that
-``fn`` uses *and* something else uses (the residual stream's input) receives its gradient as a
-sum whose association differs from eager (``fn``'s own contributions are summed first), so it
-matches eager up to float rounding (a few ulp of the tensor's largest value), as in Megatron;
-in a residual stream that rounding then reaches everything upstream. This is the price of the
-nested backward through the small recomputed graph, which is what lets the op's own
-intermediates go unsaved.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -59,20 +52,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
-from .refusals import refuse_double_backward, refuse_module_tensor, refuse_parameters_changed
 from .census import ActivationCensus, active_census
+from .discard_aliases import reachable_tensors
+from .discard_function import DiscardFunction
+from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
-from .discard_aliases import made_outside, reachable_tensors, root_key
-from .module_state import (ModuleDicts, collect_parameters, foreign_leaf, module_dicts,
-                           owning_module)
+from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
+from .refusals import refuse_parameters_changed
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import ChangedState, ForwardModules, ParameterVersions, StateWatch, versions
+from .state_changes import ChangedState, ForwardModules, ParameterVersions
 from .tree import flatten
 
-__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "DISCARDED_MARK",
-           "refuse_fp8"]
+__all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 
 # NOTE [discarded storages are marked]: an attribute set on each storage a discard frees, the
 # discarded op's name (a storage keeps its Python object, and so its attributes, while it is
@@ -86,182 +78,6 @@ __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager", "DISCARD
 DISCARDED_MARK = "_pytree_ckpt_discarded"
 
 log = logging.getLogger(__name__)
-
-
-def _raise_input_changed(owner: CheckpointWithoutOutput, args: tuple[Any, ...],
-                         tensor: torch.Tensor) -> None:
-    # As at the boundary (refusals.raise_input_changed): the inputs are saved after fn ran, so
-    # autograd's version check cannot see it, and the rebuild would run fn on the changed
-    # tensor, changing the caller's tensor again in backward.
-    position = next(i for i, a in enumerate(args) if a is tensor)
-    raise CheckpointError(
-        f"{owner._name()} changed its input args[{position}] in place; the rebuild in "
-        "backward would run it on the changed tensor (and change it again) and give wrong "
-        "gradients", expected="inputs left as they are",
-        got="a version counter moved by the op (mul_, relu_, an inplace=True module)",
-        tip="make the op out of place (nn.ReLU() rather than nn.ReLU(inplace=True); "
-            "x = x * s rather than x.mul_(s)), or call it without discarding its output")
-
-
-def _refuse_output(owner: CheckpointWithoutOutput, got: Any) -> None:
-    raise CheckpointConfigError(
-        f"CheckpointWithoutOutput needs {owner._name()} to return a tensor or a tuple of "
-        "tensors", expected="Tensor | tuple[Tensor, ...]",
-        got="None" if got is None else type(got).__name__,
-        tip="discard only ops that return tensors (for a fused op returning (out, None), a "
-            "method of its module that returns out alone); wrap structured outputs in "
-            "pytree_ckpt.checkpoint instead")
-
-
-def _graph_freed(owner_ref: weakref.ref[CheckpointWithoutOutput], _: Any) -> None:
-    """The checkpoint's node was freed (NOTE [discard lifetimes] 3): drop what it kept."""
-    owner = owner_ref()
-    if owner is not None:
-        owner.recomputed = owner.detached = None
-        owner.outputs = ()
-
-
-class _DiscardFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
-        args = inputs[: owner.n_args]  # the rest are fn's parameters (as in the boundary)
-        # NOTE [generators passed in] (rng.py): among the other arguments, as at the boundary.
-        owner.env = ReplayEnvironment.capture(
-            tuple(t for t in args if isinstance(t, torch.Tensor)),
-            preserve_rng=owner.preserve_rng_state,
-            leaves=[*args, *flatten(owner.kwargs).leaves] if owner.kwargs else list(args))
-        assert owner.fn is not None  # set by __call__ before the Function runs
-        tensors = [t for t in args if isinstance(t, torch.Tensor)]
-        input_versions = versions(tensors)
-        param_before = ParameterVersions.read(owner.params) if owner.params else None
-        # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
-        # discarded module is never marked verified).
-        watch = StateWatch(*owner.state, snapshot=True) if owner.state is not None else None
-        # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
-        # mode] in rng.py, as at the boundary.
-        with torch.no_grad(), IsolatedPass():
-            outputs = owner.fn(*args, **owner.kwargs)
-        moved = [i for i, (now, version) in enumerate(zip(versions(tensors), input_versions))
-                 if now != version] if tensors else []
-        if moved:
-            _raise_input_changed(owner, args, tensors[moved[0]])
-        if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
-            owner.changed_state = watch.changed()
-        if param_before is not None:  # NOTE [parameters changed in place] (refusals.py)
-            assert owner.params is not None
-            owner.param_versions = ParameterVersions(owner.params, param_before)
-        if owner.modules:  # NOTE [the replay sees the forward's modules] (state_changes.py)
-            owner.forward_modules = ForwardModules(
-                owner.modules, [module_dicts(m) for m in owner.modules])
-        owner.modules = None
-        single = isinstance(outputs, torch.Tensor)
-        if not single and not isinstance(outputs, (tuple, list)):
-            _refuse_output(owner, outputs)  # a dict would give its keys, a dataclass nothing
-        outputs = (outputs,) if single else tuple(outputs)
-        for out in outputs:
-            if not isinstance(out, torch.Tensor):
-                _refuse_output(owner, out)  # before reading storages: None has none
-        owner.single = single
-        owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]
-        owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
-        ctx.owner = owner
-        # Which outputs live on storages from outside fn, read now: in forward,
-        # ctx.saved_tensors would run an ambient unpack hook (an offload restore) and hand
-        # back copies.
-        owner.made_outside = made_outside(outputs, tensors, owner.fn, args, owner.reachable)
-        owner.reachable = None  # found for this call only
-        ctx.save_for_backward(*tensors)
-        # Weak: the node owns us, not the other way round; its end releases what we kept.
-        owner.ctx = weakref.ref(ctx, functools.partial(_graph_freed, weakref.ref(owner)))
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-        owner: CheckpointWithoutOutput = ctx.owner
-        refuse_double_backward(lambda: f"the output-discard checkpoint of {owner._name()}")
-        if owner.recomputed is None:
-            owner._replay()  # never discarded (or its hook never fired): replay now
-        assert owner.recomputed is not None and owner.detached is not None
-        pairs = [(o, g) for o, g in zip(owner.recomputed, grads)
-                 if g is not None and o.requires_grad]
-        outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
-        needs = ctx.needs_input_grad[1:]
-        owner.recomputed = None  # the recomputed graph is done with
-        owner.outputs = ()       # and so are the storages (NOTE [discard lifetimes])
-        if owner.params is None:  # an unknown callable: accumulate, as a reentrant checkpoint
-            if not torch.autograd._is_checkpoint_valid():
-                raise CheckpointError(
-                    f"the discarded output of {owner._name()} was reached by a restricted "
-                    "backward: torch.autograd.grad(), backward(inputs=...), or the replay of a "
-                    "checkpointed layer around it (which takes its gradients with "
-                    "torch.autograd.grad)",
-                    expected="a module (or a method of one) as fn, or a function that reaches "
-                             "no trainable tensor",
-                    got="an arbitrary callable that reaches trainable parameters",
-                    tip="pass the module or its method so its parameters are known (checkpoint("
-                        "self.norm, x), not checkpoint(lambda t: self.norm(t) * 2, x))")
-            if outs:
-                torch.autograd.backward(outs, out_grads)
-            detached = iter(owner.detached)
-            grads_in = [next(detached).grad if kind else None for kind in owner.arg_kinds]
-            owner.detached = None
-            return (None, *grads_in)
-        # Known parameters are inputs: return their grads so autograd sums them as eager does.
-        detached = iter(owner.detached)
-        wrt: list[torch.Tensor | None] = [next(detached) if kind else None
-                                          for kind in owner.arg_kinds]
-        wrt += owner.params
-        # NOTE [parameters frozen or unfrozen since the forward] (the boundary's replay in
-        # recompute.py follows it too): a parameter frozen since the forward
-        # (requires_grad_(False) before backward) gets no gradient, as in eager, where its
-        # AccumulateGrad then does nothing (asking torch.autograd.grad for it raised torch's
-        # "does not require grad"); one frozen in the forward and unfrozen since was not in the
-        # forward's graph: it gets none either, and is a known tensor of the op's modules, not
-        # a foreign one.
-        wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
-                  if need and t is not None and t.requires_grad]
-        # As at the boundary (verify_leaves in refusals.py): the inputs, and the parameters
-        # frozen at the call (unfrozen since, they get no gradient, as in eager).
-        frozen = owner.state[1] if owner.state is not None else ()
-        known = [*(t for t in wrt if t is not None), *frozen]
-        foreign = foreign_leaf(outs, known) if outs else None
-        if foreign is not None:  # it would get no gradient: refused, as at the boundary
-            if owner.forward_modules is not None:  # its roots: fn's modules, then others
-                refuse_module_tensor(foreign, owner.forward_modules.roots)
-            raise CheckpointError(
-                f"the discarded op {owner._name()} uses a tensor that requires grad but is "
-                "neither an input nor a parameter of its module; it would get no gradient",
-                expected="inputs, and parameters of the op's module or of modules passed as "
-                         "arguments",
-                got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
-                tip="pass the tensor (or the module owning it) as an argument of checkpoint()")
-        result: list[torch.Tensor | None] = [None] * len(wrt)
-        if outs and wanted:
-            inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
-            # NOTE [parameter hooks run once] (parameter_hooks.py)
-            with ParameterHooksPaused(owner.params):
-                got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
-            for i, grad in zip(wanted, got):
-                result[i] = grad
-        if owner.params:
-            n = len(wrt) - len(owner.params)
-            accumulated_nothing(owner.params, result[n:], needs[n:])
-        owner.detached = None
-        return (None, *result)
-
-
-def refuse_fp8(fp8: object, /) -> None:
-    """Megatron-Core's ``fp8=`` keyword: off (``False``, or ``None``, what Megatron passes
-    from a config with FP8 off) only. The rebuild in backward would not run under the
-    forward's FP8 autocast (Transformer Engine's state is not captured)."""
-    if fp8 is not None and fp8 is not False:
-        raise CheckpointConfigError(
-            "output discard does not rebuild under FP8 autocast",
-            expected="fp8=False (or None)",
-            got=f"fp8={fp8!r}",
-            tip="run the discarded op outside fp8_autocast (a norm usually is), or leave it "
-                "undiscarded")
-
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
@@ -366,7 +182,7 @@ class CheckpointWithoutOutput:
             self.passthrough = True
             self.reachable = None
             return fn(*args, **kwargs)
-        outputs = tuple(_DiscardFunction.apply(self, *args, *(self.params or ())))
+        outputs = tuple(DiscardFunction.apply(self, *args, *(self.params or ())))
         if not any(o.requires_grad for o in outputs):
             # No output can carry a gradient, so autograd keeps no node (and no inputs) to
             # replay from: the discard would free what nothing can rebuild.
@@ -449,8 +265,8 @@ class CheckpointWithoutOutput:
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor, /) -> None:
         """Free the outputs now; rebuild them when ``hook_tensor``'s gradient is computed."""
         if not self.passthrough:
-            _check_hook_tensor(hook_tensor, self._name())
-            _refuse_discarded_hook(hook_tensor, [self])
+            check_hook_tensor(hook_tensor, self._name())
+            refuse_discarded_hook(hook_tensor, [self])
         self._discard_output()
         if not self.passthrough:
             hook_tensor.register_hook(self._hook)
@@ -533,88 +349,3 @@ class CheckpointWithoutOutput:
                     self.census.note_refilled(original)
         self.recomputed = outputs
         return True
-
-
-def _refuse_discarded_hook(hook_tensor: torch.Tensor,
-                           checkpoints: list[CheckpointWithoutOutput]) -> None:
-    """The hook tensor must outlive the discard: one on a storage being freed could never be
-    read by the backward that fires the hook (nothing was freed yet when this raises)."""
-    key = root_key(hook_tensor)
-    for ckpt in checkpoints:
-        for out, outside in zip(ckpt.outputs, ckpt.made_outside):
-            if key is not None and not outside and root_key(out) == key:
-                raise CheckpointError(
-                    f"the hook tensor is an output of {ckpt._name()}, which is being discarded",
-                    expected="a later tensor: the output of the op that consumes the "
-                             "discarded one", got="the discarded output itself (or a view)",
-                    tip="register on the consumer's result; a block's final output (the next "
-                        "block's input) must stay outside the discarded ops")
-
-
-def _check_hook_tensor(hook_tensor: Any, name: str) -> None:
-    if not isinstance(hook_tensor, torch.Tensor) or not hook_tensor.requires_grad:
-        raise CheckpointConfigError(
-            f"the hook tensor for {name} must be a tensor that requires grad",
-            expected="a later tensor in the graph (the consumer's output)",
-            got=type(hook_tensor).__name__ if not isinstance(hook_tensor, torch.Tensor)
-            else "a tensor with requires_grad=False",
-            tip="pass the output of the op that consumes the discarded output; nothing was "
-                "freed")
-
-
-class CheckpointWithoutOutputManager:
-    """Several chained checkpoints, discarded together, replayed in forward order by one hook."""
-
-    def __init__(self, *, preserve_rng_state: bool = True) -> None:
-        self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
-        self.checkpoints: list[CheckpointWithoutOutput] = []
-        self.replay_order: list[int] = []  # indices, in the order replays happened
-        self.registered = False
-
-    def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` through a new ``CheckpointWithoutOutput`` of this manager, in
-        forward order; returns its output."""
-        if self.registered:
-            raise CheckpointError(
-                "this manager's outputs were already discarded; it takes no more checkpoints",
-                expected="every checkpoint() of the block before its discard",
-                got="a checkpoint() after discard_all_outputs_and_register_unified_recompute",
-                tip="use one manager per block and forward (build the plan per step); inside "
-                    "checkpointed layers, whose replays run in reverse order, a block cannot "
-                    "span layers: block_size=1")
-        ckpt = CheckpointWithoutOutput(preserve_rng_state=self.preserve_rng_state)
-        self.checkpoints.append(ckpt)
-        return ckpt.checkpoint(fn, *args, **kwargs)
-
-    def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor,
-                                                           /) -> None:
-        """Free every output checkpointed so far, and rebuild them all, in forward order, when
-        ``hook_tensor``'s gradient is computed (see docs/discard.md for where to put it)."""
-        if self.registered:
-            raise CheckpointError("this manager's outputs were already discarded",
-                                  expected="one discard per manager", got="a second discard",
-                                  tip="use one manager per block and forward")
-        if not all(c.passthrough for c in self.checkpoints):
-            _check_hook_tensor(hook_tensor, "this manager's block")
-        if any(c.discarded for c in self.checkpoints):
-            raise CheckpointError("a checkpoint of this manager was already discarded on its own",
-                                  expected="discards through the manager only",
-                                  got="an earlier discard_output_and_register_recompute()",
-                                  tip="let the manager discard all of its checkpoints")
-        if all(c.passthrough for c in self.checkpoints):
-            # Nothing was saved (no grad: a checkpoint boundary's original pass, whose replay
-            # runs the block again with this manager): nothing to discard, and the manager
-            # starts over for that replay.
-            self.checkpoints = []
-            return
-        _refuse_discarded_hook(hook_tensor, self.checkpoints)
-        self.registered = True
-        for ckpt in self.checkpoints:
-            ckpt._discard_output()
-        hook_tensor.register_hook(self._hook)
-
-    def _hook(self, grad: torch.Tensor) -> None:
-        for index, ckpt in enumerate(self.checkpoints):  # forward order (NOTE 4)
-            if not ckpt.passthrough:
-                if ckpt._replay():
-                    self.replay_order.append(index)

@@ -263,9 +263,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         return (None, None, *from_inputs)
     assert call.params is not None
     wrt = [*detached, *call.params]
-    # NOTE [parameters frozen or unfrozen since the forward] (discard.py): a parameter frozen
-    # since the forward (requires_grad_(False) before backward) gets no gradient, as in eager,
-    # where its AccumulateGrad then does nothing.
+    # NOTE [parameters frozen or unfrozen since the forward] (discard_function.py): a
+    # parameter frozen since the forward (requires_grad_(False) before backward) gets no
+    # gradient, as in eager, where its AccumulateGrad then does nothing.
     wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
     if wanted and not torch.autograd._is_checkpoint_valid():
         wanted = _used_by_this_backward(ctx.next_functions, wanted)

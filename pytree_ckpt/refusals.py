@@ -3,7 +3,8 @@
 Each check runs where the problem first shows (before the original pass, after it, or in the
 replay) and raises a ``CheckpointError`` that names the PyTree key path, shows both sides and
 gives the fix. The boundary (``boundary.py``), its replay (``recompute.py``) and output
-discard (``discard.py``) call these; each NOTE they cite names its file where it is not here.
+discard (``discard.py``, ``discard_function.py``) call these; each NOTE they cite names its
+file where it is not here.
 """
 
 from __future__ import annotations

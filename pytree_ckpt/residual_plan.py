@@ -1,6 +1,6 @@
 """Megatron's residual-stream recompute plan: which layers share an output-discard manager
-(``CheckpointWithoutOutputManager``, in discard.py), so that a block of layers discards its
-cheap outputs together and replays them, in forward order, from one hook."""
+(``CheckpointWithoutOutputManager``, in discard_manager.py), so that a block of layers
+discards its cheap outputs together and replays them, in forward order, from one hook."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from .discard import CheckpointWithoutOutputManager, refuse_fp8
+from .discard_manager import CheckpointWithoutOutputManager
+from .discard_refusals import refuse_fp8
 from .errors import CheckpointConfigError
 
 __all__ = ["ResidualStreamRecomputeContext", "build_residual_stream_recompute_plan"]

@@ -19,8 +19,9 @@ from examples.glm_dsa import GlmDsaConfig, GlmDsaForCausalLM, bench, make_packed
 from examples.glm_dsa.bench_configs import CONFIGS
 from examples.glm_dsa.kernels import indexer_topk_flops, sparse_attention_flops
 
-# Output discard sums a block input's gradient in another order (pytree_ckpt/discard.py NOTE
-# [exactness]): its row is loss-equal, and grads-equal only up to rounding, so it is not here.
+# Output discard sums a block input's gradient in another order (NOTE [exactness] in
+# pytree_ckpt/discard_function.py): its row is loss-equal, and grads-equal only up to
+# rounding, so it is not here.
 PYTREE_ROWS = ("pytree_reuse_off", "pytree_reuse_on", "pytree_offload", "pytree_save_attn",
                "pytree_save_indexer", "pytree_save_gate", "pytree_save_dispatch")
 

@@ -28,7 +28,7 @@ def test_norm_outputs_through_output_discard_match_eager(ratio: float) -> None:
     eager_loss.backward()
     loss.backward()
     # A block's input feeds its norm (inside the discard's replayed graph) and the residual:
-    # its gradient sums in another order (NOTE [exactness] in pytree_ckpt/discard.py).
+    # its gradient sums in another order (NOTE [exactness] in pytree_ckpt/discard_function.py).
     for name, want in grads(eager).items():
         got = dict(discarding.named_parameters())[name].grad
         assert (want is None) == (got is None), name

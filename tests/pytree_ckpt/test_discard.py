@@ -71,7 +71,7 @@ def test_discarded_outputs_hold_no_bytes_and_backward_gives_eager_gradients() ->
     assert size == 0  # a valid object, no memory
     out.square().sum().backward()
     # parameters exactly; x (used by the norm and by the residual) up to float association,
-    # see NOTE [exactness] in pytree_ckpt/discard.py
+    # see NOTE [exactness] in pytree_ckpt/discard_function.py
     assert_same_grads(eager[:-1], [p.grad for p in block.parameters()])
     torch.testing.assert_close(x.grad, eager[-1], rtol=1e-6, atol=1e-6)
     assert block.norm.calls == ["plain", "no-grad", "plain"]  # eager, discard fwd, replay
@@ -206,8 +206,8 @@ def test_discard_works_inside_a_checkpoint_boundary_and_with_offload() -> None:
     h.square().sum().backward()
     got = [p.grad for p in blocks.parameters()] + [x.grad]
     # The last block's parameters exactly. Upstream of it, each residual input's gradient is a
-    # sum associated differently (NOTE [exactness] in discard.py), so earlier blocks match to
-    # float rounding only.
+    # sum associated differently (NOTE [exactness] in discard_function.py), so earlier blocks
+    # match to float rounding only.
     assert_same_grads(eager[-4:-1], got[-4:-1])  # norm.weight, proj.weight, proj.bias
     for want, have in zip(eager, got):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)

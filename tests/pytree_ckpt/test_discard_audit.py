@@ -1,4 +1,5 @@
-"""Output-discard behaviours that a mutation audit of pytree_ckpt/discard.py found unguarded.
+"""Output-discard behaviours that a mutation audit of pytree_ckpt/discard.py (since split into
+discard*.py) found unguarded.
 
 Each test compares against an unwrapped eager twin with exact equality in fp32, counts calls,
 or measures bytes.

@@ -64,7 +64,7 @@ def test_a_correct_step_under_the_mode_checks_every_op_and_changes_no_number(
     # Megatron's residual plan (docs/discard.md), without the mode first, then under it; the
     # checks that ran are counted, forward and backward, so a mode seeing nothing fails. The
     # twin is the discard run without the mode: the residual stream's gradients differ from
-    # eager's by the order of a sum (NOTE [exactness] in discard.py).
+    # eager's by the order of a sum (NOTE [exactness] in discard_function.py).
     def step() -> list[torch.Tensor | None]:
         torch.manual_seed(0)
         norms = nn.ModuleList(RmsNorm() for _ in range(4))

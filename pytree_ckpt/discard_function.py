@@ -1,0 +1,178 @@
+"""The autograd Function behind ``CheckpointWithoutOutput`` (discard.py): its forward runs the
+op under no-grad and records what the rebuild needs; its backward differentiates the rebuilt
+graph (NOTE [discard lifetimes] in discard.py).
+
+NOTE [exactness]: when ``fn`` is a module (or a method of one) its trainable parameters are
+inputs of the Function, as in the checkpoint boundary, so they get bit-identical gradients
+(other callables accumulate into ``.grad`` from the replay, reentrant-style). A tensor that
+``fn`` uses *and* something else uses (the residual stream's input) receives its gradient as a
+sum whose association differs from eager (``fn``'s own contributions are summed first), so it
+matches eager up to float rounding (a few ulp of the tensor's largest value), as in Megatron;
+in a residual stream that rounding then reaches everything upstream. This is the price of the
+nested backward through the small recomputed graph, which is what lets the op's own
+intermediates go unsaved.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .discard_aliases import made_outside
+from .discard_refusals import refuse_input_changed, refuse_output
+from .errors import CheckpointError
+from .module_state import foreign_leaf, module_dicts
+from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
+from .refusals import refuse_double_backward, refuse_module_tensor
+from .rng import IsolatedPass, ReplayEnvironment
+from .state_changes import ForwardModules, ParameterVersions, StateWatch, versions
+from .tree import flatten
+
+if TYPE_CHECKING:  # discard.py imports this module
+    from .discard import CheckpointWithoutOutput
+
+__all__ = ["DiscardFunction"]
+
+
+def _graph_freed(owner_ref: weakref.ref[CheckpointWithoutOutput], _: Any) -> None:
+    """The checkpoint's node was freed (NOTE [discard lifetimes] 3 in discard.py): drop what
+    it kept."""
+    owner = owner_ref()
+    if owner is not None:
+        owner.recomputed = owner.detached = None
+        owner.outputs = ()
+
+
+class DiscardFunction(torch.autograd.Function):
+    """``apply(owner, *args, *params)``: ``owner`` (a ``CheckpointWithoutOutput``) carries
+    ``fn``, its keyword arguments and, once this ran, what the rebuild and backward need."""
+
+    @staticmethod
+    def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
+        args = inputs[: owner.n_args]  # the rest are fn's parameters (as in the boundary)
+        # NOTE [generators passed in] (rng.py): among the other arguments, as at the boundary.
+        owner.env = ReplayEnvironment.capture(
+            tuple(t for t in args if isinstance(t, torch.Tensor)),
+            preserve_rng=owner.preserve_rng_state,
+            leaves=[*args, *flatten(owner.kwargs).leaves] if owner.kwargs else list(args))
+        assert owner.fn is not None  # set by checkpoint() before the Function runs
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        input_versions = versions(tensors)
+        param_before = ParameterVersions.read(owner.params) if owner.params else None
+        # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
+        # discarded module is never marked verified).
+        watch = StateWatch(*owner.state, snapshot=True) if owner.state is not None else None
+        # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
+        # mode] in rng.py, as at the boundary.
+        with torch.no_grad(), IsolatedPass():
+            outputs = owner.fn(*args, **owner.kwargs)
+        moved = [i for i, (now, version) in enumerate(zip(versions(tensors), input_versions))
+                 if now != version] if tensors else []
+        if moved:
+            refuse_input_changed(owner._name(), args, tensors[moved[0]])
+        if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
+            owner.changed_state = watch.changed()
+        if param_before is not None:  # NOTE [parameters changed in place] (refusals.py)
+            assert owner.params is not None
+            owner.param_versions = ParameterVersions(owner.params, param_before)
+        if owner.modules:  # NOTE [the replay sees the forward's modules] (state_changes.py)
+            owner.forward_modules = ForwardModules(
+                owner.modules, [module_dicts(m) for m in owner.modules])
+        owner.modules = None
+        single = isinstance(outputs, torch.Tensor)
+        if not single and not isinstance(outputs, (tuple, list)):
+            refuse_output(owner._name(), outputs)  # a dict would give its keys, a dataclass nothing
+        outputs = (outputs,) if single else tuple(outputs)
+        for out in outputs:
+            if not isinstance(out, torch.Tensor):
+                refuse_output(owner._name(), out)  # before reading storages: None has none
+        owner.single = single
+        owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]
+        owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
+        ctx.owner = owner
+        # Which outputs live on storages from outside fn, read now: in forward,
+        # ctx.saved_tensors would run an ambient unpack hook (an offload restore) and hand
+        # back copies.
+        owner.made_outside = made_outside(outputs, tensors, owner.fn, args, owner.reachable)
+        owner.reachable = None  # found for this call only
+        ctx.save_for_backward(*tensors)
+        # Weak: the node owns us, not the other way round; its end releases what we kept.
+        owner.ctx = weakref.ref(ctx, functools.partial(_graph_freed, weakref.ref(owner)))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        owner: CheckpointWithoutOutput = ctx.owner
+        refuse_double_backward(lambda: f"the output-discard checkpoint of {owner._name()}")
+        if owner.recomputed is None:
+            owner._replay()  # never discarded (or its hook never fired): replay now
+        assert owner.recomputed is not None and owner.detached is not None
+        pairs = [(o, g) for o, g in zip(owner.recomputed, grads)
+                 if g is not None and o.requires_grad]
+        outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
+        needs = ctx.needs_input_grad[1:]
+        owner.recomputed = None  # the recomputed graph is done with
+        owner.outputs = ()       # and so are the storages (NOTE [discard lifetimes], discard.py)
+        if owner.params is None:  # an unknown callable: accumulate, as a reentrant checkpoint
+            if not torch.autograd._is_checkpoint_valid():
+                raise CheckpointError(
+                    f"the discarded output of {owner._name()} was reached by a restricted "
+                    "backward: torch.autograd.grad(), backward(inputs=...), or the replay of a "
+                    "checkpointed layer around it (which takes its gradients with "
+                    "torch.autograd.grad)",
+                    expected="a module (or a method of one) as fn, or a function that reaches "
+                             "no trainable tensor",
+                    got="an arbitrary callable that reaches trainable parameters",
+                    tip="pass the module or its method so its parameters are known (checkpoint("
+                        "self.norm, x), not checkpoint(lambda t: self.norm(t) * 2, x))")
+            if outs:
+                torch.autograd.backward(outs, out_grads)
+            detached = iter(owner.detached)
+            grads_in = [next(detached).grad if kind else None for kind in owner.arg_kinds]
+            owner.detached = None
+            return (None, *grads_in)
+        # Known parameters are inputs: return their grads so autograd sums them as eager does.
+        detached = iter(owner.detached)
+        wrt: list[torch.Tensor | None] = [next(detached) if kind else None
+                                          for kind in owner.arg_kinds]
+        wrt += owner.params
+        # NOTE [parameters frozen or unfrozen since the forward] (the boundary's replay in
+        # recompute.py follows it too): a parameter frozen since the forward
+        # (requires_grad_(False) before backward) gets no gradient, as in eager, where its
+        # AccumulateGrad then does nothing (asking torch.autograd.grad for it raised torch's
+        # "does not require grad"); one frozen in the forward and unfrozen since was not in the
+        # forward's graph: it gets none either, and is a known tensor of the op's modules, not
+        # a foreign one.
+        wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
+                  if need and t is not None and t.requires_grad]
+        # As at the boundary (verify_leaves in refusals.py): the inputs, and the parameters
+        # frozen at the call (unfrozen since, they get no gradient, as in eager).
+        frozen = owner.state[1] if owner.state is not None else ()
+        known = [*(t for t in wrt if t is not None), *frozen]
+        foreign = foreign_leaf(outs, known) if outs else None
+        if foreign is not None:  # it would get no gradient: refused, as at the boundary
+            if owner.forward_modules is not None:  # its roots: fn's modules, then others
+                refuse_module_tensor(foreign, owner.forward_modules.roots)
+            raise CheckpointError(
+                f"the discarded op {owner._name()} uses a tensor that requires grad but is "
+                "neither an input nor a parameter of its module; it would get no gradient",
+                expected="inputs, and parameters of the op's module or of modules passed as "
+                         "arguments",
+                got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
+                tip="pass the tensor (or the module owning it) as an argument of checkpoint()")
+        result: list[torch.Tensor | None] = [None] * len(wrt)
+        if outs and wanted:
+            inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
+            # NOTE [parameter hooks run once] (parameter_hooks.py)
+            with ParameterHooksPaused(owner.params):
+                got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
+            for i, grad in zip(wanted, got):
+                result[i] = grad
+        if owner.params:
+            n = len(wrt) - len(owner.params)
+            accumulated_nothing(owner.params, result[n:], needs[n:])
+        owner.detached = None
+        return (None, *result)

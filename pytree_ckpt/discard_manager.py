@@ -1,0 +1,77 @@
+"""``CheckpointWithoutOutputManager``: several chained output-discard checkpoints (a later one
+may take an earlier one's discarded output as input), discarded together and replayed in
+forward order from one hook (NOTE [discard lifetimes] 4 in discard.py). Megatron's
+residual-stream plan (residual_plan.py) gives each block of layers one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .discard import CheckpointWithoutOutput
+from .discard_refusals import check_hook_tensor, refuse_discarded_hook
+from .errors import CheckpointError, validate_bool
+
+__all__ = ["CheckpointWithoutOutputManager"]
+
+
+class CheckpointWithoutOutputManager:
+    """Several chained checkpoints, discarded together, replayed in forward order by one hook."""
+
+    def __init__(self, *, preserve_rng_state: bool = True) -> None:
+        self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
+        self.checkpoints: list[CheckpointWithoutOutput] = []
+        self.replay_order: list[int] = []  # indices, in the order replays happened
+        self.registered = False
+
+    def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` through a new ``CheckpointWithoutOutput`` of this manager, in
+        forward order; returns its output."""
+        if self.registered:
+            raise CheckpointError(
+                "this manager's outputs were already discarded; it takes no more checkpoints",
+                expected="every checkpoint() of the block before its discard",
+                got="a checkpoint() after discard_all_outputs_and_register_unified_recompute",
+                tip="use one manager per block and forward (build the plan per step); inside "
+                    "checkpointed layers, whose replays run in reverse order, a block cannot "
+                    "span layers: block_size=1")
+        ckpt = CheckpointWithoutOutput(preserve_rng_state=self.preserve_rng_state)
+        self.checkpoints.append(ckpt)
+        return ckpt.checkpoint(fn, *args, **kwargs)
+
+    def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor,
+                                                           /) -> None:
+        """Free every output checkpointed so far, and rebuild them all, in forward order, when
+        ``hook_tensor``'s gradient is computed (see docs/discard.md for where to put it)."""
+        if self.registered:
+            raise CheckpointError("this manager's outputs were already discarded",
+                                  expected="one discard per manager", got="a second discard",
+                                  tip="use one manager per block and forward")
+        if not all(c.passthrough for c in self.checkpoints):
+            check_hook_tensor(hook_tensor, "this manager's block")
+        if any(c.discarded for c in self.checkpoints):
+            raise CheckpointError("a checkpoint of this manager was already discarded on its own",
+                                  expected="discards through the manager only",
+                                  got="an earlier discard_output_and_register_recompute()",
+                                  tip="let the manager discard all of its checkpoints")
+        if all(c.passthrough for c in self.checkpoints):
+            # Nothing was saved (no grad: a checkpoint boundary's original pass, whose replay
+            # runs the block again with this manager): nothing to discard, and the manager
+            # starts over for that replay.
+            self.checkpoints = []
+            return
+        refuse_discarded_hook(hook_tensor, self.checkpoints)
+        self.registered = True
+        for ckpt in self.checkpoints:
+            ckpt._discard_output()
+        hook_tensor.register_hook(self._hook)
+
+    def _hook(self, grad: torch.Tensor) -> None:
+        # In forward order (NOTE [discard lifetimes] 4 in discard.py).
+        for index, ckpt in enumerate(self.checkpoints):
+            if not ckpt.passthrough:
+                if ckpt._replay():
+                    self.replay_order.append(index)
