@@ -220,11 +220,10 @@ class CheckpointWithoutOutput:
     def _name(self) -> str:
         return callable_name(self.fn) if self.fn is not None else "CheckpointWithoutOutput"
 
-    def _discard_output(self) -> None:
-        """Free each output's storage (NOTE [discard lifetimes] 2). Private: freeing without
-        registering the rebuild leaves the consumer's backward reading freed memory, so it
-        only comes with a registration (``discard_output_and_register_recompute``, or a
-        manager's unified one)."""
+    def _refuse_discard(self) -> None:
+        """Raise where this checkpoint cannot be discarded; frees nothing. A manager asks each
+        of its checkpoints before it frees the first (docs/discard.md: a refused discard
+        frees nothing)."""
         if self.fn is None:
             raise CheckpointError(
                 "discard_output_and_register_recompute was called before checkpoint()",
@@ -235,18 +234,24 @@ class CheckpointWithoutOutput:
             raise CheckpointError(f"the output of {self._name()} was already discarded",
                                   expected="one discard", got="a second discard",
                                   tip="discard each checkpoint once (a manager discards all)")
-        if self.passthrough:
-            self.discarded = True
-            return
         for index, (out, version) in enumerate(zip(self.outputs, self.versions)):
-            if out._version != version:  # before anything is freed
+            if out._version != version:
                 raise CheckpointError(
                     f"output[{index}] of {self._name()} was changed in place before its discard",
                     expected="the output as the op made it", got="an in-place change (relu_, "
                     "mul_, ...) by a consumer", tip="the rebuild would write the op's own "
                     "result back under the consumer: make the consumer out of place, or do not "
                     "discard this output")
+
+    def _discard_output(self) -> None:
+        """Free each output's storage (NOTE [discard lifetimes] 2). Private: freeing without
+        registering the rebuild leaves the consumer's backward reading freed memory, so it
+        only comes with a registration (``discard_output_and_register_recompute``, or a
+        manager's unified one)."""
+        self._refuse_discard()  # before anything is freed
         self.discarded = True
+        if self.passthrough:
+            return
         self.census = active_census()
         for out, outside in zip(self.outputs, self.made_outside):
             storage = out.untyped_storage()

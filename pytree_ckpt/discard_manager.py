@@ -64,6 +64,8 @@ class CheckpointWithoutOutputManager:
             self.checkpoints = []
             return
         refuse_discarded_hook(hook_tensor, self.checkpoints)
+        for ckpt in self.checkpoints:  # all of them before the first is freed
+            ckpt._refuse_discard()
         self.registered = True
         for ckpt in self.checkpoints:
             ckpt._discard_output()

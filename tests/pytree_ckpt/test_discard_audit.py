@@ -419,6 +419,18 @@ def test_a_manager_whose_later_checkpoint_was_discarded_alone_frees_nothing_more
     assert nbytes == [4 * 4]  # the first was not freed
 
 
+def test_a_manager_whose_later_output_was_changed_in_place_frees_nothing() -> None:
+    # docs/discard.md: the discard raises "before freeing anything". The version check of each
+    # checkpoint ran just before freeing it: the first output was freed, then the second's
+    # check raised, and no rebuild was registered, so the first stayed empty for good.
+    manager, outs = _chain(2, torch.randn(4, requires_grad=True))
+    outs[1].mul_(2)  # a consumer changing the block's last output in place
+    with pytest.raises(CheckpointError, match=r"output\[0\] of torch.tanh was changed in place"):
+        manager.discard_all_outputs_and_register_unified_recompute(outs[1] * 2)
+    nbytes = _nbytes(*outs)
+    assert nbytes == [4 * 4, 4 * 4]
+
+
 def test_a_manager_inside_a_checkpointed_layer_replays_only_the_replays_checkpoint() -> None:
     # The boundary's original pass checkpoints without grad (nothing saved): the manager forgets
     # those, so its replay sees the one real checkpoint of the boundary's replay.
