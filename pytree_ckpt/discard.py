@@ -98,7 +98,7 @@ class CheckpointWithoutOutput:
         self.arg_kinds: list[bool] = []
         self.non_tensor_args: list[Any] = []
         self.outputs: tuple[torch.Tensor, ...] = ()
-        self.sizes: list[int] = []   # bytes of each freed storage (0: kept)
+        self.sizes: list[int] = []   # bytes of each freed storage (0: kept); set by the discard
         self.discarded = False
         self.replayed = False
         self.recomputed: tuple[torch.Tensor, ...] | None = None
@@ -337,7 +337,10 @@ class CheckpointWithoutOutput:
                 f"the replay of {self._name()} returned another number of outputs",
                 expected=len(self.outputs), got=len(outputs),
                 tip="a discarded op must return the same outputs in its replay")
-        for index, (original, new, size) in enumerate(zip(self.outputs, outputs, self.sizes)):
+        # Never discarded (backward replays it all the same): nothing freed, nothing to refill,
+        # but the outputs are checked as a discarded one's are.
+        sizes = self.sizes or [0] * len(outputs)
+        for index, (original, new, size) in enumerate(zip(self.outputs, outputs, sizes)):
             if new.shape != original.shape or new.dtype != original.dtype:
                 raise ReplayMismatchError(
                     f"the replay of {self._name()} returned another shape or dtype at "

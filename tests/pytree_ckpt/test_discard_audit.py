@@ -356,6 +356,28 @@ def test_a_replay_with_another_number_of_outputs_or_dtype_raises(change: str) ->
         y.sum().backward()
 
 
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_a_replay_of_another_shape_or_dtype_raises_when_the_output_was_never_discarded(
+        change: str) -> None:
+    # The backward replays a checkpoint never discarded too; the check read the bytes freed
+    # per output, which only a discard records: another shape gave torch's "Mismatch in
+    # shape", another dtype went through unnoticed (float64 gradients cast to float32).
+    x = torch.randn(4, requires_grad=True)
+    calls: list[int] = []
+
+    def unstable(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 1:
+            return torch.tanh(t)
+        return torch.tanh(t)[:2] if change == "shape" else torch.tanh(t.double())
+
+    ckpt = CheckpointWithoutOutput()
+    y = ckpt.checkpoint(unstable, x) * 2
+    with pytest.raises(ReplayMismatchError, match="another shape or dtype at output\\[0\\]"):
+        y.sum().backward()
+    assert len(calls) == 2
+
+
 def test_a_discard_whose_graph_is_dropped_frees_its_checkpoint_without_the_garbage_collector(
         ) -> None:
     # The checkpoint keeps detached aliases of its outputs: no reference cycle through the
