@@ -137,17 +137,18 @@ class CheckpointWithoutOutput:
                     got=f"{key}={type(value).__name__}",
                     tip="pass it positionally (a lambda or a method can reorder arguments: "
                         "ckpt.checkpoint(lambda x, w: F.layer_norm(x, (64,), weight=w), x, w))")
-        self.fn = fn
-        self.kwargs = kwargs
         for arg in args:
             if isinstance(arg, (list, tuple, dict)) and any(
                     isinstance(x, torch.Tensor) for x in flatten(arg).leaves):
                 raise CheckpointConfigError(
-                    f"CheckpointWithoutOutput takes tensors as plain arguments; {self._name()} "
-                    "got a container of tensors", expected="fn(tensor, ..., other_values)",
+                    f"CheckpointWithoutOutput takes tensors as plain arguments; "
+                    f"{callable_name(fn)} got a container of tensors", expected="fn(tensor, ..., other_values)",
                     got=type(arg).__name__,
                     tip="pass the tensors as separate arguments, or use pytree_ckpt.checkpoint "
                         "for structured inputs")
+        # Set only once the call is accepted: a refused call leaves the object unused, to retry.
+        self.fn = fn
+        self.kwargs = kwargs
         owner = owning_module(fn)
         self.n_args = len(args)
         modules = [m for m in (owner, *args) if isinstance(m, nn.Module)]

@@ -272,10 +272,14 @@ def test_a_hook_tensor_that_needs_no_grad_is_refused_before_anything_is_freed() 
     assert size == 4 * 4 and not ckpt.discarded
 
 
-def test_structured_arguments_are_refused_with_a_tip() -> None:
+def test_structured_arguments_are_refused_with_a_tip_and_leave_the_object_unused() -> None:
     ckpt = CheckpointWithoutOutput()
+    x = torch.randn(2, requires_grad=True)
     with pytest.raises(ValueError, match="(?s)container of tensors.*tip"):
-        ckpt.checkpoint(lambda xs: xs[0] * 2, [torch.randn(2, requires_grad=True)])
+        ckpt.checkpoint(lambda xs: xs[0] * 2, [x])
+    # The refused call used nothing up: the same object takes the corrected call.
+    out = ckpt.checkpoint(lambda t: t * 2, x)
+    torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
 
 
 def test_a_backward_with_create_graph_through_a_discarded_output_is_refused() -> None:
