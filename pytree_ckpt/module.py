@@ -34,7 +34,7 @@ import numbers
 import types
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -280,14 +280,18 @@ def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager 
 
 
 def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: bool = True,
-                                   offload: bool | OffloadManager | None = None) -> nn.Module:
+                                   offload: bool | OffloadManager | None = None,
+                                   check_fn: Callable[[nn.Module], bool] | None = None
+                                   ) -> nn.Module:
     """Route ``module``'s forward through the boundary, in place; returns ``module``.
 
     ``offload``: ``None`` reads ``XTUNER_ACTIVATION_OFFLOAD`` (``1``/``true`` on, ``0``/
     ``false``/unset off); ``True``/``False`` override it; a manager is used as given. With
     offload on, each call opens a window over the call's input tensor leaves.
-    Applying again with the same options is a no-op; with other options it raises (remove it
-    first). See NOTE [in-place wrapping].
+    ``check_fn``: as in torch.distributed's function of this name, checkpoint each module of
+    ``module`` (itself included) for which it returns true, instead of ``module`` itself; one
+    manager serves them all. Applying again with the same options is a no-op; with other
+    options it raises (remove it first). See NOTE [in-place wrapping].
     """
     if not isinstance(module, nn.Module):
         raise CheckpointConfigError(
@@ -296,7 +300,38 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
             tip="wrap a plain function with pytree_ckpt.checkpoint(fn, *args) instead")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload))
-    return install_boundary(module, options)
+    if check_fn is None:
+        return install_boundary(module, options)
+    chosen = _chosen_by(module, check_fn)
+    for _, layer in chosen:  # before any changes: refused, none change
+        refuse_other_options(layer, options)
+    for _, layer in chosen:
+        install_boundary(layer, options)
+    return module
+
+
+def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /
+               ) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` that ``check_fn`` chooses, refusing none and nested ones."""
+    chosen = [(name, m) for name, m in model.named_modules() if check_fn(m)]
+    if not chosen:
+        raise CheckpointConfigError(
+            f"check_fn chose none of the modules of {type(model).__name__}: nothing would be "
+            "checkpointed", expected="check_fn true for the layers to checkpoint",
+            got=f"false for all {sum(1 for _ in model.modules())} modules",
+            tip="check_fn=lambda m: isinstance(m, DecoderLayer), with your layer class")
+    for outer, _ in chosen:
+        for inner, _ in chosen:
+            if outer != inner and (outer == "" or inner.startswith(outer + ".")):
+                # A boundary inside a boundary replays the inner layer twice in backward
+                # (once in the outer's replay, once in its own): compute for no memory.
+                raise CheckpointConfigError(
+                    f"check_fn chose {inner!r} inside {outer or 'the model'!r}, which it also "
+                    "chose: the inner layer would be recomputed twice",
+                    expected="chosen modules that do not contain one another",
+                    got=f"{outer or '(the model)'} and {inner}",
+                    tip="make check_fn true for the layers only (isinstance(m, DecoderLayer))")
+    return chosen
 
 
 def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Module:

@@ -630,3 +630,40 @@ def test_applying_again_with_other_options_names_what_differs_as_installed_and_r
         checkpoint_layers([nn.Linear(2, 2), layer], offload=False)
     assert "layer 1 (Linear) is already checkpointed" in str(err.value)
     assert "remove_activation_checkpointing(layers[1])" in str(err.value)
+
+
+def test_check_fn_checkpoints_each_chosen_layer_as_torchs_function_of_that_name() -> None:
+    torch.manual_seed(0)
+    model = Stack(3)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 8, requires_grad=True)
+    assert apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer)) is model
+    assert not is_checkpointed(model)
+    assert [is_checkpointed(layer) for layer in model.layers] == [True] * 3
+    grads = []
+    for m in (twin, model):
+        m(x).sum().backward()
+        grads.append([x.grad, *(p.grad for p in m.parameters())])
+        x.grad = None
+    assert_same_grads(*grads)
+    # Each chosen layer ran twice (forward, replay); the twin's once.
+    assert [layer.phases for layer in model.layers] == [["forward", "recompute"]] * 3
+    assert [layer.phases for layer in twin.layers] == [["plain"]] * 3
+
+
+def test_check_fn_that_chooses_nothing_or_a_layer_and_its_child_is_refused_unchanged() -> None:
+    model = Stack(2)
+    with pytest.raises(CheckpointConfigError, match="(?s)chose none.*tip: check_fn=lambda m"):
+        apply_activation_checkpointing(model, check_fn=lambda m: False)
+    with pytest.raises(CheckpointConfigError, match="(?s)'layers.0.mlp' inside 'layers.0'.*twice"):
+        apply_activation_checkpointing(
+            model, check_fn=lambda m: isinstance(m, (Layer, nn.Sequential)))
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_check_fn_checks_every_chosen_layer_before_changing_any() -> None:
+    model = Stack(3)
+    apply_activation_checkpointing(model.layers[2], preserve_rng_state=False)
+    with pytest.raises(CheckpointConfigError, match="other options: preserve_rng_state"):
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
+    assert [is_checkpointed(layer) for layer in model.layers] == [False, False, True]
