@@ -3,8 +3,11 @@
 Importing this package touches no device. See docs/offload.md.
 """
 
-from .manager import OffloadConfig, OffloadManager, Window, default_manager, env_flag
+from .config import OffloadConfig
+from .defaults import default_manager, env_flag
+from .manager import OffloadManager
 from .pool import HostPool, size_class
+from .window import Window
 
 __all__ = ["HostPool", "OffloadConfig", "OffloadManager", "Window", "default_manager", "env_flag",
            "size_class"]

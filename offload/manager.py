@@ -28,63 +28,44 @@ window list, event log, shared-storage registry) hangs off its windows and goes 
 schedules that always keep some graph alive do not accumulate it. In backward, the first
 unpack from window ``i`` restores it (if no prefetch did) and starts restoring windows
 ``i-1 .. i-prefetch`` of the same pass, which backward needs next.
+
+Beside it: which storages a window takes (storages.py), the storages let go while still alive
+and the verdicts on them (liveness.py), the objects a window is made of (window.py), the copy
+streams (streams.py), the host pool (pool.py), ``OffloadConfig`` (config.py), and what
+``offload=True`` and XTUNER_ACTIVATION_OFFLOAD mean (defaults.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from pytree_ckpt.census import Mechanism, census_active, report_held, storage_key
-from pytree_ckpt.discard import DISCARDED_MARK
+from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged
-from pytree_ckpt.subclass import as_kind
 
+from .config import OffloadConfig
+# default_manager: also what a manager pickled before the split names (``offload.manager``).
+from .defaults import default_manager, is_default_for
+from .liveness import Liveness
 from .pool import HostPool
+from .storages import (is_parameter, plain_kind, plain_storage_key, refuse_non_tensors,
+                       window_keys)
 from .streams import CopyEngine
 from .window import Copy, Handle, Pass, Window
 
-__all__ = ["OffloadConfig", "OffloadManager", "Window", "default_manager", "env_flag",
-           "is_default_manager"]
+__all__ = ["OffloadManager"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OffloadConfig:
-    """How the manager offloads.
-
-    ``min_bytes``: storages smaller than this stay where they are (copies of tiny tensors cost
-    more than they save). ``prefetch``: how many windows ahead backward restores (0: restore on
-    demand). ``pin_memory``: pinned host buffers; ``None`` pins when CUDA is available.
-    """
-
-    min_bytes: int = 1 << 16
-    prefetch: int = 1
-    pin_memory: bool | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("min_bytes", "prefetch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CheckpointConfigError(
-                    f"OffloadConfig.{name} must be an int >= 0", expected="an int >= 0",
-                    got=repr(value), tip="min_bytes=0 offloads every window storage; "
-                                         "prefetch=0 restores on demand")
-        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
-            raise CheckpointConfigError(
-                "OffloadConfig.pin_memory must be None or a bool", expected="None | bool",
-                got=repr(self.pin_memory), tip="None pins host buffers when CUDA is available")
+# stats()'s counters, in the order it gives them.
+_COUNTERS = ("offloaded_bytes", "restored_bytes", "reused_bytes", "prefetch_hits",
+             "alive_elsewhere_bytes", "discarded_bytes", "below_min_bytes", "other_device_bytes",
+             "windows")
 
 
 class OffloadManager:
@@ -127,7 +108,8 @@ class OffloadManager:
         # The pass new windows join, and the one whose backward ran last (for ``events()``).
         # Older passes are held only by their windows (NOTE [passes, window ids and prefetch]).
         self._pass = self._recent = Pass()
-        self._counters: dict[str, int] = {}
+        # Reset in place, never replaced: the liveness verdicts and the copies count into it.
+        self._counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._reset_counters()
         # Warned of a pass that offloaded nothing; some pass offloaded something (a short batch
         # among long ones is below min_bytes, and says nothing about the setting).
@@ -135,11 +117,8 @@ class OffloadManager:
         self._ever_offloaded = False
         self._warned_device = False
         self._warned_plain = False
-        self._warned_discarded = False
-        # Storages let go while still alive: judged when backward begins (``_judge_alive``),
-        # by storage (``StorageWeakRef.cdata``) with the bytes of every copy of it let go.
-        self._suspects: dict[int, tuple[StorageWeakRef, int]] = {}
-        self._suspects_limit = 64  # NOTE [suspects stay bounded]
+        # Storages let go while still alive: judged when backward begins (liveness.py).
+        self._liveness = Liveness(self._counters)
         self._opened = 0  # windows opened so far, in all passes (NOTE [copies in flight])
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -149,15 +128,13 @@ class OffloadManager:
         # (pickle memoizes it). The process's default manager comes back as the loading
         # process's default_manager() (its current device: a rank loads onto its own GPU).
         device = str(self.device)
-        if _default_managers.get(device) is self:
+        if is_default_for(self, device):
             return default_manager, ()
         return _new_manager, (self.config, device)
 
     # -- statistics --------------------------------------------------------------------------
     def _reset_counters(self) -> None:
-        self._counters = {"offloaded_bytes": 0, "restored_bytes": 0, "reused_bytes": 0,
-                          "prefetch_hits": 0, "alive_elsewhere_bytes": 0, "discarded_bytes": 0,
-                          "below_min_bytes": 0, "other_device_bytes": 0, "windows": 0}
+        self._counters.update(dict.fromkeys(_COUNTERS, 0))  # one call: no key is ever missing
         self._pool_base = (self.pool.hits, self.pool.misses)
         self.engine.reset_waits()
 
@@ -170,7 +147,7 @@ class OffloadManager:
         # from a hook between layers counted them as alive elsewhere. They wait for its
         # backward, the next pass, or a stats() after the graph is gone.
         if self._pass.backward or not self._pass.alive():
-            self._judge_alive()
+            self._liveness.judge_all()
         if not self._pass.alive():  # the pass is over
             self._check_pass_offloaded(self._pass)
         out: dict[str, float] = dict(self._counters)
@@ -188,69 +165,6 @@ class OffloadManager:
         """``("restore" | "prefetch" | "prefetch_hit", window id)`` in order, for the pass whose
         backward ran last (empty before any backward)."""
         return list(self._recent.events)
-
-    def _judge_alive(self) -> None:
-        """Count the storages let go while still alive that are alive still.
-
-        Called when backward begins, at ``stats()`` and when a new pass opens: by then the
-        forward that held them is over (a RoPE table made per forward, a layer input that is
-        also the next layer's, are gone), so what is still alive is kept by something else,
-        and its copy saved nothing.
-        """
-        # Taken before reading: on CUDA backward (this, from _unpack) runs on a device thread
-        # while another thread's forward may let go of more storages (a dict must not grow
-        # while it is read). Those land in the fresh dict, judged next time.
-        suspects, self._suspects = self._suspects, {}
-        for ref, nbytes in suspects.values():
-            self._judge(ref, nbytes)
-
-    def _judge(self, ref: StorageWeakRef, nbytes: int, /) -> None:
-        """One storage let go while still alive, now that the forward holding it is over."""
-        if ref.expired():
-            return
-        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        if getattr(storage, DISCARDED_MARK, False):  # NOTE [discarded storages are marked]
-            self._copied_and_discarded(nbytes)
-            return
-        self._counters["alive_elsewhere_bytes"] += nbytes
-        log.debug("offloaded storage of %d bytes is still alive elsewhere", nbytes)
-
-    def _copied_and_discarded(self, nbytes: int) -> None:
-        """A window storage freed in place after its copy to host: output discard's
-        ``resize_(0)`` (``CheckpointWithoutOutput``, ``ResidualStreamRecomputeContext``) of an
-        output a boundary took as input. Both give the same bytes back for backward, so the
-        numbers are exact, but the work is done twice: copied to host and back, and
-        recomputed."""
-        self._counters["discarded_bytes"] += nbytes
-        if not self._warned_discarded:
-            self._warned_discarded = True
-            log.warning(
-                "offload copied to host %d bytes of a boundary input that output discard then "
-                "freed: they are copied back and also recomputed for backward (exact, but done "
-                "twice; stats()['discarded_bytes'] counts them). Keep one of the two for such "
-                "tensors: do not discard outputs that a checkpointed layer takes as input "
-                "(offload moves them to host already), or leave those layers' offload off",
-                nbytes)
-
-    def _suspect(self, ref: StorageWeakRef, nbytes: int) -> None:
-        """Note a storage let go while still alive, for ``_judge_alive``.
-
-        NOTE [suspects stay bounded]: they are judged when a backward or a new pass begins, or
-        at ``stats()``; forwards that never reach backward while some graph stays alive
-        (grad-enabled evaluation that keeps its last output until the next forward) do neither,
-        so the record must not grow per forward: one entry per storage (our weak reference
-        keeps its ``cdata`` from being reused), and entries of storages gone since are
-        dropped as new ones come.
-        """
-        entry = self._suspects.get(ref.cdata)
-        if entry is not None and not entry[0].expired():
-            self._suspects[ref.cdata] = (entry[0], entry[1] + nbytes)
-            return
-        if len(self._suspects) >= self._suspects_limit:  # amortized: the limit doubles
-            self._suspects = {key: value for key, value in self._suspects.items()
-                              if not value[0].expired()}
-            self._suspects_limit = max(64, 2 * len(self._suspects))
-        self._suspects[ref.cdata] = (ref, nbytes)
 
     # -- forward -----------------------------------------------------------------------------
     def _collect_finished(self, *, force_before: int | None = None,
@@ -295,28 +209,9 @@ class OffloadManager:
         if self._pass.backward or not self._pass.alive():
             # A new pass: ids restart at 0, the shared-storage registry and event log too.
             self._check_pass_offloaded(self._pass)
-            self._judge_alive()
+            self._liveness.judge_all()
             self._pass = Pass()
-        keys: dict[tuple[str, int], int | None] = {}
-        resident_keys: set[tuple[str, int]] | None = None
-        for index, tensor in enumerate(tensors):
-            if _is_parameter(tensor):
-                continue
-            key = self._plain_storage_key(tensor)
-            if key is None:
-                continue
-            # A .detach() or .data alias of a parameter is a leaf (requiring grad or not, as
-            # after .requires_grad_()), or a view of one, and neither a Parameter nor a view of
-            # one: only its storage tells. Activations are rarely leaves or views of leaves
-            # (a model input is), so the resident keys are read only for those that are.
-            base = tensor._base
-            if resident and (tensor.is_leaf or (base is not None and base.is_leaf)):
-                if resident_keys is None:
-                    resident_keys = {k for t in resident
-                                     if (k := self._plain_storage_key(t, warn=False))}
-                if key in resident_keys:
-                    continue
-            keys.setdefault(key, index)
+        keys = window_keys(tensors, resident, self._plain_storage_key)
         self._counters["windows"] += 1
         self._opened += 1
         return Window(self._pass, keys, name, seq=self._opened - 1)
@@ -338,10 +233,10 @@ class OffloadManager:
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
         # What stays on the device is still checked for in-place changes when unpacked: NOTE
         # [hooks switch off the in-place check] in pytree_ckpt/saved.py.
-        if _is_parameter(tensor):
+        if is_parameter(tensor):
             return Unchanged(tensor)
         # Not a window tensor's storage, or none to copy (warned of when the window opened).
-        key = self._plain_storage_key(tensor, warn=False)
+        key = plain_storage_key(tensor)
         if key is None or key not in window.keys:
             return Unchanged(tensor)
         if tensor.device != self.device:
@@ -369,26 +264,17 @@ class OffloadManager:
             window.copies[key] = copy
         return Handle(copy, window, key, tensor)
 
-    def _plain_storage_key(self, tensor: torch.Tensor, *,
-                           warn: bool = True) -> tuple[str, int] | None:
-        """The tensor's storage key, or ``None`` where it has no plain storage to copy: sparse
-        layouts, nested tensors, and wrapper subclasses (DTensor and the like) whose bytes live
-        in inner tensors; quantized tensors too (a restore from bytes would lose their scale
-        and zero point). Window tensors of that kind stay on the device, logged once."""
-        if tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_quantized:
-            try:
-                return storage_key(tensor)
-            except RuntimeError:  # "invalid python storage": a wrapper subclass
-                pass
-        if warn and not self._warned_plain:
+    def _plain_storage_key(self, tensor: torch.Tensor, /) -> tuple[str, int] | None:
+        """``plain_storage_key`` (storages.py) of a window tensor: one without a plain storage
+        stays on the device, logged once."""
+        key = plain_storage_key(tensor)
+        if key is None and not self._warned_plain:
             self._warned_plain = True
             log.warning(
                 "offload is on, but a window tensor (%s, layout %s) has no plain storage to copy: "
                 "it stays on the device (offload copies strided storages; a DTensor's local "
-                "shard, DTensor.to_local(), is one)",
-                "nested tensor" if tensor.is_nested else "quantized tensor"
-                if tensor.is_quantized else type(tensor).__name__, tensor.layout)
-        return None
+                "shard, DTensor.to_local(), is one)", plain_kind(tensor), tensor.layout)
+        return key
 
     def _other_device(self, window: Window, key: tuple[str, int], tensor: torch.Tensor) -> None:
         # Not silent: the usual cause is a manager built (or a default one picked) before
@@ -432,7 +318,7 @@ class OffloadManager:
         storages stay on the device even when a window tensor shares them (the boundary passes
         its module's parameters, so that a ``.detach()`` alias of one is not copied).
         """
-        _refuse_non_tensors(tensors)
+        refuse_non_tensors(tensors)
         window = self._open(tensors, name, resident)
 
         def pack(tensor: torch.Tensor) -> Any:
@@ -493,20 +379,13 @@ class OffloadManager:
             self._restore_window(earlier, kind="prefetch")
         if self._pending:
             self._collect_finished(force_before=self._opened)
-        if self._suspects and restore_now:
-            self._judge_alive()
+        if self._liveness and restore_now:
+            self._liveness.judge_all()
         copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
         self.engine.wait(copy.h2d_event)
         assert copy.restored is not None
         self.engine.use_here(copy.restored, allocated_on=copy.restored_on)
-        restored = torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
-            copy.restored.untyped_storage(), packed.offset, packed.size, packed.stride)
-        # NOTE [lazy bits] in window.py: the layout does not carry a conj or neg bit.
-        if packed.conj:
-            restored = restored.conj()
-        if packed.neg:
-            restored = torch._neg_view(restored)
-        return as_kind(restored, packed.subclass)  # NOTE [subclasses come back as themselves]
+        return packed.rebuild(copy.restored)
 
     def _prefetch_targets(self, window: Window) -> list[Window]:
         """The windows before ``window`` to restore now, nearest first (backward needs it
@@ -534,56 +413,9 @@ class OffloadManager:
         return targets
 
 
-def _refuse_non_tensors(tensors: Any, /) -> None:
-    """``window``'s argument: a sequence of tensors (iterating one tensor would give its
-    rows, each a view of its storage)."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise CheckpointConfigError(
-            "OffloadManager.window takes a list or tuple of tensors",
-            expected="Sequence[torch.Tensor]", got=type(tensors).__name__,
-            tip="wrap one tensor in a list: manager.window([x])")
-    for index, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointConfigError(
-                f"OffloadManager.window takes tensors: tensors[{index}] is not one",
-                expected="torch.Tensor", got=type(tensor).__name__,
-                tip="pass only the tensors whose storages the block's saves should go to host "
-                    "from (leave out None and other values)")
-
-
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    """A parameter or a view of one: never offloaded (its storage stays resident anyway, and
-    restoring it would allocate a second copy of the whole parameter)."""
-    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
-
-
 def _new_manager(config: OffloadConfig, device: str) -> OffloadManager:
+    # Named by every pickled manager (``__reduce__``): it stays here, under this name.
     return OffloadManager(config, device=device)
-
-
-_default_managers: dict[str, OffloadManager] = {}
-_default_lock = threading.Lock()
-
-
-def is_default_manager(manager: OffloadManager, /) -> bool:
-    """Whether ``manager`` is a default one (``offload=True``); creates none."""
-    with _default_lock:
-        return any(m is manager for m in _default_managers.values())
-
-
-def default_manager() -> OffloadManager:
-    """The process's manager for ``offload=True`` / XTUNER_ACTIVATION_OFFLOAD=1, one per device.
-
-    The device is the current CUDA device when this is called (when checkpointing is
-    applied): call ``torch.cuda.set_device(local_rank)`` first. Windows and copies live on the
-    autograd graph; across steps it keeps its host pool (the point of a pool) and counters.
-    """
-    device = (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    with _default_lock:
-        manager = _default_managers.get(device)
-        if manager is None:
-            manager = _default_managers[device] = OffloadManager(device=device)
-    return manager
 
 
 def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:
@@ -598,16 +430,3 @@ def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:
 def _report_shared(copy: Copy, tensor: torch.Tensor) -> None:
     if census_active():  # its host copy was reported with the copy
         report_held([tensor], Mechanism.OFFLOAD_IN_FLIGHT, holder=copy, replace=True)
-
-
-def env_flag(name: str, /) -> bool:
-    """Parse an on/off environment variable: ``1``/``true`` on, ``0``/``false``/unset off."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip().lower() in ("", "0", "false"):
-        return False
-    if raw.strip().lower() in ("1", "true"):
-        return True
-    raise CheckpointConfigError(
-        f"{name}={raw!r} is not understood; accepted values: 1, true (on), 0, false or unset "
-        "(off)", expected="1 | true | 0 | false | unset", got=repr(raw),
-        tip=f"unset {name}, or set it to 1 or 0")

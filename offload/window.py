@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from pytree_ckpt.discard import DISCARDED_MARK
 from pytree_ckpt.errors import CheckpointError
 from pytree_ckpt.refusals import CHANGED_AFTER_CALL_TIP
-from pytree_ckpt.subclass import SubclassKind, kind_of
+from pytree_ckpt.subclass import SubclassKind, as_kind, kind_of
 
 if TYPE_CHECKING:  # the manager builds these objects; they only read and count into it
     from .manager import OffloadManager
@@ -104,13 +104,13 @@ class Copy:
         if not self.reused:  # reused, backward reads the very bytes: keep checking them
             self.alias = None
         # Still alive now may be a later layer's input or a table every layer gets: it counts
-        # as alive elsewhere only if still alive when backward begins (``_judge_alive``). A
+        # as alive elsewhere only if still alive when backward begins (liveness.py). A
         # reused storage is checked when backward is done with it (``__del__``).
         if freed:
             if getattr(storage, DISCARDED_MARK, False):  # NOTE [discarded storages are marked]
-                self.manager._copied_and_discarded(self.nbytes)
+                self.manager._liveness.copied_and_discarded(self.nbytes)
         elif not self.reused and not self.storage_ref.expired():
-            self.manager._suspect(self.storage_ref, self.nbytes)
+            self.manager._liveness.suspect(self.storage_ref, self.nbytes)
 
     def restore(self) -> None:
         if self.restored is not None:
@@ -156,7 +156,7 @@ class Copy:
                 manager.engine.wait(self.d2h_event, stream=self.stream)
             # Ours: anything still holding the storage after these is someone else's.
             self.restored = self.alias = None
-            manager._judge(self.storage_ref, self.nbytes)
+            manager._liveness.judge(self.storage_ref, self.nbytes)
         # The last handle is gone: the host buffer goes back with the last copy that used it.
         if getattr(self, "host", None) is not None:
             last = self.h2d_event if self.h2d_event is not None else self.d2h_event
@@ -213,6 +213,17 @@ class Handle:
         base = tensor._base
         self.source = weakref.ref(base if base is not None else tensor)
         self.version = tensor._version
+
+    def rebuild(self, restored: torch.Tensor, /) -> torch.Tensor:
+        """This alias, on ``restored`` (its copy's storage, back on the device)."""
+        tensor = torch.empty(0, dtype=self.dtype, device=self.copy.device).set_(
+            restored.untyped_storage(), self.offset, self.size, self.stride)
+        # NOTE [lazy bits]: the layout does not carry a conj or neg bit.
+        if self.conj:
+            tensor = tensor.conj()
+        if self.neg:
+            tensor = torch._neg_view(tensor)
+        return as_kind(tensor, self.subclass)  # NOTE [subclasses come back as themselves]
 
     def check_unmodified(self) -> None:
         source = self.source()

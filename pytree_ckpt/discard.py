@@ -71,7 +71,7 @@ __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 # alive; the rebuild resizes that very storage back). The offload manager reads it for a
 # window storage it let go while still alive: one output discard freed (and backward rebuilt
 # before the manager looked) was copied to host for nothing, and is no storage something else
-# keeps (offload/manager.py, ``_copied_and_discarded``); a window copying a storage that
+# keeps (offload/liveness.py, ``copied_and_discarded``); a window copying a storage that
 # carries the mark of a discard rebuilt since takes it off (offload/window.py, ``Copy``): a
 # rebuilt output kept and given to a layer in a later step is not discarded there.
 # ``detect_discarded_reads`` reads it for a storage still empty (discarded_reads.py).

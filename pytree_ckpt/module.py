@@ -380,7 +380,7 @@ def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
 
 def _describe_options(options: BoundaryOptions, fields: list[str], /) -> str:
     """The ``fields`` of ``options``, as a user set them (a manager by its config)."""
-    from offload.manager import is_default_manager
+    from offload.defaults import is_default_manager
 
     parts = []
     for field in fields:

@@ -71,7 +71,7 @@ def _no_ambient_offload(monkeypatch: pytest.MonkeyPatch) -> None:
     # The suite must not depend on the caller's shell (XTUNER_ACTIVATION_OFFLOAD=1 would turn
     # offload on for every wrapped layer), nor tests on each other's process-wide default
     # managers: each test starts with none.
-    import offload.manager
+    import offload.defaults
 
     monkeypatch.delenv("XTUNER_ACTIVATION_OFFLOAD", raising=False)
-    monkeypatch.setattr(offload.manager, "_default_managers", {})
+    monkeypatch.setattr(offload.defaults, "_default_managers", {})

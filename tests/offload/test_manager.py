@@ -871,6 +871,27 @@ def test_a_manager_for_cuda_unpickles_where_there_is_no_cuda() -> None:
     pickle.loads(pickle.dumps(manager))  # and again, still without touching CUDA
 
 
+# Pickled (protocol 2) by the code before manager.py was split into modules: a list of an
+# OffloadManager(OffloadConfig(min_bytes=0, prefetch=2), device="cpu") and default_manager().
+_PICKLED_BEFORE_THE_SPLIT = (
+    b"\x80\x02]q\x00(coffload.manager\n_new_manager\nq\x01coffload.manager\nOffloadConfig\nq"
+    b"\x02)\x81q\x03}q\x04(X\t\x00\x00\x00min_bytesq\x05K\x00X\x08\x00\x00\x00prefetchq\x06K"
+    b"\x02X\n\x00\x00\x00pin_memoryq\x07NubX\x03\x00\x00\x00cpuq\x08\x86q\tRq\ncoffload.manager"
+    b"\ndefault_manager\nq\x0b)Rq\x0ce.")
+
+
+def test_a_model_pickled_before_the_offload_modules_were_split_still_loads() -> None:
+    # Guards against: a pickle names the functions and classes that rebuild its managers by
+    # module (``offload.manager``); moving one of them out of manager.py without leaving its
+    # name there made every model pickled before fail to load.
+    import pickle
+
+    mine, default = pickle.loads(_PICKLED_BEFORE_THE_SPLIT)
+    assert type(mine) is OffloadManager and mine.device == torch.device("cpu")
+    assert mine.config == OffloadConfig(min_bytes=0, prefetch=2)
+    assert default is offload.default_manager()
+
+
 def test_a_new_storage_at_an_address_already_copied_is_copied_itself() -> None:
     # Two storage objects at one address: what an output discard (resize_(0)) leaves behind
     # when the allocator hands its memory to a later layer input. Matching copies by address
@@ -1027,7 +1048,7 @@ def test_a_recorded_result_changed_in_place_is_named_whether_offload_copied_it_o
 
 
 def test_forwards_that_never_reach_backward_do_not_grow_the_managers_state() -> None:
-    # Guards against: the storages let go while alive (``_suspects``) being judged only when a
+    # Guards against: the storages let go while alive (``Liveness.suspects``) being judged only when a
     # backward or a new pass begins, or at stats(). Grad-enabled evaluation that keeps its last
     # output until the next forward does neither: the pass never ends, and the record grew by
     # an entry (a weak storage reference) per forward, for as long as the loop ran.
@@ -1038,7 +1059,7 @@ def test_forwards_that_never_reach_backward_do_not_grow_the_managers_state() -> 
     for _ in range(150):
         x = torch.randn(8, 32)  # alive until the next step: let go while alive, then freed
         out = stack(layers, x)
-    assert len(m._suspects) <= 64
+    assert len(m._liveness) <= 64
     del out, x
     assert m.stats()["alive_elsewhere_bytes"] == kept.untyped_storage().nbytes()
 

@@ -606,12 +606,12 @@ def test_checkpoint_layers_with_offload_false_offloads_nothing_whatever_the_envi
 def test_applying_again_with_other_options_names_what_differs_as_installed_and_requested(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import offload
-    from offload import manager as offload_manager
+    from offload import defaults as offload_defaults
 
     layer = nn.Linear(2, 2)
     mine = offload.OffloadManager(offload.OffloadConfig(min_bytes=0))
     apply_activation_checkpointing(layer, offload=mine)
-    defaults = dict(offload_manager._default_managers)
+    defaults = dict(offload_defaults._default_managers)
     monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "0")
     with pytest.raises(CheckpointConfigError) as err:
         apply_activation_checkpointing(layer)  # the variable says off
@@ -620,7 +620,7 @@ def test_applying_again_with_other_options_names_what_differs_as_installed_and_r
     assert "as installed: offload=an OffloadManager(OffloadConfig(min_bytes=0" in message
     assert "as requested now: offload=off" in message
     assert "XTUNER_ACTIVATION_OFFLOAD" in message and "remove_activation_checkpointing" in message
-    assert offload_manager._default_managers == defaults  # naming them created none
+    assert offload_defaults._default_managers == defaults  # naming them created none
     with pytest.raises(CheckpointConfigError) as err:
         apply_activation_checkpointing(layer, offload=True, preserve_rng_state=False)
     message = str(err.value)

@@ -1,0 +1,107 @@
+"""Offloaded storages that stay alive elsewhere: an offload that saved nothing.
+
+The manager lets go of a window's device tensor once its copy to host is done (NOTE [copies
+in flight] in manager.py). A storage still alive then may be alive only for the forward that
+is still running (a later layer's input, a RoPE table every layer gets); one still alive once
+that forward is over is held by something else, and its copy saved no device memory. This
+module keeps the storages let go while alive (``suspect``), and judges them when the manager
+says the forward is over (``judge_all``): those still alive count as ``alive_elsewhere_bytes``,
+those output discard freed in place as ``discarded_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from pytree_ckpt.discard import DISCARDED_MARK
+
+__all__ = ["Liveness"]
+
+# The manager's warnings, under its logger, as they were before this module was split off it.
+log = logging.getLogger("offload.manager")
+
+
+class Liveness:
+    """The storages one manager let go of while still alive, and the verdicts on them.
+
+    ``counters`` is the manager's counters dict (reset in place, never replaced): the verdicts
+    count into its ``alive_elsewhere_bytes`` and ``discarded_bytes``.
+    """
+
+    __slots__ = ("counters", "suspects", "limit", "warned_discarded")
+
+    def __init__(self, counters: dict[str, int], /) -> None:
+        self.counters = counters
+        # By storage (``StorageWeakRef.cdata``), with the bytes of every copy of it let go.
+        self.suspects: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.limit = 64  # NOTE [suspects stay bounded]
+        self.warned_discarded = False
+
+    def __len__(self) -> int:
+        return len(self.suspects)
+
+    def suspect(self, ref: StorageWeakRef, nbytes: int, /) -> None:
+        """Note a storage let go while still alive, for ``judge_all``.
+
+        NOTE [suspects stay bounded]: they are judged when a backward or a new pass begins, or
+        at ``stats()``; forwards that never reach backward while some graph stays alive
+        (grad-enabled evaluation that keeps its last output until the next forward) do neither,
+        so the record must not grow per forward: one entry per storage (our weak reference
+        keeps its ``cdata`` from being reused), and entries of storages gone since are
+        dropped as new ones come.
+        """
+        entry = self.suspects.get(ref.cdata)
+        if entry is not None and not entry[0].expired():
+            self.suspects[ref.cdata] = (entry[0], entry[1] + nbytes)
+            return
+        if len(self.suspects) >= self.limit:  # amortized: the limit doubles
+            self.suspects = {key: value for key, value in self.suspects.items()
+                             if not value[0].expired()}
+            self.limit = max(64, 2 * len(self.suspects))
+        self.suspects[ref.cdata] = (ref, nbytes)
+
+    def judge_all(self) -> None:
+        """Count the storages let go while still alive that are alive still.
+
+        Called when backward begins, at ``stats()`` and when a new pass opens: by then the
+        forward that held them is over (a RoPE table made per forward, a layer input that is
+        also the next layer's, are gone), so what is still alive is kept by something else,
+        and its copy saved nothing.
+        """
+        # Taken before reading: on CUDA backward (this, from the manager's unpack) runs on a
+        # device thread while another thread's forward may let go of more storages (a dict
+        # must not grow while it is read). Those land in the fresh dict, judged next time.
+        suspects, self.suspects = self.suspects, {}
+        for ref, nbytes in suspects.values():
+            self.judge(ref, nbytes)
+
+    def judge(self, ref: StorageWeakRef, nbytes: int, /) -> None:
+        """One storage let go while still alive, now that the forward holding it is over."""
+        if ref.expired():
+            return
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        if getattr(storage, DISCARDED_MARK, False):  # NOTE [discarded storages are marked]
+            self.copied_and_discarded(nbytes)
+            return
+        self.counters["alive_elsewhere_bytes"] += nbytes
+        log.debug("offloaded storage of %d bytes is still alive elsewhere", nbytes)
+
+    def copied_and_discarded(self, nbytes: int, /) -> None:
+        """A window storage freed in place after its copy to host: output discard's
+        ``resize_(0)`` (``CheckpointWithoutOutput``, ``ResidualStreamRecomputeContext``) of an
+        output a boundary took as input. Both give the same bytes back for backward, so the
+        numbers are exact, but the work is done twice: copied to host and back, and
+        recomputed."""
+        self.counters["discarded_bytes"] += nbytes
+        if not self.warned_discarded:
+            self.warned_discarded = True
+            log.warning(
+                "offload copied to host %d bytes of a boundary input that output discard then "
+                "freed: they are copied back and also recomputed for backward (exact, but done "
+                "twice; stats()['discarded_bytes'] counts them). Keep one of the two for such "
+                "tensors: do not discard outputs that a checkpointed layer takes as input "
+                "(offload moves them to host already), or leave those layers' offload off",
+                nbytes)

@@ -1,0 +1,91 @@
+"""Which storages a window offloads: the storage keys of its tensors, less parameters, less
+storages there are no plain bytes of to copy, less the storages the caller says stay resident.
+
+The manager applies the rest of the window rule when autograd saves a tensor (its device, the
+``min_bytes`` floor; docs/offload.md, "The window rule"), and warns once of what it leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pytree_ckpt.census import storage_key
+from pytree_ckpt.errors import CheckpointConfigError
+
+__all__ = ["is_parameter", "plain_kind", "plain_storage_key", "refuse_non_tensors",
+           "window_keys"]
+
+Key = tuple[str, int]
+
+
+def refuse_non_tensors(tensors: Any, /) -> None:
+    """``window``'s argument: a sequence of tensors (iterating one tensor would give its
+    rows, each a view of its storage)."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise CheckpointConfigError(
+            "OffloadManager.window takes a list or tuple of tensors",
+            expected="Sequence[torch.Tensor]", got=type(tensors).__name__,
+            tip="wrap one tensor in a list: manager.window([x])")
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointConfigError(
+                f"OffloadManager.window takes tensors: tensors[{index}] is not one",
+                expected="torch.Tensor", got=type(tensor).__name__,
+                tip="pass only the tensors whose storages the block's saves should go to host "
+                    "from (leave out None and other values)")
+
+
+def is_parameter(tensor: torch.Tensor, /) -> bool:
+    """A parameter or a view of one: never offloaded (its storage stays resident anyway, and
+    restoring it would allocate a second copy of the whole parameter)."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+def plain_storage_key(tensor: torch.Tensor, /) -> Key | None:
+    """The tensor's storage key, or ``None`` where it has no plain storage to copy: sparse
+    layouts, nested tensors, and wrapper subclasses (DTensor and the like) whose bytes live
+    in inner tensors; quantized tensors too (a restore from bytes would lose their scale
+    and zero point)."""
+    if tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_quantized:
+        try:
+            return storage_key(tensor)
+        except RuntimeError:  # "invalid python storage": a wrapper subclass
+            pass
+    return None
+
+
+def plain_kind(tensor: torch.Tensor, /) -> str:
+    """What a tensor without a plain storage is, for the manager's warning."""
+    return ("nested tensor" if tensor.is_nested else "quantized tensor"
+            if tensor.is_quantized else type(tensor).__name__)
+
+
+def window_keys(tensors: Sequence[torch.Tensor], resident: Sequence[torch.Tensor],
+                key_of: Callable[[torch.Tensor], Key | None], /) -> dict[Key, int | None]:
+    """The storages a window over ``tensors`` offloads, each with the index of the first of
+    ``tensors`` on it (for messages). ``key_of`` is ``plain_storage_key``, or one that also
+    warns of a tensor without a plain storage."""
+    keys: dict[Key, int | None] = {}
+    resident_keys: set[Key] | None = None
+    for index, tensor in enumerate(tensors):
+        if is_parameter(tensor):
+            continue
+        key = key_of(tensor)
+        if key is None:
+            continue
+        # A .detach() or .data alias of a parameter is a leaf (requiring grad or not, as
+        # after .requires_grad_()), or a view of one, and neither a Parameter nor a view of
+        # one: only its storage tells. Activations are rarely leaves or views of leaves
+        # (a model input is), so the resident keys are read only for those that are.
+        base = tensor._base
+        if resident and (tensor.is_leaf or (base is not None and base.is_leaf)):
+            if resident_keys is None:
+                resident_keys = {k for t in resident if (k := plain_storage_key(t))}
+            if key in resident_keys:
+                continue
+        keys.setdefault(key, index)
+    return keys
