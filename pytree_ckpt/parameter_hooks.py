@@ -5,6 +5,7 @@ gradients with ``torch.autograd.grad``."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,13 +137,42 @@ def put_first(hooks: dict[Any, Any], key: Any, hook: Any, /) -> None:
 
     NOTE [hooks put first in place]: torch walks a tensor's hooks, and dynamo's guards (before
     torch 2.13) read a module's, in the dict's C-level insertion order, which
-    ``OrderedDict.move_to_end`` (``prepend=True``) does not change. So the dict is refilled in
-    place: the same object, which torch's hook handles hold. (Another thread's call walking
-    the dict while it is refilled could miss its hooks once.)"""
-    rest = [(k, value) for k, value in hooks.items() if k != key]
-    hooks.clear()
-    hooks[key] = hook
-    hooks.update(rest)
+    ``OrderedDict.move_to_end`` (``prepend=True``) does not change. So every other key is
+    moved behind ``key`` (taken out and put back), in place: the same object, which torch's
+    hook handles hold. Other threads may use the dict meanwhile (DataParallel's replicas share
+    their modules' hook dicts; two backwards can accumulate into one parameter), so it is
+    never emptied, and all the moves are one C call (``update`` over an iterator that takes
+    each key out just before it is put back): under the GIL no other thread runs inside it,
+    so none sees a hook missing, and a hook another thread registers or removes stays
+    registered or removed. Emptied and refilled, the dict made a forward there run none of
+    the user's hooks, lost a hook registered there, brought back one removed there, and raised
+    "OrderedDict mutated during iteration" at a registration while its keys were read
+    (tests/pytree_ckpt/test_put_first.py). Limits: Python 3.10 and 3.11 can run a garbage
+    collection, and so finalizers, inside that call, and a free-threaded build has no GIL:
+    there a hook can be missing for the moment of its own move (never lost).
+    """
+    while True:
+        others = list(hooks)  # one C call, as the moves are: no other thread runs meanwhile
+        if key in others:
+            others.remove(key)
+        # A key removed (its handle's ``remove()``) since it was read gets a placeholder that
+        # does nothing, taken out again below: ``pop`` never fails, nor brings the hook back.
+        hooks.update(itertools.chain(((key, hook),), zip(
+            others, map(hooks.pop, others, itertools.repeat(_removed_meanwhile)))))
+        for gone in [k for k, value in list(hooks.items()) if value is _removed_meanwhile]:
+            hooks.pop(gone, None)
+        # A key registered between the read and the moves lands before a new ``key``: again.
+        # (Each order read whole, in one call: an iterator kept across bytecodes would raise
+        # if another thread changed the dict in between.)
+        order, c_order = list(hooks), list(dict.keys(hooks))
+        if key not in order or (order[0] == key and c_order[0] == key):
+            return
+
+
+def _removed_meanwhile(*args: Any, **kwargs: Any) -> None:
+    """Put back by ``put_first`` for a hook removed after its keys were read, and taken out
+    again at once: a hook called meanwhile changes nothing."""
+    return None
 
 
 def accumulated_nothing(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
