@@ -52,7 +52,8 @@ reentrant checkpoint does; when no input requires grad a tiny requires-grad *anc
 backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(inputs=...)``:
 those raise ``CheckpointError`` instead of returning partial results.
 
-Elsewhere: what the boundary knows of the modules a call uses (their parameters and buffers,
+Elsewhere: what a call carries from its original pass to its replay, and the boundary's
+options, in ``boundary_call.py``; what the boundary knows of the modules a call uses (their parameters and buffers,
 cached) in ``module_state.py``; the state the original pass changes in ``state_changes.py``;
 what it refuses, and how its messages say so, in ``refusals.py``; the replay itself, in
 backward, in ``recompute.py``.
@@ -68,22 +69,21 @@ trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
+from .boundary_call import BoundaryCall, BoundaryOptions
 from .census import Mechanism, census_active, report_held
-from .errors import CheckpointError, ReplayMismatchError, validate_bool
-from .frames import Frame
+from .errors import CheckpointError
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
-from .keep import KeepMode, KeepPolicy
+from .keep import KeepMode
 from .made_before import leaving_tensors
 from .module_state import (ModuleDicts, any_lazy, call_switches, collect_parameters,
                            ever_verified, graph_attributes, module_dicts, owning_module)
@@ -94,41 +94,19 @@ from .refusals import (fn_name, input_path, raise_input_changed, refuse_double_b
                        refuse_hidden_outputs, refuse_parameters_changed,
                        refuse_strided_nested, refuse_unreadable_inputs)
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import (ChangedState, ForwardModules, ParameterVersions, StateWatch,
-                            mark_stateful, snapshots_wanted, versions)
+from .state_changes import (ForwardModules, ParameterVersions, StateWatch, mark_stateful,
+                            snapshots_wanted, versions)
 from .stored_state import warn_parameter_changed
-from .subclass import SubclassKind, kind_of
-from .tree import describe_leaf, first_difference, flatten, flatten_call, leaf_paths, unflatten
+from .subclass import kind_of
+from .tree import flatten, flatten_call
 
-if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
-    from offload import OffloadManager
-
-__all__ = ["DEFAULT_OPTIONS", "BoundaryCall", "BoundaryOptions", "run_boundary"]
+__all__ = ["run_boundary"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _STILL_LAZY = "_pytree_ckpt_still_lazy"  # a module warned about lazy state its call left lazy
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BoundaryOptions:
-    """Options of a boundary; they never travel as keywords of ``fn``.
-
-    ``offload``: a manager that opens a window over the boundary's input tensor leaves at each
-    call, so the inputs it saves (hidden states, top-k ids) go to host memory until backward.
-    ``keep``: the ops whose outputs stay resident instead of being recomputed (save units);
-    ``apply_recompute_config`` builds it from a ``RecomputeConfig``, not user code.
-    """
-
-    preserve_rng_state: bool = True
-    offload: OffloadManager | None = None
-    keep: KeepPolicy | None = None  # what stays resident (apply_recompute_config builds it)
-
-    def __post_init__(self) -> None:
-        validate_bool(self.preserve_rng_state, name="preserve_rng_state")
-
-
-DEFAULT_OPTIONS = BoundaryOptions()
 _anchor_tensor: torch.Tensor | None = None
 
 
@@ -148,129 +126,6 @@ _Tensor = torch.Tensor  # read per call
 # capture) then deep-copies: about 100,000 instructions a layer call at the small size of
 # examples.bench_instructions, in the caller's own autograd work as much as in the boundary's.
 _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
-
-
-class BoundaryCall:
-    """Everything one boundary call needs for its replay, minus the tensors themselves."""
-
-    __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
-                 "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
-                 "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
-                 "attributes", "buffer_dicts", "frozen", "frozen_at_call", "changed_state",
-                 "modules",
-                 "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
-                 "switches", "inference", "saved_versions", "param_versions")
-
-    def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
-                 in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
-        self.fn = fn
-        self.options = options
-        self.in_spec = in_spec
-        self.in_leaves = in_leaves  # tensor leaves replaced by None (NOTE [what is saved])
-        self.in_tensor_index = in_tensor_index
-        self.in_slots = in_slots
-        self.switches: Any = None  # NOTE [verified per switch] in module_state.py
-        self.n_inputs = 0
-        # Names of the owner's attributes passed as inputs after the call's own (NOTE
-        # [attributes set before the call]).
-        self.attributes: list[str] = []
-        self.params: list[torch.Tensor] | None = None  # None: an unknown callable
-        self.owner: nn.Module | None = None
-        self.frame = Frame()
-        self.out_spec: Any = None
-        self.out_leaves: list[Any] = []
-        self.out_tensor_index: list[int] = []
-        self.out_meta: list[tuple[torch.Size, torch.dtype]] = []
-        self.env: ReplayEnvironment | None = None
-        # The caller's own args and kwargs, for the original pass only (then dropped): fn sees
-        # the very containers it was given, as in eager; the replay gets rebuilt containers.
-        self.original_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self.reported = False  # an ActivationCensus watches this call's frame
-        # Frozen parameters and buffers by id, taken before fn runs; for the original pass only.
-        self.before: dict[int, torch.Tensor] | None = None
-        # Inputs the original pass returned as they are, by output position; for run_boundary
-        # only (then dropped).
-        self.as_is: list[tuple[int, torch.Tensor]] | None = None
-        # The modules' buffers, by submodule, and frozen parameters; for the original pass
-        # only (then dropped).
-        self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
-        self.frozen: list[torch.Tensor] = []
-        self.frozen_at_call: list[torch.Tensor] = []  # the frozen ones, kept for backward
-        # What ctx saved, as versions when saved: names an input changed after the call where
-        # torch has no SavedTensor.unpack() (before 2.12; refusals.raise_changed_after_call).
-        self.saved_versions: list[int | None] = []
-        # The trainable parameters' versions as the original pass (or the last replay) left
-        # them (NOTE [parameters changed in place] in refusals.py).
-        self.param_versions: ParameterVersions | None = None
-        # What the original pass changed of the modules' state (NOTE [state the forward
-        # changes] in state_changes.py); None when it changed nothing.
-        self.changed_state: ChangedState | None = None
-        # The modules fn uses and their dicts, for the original pass only (then dropped); what
-        # they were then, for the replay (NOTE [the replay sees the forward's modules] in
-        # state_changes.py).
-        self.modules: tuple[list[nn.Module], list[ModuleDicts]] | None = None
-        self.forward_modules: ForwardModules | None = None
-        # Modules with user forward hooks run inside (NOTE [hooked outputs leave with
-        # gradients] in hook_outputs.py), and the extra outputs the original pass chose.
-        self.hooked = False
-        self.hooked_outputs: HookedOutputs | None = None
-        # The tensors the modules held as attributes before fn ran, by id, when hooked (NOTE
-        # [held tensors are not hooked outputs] in hook_outputs.py); for the original pass only.
-        self.held: dict[int, torch.Tensor] = {}
-        # Per saved input, its __torch_function__ subclass and attributes (None for a plain
-        # tensor); None when every one is plain (NOTE [subclasses come back as themselves] in
-        # subclass.py, NOTE [the replay sees tensor subclasses as the forward did] in rng.py).
-        self.subclasses: list[SubclassKind | None] | None = None
-        # Saved inputs made under inference mode, by position (NOTE [inference tensors are
-        # kept as they are]); None when there is none.
-        self.inference: dict[int, torch.Tensor] | None = None
-
-    def inputs(self, tensors: tuple[torch.Tensor, ...], /
-               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        leaves = list(self.in_leaves)
-        for index, slot in zip(self.in_tensor_index, self.in_slots):
-            leaves[index] = tensors[slot]
-        args, kwargs = unflatten(self.in_spec, leaves)
-        return args, kwargs
-
-    def outputs(self, tensors: Sequence[torch.Tensor], /) -> Any:
-        leaves = list(self.out_leaves)
-        for index, tensor in zip(self.out_tensor_index, tensors):
-            leaves[index] = tensor
-        return unflatten(self.out_spec, leaves)
-
-    def check_replay(self, spec: Any, leaves: list[Any], tensor_index: list[int], /) -> None:
-        if (spec is self.out_spec or spec == self.out_spec) and \
-                tensor_index == self.out_tensor_index and \
-                all(leaves[i].shape == shape and leaves[i].dtype == dtype
-                    for i, (shape, dtype) in zip(tensor_index, self.out_meta)):
-            return  # the usual case; what follows finds and names the first difference
-        name = fn_name(self.fn)
-        tip = ("the replay must return what the original pass returned; make the output depend "
-               "only on the inputs (not on current_phase() or grad mode)")
-        if spec != self.out_spec:
-            path, expected, got = first_difference(self.out_spec, spec, root="output")
-            raise ReplayMismatchError(
-                f"the replay of {name} returned a different output structure at {path}",
-                expected=expected, got=got, tip=tip)
-        paths: list[str] | None = None
-        if tensor_index != self.out_tensor_index:
-            paths = leaf_paths(spec, root="output")
-            first = min(set(tensor_index) ^ set(self.out_tensor_index))
-            raise ReplayMismatchError(
-                f"the replay of {name} returned a different kind of leaf at {paths[first]}",
-                expected="a tensor" if first in self.out_tensor_index else "a non-tensor leaf",
-                got=describe_leaf(leaves[first]), tip=tip)
-        for index, (shape, dtype) in zip(tensor_index, self.out_meta):
-            leaf = leaves[index]
-            if leaf.shape != shape or leaf.dtype != dtype:
-                paths = paths or leaf_paths(spec, root="output")
-                raise ReplayMismatchError(
-                    f"the replay of {name} returned a different tensor at {paths[index]}",
-                    expected=f"Tensor(shape={tuple(shape)}, dtype={dtype})",
-                    got=describe_leaf(leaf),
-                    tip=tip + "; for results that may change between passes (top-k ids, MoE "
-                              "routing) use reuse_during_recompute")
 
 
 class _BoundaryFunction(torch.autograd.Function):

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
 
-from .boundary import DEFAULT_OPTIONS, BoundaryOptions, run_boundary
+from .boundary import run_boundary
+from .boundary_call import DEFAULT_OPTIONS, BoundaryOptions
 from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
 from .refusals import fn_name, require_callable
 

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .boundary import BoundaryOptions, run_boundary
+from .boundary import run_boundary
+from .boundary_call import BoundaryOptions
 from .eager import (BOUNDARY_REASON, compile_stance_is_default, compiled_wrapper,
                     in_fullgraph_compile, runs_eagerly, user_stacklevel)
 from .errors import CheckpointConfigError, CheckpointError

@@ -33,7 +33,7 @@ from .subclass import as_kind
 from .tree import alias_all, flatten
 
 if TYPE_CHECKING:  # the boundary imports this module
-    from .boundary import BoundaryCall
+    from .boundary_call import BoundaryCall
 
 __all__ = ["replay_backward"]
 

@@ -25,7 +25,7 @@ from .module_state import foreign_leaf, mark_verified, owning_module, warn_forwa
 from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, leaf_paths
 
 if TYPE_CHECKING:  # the boundary imports this module
-    from .boundary import BoundaryCall
+    from .boundary_call import BoundaryCall
     from .state_changes import ParameterVersions
 
 __all__ = ["CHANGED_AFTER_CALL_TIP", "TORCH_REENTRANT", "container_elements", "fn_name",

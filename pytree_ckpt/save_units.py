@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import nn
 
-from .boundary import BoundaryOptions
+from .boundary_call import BoundaryOptions
 from .eager import KEPT_CALLABLE_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
 from .keep import IN_KEPT_CALLABLE, KeepPolicy, never_kept

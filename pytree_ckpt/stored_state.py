@@ -18,7 +18,7 @@ from .eager import user_stacklevel
 from .refusals import container_elements, fn_name, parameter_path
 
 if TYPE_CHECKING:  # the boundary imports this module
-    from .boundary import BoundaryCall
+    from .boundary_call import BoundaryCall
 
 __all__ = ["stored_numbers", "stored_tensors", "warn_changed_numbers", "warn_parameter_changed",
            "warn_stacked_checkpointing", "warn_stored_scalars"]
