@@ -38,6 +38,7 @@ streams (streams.py), the host pool (pool.py), ``OffloadConfig`` (config.py), an
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -120,6 +121,18 @@ class OffloadManager:
         # Storages let go while still alive: judged when backward begins (liveness.py).
         self._liveness = Liveness(self._counters)
         self._opened = 0  # windows opened so far, in all passes (NOTE [copies in flight])
+        # NOTE [one thread at a time]: threads may share a manager (each its own forward and
+        # backward; on CUDA autograd unpacks on a device thread while a forward may pack on
+        # another). A pass holds every thread's windows, so one thread's backward restores
+        # (prefetches) another's windows, and a forward's window lets go of copies that a
+        # backward is restoring. Every entry point (opening a window, each save, each unpack,
+        # offload_into, stats, events) holds this lock: two restores of one copy, each seeing
+        # "not restored yet", copied it back twice (on CUDA the second could read the first's
+        # buffer before its event was set). Re-entrant: a saved-tensor hook or census code run
+        # from inside (reading stats(), say) must not block its own thread. Copy.__del__ never
+        # takes it: the garbage collector may run it on a thread that holds the pool's lock,
+        # which this lock's holder may be waiting for; it only adds to counters.
+        self._lock = threading.RLock()
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # NOTE: a pickled model (its wrapped layers' options hold the manager) comes back with
@@ -140,6 +153,10 @@ class OffloadManager:
 
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """Counters since the last reset: bytes, pool hits/misses, prefetch hits, waits."""
+        with self._lock:  # NOTE [one thread at a time]
+            return self._stats(reset=reset)
+
+    def _stats(self, *, reset: bool) -> dict[str, float]:
         self._collect_finished()
         # NOTE [judged once the forward is over]: while a pass's forward may still run (alive,
         # no backward yet) what it let go may be alive for the forward itself (a RoPE table or
@@ -164,7 +181,8 @@ class OffloadManager:
     def events(self) -> list[tuple[str, int]]:
         """``("restore" | "prefetch" | "prefetch_hit", window id)`` in order, for the pass whose
         backward ran last (empty before any backward)."""
-        return list(self._recent.events)
+        with self._lock:
+            return list(self._recent.events)
 
     # -- forward -----------------------------------------------------------------------------
     def _collect_finished(self, *, force_before: int | None = None,
@@ -298,10 +316,11 @@ class OffloadManager:
         (below ``min_bytes``, another device, a parameter) it holds ``tensor`` itself, and
         ``restore`` checks that it was not changed in place since.
         """
-        key = self._plain_storage_key(tensor)
-        if key is not None:
-            window.keys.setdefault(key, None)
-        return self._pack(window, tensor)
+        with self._lock:  # NOTE [one thread at a time]
+            key = self._plain_storage_key(tensor)
+            if key is not None:
+                window.keys.setdefault(key, None)
+            return self._pack(window, tensor)
 
     def restore(self, packed: Any, /) -> torch.Tensor:
         """The tensor behind a handle from ``offload_into`` (restoring it if needed)."""
@@ -319,10 +338,12 @@ class OffloadManager:
         its module's parameters, so that a ``.detach()`` alias of one is not copied).
         """
         refuse_non_tensors(tensors)
-        window = self._open(tensors, name, resident)
+        with self._lock:  # NOTE [one thread at a time]
+            window = self._open(tensors, name, resident)
 
         def pack(tensor: torch.Tensor) -> Any:
-            packed = self._pack(window, tensor)
+            with self._lock:
+                packed = self._pack(window, tensor)
             if type(packed) is Unchanged and census_active():
                 # Left on the device, held as autograd holds it. These hooks shadow an
                 # ActivationCensus's own: it hears of the save from here, as a plain autograd
@@ -351,6 +372,10 @@ class OffloadManager:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, Handle):
             return packed.get()  # Unchanged
+        with self._lock:  # NOTE [one thread at a time]
+            return self._unpack_handle(packed)
+
+    def _unpack_handle(self, packed: Handle) -> torch.Tensor:
         packed.check_unmodified()
         copy = packed.copy
         window = packed.window  # not copy.window: a shared copy may come from an earlier one
