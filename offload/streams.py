@@ -43,7 +43,8 @@ class CopyEngine:
         self.device = device
         self.cuda = device.type == "cuda"
         self._waits: list[tuple[Any, Any]] = []  # (before, after) timing events around waits
-        # Backward (autograd's thread) appends waits while stats() (the caller's) may fold them.
+        # Backward (autograd's thread) appends waits while stats() (the caller's) may fold them:
+        # folding holds this lock; listing a wait never takes it (NOTE [waits never block]).
         self._waits_lock = threading.Lock()
         self._waited_ms = 0.0
         # Made at the first copy, not here: a manager unpickled where there is no CUDA (a
@@ -122,11 +123,19 @@ class CopyEngine:
         before.record(stream)
         stream.wait_event(event)
         after.record(stream)
-        with self._waits_lock:
-            self._waits.append((before, after))
-            many = len(self._waits) > 256
-        if many:  # nobody read stats(): fold what completed
-            self.waited_ms()
+        # NOTE [waits never block]: a copy's __del__ waits here (bytes backward reused, NOTE
+        # [reuse at the turn]), and the garbage collector runs it wherever an allocation starts
+        # a collection, inside the fold's locked section too, on the thread that holds the
+        # lock: so no wait takes the lock. One append is atomic, and a fold swaps the list
+        # before reading it: a wait listed meanwhile is counted by that fold or the next (one
+        # that races the swap itself may go uncounted: a statistic, never a hang). Folding
+        # when many are listed (nobody read stats()) is skipped while the lock is held.
+        self._waits.append((before, after))
+        if len(self._waits) > 256 and self._waits_lock.acquire(blocking=False):
+            try:
+                self._fold_waits()
+            finally:
+                self._waits_lock.release()
 
     def waited_ms(self) -> float:
         """Milliseconds the compute stream spent waiting on copies (completed waits only).
@@ -134,14 +143,19 @@ class CopyEngine:
         Completed waits are folded into a running total, so the event list stays short.
         """
         with self._waits_lock:
-            still = []
-            for before, after in self._waits:  # one query each: a wait is counted once
-                if after.query():
-                    self._waited_ms += before.elapsed_time(after)
-                else:
-                    still.append((before, after))
-            self._waits = still
+            self._fold_waits()
             return self._waited_ms
+
+    def _fold_waits(self) -> None:
+        """Add the completed waits to the total, keep the others (the caller holds the lock)."""
+        waits, self._waits = self._waits, []  # NOTE [waits never block]
+        still = []
+        for before, after in waits:  # one query each: a wait is counted once
+            if after.query():
+                self._waited_ms += before.elapsed_time(after)
+            else:
+                still.append((before, after))
+        self._waits.extend(still)
 
     def reset_waits(self) -> None:
         """Start a new total; waits still running are kept and count in it once done."""

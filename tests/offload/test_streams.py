@@ -7,6 +7,7 @@ with stand-in events and streams.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -105,7 +106,7 @@ def _logged_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[CopyEngine, list[tupl
     log: list[tuple[Any, ...]] = []
     compute = LoggedStream("compute", log)
     side = iter([LoggedStream("d2h", log), LoggedStream("h2d", log)])
-    names = iter(f"event{i}" for i in range(100))
+    names = (f"event{i}" for i in itertools.count())
 
     class LoggedEvent:
         def __init__(self, **kwargs: Any) -> None:
@@ -203,3 +204,38 @@ def test_a_wait_for_a_copy_still_running_is_timed_on_the_stream_that_waits(
     assert [entry[0] for entry in log] == ["record", "wait_event", "record"]
     assert [entry[2] for entry in log] == ["saving", "copy", "saving"]
     assert engine.waited_ms() == 2.5  # counted once the closing event completed
+
+
+
+@pytest.mark.parametrize("listed", [1, 256])
+def test_a_wait_run_by_the_garbage_collector_inside_a_locked_section_does_not_deadlock(
+        listed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Backward's last handles on reused bytes may go with a graph in a reference cycle, freed by
+    # whichever allocation starts a collection: possibly one inside the engine's own locked
+    # section (the list waited_ms() folds into, from stats() or from a wait), on the thread
+    # holding the lock. The copy's __del__ then makes its saving stream wait on the copy to
+    # host, still running: a wait that took the lock (to list itself, or with 256 listed to
+    # fold them) would hang the training step forever.
+    import threading
+
+    engine, log = _logged_cuda(monkeypatch)
+    running = TimingEvent(False)
+    running.name = "copy"  # type: ignore[attr-defined]
+    saving = LoggedStream("saving", log)
+    for _ in range(listed):
+        engine.wait(running, stream=saving)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def finalizer_inside_the_lock() -> None:
+        try:
+            with engine._waits_lock:  # where the collector may run a finalizer
+                engine.wait(running, stream=saving)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+        done.set()
+
+    threading.Thread(target=finalizer_inside_the_lock, daemon=True).start()
+    assert done.wait(10), "a wait blocked on the lock its own thread holds"
+    assert errors == []
+    assert engine.waited_ms() == 2.5 * (listed + 1)  # every wait counted, once
