@@ -140,6 +140,8 @@ class _BoundaryFunction(torch.autograd.Function):
             leaves=call.in_leaves if len(call.in_tensor_index) < len(call.in_leaves) else None)
         # NOTE [skipped work keeps the RNG in step] (frames.py): the generators it restores.
         call.frame.rng_devices = call.env.rng_devices()
+        if call.env.generators:  # NOTE [generators passed in] (rng.py): they jump too
+            call.frame.generators = tuple(g for g, _ in call.env.generators)
         assert call.original_call is not None
         args, kwargs = call.original_call
         call.original_call = None

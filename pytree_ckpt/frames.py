@@ -37,7 +37,7 @@ from .frozen import (Passthrough, StateAfter, apply_state_after, argument_versio
                      warn_changed_arguments)
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
-from .rng import RngState, rng_changed, rng_state, set_rng_state
+from .rng import GeneratorStates, RngState, generators_moved, rng_changed, rng_state, set_rng_state
 from .saved import Unchanged
 from .tree import NAMESPACE, flatten, leaf_paths, unflatten
 
@@ -86,8 +86,9 @@ class _Offloaded:
 class Frame:
     """The recorded frozen results of one boundary invocation."""
 
-    __slots__ = ("results", "versions", "passthrough", "rng_jumps", "rng_devices", "cursors",
-                 "released", "restore", "state_after", "__weakref__")
+    __slots__ = ("results", "versions", "passthrough", "rng_jumps", "rng_devices", "generators",
+                 "generator_jumps", "cursors", "released", "restore", "state_after",
+                 "__weakref__")
 
     def __init__(self) -> None:
         self.results: dict[Callable[..., Any], list[Any]] = {}
@@ -105,6 +106,11 @@ class Frame:
         # restores these generators, and puts the ambient ones back after it).
         self.rng_jumps: dict[Callable[..., Any], list[RngState | None]] = {}
         self.rng_devices: tuple[int, ...] | None = None  # set by the boundary's original pass
+        # The generators passed in that the replay restores (NOTE [generators passed in] in
+        # rng.py; set by the boundary's original pass) jump too: by (fn, position), the states
+        # after the calls that moved one of them.
+        self.generators: tuple[torch.Generator, ...] = ()
+        self.generator_jumps: dict[tuple[Callable[..., Any], int], GeneratorStates] = {}
         # NOTE [state a reused call changes] (frozen.py): by (fn, position), only for the calls
         # that changed an integer argument or a buffer of their module.
         self.state_after: dict[tuple[Callable[..., Any], int], StateAfter] = {}
@@ -134,9 +140,15 @@ class Frame:
 
     def record(self, fn: Callable[..., Any], result: Any, /, *,
                rng_after: RngState | None = None, passthrough: Passthrough = (),
-               state_after: StateAfter | None = None) -> None:
+               state_after: StateAfter | None = None,
+               generators_after: GeneratorStates = ()) -> None:
         if state_after is not None:
             self.state_after[fn, len(self.results.get(fn, ()))] = state_after
+        if generators_after:  # only the generators this frame's replay restores
+            mine = tuple((g, state) for g, state in generators_after
+                         if any(g is h for h in self.generators))
+            if mine:
+                self.generator_jumps[fn, len(self.results.get(fn, ()))] = mine
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
             flat = flatten(result)
             # NOTE [recorded containers are the frame's own]: the caller may change the
@@ -155,6 +167,8 @@ class Frame:
         """Take back a save unit's record: the replay runs ``op`` again (keep.py, rule 3)."""
         self.results[op][position] = RECOMPUTE
         self.rng_jumps[op][position] = None  # the op draws its own random numbers again
+        if self.generator_jumps:
+            self.generator_jumps.pop((op, position), None)
 
     def upcoming(self, fn: Callable[..., Any], /) -> tuple[int, Any] | None:
         """The position and record ``take(fn)`` returns next, without taking it (``None`` once
@@ -210,6 +224,9 @@ class Frame:
             # jump either; a nested boundary whose first run this is must then not jump in its
             # own replay, or its random ops would draw other numbers than in that first run.
             jump = None
+        if self.generator_jumps:  # recorded only for the generators this replay restores
+            for generator, state in self.generator_jumps.get((fn, position), ()):
+                generator.set_state(state)
         if not isinstance(fn, torch._ops.OpOverload):  # offload handles check their copies
             self._check_unmodified(fn, position)
         if self.restore is not None and not isinstance(fn, torch._ops.OpOverload):
@@ -224,6 +241,12 @@ class Frame:
         passthrough = (() if isinstance(fn, torch._ops.OpOverload)
                        else self.passthrough[fn][position])
         return result, jump, passthrough
+
+    def taken_generator_jump(self, fn: Callable[..., Any], /) -> GeneratorStates:
+        """The generators passed in that ``take_with_rng(fn)`` just jumped, with their states
+        (a nested boundary recording the result again jumps them too)."""
+        return self.generator_jumps.get((fn, self.cursors[fn] - 1), ()) \
+            if self.generator_jumps else ()
 
     def taken_state_after(self, fn: Callable[..., Any], /) -> StateAfter | None:
         """What the call whose result ``take_with_rng(fn)`` just returned changed (NOTE
@@ -263,6 +286,7 @@ class Frame:
         self.versions.clear()
         self.passthrough.clear()
         self.rng_jumps.clear()
+        self.generator_jumps.clear()
         self.state_after.clear()
         self.cursors.clear()
         self.released = True
@@ -311,8 +335,9 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         recorders.append(invocation)
         invocation = invocation.parent
     rng_after = None
+    generators_after: GeneratorStates = ()
     if invocation is None:
-        devices = _rng_devices_of(recorders)
+        devices, generators = _restored_by(recorders)
         # The replay will not run these ops, nor the RNG comparison (torch.equal dispatches
         # aten::equal): a save unit keeping everything a callable dispatches must not keep them.
         token = IN_REUSE.set(True)
@@ -320,11 +345,15 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         buffers = buffer_versions(fn)
         try:
             before = rng_state(devices) if devices is not None else None
+            generators_before = tuple((g, g.get_state()) for g in generators) \
+                if generators else ()
             result = fn(*args, **kwargs)
             if before is not None and devices is not None:
                 # NOTE [skipped work keeps the RNG in step]
                 after = rng_state(devices)
                 rng_after = after if rng_changed(before, after) else None
+            if generators_before:
+                generators_after = generators_moved(generators_before)
         finally:
             IN_REUSE.reset(token)
         warn_changed_arguments(callable_name(fn), call, versions)  # NOTE in frozen.py
@@ -333,6 +362,8 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         passthrough = as_recorded(callable_name(fn), result, args, kwargs)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after, passthrough = invocation.frame.take_with_rng(fn)
+        if recorders:
+            generators_after = invocation.frame.taken_generator_jump(fn)
         changes = invocation.frame.taken_state_after(fn)
         if changes is not None:  # made here as the skipped call made them in the forward
             token = IN_REUSE.set(True)
@@ -344,12 +375,18 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             refuse_in_replay(fn, callable_name(fn), passthrough, result, args, kwargs)
     for recorder in recorders:
         recorder.frame.record(fn, result, rng_after=rng_after, passthrough=passthrough,
-                              state_after=changes)
+                              state_after=changes, generators_after=generators_after)
     return result
 
 
-def _rng_devices_of(invocations: list[Any], /) -> tuple[int, ...] | None:
-    """The CUDA devices whose generators any of ``invocations`` restores in its replay, or
-    ``None`` when none restores RNG at all."""
+def _restored_by(invocations: list[Any], /
+                 ) -> tuple[tuple[int, ...] | None, tuple[torch.Generator, ...]]:
+    """The CUDA devices whose generators any of ``invocations`` restores in its replay (``None``
+    when none restores RNG at all), and the generators passed in that any of them restores."""
+    if len(invocations) == 1:  # the usual case: one boundary records
+        frame = invocations[0].frame
+        return frame.rng_devices, frame.generators
     devices = [i.frame.rng_devices for i in invocations if i.frame.rng_devices is not None]
-    return None if not devices else tuple(sorted({d for ds in devices for d in ds}))
+    generators = {id(g): g for i in invocations for g in i.frame.generators}
+    return (None if not devices else tuple(sorted({d for ds in devices for d in ds})),
+            tuple(generators.values()))

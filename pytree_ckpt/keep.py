@@ -43,7 +43,7 @@ from .census import Mechanism, census_active, report_held
 from .eager import user_stacklevel
 from .errors import CheckpointError
 from .phase import Invocation, Phase
-from .rng import rng_changed, rng_state
+from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
 
 __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept"]
 
@@ -332,13 +332,20 @@ class KeepMode(TorchDispatchMode):
         if invocation.phase is Phase.FORWARD:
             devices = frame.rng_devices if _may_draw_random(func) else None
             before = rng_state(devices) if devices is not None else None
+            # NOTE [generators passed in] (rng.py): those the replay restores jump too.
+            generators_before: GeneratorStates = \
+                tuple((g, g.get_state()) for g in frame.generators) \
+                if devices is not None and frame.generators else ()
             args, kwargs = _for_backward(func, args, kwargs)
             out = func(*args, **kwargs)
             rng_after = None
+            generators_after: GeneratorStates = ()
             if before is not None and devices is not None:
                 # NOTE [skipped work keeps the RNG in step] (frames.py): the replay skips it.
                 after = rng_state(devices)
                 rng_after = after if rng_changed(before, after) else None
+                if generators_before:
+                    generators_after = generators_moved(generators_before)
             if any(t.is_inference() for t in _tensors(out)):
                 # Made under torch.inference_mode() inside the layer: no version to check, and
                 # nothing to save for backward; the replay runs the op again.
@@ -349,7 +356,8 @@ class KeepMode(TorchDispatchMode):
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
             frame.record(func, (kept, [t._version for t in _tensors(kept)], holder,
-                                _call_arguments(func, args, kwargs)), rng_after=rng_after)
+                                _call_arguments(func, args, kwargs)), rng_after=rng_after,
+                         generators_after=generators_after)
             position = len(frame.results[func]) - 1
             for tensor in _tensors(kept):
                 key = _storage_id(tensor)

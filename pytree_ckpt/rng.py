@@ -12,11 +12,13 @@ from typing import Any
 import torch
 from torch.nn.utils import parametrize
 
-__all__ = ["IsolatedPass", "ReplayEnvironment", "Replaying", "RngState", "rng_changed",
-           "rng_state", "set_rng_state"]
+__all__ = ["GeneratorStates", "IsolatedPass", "ReplayEnvironment", "Replaying", "RngState",
+           "generators_moved", "rng_changed", "rng_state", "set_rng_state"]
 
 # The CPU generator's state and, by device index, CUDA generators' states.
 RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
+# Generators passed in, each with a state (NOTE [generators passed in]).
+GeneratorStates = tuple[tuple[torch.Generator, torch.Tensor], ...]
 
 
 def rng_state(devices: tuple[int, ...], /) -> RngState:
@@ -36,6 +38,17 @@ def set_rng_state(state: RngState, /, *, devices: tuple[int, ...]) -> None:
     for device in devices:
         if device in state[1]:
             torch.cuda.set_rng_state(state[1][device], device)
+
+
+def generators_moved(before: GeneratorStates, /) -> GeneratorStates:
+    """Those of ``before``'s generators whose state changed since, each with its state now."""
+    moved = []
+    for generator, state in before:
+        now = generator.get_state()
+        if not torch.equal(state, now):
+            moved.append((generator, now))
+    return tuple(moved)
+
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 # Not in torch's type stubs (torch/csrc/utils/disable_torch_function.cpp).
@@ -118,7 +131,7 @@ class ReplayEnvironment:
         # back after it: the replay draws the forward's numbers, and the generator ends the
         # step where eager leaves it.
         # Only with preserve_rng_state, as for the default generators.
-        self.generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
+        self.generators: GeneratorStates = ()
         self.kernels = kernels  # NOTE [the replay picks the forward's kernels]
         self.cuda_rng = cuda_rng
         self.autocast = autocast
