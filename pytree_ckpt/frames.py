@@ -103,7 +103,11 @@ class Frame:
         # stay behind and every later random op (dropout) would draw other numbers than in
         # the original pass. The states after such a call are recorded; the replay jumps to
         # them when it takes the result. Only with the boundary's RNG preserved (its replay
-        # restores these generators, and puts the ambient ones back after it).
+        # restores these generators, and puts the ambient ones back after it), and only for
+        # generators its replay restores: the default ones of ``rng_devices``, and those passed
+        # in (``generators``, NOTE [generators passed in] in rng.py); jumping another would
+        # move it outside the replay for good. A nested boundary's first run inside an
+        # enclosing replay records the jumps that replay took, for the generators it restores.
         self.rng_jumps: dict[Callable[..., Any], list[RngState | None]] = {}
         self.rng_devices: tuple[int, ...] | None = None  # set by the boundary's original pass
         # The generators passed in that the replay restores (NOTE [generators passed in] in

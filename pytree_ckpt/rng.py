@@ -129,8 +129,11 @@ class ReplayEnvironment:
         # can see, unlike one a closure or a module attribute holds. Its state at the start of
         # the original pass is restored for each replay, and the state backward found is put
         # back after it: the replay draws the forward's numbers, and the generator ends the
-        # step where eager leaves it.
-        # Only with preserve_rng_state, as for the default generators.
+        # step where eager leaves it. Where a reused call or a kept op drew from it, the replay
+        # skips the draw and jumps it past, as the default ones (NOTE [skipped work keeps the
+        # RNG in step] in frames.py: Frame.generators are these).
+        # Only with preserve_rng_state, as for the default generators: without it, none is
+        # restored or jumped, and the replay draws the next numbers of each.
         self.generators: GeneratorStates = ()
         self.kernels = kernels  # NOTE [the replay picks the forward's kernels]
         self.cuda_rng = cuda_rng
