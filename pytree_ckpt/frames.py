@@ -112,9 +112,9 @@ class Frame:
         self.rng_devices: tuple[int, ...] | None = None  # set by the boundary's original pass
         # The generators passed in that the replay restores (NOTE [generators passed in] in
         # rng.py; set by the boundary's original pass) jump too: by (fn, position), the states
-        # after the calls that moved one of them.
+        # after the calls that moved one of them (made at the first: none per call otherwise).
         self.generators: tuple[torch.Generator, ...] = ()
-        self.generator_jumps: dict[tuple[Callable[..., Any], int], GeneratorStates] = {}
+        self.generator_jumps: dict[tuple[Callable[..., Any], int], GeneratorStates] | None = None
         # NOTE [state a reused call changes] (frozen.py): by (fn, position), only for the calls
         # that changed an integer argument or a buffer of their module.
         self.state_after: dict[tuple[Callable[..., Any], int], StateAfter] = {}
@@ -152,6 +152,8 @@ class Frame:
             mine = tuple((g, state) for g, state in generators_after
                          if any(g is h for h in self.generators))
             if mine:
+                if self.generator_jumps is None:
+                    self.generator_jumps = {}
                 self.generator_jumps[fn, len(self.results.get(fn, ()))] = mine
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
             flat = flatten(result)
@@ -290,7 +292,7 @@ class Frame:
         self.versions.clear()
         self.passthrough.clear()
         self.rng_jumps.clear()
-        self.generator_jumps.clear()
+        self.generator_jumps = None
         self.state_after.clear()
         self.cursors.clear()
         self.released = True
