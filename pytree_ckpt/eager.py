@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
-           "compile_stance_is_default", "compiled_wrapper", "in_fullgraph_compile",
+           "compile_stance_is_default", "compiled_wrapper", "in_compiled_module_call",
            "runs_eagerly", "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -72,25 +72,28 @@ def user_stacklevel() -> int:
     return level
 
 
-_WRAPPER_DEPTH = 16  # frames between the boundary and the wrapper's call: 7 on torch 2.13
-_MODULE_CALL_FRAMES = frozenset({"__call__", "_wrapped_call_impl", "_call_impl"})
+_WRAPPER_DEPTH = 16  # frames looked at: the wrapper's call is the 10th on torch 2.11 and 2.13
+
+_eval_frame: Any = None  # torch._dynamo.eval_frame, kept once dynamo is imported
+_wrapper_call: Any = None  # the code of OptimizedModule.__call__ (False: none of its own)
 
 
-_dynamo_tls: Any = None  # dynamo's thread-local state, kept once torch._dynamo is imported
+def _dynamo_eval_frame() -> Any:
+    """torch._dynamo.eval_frame once imported (by a first layer call), else None: the lookup
+    is made until then, not after."""
+    global _eval_frame
+    if _eval_frame is None:
+        _eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return _eval_frame
 
 
-def in_fullgraph_compile() -> bool:
-    """Whether a torch.compile(..., fullgraph=True) call is running in this thread (dynamo's
-    thread-local list of skipped frames is set only then; False on a torch without it).
-    Read at every layer call: the module lookup is made until dynamo is imported, not after."""
-    global _dynamo_tls
-    tls = _dynamo_tls
-    if tls is None:
-        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        if eval_frame is None:
-            return False  # nothing was compiled in this process yet
-        tls = _dynamo_tls = getattr(eval_frame, "dynamo_tls", False)
-    return getattr(tls, "skip_reasons", None) is not None
+def in_compiled_module_call() -> bool:
+    """Whether the call of a ``torch.compile(module)`` wrapper (dynamo's OptimizedModule) is
+    running: dynamo's flag, set by that call for its whole length (process-wide, so a wrapper
+    running in another thread sets it too; False on a torch without it). Read at every layer
+    call: one attribute of a module kept once dynamo is imported."""
+    eval_frame = _eval_frame if _eval_frame is not None else _dynamo_eval_frame()
+    return eval_frame is not None and getattr(eval_frame, "_in_optimized_module", False) is True
 
 
 def compile_stance_is_default() -> bool:
@@ -104,20 +107,26 @@ def compile_stance_is_default() -> bool:
 def compiled_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:
     """The OptimizedModule (``torch.compile(module)``) whose call is running ``module``, if
     any, found among the frames that led to the boundary (NOTE [compiled around the layer] in
-    module.py). Called from the boundary's entry, two frames below."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported at a first call
-    optimized = getattr(eval_frame, "OptimizedModule", None)
-    if optimized is None:
+    module.py): a frame of OptimizedModule's own ``__call__`` whose wrapper wraps ``module``.
+    Frames are told apart by their code object, so the locals of no other frame are read
+    (reading them copies them into a dict). None on a torch whose OptimizedModule has no
+    ``__call__`` of its own (torch 2.11 and 2.13 have one)."""
+    global _wrapper_call
+    if _wrapper_call is None:
+        eval_frame = _dynamo_eval_frame()
+        optimized = getattr(eval_frame, "OptimizedModule", None)
+        if optimized is None:
+            return None  # nothing was compiled in this process yet
+        _wrapper_call = getattr(vars(optimized).get("__call__"), "__code__", False)
+    if _wrapper_call is False:
         return None
-    frame: FrameType | None = sys._getframe(2)  # above this and the boundary's __call__
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_WRAPPER_DEPTH):
         if frame is None:
             return None
-        # Only nn.Module's call frames hold the wrapper as ``self``: the locals of no other
-        # frame are read (reading them copies them into a dict).
-        if frame.f_code.co_name in _MODULE_CALL_FRAMES:
+        if frame.f_code is _wrapper_call:
             owner = frame.f_locals.get("self")
-            if isinstance(owner, optimized) and getattr(owner, "_orig_mod", None) is module:
+            if getattr(owner, "_orig_mod", None) is module:
                 return owner
         frame = frame.f_back
     return None

@@ -42,7 +42,7 @@ from torch import nn
 from .boundary import run_boundary
 from .boundary_call import BoundaryOptions
 from .eager import (BOUNDARY_REASON, compile_stance_is_default, compiled_wrapper,
-                    in_fullgraph_compile, runs_eagerly, user_stacklevel)
+                    in_compiled_module_call, runs_eagerly, user_stacklevel)
 from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .module_state import drop_caches
@@ -62,14 +62,22 @@ _INSTALLED = "_pytree_ckpt_installed"
 
 
 class _CheckpointedForward:
-    """The ``forward`` instance attribute that sends a module's forward through the boundary."""
+    """The ``forward`` instance attribute that sends a module's forward through the boundary.
 
-    __slots__ = ("module_ref", "bare", "options")
+    It also holds what was checked and told about its module (NOTE [compiled around the
+    layer]): a copy (deepcopy, pickle) gets a new one, and so is checked and told anew.
+    """
+
+    __slots__ = ("module_ref", "bare", "options", "check_wrapper", "told")
 
     def __init__(self, module: nn.Module, bare: Any, options: BoundaryOptions) -> None:
         self.module_ref = weakref.ref(module)
         self.bare = bare  # an instance-level forward that was there before, else None
         self.options = options
+        # Look for torch.compile(layer) around the module: at the next call (None), at calls
+        # made while such a wrapper's call runs (True), or never (False: its body is compiled).
+        self.check_wrapper: bool | None = None
+        self.told: set[str] = set()  # the warnings given about the module, each given once
 
     @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -77,9 +85,10 @@ class _CheckpointedForward:
         if module.__dict__.get("forward") is not self:
             _warn_compiled_over(module, self)
         if module.__dict__.get("_compiled_call_impl") is not None:
-            _warn_module_compiled(module)
-        if _CHECKED_WRAPPER not in module.__dict__ or in_fullgraph_compile():
-            _check_compiled_wrapper(module, self.bare)  # NOTE [compiled around the layer]
+            _warn_module_compiled(module, self)
+        check = self.check_wrapper
+        if check is None or (check and in_compiled_module_call()):
+            _check_compiled_wrapper(module, self)  # NOTE [compiled around the layer]
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
         return run_boundary(forward, args, kwargs, self.options, owner=module)
 
@@ -133,14 +142,11 @@ class _CheckpointedForward:
         return (_restore_forward, (module, name, self.options))
 
 
-_WARNED_COMPILED = "_pytree_ckpt_warned_compiled"
-
-
 def _warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> None:
-    if module.__dict__.get(_WARNED_COMPILED) or \
+    if "compiled over" in installed.told or \
             not _compiled_over(module.__dict__.get("forward"), installed):
         return
-    module.__dict__[_WARNED_COMPILED] = True
+    installed.told.add("compiled over")
     warnings.warn(
         f"pytree_ckpt: the forward of this {type(module).__name__} was compiled after "
         "checkpointing, which compiles nothing (the boundary is opaque to dynamo, and so is the "
@@ -149,13 +155,10 @@ def _warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> N
         "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
 
 
-_WARNED_MODULE_COMPILE = "_pytree_ckpt_warned_module_compile"
-
-
-def _warn_module_compiled(module: nn.Module) -> None:
-    if module.__dict__.get(_WARNED_MODULE_COMPILE):
+def _warn_module_compiled(module: nn.Module, installed: _CheckpointedForward) -> None:
+    if "module.compile()" in installed.told:
         return
-    module.__dict__[_WARNED_MODULE_COMPILE] = True
+    installed.told.add("module.compile()")
     warnings.warn(
         f"pytree_ckpt: this {type(module).__name__} was compiled with module.compile(), which "
         "compiles its call up to the boundary and nothing inside it (the boundary is opaque to "
@@ -164,25 +167,31 @@ def _warn_module_compiled(module: nn.Module) -> None:
         "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
 
 
-_CHECKED_WRAPPER = "_pytree_ckpt_checked_compiled_wrapper"
-
-
 # NOTE [compiled around the layer]: torch.compile(layer) after checkpointing (torchtitan
 # compiles each block after applying activation checkpointing) wraps the layer in dynamo's
 # OptimizedModule. Dynamo skips nn.Module's call frames and reaches the boundary only through
 # its eager entry, so nothing compiles, silently; with fullgraph=True torch failed after the
 # whole forward had run, with "found no compiled frames" and a list of torch's own frames.
-# The layer is not told it was wrapped, so the wrapper is looked for on the call stack, at the
-# layer's first call (a frame walk is too costly for every call), and at every call made while
-# a fullgraph compile runs (dynamo's thread-local list of skipped frames is set then; a torch
-# without it checks first calls only). A layer first called eagerly and compiled without
-# fullgraph later is not warned about. A body compiled inside the boundary (the order
-# docs/scaling.md gives) makes a wrapper put around it as well harmless: its graphs are
-# compiled frames, so torch runs it, fullgraph=True included, and nothing is said.
-def _check_compiled_wrapper(module: nn.Module, bare: Any) -> None:
-    wrapper = None if hasattr(bare, "_torchdynamo_orig_callable") else compiled_wrapper(module)
+# The layer is not told it was wrapped, so the wrapper's call is looked for on the call stack
+# (eager.compiled_wrapper), at the layer's first call and then only at calls made while some
+# wrapper's call runs: dynamo sets a flag for the length of every OptimizedModule call, read
+# here at each call (one attribute). So a layer called eagerly first and wrapped later is found
+# at its first wrapped call, and an eager step pays no frame walk. Calls inside
+# torch.compile(model) run under the flag too and pay the walk at each: about 20,000
+# instructions, 1% of what the boundary adds to a layer call. A torch without the flag
+# checks first calls only. What was checked and told is held by the installed
+# forward, not the module's __dict__: a copy (deepcopy, pickle) gets its own, and is checked
+# and told anew; each warning is given once per layer. A body compiled inside the boundary
+# (the order docs/scaling.md gives) makes a wrapper put around it as well harmless: its graphs
+# are compiled frames, so torch runs it, fullgraph=True included, and nothing is said (nor
+# looked for again).
+def _check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -> None:
+    if hasattr(installed.bare, "_torchdynamo_orig_callable"):  # a compiled body
+        installed.check_wrapper = False
+        return
+    wrapper = compiled_wrapper(module)
     if wrapper is None:
-        module.__dict__[_CHECKED_WRAPPER] = True
+        installed.check_wrapper = True
         return
     name = type(module).__name__
     fix = ("compile the body inside the boundary: remove_activation_checkpointing(layer), "
@@ -192,8 +201,9 @@ def _check_compiled_wrapper(module: nn.Module, bare: Any) -> None:
            "'Wrapping order')")
     if getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False) and \
             compile_stance_is_default():
-        # Not marked checked: every call is refused, rather than torch's message after it.
-        # Only where torch fails too: under another stance (force_eager) it runs the call.
+        # Left as it was: every call is checked again and refused, rather than torch's
+        # message after it (also on a torch without dynamo's flag). Only where torch fails
+        # too: under another stance (force_eager) it runs the call.
         raise CheckpointConfigError(
             f"this {name} is checkpointed and called through torch.compile(layer, "
             "fullgraph=True): the compiled wrapper reaches only the boundary, "
@@ -201,9 +211,10 @@ def _check_compiled_wrapper(module: nn.Module, bare: Any) -> None:
             "can be compiled", expected="the layer's body compiled, inside the boundary",
             got=f"torch.compile around the checkpointed {name}",
             tip=fix.format(", fullgraph=True", ", fullgraph=True"))
-    if _CHECKED_WRAPPER in module.__dict__:
-        return  # a fullgraph call under another stance, checked at each call: told once
-    module.__dict__[_CHECKED_WRAPPER] = True
+    installed.check_wrapper = True
+    if "compiled around" in installed.told:
+        return  # checked again at each wrapped call: told once
+    installed.told.add("compiled around")
     warnings.warn(
         f"pytree_ckpt: this {name} is checkpointed and called through torch.compile(layer), "
         "which compiles nothing: the compiled wrapper reaches only the boundary, "
@@ -416,9 +427,6 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
             else:
                 sub.__dict__[name] = kept.inner
         remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
-    module.__dict__.pop(_WARNED_COMPILED, None)
-    module.__dict__.pop(_WARNED_MODULE_COMPILE, None)
-    module.__dict__.pop(_CHECKED_WRAPPER, None)
     bare = installed.bare
     if module.__dict__.get("forward") is not installed:  # NOTE [compiled over the boundary]
         logger.info("%s: the torch.compile wrapper put over its boundary goes with it",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import pickle
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -242,12 +243,131 @@ def test_compiling_a_checkpointed_layer_itself_warns_once_and_stays_exact() -> N
         torch._dynamo.reset()
 
 
-def _fullgraph_calls_marked() -> bool:
-    """Whether this torch marks a fullgraph compile in progress (dynamo's list of skipped
-    frames, torch 2.13), by which the boundary sees one at every call, not only a first."""
+def _compiled_calls_marked() -> bool:
+    """Whether this torch marks a torch.compile(module) call in progress (dynamo's flag, set
+    by OptimizedModule's call: torch 2.11 and 2.13), by which the boundary looks for a wrapper
+    at every such call, not only at a first call."""
     from torch._dynamo import eval_frame
 
-    return hasattr(eval_frame.dynamo_tls, "skip_reasons")
+    return hasattr(eval_frame, "_in_optimized_module")
+
+
+def _told_compiled_around(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "called through torch.compile(layer)" in
+            str(w.message)]
+
+
+def test_a_checkpointed_layer_called_eagerly_then_compiled_around_is_told_once_when_compiled(
+        ) -> None:
+    # Guards against: the wrapper was looked for at a layer's first call only (and at fullgraph
+    # calls), so a layer trained eagerly for a while and then compiled with torch.compile(layer)
+    # (a framework's per-block compile, applied after the first steps) compiled nothing, and
+    # nothing was said.
+    if not _compiled_calls_marked():
+        pytest.skip("this torch marks no torch.compile(module) call: first calls only")
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Net()
+        net = copy.deepcopy(eager)
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        counter = CompileCounterWithBackend("eager")
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(4):
+                if step == 2:
+                    net.block = torch.compile(net.block,  # type: ignore[assignment]
+                                              backend=counter)
+                told_before = len(_told_compiled_around(caught))
+                net.zero_grad(set_to_none=True)
+                eager.zero_grad(set_to_none=True)
+                net(x).backward()
+                eager(x).backward()
+                assert_grads_equal(
+                    {n: p.grad for n, p in eager.named_parameters()},
+                    {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
+                # Nothing in the eager steps; at the first compiled step; not again.
+                assert len(_told_compiled_around(caught)) - told_before == (step == 2)
+        told = _told_compiled_around(caught)
+        assert len(told) == 1 and "layer.forward = torch.compile(layer.forward)" in told[0]
+        assert counter.frame_count == 0  # what the warning says: nothing compiled
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_layer_told_it_was_compiled_around_is_told_again_when_compiled(
+        how: str) -> None:
+    # Guards against: what was checked and told lived in the module's __dict__, which a copy
+    # carries: a copy of a layer already told (or only checked, on a torch that looks at
+    # first calls alone), then compiled with torch.compile(layer), was told nothing.
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        layer = copy.deepcopy(eager)
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.compile(layer, backend="eager")(x).sum().backward()
+            assert len(_told_compiled_around(caught)) == 1
+            twin = copy.deepcopy(layer) if how == "deepcopy" else \
+                pickle.loads(pickle.dumps(layer))
+            assert pytree_ckpt.is_checkpointed(twin)
+            compiled = torch.compile(twin, backend="eager")
+            for told in (2, 2):  # the copy is a layer of its own, told once
+                twin.zero_grad(set_to_none=True)
+                compiled(x).sum().backward()
+                assert len(_told_compiled_around(caught)) == told
+        eager(x).sum().backward()
+        assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                           {n: p.grad for n, p in twin.named_parameters()})
+    finally:
+        torch._dynamo.reset()
+
+
+def test_eager_calls_after_a_layers_first_walk_no_frames_and_compiled_callers_walk_each_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The look for a torch.compile(layer) wrapper walks the call stack (NOTE [compiled around
+    # the layer]): at a layer's first call, then only at calls made while a torch.compile(
+    # module) call runs. An eager step must not pay it.
+    if not _compiled_calls_marked():
+        pytest.skip("this torch marks no torch.compile(module) call: first calls only")
+    from pytree_ckpt import module as module_impl
+
+    walks: list[nn.Module] = []
+    real = module_impl.compiled_wrapper
+
+    def counted(module: nn.Module) -> Any:
+        walks.append(module)
+        return real(module)
+
+    monkeypatch.setattr(module_impl, "compiled_wrapper", counted)
+    torch._dynamo.reset()
+    try:
+        net = _Net()
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        x = torch.randn(4, 8)
+        for _ in range(3):
+            net(x).backward()
+        assert walks == [net.block]  # the first call only
+        walks.clear()
+        compiled = torch.compile(net, backend="eager")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                compiled(x).backward()
+        assert walks == [net.block] * 2  # under a wrapper of the caller: each call looks
+        assert not _told_compiled_around(caught)  # and finds no wrapper of the layer
+        walks.clear()
+        net(x).backward()
+        assert walks == []  # eager again: none
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("first_call", ["compiled", "eager"])
@@ -256,11 +376,10 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_naming_th
     # torch.compile(layer, fullgraph=True) failed after running the whole forward eagerly, with
     # torch's "found no compiled frames" and a list of torch's own skipped frames: neither the
     # boundary nor the wrapping order was named. Also for a layer that ran eagerly before.
-    if first_call == "eager" and not _fullgraph_calls_marked():
-        # Before torch 2.13 dynamo keeps no list of skipped frames, by which a fullgraph
-        # compile is seen at every call (NOTE [compiled around the layer]); nor does torch fail
-        # such a call: the layer runs uncompiled, as it does without the boundary's check.
-        pytest.skip("this torch marks no fullgraph compile in progress: first calls only")
+    if first_call == "eager" and not _compiled_calls_marked():
+        # A torch without dynamo's flag for a torch.compile(module) call in progress is looked
+        # at first calls only (NOTE [compiled around the layer]).
+        pytest.skip("this torch marks no torch.compile(module) call: first calls only")
     torch._dynamo.reset()
     try:
         net = _Net()
@@ -338,7 +457,7 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_under_the_force_eager_stanc
         assert_grads_equal(
             {n: p.grad for n, p in eager.named_parameters()},
             {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
-        if _fullgraph_calls_marked():  # else checked at first calls only, as above
+        if _compiled_calls_marked():  # else checked at first calls only, as above
             with pytest.raises(pytree_ckpt.CheckpointConfigError):  # where torch would fail
                 net(x)
     finally:
