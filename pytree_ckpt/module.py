@@ -133,6 +133,19 @@ class _CheckpointedForward:
         # copy.deepcopy(module) registers the new module in memo before copying its __dict__.
         module = self._module()
         twin = memo.get(id(module), module)
+        forward = module.__dict__.get("forward")
+        if forward is not self and _compiled_over(forward, self):
+            # A torch.compile wrapper over the boundary (NOTE [compiled over the boundary]) is
+            # a function, which deepcopy shares: the copy's forward would run the original's
+            # boundary, with the original's weights, silently.
+            raise CheckpointError(
+                f"cannot copy a checkpointed {type(module).__name__} whose forward was compiled "
+                "after checkpointing", expected="the boundary as the module's forward",
+                got="torch.compile's wrapper of the boundary, which the copy would share "
+                "(computing with the original's weights)",
+                tip="remove_activation_checkpointing(layer) (which drops the compiled wrapper), "
+                    "copy, then compile each copy's body and checkpoint it (docs/scaling.md, "
+                    "'Wrapping order')")
         return _CheckpointedForward(twin, self._bare_for(twin), self.options)
 
     def __reduce__(self) -> Any:
@@ -243,7 +256,8 @@ def _installed(module: nn.Module) -> _CheckpointedForward | None:
 # NOTE [compiled over the boundary]: ``layer.forward = torch.compile(layer.forward)`` after
 # checkpointing wraps the boundary, which dynamo never traces: nothing is compiled, and the
 # layer is still checkpointed. is_checkpointed says so, applying again does not nest a second
-# boundary, removing drops the wrapper with the boundary, and the first call warns.
+# boundary, removing drops the wrapper with the boundary, the first call warns, and a deep
+# copy is refused (it would share the wrapper, and so the original's boundary).
 def _compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
     """Whether ``forward`` is torch.compile's wrapper of ``installed`` (not any other wrapper:
     a ``functools.wraps`` one of the user's stays theirs)."""

@@ -46,3 +46,24 @@ def test_a_pickled_copy_keeps_calling_the_bound_method_installed_as_its_forward(
     x = torch.randn(2, 4, requires_grad=True)
     assert torch.equal(twin(x), twin.forward_doubled(x))
     assert torch.equal(twin(x), layer(x))
+
+
+def test_deep_copying_a_layer_whose_forward_was_compiled_after_checkpointing_is_refused(
+        ) -> None:
+    # Guards against: deepcopy shares functions, so the torch.compile wrapper put over the
+    # boundary (the wrong order, warned about at the first call) went to the copy as it was:
+    # the copy's forward ran the original's boundary, with the original's weights, silently.
+    layer = nn.Linear(4, 4)
+    pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+    layer.forward = torch.compile(layer.forward, backend="eager")  # type: ignore[method-assign]
+    with pytest.raises(CheckpointError, match="compiled after checkpointing") as info:
+        copy.deepcopy(layer)
+    assert "remove_activation_checkpointing(layer)" in str(info.value)
+    # The tip's order: removed (the wrapper goes with the boundary), copied, checkpointed.
+    pytree_ckpt.remove_activation_checkpointing(layer)
+    twin = copy.deepcopy(layer)
+    pytree_ckpt.apply_activation_checkpointing(twin, offload=False)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.zero_()
+    assert torch.equal(twin(torch.randn(2, 4)), torch.zeros(2, 4))  # the copy's own weights
