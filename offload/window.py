@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.discard import DISCARDED_MARK
 from pytree_ckpt.errors import CheckpointError
-from pytree_ckpt.refusals import CHANGED_AFTER_CALL_TIP
+from pytree_ckpt.changed_in_place import CHANGED_AFTER_CALL_TIP
 from pytree_ckpt.subclass import SubclassKind, as_kind, kind_of
 
 if TYPE_CHECKING:  # the manager builds these objects; they only read and count into it

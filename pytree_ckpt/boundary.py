@@ -55,7 +55,8 @@ those raise ``CheckpointError`` instead of returning partial results.
 Elsewhere: what a call carries from its original pass to its replay, and the boundary's
 options, in ``boundary_call.py``; what the boundary knows of the modules a call uses (their parameters and buffers,
 cached) in ``module_state.py``; the state the original pass changes in ``state_changes.py``;
-what it refuses, and how its messages say so, in ``refusals.py``; the replay itself, in
+what it refuses, and how its messages say so, in ``refusals.py``, ``tree_refusals.py``
+and ``changed_in_place.py``; the replay itself, in
 backward, in ``recompute.py``.
 
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
@@ -81,6 +82,7 @@ from torch import nn
 
 from .boundary_call import BoundaryCall, BoundaryOptions
 from .census import Mechanism, census_active, report_held
+from .changed_in_place import raise_input_changed, refuse_parameters_changed
 from .errors import CheckpointError
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode
@@ -90,15 +92,15 @@ from .module_state import (ModuleDicts, any_lazy, call_switches, collect_paramet
 from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
-from .refusals import (fn_name, input_path, raise_input_changed, refuse_double_backward,
-                       refuse_hidden_outputs, refuse_parameters_changed,
-                       refuse_strided_nested, refuse_unreadable_inputs)
+from .refusals import fn_name, input_path, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (ForwardModules, ParameterVersions, StateWatch, mark_stateful,
                             snapshots_wanted, versions)
 from .stored_state import warn_parameter_changed
 from .subclass import kind_of
 from .tree import flatten, flatten_call
+from .tree_refusals import (refuse_hidden_outputs, refuse_strided_nested,
+                            refuse_unreadable_inputs)
 
 __all__ = ["run_boundary"]
 
@@ -182,7 +184,7 @@ class _BoundaryFunction(torch.autograd.Function):
         now = versions(tensors)
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
             if now != input_versions else []
-        if param_before is not None:  # NOTE [parameters changed in place] (refusals.py)
+        if param_before is not None:  # NOTE [parameters changed in place] (changed_in_place.py)
             assert call.params is not None
             call.param_versions = ParameterVersions(call.params, param_before)
         # NOTE [attributes set before the call], continued: saved with the inputs, after them.

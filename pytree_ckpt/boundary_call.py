@@ -96,10 +96,11 @@ class BoundaryCall:
         self.frozen: list[torch.Tensor] = []
         self.frozen_at_call: list[torch.Tensor] = []  # the frozen ones, kept for backward
         # What ctx saved, as versions when saved: names an input changed after the call where
-        # torch has no SavedTensor.unpack() (before 2.12; refusals.raise_changed_after_call).
+        # torch has no SavedTensor.unpack() (before 2.12; raise_changed_after_call in
+        # changed_in_place.py).
         self.saved_versions: list[int | None] = []
         # The trainable parameters' versions as the original pass (or the last replay) left
-        # them (NOTE [parameters changed in place] in refusals.py).
+        # them (NOTE [parameters changed in place] in changed_in_place.py).
         self.param_versions: ParameterVersions | None = None
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in state_changes.py); None when it changed nothing.

@@ -53,13 +53,13 @@ import torch
 from torch import nn
 
 from .census import ActivationCensus, active_census
+from .changed_in_place import refuse_parameters_changed
 from .discard_aliases import reachable_tensors
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .frames import callable_name
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
-from .refusals import refuse_parameters_changed
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState, ForwardModules, ParameterVersions
 from .tree import flatten
@@ -107,7 +107,8 @@ class CheckpointWithoutOutput:
         self.passthrough = False  # ran without grad: no graph, nothing to discard or replay
         self.n_args = 0
         self.params: list[torch.Tensor] | None = None  # fn's parameters, when fn is a module
-        # Their versions after the forward (NOTE [parameters changed in place] in refusals.py).
+        # Their versions after the forward (NOTE [parameters changed in place] in
+        # changed_in_place.py).
         self.param_versions: ParameterVersions | None = None
         self.made_outside: list[bool] = []  # per output: on an input's or fn's state's storage
         self.versions: list[int] = []  # per output, when checkpointed

@@ -75,7 +75,7 @@ class DiscardFunction(torch.autograd.Function):
             refuse_input_changed(owner._name(), args, tensors[moved[0]])
         if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
             owner.changed_state = watch.changed()
-        if param_before is not None:  # NOTE [parameters changed in place] (refusals.py)
+        if param_before is not None:  # NOTE [parameters changed in place] (changed_in_place.py)
             assert owner.params is not None
             owner.param_versions = ParameterVersions(owner.params, param_before)
         if owner.modules:  # NOTE [the replay sees the forward's modules] (state_changes.py)

@@ -39,7 +39,7 @@ class ReuseError(CheckpointError):
 class SavedTensorChanged(CheckpointError):
     """A tensor saved through a saved-tensor hook (a census, offload) was changed in place
     since it was saved (saved.py makes autograd's check there); the boundary rewords it for its
-    own inputs (``raise_changed_after_call`` in refusals.py)."""
+    own inputs (``raise_changed_after_call`` in changed_in_place.py)."""
 
     def __init__(self, what: str, /, *, saved_version: int, version: int, tip: str) -> None:
         super().__init__(what, expected=f"version {saved_version} (when saved)",

@@ -21,16 +21,16 @@ from .keep import KeepMode
 from .module_state import is_verified
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
-from .refusals import (TORCH_REENTRANT, fn_name, open_containers,
-                       raise_attached_to_outside_tensor, raise_changed_after_call,
-                       raise_hooked_outside_tensor, raise_torch_reentrant_inside,
-                       refuse_filled_containers, verify_leaves)
+from .changed_in_place import raise_changed_after_call
+from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tensor,
+                       raise_hooked_outside_tensor, raise_torch_reentrant_inside, verify_leaves)
 from .rng import IsolatedPass
 from .saved import Unchanged
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
 from .subclass import as_kind
 from .tree import alias_all, flatten
+from .tree_refusals import open_containers, refuse_filled_containers
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -41,7 +41,7 @@ __all__ = ["replay_backward"]
 class _FirstReplay:
     """What a module's first replay with a switch (NOTE [verified per switch] in
     module_state.py) reads around ``fn``: the containers passed in (NOTE [containers filled by
-    the forward] in refusals.py), the scalars
+    the forward] in tree_refusals.py), the scalars
     and numbers on its modules (NOTE [results stored on a module], NOTE [numbers a forward
     changes] in stored_state.py). The replay runs with grad, so what it adds tells a loss from a
     value that never had a gradient, which the no-grad original pass cannot."""

@@ -50,7 +50,7 @@ _own_moves_seen = False
 
 
 class ParameterVersions:
-    """NOTE [parameters changed in place] (refusals.py): a call's trainable parameters'
+    """NOTE [parameters changed in place] (changed_in_place.py): a call's trainable parameters'
     versions as its pass left them, and the moves the library's own passes had made by then.
     A move since that no pass of ours made (an optimizer step before backward) is the
     caller's; those our passes make (the same layer's next micro-batch, another call's

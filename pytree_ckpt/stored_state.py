@@ -2,7 +2,7 @@
 per switch] in module_state.py) and warned about once per module: scalars computed with grad
 stored as attributes (NOTE [results stored on a module]), Python numbers the forward changes
 (NOTE [numbers a forward changes]) and transformers' own checkpointing switched on too. The
-replay (``_FirstReplay`` in recompute.py) reads these; what is refused is in refusals.py.
+replay (``_FirstReplay`` in recompute.py) reads these; what is refused is in tree_refusals.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from .eager import user_stacklevel
-from .refusals import container_elements, fn_name, parameter_path
+from .changed_in_place import parameter_path
+from .refusals import fn_name
+from .tree_refusals import container_elements
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -161,7 +163,7 @@ _WARNED_PARAMETER = "_pytree_ckpt_warned_parameter"
 
 
 def warn_parameter_changed(call: BoundaryCall, before: list[int | None], /) -> None:
-    """NOTE [parameters changed in place] (refusals.py): the replay changed a trainable
+    """NOTE [parameters changed in place] (changed_in_place.py): the replay changed a trainable
     parameter in place (``before``: the versions it started from), as the original pass did.
     Said once per module, naming the parameters."""
     assert call.params is not None

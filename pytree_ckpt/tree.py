@@ -186,7 +186,7 @@ def describe_leaf(leaf: Any, /) -> str:
 # in the replay, an output that existed before the call), such a tensor gets a clone instead:
 # its backward passes the gradient on as it is, so gradients stay eager's, at the price of one
 # copy. A nested tensor of the strided layout cannot cross any autograd Function (torch raises
-# "NestedTensorImpl doesn't support sizes"): it is refused (refusals.refuse_strided_nested).
+# "NestedTensorImpl doesn't support sizes"): it is refused (tree_refusals.refuse_strided_nested).
 
 
 def alias(tensor: torch.Tensor, /) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""What the replay needs as the forward had it and finds changed in place: the boundary's
+inputs (by the original pass itself, or after the call) and its trainable parameters (between
+the forward and the replay: NOTE [parameters changed in place]).
+
+Version counters tell; each refusal names which input (by key path) or parameter (by its path
+in the modules) changed, both versions and the fix. The boundary (``boundary.py``), its replay
+(``recompute.py``) and output discard's rebuild (``discard.py``) call these.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, SavedTensorChanged
+from .refusals import fn_name, input_path
+
+if TYPE_CHECKING:  # the boundary imports this module
+    from .boundary_call import BoundaryCall
+    from .state_changes import ParameterVersions
+
+__all__ = ["CHANGED_AFTER_CALL_TIP", "parameter_path", "raise_changed_after_call",
+           "raise_input_changed", "raise_parameter_changed_after_call",
+           "refuse_parameters_changed"]
+
+
+def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
+                        moved: list[int], /) -> None:
+    paths = [input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
+             for slot in moved]
+    views = any(tensors[slot]._base is not None for slot in moved)
+    where = paths[0] if len(paths) == 1 else "one of " + ", ".join(paths)
+    shared = (" (views share their base's version counter: the write may have gone to another "
+              "view of the same tensor)" if views else "")
+    raise CheckpointError(
+        f"{fn_name(call.fn)} changed its input {where} in place{shared}; the replay would run "
+        "on the changed tensor and give wrong gradients",
+        expected="inputs left as they are", got="a version counter moved by the original pass",
+        tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
+            "change outside the checkpointed call")
+
+
+_AUTOGRAD_VERSIONS = re.compile(r"is at version (\d+); expected version (\d+)")
+# The fix for a boundary input changed in place after the call (offload's copies say it too).
+CHANGED_AFTER_CALL_TIP = (
+    "the boundary keeps each input for the replay, where eager keeps only what backward needs "
+    "(an integer position tensor, say): change a clone after the call (pos = pos + 4, not "
+    "pos += 4), or make the change before the call")
+
+
+def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
+                             error: RuntimeError, /) -> NoReturn:
+    """An input of ``call`` (or an attribute saved with them) was changed in place after the
+    call: autograd's check (or ``Unchanged``'s, under a hook) found it as backward unpacked the
+    boundary's saved tensors. Named by key path: each saved tensor is unpacked again, alone,
+    to find which (an error path: the cost does not matter)."""
+    def name(slot: int) -> str:
+        return input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot) \
+            if slot < call.n_inputs else \
+            f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with them)"
+
+    changed = [_changed_since_saved(saved, call.saved_versions[slot])
+               for slot, saved in enumerate(raw_saved)]
+    if None in changed:  # this torch cannot tell which: named only if there is one
+        names = [name(0)] if len(raw_saved) == 1 else []
+    else:
+        names = [name(slot) for slot, found in enumerate(changed) if found]
+    views = ""
+    if not names:
+        where = "an input"
+    elif len(names) == 1:
+        where = f"the input {names[0]}"
+    else:
+        where = f"one of the inputs {', '.join(names)}"
+        views = (" (views of one tensor share its version counter: the change may have gone "
+                 "through any of them)")
+    if isinstance(error, SavedTensorChanged):
+        versions: tuple[object, object] = (error.saved_version, error.version)
+    else:
+        found = _AUTOGRAD_VERSIONS.search(str(error))
+        versions = (found[2], found[1]) if found else ("?", "?")
+    raise CheckpointError(
+        f"{where} of {fn_name(call.fn)} was changed in place after the call, and the replay in "
+        f"backward needs it as it was{views}", expected=f"version {versions[0]} (when saved)",
+        got=f"version {versions[1]}",
+        tip=CHANGED_AFTER_CALL_TIP) from error
+
+
+def _changed_since_saved(saved: Any, version: int | None) -> bool | None:
+    """Whether one of autograd's saved tensors, unpacked alone, fails as backward did; None
+    where this torch cannot tell. torch 2.12 and newer have ``SavedTensor.unpack()``; 2.11 has
+    ``data`` and ``unpack_hook``: a saved-tensor hook is called on what it packed, and a tensor
+    saved plainly is compared with its version when saved (``data`` skips autograd's check).
+    Before that a saved tensor can be read only with all the others."""
+    try:
+        unpack = getattr(saved, "unpack", None)
+        if unpack is not None:
+            unpack()
+            return False
+        if not hasattr(saved, "data"):
+            return None
+        hook, data = saved.unpack_hook, saved.data
+        if hook is not None:
+            hook(data)
+            return False
+    except Exception:  # a changed one (views of one tensor share its version counter)
+        return True
+    return data is not None and version is not None and data._version != version
+
+
+def parameter_path(modules: Sequence[nn.Module], tensor: torch.Tensor, /) -> str:
+    """Where ``modules`` (the call's own module first, then modules passed in) hold
+    ``tensor`` as a parameter, or its shape (one ``torch.func.functional_call`` swapped in)."""
+    for root in modules:
+        prefix = "" if root is modules[0] else f"(argument {type(root).__name__})."
+        for path, param in root.named_parameters(remove_duplicate=False):
+            if param is tensor:
+                return prefix + path
+    return f"(one of shape {tuple(tensor.shape)}, not the module's own)"
+
+
+def refuse_parameters_changed(watched: ParameterVersions, params: Sequence[torch.Tensor],
+                              where: Callable[[], str], modules: Sequence[nn.Module], /
+                              ) -> tuple[list[int | None], list[int] | None]:
+    """Before a replay (the boundary's, an output discard's rebuild): refuse if a parameter
+    was changed since the forward by others than our passes (NOTE [parameters changed in
+    place]); the versions read, for ``watched.replayed`` after it. ``where()`` names the
+    function, called only when refusing (every layer's backward passes here)."""
+    before = watched.read(params)
+    changed = watched.changed_since(params, before[0])
+    if changed:
+        raise_parameter_changed_after_call(where(), changed, modules)
+    return before
+
+
+def raise_parameter_changed_after_call(where: str,
+                                       changed: Sequence[tuple[torch.Tensor, int, int]],
+                                       modules: Sequence[nn.Module], /) -> NoReturn:
+    """NOTE [parameters changed in place]: the replay runs on the parameters as they are in
+    backward. One changed in place between a call's forward and its backward (an optimizer
+    step on a GAN's discriminator before the generator's backward through it, ``p.add_()``
+    under no-grad) would be replayed with its new values and give other gradients, silently;
+    eager refuses when an op saved it, and the boundary refuses for every trainable parameter
+    whose version moved (versions read after the original pass, compared before the replay).
+    One the forward itself changes in place (a weight constraint, ``nn.Embedding``'s
+    ``max_norm`` renorm) is changed again by the replay: exact only when repeating the change
+    leaves it as it is; warned once per module when the replay moves a version again
+    (``warn_parameter_changed`` in stored_state.py; a change inside
+    ``reuse_during_recompute`` is not replayed, and not told). Writes through ``.data``, and
+    FSDP2's all-gathers (which keep the version counter), are not seen. Output discard's
+    rebuild (discard.py) checks its op's parameters the same way. ``where`` names the
+    function, ``changed`` the parameters with their versions then and now (a move our own
+    passes made, the same layer's next micro-batch changing it again, is not counted:
+    ``ParameterVersions`` in state_changes.py); ``modules`` hold them, for their paths."""
+    paths = [parameter_path(modules, p) for p, _, _ in changed]
+    _, version, now = changed[0]
+    raise CheckpointError(
+        f"{where}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
+        f"{'were' if len(paths) > 1 else 'was'} changed in place between the forward and this "
+        "backward (an optimizer step, an in-place update under no_grad): the replay would run "
+        "on the new values and give other gradients than the forward's",
+        expected="trainable parameters left as the forward used them until its backward",
+        got=f"{paths[0]}: version {version} at the forward, {now} now",
+        tip="run backward before changing the parameters (step the optimizer after "
+            "backward), or keep a detached copy for the forward (torch.func.functional_call "
+            "with cloned parameters)")
