@@ -52,12 +52,12 @@ reentrant checkpoint does; when no input requires grad a tiny requires-grad *anc
 backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(inputs=...)``:
 those raise ``CheckpointError`` instead of returning partial results.
 
-Elsewhere: what a call carries from its original pass to its replay, and the boundary's
-options, in ``boundary_call.py``; what the boundary knows of the modules a call uses (their parameters and buffers,
-cached) in ``module_state.py``; the state the original pass changes in ``state_changes.py``;
-what it refuses, and how its messages say so, in ``refusals.py``, ``tree_refusals.py``
-and ``changed_in_place.py``; the replay itself, in
-backward, in ``recompute.py``.
+Elsewhere: what a call carries from its original pass to its replay, and the boundary's options,
+in ``boundary_call.py``; what the boundary knows of the modules a call uses (their parameters
+and buffers, cached) in ``module_state.py``; the state the original pass changes in
+``state_changes.py``, and what its modules were then in ``forward_modules.py``; what it refuses,
+and how its messages say so, in ``refusals.py``, ``tree_refusals.py`` and
+``changed_in_place.py``; the replay itself, in backward, in ``recompute.py``.
 
 NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_mode``), under a
 ``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), inside
@@ -82,8 +82,10 @@ from torch import nn
 
 from .boundary_call import BoundaryCall, BoundaryOptions
 from .census import Mechanism, census_active, report_held
-from .changed_in_place import raise_input_changed, refuse_parameters_changed
+from .changed_in_place import (ParameterVersions, raise_input_changed,
+                               refuse_parameters_changed)
 from .errors import CheckpointError
+from .forward_modules import ForwardModules
 from .hook_outputs import HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode
 from .made_before import leaving_tensors
@@ -94,8 +96,7 @@ from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
 from .refusals import fn_name, input_path, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import (ForwardModules, ParameterVersions, StateWatch, mark_stateful,
-                            snapshots_wanted, versions)
+from .state_changes import StateWatch, mark_stateful, snapshots_wanted, versions
 from .stored_state import warn_parameter_changed
 from .subclass import kind_of
 from .tree import flatten, flatten_call
@@ -301,7 +302,7 @@ class _BoundaryFunction(torch.autograd.Function):
         if changes is None:
             return replay_backward(ctx, call, grad_outputs)
         # The forward's modules (NOTE [the replay sees the forward's modules] in
-        # state_changes.py), around the
+        # forward_modules.py), around the
         # replay's gradients too: what runs in the replay's backward (an output discard's
         # rebuild) sees them, and the replay's copies (NOTE [the replay changes copies]) are of
         # the very tensors the forward changed (a buffer torch.func.functional_call passed in).

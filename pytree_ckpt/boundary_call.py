@@ -11,14 +11,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .changed_in_place import ParameterVersions
 from .errors import ReplayMismatchError, validate_bool
+from .forward_modules import ForwardModules
 from .frames import Frame
 from .hook_outputs import HookedOutputs
 from .keep import KeepPolicy
 from .module_state import ModuleDicts
 from .refusals import fn_name
 from .rng import ReplayEnvironment
-from .state_changes import ChangedState, ForwardModules, ParameterVersions
+from .state_changes import ChangedState
 from .subclass import SubclassKind
 from .tree import describe_leaf, first_difference, leaf_paths, unflatten
 
@@ -107,7 +109,7 @@ class BoundaryCall:
         self.changed_state: ChangedState | None = None
         # The modules fn uses and their dicts, for the original pass only (then dropped); what
         # they were then, for the replay (NOTE [the replay sees the forward's modules] in
-        # state_changes.py).
+        # forward_modules.py).
         self.modules: tuple[list[nn.Module], list[ModuleDicts]] | None = None
         self.forward_modules: ForwardModules | None = None
         # Modules with user forward hooks run inside (NOTE [hooked outputs leave with

@@ -2,9 +2,10 @@
 inputs (by the original pass itself, or after the call) and its trainable parameters (between
 the forward and the replay: NOTE [parameters changed in place]).
 
-Version counters tell; each refusal names which input (by key path) or parameter (by its path
-in the modules) changed, both versions and the fix. The boundary (``boundary.py``), its replay
-(``recompute.py``) and output discard's rebuild (``discard.py``) call these.
+Version counters tell (a call's parameters' versions, with the moves the library's own passes
+made, are ``ParameterVersions``); each refusal names which input (by key path) or parameter (by
+its path in the modules) changed, both versions and the fix. The boundary (``boundary.py``), its
+replay (``recompute.py``) and output discard's rebuild (``discard.py``) call these.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from torch import nn
 
 from .errors import CheckpointError, SavedTensorChanged
 from .refusals import fn_name, input_path
+from .state_changes import versions
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
-    from .state_changes import ParameterVersions
 
-__all__ = ["CHANGED_AFTER_CALL_TIP", "parameter_path", "raise_changed_after_call",
-           "raise_input_changed", "raise_parameter_changed_after_call",
+__all__ = ["CHANGED_AFTER_CALL_TIP", "ParameterVersions", "parameter_path", "parameter_versions",
+           "raise_changed_after_call", "raise_input_changed", "raise_parameter_changed_after_call",
            "refuse_parameters_changed"]
 
 
@@ -112,6 +113,86 @@ def _changed_since_saved(saved: Any, version: int | None) -> bool | None:
     return data is not None and version is not None and data._version != version
 
 
+def parameter_versions(params: Sequence[torch.Tensor], /) -> list[int | None]:
+    """``versions`` of trainable parameters, read at each call: never inference tensors but
+    in a module built under inference mode (asking raises there), so asked only then."""
+    try:
+        return [p._version for p in params]
+    except RuntimeError:
+        return versions(params)
+
+
+# On a parameter, the count of version moves the library's own passes made (a forward or a
+# replay that changes the parameter in place: nn.Embedding's max_norm renorm). Until a pass
+# first moves one, in this process, every count is 0 and none is read per call.
+_OWN_MOVES = "_pytree_ckpt_own_moves"
+_own_moves_seen = False
+
+
+class ParameterVersions:
+    """NOTE [parameters changed in place]: a call's trainable parameters'
+    versions as its pass left them, and the moves the library's own passes had made by then.
+    A move since that no pass of ours made (an optimizer step before backward) is the
+    caller's; those our passes make (the same layer's next micro-batch, another call's
+    replay) are counted on the parameter and told apart."""
+
+    __slots__ = ("versions", "own")
+
+    @staticmethod
+    def read(params: Sequence[torch.Tensor], /) -> tuple[list[int | None], list[int] | None]:
+        """Before a pass: the versions, and the own-move counts if any was ever made."""
+        return parameter_versions(params), _own_moves(params)
+
+    def __init__(self, params: Sequence[torch.Tensor],
+                 before: tuple[list[int | None], list[int] | None], /) -> None:
+        self.versions = parameter_versions(params)
+        if self.versions != before[0]:
+            _count_own_moves(params, before, self.versions)
+        self.own = _own_moves(params)
+
+    def changed_since(self, params: Sequence[torch.Tensor], now: list[int | None], /
+                      ) -> list[tuple[torch.Tensor, int, int]]:
+        """The parameters changed by others than our passes, from their versions ``now``:
+        (parameter, version at the call, version now)."""
+        if now == self.versions:
+            return []
+        own = self.own or [0] * len(params)
+        return [(p, v, n) for p, v, n, was in zip(params, self.versions, now, own)
+                if v is not None and n is not None and
+                n - v != p.__dict__.get(_OWN_MOVES, 0) - was]
+
+    def replayed(self, params: Sequence[torch.Tensor],
+                 before: tuple[list[int | None], list[int] | None], /) -> bool:
+        """Count the replay's own moves; whether it moved any (the forward's change made
+        again). A second backward (retain_graph) compares from here."""
+        now = parameter_versions(params)
+        if now == before[0]:
+            return False
+        _count_own_moves(params, before, now)
+        self.versions = now
+        self.own = _own_moves(params)
+        return True
+
+
+def _own_moves(params: Sequence[torch.Tensor], /) -> list[int] | None:
+    return [p.__dict__.get(_OWN_MOVES, 0) for p in params] if _own_moves_seen else None
+
+
+def _count_own_moves(params: Sequence[torch.Tensor],
+                     before: tuple[list[int | None], list[int] | None],
+                     after: list[int | None]) -> None:
+    """Add a pass's moves to each parameter's count, but for those a pass nested in it (an
+    inner boundary's forward or replay) counted already."""
+    global _own_moves_seen
+    _own_moves_seen = True
+    versions, own = before
+    for i, (p, b, a) in enumerate(zip(params, versions, after)):
+        if a is not None and b is not None and a != b:
+            counted = p.__dict__.get(_OWN_MOVES, 0)
+            inner = counted - (own[i] if own is not None else 0)
+            p.__dict__[_OWN_MOVES] = counted + (a - b) - inner
+
+
 def parameter_path(modules: Sequence[nn.Module], tensor: torch.Tensor, /) -> str:
     """Where ``modules`` (the call's own module first, then modules passed in) hold
     ``tensor`` as a parameter, or its shape (one ``torch.func.functional_call`` swapped in)."""
@@ -155,7 +236,7 @@ def raise_parameter_changed_after_call(where: str,
     rebuild (discard.py) checks its op's parameters the same way. ``where`` names the
     function, ``changed`` the parameters with their versions then and now (a move our own
     passes made, the same layer's next micro-batch changing it again, is not counted:
-    ``ParameterVersions`` in state_changes.py); ``modules`` hold them, for their paths."""
+    ``ParameterVersions``); ``modules`` hold them, for their paths."""
     paths = [parameter_path(modules, p) for p, _, _ in changed]
     _, version, now = changed[0]
     raise CheckpointError(

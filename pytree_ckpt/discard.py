@@ -53,15 +53,16 @@ import torch
 from torch import nn
 
 from .census import ActivationCensus, active_census
-from .changed_in_place import refuse_parameters_changed
+from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
+from .forward_modules import ForwardModules
 from .frames import callable_name
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import ChangedState, ForwardModules, ParameterVersions
+from .state_changes import ChangedState
 from .tree import flatten
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]

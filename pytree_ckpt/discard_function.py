@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .changed_in_place import ParameterVersions
 from .discard_aliases import made_outside
 from .discard_refusals import refuse_input_changed, refuse_output
 from .errors import CheckpointError
+from .forward_modules import ForwardModules
 from .module_state import foreign_leaf, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .refusals import refuse_double_backward, refuse_module_tensor
 from .rng import IsolatedPass, ReplayEnvironment
-from .state_changes import ForwardModules, ParameterVersions, StateWatch, versions
+from .state_changes import StateWatch, versions
 from .tree import flatten
 
 if TYPE_CHECKING:  # discard.py imports this module
@@ -78,7 +80,7 @@ class DiscardFunction(torch.autograd.Function):
         if param_before is not None:  # NOTE [parameters changed in place] (changed_in_place.py)
             assert owner.params is not None
             owner.param_versions = ParameterVersions(owner.params, param_before)
-        if owner.modules:  # NOTE [the replay sees the forward's modules] (state_changes.py)
+        if owner.modules:  # NOTE [the replay sees the forward's modules] (forward_modules.py)
             owner.forward_modules = ForwardModules(
                 owner.modules, [module_dicts(m) for m in owner.modules])
         owner.modules = None

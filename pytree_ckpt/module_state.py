@@ -8,8 +8,8 @@
   (``foreign_leaf``, once per module and structure);
 - lazy modules not yet materialized, and forward hooks inside the boundary (warned about).
 
-What the original pass changes of their state, and what they were then, is in
-``state_changes.py``.
+What the original pass changes of their state is in ``state_changes.py``; what they were
+then, in ``forward_modules.py``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
-"""What the original pass of a call changes of its modules' state, and what the modules were
-then:
+"""What the original pass of a call changes of its modules' state: the buffers and frozen
+parameters it changed, copied for the replay to change (NOTE [state the forward changes], NOTE
+[the replay changes copies], NOTE [small state as it was before the forward]).
 
-- the buffers and frozen parameters it changed, copied for the replay to change (NOTE [state
-  the forward changes], NOTE [the replay changes copies], NOTE [small state as it was before
-  the forward]);
-- the modes and parameter entries of its modules, put back for the replay if they changed
-  before backward (NOTE [the replay sees the forward's modules]).
-
-Which modules and tensors a call uses is in ``module_state.py``.
+Which modules and tensors a call uses is in ``module_state.py``; the modes and entries of its
+modules, put back for the replay, in ``forward_modules.py``; its trainable parameters'
+versions, in ``changed_in_place.py``.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -20,97 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CheckpointError
-from .module_state import (ModuleDicts, changed_submodule, ever_verified, structure_generation,
-                           submodules_now)
+from .module_state import ModuleDicts, ever_verified
 
-__all__ = ["ChangedState", "ForwardModules", "ParameterVersions", "REPLAY_COPY_MARK", "StateWatch",
-           "mark_stateful", "parameter_versions", "snapshots_wanted", "versions"]
+__all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "snapshots_wanted",
+           "versions"]
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
     # Inference tensors keep no version counter (and cannot be changed outside inference mode).
     return [None if t.is_inference() else t._version for t in tensors]
-
-
-def parameter_versions(params: Sequence[torch.Tensor], /) -> list[int | None]:
-    """``versions`` of trainable parameters, read at each call: never inference tensors but
-    in a module built under inference mode (asking raises there), so asked only then."""
-    try:
-        return [p._version for p in params]
-    except RuntimeError:
-        return versions(params)
-
-
-# On a parameter, the count of version moves the library's own passes made (a forward or a
-# replay that changes the parameter in place: nn.Embedding's max_norm renorm). Until a pass
-# first moves one, in this process, every count is 0 and none is read per call.
-_OWN_MOVES = "_pytree_ckpt_own_moves"
-_own_moves_seen = False
-
-
-class ParameterVersions:
-    """NOTE [parameters changed in place] (changed_in_place.py): a call's trainable parameters'
-    versions as its pass left them, and the moves the library's own passes had made by then.
-    A move since that no pass of ours made (an optimizer step before backward) is the
-    caller's; those our passes make (the same layer's next micro-batch, another call's
-    replay) are counted on the parameter and told apart."""
-
-    __slots__ = ("versions", "own")
-
-    @staticmethod
-    def read(params: Sequence[torch.Tensor], /) -> tuple[list[int | None], list[int] | None]:
-        """Before a pass: the versions, and the own-move counts if any was ever made."""
-        return parameter_versions(params), _own_moves(params)
-
-    def __init__(self, params: Sequence[torch.Tensor],
-                 before: tuple[list[int | None], list[int] | None], /) -> None:
-        self.versions = parameter_versions(params)
-        if self.versions != before[0]:
-            _count_own_moves(params, before, self.versions)
-        self.own = _own_moves(params)
-
-    def changed_since(self, params: Sequence[torch.Tensor], now: list[int | None], /
-                      ) -> list[tuple[torch.Tensor, int, int]]:
-        """The parameters changed by others than our passes, from their versions ``now``:
-        (parameter, version at the call, version now)."""
-        if now == self.versions:
-            return []
-        own = self.own or [0] * len(params)
-        return [(p, v, n) for p, v, n, was in zip(params, self.versions, now, own)
-                if v is not None and n is not None and
-                n - v != p.__dict__.get(_OWN_MOVES, 0) - was]
-
-    def replayed(self, params: Sequence[torch.Tensor],
-                 before: tuple[list[int | None], list[int] | None], /) -> bool:
-        """Count the replay's own moves; whether it moved any (the forward's change made
-        again). A second backward (retain_graph) compares from here."""
-        now = parameter_versions(params)
-        if now == before[0]:
-            return False
-        _count_own_moves(params, before, now)
-        self.versions = now
-        self.own = _own_moves(params)
-        return True
-
-
-def _own_moves(params: Sequence[torch.Tensor], /) -> list[int] | None:
-    return [p.__dict__.get(_OWN_MOVES, 0) for p in params] if _own_moves_seen else None
-
-
-def _count_own_moves(params: Sequence[torch.Tensor],
-                     before: tuple[list[int | None], list[int] | None],
-                     after: list[int | None]) -> None:
-    """Add a pass's moves to each parameter's count, but for those a pass nested in it (an
-    inner boundary's forward or replay) counted already."""
-    global _own_moves_seen
-    _own_moves_seen = True
-    versions, own = before
-    for i, (p, b, a) in enumerate(zip(params, versions, after)):
-        if a is not None and b is not None and a != b:
-            counted = p.__dict__.get(_OWN_MOVES, 0)
-            inner = counted - (own[i] if own is not None else 0)
-            p.__dict__[_OWN_MOVES] = counted + (a - b) - inner
 
 
 _Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
@@ -427,131 +341,8 @@ class ChangedState:
         return copy
 
 
-def _refuse_replaced_in_forward(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts],
-                                ran: list[dict[str, Any]], /) -> None:
-    now = {id(d) for d in ran}
-    if all(id(d) in now for tree in trees for d in tree.submodules):
-        return  # only added (a lazily built cache module): those ran, or will in the replay
-    raise CheckpointError(
-        f"the forward of {type(roots[0]).__name__} replaced or removed one of its submodules: "
-        "the replay in backward runs the tree the forward left, so where the old one ran "
-        "first (a warm-up activation swapped after use) it would give other gradients than "
-        "eager, which backpropagates through the one that ran; which ran cannot be told",
-        expected="submodules left in place by the forward (adding new ones is fine)",
-        got="a submodule of the tree before the call missing from it after the call",
-        tip="make the change outside the checkpointed call (before the next step), or run "
-            "that first call without checkpointing")
-
-
 def _covers_its_storage(tensor: torch.Tensor, /) -> bool:
     """Whether ``tensor`` is no view and spans its whole storage (its version counter is then
     about its bytes only)."""
     return tensor._base is None and tensor.storage_offset() == 0 and tensor.is_contiguous() \
         and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
-
-
-# The caller's modes, and (dict, the forward's entries, the caller's entries) per swapped dict.
-Changes = tuple[tuple[list[bool], list[Any]],
-                list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]]
-
-
-class ForwardModules:
-    """NOTE [the replay sees the forward's modules]: what the modules of a call were when the
-    original pass ran, put back for the replay if it changed before backward:
-
-    - each submodule's ``training`` flag: a model switched to ``eval()`` between forward and
-      backward (a validation pass) would otherwise replay without dropout, and backpropagate
-      through another function than the one that ran;
-    - the entries of its ``_parameters`` and ``_buffers`` dicts, as the original pass left
-      them: ``torch.func.functional_call`` (and ``torch.nn.utils.stateless``) swap tensors in
-      for the call only, so the replay in backward would run on the module's own parameters
-      and the tensors passed in would get no gradient.
-
-    The forward keeps a list of flags, a shallow copy of each non-empty dict and a list of the
-    empty ones (an entry added to one is not the forward's either; about 3 us for a decoder
-    layer); when nothing changed (FSDP2 keeps its unsharded parameter objects), backward
-    compares and changes nothing. Values are not part of it: what the
-    forward changes in place is ``StateWatch``'s. Submodules replaced since are refused (NOTE
-    [the replay runs the forward's submodules] in module_state.py).
-    """
-
-    __slots__ = ("roots", "submodules", "modes", "entries", "empty", "tree_roots", "generation",
-                 "ran")
-
-    def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /) -> None:
-        self.tree_roots = roots
-        self.generation = structure_generation()
-        # The submodules that ran: as read before the forward, or read again when the forward
-        # registered one (NOTE [the replay runs the forward's submodules]). One it replaced
-        # or removed is refused now: the replay would run the tree the forward left.
-        self.ran = submodules_now(roots, trees)
-        if self.ran is not None:
-            _refuse_replaced_in_forward(roots, trees, self.ran)
-        others = [m for tree in trees for m in tree.flagged_otherwise]
-        self.roots = [*roots, *others] if others else roots
-        roots = self.roots
-        if len(trees) == 1:  # the usual case, without concatenation
-            self.submodules = trees[0].submodules
-            dicts = trees[0].parameters + trees[0].buffers
-        else:
-            self.submodules = tuple(d for tree in trees for d in tree.submodules)
-            dicts = tuple(d for tree in trees for d in (*tree.parameters, *tree.buffers))
-        self.modes = [m.training for m in roots], [d.get("training") for d in self.submodules]
-        self.entries = [(d, d.copy()) for d in dicts if d]
-        # Empty ones are not copied (most modules have no buffers, activations no parameters),
-        # but an entry added to one before backward is not the forward's either.
-        self.empty = [d for d in dicts if not d]
-
-    def changes(self) -> Changes | None:
-        """What differs now from the forward, or ``None`` (the usual case: nothing); a
-        submodule replaced since is refused."""
-        changed = changed_submodule(self.tree_roots, self.submodules if self.ran is None else
-                                    self.ran, self.generation)
-        if changed is not None:
-            path, what = changed
-            where = f"the submodule {path}" if path else "a submodule"
-            raise CheckpointError(
-                f"{where} of the checkpointed {type(self.tree_roots[0]).__name__} changed between "
-                "its forward and this backward: the replay would run other modules than the "
-                "forward ran, and give other gradients than eager, which backpropagates "
-                "through the modules that ran", expected="the submodules the forward ran",
-                got=f"{path}: {what}" if path else what,
-                tip="replace, insert or remove submodules between steps (after backward)")
-        self.generation = structure_generation()  # the same trees: a second backward looks less
-        modes = [m.training for m in self.roots], [d.get("training") for d in self.submodules]
-        # Same objects in the same order: one C-level pass per dict (a reordered dict counts as
-        # swapped, harmlessly: its entries are set again).
-        swapped = [(d, entries, d.copy()) for d, entries in self.entries
-                   if len(d) != len(entries) or
-                   not all(map(operator.is_, d.values(), entries.values()))]
-        if any(self.empty):
-            swapped += [(d, {}, d.copy()) for d in self.empty if d]
-        if modes == self.modes and not swapped:
-            return None
-        return modes, swapped
-
-    @contextmanager
-    def reinstated(self, changes: Changes, /) -> Iterator[None]:
-        """The forward's modes and entries for the block, ``changes`` (from ``changes()``)
-        put back after it."""
-        modes, swapped = changes
-        self._set_modes(self.modes)
-        for d, entries, _ in swapped:
-            d.clear()
-            d.update(entries)
-        try:
-            yield
-        finally:
-            self._set_modes(modes)
-            for d, _, now in swapped:
-                d.clear()
-                d.update(now)
-
-    def _set_modes(self, modes: tuple[list[bool], list[Any]]) -> None:
-        # Plain attribute writes, not train()/eval(): a module overriding train() (to keep its
-        # BatchNorm frozen) already chose these flags.
-        for module, flag in zip(self.roots, modes[0]):
-            module.training = flag
-        for d, flag in zip(self.submodules, modes[1]):
-            if flag is not None:
-                d["training"] = flag
