@@ -11,12 +11,13 @@ from .discarded_reads import detect_discarded_reads
 from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError, ReuseError,
                      SavedTensorChanged)
 from .frames import reuse_during_recompute
+from .kept_callables import KeptCallables
+from .kept_ops import KeptOps
 from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
                      remove_activation_checkpointing, resolve_offload)
 from .phase import Phase, current_phase
 from .residual_plan import ResidualStreamRecomputeContext, build_residual_stream_recompute_plan
-from .save_units import (KeptCallables, KeptOps, RecomputeConfig, RecomputeTargetMap, SaveUnit,
-                         apply_recompute_config)
+from .save_units import RecomputeConfig, RecomputeTargetMap, SaveUnit, apply_recompute_config
 
 __all__ = [
     "ActivationCensus",

@@ -436,7 +436,8 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     for sub in _own_submodules(module):  # methods its save units wrapped (KeptCallables)
         for name, kept in [(n, v) for n, v in sub.__dict__.items()
                            if getattr(v, "_pytree_ckpt_kept", False)]:
-            if kept.inner is None:  # NOTE [kept methods wrap what the instance had]
+            # NOTE [kept methods wrap what the instance had] (kept_callables.py)
+            if kept.inner is None:
                 del sub.__dict__[name]
             else:
                 sub.__dict__[name] = kept.inner

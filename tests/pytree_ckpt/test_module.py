@@ -214,7 +214,8 @@ def test_lean_import_touches_no_cuda_and_imports_no_optional_package() -> None:
 
     # torch._dynamo too: importing it takes over a second (sympy); the boundary imports it at
     # its first call (NOTE [the boundary stays eager]). A class-level torch.compiler.disable
-    # in save_units.py imported it with the package.
+    # (on the kept method, then in save_units.py, now in kept_callables.py) imported it with the
+    # package.
     code = ("import sys, warnings; warnings.simplefilter('error');"
             "import pytree_ckpt, offload, torch;"
             "bad = [m for m in ('flash_attn', 'tilelang', 'matplotlib', 'hypothesis', "

@@ -744,6 +744,26 @@ def test_a_copy_of_a_layer_with_a_kept_callable_computes_with_its_own_weights(ho
         assert torch.equal(twin(x), eager(x))
 
 
+def test_a_layer_with_a_kept_callable_pickled_before_save_units_was_split_still_loads() -> None:
+    # Guards against: a pickle names the kept method's class by its module; moving _KeptMethod
+    # out of save_units.py without leaving its name there made every model with a kept callable
+    # pickled before fail to load. Protocol 2 names a class as text ("c<module>\n<name>\n"), so
+    # a pickle made then is one made now with the old module name in its place.
+    import pickle
+
+    torch.manual_seed(0)
+    original = CopiedBlock()
+    apply_recompute_config([original], RecomputeConfig(1.0, save=["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("Gate.project")}, offload=False)
+    now = pickle.dumps(original, protocol=2)
+    where = b"cpytree_ckpt.kept_callables\n_KeptMethod\n"
+    assert now.count(where) == 1
+    twin = pickle.loads(now.replace(where, b"cpytree_ckpt.save_units\n_KeptMethod\n"))
+    assert getattr(twin.gate.__dict__["project"], "_pytree_ckpt_kept", False)
+    x = torch.randn(3, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([original, twin], x, seed=0))
+
+
 def test_a_refused_second_config_leaves_the_layers_methods_as_they_were() -> None:
     stack = nn.ModuleList(Block() for _ in range(2))
     apply_recompute_config(stack, RecomputeConfig(1.0, save=["attn"]), TARGETS)

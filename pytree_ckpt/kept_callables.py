@@ -1,0 +1,149 @@
+"""``KeptCallables``: a save unit that keeps everything some methods dispatch, which methods of
+a layer's submodules it matches, and the wrapper each matched method gets (``_KeptMethod``, NOTE
+[kept methods follow copies], NOTE [kept methods wrap what the instance had]).
+
+``apply_recompute_config`` (save_units.py) matches the methods, refuses those that cannot be
+kept, and installs the wrappers.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .eager import KEPT_CALLABLE_REASON, runs_eagerly
+from .errors import CheckpointConfigError, CheckpointError
+from .keep import IN_KEPT_CALLABLE
+
+__all__ = ["KeptCallables", "kept_methods", "near_misses"]
+
+
+class KeptCallables:
+    """Keep everything these callables dispatch: methods (functions or ``"Class.method"``).
+
+    Each matching method of a checkpointed layer's submodules is wrapped so the ops it runs
+    are kept; the wrapper is excluded from torch.compile (it must see every op).
+    """
+
+    def __init__(self, *callables_or_qualnames: Callable[..., Any] | str) -> None:
+        if not callables_or_qualnames:
+            raise CheckpointConfigError("KeptCallables needs at least one callable",
+                                        expected="a method or 'Class.method'", got="nothing",
+                                        tip="e.g. KeptCallables('Router.project')")
+        self.targets = tuple(callables_or_qualnames)
+
+    def __repr__(self) -> str:
+        return f"KeptCallables{self.targets!r}"
+
+    def matches(self, module: nn.Module, /) -> list[str]:
+        """Names of ``module``'s methods that this unit keeps."""
+        names = []
+        classes = {c.__qualname__ for c in type(module).__mro__}
+        for target in self.targets:
+            if isinstance(target, str):
+                owner, _, method = target.rpartition(".")
+                if owner in classes and callable(getattr(type(module), method, None)):
+                    names.append(method)
+            else:
+                name = getattr(target, "__name__", "")
+                if getattr(type(module), name, None) is target:
+                    names.append(name)
+        return names
+
+
+class _KeptMethod:
+    """A module's method wrapped so every op it dispatches is kept (weak: no cycle).
+
+    NOTE [kept methods follow copies]: installed as an instance attribute, it is copied with
+    its module's ``__dict__``. A function would be shared by ``copy.deepcopy`` (functions copy
+    as themselves) and would go on calling the *original* module's method, and it could not be
+    pickled; this object is rebound to the copy instead, as the installed forward is.
+
+    NOTE [kept methods wrap what the instance had]: an instance attribute already under the
+    name (a patched method, a wrapper another library installed) is what eager calls: it is
+    wrapped (``inner``) and called, not the class's method, and removing checkpointing puts it
+    back. A static or class method is called without the module.
+    """
+
+    __slots__ = ("module_ref", "name", "inner", "bound", "__weakref__")
+    _pytree_ckpt_kept = True  # what remove_activation_checkpointing looks for
+
+    def __init__(self, module: nn.Module, name: str, inner: Any = None) -> None:
+        self.module_ref = weakref.ref(module)
+        self.name = name
+        self.inner = inner  # the instance attribute it replaced, if any
+        # Whether the class's attribute takes the module first (a plain method), read anew at
+        # each call from the class (a patched class method is honoured).
+        self.bound = not isinstance(inspect.getattr_static(type(module), name, None),
+                                    (staticmethod, classmethod))
+
+    @property
+    def __self__(self) -> nn.Module | None:
+        # Like a bound method's: whoever checkpoints it (output discard) finds the module.
+        return self.module_ref()
+
+    # Excluded from torch.compile: the region flag must see every op it runs. (Lazily: a
+    # class-level torch.compiler.disable imported dynamo with the package.)
+    @runs_eagerly(KEPT_CALLABLE_REASON)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module_ref()
+        if module is None:  # a method taken from its module, called after the module was freed
+            raise CheckpointError(
+                f"the module of the kept method {self.name} no longer exists",
+                expected="the module whose method this is, alive",
+                got="a method kept after its module was freed",
+                tip=f"call {self.name} through the module (module.{self.name}(...)), not a "
+                    "method taken from it")
+        token = IN_KEPT_CALLABLE.set(True)
+        try:
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            if self.bound:
+                return getattr(type(module), self.name)(module, *args, **kwargs)
+            return getattr(type(module), self.name)(*args, **kwargs)
+        finally:
+            IN_KEPT_CALLABLE.reset(token)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _KeptMethod:
+        # copy.deepcopy(module) registers the new module in memo before copying its __dict__
+        # (a bound method as inner is rebound to the copy the same way).
+        module = self.module_ref()
+        assert module is not None  # a module being copied is alive
+        return _KeptMethod(memo.get(id(module), module), self.name,
+                           copy.deepcopy(self.inner, memo))
+
+    def __reduce__(self) -> Any:
+        return (_KeptMethod, (self.module_ref(), self.name, self.inner))
+
+
+def near_misses(layers: list[nn.Module], target: KeptCallables, /) -> str:
+    """What a mistyped ``Class.method`` target was likely meant to be (for the warning)."""
+    import difflib  # only on this warning's path
+
+    methods = {f"{cls.__qualname__}.{name}" for layer in layers for module in layer.modules()
+               for cls in type(module).__mro__ if cls.__module__ != "builtins"
+               and not cls.__module__.startswith("torch.")
+               for name, value in vars(cls).items()
+               if callable(value) and not name.startswith("__")}
+    classes = {name.rpartition(".")[0] for name in methods}
+    hints = []
+    for wanted in (t for t in target.targets if isinstance(t, str)):
+        owner, _, method = wanted.rpartition(".")
+        close = difflib.get_close_matches(wanted, sorted(methods), n=1)
+        where = ("" if owner in classes else
+                 f"no class {owner!r} in the checkpointed layers; ") + \
+            (f"did you mean {close[0]!r}?" if close else f"no method {method!r} close to it")
+        hints.append(f"{wanted!r}: {where}")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+def kept_methods(layers: list[nn.Module], target: KeptCallables
+                  ) -> list[tuple[nn.Module, str]]:
+    """The (module, method name) pairs of ``layers`` that ``target`` keeps."""
+    return [(module, name) for layer in layers for module in layer.modules()
+            for name in target.matches(module)]
