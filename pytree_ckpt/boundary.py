@@ -80,6 +80,8 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
+# BoundaryOptions: also what a layer pickled before boundary_call.py was split off names
+# (``pytree_ckpt.boundary``).
 from .boundary_call import BoundaryCall, BoundaryOptions
 from .census import Mechanism, census_active, report_held
 from .changed_in_place import (ParameterVersions, raise_input_changed,

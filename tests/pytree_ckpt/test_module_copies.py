@@ -67,3 +67,25 @@ def test_deep_copying_a_layer_whose_forward_was_compiled_after_checkpointing_is_
         twin.weight.zero_()
         twin.bias.zero_()
     assert torch.equal(twin(torch.randn(2, 4)), torch.zeros(2, 4))  # the copy's own weights
+
+
+def test_a_layer_pickled_before_boundary_py_was_split_still_loads() -> None:
+    # Guards against: a pickled checkpointed layer names its boundary options' class by module;
+    # BoundaryOptions moved from boundary.py to boundary_call.py, and only boundary.py's import
+    # of it keeps every layer pickled before that loading. Protocol 2 names a class as text
+    # ("c<module>\n<name>\n"), so a pickle made then is one made now with the old module name.
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    pytree_ckpt.apply_activation_checkpointing(layer, preserve_rng_state=False, offload=False)
+    now = pickle.dumps(layer, protocol=2)
+    where = b"cpytree_ckpt.boundary_call\nBoundaryOptions\n"
+    assert now.count(where) == 1
+    twin = pickle.loads(now.replace(where, b"cpytree_ckpt.boundary\nBoundaryOptions\n"))
+    assert pytree_ckpt.is_checkpointed(twin)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for m in (layer, twin):
+        grads.append(torch.autograd.grad(m(x).sum(), [x, *m.parameters()]))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # The options came back as they were, so applying them again is a no-op, not a refusal.
+    pytree_ckpt.apply_activation_checkpointing(twin, preserve_rng_state=False, offload=False)
