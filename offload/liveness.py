@@ -83,7 +83,8 @@ class Liveness:
         if ref.expired():
             return
         storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        if getattr(storage, DISCARDED_MARK, False):  # NOTE [discarded storages are marked]
+        # NOTE [discarded storages are marked] in pytree_ckpt/discard.py
+        if getattr(storage, DISCARDED_MARK, False):
             self.copied_and_discarded(nbytes)
             return
         self.counters["alive_elsewhere_bytes"] += nbytes

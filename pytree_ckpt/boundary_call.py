@@ -67,13 +67,14 @@ class BoundaryCall:
         self.fn = fn
         self.options = options
         self.in_spec = in_spec
-        self.in_leaves = in_leaves  # tensor leaves replaced by None (NOTE [what is saved])
+        # Tensor leaves replaced by None (NOTE [what is saved] in boundary.py).
+        self.in_leaves = in_leaves
         self.in_tensor_index = in_tensor_index
         self.in_slots = in_slots
         self.switches: Any = None  # NOTE [verified per switch] in module_state.py
         self.n_inputs = 0
         # Names of the owner's attributes passed as inputs after the call's own (NOTE
-        # [attributes set before the call]).
+        # [attributes set before the call] in boundary.py).
         self.attributes: list[str] = []
         self.params: list[torch.Tensor] | None = None  # None: an unknown callable
         self.owner: nn.Module | None = None
@@ -124,7 +125,7 @@ class BoundaryCall:
         # subclass.py, NOTE [the replay sees tensor subclasses as the forward did] in rng.py).
         self.subclasses: list[SubclassKind | None] | None = None
         # Saved inputs made under inference mode, by position (NOTE [inference tensors are
-        # kept as they are]); None when there is none.
+        # kept as they are] in boundary.py); None when there is none.
         self.inference: dict[int, torch.Tensor] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...], /

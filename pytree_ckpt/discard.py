@@ -143,9 +143,9 @@ class CheckpointWithoutOutput:
             if isinstance(arg, (list, tuple, dict)) and any(
                     isinstance(x, torch.Tensor) for x in flatten(arg).leaves):
                 raise CheckpointConfigError(
-                    f"CheckpointWithoutOutput takes tensors as plain arguments; "
-                    f"{callable_name(fn)} got a container of tensors", expected="fn(tensor, ..., other_values)",
-                    got=type(arg).__name__,
+                    "CheckpointWithoutOutput takes tensors as plain arguments; "
+                    f"{callable_name(fn)} got a container of tensors",
+                    expected="fn(tensor, ..., other_values)", got=type(arg).__name__,
                     tip="pass the tensors as separate arguments, or use pytree_ckpt.checkpoint "
                         "for structured inputs")
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.

@@ -69,8 +69,9 @@ class ForwardModules:
         self.tree_roots = roots
         self.generation = structure_generation()
         # The submodules that ran: as read before the forward, or read again when the forward
-        # registered one (NOTE [the replay runs the forward's submodules]). One it replaced
-        # or removed is refused now: the replay would run the tree the forward left.
+        # registered one (NOTE [the replay runs the forward's submodules] in module_state.py).
+        # One it replaced or removed is refused now: the replay would run the tree the forward
+        # left.
         self.ran = submodules_now(roots, trees)
         if self.ran is not None:
             _refuse_replaced_in_forward(roots, trees, self.ran)

@@ -8,6 +8,7 @@ with stand-in events and streams.
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import pytest
@@ -206,7 +207,6 @@ def test_a_wait_for_a_copy_still_running_is_timed_on_the_stream_that_waits(
     assert engine.waited_ms() == 2.5  # counted once the closing event completed
 
 
-
 @pytest.mark.parametrize("listed", [1, 256])
 def test_a_wait_run_by_the_garbage_collector_inside_a_locked_section_does_not_deadlock(
         listed: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,8 +216,6 @@ def test_a_wait_run_by_the_garbage_collector_inside_a_locked_section_does_not_de
     # holding the lock. The copy's __del__ then makes its saving stream wait on the copy to
     # host, still running: a wait that took the lock (to list itself, or with 256 listed to
     # fold them) would hang the training step forever.
-    import threading
-
     engine, log = _logged_cuda(monkeypatch)
     running = TimingEvent(False)
     running.name = "copy"  # type: ignore[attr-defined]
