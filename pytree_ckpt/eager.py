@@ -107,9 +107,9 @@ def compile_stance_is_default() -> bool:
 def compiled_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:
     """The OptimizedModule (``torch.compile(module)``) whose call is running ``module``, if
     any, found among the frames that led to the boundary (NOTE [compiled around the layer] in
-    module.py): a frame of OptimizedModule's own ``__call__`` whose wrapper wraps ``module``.
-    Frames are told apart by their code object, so the locals of no other frame are read
-    (reading them copies them into a dict). None on a torch whose OptimizedModule has no
+    compiled_layers.py): a frame of OptimizedModule's own ``__call__`` whose wrapper wraps
+    ``module``. Frames are told apart by their code object, so the locals of no other frame
+    are read (reading them copies them into a dict). None on a torch whose OptimizedModule has no
     ``__call__`` of its own (torch 2.11 and 2.13 have one)."""
     global _wrapper_call
     if _wrapper_call is None:

@@ -11,7 +11,7 @@ NOTE [the boundary stays eager]: the installed callable is opaque to dynamo
 (``eager.runs_eagerly``: torch's lazy form of ``torch.compiler.disable``, with a reason), so
 ``torch.compile(model)``, ``layer.compile()`` or any compiled caller graph-breaks at the layer
 call and runs the boundary eagerly (``torch.compile(layer)`` is told so: NOTE [compiled around
-the layer]). Traced, it broke:
+the layer] in compiled_layers.py). Traced, it broke:
 ``layer.compile()`` recursed without end (dynamo rebuilt ``type(module).forward.__get__(module)``
 as the attribute ``module.forward``, which is this callable again) and ``torch.compile(model)``
 raised ``ReplayMismatchError`` (the traced flatten lost the PyTree namespace). To compile a
@@ -32,7 +32,6 @@ import logging
 import math
 import numbers
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -41,8 +40,9 @@ from torch import nn
 
 from .boundary import run_boundary
 from .boundary_call import BoundaryOptions
-from .eager import (BOUNDARY_REASON, compile_stance_is_default, compiled_wrapper,
-                    in_compiled_module_call, runs_eagerly, user_stacklevel)
+from .compiled_layers import (check_compiled_wrapper, compiled_over, warn_compiled_over,
+                              warn_module_compiled)
+from .eager import BOUNDARY_REASON, in_compiled_module_call, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .module_state import drop_caches
@@ -65,7 +65,8 @@ class _CheckpointedForward:
     """The ``forward`` instance attribute that sends a module's forward through the boundary.
 
     It also holds what was checked and told about its module (NOTE [compiled around the
-    layer]): a copy (deepcopy, pickle) gets a new one, and so is checked and told anew.
+    layer] in compiled_layers.py): a copy (deepcopy, pickle) gets a new one, and so is checked
+    and told anew.
     """
 
     __slots__ = ("module_ref", "bare", "options", "check_wrapper", "told")
@@ -83,12 +84,13 @@ class _CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
         if module.__dict__.get("forward") is not self:
-            _warn_compiled_over(module, self)
+            warn_compiled_over(module, self)
         if module.__dict__.get("_compiled_call_impl") is not None:
-            _warn_module_compiled(module, self)
+            warn_module_compiled(module, self)
         check = self.check_wrapper
         if check is None or (check and in_compiled_module_call()):
-            _check_compiled_wrapper(module, self)  # NOTE [compiled around the layer]
+            # NOTE [compiled around the layer] in compiled_layers.py
+            check_compiled_wrapper(module, self)
         forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
         return run_boundary(forward, args, kwargs, self.options, owner=module)
 
@@ -134,10 +136,10 @@ class _CheckpointedForward:
         module = self._module()
         twin = memo.get(id(module), module)
         forward = module.__dict__.get("forward")
-        if forward is not self and _compiled_over(forward, self):
-            # A torch.compile wrapper over the boundary (NOTE [compiled over the boundary]) is
-            # a function, which deepcopy shares: the copy's forward would run the original's
-            # boundary, with the original's weights, silently.
+        if forward is not self and compiled_over(forward, self):
+            # A torch.compile wrapper over the boundary (NOTE [compiled over the boundary] in
+            # compiled_layers.py) is a function, which deepcopy shares: the copy's forward
+            # would run the original's boundary, with the original's weights, silently.
             raise CheckpointError(
                 f"cannot copy a checkpointed {type(module).__name__} whose forward was compiled "
                 "after checkpointing", expected="the boundary as the module's forward",
@@ -155,87 +157,6 @@ class _CheckpointedForward:
         return (_restore_forward, (module, name, self.options))
 
 
-def _warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> None:
-    if "compiled over" in installed.told or \
-            not _compiled_over(module.__dict__.get("forward"), installed):
-        return
-    installed.told.add("compiled over")
-    warnings.warn(
-        f"pytree_ckpt: the forward of this {type(module).__name__} was compiled after "
-        "checkpointing, which compiles nothing (the boundary is opaque to dynamo, and so is the "
-        "body it runs). Compile the body first: remove_activation_checkpointing(layer), then "
-        "layer.forward = torch.compile(layer.forward), then apply_activation_checkpointing("
-        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
-
-
-def _warn_module_compiled(module: nn.Module, installed: _CheckpointedForward) -> None:
-    if "module.compile()" in installed.told:
-        return
-    installed.told.add("module.compile()")
-    warnings.warn(
-        f"pytree_ckpt: this {type(module).__name__} was compiled with module.compile(), which "
-        "compiles its call up to the boundary and nothing inside it (the boundary is opaque to "
-        "dynamo, and so is the body it runs). Compile the body instead: "
-        "layer.forward = torch.compile(layer.forward) before apply_activation_checkpointing("
-        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
-
-
-# NOTE [compiled around the layer]: torch.compile(layer) after checkpointing (torchtitan
-# compiles each block after applying activation checkpointing) wraps the layer in dynamo's
-# OptimizedModule. Dynamo skips nn.Module's call frames and reaches the boundary only through
-# its eager entry, so nothing compiles, silently; with fullgraph=True torch failed after the
-# whole forward had run, with "found no compiled frames" and a list of torch's own frames.
-# The layer is not told it was wrapped, so the wrapper's call is looked for on the call stack
-# (eager.compiled_wrapper), at the layer's first call and then only at calls made while some
-# wrapper's call runs: dynamo sets a flag for the length of every OptimizedModule call, read
-# here at each call (one attribute). So a layer called eagerly first and wrapped later is found
-# at its first wrapped call, and an eager step pays no frame walk. Calls inside
-# torch.compile(model) run under the flag too and pay the walk at each: about 20,000
-# instructions, 1% of what the boundary adds to a layer call. A torch without the flag
-# checks first calls only. What was checked and told is held by the installed
-# forward, not the module's __dict__: a copy (deepcopy, pickle) gets its own, and is checked
-# and told anew; each warning is given once per layer. A body compiled inside the boundary
-# (the order docs/scaling.md gives) makes a wrapper put around it as well harmless: its graphs
-# are compiled frames, so torch runs it, fullgraph=True included, and nothing is said (nor
-# looked for again).
-def _check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -> None:
-    if hasattr(installed.bare, "_torchdynamo_orig_callable"):  # a compiled body
-        installed.check_wrapper = False
-        return
-    wrapper = compiled_wrapper(module)
-    if wrapper is None:
-        installed.check_wrapper = True
-        return
-    name = type(module).__name__
-    fix = ("compile the body inside the boundary: remove_activation_checkpointing(layer), "
-           "then either layer.forward = torch.compile(layer.forward{}) and "
-           "apply_activation_checkpointing(layer), or checkpoint the compiled module, "
-           "apply_activation_checkpointing(torch.compile(layer{})) (docs/scaling.md, "
-           "'Wrapping order')")
-    if getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False) and \
-            compile_stance_is_default():
-        # Left as it was: every call is checked again and refused, rather than torch's
-        # message after it (also on a torch without dynamo's flag). Only where torch fails
-        # too: under another stance (force_eager) it runs the call.
-        raise CheckpointConfigError(
-            f"this {name} is checkpointed and called through torch.compile(layer, "
-            "fullgraph=True): the compiled wrapper reaches only the boundary, "
-            "which runs eagerly (its replay runs in backward, outside any graph), so no graph "
-            "can be compiled", expected="the layer's body compiled, inside the boundary",
-            got=f"torch.compile around the checkpointed {name}",
-            tip=fix.format(", fullgraph=True", ", fullgraph=True"))
-    installed.check_wrapper = True
-    if "compiled around" in installed.told:
-        return  # checked again at each wrapped call: told once
-    installed.told.add("compiled around")
-    warnings.warn(
-        f"pytree_ckpt: this {name} is checkpointed and called through torch.compile(layer), "
-        "which compiles nothing: the compiled wrapper reaches only the boundary, "
-        f"which is opaque to dynamo, and so is the body it runs. To compile it, "
-        f"{fix.format('', '')}",
-        stacklevel=user_stacklevel())
-
-
 def _restore_forward(module: nn.Module, method: str | None,
                      options: BoundaryOptions) -> _CheckpointedForward:
     bare = None if method is None else types.MethodType(getattr(type(module), method), module)
@@ -245,29 +166,12 @@ def _restore_forward(module: nn.Module, method: str | None,
 def _installed(module: nn.Module) -> _CheckpointedForward | None:
     """The boundary installed on ``module`` and still in effect: a ``forward`` assigned over it
     since (by the user) means it is not, unless it is a compiled wrapper of it (NOTE [compiled
-    over the boundary])."""
+    over the boundary] in compiled_layers.py)."""
     installed = module.__dict__.get(_INSTALLED)
     if installed is None:
         return None
     forward = module.__dict__.get("forward")
-    return installed if forward is installed or _compiled_over(forward, installed) else None
-
-
-# NOTE [compiled over the boundary]: ``layer.forward = torch.compile(layer.forward)`` after
-# checkpointing wraps the boundary, which dynamo never traces: nothing is compiled, and the
-# layer is still checkpointed. is_checkpointed says so, applying again does not nest a second
-# boundary, removing drops the wrapper with the boundary, the first call warns, and a deep
-# copy is refused (it would share the wrapper, and so the original's boundary).
-def _compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
-    """Whether ``forward`` is torch.compile's wrapper of ``installed`` (not any other wrapper:
-    a ``functools.wraps`` one of the user's stays theirs)."""
-    forward = getattr(forward, "_torchdynamo_orig_callable", None)  # dynamo's wrapper
-    for _ in range(3):  # then its inline wrapper of a callable object
-        if forward is None or forward is installed:
-            return forward is installed
-        forward = getattr(forward, "_torchdynamo_orig_callable", None) or \
-            getattr(forward, "__wrapped__", None)
-    return False
+    return installed if forward is installed or compiled_over(forward, installed) else None
 
 
 def body_forward(module: nn.Module, /) -> Any:
@@ -425,8 +329,8 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
 
     A no-op on an unwrapped module (and on one whose ``forward`` was assigned over the
     boundary since: that forward stays; a ``torch.compile`` wrapper of the boundary goes with
-    it, NOTE [compiled over the boundary]); methods wrapped by its save units are restored too,
-    those of layers wrapped on their own are left to them.
+    it, NOTE [compiled over the boundary] in compiled_layers.py); methods wrapped by its save
+    units are restored too, those of layers wrapped on their own are left to them.
     """
     drop_caches(module)
     installed = _installed(module)
@@ -443,7 +347,8 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
                 sub.__dict__[name] = kept.inner
         remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
     bare = installed.bare
-    if module.__dict__.get("forward") is not installed:  # NOTE [compiled over the boundary]
+    # NOTE [compiled over the boundary] in compiled_layers.py
+    if module.__dict__.get("forward") is not installed:
         logger.info("%s: the torch.compile wrapper put over its boundary goes with it",
                     type(module).__name__)
     if bare is None:

@@ -337,16 +337,16 @@ def test_eager_calls_after_a_layers_first_walk_no_frames_and_compiled_callers_wa
     # module) call runs. An eager step must not pay it.
     if not _compiled_calls_marked():
         pytest.skip("this torch marks no torch.compile(module) call: first calls only")
-    from pytree_ckpt import module as module_impl
+    from pytree_ckpt import compiled_layers
 
     walks: list[nn.Module] = []
-    real = module_impl.compiled_wrapper
+    real = compiled_layers.compiled_wrapper
 
     def counted(module: nn.Module) -> Any:
         walks.append(module)
         return real(module)
 
-    monkeypatch.setattr(module_impl, "compiled_wrapper", counted)
+    monkeypatch.setattr(compiled_layers, "compiled_wrapper", counted)
     torch._dynamo.reset()
     try:
         net = _Net()
@@ -378,7 +378,7 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_naming_th
     # boundary nor the wrapping order was named. Also for a layer that ran eagerly before.
     if first_call == "eager" and not _compiled_calls_marked():
         # A torch without dynamo's flag for a torch.compile(module) call in progress is looked
-        # at first calls only (NOTE [compiled around the layer]).
+        # at first calls only (NOTE [compiled around the layer] in pytree_ckpt/compiled_layers.py).
         pytest.skip("this torch marks no torch.compile(module) call: first calls only")
     torch._dynamo.reset()
     try:

@@ -343,8 +343,8 @@ def test_a_ratio_rounds_a_share_that_is_not_a_whole_layer_down(n: int, ratio: fl
 
 def test_compiling_a_forward_after_checkpointing_warns_and_the_layer_stays_checkpointed_once(
         ) -> None:
-    # NOTE [compiled over the boundary] (module.py): the compiled wrapper sees only the opaque
-    # boundary.
+    # NOTE [compiled over the boundary] (compiled_layers.py): the compiled wrapper sees only
+    # the opaque boundary.
     import warnings
 
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -385,7 +385,8 @@ def test_compiling_a_forward_after_checkpointing_warns_and_the_layer_stays_check
 
 
 def test_a_functools_wraps_wrapper_over_the_boundary_is_the_users_own() -> None:
-    # Only torch.compile's wrapper counts as the boundary (NOTE [compiled over the boundary]).
+    # Only torch.compile's wrapper counts as the boundary (NOTE [compiled over the boundary],
+    # compiled_layers.py).
     import functools
     import warnings
 

@@ -1,0 +1,120 @@
+"""What a checkpointed layer tells of ``torch.compile`` put around or over its boundary, where
+it compiles nothing (NOTE [compiled around the layer], NOTE [compiled over the boundary]).
+
+The installed forward (``_CheckpointedForward`` in module.py) calls these at each call; what
+was checked and told is held by it, so a copy of the layer is checked and told anew.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .eager import compile_stance_is_default, compiled_wrapper, user_stacklevel
+from .errors import CheckpointConfigError
+
+if TYPE_CHECKING:  # module.py imports this module
+    from .module import _CheckpointedForward
+
+__all__ = ["check_compiled_wrapper", "compiled_over", "warn_compiled_over",
+           "warn_module_compiled"]
+
+
+def warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> None:
+    if "compiled over" in installed.told or \
+            not compiled_over(module.__dict__.get("forward"), installed):
+        return
+    installed.told.add("compiled over")
+    warnings.warn(
+        f"pytree_ckpt: the forward of this {type(module).__name__} was compiled after "
+        "checkpointing, which compiles nothing (the boundary is opaque to dynamo, and so is the "
+        "body it runs). Compile the body first: remove_activation_checkpointing(layer), then "
+        "layer.forward = torch.compile(layer.forward), then apply_activation_checkpointing("
+        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
+
+
+def warn_module_compiled(module: nn.Module, installed: _CheckpointedForward) -> None:
+    if "module.compile()" in installed.told:
+        return
+    installed.told.add("module.compile()")
+    warnings.warn(
+        f"pytree_ckpt: this {type(module).__name__} was compiled with module.compile(), which "
+        "compiles its call up to the boundary and nothing inside it (the boundary is opaque to "
+        "dynamo, and so is the body it runs). Compile the body instead: "
+        "layer.forward = torch.compile(layer.forward) before apply_activation_checkpointing("
+        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
+
+
+# NOTE [compiled around the layer]: torch.compile(layer) after checkpointing (torchtitan
+# compiles each block after applying activation checkpointing) wraps the layer in dynamo's
+# OptimizedModule. Dynamo skips nn.Module's call frames and reaches the boundary only through
+# its eager entry, so nothing compiles, silently; with fullgraph=True torch failed after the
+# whole forward had run, with "found no compiled frames" and a list of torch's own frames.
+# The layer is not told it was wrapped, so the wrapper's call is looked for on the call stack
+# (eager.compiled_wrapper), at the layer's first call and then only at calls made while some
+# wrapper's call runs: dynamo sets a flag for the length of every OptimizedModule call, read
+# here at each call (one attribute). So a layer called eagerly first and wrapped later is found
+# at its first wrapped call, and an eager step pays no frame walk. Calls inside
+# torch.compile(model) run under the flag too and pay the walk at each: about 20,000
+# instructions, 1% of what the boundary adds to a layer call. A torch without the flag
+# checks first calls only. What was checked and told is held by the installed
+# forward, not the module's __dict__: a copy (deepcopy, pickle) gets its own, and is checked
+# and told anew; each warning is given once per layer. A body compiled inside the boundary
+# (the order docs/scaling.md gives) makes a wrapper put around it as well harmless: its graphs
+# are compiled frames, so torch runs it, fullgraph=True included, and nothing is said (nor
+# looked for again).
+def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -> None:
+    if hasattr(installed.bare, "_torchdynamo_orig_callable"):  # a compiled body
+        installed.check_wrapper = False
+        return
+    wrapper = compiled_wrapper(module)
+    if wrapper is None:
+        installed.check_wrapper = True
+        return
+    name = type(module).__name__
+    fix = ("compile the body inside the boundary: remove_activation_checkpointing(layer), "
+           "then either layer.forward = torch.compile(layer.forward{}) and "
+           "apply_activation_checkpointing(layer), or checkpoint the compiled module, "
+           "apply_activation_checkpointing(torch.compile(layer{})) (docs/scaling.md, "
+           "'Wrapping order')")
+    if getattr(getattr(wrapper, "dynamo_ctx", None), "fullgraph", False) and \
+            compile_stance_is_default():
+        # Left as it was: every call is checked again and refused, rather than torch's
+        # message after it (also on a torch without dynamo's flag). Only where torch fails
+        # too: under another stance (force_eager) it runs the call.
+        raise CheckpointConfigError(
+            f"this {name} is checkpointed and called through torch.compile(layer, "
+            "fullgraph=True): the compiled wrapper reaches only the boundary, "
+            "which runs eagerly (its replay runs in backward, outside any graph), so no graph "
+            "can be compiled", expected="the layer's body compiled, inside the boundary",
+            got=f"torch.compile around the checkpointed {name}",
+            tip=fix.format(", fullgraph=True", ", fullgraph=True"))
+    installed.check_wrapper = True
+    if "compiled around" in installed.told:
+        return  # checked again at each wrapped call: told once
+    installed.told.add("compiled around")
+    warnings.warn(
+        f"pytree_ckpt: this {name} is checkpointed and called through torch.compile(layer), "
+        "which compiles nothing: the compiled wrapper reaches only the boundary, "
+        f"which is opaque to dynamo, and so is the body it runs. To compile it, "
+        f"{fix.format('', '')}",
+        stacklevel=user_stacklevel())
+
+
+# NOTE [compiled over the boundary]: ``layer.forward = torch.compile(layer.forward)`` after
+# checkpointing wraps the boundary, which dynamo never traces: nothing is compiled, and the
+# layer is still checkpointed. is_checkpointed says so, applying again does not nest a second
+# boundary, removing drops the wrapper with the boundary, the first call warns, and a deep
+# copy is refused (it would share the wrapper, and so the original's boundary).
+def compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
+    """Whether ``forward`` is torch.compile's wrapper of ``installed`` (not any other wrapper:
+    a ``functools.wraps`` one of the user's stays theirs)."""
+    forward = getattr(forward, "_torchdynamo_orig_callable", None)  # dynamo's wrapper
+    for _ in range(3):  # then its inline wrapper of a callable object
+        if forward is None or forward is installed:
+            return forward is installed
+        forward = getattr(forward, "_torchdynamo_orig_callable", None) or \
+            getattr(forward, "__wrapped__", None)
+    return False
