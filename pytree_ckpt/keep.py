@@ -45,7 +45,7 @@ from .errors import CheckpointError
 from .phase import Invocation, Phase
 from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
 
-__all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept"]
+__all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept", "op_name"]
 
 
 # Set while a kept callable runs (KeptCallables) / while reuse_during_recompute computes.
@@ -82,6 +82,36 @@ def never_kept(namespace: str, packet: Any, overload: str | None = None, /) -> s
 _WARNED_MUTATING: set[str] = set()
 
 
+def op_name(op: Any, /) -> Any:
+    """The qualified name of a torch.ops object (``aten::mm``, ``aten::mm.default``); anything
+    else as it is."""
+    if isinstance(op, torch._ops.OpOverload):
+        return f"{op._schema.name}.{op._overloadname}"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    return op
+
+
+def _policy_from_names(names: tuple[str, ...], callables: tuple[str, ...], description: str,
+                       /) -> KeepPolicy:
+    """A pickled ``KeepPolicy`` (its ``__reduce__``), its ops looked up by name."""
+    ops = []
+    for name in names:
+        namespace, qualified = name.split("::", 1)
+        base, _, overload = qualified.partition(".")
+        try:
+            packet = getattr(getattr(torch.ops, namespace), base)
+            ops.append(getattr(packet, overload) if overload else packet)
+        except (AttributeError, RuntimeError):
+            raise CheckpointError(
+                f"a checkpointed layer being loaded keeps the op {name}, which this process "
+                "has not registered", expected=f"{name} registered before loading",
+                got=f"no {name} in torch.ops",
+                tip="import the library that registers it (its torch.library definitions) "
+                    "before torch.load") from None
+    return KeepPolicy(ops, callables=callables, description=description)
+
+
 class KeepPolicy:
     """Which ops a boundary keeps: ``ops`` by identity, plus everything the kept callables
     (``"Class.method"`` names of the wrapped methods) dispatch."""
@@ -97,6 +127,13 @@ class KeepPolicy:
 
     def __repr__(self) -> str:
         return f"KeepPolicy({self.description})"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # NOTE: torch's op objects cannot be pickled, and a checkpointed layer's options hold
+        # this policy (torch.save(model) failed on a layer given KeptOps). The ops travel by
+        # qualified name and are looked up again when loaded.
+        names = tuple(sorted(op_name(op) for op in self.ops | self.overloads))
+        return (_policy_from_names, (names, tuple(sorted(self.callables)), self.description))
 
     # Two policies that keep the same things are the same option (re-applying a config is a
     # no-op, as for apply_activation_checkpointing); one that wraps other methods is not.

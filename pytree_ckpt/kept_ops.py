@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointConfigError
-from .keep import never_kept
+from .keep import never_kept, op_name
 
 __all__ = ["KeptOps"]
 
@@ -34,7 +34,7 @@ class KeptOps:
     """
 
     def __init__(self, *ops: str | torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> None:
-        names = [_op_name(op) for op in ops]
+        names = [op_name(op) for op in ops]
         bad: Any = next((op for op, n in zip(ops, names)
                          if not (isinstance(n, str) and "::" in n)), None)
         if not names or bad is not None:
@@ -101,16 +101,6 @@ class KeptOps:
                 continue
             found.append(target)
         return found, warned
-
-
-def _op_name(op: Any) -> Any:
-    """The qualified name of a torch.ops object (``aten::mm``, ``aten::mm.default``); anything
-    else as it is (refused by the caller unless a name)."""
-    if isinstance(op, torch._ops.OpOverload):
-        return f"{op._schema.name}.{op._overloadname}"
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return op._qualified_op_name
-    return op
 
 
 def _near_op_names(name: str, named: Sequence[str]) -> list[str]:

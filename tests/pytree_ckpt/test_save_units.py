@@ -850,3 +850,37 @@ def test_a_kept_method_called_after_its_module_was_freed_is_refused_naming_the_f
     with pytest.raises(CheckpointError, match=r"kept method project no longer exists") as error:
         project(x)
     assert "module.project(...)" in str(error.value)
+
+
+def test_a_layer_keeping_ops_by_name_and_overload_survives_torch_save_and_keeps_them() -> None:
+    # torch's op objects cannot be pickled: torch.save of a layer given KeptOps raised
+    # "function_record ... is not pickleable". The policy travels by op name now.
+    torch.manual_seed(0)
+    targets = {SaveUnit.ATTN: KeptOps("aten::mm", torch.ops.aten.tanh.default),
+               SaveUnit.MOE_GATE: KeptCallables("Gate.project")}
+    original = Block()
+    eager = copy.deepcopy(original)
+    apply_recompute_config([original], RecomputeConfig(1.0, save=["attn", "moe_gate"]), targets)
+    buffer = io.BytesIO()
+    torch.save(original, buffer)
+    buffer.seek(0)
+    twin = torch.load(buffer, weights_only=False)
+    assert pytree_ckpt.is_checkpointed(twin)
+    x = torch.randn(5, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([eager, twin], x, seed=0))
+    counter = OpCounter()
+    with counter:
+        twin(x).sum().backward()
+    # Kept, as in the original: the replay runs neither mm nor tanh again.
+    assert counter.counts["recompute", "aten.mm"] == 0
+    assert counter.counts["recompute", "aten.tanh"] == 0
+    assert counter.counts["recompute", "aten.sigmoid"] == 1  # the rest is recomputed
+
+
+def test_a_pickled_layer_keeping_an_op_this_process_lacks_is_refused_naming_it() -> None:
+    from pytree_ckpt.keep import KeepPolicy
+    policy = KeepPolicy([torch.ops.aten.mm], callables=(), description="attn")
+    name, args = policy.__reduce__()
+    with pytest.raises(CheckpointError, match="(?s)keeps the op no_such_ns::op.*tip: import"):
+        name(("no_such_ns::op",), *args[1:])
+    assert name(*args) == policy
