@@ -75,8 +75,8 @@ def test_ddp_gives_a_parameter_a_checkpointed_call_leaves_unused_what_the_limits
     # The boundary's node takes every trainable parameter of the layer as an input (NOTE
     # [parameters are inputs]), so autograd visits the idle one with no gradient, and DDP's
     # hook on it fires: without find_unused_parameters or static_graph DDP reduces zeros into
-    # its .grad, where eager leaves None (and eager DDP refuses the next step). The limits table
-    # of docs/boundary.md says so, and names the two options that keep None.
+    # its .grad, where eager leaves None (and eager DDP refuses the next step). The table of
+    # docs/limits.md says so, and names the two options that keep None.
     from torch.nn.parallel import DistributedDataParallel
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only

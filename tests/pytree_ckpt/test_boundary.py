@@ -323,8 +323,8 @@ def test_a_forward_under_autocast_without_its_cache_is_replayed_without_it() -> 
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "documented limit (docs/boundary.md, invariant 4): the replay hands its inputs over as "
-    "non-leaf aliases, which autocast never caches; passing the leaf itself would make the "
+    "documented limit (docs/limits.md, 'Parameters as inputs'): the replay hands its inputs "
+    "over as non-leaf aliases, which autocast never caches; passing the leaf itself would make the "
     "two uses share one cast, but breaks FlopCounterMode's module tracker under autocast "
     "(test_flop_counter_mode_counts_the_replay_of_a_layer_fed_a_leaf_under_autocast)"))
 @pytest.mark.parametrize("backward_under_autocast", [False, True])
@@ -860,7 +860,7 @@ class ReturnsAverage(nn.Module):
 
 def test_a_floating_buffer_changed_without_gradient_and_returned_whole_is_what_the_table_says(
         ) -> None:
-    # docs/boundary.md, limits table: the no-grad original pass cannot tell this write from one
+    # docs/limits.md, the table: the no-grad original pass cannot tell this write from one
     # of a result (FillsBuffer above), so the buffer leaves as an alias that requires grad; the
     # gradients stay eager's, and the tip (.detach() at the call site) can be kept across steps.
     torch.manual_seed(0)

@@ -358,7 +358,7 @@ def test_a_strided_nested_tensor_at_the_boundary_is_refused_naming_its_path_and_
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "documented limit (docs/boundary.md, table): the replay rebuilds each container from the "
+    "documented limit (docs/limits.md, table): the replay rebuilds each container from the "
     "recorded structure, one per place, so one list passed in two places and appended to by "
     "the forward is two lists there; keeping the aliasing would need the container objects' "
     "identities recorded at every call"))
