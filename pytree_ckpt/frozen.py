@@ -151,7 +151,7 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     argument unless it is on the very storage the original pass changed (a plain tensor
     attribute, or a view of it: the caller's, which later code may have changed since; an
     argument the layer makes itself is the replay's own). State with no copy is read as the
-    caller left it (docs/boundary.md, the micro-batch row). Floating arguments are warned
+    caller left it (docs/limits.md, the micro-batch row). Floating arguments are warned
     about instead (NOTE [a reused fn changes no argument]): logits-sized scores would be
     kept twice. ``None`` when nothing changed (the usual case)."""
     changed: list[tuple[str, Any, weakref.ref[torch.UntypedStorage], torch.Tensor]] = [

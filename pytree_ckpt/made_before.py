@@ -16,7 +16,7 @@ backpropagate into a freed graph at the next). The snapshot must predate ``fn``:
 buffer ``fn`` writes a result into in place (``self.buf[:n].copy_(h)``), and a view of it: in
 eager it requires grad after the write. The no-grad pass cannot tell that write from one
 without a gradient (an EMA updated under ``torch.no_grad()``): a floating buffer changed in
-place leaves with the node either way (docs/boundary.md, limits table); an integer one (a
+place leaves with the node either way (docs/limits.md); an integer one (a
 call counter) cannot carry a gradient and comes back as itself.
 """
 

@@ -156,7 +156,7 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
         "value (a counter ends a step ahead, a scale read from it gives other gradients). "
         "Tip: keep such state in a buffer (register_buffer), which the replay changes a copy "
         "of, and change it outside the checkpointed call if the output reads it "
-        "(docs/boundary.md, 'Module state ends the step as in eager')"))
+        "(docs/limits.md, 'Module state')"))
 
 
 _WARNED_PARAMETER = "_pytree_ckpt_warned_parameter"
