@@ -53,7 +53,8 @@ backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(
 those raise ``CheckpointError`` instead of returning partial results.
 
 Elsewhere: what a call carries from its original pass to its replay, and the boundary's options,
-in ``boundary_call.py``; what the boundary knows of the modules a call uses (their parameters
+in ``boundary_call.py`` (one container passed in several places, rebuilt once for the replay, in
+``shared_containers.py``); what the boundary knows of the modules a call uses (their parameters
 and buffers, cached) in ``module_state.py``; the state the original pass changes in
 ``state_changes.py``, and what its modules were then in ``forward_modules.py``; what it refuses,
 and how its messages say so, in ``refusals.py``, ``tree_refusals.py`` and
@@ -98,6 +99,7 @@ from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
 from .refusals import fn_name, input_path, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
+from .shared_containers import shared_containers
 from .state_changes import StateWatch, mark_stateful, snapshots_wanted, versions
 from .stored_state import warn_parameter_changed
 from .subclass import kind_of
@@ -430,6 +432,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
                                   kwargs_use_cache=kwargs.get("use_cache") is True)
     call = BoundaryCall(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.original_call = (args, kwargs)
+    call.in_shared = shared_containers(call.original_call, flat.spec)
     call.n_inputs = len(unique)
     call.params = params
     call.owner = owner

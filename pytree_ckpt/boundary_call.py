@@ -20,6 +20,7 @@ from .keep import KeepPolicy
 from .module_state import ModuleDicts
 from .refusals import fn_name
 from .rng import ReplayEnvironment
+from .shared_containers import unflatten_shared
 from .state_changes import ChangedState
 from .subclass import SubclassKind
 from .tree import describe_leaf, first_difference, leaf_paths, unflatten
@@ -55,12 +56,12 @@ class BoundaryCall:
     """Everything one boundary call needs for its replay, minus the tensors themselves."""
 
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
-                 "n_inputs", "params", "owner", "out_spec", "out_leaves", "out_tensor_index",
-                 "out_meta", "frame", "env", "original_call", "reported", "before", "as_is",
-                 "attributes", "buffer_dicts", "frozen", "frozen_at_call", "changed_state",
-                 "modules",
-                 "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
-                 "switches", "inference", "saved_versions", "param_versions")
+                 "in_shared", "n_inputs", "params", "owner", "out_spec", "out_leaves",
+                 "out_tensor_index", "out_meta", "frame", "env", "original_call", "reported",
+                 "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
+                 "changed_state", "modules", "forward_modules", "hooked", "hooked_outputs",
+                 "held", "subclasses", "switches", "inference", "saved_versions",
+                 "param_versions")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -71,6 +72,9 @@ class BoundaryCall:
         self.in_leaves = in_leaves
         self.in_tensor_index = in_tensor_index
         self.in_slots = in_slots
+        # Places that hold a container an earlier place holds, mapped to it (NOTE [containers
+        # passed in several places] in shared_containers.py); None when none repeats.
+        self.in_shared: dict[int, int] | None = None
         self.switches: Any = None  # NOTE [verified per switch] in module_state.py
         self.n_inputs = 0
         # Names of the owner's attributes passed as inputs after the call's own (NOTE
@@ -85,7 +89,9 @@ class BoundaryCall:
         self.out_meta: list[tuple[torch.Size, torch.dtype]] = []
         self.env: ReplayEnvironment | None = None
         # The caller's own args and kwargs, for the original pass only (then dropped): fn sees
-        # the very containers it was given, as in eager; the replay gets rebuilt containers.
+        # the very containers it was given, as in eager; the replay gets rebuilt containers,
+        # one per container object passed (NOTE [containers passed in several places] in
+        # shared_containers.py).
         self.original_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.reported = False  # an ActivationCensus watches this call's frame
         # Frozen parameters and buffers by id, taken before fn runs; for the original pass only.
@@ -133,7 +139,10 @@ class BoundaryCall:
         leaves = list(self.in_leaves)
         for index, slot in zip(self.in_tensor_index, self.in_slots):
             leaves[index] = tensors[slot]
-        args, kwargs = unflatten(self.in_spec, leaves)
+        if self.in_shared is None:
+            args, kwargs = unflatten(self.in_spec, leaves)
+        else:
+            args, kwargs = unflatten_shared(self.in_spec, leaves, self.in_shared)
         return args, kwargs
 
     def outputs(self, tensors: Sequence[torch.Tensor], /) -> Any:

@@ -355,25 +355,3 @@ def test_a_strided_nested_tensor_at_the_boundary_is_refused_naming_its_path_and_
                                         layout=torch.jagged, requires_grad=True)
     checkpoint(lambda t: (t * weight).sin(), jagged).values().sum().backward()  # this one crosses
     assert jagged.grad is not None and weight.grad is not None
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "documented limit (docs/limits.md, table): the replay rebuilds each container from the "
-    "recorded structure, one per place, so one list passed in two places and appended to by "
-    "the forward is two lists there; keeping the aliasing would need the container objects' "
-    "identities recorded at every call"))
-def test_one_list_passed_in_two_places_and_appended_to_gives_eager_gradients() -> None:
-    weight = torch.randn(4, requires_grad=True)
-
-    def layer(seen: list[Any], also: list[Any]) -> torch.Tensor:
-        seen.append("called")
-        return also[0] * weight * len(also)
-
-    grads = []
-    for wrap in (False, True):
-        x = torch.ones(4, requires_grad=True)
-        shared: list[Any] = [x]
-        (checkpoint(layer, shared, shared) if wrap else layer(shared, shared)).sum().backward()
-        grads.append(weight.grad.clone())
-        weight.grad = None
-    assert torch.equal(*grads)
