@@ -142,13 +142,15 @@ class _BoundaryFunction(torch.autograd.Function):
         ctx.call = call
         ctx.set_materialize_grads(False)
         tensors = inputs[: call.n_inputs]  # the rest are parameters (NOTE [parameters are inputs])
-        call.env = ReplayEnvironment.capture(
+        env = call.env = ReplayEnvironment.capture(
             tensors, preserve_rng=call.options.preserve_rng_state,
             leaves=call.in_leaves if len(call.in_tensor_index) < len(call.in_leaves) else None)
-        # NOTE [skipped work keeps the RNG in step] (frames.py): the generators it restores.
-        call.frame.rng_devices = call.env.rng_devices()
-        if call.env.generators:  # NOTE [generators passed in] (rng.py): they jump too
-            call.frame.generators = tuple(g for g, _ in call.env.generators)
+        # NOTE [skipped work keeps the RNG in step] (frames.py): the generators it restores
+        # (env.rng_devices(), spelled out for the usual case: the CPU one alone).
+        call.frame.rng_devices = None if env.cpu_rng is None else \
+            env.rng_devices() if env.cuda_rng else ()
+        if env.generators:  # NOTE [generators passed in] (rng.py): they jump too
+            call.frame.generators = tuple(g for g, _ in env.generators)
         assert call.original_call is not None
         args, kwargs = call.original_call
         call.original_call = None

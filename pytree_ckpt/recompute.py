@@ -24,7 +24,7 @@ from .phase import ACTIVE, Invocation, Phase
 from .changed_in_place import raise_changed_after_call
 from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tensor,
                        raise_hooked_outside_tensor, raise_torch_reentrant_inside, verify_leaves)
-from .rng import IsolatedPass
+from .rng import IsolatedPass, Replaying
 from .saved import Unchanged
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
@@ -148,7 +148,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
     token = ACTIVE.set(invocation)
     try:
-        with call.env.replaying(), IsolatedPass():
+        with Replaying(call.env), IsolatedPass():
             # Detached here, under the forward's torch-function state: a __torch_function__
             # subclass input stays one (NOTE [the replay sees tensor subclasses as the forward
             # did] in rng.py).

@@ -21,8 +21,14 @@ RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
 GeneratorStates = tuple[tuple[torch.Generator, torch.Tensor], ...]
 
 
+# The CPU generator, read and set directly: torch.get_rng_state() and torch.set_rng_state() are
+# Python wrappers of its get_state() and set_state(), and the boundary calls them three times
+# per layer call (twice around each replay).
+_cpu_generator = torch.default_generator
+
+
 def rng_state(devices: tuple[int, ...], /) -> RngState:
-    return torch.get_rng_state(), \
+    return _cpu_generator.get_state(), \
         {d: torch.cuda.get_rng_state(d) for d in devices} if devices else {}
 
 
@@ -34,7 +40,7 @@ def rng_changed(before: RngState, after: RngState, /) -> bool:
 def set_rng_state(state: RngState, /, *, devices: tuple[int, ...]) -> None:
     """Set the CPU generator and those of ``devices`` (only: others the replay does not
     restore afterwards, so changing them would leak out of it)."""
-    torch.set_rng_state(state[0])
+    _cpu_generator.set_state(state[0])
     for device in devices:
         if device in state[1]:
             torch.cuda.set_rng_state(state[1][device], device)
@@ -55,11 +61,19 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 _get_torch_function_state: Any = torch._C._get_torch_function_state  # type: ignore[attr-defined]
 _set_torch_function_state: Any = torch._C._set_torch_function_state  # type: ignore[attr-defined]
 _TF_ENABLED: Any = torch._C._TorchFunctionState.ENABLED  # type: ignore[attr-defined]
+_is_torch_function_enabled: Any = torch._C._is_torch_function_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled: Any = torch._C._set_grad_enabled
+
+
+_cuda = torch.cuda
 
 
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
-    # NOTE: "cuda" is only read once CUDA is initialised, so a CPU run never touches it.
-    if torch.cuda.is_initialized():
+    # NOTE: "cuda" is only read once CUDA is initialised, so a CPU run never touches it. Read
+    # as the flag torch.cuda.is_initialized() reads (twice per layer call; that function's
+    # check for a forked child is moot here: reading the autocast state does not touch CUDA).
+    if _cuda._initialized:
         return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                      for d in _AUTOCAST_DEVICES)
     # Spelled out (read twice per layer call): no generator.
@@ -155,12 +169,14 @@ class ReplayEnvironment:
         cpu_rng = None
         cuda_rng: dict[int, torch.Tensor] = {}
         if preserve_rng:
-            cpu_rng = torch.get_rng_state()
-            # As torch's checkpoint: the CUDA generators of the devices the inputs live on.
-            for device in {t.device.index for t in tensors if t.is_cuda}:
-                cuda_rng[device] = torch.cuda.get_rng_state(device)
+            cpu_rng = _cpu_generator.get_state()
+            # As torch's checkpoint: the CUDA generators of the devices the inputs live on
+            # (none before CUDA is initialised: a CUDA tensor's making initialises it).
+            if _cuda._initialized:
+                for device in {t.device.index for t in tensors if t.is_cuda}:
+                    cuda_rng[device] = torch.cuda.get_rng_state(device)
         # None: enabled, the usual state (read cheaply; the state object costs ~10x more).
-        torch_function = None if torch._C._is_torch_function_enabled() else \
+        torch_function = None if _is_torch_function_enabled() else \
             _get_torch_function_state()
         env = cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled(),
                   torch_function, _kernel_state())
@@ -206,9 +222,13 @@ class Replaying:
             self.generators = [(generator, generator.get_state())
                                for generator, _ in env.generators]
         if env.cpu_rng is not None:
-            devices = tuple(env.cuda_rng)
-            self.saved_rng = rng_state(devices)
-            set_rng_state((env.cpu_rng, env.cuda_rng), devices=devices)
+            if env.cuda_rng:
+                devices = tuple(env.cuda_rng)
+                self.saved_rng = rng_state(devices)
+                set_rng_state((env.cpu_rng, env.cuda_rng), devices=devices)
+            else:  # the CPU generator only: rng_state and set_rng_state, spelled out
+                self.saved_rng = _cpu_generator.get_state(), {}
+                _cpu_generator.set_state(env.cpu_rng)
         for generator, state in env.generators:
             generator.set_state(state)
         # Backward may run under another autocast state than forward did: set only what differs.
@@ -226,11 +246,11 @@ class Replaying:
         if kernels != env.kernels:  # NOTE [the replay picks the forward's kernels]
             self.kernels = kernels
             _set_kernel_state(env.kernels, kernels)
-        self.grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(True)
+        self.grad = _is_grad_enabled()
+        _set_grad_enabled(True)
         # NOTE [the replay sees tensor subclasses as the forward did]
         if env.torch_function is None:
-            if not torch._C._is_torch_function_enabled():
+            if not _is_torch_function_enabled():
                 self.torch_function = _get_torch_function_state()
                 _set_torch_function_state(_TF_ENABLED)
         else:
@@ -243,17 +263,28 @@ class Replaying:
         if self.torch_function is not None:
             _set_torch_function_state(self.torch_function)
         if self.grad is not None:
-            torch._C._set_grad_enabled(self.grad)
+            _set_grad_enabled(self.grad)
         if self.kernels is not None:
             _set_kernel_state(self.kernels, self.env.kernels)
         if self.autocast is not None:
             self.autocast.__exit__(*exc)
         if self.saved_rng is not None:
             # Only the devices it set: others the replay does not restore (set_rng_state).
-            set_rng_state(self.saved_rng, devices=tuple(self.saved_rng[1]))
+            if self.saved_rng[1]:
+                set_rng_state(self.saved_rng, devices=tuple(self.saved_rng[1]))
+            else:
+                _cpu_generator.set_state(self.saved_rng[0])
         for generator, state in self.generators:
             generator.set_state(state)
         self.generators = []
+
+
+_mha = torch.backends.mha
+# The fast-path setting is a global of torch.backends.mha, which get_fastpath_enabled() (after
+# asking torch.jit.is_scripting(), never true here) and set_fastpath_enabled() read and write:
+# read and written directly (three Python calls less per pass), where this torch has it.
+_MHA_FLAG = "_is_fastpath_enabled"
+_mha_flag_direct = isinstance(getattr(_mha, _MHA_FLAG, None), bool)
 
 
 class IsolatedPass:
@@ -314,9 +345,13 @@ class IsolatedPass:
                 self.inner_cache = parametrize._cache = {}
                 cls._swapped.append(self)
             if cls._depth == 0:
-                cls._fast_path_outer = torch.backends.mha.get_fastpath_enabled()
-                if cls._fast_path_outer:
-                    torch.backends.mha.set_fastpath_enabled(False)
+                if _mha_flag_direct:
+                    cls._fast_path_outer = _mha._is_fastpath_enabled
+                    _mha._is_fastpath_enabled = False
+                else:
+                    cls._fast_path_outer = _mha.get_fastpath_enabled()
+                    if cls._fast_path_outer:
+                        _mha.set_fastpath_enabled(False)
             cls._depth += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -333,4 +368,7 @@ class IsolatedPass:
                             later.outer_cache = self.outer_cache
             cls._depth -= 1
             if cls._depth == 0 and cls._fast_path_outer:
-                torch.backends.mha.set_fastpath_enabled(True)
+                if _mha_flag_direct:
+                    _mha._is_fastpath_enabled = True
+                else:
+                    _mha.set_fastpath_enabled(True)
