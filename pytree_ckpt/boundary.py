@@ -292,9 +292,12 @@ class _BoundaryFunction(torch.autograd.Function):
         watched = call.param_versions
         if watched is not None:
             assert call.params is not None
-            before = refuse_parameters_changed(
-                watched, call.params, functools.partial(fn_name, call.fn),
-                call.forward_modules.roots if call.forward_modules is not None else [])
+            # refuse_parameters_changed, with its usual case (no version moved) spelled out
+            before = watched.read(call.params)
+            if before[0] != watched.versions:
+                before = refuse_parameters_changed(
+                    watched, call.params, functools.partial(fn_name, call.fn),
+                    call.forward_modules.roots if call.forward_modules is not None else [])
             grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
             if watched.replayed(call.params, before):  # the forward's change, made again
                 warn_parameter_changed(call, before[0])

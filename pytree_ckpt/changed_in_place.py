@@ -138,17 +138,28 @@ class ParameterVersions:
 
     __slots__ = ("versions", "own")
 
+    # Read four times per layer call (around the forward, around the replay): parameter_versions
+    # and _own_moves are spelled out in each of these methods (a Python call less each).
+
     @staticmethod
     def read(params: Sequence[torch.Tensor], /) -> tuple[list[int | None], list[int] | None]:
         """Before a pass: the versions, and the own-move counts if any was ever made."""
-        return parameter_versions(params), _own_moves(params)
+        try:
+            now = [p._version for p in params]
+        except RuntimeError:  # parameter_versions: a module built under inference mode
+            now = versions(params)
+        return now, [p.__dict__.get(_OWN_MOVES, 0) for p in params] \
+            if _own_moves_seen else None
 
     def __init__(self, params: Sequence[torch.Tensor],
                  before: tuple[list[int | None], list[int] | None], /) -> None:
-        self.versions = parameter_versions(params)
+        try:
+            self.versions = [p._version for p in params]
+        except RuntimeError:  # parameter_versions
+            self.versions = versions(params)
         if self.versions != before[0]:
             _count_own_moves(params, before, self.versions)
-        self.own = _own_moves(params)
+        self.own = _own_moves(params) if _own_moves_seen else None
 
     def changed_since(self, params: Sequence[torch.Tensor], now: list[int | None], /
                       ) -> list[tuple[torch.Tensor, int, int]]:
@@ -165,7 +176,10 @@ class ParameterVersions:
                  before: tuple[list[int | None], list[int] | None], /) -> bool:
         """Count the replay's own moves; whether it moved any (the forward's change made
         again). A second backward (retain_graph) compares from here."""
-        now = parameter_versions(params)
+        try:
+            now = [p._version for p in params]
+        except RuntimeError:  # parameter_versions
+            now = versions(params)
         if now == before[0]:
             return False
         _count_own_moves(params, before, now)
