@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import pickle
+import weakref
 from typing import Any
 
 import pytest
@@ -391,6 +392,44 @@ def test_functional_call_through_a_wrapped_module_gives_the_passed_tensors_eager
         x.grad = None
     assert all(g is not None for g in results[1])
     assert_same_grads(*results)
+
+
+def test_calls_with_other_tensors_swapped_in_between_them_each_get_eager_gradients() -> None:
+    # NOTE [the forward's entries, cached] (forward_modules.py): the layer's own weights, then
+    # tensors swapped in by functional_call, then its own again, all before one backward: each
+    # replay runs on what its own forward ran on, whichever entries the tree's cache holds.
+    x = torch.randn(6, 8, requires_grad=True)
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = Dropped().eval()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        swapped = {name: (t.detach() * 1.5).requires_grad_(t.requires_grad)
+                   for name, t in layer.named_parameters()}
+        loss = layer(x).square().sum()
+        loss = loss + torch.func.functional_call(layer, swapped, (x,)).square().sum()
+        loss = loss + layer(x * 2).square().sum()
+        loss.backward()
+        results.append([x.grad, *grads_of(layer.parameters()),
+                        *(t.grad for t in swapped.values())])
+        x.grad = None
+    assert all(g is not None for g in results[1])
+    assert_same_grads(*results)
+
+
+def test_a_fast_weight_swapped_in_is_not_kept_alive_by_the_layer_after_its_backward() -> None:
+    # NOTE [the forward's entries, cached]: a tensor with a graph (a MAML fast weight) must not
+    # stay in the tree's cache, which outlives the call: it would keep its graph alive.
+    layer = nn.Linear(8, 8)
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).sum().backward()  # a plain call first: the cache holds the layer's own weights
+    fast = {name: p * 0.5 for name, p in layer.named_parameters()}
+    alive = [weakref.ref(t) for t in fast.values()]
+    torch.func.functional_call(layer, fast, (x,)).sum().backward()
+    del fast
+    assert [ref() for ref in alive] == [None, None]
 
 
 class LazyProjection(nn.Module):
