@@ -37,6 +37,9 @@ if TYPE_CHECKING:  # the boundary imports this module
 
 __all__ = ["replay_backward"]
 
+# torch.autograd._is_checkpoint_valid() without its Python frame: the engine's own method.
+_checkpoint_valid: Any = torch.autograd.Variable._execution_engine.is_checkpoint_valid
+
 
 class _FirstReplay:
     """What a module's first replay with a switch (NOTE [verified per switch] in
@@ -267,7 +270,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     # parameter frozen since the forward (requires_grad_(False) before backward) gets no
     # gradient, as in eager, where its AccumulateGrad then does nothing.
     wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
-    if wanted and not torch.autograd._is_checkpoint_valid():
+    if wanted and not _checkpoint_valid():
         wanted = _used_by_this_backward(ctx.next_functions, wanted)
     if outs and call.owner is not None and \
             not is_verified(call.owner, call.switches):

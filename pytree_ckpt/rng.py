@@ -331,44 +331,59 @@ class IsolatedPass:
     __slots__ = ("outer_cache", "inner_cache")
 
     _lock = threading.Lock()
-    _depth = 0  # passes running, in all threads
-    _fast_path_outer = False  # the setting when the first of them began
     _swapped: list[IsolatedPass] = []  # passes running with a cache of their own
 
     def __enter__(self) -> None:
-        cls = IsolatedPass
-        with cls._lock:
+        with IsolatedPass._lock:
             self.outer_cache: dict[Any, Any] | None = None
             self.inner_cache: dict[Any, Any] | None = None
             if parametrize._cache_enabled:  # usually off: nothing to isolate
                 self.outer_cache = parametrize._cache
                 self.inner_cache = parametrize._cache = {}
-                cls._swapped.append(self)
-            if cls._depth == 0:
+                IsolatedPass._swapped.append(self)
+            passes = _passes
+            if passes.depth == 0:
                 if _mha_flag_direct:
-                    cls._fast_path_outer = _mha._is_fastpath_enabled
+                    passes.fast_path_outer = _mha._is_fastpath_enabled
                     _mha._is_fastpath_enabled = False
                 else:
-                    cls._fast_path_outer = _mha.get_fastpath_enabled()
-                    if cls._fast_path_outer:
+                    passes.fast_path_outer = _mha.get_fastpath_enabled()
+                    if passes.fast_path_outer:
                         _mha.set_fastpath_enabled(False)
-            cls._depth += 1
+            passes.depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        cls = IsolatedPass
-        with cls._lock:
+        with IsolatedPass._lock:
             if self.inner_cache is not None:
                 assert self.outer_cache is not None  # both set together in __enter__
-                cls._swapped.remove(self)
+                swapped = IsolatedPass._swapped
+                swapped.remove(self)
                 if parametrize._cache is self.inner_cache:
                     parametrize._cache = self.outer_cache
                 else:  # a later pass swapped ours out and still runs: it puts our outer back
-                    for later in cls._swapped:
+                    for later in swapped:
                         if later.outer_cache is self.inner_cache:
                             later.outer_cache = self.outer_cache
-            cls._depth -= 1
-            if cls._depth == 0 and cls._fast_path_outer:
+            passes = _passes
+            passes.depth -= 1
+            if passes.depth == 0 and passes.fast_path_outer:
                 if _mha_flag_direct:
                     _mha._is_fastpath_enabled = True
                 else:
                     _mha.set_fastpath_enabled(True)
+
+
+class _Passes:
+    """How many passes run, in all threads, and the fast-path setting when the first of them
+    began (NOTE [passes in several threads]); kept on an instance, not on IsolatedPass: a class
+    attribute written twice per pass made Python drop its cached lookups of the class's
+    methods each time."""
+
+    __slots__ = ("depth", "fast_path_outer")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.fast_path_outer = False
+
+
+_passes = _Passes()

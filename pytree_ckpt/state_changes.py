@@ -23,8 +23,13 @@ __all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "s
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
-    # Inference tensors keep no version counter (and cannot be changed outside inference mode).
-    return [None if t.is_inference() else t._version for t in tensors]
+    # Inference tensors keep no version counter (and cannot be changed outside inference mode):
+    # asking raises, and only then is each one asked whether it is one (read several times per
+    # call: an is_inference() call per tensor costs as much as its version).
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:
+        return [None if t.is_inference() else t._version for t in tensors]
 
 
 _Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
