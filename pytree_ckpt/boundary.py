@@ -100,7 +100,8 @@ from .recompute import replay_backward
 from .refusals import fn_name, input_path, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .shared_containers import shared_containers
-from .state_changes import StateWatch, mark_stateful, snapshots_wanted, versions
+from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
+                            versions)
 from .stored_state import warn_parameter_changed
 from .subclass import kind_of
 from .tree import flatten, flatten_call
@@ -157,9 +158,13 @@ class _BoundaryFunction(torch.autograd.Function):
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
         param_before = ParameterVersions.read(call.params) if call.params else None
+        # NOTE [state the forward changes] (state_changes.py); a tree with no buffer nor frozen
+        # parameter (the usual layer) needs no watch: only a registration can happen there,
+        # looked for after the call (registered_state).
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
                            snapshot=snapshots_wanted(call.owner)) \
-            if call.owner is not None and call.modules is not None else None
+            if call.owner is not None and call.modules is not None and \
+            (call.frozen or any(call.buffer_dicts)) else None
         token = ACTIVE.set(invocation)
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
@@ -204,10 +209,11 @@ class _BoundaryFunction(torch.autograd.Function):
                 break
         if moved:
             raise_input_changed(call, tensors, moved)
-        if watch is not None:
-            call.changed_state = watch.changed()
+        if watch is not None or any(call.buffer_dicts):
+            call.changed_state = watch.changed() if watch is not None else \
+                registered_state(call.buffer_dicts)
             if call.changed_state is not None:
-                assert call.owner is not None  # a watch has one
+                assert call.owner is not None  # a watch has one, and buffer dicts
                 mark_stateful(call.owner)
         if call.modules is not None:
             call.forward_modules = ForwardModules(*call.modules)

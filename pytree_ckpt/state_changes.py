@@ -18,8 +18,8 @@ from torch import nn
 
 from .module_state import ModuleDicts, ever_verified
 
-__all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "snapshots_wanted",
-           "versions"]
+__all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "registered_state",
+           "snapshots_wanted", "versions"]
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
@@ -181,6 +181,16 @@ class StateWatch:
         saved = {i: value for i, value in self.before.items() if i in changed}
         storages = {key: self.storages[key] for key, _ in saved.values() if key is not None}
         return ChangedState(buffers, list(parameters.values()), saved, storages)
+
+
+def registered_state(dicts: list[dict[str, torch.Tensor | None]], /) -> ChangedState | None:
+    """``StateWatch(dicts, [], ...).changed()`` for buffer dicts that were all empty before
+    the forward, and no frozen parameter: the buffers the forward registered (the boundary
+    builds no watch for such a tree; this is read after the call only when one dict is no
+    longer empty)."""
+    buffers: list[tuple[_Buffers, _Moved | None]] = [
+        (d, [(name, _ABSENT) for name in d]) for d in dicts if d]
+    return ChangedState(buffers, [], {}, {}) if buffers else None
 
 
 # The size limit of NOTE [small state as it was before the forward] (StateWatch.__init__):

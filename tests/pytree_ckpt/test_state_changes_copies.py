@@ -615,3 +615,25 @@ def test_a_buffer_the_forward_sets_to_none_or_deletes_is_back_for_the_replay(how
     for eager, ours in zip(results[:2], results[2:]):
         assert eager[-1] == ours[-1]
         assert all(torch.equal(a, b) for a, b in zip(eager[:-1], ours[:-1]))
+
+
+class CountsFromItsFirstCall(nn.Module):
+    """Has no buffer until its first forward registers a call counter (a lazily made one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "calls"):
+            self.register_buffer("calls", torch.zeros(()))
+        with torch.no_grad():
+            self.calls.add_(1)
+        return torch.tanh(self.lin(x)) * (1 + self.calls)
+
+
+def test_a_buffer_registered_by_the_forward_of_a_tree_without_buffers_counts_as_in_eager() -> None:
+    # The boundary builds no state watch for a tree with no buffer nor frozen parameter; the
+    # registration is still found after the call, so the replay starts without the buffer
+    # (and registers and counts into its own copy): the count and gradients stay eager's.
+    _assert_same_runs(_twins(CountsFromItsFirstCall, _trained((3, 4)), steps=3))
