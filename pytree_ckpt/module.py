@@ -82,7 +82,9 @@ class _CheckpointedForward:
 
     @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module()
+        module = self.module_ref()
+        if module is None:
+            module = self._module()  # refuses
         if module.__dict__.get("forward") is not self:
             warn_compiled_over(module, self)
         if module.__dict__.get("_compiled_call_impl") is not None:

@@ -203,7 +203,8 @@ class ModuleDicts(NamedTuple):
 
 def module_dicts(module: nn.Module, /) -> ModuleDicts:
     """The dicts of ``module``'s tree, checked against its structure (call once per call)."""
-    _watch_module_structure()
+    if not _hook_installed:
+        _watch_module_structure()
     _check_structure(module)
     key = _structure_generation
     cached = module.__dict__.get(_DICTS)

@@ -281,7 +281,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             try:
                 # NOTE [the replay calls the engine directly] (engine.py): outs passed
                 # check_replay, and grads are autograd's own for them.
-                got = input_grads(outs, grads, [wrt[i] for i in wanted])
+                got = input_grads(outs, grads, wrt if len(wanted) == len(wrt) else
+                                  [wrt[i] for i in wanted])  # all wanted: the usual case
             except RuntimeError as error:
                 if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
                     raise
