@@ -144,6 +144,7 @@ class ParameterVersions:
     @staticmethod
     def read(params: Sequence[torch.Tensor], /) -> tuple[list[int | None], list[int] | None]:
         """Before a pass: the versions, and the own-move counts if any was ever made."""
+        now: list[int | None]
         try:
             now = [p._version for p in params]
         except RuntimeError:  # parameter_versions: a module built under inference mode
@@ -153,6 +154,7 @@ class ParameterVersions:
 
     def __init__(self, params: Sequence[torch.Tensor],
                  before: tuple[list[int | None], list[int] | None], /) -> None:
+        self.versions: list[int | None]
         try:
             self.versions = [p._version for p in params]
         except RuntimeError:  # parameter_versions
@@ -176,6 +178,7 @@ class ParameterVersions:
                  before: tuple[list[int | None], list[int] | None], /) -> bool:
         """Count the replay's own moves; whether it moved any (the forward's change made
         again). A second backward (retain_graph) compares from here."""
+        now: list[int | None]
         try:
             now = [p._version for p in params]
         except RuntimeError:  # parameter_versions
