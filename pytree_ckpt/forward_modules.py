@@ -46,6 +46,9 @@ def _dropped() -> None:
     return None
 
 
+_MISSING = object()
+
+
 class _Entries:
     """NOTE [the forward's entries, cached]: the entries of a call's ``_parameters`` and
     ``_buffers`` dicts and its submodules' training flags, as a forward found them, as one
@@ -75,7 +78,7 @@ class _Entries:
 
     def holds(self) -> bool:
         for d, key, value in self.flat:
-            if d.get(key) is not value:
+            if d.get(key, _MISSING) is not value:  # a None entry removed counts too
                 return False
         return tuple(map(len, self.sized)) == self.lens and not any(self.empty)
 

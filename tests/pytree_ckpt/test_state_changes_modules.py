@@ -142,6 +142,39 @@ def test_a_parameter_appended_between_forward_and_backward_is_not_in_the_replay(
     assert_same_grads(*grads)
 
 
+class MaybeScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)  # registers bias as a None entry
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = self.lin._parameters.get("extra")
+        y = self.lin(x)
+        return y if extra is None else y * extra
+
+
+def test_a_none_entry_swapped_for_another_between_forward_and_backward_is_not_in_the_replay(
+) -> None:
+    # The same number of entries, every other one the same object: the cached snapshot of the
+    # forward's entries (NOTE [the forward's entries, cached]) read a removed None entry as
+    # still there, and the replay ran on the new dict (Linear then has no bias: AttributeError).
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = MaybeScaled()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        loss = layer(x).square().sum()
+        del layer.lin._parameters["bias"]
+        layer.lin.extra = nn.Parameter(torch.full((8,), 3.0))
+        loss.backward()
+        assert list(layer.lin._parameters) == ["weight", "extra"]  # what the caller left
+        grads.append(grads_of([x, layer.lin.weight, layer.lin.extra]))
+    assert grads[0][-1] is None  # the new entry took no part in the forward
+    assert_same_grads(*grads)
+
+
 class WithExtra(nn.Module):
     def __init__(self) -> None:
         super().__init__()
