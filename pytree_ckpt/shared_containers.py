@@ -24,7 +24,7 @@ and puts the same object at each of its places.
 - Not seen: a container inside a leaf the tree bridge does not open (a ``dict`` subclass, a
   plain object: NOTE [leaves that hold tensors] in tree.py), or one a module holds as an
   attribute: the replay hands such a leaf the caller's own object, which the original pass
-  already changed, while the opened place gets a rebuilt copy (docs/boundary.md, limits).
+  already changed, while the opened place gets a rebuilt copy (docs/limits.md).
 """
 
 from __future__ import annotations
