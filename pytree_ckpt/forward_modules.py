@@ -42,61 +42,6 @@ Changes = tuple[tuple[list[bool], list[Any]],
                 list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]]
 
 
-def _dropped() -> None:
-    return None
-
-
-_MISSING = object()
-
-
-class _Entries:
-    """NOTE [the forward's entries, cached]: the entries of a call's ``_parameters`` and
-    ``_buffers`` dicts and its submodules' training flags, as a forward found them, as one
-    flat tuple of (dict, key, value). ``holds()`` says whether the dicts still hold exactly
-    these (each value the same object; each dict as long; the empty ones still empty): one
-    loop over the entries, about half of what comparing each dict with a copy of it costs,
-    and a snapshot of a module tree costs about as much again. So a tree's snapshot is kept
-    on its ``ModuleDicts`` (rebuilt with it when the structure changes) and a forward that
-    finds it still holding shares it rather than copying the dicts anew: the usual layer call
-    (its modules' own parameters, FSDP2's unsharded ones) checks twice and copies nothing.
-    A snapshot holding a tensor with a graph (a fast weight ``torch.func.functional_call``
-    swapped in) is not kept past its call, which would keep that graph alive; one holding
-    leaf tensors swapped in is kept until the tree's next forward (as the tree's own
-    parameters are). Read-only once made."""
-
-    __slots__ = ("flat", "sized", "lens", "empty", "flags", "keep")
-
-    def __init__(self, dicts: tuple[dict[str, Any], ...], submodules: tuple[dict[str, Any], ...],
-                 /) -> None:
-        self.sized = tuple([d for d in dicts if d])
-        self.lens = tuple(map(len, self.sized))
-        self.empty = tuple([d for d in dicts if not d])
-        self.flags = [d.get("training") for d in submodules]
-        entries = [(d, k, v) for d in self.sized for k, v in d.items()]
-        self.keep = all(v is None or v.grad_fn is None for _, _, v in entries)
-        self.flat = (*entries, *zip(submodules, ("training",) * len(submodules), self.flags))
-
-    def holds(self) -> bool:
-        for d, key, value in self.flat:
-            if d.get(key, _MISSING) is not value:  # a None entry removed counts too
-                return False
-        return tuple(map(len, self.sized)) == self.lens and not any(self.empty)
-
-    def by_dict(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-        """Each dict that had entries, with those entries."""
-        found, start = [], 0
-        for d, n in zip(self.sized, self.lens):
-            found.append((d, {key: value for _, key, value in self.flat[start:start + n]}))
-            start += n
-        return found
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:  # a copy of its module carries none
-        return _dropped, ()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
-
-
 class ForwardModules:
     """NOTE [the replay sees the forward's modules]: what the modules of a call were when the
     original pass ran, put back for the replay if it changed before backward:
@@ -109,15 +54,16 @@ class ForwardModules:
       for the call only, so the replay in backward would run on the module's own parameters
       and the tensors passed in would get no gradient.
 
-    The forward keeps the entries and flags (NOTE [the forward's entries, cached]: an entry
-    added to a dict that had none is not the forward's either); when nothing changed (FSDP2
-    keeps its unsharded parameter objects), backward compares and changes nothing. Values
-    are not part of it: what the
+    The forward keeps a list of flags, a shallow copy of each non-empty dict and a list of the
+    empty ones (an entry added to one is not the forward's either; about 3 us for a decoder
+    layer); when nothing changed (FSDP2 keeps its unsharded parameter objects), backward
+    compares and changes nothing. Values are not part of it: what the
     forward changes in place is ``StateWatch``'s. Submodules replaced since are refused (NOTE
     [the replay runs the forward's submodules] in module_state.py).
     """
 
-    __slots__ = ("roots", "submodules", "modes", "entries", "tree_roots", "generation", "ran")
+    __slots__ = ("roots", "submodules", "modes", "entries", "empty", "tree_roots", "generation",
+                 "ran")
 
     def __init__(self, roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /) -> None:
         self.tree_roots = roots
@@ -129,27 +75,20 @@ class ForwardModules:
         self.ran = submodules_now(roots, trees)
         if self.ran is not None:
             _refuse_replaced_in_forward(roots, trees, self.ran)
-        if len(trees) == 1:  # the usual case, without concatenation
-            tree = trees[0]
-            others = tree.flagged_otherwise
-            self.submodules = tree.submodules
-            # NOTE [the forward's entries, cached]
-            cache = tree.entries
-            entries = cache[0] if cache is not None else None
-            if entries is None or not entries.holds():
-                entries = _Entries(tree.parameters + tree.buffers, tree.submodules)
-                if cache is not None:
-                    cache[0] = entries if entries.keep else None
-        else:
-            others = tuple(m for tree in trees for m in tree.flagged_otherwise)
-            self.submodules = tuple(d for tree in trees for d in tree.submodules)
-            entries = _Entries(tuple(d for tree in trees for d in (*tree.parameters,
-                                                                     *tree.buffers)),
-                               self.submodules)
-        self.entries = entries
+        others = [m for tree in trees for m in tree.flagged_otherwise]
         self.roots = [*roots, *others] if others else roots
-        # The roots' flags (and those read as attributes); the submodules' are the entries'.
-        self.modes = [m.training for m in self.roots]
+        roots = self.roots
+        if len(trees) == 1:  # the usual case, without concatenation
+            self.submodules = trees[0].submodules
+            dicts = trees[0].parameters + trees[0].buffers
+        else:
+            self.submodules = tuple(d for tree in trees for d in tree.submodules)
+            dicts = tuple(d for tree in trees for d in (*tree.parameters, *tree.buffers))
+        self.modes = [m.training for m in roots], [d.get("training") for d in self.submodules]
+        self.entries = [(d, d.copy()) for d in dicts if d]
+        # Empty ones are not copied (most modules have no buffers, activations no parameters),
+        # but an entry added to one before backward is not the forward's either.
+        self.empty = [d for d in dicts if not d]
 
     def changes(self) -> Changes | None:
         """What differs now from the forward, or ``None`` (the usual case: nothing); a
@@ -167,18 +106,15 @@ class ForwardModules:
                 got=f"{path}: {what}" if path else what,
                 tip="replace, insert or remove submodules between steps (after backward)")
         self.generation = structure_generation()  # the same trees: a second backward looks less
-        roots = [m.training for m in self.roots]
-        if roots == self.modes and self.entries.holds():
-            return None  # the usual case
-        modes = roots, [d.get("training") for d in self.submodules]
+        modes = [m.training for m in self.roots], [d.get("training") for d in self.submodules]
         # Same objects in the same order: one C-level pass per dict (a reordered dict counts as
         # swapped, harmlessly: its entries are set again).
-        swapped = [(d, entries, d.copy()) for d, entries in self.entries.by_dict()
+        swapped = [(d, entries, d.copy()) for d, entries in self.entries
                    if len(d) != len(entries) or
                    not all(map(operator.is_, d.values(), entries.values()))]
-        if any(self.entries.empty):
-            swapped += [(d, {}, d.copy()) for d in self.entries.empty if d]
-        if modes == (self.modes, self.entries.flags) and not swapped:
+        if any(self.empty):
+            swapped += [(d, {}, d.copy()) for d in self.empty if d]
+        if modes == self.modes and not swapped:
             return None
         return modes, swapped
 
@@ -187,7 +123,7 @@ class ForwardModules:
         """The forward's modes and entries for the block, ``changes`` (from ``changes()``)
         put back after it."""
         modes, swapped = changes
-        self._set_modes((self.modes, self.entries.flags))
+        self._set_modes(self.modes)
         for d, entries, _ in swapped:
             d.clear()
             d.update(entries)

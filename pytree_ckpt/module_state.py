@@ -196,9 +196,6 @@ class ModuleDicts(NamedTuple):
     # Submodules whose training flag is not in their __dict__ (a property): read and set as
     # attributes.
     flagged_otherwise: tuple[nn.Module, ...] = ()
-    # The entries and flags the last forward found (NOTE [the forward's entries, cached] in
-    # forward_modules.py), in a one-item list of this tree's own: None until a forward.
-    entries: list[Any] | None = None
 
 
 def module_dicts(module: nn.Module, /) -> ModuleDicts:
@@ -215,7 +212,7 @@ def module_dicts(module: nn.Module, /) -> ModuleDicts:
                                    tuple(m._buffers for m in tree),
                                    tuple(m.__dict__ for m in tree if m is not module),
                                    tuple(m for m in tree if m is not module and
-                                         "training" not in m.__dict__), [None]))
+                                         "training" not in m.__dict__)))
         module.__dict__[_DICTS] = cached
     return cached[1]
 

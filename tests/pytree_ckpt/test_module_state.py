@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import pickle
 import weakref
 from typing import Any
@@ -395,9 +396,9 @@ def test_functional_call_through_a_wrapped_module_gives_the_passed_tensors_eager
 
 
 def test_calls_with_other_tensors_swapped_in_between_them_each_get_eager_gradients() -> None:
-    # NOTE [the forward's entries, cached] (forward_modules.py): the layer's own weights, then
-    # tensors swapped in by functional_call, then its own again, all before one backward: each
-    # replay runs on what its own forward ran on, whichever entries the tree's cache holds.
+    # NOTE [the replay sees the forward's modules] (forward_modules.py): the layer's own
+    # weights, then tensors swapped in by functional_call, then its own again, all before one
+    # backward: each replay runs on what its own forward ran on.
     x = torch.randn(6, 8, requires_grad=True)
     results = []
     for wrap in (False, True):
@@ -419,8 +420,8 @@ def test_calls_with_other_tensors_swapped_in_between_them_each_get_eager_gradien
 
 
 def test_a_fast_weight_swapped_in_is_not_kept_alive_by_the_layer_after_its_backward() -> None:
-    # NOTE [the forward's entries, cached]: a tensor with a graph (a MAML fast weight) must not
-    # stay in the tree's cache, which outlives the call: it would keep its graph alive.
+    # A tensor with a graph (a MAML fast weight) must not be kept by the layer past its call
+    # (a cache of the forward's entries on the layer once did): it would keep its graph alive.
     layer = nn.Linear(8, 8)
     pytree_ckpt.apply_activation_checkpointing(layer)
     x = torch.randn(4, 8, requires_grad=True)
@@ -430,6 +431,23 @@ def test_a_fast_weight_swapped_in_is_not_kept_alive_by_the_layer_after_its_backw
     torch.func.functional_call(layer, fast, (x,)).sum().backward()
     del fast
     assert [ref() for ref in alive] == [None, None]
+
+
+def test_weights_replaced_after_a_step_are_not_kept_alive_by_the_layer() -> None:
+    # A snapshot of the forward's entries kept on the layer between steps held the old weights
+    # after load_state_dict(assign=True), through a no-grad evaluation (which never enters the
+    # boundary) until the next training forward: a second copy of the model.
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).sum().backward()
+    old = weakref.ref(layer[0].weight)
+    layer.load_state_dict({k: v.detach().clone() for k, v in layer.state_dict().items()},
+                          assign=True)
+    with torch.no_grad():
+        layer(x)
+    gc.collect()
+    assert old() is None
 
 
 class LazyProjection(nn.Module):

@@ -155,9 +155,9 @@ class MaybeScaled(nn.Module):
 
 def test_a_none_entry_swapped_for_another_between_forward_and_backward_is_not_in_the_replay(
 ) -> None:
-    # The same number of entries, every other one the same object: the cached snapshot of the
-    # forward's entries (NOTE [the forward's entries, cached]) read a removed None entry as
-    # still there, and the replay ran on the new dict (Linear then has no bias: AttributeError).
+    # The same number of entries, every other one the same object: a check of the forward's
+    # entries that reads a missing key as None takes a removed None entry for still there, and
+    # the replay runs on the new dict (Linear then has no bias: AttributeError).
     grads = []
     for wrap in (False, True):
         torch.manual_seed(0)
