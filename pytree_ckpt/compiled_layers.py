@@ -26,25 +26,34 @@ def warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> No
     if "compiled over" in installed.told or \
             not compiled_over(module.__dict__.get("forward"), installed):
         return
-    installed.told.add("compiled over")
-    warnings.warn(
+    _tell_once(
+        installed, "compiled over",
         f"pytree_ckpt: the forward of this {type(module).__name__} was compiled after "
         "checkpointing, which compiles nothing (the boundary is opaque to dynamo, and so is the "
         "body it runs). Compile the body first: remove_activation_checkpointing(layer), then "
         "layer.forward = torch.compile(layer.forward), then apply_activation_checkpointing("
-        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
+        "layer) (docs/scaling.md, 'Wrapping order')")
 
 
 def warn_module_compiled(module: nn.Module, installed: _CheckpointedForward) -> None:
-    if "module.compile()" in installed.told:
+    if "module.compile()" in installed.told:  # called at every call: no message built then
         return
-    installed.told.add("module.compile()")
-    warnings.warn(
+    _tell_once(
+        installed, "module.compile()",
         f"pytree_ckpt: this {type(module).__name__} was compiled with module.compile(), which "
         "compiles its call up to the boundary and nothing inside it (the boundary is opaque to "
         "dynamo, and so is the body it runs). Compile the body instead: "
         "layer.forward = torch.compile(layer.forward) before apply_activation_checkpointing("
-        "layer) (docs/scaling.md, 'Wrapping order')", stacklevel=user_stacklevel())
+        "layer) (docs/scaling.md, 'Wrapping order')")
+
+
+def _tell_once(installed: _CheckpointedForward, what: str, message: str, /) -> None:
+    """Warn ``message`` unless the layer was already told ``what`` (held by its installed
+    forward: a copy is told anew)."""
+    if what in installed.told:
+        return
+    installed.told.add(what)
+    warnings.warn(message, stacklevel=user_stacklevel())
 
 
 # NOTE [compiled around the layer]: torch.compile(layer) after checkpointing (torchtitan
@@ -92,15 +101,12 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
             got=f"torch.compile around the checkpointed {name}",
             tip=fix.format(", fullgraph=True", ", fullgraph=True"))
     installed.check_wrapper = True
-    if "compiled around" in installed.told:
-        return  # checked again at each wrapped call: told once
-    installed.told.add("compiled around")
-    warnings.warn(
+    _tell_once(  # checked again at each wrapped call: told once
+        installed, "compiled around",
         f"pytree_ckpt: this {name} is checkpointed and called through torch.compile(layer), "
         "which compiles nothing: the compiled wrapper reaches only the boundary, "
         f"which is opaque to dynamo, and so is the body it runs. To compile it, "
-        f"{fix.format('', '')}",
-        stacklevel=user_stacklevel())
+        f"{fix.format('', '')}")
 
 
 # NOTE [compiled over the boundary]: ``layer.forward = torch.compile(layer.forward)`` after
