@@ -169,8 +169,8 @@ class DiscardFunction(torch.autograd.Function):
         if outs and wanted:
             inputs = [t for t in (wrt[i] for i in wanted) if t is not None]  # all of them
             # NOTE [parameter hooks run once] (parameter_hooks.py)
-            with ParameterHooksPaused(owner.params):
-                got = torch.autograd.grad(outs, inputs, out_grads, allow_unused=True)
+            with ParameterHooksPaused(owner.params, outs) as replayed:
+                got = torch.autograd.grad(replayed, inputs, out_grads, allow_unused=True)
             for i, grad in zip(wanted, got):
                 result[i] = grad
         if owner.params:

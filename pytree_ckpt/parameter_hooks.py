@@ -11,52 +11,97 @@ from typing import Any
 
 import torch
 
-__all__ = ["ParameterHooksPaused", "SkipsNoGradAccumulated", "SkipsNoGradient",
-           "accumulated_nothing", "put_first", "skip_no_gradient"]
+__all__ = ["ParameterHook", "ParameterHooksPaused", "SkipsNoGradAccumulated",
+           "SkipsNoGradient", "accumulated_nothing", "put_first", "skip_no_gradient"]
 
 
 class ParameterHooksPaused:
     """NOTE [parameter hooks run once]: ``torch.autograd.grad`` runs a leaf's tensor hooks
     (``param.register_hook``) on the gradient it captures, and autograd runs them again when
     the returned gradient reaches the parameter in the outer backward: a hook that scales or
-    masks would apply twice. Paused for the replay's ``grad``, they run once, where eager runs
-    them. Each hook in the dict is swapped for a no-op and put back after, in place: autograd's
-    hook object reads the dict at call time, and a handle removed meanwhile (a one-shot hook
-    inside the replay's backward) still finds its key, so it stays removed; a hook registered
-    meanwhile stays too. (A plain class: entered once per layer call.)
+    masks would apply twice. Paused for the replay's gradient call, they run once, where eager
+    runs them.
+
+    Paused for that call only, not for the parameter: other threads may run a backward through
+    the same parameters meanwhile (two threads training one model, DataParallel-style thread
+    parallelism, a backward on another device thread), and theirs must run the hooks (swapped
+    for no-ops in the shared dict and put back after, they ran in neither the other thread's
+    plain backward, nor its replay that started while ours held them, and ran twice in a
+    replay still running after ours put them back: tests/pytree_ckpt/test_hooks_threads.py).
+    So each hook is wrapped once, in place (``ParameterHook``), and the wrapper skips it while
+    the graph task running it (``torch._C._current_graph_task_id()``, the same on whichever
+    thread autograd runs a node of that task) is a replay's gradient call: a prehook on the
+    grad_fn of each output of the replay records that task before any leaf is reached (a
+    leaf output gets a view, with a node to hook). A handle removed meanwhile (a one-shot hook
+    inside the replay's backward) removes the wrapper; a hook registered meanwhile is wrapped
+    at the next call. (A plain class: entered once per layer call; nothing to do, not even
+    the prehooks, when no parameter has a hook.)
 
     NOTE [unused parameters get no hook call]: a parameter the forward did not use (an MoE
     expert that got no token, a bias a layer skips) gets ``None`` from the replay, and autograd
     runs a leaf's hooks even for a ``None`` gradient a Function returns: ``lambda g: g * 2``
-    raised ``TypeError`` in backward, where eager never calls it. Each hook is put back
-    wrapped, so that a ``None`` gradient skips it (a defined one calls it as it is). Its
-    post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: an optimizer step in
-    backward) run too, after an accumulation of nothing: ``accumulated_nothing`` wraps them
-    to skip while its ``.grad`` is ``None``. (One whose ``.grad`` is already set, by an earlier
-    micro-batch or ``zero_grad(set_to_none=False)``, cannot be told apart: its hook runs
-    again, where eager's does not.)
+    raised ``TypeError`` in backward, where eager never calls it. The wrapper skips a
+    ``None`` gradient (a defined one calls the hook as it is; torch's own hooks, which count
+    their ``None`` calls, get every call). Its post-accumulate-grad hooks
+    (``register_post_accumulate_grad_hook``: an optimizer step in backward) run too, after an
+    accumulation of nothing: ``accumulated_nothing`` wraps them to skip while its ``.grad`` is
+    ``None``. (One whose ``.grad`` is already set, by an earlier micro-batch or
+    ``zero_grad(set_to_none=False)``, cannot be told apart: its hook runs again, where eager's
+    does not.)
     """
 
-    __slots__ = ("stash",)
+    __slots__ = ("outputs", "hooked", "tasks")
 
-    def __init__(self, params: Sequence[torch.Tensor], /) -> None:
-        # Not hooks an enclosing pause holds (a nested boundary's replay runs inside the outer
-        # one's grad): that pause puts them back.
-        self.stash = [(hooks, paused) for p in params if (hooks := p._backward_hooks)
-                      if (paused := {key: hook for key, hook in hooks.items()
-                                     if hook is not _no_hook})]
+    def __init__(self, params: Sequence[torch.Tensor], /,
+                 outputs: Sequence[torch.Tensor] = ()) -> None:
+        hooked = False
+        for p in params:
+            hooks = p._backward_hooks
+            if hooks:
+                hooked = True
+                _wrap_parameter_hooks(hooks)
+        self.outputs, self.hooked = outputs, hooked
+        self.tasks: list[int] = []
 
-    def __enter__(self) -> None:
-        for hooks, paused in self.stash:
-            for key in paused:
-                hooks[key] = _no_hook
+    def __enter__(self) -> Sequence[torch.Tensor]:
+        """The outputs to take the gradient of (a leaf one as a view of itself)."""
+        if not self.hooked:
+            return self.outputs
+        with torch.enable_grad():  # (backward runs without)
+            outputs = [out if out.grad_fn is not None else out.view_as(out)
+                       for out in self.outputs]
+        for out in outputs:
+            out.grad_fn.register_prehook(self._mark)  # dies with the replay's graph
+        return outputs
+
+    def _mark(self, grads: Any) -> None:
+        task = torch._C._current_graph_task_id()
+        if task not in self.tasks:
+            self.tasks.append(task)
+            _REPLAYS.add(task)
 
     def __exit__(self, *exc: object) -> None:
-        for hooks, paused in self.stash:
-            for key, hook in paused.items():
-                if hooks.get(key) is _no_hook:  # not removed (or replaced) meanwhile
-                    hooks[key] = hook if isinstance(hook, SkipsNoGradient) or \
-                        _torch_own(hook) else SkipsNoGradient(hook)
+        for task in self.tasks:
+            _REPLAYS.discard(task)
+        self.tasks.clear()
+
+
+# The graph tasks of the replays' gradient calls running now (any thread), in which parameter
+# hooks are skipped (NOTE [parameter hooks run once]). A set's add and discard are atomic.
+_REPLAYS: set[int] = set()
+
+
+def _wrap_parameter_hooks(hooks: dict[Any, Any], /) -> None:
+    """Each hook of a parameter's ``hooks`` not yet wrapped, wrapped in place (the same key,
+    which torch's handle holds). Read whole first (one C call: another thread may register a
+    hook meanwhile); a hook removed since is not brought back but in the instant between the
+    check and the write, once per hook, where another thread removes it there."""
+    for key, hook in list(hooks.items()):
+        if type(hook) is not ParameterHook and hooks.get(key) is hook:
+            own = _torch_own(hook)
+            if isinstance(hook, SkipsNoGradient):  # an input's hook earlier (skip_no_gradient)
+                hook = hook.hook
+            hooks[key] = ParameterHook(hook, not own)
 
 
 def _torch_own(hook: Any) -> bool:
@@ -65,8 +110,25 @@ def _torch_own(hook: Any) -> bool:
     return (getattr(hook, "__module__", None) or "").startswith("torch.")
 
 
-def _no_hook(grad: torch.Tensor) -> None:
-    return None  # leaves the gradient as it is
+class ParameterHook:
+    """A parameter's gradient hook, not called inside a replay's gradient call (NOTE
+    [parameter hooks run once]), nor, unless it is torch's own, without a gradient (NOTE
+    [unused parameters get no hook call])."""
+
+    __slots__ = ("hook", "skips_none")
+
+    def __init__(self, hook: Callable[[torch.Tensor], Any], skips_none: bool, /) -> None:
+        self.hook = hook
+        self.skips_none = skips_none
+
+    def __call__(self, grad: torch.Tensor | None, /) -> Any:
+        if (grad is None and self.skips_none) or \
+                (_REPLAYS and torch._C._current_graph_task_id() in _REPLAYS):
+            return None  # leaves the gradient as it is
+        return self.hook(grad)
+
+    def __repr__(self) -> str:
+        return f"ParameterHook({self.hook!r})"
 
 
 class SkipsNoGradient:
@@ -194,8 +256,9 @@ def skip_no_gradient(tensor: torch.Tensor, /) -> None:
     """
     hooks = tensor._backward_hooks
     if hooks:
-        for key, hook in hooks.items():
-            if not (isinstance(hook, SkipsNoGradient) or _torch_own(hook)):
+        for key, hook in list(hooks.items()):  # read whole: NOTE [parameter hooks run once]
+            if not (isinstance(hook, (SkipsNoGradient, ParameterHook)) or _torch_own(hook)) \
+                    and hooks.get(key) is hook:
                 hooks[key] = SkipsNoGradient(hook)
     if tensor._post_accumulate_grad_hooks:
         _skip_no_grad_accumulated(tensor._post_accumulate_grad_hooks)

@@ -277,11 +277,11 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         verify_leaves(call, outs, wrt)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
-        with ParameterHooksPaused(call.params):
+        with ParameterHooksPaused(call.params, outs) as replayed:
             try:
                 # NOTE [the replay calls the engine directly] (engine.py): outs passed
                 # check_replay, and grads are autograd's own for them.
-                got = input_grads(outs, grads, wrt if len(wanted) == len(wrt) else
+                got = input_grads(replayed, grads, wrt if len(wanted) == len(wrt) else
                                   [wrt[i] for i in wanted])  # all wanted: the usual case
             except RuntimeError as error:
                 if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
@@ -292,8 +292,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     elif call.params:
         # Every parameter gets None (no output had a gradient): NOTE [unused parameters get
         # no hook call] (parameter_hooks.py) holds here too.
-        with ParameterHooksPaused(call.params):
-            pass
+        ParameterHooksPaused(call.params)  # wraps them
     n = len(detached)
     accumulated_nothing(call.params, result[n:], needs[n:])
     _inputs_without_gradient(saved, result[:n], needs)
