@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -166,3 +167,38 @@ def test_a_replay_leaves_no_graph_task_marked_as_paused() -> None:
     layer.weight.register_hook(lambda g: g * 2)
     checkpoint(layer, torch.ones(1, 2)).sum().backward()
     assert parameter_hooks._REPLAYS == set()
+
+
+@pytest.mark.parametrize("wrap", ["parameter", "input"])
+def test_a_hook_registered_by_another_thread_while_hooks_are_wrapped_stays_registered(
+        wrap: str) -> None:
+    # Guards against: the hooks were wrapped while iterating the dict itself; a hook that
+    # another thread registered in between made the wrapping thread raise "OrderedDict
+    # mutated during iteration" (its backward failed).
+    from pytree_ckpt.parameter_hooks import ParameterHooksPaused, skip_no_gradient
+
+    from .test_put_first import _at_each_switch_point
+
+    def wrap_switching_at(point: int) -> bool:
+        weight = nn.Parameter(torch.ones(2))
+        handles = [weight.register_hook(lambda g: g * 2) for _ in range(3)]
+        added: list[Any] = []
+
+        def other_thread(at: int) -> None:
+            if at == point:
+                added.append(weight.register_hook(lambda g: g * 3))
+
+        run = (lambda: ParameterHooksPaused([weight])) if wrap == "parameter" else \
+            (lambda: skip_no_gradient(weight))
+        _at_each_switch_point(run, other_thread)
+        if not added:
+            return False  # past the wrapping's last switch point
+        hooks = weight._backward_hooks
+        assert hooks is not None
+        assert list(hooks) == [*(h.id for h in handles), added[0].id], f"switch point {point}"
+        return True
+
+    points = 0
+    while wrap_switching_at(points):
+        points += 1
+    assert points > 3
