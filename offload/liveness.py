@@ -12,6 +12,7 @@ those output discard freed in place as ``discarded_bytes``.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -31,10 +32,19 @@ class Liveness:
     count into its ``alive_elsewhere_bytes`` and ``discarded_bytes``.
     """
 
-    __slots__ = ("counters", "suspects", "limit", "warned_discarded")
+    __slots__ = ("counters", "late", "suspects", "limit", "warned_discarded")
 
     def __init__(self, counters: dict[str, int], /) -> None:
         self.counters = counters
+        # NOTE [counted late]: verdicts of a copy's ``__del__``, which runs without the
+        # manager's lock (NOTE [waits never block] in streams.py: the garbage collector may
+        # run it anywhere), on any thread. Added to ``counters`` there (a read, an add and a
+        # store), a ``stats(reset=True)`` another thread ran in between was undone (the bytes
+        # counted before the reset came back after it), and an add another thread made there
+        # was lost (tests/offload/test_counters_unlocked.py). So ``__del__`` only appends
+        # (one atomic call), and the manager adds them up under its lock (``count_late``)
+        # before it reads the counters.
+        self.late: deque[tuple[str, int]] = deque()
         # By storage (``StorageWeakRef.cdata``), with the bytes of every copy of it let go.
         self.suspects: dict[int, tuple[StorageWeakRef, int]] = {}
         self.limit = 64  # NOTE [suspects stay bounded]
@@ -78,25 +88,40 @@ class Liveness:
         for ref, nbytes in suspects.values():
             self.judge(ref, nbytes)
 
-    def judge(self, ref: StorageWeakRef, nbytes: int, /) -> None:
-        """One storage let go while still alive, now that the forward holding it is over."""
+    def judge(self, ref: StorageWeakRef, nbytes: int, /, *, late: bool = False) -> None:
+        """One storage let go while still alive, now that the forward holding it is over;
+        ``late`` from a copy's ``__del__`` (NOTE [counted late])."""
         if ref.expired():
             return
         storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
         # NOTE [discarded storages are marked] in pytree_ckpt/discard.py
         if getattr(storage, DISCARDED_MARK, False):
-            self.copied_and_discarded(nbytes)
+            self.copied_and_discarded(nbytes, late=late)
             return
-        self.counters["alive_elsewhere_bytes"] += nbytes
+        self._count("alive_elsewhere_bytes", nbytes, late)
         log.debug("offloaded storage of %d bytes is still alive elsewhere", nbytes)
 
-    def copied_and_discarded(self, nbytes: int, /) -> None:
+    def _count(self, key: str, nbytes: int, late: bool) -> None:
+        if late:
+            self.late.append((key, nbytes))  # NOTE [counted late]
+        else:
+            self.counters[key] += nbytes
+
+    def count_late(self) -> None:
+        """Add up the verdicts counted late (NOTE [counted late]); under the manager's lock.
+        One taken out at a time: a ``__del__`` meanwhile appends behind them."""
+        late, counters = self.late, self.counters
+        while late:
+            key, nbytes = late.popleft()
+            counters[key] += nbytes
+
+    def copied_and_discarded(self, nbytes: int, /, *, late: bool = False) -> None:
         """A window storage freed in place after its copy to host: output discard's
         ``resize_(0)`` (``CheckpointWithoutOutput``, ``ResidualStreamRecomputeContext``) of an
         output a boundary took as input. Both give the same bytes back for backward, so the
         numbers are exact, but the work is done twice: copied to host and back, and
         recomputed."""
-        self.counters["discarded_bytes"] += nbytes
+        self._count("discarded_bytes", nbytes, late)
         if not self.warned_discarded:
             self.warned_discarded = True
             log.warning(

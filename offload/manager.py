@@ -131,7 +131,8 @@ class OffloadManager:
         # buffer before its event was set). Re-entrant: a saved-tensor hook or census code run
         # from inside (reading stats(), say) must not block its own thread. Copy.__del__ never
         # takes it: the garbage collector may run it on a thread that holds the pool's lock,
-        # which this lock's holder may be waiting for; it only adds to counters.
+        # which this lock's holder may be waiting for; what it counts waits in a queue that
+        # stats() empties under this lock (NOTE [counted late] in liveness.py).
         self._lock = threading.RLock()
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -167,6 +168,7 @@ class OffloadManager:
             self._liveness.judge_all()
         if not self._pass.alive():  # the pass is over
             self._check_pass_offloaded(self._pass)
+        self._liveness.count_late()
         out: dict[str, float] = dict(self._counters)
         out["pool_hits"] = self.pool.hits - self._pool_base[0]
         out["pool_misses"] = self.pool.misses - self._pool_base[1]

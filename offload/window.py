@@ -156,7 +156,7 @@ class Copy:
                 manager.engine.wait(self.d2h_event, stream=self.stream)
             # Ours: anything still holding the storage after these is someone else's.
             self.restored = self.alias = None
-            manager._liveness.judge(self.storage_ref, self.nbytes)
+            manager._liveness.judge(self.storage_ref, self.nbytes, late=True)
         # The last handle is gone: the host buffer goes back with the last copy that used it.
         if getattr(self, "host", None) is not None:
             last = self.h2d_event if self.h2d_event is not None else self.d2h_event

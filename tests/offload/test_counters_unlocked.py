@@ -1,0 +1,86 @@
+"""Counters a copy's ``__del__`` adds to without the manager's lock (NOTE [waits never block],
+NOTE [counted late], offload/liveness.py): another thread may read, reset or add to them at any
+bytecode of it. The tests stop at each of those points and do there what that thread could."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from offload.window import Copy
+from tests.offload.blocks import manager, offloaded_stack
+
+
+def _at_each_switch_point_of_del(run: Callable[[], None], at: Callable[[int], None]) -> int:
+    """Run ``run()``, calling ``at(i)`` between every two bytecodes of each ``Copy.__del__``
+    it runs and of what that calls (``i`` counts them from 0); returns how many there were."""
+    count = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "opcode":
+            sys.settrace(None)  # ``at`` runs untraced, as another thread would
+            try:
+                at(count)
+            finally:
+                sys.settrace(on_call)
+            count += 1
+        return local
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        caller = frame
+        while caller is not None and caller.f_code is not Copy.__del__.__code__:
+            caller = caller.f_back
+        if caller is None:
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        run()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def test_a_reset_while_a_copy_counts_its_storage_alive_elsewhere_is_not_undone() -> None:
+    # Guards against: Copy.__del__ added to alive_elsewhere_bytes unlocked (a read, an add, a
+    # store); a stats(reset=True) another thread ran between its read and its store was
+    # undone: the bytes counted before the reset came back after it (and an add another
+    # thread made there, under the lock, was lost).
+    def run_resetting_at(point: int) -> tuple[bool, dict[str, float]]:
+        torch.manual_seed(0)
+        m = manager()
+        layers = offloaded_stack(m, 2)
+        h = torch.randn(8, 32, requires_grad=True)
+        kept = []  # every layer input: each is alive elsewhere, the last one judged at __del__
+        for layer in layers:
+            kept.append(h)
+            h = layer(h)
+        loss = h.sum()
+        reset: list[int] = []
+
+        def other_thread(at: int) -> None:
+            if at == point:
+                m.stats(reset=True)
+                reset.append(at)
+
+        _at_each_switch_point_of_del(loss.backward, other_thread)
+        return bool(reset), m.stats()
+
+    per = 8 * 32 * 4
+    points = 0
+    while True:
+        was_reset, stats = run_resetting_at(points)
+        if not was_reset:
+            break
+        assert stats["offloaded_bytes"] == 0
+        # The last window's, judged when backward let go of it: before the reset or after.
+        assert stats["alive_elsewhere_bytes"] in (0, per), f"switch point {points}"
+        points += 1
+    assert points > 3
