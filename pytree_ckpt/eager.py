@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
            "compile_stance_is_default", "compiled_wrapper", "in_compiled_module_call",
-           "runs_eagerly", "user_stacklevel"]
+           "Told", "runs_eagerly", "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -70,6 +70,30 @@ def user_stacklevel() -> int:
         level += 1
         frame = frame.f_back
     return level
+
+
+class Told:
+    """What a module was warned about, held in its ``__dict__`` (``Told(what)``, truthy):
+    a copy of the module (``copy.deepcopy``, pickle) carries ``None`` there instead, and is
+    warned anew, as the compile warnings are (held by the installed forward:
+    ``compiled_layers._tell_once``). Each warning is about one module (its forward, its
+    hooks, its state), and a copy is a module of its own: one made from a template layer
+    after a first step (``[copy.deepcopy(layer) for _ in range(n)]``) was never told."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: Any = True, /) -> None:
+        self.what = what
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _not_told, ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+
+def _not_told() -> None:
+    return None
 
 
 _WRAPPER_DEPTH = 16  # frames looked at: the wrapper's call is the 10th on torch 2.11 and 2.13

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from .eager import user_stacklevel
+from .eager import Told, user_stacklevel
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["ModuleDicts", "any_lazy", "call_switches", "changed_submodule", "collect_parameters",
@@ -361,8 +361,9 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
     global_hooks = [f"(global): {hook}"
                     for hook in user_hooks(nn.modules.module._global_forward_hooks)]
     found += global_hooks
-    if found and owner.__dict__.get(_WARNED_HOOKS) != found:  # a new switch: said once
-        owner.__dict__[_WARNED_HOOKS] = found
+    told = owner.__dict__.get(_WARNED_HOOKS)
+    if found and (told is None or told.what != found):  # a new switch: said once
+        owner.__dict__[_WARNED_HOOKS] = Told(found)  # a copy is told anew
         # Global hooks (register_module_forward_hook) are on no module: nothing records the
         # outputs they receive (NOTE [hooked outputs leave with gradients]).
         unrecorded = (" Global forward hooks are not recorded: an output a global hook keeps "

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .eager import user_stacklevel
+from .eager import Told, user_stacklevel
 from .changed_in_place import parameter_path
 from .refusals import fn_name
 from .tree_refusals import container_elements
@@ -75,7 +75,7 @@ def _warn_naming(owner: nn.Module, flag: str, modules: Sequence[nn.Module],
     ``dicts``, name), named by their module paths."""
     if not found:
         return
-    owner.__dict__[flag] = True
+    owner.__dict__[flag] = Told()  # a copy is told anew
     warnings.warn(message(", ".join(_attribute_names(owner, modules, dicts, found))),
                   stacklevel=user_stacklevel())
 
@@ -100,7 +100,7 @@ def warn_stacked_checkpointing(owner: nn.Module, /) -> None:
     held = owner.__dict__
     if held.get("gradient_checkpointing") is not True or held.get(_WARNED_STACKED):
         return
-    held[_WARNED_STACKED] = True
+    held[_WARNED_STACKED] = Told()  # a copy is told anew
     warnings.warn(
         f"pytree_ckpt: {type(owner).__name__} is checkpointed twice: transformers' own "
         "gradient checkpointing is on for it too, so each step runs its forward once more "
@@ -171,7 +171,7 @@ def warn_parameter_changed(call: BoundaryCall, before: list[int | None], /) -> N
     if held is not None and held.get(_WARNED_PARAMETER):
         return
     if held is not None:
-        held[_WARNED_PARAMETER] = True
+        held[_WARNED_PARAMETER] = Told()  # a copy is told anew
     modules = call.forward_modules.roots if call.forward_modules is not None else \
         [call.owner] if call.owner is not None else []
     paths = [parameter_path(modules, p) for p, version in zip(call.params, before)

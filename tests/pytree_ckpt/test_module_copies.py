@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import warnings
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -61,6 +63,7 @@ def test_deep_copying_a_layer_whose_forward_was_compiled_after_checkpointing_is_
     assert "remove_activation_checkpointing(layer)" in str(info.value)
     # The tip's order: removed (the wrapper goes with the boundary), copied, checkpointed.
     pytree_ckpt.remove_activation_checkpointing(layer)
+    layer.__dict__.pop("aux_loss", None)  # a graph tensor: no copy of it
     twin = copy.deepcopy(layer)
     pytree_ckpt.apply_activation_checkpointing(twin, offload=False)
     with torch.no_grad():
@@ -89,3 +92,60 @@ def test_a_layer_pickled_before_boundary_py_was_split_still_loads() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     # The options came back as they were, so applying them again is a no-op, not a refusal.
     pytree_ckpt.apply_activation_checkpointing(twin, preserve_rng_state=False, offload=False)
+
+
+class _Told(nn.Module):
+    """A layer each of whose first replays is warned about one way (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        if how == "stacked":
+            self.gradient_checkpointing = True  # what transformers' enable sets
+        if how == "hook":
+            self.lin.register_forward_hook(_computes_from_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "parameter":
+            with torch.no_grad():
+                self.lin.weight.mul_(1.0)
+        out = self.lin(x)
+        if self.how == "stored":
+            self.aux_loss = out.square().mean()
+        elif self.how == "number":
+            self.calls += 1
+        return out
+
+
+def _computes_from_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    out.softmax(-1)
+
+
+_TOLD = {"stacked": "checkpointed twice", "stored": "stored aux_loss on a module",
+         "number": "changed the number calls", "hook": "forward hooks inside",
+         "parameter": "changed its parameter lin.weight in place"}
+
+
+@pytest.mark.parametrize("copy_with", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("how", list(_TOLD))
+def test_a_copy_of_a_layer_already_warned_about_is_warned_about_anew(
+        how: str, copy_with: str) -> None:
+    # Guards against: what a layer was warned about was flagged in its __dict__, which a copy
+    # carries: layers copied from a template after its first step were never told, where a
+    # compiled copy is (its installed forward holds what it was told).
+    def told(layer: nn.Module) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        return [str(w.message) for w in caught if _TOLD[how] in str(w.message)]
+
+    layer = pytree_ckpt.apply_activation_checkpointing(_Told(how))
+    assert len(told(layer)) == 1
+    assert told(layer) == []  # once per layer
+    layer.__dict__.pop("aux_loss", None)  # a graph tensor: no copy of it
+    twin = copy.deepcopy(layer) if copy_with == "deepcopy" else \
+        pickle.loads(pickle.dumps(layer))
+    assert len(told(twin)) == 1
+    assert told(twin) == [] and told(layer) == []
