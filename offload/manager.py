@@ -316,9 +316,15 @@ class OffloadManager:
 
         Returns an opaque handle: always pass it to ``restore``. Where the window rule says no
         (below ``min_bytes``, another device, a parameter) it holds ``tensor`` itself, and
-        ``restore`` checks that it was not changed in place since.
+        ``restore`` checks that it was not changed in place since; an inference tensor, which
+        has no version to check, it holds as it is.
         """
         with self._lock:  # NOTE [one thread at a time]
+            if tensor.is_inference():
+                # Made under inference_mode: no version counter for a copy to check, and
+                # autograd would not save it either (a boundary input made so stays on the
+                # device too): held as it is, uncounted.
+                return Unchanged(tensor)
             key = self._plain_storage_key(tensor)
             if key is not None:
                 window.keys.setdefault(key, None)

@@ -33,8 +33,9 @@ class Unchanged:
 
     def __init__(self, tensor: torch.Tensor, /) -> None:
         self.tensor = tensor if tensor.is_leaf else tensor.detach()
-        # (Autograd refuses to save an inference tensor, which has no version, before any hook.)
-        self.version = tensor._version
+        # Autograd refuses to save an inference tensor before any hook; offload_into holds one
+        # (a frozen result made under inference_mode): it has no version to check (None).
+        self.version = None if tensor.is_inference() else tensor._version
 
     @property
     def released(self) -> bool:
@@ -43,7 +44,7 @@ class Unchanged:
 
     def get(self) -> torch.Tensor:
         """The tensor, or a ``CheckpointError`` if it was changed in place since it was saved."""
-        if self.tensor._version != self.version:
+        if self.version is not None and self.tensor._version != self.version:
             _raise_changed(self.tensor, self.version)
         return self.tensor
 

@@ -3,6 +3,7 @@ bytes backward gets back when the saved storage changed after forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -257,3 +258,42 @@ def test_a_nested_tensor_in_a_window_stays_on_the_device_and_holds_no_host_buffe
     torch.nested.to_padded_tensor(y, 0.0).sum().backward()
     expected = [2 * (2 * t).cos() for t in parts]
     assert all(torch.equal(g, e) for g, e in zip(h.grad.unbind(), expected))
+
+
+def _top2(scores: torch.Tensor) -> torch.Tensor:
+    return scores.topk(2, -1).indices
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30], ids=["above the floor", "below the floor"])
+def test_a_frozen_result_made_under_inference_mode_stays_on_the_device_with_eager_gradients(
+        min_bytes: int) -> None:
+    # Guards against: offload_into reading the version of an inference tensor (it has none:
+    # "Inference tensors do not track version counter"), which made every layer whose reused
+    # call ran under inference_mode fail with offload on, though it works with offload off
+    # (tests/pytree_ckpt/test_frames.py). Like a boundary input made under inference_mode it
+    # stays on the device, uncounted.
+    import copy
+
+    from pytree_ckpt import apply_activation_checkpointing, reuse_during_recompute
+    from tests.conftest import grads_per_model
+
+    class UnderInference(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            with torch.inference_mode():
+                ids = reuse_during_recompute(_top2, h.detach())
+            return torch.gather(h, -1, ids.clone())
+
+    torch.manual_seed(0)
+    eager = UnderInference()
+    m = manager(min_bytes=min_bytes)
+    wrapped = apply_activation_checkpointing(copy.deepcopy(eager), offload=m)
+    x = torch.randn(4, 8)
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=0))
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == (x.untyped_storage().nbytes() if min_bytes == 0 else 0)
+    assert stats["host_buffers_in_use"] == 0
