@@ -60,8 +60,15 @@ def plain_storage_key(tensor: torch.Tensor, /) -> Key | None:
 
 def plain_kind(tensor: torch.Tensor, /) -> str:
     """What a tensor without a plain storage is, for the manager's warning."""
+    if _functorch_wrapped(tensor):
+        # Its class is Tensor and its layout strided: named by those, the warning said nothing.
+        return "a torch.func transform's wrapper (vmap's BatchedTensor)"
     return ("nested tensor" if tensor.is_nested else "quantized tensor"
             if tensor.is_quantized else type(tensor).__name__)
+
+
+_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None),
+                             "is_functorch_wrapped_tensor", lambda tensor: False)
 
 
 def window_keys(tensors: Sequence[torch.Tensor], resident: Sequence[torch.Tensor],

@@ -773,6 +773,30 @@ def test_window_tensors_without_plain_storage_stay_on_the_device_and_are_logged_
     assert len(warnings) == 1 and "no plain storage" in warnings[0]
 
 
+def test_a_window_opened_inside_vmap_gives_eager_gradients_and_its_warning_names_the_transform(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: the warning naming a vmap-wrapped window tensor by its class and layout
+    # ("Tensor, layout torch.strided"), which look plain: it did not say why nothing was copied.
+    m = manager()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def per_sample(row: torch.Tensor, offloaded: bool) -> torch.Tensor:
+        h = row * 1.0
+        if not offloaded:
+            return (h.sin() * h).sum()
+        with m.window([h]):
+            return (h.sin() * h).sum()
+
+    torch.vmap(per_sample, in_dims=(0, None))(x, False).sum().backward()
+    expected, x.grad = x.grad, None
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        torch.vmap(per_sample, in_dims=(0, None))(x, True).sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert m.stats()["offloaded_bytes"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    assert len(warnings) == 1 and "torch.func transform's wrapper (vmap" in warnings[0]
+
+
 def test_a_sparse_tensor_saved_inside_a_window_but_not_on_its_storage_is_not_warned_of(
         caplog: pytest.LogCaptureFixture) -> None:
     m = manager()
