@@ -4,13 +4,18 @@ NOTE [hooked outputs leave with gradients]: a forward hook on a module *inside* 
 in the no-grad original pass. What it keeps has no graph: transformers collects
 ``router_logits`` (the MoE load-balancing loss) and ``output_attentions`` so, with a hook that
 stores the module's output as it is, and the loss built from it silently lost its gradient.
-The boundary therefore records, in both passes, the outputs of the modules inside it that have
-user forward hooks, and returns their floating tensors (those computed inside the call) as
-extra outputs of its autograd Function. Autograd gives a tensor a Function returns its node in
-place, so the very tensor the hook stored now carries the boundary's gradient; the replay
-records the same outputs again and backpropagates the gradients that reached them, as eager
-does. A tensor a hook *computes* from the output (``output.softmax(-1)`` under no-grad) is not
-the output: it still has no gradient (the first replay warns about such hooks).
+The boundary therefore records, in both passes, the inputs (positional and keyword) and the
+outputs of the modules inside it that have user forward hooks or forward pre-hooks, and returns
+their floating tensors (those computed inside the call) as extra outputs of its autograd
+Function. Autograd gives a tensor a Function returns its node in place, so the very tensor the
+hook stored now carries the boundary's gradient; the replay records the same tensors again and
+backpropagates the gradients that reached them, as eager does. Inputs count as well as outputs:
+an activation hook that keeps what a projection receives (a forward hook's ``args[0]``, a
+pre-hook's) lost its gradient the same way, and a pre-hook was not even warned about. A tensor a
+hook *computes* (``output.softmax(-1)`` under no-grad) is not one the module received or
+returned: it still has no gradient (the first replay warns about such hooks). Recorded inputs
+are those the module got, after its pre-hooks: what a pre-hook kept before another rewrote the
+input is no input of the module.
 
 Recording is a forward hook of this module's, installed once (prepended) on each such module;
 it does nothing unless a boundary pass is recording (a thread-local stack: threads and nested
@@ -47,7 +52,7 @@ from .parameter_hooks import put_first
 from .tree import describe_leaf, flatten
 
 __all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
-           "keeps_output_as_is", "recording", "remove_recorder"]
+           "keeps_output_as_is", "recording", "remove_recorder", "user_hooks"]
 
 # .passes: this thread's recording passes, innermost last (a module output goes to each of
 # them). Not a ContextVar: NOTE [the recorder is traceable].
@@ -55,6 +60,7 @@ _RECORDING = threading.local()
 _LIBRARY_HOOKS = ("torch.", "pytree_ckpt.", "offload.")  # FSDP, module trackers, a census
 _INSTALLING = threading.Lock()  # held only while a recorder is installed
 _FORWARD_HOOKS = operator.itemgetter("_forward_hooks")  # of a module's __dict__
+_PRE_HOOKS = operator.itemgetter("_forward_pre_hooks")
 
 
 def is_library_hook(hook: Any, /) -> bool:
@@ -77,18 +83,28 @@ def keeps_output_as_is(hook: Any, /) -> bool:
         getattr(hook, "__name__", None) == name
 
 
-def _record_output(module: nn.Module, args: Any, output: Any) -> None:
+def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    # Registered with_kwargs: what the module received (after its pre-hooks) and returned.
     passes = getattr(_RECORDING, "passes", ())
     if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
         for recorded in passes:
-            recorded.append((module, output))
+            recorded.append((module, (args, kwargs, output)))
+
+
+def user_hooks(module: nn.Module, /) -> list[Any]:
+    """``module``'s forward pre-hooks and forward hooks that are neither torch's nor this
+    library's."""
+    return [hook for hooks in (module._forward_pre_hooks, module._forward_hooks)
+            for hook in hooks.values() if not is_library_hook(hook)]
 
 
 def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module], /) -> bool:
-    """Whether a module among ``dicts`` (each a module's ``__dict__``) has a user forward hook;
-    if so, the recorder is installed on each such module of ``modules`` that lacks it."""
-    if not any(map(_FORWARD_HOOKS, dicts)):
-        return False  # the usual case: one dict lookup per submodule (C-level: no generator)
+    """Whether a module among ``dicts`` (each a module's ``__dict__``) has a user forward hook
+    or forward pre-hook; if so, the recorder is installed on each such module of ``modules``
+    that lacks it."""
+    dicts = dicts if isinstance(dicts, list) else list(dicts)
+    if not any(map(_FORWARD_HOOKS, dicts)) and not any(map(_PRE_HOOKS, dicts)):
+        return False  # the usual case: two dict lookups per submodule (C-level: no generator)
     # An enclosing pass that records (an outer boundary's replay, whose forward recorded a
     # module inside this boundary) needs this boundary to hand the module's outputs on as
     # outputs of its node, with or without user hooks on it now.
@@ -96,9 +112,9 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
     found = False
     for module in modules:
         hooks = module._forward_hooks
-        if not hooks:
+        if not hooks and not module._forward_pre_hooks:
             continue
-        if all(is_library_hook(hook) for hook in hooks.values()):
+        if not user_hooks(module):
             # NOTE [a recorder stays]: once the user's hooks are gone, the recorder is left
             # where it is, as a call still waiting for its backward may need it in its replay
             # (micro-batches; an outer replay, above); remove_activation_checkpointing takes it
@@ -113,7 +129,7 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
                     # NOTE [hooks put first in place] (parameter_hooks.py): with prepend=True
                     # the fullgraph compile of a hooked layer raised InternalTorchDynamoError
                     # on torch 2.11.
-                    key = module.register_forward_hook(_record_output).id
+                    key = module.register_forward_hook(_record_output, with_kwargs=True).id
                     put_first(hooks, key, _record_output)
     return found
 
@@ -123,6 +139,7 @@ def remove_recorder(module: nn.Module, /) -> None:
     hooks = module._forward_hooks
     for key in [key for key, hook in hooks.items() if hook is _record_output]:
         del hooks[key]
+        module._forward_hooks_with_kwargs.pop(key, None)
 
 
 def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
@@ -153,7 +170,8 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
 
 @contextmanager
 def recording() -> Iterator[list[Any]]:
-    """The (module, output) of each hooked module's call in the block, in call order."""
+    """The (module, (args, kwargs, output)) of each hooked module's call in the block, in call
+    order."""
     recorded: list[Any] = []
     enclosing = getattr(_RECORDING, "passes", ())
     _RECORDING.passes = (*enclosing, recorded)

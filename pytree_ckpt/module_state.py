@@ -333,12 +333,13 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
     and structure, at its first replay); ``own``: the module's own hooks run inside it too;
     ``passed``: modules passed as arguments, whose own hooks run inside when ``fn`` calls them.
 
-    Such a hook runs in the original pass, under no-grad, and again in the replay, in backward.
-    The module output it receives leaves the boundary with its gradient (NOTE [hooked outputs
-    leave with gradients] in hook_outputs.py), but a tensor it computes from that output under
-    no-grad does not, and a loss built from it is silently wrong; torch's reentrant checkpoint
-    loses both. Hooks of torch and of this library only read or rewrite; transformers' output
-    capturing hook keeps the output as it is: neither is warned about.
+    Such a hook (a forward pre-hook too) runs in the original pass, under no-grad, and again in
+    the replay, in backward. The module inputs and output it receives leave the boundary with
+    their gradients (NOTE [hooked outputs leave with gradients] in hook_outputs.py), but a tensor
+    it computes from them under no-grad does not, and a loss built from it is silently wrong;
+    torch's reentrant checkpoint loses both. Hooks of torch and of this library only read or
+    rewrite; transformers' output capturing hook keeps the output as it is: neither is warned
+    about.
     """
     def user_hooks(hooks: Any) -> list[str]:
         names = []
@@ -349,14 +350,17 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
             names.append(getattr(fn, "__qualname__", type(fn).__qualname__))
         return names
 
+    def module_hooks(sub: nn.Module) -> list[str]:  # pre-hooks run there too, first
+        return user_hooks(sub._forward_pre_hooks) + user_hooks(sub._forward_hooks)
+
     found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()
              if own or sub is not owner
-             for hook in user_hooks(sub._forward_hooks)]
+             for hook in module_hooks(sub)]
     inside = {id(m) for m in owner.modules()}
     for module in passed:
         found += [f"(argument {type(module).__name__}){'.' + name if name else ''}: {hook}"
                   for name, sub in module.named_modules() if id(sub) not in inside
-                  for hook in user_hooks(sub._forward_hooks)]
+                  for hook in module_hooks(sub)]
         inside.update(id(m) for m in module.modules())
     global_hooks = [f"(global): {hook}"
                     for hook in user_hooks(nn.modules.module._global_forward_hooks)]
@@ -372,11 +376,12 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
         warnings.warn(
             f"pytree_ckpt: forward hooks inside the checkpointed {type(owner).__name__} run "
             f"under no-grad in the original pass and again in backward: {', '.join(found)}. The "
-            "module output such a hook receives leaves the boundary with its gradient, but a "
-            "tensor the hook computes from it has none, and a loss built from that is wrong; "
-            "a hook that only reads, rewrites or keeps the output as it is is fine (not one "
-            "that keeps what an earlier hook rewrote: only the module's own output is "
-            f"recorded).{unrecorded} Tip: keep the module output itself in the hook and "
+            "module inputs and output such a hook receives leave the boundary with their "
+            "gradients, but a tensor the hook computes from them has none, and a loss built "
+            "from that is wrong; a hook that only reads, rewrites or keeps them as they are is "
+            "fine (not one that keeps what an earlier hook rewrote: only what the module "
+            f"itself received and returned is recorded).{unrecorded} Tip: keep the module "
+            "input or output itself in the hook and "
             "compute from it after the layer's call, or return such values as outputs of the "
             "layer (any PyTree); once your hooks are such, silence this with "
             "warnings.filterwarnings(\"ignore\", message=\"pytree_ckpt: forward hooks "
