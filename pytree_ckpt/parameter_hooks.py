@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.autograd.graph import Node
 
 __all__ = ["ParameterHook", "ParameterHooksPaused", "SkipsNoGradAccumulated",
            "SkipsNoGradient", "accumulated_nothing", "put_first", "skip_no_gradient"]
@@ -35,7 +36,11 @@ class ParameterHooksPaused:
     leaf output gets a view, with a node to hook). A handle removed meanwhile (a one-shot hook
     inside the replay's backward) removes the wrapper; a hook registered meanwhile is wrapped
     at the next call. (A plain class: entered once per layer call; nothing to do, not even
-    the prehooks, when no parameter has a hook.)
+    the prehooks, when no parameter has a hook.) The prehooks are removed when the call is
+    over: each output holds its node, the node its prehook (a bound method of the pause),
+    and the pause its outputs, a cycle through autograd's C++ nodes that Python's collector
+    cannot see (left in place, every replay's outputs stayed alive for good); and a node of
+    a graph kept past the call can mark no later task.
 
     NOTE [unused parameters get no hook call]: a parameter the forward did not use (an MoE
     expert that got no token, a bias a layer skips) gets ``None`` from the replay, and autograd
@@ -50,7 +55,7 @@ class ParameterHooksPaused:
     does not.)
     """
 
-    __slots__ = ("outputs", "hooked", "tasks")
+    __slots__ = ("outputs", "hooked", "tasks", "marks")
 
     def __init__(self, params: Sequence[torch.Tensor], /,
                  outputs: Sequence[torch.Tensor] = ()) -> None:
@@ -62,6 +67,7 @@ class ParameterHooksPaused:
                 _wrap_parameter_hooks(hooks)
         self.outputs, self.hooked = outputs, hooked
         self.tasks: list[int] = []
+        self.marks: list[Any] = []  # the prehooks' handles
 
     def __enter__(self) -> Sequence[torch.Tensor]:
         """The outputs to take the gradient of (a leaf one as a view of itself)."""
@@ -70,8 +76,8 @@ class ParameterHooksPaused:
         with torch.enable_grad():  # (backward runs without)
             outputs = [out if out.grad_fn is not None else out.view_as(out)
                        for out in self.outputs]
-        for out in outputs:
-            out.grad_fn.register_prehook(self._mark)  # dies with the replay's graph
+        # (Each has a node: it requires grad, or is a view of a leaf output that does.)
+        self.marks = [cast(Node, out.grad_fn).register_prehook(self._mark) for out in outputs]
         return outputs
 
     def _mark(self, grads: Any) -> None:
@@ -81,6 +87,9 @@ class ParameterHooksPaused:
             _REPLAYS.add(task)
 
     def __exit__(self, *exc: object) -> None:
+        for mark in self.marks:  # the cycle through the outputs' nodes, broken
+            mark.remove()
+        self.marks.clear()
         for task in self.tasks:
             _REPLAYS.discard(task)
         self.tasks.clear()
@@ -117,8 +126,9 @@ class ParameterHook:
 
     __slots__ = ("hook", "skips_none")
 
-    def __init__(self, hook: Callable[[torch.Tensor], Any], skips_none: bool, /) -> None:
-        self.hook = hook
+    def __init__(self, hook: Callable[[torch.Tensor | None], Any], skips_none: bool, /
+                 ) -> None:
+        self.hook = hook  # (torch's own get None too)
         self.skips_none = skips_none
 
     def __call__(self, grad: torch.Tensor | None, /) -> Any:
