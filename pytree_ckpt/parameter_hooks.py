@@ -35,7 +35,8 @@ class ParameterHooksPaused:
     grad_fn of each output of the replay records that task before any leaf is reached (a
     leaf output gets a view, with a node to hook). A handle removed meanwhile (a one-shot hook
     inside the replay's backward) removes the wrapper; a hook registered meanwhile is wrapped
-    at the next call. (A plain class: entered once per layer call; nothing to do, not even
+    at the next call (registered inside the replay's call, it runs there too: docs/limits.md,
+    "Gradient hooks and DDP"). (A plain class: entered once per layer call; nothing to do, not even
     the prehooks, when no parameter has a hook.) The prehooks are removed when the call is
     over: each output holds its node, the node its prehook (a bound method of the pause),
     and the pause its outputs, a cycle through autograd's C++ nodes that Python's collector

@@ -70,3 +70,42 @@ def test_an_output_discard_rebuild_with_parameter_hooks_frees_its_outputs() -> N
     assert len(norm.replayed) == 3
     assert _alive_bytes([norm]) == 0
     assert not _REPLAYS
+
+
+def test_a_parameter_hook_registered_inside_the_replay_runs_twice_as_the_limits_table_says(
+) -> None:
+    # docs/limits.md, "Gradient hooks and DDP": a hook that a backward hook of a submodule of
+    # the checkpointed layer registers runs in the replay's gradient call, which the pause
+    # did not wrap it for, and again when the gradient reaches the parameter. One registered
+    # from a hook on the layer's output, before the layer's backward starts, runs once.
+    def run(wrap: bool, inside: bool) -> tuple[torch.Tensor, int]:
+        torch.manual_seed(0)
+        first = nn.Linear(4, 4)
+        layer = nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4))
+        calls: list[int] = []
+        handles: list[object] = []
+
+        def doubled(grad: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return grad * 2
+
+        def register(*args: object) -> None:
+            if not handles:
+                handles.append(first.weight.register_hook(doubled))
+        if inside:
+            layer[2].register_full_backward_hook(register)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        out = layer(torch.randn(3, 4, requires_grad=True))
+        if not inside:
+            out.register_hook(register)
+        out.sum().backward()
+        assert first.weight.grad is not None
+        return first.weight.grad, len(calls)
+
+    eager, eager_calls = run(False, True)
+    twice, twice_calls = run(True, True)
+    assert (eager_calls, twice_calls) == (1, 2)
+    assert torch.equal(twice, eager * 2)  # its doubling, applied twice
+    once, once_calls = run(True, False)
+    assert once_calls == 1 and torch.equal(once, eager)
