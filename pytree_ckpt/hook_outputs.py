@@ -17,6 +17,17 @@ returned: it still has no gradient (the first replay warns about such hooks). Re
 are those the module got, after its pre-hooks: what a pre-hook kept before another rewrote the
 input is no input of the module.
 
+NOTE [inputs from outside the call are not hooked outputs]: a module output from outside the
+call is rare (NOTE [held tensors are not hooked outputs]), but a module input from outside is
+common: a float mask from a ``functools.lru_cache``, a global table, a tensor on a plain object.
+In the no-grad original pass it looks like any activation (a leaf without grad), and made an
+extra output it got the boundary's node in place: the cached mask then required grad for every
+later user, and backward raised (a hook that only counted calls broke a layer that worked).
+The original pass therefore notes which tensors the ops of the call returned (``MadeHere``, a
+``TorchFunctionMode``, only in passes that record), and an input that no op made there, and
+no module returned, is left as it is, as in eager. A view of it made in the call (``mask[:n]``)
+is a new tensor, and is recorded as before.
+
 Recording is a forward hook of this module's, installed once (prepended) on each such module;
 it does nothing unless a boundary pass is recording (a thread-local stack: threads and nested
 boundaries each record their own, and a nested boundary's pass records for the enclosing ones
@@ -51,7 +62,7 @@ from .keep import IN_REUSE
 from .parameter_hooks import put_first
 from .tree import describe_leaf, flatten
 
-__all__ = ["HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
+__all__ = ["HookedOutputs", "MadeHere", "held_tensors", "hooked_modules", "is_library_hook",
            "keeps_output_as_is", "recording", "remove_recorder", "user_hooks"]
 
 # .passes: this thread's recording passes, innermost last (a module output goes to each of
@@ -89,6 +100,31 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
         for recorded in passes:
             recorded.append((module, (args, kwargs, output)))
+
+
+class MadeHere(torch.overrides.TorchFunctionMode):
+    """The ids of the tensors the torch calls of a block returned (NOTE [inputs from outside
+    the call are not hooked outputs]); an in-place call's (its first argument) is not new."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[int] = set()
+        # Appended to by a compiled body (dynamo cannot key a set by a traced tensor's id):
+        # then what it made is unknown, and every input is taken as made in the call.
+        self.blind: list[None] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if torch.compiler.is_compiling():
+            self.blind.append(None)
+            return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            if not (args and out is args[0]):
+                self.ids.add(id(out))
+        elif isinstance(out, (tuple, list)):
+            self.ids.update(id(t) for t in out if isinstance(t, torch.Tensor))
+        return out
 
 
 def user_hooks(module: nn.Module, /) -> list[Any]:
@@ -187,29 +223,38 @@ class HookedOutputs:
 
     __slots__ = ("modules", "positions", "meta")
 
-    def __init__(self, recorded: Sequence[tuple[nn.Module, Any]], known: set[int], /) -> None:
+    def __init__(self, recorded: Sequence[tuple[nn.Module, Any]], known: set[int],
+                 made: set[int] | None = None, /) -> None:
         # Which module made each recorded output, in call order: the replay records those
         # modules only (a hook added or removed since, on another module, changes nothing).
         self.modules = [id(module) for module, _ in recorded]
         self.positions: list[tuple[int, int]] = []  # (call, tensor leaf) per extra output
         self.meta: list[tuple[torch.Size, torch.dtype]] = []
-        self._select(recorded, known)
+        self._select(recorded, known, made)
 
-    def _select(self, recorded: Sequence[Any], known: set[int]) -> None:
+    def _select(self, recorded: Sequence[Any], known: set[int], made: set[int] | None) -> None:
         # Computed inside the call, floating, once each: not an input, parameter, buffer or
         # frozen result (those come back as they are in eager), nor an output of fn already.
         # NOTE [views of inputs are hooked outputs too]: under the pass's no-grad a view of a
         # tensor that requires grad (an input sliced or reshaped by the hooked module, a
         # parameter transposed) requires grad, with no grad_fn: it was made in the call all the
         # same, and in eager it would carry the view's graph. Skipped, it kept no gradient.
+        # NOTE [inputs from outside the call are not hooked outputs]: a leaf without grad
+        # among the inputs (the leaves before the module's output), made by no op of the call
+        # and returned by no module, came from outside.
+        returned = {id(t) for _, (_, _, output) in recorded for t in flatten(output).leaves}
         for call, (_, output) in enumerate(recorded):
             flat = flatten(output)
+            n_inputs = len(flat.leaves) - len(flatten(output[2]).leaves)
             for index in flat.tensor_index:
                 tensor = flat.leaves[index]
                 if id(tensor) in known or \
                         not (tensor.is_floating_point() or tensor.is_complex()) or \
                         (tensor.requires_grad and
                          not (tensor.grad_fn is None and tensor._is_view())):
+                    continue
+                if made is not None and index < n_inputs and not tensor.requires_grad and \
+                        id(tensor) not in made and id(tensor) not in returned:
                     continue
                 known.add(id(tensor))
                 self.positions.append((call, index))

@@ -8,6 +8,7 @@ depend on the order."""
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -131,3 +132,75 @@ def test_a_forward_pre_hook_inside_the_layer_is_warned_about() -> None:
         layer(torch.randn(4, 8)).sum().backward()
     told = [str(w.message) for w in caught if "forward hooks inside" in str(w.message)]
     assert len(told) == 1 and "down: " in told[0] and "penalty_of_input" in told[0]
+
+
+
+@functools.lru_cache
+def _cached_scale(n: int) -> torch.Tensor:
+    return torch.full((n,), 0.5)  # built once, outside any boundary's call: a constant
+
+
+class Gate(nn.Module):
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return h * scale
+
+
+class GatedBlock(Block):
+    """Hands its `gate` a cached tensor (a mask from an lru_cache) with the activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.gate(torch.tanh(self.up(self.norm(x))), _cached_scale(16)))
+
+
+def test_a_cached_tensor_a_hooked_module_receives_stays_a_constant_and_backward_runs() -> None:
+    # NOTE [inputs from outside the call are not hooked outputs]: recorded as an input of the
+    # hooked module, the cached tensor was made an extra output: it got the boundary's node in
+    # place (it required grad for every later user) and backward raised, with a hook that only
+    # counts calls; eager (and the code before inputs were recorded) ran.
+    torch.manual_seed(0)
+    eager = GatedBlock()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    calls: list[int] = []
+    for net in (eager, model):
+        net.gate.register_forward_hook(lambda mod, args, out: calls.append(1))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for net in (eager, model):
+                net.zero_grad()
+                net(x).square().mean().backward()
+            assert not _cached_scale(16).requires_grad
+            assert all(torch.equal(a.grad, b.grad)
+                       for a, b in zip(eager.parameters(), model.parameters()))
+    assert len(calls) == 2 * 3  # eager's, the original pass's and the replay's, per step
+
+
+def test_a_view_of_a_cached_tensor_a_hook_keeps_gets_eager_values_and_no_node_on_the_cache(
+        ) -> None:
+    # A view made in the call (mask[:n]) is new: recorded as before; the cache is untouched.
+    class Sliced(GatedBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.up(self.norm(x)))
+            return x + self.down(self.gate(h, _cached_scale(32)[:16]))
+
+    torch.manual_seed(0)
+    eager = Sliced()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    kept: dict[str, list] = {"eager": [], "model": []}
+    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
+        net.gate.register_forward_hook(lambda mod, args, out, into=into: into.append(args))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for net, key in ((eager, "eager"), (model, "model")):
+            kept[key].clear()
+            loss = net(x).square().mean() + 0.1 * kept[key][0][0].square().mean()
+            loss.backward()
+    assert not _cached_scale(32).requires_grad
+    assert torch.equal(kept["eager"][0][1], kept["model"][0][1])
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
