@@ -109,12 +109,15 @@ def raise_hooked_outside_tensor(call: BoundaryCall, position: int, /) -> None:
     # tensor from outside the call that no module holds as an attribute (a global, a closure's
     # constant); autograd gave it this node, and the replay found it again.
     raise CheckpointError(
-        f"hooked output {position} of {fn_name(call.fn)} (the output of a module with a forward "
-        "hook inside the boundary) is a tensor from outside the call, and the boundary attached "
-        "itself to it", expected="module outputs computed in the call",
+        f"hooked output {position} of {fn_name(call.fn)} (an input or the output of a module "
+        "with a forward hook or pre-hook inside the boundary) is a tensor from outside the "
+        "call, and the boundary attached itself to it",
+        expected="module inputs and outputs computed in the call",
         got="the same outside tensor, returned again by the replay",
-        tip="have that module return a clone (t.clone()) of it, or hold the tensor as a buffer "
-            "or an attribute of the module")
+        tip="hold the tensor as a buffer or an attribute of the module; or have that module "
+            "return a clone (t.clone()) of it; one a hooked module receives in a compiled body "
+            "(a cached mask: NOTE [inputs from outside the call are not hooked outputs]), pass "
+            "a clone made in the call")
 
 
 def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor], /
