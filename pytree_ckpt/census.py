@@ -80,9 +80,14 @@ class _Packed:
         self.inner = inner
 
 
-# What holds a plain autograd save: the census's own packing, or what an offload window hands
-# autograd for a tensor it leaves on the device (offload's _left_on_device reports it so).
-_AUTOGRAD_KEEPERS = (_Packed, Unchanged)
+# NOTE [what an offload swap replaces]: a window that copies a storage to host swaps the saved
+# reference of the boundary that saved it (its input) or of the frame that held it (a frozen
+# result given to ``offload_into``): those holders let go (``report_held(replace=True)``). Two
+# kinds hold the tensor itself whatever the window does, and so keep it resident: another
+# autograd node's save, and a save unit's record (a kept op's output that the next layer's
+# window copies as its input: the record keeps it on the device until the replay). While one
+# of them holds the storage, it is filed under that one, never under a freeing mechanism.
+_RESIDENT = (Mechanism.AUTOGRAD, Mechanism.SAVE_UNIT)
 
 
 def _holds(keeper: weakref.ref[Any]) -> bool:
@@ -93,7 +98,8 @@ def _holds(keeper: weakref.ref[Any]) -> bool:
 @dataclass
 class _Entry:
     storage: StorageWeakRef  # is the storage still alive at all?
-    keepers: list[weakref.ref[Any]]    # the graph's handles and the mechanisms' holders
+    # The graph's handles and the mechanisms' holders, each with the mechanism it holds for.
+    keepers: list[tuple[weakref.ref[Any], Mechanism | None]]
     nbytes: int
     device: str
     module: str
@@ -101,7 +107,12 @@ class _Entry:
     discarded: bool = False  # its storage was freed by output discard (until refilled)
 
     def held(self) -> bool:
-        return any(_holds(keeper) for keeper in self.keepers)
+        return any(_holds(keeper) for keeper, _ in self.keepers)
+
+    def resident_holder(self) -> Mechanism | None:
+        """The first mechanism of NOTE [what an offload swap replaces] still holding it."""
+        holding = {mechanism for keeper, mechanism in self.keepers if _holds(keeper)}
+        return next((mechanism for mechanism in _RESIDENT if mechanism in holding), None)
 
     def flagged(self) -> bool:
         # A mechanism that frees memory let go, yet the storage lives on: something else keeps
@@ -293,16 +304,16 @@ class ActivationCensus:
         # its graph was dropped): a new save of that storage is a new record, filed under its
         # own mechanism and module, not the ones of the step before.
         if known is not None and not known.storage.expired() and known.held():
-            if replace:  # the mechanisms' earlier holders; other autograd saves still hold it
-                known.keepers = [k for k in known.keepers if isinstance(k(), _AUTOGRAD_KEEPERS)]
-            known.keepers.append(weakref.ref(keeper))
+            if replace:  # NOTE [what an offload swap replaces]
+                known.keepers = [(k, m) for k, m in known.keepers if m in _RESIDENT]
+            known.keepers.append((weakref.ref(keeper), mechanism))
             if mechanism is not Mechanism.AUTOGRAD:  # a mechanism's report is more specific
                 known.mechanism = mechanism
-            if any(isinstance(k(), _AUTOGRAD_KEEPERS) for k in known.keepers) and \
-                    known.mechanism in _FREEING:
-                # A plain autograd save holds it too: that, not the freeing mechanism, is
-                # what keeps it (and what the census files it under).
-                known.mechanism = Mechanism.AUTOGRAD
+            resident = known.resident_holder()
+            if resident is not None and known.mechanism in _FREEING:
+                # A plain autograd save or a save unit's record holds it too: that, not the
+                # freeing mechanism, is what keeps it (and what the census files it under).
+                known.mechanism = resident
             return
         module = self._stack[-1] if self._stack else "<outside any module>"
         if known is not None and known.flagged() and mechanism is not Mechanism.AUTOGRAD:
@@ -312,7 +323,7 @@ class ActivationCensus:
             # it, not the latest one. A plain autograd save of it is a save of its own.
             module = known.module
         self._entries[key] = _Entry(StorageWeakRef(tensor.untyped_storage()),
-                                    [weakref.ref(keeper)],
+                                    [(weakref.ref(keeper), mechanism)],
                                     tensor.untyped_storage().nbytes(), str(tensor.device),
                                     module, mechanism)
 
@@ -324,7 +335,7 @@ class ActivationCensus:
         if entry is not None:
             entry.discarded = True
             if keeper is not None:
-                entry.keepers.append(weakref.ref(keeper))
+                entry.keepers.append((weakref.ref(keeper), None))  # holds no mechanism's bytes
             # Freed memory gets reused at once: file it under a key no new storage can have.
             self._entries[("discarded", id(entry))] = entry
         if self._parent is not None:

@@ -1,0 +1,58 @@
+"""The census's totals against what is really held: storages watched independently of it."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offload import OffloadConfig, OffloadManager
+from pytree_ckpt import (ActivationCensus, KeptOps, RecomputeConfig, SaveUnit,
+                         apply_recompute_config)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class _EndsInKeptOp(nn.Module):
+    """A layer whose output is a kept op's output (the addmm of its last Linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(h))
+
+
+def test_a_kept_output_a_later_window_copies_stays_counted_as_resident_under_its_save_unit(
+) -> None:
+    # The record of a save unit holds the kept output on the device until the replay, so the
+    # next layer's window, which copies it to host as its input, frees nothing: the bytes are
+    # held twice, on the device by the record and on host by the copy. The census counted
+    # only the host copy (the window's report dropped the record as a holder) and flagged
+    # the device bytes as "offload in flight" still alive elsewhere.
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(_EndsInKeptOp() for _ in range(4)))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::addmm")}, offload=manager)
+    outputs: list[StorageWeakRef] = []
+    for layer in layers:  # watched independently of the census
+        layer.register_forward_hook(
+            lambda _m, _a, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    with ActivationCensus(layers) as census:
+        loss = layers(torch.randn(32, 64)).sum()  # sum saves nothing: only the unit holds
+    manager.stats()  # the manager lets go of the device tensors whose copies landed
+    gc.collect()
+    layer_bytes = 32 * 64 * 4
+    assert [ref.expired() for ref in outputs] == [False] * 4  # every kept output is resident
+    assert census.bytes_by("mechanism") == {"save unit": 4 * layer_bytes,
+                                            "offloaded to host": 4 * layer_bytes}
+    assert census.total_bytes == 8 * layer_bytes
+    assert census.flagged() == []
+    loss.backward()
+    assert census.total_bytes == 0
