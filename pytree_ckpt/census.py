@@ -144,9 +144,15 @@ def report_held(tensors: Iterable[torch.Tensor], mechanism: Mechanism, /, *,
     """
     tensors = list(tensors)
     census = _ACTIVE.get()
+    thread = threading.get_ident()
     while census is not None:  # a census nested in another: both see it
-        for tensor in tensors:
-            census._note(tensor, mechanism, holder, replace=replace)
+        # NOTE [one thread]: a census records the thread that entered it. Its saved-tensor
+        # hooks are that thread's alone; a thread run in a copy of its context
+        # (asyncio.to_thread) sees it through the ContextVar, and its reports alone, without
+        # its plain autograd saves, would add up to nothing.
+        if census._thread == thread:
+            for tensor in tensors:
+                census._note(tensor, mechanism, holder, replace=replace)
         census = census._parent
 
 
@@ -201,6 +207,7 @@ class ActivationCensus:
         self._hooks: Any = None
         self._token: Any = None
         self._parent: ActivationCensus | None = None  # the census this one is nested in
+        self._thread: int | None = None  # the thread that entered it (NOTE [one thread])
         self._ended = False  # its with-block is over (for the message of a second one)
 
     # -- recording ---------------------------------------------------------------------------
@@ -248,6 +255,7 @@ class ActivationCensus:
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
+        self._thread = threading.get_ident()
         self._parent = _ACTIVE.get()
         self._token = _ACTIVE.set(self)
         return self
