@@ -261,6 +261,17 @@ class ActivationCensus:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not self._ended and _ACTIVE.get() is not self:
+            # Refused before anything changes: ended now, it would pop the saved-tensor hooks
+            # of the one still open, and that one's end would make this one active again, to
+            # record every later step.
+            raise CheckpointError(
+                "an ActivationCensus must end after every census entered after it",
+                expected="censuses ended in the reverse order they were entered, each in the "
+                         "thread and context that entered it",
+                got="a census entered after it is still open" if self._opened_later()
+                else "its end in another thread or context",
+                tip="use with-blocks, or end the census entered last first")
         self._ended = True
         _ACTIVE.reset(self._token)
         self._hooks.__exit__(*exc)
@@ -271,6 +282,12 @@ class ActivationCensus:
         if self._model is not None:
             self._model_ref = weakref.ref(self._model)
             self._model = None
+
+    def _opened_later(self) -> bool:
+        census = _ACTIVE.get()
+        while census is not None and census is not self:
+            census = census._parent
+        return census is self
 
     @property
     def _stack(self) -> list[str]:

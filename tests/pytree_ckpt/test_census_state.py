@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextvars
 import threading
 
+import pytest
 import torch
 from torch import nn
 
-from pytree_ckpt import ActivationCensus, checkpoint_layers
+import pytree_ckpt
+from pytree_ckpt import ActivationCensus, CheckpointError, checkpoint_layers
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -40,3 +42,35 @@ def test_a_thread_that_copied_the_census_context_is_not_recorded() -> None:
         loss = layers(x).sum()  # this thread's: exactly its three layer inputs
     assert census.bytes_by("mechanism") == {"checkpoint boundary": 3 * nbytes(x)}
     (loss + outputs["loss"]).backward()
+
+
+def test_censuses_ended_out_of_order_are_refused_and_leave_none_active() -> None:
+    # Ended before one entered after it (by hand, or an ExitStack unwound out of order), the
+    # first reset the active census to none while the second was open; the second's end then
+    # set it back to the first, long ended, which went on recording every boundary of every
+    # later step (growing its records). Refused instead: the open one must end first.
+    layers = _layers()
+    first, second = ActivationCensus(layers), ActivationCensus(layers)
+    first.__enter__()
+    second.__enter__()
+    with pytest.raises(CheckpointError, match="(?s)entered after it is still open.*tip"):
+        first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    first.__exit__(None, None, None)
+    assert pytree_ckpt.census.active_census() is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    x = torch.randn(16, 64)
+    layers(x).sum().backward()  # a later step: neither records it
+    assert first.total_bytes == second.total_bytes == 0
+    assert len(first._entries) == len(second._entries) == 0
+
+
+def test_a_census_ended_in_another_context_is_refused_and_can_still_end_in_its_own() -> None:
+    census = ActivationCensus(_layers())
+    context = contextvars.copy_context()
+    context.run(census.__enter__)
+    with pytest.raises(CheckpointError, match="(?s)its end in another thread or context.*tip"):
+        census.__exit__(None, None, None)
+    context.run(census.__exit__, None, None, None)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert context.run(pytree_ckpt.census.active_census) is None
