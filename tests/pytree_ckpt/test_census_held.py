@@ -56,3 +56,23 @@ def test_a_kept_output_a_later_window_copies_stays_counted_as_resident_under_its
     assert census.flagged() == []
     loss.backward()
     assert census.total_bytes == 0
+
+
+def test_a_kept_output_the_next_layer_receives_counts_once_under_the_boundary() -> None:
+    # docs/census.md: a storage held through several mechanisms counts once, under the one
+    # that reported it last; the next layer's boundary holds the kept output without the unit
+    # too. Each is filed under the module that held it first: the kept op ran in `proj`.
+    layer_bytes = 32 * 64 * 4
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(_EndsInKeptOp() for _ in range(4)))
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::addmm")})
+    with ActivationCensus(layers) as census:
+        loss = layers(torch.randn(32, 64)).sum()
+    assert census.bytes_by("mechanism") == {"checkpoint boundary": 4 * layer_bytes,
+                                            "save unit": layer_bytes}
+    assert census.bytes_by("module") == {"0": layer_bytes, "0.proj": layer_bytes,
+                                         "1.proj": layer_bytes, "2.proj": layer_bytes,
+                                         "3.proj": layer_bytes}
+    loss.backward()
+    assert census.total_bytes == 0
