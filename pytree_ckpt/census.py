@@ -448,15 +448,18 @@ class ActivationCensus:
     def report(self) -> str:
         """A readable table: one row per module, mechanism and device."""
         data = self.to_dict()
-        lines = [f"{'module':<32} {'mechanism':<20} {'device':<8} {'bytes':>14}",
-                 "-" * 77]
-        lines += [f"{r['module']:<32.32} {r['mechanism']:<20} {r['device']:<8} {r['bytes']:>14,}"
-                  for r in data["rows"]]
+        # Module paths whole, however long: cut short, a layer's experts.0.gate_proj,
+        # .up_proj and .down_proj read as three rows of one module.
+        width = max([32, *(len(r["module"]) for r in data["rows"])])
+        rule = "-" * (width + 45)
+        lines = [f"{'module':<{width}} {'mechanism':<20} {'device':<8} {'bytes':>14}", rule]
+        lines += [f"{r['module']:<{width}} {r['mechanism']:<20} {r['device']:<8} "
+                  f"{r['bytes']:>14,}" for r in data["rows"]]
         if not data["rows"]:
             lines.append("(nothing held: no saved activation is alive)")
-        lines.append("-" * 77)
+        lines.append(rule)
         for device, nbytes in sorted(data["by_device"].items()):
-            lines.append(f"{'total':<32} {'':<20} {device:<8} {nbytes:>14,}")
+            lines.append(f"{'total':<{width}} {'':<20} {device:<8} {nbytes:>14,}")
         for flag in data["flagged"]:
             lines.append(f"FLAGGED: {flag['bytes']:,} bytes released by {flag['mechanism']} in "
                          f"{flag['module']} are still alive (something else references them)")

@@ -83,6 +83,23 @@ def test_rows_of_one_module_sum_every_storage_it_saved() -> None:
     out.sum().backward()
 
 
+def test_the_report_names_every_module_whole_so_long_names_stay_apart() -> None:
+    # The reference model's experts (mtp_layers.0.block.mlp.experts.0.gate_proj, .up_proj,
+    # .down_proj) were cut to 32 characters: three rows of one name and three byte counts.
+    names = ("projections_of_expert_number_0_gate", "projections_of_expert_number_0_up")
+    experts = nn.ModuleDict({name: nn.Linear(8, 8) for name in names})
+    model = nn.Sequential(nn.Sequential(experts))
+    x = torch.randn(4, 8, requires_grad=True)
+    with ActivationCensus(model) as census:
+        out = experts[names[0]](x * 1.0) + experts[names[1]](x * 2.0)  # each saves its input
+    rows = census.to_dict()["rows"]
+    assert len(rows) == 2 and all(len(row["module"]) > 32 for row in rows)
+    printed = [line.split() for line in census.report().splitlines()]
+    for row in rows:
+        assert [row["module"], "autograd", "cpu", f"{row['bytes']:,}"] in printed
+    out.sum().backward()
+
+
 def test_empty_saved_tensors_leave_no_rows() -> None:
     x = torch.randn(0, 4, requires_grad=True)
     with ActivationCensus() as census:
