@@ -255,3 +255,44 @@ def test_a_global_tensor_a_hooked_module_receives_in_a_compiled_body_is_refused_
                        for a, b in zip(eager.parameters(), model.parameters()))
     finally:
         _GLOBAL_SCALE = pristine
+
+
+def test_a_cache_the_first_call_fills_for_a_hooked_module_is_refused_until_built_before_the_call(
+        ) -> None:
+    # docs/limits.md, "Aux losses and forward hooks": an lru_cache filled inside the layer's
+    # first call is made there, so the original pass takes it for an activation and attaches
+    # the boundary's node to it in place: backward is refused at that step and the next (the
+    # cache keeps requiring grad). Built before the first call, it is left as it is, as in eager.
+    @functools.lru_cache
+    def cached_scale() -> torch.Tensor:
+        return torch.full((16,), 0.5)
+
+    class FirstCallCached(GatedBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(self.gate(torch.tanh(self.up(self.norm(x))), cached_scale()))
+
+    torch.manual_seed(0)
+    eager = FirstCallCached()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for built_before in (False, True):
+            cached_scale.cache_clear()
+            if built_before:
+                cached_scale()
+            model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager),
+                                                               offload=False)
+            model.gate.register_forward_hook(lambda mod, args, out: None)
+            for _ in range(2):
+                if not built_before:
+                    with pytest.raises(pytree_ckpt.CheckpointError, match="hooked output"):
+                        model(x).square().mean().backward()
+                    assert cached_scale().requires_grad
+                    continue
+                eager.zero_grad()
+                model.zero_grad()
+                eager(x).square().mean().backward()
+                model(x).square().mean().backward()
+                assert not cached_scale().requires_grad
+                assert all(torch.equal(a.grad, b.grad)
+                           for a, b in zip(eager.parameters(), model.parameters()))
