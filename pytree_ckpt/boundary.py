@@ -89,7 +89,7 @@ from .changed_in_place import (ParameterVersions, raise_input_changed,
                                refuse_parameters_changed)
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
-from .hook_outputs import HookedOutputs, MadeHere, held_tensors, hooked_modules, recording
+from .hook_outputs import GradFlow, HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode
 from .made_before import leaving_tensors
 from .module_state import (ModuleDicts, any_lazy, call_switches, collect_parameters,
@@ -171,7 +171,7 @@ class _BoundaryFunction(torch.autograd.Function):
             # mode] in rng.py.
             with IsolatedPass():
                 recorded = None
-                made: MadeHere | None = None
+                flow: GradFlow | None = None
                 if call.options.keep is None and not call.hooked:
                     output = call.fn(*args, **kwargs)  # the usual case, with no context more
                 else:
@@ -180,7 +180,7 @@ class _BoundaryFunction(torch.autograd.Function):
                             stack.enter_context(KeepMode(call.options.keep, invocation))
                         if call.hooked:
                             recorded = stack.enter_context(recording())
-                            made = stack.enter_context(MadeHere())
+                            flow = stack.enter_context(GradFlow())
                         output = call.fn(*args, **kwargs)
         except RuntimeError as error:
             # torch's "cannot register a hook on a tensor that doesn't require gradient" from
@@ -240,7 +240,8 @@ class _BoundaryFunction(torch.autograd.Function):
             known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,
                                      *call.frame.tensors())}
             known |= call.held.keys()
-            hooked = HookedOutputs(recorded, known, made.ids if made is not None and not made.blind else None)
+            hooked = HookedOutputs(recorded, known,
+                                   flow.ids if flow is not None and not flow.blind else None)
             if hooked.positions:
                 call.hooked_outputs = hooked
                 extra = tuple(hooked.tensors(recorded))

@@ -17,16 +17,22 @@ returned: it still has no gradient (the first replay warns about such hooks). Re
 are those the module got, after its pre-hooks: what a pre-hook kept before another rewrote the
 input is no input of the module.
 
-NOTE [inputs from outside the call are not hooked outputs]: a module output from outside the
-call is rare (NOTE [held tensors are not hooked outputs]), but a module input from outside is
-common: a float mask from a ``functools.lru_cache``, a global table, a tensor on a plain object.
-In the no-grad original pass it looks like any activation (a leaf without grad), and made an
-extra output it got the boundary's node in place: the cached mask then required grad for every
-later user, and backward raised (a hook that only counted calls broke a layer that worked).
-The original pass therefore notes which tensors the ops of the call returned (``MadeHere``, a
-``TorchFunctionMode``, only in passes that record), and an input that no op made there, and
-no module returned, is left as it is, as in eager. A view of it made in the call (``mask[:n]``)
-is a new tensor, and is recorded as before.
+NOTE [only what eager would give a gradient is recorded]: in the no-grad original pass every
+tensor looks alike (no grad_fn), and one made an extra output gets the boundary's node in place.
+A module input from outside the call is common (a float mask from a ``functools.lru_cache``, a
+global table), and so is one the call builds from no activation (a mask the first call puts in
+that cache, rows of a rotary table): made extra outputs, the cached mask required grad for every
+later user and backward raised, with a hook that only counted calls (a layer that worked broke),
+and a mask the call built came back to the hook requiring grad where eager's does not. The
+original pass therefore follows, as eager's autograd does, which tensors an activation flows
+into (``GradFlow``, a ``TorchFunctionMode``, only in passes that record): an op's outputs do when
+one of its tensor arguments requires grad (a parameter, an input, a view of them) or is such an
+output (``detach`` and ``.data`` stop it); and only those, and views of tensors that require
+grad, are recorded. Eager gives the others no gradient either. A user's own ``torch.no_grad()``
+block inside the layer cannot be seen under the pass's no-grad: its results are recorded (they
+come back requiring grad; eager's do not). A compiled body runs its ops where the mode cannot
+key them (``blind``): there every floating tensor made in the call is recorded, and one from
+outside gets the node (backward refuses it, naming the fix: a clone made in the call).
 
 Recording is a forward hook of this module's, installed once (prepended) on each such module;
 it does nothing unless a boundary pass is recording (a thread-local stack: threads and nested
@@ -62,7 +68,7 @@ from .keep import IN_REUSE
 from .parameter_hooks import put_first
 from .tree import describe_leaf, flatten
 
-__all__ = ["HookedOutputs", "MadeHere", "held_tensors", "hooked_modules", "is_library_hook",
+__all__ = ["GradFlow", "HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
            "keeps_output_as_is", "recording", "remove_recorder", "user_hooks"]
 
 # .passes: this thread's recording passes, innermost last (a module output goes to each of
@@ -102,15 +108,21 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
             recorded.append((module, (args, kwargs, output)))
 
 
-class MadeHere(torch.overrides.TorchFunctionMode):
-    """The ids of the tensors the torch calls of a block returned (NOTE [inputs from outside
-    the call are not hooked outputs]); an in-place call's (its first argument) is not new."""
+# What stops the flow: eager's results of these require no grad.
+_STOPS = frozenset({torch.Tensor.detach, torch.Tensor.detach_, torch.detach})
+_DATA = torch._C.TensorBase.__dict__["data"]  # .data (its getter is seen as a call)
+
+
+class GradFlow(torch.overrides.TorchFunctionMode):
+    """The ids of the tensors the torch calls of a no-grad pass made from activations, which
+    eager's autograd would give a gradient (NOTE [only what eager would give a gradient is
+    recorded])."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ids: set[int] = set()
         # Appended to by a compiled body (dynamo cannot key a set by a traced tensor's id):
-        # then what it made is unknown, and every input is taken as made in the call.
+        # then the flow is unknown, and every tensor made in the call is taken as in it.
         self.blind: list[None] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
@@ -119,12 +131,32 @@ class MadeHere(torch.overrides.TorchFunctionMode):
             self.blind.append(None)
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            if not (args and out is args[0]):
-                self.ids.add(id(out))
-        elif isinstance(out, (tuple, list)):
-            self.ids.update(id(t) for t in out if isinstance(t, torch.Tensor))
+        ids = self.ids
+        flows = func not in _STOPS and getattr(func, "__self__", None) is not _DATA and \
+            (_carries(args, ids) or (kwargs is not None and _carries(kwargs.values(), ids)))
+        first = args[0] if args else None
+        for t in (out,) if isinstance(out, torch.Tensor) else \
+                out if isinstance(out, (tuple, list)) else ():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if flows:
+                ids.add(id(t))
+            elif t is not first:  # a new tensor (an id freed earlier may come back)
+                ids.discard(id(t))  # (an in-place op with no activation keeps what it had)
         return out
+
+
+def _carries(values: Any, ids: set[int], /) -> bool:
+    """Whether an activation is among ``values`` (one level into lists and tuples)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad or id(v) in ids:
+                return True
+        elif isinstance(v, (tuple, list)):
+            for t in v:
+                if isinstance(t, torch.Tensor) and (t.requires_grad or id(t) in ids):
+                    return True
+    return False
 
 
 def user_hooks(module: nn.Module, /) -> list[Any]:
@@ -224,28 +256,25 @@ class HookedOutputs:
     __slots__ = ("modules", "positions", "meta")
 
     def __init__(self, recorded: Sequence[tuple[nn.Module, Any]], known: set[int],
-                 made: set[int] | None = None, /) -> None:
+                 flow: set[int] | None = None, /) -> None:
         # Which module made each recorded output, in call order: the replay records those
         # modules only (a hook added or removed since, on another module, changes nothing).
         self.modules = [id(module) for module, _ in recorded]
         self.positions: list[tuple[int, int]] = []  # (call, tensor leaf) per extra output
         self.meta: list[tuple[torch.Size, torch.dtype]] = []
-        self._select(recorded, known, made)
+        self._select(recorded, known, flow)
 
-    def _select(self, recorded: Sequence[Any], known: set[int], made: set[int] | None) -> None:
+    def _select(self, recorded: Sequence[Any], known: set[int],
+                flow: set[int] | None) -> None:
         # Computed inside the call, floating, once each: not an input, parameter, buffer or
         # frozen result (those come back as they are in eager), nor an output of fn already.
         # NOTE [views of inputs are hooked outputs too]: under the pass's no-grad a view of a
         # tensor that requires grad (an input sliced or reshaped by the hooked module, a
         # parameter transposed) requires grad, with no grad_fn: it was made in the call all the
         # same, and in eager it would carry the view's graph. Skipped, it kept no gradient.
-        # NOTE [inputs from outside the call are not hooked outputs]: a leaf without grad
-        # among the inputs (the leaves before the module's output), made by no op of the call
-        # and returned by no module, came from outside.
-        returned = {id(t) for _, (_, _, output) in recorded for t in flatten(output).leaves}
+        # NOTE [only what eager would give a gradient is recorded]: ``flow`` (None: unknown).
         for call, (_, output) in enumerate(recorded):
             flat = flatten(output)
-            n_inputs = len(flat.leaves) - len(flatten(output[2]).leaves)
             for index in flat.tensor_index:
                 tensor = flat.leaves[index]
                 if id(tensor) in known or \
@@ -253,8 +282,7 @@ class HookedOutputs:
                         (tensor.requires_grad and
                          not (tensor.grad_fn is None and tensor._is_view())):
                     continue
-                if made is not None and index < n_inputs and not tensor.requires_grad and \
-                        id(tensor) not in made and id(tensor) not in returned:
+                if flow is not None and not tensor.requires_grad and id(tensor) not in flow:
                     continue
                 known.add(id(tensor))
                 self.positions.append((call, index))

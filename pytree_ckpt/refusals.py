@@ -105,7 +105,8 @@ def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int, 
 
 
 def raise_hooked_outside_tensor(call: BoundaryCall, position: int, /) -> None:
-    # NOTE [held tensors are not hooked outputs] (hook_outputs.py): a hooked module returned a
+    # NOTE [only what eager would give a gradient is recorded] (hook_outputs.py): in a compiled
+    # body, whose ops the original pass cannot follow, a hooked module received or returned a
     # tensor from outside the call that no module holds as an attribute (a global, a closure's
     # constant); autograd gave it this node, and the replay found it again.
     raise CheckpointError(
@@ -114,10 +115,9 @@ def raise_hooked_outside_tensor(call: BoundaryCall, position: int, /) -> None:
         "call, and the boundary attached itself to it",
         expected="module inputs and outputs computed in the call",
         got="the same outside tensor, returned again by the replay",
-        tip="hold the tensor as a buffer or an attribute of the module; or have that module "
-            "return a clone (t.clone()) of it; one a hooked module receives in a compiled body "
-            "(a cached mask: NOTE [inputs from outside the call are not hooked outputs]), pass "
-            "a clone made in the call")
+        tip="in a compiled body the boundary cannot tell it from an activation (NOTE [only "
+            "what eager would give a gradient is recorded]): pass the module a clone made in "
+            "the call, or hold the tensor as a buffer or an attribute of the module")
 
 
 def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor], /

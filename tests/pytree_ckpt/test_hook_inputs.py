@@ -157,7 +157,7 @@ class GatedBlock(Block):
 
 
 def test_a_cached_tensor_a_hooked_module_receives_stays_a_constant_and_backward_runs() -> None:
-    # NOTE [inputs from outside the call are not hooked outputs]: recorded as an input of the
+    # NOTE [only what eager would give a gradient is recorded]: recorded as an input of the
     # hooked module, the cached tensor was made an extra output: it got the boundary's node in
     # place (it required grad for every later user) and backward raised, with a hook that only
     # counts calls; eager (and the code before inputs were recorded) ran.
@@ -222,7 +222,7 @@ class GlobalGatedBlock(Block):
 
 def test_a_global_tensor_a_hooked_module_receives_in_a_compiled_body_is_refused_with_the_clone_tip(
         ) -> None:
-    # NOTE [inputs from outside the call are not hooked outputs]: in a compiled body the
+    # NOTE [only what eager would give a gradient is recorded]: in a compiled body the
     # original pass cannot note what its ops made, so the global gets the boundary's node
     # (documented in docs/limits.md): backward says so and names the fix, a clone made in the
     # call, which then gives eager's gradients.
@@ -241,8 +241,8 @@ def test_a_global_tensor_a_hooked_module_receives_in_a_compiled_body_is_refused_
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if not clone:
-                    with pytest.raises(pytree_ckpt.CheckpointError,
-                                       match="(?s)hooked output .* pass a clone made in the call"):
+                    tip = "(?s)hooked output .* pass the module a clone made in the call"
+                    with pytest.raises(pytree_ckpt.CheckpointError, match=tip):
                         model(x).square().mean().backward()
                     assert _GLOBAL_SCALE.grad_fn is not None  # the refused step's node: as the
                     _GLOBAL_SCALE = pristine.clone()          # limits row says, clone it afresh
@@ -257,12 +257,12 @@ def test_a_global_tensor_a_hooked_module_receives_in_a_compiled_body_is_refused_
         _GLOBAL_SCALE = pristine
 
 
-def test_a_cache_the_first_call_fills_for_a_hooked_module_is_refused_until_built_before_the_call(
-        ) -> None:
-    # docs/limits.md, "Aux losses and forward hooks": an lru_cache filled inside the layer's
-    # first call is made there, so the original pass takes it for an activation and attaches
-    # the boundary's node to it in place: backward is refused at that step and the next (the
-    # cache keeps requiring grad). Built before the first call, it is left as it is, as in eager.
+def test_a_cache_the_first_call_fills_for_a_hooked_module_stays_a_constant_as_in_eager() -> None:
+    # NOTE [only what eager would give a gradient is recorded]: an lru_cache filled inside the
+    # layer's first call is made there, by ops on no activation. Taken for an activation, it
+    # got the boundary's node in place: backward was refused at that step and every later one
+    # (the cache kept requiring grad). Built inside or before the first call, it is left as it
+    # is, as in eager.
     @functools.lru_cache
     def cached_scale() -> torch.Tensor:
         return torch.full((16,), 0.5)
@@ -284,15 +284,42 @@ def test_a_cache_the_first_call_fills_for_a_hooked_module_is_refused_until_built
                                                                offload=False)
             model.gate.register_forward_hook(lambda mod, args, out: None)
             for _ in range(2):
-                if not built_before:
-                    with pytest.raises(pytree_ckpt.CheckpointError, match="hooked output"):
-                        model(x).square().mean().backward()
-                    assert cached_scale().requires_grad
-                    continue
                 eager.zero_grad()
                 model.zero_grad()
+                model(x).square().mean().backward()  # first: the call fills the cache
                 eager(x).square().mean().backward()
-                model(x).square().mean().backward()
-                assert not cached_scale().requires_grad
+                assert not cached_scale().requires_grad and cached_scale().grad_fn is None
                 assert all(torch.equal(a.grad, b.grad)
                            for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_a_mask_the_call_builds_comes_back_to_the_hook_as_eager_gives_it() -> None:
+    # NOTE [only what eager would give a gradient is recorded]: a tensor built from no
+    # activation (a mask) that a hooked module receives, and one detached in the call, came
+    # back to the hook requiring grad (an extra output of the boundary); eager's require none.
+    class Masked(GatedBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.up(self.norm(x)))
+            mask = torch.ones(16, 16).tril()[3] * 0.5
+            return x + self.down(self.gate(h, mask)) + self.down(self.gate(h.detach(), mask))
+
+    torch.manual_seed(0)
+    eager = Masked()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    kept: dict[str, list] = {"eager": [], "model": []}
+    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
+        net.gate.register_forward_hook(lambda mod, args, out, into=into: into.append(args))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for net, key in ((eager, "eager"), (model, "model")):
+            kept[key].clear()
+            loss = net(x).square().mean() + 0.1 * kept[key][0][0].square().mean()
+            loss.backward()
+    for (h_e, mask_e), (h_m, mask_m) in zip(kept["eager"], kept["model"]):
+        assert (h_e.requires_grad, mask_e.requires_grad) == \
+            (h_m.requires_grad, mask_m.requires_grad)
+        assert torch.equal(h_e, h_m) and torch.equal(mask_e, mask_m)
+    # (the replay ran the hooks again, appending its own two calls: as torch's checkpoint does)
+    assert [a.requires_grad for a, _ in kept["model"]] == [True, False] * 2
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))

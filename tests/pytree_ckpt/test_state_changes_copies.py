@@ -137,6 +137,7 @@ def _trained(shape: tuple[int, ...], *, input_grad: bool = False
 
 @pytest.mark.parametrize("make", [BufferInAList, ViewOfABuffer, HookCounts, EmaTeacher,
                                   CountsWithAGradBuffer])
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # counting hooks
 def test_state_the_replay_reaches_other_than_through_the_modules_dicts_changes_once(
         make: Any) -> None:
     # The replay's copies are in the dicts only: what it changed through another reference
@@ -393,6 +394,7 @@ def test_a_count_kept_only_where_grad_is_enabled_counts_once_next_to_changed_sta
     assert tokens.shape == (width,) and float(tokens[:4].sum()) > 0
 
 
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # counting hooks
 def test_state_put_back_after_the_replay_keeps_the_version_the_forward_left() -> None:
     # A copy back moved the version counter: a graph outside that saved the buffer after the
     # forward (a division by it) then failed in a second backward.
