@@ -241,7 +241,7 @@ class _BoundaryFunction(torch.autograd.Function):
                                      *call.frame.tensors())}
             known |= call.held.keys()
             hooked = HookedOutputs(recorded, known,
-                                   flow.ids if flow is not None and not flow.blind else None)
+                                   flow if flow is not None and not flow.blind else None)
             if hooked.positions:
                 call.hooked_outputs = hooked
                 extra = tuple(hooked.tensors(recorded))

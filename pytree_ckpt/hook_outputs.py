@@ -27,8 +27,10 @@ and a mask the call built came back to the hook requiring grad where eager's doe
 original pass therefore follows, as eager's autograd does, which tensors an activation flows
 into (``GradFlow``, a ``TorchFunctionMode``, only in passes that record): an op's outputs do when
 one of its tensor arguments requires grad (a parameter, an input, a view of them) or is such an
-output (``detach`` and ``.data`` stop it); and only those, and views of tensors that require
-grad, are recorded. Eager gives the others no gradient either. A user's own ``torch.no_grad()``
+output (``detach`` and ``.data`` stop it), and a tensor written in place from one (``buf[i] =
+h``) does, with the tensor it views; and only those, and views of tensors that require grad or
+of tensors written so, are recorded. Ids are set or cleared at each result (an id freed in the
+call comes back). Eager gives the others no gradient either. A user's own ``torch.no_grad()``
 block inside the layer cannot be seen under the pass's no-grad: its results are recorded (they
 come back requiring grad; eager's do not). A compiled body runs its ops where the mode cannot
 key them (``blind``): there every floating tensor made in the call is recorded, and one from
@@ -125,38 +127,51 @@ class GradFlow(torch.overrides.TorchFunctionMode):
         # then the flow is unknown, and every tensor made in the call is taken as in it.
         self.blind: list[None] = []
 
+    def flows(self, t: torch.Tensor, /) -> bool:
+        """Whether eager would give ``t`` a gradient (the pass's no-grad aside): it requires
+        grad (a parameter, an input, a view of them), an activation flowed into it, or into
+        the tensor it views (written in place after the view was taken)."""
+        if t.requires_grad or id(t) in self.ids:
+            return True
+        base = t._base
+        return base is not None and (base.requires_grad or id(base) in self.ids)
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if torch.compiler.is_compiling():
             self.blind.append(None)
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        ids = self.ids
-        flows = func not in _STOPS and getattr(func, "__self__", None) is not _DATA and \
-            (_carries(args, ids) or (kwargs is not None and _carries(kwargs.values(), ids)))
-        first = args[0] if args else None
-        for t in (out,) if isinstance(out, torch.Tensor) else \
-                out if isinstance(out, (tuple, list)) else ():
-            if not isinstance(t, torch.Tensor):
-                continue
-            if flows:
-                ids.add(id(t))
-            elif t is not first:  # a new tensor (an id freed earlier may come back)
-                ids.discard(id(t))  # (an in-place op with no activation keeps what it had)
+        # The bookkeeping's own reads (requires_grad, _base) are no calls for a user's mode.
+        with torch._C.DisableTorchFunction():
+            flows = func not in _STOPS and getattr(func, "__self__", None) is not _DATA and \
+                any(map(self.flows, _tensors_in((args, kwargs))))
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            mark = self.ids.add if flows else self.ids.discard
+            for t in (out,) if isinstance(out, torch.Tensor) else \
+                    out if isinstance(out, (tuple, list)) else ():
+                if isinstance(t, torch.Tensor) and t is not first:
+                    mark(id(t))  # each new result set or cleared: an id freed may come back
+            if flows and first is not None and (out is first or out is None):
+                # Written in place (h.add_(w), buf[i] = w): it, and the tensor it views,
+                # require grad in eager from then on. (An in-place call with no activation
+                # leaves either as it was.)
+                self.ids.add(id(first))
+                if first._base is not None:
+                    self.ids.add(id(first._base))
         return out
 
 
-def _carries(values: Any, ids: set[int], /) -> bool:
-    """Whether an activation is among ``values`` (one level into lists and tuples)."""
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            if v.requires_grad or id(v) in ids:
-                return True
-        elif isinstance(v, (tuple, list)):
-            for t in v:
-                if isinstance(t, torch.Tensor) and (t.requires_grad or id(t) in ids):
-                    return True
-    return False
+def _tensors_in(value: Any, /) -> Iterator[torch.Tensor]:
+    """The tensors among a call's arguments (in lists, tuples and dicts, at any depth)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
 
 
 def user_hooks(module: nn.Module, /) -> list[Any]:
@@ -256,7 +271,7 @@ class HookedOutputs:
     __slots__ = ("modules", "positions", "meta")
 
     def __init__(self, recorded: Sequence[tuple[nn.Module, Any]], known: set[int],
-                 flow: set[int] | None = None, /) -> None:
+                 flow: GradFlow | None = None, /) -> None:
         # Which module made each recorded output, in call order: the replay records those
         # modules only (a hook added or removed since, on another module, changes nothing).
         self.modules = [id(module) for module, _ in recorded]
@@ -265,14 +280,15 @@ class HookedOutputs:
         self._select(recorded, known, flow)
 
     def _select(self, recorded: Sequence[Any], known: set[int],
-                flow: set[int] | None) -> None:
+                flow: GradFlow | None) -> None:
         # Computed inside the call, floating, once each: not an input, parameter, buffer or
         # frozen result (those come back as they are in eager), nor an output of fn already.
         # NOTE [views of inputs are hooked outputs too]: under the pass's no-grad a view of a
         # tensor that requires grad (an input sliced or reshaped by the hooked module, a
         # parameter transposed) requires grad, with no grad_fn: it was made in the call all the
         # same, and in eager it would carry the view's graph. Skipped, it kept no gradient.
-        # NOTE [only what eager would give a gradient is recorded]: ``flow`` (None: unknown).
+        # NOTE [only what eager would give a gradient is recorded]: ``flow`` (None: unknown,
+        # in a compiled body).
         for call, (_, output) in enumerate(recorded):
             flat = flatten(output)
             for index in flat.tensor_index:
@@ -282,7 +298,7 @@ class HookedOutputs:
                         (tensor.requires_grad and
                          not (tensor.grad_fn is None and tensor._is_view())):
                     continue
-                if flow is not None and not tensor.requires_grad and id(tensor) not in flow:
+                if flow is not None and not flow.flows(tensor):
                     continue
                 known.add(id(tensor))
                 self.positions.append((call, index))

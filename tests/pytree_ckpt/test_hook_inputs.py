@@ -323,3 +323,85 @@ def test_a_mask_the_call_builds_comes_back_to_the_hook_as_eager_gives_it() -> No
     # (the replay ran the hooks again, appending its own two calls: as torch's checkpoint does)
     assert [a.requires_grad for a, _ in kept["model"]] == [True, False] * 2
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+@functools.lru_cache
+def _causal_mask(n: int) -> torch.Tensor:
+    return torch.ones(n, n).tril()  # built at its first call, inside whichever call that is
+
+
+class MaskedMix(nn.Module):
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (mask / mask.sum(-1, keepdim=True)) @ h
+
+
+class MaskedBlock(Block):
+    """Hands its hooked `mix` a mask that its first call builds and an lru_cache keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = MaskedMix()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(self.norm(x)))
+        return x + self.down(self.mix(h, _causal_mask(x.shape[0])))
+
+
+@pytest.mark.parametrize("kind", sorted(HOOKS))
+def test_a_mask_cached_at_its_first_call_inside_the_layer_stays_a_constant_as_in_eager(
+        kind: str) -> None:
+    # NOTE [only what eager would give a gradient is recorded]: the mask was made by the call's
+    # ops, so it was taken for an activation and made an extra output: the cache kept a tensor
+    # carrying the boundary's node, which the replay found again, and backward raised at the
+    # first step, for a hook that only keeps what `mix` receives; eager has no graph on it.
+    torch.manual_seed(0)
+    eager = MaskedBlock()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    kept: dict[str, list] = {"eager": [], "model": []}
+    for net, key in ((model, "model"), (eager, "eager")):
+        HOOKS[kind](net.mix, kept[key])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            for net, key in ((model, "model"), (eager, "eager")):  # the model builds the mask
+                if step == 0:
+                    _causal_mask.cache_clear()
+                net.zero_grad()
+                kept[key].clear()
+                x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+                loss = net(x).square().mean() + 0.1 * kept[key][0].square().mean()
+                loss.backward()
+            assert not _causal_mask(6).requires_grad and _causal_mask(6).grad_fn is None
+            assert all(torch.equal(a.grad, b.grad)
+                       for a, b in zip(eager.parameters(), model.parameters()))
+
+
+class WrittenInto(Block):
+    """Writes an activation into a buffer it made, then hands the hooked `down` a view of it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros(x.shape[0], 32)
+        view = buf[:, :16]                       # taken before the write
+        buf[:, :16] = torch.tanh(self.up(self.norm(x)))
+        return x + self.down(view)
+
+
+@pytest.mark.parametrize("kind", sorted(HOOKS))
+def test_a_view_of_a_buffer_an_activation_is_written_into_gets_eager_gradients(kind: str) -> None:
+    # NOTE [only what eager would give a gradient is recorded]: written in place, the buffer
+    # (and the view taken of it before) requires grad in eager; followed only through the
+    # call's results, the view was taken for a constant and the kept input lost its gradient.
+    torch.manual_seed(0)
+    eager = WrittenInto()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    kept: dict[str, list] = {"eager": [], "model": []}
+    for net, key in ((eager, "eager"), (model, "model")):
+        HOOKS[kind](net.down, kept[key])
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for net, key in ((eager, "eager"), (model, "model")):
+            loss = net(x).square().mean() + 0.1 * kept[key][0].square().mean()
+            loss.backward()
+    assert kept["model"][0].requires_grad
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
