@@ -48,8 +48,11 @@ from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
 __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept", "op_name"]
 
 
-# Set while a kept callable runs (KeptCallables) / while reuse_during_recompute computes.
-IN_KEPT_CALLABLE: ContextVar[bool] = ContextVar("pytree_ckpt_in_kept_callable", default=False)
+# The kept callables running now ("Class.method" names; KeptCallables), and whether
+# reuse_during_recompute computes. NOTE: by name, not one flag: a boundary keeps what *its*
+# methods dispatch, not what a nested layer's kept method does (held for nothing until backward).
+IN_KEPT_CALLABLE: ContextVar[frozenset[str]] = ContextVar("pytree_ckpt_in_kept_callable",
+                                                          default=frozenset())
 IN_REUSE: ContextVar[bool] = ContextVar("pytree_ckpt_in_reuse", default=False)
 
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
@@ -160,7 +163,8 @@ class KeepPolicy:
             return False
         by_op = func.overloadpacket in self.ops or \
             bool(self.overloads) and func in self.overloads
-        by_region = bool(self.callables) and IN_KEPT_CALLABLE.get()
+        by_region = bool(self.callables) and not self.callables.isdisjoint(
+            IN_KEPT_CALLABLE.get())
         if not (by_op or by_region):
             return False
         if func._schema.is_mutable:

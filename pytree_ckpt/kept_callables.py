@@ -70,13 +70,18 @@ class _KeptMethod:
     back. A static or class method is called without the module.
     """
 
-    __slots__ = ("module_ref", "name", "inner", "bound", "__weakref__")
+    __slots__ = ("module_ref", "name", "inner", "bound", "kept_as", "__weakref__")
     _pytree_ckpt_kept = True  # what remove_activation_checkpointing looks for
 
-    def __init__(self, module: nn.Module, name: str, inner: Any = None) -> None:
+    def __init__(self, module: nn.Module, name: str, inner: Any = None,
+                 kept_as: str | None = None) -> None:
         self.module_ref = weakref.ref(module)
         self.name = name
         self.inner = inner  # the instance attribute it replaced, if any
+        # The "Class.method" name the boundary's policy lists it under, fixed when installed
+        # (a wrapper that later swaps the module's class, as FSDP2's fully_shard does, changes
+        # nothing): the region it opens is kept by that policy alone (IN_KEPT_CALLABLE).
+        self.kept_as = kept_as or f"{type(module).__qualname__}.{name}"
         # Whether the class's attribute takes the module first (a plain method), read anew at
         # each call from the class (a patched class method is honoured).
         self.bound = not isinstance(inspect.getattr_static(type(module), name, None),
@@ -99,7 +104,7 @@ class _KeptMethod:
                 got="a method kept after its module was freed",
                 tip=f"call {self.name} through the module (module.{self.name}(...)), not a "
                     "method taken from it")
-        token = IN_KEPT_CALLABLE.set(True)
+        token = IN_KEPT_CALLABLE.set(IN_KEPT_CALLABLE.get() | {self.kept_as})
         try:
             if self.inner is not None:
                 return self.inner(*args, **kwargs)
@@ -115,10 +120,10 @@ class _KeptMethod:
         module = self.module_ref()
         assert module is not None  # a module being copied is alive
         return _KeptMethod(memo.get(id(module), module), self.name,
-                           copy.deepcopy(self.inner, memo))
+                           copy.deepcopy(self.inner, memo), self.kept_as)
 
     def __reduce__(self) -> Any:
-        return (_KeptMethod, (self.module_ref(), self.name, self.inner))
+        return (_KeptMethod, (self.module_ref(), self.name, self.inner, self.kept_as))
 
 
 def near_misses(layers: list[nn.Module], target: KeptCallables, /) -> str:

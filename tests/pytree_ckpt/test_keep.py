@@ -15,6 +15,7 @@ from pytree_ckpt import (CheckpointConfigError, KeptCallables, KeptOps, Recomput
                          apply_recompute_config, current_phase)
 from tests.conftest import assert_same_grads, grads_of, grads_per_model
 from tests.pytree_ckpt.models import Gate
+from tests.pytree_ckpt.test_save_units import OpCounter
 
 
 class Router(nn.Module):
@@ -137,6 +138,42 @@ def test_a_layer_keeping_only_ops_does_not_keep_a_nested_layers_kept_callable() 
         out = outer(x)
     assert census.bytes_by("mechanism")["save unit"] == 5 * 8 * 4  # the mm output alone
     out.sum().backward()
+
+
+class RoutedOuter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = Router()
+        self.inner = GatedInner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.router.project(x).sigmoid())
+
+
+def test_a_layer_keeping_a_callable_does_not_keep_a_nested_layers_other_kept_callable() -> None:
+    # Guards against: the kept-callable region flag was one flag for every kept method, so an
+    # outer layer keeping Router.project also kept everything the inner layer's Gate.project
+    # dispatches (held from forward to backward, memory its config never asked for).
+    torch.manual_seed(0)
+    eager = RoutedOuter()
+    outer = copy.deepcopy(eager)
+    apply_recompute_config([outer.inner], RecomputeConfig(1.0, save=["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("Gate.project")})
+    apply_recompute_config([outer], RecomputeConfig(1.0, save=["moe_dispatch"]),
+                           {SaveUnit.MOE_DISPATCH: KeptCallables("Router.project")})
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytree_ckpt.ActivationCensus(outer) as census:
+        out = outer(x)
+    assert census.bytes_by("mechanism")["save unit"] == 5 * 8 * 4  # Router.project's addmm alone
+    counter = OpCounter()
+    with counter:
+        out.sum().backward()
+    # The outer replay runs the inner layer's original pass, Gate.project included (kept there
+    # for the inner replay); neither kept method runs in a replay.
+    assert counter.counts["forward", "aten.addmm"] == 1
+    assert counter.counts["recompute", "aten.addmm"] == 0
+    eager(x.detach().requires_grad_()).sum().backward()
+    assert_same_grads(grads_of(eager.parameters()), grads_of(outer.parameters()))
 
 
 class CountReplayOps:

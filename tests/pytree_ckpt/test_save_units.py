@@ -377,7 +377,7 @@ def test_naming_an_op_the_keep_rules_never_keep_warns_instead_of_keeping_nothing
 
 def test_collectives_are_never_kept() -> None:
     policy = pytree_ckpt.keep.KeepPolicy([torch.ops.aten.mm], callables=["M.f"], description="t")
-    token = pytree_ckpt.keep.IN_KEPT_CALLABLE.set(True)
+    token = pytree_ckpt.keep.IN_KEPT_CALLABLE.set(frozenset({"M.f"}))
     try:
         assert not policy.keeps(torch.ops._c10d_functional.all_reduce.default)
         assert policy.keeps(torch.ops.aten.mm.default)

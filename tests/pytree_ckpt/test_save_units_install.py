@@ -113,6 +113,26 @@ def test_a_kept_method_bound_on_the_instance_follows_a_deepcopy_to_the_copy() ->
                        2 * twin[0].router.gate.bias.expand(3, 4))
 
 
+def test_a_kept_method_stays_kept_after_its_modules_class_is_swapped_and_the_layer_copied() -> None:
+    # FSDP2's fully_shard, applied after checkpointing, swaps each sharded module's class for a
+    # subclass (FSDPRouter): the kept region must still be the one the policy lists.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(2))
+    ours = copy.deepcopy(eager)
+    _apply(ours, "Router.project")
+    for layer in ours:
+        layer.router.__class__ = type("FSDPRouter", (Router,), {})
+    ours = copy.deepcopy(ours)
+    x = torch.randn(3, 8)
+    expected_loss, expected = _step(eager, x)
+    counter = OpCounter()
+    loss, got = _step(ours, x, counter)
+    assert torch.equal(expected_loss, loss)
+    assert_same_grads(expected, got)
+    # the router's projection is kept; the mix Linear's is recomputed
+    assert counter.counts["recompute", "aten.addmm"] == 2
+
+
 @pytest.mark.parametrize("method", ["weigh", "squash"], ids=["staticmethod", "classmethod"])
 def test_a_kept_static_or_class_method_is_called_without_the_module(method: str) -> None:
     # The module was passed as an extra first argument: TypeError in the layer.
