@@ -129,7 +129,13 @@ class KeepPolicy:
         self.description = description
 
     def __repr__(self) -> str:
-        return f"KeepPolicy({self.description})"
+        # What it keeps, not only the units' names: a refused re-application names both sides
+        # (two configs of one unit naming other methods read the same by unit name alone).
+        kept = [f"ops {sorted(op_name(op) for op in self.ops | self.overloads)}"] \
+            if self.ops or self.overloads else []
+        if self.callables:
+            kept.append(f"everything {sorted(self.callables)} dispatch")
+        return f"KeepPolicy({self.description}: {'; '.join(kept) or 'nothing'})"
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # NOTE: torch's op objects cannot be pickled, and a checkpointed layer's options hold

@@ -156,9 +156,15 @@ def test_a_second_config_keeping_other_methods_is_refused_and_the_same_one_is_a_
     layers = nn.ModuleList(Layer() for _ in range(2))
     _apply(layers, "Router.project")
     _apply(layers, "Router.project")
-    with pytest.raises(CheckpointConfigError, match="already checkpointed with other options"):
+    with pytest.raises(CheckpointConfigError, match="already checkpointed with other options"
+                       ) as refused:
         _apply(layers, "Router.weigh")
     assert "weigh" not in layers[0].router.__dict__
+    # both sides named by what they keep (they read the same by unit name: moe_gate)
+    assert "as installed: keep=KeepPolicy(moe_gate: everything ['Router.project'] dispatch)" \
+        in str(refused.value)
+    assert "as requested now: keep=KeepPolicy(moe_gate: everything ['Router.weigh'] dispatch)" \
+        in str(refused.value)
 
 
 def test_keeping_a_checkpointed_layers_own_forward_is_refused() -> None:
