@@ -76,6 +76,10 @@ def never_kept(namespace: str, packet: Any, overload: str | None = None, /) -> s
     if overloads and not functional:
         return ("in-place and out= ops are never kept: the replay must make their change "
                 "again; name the functional op (aten::addmm for aten::addmm_)")
+    # Overloads on Python values (aten::split.str, aten::slice.t on lists) make no tensor to
+    # keep: a view op beside them is a view op.
+    functional = [op for op in functional if any("Tensor" in str(r.type)
+                                                 for r in op._schema.returns)] or functional
     if functional and all(op.is_view for op in functional):
         return "views are never kept: they hold no memory of their own"
     return None

@@ -362,6 +362,10 @@ def test_a_mistyped_op_name_next_to_a_valid_one_warns_naming_the_op_it_is_close_
 
 @pytest.mark.parametrize(("name", "why"), [("aten::clone", "clones are never kept"),
                                            ("aten::transpose", "views are never kept"),
+                                           # views beside an overload on lists or strings
+                                           # (split.str, slice.t): silent before
+                                           ("aten::split", "views are never kept"),
+                                           ("aten::slice", "views are never kept"),
                                            ("aten::addmm_", "in-place and out= ops are never"),
                                            ("aten::addmm.out", "in-place and out= ops are "),
                                            ("_c10d_functional::all_reduce",
