@@ -69,6 +69,15 @@ def test_an_op_name_without_a_namespace_is_refused_when_the_unit_is_built(name: 
         KeptOps(name)
 
 
+@pytest.mark.parametrize("target", ["project", "Gate.", ".project", 42])
+def test_a_method_target_not_of_the_form_class_dot_method_is_refused_when_the_unit_is_built(
+        target: Any) -> None:
+    # Guards against: KeptCallables accepted any target, and applying it only warned that it
+    # keeps nothing ("no class ''" for a bare method name; nothing at all for 42).
+    with pytest.raises(CheckpointConfigError, match="'Class.method'"):
+        KeptCallables(target)
+
+
 @torch.library.custom_op("pytree_ckpt_proposed::noise_like", mutates_args=())
 def noise_like(x: torch.Tensor) -> torch.Tensor:
     """A kernel outside aten that draws random numbers (as flash-attn's dropout does)."""
