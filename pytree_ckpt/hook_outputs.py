@@ -27,7 +27,8 @@ and a mask the call built came back to the hook requiring grad where eager's doe
 original pass therefore follows, as eager's autograd does, which tensors an activation flows
 into (``GradFlow``, a ``TorchFunctionMode``, only in passes that record): an op's outputs do when
 one of its tensor arguments requires grad (a parameter, an input, a view of them) or is such an
-output (``detach`` and ``.data`` stop it), and a tensor written in place from one (``buf[i] =
+output (``detach`` and ``.data`` stop it, and an argument read for its shape: NOTE [tensors read
+for their shape]; a blank tensor counts: NOTE [blank tensors]), and a tensor written in place from one (``buf[i] =
 h``) does, with the tensor it views; and only those, and views of tensors that require grad or
 of tensors written so, are recorded. Ids are set or cleared at each result (an id freed in the
 call comes back). Eager gives the others no gradient either. A user's own ``torch.no_grad()``
@@ -113,6 +114,23 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
 # What stops the flow: eager's results of these require no grad.
 _STOPS = frozenset({torch.Tensor.detach, torch.Tensor.detach_, torch.detach})
 _DATA = torch._C.TensorBase.__dict__["data"]  # .data (its getter is seen as a call)
+# NOTE [tensors read for their shape]: these read their tensor arguments' shape, dtype and
+# device only (eager's results require no grad, even from an activation): ``mask.to(h)``, a
+# no-op that returns the mask itself, marked the mask (an lru_cache'd one broke backward), and
+# ``torch.ones_like(h)`` came back to a hook requiring grad. Of the second set only ``self``
+# (the first argument) is read for its values.
+_SHAPE_ONLY = frozenset({
+    torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full,
+    torch.Tensor.new_tensor})
+_SELF_ONLY = frozenset({torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.expand_as,
+                        torch.Tensor.view_as, torch.Tensor.reshape_as})
+# NOTE [blank tensors]: uninitialised memory is filled by what comes next, often a kernel the
+# mode cannot see (Triton in a custom ``autograd.Function``, whose ``apply`` is no call a
+# ``TorchFunctionMode`` sees either, though eager gives its outputs a gradient): a blank tensor
+# is taken as in the flow (as in a compiled body) until a call the mode sees writes it in place.
+_BLANK = frozenset({torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty,
+                    torch.Tensor.new_empty_strided})
 
 
 class GradFlow(torch.overrides.TorchFunctionMode):
@@ -123,6 +141,7 @@ class GradFlow(torch.overrides.TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.ids: set[int] = set()
+        self.blank: set[int] = set()  # in ids until written: NOTE [blank tensors]
         # Appended to by a compiled body (dynamo cannot key a set by a traced tensor's id):
         # then the flow is unknown, and every tensor made in the call is taken as in it.
         self.blind: list[None] = []
@@ -144,14 +163,28 @@ class GradFlow(torch.overrides.TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         # The bookkeeping's own reads (requires_grad, _base) are no calls for a user's mode.
         with torch._C.DisableTorchFunction():
-            flows = func not in _STOPS and getattr(func, "__self__", None) is not _DATA and \
-                any(map(self.flows, _tensors_in((args, kwargs))))
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            mark = self.ids.add if flows else self.ids.discard
+            # A blank tensor written in place takes the flow of what is written into it.
+            written = first is not None and id(first) in self.blank and \
+                (out is first or out is None) and _in_place(func, kwargs)
+            if written:
+                assert first is not None
+                self.blank.discard(id(first))
+                self.ids.discard(id(first))
+            if func in _STOPS or getattr(func, "__self__", None) is _DATA or \
+                    func in _SHAPE_ONLY:
+                flows = False
+            elif func in _SELF_ONLY:  # NOTE [tensors read for their shape]
+                flows = first is not None and self.flows(first)
+            else:
+                flows = any(map(self.flows, _tensors_in((args, kwargs))))
+            blank = func in _BLANK
+            mark = self.ids.add if flows or blank else self.ids.discard
             for t in (out,) if isinstance(out, torch.Tensor) else \
                     out if isinstance(out, (tuple, list)) else ():
                 if isinstance(t, torch.Tensor) and t is not first:
                     mark(id(t))  # each new result set or cleared: an id freed may come back
+                    (self.blank.add if blank else self.blank.discard)(id(t))
             if flows and first is not None and (out is first or out is None):
                 # Written in place (h.add_(w), buf[i] = w): it, and the tensor it views,
                 # require grad in eager from then on. (An in-place call with no activation
@@ -160,6 +193,14 @@ class GradFlow(torch.overrides.TorchFunctionMode):
                 if first._base is not None:
                     self.ids.add(id(first._base))
         return out
+
+
+def _in_place(func: Any, kwargs: Any, /) -> bool:
+    """Whether ``func`` writes its first argument (``fill_``, ``copy_``, ``buf[i] = w``,
+    ``F.relu(x, inplace=True)``), rather than returning it as it is (``.contiguous()``)."""
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or \
+        bool(kwargs and kwargs.get("inplace"))
 
 
 def _tensors_in(value: Any, /) -> Iterator[torch.Tensor]:

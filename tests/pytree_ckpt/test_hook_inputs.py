@@ -405,3 +405,116 @@ def test_a_view_of_a_buffer_an_activation_is_written_into_gets_eager_gradients(k
             loss.backward()
     assert kept["model"][0].requires_grad
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+@functools.lru_cache
+def _cached_half(n: int) -> torch.Tensor:
+    return torch.full((n,), 0.5)  # built outside any boundary's call
+
+
+@functools.lru_cache
+def _cached_blank_filled(n: int) -> torch.Tensor:
+    return torch.empty(n).fill_(0.5)  # uninitialised, then written with no activation
+
+
+SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "mask.to(h)": lambda h: _cached_half(16).to(h),         # a no-op: the cached mask itself
+    "mask.type_as(h)": lambda h: _cached_half(16).type_as(h),
+    "ones_like(h)": lambda h: torch.ones_like(h) * 0.5,
+    "h.new_full": lambda h: h.new_full((16,), 0.5),
+    "empty filled": lambda h: _cached_blank_filled(16).to(h),
+}
+
+
+class ShapedGateBlock(GatedBlock):
+    def __init__(self, scale: str) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(self.norm(x)))
+        return x + self.down(self.gate(h, SCALES[self.scale](h)))
+
+
+@pytest.mark.parametrize("scale", sorted(SCALES))
+def test_a_constant_read_from_an_activation_only_for_its_shape_stays_a_constant_as_in_eager(
+        scale: str) -> None:
+    # NOTE [tensors read for their shape]: an activation among a call's arguments was taken
+    # to flow into its result, even where only its dtype or shape is read: `mask.to(h)`, a
+    # no-op returning the cached mask itself, marked the mask as written from h (made an extra
+    # output, the cache got the boundary's node and backward raised, for a hook that only
+    # keeps what `gate` receives), and `ones_like(h)` came back to the hook requiring grad.
+    torch.manual_seed(0)
+    eager = ShapedGateBlock(scale)
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    kept: dict[str, list] = {"eager": [], "model": []}
+    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
+        net.gate.register_forward_hook(lambda mod, args, out, into=into: into.append(args))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for net, key in ((eager, "eager"), (model, "model")):
+                net.zero_grad()
+                kept[key].clear()
+                loss = net(x).square().mean() + 0.1 * kept[key][0][0].square().mean()
+                loss.backward()
+            (h_e, scale_e), (h_m, scale_m) = kept["eager"][0], kept["model"][0]
+            assert (h_m.requires_grad, scale_m.requires_grad) == \
+                (h_e.requires_grad, scale_e.requires_grad) == (True, False)
+            assert torch.equal(scale_e, scale_m)
+            assert not _cached_half(16).requires_grad and _cached_half(16).grad_fn is None
+            assert all(torch.equal(a.grad, b.grad)
+                       for a, b in zip(eager.parameters(), model.parameters()))
+
+
+class _InvisibleKernel(torch.autograd.Function):
+    """Triton-like: the forward fills a tensor from `torch.empty` with a kernel that no
+    TorchFunctionMode sees (and `apply` is no call one sees either)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape, dtype=x.dtype)
+        with torch._C.DisableTorchFunction():  # the kernel
+            torch.mul(x, 3.0, out=y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 3.0
+
+
+class Tripled(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _InvisibleKernel.apply(h)
+
+
+class KernelBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = Tripled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.kernel(torch.tanh(self.up(self.norm(x)))))
+
+
+def test_the_output_of_a_custom_function_with_a_kernel_the_mode_cannot_see_gets_eager_gradients(
+        ) -> None:
+    # NOTE [blank tensors]: the output was made by `torch.empty` (no activation among its
+    # arguments) and filled where the mode cannot look, so it was taken for a constant: the
+    # hook kept it without a gradient and the penalty's gradients were silently missing.
+    torch.manual_seed(0)
+    eager = KernelBlock()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    kept: dict[str, list] = {"eager": [], "model": []}
+    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
+        net.kernel.register_forward_hook(lambda mod, args, out, into=into: into.append(out))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for net, key in ((eager, "eager"), (model, "model")):
+            kept[key].clear()
+            loss = net(x).square().mean() + 0.1 * kept[key][0].square().mean()
+            loss.backward()
+    assert kept["model"][0].requires_grad
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
