@@ -183,7 +183,12 @@ class GradFlow(torch.overrides.TorchFunctionMode):
             for t in (out,) if isinstance(out, torch.Tensor) else \
                     out if isinstance(out, (tuple, list)) else ():
                 if isinstance(t, torch.Tensor) and t is not first:
-                    mark(id(t))  # each new result set or cleared: an id freed may come back
+                    # each new result set or cleared: an id freed may come back; an integer
+                    # or bool result never requires grad (h > 0 read by masked_fill)
+                    if t.is_floating_point() or t.is_complex():
+                        mark(id(t))
+                    else:
+                        self.ids.discard(id(t))
                     (self.blank.add if blank else self.blank.discard)(id(t))
             if flows and first is not None and (out is first or out is None):
                 # Written in place (h.add_(w), buf[i] = w): it, and the tensor it views,
@@ -199,8 +204,13 @@ def _in_place(func: Any, kwargs: Any, /) -> bool:
     """Whether ``func`` writes its first argument (``fill_``, ``copy_``, ``buf[i] = w``,
     ``F.relu(x, inplace=True)``), rather than returning it as it is (``.contiguous()``)."""
     name = getattr(func, "__name__", "")
-    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or \
-        bool(kwargs and kwargs.get("inplace"))
+    return name == "__setitem__" or name in _AUGMENTED or \
+        (name.endswith("_") and not name.endswith("__")) or bool(kwargs and kwargs.get("inplace"))
+
+
+_AUGMENTED = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+    "lshift", "rshift"))  # buf += h
 
 
 def _tensors_in(value: Any, /) -> Iterator[torch.Tensor]:

@@ -423,6 +423,8 @@ SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "ones_like(h)": lambda h: torch.ones_like(h) * 0.5,
     "h.new_full": lambda h: h.new_full((16,), 0.5),
     "empty filled": lambda h: _cached_blank_filled(16).to(h),
+    # a bool made from h never requires grad, nor what it only selects with
+    "masked by h > 0": lambda h: _cached_half(16).masked_fill(h[0] > 0, 0.25),
 }
 
 
