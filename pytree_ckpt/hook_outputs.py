@@ -128,7 +128,10 @@ _SELF_ONLY = frozenset({torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.expa
 # NOTE [blank tensors]: uninitialised memory is filled by what comes next, often a kernel the
 # mode cannot see (Triton in a custom ``autograd.Function``, whose ``apply`` is no call a
 # ``TorchFunctionMode`` sees either, though eager gives its outputs a gradient): a blank tensor
-# is taken as in the flow (as in a compiled body) until a call the mode sees writes it in place.
+# is taken as in the flow (as in a compiled body) until a call the mode sees writes it in place,
+# itself or through a view (``t[:n].copy_(c)``, ``out=t[:, :n]``: a table an lru_cache built so
+# at the first call was taken for an activation, and backward was refused at every step); a
+# view of it follows it, and is not marked itself.
 _BLANK = frozenset({torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty,
                     torch.Tensor.new_empty_strided})
 
@@ -155,6 +158,22 @@ class GradFlow(torch.overrides.TorchFunctionMode):
         base = t._base
         return base is not None and (base.requires_grad or id(base) in self.ids)
 
+    def _blank_of(self, t: torch.Tensor, /) -> torch.Tensor | None:
+        """The blank tensor ``t`` is or views, if any (NOTE [blank tensors])."""
+        if id(t) in self.blank:
+            return t
+        base = t._base
+        return base if base is not None and id(base) in self.blank else None
+
+    def _written(self, t: torch.Tensor, /) -> None:
+        """``t`` written by a call the mode sees: if it is (or views) a blank tensor, that one
+        is blank no more, and takes the flow of what is written (set by the caller)."""
+        blank = self._blank_of(t)
+        if blank is not None:
+            for written in (t, blank):
+                self.blank.discard(id(written))
+                self.ids.discard(id(written))
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if torch.compiler.is_compiling():
@@ -164,13 +183,16 @@ class GradFlow(torch.overrides.TorchFunctionMode):
         # The bookkeeping's own reads (requires_grad, _base) are no calls for a user's mode.
         with torch._C.DisableTorchFunction():
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            # A blank tensor written in place takes the flow of what is written into it.
-            written = first is not None and id(first) in self.blank and \
-                (out is first or out is None) and _in_place(func, kwargs)
+            # A blank tensor written in place (itself, or through a view of it: t[:n].copy_(c),
+            # torch.cos(f, out=t[:, :n])) takes the flow of what is written into it.
+            written = first is not None and (out is first or out is None) and \
+                self._blank_of(first) is not None and _in_place(func, kwargs)
             if written:
                 assert first is not None
-                self.blank.discard(id(first))
-                self.ids.discard(id(first))
+                self._written(first)
+            if kwargs and kwargs.get("out") is not None:  # written as well
+                for t in _tensors_in(kwargs["out"]):
+                    self._written(t)
             if func in _STOPS or getattr(func, "__self__", None) is _DATA or \
                     func in _SHAPE_ONLY:
                 flows = False
@@ -184,8 +206,10 @@ class GradFlow(torch.overrides.TorchFunctionMode):
                     out if isinstance(out, (tuple, list)) else ():
                 if isinstance(t, torch.Tensor) and t is not first:
                     # each new result set or cleared: an id freed may come back; an integer
-                    # or bool result never requires grad (h > 0 read by masked_fill)
-                    if t.is_floating_point() or t.is_complex():
+                    # or bool result never requires grad (h > 0 read by masked_fill); a view
+                    # of a blank tensor follows it (NOTE [blank tensors]), not marked itself
+                    if (t.is_floating_point() or t.is_complex()) and \
+                            not (t._base is not None and id(t._base) in self.blank):
                         mark(id(t))
                     else:
                         self.ids.discard(id(t))
@@ -197,6 +221,10 @@ class GradFlow(torch.overrides.TorchFunctionMode):
                 self.ids.add(id(first))
                 if first._base is not None:
                     self.ids.add(id(first._base))
+            if flows and kwargs and kwargs.get("out") is not None:  # the same for out=
+                for t in _tensors_in(kwargs["out"]):
+                    if t._base is not None:
+                        self.ids.add(id(t._base))
         return out
 
 

@@ -293,6 +293,73 @@ def test_a_cache_the_first_call_fills_for_a_hooked_module_stays_a_constant_as_in
                            for a, b in zip(eager.parameters(), model.parameters()))
 
 
+@pytest.mark.parametrize("fill", ["copy_ into a slice", "out= a slice"])
+def test_a_cache_built_by_filling_slices_of_an_empty_tensor_stays_a_constant_as_in_eager(
+        fill: str) -> None:
+    # NOTE [blank tensors]: a table an lru_cache builds at the layer's first call by writing
+    # the halves of a torch.empty (as rotary caches are built). The writes went through views,
+    # so the blank tensor itself was never taken as written: it counted as an activation, got
+    # the boundary's node in place, and backward was refused at every step.
+    @functools.lru_cache
+    def cached_scale() -> torch.Tensor:
+        table = torch.empty(16)
+        if fill == "copy_ into a slice":
+            table[:8].copy_(torch.full((8,), 0.5))
+            table[8:].copy_(torch.full((8,), 2.0))
+        else:
+            torch.full((8,), 0.5, out=table[:8])
+            torch.full((8,), 2.0, out=table[8:])
+        return table
+
+    class HalvesCached(GatedBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(self.gate(torch.tanh(self.up(self.norm(x))), cached_scale()))
+
+    torch.manual_seed(0)
+    eager = HalvesCached()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    model.gate.register_forward_hook(lambda mod, args, out: None)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            eager.zero_grad()
+            model.zero_grad()
+            model(x).square().mean().backward()  # first: the call fills the cache
+            eager(x).square().mean().backward()
+            assert not cached_scale().requires_grad and cached_scale().grad_fn is None
+            assert all(torch.equal(a.grad, b.grad)
+                       for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_an_activation_written_into_a_slice_of_an_empty_tensor_gets_eager_gradients() -> None:
+    # NOTE [blank tensors]: written through views, the tensor takes their flow (an activation
+    # copied into one half and a constant into the other: eager gives it a gradient).
+    class HalvesFilled(GatedBlock):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.up(self.norm(x)))
+            both = torch.empty(4, 32)
+            both[:, 16:].copy_(torch.full((4, 16), 0.5))
+            both[:, :16].copy_(h)
+            return x + self.down(self.gate(both[:, :16], both[:, 16:]))
+
+    torch.manual_seed(0)
+    eager = HalvesFilled()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    kept: dict[str, list] = {"eager": [], "model": []}
+    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
+        net.gate.register_forward_hook(lambda mod, args, out, into=into: into.append(args[0]))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for net, key in ((eager, "eager"), (model, "model")):
+            kept[key].clear()
+            loss = net(x).square().mean() + 0.1 * kept[key][0].square().mean()
+            loss.backward()
+    assert kept["model"][0].requires_grad
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
 def test_a_mask_the_call_builds_comes_back_to_the_hook_as_eager_gives_it() -> None:
     # NOTE [only what eager would give a gradient is recorded]: a tensor built from no
     # activation (a mask) that a hooked module receives, and one detached in the call, came
