@@ -156,6 +156,46 @@ class GatedBlock(Block):
         return x + self.down(self.gate(torch.tanh(self.up(self.norm(x))), _cached_scale(16)))
 
 
+def _gate_twins(eager: nn.Module, /) -> tuple[nn.Module, dict[str, list]]:
+    """``eager``'s checkpointed copy, and for each twin the list its `gate`'s forward hook
+    appends the arguments `gate` received to."""
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    kept: dict[str, list] = {"eager": [], "model": []}
+    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
+        net.gate.register_forward_hook(lambda mod, args, out, into=into: into.append(args))
+    return model, kept
+
+
+def _penalised_steps(eager: nn.Module, model: nn.Module, kept: dict[str, list],
+                     x: torch.Tensor, /) -> None:
+    """A step of each twin whose loss has a term on the first input `gate` received."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for net, key in ((eager, "eager"), (model, "model")):
+            net.zero_grad()
+            kept[key].clear()
+            loss = net(x).square().mean() + 0.1 * kept[key][0][0].square().mean()
+            loss.backward()
+
+
+def _constant_cache_steps(eager: nn.Module, cached: Callable[[], torch.Tensor], /) -> None:
+    """Two steps of ``eager`` and its checkpointed copy (first, so its call fills the cache),
+    with a hook on `gate` that does nothing: gradients equal, the cache left a constant."""
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    model.gate.register_forward_hook(lambda mod, args, out: None)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            eager.zero_grad()
+            model.zero_grad()
+            model(x).square().mean().backward()  # first: the call fills the cache
+            eager(x).square().mean().backward()
+            assert not cached().requires_grad and cached().grad_fn is None
+            assert all(torch.equal(a.grad, b.grad)
+                       for a, b in zip(eager.parameters(), model.parameters()))
+
+
 def test_a_cached_tensor_a_hooked_module_receives_stays_a_constant_and_backward_runs() -> None:
     # NOTE [only what eager would give a gradient is recorded]: recorded as an input of the
     # hooked module, the cached tensor was made an extra output: it got the boundary's node in
@@ -190,17 +230,8 @@ def test_a_view_of_a_cached_tensor_a_hook_keeps_gets_eager_values_and_no_node_on
 
     torch.manual_seed(0)
     eager = Sliced()
-    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
-    kept: dict[str, list] = {"eager": [], "model": []}
-    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
-        net.gate.register_forward_hook(lambda mod, args, out, into=into: into.append(args))
-    x = torch.randn(4, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for net, key in ((eager, "eager"), (model, "model")):
-            kept[key].clear()
-            loss = net(x).square().mean() + 0.1 * kept[key][0][0].square().mean()
-            loss.backward()
+    model, kept = _gate_twins(eager)
+    _penalised_steps(eager, model, kept, torch.randn(4, 8))
     assert not _cached_scale(32).requires_grad
     assert torch.equal(kept["eager"][0][1], kept["model"][0][1])
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
@@ -273,24 +304,11 @@ def test_a_cache_the_first_call_fills_for_a_hooked_module_stays_a_constant_as_in
 
     torch.manual_seed(0)
     eager = FirstCallCached()
-    x = torch.randn(4, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for built_before in (False, True):
-            cached_scale.cache_clear()
-            if built_before:
-                cached_scale()
-            model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager),
-                                                               offload=False)
-            model.gate.register_forward_hook(lambda mod, args, out: None)
-            for _ in range(2):
-                eager.zero_grad()
-                model.zero_grad()
-                model(x).square().mean().backward()  # first: the call fills the cache
-                eager(x).square().mean().backward()
-                assert not cached_scale().requires_grad and cached_scale().grad_fn is None
-                assert all(torch.equal(a.grad, b.grad)
-                           for a, b in zip(eager.parameters(), model.parameters()))
+    for built_before in (False, True):
+        cached_scale.cache_clear()
+        if built_before:
+            cached_scale()
+        _constant_cache_steps(eager, cached_scale)
 
 
 @pytest.mark.parametrize("fill", ["copy_ into a slice", "out= a slice"])
@@ -316,20 +334,7 @@ def test_a_cache_built_by_filling_slices_of_an_empty_tensor_stays_a_constant_as_
             return x + self.down(self.gate(torch.tanh(self.up(self.norm(x))), cached_scale()))
 
     torch.manual_seed(0)
-    eager = HalvesCached()
-    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
-    model.gate.register_forward_hook(lambda mod, args, out: None)
-    x = torch.randn(4, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(2):
-            eager.zero_grad()
-            model.zero_grad()
-            model(x).square().mean().backward()  # first: the call fills the cache
-            eager(x).square().mean().backward()
-            assert not cached_scale().requires_grad and cached_scale().grad_fn is None
-            assert all(torch.equal(a.grad, b.grad)
-                       for a, b in zip(eager.parameters(), model.parameters()))
+    _constant_cache_steps(HalvesCached(), cached_scale)
 
 
 def test_an_activation_written_into_a_slice_of_an_empty_tensor_gets_eager_gradients() -> None:
@@ -372,17 +377,8 @@ def test_a_mask_the_call_builds_comes_back_to_the_hook_as_eager_gives_it() -> No
 
     torch.manual_seed(0)
     eager = Masked()
-    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
-    kept: dict[str, list] = {"eager": [], "model": []}
-    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
-        net.gate.register_forward_hook(lambda mod, args, out, into=into: into.append(args))
-    x = torch.randn(4, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for net, key in ((eager, "eager"), (model, "model")):
-            kept[key].clear()
-            loss = net(x).square().mean() + 0.1 * kept[key][0][0].square().mean()
-            loss.backward()
+    model, kept = _gate_twins(eager)
+    _penalised_steps(eager, model, kept, torch.randn(4, 8))
     for (h_e, mask_e), (h_m, mask_m) in zip(kept["eager"], kept["model"]):
         assert (h_e.requires_grad, mask_e.requires_grad) == \
             (h_m.requires_grad, mask_m.requires_grad)
@@ -515,26 +511,17 @@ def test_a_constant_read_from_an_activation_only_for_its_shape_stays_a_constant_
     # keeps what `gate` receives), and `ones_like(h)` came back to the hook requiring grad.
     torch.manual_seed(0)
     eager = ShapedGateBlock(scale)
-    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
-    kept: dict[str, list] = {"eager": [], "model": []}
-    for net, into in ((eager, kept["eager"]), (model, kept["model"])):
-        net.gate.register_forward_hook(lambda mod, args, out, into=into: into.append(args))
+    model, kept = _gate_twins(eager)
     x = torch.randn(4, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(2):
-            for net, key in ((eager, "eager"), (model, "model")):
-                net.zero_grad()
-                kept[key].clear()
-                loss = net(x).square().mean() + 0.1 * kept[key][0][0].square().mean()
-                loss.backward()
-            (h_e, scale_e), (h_m, scale_m) = kept["eager"][0], kept["model"][0]
-            assert (h_m.requires_grad, scale_m.requires_grad) == \
-                (h_e.requires_grad, scale_e.requires_grad) == (True, False)
-            assert torch.equal(scale_e, scale_m)
-            assert not _cached_half(16).requires_grad and _cached_half(16).grad_fn is None
-            assert all(torch.equal(a.grad, b.grad)
-                       for a, b in zip(eager.parameters(), model.parameters()))
+    for _ in range(2):
+        _penalised_steps(eager, model, kept, x)
+        (h_e, scale_e), (h_m, scale_m) = kept["eager"][0], kept["model"][0]
+        assert (h_m.requires_grad, scale_m.requires_grad) == \
+            (h_e.requires_grad, scale_e.requires_grad) == (True, False)
+        assert torch.equal(scale_e, scale_m)
+        assert not _cached_half(16).requires_grad and _cached_half(16).grad_fn is None
+        assert all(torch.equal(a.grad, b.grad)
+                   for a, b in zip(eager.parameters(), model.parameters()))
 
 
 class _InvisibleKernel(torch.autograd.Function):
