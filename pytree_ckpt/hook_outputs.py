@@ -214,6 +214,8 @@ class GradFlow(torch.overrides.TorchFunctionMode):
                     else:
                         self.ids.discard(id(t))
                     (self.blank.add if blank else self.blank.discard)(id(t))
+            if func is torch.Tensor.detach_ and first is not None:
+                self.ids.discard(id(first))  # h.detach_(): h requires grad no more
             if flows and first is not None and (out is first or out is None):
                 # Written in place (h.add_(w), buf[i] = w): it, and the tensor it views,
                 # require grad in eager from then on. (An in-place call with no activation

@@ -488,6 +488,7 @@ SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "empty filled": lambda h: _cached_blank_filled(16).to(h),
     # a bool made from h never requires grad, nor what it only selects with
     "masked by h > 0": lambda h: _cached_half(16).masked_fill(h[0] > 0, 0.25),
+    "detached in place": lambda h: (h[0] * 0 + 0.5).detach_(),
 }
 
 
