@@ -7,6 +7,7 @@ for bit]): a two-rank mean is one commutative fp32 addition and an exact halving
 from __future__ import annotations
 
 import copy
+import gc
 import os
 
 import pytest
@@ -98,4 +99,11 @@ def test_ddp_gives_a_parameter_a_checkpointed_call_leaves_unused_what_the_limits
         else:
             assert torch.equal(model[1].idle.weight.grad, torch.zeros(8, 8))
     finally:
+        # The reducer goes first, while the group is alive. Freed after it (at this frame's
+        # end), it held the group's last reference, and the group's destructor joined gloo's
+        # worker threads with the GIL held, while one of them needed the GIL to free a finished
+        # allreduce: the whole run hung once in about ten (a torch teardown race; gdb showed no
+        # frame of this library).
+        ddp = model = None  # type: ignore[assignment]
+        gc.collect()
         dist.destroy_process_group()
