@@ -4,48 +4,11 @@ bytecode of it. The tests stop at each of those points and do there what that th
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from offload.window import Copy
 from tests.offload.blocks import manager, offloaded_stack
-
-
-def _at_each_switch_point_of_del(run: Callable[[], None], at: Callable[[int], None]) -> int:
-    """Run ``run()``, calling ``at(i)`` between every two bytecodes of each ``Copy.__del__``
-    it runs and of what that calls (``i`` counts them from 0); returns how many there were."""
-    count = 0
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal count
-        if event == "opcode":
-            sys.settrace(None)  # ``at`` runs untraced, as another thread would
-            try:
-                at(count)
-            finally:
-                sys.settrace(on_call)
-            count += 1
-        return local
-
-    def on_call(frame: Any, event: str, arg: Any) -> Any:
-        caller = frame
-        while caller is not None and caller.f_code is not Copy.__del__.__code__:
-            caller = caller.f_back
-        if caller is None:
-            return None
-        frame.f_trace_opcodes = True
-        return local
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        run()
-    finally:
-        sys.settrace(previous)
-    return count
+from tests.switch_points import at_each_switch_point
 
 
 def test_a_reset_while_a_copy_counts_its_storage_alive_elsewhere_is_not_undone() -> None:
@@ -70,7 +33,7 @@ def test_a_reset_while_a_copy_counts_its_storage_alive_elsewhere_is_not_undone()
                 m.stats(reset=True)
                 reset.append(at)
 
-        _at_each_switch_point_of_del(loss.backward, other_thread)
+        at_each_switch_point(loss.backward, other_thread, within=Copy.__del__.__code__)
         return bool(reset), m.stats()
 
     per = 8 * 32 * 4

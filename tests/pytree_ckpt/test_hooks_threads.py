@@ -16,6 +16,7 @@ from torch import nn
 
 import pytree_ckpt
 from pytree_ckpt import checkpoint
+from tests.switch_points import at_each_switch_point
 
 # thread name -> (event to set on reaching the gate, event to wait for there)
 _GATES: dict[str, tuple[threading.Event, threading.Event]] = {}
@@ -177,7 +178,6 @@ def test_a_hook_registered_by_another_thread_while_hooks_are_wrapped_stays_regis
     # mutated during iteration" (its backward failed).
     from pytree_ckpt.parameter_hooks import ParameterHooksPaused, skip_no_gradient
 
-    from .test_put_first import _at_each_switch_point
 
     def wrap_switching_at(point: int) -> bool:
         weight = nn.Parameter(torch.ones(2))
@@ -190,7 +190,7 @@ def test_a_hook_registered_by_another_thread_while_hooks_are_wrapped_stays_regis
 
         run = (lambda: ParameterHooksPaused([weight])) if wrap == "parameter" else \
             (lambda: skip_no_gradient(weight))
-        _at_each_switch_point(run, other_thread)
+        at_each_switch_point(run, other_thread)
         if not added:
             return False  # past the wrapping's last switch point
         hooks = weight._backward_hooks

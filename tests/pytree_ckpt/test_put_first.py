@@ -7,8 +7,6 @@ accumulation), register a hook, remove one.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,32 +14,7 @@ import torch
 from torch import nn
 
 from pytree_ckpt.parameter_hooks import put_first
-
-
-def _at_each_switch_point(run: Callable[[], None], at: Callable[[int], None]) -> int:
-    """Run ``run()``, calling ``at(i)`` between every two bytecodes of each Python frame it
-    runs (``i`` counts them from 0); returns how many there were. Tracing is off inside
-    ``at`` (it runs as another thread would, between two of our bytecodes)."""
-    count = 0
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal count
-        if event == "opcode":
-            at(count)
-            count += 1
-        return local
-
-    def on_call(frame: Any, event: str, arg: Any) -> Any:
-        frame.f_trace_opcodes = True
-        return local
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        run()
-    finally:
-        sys.settrace(previous)
-    return count
+from tests.switch_points import at_each_switch_point
 
 
 def _c_order(hooks: dict[Any, Any]) -> list[Any]:
@@ -69,7 +42,7 @@ def test_a_forward_in_another_thread_during_put_first_runs_every_forward_hook() 
         if sorted(name for name in ran if name != "first") != ["a", "b", "c"]:
             missed.append((point, list(ran)))
 
-    points = _at_each_switch_point(lambda: put_first(hooks, recorder_key, hooks[recorder_key]),
+    points = at_each_switch_point(lambda: put_first(hooks, recorder_key, hooks[recorder_key]),
                                    forward_there)
     assert points > 0
     assert missed == []
@@ -96,7 +69,7 @@ def test_an_accumulation_in_another_thread_during_put_first_runs_every_hook() ->
         if sorted(name for name in ran if name != "gate") != ["a", "b"]:
             missed.append((point, list(ran)))
 
-    _at_each_switch_point(lambda: put_first(hooks, "gate", lambda p: ran.append("gate")),
+    at_each_switch_point(lambda: put_first(hooks, "gate", lambda p: ran.append("gate")),
                           accumulate_there)
     assert missed == []
     ran.clear()
@@ -131,7 +104,7 @@ def test_a_hook_registered_or_removed_by_another_thread_during_put_first_stays_s
                 handles[1].remove()
                 changed.append(handles[1].id)
 
-        _at_each_switch_point(lambda: put_first(hooks, key, hook), other_thread)
+        at_each_switch_point(lambda: put_first(hooks, key, hook), other_thread)
         if not changed:
             return False  # past put_first's last switch point
         expected = {key, *(handle.id for handle in handles)}
