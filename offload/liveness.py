@@ -12,12 +12,17 @@ those output discard freed in place as ``discarded_bytes``.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.discard import DISCARDED_MARK
+
+if TYPE_CHECKING:
+    from .window import Pass
 
 __all__ = ["Liveness"]
 
@@ -45,48 +50,62 @@ class Liveness:
         # (one atomic call), and the manager adds them up under its lock (``count_late``)
         # before it reads the counters.
         self.late: deque[tuple[str, int]] = deque()
-        # By storage (``StorageWeakRef.cdata``), with the bytes of every copy of it let go.
-        self.suspects: dict[int, tuple[StorageWeakRef, int]] = {}
+        # By storage (``StorageWeakRef.cdata``) and pass (the id of its weak reference, which
+        # the entry holds: never reused while it lives), with the bytes of every copy of it
+        # let go, and the pass whose forward must be over before it is judged.
+        self.suspects: dict[tuple[int, int],
+                            tuple[StorageWeakRef, int, weakref.ref[Pass]]] = {}
         self.limit = 64  # NOTE [suspects stay bounded]
         self.warned_discarded = False
 
     def __len__(self) -> int:
         return len(self.suspects)
 
-    def suspect(self, ref: StorageWeakRef, nbytes: int, /) -> None:
-        """Note a storage let go while still alive, for ``judge_all``.
+    def suspect(self, ref: StorageWeakRef, nbytes: int, pass_ref: weakref.ref[Pass], /) -> None:
+        """Note a storage let go while still alive by a copy of pass ``pass_ref``, for
+        ``judge_all`` once that pass's forward is over.
 
         NOTE [suspects stay bounded]: they are judged when a backward or a new pass begins, or
         at ``stats()``; forwards that never reach backward while some graph stays alive
         (grad-enabled evaluation that keeps its last output until the next forward) do neither,
-        so the record must not grow per forward: one entry per storage (our weak reference
-        keeps its ``cdata`` from being reused), and entries of storages gone since are
-        dropped as new ones come.
+        so the record must not grow per forward: one entry per storage and pass (our weak
+        reference keeps its ``cdata`` from being reused), and entries of storages gone since
+        are dropped as new ones come.
         """
-        entry = self.suspects.get(ref.cdata)
+        key = (ref.cdata, id(pass_ref))
+        entry = self.suspects.get(key)
         if entry is not None and not entry[0].expired():
-            self.suspects[ref.cdata] = (entry[0], entry[1] + nbytes)
+            self.suspects[key] = (entry[0], entry[1] + nbytes, pass_ref)
             return
         if len(self.suspects) >= self.limit:  # amortized: the limit doubles
             self.suspects = {key: value for key, value in self.suspects.items()
                              if not value[0].expired()}
             self.limit = max(64, 2 * len(self.suspects))
-        self.suspects[ref.cdata] = (ref, nbytes)
+        self.suspects[key] = (ref, nbytes, pass_ref)
 
     def judge_all(self) -> None:
-        """Count the storages let go while still alive that are alive still.
+        """Count the storages let go while still alive that are alive still, of the passes
+        whose forward is over.
 
-        Called when backward begins, at ``stats()`` and when a new pass opens: by then the
-        forward that held them is over (a RoPE table made per forward, a layer input that is
-        also the next layer's, are gone), so what is still alive is kept by something else,
-        and its copy saved nothing.
+        Called when backward begins, at ``stats()`` and when a new pass opens. Once the
+        forward that let a storage go is over (a RoPE table made per forward, a layer input
+        that is also the next layer's, are gone by then), what is still alive is kept by
+        something else, and its copy saved nothing. Storages of a forward still running
+        (another thread's: NOTE [a pass per forward thread] in lanes.py) wait for a later call.
         """
         # Taken before reading: on CUDA backward (this, from the manager's unpack) runs on a
         # device thread while another thread's forward may let go of more storages (a dict
         # must not grow while it is read). Those land in the fresh dict, judged next time.
         suspects, self.suspects = self.suspects, {}
-        for ref, nbytes in suspects.values():
-            self.judge(ref, nbytes)
+        for key, (ref, nbytes, pass_ref) in suspects.items():
+            pass_ = pass_ref()
+            if pass_ is None or pass_.over():
+                self.judge(ref, nbytes)
+            elif key in self.suspects:  # let go again meanwhile: one entry, both counts
+                entry = self.suspects[key]
+                self.suspects[key] = (entry[0], entry[1] + nbytes, pass_ref)
+            else:
+                self.suspects[key] = (ref, nbytes, pass_ref)
 
     def judge(self, ref: StorageWeakRef, nbytes: int, /, *, late: bool = False) -> None:
         """One storage let go while still alive, now that the forward holding it is over;

@@ -21,13 +21,14 @@ it and the bytes are reported as ``alive_elsewhere_bytes`` (and flagged by an ac
 unless autograd also saves it): that offload saved nothing.
 
 NOTE [passes, window ids and prefetch]: a pass is one forward's windows; one planner (the
-manager) numbers them densely from 0 in call order. A window opens a new pass when no window of
-the current pass is alive, or when backward has begun on the current pass (pipeline schedules
-run the next micro-batch's forward while earlier graphs are still alive). The pass's state (its
-window list, event log, shared-storage registry) hangs off its windows and goes with them, so
-schedules that always keep some graph alive do not accumulate it. In backward, the first
-unpack from window ``i`` restores it (if no prefetch did) and starts restoring windows
-``i-1 .. i-prefetch`` of the same pass, which backward needs next.
+manager) numbers them densely from 0 in call order, per thread (NOTE [a pass per forward
+thread] in lanes.py). A window opens a new pass when no window of its thread's current pass is
+alive, or when backward has begun on that pass (pipeline schedules run the next micro-batch's
+forward while earlier graphs are still alive). The pass's state (its window list, event log,
+shared-storage registry) hangs off its windows and goes with them, so schedules that always
+keep some graph alive do not accumulate it. In backward, the first unpack from window ``i``
+restores it (if no prefetch did) and starts restoring windows ``i-1 .. i-prefetch`` of the
+same pass, which backward needs next.
 
 Beside it: which storages a window takes (storages.py), the storages let go while still alive
 and the verdicts on them (liveness.py), the objects a window is made of (window.py), the copy
@@ -38,7 +39,9 @@ streams (streams.py), the host pool (pool.py), ``OffloadConfig`` (config.py), an
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -50,6 +53,7 @@ from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged
 
 from .config import OffloadConfig
+from .lanes import Lane, Lanes
 # default_manager: also what a manager pickled before the split names (``offload.manager``).
 from .defaults import default_manager, is_default_for
 from .liveness import Liveness
@@ -106,9 +110,13 @@ class OffloadManager:
         self.pool = HostPool(pin_memory=pin)
         self.engine = CopyEngine(self.device)
         self._pending: list[Copy] = []
-        # The pass new windows join, and the one whose backward ran last (for ``events()``).
-        # Older passes are held only by their windows (NOTE [passes, window ids and prefetch]).
-        self._pass = self._recent = Pass()
+        # Tallies of passes that died unchecked (``Pass.__del__``), for the "offloaded nothing"
+        # warning; appended to without the lock, taken out under it.
+        self._ended: deque[tuple[int, int]] = deque()
+        # Each thread's passes: the one its new windows join, and the one whose backward began
+        # last (for ``events()``). Older passes are held only by their windows (NOTE [passes,
+        # window ids and prefetch]), and a thread's by nothing once it ends (lanes.py).
+        self._lanes = Lanes(self._ended)
         # Reset in place, never replaced: the liveness verdicts and the copies count into it.
         self._counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._reset_counters()
@@ -120,19 +128,20 @@ class OffloadManager:
         self._warned_plain = False
         # Storages let go while still alive: judged when backward begins (liveness.py).
         self._liveness = Liveness(self._counters)
-        self._opened = 0  # windows opened so far, in all passes (NOTE [copies in flight])
         # NOTE [one thread at a time]: threads may share a manager (each its own forward and
         # backward; on CUDA autograd unpacks on a device thread while a forward may pack on
-        # another). A pass holds every thread's windows, so one thread's backward restores
-        # (prefetches) another's windows, and a forward's window lets go of copies that a
-        # backward is restoring. Every entry point (opening a window, each save, each unpack,
-        # offload_into, stats, events) holds this lock: two restores of one copy, each seeing
-        # "not restored yet", copied it back twice (on CUDA the second could read the first's
-        # buffer before its event was set). Re-entrant: a saved-tensor hook or census code run
-        # from inside (reading stats(), say) must not block its own thread. Copy.__del__ never
-        # takes it: the garbage collector may run it on a thread that holds the pool's lock,
-        # which this lock's holder may be waiting for; what it counts waits in a queue that
-        # stats() empties under this lock (NOTE [counted late] in liveness.py).
+        # another). Each thread's forward has passes of its own (NOTE [a pass per forward
+        # thread] in lanes.py), but they share the pool, the counters, the copies in flight
+        # and the storages let go while alive, and two threads may reach one copy (a storage
+        # passed to both, a handle of ``offload_into`` restored twice). Every entry point
+        # (opening a window, each save, each unpack, offload_into, stats, events) holds this
+        # lock: two restores of one copy, each seeing "not restored yet", copied it back twice
+        # (on CUDA the second could read the first's buffer before its event was set).
+        # Re-entrant: a saved-tensor hook or census code run from inside (reading stats(),
+        # say) must not block its own thread. Copy.__del__ never takes it: the garbage
+        # collector may run it on a thread that holds the pool's lock, which this lock's holder
+        # may be waiting for; what it counts waits in a queue that stats() empties under this
+        # lock (NOTE [counted late] in liveness.py; so do passes that die unchecked).
         self._lock = threading.RLock()
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -158,16 +167,18 @@ class OffloadManager:
             return self._stats(reset=reset)
 
     def _stats(self, *, reset: bool) -> dict[str, float]:
-        self._collect_finished()
+        self._collect_finished(None, everyone=True)
         # NOTE [judged once the forward is over]: while a pass's forward may still run (alive,
         # no backward yet) what it let go may be alive for the forward itself (a RoPE table or
         # cu_seqlens every layer gets, the next layer's input): judged now, a stats() read
         # from a hook between layers counted them as alive elsewhere. They wait for its
-        # backward, the next pass, or a stats() after the graph is gone.
-        if self._pass.backward or not self._pass.alive():
-            self._liveness.judge_all()
-        if not self._pass.alive():  # the pass is over
-            self._check_pass_offloaded(self._pass)
+        # backward, the next pass, or a stats() after the graph is gone (judge_all leaves
+        # them; another thread's forward may be the one still running).
+        self._liveness.judge_all()
+        for lane in self._lanes:
+            if not lane.current.alive():  # the pass is over
+                self._check_pass_offloaded(lane.current)
+        self._check_ended()
         self._liveness.count_late()
         out: dict[str, float] = dict(self._counters)
         out["pool_hits"] = self.pool.hits - self._pool_base[0]
@@ -182,23 +193,32 @@ class OffloadManager:
 
     def events(self) -> list[tuple[str, int]]:
         """``("restore" | "prefetch" | "prefetch_hit", window id)`` in order, for the pass whose
-        backward ran last (empty before any backward)."""
+        backward began last among those whose forward ran on the calling thread (wherever the
+        backward ran); empty before any backward, and on a thread that opened no window."""
         with self._lock:
-            return list(self._recent.events)
+            lane = self._lanes.mine_if_any()
+            return list(lane.recent.events) if lane is not None else []
 
     # -- forward -----------------------------------------------------------------------------
-    def _collect_finished(self, *, force_before: int | None = None,
+    def _collect_finished(self, lane: Lane | None, pass_: Pass | None = None, *,
+                          everyone: bool = False, force_before: int | None = None,
                           keep: Sequence[Window] = ()) -> None:
         """Let go of device tensors whose copy to host completed, and of those from windows
         opened before ``force_before``, once the compute stream waits for their copy.
 
+        Only copies of ``lane``'s passes (of ``pass_`` where the lane's thread has ended), and
+        of passes gone (their graph was dropped), unless ``everyone``: another thread's copies
+        are let go by that thread's windows and backward, so that each thread holds and reuses
+        what it would alone (NOTE [a pass per forward thread] in lanes.py). ``force_before``
+        counts the windows of ``lane``.
+
         NOTE [copies in flight]: a host running ahead of the device (the usual case with large
         layers) would otherwise find no copy complete and keep every layer input on the device
         until backward: the peak would not drop. So a window's device tensors are released
-        two windows later at the latest: the stream that was current when the tensor was
-        saved (not the host, and not whatever stream is current now) waits on the copy's
-        event; the freed memory belongs to that stream, so the allocator reuses it only for
-        kernels ordered after the wait. The copy of window ``k`` overlaps window ``k+1``'s
+        two windows (of its thread) later at the latest: the stream that was current when the
+        tensor was saved (not the host, and not whatever stream is current now) waits on the
+        copy's event; the freed memory belongs to that stream, so the allocator reuses it only
+        for kernels ordered after the wait. The copy of window ``k`` overlaps window ``k+1``'s
         compute; window ``k+2`` waits for it. Backward's first restore releases every copy
         still in flight the same way, those of the windows it restores now (``keep``) last:
         it reuses their device bytes (NOTE [reuse at the turn]).
@@ -206,7 +226,7 @@ class OffloadManager:
         kept = {id(copy) for window in keep for copy in window.copies.values()}
         still = []
         for copy in self._pending:
-            if id(copy) in kept:
+            if id(copy) in kept or not (everyone or _belongs(copy, lane, pass_)):
                 still.append(copy)
             elif copy.reused or self.engine.done(copy.d2h_event):
                 # NOTE [reuse at the turn] (window.py): a reused copy's storage is held by its
@@ -223,32 +243,40 @@ class OffloadManager:
 
     def _open(self, tensors: Sequence[torch.Tensor], name: Callable[[int], str] | None,
               resident: Sequence[torch.Tensor] = ()) -> Window:
-        # The window opening now is number ``self._opened``; its predecessor's copy may still
-        # run (it overlaps this window's compute), older ones must be done.
-        self._collect_finished(force_before=self._opened - 1)
-        if self._pass.backward or not self._pass.alive():
+        # The window opening now is the lane's number ``lane.opened``; its predecessor's copy
+        # may still run (it overlaps this window's compute), older ones must be done.
+        lane = self._lanes.mine()
+        self._collect_finished(lane, force_before=lane.opened - 1)
+        if lane.current.over():
             # A new pass: ids restart at 0, the shared-storage registry and event log too.
-            self._check_pass_offloaded(self._pass)
+            self._check_pass_offloaded(lane.turn())
+            self._check_ended()
             self._liveness.judge_all()
-            self._pass = Pass()
         keys = window_keys(tensors, resident, self._plain_storage_key)
         self._counters["windows"] += 1
-        self._opened += 1
-        return Window(self._pass, keys, name, seq=self._opened - 1)
+        lane.opened += 1
+        return Window(lane.current, keys, name, seq=lane.opened - 1)
 
     def _check_pass_offloaded(self, pass_: Pass) -> None:
-        if pass_.offloaded:
+        self._check_offloaded(pass_.offloaded, pass_.largest_small)
+        pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
+
+    def _check_ended(self) -> None:
+        """Check the passes that died before they were checked (``Pass.__del__``)."""
+        while self._ended:
+            self._check_offloaded(*self._ended.popleft())
+
+    def _check_offloaded(self, offloaded: int, largest_small: int) -> None:
+        if offloaded:
             self._ever_offloaded = True
-        elif (pass_.largest_small > 0 and not self._ever_offloaded
-                and not self._warned_nothing):
+        elif largest_small > 0 and not self._ever_offloaded and not self._warned_nothing:
             self._warned_nothing = True
             log.warning(
                 "offload is on, but the last pass offloaded nothing: the window storages on %s "
                 "were below OffloadConfig.min_bytes=%d (the largest had %d bytes); lower "
                 "min_bytes to offload them, or turn offload off (if your batches vary in "
                 "length, longer ones may reach it)", self.device,
-                self.config.min_bytes, pass_.largest_small)
-        pass_.offloaded = pass_.largest_small = 0  # stats() after the next window: no repeat
+                self.config.min_bytes, largest_small)
 
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
         # What stays on the device is still checked for in-place changes when unpacked: NOTE
@@ -392,9 +420,13 @@ class OffloadManager:
         # way backward has moved on to it, so the windows before it are prefetched.
         restore_now = not window.restored
         moved_on = restore_now or window.id in pass_.prefetched
+        # The forward's thread, not this one (NOTE [a pass per forward thread] in lanes.py);
+        # None once that thread ended.
+        lane = pass_.lane()
         if restore_now:
             pass_.backward = True
-            self._recent = pass_
+            if lane is not None:
+                lane.recent = pass_
         elif moved_on:
             pass_.prefetched.discard(window.id)
             pass_.events.append(("prefetch_hit", window.id))
@@ -404,14 +436,14 @@ class OffloadManager:
         # reuses the device bytes still held for it (NOTE [reuse at the turn]). The rest is
         # let go first, before any restore allocates; the reused ones once restored.
         if self._pending:
-            self._collect_finished(force_before=self._opened,
+            self._collect_finished(lane, pass_, force_before=sys.maxsize,
                                    keep=[window, *ahead] if restore_now else ahead)
         if restore_now:
             self._restore_window(window, kind="restore")
         for earlier in ahead:
             self._restore_window(earlier, kind="prefetch")
         if self._pending:
-            self._collect_finished(force_before=self._opened)
+            self._collect_finished(lane, pass_, force_before=sys.maxsize)
         if self._liveness and restore_now:
             self._liveness.judge_all()
         copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
@@ -444,6 +476,15 @@ class OffloadManager:
             if not earlier.restored:
                 targets.append(earlier)
         return targets
+
+
+def _belongs(copy: Copy, lane: Lane | None, pass_: Pass | None) -> bool:
+    """Whether ``_collect_finished(lane, pass_)`` lets go of ``copy``: a copy of one of
+    ``lane``'s passes, of ``pass_`` (where the lane is gone), or of a pass gone itself."""
+    owner = copy.pass_ref()
+    if owner is None or owner is pass_:
+        return True
+    return lane is not None and owner.lane() is lane
 
 
 def _new_manager(config: OffloadConfig, device: str) -> OffloadManager:

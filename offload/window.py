@@ -5,15 +5,18 @@ creates them and moves them between forward and backward.
 NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds. A copy lives
 while a handle to it does; when the last handle goes (after the node's backward, or when a
 graph is dropped without backward, or an exception unwinds it) the host buffer returns to the
-pool. The manager holds windows and shared copies weakly; strongly only its pool, counters,
-two passes (the one new windows join, the one whose backward ran last), and the copies whose
-device-to-host copy it has not yet released (``_pending``: at most the last two windows' after
-a window opens, none after backward's first restore; see NOTE [copies in flight]).
+pool. The manager holds windows, passes and shared copies weakly; strongly only its pool,
+counters, and the copies whose device-to-host copy it has not yet released (``_pending``: at
+most the last two windows' of each thread after a window opens, none of a pass's thread after
+its backward's first restore; see NOTE [copies in flight]). Each thread that opened a window
+holds two passes of its own (the one its new windows join, the one whose backward began last),
+dropped when the thread ends (NOTE [a pass per forward thread] in lanes.py).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +29,7 @@ from pytree_ckpt.changed_in_place import CHANGED_AFTER_CALL_TIP
 from pytree_ckpt.subclass import SubclassKind, as_kind, kind_of
 
 if TYPE_CHECKING:  # the manager builds these objects; they only read and count into it
+    from .lanes import Lane
     from .manager import OffloadManager
 
 __all__ = ["Copy", "Handle", "HostHolder", "Pass", "Window"]
@@ -34,7 +38,7 @@ __all__ = ["Copy", "Handle", "HostHolder", "Pass", "Window"]
 class Copy:
     """One window storage copied to host; shared by every handle on that storage."""
 
-    __slots__ = ("manager", "seq", "stream", "host", "nbytes", "device", "version",
+    __slots__ = ("manager", "pass_ref", "seq", "stream", "host", "nbytes", "device", "version",
                  "storage_ref", "data_ptr", "device_bytes", "alias", "d2h_event", "restored",
                  "reused", "restored_on", "h2d_event", "host_holder", "__weakref__")
 
@@ -47,6 +51,9 @@ class Copy:
             del storage.__dict__[DISCARDED_MARK]
         self.manager = manager
         # Not the window: a copy still in flight must not keep its window (and pass) alive.
+        # Its pass, weakly: whose copies a window or a backward lets go of (NOTE [copies in
+        # flight]), and when a storage let go while alive is judged (liveness.py).
+        self.pass_ref = window.pass_.ref
         self.seq = window.seq
         # The stream current when the tensor is saved: the one that must wait before its
         # memory is let go (NOTE [copies in flight]); None without streams.
@@ -110,7 +117,7 @@ class Copy:
             if getattr(storage, DISCARDED_MARK, False):  # NOTE [discarded storages are marked]
                 self.manager._liveness.copied_and_discarded(self.nbytes)
         elif not self.reused and not self.storage_ref.expired():
-            self.manager._liveness.suspect(self.storage_ref, self.nbytes)
+            self.manager._liveness.suspect(self.storage_ref, self.nbytes, self.pass_ref)
 
     def restore(self) -> None:
         if self.restored is not None:
@@ -244,12 +251,19 @@ class Handle:
 
 
 class Pass:
-    """One forward's windows, numbered from 0, and what backward did with them."""
+    """One forward's windows, numbered from 0, and what backward did with them.
 
-    __slots__ = ("windows", "next_id", "events", "prefetched", "shared", "backward",
-                 "offloaded", "largest_small", "__weakref__")
+    ``lane``: the thread whose forward opens its windows (NOTE [a pass per forward thread] in
+    lanes.py), held weakly; ``ended``: where the pass leaves its tallies if it dies before the
+    manager checked them (``__del__``)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("lane", "ref", "ended", "windows", "next_id", "events", "prefetched", "shared",
+                 "backward", "offloaded", "largest_small", "__weakref__")
+
+    def __init__(self, lane: Lane, ended: deque[tuple[int, int]], /) -> None:
+        self.lane = weakref.ref(lane)
+        self.ref = weakref.ref(self)  # one object for every copy of the pass (a stable key)
+        self.ended = ended
         # Weak, by id: a dead window's entry goes at once, so a pass that never reaches
         # backward (grad-enabled evaluation holding its last output) stays small.
         self.windows: weakref.WeakValueDictionary[int, Window] = weakref.WeakValueDictionary()
@@ -267,6 +281,18 @@ class Pass:
 
     def alive(self) -> bool:
         return len(self.windows) > 0
+
+    def over(self) -> bool:
+        """Its forward is over: its backward began, or no window of it is alive."""
+        return self.backward or not self.alive()
+
+    def __del__(self) -> None:
+        # A pass the manager did not check before it died (its thread ended, the graph went):
+        # its tallies wait for the manager's next check, for the "offloaded nothing" warning.
+        # One append (atomic): the garbage collector may run this on any thread, holding any
+        # lock (NOTE [counted late] in liveness.py).
+        if getattr(self, "offloaded", 0) or getattr(self, "largest_small", 0):
+            self.ended.append((self.offloaded, self.largest_small))
 
 
 class Window:

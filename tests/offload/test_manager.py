@@ -402,7 +402,8 @@ def test_forwards_that_never_reach_backward_keep_only_their_live_windows() -> No
     out = stack(layers, torch.randn(4, 32, requires_grad=True))
     for _ in range(50):
         out = stack(layers, torch.randn(4, 32, requires_grad=True))
-    assert len(m._pass.windows) == 4 and m._pass.next_id == 51 * 4
+    current = m._lanes.mine().current
+    assert len(current.windows) == 4 and current.next_id == 51 * 4
     del out
     assert m.stats()["host_buffers_in_use"] == 0
     stack(layers, torch.randn(4, 32, requires_grad=True)).sum().backward()

@@ -1,13 +1,25 @@
-"""One manager shared by threads: each forward and backward of its own, with the manager's state
-(passes, copies in flight, restores, counters) changed by one thread at a time."""
+"""One manager shared by threads: each forward and backward of its own, each thread's windows in
+passes of its own (numbered, prefetched, logged and let go of as with a manager of its own), and
+the shared state (copies in flight, restores, counters) changed by one thread at a time."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
+import logging
 import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
+from torch import nn
 
+import pytree_ckpt
+from offload import OffloadManager
 from tests.offload.blocks import manager
 
 
@@ -52,3 +64,227 @@ def test_two_threads_restoring_one_copy_copy_it_back_once() -> None:
     assert torch.equal(restored["first"], x) and torch.equal(restored["second"], x)
     stats = m.stats()
     assert stats["restored_bytes"] == stats["offloaded_bytes"] == x.untyped_storage().nbytes()
+
+
+class TableLayer(nn.Module):
+    """A residual layer that also gets a table made per forward (a RoPE table, cu_seqlens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.proj(h)) * table
+
+
+class Turns:
+    """Steps of several threads in a fixed order: ``with turns(name):`` waits for that name's
+    turn, and hands the turn on when the block ends (also when it raises)."""
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+        self.at = 0
+        self.cond = threading.Condition()
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        with self.cond:
+            assert self.cond.wait_for(
+                lambda: self.at < len(self.order) and self.order[self.at] == name, 10), (
+                f"{name} never got its turn {self.at} of {self.order}")
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.at += 1
+                self.cond.notify_all()
+
+
+def run_threads(targets: dict[str, Callable[[], None]]) -> None:
+    """Run each target on a thread of its name; re-raise the first failure here."""
+    failures: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as error:  # handed to the main thread, which raises it
+                failures.append(error)
+        return run
+
+    threads = [threading.Thread(target=guarded(target), name=name)
+               for name, target in targets.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive(), f"{thread.name} hung"
+    if failures:
+        raise failures[0]
+
+
+class Model:
+    """Three ``TableLayer``s checkpointed with offload through a manager, and their eager twin."""
+
+    def __init__(self, m: OffloadManager, rows: int, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(TableLayer() for _ in range(3))
+        self.eager = copy.deepcopy(self.layers)
+        pytree_ckpt.checkpoint_layers(self.layers, offload=m)
+        self.m = m
+        self.x = torch.randn(rows, 32, requires_grad=True)
+        self.table = torch.randn(32)
+        self.events: list[list[tuple[str, int]]] = []
+
+    def step(self, turn: Callable[[], Any], then: Callable[[], Any] = lambda: None) -> None:
+        """One forward (a turn per layer) and backward (one more turn, which ends with
+        ``then()``), checked against the eager twin's gradients."""
+        table = self.table.clone()  # made per forward: only the forward holds it
+        h = self.x
+        for layer in self.layers:
+            with turn():
+                h = layer(h, table)
+        del table  # the forward is over
+        with turn():
+            h.sum().backward()
+            self.events.append(self.m.events())
+            then()
+        got = [p.grad for p in self.layers.parameters()] + [self.x.grad]
+        self.layers.zero_grad(set_to_none=True)
+        self.x.grad = None
+        h = self.x
+        for layer in self.eager:
+            h = layer(h, self.table)
+        h.sum().backward()
+        expected = [p.grad for p in self.eager.parameters()] + [self.x.grad]
+        self.eager.zero_grad(set_to_none=True)
+        self.x.grad = None
+        assert all(g is not None and torch.equal(g, e) for g, e in zip(got, expected))
+
+
+_COUNTED = ("offloaded_bytes", "restored_bytes", "reused_bytes", "prefetch_hits",
+            "alive_elsewhere_bytes", "discarded_bytes", "below_min_bytes", "other_device_bytes",
+            "windows")
+
+# Each thread's own backward, alone: its last window reused, each earlier one prefetched.
+_OWN = [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1), ("prefetch", 0),
+        ("prefetch_hit", 0)]
+
+
+def test_threads_sharing_a_manager_prefetch_only_their_own_windows() -> None:
+    # Two threads (two models) share one manager, with their forwards interleaved layer by
+    # layer; "a" runs its backward while "b" is between its second and third layer. All
+    # windows joined one pass: a's backward restored windows 4, 2 and 0 and prefetched b's
+    # windows 3 and 1 (holding b's device memory from then on), and judged b's table, which
+    # b's forward was still using, as kept by something else. Each forward now has a pass of
+    # its own: each backward restores and prefetches exactly its own windows, the counters of
+    # both add up to those of each alone, and after the first step the pool does not grow.
+    m = manager(prefetch=1)
+    models = {"a": Model(m, rows=8, seed=0), "b": Model(m, rows=6, seed=1)}
+    steps = 3
+    turns = Turns(["a", "b", "a", "b", "a", "a", "b", "b"] * steps)
+    first_step: dict[str, float] = {}
+
+    def run(name: str) -> None:
+        for step in range(steps):
+            # b's backward ends each step: the first step's counters are read there, in its
+            # turn (a stats() while a's next forward runs would let go of a's windows early).
+            then = (lambda: first_step.update(m.stats(reset=True))) if (
+                name, step) == ("b", 0) else (lambda: None)
+            models[name].step(lambda: turns(name), then)
+
+    run_threads({name: lambda name=name: run(name) for name in models})
+    for model in models.values():
+        assert model.events == [_OWN] * steps
+    later_steps = m.stats()
+    assert later_steps["pool_misses"] == 0 and later_steps["host_buffers_in_use"] == 0
+
+    alone = {key: 0 for key in _COUNTED}
+    for name, model in models.items():
+        solo = manager(prefetch=1)
+        twin = Model(solo, rows=model.x.shape[0], seed=0 if name == "a" else 1)
+        twin.step(contextlib.nullcontext)
+        assert twin.events == [_OWN]
+        for key, value in solo.stats().items():
+            if key in alone:
+                alone[key] += value
+    # Alone, only the inputs the models keep are alive elsewhere (not the tables), and each
+    # backward reuses its last window.
+    inputs = sum(model.x.untyped_storage().nbytes() for model in models.values())
+    assert alone["alive_elsewhere_bytes"] == inputs and alone["reused_bytes"] == inputs
+    assert {key: first_step[key] for key in _COUNTED} == alone
+    assert {key: later_steps[key] for key in _COUNTED} == {
+        key: (steps - 1) * value for key, value in alone.items()}
+
+
+def test_a_thread_that_ends_leaves_no_pass_held_by_the_manager() -> None:
+    # The manager held the pass new windows join and the one whose backward ran last: a thread
+    # that ran a forward and ended left its pass (window list, event log) to the manager until
+    # another forward came. Each thread's passes are now held for that thread only.
+    m = manager()
+    passes: list[weakref.ref[Any]] = []
+    nbytes = 8 * 32 * 4
+
+    def forward_and_backward() -> None:
+        x = torch.randn(8, 32, requires_grad=True)
+        with m.window([x]) as window:
+            loss = (x * x).sum()
+        passes.append(weakref.ref(window.pass_))
+        loss.backward()
+        assert m.events() == [("restore", 0)]
+
+    run_threads({"worker": forward_and_backward})
+    gc.collect()
+    assert passes[0]() is None
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == nbytes
+
+
+def test_a_backward_on_another_thread_counts_for_the_thread_that_ran_its_forward() -> None:
+    # As on CUDA, where autograd unpacks on its device threads: the unpack finds its pass
+    # through the handle, and events() of the forward's thread shows that backward; a thread
+    # that ran no forward on the manager has no pass, and no events.
+    m = manager(prefetch=1)
+    model = Model(m, rows=4, seed=2)
+    forward_done, backward_done = threading.Event(), threading.Event()
+    out: list[torch.Tensor] = []
+    seen: list[list[tuple[str, int]]] = []
+
+    def forward() -> None:
+        h = model.x
+        for layer in model.layers:
+            h = layer(h, model.table)
+        out.append(h)
+        forward_done.set()
+        assert backward_done.wait(10)
+        seen.append(m.events())
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    assert forward_done.wait(10)
+    out.pop().sum().backward()
+    backward_done.set()
+    worker.join(10)
+    assert seen == [_OWN] and m.events() == []
+
+
+def test_a_pass_that_offloaded_nothing_on_a_thread_that_ended_is_still_warned_of(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: the "offloaded nothing" check looking only at live threads' passes. A
+    # worker's pass (replicas run by a thread each) dies with its graph once the thread has
+    # ended, before any stats(): it leaves its tallies behind for the check.
+    m = manager(min_bytes=1 << 20)
+    rows = 8
+
+    def forward_and_backward() -> None:
+        x = torch.randn(rows, 32, requires_grad=True)
+        with m.window([x]):
+            loss = (x * x).sum()
+        loss.backward()
+
+    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+        run_threads({"worker": forward_and_backward})
+        gc.collect()
+        assert m.stats()["below_min_bytes"] == rows * 32 * 4
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    assert len(warnings) == 1 and f"the largest had {rows * 32 * 4} bytes" in warnings[0]
