@@ -177,7 +177,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 else:
                     with ExitStack() as stack:
                         if call.options.keep is not None:
-                            stack.enter_context(KeepMode(call.options.keep, invocation))
+                            stack.enter_context(KeepMode(call.options.keep, invocation,
+                                                         layer=call.fn))
                         if call.hooked:
                             recorded = stack.enter_context(recording())
                             flow = stack.enter_context(GradFlow())

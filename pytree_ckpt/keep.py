@@ -25,7 +25,9 @@ still records the op's node with the replay's inputs, and gradients flow. Rules:
    ``CheckpointError`` naming the op;
 4. ops run by ``reuse_during_recompute`` are not kept: the replay never runs them;
 5. a kept op that the replay calls with other non-tensor arguments than the original pass is
-   recomputed, with one warning per op (NOTE [kept ops called otherwise in the replay]).
+   recomputed, with one warning per op (NOTE [kept ops called otherwise in the replay] in
+   kept_calls.py); one it calls on tensors of other shapes or dtypes is refused (NOTE [kept ops
+   called on other tensors in the replay]).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .census import Mechanism, census_active, report_held
-from .eager import user_stacklevel
 from .errors import CheckpointError
+from .kept_calls import call_arguments, for_backward, replay_may_take
 from .phase import Invocation, Phase
 from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
 
@@ -230,103 +232,6 @@ def _storage_id(tensor: torch.Tensor) -> int | None:
         return None
 
 
-# NOTE [kept ops called otherwise in the replay]: a record is matched to the replay's call by
-# op and order; its arguments are the caller's. Callers that choose an argument by grad mode
-# make the no-grad original pass and the replay call one op two ways: on CUDA,
-# scaled_dot_product_attention asks the efficient and cuDNN kernels for the log-sum-exp that
-# their backward needs only when grad is on, so a kept record would hand the replay an empty
-# one (backward then fails, or reads garbage). So:
-# - an argument named in _FOR_BACKWARD is set in the original pass as the replay will set it,
-#   which is also what an eager training step passes (the record holds what backward needs,
-#   as torch's selective checkpoint's does, whose forward runs with grad);
-# - each record keeps the call's non-tensor arguments; a replay calling the op with others
-#   does not use it: the op runs again there, as an op no unit keeps (right numbers, its
-#   memory not saved), and a warning names the op and the argument, once per op.
-_FOR_BACKWARD = frozenset({"compute_log_sumexp"})
-_TENSOR = object()  # stands for a tensor argument in a call's arguments
-_NAN = object()  # stands for a NaN argument
-
-
-def _for_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args`` and ``kwargs`` with ``func``'s _FOR_BACKWARD flag (if any) set."""
-    at = _schema_of(func)[2]
-    if at is None:
-        return args, kwargs
-    index, name = at
-    if index < len(args):
-        if args[index] is False:
-            args = (*args[:index], True, *args[index + 1:])
-    elif kwargs.get(name, False) is False:
-        kwargs = {**kwargs, name: True}
-    return args, kwargs
-
-
-_NO_DEFAULT = object()
-# Per op: its arguments' names and defaults, and where its _FOR_BACKWARD flag is (static
-# metadata, not step state).
-_SCHEMAS: dict[Any, tuple[tuple[str, ...], tuple[Any, ...], tuple[int, str] | None]] = {}
-
-
-def _schema_of(func: Any) -> tuple[tuple[str, ...], tuple[Any, ...], tuple[int, str] | None]:
-    known = _SCHEMAS.get(func)
-    if known is None:
-        arguments = func._schema.arguments
-        names = tuple(a.name for a in arguments)
-        known = _SCHEMAS[func] = (
-            names,
-            tuple(a.default_value if a.has_default_value() else _NO_DEFAULT for a in arguments),
-            next(((i, n) for i, n in enumerate(names) if n in _FOR_BACKWARD), None))
-    return known
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _TENSOR
-    if isinstance(value, (list, tuple)):
-        return tuple(_plain(v) for v in value)
-    # NaN (masked_fill(mask, nan)) is equal to itself as an argument
-    if isinstance(value, (float, complex)) and value != value:
-        return _NAN
-    return value
-
-
-def _call_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                    ) -> tuple[Any, ...]:
-    """The non-tensor arguments of a call by the op's schema, positional or keyword, defaults
-    filled in (torch's Python dispatch drops a trailing argument equal to its default);
-    tensors stand as one marker."""
-    names, defaults, _ = _schema_of(func)
-    return tuple(_plain(args[i] if i < len(args) else kwargs.get(name, defaults[i]))
-                 for i, name in enumerate(names))
-
-
-def _first_other(func: Any, recorded: tuple[Any, ...], now: tuple[Any, ...]) -> str:
-    """The first argument of ``func`` whose value differs, as 'name: recorded -> now'."""
-    for name, old, new in zip(_schema_of(func)[0], recorded, now):
-        if old != new:
-            return f"{name}: {old!r} -> {new!r}"
-    return "?"
-
-
-# Ops warned about as called otherwise in the replay (a warning's dedupe, not step state).
-_WARNED_OTHERWISE: set[str] = set()
-
-
-def _warn_called_otherwise(func: Any, difference: str) -> None:
-    name = str(func)
-    if name in _WARNED_OTHERWISE:
-        return
-    _WARNED_OTHERWISE.add(name)
-    warnings.warn(
-        f"pytree_ckpt: the replay called {name}, which a save unit keeps, with another argument "
-        f"than the original pass did ({difference}): its record was not used, and the op ran "
-        "again in the replay (right numbers, its memory not saved). The original pass runs "
-        "under torch.no_grad(): code choosing an argument by grad mode calls the op otherwise "
-        "there. Tip: keep another op (the kernel that code calls in both passes), or drop the "
-        "op from the unit", stacklevel=user_stacklevel())
-
-
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors ``func`` writes to (its schema's mutable arguments)."""
     written: list[torch.Tensor] = []
@@ -348,10 +253,11 @@ class KeepMode(TorchDispatchMode):
     its own replay). Modes stack, so each sees the op once.
     """
 
-    def __init__(self, policy: KeepPolicy, invocation: Invocation, /) -> None:
+    def __init__(self, policy: KeepPolicy, invocation: Invocation, /, *, layer: Any) -> None:
         super().__init__()
         self.policy = policy
         self.invocation = invocation
+        self.layer = layer  # the boundary's fn, named when the replay is refused
         # Original pass: the storages of kept outputs -> every (op, position in the frame) kept
         # on it, so that a later in-place change can take the records back (rule 3).
         # NOTE [kept outputs share storages]: several records may hold one storage without
@@ -387,7 +293,7 @@ class KeepMode(TorchDispatchMode):
             generators_before: GeneratorStates = \
                 tuple((g, g.get_state()) for g in frame.generators) \
                 if devices is not None and frame.generators else ()
-            args, kwargs = _for_backward(func, args, kwargs)
+            args, kwargs = for_backward(func, args, kwargs)
             out = func(*args, **kwargs)
             rng_after = None
             generators_after: GeneratorStates = ()
@@ -407,7 +313,7 @@ class KeepMode(TorchDispatchMode):
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
             frame.record(func, (kept, [t._version for t in _tensors(kept)], holder,
-                                _call_arguments(func, args, kwargs)), rng_after=rng_after,
+                                call_arguments(func, args, kwargs)), rng_after=rng_after,
                          generators_after=generators_after)
             position = len(frame.results[func]) - 1
             for tensor in _tensors(kept):
@@ -419,12 +325,14 @@ class KeepMode(TorchDispatchMode):
             return out
         upcoming = frame.upcoming(func)
         if upcoming is not None and upcoming[1] is not RECOMPUTE:
-            # NOTE [kept ops called otherwise in the replay]
-            recorded = upcoming[1][3]
-            now = _call_arguments(func, *_for_backward(func, args, kwargs))
-            if now != recorded:
-                _warn_called_otherwise(func, _first_other(func, recorded, now))
-                frame.unkeep(func, upcoming[0])
+            # NOTE [kept ops called otherwise in the replay], NOTE [kept ops called on other
+            # tensors in the replay] (kept_calls.py)
+            position = upcoming[0]
+            if not replay_may_take(func, upcoming[1][3],
+                                   call_arguments(func, *for_backward(func, args, kwargs)),
+                                   position=position, count=len(frame.results[func]),
+                                   layer=self.layer):
+                frame.unkeep(func, position)
         record = frame.take(func)
         if record is RECOMPUTE:  # changed in place later in the original pass (rule 3), or
             return func(*args, **kwargs)  # called otherwise (rule 5)

@@ -19,6 +19,7 @@ from torch import nn
 from .eager import KEPT_CALLABLE_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
 from .keep import IN_KEPT_CALLABLE
+from .kept_calls import KEPT_METHOD
 
 __all__ = ["KeptCallables", "kept_methods", "near_misses"]
 
@@ -113,6 +114,7 @@ class _KeptMethod:
                 tip=f"call {self.name} through the module (module.{self.name}(...)), not a "
                     "method taken from it")
         token = IN_KEPT_CALLABLE.set(IN_KEPT_CALLABLE.get() | {self.kept_as})
+        running = KEPT_METHOD.set(self)  # named if the replay is refused inside (kept_calls.py)
         try:
             if self.inner is not None:
                 return self.inner(*args, **kwargs)
@@ -120,6 +122,7 @@ class _KeptMethod:
                 return getattr(type(module), self.name)(module, *args, **kwargs)
             return getattr(type(module), self.name)(*args, **kwargs)
         finally:
+            KEPT_METHOD.reset(running)
             IN_KEPT_CALLABLE.reset(token)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _KeptMethod:

@@ -197,7 +197,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                         stack.enter_context(_attributes_set(call.owner, call.attributes,
                                                             aliases[call.n_inputs:]))
                     if call.options.keep is not None:
-                        stack.enter_context(KeepMode(call.options.keep, invocation))
+                        stack.enter_context(KeepMode(call.options.keep, invocation,
+                                                     layer=call.fn))
                     if call.hooked_outputs is not None:
                         recorded = stack.enter_context(recording())
                     output = call.fn(*args, **kwargs)
