@@ -69,12 +69,14 @@ class _CheckpointedForward:
     and told anew.
     """
 
-    __slots__ = ("module_ref", "bare", "options", "check_wrapper", "told")
+    __slots__ = ("module_ref", "bare", "options", "check_wrapper", "told", "__weakref__")
 
     def __init__(self, module: nn.Module, bare: Any, options: BoundaryOptions) -> None:
         self.module_ref = weakref.ref(module)
         self.bare = bare  # an instance-level forward that was there before, else None
         self.options = options
+        if options.keep is not None and options.keep.callables:
+            _KEEPING_METHODS.add(self)  # NOTE [kept methods of shared submodules]
         # Look for torch.compile(layer) around the module: at the next call (None), at calls
         # made while such a wrapper's call runs (True), or never (False: its body is compiled).
         self.check_wrapper: bool | None = None
@@ -163,6 +165,32 @@ def _restore_forward(module: nn.Module, method: str | None,
                      options: BoundaryOptions) -> _CheckpointedForward:
     bare = None if method is None else types.MethodType(getattr(type(module), method), module)
     return _CheckpointedForward(module, bare, options)
+
+
+# NOTE [kept methods of shared submodules]: one submodule may sit inside several checkpointed
+# layers (shared MTP weights, a shared gate), and its kept method is wrapped once for all of
+# them. Removing checkpointing from one layer must leave the wrapper while another layer still
+# checkpointed keeps that method (its replay would silently recompute it, its memory no longer
+# kept), and put back exactly what the module had once the last one goes. Which layers keep
+# it is asked when a layer is removed, of the boundaries alive whose policy keeps methods
+# (copies, deep or pickled, register their own): nothing to carry along when a model is copied.
+_KEEPING_METHODS: weakref.WeakSet[_CheckpointedForward] = weakref.WeakSet()
+
+
+def _kept_elsewhere(module: nn.Module, /) -> set[tuple[int, str]]:
+    """(id of a submodule, method name) for each method that a layer other than ``module``,
+    still checkpointed, keeps (NOTE [kept methods of shared submodules])."""
+    kept: set[tuple[int, str]] = set()
+    for forward in list(_KEEPING_METHODS):
+        layer = forward.module_ref()
+        if layer is None or layer is module or _installed(layer) is not forward:
+            continue
+        assert forward.options.keep is not None  # registered with a policy
+        callables = forward.options.keep.callables
+        kept.update((id(sub), name) for sub in _own_submodules(layer)
+                    for name, held in sub.__dict__.items()
+                    if getattr(held, "_pytree_ckpt_kept", False) and held.kept_as in callables)
+    return kept
 
 
 def _installed(module: nn.Module) -> _CheckpointedForward | None:
@@ -339,9 +367,14 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     module.__dict__.pop(_INSTALLED, None)
     if installed is None:
         return module  # never wrapped (or its forward replaced since): nothing to undo
+    elsewhere: set[tuple[int, str]] | None = None
     for sub in _own_submodules(module):  # methods its save units wrapped (KeptCallables)
         for name, kept in [(n, v) for n, v in sub.__dict__.items()
                            if getattr(v, "_pytree_ckpt_kept", False)]:
+            if elsewhere is None:
+                elsewhere = _kept_elsewhere(module)
+            if (id(sub), name) in elsewhere:
+                continue  # NOTE [kept methods of shared submodules]
             # NOTE [kept methods wrap what the instance had] (kept_callables.py)
             if kept.inner is None:
                 del sub.__dict__[name]

@@ -218,3 +218,58 @@ def test_a_lower_ratio_over_layers_checkpointed_by_a_higher_one_is_refused() -> 
         remove_activation_checkpointing(layer)
     assert apply_recompute_config(layers, RecomputeConfig(0.5), {}) == [0, 1]
     assert [pytree_ckpt.is_checkpointed(layer) for layer in layers] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["class method", "instance patch"])
+@pytest.mark.parametrize("first", [0, 1], ids=["first removed first", "second removed first"])
+def test_a_kept_method_of_a_submodule_two_layers_share_stays_kept_until_both_are_removed(
+        first: int, patched: bool) -> None:
+    # One router instance inside two layers (shared MTP weights, a shared gate). Removing
+    # checkpointing from one layer unwrapped the router's kept method: the other layer, still
+    # checkpointed with the unit, silently recomputed the projection in its replay.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(2))
+    eager[1].router = eager[0].router
+    ours = copy.deepcopy(eager)  # shares its router too
+    router = ours[0].router
+    assert ours[1].router is router
+    if patched:  # after the copy: a lambda copies as itself
+        _halved(eager[0].router)
+        _halved(router)
+    before = dict(router.__dict__)
+    _apply(ours, "Router.project")
+    remove_activation_checkpointing(ours[first])
+    x = torch.randn(3, 8)
+    expected_loss, expected = _step(eager, x)
+    counter = OpCounter()
+    loss, got = _step(ours, x, counter)
+    assert torch.equal(expected_loss, loss)
+    assert_same_grads(expected, got)
+    # one replay (the layer still checkpointed): its mix Linear's addmm; the projection is kept
+    assert counter.counts["recompute", "aten.addmm"] == 1
+    remove_activation_checkpointing(ours[1 - first])
+    # the last layer keeping it removed: the router's attributes are what they were before
+    assert router.__dict__.keys() == before.keys()
+    assert all(router.__dict__[name] is value for name, value in before.items())
+    assert ("project" in router.__dict__) == patched  # else the class's method, as before
+    assert torch.equal(_step(ours, x)[0], expected_loss)
+
+
+def test_a_kept_method_of_a_shared_submodule_stays_kept_when_the_layers_were_applied_apart() -> None:
+    # The same, with each layer given the config by its own apply (a model and its MTP head).
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(2))
+    eager[1].router = eager[0].router
+    ours = copy.deepcopy(eager)
+    _apply(ours[:1], "Router.project")
+    _apply(ours[1:], "Router.project")
+    remove_activation_checkpointing(ours[0])
+    x = torch.randn(3, 8)
+    expected_loss, expected = _step(eager, x)
+    counter = OpCounter()
+    loss, got = _step(ours, x, counter)
+    assert torch.equal(expected_loss, loss)
+    assert_same_grads(expected, got)
+    assert counter.counts["recompute", "aten.addmm"] == 1
+    remove_activation_checkpointing(ours[1])
+    assert "project" not in ours[0].router.__dict__
