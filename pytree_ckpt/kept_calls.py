@@ -174,7 +174,10 @@ def _raise_other_tensors(func: Any, found: tuple[str, Any, Any], *, position: in
             "reads (a Python attribute, a global, a config value) changed between forward "
             "and backward, so the replay built other tensors: change it only after backward, "
             "or pass it to the layer as an argument; if that code must differ, keep it out of "
-            "the unit (drop the op from KeptOps, or keep a smaller method)")
+            "the unit (drop the op from KeptOps, or keep a smaller method). If nothing changed, "
+            "torch may have dispatched the kept ops otherwise in the replay (torch.matmul picks "
+            "aten::mm or aten::bmm by whether an operand requires grad: docs/save_units.md, "
+            "rule 1)")
 
 
 # Ops warned about as called otherwise in the replay (a warning's dedupe, not step state).

@@ -126,3 +126,28 @@ def test_a_kept_method_the_replay_runs_on_other_shapes_is_refused_naming_the_met
     wrapped.gate.width = 8
     wrapped.zero_grad(set_to_none=True)
     assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+
+
+class MixedThenProjected(nn.Module):
+    """A weight-normed Linear over a transposed 3-D input (torch.matmul dispatches aten::bmm in
+    the no-grad original pass, aten::mm in the replay: NOTE [kept ops dispatched differently]
+    in frames.py), then an mm of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16, bias=False))
+        self.out = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.tanh(self.tok(x.transpose(1, 2))).transpose(1, 2)
+        return torch.mm(y.flatten(0, 1), self.out)
+
+
+def test_a_kept_op_torch_dispatches_otherwise_in_the_replay_is_refused_naming_that_cause_too() -> None:
+    # Nothing changed between the passes: the replay's first aten::mm is the weight-normed
+    # product, which the original pass ran as aten::bmm, and meets the record of the last mm.
+    _, wrapped = _twins(MixedThenProjected(), {SaveUnit.ATTN: KeptOps("aten::mm")})
+    loss = wrapped(torch.randn(2, 16, 16, requires_grad=True)).sum()
+    with pytest.raises(ReplayMismatchError, match=r"(?s)aten\.mm\.default.*call #1 of 1.*"
+                                                  r"torch\.matmul picks aten::mm or aten::bmm"):
+        loss.backward()
