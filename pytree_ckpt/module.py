@@ -168,8 +168,8 @@ def _restore_forward(module: nn.Module, method: str | None,
 
 
 # NOTE [kept methods of shared submodules]: one submodule may sit inside several checkpointed
-# layers (shared MTP weights, a shared gate), and its kept method is wrapped once for all of
-# them. Removing checkpointing from one layer must leave the wrapper while another layer still
+# layers (shared MTP weights, a shared gate; a layer and a submodule of it checkpointed on its
+# own), and its kept method is wrapped once for all of them. Removing checkpointing from one layer must leave the wrapper while another layer still
 # checkpointed keeps that method (its replay would silently recompute it, its memory no longer
 # kept), and put back exactly what the module had once the last one goes. Which layers keep
 # it is asked when a layer is removed, of the boundaries alive whose policy keeps methods
@@ -179,7 +179,8 @@ _KEEPING_METHODS: weakref.WeakSet[_CheckpointedForward] = weakref.WeakSet()
 
 def _kept_elsewhere(module: nn.Module, /) -> set[tuple[int, str]]:
     """(id of a submodule, method name) for each method that a layer other than ``module``,
-    still checkpointed, keeps (NOTE [kept methods of shared submodules])."""
+    still checkpointed, keeps (NOTE [kept methods of shared submodules]): in any of its
+    submodules, as ``apply_recompute_config`` matched them (a nested boundary's included)."""
     kept: set[tuple[int, str]] = set()
     for forward in list(_KEEPING_METHODS):
         layer = forward.module_ref()
@@ -187,7 +188,7 @@ def _kept_elsewhere(module: nn.Module, /) -> set[tuple[int, str]]:
             continue
         assert forward.options.keep is not None  # registered with a policy
         callables = forward.options.keep.callables
-        kept.update((id(sub), name) for sub in _own_submodules(layer)
+        kept.update((id(sub), name) for sub in layer.modules()
                     for name, held in sub.__dict__.items()
                     if getattr(held, "_pytree_ckpt_kept", False) and held.kept_as in callables)
     return kept
@@ -360,7 +361,8 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     A no-op on an unwrapped module (and on one whose ``forward`` was assigned over the
     boundary since: that forward stays; a ``torch.compile`` wrapper of the boundary goes with
     it, NOTE [compiled over the boundary] in compiled_layers.py); methods wrapped by its save
-    units are restored too, those of layers wrapped on their own are left to them.
+    units are restored too, but for those another layer still checkpointed keeps (NOTE [kept
+    methods of shared submodules]).
     """
     drop_caches(module)
     installed = _installed(module)
@@ -368,18 +370,22 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     if installed is None:
         return module  # never wrapped (or its forward replaced since): nothing to undo
     elsewhere: set[tuple[int, str]] | None = None
-    for sub in _own_submodules(module):  # methods its save units wrapped (KeptCallables)
+    # Methods its save units wrapped (KeptCallables), in submodules behind a boundary of their
+    # own too: its units keep those as well (in its replay, their original pass is taken from
+    # its records). NOTE [kept methods of shared submodules]: not those another layer keeps.
+    for sub in module.modules():
         for name, kept in [(n, v) for n, v in sub.__dict__.items()
                            if getattr(v, "_pytree_ckpt_kept", False)]:
             if elsewhere is None:
                 elsewhere = _kept_elsewhere(module)
             if (id(sub), name) in elsewhere:
-                continue  # NOTE [kept methods of shared submodules]
+                continue
             # NOTE [kept methods wrap what the instance had] (kept_callables.py)
             if kept.inner is None:
                 del sub.__dict__[name]
             else:
                 sub.__dict__[name] = kept.inner
+    for sub in _own_submodules(module):
         remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
     bare = installed.bare
     # NOTE [compiled over the boundary] in compiled_layers.py

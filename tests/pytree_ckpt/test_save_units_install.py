@@ -273,3 +273,54 @@ def test_a_kept_method_of_a_shared_submodule_stays_kept_when_the_layers_were_app
     assert counter.counts["recompute", "aten.addmm"] == 1
     remove_activation_checkpointing(ours[1])
     assert "project" not in ours[0].router.__dict__
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = Router()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router.project(x)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.mix = Inner(), nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix(self.inner(x))
+
+
+@pytest.mark.parametrize("first", ["outer", "inner"])
+def test_a_kept_method_inside_a_nested_boundary_goes_with_the_last_layer_keeping_it(
+        first: str) -> None:
+    # The outer layer's unit keeps the router's projection inside a submodule checkpointed on
+    # its own (the outer replay takes it from the record). Removing the outer left the wrapper
+    # on the router for good (it was not among the outer's own submodules); removing the inner
+    # unwrapped it while the outer still kept it, whose replay then recomputed it, silently.
+    torch.manual_seed(0)
+    eager = nn.ModuleList([Outer()])
+    ours = copy.deepcopy(eager)
+    router = ours[0].inner.router
+    pytree_ckpt.apply_activation_checkpointing(ours[0].inner)
+    _apply(ours, "Router.project")
+    x = torch.randn(3, 8)
+    expected_loss, expected = _step(eager, x)
+    if first == "outer":
+        remove_activation_checkpointing(ours[0])
+        assert "project" not in router.__dict__  # no layer keeps it any more
+        assert pytree_ckpt.is_checkpointed(ours[0].inner)
+        recomputed = 1  # the inner replay's projection
+    else:
+        remove_activation_checkpointing(ours[0].inner)
+        assert "project" in router.__dict__  # the outer layer still keeps it
+        recomputed = 1  # the outer replay's mix Linear; the projection is kept
+    counter = OpCounter()
+    loss, got = _step(ours, x, counter)
+    assert torch.equal(expected_loss, loss)
+    assert_same_grads(expected, got)
+    assert counter.counts["recompute", "aten.addmm"] == recomputed
+    remove_activation_checkpointing(ours[0].inner if first == "outer" else ours[0])
+    assert "project" not in router.__dict__
