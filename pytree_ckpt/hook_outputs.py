@@ -25,17 +25,18 @@ that cache, rows of a rotary table): made extra outputs, the cached mask require
 later user and backward raised, with a hook that only counted calls (a layer that worked broke),
 and a mask the call built came back to the hook requiring grad where eager's does not. The
 original pass therefore follows, as eager's autograd does, which tensors an activation flows
-into (``GradFlow``, a ``TorchFunctionMode``, only in passes that record): an op's outputs do when
-one of its tensor arguments requires grad (a parameter, an input, a view of them) or is such an
-output (``detach`` and ``.data`` stop it, and an argument read for its shape: NOTE [tensors read
-for their shape]; a blank tensor counts: NOTE [blank tensors]), and a tensor written in place from one (``buf[i] =
-h``) does, with the tensor it views; and only those, and views of tensors that require grad or
-of tensors written so, are recorded. Ids are set or cleared at each result (an id freed in the
-call comes back). Eager gives the others no gradient either. A user's own ``torch.no_grad()``
-block inside the layer cannot be seen under the pass's no-grad: its results are recorded (they
-come back requiring grad; eager's do not). A compiled body runs its ops where the mode cannot
-key them (``blind``): there every floating tensor made in the call is recorded, and one from
-outside gets the node (backward refuses it, naming the fix: a clone made in the call).
+into (``GradFlow``, a ``TorchFunctionMode``, only in passes that record): an op's outputs do
+when one of its tensor arguments requires grad (a parameter, an input, a view of them) or is
+such an output (``detach`` and ``.data`` stop it, and an argument read for its shape:
+NOTE [tensors read for their shape]; a blank tensor counts: NOTE [blank tensors]), and a tensor
+written in place from one (``buf[i] = h``) does, with the tensor it views; and only those, and
+views of tensors that require grad or of tensors written so, are recorded. Ids are set or
+cleared at each result (an id freed in the call comes back). Eager gives the others no gradient
+either. A user's own ``torch.no_grad()`` block inside the layer cannot be seen under the pass's
+no-grad: its results are recorded (they come back requiring grad; eager's do not). A compiled
+body runs its ops where the mode cannot key them (``blind``): there every floating tensor made
+in the call is recorded, and one from outside gets the node (backward refuses it, naming the
+fix: a clone made in the call).
 
 Recording is a forward hook of this module's, installed once (prepended) on each such module;
 it does nothing unless a boundary pass is recording (a thread-local stack: threads and nested

@@ -169,11 +169,12 @@ def _restore_forward(module: nn.Module, method: str | None,
 
 # NOTE [kept methods of shared submodules]: one submodule may sit inside several checkpointed
 # layers (shared MTP weights, a shared gate; a layer and a submodule of it checkpointed on its
-# own), and its kept method is wrapped once for all of them. Removing checkpointing from one layer must leave the wrapper while another layer still
-# checkpointed keeps that method (its replay would silently recompute it, its memory no longer
-# kept), and put back exactly what the module had once the last one goes. Which layers keep
-# it is asked when a layer is removed, of the boundaries alive whose policy keeps methods
-# (copies, deep or pickled, register their own): nothing to carry along when a model is copied.
+# own), and its kept method is wrapped once for all of them. Removing checkpointing from one
+# layer must leave the wrapper while another layer still checkpointed keeps that method (its
+# replay would silently recompute it, its memory no longer kept), and put back exactly what the
+# module had once the last one goes. Which layers keep it is asked when a layer is removed, of
+# the boundaries alive whose policy keeps methods (copies, deep or pickled, register their
+# own): nothing to carry along when a model is copied.
 _KEEPING_METHODS: weakref.WeakSet[_CheckpointedForward] = weakref.WeakSet()
 
 
