@@ -5,11 +5,12 @@ NOTE [how the census sees tensors]: two sources, merged per storage.
 1. Its own saved-tensor pack hook, installed for the ``with`` block. It *chains* to the hooks
    that were active when the census was entered (so a user's or an outer offload hook still
    runs), and records every tensor ordinary autograd saves while it is the innermost hook.
-2. Explicit reports from the library's mechanisms (``report_held``), through a ``ContextVar``
-   holding the active census: the checkpoint boundary reports the inputs it saves, replay frames
-   the results they hold, and later mechanisms (offload, save units, output discard) what they
-   hold or moved. Hooks pushed *inside* the census (an offload window) shadow its pack hook,
-   which is why mechanisms report explicitly; a report wins over the generic record.
+2. Explicit reports from the library's mechanisms (``report_held``), to the censuses recording
+   on the thread (NOTE [where a census records]): the checkpoint boundary reports the inputs it
+   saves, replay frames the results they hold, and later mechanisms (offload, save units,
+   output discard) what they hold or moved. Hooks pushed *inside* the census (an offload
+   window) shadow its pack hook, which is why mechanisms report explicitly; a report wins over
+   the generic record.
 
 Each storage is counted once, with its whole size (a saved view keeps its whole storage alive),
 for as long as it is held: by the graph (the census's pack hook hands autograd a small handle
@@ -121,38 +122,81 @@ class _Entry:
                 and not self.discarded)  # freed in place by output discard: nothing lives on
 
 
+# The census entered last in this context: which one may end now (NOTE [ended as entered]).
 _ACTIVE: ContextVar[ActivationCensus | None] = ContextVar("pytree_ckpt_census", default=None)
+
+# NOTE [where a census records]: where its saved-tensor pack hook is installed, and nowhere
+# else: the thread that entered it, and the threads autograd runs a backward on that was
+# started there while it was open. On CPU autograd runs the nodes on the calling thread; on
+# CUDA on its device thread for the GPU (and on CPU too past 60 nested backwards, on a
+# thread of its reentrant pool). There each node runs under the thread-local state captured
+# when the backward began (engine.cpp: ThreadLocalStateGuard(graph_task->thread_locals_)):
+# the saved-tensor hooks come along, the Python context (ContextVar values) and the thread id
+# do not. So the mechanisms find the census the way its hook travels: in the thread-local
+# Python objects that state also carries (torch._C._stash_obj_in_tls), not through the
+# ContextVar nor by thread id, which would drop on a device thread the reports the same
+# backward makes on CPU (a nested boundary's input in a replay). A thread of Python's own
+# (asyncio.to_thread, a copy_context().run) carries neither: its saves and its reports are
+# both left out, as they were. A census entered on one thread is fed by autograd's threads
+# at once (two GPUs): NOTE [one lock per census]. What still differs by thread: the module a
+# save is filed under is the innermost one running on the thread that saves (the module stack
+# is per thread), so in a backward called from inside a module's forward, what is saved
+# outside any replayed module is filed under that module on CPU, outside any module on CUDA.
+_TLS_KEY = "pytree_ckpt.census"
+_stash_obj: Any = getattr(torch._C, "_stash_obj_in_tls", None)
+_remove_obj: Any = getattr(torch._C, "_remove_obj_from_tls", None)
+_CARRIED = _stash_obj is not None and _remove_obj is not None
+
+
+def _recording() -> ActivationCensus | None:
+    """The innermost census recording on this thread (NOTE [where a census records])."""
+    if _CARRIED:
+        return torch._C._get_obj_in_tls(_TLS_KEY) if torch._C._is_key_in_tls(_TLS_KEY) else None
+    # A torch without thread-local objects to carry: the thread that entered it only (reports
+    # on autograd's device threads are then not counted; docs/census.md).
+    census = _ACTIVE.get()
+    return census if census is not None and census._thread == threading.get_ident() else None
+
+
+def _set_recording(census: ActivationCensus | None) -> None:
+    if not _CARRIED:
+        return
+    if census is None:
+        _remove_obj(_TLS_KEY)  # erased, not set to None: NOTE [nothing left in a thread]
+    else:
+        _stash_obj(_TLS_KEY, census)
+
+
+# NOTE [nothing left in a thread]: a thread that ends with a Python object in its thread-local
+# objects frees it in the C++ thread-local destructors, needing the GIL it may no longer get
+# (torch erases its own "context" entry after each backward for this). The outermost census to
+# end erases the entry; ending it in another thread is refused (NOTE [ended as entered]).
 
 
 def active_census() -> ActivationCensus | None:
     """The census recording here, if any (for mechanisms that report after the block ends)."""
-    return _ACTIVE.get()
+    return _recording()
 
 
 def census_active() -> bool:
     """Whether a census is recording here (lets mechanisms skip building their reports)."""
-    return _ACTIVE.get() is not None
+    return _recording() is not None
 
 
 def report_held(tensors: Iterable[torch.Tensor], mechanism: Mechanism, /, *,
                 holder: Holder, replace: bool = False) -> None:
-    """Tell the active census (if any) that ``mechanism`` holds ``tensors`` through ``holder``.
+    """Tell the censuses recording here (if any) that ``mechanism`` holds ``tensors`` through
+    ``holder``.
 
     The census treats them as held while ``holder`` is alive and not ``holder.released``.
     ``replace``: earlier holders of these storages no longer hold them (the saved reference
     was swapped, as offload does).
     """
     tensors = list(tensors)
-    census = _ACTIVE.get()
-    thread = threading.get_ident()
+    census = _recording()
     while census is not None:  # a census nested in another: both see it
-        # NOTE [one thread]: a census records the thread that entered it. Its saved-tensor
-        # hooks are that thread's alone; a thread run in a copy of its context
-        # (asyncio.to_thread) sees it through the ContextVar, and its reports alone, without
-        # its plain autograd saves, would add up to nothing.
-        if census._thread == thread:
-            for tensor in tensors:
-                census._note(tensor, mechanism, holder, replace=replace)
+        for tensor in tensors:
+            census._note(tensor, mechanism, holder, replace=replace)
         census = census._parent
 
 
@@ -182,6 +226,14 @@ def _stored_tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+# NOTE [one lock per census]: one census is fed by several threads at once when autograd
+# runs a backward on its device threads, one per GPU (NOTE [where a census records]), and can
+# be read from a hook on one of them meanwhile: its records change under a (reentrant: a
+# finalizer run by the collector in the middle of a change may report) lock, and are read from
+# a copy taken under it. The lock is the innermost one: nothing is called while it is held
+# but storage and weakref lookups and the holders' ``released``.
+
+
 class ActivationCensus:
     """Count the activations a forward pass leaves held for backward.
 
@@ -207,7 +259,8 @@ class ActivationCensus:
         self._hooks: Any = None
         self._token: Any = None
         self._parent: ActivationCensus | None = None  # the census this one is nested in
-        self._thread: int | None = None  # the thread that entered it (NOTE [one thread])
+        self._thread: int | None = None  # the thread that entered it
+        self._lock = threading.RLock()  # NOTE [one lock per census]
         self._ended = False  # its with-block is over (for the message of a second one)
 
     # -- recording ---------------------------------------------------------------------------
@@ -256,24 +309,31 @@ class ActivationCensus:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
         self._thread = threading.get_ident()
-        self._parent = _ACTIVE.get()
+        self._parent = _recording()
+        _set_recording(self)
         self._token = _ACTIVE.set(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self._ended and _ACTIVE.get() is not self:
-            # Refused before anything changes: ended now, it would pop the saved-tensor hooks
-            # of the one still open, and that one's end would make this one active again, to
-            # record every later step.
+        # NOTE [ended as entered]: refused before anything changes unless this census is the
+        # one entered last, in this context and on this thread. Ended while a later one is
+        # open, it would pop that one's saved-tensor hooks, and that one's end would make this
+        # one record again, every later step; ended on another thread, it would pop that
+        # thread's hooks and leave its own thread recording.
+        here = threading.get_ident() == self._thread
+        recording = _recording()
+        if not self._ended and (_ACTIVE.get() is not self or not here or recording is not self):
+            later = here and (self._opened_later() or recording not in (None, self))
             raise CheckpointError(
                 "an ActivationCensus must end after every census entered after it",
                 expected="censuses ended in the reverse order they were entered, each in the "
                          "thread and context that entered it",
-                got="a census entered after it is still open" if self._opened_later()
+                got="a census entered after it is still open" if later
                 else "its end in another thread or context",
                 tip="use with-blocks, or end the census entered last first")
         self._ended = True
         _ACTIVE.reset(self._token)
+        _set_recording(self._parent)
         self._hooks.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -317,68 +377,74 @@ class ActivationCensus:
             key = _record_key(tensor)
         except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
             return
-        # A storage is held while one of its keepers is: the graph's handle of a saved tensor
-        # (alive while the graph holds it), or a mechanism's holder until it is released.
-        known = self._entries.get(key)
-        # NOTE [one address, one storage]: a record whose storage died describes no storage at
-        # this address any more, even while one of its keepers lives on (an outer hook's opaque
-        # handle that did not keep the tensor, a frame whose input offload freed): the
-        # allocator hands freed memory out again at once, and a tensor there now is a new
-        # storage with its own size. Merged into the dead record it was counted as nothing.
-        # And a record none of whose keepers holds it any more is over (its backward ran, or
-        # its graph was dropped): a new save of that storage is a new record, filed under its
-        # own mechanism and module, not the ones of the step before.
-        if known is not None and not known.storage.expired() and known.held():
-            if replace:  # NOTE [what an offload swap replaces]
-                known.keepers = [(k, m) for k, m in known.keepers if m in _RESIDENT]
-            known.keepers.append((weakref.ref(keeper), mechanism))
-            if mechanism is not Mechanism.AUTOGRAD:  # a mechanism's report is more specific
-                known.mechanism = mechanism
-            resident = known.resident_holder()
-            if resident is not None and known.mechanism in _FREEING:
-                # A plain autograd save or a save unit's record holds it too: that, not the
-                # freeing mechanism, is what keeps it (and what the census files it under).
-                known.mechanism = resident
-            return
-        module = self._stack[-1] if self._stack else "<outside any module>"
-        if known is not None and known.flagged() and mechanism is not Mechanism.AUTOGRAD:
-            # The same storage, which a freeing mechanism let go of but lives on, held again
-            # by a mechanism (a RoPE table every layer receives, copied to host by the first
-            # layer's window): it stays filed, and flagged, under the module that first held
-            # it, not the latest one. A plain autograd save of it is a save of its own.
-            module = known.module
-        self._entries[key] = _Entry(StorageWeakRef(tensor.untyped_storage()),
-                                    [(weakref.ref(keeper), mechanism)],
-                                    tensor.untyped_storage().nbytes(), str(tensor.device),
-                                    module, mechanism)
+        with self._lock:  # NOTE [one lock per census]
+            # A storage is held while one of its keepers is: the graph's handle of a saved tensor
+            # (alive while the graph holds it), or a mechanism's holder until it is released.
+            known = self._entries.get(key)
+            # NOTE [one address, one storage]: a record whose storage died describes no storage at
+            # this address any more, even while one of its keepers lives on (an outer hook's opaque
+            # handle that did not keep the tensor, a frame whose input offload freed): the
+            # allocator hands freed memory out again at once, and a tensor there now is a new
+            # storage with its own size. Merged into the dead record it was counted as nothing.
+            # And a record none of whose keepers holds it any more is over (its backward ran, or
+            # its graph was dropped): a new save of that storage is a new record, filed under its
+            # own mechanism and module, not the ones of the step before.
+            if known is not None and not known.storage.expired() and known.held():
+                if replace:  # NOTE [what an offload swap replaces]
+                    known.keepers = [(k, m) for k, m in known.keepers if m in _RESIDENT]
+                known.keepers.append((weakref.ref(keeper), mechanism))
+                if mechanism is not Mechanism.AUTOGRAD:  # a mechanism's report is more specific
+                    known.mechanism = mechanism
+                resident = known.resident_holder()
+                if resident is not None and known.mechanism in _FREEING:
+                    # A plain autograd save or a save unit's record holds it too: that, not the
+                    # freeing mechanism, is what keeps it (and what the census files it under).
+                    known.mechanism = resident
+                return
+            module = self._stack[-1] if self._stack else "<outside any module>"
+            if known is not None and known.flagged() and mechanism is not Mechanism.AUTOGRAD:
+                # The same storage, which a freeing mechanism let go of but lives on, held again
+                # by a mechanism (a RoPE table every layer receives, copied to host by the first
+                # layer's window): it stays filed, and flagged, under the module that first held
+                # it, not the latest one. A plain autograd save of it is a save of its own.
+                module = known.module
+            self._entries[key] = _Entry(StorageWeakRef(tensor.untyped_storage()),
+                                        [(weakref.ref(keeper), mechanism)],
+                                        tensor.untyped_storage().nbytes(), str(tensor.device),
+                                        module, mechanism)
 
     # -- reading -----------------------------------------------------------------------------
     def note_discarded(self, tensor: torch.Tensor, /, *, keeper: Any = None) -> None:
         """Output discard is about to free ``tensor``'s storage: stop counting it as resident.
         ``keeper`` (the discard) holds it for backward from now on, whoever else lets go."""
-        entry = self._entries.pop(_record_key(tensor), None)
-        if entry is not None:
-            entry.discarded = True
-            if keeper is not None:
-                entry.keepers.append((weakref.ref(keeper), None))  # holds no mechanism's bytes
-            # Freed memory gets reused at once: file it under a key no new storage can have.
-            self._entries[("discarded", id(entry))] = entry
+        with self._lock:
+            entry = self._entries.pop(_record_key(tensor), None)
+            if entry is not None:
+                entry.discarded = True
+                if keeper is not None:  # it holds no mechanism's bytes
+                    entry.keepers.append((weakref.ref(keeper), None))
+                # Freed memory gets reused at once: file it under a key no new storage can have.
+                self._entries[("discarded", id(entry))] = entry
         if self._parent is not None:
             self._parent.note_discarded(tensor, keeper=keeper)
 
     def note_refilled(self, tensor: torch.Tensor, /) -> None:
         """A discarded storage was rebuilt for backward: resident again."""
         cdata = StorageWeakRef(tensor.untyped_storage()).cdata
-        for entry in self._entries.values():
+        for entry in self._recorded():
             if entry.discarded and entry.storage.cdata == cdata:
                 entry.discarded = False
         if self._parent is not None:
             self._parent.note_refilled(tensor)
 
+    def _recorded(self) -> list[_Entry]:
+        with self._lock:  # NOTE [one lock per census]
+            return list(self._entries.values())
+
     @property
     def discarded_bytes(self) -> int:
         """Bytes whose storage output discard freed (held for backward, but not resident)."""
-        return sum(e.nbytes for e in self._entries.values() if e.held() and e.discarded)
+        return sum(e.nbytes for e in self._recorded() if e.held() and e.discarded)
 
     def _model_storages(self) -> set[int]:
         """The storages the model's parameters and buffers are on now, by storage object.
@@ -403,7 +469,7 @@ class ActivationCensus:
         # frame holds its inputs, but offload swapped the saved reference and the device copy
         # was freed; a later window shared the storage one earlier window copied).
         model = self._model_storages()
-        return [e for e in self._entries.values()
+        return [e for e in self._recorded()
                 if e.held() and not e.discarded and not e.storage.expired()
                 and e.storage.cdata not in model]
 
@@ -427,7 +493,7 @@ class ActivationCensus:
         """Storages a mechanism released that something else still keeps alive."""
         return [{"module": e.module, "mechanism": str(e.mechanism), "bytes": e.nbytes,
                  "device": e.device}
-                for e in self._entries.values() if e.flagged()]
+                for e in self._recorded() if e.flagged()]
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain data: totals, bytes by device and by mechanism, one row per

@@ -74,3 +74,32 @@ def test_a_census_ended_in_another_context_is_refused_and_can_still_end_in_its_o
     context.run(census.__exit__, None, None, None)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert context.run(pytree_ckpt.census.active_census) is None
+
+
+def test_a_census_ended_in_another_thread_is_refused_and_keeps_recording_in_its_own() -> None:
+    # A thread run in a copy of the census's context saw it as the one to end: its end went
+    # as far as resetting the ContextVar, which raised a ValueError (the token belongs to
+    # another context) after the census was already marked as ended. Refused instead,
+    # before anything changes: it records on, and ends in its own thread.
+    model = nn.Linear(64, 64)
+    census = ActivationCensus(model).__enter__()
+    errors: list[BaseException] = []
+
+    def end() -> None:
+        try:
+            census.__exit__(None, None, None)
+        except BaseException as error:  # noqa: BLE001 - checked below
+            errors.append(error)
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(end,))
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointError)
+    assert "its end in another thread or context" in str(errors[0]) and "tip" in str(errors[0])
+    x = torch.randn(16, 64)
+    loss = model(x).sum()  # still recorded: the Linear saves x
+    census.__exit__(None, None, None)
+    assert census.bytes_by("module") == {"<root>": nbytes(x)}
+    assert pytree_ckpt.census.active_census() is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    loss.backward()
