@@ -39,6 +39,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import CheckpointConfigError, CheckpointError
+from .running_modules import running_module, running_modules
 from .saved import Unchanged
 
 __all__ = ["ActivationCensus", "Holder", "Mechanism", "active_census", "census_active",
@@ -260,6 +261,8 @@ class ActivationCensus:
         self._token: Any = None
         self._parent: ActivationCensus | None = None  # the census this one is nested in
         self._thread: int | None = None  # the thread that entered it
+        # The model's modules already running when it was entered: NOTE [entered inside].
+        self._running: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
         self._lock = threading.RLock()  # NOTE [one lock per census]
         self._ended = False  # its with-block is over (for the message of a second one)
 
@@ -281,9 +284,12 @@ class ActivationCensus:
 
     def _enter(self) -> ActivationCensus:
         if self._model is not None:
+            paths = {}
             for path, module in self._model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(self._push(path)))
                 self._handles.append(module.register_forward_hook(self._pop, always_call=True))
+                paths[id(module)] = (weakref.ref(module), path or "<root>")
+            self._running = {key: paths[key] for key in running_modules(paths)}
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
@@ -334,6 +340,7 @@ class ActivationCensus:
         self._ended = True
         _ACTIVE.reset(self._token)
         _set_recording(self._parent)
+        self._running.clear()
         self._hooks.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -364,6 +371,15 @@ class ActivationCensus:
     def _pop(self, *_: Any) -> None:
         if self._stack:
             self._stack.pop()
+
+    def _module_now(self) -> str:
+        """The module a save made now is filed under: the innermost whose forward runs."""
+        stack = self._stack
+        if stack:
+            return stack[-1]
+        if self._running and threading.get_ident() == self._thread:
+            return running_module(self._running)  # NOTE [entered inside]
+        return "<outside any module>"
 
     def _note(self, tensor: torch.Tensor, mechanism: Mechanism, keeper: Any, *,
               replace: bool = False) -> None:
@@ -401,7 +417,7 @@ class ActivationCensus:
                     # freeing mechanism, is what keeps it (and what the census files it under).
                     known.mechanism = resident
                 return
-            module = self._stack[-1] if self._stack else "<outside any module>"
+            module = self._module_now()
             if known is not None and known.flagged() and mechanism is not Mechanism.AUTOGRAD:
                 # The same storage, which a freeing mechanism let go of but lives on, held again
                 # by a mechanism (a RoPE table every layer receives, copied to host by the first
