@@ -146,13 +146,25 @@ _ACTIVE: ContextVar[ActivationCensus | None] = ContextVar("pytree_ckpt_census", 
 _TLS_KEY = "pytree_ckpt.census"
 _stash_obj: Any = getattr(torch._C, "_stash_obj_in_tls", None)
 _remove_obj: Any = getattr(torch._C, "_remove_obj_from_tls", None)
-_CARRIED = _stash_obj is not None and _remove_obj is not None
+# Bound once: census_active() runs at every boundary call and offloaded save.
+_is_key: Any = getattr(torch._C, "_is_key_in_tls", None)
+_get_obj: Any = getattr(torch._C, "_get_obj_in_tls", None)
+_CARRIED = None not in (_stash_obj, _remove_obj, _is_key, _get_obj)
+
+
+# How many censuses are open, in any thread: with none (every step that measures nothing),
+# census_active() is one list read, not a thread-local lookup (about 200 ns, at every boundary
+# call and offloaded save). Changed only under _OPEN_LOCK, at a census's entry and end.
+_OPEN = [0]
+_OPEN_LOCK = threading.Lock()
 
 
 def _recording() -> ActivationCensus | None:
     """The innermost census recording on this thread (NOTE [where a census records])."""
+    if not _OPEN[0]:
+        return None
     if _CARRIED:
-        return torch._C._get_obj_in_tls(_TLS_KEY) if torch._C._is_key_in_tls(_TLS_KEY) else None
+        return _get_obj(_TLS_KEY) if _is_key(_TLS_KEY) else None
     # A torch without thread-local objects to carry: the thread that entered it only (reports
     # on autograd's device threads are then not counted; docs/census.md).
     census = _ACTIVE.get()
@@ -315,6 +327,8 @@ class ActivationCensus:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
         self._thread = threading.get_ident()
+        with _OPEN_LOCK:
+            _OPEN[0] += 1
         self._parent = _recording()
         _set_recording(self)
         self._token = _ACTIVE.set(self)
@@ -340,6 +354,8 @@ class ActivationCensus:
         self._ended = True
         _ACTIVE.reset(self._token)
         _set_recording(self._parent)
+        with _OPEN_LOCK:
+            _OPEN[0] -= 1
         self._running.clear()
         self._hooks.__exit__(*exc)
         for handle in self._handles:
