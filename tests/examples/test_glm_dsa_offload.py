@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import pytree_ckpt
 from examples.glm_dsa import make_packed_batch
 from examples.glm_dsa.decoder import DecoderLayer
+from examples.glm_dsa.mlp import SwiGLU
 from offload import OffloadConfig, OffloadManager
 from tests.examples.test_glm_dsa_model import (SEQ_LENS, _one_thread, assert_same_grads, build,
                                                grads, train_step)
@@ -110,6 +112,56 @@ def test_rope_tables_and_cu_seqlens_are_copied_once_per_step_not_once_per_layer(
     expected = (8 + 2) * per_hidden + 2 * per_hidden + 5 * per_ids + rope + cu
     assert stats["offloaded_bytes"] == expected
     assert stats["windows"] == 8 + 2
+
+
+def test_a_micro_batch_that_raises_mid_layer_in_a_pipeline_schedule_leaves_the_others_eagers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A one-forward-one-backward step whose second micro-batch raises inside layer 2's MoE
+    # (after reuse_during_recompute recorded that layer's top-k ids and its kept ops ran), caught by
+    # the loop, which goes on: every feature on (offload, every save unit, MoE routing and
+    # top-k replay, shared MTP depths, dropout). Eager's twin raises at the same point, so the
+    # RNG draws match; the other micro-batches' losses and the accumulated gradients must be
+    # eager's bit for bit, and nothing of the failed one may stay held.
+    config, eager = build(moe=True, dropout=0.2)
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    model = copy.deepcopy(eager)
+    model.checkpoint_layers(1.0, offload=manager, save=True)
+    batches = [make_packed_batch(config, (9 + i, 7 + 2 * i), seed=i) for i in range(4)]
+    failing: set[int] = set()
+    forward = SwiGLU.forward
+
+    def raising(self: SwiGLU, x: torch.Tensor) -> torch.Tensor:
+        if id(self) in failing:
+            failing.clear()
+            raise RuntimeError("a bad micro-batch")
+        return forward(self, x)
+
+    monkeypatch.setattr(SwiGLU, "forward", raising)
+
+    def step(twin: Any, census: pytree_ckpt.ActivationCensus | None = None) -> list[torch.Tensor]:
+        torch.manual_seed(3)  # once: the failed forward's draws must match eager's too
+        first = twin(**batches[0])["loss"]
+        failing.add(id(twin.layers[2].mlp.experts[1]))
+        with pytest.raises(RuntimeError, match="a bad micro-batch"):
+            twin(**batches[1])
+        first.backward()
+        third = twin(**batches[2])["loss"]
+        fourth = twin(**batches[3])["loss"]
+        third.backward()
+        fourth.backward()
+        return [first.detach(), third.detach(), fourth.detach()]
+
+    expected = step(eager)
+    with pytree_ckpt.ActivationCensus(model) as census:
+        got = step(model)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert_same_grads(grads(eager), grads(model))
+    gc.collect()
+    assert census.total_bytes == 0
+    stats = manager.stats()
+    assert stats["host_buffers_in_use"] == 0
+    # The three finished micro-batches came back whole; the failed one's windows never did.
+    assert stats["offloaded_bytes"] > stats["restored_bytes"] + stats["reused_bytes"] > 0
 
 
 def test_ids_held_by_a_replay_frame_leave_the_device_with_offload() -> None:
