@@ -247,6 +247,17 @@ def _stored_tensors(obj: Any) -> list[torch.Tensor]:
 # but storage and weakref lookups and the holders' ``released``.
 
 
+def _end_refused(*, later: bool) -> CheckpointError:
+    """NOTE [ended as entered]: why a census may not end here."""
+    return CheckpointError(
+        "an ActivationCensus must end after every census entered after it",
+        expected="censuses ended in the reverse order they were entered, each in the thread "
+                 "and context that entered it",
+        got="a census entered after it is still open" if later
+        else "its end in another thread or context",
+        tip="use with-blocks, or end the census entered last first")
+
+
 class ActivationCensus:
     """Count the activations a forward pass leaves held for backward.
 
@@ -343,16 +354,15 @@ class ActivationCensus:
         here = threading.get_ident() == self._thread
         recording = _recording()
         if not self._ended and (_ACTIVE.get() is not self or not here or recording is not self):
-            later = here and (self._opened_later() or recording not in (None, self))
-            raise CheckpointError(
-                "an ActivationCensus must end after every census entered after it",
-                expected="censuses ended in the reverse order they were entered, each in the "
-                         "thread and context that entered it",
-                got="a census entered after it is still open" if later
-                else "its end in another thread or context",
-                tip="use with-blocks, or end the census entered last first")
+            raise _end_refused(later=here and (self._opened_later()
+                                               or recording not in (None, self)))
+        try:
+            _ACTIVE.reset(self._token)
+        except ValueError:
+            # A copy of its own context on its own thread shows it as the one entered last,
+            # but the token is the other context's: refused too, before anything changes.
+            raise _end_refused(later=False) from None
         self._ended = True
-        _ACTIVE.reset(self._token)
         _set_recording(self._parent)
         with _OPEN_LOCK:
             _OPEN[0] -= 1

@@ -103,3 +103,26 @@ def test_a_census_ended_in_another_thread_is_refused_and_keeps_recording_in_its_
     assert pytree_ckpt.census.active_census() is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     loss.backward()
+
+
+def test_a_census_ended_in_a_copy_of_its_context_on_its_thread_is_refused_before_anything_changes(
+) -> None:
+    # Guards against: in a copy of the census's own context (contextvars.copy_context().run,
+    # on the thread that entered it) the census looks like the one to end, so the end went as
+    # far as resetting the ContextVar, which raised a ValueError (the token belongs to another
+    # context) after the census was already marked as ended: its saved-tensor hooks stayed
+    # pushed and it went on recording until a second end. Refused instead, before anything
+    # changes: it records on, and ends in its own context.
+    model = nn.Linear(64, 64)
+    census = ActivationCensus(model).__enter__()
+    with pytest.raises(CheckpointError, match="(?s)its end in another thread or context.*tip"):
+        contextvars.copy_context().run(census.__exit__, None, None, None)
+    assert not census._ended and pytree_ckpt.census.active_census() is census
+    x = torch.randn(16, 64)
+    loss = model(x).sum()  # still recorded: the Linear saves x
+    census.__exit__(None, None, None)
+    assert census.bytes_by("module") == {"<root>": nbytes(x)}
+    assert pytree_ckpt.census.active_census() is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert pytree_ckpt.census._OPEN == [0]
+    loss.backward()
