@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any, TypeVar
 
@@ -113,6 +113,18 @@ __all__ = ["run_boundary"]
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _STILL_LAZY = "_pytree_ckpt_still_lazy"  # a module warned about lazy state its call left lazy
+
+
+# NOTE [loops on the per-call path]: Python 3.11 makes a function object and a frame for every
+# list comprehension and generator expression it runs, and a generator object too for the latter:
+# counted by callgrind, ``any(t.requires_grad for t in ts)`` over one tensor costs about 3,500
+# instructions where a for loop costs 400, ``all(...)`` over a layer's seven submodules about
+# 10,000 where a loop costs 6,000. On what runs at every layer call (the boundary's forward and
+# replay and the checks they call), plain loops take the place of those over the few items a
+# layer has, where they read as well. C-level pipelines (``all(map(operator.is_, ...))``,
+# ``[*map(attrgetter(...), ...)]``) cost more again at these sizes: each map, chain or
+# attrgetter call is a C call per item (tried and measured: about 26,000 more a layer call).
+# Error paths and the first call of a layer keep their comprehensions.
 
 
 _anchor_tensor: torch.Tensor | None = None
@@ -234,8 +246,9 @@ class _BoundaryFunction(torch.autograd.Function):
         if len(flat.tensor_index) < len(flat.leaves):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         # NOTE [outputs made before the call] (made_before.py)
-        out_tensors, as_is = leaving_tensors([flat.leaves[i] for i in flat.tensor_index],
-                                             tensors, call.before, watch)
+        out_tensors, as_is = leaving_tensors(
+            flat.leaves if len(flat.tensor_index) == len(flat.leaves) else
+            [flat.leaves[i] for i in flat.tensor_index], tensors, call.before, watch)
         extra: tuple[torch.Tensor, ...] = ()
         if recorded:
             known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,
@@ -251,8 +264,10 @@ class _BoundaryFunction(torch.autograd.Function):
         call.held = {}
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
+        call.out_meta = out_meta = []
         try:
-            call.out_meta = [(t.shape, t.dtype) for t in out_tensors]
+            for t in out_tensors:  # NOTE [loops on the per-call path]
+                out_meta.append((t.shape, t.dtype))
         except RuntimeError:  # NOTE [tensors of other layouts] (tree.py)
             refuse_strided_nested(call.fn, flat.spec, flat.tensor_index, out_tensors,
                                   root="output")
@@ -260,7 +275,10 @@ class _BoundaryFunction(torch.autograd.Function):
         call.out_leaves = flat.leaves
         for index in flat.tensor_index:
             call.out_leaves[index] = None
-        frozen = [t for t in out_tensors if not (t.is_floating_point() or t.is_complex())]
+        frozen = []
+        for t in out_tensors:
+            if not (t.is_floating_point() or t.is_complex()):
+                frozen.append(t)
         if call.frame.results and len(frozen) < len(out_tensors):
             # NOTE [frozen results returned as outputs]: a float result of
             # reuse_during_recompute returned as it is (router probabilities for statistics)
@@ -284,10 +302,12 @@ class _BoundaryFunction(torch.autograd.Function):
         # under torch.inference_mode() (a table built there), which eager accepts as an input
         # of ops that do not save it. It cannot change outside inference mode, so it is kept
         # by reference instead (never offloaded).
-        if any([t.is_inference() for t in saved]):
-            call.inference = {i: t for i, t in enumerate(saved) if t.is_inference()}
-            ctx.save_for_backward(*(None if i in call.inference else t
-                                    for i, t in enumerate(saved)))
+        for t in saved:
+            if t.is_inference():
+                call.inference = {i: t for i, t in enumerate(saved) if t.is_inference()}
+                ctx.save_for_backward(*(None if i in call.inference else t
+                                        for i, t in enumerate(saved)))
+                break
         else:
             ctx.save_for_backward(*saved)
         # NOTE [hooked outputs leave with gradients] (hook_outputs.py): after the outputs of fn,
@@ -408,7 +428,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         modules = [owner] if len(flat.tensor_index) == len(leaves) else \
             [owner, *(module for leaf in leaves if leaf is not None and
                       (module := _argument_module(leaf)) is not None)]
-        trees = [module_dicts(module) for module in modules]
+        trees = [module_dicts(owner)] if len(modules) == 1 else \
+            [module_dicts(module) for module in modules]
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
         # each use needs its gradient (the argument's comes through its input slot).
         params = collect_parameters(trees, set(), frozen=before)
@@ -462,9 +483,12 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         roots = modules if fn is owner else modules[1:]
         submodules = trees[0].submodules if len(trees) == 1 else \
             [d for tree in trees for d in tree.submodules]
-        call.hooked = hooked_modules(
-            [*submodules, *(m.__dict__ for m in roots)] if roots else submodules,
-            (m for root in modules for m in root.modules() if m is not owner or fn is owner))
+        dicts: Sequence[dict[str, Any]] = submodules
+        if roots:
+            dicts = list(submodules)
+            for m in roots:  # NOTE [loops on the per-call path]
+                dicts.append(m.__dict__)
+        call.hooked = hooked_modules(dicts, modules, None if fn is owner else owner)
         if call.hooked:
             call.held = held_tensors([*(m.__dict__ for m in modules),
                                       *(d for tree in trees for d in tree.submodules)])

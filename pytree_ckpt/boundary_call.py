@@ -153,10 +153,13 @@ class BoundaryCall:
 
     def check_replay(self, spec: Any, leaves: list[Any], tensor_index: list[int], /) -> None:
         if (spec is self.out_spec or spec == self.out_spec) and \
-                tensor_index == self.out_tensor_index and \
-                all(leaves[i].shape == shape and leaves[i].dtype == dtype
-                    for i, (shape, dtype) in zip(tensor_index, self.out_meta)):
-            return  # the usual case; what follows finds and names the first difference
+                tensor_index == self.out_tensor_index:
+            for i, (shape, dtype) in zip(tensor_index, self.out_meta):  # NOTE [loops on the
+                leaf = leaves[i]                                      # per-call path]
+                if leaf.shape != shape or leaf.dtype != dtype:
+                    break
+            else:
+                return  # the usual case; what follows finds and names the first difference
         name = fn_name(self.fn)
         tip = ("the replay must return what the original pass returned; make the output depend "
                "only on the inputs (not on current_phase() or grad mode)")

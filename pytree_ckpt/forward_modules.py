@@ -75,7 +75,8 @@ class ForwardModules:
         self.ran = submodules_now(roots, trees)
         if self.ran is not None:
             _refuse_replaced_in_forward(roots, trees, self.ran)
-        others = [m for tree in trees for m in tree.flagged_otherwise]
+        others = trees[0].flagged_otherwise if len(trees) == 1 else \
+            [m for tree in trees for m in tree.flagged_otherwise]
         self.roots = [*roots, *others] if others else roots
         roots = self.roots
         if len(trees) == 1:  # the usual case, without concatenation
@@ -84,11 +85,26 @@ class ForwardModules:
         else:
             self.submodules = tuple(d for tree in trees for d in tree.submodules)
             dicts = tuple(d for tree in trees for d in (*tree.parameters, *tree.buffers))
-        self.modes = [m.training for m in roots], [d.get("training") for d in self.submodules]
-        self.entries = [(d, d.copy()) for d in dicts if d]
+        self.modes = self._modes()
+        self.entries = []
         # Empty ones are not copied (most modules have no buffers, activations no parameters),
         # but an entry added to one before backward is not the forward's either.
-        self.empty = [d for d in dicts if not d]
+        self.empty = []
+        for d in dicts:  # NOTE [loops on the per-call path] (boundary.py)
+            if d:
+                self.entries.append((d, d.copy()))
+            else:
+                self.empty.append(d)
+
+    def _modes(self) -> tuple[list[bool], list[Any]]:
+        """The training flags of the roots, and of the submodules (``None`` where the flag is
+        not in the ``__dict__``: modules in ``flagged_otherwise``, among the roots)."""
+        roots, submodules = [], []
+        for m in self.roots:  # NOTE [loops on the per-call path] (boundary.py)
+            roots.append(m.training)
+        for d in self.submodules:
+            submodules.append(d.get("training"))
+        return roots, submodules
 
     def changes(self) -> Changes | None:
         """What differs now from the forward, or ``None`` (the usual case: nothing); a
@@ -106,12 +122,14 @@ class ForwardModules:
                 got=f"{path}: {what}" if path else what,
                 tip="replace, insert or remove submodules between steps (after backward)")
         self.generation = structure_generation()  # the same trees: a second backward looks less
-        modes = [m.training for m in self.roots], [d.get("training") for d in self.submodules]
+        modes = self._modes()
         # Same objects in the same order: one C-level pass per dict (a reordered dict counts as
         # swapped, harmlessly: its entries are set again).
-        swapped = [(d, entries, d.copy()) for d, entries in self.entries
-                   if len(d) != len(entries) or
-                   not all(map(operator.is_, d.values(), entries.values()))]
+        swapped = []
+        for d, entries in self.entries:  # NOTE [loops on the per-call path] (boundary.py)
+            if len(d) != len(entries) or \
+                    not all(map(operator.is_, d.values(), entries.values())):
+                swapped.append((d, entries, d.copy()))
         if any(self.empty):
             swapped += [(d, {}, d.copy()) for d in self.empty if d]
         if modes == self.modes and not swapped:

@@ -263,10 +263,11 @@ def user_hooks(module: nn.Module, /) -> list[Any]:
             for hook in hooks.values() if not is_library_hook(hook)]
 
 
-def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module], /) -> bool:
+def hooked_modules(dicts: Iterable[dict[str, Any]], roots: Sequence[nn.Module],
+                   skip: nn.Module | None, /) -> bool:
     """Whether a module among ``dicts`` (each a module's ``__dict__``) has a user forward hook
-    or forward pre-hook; if so, the recorder is installed on each such module of ``modules``
-    that lacks it."""
+    or forward pre-hook; if so, the recorder is installed on each such module of ``roots``'
+    trees but ``skip`` that lacks it."""
     dicts = dicts if isinstance(dicts, list) else list(dicts)
     if not any(map(_FORWARD_HOOKS, dicts)) and not any(map(_PRE_HOOKS, dicts)):
         return False  # the usual case: two dict lookups per submodule (C-level: no generator)
@@ -275,7 +276,7 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], modules: Iterable[nn.Module]
     # outputs of its node, with or without user hooks on it now.
     enclosing = bool(getattr(_RECORDING, "passes", ()))
     found = False
-    for module in modules:
+    for module in (m for root in roots for m in root.modules() if m is not skip):
         hooks = module._forward_hooks
         if not hooks and not module._forward_pre_hooks:
             continue

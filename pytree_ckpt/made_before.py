@@ -32,6 +32,15 @@ from .tree import alias, alias_all
 __all__ = ["leaving_tensors"]
 
 
+def _of_an_input(root: torch.Tensor, inputs: Sequence[torch.Tensor], /) -> bool:
+    """Whether ``root`` is an input that requires no grad, or the base of one (a loop: NOTE
+    [loops on the per-call path] in boundary.py)."""
+    for x in inputs:
+        if not x.requires_grad and (root is x or root is x._base):
+            return True
+    return False
+
+
 def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                     before: dict[int, torch.Tensor] | None, watch: StateWatch | None, /
                     ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
@@ -46,7 +55,7 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
             continue
         base = t._base
         root = t if base is None else base
-        if any(root is x or root is x._base for x in inputs if not x.requires_grad):
+        if _of_an_input(root, inputs):
             as_is.append(t)  # changed in place, an input is refused (raise_input_changed)
             continue
         if before is None:

@@ -121,8 +121,13 @@ def _check_structure(module: nn.Module) -> None:
         # carries the other caches, made for a tree it may have changed since behind the hooks.
         drop_caches(module)
     if shape is not None and shape.generation == _structure_generation:
-        if all((m := ref()) is not None and m._modules is modules and len(modules) == n
-               for ref, modules, n in shape.entries):
+        # A loop, not all() over a generator: run twice per layer call, and a generator costs
+        # more to make than this loop does to run (NOTE [loops on the per-call path]).
+        for ref, modules, n in shape.entries:
+            m = ref()
+            if m is None or m._modules is not modules or len(modules) != n:
+                break
+        else:
             return
         _structure_generation += 1  # changed behind the hooks: every cache is stale
     module.__dict__[_SHAPE] = _Shape(_structure_generation, tuple(
@@ -140,11 +145,11 @@ def submodules_now(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /
     usual case: one lookup per root), else the ``__dict__`` of each submodule now (a forward
     that registered one, a lazy rotary cache module: NOTE [the replay runs the forward's
     submodules])."""
-    if all((cached := root.__dict__.get(_DICTS)) is not None and
-           cached[0] == _structure_generation and cached[1] is tree
-           for root, tree in zip(roots, trees)):
-        return None
-    return [m.__dict__ for root in roots for m in root.modules() if m is not root]
+    for root, tree in zip(roots, trees):  # NOTE [loops on the per-call path]
+        cached = root.__dict__.get(_DICTS)
+        if cached is None or cached[0] != _structure_generation or cached[1] is not tree:
+            return [m.__dict__ for root in roots for m in root.modules() if m is not root]
+    return None
 
 
 def changed_submodule(roots: Sequence[nn.Module], ran: Sequence[dict[str, Any]],

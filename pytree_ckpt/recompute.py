@@ -156,11 +156,12 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # subclass input stays one (NOTE [the replay sees tensor subclasses as the forward
             # did] in rng.py).
             if call.subclasses is None:
-                detached = tuple(t.detach().requires_grad_(need)
-                                 for t, need in zip(saved, needs[:n]))
+                detached = []
+                for t, need in zip(saved, needs[:n]):  # NOTE [loops on the per-call path]
+                    detached.append(t.detach().requires_grad_(need))
             else:
-                detached = tuple(as_kind(t.detach(), kind, attributes=False).requires_grad_(
-                    need) for t, kind, need in zip(saved, call.subclasses, needs[:n]))
+                detached = [as_kind(t.detach(), kind, attributes=False).requires_grad_(need)
+                            for t, kind, need in zip(saved, call.subclasses, needs[:n])]
             # fn sees non-leaf aliases (made with grad enabled), whatever its inputs were in
             # eager. Three things need them (a review of a change that handed fn the leaves
             # found each; tests/pytree_ckpt/test_boundary.py keeps them): a multi-grad hook on

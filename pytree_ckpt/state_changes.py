@@ -26,8 +26,11 @@ def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
     # Inference tensors keep no version counter (and cannot be changed outside inference mode):
     # asking raises, and only then is each one asked whether it is one (read several times per
     # call: an is_inference() call per tensor costs as much as its version).
+    found: list[int | None] = []
     try:
-        return [t._version for t in tensors]
+        for t in tensors:  # NOTE [loops on the per-call path] (boundary.py)
+            found.append(t._version)
+        return found
     except RuntimeError:
         return [None if t.is_inference() else t._version for t in tensors]
 

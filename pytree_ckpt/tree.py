@@ -200,10 +200,13 @@ def alias(tensor: torch.Tensor, /) -> torch.Tensor:
 def alias_all(tensors: Sequence[torch.Tensor], /) -> tuple[torch.Tensor, ...]:
     """``alias`` of each tensor that requires grad, the others as they are. Views are tried
     first for all: the usual, strided case pays no layout check per tensor."""
+    aliased = []
     try:
-        return tuple(t.view_as(t) if t.requires_grad else t for t in tensors)
+        for t in tensors:  # NOTE [loops on the per-call path] (boundary.py)
+            aliased.append(t.view_as(t) if t.requires_grad else t)
     except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts]
-        return tuple(alias(t) if t.requires_grad else t for t in tensors)
+        aliased = [alias(t) if t.requires_grad else t for t in tensors]
+    return tuple(aliased)
 
 
 def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
