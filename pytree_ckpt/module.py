@@ -178,10 +178,14 @@ def _restore_forward(module: nn.Module, method: str | None,
 _KEEPING_METHODS: weakref.WeakSet[_CheckpointedForward] = weakref.WeakSet()
 
 
-def _kept_elsewhere(module: nn.Module, /) -> set[tuple[int, str]]:
-    """(id of a submodule, method name) for each method that a layer other than ``module``,
-    still checkpointed, keeps (NOTE [kept methods of shared submodules]): in any of its
-    submodules, as ``apply_recompute_config`` matched them (a nested boundary's included)."""
+def _kept_elsewhere(module: nn.Module, wrapped: dict[int, nn.Module], /) -> set[tuple[int, str]]:
+    """(id of a submodule, method name) for each method of the submodules ``wrapped`` (by id)
+    that a layer other than ``module``, still checkpointed, keeps (NOTE [kept methods of shared
+    submodules]): among its submodules, as ``apply_recompute_config`` matched them (a nested
+    boundary's included). Each such layer's tree is walked by id only, reading the ``__dict__``
+    of ``wrapped``'s submodules alone: removing every layer of a model is then about as costly
+    as walking it once per layer (a full read of every other layer's modules made removing 61
+    MoE layers take seconds)."""
     kept: set[tuple[int, str]] = set()
     for forward in list(_KEEPING_METHODS):
         layer = forward.module_ref()
@@ -189,10 +193,29 @@ def _kept_elsewhere(module: nn.Module, /) -> set[tuple[int, str]]:
             continue
         assert forward.options.keep is not None  # registered with a policy
         callables = forward.options.keep.callables
-        kept.update((id(sub), name) for sub in layer.modules()
-                    for name, held in sub.__dict__.items()
-                    if getattr(held, "_pytree_ckpt_kept", False) and held.kept_as in callables)
+        for sub in _among_submodules(layer, wrapped):
+            for name, held in sub.__dict__.items():
+                if getattr(held, "_pytree_ckpt_kept", False) and held.kept_as in callables:
+                    kept.add((id(sub), name))
     return kept
+
+
+def _among_submodules(layer: nn.Module, wanted: dict[int, nn.Module], /) -> list[nn.Module]:
+    """Those of ``wanted`` (by id) that are ``layer`` or among its submodules."""
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [layer]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if wanted.get(id(node)) is node:
+            found.append(node)
+        for child in node._modules.values():
+            if child is not None:
+                stack.append(child)
+    return found
 
 
 def _installed(module: nn.Module) -> _CheckpointedForward | None:
@@ -370,15 +393,14 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     module.__dict__.pop(_INSTALLED, None)
     if installed is None:
         return module  # never wrapped (or its forward replaced since): nothing to undo
-    elsewhere: set[tuple[int, str]] | None = None
     # Methods its save units wrapped (KeptCallables), in submodules behind a boundary of their
     # own too: its units keep those as well (in its replay, their original pass is taken from
     # its records). NOTE [kept methods of shared submodules]: not those another layer keeps.
-    for sub in module.modules():
-        for name, kept in [(n, v) for n, v in sub.__dict__.items()
-                           if getattr(v, "_pytree_ckpt_kept", False)]:
-            if elsewhere is None:
-                elsewhere = _kept_elsewhere(module)
+    wrapped = [(sub, name, kept) for sub in module.modules()
+               for name, kept in sub.__dict__.items() if getattr(kept, "_pytree_ckpt_kept", False)]
+    if wrapped:
+        elsewhere = _kept_elsewhere(module, {id(sub): sub for sub, _, _ in wrapped})
+        for sub, name, kept in wrapped:
             if (id(sub), name) in elsewhere:
                 continue
             # NOTE [kept methods wrap what the instance had] (kept_callables.py)
