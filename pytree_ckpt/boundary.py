@@ -87,6 +87,7 @@ from .boundary_call import BoundaryCall, BoundaryOptions
 from .census import Mechanism, census_active, report_held
 from .changed_in_place import (ParameterVersions, raise_input_changed,
                                refuse_parameters_changed)
+from .compiled_layers import recompile_limit_note
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, hooked_modules, recording
@@ -195,16 +196,20 @@ class _BoundaryFunction(torch.autograd.Function):
                             recorded = stack.enter_context(recording())
                             flow = stack.enter_context(GradFlow())
                         output = call.fn(*args, **kwargs)
-        except RuntimeError as error:
+        except Exception as error:
             # torch's "cannot register a hook on a tensor that doesn't require gradient" from
             # a forward that assumes grad mode: name the boundary's no-grad pass.
-            if "register a hook" in str(error) and hasattr(error, "add_note"):  # 3.11+
+            if isinstance(error, RuntimeError) and "register a hook" in str(error) and \
+                    hasattr(error, "add_note"):  # 3.11+
                 error.add_note(
                     f"pytree_ckpt: raised in the original pass of {fn_name(call.fn)}, which "
                     "runs the forward under torch.no_grad() (the replay in backward runs it "
                     "with grad). Tip: guard what needs grad, e.g. `if h.requires_grad: "
                     "h.register_hook(...)`: the hook is then registered in the replay, whose "
                     "gradients are the ones used.")
+            limit = recompile_limit_note(error, f"the original pass of {fn_name(call.fn)}")
+            if limit is not None and hasattr(error, "add_note"):
+                error.add_note(limit)  # NOTE [two entries per variant] in compiled_layers.py
             raise
         finally:
             ACTIVE.reset(token)

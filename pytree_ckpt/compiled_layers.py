@@ -18,8 +18,8 @@ from .errors import CheckpointConfigError
 if TYPE_CHECKING:  # module.py imports this module
     from .module import _CheckpointedForward
 
-__all__ = ["check_compiled_wrapper", "compiled_over", "warn_compiled_over",
-           "warn_module_compiled"]
+__all__ = ["check_compiled_wrapper", "compiled_over", "recompile_limit_note",
+           "warn_compiled_over", "warn_module_compiled"]
 
 
 def warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> None:
@@ -124,3 +124,31 @@ def compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
         forward = getattr(forward, "_torchdynamo_orig_callable", None) or \
             getattr(forward, "__wrapped__", None)
     return False
+
+
+# NOTE [two entries per variant]: dynamo guards on grad mode, so a compiled body behind the
+# boundary compiles each variant (a shape, an optional input given or not, a module class)
+# twice: once for the original pass (no-grad) and once for the replay (grad). Its
+# recompile_limit (8 by default) counts entries per code object, so the boundary halves the
+# variants a body may compile: a body shared by several layer kinds, with sequence lengths
+# that change between steps, reached it in a replay, where a fullgraph body raised dynamo's
+# "found no compiled frames" in backward (a body without fullgraph silently ran eagerly). The
+# boundary does not raise the limit itself (a process-wide setting, per context on torch
+# 2.13); the error says why and what to raise.
+_LIMIT_SIGNS = ("found no compiled frames", "recompile_limit", "FailOnRecompileLimitHit")
+
+
+def recompile_limit_note(error: BaseException, where: str, /) -> str | None:
+    """The note for dynamo's refusal to compile one more entry of a body, else None."""
+    text = f"{type(error).__name__}: {error}"
+    if not any(sign in text for sign in _LIMIT_SIGNS):
+        return None
+    return (f"pytree_ckpt: raised in {where}, where a compiled body could not compile: likely "
+            "dynamo's recompile_limit, which counts the entries of each code object. Behind "
+            "the checkpoint boundary every variant of a body costs two entries, the original "
+            "pass's (no-grad) and the replay's (grad), so the limit allows half the variants "
+            "it allows without checkpointing (the log says 'hit config.recompile_limit'). "
+            "Tip: compile the body with twice the limit, torch.compile(layer.forward, "
+            "recompile_limit=2 * torch._dynamo.config.recompile_limit) (or raise "
+            "torch._dynamo.config.recompile_limit on a torch without that argument), or give "
+            "the body fewer variants (docs/scaling.md, 'torch.compile').")

@@ -22,6 +22,7 @@ from .module_state import is_verified
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .changed_in_place import raise_changed_after_call
+from .compiled_layers import recompile_limit_note
 from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tensor,
                        raise_hooked_outside_tensor, raise_torch_reentrant_inside, verify_leaves)
 from .rng import IsolatedPass, Replaying
@@ -214,7 +215,12 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # enabled (the replay's mode; a fullgraph compile that cannot trace it). The error
         # keeps its type (an out-of-memory error stays one); the note says where it came from
         # and names the first cause only as a possibility.
-        if hasattr(error, "add_note"):  # Python 3.11+
+        if not hasattr(error, "add_note"):  # Python 3.11+
+            raise
+        limit = recompile_limit_note(error, f"the replay of {fn_name(call.fn)} in backward")
+        if limit is not None:  # NOTE [two entries per variant] in compiled_layers.py
+            error.add_note(limit)
+        else:
             error.add_note(
                 f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
                 "runs the forward again on the same arguments, with grad enabled. If the "

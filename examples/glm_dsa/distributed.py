@@ -28,12 +28,24 @@ body has a graph break at that call; so has a body whose norms go through output
 (``discard_norm_outputs``: ``CheckpointWithoutOutput`` is not traceable with grad on, in the
 replay); every other body (the consumers of top-k ids with a dense MLP) compiles with
 ``fullgraph=True``.
+
+NOTE [the decoder body's variants]: behind the boundary every variant of a compiled body costs
+two entries, the original pass's (no-grad) and the replay's (grad), against dynamo's
+``recompile_limit`` (NOTE [two entries per variant] in pytree_ckpt/compiled_layers.py). The
+decoder body's code is shared by the decoder layers and the MTP layer's block (two classes
+under FSDP2, an input that requires grad or not), called with top-k ids or without: eight
+entries at one sequence length, and a second length (a recompile with dynamic shapes) asked
+for more in its replay, where the fullgraph body raised "found no compiled frames" in
+backward. So ``compile_layer_bodies`` gives each body twice the limit it finds: the variants a
+body may compile are those it would have without checkpointing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -51,6 +63,8 @@ from .model import GlmDsaForCausalLM
 
 __all__ = ["DistEnv", "body_allows_fullgraph", "compile_layer_bodies", "full_gradients",
            "init_from_env", "shard_model", "torchrun_world_size", "wrap_ddp", "wrapped_layers"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +147,13 @@ def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "i
 
     ``fullgraph=None`` uses ``fullgraph=True`` exactly for the bodies that allow it
     (:func:`body_allows_fullgraph`); the calls to ``reuse_during_recompute`` stay eager (NOTE
-    [reuse stays eager]). ``options`` go to ``torch.compile``. Returns, per layer name, the
+    [reuse stays eager]). ``options`` go to ``torch.compile``. Each body may compile twice
+    dynamo's ``recompile_limit`` (NOTE [the decoder body's variants]): as ``torch.compile``'s
+    ``recompile_limit`` where torch has it (unless ``options`` give one), else by raising
+    ``torch._dynamo.config.recompile_limit`` itself (logged). Returns, per layer name, the
     ``fullgraph`` it was compiled with.
     """
+    options = {**_doubled_recompile_limit(options), **options}
     chosen: dict[str, bool] = {}
     for name, layer in wrapped_layers(model):
         if pytree_ckpt.is_checkpointed(layer):
@@ -155,6 +173,23 @@ def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "i
         layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=full, **options)
         chosen[name] = full
     return chosen
+
+
+def _doubled_recompile_limit(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``torch.compile`` option that lets a body compile both passes of as many variants
+    as it would compile without checkpointing (NOTE [the decoder body's variants])."""
+    import torch._dynamo
+
+    if "recompile_limit" in options:
+        return {}
+    limit = torch._dynamo.config.recompile_limit
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return {"recompile_limit": 2 * limit}
+    # An older torch: only the process-wide limit exists.
+    torch._dynamo.config.recompile_limit = 2 * limit
+    logger.info("torch._dynamo.config.recompile_limit raised from %d to %d: a checkpointed "
+                "body compiles each variant twice (no-grad and grad)", limit, 2 * limit)
+    return {}
 
 
 def shard_model(model: GlmDsaForCausalLM, /, *, mesh: Any = None,

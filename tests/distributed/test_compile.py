@@ -645,3 +645,73 @@ def test_save_units_on_a_layer_whose_forward_is_excluded_from_compile_give_eager
         x.grad = None
     for expected, got in zip(*grads):
         assert torch.equal(expected, got)
+
+
+def test_compiled_bodies_train_on_sequence_lengths_that_change_between_steps_as_eager_does(
+        ) -> None:
+    # Behind the boundary a body needs two compiled entries per variant: the original pass's
+    # (no-grad) and the replay's (grad). The decoder body's code is shared by the decoder
+    # layers and the MTP layer's block, with or without top-k ids given, so a second sequence
+    # length (dynamo then recompiles with dynamic shapes) went past dynamo's recompile_limit
+    # of 8 in the second step's replay, and the fullgraph body raised "found no compiled
+    # frames" in backward. The eager backend runs the traced ops as they are: bit for bit.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    try:
+        config, eager = build()
+        model = copy.deepcopy(eager)
+        counter = CompileCounterWithBackend("eager")
+        compile_layer_bodies(model, backend=counter)
+        model.checkpoint_layers(1.0, offload=False)
+        compiled = []
+        for step, lens in enumerate(((20, 12), (9, 15), (24, 7, 5), (6, 13, 9))):
+            batch = make_packed_batch(config, lens, seed=step)
+            losses, grads = [], []
+            for net in (eager, model):
+                net.zero_grad(set_to_none=True)
+                before = counter.frame_count
+                loss = net(**batch)["loss"]
+                loss.backward()
+                losses.append(loss)
+                grads.append({n: p.grad for n, p in net.named_parameters()})
+            compiled.append(counter.frame_count - before)
+            assert torch.equal(losses[0], losses[1]), f"step {step}"
+            assert_grads_equal(grads[0], grads[1])
+        # The first step compiles both passes, the second recompiles them with a dynamic length,
+        # the third with a dynamic count of sequences (cu_seqlens), the fourth compiles nothing.
+        assert all(compiled[:3]) and compiled[3] == 0, compiled
+    finally:
+        torch._dynamo.reset()
+        torch.set_num_threads(threads)
+
+
+def test_a_compiled_body_past_dynamos_recompile_limit_is_named_with_the_doubled_entries(
+        ) -> None:
+    # Behind the boundary each variant of a compiled body is two entries (no-grad and grad).
+    # Past dynamo's recompile_limit, the fullgraph body failed in backward with "found no
+    # compiled frames" and a note that blamed a key/value cache.
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            layer = nn.Linear(4, 4)
+            layer.forward = torch.compile(layer.forward, backend="eager", fullgraph=True)
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+            out = layer(torch.randn(3, 4, requires_grad=True))  # the one (no-grad) entry
+            with pytest.raises(Exception) as replay:
+                out.sum().backward()  # the replay's grad entry would be a second
+        with torch._dynamo.config.patch(recompile_limit=2):
+            torch._dynamo.reset()
+            layer(torch.randn(3, 4, requires_grad=True)).sum().backward()  # two entries
+            with pytest.raises(Exception) as original:
+                layer(torch.randn(5, 4, requires_grad=True))  # another shape: a third
+    finally:
+        torch._dynamo.reset()
+    for caught, where in ((replay, "the replay of Linear in backward"),
+                          (original, "the original pass of Linear")):
+        notes = "\n".join(getattr(caught.value, "__notes__", []))
+        assert f"raised in {where}" in notes, notes
+        assert "recompile_limit" in notes and "two entries" in notes, notes
+        assert "key/value cache" not in notes, notes
