@@ -115,7 +115,35 @@ def _fsdp_unit_given_to_checkpoint(rank: int, reshard: bool) -> dict[str, Any]:
     return _error_of_a_step(model, rank)
 
 
-CASES = {"checkpointed_pair_of_fsdp_units": checkpointed_pair_of_fsdp_units,
+def _grads_of_a_step(order: str, rank: int) -> dict[str, torch.Tensor]:
+    """Full gradients after one bf16-parameter step of two blocks, each its own FSDP unit,
+    checkpointed before sharding, after it, or not at all."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Block(), Block(), nn.Linear(8, 1))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in (model[1], model[2]):
+        if order == "checkpoint first":
+            pytree_ckpt.apply_activation_checkpointing(block, offload=False)
+        fully_shard(block, mp_policy=policy)
+        if order == "shard first":
+            pytree_ckpt.apply_activation_checkpointing(block, offload=False)
+        assert pytree_ckpt.is_checkpointed(block) == (order != "eager")
+    fully_shard(model, mp_policy=policy)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).float().square().sum().backward()
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+
+def checkpointed_before_or_after_sharding(rank: int) -> dict[str, Any]:
+    eager = _grads_of_a_step("eager", rank)
+    return {order: [name for name, grad in _grads_of_a_step(order, rank).items()
+                    if not torch.equal(grad, eager[name])]
+            for order in ("checkpoint first", "shard first")}
+
+
+CASES = {"checkpointed_before_or_after_sharding": checkpointed_before_or_after_sharding,"checkpointed_pair_of_fsdp_units": checkpointed_pair_of_fsdp_units,
          "checkpointed_pair_of_fsdp_units_kept_unsharded":
              checkpointed_pair_of_fsdp_units_kept_unsharded,
          "checkpointed_fsdp_unit_using_an_outside_tensor":

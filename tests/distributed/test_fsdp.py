@@ -189,3 +189,11 @@ def test_a_checkpointed_module_that_is_itself_an_fsdp_unit_gets_the_foreign_tens
     for result in _error_case_results(tmp_path, "checkpointed_fsdp_unit_using_an_outside_tensor"):
         assert result["error_type"] == "CheckpointError", result
         assert "neither an input nor a parameter" in result["error"], result
+
+
+def test_checkpointing_before_or_after_fully_shard_gives_the_eager_fsdp_gradients_bit_for_bit(
+        tmp_path: Path) -> None:
+    # docs/scaling.md applies the boundary first; fully_shard first works as well (FSDP's
+    # hooks are the module's, outside the boundary either way), with bf16 parameters too.
+    for result in _error_case_results(tmp_path, "checkpointed_before_or_after_sharding"):
+        assert result["checkpoint first"] == [] and result["shard first"] == [], result
