@@ -57,6 +57,7 @@ from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
+from .eager import DISCARD_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .forward_modules import ForwardModules
 from .frames import callable_name
@@ -82,6 +83,22 @@ log = logging.getLogger(__name__)
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
+
+
+# NOTE [discard stays eager]: a compiled body whose norms go through output discard (the
+# reference model's discard_norm_outputs) cannot trace the Function: it frees outputs in place
+# and hangs their rebuild on a gradient hook. Called from traced code, dynamo gave up on it
+# but traced its forward frame by frame, down to the replay environment's reads of torch's
+# kernel switches, and warned about each builtin it could not trace there (once that body
+# compiled past its second sequence length, NOTE [the decoder body's variants] in
+# examples/glm_dsa/distributed.py). The Function is applied through a function marked to run
+# eagerly instead: the body breaks its graph there, with the reason, and nothing inside is
+# traced (as at the boundary's entry). The public methods are not marked: a method of an
+# object made in the traced frame cannot be called across a graph break, and dynamo then
+# skipped the whole body.
+@runs_eagerly(DISCARD_REASON)
+def _apply(*args: Any) -> Any:
+    return DiscardFunction.apply(*args)
 
 
 class CheckpointWithoutOutput:
@@ -185,7 +202,7 @@ class CheckpointWithoutOutput:
             self.passthrough = True
             self.reachable = None
             return fn(*args, **kwargs)
-        outputs = tuple(DiscardFunction.apply(self, *args, *(self.params or ())))
+        outputs = tuple(_apply(self, *args, *(self.params or ())))  # NOTE [discard stays eager]
         if not any(o.requires_grad for o in outputs):
             # No output can carry a gradient, so autograd keeps no node (and no inputs) to
             # replay from: the discard would free what nothing can rebuild.

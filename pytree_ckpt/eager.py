@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["BOUNDARY_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
+__all__ = ["BOUNDARY_REASON", "DISCARD_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
            "compile_stance_is_default", "compiled_wrapper", "in_compiled_module_call",
            "Told", "runs_eagerly", "user_stacklevel"]
 
@@ -38,6 +38,11 @@ REUSE_REASON = (
     "pytree_ckpt.reuse_during_recompute runs eagerly: it records its result in the boundary's "
     "frame, which traced code would not follow, so a compiled body graph-breaks at the call. "
     "Compile such a body without fullgraph=True (see docs/scaling.md)")
+DISCARD_REASON = (
+    "pytree_ckpt's output discard (CheckpointWithoutOutput) runs eagerly: it frees outputs in "
+    "place and hangs their rebuild on a gradient hook, which traced code would not follow, so "
+    "a compiled body graph-breaks at each discarded op. Compile such a body without "
+    "fullgraph=True (see docs/scaling.md)")
 KEPT_CALLABLE_REASON = (
     "a method kept by a pytree_ckpt save unit (KeptCallables) runs eagerly: the region that "
     "keeps its outputs must see every op it runs. Save units need eager layer bodies (see "

@@ -171,3 +171,48 @@ def test_an_attention_layer_in_eval_mode_discarded_gives_eager_outputs_and_gradi
         proj.zero_grad(set_to_none=True)
     assert torch.equal(*outs)
     assert_same_grads(*grads)
+
+
+def _discarding_body(lin: nn.Linear):
+    def body(h: torch.Tensor) -> torch.Tensor:
+        h = h * 2
+        ckpt = CheckpointWithoutOutput()
+        y = ckpt.checkpoint(torch.nn.functional.rms_norm, h, (8,))
+        out = torch.tanh(lin(y))
+        ckpt.discard_output_and_register_recompute(out)
+        return out * 3
+    return body
+
+
+def test_a_compiled_body_runs_output_discard_eagerly_without_dynamo_warnings() -> None:
+    # NOTE [discard stays eager] in discard.py: dynamo traced the Function's forward frame by
+    # frame, down to the replay environment's kernel-switch reads, and warned about each
+    # builtin it could not trace there.
+    import warnings
+
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    eager_lin = nn.Linear(8, 8)
+    compiled_lin = copy.deepcopy(eager_lin)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    try:
+        counter = CompileCounter()
+        compiled = torch.compile(_discarding_body(compiled_lin), backend=counter)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(xs[0]).sum().backward()
+        assert [str(w.message) for w in caught] == []
+        assert counter.frame_count > 0  # the ops around the discard compiled
+        _discarding_body(eager_lin)(xs[1]).sum().backward()
+        assert torch.equal(xs[0].grad, xs[1].grad)
+        assert_same_grads(grads_of(eager_lin.parameters()), grads_of(compiled_lin.parameters()))
+
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="output discard .* runs eagerly"):
+            torch.compile(_discarding_body(compiled_lin), backend="eager", fullgraph=True)(
+                x.clone().requires_grad_())
+    finally:
+        torch._dynamo.reset()
