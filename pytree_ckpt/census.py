@@ -351,9 +351,17 @@ class ActivationCensus:
         # open, it would pop that one's saved-tensor hooks, and that one's end would make this
         # one record again, every later step; ended on another thread, it would pop that
         # thread's hooks and leave its own thread recording.
+        if self._ended:
+            # Refused as a second __enter__ is: its token is spent (ContextVar.reset raised a
+            # bare RuntimeError), and nothing of it is left to undo.
+            raise CheckpointError(
+                "an ActivationCensus cannot be ended twice", expected="one end per census",
+                got="a second __exit__ after its block ended",
+                tip="end each census once (a with-block does); make a new ActivationCensus "
+                    "for each measurement")
         here = threading.get_ident() == self._thread
         recording = _recording()
-        if not self._ended and (_ACTIVE.get() is not self or not here or recording is not self):
+        if _ACTIVE.get() is not self or not here or recording is not self:
             raise _end_refused(later=here and (self._opened_later()
                                                or recording not in (None, self)))
         try:

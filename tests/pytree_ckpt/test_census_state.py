@@ -126,3 +126,26 @@ def test_a_census_ended_in_a_copy_of_its_context_on_its_thread_is_refused_before
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert pytree_ckpt.census._OPEN == [0]
     loss.backward()
+
+
+def test_a_census_ended_twice_is_refused_and_leaves_the_open_one_recording() -> None:
+    # A second end of a census went on to reset its spent ContextVar token, which raised a
+    # bare RuntimeError ("has already been used once"), outside the CheckpointError family.
+    # Refused as a second __enter__ is, before anything changes: the census open since keeps
+    # recording, and the count of open censuses stays in step.
+    model = nn.Linear(64, 64)
+    first = ActivationCensus(model)
+    with first:
+        pass
+    with ActivationCensus(model) as second:
+        with pytest.raises(CheckpointError, match="(?s)cannot be ended twice.*tip"):
+            first.__exit__(None, None, None)
+        assert pytree_ckpt.census.active_census() is second
+        assert pytree_ckpt.census._OPEN == [1]
+        x = torch.randn(16, 64)
+        loss = model(x).sum()  # recorded by the open census only: the Linear saves x
+    assert second.bytes_by("module") == {"<root>": nbytes(x)}
+    assert first.total_bytes == 0
+    assert pytree_ckpt.census._OPEN == [0]
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    loss.backward()
