@@ -150,7 +150,7 @@ def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "i
     [reuse stays eager]). ``options`` go to ``torch.compile``. Each body may compile twice
     dynamo's ``recompile_limit`` (NOTE [the decoder body's variants]): as ``torch.compile``'s
     ``recompile_limit`` where torch has it (unless ``options`` give one), else by raising
-    ``torch._dynamo.config.recompile_limit`` itself (logged). Returns, per layer name, the
+    ``torch._dynamo.config.recompile_limit`` itself, once per process (logged). Returns, per layer name, the
     ``fullgraph`` it was compiled with.
     """
     options = {**_doubled_recompile_limit(options), **options}
@@ -175,6 +175,11 @@ def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "i
     return chosen
 
 
+# The process-wide recompile_limit _doubled_recompile_limit set on a torch whose torch.compile
+# takes none, or None.
+_RAISED_TO: int | None = None
+
+
 def _doubled_recompile_limit(options: dict[str, Any]) -> dict[str, Any]:
     """The ``torch.compile`` option that lets a body compile both passes of as many variants
     as it would compile without checkpointing (NOTE [the decoder body's variants])."""
@@ -185,7 +190,12 @@ def _doubled_recompile_limit(options: dict[str, Any]) -> dict[str, Any]:
     limit = torch._dynamo.config.recompile_limit
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         return {"recompile_limit": 2 * limit}
-    # An older torch: only the process-wide limit exists.
+    # An older torch: only the process-wide limit exists. Raised once: a second model's
+    # bodies (or a second call) would double it again, and again, for the whole process.
+    global _RAISED_TO
+    if limit == _RAISED_TO:
+        return {}
+    _RAISED_TO = 2 * limit
     torch._dynamo.config.recompile_limit = 2 * limit
     logger.info("torch._dynamo.config.recompile_limit raised from %d to %d: a checkpointed "
                 "body compiles each variant twice (no-grad and grad)", limit, 2 * limit)

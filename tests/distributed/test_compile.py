@@ -715,3 +715,26 @@ def test_a_compiled_body_past_dynamos_recompile_limit_is_named_with_the_doubled_
         assert f"raised in {where}" in notes, notes
         assert "recompile_limit" in notes and "two entries" in notes, notes
         assert "key/value cache" not in notes, notes
+
+
+def test_compile_layer_bodies_on_a_torch_without_the_option_doubles_the_process_limit_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a torch whose torch.compile takes no recompile_limit, compile_layer_bodies doubles
+    # the process-wide torch._dynamo.config.recompile_limit. Each call doubled it again: a
+    # second model (or a rebuilt one, a test suite) gave 32, then 64, for the whole process.
+    import examples.glm_dsa.distributed as distributed
+
+    real = torch.compile
+
+    def compile_without_the_option(model: Any, **kwargs: Any) -> Any:
+        assert "recompile_limit" not in kwargs
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_without_the_option)
+    monkeypatch.setattr(distributed, "_RAISED_TO", None, raising=False)
+    limits = []
+    with torch._dynamo.config.patch(recompile_limit=8):
+        for _ in range(3):
+            compile_layer_bodies(build()[1], backend="eager")  # compiles nothing until called
+            limits.append(torch._dynamo.config.recompile_limit)
+    assert limits == [16, 16, 16]
