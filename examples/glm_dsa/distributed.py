@@ -150,8 +150,8 @@ def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "i
     [reuse stays eager]). ``options`` go to ``torch.compile``. Each body may compile twice
     dynamo's ``recompile_limit`` (NOTE [the decoder body's variants]): as ``torch.compile``'s
     ``recompile_limit`` where torch has it (unless ``options`` give one), else by raising
-    ``torch._dynamo.config.recompile_limit`` itself, once per process (logged). Returns, per layer name, the
-    ``fullgraph`` it was compiled with.
+    ``torch._dynamo.config.recompile_limit`` itself, once per process (logged). Returns, per
+    layer name, the ``fullgraph`` it was compiled with.
     """
     options = {**_doubled_recompile_limit(options), **options}
     chosen: dict[str, bool] = {}
