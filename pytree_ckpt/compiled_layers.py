@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # module.py imports this module
     from .module import _CheckpointedForward
 
 __all__ = ["check_compiled_wrapper", "compiled_over", "recompile_limit_note",
-           "warn_compiled_over", "warn_module_compiled"]
+           "recompile_limit_noted", "warn_compiled_over", "warn_module_compiled"]
 
 
 def warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> None:
@@ -135,15 +135,24 @@ def compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
 # "found no compiled frames" in backward (a body without fullgraph silently ran eagerly). The
 # boundary does not raise the limit itself (a process-wide setting, per context on torch
 # 2.13); the error says why and what to raise.
+# Nested boundaries see the error once each: the innermost one's note (naming the body that
+# could not compile) is the one kept, so an error carrying it is not noted again.
 _LIMIT_SIGNS = ("found no compiled frames", "recompile_limit", "FailOnRecompileLimitHit")
+_NOTED = "where a compiled body could not compile"
+
+
+def recompile_limit_noted(error: BaseException, /) -> bool:
+    """Whether a boundary already added ``recompile_limit_note``'s note to ``error``."""
+    return any(_NOTED in note for note in getattr(error, "__notes__", ()))
 
 
 def recompile_limit_note(error: BaseException, where: str, /) -> str | None:
-    """The note for dynamo's refusal to compile one more entry of a body, else None."""
+    """The note for dynamo's refusal to compile one more entry of a body, else None (None too
+    where an inner boundary added it already)."""
     text = f"{type(error).__name__}: {error}"
-    if not any(sign in text for sign in _LIMIT_SIGNS):
+    if not any(sign in text for sign in _LIMIT_SIGNS) or recompile_limit_noted(error):
         return None
-    return (f"pytree_ckpt: raised in {where}, where a compiled body could not compile: likely "
+    return (f"pytree_ckpt: raised in {where}, {_NOTED}: likely "
             "dynamo's recompile_limit, which counts the entries of each code object. Behind "
             "the checkpoint boundary every variant of a body costs two entries, the original "
             "pass's (no-grad) and the replay's (grad), so the limit allows half the variants "

@@ -22,7 +22,7 @@ from .module_state import is_verified
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .changed_in_place import raise_changed_after_call
-from .compiled_layers import recompile_limit_note
+from .compiled_layers import recompile_limit_note, recompile_limit_noted
 from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tensor,
                        raise_hooked_outside_tensor, raise_torch_reentrant_inside, verify_leaves)
 from .rng import IsolatedPass, Replaying
@@ -220,7 +220,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         limit = recompile_limit_note(error, f"the replay of {fn_name(call.fn)} in backward")
         if limit is not None:  # NOTE [two entries per variant] in compiled_layers.py
             error.add_note(limit)
-        else:
+        elif not recompile_limit_noted(error):  # an inner boundary's replay named it
             error.add_note(
                 f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
                 "runs the forward again on the same arguments, with grad enabled. If the "

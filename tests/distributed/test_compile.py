@@ -717,6 +717,62 @@ def test_a_compiled_body_past_dynamos_recompile_limit_is_named_with_the_doubled_
         assert "key/value cache" not in notes, notes
 
 
+def test_nested_boundaries_name_a_compiled_body_past_the_recompile_limit_once() -> None:
+    # A compiled body behind two boundaries (a checkpointed block inside a checkpointed
+    # stage): past the limit, the error carries one recompile-limit note, from the boundary
+    # whose pass compiled (the inner replay; the outer original pass, where the inner
+    # boundary runs its body plainly under no-grad), and no replay note blaming a cache.
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x).relu()
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            stage = Stage()
+            stage.block.forward = torch.compile(stage.block.forward, backend="eager",
+                                                fullgraph=True)
+            pytree_ckpt.apply_activation_checkpointing(stage.block, offload=False)
+            pytree_ckpt.apply_activation_checkpointing(stage, offload=False)
+            out = stage(torch.randn(3, 4, requires_grad=True))
+            with pytest.raises(Exception) as replay:
+                out.sum().backward()
+        with torch._dynamo.config.patch(recompile_limit=2):
+            torch._dynamo.reset()
+            stage(torch.randn(3, 4, requires_grad=True)).sum().backward()
+            with pytest.raises(Exception) as original:
+                stage(torch.randn(5, 4, requires_grad=True))
+    finally:
+        torch._dynamo.reset()
+    # (In the outer original pass, under no-grad, the inner boundary runs its body plainly.)
+    for caught, where in ((replay, "the replay of Linear in backward"),
+                          (original, "the original pass of Stage")):
+        notes = getattr(caught.value, "__notes__", [])
+        limit_notes = [note for note in notes if "recompile_limit" in note]
+        assert len(limit_notes) == 1, notes
+        assert f"raised in {where}" in limit_notes[0], notes
+        assert not any("key/value cache" in note for note in notes), notes
+
+
+def test_an_error_a_boundary_named_past_the_recompile_limit_is_not_named_again() -> None:
+    # What an outer boundary's except clause does with an error an inner one already noted
+    # (the case above never reaches two clauses on this torch, but an outer replay running an
+    # inner original pass would): the innermost note is kept, and no second one added.
+    from pytree_ckpt.compiled_layers import recompile_limit_note, recompile_limit_noted
+
+    error = RuntimeError("found no compiled frames")
+    first = recompile_limit_note(error, "the original pass of Linear")
+    assert first is not None and not recompile_limit_noted(error)
+    error.add_note(first)
+    assert recompile_limit_noted(error)
+    assert recompile_limit_note(error, "the replay of Stage in backward") is None
+    assert recompile_limit_note(RuntimeError("shape mismatch"), "anywhere") is None
+
+
 def test_compile_layer_bodies_on_a_torch_without_the_option_doubles_the_process_limit_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # On a torch whose torch.compile takes no recompile_limit, compile_layer_bodies doubles
