@@ -79,8 +79,9 @@ class _KeptMethod:
     back. A static or class method is called without the module.
     """
 
-    __slots__ = ("module_ref", "name", "inner", "bound", "kept_as", "__weakref__")
-    _pytree_ckpt_kept = True  # what remove_activation_checkpointing looks for
+    __slots__ = ("module_ref", "name", "inner", "bound", "kept_as", "owners", "__weakref__")
+    _pytree_ckpt_kept = True  # what apply_recompute_config looks for (wrapped already)
+    made = 0  # how many were made (a copy's too): an owner may have appeared (kept_owners.py)
 
     def __init__(self, module: nn.Module, name: str, inner: Any = None,
                  kept_as: str | None = None) -> None:
@@ -95,6 +96,10 @@ class _KeptMethod:
         # each call from the class (a patched class method is honoured).
         self.bound = not isinstance(inspect.getattr_static(type(module), name, None),
                                     (staticmethod, classmethod))
+        # The boundaries keeping it (NOTE [kept methods of shared submodules] in kept_owners.py):
+        # a copy's are the copy's own, found anew.
+        self.owners: weakref.WeakSet[Any] = weakref.WeakSet()
+        _KeptMethod.made += 1
 
     @property
     def __self__(self) -> nn.Module | None:

@@ -45,6 +45,7 @@ from .compiled_layers import (check_compiled_wrapper, compiled_over, warn_compil
 from .eager import BOUNDARY_REASON, in_compiled_module_call, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
+from .kept_owners import keeping_boundary_made, kept_elsewhere, kept_wrappers
 from .module_state import drop_caches
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -76,7 +77,8 @@ class _CheckpointedForward:
         self.bare = bare  # an instance-level forward that was there before, else None
         self.options = options
         if options.keep is not None and options.keep.callables:
-            _KEEPING_METHODS.add(self)  # NOTE [kept methods of shared submodules]
+            # NOTE [kept methods of shared submodules] in kept_owners.py
+            keeping_boundary_made(self)
         # Look for torch.compile(layer) around the module: at the next call (None), at calls
         # made while such a wrapper's call runs (True), or never (False: its body is compiled).
         self.check_wrapper: bool | None = None
@@ -165,57 +167,6 @@ def _restore_forward(module: nn.Module, method: str | None,
                      options: BoundaryOptions) -> _CheckpointedForward:
     bare = None if method is None else types.MethodType(getattr(type(module), method), module)
     return _CheckpointedForward(module, bare, options)
-
-
-# NOTE [kept methods of shared submodules]: one submodule may sit inside several checkpointed
-# layers (shared MTP weights, a shared gate; a layer and a submodule of it checkpointed on its
-# own), and its kept method is wrapped once for all of them. Removing checkpointing from one
-# layer must leave the wrapper while another layer still checkpointed keeps that method (its
-# replay would silently recompute it, its memory no longer kept), and put back exactly what the
-# module had once the last one goes. Which layers keep it is asked when a layer is removed, of
-# the boundaries alive whose policy keeps methods (copies, deep or pickled, register their
-# own): nothing to carry along when a model is copied.
-_KEEPING_METHODS: weakref.WeakSet[_CheckpointedForward] = weakref.WeakSet()
-
-
-def _kept_elsewhere(module: nn.Module, wrapped: dict[int, nn.Module], /) -> set[tuple[int, str]]:
-    """(id of a submodule, method name) for each method of the submodules ``wrapped`` (by id)
-    that a layer other than ``module``, still checkpointed, keeps (NOTE [kept methods of shared
-    submodules]): among its submodules, as ``apply_recompute_config`` matched them (a nested
-    boundary's included). Each such layer's tree is walked by id only, reading the ``__dict__``
-    of ``wrapped``'s submodules alone: removing every layer of a model is then about as costly
-    as walking it once per layer (a full read of every other layer's modules made removing 61
-    MoE layers take seconds)."""
-    kept: set[tuple[int, str]] = set()
-    for forward in list(_KEEPING_METHODS):
-        layer = forward.module_ref()
-        if layer is None or layer is module or _installed(layer) is not forward:
-            continue
-        assert forward.options.keep is not None  # registered with a policy
-        callables = forward.options.keep.callables
-        for sub in _among_submodules(layer, wrapped):
-            for name, held in sub.__dict__.items():
-                if getattr(held, "_pytree_ckpt_kept", False) and held.kept_as in callables:
-                    kept.add((id(sub), name))
-    return kept
-
-
-def _among_submodules(layer: nn.Module, wanted: dict[int, nn.Module], /) -> list[nn.Module]:
-    """Those of ``wanted`` (by id) that are ``layer`` or among its submodules."""
-    found: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = [layer]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if wanted.get(id(node)) is node:
-            found.append(node)
-        for child in node._modules.values():
-            if child is not None:
-                stack.append(child)
-    return found
 
 
 def _installed(module: nn.Module) -> _CheckpointedForward | None:
@@ -386,7 +337,7 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     boundary since: that forward stays; a ``torch.compile`` wrapper of the boundary goes with
     it, NOTE [compiled over the boundary] in compiled_layers.py); methods wrapped by its save
     units are restored too, but for those another layer still checkpointed keeps (NOTE [kept
-    methods of shared submodules]).
+    methods of shared submodules] in kept_owners.py).
     """
     drop_caches(module)
     installed = _installed(module)
@@ -395,11 +346,11 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
         return module  # never wrapped (or its forward replaced since): nothing to undo
     # Methods its save units wrapped (KeptCallables), in submodules behind a boundary of their
     # own too: its units keep those as well (in its replay, their original pass is taken from
-    # its records). NOTE [kept methods of shared submodules]: not those another layer keeps.
-    wrapped = [(sub, name, kept) for sub in module.modules()
-               for name, kept in sub.__dict__.items() if getattr(kept, "_pytree_ckpt_kept", False)]
+    # its records). NOTE [kept methods of shared submodules] in kept_owners.py: not those
+    # another layer keeps.
+    wrapped = kept_wrappers(module)
     if wrapped:
-        elsewhere = _kept_elsewhere(module, {id(sub): sub for sub, _, _ in wrapped})
+        elsewhere = kept_elsewhere(module, wrapped, _installed)
         for sub, name, kept in wrapped:
             if (id(sub), name) in elsewhere:
                 continue

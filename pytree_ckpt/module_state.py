@@ -33,7 +33,7 @@ __all__ = ["ModuleDicts", "any_lazy", "call_switches", "changed_submodule", "col
            "drop_caches", "ever_verified", "foreign_leaf", "graph_attributes", "is_verified",
            "mark_verified", "module_buffers", "module_dicts", "owning_module",
            "structure_generation", "submodules_now", "trainable_parameters",
-           "warn_forward_hooks"]
+           "warn_forward_hooks", "watch_module_structure"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -57,7 +57,8 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
 _DICTS = "_pytree_ckpt_dicts"
 _VERIFIED = "_pytree_ckpt_verified"
 # Bumped whenever any module gets a submodule (torch's global registration hook, installed at
-# the first boundary call): cached parameter dicts and verifications older than it are stale.
+# the first boundary call, or when a boundary keeping methods is made: kept_owners.py): cached
+# parameter dicts and verifications older than it are stale.
 _structure_generation = 0
 _hook_installed = False
 
@@ -67,7 +68,8 @@ def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     _structure_generation += 1
 
 
-def _watch_module_structure() -> None:
+def watch_module_structure() -> None:
+    """Install torch's global registration hook that moves ``structure_generation`` (once)."""
     global _hook_installed
     if not _hook_installed:
         nn.modules.module.register_module_module_registration_hook(_bump_generation)
@@ -206,7 +208,7 @@ class ModuleDicts(NamedTuple):
 def module_dicts(module: nn.Module, /) -> ModuleDicts:
     """The dicts of ``module``'s tree, checked against its structure (call once per call)."""
     if not _hook_installed:
-        _watch_module_structure()
+        watch_module_structure()
     _check_structure(module)
     key = _structure_generation
     cached = module.__dict__.get(_DICTS)
