@@ -75,5 +75,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.layers} layers of {modules} modules: removing all took {best:.3f} s "
           f"(best of {args.rounds})")
 
+
 if __name__ == "__main__":
     main()
