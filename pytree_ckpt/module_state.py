@@ -56,9 +56,9 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
 
 _DICTS = "_pytree_ckpt_dicts"
 _VERIFIED = "_pytree_ckpt_verified"
-# Bumped whenever any module gets a submodule (torch's global registration hook, installed at
-# the first boundary call, or when a boundary keeping methods is made: kept_owners.py): cached
-# parameter dicts and verifications older than it are stale.
+# Bumped whenever any module gets a submodule, or a buffer under a new name (torch's global
+# registration hooks, installed at the first boundary call, or when a boundary keeping methods
+# is made: kept_owners.py): cached parameter dicts and verifications older than it are stale.
 _structure_generation = 0
 _hook_installed = False
 
@@ -68,11 +68,26 @@ def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     _structure_generation += 1
 
 
+def _bump_generation_for_new_buffer(module: nn.Module, name: str, buffer: Any) -> None:
+    # NOTE [a new buffer is new state]: a buffer registered under a new name is state a
+    # forward may change (the deprecated spectral_norm registers its u and v and a pre-hook
+    # that iterates them, with no submodule): the layers' next calls must clone their small
+    # buffers before the forward, as at their first calls (snapshots_wanted in
+    # state_changes.py), or a layer that already replayed would replay from what its forward
+    # left. A buffer reassigned under its name (an EMA, each call) goes through torch's
+    # register_buffer too, and is no new state: not counted.
+    global _structure_generation
+    if name not in module._buffers:
+        _structure_generation += 1
+
+
 def watch_module_structure() -> None:
-    """Install torch's global registration hook that moves ``structure_generation`` (once)."""
+    """Install torch's global registration hooks that move ``structure_generation`` (once)."""
     global _hook_installed
     if not _hook_installed:
         nn.modules.module.register_module_module_registration_hook(_bump_generation)
+        nn.modules.module.register_module_buffer_registration_hook(
+            _bump_generation_for_new_buffer)
         _hook_installed = True
 
 
@@ -137,7 +152,8 @@ def _check_structure(module: nn.Module) -> None:
 
 
 def structure_generation() -> int:
-    """The current structure generation (a count of registered submodules, process-wide)."""
+    """The current structure generation (a count of registered submodules and new buffer
+    names, process-wide)."""
     return _structure_generation
 
 

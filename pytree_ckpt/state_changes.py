@@ -52,7 +52,9 @@ def mark_stateful(module: nn.Module, /) -> None:
 
 def snapshots_wanted(module: nn.Module, /) -> bool:
     """Whether the next forward of ``module`` clones its small buffers first: at its first
-    calls (until its first replay), and once a forward of it changed state."""
+    calls (until its first replay; a buffer registered since under a new name, anywhere,
+    starts these again: NOTE [a new buffer is new state] in module_state.py), and once a
+    forward of it changed state."""
     return bool(module.__dict__.get(_STATEFUL)) or not ever_verified(module)
 
 

@@ -5,6 +5,7 @@ for bit in fp32."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -240,6 +241,40 @@ def test_a_weight_without_graph_set_by_a_pre_hook_is_each_calls_own_over_micro_b
         return grads_of([*xs, layer.bias])
 
     assert_same_grads(run(False), run(True))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.spectral_norm is old
+@pytest.mark.parametrize("norm", [torch.nn.utils.spectral_norm, parametrizations.spectral_norm],
+                         ids=["pre-hook", "parametrization"])
+def test_spectral_norm_added_to_a_layer_that_already_replayed_gives_eager_steps(norm: Any) -> None:
+    # Spectral norm's power iteration changes its u (and v) buffers in every training forward:
+    # the replay must start from the values before the forward, which are cloned only at a
+    # module's first calls or once its forward was seen changing state. Added after the
+    # layer's first replay, the pre-hook kind (buffers and a hook, no submodule) was not seen:
+    # the first step's replay iterated again from the forward's u, and every gradient of the
+    # layer was off, silently. The parametrization (a submodule) was always seen.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    x = torch.randn(4, 8)
+    losses: list[list[torch.Tensor]] = [[], []]
+    grads: list[list[list[torch.Tensor | None]]] = [[], []]
+    for i, m in enumerate((eager, model)):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(3):
+            if step == 1:  # after a first step, forward and replay included
+                torch.manual_seed(1)  # u and v start from random vectors
+                norm(m[0])
+            loss = m(x).square().mean()
+            loss.backward()
+            losses[i].append(loss.detach())
+            grads[i].append(grads_of(m.parameters()))
+            optimizer.step()
+            optimizer.zero_grad()
+    for step in range(3):
+        assert torch.equal(losses[0][step], losses[1][step]), step
+        assert_same_grads(grads[0][step], grads[1][step])
+    assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), model.buffers()))
 
 
 def test_a_backward_inside_a_cached_block_after_an_outside_use_of_the_weight_gives_eager_grads(
