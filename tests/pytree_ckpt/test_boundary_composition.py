@@ -243,6 +243,61 @@ def test_a_weight_without_graph_set_by_a_pre_hook_is_each_calls_own_over_micro_b
     assert_same_grads(run(False), run(True))
 
 
+class Symmetric(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.triu() + weight.triu(1).transpose(-1, -2)
+
+
+class Halved(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 0.5
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("where", ["submodule", "layer"])
+def test_a_parametrization_registered_and_removed_around_wrapping_gives_eager_steps(
+        when: str, where: str) -> None:
+    # register_parametrization swaps the module's class for a generated subclass (and
+    # remove_parametrizations swaps it back), while the boundary is an instance-level forward
+    # that calls type(module).forward: on the checkpointed layer itself too. Two chained ones,
+    # registered before or after wrapping (after a first step: caches built), then removed,
+    # with SGD steps.
+    def parametrized(m: nn.Module) -> nn.Linear:
+        return m if where == "layer" else m[0]  # type: ignore[index,return-value]
+
+    torch.manual_seed(0)
+    eager: nn.Module = nn.Linear(8, 8) if where == "layer" else \
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model = copy.deepcopy(eager)
+    if when == "before":
+        for m in (eager, model):
+            parametrize.register_parametrization(parametrized(m), "weight", Symmetric())
+            parametrize.register_parametrization(parametrized(m), "weight", Halved())
+    pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+    x = torch.randn(4, 8)
+    for step in range(4):
+        if step == 1 and when == "after":
+            for m in (eager, model):
+                parametrize.register_parametrization(parametrized(m), "weight", Symmetric())
+                parametrize.register_parametrization(parametrized(m), "weight", Halved())
+        if step == 3:
+            for m in (eager, model):
+                parametrize.remove_parametrizations(parametrized(m), "weight")
+        assert type(parametrized(model)).__name__ == \
+            ("Linear" if step == 3 or (step == 0 and when == "after") else "ParametrizedLinear")
+        losses, grads = [], []
+        for m in (eager, model):
+            loss = torch.tanh(m(x)).square().sum()
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append(grads_of(m.parameters()))
+            torch.optim.SGD(m.parameters(), lr=0.1).step()
+            m.zero_grad()
+        assert torch.equal(*losses), step
+        assert_same_grads(*grads)
+    assert pytree_ckpt.is_checkpointed(model)
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.spectral_norm is old
 @pytest.mark.parametrize("norm", [torch.nn.utils.spectral_norm, parametrizations.spectral_norm],
                          ids=["pre-hook", "parametrization"])

@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch import nn
 
+import offload
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, checkpoint
 from tests.conftest import assert_same_grads, grads_of, grads_per_model
-from tests.pytree_ckpt.models import Dropped, Stack, UsesOwnWeight
+from tests.pytree_ckpt.models import Dropped, Gate, JitteredOnly, Stack, UsesOwnWeight
 
 
 class Scaled(nn.Module):
@@ -616,3 +617,75 @@ def test_lazy_buffers_are_materialized_and_a_module_left_lazy_is_reported(
     assert [r.getMessage()[:45] for r in caplog.records] == [
         "LazyNorm still has uninitialized (lazy) param"]  # once, not per call
     assert torch.equal(eager.lin.weight.grad * 2, layer.lin.weight.grad)
+
+
+class Tower(nn.Module):
+    """An input projection, then layers with a kept method (``Gate.project``), a replayed
+    frozen result (``JitteredOnly``), BatchNorm buffers and dropout (``Dropped``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(nn.Sequential(Gate(), JitteredOnly(), Dropped())
+                                    for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return h.square().mean()
+
+
+@pytest.fixture
+def swap_on_conversion(request: pytest.FixtureRequest) -> Any:
+    torch.__future__.set_swap_module_params_on_conversion(request.param)
+    yield request.param
+    torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("swap_on_conversion", [False, True], ids=["set-data", "swap-tensors"],
+                         indirect=True)
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save-unit"])
+def test_a_model_checkpointed_on_the_meta_device_then_materialized_trains_as_its_eager_twin(
+        swap_on_conversion: bool, save: bool) -> None:
+    # torchtitan's flow: build under torch.device("meta"), checkpoint, to_empty, load the
+    # weights, train; then convert between steps (.double()). Materializing gives new
+    # parameter objects (or, with swap_module_params_on_conversion, swaps their contents with
+    # torch.utils.swap_tensors): anything the boundary cached from the meta tensors (a
+    # parameter list, a version, a weak reference) would be stale.
+    torch.manual_seed(0)
+    eager = Tower()
+    with torch.device("meta"):
+        model = Tower()
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    if save:
+        pytree_ckpt.apply_recompute_config(
+            model.layers, pytree_ckpt.RecomputeConfig(1.0, save=["moe_gate"]),
+            {pytree_ckpt.SaveUnit.MOE_GATE: pytree_ckpt.KeptCallables("Gate.project")},
+            offload=manager)
+    else:
+        pytree_ckpt.checkpoint_layers(model.layers, offload=manager)
+    model.to_empty(device="cpu")
+    model.load_state_dict(eager.state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
+    with pytree_ckpt.ActivationCensus(model) as census:
+        for step, dtype in enumerate((torch.float32, torch.float32, torch.float64)):
+            if dtype is torch.float64:
+                eager.double()
+                model.double()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step), dtype=dtype)
+            losses, grads = [], []
+            for m, optimizer in zip((eager, model), optimizers):
+                torch.manual_seed(step)  # the dropout masks
+                loss = m(x)
+                loss.backward()
+                losses.append(loss.detach())
+                grads.append(grads_of(m.parameters()))
+                optimizer.step()
+                optimizer.zero_grad()
+            assert torch.equal(*losses), step
+            assert_same_grads(*grads)
+    assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), model.buffers()))
+    assert census.total_bytes == 0  # nothing left held after the last backward
+    stats = manager.stats()
+    assert stats["offloaded_bytes"] > 0 and stats["host_buffers_in_use"] == 0
