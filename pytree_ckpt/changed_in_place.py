@@ -248,14 +248,31 @@ def raise_parameter_changed_after_call(where: str,
     ``max_norm`` renorm) is changed again by the replay: exact only when repeating the change
     leaves it as it is; warned once per module when the replay moves a version again
     (``warn_parameter_changed`` in stored_state.py; a change inside
-    ``reuse_during_recompute`` is not replayed, and not told). Writes through ``.data``, and
-    FSDP2's all-gathers (which keep the version counter), are not seen. Output discard's
+    ``reuse_during_recompute`` is not replayed, and not told). Writes through ``.data`` (a
+    ``model.half()`` without ``swap_module_params_on_conversion``), and FSDP2's all-gathers
+    (which keep the version counter), are not seen. A version that went back was swapped in
+    with the tensor (``torch.utils.swap_tensors``: a conversion under
+    ``swap_module_params_on_conversion``), and is named so. Output discard's
     rebuild (discard.py) checks its op's parameters the same way. ``where`` names the
     function, ``changed`` the parameters with their versions then and now (a move our own
     passes made, the same layer's next micro-batch changing it again, is not counted:
     ``ParameterVersions``); ``modules`` hold them, for their paths."""
     paths = [parameter_path(modules, p) for p, _, _ in changed]
     _, version, now = changed[0]
+    if any(n < v for _, v, n in changed):
+        # A version counter only grows: one that went back came with the tensor's contents,
+        # swapped in by torch.utils.swap_tensors (a conversion, model.double(), or
+        # load_state_dict, under swap_module_params_on_conversion). Eager refuses that swap
+        # (autograd holds its parameters); a checkpointed layer's original pass held none.
+        raise CheckpointError(
+            f"{where}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
+            f"{'were' if len(paths) > 1 else 'was'} replaced by torch.utils.swap_tensors "
+            "between the forward and this backward (model.to(), .double(), .half() or "
+            "load_state_dict with torch.__future__.set_swap_module_params_on_conversion(True)): "
+            "the replay would run on the new tensors (eager refuses the conversion itself)",
+            expected="trainable parameters left as the forward used them until its backward",
+            got=f"{paths[0]}: version {version} at the forward, {now} now",
+            tip="convert the model between steps (after backward), as eager requires")
     raise CheckpointError(
         f"{where}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
         f"{'were' if len(paths) > 1 else 'was'} changed in place between the forward and this "

@@ -455,6 +455,39 @@ def test_a_parameter_changed_in_place_between_forward_and_backward_is_refused_as
         assert x.grad is None and model[0].weight.grad is None  # nothing half-done
 
 
+def test_parameters_swapped_by_a_conversion_between_forward_and_backward_are_refused_naming_it(
+) -> None:
+    # With swap_module_params_on_conversion, model.double() swaps each parameter's contents
+    # (torch.utils.swap_tensors, version counter included). Eager refuses the conversion (its
+    # ops saved the parameters); a checkpointed layer's original pass saved none, so the swap
+    # succeeds, and backward refused it as "changed in place ... (an optimizer step", with
+    # the version going back (1 at the forward, 0 now): a cause the user did not have.
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for wrap in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+            if wrap:
+                pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+            x = torch.randn(3, 4, requires_grad=True)
+            loss = model(x).sum()
+            if not wrap:
+                with pytest.raises(RuntimeError, match="Couldn't swap Linear.weight"):
+                    model.double()
+                continue
+            model.double()
+            with pytest.raises(pytree_ckpt.CheckpointError,
+                               match=r"(?s)Sequential's parameters 0\.weight, 0\.bias, 2\.weight, "
+                                     r"2\.bias were replaced by torch\.utils\.swap_tensors "
+                                     r"between the forward and this backward.*got: +0\.weight: "
+                                     r"version 1 at the forward, 0 now.*convert the model "
+                                     r"between steps"):
+                loss.backward()
+            assert x.grad is None and model[0].weight.grad is None  # nothing half-done
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
 class Constrained(nn.Module):
     """Changes its own trainable weight in the forward (``scale`` each call)."""
 
