@@ -33,7 +33,7 @@ import math
 import numbers
 import types
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing",
            "is_checkpointed", "checkpoint_layers", "resolve_offload", "body_forward",
-           "install_boundary", "layer_count", "refuse_other_options", "validate_ratio"]
+           "install_boundary", "layer_count", "refuse_checkpointed_beyond", "refuse_other_options",
+           "validate_ratio"]
 
 _INSTALLED = "_pytree_ckpt_installed"
 
@@ -384,6 +385,24 @@ def _own_submodules(module: nn.Module) -> list[nn.Module]:
     return found
 
 
+def refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: float, /
+                               ) -> None:
+    """A layer past the first ``count`` that is checkpointed (an earlier apply with a higher
+    ratio, or layers inserted in front of checkpointed ones since) would stay so, and the
+    returned indices would be wrong; ``checkpoint_layers`` and ``apply_recompute_config``
+    refuse before changing any layer."""
+    for index in range(count, len(layers)):
+        if is_checkpointed(layers[index]):
+            raise CheckpointConfigError(
+                f"layer {index} ({type(layers[index]).__name__}) is checkpointed, but "
+                f"ratio={ratio} checkpoints only the first {count} of {len(layers)} layers",
+                expected=f"layers {count}..{len(layers) - 1} not checkpointed",
+                got=f"layers[{index}] checkpointed (an earlier apply with a higher ratio, or "
+                    "layers inserted before it since?)",
+                tip="call remove_activation_checkpointing on every layer first, then apply "
+                    "the new config")
+
+
 def validate_ratio(ratio: object, /) -> float:
     """``ratio`` as a float in [0, 1], or a ``CheckpointConfigError`` with a tip."""
     if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
@@ -431,6 +450,7 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
     """
     listed = listed_layers(layers, "checkpoint_layers")
     count = layer_count(len(listed), validate_ratio(ratio))
+    refuse_checkpointed_beyond(listed, count, ratio)
     manager = resolve_offload(offload)
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager)
     for index, layer in enumerate(listed[:count]):  # before any changes: refused, none change

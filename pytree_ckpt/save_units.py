@@ -32,7 +32,8 @@ from .keep import KeepPolicy
 from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misses
 from .kept_ops import KeptOps
 from .module import (body_forward, install_boundary, is_checkpointed, layer_count,
-                     listed_layers, refuse_other_options, resolve_offload, validate_ratio)
+                     listed_layers, refuse_checkpointed_beyond, refuse_other_options,
+                     resolve_offload, validate_ratio)
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -209,7 +210,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     # Before anything changes: refused, nothing changes.
     for index, layer in enumerate(chosen):
         refuse_other_options(layer, options, index=index)
-    _refuse_checkpointed_beyond(listed, count, config.ratio)
+    refuse_checkpointed_beyond(listed, count, config.ratio)
     for module, name in kept:
         _refuse_unkeepable(module, name, chosen)
     for module, name in kept:
@@ -219,20 +220,6 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     for layer in chosen:
         install_boundary(layer, options)
     return list(range(count))
-
-
-def _refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: float) -> None:
-    """A layer past the first ``count`` that is checkpointed (an earlier config with a higher
-    ratio) would stay so, and the returned indices would be wrong."""
-    for index in range(count, len(layers)):
-        if is_checkpointed(layers[index]):
-            raise CheckpointConfigError(
-                f"layer {index} ({type(layers[index]).__name__}) is checkpointed, but "
-                f"ratio={ratio} checkpoints only the first {count} of {len(layers)} layers",
-                expected=f"layers {count}..{len(layers) - 1} not checkpointed",
-                got=f"layers[{index}] checkpointed (an earlier apply with a higher ratio?)",
-                tip="call remove_activation_checkpointing on every layer first, then apply "
-                    "the new config")
 
 
 def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) -> None:

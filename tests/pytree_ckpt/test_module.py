@@ -203,6 +203,31 @@ def test_layer_ratio_outside_zero_to_one_is_refused_with_a_tip(ratio: object) ->
     assert isinstance(err.value, ValueError) and "tip:" in str(err.value)
 
 
+def test_a_lower_ratio_over_layers_checkpointed_beyond_it_is_refused_before_any_change() -> None:
+    # ModuleList surgery between steps: a new layer inserted in front moves the checkpointed
+    # ones back. checkpoint_layers(..., ratio) then returned the first indices as the
+    # checkpointed ones while those past them silently stayed checkpointed (apply_recompute_config
+    # refused the same call).
+    model = Stack()
+    assert checkpoint_layers(model.layers, ratio=0.5) == [0, 1]
+    model.layers.insert(0, nn.Linear(8, 8))
+    for apply in (lambda: checkpoint_layers(model.layers, ratio=0.4),
+                  lambda: pytree_ckpt.apply_recompute_config(
+                      model.layers, pytree_ckpt.RecomputeConfig(0.4), {})):
+        with pytest.raises(CheckpointConfigError,
+                           match=r"(?s)layer 2 \(Layer\) is checkpointed, but ratio=0\.4 "
+                                 r"checkpoints only the first 2 of 5 layers.*tip: call "
+                                 r"remove_activation_checkpointing"):
+            apply()
+        assert [is_checkpointed(layer) for layer in model.layers] == \
+            [False, True, True, False, False]  # unchanged
+    for layer in model.layers:
+        remove_activation_checkpointing(layer)
+    assert checkpoint_layers(model.layers, ratio=0.4) == [0, 1]
+    assert [is_checkpointed(layer) for layer in model.layers] == \
+        [True, True, False, False, False]
+
+
 def test_wrapping_something_else_than_a_module_is_refused() -> None:
     with pytest.raises(CheckpointConfigError, match="expects an nn.Module"):
         apply_activation_checkpointing(lambda x: x)  # type: ignore[arg-type]
