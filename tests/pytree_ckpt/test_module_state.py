@@ -689,3 +689,33 @@ def test_a_model_checkpointed_on_the_meta_device_then_materialized_trains_as_its
     assert census.total_bytes == 0  # nothing left held after the last backward
     stats = manager.stats()
     assert stats["offloaded_bytes"] > 0 and stats["host_buffers_in_use"] == 0
+
+
+def test_weights_assigned_between_forward_and_backward_leave_the_backward_to_the_forwards_ones(
+) -> None:
+    # load_state_dict(assign=True) puts new Parameter objects in the modules between a forward
+    # and its backward (a checkpoint reload, an EMA swap). Eager's backward goes through the
+    # tensors the forward used: the replay must run on those too (put back for it), their
+    # .grad filled and the new ones' left None, and the next step uses the new ones.
+    torch.manual_seed(0)
+    eager = Tower()
+    model = copy.deepcopy(eager)
+    pytree_ckpt.checkpoint_layers(model.layers, offload=False)
+    loaded = {k: v + 0.25 if v.is_floating_point() else v.clone()
+              for k, v in eager.state_dict().items()}
+    x = torch.randn(4, 8)
+    losses, grads = [], []
+    for m in (eager, model):
+        used = list(m.parameters())
+        torch.manual_seed(1)
+        loss = m(x)
+        m.load_state_dict(loaded, assign=True)
+        loss.backward()
+        assert all(p.grad is None for p in m.parameters())
+        torch.manual_seed(2)
+        m(x).backward()  # the next step, on the loaded weights
+        losses.append(loss.detach())
+        grads.append(grads_of(used) + grads_of(m.parameters()))
+    assert torch.equal(*losses)
+    assert_same_grads(*grads)
+    assert all(g is not None for g in grads[0])
