@@ -488,6 +488,32 @@ def test_parameters_swapped_by_a_conversion_between_forward_and_backward_are_ref
         torch.__future__.set_swap_module_params_on_conversion(False)
 
 
+def test_a_conversion_making_new_parameters_between_forward_and_backward_gives_eager_grads(
+) -> None:
+    # With overwrite_module_params_on_conversion, model.double() puts new Parameter objects in
+    # the modules: eager's backward goes through the forward's float tensors, and so must the
+    # replay (the forward's entries are put back for it); the new ones get no gradient.
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        grads = []
+        x = torch.randn(3, 4, requires_grad=True)
+        for wrap in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+            if wrap:
+                pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+            used = list(model.parameters())
+            loss = model(x).sum()
+            model.double()
+            loss.backward()
+            assert all(p.grad is None and p.dtype is torch.float64 for p in model.parameters())
+            grads.append(grads_of([x, *used]))
+            x.grad = None
+        assert_same_grads(*grads)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
 class Constrained(nn.Module):
     """Changes its own trainable weight in the forward (``scale`` each call)."""
 
