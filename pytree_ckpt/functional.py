@@ -16,7 +16,7 @@ from torch import nn
 from .boundary import run_boundary
 from .boundary_call import DEFAULT_OPTIONS, BoundaryOptions
 from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
-from .refusals import fn_name, require_callable
+from .refusals import fn_name, refuse_container, require_callable
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -25,8 +25,24 @@ __all__ = ["checkpoint", "checkpointed"]
 
 T = TypeVar("T")
 
-_TORCH_OPTIONS = frozenset({"use_reentrant", "preserve_rng_state", "context_fn",
-                            "determinism_check", "debug"})
+# torch.utils.checkpoint's options, each with what takes its place here.
+_TORCH_OPTIONS = {
+    "use_reentrant": "drop use_reentrant (the boundary is always reentrant-style, and takes "
+                     "any PyTree)",
+    "preserve_rng_state": "set preserve_rng_state with pytree_ckpt.checkpointed(fn, "
+                          "preserve_rng_state=...)(*args)",
+    "context_fn": "selective checkpointing (create_selective_checkpoint_contexts) is "
+                  "RecomputeConfig(save=[...]) with KeptOps targets, applied to layers with "
+                  "apply_recompute_config (docs/save_units.md)",
+    "determinism_check": "drop determinism_check (the structure, shapes and dtypes of the "
+                         "replay's outputs are always checked: ReplayMismatchError)",
+    "debug": "drop debug (a replay that differs raises ReplayMismatchError naming the key path,"
+             " and an error raised in the replay says it came from there)",
+}
+
+
+def _torch_options_tip(names: list[str], /) -> str:
+    return "; ".join(_TORCH_OPTIONS[name] for name in names)
 
 
 def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
@@ -49,8 +65,11 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """
     require_callable(fn, "checkpoint", "checkpoint(layer, x) or checkpoint(fn, x, ...): the "
                       "function (or module) first, then its arguments")
+    if isinstance(fn, nn.Module) and type(fn).forward is nn.Module.forward:
+        # torch's own "missing the required forward function" otherwise, naming no fix
+        refuse_container(fn, "checkpoint would have nothing to run")
     # Code moved over from torch.utils.checkpoint passes its options as keywords.
-    torch_options = sorted(_TORCH_OPTIONS & kwargs.keys()) if kwargs else []
+    torch_options = sorted(_TORCH_OPTIONS.keys() & kwargs.keys()) if kwargs else []
     swallowed = _swallowed(fn, torch_options) if torch_options else []
     if swallowed:
         # A forward taking **kwargs (a transformers decoder layer) takes them silently; one
@@ -58,9 +77,8 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         warnings.warn(
             f"pytree_ckpt.checkpoint passes every keyword to fn, so {fn_name(fn)} receives "
             f"{swallowed} in its **kwargs: options of torch.utils.checkpoint, which mean "
-            "nothing here. Tip: drop use_reentrant (the boundary is always reentrant-style, "
-            "and takes any PyTree), and set other options with pytree_ckpt.checkpointed(fn, "
-            "preserve_rng_state=...)", stacklevel=user_stacklevel())
+            f"nothing here. Tip: {_torch_options_tip(swallowed)}",
+            stacklevel=user_stacklevel())
     try:
         return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
     except TypeError as error:
@@ -68,9 +86,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
                 any(name in str(error) for name in torch_options):
             error.add_note(
                 f"pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} included "
-                "(torch.utils.checkpoint's options). Tip: drop use_reentrant (the boundary is "
-                "always reentrant-style, and takes any PyTree), and set other options with "
-                "pytree_ckpt.checkpointed(fn, preserve_rng_state=...).")
+                f"(torch.utils.checkpoint's options). Tip: {_torch_options_tip(torch_options)}.")
         raise
 
 
@@ -86,6 +102,8 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     # Refused now, not at the first call, far from where it was made.
     require_callable(fn, "checkpointed", "checkpointed(layer) or checkpointed(fn, "
                       "preserve_rng_state=False); the arguments go to the wrapper it returns")
+    if isinstance(fn, nn.Module):
+        refuse_container(fn, "the wrapper would have nothing to run")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload))
 

@@ -47,6 +47,8 @@ from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .kept_owners import keeping_boundary_made, kept_elsewhere, kept_wrappers
 from .module_state import drop_caches
+from .refusals import refuse_container
+from .tree import describe_leaf
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -200,7 +202,7 @@ def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager 
     current device, chosen now: call ``torch.cuda.set_device`` first (see
     ``offload.default_manager``).
     """
-    from offload import OffloadManager, default_manager, env_flag
+    from offload import OffloadConfig, OffloadManager, default_manager, env_flag
 
     if offload is None:
         offload = env_flag(OFFLOAD_ENV)  # CheckpointConfigError (a ValueError) if unparsable
@@ -210,10 +212,20 @@ def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager 
         return None
     if isinstance(offload, OffloadManager):
         return offload
+    if isinstance(offload, (str, int, float)):  # a flag read from a config file or the CLI
+        got = f"{type(offload).__name__} {offload!r}"
+        tip = ("offload=True turns it on (the process's default manager), offload=False off"
+               + ("; a string is not parsed (XTUNER_ACTIVATION_OFFLOAD is, when offload=None):"
+                  " parse a switch of your own with offload.env_flag(name)"
+                  if isinstance(offload, str) else ""))
+    elif isinstance(offload, OffloadConfig):
+        got, tip = "OffloadConfig", "pass offload.OffloadManager(config, device=...)"
+    else:
+        got, tip = type(offload).__name__, \
+            "build one with offload.OffloadManager(offload.OffloadConfig(...))"
     raise CheckpointConfigError(
         "offload= takes None (read XTUNER_ACTIVATION_OFFLOAD), a bool or an OffloadManager",
-        expected="None | bool | offload.OffloadManager", got=type(offload).__name__,
-        tip="build one with offload.OffloadManager(offload.OffloadConfig(...))")
+        expected="None | bool | offload.OffloadManager", got=got, tip=tip)
 
 
 def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: bool = True,
@@ -239,12 +251,33 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
                               offload=resolve_offload(offload))
     if check_fn is None:
         return install_boundary(module, options)
+    _refuse_policy(check_fn)
     chosen = _chosen_by(module, check_fn)
     for _, layer in chosen:  # before any changes: refused, none change
         refuse_other_options(layer, options)
     for _, layer in chosen:
         install_boundary(layer, options)
     return module
+
+
+def _refuse_policy(check_fn: object, /) -> None:
+    """Refuse a ``check_fn`` that names layer classes instead of testing a module: torchtune's
+    ``auto_wrap_policy={Layer}`` moved over as it is, or the class itself. Called with each
+    module, a set raises "not callable" and a class builds one of itself from the module."""
+    classes = (list(check_fn) if isinstance(check_fn, (set, frozenset, list, tuple))
+               else [check_fn] if isinstance(check_fn, type) else None)
+    if classes is None and callable(check_fn):
+        return
+    named = [c.__name__ if isinstance(c, type) else repr(c) for c in classes or []]
+    test = (f"isinstance(m, {named[0]})" if len(named) == 1
+            else f"isinstance(m, ({', '.join(named)}))" if named else "isinstance(m, Layer)")
+    got = (f"the class {named[0]}" if isinstance(check_fn, type)
+           else f"{type(check_fn).__name__} {{{', '.join(named)}}}" if classes is not None
+           else describe_leaf(check_fn))
+    raise CheckpointConfigError(
+        "check_fn is called with each module and returns whether to checkpoint it",
+        expected="a function of a module returning a bool", got=got,
+        tip=f"check_fn=lambda m: {test} (what torchtune's auto_wrap_policy={{Layer}} means)")
 
 
 def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /
@@ -287,16 +320,10 @@ def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
     """Whether ``module`` already has a boundary with ``options``; raises if it has one with
     other options (callers check every layer before changing any). ``index``: the module's
     place in a layer list, named in the message (layers of one class look alike)."""
-    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
-        # A container (ModuleList, ModuleDict): nothing calls its forward, so a boundary
-        # there would checkpoint nothing, silently.
-        name = type(module).__name__
-        raise CheckpointConfigError(
-            f"{name if index is None else f'layer {index} ({name})'} has no forward of its "
-            "own: a boundary on it would never run, and its layers would not be checkpointed",
-            expected="a module that is called (a decoder layer)",
-            got=f"a {name} (a container of modules)",
-            tip="checkpoint_layers(model.layers) checkpoints each layer it holds")
+    # A container (ModuleList, ModuleDict): nothing calls its forward, so a boundary there
+    # would checkpoint nothing, silently.
+    refuse_container(module, "a boundary on it would never run, and its layers would not be "
+                     "checkpointed", index=index)
     installed = _installed(module)
     if installed is not None and installed.options != options:
         name = type(module).__name__
@@ -425,12 +452,28 @@ def listed_layers(layers: Iterable[nn.Module], where: str, /) -> list[nn.Module]
     """``layers`` (a ``ModuleList``, a ``Sequential``, a list, ``model.children()`` or a
     generator) as a list, in order; one module or anything else that is not a module is
     refused, naming ``where``."""
+    if isinstance(layers, (nn.ModuleDict, dict)):
+        # Iterating over one gives its keys: torchtitan keeps model.layers in a ModuleDict.
+        raise CheckpointConfigError(
+            f"{where} takes a sequence of layers, not a {type(layers).__name__} (iterating "
+            "over it gives its keys)",
+            expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
+            got=f"{type(layers).__name__} with keys {list(layers)[:4]}"
+                f"{' ...' if len(layers) > 4 else ''}",
+            tip=f"pass model.layers.values() to {where}: its layers, in order")
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        # Given the model, the user most likely meant the layer list it holds: name it.
+        lists = [name for name, child in layers.named_children()
+                 if isinstance(child, (nn.ModuleList, nn.ModuleDict))]
+        values = (".values()" if lists and isinstance(getattr(layers, lists[0]), nn.ModuleDict)
+                  else "")
         raise CheckpointConfigError(
             f"{where} takes a sequence of layers, not one {type(layers).__name__}",
             expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
             got=type(layers).__name__,
-            tip="apply_activation_checkpointing(module) checkpoints one module")
+            tip=(f"pass model.{lists[0]}{values} to {where}: the layers "
+                 f"{type(layers).__name__}.{lists[0]} holds; " if lists else "")
+            + "apply_activation_checkpointing(module) checkpoints one module")
     listed = list(layers)
     for index, layer in enumerate(listed):
         if not isinstance(layer, nn.Module):

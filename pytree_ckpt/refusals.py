@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # the boundary imports this module
 
 __all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outside_tensor",
            "raise_hooked_outside_tensor", "raise_torch_reentrant_inside", "readable_path",
-           "refuse_double_backward", "refuse_module_tensor", "require_callable", "verify_leaves"]
+           "refuse_container", "refuse_double_backward", "refuse_module_tensor", "require_callable",
+           "verify_leaves"]
 
 
 def readable_path(path: str) -> str:
@@ -210,6 +211,23 @@ def _refuse_fsdp_units_inside(owner: nn.Module, *, own: bool) -> None:
         got=f"fully_shard() applied to {', '.join(repr(u) for u in units)}",
         tip=f"checkpoint each unit instead (apply_activation_checkpointing on {units[0]!r}, "
             f"...), or make {name} itself the FSDP unit (fully_shard it, not its children)")
+
+
+def refuse_container(module: nn.Module, consequence: str, /, *, index: int | None = None
+                     ) -> None:
+    """Refuse a container (``ModuleList``, ``ModuleDict``) as a module to checkpoint: nothing
+    calls its forward. ``consequence``: what a boundary on it would do; ``index``: its place in
+    a layer list, named in the message."""
+    if type(module).forward is not nn.Module.forward or "forward" in module.__dict__:
+        return
+    name = type(module).__name__
+    # A ModuleDict (torchtitan keeps model.layers in one) iterates over its keys.
+    layers = "model.layers.values()" if isinstance(module, nn.ModuleDict) else "model.layers"
+    raise CheckpointConfigError(
+        f"{name if index is None else f'layer {index} ({name})'} has no forward of its own: "
+        f"{consequence}", expected="a module that is called (a decoder layer)",
+        got=f"a {name} (a container of modules)",
+        tip=f"checkpoint_layers({layers}) checkpoints each layer it holds")
 
 
 def require_callable(fn: Any, where: str, tip: str, /) -> None:

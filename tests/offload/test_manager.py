@@ -1188,3 +1188,18 @@ def test_env_flag_refuses_every_value_but_the_four_it_documents(
     monkeypatch.setenv("SOME_SWITCH", value)
     with pytest.raises(CheckpointConfigError, match=f"SOME_SWITCH={value!r}"):
         offload.env_flag("SOME_SWITCH")
+
+
+@pytest.mark.parametrize(("value", "got", "tip"), [
+    ("1", "got:      str '1'", "a string is not parsed"),
+    (1, "got:      int 1", "offload=True turns it on"),
+    (OffloadConfig(), "got:      OffloadConfig", "pass offload.OffloadManager(config")])
+def test_an_offload_flag_that_is_no_bool_is_refused_showing_its_value_and_the_fix(
+        value: Any, got: str, tip: str) -> None:
+    # offload="1" (a flag read from a config file) showed only "got: str" and the tip to build
+    # a manager, where offload=True is the fix.
+    layer = Layer()
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(layer, offload=value)
+    assert got in str(err.value) and tip in str(err.value)
+    assert not pytree_ckpt.is_checkpointed(layer)

@@ -1034,3 +1034,41 @@ def test_tensors_the_caller_has_itself_put_into_containers_are_left_alone() -> N
         (out.sum() + hidden[0].sum() + shared["w"].sum() + extra["pos"][0].sum()).backward()
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize(("option", "fix"), [
+    ("context_fn", "RecomputeConfig(save=[...]) with KeptOps"),
+    ("determinism_check", "drop determinism_check"), ("debug", "drop debug")])
+def test_each_torch_checkpoint_option_given_to_checkpoint_is_told_what_replaces_it(
+        option: str, fix: str) -> None:
+    # Before, every option got the tip for use_reentrant and preserve_rng_state only: a
+    # context_fn (torch's selective checkpointing) was not pointed to save units.
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(TypeError, match=option) as raised:
+        checkpoint(layer, x, **{option: None})
+    if hasattr(raised.value, "add_note"):  # Python 3.11+
+        note = "\n".join(raised.value.__notes__)
+        assert fix in note and "drop use_reentrant" not in note
+
+    def takes_kwargs(t: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return layer(t)
+
+    with pytest.warns(UserWarning, match=r"receives \['" + option + r"'\]") as caught:
+        out = checkpoint(takes_kwargs, x, **{option: None})
+    assert fix in str(caught[0].message)
+    assert torch.equal(out, layer(x))  # the call itself ran as given
+
+
+def test_a_container_given_to_checkpoint_is_refused_naming_checkpoint_layers() -> None:
+    # torch raised its own 'missing the required "forward" function' at the call, naming no fix.
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(pytree_ckpt.CheckpointConfigError,
+                       match=r"(?s)ModuleList has no forward.*tip: checkpoint_layers\(model.layers\)"):
+        checkpoint(layers, x)
+    with pytest.raises(pytree_ckpt.CheckpointConfigError,
+                       match=r"(?s)ModuleDict has no forward.*checkpoint_layers\(model.layers"
+                             r".values\(\)\)"):
+        pytree_ckpt.checkpointed(nn.ModuleDict({"0": nn.Linear(4, 4)}))
+    assert x.grad is None

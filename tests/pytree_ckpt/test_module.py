@@ -15,7 +15,7 @@ from torch import nn
 import pytree_ckpt
 from pytree_ckpt import (CheckpointConfigError, apply_activation_checkpointing, checkpoint_layers,
                          current_phase, is_checkpointed, remove_activation_checkpointing)
-from tests.conftest import assert_same_grads, run_twice
+from tests.conftest import assert_same_grads, grads_per_model, run_twice
 from tests.pytree_ckpt.models import Gate
 
 
@@ -469,7 +469,8 @@ def test_a_container_of_layers_is_refused_naming_checkpoint_layers() -> None:
     for container in (layers, nn.ModuleDict({"a": nn.Linear(4, 4)})):
         with pytest.raises(CheckpointConfigError, match="has no forward of its own") as err:
             apply_activation_checkpointing(container)
-        assert "checkpoint_layers(model.layers)" in str(err.value)
+        listed = ".values()" if isinstance(container, nn.ModuleDict) else ""  # else its keys
+        assert f"checkpoint_layers(model.layers{listed})" in str(err.value)
         assert not pytree_ckpt.is_checkpointed(container)
     assert checkpoint_layers(layers) == [0, 1]
     # Among layers, before any of them changes (checkpoint_layers(model.children())).
@@ -694,3 +695,54 @@ def test_check_fn_checks_every_chosen_layer_before_changing_any() -> None:
     with pytest.raises(CheckpointConfigError, match="other options: preserve_rng_state"):
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
     assert [is_checkpointed(layer) for layer in model.layers] == [False, False, True]
+
+
+@pytest.mark.parametrize("policy", [{Layer}, Layer, (Layer, nn.Linear)])
+def test_a_check_fn_naming_layer_classes_is_refused_with_the_isinstance_it_means(
+        policy: Any) -> None:
+    # torchtune's auto_wrap_policy={Layer} moved over as check_fn: a set raised "'set' object
+    # is not callable", and a class was called with each module (Layer(module): a TypeError of
+    # its __init__), neither naming the fix.
+    model = Stack(2)
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(model, check_fn=policy)
+    message = str(err.value)
+    assert "expected: a function of a module returning a bool" in message
+    if policy is Layer:
+        assert "got:      the class Layer" in message
+        assert "tip: check_fn=lambda m: isinstance(m, Layer) " in message
+    elif isinstance(policy, set):
+        assert "got:      set {Layer}" in message
+    else:
+        assert "tip: check_fn=lambda m: isinstance(m, (Layer, Linear))" in message
+    assert not any(is_checkpointed(m) for m in model.modules())
+    # What the tip says gives eager's gradients.
+    twin = copy.deepcopy(model)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
+    x = torch.randn(2, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, model], x, seed=0))
+
+
+def test_a_moduledict_or_a_model_given_as_layers_gets_a_tip_naming_its_layer_list() -> None:
+    # torchtitan keeps model.layers in a ModuleDict: the tip was "apply_activation_
+    # checkpointing(module) checkpoints one module", which wraps the container (refused too).
+    class Titan(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): Layer() for i in range(3)})
+
+    model = Titan()
+    with pytest.raises(CheckpointConfigError) as err:
+        checkpoint_layers(model.layers)
+    assert "got:      ModuleDict with keys ['0', '1', '2']" in str(err.value)
+    assert "tip: pass model.layers.values() to checkpoint_layers" in str(err.value)
+    with pytest.raises(CheckpointConfigError, match=r"tip: pass model.layers.values\(\) to "):
+        checkpoint_layers(model)
+    with pytest.raises(CheckpointConfigError, match=r"tip: pass model.layers to checkpoint_"):
+        checkpoint_layers(Stack(2))
+    with pytest.raises(CheckpointConfigError, match=r"tip: checkpoint_layers\(model.layers"
+                                                    r".values\(\)\)"):
+        apply_activation_checkpointing(model.layers)
+    assert not any(is_checkpointed(m) for m in model.modules())
+    assert checkpoint_layers(model.layers.values()) == [0, 1, 2]
+    assert all(is_checkpointed(layer) for layer in model.layers.values())
