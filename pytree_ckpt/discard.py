@@ -304,7 +304,10 @@ class CheckpointWithoutOutput:
         if self.replayed:
             raise CheckpointError(f"the output of {self._name()} was already replayed",
                                   expected="one replay per forward", got="a second replay",
-                                  tip="retain_graph=True cannot replay a discarded output twice")
+                                  tip="a graph backpropagated twice (retain_graph=True) needs "
+                                  "the output twice: leave this op undiscarded there, or run it "
+                                  "inside a checkpointed layer, whose every replay discards and "
+                                  "rebuilds it anew")
         self.replayed = True
         if self.ctx is not None and self.ctx() is None:
             return False  # its node is gone: nothing reads its output (NOTE [discard lifetimes] 3)

@@ -157,6 +157,32 @@ def test_discarding_before_checkpointing_twice_and_replaying_twice_raise() -> No
         loss.backward()
 
 
+def test_a_second_backward_through_a_discarded_output_names_both_ways_out() -> None:
+    # The refusal's tip said only that retain_graph=True cannot replay twice; it now names
+    # what to do, and the second way it names (discarding inside a checkpointed layer, whose
+    # every replay discards anew) backpropagates twice with eager's parameter gradients.
+    torch.manual_seed(0)
+    eager = Block()
+    layer = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    bare = copy.deepcopy(eager)
+    x = torch.randn(8, 16, requires_grad=True)
+    loss = bare(x, discard=True).square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(CheckpointError, match="(?s)already replayed.*tip: .*leave this op "
+                       "undiscarded there, or run it inside a checkpointed layer"):
+        loss.backward()
+    wanted = []
+    for model, discard in ((eager, False), (layer, True)):
+        loss = model(x, discard=discard).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        wanted.append(grads_of(model.parameters()))
+    assert_same_grads(wanted[0], wanted[1])
+    # The original pass, then per backward: the replay's discarded call (no-grad) and its
+    # rebuild (grad on, run by the replay's backward, outside the replayed forward).
+    assert layer.norm.calls == ["no-grad", "no-grad", "plain", "no-grad", "plain"]
+
+
 def test_a_replay_of_another_shape_raises() -> None:
     x = torch.randn(4, requires_grad=True)
     calls = []
