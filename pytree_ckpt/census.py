@@ -247,6 +247,17 @@ def _stored_tensors(obj: Any) -> list[torch.Tensor]:
 # but storage and weakref lookups and the holders' ``released``.
 
 
+# NOTE [records of dead storages]: a census open over a long run (a monitor read between
+# steps) sees a new storage at every save. A record whose storage is gone and that nothing
+# holds any more counts in no reading (not alive, not flagged, not discarded bytes held), and
+# no later save can join it (NOTE [one address, one storage]): such records are dropped, in
+# one pass once the records reach twice what the last pass left (at least _PRUNE_FLOOR), so
+# that a save costs O(1) amortised and the records stay bounded by twice the storages held
+# at once, however many steps run. A record still held, or whose storage lives on (flagged,
+# or kept by the caller), stays.
+_PRUNE_FLOOR = 64
+
+
 def _end_refused(*, later: bool) -> CheckpointError:
     """NOTE [ended as entered]: why a census may not end here."""
     return CheckpointError(
@@ -278,6 +289,7 @@ class ActivationCensus:
         # model (and every parameter) alive; while it is alive, its parameters are left out.
         self._model_ref: weakref.ref[nn.Module] | None = None
         self._entries: dict[tuple[Any, ...], _Entry] = {}  # by _record_key
+        self._prune_at = _PRUNE_FLOOR  # NOTE [records of dead storages]
         self._local = threading.local()  # each thread's stack of running module paths
         self._handles: list[Any] = []
         self._hooks: Any = None
@@ -462,6 +474,14 @@ class ActivationCensus:
                                         [(weakref.ref(keeper), mechanism)],
                                         tensor.untyped_storage().nbytes(), str(tensor.device),
                                         module, mechanism)
+            if len(self._entries) >= self._prune_at:
+                self._prune()
+
+    def _prune(self) -> None:
+        """Drop the records of NOTE [records of dead storages]; called under the lock."""
+        self._entries = {key: entry for key, entry in self._entries.items()
+                         if not entry.storage.expired() or entry.held()}
+        self._prune_at = max(_PRUNE_FLOOR, 2 * len(self._entries))
 
     # -- reading -----------------------------------------------------------------------------
     def note_discarded(self, tensor: torch.Tensor, /, *, keeper: Any = None) -> None:
