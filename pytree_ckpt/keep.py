@@ -202,6 +202,22 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
+def _emptied(kept: Any, /) -> bool:
+    """NOTE [a kept record emptied by a failed replay]: a replay that takes a kept output and
+    gives it to an output discard (a kept method that runs one: the discard is real in the
+    replay, which has grad) frees the record's storage in place, and the discard's rebuild, in
+    that replay's backward, fills it again. A backward that raises in between (a hook's NaN
+    check, a KeyboardInterrupt, an out-of-memory error) leaves the record empty; a retry of
+    ``backward(retain_graph=True)`` on the same graph was handed the empty tensor and torch
+    raised "data is not allocated yet" where eager's retry works. An emptied record is taken
+    back (rule 3's way: ``Frame.unkeep``, before its RNG jump): the replay runs the op again.
+    Only a discard empties a storage with elements in it, so this is never true otherwise."""
+    for tensor in _tensors(kept):
+        if tensor.numel() and not tensor.untyped_storage().nbytes():
+            return True
+    return False
+
+
 RECOMPUTE = object()  # a frame record taken back: the replay runs the op (rule 3)
 
 
@@ -328,10 +344,11 @@ class KeepMode(TorchDispatchMode):
             # NOTE [kept ops called otherwise in the replay], NOTE [kept ops called on other
             # tensors in the replay] (kept_calls.py)
             position = upcoming[0]
-            if not replay_may_take(func, upcoming[1][3],
-                                   call_arguments(func, *for_backward(func, args, kwargs)),
-                                   position=position, count=len(frame.results[func]),
-                                   layer=self.layer):
+            if _emptied(upcoming[1][0]) or \
+                    not replay_may_take(func, upcoming[1][3],
+                                        call_arguments(func, *for_backward(func, args, kwargs)),
+                                        position=position, count=len(frame.results[func]),
+                                        layer=self.layer):
                 frame.unkeep(func, position)
         record = frame.take(func)
         if record is RECOMPUTE:  # changed in place later in the original pass (rule 3), or

@@ -6,6 +6,7 @@ are read into a local before they are asserted (a freed tensor must never reach 
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -228,3 +229,73 @@ def test_a_compiled_body_runs_output_discard_eagerly_without_dynamo_warnings() -
             "output discard (CheckpointWithoutOutput) runs eagerly", "call_id", "optree"))
     finally:
         torch._dynamo.reset()
+
+
+_NORM_CALLS: collections.Counter[int] = collections.Counter()  # outside: a replay changes it
+
+
+class _CountedNorm(_Norm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _NORM_CALLS[id(self)] += 1
+        return super().forward(x)
+
+
+class _KeptMix(nn.Module):
+    """A layer whose kept method runs an output discard (kept in the original pass; the
+    replay takes the kept norm output, discards it and rebuilds it)."""
+
+    def __init__(self, discard: bool) -> None:
+        super().__init__()
+        self.norm, self.proj, self.out = _CountedNorm(), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.discard = discard
+
+    def mix(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.discard:
+            return self.proj(self.norm(h))
+        ckpt = CheckpointWithoutOutput()
+        y = self.proj(ckpt.checkpoint(self.norm, h))
+        ckpt.discard_output_and_register_recompute(y)
+        return y
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mix(h).relu())
+
+
+def test_a_backward_retried_after_an_error_before_a_kept_discards_rebuild_gets_eagers_gradients(
+) -> None:
+    # backward(retain_graph=True) raised (a hook: a NaN check, a KeyboardInterrupt) after the
+    # replay had discarded the kept norm output and before its rebuild; retried on the same
+    # graph, the replay was handed the emptied record and torch raised "The tensor has a
+    # non-zero number of elements, but its data is not allocated yet" (eager: the retry works).
+    from pytree_ckpt import KeptCallables, RecomputeConfig, apply_recompute_config
+    torch.manual_seed(0)
+    eager = _KeptMix(discard=False)
+    twin = copy.deepcopy(eager)
+    twin.discard = True
+    apply_recompute_config(nn.ModuleList([twin]), RecomputeConfig(1.0, save=["attn"]),
+                           {"attn": KeptCallables("_KeptMix.mix")})
+    results = []
+    for model in (eager, twin):
+        raised = []
+
+        def once(module: nn.Module, grad_in: object, grad_out: object) -> None:
+            if not raised:
+                raised.append(True)
+                raise RuntimeError("a NaN check in a hook")
+
+        handle = model.out.register_full_backward_hook(once)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        loss = model(x).square().sum()
+        with pytest.raises(RuntimeError, match="a NaN check in a hook"):
+            loss.backward(retain_graph=True)
+        for p in (x, *model.parameters()):
+            p.grad = None
+        handle.remove()
+        loss.backward()
+        results.append((grads_of([x, *model.parameters()]), _NORM_CALLS[id(model.norm)]))
+    (expected, eager_calls), (got, twin_calls) = results
+    assert_same_grads(expected, got)
+    # Eager calls the norm once; the twin in its original pass, in each of its two replays
+    # (the first handed the kept record, the retry computing it again: the record was
+    # emptied) and in the rebuild of the retry's discarded output.
+    assert (eager_calls, twin_calls) == (1, 4)
