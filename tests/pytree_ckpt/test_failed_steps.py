@@ -1,0 +1,193 @@
+"""Training steps that fail partway, and the steps after them, against an eager twin.
+
+Trainers catch errors and go on: an out-of-memory step skipped (``zero_grad``, next batch),
+a NaN check raising from a hook, a KeyboardInterrupt landing mid-step in a notebook, the same
+micro-batch retried. A sweep raised RuntimeError, torch.OutOfMemoryError and KeyboardInterrupt
+in a layer's forward, in its replay (later layers already replayed, earlier ones not yet), in
+gradient hooks, in reuse_during_recompute, in a kept method, in an output discard's rebuild,
+in offload's copies, and between forward and backward, with wrapped layers, nested
+boundaries, save units, offload (prefetch 2) and a census: every step after the failed one
+was eager's, bit for bit. These cases pin the recovery: the error reaches the trainer as
+raised (a KeyboardInterrupt without a note), the phase is back to ``plain``, each later step
+runs every layer once and replays it once, offload's host buffers all come back and its pool
+does not grow, a census reads 0 after backward, and the failed step's input is freed once
+the exception is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+import pytree_ckpt
+from pytree_ckpt import ActivationCensus, CheckpointWithoutOutput, reuse_during_recompute
+
+WIDTH, LAYERS, FAILING = 16, 4, 2
+# Layer calls by (id(layer), phase): outside the modules (a number on one is changed again by
+# its replay: docs/limits.md, 'State the forward changes').
+RUNS: collections.Counter[tuple[int, str]] = collections.Counter()
+ARMED: dict[str, BaseException] = {}  # where -> the error raised there once
+
+
+def _raise_if_armed(where: str) -> None:
+    if where in ARMED:
+        raise ARMED.pop(where)
+
+
+def _route(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.inp, self.proj = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.norm, self.drop = nn.LayerNorm(WIDTH), nn.Dropout(0.25)
+        self.discard = False  # the checkpointed twin discards the norm's output
+
+    def normed(self, a: torch.Tensor) -> torch.Tensor:
+        # A discard's rebuild is its only call with grad (its first runs under no-grad).
+        if self.discard and torch.is_grad_enabled() and self.index == FAILING:
+            _raise_if_armed("rebuild")
+        return self.norm(a)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        phase = str(pytree_ckpt.current_phase())
+        RUNS[id(self), phase] += 1
+        if self.index == FAILING:
+            _raise_if_armed("replay" if phase == "recompute" else "forward")
+        a = self.drop(self.inp(h).relu())
+        ids = reuse_during_recompute(_route, a.detach())  # a replay frame
+        if self.discard:
+            ckpt = CheckpointWithoutOutput()
+            y = self.proj(ckpt.checkpoint(self.normed, a))
+            ckpt.discard_output_and_register_recompute(y)
+        else:
+            y = self.proj(self.normed(a))
+        return h + y * (ids.unsqueeze(-1) + 1)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(i) for i in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.layers:
+            h = layer(h)
+            if layer.index == FAILING:
+                # The eager twin's stand-in for the replay or rebuild: raised just before the
+                # failing layer's backward, as the replay is.
+                h.register_hook(lambda grad: _raise_if_armed("backward"))
+        return h.square().mean()
+
+
+def _train(model: _Net, where: str, error: Callable[[], BaseException], *, retry: bool,
+           manager: offload.OffloadManager | None) -> tuple[list[Any], list[str]]:
+    """Four steps, the second failing once at ``where`` (caught as a trainer does, then
+    retried on the same batch when ``retry``); what the twins must agree on, and the errors
+    caught."""
+    torch.manual_seed(0)  # once: the failed step must leave the generator as eager's did
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    seen: list[Any] = []  # tensors (every gradient is set)
+    caught_errors: list[str] = []
+    host_bytes = None
+    step, retried = 0, False
+    failed_input: weakref.ref[torch.Tensor] | None = None
+    while step < 4:
+        if failed_input is not None:  # out of the except block: the exception is dropped
+            assert failed_input() is None  # nothing keeps the failed step alive
+            failed_input = None
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step),
+                        requires_grad=True)
+        failing = step == 1 and not retried
+        if failing:
+            ARMED[where] = error()
+        RUNS.clear()
+        loss = None
+        census = ActivationCensus(model)
+        try:
+            with census:
+                loss = model(x)
+                if failing and where == "between":
+                    _raise_if_armed("between")  # the graph dropped by the exception
+                loss.backward()
+        except (Exception, KeyboardInterrupt) as caught:
+            want = error()
+            assert type(caught) is type(want) and caught.args == want.args  # the user's own
+            if isinstance(caught, KeyboardInterrupt):  # a BaseException, unchanged
+                assert not getattr(caught, "__notes__", None)
+            caught_errors.append(type(caught).__name__)
+            sgd.zero_grad(set_to_none=True)
+            failed_input = weakref.ref(x)
+            x = loss = None  # type: ignore[assignment]
+            assert str(pytree_ckpt.current_phase()) == "plain"
+            assert not ARMED
+            if retry:
+                retried = True  # the same batch again, a new forward
+            else:
+                step += 1
+            continue
+        assert census.total_bytes == 0
+        seen += [loss.detach(), x.grad, *(p.grad for p in model.parameters())]
+        sgd.step()
+        sgd.zero_grad(set_to_none=True)
+        checkpointed = manager is not None
+        # Each layer ran once, and was replayed once, whatever failed before.
+        runs = {"forward": 1, "recompute": 1} if checkpointed else {"plain": 1}
+        assert all({phase: n for (key, phase), n in RUNS.items() if key == id(layer)} == runs
+                   for layer in model.layers), RUNS
+        if manager is not None:
+            stats = manager.stats()
+            assert stats["host_buffers_in_use"] == 0
+            assert host_bytes in (None, stats["host_bytes"])  # the pool does not grow
+            host_bytes = stats["host_bytes"]
+        step += 1
+    return [*seen, *(p.detach().clone() for p in model.parameters())], caught_errors
+
+
+CASES = [  # where it fails (the twin's), the error, retried on the same batch
+    ("forward", lambda: KeyboardInterrupt("interrupted in the forward"), False),
+    ("replay", lambda: RuntimeError("a NaN check in the replay"), True),
+    ("replay", lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"),
+     False),
+    ("rebuild", lambda: KeyboardInterrupt("interrupted in a rebuild"), True),
+    ("between", lambda: RuntimeError("loss is NaN"), False),
+]
+
+
+@pytest.mark.parametrize("where, error, retry", CASES,
+                         ids=[f"{c[0]}-{type(c[1]()).__name__}-{'retried' if c[2] else 'skipped'}"
+                              for c in CASES])
+def test_steps_after_a_failed_one_match_the_eager_twin_and_leave_nothing_behind(
+        where: str, error: Callable[[], BaseException], retry: bool) -> None:
+    torch.manual_seed(1)
+    eager = _Net()
+    twin = copy.deepcopy(eager)
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0, prefetch=2),
+                                     device="cpu")
+    for layer in twin.layers:
+        assert isinstance(layer, _Layer)
+        layer.discard = True
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+    eager_where = "backward" if where in ("replay", "rebuild") else where
+    expected, eager_errors = _train(eager, eager_where, error, retry=retry, manager=None)
+    got, twin_errors = _train(twin, where, error, retry=retry, manager=manager)
+    assert twin_errors == eager_errors == [type(error()).__name__]
+    # The steps that succeeded (loss, input gradient, six parameter gradients a layer; the
+    # failed batch too when retried), then the parameters.
+    assert len(expected) == len(got) == (4 if retry else 3) * (2 + 6 * LAYERS) + 6 * LAYERS
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert torch.isfinite(want).all() and torch.equal(want, have), \
+            f"#{i}: max |d| = {(want - have).abs().max()}"
+    assert manager.stats()["restored_bytes"] > 0  # offload was on
