@@ -191,3 +191,38 @@ def test_steps_after_a_failed_one_match_the_eager_twin_and_leave_nothing_behind(
         assert torch.isfinite(want).all() and torch.equal(want, have), \
             f"#{i}: max |d| = {(want - have).abs().max()}"
     assert manager.stats()["restored_bytes"] > 0  # offload was on
+
+
+@pytest.mark.parametrize("flushed", [False, True], ids=["skipped", "empty-backward-after"])
+def test_a_failed_post_accumulate_grad_hook_holds_host_buffers_until_an_empty_backward(
+        flushed: bool) -> None:
+    # docs/offload.md, Limits: torch keeps a graph whose backward raised in a
+    # post-accumulate-grad hook until the next backward on the thread (eager's activations
+    # too); the empty backward the guide names hands the host buffers back before the next
+    # step, whose forward otherwise grows the pool.
+    torch.manual_seed(1)
+    model = _Net()
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0, prefetch=2),
+                                     device="cpu")
+    for layer in model.layers:
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+    weight = model.layers[LAYERS - 1].proj.weight
+    weight.register_post_accumulate_grad_hook(lambda p: _raise_if_armed("optimizer"))
+    pool = []
+    for step in range(3):
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step),
+                        requires_grad=True)
+        if step == 1:
+            ARMED["optimizer"] = torch.OutOfMemoryError("CUDA out of memory (optimizer)")
+        try:
+            model(x).backward()
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            if flushed:
+                torch.zeros((), requires_grad=True).backward()
+        x = None  # type: ignore[assignment]
+        stats = manager.stats()
+        pool.append((stats["host_buffers_in_use"], stats["host_bytes"]))
+    (_, before), (out_after_failure, _), (_, after) = pool
+    assert (out_after_failure == 0) is flushed  # the layers not yet restored hold theirs
+    assert (after == before) is flushed  # without it, the next forward took new buffers
