@@ -206,7 +206,9 @@ def test_a_failed_post_accumulate_grad_hook_holds_host_buffers_until_an_empty_ba
                                      device="cpu")
     for layer in model.layers:
         pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
-    weight = model.layers[LAYERS - 1].proj.weight
+    last = model.layers[LAYERS - 1]
+    assert isinstance(last, _Layer)
+    weight = last.proj.weight
     weight.register_post_accumulate_grad_hook(lambda p: _raise_if_armed("optimizer"))
     pool = []
     for step in range(3):
