@@ -214,12 +214,21 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # objects in them are passed as they are), or code that behaves otherwise with grad
         # enabled (the replay's mode; a fullgraph compile that cannot trace it). The error
         # keeps its type (an out-of-memory error stays one); the note says where it came from
-        # and names the first cause only as a possibility.
+        # and names the first cause only as a possibility (an out-of-memory error gets its
+        # own ways out instead).
         if not hasattr(error, "add_note"):  # Python 3.11+
             raise
         limit = recompile_limit_note(error, f"the replay of {fn_name(call.fn)} in backward")
         if limit is not None:  # NOTE [two entries per variant] in compiled_layers.py
             error.add_note(limit)
+        elif isinstance(error, torch.OutOfMemoryError):
+            # The replay's own peak, not a changed argument: the cache hint would mislead.
+            error.add_note(
+                f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
+                "rebuilds that call's activations, with grad enabled, on top of what backward "
+                "already holds. Tip: lower the replay's own peak by discarding outputs the next "
+                "op can rebuild (docs/discard.md), what backward holds across layers with "
+                "offload=True (docs/offload.md), or pass fewer tokens per micro-batch.")
         elif not recompile_limit_noted(error):  # an inner boundary's replay named it
             error.add_note(
                 f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "

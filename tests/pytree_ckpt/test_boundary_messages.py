@@ -101,6 +101,30 @@ def test_an_error_only_the_replay_meets_keeps_its_type_and_says_it_came_from_the
 
 
 
+class RunsOutOfMemoryInTheReplay(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if current_phase() == "recompute":  # the allocator's error, raised where it would be
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.lin(x)
+
+
+def test_an_out_of_memory_error_in_the_replay_is_told_how_to_lower_the_replays_peak() -> None:
+    # Not the key/value cache hint of other replay errors: running out of memory there is the
+    # replay's own peak (one layer's activations rebuilt), which has other ways out.
+    out = checkpoint(RunsOutOfMemoryInTheReplay(), torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as raised:
+        out.sum().backward()
+    if hasattr(raised.value, "add_note"):  # Python 3.11+
+        notes = "\n".join(raised.value.__notes__)
+        assert "raised by the replay of RunsOutOfMemoryInTheReplay in backward" in notes
+        assert "use_cache" not in notes and "key/value cache" not in notes
+        assert "docs/discard.md" in notes and "offload=True" in notes
+
+
 class AppendingAttention(torch.nn.Module):
     """transformers' attention with a DynamicCache: keys are appended, then all are attended."""
 
