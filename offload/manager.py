@@ -291,6 +291,11 @@ class OffloadManager:
             self._other_device(window, key, tensor)
             return Unchanged(tensor)
         nbytes = tensor.untyped_storage().nbytes()
+        if nbytes == 0:
+            # A zero-size storage (an empty micro-batch, the top-k ids of no token) has no
+            # bytes to copy; a Copy would still take a host buffer of the smallest size class,
+            # which the census would count as offloaded bytes.
+            return Unchanged(tensor)
         if nbytes < self.config.min_bytes:
             if key not in window.small:
                 window.small.add(key)

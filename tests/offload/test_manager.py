@@ -1203,3 +1203,24 @@ def test_an_offload_flag_that_is_no_bool_is_refused_showing_its_value_and_the_fi
         apply_activation_checkpointing(layer, offload=value)
     assert got in str(err.value) and tip in str(err.value)
     assert not pytree_ckpt.is_checkpointed(layer)
+
+
+def test_an_empty_micro_batch_takes_no_host_buffer_and_the_census_counts_no_bytes() -> None:
+    # A zero-size storage (an empty micro-batch, top-k ids of no token) has no bytes to copy:
+    # with min_bytes=0 it took a 512-byte host buffer from the pool, which the census then
+    # reported as 512 bytes 'offloaded to host'.
+    m = manager()  # min_bytes=0
+    layer = nn.Linear(8, 8)
+    eager = copy.deepcopy(layer)
+    apply_activation_checkpointing(layer, offload=m)
+    x, x_eager = (torch.zeros(0, 8, requires_grad=True) for _ in range(2))
+    with pytree_ckpt.ActivationCensus(layer) as census:
+        out = layer(x * 1.0)
+        assert census.total_bytes == 0
+        assert m.stats()["host_buffers_in_use"] == 0
+        out.square().sum().backward()
+    eager(x_eager * 1.0).square().sum().backward()
+    assert_same_grads([p.grad for p in (*eager.parameters(), x_eager)],
+                      [p.grad for p in (*layer.parameters(), x)])
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["host_bytes"] == stats["pool_misses"] == 0
