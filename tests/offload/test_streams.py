@@ -2,7 +2,7 @@
 compute stream's waits (the ``wait_ms`` statistic).
 
 The waits themselves need CUDA (``test_cuda.py``); the bookkeeping is plain Python, checked here
-with stand-in events and streams.
+with stand-in events and streams, also through whole training steps of the manager.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from offload.streams import CopyEngine
+from tests.conftest import assert_same_grads
+from tests.offload.blocks import Layer, manager, offloaded_stack, stack
 
 
 class TimingEvent:
@@ -101,9 +104,11 @@ class LoggedStream:
         return self.name
 
 
-def _logged_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[CopyEngine, list[tuple[Any, ...]]]:
+def _logged_cuda(monkeypatch: pytest.MonkeyPatch, running: frozenset[str] = frozenset(),
+                 ) -> tuple[CopyEngine, list[tuple[Any, ...]]]:
     """A ``CopyEngine`` that takes its device for CUDA, with every stream, event and
-    ``record_stream`` call logged in order (the copies themselves run on the CPU)."""
+    ``record_stream`` call logged in order (the copies themselves run on the CPU). Events are
+    complete, except those recorded on a stream named in ``running`` until synchronized."""
     log: list[tuple[Any, ...]] = []
     compute = LoggedStream("compute", log)
     side = iter([LoggedStream("d2h", log), LoggedStream("h2d", log)])
@@ -112,12 +117,18 @@ def _logged_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[CopyEngine, list[tupl
     class LoggedEvent:
         def __init__(self, **kwargs: Any) -> None:
             self.name = next(names)
+            self.done = True
 
         def record(self, stream: LoggedStream) -> None:
             log.append(("record", self.name, stream.name))
+            self.done = stream.name not in running
 
         def query(self) -> bool:
-            return True
+            return self.done
+
+        def synchronize(self) -> None:
+            log.append(("synchronize", self.name))
+            self.done = True
 
         def elapsed_time(self, end: Any) -> float:
             return 2.5
@@ -237,3 +248,50 @@ def test_a_wait_run_by_the_garbage_collector_inside_a_locked_section_does_not_de
     assert done.wait(10), "a wait blocked on the lock its own thread holds"
     assert errors == []
     assert engine.waited_ms() == 2.5 * (listed + 1)  # every wait counted, once
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("running", [frozenset(), frozenset({"d2h"})], ids=["idle", "host_ahead"])
+def test_training_steps_through_the_cuda_copy_path_give_eager_gradients_and_keep_the_rules(
+        monkeypatch: pytest.MonkeyPatch, running: frozenset[str], prefetch: int) -> None:
+    # The manager with the engine's CUDA branches (streams, events, record_stream, timed
+    # waits, stats()'s wait_ms): code a CPU run never takes, only the GPU would. With the host
+    # ahead, no copy to host completes unless waited for: the manager must wait on the stream
+    # that saved each tensor before letting go of it, and backward reuses or copies back.
+    engine, log = _logged_cuda(monkeypatch, running)
+    m = manager(prefetch=prefetch)
+    m.engine = engine
+    layers = offloaded_stack(m, 4)
+    eager = nn.ModuleList(Layer() for _ in range(4))
+    eager.load_state_dict(layers.state_dict())
+    x = torch.randn(8, 32)
+    for _ in range(2):  # the second step reuses the pool's buffers
+        log.clear()
+        for model in (eager, layers):
+            model.zero_grad(set_to_none=True)
+            stack(model, x.clone().requires_grad_()).square().sum().backward()
+        assert_same_grads([p.grad for p in eager.parameters()],
+                          [p.grad for p in layers.parameters()])
+        stats = m.stats(reset=True)
+        recorded = {stream: [e[1] for e in log if e[0] == "record" and e[2] == stream]
+                    for stream in ("d2h", "h2d")}
+        waited = {stream: [e[2] for e in log if e[0] == "wait_event" and e[1] == stream]
+                  for stream in ("compute", "h2d")}
+        # Rule 1: four copies to host, each source marked used on the d2h stream.
+        assert len(recorded["d2h"]) == 4
+        assert sum(1 for e in log if e[:1] == ("record_stream",) and e[2] == "d2h") == 4
+        # Rule 2: each copy back waits for its copy to host; compute waits for each copy back.
+        copied_back = (stats["restored_bytes"] - stats["reused_bytes"]) // x.nbytes
+        assert len(recorded["h2d"]) == copied_back > 0
+        assert set(waited["h2d"]) <= set(recorded["d2h"])  # one copy to host each
+        assert len(set(waited["h2d"])) == len(waited["h2d"]) == copied_back
+        assert set(recorded["h2d"]) <= set(waited["compute"])
+        assert sum(1 for e in log if e[:1] == ("record_stream",) and e[2] == "h2d") == \
+            len(recorded["h2d"])  # each new buffer marked used on the h2d stream
+        d2h_waits = [e for e in waited["compute"] if e in recorded["d2h"]]
+        if running:  # rule 1 by waiting: every copy let go, reused ones included
+            assert sorted(set(d2h_waits)) == sorted(recorded["d2h"])
+            assert stats["wait_ms"] == 2.5 * len(d2h_waits)  # each timed, counted once
+        else:
+            assert d2h_waits == [] and stats["wait_ms"] == 0.0
+        assert stats["host_buffers_in_use"] == 0
