@@ -1,0 +1,182 @@
+"""Autograd's debugging tools and engine switches around checkpointed layers, against an eager twin.
+
+Users turn these on while hunting NaNs, and frameworks turn them on for them: anomaly mode
+(with and without its NaN check), backward on the calling thread
+(``set_multithreading_enabled(False)``), and ``allow_mutation_on_saved_tensors``. A sweep ran
+each around two training steps of wrapped layers, offloaded layers and save units (with an
+output discard, a reused call and a census) and found every loss and gradient eager's; these
+cases pin the richest setup, and a NaN caught by anomaly mode in a layer's replay (the error is
+eager's own, and the next step is eager's; docs/limits.md, 'Random numbers and modes around
+the call', says what torch keeps alive after it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+import pytree_ckpt
+from pytree_ckpt import (ActivationCensus, CheckpointWithoutOutput, KeptCallables,
+                         RecomputeConfig, SaveUnit, apply_recompute_config,
+                         reuse_during_recompute)
+
+WIDTH, LAYERS, NAN_LAYER = 16, 3, 1
+RUNS: collections.Counter[tuple[int, str]] = collections.Counter()  # (layer, phase) -> calls
+
+
+def _route(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.inp, self.proj = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.norm, self.gate = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2)
+        self.discard = False  # the checkpointed twin discards the norm's output
+        self.nan = False  # a hook turns this layer's output gradient into NaN
+
+    def mix(self, a: torch.Tensor) -> torch.Tensor:  # kept by the twin's save unit
+        if not self.discard:
+            return self.proj(self.norm(a))
+        ckpt = CheckpointWithoutOutput()
+        out = self.proj(ckpt.checkpoint(self.norm, a))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        RUNS[self.index, str(pytree_ckpt.current_phase())] += 1
+        a = self.inp(h).relu()
+        ids = reuse_during_recompute(_route, self.gate(a).detach())
+        y = self.mix(a)
+        if self.nan and y.requires_grad:  # in the twin: inside the replay's backward
+            y.register_hook(lambda grad: grad * float("nan"))
+        return h + y * (ids.unsqueeze(-1) + 1)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(i) for i in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def _twins() -> tuple[_Net, _Net, offload.OffloadManager]:
+    torch.manual_seed(0)
+    eager = _Net()
+    twin = copy.deepcopy(eager)
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    apply_recompute_config(twin.layers, RecomputeConfig(1.0, save=[SaveUnit.ATTN]),
+                           {SaveUnit.ATTN: KeptCallables("_Layer.mix")}, offload=manager)
+    for layer in twin.layers:
+        assert isinstance(layer, _Layer)
+        layer.discard = True
+    return eager, twin, manager
+
+
+def _train(model: _Net, switch: Callable[[], Any], *, first_step: int = 0,
+           steps: int = 2) -> tuple[list[torch.Tensor], list[str]]:
+    """Steps under ``switch`` with a census (0 after each backward); what the twins must
+    agree on (loss, input gradient, every parameter gradient, the parameters after), and
+    the warnings."""
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen: list[torch.Tensor] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(first_step, first_step + steps):
+            x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step),
+                            requires_grad=True)
+            census = ActivationCensus(model)
+            with switch():
+                with census:
+                    loss = model(x)
+                loss.backward()
+            assert census.total_bytes == 0
+            assert x.grad is not None
+            seen += [loss.detach(), x.grad,
+                     *(torch.full((), -1.0) if p.grad is None else p.grad  # the gate's
+                       for p in model.parameters())]
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+    seen += [p.detach().clone() for p in model.parameters()]
+    return seen, sorted({str(w.message) for w in caught})
+
+
+def _assert_equal(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    assert len(expected) == len(got)
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert torch.equal(want, have), f"#{i}: max |d| = {(want - have).abs().max()}"
+
+
+SWITCHES: dict[str, Callable[[], Any]] = {
+    "detect_anomaly": torch.autograd.detect_anomaly,
+    "detect_anomaly-no-nan-check": lambda: torch.autograd.detect_anomaly(check_nan=False),
+    "backward-on-calling-thread": lambda: torch.autograd.set_multithreading_enabled(False),
+    "allow_mutation_on_saved_tensors": torch.autograd.graph.allow_mutation_on_saved_tensors,
+}
+
+
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_autograd_switches_leave_offloaded_save_unit_layers_equal_to_eager(name: str) -> None:
+    eager, twin, manager = _twins()
+    expected, eager_warnings = _train(eager, SWITCHES[name])
+    RUNS.clear()
+    got, twin_warnings = _train(twin, SWITCHES[name])
+    _assert_equal(expected, got)
+    assert twin_warnings == eager_warnings  # anomaly mode's own notice, nothing more
+    # Each layer ran once per step and was replayed once per step, under every switch.
+    assert all(RUNS[i, "forward"] == RUNS[i, "recompute"] == 2 for i in range(LAYERS)), RUNS
+    stats = manager.stats()
+    assert stats["host_buffers_in_use"] == 0 and stats["restored_bytes"] > 0
+    assert str(pytree_ckpt.current_phase()) == "plain"
+
+
+def _nan_step(model: _Net) -> tuple[type[BaseException], str, list[str]]:
+    layer = model.layers[NAN_LAYER]
+    assert isinstance(layer, _Layer)
+    layer.nan = True
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
+            warnings.simplefilter("always")
+            stack.enter_context(torch.autograd.detect_anomaly())
+            model(x).backward()
+    except RuntimeError as error:
+        raised = type(error), str(error)
+    else:
+        raise AssertionError("anomaly mode let a NaN gradient through")
+    finally:
+        layer.nan = False
+        for p in model.parameters():
+            p.grad = None
+    return (*raised, [str(w.message) for w in caught])
+
+
+def test_a_nan_in_a_replay_raises_anomaly_modes_own_error_and_the_next_steps_are_eager() -> None:
+    eager, twin, _ = _twins()
+    eager_type, eager_message, _ = _nan_step(eager)
+    twin_type, twin_message, twin_warnings = _nan_step(twin)
+    # The same error, not masked by one of the library's; no note: it names the op, and the
+    # traceback anomaly mode prints is the replay's, through the layer's own code.
+    assert (twin_type, twin_message) == (eager_type, eager_message) == (
+        RuntimeError, "Function 'AddmmBackward0' returned nan values in its 0th output.")
+    traced = [w for w in twin_warnings if "Traceback of forward call that caused" in w]
+    assert traced and "in mix" in traced[0] and "replay_backward" in traced[0]
+    assert str(pytree_ckpt.current_phase()) == "plain"
+    expected, _ = _train(eager, torch.autograd.detect_anomaly, first_step=1)
+    got, _ = _train(twin, torch.autograd.detect_anomaly, first_step=1)
+    _assert_equal(expected, got)
