@@ -50,7 +50,7 @@ import torch
 
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.errors import CheckpointConfigError
-from pytree_ckpt.saved import Unchanged
+from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 
 from .config import OffloadConfig
 from .lanes import Lane, Lanes
@@ -393,8 +393,17 @@ class OffloadManager:
                 report_held([tensor], Mechanism.AUTOGRAD, holder=packed)
             return packed
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+        try:
+            hooks.__enter__()
+        except RuntimeError as error:
+            note_hooks_disabled(error, "offload", "run this call outside that context, or "
+                                "without offload (offload=False when wrapping the layer)")
+            raise
+        try:
             yield window
+        finally:
+            hooks.__exit__()
         # NOTE: device tensors are released one window late (at the next window, the first
         # restore in backward, or stats()): by then the copy has usually completed, and the
         # caller has dropped its own reference to the window's inputs, so "still alive

@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import CheckpointConfigError, CheckpointError
 from .running_modules import running_module, running_modules
-from .saved import Unchanged
+from .saved import Unchanged, note_hooks_disabled
 
 __all__ = ["ActivationCensus", "Holder", "Mechanism", "active_census", "census_active",
            "report_held", "storage_key"]
@@ -348,7 +348,12 @@ class ActivationCensus:
             return packed.inner.get()
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-        self._hooks.__enter__()
+        try:
+            self._hooks.__enter__()
+        except RuntimeError as error:
+            note_hooks_disabled(error, "an ActivationCensus", "enter the census outside that "
+                                "context (around the whole step)")
+            raise
         self._thread = threading.get_ident()
         with _OPEN_LOCK:
             _OPEN[0] += 1

@@ -15,7 +15,19 @@ import torch
 
 from .errors import SavedTensorChanged
 
-__all__ = ["Unchanged"]
+__all__ = ["Unchanged", "note_hooks_disabled"]
+
+
+def note_hooks_disabled(error: RuntimeError, who: str, tip: str, /) -> None:
+    """Say what needed the hooks when entering ``saved_tensors_hooks`` raised ``error`` inside
+    ``torch.autograd.graph.disable_saved_tensors_hooks(reason)``, whose message is only
+    ``reason``: nothing else in it names the hooks, or this library."""
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    if enabled is None or enabled() or not hasattr(error, "add_note"):  # add_note: 3.11+
+        return
+    error.add_note(f"pytree_ckpt: {who} needs saved-tensor hooks, which "
+                   "torch.autograd.graph.disable_saved_tensors_hooks turned off here (its "
+                   f"reason is the message above). Tip: {tip}")
 
 
 class Unchanged:

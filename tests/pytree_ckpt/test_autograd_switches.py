@@ -180,3 +180,45 @@ def test_a_nan_in_a_replay_raises_anomaly_modes_own_error_and_the_next_steps_are
     expected, _ = _train(eager, torch.autograd.detect_anomaly, first_step=1)
     got, _ = _train(twin, torch.autograd.detect_anomaly, first_step=1)
     _assert_equal(expected, got)
+
+
+def _notes(error: BaseException) -> str:
+    return "\n".join(getattr(error, "__notes__", []))
+
+
+def test_offload_under_disabled_saved_tensor_hooks_keeps_torchs_error_and_names_offload() -> None:
+    # torch's error is only the reason its caller gave: nothing says offload needed the hooks.
+    torch.manual_seed(0)
+    eager = nn.Linear(8, 8)
+    layer = copy.deepcopy(eager)
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("a framework's own reason"):
+        with pytest.raises(RuntimeError, match="^a framework's own reason") as raised:
+            layer(x)
+    assert str(raised.value) == "a framework's own reason"  # torch's error, unchanged
+    if hasattr(raised.value, "add_note"):  # Python 3.11+
+        assert "offload needs saved-tensor hooks" in _notes(raised.value)
+        assert "offload=False" in _notes(raised.value)
+    # Nothing is left behind: the next call is eager's, and no host buffer is out.
+    layer(x).square().sum().backward()
+    grad, x.grad = x.grad, None
+    eager(x).square().sum().backward()
+    assert torch.equal(grad, x.grad) and torch.equal(layer.weight.grad, eager.weight.grad)
+    assert manager.stats()["host_buffers_in_use"] == 0
+
+
+def test_a_census_under_disabled_saved_tensor_hooks_keeps_torchs_error_and_names_itself() -> None:
+    model = nn.Linear(8, 8)
+    with torch.autograd.graph.disable_saved_tensors_hooks("a framework's own reason"):
+        with pytest.raises(RuntimeError, match="^a framework's own reason") as raised:
+            with ActivationCensus(model):
+                pass
+    assert str(raised.value) == "a framework's own reason"
+    if hasattr(raised.value, "add_note"):  # Python 3.11+
+        assert "ActivationCensus needs saved-tensor hooks" in _notes(raised.value)
+    assert not model._forward_pre_hooks and not model._forward_hooks  # nothing stays on it
+    with ActivationCensus(model) as census:  # outside the context it works
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert census.total_bytes == 0
