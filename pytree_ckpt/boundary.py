@@ -50,7 +50,9 @@ NOTE [unknown callables]: for any other callable the parameters it closes over c
 so the replay accumulates every leaf's gradient with ``torch.autograd.backward``, as torch's
 reentrant checkpoint does; when no input requires grad a tiny requires-grad *anchor* makes the
 backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(inputs=...)``:
-those raise ``CheckpointError`` instead of returning partial results.
+those raise ``CheckpointError`` instead of returning partial results. Its replay changes the
+state of the modules it reaches again (a batch norm's running statistics): warned when they are
+modules it is given or holds (NOTE [state a plain function changes] in plain_state.py).
 
 Elsewhere: what a call carries from its original pass to its replay, and the boundary's options,
 in ``boundary_call.py`` (one container passed in several places, rebuilt once for the replay, in
@@ -93,10 +95,12 @@ from .forward_modules import ForwardModules
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode
 from .made_before import leaving_tensors
-from .module_state import (ModuleDicts, any_lazy, call_switches, collect_parameters,
-                           ever_verified, graph_attributes, module_dicts, owning_module)
+from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches,
+                           collect_parameters, ever_verified, graph_attributes, module_dicts,
+                           owning_module)
 from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
+from .plain_state import NOTHING_HELD, watch_plain_state
 from .recompute import replay_backward
 from .refusals import fn_name, input_path, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
@@ -378,18 +382,6 @@ def _apply(call: BoundaryCall, anchor: torch.Tensor | None, inputs: list[torch.T
     return _apply_in_c(call, anchor, *map(_unwrap_if_dead, inputs))
 
 
-def _argument_module(leaf: Any, /) -> nn.Module | None:
-    """The module an argument is, or whose method (or partial of one) it is. A method of the
-    root model passed to every layer (its ``gated`` or ``log``) makes all of the model's
-    parameters inputs of each layer's call: correct (the method may use any of them), at a
-    cost in the square of the layer count."""
-    if isinstance(leaf, nn.Module):
-        return leaf
-    if isinstance(leaf, (int, float, str, bool, type)) or not callable(leaf):
-        return None
-    return owning_module(leaf)
-
-
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
                  options: BoundaryOptions, /, *, owner: nn.Module | None = None) -> T:
     """The boundary itself; ``checkpoint`` and module wrapping both call this.
@@ -432,7 +424,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # `shared.forward`): their parameters are inputs too.
         modules = [owner] if len(flat.tensor_index) == len(leaves) else \
             [owner, *(module for leaf in leaves if leaf is not None and
-                      (module := _argument_module(leaf)) is not None)]
+                      (module := argument_module(leaf)) is not None)]
         trees = [module_dicts(owner)] if len(modules) == 1 else \
             [module_dicts(module) for module in modules]
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
@@ -468,9 +460,15 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         if params is not None:  # a module with nothing trainable: nothing to replay for
             return fn(*args, **kwargs)
         anchor = _anchor()
+    # NOTE [state a plain function changes] (plain_state.py): a lookup, for most functions
+    plain = None
     if len(flat.tensor_index) < len(leaves):
         refuse_unreadable_inputs(fn, flat.spec, leaves,
                                   kwargs_use_cache=kwargs.get("use_cache") is True)
+        if owner is None:
+            plain = watch_plain_state(fn, leaves, flat.spec)
+    elif owner is None and id(getattr(fn, "__code__", None)) not in NOTHING_HELD:
+        plain = watch_plain_state(fn, None, flat.spec)
     call = BoundaryCall(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.original_call = (args, kwargs)
     call.in_shared = shared_containers(call.original_call, flat.spec)
@@ -532,6 +530,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             refuse_strided_nested(fn, flat.spec, flat.tensor_index,
                                   [unique[slot] for slot in slots], root="inputs")
         raise
+    if plain is not None:
+        plain.tell()
     if call.as_is:
         out_tensors = list(out_tensors)
         for position, tensor in call.as_is:

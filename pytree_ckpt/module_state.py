@@ -29,7 +29,7 @@ from torch.nn.parameter import is_lazy
 from .eager import Told, user_stacklevel
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
-__all__ = ["ModuleDicts", "any_lazy", "call_switches", "changed_submodule", "collect_parameters",
+__all__ = ["ModuleDicts", "any_lazy", "argument_module", "call_switches", "changed_submodule", "collect_parameters",
            "drop_caches", "ever_verified", "foreign_leaf", "graph_attributes", "is_verified",
            "mark_verified", "module_buffers", "module_dicts", "owning_module",
            "structure_generation", "submodules_now", "trainable_parameters",
@@ -52,6 +52,18 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
         return fn
     owner = getattr(fn, "__self__", None)
     return owner if isinstance(owner, nn.Module) else None
+
+
+def argument_module(leaf: Any, /) -> nn.Module | None:
+    """The module an argument is, or whose method (or partial of one) it is. A method of the
+    root model passed to every layer (its ``gated`` or ``log``) makes all of the model's
+    parameters inputs of each layer's call: correct (the method may use any of them), at a
+    cost in the square of the layer count."""
+    if isinstance(leaf, nn.Module):
+        return leaf
+    if isinstance(leaf, (int, float, str, bool, type)) or not callable(leaf):
+        return None
+    return owning_module(leaf)
 
 
 _DICTS = "_pytree_ckpt_dicts"
