@@ -36,9 +36,9 @@ __all__ = ["NOTHING_HELD", "PlainStateWatch", "modules_held", "watch_plain_state
 # at its first call (a later function of that code holding a module where the first held none
 # is not looked at); a function that holds none and is given none costs one dict lookup a
 # call after that. One that holds modules is watched at every call until it is warned about
-# (a module in eval mode: a version read per buffer), then never again. Both tables are keyed by id and hold
-# the code object itself (so its id is not reused): hashing a code object hashes its
-# instructions, about 1.6 us for a 60-line function. Code objects are held strongly, as
+# (a module in eval mode: a version read per buffer), then never again. Both tables are keyed
+# by id and hold the code object itself (so its id is not reused): hashing a code object hashes
+# its instructions, about 1.6 us for a 60-line function. Code objects are held strongly, as
 # warnings' own registries hold what they warned about.
 _Held = tuple[tuple[int, ...], tuple[int, ...]]
 _HELD: dict[int, tuple[Any, _Held | None]] = {}  # by id(code): (code, held; None: warned)
