@@ -15,8 +15,16 @@ import pytest
 import torch
 from torch import nn
 
-from pytree_ckpt import checkpoint
+from pytree_ckpt import checkpoint, plain_state
 from tests.conftest import assert_same_grads, grads_of
+
+
+@pytest.fixture(autouse=True)
+def _not_warned_yet() -> None:
+    # Warned once per code object, for the process: each test starts as a fresh process would
+    # (the lambdas below are shared by the parametrized cases, and a rerun would see none).
+    plain_state._HELD.clear()
+    plain_state.NOTHING_HELD.clear()
 
 
 def _block(*, norm: bool = True) -> nn.Sequential:
