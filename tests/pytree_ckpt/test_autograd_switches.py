@@ -205,6 +205,8 @@ def test_offload_under_disabled_saved_tensor_hooks_keeps_torchs_error_and_names_
     layer(x).square().sum().backward()
     grad, x.grad = x.grad, None
     eager(x).square().sum().backward()
+    assert grad is not None and x.grad is not None
+    assert layer.weight.grad is not None and eager.weight.grad is not None
     assert torch.equal(grad, x.grad) and torch.equal(layer.weight.grad, eager.weight.grad)
     assert manager.stats()["host_buffers_in_use"] == 0
 
@@ -222,3 +224,52 @@ def test_a_census_under_disabled_saved_tensor_hooks_keeps_torchs_error_and_names
     with ActivationCensus(model) as census:  # outside the context it works
         model(torch.randn(2, 8, requires_grad=True)).sum().backward()
     assert census.total_bytes == 0
+
+
+def _hooked_outputs_step(model: nn.Sequential) -> tuple[list[Any], list[torch.Tensor]]:
+    # A framework hooking each layer output's grad_fn (pre and post) and all outputs at once.
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    log: list[Any] = []
+    h, outs = x, []
+    for index, layer in enumerate(model):
+        h = layer(h)
+        outs.append(h)
+        h.grad_fn.register_prehook(
+            lambda g, i=index: log.append(("pre", i, g[0].detach().clone())))
+        h.grad_fn.register_hook(lambda gi, go, i=index: log.append(("post", i)))
+    torch.autograd.graph.register_multi_grad_hook(
+        outs, lambda gs: log.append(("multi", [g.detach().clone() for g in gs])))
+    h.square().sum().backward()
+    grads = [x.grad, *(p.grad for p in model.parameters())]
+    assert all(g is not None for g in grads)
+    return log, [g for g in grads if g is not None]
+
+
+def test_hooks_on_the_boundary_outputs_grad_fn_run_as_on_eagers_in_order_and_values() -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    twin = copy.deepcopy(eager)
+    for layer in twin:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    (want_log, want), (got_log, got) = _hooked_outputs_step(eager), _hooked_outputs_step(twin)
+    def order(log: list[Any]) -> list[Any]:
+        return [entry[0] if entry[0] == "multi" else entry[:2] for entry in log]
+
+    assert order(got_log) == order(want_log)
+    assert [entry[0] for entry in got_log].count("multi") == 1
+    for (kind, *rest), (_, *mine) in zip(want_log, got_log):
+        if kind == "pre":  # the gradient reaching each layer's output, bit for bit
+            assert torch.equal(rest[1], mine[1])
+        elif kind == "multi":
+            assert all(torch.equal(a, b) for a, b in zip(rest[0], mine[0]))
+    _assert_equal(want, got)
+
+
+def test_increment_version_on_an_input_after_the_call_is_refused_as_eager_refuses_it() -> None:
+    layer = pytree_ckpt.apply_activation_checkpointing(nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 1
+    out = layer(h)
+    torch.autograd.graph.increment_version(h)  # what a custom kernel writing in place does
+    with pytest.raises(pytree_ckpt.CheckpointError, match="changed in place after the call"):
+        out.sum().backward()
