@@ -8,9 +8,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from pytree_ckpt import reuse_during_recompute
+from pytree_ckpt import CheckpointWithoutOutput, reuse_during_recompute
 
-__all__ = ["Dropped", "Gate", "JitteredOnly", "MappingOutput", "Stack", "UsesOwnWeight", "jittered_topk"]
+__all__ = ["Dropped", "Gate", "JitteredOnly", "MappingOutput", "Stack", "UsesOwnWeight", "jittered_topk",
+           "project_norm"]
 
 
 class Stack(nn.Module):
@@ -99,3 +100,15 @@ class RmsNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def project_norm(project: nn.Module, norm: nn.Module, x: torch.Tensor, /, *,
+                 discard: bool) -> torch.Tensor:
+    """``project(norm(x))``; with ``discard``, the norm's output is discarded once ``project``
+    has used it and rebuilt in backward (output discard, as a checkpointed twin runs it)."""
+    if not discard:
+        return project(norm(x))
+    ckpt = CheckpointWithoutOutput()
+    out = project(ckpt.checkpoint(norm, x))
+    ckpt.discard_output_and_register_recompute(out)
+    return out

@@ -25,9 +25,9 @@ from torch import nn
 
 import offload
 import pytree_ckpt
-from pytree_ckpt import (ActivationCensus, CheckpointWithoutOutput, KeptCallables,
-                         RecomputeConfig, SaveUnit, apply_recompute_config,
-                         reuse_during_recompute)
+from pytree_ckpt import (ActivationCensus, KeptCallables, RecomputeConfig, SaveUnit,
+                         apply_recompute_config, reuse_during_recompute)
+from tests.pytree_ckpt.models import project_norm
 
 WIDTH, LAYERS, NAN_LAYER = 16, 3, 1
 RUNS: collections.Counter[tuple[int, str]] = collections.Counter()  # (layer, phase) -> calls
@@ -47,12 +47,7 @@ class _Layer(nn.Module):
         self.nan = False  # a hook turns this layer's output gradient into NaN
 
     def mix(self, a: torch.Tensor) -> torch.Tensor:  # kept by the twin's save unit
-        if not self.discard:
-            return self.proj(self.norm(a))
-        ckpt = CheckpointWithoutOutput()
-        out = self.proj(ckpt.checkpoint(self.norm, a))
-        ckpt.discard_output_and_register_recompute(out)
-        return out
+        return project_norm(self.proj, self.norm, a, discard=self.discard)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         RUNS[self.index, str(pytree_ckpt.current_phase())] += 1

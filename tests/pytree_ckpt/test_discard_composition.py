@@ -16,6 +16,7 @@ from torch import nn
 from pytree_ckpt import CheckpointWithoutOutput
 from tests.conftest import assert_same_grads, grads_of
 from tests.pytree_ckpt.models import RmsNorm as _Norm
+from tests.pytree_ckpt.models import project_norm
 
 
 @pytest.mark.parametrize("frozen_in_forward", [False, True],
@@ -250,12 +251,7 @@ class _KeptMix(nn.Module):
         self.discard = discard
 
     def mix(self, h: torch.Tensor) -> torch.Tensor:
-        if not self.discard:
-            return self.proj(self.norm(h))
-        ckpt = CheckpointWithoutOutput()
-        y = self.proj(ckpt.checkpoint(self.norm, h))
-        ckpt.discard_output_and_register_recompute(y)
-        return y
+        return project_norm(self.proj, self.norm, h, discard=self.discard)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.out(self.mix(h).relu())

@@ -25,8 +25,9 @@ from torch import nn
 
 import offload
 import pytree_ckpt
-from pytree_ckpt import (ActivationCensus, CheckpointWithoutOutput, KeptCallables, KeptOps,
-                         RecomputeConfig, apply_recompute_config, reuse_during_recompute)
+from pytree_ckpt import (ActivationCensus, KeptCallables, KeptOps, RecomputeConfig,
+                         apply_recompute_config, reuse_during_recompute)
+from tests.pytree_ckpt.models import project_norm
 
 WIDTH, BATCH, LAYERS = 16, 8, 4
 # Layer calls by id(layer): outside the module, since a number on it would be changed again by
@@ -63,12 +64,7 @@ class Layer(nn.Module):
         self.discard = False  # the checkpointed twin discards the norm's output
 
     def mix(self, a: torch.Tensor) -> torch.Tensor:
-        if not self.discard:
-            return self.proj(self.norm(a))
-        ckpt = CheckpointWithoutOutput()
-        out = self.proj(ckpt.checkpoint(self.norm, a))
-        ckpt.discard_output_and_register_recompute(out)
-        return out
+        return project_norm(self.proj, self.norm, a, discard=self.discard)
 
     def forward(self, x: dict[str, Any]) -> dict[str, Any]:
         RUNS[id(self)] += 1
