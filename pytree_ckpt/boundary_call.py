@@ -154,8 +154,9 @@ class BoundaryCall:
     def check_replay(self, spec: Any, leaves: list[Any], tensor_index: list[int], /) -> None:
         if (spec is self.out_spec or spec == self.out_spec) and \
                 tensor_index == self.out_tensor_index:
-            for i, (shape, dtype) in zip(tensor_index, self.out_meta):  # NOTE [loops on the
-                leaf = leaves[i]                                      # per-call path]
+            # NOTE [loops on the per-call path] in boundary.py
+            for i, (shape, dtype) in zip(tensor_index, self.out_meta):
+                leaf = leaves[i]
                 if leaf.shape != shape or leaf.dtype != dtype:
                     break
             else:

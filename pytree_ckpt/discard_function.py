@@ -141,13 +141,12 @@ class DiscardFunction(torch.autograd.Function):
         wrt: list[torch.Tensor | None] = [next(detached) if kind else None
                                           for kind in owner.arg_kinds]
         wrt += owner.params
-        # NOTE [parameters frozen or unfrozen since the forward] (the boundary's replay in
-        # recompute.py follows it too): a parameter frozen since the forward
-        # (requires_grad_(False) before backward) gets no gradient, as in eager, where its
-        # AccumulateGrad then does nothing (asking torch.autograd.grad for it raised torch's
-        # "does not require grad"); one frozen in the forward and unfrozen since was not in the
-        # forward's graph: it gets none either, and is a known tensor of the op's modules, not
-        # a foreign one.
+        # NOTE [parameters frozen or unfrozen since the forward]: a parameter frozen since the
+        # forward (requires_grad_(False) before backward) gets no gradient, as in eager, where
+        # its AccumulateGrad then does nothing (asking torch.autograd.grad for it raised
+        # torch's "does not require grad"); one frozen in the forward and unfrozen since was
+        # not in the forward's graph: it gets none either, and is a known tensor of the op's
+        # modules, not a foreign one. The boundary's replay in recompute.py follows it too.
         wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
                   if need and t is not None and t.requires_grad]
         # As at the boundary (verify_leaves in refusals.py): the inputs, and the parameters

@@ -71,6 +71,46 @@ def test_every_file_and_note_the_readme_and_docs_cite_exists() -> None:
     assert not missing, missing
 
 
+CODE_DIRS = ("pytree_ckpt", "offload", "examples", "tests", "scripts")
+NOTE_DEFINED = re.compile(r"NOTE \[([^\]]+)\]:")
+# A citation names where the NOTE is: `in kept_owners.py`, `(pytree_ckpt/rng.py)`, or a module
+# in double backticks (`in ``bench_measure```, `(``examples.timing``)`).
+NOTE_CITED = re.compile(r"NOTE \[([^\]]+)\](?!:)\s*(?:in|\()\s*"
+                        r"(?:`{0,2}([\w/]+\.py)`{0,2}|``([\w.]+)``)")
+
+
+def _flat_code(path: Path) -> str:
+    """The file on one line: comment continuations joined, adjacent string literals merged
+    (``"NOTE [a " "b]"``), so a NOTE name that wraps reads as one."""
+    text = re.sub(r"\n[ \t]*#[ \t]?", " ", path.read_text())
+    return re.sub(r"[\"\']\s+[\"\']", "", " ".join(text.split()))
+
+
+def test_every_note_the_code_cites_exists_where_it_says() -> None:
+    # Comments and docstrings cite invariants as NOTE [name] (kept_calls.py): the name must be
+    # defined (NOTE [name]: ...) somewhere, and in the file the citation names, if it names one.
+    files = [p for d in CODE_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
+    texts = {p.relative_to(ROOT).as_posix(): _flat_code(p) for p in files}
+    defined: dict[str, set[str]] = {}
+    for rel, text in texts.items():
+        for name in NOTE_DEFINED.findall(text):
+            defined.setdefault(name, set()).add(rel)
+    wrong = []
+    for rel, text in texts.items():
+        if rel == "tests/test_docs.py":
+            continue  # this file's patterns, not citations
+        for match in re.finditer(r"NOTE \[([^\]]+)\](?!:)", text):
+            if match.group(1) not in defined:
+                wrong.append(f"{rel}: NOTE [{match.group(1)}] is defined nowhere")
+        for name, file, module in NOTE_CITED.findall(text):
+            where = file or module.replace(".", "/") + ".py"
+            if name in defined and not any(d == where or d.endswith("/" + where)
+                                           for d in defined[name]):
+                wrong.append(f"{rel}: NOTE [{name}] cited in {where}, defined in "
+                             f"{sorted(defined[name])}")
+    assert not wrong, wrong
+
+
 def test_every_doc_page_has_runnable_examples() -> None:
     assert DOCS, "docs/ has no pages"
     assert all(BLOCK.search(page.read_text()) for page in DOCS)

@@ -1,4 +1,4 @@
-"""NOTE [kept ops called otherwise in the replay] (keep.py): a kept op whose caller chooses an
+"""NOTE [kept ops called otherwise in the replay] (kept_calls.py): a kept op whose caller chooses an
 argument by grad mode (CUDA's scaled_dot_product_attention asks the efficient and cuDNN
 kernels for the log-sum-exp only with grad) is called one way in the no-grad original pass and
 another in the replay. Two custom ops stand in for those kernels on CPU."""

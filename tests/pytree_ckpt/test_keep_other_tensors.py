@@ -1,4 +1,4 @@
-"""NOTE [kept ops called on other tensors in the replay] (keep.py): a record is matched to the
+"""NOTE [kept ops called on other tensors in the replay] (kept_calls.py): a record is matched to the
 replay's call by op and order; a replay whose call has as many kept calls but other tensors
 (shapes, dtypes, devices) is refused, naming the op, the layer, the call and both sides. The
 usual cause: state the forward reads (a Python attribute, a global) changed between forward and
