@@ -69,8 +69,8 @@ log = logging.getLogger(__name__)
 
 # stats()'s counters, in the order it gives them.
 _COUNTERS = ("offloaded_bytes", "restored_bytes", "reused_bytes", "prefetch_hits",
-             "alive_elsewhere_bytes", "discarded_bytes", "below_min_bytes", "other_device_bytes",
-             "windows")
+             "prefetch_oom", "alive_elsewhere_bytes", "discarded_bytes", "below_min_bytes",
+             "other_device_bytes", "windows")
 
 
 class OffloadManager:
@@ -126,6 +126,7 @@ class OffloadManager:
         self._ever_offloaded = False
         self._warned_device = False
         self._warned_plain = False
+        self._warned_prefetch_oom = False
         # Storages let go while still alive: judged when backward begins (liveness.py).
         self._liveness = Liveness(self._counters)
         # NOTE [one thread at a time]: threads may share a manager (each its own forward and
@@ -192,7 +193,8 @@ class OffloadManager:
         return out
 
     def events(self) -> list[tuple[str, int]]:
-        """``("restore" | "prefetch" | "prefetch_hit", window id)`` in order, for the pass whose
+        """``("restore" | "prefetch" | "prefetch_hit" | "prefetch_oom", window id)`` in order
+        (``prefetch_oom``: a prefetch given up, out of device memory), for the pass whose
         backward began last among those whose forward ran on the calling thread (wherever the
         backward ran); empty before any backward, and on a thread that opened no window."""
         with self._lock:
@@ -454,8 +456,7 @@ class OffloadManager:
                                    keep=[window, *ahead] if restore_now else ahead)
         if restore_now:
             self._restore_window(window, kind="restore")
-        for earlier in ahead:
-            self._restore_window(earlier, kind="prefetch")
+        self._prefetch(ahead)
         if self._pending:
             self._collect_finished(lane, pass_, force_before=sys.maxsize)
         if self._liveness and restore_now:
@@ -465,6 +466,58 @@ class OffloadManager:
         assert copy.restored is not None
         self.engine.use_here(copy.restored, allocated_on=copy.restored_on)
         return packed.rebuild(copy.restored)
+
+    def _prefetch(self, ahead: list[Window]) -> None:
+        """Restore ``ahead`` (nearest first), giving up at the first that runs out of memory.
+
+        NOTE [a prefetch that runs out of memory]: a prefetch takes device memory for windows
+        backward needs only later; on a device near its limit that allocation can fail where
+        restoring on demand (``prefetch=0``) fits. So ``torch.OutOfMemoryError`` from a
+        prefetch is not raised: what that window's prefetch restored so far is let go
+        (``Copy.give_up_restore``; reused bytes stay, they took nothing new), the window stays
+        unrestored (its first unpack restores it on demand, from host, bit for bit), the
+        targets after it are skipped, and the give-up is counted (``prefetch_oom``), logged
+        once per manager and listed in ``events()``. A restore on demand that runs out of
+        memory still raises: backward needs that window now.
+        The rest of that pass restores on demand (``Pass.prefetch_off``), not prefetching
+        again at the next window: on CUDA a failed allocation first makes the caching
+        allocator free its whole cache (synchronizing the device) and retry, so each prefetch
+        that fails again would cost a stall and fresh cudaMallocs, more than the overlap a
+        prefetch buys; and what filled the device (the backward's own working memory and the
+        gradients it accumulates) mostly stays until that backward ends. The next pass (the
+        next step, a later micro-batch's backward) prefetches again.
+        On CUDA (stream rule 5 in streams.py): the allocation that failed is the first thing
+        a restore does (``CopyEngine.allocate``), so it queued no copy and recorded no event.
+        Each buffer let go had its copy back queued on the restore stream and marked there
+        with ``record_stream``: the allocator hands that memory out again only once the copy
+        is done, and nothing waits on its event (the compute stream waits on a copy's event
+        only at an unpack, after the restore that replaces it). Its event stays on the copy
+        as the host buffer's last use, until a later copy back on the same stream replaces it.
+        """
+        for earlier in ahead:
+            fresh = [c for c in earlier.copies.values() if c.restored is None]
+            try:
+                self._restore_window(earlier, kind="prefetch")
+            except torch.OutOfMemoryError as error:
+                for copy in fresh:
+                    copy.give_up_restore()
+                self._give_up_prefetch(earlier, error)
+                return
+
+    def _give_up_prefetch(self, window: Window, error: torch.OutOfMemoryError) -> None:
+        pass_ = window.pass_
+        pass_.prefetch_off = True
+        pass_.events.append(("prefetch_oom", window.id))
+        self._counters["prefetch_oom"] += 1
+        log.debug("prefetch of window %d given up: %s", window.id, error)
+        if not self._warned_prefetch_oom:
+            self._warned_prefetch_oom = True
+            log.warning(
+                "offload: prefetching window %d ran out of device memory on %s; the step goes "
+                "on, that window and the rest of its pass are restored on demand (an exposed "
+                "copy each): lower OffloadConfig(prefetch=%d), or set prefetch=0 to always "
+                "restore on demand (stats()['prefetch_oom'] counts these)", window.id,
+                self.device, self.config.prefetch)
 
     def _prefetch_targets(self, window: Window) -> list[Window]:
         """The windows before ``window`` to restore now, nearest first (backward needs it
@@ -477,6 +530,8 @@ class OffloadManager:
         would move the prefetch on. Counted as a slot, it would end the chain: the window
         before it would be restored on demand, an exposed copy. It is passed over instead.
         """
+        if window.pass_.prefetch_off:  # NOTE [a prefetch that runs out of memory]
+            return []
         windows = window.pass_.windows
         targets = []
         budget = self.config.prefetch

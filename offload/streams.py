@@ -23,6 +23,11 @@ NOTE [stream rules]:
    reads it may have run on another) is marked as used there with ``record_stream``: its
    memory goes back to the allocating stream's pool, which would otherwise hand it out while
    the reading stream's kernels are still queued.
+5. A restore given up (a prefetch that ran out of device memory: NOTE [a prefetch that runs
+   out of memory] in manager.py) drops its buffer at once: rule 2's ``record_stream`` keeps
+   that memory from being handed out before its queued copy is done, nothing waits on its
+   event, and its event stays the host buffer's last until a later restore replaces it
+   (rule 3). The allocation that failed queued nothing.
 On a device without streams (CPU) every copy is synchronous and every event is ``None``.
 """
 
@@ -82,7 +87,7 @@ class CopyEngine:
     def to_device(self, host: torch.Tensor, nbytes: int, after: Any, /
                   ) -> tuple[torch.Tensor, Any]:
         """A new device buffer filled from ``host[:nbytes]``; returns it and its event (rule 2)."""
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer = self.allocate(nbytes)  # first: out of memory here, nothing is queued yet
         if not self.cuda:
             buffer.copy_(host[:nbytes])
             return buffer, None
@@ -96,6 +101,12 @@ class CopyEngine:
             event.record(stream)
         buffer.record_stream(stream)
         return buffer, event
+
+    def allocate(self, nbytes: int, /) -> torch.Tensor:
+        """The device buffer of one restore, on the current stream: the one allocation a
+        restore makes, so the one place it runs out of device memory (``torch.OutOfMemoryError``:
+        NOTE [a prefetch that runs out of memory] in manager.py)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def use_here(self, buffer: torch.Tensor, /, *, allocated_on: Any) -> None:
         """Rule 4: mark ``buffer`` as used on the current stream if its memory came from another."""

@@ -147,6 +147,19 @@ class Copy:
                 self.host, self.nbytes, self.d2h_event)
         counters["restored_bytes"] += self.nbytes
 
+    def give_up_restore(self) -> None:
+        """Let go of the device buffer a prefetch restored, before backward read it: the next
+        ``restore`` copies back again (NOTE [a prefetch that runs out of memory] in
+        manager.py). Bytes reused (NOTE [reuse at the turn]) stay: they took no new memory.
+
+        ``h2d_event`` stays: the copy back it marks may still read the host buffer, which goes
+        back to the pool with it (stream rules 3 and 5); a later restore replaces it with an
+        event on the same stream, after it."""
+        if self.restored is None or self.reused:
+            return
+        self.restored = self.restored_on = None
+        self.manager._counters["restored_bytes"] -= self.nbytes  # brought back once, counted once
+
     def _storage_intact(self, device_bytes: torch.Tensor) -> bool:
         storage = device_bytes.untyped_storage()
         return storage.nbytes() == self.nbytes and storage.data_ptr() == self.data_ptr
@@ -258,7 +271,7 @@ class Pass:
     manager checked them (``__del__``)."""
 
     __slots__ = ("lane", "ref", "ended", "windows", "next_id", "events", "prefetched", "shared",
-                 "backward", "offloaded", "largest_small", "__weakref__")
+                 "backward", "prefetch_off", "offloaded", "largest_small", "__weakref__")
 
     def __init__(self, lane: Lane, ended: deque[tuple[int, int]], /) -> None:
         self.lane = weakref.ref(lane)
@@ -274,6 +287,9 @@ class Pass:
         self.shared: weakref.WeakValueDictionary[tuple[str, int], Copy] = (
             weakref.WeakValueDictionary())
         self.backward = False  # a window was restored: new windows belong to a new pass
+        # A prefetch ran out of device memory: the rest of the pass restores on demand (NOTE
+        # [a prefetch that runs out of memory] in manager.py).
+        self.prefetch_off = False
         # Offloaded bytes and the largest storage left below min_bytes: a pass that offloaded
         # nothing because of the floor is logged (once per manager), not silently accepted.
         self.offloaded = 0

@@ -11,7 +11,8 @@ from torch import nn
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import apply_activation_checkpointing
 
-__all__ = ["Block", "Layer", "grads_with_last_input_changed", "manager", "offloaded_stack", "stack"]
+__all__ = ["Block", "FailingBackward", "Gated", "Layer", "grads_with_last_input_changed", "manager",
+           "offloaded_stack", "stack"]
 
 
 def manager(**config: Any) -> OffloadManager:
@@ -40,6 +41,29 @@ class Layer(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + torch.tanh(self.proj(h))
+
+
+class Gated(nn.Module):
+    """A ``Layer`` with a second input, a gate the multiply saves: two storages per window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.proj(h)) * gate
+
+
+class FailingBackward(torch.autograd.Function):
+    """Passes ``h`` on; its backward raises (a step that fails partway through backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        return h * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed on purpose")
 
 
 def offloaded_stack(m: OffloadManager, n: int, layer: type[nn.Module] = Layer) -> nn.ModuleList:

@@ -831,8 +831,9 @@ def test_a_failed_host_allocation_or_copy_to_host_returns_its_buffer() -> None:
 
 
 def test_a_restore_that_failed_is_retried_and_counted_once() -> None:
-    # Out of memory in a copy back (caught by the training loop, then backward run again with
-    # the retained graph): the window is restored on demand later, and counted once.
+    # Out of memory in a copy back on demand (caught by the training loop, then backward run
+    # again with the retained graph): the window is restored at the next unpack, and counted
+    # once. (A prefetch that runs out of memory is given up instead: test_prefetch_oom.py.)
     torch.manual_seed(0)
     m = manager()
     layers = offloaded_stack(m, 4)
@@ -840,19 +841,20 @@ def test_a_restore_that_failed_is_retried_and_counted_once() -> None:
     m.stats()  # lets go of every landed copy: every window is copied back
     to_device, calls = m.engine.to_device, [0]
 
-    def second_fails(*args: Any) -> Any:
+    def first_fails(*args: Any) -> Any:
         calls[0] += 1
-        if calls[0] == 2:  # the prefetch of window 2
+        if calls[0] == 1:  # the restore of window 3, on demand
             raise torch.OutOfMemoryError("out of memory (simulated)")
         return to_device(*args)
-    m.engine.to_device = second_fails  # type: ignore[method-assign]
+    m.engine.to_device = first_fails  # type: ignore[method-assign]
     with pytest.raises(torch.OutOfMemoryError):
         loss.backward(retain_graph=True)
     loss.backward()
     stats = m.stats()
     assert stats["restored_bytes"] == stats["offloaded_bytes"] == 4 * 8 * 32 * 4
-    assert m.events() == [("restore", 3), ("restore", 2), ("prefetch", 1), ("prefetch_hit", 1),
-                          ("prefetch", 0), ("prefetch_hit", 0)]
+    assert stats["prefetch_oom"] == 0
+    assert m.events() == [("restore", 3), ("prefetch", 2), ("prefetch_hit", 2), ("prefetch", 1),
+                          ("prefetch_hit", 1), ("prefetch", 0), ("prefetch_hit", 0)]
 
 
 def test_a_pass_that_offloads_nothing_because_of_the_floor_is_logged_once(

@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import checkpoint_layers
 from tests.conftest import assert_same_grads
-from tests.offload.blocks import grads_with_last_input_changed, manager
+from tests.offload.blocks import FailingBackward, grads_with_last_input_changed, manager
 from tests.offload.simulated import POISON, SimulatedStreams, simulated
 
 
@@ -405,16 +405,6 @@ def test_the_simulation_catches_a_device_tensor_dropped_before_its_copy_ran(
     manager.stats()  # "completed": the manager lets go of the device bytes
     streams.finish()
     assert any(v.startswith("rule 1") for v in streams.violations)
-
-
-class FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
-        return h * 1
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("backward failed on purpose")
 
 
 @pytest.mark.parametrize("break_rule_3", [False, True])
