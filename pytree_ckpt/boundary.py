@@ -52,7 +52,8 @@ reentrant checkpoint does; when no input requires grad a tiny requires-grad *anc
 backward run. Such a replay cannot honour ``torch.autograd.grad`` or ``backward(inputs=...)``:
 those raise ``CheckpointError`` instead of returning partial results. Its replay changes the
 state of the modules it reaches again (a batch norm's running statistics): warned when they are
-modules it is given or holds (NOTE [state a plain function changes] in plain_state.py).
+modules it is given, holds or names as globals (NOTE [state a plain function changes] in
+plain_state.py).
 
 Elsewhere: what a call carries from its original pass to its replay, and the boundary's options,
 in ``boundary_call.py`` (one container passed in several places, rebuilt once for the replay, in
@@ -531,7 +532,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
                                   [unique[slot] for slot in slots], root="inputs")
         raise
     if plain is not None:
-        plain.tell()
+        call.plain_state = plain.after_forward()  # kept for the replay when it changed state
     if call.as_is:
         out_tensors = list(out_tensors)
         for position, tensor in call.as_is:

@@ -28,6 +28,8 @@ from .tree import describe_leaf, first_difference, leaf_paths, unflatten
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
 
+    from .plain_state import PlainStateWatch
+
 __all__ = ["DEFAULT_OPTIONS", "BoundaryCall", "BoundaryOptions"]
 
 
@@ -61,7 +63,7 @@ class BoundaryCall:
                  "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
                  "changed_state", "modules", "forward_modules", "hooked", "hooked_outputs",
                  "held", "subclasses", "switches", "inference", "saved_versions",
-                 "param_versions")
+                 "param_versions", "plain_state")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -114,6 +116,9 @@ class BoundaryCall:
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in state_changes.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
+        # For a plain function whose original pass changed the buffers of modules it reaches:
+        # their watch, for the replay (NOTE [state a plain function changes] in plain_state.py).
+        self.plain_state: PlainStateWatch | None = None
         # The modules fn uses and their dicts, for the original pass only (then dropped); what
         # they were then, for the replay (NOTE [the replay sees the forward's modules] in
         # forward_modules.py).

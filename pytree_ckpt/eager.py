@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["BOUNDARY_REASON", "DISCARD_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
            "compile_stance_is_default", "compiled_wrapper", "in_compiled_module_call",
-           "Told", "runs_eagerly", "user_stacklevel"]
+           "Told", "runs_eagerly", "user_site", "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,6 +75,17 @@ def user_stacklevel() -> int:
         level += 1
         frame = frame.f_back
     return level
+
+
+def user_site() -> tuple[str, int, dict[str, Any]]:
+    """The user's line, as ``user_stacklevel`` finds it: its file, line number and module
+    globals, for a warning given later (``warnings.warn_explicit``) that names it."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_back is not None and \
+            frame.f_code.co_filename.startswith(_INNER_DIRS):
+        frame = frame.f_back
+    assert frame is not None
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
 
 
 class Told:

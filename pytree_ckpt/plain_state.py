@@ -3,19 +3,20 @@ function changes]).
 
 The boundary watches the state of the modules it knows (NOTE [state the forward changes] in
 ``state_changes.py``); this file only looks, for a plain function, at the modules it is given
-or holds, and says when the replay will change their state again.
+or holds, and says when the replay changes their state again.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 from collections.abc import Callable
-from types import CodeType
 from typing import Any
 
 from torch import nn
 
-from .eager import user_stacklevel
+from .eager import user_site
 from .frames import callable_name
 from .module_state import argument_module, module_dicts
 from .refusals import readable_path
@@ -24,23 +25,47 @@ from .tree import leaf_paths
 
 __all__ = ["NOTHING_HELD", "PlainStateWatch", "modules_held", "watch_plain_state"]
 
+logger = logging.getLogger(__name__)
+
 # NOTE [state a plain function changes]: a plain function (NOTE [unknown callables] in
 # boundary.py) reaches modules the boundary does not know, so its replay runs their forward
 # again on their own state: a batch norm's running statistics are updated twice a step, a step
 # counter counts twice, as with torch's reentrant checkpoint. Making those modules known would
-# change how their gradients are routed; instead the modules the function is given (argument
-# leaves, or bound methods of modules) or holds (closure cells, bound defaults: not globals)
-# have their buffers watched across the original pass with a StateWatch, and a change is
-# warned once per code object (a lambda written in a loop is one function), naming the module,
-# the buffers and the fix. Which cells and defaults hold modules is read once per code object,
-# at its first call (a later function of that code holding a module where the first held none
-# is not looked at); a function that holds none and is given none costs one dict lookup a
-# call after that. One that holds modules is watched at every call until it is warned about
-# (a module in eval mode: a version read per buffer), then never again. Both tables are keyed
-# by id and hold the code object itself (so its id is not reused): hashing a code object hashes
-# its instructions, about 1.6 us for a 60-line function. Code objects are held strongly, as
+# change how their gradients are routed; instead the modules the function reaches here have
+# their buffers watched: those it is given (argument leaves, bound methods of modules, the
+# arguments a functools.partial binds), holds (closure cells, bound defaults, the attributes of
+# a callable object, one level), or names as globals (a name of its code's co_names that is a
+# module in its __globals__: a lambda at a script's top level). Not followed: functions it
+# calls, attributes and containers of those modules' owners (self.block of a plain object's
+# method), globals of a callable object's __call__.
+#
+# Warned when the replay changed them again, not when the original pass changed them: a
+# forward that skips its update when current_phase() is "recompute" (a step counter counted
+# once) changes them once, and a warning then would be false. The original pass's watch is
+# kept (on the call, with the user's line) only when that pass changed a buffer; the replay
+# watches the same buffers across its run of the function and warns, once per code object (a
+# lambda written in a loop is one function), naming the module, the buffers, the user's
+# checkpoint line (warnings.warn_explicit: the warning arrives in backward) and the fix. A
+# warning given at the original pass with a caveat ("unless the forward skips it...") would
+# still be given to the user who did skip it, who could only filter it out, hiding it for every
+# other function too; the price of accuracy is a warning in backward, and none without one
+# (the state then did change once, as in eager). A module watched needlessly (an attribute
+# name of the code that is also a global module) only costs its watch: both passes must change
+# its buffers for a warning, which only code the function runs does (or another thread, at
+# that moment).
+#
+# Which cells, defaults, globals and attributes hold modules is read once per code object
+# (type, for a callable object), at its first call; a function of that code holding a module
+# where the first held none is not looked at. The globals and attributes found are read again
+# by name at each call (a global rebound to another model is the new one). A function that
+# holds none and is given none costs one dict lookup a call after that. One that holds modules
+# is watched at every call until it is warned about (its buffers' versions read before and
+# after: about 16,800 instructions a buffer, see _MOST_GLOBAL_BUFFERS; a forward that skips its
+# update in the replay is watched so for good), then never again. Both tables are keyed by id
+# and hold the code object itself (so its id is not reused): hashing a code object hashes its
+# instructions, about 1.6 us for a 60-line function. Code objects are held strongly, as
 # warnings' own registries hold what they warned about.
-_Held = tuple[tuple[int, ...], tuple[int, ...]]
+_Held = tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], tuple[str, ...]]
 _HELD: dict[int, tuple[Any, _Held | None]] = {}  # by id(code): (code, held; None: warned)
 # The code objects whose functions hold no module (at their first call) or were warned about,
 # by id: the boundary skips the call of watch_plain_state for them when they are given no
@@ -49,9 +74,10 @@ _HELD: dict[int, tuple[Any, _Held | None]] = {}  # by id(code): (code, held; Non
 NOTHING_HELD: dict[int, Any] = {}
 
 
-def modules_held(code: CodeType, /) -> _Held | None:
-    """Which closure cells and defaults of ``code``'s functions held modules at its first
-    call (``None`` once warned about, or never called)."""
+def modules_held(code: Any, /) -> _Held | None:
+    """Which closure cells and defaults (by index), globals and attributes (by name) of
+    ``code``'s functions (or a callable object's type's) held modules at its first call
+    (``None`` once warned about, or never called)."""
     entry = _HELD.get(id(code))
     return None if entry is None else entry[1]
 
@@ -61,11 +87,40 @@ def _first_look(fn: Any, key: Any, /) -> _Held:
                   if isinstance(_contents(cell), nn.Module))
     defaults = tuple(i for i, value in enumerate(_defaults(fn))
                      if isinstance(value, nn.Module))
-    found = (cells, defaults)
+    found_globals: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ()
+    if key is not type(fn):  # a function, or a method of a plain object
+        space = getattr(fn, "__globals__", None) or {}
+        found_globals = tuple(name for name in key.co_names
+                              if isinstance(module := space.get(name), nn.Module) and
+                              _few_buffers(module, name))
+    else:  # a callable object: its own attributes, one level
+        attributes = tuple(name for name, value in getattr(fn, "__dict__", {}).items()
+                           if isinstance(value, nn.Module))
+    found = (cells, defaults, found_globals, attributes)
     _HELD[id(key)] = (key, found)
-    if not (cells or defaults):
+    if not any(found):
         NOTHING_HELD[id(key)] = key
     return found
+
+
+# A global module with more submodules holding buffers than this is not watched: a whole model
+# named by every layer's lambda (`lambda h: model.layers[i](h)`) would cost a watch of all its
+# buffers at each call, the model's buffers once per layer (callgrind: 3.35 million instructions
+# more a call for a stack of 200 layers with one RoPE buffer each, over the 233,000 the call
+# costs; about 16,800 a buffer). A closure cell or argument holding one is watched still, at
+# that cost (it is given that model), as before globals were looked at.
+_MOST_GLOBAL_BUFFERS = 32
+
+
+def _few_buffers(module: nn.Module, name: str, /) -> bool:
+    holding = sum(1 for d in module_dicts(module).buffers if d)
+    if holding <= _MOST_GLOBAL_BUFFERS:
+        return True
+    logger.info("pytree_ckpt: the global %r a plain function names is a module with %d "
+                "submodules holding buffers: not watched for changes its replay repeats "
+                "(NOTE [state a plain function changes])", name, holding)
+    return False
 
 
 def _contents(cell: Any, /) -> Any:
@@ -80,11 +135,27 @@ def _defaults(fn: Any, /) -> list[Any]:
             *(getattr(fn, "__kwdefaults__", None) or {}).values()]
 
 
+def _unwrap_partials(fn: Any, /) -> tuple[Any, list[tuple[str, Any]]]:
+    """The function a ``functools.partial`` (of partials) calls, and the values it binds."""
+    bound: list[tuple[str, Any]] = []
+    for _ in range(8):
+        if not isinstance(fn, functools.partial):
+            break
+        bound += [(f"partial argument {i}", v) for i, v in enumerate(fn.args)]
+        bound += [(f"partial keyword {k!r}", v) for k, v in fn.keywords.items()]
+        fn = fn.func
+    return fn, bound
+
+
 def watch_plain_state(fn: Callable[..., Any], leaves: list[Any] | None, spec: Any, /
                       ) -> PlainStateWatch | None:
     """A watch over the buffers of the modules ``fn`` (a plain function) is given among
     ``leaves`` (its non-tensor argument leaves; ``None`` when it has none) or holds; ``None``
     when there are none with buffers (the usual case, a lookup)."""
+    shown = fn
+    bound: list[tuple[str, Any]] = []
+    if isinstance(fn, functools.partial):  # a partial of a module's method is known: not here
+        fn, bound = _unwrap_partials(fn)
     key = getattr(fn, "__code__", None) or type(fn)
     entry = _HELD.get(id(key))
     if entry is None:
@@ -93,14 +164,14 @@ def watch_plain_state(fn: Callable[..., Any], leaves: list[Any] | None, spec: An
         return None  # warned about
     else:
         held = entry[1]
-    if not (held[0] or held[1] or leaves):
+    if not (held[0] or held[1] or held[2] or held[3] or leaves or bound):
         return None
-    return _watch(fn, key, held, leaves, spec)
+    return _watch(fn, shown, key, held, leaves, bound, spec)
 
 
-def _watch(fn: Any, key: Any, held: _Held,
-           leaves: list[Any] | None, spec: Any, /) -> PlainStateWatch | None:
-    roots: list[tuple[Any, nn.Module]] = []  # (where: a leaf index or a name, the module)
+def _watch(fn: Any, shown: Any, key: Any, held: _Held, leaves: list[Any] | None,
+           bound: list[tuple[str, Any]], spec: Any, /) -> PlainStateWatch | None:
+    roots: list[tuple[Any, nn.Module]] = []  # (where: a leaf index or words, the module)
     closure = getattr(fn, "__closure__", None) or ()
     names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
     for i in held[0]:
@@ -111,27 +182,56 @@ def _watch(fn: Any, key: Any, held: _Held,
     for i in held[1]:
         if i < len(defaults) and isinstance(defaults[i], nn.Module):
             roots.append(("a default argument", defaults[i]))
+    if held[2]:
+        space = getattr(fn, "__globals__", None) or {}
+        for name in held[2]:  # read again by name: a global rebound since is the new one
+            if isinstance(module := space.get(name), nn.Module):
+                roots.append((f"global {name!r}", module))
+    if held[3]:
+        attributes = getattr(fn, "__dict__", {})
+        for name in held[3]:
+            if isinstance(module := attributes.get(name), nn.Module):
+                roots.append((f"attribute {name!r}", module))
+    for where, value in bound:
+        if (module := argument_module(value)) is not None:
+            roots.append((where, module))
     for index, leaf in enumerate(leaves or ()):
         if leaf is not None and (module := argument_module(leaf)) is not None:
             roots.append((index, module))
     dicts = [d for _, module in roots for d in module_dicts(module).buffers]
     if not any(dicts):
         return None
-    return PlainStateWatch(fn, key, roots, spec, StateWatch(dicts, [], (), snapshot=False))
+    return PlainStateWatch(shown, key, roots, spec, dicts)
 
 
 class PlainStateWatch:
-    """The buffers of a plain function's modules, watched across its original pass."""
+    """The buffers of a plain function's modules, watched across its original pass, then (when
+    that pass changed one) across its replay."""
 
-    __slots__ = ("fn", "key", "roots", "spec", "watch")
+    __slots__ = ("fn", "key", "roots", "spec", "dicts", "watch", "site")
 
     def __init__(self, fn: Any, key: Any, roots: list[tuple[Any, nn.Module]], spec: Any,
-                 watch: StateWatch, /) -> None:
-        self.fn, self.key, self.roots, self.spec, self.watch = fn, key, roots, spec, watch
+                 dicts: list[dict[str, Any]], /) -> None:
+        self.fn, self.key, self.roots, self.spec, self.dicts = fn, key, roots, spec, dicts
+        self.watch = StateWatch(dicts, [], (), snapshot=False)
+        self.site: tuple[str, int, dict[str, Any]] | None = None
 
-    def tell(self) -> None:
-        """Warn (once per code object) when the original pass changed a buffer."""
-        changed = self.watch.changed()
+    def after_forward(self) -> PlainStateWatch | None:
+        """This watch, with the user's line, when the original pass changed a buffer (to be
+        kept for the replay); ``None`` when it changed none."""
+        if self.watch.changed() is None or _HELD[id(self.key)][1] is None:
+            return None
+        self.site = user_site()
+        return self
+
+    def before_replay(self) -> StateWatch | None:
+        if _HELD[id(self.key)][1] is None:  # warned about (by another call's replay)
+            return None
+        return StateWatch(self.dicts, [], (), snapshot=False)
+
+    def after_replay(self, watch: StateWatch, /) -> None:
+        """Warn (once per code object) when the replay changed a buffer again."""
+        changed = watch.changed()
         if changed is None or _HELD[id(self.key)][1] is None:
             return
         _HELD[id(self.key)] = (self.key, None)
@@ -148,14 +248,17 @@ class PlainStateWatch:
                 if names:
                     what.append(f"{where}{'' if not path else f' submodule {path!r}'} "
                                 f"({type(module).__name__}): {', '.join(names)}")
-        name = callable_name(self.fn)
-        warnings.warn(
-            f"pytree_ckpt: checkpoint({name}) is a plain function, and its original pass "
-            f"changed the buffers of modules it reaches: {'; '.join(what)}. The boundary does "
-            "not know these modules, so the replay in backward runs their forward again and "
-            "changes that state again, as torch's reentrant checkpoint does (a batch norm's "
-            "running statistics are updated twice a step, num_batches_tracked counts 2); "
-            "gradients are eager's. Tip: checkpoint the module itself, checkpoint(block, h), "
-            "or one of its methods, so that the boundary knows its state (docs/limits.md, "
-            "'Plain functions')",
-            stacklevel=user_stacklevel())
+        assert self.site is not None
+        filename, lineno, space = self.site
+        warnings.warn_explicit(
+            f"pytree_ckpt: checkpoint({callable_name(self.fn)}) is a plain function, and both "
+            f"its original pass and its replay in backward changed the buffers of modules it "
+            f"reaches: {'; '.join(what)}. The boundary does not know these modules, so the "
+            "replay runs their forward again and changes that state again, as torch's "
+            "reentrant checkpoint does (a batch norm's running statistics are updated twice a "
+            "step, num_batches_tracked counts 2); gradients are eager's. Tip: checkpoint the "
+            "module itself, checkpoint(block, h), or one of its methods, so that the boundary "
+            "knows its state, or skip the update when pytree_ckpt.current_phase() is "
+            "'recompute' (docs/limits.md, 'Plain functions')",
+            UserWarning, filename, lineno, module=space.get("__name__"),
+            registry=space.setdefault("__warningregistry__", {}), module_globals=space)

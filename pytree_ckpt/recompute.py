@@ -179,6 +179,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             first = _FirstReplay.of(call, args, kwargs, aliases)  # None but at a first replay
             shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             recorded = None
+            # NOTE [state a plain function changes] in plain_state.py
+            plain = call.plain_state.before_replay() if call.plain_state is not None else None
             if not (shadow or call.attributes or call.options.keep is not None or
                     call.hooked_outputs is not None or call.changed_state is not None):
                 output = call.fn(*args, **kwargs)  # the usual case, with no context more
@@ -240,6 +242,10 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         raise
     finally:
         ACTIVE.reset(token)
+    if plain is not None:  # outside the try: a warning made an error gets no replay note
+        assert call.plain_state is not None
+        call.plain_state.after_replay(plain)
+    call.plain_state = None
     call.frame.check_consumed()
     flat = flatten(output)
     call.check_replay(flat.spec, flat.leaves, flat.tensor_index)
