@@ -267,3 +267,15 @@ def test_a_global_whole_model_is_not_watched_at_each_call_and_a_smaller_one_is()
 
     checkpoint(by_global, torch.randn(4, 8, requires_grad=True))
     assert plain_state.modules_held(by_global.__code__) == ((), (), ("_small_model",), ())
+
+
+def test_a_module_checkpointed_inside_a_plain_function_over_it_is_warned() -> None:
+    # The outer replay runs the inner checkpoint's original pass again, on the module's own
+    # buffers (the inner replay runs on copies): counted twice a step, which the warning says.
+    global _global_block
+    _global_block = _block()
+    caught, _ = _steps(lambda m, x: checkpoint(lambda h: checkpoint(_global_block, h), x),
+                       _global_block, steps=2)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "global '_global_block' submodule '1' (BatchNorm1d)" in str(caught[0].message)
+    assert int(_global_block.get_submodule("1").get_buffer("num_batches_tracked")) == 4
