@@ -95,6 +95,7 @@ from .errors import CheckpointError
 from .forward_modules import ForwardModules
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode
+from .kernel_written import remember, remembered
 from .made_before import leaving_tensors
 from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches,
                            collect_parameters, ever_verified, graph_attributes, module_dicts,
@@ -180,7 +181,9 @@ class _BoundaryFunction(torch.autograd.Function):
         # parameter (the usual layer) needs no watch: only a registration can happen there,
         # looked for after the call (registered_state).
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
-                           snapshot=snapshots_wanted(call.owner)) \
+                           snapshot=snapshots_wanted(call.owner),
+                           compare=not ever_verified(call.owner),
+                           written=remembered(call.owner)) \
             if call.owner is not None and call.modules is not None and \
             (call.frozen or any(call.buffer_dicts)) else None
         token = ACTIVE.set(invocation)
@@ -237,6 +240,9 @@ class _BoundaryFunction(torch.autograd.Function):
         if watch is not None or any(call.buffer_dicts):
             call.changed_state = watch.changed() if watch is not None else \
                 registered_state(call.buffer_dicts)
+            if watch is not None and watch.compare:
+                assert call.owner is not None
+                remember(call.owner, watch.kernel_written)
             if call.changed_state is not None:
                 assert call.owner is not None  # a watch has one, and buffer dicts
                 mark_stateful(call.owner)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .kernel_written import differs
 from .module_state import ModuleDicts, ever_verified
 
 __all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "registered_state",
@@ -73,11 +74,18 @@ class StateWatch:
     """
 
     __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries",
-                 "before", "storages")
+                 "before", "storages", "dicts", "compare", "written", "kernel_written")
 
     def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
                  frozen: list[torch.Tensor], trees: Sequence[ModuleDicts], /, *,
-                 snapshot: bool) -> None:
+                 snapshot: bool, compare: bool = False,
+                 written: frozenset[int] = frozenset()) -> None:
+        # NOTE [state a kernel writes] (kernel_written.py): with ``compare`` (a module's first
+        # calls; ``snapshot`` too then), dicts no version shows changed are compared by value,
+        # and the places of those that changed end in ``kernel_written``; the dicts at the
+        # places in ``written`` count as changed wholly.
+        self.dicts, self.compare, self.written = dicts, compare, written
+        self.kernel_written: frozenset[int] = frozenset()
         # Most submodules have no buffer: for those only a new entry can happen, a length
         # check (about 0.05 us per submodule; 7 of them cost 0.3 us more than none).
         self.watched: list[tuple[_Buffers, tuple[tuple[str, torch.Tensor | None], ...],
@@ -133,6 +141,16 @@ class StateWatch:
             # drop the bit): the buffer alone, its values resolved.
             self.before[id(t)] = (None, t.detach().clone())
 
+    def _kernel_written(self, seen: set[int], /) -> list[tuple[_Buffers, None]]:
+        """The watched dicts not in ``seen`` that a kernel wrote, each as changed wholly."""
+        places = {id(d): place for place, d in enumerate(self.dicts)}
+        found = [d for d, items, _ in self.watched if id(d) not in seen and (
+            places[id(d)] in self.written or
+            (self.compare and differs([t for _, t in items], self.before, self.storages)))]
+        if self.compare:
+            self.kernel_written = frozenset(places[id(d)] for d in found)
+        return [(d, None) for d in found]
+
     def unchanged_in_place(self, tensor: torch.Tensor, /) -> bool:
         """Whether ``tensor``, a watched buffer or frozen parameter, has the version it had
         before the forward (read for an output that is one, or a view of one: rare)."""
@@ -163,6 +181,8 @@ class StateWatch:
             if len(d) != len(items) or any(d.get(name) is not obj for name, obj in items) or \
                     _object_versions(items) != before:
                 buffers.append((d, _moved(d, items, before)))
+        if self.compare or self.written:  # NOTE [state a kernel writes] (kernel_written.py)
+            buffers += self._kernel_written({id(d) for d, _ in buffers})
         # A buffer registered by the forward in a dict that had none.
         buffers += [(d, [(name, _ABSENT) for name in d]) for d in self.empty if d]
         in_place = {id(p) for p, v in zip(self.frozen, self.frozen_versions)
