@@ -1,10 +1,12 @@
-"""The boundary mixed with torch's own mechanisms inside a checkpointed layer: modules whose
-forward changes their buffers in ways users do not think of (QAT fake-quantization and
-observers, spectral norm's power iteration), against an unwrapped eager twin, bit for bit in
-fp32."""
+"""The boundary mixed with torch's own mechanisms around and inside a checkpointed layer: a
+user's saved-tensor hooks around the step, torch.utils.checkpoint inside and around the layer,
+and modules whose forward changes their buffers in ways users do not think of (QAT
+fake-quantization and observers, spectral norm's power iteration), against an unwrapped eager
+twin, bit for bit in fp32."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +17,8 @@ import torch.ao.quantization as tq
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from torch.nn.utils import parametrizations
+from torch.utils.checkpoint import (CheckpointPolicy, create_selective_checkpoint_contexts,
+                                    checkpoint as torch_checkpoint)
 
 import offload
 import pytree_ckpt
@@ -171,3 +175,119 @@ def test_a_kernel_written_buffer_found_at_the_first_micro_batch_stays_found() ->
     expected = micro_batches(eager, eager)
     model = _model("fused fake-quant")
     _assert_same_steps(expected, micro_batches(model, _checkpointed(model, "module")))
+
+
+class _Counts:
+    def __init__(self) -> None:
+        self.packed = 0
+        self.kept: list[weakref.ref[torch.Tensor]] = []
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.dtype, torch.Tensor]:
+        # A "compression" hook: a float64 clone, back to the dtype on unpack (lossless).
+        self.packed += 1
+        kept = t.to(torch.float64).clone()
+        self.kept.append(weakref.ref(kept))
+        return t.dtype, kept
+
+    @staticmethod
+    def unpack(packed: tuple[torch.dtype, torch.Tensor]) -> torch.Tensor:
+        return packed[1].to(packed[0])
+
+
+@pytest.mark.parametrize("through_backward", [False, True],
+                         ids=["forward only", "forward and backward"])
+def test_a_users_saved_tensor_hooks_around_the_step_see_the_layer_inputs_once(
+        through_backward: bool) -> None:
+    # docs/boundary.md: an ambient hook sees each layer input once, nothing computed inside
+    # (not the replay's saves either, even with the hook still entered in backward, where
+    # torch's reentrant replay goes through it); with offload on, the windows take the layer
+    # inputs in its place. What it packed is freed by backward.
+    def packs(run: Callable[[torch.Tensor], torch.Tensor], model: nn.Sequential) -> int:
+        counts = _Counts()
+        x = torch.randn(6, 8, requires_grad=True)
+        torch.manual_seed(3)
+        with torch.autograd.graph.saved_tensors_hooks(counts.pack, counts.unpack):
+            loss = run(x).square().sum()
+            if through_backward:
+                loss.backward()
+        if not through_backward:
+            loss.backward()
+        del loss  # freed by reference counting, no cycle left to collect
+        assert not any(kept() is not None for kept in counts.kept)
+        grads.append(grads_of([x, *model.parameters()]))
+        return counts.packed
+
+    grads: list[list[torch.Tensor | None]] = []
+    eager = _model()
+    eager_packs = packs(eager, eager)
+    head = 3  # the head's input and weight, and the square's input
+    for how, inside in (("module", 2), ("function", 2), ("module, offload", 0),
+                        ("function, offload", 0)):
+        model = _model()
+        assert packs(_checkpointed(model, how), model) == inside + head, how
+        assert_same_grads(grads[0], grads[-1])
+    reentrant = _model()
+    torch_packs = packs(lambda h: reentrant[2](torch_checkpoint(
+        reentrant[1], torch_checkpoint(reentrant[0], h, use_reentrant=True),
+        use_reentrant=True)), reentrant)
+    # torch's replay saves through a hook still entered in backward: all of eager's saves in
+    # the blocks, once more.
+    assert torch_packs == (2 + head + (eager_packs - head) if through_backward else 2 + head)
+
+
+def _inner(mode: str) -> Callable[[_Block, torch.Tensor], torch.Tensor]:
+    def body(block: _Block, h: torch.Tensor) -> torch.Tensor:
+        return _Block.forward(block, h)
+
+    def saves_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+
+    if mode == "non-reentrant":
+        return lambda block, h: torch_checkpoint(body, block, h, use_reentrant=False)
+    return lambda block, h: torch_checkpoint(
+        body, block, h, use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, saves_matmuls))
+
+
+@pytest.mark.parametrize("case, runs", [
+    ("non-reentrant inside", 3), ("selective inside", 3), ("ours inside reentrant", 3),
+    ("ours inside non-reentrant", 3), ("ours, offload, inside non-reentrant", 2)])
+def test_torch_checkpoints_inside_or_around_a_checkpointed_layer_give_eager_gradients(
+        case: str, runs: int) -> None:
+    # The forward runs once per mechanism that recomputes it (limits.md, the row on torch's
+    # checkpoint inside or around): the original pass, the replay, and torch's recompute
+    # (in the replay's backward when inside; around the boundary's original pass when
+    # around). Batch norm's running statistics are torch's checkpoint's alone (updated twice
+    # a step, by its recompute); ours adds no update. With offload on inside torch's
+    # non-reentrant checkpoint, the window takes the layer inputs from torch's hooks: torch
+    # saves nothing and never recomputes.
+    def run_with(model: nn.Sequential, around: Callable[..., torch.Tensor]
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda h: model[2](around(model[1], around(model[0], h)))
+
+    eager = _model()
+    expected = _steps(eager, eager, steps=2)
+    torch_alone = _model()
+    _steps(torch_alone, run_with(torch_alone, lambda b, h: torch_checkpoint(
+        b, h, use_reentrant=False)), steps=2)
+    model = _model()
+    if case.endswith("inside"):
+        inner = _inner("non-reentrant" if case.startswith("non") else "selective")
+        for block in _blocks(model):
+            block.forward = functools.partial(inner, block)  # type: ignore[method-assign]
+            pytree_ckpt.apply_activation_checkpointing(block, offload=False)
+        run: Callable[[torch.Tensor], torch.Tensor] = model
+    else:
+        for block in _blocks(model):
+            pytree_ckpt.apply_activation_checkpointing(
+                block, offload=_manager() if "offload" in case else False)
+        reentrant = case.endswith(" reentrant")
+        run = run_with(model, lambda b, h: torch_checkpoint(b, h, use_reentrant=reentrant))
+    got = _steps(model, run, steps=2)
+    for (loss, grads, _), (loss2, grads2, _) in zip(expected, got):
+        assert torch.equal(loss, loss2)
+        assert_same_grads(grads, grads2)
+    assert [block.calls for block in _blocks(model)] == [2 * runs] * 2
+    like = expected[-1][2] if runs == 2 else [b.clone() for b in torch_alone.buffers()]
+    assert all(torch.equal(a, b) for a, b in zip(like, model.buffers()))
