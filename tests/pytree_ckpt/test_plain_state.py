@@ -279,3 +279,30 @@ def test_a_module_checkpointed_inside_a_plain_function_over_it_is_warned() -> No
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert "global '_global_block' submodule '1' (BatchNorm1d)" in str(caught[0].message)
     assert int(_global_block.get_submodule("1").get_buffer("num_batches_tracked")) == 4
+
+
+def test_a_closure_over_a_whole_model_reads_its_buffer_dicts_once_until_a_module_is_added(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [the buffers a plain function's watch reads]: a closure over a model of many layers
+    # (self in a model's forward) walked the model's whole tree at every call; its buffer dicts
+    # are now read once, and again only after a registration (here a batch norm added later,
+    # which is then watched and warned about).
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(16)])
+    model.register_buffer("inv_freq", torch.ones(4))  # never changed
+    walks = []
+    real = plain_state.module_dicts
+    monkeypatch.setattr(plain_state, "module_dicts",
+                        lambda module: walks.append(module) or real(module))
+    run = (lambda m: lambda h: m[0](h))(model)  # one code object for every call below
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            checkpoint(run, torch.randn(6, 8, requires_grad=True)).sum().backward()
+        assert walks == [model]
+        model[0].add_module("norm", nn.BatchNorm1d(8))  # a registration: read again
+        for _ in range(2):
+            checkpoint(run, torch.randn(6, 8, requires_grad=True)).sum().backward()
+    assert walks == [model, model]
+    messages = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+    assert len(messages) == 1 and "submodule '0.norm' (BatchNorm1d)" in messages[0], messages
