@@ -35,10 +35,10 @@ logger = logging.getLogger(__name__)
 # change how their gradients are routed; instead the modules the function reaches here have
 # their buffers watched: those it is given (argument leaves, bound methods of modules, the
 # arguments a functools.partial binds), holds (closure cells, bound defaults, the attributes of
-# a callable object, one level), or names as globals (a name of its code's co_names that is a
-# module in its __globals__: a lambda at a script's top level). Not followed: functions it
-# calls, attributes and containers of those modules' owners (self.block of a plain object's
-# method), globals of a callable object's __call__.
+# a callable object, one level: in its __dict__ or its __slots__), or names as globals (a name
+# of its code's co_names that is a module in its __globals__: a lambda at a script's top
+# level). Not followed: functions it calls, attributes and containers of those modules'
+# owners (self.block of a plain object's method), globals of a callable object's __call__.
 #
 # Warned when the replay changed them again, not when the original pass changed them: a
 # forward that skips its update when current_phase() is "recompute" (a step counter counted
@@ -91,13 +91,13 @@ def _first_look(fn: Any, key: Any, /) -> _Held:
     found_globals: tuple[str, ...] = ()
     attributes: tuple[str, ...] = ()
     if key is not type(fn):  # a function, or a method of a plain object
-        space = getattr(fn, "__globals__", None) or {}
-        found_globals = tuple(name for name in key.co_names
-                              if isinstance(module := space.get(name), nn.Module) and
+        space = _globals(fn)
+        found_globals = tuple(name for name in getattr(key, "co_names", ())
+                              if isinstance(module := dict.get(space, name), nn.Module) and
                               _few_buffers(module, name))
     else:  # a callable object: its own attributes, one level
-        attributes = tuple(name for name, value in getattr(fn, "__dict__", {}).items()
-                           if isinstance(value, nn.Module))
+        attributes = tuple(name for name in _attribute_names(fn)
+                           if isinstance(_attribute(fn, name), nn.Module))
     found = (cells, defaults, found_globals, attributes)
     _HELD[id(key)] = (key, found)
     if not any(found):
@@ -157,6 +157,39 @@ def _contents(cell: Any, /) -> Any:
         return None
 
 
+def _globals(fn: Any, /) -> dict[str, Any]:
+    # Read with dict.get, not the namespace's own get: exec'd code may have globals of a dict
+    # subclass whose methods do more than look up (an audited or lazy namespace).
+    space = getattr(fn, "__globals__", None)
+    return space if isinstance(space, dict) else {}
+
+
+def _attribute_names(fn: Any, /) -> list[str]:
+    """A callable object's own attributes: its ``__dict__``'s (when it is a dict: a property
+    of that name may give anything) and its slots (no ``__dict__`` holds them), by the name
+    ``getattr`` reads (a private slot's, mangled)."""
+    own = getattr(fn, "__dict__", None)
+    names = list(own) if isinstance(own, dict) else []
+    for cls in type(fn).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"
+            if name not in ("__dict__", "__weakref__"):
+                names.append(name)
+    return names
+
+
+def _attribute(fn: Any, name: str, /) -> Any:
+    own = getattr(fn, "__dict__", None)
+    if isinstance(own, dict) and name in own:
+        return own[name]
+    try:
+        return getattr(fn, name, None)  # a slot (unset: None)
+    except Exception:  # a property of a subclass that shadows the slot, raising
+        return None
+
+
 def _defaults(fn: Any, /) -> list[Any]:
     return [*(getattr(fn, "__defaults__", None) or ()),
             *(getattr(fn, "__kwdefaults__", None) or {}).values()]
@@ -210,15 +243,13 @@ def _watch(fn: Any, shown: Any, key: Any, held: _Held, leaves: list[Any] | None,
         if i < len(defaults) and isinstance(defaults[i], nn.Module):
             roots.append(("a default argument", defaults[i]))
     if held[2]:
-        space = getattr(fn, "__globals__", None) or {}
+        space = _globals(fn)
         for name in held[2]:  # read again by name: a global rebound since is the new one
-            if isinstance(module := space.get(name), nn.Module):
+            if isinstance(module := dict.get(space, name), nn.Module):
                 roots.append((f"global {name!r}", module))
-    if held[3]:
-        attributes = getattr(fn, "__dict__", {})
-        for name in held[3]:
-            if isinstance(module := attributes.get(name), nn.Module):
-                roots.append((f"attribute {name!r}", module))
+    for name in held[3]:
+        if isinstance(module := _attribute(fn, name), nn.Module):
+            roots.append((f"attribute {name!r}", module))
     for where, value in bound:
         if (module := argument_module(value)) is not None:
             roots.append((where, module))

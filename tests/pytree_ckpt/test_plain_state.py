@@ -218,6 +218,68 @@ def test_a_partial_or_callable_object_over_a_batch_norm_is_warned(case: str) -> 
     assert f"{where} submodule '1' (BatchNorm1d)" in str(caught[0].message)
 
 
+class _SlotHolder:
+    """A callable object with ``__slots__``: its attributes are not in a ``__dict__``."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.block(h)  # type: ignore[no-any-return]
+
+
+def test_a_callable_object_with_slots_over_a_batch_norm_is_warned() -> None:
+    # Guards against: a __slots__ object (no __dict__) holding the block being silent while its
+    # statistics were updated twice a step, as the same object with a __dict__ is warned.
+    block = _block()
+    caught, _ = _steps(lambda m, x: checkpoint(_SlotHolder(m), x), block, steps=2)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "attribute 'block' submodule '1' (BatchNorm1d)" in str(caught[0].message)
+    assert int(block.get_submodule("1").get_buffer("num_batches_tracked")) == 4  # as warned
+
+
+class _ViewDict:
+    """A callable object whose ``__dict__`` is a property giving something else than a dict (a
+    proxy's view): its attributes cannot be read one by one."""
+
+    def __init__(self, block: nn.Module) -> None:
+        object.__setattr__(self, "_block", block)
+
+    @property  # type: ignore[misc]
+    def __dict__(self) -> list[str]:  # type: ignore[override]
+        return ["_block"]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return object.__getattribute__(self, "_block")(h)  # type: ignore[no-any-return]
+
+
+class _LoudGlobals(dict[str, Any]):
+    """Globals of exec'd code whose ``get`` is not a plain lookup (an audited namespace)."""
+
+    def get(self, *args: Any) -> Any:  # type: ignore[override]
+        raise RuntimeError("globals read through get")
+
+
+@pytest.mark.parametrize("case", ["__dict__ not a dict", "globals whose get raises"])
+def test_a_callable_whose_attributes_or_globals_are_unusual_runs_as_eager(case: str) -> None:
+    # Guards against: the watch's first look failing the forward (AttributeError: 'list' object
+    # has no attribute 'items'; the namespace's own error) for a callable that runs fine.
+    block = _block()
+    if case == "__dict__ not a dict":
+        fn: Any = _ViewDict(block)
+    else:
+        space = _LoudGlobals(block=block)
+        exec("fn = lambda h: block(h)", space)  # as a launcher runs a script
+        fn = dict.__getitem__(space, "fn")
+    caught, _ = _steps(lambda m, x: checkpoint(fn, x), block, steps=2)
+    if case == "globals whose get raises":  # read as a dict: the global is watched still
+        assert len(caught) == 1 and "global 'block'" in str(caught[0].message)
+    else:  # its attributes are not looked at
+        assert caught == []
+
+
 def test_a_partial_of_a_modules_forward_is_known_and_counts_once() -> None:
     block = _block()
     caught, _ = _steps(lambda m, x: checkpoint(functools.partial(m.forward), x), block,
