@@ -238,12 +238,12 @@ class _BoundaryFunction(torch.autograd.Function):
         if moved:
             raise_input_changed(call, tensors, moved)
         if watch is not None or any(call.buffer_dicts):
-            call.changed_state = watch.changed() if watch is not None else \
+            call.changed_state = watch.changed(read=True) if watch is not None else \
                 registered_state(call.buffer_dicts)
             if watch is not None and watch.compare:
                 assert call.owner is not None
                 remember(call.owner, watch.kernel_written)
-            if call.changed_state is not None:
+            if call.changed_state is not None and call.changed_state.changes:
                 assert call.owner is not None  # a watch has one, and buffer dicts
                 mark_stateful(call.owner)
         if call.modules is not None:

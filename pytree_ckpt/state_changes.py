@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .kernel_written import differs
 from .module_state import ModuleDicts, ever_verified
@@ -172,7 +173,9 @@ class StateWatch:
                     return obj
         return None
 
-    def changed(self) -> ChangedState | None:
+    def changed(self, *, read: bool = False) -> ChangedState | None:
+        """What the original pass changed; with ``read``, also the snapshots of the watched
+        dicts it left unchanged (NOTE [state read, then changed by a later call])."""
         if not (self.watched or self.frozen or any(self.empty)):
             return None  # no buffer nor frozen parameter, and none registered by the forward
         buffers: list[tuple[_Buffers, _Moved | None]] = []
@@ -197,15 +200,28 @@ class StateWatch:
         for d, name, t in self.frozen_entries:
             if d.get(name) is not t:  # reassigned: the replay starts from the one before
                 parameters.setdefault(id(d), (d, []))[1].append((name, t))
-        if not (buffers or parameters):
+        # NOTE [state read, then changed by a later call]: the dicts the forward left as they
+        # were, with their snapshots, for the replay to read them as the forward did.
+        done = {id(d) for d, _ in buffers}
+        unchanged = [(d, items, before) for d, items, before in self.watched
+                     if id(d) not in done and any(id(t) in self.before for _, t in items)] \
+            if read and self.before else []
+        if not (buffers or parameters or unchanged):
             return None
-        # Only the clones of what changed are kept (the forward's own, or the one it replaced).
+        # Only the clones of what changed are kept (the forward's own, or the one it replaced),
+        # and of what it read unchanged where asked.
         changed = {id(obj) for d, moved in buffers
                    for name, previous in ([(n, None) for n in d] if moved is None else moved)
                    for obj in (d.get(name), previous) if obj is not None}
+        changed.update(id(t) for _, items, _ in unchanged for _, t in items)
+        for d, moved in buffers:  # NOTE [state read, then changed by a later call]
+            for name in d if moved is None else (name for name, _ in moved):
+                t = d.get(name)
+                if t is not None and not t.is_inference():
+                    _FORWARD_WRITES[t] = t._version
         saved = {i: value for i, value in self.before.items() if i in changed}
         storages = {key: self.storages[key] for key, _ in saved.values() if key is not None}
-        return ChangedState(buffers, list(parameters.values()), saved, storages)
+        return ChangedState(buffers, list(parameters.values()), saved, storages, unchanged)
 
 
 def registered_state(dicts: list[dict[str, torch.Tensor | None]], /) -> ChangedState | None:
@@ -216,6 +232,31 @@ def registered_state(dicts: list[dict[str, torch.Tensor | None]], /) -> ChangedS
     buffers: list[tuple[_Buffers, _Moved | None]] = [
         (d, [(name, _ABSENT) for name in d]) for d in dicts if d]
     return ChangedState(buffers, [], {}, {}) if buffers else None
+
+
+# NOTE [state read, then changed by a later call]: each buffer an original pass changed (in
+# place, reassigned or registered), with its version then. Weak: an entry goes with its buffer.
+_FORWARD_WRITES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _written_by_a_forward_since(d: _Buffers,
+                                items: tuple[tuple[str, torch.Tensor | None], ...],
+                                before: list[int | None], /) -> bool:
+    """Whether an original pass changed ``d`` since ``items`` (with versions ``before``) were
+    read: one of them changed in place by a forward after that, or an entry another
+    forward put there."""
+    for (name, obj), version in zip(items, before):
+        t = d.get(name)
+        if t is obj:
+            if t is not None and version is not None and _FORWARD_WRITES.get(t, -1) > version:
+                return True
+        elif t is not None and t in _FORWARD_WRITES:
+            return True
+    if len(d) == len(items):
+        return False
+    names = {name for name, _ in items}  # registered since: by a forward?
+    return any(name not in names and t is not None and t in _FORWARD_WRITES
+               for name, t in d.items())
 
 
 # The size limit of NOTE [small state as it was before the forward] (StateWatch.__init__):
@@ -297,7 +338,8 @@ class ChangedState:
     update, a reassignment, a new name) goes to the copies, which its graph saves if it
     saves anything: the tensors the forward left are not changed again, and a graph of
     another call that saved them (BatchNorm called outside the boundary in the same step)
-    still finds them as it saved them. State the forward left unchanged is not copied: a
+    still finds them as it saved them. State the forward left unchanged is not copied (unless
+    changed since: NOTE [state read, then changed by a later call]): a
     change only the replay makes (a count kept only where grad is enabled, so that it counts
     once under reentrant checkpointing) is the module's own. One the replay still reached
     and changed another way (a buffer a hook or a list holds too, a view of it, a buffer that
@@ -309,19 +351,54 @@ class ChangedState:
     (its change was lost in the copies).
     """
 
-    __slots__ = ("buffers", "parameters", "before", "storages")
+    __slots__ = ("buffers", "parameters", "before", "storages", "read")
 
     def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
                  parameters: list[tuple[_Buffers, _Moved]], before: dict[int, tuple[Any, Any]],
-                 storages: dict[Any, torch.UntypedStorage], /) -> None:
+                 storages: dict[Any, torch.UntypedStorage],
+                 read: list[tuple[_Buffers, tuple[tuple[str, torch.Tensor | None], ...],
+                                  list[int | None]]] | None = None, /) -> None:
         self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
         self.parameters = parameters  # the parameter dicts with a frozen parameter changed
-        self.before = before          # small changed buffers before the forward, by id
+        self.before = before          # small changed (or read) buffers before the forward, by id
         self.storages = storages      # their storages then, by key
+        # The dicts the forward read and left unchanged: entries and versions after it.
+        self.read = read or []
+
+    @property
+    def changes(self) -> bool:
+        """Whether the original pass changed anything (not only read state)."""
+        return bool(self.buffers or self.parameters)
+
+    def _changed_since(self) -> list[tuple[_Buffers, _Moved | None]]:
+        """NOTE [state read, then changed by a later call]: a call may read state it leaves
+        unchanged (a BatchNorm in eval mode reads its running statistics) that a later call
+        changes before this call's backward (a train micro-batch after an eval one, of one
+        step). Eager's backward uses what its forward read; the replay reads the module's
+        buffers as they are then. So where small buffers were saved before the forward
+        (snapshots_wanted: a module's first calls, and every call once a forward of it
+        changed state), the boundary keeps the saved ones of the dicts the forward left
+        unchanged, with their entries and versions, until the replay (memory: at most
+        _SMALL_BYTES a buffer, per call, from the forward to the backward). The replay
+        compares them (an identity and a version per buffer): a dict an original pass
+        changed since (_FORWARD_WRITES holds the buffers each one changed, with their
+        versions then) runs the replay on copies of it as the forward read it, as a changed
+        one does (NOTE [the replay changes copies]). One only replays changed (a count kept
+        where grad is enabled, so once per call under reentrant checkpointing) stays the
+        module's own, as for a call that read it before any change. Not seen: a change that moves no version (through
+        ``.data``, a batch norm without ``num_batches_tracked``), state of a module with no
+        snapshot (its first change since its first replay, documented), frozen parameters."""
+        return [(d, _moved(d, items, before)) for d, items, before in self.read
+                if (len(d) != len(items) or any(d.get(name) is not obj for name, obj in items)
+                    or _object_versions(items) != before)
+                and _written_by_a_forward_since(d, items, before)]
 
     @contextmanager
     def on_copies(self) -> Iterator[None]:
-        dicts = [*self.buffers, *self.parameters]
+        dicts = [*self.buffers, *self.parameters, *(self._changed_since() if self.read else ())]
+        if not dicts:  # only read, and unchanged since
+            yield
+            return
         entries = [(d, dict(d)) for d, _ in dicts]
         # Each tensor copied, as the forward left it, with its version: one the replay still
         # reaches another way (a list or a hook holding it, a view of it, one that requires
