@@ -16,6 +16,7 @@ import optree
 import pytest
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
 
 import offload
 import pytree_ckpt
@@ -201,3 +202,167 @@ def test_eager_itself_reads_the_later_running_statistics_in_an_eval_micro_batchs
     _same(expected[0][0][0], got[0][0][0])  # the losses: the forwards read the same
     with pytest.raises(AssertionError, match="differs"):
         _same(expected[0][0][1], got[0][0][1])
+
+
+@_OFFLOAD
+def test_fp16_autocast_with_a_grad_scaler_skips_the_overflowing_step_as_eager(
+        offloaded: bool) -> None:
+    # Step 1's scale makes the gradients inf (the step is skipped and the scale backs off);
+    # step 2 puts the scale back. Gradients are read after unscale_ and both clippings.
+    def body(model: nn.Module) -> Any:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+        results = []
+        for step in range(4):
+            if step in (1, 2):
+                scaler.update(new_scale=torch.tensor(1e30 if step == 1 else 256.0))
+            torch.manual_seed(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(_batch(step))
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.05)
+            grads = _grads(model)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            results.append((loss.detach(), norm, grads, scaler.get_scale(), _state(model)))
+        return results
+
+    results, _ = _against_eager(body, offloaded=offloaded)
+    assert [r[1].isfinite().item() for r in results] == [True, False, True, True]
+    assert results[1][3] < 1e30  # skipped: the scale backed off
+
+
+@_OFFLOAD
+def test_averaged_models_updated_each_step_then_update_bn_train_as_eager(
+        offloaded: bool) -> None:
+    # AveragedModel deep-copies the checkpointed model (each copy gets its own boundary);
+    # update_bn runs the copy's forward under no_grad with momentum None.
+    def body(model: nn.Module) -> Any:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        swa = AveragedModel(model)
+        for step in range(3):
+            torch.manual_seed(step)
+            model(_batch(step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ema.update_parameters(model)
+            swa.update_parameters(model)
+        results = []
+        for averaged in (ema, swa):
+            update_bn([_batch(10), _batch(11)], averaged)
+            torch.manual_seed(7)
+            loss = averaged(_batch(12))
+            loss.backward()
+            results.append((loss.detach(), _grads(averaged), _state(averaged)))
+        return results, _state(model)
+
+    _, model = _against_eager(body, offloaded=offloaded, in_place=True)
+    # Per layer: 3 steps (original pass and replay), update_bn's 2 no-grad batches per averaged
+    # model (one call each), and each averaged model's step (two).
+    assert _Layer.calls == 3 * (3 * 2 + 2 * 2 + 2 * 2)
+    assert pytree_ckpt.is_checkpointed(model.layers[1])
+
+
+@_OFFLOAD
+def test_freezing_layers_schedulers_and_step_hooks_train_as_eager(offloaded: bool) -> None:
+    # Micro-batches with a layer frozen between them, a layer frozen for a step and unfrozen,
+    # one frozen between a forward and its backward; zero_grad(set_to_none=False), AdamW with
+    # a StepLR schedule and a step pre-hook that reads the gradients.
+    def body(model: nn.Module) -> Any:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        seen: list[Any] = []
+        optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs: seen.append([p.grad.clone() for g in opt.param_groups
+                                                   for p in g["params"] if p.grad is not None]))
+        results = []
+        for step in range(4):
+            model.layers[0].requires_grad_(step != 1)
+            torch.manual_seed(step)
+            first = model(_batch(step))
+            if step == 2:
+                model.layers[1].lin.requires_grad_(False)  # between micro-batches
+            second = model(_batch(step + 10))
+            if step == 3:
+                model.layers[2].norm.requires_grad_(False)  # between forward and backward
+            (first + second).backward()
+            model.requires_grad_(True)
+            results.append((first.detach(), second.detach(), _grads(model)))
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=False)
+        return results, seen, _state(model)
+
+    _against_eager(body, offloaded=offloaded)
+
+
+@_OFFLOAD
+def test_state_dicts_loaded_between_steps_resume_as_eager(offloaded: bool) -> None:
+    # Keys are the unwrapped model's; a state dict loaded in place, one saved from an unwrapped
+    # model, and assign=True (new parameter objects: the old ones get no gradient, the new
+    # ones do) between steps.
+    torch.manual_seed(5)
+    source = _Net()
+    saved = source.state_dict()
+
+    def body(model: nn.Module) -> Any:
+        assert list(model.state_dict()) == list(source.state_dict())
+        start = copy.deepcopy(model.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        old = list(model.parameters())
+        results = []
+        for step in range(5):
+            if step == 1:
+                model.load_state_dict(saved)
+            elif step == 2:
+                model.load_state_dict(start)
+            elif step == 3:
+                # its own tensors: assign=True makes them the parameters, which train
+                model.load_state_dict({k: v + 0.01 if v.is_floating_point() else v.clone()
+                                       for k, v in saved.items()}, assign=True)
+                assert not set(map(id, model.parameters())) & set(map(id, old))
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            torch.manual_seed(step)
+            loss = model(_batch(step))
+            loss.backward()
+            results.append((loss.detach(), _grads(model)))
+            optimizer.step()
+            optimizer.zero_grad()
+        assert all(p.grad is None for p in old)
+        return results, _state(model)
+
+    _against_eager(body, offloaded=offloaded)
+
+
+@_OFFLOAD
+def test_dtype_and_device_moves_after_wrapping_train_as_eager(offloaded: bool) -> None:
+    # double, bfloat16 and back to float32, then to meta and to_empty with a re-init: a step
+    # after each.
+    def body(model: nn.Module) -> Any:
+        results = []
+        for step, dtype in enumerate((torch.float32, torch.float64, torch.bfloat16,
+                                      torch.float32, torch.float32)):
+            if step == 4:
+                model.to("meta")
+                model.to_empty(device="cpu")
+                torch.manual_seed(3)
+                for module in model.modules():
+                    if isinstance(module, (nn.Linear, nn.LayerNorm, nn.BatchNorm1d)):
+                        module.reset_parameters()
+            else:
+                model.to(dtype)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            torch.manual_seed(step)
+            loss = model(_batch(step, dtype))
+            loss.backward()
+            results.append((loss.detach(), _grads(model)))
+            optimizer.step()
+            optimizer.zero_grad()  # to_empty would leave a gradient uninitialised
+            results.append(_state(model))
+        return results
+
+    _against_eager(body, offloaded=offloaded)
