@@ -183,7 +183,7 @@ class _BoundaryFunction(torch.autograd.Function):
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
                            snapshot=snapshots_wanted(call.owner),
                            compare=not ever_verified(call.owner),
-                           written=remembered(call.owner)) \
+                           written=remembered(call.modules[0])) \
             if call.owner is not None and call.modules is not None and \
             (call.frozen or any(call.buffer_dicts)) else None
         token = ACTIVE.set(invocation)
@@ -241,8 +241,8 @@ class _BoundaryFunction(torch.autograd.Function):
             call.changed_state = watch.changed(read=True) if watch is not None else \
                 registered_state(call.buffer_dicts)
             if watch is not None and watch.compare:
-                assert call.owner is not None
-                remember(call.owner, watch.kernel_written)
+                assert call.modules is not None
+                remember(call.modules[0], watch.kernel_written)
             if call.changed_state is not None and call.changed_state.changes:
                 assert call.owner is not None  # a watch has one, and buffer dicts
                 mark_stateful(call.owner)

@@ -26,6 +26,7 @@ from .discard_aliases import made_outside
 from .discard_refusals import refuse_input_changed, refuse_output
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
+from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaf, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .refusals import refuse_double_backward, refuse_module_tensor
@@ -66,7 +67,11 @@ class DiscardFunction(torch.autograd.Function):
         param_before = ParameterVersions.read(owner.params) if owner.params else None
         # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
         # discarded module is never marked verified).
-        watch = StateWatch(*owner.state, snapshot=True) if owner.state is not None else None
+        # NOTE [state a kernel writes] (kernel_written.py): compared at a module's first
+        # discarded call (a device sync), then read from what that found.
+        roots = owner.modules or []
+        watch = StateWatch(*owner.state, snapshot=True, compare=not compared(roots),
+                           written=remembered(roots)) if owner.state is not None else None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
         with torch.no_grad(), IsolatedPass():
@@ -77,6 +82,9 @@ class DiscardFunction(torch.autograd.Function):
             refuse_input_changed(owner._name(), args, tensors[moved[0]])
         if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
             owner.changed_state = watch.changed()
+            if watch.compare:
+                remember(roots, watch.kernel_written)
+                mark_compared(roots)
         if param_before is not None:  # NOTE [parameters changed in place] (changed_in_place.py)
             assert owner.params is not None
             owner.param_versions = ParameterVersions(owner.params, param_before)

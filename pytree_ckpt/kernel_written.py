@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["differs", "remember", "remembered"]
+from .module_state import structure_generation
+
+__all__ = ["compared", "differs", "mark_compared", "remember", "remembered"]
 
 # NOTE [state a kernel writes]: the watch of NOTE [state the forward changes] sees a change in
 # place through a version counter, and a batch norm's whole dict through its counter. Some
@@ -23,28 +25,57 @@ __all__ = ["differs", "remember", "remembered"]
 # writes min_val, max_val, scale and zero_point so. Unseen, the replay updated them a second
 # time and read them one update ahead: from the second step on, the layer's gradients and its
 # buffers were not eager's, silently. So at a module's first calls (before its first replay,
-# when the small buffers are saved anyway) each dict that no version shows changed is
-# compared by value with what was saved (a device sync, at first calls only); one that
-# changed is remembered on the module, by its place among the tree's buffer dicts, and is
-# counted as changed wholly at every later call, as a batch norm's is: the replay runs on
-# copies of its buffers as they were before the forward. The places hold while the tree
-# does: a changed tree is verified again, and compared again (a stale place only costs a
-# copy of the buffers there). Compared: buffers up to the small size; a larger one is not
-# saved, and stays unseen (documented).
+# when the small buffers are saved anyway) the buffers of each dict that no version shows
+# changed, and those whose version did not move in a dict where another's did (a step
+# counter beside an EMA written through .data), are compared bit for bit with what was saved
+# (a NaN equals itself; a meta buffer has no values: not compared), a device sync at first
+# calls only. A dict that changed is remembered on the module whose tree holds it (the
+# owner, or a module passed as an argument, whatever it is passed beside), by its place
+# among that tree's buffer dicts, and is counted as changed wholly at every later call, as a
+# batch norm's is: the replay runs on copies of its buffers as they were before the forward
+# (so that module clones its small buffers before every forward, as a batch norm's does).
+# The places hold while the tree does: a changed tree is verified again, and compared again
+# (a stale place only costs a copy of the buffers there). Compared: buffers up to the small
+# size; a larger one is not saved, and stays unseen (documented). Later calls compare
+# nothing: a module with no such dict costs what it did before.
 _KERNEL_WRITTEN = "_pytree_ckpt_kernel_written"
+# A discarded module (CheckpointWithoutOutput) is never verified: its dicts are compared at its
+# first discarded call (its small buffers are saved at every one), and again once its tree
+# changed (the structure generation it was compared at).
+_COMPARED = "_pytree_ckpt_kernel_compared"
 
 
-def remembered(owner: nn.Module, /) -> frozenset[int]:
-    """The places of the buffer dicts of ``owner``'s tree that a kernel wrote."""
-    found: frozenset[int] = owner.__dict__.get(_KERNEL_WRITTEN, frozenset())
-    return found
+def compared(roots: Sequence[nn.Module], /) -> bool:
+    """Whether a discarded call of ``roots`` already compared their dicts, for their trees
+    as they are."""
+    generation = structure_generation()
+    return all(root.__dict__.get(_COMPARED) == generation for root in roots)
 
 
-def remember(owner: nn.Module, places: frozenset[int], /) -> None:
-    if places:
-        owner.__dict__[_KERNEL_WRITTEN] = places
-    else:
-        owner.__dict__.pop(_KERNEL_WRITTEN, None)
+def mark_compared(roots: Sequence[nn.Module], /) -> None:
+    generation = structure_generation()
+    for root in roots:
+        root.__dict__[_COMPARED] = generation
+
+
+def remembered(roots: Sequence[nn.Module], /) -> frozenset[tuple[int, int]]:
+    """The places (root, dict) of the buffer dicts of ``roots``' trees that a kernel wrote:
+    each root keeps those of its own tree, so a module passed as an argument is read right
+    whatever it is passed beside, and in whatever order."""
+    if len(roots) == 1:  # the usual call: one lookup
+        found = roots[0].__dict__.get(_KERNEL_WRITTEN)
+        return frozenset((0, place) for place in found) if found else frozenset()
+    return frozenset((i, place) for i, root in enumerate(roots)
+                     for place in root.__dict__.get(_KERNEL_WRITTEN, ()))
+
+
+def remember(roots: Sequence[nn.Module], places: frozenset[tuple[int, int]], /) -> None:
+    for i, root in enumerate(roots):
+        own = frozenset(place for at, place in places if at == i)
+        if own:
+            root.__dict__[_KERNEL_WRITTEN] = own
+        else:
+            root.__dict__.pop(_KERNEL_WRITTEN, None)
 
 
 def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any, Any]],
@@ -57,12 +88,29 @@ def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any,
             continue
         assert t is not None
         key, value = saved
-        if key is None:  # the tensor alone (NaN compares unequal: counted changed, harmless)
-            if not torch.equal(value, t):
+        if key is None:  # the tensor alone
+            if not _same(value, t):
                 return True
         elif not torch.equal(_bytes(storages[key]), _bytes(t.untyped_storage())):
             return True
     return False
+
+
+def _same(value: torch.Tensor, t: torch.Tensor, /) -> bool:
+    """Whether ``t`` holds what its clone ``value`` does, bit for bit where its bytes can be
+    read: a NaN equals itself (torch.equal says it differs: the dict would be counted as
+    changed at every call, a clone and a copy per call for nothing), -0.0 differs from 0.0. A
+    meta tensor has no values to compare (torch.equal raises on one); a subclass or a
+    quantized tensor is compared by its own torch.equal."""
+    if t.device.type == "meta":
+        return True
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.is_quantized or \
+            t.layout != torch.strided:
+        return bool(torch.equal(value, t))
+    if value.dtype != t.dtype or value.shape != t.shape:
+        return False
+    a, b = (x.detach().resolve_conj().resolve_neg().contiguous().reshape(-1) for x in (value, t))
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _bytes(storage: torch.UntypedStorage, /) -> torch.Tensor:

@@ -75,18 +75,19 @@ class StateWatch:
     """
 
     __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries",
-                 "before", "storages", "dicts", "compare", "written", "kernel_written")
+                 "before", "storages", "compare", "written", "kernel_written")
 
     def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
                  frozen: list[torch.Tensor], trees: Sequence[ModuleDicts], /, *,
                  snapshot: bool, compare: bool = False,
-                 written: frozenset[int] = frozenset()) -> None:
+                 written: frozenset[tuple[int, int]] = frozenset()) -> None:
         # NOTE [state a kernel writes] (kernel_written.py): with ``compare`` (a module's first
         # calls; ``snapshot`` too then), dicts no version shows changed are compared by value,
         # and the places of those that changed end in ``kernel_written``; the dicts at the
-        # places in ``written`` count as changed wholly.
-        self.dicts, self.compare, self.written = dicts, compare, written
-        self.kernel_written: frozenset[int] = frozenset()
+        # places in ``written`` count as changed wholly. A place is (index in ``trees``, index
+        # in that tree's buffer dicts); ``dicts`` are the trees' buffer dicts, in order.
+        self.compare, self.written = compare, written
+        self.kernel_written: frozenset[tuple[int, int]] = frozenset()
         # Most submodules have no buffer: for those only a new entry can happen, a length
         # check (about 0.05 us per submodule; 7 of them cost 0.3 us more than none).
         self.watched: list[tuple[_Buffers, tuple[tuple[str, torch.Tensor | None], ...],
@@ -142,15 +143,34 @@ class StateWatch:
             # drop the bit): the buffer alone, its values resolved.
             self.before[id(t)] = (None, t.detach().clone())
 
-    def _kernel_written(self, seen: set[int], /) -> list[tuple[_Buffers, None]]:
-        """The watched dicts not in ``seen`` that a kernel wrote, each as changed wholly."""
-        places = {id(d): place for place, d in enumerate(self.dicts)}
-        found = [d for d, items, _ in self.watched if id(d) not in seen and (
-            places[id(d)] in self.written or
-            (self.compare and differs([t for _, t in items], self.before, self.storages)))]
+    def _kernel_written(self, buffers: list[tuple[_Buffers, _Moved | None]], /
+                        ) -> list[tuple[_Buffers, _Moved | None]]:
+        """``buffers`` (the dicts a version or an entry shows changed) with the watched dicts
+        a kernel wrote counted as changed wholly: those it found alone, and those where it
+        wrote one buffer while a version moved on another (a step counter beside an EMA
+        written through ``.data``: all its names get copies, the moved ones as they moved)."""
+        places = {id(d): (i, place) for i, tree in enumerate(self.trees)
+                  for place, d in enumerate(tree.buffers)}
+        moved_in = {id(d): moved for d, moved in buffers}
+        found: list[_Buffers] = []
+        for d, items, _ in self.watched:
+            moved = moved_in.get(id(d), [])
+            if moved is None:  # a batch norm's: counted wholly already
+                continue
+            names = {name for name, _ in moved}
+            if places[id(d)] in self.written or (self.compare and differs(
+                    [t for name, t in items if name not in names], self.before,
+                    self.storages)):
+                found.append(d)
+                rest = [(name, None) for name, t in d.items()
+                        if t is not None and name not in names]
+                if id(d) in moved_in:
+                    moved.extend(rest)
+                else:
+                    buffers.append((d, None))
         if self.compare:
             self.kernel_written = frozenset(places[id(d)] for d in found)
-        return [(d, None) for d in found]
+        return buffers
 
     def unchanged_in_place(self, tensor: torch.Tensor, /) -> bool:
         """Whether ``tensor``, a watched buffer or frozen parameter, has the version it had
@@ -185,7 +205,7 @@ class StateWatch:
                     _object_versions(items) != before:
                 buffers.append((d, _moved(d, items, before)))
         if self.compare or self.written:  # NOTE [state a kernel writes] (kernel_written.py)
-            buffers += self._kernel_written({id(d) for d, _ in buffers})
+            buffers = self._kernel_written(buffers)
         # A buffer registered by the forward in a dict that had none.
         buffers += [(d, [(name, _ABSENT) for name in d]) for d in self.empty if d]
         in_place = {id(p) for p, v in zip(self.frozen, self.frozen_versions)

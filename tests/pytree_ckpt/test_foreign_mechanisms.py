@@ -7,6 +7,7 @@ twin, bit for bit in fp32."""
 from __future__ import annotations
 
 import functools
+import copy
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, create_selective_checkpoin
 
 import offload
 import pytree_ckpt
+from pytree_ckpt.kernel_written import remembered
+from pytree_ckpt.state_changes import snapshots_wanted
 from tests.conftest import assert_same_grads, grads_of
 
 
@@ -42,6 +45,34 @@ class _EmaThroughData(nn.Module):
         return h * self.ema
 
 
+class _CounterBesideEma(nn.Module):
+    """A step counter (its version moves) and an EMA written through ``.data`` (none moves),
+    in one buffer dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step: torch.Tensor
+        self.ema: torch.Tensor
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        self.ema.data.mul_(0.5).add_(h.mean(0).detach() * 0.5)
+        return h * self.ema
+
+
+class _MetaBuffer(nn.Module):
+    """A buffer on the meta device (a shape kept for later, never read for values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shape_only", torch.empty(8, device="meta"))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * 2
+
+
 def _batch_norm_without_counter() -> nn.Module:
     norm = nn.BatchNorm1d(8, momentum=0.1)
     norm.num_batches_tracked = None  # only the kernel writes the running statistics
@@ -56,6 +87,8 @@ _STATEFUL: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "observer": lambda lin: tq.MinMaxObserver(),
     "ema through .data": lambda lin: _EmaThroughData(),
     "batch norm without its counter": lambda lin: _batch_norm_without_counter(),
+    "counter beside an ema through .data": lambda lin: _CounterBesideEma(),
+    "meta buffer": lambda lin: _MetaBuffer(),
 }
 
 
@@ -134,13 +167,18 @@ def _assert_same_steps(expected: list[Any], got: list[Any]) -> None:
         assert torch.equal(loss, loss2), step
         assert_same_grads(grads, grads2)
         assert len(buffers) == len(buffers2)
-        assert all(torch.equal(a, b) for a, b in zip(buffers, buffers2)), step
+        # A meta buffer has no values (torch.equal raises on one): its shape is compared.
+        assert all(b.is_meta and a.shape == b.shape if a.is_meta else torch.equal(a, b)
+                   for a, b in zip(buffers, buffers2)), step
 
 
 @pytest.mark.parametrize("kind, how", [
     ("fused fake-quant", "module"), ("fused fake-quant", "function, offload"),
     ("qat linear", "module, offload"), ("ema through .data", "function"),
     ("batch norm without its counter", "module"),
+    ("counter beside an ema through .data", "module"),
+    ("counter beside an ema through .data", "function, offload"),
+    ("meta buffer", "module"), ("meta buffer", "function"),
     ("fake-quant", "module, offload"), ("observer", "function"), ("spectral norm", "module")])
 def test_buffers_a_forward_changes_end_each_step_as_in_eager_with_eager_gradients(
         kind: str, how: str) -> None:
@@ -149,7 +187,10 @@ def test_buffers_a_forward_changes_end_each_step_as_in_eager_with_eager_gradient
     # counter, as do writes through .data and a batch norm's kernel without its counter: the
     # replay updated them a second time and read them one update ahead, so from the second
     # step on the gradients and the buffers were not eager's, silently (NOTE [state a kernel
-    # writes]). The last three move versions, and pin what worked.
+    # writes]). A counter whose version moves beside an EMA written through .data, in one
+    # dict: only the counter was copied for the replay, the EMA updated twice. A meta buffer
+    # failed the forward (torch.equal has no meta kernel). Fake-quant, the observer and
+    # spectral norm move versions, and pin what worked.
     eager = _model(kind)
     expected = _steps(eager, eager)
     model = _model(kind)
@@ -291,3 +332,78 @@ def test_torch_checkpoints_inside_or_around_a_checkpointed_layer_give_eager_grad
     assert [block.calls for block in _blocks(model)] == [2 * runs] * 2
     like = expected[-1][2] if runs == 2 else [b.clone() for b in torch_alone.buffers()]
     assert all(torch.equal(a, b) for a, b in zip(like, model.buffers()))
+
+
+class _NanTable(nn.Module):
+    """A Linear reading a small buffer that views a table of more than 64 KiB (saved alone,
+    not by its storage) and holds NaN where unset; nothing writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        table = torch.full((20_000,), float("nan"))
+        table[:4] = 1.0
+        self.bias_table: torch.Tensor
+        self.register_buffer("bias_table", table[:8])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h) + self.bias_table.nan_to_num(0.0)
+
+
+def test_a_buffer_holding_nan_is_not_taken_for_one_a_kernel_wrote() -> None:
+    # NaN != NaN: compared with torch.equal, the unchanged table counted as written by a
+    # kernel, so the layer cloned its small buffers before every forward and copied them for
+    # every replay, for nothing. Compared bit for bit, it is unchanged.
+    torch.manual_seed(0)
+    eager = nn.Sequential(_NanTable(), nn.Linear(8, 2))
+    model = copy.deepcopy(eager)
+    layer = model[0]
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    expected = _steps(eager, eager)  # type: ignore[arg-type]
+    got = _steps(model, model)  # type: ignore[arg-type]
+    for step, ((loss, grads, _), (loss2, grads2, _)) in enumerate(zip(expected, got)):
+        assert torch.equal(loss, loss2), step
+        assert_same_grads(grads, grads2)
+    assert remembered([layer]) == frozenset()
+    assert not snapshots_wanted(layer)  # later calls clone nothing before the forward
+
+
+class _Quantized(nn.Module):
+    """A Linear between two fake-quantizers passed as arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, first: nn.Module, second: nn.Module) -> torch.Tensor:
+        return second(torch.tanh(first(self.lin(h))))
+
+
+def test_fake_quantizers_passed_as_arguments_in_another_order_stay_found() -> None:
+    # The dicts a kernel wrote were remembered on the layer by their place among the buffer
+    # dicts of the call (the layer's, then its arguments'): with the arguments swapped after
+    # the first step, the places named the other quantizer's dicts, and the observing one's
+    # statistics were updated twice a step, its scale read one update ahead. Each module
+    # keeps the places in its own tree.
+    def run(checkpointed: bool) -> list[Any]:
+        torch.manual_seed(0)
+        layer, still, observing = (_Quantized(), tq.FusedMovingAvgObsFakeQuantize(),
+                                   tq.FusedMovingAvgObsFakeQuantize())
+        still.disable_observer()
+        if checkpointed:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        seen = []
+        for step in range(3):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step),
+                            requires_grad=True)
+            order = (still, observing) if step == 0 else (observing, still)
+            loss = layer(x, *order).square().sum()
+            loss.backward()
+            seen.append((loss.detach(), grads_of([x, *layer.parameters()]),
+                         [b.clone() for b in [*still.buffers(), *observing.buffers()]]))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return seen
+
+    _assert_same_steps(run(False), run(True))
