@@ -33,9 +33,13 @@ NOTE [discard lifetimes]:
    rebuild runs on copies of what changed (NOTE [the replay changes copies]), from the hook
    until ``fn`` returns: nothing depends on the Function's backward running after it (a
    restricted backward may not run it), and two rebuilds of one module never interleave
-   their changes. Only a module's state is watched: a plain function reaching state another
-   way (a lambda over a BatchNorm, ``F.batch_norm`` given running statistics) changes it
-   again. ``fn`` changing its tensor arguments in place is refused: they are saved after it
+   their changes. State ``fn`` only reads (a BatchNorm in eval mode) that a later call's
+   forward changes before the rebuild (a train micro-batch) is rebuilt from copies of it as
+   this forward read it: the rebuild writes into the very storage the consumer saved, so it
+   must give the bytes the forward gave (NOTE [state read, then changed by a later call]).
+   Only a module's state is watched: a plain function reaching state another way (a lambda
+   over a BatchNorm, ``F.batch_norm`` given running statistics) changes it again, and reads
+   it as it is at the rebuild. ``fn`` changing its tensor arguments in place is refused: they are saved after it
    ran, so autograd cannot see it, and the rebuild would change them again.
 Discarding twice, replaying twice, or a replay of another shape raises ``CheckpointError``.
 With grad disabled (a checkpoint boundary's original pass) ``checkpoint`` just calls ``fn``

@@ -81,7 +81,10 @@ class DiscardFunction(torch.autograd.Function):
         if moved:
             refuse_input_changed(owner._name(), args, tensors[moved[0]])
         if watch is not None:  # NOTE [state the forward changes] (state_changes.py)
-            owner.changed_state = watch.changed()
+            # With what it only read (a BatchNorm in eval mode), for a later call's forward
+            # that changes it before this rebuild: NOTE [state read, then changed by a later
+            # call] (state_changes.py). Nothing more to do for a module without buffers.
+            owner.changed_state = watch.changed(read=True)
             if watch.compare:
                 remember(roots, watch.kernel_written)
                 mark_compared(roots)

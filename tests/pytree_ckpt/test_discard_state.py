@@ -325,3 +325,191 @@ def test_a_discarded_op_whose_kernel_writes_its_buffers_updates_them_once_as_eag
                 for p in module.parameters():
                     p -= 0.1 * p.grad  # type: ignore[operator]
                     p.grad = None
+
+
+class _CountedBatchNorm(nn.BatchNorm1d):
+    calls = 0  # forward calls of every instance: the original pass and the rebuild count each
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+def _norm_and_proj(norm: nn.Module, proj: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
+    """``proj(norm(x))``: eager, with the norm's output discarded (``"discard"``), or through
+    the boundary (``"boundary"``)."""
+    if how == "discard":
+        ckpt = CheckpointWithoutOutput()
+        out = proj(ckpt.checkpoint(norm, x))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+    if how == "boundary":
+        return proj(pytree_ckpt.checkpoint(norm, x))
+    if how == "lambda":  # a plain function over the module: its state is not watched
+        ckpt = CheckpointWithoutOutput()
+        out = proj(ckpt.checkpoint(lambda t: norm(t), x))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+    assert how == "eager"
+    return proj(norm(x))
+
+
+def _eval_and_train_micro_batches(norm: nn.Module, proj: nn.Module, modes: tuple[bool, ...],
+                                  hows: tuple[str, str], *, read_clones: bool = False) -> Any:
+    """Two SGD steps of one micro-batch per mode (train or eval), all forwards before one
+    backward, the eval ones through ``hows[0]`` and the train ones through ``hows[1]``; with
+    ``read_clones`` (eager), each eval micro-batch runs on clones of the buffers: what it
+    reads, as its forward read it, also in its backward (plain eager's backward reads the
+    later running statistics: test_training_loops.py)."""
+    optimizer = torch.optim.SGD([*norm.parameters(), *proj.parameters()], lr=0.1)
+    results = []
+    for step in range(2):
+        losses, inputs = [], []
+        for i, training in enumerate(modes):
+            norm.train(training)
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + i),
+                            requires_grad=True)
+            if read_clones and not training:
+                buffers = {name: b.clone() for name, b in norm.named_buffers()}
+                out = proj(torch.func.functional_call(norm, buffers, (x,)))
+            else:
+                out = _norm_and_proj(norm, proj, x, hows[0] if not training else hows[1])
+            losses.append(torch.tanh(out).square().sum())
+            inputs.append(x)
+        norm.train()
+        sum(losses).backward()
+        results.append(([loss.detach() for loss in losses],
+                        grads_of([*inputs, *norm.parameters(), *proj.parameters()]),
+                        _state(norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return results
+
+
+def _assert_same_runs(expected: Any, got: Any) -> None:
+    for (losses, grads, state), (our_losses, our_grads, our_state) in zip(expected, got):
+        assert_same_grads(losses, our_losses)
+        assert_same_grads(grads, our_grads)
+        assert_same_grads(state, our_state)
+
+
+_MICRO_BATCH_MODES = pytest.mark.parametrize("modes", [(True, False, True), (False, True, True)],
+                                             ids=["train-eval-train", "eval-train-train"])
+
+
+@_MICRO_BATCH_MODES
+@pytest.mark.parametrize("train_through", ["discard", "boundary"])
+def test_a_discarded_eval_micro_batch_before_a_train_one_rebuilds_what_its_forward_read(
+        modes: tuple[bool, ...], train_through: str) -> None:
+    # NOTE [state read, then changed by a later call]: the eval call's BatchNorm reads the
+    # running statistics; the train call after it updates them before backward. The rebuild
+    # read the later ones, and wrote an output its forward never made under the projection's
+    # saved input (the projection's weight gradient was off too, unlike plain eager's).
+    torch.manual_seed(0)
+    norm, proj = _CountedBatchNorm(8), nn.Linear(8, 8)
+    twins = copy.deepcopy([norm, proj])
+    _CountedBatchNorm.calls = 0
+    expected = _eval_and_train_micro_batches(*twins, modes, ("eager", "eager"), read_clones=True)
+    eager_calls, _CountedBatchNorm.calls = _CountedBatchNorm.calls, 0
+    got = _eval_and_train_micro_batches(norm, proj, modes, ("discard", train_through))
+    _assert_same_runs(expected, got)
+    assert eager_calls == 2 * len(modes) and _CountedBatchNorm.calls == 2 * eager_calls
+
+
+class _NormLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.BatchNorm1d(8), nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, context: Any = None) -> torch.Tensor:
+        normed = self.norm(h) if context is None else context.checkpoint(self.norm, h)
+        h = h + self.proj(normed)
+        if context is not None:
+            context.finalize(h)
+        return h
+
+
+@_MICRO_BATCH_MODES
+def test_a_residual_plan_over_eval_and_train_micro_batches_rebuilds_what_each_forward_read(
+        modes: tuple[bool, ...]) -> None:
+    # The plan's managers replay through the same rebuild: three layers in blocks of two.
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_NormLayer() for _ in range(3))
+    twin = copy.deepcopy(layers)
+
+    def run(stack: nn.ModuleList, plan: bool) -> list[Any]:
+        losses, inputs = [], []
+        for i, training in enumerate(modes):
+            stack.train(training)
+            h = x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i),
+                                requires_grad=True)
+            buffers = {name: b.clone() for name, b in stack.named_buffers()}
+            contexts = pytree_ckpt.build_residual_stream_recompute_plan(3, 2) if plan else None
+            for index, layer in enumerate(stack):
+                if plan:
+                    assert contexts is not None
+                    h = layer(h, contexts[index])
+                elif training:
+                    h = layer(h)
+                else:  # on clones of the buffers, as the forward read them (above)
+                    prefix = f"{index}."
+                    h = torch.func.functional_call(
+                        layer, {k[len(prefix):]: b for k, b in buffers.items()
+                                if k.startswith(prefix)}, (h,))
+            losses.append(torch.tanh(h).square().sum())
+            inputs.append(x)
+        stack.train()
+        sum(losses).backward()
+        return [*losses, *grads_of([*inputs, *stack.parameters()]), *_state(stack)]
+
+    expected = run(twin, plan=False)
+    assert_same_grads([t.detach() for t in expected], [t.detach() for t in run(layers, plan=True)])
+
+
+class _CountsWhereGradIsEnabled(nn.Module):
+    """Counts its calls where grad is enabled: code written for reentrant checkpointing, whose
+    replay is the only pass with grad (a discard's forward runs under no-grad too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.seen += 1
+        return x * self.scale
+
+
+def test_a_count_only_rebuilds_make_is_kept_over_discarded_micro_batches() -> None:
+    # A later call's rebuild changes the buffer before an earlier call's rebuild: no forward
+    # changed it, so the earlier rebuild counts on the module's own (on a copy of what its
+    # forward read, its count would be lost). Guards NOTE [state read, then changed by a
+    # later call] on the discard path.
+    seen = []
+    for how in ("eager", "discard"):
+        torch.manual_seed(0)
+        op, proj = _CountsWhereGradIsEnabled(), nn.Linear(8, 8)
+        for step in range(2):
+            sum(_norm_and_proj(op, proj, torch.randn(4, 8, requires_grad=True), how).sum()
+                for _ in range(3)).backward()
+        seen.append(int(op.seen))
+    assert seen == [6, 6]
+
+
+@pytest.mark.parametrize("hows", [("lambda", "lambda"), ("discard", "eager")],
+                         ids=["a plain function", "a train call outside any checkpoint"])
+def test_a_later_change_the_rebuild_cannot_see_gives_the_later_statistics(
+        hows: tuple[str, str]) -> None:
+    # docs/limits.md (the eval micro-batch row): a plain function's modules are not watched,
+    # and a change made outside any checkpoint or discard is not known as a forward's, so
+    # the eval call's rebuild reads the later statistics. The forwards read the same.
+    torch.manual_seed(0)
+    norm, proj = nn.BatchNorm1d(8), nn.Linear(8, 8)
+    twins = copy.deepcopy([norm, proj])
+    modes = (False, True)
+    expected = _eval_and_train_micro_batches(*twins, modes, ("eager", "eager"), read_clones=True)
+    got = _eval_and_train_micro_batches(norm, proj, modes, hows)
+    assert_same_grads(expected[0][0], got[0][0])
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_grads(expected[0][1], got[0][1])
