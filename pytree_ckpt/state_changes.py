@@ -69,9 +69,10 @@ class StateWatch:
     ones too), and which frozen parameters changed in place or were reassigned. The replay
     then runs on copies (NOTE [the replay changes copies]). A batch norm's buffers count as a
     whole, since its kernel updates the running statistics without moving their versions
-    (only ``num_batches_tracked`` moves). Changes through ``.data`` move no version and are
-    not seen. The common case, nothing changed, costs one version read and one identity check
-    per buffer (and, with frozen parameters, one identity check per parameter).
+    (only ``num_batches_tracked`` moves). Changes through ``.data`` (or a kernel's) move no
+    version: seen only by value, at a module's first calls (NOTE [state a kernel writes] in
+    kernel_written.py). The common case, nothing changed, costs one version read and one
+    identity check per buffer (and, with frozen parameters, one identity check per parameter).
     """
 
     __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries",
@@ -104,9 +105,10 @@ class StateWatch:
         # did (tied, or views of one another), so the replay makes the forward's decisions
         # again (a periodic update keyed on a counter) and its output reads what the
         # forward's read (an EMA updated, then used). What nothing changed is dropped after
-        # the forward. A larger buffer's copy is made from what the forward left
-        # (documented); so is a small one whose module first changed state after its first
-        # replay (nothing was saved).
+        # the forward, unless the call keeps what it read for its replay (changed(read=True):
+        # NOTE [state read, then changed by a later call]). A larger buffer's copy is made
+        # from what the forward left (documented); so is a small one whose module first
+        # changed state after its first replay (nothing was saved).
         self.before: dict[int, tuple[Any, Any]] = {}  # by buffer id: (storage key, layout)
         self.storages: dict[Any, torch.UntypedStorage] = {}
         if not any(dicts):  # the usual layer: no buffer at all (one C-level pass)
