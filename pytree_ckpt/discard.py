@@ -37,10 +37,13 @@ NOTE [discard lifetimes]:
    forward changes before the rebuild (a train micro-batch) is rebuilt from copies of it as
    this forward read it: the rebuild writes into the very storage the consumer saved, so it
    must give the bytes the forward gave (NOTE [state read, then changed by a later call]).
-   Only a module's state is watched: a plain function reaching state another way (a lambda
-   over a BatchNorm, ``F.batch_norm`` given running statistics) changes it again, and reads
-   it as it is at the rebuild. ``fn`` changing its tensor arguments in place is refused: they are saved after it
-   ran, so autograd cannot see it, and the rebuild would change them again.
+   A buffer a kernel writes without moving its version (QAT's fused fake-quant, ``.data``)
+   is found by value at the module's first discarded call (NOTE [state a kernel writes] in
+   kernel_written.py). Only a module's state is watched: a plain function reaching state
+   another way (a lambda over a BatchNorm, ``F.batch_norm`` given running statistics)
+   changes it again, and reads it as it is at the rebuild. ``fn`` changing its tensor
+   arguments in place is refused: they are saved after it ran, so autograd cannot see it,
+   and the rebuild would change them again.
 Discarding twice, replaying twice, or a replay of another shape raises ``CheckpointError``.
 With grad disabled (a checkpoint boundary's original pass) ``checkpoint`` just calls ``fn``
 and discarding is a no-op: nothing was saved; the boundary's replay discards for real.
