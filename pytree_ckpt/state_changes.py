@@ -145,8 +145,8 @@ class StateWatch:
             # drop the bit): the buffer alone, its values resolved.
             self.before[id(t)] = (None, t.detach().clone())
 
-    def _kernel_written(self, buffers: list[tuple[_Buffers, _Moved | None]], /
-                        ) -> list[tuple[_Buffers, _Moved | None]]:
+    def _with_kernel_written(self, buffers: list[tuple[_Buffers, _Moved | None]], /
+                             ) -> list[tuple[_Buffers, _Moved | None]]:
         """``buffers`` (the dicts a version or an entry shows changed) with the watched dicts
         a kernel wrote counted as changed wholly: those it found alone, and those where it
         wrote one buffer while a version moved on another (a step counter beside an EMA
@@ -207,7 +207,7 @@ class StateWatch:
                     _object_versions(items) != before:
                 buffers.append((d, _moved(d, items, before)))
         if self.compare or self.written:  # NOTE [state a kernel writes] (kernel_written.py)
-            buffers = self._kernel_written(buffers)
+            buffers = self._with_kernel_written(buffers)
         # A buffer registered by the forward in a dict that had none.
         buffers += [(d, [(name, _ABSENT) for name in d]) for d in self.empty if d]
         in_place = {id(p) for p, v in zip(self.frozen, self.frozen_versions)
