@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
+from .forward_writes import note_forward_write, written_by_a_forward_since
 from .kernel_written import differs
 from .module_state import ModuleDicts, ever_verified
 
@@ -240,7 +240,7 @@ class StateWatch:
             for name in d if moved is None else (name for name, _ in moved):
                 t = d.get(name)
                 if t is not None and not t.is_inference():
-                    _FORWARD_WRITES[t] = t._version
+                    note_forward_write(t)
         saved = {i: value for i, value in self.before.items() if i in changed}
         storages = {key: self.storages[key] for key, _ in saved.values() if key is not None}
         return ChangedState(buffers, list(parameters.values()), saved, storages, unchanged)
@@ -254,31 +254,6 @@ def registered_state(dicts: list[dict[str, torch.Tensor | None]], /) -> ChangedS
     buffers: list[tuple[_Buffers, _Moved | None]] = [
         (d, [(name, _ABSENT) for name in d]) for d in dicts if d]
     return ChangedState(buffers, [], {}, {}) if buffers else None
-
-
-# NOTE [state read, then changed by a later call]: each buffer an original pass changed (in
-# place, reassigned or registered), with its version then. Weak: an entry goes with its buffer.
-_FORWARD_WRITES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _written_by_a_forward_since(d: _Buffers,
-                                items: tuple[tuple[str, torch.Tensor | None], ...],
-                                before: list[int | None], /) -> bool:
-    """Whether an original pass changed ``d`` since ``items`` (with versions ``before``) were
-    read: one of them changed in place by a forward after that, or an entry another
-    forward put there."""
-    for (name, obj), version in zip(items, before):
-        t = d.get(name)
-        if t is obj:
-            if t is not None and version is not None and _FORWARD_WRITES.get(t, -1) > version:
-                return True
-        elif t is not None and t in _FORWARD_WRITES:
-            return True
-    if len(d) == len(items):
-        return False
-    names = {name for name, _ in items}  # registered since: by a forward?
-    return any(name not in names and t is not None and t in _FORWARD_WRITES
-               for name, t in d.items())
 
 
 # The size limit of NOTE [small state as it was before the forward] (StateWatch.__init__):
@@ -403,8 +378,9 @@ class ChangedState:
         for its rebuild) keeps the saved ones of the dicts the forward left unchanged, with
         their entries and versions, until the replay (memory: at most _SMALL_BYTES a buffer,
         per call, from the forward to the backward). The replay compares them (an identity
-        and a version per buffer): a dict an original pass changed since (_FORWARD_WRITES
-        holds the buffers each one changed, with their versions then) runs the replay on
+        and a version per buffer): a dict an original pass changed since (forward_writes.py
+        holds the buffers each one changed, with their versions then: NOTE [forward writes,
+        by id]) runs the replay on
         copies of it as the forward read it, as a changed one does (NOTE [the replay changes
         copies]). One only replays changed (a count kept where grad is enabled, so once per
         call under reentrant checkpointing) stays the module's own, as for a call that read
@@ -415,7 +391,7 @@ class ChangedState:
         return [(d, _moved(d, items, before)) for d, items, before in self.read
                 if (len(d) != len(items) or any(d.get(name) is not obj for name, obj in items)
                     or _object_versions(items) != before)
-                and _written_by_a_forward_since(d, items, before)]
+                and written_by_a_forward_since(d, items, before)]
 
     @contextmanager
     def on_copies(self) -> Iterator[None]:

@@ -157,3 +157,33 @@ def test_a_checkpointed_step_leaves_no_reference_cycle_to_collect() -> None:
         gc.enable()
     assert counts[5:] == [counts[5]] * 3, counts  # after every length was seen once
     assert collected == 0
+
+
+def test_the_table_of_buffers_forwards_changed_stays_bounded_and_tells_reused_ids_apart(
+        ) -> None:
+    # NOTE [forward writes, by id] (forward_writes.py): a batch norm in training writes its
+    # three buffers into the table at every call; 400 models made and dropped one after
+    # another must not leave 1,200 entries (past the first sweep), and an entry whose tensor died must not count for
+    # a new tensor that took its id.
+    from pytree_ckpt import forward_writes
+
+    for _ in range(400):
+        layer = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))
+        checkpoint_layers([layer])
+        layer(torch.randn(4, WIDTH, requires_grad=True)).sum().backward()
+        del layer
+    gc.collect()
+    alive = sum(1 for ref, _ in forward_writes._WRITES.values() if ref() is not None)
+    assert len(forward_writes._WRITES) < max(forward_writes._SWEEP_AT, 2 * alive) + 3, \
+        (len(forward_writes._WRITES), alive)
+    dead = torch.zeros(3)
+    forward_writes.note_forward_write(dead)
+    key = id(dead)
+    del dead
+    # Another tensor at that id (as CPython reuses ids) is not taken for the dead one.
+    impostor = torch.zeros(3)
+    forward_writes._WRITES[id(impostor)] = forward_writes._WRITES.pop(key)
+    assert not forward_writes.written_by_a_forward_since(
+        {"b": impostor}, (("b", impostor),), [-1])
+    forward_writes.note_forward_write(impostor)
+    assert forward_writes.written_by_a_forward_since({"b": impostor}, (("b", impostor),), [-1])
