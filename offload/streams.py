@@ -24,7 +24,7 @@ NOTE [stream rules]:
    memory goes back to the allocating stream's pool, which would otherwise hand it out while
    the reading stream's kernels are still queued.
 5. A restore given up (a prefetch that ran out of device memory: NOTE [a prefetch that runs
-   out of memory] in manager.py) drops its buffer at once: rule 2's ``record_stream`` keeps
+   out of memory] in prefetch.py) drops its buffer at once: rule 2's ``record_stream`` keeps
    that memory from being handed out before its queued copy is done, nothing waits on its
    event, and its event stays the host buffer's last until a later restore replaces it
    (rule 3). The allocation that failed queued nothing.
@@ -105,7 +105,7 @@ class CopyEngine:
     def allocate(self, nbytes: int, /) -> torch.Tensor:
         """The device buffer of one restore, on the current stream: the one allocation a
         restore makes, so the one place it runs out of device memory (``torch.OutOfMemoryError``:
-        NOTE [a prefetch that runs out of memory] in manager.py)."""
+        NOTE [a prefetch that runs out of memory] in prefetch.py)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def use_here(self, buffer: torch.Tensor, /, *, allocated_on: Any) -> None:

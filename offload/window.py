@@ -150,7 +150,7 @@ class Copy:
     def give_up_restore(self) -> None:
         """Let go of the device buffer a prefetch restored, before backward read it: the next
         ``restore`` copies back again (NOTE [a prefetch that runs out of memory] in
-        manager.py). Bytes reused (NOTE [reuse at the turn]) stay: they took no new memory.
+        prefetch.py). Bytes reused (NOTE [reuse at the turn]) stay: they took no new memory.
 
         ``h2d_event`` stays: the copy back it marks may still read the host buffer, which goes
         back to the pool with it (stream rules 3 and 5); a later restore replaces it with an
@@ -288,7 +288,7 @@ class Pass:
             weakref.WeakValueDictionary())
         self.backward = False  # a window was restored: new windows belong to a new pass
         # A prefetch ran out of device memory: the rest of the pass restores on demand (NOTE
-        # [a prefetch that runs out of memory] in manager.py).
+        # [a prefetch that runs out of memory] in prefetch.py).
         self.prefetch_off = False
         # Offloaded bytes and the largest storage left below min_bytes: a pass that offloaded
         # nothing because of the floor is logged (once per manager), not silently accepted.

@@ -1,5 +1,5 @@
 """A prefetch that runs out of device memory is given up, not raised (NOTE [a prefetch that
-runs out of memory] in offload/manager.py): what it restored is let go, the rest of the pass
+runs out of memory] in offload/prefetch.py): what it restored is let go, the rest of the pass
 restores on demand, bit for bit; a restore on demand that runs out of memory still raises.
 
 The error is injected at ``CopyEngine.allocate``, the one device allocation of a restore (on
@@ -127,7 +127,7 @@ def test_a_prefetch_out_of_memory_is_given_up_and_its_window_restored_on_demand_
     expected = eager_step(eager, 0, gated)
     allocations = Allocations(m, monkeypatch, {fails})
     loss, x, value, _ = step(layers, 0, gated)
-    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+    with caplog.at_level(logging.WARNING, logger="offload.prefetch"):
         loss.backward()
     assert_exact([value, *grads(layers, x)], expected)
     assert m.events() == events
@@ -145,7 +145,7 @@ def test_a_prefetch_out_of_memory_is_given_up_and_its_window_restored_on_demand_
     # Once per storage not reused, plus the failed allocation and the ones let go.
     assert len(allocations.alive_at) == storages - (2 if gated else 1) + 1 + len(let_go)
     assert stats["host_buffers_in_use"] == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.prefetch"]
     assert len(warnings) == 1
     assert f"lower OffloadConfig(prefetch={prefetch}), or set prefetch=0" in warnings[0]
 
@@ -158,7 +158,7 @@ def test_a_give_up_is_logged_once_per_manager_and_the_next_pass_prefetches_again
     # after step 0's failed one and its seven on-demand restores); step 2 prefetches them all.
     Allocations(m, monkeypatch, {1, 10})
     logs = []
-    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+    with caplog.at_level(logging.WARNING, logger="offload.prefetch"):
         for seed in range(3):
             expected = eager_step(eager, seed, False)
             layers.zero_grad(set_to_none=True)
@@ -174,7 +174,7 @@ def test_a_give_up_is_logged_once_per_manager_and_the_next_pass_prefetches_again
     stats = m.stats()
     assert stats["prefetch_oom"] == 2 and stats["prefetch_hits"] == 1 + 7
     assert stats["host_buffers_in_use"] == 0
-    assert len([r for r in caplog.records if r.name == "offload.manager"]) == 1
+    assert len([r for r in caplog.records if r.name == "offload.prefetch"]) == 1
 
 
 @pytest.mark.parametrize("prefetch, fail, events", [
