@@ -314,6 +314,9 @@ class _BoundaryFunction(torch.autograd.Function):
             call.reported = True
             report_held(saved, Mechanism.BOUNDARY, holder=call.frame)
             report_held(call.frame.tensors(), Mechanism.REPLAY_FRAME, holder=call.frame)
+            if call.changed_state is not None:  # released with the frame (recompute.py)
+                report_held(call.changed_state.snapshots(), Mechanism.MODULE_STATE,
+                            holder=call.frame)
         # NOTE [inference tensors are kept as they are]: autograd refuses to save a tensor made
         # under torch.inference_mode() (a table built there), which eager accepts as an input
         # of ops that do not save it. It cannot change outside inference mode, so it is kept

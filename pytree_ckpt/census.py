@@ -7,7 +7,8 @@ NOTE [how the census sees tensors]: two sources, merged per storage.
    runs), and records every tensor ordinary autograd saves while it is the innermost hook.
 2. Explicit reports from the library's mechanisms (``report_held``), to the censuses recording
    on the thread (NOTE [where a census records]): the checkpoint boundary reports the inputs it
-   saves, replay frames the results they hold, and later mechanisms (offload, save units,
+   saves, replay frames the results they hold, its module state the buffers' snapshots it keeps
+   for the replay (state_changes.py), and later mechanisms (offload, save units,
    output discard) what they hold or moved. Hooks pushed *inside* the census (an offload
    window) shadow its pack hook, which is why mechanisms report explicitly; a report wins over
    the generic record.
@@ -55,6 +56,7 @@ class Mechanism(str, enum.Enum):
     OFFLOADED = "offloaded to host"     # host copies of offloaded storages
     OFFLOAD_IN_FLIGHT = "offload in flight"  # device storages the manager holds until copied
     AUTOGRAD = "autograd"               # saved by ordinary autograd outside any boundary
+    MODULE_STATE = "module state"       # small buffers as before the forward, for the replay
 
     def __str__(self) -> str:
         return self.value

@@ -358,6 +358,9 @@ class CheckpointWithoutOutput:
                 # a non-leaf alias, as in the boundary's replay (module input-gradient hooks)
                 args.append(d.view_as(d) if d.requires_grad else d)
             outputs = self.fn(*args, **self.kwargs)
+        # One replay per forward: the buffers' snapshots served it (freed now, as the census
+        # reads them: module state, held until the outputs are rebuilt and handed over).
+        self.changed_state = None
         if watched is not None and param_before is not None:  # its own moves, counted
             assert self.params is not None
             watched.replayed(self.params, param_before)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .census import Mechanism, census_active, report_held
 from .changed_in_place import ParameterVersions
 from .discard_aliases import made_outside
 from .discard_refusals import refuse_input_changed, refuse_output
@@ -85,6 +86,9 @@ class DiscardFunction(torch.autograd.Function):
             # that changes it before this rebuild: NOTE [state read, then changed by a later
             # call] (state_changes.py). Nothing more to do for a module without buffers.
             owner.changed_state = watch.changed(read=True)
+            if owner.changed_state is not None and census_active():  # held by the discard
+                report_held(owner.changed_state.snapshots(), Mechanism.MODULE_STATE,
+                            holder=owner)
             if watch.compare:
                 remember(roots, watch.kernel_written)
                 mark_compared(roots)

@@ -277,8 +277,14 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     # here, in the outer task (the inner backward below is a task of its own); the frame is
     # cleared after that inner backward, in which a nested boundary's replay may still read
     # it. (The census reads frame.released as "this invocation no longer holds its inputs".)
-    release = bool(call.frame.results or call.reported) and \
-        not torch._C._autograd._get_current_graph_task_keep_graph()
+    keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+    release = bool(call.frame.results or call.reported) and not keep_graph
+    if not keep_graph:
+        # Its buffers' snapshots (NOTE [small state as it was before the forward] in
+        # state_changes.py) served this replay only: freed now, not with the graph's nodes (a
+        # loss kept for logging keeps those), as the census reads them (module state, held
+        # by the frame).
+        call.changed_state = None
     if not explicit:
         if outs:
             torch.autograd.backward(outs, grads)

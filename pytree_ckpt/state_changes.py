@@ -362,6 +362,14 @@ class ChangedState:
         # The dicts the forward read and left unchanged: entries and versions after it.
         self.read = read or []
 
+    def snapshots(self) -> list[torch.Tensor]:
+        """A tensor over each saved storage and each buffer saved alone: what this keeps from
+        the forward to the replay, for the census (Mechanism.MODULE_STATE)."""
+        found = [torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                 for storage in self.storages.values()]
+        found += [value for key, value in self.before.values() if key is None]
+        return found
+
     @property
     def changes(self) -> bool:
         """Whether the original pass changed anything (not only read state)."""
@@ -377,7 +385,8 @@ class ChangedState:
         changed state; an output discard's, at every call), the boundary (and the discard,
         for its rebuild) keeps the saved ones of the dicts the forward left unchanged, with
         their entries and versions, until the replay (memory: at most _SMALL_BYTES a buffer,
-        per call, from the forward to the backward). The replay compares them (an identity
+        per call, from the forward to its replay, which drops them; a census counts them as
+        Mechanism.MODULE_STATE, as it does those of changed dicts: snapshots()). The replay compares them (an identity
         and a version per buffer): a dict an original pass changed since (forward_writes.py
         holds the buffers each one changed, with their versions then: NOTE [forward writes,
         by id]) runs the replay on

@@ -143,7 +143,7 @@ def deterministic(device: torch.device) -> Iterator[None]:
 
 
 _SHORT = {"checkpoint boundary": "boundary", "replay frame": "frame", "offloaded to host": "host",
-          "offload in flight": "in flight", "autograd": "autograd"}
+          "offload in flight": "in flight", "autograd": "autograd", "module state": "state"}
 
 
 class _CacheMeter(TorchDispatchMode):

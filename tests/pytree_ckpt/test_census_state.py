@@ -149,3 +149,107 @@ def test_a_census_ended_twice_is_refused_and_leaves_the_open_one_recording() -> 
     assert pytree_ckpt.census._OPEN == [0]
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     loss.backward()
+
+
+class _NormedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.register_buffer("scale", torch.full((16,), 0.5))  # only read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x)) * self.scale
+
+
+def _module_state_alive(census: ActivationCensus) -> int:
+    return sum(1 for e in census._recorded()
+               if e.mechanism is pytree_ckpt.Mechanism.MODULE_STATE and not e.storage.expired())
+
+
+def test_buffer_snapshots_kept_for_the_replay_count_as_module_state_until_backward() -> None:
+    # NOTE [state read, then changed by a later call]: once its forward changed state, each
+    # call clones the layer's small buffers and keeps them to its replay, those it changed
+    # (a train micro-batch: the BatchNorm's three) and those it only read (the eval one: all
+    # four, and `scale` at both). The census counted none of these bytes, and after backward
+    # they stayed alive as long as the losses did (the graph's nodes held the calls).
+    torch.manual_seed(0)
+    eager = nn.Sequential(_NormedLayer())
+    model = nn.Sequential(_NormedLayer())
+    model.load_state_dict(eager.state_dict())
+    checkpoint_layers(model, offload=False)
+    for m in (eager, model):  # a first step: the forward changes state, the replay verifies
+        m.train()
+        m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
+        m.zero_grad()
+    x1, x2 = torch.randn(8, 16), torch.randn(8, 16)
+    state = sum(nbytes(b) for b in model.buffers())  # 64 + 64 + 8 + 64: one clone each
+    with ActivationCensus(model) as census:
+        model.eval()
+        first = model(x1).sum()
+        assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(x1),
+                                                "module state": state}
+        model.train()
+        second = model(x2).sum()
+        assert census.bytes_by("mechanism") == {"checkpoint boundary": 2 * nbytes(x1),
+                                                "module state": 2 * state}
+        assert census.total_bytes == 2 * nbytes(x1) + 2 * state
+        (first + second).backward()
+        assert census.total_bytes == 0
+        assert _module_state_alive(census) == 0  # freed, while the losses are still alive
+    eager.eval()  # on clones: plain eager's backward would read the train call's statistics
+    clones = {name: b.clone() for name, b in eager.named_buffers()}
+    eager_first = torch.func.functional_call(eager, clones, (x1,)).sum()
+    eager.train()
+    (eager_first + eager(x2).sum()).backward()
+    assert torch.equal(first, eager_first)
+    for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(model.named_buffers(), eager.buffers()):
+        assert torch.equal(a, b), name
+
+
+def test_a_fake_quant_layer_s_clones_count_as_module_state_at_every_step() -> None:
+    # NOTE [state a kernel writes] (kernel_written.py): the fused fake-quant kernel writes its
+    # observer's buffers with no version moving; the module then clones its small buffers
+    # before every forward, and the call keeps them (counted as changed wholly) to its replay.
+    fake_quant = torch.ao.quantization.FusedMovingAvgObsFakeQuantize()
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 16), fake_quant))
+    checkpoint_layers(model, offload=False)
+    state = sum(nbytes(b) for b in fake_quant.buffers())  # seven one-element buffers: 36
+    with ActivationCensus(model) as census:
+        for _ in range(2):
+            x = torch.randn(8, 16)
+            loss = model(x).sum()
+            assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(x),
+                                                    "module state": state}
+            loss.backward()
+            assert census.total_bytes == 0
+            assert _module_state_alive(census) == 0
+
+
+def test_an_output_discard_s_buffer_snapshots_count_as_module_state_until_its_rebuild() -> None:
+    # An output discard clones its module's small buffers before every call and keeps those
+    # of the changed ones (a BatchNorm in training: all three) to its rebuild: uncounted, and
+    # alive after backward as long as the discard object was.
+    torch.manual_seed(0)
+    eager_norm, norm, proj = nn.BatchNorm1d(64), nn.BatchNorm1d(64), nn.Linear(64, 64)
+    x = torch.randn(16, 64, requires_grad=True)
+    state = sum(nbytes(b) for b in norm.buffers())  # 256 + 256 + 8
+    with ActivationCensus(nn.ModuleList([norm, proj])) as census:
+        ckpt = pytree_ckpt.CheckpointWithoutOutput()
+        out = proj(ckpt.checkpoint(norm, x))
+        ckpt.discard_output_and_register_recompute(out)
+        assert census.bytes_by("mechanism") == {"autograd": nbytes(x), "module state": state}
+        out.sum().backward()
+        assert census.total_bytes == 0
+        assert _module_state_alive(census) == 0  # freed, while the discard is still alive
+    grad = x.grad
+    x.grad = None
+    expected = proj(eager_norm(x))
+    proj.zero_grad()
+    expected.sum().backward()
+    assert torch.equal(out, expected)
+    assert torch.equal(grad, x.grad)
+    for (name, a), b in zip(norm.named_buffers(), eager_norm.buffers()):
+        assert torch.equal(a, b), name
