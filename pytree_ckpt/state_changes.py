@@ -378,25 +378,24 @@ class ChangedState:
     def _changed_since(self) -> list[tuple[_Buffers, _Moved | None]]:
         """NOTE [state read, then changed by a later call]: a call may read state it leaves
         unchanged (a BatchNorm in eval mode reads its running statistics) that a later call
-        changes before this call's backward (a train micro-batch after an eval one, of one
-        step). Eager's backward uses what its forward read; the replay reads the module's
-        buffers as they are then. So where small buffers were saved before the forward
-        (snapshots_wanted: a module's first calls, and every call once a forward of it
-        changed state; an output discard's, at every call), the boundary (and the discard,
-        for its rebuild) keeps the saved ones of the dicts the forward left unchanged, with
-        their entries and versions, until the replay (memory: at most _SMALL_BYTES a buffer,
-        per call, from the forward to its replay, which drops them; a census counts them as
-        Mechanism.MODULE_STATE, as it does those of changed dicts: snapshots()). The replay compares them (an identity
-        and a version per buffer): a dict an original pass changed since (forward_writes.py
-        holds the buffers each one changed, with their versions then: NOTE [forward writes,
-        by id]) runs the replay on
+        changes before this call's backward (a train micro-batch after an eval one, of one step).
+        Eager's backward uses what its forward read; the replay reads the module's buffers as they
+        are then. So where small buffers were saved before the forward (snapshots_wanted: a
+        module's first calls, and every call once a forward of it changed state; an output
+        discard's, at every call), the boundary (and the discard, for its rebuild) keeps the saved
+        ones of the dicts the forward left unchanged, with their entries and versions, until the
+        replay (memory: at most _SMALL_BYTES a buffer, per call, from the forward to its replay,
+        which drops them; a census counts them as Mechanism.MODULE_STATE, as it does those of
+        changed dicts: snapshots()). The replay compares them (an identity and a version per
+        buffer): a dict an original pass changed since (forward_writes.py holds the buffers each
+        one changed, with their versions then: NOTE [forward writes, by id]) runs the replay on
         copies of it as the forward read it, as a changed one does (NOTE [the replay changes
-        copies]). One only replays changed (a count kept where grad is enabled, so once per
-        call under reentrant checkpointing) stays the module's own, as for a call that read
-        it before any change. Not seen: a change that moves no version (through ``.data``, a
-        batch norm without ``num_batches_tracked``), one made outside any boundary or discard
-        (the module called plainly: no original pass of ours), state of a module with no
-        snapshot (its first change since its first replay, documented), frozen parameters."""
+        copies]). One only replays changed (a count kept where grad is enabled, so once per call
+        under reentrant checkpointing) stays the module's own, as for a call that read it before
+        any change. Not seen: a change that moves no version (through ``.data``, a batch norm
+        without ``num_batches_tracked``), one made outside any boundary or discard (the module
+        called plainly: no original pass of ours), state of a module with no snapshot (its first
+        change since its first replay, documented), frozen parameters."""
         return [(d, _moved(d, items, before)) for d, items, before in self.read
                 if (len(d) != len(items) or any(d.get(name) is not obj for name, obj in items)
                     or _object_versions(items) != before)
