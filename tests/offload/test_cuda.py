@@ -6,15 +6,16 @@ Skipped cleanly without CUDA; `scripts/gpu_check.sh` runs them (with the GPU ben
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from offload import OffloadConfig, OffloadManager
-from pytree_ckpt import checkpoint_layers
+from pytree_ckpt import apply_activation_checkpointing, checkpoint_layers
 from tests.conftest import assert_same_grads
-from tests.offload.blocks import Block, stack
+from tests.offload.blocks import Block, Gated, stack
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -151,3 +152,63 @@ def test_a_restored_tensor_is_not_read_before_its_copy_lands() -> None:
     h = x * 3
     (h * h).sum().backward()  # the same graph, without offload
     assert torch.equal(got, x.grad)
+
+
+def test_a_prefetch_given_up_on_cuda_lets_go_of_its_buffer_only_after_its_queued_copy() -> None:
+    # NOTE [a prefetch that runs out of memory] and stream rule 5: window 2's prefetch copies its
+    # first storage back (allocation 3), runs out of memory on its second (4, injected) and lets
+    # go of the first's buffer while that copy is still queued (the GPU is held back). Its
+    # record_stream on the h2d stream must keep the caching allocator from handing that memory
+    # out before the copy ran: probes allocated on the compute stream at window 2's restore on
+    # demand (5) never get it. Then the step is eager's, bit for bit.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Gated() for _ in range(4)).cuda()
+    layers = copy.deepcopy(eager)
+    m = OffloadManager(OffloadConfig(min_bytes=0, prefetch=1), device="cuda")
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(40, 32, device="cuda", requires_grad=True)
+    gates = [torch.rand(40, 32, device="cuda") for _ in range(4)]
+
+    def loss_of(model: nn.ModuleList) -> torch.Tensor:
+        h = x
+        for layer, gate in zip(model, gates):
+            h = layer(h, gate.clone())  # a fresh gate per layer: its own storage
+        return h.square().sum()
+
+    loss_of(eager).backward()
+    expected = [p.grad for p in eager.parameters()] + [x.grad]
+    x.grad = None
+    allocate, nbytes = m.engine.allocate, x.untyped_storage().nbytes()
+    handed: list[int] = []  # the data_ptr of each allocation, numbered from 1 (0: failed)
+    seen: dict[str, Any] = {}
+
+    def allocations(size: int) -> torch.Tensor:
+        call = len(handed) + 1
+        if call == 4:
+            handed.append(0)
+            raise torch.OutOfMemoryError("out of memory (injected, allocation 4)")
+        if call == 5:  # window 2's restore on demand: allocation 3's buffer was let go
+            seen["queued"] = not m.engine.h2d_stream.query()  # its copy back has not run
+            probes = [allocate(size) for _ in range(256)]
+            seen["reused"] = any(p.data_ptr() == handed[2] for p in probes)
+        buffer = allocate(size)
+        handed.append(buffer.data_ptr())
+        return buffer
+
+    m.engine.allocate = allocations  # type: ignore[method-assign,assignment]
+    loss = loss_of(layers)
+    torch.cuda.synchronize()
+    m.stats()  # every copy to host landed: each window comes back from host, none reused
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the copies back stay queued behind it
+    loss.backward()
+    torch.cuda.synchronize()
+    assert m.events()[:2] == [("restore", 3), ("prefetch_oom", 2)], m.events()
+    assert seen == {"queued": True, "reused": False}
+    assert len(handed) == 8 + 2  # a copy back per storage, the failed one and the one let go
+    assert_same_grads(expected, [p.grad for p in layers.parameters()] + [x.grad])
+    stats = m.stats()
+    assert stats["prefetch_oom"] == 1 and stats["reused_bytes"] == 0
+    assert stats["restored_bytes"] == 8 * nbytes
+    del loss
+    assert m.stats()["host_buffers_in_use"] == 0
