@@ -112,3 +112,35 @@ def project_norm(project: nn.Module, norm: nn.Module, x: torch.Tensor, /, *,
     out = project(ckpt.checkpoint(norm, x))
     ckpt.discard_output_and_register_recompute(out)
     return out
+
+
+class CounterBesideEma(nn.Module):
+    """A step counter (its version moves) and an EMA written through ``.data`` (none moves),
+    in one buffer dict: NOTE [state a kernel writes] must compare the EMA although the dict's
+    counter already marks it changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step: torch.Tensor
+        self.ema: torch.Tensor
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        self.ema.data.mul_(0.5).add_(h.mean(0).detach() * 0.5)
+        return h * self.ema
+
+
+class NormedLayer(nn.Module):
+    """A BatchNorm beside a buffer the forward only reads (NOTE [state read, then changed by a
+    later call]: both are snapshotted once the layer's forward changed state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.register_buffer("scale", torch.full((16,), 0.5))  # only read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x)) * self.scale

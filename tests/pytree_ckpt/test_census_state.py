@@ -12,6 +12,8 @@ from torch import nn
 import pytree_ckpt
 from pytree_ckpt import ActivationCensus, CheckpointError, checkpoint_layers
 
+from tests.pytree_ckpt.models import NormedLayer
+
 
 def nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
@@ -151,17 +153,6 @@ def test_a_census_ended_twice_is_refused_and_leaves_the_open_one_recording() -> 
     loss.backward()
 
 
-class _NormedLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.register_buffer("scale", torch.full((16,), 0.5))  # only read
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.lin(x)) * self.scale
-
-
 def _module_state_alive(census: ActivationCensus) -> int:
     return sum(1 for e in census._recorded()
                if e.mechanism is pytree_ckpt.Mechanism.MODULE_STATE and not e.storage.expired())
@@ -174,8 +165,8 @@ def test_buffer_snapshots_kept_for_the_replay_count_as_module_state_until_backwa
     # four, and `scale` at both). The census counted none of these bytes, and after backward
     # they stayed alive as long as the losses did (the graph's nodes held the calls).
     torch.manual_seed(0)
-    eager = nn.Sequential(_NormedLayer())
-    model = nn.Sequential(_NormedLayer())
+    eager = nn.Sequential(NormedLayer())
+    model = nn.Sequential(NormedLayer())
     model.load_state_dict(eager.state_dict())
     checkpoint_layers(model, offload=False)
     for m in (eager, model):  # a first step: the forward changes state, the replay verifies

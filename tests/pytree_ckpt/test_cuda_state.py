@@ -21,30 +21,15 @@ import pytree_ckpt
 from pytree_ckpt import ActivationCensus, checkpoint_layers
 from pytree_ckpt.kernel_written import remembered
 from tests.conftest import assert_same_grads, grads_of
+from tests.pytree_ckpt.models import CounterBesideEma, NormedLayer
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-class _CounterBesideEma(nn.Module):
-    """A step counter (its version moves) and an EMA written through ``.data`` (none moves)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.step: torch.Tensor
-        self.ema: torch.Tensor
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
-        self.register_buffer("ema", torch.zeros(8))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        self.step += 1
-        self.ema.data.mul_(0.5).add_(h.mean(0).detach() * 0.5)
-        return h * self.ema
-
-
 _STATEFUL: dict[str, Callable[[], nn.Module]] = {
     "fused fake-quant": tq.FusedMovingAvgObsFakeQuantize,  # the kernel moves no version
-    "counter beside an ema through .data": _CounterBesideEma,
+    "counter beside an ema through .data": CounterBesideEma,
 }
 
 
@@ -109,25 +94,14 @@ def test_buffers_a_cuda_kernel_writes_are_found_and_each_step_is_eagers(kind: st
     assert all(remembered([block]) for block in blocks)  # found by value, on CUDA
 
 
-class _NormedLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.register_buffer("scale", torch.full((16,), 0.5))  # only read
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.lin(x)) * self.scale
-
-
 def test_an_eval_micro_batch_before_a_train_one_on_cuda_replays_what_it_read() -> None:
     # NOTE [state read, then changed by a later call]: the eval call's snapshots (CUDA clones
     # made on the current stream before its forward) are what its replay reads after the train
     # call changed the statistics; the census counts them (snapshots(): tensors set_ over the
     # CUDA storages) until the replay, and they are freed after backward.
     torch.manual_seed(0)
-    eager = nn.Sequential(_NormedLayer()).cuda()
-    model = nn.Sequential(_NormedLayer()).cuda()
+    eager = nn.Sequential(NormedLayer()).cuda()
+    model = nn.Sequential(NormedLayer()).cuda()
     model.load_state_dict(eager.state_dict())
     checkpoint_layers(model, offload=False)
     warm = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).cuda()

@@ -26,6 +26,7 @@ import pytree_ckpt
 from pytree_ckpt.kernel_written import remembered
 from pytree_ckpt.state_changes import snapshots_wanted
 from tests.conftest import assert_same_grads, grads_of
+from tests.pytree_ckpt.models import CounterBesideEma
 
 
 def _manager() -> offload.OffloadManager:
@@ -41,23 +42,6 @@ class _EmaThroughData(nn.Module):
         self.register_buffer("ema", torch.zeros(8))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        self.ema.data.mul_(0.5).add_(h.mean(0).detach() * 0.5)
-        return h * self.ema
-
-
-class _CounterBesideEma(nn.Module):
-    """A step counter (its version moves) and an EMA written through ``.data`` (none moves),
-    in one buffer dict."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.step: torch.Tensor
-        self.ema: torch.Tensor
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
-        self.register_buffer("ema", torch.zeros(8))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        self.step += 1
         self.ema.data.mul_(0.5).add_(h.mean(0).detach() * 0.5)
         return h * self.ema
 
@@ -87,7 +71,7 @@ _STATEFUL: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "observer": lambda lin: tq.MinMaxObserver(),
     "ema through .data": lambda lin: _EmaThroughData(),
     "batch norm without its counter": lambda lin: _batch_norm_without_counter(),
-    "counter beside an ema through .data": lambda lin: _CounterBesideEma(),
+    "counter beside an ema through .data": lambda lin: CounterBesideEma(),
     "meta buffer": lambda lin: _MetaBuffer(),
 }
 
