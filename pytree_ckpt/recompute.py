@@ -85,21 +85,25 @@ def _used_by_this_backward(edges: tuple[tuple[Any, int], ...], wanted: list[int]
                            ) -> list[int]:
     """Those of ``wanted`` whose gradient a restricted backward (``torch.autograd.grad(loss,
     [bias])``, ``backward(inputs=...)``) will use: eager computes only those, and the replay's
-    backward then runs no hook (a child's full backward hook, a tensor hook inside) that
-    eager's does not. ``edges`` are the node's: its tensor inputs only (not ``call``; a
-    module's boundary takes no anchor). Under ``torch.autograd.grad`` torch cannot say whether
-    it will reach a leaf: every leaf is kept."""
+    backward then runs no hook (a child's full backward hook, a tensor hook inside) and computes
+    no gradient that eager's does not. ``edges`` are the node's: its tensor inputs only (not
+    ``call``; a module's boundary takes no anchor).
+
+    NOTE [a leaf torch.autograd.grad captures]: asked about a leaf's node, torch answers False
+    when the backward does not reach it and raises ("A leaf node was passed ... running
+    autograd.grad()") only when ``torch.autograd.grad`` captures its gradient (measured on torch
+    2.13: the check is on the leaf's capture), so a raise means used, and every leaf is asked.
+    Taking every leaf after the first raise as used made a zero-bubble pipeline's input pass
+    (``torch.autograd.grad(outputs, [stage input])``, a leaf, then a weight pass from the
+    graph's nodes to the parameters: torch.distributed.pipelining's stage_backward_input) replay
+    every parameter's gradient too, for autograd to drop."""
     will_run = torch._C._will_engine_execute_node
-    used, ask_leaves = [], True
+    used = []
     for i in wanted:
-        node = edges[i][0]
-        if not ask_leaves and type(node).__name__ == "AccumulateGrad":
-            used.append(i)
-            continue
         try:
-            runs = will_run(node)
-        except RuntimeError:  # "A leaf node was passed ... running autograd.grad()"
-            ask_leaves, runs = False, True
+            runs = will_run(edges[i][0])
+        except RuntimeError:  # NOTE [a leaf torch.autograd.grad captures]
+            runs = True
         if runs:
             used.append(i)
     return used

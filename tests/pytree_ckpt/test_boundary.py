@@ -1004,6 +1004,48 @@ def test_flop_counter_mode_counts_the_replay_of_a_wrapped_module() -> None:
     assert ckpt.get_total_flops() - eager.get_total_flops() == forward_flops
 
 
+def test_a_gradient_of_the_input_alone_replays_no_parameter_gradient_and_vice_versa() -> None:
+    # A zero-bubble pipeline schedule splits each stage's backward (torch.distributed.pipelining,
+    # stage_backward_input, then stage_backward_weight): torch.autograd.grad(outputs,
+    # [stage input], retain_graph=True), where eager computes no weight gradient, then one from
+    # the graph's nodes to the parameters alone. The replay computed the parameters' gradients
+    # in the first too, for autograd to drop: torch raises when asked about a leaf that
+    # torch.autograd.grad captures, and every leaf after such a one was taken as used.
+    # (Products counted by a dispatch mode: FlopCounterMode's module tracker raises in eager's
+    # torch.autograd.grad of a leaf.)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.count += str(func.overloadpacket) in ("aten.mm", "aten.addmm")
+            return func(*args, **(kwargs or {}))
+
+    block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    params = list(block.parameters())
+    runs = []
+    for wrapped in (False, True):
+        if wrapped:
+            pytree_ckpt.apply_activation_checkpointing(block)
+        for wrt in ([x], params):
+            with Products() as products:
+                runs.append((torch.autograd.grad(block(x).sum(), wrt), products.count))
+    (eager_input, eager_input_mms), (eager_weight, eager_weight_mms) = runs[:2]
+    (ckpt_input, ckpt_input_mms), (ckpt_weight, ckpt_weight_mms) = runs[2:]
+    assert_same_grads(list(eager_input), list(ckpt_input))
+    assert_same_grads(list(eager_weight), list(ckpt_weight))
+    # Forward, then dx (two products), or both dW and the dx of the second layer's input.
+    assert (eager_input_mms, eager_weight_mms) == (2 + 2, 2 + 3)
+    assert ckpt_input_mms - eager_input_mms == 2  # the replay, nothing more
+    assert ckpt_weight_mms - eager_weight_mms == 2
+    assert x.grad is None and all(p.grad is None for p in params)
+
+
 def test_flop_counter_mode_counts_the_replay_of_a_layer_fed_a_leaf_under_autocast() -> None:
     # The module tracker hooks the replay's inputs; under torch.autograd.grad (how the replay
     # computes its gradients) torch cannot hook a leaf, so the replay's inputs must stay
