@@ -42,6 +42,9 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
     other callable (NOTE [unknown callables] in boundary.py)."""
     for _ in range(8):  # through partials and wrappers (torch.compiler.disable, functools.wraps)
         if isinstance(fn, functools.partial):
+            if fn.args and isinstance(fn.args[0], nn.Module) and \
+                    _method_of(fn.args[0], fn.func):
+                return fn.args[0]  # NOTE [a method bound by a partial]
             fn = fn.func
         elif not isinstance(fn, nn.Module) and getattr(fn, "__self__", None) is None and \
                 getattr(fn, "__wrapped__", None) is not None:
@@ -52,6 +55,31 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
         return fn
     owner = getattr(fn, "__self__", None)
     return owner if isinstance(owner, nn.Module) else None
+
+
+# NOTE [a method bound by a partial]: transformers 5.24's GradientCheckpointingLayer wraps each
+# layer class's forward and calls its checkpoint function with
+# ``partial(forward, self, **kwargs)``: the class's plain function, the layer bound as its first
+# argument, which is ``self.forward`` in all but name. Taken as an unknown callable (NOTE
+# [unknown callables] in boundary.py), the layer's module state was not known (a batch norm's
+# running statistics moved twice a step), nor its hooks (an MoE router's logits, captured by
+# transformers' output hooks for the load-balancing loss, lost their gradient), and
+# torch.autograd.grad was refused. Only a function the module's class (or a base) defines,
+# possibly under wrappers that set ``__wrapped__``, counts: a helper taking a module first may
+# use any other module's parameters.
+def _method_of(module: nn.Module, func: Any, /) -> bool:
+    name = getattr(func, "__name__", None)
+    if not isinstance(name, str) or getattr(func, "__self__", None) is not None:
+        return False
+    for klass in type(module).__mro__:
+        attribute = klass.__dict__.get(name)
+        for _ in range(8):  # through the wrappers transformers (and FSDP2's subclass) add
+            if attribute is None or attribute is func:
+                break
+            attribute = getattr(attribute, "__wrapped__", None)
+        if attribute is not None:
+            return True
+    return False
 
 
 def argument_module(leaf: Any, /) -> nn.Module | None:

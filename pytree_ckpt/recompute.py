@@ -76,7 +76,7 @@ class _FirstReplay:
         if self.containers is not None:
             refuse_filled_containers(call, self.containers, self.known)
         owner = self.modules[0]
-        warn_stacked_checkpointing(owner)
+        warn_stacked_checkpointing(owner, call.fn)
         warn_stored_scalars(owner, self.modules, self.dicts, self.tensors)
         warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
 

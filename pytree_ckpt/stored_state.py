@@ -7,6 +7,7 @@ replay (``_FirstReplay`` in recompute.py) reads these; what is refused is in tre
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -91,14 +92,32 @@ def _attribute_names(owner: nn.Module, modules: Sequence[nn.Module],
 _WARNED_STACKED = "_pytree_ckpt_warned_stacked"
 
 
-def warn_stacked_checkpointing(owner: nn.Module, /) -> None:
+def _opened_by_transformers(owner: nn.Module, fn: Callable[..., Any], /) -> bool:
+    """Whether this boundary is the one transformers' layer wrapper opened, with this library
+    as its checkpoint function: ``fn`` is the wrapper's ``partial(forward, self, **kwargs)``
+    (5.24: the function it wrapped, not the class's forward, which is the wrapper) or
+    ``partial(super().__call__, **kwargs)`` (earlier 5.x: nn.Module's call, not the class's
+    override). Either runs the layer without the wrapper: its only boundary, not a second."""
+    if not isinstance(fn, functools.partial):
+        return False
+    func, kind = fn.func, type(owner)
+    if fn.args and fn.args[0] is owner and getattr(func, "__self__", None) is None:
+        return func is not kind.forward
+    if getattr(func, "__self__", None) is owner:
+        return getattr(func, "__func__", None) not in (kind.__call__, kind.forward)
+    return False
+
+
+def warn_stacked_checkpointing(owner: nn.Module, fn: Callable[..., Any], /) -> None:
     """transformers' own checkpointing switched on for a layer this boundary wraps
     (``gradient_checkpointing_enable()``, before or after wrapping): its non-reentrant
     checkpoint around the layer's call recomputes the layer once more, every step
     (gradients stay exact; its reentrant one is refused in backward). Warned once per
-    layer, at its first replay."""
+    layer, at its first replay; not when this boundary is the one transformers opened with
+    this library's checkpoint as its function."""
     held = owner.__dict__
-    if held.get("gradient_checkpointing") is not True or held.get(_WARNED_STACKED):
+    if held.get("gradient_checkpointing") is not True or held.get(_WARNED_STACKED) or \
+            _opened_by_transformers(owner, fn):
         return
     held[_WARNED_STACKED] = Told()  # a copy is told anew
     warnings.warn(

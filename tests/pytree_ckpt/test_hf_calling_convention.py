@@ -1,0 +1,306 @@
+"""``pytree_ckpt.checkpoint`` as a transformers model's checkpoint function
+(``model._set_gradient_checkpointing(True, pytree_ckpt.checkpoint)``), through a stand-in of
+transformers' ``GradientCheckpointingLayer``: no transformers import. transformers 5.24 wraps
+each layer class's ``forward`` and calls ``func(partial(forward, self, **kwargs), *args)`` with
+the class's plain function and the layer bound first; earlier 5.x releases wrapped ``__call__``
+and passed ``partial(super().__call__, **kwargs)``. Both are compared bit for bit (fp32) with the
+same layers run eagerly."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+import pytree_ckpt
+from tests.conftest import assert_same_grads, grads_of
+
+
+class ForwardWrappingLayer(nn.Module):
+    """transformers 5.24's GradientCheckpointingLayer: the class's forward is wrapped."""
+
+    gradient_checkpointing = False
+    _gradient_checkpointing_func: Callable[..., Any]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.forward
+
+        @functools.wraps(forward)
+        def forward_with_checkpointing(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                return self._gradient_checkpointing_func(functools.partial(forward, self, **kwargs),
+                                                         *args)
+            return forward(self, *args, **kwargs)
+
+        cls.forward = forward_with_checkpointing  # type: ignore[method-assign]
+
+
+class CallWrappingLayer(nn.Module):
+    """Earlier transformers 5.x: ``__call__`` is wrapped, hooks run inside the checkpoint."""
+
+    gradient_checkpointing = False
+    _gradient_checkpointing_func: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(functools.partial(super().__call__, **kwargs),
+                                                     *args)
+        return super().__call__(*args, **kwargs)
+
+
+CALLS: collections.Counter[int] = collections.Counter()
+
+
+class Flags:
+    """An opaque object among the keywords (a config, a kwargs bundle): passed as it is."""
+
+    scale = 0.5
+
+
+def _decoder_forward(layer: nn.Module, hidden_states: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None,
+                     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     cache: Any = None, use_cache: bool = False,
+                     cache_position: torch.Tensor | None = None, flags: Flags | None = None,
+                     output_attentions: bool = False, **kwargs: Any) -> torch.Tensor:
+    assert cache is None and not use_cache and position_embeddings is not None
+    assert flags is not None and cache_position is not None
+    cos, sin = position_embeddings
+    h = layer.norm(hidden_states)
+    q, k = layer.q(h) * cos + h * sin, layer.k(h) * cos - h * sin
+    scores = q @ k.transpose(1, 2) * flags.scale + cache_position[:, None] * 0.0
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    attn = layer.drop(scores.softmax(-1)) @ layer.v(h)
+    hidden_states = hidden_states + attn
+    return hidden_states + layer.mlp(layer.bn(hidden_states.transpose(1, 2)).transpose(1, 2))
+
+
+class _Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(16)
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.1)  # attention_dropout > 0: the replay must draw the same mask
+        self.bn = nn.BatchNorm1d(16)  # running statistics: a forward changes module state
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16))
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        CALLS[id(self)] += 1  # counted outside the module: an int attribute is module state
+        return _decoder_forward(self, *args, **kwargs)
+
+
+class ForwardWrappedDecoderLayer(ForwardWrappingLayer, _Body):
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _Body.forward(self, *args, **kwargs)
+
+
+class CallWrappedDecoderLayer(CallWrappingLayer, _Body):
+    pass
+
+
+LAYERS = {"forward": ForwardWrappedDecoderLayer, "__call__": CallWrappedDecoderLayer}
+
+
+def _model(kind: str, checkpoint_fn: Callable[..., Any] | None) -> nn.ModuleList:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(LAYERS[kind]() for _ in range(2))
+    if checkpoint_fn is not None:  # what model._set_gradient_checkpointing(True, fn) sets
+        for layer in layers:
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = checkpoint_fn
+    return layers.train()
+
+
+def _layer_kwargs(seq: int = 6) -> dict[str, Any]:
+    # What a transformers model passes each decoder layer in training (use_cache turned off).
+    return dict(attention_mask=torch.full((seq, seq), float("-inf")).triu(1),
+                position_embeddings=(torch.randn(seq, 16), torch.randn(seq, 16)),
+                cache=None, use_cache=False, cache_position=torch.arange(seq),
+                flags=Flags(), output_attentions=False)
+
+
+def _run(layers: nn.ModuleList, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    h = hidden
+    for layer in layers:
+        h = layer(h, **kwargs)
+    return h.square().mean()
+
+
+@pytest.mark.parametrize("kind", ["forward", "__call__"])
+def test_two_adamw_steps_through_the_transformers_calling_convention_match_eager(
+        kind: str) -> None:
+    # Nothing warned either: this is the layer's only boundary (not "checkpointed twice"), and
+    # the layer's state is known (no "plain function changed the buffers").
+    eager, ckpt = _model(kind, None), _model(kind, pytree_ckpt.checkpoint)
+    results = []
+    for layers in (eager, ckpt):
+        opt = torch.optim.AdamW(layers.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        hidden = torch.randn(2, 6, 16, requires_grad=True)
+        kwargs = _layer_kwargs()
+        losses, grads = [], []
+        for step in range(2):
+            torch.manual_seed(10 + step)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                loss = _run(layers, hidden, kwargs)
+                loss.backward()
+            losses.append(loss.detach())
+            grads.append(grads_of([*layers.parameters(), hidden]))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            hidden.grad = None
+        results.append((losses, grads, [b.clone() for b in layers.buffers()],
+                        [CALLS[id(layer)] for layer in layers]))
+    (eager_losses, eager_grads, eager_buffers, eager_calls), \
+        (losses, grads, buffers, calls) = results
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses))
+    for a, b in zip(eager_grads, grads):
+        assert_same_grads(a, b)
+    # the BatchNorm's running statistics moved once per step, as eager's: not again in the replay
+    assert all(torch.equal(a, b) for a, b in zip(eager_buffers, buffers))
+    assert eager_calls == [2, 2] and calls == [4, 4]  # each step: original pass + one replay
+
+
+@pytest.mark.parametrize("kind", ["forward", "__call__"])
+def test_autograd_grad_through_the_transformers_calling_convention_gives_eager_gradients(
+        kind: str) -> None:
+    # transformers 5.24 passes partial(LayerClass.forward, layer, **kwargs): the layer is the
+    # partial's first argument, not a bound method's __self__. Taken as an unknown callable,
+    # torch.autograd.grad (and backward(inputs=...)) was refused.
+    eager, ckpt = _model(kind, None), _model(kind, pytree_ckpt.checkpoint)
+    got = []
+    for layers in (eager, ckpt):
+        torch.manual_seed(1)
+        hidden = torch.randn(2, 6, 16, requires_grad=True)
+        kwargs = _layer_kwargs()
+        torch.manual_seed(2)
+        wrt = [hidden, *layers.parameters()]
+        got.append(list(torch.autograd.grad(_run(layers, hidden, kwargs), wrt)))
+        assert all(p.grad is None for p in layers.parameters())
+    assert_same_grads(*got)
+
+
+def test_torch_checkpoint_options_passed_through_name_the_layer_in_the_warning() -> None:
+    # transformers passes gradient_checkpointing_kwargs to the function as keywords:
+    # partial(pytree_ckpt.checkpoint, use_reentrant=False) hands use_reentrant to the layer's
+    # **kwargs. The warning names the layer class, not "partial".
+    eager = _model("forward", None)
+    ckpt = _model("forward", functools.partial(pytree_ckpt.checkpoint, use_reentrant=False))
+    grads = []
+    for layers in (eager, ckpt):
+        torch.manual_seed(1)
+        hidden = torch.randn(2, 6, 16, requires_grad=True)
+        kwargs = _layer_kwargs()
+        torch.manual_seed(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(layers, hidden, kwargs).backward()
+        grads.append(grads_of([*layers.parameters(), hidden]))
+    assert_same_grads(*grads)
+    messages = [str(w.message) for w in caught if "use_reentrant" in str(w.message)]
+    assert len(messages) == 2  # once per layer call
+    assert all("ForwardWrappedDecoderLayer receives ['use_reentrant']" in m for m in messages)
+
+
+def output_capturing_hook(module: nn.Module, args: Any, output: Any) -> None:
+    """transformers' output capturing hook (utils/output_capturing.py): keeps the output in
+    the collector of the model call running (none in backward, where the replay runs)."""
+    if COLLECTOR:
+        COLLECTOR[-1].append(output)
+
+
+output_capturing_hook.__module__ = "transformers.utils.output_capturing"
+COLLECTOR: list[list[torch.Tensor]] = []
+
+
+class MoeDecoderLayer(ForwardWrappingLayer):
+    """A router whose logits transformers collects with a hook for the load-balancing loss
+    (output_router_logits=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.router.register_forward_hook(output_capturing_hook)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None,
+                use_cache: bool = False, **kwargs: Any) -> torch.Tensor:
+        weights = self.router(hidden_states).softmax(-1)
+        top, ids = weights.topk(2, dim=-1)
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self.experts):
+            mask = (ids == e).any(-1, keepdim=True)
+            out = out + expert(hidden_states) * mask * (top * (ids == e)).sum(-1, keepdim=True)
+        return hidden_states + out
+
+
+def test_router_logits_captured_by_transformers_hooks_keep_their_gradient() -> None:
+    # The aux loss reads the router logits the hook collected in the original pass. With the
+    # layer unknown (its partial taken as a plain function) they were computed under no-grad:
+    # the router got no gradient from the aux loss (qwen2_moe and mixtral: max |d| 5e-4).
+    torch.manual_seed(0)
+    eager = nn.ModuleList(MoeDecoderLayer() for _ in range(2)).train()
+    torch.manual_seed(0)
+    ckpt = nn.ModuleList(MoeDecoderLayer() for _ in range(2)).train()
+    for layer in ckpt:
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = pytree_ckpt.checkpoint
+    grads = []
+    for layers in (eager, ckpt):
+        torch.manual_seed(1)
+        hidden = torch.randn(2, 6, 16, requires_grad=True)
+        h = hidden
+        COLLECTOR.append([])
+        for layer in layers:
+            h = layer(h, position_embeddings=(torch.ones(6, 16), torch.zeros(6, 16)),
+                      use_cache=False)
+        router_logits = COLLECTOR.pop()
+        assert len(router_logits) == 2 and all(t.requires_grad for t in router_logits)
+        aux = sum(logits.logsumexp(-1).square().mean() for logits in router_logits)
+        (h.square().mean() + 0.01 * aux).backward()
+        grads.append(grads_of([*layers.parameters(), hidden]))
+    assert_same_grads(*grads)
+
+
+def test_checkpointed_with_offload_as_the_transformers_function_offloads_the_hidden_states(
+        ) -> None:
+    # The boundary's inputs are the positional arguments: the hidden states, 2 * 6 * 16 fp32
+    # per layer. What the partial binds (mask, cos/sin) stays where it is, shared by layers.
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    eager = _model("forward", None)
+    ckpt = _model("forward", lambda fn, *args: pytree_ckpt.checkpointed(
+        fn, offload=manager)(*args))
+    grads = []
+    for layers in (eager, ckpt):
+        torch.manual_seed(1)
+        hidden = torch.randn(2, 6, 16, requires_grad=True)
+        kwargs = _layer_kwargs()
+        torch.manual_seed(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nor "checkpointed twice"
+            _run(layers, hidden, kwargs).backward()
+        grads.append(grads_of([*layers.parameters(), hidden]))
+    assert_same_grads(*grads)
+    stats = manager.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 2 * (2 * 6 * 16 * 4)
+
+
+def test_a_layer_wrapped_in_place_with_the_transformers_switch_on_too_is_warned() -> None:
+    # Two boundaries a step (the installed one, and transformers' around the body): the
+    # installed one says so, whichever function transformers was given.
+    layers = _model("forward", pytree_ckpt.checkpoint)
+    for layer in layers:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    hidden = torch.randn(2, 6, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match="ForwardWrappedDecoderLayer is checkpointed twice"):
+        _run(layers, hidden, _layer_kwargs()).backward()
