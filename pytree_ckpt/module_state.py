@@ -74,11 +74,11 @@ def _method_of(module: nn.Module, func: Any, /) -> bool:
     for klass in type(module).__mro__:
         attribute = klass.__dict__.get(name)
         for _ in range(8):  # through the wrappers transformers (and FSDP2's subclass) add
-            if attribute is None or attribute is func:
+            if attribute is func:
+                return True
+            if attribute is None:
                 break
             attribute = getattr(attribute, "__wrapped__", None)
-        if attribute is not None:
-            return True
     return False
 
 

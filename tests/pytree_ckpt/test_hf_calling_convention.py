@@ -304,3 +304,32 @@ def test_a_layer_wrapped_in_place_with_the_transformers_switch_on_too_is_warned(
     hidden = torch.randn(2, 6, 16, requires_grad=True)
     with pytest.warns(UserWarning, match="ForwardWrappedDecoderLayer is checkpointed twice"):
         _run(layers, hidden, _layer_kwargs()).backward()
+
+
+def test_only_a_function_the_layer_class_defines_makes_a_partial_the_layers_method() -> None:
+    # NOTE [a method bound by a partial]: a helper that takes a module first may use any other
+    # module's parameters, so it stays an unknown callable; the class's forward, under
+    # functools.wraps wrappers (transformers' own), is the layer's method.
+    from pytree_ckpt.module_state import owning_module
+
+    class Layer(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h
+
+    original = Layer.forward
+
+    @functools.wraps(original)
+    def wrapped(self: nn.Module, *args: Any) -> Any:
+        return original(self, *args)
+
+    Layer.forward = wrapped  # type: ignore[method-assign]
+    layer = Layer()
+
+    def helper(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    assert owning_module(functools.partial(original, layer)) is layer
+    assert owning_module(functools.partial(wrapped, layer)) is layer
+    assert owning_module(functools.partial(helper, layer)) is None
+    helper.__name__ = "forward"  # a namesake that is not the class's function
+    assert owning_module(functools.partial(helper, layer)) is None
