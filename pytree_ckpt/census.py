@@ -42,6 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .errors import CheckpointConfigError, CheckpointError
 from .running_modules import running_module, running_modules
 from .saved import Unchanged, note_hooks_disabled
+from .subclass import plain_parts
 
 __all__ = ["ActivationCensus", "Holder", "Mechanism", "active_census", "census_active",
            "report_held", "storage_key"]
@@ -438,13 +439,18 @@ class ActivationCensus:
               replace: bool = False) -> None:
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
             return  # parameters, and their views (a Linear saves weight.t()): not activations
+        parts = plain_parts(tensor)  # NOTE [a wrapper subclass's bytes are its inner tensors']
+        if len(parts) != 1 or parts[0] is not tensor:
+            for part in parts:
+                self._note(part, mechanism, keeper, replace=replace)
+            return
         if tensor.layout is not torch.strided:
             return  # sparse: no storage to count (a limit, see docs/census.md)
         try:
             if tensor.untyped_storage().nbytes() == 0:
                 return
             key = _record_key(tensor)
-        except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
+        except RuntimeError:  # another subclass without a storage of its own: not counted
             return
         with self._lock:  # NOTE [one lock per census]
             # A storage is held while one of its keepers is: the graph's handle of a saved tensor
@@ -535,10 +541,11 @@ class ActivationCensus:
             return set()
         found = set()
         for tensor in (*model.parameters(), *model.buffers()):
-            try:
-                found.add(tensor.untyped_storage()._cdata)
-            except RuntimeError:  # a wrapper subclass (DTensor): no plain storage
-                pass
+            for plain in plain_parts(tensor):  # a DTensor parameter: its local shard's
+                try:
+                    found.add(plain.untyped_storage()._cdata)
+                except RuntimeError:  # a subclass without a storage of its own
+                    pass
         return found
 
     def _alive(self) -> list[_Entry]:

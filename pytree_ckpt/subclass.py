@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["SubclassKind", "as_kind", "kind_of"]
+__all__ = ["SubclassKind", "as_kind", "inner_tensors", "kind_of", "plain_parts"]
 
 
 class SubclassKind(NamedTuple):
@@ -51,3 +52,28 @@ def as_kind(tensor: torch.Tensor, kind: SubclassKind | None, /, *,
         for name, value in kind.slots:
             setattr(tensor, name, value)
     return tensor
+
+
+# NOTE [a wrapper subclass's bytes are its inner tensors']: a traceable wrapper subclass
+# (DTensor, and the like) has no storage of its own; its bytes live in the tensors it flattens
+# to (``__tensor_flatten__``: a DTensor's local shard, on this rank). Those are what a save
+# holds: the census counts them (this rank's bytes, not the global tensor's) and an offload
+# window copies them, rebuilding the wrapper around the restored ones in backward
+# (tests/distributed/test_tensor_parallel.py). Before, both left such tensors out: a boundary
+# over DTensor inputs showed nothing held, and its window copied nothing.
+def inner_tensors(tensor: torch.Tensor, /) -> dict[str, torch.Tensor] | None:
+    """A wrapper subclass's inner tensors by attribute name (what else it flattens to, such as
+    DTensor's ``device_mesh`` on torch 2.13, holds no bytes); ``None`` for any other tensor."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return None
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    return {name: inner for name in names
+            if isinstance(inner := getattr(tensor, name), torch.Tensor)}
+
+
+def plain_parts(tensor: torch.Tensor, /) -> list[torch.Tensor]:
+    """``tensor``, or the plain tensors a wrapper subclass flattens to, recursively."""
+    inner = inner_tensors(tensor)
+    if inner is None:
+        return [tensor]
+    return [plain for t in inner.values() for plain in plain_parts(t)]

@@ -157,13 +157,58 @@ def test_a_census_nested_in_another_reports_the_same_bytes_to_both() -> None:
 
 
 def test_saved_tensors_without_a_plain_storage_do_not_break_the_forward() -> None:
-    # A sparse operand (and wrapper subclasses such as DTensor) has no storage to count: the
-    # census leaves it out instead of failing the model's forward.
+    # A sparse operand has no storage to count: the census leaves it out instead of failing
+    # the model's forward.
     dense = torch.randn(8, 4, requires_grad=True)
     sparse = torch.randn(8, 8).relu().to_sparse().requires_grad_()
     with ActivationCensus() as census:
         out = torch.sparse.mm(sparse, dense * 1.0)
     assert census.total_bytes == nbytes(dense)  # the dense operand only
+    out.sum().backward()
+
+
+def test_a_wrapper_subclass_counts_the_storages_of_its_inner_tensors() -> None:
+    # A DTensor's bytes are its local shard (tests/distributed/test_tensor_parallel.py counts
+    # checkpointed blocks' DTensor inputs by it); TwoTensor, torch's test wrapper subclass, has
+    # two inner tensors. Both were left out: a boundary over them showed nothing held.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    x = TwoTensor(a, b).requires_grad_()
+    with ActivationCensus() as census:
+        y = x.sin()  # saves x
+    assert census.bytes_by("mechanism") == {"autograd": nbytes(a) + nbytes(b)}
+    y.sum().backward()
+    layer = nn.Linear(4, 4)
+    with ActivationCensus(layer) as census:
+        out = checkpoint(layer, x)
+    assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(a) + nbytes(b)}
+    out.sum().backward()
+    assert census.total_bytes == 0
+
+
+def test_a_wrapper_subclass_buffer_of_the_model_is_left_out_by_its_inner_storages() -> None:
+    # As a DTensor parameter's or buffer's local shard (a module tensor parallelism has
+    # distributed): the model's tensors are left out by their storages, a wrapper's by its
+    # inner ones. Counted as an activation before (x * scale saves scale).
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", TwoTensor(torch.randn(8, 4), torch.randn(8, 4)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    model = Scaled()
+    x = TwoTensor(torch.randn(8, 4), torch.randn(8, 4)).requires_grad_()
+    with ActivationCensus(model) as census:
+        out = model(x)
+    assert census.total_bytes == 0
+    with ActivationCensus() as anonymous:  # without the model, the buffer is an activation
+        out = model(x)
+    assert anonymous.total_bytes == 2 * 8 * 4 * 4
     out.sum().backward()
 
 

@@ -1,0 +1,126 @@
+"""Tensor parallelism (``parallelize_module``, DTensor parameters and activations) inside
+checkpointed blocks, two CPU ranks (gloo), one launch for all cases (``tp_cases.py``).
+
+The reference is the same TP model on the same rank, unwrapped: the checkpointed run must give
+its losses, outputs, input gradients and full parameter gradients bit for bit over two SGD
+steps (one process's kernels, the same collectives on the same values: nothing licenses a
+tolerance), with and without offload. Each block runs twice per step (original pass and
+replay); the replay reruns exactly the forward's collectives, in backward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from . import tp_cases
+from .launch import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+CASES = [f"{plan}-{offload}" for plan in tp_cases.PLANS for offload in ("off", "on")]
+FLOAT = 4  # fp32
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("tensor_parallel")
+    run = run_ranks([str(Path(tp_cases.__file__)), str(out), *CASES], tp_cases.WORLD,
+                    timeout=120.0, log_dir=out)
+    assert run.ok, run.output()
+    results = {name: [torch.load(out / f"{name}.rank{rank}.pt") for rank in
+                      range(tp_cases.WORLD)] for name in CASES}
+    for name, per_rank in results.items():
+        for rank, result in enumerate(per_rank):
+            assert result["ok"], f"{name} rank {rank}:\n{result['error']}"
+    return results
+
+
+def _local_input_bytes(plan: str) -> int:
+    """One block input on one rank: the whole input (mlp), else its sequence shard."""
+    seq = tp_cases.SEQ if plan == "mlp" else tp_cases.SEQ // tp_cases.WORLD
+    return tp_cases.BATCH * seq * tp_cases.DIM * FLOAT
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_checkpointed_tensor_parallel_blocks_train_as_the_unwrapped_tp_model_bit_for_bit(
+        ranks: dict[str, list[dict[str, Any]]], name: str) -> None:
+    plan = name.split("-")[0]
+    for rank, result in enumerate(ranks[name]):
+        for step, (eager, ckpt) in enumerate(zip(result["eager"], result["ckpt"])):
+            where = f"{name} rank {rank} step {step}"
+            for key in ("loss", "out", "input_grad"):
+                assert torch.equal(eager[key], ckpt[key]), \
+                    f"{where} {key}: max |d| = {(eager[key] - ckpt[key]).abs().max().item()}"
+            assert list(ckpt["grads"]) == list(eager["grads"])
+            for param, want in eager["grads"].items():
+                assert torch.equal(want, ckpt["grads"][param]), \
+                    f"{where} {param}: max |d| = {(want - ckpt['grads'][param]).abs().max()}"
+            # TP really is on: sharded parameters, and DTensor activations between the blocks
+            # where the plan keeps them.
+            assert "DTensor" in ckpt["grad_types"]
+            assert ckpt["out_type"] == eager["out_type"] == \
+                ("DTensor" if plan == "dt" else "Tensor")
+            assert eager["calls"] == [1, 1, 1] and ckpt["calls"] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_replay_reruns_each_forward_collective_once_in_backward(
+        ranks: dict[str, list[dict[str, Any]]], name: str) -> None:
+    for result in ranks[name]:
+        for eager, ckpt in zip(result["eager"], result["ckpt"]):
+            forward = {key.split("|")[0]: n for key, n in eager["collectives"].items()
+                       if key.endswith("|forward|plain")}
+            backward = {key.split("|")[0]: n for key, n in eager["collectives"].items()
+                        if key.endswith("|backward|plain")}
+            assert forward and set(eager["collectives"]) == \
+                {f"{c}|forward|plain" for c in forward} | {f"{c}|backward|plain" for c in backward}
+            assert ckpt["collectives"] == {
+                **{f"{c}|forward|forward": n for c, n in forward.items()},  # original pass
+                **{f"{c}|backward|recompute": n for c, n in forward.items()},  # the replay
+                **{f"{c}|backward|plain": n for c, n in backward.items()}}
+
+
+@pytest.mark.parametrize("plan", tp_cases.PLANS)
+def test_the_census_counts_each_blocks_input_by_its_local_shard(
+        ranks: dict[str, list[dict[str, Any]]], plan: str) -> None:
+    # Three checkpointed blocks hold their three inputs: this rank's bytes, not the global
+    # tensor's (a sequence shard is half), also where the inputs are DTensors (dt).
+    local = _local_input_bytes(plan)
+    for result in ranks[f"{plan}-off"]:
+        for step in result["ckpt"]:
+            assert step["census"] == {"checkpoint boundary": 3 * local}
+
+
+@pytest.mark.parametrize("plan", [p for p in tp_cases.PLANS if p != "dt"])
+def test_offload_copies_each_local_input_shard_to_host_once(
+        ranks: dict[str, list[dict[str, Any]]], plan: str) -> None:
+    local = _local_input_bytes(plan)
+    for result in ranks[f"{plan}-on"]:
+        for step, stats in enumerate(step["offload"] for step in result["ckpt"]):
+            assert stats["windows"] == 3 * (step + 1)
+            assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * local * (step + 1)
+            assert stats["host_buffers_in_use"] == 0
+        for step in result["ckpt"]:
+            census = step["census"]
+            # Host copies of the three inputs (rounded up to the pool's size classes), and the
+            # last block's device input, which backward's first restore reuses (NOTE [reuse at
+            # the turn] in offload/window.py).
+            assert set(census) == {"offloaded to host", "offload in flight"}
+            assert census["offloaded to host"] >= 3 * local
+            assert census["offload in flight"] == local
+
+
+def test_dtensor_block_inputs_stay_on_the_device_under_offload(
+        ranks: dict[str, list[dict[str, Any]]]) -> None:
+    # A limit (docs/limits.md, docs/offload.md): a DTensor has no storage of its own for a
+    # window to copy, so with the residual stream kept as DTensors nothing is offloaded; the
+    # census shows the three local shards held by the boundary, on the device.
+    local = _local_input_bytes("dt")
+    for result in ranks["dt-on"]:
+        for step in result["ckpt"]:
+            assert step["offload"]["offloaded_bytes"] == 0
+            assert step["census"] == {"checkpoint boundary": 3 * local}
