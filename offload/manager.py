@@ -47,10 +47,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
+from pytree_ckpt.subclass import plain_parts
 
 from .config import OffloadConfig
 from .lanes import Lane, Lanes
@@ -62,7 +64,7 @@ from .prefetch import Prefetch, restore_window
 from .storages import (is_parameter, plain_kind, plain_storage_key, refuse_non_tensors,
                        window_keys)
 from .streams import CopyEngine
-from .window import Copy, Handle, Pass, Window
+from .window import Copy, Flattened, Handle, Pass, Window
 
 __all__ = ["OffloadManager"]
 
@@ -287,6 +289,8 @@ class OffloadManager:
         # [hooks switch off the in-place check] in pytree_ckpt/saved.py.
         if is_parameter(tensor):
             return Unchanged(tensor)
+        if is_traceable_wrapper_subclass(tensor):
+            return self._pack_inner(window, tensor)
         # Not a window tensor's storage, or none to copy (warned of when the window opened).
         key = plain_storage_key(tensor)
         if key is None or key not in window.keys:
@@ -321,6 +325,19 @@ class OffloadManager:
             window.copies[key] = copy
         return Handle(copy, window, key, tensor)
 
+    def _pack_inner(self, window: Window, tensor: torch.Tensor) -> Any:
+        """A wrapper subclass (a DTensor): its inner tensors packed as any saved tensor, the
+        wrapper rebuilt around them when unpacked (NOTE [a wrapper subclass's bytes are its
+        inner tensors'] in pytree_ckpt/subclass.py); held as it is where none is copied."""
+        names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        attributes = {name: getattr(tensor, name) for name in names}
+        inner = {name: self._pack(window, value) for name, value in attributes.items()
+                 if isinstance(value, torch.Tensor)}
+        if all(type(packed) is Unchanged for packed in inner.values()):
+            return Unchanged(tensor)
+        others = {name: value for name, value in attributes.items() if name not in inner}
+        return Flattened(tensor, inner, others, context)
+
     def _plain_storage_key(self, tensor: torch.Tensor, /) -> tuple[str, int] | None:
         """``plain_storage_key`` (storages.py) of a window tensor: one without a plain storage
         stays on the device, logged once."""
@@ -329,8 +346,8 @@ class OffloadManager:
             self._warned_plain = True
             log.warning(
                 "offload is on, but a window tensor (%s, layout %s) has no plain storage to copy: "
-                "it stays on the device (offload copies strided storages; a DTensor's local "
-                "shard, DTensor.to_local(), is one)", plain_kind(tensor), tensor.layout)
+                "it stays on the device (offload copies strided storages, and a DTensor's local "
+                "shard)", plain_kind(tensor), tensor.layout)
         return key
 
     def _other_device(self, window: Window, key: tuple[str, int], tensor: torch.Tensor) -> None:
@@ -362,9 +379,10 @@ class OffloadManager:
                 # autograd would not save it either (a boundary input made so stays on the
                 # device too): held as it is, uncounted.
                 return Unchanged(tensor)
-            key = self._plain_storage_key(tensor)
-            if key is not None:
-                window.keys.setdefault(key, None)
+            for part in plain_parts(tensor):  # a DTensor: its local shard
+                key = self._plain_storage_key(part)
+                if key is not None:
+                    window.keys.setdefault(key, None)
             return self._pack(window, tensor)
 
     def restore(self, packed: Any, /) -> torch.Tensor:
@@ -415,6 +433,9 @@ class OffloadManager:
 
     # -- backward ----------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, Flattened):
+            return packed.rebuild({name: self._unpack(inner)
+                                   for name, inner in packed.inner.items()})
         if not isinstance(packed, Handle):
             return packed.get()  # Unchanged
         with self._lock:  # NOTE [one thread at a time]

@@ -15,6 +15,7 @@ from torch import nn
 
 from pytree_ckpt.census import storage_key
 from pytree_ckpt.errors import CheckpointConfigError
+from pytree_ckpt.subclass import plain_parts
 
 __all__ = ["is_parameter", "plain_kind", "plain_storage_key", "refuse_non_tensors",
            "window_keys"]
@@ -75,12 +76,12 @@ def window_keys(tensors: Sequence[torch.Tensor], resident: Sequence[torch.Tensor
                 key_of: Callable[[torch.Tensor], Key | None], /) -> dict[Key, int | None]:
     """The storages a window over ``tensors`` offloads, each with the index of the first of
     ``tensors`` on it (for messages). ``key_of`` is ``plain_storage_key``, or one that also
-    warns of a tensor without a plain storage."""
+    warns of a tensor without a plain storage. A DTensor's storage is its local shard's (NOTE
+    [a wrapper subclass's bytes are its inner tensors'] in pytree_ckpt/subclass.py)."""
     keys: dict[Key, int | None] = {}
     resident_keys: set[Key] | None = None
-    for index, tensor in enumerate(tensors):
-        if is_parameter(tensor):
-            continue
+    for index, tensor in ((i, part) for i, t in enumerate(tensors) if not is_parameter(t)
+                          for part in plain_parts(t)):
         key = key_of(tensor)
         if key is None:
             continue
@@ -91,7 +92,8 @@ def window_keys(tensors: Sequence[torch.Tensor], resident: Sequence[torch.Tensor
         base = tensor._base
         if resident and (tensor.is_leaf or (base is not None and base.is_leaf)):
             if resident_keys is None:
-                resident_keys = {k for t in resident if (k := plain_storage_key(t))}
+                resident_keys = {k for t in resident for part in plain_parts(t)
+                                 if (k := plain_storage_key(part))}
             if key in resident_keys:
                 continue
         keys.setdefault(key, index)

@@ -227,8 +227,8 @@ class Handle:
         self.conj = tensor.is_conj()
         self.neg = tensor.is_neg()
         # NOTE [subclasses come back as themselves] in pytree_ckpt/subclass.py: a
-        # __torch_function__ subclass (wrapper subclasses stay on the device) is restored as
-        # that class, with its attributes.
+        # __torch_function__ subclass is restored as that class, with its attributes (a
+        # wrapper subclass is packed by its inner tensors instead: Flattened).
         self.subclass: SubclassKind | None = kind_of(tensor)
         base = tensor._base
         self.source = weakref.ref(base if base is not None else tensor)
@@ -341,3 +341,27 @@ class Window:
         if index is None:
             return "a tensor given to offload_into (a replay frame's frozen result)"
         return self.name(index) if self.name is not None else f"window tensor #{index}"
+
+
+class Flattened:
+    """What autograd holds instead of a wrapper subclass (a DTensor) a window copied the inner
+    tensors of: each inner tensor packed (a Handle, or an Unchanged one left on the device),
+    and what rebuilds the wrapper around them in backward (NOTE [a wrapper subclass's bytes
+    are its inner tensors'] in pytree_ckpt/subclass.py): its class, flatten context, outer
+    size and stride, and the flattened attributes that are no tensors (a DTensor's mesh)."""
+
+    __slots__ = ("cls", "inner", "others", "context", "size", "stride")
+
+    def __init__(self, tensor: torch.Tensor, inner: dict[str, Any],
+                 others: dict[str, Any], context: Any, /) -> None:
+        self.cls = type(tensor)
+        self.inner = inner
+        self.others = others
+        self.context = context
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+
+    def rebuild(self, restored: dict[str, torch.Tensor], /) -> torch.Tensor:
+        """The wrapper, around the restored inner tensors."""
+        return self.cls.__tensor_unflatten__(  # type: ignore[attr-defined,no-any-return]
+            {**self.others, **restored}, self.context, self.size, self.stride)

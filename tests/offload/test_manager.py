@@ -750,18 +750,15 @@ class Densify(nn.Module):
 
 def test_window_tensors_without_plain_storage_stay_on_the_device_and_are_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
-    # Sparse layouts and wrapper subclasses (DTensor, here TwoTensor) have no storage bytes of
-    # their own to copy: they are left where they are, the rest of the window is offloaded.
-    from torch.testing._internal.two_tensor import TwoTensor
-
+    # Sparse layouts have no storage bytes of their own to copy: they are left where they
+    # are, the rest of the window is offloaded.
     torch.manual_seed(0)
     eager = Densify()
     layer = copy.deepcopy(eager)
     m = manager()
     apply_activation_checkpointing(layer, offload=m)
     x = torch.randn(8, 32, requires_grad=True)
-    extras = [torch.randn(8, 32).relu().to_sparse(),
-              TwoTensor(torch.randn(8, 32), torch.randn(8, 32))]
+    extras = [torch.randn(8, 32).relu().to_sparse(), torch.randn(8, 32).relu().to_sparse()]
     with caplog.at_level("WARNING", logger="offload.manager"):
         for extra in extras:
             for model in (eager, layer):
@@ -772,6 +769,39 @@ def test_window_tensors_without_plain_storage_stay_on_the_device_and_are_logged_
     assert m.stats()["offloaded_bytes"] == 2 * x.nbytes  # x, in both steps
     warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
     assert len(warnings) == 1 and "no plain storage" in warnings[0]
+
+
+def test_a_wrapper_subclass_window_tensor_is_offloaded_by_its_inner_tensors(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A DTensor's bytes are its local shard (tests/distributed/test_tensor_parallel.py offloads
+    # checkpointed blocks' DTensor inputs so); TwoTensor, torch's test wrapper subclass, has two
+    # inner tensors. Both are copied, and the wrapper is rebuilt around the restored ones for
+    # the op that saved it (its inner b read as a gives another gradient). Before, a wrapper
+    # stayed on the device, with a warning.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    m = manager()
+    extra = TwoTensor(torch.randn(8, 32), torch.randn(8, 32))
+    w = torch.randn(8, 32, requires_grad=True)
+    expected = torch.autograd.grad((extra * w).sum(), w)[0]
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        with m.window([extra]):
+            y = (extra * w).sum()  # saves extra, for w's gradient
+        got = torch.autograd.grad(y, w)[0]
+        assert type(got) is TwoTensor
+        assert torch.equal(got.a, expected.a) and torch.equal(got.b, expected.b)
+        assert m.stats()["offloaded_bytes"] == m.stats()["restored_bytes"] == 2 * extra.a.nbytes
+        # The same through a checkpointed layer's window over its inputs.
+        torch.manual_seed(0)
+        eager = Densify()
+        layer = copy.deepcopy(eager)
+        apply_activation_checkpointing(layer, offload=m)
+        x = torch.randn(8, 32, requires_grad=True)
+        for model in (eager, layer):
+            model(x, extra).sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layer.parameters()])
+    assert m.stats()["offloaded_bytes"] == 4 * extra.a.nbytes + x.nbytes
+    assert [r for r in caplog.records if r.name == "offload.manager"] == []
 
 
 def test_a_window_opened_inside_vmap_gives_eager_gradients_and_its_warning_names_the_transform(
