@@ -2,7 +2,8 @@
 
     python tests/distributed/tp_cases.py OUT CASE [CASE ...]
 
-A case is ``<plan>-<offload>``: offload ``off`` or ``on`` (a manager with ``min_bytes=0``), and
+A case is ``<plan>-<offload>[-late]``: offload ``off`` or ``on`` (a manager with
+``min_bytes=0``); ``late``: tensor parallelism applied after checkpointing (else before); and
 the plan applied to each of three blocks (an RMSNorm, then a SwiGLU MLP w1/w3/w2) on a 1-D mesh
 of both ranks, as torchtitan applies it before activation checkpointing:
 
@@ -31,6 +32,7 @@ import os
 import sys
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +81,13 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm(x)))
 
 
-def make_model(plan: str, mesh: DeviceMesh, calls: Counter[int]) -> nn.ModuleList:
+def make_model(plan: str, mesh: DeviceMesh, calls: Counter[int],
+               before_tp: Callable[[nn.ModuleList], Any] | None = None) -> nn.ModuleList:
+    """Three blocks under ``plan``; ``before_tp(blocks)`` runs before it is applied."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block(plan, calls, i) for i in range(3))
+    if before_tp is not None:
+        before_tp(blocks)
     for block in blocks:
         if plan == "mlp":
             layout: dict[str, Any] = {"mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
@@ -162,13 +168,20 @@ def run(blocks: nn.ModuleList, plan: str, rank: int, mesh: DeviceMesh, calls: Co
 
 
 def case(name: str, rank: int, mesh: DeviceMesh) -> dict[str, Any]:
-    plan, offload = name.split("-")
+    plan, offload, *order = name.split("-")
     calls: Counter[int] = Counter()
     eager = run(make_model(plan, mesh, calls), plan, rank, mesh, calls, None)
-    blocks = make_model(plan, mesh, calls)
     manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload == "on" \
         else None
-    pytree_ckpt.checkpoint_layers(blocks, offload=manager if manager is not None else False)
+
+    def checkpoint(blocks: nn.ModuleList) -> None:
+        pytree_ckpt.checkpoint_layers(blocks, offload=manager if manager is not None else False)
+
+    if order == ["late"]:  # tensor parallelism applied to blocks already checkpointed
+        blocks = make_model(plan, mesh, calls, before_tp=checkpoint)
+    else:
+        blocks = make_model(plan, mesh, calls)
+        checkpoint(blocks)
     return {"eager": eager, "ckpt": run(blocks, plan, rank, mesh, calls, manager)}
 
 
