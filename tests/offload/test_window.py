@@ -297,3 +297,50 @@ def test_a_frozen_result_made_under_inference_mode_stays_on_the_device_with_eage
     stats = m.stats()
     assert stats["offloaded_bytes"] == (x.untyped_storage().nbytes() if min_bytes == 0 else 0)
     assert stats["host_buffers_in_use"] == 0
+
+
+def _sin_cos(t: torch.Tensor) -> torch.Tensor:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(t.sin(), t.cos())
+
+
+def test_a_frozen_result_of_a_wrapper_subclass_is_offloaded_by_its_inner_tensors() -> None:
+    # A frozen result that is a DTensor (a tensor-parallel layer's top-k ids) keeps its bytes
+    # in its local shard; TwoTensor, torch's test wrapper subclass, in two inner tensors.
+    # offload_into copies both, and the replay gets the wrapper back, rebuilt around the
+    # restored ones (NOTE [a wrapper subclass's bytes are its inner tensors'] in
+    # pytree_ckpt/subclass.py). Before, it stayed on the device, with a log line.
+    import copy
+
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from pytree_ckpt import apply_activation_checkpointing, reuse_during_recompute
+
+    seen: list[tuple[type, bool]] = []
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            scale = reuse_during_recompute(_sin_cos, h.detach())
+            seen.append((type(scale), torch.is_grad_enabled()))
+            return h * scale
+
+    torch.manual_seed(0)
+    eager = Scaled()
+    m = manager(min_bytes=0)
+    wrapped = apply_activation_checkpointing(copy.deepcopy(eager), offload=m)
+    x = torch.randn(4, 8)
+    for model in (eager, wrapped):
+        model(x).sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in wrapped.parameters()])
+    # eager's call, the original pass, the replay
+    assert seen == [(TwoTensor, True), (TwoTensor, False), (TwoTensor, True)]
+    stats = m.stats()
+    # x, and the frozen result's two inner tensors
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == x.nbytes + 2 * 4 * 8 * 4
+    assert stats["host_buffers_in_use"] == 0
