@@ -27,17 +27,28 @@ class SubclassKind(NamedTuple):
 
 
 def kind_of(tensor: torch.Tensor, /) -> SubclassKind | None:
-    """``tensor``'s subclass and attributes; ``None`` for a plain tensor or a parameter."""
+    """``tensor``'s subclass and attributes; ``None`` for a plain tensor or a parameter.
+
+    A wrapper subclass's inner tensors (a DTensor's ``_local_tensor`` slot, a TwoTensor's
+    ``a`` and ``b`` attributes) are no attributes to give back: the saved wrapper comes back
+    with its own (autograd's, or an offload window's rebuilt around the restored ones, NOTE [a
+    wrapper subclass's bytes are its inner tensors']). Recorded, they kept every offloaded
+    DTensor input's device shard alive until backward, and put it back in the restored one.
+    """
     cls = type(tensor)
     if cls is torch.Tensor or issubclass(cls, nn.Parameter):
         return None
+    inner = inner_tensors(tensor) or {}
     slots = []
     for klass in cls.__mro__:
         names = klass.__dict__.get("__slots__", ())
         for name in (names,) if isinstance(names, str) else names:
-            if name not in ("__dict__", "__weakref__") and hasattr(tensor, name):
+            if name not in ("__dict__", "__weakref__") and name not in inner \
+                    and hasattr(tensor, name):
                 slots.append((name, getattr(tensor, name)))
-    return SubclassKind(cls, tensor.__dict__, tuple(slots))
+    attributes = tensor.__dict__ if not inner else \
+        {name: value for name, value in tensor.__dict__.items() if name not in inner}
+    return SubclassKind(cls, attributes, tuple(slots))
 
 
 def as_kind(tensor: torch.Tensor, kind: SubclassKind | None, /, *,

@@ -108,6 +108,9 @@ def test_offload_copies_each_local_input_shard_to_host_once(
             assert stats["windows"] == 3 * (step + 1)
             assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * local * (step + 1)
             assert stats["host_buffers_in_use"] == 0
+            # Only the last block's input is still alive when its window is let go (backward's
+            # first restore reuses it): the others' device shards were freed, DTensors' too.
+            assert stats["alive_elsewhere_bytes"] == local * (step + 1)
         for step in result["ckpt"]:
             census = step["census"]
             # Host copies of the three inputs (rounded up to the pool's size classes), and the

@@ -804,6 +804,30 @@ def test_a_wrapper_subclass_window_tensor_is_offloaded_by_its_inner_tensors(
     assert [r for r in caplog.records if r.name == "offload.manager"] == []
 
 
+def test_offloaded_wrapper_subclass_inputs_free_their_device_bytes_as_plain_ones_do() -> None:
+    # Guards against: the boundary records a saved subclass input's attributes to give them
+    # back in the replay (NOTE [subclasses come back as themselves]), and took a wrapper's
+    # inner tensors with them (a DTensor's _local_tensor slot, TwoTensor's a and b): every
+    # offloaded input's device bytes stayed alive until backward (alive_elsewhere_bytes 8192,
+    # all of them; under tensor parallelism each DTensor block input's local shard).
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(nn.Linear(32, 32) for _ in range(4)))
+    stack = copy.deepcopy(eager)
+    m = manager()
+    for layer in stack:
+        apply_activation_checkpointing(layer, offload=m)
+    a = torch.randn(8, 32)
+    for model in (eager, stack):
+        model(TwoTensor(a, a.clone())).sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in stack.parameters()])
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == 4 * 2 * a.nbytes  # 4 layer inputs, 2 inner tensors each
+    # Alive when let go: only the first input's a, which this test holds (as with plain inputs).
+    assert stats["alive_elsewhere_bytes"] == a.nbytes
+
+
 def test_a_window_opened_inside_vmap_gives_eager_gradients_and_its_warning_names_the_transform(
         caplog: pytest.LogCaptureFixture) -> None:
     # Guards against: the warning naming a vmap-wrapped window tensor by its class and layout
