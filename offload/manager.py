@@ -47,12 +47,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
-from pytree_ckpt.subclass import plain_parts
+from pytree_ckpt.subclass import rebuilt_by_parts, rebuilt_parts
 
 from .config import OffloadConfig
 from .lanes import Lane, Lanes
@@ -289,7 +288,7 @@ class OffloadManager:
         # [hooks switch off the in-place check] in pytree_ckpt/saved.py.
         if is_parameter(tensor):
             return Unchanged(tensor)
-        if is_traceable_wrapper_subclass(tensor):
+        if rebuilt_by_parts(tensor):
             return self._pack_inner(window, tensor)
         # Not a window tensor's storage, or none to copy (warned of when the window opened).
         key = plain_storage_key(tensor)
@@ -379,7 +378,7 @@ class OffloadManager:
                 # autograd would not save it either (a boundary input made so stays on the
                 # device too): held as it is, uncounted.
                 return Unchanged(tensor)
-            for part in plain_parts(tensor):  # a DTensor: its local shard
+            for part in rebuilt_parts(tensor):  # a DTensor: its local shard
                 key = self._plain_storage_key(part)
                 if key is not None:
                     window.keys.setdefault(key, None)

@@ -15,7 +15,7 @@ from torch import nn
 
 from pytree_ckpt.census import storage_key
 from pytree_ckpt.errors import CheckpointConfigError
-from pytree_ckpt.subclass import plain_parts
+from pytree_ckpt.subclass import rebuilt_parts
 
 __all__ = ["is_parameter", "plain_kind", "plain_storage_key", "refuse_non_tensors",
            "window_keys"]
@@ -81,7 +81,7 @@ def window_keys(tensors: Sequence[torch.Tensor], resident: Sequence[torch.Tensor
     keys: dict[Key, int | None] = {}
     resident_keys: set[Key] | None = None
     for index, tensor in ((i, part) for i, t in enumerate(tensors) if not is_parameter(t)
-                          for part in plain_parts(t)):
+                          for part in rebuilt_parts(t)):
         key = key_of(tensor)
         if key is None:
             continue
@@ -92,7 +92,7 @@ def window_keys(tensors: Sequence[torch.Tensor], resident: Sequence[torch.Tensor
         base = tensor._base
         if resident and (tensor.is_leaf or (base is not None and base.is_leaf)):
             if resident_keys is None:
-                resident_keys = {k for t in resident for part in plain_parts(t)
+                resident_keys = {k for t in resident for part in rebuilt_parts(t)
                                  if (k := plain_storage_key(part))}
             if key in resident_keys:
                 continue

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["SubclassKind", "as_kind", "inner_tensors", "kind_of", "plain_parts"]
+__all__ = ["SubclassKind", "as_kind", "inner_tensors", "kind_of", "plain_parts",
+           "rebuilt_by_parts", "rebuilt_parts"]
 
 
 class SubclassKind(NamedTuple):
@@ -71,7 +72,10 @@ def as_kind(tensor: torch.Tensor, kind: SubclassKind | None, /, *,
 # holds: the census counts them (this rank's bytes, not the global tensor's) and an offload
 # window copies them, rebuilding the wrapper around the restored ones in backward
 # (tests/distributed/test_tensor_parallel.py). Before, both left such tensors out: a boundary
-# over DTensor inputs showed nothing held, and its window copied nothing.
+# over DTensor inputs showed nothing held, and its window copied nothing. Not a jagged nested
+# tensor (``rebuilt_by_parts``): its ragged dimension is tied to its offsets tensor object, so
+# one rebuilt around restored offsets gets a new one (``j3`` for ``j2``) and its replay's
+# output no longer matches; it stays on the device, logged, as before.
 def inner_tensors(tensor: torch.Tensor, /) -> dict[str, torch.Tensor] | None:
     """A wrapper subclass's inner tensors by attribute name (what else it flattens to, such as
     DTensor's ``device_mesh`` on torch 2.13, holds no bytes); ``None`` for any other tensor."""
@@ -88,3 +92,18 @@ def plain_parts(tensor: torch.Tensor, /) -> list[torch.Tensor]:
     if inner is None:
         return [tensor]
     return [plain for t in inner.values() for plain in plain_parts(t)]
+
+
+def rebuilt_by_parts(tensor: torch.Tensor, /) -> bool:
+    """Whether an offload window copies ``tensor``'s inner tensors and rebuilds it around the
+    restored ones: a traceable wrapper subclass (a DTensor), not a jagged nested tensor (NOTE [a
+    wrapper subclass's bytes are its inner tensors'])."""
+    return is_traceable_wrapper_subclass(tensor) and not tensor.is_nested
+
+
+def rebuilt_parts(tensor: torch.Tensor, /) -> list[torch.Tensor]:
+    """What an offload window copies of ``tensor``: the plain parts of one rebuilt by its parts
+    (a DTensor's local shard), else ``tensor`` itself."""
+    if not rebuilt_by_parts(tensor):
+        return [tensor]
+    return [plain for t in (inner_tensors(tensor) or {}).values() for plain in rebuilt_parts(t)]
