@@ -1,0 +1,115 @@
+"""Expert parallelism (an all-to-all MoE) inside checkpointed blocks, two CPU ranks (gloo), one
+launch for all cases (``ep_cases.py``).
+
+The reference is the same EP model on the same ranks, unwrapped: the checkpointed run must
+give its losses and every gradient bit for bit over two SGD steps (one process's kernels, the
+same collectives on the same values), with and without offload. Each block runs twice per
+step; the replay reruns the dispatch and combine all-to-alls (and the split and expert-id
+exchanges before them) once, in backward, on both ranks in the same order. The routing must be
+the original pass's: frozen with ``reuse_during_recompute``, or recomputable exactly. Router
+noise from a generator the boundary does not restore routes the replay differently: silently
+other gradients (docs/limits.md, "Random numbers"), unless the choice is frozen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from . import ep_cases
+from .launch import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+EXACT = [f"{routing}-{offload}" for routing in ("frozen", "plain", "jitter_frozen")
+         for offload in ("off", "on")]
+CASES = EXACT + ["jitter_plain-off"]
+PAIRS = ("splits", "expert_ids", "dispatch", "combine")  # forward collectives, per block
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("expert_parallel")
+    run = run_ranks([str(Path(ep_cases.__file__)), str(out), *CASES], ep_cases.WORLD,
+                    timeout=120.0, log_dir=out)
+    assert run.ok, run.output()
+    results = {name: [torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+                      for rank in range(ep_cases.WORLD)] for name in CASES}
+    for name, per_rank in results.items():
+        for rank, result in enumerate(per_rank):
+            assert result["ok"], f"{name} rank {rank}:\n{result['error']}"
+            assert "ckpt_error" not in result, f"{name} rank {rank}:\n{result['ckpt_error']}"
+    return results
+
+
+def _steps(result: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return list(zip(result["eager"], result["ckpt"], strict=True))
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_checkpointed_expert_parallel_blocks_train_as_the_unwrapped_ep_model_bit_for_bit(
+        ranks: dict[str, list[dict[str, Any]]], name: str) -> None:
+    for rank, result in enumerate(ranks[name]):
+        assert len(result["ckpt"]) == ep_cases.STEPS
+        for step, (eager, ckpt) in enumerate(_steps(result)):
+            where = f"{name} rank {rank} step {step}"
+            assert torch.equal(eager["loss"], ckpt["loss"]), where
+            assert list(ckpt["grads"]) == list(eager["grads"])
+            for param, grad in eager["grads"].items():
+                assert torch.equal(grad, ckpt["grads"][param]), \
+                    f"{where} {param}: max |d| = {(grad - ckpt['grads'][param]).abs().max()}"
+            # The replay routed every token as the original pass did.
+            original = [ids for _, phase, ids in ckpt["ids"] if phase == "forward"]
+            replayed = [ids for _, phase, ids in reversed(ckpt["ids"]) if phase == "recompute"]
+            assert len(original) == len(replayed) == 2
+            assert all(torch.equal(a, b) for a, b in zip(original, replayed))
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_each_block_runs_twice_and_its_replay_reruns_dispatch_and_combine_once_in_backward(
+        ranks: dict[str, list[dict[str, Any]]], name: str) -> None:
+    blocks = {f"block{i}|forward|forward": 1 for i in range(2)} | \
+        {f"block{i}|backward|recompute": 1 for i in range(2)}
+    expected = blocks | {f"{what}|forward|forward": 2 for what in PAIRS} | \
+        {f"{what}|backward|recompute": 2 for what in PAIRS} | \
+        {"dispatch_grad|backward|plain": 2, "combine_grad|backward|plain": 2}
+    eager_expected = {f"block{i}|forward|plain": 1 for i in range(2)} | \
+        {f"{what}|forward|plain": 2 for what in PAIRS} | \
+        {"dispatch_grad|backward|plain": 2, "combine_grad|backward|plain": 2}
+    for result in ranks[name]:
+        for eager, ckpt in _steps(result):
+            assert eager["counts"] == eager_expected
+            assert ckpt["counts"] == expected
+
+
+@pytest.mark.parametrize("name", [name for name in EXACT if name.endswith("-on")])
+def test_offload_copies_each_block_input_and_its_frozen_ids_to_host_once(
+        ranks: dict[str, list[dict[str, Any]]], name: str) -> None:
+    block_input = ep_cases.TOKENS * ep_cases.DIM * 4  # fp32
+    frozen_ids = ep_cases.TOKENS * ep_cases.TOP_K * 8 if "frozen" in name else 0  # int64
+    for result in ranks[name]:
+        for step, (_, ckpt) in enumerate(_steps(result)):
+            stats = ckpt["offload"]
+            per_step = 2 * (block_input + frozen_ids)
+            assert stats["offloaded_bytes"] == stats["restored_bytes"] == per_step * (step + 1)
+            assert stats["alive_elsewhere_bytes"] == 0
+            assert stats["host_buffers_in_use"] == 0
+
+
+def test_router_noise_from_a_generator_of_its_own_reroutes_the_replay_silently_unless_frozen(
+        ranks: dict[str, list[dict[str, Any]]]) -> None:
+    # The same model with the choice frozen is exact (jitter_frozen above). Recomputed, the
+    # replay draws new noise from the router's own generator (the boundary restores torch's
+    # default generators and those passed as arguments, not this one): other experts, other
+    # gradients, and no error, since every shape the boundary sees is the same.
+    for rank, result in enumerate(ranks["jitter_plain-off"]):
+        (eager, ckpt), _ = _steps(result)
+        assert torch.equal(eager["loss"], ckpt["loss"])  # the original pass is eager's
+        original = [ids for _, phase, ids in ckpt["ids"] if phase == "forward"]
+        replayed = [ids for _, phase, ids in reversed(ckpt["ids"]) if phase == "recompute"]
+        assert not any(torch.equal(a, b) for a, b in zip(original, replayed)), rank
+        assert not all(torch.equal(grad, ckpt["grads"][param])
+                       for param, grad in eager["grads"].items()), rank
