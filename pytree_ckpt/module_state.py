@@ -66,18 +66,28 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
 # transformers' output hooks for the load-balancing loss, lost their gradient), and
 # torch.autograd.grad was refused. Only a function the module's class (or a base) defines,
 # possibly under wrappers that set ``__wrapped__``, counts: a helper taking a module first may
-# use any other module's parameters.
+# use any other module's parameters. The partial's function may be such a wrapper itself
+# (``torch.compile(Layer.forward)``, ``torch.compiler.disable``): its ``__wrapped__`` chain is
+# walked too, as owning_module walks a wrapped bound method's.
 def _method_of(module: nn.Module, func: Any, /) -> bool:
     name = getattr(func, "__name__", None)
-    if not isinstance(name, str) or getattr(func, "__self__", None) is not None:
+    if not isinstance(name, str):
+        return False
+    chain = []
+    for _ in range(8):  # func, then what it wraps, down to a plain function
+        if func is None or getattr(func, "__self__", None) is not None:
+            break
+        chain.append(func)
+        func = getattr(func, "__wrapped__", None)
+    if not chain:
         return False
     for klass in type(module).__mro__:
         attribute = klass.__dict__.get(name)
         for _ in range(8):  # through the wrappers transformers (and FSDP2's subclass) add
-            if attribute is func:
-                return True
             if attribute is None:
                 break
+            if any(attribute is f for f in chain):
+                return True
             attribute = getattr(attribute, "__wrapped__", None)
     return False
 
