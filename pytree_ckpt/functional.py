@@ -11,12 +11,15 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
 from torch import nn
 
 from .boundary import run_boundary
 from .boundary_call import DEFAULT_OPTIONS, BoundaryOptions
 from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
+from .module_state import owning_module
 from .refusals import fn_name, refuse_container, require_callable
+from .tree import flatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -57,6 +60,52 @@ def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
     return [name for name in names if name not in parameters]
 
 
+def _trainable(value: Any, owner: nn.Module, /) -> bool:
+    """Whether ``value`` holds a tensor requiring grad or a trainable module, other than the
+    owner's own (a parameter of it, or a submodule, stays bound: known as they are)."""
+    leaves = [leaf for leaf in flatten(value).leaves
+              if (leaf.requires_grad if isinstance(leaf, torch.Tensor) else
+                  isinstance(leaf, nn.Module) and
+                  any(p.requires_grad for p in leaf.parameters()))]
+    if not leaves:  # the usual case: a mask, cos/sin, None, flags
+        return False
+    own = {id(t) for t in owner.parameters()} | {id(m) for m in owner.modules()}
+    return any(id(leaf) not in own for leaf in leaves)
+
+
+def _bound_inputs(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], /
+                  ) -> tuple[Callable[..., T], tuple[Any, ...], dict[str, Any]]:
+    """NOTE [what a layer's partial binds]: transformers' layer wrapper calls its checkpoint
+    function with ``partial(forward, self, **kwargs)`` (NOTE [a method bound by a partial] in
+    module_state.py), so every keyword the layer was called with is bound in ``fn``, not
+    passed to the boundary. A tensor that requires grad there (LW-DETR's decoder layers get
+    the encoder's output and a trainable query position embedding as keywords) or a module
+    with trainable parameters is neither an input nor the layer's parameter: refused in
+    backward, as it would get no gradient. Those are made the call's inputs (keywords the call
+    itself passes win, as in the partial); what needs no gradient (the mask, rotary cos/sin)
+    stays bound, neither saved nor offloaded.
+    Positional arguments bound after the layer move together, to keep their order. The same
+    holds for a partial of a layer's bound method (earlier 5.x: ``partial(super().__call__,
+    **kwargs)``)."""
+    if not isinstance(fn, functools.partial):
+        return fn, args, kwargs
+    owner = owning_module(fn)
+    if owner is None:
+        return fn, args, kwargs
+    first = 1 if fn.args and fn.args[0] is owner else 0
+    if not first and getattr(fn.func, "__self__", None) is not owner:
+        return fn, args, kwargs  # a wrapper or a nested partial: left as it is
+    lifted = {k: v for k, v in fn.keywords.items()
+              if k not in kwargs and _trainable(v, owner)}
+    extra = fn.args[first:]
+    move = any(_trainable(a, owner) for a in extra)
+    if not lifted and not move:
+        return fn, args, kwargs
+    kept = {k: v for k, v in fn.keywords.items() if k not in lifted}
+    bound = functools.partial(fn.func, *(fn.args[:first] if move else fn.args), **kept)
+    return bound, ((*extra, *args) if move else args), {**lifted, **kwargs}
+
+
 @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py, for calls too
 def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
@@ -80,7 +129,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
             f"nothing here. Tip: {_torch_options_tip(swallowed)}",
             stacklevel=user_stacklevel())
     try:
-        return run_boundary(fn, args, kwargs, DEFAULT_OPTIONS)
+        return run_boundary(*_bound_inputs(fn, args, kwargs), DEFAULT_OPTIONS)
     except TypeError as error:
         if torch_options and hasattr(error, "add_note") and \
                 any(name in str(error) for name in torch_options):
@@ -110,6 +159,6 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
     @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py
     def run(*args: Any, **kwargs: Any) -> T:
-        return run_boundary(fn, args, kwargs, options)
+        return run_boundary(*_bound_inputs(fn, args, kwargs), options)
 
     return run

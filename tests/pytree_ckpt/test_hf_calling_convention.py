@@ -369,3 +369,76 @@ def test_a_partial_of_the_layer_class_forward_compiled_is_the_layers_method() ->
     assert all(torch.equal(a, b) for a, b in zip(eager_buffers, buffers))
     assert buffers[-1].item() == 1  # num_batches_tracked: the original pass only
     assert (eager_calls, calls) == (1, 2)
+
+
+class _CrossAttentionBody(nn.Module):
+    """A decoder layer with cross-attention given the encoder's output (which requires grad)
+    as a keyword, as transformers 5.24's LW-DETR decoder does (``encoder_hidden_states=``), so
+    the layer wrapper binds it in the partial; ``adapter`` stands for a trainable module passed
+    the same way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: Any = None,
+                adapter: nn.Module | None = None, mask: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        CALLS[id(self)] += 1
+        kv = self.kv(encoder_hidden_states)
+        scores = (self.q(hidden_states) @ kv.transpose(1, 2)) + mask
+        h = hidden_states + scores.softmax(-1) @ kv
+        h = self.bn(h.transpose(1, 2)).transpose(1, 2)
+        return adapter(h) if adapter is not None else h
+
+
+class ForwardWrappedCrossAttentionLayer(ForwardWrappingLayer, _CrossAttentionBody):
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _CrossAttentionBody.forward(self, *args, **kwargs)
+
+
+class CallWrappedCrossAttentionLayer(CallWrappingLayer, _CrossAttentionBody):
+    pass
+
+
+CROSS_LAYERS = {"forward": ForwardWrappedCrossAttentionLayer,
+                "__call__": CallWrappedCrossAttentionLayer}
+
+
+@pytest.mark.parametrize("kind", ["forward", "__call__"])
+def test_a_tensor_requiring_grad_bound_by_transformers_partial_gets_eager_gradients(
+        kind: str) -> None:
+    # partial(forward, layer, encoder_hidden_states=..., adapter=...): what the partial binds
+    # was passed as it is, so the encoder's output and the adapter's parameters were neither
+    # inputs nor the layer's parameters, and the boundary refused them in backward ("neither an
+    # input nor a parameter of the module"). Those are now the boundary's inputs; the mask,
+    # which requires no grad, stays bound.
+    results = []
+    for function in (None, pytree_ckpt.checkpoint):
+        torch.manual_seed(0)
+        encoder, adapter = nn.Linear(16, 16), nn.Linear(16, 16)
+        layers = nn.ModuleList(CROSS_LAYERS[kind]() for _ in range(2)).train()
+        for layer in layers:
+            CALLS[id(layer)] = 0
+            if function is not None:
+                layer.gradient_checkpointing = True
+                layer._gradient_checkpointing_func = function
+        torch.manual_seed(1)
+        hidden, source = torch.randn(2, 6, 16, requires_grad=True), torch.randn(2, 5, 16)
+        mask = torch.zeros(6, 5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nor a plain function's changed buffers
+            encoded = encoder(source)
+            h = hidden
+            for layer in layers:
+                h = layer(h, encoder_hidden_states=encoded, adapter=adapter, mask=mask)
+            h.square().mean().backward()
+        modules = [encoder, adapter, layers]
+        results.append((grads_of([*(p for m in modules for p in m.parameters()), hidden]),
+                        [b.clone() for b in layers.buffers()],
+                        [CALLS[id(layer)] for layer in layers]))
+    (eager_grads, eager_buffers, eager_calls), (grads, buffers, calls) = results
+    assert_same_grads(eager_grads, grads)
+    assert all(torch.equal(a, b) for a, b in zip(eager_buffers, buffers))
+    assert (eager_calls, calls) == ([1, 1], [2, 2])
