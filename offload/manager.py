@@ -406,12 +406,14 @@ class OffloadManager:
         def pack(tensor: torch.Tensor) -> Any:
             with self._lock:
                 packed = self._pack(window, tensor)
-            if type(packed) is Unchanged and census_active():
+            if type(packed) in (Unchanged, Flattened) and census_active():
                 # Left on the device, held as autograd holds it. These hooks shadow an
                 # ActivationCensus's own: it hears of the save from here, as a plain autograd
                 # save (a boundary's input it already has under the boundary stays filed
-                # there). What offload_into leaves, its caller reports (a replay frame).
-                report_held([tensor], Mechanism.AUTOGRAD, holder=packed)
+                # there); a wrapper copied in part, of the inner tensors it left. What
+                # offload_into leaves, its caller reports (a replay frame).
+                for held in _left_on_device(packed):
+                    report_held([held.tensor], Mechanism.AUTOGRAD, holder=held)
             return packed
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
@@ -488,6 +490,15 @@ def _belongs(copy: Copy, lane: Lane | None, pass_: Pass | None) -> bool:
     if owner is None or owner is pass_:
         return True
     return lane is not None and owner.lane() is lane
+
+
+def _left_on_device(packed: Unchanged | Flattened) -> list[Unchanged]:
+    """What of a packed save stays on the device: itself, or a wrapper's inner tensors that
+    were not copied (one not on a window storage, or below ``min_bytes``)."""
+    if isinstance(packed, Unchanged):
+        return [packed]
+    return [held for inner in packed.inner.values() if isinstance(inner, (Unchanged, Flattened))
+            for held in _left_on_device(inner)]
 
 
 def _new_manager(config: OffloadConfig, device: str) -> OffloadManager:

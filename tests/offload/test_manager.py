@@ -828,6 +828,43 @@ def test_offloaded_wrapper_subclass_inputs_free_their_device_bytes_as_plain_ones
     assert stats["alive_elsewhere_bytes"] == a.nbytes
 
 
+def test_the_census_counts_a_wrapper_subclass_inner_tensor_that_offload_leaves_on_the_device(
+        ) -> None:
+    # Guards against: a wrapper (a DTensor, TwoTensor) packed by its inner tensors where only
+    # some are copied (one not a window storage, one below min_bytes): the rest stay on the
+    # device, held by autograd through the wrapper's handle, and the census left them out (it
+    # hears of a save the window keeps only from the window's hook, which reported only a
+    # save kept whole). TwoTensor(x, y) with a window over x: x is copied, y is held.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    m = manager()
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    w = torch.randn(8, 32, requires_grad=True)
+    expected = torch.autograd.grad((TwoTensor(x, y) * w).sum(), w)[0]
+    with pytree_ckpt.ActivationCensus() as census:
+        with m.window([x]):
+            out = (TwoTensor(x, y) * w).sum()  # saves the wrapper, for w's gradient
+        assert census.bytes_by("mechanism") == {
+            "offload in flight": x.nbytes, "offloaded to host": size_class(x.nbytes),
+            "autograd": y.nbytes}
+    got = torch.autograd.grad(out, w)[0]
+    assert torch.equal(got.a, expected.a) and torch.equal(got.b, expected.b)
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == x.nbytes
+    # The same with y a window storage below min_bytes: counted by the census where it stays.
+    m = manager(min_bytes=2 * x.nbytes)
+    big = torch.randn(16, 32)  # 2048 bytes, viewed as x's shape
+    with pytree_ckpt.ActivationCensus() as census:
+        with m.window([big, y]):
+            out = (TwoTensor(big[:8], y) * w).sum()
+        assert census.bytes_by("mechanism") == {
+            "offload in flight": big.nbytes, "offloaded to host": size_class(big.nbytes),
+            "autograd": y.nbytes}
+    got = torch.autograd.grad(out, w)[0]  # (a * w).sum()'s gradient is a: what was restored
+    assert torch.equal(got.a, big[:8]) and torch.equal(got.b, y)
+    assert m.stats()["below_min_bytes"] == y.nbytes
+
+
 def test_a_window_opened_inside_vmap_gives_eager_gradients_and_its_warning_names_the_transform(
         caplog: pytest.LogCaptureFixture) -> None:
     # Guards against: the warning naming a vmap-wrapped window tensor by its class and layout
