@@ -348,9 +348,11 @@ class Flattened:
     tensors of: each inner tensor packed (a Handle, or an Unchanged one left on the device),
     and what rebuilds the wrapper around them in backward (NOTE [a wrapper subclass's bytes
     are its inner tensors'] in pytree_ckpt/subclass.py): its class, flatten context, outer
-    size and stride, and the flattened attributes that are no tensors (a DTensor's mesh)."""
+    size and stride, the flattened attributes that are no tensors (a DTensor's mesh), and
+    those it does not flatten, given back as NOTE [subclasses come back as themselves] says
+    (``kind``: an attribute a custom backward reads off the saved wrapper)."""
 
-    __slots__ = ("cls", "inner", "others", "context", "size", "stride")
+    __slots__ = ("cls", "inner", "others", "context", "size", "stride", "kind")
 
     def __init__(self, tensor: torch.Tensor, inner: dict[str, Any],
                  others: dict[str, Any], context: Any, /) -> None:
@@ -360,8 +362,10 @@ class Flattened:
         self.context = context
         self.size = tensor.size()
         self.stride = tensor.stride()
+        self.kind = kind_of(tensor)  # less its inner tensors: those are restored
 
     def rebuild(self, restored: dict[str, torch.Tensor], /) -> torch.Tensor:
-        """The wrapper, around the restored inner tensors."""
-        return self.cls.__tensor_unflatten__(  # type: ignore[attr-defined,no-any-return]
+        """The wrapper, around the restored inner tensors, with its other attributes."""
+        rebuilt = self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]
             {**self.others, **restored}, self.context, self.size, self.stride)
+        return as_kind(rebuilt, self.kind)

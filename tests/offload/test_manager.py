@@ -865,6 +865,42 @@ def test_the_census_counts_a_wrapper_subclass_inner_tensor_that_offload_leaves_o
     assert m.stats()["below_min_bytes"] == y.nbytes
 
 
+class _ScaledByAttribute(torch.autograd.Function):
+    """x * w, whose backward reads an attribute the caller set on the saved x."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        return None, grad * x * x.scale
+
+
+def test_an_offloaded_wrapper_subclass_comes_back_with_its_own_attributes() -> None:
+    # Guards against: a wrapper (a DTensor, TwoTensor) copied by its inner tensors came back
+    # rebuilt by __tensor_unflatten__ alone, without the attributes set on it that it does not
+    # flatten (NOTE [subclasses come back as themselves]): a backward reading one raised
+    # AttributeError where eager reads the saved object itself.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    m = manager()
+    x = TwoTensor(torch.randn(8, 32), torch.randn(8, 32))
+    x.scale = 3.0
+    w = torch.randn(8, 32, requires_grad=True)
+    expected = torch.autograd.grad(_ScaledByAttribute.apply(x, w).sum(), w)[0]
+    with m.window([x]):
+        out = _ScaledByAttribute.apply(x, w).sum()
+    m.stats()  # lets go of the device bytes: backward reads the copies brought back
+    got = torch.autograd.grad(out, w)[0]
+    assert torch.equal(got.a, expected.a) and torch.equal(got.b, expected.b)
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 2 * x.a.nbytes
+    assert stats["reused_bytes"] == 0
+
+
 def test_a_window_opened_inside_vmap_gives_eager_gradients_and_its_warning_names_the_transform(
         caplog: pytest.LogCaptureFixture) -> None:
     # Guards against: the warning naming a vmap-wrapped window tensor by its class and layout
