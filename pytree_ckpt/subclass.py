@@ -88,6 +88,8 @@ def inner_tensors(tensor: torch.Tensor, /) -> dict[str, torch.Tensor] | None:
 
 def plain_parts(tensor: torch.Tensor, /) -> list[torch.Tensor]:
     """``tensor``, or the plain tensors a wrapper subclass flattens to, recursively."""
+    if type(tensor) is torch.Tensor:  # every note of a census: the test alone, not the call
+        return [tensor]
     inner = inner_tensors(tensor)
     if inner is None:
         return [tensor]
@@ -98,6 +100,8 @@ def rebuilt_by_parts(tensor: torch.Tensor, /) -> bool:
     """Whether an offload window copies ``tensor``'s inner tensors and rebuilds it around the
     restored ones: a traceable wrapper subclass (a DTensor), not a jagged nested tensor (NOTE [a
     wrapper subclass's bytes are its inner tensors'])."""
+    if type(tensor) is torch.Tensor:  # every saved tensor under offload: the test alone
+        return False
     return is_traceable_wrapper_subclass(tensor) and not tensor.is_nested
 
 
