@@ -71,6 +71,7 @@ from .frames import callable_name
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
+from .subclass import rebuilt_by_parts
 from .tree import flatten
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
@@ -87,6 +88,8 @@ __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 DISCARDED_MARK = "_pytree_ckpt_discarded"
 
 log = logging.getLogger(__name__)
+
+_WARNED_WRAPPERS: set[type] = set()  # output classes a discard kept, warned of once
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
@@ -282,6 +285,18 @@ class CheckpointWithoutOutput:
         self.census = active_census()
         for out, outside in zip(self.outputs, self.made_outside):
             storage = out.untyped_storage()
+            if outside and rebuilt_by_parts(out):
+                # NOTE [a wrapper subclass's bytes are its inner tensors']: no storage of its
+                # own to free (made_outside files it as outside); kept, as eager keeps it.
+                # Warned once per class: a discard runs every layer of every step.
+                if type(out) not in _WARNED_WRAPPERS:
+                    _WARNED_WRAPPERS.add(type(out))
+                    log.warning("output of %s is a %s, a wrapper subclass whose bytes are its "
+                                "inner tensors': kept, nothing freed; discard the op on its "
+                                "local tensor (DTensor.to_local()) to free them",
+                                self._name(), type(out).__name__)
+                self.sizes.append(0)
+                continue
             if outside:
                 log.debug("output of %s aliases an input or state outside it: kept",
                           self._name())

@@ -75,11 +75,13 @@ def root_key(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
     try:  # the storage's address: a detach() alias of a slice has no _base but the storage
         storage = tensor.untyped_storage()
-    except RuntimeError:  # a wrapper subclass (DTensor): its bytes live in inner tensors
+        if storage.nbytes() == 0:
+            return None
+        # A wrapper subclass (DTensor) gets a storage object, whose address raises: its bytes
+        # live in inner tensors (NOTE [a wrapper subclass's bytes are its inner tensors']).
+        return tensor.get_device(), storage.data_ptr()
+    except RuntimeError:
         return None
-    if storage.nbytes() == 0:
-        return None
-    return tensor.get_device(), storage.data_ptr()
 
 
 def made_outside(outputs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor],

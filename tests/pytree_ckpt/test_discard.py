@@ -693,3 +693,44 @@ def test_megatron_style_plan_calls_run_through_the_context_and_fp8_is_refused() 
         CheckpointWithoutOutput(fp8=True)
     with pytest.raises(CheckpointConfigError, match="fp8=True"):
         build_residual_stream_recompute_plan(2, 1)[0].checkpoint(norms[0], x, fp8=True)
+
+
+def test_a_wrapper_subclass_output_is_kept_with_a_warning_and_gives_eager_gradients(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: CheckpointWithoutOutput.checkpoint of an op whose output is a wrapper
+    # subclass (a DTensor, TwoTensor) raised torch's "Attempted to access the data pointer on
+    # an invalid python storage" at the call: the discard reads its output's storage address,
+    # and a wrapper has no storage of its own (its bytes are its inner tensors').
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from pytree_ckpt import discard
+
+    torch.manual_seed(0)
+    norm, proj = nn.LayerNorm(32), nn.Linear(32, 32)
+    modules = (norm, proj)
+
+    def run(discarded: bool) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(1)
+        x = TwoTensor(torch.randn(8, 32, generator=generator),
+                      torch.randn(8, 32, generator=generator)).requires_grad_()
+        for p in (q for m in modules for q in m.parameters()):
+            p.grad = None
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(norm, x) if discarded else norm(x)
+        out = proj(normed)
+        if discarded:
+            ckpt.discard_output_and_register_recompute(out)
+            assert normed.a.untyped_storage().nbytes() == normed.b.untyped_storage().nbytes() \
+                == 8 * 32 * 4  # kept, nothing freed
+        (x + out).sum().backward()
+        return [x.grad, *(p.grad for m in modules for p in m.parameters())]
+
+    getattr(discard, "_WARNED_WRAPPERS", set()).discard(TwoTensor)  # warned once per process
+    expected = run(False)
+    with caplog.at_level("WARNING", logger="pytree_ckpt.discard"):
+        for _ in range(2):
+            got = run(True)
+            for e, g in zip(expected, got):
+                assert type(g) is TwoTensor and torch.equal(e.a, g.a) and torch.equal(e.b, g.b)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "pytree_ckpt.discard"]
+    assert len(warnings) == 1 and "TwoTensor" in warnings[0] and "to_local()" in warnings[0]
