@@ -93,6 +93,7 @@ from .changed_in_place import (ParameterVersions, raise_input_changed,
 from .compiled_layers import recompile_limit_note
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
+from .held_generators import held_generators
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode
 from .kernel_written import remember, remembered
@@ -162,14 +163,18 @@ class _BoundaryFunction(torch.autograd.Function):
         ctx.call = call
         ctx.set_materialize_grads(False)
         tensors = inputs[: call.n_inputs]  # the rest are parameters (NOTE [parameters are inputs])
+        preserve_rng = call.options.preserve_rng_state
         env = call.env = ReplayEnvironment.capture(
-            tensors, preserve_rng=call.options.preserve_rng_state,
-            leaves=call.in_leaves if len(call.in_tensor_index) < len(call.in_leaves) else None)
+            tensors, preserve_rng=preserve_rng,
+            leaves=call.in_leaves if len(call.in_tensor_index) < len(call.in_leaves) else None,
+            # NOTE [generators held as attributes] (held_generators.py)
+            held=held_generators(*call.modules) if preserve_rng and call.modules is not None
+            else ())
         # NOTE [skipped work keeps the RNG in step] (frames.py): the generators it restores
         # (env.rng_devices(), spelled out for the usual case: the CPU one alone).
         call.frame.rng_devices = None if env.cpu_rng is None else \
             env.rng_devices() if env.cuda_rng else ()
-        if env.generators:  # NOTE [generators passed in] (rng.py): they jump too
+        if env.generators:  # NOTE [generators passed in] (rng.py), and held: they jump too
             call.frame.generators = tuple(g for g, _ in env.generators)
         assert call.original_call is not None
         args, kwargs = call.original_call

@@ -27,6 +27,7 @@ from .discard_aliases import made_outside
 from .discard_refusals import refuse_input_changed, refuse_output
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
+from .held_generators import held_generators
 from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaf, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
@@ -57,11 +58,15 @@ class DiscardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
         args = inputs[: owner.n_args]  # the rest are fn's parameters (as in the boundary)
-        # NOTE [generators passed in] (rng.py): among the other arguments, as at the boundary.
+        # NOTE [generators passed in] (rng.py): among the other arguments, as at the boundary;
+        # and those fn's modules hold (NOTE [generators held as attributes] in
+        # held_generators.py).
         owner.env = ReplayEnvironment.capture(
             tuple(t for t in args if isinstance(t, torch.Tensor)),
             preserve_rng=owner.preserve_rng_state,
-            leaves=[*args, *flatten(owner.kwargs).leaves] if owner.kwargs else list(args))
+            leaves=[*args, *flatten(owner.kwargs).leaves] if owner.kwargs else list(args),
+            held=held_generators(owner.modules, owner.state[2])
+            if owner.preserve_rng_state and owner.modules and owner.state is not None else ())
         assert owner.fn is not None  # set by checkpoint() before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)

@@ -105,7 +105,8 @@ class Frame:
         # them when it takes the result. Only with the boundary's RNG preserved (its replay
         # restores these generators, and puts the ambient ones back after it), and only for
         # generators its replay restores: the default ones of ``rng_devices``, and those passed
-        # in (``generators``, NOTE [generators passed in] in rng.py); jumping another would
+        # in or held by its modules (``generators``, NOTE [generators passed in] in rng.py, NOTE
+        # [generators held as attributes] in held_generators.py); jumping another would
         # move it outside the replay for good. A nested boundary's first run inside an
         # enclosing replay records the jumps that replay took, for the generators it restores.
         self.rng_jumps: dict[Callable[..., Any], list[RngState | None]] = {}

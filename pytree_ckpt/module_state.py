@@ -29,11 +29,11 @@ from torch.nn.parameter import is_lazy
 from .eager import Told, user_stacklevel
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
-__all__ = ["ModuleDicts", "any_lazy", "argument_module", "call_switches", "changed_submodule",
-           "collect_parameters", "drop_caches", "ever_verified", "foreign_leaf", "graph_attributes",
-           "is_verified", "mark_verified", "module_buffers", "module_dicts", "owning_module",
-           "structure_generation", "submodules_now", "trainable_parameters", "warn_forward_hooks",
-           "watch_module_structure"]
+__all__ = ["GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module", "call_switches",
+           "changed_submodule", "collect_parameters", "drop_caches", "ever_verified",
+           "foreign_leaf", "graph_attributes", "is_verified", "mark_verified", "module_buffers",
+           "module_dicts", "owning_module", "structure_generation", "submodules_now",
+           "trainable_parameters", "warn_forward_hooks", "watch_module_structure"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -105,6 +105,9 @@ def argument_module(leaf: Any, /) -> nn.Module | None:
 
 
 _DICTS = "_pytree_ckpt_dicts"
+# Where held_generators.py caches the generators a tree holds (NOTE [generators held as
+# attributes] there); dropped with the other caches.
+GENERATORS_CACHE = "_pytree_ckpt_generators"
 _VERIFIED = "_pytree_ckpt_verified"
 # Bumped whenever any module gets a submodule, or a buffer under a new name (torch's global
 # registration hooks, installed at the first boundary call, or when a boundary keeping methods
@@ -168,7 +171,7 @@ class _Shape:
 
 def drop_caches(module: nn.Module, /) -> None:
     """Forget what the boundary cached on ``module`` (rebuilt at its next call)."""
-    for name in (_DICTS, _VERIFIED, _SHAPE):
+    for name in (_DICTS, _VERIFIED, _SHAPE, GENERATORS_CACHE):
         module.__dict__.pop(name, None)
 
 

@@ -140,12 +140,13 @@ class ReplayEnvironment:
         self.cpu_rng = cpu_rng
         # NOTE [generators passed in]: a torch.Generator among the call's arguments (a dropout
         # given its own generator; a boundary's call or an output discard's) is one the replay
-        # can see, unlike one a closure or a module attribute holds. Its state at the start of
-        # the original pass is restored for each replay, and the state backward found is put
-        # back after it: the replay draws the forward's numbers, and the generator ends the
-        # step where eager leaves it. Where a reused call or a kept op drew from it, the replay
-        # skips the draw and jumps it past, as the default ones (NOTE [skipped work keeps the
-        # RNG in step] in frames.py: Frame.generators are these).
+        # can see, unlike one a closure holds; so is one the call's modules hold as an
+        # attribute (NOTE [generators held as attributes] in held_generators.py). Its state at
+        # the start of the original pass is restored for each replay, and the state backward
+        # found is put back after it: the replay draws the forward's numbers, and the generator
+        # ends the step where eager leaves it. Where a reused call or a kept op drew from it,
+        # the replay skips the draw and jumps it past, as the default ones (NOTE [skipped work
+        # keeps the RNG in step] in frames.py: Frame.generators are these).
         # Only with preserve_rng_state, as for the default generators: without it, none is
         # restored or jumped, and the replay draws the next numbers of each.
         self.generators: GeneratorStates = ()
@@ -163,9 +164,11 @@ class ReplayEnvironment:
 
     @classmethod
     def capture(cls, tensors: tuple[torch.Tensor, ...], /, *, preserve_rng: bool,
-                leaves: list[Any] | None = None) -> ReplayEnvironment:
+                leaves: list[Any] | None = None,
+                held: tuple[torch.Generator, ...] = ()) -> ReplayEnvironment:
         """The environment now; ``leaves``, the call's other leaves, may hold generators
-        (NOTE [generators passed in])."""
+        (NOTE [generators passed in]); ``held``: those its modules hold as attributes (NOTE
+        [generators held as attributes] in held_generators.py), restored alike."""
         cpu_rng = None
         cuda_rng: dict[int, torch.Tensor] = {}
         if preserve_rng:
@@ -180,8 +183,11 @@ class ReplayEnvironment:
             _get_torch_function_state()
         env = cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled(),
                   torch_function, _kernel_state())
-        if preserve_rng and leaves:
-            generators = {id(g): g for g in leaves if isinstance(g, torch.Generator)}
+        if preserve_rng and (leaves or held):
+            generators = {id(g): g for g in leaves if isinstance(g, torch.Generator)} \
+                if leaves else {}
+            for g in held:  # one passed in and held too is restored once
+                generators[id(g)] = g
             env.generators = tuple((g, g.get_state()) for g in generators.values())
         return env
 

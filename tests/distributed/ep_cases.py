@@ -13,15 +13,16 @@ A case is ``<routing>-<offload>``; routing:
 
 - ``frozen``: the expert choice goes through ``reuse_during_recompute`` (the replay reuses it);
 - ``plain``: it is recomputed in the replay (a deterministic top-k: the same choice);
-- ``jitter_frozen`` / ``jitter_plain``: the choice adds noise drawn from a generator of the
-  router's own (not an argument of the block, so the boundary does not restore it for the
-  replay): frozen, the replay reuses the original choice; plain, it draws new noise and routes
-  the tokens differently from the original pass.
+- ``jitter_frozen`` / ``jitter_plain``: the choice adds noise drawn from a generator the
+  block holds as an attribute (not an argument of the block; the boundary restores it for the
+  replay: NOTE [generators held as attributes] in pytree_ckpt/held_generators.py): frozen, the
+  replay reuses the original choice; plain, it draws the original pass's noise again.
 
 Offload ``on``: an ``OffloadManager`` (min_bytes 0) on each block. Each rank writes
 ``OUT/<case>.rank<r>.pt``: for the unwrapped EP model (``eager``) and the checkpointed one
 (``ckpt``), per SGD step the loss, every gradient, block calls and collectives by phase, the
-expert ids each block chose by phase, and offload stats; or the traceback it raised.
+expert ids each block chose by phase, the state of each block's noise generator after the
+step, and offload stats; or the traceback it raised.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class MoEBlock(nn.Module):
         experts = [nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, DIM))
                    for _ in range(EXPERTS)]  # built on every rank: the same weights
         self.experts = nn.ModuleList(experts[rank * LOCAL:(rank + 1) * LOCAL])
-        # Router noise from a generator of its own: the boundary restores torch's default
-        # generators for the replay, and generators passed in as arguments, not this one.
+        # Router noise from a generator of its own, held as an attribute: the boundary
+        # restores it for the replay, as torch's default generators and those passed in.
         self.noise = torch.Generator().manual_seed(1000 + 10 * rank + index)
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
@@ -171,6 +172,7 @@ def run(model: Model, counts: Counts, rank: int,
         steps.append({"loss": loss.detach(),
                       "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
                       "counts": dict(counts.seen), "ids": list(counts.ids),
+                      "noise": [block.noise.get_state() for block in model.blocks],
                       "offload": None if manager is None else manager.stats()})
         optimizer.step()
         optimizer.zero_grad()

@@ -1,6 +1,8 @@
 """Generators passed in (NOTE [generators passed in] in rng.py) that a reused call or a kept op
 draws from: the replay skips that draw, and must jump the generator past it (NOTE [skipped work
-keeps the RNG in step] in frames.py), as it jumps the default generators."""
+keeps the RNG in step] in frames.py), as it jumps the default generators. Then generators a
+module holds as attributes (NOTE [generators held as attributes] in held_generators.py):
+restored for the replay, jumped, and left where eager leaves them, as those passed in."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from pytree_ckpt import (KeptCallables, KeptOps, RecomputeConfig, SaveUnit,
-                         apply_activation_checkpointing, apply_recompute_config, checkpoint,
-                         reuse_during_recompute)
+from offload import OffloadConfig, OffloadManager
+from pytree_ckpt import held_generators
+from pytree_ckpt import (CheckpointWithoutOutput, KeptCallables, KeptOps, RecomputeConfig,
+                         SaveUnit, apply_activation_checkpointing, apply_recompute_config,
+                         checkpoint, reuse_during_recompute)
 from tests.conftest import assert_same_grads, grads_of
 
 # The generator as the caller passes it: alone, or in a container (the boundary flattens it).
@@ -26,7 +30,7 @@ def _unwrap(rng: Any) -> torch.Generator | None:
 
 def _dropout(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     # nn.functional.dropout takes no generator: the same mask, drawn from the one given.
-    return x * (torch.rand(x.shape, generator=generator) > 0.5) * 2
+    return x * (torch.rand(x.shape, generator=generator, device=x.device) > 0.5) * 2
 
 
 def _jittered_ids(h: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -172,3 +176,278 @@ def test_without_rng_preservation_a_generator_passed_in_moves_as_the_default_one
         for p in wrapped.parameters():
             p.grad = None
     assert_same_grads(*results)
+
+
+# Generators a module holds as attributes (NOTE [generators held as attributes] in
+# held_generators.py): restored for the replay and jumped as those passed in.
+
+def _noisy_ids(h: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    # Router noise as large as the logits: a replay drawing other noise routes elsewhere.
+    return torch.topk(h + torch.randn(h.shape, generator=generator, device=h.device), 2,
+                      dim=-1).indices
+
+
+class Router(nn.Module):
+    """An MoE-style router with noise from a generator of its own (``held``: None draws from
+    the default generator, as before a generator is assigned)."""
+
+    def __init__(self, *, held: bool = True, how: str = "plain") -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.how = how  # "plain": recomputed; "reused": reuse_during_recompute; "kept": kept op
+        if held:
+            self.gen = torch.Generator().manual_seed(5)
+
+    def noise(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.bernoulli(torch.full_like(h, 0.5), generator=self.__dict__.get("gen"))
+
+    def forward(self, x: torch.Tensor, rng: torch.Generator | None = None) -> torch.Tensor:
+        generator = rng if rng is not None else self.__dict__.get("gen")
+        h = self.proj(x)
+        if self.how == "reused":
+            ids = reuse_during_recompute(_noisy_ids, h.detach(), generator)
+        elif self.how == "kept":  # aten::bernoulli kept: the replay takes its output
+            ids = torch.topk(h.detach() + self.noise(h) * 4, 2, dim=-1).indices
+        else:
+            ids = _noisy_ids(h.detach(), generator)
+        y = torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+        return _dropout(y, generator)  # a later draw: in step only if the skipped one jumped
+
+
+class RoutedBlock(nn.Module):
+    """The router as a submodule; ``own``: the block holds a generator too, for its dropout."""
+
+    def __init__(self, *, own: bool = False, held: bool = True, how: str = "plain") -> None:
+        super().__init__()
+        self.router = Router(held=held, how=how)
+        self.out = nn.Linear(8, 8)
+        if own:
+            self.gen = torch.Generator().manual_seed(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _dropout(self.out(self.router(x)), self.__dict__.get("gen"))
+
+
+def _held_generators(model: nn.Module) -> list[torch.Generator]:
+    found = {id(g): g for m in model.modules() for g in m.__dict__.values()
+             if isinstance(g, torch.Generator)}
+    return list(found.values())
+
+
+def _held_step(model: nn.Module) -> list[Any]:
+    """One forward and backward; the loss, the gradients, the states the step left the
+    model's generators and the default one in."""
+    device = next(model.parameters()).device
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(device)
+    x.requires_grad_()
+    torch.manual_seed(7)
+    loss = model(x).square().sum()
+    for g in _held_generators(model):  # the caller draws between forward and backward
+        torch.rand(3, generator=g, device=g.device)
+    loss.backward()
+    out = [loss.detach(), *grads_of([x, *model.parameters()]),
+           *(g.get_state() for g in _held_generators(model)), torch.get_rng_state()]
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def _assert_steps_equal(eager: nn.Module, wrapped: nn.Module, *, steps: int = 3,
+                        between: Any = None) -> None:
+    for step in range(steps):
+        if between is not None:
+            between(step, eager)
+            between(step, wrapped)
+        assert_same_grads(_held_step(eager), _held_step(wrapped))
+
+
+def _offloaded(layer: nn.Module) -> nn.Module:
+    return apply_activation_checkpointing(
+        layer, offload=OffloadManager(OffloadConfig(min_bytes=0), device="cpu"))
+
+
+HELD = {
+    "on the layer": lambda: Router(),
+    "on a submodule": lambda: RoutedBlock(),
+    "on both": lambda: RoutedBlock(own=True),
+    "reused call": lambda: RoutedBlock(how="reused"),
+    "kept op": lambda: RoutedBlock(how="kept"),
+}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["offload off", "offload on"])
+@pytest.mark.parametrize("make", HELD.values(), ids=HELD.keys())
+def test_router_noise_from_a_generator_the_layer_holds_replays_as_eager_drew_it(
+        make: Any, offload: bool) -> None:
+    # Guards against: the replay drew the next numbers of a generator held as a module
+    # attribute (only the default ones and those passed in were restored): other experts,
+    # other gradients and a generator two draws on, silently.
+    def wrapping(layer: nn.Module) -> nn.Module:
+        if isinstance(layer, RoutedBlock) and layer.router.how == "kept":
+            apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                                   {SaveUnit.ATTN: KeptOps("aten::bernoulli")}, offload=offload)
+            return layer
+        return _offloaded(layer) if offload else apply_activation_checkpointing(layer)
+
+    eager, wrapped = _twins(make, wrapping)
+    _assert_steps_equal(eager, wrapped)
+
+
+def test_a_generator_assigned_after_some_steps_is_restored_from_the_next() -> None:
+    # The first steps draw from the default generator; then the router gets a generator of
+    # its own (a new attribute of a submodule, once the library's caches on the layer have
+    # settled: the cached search must find it).
+    def assign(step: int, model: nn.Module) -> None:
+        if step == 2:
+            setattr(model.get_submodule("router"), "gen", torch.Generator().manual_seed(11))
+
+    eager, wrapped = _twins(lambda: RoutedBlock(held=False), apply_activation_checkpointing)
+    _assert_steps_equal(eager, wrapped, steps=4, between=assign)
+
+
+def test_a_generator_replaced_by_another_under_its_name_is_the_one_restored() -> None:
+    def replace(step: int, model: nn.Module) -> None:
+        setattr(model.get_submodule("router"), "gen", torch.Generator().manual_seed(20 + step))
+
+    eager, wrapped = _twins(RoutedBlock, apply_activation_checkpointing)
+    _assert_steps_equal(eager, wrapped, between=replace)
+
+
+def test_a_generator_shared_by_two_checkpointed_layers_ends_each_step_as_in_eager() -> None:
+    def make() -> nn.Module:
+        model = nn.Sequential(RoutedBlock(), RoutedBlock())
+        # one generator, drawn by both layers
+        model.get_submodule("1.router").gen = model.get_submodule("0.router").gen
+        return model
+
+    def wrapping(model: nn.Module) -> nn.Module:
+        for layer in model.children():
+            apply_activation_checkpointing(layer)
+        return model
+
+    eager, wrapped = _twins(make, wrapping)
+    assert len(_held_generators(wrapped)) == 1
+    _assert_steps_equal(eager, wrapped)
+
+
+class NestedHeld(nn.Module):
+    """An inner boundary around the block, inside the outer one around this layer; the router
+    (inside both) and this layer (the outer one only) hold generators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = RoutedBlock(how="reused")
+        self.proj = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(8)
+        self.nested = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.block, x) if self.nested else self.block(x)
+        return _dropout(self.proj(h), self.gen)
+
+
+def test_nested_boundaries_each_restore_the_generators_of_their_own_modules() -> None:
+    def nest(layer: NestedHeld) -> nn.Module:
+        layer.nested = True
+        return apply_activation_checkpointing(layer)
+
+    eager, wrapped = _twins(NestedHeld, nest)
+    _assert_steps_equal(eager, wrapped)
+
+
+class DiscardedNoise(nn.Module):
+    """A dropout module with a generator of its own, its output discarded and rebuilt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(9)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _dropout(h, self.gen)
+
+
+class DiscardingLayer(nn.Module):
+    def __init__(self, *, discard: bool) -> None:
+        super().__init__()
+        self.proj, self.noise, self.out = nn.Linear(8, 8), DiscardedNoise(), nn.Linear(8, 8)
+        self.discard = discard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if not self.discard:
+            return self.out(self.noise(h)) + torch.rand(h.shape, generator=self.noise.gen)
+        ckpt = CheckpointWithoutOutput()
+        out = self.out(ckpt.checkpoint(self.noise, h))
+        ckpt.discard_output_and_register_recompute(out)
+        # a later draw, before the rebuild: the rebuild must draw the forward's mask anyway
+        return out + torch.rand(h.shape, generator=self.noise.gen)
+
+
+def test_a_discarded_op_drawing_from_its_modules_generator_rebuilds_eagers_mask() -> None:
+    torch.manual_seed(0)
+    eager = DiscardingLayer(discard=False)
+    discarding = copy.deepcopy(eager)
+    discarding.discard = True
+    _assert_steps_equal(eager, discarding)
+
+
+@pytest.mark.parametrize("how", ["plain", "reused"])
+def test_without_rng_preservation_a_held_generator_moves_as_one_passed_in_does(how: str) -> None:
+    # preserve_rng_state=False: nothing restored or jumped, for held generators as for those
+    # passed in: the same router, its generator held or given as an argument, gives the same
+    # gradients and leaves the generator equally far on (further than eager: the replay drew).
+    results = []
+    for held in (True, False):
+        torch.manual_seed(0)
+        layer = Router(held=held, how=how)
+        apply_activation_checkpointing(layer, preserve_rng_state=False)
+        generator = layer.gen if held else torch.Generator().manual_seed(5)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.manual_seed(7)
+        loss = (layer(x) if held else layer(x, rng=generator)).square().sum()
+        forward_state = generator.get_state()
+        loss.backward()
+        assert not torch.equal(generator.get_state(), forward_state)  # the replay drew
+        results.append([loss.detach(), *grads_of([x, *layer.parameters()]),
+                        generator.get_state()])
+    assert_same_grads(*results)
+
+
+def test_held_generators_are_searched_for_only_when_a_layers_attributes_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The per-call cost: a layer's attributes are walked at its first calls and when a dict of
+    # its tree changes size (a generator assigned), not at every call.
+    searched: list[nn.Module] = []
+    search = held_generators._search
+
+    def counting(module: nn.Module, tree: Any) -> Any:
+        searched.append(module)
+        return search(module, tree)
+
+    monkeypatch.setattr(held_generators, "_search", counting)
+    model = nn.Sequential(RoutedBlock(held=False), RoutedBlock(held=False))
+    for layer in model.children():
+        apply_activation_checkpointing(layer)
+    for _ in range(3):  # the library's own caches settle in
+        _held_step(model)
+    searched.clear()
+    _held_step(model)
+    assert searched == []
+    setattr(model.get_submodule("1.router"), "gen", torch.Generator().manual_seed(4))
+    _held_step(model)
+    _held_step(model)
+    assert searched == [model[1]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("how", ["plain", "reused"])
+def test_a_cuda_generator_the_layer_holds_replays_as_eager_drew_it(how: str) -> None:
+    # The same path as a CPU generator (get_state and set_state): a CUDA one on a submodule.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        block = RoutedBlock(how=how).cuda()
+        block.router.gen = torch.Generator("cuda").manual_seed(5)  # on the submodule
+        return block
+
+    _assert_steps_equal(make(), apply_activation_checkpointing(make()))
