@@ -93,7 +93,7 @@ from .changed_in_place import (ParameterVersions, raise_input_changed,
 from .compiled_layers import recompile_limit_note
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
-from .held_generators import held_generators
+from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, hooked_modules, recording
 from .keep import KeepMode
 from .kernel_written import remember, remembered
@@ -252,6 +252,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 assert call.owner is not None  # a watch has one, and buffer dicts
                 mark_stateful(call.owner)
         if call.modules is not None:
+            if call.options.preserve_rng_state:  # NOTE [generators held as attributes]
+                warn_made_during(*call.modules, env.generators)
             call.forward_modules = ForwardModules(*call.modules)
             # NOTE [held tensors are not hooked outputs] (hook_outputs.py): after the call too
             if recorded:

@@ -6,6 +6,8 @@ restored for the replay, jumped, and left where eager leaves them, as those pass
 
 from __future__ import annotations
 
+import warnings
+
 import copy
 from typing import Any
 
@@ -311,6 +313,49 @@ def test_a_generator_replaced_by_another_under_its_name_is_the_one_restored() ->
 
     eager, wrapped = _twins(RoutedBlock, apply_activation_checkpointing)
     _assert_steps_equal(eager, wrapped, between=replace)
+
+
+class LazyRouter(Router):
+    """A router whose generator's name holds None from ``__init__`` (the same dict size once
+    a generator is put there); ``lazy``: the forward makes it, on the input's device."""
+
+    def __init__(self, *, lazy: bool = False) -> None:
+        super().__init__(held=False)
+        self.gen: torch.Generator | None = None
+        self.lazy = lazy
+
+    def forward(self, x: torch.Tensor, rng: torch.Generator | None = None) -> torch.Tensor:
+        if self.gen is None and self.lazy:
+            self.gen = torch.Generator(device=x.device).manual_seed(9)
+        return super().forward(x, rng)
+
+
+def test_a_generator_put_in_place_of_none_after_some_steps_is_restored_from_the_next() -> None:
+    # Guards against: the cached search (NOTE [generators held as attributes]) remembering
+    # only names that held a generator, and telling a new attribute by a dict's size: a
+    # generator put under a name that held None changes no size and was never restored (the
+    # replay drew the next numbers, silently, at every later step).
+    def assign(step: int, model: nn.Module) -> None:
+        if step == 2:
+            model.gen = torch.Generator().manual_seed(11)
+
+    eager, wrapped = _twins(LazyRouter, apply_activation_checkpointing)
+    _assert_steps_equal(eager, wrapped, steps=4, between=assign)
+
+
+def test_a_generator_made_lazily_in_the_forward_is_warned_of_once_naming_the_fix() -> None:
+    # Its state before the call that made it was never seen: that call's replay cannot draw
+    # the forward's numbers. Silent before; now warned, once per module.
+    _, wrapped = _twins(lambda: LazyRouter(lazy=True), apply_activation_checkpointing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _held_step(wrapped)
+    told = [w for w in caught if "torch.Generator" in str(w.message)]
+    assert len(told) == 1, [str(w.message) for w in caught]
+    assert "LazyRouter" in str(told[0].message)
+    assert "before the first checkpointed call" in str(told[0].message)
+    assert told[0].filename == __file__  # the user's line, not the library's
 
 
 def test_a_generator_shared_by_two_checkpointed_layers_ends_each_step_as_in_eager() -> None:
