@@ -284,7 +284,6 @@ class CheckpointWithoutOutput:
             return
         self.census = active_census()
         for out, outside in zip(self.outputs, self.made_outside):
-            storage = out.untyped_storage()
             if outside and rebuilt_by_parts(out):
                 # NOTE [a wrapper subclass's bytes are its inner tensors']: no storage of its
                 # own to free (made_outside files it as outside); kept, as eager keeps it.
@@ -302,6 +301,8 @@ class CheckpointWithoutOutput:
                           self._name())
                 self.sizes.append(0)
                 continue
+            # Read only for what is freed: a wrapper kept above has no storage of its own.
+            storage = out.untyped_storage()
             self.sizes.append(storage.nbytes())
             if self.census is not None:
                 self.census.note_discarded(out, keeper=self)

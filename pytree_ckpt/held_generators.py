@@ -29,9 +29,11 @@ A generator made during the checkpointed call itself (``if self.gen is None: sel
 torch.Generator(x.device)`` in the forward) cannot be restored for that call's replay: its
 state before the call was never seen. The replay then draws other numbers than the forward
 did, and the generator ends that step further on than in eager; the boundary warns once per
-module (``warn_made_during``), naming the fix: make it before the first call. Not warned: one
-made as a new attribute of a submodule (not of the call's module) in that call; it is
-restored from the next call on.
+module (``warn_made_during``), naming the fix: make it before the first call. One made as a
+new attribute of a submodule (not of the call's module) in that call is warned of only where
+the call's trees already hold a generator or a None-valued name (the after-check reads the
+submodules' dict sizes only then, to keep the usual layer at one ``len``); it is restored
+from the next call on either way.
 """
 
 from __future__ import annotations

@@ -37,9 +37,10 @@ __all__ = ["GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module", "ca
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
-    """The module whose parameters ``fn`` uses: ``fn`` itself, or the module of a bound method,
-    seen through ``functools.partial`` and wrappers that set ``__wrapped__``; ``None`` for any
-    other callable (NOTE [unknown callables] in boundary.py)."""
+    """The module whose parameters ``fn`` uses: ``fn`` itself, the module of a bound method, or
+    the module a partial binds first to a function of its class (NOTE [a method bound by a
+    partial]), seen through ``functools.partial`` and wrappers that set ``__wrapped__``;
+    ``None`` for any other callable (NOTE [unknown callables] in boundary.py)."""
     for _ in range(8):  # through partials and wrappers (torch.compiler.disable, functools.wraps)
         if isinstance(fn, functools.partial):
             if fn.args and isinstance(fn.args[0], nn.Module) and \

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["SubclassKind", "as_kind", "inner_tensors", "kind_of", "plain_parts",
-           "rebuilt_by_parts", "rebuilt_parts"]
+__all__ = ["SubclassKind", "as_kind", "kind_of", "plain_parts", "rebuilt_by_parts", "rebuilt_parts"]
 
 
 class SubclassKind(NamedTuple):
@@ -39,7 +38,7 @@ def kind_of(tensor: torch.Tensor, /) -> SubclassKind | None:
     cls = type(tensor)
     if cls is torch.Tensor or issubclass(cls, nn.Parameter):
         return None
-    inner = inner_tensors(tensor) or {}
+    inner = _inner_tensors(tensor) or {}
     slots = []
     for klass in cls.__mro__:
         names = klass.__dict__.get("__slots__", ())
@@ -76,7 +75,7 @@ def as_kind(tensor: torch.Tensor, kind: SubclassKind | None, /, *,
 # tensor (``rebuilt_by_parts``): its ragged dimension is tied to its offsets tensor object, so
 # one rebuilt around restored offsets gets a new one (``j3`` for ``j2``) and its replay's
 # output no longer matches; it stays on the device, logged, as before.
-def inner_tensors(tensor: torch.Tensor, /) -> dict[str, torch.Tensor] | None:
+def _inner_tensors(tensor: torch.Tensor, /) -> dict[str, torch.Tensor] | None:
     """A wrapper subclass's inner tensors by attribute name (what else it flattens to, such as
     DTensor's ``device_mesh`` on torch 2.13, holds no bytes); ``None`` for any other tensor."""
     if not is_traceable_wrapper_subclass(tensor):
@@ -90,7 +89,7 @@ def plain_parts(tensor: torch.Tensor, /) -> list[torch.Tensor]:
     """``tensor``, or the plain tensors a wrapper subclass flattens to, recursively."""
     if type(tensor) is torch.Tensor:  # every note of a census: the test alone, not the call
         return [tensor]
-    inner = inner_tensors(tensor)
+    inner = _inner_tensors(tensor)
     if inner is None:
         return [tensor]
     return [plain for t in inner.values() for plain in plain_parts(t)]
@@ -110,4 +109,4 @@ def rebuilt_parts(tensor: torch.Tensor, /) -> list[torch.Tensor]:
     (a DTensor's local shard), else ``tensor`` itself."""
     if not rebuilt_by_parts(tensor):
         return [tensor]
-    return [plain for t in (inner_tensors(tensor) or {}).values() for plain in rebuilt_parts(t)]
+    return [plain for t in (_inner_tensors(tensor) or {}).values() for plain in rebuilt_parts(t)]
