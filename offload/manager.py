@@ -412,7 +412,7 @@ class OffloadManager:
                 # save (a boundary's input it already has under the boundary stays filed
                 # there); a wrapper copied in part, of the inner tensors it left. What
                 # offload_into leaves, its caller reports (a replay frame).
-                for held in _left_on_device(packed):
+                for held in ([packed] if type(packed) is Unchanged else packed.left_on_device()):
                     report_held([held.tensor], Mechanism.AUTOGRAD, holder=held)
             return packed
 
@@ -490,15 +490,6 @@ def _belongs(copy: Copy, lane: Lane | None, pass_: Pass | None) -> bool:
     if owner is None or owner is pass_:
         return True
     return lane is not None and owner.lane() is lane
-
-
-def _left_on_device(packed: Unchanged | Flattened) -> list[Unchanged]:
-    """What of a packed save stays on the device: itself, or a wrapper's inner tensors that
-    were not copied (one not on a window storage, or below ``min_bytes``)."""
-    if isinstance(packed, Unchanged):
-        return [packed]
-    return [held for inner in packed.inner.values() if isinstance(inner, (Unchanged, Flattened))
-            for held in _left_on_device(inner)]
 
 
 def _new_manager(config: OffloadConfig, device: str) -> OffloadManager:

@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from pytree_ckpt.discard import DISCARDED_MARK
 from pytree_ckpt.errors import CheckpointError
 from pytree_ckpt.changed_in_place import CHANGED_AFTER_CALL_TIP
+from pytree_ckpt.saved import Unchanged
 from pytree_ckpt.subclass import SubclassKind, as_kind, kind_of
 
 if TYPE_CHECKING:  # the manager builds these objects; they only read and count into it
@@ -369,3 +370,10 @@ class Flattened:
         rebuilt = self.cls.__tensor_unflatten__(  # type: ignore[attr-defined]
             {**self.others, **restored}, self.context, self.size, self.stride)
         return as_kind(rebuilt, self.kind)
+
+    def left_on_device(self) -> list[Unchanged]:
+        """What of this save stays on the device: the inner tensors that were not copied (one
+        not on a window storage, or below ``min_bytes``), through nested wrappers."""
+        return [held for inner in self.inner.values()
+                for held in ([inner] if isinstance(inner, Unchanged) else
+                             inner.left_on_device() if isinstance(inner, Flattened) else [])]
