@@ -53,7 +53,13 @@ WORLD = 2
 STEPS = 2
 DIM, HIDDEN, BATCH, SEQ = 8, 16, 2, 6
 PLANS = ("mlp", "sp", "drop", "dt")
-COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")
+# What DTensor's redistributions call: the _single forms on torch 2.13; before them (2.11,
+# 2.9) the _tensor ones.
+COLLECTIVES = ("all_reduce",
+               "all_gather_single" if hasattr(funcol, "all_gather_single") else
+               "all_gather_tensor",
+               "reduce_scatter_single" if hasattr(funcol, "reduce_scatter_single") else
+               "reduce_scatter_tensor")
 
 
 class MLP(nn.Module):
