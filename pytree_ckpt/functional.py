@@ -60,13 +60,29 @@ def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
     return [name for name in names if name not in parameters]
 
 
+_FLAGS = (bool, int, float, str)
+
+
+def _grad_leaves(value: Any, /) -> list[Any]:
+    """The tensors requiring grad and the trainable modules ``value`` holds. What a layer's
+    partial usually binds (None, flags, a mask, a (cos, sin) pair) is looked at directly: a
+    PyTree flatten costs microseconds a keyword, at every layer call."""
+    if value is None or type(value) in _FLAGS:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if type(value) is tuple and all(isinstance(v, torch.Tensor) for v in value):
+        return [v for v in value if v.requires_grad]
+    return [leaf for leaf in flatten(value).leaves
+            if (leaf.requires_grad if isinstance(leaf, torch.Tensor) else
+                isinstance(leaf, nn.Module) and
+                any(p.requires_grad for p in leaf.parameters()))]
+
+
 def _trainable(value: Any, owner: nn.Module, /) -> bool:
     """Whether ``value`` holds a tensor requiring grad or a trainable module, other than the
     owner's own (a parameter of it, or a submodule, stays bound: known as they are)."""
-    leaves = [leaf for leaf in flatten(value).leaves
-              if (leaf.requires_grad if isinstance(leaf, torch.Tensor) else
-                  isinstance(leaf, nn.Module) and
-                  any(p.requires_grad for p in leaf.parameters()))]
+    leaves = _grad_leaves(value)
     if not leaves:  # the usual case: a mask, cos/sin, None, flags
         return False
     own = {id(t) for t in owner.parameters()} | {id(m) for m in owner.modules()}
@@ -88,6 +104,12 @@ def _bound_inputs(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str,
     holds for a partial of a layer's bound method (earlier 5.x: ``partial(super().__call__,
     **kwargs)``)."""
     if not isinstance(fn, functools.partial):
+        return fn, args, kwargs
+    # Nothing bound needs a gradient (the usual call: a mask, cos/sin, flags): left as it is,
+    # without looking for the owner.
+    bound_args = fn.args[1:] if fn.args and isinstance(fn.args[0], nn.Module) else fn.args
+    if not any(_grad_leaves(v) for k, v in fn.keywords.items() if k not in kwargs) and \
+            not any(_grad_leaves(a) for a in bound_args):
         return fn, args, kwargs
     owner = owning_module(fn)
     if owner is None:
