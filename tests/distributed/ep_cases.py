@@ -27,8 +27,6 @@ step, and offload stats; or the traceback it raised.
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
 import traceback
 from collections import Counter
@@ -41,6 +39,7 @@ from torch import nn
 
 import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
+from tests.distributed.rank_cases import run_cases
 
 WORLD = 2
 EXPERTS = 4
@@ -198,22 +197,7 @@ def case(name: str, rank: int) -> dict[str, Any]:
 
 
 def main(out: Path, names: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    for name in names:
-        try:
-            result: Any = case(name, rank)
-        except Exception:
-            result = {"ok": False, "error": traceback.format_exc()}
-        torch.save(result, out / f"{name}.rank{rank}.pt")
-        dist.barrier()
-    dist.destroy_process_group()
-    # As fsdp_cases.py: no gloo worker thread's destructor at interpreter exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
+    run_cases(out, names, case)
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])

@@ -15,20 +15,17 @@ same steps in eager on one process.
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pytree_ckpt
+from tests.distributed.rank_cases import run_cases
 
 WORLD = 2
 BLOCKS = 4
@@ -168,22 +165,7 @@ def case(name: str, rank: int) -> list[dict[str, Any]]:
 
 
 def main(out: Path, names: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    for name in names:
-        try:
-            result: Any = {"ok": True, "steps": case(name, rank)}
-        except Exception:
-            result = {"ok": False, "error": traceback.format_exc()}
-        torch.save(result, out / f"{name}.rank{rank}.pt")
-        dist.barrier()
-    dist.destroy_process_group()
-    # As fsdp_cases.py: no gloo worker thread's destructor at interpreter exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
+    run_cases(out, names, lambda name, rank: {"steps": case(name, rank)})
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])

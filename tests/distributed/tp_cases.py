@@ -27,17 +27,13 @@ part (forward, backward) and phase, and the blocks' forward calls; or the traceb
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -48,6 +44,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
+from tests.distributed.rank_cases import run_cases
 
 WORLD = 2
 STEPS = 2
@@ -192,23 +189,14 @@ def case(name: str, rank: int, mesh: DeviceMesh) -> dict[str, Any]:
 
 
 def main(out: Path, names: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for name in names:
-        try:
-            result: Any = {"ok": True, **case(name, rank, mesh)}
-        except Exception:
-            result = {"ok": False, "error": traceback.format_exc()}
-        torch.save(result, out / f"{name}.rank{rank}.pt")
-        dist.barrier()
-    dist.destroy_process_group()
-    # As fsdp_cases.py: no gloo worker thread's destructor at interpreter exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    meshes: list[DeviceMesh] = []
 
+    def with_mesh(name: str, rank: int) -> dict[str, Any]:
+        if not meshes:  # after run_cases made the group; every rank makes it at its first case
+            meshes.append(init_device_mesh("cpu", (WORLD,)))
+        return case(name, rank, meshes[0])
+
+    run_cases(out, names, with_mesh)
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
