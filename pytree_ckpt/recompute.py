@@ -87,7 +87,8 @@ def _used_by_this_backward(edges: tuple[tuple[Any, int], ...], wanted: list[int]
     [bias])``, ``backward(inputs=...)``) will use: eager computes only those, and the replay's
     backward then runs no hook (a child's full backward hook, a tensor hook inside) and computes
     no gradient that eager's does not. ``edges`` are the node's: its tensor inputs only (not
-    ``call``; a module's boundary takes no anchor).
+    ``call``; a module's boundary takes no anchor). The output discard's backward asks it too
+    (discard_function.py).
 
     NOTE [a leaf torch.autograd.grad captures]: asked about a leaf's node, torch answers False
     when the backward does not reach it and raises ("A leaf node was passed ... running

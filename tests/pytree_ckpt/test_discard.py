@@ -734,3 +734,59 @@ def test_a_wrapper_subclass_output_is_kept_with_a_warning_and_gives_eager_gradie
                 assert type(g) is TwoTensor and torch.equal(e.a, g.a) and torch.equal(e.b, g.b)
     warnings = [r.getMessage() for r in caplog.records if r.name == "pytree_ckpt.discard"]
     assert len(warnings) == 1 and "TwoTensor" in warnings[0] and "to_local()" in warnings[0]
+
+
+class _ScaledLinear(nn.Linear):
+    """A discarded op taking a plain value before its tensor (the Function's edges are its
+    tensor inputs only, so its non-tensor arguments shift them)."""
+
+    def forward(self, scale: float, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x * scale)
+
+
+def test_a_gradient_of_the_input_alone_rebuilds_no_parameter_gradient_and_vice_versa() -> None:
+    # A zero-bubble pipeline schedule's input pass (torch.distributed.pipelining's
+    # stage_backward_input) is torch.autograd.grad(outputs, [stage input]), then a weight pass
+    # to the parameters alone. The discard's backward took the gradients of every input and
+    # parameter of the discarded op (torch.autograd.grad over all of them), for autograd to drop
+    # those the restricted backward does not use; it now asks, as the boundary's replay does
+    # (NOTE [a leaf torch.autograd.grad captures] in recompute.py). Products counted by a
+    # dispatch mode, as in test_boundary.py's twin of this test.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.count += str(func.overloadpacket) in ("aten.mm", "aten.addmm")
+            return func(*args, **(kwargs or {}))
+
+    op, consumer = _ScaledLinear(16, 32), nn.Linear(32, 16)
+    x = torch.randn(8, 16, requires_grad=True)  # a leaf, used by the discarded op alone
+    params = [*op.parameters(), *consumer.parameters()]
+
+    def forward(discard: bool) -> torch.Tensor:
+        if not discard:
+            return consumer(op(0.5, x))
+        ckpt = CheckpointWithoutOutput()
+        out = consumer(ckpt.checkpoint(op, 0.5, x))  # the consumer saves the op's output
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+
+    runs = []
+    for discard in (False, True):
+        for wrt in ([x], params):
+            with Products() as products:
+                runs.append((torch.autograd.grad(forward(discard).sum(), wrt), products.count))
+    (eager_input, eager_input_mms), (eager_weight, eager_weight_mms) = runs[:2]
+    (discard_input, discard_input_mms), (discard_weight, discard_weight_mms) = runs[2:]
+    assert_same_grads(list(eager_input), list(discard_input))
+    assert_same_grads(list(eager_weight), list(discard_weight))
+    # Forward, then each layer's dx (two products), or both dW and the consumer's dx.
+    assert (eager_input_mms, eager_weight_mms) == (2 + 2, 2 + 3)
+    assert discard_input_mms - eager_input_mms == 1  # the rebuild, nothing more
+    assert discard_weight_mms - eager_weight_mms == 1
+    assert x.grad is None and all(p.grad is None for p in params)
