@@ -10,10 +10,26 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # examples/ is importable from the repository root
     sys.path.insert(0, str(ROOT))
+
+
+class MatrixProducts(TorchDispatchMode):
+    """Counts the matrix products that run (aten.mm, aten.addmm) while entered: what a replay
+    or a restricted backward computes, where FlopCounterMode's module tracker cannot follow
+    (it raises in eager's torch.autograd.grad of a leaf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.count += str(func.overloadpacket) in ("aten.mm", "aten.addmm")
+        return func(*args, **(kwargs or {}))
 
 
 def grads_of(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import pytree_ckpt
+from tests.conftest import MatrixProducts
 from tests.distributed.rank_cases import run_cases
 
 WORLD = 2
@@ -43,19 +43,6 @@ SCHEDULES = {
     "dualpipev": ("ScheduleDualPipeV", 2, True),
 }
 CALLS: Counter[int] = Counter()  # forward calls of each block on real (not meta) tensors
-
-
-class Products(TorchDispatchMode):
-    """Counts the matrix products that run (two in each block's forward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        self.count += str(func.overloadpacket) in ("aten.mm", "aten.addmm")
-        return func(*args, **(kwargs or {}))
 
 
 class Block(nn.Module):
@@ -152,7 +139,7 @@ def case(name: str, rank: int) -> list[dict[str, Any]]:
         losses: list[torch.Tensor] = []
         args = (x,) if first else ()
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if last else {}
-        with Products() as products:
+        with MatrixProducts() as products:
             runner.step(*args, **kwargs)
         steps.append({"losses": [loss.detach() for loss in losses],
                       "products": products.count,

@@ -3,6 +3,8 @@ bytes backward gets back when the saved storage changed after forward."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -335,12 +337,22 @@ def _sin_cos(t: torch.Tensor) -> torch.Tensor:
     return TwoTensor(t.sin(), t.cos())
 
 
-def test_a_frozen_result_of_a_wrapper_subclass_is_offloaded_by_its_inner_tensors() -> None:
+def _tagged_sin_cos(t: torch.Tensor) -> torch.Tensor:
+    result = _sin_cos(t)
+    result.tag = 2.0  # an attribute TwoTensor does not flatten
+    return result
+
+
+@pytest.mark.parametrize("frozen", [_sin_cos, _tagged_sin_cos], ids=["plain", "tagged"])
+def test_a_frozen_result_of_a_wrapper_subclass_is_offloaded_by_its_inner_tensors(
+        frozen: Any) -> None:
     # A frozen result that is a DTensor (a tensor-parallel layer's top-k ids) keeps its bytes
     # in its local shard; TwoTensor, torch's test wrapper subclass, in two inner tensors.
     # offload_into copies both, and the replay gets the wrapper back, rebuilt around the
     # restored ones (NOTE [a wrapper subclass's bytes are its inner tensors'] in
-    # pytree_ckpt/subclass.py). Before, it stayed on the device, with a log line.
+    # pytree_ckpt/subclass.py). Before, it stayed on the device, with a log line. "tagged"
+    # guards against: the rebuild by __tensor_unflatten__ alone dropped the attributes set on
+    # it: the replay, reading scale.tag as the original pass did, raised AttributeError.
     import copy
 
     from torch.testing._internal.two_tensor import TwoTensor
@@ -356,9 +368,9 @@ def test_a_frozen_result_of_a_wrapper_subclass_is_offloaded_by_its_inner_tensors
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.lin(x)
-            scale = reuse_during_recompute(_sin_cos, h.detach())
+            scale = reuse_during_recompute(frozen, h.detach())
             seen.append((type(scale), torch.is_grad_enabled()))
-            return h * scale
+            return h * scale * (scale.tag if frozen is _tagged_sin_cos else 1.0)
 
     torch.manual_seed(0)
     eager = Scaled()
@@ -370,44 +382,6 @@ def test_a_frozen_result_of_a_wrapper_subclass_is_offloaded_by_its_inner_tensors
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in wrapped.parameters()])
     # eager's call, the original pass, the replay
     assert seen == [(TwoTensor, True), (TwoTensor, False), (TwoTensor, True)]
-    stats = m.stats()
-    # x, and the frozen result's two inner tensors
-    assert stats["offloaded_bytes"] == stats["restored_bytes"] == x.nbytes + 2 * 4 * 8 * 4
-    assert stats["host_buffers_in_use"] == 0
-
-
-def _tagged_sin_cos(t: torch.Tensor) -> torch.Tensor:
-    result = _sin_cos(t)
-    result.tag = 2.0  # an attribute TwoTensor does not flatten
-    return result
-
-
-def test_a_frozen_wrapper_subclass_result_comes_back_with_its_attributes() -> None:
-    # Guards against: offload_into's rebuild of a wrapper frozen result (a DTensor's, a
-    # TwoTensor's) by __tensor_unflatten__ alone dropped the attributes set on it: the replay,
-    # reading scale.tag as the original pass did, raised AttributeError in backward.
-    import copy
-
-    from pytree_ckpt import apply_activation_checkpointing, reuse_during_recompute
-
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.lin(x)
-            scale = reuse_during_recompute(_tagged_sin_cos, h.detach())
-            return h * scale * scale.tag
-
-    torch.manual_seed(0)
-    eager = Scaled()
-    m = manager(min_bytes=0)
-    wrapped = apply_activation_checkpointing(copy.deepcopy(eager), offload=m)
-    x = torch.randn(4, 8)
-    for model in (eager, wrapped):
-        model(x).sum().backward()
-    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in wrapped.parameters()])
     stats = m.stats()
     # x, and the frozen result's two inner tensors
     assert stats["offloaded_bytes"] == stats["restored_bytes"] == x.nbytes + 2 * 4 * 8 * 4

@@ -17,7 +17,7 @@ from torch import nn
 
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
-from tests.conftest import assert_same_grads, grads_of, run_twice
+from tests.conftest import MatrixProducts, assert_same_grads, grads_of, run_twice
 from tests.pytree_ckpt.models import MappingOutput, Stack
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -1013,18 +1013,6 @@ def test_a_gradient_of_the_input_alone_replays_no_parameter_gradient_and_vice_ve
     # torch.autograd.grad captures, and every leaf after such a one was taken as used.
     # (Products counted by a dispatch mode: FlopCounterMode's module tracker raises in eager's
     # torch.autograd.grad of a leaf.)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Products(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
-            self.count += str(func.overloadpacket) in ("aten.mm", "aten.addmm")
-            return func(*args, **(kwargs or {}))
-
     block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     x = torch.randn(8, 16, requires_grad=True)
     params = list(block.parameters())
@@ -1033,7 +1021,7 @@ def test_a_gradient_of_the_input_alone_replays_no_parameter_gradient_and_vice_ve
         if wrapped:
             pytree_ckpt.apply_activation_checkpointing(block)
         for wrt in ([x], params):
-            with Products() as products:
+            with MatrixProducts() as products:
                 runs.append((torch.autograd.grad(block(x).sum(), wrt), products.count))
     (eager_input, eager_input_mms), (eager_weight, eager_weight_mms) = runs[:2]
     (ckpt_input, ckpt_input_mms), (ckpt_weight, ckpt_weight_mms) = runs[2:]

@@ -19,7 +19,7 @@ from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError,
                          CheckpointWithoutOutput, CheckpointWithoutOutputManager,
                          build_residual_stream_recompute_plan, checkpoint, current_phase)
-from tests.conftest import assert_same_grads, grads_of
+from tests.conftest import MatrixProducts, assert_same_grads, grads_of
 from tests.pytree_ckpt.models import UsesOwnWeight
 
 
@@ -752,18 +752,6 @@ def test_a_gradient_of_the_input_alone_rebuilds_no_parameter_gradient_and_vice_v
     # those the restricted backward does not use; it now asks, as the boundary's replay does
     # (NOTE [a leaf torch.autograd.grad captures] in recompute.py). Products counted by a
     # dispatch mode, as in test_boundary.py's twin of this test.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Products(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
-            self.count += str(func.overloadpacket) in ("aten.mm", "aten.addmm")
-            return func(*args, **(kwargs or {}))
-
     op, consumer = _ScaledLinear(16, 32), nn.Linear(32, 16)
     x = torch.randn(8, 16, requires_grad=True)  # a leaf, used by the discarded op alone
     params = [*op.parameters(), *consumer.parameters()]
@@ -779,7 +767,7 @@ def test_a_gradient_of_the_input_alone_rebuilds_no_parameter_gradient_and_vice_v
     runs = []
     for discard in (False, True):
         for wrt in ([x], params):
-            with Products() as products:
+            with MatrixProducts() as products:
                 runs.append((torch.autograd.grad(forward(discard).sum(), wrt), products.count))
     (eager_input, eager_input_mms), (eager_weight, eager_weight_mms) = runs[:2]
     (discard_input, discard_input_mms), (discard_weight, discard_weight_mms) = runs[2:]
