@@ -17,6 +17,7 @@ from .forward_modules import ForwardModules
 from .frames import Frame
 from .hook_outputs import HookedOutputs
 from .keep import KeepPolicy
+from .kept_replay import KeptReplay
 from .module_state import ModuleDicts
 from .refusals import fn_name
 from .rng import ReplayEnvironment
@@ -63,7 +64,7 @@ class BoundaryCall:
                  "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
                  "changed_state", "modules", "forward_modules", "hooked", "hooked_outputs",
                  "held", "subclasses", "switches", "inference", "saved_versions",
-                 "param_versions", "plain_state")
+                 "param_versions", "plain_state", "kept")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -85,6 +86,8 @@ class BoundaryCall:
         self.params: list[torch.Tensor] | None = None  # None: an unknown callable
         self.owner: nn.Module | None = None
         self.frame = Frame()
+        # NOTE [a replay kept between restricted backwards] (kept_replay.py)
+        self.kept: KeptReplay | None = None
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.out_tensor_index: list[int] = []

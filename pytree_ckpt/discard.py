@@ -68,6 +68,7 @@ from .eager import DISCARD_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .forward_modules import ForwardModules
 from .frames import callable_name
+from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
@@ -212,6 +213,7 @@ class CheckpointWithoutOutput:
             self.passthrough = True
             self.reachable = None
             return fn(*args, **kwargs)
+        note_discard()  # NOTE [a replay kept between restricted backwards] (kept_replay.py)
         outputs = tuple(_apply(self, *args, *(self.params or ())))  # NOTE [discard stays eager]
         if not any(o.requires_grad for o in outputs):
             # No output can carry a gradient, so autograd keeps no node (and no inputs) to

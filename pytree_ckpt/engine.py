@@ -33,11 +33,14 @@ _engine_run_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward"
 
 
 def input_grads(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                inputs: Sequence[torch.Tensor], /) -> tuple[torch.Tensor | None, ...]:
-    """``torch.autograd.grad(outputs, inputs, grads, allow_unused=True)``, for ``grads`` of
-    the outputs' own shapes and dtypes (none ``None``)."""
+                inputs: Sequence[torch.Tensor], /, retain: bool = False
+                ) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grads, retain_graph=retain, allow_unused=True)``,
+    for ``grads`` of the outputs' own shapes and dtypes (none ``None``). ``retain``: NOTE
+    [a replay kept between restricted backwards] (kept_replay.py)."""
     if _engine_run_backward is None:
-        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=retain,
+                                   allow_unused=True)
     # (outputs, grad_outputs, retain_graph, create_graph, inputs, allow_unused), as grad passes.
-    return _engine_run_backward(tuple(outputs), tuple(grads), False, False, tuple(inputs),
+    return _engine_run_backward(tuple(outputs), tuple(grads), retain, False, tuple(inputs),
                                 True, accumulate_grad=False)

@@ -19,7 +19,11 @@ NOTE [frame lifetime]: a frame lives on its invocation, which lives on the autog
 cleared as soon as the node's own backward is done, in a backward without ``retain_graph``
 (autograd frees the node's saved tensors then; ``replay_backward`` (recompute.py) clears the
 frame), or when the graph is garbage collected without a backward. Cursors are reset at the
-start of each replay, so ``backward(retain_graph=True)`` can replay twice.
+start of each replay, so ``backward(retain_graph=True)`` can replay twice. A restricted
+backward with ``retain_graph`` keeps its replay's graph (NOTE [a replay kept between restricted
+backwards] in kept_replay.py): the node's next run reads no frame, and a backward without
+``retain_graph`` still clears it (from the kept path); the frame outlives the kept graph under
+``retain_graph``, for a later full replay.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from .engine import input_grads
 from .errors import CheckpointError, SavedTensorChanged
 from .hook_outputs import recording
 from .keep import KeepMode
+from .kept_replay import KeptReplay, discards_made
 from .module_state import is_verified
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
@@ -139,6 +140,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 "apply_activation_checkpointing) so its parameters are known, or call "
                 "loss.backward() and read .grad")
     needs = ctx.needs_input_grad[2:]
+    if call.kept is not None:  # NOTE [a replay kept between restricted backwards]
+        return _from_kept(ctx, call, call.kept, grad_outputs)
     n = call.n_inputs + len(call.attributes)
     try:
         saved = ctx.saved_tensors
@@ -153,6 +156,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     if call.inference is not None:  # NOTE [inference tensors are kept as they are] (boundary.py)
         saved = tuple(call.inference.get(i, t) for i, t in enumerate(saved))
     call.frame.start_replay()
+    discards = discards_made()  # NOTE [a replay kept between restricted backwards]
     assert call.env is not None
     invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
     token = ACTIVE.set(invocation)
@@ -255,13 +259,16 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     flat = flatten(output)
     call.check_replay(flat.spec, flat.leaves, flat.tensor_index)
     outs, grads = [], []
-    for index, grad in zip(flat.tensor_index, grad_outputs):
+    placed: list[tuple[int, torch.Tensor]] = []  # for a kept graph: by place in grad_outputs
+    for place, (index, grad) in enumerate(zip(flat.tensor_index, grad_outputs)):
         out = flat.leaves[index]
         if out.grad_fn is ctx:
             raise_attached_to_outside_tensor(call, flat.spec, index)
-        if grad is not None and out.requires_grad:
-            outs.append(out)
-            grads.append(grad)
+        if out.requires_grad:
+            placed.append((place, out))
+            if grad is not None:
+                outs.append(out)
+                grads.append(grad)
     if call.hooked_outputs is not None:
         assert recorded is not None
         extra = call.hooked_outputs.replayed(recorded, fn_name(call.fn))
@@ -269,9 +276,11 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         for position, (out, grad) in enumerate(zip(extra, extra_grads)):
             if out.grad_fn is ctx:
                 raise_hooked_outside_tensor(call, position)
-            if grad is not None and out.requires_grad:
-                outs.append(out)
-                grads.append(grad)
+            if out.requires_grad:
+                placed.append((len(flat.tensor_index) + position, out))
+                if grad is not None:
+                    outs.append(out)
+                    grads.append(grad)
     # NOTE [frame lifetime] (frames.py), here: without retain_graph this node never runs
     # again (autograd frees its saved tensors right after it), so its frame is cleared as
     # soon as its own backward
@@ -303,9 +312,15 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     # NOTE [parameters frozen or unfrozen since the forward] (discard_function.py): a
     # parameter frozen since the forward (requires_grad_(False) before backward) gets no
     # gradient, as in eager, where its AccumulateGrad then does nothing.
-    wanted = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
+    needed = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
+    wanted = needed
     if wanted and not _checkpoint_valid():
         wanted = _used_by_this_backward(ctx.next_functions, wanted)
+    # NOTE [a replay kept between restricted backwards] (kept_replay.py): a restricted backward
+    # that keeps the graph keeps this replay's too, for the node's next run; not a replay that
+    # made an output discard (one-shot).
+    keep = keep_graph and bool(outs) and 0 < len(wanted) < len(needed) and \
+        discards_made() == discards
     if outs and call.owner is not None and \
             not is_verified(call.owner, call.switches):
         verify_leaves(call, outs, wrt)
@@ -316,13 +331,16 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 # NOTE [the replay calls the engine directly] (engine.py): outs passed
                 # check_replay, and grads are autograd's own for them.
                 got = input_grads(replayed, grads, wrt if len(wanted) == len(wrt) else
-                                  [wrt[i] for i in wanted])  # all wanted: the usual case
+                                  [wrt[i] for i in wanted],  # all wanted: the usual case
+                                  keep)
             except RuntimeError as error:
                 if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
                     raise
                 raise_torch_reentrant_inside(call, error)
         for i, grad in zip(wanted, got):
             result[i] = grad
+        if keep:
+            call.kept = KeptReplay(placed, wrt, saved, set(wanted))
     elif call.params:
         # Every parameter gets None (no output had a gradient): NOTE [unused parameters get
         # no hook call] (parameter_hooks.py) holds here too.
@@ -332,6 +350,49 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     _inputs_without_gradient(saved, result[:n], needs)
     if release:
         call.frame.clear()
+    return (None, None, *result)
+
+
+def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
+               grad_outputs: tuple[torch.Tensor | None, ...], /) -> Any:
+    """The gradients this run of the node takes, from the graph an earlier restricted run
+    kept (NOTE [a replay kept between restricted backwards] in kept_replay.py): no replay, no
+    unpack of the saved inputs, no frame read."""
+    assert call.params is not None  # kept only where the parameters are known
+    keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+    needs = ctx.needs_input_grad[2:]
+    wrt = kept.wrt
+    needed = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
+    wanted = needed
+    if wanted and not _checkpoint_valid():
+        wanted = _used_by_this_backward(ctx.next_functions, wanted)
+    taken = kept.taken.union(wanted)
+    last = not keep_graph or taken.issuperset(needed)  # never used again: retain nothing
+    outs, grads = kept.pairs(grad_outputs)
+    result: list[torch.Tensor | None] = [None] * len(wrt)
+    if outs and wanted:
+        with ParameterHooksPaused(call.params, outs) as replayed:  # once per gradient
+            try:
+                got = input_grads(replayed, grads, [wrt[i] for i in wanted], not last)
+            except RuntimeError as error:
+                if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
+                    raise
+                raise_torch_reentrant_inside(call, error)
+        for i, grad in zip(wanted, got):
+            result[i] = grad
+    elif call.params:
+        ParameterHooksPaused(call.params)  # NOTE [unused parameters get no hook call]
+    n = len(wrt) - len(call.params)
+    accumulated_nothing(call.params, result[n:], needs[n:])
+    _inputs_without_gradient(kept.saved, result[:n], needs)
+    if last:
+        call.kept = None
+    else:
+        kept.taken = taken
+    if not keep_graph:  # as after a replay: NOTE [frame lifetime] (frames.py)
+        call.changed_state = None
+        if call.frame.results or call.reported:
+            call.frame.clear()
     return (None, None, *result)
 
 

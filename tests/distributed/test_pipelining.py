@@ -78,23 +78,29 @@ def _split(schedule: str, block: int) -> int:
 
 
 @pytest.mark.parametrize("name", WRAPPED)
-def test_a_checkpointed_block_replays_once_per_backward_pass_and_nothing_more(
+def test_a_checkpointed_block_replays_once_per_micro_batch_split_backward_or_not(
         ranks: dict[str, list[list[dict[str, Any]]]], name: str) -> None:
-    # Each block runs forward once a micro-batch unwrapped; checkpointed, once more for each
-    # backward pass that reaches it: twice a micro-batch, three times when the schedule splits
-    # its backward, as the weight pass replays the block again (the input pass keeps no
-    # recomputed graph: the saved inputs are all a checkpointed block holds between passes).
+    # Each block runs forward once a micro-batch unwrapped; checkpointed, once more: twice a
+    # micro-batch, also where the schedule splits its backward. The input pass keeps the
+    # replay's graph, and the weight pass takes the parameters' gradients from it (NOTE [a
+    # replay kept between restricted backwards] in pytree_ckpt/kept_replay.py); it replayed the
+    # block again, three forwards a micro-batch.
     schedule = name.split("-")[0]
     plain = ranks[f"{schedule}-plain"]
+    split = 0
     for rank, steps in enumerate(ranks[name]):
         calls, plain_calls = steps[1]["calls"], plain[rank][1]["calls"]
         assert plain_calls == {block: MICRO for block in calls}
-        assert calls == {block: 2 * MICRO + _split(schedule, block) for block in calls}
-        # Products: two in each block's forward, so two in each replay, and one more in each
-        # weight pass (the product to the second linear's input, the first's dW needs, which
-        # eager's weight pass finds in the input pass's graph). None for a dW in the input pass:
-        # NOTE [a leaf torch.autograd.grad captures] (recompute.py); it computed two (the
-        # blocks' dW) in every input pass.
+        assert calls == {block: 2 * MICRO for block in calls}
+        split += sum(_split(schedule, block) for block in calls)
+        # Products: two in each block's forward, so two in each replay (no more replays in the
+        # weight pass: it took two), and one more in each weight pass: the product to the second
+        # linear's input, the first's dW needs, which eager's weight pass reads from the
+        # gradients torch captured at the graph's nodes in the input pass, where the boundary's
+        # node is one node: its kept graph holds the replay's tensors, not the input pass's
+        # gradients inside it. None for a dW in the input pass (NOTE [a leaf
+        # torch.autograd.grad captures] in recompute.py).
         replays = sum(calls[block] - plain_calls[block] for block in calls)
         weight_passes = sum(_split(schedule, block) for block in calls)
         assert steps[1]["products"] - plain[rank][1]["products"] == 2 * replays + weight_passes
+    assert split == {"1f1b": 0, "zbv": 3 * MICRO, "dualpipev": 3}[schedule]  # passes were split

@@ -1,0 +1,108 @@
+"""A replay's graph kept between the passes of a split backward (a zero-bubble pipeline's input
+pass, then its weight pass), so the second pass computes the remaining gradients from it
+instead of replaying the call again. ``replay_backward`` (recompute.py) makes and reads it.
+
+NOTE [a replay kept between restricted backwards]: torch's zero-bubble schedules
+(``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``) split a
+stage's backward: ``torch.autograd.grad(outputs, [stage input], retain_graph=True)``, then, later,
+gradients from the graph's nodes to the parameters. The boundary's node runs in both, and
+replayed the call in each (three forwards a micro-batch where eager runs one, the checkpoint's
+usual two). Eager keeps the block's graph between the two passes; so does a replay whose
+backward is *restricted* (``_used_by_this_backward`` leaves out some gradient the node could
+give) and *keeps the graph* (the outer task's ``keep_graph``: the node may run again): its
+replayed outputs and the tensors its gradients are taken to live here, on the call, and the
+replay's gradient call retains its graph. A later run of the node takes its gradients from this
+graph, with the gradients autograd hands it then (any: the graph is a function of the inputs
+alone), and replays nothing. Released (the last use's gradient call retains nothing) as soon as
+it can never be used again: when the gradients taken from it so far cover every one the node
+can give (a later run replays anew, as today's second ``backward(retain_graph=True)`` does),
+when a backward without ``keep_graph`` runs the node, or with the call itself, which only the
+node (ctx) holds: ``torch.autograd.grad(out, x, retain_graph=True)`` with no weight pass after
+it keeps the replay's graph as long as the user keeps ``out``'s graph, and no longer (what a
+restricted backward with ``retain_graph`` costs in eager too: its graph). Nothing in the kept
+graph refers to the node (its leaves are the detached inputs and the parameters), so no cycle
+holds it past that (tests/pytree_ckpt/test_kept_replay.py checks it by weak reference).
+
+What else a replay touches, with a kept graph:
+
+- Frozen results (NOTE [frame lifetime] in frames.py): a reuse of the graph reads no frame;
+  the frame is still cleared only by a backward without ``keep_graph`` (a kept graph released
+  because every gradient was taken, under ``keep_graph``, leaves a later run a full replay,
+  which needs it). Offloaded frozen results are restored once, by the one replay.
+- Parameter hooks (NOTE [parameter hooks run once] in parameter_hooks.py): each use of the
+  graph pauses them around its gradient call, as a replay does (the pause's prehooks go on the
+  kept outputs' nodes for that call only), so each hook runs once per gradient, where the
+  outer backward delivers it: the input pass gives no parameter a gradient, the weight pass
+  each. Post-accumulate-grad hooks: as with a replay (``accumulated_nothing`` for the ``None``
+  each pass returns).
+- Offload: a reuse does not read ``ctx.saved_tensors``, so nothing is unpacked or restored a
+  second time; the restored inputs stay alive while the graph holds their detached aliases
+  (offload never frees a restored storage in place: refcounted).
+- Module state (NOTE [the replay changes copies] in state_changes.py): each replay's copies are
+  its own, made afresh, so the kept graph's saved tensors stay the replay's; the snapshots
+  (``call.changed_state``) are dropped, as before, by a backward without ``keep_graph``. A
+  module's buffer the replay saved as it is (not a copy) and a later forward changes in place
+  before the weight pass fails autograd's version check, as eager's graph would.
+- Held generators and RNG: a replay leaves every generator as it found it (``Replaying``), so a
+  skipped replay changes nothing outside.
+- Census: the replay's graph is shadowed from a census (recompute.py), kept or not: its bytes
+  are not counted (docs/limits.md), and nothing else changes: the frame is released when it
+  was before.
+- ``verify_leaves`` (refusals.py): at the first replay, which a kept graph comes from.
+- A second input pass (``torch.autograd.grad(loss, [x], retain_graph=True)`` twice): reuses
+  the graph again, the same products on the same values: equal to eager's second pass.
+
+Not kept, the node replays in each pass as before: a replay that made an output discard
+(``CheckpointWithoutOutput``, discard.py): its rebuild and its node's backward run once per
+forward (``owner.recomputed`` is dropped after the first, and a second rebuild raises), so a
+second pass through the same discarded op cannot work; a fresh replay discards and rebuilds
+anew. ``discard_made`` counts discards made (any thread: one made by another thread meanwhile
+only makes the replay keep nothing, the old behaviour). A callable that is no module
+(``call.params`` unknown) is never restricted (refused there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["KeptReplay", "discards_made", "note_discard"]
+
+_DISCARDS = [0]  # NOTE [a replay kept between restricted backwards]: discards made so far
+
+
+def note_discard() -> None:
+    """An output discard was made (its graph is one-shot)."""
+    _DISCARDS[0] += 1
+
+
+def discards_made() -> int:
+    return _DISCARDS[0]
+
+
+class KeptReplay:
+    """NOTE [a replay kept between restricted backwards]: one replay's graph, for the node's
+    next runs."""
+
+    __slots__ = ("outs", "wrt", "saved", "taken", "__weakref__")
+
+    def __init__(self, outs: Sequence[tuple[int, torch.Tensor]], wrt: Sequence[torch.Tensor],
+                 saved: Sequence[torch.Tensor], taken: set[int], /) -> None:
+        # The replayed outputs that require grad, by their place in the node's grad_outputs.
+        self.outs = tuple(outs)
+        self.wrt = tuple(wrt)      # the detached inputs, then the parameters
+        self.saved = tuple(saved)  # what ctx.saved_tensors gave (for inputs' hooks)
+        self.taken = taken         # the places in wrt whose gradients were taken so far
+
+    def pairs(self, grad_outputs: Sequence[Any], /
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The kept outputs that get a gradient this time, and those gradients."""
+        outs, grads = [], []
+        for place, out in self.outs:
+            grad = grad_outputs[place]
+            if grad is not None:
+                outs.append(out)
+                grads.append(grad)
+        return outs, grads

@@ -1,0 +1,187 @@
+"""A split backward (an input pass with the graph kept, then a weight pass: what a zero-bubble
+pipeline schedule runs in every stage) replays each checkpointed layer once, not once per pass
+(NOTE [a replay kept between restricted backwards] in pytree_ckpt/kept_replay.py). Against an
+unwrapped eager twin, bit for bit (fp32)."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from offload import OffloadConfig, OffloadManager
+from pytree_ckpt import CheckpointWithoutOutput, reuse_during_recompute
+from tests.conftest import MatrixProducts, assert_same_grads
+
+CALLS: Counter[str] = Counter()  # forward calls (of each layer kind), frozen calls
+
+
+def _scale_of(h: torch.Tensor) -> torch.Tensor:
+    CALLS["frozen"] += 1
+    return torch.sigmoid(h.sum(-1, keepdim=True))
+
+
+class Block(nn.Module):
+    """Residual Linear-GELU-Linear; ``frozen``: its gate is a frozen result; ``discard``: its
+    activation's output is discarded."""
+
+    def __init__(self, frozen: bool = False, discard: bool = False) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.frozen, self.discard = frozen, discard
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        CALLS["block"] += 1
+        up = self.up(h)
+        if self.discard:
+            ckpt = CheckpointWithoutOutput()
+            act = ckpt.checkpoint(torch.nn.functional.gelu, up)
+            down = self.down(act)
+            ckpt.discard_output_and_register_recompute(down)
+        else:
+            down = self.down(torch.nn.functional.gelu(up))
+        if self.frozen:
+            down = down * reuse_during_recompute(_scale_of, h.detach())
+        return h + down
+
+
+def _models(offload: bool = False, **kind: bool
+            ) -> tuple[nn.Module, nn.Module, OffloadManager | None]:
+    torch.manual_seed(0)
+    eager = nn.Sequential(Block(**kind), Block(**kind))
+    wrapped = copy.deepcopy(eager)
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload else None
+    for block in wrapped:
+        pytree_ckpt.apply_activation_checkpointing(block, offload=manager or False)
+    return eager, wrapped, manager
+
+
+def _split_backward(model: nn.Module, x: torch.Tensor, weight_pass: str
+                    ) -> tuple[list[Any], int, Counter[str]]:
+    """An input pass then a weight pass; the gradients, products and calls."""
+    CALLS.clear()
+    params = list(model.parameters())
+    with MatrixProducts() as products:
+        loss = model(x).square().sum()
+        (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+        if weight_pass == "grad":
+            dw = list(torch.autograd.grad(loss, params))
+        else:
+            loss.backward(inputs=params)
+            dw = [p.grad for p in params]
+    return [dx, *dw], products.count, Counter(CALLS)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+@pytest.mark.parametrize("weight_pass", ["grad", "backward"])
+def test_an_input_pass_then_a_weight_pass_replay_each_layer_once_with_eager_gradients(
+        weight_pass: str, offload: bool) -> None:
+    eager, wrapped, manager = _models(offload)
+    hooked: Counter[str] = Counter()
+    accumulated: Counter[str] = Counter()
+    for model in (eager, wrapped):
+        for name, p in model.named_parameters():
+            # Doubles: a hook run twice (in a replay's gradient call and again at the
+            # parameter) would give 4x; counted by name across both models.
+            p.register_hook(lambda g, name=name: (hooked.update([name]), g * 2)[1])
+            p.register_post_accumulate_grad_hook(
+                lambda t, name=name: accumulated.update([name]))
+    x = torch.randn(4, 8, requires_grad=True)
+    want, eager_products, eager_calls = _split_backward(eager, x, weight_pass)
+    got, products, calls = _split_backward(wrapped, x, weight_pass)
+    assert_same_grads(want, got)
+    assert eager_calls["block"] == 2
+    assert calls["block"] == 2 * 2  # the original pass and one replay each (three before)
+    # The two replays' forward products, nothing more: the weight pass takes dW from the
+    # kept graph, as eager's does (it replayed both blocks again, 4 products, and recomputed
+    # each block's second dx, the first linear's dW needs: 2 more).
+    assert products - eager_products == 2 * 2
+    names = [name for name, _ in eager.named_parameters()]
+    assert hooked == Counter({name: 2 for name in names})  # once a model
+    # Accumulated only by backward(inputs=...), once a model: never after a None.
+    assert accumulated == Counter({name: 2 for name in names if weight_pass == "backward"})
+    if manager is not None:
+        stats = manager.stats()
+        assert stats["offloaded_bytes"] == stats["restored_bytes"] == 2 * x.nbytes  # once
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_a_frozen_result_layer_replays_once_across_both_passes_and_releases_its_frame(
+        offload: bool) -> None:
+    eager, wrapped, manager = _models(offload, frozen=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    want, _, eager_calls = _split_backward(eager, x, "grad")
+    CALLS.clear()
+    loss = wrapped(x).square().sum()
+    node = loss.grad_fn.next_functions[0][0].next_functions[0][0]  # the second block's
+    frame = node.call.frame
+    (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+    assert not frame.released  # the weight pass may still need it
+    dw = torch.autograd.grad(loss, list(wrapped.parameters()))
+    assert frame.released
+    assert_same_grads(want, [dx, *dw])
+    assert eager_calls == Counter({"block": 2, "frozen": 2})
+    assert CALLS == Counter({"block": 4, "frozen": 2})  # the frozen call never replayed
+    if manager is not None:
+        stats = manager.stats()
+        # x and the block input, and each frame's gate (4 x 1 floats), restored once
+        assert stats["offloaded_bytes"] == stats["restored_bytes"] == 2 * x.nbytes + 2 * 16
+
+
+def test_a_second_input_pass_reuses_the_kept_graph_and_stays_exact() -> None:
+    eager, wrapped, _ = _models()
+    x = torch.randn(4, 8, requires_grad=True)
+    results = []
+    for model in (eager, wrapped):
+        CALLS.clear()
+        loss = model(x).square().sum()
+        first = torch.autograd.grad(loss, [x], retain_graph=True)
+        second = torch.autograd.grad(loss, [x], retain_graph=True)
+        weights = torch.autograd.grad(loss, list(model.parameters()))
+        results.append(([*first, *second, *weights], CALLS["block"]))
+    (want, eager_calls), (got, calls) = results
+    assert_same_grads(want, got)
+    assert torch.equal(got[0], got[1])
+    assert (eager_calls, calls) == (2, 4)
+
+
+def test_the_kept_graph_is_freed_after_the_weight_pass_and_with_a_graph_dropped_before_it(
+        ) -> None:
+    _, wrapped, _ = _models()
+    x = torch.randn(4, 8, requires_grad=True)
+    refs = []
+    for weight_pass in (True, False):
+        loss = wrapped(x).square().sum()
+        torch.autograd.grad(loss, [x], retain_graph=True)
+        node = loss.grad_fn.next_functions[0][0].next_functions[0][0]
+        kept = node.call.kept
+        assert kept is not None
+        refs = [weakref.ref(kept), weakref.ref(kept.outs[0][1])]  # and a replayed output
+        del kept, node
+        if weight_pass:
+            torch.autograd.grad(loss, list(wrapped.parameters()), retain_graph=True)
+            # every gradient taken: released though the outer graph is kept
+            assert [ref() for ref in refs] == [None, None]
+            del loss
+        else:
+            del loss  # the user drops the graph with no weight pass: no collection needed
+            assert [ref() for ref in refs] == [None, None]
+
+
+def test_a_layer_with_an_output_discard_replays_in_each_pass_and_stays_exact() -> None:
+    # An output discard's rebuild and node run once per forward (one-shot): a kept replay
+    # would run them twice, so such a replay is not kept; the weight pass replays afresh. (The
+    # eager twin discards nothing: its own graph, run twice, would need the output twice.)
+    eager, _, _ = _models()
+    _, wrapped, _ = _models(discard=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    want, _, eager_calls = _split_backward(eager, x, "grad")
+    got, _, calls = _split_backward(wrapped, x, "grad")
+    assert_same_grads(want, got)
+    assert (eager_calls["block"], calls["block"]) == (2, 2 * 3)
