@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pytree_ckpt.census import storage_key
+from pytree_ckpt.census_records import storage_key
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.subclass import rebuilt_parts
 

@@ -6,12 +6,12 @@ NOTE [how the census sees tensors]: two sources, merged per storage.
    that were active when the census was entered (so a user's or an outer offload hook still
    runs), and records every tensor ordinary autograd saves while it is the innermost hook.
 2. Explicit reports from the library's mechanisms (``report_held``), to the censuses recording
-   on the thread (NOTE [where a census records]): the checkpoint boundary reports the inputs it
-   saves, replay frames the results they hold, its module state the buffers' snapshots it keeps
-   for the replay (state_changes.py), and later mechanisms (offload, save units,
-   output discard) what they hold or moved. Hooks pushed *inside* the census (an offload
-   window) shadow its pack hook, which is why mechanisms report explicitly; a report wins over
-   the generic record.
+   on the thread (NOTE [where a census records] in census_threads.py): the checkpoint boundary
+   reports the inputs it saves, replay frames the results they hold, its module state the
+   buffers' snapshots it keeps for the replay (state_changes.py), and later mechanisms
+   (offload, save units, output discard) what they hold or moved. Hooks pushed *inside* the
+   census (an offload window) shadow its pack hook, which is why mechanisms report explicitly;
+   a report wins over the generic record.
 
 Each storage is counted once, with its whole size (a saved view keeps its whole storage alive),
 for as long as it is held: by the graph (the census's pack hook hands autograd a small handle
@@ -26,52 +26,25 @@ after its holder released it is *flagged*: something else keeps it.
 
 from __future__ import annotations
 
-import enum
 import threading
 import weakref
-from collections import defaultdict
 from collections.abc import Iterable
-from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .census_reading import CensusReading
+from .census_records import _FREEING, _RESIDENT, Holder, Mechanism, _Entry, _record_key
+from .census_threads import _ACTIVE, _OPEN, _OPEN_LOCK, _recording, _set_recording
 from .errors import CheckpointConfigError, CheckpointError
 from .running_modules import running_module, running_modules
 from .saved import Unchanged, note_hooks_disabled
 from .subclass import plain_parts
 
 __all__ = ["ActivationCensus", "Holder", "Mechanism", "active_census", "census_active",
-           "report_held", "storage_key"]
-
-
-class Mechanism(str, enum.Enum):
-    """Why a storage is held for backward."""
-
-    BOUNDARY = "checkpoint boundary"    # inputs saved by a checkpoint boundary
-    REPLAY_FRAME = "replay frame"       # frozen results held for a replay
-    SAVE_UNIT = "save unit"             # op outputs a save unit keeps instead of recomputing
-    OFFLOADED = "offloaded to host"     # host copies of offloaded storages
-    OFFLOAD_IN_FLIGHT = "offload in flight"  # device storages the manager holds until copied
-    AUTOGRAD = "autograd"               # saved by ordinary autograd outside any boundary
-    MODULE_STATE = "module state"       # small buffers as before the forward, for the replay
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# Mechanisms whose release is meant to free the storage.
-_FREEING = frozenset({Mechanism.REPLAY_FRAME, Mechanism.OFFLOAD_IN_FLIGHT})
-
-
-class Holder(Protocol):
-    """What a mechanism gives so the census can tell whether it let go."""
-
-    @property
-    def released(self) -> bool: ...
+           "report_held"]
 
 
 class _Packed:
@@ -83,110 +56,6 @@ class _Packed:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-
-
-# NOTE [what an offload swap replaces]: a window that copies a storage to host swaps the saved
-# reference of the boundary that saved it (its input) or of the frame that held it (a frozen
-# result given to ``offload_into``): those holders let go (``report_held(replace=True)``). Two
-# kinds hold the tensor itself whatever the window does, and so keep it resident: another
-# autograd node's save, and a save unit's record (a kept op's output that the next layer's
-# window copies as its input: the record keeps it on the device until the replay). While one
-# of them holds the storage, it is filed under that one, never under a freeing mechanism.
-_RESIDENT = (Mechanism.AUTOGRAD, Mechanism.SAVE_UNIT)
-
-
-def _holds(keeper: weakref.ref[Any]) -> bool:
-    obj = keeper()
-    return obj is not None and not getattr(obj, "released", False)
-
-
-@dataclass
-class _Entry:
-    storage: StorageWeakRef  # is the storage still alive at all?
-    # The graph's handles and the mechanisms' holders, each with the mechanism it holds for.
-    keepers: list[tuple[weakref.ref[Any], Mechanism | None]]
-    nbytes: int
-    device: str
-    module: str
-    mechanism: Mechanism
-    discarded: bool = False  # its storage was freed by output discard (until refilled)
-
-    def held(self) -> bool:
-        return any(_holds(keeper) for keeper, _ in self.keepers)
-
-    def resident_holder(self) -> Mechanism | None:
-        """The first mechanism of NOTE [what an offload swap replaces] still holding it."""
-        holding = {mechanism for keeper, mechanism in self.keepers if _holds(keeper)}
-        return next((mechanism for mechanism in _RESIDENT if mechanism in holding), None)
-
-    def flagged(self) -> bool:
-        # A mechanism that frees memory let go, yet the storage lives on: something else keeps
-        # it. (A boundary letting go of its inputs frees nothing by itself: never flagged.)
-        return (self.mechanism in _FREEING and not self.held() and not self.storage.expired()
-                and not self.discarded)  # freed in place by output discard: nothing lives on
-
-
-# The census entered last in this context: which one may end now (NOTE [ended as entered]).
-_ACTIVE: ContextVar[ActivationCensus | None] = ContextVar("pytree_ckpt_census", default=None)
-
-# NOTE [where a census records]: where its saved-tensor pack hook is installed, and nowhere
-# else: the thread that entered it, and the threads autograd runs a backward on that was
-# started there while it was open. On CPU autograd runs the nodes on the calling thread; on
-# CUDA on its device thread for the GPU (and on CPU too past 60 nested backwards, on a
-# thread of its reentrant pool). There each node runs under the thread-local state captured
-# when the backward began (engine.cpp: ThreadLocalStateGuard(graph_task->thread_locals_)):
-# the saved-tensor hooks come along, the Python context (ContextVar values) and the thread id
-# do not. So the mechanisms find the census the way its hook travels: in the thread-local
-# Python objects that state also carries (torch._C._stash_obj_in_tls), not through the
-# ContextVar nor by thread id, which would drop on a device thread the reports the same
-# backward makes on CPU (a nested boundary's input in a replay). A thread of Python's own
-# (asyncio.to_thread, a copy_context().run) carries neither: its saves and its reports are
-# both left out, as they were. A census entered on one thread is fed by autograd's threads
-# at once (two GPUs): NOTE [one lock per census]. What still differs by thread: the module a
-# save is filed under is the innermost one running on the thread that saves (the module stack
-# is per thread), so in a backward called from inside a module's forward, what is saved
-# outside any replayed module is filed under that module on CPU, outside any module on CUDA.
-_TLS_KEY = "pytree_ckpt.census"
-_stash_obj: Any = getattr(torch._C, "_stash_obj_in_tls", None)
-_remove_obj: Any = getattr(torch._C, "_remove_obj_from_tls", None)
-# Bound once: census_active() runs at every boundary call and offloaded save.
-_is_key: Any = getattr(torch._C, "_is_key_in_tls", None)
-_get_obj: Any = getattr(torch._C, "_get_obj_in_tls", None)
-_CARRIED = None not in (_stash_obj, _remove_obj, _is_key, _get_obj)
-
-
-# How many censuses are open, in any thread: with none (every step that measures nothing),
-# census_active() is one list read, not a thread-local lookup (about 200 ns, at every boundary
-# call and offloaded save). Changed only under _OPEN_LOCK, at a census's entry and end.
-_OPEN = [0]
-_OPEN_LOCK = threading.Lock()
-
-
-def _recording() -> ActivationCensus | None:
-    """The innermost census recording on this thread (NOTE [where a census records])."""
-    if not _OPEN[0]:
-        return None
-    if _CARRIED:
-        return _get_obj(_TLS_KEY) if _is_key(_TLS_KEY) else None
-    # A torch without thread-local objects to carry: the thread that entered it only (reports
-    # on autograd's device threads are then not counted; docs/census.md).
-    census = _ACTIVE.get()
-    return census if census is not None and census._thread == threading.get_ident() else None
-
-
-def _set_recording(census: ActivationCensus | None) -> None:
-    if not _CARRIED:
-        return
-    if census is None:
-        _remove_obj(_TLS_KEY)  # erased, not set to None: NOTE [nothing left in a thread]
-    else:
-        _stash_obj(_TLS_KEY, census)
-
-
-# NOTE [nothing left in a thread]: a thread that ends with a Python object in its thread-local
-# objects frees it in the C++ thread-local destructors, needing the GIL it may no longer get
-# (torch erases its own "context" entry after each backward for this). The outermost census to
-# end erases the entry; ending it in another thread is refused (NOTE [ended as entered]).
 
 
 def active_census() -> ActivationCensus | None:
@@ -216,22 +85,6 @@ def report_held(tensors: Iterable[torch.Tensor], mechanism: Mechanism, /, *,
         census = census._parent
 
 
-def storage_key(tensor: torch.Tensor, /) -> tuple[str, int]:
-    """``(device, storage data_ptr)``: which storage a tensor lives on, while it is alive."""
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
-
-
-def _record_key(tensor: torch.Tensor, /) -> tuple[Any, ...]:
-    """Which storage the census files ``tensor`` under: ``storage_key``, except for storages
-    without memory of their own to tell them apart (the meta device: every data_ptr is 0),
-    filed by the storage object itself (NOTE [one address, one storage] keeps that apart from a
-    later one at its place)."""
-    storage = tensor.untyped_storage()
-    pointer = storage.data_ptr()
-    if pointer == 0:
-        return str(tensor.device), "storage", storage._cdata
-    return str(tensor.device), pointer
-
 
 def _stored_tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors an outer saved-tensor hook stored: the object, or those in a tuple/list."""
@@ -243,11 +96,12 @@ def _stored_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 # NOTE [one lock per census]: one census is fed by several threads at once when autograd
-# runs a backward on its device threads, one per GPU (NOTE [where a census records]), and can
-# be read from a hook on one of them meanwhile: its records change under a (reentrant: a
-# finalizer run by the collector in the middle of a change may report) lock, and are read from
-# a copy taken under it. The lock is the innermost one: nothing is called while it is held
-# but storage and weakref lookups and the holders' ``released``.
+# runs a backward on its device threads, one per GPU (NOTE [where a census records] in
+# census_threads.py), and can be read from a hook on one of them meanwhile: its records
+# change under a (reentrant: a finalizer run by the collector in the middle of a change may
+# report) lock, and are read from a copy taken under it. The lock is the innermost one:
+# nothing is called while it is held but storage and weakref lookups and the holders'
+# ``released``.
 
 
 # NOTE [records of dead storages]: a census open over a long run (a monitor read between
@@ -272,7 +126,7 @@ def _end_refused(*, later: bool) -> CheckpointError:
         tip="use with-blocks, or end the census entered last first")
 
 
-class ActivationCensus:
+class ActivationCensus(CensusReading):
     """Count the activations a forward pass leaves held for backward.
 
     ``with ActivationCensus(model) as census: loss = model(batch)``; then ``census.total_bytes``,
@@ -465,7 +319,7 @@ class ActivationCensus:
             # its graph was dropped): a new save of that storage is a new record, filed under its
             # own mechanism and module, not the ones of the step before.
             if known is not None and not known.storage.expired() and known.held():
-                if replace:  # NOTE [what an offload swap replaces]
+                if replace:  # NOTE [what an offload swap replaces] (census_records.py)
                     known.keepers = [(k, m) for k, m in known.keepers if m in _RESIDENT]
                 known.keepers.append((weakref.ref(keeper), mechanism))
                 if mechanism is not Mechanism.AUTOGRAD:  # a mechanism's report is more specific
@@ -496,7 +350,7 @@ class ActivationCensus:
                          if not entry.storage.expired() or entry.held()}
         self._prune_at = max(_PRUNE_FLOOR, 2 * len(self._entries))
 
-    # -- reading -----------------------------------------------------------------------------
+    # -- output discard ----------------------------------------------------------------------
     def note_discarded(self, tensor: torch.Tensor, /, *, keeper: Any = None) -> None:
         """Output discard is about to free ``tensor``'s storage: stop counting it as resident.
         ``keeper`` (the discard) holds it for backward from now on, whoever else lets go."""
@@ -520,97 +374,3 @@ class ActivationCensus:
         if self._parent is not None:
             self._parent.note_refilled(tensor)
 
-    def _recorded(self) -> list[_Entry]:
-        with self._lock:  # NOTE [one lock per census]
-            return list(self._entries.values())
-
-    @property
-    def discarded_bytes(self) -> int:
-        """Bytes whose storage output discard freed (held for backward, but not resident)."""
-        return sum(e.nbytes for e in self._recorded() if e.held() and e.discarded)
-
-    def _model_storages(self) -> set[int]:
-        """The storages the model's parameters and buffers are on now, by storage object.
-
-        NOTE [parameters are left out when read]: not by the addresses they had when the
-        census was entered: a buffer rebuilt during the census (a mask, a rotary cache) is a
-        new storage that is left out too, and the old one's freed address, handed to the next
-        activation by the allocator, does not leave that activation out."""
-        model = self._model if self._model_ref is None else self._model_ref()
-        if model is None:
-            return set()
-        found = set()
-        for tensor in (*model.parameters(), *model.buffers()):
-            for plain in plain_parts(tensor):  # a DTensor parameter: its local shard's
-                try:
-                    found.add(plain.untyped_storage()._cdata)
-                except RuntimeError:  # a subclass without a storage of its own
-                    pass
-        return found
-
-    def _alive(self) -> list[_Entry]:
-        # Held and still there: a holder may outlive the storage it reported (a boundary's
-        # frame holds its inputs, but offload swapped the saved reference and the device copy
-        # was freed; a later window shared the storage one earlier window copied).
-        model = self._model_storages()
-        return [e for e in self._recorded()
-                if e.held() and not e.discarded and not e.storage.expired()
-                and e.storage.cdata not in model]
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the distinct activation storages still held."""
-        return sum(e.nbytes for e in self._alive())
-
-    def bytes_by(self, what: str, /) -> dict[str, int]:
-        """Bytes grouped by ``"device"``, ``"module"`` or ``"mechanism"``."""
-        if what not in ("device", "module", "mechanism"):
-            raise CheckpointConfigError(
-                f"bytes_by cannot group by {what!r}", expected="'device', 'module' or "
-                "'mechanism'", got=repr(what), tip="e.g. census.bytes_by('mechanism')")
-        grouped: dict[str, int] = defaultdict(int)
-        for entry in self._alive():
-            grouped[str(getattr(entry, what))] += entry.nbytes
-        return dict(grouped)
-
-    def flagged(self) -> list[dict[str, Any]]:
-        """Storages a mechanism released that something else still keeps alive."""
-        return [{"module": e.module, "mechanism": str(e.mechanism), "bytes": e.nbytes,
-                 "device": e.device}
-                for e in self._recorded() if e.flagged()]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Everything as plain data: totals, bytes by device and by mechanism, one row per
-        (module, mechanism, device), and the flagged storages (for a JSON report)."""
-        rows: dict[tuple[str, str, str], int] = defaultdict(int)
-        for e in self._alive():
-            rows[(e.module, str(e.mechanism), e.device)] += e.nbytes
-        return {
-            "total_bytes": self.total_bytes,
-            "by_device": self.bytes_by("device"),
-            "by_mechanism": self.bytes_by("mechanism"),
-            "rows": [{"module": m, "mechanism": k, "device": d, "bytes": b}
-                     for (m, k, d), b in sorted(rows.items())],
-            "flagged": self.flagged(),
-            "discarded_bytes": self.discarded_bytes,
-        }
-
-    def report(self) -> str:
-        """A readable table: one row per module, mechanism and device."""
-        data = self.to_dict()
-        # Module paths whole, however long: cut short, a layer's experts.0.gate_proj,
-        # .up_proj and .down_proj read as three rows of one module.
-        width = max([32, *(len(r["module"]) for r in data["rows"])])
-        rule = "-" * (width + 45)
-        lines = [f"{'module':<{width}} {'mechanism':<20} {'device':<8} {'bytes':>14}", rule]
-        lines += [f"{r['module']:<{width}} {r['mechanism']:<20} {r['device']:<8} "
-                  f"{r['bytes']:>14,}" for r in data["rows"]]
-        if not data["rows"]:
-            lines.append("(nothing held: no saved activation is alive)")
-        lines.append(rule)
-        for device, nbytes in sorted(data["by_device"].items()):
-            lines.append(f"{'total':<{width}} {'':<20} {device:<8} {nbytes:>14,}")
-        for flag in data["flagged"]:
-            lines.append(f"FLAGGED: {flag['bytes']:,} bytes released by {flag['mechanism']} in "
-                         f"{flag['module']} are still alive (something else references them)")
-        return "\n".join(lines)

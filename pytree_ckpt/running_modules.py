@@ -23,8 +23,8 @@ __all__ = ["running_module", "running_modules"]
 # never runs the census's forward hook that would pop it. So a save made while no module
 # entered since is running looks them up among the frames running then, innermost first: the
 # cost is the frame walk of such saves only, in a census entered inside a module only. Other
-# threads (autograd's, NOTE [where a census records] in census.py) have no frames of those
-# calls.
+# threads (autograd's, NOTE [where a census records] in census_threads.py) have no frames of
+# those calls.
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 

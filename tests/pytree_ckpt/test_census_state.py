@@ -126,7 +126,7 @@ def test_a_census_ended_in_a_copy_of_its_context_on_its_thread_is_refused_before
     assert census.bytes_by("module") == {"<root>": nbytes(x)}
     assert pytree_ckpt.census.active_census() is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert pytree_ckpt.census._OPEN == [0]
+    assert pytree_ckpt.census_threads._OPEN == [0]
     loss.backward()
 
 
@@ -143,12 +143,12 @@ def test_a_census_ended_twice_is_refused_and_leaves_the_open_one_recording() -> 
         with pytest.raises(CheckpointError, match="(?s)cannot be ended twice.*tip"):
             first.__exit__(None, None, None)
         assert pytree_ckpt.census.active_census() is second
-        assert pytree_ckpt.census._OPEN == [1]
+        assert pytree_ckpt.census_threads._OPEN == [1]
         x = torch.randn(16, 64)
         loss = model(x).sum()  # recorded by the open census only: the Linear saves x
     assert second.bytes_by("module") == {"<root>": nbytes(x)}
     assert first.total_bytes == 0
-    assert pytree_ckpt.census._OPEN == [0]
+    assert pytree_ckpt.census_threads._OPEN == [0]
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     loss.backward()
 
