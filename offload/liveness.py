@@ -1,7 +1,7 @@
 """Offloaded storages that stay alive elsewhere: an offload that saved nothing.
 
 The manager lets go of a window's device tensor once its copy to host is done (NOTE [copies
-in flight] in manager.py). A storage still alive then may be alive only for the forward that
+in flight] in in_flight.py). A storage still alive then may be alive only for the forward that
 is still running (a later layer's input, a RoPE table every layer gets); one still alive once
 that forward is over is held by something else, and its copy saved no device memory. This
 module keeps the storages let go while alive (``suspect``), and judges them when the manager

@@ -5,21 +5,6 @@ autograd saves inside it is offloaded when its untyped storage is the storage of
 window's tensors and that storage reaches ``min_bytes``; anything else (parameters and views
 of them always, tensors without a plain storage too) is saved as usual.
 
-NOTE [one copy per storage]: the unit is the *storage*, not the tensor. The first saved tensor
-on a window storage copies the whole storage to a host buffer; every other saved alias (a view,
-a slice with an offset, a transposed stride) gets a handle to the same copy, and each is rebuilt
-in backward from one restored device storage with its own offset, size and stride. A storage
-offloaded by an earlier window of the same pass that is still alive and unmodified (same version)
-is not copied again: RoPE tables or ``cu_seqlens`` passed to every layer cost one copy.
-
-NOTE [saved reference, not the live tensor]: autograd keeps the handle instead of the tensor;
-the live tensor is never resized or freed by us, so other holders keep valid data. We keep the
-device tensor until its copy completed, or the compute stream waits for it (stream rule 1), and
-drop our reference at least one window late; if the storage is still alive when backward
-begins (the forward that passed it from layer to layer is over by then), something else holds
-it and the bytes are reported as ``alive_elsewhere_bytes`` (and flagged by an active census,
-unless autograd also saves it): that offload saved nothing.
-
 NOTE [passes, window ids and prefetch]: a pass is one forward's windows; one planner (the
 manager) numbers them densely from 0 in call order, per thread (NOTE [a pass per forward
 thread] in lanes.py). A window opens a new pass when no window of its thread's current pass is
@@ -30,16 +15,17 @@ keep some graph alive do not accumulate it. In backward, the first unpack from w
 restores it (if no prefetch did) and starts restoring windows ``i-1 .. i-prefetch`` of the
 same pass, which backward needs next.
 
-Beside it: which storages a window takes (storages.py), the storages let go while still alive
-and the verdicts on them (liveness.py), the objects a window is made of (window.py), the copy
-streams (streams.py), the host pool (pool.py), ``OffloadConfig`` (config.py), and what
-``offload=True`` and XTUNER_ACTIVATION_OFFLOAD mean (defaults.py).
+Beside it: what a save in a window becomes (packing.py), what backward's unpack sets off
+(unpacking.py), the device tensors held for copies in flight (in_flight.py), which storages a
+window takes (storages.py), the storages let go while still alive and the verdicts on them
+(liveness.py), the objects a window is made of (window.py), the copy streams (streams.py), the
+host pool (pool.py), ``OffloadConfig`` (config.py), and what ``offload=True`` and
+XTUNER_ACTIVATION_OFFLOAD mean (defaults.py).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -51,19 +37,21 @@ import torch
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
-from pytree_ckpt.subclass import rebuilt_by_parts, rebuilt_parts
+from pytree_ckpt.subclass import rebuilt_parts
 
 from .config import OffloadConfig
-from .lanes import Lane, Lanes
+from .lanes import Lanes
 # default_manager: also what a manager pickled before the split names (``offload.manager``).
 from .defaults import default_manager, is_default_for
+from .in_flight import InFlight
 from .liveness import Liveness
+from .packing import pack_saved
 from .pool import HostPool
-from .prefetch import Prefetch, restore_window
-from .storages import (is_parameter, plain_kind, plain_storage_key, refuse_non_tensors,
-                       window_keys)
+from .prefetch import Prefetch
+from .storages import plain_kind, plain_storage_key, refuse_non_tensors, window_keys
 from .streams import CopyEngine
-from .window import Copy, Flattened, Handle, Pass, Window
+from .unpacking import unpack_handle
+from .window import Flattened, Handle, Pass, Window
 
 __all__ = ["OffloadManager"]
 
@@ -111,7 +99,8 @@ class OffloadManager:
                         "slow. Leave pin_memory unset to pin host buffers", self.device)
         self.pool = HostPool(pin_memory=pin)
         self.engine = CopyEngine(self.device)
-        self._pending: list[Copy] = []
+        # Copies to host in flight, whose device tensors it still holds (in_flight.py).
+        self._pending = InFlight()
         # Tallies of passes that died unchecked (``Pass.__del__``), for the "offloaded nothing"
         # warning; appended to without the lock, taken out under it.
         self._ended: deque[tuple[int, int]] = deque()
@@ -171,7 +160,7 @@ class OffloadManager:
             return self._stats(reset=reset)
 
     def _stats(self, *, reset: bool) -> dict[str, float]:
-        self._collect_finished(None, everyone=True)
+        self._pending.let_go(self.engine, None, everyone=True)
         # NOTE [judged once the forward is over]: while a pass's forward may still run (alive,
         # no backward yet) what it let go may be alive for the forward itself (a RoPE table or
         # cu_seqlens every layer gets, the next layer's input): judged now, a stats() read
@@ -205,53 +194,13 @@ class OffloadManager:
             return list(lane.recent.events) if lane is not None else []
 
     # -- forward -----------------------------------------------------------------------------
-    def _collect_finished(self, lane: Lane | None, pass_: Pass | None = None, *,
-                          everyone: bool = False, force_before: int | None = None,
-                          keep: Sequence[Window] = ()) -> None:
-        """Let go of device tensors whose copy to host completed, and of those from windows
-        opened before ``force_before``, once the compute stream waits for their copy.
-
-        Only copies of ``lane``'s passes (of ``pass_`` where the lane's thread has ended), and
-        of passes gone (their graph was dropped), unless ``everyone``: another thread's copies
-        are let go by that thread's windows and backward, so that each thread holds and reuses
-        what it would alone (NOTE [a pass per forward thread] in lanes.py). ``force_before``
-        counts the windows of ``lane``.
-
-        NOTE [copies in flight]: a host running ahead of the device (the usual case with large
-        layers) would otherwise find no copy complete and keep every layer input on the device
-        until backward: the peak would not drop. So a window's device tensors are released
-        two windows (of its thread) later at the latest: the stream that was current when the
-        tensor was saved (not the host, and not whatever stream is current now) waits on the
-        copy's event; the freed memory belongs to that stream, so the allocator reuses it only
-        for kernels ordered after the wait. The copy of window ``k`` overlaps window ``k+1``'s
-        compute; window ``k+2`` waits for it. Backward's first restore releases every copy
-        still in flight the same way, those of the windows it restores now (``keep``) last:
-        it reuses their device bytes (NOTE [reuse at the turn]).
-        """
-        kept = {id(copy) for window in keep for copy in window.copies.values()}
-        still = []
-        for copy in self._pending:
-            if id(copy) in kept or not (everyone or _belongs(copy, lane, pass_)):
-                still.append(copy)
-            elif copy.reused or self.engine.done(copy.d2h_event):
-                # NOTE [reuse at the turn] (window.py): a reused copy's storage is held by its
-                # restore, which backward reads (as the copy to host does): backward need not wait
-                # for that copy. Stream rule 1 is applied when backward lets go (Copy.__del__).
-                copy.drop_device_copy()
-            elif force_before is not None and copy.seq < force_before:
-                # Stream rule 1: the stream current at the save, which owns the memory, waits.
-                self.engine.wait(copy.d2h_event, stream=copy.stream)
-                copy.drop_device_copy()
-            else:
-                still.append(copy)
-        self._pending = still
 
     def _open(self, tensors: Sequence[torch.Tensor], name: Callable[[int], str] | None,
               resident: Sequence[torch.Tensor] = ()) -> Window:
         # The window opening now is the lane's number ``lane.opened``; its predecessor's copy
         # may still run (it overlaps this window's compute), older ones must be done.
         lane = self._lanes.mine()
-        self._collect_finished(lane, force_before=lane.opened - 1)
+        self._pending.let_go(self.engine, lane, force_before=lane.opened - 1)
         if lane.current.over():
             # A new pass: ids restart at 0, the shared-storage registry and event log too.
             self._check_pass_offloaded(lane.turn())
@@ -284,58 +233,8 @@ class OffloadManager:
                 self.config.min_bytes, largest_small)
 
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:
-        # What stays on the device is still checked for in-place changes when unpacked: NOTE
-        # [hooks switch off the in-place check] in pytree_ckpt/saved.py.
-        if is_parameter(tensor):
-            return Unchanged(tensor)
-        if rebuilt_by_parts(tensor):
-            return self._pack_inner(window, tensor)
-        # Not a window tensor's storage, or none to copy (warned of when the window opened).
-        key = plain_storage_key(tensor)
-        if key is None or key not in window.keys:
-            return Unchanged(tensor)
-        if tensor.device != self.device:
-            self._other_device(window, key, tensor)
-            return Unchanged(tensor)
-        nbytes = tensor.untyped_storage().nbytes()
-        if nbytes == 0:
-            # A zero-size storage (an empty micro-batch, the top-k ids of no token) has no
-            # bytes to copy; a Copy would still take a host buffer of the smallest size class,
-            # which the census would count as offloaded bytes.
-            return Unchanged(tensor)
-        if nbytes < self.config.min_bytes:
-            if key not in window.small:
-                window.small.add(key)
-                self._counters["below_min_bytes"] += nbytes
-                window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
-            return Unchanged(tensor)
-        copy = window.copies.get(key)
-        if copy is None or not copy.holds(tensor):
-            copy = window.pass_.shared.get(key)
-            if copy is None or not copy.holds(tensor):
-                copy = Copy(self, window, tensor)
-                window.pass_.shared[key] = copy
-                _report_offload(copy, tensor)
-            else:
-                # This window's boundary has just reported the storage as its input; what
-                # holds it for backward is the earlier window's copy (the census filed it as a
-                # resident boundary input, never flagged when the caller keeps it).
-                _report_shared(copy, tensor)
-            window.copies[key] = copy
-        return Handle(copy, window, key, tensor)
-
-    def _pack_inner(self, window: Window, tensor: torch.Tensor) -> Any:
-        """A wrapper subclass (a DTensor): its inner tensors packed as any saved tensor, the
-        wrapper rebuilt around them when unpacked (NOTE [a wrapper subclass's bytes are its
-        inner tensors'] in pytree_ckpt/subclass.py); held as it is where none is copied."""
-        names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-        attributes = {name: getattr(tensor, name) for name in names}
-        inner = {name: self._pack(window, value) for name, value in attributes.items()
-                 if isinstance(value, torch.Tensor)}
-        if all(type(packed) is Unchanged for packed in inner.values()):
-            return Unchanged(tensor)
-        others = {name: value for name, value in attributes.items() if name not in inner}
-        return Flattened(tensor, inner, others, context)
+        """What autograd holds for ``tensor``, saved in ``window`` (packing.py)."""
+        return pack_saved(self, window, tensor)
 
     def _plain_storage_key(self, tensor: torch.Tensor, /) -> tuple[str, int] | None:
         """``plain_storage_key`` (storages.py) of a window tensor: one without a plain storage
@@ -440,72 +339,9 @@ class OffloadManager:
         if not isinstance(packed, Handle):
             return packed.get()  # Unchanged
         with self._lock:  # NOTE [one thread at a time]
-            return self._unpack_handle(packed)
-
-    def _unpack_handle(self, packed: Handle) -> torch.Tensor:
-        packed.check_unmodified()
-        copy = packed.copy
-        window = packed.window  # not copy.window: a shared copy may come from an earlier one
-        pass_ = window.pass_
-        # The first unpack from a window restores it, or records that a prefetch did; either
-        # way backward has moved on to it, so the windows before it are prefetched.
-        restore_now = not window.restored
-        moved_on = restore_now or window.id in pass_.prefetched
-        # The forward's thread, not this one (NOTE [a pass per forward thread] in lanes.py);
-        # None once that thread ended.
-        lane = pass_.lane()
-        if restore_now:
-            pass_.backward = True
-            if lane is not None:
-                lane.recent = pass_
-        elif moved_on:
-            pass_.prefetched.discard(window.id)
-            pass_.events.append(("prefetch_hit", window.id))
-            self._counters["prefetch_hits"] += 1
-        ahead = self._prefetch.targets(window) if moved_on else []
-        # Backward began: nothing from forward stays on the device, but what is restored now
-        # reuses the device bytes still held for it (NOTE [reuse at the turn]). The rest is
-        # let go first, before any restore allocates; the reused ones once restored.
-        if self._pending:
-            self._collect_finished(lane, pass_, force_before=sys.maxsize,
-                                   keep=[window, *ahead] if restore_now else ahead)
-        if restore_now:
-            restore_window(window, kind="restore")
-        self._prefetch.run(ahead)
-        if self._pending:
-            self._collect_finished(lane, pass_, force_before=sys.maxsize)
-        if self._liveness and restore_now:
-            self._liveness.judge_all()
-        copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
-        self.engine.wait(copy.h2d_event)
-        assert copy.restored is not None
-        self.engine.use_here(copy.restored, allocated_on=copy.restored_on)
-        return packed.rebuild(copy.restored)
-
-
-def _belongs(copy: Copy, lane: Lane | None, pass_: Pass | None) -> bool:
-    """Whether ``_collect_finished(lane, pass_)`` lets go of ``copy``: a copy of one of
-    ``lane``'s passes, of ``pass_`` (where the lane is gone), or of a pass gone itself."""
-    owner = copy.pass_ref()
-    if owner is None or owner is pass_:
-        return True
-    return lane is not None and owner.lane() is lane
+            return unpack_handle(self, packed)
 
 
 def _new_manager(config: OffloadConfig, device: str) -> OffloadManager:
     # Named by every pickled manager (``__reduce__``): it stays here, under this name.
     return OffloadManager(config, device=device)
-
-
-def _report_offload(copy: Copy, tensor: torch.Tensor) -> None:
-    if census_active():
-        # The device storage is held (by us) until its copy completed, then flagged if it is
-        # still alive; the host copy is held while the copy object lives.
-        report_held([tensor], Mechanism.OFFLOAD_IN_FLIGHT, holder=copy, replace=True)
-        assert copy.host is not None  # set for as long as the copy is in use
-        report_held([copy.host], Mechanism.OFFLOADED, holder=copy.host_holder)
-
-
-def _report_shared(copy: Copy, tensor: torch.Tensor) -> None:
-    if census_active():  # its host copy was reported with the copy
-        report_held([tensor], Mechanism.OFFLOAD_IN_FLIGHT, holder=copy, replace=True)

@@ -141,7 +141,7 @@ class Checkpoint(torch.autograd.Function):
 
 
 def test_a_host_running_ahead_holds_device_tensors_of_the_last_two_windows_at_most() -> None:
-    # NOTE [copies in flight] (manager.py): the simulated device never runs ahead on its own, as a
+    # NOTE [copies in flight] (in_flight.py): the simulated device never runs ahead on its own, as a
     # GPU busy with large layers would not; the host opens window after window.
     manager, streams = simulated(None)
     layers = nn.ModuleList(Layer() for _ in range(6))
