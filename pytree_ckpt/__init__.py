@@ -13,8 +13,8 @@ from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError
 from .frames import reuse_during_recompute
 from .kept_callables import KeptCallables
 from .kept_ops import KeptOps
-from .module import (apply_activation_checkpointing, checkpoint_layers, is_checkpointed,
-                     remove_activation_checkpointing, resolve_offload)
+from .apply import apply_activation_checkpointing, checkpoint_layers, resolve_offload
+from .module import is_checkpointed, remove_activation_checkpointing
 from .phase import Phase, current_phase
 from .residual_plan import ResidualStreamRecomputeContext, build_residual_stream_recompute_plan
 from .save_units import RecomputeConfig, RecomputeTargetMap, SaveUnit, apply_recompute_config

@@ -168,7 +168,7 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     ``offload`` as in ``apply_activation_checkpointing``: ``None`` reads
     ``XTUNER_ACTIVATION_OFFLOAD`` now, ``True`` the process's default manager, ``False`` none.
     """
-    from .module import resolve_offload  # module builds on this file
+    from .apply import resolve_offload  # imported at the call, as the layer entry points'
 
     # Refused now, not at the first call, far from where it was made.
     require_callable(fn, "checkpointed", "checkpointed(layer) or checkpointed(fn, "

@@ -1,4 +1,5 @@
-"""Routing a module's forward through the boundary, in place, and choosing layers by ratio.
+"""The boundary installed on a module, in place: the forward attribute that routes the module's
+forward through it, copies of it, finding it, and removing it (apply.py chooses the modules).
 
 NOTE [in-place wrapping]: the boundary is installed as an instance attribute ``forward`` on the
 module itself, so the module keeps its class, parameters, buffers, submodules, names and
@@ -29,12 +30,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import math
-import numbers
 import types
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -48,19 +46,11 @@ from .hook_outputs import remove_recorder
 from .kept_owners import keeping_boundary_made, kept_elsewhere, kept_wrappers
 from .module_state import drop_caches
 from .refusals import refuse_container
-from .tree import describe_leaf
-
-if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
-    from offload import OffloadManager
-
-OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing",
-           "is_checkpointed", "checkpoint_layers", "resolve_offload", "body_forward",
-           "install_boundary", "layer_count", "refuse_checkpointed_beyond", "refuse_other_options",
-           "validate_ratio"]
+__all__ = ["remove_activation_checkpointing", "is_checkpointed", "body_forward",
+           "install_boundary", "refuse_other_options"]
 
 _INSTALLED = "_pytree_ckpt_installed"
 
@@ -195,115 +185,6 @@ def is_checkpointed(module: nn.Module, /) -> bool:
     return _installed(module) is not None
 
 
-def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager | None:
-    """The manager an ``offload=`` argument means; ``None`` reads XTUNER_ACTIVATION_OFFLOAD.
-
-    ``True`` (or the variable set to 1/true) uses the process's default manager for the
-    current device, chosen now: call ``torch.cuda.set_device`` first (see
-    ``offload.default_manager``).
-    """
-    from offload import OffloadConfig, OffloadManager, default_manager, env_flag
-
-    if offload is None:
-        offload = env_flag(OFFLOAD_ENV)  # CheckpointConfigError (a ValueError) if unparsable
-    if offload is True:
-        return default_manager()
-    if offload is False:
-        return None
-    if isinstance(offload, OffloadManager):
-        return offload
-    if isinstance(offload, (str, int, float)):  # a flag read from a config file or the CLI
-        got = f"{type(offload).__name__} {offload!r}"
-        tip = ("offload=True turns it on (the process's default manager), offload=False off"
-               + ("; a string is not parsed (XTUNER_ACTIVATION_OFFLOAD is, when offload=None):"
-                  " parse a switch of your own with offload.env_flag(name)"
-                  if isinstance(offload, str) else ""))
-    elif isinstance(offload, OffloadConfig):
-        got, tip = "OffloadConfig", "pass offload.OffloadManager(config, device=...)"
-    else:
-        got, tip = type(offload).__name__, \
-            "build one with offload.OffloadManager(offload.OffloadConfig(...))"
-    raise CheckpointConfigError(
-        "offload= takes None (read XTUNER_ACTIVATION_OFFLOAD), a bool or an OffloadManager",
-        expected="None | bool | offload.OffloadManager", got=got, tip=tip)
-
-
-def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: bool = True,
-                                   offload: bool | OffloadManager | None = None,
-                                   check_fn: Callable[[nn.Module], bool] | None = None
-                                   ) -> nn.Module:
-    """Route ``module``'s forward through the boundary, in place; returns ``module``.
-
-    ``offload``: ``None`` reads ``XTUNER_ACTIVATION_OFFLOAD`` (``1``/``true`` on, ``0``/
-    ``false``/unset off); ``True``/``False`` override it; a manager is used as given. With
-    offload on, each call opens a window over the call's input tensor leaves.
-    ``check_fn``: as in torch.distributed's function of this name, checkpoint each module of
-    ``module`` (itself included) for which it returns true, instead of ``module`` itself; one
-    manager serves them all. Applying again with the same options is a no-op; with other
-    options it raises (remove it first). See NOTE [in-place wrapping].
-    """
-    if not isinstance(module, nn.Module):
-        raise CheckpointConfigError(
-            "apply_activation_checkpointing expects an nn.Module",
-            expected="nn.Module", got=type(module).__name__,
-            tip="wrap a plain function with pytree_ckpt.checkpoint(fn, *args) instead")
-    options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
-                              offload=resolve_offload(offload))
-    if check_fn is None:
-        return install_boundary(module, options)
-    _refuse_policy(check_fn)
-    chosen = _chosen_by(module, check_fn)
-    for _, layer in chosen:  # before any changes: refused, none change
-        refuse_other_options(layer, options)
-    for _, layer in chosen:
-        install_boundary(layer, options)
-    return module
-
-
-def _refuse_policy(check_fn: object, /) -> None:
-    """Refuse a ``check_fn`` that names layer classes instead of testing a module: torchtune's
-    ``auto_wrap_policy={Layer}`` moved over as it is, or the class itself. Called with each
-    module, a set raises "not callable" and a class builds one of itself from the module."""
-    classes = (list(check_fn) if isinstance(check_fn, (set, frozenset, list, tuple))
-               else [check_fn] if isinstance(check_fn, type) else None)
-    if classes is None and callable(check_fn):
-        return
-    named = [c.__name__ if isinstance(c, type) else repr(c) for c in classes or []]
-    test = (f"isinstance(m, {named[0]})" if len(named) == 1
-            else f"isinstance(m, ({', '.join(named)}))" if named else "isinstance(m, Layer)")
-    got = (f"the class {named[0]}" if isinstance(check_fn, type)
-           else f"{type(check_fn).__name__} {{{', '.join(named)}}}" if classes is not None
-           else describe_leaf(check_fn))
-    raise CheckpointConfigError(
-        "check_fn is called with each module and returns whether to checkpoint it",
-        expected="a function of a module returning a bool", got=got,
-        tip=f"check_fn=lambda m: {test} (what torchtune's auto_wrap_policy={{Layer}} means)")
-
-
-def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /
-               ) -> list[tuple[str, nn.Module]]:
-    """The modules of ``model`` that ``check_fn`` chooses, refusing none and nested ones."""
-    chosen = [(name, m) for name, m in model.named_modules() if check_fn(m)]
-    if not chosen:
-        raise CheckpointConfigError(
-            f"check_fn chose none of the modules of {type(model).__name__}: nothing would be "
-            "checkpointed", expected="check_fn true for the layers to checkpoint",
-            got=f"false for all {sum(1 for _ in model.modules())} modules",
-            tip="check_fn=lambda m: isinstance(m, DecoderLayer), with your layer class")
-    for outer, _ in chosen:
-        for inner, _ in chosen:
-            if outer != inner and (outer == "" or inner.startswith(outer + ".")):
-                # A boundary inside a boundary replays the inner layer twice in backward
-                # (once in the outer's replay, once in its own): compute for no memory.
-                raise CheckpointConfigError(
-                    f"check_fn chose {inner!r} inside {outer or 'the model'!r}, which it also "
-                    "chose: the inner layer would be recomputed twice",
-                    expected="chosen modules that do not contain one another",
-                    got=f"{outer or '(the model)'} and {inner}",
-                    tip="make check_fn true for the layers only (isinstance(m, DecoderLayer))")
-    return chosen
-
-
 def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Module:
     """Install a boundary with ``options`` on ``module``; ``apply_activation_checkpointing``'s
     core, also used by ``apply_recompute_config``."""
@@ -410,95 +291,3 @@ def _own_submodules(module: nn.Module) -> list[nn.Module]:
         found.append(current)
         stack += [m for m in current.children() if _installed(m) is None]
     return found
-
-
-def refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: float, /
-                               ) -> None:
-    """A layer past the first ``count`` that is checkpointed (an earlier apply with a higher
-    ratio, or layers inserted in front of checkpointed ones since) would stay so, and the
-    returned indices would be wrong; ``checkpoint_layers`` and ``apply_recompute_config``
-    refuse before changing any layer."""
-    for index in range(count, len(layers)):
-        if is_checkpointed(layers[index]):
-            raise CheckpointConfigError(
-                f"layer {index} ({type(layers[index]).__name__}) is checkpointed, but "
-                f"ratio={ratio} checkpoints only the first {count} of {len(layers)} layers",
-                expected=f"layers {count}..{len(layers) - 1} not checkpointed",
-                got=f"layers[{index}] checkpointed (an earlier apply with a higher ratio, or "
-                    "layers inserted before it since?)",
-                tip="call remove_activation_checkpointing on every layer first, then apply "
-                    "the new config")
-
-
-def validate_ratio(ratio: object, /) -> float:
-    """``ratio`` as a float in [0, 1], or a ``CheckpointConfigError`` with a tip."""
-    if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
-            or not math.isfinite(float(ratio)) or not 0.0 <= float(ratio) <= 1.0):
-        raise CheckpointConfigError(
-            "the checkpoint ratio must be a number in [0, 1]",
-            expected="0.0 <= ratio <= 1.0 (the fraction of layers to checkpoint)",
-            got=repr(ratio), tip="use 1.0 to checkpoint every layer, 0.0 for none; Megatron's "
-                                 "recompute_num_layers=N of L layers is ratio=N/L (the first N)")
-    return float(ratio)
-
-
-def layer_count(n: int, ratio: float, /) -> int:
-    """``int(n * ratio)``, forgiving float rounding: ``100 * 0.58`` is 57.99999999999999 in
-    floats, and a user asking for 58% of 100 layers gets 58 (``3 * (1/3)`` still gives 1)."""
-    return math.floor(n * ratio + 1e-9)
-
-
-def listed_layers(layers: Iterable[nn.Module], where: str, /) -> list[nn.Module]:
-    """``layers`` (a ``ModuleList``, a ``Sequential``, a list, ``model.children()`` or a
-    generator) as a list, in order; one module or anything else that is not a module is
-    refused, naming ``where``."""
-    if isinstance(layers, (nn.ModuleDict, dict)):
-        # Iterating over one gives its keys: torchtitan keeps model.layers in a ModuleDict.
-        raise CheckpointConfigError(
-            f"{where} takes a sequence of layers, not a {type(layers).__name__} (iterating "
-            "over it gives its keys)",
-            expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
-            got=f"{type(layers).__name__} with keys {list(layers)[:4]}"
-                f"{' ...' if len(layers) > 4 else ''}",
-            tip=f"pass model.layers.values() to {where}: its layers, in order")
-    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
-        # Given the model, the user most likely meant the layer list it holds: name it.
-        lists = [name for name, child in layers.named_children()
-                 if isinstance(child, (nn.ModuleList, nn.ModuleDict))]
-        values = (".values()" if lists and isinstance(getattr(layers, lists[0]), nn.ModuleDict)
-                  else "")
-        raise CheckpointConfigError(
-            f"{where} takes a sequence of layers, not one {type(layers).__name__}",
-            expected="an nn.ModuleList (model.layers), an nn.Sequential or a list of modules",
-            got=type(layers).__name__,
-            tip=(f"pass model.{lists[0]}{values} to {where}: the layers "
-                 f"{type(layers).__name__}.{lists[0]} holds; " if lists else "")
-            + "apply_activation_checkpointing(module) checkpoints one module")
-    listed = list(layers)
-    for index, layer in enumerate(listed):
-        if not isinstance(layer, nn.Module):
-            raise CheckpointConfigError(
-                f"{where} takes modules: layers[{index}] is not one",
-                expected="nn.Module", got=type(layer).__name__,
-                tip="pass model.layers (an nn.ModuleList) or a list of the layer modules")
-    return listed
-
-
-def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
-                      preserve_rng_state: bool = True,
-                      offload: bool | OffloadManager | None = None) -> list[int]:
-    """Checkpoint the first ``int(len(layers) * ratio)`` layers; return their indices.
-
-    ``offload`` is resolved once, so every layer shares one manager (one window numbering).
-    """
-    listed = listed_layers(layers, "checkpoint_layers")
-    count = layer_count(len(listed), validate_ratio(ratio))
-    refuse_checkpointed_beyond(listed, count, ratio)
-    manager = resolve_offload(offload)
-    options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager)
-    for index, layer in enumerate(listed[:count]):  # before any changes: refused, none change
-        refuse_other_options(layer, options, index=index)
-    for layer in listed[:count]:
-        apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
-                                       offload=manager if manager is not None else False)
-    return list(range(count))

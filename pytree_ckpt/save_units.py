@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any, Union
 
 from torch import nn
 
+from .apply import (layer_count, listed_layers, refuse_checkpointed_beyond, resolve_offload,
+                    validate_ratio)
 from .boundary_call import BoundaryOptions
 from .errors import CheckpointConfigError
 from .keep import KeepPolicy
 from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misses
 from .kept_ops import KeptOps
-from .module import (body_forward, install_boundary, is_checkpointed, layer_count,
-                     listed_layers, refuse_checkpointed_beyond, refuse_other_options,
-                     resolve_offload, validate_ratio)
+from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
