@@ -213,8 +213,10 @@ class CheckpointWithoutOutput:
             self.passthrough = True
             self.reachable = None
             return fn(*args, **kwargs)
-        note_discard()  # NOTE [a replay kept between restricted backwards] (kept_replay.py)
         outputs = tuple(_apply(self, *args, *(self.params or ())))  # NOTE [discard stays eager]
+        # After the eager call: a compiled body reaches the refusal first (NOTE [discard stays
+        # eager]), not this ContextVar read.
+        note_discard()  # NOTE [a replay kept between restricted backwards] (kept_replay.py)
         if not any(o.requires_grad for o in outputs):
             # No output can carry a gradient, so autograd keeps no node (and no inputs) to
             # replay from: the discard would free what nothing can rebuild.

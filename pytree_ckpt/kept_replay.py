@@ -56,8 +56,9 @@ Not kept, the node replays in each pass as before: a replay that made an output 
 (``CheckpointWithoutOutput``, discard.py): its rebuild and its node's backward run once per
 forward (``owner.recomputed`` is dropped after the first, and a second rebuild raises), so a
 second pass through the same discarded op cannot work; a fresh replay discards and rebuilds
-anew. ``discard_made`` counts discards made (any thread: one made by another thread meanwhile
-only makes the replay keep nothing, the old behaviour). A callable that is no module
+anew. ``note_discard`` marks the invocations the discard is made in (the replay's, through
+any nested boundary's), on this thread's context: the state lives on the replay, not in the
+process. A callable that is no module
 (``call.params`` unknown) is never restricted (refused there).
 """
 
@@ -68,18 +69,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["KeptReplay", "discards_made", "note_discard"]
+from .phase import ACTIVE
 
-_DISCARDS = [0]  # NOTE [a replay kept between restricted backwards]: discards made so far
+__all__ = ["KeptReplay", "note_discard"]
 
 
 def note_discard() -> None:
-    """An output discard was made (its graph is one-shot)."""
-    _DISCARDS[0] += 1
-
-
-def discards_made() -> int:
-    return _DISCARDS[0]
+    """An output discard is being made (its graph is one-shot): every boundary invocation it is
+    made in, innermost out, is marked."""
+    invocation = ACTIVE.get()
+    while invocation is not None:
+        invocation.discarded = True
+        invocation = invocation.parent
 
 
 class KeptReplay:

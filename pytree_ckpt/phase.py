@@ -33,12 +33,15 @@ class Phase(str, enum.Enum):
 class Invocation:
     """One boundary call being executed: its phase and its replay frame."""
 
-    __slots__ = ("phase", "frame", "parent")
+    __slots__ = ("phase", "frame", "parent", "discarded")
 
     def __init__(self, phase: Phase, frame: Frame, parent: Invocation | None, /) -> None:
         self.phase = phase
         self.frame = frame
         self.parent = parent
+        # An output discard was made inside it (NOTE [a replay kept between restricted
+        # backwards] in kept_replay.py: such a replay's graph is one-shot).
+        self.discarded = False
 
 
 # The innermost active invocation; each one links to its enclosing invocation.

@@ -18,7 +18,7 @@ from .engine import input_grads
 from .errors import CheckpointError, SavedTensorChanged
 from .hook_outputs import recording
 from .keep import KeepMode
-from .kept_replay import KeptReplay, discards_made
+from .kept_replay import KeptReplay
 from .module_state import is_verified
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
@@ -156,7 +156,6 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     if call.inference is not None:  # NOTE [inference tensors are kept as they are] (boundary.py)
         saved = tuple(call.inference.get(i, t) for i, t in enumerate(saved))
     call.frame.start_replay()
-    discards = discards_made()  # NOTE [a replay kept between restricted backwards]
     assert call.env is not None
     invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
     token = ACTIVE.set(invocation)
@@ -320,7 +319,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     # that keeps the graph keeps this replay's too, for the node's next run; not a replay that
     # made an output discard (one-shot).
     keep = keep_graph and bool(outs) and 0 < len(wanted) < len(needed) and \
-        discards_made() == discards
+        not invocation.discarded
     if outs and call.owner is not None and \
             not is_verified(call.owner, call.switches):
         verify_leaves(call, outs, wrt)
