@@ -96,8 +96,10 @@ class StateWatch:
         self.empty: list[_Buffers] = []
         # NOTE [small state as it was before the forward]: with ``snapshot`` (a module's
         # first calls, and every call once a forward of it changed state: snapshots_wanted),
-        # each small buffer (at most _SMALL_BYTES: a step counter, running statistics, an EMA
-        # vector, spectral norm's power-iteration vectors) is saved before the forward, with
+        # each small buffer and frozen parameter (at most _SMALL_BYTES: a step counter,
+        # running statistics, an EMA vector, spectral norm's power-iteration vectors, a MoE
+        # router's correction bias kept as a frozen nn.Parameter, which the replay's top-k
+        # must read as the forward's did) is saved before the forward, with
         # where it lay: its storage is cloned (once, however many buffers view it) when that
         # storage is small too, else the buffer alone. The replay's copies of the buffers the
         # forward changed are made from these, as they lay before the forward (a resize_ or
@@ -126,6 +128,10 @@ class StateWatch:
                     self.empty.append(d)
         self.frozen = frozen
         self.frozen_versions = versions(frozen) if frozen else []
+        if snapshot:  # NOTE [small state as it was before the forward]: frozen parameters
+            for t in frozen:
+                if id(t) not in self.before:
+                    self._save(t)
         self.trees = trees  # where the frozen parameters are, read only if one changed
         # Where each frozen parameter is (a forward may reassign one: an EMA kept as a frozen
         # nn.Parameter); read only when there are frozen parameters.
@@ -235,6 +241,8 @@ class StateWatch:
         changed = {id(obj) for d, moved in buffers
                    for name, previous in ([(n, None) for n in d] if moved is None else moved)
                    for obj in (d.get(name), previous) if obj is not None}
+        changed.update(id(obj) for d, moved in parameters.values() for name, previous in moved
+                       for obj in (d.get(name), previous) if obj is not None)
         changed.update(id(t) for _, items, _ in unchanged for _, t in items)
         for d, moved in buffers:  # NOTE [state read, then changed by a later call]
             for name in d if moved is None else (name for name, _ in moved):
