@@ -202,5 +202,7 @@ def warn_parameter_changed(call: BoundaryCall, before: list[int | None], /) -> N
         "if repeating the change leaves it as it is (a renorm, a clamp; nn.Embedding's "
         "max_norm), otherwise the step ends with the change made twice and other gradients. "
         "Tip: make the change outside the checkpointed call (before the forward, or after "
-        "the optimizer step), or compute with a changed copy (w = self.weight * 0.5)",
+        "the optimizer step), or compute with a changed copy (w = self.weight * 0.5); "
+        "one that takes no gradient (a MoE router's e_score_correction_bias) can be frozen "
+        "(requires_grad_(False)) or registered as a buffer: the replay then changes a copy",
         stacklevel=user_stacklevel())
