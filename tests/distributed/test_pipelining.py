@@ -21,7 +21,15 @@ import torch
 from . import pipeline_cases
 from .launch import run_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = [
+    pytest.mark.distributed,
+    # torch 2.9 and 2.11's pipelining exchanges the stages' shapes over gloo with mismatched
+    # sizes (a rank aborts: "Received data size doesn't match expected size"; with the shapes
+    # given, the multi-stage schedules still time out in _initialize_stages), without this
+    # library: the unwrapped "plain" cases fail the same. Checked on 2.13.
+    pytest.mark.skipif(torch.__version__ < "2.13",
+                       reason="torch.distributed.pipelining over gloo fails before torch 2.13"),
+]
 
 SCHEDULES = ("1f1b", "zbv", "dualpipev")
 WRAPPED = ["1f1b-ckpt", "zbv-ckpt", "zbv-offload", "dualpipev-offload"]
