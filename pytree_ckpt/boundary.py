@@ -105,7 +105,7 @@ from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .plain_state import NOTHING_HELD, watch_plain_state
 from .recompute import replay_backward
-from .refusals import fn_name, input_path, refuse_double_backward
+from .refusals import check_made_leaves, fn_name, input_path, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .shared_containers import shared_containers
 from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
@@ -365,7 +365,10 @@ class _BoundaryFunction(torch.autograd.Function):
                 ) -> Any:
         changes = call.forward_modules.changes() if call.forward_modules is not None else None
         if changes is None:
-            return replay_backward(ctx, call, grad_outputs)
+            grads = replay_backward(ctx, call, grad_outputs)
+            if call.made_leaves is not None:  # NOTE [leaves the call makes] (refusals.py)
+                check_made_leaves(call)
+            return grads
         # The forward's modules (NOTE [the replay sees the forward's modules] in
         # forward_modules.py), around the
         # replay's gradients too: what runs in the replay's backward (an output discard's
@@ -373,7 +376,10 @@ class _BoundaryFunction(torch.autograd.Function):
         # the very tensors the forward changed (a buffer torch.func.functional_call passed in).
         assert call.forward_modules is not None
         with call.forward_modules.reinstated(changes):
-            return replay_backward(ctx, call, grad_outputs)
+            grads = replay_backward(ctx, call, grad_outputs)
+        if call.made_leaves is not None:  # NOTE [leaves the call makes] (refusals.py)
+            check_made_leaves(call)
+        return grads
 
 
 # NOTE [the Function is applied in C]: ``torch.autograd.Function.apply`` (Python) binds default

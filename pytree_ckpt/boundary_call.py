@@ -5,6 +5,7 @@ docstring holds the NOTE blocks these fields follow."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +65,7 @@ class BoundaryCall:
                  "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
                  "changed_state", "modules", "forward_modules", "hooked", "hooked_outputs",
                  "held", "subclasses", "switches", "inference", "saved_versions",
-                 "param_versions", "plain_state", "kept")
+                 "param_versions", "plain_state", "kept", "made_leaves")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -109,6 +110,9 @@ class BoundaryCall:
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
         self.frozen: list[torch.Tensor] = []
         self.frozen_at_call: list[torch.Tensor] = []  # the frozen ones, kept for backward
+        # NOTE [leaves the call makes] (refusals.py): weak references to the leaves the first
+        # replay reached that are neither inputs nor parameters, checked once its graph is gone.
+        self.made_leaves: list[weakref.ref[torch.Tensor]] | None = None
         # What ctx saved, as versions when saved: names an input changed after the call where
         # torch has no SavedTensor.unpack() (before 2.12; raise_changed_after_call in
         # changed_in_place.py).

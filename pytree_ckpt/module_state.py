@@ -31,7 +31,7 @@ from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module", "call_switches",
            "changed_submodule", "collect_parameters", "drop_caches", "ever_verified",
-           "foreign_leaf", "graph_attributes", "is_verified", "mark_verified", "module_buffers",
+           "foreign_leaf", "foreign_leaves", "graph_attributes", "is_verified", "mark_verified", "module_buffers",
            "module_dicts", "owning_module", "structure_generation", "submodules_now",
            "trainable_parameters", "warn_forward_hooks", "watch_module_structure"]
 
@@ -383,12 +383,21 @@ def mark_verified(module: nn.Module, switches: Any, /) -> None:
 
 def foreign_leaf(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /
                  ) -> torch.Tensor | None:
-    """A leaf that requires grad, reached from ``outs``, that is not one of ``known``. The walk
-    stops at a known tensor with a graph of its own (a fast weight ``functional_call`` swapped
-    in, computed from the parameters: its gradient is returned, and autograd carries it on)."""
+    """The first of ``foreign_leaves``, or ``None``."""
+    leaves = foreign_leaves(outs, known)
+    return leaves[0] if leaves else None
+
+
+def foreign_leaves(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /
+                   ) -> list[torch.Tensor]:
+    """The leaves that require grad, reached from ``outs``, that are not one of ``known``. The
+    walk stops at a known tensor with a graph of its own (a fast weight ``functional_call``
+    swapped in, computed from the parameters: its gradient is returned, and autograd carries it
+    on)."""
     known_ids = {id(t) for t in known}
     seen: set[Any] = {t.grad_fn for t in known if t.grad_fn is not None}
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    found = []
     while stack:
         node = stack.pop()
         if node in seen:
@@ -396,9 +405,9 @@ def foreign_leaf(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /
         seen.add(node)
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) not in known_ids:
-            return variable
+            found.append(variable)
         stack.extend(n for n, _ in node.next_functions if n is not None)
-    return None
+    return found
 
 
 _WARNED_HOOKS = "_pytree_ckpt_warned_hooks"

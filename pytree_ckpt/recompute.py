@@ -322,7 +322,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         not invocation.discarded
     if outs and call.owner is not None and \
             not is_verified(call.owner, call.switches):
-        verify_leaves(call, outs, wrt)
+        # NOTE [leaves the call makes] (refusals.py): left to check, this replay keeps no graph
+        keep = not verify_leaves(call, outs, wrt) and keep
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
         with ParameterHooksPaused(call.params, outs) as replayed:

@@ -11,6 +11,8 @@ file where it is not here. What the call's inputs and outputs may hold is refuse
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -19,13 +21,13 @@ from torch import nn
 
 from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
-from .module_state import foreign_leaf, mark_verified, owning_module, warn_forward_hooks
+from .module_state import foreign_leaves, mark_verified, owning_module, warn_forward_hooks
 from .tree import describe_leaf, leaf_paths
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["TORCH_REENTRANT", "fn_name", "input_path", "raise_attached_to_outside_tensor",
+__all__ = ["TORCH_REENTRANT", "check_made_leaves", "fn_name", "input_path", "raise_attached_to_outside_tensor",
            "raise_hooked_outside_tensor", "raise_torch_reentrant_inside", "readable_path",
            "refuse_container", "refuse_double_backward", "refuse_module_tensor", "require_callable",
            "verify_leaves"]
@@ -122,7 +124,9 @@ def raise_hooked_outside_tensor(call: BoundaryCall, position: int, /) -> None:
 
 
 def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.Tensor], /
-                  ) -> None:
+                  ) -> bool:
+    """Whether the replay's graph reaches leaves left to check (NOTE [leaves the call makes]):
+    the replay then keeps no graph, and ``check_made_leaves`` runs once it returns."""
     # NOTE [parameters are inputs] (boundary.py): once per module, on its first replay. A
     # parameter of the modules that was frozen in the forward and unfrozen since gets no
     # gradient, as in eager (it was not in the forward's graph): known, not foreign. Nothing
@@ -132,26 +136,58 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
     # replay's gradients would skip them.
     known = [*wrt, *call.frozen_at_call]
     call.frozen_at_call = []
-    foreign = foreign_leaf(outs, known)
+    foreign = foreign_leaves(outs, known)
     assert call.owner is not None
-    if foreign is not None:
-        _refuse_fsdp_units_inside(call.owner, own=call.fn is call.owner)
-        passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
-        refuse_module_tensor(foreign, [call.owner, *passed])
-        raise CheckpointError(
-            f"the forward of {type(call.owner).__name__} uses a tensor that requires grad but is "
-            "neither an input nor a parameter of the module; it would get no gradient",
-            expected="inputs, and parameters of the module or of modules passed as arguments",
-            got=f"Tensor(shape={tuple(foreign.shape)}, dtype={foreign.dtype})",
-            tip="pass the tensor (or the module owning it) as an argument, or register it as a "
-                "parameter of a submodule; a leaf the forward makes itself for a gradient "
-                "inside it (pos.detach().requires_grad_() for forces = -dE/dpos) is one the "
-                "boundary cannot tell from an outside tensor: leave that module "
-                "uncheckpointed")
     # fn is the module itself (checkpoint(module, x)): its own hooks run inside the boundary.
     # So do those of a module passed as an argument, when fn calls it.
     passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
+    if foreign:
+        _refuse_fsdp_units_inside(call.owner, own=call.fn is call.owner)
+        for leaf in foreign:
+            refuse_module_tensor(leaf, [call.owner, *passed])
     warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
+    if not foreign:
+        mark_verified(call.owner, call.switches)
+        return False
+    call.made_leaves = [weakref.ref(leaf) for leaf in foreign]  # nothing strong: NOTE
+    return True
+
+
+def check_made_leaves(call: BoundaryCall, /) -> None:
+    """NOTE [leaves the call makes]: a leaf that requires grad, reached by a module's first
+    replay and neither an input nor a parameter, is either one the call made and dropped (T5's
+    attention makes its zero position bias one, ``bias.requires_grad = True``, for torch's
+    reentrant checkpoint; ``pos.detach().requires_grad_()`` for forces = -dE/dpos) or one from
+    outside (a global table, a closure's tensor, one the forward stored on its module). Eager
+    fills the first's ``.grad`` where nothing can read it, so giving it none is exact; the
+    second's gradient would be lost. Which it is shows once the replay's graph, the last
+    thing that could hold a made leaf, is gone: ``verify_leaves`` keeps weak references only,
+    and this runs after ``replay_backward`` returned (its locals held the replayed outputs),
+    before the node returns its gradients, so a refusal leaves no ``.grad`` filled. A leaf
+    still alive then is refused; one held only by a reference cycle is given a collection
+    first (only on that path). Such a replay keeps no graph between restricted backwards
+    (NOTE [a replay kept between restricted backwards] in kept_replay.py): the kept graph would
+    hold the leaf; the next pass replays anew, as before graphs were kept. A weak reference
+    tracks the tensor's C++ owner too: torch preserves a tensor's Python object while its
+    TensorImpl lives (the graph's AccumulateGrad holds it), so the reference dies with the
+    graph (checked on torch 2.9, 2.11, 2.13)."""
+    refs, call.made_leaves = call.made_leaves, None
+    assert refs is not None and call.owner is not None
+    if any(ref() is not None for ref in refs):
+        gc.collect()  # a cycle through the graph (a hook's closure) would hold it still
+        alive = [leaf for leaf in (ref() for ref in refs) if leaf is not None]
+        if alive:
+            raise CheckpointError(
+                f"the forward of {type(call.owner).__name__} uses a tensor that requires grad "
+                "but is neither an input nor a parameter of the module; it would get no "
+                "gradient", expected="inputs, and parameters of the module or of modules "
+                "passed as arguments",
+                got=f"Tensor(shape={tuple(alive[0].shape)}, dtype={alive[0].dtype}), "
+                    "still held after the replay (a leaf the forward made and dropped is "
+                    "accepted)",
+                tip="pass the tensor (or the module owning it) as an argument, or register it "
+                    "as a parameter of a submodule; a leaf the forward makes should not be "
+                    "kept past it (on the module, in a global)")
     mark_verified(call.owner, call.switches)
 
 

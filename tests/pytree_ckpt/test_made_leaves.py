@@ -1,0 +1,249 @@
+"""Leaves a checkpointed forward makes itself (NOTE [leaves the call makes] in refusals.py):
+accepted when nothing holds them past the replay (T5's zero position bias made to require grad),
+refused when something does (an outside table, one stored on the module), against an unwrapped
+eager twin, bit for bit in fp32."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from offload import OffloadConfig, OffloadManager
+from pytree_ckpt import CheckpointError
+from tests.conftest import assert_same_grads
+
+CALLS: Counter[str] = Counter()
+MADE: list[weakref.ref[torch.Tensor]] = []  # weak references to every bias made
+
+
+class BiasAttention(nn.Module):
+    """T5Attention's hack, stood in: with ``gradient_checkpointing`` on in training, the zero
+    position bias is made a leaf that requires grad (for torch's reentrant checkpoint); it is
+    added to the scores and returned (plus the mask), as T5's blocks pass it on."""
+
+    def __init__(self, store: bool = False) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+        self.gradient_checkpointing = False
+        self.store = store
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2)
+        bias = torch.zeros(1, h.shape[-2], h.shape[-2], dtype=h.dtype)
+        if self.gradient_checkpointing and self.training:
+            bias.requires_grad = True
+        MADE.append(weakref.ref(bias))
+        if self.store:
+            self.last = bias  # kept past the call: its gradient could be read
+        bias = bias + mask
+        return self.out(torch.softmax(scores + bias, dim=-1) @ v), bias
+
+
+class Block(nn.Module):
+    def __init__(self, store: bool = False) -> None:
+        super().__init__()
+        self.attn = BiasAttention(store)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        CALLS["block"] += 1
+        a, bias = self.attn(h, mask)
+        h = h + self.drop(a)
+        return h + self.mlp(h), bias
+
+
+class Model(nn.Module):
+    def __init__(self, store: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(store), Block(store)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.triu(torch.full((x.shape[-2], x.shape[-2]), -1e4), 1)
+        h, total = x, x.new_zeros(())
+        for block in self.blocks:
+            h, bias = block(h, mask)
+            total = total + bias.float().mean()  # the bias leaves the block, as T5's does
+        return h.square().mean() + total
+
+
+def _twins(offload: bool = False, store: bool = False
+           ) -> tuple[nn.Module, nn.Module, OffloadManager | None]:
+    """The eager model (flag off: its bias requires no grad, as without transformers' switch)
+    and its checkpointed twin, the flag on as ``_set_gradient_checkpointing`` leaves it."""
+    torch.manual_seed(0)
+    eager = Model(store)
+    wrapped = copy.deepcopy(eager)
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload else None
+    for block in wrapped.blocks:
+        block.attn.gradient_checkpointing = True
+        pytree_ckpt.apply_activation_checkpointing(block, offload=manager or False)
+    return eager, wrapped, manager
+
+
+def _train(model: nn.Module, steps: int = 2) -> list[list[Any]]:
+    """Two AdamW steps from the same seed; every step's gradients and the final weights."""
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(2, 5, 8)).backward()
+        seen.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return [*seen, [p.detach().clone() for p in model.parameters()]]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_a_leaf_the_forward_makes_and_drops_gets_no_gradient_and_training_matches_eager(
+        offload: bool) -> None:
+    eager, wrapped, manager = _twins(offload)
+    want = _train(eager)
+    CALLS.clear()
+    MADE.clear()
+    got = _train(wrapped)
+    for a, b in zip(want, got):
+        assert_same_grads(a, b)
+    assert CALLS["block"] == 2 * 2 * 2  # two blocks, the original pass and one replay, 2 steps
+    assert len(MADE) == 2 * 2 * 2 and all(ref() is None for ref in MADE)  # nothing kept them
+    if manager is not None:
+        stats = manager.stats()
+        assert stats["offloaded_bytes"] == stats["restored_bytes"] > 0
+
+
+def test_a_table_from_outside_that_requires_grad_is_still_refused_with_nothing_accumulated(
+        ) -> None:
+    table = torch.randn(8, requires_grad=True)
+
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.made = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            made = torch.ones(8, requires_grad=True)  # dropped: accepted, checked with it
+            return self.lin(x) * table + self.made(x) * made
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Lookup())
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        layer(x).sum().backward()
+    assert "shape=(8,)" in str(err.value) and "still held after the replay" in str(err.value)
+    # Raised before the node returned its gradients: nothing was accumulated.
+    assert x.grad is None and table.grad is None
+    assert all(p.grad is None for p in layer.parameters())
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter"):
+        layer(x).sum().backward()  # not verified: refused again
+
+
+def test_a_leaf_the_forward_stores_on_its_module_is_refused() -> None:
+    _, wrapped, _ = _twins(store=True)
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        wrapped(torch.randn(2, 5, 8)).backward()
+    assert "BiasAttention" not in str(err.value) and "Block" in str(err.value)
+    assert "shape=(1, 5, 5)" in str(err.value)
+
+
+def test_a_split_backward_replays_anew_until_the_made_leaf_is_checked_then_keeps_the_graph(
+        ) -> None:
+    # NOTE [a replay kept between restricted backwards]: a kept graph would hold the made
+    # leaf, so the first replay (the one that checks) keeps none and the weight pass replays
+    # anew; from the next step on, the graph is kept (each block replayed once).
+    eager, wrapped, _ = _twins()
+    calls = []
+    for step in range(2):
+        grads = []
+        for model in (eager, wrapped):
+            torch.manual_seed(step)
+            x = torch.randn(2, 5, 8, requires_grad=True)
+            CALLS.clear()
+            loss = model(x)
+            (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+            grads.append([dx, *torch.autograd.grad(loss, list(model.parameters()))])
+            calls.append(CALLS["block"])
+        assert_same_grads(*grads)
+    assert calls == [2, 2 * 3, 2, 2 * 2]
+
+
+def test_the_check_keeps_no_made_leaf_or_replay_alive() -> None:
+    _, wrapped, _ = _twins()
+    MADE.clear()
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    loss = wrapped(x)
+    loss.backward(retain_graph=True)  # the graph (and its nodes' calls) outlive the backward
+    assert len(MADE) == 2 * 2 and all(ref() is None for ref in MADE)
+    node = loss.grad_fn
+    del loss, node
+    assert all(ref() is None for ref in MADE)
+
+
+def test_forces_from_a_leaf_the_forward_makes_match_eager() -> None:
+    # The limits row's other case: forces = -dE/dpos from pos.detach().requires_grad_(),
+    # with create_graph=True inside the call, returned with the energy.
+    class Potential(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            CALLS["potential"] += 1
+            with torch.enable_grad():
+                pos = pos.detach().requires_grad_()
+                energy = self.net(pos).sum()
+                (grad,) = torch.autograd.grad(energy, pos, create_graph=True)
+            return energy, -grad
+
+    torch.manual_seed(0)
+    eager = Potential()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    pos = torch.randn(6, 3)
+    target = torch.randn(6, 3)
+    grads = []
+    CALLS.clear()
+    for model in (eager, wrapped):
+        for _ in range(2):
+            model.zero_grad()
+            energy, forces = model(pos)
+            (energy + (forces - target).square().sum()).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert_same_grads(*grads)
+    assert CALLS["potential"] == 2 + 2 * 2
+
+
+def test_a_made_leaf_returned_as_an_output_reaches_the_caller_as_no_leaf() -> None:
+    # docs/limits.md's row: as T5's blocks return their bias. Parameter gradients are eager's;
+    # the caller's tensor is the boundary's output, whose .grad stays None (torch warns).
+    class Returns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            bias = torch.zeros(4, requires_grad=True)
+            return self.lin(x) + bias, bias
+
+    torch.manual_seed(0)
+    eager = Returns()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    grads, biases = [], []
+    for model in (eager, wrapped):
+        h, bias = model(x)
+        (h.sum() + bias.sum()).backward()
+        grads.append([p.grad for p in model.parameters()])
+        biases.append(bias)
+    assert_same_grads(*grads)
+    assert biases[0].is_leaf and torch.equal(biases[0].grad, torch.full((4,), 3.0))
+    assert not biases[1].is_leaf
+    with pytest.warns(UserWarning, match="not a leaf"):
+        assert biases[1].grad is None
