@@ -31,9 +31,9 @@ from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module", "call_switches",
            "changed_submodule", "collect_parameters", "drop_caches", "ever_verified",
-           "foreign_leaf", "foreign_leaves", "graph_attributes", "is_verified", "mark_verified", "module_buffers",
-           "module_dicts", "owning_module", "structure_generation", "submodules_now",
-           "trainable_parameters", "warn_forward_hooks", "watch_module_structure"]
+           "foreign_leaf", "foreign_leaves", "graph_attributes", "is_verified", "mark_verified",
+           "module_buffers", "module_dicts", "owning_module", "structure_generation",
+           "submodules_now", "trainable_parameters", "warn_forward_hooks", "watch_module_structure"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:

@@ -27,10 +27,10 @@ from .tree import describe_leaf, leaf_paths
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["TORCH_REENTRANT", "check_made_leaves", "fn_name", "input_path", "raise_attached_to_outside_tensor",
-           "raise_hooked_outside_tensor", "raise_torch_reentrant_inside", "readable_path",
-           "refuse_container", "refuse_double_backward", "refuse_module_tensor", "require_callable",
-           "verify_leaves"]
+__all__ = ["TORCH_REENTRANT", "check_made_leaves", "fn_name", "input_path",
+           "raise_attached_to_outside_tensor", "raise_hooked_outside_tensor",
+           "raise_torch_reentrant_inside", "readable_path", "refuse_container",
+           "refuse_double_backward", "refuse_module_tensor", "require_callable", "verify_leaves"]
 
 
 def readable_path(path: str) -> str:
