@@ -16,7 +16,10 @@ graph, with the gradients autograd hands it then (any: the graph is a function o
 alone), and replays nothing. Released (the last use's gradient call retains nothing) as soon as
 it can never be used again: when the gradients taken from it so far cover every one the node
 can give (a later run replays anew, as today's second ``backward(retain_graph=True)`` does),
-when a backward without ``keep_graph`` runs the node, or with the call itself, which only the
+when a backward without ``keep_graph`` runs the node, when such a last use raises (a hook
+inside, halfway: autograd has freed part of the graph, and the user's retry, which eager's
+graph allows under ``retain_graph=True``, replays from the saved inputs and the frame, which
+only a run that returns releases), or with the call itself, which only the
 node (ctx) holds: ``torch.autograd.grad(out, x, retain_graph=True)`` with no weight pass after
 it keeps the replay's graph as long as the user keeps ``out``'s graph, and no longer (what a
 restricted backward with ``retain_graph`` costs in eager too: its graph). Nothing in the kept

@@ -374,8 +374,11 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
         with ParameterHooksPaused(call.params, outs) as replayed:  # once per gradient
             try:
                 got = input_grads(replayed, grads, [wrt[i] for i in wanted], not last)
-            except RuntimeError as error:
-                if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
+            except BaseException as error:
+                if last:  # it may have freed part of the graph: a retry replays
+                    call.kept = None
+                if not isinstance(error, RuntimeError) or isinstance(error, CheckpointError) \
+                        or TORCH_REENTRANT not in str(error):
                     raise
                 raise_torch_reentrant_inside(call, error)
         for i, grad in zip(wanted, got):

@@ -185,3 +185,50 @@ def test_a_layer_with_an_output_discard_replays_in_each_pass_and_stays_exact() -
     got, _, calls = _split_backward(wrapped, x, "grad")
     assert_same_grads(want, got)
     assert (eager_calls["block"], calls["block"]) == (2, 2 * 3)
+
+
+class _RaisingBlock(Block):
+    """A Block whose hidden activation gets a gradient hook in forward (inside the body, so in
+    the replay's graph) that raises while ``raising`` is set."""
+
+    raising = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        up = self.up(h)
+        if up.requires_grad:
+            up.register_hook(self._maybe_raise)
+        return h + self.down(torch.nn.functional.gelu(up))
+
+    @classmethod
+    def _maybe_raise(cls, grad: torch.Tensor) -> torch.Tensor:
+        if cls.raising:
+            raise ValueError("raised in the weight pass")
+        return grad
+
+
+def test_a_weight_pass_that_raises_can_be_run_again_as_in_eager() -> None:
+    # The weight pass takes the last gradients, so it runs the kept graph without retaining it;
+    # a hook inside raised halfway, the graph was partly freed, and the retry (the user's
+    # retain_graph=True keeps eager's graph) failed with autograd's "backward through the
+    # graph a second time". A kept graph a failed call may have freed is dropped: the retry
+    # replays.
+    torch.manual_seed(0)
+    eager = nn.Sequential(_RaisingBlock(), _RaisingBlock())
+    wrapped = copy.deepcopy(eager)
+    for block in wrapped:
+        pytree_ckpt.apply_activation_checkpointing(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    results = []
+    for model in (eager, wrapped):
+        CALLS.clear()
+        _RaisingBlock.raising = False
+        loss = model(x).square().sum()
+        (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+        _RaisingBlock.raising = True
+        params = list(model.parameters())
+        with pytest.raises(ValueError, match="raised in the weight pass"):
+            torch.autograd.grad(loss, params, retain_graph=True)
+        _RaisingBlock.raising = False
+        dw = torch.autograd.grad(loss, params)
+        results.append([dx, *dw])
+    assert_same_grads(*results)
