@@ -13,18 +13,23 @@ give) and *keeps the graph* (the outer task's ``keep_graph``: the node may run a
 replayed outputs and the tensors its gradients are taken to live here, on the call, and the
 replay's gradient call retains its graph. A later run of the node takes its gradients from this
 graph, with the gradients autograd hands it then (any: the graph is a function of the inputs
-alone), and replays nothing. Released (the last use's gradient call retains nothing) as soon as
-it can never be used again: when the gradients taken from it so far cover every one the node
-can give (a later run replays anew, as today's second ``backward(retain_graph=True)`` does),
-when a backward without ``keep_graph`` runs the node, when such a last use raises (a hook
-inside, halfway: autograd has freed part of the graph, and the user's retry, which eager's
-graph allows under ``retain_graph=True``, replays from the saved inputs and the frame, which
-only a run that returns releases), or with the call itself, which only the
+alone), and replays nothing. Dropped from the call as soon as it can never be used again: when
+the gradients taken from it so far cover every one the node can give (a later run replays
+anew, as today's second ``backward(retain_graph=True)`` does), when a backward without
+``keep_graph`` runs the node (its gradient call retains nothing then; should it raise halfway,
+a retry replays from the saved inputs and the frame, which only a run that returns releases),
+or with the call itself, which only the
 node (ctx) holds: ``torch.autograd.grad(out, x, retain_graph=True)`` with no weight pass after
 it keeps the replay's graph as long as the user keeps ``out``'s graph, and no longer (what a
 restricted backward with ``retain_graph`` costs in eager too: its graph). Nothing in the kept
 graph refers to the node (its leaves are the detached inputs and the parameters), so no cycle
-holds it past that (tests/pytree_ckpt/test_kept_replay.py checks it by weak reference).
+holds it past that (tests/pytree_ckpt/test_kept_replay.py checks it by weak reference). Under
+``keep_graph`` every use retains the graph, the last one too, and dropping it frees it by
+reference once no gradient call runs it: eager lets several threads run backwards through one
+retained graph at once, and a last use that retained nothing freed it under the others
+("backward through the graph a second time"); the cost is that its buffers go at the end of
+that gradient call, not node by node during it. (Threads that keep a graph at once may each
+keep their own replay, the last one on the call; ``taken`` is updated in place.)
 
 What else a replay touches, with a kept graph:
 

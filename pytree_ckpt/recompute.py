@@ -366,16 +366,16 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     wanted = needed
     if wanted and not _checkpoint_valid():
         wanted = _used_by_this_backward(ctx.next_functions, wanted)
-    taken = kept.taken.union(wanted)
-    last = not keep_graph or taken.issuperset(needed)  # never used again: retain nothing
     outs, grads = kept.pairs(grad_outputs)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
         with ParameterHooksPaused(call.params, outs) as replayed:  # once per gradient
             try:
-                got = input_grads(replayed, grads, [wrt[i] for i in wanted], not last)
+                # Retained whenever the outer graph is, even for its last use: another thread
+                # may be running it at once; dropped below, it is freed by reference.
+                got = input_grads(replayed, grads, [wrt[i] for i in wanted], keep_graph)
             except BaseException as error:
-                if last:  # it may have freed part of the graph: a retry replays
+                if not keep_graph and call.kept is kept:  # partly freed: a retry replays
                     call.kept = None
                 if not isinstance(error, RuntimeError) or isinstance(error, CheckpointError) \
                         or TORCH_REENTRANT not in str(error):
@@ -388,10 +388,9 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     n = len(wrt) - len(call.params)
     accumulated_nothing(call.params, result[n:], needs[n:])
     _inputs_without_gradient(kept.saved, result[:n], needs)
-    if last:
-        call.kept = None
-    else:
-        kept.taken = taken
+    kept.taken.update(wanted)  # in place: threads taking gradients at once each add theirs
+    if (not keep_graph or kept.taken.issuperset(needed)) and call.kept is kept:
+        call.kept = None  # never used again
     if not keep_graph:  # as after a replay: NOTE [frame lifetime] (frames.py)
         call.changed_state = None
         if call.frame.results or call.reported:

@@ -6,6 +6,7 @@ unwrapped eager twin, bit for bit (fp32)."""
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from collections import Counter
 from typing import Any
@@ -207,11 +208,10 @@ class _RaisingBlock(Block):
 
 
 def test_a_weight_pass_that_raises_can_be_run_again_as_in_eager() -> None:
-    # The weight pass takes the last gradients, so it runs the kept graph without retaining it;
+    # The weight pass takes the last gradients, and ran the kept graph without retaining it;
     # a hook inside raised halfway, the graph was partly freed, and the retry (the user's
     # retain_graph=True keeps eager's graph) failed with autograd's "backward through the
-    # graph a second time". A kept graph a failed call may have freed is dropped: the retry
-    # replays.
+    # graph a second time". Under retain_graph the kept graph is retained by every use now.
     torch.manual_seed(0)
     eager = nn.Sequential(_RaisingBlock(), _RaisingBlock())
     wrapped = copy.deepcopy(eager)
@@ -232,3 +232,40 @@ def test_a_weight_pass_that_raises_can_be_run_again_as_in_eager() -> None:
         dw = torch.autograd.grad(loss, params)
         results.append([dx, *dw])
     assert_same_grads(*results)
+
+
+def test_threads_taking_gradients_from_one_kept_graph_at_once_get_eager_gradients() -> None:
+    # Backwards through one retained graph from several threads at once are allowed in eager.
+    # The thread whose gradients completed the set took them without retaining the kept graph,
+    # freeing it under a thread still running it: autograd's "backward through the graph a
+    # second time". The graph is now freed by reference, once no thread runs it.
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                            for _ in range(4)])
+    wrapped = copy.deepcopy(eager)
+    for block in wrapped:
+        pytree_ckpt.apply_activation_checkpointing(block)
+    x = torch.randn(256, 64, requires_grad=True)
+    for _ in range(5):  # the race needs the threads to overlap: a few rounds
+        results = []
+        for model in (eager, wrapped):
+            loss = model(x).square().sum()
+            params = list(model.parameters())
+            torch.autograd.grad(loss, [x], retain_graph=True)
+            groups = [params[:8], params[8:], params]
+            got: list[Any] = [None] * len(groups)
+
+            def weight_pass(i: int, loss: torch.Tensor = loss) -> None:
+                try:
+                    got[i] = torch.autograd.grad(loss, groups[i], retain_graph=True)
+                except RuntimeError as error:
+                    got[i] = error
+
+            threads = [threading.Thread(target=weight_pass, args=(i,)) for i in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not [g for g in got if isinstance(g, RuntimeError)]
+            results.append([grad for grads in got for grad in grads])
+        assert_same_grads(*results)
