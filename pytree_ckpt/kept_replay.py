@@ -38,8 +38,10 @@ What else a replay touches, with a kept graph:
   because every gradient was taken, under ``keep_graph``, leaves a later run a full replay,
   which needs it). Offloaded frozen results are restored once, by the one replay.
 - Parameter hooks (NOTE [parameter hooks run once] in parameter_hooks.py): each use of the
-  graph pauses them around its gradient call, as a replay does (the pause's prehooks go on the
-  kept outputs' nodes for that call only), so each hook runs once per gradient, where the
+  graph pauses them around its gradient call, as a replay does (the pause's prehooks go on
+  views of the kept outputs made for that call: on the outputs' own nodes, shared by calls
+  other threads run at once, one call's pause marked and unmarked the others' tasks), so each
+  hook runs once per gradient, where the
   outer backward delivers it: the input pass gives no parameter a gradient, the weight pass
   each. Post-accumulate-grad hooks: as with a replay (``accumulated_nothing`` for the ``None``
   each pass returns).

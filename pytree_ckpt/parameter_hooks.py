@@ -56,10 +56,10 @@ class ParameterHooksPaused:
     does not.)
     """
 
-    __slots__ = ("outputs", "hooked", "tasks", "marks")
+    __slots__ = ("outputs", "hooked", "tasks", "marks", "shared")
 
     def __init__(self, params: Sequence[torch.Tensor], /,
-                 outputs: Sequence[torch.Tensor] = ()) -> None:
+                 outputs: Sequence[torch.Tensor] = (), *, shared: bool = False) -> None:
         hooked = False
         for p in params:
             hooks = p._backward_hooks
@@ -67,6 +67,11 @@ class ParameterHooksPaused:
                 hooked = True
                 _wrap_parameter_hooks(hooks)
         self.outputs, self.hooked = outputs, hooked
+        # Outputs of a graph other gradient calls may run at once (a kept replay: NOTE [a
+        # replay kept between restricted backwards] in kept_replay.py): their nodes' prehooks
+        # would mark those calls' tasks too, and this pause's exit unmark them while they run.
+        # Each output gets a view, a node of this call's own.
+        self.shared = shared
         self.tasks: list[int] = []
         self.marks: list[Any] = []  # the prehooks' handles
 
@@ -75,7 +80,7 @@ class ParameterHooksPaused:
         if not self.hooked:
             return self.outputs
         with torch.enable_grad():  # (backward runs without)
-            outputs = [out if out.grad_fn is not None else out.view_as(out)
+            outputs = [out if out.grad_fn is not None and not self.shared else out.view_as(out)
                        for out in self.outputs]
         # (Each has a node: it requires grad, or is a view of a leaf output that does.)
         self.marks = [cast(Node, out.grad_fn).register_prehook(self._mark) for out in outputs]

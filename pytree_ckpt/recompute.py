@@ -369,7 +369,7 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     outs, grads = kept.pairs(grad_outputs)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
-        with ParameterHooksPaused(call.params, outs) as replayed:  # once per gradient
+        with ParameterHooksPaused(call.params, outs, shared=True) as replayed:  # once each
             try:
                 # Retained whenever the outer graph is, even for its last use: another thread
                 # may be running it at once; dropped below, it is freed by reference.

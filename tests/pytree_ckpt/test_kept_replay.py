@@ -234,19 +234,21 @@ def test_a_weight_pass_that_raises_can_be_run_again_as_in_eager() -> None:
     assert_same_grads(*results)
 
 
-def test_threads_taking_gradients_from_one_kept_graph_at_once_get_eager_gradients() -> None:
-    # Backwards through one retained graph from several threads at once are allowed in eager.
-    # The thread whose gradients completed the set took them without retaining the kept graph,
-    # freeing it under a thread still running it: autograd's "backward through the graph a
-    # second time". The graph is now freed by reference, once no thread runs it.
+def _weight_passes_in_threads(hook: Any = None) -> None:
+    """An input pass, then three threads taking two halves and all of the parameters'
+    gradients at once, five rounds (the race needs the threads to overlap): no error, and
+    gradients torch.equal to the eager twin's. ``hook``: registered on every parameter."""
     torch.manual_seed(0)
     eager = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
                             for _ in range(4)])
     wrapped = copy.deepcopy(eager)
     for block in wrapped:
         pytree_ckpt.apply_activation_checkpointing(block)
+    if hook is not None:
+        for p in [*eager.parameters(), *wrapped.parameters()]:
+            p.register_hook(hook)
     x = torch.randn(256, 64, requires_grad=True)
-    for _ in range(5):  # the race needs the threads to overlap: a few rounds
+    for _ in range(5):
         results = []
         for model in (eager, wrapped):
             loss = model(x).square().sum()
@@ -269,3 +271,19 @@ def test_threads_taking_gradients_from_one_kept_graph_at_once_get_eager_gradient
             assert not [g for g in got if isinstance(g, RuntimeError)]
             results.append([grad for grads in got for grad in grads])
         assert_same_grads(*results)
+
+
+def test_threads_taking_gradients_from_one_kept_graph_at_once_get_eager_gradients() -> None:
+    # Backwards through one retained graph from several threads at once are allowed in eager.
+    # The thread whose gradients completed the set took them without retaining the kept graph,
+    # freeing it under a thread still running it: autograd's "backward through the graph a
+    # second time". The graph is now freed by reference, once no thread runs it.
+    _weight_passes_in_threads()
+
+
+def test_parameter_hooks_run_once_a_gradient_when_threads_share_a_kept_graph() -> None:
+    # Each use of the kept graph pauses the parameters' hooks for its own gradient call, marked
+    # by a prehook on the kept outputs' nodes: shared by the threads, so one use marked the
+    # others' calls too and, done first, unmarked them while they still ran: their parameters'
+    # hooks ran inside too (doubled twice, or not at all). Each use marks a view of its own.
+    _weight_passes_in_threads(lambda grad: grad * 2)
