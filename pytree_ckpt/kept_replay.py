@@ -58,7 +58,9 @@ What else a replay touches, with a kept graph:
 - Census: the replay's graph is shadowed from a census (recompute.py), kept or not: its bytes
   are not counted (docs/limits.md), and nothing else changes: the frame is released when it
   was before.
-- ``verify_leaves`` (refusals.py): at the first replay, which a kept graph comes from.
+- ``verify_leaves`` (refusals.py): at the first replay, which a kept graph comes from; one
+  that leaves made leaves to check keeps no graph (NOTE [leaves the call makes]: the kept
+  graph would hold them), and the next pass replays anew.
 - A second input pass (``torch.autograd.grad(loss, [x], retain_graph=True)`` twice): reuses
   the graph again, the same products on the same values: equal to eager's second pass.
 
