@@ -1,6 +1,7 @@
 """What one boundary call carries from its original pass to its replay (``BoundaryCall``), and
 the options of a boundary (``BoundaryOptions``); the boundary itself is in boundary.py, whose
-docstring holds the NOTE blocks these fields follow."""
+docstring holds the NOTE blocks these fields follow, and its autograd Function in
+boundary_function.py."""
 
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ class BoundaryCall:
         # subclass.py, NOTE [the replay sees tensor subclasses as the forward did] in rng.py).
         self.subclasses: list[SubclassKind | None] | None = None
         # Saved inputs made under inference mode, by position (NOTE [inference tensors are
-        # kept as they are] in boundary.py); None when there is none.
+        # kept as they are] in boundary_function.py); None when there is none.
         self.inference: dict[int, torch.Tensor] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...], /

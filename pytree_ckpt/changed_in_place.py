@@ -4,8 +4,9 @@ the forward and the replay: NOTE [parameters changed in place]).
 
 Version counters tell (a call's parameters' versions, with the moves the library's own passes
 made, are ``ParameterVersions``); each refusal names which input (by key path) or parameter (by
-its path in the modules) changed, both versions and the fix. The boundary (``boundary.py``), its
-replay (``recompute.py``) and output discard's rebuild (``discard.py``) call these.
+its path in the modules) changed, both versions and the fix. The boundary's Function
+(``boundary_function.py``), its replay (``recompute.py``) and output discard's rebuild
+(``discard.py``) call these.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Buffers a kernel writes without moving their version counters (NOTE [state a kernel
 writes]): found by value at a module's first calls, then counted as changed at every call.
 
-``state_changes.StateWatch`` asks ``differs`` at a module's first calls; the boundary
-(``boundary.py``) and an output discard (``discard_function.py``, with ``compared`` and
-``mark_compared``) keep the answer on the module (``remember``) and hand it to the next
-calls' watches (``remembered``).
+``state_changes.StateWatch`` asks ``differs`` at a module's first calls; the boundary's
+original pass (``boundary_function.py``) and an output discard (``discard_function.py``, with
+``compared`` and ``mark_compared``) keep the answer on the module (``remember``) and hand it to
+the next calls' watches (``remembered``).
 """
 
 from __future__ import annotations

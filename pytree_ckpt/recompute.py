@@ -1,5 +1,5 @@
 """The replay in backward: one boundary call's forward again, with grad, and the gradients of
-its inputs and parameters (``_BoundaryFunction.backward`` in boundary.py calls
+its inputs and parameters (``_BoundaryFunction.backward`` in boundary_function.py calls
 ``replay_backward``). The NOTE blocks it follows are in boundary.py's docstring (what is saved,
 parameters are inputs, attributes set before the call, unknown callables); others are cited
 with their files.
@@ -153,7 +153,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 "modified by an inplace operation" in str(error)):
             raise_changed_after_call(call, ctx._raw_saved_tensors, error)
         raise
-    if call.inference is not None:  # NOTE [inference tensors are kept as they are] (boundary.py)
+    # NOTE [inference tensors are kept as they are] (boundary_function.py)
+    if call.inference is not None:
         saved = tuple(call.inference.get(i, t) for i, t in enumerate(saved))
     call.frame.start_replay()
     assert call.env is not None

@@ -3,10 +3,11 @@ refusal names what it speaks of.
 
 Each check runs where the problem first shows (before the original pass, after it, or in the
 replay) and raises a ``CheckpointError`` that names the PyTree key path, shows both sides and
-gives the fix. The boundary (``boundary.py``), its replay (``recompute.py``) and output
-discard (``discard.py``, ``discard_function.py``) call these; each NOTE they cite names its
-file where it is not here. What the call's inputs and outputs may hold is refused in
-``tree_refusals.py``; inputs and parameters changed in place, in ``changed_in_place.py``.
+gives the fix. The boundary (``boundary.py``, ``boundary_function.py``), its replay
+(``recompute.py``) and output discard (``discard.py``, ``discard_function.py``) call these;
+each NOTE they cite names its file where it is not here. What the call's inputs and outputs
+may hold is refused in ``tree_refusals.py``; inputs and parameters changed in place, in
+``changed_in_place.py``.
 """
 
 from __future__ import annotations

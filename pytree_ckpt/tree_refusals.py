@@ -5,7 +5,8 @@ tree.py), inputs the replay cannot read as the forward did (an iterator; a cache
 filled twice]), nested tensors of the strided layout (NOTE [tensors of other layouts] in
 tree.py), and lists and dicts passed in that the forward fills (NOTE [containers filled by the
 forward]). Each raises a ``CheckpointError`` naming the key path, both sides and the fix; the
-boundary (``boundary.py``) and its replay (``recompute.py``) call these.
+boundary (``boundary.py``, ``boundary_function.py``) and its replay (``recompute.py``) call
+these.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
     that require grad or are known from before the call (parameters, buffers, the call's own
     input tensors: eager hands back those very tensors too), or frozen results of
     ``reuse_during_recompute`` (frozen when returned bare too: NOTE [frozen results returned
-    as outputs] in boundary.py)."""
+    as outputs] in boundary_function.py)."""
     passed = {id(leaf) for leaf in call.in_leaves if leaf is not None}
     tensors = set(tensor_index)
     known: dict[int, torch.Tensor] | None = None

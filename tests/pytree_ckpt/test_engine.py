@@ -134,8 +134,8 @@ def test_the_replay_frees_each_ops_saved_tensors_once_its_backward_ran() -> None
     assert layer.freed == [True]
 
 
-# NOTE [the Function is applied in C] (boundary.py): the boundary applies its Function without
-# torch.autograd.Function.apply's Python wrapper, and does that wrapper's steps itself.
+# NOTE [the Function is applied in C] (boundary_function.py): the boundary applies its Function
+# without torch.autograd.Function.apply's Python wrapper, and does that wrapper's steps itself.
 
 
 def test_an_input_that_escaped_a_torch_func_transform_reaches_the_function_unwrapped(
@@ -143,7 +143,7 @@ def test_an_input_that_escaped_a_torch_func_transform_reaches_the_function_unwra
     # NOTE [the Function is applied in C]: Function.apply unwraps a tensor that escaped a
     # torch.func transform before the Function's forward sees it; the C path must too (without
     # it the forward got the dead wrapper, a difference no gradient here shows).
-    from pytree_ckpt import boundary
+    from pytree_ckpt import boundary_function
 
     torch.manual_seed(1)
     leaked: list[torch.Tensor] = []
@@ -157,13 +157,13 @@ def test_an_input_that_escaped_a_torch_func_transform_reaches_the_function_unwra
     assert torch._C._functorch.is_functorch_wrapped_tensor(escaped)
     wrapped_seen: list[tuple[str, bool]] = []
     given: list[bool] = []  # whether the Function's forward got a wrapper
-    forward = boundary._BoundaryFunction.forward
+    forward = boundary_function._BoundaryFunction.forward
 
     def spy(ctx: object, call: object, anchor: object, *inputs: torch.Tensor) -> object:
         given.append(torch._C._functorch.is_functorch_wrapped_tensor(inputs[0]))
         return forward(ctx, call, anchor, *inputs)
 
-    monkeypatch.setattr(boundary._BoundaryFunction, "forward", staticmethod(spy))
+    monkeypatch.setattr(boundary_function._BoundaryFunction, "forward", staticmethod(spy))
 
     class Records(nn.Module):
         def __init__(self) -> None:
@@ -179,7 +179,7 @@ def test_an_input_that_escaped_a_torch_func_transform_reaches_the_function_unwra
     grads = []
     for in_c in (True, False):
         if not in_c:
-            monkeypatch.setattr(boundary, "_apply_in_c", None)  # Function.apply itself
+            monkeypatch.setattr(boundary_function, "_apply_in_c", None)  # Function.apply itself
         wrapped = copy.deepcopy(eager)
         pytree_ckpt.apply_activation_checkpointing(wrapped)
         wrapped(escaped).square().sum().backward()
@@ -209,7 +209,7 @@ def test_a_torch_function_mode_and_a_subclass_see_what_function_apply_would_show
     # Guards the NOTE's claim that nothing of Function.apply's Python wrapper is skipped that
     # a torch-function mode around the call, or a __torch_function__ input, would see: the
     # calls they see, the output's type and the gradients are those of Function.apply's path.
-    from pytree_ckpt import boundary
+    from pytree_ckpt import boundary_function
 
     def run() -> tuple[list[str], type, list[torch.Tensor]]:
         block, wrapped, data = _twins()
@@ -220,7 +220,7 @@ def test_a_torch_function_mode_and_a_subclass_see_what_function_apply_would_show
         return mode.calls, type(out), [x.grad, *(p.grad for p in wrapped.parameters())]
 
     in_c = run()
-    monkeypatch.setattr(boundary, "_apply_in_c", None)  # Function.apply itself
+    monkeypatch.setattr(boundary_function, "_apply_in_c", None)  # Function.apply itself
     in_python = run()
     assert in_c[:2] == in_python[:2] and in_c[1] is _Tagged
     _assert_equal(in_c[2], in_python[2])

@@ -1,0 +1,294 @@
+"""The boundary's autograd Function, ``_BoundaryFunction``, and how ``run_boundary``
+(boundary.py) applies it. Its forward is the original pass of one call: ``fn`` under no-grad,
+then the checks of what the call changed, what leaves it as outputs and what the node saves;
+its backward checks the parameters and modules the call used and hands the replay to
+``recompute.py``. What a call is made of (its inputs, parameters and attributes) and the NOTE
+blocks the Function follows (what is saved, parameters are inputs, attributes set before the
+call, loops on the per-call path) are in boundary.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from .boundary_call import BoundaryCall
+from .census import Mechanism, census_active, report_held
+from .changed_in_place import (ParameterVersions, raise_input_changed,
+                               refuse_parameters_changed)
+from .compiled_layers import recompile_limit_note
+from .forward_modules import ForwardModules
+from .held_generators import held_generators, warn_made_during
+from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
+from .keep import KeepMode
+from .kernel_written import remember, remembered
+from .made_before import leaving_tensors
+from .module_state import ever_verified
+from .phase import ACTIVE, Invocation, Phase
+from .recompute import replay_backward
+from .refusals import check_made_leaves, fn_name, refuse_double_backward
+from .rng import IsolatedPass, ReplayEnvironment
+from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
+                            versions)
+from .stored_state import warn_parameter_changed
+from .subclass import kind_of
+from .tree import flatten
+from .tree_refusals import refuse_hidden_outputs, refuse_strided_nested
+
+__all__ = ["apply_function"]
+
+_Tensor = torch.Tensor  # read per call
+
+
+class _BoundaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: BoundaryCall, anchor: torch.Tensor | None,
+                *inputs: torch.Tensor) -> Any:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        # The rest are parameters (NOTE [parameters are inputs] in boundary.py).
+        tensors = inputs[: call.n_inputs]
+        preserve_rng = call.options.preserve_rng_state
+        env = call.env = ReplayEnvironment.capture(
+            tensors, preserve_rng=preserve_rng,
+            leaves=call.in_leaves if len(call.in_tensor_index) < len(call.in_leaves) else None,
+            # NOTE [generators held as attributes] (held_generators.py)
+            held=held_generators(*call.modules) if preserve_rng and call.modules is not None
+            else ())
+        # NOTE [skipped work keeps the RNG in step] (frames.py): the generators it restores
+        # (env.rng_devices(), spelled out for the usual case: the CPU one alone).
+        call.frame.rng_devices = None if env.cpu_rng is None else \
+            env.rng_devices() if env.cuda_rng else ()
+        if env.generators:  # NOTE [generators passed in] (rng.py), and held: they jump too
+            call.frame.generators = tuple(g for g, _ in env.generators)
+        assert call.original_call is not None
+        args, kwargs = call.original_call
+        call.original_call = None
+        invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
+        input_versions = versions(tensors)
+        param_before = ParameterVersions.read(call.params) if call.params else None
+        # NOTE [state the forward changes] (state_changes.py); a tree with no buffer nor frozen
+        # parameter (the usual layer) needs no watch: only a registration can happen there,
+        # looked for after the call (registered_state).
+        watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
+                           snapshot=snapshots_wanted(call.owner),
+                           compare=not ever_verified(call.owner),
+                           written=remembered(call.modules[0])) \
+            if call.owner is not None and call.modules is not None and \
+            (call.frozen or any(call.buffer_dicts)) else None
+        token = ACTIVE.set(invocation)
+        try:
+            # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
+            # mode] in rng.py.
+            with IsolatedPass():
+                recorded = None
+                flow: GradFlow | None = None
+                if call.options.keep is None and not call.hooked:
+                    output = call.fn(*args, **kwargs)  # the usual case, with no context more
+                else:
+                    with ExitStack() as stack:
+                        if call.options.keep is not None:
+                            stack.enter_context(KeepMode(call.options.keep, invocation,
+                                                         layer=call.fn))
+                        if call.hooked:
+                            recorded = stack.enter_context(recording())
+                            flow = stack.enter_context(GradFlow())
+                        output = call.fn(*args, **kwargs)
+        except Exception as error:
+            # torch's "cannot register a hook on a tensor that doesn't require gradient" from
+            # a forward that assumes grad mode: name the boundary's no-grad pass.
+            if isinstance(error, RuntimeError) and "register a hook" in str(error) and \
+                    hasattr(error, "add_note"):  # 3.11+
+                error.add_note(
+                    f"pytree_ckpt: raised in the original pass of {fn_name(call.fn)}, which "
+                    "runs the forward under torch.no_grad() (the replay in backward runs it "
+                    "with grad). Tip: guard what needs grad, e.g. `if h.requires_grad: "
+                    "h.register_hook(...)`: the hook is then registered in the replay, whose "
+                    "gradients are the ones used.")
+            limit = recompile_limit_note(error, f"the original pass of {fn_name(call.fn)}")
+            if limit is not None and hasattr(error, "add_note"):
+                error.add_note(limit)  # NOTE [two entries per variant] in compiled_layers.py
+            raise
+        finally:
+            ACTIVE.reset(token)
+        now = versions(tensors)
+        moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
+            if now != input_versions else []
+        if param_before is not None:  # NOTE [parameters changed in place] (changed_in_place.py)
+            assert call.params is not None
+            call.param_versions = ParameterVersions(call.params, param_before)
+        # NOTE [attributes set before the call] (boundary.py), continued: saved with the
+        # inputs, after them.
+        saved = inputs[: call.n_inputs + len(call.attributes)]
+        call.saved_versions = versions(saved) if call.attributes else now
+        for t in saved:
+            if type(t) is not _Tensor:
+                # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
+                call.subclasses = [kind_of(t) for t in saved]
+                break
+        if moved:
+            raise_input_changed(call, tensors, moved)
+        if watch is not None or any(call.buffer_dicts):
+            call.changed_state = watch.changed(read=True) if watch is not None else \
+                registered_state(call.buffer_dicts)
+            if watch is not None and watch.compare:
+                assert call.modules is not None
+                remember(call.modules[0], watch.kernel_written)
+            if call.changed_state is not None and call.changed_state.changes:
+                assert call.owner is not None  # a watch has one, and buffer dicts
+                mark_stateful(call.owner)
+        if call.modules is not None:
+            if call.options.preserve_rng_state:  # NOTE [generators held as attributes]
+                warn_made_during(*call.modules, env.generators)
+            call.forward_modules = ForwardModules(*call.modules)
+            # NOTE [held tensors are not hooked outputs] (hook_outputs.py): after the call too
+            if recorded:
+                modules, trees = call.modules
+                call.held.update(held_tensors(
+                    [*(m.__dict__ for m in modules),
+                     *(d for tree in trees for d in tree.submodules)]))
+        # For verify_leaves, should this call's replay be the one that verifies (whether it is
+        # depends on the module structure then, which may change before backward).
+        call.frozen_at_call = call.frozen
+        call.buffer_dicts, call.frozen, call.modules = [], [], None
+        flat = flatten(output)
+        if len(flat.tensor_index) < len(flat.leaves):
+            refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
+        # NOTE [outputs made before the call] (made_before.py)
+        out_tensors, as_is = leaving_tensors(
+            flat.leaves if len(flat.tensor_index) == len(flat.leaves) else
+            [flat.leaves[i] for i in flat.tensor_index], tensors, call.before, watch)
+        extra: tuple[torch.Tensor, ...] = ()
+        if recorded:
+            known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,
+                                     *call.frame.tensors())}
+            known |= call.held.keys()
+            hooked = HookedOutputs(recorded, known,
+                                   flow if flow is not None and not flow.blind else None)
+            if hooked.positions:
+                call.hooked_outputs = hooked
+                extra = tuple(hooked.tensors(recorded))
+            del recorded
+        call.before = None
+        call.held = {}
+        call.out_spec = flat.spec
+        call.out_tensor_index = flat.tensor_index
+        call.out_meta = out_meta = []
+        try:
+            for t in out_tensors:  # NOTE [loops on the per-call path] (boundary.py)
+                out_meta.append((t.shape, t.dtype))
+        except RuntimeError:  # NOTE [tensors of other layouts] (tree.py)
+            refuse_strided_nested(call.fn, flat.spec, flat.tensor_index, out_tensors,
+                                  root="output")
+            raise
+        call.out_leaves = flat.leaves
+        for index in flat.tensor_index:
+            call.out_leaves[index] = None
+        frozen = []
+        for t in out_tensors:
+            if not (t.is_floating_point() or t.is_complex()):
+                frozen.append(t)
+        if call.frame.results and len(frozen) < len(out_tensors):
+            # NOTE [frozen results returned as outputs]: a float result of
+            # reuse_during_recompute returned as it is (router probabilities for statistics)
+            # is known to be frozen. Given this node, the recorded tensor itself would carry
+            # it, and the replay, which returns that very tensor, would find its own node on
+            # it. It leaves non-differentiable and untouched, as in eager.
+            in_frame = {id(t) for t in call.frame.tensors()}
+            frozen += [t for t in out_tensors if (t.is_floating_point() or t.is_complex())
+                       and not t.requires_grad and id(t) in in_frame]
+        if frozen or as_is:
+            ctx.mark_non_differentiable(*frozen, *as_is)
+        # Autograd returns an input as a view of it even so: the caller gets the input itself.
+        if as_is:
+            call.as_is = [(k, t) for k, t in enumerate(out_tensors)
+                          if any(t is x for x in as_is) and any(t is x for x in tensors)]
+        if census_active():
+            call.reported = True
+            report_held(saved, Mechanism.BOUNDARY, holder=call.frame)
+            report_held(call.frame.tensors(), Mechanism.REPLAY_FRAME, holder=call.frame)
+            if call.changed_state is not None:  # released with the frame (recompute.py)
+                report_held(call.changed_state.snapshots(), Mechanism.MODULE_STATE,
+                            holder=call.frame)
+        # NOTE [inference tensors are kept as they are]: autograd refuses to save a tensor made
+        # under torch.inference_mode() (a table built there), which eager accepts as an input
+        # of ops that do not save it. It cannot change outside inference mode, so it is kept
+        # by reference instead (never offloaded).
+        for t in saved:
+            if t.is_inference():
+                call.inference = {i: t for i, t in enumerate(saved) if t.is_inference()}
+                ctx.save_for_backward(*(None if i in call.inference else t
+                                        for i, t in enumerate(saved)))
+                break
+        else:
+            ctx.save_for_backward(*saved)
+        # NOTE [hooked outputs leave with gradients] (hook_outputs.py): after the outputs of fn,
+        # which the caller gets (run_boundary takes only those).
+        return out_tensors + extra
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        call: BoundaryCall = ctx.call
+        if torch.is_grad_enabled():  # refused (no closure made per call otherwise)
+            refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
+        watched = call.param_versions
+        if watched is not None:
+            assert call.params is not None
+            # refuse_parameters_changed, with its usual case (no version moved) spelled out
+            before = watched.read(call.params)
+            if before[0] != watched.versions:
+                before = refuse_parameters_changed(
+                    watched, call.params, functools.partial(fn_name, call.fn),
+                    call.forward_modules.roots if call.forward_modules is not None else [])
+            grads = _BoundaryFunction._replay(ctx, call, grad_outputs)
+            if watched.replayed(call.params, before):  # the forward's change, made again
+                warn_parameter_changed(call, before[0])
+            return grads
+        return _BoundaryFunction._replay(ctx, call, grad_outputs)
+
+    @staticmethod
+    def _replay(ctx: Any, call: BoundaryCall, grad_outputs: tuple[torch.Tensor | None, ...]
+                ) -> Any:
+        changes = call.forward_modules.changes() if call.forward_modules is not None else None
+        if changes is None:
+            grads = replay_backward(ctx, call, grad_outputs)
+            if call.made_leaves is not None:  # NOTE [leaves the call makes] (refusals.py)
+                check_made_leaves(call)
+            return grads
+        # The forward's modules (NOTE [the replay sees the forward's modules] in
+        # forward_modules.py), around the replay's gradients too: what runs in the replay's
+        # backward (an output discard's rebuild) sees them, and the replay's copies (NOTE [the
+        # replay changes copies] in state_changes.py) are of the very tensors the forward
+        # changed (a buffer torch.func.functional_call passed in).
+        assert call.forward_modules is not None
+        with call.forward_modules.reinstated(changes):
+            grads = replay_backward(ctx, call, grad_outputs)
+        if call.made_leaves is not None:  # NOTE [leaves the call makes] (refusals.py)
+            check_made_leaves(call)
+        return grads
+
+
+# NOTE [the Function is applied in C]: ``torch.autograd.Function.apply`` (Python) binds default
+# arguments when a Function defines ``setup_context`` (this one does not), hands the call to
+# functorch when a transform is active (run_boundary never gets here then: NOTE [when there is
+# no boundary] in boundary.py, read the same way), and otherwise passes each tensor argument through
+# ``torch._C._functorch.unwrap_if_dead`` (a tensor that escaped a ``torch.func`` transform is
+# unwrapped) before calling ``torch._C._FunctionBase.apply``. That Python work, a generator over
+# every argument, cost about 20,000 instructions a layer call at the small size of
+# examples.bench_instructions: the boundary does the same steps itself, unwrapping each input
+# tensor with a C-level map (``call`` and the anchor, the library's own, need none). A torch
+# without ``unwrap_if_dead`` gets ``Function.apply`` itself.
+_unwrap_if_dead: Any = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+_apply_in_c: Any = super(torch.autograd.Function, _BoundaryFunction).apply \
+    if _unwrap_if_dead is not None else None
+
+
+def apply_function(call: BoundaryCall, anchor: torch.Tensor | None,
+                   inputs: list[torch.Tensor], /) -> Any:
+    """``_BoundaryFunction.apply(call, anchor, *inputs)`` (NOTE [the Function is applied in C])."""
+    if _apply_in_c is None:
+        return _BoundaryFunction.apply(call, anchor, *inputs)
+    return _apply_in_c(call, anchor, *map(_unwrap_if_dead, inputs))
