@@ -29,7 +29,7 @@ from .errors import CheckpointError
 from .forward_modules import ForwardModules
 from .held_generators import held_generators
 from .kernel_written import compared, mark_compared, remember, remembered
-from .module_state import foreign_leaf, module_dicts
+from .module_state import foreign_leaves, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .recompute import _checkpoint_valid, _used_by_this_backward
 from .refusals import refuse_double_backward, refuse_module_tensor
@@ -183,7 +183,7 @@ class DiscardFunction(torch.autograd.Function):
         # frozen at the call (unfrozen since, they get no gradient, as in eager).
         frozen = owner.state[1] if owner.state is not None else ()
         known = [*(t for t in wrt if t is not None), *frozen]
-        foreign = foreign_leaf(outs, known) if outs else None
+        foreign = next(iter(foreign_leaves(outs, known)), None) if outs else None
         if foreign is not None:  # it would get no gradient: refused, as at the boundary
             if owner.forward_modules is not None:  # its roots: fn's modules, then others
                 refuse_module_tensor(foreign, owner.forward_modules.roots)

@@ -5,7 +5,7 @@
   ``_buffers`` dicts cached per module, and kept fresh when the module tree changes (torch's
   registration hooks, and a structure check for edits that bypass them);
 - whether a module's graph was verified to reach no tensor that would silently get no gradient
-  (``foreign_leaf``, once per module and structure);
+  (``foreign_leaves``, once per module and structure);
 - lazy modules not yet materialized, and forward hooks inside the boundary (warned about).
 
 What the original pass changes of their state is in ``state_changes.py``; what they were
@@ -31,7 +31,7 @@ from .hook_outputs import is_library_hook, keeps_output_as_is
 
 __all__ = ["GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module", "call_switches",
            "changed_submodule", "collect_parameters", "drop_caches", "ever_verified",
-           "foreign_leaf", "foreign_leaves", "graph_attributes", "is_verified", "mark_verified",
+           "foreign_leaves", "graph_attributes", "is_verified", "mark_verified",
            "module_buffers", "module_dicts", "owning_module", "structure_generation",
            "submodules_now", "trainable_parameters", "warn_forward_hooks", "watch_module_structure"]
 
@@ -356,7 +356,7 @@ _FLAGS = (bool, str)
 
 
 def is_verified(module: nn.Module, switches: Any, /) -> bool:
-    """Whether ``module``'s graph was checked (``foreign_leaf``) for calls with ``switches``
+    """Whether ``module``'s graph was checked (``foreign_leaves``) for calls with ``switches``
     since its tree last changed (NOTE [verified per switch])."""
     verified = module.__dict__.get(_VERIFIED)
     return verified is not None and verified[0] == _structure_generation and \
@@ -379,13 +379,6 @@ def mark_verified(module: nn.Module, switches: Any, /) -> None:
     if verified is None or verified[0] != _structure_generation:
         module.__dict__[_VERIFIED] = verified = (_structure_generation, set())
     verified[1].add(switches)
-
-
-def foreign_leaf(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /
-                 ) -> torch.Tensor | None:
-    """The first of ``foreign_leaves``, or ``None``."""
-    leaves = foreign_leaves(outs, known)
-    return leaves[0] if leaves else None
 
 
 def foreign_leaves(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /
