@@ -6,8 +6,9 @@ NOTE [a replay kept between restricted backwards]: torch's zero-bubble schedules
 (``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``) split a
 stage's backward: ``torch.autograd.grad(outputs, [stage input], retain_graph=True)``, then, later,
 gradients from the graph's nodes to the parameters. The boundary's node runs in both, and
-replayed the call in each (three forwards a micro-batch where eager runs one, the checkpoint's
-usual two). Eager keeps the block's graph between the two passes; so does a replay whose
+would replay the call in each without what follows (three forwards a micro-batch where eager
+runs one, the checkpoint's usual two). Eager keeps the block's graph between the two passes;
+so does a replay whose
 backward is *restricted* (``_used_by_this_backward`` leaves out some gradient the node could
 give) and *keeps the graph* (the outer task's ``keep_graph``: the node may run again): its
 replayed outputs and the tensors its gradients are taken to live here, on the call, and the
@@ -15,7 +16,7 @@ replay's gradient call retains its graph. A later run of the node takes its grad
 graph, with the gradients autograd hands it then (any: the graph is a function of the inputs
 alone), and replays nothing. Dropped from the call as soon as it can never be used again: when
 the gradients taken from it so far cover every one the node can give (a later run replays
-anew, as today's second ``backward(retain_graph=True)`` does), when a backward without
+anew, as a second ``backward(retain_graph=True)`` does), when a backward without
 ``keep_graph`` runs the node (its gradient call retains nothing then; should it raise halfway,
 a retry replays from the saved inputs and the frame, which only a run that returns releases),
 or with the call itself, which only the

@@ -91,8 +91,8 @@ def test_a_checkpointed_block_replays_once_per_micro_batch_split_backward_or_not
     # Each block runs forward once a micro-batch unwrapped; checkpointed, once more: twice a
     # micro-batch, also where the schedule splits its backward. The input pass keeps the
     # replay's graph, and the weight pass takes the parameters' gradients from it (NOTE [a
-    # replay kept between restricted backwards] in pytree_ckpt/kept_replay.py); it replayed the
-    # block again, three forwards a micro-batch.
+    # replay kept between restricted backwards] in pytree_ckpt/kept_replay.py); before that, it
+    # replayed the block again: three forwards a micro-batch.
     schedule = name.split("-")[0]
     plain = ranks[f"{schedule}-plain"]
     split = 0
