@@ -32,12 +32,13 @@ __all__ = ["input_grads"]
 _engine_run_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-def input_grads(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+def input_grads(outputs: Sequence[Any], grads: Sequence[torch.Tensor],
                 inputs: Sequence[torch.Tensor], /, retain: bool = False
                 ) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad(outputs, inputs, grads, retain_graph=retain, allow_unused=True)``,
     for ``grads`` of the outputs' own shapes and dtypes (none ``None``). ``retain``: NOTE
-    [a replay kept between restricted backwards] (kept_replay.py)."""
+    [a replay kept between restricted backwards] (kept_replay.py). An output may be a node's
+    ``GradientEdge`` (NOTE [a weight pass from captured gradients] in kept_weights.py)."""
     if _engine_run_backward is None:
         return torch.autograd.grad(outputs, inputs, grads, retain_graph=retain,
                                    allow_unused=True)

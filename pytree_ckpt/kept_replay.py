@@ -14,7 +14,10 @@ give) and *keeps the graph* (the outer task's ``keep_graph``: the node may run a
 replayed outputs and the tensors its gradients are taken to live here, on the call, and the
 replay's gradient call retains its graph. A later run of the node takes its gradients from this
 graph, with the gradients autograd hands it then (any: the graph is a function of the inputs
-alone), and replays nothing. Dropped from the call as soon as it can never be used again: when
+alone), and replays nothing; a weight pass handed the very gradients of the input pass
+computes only the parameters' share, from the gradients the input pass left at the graph's
+nodes that feed them (NOTE [a weight pass from captured gradients] in kept_weights.py).
+Dropped from the call as soon as it can never be used again: when
 the gradients taken from it so far cover every one the node can give (a later run replays
 anew, as a second ``backward(retain_graph=True)`` does), when a backward without
 ``keep_graph`` runs the node (its gradient call retains nothing then; should it raise halfway,
@@ -82,6 +85,7 @@ from typing import Any
 
 import torch
 
+from .kept_weights import WeightCapture
 from .phase import ACTIVE
 
 __all__ = ["KeptReplay", "note_discard"]
@@ -100,15 +104,18 @@ class KeptReplay:
     """NOTE [a replay kept between restricted backwards]: one replay's graph, for the node's
     next runs."""
 
-    __slots__ = ("outs", "wrt", "saved", "taken", "__weakref__")
+    __slots__ = ("outs", "wrt", "saved", "taken", "weights", "__weakref__")
 
     def __init__(self, outs: Sequence[tuple[int, torch.Tensor]], wrt: Sequence[torch.Tensor],
-                 saved: Sequence[torch.Tensor], taken: set[int], /) -> None:
+                 saved: Sequence[torch.Tensor], taken: set[int],
+                 weights: WeightCapture | None, /) -> None:
         # The replayed outputs that require grad, by their place in the node's grad_outputs.
         self.outs = tuple(outs)
         self.wrt = tuple(wrt)      # the detached inputs, then the parameters
         self.saved = tuple(saved)  # what ctx.saved_tensors gave (for inputs' hooks)
         self.taken = taken         # the places in wrt whose gradients were taken so far
+        # NOTE [a weight pass from captured gradients] (kept_weights.py)
+        self.weights = weights
 
     def pairs(self, grad_outputs: Sequence[Any], /
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -19,6 +19,7 @@ from .errors import CheckpointError, SavedTensorChanged
 from .hook_outputs import recording
 from .keep import KeepMode
 from .kept_replay import KeptReplay
+from .kept_weights import WeightCapture
 from .module_state import is_verified
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
@@ -325,8 +326,13 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             not is_verified(call.owner, call.switches):
         # NOTE [leaves the call makes] (refusals.py): left to check, this replay keeps no graph
         keep = not verify_leaves(call, outs, wrt) and keep
+    n = len(detached)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
+        # NOTE [a weight pass from captured gradients] (kept_weights.py): the gradients the
+        # intermediates get now, for a weight pass handed these grad_outputs again.
+        capture = WeightCapture.of(outs, wrt, ctx.next_functions, wanted, [
+            i for i in needed if i >= n and i not in wanted]) if keep else None
         with ParameterHooksPaused(call.params, outs) as replayed:
             try:
                 # NOTE [the replay calls the engine directly] (engine.py): outs passed
@@ -338,15 +344,17 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
                     raise
                 raise_torch_reentrant_inside(call, error)
+            finally:
+                if capture is not None:
+                    capture = capture.done(grad_outputs)  # its prehooks removed
         for i, grad in zip(wanted, got):
             result[i] = grad
         if keep:
-            call.kept = KeptReplay(placed, wrt, saved, set(wanted))
+            call.kept = KeptReplay(placed, wrt, saved, set(wanted), capture)
     elif call.params:
         # Every parameter gets None (no output had a gradient): NOTE [unused parameters get
         # no hook call] (parameter_hooks.py) holds here too.
         ParameterHooksPaused(call.params)  # wraps them
-    n = len(detached)
     accumulated_nothing(call.params, result[n:], needs[n:])
     _inputs_without_gradient(saved, result[:n], needs)
     if release:
@@ -368,13 +376,19 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     if wanted and not _checkpoint_valid():
         wanted = _used_by_this_backward(ctx.next_functions, wanted)
     outs, grads = kept.pairs(grad_outputs)
+    n = len(wrt) - len(call.params)
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
-        with ParameterHooksPaused(call.params, outs, shared=True) as replayed:  # once each
+        weights = kept.weights
+        if weights is not None and not weights.covers(grad_outputs, wanted, wrt, n):
+            weights = None  # NOTE [a weight pass from captured gradients] (kept_weights.py)
+        with ParameterHooksPaused(() if weights is not None else call.params, outs,
+                                  shared=True) as replayed:  # once each
             try:
                 # Retained whenever the outer graph is, even for its last use: another thread
                 # may be running it at once; dropped below, it is freed by reference.
-                got = input_grads(replayed, grads, [wrt[i] for i in wanted], keep_graph)
+                got = weights.weights(wrt, wanted, keep_graph) if weights is not None else \
+                    input_grads(replayed, grads, [wrt[i] for i in wanted], keep_graph)
             except BaseException as error:
                 if not keep_graph and call.kept is kept:  # partly freed: a retry replays
                     call.kept = None
@@ -386,7 +400,6 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
             result[i] = grad
     elif call.params:
         ParameterHooksPaused(call.params)  # NOTE [unused parameters get no hook call]
-    n = len(wrt) - len(call.params)
     accumulated_nothing(call.params, result[n:], needs[n:])
     _inputs_without_gradient(kept.saved, result[:n], needs)
     kept.taken.update(wanted)  # in place: threads taking gradients at once each add theirs

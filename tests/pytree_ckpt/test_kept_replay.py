@@ -287,3 +287,129 @@ def test_parameter_hooks_run_once_a_gradient_when_threads_share_a_kept_graph() -
     # others' calls too and, done first, unmarked them while they still ran: their parameters'
     # hooks ran inside too (doubled twice, or not at all). Each use marks a view of its own.
     _weight_passes_in_threads(lambda grad: grad * 2)
+
+
+def _stage_backward(model: nn.Module, x: torch.Tensor, clone_grads: bool = False,
+                    seen: Any = None) -> tuple[list[Any], tuple[int, int]]:
+    """What a zero-bubble stage runs (torch.distributed.pipelining's own functions): an input
+    pass that captures the gradients reaching the nodes feeding the parameters, then a weight
+    pass from those nodes with those very tensors (``clone_grads``: with equal copies). The
+    gradients and the products of each pass. ``seen``: called between the passes with the
+    output's node."""
+    backward = pytest.importorskip("torch.distributed.pipelining._backward")
+    CALLS.clear()
+    out = model(x)
+    node = out.grad_fn
+    with MatrixProducts() as products:
+        (dx,), groups = backward.stage_backward_input([out], [torch.ones_like(out)], [x],
+                                                      model.parameters())
+        input_products = products.count
+        if seen is not None:
+            seen(node)
+        del node
+        if clone_grads:
+            for group in groups:
+                group["grads"] = [tuple(None if g is None else g.clone() for g in grads)
+                                  for grads in group["grads"]]
+        backward.stage_backward_weight(model.parameters(), groups)
+    return [dx, *(p.grad for p in model.parameters())], \
+        (input_products, products.count - input_products)
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["fp32", "autocast"])
+def test_a_weight_pass_handed_the_input_pass_gradients_computes_weight_gradients_only(
+        cast: bool) -> None:
+    # torch's weight pass hands each node the gradients it got in the input pass and computes
+    # only the parameters' share from there (each linear's dW product). The boundary's kept
+    # graph was read from its outputs: the weight pass ran the second linear's dX product again
+    # (the first's dW needs it), one product a block more than eager. It now takes each
+    # parameter's gradient from what the replay's own nodes got in the input pass (NOTE [a
+    # weight pass from captured gradients] in pytree_ckpt/kept_weights.py): eager's products,
+    # plus the replay's forward (two products a block) in the input pass. Under autocast
+    # each weight reaches its product through a cast (ToCopyBackward): the captured gradient
+    # is the product's, whatever lies between it and the parameter.
+    eager, wrapped, _ = _models()
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+        want, eager_products = _stage_backward(eager, x.clone().requires_grad_())
+        assert CALLS["block"] == 2
+        got, products = _stage_backward(wrapped, x.clone().requires_grad_())
+    assert CALLS["block"] == 2 * 2  # one replay each, for both passes
+    assert_same_grads(want, got)
+    assert eager_products == (2 * 2, 2 * 2)  # two dX, then two dW products a block
+    assert products == (eager_products[0] + 2 * 2, eager_products[1])
+
+
+def test_a_weight_pass_handed_other_gradients_reads_the_kept_graph_from_its_outputs(
+        ) -> None:
+    # Equal gradients in other tensors (a weight pass that is not the one the capture
+    # serves): read from the kept graph's outputs, as before, and exact.
+    eager, wrapped, _ = _models()
+    x = torch.randn(4, 8)
+    want, eager_products = _stage_backward(eager, x.clone().requires_grad_(), True)
+    got, products = _stage_backward(wrapped, x.clone().requires_grad_(), True)
+    assert_same_grads(want, got)
+    assert CALLS["block"] == 2 * 2
+    # each block's second linear's dX product again, in the weight pass
+    assert products == (eager_products[0] + 2 * 2, eager_products[1] + 2)
+
+
+def test_a_parameter_with_a_gradient_hook_reads_the_kept_graph_from_its_outputs() -> None:
+    # Autograd runs a parameter's hooks on a gradient it captures, and the pause that keeps
+    # them to once a gradient marks a node of the call's own, which a weight pass from the
+    # captured gradients has not: read from the outputs then, hooks run once, as in eager.
+    eager, wrapped, _ = _models()
+    for model in (eager, wrapped):
+        for p in model.parameters():
+            p.register_hook(lambda g: g * 2)
+    x = torch.randn(4, 8)
+    want, eager_products = _stage_backward(eager, x.clone().requires_grad_())
+    got, products = _stage_backward(wrapped, x.clone().requires_grad_())
+    assert_same_grads(want, got)
+    assert products == (eager_products[0] + 2 * 2, eager_products[1] + 2)
+
+
+class _TiedBlock(nn.Module):
+    """One square linear used twice (its weight meets the input's path at two nodes), then a
+    second linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        CALLS["block"] += 1
+        return h + self.down(torch.nn.functional.gelu(self.tied(torch.tanh(self.tied(h)))))
+
+
+def test_a_weight_tied_twice_in_a_block_gets_eager_gradients_in_a_weight_pass() -> None:
+    # Each of the tied weight's consumers got its own gradient in the input pass; from them,
+    # the weight pass would need them clamped (NOTE [a weight pass from captured gradients]):
+    # the kept graph is read from its outputs instead.
+    torch.manual_seed(0)
+    eager = nn.Sequential(_TiedBlock(), _TiedBlock())
+    wrapped = copy.deepcopy(eager)
+    for block in wrapped:
+        pytree_ckpt.apply_activation_checkpointing(block)
+    x = torch.randn(4, 8)
+    want, eager_products = _stage_backward(eager, x.clone().requires_grad_())
+    got, products = _stage_backward(wrapped, x.clone().requires_grad_())
+    assert_same_grads(want, got)
+    assert CALLS["block"] == 2 * 2
+    assert products[0] == eager_products[0] + 3 * 2  # the replays' forwards
+    # the down linear's dX product again, and the second tied product's
+    assert products[1] > eager_products[1]
+
+
+def test_the_captured_gradients_go_with_the_kept_graph() -> None:
+    _, wrapped, _ = _models()
+    refs: list[Any] = []
+
+    def seen(node: Any) -> None:
+        kept = node.call.kept
+        assert kept is not None and kept.weights is not None
+        refs.extend(weakref.ref(g) for _, grads in kept.weights.groups.values()
+                    for g in grads if g is not None)
+
+    _stage_backward(wrapped, torch.randn(4, 8, requires_grad=True), seen=seen)
+    assert refs and [ref() for ref in refs] == [None] * len(refs)
