@@ -289,6 +289,14 @@ def test_parameter_hooks_run_once_a_gradient_when_threads_share_a_kept_graph() -
     _weight_passes_in_threads(lambda grad: grad * 2)
 
 
+# torch's own stage_backward_weight before 2.13 cannot start from a Python autograd Function's
+# node (the boundary's): its _make_grads reads the node's _input_metadata, "invalid for this
+# instance of _C._FunctionBase" (2.9 and 2.11). The pipelining test is skipped there too.
+_TORCH_WEIGHT_PASS = pytest.mark.skipif(
+    torch.__version__ < "2.13", reason="torch's stage_backward_weight fails on a Python "
+    "Function's node before torch 2.13")
+
+
 def _stage_backward(model: nn.Module, x: torch.Tensor, clone_grads: bool = False,
                     seen: Any = None) -> tuple[list[Any], tuple[int, int]]:
     """What a zero-bubble stage runs (torch.distributed.pipelining's own functions): an input
@@ -316,6 +324,7 @@ def _stage_backward(model: nn.Module, x: torch.Tensor, clone_grads: bool = False
         (input_products, products.count - input_products)
 
 
+@_TORCH_WEIGHT_PASS
 @pytest.mark.parametrize("cast", [False, True], ids=["fp32", "autocast"])
 def test_a_weight_pass_handed_the_input_pass_gradients_computes_weight_gradients_only(
         cast: bool) -> None:
@@ -340,6 +349,7 @@ def test_a_weight_pass_handed_the_input_pass_gradients_computes_weight_gradients
     assert products == (eager_products[0] + 2 * 2, eager_products[1])
 
 
+@_TORCH_WEIGHT_PASS
 def test_a_weight_pass_handed_other_gradients_reads_the_kept_graph_from_its_outputs(
         ) -> None:
     # Equal gradients in other tensors (a weight pass that is not the one the capture
@@ -354,6 +364,7 @@ def test_a_weight_pass_handed_other_gradients_reads_the_kept_graph_from_its_outp
     assert products == (eager_products[0] + 2 * 2, eager_products[1] + 2)
 
 
+@_TORCH_WEIGHT_PASS
 def test_a_parameter_with_a_gradient_hook_reads_the_kept_graph_from_its_outputs() -> None:
     # Autograd runs a parameter's hooks on a gradient it captures, and the pause that keeps
     # them to once a gradient marks a node of the call's own, which a weight pass from the
@@ -382,6 +393,7 @@ class _TiedBlock(nn.Module):
         return h + self.down(torch.nn.functional.gelu(self.tied(torch.tanh(self.tied(h)))))
 
 
+@_TORCH_WEIGHT_PASS
 def test_a_weight_tied_twice_in_a_block_gets_eager_gradients_in_a_weight_pass() -> None:
     # Each of the tied weight's consumers got its own gradient in the input pass; from them,
     # the weight pass would need them clamped (NOTE [a weight pass from captured gradients]):
@@ -401,6 +413,7 @@ def test_a_weight_tied_twice_in_a_block_gets_eager_gradients_in_a_weight_pass() 
     assert products[1] > eager_products[1]
 
 
+@_TORCH_WEIGHT_PASS
 def test_the_captured_gradients_go_with_the_kept_graph() -> None:
     _, wrapped, _ = _models()
     refs: list[Any] = []
