@@ -4,36 +4,34 @@ instead of replaying the call again. ``replay_backward`` (recompute.py) makes an
 
 NOTE [a replay kept between restricted backwards]: torch's zero-bubble schedules
 (``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``) split a
-stage's backward: ``torch.autograd.grad(outputs, [stage input], retain_graph=True)``, then, later,
-gradients from the graph's nodes to the parameters. The boundary's node runs in both, and
-would replay the call in each without what follows (three forwards a micro-batch where eager
-runs one, the checkpoint's usual two). Eager keeps the block's graph between the two passes;
-so does a replay whose
-backward is *restricted* (``_used_by_this_backward`` leaves out some gradient the node could
-give) and *keeps the graph* (the outer task's ``keep_graph``: the node may run again): its
-replayed outputs and the tensors its gradients are taken to live here, on the call, and the
-replay's gradient call retains its graph. A later run of the node takes its gradients from this
-graph, with the gradients autograd hands it then (any: the graph is a function of the inputs
-alone), and replays nothing; a weight pass handed the very gradients of the input pass
-computes only the parameters' share, from the gradients the input pass left at the graph's
-nodes that feed them (NOTE [a weight pass from captured gradients] in kept_weights.py).
-Dropped from the call as soon as it can never be used again: when
-the gradients taken from it so far cover every one the node can give (a later run replays
-anew, as a second ``backward(retain_graph=True)`` does), when a backward without
-``keep_graph`` runs the node (its gradient call retains nothing then; should it raise halfway,
-a retry replays from the saved inputs and the frame, which only a run that returns releases),
-or with the call itself, which only the
-node (ctx) holds: ``torch.autograd.grad(out, x, retain_graph=True)`` with no weight pass after
-it keeps the replay's graph as long as the user keeps ``out``'s graph, and no longer (what a
-restricted backward with ``retain_graph`` costs in eager too: its graph). Nothing in the kept
-graph refers to the node (its leaves are the detached inputs and the parameters), so no cycle
-holds it past that (tests/pytree_ckpt/test_kept_replay.py checks it by weak reference). Under
-``keep_graph`` every use retains the graph, the last one too, and dropping it frees it by
-reference once no gradient call runs it: eager lets several threads run backwards through one
-retained graph at once, and a last use that retained nothing freed it under the others
-("backward through the graph a second time"); the cost is that its buffers go at the end of
-that gradient call, not node by node during it. (Threads that keep a graph at once may each
-keep their own replay, the last one on the call; ``taken`` is updated in place.)
+stage's backward: ``torch.autograd.grad(outputs, [stage input], retain_graph=True)``, then,
+later, gradients from the graph's nodes to the parameters. The boundary's node runs in both,
+and would replay the call in each without what follows (three forwards a micro-batch where
+eager runs one, the checkpoint's usual two). Eager keeps the block's graph between the two
+passes; so does a replay whose backward is *restricted* (``_used_by_this_backward`` leaves out
+some gradient the node could give) and *keeps the graph* (the outer task's ``keep_graph``: the
+node may run again): its replayed outputs and the tensors its gradients are taken to live here,
+on the call, and the replay's gradient call retains its graph. A later run of the node takes
+its gradients from this graph, with the gradients autograd hands it then (any: the graph is a
+function of the inputs alone), and replays nothing; a weight pass handed the very gradients of
+the input pass computes only the parameters' share, from the gradients the input pass left at
+the graph's nodes that feed them (NOTE [a weight pass from captured gradients] in
+kept_weights.py). Dropped from the call as soon as it can never be used again: when the
+gradients taken from it so far cover every one the node can give (a later run replays anew, as
+a second ``backward(retain_graph=True)`` does), when a backward without ``keep_graph`` runs the
+node (its gradient call retains nothing then; should it raise halfway, a retry replays from the
+saved inputs and the frame, which only a run that returns releases), or with the call itself,
+which only the node (ctx) holds: ``torch.autograd.grad(out, x, retain_graph=True)`` with no
+weight pass after it keeps the replay's graph as long as the user keeps ``out``'s graph, and no
+longer (what a restricted backward with ``retain_graph`` costs in eager too: its graph).
+Nothing in the kept graph refers to the node (its leaves are the detached inputs and the
+parameters), so no cycle holds it past that (tests/pytree_ckpt/test_kept_replay.py checks it by
+weak reference). Under ``keep_graph`` every use retains the graph, the last one too, and
+dropping it frees it by reference once no gradient call runs it: eager lets several threads run
+backwards through one retained graph at once, and a last use that retained nothing freed it
+under the others ("backward through the graph a second time"); the cost is that its buffers go
+at the end of that gradient call, not node by node during it. (Threads that keep a graph at
+once may each keep their own replay, the last one on the call; ``taken`` is updated in place.)
 
 What else a replay touches, with a kept graph:
 
@@ -45,10 +43,9 @@ What else a replay touches, with a kept graph:
   graph pauses them around its gradient call, as a replay does (the pause's prehooks go on
   views of the kept outputs made for that call: on the outputs' own nodes, shared by calls
   other threads run at once, one call's pause marked and unmarked the others' tasks), so each
-  hook runs once per gradient, where the
-  outer backward delivers it: the input pass gives no parameter a gradient, the weight pass
-  each. Post-accumulate-grad hooks: as with a replay (``accumulated_nothing`` for the ``None``
-  each pass returns).
+  hook runs once per gradient, where the outer backward delivers it: the input pass gives no
+  parameter a gradient, the weight pass each. Post-accumulate-grad hooks: as with a replay
+  (``accumulated_nothing`` for the ``None`` each pass returns).
 - Offload: a reuse does not read ``ctx.saved_tensors``, so nothing is unpacked or restored a
   second time; the restored inputs stay alive while the graph holds their detached aliases
   (offload never frees a restored storage in place: refcounted).
@@ -72,10 +69,10 @@ Not kept, the node replays in each pass as before: a replay that made an output 
 (``CheckpointWithoutOutput``, discard.py): its rebuild and its node's backward run once per
 forward (``owner.recomputed`` is dropped after the first, and a second rebuild raises), so a
 second pass through the same discarded op cannot work; a fresh replay discards and rebuilds
-anew. ``note_discard`` marks the invocations the discard is made in (the replay's, through
-any nested boundary's), on this thread's context: the state lives on the replay, not in the
-process. A callable that is no module
-(``call.params`` unknown) is never restricted (refused there).
+anew. ``note_discard`` marks the invocations the discard is made in (the replay's, through any
+nested boundary's), on this thread's context: the state lives on the replay, not in the
+process. A callable that is no module (``call.params`` unknown) is never restricted (refused
+there).
 """
 
 from __future__ import annotations
