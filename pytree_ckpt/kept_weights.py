@@ -22,6 +22,13 @@ and asks parameters only takes each group's gradients from its intermediate, one
 a group (one call for all would run the path from one intermediate down to another, and count
 its gradient twice there).
 
+The same tensors also reach the node in a plain second gradient call that is handed the
+output gradient the input pass was (``torch.autograd.grad(out, params, g)``, through a
+residual add): nothing here tells it from torch's weight pass, so it too takes the fast path,
+and the hooks and Python Functions inside the replay between its outputs and the
+intermediates run once, as under torch's weight pass, where eager's plain second call runs
+them again (docs/limits.md, Gradient hooks and DDP; gradients are equal).
+
 Everything else reads the kept graph from its outputs as before (kept_replay.py): other
 gradients (``torch.autograd.grad(loss, params)`` after the input pass: equal, but not the
 same tensors), an input asked again, a parameter whose subgraph meets the input paths at more
@@ -29,7 +36,8 @@ than one node (a weight tied twice in the block: each consumer's gradient would 
 clamped by a prehook on nodes other threads may be running, as torch's weight pass clamps
 them), a parameter with a gradient hook (``register_hook``: autograd runs it on the captured
 gradient, and pausing it marks the call's task by a prehook on a node of the call's own,
-which a ``GradientEdge`` root has not), and a replay whose output is a leaf. A parameter whose
+which a ``GradientEdge`` root has not), a replay whose output is a leaf, and an asked input of
+a layout with no view (sparse: its accumulator is reached through a view, as torch does). A parameter whose
 accumulator the replay's graph never reaches gets ``None``, as in eager. The captured gradients
 are held by the ``KeptReplay`` and go with it (as torch's captures go with its weight pass);
 an input pass whose later passes are of the other kind (``torch.autograd.grad(loss, [x],
@@ -54,6 +62,12 @@ from torch.autograd.graph import GradientEdge, Node
 from .engine import input_grads
 
 __all__ = ["WeightCapture"]
+
+
+# Layouts whose leaves have a view to reach their accumulator through (``_node``); a sparse
+# input's gradient is read from the kept graph's outputs (NOTE [a weight pass from captured
+# gradients]).
+_VIEWED = (torch.strided, torch.jagged)
 
 
 def _node(tensor: torch.Tensor) -> Node:
@@ -128,8 +142,9 @@ class WeightCapture:
         ``wanted`` (taken now) and the parameters at ``later`` (for a later run); ``None`` when
         none can be captured. ``edges``: the boundary node's, one for each of ``wrt``; a
         parameter's is its accumulator (or grad_fn), which the replay's graph reaches too."""
-        if not later or any(out.grad_fn is None for out in outs):
-            return None
+        if not later or any(out.grad_fn is None for out in outs) or \
+                any(wrt[i].layout not in _VIEWED for i in wanted):
+            return None  # an input of no view (sparse): its node is not found, nor its paths
         consumers = _consumers([out.grad_fn for out in outs])  # type: ignore[misc]
         inputs = [_node(wrt[i]) for i in wanted]
         paths, _ = _above([node for node in inputs if node in consumers], consumers)
