@@ -30,17 +30,17 @@ intermediates run once, as under torch's weight pass, where eager's plain second
 them again (docs/limits.md, Gradient hooks and DDP; gradients are equal).
 
 Everything else reads the kept graph from its outputs as before (kept_replay.py): other
-gradients (``torch.autograd.grad(loss, params)`` after the input pass: equal, but not the
-same tensors), an input asked again, a parameter whose subgraph meets the input paths at more
-than one node (a weight tied twice in the block: each consumer's gradient would have to be
-clamped by a prehook on nodes other threads may be running, as torch's weight pass clamps
-them), a parameter with a gradient hook (``register_hook``: autograd runs it on the captured
-gradient, and pausing it marks the call's task by a prehook on a node of the call's own,
-which a ``GradientEdge`` root has not), a replay whose output is a leaf, and an asked input of
-a layout with no view (sparse: its accumulator is reached through a view, as torch does). A parameter whose
-accumulator the replay's graph never reaches gets ``None``, as in eager. The captured gradients
-are held by the ``KeptReplay`` and go with it (as torch's captures go with its weight pass);
-an input pass whose later passes are of the other kind (``torch.autograd.grad(loss, [x],
+gradients (``torch.autograd.grad(loss, params)`` after the input pass: equal, but not the same
+tensors), an input asked again, a parameter whose subgraph meets the input paths at more than
+one node (a weight tied twice in the block: each consumer's gradient would have to be clamped
+by a prehook on nodes other threads may be running, as torch's weight pass clamps them), a
+parameter with a gradient hook (``register_hook``: autograd runs it on the captured gradient,
+and pausing it marks the call's task by a prehook on a node of the call's own, which a
+``GradientEdge`` root has not), a replay whose output is a leaf, and an asked input of a layout
+with no view (sparse: its accumulator is reached through a view, as torch does). A parameter
+whose accumulator the replay's graph never reaches gets ``None``, as in eager. The captured
+gradients are held by the ``KeptReplay`` and go with it (as torch's captures go with its weight
+pass); an input pass whose later passes are of the other kind (``torch.autograd.grad(loss, [x],
 retain_graph=True)``, then ``loss.backward()``) holds them to no use until then: a layer's
 gradients at its few parameter-feeding nodes, on top of the kept graph. Finding the
 intermediates walks the replay's graph once, in Python, in each input pass that keeps it. The
