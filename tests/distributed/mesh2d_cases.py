@@ -14,18 +14,14 @@ parameter's full gradient must be equal bit for bit, and each block must run twi
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
 import tempfile
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -34,6 +30,7 @@ import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
 from tests.distributed import tp_cases
 from tests.distributed.launch import run_ranks
+from tests.distributed.rank_cases import run_cases
 
 WORLD = 4
 CASES = [f"{plan}-{offload}" for plan in ("mlp", "sp", "drop") for offload in ("off", "on")]
@@ -85,27 +82,21 @@ def run(model: Stack, plan: str, mesh: DeviceMesh, calls: Counter[int]) -> list[
 
 
 def rank_main(out: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for name in CASES:
+    meshes: list[DeviceMesh] = []
+
+    def case(name: str, rank: int) -> dict[str, Any]:
+        if not meshes:  # after run_cases made the group; every rank makes it at its first case
+            meshes.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+        mesh = meshes[0]
         plan, offload = name.split("-")
-        try:
-            calls: Counter[int] = Counter()
-            eager = run(build(plan, mesh, calls, None, False), plan, mesh, calls)
-            manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") \
-                if offload == "on" else None
-            ckpt = run(build(plan, mesh, calls, manager, True), plan, mesh, calls)
-            result: Any = {"ok": True, "eager": eager, "ckpt": ckpt}
-        except Exception:
-            result = {"ok": False, "error": traceback.format_exc()}
-        torch.save(result, out / f"{name}.rank{dist.get_rank()}.pt")
-        dist.barrier()
-    dist.destroy_process_group()
-    # As fsdp_cases.py: no gloo worker thread's destructor at interpreter exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        calls: Counter[int] = Counter()
+        eager = run(build(plan, mesh, calls, None, False), plan, mesh, calls)
+        manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") \
+            if offload == "on" else None
+        ckpt = run(build(plan, mesh, calls, manager, True), plan, mesh, calls)
+        return {"eager": eager, "ckpt": ckpt}
+
+    run_cases(out, CASES, case)
 
 
 def mismatches(out: Path) -> list[str]:

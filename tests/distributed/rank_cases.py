@@ -1,5 +1,5 @@
 """The loop a rank runs over named cases (state_cases.py, pipeline_cases.py, tp_cases.py,
-ep_cases.py): one gloo group, each case's result (or its traceback) saved as
+ep_cases.py, mesh2d_cases.py): one gloo group, each case's result (or its traceback) saved as
 ``out/<name>.rank<rank>.pt`` for the test to read, a barrier between cases."""
 
 from __future__ import annotations
