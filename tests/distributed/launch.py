@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 5.0
@@ -149,6 +150,23 @@ def _retry_if_port_taken(launch: Callable[[], Run]) -> Run:
 def run_ranks(argv: list[str], nproc: int, *, timeout: float, log_dir: Path) -> Run:
     """Run ``python *argv`` as ``nproc`` ranks, set up as torchrun would (without the agent)."""
     return _retry_if_port_taken(lambda: _run_ranks(argv, nproc, timeout, log_dir))
+
+
+def rank_results(script: str, cases: list[str], nproc: int, out: Path, *,
+                 timeout: float = 120.0) -> dict[str, list[Any]]:
+    """Run a rank script built on ``rank_cases.run_cases`` over ``cases`` as ``nproc`` ranks
+    and read back each case's results, one per rank; a rank that failed, or a case that raised
+    on a rank (its traceback shown), fails the caller."""
+    import torch  # the ranks' results are torch.save'd; the launcher itself needs no torch
+
+    run = run_ranks([script, str(out), *cases], nproc, timeout=timeout, log_dir=out)
+    assert run.ok, run.output()
+    results = {name: [torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+                      for rank in range(nproc)] for name in cases}
+    for name, per_rank in results.items():
+        for rank, result in enumerate(per_rank):
+            assert result["ok"], f"{name} rank {rank}:\n{result['error']}"
+    return results
 
 
 def _run_ranks(argv: list[str], nproc: int, timeout: float, log_dir: Path) -> Run:

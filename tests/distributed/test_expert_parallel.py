@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from . import ep_cases
-from .launch import run_ranks
+from .launch import rank_results
 
 pytestmark = pytest.mark.distributed
 
@@ -32,15 +32,10 @@ PAIRS = ("splits", "expert_ids", "dispatch", "combine")  # forward collectives, 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("expert_parallel")
-    run = run_ranks([str(Path(ep_cases.__file__)), str(out), *CASES], ep_cases.WORLD,
-                    timeout=120.0, log_dir=out)
-    assert run.ok, run.output()
-    results = {name: [torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
-                      for rank in range(ep_cases.WORLD)] for name in CASES}
+    results = rank_results(str(Path(ep_cases.__file__)), CASES, ep_cases.WORLD,
+                           tmp_path_factory.mktemp("expert_parallel"))
     for name, per_rank in results.items():
         for rank, result in enumerate(per_rank):
-            assert result["ok"], f"{name} rank {rank}:\n{result['error']}"
             assert "ckpt_error" not in result, f"{name} rank {rank}:\n{result['ckpt_error']}"
     return results
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from . import pipeline_cases
-from .launch import run_ranks
+from .launch import rank_results
 
 pytestmark = [
     pytest.mark.distributed,
@@ -39,18 +39,9 @@ MICRO = pipeline_cases.MICRO
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[dict[str, Any]]]]:
-    out = tmp_path_factory.mktemp("pipelining")
-    run = run_ranks([str(Path(pipeline_cases.__file__)), str(out), *CASES],
-                    pipeline_cases.WORLD, timeout=120.0, log_dir=out)
-    assert run.ok, run.output()
-    found = {}
-    for name in CASES:
-        results = [torch.load(out / f"{name}.rank{rank}.pt")
-                   for rank in range(pipeline_cases.WORLD)]
-        for rank, result in enumerate(results):
-            assert result["ok"], f"{name} rank {rank}:\n{result['error']}"
-        found[name] = [result["steps"] for result in results]
-    return found
+    results = rank_results(str(Path(pipeline_cases.__file__)), CASES, pipeline_cases.WORLD,
+                           tmp_path_factory.mktemp("pipelining"))
+    return {name: [result["steps"] for result in per_rank] for name, per_rank in results.items()}
 
 
 @pytest.mark.parametrize("name", CASES)

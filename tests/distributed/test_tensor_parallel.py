@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from . import tp_cases
-from .launch import run_ranks
+from .launch import rank_results
 
 pytestmark = pytest.mark.distributed
 
@@ -29,16 +29,8 @@ FLOAT = 4  # fp32
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("tensor_parallel")
-    run = run_ranks([str(Path(tp_cases.__file__)), str(out), *CASES], tp_cases.WORLD,
-                    timeout=120.0, log_dir=out)
-    assert run.ok, run.output()
-    results = {name: [torch.load(out / f"{name}.rank{rank}.pt") for rank in
-                      range(tp_cases.WORLD)] for name in CASES}
-    for name, per_rank in results.items():
-        for rank, result in enumerate(per_rank):
-            assert result["ok"], f"{name} rank {rank}:\n{result['error']}"
-    return results
+    return rank_results(str(Path(tp_cases.__file__)), CASES, tp_cases.WORLD,
+                        tmp_path_factory.mktemp("tensor_parallel"))
 
 
 def _local_input_bytes(plan: str) -> int:
