@@ -31,7 +31,7 @@ from .held_generators import held_generators
 from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaves, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
-from .recompute import _checkpoint_valid, _used_by_this_backward
+from .recompute import used_by_this_backward
 from .refusals import refuse_double_backward, refuse_module_tensor
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import StateWatch, versions
@@ -170,15 +170,14 @@ class DiscardFunction(torch.autograd.Function):
         # modules, not a foreign one. The boundary's replay in recompute.py follows it too.
         wanted = [i for i, (need, t) in enumerate(zip(needs, wrt))
                   if need and t is not None and t.requires_grad]
-        if wanted and not _checkpoint_valid():
-            # A restricted backward (a zero-bubble pipeline's input pass: torch.autograd.grad
-            # to the stage's input alone) takes only some: the others are not computed, as in
-            # eager, and as at the boundary (NOTE [a leaf torch.autograd.grad captures] in
-            # recompute.py). The node's edges are its tensor inputs alone: wrt's Nones (fn's
-            # other arguments) have none.
-            edges = iter(ctx.next_functions)
-            aligned = tuple(next(edges) if t is not None else (None, 0) for t in wrt)
-            wanted = _used_by_this_backward(aligned, wanted)
+        # A restricted backward (a zero-bubble pipeline's input pass: torch.autograd.grad to
+        # the stage's input alone) takes only some: the others are not computed, as in eager,
+        # and as at the boundary (NOTE [a leaf torch.autograd.grad captures] in recompute.py).
+        # The node's edges are its tensor inputs alone: wrt's Nones (fn's other arguments)
+        # have none.
+        edges = iter(ctx.next_functions)
+        wanted = used_by_this_backward(
+            tuple(next(edges) if t is not None else (None, 0) for t in wrt), wanted)
         # As at the boundary (verify_leaves in refusals.py): the inputs, and the parameters
         # frozen at the call (unfrozen since, they get no gradient, as in eager).
         frozen = owner.state[1] if owner.state is not None else ()

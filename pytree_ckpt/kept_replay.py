@@ -8,7 +8,7 @@ stage's backward: ``torch.autograd.grad(outputs, [stage input], retain_graph=Tru
 later, gradients from the graph's nodes to the parameters. The boundary's node runs in both,
 and would replay the call in each without what follows (three forwards a micro-batch where
 eager runs one, the checkpoint's usual two). Eager keeps the block's graph between the two
-passes; so does a replay whose backward is *restricted* (``_used_by_this_backward`` leaves out
+passes; so does a replay whose backward is *restricted* (``used_by_this_backward`` leaves out
 some gradient the node could give) and *keeps the graph* (the outer task's ``keep_graph``: the
 node may run again): its replayed outputs and the tensors its gradients are taken to live here,
 on the call, and the replay's gradient call retains its graph. A later run of the node takes

@@ -38,7 +38,7 @@ from .tree_refusals import open_containers, refuse_filled_containers
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["replay_backward"]
+__all__ = ["replay_backward", "used_by_this_backward"]
 
 # torch.autograd._is_checkpoint_valid() without its Python frame: the engine's own method.
 _checkpoint_valid: Any = torch.autograd.Variable._execution_engine.is_checkpoint_valid
@@ -83,14 +83,15 @@ class _FirstReplay:
         warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
 
 
-def _used_by_this_backward(edges: tuple[tuple[Any, int], ...], wanted: list[int]
-                           ) -> list[int]:
-    """Those of ``wanted`` whose gradient a restricted backward (``torch.autograd.grad(loss,
-    [bias])``, ``backward(inputs=...)``) will use: eager computes only those, and the replay's
-    backward then runs no hook (a child's full backward hook, a tensor hook inside) and computes
-    no gradient that eager's does not. ``edges`` are the node's: its tensor inputs only (not
-    ``call``; a module's boundary takes no anchor). The output discard's backward asks it too
-    (discard_function.py).
+def used_by_this_backward(edges: tuple[tuple[Any, int], ...], wanted: list[int]
+                          ) -> list[int]:
+    """Those of ``wanted`` whose gradient this backward will use: all of them in a full one; in
+    a restricted one (``torch.autograd.grad(loss, [bias])``, ``backward(inputs=...)``, where
+    torch's checkpoint-valid flag is off) those it reaches: eager computes only those, and the
+    replay's backward then runs no hook (a child's full backward hook, a tensor hook inside)
+    and computes no gradient that eager's does not. ``edges`` are the node's: its tensor inputs
+    only (not ``call``; a module's boundary takes no anchor). The output discard's backward
+    asks it too (discard_function.py).
 
     NOTE [a leaf torch.autograd.grad captures]: asked about a leaf's node, torch answers False
     when the backward does not reach it and raises ("A leaf node was passed ... running
@@ -100,6 +101,8 @@ def _used_by_this_backward(edges: tuple[tuple[Any, int], ...], wanted: list[int]
     (``torch.autograd.grad(outputs, [stage input])``, a leaf, then a weight pass from the
     graph's nodes to the parameters: torch.distributed.pipelining's stage_backward_input) replay
     every parameter's gradient too, for autograd to drop."""
+    if not wanted or _checkpoint_valid():
+        return wanted
     will_run = torch._C._will_engine_execute_node
     used = []
     for i in wanted:
@@ -314,9 +317,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     # parameter frozen since the forward (requires_grad_(False) before backward) gets no
     # gradient, as in eager, where its AccumulateGrad then does nothing.
     needed = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
-    wanted = needed
-    if wanted and not _checkpoint_valid():
-        wanted = _used_by_this_backward(ctx.next_functions, wanted)
+    wanted = used_by_this_backward(ctx.next_functions, needed)
     # NOTE [a replay kept between restricted backwards] (kept_replay.py): a restricted backward
     # that keeps the graph keeps this replay's too, for the node's next run; not a replay that
     # made an output discard (one-shot).
@@ -372,9 +373,7 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     needs = ctx.needs_input_grad[2:]
     wrt = kept.wrt
     needed = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]
-    wanted = needed
-    if wanted and not _checkpoint_valid():
-        wanted = _used_by_this_backward(ctx.next_functions, wanted)
+    wanted = used_by_this_backward(ctx.next_functions, needed)
     outs, grads = kept.pairs(grad_outputs)
     n = len(wrt) - len(call.params)
     result: list[torch.Tensor | None] = [None] * len(wrt)
