@@ -47,23 +47,18 @@ from torch import nn
 
 from . import module_state
 from .eager import Told, user_stacklevel
-from .module_state import GENERATORS_CACHE, ModuleDicts
+from .module_state import GENERATORS_CACHE, DroppedOnCopy, ModuleDicts
 
 __all__ = ["held_generators", "warn_made_during"]
 
 _Generator = torch.Generator
 
 
-def _dropped() -> None:
-    return None
-
-
-class _Held:
+class _Held(DroppedOnCopy):
     """What the last search found on one module tree (see the module's NOTE): the names that
-    held a generator or None, read at each call. Holds the
-    submodules' dicts, not the root's own (which holds this: no reference cycle); a copy or a
-    pickle of the module carries none (found again at its next call), as for the tree's shape
-    in module_state.py."""
+    held a generator or None, read at each call. Holds the submodules' dicts, not the root's
+    own (which holds this: no reference cycle); a copy or a pickle of the module carries none
+    (found again at its next call)."""
 
     __slots__ = ("generation", "own_size", "sizes", "own_names", "names")
 
@@ -75,12 +70,6 @@ class _Held:
         self.sizes = sizes
         self.own_names = own_names
         self.names = names
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return _dropped, ()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
 
 
 # nn.Module's own attributes (``_is_full_backward_hook`` holds None in every module): never a

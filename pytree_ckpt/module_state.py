@@ -29,9 +29,9 @@ from torch.nn.parameter import is_lazy
 from .eager import Told, user_stacklevel
 from .hook_outputs import is_library_hook, keeps_output_as_is
 
-__all__ = ["GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module", "call_switches",
-           "changed_submodule", "collect_parameters", "drop_caches", "ever_verified",
-           "foreign_leaves", "graph_attributes", "is_verified", "mark_verified",
+__all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module",
+           "call_switches", "changed_submodule", "collect_parameters", "drop_caches",
+           "ever_verified", "foreign_leaves", "graph_attributes", "is_verified", "mark_verified",
            "module_buffers", "module_dicts", "owning_module", "structure_generation",
            "submodules_now", "trainable_parameters", "warn_forward_hooks", "watch_module_structure"]
 
@@ -152,22 +152,27 @@ def _dropped() -> None:
     return None
 
 
-class _Shape:
-    """The cached shape of a module tree (weak references): a copy or a pickle of the module
-    carries no cache (it is rebuilt at the next call), as weak references cannot be pickled
-    and would point at the original's submodules."""
+class DroppedOnCopy:
+    """A cache in a module's ``__dict__`` that a copy or pickle of it does not carry (rebuilt at
+    the next call): what it holds points at the original's submodules."""
 
-    __slots__ = ("generation", "entries")
-
-    def __init__(self, generation: int, entries: tuple[Any, ...]) -> None:
-        self.generation = generation
-        self.entries = entries
+    __slots__ = ()
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _dropped, ()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None
+
+
+class _Shape(DroppedOnCopy):
+    """The cached shape of a module tree (weak references, which cannot be pickled)."""
+
+    __slots__ = ("generation", "entries")
+
+    def __init__(self, generation: int, entries: tuple[Any, ...]) -> None:
+        self.generation = generation
+        self.entries = entries
 
 
 def drop_caches(module: nn.Module, /) -> None:
