@@ -61,13 +61,19 @@ def test_offload_gives_bit_identical_gradients_on_cuda(gpu_held_back: bool) -> N
     manager.stats(reset=True)
     if gpu_held_back:
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of everything below
-    stack(twin, x).square().mean().backward()
+    loss = stack(twin, x).square().mean()
+    # Held back, the sleep must still run here: if not, something in the forward made the
+    # host wait for the GPU (a synchronizing call), and the reuse count below says so.
+    busy = not torch.cuda.current_stream().query()
+    loss.backward()
     torch.cuda.synchronize()
     assert_same_grads(expected, [p.grad for p in twin.parameters()] + [x.grad])
     stats = manager.stats()
     assert stats["restored_bytes"] == 6 * x.nbytes
     reused_windows = stats["reused_bytes"] / x.nbytes
-    assert reused_windows == 2 if gpu_held_back else reused_windows in (1, 2)
+    assert reused_windows == 2 if gpu_held_back else reused_windows in (1, 2), (
+        f"{reused_windows} windows reused; the GPU was {'still' if busy else 'no longer'} busy "
+        f"when backward began; {stats}")
 
 
 def test_peak_memory_drops_by_all_but_two_layer_inputs_with_the_host_far_ahead() -> None:
@@ -87,43 +93,54 @@ def test_peak_memory_drops_by_all_but_two_layer_inputs_with_the_host_far_ahead()
     input_bytes = tokens * width * 4
     x = torch.randn(tokens, width, device="cuda", requires_grad=True)
 
-    def measure(model: nn.ModuleList) -> tuple[int, int]:
+    def measure(model: nn.ModuleList) -> dict[str, Any]:
         for t in [x, *model.parameters()]:  # a steady-state step: gradients already exist
             t.grad = torch.zeros_like(t)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        reserved = torch.cuda.memory_reserved()
         torch.cuda._sleep(100_000_000)  # the GPU lags behind the host from here on
         out = stack(model, x.clone())   # the clone: a first input only the graph holds
+        # For the messages below: whether the host really ran ahead (the sleep still runs).
+        busy = not torch.cuda.current_stream().query()
         torch.cuda.synchronize()
         manager.stats()  # lets go of the last windows, whose copies have landed by now
         held = torch.cuda.memory_allocated() - base
         out.square().sum().backward()   # a real gradient into the last layer, as in training
         torch.cuda.synchronize()
-        return held, torch.cuda.max_memory_allocated() - base
+        # Reserved: not a target (memory freed while a copy still reads it returns to the
+        # allocator only once that copy is done), reported to tell the two apart on a miss.
+        return {"held": held, "peak": torch.cuda.max_memory_allocated() - base,
+                "peak_reserved": torch.cuda.max_memory_reserved() - reserved,
+                "gpu_busy_after_forward": busy}
 
     measure(offloaded)  # warm the pool
-    (ckpt_held, ckpt_peak), (off_held, off_peak) = measure(plain), measure(offloaded)
-    assert ckpt_held - off_held >= (num_layers - 1) * input_bytes, (ckpt_held, off_held)
+    ckpt, off = measure(plain), measure(offloaded)
+    seen = f"checkpoint only {ckpt}, offload {off}, input {input_bytes}, {manager.stats()}"
+    assert ckpt["held"] - off["held"] >= (num_layers - 1) * input_bytes, seen
     # Less 4 MiB of allocator rounding, as examples/bench_offload.py allows.
-    assert ckpt_peak - off_peak >= (num_layers - 2) * input_bytes - (4 << 20), \
-        (ckpt_peak, off_peak)
+    assert ckpt["peak"] - off["peak"] >= (num_layers - 2) * input_bytes - (4 << 20), seen
     assert manager.stats()["alive_elsewhere_bytes"] == 0
 
 
 def test_the_copy_to_host_waits_for_the_kernel_that_produces_the_tensor() -> None:
     # NOTE [stream rules] 1: the d2h stream must wait for the compute stream. Keep the compute
     # stream busy, enqueue the producer behind it, and offload at once: without the wait the
-    # host copy would read the storage before the producer wrote it.
+    # host copy would read the storage before the producer wrote it. The storage holds NaN
+    # until then (filled before the sleep), so a copy that ran early gives NaN gradients, not
+    # whatever bytes the allocator's block happened to hold (possibly right ones).
     manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
     # Pinned allocation may synchronize streams: none may happen while the GPU is held.
     manager.pool.reserve([x.untyped_storage().nbytes()])
+    h = torch.full_like(x, float("nan"))
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the compute stream
-    h = x * 2                       # queued behind the sleep
+    h.copy_(x * 2)                  # the producer, queued behind the sleep
     with manager.window([h]):
         loss = (h * h).sum()
+    busy = not torch.cuda.current_stream().query()  # the copy was queued before the producer ran
     del h
     for _ in range(2):  # two more windows: the manager lets go of h's device bytes, so
         with manager.window([]):  # backward must copy them back (no NOTE [reuse at the turn])
@@ -132,11 +149,25 @@ def test_the_copy_to_host_waits_for_the_kernel_that_produces_the_tensor() -> Non
     stats = manager.stats()
     assert stats["reused_bytes"] == 0 and stats["restored_bytes"] == x.nbytes
     assert torch.equal(x.grad, 8 * x.detach())  # d(4x^2)/dx, from the restored bytes
+    # Otherwise the test proved nothing: something on the way made the host wait for the GPU.
+    assert busy, "the sleep had ended when the copy to host was queued"
 
 
 def test_a_restored_tensor_is_not_read_before_its_copy_lands() -> None:
-    # NOTE [stream rules] 2: the compute stream waits on the restore's event.
+    # NOTE [stream rules] 2: the compute stream waits on the restore's event. The restore's
+    # buffer is filled with NaN bytes before its copy back (on the compute stream, behind the
+    # sleep), so a reader not ordered after that copy sees NaN. Without the fill the allocator
+    # would likely hand the restore h's own freed block, still holding h's bytes, and a
+    # missing wait would go unseen.
     manager = OffloadManager(OffloadConfig(min_bytes=0, prefetch=0), device="cuda")
+    allocate = manager.engine.allocate
+    busy: list[bool] = []  # whether the sleep still ran when each restore was issued
+
+    def poisoned(nbytes: int) -> torch.Tensor:
+        busy.append(not torch.cuda.current_stream().query())
+        return allocate(nbytes).fill_(0xFF)  # 0xFFFFFFFF: a NaN in float32
+
+    manager.engine.allocate = poisoned  # type: ignore[method-assign]
     x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
     h = x * 3
     with manager.window([h]):
@@ -152,6 +183,7 @@ def test_a_restored_tensor_is_not_read_before_its_copy_lands() -> None:
     h = x * 3
     (h * h).sum().backward()  # the same graph, without offload
     assert torch.equal(got, x.grad)
+    assert busy == [True], f"the sleep had ended when the restore was issued: {busy}"
 
 
 def test_a_prefetch_given_up_on_cuda_lets_go_of_its_buffer_only_after_its_queued_copy() -> None:
