@@ -10,7 +10,9 @@ the arguments the script gives, before writing a placeholder where the bench wou
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +60,17 @@ exec "$real" "$@"
 """
 
 
+@functools.cache
+def _files_with_cuda_tests() -> frozenset[str]:
+    """The test files of every test ``-m cuda`` selects in the whole suite (a full collection,
+    as the script ran it before it picked its files)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           "--collect-only", "-q", "-m", "cuda", "tests"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return frozenset(re.findall(r"^(tests/\S+?\.py)::", done.stdout, re.MULTILINE))
+
+
 def _stand_in(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -88,6 +101,10 @@ def test_gpu_check_runs_the_cuda_tests_and_both_benches_with_arguments_they_acce
     assert "tests/offload/test_cuda.py::" in tests_log and " SKIPPED" in tests_log
     summary = tests_log.strip().splitlines()[-1]
     assert " skipped" in summary and "error" not in summary and "failed" not in summary
+    # The script collects only the files that mark a test cuda: every such test is among them.
+    ran = frozenset(re.findall(r"^(tests/\S+?\.py)::", tests_log, re.MULTILINE))
+    assert ran == _files_with_cuda_tests()
+    assert tests_log.startswith("2.11.0+cu130 NVIDIA H200 (stand-in)")  # what ran, first
     assert ("timeout: 45.0s" in tests_log) == pytest_timeout  # the per-test limit, if any
     assert (out / "offload.json").read_text() == "{}"
     assert "bench_offload (stand-in)" in (out / "offload.log").read_text()
