@@ -60,6 +60,22 @@ def test_the_ratios_are_the_quotients_of_the_medians_and_cpu_has_no_memory_colum
     assert json.loads(path.read_text())["configs"].keys() == configs.keys()
     assert result["eager_repeat"] == {"grads_equal": True, "grads_max_abs_diff": 0.0}
     assert result["failed"] == {}
+    assert result["link"] is None and "link" not in bench_offload.format_report(result)
+
+
+def test_the_link_line_sets_one_layer_input_s_copies_beside_a_layer_s_step_time(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    # As a GPU run reports it (_link_ms needs CUDA): the copy times against a checkpointed
+    # layer's share of the step, to tell a slow link from the library's own overhead.
+    result = {**tiny_run[0], "link": {"to_host_ms": 0.75, "to_device_ms": 0.5,
+                                      "to_host_gb_s": 44.7, "to_device_gb_s": 67.1}}
+    layer_ms = result["configs"][bench_offload.CHECKPOINT]["median_ms"] / 4  # tiny: 4 layers
+    assert (f"link (alone, pinned, side stream): one layer input (0.1 MiB) to host 0.75 ms "
+            f"(44.7 GB/s), back 0.50 ms (67.1 GB/s); a checkpoint step takes {layer_ms:.2f} ms "
+            "per layer") in bench_offload.format_report(result)
+    failed = {**result, "link": {"error": "RuntimeError: pinned allocation failed"}}
+    assert "link: not measured (RuntimeError: pinned allocation failed)" in \
+        bench_offload.format_report(failed)
 
 
 def test_a_configuration_that_fails_is_reported_and_the_others_still_measured(
