@@ -65,8 +65,9 @@ if python3 -c 'import pytest_timeout' 2>/dev/null; then per_test=(-o timeout=45)
 # all of them took 15 s of this step's 120 on a 2-core developer machine, these 7 took 5 s.
 # tests/test_gpu_check.py checks that they hold every test `-m cuda` selects in the suite.
 mapfile -t cuda_files < <(grep -rlE 'mark\.cuda' tests --include='test_*.py' | sort)
+# --durations: what each test cost there, to size the next run's limits.
 timeout -k 10 120 python3 -m pytest -p no:cacheprovider -v -m cuda --continue-on-collection-errors \
-  ${per_test[@]+"${per_test[@]}"} -o faulthandler_timeout=40 \
+  --durations=12 ${per_test[@]+"${per_test[@]}"} -o faulthandler_timeout=40 \
   "${cuda_files[@]}" 2>&1 | tee -a "$out/gpu_tests.log" \
   || status=1
 timeout -k 10 180 python3 -m examples.bench_offload --size realistic --device cuda \

@@ -105,6 +105,7 @@ def test_gpu_check_runs_the_cuda_tests_and_both_benches_with_arguments_they_acce
     ran = frozenset(re.findall(r"^(tests/\S+?\.py)::", tests_log, re.MULTILINE))
     assert ran == _files_with_cuda_tests()
     assert tests_log.startswith("2.11.0+cu130 NVIDIA H200 (stand-in)")  # what ran, first
+    assert "slowest 12 durations" in tests_log  # each test's cost there, for the next limits
     assert ("timeout: 45.0s" in tests_log) == pytest_timeout  # the per-test limit, if any
     assert (out / "offload.json").read_text() == "{}"
     assert "bench_offload (stand-in)" in (out / "offload.log").read_text()
