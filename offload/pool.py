@@ -9,7 +9,11 @@ step may still add one; a step that allocates nothing is followed by none that d
 
 NOTE [host buffer lifetime]: a buffer is checked out from ``acquire`` until ``release``. A buffer
 that a pending device copy still reads or writes is released together with that copy's event;
-``acquire`` only hands out buffers whose event has completed (waiting on it if it must).
+``acquire`` only hands out buffers whose event has completed (waiting on it if it must). Of a
+class's free buffers it hands out the one released first: the one released last carries the
+latest copy (backward lets go of a step's windows in turn, each after its copy back), the
+likeliest to be still running on a GPU behind the host, and waiting for it would block the
+host (the next step's first window) while a buffer whose copy is done sits beside it.
 Where pinning is unavailable (CPU-only torch) buffers are ordinary host memory.
 
 NOTE [release never waits]: buffers are released by a copy's ``__del__``, which the garbage
@@ -117,7 +121,7 @@ class HostPool:
                 # (copies use its front; it goes back to its own class).
                 larger = [c for c, buffers in self._free.items() if buffers and cls < c <= 2 * cls]
                 free = self._free[min(larger)] if larger else None
-            entry = free.pop() if free else None
+            entry = free.pop(0) if free else None  # released first: NOTE [host buffer lifetime]
         if entry is None:
             log.debug("host pool miss: allocating %d bytes (pinned=%s)", cls, self.pin_memory)
             buffer = self._allocate(cls)

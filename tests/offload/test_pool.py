@@ -103,6 +103,38 @@ def test_a_request_takes_the_smallest_larger_free_buffer_leaving_the_larger_for_
     assert pool.misses == 2 and pool.hits == 2
 
 
+class CopyEvent:
+    """A stand-in for the CUDA event of a buffer's last copy: done or still running, and
+    whether the host waited for it (``synchronize``)."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_a_free_buffer_whose_last_copy_is_done_is_handed_out_before_a_later_released_one(
+        ) -> None:
+    # NOTE [host buffer lifetime]: a buffer goes back with the event of its last copy, and
+    # acquire() waits for that event before handing it out. The one released last has the
+    # latest copy, the likeliest to be still running on a GPU behind the host: handed out
+    # first, the host blocked on it while a buffer whose copy was done sat beside it (on CUDA:
+    # each step's first window waited for the last restore of the step before).
+    pool = HostPool(pin_memory=False)
+    first, last = pool.acquire(4096), pool.acquire(4096)
+    landed, running = CopyEvent(done=True), CopyEvent(done=False)
+    pool.release(first, event=landed)    # backward lets go of its windows in turn: the
+    pool.release(last, event=running)    # last released has the latest copy back
+    assert pool.acquire(4096) is first
+    assert not running.waited  # the host did not wait for a copy still running
+    assert pool.acquire(4096) is last and running.waited  # and does when it must
+    assert pool.misses == 2 and pool.hits == 2
+
+
 def _pool_over_lengths(lengths: list[int], *, reserve: int | None = None) -> float:
     """The pool's host bytes over the largest step's need, 32 equal layer inputs a step."""
     pool, largest = HostPool(pin_memory=False), 0
