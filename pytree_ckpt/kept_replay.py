@@ -46,8 +46,16 @@ What else a replay touches, with a kept graph:
   hook runs once per gradient, where the outer backward delivers it: the input pass gives no
   parameter a gradient, the weight pass each. Post-accumulate-grad hooks: as with a replay
   (``accumulated_nothing`` for the ``None`` each pass returns).
-- Offload: a reuse does not read ``ctx.saved_tensors``, so nothing is unpacked or restored a
-  second time; the restored inputs stay alive while the graph holds their detached aliases
+- The in-place check: a reuse unpacks ``ctx.saved_tensors`` for that check alone
+  (``_saved_unchanged`` in recompute.py), so an input changed in place since the call (a
+  stage input between the input and the weight pass) is refused, naming it, as eager's
+  weight pass refuses it. The graph's own version checks do not see it with offload on: the
+  graph was built on the restored copy, a tensor of its own version counter, and one on the
+  device bytes backward reused (the last window's) is the caller's very storage: the weight
+  pass read the changed bytes beside the replay's statistics of the old ones.
+- Offload: that unpack restores nothing a second time (a copy keeps what it restored while
+  autograd holds its handles), and sets off no prefetch (the windows were restored by the
+  input pass); the restored inputs stay alive while the graph holds their detached aliases
   (offload never frees a restored storage in place: refcounted).
 - Module state (NOTE [the replay changes copies] in state_changes.py): each replay's copies are
   its own, made afresh, so the kept graph's saved tensors stay the replay's; the snapshots

@@ -147,16 +147,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     if call.kept is not None:  # NOTE [a replay kept between restricted backwards]
         return _from_kept(ctx, call, call.kept, grad_outputs)
     n = call.n_inputs + len(call.attributes)
-    try:
-        saved = ctx.saved_tensors
-    except RuntimeError as error:
-        # Autograd's own check, or (under a saved-tensor hook: a census, offload's tensors left
-        # on the device) Unchanged's; offload's copies raise their own, naming the input.
-        if isinstance(error, SavedTensorChanged) or (
-                not isinstance(error, CheckpointError) and
-                "modified by an inplace operation" in str(error)):
-            raise_changed_after_call(call, ctx._raw_saved_tensors, error)
-        raise
+    saved = _saved_unchanged(ctx, call)
     # NOTE [inference tensors are kept as they are] (boundary_function.py)
     if call.inference is not None:
         saved = tuple(call.inference.get(i, t) for i, t in enumerate(saved))
@@ -367,8 +358,10 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
                grad_outputs: tuple[torch.Tensor | None, ...], /) -> Any:
     """The gradients this run of the node takes, from the graph an earlier restricted run
     kept (NOTE [a replay kept between restricted backwards] in kept_replay.py): no replay, no
-    unpack of the saved inputs, no frame read."""
+    frame read; the saved inputs are unpacked for the in-place check alone."""
     assert call.params is not None  # kept only where the parameters are known
+    # NOTE [a replay kept between restricted backwards] (kept_replay.py): the in-place check.
+    _saved_unchanged(ctx, call)
     keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
     needs = ctx.needs_input_grad[2:]
     wrt = kept.wrt
@@ -409,6 +402,21 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
         if call.frame.results or call.reported:
             call.frame.clear()
     return (None, None, *result)
+
+
+def _saved_unchanged(ctx: Any, call: BoundaryCall, /) -> tuple[torch.Tensor, ...]:
+    """``ctx.saved_tensors`` (the call's inputs), refused by the boundary's error, naming the
+    input, if one was changed in place since the call."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as error:
+        # Autograd's own check, or (under a saved-tensor hook: a census, offload's tensors left
+        # on the device) Unchanged's; offload's copies raise their own, naming the input.
+        if isinstance(error, SavedTensorChanged) or (
+                not isinstance(error, CheckpointError) and
+                "modified by an inplace operation" in str(error)):
+            raise_changed_after_call(call, ctx._raw_saved_tensors, error)
+        raise
 
 
 @contextmanager

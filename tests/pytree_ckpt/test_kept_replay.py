@@ -464,3 +464,39 @@ def test_a_sparse_input_asked_in_an_input_pass_leaves_the_weight_pass_exact() ->
         calls.append(CALLS["block"])
     assert_same_grads(*results)
     assert calls == [1, 2]  # the original pass and one replay, kept for the weight pass
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+@pytest.mark.parametrize("blocks", [1, 2], ids=["reused", "copied-back"])
+@pytest.mark.parametrize("weight_pass", ["same-grads", "other-grads"])
+def test_an_input_changed_in_place_between_the_input_and_weight_passes_is_refused(
+        offload: bool, blocks: int, weight_pass: str) -> None:
+    # Eager's weight pass refuses a stage input changed in place since the forward (the
+    # linear saved it). The weight pass reads the kept replay's graph, which with offload on
+    # was built on the restored copy, not on the caller's tensor: nothing checked its version.
+    # One block (its window the last of the forward, whose device bytes backward reuses): the
+    # weight pass read the changed bytes beside statistics of the old ones, the gradients of
+    # no function. Two (the input's window copied back from host): the forward's bytes, where
+    # eager refuses. Both now raise the boundary's error naming the input, no gradient taken.
+    eager, wrapped, manager = _models(offload)
+    results = []
+    for model in (eager[:blocks], wrapped[:blocks]):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out = model(x)
+        grad = torch.ones_like(out)
+        torch.autograd.grad(out, [x], grad, retain_graph=True)
+        with torch.no_grad():
+            x.mul_(2)
+        with pytest.raises(RuntimeError) as raised:
+            torch.autograd.grad(out, list(model.parameters()),
+                                grad if weight_pass == "same-grads" else grad.clone())
+        results.append((raised.type, str(raised.value)))
+        del out, raised  # its traceback holds the graph
+    assert "modified by an inplace operation" in results[0][1]
+    assert issubclass(results[1][0], pytree_ckpt.CheckpointError)
+    assert "args[0]" in results[1][1] and "version 1" in results[1][1]
+    assert all(p.grad is None for p in wrapped.parameters())
+    if manager is not None:
+        stats = manager.stats()
+        assert stats["host_buffers_in_use"] == 0
+        assert stats["restored_bytes"] == stats["offloaded_bytes"] == blocks * x.nbytes
