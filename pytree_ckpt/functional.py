@@ -17,7 +17,9 @@ from torch import nn
 from .boundary import run_boundary
 from .boundary_call import DEFAULT_OPTIONS, BoundaryOptions
 from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
+from .errors import CheckpointConfigError
 from .module_state import owning_module
+from .phase import Phase, current_phase
 from .refusals import fn_name, refuse_container, require_callable
 from .tree import flatten
 
@@ -128,6 +130,44 @@ def _bound_inputs(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str,
     return bound, ((*extra, *args) if move else args), {**lifted, **kwargs}
 
 
+# Whether checkpoint() has warned that XTUNER_ACTIVATION_OFFLOAD is on but unused (once per
+# process: one warning for all the layers of a model, and every step).
+_ENV_OFFLOAD_TOLD = False
+
+
+def _tell_env_offload_unused(fn: Callable[..., Any], /) -> None:
+    """NOTE [the variable and checkpoint()]: ``checkpoint(fn, ...)`` never offloads (its
+    options are fixed; ``checkpointed`` chooses them), but the variable turns offload on
+    without code changes everywhere else. transformers' checkpoint switch given
+    ``pytree_ckpt.checkpoint`` calls it for every layer: with the variable set, offload then did
+    nothing, silently. So the first call made outside any boundary (a nested one opens no
+    window anyway) with grad enabled and the variable on warns, once. The variable is read
+    at such calls until then: a dict lookup, next to the boundary's cost."""
+    global _ENV_OFFLOAD_TOLD
+    if _ENV_OFFLOAD_TOLD or not torch.is_grad_enabled() or current_phase() is not Phase.PLAIN:
+        return
+    from offload import env_flag
+
+    from .apply import OFFLOAD_ENV
+
+    try:
+        on = env_flag(OFFLOAD_ENV)
+    except CheckpointConfigError:  # an unparsable value is refused where it is used
+        return
+    if not on:
+        return
+    _ENV_OFFLOAD_TOLD = True
+    warnings.warn(
+        f"{OFFLOAD_ENV} is on, but pytree_ckpt.checkpoint(fn, ...) never offloads: "
+        f"{fn_name(fn)} runs checkpointed with its inputs left on the device (the variable "
+        "applies to apply_activation_checkpointing, checkpoint_layers, apply_recompute_config "
+        "and checkpointed(fn)). Tip: call pytree_ckpt.checkpointed(fn)(*args), which reads the "
+        "variable (for transformers: model._set_gradient_checkpointing(True, lambda fn, *args: "
+        "pytree_ckpt.checkpointed(fn)(*args))), or wrap the layers in place; "
+        "checkpointed(fn, offload=False) says no offload is meant",
+        stacklevel=user_stacklevel())
+
+
 @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py, for calls too
 def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
@@ -150,6 +190,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
             f"{swallowed} in its **kwargs: options of torch.utils.checkpoint, which mean "
             f"nothing here. Tip: {_torch_options_tip(swallowed)}",
             stacklevel=user_stacklevel())
+    _tell_env_offload_unused(fn)
     try:
         return run_boundary(*_bound_inputs(fn, args, kwargs), DEFAULT_OPTIONS)
     except TypeError as error:

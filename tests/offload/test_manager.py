@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import warnings
 from typing import Any
 
 import pytest
@@ -521,10 +522,16 @@ def test_the_environment_switch_turns_offload_on_and_off(monkeypatch: pytest.Mon
     x = torch.randn(1024, 32, device=manager.device, requires_grad=True)  # 128 KiB: > the floor
     wrapped(x).sum().backward()
     assert (manager.stats()["offloaded_bytes"] > before) is on
-    # the one-off checkpoint() never offloads
+    # the one-off checkpoint() never offloads, and says so (once) when the variable is on
+    from pytree_ckpt import functional
+
+    monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
     before = manager.stats()["offloaded_bytes"]
-    pytree_ckpt.checkpoint(m, x).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pytree_ckpt.checkpoint(m, x).sum().backward()
     assert manager.stats()["offloaded_bytes"] == before
+    assert [("never offloads" in str(w.message)) for w in caught] == ([True] if on else [])
 
 
 def test_an_unknown_environment_value_is_refused_naming_the_variable(

@@ -295,6 +295,50 @@ def test_checkpointed_with_offload_as_the_transformers_function_offloads_the_hid
     assert stats["offloaded_bytes"] == stats["restored_bytes"] == 2 * (2 * 6 * 16 * 4)
 
 
+def test_offload_switched_on_by_the_environment_for_the_transformers_function_is_not_silent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # XTUNER_ACTIVATION_OFFLOAD=1 with model._set_gradient_checkpointing(True,
+    # pytree_ckpt.checkpoint): checkpoint() never offloads, so the variable did nothing, and
+    # nothing said so (found porting a transformers model's loop). Warned once, naming the fix;
+    # checkpointed(fn, offload=...) chooses, and is not warned. Gradients stay eager's.
+    from pytree_ckpt import functional
+
+    monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
+    manager = offload.default_manager()
+    before = manager.stats()["windows"]
+    eager = _model("forward", None)
+    grads = []
+    for fn in (None, pytree_ckpt.checkpoint):
+        layers = eager if fn is None else _model("forward", fn)
+        torch.manual_seed(1)
+        hidden = torch.randn(2, 6, 16, requires_grad=True)
+        kwargs = _layer_kwargs()
+        torch.manual_seed(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(layers, hidden, kwargs).backward()
+        grads.append(grads_of([*layers.parameters(), hidden]))
+    assert_same_grads(*grads)
+    told = [w for w in caught if "XTUNER_ACTIVATION_OFFLOAD" in str(w.message)]
+    assert len(told) == 1, [str(w.message) for w in caught]  # two layers, one warning
+    assert "never offloads" in str(told[0].message)
+    assert "checkpointed(fn)" in str(told[0].message)
+    assert told[0].filename == __file__  # the call that made the checkpoint (the layer's)
+    assert manager.stats()["windows"] == before  # as it says: nothing offloaded
+    for quiet in (lambda fn, *args: pytree_ckpt.checkpointed(fn)(*args),
+                  lambda fn, *args: pytree_ckpt.checkpointed(fn, offload=False)(*args),
+                  # nested in a boundary, whose window (had it one) covers the inputs
+                  lambda fn, *args: pytree_ckpt.checkpointed(
+                      lambda *a: pytree_ckpt.checkpoint(fn, *a), offload=False)(*args)):
+        monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _run(_model("forward", quiet), torch.randn(2, 6, 16, requires_grad=True),
+                 _layer_kwargs()).backward()
+    assert manager.stats()["windows"] == before + 2  # checkpointed(fn) read the variable
+
+
 def test_a_layer_wrapped_in_place_with_the_transformers_switch_on_too_is_warned() -> None:
     # Two boundaries a step (the installed one, and transformers' around the body): the
     # installed one says so, whichever function transformers was given.
