@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
+from .apply import OFFLOAD_ENV
 from .boundary import run_boundary
 from .boundary_call import DEFAULT_OPTIONS, BoundaryOptions
 from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
@@ -131,7 +133,8 @@ def _bound_inputs(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str,
 
 
 # Whether checkpoint() has warned that XTUNER_ACTIVATION_OFFLOAD is on but unused (once per
-# process: one warning for all the layers of a model, and every step).
+# process: one warning for all the layers of a model, and every step). No step state: a test
+# resets it with monkeypatch.setattr; two threads racing past it warn twice at worst.
 _ENV_OFFLOAD_TOLD = False
 
 
@@ -141,14 +144,16 @@ def _tell_env_offload_unused(fn: Callable[..., Any], /) -> None:
     without code changes everywhere else. transformers' checkpoint switch given
     ``pytree_ckpt.checkpoint`` calls it for every layer: with the variable set, offload then did
     nothing, silently. So the first call made outside any boundary (a nested one opens no
-    window anyway) with grad enabled and the variable on warns, once. The variable is read
-    at such calls until then: a dict lookup, next to the boundary's cost."""
+    window anyway) with grad enabled and the variable on warns, once. Not under a saved-tensor
+    hook (an offload window, torch's ``save_on_cpu``; an ``ActivationCensus`` too): that hook
+    sees the inputs the call saves, which may not stay on the device; a later call with none
+    is told. Until told, a call with the variable unset costs one environment lookup."""
     global _ENV_OFFLOAD_TOLD
-    if _ENV_OFFLOAD_TOLD or not torch.is_grad_enabled() or current_phase() is not Phase.PLAIN:
+    if _ENV_OFFLOAD_TOLD or not os.environ.get(OFFLOAD_ENV) or not torch.is_grad_enabled() \
+            or current_phase() is not Phase.PLAIN \
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return
     from offload import env_flag
-
-    from .apply import OFFLOAD_ENV
 
     try:
         on = env_flag(OFFLOAD_ENV)

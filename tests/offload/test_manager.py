@@ -534,6 +534,38 @@ def test_the_environment_switch_turns_offload_on_and_off(monkeypatch: pytest.Mon
     assert [("never offloads" in str(w.message)) for w in caught] == ([True] if on else [])
 
 
+def test_checkpoint_under_a_saved_tensor_hook_of_its_own_is_not_told_its_inputs_stay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # With XTUNER_ACTIVATION_OFFLOAD on, checkpoint() warns that its inputs stay on the device
+    # (NOTE [the variable and checkpoint()]). Inside a manager's window, or torch's
+    # save_on_cpu, they do not: the hook saves them, and the warning would be false. A later
+    # call with no such hook is still told (the once is not spent on the silent ones).
+    from pytree_ckpt import functional
+
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
+    monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
+    m = manager()
+    layer = Layer()
+    x = torch.randn(64, 32, requires_grad=True)
+    eager = torch.autograd.grad(layer(x * 1.0).sum(), [x, *layer.parameters()])
+    grads = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = x * 1.0
+        with m.window([h]):
+            out = pytree_ckpt.checkpoint(layer, h)
+        assert m.stats()["offloaded_bytes"] == h.nbytes  # what it saved went to host
+        grads.append(torch.autograd.grad(out.sum(), [x, *layer.parameters()]))
+        with torch.autograd.graph.save_on_cpu():
+            out = pytree_ckpt.checkpoint(layer, x * 1.0)
+        grads.append(torch.autograd.grad(out.sum(), [x, *layer.parameters()]))
+    for got in grads:
+        assert_same_grads(list(eager), list(got))
+    assert m.stats()["restored_bytes"] == h.nbytes
+    with pytest.warns(UserWarning, match="never offloads"):
+        pytree_ckpt.checkpoint(layer, x * 1.0)
+
+
 def test_an_unknown_environment_value_is_refused_naming_the_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "yes")
