@@ -135,6 +135,20 @@ def _run(layers: nn.ModuleList, hidden: torch.Tensor, kwargs: dict[str, Any]) ->
     return h.square().mean()
 
 
+def _grads_and_warnings(layers: nn.ModuleList) -> tuple[list[torch.Tensor | None],
+                                                        list[warnings.WarningMessage]]:
+    """One backward from the same hidden states and kwargs whatever the layers: their
+    parameters' and the hidden states' gradients, and every warning it gave."""
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 6, 16, requires_grad=True)
+    kwargs = _layer_kwargs()
+    torch.manual_seed(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(layers, hidden, kwargs).backward()
+    return grads_of([*layers.parameters(), hidden]), caught
+
+
 @pytest.mark.parametrize("kind", ["forward", "__call__"])
 def test_two_adamw_steps_through_the_transformers_calling_convention_match_eager(
         kind: str) -> None:
@@ -196,17 +210,8 @@ def test_torch_checkpoint_options_passed_through_name_the_layer_in_the_warning()
     # **kwargs. The warning names the layer class, not "partial".
     eager = _model("forward", None)
     ckpt = _model("forward", functools.partial(pytree_ckpt.checkpoint, use_reentrant=False))
-    grads = []
-    for layers in (eager, ckpt):
-        torch.manual_seed(1)
-        hidden = torch.randn(2, 6, 16, requires_grad=True)
-        kwargs = _layer_kwargs()
-        torch.manual_seed(2)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _run(layers, hidden, kwargs).backward()
-        grads.append(grads_of([*layers.parameters(), hidden]))
-    assert_same_grads(*grads)
+    (expected, _), (got, caught) = _grads_and_warnings(eager), _grads_and_warnings(ckpt)
+    assert_same_grads(expected, got)
     messages = [str(w.message) for w in caught if "use_reentrant" in str(w.message)]
     assert len(messages) == 2  # once per layer call
     assert all("ForwardWrappedDecoderLayer receives ['use_reentrant']" in m for m in messages)
@@ -307,19 +312,9 @@ def test_offload_switched_on_by_the_environment_for_the_transformers_function_is
     monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
     manager = offload.default_manager()
     before = manager.stats()["windows"]
-    eager = _model("forward", None)
-    grads = []
-    for fn in (None, pytree_ckpt.checkpoint):
-        layers = eager if fn is None else _model("forward", fn)
-        torch.manual_seed(1)
-        hidden = torch.randn(2, 6, 16, requires_grad=True)
-        kwargs = _layer_kwargs()
-        torch.manual_seed(2)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _run(layers, hidden, kwargs).backward()
-        grads.append(grads_of([*layers.parameters(), hidden]))
-    assert_same_grads(*grads)
+    (expected, _), (got, caught) = (_grads_and_warnings(_model("forward", fn))
+                                    for fn in (None, pytree_ckpt.checkpoint))
+    assert_same_grads(expected, got)
     told = [w for w in caught if "XTUNER_ACTIVATION_OFFLOAD" in str(w.message)]
     assert len(told) == 1, [str(w.message) for w in caught]  # two layers, one warning
     assert "never offloads" in str(told[0].message)
