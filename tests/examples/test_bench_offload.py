@@ -78,6 +78,23 @@ def test_the_link_line_sets_one_layer_input_s_copies_beside_a_layer_s_step_time(
         bench_offload.format_report(failed)
 
 
+def test_the_reserved_peak_is_reported_without_a_verdict_beside_the_allocated_targets(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    # As a GPU run reports it: the reserved peak is information, not a target (blocks freed
+    # under record_stream stay reserved until their copy is done), so a small drop must not
+    # read "NOT met" beside the allocated targets, which do.
+    mib = 1 << 20
+    drop = {"limit": 100 * mib, "value": 10 * mib, "met": False}
+    result = {**tiny_run[0], "targets": {**tiny_run[0]["targets"], "peak_drop": drop,
+                                         "reserved_drop": drop}}
+    lines = bench_offload.format_report(result).splitlines()
+    (peak,) = (line for line in lines if line.startswith("target: peak drops"))
+    (reserved,) = (line for line in lines if line.startswith("information, not a target"))
+    assert peak.endswith("NOT met")
+    assert "met" not in reserved and "peak reserved" in reserved
+    assert "10.0 MiB" in reserved and "100.0 MiB" in reserved  # the drop and the allocated bar
+
+
 def test_a_configuration_that_fails_is_reported_and_the_others_still_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
