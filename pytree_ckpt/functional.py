@@ -168,7 +168,8 @@ def _tell_env_offload_unused(fn: Callable[..., Any], /) -> None:
         "applies to apply_activation_checkpointing, checkpoint_layers, apply_recompute_config "
         "and checkpointed(fn)). Tip: call pytree_ckpt.checkpointed(fn)(*args), which reads the "
         "variable (for transformers: model._set_gradient_checkpointing(True, lambda fn, *args: "
-        "pytree_ckpt.checkpointed(fn)(*args))), or wrap the layers in place; "
+        "pytree_ckpt.checkpointed(fn)(*args))), or wrap the layers themselves with "
+        "pytree_ckpt.apply_activation_checkpointing(model, check_fn=is_layer); "
         "checkpointed(fn, offload=False) says no offload is meant",
         stacklevel=user_stacklevel())
 

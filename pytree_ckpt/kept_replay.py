@@ -49,10 +49,11 @@ What else a replay touches, with a kept graph:
 - The in-place check: a reuse unpacks ``ctx.saved_tensors`` for that check alone
   (``_saved_unchanged`` in recompute.py), so an input changed in place since the call (a
   stage input between the input and the weight pass) is refused, naming it, as eager's
-  weight pass refuses it. The graph's own version checks do not see it with offload on: the
-  graph was built on the restored copy, a tensor of its own version counter, and one on the
-  device bytes backward reused (the last window's) is the caller's very storage: the weight
-  pass read the changed bytes beside the replay's statistics of the old ones.
+  weight pass refuses it. The graph's own version checks cannot be relied on for this: with
+  offload on the graph is built on the restored copy, a tensor with its own version counter,
+  and where backward reused the last window's device bytes that copy is the caller's very
+  storage, so without this check the weight pass would read the changed bytes beside the
+  replay's statistics of the old ones.
 - Offload: that unpack restores nothing a second time (a copy keeps what it restored while
   autograd holds its handles), and sets off no prefetch (the windows were restored by the
   input pass); the restored inputs stay alive while the graph holds their detached aliases
