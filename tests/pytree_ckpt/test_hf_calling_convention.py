@@ -113,6 +113,8 @@ LAYERS = {"forward": ForwardWrappedDecoderLayer, "__call__": CallWrappedDecoderL
 def _model(kind: str, checkpoint_fn: Callable[..., Any] | None) -> nn.ModuleList:
     torch.manual_seed(0)
     layers = nn.ModuleList(LAYERS[kind]() for _ in range(2))
+    for layer in layers:  # counted by id: a freed layer of an earlier test may have had it
+        CALLS[id(layer)] = 0
     if checkpoint_fn is not None:  # what model._set_gradient_checkpointing(True, fn) sets
         for layer in layers:
             layer.gradient_checkpointing = True
