@@ -8,8 +8,10 @@ run forward + backward under each configuration:
 
 - ``eager``: no checkpoint (reference);
 - ``ours``: ``pytree_ckpt.checkpoint(layer, x)`` around each layer;
-- ``ours (module)``: ``apply_activation_checkpointing`` installed once, as in training, on a
-  copy of the layers (same weights; the other configurations use the originals);
+- ``ours (module)``: ``apply_activation_checkpointing(layer, offload=False)`` installed once, as
+  in training, on a copy of the layers (same weights; the other configurations use the
+  originals). No row offloads, whatever ``XTUNER_ACTIVATION_OFFLOAD`` says: this is the
+  boundary's cost, ``examples.bench_offload`` measures offload's;
 - ``torch reentrant`` / ``torch non-reentrant``: ``torch.utils.checkpoint.checkpoint(layer, x,
   use_reentrant=True / False)``.
 
@@ -29,6 +31,7 @@ import copy
 import dataclasses
 import json
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,8 +42,9 @@ import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 
 import pytree_ckpt
-from examples.timing import (add_round_options, check_round_options, summarize_ms,
-                             time_interleaved)
+from offload import env_flag
+from examples.timing import (add_round_options, check_round_options, check_threads_option,
+                             summarize_ms, time_interleaved)
 
 __all__ = ["DecoderBlock", "SIZES", "CONFIGS", "main"]
 
@@ -135,10 +139,12 @@ class Bench:
         self.leaves = [self.x, *self.layers.parameters()]
         # Installed once and kept, as a training script does. (Installing and removing it
         # around every step would also redo the one-time check of each layer's first replay,
-        # NOTE [parameters are inputs], on every step.)
+        # NOTE [parameters are inputs], on every step.) offload=False: left unset it would follow
+        # XTUNER_ACTIVATION_OFFLOAD, and this row alone would time offload's copies too
+        # (examples.bench_offload measures those).
         self.wrapped = copy.deepcopy(self.layers)
         for layer in self.wrapped:
-            pytree_ckpt.apply_activation_checkpointing(layer)
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
         self.wrapped_leaves = [self.x, *self.wrapped.parameters()]
 
     def zero_grad(self) -> None:
@@ -210,6 +216,11 @@ def format_report(results: dict[str, Any]) -> str:
         f"pytree-ckpt boundary vs torch.utils.checkpoint, {LAYERS}-layer decoder, CPU, "
         f"torch {torch.__version__}, {results['threads']} threads",
         f"grads of ours (checkpoint and module wrapping) bit-identical to eager: {checks}",
+    ]
+    if results.get("offload_env_ignored"):
+        lines.append("XTUNER_ACTIVATION_OFFLOAD is on: ignored here, no row offloads (python -m "
+                     "examples.bench_offload measures offload)")
+    lines += [
         "",
         "| size | config | median ms | p10/p90 ms | ratio vs torch reentrant |",
         "|---|---|---:|---:|---:|",
@@ -251,6 +262,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="torch.set_num_threads (default: leave as is)")
     parser.add_argument("--json", type=Path, default=None, help="write results and raw times")
     args = parser.parse_args(argv)
+    check_threads_option(parser, args)
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in args.sizes if s not in SIZES]
     if unknown or not args.sizes:
@@ -265,12 +277,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     results: dict[str, Any] = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                               "offload_env_ignored": env_flag("XTUNER_ACTIVATION_OFFLOAD"),
                                "sizes": {}}
-    for name in args.sizes:
-        size = SIZES[name]
-        rounds = size.rounds if args.rounds is None else args.rounds
-        warmup = size.warmup if args.warmup is None else args.warmup
-        results["sizes"][name] = run_size(name, size, rounds, warmup)
+    with warnings.catch_warnings():
+        # checkpoint()'s advice to offload through checkpointed(fn) does not apply: the report
+        # says the variable is ignored here.
+        warnings.filterwarnings("ignore", message="XTUNER_ACTIVATION_OFFLOAD is on, but")
+        for name in args.sizes:
+            size = SIZES[name]
+            rounds = size.rounds if args.rounds is None else args.rounds
+            warmup = size.warmup if args.warmup is None else args.warmup
+            results["sizes"][name] = run_size(name, size, rounds, warmup)
     print(format_report(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

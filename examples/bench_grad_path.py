@@ -46,8 +46,8 @@ import pytree_ckpt
 
 from examples.bench_boundary import LAYERS, SIZES, DecoderBlock
 from examples.glm_dsa.mlp import SwiGLU
-from examples.timing import (add_round_options, check_round_options, summarize_ms,
-                             time_interleaved)
+from examples.timing import (add_round_options, check_round_options, check_threads_option,
+                             summarize_ms, time_interleaved)
 
 __all__ = ["LAYER_KINDS", "PATHS", "MoEBlock", "main"]
 
@@ -201,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="torch.set_num_threads (default: leave as is)")
     args = parser.parse_args(argv)
     check_round_options(parser, args)
+    check_threads_option(parser, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     result = run(args.size, 500 if args.rounds is None else args.rounds,

@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-__all__ = ["add_round_options", "check_round_options", "summarize_ms", "time_interleaved"]
+__all__ = ["add_round_options", "check_round_options", "check_threads_option", "summarize_ms",
+           "time_interleaved"]
 
 
 def time_interleaved(step: Callable[[str], float], configs: Sequence[str], /, *, rounds: int,
@@ -62,3 +64,11 @@ def check_round_options(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error("--rounds must be >= 1")
     if args.warmup is not None and args.warmup < 0:
         parser.error("--warmup must be >= 0")
+
+
+def check_threads_option(parser: argparse.ArgumentParser, args: argparse.Namespace, /) -> None:
+    """``--threads`` (``None``: leave torch's as is) must be positive: torch.set_num_threads
+    raises a bare RuntimeError for anything else, after the parse, as a traceback."""
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}; tip: leave it out to keep "
+                     f"torch's {torch.get_num_threads()}")

@@ -82,3 +82,38 @@ def test_no_timings_are_reported_when_the_gradients_differ_from_eager(
     assert small["grads_equal"] is False
     assert "configs" not in small
     assert "timings not reported" in capsys.readouterr().out
+
+
+def test_no_row_offloads_when_the_environment_turns_offload_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # The module-wrapping row read XTUNER_ACTIVATION_OFFLOAD (apply_activation_checkpointing's
+    # default) while `ours` (checkpoint(), which never offloads) did not: with the variable on,
+    # one row of "the boundary's cost" timed offload's copies too, and the table did not say so.
+    from offload import default_manager
+    from pytree_ckpt import functional
+
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
+    # checkpoint() warns once per process with the variable on: left as it was for the tests
+    # that count that warning (the bench filters it, its report says the variable is ignored).
+    monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
+    manager = default_manager()
+    manager.stats(reset=True)
+    bench = bench_boundary.Bench(bench_boundary.SIZES["small"])
+    bench.step(bench_boundary.OURS_MODULE)
+    assert manager.stats(reset=True)["windows"] == 0  # before: one window per layer, 8
+    bench.zero_grad()
+    results = bench_boundary.main(["--sizes", "small", "--rounds", "1", "--warmup", "0"])
+    assert results["offload_env_ignored"] is True
+    assert manager.stats(reset=True)["windows"] == 0
+    assert "XTUNER_ACTIVATION_OFFLOAD is on: ignored here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_thread_count_below_one_is_a_usage_error_naming_the_flag(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # It reached torch.set_num_threads and died in a traceback ("set_num_threads expects a
+    # positive integer"), after the parse.
+    with pytest.raises(SystemExit) as info:
+        bench_boundary.main(["--sizes", "small", "--threads", value])
+    assert info.value.code == 2
+    assert f"--threads must be >= 1, got {value}" in capsys.readouterr().err

@@ -47,3 +47,13 @@ def test_moe_layers_give_eager_gradients_on_every_path_and_none_for_unrouted_exp
     bench.step(bench_grad_path.PYTREE_CKPT)
     unrouted = [p for layer in bench.layers for p in layer.parameters() if p.grad is None]
     assert unrouted and all(isinstance(layer, bench_grad_path.MoEBlock) for layer in bench.layers)
+
+
+def test_a_thread_count_below_one_is_a_usage_error_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # It reached torch.set_num_threads and died in a traceback after the parse.
+    threads = torch.get_num_threads()
+    with pytest.raises(SystemExit) as info:
+        bench_grad_path.main(["--threads", "0", "--rounds", "1", "--warmup", "0"])
+    assert info.value.code == 2 and "--threads must be >= 1, got 0" in capsys.readouterr().err
+    assert torch.get_num_threads() == threads
