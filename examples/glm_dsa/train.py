@@ -29,6 +29,7 @@ Without torchrun the script runs in one process, on CPU, as it always did.
 from __future__ import annotations
 
 import argparse
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -47,7 +48,8 @@ __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.glm_dsa.train",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     parser.add_argument("--ratio", type=float, default=1.0,
                         help="fraction of decoder layers to checkpoint, in [0, 1] (default 1)")
@@ -86,6 +88,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--mtp-depth must be >= 0, got {args.mtp_depth}; tip: 0 disables MTP")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if not 0.0 <= args.lr < math.inf:  # also refuses nan; AdamW's own check is a traceback
+        parser.error(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.save is not None and args.ratio <= 0:
         parser.error("--save needs --ratio > 0: save units live inside checkpointed layers")
     if args.offload and args.ratio <= 0:
@@ -104,6 +108,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--compile-backend only applies with --compile")
     if args.compile_backend is None:
         args.compile_backend = "inductor"
+    elif args.compile_backend not in _compile_backends():
+        parser.error(f"--compile-backend {args.compile_backend!r} is not a torch.compile "
+                     "backend here; tip: inductor (the default), aot_eager or eager "
+                     "(torch._dynamo.list_backends(exclude_tags=()) lists them all)")
     world = torchrun_world_size()
     if (args.fsdp or args.ddp) and world is None:
         parser.error(f"--{'fsdp' if args.fsdp else 'ddp'} needs a process group; tip: launch "
@@ -113,6 +121,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"launched with WORLD_SIZE={world} but neither --fsdp nor --ddp: every "
                      "rank would train its own copy; tip: add --fsdp or --ddp")
     return args
+
+
+def _compile_backends() -> list[str]:
+    # Every registered backend, the debug ones (eager, aot_eager) included: only asked when
+    # --compile-backend is given (importing torch._dynamo takes a second or two).
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
 
 
 def _save_units(text: str) -> list[SaveUnit] | bool:
@@ -166,11 +182,15 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
                                     f"{'FSDP2' if args.fsdp else 'DDP'})")
     say(f"checkpointed decoder layers: {checkpointed}; tokens per step: "
         f"{batch['input_ids'].shape[1]}{where}")
-    if manager is None and args.ratio > 0 and env_flag("XTUNER_ACTIVATION_OFFLOAD"):
-        manager = default_manager()  # what the variable turned on: report it too
-        say(f"XTUNER_ACTIVATION_OFFLOAD=1: the default manager moves storages of at least "
-            f"{manager.config.min_bytes} bytes (--offload sets a lower floor for this CPU-sized "
-            "model)")
+    if manager is None and env_flag("XTUNER_ACTIVATION_OFFLOAD"):
+        if args.ratio > 0:
+            manager = default_manager()  # what the variable turned on: report it too
+            say(f"XTUNER_ACTIVATION_OFFLOAD=1: the default manager moves storages of at least "
+                f"{manager.config.min_bytes} bytes (--offload sets a lower floor for this "
+                "CPU-sized model)")
+        else:  # --offload is refused here; the variable is global, so said, not refused
+            say("XTUNER_ACTIVATION_OFFLOAD=1: nothing to offload at --ratio 0 (offload works at "
+                "checkpoint boundaries, and no layer is checkpointed)")
     losses = []
     for step in range(1, args.steps + 1):
         out = trained(**batch)

@@ -639,14 +639,50 @@ def test_the_training_script_reports_the_managers_offload_turns_on(
 
 
 @pytest.mark.parametrize("argv", [["--ratio", "2"], ["--ratio", "-0.5"], ["--ratio", "nan"],
-                                  ["--mtp-depth", "-1"], ["--steps", "0"]])
+                                  ["--mtp-depth", "-1"], ["--steps", "0"], ["--lr", "-1"],
+                                  ["--lr", "nan"]])
 def test_the_training_script_refuses_an_out_of_range_number_with_a_usage_error(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     # --ratio 2 and --mtp-depth -1 got past the parser and died in a traceback once the model
-    # was built; --steps 0 printed the header and trained nothing, silently.
+    # was built; --steps 0 printed the header and trained nothing, silently; --lr -1 and nan
+    # died in AdamW's ValueError traceback after the model was built.
     with pytest.raises(SystemExit) as info:
         train.parse_args(argv)
     assert info.value.code == 2 and f"{argv[0]} must be" in capsys.readouterr().err
+
+
+def test_the_training_script_refuses_an_unknown_compile_backend_naming_the_usual_ones(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # It got past the parser, built the model and died in torch's InvalidBackend traceback at
+    # the first layer's torch.compile.
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(["--compile", "--compile-backend", "inductr"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--compile-backend 'inductr' is not a torch.compile" in err
+    assert "tip: inductor (the default), aot_eager or eager" in err
+    assert train.parse_args(["--compile", "--compile-backend", "aot_eager"]).compile_backend \
+        == "aot_eager"
+
+
+def test_the_training_script_says_the_environments_offload_has_nothing_to_move_at_ratio_0(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # --offload --ratio 0 is a usage error; XTUNER_ACTIVATION_OFFLOAD=1 at --ratio 0 trained
+    # with no offload line and no word that the variable did nothing.
+    from offload import default_manager
+
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
+    manager = default_manager()
+    manager.stats(reset=True)
+    losses = train.main(["--steps", "1", "--seed", "3", "--ratio", "0"])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1] == ("XTUNER_ACTIVATION_OFFLOAD=1: nothing to offload at --ratio 0 (offload "
+                          "works at checkpoint boundaries, and no layer is checkpointed)")
+    assert manager.stats(reset=True)["windows"] == 0
+    config = GlmDsaConfig()
+    torch.manual_seed(3)  # the script's documented initialisation: the eager model's loss
+    with torch.no_grad():
+        assert GlmDsaForCausalLM(config)(**make_packed_batch(config, seed=3))["loss"].item() \
+            == losses[0]
 
 
 def test_the_training_script_accepts_the_edges_of_every_range_it_checks() -> None:
@@ -656,6 +692,7 @@ def test_the_training_script_accepts_the_edges_of_every_range_it_checks() -> Non
     assert train.parse_args(["--ratio", "0"]).ratio == 0.0
     assert train.parse_args(["--ratio", "1"]).ratio == 1.0
     assert train.parse_args(["--steps", "1"]).steps == 1
+    assert train.parse_args(["--lr", "0"]).lr == 0.0
 
 
 def test_the_training_script_takes_the_same_adamw_steps_as_a_plain_eager_loop() -> None:
