@@ -26,8 +26,8 @@ this library's bookkeeping: the PyTree bridge, RNG and autocast capture, module 
 watches, frames, isolation of parametrizations). Their difference from the minimal paths is
 what each library adds per call beyond the gradient path itself.
 
-Before timing, all four are checked to give gradients bit-identical to eager (each parameter
-is used once, so the order of additions is the same). See NOTE [measurement] in
+Before timing, all six rows are checked to give gradients bit-identical to eager (each
+parameter is used once, so the order of additions is the same); none is timed otherwise. See NOTE [measurement] in
 ``examples/timing.py``.
 """
 
