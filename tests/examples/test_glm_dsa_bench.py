@@ -129,6 +129,22 @@ def test_gpu_presets_refuse_to_run_on_cpu(capsys: pytest.CaptureFixture[str]) ->
     assert "needs --device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_out_path_that_is_or_lies_under_a_file_is_refused_before_anything_runs(
+        below: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # It ran the equality phase, then died in FileExistsError's traceback at the first write of
+    # results.json: on a GPU lent for minutes, the run's time for nothing.
+    blocking = tmp_path / "a-file"
+    blocking.write_text("")
+    built: list[object] = []
+    monkeypatch.setattr(bench, "_Bench", lambda *args: built.append(args))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--preset", "tiny", "--device", "cpu", "--out", str(blocking / below)])
+    assert exit_info.value.code == 2 and not built
+    assert f"{blocking} is a file, not a directory" in capsys.readouterr().err
+
+
 def test_the_table_still_renders_when_a_configuration_the_indexer_check_needs_failed(
         run: tuple[dict[str, Any], Path]) -> None:
     # A first CUDA run may fail a row; the table (and results.json after it) must survive.
