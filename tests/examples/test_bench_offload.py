@@ -145,3 +145,22 @@ def test_the_realistic_size_is_refused_on_cpu_with_a_tip(
     with pytest.raises(SystemExit):
         bench_offload.main(["--size", "realistic", "--device", "cpu"])
     assert "needs --device cuda; tip: --size tiny on CPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "a-directory"])
+def test_a_json_path_under_a_file_or_at_a_directory_is_refused_before_anything_runs(
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # It ran the first probe, then died in a traceback at the first write of the results (in
+    # the GPU script, that step's minutes for nothing).
+    blocking = tmp_path / "a-file"
+    blocking.write_text("")
+    ran: list[object] = []
+    monkeypatch.setattr(bench_offload, "run", lambda *args, **kwargs: ran.append(args))
+    path = blocking / "offload.json" if where == "under-a-file" else tmp_path
+    with pytest.raises(SystemExit) as exit_info:
+        bench_offload.main(["--size", "tiny", "--json", str(path)])
+    assert exit_info.value.code == 2 and not ran
+    err = capsys.readouterr().err
+    assert (f"{blocking} is a file, not a directory" in err if where == "under-a-file"
+            else "is a directory; tip: name a file in it" in err)
