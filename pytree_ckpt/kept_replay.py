@@ -46,8 +46,8 @@ What else a replay touches, with a kept graph:
   hook runs once per gradient, where the outer backward delivers it: the input pass gives no
   parameter a gradient, the weight pass each. Post-accumulate-grad hooks: as with a replay
   (``accumulated_nothing`` for the ``None`` each pass returns).
-- The in-place check: a reuse unpacks ``ctx.saved_tensors`` for that check alone
-  (``_saved_unchanged`` in recompute.py), so an input changed in place since the call (a
+- The in-place check: a reuse unpacks ``ctx.saved_tensors`` again (``_saved_unchanged`` in
+  recompute.py; the inputs' hooks read them too), so an input changed in place since the call (a
   stage input between the input and the weight pass) is refused, naming it, as eager's
   weight pass refuses it. The graph's own version checks cannot be relied on for this: with
   offload on the graph is built on the restored copy, a tensor with its own version counter,
@@ -110,15 +110,13 @@ class KeptReplay:
     """NOTE [a replay kept between restricted backwards]: one replay's graph, for the node's
     next runs."""
 
-    __slots__ = ("outs", "wrt", "saved", "taken", "weights", "__weakref__")
+    __slots__ = ("outs", "wrt", "taken", "weights", "__weakref__")
 
     def __init__(self, outs: Sequence[tuple[int, torch.Tensor]], wrt: Sequence[torch.Tensor],
-                 saved: Sequence[torch.Tensor], taken: set[int],
-                 weights: WeightCapture | None, /) -> None:
+                 taken: set[int], weights: WeightCapture | None, /) -> None:
         # The replayed outputs that require grad, by their place in the node's grad_outputs.
         self.outs = tuple(outs)
         self.wrt = tuple(wrt)      # the detached inputs, then the parameters
-        self.saved = tuple(saved)  # what ctx.saved_tensors gave (for inputs' hooks)
         self.taken = taken         # the places in wrt whose gradients were taken so far
         # NOTE [a weight pass from captured gradients] (kept_weights.py)
         self.weights = weights

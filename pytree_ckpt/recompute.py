@@ -342,7 +342,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         for i, grad in zip(wanted, got):
             result[i] = grad
         if keep:
-            call.kept = KeptReplay(placed, wrt, saved, set(wanted), capture)
+            call.kept = KeptReplay(placed, wrt, set(wanted), capture)
     elif call.params:
         # Every parameter gets None (no output had a gradient): NOTE [unused parameters get
         # no hook call] (parameter_hooks.py) holds here too.
@@ -358,10 +358,10 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
                grad_outputs: tuple[torch.Tensor | None, ...], /) -> Any:
     """The gradients this run of the node takes, from the graph an earlier restricted run
     kept (NOTE [a replay kept between restricted backwards] in kept_replay.py): no replay, no
-    frame read; the saved inputs are unpacked for the in-place check alone."""
+    frame read; the saved inputs are unpacked again, for the in-place check."""
     assert call.params is not None  # kept only where the parameters are known
     # NOTE [a replay kept between restricted backwards] (kept_replay.py): the in-place check.
-    _saved_unchanged(ctx, call)
+    saved = _saved_unchanged(ctx, call)
     keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
     needs = ctx.needs_input_grad[2:]
     wrt = kept.wrt
@@ -393,7 +393,7 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     elif call.params:
         ParameterHooksPaused(call.params)  # NOTE [unused parameters get no hook call]
     accumulated_nothing(call.params, result[n:], needs[n:])
-    _inputs_without_gradient(kept.saved, result[:n], needs)
+    _inputs_without_gradient(saved, result[:n], needs)
     kept.taken.update(wanted)  # in place: threads taking gradients at once each add theirs
     if (not keep_graph or kept.taken.issuperset(needed)) and call.kept is kept:
         call.kept = None  # never used again

@@ -502,3 +502,29 @@ def test_an_input_changed_in_place_between_the_input_and_weight_passes_is_refuse
         stats = manager.stats()
         assert stats["host_buffers_in_use"] == 0
         assert stats["restored_bytes"] == stats["offloaded_bytes"] == blocks * x.nbytes
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_an_input_hook_registered_after_the_call_runs_in_the_input_pass_only_as_in_eager(
+        offload: bool) -> None:
+    # A hook put on the stage input after the forward: eager runs it in the input pass, with
+    # its gradient, and not in the weight pass, which never reaches the input. The boundary's
+    # weight pass runs from the kept graph (the input's gradient not asked, its saved inputs
+    # unpacked again for the in-place check, offload's restored copies among them): the same
+    # single call with the same gradient, and no replay.
+    eager, wrapped, manager = _models(offload)
+    results, calls = [], []
+    for model in (eager, wrapped):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        seen: list[torch.Tensor | None] = []
+        loss = model(x).square().sum()
+        x.register_hook(lambda g: seen.append(g))
+        CALLS.clear()
+        (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+        dw = torch.autograd.grad(loss, list(model.parameters()))
+        results.append([dx, *dw, *seen])
+        calls.append((len(seen), CALLS["block"]))
+    assert_same_grads(*results)
+    assert calls == [(1, 0), (1, 2)]  # one hook call each; two replays, none in the weight pass
+    if manager is not None:
+        assert manager.stats()["host_buffers_in_use"] == 0
