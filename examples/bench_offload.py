@@ -51,8 +51,8 @@ from torch import nn
 
 import pytree_ckpt
 from examples.bench_boundary import DecoderBlock
-from examples.timing import (add_round_options, check_round_options, summarize_ms,
-                             time_interleaved)
+from examples.timing import (add_round_options, check_output_path, check_round_options,
+                             summarize_ms, time_interleaved)
 from offload import OffloadConfig, OffloadManager
 
 __all__ = ["CONFIGS", "SIZES", "Size", "main"]
@@ -441,16 +441,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--size {args.size} is sized for a GPU and needs --device cuda; tip: "
                      "--size tiny on CPU")
     check_round_options(parser, args)
-    # Checked now, not at the first write after the first probe (a traceback then): the GPU
-    # script's run would lose that step for nothing.
-    if args.json is not None:
-        if args.json.is_dir():
-            parser.error(f"--json {args.json} is a directory; tip: name a file in it "
-                         f"({args.json / 'offload.json'})")
-        blocking = next((p for p in args.json.parents if p.exists() and not p.is_dir()), None)
-        if blocking is not None:
-            parser.error(f"--json {args.json}: {blocking} is a file, not a directory; tip: "
-                         "name a path whose folders are folders (they are created if missing)")
+    check_output_path(parser, "--json", args.json, directory=False)
     return args
 
 

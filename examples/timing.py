@@ -1,4 +1,5 @@
-"""Interleaved timing shared by ``examples.bench_boundary`` and ``examples.bench_offload``.
+"""Interleaved timing shared by ``examples.bench_boundary`` and ``examples.bench_offload``, and
+the command-line checks the benchmark scripts share.
 
 NOTE [measurement]: every configuration first runs its warm-up steps. Then each round runs one
 step of every configuration, in an order rotated each round, so slow drifts of the machine
@@ -12,13 +13,14 @@ from __future__ import annotations
 import argparse
 import gc
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["add_round_options", "check_round_options", "check_threads_option", "summarize_ms",
-           "time_interleaved"]
+__all__ = ["add_round_options", "check_output_path", "check_round_options",
+           "check_threads_option", "summarize_ms", "time_interleaved"]
 
 
 def time_interleaved(step: Callable[[str], float], configs: Sequence[str], /, *, rounds: int,
@@ -72,3 +74,21 @@ def check_threads_option(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}; tip: leave it out to keep "
                      f"torch's {torch.get_num_threads()}")
+
+
+def check_output_path(parser: argparse.ArgumentParser, flag: str, path: Path | None, /, *,
+                      directory: bool) -> None:
+    """Refuse an output ``path`` (a directory, or a file when not ``directory``) that cannot be
+    written, before anything runs: found at the first write, after the run's first
+    measurements, it was a traceback and those minutes lost (a lent GPU's, in
+    scripts/gpu_check.sh). Missing folders are fine: the scripts create them."""
+    if path is None:
+        return
+    if not directory and path.is_dir():
+        parser.error(f"{flag} {path} is a directory; tip: name a file in it")
+    blocking = next((p for p in ((path,) if directory else ()) + tuple(path.parents)
+                     if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        parser.error(f"{flag} {path}: {blocking} is a file, not a directory; tip: name a "
+                     f"{'directory' if directory else 'file'} whose folders are folders (they "
+                     "are created if missing)")

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..timing import check_output_path
 from .bench_configs import CONFIGS, PRESETS, Preset, Variant
 from .bench_measure import (Progress, census_of, compare_step, deterministic, flops_of,
                             indexer_forward_flops, peak_bytes_of, step_results, timed_step)
@@ -69,13 +70,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if PRESETS[args.preset].cuda_only and args.device != "cuda":
         parser.error(f"--preset {args.preset} is sized for a GPU and needs --device cuda "
                      f"(this run would use {args.device}); tip: use --preset demo on CPU")
-    # Checked now, not when results.json is first written after the equality phase: on a GPU
-    # lent for minutes that crash would cost the run.
-    blocking = next((p for p in (args.out, *(args.out.parents if args.out else ()))
-                     if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        parser.error(f"--out {args.out}: {blocking} is a file, not a directory; tip: name a "
-                     "directory (it is created if missing)")
+    check_output_path(parser, "--out", args.out, directory=True)
     for name in ("rounds", "warmup", "threads"):
         value = getattr(args, name)
         if value is not None and value < (1 if name != "warmup" else 0):
