@@ -85,14 +85,37 @@ def test_the_reserved_peak_is_reported_without_a_verdict_beside_the_allocated_ta
     # read "NOT met" beside the allocated targets, which do.
     mib = 1 << 20
     drop = {"limit": 100 * mib, "value": 10 * mib, "met": False}
+    reserved_drop = {"limit": 100 * mib, "value": 10 * mib}
     result = {**tiny_run[0], "targets": {**tiny_run[0]["targets"], "peak_drop": drop,
-                                         "reserved_drop": drop}}
+                                         "reserved_drop": reserved_drop}}
     lines = bench_offload.format_report(result).splitlines()
     (peak,) = (line for line in lines if line.startswith("target: peak drops"))
     (reserved,) = (line for line in lines if line.startswith("information, not a target"))
     assert peak.endswith("NOT met")
     assert "met" not in reserved and "peak reserved" in reserved
     assert "10.0 MiB" in reserved and "100.0 MiB" in reserved  # the drop and the allocated bar
+
+
+def test_the_memory_targets_carry_a_verdict_and_the_reserved_drop_none() -> None:
+    # The memory columns exist only on CUDA: the verdicts are computed here from a GPU run's
+    # numbers, as _targets gets them. The JSON says what the report prints: no "met" for the
+    # reserved peak, which is information, not a target.
+    size = bench_offload.SIZES["tiny"]
+    needed = (size.layers - 2) * size.input_bytes()
+    base = {"median_ms": 10.0, "ratio_vs_checkpoint": 1.0}
+    configs = {
+        bench_offload.CHECKPOINT: {**base, "peak_bytes": 5 * needed, "held_bytes": 4 * needed,
+                                   "peak_reserved_bytes": 6 * needed},
+        bench_offload.OFFLOAD: {**base, "median_ms": 10.2, "ratio_vs_checkpoint": 1.02,
+                                "peak_bytes": 4 * needed, "held_bytes": 3 * needed + 1,
+                                "peak_reserved_bytes": 6 * needed},
+    }
+    targets = bench_offload._targets(size, configs)
+    assert targets["overhead"] == {"value": 1.02, "limit": bench_offload.MAX_OVERHEAD,
+                                   "met": True}
+    assert targets["peak_drop"] == {"value": needed, "limit": needed, "met": True}
+    assert targets["held_drop"] == {"value": needed - 1, "limit": needed, "met": True}  # rounding
+    assert targets["reserved_drop"] == {"value": 0, "limit": needed}
 
 
 def test_a_configuration_that_fails_is_reported_and_the_others_still_measured(
