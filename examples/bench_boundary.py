@@ -265,8 +265,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     check_threads_option(parser, args)
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in args.sizes if s not in SIZES]
-    if unknown or not args.sizes:
-        parser.error(f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
+    if not args.sizes:
+        parser.error(f"--sizes names no size; choose from {', '.join(SIZES)}")
+    if unknown:
+        parser.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SIZES)}")
     check_round_options(parser, args)
     return args
 

@@ -117,3 +117,16 @@ def test_a_thread_count_below_one_is_a_usage_error_naming_the_flag(
         bench_boundary.main(["--sizes", "small", "--threads", value])
     assert info.value.code == 2
     assert f"--threads must be >= 1, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("sizes", "message"), [
+    (",", "--sizes names no size; choose from small, moderate"),
+    ("small,huge,tiny", "unknown size(s) huge, tiny; choose from small, moderate"),
+])
+def test_sizes_naming_nothing_or_an_unknown_size_are_usage_errors_that_say_which(
+        sizes: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # An empty list read "unknown size(s) []", naming no unknown size.
+    with pytest.raises(SystemExit) as info:
+        bench_boundary.main(["--sizes", sizes])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
