@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import pytree_ckpt
 from tests.conftest import assert_same_grads
 from tests.offload.blocks import grads_with_last_input_changed, manager
 from tests.offload.simulated import POISON
@@ -386,3 +387,18 @@ def test_a_frozen_result_of_a_wrapper_subclass_is_offloaded_by_its_inner_tensors
     # x, and the frozen result's two inner tensors
     assert stats["offloaded_bytes"] == stats["restored_bytes"] == x.nbytes + 2 * 4 * 8 * 4
     assert stats["host_buffers_in_use"] == 0
+
+
+def test_a_change_in_place_is_named_by_the_first_window_tensor_on_its_storage() -> None:
+    # window_keys keeps, per storage, the index of the first window tensor on it (for the
+    # message): a window given a tensor and a view of it names the tensor, as the caller
+    # passed it first, not the view behind it.
+    m = manager()
+    x = torch.randn(8, 8, requires_grad=True)
+    h = x * 1.0
+    with m.window([h, h[2:]], name=lambda i: f"args[{i}]"):
+        loss = h.square().sum()  # saves h
+    h.add_(1)
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=r"^args\[0\] \(offload window 0, .*modified in place"):
+        loss.backward()
