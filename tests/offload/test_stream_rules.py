@@ -340,6 +340,40 @@ def test_a_graph_dropped_with_copies_in_flight_ends_its_pass() -> None:
     assert manager.stats()["host_buffers_in_use"] == 0 and streams.violations == []
 
 
+def test_a_dropped_graphs_copy_still_in_flight_is_let_go_when_a_one_window_backward_begins(
+        ) -> None:
+    # The dropped forward's last window is younger than the window opened next, so that opening
+    # keeps its copy in flight; the pass turns there and the dropped pass dies, leaving a copy
+    # of a pass gone. The next backward's first restore lets go of it (NOTE [copies in
+    # flight]: passes gone belong to every lane), and gives eager's gradients. A one-layer step opens no second window that would do it first.
+    torch.manual_seed(0)
+    eager = Layer()
+    manager, streams = simulated(None)
+    layers = nn.ModuleList(Layer() for _ in range(3))
+    layers[0].load_state_dict(eager.state_dict())
+    checkpoint_layers(layers, offload=manager)
+    stack_grads(layers, torch.randn(8, 32, requires_grad=True))  # a pass done: the lane's recent
+    h = torch.randn(8, 32, requires_grad=True)
+    for layer in layers[:2]:
+        h = layer(h)
+    last_input = StorageWeakRef(h.untyped_storage())
+    out = layers[2](h)
+    del out, h  # its last window's copy is still queued: the manager holds that input
+    assert not last_input.expired()
+    x = torch.randn(8, 32)
+    leaf = x.clone().requires_grad_()
+    loss = layers[0](leaf).square().sum()  # opens one window
+    assert not last_input.expired()  # younger than the window opened: still in flight
+    expected = stack_grads(nn.ModuleList([eager]), x.clone().requires_grad_())
+    for p in layers[0].parameters():
+        p.grad = None
+    loss.backward()
+    assert last_input.expired()  # let go by the backward, before any stats()
+    assert_same_grads(expected, [p.grad for p in layers[0].parameters()] + [leaf.grad])
+    streams.finish()
+    assert streams.violations == [] and manager.stats()["host_buffers_in_use"] == 0
+
+
 def test_a_copy_is_waited_for_on_the_stream_that_saved_it_not_the_current_one() -> None:
     # The freed memory belongs to the stream that was current when the tensor was saved: a
     # window opened under another stream must make that one wait, not its own.
