@@ -59,6 +59,18 @@ def test_views_and_metadata_of_a_discarded_output_read_no_data_and_pass() -> Non
         out.sum().backward()
 
 
+def test_an_empty_slice_of_a_discarded_output_reads_no_bytes_and_passes() -> None:
+    # An expert that got no tokens slices no rows of a discarded norm output: an op given that
+    # slice reads nothing (and without the mode torch reads nothing either), so it is no error.
+    normed, out = _discarded()
+    with detect_discarded_reads():
+        none = normed[2:2]
+        assert (none * 2).shape == (0, 8)
+        with pytest.raises(CheckpointError, match="read its argument 'self'"):
+            normed[2:3] * 2  # one row is a read
+        out.sum().backward()
+
+
 def test_a_correct_step_under_the_mode_checks_every_op_and_changes_no_number(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Megatron's residual plan (docs/discard.md), without the mode first, then under it; the
