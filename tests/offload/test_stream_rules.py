@@ -340,19 +340,19 @@ def test_a_graph_dropped_with_copies_in_flight_ends_its_pass() -> None:
     assert manager.stats()["host_buffers_in_use"] == 0 and streams.violations == []
 
 
-def test_a_dropped_graphs_copy_still_in_flight_is_let_go_when_a_one_window_backward_begins(
-        ) -> None:
+def test_a_dropped_graphs_copy_in_flight_is_let_go_when_a_one_window_backward_begins() -> None:
     # The dropped forward's last window is younger than the window opened next, so that opening
     # keeps its copy in flight; the pass turns there and the dropped pass dies, leaving a copy
     # of a pass gone. The next backward's first restore lets go of it (NOTE [copies in
-    # flight]: passes gone belong to every lane), and gives eager's gradients. A one-layer step opens no second window that would do it first.
+    # flight]: passes gone belong to every lane), and gives eager's gradients. A one-layer step
+    # opens no second window that would let it go first.
     torch.manual_seed(0)
     eager = Layer()
     manager, streams = simulated(None)
     layers = nn.ModuleList(Layer() for _ in range(3))
     layers[0].load_state_dict(eager.state_dict())
     checkpoint_layers(layers, offload=manager)
-    stack_grads(layers, torch.randn(8, 32, requires_grad=True))  # a pass done: the lane's recent
+    stack_grads(layers, torch.randn(8, 32, requires_grad=True))  # one whole step first
     h = torch.randn(8, 32, requires_grad=True)
     for layer in layers[:2]:
         h = layer(h)
