@@ -208,11 +208,23 @@ class ScalesByAGradBuffer(nn.Module):
         return self.lin(x) * self.scale
 
 
+class ChangesAGradBufferItScalesBy(ScalesByAGradBuffer):
+    """As ScalesByAGradBuffer, changing the buffer first: the replay's copy of a changed buffer
+    is made only of one that requires no grad, or the copy (no grad) would hide it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.scale.mul_(1.5)
+        return self.lin(x) * self.scale
+
+
 @pytest.mark.parametrize("make, message", [
     (RegistersItsScale, r"the parameter scale was registered \(or swapped in\) while the forward "
                         r"of RegistersItsScale ran"),
-    (ScalesByAGradBuffer, r"the buffer scale requires grad")],
-    ids=["parameter registered in the forward", "buffer that requires grad"])
+    (ScalesByAGradBuffer, r"the buffer scale requires grad"),
+    (ChangesAGradBufferItScalesBy, r"the buffer scale requires grad")],
+    ids=["parameter registered in the forward", "buffer that requires grad",
+         "buffer that requires grad, changed by the forward"])
 def test_a_tensor_the_module_holds_but_the_replay_cannot_give_a_gradient_is_refused_by_name(
         make: Any, message: str) -> None:
     # Each got no gradient, silently (eager gives both one).
@@ -639,3 +651,30 @@ def test_a_buffer_registered_by_the_forward_of_a_tree_without_buffers_counts_as_
     # registration is still found after the call, so the replay starts without the buffer
     # (and registers and counts into its own copy): the count and gradients stay eager's.
     _assert_same_runs(_twins(CountsFromItsFirstCall, _trained((3, 4)), steps=3))
+
+
+class CountsIntoAHalfOfItsTable(nn.Module):
+    """Two buffers over one storage of exactly 64 KiB (the size limit of NOTE [small state as
+    it was before the forward]): the forward adds to the whole table and reads its head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        table = torch.zeros(64 * 1024 // 4)
+        self.register_buffer("table", table)
+        self.register_buffer("head", table[:8])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.table.add_(1)
+        return self.lin(x) * self.head
+
+
+def test_buffers_sharing_a_storage_of_exactly_the_size_limit_replay_as_the_forward_read_them(
+        ) -> None:
+    # Up to the limit included, the storage is cloned once and the replay's copies share it
+    # (its write to the table reaches the head, as the forward's did); one byte past it is the
+    # documented row (docs/limits.md).
+    module = CountsIntoAHalfOfItsTable()
+    assert module.table.untyped_storage().nbytes() == 64 * 1024
+    _assert_same_runs(_twins(CountsIntoAHalfOfItsTable, _trained((3, 8)), steps=2))
