@@ -6,6 +6,7 @@ for bit with an unwrapped eager twin."""
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import gc
 import pickle
@@ -719,3 +720,36 @@ def test_weights_assigned_between_forward_and_backward_leave_the_backward_to_the
     assert torch.equal(*losses)
     assert_same_grads(*grads)
     assert all(g is not None for g in grads[0])
+
+
+class _Route(enum.Enum):
+    PLAIN = "plain"
+    HEAD = "head"
+
+
+class RoutedBlock(nn.Module):
+    """Reaches a head it holds but does not register only when told to, by an enum argument."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self._shared = (head,)  # held, not registered
+
+    def forward(self, h: torch.Tensor, route: _Route) -> torch.Tensor:
+        h = torch.tanh(self.proj(h))
+        return h + self._shared[0](h) if route is _Route.HEAD else h
+
+
+def test_an_enum_argument_that_first_reaches_an_unknown_module_later_is_a_new_switch() -> None:
+    # NOTE [verified per switch]: enum values are flags as bools and strings are. Verified
+    # only for the first value, the call that first reached the head lost its gradient
+    # silently, where eager gives it one.
+    head = nn.Linear(8, 8)
+    eager = RoutedBlock(head)
+    x = torch.randn(4, 8)
+    eager(x, _Route.HEAD).sum().backward()
+    assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
+    block = pytree_ckpt.apply_activation_checkpointing(RoutedBlock(nn.Linear(8, 8)))
+    block(x, _Route.PLAIN).sum().backward()
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter"):
+        block(x, _Route.HEAD).sum().backward()
