@@ -175,6 +175,44 @@ def test_the_kept_graph_is_freed_after_the_weight_pass_and_with_a_graph_dropped_
             assert [ref() for ref in refs] == [None, None]
 
 
+def _boundary_calls(loss: torch.Tensor) -> list[Any]:
+    """The ``BoundaryCall`` of each boundary node in ``loss``'s graph."""
+    calls, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "call"):
+            calls.append(node.call)
+        stack.extend(n for n, _ in node.next_functions)
+    return calls
+
+
+def test_a_full_backward_that_retains_the_graph_keeps_no_replay_and_stays_exact() -> None:
+    # Only a restricted backward keeps its replay (some gradients left for a later pass). A
+    # full one with retain_graph=True (two losses over one graph, a GAN's two backwards) takes
+    # every gradient: a kept replay would hold each layer's activations, and the captured
+    # gradients, for as long as the caller keeps the graph, as if nothing were checkpointed.
+    eager, wrapped, _ = _models()
+    x = torch.randn(4, 8, requires_grad=True)
+    results = []
+    for model in (eager, wrapped):
+        CALLS.clear()
+        x.grad = None
+        loss = model(x).square().sum()
+        loss.backward(retain_graph=True)
+        first = [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+        if model is wrapped:
+            assert [call.kept for call in _boundary_calls(loss)] == [None, None]
+        loss.backward()
+        results.append(([*first, x.grad, *(p.grad for p in model.parameters())],
+                        CALLS["block"]))
+    (want, eager_calls), (got, calls_run) = results
+    assert_same_grads(want, got)
+    assert (eager_calls, calls_run) == (2, 6)  # each backward replays both layers
+
+
 def test_a_layer_with_an_output_discard_replays_in_each_pass_and_stays_exact() -> None:
     # An output discard's rebuild and node run once per forward (one-shot): a kept replay
     # would run them twice, so such a replay is not kept; the weight pass replays afresh. (The
