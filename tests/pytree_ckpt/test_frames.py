@@ -1171,3 +1171,46 @@ def test_the_replay_never_writes_back_state_that_changed_after_the_forward(
         loss.backward()
         counts.append(layer.counts.clone())
     assert torch.equal(*counts)
+
+
+class LoadCounter(nn.Module):
+    """A router whose reused call adds its token counts into a buffer of its own module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("load", torch.zeros(8))
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.argmax(-1, keepdim=True)
+        self.load.add_(torch.bincount(ids.flatten(), minlength=8).float())
+        return ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.gather(h, -1, reuse_during_recompute(self.route, h.detach()))
+
+
+@pytest.mark.parametrize("between", ["reset", "another micro-batch"])
+def test_the_replay_of_a_plain_function_never_writes_a_reused_calls_buffer_back(
+        between: str) -> None:
+    # NOTE [state a reused call changes]: a plain function's boundary watches no module, so
+    # the replay runs on the module's own buffer, not on a copy: the value the call left
+    # there must not be written into it (it undid a reset, or the next micro-batch's count).
+    loads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = LoadCounter()
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(lambda h: layer(h), x) if wrap else layer(x)
+
+        loss = run(torch.randn(4, 8)).square().sum()
+        if between == "reset":
+            layer.load.zero_()
+        else:
+            loss = loss + run(torch.randn(4, 8)).square().sum()
+        loss.backward()
+        loads.append(layer.load.clone())
+    assert loads[0].sum() > 0 or between == "reset"
+    assert torch.equal(*loads)
