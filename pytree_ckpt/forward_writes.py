@@ -6,7 +6,6 @@ its state, read only by a replay whose forward left state unchanged that has mov
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
@@ -45,26 +44,18 @@ def _forward_version(t: torch.Tensor, /) -> int | None:
     return entry[1] if entry is not None and entry[0]() is t else None
 
 
-def written_by_a_forward_since(d: dict[str, Any],
-                               items: tuple[tuple[str, torch.Tensor | None], ...],
+def written_by_a_forward_since(items: tuple[tuple[str, torch.Tensor | None], ...],
                                before: list[int | None], /) -> bool:
-    """Whether an original pass changed ``d`` since ``items`` (with versions ``before``) were
-    read: one of them changed in place by a forward after that, or an entry another forward
-    put there."""
-    for (name, obj), version in zip(items, before):
-        t = d.get(name)
-        if t is obj:
-            if t is None or version is None:
-                continue
+    """Whether an original pass changed one of ``items`` (a buffer dict's entries, read at
+    versions ``before``) in place since they were read.
+
+    Only in place: the replay finds the dict with the very entries its forward left (NOTE [the
+    replay sees the forward's modules] in forward_modules.py puts back one a later forward
+    reassigned or added to, before the replay's state copies are made), so an entry is never
+    another object, nor a new name, by then."""
+    for (_, t), version in zip(items, before):
+        if t is not None and version is not None:
             written = _forward_version(t)
             if written is not None and written > version:
                 return True
-        elif t is not None and _forward_version(t) is not None:
-            return True
-    if len(d) == len(items):
-        return False
-    names = {name for name, _ in items}  # registered since: by a forward?
-    for name, t in d.items():
-        if name not in names and t is not None and _forward_version(t) is not None:
-            return True
     return False

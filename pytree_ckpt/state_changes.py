@@ -394,9 +394,10 @@ class ChangedState:
         ones of the dicts the forward left unchanged, with their entries and versions, until the
         replay (memory: at most _SMALL_BYTES a buffer, per call, from the forward to its replay,
         which drops them; a census counts them as Mechanism.MODULE_STATE, as it does those of
-        changed dicts: snapshots()). The replay compares them (an identity and a version per
-        buffer): a dict an original pass changed since (forward_writes.py holds the buffers each
-        one changed, with their versions then: NOTE [forward writes, by id]) runs the replay on
+        changed dicts: snapshots()). The replay compares their versions (their entries are the
+        forward's again by then: NOTE [the replay sees the forward's modules]): a dict an
+        original pass changed in place since (forward_writes.py holds the buffers each one
+        changed, with their versions then: NOTE [forward writes, by id]) runs the replay on
         copies of it as the forward read it, as a changed one does (NOTE [the replay changes
         copies]). One only replays changed (a count kept where grad is enabled, so once per call
         under reentrant checkpointing) stays the module's own, as for a call that read it before
@@ -405,9 +406,8 @@ class ChangedState:
         called plainly: no original pass of ours), state of a module with no snapshot (its first
         change since its first replay, documented), frozen parameters."""
         return [(d, _moved(d, items, before)) for d, items, before in self.read
-                if (len(d) != len(items) or any(d.get(name) is not obj for name, obj in items)
-                    or _object_versions(items) != before)
-                and written_by_a_forward_since(d, items, before)]
+                if _object_versions(items) != before
+                and written_by_a_forward_since(items, before)]
 
     @contextmanager
     def on_copies(self) -> Iterator[None]:

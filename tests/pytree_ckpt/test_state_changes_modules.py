@@ -676,3 +676,49 @@ def test_a_forward_that_replaces_a_submodule_is_refused_at_the_call() -> None:
                        match=r"(?s)the forward of SwapsAfterWarmUp replaced or removed one of "
                              r"its submodules.*outside the checkpointed call"):
         layer(torch.randn(3, 4))
+
+
+class ScaledInTraining(nn.Module):
+    """Reads a buffer in both modes; in training, reassigns it (``reassigns``) or registers a
+    factor the next calls multiply by, after reading what is there."""
+
+    def __init__(self, reassigns: bool) -> None:
+        super().__init__()
+        self.lin, self.reassigns = nn.Linear(4, 4), reassigns
+        self.register_buffer("scale", torch.full((4,), 3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.scale
+        if "factor" in self._buffers:
+            h = h * self.factor
+        if self.training and self.reassigns:
+            self.scale = self.scale * 0.5 + 1.0  # another object: the eval call's is kept
+        elif self.training and "factor" not in self._buffers:
+            self.register_buffer("factor", torch.full((4,), 5.0))
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("reassigns", [True, False], ids=["reassigned", "registered"])
+def test_an_eval_micro_batch_replays_what_it_read_when_a_later_one_reassigns_or_adds_state(
+        reassigns: bool) -> None:
+    # An eval micro-batch reads the buffers; a later train micro-batch of the same step
+    # reassigns one (or registers a factor the forward multiplies by) before the eval call's
+    # backward. Eager's graph holds what the eval call read; the replay must find the same:
+    # the dict's entries as the eval call's forward left them (ForwardModules puts them back;
+    # forward_writes.py then needs to look only at versions).
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = ScaledInTraining(reassigns)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        xs = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+        losses = []
+        for x, training in zip(xs, (False, True)):
+            layer.train(training)
+            losses.append(layer(x).square().sum())
+        sum(losses).backward()
+        results.append(grads_of([*xs, *layer.parameters()]) + [*map(torch.Tensor.detach, losses)])
+        assert sorted(layer._buffers) == (["scale"] if reassigns else ["factor", "scale"])
+        assert torch.equal(layer.scale, torch.full((4,), 2.5 if reassigns else 3.0))
+    assert_same_grads(*results)
