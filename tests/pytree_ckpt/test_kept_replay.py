@@ -566,3 +566,82 @@ def test_an_input_hook_registered_after_the_call_runs_in_the_input_pass_only_as_
     assert calls == [(1, 0), (1, 2)]  # one hook call each; two replays, none in the weight pass
     if manager is not None:
         assert manager.stats()["host_buffers_in_use"] == 0
+
+
+class _TwoOutputBlock(nn.Module):
+    """A residual output and a side output (an auxiliary head) from one activation, and a
+    linear the forward never calls (an expert that got no token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.side = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+        self.idle = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        CALLS["block"] += 1
+        act = torch.nn.functional.gelu(self.up(h))
+        return h + self.down(act), self.side(act)
+
+
+def _two_output_models() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    eager = _TwoOutputBlock()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    return eager, wrapped
+
+
+def test_a_weight_pass_reaching_an_output_the_input_pass_did_not_gets_eager_gradients(
+        ) -> None:
+    # The input pass backpropagates the residual output only (the side output's gradient is
+    # None there); the weight pass hands that very gradient again, and one for the side output
+    # too. The captured gradients cover the residual output alone: the weight pass must read
+    # the kept graph from its outputs (WeightCapture.covers), or the side head's weights, and
+    # the shared up projection's share of it, would be missing.
+    results = []
+    for model in _two_output_models():
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        main, side = model(x)
+        grad_main = torch.ones_like(main)
+        (dx,) = torch.autograd.grad(main, [x], grad_main, retain_graph=True)
+        dw = torch.autograd.grad([main, side], list(model.parameters()),
+                                 [grad_main, torch.full_like(side, 0.5)], allow_unused=True)
+        results.append([dx, *dw])
+    assert_same_grads(*results)
+    assert results[1][-1] is None and results[1][-2] is None  # the idle linear: none, as eager
+
+
+def test_a_weight_pass_from_the_captured_gradients_asking_some_parameters_gets_those(
+        ) -> None:
+    # A weight pass handed the input pass's own gradients at the boundary's node (what
+    # stage_backward_weight does), but asking a subset of the parameters (one linear's weight;
+    # an up bias and the idle linear's weight): the captured groups not asked are skipped, the
+    # idle weight gets None, and the rest come from the captured gradients.
+    eager, wrapped = _two_output_models()
+    products: list[int] = []
+    for names in (["down.weight"], ["up.bias", "idle.weight"]):
+        results = []
+        for model in (eager, wrapped):
+            CALLS.clear()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2),
+                            requires_grad=True)
+            main, side = model(x)
+            node = main.grad_fn  # the boundary's (or, eager, the residual add's)
+            handed: list[Any] = []
+            hook = node.register_prehook(lambda grads: handed.extend(grads))
+            (dx,) = torch.autograd.grad(main, [x], torch.ones_like(main), retain_graph=True)
+            hook.remove()
+            edges = [torch.autograd.graph.GradientEdge(node, k)
+                     for k, g in enumerate(handed) if g is not None]
+            params = [p for name, p in model.named_parameters() if name in names]
+            with MatrixProducts() as counted:
+                dw = torch.autograd.grad(edges, params, [g for g in handed if g is not None],
+                                         allow_unused=True)
+            results.append([dx, *dw])
+            products.append(counted.count)
+        assert_same_grads(*results)
+        assert CALLS["block"] == 2  # the call and one replay: none in the weight pass
+    # The weight passes' products, eager then wrapped: down's dW alike; up's bias from the
+    # gradient its node got in the input pass, where eager (from the residual add) computes
+    # down's dX again. Read from the outputs, the wrapped run would compute that dX too.
+    assert products == [1, 1, 1, 0]
