@@ -185,9 +185,8 @@ class WeightCapture:
                wrt: Sequence[torch.Tensor], n: int) -> bool:
         """Whether this run (``grad_outputs``, asking ``wanted``) is the weight pass the
         capture serves: the same gradient tensors, unchanged; parameters only, each captured
-        or unreached, none with a gradient hook."""
-        if len(grad_outputs) != len(self.handed):
-            return False
+        or unreached, none with a gradient hook. (As many gradients as handed: both are one
+        node's, the boundary's that kept this graph.)"""
         for grad, handed in zip(grad_outputs, self.handed):
             if handed is None:
                 if grad is not None:
