@@ -70,7 +70,7 @@ from torch import nn
 from .errors import ReplayMismatchError
 from .keep import IN_REUSE
 from .parameter_hooks import put_first
-from .tree import describe_leaf, flatten
+from .tree import describe_leaf, first_difference, flatten, leaf_paths
 
 __all__ = ["GradFlow", "HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
            "keeps_output_as_is", "recording", "remove_recorder", "user_hooks"]
@@ -351,7 +351,7 @@ class HookedOutputs:
     """Which recorded tensors the original pass returned as extra outputs, and their replay
     counterparts (NOTE [hooked outputs leave with gradients])."""
 
-    __slots__ = ("modules", "positions", "meta")
+    __slots__ = ("modules", "positions", "meta", "specs")
 
     def __init__(self, recorded: Sequence[tuple[nn.Module, Any]], known: set[int],
                  flow: GradFlow | None = None, /) -> None:
@@ -360,6 +360,9 @@ class HookedOutputs:
         self.modules = [id(module) for module, _ in recorded]
         self.positions: list[tuple[int, int]] = []  # (call, tensor leaf) per extra output
         self.meta: list[tuple[torch.Size, torch.dtype]] = []
+        # Each call's (args, kwargs, output) structure: a replay's leaf index means the same
+        # place only in the same structure.
+        self.specs: list[Any] = []
         self._select(recorded, known, flow)
 
     def _select(self, recorded: Sequence[Any], known: set[int],
@@ -374,6 +377,7 @@ class HookedOutputs:
         # in a compiled body).
         for call, (_, output) in enumerate(recorded):
             flat = flatten(output)
+            self.specs.append(flat.spec)
             for index in flat.tensor_index:
                 tensor = flat.leaves[index]
                 if id(tensor) in known or \
@@ -392,9 +396,10 @@ class HookedOutputs:
         flats = [flatten(output).leaves for _, output in recorded]
         return [flats[call][index] for call, index in self.positions]
 
-    def replayed(self, recorded: Sequence[tuple[nn.Module, Any]],
-                 name: str, /) -> list[torch.Tensor]:
-        """The replay's counterparts, checked against what the original pass recorded."""
+    def replayed(self, recorded: Sequence[tuple[nn.Module, Any]], name: str,
+                 owner: nn.Module | None = None, /) -> list[torch.Tensor]:
+        """The replay's counterparts, checked against what the original pass recorded
+        (``owner``: the checkpointed module, if any, to name the hooked one by its path)."""
         tip = ("the modules with forward hooks must run the same way in the replay; for results "
                "that may change between passes use reuse_during_recompute")
         forward = set(self.modules)
@@ -404,21 +409,50 @@ class HookedOutputs:
                 f"the replay of {name} called its modules with forward hooks another number of "
                 "times, or in another order", expected=f"{len(self.modules)} call(s)",
                 got=f"{len(recorded)} call(s)", tip=tip)
-        try:
-            tensors = self.tensors(recorded)
-        except IndexError:
-            tensors = []
-        for position, ((shape, dtype), tensor) in enumerate(zip(self.meta, tensors)):
+        flats = [flatten(output) for _, output in recorded]
+        tensors = []
+        for (call, index), (shape, dtype) in zip(self.positions, self.meta):
+            flat = flats[call]
+            # The same structure first: another one (a term put before the kept tensor) would
+            # give its leaf at the kept one's index the kept tensor's gradient, silently.
+            if flat.spec != self.specs[call]:
+                where, expected, got = _first_difference(self.specs[call], flat.spec)
+                raise _replayed_otherwise(name, where, recorded[call][0], owner,
+                                          expected, got, tip)
+            tensor = flat.leaves[index]
             if not isinstance(tensor, torch.Tensor) or tensor.shape != shape or \
                     tensor.dtype != dtype:
-                raise ReplayMismatchError(
-                    f"the replay of {name} gave another output of a module with forward hooks "
-                    f"(hooked output {position})",
-                    expected=f"Tensor(shape={tuple(shape)}, dtype={dtype})",
-                    got=describe_leaf(tensor), tip=tip)
-        if len(tensors) != len(self.positions):
-            raise ReplayMismatchError(
-                f"the replay of {name} gave outputs of other structure from its modules with "
-                "forward hooks", expected=f"{len(self.positions)} tensor(s)",
-                got=f"{len(tensors)} tensor(s)", tip=tip)
+                raise _replayed_otherwise(name, _leaf_path(flat.spec, index), recorded[call][0],
+                                          owner, f"Tensor(shape={tuple(shape)}, dtype={dtype})",
+                                          describe_leaf(tensor), tip)
+            tensors.append(tensor)
         return tensors
+
+
+# The parts of a recorded call, in order (what _record_output keeps).
+_PARTS = ("args", "kwargs", "output")
+
+
+def _first_difference(expected: Any, got: Any, /) -> tuple[str, str, str]:
+    """``first_difference`` of two recorded calls' structures, rooted at the part
+    (``args``, ``kwargs``, ``output``) where they differ (one does: both are 3-tuples)."""
+    part, e, g = next((part, e, g) for part, e, g in
+                      zip(_PARTS, expected.children(), got.children()) if e != g)
+    return first_difference(e, g, root=part)
+
+
+def _leaf_path(spec: Any, index: int, /) -> str:
+    """The key path of a recorded call's leaf ``index`` (``output[0]``, ``args[1]``)."""
+    return [path for part, child in zip(_PARTS, spec.children())
+            for path in leaf_paths(child, root=part)][index]
+
+
+def _replayed_otherwise(name: str, where: str, module: nn.Module, owner: nn.Module | None,
+                        expected: str, got: str, tip: str, /) -> ReplayMismatchError:
+    path = next((path for path, m in owner.named_modules() if m is module), "") \
+        if owner is not None else ""
+    kind = type(module).__name__
+    return ReplayMismatchError(
+        f"in the replay of {name}, the call of {f'{path} ({kind})' if path else kind} (a module "
+        f"with forward hooks, which keep its tensors) differs at {where}", expected=expected,
+        got=got, tip=tip)

@@ -266,7 +266,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 grads.append(grad)
     if call.hooked_outputs is not None:
         assert recorded is not None
-        extra = call.hooked_outputs.replayed(recorded, fn_name(call.fn))
+        extra = call.hooked_outputs.replayed(recorded, fn_name(call.fn), call.owner)
         extra_grads = grad_outputs[len(flat.tensor_index):]
         for position, (out, grad) in enumerate(zip(extra, extra_grads)):
             if out.grad_fn is ctx:

@@ -211,6 +211,64 @@ def test_a_replay_that_calls_a_hooked_module_another_number_of_times_is_refused(
             out.sum().backward()
 
 
+class _GradModeRouter(nn.Module):
+    """Returns its logits, and where grad is enabled (the replay's mode, never the original
+    pass's) ``extra``: a z-loss term before them, or its logits again with other rows."""
+
+    def __init__(self, extra: str) -> None:
+        super().__init__()
+        self.gate, self.extra = nn.Linear(8, 4), extra
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.gate(x)
+        if not torch.is_grad_enabled():
+            return (logits,)
+        if self.extra == "leaf before":
+            return (logits.logsumexp(-1, keepdim=True).square().expand_as(logits), logits)
+        return (logits[:2],) if self.extra == "fewer rows" else ()
+
+
+class _GradModeLayer(nn.Module):
+    def __init__(self, extra: str) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _GradModeRouter(extra)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.router(x)  # only its hook reads it
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("extra, where, expected, got", [
+    ("leaf before", "output", "PyTreeSpec((*,))", "PyTreeSpec((*, *))"),
+    ("fewer rows", "output[0]", "Tensor(shape=(3, 4), dtype=torch.float32)",
+     "Tensor(shape=(2, 4), dtype=torch.float32, device=cpu)"),
+    ("nothing", "output", "PyTreeSpec((*,))", "PyTreeSpec(())"),
+])
+def test_a_hooked_module_whose_replay_returns_another_structure_is_refused_naming_it(
+        extra: str, where: str, expected: str, got: str) -> None:
+    # The hook keeps the router's logits: output[0] of the original pass. The replay, with
+    # grad, returns another tuple. A z-loss term put before the logits was taken as their
+    # replay (the same shape): the kept logits silently got the term's gradient; fewer
+    # outputs raised "expected: 1 tensor(s), got: 0 tensor(s)" and neither message said
+    # which module. Now each names the module and where its output differs.
+    layer = pytree_ckpt.apply_activation_checkpointing(_GradModeLayer(extra))
+    kept: list[torch.Tensor] = []
+    layer.router.register_forward_hook(lambda m, a, out: kept.extend(out[:1]))
+    x = torch.randn(3, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = layer(x).sum() + kept[0].square().sum()
+    with pytest.raises(ReplayMismatchError) as raised:
+        loss.backward()
+    assert str(raised.value).splitlines() == [
+        "in the replay of _GradModeLayer, the call of router (_GradModeRouter) (a module with "
+        f"forward hooks, which keep its tensors) differs at {where}",
+        f"  expected: {expected}",
+        f"  got:      {got}",
+        "  tip: the modules with forward hooks must run the same way in the replay; for "
+        "results that may change between passes use reuse_during_recompute"]
+
+
 def test_the_recorder_is_installed_once_and_does_nothing_outside_a_boundary() -> None:
     layer = MoeLayer()
     layer.router.register_forward_hook(lambda m, a, out: None)
