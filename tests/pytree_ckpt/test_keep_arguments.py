@@ -202,3 +202,28 @@ def test_a_nan_argument_is_the_same_argument_in_both_passes() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+
+
+class PaddedByGradMode(nn.Module):
+    """Pads its projection on both sides without grad, on the left only with it (code
+    choosing an argument by grad mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = (2, 0) if torch.is_grad_enabled() else (1, 1)
+        return x + nn.functional.pad(self.proj(x), pad).sum(-1, keepdim=True)
+
+
+def test_a_kept_op_given_another_list_of_numbers_in_the_replay_says_both_lists() -> None:
+    # An int[] argument is shown as the tuples it was in each pass (nothing else reaches that
+    # formatting), and the op runs again in the replay.
+    _, wrapped = _twins(PaddedByGradMode(), "aten::constant_pad_nd")
+    x = torch.randn(2, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"constant_pad_nd\.default, which a save unit keeps, "
+                                         r"with another argument than the original pass did "
+                                         r"\(pad: \(1, 1\) -> \(2, 0\)\): its record was "
+                                         r"not used"):
+        wrapped(x).sum().backward()

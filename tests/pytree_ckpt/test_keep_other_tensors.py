@@ -151,3 +151,36 @@ def test_a_kept_op_torch_dispatches_otherwise_in_the_replay_is_refused_naming_th
     with pytest.raises(ReplayMismatchError, match=r"(?s)aten\.mm\.default.*call #1 of 1.*"
                                                   r"torch\.matmul picks aten::mm or aten::bmm"):
         loss.backward()
+
+
+class Concatenated(nn.Module):
+    """Concatenates two slices of its projection; the second's width a Python attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.width = 8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return x + torch.cat([h[..., :4], h[..., :self.width]], -1).sum(-1, keepdim=True)
+
+
+def test_a_kept_op_given_a_list_with_a_tensor_of_another_shape_is_refused_naming_its_place(
+        ) -> None:
+    # A tensor list argument (aten::cat's) is compared element by element: the message names
+    # the element, with both shapes.
+    _, wrapped = _twins(Concatenated(), {SaveUnit.ATTN: KeptOps("aten::cat")})
+    x = torch.randn(2, 16, requires_grad=True)
+    loss = wrapped(x).sum()
+    wrapped.width = 6  # changed between forward and backward
+    with pytest.raises(ReplayMismatchError) as caught:
+        loss.backward()
+    lines = str(caught.value).splitlines()
+    assert lines[0] == (
+        "the replay of Concatenated called aten.cat.default, which a save unit keeps, on other "
+        "tensors than the original pass did (call #1 of 1): the record the original pass kept "
+        "is for another computation")
+    assert lines[1:3] == [
+        "  expected: argument 'tensors'[1]: Tensor(shape=(2, 8), dtype=torch.float32)",
+        "  got:      argument 'tensors'[1]: Tensor(shape=(2, 6), dtype=torch.float32)"]
