@@ -904,6 +904,30 @@ def test_the_census_counts_a_wrapper_subclass_inner_tensor_that_offload_leaves_o
     assert m.stats()["below_min_bytes"] == y.nbytes
 
 
+def test_a_wrapper_subclass_whose_inner_tensors_all_stay_is_saved_as_it_is() -> None:
+    # Both inner tensors of a window's wrapper (TwoTensor(x, y)) below min_bytes: neither is
+    # copied, and the wrapper is kept as autograd saved it (no rebuild around restored inner
+    # tensors), with eager's gradient; the census counts both where they stay.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    w = torch.randn(8, 32, requires_grad=True)
+    expected = torch.autograd.grad((TwoTensor(x, y) * w).sum(), w)[0]
+    m = manager(min_bytes=2 * x.nbytes)
+    with pytree_ckpt.ActivationCensus() as census:
+        with m.window([x, y]):
+            wrapper = TwoTensor(x, y)
+            out = (wrapper * w).sum()  # saves the wrapper, for w's gradient
+        assert census.bytes_by("mechanism") == {"autograd": x.nbytes + y.nbytes}
+    product = out.grad_fn.next_functions[0][0]
+    assert product._saved_self is wrapper  # what backward unpacks: the object itself, as eager
+    got = torch.autograd.grad(out, w)[0]
+    assert torch.equal(got.a, expected.a) and torch.equal(got.b, expected.b)
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 0
+    assert stats["below_min_bytes"] == x.nbytes + y.nbytes
+
+
 class _ScaledByAttribute(torch.autograd.Function):
     """x * w, whose backward reads an attribute the caller set on the saved x."""
 
