@@ -146,6 +146,37 @@ def test_a_table_from_outside_that_requires_grad_is_still_refused_with_nothing_a
         layer(x).sum().backward()  # not verified: refused again
 
 
+def test_a_table_from_outside_is_refused_when_the_model_is_switched_to_eval_before_backward(
+        ) -> None:
+    # A validation switch between forward and backward makes the replay run with the
+    # forward's modes put back (NOTE [the replay sees the forward's modules]), a path of its
+    # own in the boundary's backward: the outside table is refused there too, not left
+    # without its gradient.
+    table = torch.randn(8, requires_grad=True)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.drop = nn.Linear(8, 8), nn.Dropout(0.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.drop(self.lin(x)) * table
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Scaled())
+    x = torch.randn(2, 8, requires_grad=True)
+    loss = layer(x).sum()
+    layer.eval()
+    with pytest.raises(CheckpointError) as err:
+        loss.backward()
+    lines = str(err.value).splitlines()
+    assert lines[0] == ("the forward of Scaled uses a tensor that requires grad but is neither "
+                        "an input nor a parameter of the module; it would get no gradient")
+    assert lines[2] == ("  got:      Tensor(shape=(8,), dtype=torch.float32), still held after "
+                        "the replay (a leaf the forward made and dropped is accepted)")
+    assert x.grad is None and table.grad is None
+    assert not layer.training  # the caller's mode, back after the replay
+
+
 def test_a_leaf_the_forward_stores_on_its_module_is_refused() -> None:
     _, wrapped, _ = _twins(store=True)
     with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
