@@ -895,6 +895,30 @@ def test_a_reused_function_that_changes_its_argument_in_place_is_warned_about_na
     assert_same_grads(*grads_per_model([twin, ours], x, seed=0))
 
 
+def test_a_reused_function_changing_a_keyword_argument_in_place_is_warned_about_by_its_key(
+        ) -> None:
+    # The same warning for a tensor passed by keyword: named kwargs['scores'] (the path's
+    # other spelling, which no test reached).
+    def route_by_keyword(h: torch.Tensor, *, scores: torch.Tensor) -> torch.Tensor:
+        scores.masked_fill_(scores < 0, float("-inf"))
+        return scores.topk(2, -1).indices
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.gate(x)
+            ids = reuse_during_recompute(route_by_keyword, x, scores=logits.detach())
+            return logits.softmax(-1).gather(-1, ids)
+
+    layer = pytree_ckpt.apply_activation_checkpointing(MoE())
+    with pytest.warns(UserWarning, match=r"\.route_by_keyword\) changed its argument "
+                                         r"kwargs\['scores'\] in place"):
+        layer(torch.randn(6, 8))
+
+
 def test_a_reused_function_that_counts_into_an_integer_argument_counts_once_as_eager() -> None:
     # The replay skips the call, so an integer count made in it is made once, as in eager.
     def route(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
