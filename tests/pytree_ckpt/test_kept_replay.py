@@ -451,6 +451,39 @@ def test_a_weight_tied_twice_in_a_block_gets_eager_gradients_in_a_weight_pass() 
     assert products[1] > eager_products[1]
 
 
+class _OnlyTiedBlock(nn.Module):
+    """One square linear used twice and nothing else: no parameter of it meets the input's
+    path at one node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        CALLS["block"] += 1
+        return h + self.tied(torch.tanh(self.tied(h)))
+
+
+@_TORCH_WEIGHT_PASS
+def test_a_block_whose_every_weight_is_tied_twice_keeps_no_capture_and_stays_exact() -> None:
+    # No parameter has one intermediate to take its gradient from (WeightCapture.of finds no
+    # group and captures nothing): the kept graph keeps no capture, and the weight pass reads
+    # it from its outputs, with eager's gradients and one replay per block.
+    torch.manual_seed(0)
+    eager = nn.Sequential(_OnlyTiedBlock(), _OnlyTiedBlock())
+    wrapped = copy.deepcopy(eager)
+    for block in wrapped:
+        pytree_ckpt.apply_activation_checkpointing(block)
+    captures: list[Any] = []
+    x = torch.randn(4, 8)
+    want, _ = _stage_backward(eager, x.clone().requires_grad_())
+    got, _ = _stage_backward(wrapped, x.clone().requires_grad_(),
+                             seen=lambda node: captures.append(node.call.kept.weights))
+    assert_same_grads(want, got)
+    assert CALLS["block"] == 2 * 2
+    assert captures == [None]  # the last block's node: a kept graph, no capture
+
+
 @_TORCH_WEIGHT_PASS
 def test_the_captured_gradients_go_with_the_kept_graph() -> None:
     _, wrapped, _ = _models()
