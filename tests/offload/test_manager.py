@@ -578,6 +578,20 @@ def test_an_unknown_environment_value_is_refused_naming_the_variable(
             wrap(Layer(), offload="on")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("value", "got", "tip"), [
+    ({"min_bytes": 0}, "dict", "build one with offload.OffloadManager(offload.OffloadConfig(...))"),
+    (OffloadConfig(), "OffloadConfig", "pass offload.OffloadManager(config, device=...)"),
+    (1, "int 1", "offload=True turns it on (the process's default manager), offload=False off"),
+], ids=["a config dict", "a config", "an int"])
+def test_an_offload_argument_of_another_kind_is_refused_with_the_way_to_build_one(
+        value: Any, got: str, tip: str) -> None:
+    with pytest.raises(CheckpointConfigError) as refused:
+        apply_activation_checkpointing(Layer(), offload=value)
+    assert str(refused.value).splitlines() == [
+        "offload= takes None (read XTUNER_ACTIVATION_OFFLOAD), a bool or an OffloadManager",
+        "  expected: None | bool | offload.OffloadManager", f"  got:      {got}", f"  tip: {tip}"]
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("min_bytes", -1), ("min_bytes", True), ("min_bytes", 1.5), ("prefetch", -1),
     ("prefetch", True), ("pin_memory", "no"), ("pin_memory", 1)])

@@ -431,6 +431,26 @@ def test_a_manager_refuses_one_of_its_discarded_outputs_as_the_hook_tensor() -> 
     assert nbytes == [4 * 4, 4 * 4]
 
 
+def test_a_managers_second_discard_is_refused_and_backward_stays_exact() -> None:
+    # The first discard frees both outputs and registers one rebuild; a second one is refused
+    # (it would register the rebuild twice), and backward gives the plain chain's gradient.
+    x = torch.randn(4, requires_grad=True)
+    manager, outs = _chain(2, x)
+    y = outs[-1] * 2
+    manager.discard_all_outputs_and_register_unified_recompute(y)
+    with pytest.raises(CheckpointError) as refused:
+        manager.discard_all_outputs_and_register_unified_recompute(y)
+    assert str(refused.value).splitlines() == [
+        "this manager's outputs were already discarded", "  expected: one discard per manager",
+        "  got:      a second discard", "  tip: use one manager per block and forward"]
+    y.sum().backward()
+    plain = x.detach().requires_grad_()
+    (torch.tanh(torch.tanh(plain)) * 2).sum().backward()
+    # Output discard's rebuild runs under another grad mode: float rounding at most (the
+    # discard row of docs/limits.md); a tanh chain this short is exact.
+    assert torch.equal(x.grad, plain.grad)
+
+
 def test_a_manager_whose_later_checkpoint_was_discarded_alone_frees_nothing_more() -> None:
     manager, outs = _chain(2, torch.randn(4, requires_grad=True))
     y = outs[-1] * 2
