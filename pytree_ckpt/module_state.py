@@ -349,12 +349,16 @@ def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool, only_ten
     verification). A few microseconds a call with flags, a hash of the spec without."""
     if only_tensors:  # the usual layer call: nothing else to read
         return hash((spec, hooked))
+    flags = [(i, leaf) for i, leaf in enumerate(leaves)
+             if leaf is not None and (type(leaf) in _FLAGS or isinstance(leaf, enum.Enum))]
     try:
-        return hash((spec, hooked, *[(i, leaf) for i, leaf in enumerate(leaves)
-                                     if leaf is not None and (type(leaf) in _FLAGS or
-                                                              isinstance(leaf, enum.Enum))]))
-    except TypeError:  # an unhashable enum value
-        return None
+        return hash((spec, hooked, *flags))
+    except TypeError:
+        # An enum whose mixin type cannot hash (``class Mode(dict, Enum)``): by its class and
+        # member name. (One key for all such calls made every member share the first's
+        # verification: a table only another member's path reads lost its gradient silently.)
+        return hash((spec, hooked, *[(i, (type(leaf), leaf.name) if isinstance(leaf, enum.Enum)
+                                      else leaf) for i, leaf in flags]))
 
 
 _FLAGS = (bool, str)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import gc
 import pickle
 import weakref
@@ -596,6 +597,38 @@ def test_a_module_reached_only_when_a_later_call_switches_it_on_is_refused_then(
     with pytest.raises(pytree_ckpt.CheckpointError, match="neither an input nor a parameter"):
         block(x, True).sum().backward()
     block(x, False).sum().backward()  # the verified switch still runs
+
+
+class _Mode(dict, enum.Enum):
+    """An enum whose members are dicts: they cannot be hashed."""
+
+    PLAIN = {"scale": 1.0}
+    GATED = {"scale": 2.0}
+
+
+def test_a_table_reached_only_with_another_member_of_an_unhashable_enum_is_refused_then(
+        ) -> None:
+    # The switch key of a call with an enum member that cannot hash was one None for all of
+    # them: the GATED call shared the PLAIN call's verification, and the outside table it
+    # reads lost its gradient without an error (NOTE [verified per switch]).
+    table = torch.randn(8, requires_grad=True)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, h: torch.Tensor, mode: _Mode) -> torch.Tensor:
+            h = self.proj(h) * mode["scale"]
+            return h * table if mode is _Mode.GATED else h
+
+    block = apply_activation_checkpointing(Block())
+    x = torch.randn(4, 8)
+    block(x, _Mode.PLAIN).sum().backward()
+    with pytest.raises(pytree_ckpt.CheckpointError, match="neither an input nor a parameter"):
+        block(x, _Mode.GATED).sum().backward()
+    assert table.grad is None
+    block(x, _Mode.PLAIN).sum().backward()  # the verified switch still runs
 
 
 def test_checkpoint_layers_without_rng_preservation_lets_each_replay_draw_its_own_mask() -> None:
