@@ -28,6 +28,7 @@ backwards] in kept_replay.py): the node's next run reads no frame, and a backwar
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -79,12 +80,16 @@ KEPT_OP_TIP = ("the replay must dispatch the same kept ops, in the same order, a
 
 
 class _Offloaded:
-    """A frame result's tensor leaf that lives on host until the replay takes it."""
+    """A frame result's tensor leaf that lives on host until the replay takes it, and (weakly)
+    the tensor it was: the caller may hold it still, and change it in place (``ids += 1``), a
+    change ``_check_unmodified`` names as for a result left on the device, before the handle's
+    own check would (which names offload's internals, not the reused call)."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("packed", "source")
 
-    def __init__(self, packed: Any) -> None:
+    def __init__(self, packed: Any, source: torch.Tensor) -> None:
         self.packed = packed
+        self.source = weakref.ref(source)
 
 
 class Frame:
@@ -144,7 +149,7 @@ class Frame:
                 flat = flatten(result)
                 leaves = list(flat.leaves)
                 for j in flat.tensor_index:
-                    leaves[j] = _Offloaded(pack(leaves[j]))
+                    leaves[j] = _Offloaded(pack(leaves[j]), leaves[j])
                 recorded[i] = unflatten(flat.spec, leaves)
 
     def record(self, fn: Callable[..., Any], result: Any, /, *,
@@ -192,8 +197,11 @@ class Frame:
         flat = flatten(self.results[fn][position])
         for i, before in self.versions[fn][position].items():
             leaf = flat.leaves[i]
-            if isinstance(leaf, _Offloaded) and isinstance(leaf.packed, Unchanged):
-                leaf = leaf.packed.tensor  # left on the device by offload: checked here too
+            if isinstance(leaf, _Offloaded):
+                # Left on the device by offload, or copied: the tensor itself, if it lives (one
+                # nothing holds any more cannot have been changed through itself).
+                leaf = leaf.packed.tensor if isinstance(leaf.packed, Unchanged) else \
+                    leaf.source()
             if isinstance(leaf, torch.Tensor) and leaf._version != before:
                 path = leaf_paths(flat.spec, root="result")[i]
                 raise ReuseError(

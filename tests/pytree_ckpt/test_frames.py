@@ -1238,3 +1238,38 @@ def test_the_replay_of_a_plain_function_never_writes_a_reused_calls_buffer_back(
         loads.append(layer.load.clone())
     assert loads[0].sum() > 0 or between == "reset"
     assert torch.equal(*loads)
+
+
+def _top_two(h: torch.Tensor) -> torch.Tensor:
+    return h.topk(2, -1).indices
+
+
+class _ReturnsItsIds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_top_two, h.detach())
+        return h.gather(-1, ids), ids
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offload"])
+def test_ids_changed_in_place_after_the_call_are_refused_naming_the_reused_function(
+        offloaded: bool) -> None:
+    # The caller adds to the ids the layer returned: the replay would hand back the changed
+    # tensor. With offload the ids were copied to host, and offload's own check raised first:
+    # "a tensor given to offload_into (a replay frame's frozen result) ... change a clone",
+    # naming an internal call the user never made, neither the function nor the result.
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offloaded else False
+    layer = pytree_ckpt.apply_activation_checkpointing(_ReturnsItsIds(), offload=manager)
+    out, ids = layer(torch.randn(3, 8, requires_grad=True))
+    ids.add_(1)
+    with pytest.raises(ReuseError) as refused:
+        out.sum().backward()
+    assert str(refused.value).splitlines() == [
+        "result of _top_two, recorded by reuse_during_recompute, was modified in place after it "
+        "was returned", "  expected: version 0 (when recorded)", "  got:      version 1",
+        "  tip: the replay hands back the recorded tensor, so the change would be made twice: "
+        "change a clone (ids = ids.clone(); ids += 1)"]
