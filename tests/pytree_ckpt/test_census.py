@@ -525,3 +525,83 @@ def test_a_save_a_window_left_on_the_device_keeps_its_storage_filed_under_autogr
 
     assert census_of(True) == census_of(False)
     assert census_of(True)[2] == []
+
+
+class _Opaque(torch.Tensor):
+    """A wrapper subclass that does not flatten (no __tensor_flatten__): its storage is a
+    placeholder whose data pointer torch refuses to read."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> "_Opaque":
+        out = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype,
+                                                  requires_grad=elem.requires_grad)
+        out.elem = elem
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_map
+
+        def unwrap(t: Any) -> Any:
+            return t.elem if isinstance(t, _Opaque) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda t: _Opaque(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def test_a_wrapper_subclass_that_does_not_flatten_is_left_out_and_backward_is_eager() -> None:
+    # Nothing to count it by: no inner tensors it names, and a storage whose address torch
+    # refuses to read. The census leaves it out (as a sparse tensor) rather than failing the
+    # forward; the plain activations saved beside it still count.
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+
+    def step(census: bool) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        x = _Opaque(a.clone()).requires_grad_()
+        w = b.clone().requires_grad_()
+        with ActivationCensus() if census else contextlib.nullcontext() as seen:
+            h = w.sin()              # saves w
+            y = (x * h).sin()        # saves x and h, and the subclass product: left out
+        held = seen.bytes_by("mechanism") if census else None
+        y.sum().backward()
+        assert x.grad is not None and w.grad is not None
+        return x.grad.elem, w.grad, held
+
+    eager_x, eager_w, _ = step(census=False)
+    x_grad, w_grad, held = step(census=True)
+    assert held == {"autograd": nbytes(b) + nbytes(b)}  # w and h, 128 bytes each
+    assert torch.equal(x_grad, eager_x) and torch.equal(w_grad, eager_w)
+
+
+def test_a_sparse_buffer_of_the_model_does_not_break_reading_the_census() -> None:
+    # The census reads which storages the model's tensors are on to leave them out; a sparse
+    # buffer (a graph's adjacency) has none, and is left out of that set rather than failing
+    # the read. Its activations count as without the buffer being sparse.
+    class Graph(nn.Module):
+        def __init__(self, adjacency: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("adjacency", adjacency)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(self.adjacency, self.lin(x)).tanh()
+
+    torch.manual_seed(0)
+    sparse = Graph(torch.eye(8).to_sparse())
+    dense = Graph(torch.eye(8))
+    dense.load_state_dict({k: v.to_dense() for k, v in sparse.state_dict().items()})
+    x = torch.randn(8, 4)
+    with ActivationCensus(sparse) as census:
+        out = sparse(x)
+    # lin saves x, sparse.mm the adjacency (sparse: not counted), tanh its output (as a plain
+    # saved-tensor hook sees in eager)
+    assert census.bytes_by("module") == {"lin": nbytes(x), "<root>": nbytes(x)}
+    assert census.total_bytes == 2 * nbytes(x)
+    out.sum().backward()
+    eager = dense(x)
+    eager.sum().backward()
+    assert torch.equal(out, eager)
+    for (name, p), q in zip(sparse.named_parameters(), dense.parameters()):
+        assert torch.equal(p.grad, q.grad), name
