@@ -778,3 +778,53 @@ def test_a_gradient_of_the_input_alone_rebuilds_no_parameter_gradient_and_vice_v
     assert discard_input_mms - eager_input_mms == 1  # the rebuild, nothing more
     assert discard_weight_mms - eager_weight_mms == 1
     assert x.grad is None and all(p.grad is None for p in params)
+
+
+def test_a_sparse_output_is_kept_and_backward_gives_eager_gradients() -> None:
+    # A sparse storage has no address to match against state or to free by: the output is
+    # filed as made outside and kept whole, as eager keeps it.
+    torch.manual_seed(0)
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, 4, requires_grad=True)
+    torch.sparse.mm(x.relu().to_sparse(), w).sum().backward()
+    expected = grads_of([x, w])
+    x.grad = w.grad = None
+    ckpt = CheckpointWithoutOutput()
+    kept = ckpt.checkpoint(lambda t: t.relu().to_sparse(), x)
+    out = torch.sparse.mm(kept, w)
+    ckpt.discard_output_and_register_recompute(out)
+    assert ckpt.made_outside == [True]
+    assert torch.equal(kept.to_dense(), x.detach().relu())  # still there: nothing freed
+    out.sum().backward()
+    assert_same_grads(expected, grads_of([x, w]))
+
+
+def test_a_closure_over_a_name_not_assigned_yet_is_discarded_and_gives_eager_gradients(
+        ) -> None:
+    # fn closes over `scale`, assigned only after the step (an empty cell): the search for
+    # state fn can return a view of skips it instead of failing on it, and fn's own output
+    # is freed as usual.
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step(discard: bool) -> torch.Tensor:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return norm(t) if t.dim() == 2 else norm(t) * scale
+
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(fn, x) if discard else fn(x)
+        out = normed * 3
+        if discard:
+            ckpt.discard_output_and_register_recompute(out)
+            assert normed.untyped_storage().nbytes() == 0
+        out.sum().backward()
+        scale = 2.0  # noqa: F841 -- assigned late on purpose: fn's cell is empty until now
+        return normed
+
+    step(discard=False)
+    expected = grads_of([x, *norm.parameters()])
+    x.grad = None
+    norm.zero_grad(set_to_none=True)
+    step(discard=True)
+    assert_same_grads(expected, grads_of([x, *norm.parameters()]))

@@ -152,3 +152,34 @@ def test_a_view_torch_cannot_make_of_a_discarded_output_is_named(take: Any) -> N
             out.sum().backward()  # rebuilt before a failure's report reads normed (a crash)
         take(normed)
     assert isinstance(error.value.__cause__, RuntimeError)
+
+
+def test_a_read_by_keyword_names_the_keyword_and_other_ops_run_as_without_the_mode() -> None:
+    # A discarded output passed as a keyword-only argument (histogram's weight=) is named by
+    # that keyword; a sparse operand (no storage to check) and a view torch refuses for its
+    # own reason pass through unchanged: the same result, the same error, as without the mode.
+    torch.manual_seed(0)
+    x = torch.randn(16, requires_grad=True)
+    samples, sparse = torch.randn(16), torch.randn(3, 3).relu().to_sparse()
+    ckpt = CheckpointWithoutOutput()
+    gate = ckpt.checkpoint(torch.sigmoid, x)
+    out = gate * 2
+    ckpt.discard_output_and_register_recompute(out)
+    with pytest.raises(RuntimeError) as plain:
+        samples.view(5)
+    with detect_discarded_reads():
+        with pytest.raises(CheckpointError) as error:
+            torch.histogram(samples, 4, weight=gate)
+        with pytest.raises(RuntimeError) as passed:
+            samples.view(5)
+        doubled = sparse * 2
+        out.sum().backward()
+    assert str(error.value).startswith(
+        "aten.histogram.bin_ct read its argument 'weight' (shape (16,), torch.float32), an "
+        "output of torch.sigmoid that output discard freed and backward has not rebuilt yet")
+    assert "tip: discard only once every consumer of the output has run" in str(error.value)
+    assert type(passed.value) is type(plain.value) and str(passed.value) == str(plain.value)
+    assert torch.equal(doubled.to_dense(), sparse.to_dense() * 2)
+    twin = x.detach().clone().requires_grad_()
+    (torch.sigmoid(twin) * 2).sum().backward()
+    assert torch.equal(x.grad, twin.grad)
