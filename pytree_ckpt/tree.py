@@ -16,7 +16,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
@@ -153,14 +153,14 @@ def first_difference(expected: optree.PyTreeSpec, got: optree.PyTreeSpec, /, *,
     if shown[0] == shown[1] and not (expected.is_leaf() or got.is_leaf()) and \
             expected.type is not got.type:
         # Two classes of one name (a namedtuple class made anew at each call): say which.
-        shown = (f"{shown[0]} (class {_class_id(expected.type)})",
-                 f"{shown[1]} (class {_class_id(got.type)})")
+        # Neither is a leaf here, and only a leaf's spec has no type (None is a node of type
+        # NoneType to optree).
+        shown = (f"{shown[0]} (class {_class_id(cast(type, expected.type))})",
+                 f"{shown[1]} (class {_class_id(cast(type, got.type))})")
     return path, shown[0], shown[1]
 
 
-def _class_id(cls: type | None) -> str:
-    if cls is None:
-        return "None"
+def _class_id(cls: type) -> str:
     return (f"{cls.__module__}.{cls.__qualname__} at {id(cls):#x}: same name, another class "
             "object; define the class once, at module level")
 
@@ -212,7 +212,9 @@ def alias_all(tensors: Sequence[torch.Tensor], /) -> tuple[torch.Tensor, ...]:
 def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
                   depth: int = 3) -> tuple[str, torch.Tensor] | None:
     """The first ``wanted`` tensor inside a leaf the bridge did not open, with its path from
-    the leaf (``['aux']``, ``.h``, ``[0]``), looking ``depth`` levels down; ``None`` if none.
+    the leaf (``['aux']``, ``.h``, ``[0]``), looking ``depth`` levels down and at 64 objects in
+    all (docs/limits.md: one past those is not found); ``None`` if none. ``leaf`` is never a
+    tensor: its callers pass only the leaves that are not.
 
     NOTE [leaves that hold tensors]: optree opens dict, list and tuple themselves, not their
     subclasses (a ``dict`` subclass, ``UserDict``), nor sets, nor a class registered only with
@@ -247,8 +249,6 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
                 break
         return None
 
-    if isinstance(leaf, torch.Tensor):
-        return None
     return search(leaf, depth)
 
 

@@ -140,6 +140,35 @@ def test_a_tensor_inside_an_output_leaf_the_bridge_does_not_open_is_refused_nami
     assert "expected: " in message and "got:      " in message and "tip: " in message
 
 
+@pytest.mark.parametrize("logged", [list(range(100)), [[[[0]]]]], ids=["long", "deep"])
+def test_a_tensor_past_the_bounded_search_of_an_output_leaf_leaves_without_gradient(
+        logged: list[Any]) -> None:
+    # docs/limits.md: the search through a leaf the bridge does not open stops after 64
+    # objects and three levels, so a huge leaf costs a bounded time. Behind a long list, or
+    # four levels down, the tensor is not found: not refused, and its gradient is missing
+    # (eager: 5 per element, here 3). With a short list in front it is found and refused.
+    x = torch.randn(3, requires_grad=True)
+
+    def make(t: torch.Tensor, log: list[Any]) -> Any:
+        if isinstance(log[0], list):  # deep: the tensor at ['log'][0][0][1], a fourth level
+            return Extras(log=[[[log[0][0][0], t * 2]]])
+        return Extras(log=log, aux=t * 2)
+
+    def read(o: Any) -> torch.Tensor:
+        return o["aux"] if "aux" in o else o["log"][0][0][1]
+
+    eager = (x * 3, make(x, logged))
+    (eager[0].sum() + read(eager[1]).sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 5.0))
+    x.grad = None
+    out = checkpoint(lambda t: (t * 3, make(t, logged)), x)
+    assert not read(out[1]).requires_grad
+    (out[0].sum() + read(out[1]).sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 3.0))
+    with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]\['aux'\]"):
+        checkpoint(lambda t: (t * 3, make(t, [0, 1])), x)
+
+
 def test_an_output_leaf_holding_only_tensors_from_before_the_call_passes() -> None:
     # An object fn passes on (a config holding a constant table) is not fn's result: it keeps
     # what it holds, as in eager, and is not refused.
