@@ -750,6 +750,45 @@ def test_an_input_changed_in_place_after_the_layer_is_refused_naming_it_with_the
                                   " of Layer was changed in place after the call")
 
 
+class _SavedTensorBefore211:
+    """One of autograd's saved tensors as torch before 2.11 shows it: neither ``unpack()`` nor
+    ``data``, so which one changed cannot be read alone."""
+
+
+@pytest.mark.parametrize(("inputs", "where"), [(1, "the input args[0]"), (2, "an input")],
+                         ids=["one input", "two inputs"])
+def test_before_torch_2_11_an_input_changed_after_the_layer_is_named_when_it_is_the_only_one(
+        inputs: int, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The saved tensors cannot be unpacked one at a time there: a layer with one input names
+    # it, one with two says "an input" rather than guess; versions and the fix are shown.
+    import pytree_ckpt.recompute as recompute
+
+    name = recompute.raise_changed_after_call
+    monkeypatch.setattr(recompute, "raise_changed_after_call", lambda call, raw, error: name(
+        call, [_SavedTensorBefore211() for _ in raw], error))
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, pos: torch.Tensor, *h: torch.Tensor) -> torch.Tensor:
+            table = pos.float().unsqueeze(-1).expand(4, 8)
+            return self.lin(table + h[0] if h else table)
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Layer())
+    pos = torch.arange(4)
+    out = layer(pos, *([torch.randn(4, 8, requires_grad=True)] if inputs == 2 else []))
+    pos += 4
+    with pytest.raises(CheckpointError) as error:
+        out.sum().backward()
+    message = str(error.value)
+    assert message.startswith(f"{where} of Layer was changed in place after the call, and the "
+                              "replay in backward needs it as it was\n")
+    assert "expected: version 0 (when saved)\n  got:      version 1" in message
+    assert "tip: the boundary keeps each input for the replay" in message
+
+
 def test_views_of_one_tensor_changed_after_the_layer_are_all_named() -> None:
     # cos and sin sliced from one cache share its version counter: a change through either
     # moves both, so naming only the first one (args[1]) pointed at the wrong tensor.
