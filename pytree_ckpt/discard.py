@@ -134,6 +134,7 @@ class CheckpointWithoutOutput:
         self.detached: list[torch.Tensor] | None = None
         self.census: ActivationCensus | None = None
         self.passthrough = False  # ran without grad: no graph, nothing to discard or replay
+        self.checkpointed = False  # checkpoint() returned: there is something to discard
         self.n_args = 0
         self.params: list[torch.Tensor] | None = None  # fn's parameters, when fn is a module
         # Their versions after the forward (NOTE [parameters changed in place] in
@@ -212,7 +213,9 @@ class CheckpointWithoutOutput:
                             "it whole, as without discard)", self._name(), why)
             self.passthrough = True
             self.reachable = None
-            return fn(*args, **kwargs)
+            output = fn(*args, **kwargs)
+            self.checkpointed = True
+            return output
         outputs = tuple(_apply(self, *args, *(self.params or ())))  # NOTE [discard stays eager]
         # After the eager call: a compiled body reaches the refusal first (NOTE [discard stays
         # eager]), not this ContextVar read.
@@ -229,6 +232,7 @@ class CheckpointWithoutOutput:
         # Detached aliases: the same storages, without a grad_fn pointing back at our node.
         self.outputs = tuple(o.detach() for o in outputs)
         self.versions = [o._version for o in self.outputs]  # they share the outputs' counters
+        self.checkpointed = True
         return outputs[0] if self.single else outputs
 
     def _found_reachable(self, fn: Callable[..., Any], args: tuple[Any, ...]
@@ -243,14 +247,6 @@ class CheckpointWithoutOutput:
         """Backward is done with the outputs (read by the census, which keeps this weakly)."""
         return self.discarded and not self.outputs
 
-    def _saved(self) -> tuple[torch.Tensor, ...]:
-        ctx = self.ctx() if self.ctx is not None else None
-        if ctx is None:
-            raise CheckpointError(f"the graph of {self._name()} is gone",
-                                  expected="a live autograd graph", got="a freed one",
-                                  tip="discard and replay before the graph is freed")
-        return ctx.saved_tensors
-
     def _name(self) -> str:
         return callable_name(self.fn) if self.fn is not None else "CheckpointWithoutOutput"
 
@@ -264,6 +260,17 @@ class CheckpointWithoutOutput:
                 expected="ckpt.checkpoint(fn, *args) first, then the discard",
                 got="a discard with nothing checkpointed",
                 tip="call checkpoint() on this object for the op whose output is to be freed")
+        if not self.checkpointed:
+            # fn is set once the arguments are accepted; a refusal of fn's output, or fn's own
+            # error, comes later and leaves no graph node: a discard registered then found no
+            # graph in backward, and was reported as one freed.
+            raise CheckpointError(
+                f"the output of {self._name()} cannot be discarded: its checkpoint() raised",
+                expected="a checkpoint() that returned the output, then its discard",
+                got="a discard of an op whose checkpoint() was refused or failed: nothing is "
+                    "checkpointed to free or rebuild",
+                tip="fix what checkpoint() raised, and checkpoint the op again with a new "
+                    "CheckpointWithoutOutput")
         if self.discarded:
             raise CheckpointError(f"the output of {self._name()} was already discarded",
                                   expected="one discard", got="a second discard",
@@ -336,7 +343,11 @@ class CheckpointWithoutOutput:
                                   "inside a checkpointed layer, whose every replay discards and "
                                   "rebuilds it anew")
         self.replayed = True
-        if self.ctx is not None and self.ctx() is None:
+        # Held from here on: read twice, a collection in between could free the node after
+        # the first read said it lived. Set by every checkpoint() that returned and was not a
+        # passthrough, the only ones a discard registers (_refuse_discard).
+        ctx = self.ctx() if self.ctx is not None else None
+        if ctx is None:
             return False  # its node is gone: nothing reads its output (NOTE [discard lifetimes] 3)
         watched, param_before = self.param_versions, None
         if watched is not None:
@@ -344,7 +355,7 @@ class CheckpointWithoutOutput:
             param_before = refuse_parameters_changed(
                 watched, self.params, self._name,
                 self.forward_modules.roots if self.forward_modules is not None else [])
-        saved_tensors = self._saved()
+        saved_tensors = ctx.saved_tensors
         for t in saved_tensors:
             if t.numel() and not t.untyped_storage().nbytes():
                 raise CheckpointError(

@@ -828,3 +828,42 @@ def test_a_closure_over_a_name_not_assigned_yet_is_discarded_and_gives_eager_gra
     norm.zero_grad(set_to_none=True)
     step(discard=True)
     assert_same_grads(expected, grads_of([x, *norm.parameters()]))
+
+
+@pytest.mark.parametrize("through", ["own", "manager"])
+@pytest.mark.parametrize("failure", ["output refused", "fn raised"])
+def test_a_discard_after_a_checkpoint_that_raised_is_refused_naming_the_op(
+        failure: str, through: str) -> None:
+    # checkpoint() accepted the arguments, then refused fn's output (a dict) or fn itself
+    # raised: no graph node was made. The discard was accepted, and backward raised "the graph
+    # of <lambda> is gone ... discard and replay before the graph is freed": no graph was
+    # ever freed. Now the discard is refused, nothing freed, and backward is eager's.
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+
+    def fn(t: torch.Tensor) -> Any:
+        return {"a": t.sin()} if failure == "output refused" else t.view(5)
+
+    manager = pytree_ckpt.CheckpointWithoutOutputManager()
+    ckpt = CheckpointWithoutOutput()
+    kept = manager.checkpoint(torch.sigmoid, x) if through == "manager" else None
+    with pytest.raises((CheckpointConfigError, RuntimeError)):
+        manager.checkpoint(fn, x) if through == "manager" else ckpt.checkpoint(fn, x)
+    out = x * w
+    with pytest.raises(CheckpointError) as error:
+        if through == "manager":
+            manager.discard_all_outputs_and_register_unified_recompute(out)
+        else:
+            ckpt.discard_output_and_register_recompute(out)
+    assert str(error.value) == (
+        f"the output of {fn.__qualname__} cannot be discarded: its checkpoint() raised\n"
+        "  expected: a checkpoint() that returned the output, then its discard\n"
+        "  got:      a discard of an op whose checkpoint() was refused or failed: nothing is "
+        "checkpointed to free or rebuild\n"
+        "  tip: fix what checkpoint() raised, and checkpoint the op again with a new "
+        "CheckpointWithoutOutput")
+    if kept is not None:  # the manager's first checkpoint was not freed either
+        assert torch.equal(kept, torch.sigmoid(x.detach()))
+    out.sum().backward()
+    assert torch.equal(x.grad, w.detach().expand(4, 8)) and torch.equal(w.grad, x.detach().sum(0))
