@@ -125,6 +125,21 @@ def test_a_discarded_op_that_changes_its_input_in_place_is_refused(make: Any) ->
     assert not torch.equal(before, x)  # it did change it: the error says so, nothing else ran
 
 
+def test_a_discarded_op_that_changes_its_second_argument_in_place_names_that_argument() -> None:
+    # The refusal names the changed tensor by its position among the arguments: args[1]
+    # here, not the first tensor argument (a plain scale that stays as it was).
+    def scaled(scale: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        t.mul_(0.5)
+        return t * scale
+
+    x = nn.Linear(16, 16)(torch.randn(8, 16))
+    with pytest.raises(CheckpointError) as info:
+        CheckpointWithoutOutput().checkpoint(scaled, torch.randn(16), x)
+    assert str(info.value).startswith(
+        f"{scaled.__qualname__} changed its input args[1] in place; the rebuild in backward "
+        "would run it on the changed tensor (and change it again) and give wrong gradients")
+
+
 @dataclasses.dataclass
 class _Out:
     out: torch.Tensor
