@@ -678,3 +678,45 @@ def test_a_weight_pass_from_the_captured_gradients_asking_some_parameters_gets_t
     # gradient its node got in the input pass, where eager (from the residual add) computes
     # down's dX again. Read from the outputs, the wrapped run would compute that dX too.
     assert products == [1, 1, 1, 0]
+
+
+class _WithAux(nn.Module):
+    """A block that also returns a scalar statistic (an auxiliary output that requires grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.block(h)
+        return out, out.mean()
+
+
+@pytest.mark.parametrize("weight_pass", ["grad", "backward"])
+def test_an_output_no_loss_reads_gets_no_gradient_in_a_weight_pass_from_the_kept_graph(
+        weight_pass: str) -> None:
+    # The loss reads the layer's first output only: its second (a statistic that requires
+    # grad) gets None in both passes. The weight pass takes its gradients from the kept graph,
+    # handed only the outputs that get one (KeptReplay.pairs): a None handed on with its
+    # output fails in the engine ("None, but the corresponding Tensor requires grad").
+    torch.manual_seed(0)
+    eager = _WithAux()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(4, 8, requires_grad=True)
+    results = []
+    for model in (eager, wrapped):
+        CALLS.clear()
+        params = list(model.parameters())
+        out, _ = model(x)
+        loss = out.square().sum()
+        (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+        if weight_pass == "grad":
+            dw = list(torch.autograd.grad(loss, params))
+        else:
+            loss.backward(inputs=params)
+            dw = [p.grad for p in params]
+        results.append([dx, *dw])
+        assert CALLS["block"] == (1 if model is eager else 2)  # one replay, for both passes
+    assert_same_grads(*results)
+
