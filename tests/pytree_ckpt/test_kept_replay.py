@@ -720,3 +720,26 @@ def test_an_output_no_loss_reads_gets_no_gradient_in_a_weight_pass_from_the_kept
         assert CALLS["block"] == (1 if model is eager else 2)  # one replay, for both passes
     assert_same_grads(*results)
 
+
+
+def test_a_weight_pass_handed_a_gradient_changed_in_place_since_the_input_pass_uses_it(
+        ) -> None:
+    # The weight pass is handed the very tensor the input pass was, but the caller scaled it
+    # in place in between (a loss scale applied late): the gradients captured in the input
+    # pass are of the old values, so the parameters' gradients are read from the kept graph
+    # with the new ones (WeightCapture.covers checks each tensor's version), as eager's are.
+    eager, wrapped, _ = _models()
+    x = torch.randn(4, 8, requires_grad=True)
+    grad = torch.randn(4, 8)
+    results = []
+    for model in (eager[0], wrapped[0]):
+        CALLS.clear()
+        params = list(model.parameters())
+        out = model(x)
+        g = grad.clone()
+        (dx,) = torch.autograd.grad(out, [x], g, retain_graph=True)
+        g.mul_(3.0)
+        dw = torch.autograd.grad(out, params, g)
+        results.append([dx, *dw])
+        assert CALLS["block"] == (1 if model is eager[0] else 2)  # one replay, both passes
+    assert_same_grads(*results)
