@@ -37,6 +37,20 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_log_sumexp: boo
     return torch.empty_like(q), q.new_empty(q.shape[:-1] if compute_log_sumexp else (0,))
 
 
+@torch.library.custom_op("pytree_ckpt_args::attn_required", mutates_args=())
+def attn_required(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_log_sumexp: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn`` with the flag required, as aten::_scaled_dot_product_efficient_attention's:
+    both passes pass it positionally, the original pass's False included."""
+    return attn(q, k, v, compute_log_sumexp)
+
+
+@attn_required.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_log_sumexp: bool
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1] if compute_log_sumexp else (0,))
+
+
 def _attn_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     q, k, v, _ = inputs
     ctx.save_for_backward(q, k, v, output[1])
@@ -53,6 +67,7 @@ def _attn_backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor) -> tuple[Any, 
 
 
 attn.register_autograd(_attn_backward, setup_context=_attn_setup)
+attn_required.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
 @torch.library.custom_op("pytree_ckpt_args::scaled", mutates_args=())
@@ -87,13 +102,14 @@ def _grad_wanted(*tensors: torch.Tensor) -> bool:
 
 
 class AttentionLayer(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, op: str = "attn") -> None:
         super().__init__()
         self.qkv = nn.Linear(16, 48)
+        self.op = getattr(torch.ops.pytree_ckpt_args, op)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, -1)
-        out, _ = torch.ops.pytree_ckpt_args.attn(q, k, v, _grad_wanted(q, k, v))
+        out, _ = self.op(q, k, v, _grad_wanted(q, k, v))
         return x + out
 
 
@@ -116,11 +132,16 @@ def _twins(layer: nn.Module, op: str) -> tuple[nn.Module, nn.Module]:
     return layer, wrapped
 
 
-def test_a_kept_attention_kernel_gets_the_log_sum_exp_its_backward_needs_and_never_reruns() -> None:
+@pytest.mark.parametrize("op", ["attn", "attn_required"])
+def test_a_kept_attention_kernel_gets_the_log_sum_exp_its_backward_needs_and_never_reruns(
+        op: str) -> None:
     # Guards against: the no-grad original pass calls the kernel with compute_log_sumexp=False,
     # the record keeps an empty log-sum-exp, and the replay hands it to backward (CUDA's
-    # efficient and cuDNN attention kept by KeptOps, as in torchtitan's op list).
-    eager, wrapped = _twins(AttentionLayer(), "pytree_ckpt_args::attn")
+    # efficient and cuDNN attention kept by KeptOps, as in torchtitan's op list). The flag
+    # comes as a keyword default dropped by torch's dispatch (attn), or positionally, as the
+    # CUDA kernels take it (attn_required: False set to True in place; else the replay saw
+    # another call, ran the kernel again and warned).
+    eager, wrapped = _twins(AttentionLayer(op), f"pytree_ckpt_args::{op}")
     x = torch.randn(2, 8, 16, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # kept as it is: no fallback, no warning
