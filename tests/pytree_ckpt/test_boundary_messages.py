@@ -1135,3 +1135,27 @@ def test_a_container_given_to_checkpoint_is_refused_naming_checkpoint_layers() -
                              r".values\(\)\)"):
         pytree_ckpt.checkpointed(nn.ModuleDict({"0": nn.Linear(4, 4)}))
     assert x.grad is None
+
+
+def test_a_scalar_that_requires_grad_held_before_the_call_is_not_taken_for_a_stored_result(
+        ) -> None:
+    # The stored-scalar warning is for scalars the forward stores (its replay's new ones). A
+    # training loop that keeps the last loss on the layer for logging (a scalar with a graph,
+    # stored outside the call, the forward leaves it alone) is told nothing, and the step's
+    # gradients are eager's.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(5, 8)
+    grads = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for model in (eager, wrapped):
+            for _ in range(2):
+                loss = model(x).square().sum()
+                model.last_loss = loss  # kept for logging (requires grad), before backward
+                loss.backward()
+            grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
