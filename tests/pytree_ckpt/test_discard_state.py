@@ -528,3 +528,29 @@ def test_a_later_change_the_rebuild_cannot_see_gives_the_later_statistics(
     assert_same_grads(expected[0][0], got[0][0])
     with pytest.raises(AssertionError, match="differs"):
         assert_same_grads(expected[0][1], got[0][1])
+
+
+def test_a_kernel_written_buffer_added_to_a_discarded_module_later_is_updated_once_as_eager(
+        ) -> None:
+    # A discarded module compares its buffer dicts at its first discarded call, and again
+    # once its tree changed (kernel_written.compared: the structure generation it compared
+    # at). A submodule whose buffers are written without moving a version (an EMA through
+    # .data), appended after the first step, is compared at its first call: the rebuild then
+    # runs on copies and the EMA is updated once, as in eager; left uncompared, the rebuild
+    # updated it a second time and computed with the updated values.
+    torch.manual_seed(0)
+    op, proj = nn.Sequential(nn.Tanh()), nn.Linear(16, 16)
+    twin_op, twin_proj = copy.deepcopy(op), copy.deepcopy(proj)
+    for step in range(3):
+        if step == 1:
+            for module in (op, twin_op):
+                module.append(_EmaThroughData())
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+        x, x_twin = x.requires_grad_(), x.detach().clone().requires_grad_()
+        twin_proj(twin_op(x_twin)).square().sum().backward()
+        _discard_step(op, proj, x)
+        assert_same_grads(grads_of([x_twin, *twin_proj.parameters()]),
+                          grads_of([x, *proj.parameters()]))
+        assert all(torch.equal(a, b) for a, b in zip(_state(twin_op), _state(op))), step
+        for module in (proj, twin_proj):
+            module.zero_grad(set_to_none=True)
