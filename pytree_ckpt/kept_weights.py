@@ -182,11 +182,12 @@ class WeightCapture:
         return self
 
     def covers(self, grad_outputs: Sequence[torch.Tensor | None], wanted: Sequence[int],
-               wrt: Sequence[torch.Tensor], n: int) -> bool:
+               wrt: Sequence[torch.Tensor]) -> bool:
         """Whether this run (``grad_outputs``, asking ``wanted``) is the weight pass the
         capture serves: the same gradient tensors, unchanged; parameters only, each captured
-        or unreached, none with a gradient hook. (As many gradients as handed: both are one
-        node's, the boundary's that kept this graph.)"""
+        or unreached (places ``of`` took from ``later``: parameters' only, so an asked input
+        is never among them), none with a gradient hook. (As many gradients as handed: both
+        are one node's, the boundary's that kept this graph.)"""
         for grad, handed in zip(grad_outputs, self.handed):
             if handed is None:
                 if grad is not None:
@@ -194,7 +195,7 @@ class WeightCapture:
             elif grad is None or handed[0]() is not grad or grad._version != handed[1]:
                 return False
         places = {i for group in self.groups.values() for i in group[0]} | self.unreached
-        return all(i >= n and i in places and not wrt[i]._backward_hooks
+        return all(i in places and not wrt[i]._backward_hooks
                    for i in wanted)
 
     def weights(self, wrt: Sequence[torch.Tensor], wanted: Sequence[int], retain: bool

@@ -372,7 +372,7 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     result: list[torch.Tensor | None] = [None] * len(wrt)
     if outs and wanted:
         weights = kept.weights
-        if weights is not None and not weights.covers(grad_outputs, wanted, wrt, n):
+        if weights is not None and not weights.covers(grad_outputs, wanted, wrt):
             weights = None  # NOTE [a weight pass from captured gradients] (kept_weights.py)
         with ParameterHooksPaused(() if weights is not None else call.params, outs,
                                   shared=True) as replayed:  # once each
