@@ -69,6 +69,13 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
+        for t in inputs[: call.n_inputs + len(call.attributes)]:
+            if type(t) is not _Tensor:
+                # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
+                # NOTE [a subclass's attributes as the forward began]: read now.
+                call.subclasses = [kind_of(t, as_now=True)
+                                   for t in inputs[: call.n_inputs + len(call.attributes)]]
+                break
         param_before = ParameterVersions.read(call.params) if call.params else None
         # NOTE [state the forward changes] (state_changes.py); a tree with no buffer nor frozen
         # parameter (the usual layer) needs no watch: only a registration can happen there,
@@ -124,11 +131,6 @@ class _BoundaryFunction(torch.autograd.Function):
         # inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
         call.saved_versions = versions(saved) if call.attributes else now
-        for t in saved:
-            if type(t) is not _Tensor:
-                # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
-                call.subclasses = [kind_of(t) for t in saved]
-                break
         if moved:
             raise_input_changed(call, tensors, moved)
         if watch is not None or any(call.buffer_dicts):

@@ -4,9 +4,18 @@ NOTE [subclasses come back as themselves]: the replay and an offload restore han
 tensor object (a detached alias, a restored copy): of class ``torch.Tensor`` unless made
 otherwise, and without the attributes the original carried. A layer may branch on either
 (``isinstance``, a scale stored on the tensor), so both are recorded at the save and given
-back: the class by ``as_subclass``, the instance dict by reference (the object's own, as
-eager autograd hands back the tensor it saved), and ``__slots__`` values as they were.
-Parameters (and their subclasses) stay what the boundary makes of them: detached aliases.
+back: the class by ``as_subclass``, the instance dict by reference for an offload restore (the
+object's own, as eager autograd hands back the tensor it saved), and ``__slots__`` values as
+they were. Parameters (and their subclasses) stay what the boundary makes of them: detached
+aliases.
+
+NOTE [a subclass's attributes as the forward began]: the replay runs the forward again, so its
+inputs carry the attributes the original pass saw, read when it began (``kind_of(...,
+as_now=True)``: a shallow copy of the instance dict). Read by reference, an attribute assigned
+anew between forward and backward (a scale updated after the step's forward), or one the
+forward itself set on its input, reached the replay: it computed with other values than the
+forward did, and the gradients differed from eager's, silently. A value changed in place (a
+list appended to) is still seen changed (docs/limits.md).
 """
 
 from __future__ import annotations
@@ -26,8 +35,10 @@ class SubclassKind(NamedTuple):
     slots: tuple[tuple[str, Any], ...]
 
 
-def kind_of(tensor: torch.Tensor, /) -> SubclassKind | None:
+def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | None:
     """``tensor``'s subclass and attributes; ``None`` for a plain tensor or a parameter.
+    ``as_now``: its instance dict as it is now (a shallow copy), not the dict itself (NOTE [a
+    subclass's attributes as the forward began]).
 
     A wrapper subclass's inner tensors (a DTensor's ``_local_tensor`` slot, a TwoTensor's
     ``a`` and ``b`` attributes) are no attributes to give back: the saved wrapper comes back
@@ -46,7 +57,7 @@ def kind_of(tensor: torch.Tensor, /) -> SubclassKind | None:
             if name not in ("__dict__", "__weakref__") and name not in inner \
                     and hasattr(tensor, name):
                 slots.append((name, getattr(tensor, name)))
-    attributes = tensor.__dict__ if not inner else \
+    attributes = (dict(tensor.__dict__) if as_now else tensor.__dict__) if not inner else \
         {name: value for name, value in tensor.__dict__.items() if name not in inner}
     return SubclassKind(cls, attributes, tuple(slots))
 

@@ -1525,6 +1525,47 @@ def test_a_subclass_input_keeps_its_slot_attributes_in_the_replay() -> None:
     assert seen == [3.0, 3.0] and torch.equal(x.grad, torch.full((3,), 3.0))
 
 
+class _ScaledLayer(nn.Module):
+    """Reads a scale stored on its input, and counts its calls on the input (eager's forward
+    runs once: it sees no count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.calls = x.__dict__.get("calls", 0) + 1  # type: ignore[attr-defined]
+        return self.lin(x) * x.scale * x.calls  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
+def test_a_subclass_input_reaches_the_replay_with_the_attributes_its_forward_began_with(
+        offload: bool) -> None:
+    # Guards against: the replay's inputs took the subclass's instance dict by reference, as
+    # it was in backward (NOTE [a subclass's attributes as the forward began] in subclass.py):
+    # a scale assigned anew after the forward, and the count the forward itself set, reached
+    # the replay, which computed with them (scale 3, count 2): every gradient other than
+    # eager's, silently.
+    from offload import OffloadConfig, OffloadManager
+
+    torch.manual_seed(0)
+    eager = _ScaledLayer()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(
+        copy.deepcopy(eager), offload=offload and OffloadManager(OffloadConfig(min_bytes=0),
+                                                                 device="cpu"))
+    grads = []
+    for layer in (eager, wrapped):
+        base = torch.randn(2, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        x = (base * 1).as_subclass(_Scaled)
+        x.scale = 2.0  # type: ignore[attr-defined]
+        out = layer(x)
+        x.scale = 3.0  # type: ignore[attr-defined]  # after the forward, before backward
+        out.square().sum().backward()
+        grads.append(grads_of([base, *layer.parameters()]))
+        assert x.calls == 1  # type: ignore[attr-defined]  # the replay's count is its alias's
+    assert_same_grads(*grads)
+
+
 def test_post_accumulate_hooks_after_one_that_clears_grad_still_run_as_in_eager() -> None:
     # Guards the wrapping of post-accumulate-grad hooks (NOTE [unused parameters get no hook
     # call]) against a first version of it: each wrapped hook read `.grad is None` when it ran,
