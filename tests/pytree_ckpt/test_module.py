@@ -719,6 +719,10 @@ def test_check_fn_that_chooses_nothing_or_a_layer_and_its_child_is_refused_uncha
     with pytest.raises(CheckpointConfigError, match="(?s)'layers.0.mlp' inside 'layers.0'.*twice"):
         apply_activation_checkpointing(
             model, check_fn=lambda m: isinstance(m, (Layer, nn.Sequential)))
+    # The model itself (path "") chosen with its layers: each layer would replay twice in
+    # backward (in the model's replay, then in its own), for no memory.
+    with pytest.raises(CheckpointConfigError, match="(?s)'layers.0' inside 'the model'.*twice"):
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, (Stack, Layer)))
     assert not any(is_checkpointed(m) for m in model.modules())
 
 
