@@ -295,15 +295,18 @@ def test_router_noise_from_a_generator_the_layer_holds_replays_as_eager_drew_it(
     _assert_steps_equal(eager, wrapped)
 
 
-def test_a_generator_assigned_after_some_steps_is_restored_from_the_next() -> None:
+@pytest.mark.parametrize("where", ["router", ""], ids=["a submodule", "the layer itself"])
+def test_a_generator_assigned_after_some_steps_is_restored_from_the_next(where: str) -> None:
     # The first steps draw from the default generator; then the router gets a generator of
-    # its own (a new attribute of a submodule, once the library's caches on the layer have
-    # settled: the cached search must find it).
+    # its own (a new attribute, once the library's caches on the layer have settled: the
+    # cached search must find it). On the layer itself it is told by the size of the layer's
+    # own dict, which the cache does not list with the submodules'.
     def assign(step: int, model: nn.Module) -> None:
         if step == 2:
-            setattr(model.get_submodule("router"), "gen", torch.Generator().manual_seed(11))
+            setattr(model.get_submodule(where), "gen", torch.Generator().manual_seed(11))
 
-    eager, wrapped = _twins(lambda: RoutedBlock(held=False), apply_activation_checkpointing)
+    make = (lambda: RoutedBlock(held=False)) if where else (lambda: Router(held=False))
+    eager, wrapped = _twins(make, apply_activation_checkpointing)
     _assert_steps_equal(eager, wrapped, steps=4, between=assign)
 
 
