@@ -316,6 +316,32 @@ def test_a_counter_the_forward_skips_in_the_replay_is_not_warned_and_counts_once
     assert [w for w in without_backward if "pytree_ckpt" in str(w.message)] == []
 
 
+def test_a_counter_the_forward_keeps_out_of_the_no_grad_pass_is_not_warned_and_counts_once(
+        ) -> None:
+    # Guards against: keeping the original pass's watch for the replay when that pass changed
+    # nothing. A forward that updates its statistics only with grad enabled (a guard that keeps
+    # them out of evaluation under torch.no_grad()) changes them in the replay alone: once a
+    # step, as in eager, and a warning that both passes changed them would be false.
+    class GradOnly(nn.Module):
+        step: torch.Tensor
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                self.step += 1
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    counted = GradOnly()
+    caught, _ = _steps(lambda m, x: checkpoint(lambda h: m(h), x), counted, steps=3)
+    assert caught == []
+    assert int(counted.step) == 3  # once a step (in the replay), as in eager
+
+
 _small_model = nn.Sequential(*(nn.BatchNorm1d(8) for _ in range(plain_state._MOST_GLOBAL_BUFFERS)))
 _whole_model = nn.Sequential(*(nn.BatchNorm1d(8)
                                for _ in range(plain_state._MOST_GLOBAL_BUFFERS + 1)))
