@@ -481,6 +481,31 @@ def test_a_container_of_layers_is_refused_naming_checkpoint_layers() -> None:
     assert not pytree_ckpt.is_checkpointed(model[0])
 
 
+def test_a_container_given_a_forward_of_its_own_is_checkpointed_as_any_layer() -> None:
+    # Guards against: refusing every module whose class has no forward, when an instance was
+    # given one (a stack assembled without a class of its own is called, and checkpointed).
+    phases: list[str] = []
+
+    def stacked(stack: nn.ModuleList) -> Any:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            phases.append(current_phase().value)
+            return stack[1](torch.tanh(stack[0](x)))
+        return forward
+
+    torch.manual_seed(0)
+    eager = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    wrapped = copy.deepcopy(eager)
+    eager.forward, wrapped.forward = stacked(eager), stacked(wrapped)
+    assert apply_activation_checkpointing(wrapped, offload=False) is wrapped
+    grads = []
+    for stack in (eager, wrapped):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        stack(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in stack.parameters())])
+    assert_same_grads(*grads)
+    assert phases == ["plain", "forward", "recompute"]
+
+
 def test_a_wrapped_forward_shows_the_layers_own_signature() -> None:
     # Code that inspects forward (transformers' Trainer drops batch columns forward does not
     # name) saw (*args, **kwargs).
