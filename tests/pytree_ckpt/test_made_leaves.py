@@ -278,3 +278,43 @@ def test_a_made_leaf_returned_as_an_output_reaches_the_caller_as_no_leaf() -> No
     assert not biases[1].is_leaf
     with pytest.warns(UserWarning, match="not a leaf"):
         assert biases[1].grad is None
+
+
+class CycleBias(nn.Module):
+    """Makes a leaf bias, as T5's attention does, and files it in a scratch record that points
+    back at itself (a parent link): a reference cycle that keeps the leaf alive after the call
+    until the garbage collector runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        bias = torch.zeros(4, requires_grad=True)
+        record: dict[str, Any] = {"bias": bias}
+        record["parent"] = record
+        return (self.lin(h) + record["bias"]).tanh()
+
+
+def test_a_made_leaf_held_only_by_a_reference_cycle_is_accepted_with_eager_gradients() -> None:
+    # Guards against: the check of made leaves (NOTE [leaves the call makes]) deciding from
+    # weak references alone: a leaf the forward made and dropped, but that a reference cycle
+    # still held, was refused as one kept from outside. It is given a
+    # collection first. The collector is off here, so only that collection can free it.
+    import gc
+
+    torch.manual_seed(0)
+    eager = CycleBias()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    grads = []
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for layer in (eager, wrapped):
+            h = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            layer(h).square().sum().backward()
+            grads.append([h.grad, *(p.grad for p in layer.parameters())])
+    finally:
+        if enabled:
+            gc.enable()
+    assert_same_grads(*grads)
