@@ -318,3 +318,24 @@ def test_a_made_leaf_held_only_by_a_reference_cycle_is_accepted_with_eager_gradi
         if enabled:
             gc.enable()
     assert_same_grads(*grads)
+
+
+def test_a_parameter_frozen_in_the_forward_and_unfrozen_before_backward_gets_none_as_in_eager(
+        ) -> None:
+    # Guards against: the first replay's check of leaves (NOTE [leaves the call makes]) taking
+    # a parameter that was frozen when the forward ran, and unfrozen since (a layer-unfreezing
+    # schedule that runs between forward and backward), for one registered during the
+    # forward: refused, where eager gives it no gradient (it was not in the forward's graph).
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    grads = []
+    for model in (eager, wrapped):
+        model[0].weight.requires_grad_(False)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = model(x)
+        model[0].weight.requires_grad_(True)  # unfrozen between forward and backward
+        out.square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert grads[0][1] is None and grads[1][1] is None
+    assert_same_grads(*grads)
