@@ -84,3 +84,29 @@ def test_a_census_entered_in_a_pre_hook_files_that_modules_own_saves_under_it() 
     assert opened[0].bytes_by("module") == {"0.proj": nbytes(x), "0": nbytes(out),
                                             "<outside any module>": nbytes(out)}
     loss.backward()
+
+
+def test_a_module_running_now_under_the_id_of_one_running_at_entry_is_not_taken_for_it() -> None:
+    # Guards the identity check of NOTE [entered inside] (running_modules.py): the modules found
+    # running at entry are known by id, and one that has ended and been freed may leave its id
+    # to a new module whose call runs later (CPython reuses addresses). Its saves are not the
+    # old module's: they are filed by what the census knows, here nothing. Reuse itself cannot
+    # be forced, so the table is given an entry whose weak reference is another module's.
+    import weakref
+
+    from pytree_ckpt.running_modules import running_module
+
+    seen: list[str] = []
+    elsewhere = nn.Linear(2, 2)  # the module that was running at entry, by its weak reference
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(running_module(table))
+            return x
+
+    probe = Probe()
+    table = {id(probe): (weakref.ref(elsewhere), "layers.0")}
+    probe(torch.ones(1))
+    table[id(probe)] = (weakref.ref(probe), "layers.0")  # the same module: known
+    probe(torch.ones(1))
+    assert seen == ["<outside any module>", "layers.0"]
