@@ -183,7 +183,6 @@ def test_the_table_of_buffers_forwards_changed_stays_bounded_and_tells_reused_id
     # Another tensor at that id (as CPython reuses ids) is not taken for the dead one.
     impostor = torch.zeros(3)
     forward_writes._WRITES[id(impostor)] = forward_writes._WRITES.pop(key)
-    assert not forward_writes.written_by_a_forward_since(
-        {"b": impostor}, (("b", impostor),), [-1])
+    assert not forward_writes.written_by_a_forward_since((("b", impostor),), [-1])
     forward_writes.note_forward_write(impostor)
-    assert forward_writes.written_by_a_forward_since({"b": impostor}, (("b", impostor),), [-1])
+    assert forward_writes.written_by_a_forward_since((("b", impostor),), [-1])
