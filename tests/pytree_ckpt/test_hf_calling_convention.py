@@ -511,3 +511,34 @@ def test_a_partial_binding_the_layers_own_parameter_and_submodule_leaves_them_bo
         out.square().sum().backward()
         results.append([x.grad, *(p.grad for p in layer.parameters())])
     assert_same_grads(*results)
+
+
+@pytest.mark.parametrize("setting", ["0", "maybe", "no_grad", "saved_tensors_hooks"])
+def test_the_offload_variable_is_told_only_when_on_and_the_call_saves_on_the_device(
+        monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    # NOTE [the variable and checkpoint()]: told when the variable says on, grad is enabled and
+    # no saved-tensor hook sees the inputs. Set to "0" it says off; an unparsable value is
+    # refused where it is used, not here; under no_grad there is no boundary; under a hook
+    # (save_on_cpu, a census) the inputs may not stay on the device. None of these warns, and
+    # none spends the one warning: the next plain call is told.
+    from pytree_ckpt import functional
+
+    monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1" if setting in (
+        "no_grad", "saved_tensors_hooks") else setting)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if setting == "no_grad":
+            with torch.no_grad():
+                pytree_ckpt.checkpoint(lin, x)
+        elif setting == "saved_tensors_hooks":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                pytree_ckpt.checkpoint(lin, x).sum().backward()
+        else:
+            pytree_ckpt.checkpoint(lin, x).sum().backward()
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
+    with pytest.warns(UserWarning, match="never offloads"):
+        pytree_ckpt.checkpoint(lin, x)
+
