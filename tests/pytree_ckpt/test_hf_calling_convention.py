@@ -542,3 +542,40 @@ def test_the_offload_variable_is_told_only_when_on_and_the_call_saves_on_the_dev
     with pytest.warns(UserWarning, match="never offloads"):
         pytree_ckpt.checkpoint(lin, x)
 
+
+class _TakesPositionals(nn.Module):
+    """A forward whose encoder states (and mask) transformers' partial may bind positionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, mask: torch.Tensor, encoded: torch.Tensor, x: torch.Tensor,
+                adapter: nn.Module) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + encoded) * mask + adapter(x)
+
+
+@pytest.mark.parametrize("bound", ["mask and encoder states", "mask"])
+def test_positional_arguments_a_partial_binds_after_the_layer_give_eager_gradients(
+        bound: str) -> None:
+    # NOTE [what a layer's partial binds]: encoder states requiring grad bound positionally
+    # become inputs with the positionals after them (their order kept); a mask bound so
+    # stays bound while a keyword (the adapter) is lifted.
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer, encoder, adapter = _TakesPositionals(), nn.Linear(8, 8), nn.Linear(8, 8)
+        x, source = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+        mask = (torch.rand(3, 8) > 0.5).float()
+        encoded = encoder(source)
+        if bound == "mask":
+            fn = functools.partial(type(layer).forward, layer, mask, adapter=adapter)
+            args: tuple[Any, ...] = (encoded, x)
+        else:
+            fn = functools.partial(type(layer).forward, layer, mask, encoded, adapter=adapter)
+            args = (x,)
+        out = pytree_ckpt.checkpoint(fn, *args) if wrap else fn(*args)
+        out.square().sum().backward()
+        results.append(grads_of([x, *layer.parameters(), *encoder.parameters(),
+                                 *adapter.parameters()]))
+    assert_same_grads(*results)
