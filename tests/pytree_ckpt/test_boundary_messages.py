@@ -654,6 +654,29 @@ def test_torch_checkpoint_options_passed_to_checkpoint_warn_that_fn_receives_the
         checkpoint(Layer(), x, mask=None)  # other keywords: no warning
 
 
+def test_a_torch_option_fn_names_itself_or_cannot_take_is_not_said_to_reach_its_kwargs() -> None:
+    # The warning is for a forward that takes the option only through **kwargs. One that
+    # names it (debug=, its own flag) means its own; one without **kwargs raises TypeError,
+    # whose note says where the option went: told twice, once wrongly, before.
+    seen: dict[str, Any] = {}
+
+    def names_debug(t: torch.Tensor, debug: bool = False, **kwargs: Any) -> torch.Tensor:
+        seen.update(debug=debug, **kwargs)
+        return t * 2
+
+    def takes_no_kwargs(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint(names_debug, x, debug=True).sum().backward()
+        assert seen == {"debug": True}
+        with pytest.raises(TypeError, match="use_reentrant"):
+            checkpoint(takes_no_kwargs, x, use_reentrant=False)
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
 class StoresItsAuxLoss(nn.Module):
     """An MoE-style layer that stores its load-balancing loss, and a table it caches."""
 
