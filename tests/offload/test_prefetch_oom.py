@@ -111,12 +111,14 @@ CASES = [
     (2, Gated, 4,  # window 6 prefetched (allocations 1 and 2), window 5 half
      [("restore", 7), ("prefetch", 6), ("prefetch_oom", 5), ("prefetch_hit", 6),
       *on_demand(5)], [3], 5),
+    (2, Layer, 1,  # window 6 given up: window 5, the next target, is not prefetched after it
+     [("restore", 7), ("prefetch_oom", 6), *on_demand(6)], [], 2),
 ]
 
 
 @pytest.mark.parametrize("prefetch, layer, fails, events, let_go, again", CASES,
                          ids=["prefetch1", "prefetch2-second", "prefetch1-half",
-                              "prefetch2-half"])
+                              "prefetch2-half", "prefetch2-first"])
 def test_a_prefetch_out_of_memory_is_given_up_and_its_window_restored_on_demand_exactly(
         prefetch: int, layer: type[nn.Module], fails: int, events: list[tuple[str, int]],
         let_go: list[int], again: int, monkeypatch: pytest.MonkeyPatch,
