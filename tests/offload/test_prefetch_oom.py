@@ -152,6 +152,38 @@ def test_a_prefetch_out_of_memory_is_given_up_and_its_window_restored_on_demand_
     assert f"lower OffloadConfig(prefetch={prefetch}), or set prefetch=0" in warnings[0]
 
 
+def test_a_given_up_prefetch_leaves_restored_a_table_every_layer_shares(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # One tensor given to every layer (a RoPE table) is copied once, by window 0, and restored
+    # by the first window backward reaches (7). When window 6's prefetch runs out of memory,
+    # only what that prefetch restored is let go: letting go of the table too (window 6 lists
+    # it) copied it back again at window 6's restore on demand, a second device copy of it
+    # while the device was short of memory.
+    m = manager(prefetch=1)
+    layers, eager = twins(m, Gated)
+
+    def run(layers: nn.ModuleList) -> list[torch.Tensor | None]:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 32, generator=generator, requires_grad=True)
+        table = torch.rand(8, 32, generator=generator)
+        h = x
+        for layer in layers:
+            h = layer(h, table)
+        loss = h.square().sum()
+        loss.backward()
+        return [loss.detach(), *grads(layers, x)]
+
+    expected = run(eager)
+    allocations = Allocations(m, monkeypatch, {2})  # window 6's input (window 7's is reused)
+    assert_exact(run(layers), expected)
+    assert m.events() == [("restore", 7), ("prefetch_oom", 6), *on_demand(6)]
+    # The table once, the failed allocation, then windows 6..0's inputs on demand.
+    assert len(allocations.alive_at) == 1 + 1 + (LAYERS - 1)
+    stats = m.stats()
+    assert stats["restored_bytes"] == stats["offloaded_bytes"] == (LAYERS + 1) * 8 * 32 * 4
+    assert stats["host_buffers_in_use"] == 0
+
+
 def test_a_give_up_is_logged_once_per_manager_and_the_next_pass_prefetches_again(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     m = manager(prefetch=1)
