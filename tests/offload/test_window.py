@@ -402,3 +402,24 @@ def test_a_change_in_place_is_named_by_the_first_window_tensor_on_its_storage() 
     with pytest.raises(pytree_ckpt.CheckpointError,
                        match=r"^args\[0\] \(offload window 0, .*modified in place"):
         loss.backward()
+
+
+def test_a_frozen_result_on_a_window_tensors_storage_changed_in_place_is_named_as_that_tensor(
+        ) -> None:
+    # offload_into adds the storage of what it is given to the window's keys only where the
+    # window has none for it: a frozen result that is a view of the layer's input (a reused
+    # function that returns a slice of its argument) shares the input's copy, and a change of
+    # the input after the call is named as the input, with the boundary's tip; overwritten, it
+    # was named as "a tensor given to offload_into", whose tip speaks of restore().
+    m = manager()
+    x = torch.randn(8, 8, requires_grad=True)
+    h = x * 1.0
+    with m.window([h], name=lambda i: f"args[{i}]") as window:
+        loss = h.square().sum()  # saves h
+        handle = m.offload_into(window, h[2:])
+    h.add_(1)
+    for read in (loss.backward, lambda: m.restore(handle)):
+        with pytest.raises(pytree_ckpt.CheckpointError) as refused:
+            read()
+        assert str(refused.value).startswith("args[0] (offload window 0, ")
+        assert "the boundary keeps each input for the replay" in str(refused.value)
