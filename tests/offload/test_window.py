@@ -423,3 +423,30 @@ def test_a_frozen_result_on_a_window_tensors_storage_changed_in_place_is_named_a
             read()
         assert str(refused.value).startswith("args[0] (offload window 0, ")
         assert "the boundary keeps each input for the replay" in str(refused.value)
+
+
+def test_a_view_made_inside_an_op_and_changed_through_its_base_later_is_refused_like_eager(
+        ) -> None:
+    # The handle of a saved view checks its base's version (NOTE [in-place check]): the view
+    # itself (h[2:], made for the multiply) has no Python object that outlives the save, and
+    # once the copy lets go of the device bytes (its copy to host is done; here at stats(), in
+    # a stack two windows later) its own alias is gone too. Checked through the view only, a
+    # change of the input after the call went unseen: backward read the bytes saved before
+    # it, where eager's backward raises.
+    m = manager()
+    x = torch.randn(8, 8, requires_grad=True)
+    h = x * 1.0
+    w = torch.randn(6, 8, requires_grad=True)
+    with m.window([h], name=lambda i: f"args[{i}]"):
+        loss = (h[2:] * w).sum()  # saves the view h[2:], dropped at once
+    m.stats()
+    h.add_(1)
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=r"^args\[0\] \(offload window 0, torch.float32\[6, 8\]\) was "
+                             r"modified in place"):
+        loss.backward()
+    h_eager = x.detach() * 1.0
+    loss_eager = (h_eager[2:] * w).sum()
+    h_eager.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_eager.backward()
