@@ -3,6 +3,7 @@ bytes backward gets back when the saved storage changed after forward."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -450,3 +451,30 @@ def test_a_view_made_inside_an_op_and_changed_through_its_base_later_is_refused_
     h_eager.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss_eager.backward()
+
+
+def test_reused_bytes_changed_during_backward_through_a_detached_alias_are_refused_like_eager(
+        ) -> None:
+    # The last window's bytes are reused at the turn (NOTE [reuse at the turn]): backward
+    # reads the very storage, so the copy keeps its alias (which shares the saved tensor's
+    # version counter) when it lets go of them, for handles unpacked later. Dropped there,
+    # a change made between two unpacks of the window (here by a gradient hook, through a
+    # detach() alias, the saved tensor itself dropped) went unseen: the second op read the
+    # changed bytes, a wrong gradient, where eager's backward raises.
+    def run(offloaded: bool) -> None:
+        m = manager()
+        w = torch.randn(8, 8, requires_grad=True)
+        h = torch.randn(8, 8, requires_grad=True) * 1.0
+        alias = h.detach()
+        with m.window([h], name=lambda i: f"args[{i}]") if offloaded else nullcontext():
+            y = h * w  # saves h, read last in backward
+            loss = (y * h).sum()  # saves h, read first
+        y.register_hook(lambda grad: alias.add_(1))  # runs between the two
+        del h, y
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(offloaded=False)
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=r"^args\[0\] \(offload window 0, .*modified in place"):
+        run(offloaded=True)
