@@ -276,3 +276,47 @@ def test_a_given_up_copy_back_still_queued_keeps_its_host_buffer_until_it_ran() 
     forward()  # the next step's copies to host reuse those buffers
     streams.finish()
     assert streams.violations == []
+
+
+def test_a_given_up_prefetch_keeps_the_device_bytes_it_reused() -> None:
+    # On the simulated device (copies run only when waited for) window 6's copies are still in
+    # flight when backward begins, so its prefetch reuses their device bytes (NOTE [reuse at
+    # the turn]); the table window 6 shares with window 0 comes back from host, and that copy
+    # back runs out of memory. Only what took new memory is let go: letting go of the reused
+    # input too made window 6's restore on demand copy it back from host, one more
+    # allocation at the moment the device was short of memory.
+    m, streams = simulated(None, prefetch=1)
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Gated() for _ in range(LAYERS))
+    checkpoint_layers(layers, offload=m)
+    eager = nn.ModuleList(Gated() for _ in range(LAYERS))
+    eager.load_state_dict(layers.state_dict())
+    to_device, calls = streams.to_device, [0]
+
+    def first_fails(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return to_device(*args)
+    streams.to_device = first_fails  # type: ignore[method-assign,assignment]
+
+    def run(layers: nn.ModuleList) -> list[torch.Tensor | None]:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 32, generator=generator, requires_grad=True)
+        table = torch.rand(8, 32, generator=generator)
+        h = x
+        for index, layer in enumerate(layers):  # the table for layers 0 and 6, fresh gates else
+            h = layer(h, table if index in (0, LAYERS - 2) else
+                      torch.rand(8, 32, generator=generator))
+        loss = h.square().sum()
+        loss.backward()
+        return [loss.detach(), *grads(layers, x)]
+
+    expected = run(eager)
+    assert_exact(run(layers), expected)
+    assert m.events() == [("restore", 7), ("prefetch_oom", 6), *on_demand(6)]
+    # The failed copy back, the table again, windows 5..1's two storages and window 0's x.
+    assert calls[0] == 1 + 1 + 2 * (LAYERS - 3) + 1
+    stats = m.stats()
+    assert stats["reused_bytes"] == 3 * 8 * 32 * 4  # window 7's two storages, window 6's input
+    assert stats["host_buffers_in_use"] == 0 and not streams.violations
