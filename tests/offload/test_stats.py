@@ -73,6 +73,27 @@ def test_stats_read_in_the_middle_of_a_pass_does_not_make_it_look_like_it_offloa
     assert manager_warnings(caplog) == []
 
 
+def test_stats_read_after_a_first_window_below_the_floor_does_not_warn_before_the_pass_offloads(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: stats() checks the pass of each thread whatever its state, not only one
+    # no window of which is alive. Read from a hook between layers, after a first window whose
+    # storages were all below the floor, it warned "the last pass offloaded nothing" of a pass
+    # that was still running and offloaded its next window.
+    m = manager(min_bytes=1024)
+    small = torch.randn(8, requires_grad=True) * 1.0
+    big = torch.randn(64, 64, requires_grad=True) * 1.0
+    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+        with m.window([small]):
+            first = small.square().sum()
+        m.stats()  # mid-pass: window 0 is alive, nothing offloaded yet
+        with m.window([big]):
+            second = big.square().sum()
+        (first + second).backward()
+        stats = m.stats()  # the pass is over: judged
+    assert stats["offloaded_bytes"] == big.untyped_storage().nbytes()
+    assert manager_warnings(caplog) == []
+
+
 def test_stats_reset_starts_pool_hits_from_zero() -> None:
     # Guards against: stats() reports pool.hits without subtracting the value at the last reset.
     m = manager()
