@@ -184,6 +184,30 @@ def test_a_discarded_offloaded_input_whose_graph_was_dropped_is_not_flagged() ->
     assert census.flagged() == [] and census.total_bytes == census.discarded_bytes == 0
 
 
+def test_a_discarded_offloaded_input_counts_as_discarded_until_backward_rebuilds_it() -> None:
+    # Output discard holds what it freed until backward rebuilds it, whoever else lets go
+    # (note_discarded's keeper). Here the freed output is the next layer's input, which its
+    # offload window copied to host: the window lets go of the device storage once the copy
+    # is done (stats() collects it), and nothing else holds the record. Without the discard
+    # among its holders, discarded_bytes dropped to 0 while backward still needed the bytes.
+    from tests.offload.blocks import manager, offloaded_stack
+
+    norm = nn.LayerNorm(32)
+    m = manager()
+    layers = offloaded_stack(m, 1)
+    x = torch.randn(16, 32, requires_grad=True)
+    with ActivationCensus(nn.ModuleList([norm, layers])) as census:
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(norm, x)
+        out = layers[0](normed)
+        ckpt.discard_output_and_register_recompute(out)
+    assert census.discarded_bytes == 16 * 32 * 4
+    m.stats()  # the manager lets go of its device tensors
+    assert census.discarded_bytes == 16 * 32 * 4
+    out.sum().backward()
+    assert census.discarded_bytes == 0 and census.total_bytes == 0
+
+
 def test_a_new_storage_at_the_address_of_a_dead_one_is_counted_by_its_own_size() -> None:
     # Two storage objects at one address, one after the other (what the allocator does with
     # freed memory): the second is a new entry, not the first's.
