@@ -187,6 +187,22 @@ def test_a_wrapper_subclass_counts_the_storages_of_its_inner_tensors() -> None:
     assert census.total_bytes == 0
 
 
+def test_a_wrapper_subclass_of_one_inner_tensor_counts_that_tensors_storage() -> None:
+    # A DTensor flattens to its local shard alone: one inner tensor, and not the wrapper
+    # itself. Such a wrapper must be counted by that tensor; read as a plain tensor, it has no
+    # storage of its own to count, and nothing showed as held. (TwoTensor above has two inner
+    # tensors; only tests/distributed, which needs several processes, reached this case.)
+    from torch.testing._internal.subclasses import WrapperSubclass
+
+    a = torch.randn(8, 4)
+    x = WrapperSubclass(a).requires_grad_()
+    with ActivationCensus() as census:
+        y = x.sin()  # saves x
+    assert census.bytes_by("mechanism") == {"autograd": nbytes(a)}
+    y.sum().backward()
+    assert census.total_bytes == 0
+
+
 def test_a_wrapper_subclass_buffer_of_the_model_is_left_out_by_its_inner_storages() -> None:
     # As a DTensor parameter's or buffer's local shard (a module tensor parallelism has
     # distributed): the model's tensors are left out by their storages, a wrapper's by its
