@@ -132,6 +132,35 @@ def test_a_storage_kept_alive_after_its_frame_released_it_is_flagged() -> None:
     assert census.flagged() == []
 
 
+def test_a_flagged_storage_stays_flagged_however_many_steps_follow() -> None:
+    # A census open over a training run drops, in batches, the records nothing holds whose
+    # storage is gone (NOTE [records of dead storages] in census.py). A flagged storage is
+    # held by nothing either, but it is alive: its record must stay, or the flag a monitor
+    # reads vanishes at the first batch dropped (here after about 20 steps).
+    kept: list[torch.Tensor] = []
+    layer = Layer()
+
+    def keep_topk(h: torch.Tensor) -> torch.Tensor:
+        ids = layer.topk(h)
+        kept.append(ids)  # the test holds the frozen result beyond the frame's life
+        return ids
+
+    model = mlp()
+    with ActivationCensus() as census:
+        out = checkpoint(lambda h: torch.gather(h, -1, reuse_during_recompute(keep_topk, h)),
+                         torch.randn(5, 8, requires_grad=True))
+        out.sum().backward()
+        flagged = census.flagged()
+        assert [f["mechanism"] for f in flagged] == ["replay frame"]
+        # Batches of other sizes each step: new storages at new addresses (one at a dead
+        # record's address takes its place), so the records reach a batch to drop.
+        for step in range(40):
+            model(torch.randn(5 + step, 6)).sum().backward()
+        assert census.flagged() == flagged
+    kept.clear()
+    assert census.flagged() == []
+
+
 def test_report_and_to_dict_agree_with_the_totals() -> None:
     model = mlp()
     with ActivationCensus(model) as census:
