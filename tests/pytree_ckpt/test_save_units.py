@@ -881,6 +881,22 @@ def test_a_layer_keeping_ops_by_name_and_overload_survives_torch_save_and_keeps_
     assert counter.counts["recompute", "aten.sigmoid"] == 1  # the rest is recomputed
 
 
+def test_a_loaded_layer_keeping_one_overload_takes_the_same_config_again() -> None:
+    # A policy travels by op names (KeepPolicy.__reduce__): the name of one overload
+    # ('aten::tanh.default') must come back as that overload alone. Loaded as the whole op,
+    # the policy kept every overload of it, and applying the same config again to the loaded
+    # model (a resumed run setting up as the first did) was refused as other options.
+    targets = {SaveUnit.ATTN: KeptOps("aten::mm", torch.ops.aten.tanh.default)}
+    config = RecomputeConfig(1.0, save=["attn"])
+    original = Block()
+    apply_recompute_config([original], config, targets)
+    buffer = io.BytesIO()
+    torch.save(original, buffer)
+    buffer.seek(0)
+    twin = torch.load(buffer, weights_only=False)
+    assert apply_recompute_config([twin], config, targets) == [0]  # the same options: no-op
+
+
 def test_a_pickled_layer_keeping_an_op_this_process_lacks_is_refused_naming_it() -> None:
     from pytree_ckpt.keep import KeepPolicy
     policy = KeepPolicy([torch.ops.aten.mm], callables=(), description="attn")
