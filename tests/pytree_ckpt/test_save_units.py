@@ -469,6 +469,12 @@ class InPlaceGate(nn.Module):
             logits = logits * 1.0
             logits.relu_()
             mask = torch.ones_like(logits)
+        elif self.how == "out=":  # an out= argument: written, passed by name
+            mask = torch.full_like(logits, 2.0)
+            torch.mul(mask, 3, out=mask)
+        elif self.how == "_foreach_mul_":  # a list of tensors, each written
+            mask = torch.full_like(logits, 2.0)
+            torch._foreach_mul_([mask], 3)
         else:
             mask = torch.full_like(logits, 2.0)
             mask.mul_(3)
@@ -478,7 +484,7 @@ class InPlaceGate(nn.Module):
         return self.project(x) * 2
 
 
-@pytest.mark.parametrize("how", ["scatter_add_", "relu_", "mul_"])
+@pytest.mark.parametrize("how", ["scatter_add_", "relu_", "mul_", "out=", "_foreach_mul_"])
 def test_a_kept_output_changed_in_place_later_in_the_forward_is_recomputed_not_kept_twice(
         how: str) -> None:
     # Keeping it would hand the replay the changed value, and the replay would change it again
