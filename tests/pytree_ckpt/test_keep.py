@@ -69,6 +69,14 @@ def test_an_op_name_without_a_namespace_is_refused_when_the_unit_is_built(name: 
         KeptOps(name)
 
 
+def test_a_unit_naming_no_op_at_all_is_refused_when_it_is_built() -> None:
+    # KeptOps() (an op list spliced in empty: KeptOps(*names) with names from a config) would
+    # keep nothing, silently: the unit would apply with no warning at all, since no name of it
+    # is missing from the build either.
+    with pytest.raises(CheckpointConfigError, match=r"(?s)one or more op names.*got:\s+nothing"):
+        KeptOps()
+
+
 @pytest.mark.parametrize("target", ["project", "Gate.", ".project", 42])
 def test_a_method_target_not_of_the_form_class_dot_method_is_refused_when_the_unit_is_built(
         target: Any) -> None:
