@@ -305,6 +305,21 @@ def test_an_op_this_build_decomposes_before_dispatch_warns_and_the_rest_is_kept(
     assert kept == [torch.ops.aten.mm, torch.ops.aten.native_channel_shuffle]
 
 
+def test_an_op_only_some_of_whose_overloads_decompose_is_kept_without_a_warning() -> None:
+    # aten::max's 'other' overload and aten::var's 'default' and 'dim' are composite (decomposed
+    # before dispatch), their other overloads kernels of their own (max.dim, var.correction,
+    # what the composite ones become): such an op reaches the keeping mode and is kept. Only
+    # an op all of whose functional overloads decompose keeps nothing; one decomposing
+    # overload was enough to skip max and var with a "keeps nothing" warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = KeptOps("aten::max", "aten::var").resolve()
+    assert kept == [torch.ops.aten.max, torch.ops.aten.var]
+    with pytest.warns(UserWarning, match=r"KeptOps\('aten::var.dim'\) keeps nothing"):
+        assert KeptOps("aten::var.dim", "aten::var.correction").resolve() == \
+            [torch.ops.aten.var.correction]
+
+
 @pytest.mark.parametrize("op", ["aten::mm.default", torch.ops.aten.mm.default, torch.ops.aten.mm],
                          ids=["overload name", "OpOverload", "OpOverloadPacket"])
 def test_an_op_named_as_torch_and_torchtitan_list_it_keeps_what_its_plain_name_keeps(
