@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import pytree_ckpt
-from pytree_ckpt import remove_activation_checkpointing
+from pytree_ckpt import (KeptCallables, RecomputeConfig, SaveUnit, apply_recompute_config,
+                         remove_activation_checkpointing)
 from tests.conftest import assert_same_grads
 from tests.pytree_ckpt.test_save_units import OpCounter
 from tests.pytree_ckpt.test_save_units_install import Layer, Router, _apply, _step
@@ -131,6 +132,34 @@ def test_a_router_shared_after_a_removal_stays_kept_by_the_layer_it_joined() -> 
     ours[1].router = ours[0].router
     remove_activation_checkpointing(ours[0])
     assert "project" in ours[0].router.__dict__
+    x = torch.randn(3, 8)
+    expected_loss, expected = _step(eager, x)
+    counter = OpCounter()
+    loss, got = _step(ours, x, counter)
+    assert torch.equal(expected_loss, loss)
+    assert_same_grads(expected, got)
+    assert counter.counts["recompute", "aten.addmm"] == 1  # layers[1]'s mix alone
+    remove_activation_checkpointing(ours[1])
+    assert "project" not in ours[0].router.__dict__
+
+
+def test_a_layer_checkpointed_later_keeping_an_already_wrapped_router_holds_it() -> None:
+    # Guards against: the owners not read again when a keeping boundary is made that wraps
+    # nothing new (its router was wrapped for another layer) and no submodule is registered:
+    # layers[1], checkpointed after the owners were read, would lose the router's wrapper with
+    # layers[0], and its replay would recompute the projection, silently.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(3))
+    eager[1].router = eager[0].router
+    ours = copy.deepcopy(eager)
+    config = RecomputeConfig(1.0, save=["moe_gate"])
+    targets = {SaveUnit.MOE_GATE: KeptCallables("Router.project")}
+    # Plain lists: a new ModuleList would register the layers, which makes the owners read.
+    apply_recompute_config([ours[0], ours[2]], config, targets)
+    remove_activation_checkpointing(ours[2])  # the owners are read here
+    apply_recompute_config([ours[1]], config, targets)  # checkpointed later (a re-balance)
+    remove_activation_checkpointing(ours[0])
+    assert "project" in ours[0].router.__dict__  # layers[1] keeps it
     x = torch.randn(3, 8)
     expected_loss, expected = _step(eager, x)
     counter = OpCounter()
