@@ -267,7 +267,8 @@ def test_residual_plans_group_layers_into_blocks_without_splitting_pairs(
 
 
 @pytest.mark.parametrize(("args", "match"), [((4, 0), "block_size"), ((-1, 2), "num_layers"),
-                                             ((4, 2, [(2, 1)]), "pair of layer indices")])
+                                             ((4, 2, [(2, 1)]), "pair of layer indices"),
+                                             ((4, 2, [(0.0, 1.0)]), "pair of layer indices")])
 def test_bad_plans_are_refused(args: tuple[Any, ...], match: str) -> None:
     pairs = args[2] if len(args) > 2 else ()
     with pytest.raises(ValueError, match=match):
