@@ -172,6 +172,23 @@ def test_report_and_to_dict_agree_with_the_totals() -> None:
     del out
 
 
+def test_the_report_keeps_its_columns_aligned_under_long_module_paths() -> None:
+    # The module column is as wide as the longest path (whole, never cut: an expert's
+    # gate_proj and up_proj must not read as one module); at a fixed width, rows of paths
+    # longer than it pushed their mechanism, device and bytes out of their columns.
+    model = nn.Sequential()
+    model.add_module("a_rather_long_block_name", nn.Sequential())
+    model[0].add_module("with_a_long_submodule_name", mlp())
+    with ActivationCensus(model) as census:
+        out = model(torch.randn(3, 6))
+    lines = census.report().splitlines()
+    header, rows = lines[0], [line for line in lines[2:] if " autograd " in line]
+    assert rows and all(len(row.split()[0]) > 32 for row in rows)
+    assert all(row.index(" autograd ") + 1 == header.index("mechanism") for row in rows)
+    assert all(row.index(" cpu ") + 1 == header.index("device") for row in rows)
+    del out
+
+
 def test_a_census_nested_in_another_reports_the_same_bytes_to_both() -> None:
     # Mechanisms report to the census recording here; one nested in another must not hide
     # them from the outer one (it saw frame bytes as 0, boundary inputs as autograd).
