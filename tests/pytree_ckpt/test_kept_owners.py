@@ -171,6 +171,19 @@ def test_a_layer_checkpointed_later_keeping_an_already_wrapped_router_holds_it()
     assert "project" not in ours[0].router.__dict__
 
 
+def test_removing_a_layer_that_holds_its_kept_router_twice_puts_the_method_back_once() -> None:
+    # A submodule registered twice in one layer (a tied router under a second name) is one
+    # module: walked twice, its wrapper was listed twice, and the removal deleted it from the
+    # router's __dict__ a second time (a KeyError).
+    layers = nn.ModuleList([Layer()])
+    layers[0].tied = layers[0].router
+    _apply(layers, "Router.project")
+    assert "project" in layers[0].router.__dict__
+    remove_activation_checkpointing(layers[0])
+    assert "project" not in layers[0].router.__dict__
+    assert not pytree_ckpt.is_checkpointed(layers[0])
+
+
 def _collected(layers: nn.ModuleList) -> None:
     layers[1] = Layer()  # the old layer 1, its boundary with it, freed
     gc.collect()
