@@ -221,6 +221,15 @@ def test_recompute_config_round_trips_through_json(config: RecomputeConfig) -> N
     assert config.save is None or isinstance(config.save, (bool, tuple))
 
 
+def test_a_unit_listed_twice_is_one_unit_of_the_config() -> None:
+    # save lists what stays resident: a unit named twice (a list merged from two configs) is
+    # the same config as naming it once; kept twice, the two compared unequal and to_json
+    # wrote it twice.
+    twice = RecomputeConfig(1.0, save=["attn", SaveUnit.ATTN, "moe_gate"])
+    assert twice.save == (SaveUnit.ATTN, SaveUnit.MOE_GATE)
+    assert twice == RecomputeConfig(1.0, save=["attn", "moe_gate"])
+    assert twice.to_json() == '{"ratio": 1.0, "save": ["attn", "moe_gate"]}'
+
 def test_recompute_config_refuses_bad_values_with_a_tip() -> None:
     with pytest.raises(CheckpointConfigError, match="unknown save unit 'atn'") as err:
         RecomputeConfig(1.0, save=["atn"])
