@@ -153,6 +153,31 @@ def test_a_census_ended_twice_is_refused_and_leaves_the_open_one_recording() -> 
     loss.backward()
 
 
+def test_censuses_of_two_interleaved_contexts_on_one_thread_end_only_in_reverse_order() -> None:
+    # Coroutines on one thread (asyncio tasks, each in a context of its own) enter censuses in
+    # one order and may end them in another. The first one entered is the one entered last in
+    # its own context, but not on the thread, where the other records (its saved-tensor hooks
+    # are on top): its end must be refused before anything changes (docs/census.md, Limits).
+    # Let through, it erased the thread's record of the census recording (the other one's
+    # reports went nowhere) and popped the other's saved-tensor hooks.
+    model = nn.Linear(64, 64)
+    first_context, second_context = contextvars.copy_context(), contextvars.copy_context()
+    first = first_context.run(ActivationCensus(model).__enter__)
+    second = second_context.run(ActivationCensus(model).__enter__)
+    with pytest.raises(CheckpointError, match="(?s)a census entered after it is still open"):
+        first_context.run(first.__exit__, None, None, None)
+    assert not first._ended and pytree_ckpt.census.active_census() is second
+    x = torch.randn(16, 64)
+    loss = model(x).sum()  # recorded by both: the Linear saves x
+    second_context.run(second.__exit__, None, None, None)
+    first_context.run(first.__exit__, None, None, None)
+    assert first.bytes_by("module") == second.bytes_by("module") == {"<root>": nbytes(x)}
+    assert pytree_ckpt.census.active_census() is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert pytree_ckpt.census_threads._OPEN == [0]
+    loss.backward()
+
+
 def _module_state_alive(census: ActivationCensus) -> int:
     return sum(1 for e in census._recorded()
                if e.mechanism is pytree_ckpt.Mechanism.MODULE_STATE and not e.storage.expired())
