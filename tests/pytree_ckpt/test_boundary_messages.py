@@ -886,6 +886,26 @@ def test_a_list_the_forward_appends_to_is_refused_naming_the_argument() -> None:
         nested(torch.randn(6, 8), {"aux": []}).sum().backward()
 
 
+def test_a_loss_appended_inside_a_tuple_to_a_list_passed_in_is_refused() -> None:
+    # The loss need not be the appended element itself: an MoE layer logging (aux loss,
+    # token count) pairs put it one level down. The tuple is new in each pass, so only a look
+    # inside it finds the loss the original pass computed under no-grad (silently without a
+    # gradient for the gate otherwise).
+    class AppendsPairs(CollectsAuxLoss):
+        def forward(self, x: torch.Tensor,  # type: ignore[override]
+                    log: list[Any]) -> torch.Tensor:
+            probs = self.gate(x).softmax(-1)
+            log.append(((probs.mean(0) ** 2).sum(), x.shape[0]))
+            return self.up(x) * probs[:, :1]
+
+    layer = pytree_ckpt.apply_activation_checkpointing(AppendsPairs())
+    log: list[Any] = []
+    out = layer(torch.randn(6, 8), log)
+    with pytest.raises(CheckpointError, match=r"^AppendsPairs put a tensor that requires grad "
+                                              r"into the list passed as args\[1\]"):
+        (out.sum() + log[0][0]).backward()
+
+
 def test_containers_filled_with_values_that_never_had_a_gradient_are_left_alone() -> None:
     # A rotary table shared through a dict, Transformer-XL's detached memories: refused when
     # the no-grad original pass was read, though eager runs them with the same gradients.
