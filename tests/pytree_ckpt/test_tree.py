@@ -384,3 +384,6 @@ def test_a_strided_nested_tensor_at_the_boundary_is_refused_naming_its_path_and_
                                         layout=torch.jagged, requires_grad=True)
     checkpoint(lambda t: (t * weight).sin(), jagged).values().sum().backward()  # this one crosses
     assert jagged.grad is not None and weight.grad is not None
+    # Given both, the strided one is named, not the jagged one before it (which crosses).
+    with pytest.raises(CheckpointError, match=r"at args\[1\]"):
+        checkpoint(lambda j, t: (j * weight).sin(), jagged, nested)
