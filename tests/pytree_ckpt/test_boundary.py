@@ -1507,6 +1507,28 @@ def test_a_forward_run_with_subclass_handling_off_is_replayed_with_it_off() -> N
     assert torch._C._get_torch_function_state() == torch._C._TorchFunctionState.ENABLED
 
 
+def test_a_subclass_whose_ops_compute_another_function_is_replayed_through_its_overrides(
+        ) -> None:
+    # The converse of the test above: a forward with subclass handling on, and a backward
+    # started from a _DoubledTanh loss, which runs with it off. The replay must switch it
+    # back on: run with backward's state, it computed plain tanh where the forward had the
+    # subclass's doubled one (inputs still arrive as _DoubledTanh, so isinstance checks alone
+    # cannot tell), and every gradient differed from eager's.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(2, 4).as_subclass(_DoubledTanh).requires_grad_()
+        loss = layer(x).square().sum()
+        assert type(loss) is _DoubledTanh  # so backward runs with subclass handling off
+        loss.backward()
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
+    assert torch._C._get_torch_function_state() == torch._C._TorchFunctionState.ENABLED
+
+
 class _Slotted(torch.Tensor):
     __slots__ = ("scale",)
 
