@@ -1717,6 +1717,34 @@ def test_a_multi_grad_hook_on_the_inputs_fires_as_in_eager() -> None:
     assert run(True) == run(False) == [[False, True]]
 
 
+def test_a_multi_grad_hook_on_parameters_one_of_them_unused_fires_as_in_eager() -> None:
+    # The same for parameters (NOTE [unused parameters get no hook call]): the replay gives an
+    # unused one (an MoE expert that got no token) None, and torch's own per-tensor hook of
+    # register_multi_grad_hook("all") must count that call; a wrapper that skipped it left the
+    # count short and the hook never fired.
+    def run(wrap: bool) -> list[list[bool]]:
+        class TwoExperts(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.used(x)  # no token routed to the other expert
+
+        torch.manual_seed(0)
+        layer = TwoExperts()
+        fired: list[list[bool]] = []
+        torch.autograd.graph.register_multi_grad_hook(
+            (layer.used.weight, layer.unused.weight),
+            lambda grads: fired.append([g is None for g in grads]))
+        x = torch.randn(3, 4)
+        out = pytree_ckpt.checkpoint(layer, x) if wrap else layer(x)
+        out.sum().backward()
+        return fired
+
+    assert run(True) == run(False) == [[False, True]]
+
+
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_an_input_made_under_inference_mode_is_accepted_as_in_eager(offloaded: bool) -> None:
     # Guards against: the boundary saves every input, and autograd refuses to save an inference
