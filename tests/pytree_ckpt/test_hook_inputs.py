@@ -489,6 +489,13 @@ SCALES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     # a bool made from h never requires grad, nor what it only selects with
     "masked by h > 0": lambda h: _cached_half(16).masked_fill(h[0] > 0, 0.25),
     "detached in place": lambda h: (h[0] * 0 + 0.5).detach_(),
+    "torch.detach(h)": lambda h: torch.detach(h[0]) * 0 + 0.5,  # the function, not the method
+    "h.data": lambda h: h.data[0] * 0 + 0.5,
+    "zeros_like(h)": lambda h: torch.zeros_like(h) + 0.5,
+    "h.new_zeros": lambda h: h.new_zeros((16,)) + 0.5,
+    "mask.expand_as(h)": lambda h: _cached_half(16).expand_as(h),
+    "mask.view_as(h[0])": lambda h: _cached_half(16).view_as(h[0]),
+    "mask.reshape_as(h[0])": lambda h: _cached_half(16).reshape_as(h[0]),
 }
 
 
