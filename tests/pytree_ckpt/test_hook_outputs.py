@@ -213,7 +213,8 @@ def test_a_replay_that_calls_a_hooked_module_another_number_of_times_is_refused(
 
 class _GradModeRouter(nn.Module):
     """Returns its logits, and where grad is enabled (the replay's mode, never the original
-    pass's) ``extra``: a z-loss term before them, or its logits again with other rows."""
+    pass's) ``extra``: a z-loss term before them, or its logits again with other rows
+    or in another dtype."""
 
     def __init__(self, extra: str) -> None:
         super().__init__()
@@ -225,6 +226,8 @@ class _GradModeRouter(nn.Module):
             return (logits,)
         if self.extra == "leaf before":
             return (logits.logsumexp(-1, keepdim=True).square().expand_as(logits), logits)
+        if self.extra == "in float64":
+            return (logits.double(),)
         return (logits[:2],) if self.extra == "fewer rows" else ()
 
 
@@ -243,6 +246,8 @@ class _GradModeLayer(nn.Module):
     ("fewer rows", "output[0]", "Tensor(shape=(3, 4), dtype=torch.float32)",
      "Tensor(shape=(2, 4), dtype=torch.float32, device=cpu)"),
     ("nothing", "output", "PyTreeSpec((*,))", "PyTreeSpec(())"),
+    ("in float64", "output[0]", "Tensor(shape=(3, 4), dtype=torch.float32)",
+     "Tensor(shape=(3, 4), dtype=torch.float64, device=cpu)"),
 ])
 def test_a_hooked_module_whose_replay_returns_another_structure_is_refused_naming_it(
         extra: str, where: str, expected: str, got: str) -> None:
