@@ -762,25 +762,41 @@ class _CachedInSequence(nn.Module):
         return self.proj(x) * table, table
 
 
+class _CachedDirectly(_CachedInSequence):
+    """Keeps its table as a plain tensor attribute (not a buffer), and returns it."""
+
+    def __init__(self) -> None:
+        super().__init__(list)
+        self.cache = self.cache[0]  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.proj(x) * self.cache, self.cache  # type: ignore[operator]
+
+
 class _UsesSequenceCache(nn.Module):
     def __init__(self, kind: type) -> None:
         super().__init__()
-        self.inner = _CachedInSequence(kind)
+        self.inner = _CachedDirectly() if kind is torch.Tensor else _CachedInSequence(kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x)[0]
 
 
-@pytest.mark.parametrize("kind", [dict, tuple, list])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager body", "compiled body"])
+@pytest.mark.parametrize("kind", [torch.Tensor, dict, tuple, list])
 def test_a_hooked_module_returning_a_tensor_it_holds_in_an_attribute_works_as_in_eager(
-        kind: type) -> None:
+        kind: type, compiled: bool) -> None:
     # NOTE [held tensors are not hooked outputs] (hook_outputs.py): a table held directly or in
     # a tuple, list or dict attribute is the same object in both passes; made an extra output,
     # backward raised CheckpointError (a tensor from outside the call), where eager trains
-    # (only tensors held directly or in a tuple or list were known once).
+    # (only tensors held directly or in a tuple or list were known once). A compiled body is
+    # where only the held check tells: there GradFlow is blind, and takes every tensor for one
+    # the call made.
     torch.manual_seed(0)
     eager = _UsesCached() if kind is dict else _UsesSequenceCache(kind)
     model = copy.deepcopy(eager)
+    if compiled:
+        model.forward = torch.compile(model.forward, backend="eager")  # type: ignore[method-assign]
     pytree_ckpt.apply_activation_checkpointing(model, offload=False)
     x, x_twin = _inputs()
     kept: list[list[torch.Tensor]] = [[], []]
@@ -792,7 +808,8 @@ def test_a_hooked_module_returning_a_tensor_it_holds_in_an_attribute_works_as_in
             for net, xi, into in zip((eager, model), (x, x_twin), kept):
                 into.clear()
                 (net(xi).sum() + into[0].square().sum()).backward()
-    table = model.inner.cache[6 if kind is dict else 0]
+    table = model.inner.cache if kind is torch.Tensor else \
+        model.inner.cache[6 if kind is dict else 0]
     assert not table.requires_grad and table.grad_fn is None
     assert torch.equal(x.grad, x_twin.grad)
     for p, q in zip(eager.parameters(), model.parameters()):
