@@ -241,3 +241,19 @@ def test_only_a_repeated_container_object_is_recorded() -> None:
     # Pre-order positions: 0 (args, kwargs), 1 args, 2 log, 3 the dict, 4 its "a" list (log),
     # 5 kwargs, 6 extra (log).
     assert recorded(log, {"a": log}, extra=log) == {4: 2, 6: 2}
+
+
+def test_the_cache_of_container_positions_stays_bounded_when_every_call_has_another_structure(
+        ) -> None:
+    # Lists of varying length (a changing number of micro-batches, of cached layers) give a new
+    # spec at each call: the positions cached per spec must be dropped when full, not kept for
+    # every spec ever seen (a leak that grows with the steps).
+    from pytree_ckpt import shared_containers as module
+
+    x = torch.ones(2)
+    log: list[Any] = []
+    for n in range(module._MAX_SPECS + 50):
+        args = ([x] * (n + 1), log)
+        spec = flatten_call(args, {"again": log}).spec
+        assert shared_containers((args, {"again": log}), spec) is not None
+        assert len(module._POSITIONS) <= module._MAX_SPECS
