@@ -868,3 +868,29 @@ def test_a_discard_after_a_checkpoint_that_raised_is_refused_naming_the_op(
         assert torch.equal(kept, torch.sigmoid(x.detach()))
     out.sum().backward()
     assert torch.equal(x.grad, w.detach().expand(4, 8)) and torch.equal(w.grad, x.detach().sum(0))
+
+
+@pytest.mark.parametrize("container", [list, tuple, dict])
+def test_tensors_in_any_container_argument_are_refused_and_the_object_stays_unused(
+        container: type) -> None:
+    # A dict is a container of tensors as a list is: taken as a plain value, its tensors were
+    # neither saved nor known, and the op ran as a passthrough that frees nothing.
+    x = torch.randn(2, requires_grad=True)
+    arg = {"x": x} if container is dict else container([x])
+    key = "x" if container is dict else 0
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointConfigError, match=f"(?s)container of tensors.*got:      "
+                                                    f"{container.__name__}.*tip"):
+        ckpt.checkpoint(lambda xs: xs[key] * 2, arg)
+    assert ckpt.fn is None and not ckpt.passthrough
+
+
+def test_a_module_given_by_keyword_is_refused_as_a_tensor_is() -> None:
+    # docs/discard.md, "Arguments": a module by keyword is not among the modules whose
+    # parameters the op's node takes, so it is refused at the call, not at backward.
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointConfigError,
+                       match="(?s)as keyword 'norm'.*got:      norm=LayerNorm.*positionally"):
+        ckpt.checkpoint(lambda t, norm: norm(t), x, norm=nn.LayerNorm(8))
+    assert ckpt.fn is None
