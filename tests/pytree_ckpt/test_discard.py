@@ -19,7 +19,7 @@ from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError,
                          CheckpointWithoutOutput, CheckpointWithoutOutputManager,
                          build_residual_stream_recompute_plan, checkpoint, current_phase)
-from tests.conftest import MatrixProducts, assert_same_grads, grads_of
+from tests.conftest import MatrixProducts, assert_same_grads, grads_of, zero_grads
 from tests.pytree_ckpt.models import UsesOwnWeight
 
 
@@ -894,3 +894,25 @@ def test_a_module_given_by_keyword_is_refused_as_a_tensor_is() -> None:
                        match="(?s)as keyword 'norm'.*got:      norm=LayerNorm.*positionally"):
         ckpt.checkpoint(lambda t, norm: norm(t), x, norm=nn.LayerNorm(8))
     assert ckpt.fn is None
+
+
+def test_an_op_returning_a_one_element_tuple_gets_a_tuple_back_as_eager_does() -> None:
+    torch.manual_seed(0)
+    norm, proj = Norm(), nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def norm_as_tuple(t: torch.Tensor) -> tuple[torch.Tensor]:
+        return (norm(t),)
+
+    proj(norm_as_tuple(x)[0]).square().sum().backward()
+    expected = grads_of([x, *norm.parameters(), *proj.parameters()])
+    zero_grads([x, *norm.parameters(), *proj.parameters()])
+    ckpt = CheckpointWithoutOutput()
+    got = ckpt.checkpoint(norm_as_tuple, x)
+    assert isinstance(got, tuple) and len(got) == 1  # not the tensor itself
+    out = proj(got[0])
+    ckpt.discard_output_and_register_recompute(out)
+    size = got[0].untyped_storage().nbytes()
+    assert size == 0
+    out.square().sum().backward()
+    assert_same_grads(expected, grads_of([x, *norm.parameters(), *proj.parameters()]))
