@@ -916,3 +916,25 @@ def test_an_op_returning_a_one_element_tuple_gets_a_tuple_back_as_eager_does() -
     assert size == 0
     out.square().sum().backward()
     assert_same_grads(expected, grads_of([x, *norm.parameters(), *proj.parameters()]))
+
+
+def test_a_discarded_norm_over_an_expert_that_got_no_tokens_gives_eager_gradients() -> None:
+    # An MoE expert that got no tokens this step gathers an empty batch (hidden[ids] with no
+    # ids: a fresh tensor whose storage is empty from the start, freed by nobody); its rebuild
+    # must not take it for a discarded output that nothing can rebuild.
+    torch.manual_seed(0)
+    norm, proj = Norm(), nn.Linear(16, 16)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    tensors = [hidden, *norm.parameters(), *proj.parameters()]
+    for ids in (torch.tensor([1, 4]), torch.tensor([], dtype=torch.long)):
+        (proj(norm(hidden[ids])).square().sum() + hidden.sum()).backward()
+        expected = grads_of(tensors)
+        zero_grads(tensors)
+        tokens = hidden[ids]
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(norm, tokens)
+        out = proj(normed)
+        ckpt.discard_output_and_register_recompute(out)
+        (out.square().sum() + hidden.sum()).backward()
+        assert_same_grads(expected, grads_of(tensors))
+        zero_grads(tensors)
