@@ -938,3 +938,28 @@ def test_a_discarded_norm_over_an_expert_that_got_no_tokens_gives_eager_gradient
         (out.square().sum() + hidden.sum()).backward()
         assert_same_grads(expected, grads_of(tensors))
         zero_grads(tensors)
+
+
+def test_a_discarded_op_given_integer_positions_gives_eager_gradients() -> None:
+    # A rotary-style op takes position ids beside its input: the rebuild hands each saved
+    # tensor back as it was saved, and an integer tensor cannot be made to require grad.
+    torch.manual_seed(0)
+    proj = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    positions = torch.arange(4)
+
+    def rotate(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return t * torch.cos(pos.unsqueeze(-1).to(t.dtype) * 0.1)
+
+    proj(rotate(x, positions)).square().sum().backward()
+    expected = grads_of([x, *proj.parameters()])
+    zero_grads([x, *proj.parameters()])
+    ckpt = CheckpointWithoutOutput()
+    rotated = ckpt.checkpoint(rotate, x, positions)
+    out = proj(rotated)
+    ckpt.discard_output_and_register_recompute(out)
+    size = rotated.untyped_storage().nbytes()
+    assert size == 0
+    out.square().sum().backward()
+    assert_same_grads(expected, grads_of([x, *proj.parameters()]))
+    assert positions.grad is None and not positions.requires_grad
