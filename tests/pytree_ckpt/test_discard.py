@@ -963,3 +963,28 @@ def test_a_discarded_op_given_integer_positions_gives_eager_gradients() -> None:
     out.square().sum().backward()
     assert_same_grads(expected, grads_of([x, *proj.parameters()]))
     assert positions.grad is None and not positions.requires_grad
+
+
+def test_an_op_that_writes_its_own_fresh_output_in_place_is_discarded() -> None:
+    # A norm that scales its own result in place (y.mul_(scale), as fused kernels and some
+    # hand-written norms do) hands back an output whose version moved inside the op: only a
+    # consumer's change after the call is refused, not the op's own.
+    torch.manual_seed(0)
+    proj = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def scaled_norm(t: torch.Tensor) -> torch.Tensor:
+        y = t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6)
+        return y.mul_(2.0)
+
+    proj(scaled_norm(x)).square().sum().backward()
+    expected = grads_of([x, *proj.parameters()])
+    zero_grads([x, *proj.parameters()])
+    ckpt = CheckpointWithoutOutput()
+    activated = ckpt.checkpoint(scaled_norm, x)
+    out = proj(activated)
+    ckpt.discard_output_and_register_recompute(out)
+    size = activated.untyped_storage().nbytes()
+    assert size == 0
+    out.square().sum().backward()
+    assert_same_grads(expected, grads_of([x, *proj.parameters()]))
