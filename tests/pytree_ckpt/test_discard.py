@@ -6,8 +6,10 @@ objects in its expression, and printing a tensor whose storage was freed reads f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import weakref
 from typing import Any
 
 import pytest
@@ -988,3 +990,26 @@ def test_an_op_that_writes_its_own_fresh_output_in_place_is_discarded() -> None:
     assert size == 0
     out.square().sum().backward()
     assert_same_grads(expected, grads_of([x, *proj.parameters()]))
+
+
+@pytest.mark.parametrize("how", ["no grad", "nothing needs grad", "after its backward"])
+def test_a_kept_checkpoint_object_holds_none_of_its_ops_inputs(how: str) -> None:
+    # A layer may keep its CheckpointWithoutOutput (self.ckpt, a plan's manager) past the op:
+    # the search for what a plain function may return a view of lists its arguments, and the
+    # object kept that list. Run without grad (a checkpoint boundary's original pass) or on
+    # what needs no gradient, the op is just called and saves nothing; after its backward the
+    # node has let its inputs go: neither may leave the input alive with the object.
+    ckpt = CheckpointWithoutOutput()
+    x = torch.randn(8, 16, requires_grad=how == "after its backward")
+    h = x * 2  # an activation: what the object must not keep
+    ref = weakref.ref(h)
+    with torch.no_grad() if how == "no grad" else contextlib.nullcontext():
+        out = ckpt.checkpoint(torch.nn.functional.gelu, h)
+    assert ckpt.passthrough == (how != "after its backward")
+    if how == "after its backward":
+        y = out * 3
+        ckpt.discard_output_and_register_recompute(y)
+        y.sum().backward()
+        del y
+    del h, out
+    assert ref() is None
