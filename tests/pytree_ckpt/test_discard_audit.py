@@ -657,3 +657,35 @@ def test_a_discarded_output_reaching_the_next_op_only_detached_and_dropped_is_na
     with pytest.raises(CheckpointError, match=r"(?s)an input of \S+ is a discarded output that "
                                               r"nothing can rebuild.*not \.detach\(\)"):
         out.sum().backward()
+
+
+class _HeldDropout(nn.Module):
+    """A dropout drawing from a generator of its own, held as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _own_dropout(x, generator=self.gen)
+
+
+def test_a_discarded_module_holding_its_own_generator_replays_its_mask_and_leaves_it_as_eager(
+        ) -> None:
+    # NOTE [generators held as attributes] (held_generators.py) at the rebuild: without it the
+    # rebuild drew the held generator's next numbers, another mask under the consumer's saved
+    # tensor (other gradients, silently), and the generator ended the step two draws on.
+    results = []
+    for discard in (False, True):
+        drop = _HeldDropout()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        w = torch.randn(8, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = ckpt.checkpoint(drop, x) @ w
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = drop(x) @ w
+        out.square().sum().backward()
+        results.append([*grads_of([x, w]), torch.rand(8, generator=drop.gen)])
+    assert_same_grads(*results)
