@@ -689,3 +689,30 @@ def test_a_discarded_module_holding_its_own_generator_replays_its_mask_and_leave
         out.square().sum().backward()
         results.append([*grads_of([x, w]), torch.rand(8, generator=drop.gen)])
     assert_same_grads(*results)
+
+
+@pytest.mark.parametrize("through", ["own", "manager"])
+def test_without_preserve_rng_state_the_rebuild_draws_the_generators_next_numbers(
+        through: str) -> None:
+    # As torch's checkpoint with preserve_rng_state=False: nothing is recorded, so the rebuild
+    # draws from the default generator as backward finds it (another mask, which the gradients
+    # follow) and moves it on. The option must reach the rebuild, through a manager too.
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    torch.manual_seed(1)
+    torch.rand(4, 8)  # the forward's mask
+    rebuilt = (torch.rand(4, 8) > 0.5) * 2.0
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    fn = lambda t: t * (torch.rand(t.shape) > 0.5) * 2  # noqa: E731
+    if through == "own":
+        ckpt = CheckpointWithoutOutput(preserve_rng_state=False)
+        out = ckpt.checkpoint(fn, x) * w
+        ckpt.discard_output_and_register_recompute(out)
+    else:
+        manager = pytree_ckpt.CheckpointWithoutOutputManager(preserve_rng_state=False)
+        out = manager.checkpoint(fn, x) * w
+        manager.discard_all_outputs_and_register_unified_recompute(out)
+    out.sum().backward()
+    assert torch.equal(x.grad, rebuilt * w.detach())
+    assert torch.equal(torch.rand(3), after)
