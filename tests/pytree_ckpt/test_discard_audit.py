@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import weakref
 from typing import Any
 
@@ -716,3 +717,33 @@ def test_without_preserve_rng_state_the_rebuild_draws_the_generators_next_number
     out.sum().backward()
     assert torch.equal(x.grad, rebuilt * w.detach())
     assert torch.equal(torch.rand(3), after)
+
+
+class _GradBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), 2.0, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+    def through(self, x: torch.Tensor, other: nn.Module) -> torch.Tensor:
+        return other(x)
+
+
+@pytest.mark.parametrize("whose", ["own", "argument"])
+def test_a_buffer_that_requires_grad_on_a_discarded_module_is_refused_by_its_name(
+        whose: str) -> None:
+    # It would get no gradient from the rebuild (only inputs and parameters get one): the
+    # refusal names the buffer, on the op's module or on a module passed as an argument, as
+    # the boundary's does, not an anonymous tensor.
+    x = torch.randn(4, 8, requires_grad=True)
+    module = _GradBuffer()
+    ckpt = CheckpointWithoutOutput()
+    h = ckpt.checkpoint(module, x) if whose == "own" else \
+        ckpt.checkpoint(_GradBuffer().through, x, module)
+    out = h * 3
+    ckpt.discard_output_and_register_recompute(out)
+    name = "scale" if whose == "own" else "(argument _GradBuffer).scale"
+    with pytest.raises(CheckpointError, match=f"the buffer {re.escape(name)} requires grad"):
+        out.sum().backward()
