@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
@@ -1013,3 +1014,27 @@ def test_a_kept_checkpoint_object_holds_none_of_its_ops_inputs(how: str) -> None
         del y
     del h, out
     assert ref() is None
+
+
+def test_a_loss_kept_after_backward_keeps_neither_the_rebuilt_output_nor_the_refilled_one(
+        ) -> None:
+    # A loop that keeps its loss for logging (losses.append(loss)) keeps the graph's nodes
+    # after backward, the discard's among them: its backward must let go of the rebuilt
+    # output (a second copy of the output's bytes, with the op's graph) and of the refilled
+    # storage, not leave them to the node's end, a step later.
+    norm, proj = Norm(), nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    rebuilt: list[weakref.ref[torch.Tensor]] = []
+    norm.register_forward_hook(
+        lambda m, a, out: rebuilt.append(weakref.ref(out)) if torch.is_grad_enabled() else None)
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(norm, x)
+    storage = StorageWeakRef(normed.untyped_storage())
+    out = proj(normed)
+    ckpt.discard_output_and_register_recompute(out)
+    loss = out.square().sum()
+    loss.backward()
+    del normed, out
+    assert loss.grad_fn is not None  # the graph's nodes live on
+    assert len(rebuilt) == 1 and rebuilt[0]() is None
+    assert storage.expired()
