@@ -1038,3 +1038,25 @@ def test_a_loss_kept_after_backward_keeps_neither_the_rebuilt_output_nor_the_ref
     assert loss.grad_fn is not None  # the graph's nodes live on
     assert len(rebuilt) == 1 and rebuilt[0]() is None
     assert storage.expired()
+
+
+def test_an_op_returning_none_beside_its_output_is_refused_saying_none() -> None:
+    # docs/discard.md, "Outputs": a fused op's (out, None) is the case the tip is written for.
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(CheckpointConfigError) as error:
+        CheckpointWithoutOutput().checkpoint(lambda t: (t * 2, None), x)
+    assert "  got:      None\n" in str(error.value)
+    assert "(out, None)" in str(error.value)
+
+
+def test_a_hook_tensor_that_needs_no_grad_is_refused_saying_so() -> None:
+    ckpt = CheckpointWithoutOutput()
+    out = ckpt.checkpoint(nn.LayerNorm(4), torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(CheckpointConfigError) as error:
+        ckpt.discard_output_and_register_recompute(out.detach() * 2)
+    assert str(error.value).splitlines()[:3] == [
+        "the hook tensor for LayerNorm must be a tensor that requires grad",
+        "  expected: a later tensor in the graph (the consumer's output)",
+        "  got:      a tensor with requires_grad=False"]
+    with pytest.raises(CheckpointConfigError, match="  got:      list"):
+        ckpt.discard_output_and_register_recompute([out])
