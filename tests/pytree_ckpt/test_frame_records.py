@@ -258,3 +258,35 @@ def test_a_nested_boundary_replays_the_masks_its_own_first_run_drew_under_an_out
     assert_same_grads(grads_of([x_twin, *twin.parameters()]), grads_of([x, *inner.parameters()]))
     # "dropout masks are identical in the replay": the inner replay draws its first run's
     assert torch.equal(inner.masks[2][1], inner.masks[1][1])
+
+
+class KeptOwnCoinFlipsChanged(nn.Module):
+    """KeptCoinFlipsChanged drawing from a generator of its own, held as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        mask = torch.bernoulli(torch.full_like(h, 0.5), generator=self.gen)  # kept, taken back
+        mask.mul_(2.0)
+        return h * mask
+
+
+def test_a_random_op_taken_back_from_a_save_unit_redraws_its_own_generators_numbers() -> None:
+    # Frame.unkeep drops the jump of a generator the layer holds too (NOTE [generators held as
+    # attributes]), not only the default generators': kept, it set the generator to the state
+    # after the op, and the op, run again, drew the numbers after those: another mask.
+    torch.manual_seed(0)
+    eager = KeptOwnCoinFlipsChanged()
+    torch.manual_seed(0)
+    wrapped = KeptOwnCoinFlipsChanged()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptOps("aten::bernoulli")}, offload=False)
+        x = torch.randn(4, 8, requires_grad=True)
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+    assert torch.equal(torch.rand(4, generator=eager.gen), torch.rand(4, generator=wrapped.gen))
