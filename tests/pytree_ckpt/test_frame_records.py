@@ -290,3 +290,32 @@ def test_a_random_op_taken_back_from_a_save_unit_redraws_its_own_generators_numb
         x = torch.randn(4, 8, requires_grad=True)
         assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
     assert torch.equal(torch.rand(4, generator=eager.gen), torch.rand(4, generator=wrapped.gen))
+
+
+def test_a_reused_call_in_a_nested_boundary_keeps_the_outer_boundarys_generator_in_step(
+        ) -> None:
+    # The outer boundary is given the generator, the inner one is not: the reused call inside
+    # the inner one draws from it, and the outer layer draws from it again after. The jump is
+    # recorded for the outer frame (its replay skips the call and must leave the generator
+    # where the call left it) and not for the inner one, whose replay does not restore it
+    # (a jump there would move it for good). Gradients and the generator's next numbers are
+    # eager's.
+    results = []
+    for checkpointed in (False, True):
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+        def jitter(h: torch.Tensor) -> torch.Tensor:
+            return (h + torch.rand(h.shape, generator=g)).topk(2, dim=-1).indices
+
+        def inner(h: torch.Tensor) -> torch.Tensor:
+            return torch.gather(h, -1, reuse_during_recompute(jitter, h.detach()))
+
+        def outer(h: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+            picked = checkpoint(inner, h * 2) if checkpointed else inner(h * 2)
+            return picked * (torch.rand(picked.shape, generator=gen) > 0.5)
+
+        out = checkpoint(outer, x, g) if checkpointed else outer(x, g)
+        out.square().sum().backward()
+        results.append([x.grad, torch.rand(8, generator=g)])
+    assert_same_grads(*results)
