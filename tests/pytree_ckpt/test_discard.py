@@ -1060,3 +1060,33 @@ def test_a_hook_tensor_that_needs_no_grad_is_refused_saying_so() -> None:
         "  got:      a tensor with requires_grad=False"]
     with pytest.raises(CheckpointConfigError, match="  got:      list"):
         ckpt.discard_output_and_register_recompute([out])
+
+
+def test_a_wrapper_output_before_a_plain_one_leaves_the_plain_one_freed_and_rebuilt() -> None:
+    # The discard's byte counts are per output, and the rebuild refills by position: the kept
+    # wrapper's 0 must hold its place, or the plain output after it is not refilled and its
+    # consumer's backward reads freed memory.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    w = torch.randn(16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def both(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a * 2, torch.tanh(b)
+
+    def run(discarded: bool) -> list[torch.Tensor | None]:
+        generator = torch.Generator().manual_seed(1)
+        x = TwoTensor(torch.randn(4, 16, generator=generator),
+                      torch.randn(4, 16, generator=generator)).requires_grad_()
+        y = torch.randn(4, 16, generator=generator, requires_grad=True)
+        w.grad = None
+        ckpt = CheckpointWithoutOutput()
+        _, plain = ckpt.checkpoint(both, x, y) if discarded else both(x, y)
+        out = plain * w  # saves plain
+        if discarded:
+            ckpt.discard_output_and_register_recompute(out)
+            size = plain.untyped_storage().nbytes()
+            assert size == 0
+        out.square().sum().backward()
+        return [y.grad, w.grad]
+
+    assert_same_grads(run(False), run(True))
