@@ -270,6 +270,11 @@ def test_inert_selections_warn() -> None:
                                          r"layers; did you mean 'Gate.accumulate'\?"):
         apply_recompute_config([Block()], RecomputeConfig(1.0, save=["moe_gate"]),
                                {SaveUnit.MOE_GATE: KeptCallables("Gat.acumulate")})
+    # The class is there, the method is not: nothing matches (no wrapper of a missing method)
+    with pytest.warns(UserWarning, match=r"keeps nothing.*'Gate\.acumulate': did you mean "
+                                         r"'Gate\.accumulate'\?"):
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["moe_gate"]),
+                               {SaveUnit.MOE_GATE: KeptCallables("Gate.acumulate")})
     with warnings.catch_warnings():  # one missing name of a pair is skipped quietly
         warnings.simplefilter("error")
         apply_recompute_config([Block()], RecomputeConfig(1.0, save=["attn"]), TARGETS)
