@@ -5,6 +5,7 @@ compared with an unwrapped eager twin, exactly in fp32; what is kept is counted 
 from __future__ import annotations
 
 import copy
+import pickle
 import types
 import warnings
 from typing import Any
@@ -113,16 +114,23 @@ def test_a_kept_method_bound_on_the_instance_follows_a_deepcopy_to_the_copy() ->
                        2 * twin[0].router.gate.bias.expand(3, 4))
 
 
-def test_a_kept_method_stays_kept_after_its_modules_class_is_swapped_and_the_layer_copied() -> None:
+class FSDPRouter(Router):
+    """What FSDP2's fully_shard makes of a Router's class (module level: pickled by name)."""
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_kept_method_stays_kept_after_its_modules_class_is_swapped_and_the_layer_copied(
+        how: str) -> None:
     # FSDP2's fully_shard, applied after checkpointing, swaps each sharded module's class for a
-    # subclass (FSDPRouter): the kept region must still be the one the policy lists.
+    # subclass (FSDPRouter): the kept region must still be the one the policy lists, in a copy
+    # made either way (a pickled one rebuilds its wrapper from __reduce__).
     torch.manual_seed(0)
     eager = nn.ModuleList(Layer() for _ in range(2))
     ours = copy.deepcopy(eager)
     _apply(ours, "Router.project")
     for layer in ours:
-        layer.router.__class__ = type("FSDPRouter", (Router,), {})
-    ours = copy.deepcopy(ours)
+        layer.router.__class__ = FSDPRouter
+    ours = copy.deepcopy(ours) if how == "deepcopy" else pickle.loads(pickle.dumps(ours))
     x = torch.randn(3, 8)
     expected_loss, expected = _step(eager, x)
     counter = OpCounter()
