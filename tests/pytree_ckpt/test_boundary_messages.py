@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import enum
+import functools
 import warnings
 from typing import Any
 
@@ -311,7 +312,14 @@ def test_hooks_of_torch_and_of_this_library_inside_the_boundary_are_not_warned_a
     import pytree_ckpt
     from torch.utils.flop_counter import FlopCounterMode
 
+    def pre_forward(state: object, module: torch.nn.Module, args: object) -> None:
+        return None
+
+    # FSDP's per-module hooks are functools.partial objects of torch's functions: told by
+    # the function they bind (a partial's own __module__ is functools).
+    pre_forward.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
     layer = pytree_ckpt.apply_activation_checkpointing(Gated())
+    layer.gate.register_forward_pre_hook(functools.partial(pre_forward, None))
     x = torch.randn(3, 4, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
