@@ -202,6 +202,10 @@ def test_a_transformers_cache_is_refused_without_use_cache_unless_the_layer_only
 
     checkpoint(ReadsOnly(), x, cache=TransformersCache())  # not refused
     checkpoint(ReadsOnly(), x, cache=TransformersCache(), use_cache=True)  # nor with use_cache
+    # Wrapped in place, the boundary's fn is the bound forward: the opt-in is read from the
+    # module that owns it, not from the method (which has no such attribute).
+    wrapped = pytree_ckpt.apply_activation_checkpointing(ReadsOnly())
+    wrapped(x, cache=TransformersCache()).sum().backward()  # not refused either
 
 
 def test_transformers_checkpointing_stacked_on_a_wrapped_layer_is_warned_once() -> None:
