@@ -202,6 +202,13 @@ def test_a_transformers_cache_is_refused_without_use_cache_unless_the_layer_only
 
     checkpoint(ReadsOnly(), x, cache=TransformersCache())  # not refused
     checkpoint(ReadsOnly(), x, cache=TransformersCache(), use_cache=True)  # nor with use_cache
+    # A cache is told by both methods: an object with only one of them is a plain object.
+
+    class LengthOnly:
+        def get_seq_length(self) -> int:
+            return 0
+
+    checkpoint(lambda h, lengths: h * 2, x, lengths=LengthOnly()).sum().backward()
     # Wrapped in place, the boundary's fn is the bound forward: the opt-in is read from the
     # module that owns it, not from the method (which has no such attribute).
     wrapped = pytree_ckpt.apply_activation_checkpointing(ReadsOnly())
