@@ -311,7 +311,7 @@ def test_a_cache_the_first_call_fills_for_a_hooked_module_stays_a_constant_as_in
         _constant_cache_steps(eager, cached_scale)
 
 
-@pytest.mark.parametrize("fill", ["copy_ into a slice", "out= a slice"])
+@pytest.mark.parametrize("fill", ["copy_ into a slice", "out= a slice", "a row, then fill_"])
 def test_a_cache_built_by_filling_slices_of_an_empty_tensor_stays_a_constant_as_in_eager(
         fill: str) -> None:
     # NOTE [blank tensors]: a table an lru_cache builds at the layer's first call by writing
@@ -321,6 +321,11 @@ def test_a_cache_built_by_filling_slices_of_an_empty_tensor_stays_a_constant_as_
     @functools.lru_cache
     def cached_scale() -> torch.Tensor:
         table = torch.empty(16)
+        if fill == "a row, then fill_":  # a view taken before its blank base is written
+            rows = torch.empty(2, 16)
+            row = rows[0]
+            rows.fill_(0.5)
+            return row
         if fill == "copy_ into a slice":
             table[:8].copy_(torch.full((8,), 0.5))
             table[8:].copy_(torch.full((8,), 2.0))
