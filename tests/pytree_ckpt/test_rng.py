@@ -84,6 +84,29 @@ def test_the_replay_environment_sets_the_recorded_cuda_state_and_puts_the_ambien
     assert torch.equal(gens.states[0], ambient)
 
 
+def test_a_replay_environment_that_fails_to_enter_autocast_puts_the_rng_state_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The RNG states are set before the forward's autocast state is entered: if entering it
+    # raises, the generators must not be left at the forward's state (the step would go on
+    # drawing the forward's numbers again), nor a passed generator at its own.
+    generator = torch.Generator().manual_seed(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        env = ReplayEnvironment.capture((), preserve_rng=True, leaves=[generator])
+    torch.rand(3)
+    torch.rand(3, generator=generator)  # both move on after the forward
+    ambient, own = torch.get_rng_state(), generator.get_state()
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("autocast refused")
+
+    monkeypatch.setattr(torch, "autocast", refused)
+    with pytest.raises(RuntimeError, match="autocast refused"):
+        with env.replaying():
+            pass
+    assert torch.equal(torch.get_rng_state(), ambient)
+    assert torch.equal(generator.get_state(), own)
+
+
 # ------------------------------------------- CUDA paths of rng.py (not runnable without a GPU)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
