@@ -530,6 +530,17 @@ def test_a_wrapped_forward_shows_the_layers_own_signature() -> None:
     del layer
     gc.collect()
     assert not hasattr(forward, "__signature__")  # its module is gone: calling it says so
+    # A forward installed on the instance before wrapping (the body that runs) is the one shown.
+    other = Layer()
+
+    def scaled_only(hidden_states: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return other.proj(hidden_states) * scale
+
+    other.forward = scaled_only  # type: ignore[method-assign]
+    before = inspect.signature(other.forward)
+    apply_activation_checkpointing(other)
+    assert inspect.signature(other.forward) == before
+    assert list(before.parameters) == ["hidden_states", "scale"]
 
 
 @pytest.mark.parametrize("how", ["method", "partial of a method", "module"])
