@@ -455,6 +455,28 @@ def test_a_parameter_changed_in_place_between_forward_and_backward_is_refused_as
         assert x.grad is None and model[0].weight.grad is None  # nothing half-done
 
 
+def test_a_parameter_of_a_module_passed_as_an_argument_changed_in_place_is_named_as_such(
+) -> None:
+    # The head is no submodule of the layer: named by its path alone ("weight"), the message
+    # pointed at the layer's own parameter of that name.
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+            return head(torch.tanh(x @ self.weight))
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Mixer())
+    head = nn.Linear(4, 1)
+    loss = layer(torch.randn(3, 4, requires_grad=True), head).sum()
+    with torch.no_grad():
+        head.weight.add_(0.5)
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=r"^Mixer's parameter \(argument Linear\)\.weight was changed"):
+        loss.backward()
+
+
 def test_parameters_swapped_by_a_conversion_between_forward_and_backward_are_refused_naming_it(
 ) -> None:
     # With swap_module_params_on_conversion, model.double() swaps each parameter's contents
