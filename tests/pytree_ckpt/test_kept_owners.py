@@ -132,15 +132,7 @@ def test_a_router_shared_after_a_removal_stays_kept_by_the_layer_it_joined() -> 
     ours[1].router = ours[0].router
     remove_activation_checkpointing(ours[0])
     assert "project" in ours[0].router.__dict__
-    x = torch.randn(3, 8)
-    expected_loss, expected = _step(eager, x)
-    counter = OpCounter()
-    loss, got = _step(ours, x, counter)
-    assert torch.equal(expected_loss, loss)
-    assert_same_grads(expected, got)
-    assert counter.counts["recompute", "aten.addmm"] == 1  # layers[1]'s mix alone
-    remove_activation_checkpointing(ours[1])
-    assert "project" not in ours[0].router.__dict__
+    _layer_1_keeps_the_shared_router(eager, ours)
 
 
 def test_a_layer_checkpointed_later_keeping_an_already_wrapped_router_holds_it() -> None:
@@ -160,6 +152,12 @@ def test_a_layer_checkpointed_later_keeping_an_already_wrapped_router_holds_it()
     apply_recompute_config([ours[1]], config, targets)  # checkpointed later (a re-balance)
     remove_activation_checkpointing(ours[0])
     assert "project" in ours[0].router.__dict__  # layers[1] keeps it
+    _layer_1_keeps_the_shared_router(eager, ours)
+
+
+def _layer_1_keeps_the_shared_router(eager: nn.ModuleList, ours: nn.ModuleList) -> None:
+    """A step equals the eager twin's with only layers[1]'s mix recomputed (the router's
+    projection kept), and removing layers[1] puts the router's method back."""
     x = torch.randn(3, 8)
     expected_loss, expected = _step(eager, x)
     counter = OpCounter()
