@@ -1745,6 +1745,32 @@ def test_a_multi_grad_hook_on_parameters_one_of_them_unused_fires_as_in_eager() 
     assert run(True) == run(False) == [[False, True]]
 
 
+def test_torchs_memory_tracker_warns_for_an_unused_parameter_and_gradients_stay_eagers() -> None:
+    # The documented cost of the rule above (docs/limits.md, "Gradient hooks and DDP"): every
+    # hook torch registers gets the replay's None call, MemTracker's too, which warns for
+    # each unused parameter (and nothing else); the gradients are eager's.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def run(wrap: bool) -> tuple[list[str], list[torch.Tensor | None]]:
+        torch.manual_seed(0)
+        layer = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
+        layer.forward = lambda x: layer["used"](x)  # type: ignore[method-assign]
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(3, 4, requires_grad=True)
+        tracker = MemTracker()
+        tracker.track_external(layer)
+        with warnings.catch_warnings(record=True) as caught, tracker:
+            warnings.simplefilter("always")
+            layer(x).sum().backward()
+        return [str(w.message) for w in caught], grads_of([x, *layer.parameters()])
+
+    (eager_warned, expected), (warned, got) = run(False), run(True)
+    assert eager_warned == []
+    assert warned and all("but got <class 'NoneType'>" in m for m in warned)
+    assert_same_grads(expected, got)
+
+
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_an_input_made_under_inference_mode_is_accepted_as_in_eager(offloaded: bool) -> None:
     # Guards against: the boundary saves every input, and autograd refuses to save an inference
