@@ -72,9 +72,15 @@ class AllToAll(torch.autograd.Function):
                 counts: Counts, what: str) -> torch.Tensor:
         ctx.splits, ctx.counts, ctx.what = (out_splits, in_splits), counts, what
         counts.add(what)
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
-        return out
+        received = x.new_empty(sum(out_splits), *x.shape[1:])
+        # gloo's worker thread lets go of a finished work (and its tensors) only after the
+        # caller has gone on. Given x itself (its graph: a replay's input behind it) or
+        # returning the buffer it wrote (autograd gives the returned tensor this node), the
+        # work held that graph a moment past backward's last use, and under CPU load the
+        # offload manager judged the input alive elsewhere (alive_elsewhere_bytes 192). So
+        # gloo gets tensors without a graph: x detached, and a buffer returned as a copy.
+        dist.all_to_all_single(received, x.detach().contiguous(), out_splits, in_splits)
+        return received.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
