@@ -88,7 +88,9 @@ class CensusReading:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain data: totals, bytes by device and by mechanism, one row per
-        (module, mechanism, device), and the flagged storages (for a JSON report)."""
+        (module, mechanism, device), and the flagged storages (for a JSON report). Rows are
+        sorted by those three as strings (``layers.10`` before ``layers.2``), so two runs of
+        one model give the same order whatever order their storages were saved in."""
         rows: dict[tuple[str, str, str], int] = defaultdict(int)
         for e in self._alive():
             rows[(e.module, str(e.mechanism), e.device)] += e.nbytes

@@ -172,6 +172,21 @@ def test_report_and_to_dict_agree_with_the_totals() -> None:
     del out
 
 
+def test_to_dict_rows_are_sorted_by_module_path_mechanism_and_device_as_strings() -> None:
+    # The documented order (to_dict's docstring): a JSON report diffs cleanly between runs.
+    # Twelve layers, so string order (10.1 before 2.1) differs from call order.
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(12)))
+    with ActivationCensus(model) as census:
+        out = model(torch.randn(3, 6, requires_grad=True))  # each Tanh saves its output
+    rows = census.to_dict()["rows"]
+    keys = [(r["module"], r["mechanism"], r["device"]) for r in rows]
+    assert keys == sorted(keys)
+    modules = [r["module"] for r in rows]
+    assert {f"{i}.1" for i in range(12)} <= set(modules)
+    assert modules.index("10.1") < modules.index("2.1")
+    del out
+
+
 def test_the_report_keeps_its_columns_aligned_under_long_module_paths() -> None:
     # The module column is as wide as the longest path (whole, never cut: an expert's
     # gate_proj and up_proj must not read as one module); at a fixed width, rows of paths
