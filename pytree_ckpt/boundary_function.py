@@ -69,13 +69,13 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(Phase.FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
-        for t in inputs[: call.n_inputs + len(call.attributes)]:
-            if type(t) is not _Tensor:
-                # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
-                # NOTE [a subclass's attributes as the forward began]: read now.
-                call.subclasses = [kind_of(t, as_now=True)
-                                   for t in inputs[: call.n_inputs + len(call.attributes)]]
-                break
+        # NOTE [attributes set before the call] (boundary.py), continued: saved with the
+        # inputs, after them.
+        saved = inputs[: call.n_inputs + len(call.attributes)]
+        if any(type(t) is not _Tensor for t in saved):
+            # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
+            # NOTE [a subclass's attributes as the forward began]: read now.
+            call.subclasses = [kind_of(t, as_now=True) for t in saved]
         param_before = ParameterVersions.read(call.params) if call.params else None
         # NOTE [state the forward changes] (state_changes.py); a tree with no buffer nor frozen
         # parameter (the usual layer) needs no watch: only a registration can happen there,
@@ -127,9 +127,6 @@ class _BoundaryFunction(torch.autograd.Function):
         if param_before is not None:  # NOTE [parameters changed in place] (changed_in_place.py)
             assert call.params is not None
             call.param_versions = ParameterVersions(call.params, param_before)
-        # NOTE [attributes set before the call] (boundary.py), continued: saved with the
-        # inputs, after them.
-        saved = inputs[: call.n_inputs + len(call.attributes)]
         call.saved_versions = versions(saved) if call.attributes else now
         if moved:
             raise_input_changed(call, tensors, moved)
