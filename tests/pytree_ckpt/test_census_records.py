@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import pytree_ckpt
+from offload import OffloadManager
 from pytree_ckpt import ActivationCensus, CheckpointWithoutOutput, apply_activation_checkpointing
 
 
@@ -162,9 +163,10 @@ def test_a_dropped_graph_leaves_no_discarded_bytes() -> None:
     assert census.discarded_bytes == 0 and census.total_bytes == 0
 
 
-def test_a_discarded_offloaded_input_whose_graph_was_dropped_is_not_flagged() -> None:
-    # flagged(): the discard freed the storage in place (0 bytes left); a caller's alias of
-    # the tensor keeps only the empty storage object, so no offload "saved nothing".
+def _norm_discarded_into_an_offloaded_layer() -> tuple[
+        ActivationCensus, OffloadManager, CheckpointWithoutOutput, torch.Tensor, torch.Tensor]:
+    """A norm's output discarded after an offloaded layer took it as input (its window copied
+    it to host), under a census: (census, manager, ckpt, the norm's output, the layer's)."""
     from tests.offload.blocks import manager, offloaded_stack
 
     norm = nn.LayerNorm(32)
@@ -176,6 +178,13 @@ def test_a_discarded_offloaded_input_whose_graph_was_dropped_is_not_flagged() ->
         normed = ckpt.checkpoint(norm, x)
         out = layers[0](normed)
         ckpt.discard_output_and_register_recompute(out)
+    return census, m, ckpt, normed, out
+
+
+def test_a_discarded_offloaded_input_whose_graph_was_dropped_is_not_flagged() -> None:
+    # flagged(): the discard freed the storage in place (0 bytes left); a caller's alias of
+    # the tensor keeps only the empty storage object, so no offload "saved nothing".
+    census, m, ckpt, normed, out = _norm_discarded_into_an_offloaded_layer()
     m.stats()  # the manager lets go of its device tensors
     alias = normed.detach()  # holds the (freed) storage, not the graph
     del out, normed, ckpt  # a step abandoned without backward
@@ -190,17 +199,7 @@ def test_a_discarded_offloaded_input_counts_as_discarded_until_backward_rebuilds
     # offload window copied to host: the window lets go of the device storage once the copy
     # is done (stats() collects it), and nothing else holds the record. Without the discard
     # among its holders, discarded_bytes dropped to 0 while backward still needed the bytes.
-    from tests.offload.blocks import manager, offloaded_stack
-
-    norm = nn.LayerNorm(32)
-    m = manager()
-    layers = offloaded_stack(m, 1)
-    x = torch.randn(16, 32, requires_grad=True)
-    with ActivationCensus(nn.ModuleList([norm, layers])) as census:
-        ckpt = CheckpointWithoutOutput()
-        normed = ckpt.checkpoint(norm, x)
-        out = layers[0](normed)
-        ckpt.discard_output_and_register_recompute(out)
+    census, m, _, _, out = _norm_discarded_into_an_offloaded_layer()
     assert census.discarded_bytes == 16 * 32 * 4
     m.stats()  # the manager lets go of its device tensors
     assert census.discarded_bytes == 16 * 32 * 4
