@@ -28,6 +28,19 @@ def _discard_step(norm: nn.Module, proj: nn.Linear, x: torch.Tensor) -> None:
     out.square().sum().backward()
 
 
+def _discard_step_equals_the_twins(op: nn.Module, proj: nn.Linear, twin_op: nn.Module,
+                                   twin_proj: nn.Linear, step: int) -> None:
+    """One step of ``op`` discarded before ``proj`` and of its eager twin, on the step's own
+    batch: gradients bit for bit, and ``op``'s buffers equal the twin's after it."""
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+    x, x_twin = x.requires_grad_(), x.detach().clone().requires_grad_()
+    twin_proj(twin_op(x_twin)).square().sum().backward()
+    _discard_step(op, proj, x)
+    assert_same_grads(grads_of([x_twin, *twin_proj.parameters()]),
+                      grads_of([x, *proj.parameters()]))
+    assert all(torch.equal(a, b) for a, b in zip(_state(twin_op), _state(op))), step
+
+
 def test_a_discarded_batchnorm_updates_its_running_statistics_once_as_eager_does() -> None:
     # The rebuild runs BatchNorm's forward again; its second update of the running statistics
     # (and of num_batches_tracked) is put back after the gradients, as the boundary does.
@@ -328,13 +341,7 @@ def test_a_discarded_op_whose_kernel_writes_its_buffers_updates_them_once_as_eag
     op, proj = make(), nn.Linear(16, 16)
     twin_op, twin_proj = copy.deepcopy(op), copy.deepcopy(proj)
     for step in range(3):
-        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
-        x, x_twin = x.requires_grad_(), x.detach().clone().requires_grad_()
-        twin_proj(twin_op(x_twin)).square().sum().backward()
-        _discard_step(op, proj, x)
-        assert_same_grads(grads_of([x_twin, *twin_proj.parameters()]),
-                          grads_of([x, *proj.parameters()]))
-        assert all(torch.equal(a, b) for a, b in zip(_state(twin_op), _state(op))), step
+        _discard_step_equals_the_twins(op, proj, twin_op, twin_proj, step)
         for module in (proj, twin_proj):
             with torch.no_grad():
                 for p in module.parameters():
@@ -545,12 +552,6 @@ def test_a_kernel_written_buffer_added_to_a_discarded_module_later_is_updated_on
         if step == 1:
             for module in (op, twin_op):
                 module.append(_EmaThroughData())
-        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
-        x, x_twin = x.requires_grad_(), x.detach().clone().requires_grad_()
-        twin_proj(twin_op(x_twin)).square().sum().backward()
-        _discard_step(op, proj, x)
-        assert_same_grads(grads_of([x_twin, *twin_proj.parameters()]),
-                          grads_of([x, *proj.parameters()]))
-        assert all(torch.equal(a, b) for a, b in zip(_state(twin_op), _state(op))), step
+        _discard_step_equals_the_twins(op, proj, twin_op, twin_proj, step)
         for module in (proj, twin_proj):
             module.zero_grad(set_to_none=True)
