@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -112,14 +113,21 @@ def test_replay_frame_bytes_appear_under_their_mechanism_and_go_after_backward()
     assert layer.topk_calls == 1
 
 
+def _topk_kept_in(kept: list[torch.Tensor],
+                  layer: Layer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``layer.topk`` for reuse_during_recompute, its result also appended to ``kept``: the
+    test holds the frozen result beyond the frame's life."""
+    def keep_topk(h: torch.Tensor) -> torch.Tensor:
+        ids = layer.topk(h)
+        kept.append(ids)
+        return ids
+    return keep_topk
+
+
 def test_a_storage_kept_alive_after_its_frame_released_it_is_flagged() -> None:
     kept: list[torch.Tensor] = []
     layer = Layer()
-
-    def keep_topk(h: torch.Tensor) -> torch.Tensor:
-        ids = layer.topk(h)
-        kept.append(ids)  # the test holds the frozen result beyond the frame's life
-        return ids
+    keep_topk = _topk_kept_in(kept, layer)
 
     with ActivationCensus() as census:
         out = checkpoint(lambda h: torch.gather(h, -1, reuse_during_recompute(keep_topk, h)),
@@ -139,11 +147,7 @@ def test_a_flagged_storage_stays_flagged_however_many_steps_follow() -> None:
     # reads vanishes at the first batch dropped (here after about 20 steps).
     kept: list[torch.Tensor] = []
     layer = Layer()
-
-    def keep_topk(h: torch.Tensor) -> torch.Tensor:
-        ids = layer.topk(h)
-        kept.append(ids)  # the test holds the frozen result beyond the frame's life
-        return ids
+    keep_topk = _topk_kept_in(kept, layer)
 
     model = mlp()
     with ActivationCensus() as census:
