@@ -111,18 +111,24 @@ class KeptCoinFlipsChanged(nn.Module):
         return nn.functional.dropout(h * mask, 0.5, training=True)
 
 
-def test_a_random_op_taken_back_from_a_save_unit_redraws_the_original_numbers() -> None:
-    # Frame.unkeep: the replay runs the op again from the restored generator; the jump recorded
-    # for it (to the state after it) must be dropped too, or it draws from the state after it.
-    torch.manual_seed(0)
-    eager = KeptCoinFlipsChanged()
-    wrapped = copy.deepcopy(eager)
+def _bernoulli_kept_gives_the_eager_twins_grads(eager: nn.Module, wrapped: nn.Module) -> None:
+    """``wrapped`` checkpointed keeping ``aten::bernoulli`` (its warnings ignored: the op is
+    taken back), then a step of each: gradients bit for bit."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
                                {SaveUnit.ATTN: KeptOps("aten::bernoulli")}, offload=False)
         x = torch.randn(4, 8, requires_grad=True)
         assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+
+
+def test_a_random_op_taken_back_from_a_save_unit_redraws_the_original_numbers() -> None:
+    # Frame.unkeep: the replay runs the op again from the restored generator; the jump recorded
+    # for it (to the state after it) must be dropped too, or it draws from the state after it.
+    torch.manual_seed(0)
+    eager = KeptCoinFlipsChanged()
+    wrapped = copy.deepcopy(eager)
+    _bernoulli_kept_gives_the_eager_twins_grads(eager, wrapped)
 
 
 class BranchingMm(nn.Module):
@@ -283,12 +289,7 @@ def test_a_random_op_taken_back_from_a_save_unit_redraws_its_own_generators_numb
     eager = KeptOwnCoinFlipsChanged()
     torch.manual_seed(0)
     wrapped = KeptOwnCoinFlipsChanged()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
-                               {SaveUnit.ATTN: KeptOps("aten::bernoulli")}, offload=False)
-        x = torch.randn(4, 8, requires_grad=True)
-        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+    _bernoulli_kept_gives_the_eager_twins_grads(eager, wrapped)
     assert torch.equal(torch.rand(4, generator=eager.gen), torch.rand(4, generator=wrapped.gen))
 
 
