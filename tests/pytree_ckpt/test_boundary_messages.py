@@ -208,7 +208,9 @@ def test_a_transformers_cache_is_refused_without_use_cache_unless_the_layer_only
         def get_seq_length(self) -> int:
             return 0
 
-    checkpoint(lambda h, lengths: h * 2, x, lengths=LengthOnly()).sum().backward()
+    y = x.detach().requires_grad_()
+    checkpoint(lambda h, lengths: h * 2, y, lengths=LengthOnly()).sum().backward()
+    assert torch.equal(y.grad, torch.full_like(y, 2.0))  # type: ignore[arg-type]
     # Wrapped in place, the boundary's fn is the bound forward: the opt-in is read from the
     # module that owns it, not from the method (which has no such attribute).
     wrapped = pytree_ckpt.apply_activation_checkpointing(ReadsOnly())
