@@ -50,8 +50,10 @@ class Holder(Protocol):
 # kinds hold the tensor itself whatever the window does, and so keep it resident: another
 # autograd node's save, and a save unit's record (a kept op's output that the next layer's
 # window copies as its input: the record keeps it on the device until the replay). While one
-# of them holds the storage, it is filed under that one, never under a freeing mechanism.
-_RESIDENT = (Mechanism.AUTOGRAD, Mechanism.SAVE_UNIT)
+# of them holds the storage, it is filed under that one, never under a freeing mechanism; when
+# both do (a kept output the model also saves outside the layer), under the save unit, as
+# everywhere a plain autograd save never takes a storage from a mechanism (docs/census.md).
+_RESIDENT = (Mechanism.SAVE_UNIT, Mechanism.AUTOGRAD)
 
 
 def _holds(keeper: weakref.ref[Any]) -> bool:

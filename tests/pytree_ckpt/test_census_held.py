@@ -58,6 +58,41 @@ def test_a_kept_output_a_later_window_copies_stays_counted_as_resident_under_its
     assert census.total_bytes == 0
 
 
+def test_a_kept_output_autograd_also_saves_stays_under_its_save_unit_when_a_window_copies_it(
+) -> None:
+    # A loss term on every layer's output (autograd's mul saves it outside the layers) holds
+    # the kept outputs too. The rule of docs/census.md holds with offload as without: a plain
+    # autograd save does not take a storage from a mechanism, so all four stay under the save
+    # unit (that filed three of them under autograd once the next window's copy replaced the
+    # boundary, autograd coming first among the resident holders).
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(_EndsInKeptOp() for _ in range(4)))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::addmm")}, offload=manager)
+    outputs: list[StorageWeakRef] = []
+    for layer in layers:  # watched independently of the census
+        layer.register_forward_hook(
+            lambda _m, _a, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    with ActivationCensus(layers) as census:
+        h = torch.randn(32, 64)
+        loss = torch.zeros(())
+        for layer in layers:
+            h = layer(h)
+            loss = loss + (h * h).sum()
+    del h
+    manager.stats()
+    gc.collect()
+    layer_bytes = 32 * 64 * 4
+    assert [ref.expired() for ref in outputs] == [False] * 4
+    # Host copies: the first layer's input and the three outputs the next layers received.
+    assert census.bytes_by("mechanism") == {"save unit": 4 * layer_bytes,
+                                            "offloaded to host": 4 * layer_bytes}
+    assert census.flagged() == []
+    loss.backward()
+    assert census.total_bytes == 0
+
+
 def test_a_kept_output_the_next_layer_receives_counts_once_under_the_boundary() -> None:
     # docs/census.md: a storage held through several mechanisms counts once, under the one
     # that reported it last; the next layer's boundary holds the kept output without the unit
