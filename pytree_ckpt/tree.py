@@ -2,9 +2,9 @@
 
 Containers are whatever optree knows (dict and TypedDict, list, tuple, namedtuple, None,
 ``collections`` mappings) plus dataclasses (their extra instance attributes included; one that
-is also a mapping, as transformers' ModelOutput, is rebuilt through its ``__init__``), which
-are registered on first sight in this package's own optree namespace (so the global registry
-stays untouched). Leaves that are not
+is also a mapping, as transformers' ModelOutput, is rebuilt through its ``__init__`` and then
+given the original's keys, items and attributes), which are registered on first sight in this
+package's own optree namespace (so the global registry stays untouched). Leaves that are not
 tensors (ints, strings, config objects) ride along unchanged.
 """
 
@@ -35,42 +35,78 @@ def _register_dataclass(cls: type) -> None:
     names = tuple(f.name for f in fields)
     field_set = frozenset(names)
     init_names = frozenset(f.name for f in fields if f.init)
+    required = frozenset(f.name for f in fields if f.init and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
     is_mapping = issubclass(cls, Mapping)
 
     def flatten_one(obj: Any) -> tuple[list[Any], tuple[tuple[Any, ...], tuple[Any, ...]],
                                        tuple[Any, ...]]:
         # Instance attributes beyond the fields (set in __post_init__, say) are children too,
-        # and so are a mapping's items that are not fields: nothing is dropped, and a tensor
-        # among them carries gradient like a field.
+        # and so are a mapping's items that are not the attribute of their name: nothing is
+        # dropped, and a tensor among them carries gradient like a field.
         # (A field left unset, as an init=False one may be, is left unset in the copy too.)
         attrs = tuple(n for n in names if hasattr(obj, n)) + tuple(
             k for k in getattr(obj, "__dict__", {}) if k not in field_set)
-        items = tuple(k for k in obj.keys() if k not in field_set) if is_mapping else ()
-        children = [getattr(obj, k) for k in attrs] + [obj[k] for k in items]
-        return children, (attrs, items), attrs + items
+        if not is_mapping:
+            return [getattr(obj, k) for k in attrs], (attrs, ()), attrs
+        # A mapping's keys in their own order, each marked by whether its item is the
+        # attribute of that name (then it is not a child of its own).
+        keys = tuple((k, k in field_set and hasattr(obj, k) and obj[k] is getattr(obj, k))
+                     for k in obj.keys())
+        own = [k for k, shared in keys if not shared]
+        children = [getattr(obj, k) for k in attrs] + [obj[k] for k in own]
+        return children, (attrs, keys), attrs + tuple(own)
 
-    def unflatten_one(keys: tuple[tuple[Any, ...], tuple[Any, ...]], children: list[Any]) -> Any:
-        # NOTE: a plain dataclass is rebuilt without calling __init__/__post_init__: the same
-        # attribute values with tensors swapped, not a new construction (frozen ones included).
-        # A dataclass that is also a mapping (transformers' ModelOutput) keeps its items in
-        # step with its fields through its own __init__, so it is rebuilt through that.
-        attrs, items = keys
+    def unflatten_one(spec: tuple[tuple[Any, ...], tuple[Any, ...]], children: list[Any]) -> Any:
+        # NOTE [mapping dataclasses]: a plain dataclass is rebuilt without calling
+        # __init__/__post_init__: the same attribute values with tensors swapped, not a new
+        # construction (frozen ones included). A dataclass that is also a mapping (transformers'
+        # ModelOutput) keeps its items beside its attributes, so it goes through its __init__
+        # with the fields that were keys (and required ones), then gets the other items, then
+        # every attribute as it was (an attribute set after construction is not an item), then
+        # the keys in the original's order and no others: to_tuple() and iteration give the
+        # eager output's tensors in the eager order.
+        attrs, keys = spec
         values = dict(zip(attrs, children))
-        if is_mapping:
-            obj: Any = cls(**{k: v for k, v in values.items() if k in init_names})
-            rest = {k: v for k, v in values.items() if k not in init_names}
+        if not is_mapping:
+            obj: Any = object.__new__(cls)
         else:
-            obj = object.__new__(cls)
-            rest = values
-        for name, value in rest.items():
+            shared = {k for k, is_shared in keys if is_shared}
+            obj = cls(**{k: v for k, v in values.items()
+                         if k in init_names and (k in shared or k in required)})
+            own = iter(children[len(attrs):])
+            for key, is_shared in keys:
+                item = values[key] if is_shared else next(own)
+                if key not in obj or obj[key] is not item:
+                    obj[key] = item
+        for name, value in values.items():
             object.__setattr__(obj, name, value)
-        for key, value in zip(items, children[len(attrs):]):
-            obj[key] = value
+        if is_mapping:
+            _restore_keys(obj, [k for k, _ in keys])
         return obj
 
     # optree's stubs type the callbacks more loosely than these are
     optree.register_pytree_node(cls, flatten_one, unflatten_one,  # type: ignore[arg-type]
                                 namespace=NAMESPACE)
+
+
+def _restore_keys(obj: Any, keys: list[Any], /) -> None:
+    """Give a rebuilt dict-based mapping exactly ``keys``, in that order (NOTE [mapping
+    dataclasses]); the base class's own methods, as ModelOutput refuses ``del``."""
+    if list(obj.keys()) == keys:
+        return
+    if isinstance(obj, collections.OrderedDict):
+        wanted = set(keys)
+        for key in [k for k in obj.keys() if k not in wanted]:
+            collections.OrderedDict.__delitem__(obj, key)
+        for key in keys:
+            collections.OrderedDict.move_to_end(obj, key)
+    elif isinstance(obj, dict):
+        items = [(k, dict.__getitem__(obj, k)) for k in keys]
+        for key in list(dict.keys(obj)):
+            dict.__delitem__(obj, key)
+        for key, value in items:
+            dict.__setitem__(obj, key, value)
 
 
 def _is_unregistered_dataclass(leaf: Any) -> bool:

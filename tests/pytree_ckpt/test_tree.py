@@ -3,9 +3,11 @@ in messages."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -55,6 +57,106 @@ def test_a_mapping_dataclass_output_keeps_an_extra_attribute_and_its_gradient() 
         assert type(out) is LMOutput and list(out.keys()) == ["logits"]
         (out["logits"].sum() + out.aux_loss).backward()
         grads.append(x.grad.clone())
+        x.grad = None
+    assert torch.equal(*grads)
+
+
+class SyncedOutput(MappingOutput):
+    """As transformers' ModelOutput: setting an item sets the attribute, setting an attribute
+    that is already a key sets the item, and ``del`` is refused."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.keys() and value is not None:
+            super().__setitem__(name, value)
+        super().__setattr__(name, value)
+
+    def __delitem__(self, key: Any) -> None:
+        raise RuntimeError("cannot delete an item of a ModelOutput")
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return tuple(self[k] for k in self.keys())
+
+
+@dataclasses.dataclass
+class CausalOutput(SyncedOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class NeedsLogits(MappingOutput):
+    logits: torch.Tensor
+    extra: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class DictOutput(dict):  # type: ignore[type-arg]  # a plain dict, not an OrderedDict
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("logits", "hidden"):
+            if getattr(self, name) is not None:
+                self[name] = getattr(self, name)
+
+
+def _dict_keys_reordered(t: torch.Tensor) -> DictOutput:
+    out = DictOutput(hidden=t * 3)
+    out["logits"] = out.logits = t * 2  # a key after "hidden"
+    return out
+
+
+def _late_keys(t: torch.Tensor) -> CausalOutput:
+    out = CausalOutput(hidden=t * 3)
+    out["logits"] = t * 2  # a key after "hidden": not the fields' order
+    out.loss = (t * 5).sum()  # not a key yet, so an attribute only (as in ModelOutput)
+    return out
+
+
+def _item_not_attribute(t: torch.Tensor) -> LMOutput:
+    out = LMOutput(logits=t * 2)
+    collections.OrderedDict.__setitem__(out, "logits", t * 7)  # the item, not the attribute
+    out["cache"] = t * 11  # a key that is no field
+    return out
+
+
+def _required_field_not_a_key(t: torch.Tensor) -> NeedsLogits:
+    out = NeedsLogits(logits=t * 2, extra=t * 3)
+    collections.OrderedDict.__delitem__(out, "logits")  # keys: extra only
+    return out
+
+
+@pytest.mark.parametrize("make", [_late_keys, _item_not_attribute, _required_field_not_a_key,
+                                  _dict_keys_reordered])
+def test_a_mapping_dataclass_output_keeps_the_eagers_keys_items_and_attributes(
+        make: Callable[[torch.Tensor], Any]) -> None:
+    # Guards against: a ModelOutput-like output rebuilt through __init__ with every field: a key
+    # set after construction moved into the fields' order, an attribute that was no key became
+    # one, an item that differs from its attribute was replaced by the attribute, a required
+    # field that was no key became one. to_tuple() then gave other tensors than eager's, and
+    # a loss over it other gradients, silently.
+    x = torch.randn(4, requires_grad=True)
+    eager, wrapped = make(x), checkpoint(make, x)
+    assert type(wrapped) is type(eager) and list(wrapped.keys()) == list(eager.keys())
+    names = [f.name for f in dataclasses.fields(eager)] + [
+        k for k in vars(eager) if k not in {f.name for f in dataclasses.fields(eager)}]
+    for name in names:
+        a, b = getattr(eager, name), getattr(wrapped, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    for key in eager:
+        assert torch.equal(eager[key], wrapped[key]), key
+    grads = []
+    for out in (eager, wrapped):
+        items = [out[k] for k in out.keys()]
+        attrs = [getattr(out, n) for n in names if getattr(out, n) is not None]
+        loss = sum((v.sum() * (i + 1) for i, v in enumerate(items + attrs)), torch.zeros(()))
+        loss.backward()  # a plain backward: fn is no module (NOTE in recompute.py)
+        grads.append(x.grad)
         x.grad = None
     assert torch.equal(*grads)
 
