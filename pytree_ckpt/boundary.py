@@ -100,6 +100,7 @@ from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches
 from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Phase
 from .plain_state import NOTHING_HELD, watch_plain_state
+from .rebound import modules_bound
 from .refusals import input_path
 from .shared_containers import shared_containers
 from .tree import flatten_call
@@ -224,14 +225,18 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         anchor = _anchor()
     # NOTE [state a plain function changes] (plain_state.py): a lookup, for most functions
     plain = None
+    bound = None  # NOTE [a module rebound before the replay] (rebound.py)
     if len(flat.tensor_index) < len(leaves):
         refuse_unreadable_inputs(fn, flat.spec, leaves,
                                   kwargs_use_cache=kwargs.get("use_cache") is True)
         if owner is None:
             plain = watch_plain_state(fn, leaves, flat.spec)
+            bound = modules_bound(fn)
     elif owner is None and id(getattr(fn, "__code__", None)) not in NOTHING_HELD:
         plain = watch_plain_state(fn, None, flat.spec)
+        bound = modules_bound(fn)
     call = BoundaryCall(fn, options, flat.spec, leaves, flat.tensor_index, slots)
+    call.bound = bound
     call.original_call = (args, kwargs)
     call.in_shared = shared_containers(call.original_call, flat.spec)
     call.n_inputs = len(unique)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at r
     from offload import OffloadManager
 
     from .plain_state import PlainStateWatch
+    from .rebound import Bound
 
 __all__ = ["DEFAULT_OPTIONS", "BoundaryCall", "BoundaryOptions"]
 
@@ -66,7 +67,7 @@ class BoundaryCall:
                  "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
                  "changed_state", "modules", "forward_modules", "hooked", "hooked_outputs",
                  "held", "subclasses", "switches", "inference", "saved_versions",
-                 "param_versions", "plain_state", "kept", "made_leaves")
+                 "param_versions", "plain_state", "bound", "kept", "made_leaves")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -127,6 +128,8 @@ class BoundaryCall:
         # For a plain function whose original pass changed the buffers of modules it reaches:
         # their watch, for the replay (NOTE [state a plain function changes] in plain_state.py).
         self.plain_state: PlainStateWatch | None = None
+        # NOTE [a module rebound before the replay] (rebound.py): a plain function's modules.
+        self.bound: Bound | None = None
         # The modules fn uses and their dicts, for the original pass only (then dropped); what
         # they were then, for the replay (NOTE [the replay sees the forward's modules] in
         # forward_modules.py).

@@ -24,7 +24,8 @@ from .refusals import readable_path
 from .state_changes import StateWatch
 from .tree import leaf_paths
 
-__all__ = ["NOTHING_HELD", "PlainStateWatch", "modules_held", "watch_plain_state"]
+__all__ = ["NOTHING_HELD", "PlainStateWatch", "cell_contents", "globals_of", "modules_held",
+           "watch_plain_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +86,13 @@ def modules_held(code: Any, /) -> _Held | None:
 
 def _first_look(fn: Any, key: Any, /) -> _Held:
     cells = tuple(i for i, cell in enumerate(getattr(fn, "__closure__", None) or ())
-                  if isinstance(_contents(cell), nn.Module))
+                  if isinstance(cell_contents(cell), nn.Module))
     defaults = tuple(i for i, value in enumerate(_defaults(fn))
                      if isinstance(value, nn.Module))
     found_globals: tuple[str, ...] = ()
     attributes: tuple[str, ...] = ()
     if key is not type(fn):  # a function, or a method of a plain object
-        space = _globals(fn)
+        space = globals_of(fn)
         found_globals = tuple(name for name in getattr(key, "co_names", ())
                               if isinstance(module := dict.get(space, name), nn.Module) and
                               _few_buffers(module, name))
@@ -150,14 +151,14 @@ def _holding_buffers(module: nn.Module, /) -> list[dict[str, Any]]:
     return cached[1]
 
 
-def _contents(cell: Any, /) -> Any:
+def cell_contents(cell: Any, /) -> Any:
     try:
         return cell.cell_contents
     except ValueError:  # a cell not filled yet (a name assigned after the function was made)
         return None
 
 
-def _globals(fn: Any, /) -> dict[str, Any]:
+def globals_of(fn: Any, /) -> dict[str, Any]:
     # Read with dict.get, not the namespace's own get: exec'd code may have globals of a dict
     # subclass whose methods do more than look up (an audited or lazy namespace).
     space = getattr(fn, "__globals__", None)
@@ -235,7 +236,7 @@ def _watch(fn: Any, shown: Any, key: Any, held: _Held, leaves: list[Any] | None,
     closure = getattr(fn, "__closure__", None) or ()
     names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
     for i in held[0]:
-        if i < len(closure) and isinstance(module := _contents(closure[i]), nn.Module):
+        if i < len(closure) and isinstance(module := cell_contents(closure[i]), nn.Module):
             roots.append((f"closure variable {names[i]!r}" if i < len(names) else
                           "a closure variable", module))
     defaults = _defaults(fn)
@@ -243,7 +244,7 @@ def _watch(fn: Any, shown: Any, key: Any, held: _Held, leaves: list[Any] | None,
         if i < len(defaults) and isinstance(defaults[i], nn.Module):
             roots.append(("a default argument", defaults[i]))
     if held[2]:
-        space = _globals(fn)
+        space = globals_of(fn)
         for name in held[2]:  # read again by name: a global rebound since is the new one
             if isinstance(module := dict.get(space, name), nn.Module):
                 roots.append((f"global {name!r}", module))

@@ -27,6 +27,7 @@ from .changed_in_place import raise_changed_after_call
 from .compiled_layers import recompile_limit_note, recompile_limit_noted
 from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tensor,
                        raise_hooked_outside_tensor, raise_torch_reentrant_inside, verify_leaves)
+from .rebound import refuse_rebound
 from .rng import IsolatedPass, Replaying
 from .saved import Unchanged
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
@@ -146,6 +147,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     needs = ctx.needs_input_grad[2:]
     if call.kept is not None:  # NOTE [a replay kept between restricted backwards]
         return _from_kept(ctx, call, call.kept, grad_outputs)
+    if call.bound is not None:  # NOTE [a module rebound before the replay] in rebound.py
+        refuse_rebound(call)
     n = call.n_inputs + len(call.attributes)
     saved = _saved_unchanged(ctx, call)
     # NOTE [inference tensors are kept as they are] (boundary_function.py)

@@ -1,0 +1,93 @@
+"""A plain function's modules rebound before its replay: refused (NOTE [a module rebound
+before the replay]).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .errors import CheckpointError
+from .frames import callable_name
+from .plain_state import cell_contents, globals_of, modules_held
+
+if TYPE_CHECKING:  # the boundary imports this module
+    from .boundary_call import BoundaryCall
+
+__all__ = ["Bound", "modules_bound", "refuse_rebound"]
+
+# NOTE [a module rebound before the replay]: Python closures and globals bind late, so
+# `for layer in layers: h = checkpoint(lambda t: layer(t), h)` makes functions that all read
+# the variable `layer` when they run: in backward, after the loop, every replay runs the last
+# layer, and each boundary returns that layer's gradients for its own input, with no error
+# (torch's checkpoint, reentrant or not, does the same). The replay must run the function the
+# original pass ran, so the modules a plain function holds in its closure cells or names as
+# globals (those plain_state.py's first look found: modules_held) are noted by identity at the
+# original pass and compared before the replay; another module there is refused, naming the
+# variable and both modules. Ids only: holding the modules would keep a model replaced since
+# alive; an id reused by a new module after the old one was freed goes unseen (the old one
+# could not have been replayed anyway). Not seen: a module reached through an attribute
+# (`self.block` rebound), a function that holds no module at its first call, one already
+# warned about by plain_state.py, a callable object's attributes, a partial's function.
+Bound = tuple[tuple[str, int, str], ...]  # (where, id(module), its description)
+
+
+def _describe(module: nn.Module, /) -> str:
+    return f"{type(module).__name__} at {id(module):#x}"
+
+
+def _held_now(fn: Any, held: tuple[tuple[int, ...], tuple[str, ...]], /
+              ) -> list[tuple[str, nn.Module | None]]:
+    cells, names = held
+    closure = getattr(fn, "__closure__", None) or ()
+    free = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    found: list[tuple[str, nn.Module | None]] = []
+    for i in cells:
+        value = cell_contents(closure[i]) if i < len(closure) else None
+        where = f"closure variable {free[i]!r}" if i < len(free) else "a closure variable"
+        found.append((where, value if isinstance(value, nn.Module) else None))
+    space = globals_of(fn) if names else {}
+    for name in names:
+        value = dict.get(space, name)
+        found.append((f"global {name!r}", value if isinstance(value, nn.Module) else None))
+    return found
+
+
+def modules_bound(fn: Any, /) -> Bound | None:
+    """The modules ``fn`` (a plain function) holds in closure cells or names as globals now,
+    by identity; ``None`` when it holds none (NOTE [a module rebound before the replay])."""
+    code = getattr(fn, "__code__", None)
+    held = modules_held(code) if code is not None else None
+    if held is None or not (held[0] or held[2]):
+        return None
+    return tuple((where, id(module), _describe(module))
+                 for where, module in _held_now(fn, (held[0], held[2])) if module is not None)
+
+
+def refuse_rebound(call: BoundaryCall, /) -> None:
+    """Refuse the replay when a module ``call.fn`` held at its original pass is no longer the
+    one it holds (NOTE [a module rebound before the replay])."""
+    bound = call.bound
+    assert bound is not None
+    code = getattr(call.fn, "__code__", None)
+    held = modules_held(code) if code is not None else None
+    if held is None:  # warned about since: not looked at again (its first look is gone)
+        return
+    now = dict(_held_now(call.fn, (held[0], held[2])))
+    for where, ident, described in bound:
+        module = now.get(where)
+        if module is not None and id(module) == ident:
+            continue
+        name = callable_name(call.fn)
+        variable = where.split("'")[1] if "'" in where else "layer"
+        raise CheckpointError(
+            f"the replay of checkpoint({name}) would run another module: its {where} held one "
+            "module at the original pass and holds another now (Python closures and globals "
+            "bind late: a function made in a loop reads the loop variable's last value), so "
+            "the replay would compute, and return the gradients of, another layer",
+            expected=f"{where} = {described} (the original pass's)",
+            got=f"{where} = " + ("no module" if module is None else _describe(module)),
+            tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
+                f"{variable}(t), h), or pass the module itself, checkpoint({variable}, h), "
+                "which also knows its parameters and state")

@@ -1,0 +1,121 @@
+"""A plain function whose closure cell or global now holds another module than at its original
+pass (a lambda made in a loop): refused before the replay (NOTE [a module rebound before the
+replay] in pytree_ckpt/rebound.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pytree_ckpt import CheckpointError, checkpoint
+
+
+def _layers() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+
+def _grads(layers: nn.ModuleList, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]
+           ) -> list[torch.Tensor]:
+    layers.zero_grad(set_to_none=True)
+    x.grad = None
+    run(x).square().sum().backward()
+    assert x.grad is not None
+    return [x.grad, *(p.grad for p in layers.parameters() if p.grad is not None)]
+
+
+def test_a_lambda_in_a_loop_reading_the_loop_variable_is_refused_naming_it_and_both_layers(
+        ) -> None:
+    # Guards against: every replay reading the loop variable's last value: each boundary would
+    # replay the last layer and return its gradients for its own input, silently (as torch's
+    # checkpoints do).
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for layer in layers:
+        h = checkpoint(lambda t: layer(t), h)
+    with pytest.raises(CheckpointError) as caught:
+        h.sum().backward()
+    message = str(caught.value)
+    assert "closure variable 'layer'" in message
+    assert f"Linear at {id(layers[1]):#x} (the original pass's)" in message
+    assert f"Linear at {id(layers[2]):#x}" in message.split("got:")[1]
+    assert "lambda t, layer=layer: layer(t)" in message and "checkpoint(layer, h)" in message
+
+
+def test_the_same_lambda_at_a_scripts_top_level_is_refused_naming_the_global() -> None:
+    # Guards against: only closure cells being compared: at a script's top level the loop
+    # variable is a global, read late the same way.
+    layers = _layers()
+    space: dict[str, Any] = {"checkpoint": checkpoint, "layers": layers,
+                             "x": torch.randn(2, 4, requires_grad=True)}
+    exec("h = x\nfor layer in layers:\n    h = checkpoint(lambda t: layer(t), h)\n", space)
+    with pytest.raises(CheckpointError, match="global 'layer' = Linear"):
+        space["h"].sum().backward()
+
+
+def _late_in_a_loop(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = checkpoint(lambda t, layer=layer: layer(t), x)
+        return x
+    return run
+
+
+def _module_itself(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = checkpoint(layer, x)
+        return x
+    return run
+
+
+def _custom_forward(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
+    def create_custom_forward(module: nn.Module) -> Callable[..., torch.Tensor]:
+        def custom_forward(*inputs: torch.Tensor) -> torch.Tensor:  # transformers' old style
+            return module(*inputs)
+        return custom_forward
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = checkpoint(create_custom_forward(layer), x)
+        return x
+    return run
+
+
+def _rebound_to_the_same(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        block = layers[0]
+        x = checkpoint(lambda t: block(t), x)
+        block = layers[0]  # the same module again: nothing the replay reads has changed
+        return x * block.weight.sum()
+    return run
+
+
+@pytest.mark.parametrize("make", [_late_in_a_loop, _module_itself, _custom_forward,
+                                  _rebound_to_the_same])
+def test_functions_that_bind_their_layer_early_give_the_eager_twins_gradients(
+        make: Callable[[nn.ModuleList], Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    # Guards against: the check refusing functions whose replay runs the original pass's layer
+    # (a default, the module itself, a fresh closure per call, a variable bound to the same
+    # module again).
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    twin = _layers()
+
+    def eager(t: torch.Tensor) -> torch.Tensor:
+        if make is _rebound_to_the_same:
+            return twin[0](t) * twin[0].weight.sum()
+        for layer in twin:
+            t = layer(t)
+        return t
+
+    wrapped = _grads(layers, x, make(layers))
+    expected = _grads(twin, x, eager)
+    assert len(wrapped) == len(expected)
+    for got, want in zip(wrapped, expected):
+        assert torch.equal(got, want)
