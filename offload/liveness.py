@@ -93,15 +93,21 @@ class Liveness:
         something else, and its copy saved nothing. Storages of a forward still running
         (another thread's: NOTE [a pass per forward thread] in lanes.py) wait for a later call.
         """
-        # Taken before reading: on CUDA backward (this, from the manager's unpack) runs on a
-        # device thread while another thread's forward may let go of more storages (a dict
-        # must not grow while it is read). Those land in the fresh dict, judged next time.
+        # Taken before reading. Every caller of this and of ``suspect`` holds the manager's
+        # lock (NOTE [one thread at a time] in manager.py), so no other thread adds entries
+        # meanwhile; but the lock is re-entrant, and ``judge`` logs: a logging handler that
+        # reads the manager's ``stats()`` lets go of the copies in flight on this very thread
+        # (``suspect``) and runs a nested ``judge_all``, all inside this loop (a dict must not
+        # grow while it is read). Those land in the fresh dict.
         suspects, self.suspects = self.suspects, {}
         for key, (ref, nbytes, pass_ref) in suspects.items():
             pass_ = pass_ref()
             if pass_ is None or pass_.over():
                 self.judge(ref, nbytes)
-            elif key in self.suspects:  # let go again meanwhile: one entry, both counts
+            elif key in self.suspects:
+                # Only by that re-entry: a second copy of this storage in the same pass (it
+                # changed in place between two windows) was let go, and the nested call put
+                # it back, its pass's forward still running: one entry, both counts.
                 entry = self.suspects[key]
                 self.suspects[key] = (entry[0], entry[1] + nbytes, pass_ref)
             else:
