@@ -288,3 +288,70 @@ def test_a_pass_that_offloaded_nothing_on_a_thread_that_ended_is_still_warned_of
         assert m.stats()["below_min_bytes"] == rows * 32 * 4
     warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
     assert len(warnings) == 1 and f"the largest had {rows * 32 * 4} bytes" in warnings[0]
+
+
+def test_two_worker_forwards_backed_by_the_main_thread_give_eager_gradients_and_return_buffers(
+        ) -> None:
+    # Guards against: a pass kept per manager rather than per forward thread (Lanes.mine
+    # ignoring the thread), or an unpack finding its lane through the thread it runs on rather
+    # than its handle's pass. Two workers run their forwards interleaved layer by layer, and
+    # the main thread runs both backwards once they are done (a forward in a worker, its
+    # backward in the main thread, twice over). With one pass for both, a's backward restored
+    # and prefetched b's windows; with the backward's own thread, neither worker's events()
+    # showed its backward. Each backward must restore exactly its own windows, the gradients
+    # must be the eager twins' bit for bit, and every host buffer must go back to the pool.
+    m = manager(prefetch=1)
+    models = {"a": Model(m, rows=8, seed=0), "b": Model(m, rows=6, seed=1)}
+    turns = Turns(["a", "b"] * 3)
+    outs: dict[str, torch.Tensor] = {}
+    forwards_done = threading.Barrier(3)
+    backwards_done = threading.Event()
+    seen: dict[str, list[tuple[str, int]]] = {}
+    failures: list[BaseException] = []
+
+    def forward(name: str) -> None:
+        try:
+            model = models[name]
+            h = model.x
+            for layer in model.layers:
+                with turns(name):
+                    h = layer(h, model.table)
+            outs[name] = h
+            forwards_done.wait(10)
+            assert backwards_done.wait(10)
+            seen[name] = m.events()  # this thread's pass: the backward the main thread ran
+        except BaseException as error:  # handed to the main thread, which raises it
+            failures.append(error)
+            forwards_done.abort()
+
+    workers = [threading.Thread(target=forward, args=(name,), name=name) for name in models]
+    for worker in workers:
+        worker.start()
+    try:
+        forwards_done.wait(10)
+        for name in ("b", "a"):  # not in forward order: each backward finds its own pass
+            outs.pop(name).sum().backward()
+    except threading.BrokenBarrierError:
+        pass  # a worker failed: its error is raised below
+    finally:
+        backwards_done.set()
+        for worker in workers:
+            worker.join(10)
+    if failures:
+        raise failures[0]
+    assert seen == {"a": _OWN, "b": _OWN}
+    for model in models.values():
+        got = [p.grad for p in model.layers.parameters()] + [model.x.grad]
+        model.x.grad = None
+        h = model.x
+        for layer in model.eager:
+            h = layer(h, model.table)
+        h.sum().backward()
+        expected = [p.grad for p in model.eager.parameters()] + [model.x.grad]
+        assert all(g is not None and torch.equal(g, e) for g, e in zip(got, expected))
+    stats = m.stats()
+    # Per model: three layer inputs, and the table every layer gets, copied once per pass.
+    offloaded = sum(3 * model.x.untyped_storage().nbytes() + model.table.untyped_storage().nbytes()
+                    for model in models.values())
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == offloaded
+    assert stats["host_buffers_in_use"] == 0 and m.pool.checked_out == 0
