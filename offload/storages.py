@@ -79,22 +79,35 @@ def window_keys(tensors: Sequence[torch.Tensor], resident: Sequence[torch.Tensor
     warns of a tensor without a plain storage. A DTensor's storage is its local shard's (NOTE
     [a wrapper subclass's bytes are its inner tensors'] in pytree_ckpt/subclass.py)."""
     keys: dict[Key, int | None] = {}
-    resident_keys: set[Key] | None = None
     for index, tensor in ((i, part) for i, t in enumerate(tensors) if not is_parameter(t)
                           for part in rebuilt_parts(t)):
         key = key_of(tensor)
-        if key is None:
-            continue
-        # A .detach() or .data alias of a parameter is a leaf (requiring grad or not, as
-        # after .requires_grad_()), or a view of one, and neither a Parameter nor a view of
-        # one: only its storage tells. Activations are rarely leaves or views of leaves
-        # (a model input is), so the resident keys are read only for those that are.
-        base = tensor._base
-        if resident and (tensor.is_leaf or (base is not None and base.is_leaf)):
-            if resident_keys is None:
-                resident_keys = {k for t in resident for part in rebuilt_parts(t)
-                                 if (k := plain_storage_key(part))}
-            if key in resident_keys:
-                continue
-        keys.setdefault(key, index)
+        if key is not None:
+            keys.setdefault(key, index)
+    if resident and keys:
+        # A .detach() or .data alias of a parameter (a leaf, or a view of one, requiring grad
+        # or not) is neither a Parameter nor a view of one, and neither is a custom
+        # autograd.Function's output that returns such an alias (a non-leaf): only the storage
+        # tells, so every window storage is checked, whatever made its tensor.
+        for key in _resident_keys(resident, {pointer for _, pointer in keys}):
+            keys.pop(key, None)
     return keys
+
+
+def _resident_keys(resident: Sequence[torch.Tensor], pointers: set[int], /) -> list[Key]:
+    """The storage keys of ``resident`` whose data pointer is among ``pointers``.
+
+    NOTE: run at every window (a layer's parameters, each window of each step), so a plain
+    parameter costs a data pointer and a set lookup (about 0.1 us); the full key (its device
+    as a string) is read only on a match, and a wrapper subclass (a DTensor parameter) is
+    taken apart as the window's tensors are."""
+    found = []
+    for tensor in resident:
+        for part in ((tensor,) if type(tensor) is nn.Parameter else rebuilt_parts(tensor)):
+            try:
+                pointer = part.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # no plain storage: no window key
+                continue
+            if pointer in pointers and (key := plain_storage_key(part)) is not None:
+                found.append(key)
+    return found

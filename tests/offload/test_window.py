@@ -157,6 +157,61 @@ def test_a_checkpointed_module_keeps_a_detached_alias_of_its_frozen_parameter_re
     assert torch.equal(got[0], x.grad) and torch.equal(got[1], layer.weight.grad)
 
 
+class _Alias(torch.autograd.Function):
+    """Returns its input's storage as a new tensor: ``w.detach()``, with a graph (a non-leaf
+    that is no view, on a parameter's storage), as a weight-tying Function may."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor) -> torch.Tensor:
+        return w.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def test_a_custom_function_alias_of_a_resident_parameter_stays_on_the_device() -> None:
+    # Guards against: window_keys checking the resident storages only for leaves and views of
+    # leaves. _Alias.apply(p) is neither (a non-leaf with AliasBackward, no _base), so the whole
+    # parameter was copied to host and restored as a second copy in backward, at every window
+    # (gradients were right; the bytes were not): offloaded 4096 + 512 bytes, not 512.
+    p = nn.Parameter(torch.randn(32, 32))
+    alias = _Alias.apply(p)
+    assert not alias.is_leaf and alias._base is None
+    x = torch.randn(4, 32, requires_grad=True)
+    for resident, copied in (((), p.untyped_storage().nbytes()), ((p,), 0)):
+        m = manager()
+        with m.window([x, alias], resident=resident):
+            loss = (x @ alias).square().sum()  # mm saves both x and the alias
+        assert m.stats()["offloaded_bytes"] == x.untyped_storage().nbytes() + copied
+        loss.backward()
+        stats = m.stats()
+        assert stats["restored_bytes"] == x.untyped_storage().nbytes() + copied
+        assert stats["host_buffers_in_use"] == 0
+
+    # Through a boundary, which passes its module's parameters as resident: only h is copied.
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(32, 32))
+
+        def forward(self, h: torch.Tensor, tied: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(h @ self.weight) @ tied
+
+    m = manager()
+    layer = Tied()
+    h = x * 1.0
+    x.grad = None
+    out = pytree_ckpt.checkpointed(layer, offload=m)(h, _Alias.apply(layer.weight))
+    assert m.stats()["offloaded_bytes"] == h.untyped_storage().nbytes()
+    out.sum().backward()
+    assert m.stats()["restored_bytes"] == h.untyped_storage().nbytes()
+    got = [x.grad, layer.weight.grad]
+    x.grad = layer.weight.grad = None
+    (torch.tanh((x * 1.0) @ layer.weight) @ _Alias.apply(layer.weight)).sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], layer.weight.grad)
+
+
 def test_an_alias_changed_in_place_after_its_save_and_then_dropped_restores_its_saved_bytes(
         ) -> None:
     # Guards against: _unpack drops its own ``copy.restore()``. The window's copy for the storage
