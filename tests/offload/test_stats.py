@@ -256,3 +256,25 @@ def test_a_log_handler_reading_stats_while_storages_are_judged_loses_no_copy_of_
     held.clear()  # the worker's pass is over: both copies of s saved nothing
     assert m.stats()["alive_elsewhere_bytes"] == (x.untyped_storage().nbytes()
                                                   + 2 * s.untyped_storage().nbytes())
+
+
+def test_the_offloaded_nothing_warning_names_the_largest_storage_below_the_floor(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: Pass.largest_small keeping the first or the last storage below min_bytes
+    # rather than the largest (every other test's storages were of one size). The warning tells
+    # how far to lower min_bytes: the largest of the pass, here in the middle window and the
+    # second storage of it, with smaller ones before and after.
+    m = manager(min_bytes=1 << 20)
+    sizes = [[16], [8, 64], [32]]  # rows of width 32 (float32): 2 KiB, 1 KiB + 8 KiB, 4 KiB
+    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+        losses = []
+        for rows in sizes:
+            tensors = [torch.randn(n, 32, requires_grad=True) * 1.0 for n in rows]
+            with m.window(tensors):
+                losses.append(sum(t.square().sum() for t in tensors))
+        sum(losses).backward()
+        stats = m.stats()
+    assert stats["below_min_bytes"] == sum(n for rows in sizes for n in rows) * 32 * 4
+    assert stats["offloaded_bytes"] == 0
+    warnings = manager_warnings(caplog)
+    assert len(warnings) == 1 and f"(the largest had {64 * 32 * 4} bytes)" in warnings[0]
