@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import threading
+import time
 import warnings
 from typing import Any
 
@@ -1430,3 +1432,37 @@ def test_an_empty_micro_batch_takes_no_host_buffer_and_the_census_counts_no_byte
                       [p.grad for p in (*layer.parameters(), x)])
     stats = m.stats()
     assert stats["offloaded_bytes"] == stats["host_bytes"] == stats["pool_misses"] == 0
+
+
+def test_threads_asking_for_the_default_manager_at_once_get_one_manager(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: default_manager() looking up and creating the device's manager outside
+    # its lock. Two threads wrapping layers with offload=True at once (each builds a model)
+    # both found none and built one each: their layers offloaded through two managers, whose
+    # windows are numbered and prefetched apart and whose stats() each show half. A slow
+    # OffloadManager() leaves the second thread the time to look while the first builds.
+    import offload.manager as manager_module
+
+    built: list[OffloadManager] = []
+
+    class Slow(OffloadManager):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(0.2)
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(manager_module, "OffloadManager", Slow)
+    start = threading.Barrier(2)
+    got: dict[str, OffloadManager] = {}
+
+    def ask(name: str) -> None:
+        start.wait(5)
+        got[name] = offload.default_manager()
+
+    threads = [threading.Thread(target=ask, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(built) == 1 and got["a"] is got["b"] is built[0]
+    assert offload.default_manager() is built[0]
