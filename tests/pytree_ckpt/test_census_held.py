@@ -28,6 +28,21 @@ class _EndsInKeptOp(nn.Module):
         return self.proj(torch.tanh(h))
 
 
+def _four_kept_output_layers() -> tuple[nn.Sequential, OffloadManager, list[StorageWeakRef]]:
+    """Four _EndsInKeptOp layers keeping their addmm under offload, and weak references to
+    their outputs' storages (watched independently of the census)."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(_EndsInKeptOp() for _ in range(4)))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::addmm")}, offload=manager)
+    outputs: list[StorageWeakRef] = []
+    for layer in layers:
+        layer.register_forward_hook(
+            lambda _m, _a, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    return layers, manager, outputs
+
+
 def test_a_kept_output_a_later_window_copies_stays_counted_as_resident_under_its_save_unit(
 ) -> None:
     # The record of a save unit holds the kept output on the device until the replay, so the
@@ -35,15 +50,7 @@ def test_a_kept_output_a_later_window_copies_stays_counted_as_resident_under_its
     # held twice, on the device by the record and on host by the copy. The census counted
     # only the host copy (the window's report dropped the record as a holder) and flagged
     # the device bytes as "offload in flight" still alive elsewhere.
-    torch.manual_seed(0)
-    layers = nn.Sequential(*(_EndsInKeptOp() for _ in range(4)))
-    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
-    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptOps("aten::addmm")}, offload=manager)
-    outputs: list[StorageWeakRef] = []
-    for layer in layers:  # watched independently of the census
-        layer.register_forward_hook(
-            lambda _m, _a, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    layers, manager, outputs = _four_kept_output_layers()
     with ActivationCensus(layers) as census:
         loss = layers(torch.randn(32, 64)).sum()  # sum saves nothing: only the unit holds
     manager.stats()  # the manager lets go of the device tensors whose copies landed
@@ -65,15 +72,7 @@ def test_a_kept_output_autograd_also_saves_stays_under_its_save_unit_when_a_wind
     # autograd save does not take a storage from a mechanism, so all four stay under the save
     # unit (that filed three of them under autograd once the next window's copy replaced the
     # boundary, autograd coming first among the resident holders).
-    torch.manual_seed(0)
-    layers = nn.Sequential(*(_EndsInKeptOp() for _ in range(4)))
-    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
-    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptOps("aten::addmm")}, offload=manager)
-    outputs: list[StorageWeakRef] = []
-    for layer in layers:  # watched independently of the census
-        layer.register_forward_hook(
-            lambda _m, _a, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    layers, manager, outputs = _four_kept_output_layers()
     with ActivationCensus(layers) as census:
         h = torch.randn(32, 64)
         loss = torch.zeros(())
