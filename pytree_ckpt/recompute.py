@@ -238,6 +238,10 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 "already holds. Tip: lower the replay's own peak by discarding outputs the next "
                 "op can rebuild (docs/discard.md), what backward holds across layers with "
                 "offload=True (docs/offload.md), or pass fewer tokens per micro-batch.")
+        elif (batched := _batched_backward(grad_outputs)) is not None:
+            # The replay runs inside the vmap of a batched backward: the cache hint would
+            # mislead (NOTE [a replay under vmap]).
+            error.add_note(_under_vmap_note(fn_name(call.fn), batched))
         elif not recompile_limit_noted(error):  # an inner boundary's replay named it
             error.add_note(
                 f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
@@ -355,6 +359,56 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     if release:
         call.frame.clear()
     return (None, None, *result)
+
+
+def _batched_backward(grad_outputs: Sequence[torch.Tensor | None], /) -> str | None:
+    """What batches the backward this replay runs in: ``"is_grads_batched"`` (its legacy vmap
+    hands the node batched gradients), ``"torch.func"`` (a transform of torch.func around the
+    backward: ``torch.func.vmap`` over ``torch.autograd.grad``), or ``None``.
+
+    NOTE [a replay under vmap]: ``torch.autograd.grad(..., is_grads_batched=True)`` runs the
+    backward under vmap, and the replay, which runs in backward, with it: eager's forward ran
+    once, outside, and saved what its backward reads. Under that (legacy) vmap the forward's
+    ops run batched, and random ops (dropout in training, ``torch.rand``) cannot run at all;
+    the rest gives eager's gradients (tests/pytree_ckpt/test_boundary_messages.py). Under a
+    ``torch.func`` transform around a backward, the replay cannot make the leaves that
+    require grad it differentiates (``requires_grad_`` is refused inside a transform), whatever
+    the layer does; torch's non-reentrant checkpoint, which saves no leaves, runs there. Either
+    error keeps its type and gets a note that says so (not the key/value cache hint).
+    """
+    if torch._C._functorch.maybe_current_level() is not None:
+        return "torch.func"
+    if any(g is not None and torch._C._functorch.is_legacy_batchedtensor(g)
+           for g in grad_outputs):
+        return "is_grads_batched"
+    return None
+
+
+def _under_vmap_note(name: str, batched: str, /) -> str:
+    """The note for an error the replay met inside a batched backward (NOTE [a replay under
+    vmap])."""
+    if batched == "is_grads_batched":
+        return (
+            f"pytree_ckpt: raised by the replay of {name} in backward, which runs the forward "
+            "again inside this backward: a batched one (torch.autograd.grad(..., "
+            "is_grads_batched=True)), which runs under torch's vmap, so the replay's ops run "
+            "under vmap too (eager's forward ran once, outside it). Random ops, dropout in "
+            "training among them, cannot run under that vmap. Tip: take the gradients one "
+            "vector at a time (a loop of torch.autograd.grad(..., retain_graph=True): the "
+            "replay draws the forward's dropout mask again, eager's result bit for bit), or "
+            "for this gradient run the layer without random ops (dropout p=0, or the module "
+            "in eval mode: the gradient of the function without dropout), or without "
+            "checkpointing it (pytree_ckpt.remove_activation_checkpointing(layer)).")
+    return (
+        f"pytree_ckpt: raised by the replay of {name} in backward, which runs the forward "
+        "again inside this backward, here under a torch.func transform around the backward "
+        "(torch.func.vmap over torch.autograd.grad): the replay cannot make the leaves that "
+        "require grad it differentiates there (torch.func refuses requires_grad_ inside a "
+        "transform), whatever the layer does. Tip: take the gradients one vector at a time (a "
+        "loop of torch.autograd.grad(..., retain_graph=True)), use torch.autograd.grad(..., "
+        "is_grads_batched=True) for a layer without random ops, or build the graph inside "
+        "the transform (torch.func.vmap over torch.func.vjp of the model: no boundary is "
+        "built under a transform, the layer runs as eager).")
 
 
 def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,

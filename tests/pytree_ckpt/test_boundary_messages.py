@@ -126,6 +126,68 @@ def test_an_out_of_memory_error_in_the_replay_is_told_how_to_lower_the_replays_p
         assert "docs/discard.md" in notes and "offload=True" in notes
 
 
+def _dropout_layer(p: float = 0.5) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Dropout(p))
+
+
+def _vector_grads(layer: nn.Module, *, batched: bool) -> torch.Tensor:
+    """The input's gradient for each of 12 output vectors (is_grads_batched, or a loop)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(2)
+    y = layer(x)
+    vectors = torch.eye(12).view(12, 3, 4)
+    if batched:
+        return torch.autograd.grad(y, x, vectors, is_grads_batched=True)[0]
+    return torch.stack([torch.autograd.grad(y, x, v, retain_graph=True)[0] for v in vectors])
+
+
+def test_a_batched_gradient_through_a_layer_with_dropout_says_the_replay_runs_under_vmap(
+        ) -> None:
+    # Guards against: the replay's error under is_grads_batched's vmap (dropout cannot draw
+    # there) getting the note of other replay errors, which blamed a key/value cache the
+    # layer does not have and named use_cache=False as the way out. The ways out it names
+    # must hold: a loop of single vectors, and dropout off, give eager's result bit for bit.
+    layer = pytree_ckpt.apply_activation_checkpointing(_dropout_layer())
+    with pytest.raises(RuntimeError, match="random operations") as raised:
+        _vector_grads(layer, batched=True)
+    if hasattr(raised.value, "add_note"):  # Python 3.11+
+        notes = "\n".join(raised.value.__notes__)
+        assert "raised by the replay of Sequential in backward" in notes
+        assert "is_grads_batched=True" in notes and "vmap" in notes
+        assert "dropout in training" in notes and "Random ops" in notes
+        assert "retain_graph=True" in notes and "eval mode" in notes and "p=0" in notes
+        assert "remove_activation_checkpointing" in notes
+        assert "use_cache" not in notes and "key/value cache" not in notes
+    assert torch.equal(_vector_grads(layer, batched=False),
+                       _vector_grads(_dropout_layer(), batched=True))
+    for p in (0.5, 0.0):  # in eval mode, and p=0 in training: the batched gradient runs
+        off = _dropout_layer(p).train(p == 0.0)
+        assert torch.equal(_vector_grads(pytree_ckpt.apply_activation_checkpointing(off),
+                                         batched=True),
+                           _vector_grads(copy.deepcopy(off), batched=True))
+
+
+def test_a_batched_gradient_by_torch_func_vmap_over_backward_says_the_replay_cannot_run_there(
+        ) -> None:
+    # Guards against: the same cache hint for torch.func.vmap over torch.autograd.grad, where
+    # the replay cannot make its leaves (requires_grad_ is refused inside a transform), with
+    # or without dropout.
+    layer = pytree_ckpt.apply_activation_checkpointing(_dropout_layer(0.0))
+    x = torch.randn(3, 4, requires_grad=True)
+    y = layer(x)
+    with pytest.raises(RuntimeError, match="requires_grad_") as raised:
+        torch.func.vmap(lambda v: torch.autograd.grad(y, x, v, retain_graph=True))(
+            torch.eye(12).view(12, 3, 4))
+    if hasattr(raised.value, "add_note"):  # Python 3.11+
+        notes = "\n".join(raised.value.__notes__)
+        assert "raised by the replay of Sequential in backward" in notes
+        assert "torch.func transform" in notes and "whatever the layer does" in notes
+        assert "retain_graph=True" in notes and "is_grads_batched=True" in notes
+        assert "torch.func.vjp" in notes
+        assert "use_cache" not in notes and "key/value cache" not in notes
+
+
 class AppendingAttention(torch.nn.Module):
     """transformers' attention with a DynamicCache: keys are appended, then all are attended."""
 
