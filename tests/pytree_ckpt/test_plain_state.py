@@ -3,7 +3,8 @@ module (a cell, a default, a global, a partial's argument, a callable object's a
 given one as an argument, whose forward changes that module's buffers is warned once per
 function when the replay changes them again, as torch's reentrant checkpoint does; a known
 callable, a module without buffers, with buffers left unchanged, or whose forward skips its
-update in the replay is not. Gradients are compared bit for bit with an unwrapped eager
+update in the replay is not. A lambda in a loop that reads the loop variable replays the
+last layer (docs/limits.md). Gradients are compared bit for bit with an unwrapped eager
 twin."""
 
 from __future__ import annotations
@@ -394,3 +395,61 @@ def test_a_closure_over_a_whole_model_reads_its_buffer_dicts_once_until_a_module
     assert walks == [model, model]
     messages = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
     assert len(messages) == 1 and "submodule '0.norm' (BatchNorm1d)" in messages[0], messages
+
+
+_LAYER_CALLS: dict[int, int] = {}  # by id(layer): held outside the layer, which the
+# boundary watches (a number attribute changed in the replay is warned of)
+
+
+class _CountedLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # forward calls of this layer: the original pass and each replay count
+        _LAYER_CALLS[id(self)] = _LAYER_CALLS.get(id(self), 0) + 1
+        return super().forward(x)
+
+
+def _loop_of_layers(form: str) -> tuple[list[torch.Tensor | None], list[int]]:
+    """Three layers checkpointed in a loop, one step: the gradients of their parameters and of
+    the input, and each layer's forward calls. ``form``: eager (no boundary), ``late`` (a
+    lambda reading the loop variable), ``default`` (the variable bound as a default) or
+    ``module`` (the layer itself checkpointed)."""
+    torch.manual_seed(0)
+    layers = [_CountedLinear(8, 8) for _ in range(3)]
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    h = x
+    for layer in layers:
+        if form == "eager":
+            h = layer(h)
+        elif form == "late":
+            h = checkpoint(lambda t: layer(t), h)  # noqa: B023 (the point of the test)
+        elif form == "default":
+            h = checkpoint(lambda t, layer=layer: layer(t), h)
+        else:
+            h = checkpoint(layer, h)
+        h = torch.tanh(h)
+    h.square().sum().backward()
+    return grads_of([p for layer in layers for p in layer.parameters()] + [x]), \
+        [_LAYER_CALLS.pop(id(layer)) for layer in layers]
+
+
+def test_a_lambda_in_a_loop_replays_the_last_layer_in_every_backward_as_docs_say() -> None:
+    # Guards against: docs/limits.md's row on a late-bound loop lambda going stale. Python
+    # binds the closure's `layer` late: by backward the loop is over, so each call's replay
+    # runs the last layer on its own input (the last layer runs 1 + 3 times, the others only
+    # in the original pass). The first layers get no gradient, the rest is wrong.
+    eager, eager_calls = _loop_of_layers("eager")
+    late, calls = _loop_of_layers("late")
+    assert eager_calls == [1, 1, 1] and calls == [1, 1, 4]
+    assert late[:4] == [None] * 4 and all(g is not None for g in eager)
+    for expected, got in zip(eager[4:], late[4:]):  # the last layer's and the input's
+        assert got is not None and expected is not None and not torch.equal(expected, got)
+
+
+@pytest.mark.parametrize("form", ["default", "module"])
+def test_a_loop_binding_each_layer_now_gives_the_eager_twins_gradients(form: str) -> None:
+    # Guards against: the fix the docs give for the late-bound lambda (a default argument, or
+    # the layer checkpointed itself) not holding: each layer replays once, bit for bit.
+    eager, _ = _loop_of_layers("eager")
+    got, calls = _loop_of_layers(form)
+    assert calls == [2, 2, 2]
+    assert_same_grads(eager, got)
