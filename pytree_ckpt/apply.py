@@ -63,8 +63,9 @@ def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager 
 
 def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: bool = True,
                                    offload: bool | OffloadManager | None = None,
-                                   check_fn: Callable[[nn.Module], bool] | None = None
-                                   ) -> nn.Module:
+                                   check_fn: Callable[[nn.Module], bool] | None = None,
+                                   checkpoint_wrapper_fn: None = None,
+                                   auto_wrap_policy: None = None) -> nn.Module:
     """Route ``module``'s forward through the boundary, in place; returns ``module``.
 
     ``offload``: ``None`` reads ``XTUNER_ACTIVATION_OFFLOAD`` (``1``/``true`` on, ``0``/
@@ -74,7 +75,12 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
     ``module`` (itself included) for which it returns true, instead of ``module`` itself; one
     manager serves them all. Applying again with the same options is a no-op; with other
     options it raises (remove it first). See NOTE [in-place wrapping] in module.py.
+    ``checkpoint_wrapper_fn`` and ``auto_wrap_policy``: torch.distributed's keywords of this
+    function, accepted only to be refused (``CheckpointConfigError`` naming ``check_fn=``): the
+    wrapper is pytree_ckpt's own boundary, and ``check_fn`` chooses the modules. Typed ``None``
+    so that a type checker flags them too; ``None`` (their unset value) is ignored.
     """
+    _refuse_torch_keywords(checkpoint_wrapper_fn, auto_wrap_policy)
     if not isinstance(module, nn.Module):
         raise CheckpointConfigError(
             "apply_activation_checkpointing expects an nn.Module",
@@ -101,9 +107,8 @@ def _refuse_policy(check_fn: object, /) -> None:
                else [check_fn] if isinstance(check_fn, type) else None)
     if classes is None and callable(check_fn):
         return
-    named = [c.__name__ if isinstance(c, type) else repr(c) for c in classes or []]
-    test = (f"isinstance(m, {named[0]})" if len(named) == 1
-            else f"isinstance(m, ({', '.join(named)}))" if named else "isinstance(m, Layer)")
+    named = _class_names(classes or [])
+    test = _isinstance_test(named)
     got = (f"the class {named[0]}" if isinstance(check_fn, type)
            else f"{type(check_fn).__name__} {{{', '.join(named)}}}" if classes is not None
            else describe_leaf(check_fn))
@@ -111,6 +116,68 @@ def _refuse_policy(check_fn: object, /) -> None:
         "check_fn is called with each module and returns whether to checkpoint it",
         expected="a function of a module returning a bool", got=got,
         tip=f"check_fn=lambda m: {test} (what torchtune's auto_wrap_policy={{Layer}} means)")
+
+
+def _class_names(classes: Iterable[object], /) -> list[str]:
+    return [c.__name__ if isinstance(c, type) else repr(c) for c in classes]
+
+
+def _isinstance_test(named: Sequence[str], /) -> str:
+    """The ``isinstance`` a ``check_fn`` makes for the classes ``named`` (a placeholder
+    ``Layer`` for none)."""
+    return (f"isinstance(m, {named[0]})" if len(named) == 1
+            else f"isinstance(m, ({', '.join(named)}))" if named else "isinstance(m, Layer)")
+
+
+def _refuse_torch_keywords(checkpoint_wrapper_fn: object, auto_wrap_policy: object, /) -> None:
+    """Refuse torch.distributed's ``checkpoint_wrapper_fn=`` and ``auto_wrap_policy=`` (also
+    torchtune's ``set_activation_checkpointing`` keyword), moved over as they are: Python's
+    "unexpected keyword argument" named no replacement. The tip's ``isinstance`` names the
+    policy's classes where it holds them (torchtune's set, a class, FSDP's
+    ``ModuleWrapPolicy``)."""
+    given = {name: value for name, value in (("checkpoint_wrapper_fn", checkpoint_wrapper_fn),
+                                            ("auto_wrap_policy", auto_wrap_policy))
+             if value is not None}
+    if not given:
+        return
+    test = _isinstance_test(_class_names(_policy_classes(given.get("auto_wrap_policy"))))
+    keywords = " and ".join(f"{name}=" for name in given)
+    raise CheckpointConfigError(
+        f"apply_activation_checkpointing takes no {keywords} (torch.distributed's keyword"
+        f"{'s' if len(given) > 1 else ''}): pytree_ckpt's wraps each module check_fn chooses "
+        "with its own boundary, in place, with no wrapper module",
+        expected="check_fn= (a function of a module returning a bool), and preserve_rng_state="
+                 " or offload= for the boundary's options",
+        got=", ".join(f"{name}={_describe_keyword(value)}" for name, value in given.items()),
+        tip=f"apply_activation_checkpointing(model, check_fn=lambda m: {test})"
+            + (", without checkpoint_wrapper_fn: the wrapper is pytree_ckpt's own (torch's "
+               "checkpoint_impl and use_reentrant have no counterpart)"
+               if "checkpoint_wrapper_fn" in given else ""))
+
+
+def _policy_classes(policy: object, /) -> list[type]:
+    """The module classes a wrap policy names: torchtune's set of them, one class, or FSDP's
+    ``ModuleWrapPolicy`` (which holds them as ``_module_classes``); none for a function."""
+    held = getattr(policy, "_module_classes", None)
+    classes = (policy if isinstance(policy, (set, frozenset, list, tuple))
+               else [policy] if isinstance(policy, type)
+               else held if isinstance(held, (set, frozenset)) else [])
+    return [c for c in classes if isinstance(c, type)]
+
+
+def _describe_keyword(value: object, /) -> str:
+    """A refused keyword's value for the message: a function or class by name, a partial
+    by its function."""
+    func = getattr(value, "func", None)  # functools.partial(checkpoint_wrapper, ...)
+    if func is not None and callable(value):
+        return f"partial({getattr(func, '__qualname__', repr(func))}, ...)"
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return f"{type(value).__name__} {{{', '.join(_class_names(value))}}}"
+    held = _policy_classes(value)
+    if held and not isinstance(value, type):  # a ModuleWrapPolicy
+        return f"{type(value).__name__} {{{', '.join(_class_names(held))}}}"
+    name = getattr(value, "__qualname__", None)
+    return name if isinstance(name, str) else type(value).__name__
 
 
 def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /

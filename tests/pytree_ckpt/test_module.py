@@ -796,6 +796,57 @@ def test_a_check_fn_naming_layer_classes_is_refused_with_the_isinstance_it_means
     assert_same_grads(*grads_per_model([twin, model], x, seed=0))
 
 
+def _torch_keywords(case: str) -> dict[str, Any]:
+    """torch.distributed's (and torchtune's) keywords of apply_activation_checkpointing, as a
+    config moved over would pass them."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return {"wrapper": {"checkpoint_wrapper_fn": wrapper,
+                        "check_fn": lambda m: isinstance(m, Layer)},
+            "policy-set": {"auto_wrap_policy": {nn.GELU}},
+            "policy-fsdp": {"auto_wrap_policy": ModuleWrapPolicy({nn.GELU})},
+            "both": {"checkpoint_wrapper_fn": wrapper, "auto_wrap_policy": {nn.GELU}}}[case]
+
+
+@pytest.mark.parametrize("case", ["wrapper", "policy-set", "policy-fsdp", "both"])
+def test_torch_distributeds_keywords_are_refused_naming_the_keyword_and_check_fn(
+        case: str) -> None:
+    # Guards against: checkpoint_wrapper_fn= or auto_wrap_policy= (torch.distributed's
+    # apply_activation_checkpointing, torchtune's set_activation_checkpointing) moved over as
+    # they are raising Python's "unexpected keyword argument", which named no replacement, or
+    # being taken and ignored. Refused before any layer changes; the tip's check_fn names the
+    # policy's class, and (for the layers) gives eager's gradients.
+    model = Stack(2)
+    keywords = _torch_keywords(case)
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(model, **keywords)
+    message = str(err.value)
+    for name in ("checkpoint_wrapper_fn", "auto_wrap_policy"):
+        assert (f"{name}=" in message) == (name in keywords), name
+    assert "torch.distributed's keyword" in message and "no wrapper module" in message
+    # the policy's class, or a placeholder where none is given
+    test = "isinstance(m, GELU)" if "auto_wrap_policy" in keywords else "isinstance(m, Layer)"
+    assert f"tip: apply_activation_checkpointing(model, check_fn=lambda m: {test})" in message
+    assert ("the wrapper is pytree_ckpt's own" in message) == ("checkpoint_wrapper_fn" in keywords)
+    if case == "policy-fsdp":
+        assert "got:      auto_wrap_policy=ModuleWrapPolicy {GELU}" in message
+    if case == "wrapper":
+        assert "got:      checkpoint_wrapper_fn=partial(checkpoint_wrapper, ...)" in message
+    assert not any(is_checkpointed(m) for m in model.modules())
+    # Their unset value, None, is no refusal; what the tip says gives eager's gradients.
+    twin = copy.deepcopy(model)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer),
+                                   checkpoint_wrapper_fn=None, auto_wrap_policy=None)
+    assert [is_checkpointed(layer) for layer in model.layers] == [True, True]
+    x = torch.randn(2, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, model], x, seed=0))
+
+
 def test_a_moduledict_or_a_model_given_as_layers_gets_a_tip_naming_its_layer_list() -> None:
     # torchtitan keeps model.layers in a ModuleDict: the tip was "apply_activation_
     # checkpointing(module) checkpoints one module", which wraps the container (refused too).
