@@ -4,7 +4,9 @@ eval and train micro-batches in one step, layers frozen and unfrozen, optimizer 
 schedulers, state dicts loaded (resume, from an unwrapped model, assign=True) and dtype and
 device moves. Each runs a few steps on a small model (Linear, LayerNorm, dropout, one
 BatchNorm1d) against its unwrapped eager twin, bit for bit (fp16 too: both run the same
-kernels), with offload off and on."""
+kernels), with offload off and on. Last, a torchtune-style recipe on a small decoder (gradient
+accumulation, clip_grad_norm_, AdamW, eval passes under no_grad and inference_mode, a resume
+from state dicts), in fp32 and under CPU bf16 autocast."""
 
 from __future__ import annotations
 
@@ -366,3 +368,164 @@ def test_dtype_and_device_moves_after_wrapping_train_as_eager(offloaded: bool) -
         return results
 
     _against_eager(body, offloaded=offloaded)
+
+
+# A torchtune-style recipe: token embeddings, decoder layers (RMSNorm, a gated SiLU MLP,
+# dropout, a residual) each checkpointed, a final norm and a cross-entropy loss; gradient
+# accumulation over micro-batches, clip_grad_norm_, AdamW, an eval pass between steps, and a
+# resume from the model's and the optimizer's state dicts, in fp32 and under CPU bf16
+# autocast. The global RNG is seeded once per run, as a recipe does: dropout draws must
+# follow eager's from step to step.
+
+class _DecoderLayer(nn.Module):
+    calls = 0  # forward calls of every _DecoderLayer: the original pass and the replay count
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(16)
+        self.gate = nn.Linear(16, 32, bias=False)
+        self.up = nn.Linear(16, 32, bias=False)
+        self.down = nn.Linear(32, 16, bias=False)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        x = self.norm(h)
+        return h + self.drop(self.down(nn.functional.silu(self.gate(x)) * self.up(x)))
+
+
+class _Decoder(nn.Module):
+    """With ``call_checkpoint``, its forward calls ``pytree_ckpt.checkpoint(layer, h)`` (the
+    function form); otherwise its layers are called as they are (eager, or wrapped in place)."""
+
+    def __init__(self, call_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(_DecoderLayer() for _ in range(3))
+        self.norm = nn.RMSNorm(16)
+        self.output = nn.Linear(16, 32, bias=False)
+        self.call_checkpoint = call_checkpoint
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = pytree_ckpt.checkpoint(layer, h) if self.call_checkpoint else layer(h)
+        return self.output(self.norm(h))
+
+
+def _decoders(wrapping: str) -> tuple[_Decoder, _Decoder]:
+    """An eager decoder and its twin checkpointed per layer: in place with torchtune's
+    ``check_fn`` (``"apply"``) or through ``checkpoint`` in its forward (``"checkpoint"``)."""
+    torch.manual_seed(0)
+    eager = _Decoder()
+    model = copy.deepcopy(eager)
+    if wrapping == "apply":
+        pytree_ckpt.apply_activation_checkpointing(
+            model, check_fn=lambda m: isinstance(m, _DecoderLayer))
+        assert all(pytree_ckpt.is_checkpointed(layer) for layer in model.layers)
+    else:
+        model.call_checkpoint = True
+    return eager, model
+
+
+def _tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch: input tokens and the next-token labels."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 32, (2, 9), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _recipe_steps(model: _Decoder, optimizer: torch.optim.Optimizer, steps: range,
+                  dtype: torch.dtype) -> list[Any]:
+    """torchtune's loop: per step, 3 micro-batches each scaled by 1/3 and backward at once
+    (gradients accumulate), clip_grad_norm_, an AdamW step, then an eval pass under no_grad
+    and one under inference_mode. Returns per step the losses, the total norm, the clipped
+    gradients, the parameters after the step and the eval logits."""
+    results = []
+    for step in steps:
+        model.train()
+        losses = []
+        for micro in range(3):
+            tokens, labels = _tokens(100 * step + micro)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(tokens)
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                   labels.flatten()) / 3
+            loss.backward()
+            losses.append(loss.detach())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        grads = _grads(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        evals = []
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                evals.append(model(_tokens(999)[0]).clone())
+        results.append((losses, norm, grads, _state(model), evals))
+    model.train()
+    return results
+
+
+def _adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@_DTYPES
+@pytest.mark.parametrize("wrapping", ["apply", "checkpoint"])
+def test_a_torchtune_style_loop_with_accumulation_clipping_and_eval_passes_trains_as_eager(
+        dtype: torch.dtype, wrapping: str) -> None:
+    # Guards against: a checkpointed recipe drifting from eager over steps: gradients that
+    # accumulate over micro-batches other than eager's (a replay that reads .grad or adds
+    # into it), dropout draws that fall out of step with eager's (the original pass and the
+    # replay advancing the global generator other than eager's one forward), an eval pass
+    # under no_grad or inference_mode that builds a boundary, replays or changes state, and
+    # bf16 autocast's casts in the replay other than the forward's.
+    eager, model = _decoders(wrapping)
+    torch.manual_seed(1)
+    expected = _recipe_steps(eager, _adamw(eager), range(3), dtype)
+    expected_rng = torch.get_rng_state()
+    torch.manual_seed(1)
+    _DecoderLayer.calls = 0
+    got = _recipe_steps(model, _adamw(model), range(3), dtype)
+    _same(expected, got)
+    # 3 layers x 3 steps: 3 micro-batches, each an original pass and a replay, and the two
+    # eval passes, one call each (no boundary without grad).
+    assert _DecoderLayer.calls == 3 * 3 * (3 * 2 + 2)
+    assert torch.equal(torch.get_rng_state(), expected_rng)  # the same draws, in number too
+    assert all(r[1] > 0.5 for r in got)  # the clipping changed the gradients at every step
+    assert got[0][4][0].dtype == dtype  # the eval pass ran under autocast
+
+
+@_DTYPES
+def test_a_recipe_resumed_from_model_and_optimizer_state_dicts_continues_as_eager(
+        dtype: torch.dtype) -> None:
+    # Guards against: a resume that differs from the run it continues: the checkpointed
+    # model's state dict (keys or values) not the unwrapped model's, AdamW's state (its step
+    # counts and moments) not carrying over to a fresh checkpointed model's parameters, or a
+    # fresh model's first calls (its first replays, with their checks) computing otherwise.
+    eager, model = _decoders("apply")
+    torch.manual_seed(1)
+    expected = _recipe_steps(eager, _adamw(eager), range(4), dtype)
+
+    torch.manual_seed(1)
+    optimizer = _adamw(model)
+    first = _recipe_steps(model, optimizer, range(2), dtype)
+    saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                           "rng": torch.get_rng_state()})
+    assert list(saved["model"]) == list(eager.state_dict())
+    del model, optimizer
+    torch.manual_seed(2)  # a fresh process: other initial values, replaced by the load
+    resumed = _Decoder()
+    pytree_ckpt.apply_activation_checkpointing(
+        resumed, check_fn=lambda m: isinstance(m, _DecoderLayer))
+    resumed_optimizer = _adamw(resumed)
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["rng"])
+    rest = _recipe_steps(resumed, resumed_optimizer, range(2, 4), dtype)
+    _same(expected, first + rest)
+    assert resumed_optimizer.state_dict()["state"][0]["step"].item() == 4
