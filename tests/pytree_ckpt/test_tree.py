@@ -131,15 +131,58 @@ def _required_field_not_a_key(t: torch.Tensor) -> NeedsLogits:
     return out
 
 
+def _required_item_not_attribute(t: torch.Tensor) -> NeedsLogits:
+    out = NeedsLogits(logits=t * 2)
+    collections.OrderedDict.__setitem__(out, "logits", t * 7)  # a required key, its own item
+    return out
+
+
+def _dict_keys_unsorted(t: torch.Tensor) -> DictOutput:
+    out = _dict_keys_reordered(t)
+    out["aux"] = t * 5  # last, though it sorts first: the order is the eager one, not sorted
+    return out
+
+
+def _int_key(t: torch.Tensor) -> LMOutput:
+    out = LMOutput(logits=t * 2)
+    out[0] = t * 3  # a key that is no attribute name (a table by layer index)
+    return out
+
+
+@dataclasses.dataclass
+class OneOf(MappingOutput):
+    """Its construction takes logits or hidden, not both (a __post_init__ that validates)."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.logits is not None and self.hidden is not None:
+            raise ValueError("pass logits or hidden, not both")
+        super().__post_init__()
+
+
+def _attribute_set_after_construction(t: torch.Tensor) -> OneOf:
+    out = OneOf(logits=t * 2)
+    out.hidden = t * 3  # an attribute only: the construction never saw it
+    return out
+
+
 @pytest.mark.parametrize("make", [_late_keys, _item_not_attribute, _required_field_not_a_key,
-                                  _dict_keys_reordered])
+                                  _dict_keys_reordered, _required_item_not_attribute,
+                                  _dict_keys_unsorted, _int_key,
+                                  _attribute_set_after_construction])
 def test_a_mapping_dataclass_output_keeps_the_eagers_keys_items_and_attributes(
         make: Callable[[torch.Tensor], Any]) -> None:
     # Guards against: a ModelOutput-like output rebuilt through __init__ with every field: a key
     # set after construction moved into the fields' order, an attribute that was no key became
     # one, an item that differs from its attribute was replaced by the attribute, a required
     # field that was no key became one. to_tuple() then gave other tensors than eager's, and
-    # a loss over it other gradients, silently.
+    # a loss over it other gradients, silently. Also: a required key whose item is not its
+    # attribute left with the item __post_init__ made from the attribute (only missing keys
+    # set), a plain dict's keys put back sorted, a key that is no string asked for as an
+    # attribute name (TypeError), and __init__ given a field that was only an attribute (a
+    # validating __post_init__ then raises where eager's construction did not).
     x = torch.randn(4, requires_grad=True)
     eager, wrapped = make(x), checkpoint(make, x)
     assert type(wrapped) is type(eager) and list(wrapped.keys()) == list(eager.keys())
