@@ -255,8 +255,110 @@ def test_a_structure_mismatch_of_a_large_output_shows_each_side_in_at_most_120_c
                                       else "PyTreeSpec({'layer_0': *")
 
 
+def test_a_large_output_differing_past_the_shown_characters_is_not_called_another_class(
+        ) -> None:
+    # Guards against: first_difference adding "(class ...: same name, another class object)"
+    # whenever both sides read the same, though the nodes are of one type and only their
+    # shortened texts agree: a replay that returned one more key was blamed on a class
+    # defined twice.
+    original = {f"layer_{i}": 1 for i in range(40)}
+    replayed = {**original, "zzz": 1}  # sorts last: past the 117 characters shown
+
+    def fn(x: torch.Tensor) -> Any:
+        return {k: x * 2 for k in (replayed if current_phase() == "recompute" else original)}
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError) as err:
+        out["layer_0"].sum().backward()
+    message = str(err.value)
+    assert "returned a different output structure at output\n" in message
+    assert "another class object" not in message and "(class " not in message
+
+
+def test_a_dataclass_class_passed_as_an_argument_is_a_plain_leaf_and_gets_eager_gradients(
+        ) -> None:
+    # Guards against: the bridge taking a dataclass class (is_dataclass is true for it) for an
+    # instance: it registers `type` itself, and dataclasses.fields(type) raises TypeError at
+    # the call (an output class passed as a config value).
+    def make(t: torch.Tensor, cls: type[LMOutput]) -> LMOutput:
+        return cls(logits=t * 2)
+
+    x = torch.randn(3, requires_grad=True)
+    grads = []
+    for out in (make(x, LMOutput), checkpoint(make, x, LMOutput)):
+        assert type(out) is LMOutput
+        out["logits"].square().sum().backward()
+        grads.append(x.grad)
+        x.grad = None
+    assert torch.equal(*grads)
+
+
+def test_dataclasses_three_deep_each_new_are_opened_at_their_first_call() -> None:
+    # Guards against: flatten registering the dataclasses it meets and flattening once more,
+    # but not until none is left: a class first seen on that second flatten stays a leaf, so
+    # a tensor in it is no input of the boundary (a module's replay then meets a tensor it does
+    # not know) and no output (refused as a hidden tensor).
+    @dataclasses.dataclass
+    class Inner:
+        h: torch.Tensor
+
+    @dataclasses.dataclass
+    class Mid:
+        inner: Inner
+
+    @dataclasses.dataclass
+    class Outer:
+        mid: Mid
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+
+        def forward(self, batch: Outer) -> Outer:
+            return Outer(Mid(Inner(batch.mid.inner.h.sin() * self.w)))
+
+    net = Net()
+    x = torch.randn(3, requires_grad=True)
+    grads = []
+    for call in (net, lambda b: checkpoint(net, b)):
+        call(Outer(Mid(Inner(x)))).mid.inner.h.square().sum().backward()
+        grads.append((x.grad, net.w.grad))
+        x.grad = net.w.grad = None
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_an_alias_of_a_jagged_tensor_is_a_view_of_its_values_not_a_copy() -> None:
+    # Guards against: a jagged tensor aliased by a clone, the fallback for layouts without
+    # views (sparse): a copy of its values at each crossing where a view costs no bytes.
+    from pytree_ckpt.tree import alias
+
+    jagged = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)],
+                                        layout=torch.jagged)
+    aliased = alias(jagged)
+    assert aliased is not jagged and aliased.is_nested
+    assert aliased.values().data_ptr() == jagged.values().data_ptr()
+
+
 class Extras(dict):  # a dict subclass: optree does not open it (only dict itself)
     pass
+
+
+@pytest.mark.parametrize(("plain", "found"), [(62, True), (63, False)])
+def test_a_fresh_tensor_is_found_as_the_64th_object_looked_at_and_not_as_the_65th(
+        plain: int, found: bool) -> None:
+    # Guards against: the search budget off by one from what docs/limits.md states (64 objects
+    # in all, one past those not found): the leaf, `plain` ints, then the tensor.
+    x = torch.randn(3, requires_grad=True)
+
+    def fn(t: torch.Tensor) -> Any:
+        return t * 3, Extras({f"k{i}": i for i in range(plain)}, aux=t * 2)
+
+    if found:
+        with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]\['aux'\]"):
+            checkpoint(fn, x)
+    else:
+        assert not checkpoint(fn, x)[1]["aux"].requires_grad  # documented: not found
 
 
 class Holder:  # an unregistered plain class
