@@ -119,3 +119,90 @@ def test_functions_that_bind_their_layer_early_give_the_eager_twins_gradients(
     assert len(wrapped) == len(expected)
     for got, want in zip(wrapped, expected):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["tensor only", "with a float"])
+def test_a_function_rebound_after_its_first_and_only_call_is_refused(extra: bool) -> None:
+    # Guards against: the modules a function holds read before plain_state.py's first look at
+    # its code (none known yet): its first call unchecked; and a call with an argument that is
+    # not a tensor (the boundary's other branch) not checked at all. Either replays the other
+    # layer silently.
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    layer = layers[0]
+    if extra:
+        h = checkpoint(lambda t, scale: layer(t) * scale, x, 2.0)
+    else:
+        h = checkpoint(lambda t: layer(t), x)
+    layer = layers[1]  # noqa: F841 - read late by the lambda's replay
+    with pytest.raises(CheckpointError) as caught:
+        h.sum().backward()
+    message = str(caught.value)
+    assert f"closure variable 'layer' = Linear at {id(layers[0]):#x} (the original" in message
+    assert f"Linear at {id(layers[1]):#x}" in message.split("got:")[1]
+
+
+def test_the_tip_names_the_functions_own_variable_and_a_deleted_one_is_no_module() -> None:
+    # Guards against: the tip's fix written for a variable named `layer` whatever the code
+    # names it (a user copying it gets a NameError), and a variable deleted since (its cell
+    # empty) described as a NoneType object rather than as no module.
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for block in layers:
+        h = checkpoint(lambda t: block(t), h)
+    with pytest.raises(CheckpointError) as caught:
+        h.sum().backward()
+    assert "checkpoint(lambda t, block=block: block(t), h)" in str(caught.value)
+    assert "checkpoint(block, h)" in str(caught.value)
+    h = x
+    for block in layers:
+        h = checkpoint(lambda t: block(t), h)
+    del block
+    with pytest.raises(CheckpointError) as caught:
+        h.sum().backward()
+    assert "got:      closure variable 'block' = no module" in str(caught.value)
+
+
+def test_a_function_of_the_same_code_holding_no_module_at_a_later_call_is_not_refused() -> None:
+    # Guards against: the cell that held a module at the code's first look recorded at a
+    # later call where it holds none (None): the replay then finds "no module" where the
+    # original pass had none too, and refuses a function whose replay runs what it ran.
+    layers = _layers()
+    twin = _layers()
+
+    def make(m: nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: m(t) if m is not None else t * 2
+
+    x = torch.randn(2, 4, requires_grad=True)
+    wrapped = _grads(layers, x, lambda t: checkpoint(make(None), checkpoint(make(layers[0]), t)))
+    expected = _grads(twin, x, lambda t: twin[0](t) * 2)
+    assert len(wrapped) == len(expected) == 3
+    for got, want in zip(wrapped, expected):
+        assert torch.equal(got, want)
+
+
+def test_a_function_warned_about_between_two_of_its_replays_gives_eager_gradients() -> None:
+    # Guards against: the check reading plain_state.py's first look at a function it warned
+    # about in between (the look is dropped then): a TypeError in the second replay. Both
+    # calls were made, and their modules noted, before the first replay warned.
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    twin = copy.deepcopy(block)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        return block(t)  # a closure over a module whose buffers both passes change
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint(run, checkpoint(run, x)).square().sum().backward()
+    grads = [x.grad, *(p.grad for p in block.parameters())]
+    x.grad = None
+    twin(twin(x)).square().sum().backward()
+    for got, want in zip(grads, [x.grad, *(p.grad for p in twin.parameters())]):
+        assert got is not None and want is not None and torch.equal(got, want)
+    assert len([w for w in caught if "is a plain function" in str(w.message)]) == 1
