@@ -241,6 +241,30 @@ def test_a_callable_object_with_slots_over_a_batch_norm_is_warned() -> None:
     assert int(block.get_submodule("1").get_buffer("num_batches_tracked")) == 4  # as warned
 
 
+class _PrivateSlotHolder:
+    """A private slot of a class whose name starts with an underscore: Python mangles
+    ``__block`` to ``_PrivateSlotHolder__block`` (the class name's underscores stripped)."""
+
+    __slots__ = ("__block",)
+
+    def __init__(self, block: nn.Module) -> None:
+        self.__block = block
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.__block(h)  # type: ignore[no-any-return]
+
+
+def test_a_private_slot_of_an_underscored_class_over_a_batch_norm_is_warned() -> None:
+    # Guards against: the slot's name mangled with the class name's leading underscore kept
+    # (__PrivateSlotHolder__block): getattr finds nothing, and statistics updated twice a step
+    # go unwarned.
+    block = _block()
+    caught, _ = _steps(lambda m, x: checkpoint(_PrivateSlotHolder(m), x), block, steps=2)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "attribute '_PrivateSlotHolder__block' submodule '1' (BatchNorm1d)" in str(
+        caught[0].message)
+
+
 class _ViewDict:
     """A callable object whose ``__dict__`` is a property giving something else than a dict (a
     proxy's view): its attributes cannot be read one by one."""
