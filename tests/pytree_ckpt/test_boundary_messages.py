@@ -50,6 +50,9 @@ def test_an_input_changed_in_place_after_a_repeated_input_is_named_by_its_own_pa
     # the container type changes (list -> tuple): named there, not deeper
     ({"h": 1, "aux": [1, [1]]}, {"h": 1, "aux": (1, (1,))}, "output['aux']",
      "PyTreeSpec([*, [*]])", "PyTreeSpec((*, (*,)))"),
+    # the first key agrees, a later one differs: named at the later one, not the first
+    ({"a": [1], "b": [1], "h": 1}, {"a": [1], "b": (1,), "h": 1}, "output['b']", "PyTreeSpec([*])",
+     "PyTreeSpec((*,))"),
     # the keys change: named at the dict, not at a key the replay does not have
     ({"h": 1, "aux": 1}, {"h": 1, "extra": [1]}, "output",
      "PyTreeSpec({'aux': *, 'h': *})", "PyTreeSpec({'extra': [*], 'h': *})"),
@@ -967,6 +970,21 @@ def test_a_list_the_forward_appends_to_is_refused_naming_the_argument() -> None:
     nested = pytree_ckpt.apply_activation_checkpointing(Nested())
     with pytest.raises(CheckpointError, match=r"the list passed as args\[1\]\['aux'\]"):
         nested(torch.randn(6, 8), {"aux": []}).sum().backward()
+
+
+def test_a_dict_inside_a_list_passed_in_that_the_forward_fills_is_refused_naming_it() -> None:
+    # Guards against: only lists looked into inside a container argument: a stats dict inside
+    # a list (one per layer, say) receives the no-grad original pass's value, and a loss built
+    # from it silently lacks the gate's gradient.
+    class Nested(CollectsAuxLoss):
+        def forward(self, x: torch.Tensor,  # type: ignore[override]
+                    per_layer: list[dict[str, Any]]) -> torch.Tensor:
+            return super().forward(x, None, per_layer[0])
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Nested())
+    with pytest.raises(CheckpointError, match=r"^Nested put a tensor that requires grad into "
+                                              r"the dict passed as args\[1\]\[0\]"):
+        layer(torch.randn(6, 8), [{}]).sum().backward()
 
 
 def test_a_loss_appended_inside_a_tuple_to_a_list_passed_in_is_refused() -> None:
