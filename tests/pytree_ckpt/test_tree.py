@@ -168,10 +168,26 @@ def _attribute_set_after_construction(t: torch.Tensor) -> OneOf:
     return out
 
 
+@dataclasses.dataclass
+class WithTotal(MappingOutput):
+    """A field its construction computes (init=False), then made a key."""
+
+    logits: torch.Tensor | None = None
+    total: torch.Tensor | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.total = None if self.logits is None else self.logits.sum()
+        super().__post_init__()
+
+
+def _init_false_key(t: torch.Tensor) -> WithTotal:
+    return WithTotal(logits=t * 2)
+
+
 @pytest.mark.parametrize("make", [_late_keys, _item_not_attribute, _required_field_not_a_key,
                                   _dict_keys_reordered, _required_item_not_attribute,
                                   _dict_keys_unsorted, _int_key,
-                                  _attribute_set_after_construction])
+                                  _attribute_set_after_construction, _init_false_key])
 def test_a_mapping_dataclass_output_keeps_the_eagers_keys_items_and_attributes(
         make: Callable[[torch.Tensor], Any]) -> None:
     # Guards against: a ModelOutput-like output rebuilt through __init__ with every field: a key
@@ -182,7 +198,8 @@ def test_a_mapping_dataclass_output_keeps_the_eagers_keys_items_and_attributes(
     # attribute left with the item __post_init__ made from the attribute (only missing keys
     # set), a plain dict's keys put back sorted, a key that is no string asked for as an
     # attribute name (TypeError), and __init__ given a field that was only an attribute (a
-    # validating __post_init__ then raises where eager's construction did not).
+    # validating __post_init__ then raises where eager's construction did not), or an
+    # init=False field that is a key given to __init__ (TypeError).
     x = torch.randn(4, requires_grad=True)
     eager, wrapped = make(x), checkpoint(make, x)
     assert type(wrapped) is type(eager) and list(wrapped.keys()) == list(eager.keys())
@@ -326,6 +343,43 @@ def test_dataclasses_three_deep_each_new_are_opened_at_their_first_call() -> Non
         grads.append((x.grad, net.w.grad))
         x.grad = net.w.grad = None
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_a_dataclass_field_holding_a_hidden_tensor_is_named_by_its_own_field() -> None:
+    # Guards against: a dataclass's children and their names (optree's entries) out of step:
+    # the refusal then names the other field (output.first), sending the user to the wrong one.
+    @dataclasses.dataclass
+    class Two:
+        first: torch.Tensor
+        second: Any
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"returned a set at output\.second that holds"):
+        checkpoint(lambda t: Two(t * 2, {t * 3}), x)
+
+
+def test_a_plain_dataclass_output_is_rebuilt_without_running_its_new_or_post_init() -> None:
+    # Guards against: the rebuild constructing the object (cls.__new__, __init__): a class
+    # that counts or interns its instances in __new__ sees constructions eager never made
+    # (NOTE [mapping dataclasses]: the same values with tensors swapped, no new construction).
+    made: list[str] = []
+
+    @dataclasses.dataclass
+    class Counted:
+        h: torch.Tensor
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            made.append("new")
+            return super().__new__(cls)
+
+        def __post_init__(self) -> None:
+            made.append("post_init")
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(lambda t: Counted(t * 2), x)
+    assert made == ["new", "post_init"]  # the original pass's own construction only
+    out.h.sum().backward()
+    assert made == ["new", "post_init"] * 2 and torch.equal(x.grad, torch.full((3,), 2.0))
 
 
 def test_an_alias_of_a_jagged_tensor_is_a_view_of_its_values_not_a_copy() -> None:
