@@ -219,6 +219,26 @@ def test_a_partial_or_callable_object_over_a_batch_norm_is_warned(case: str) -> 
     assert f"{where} submodule '1' (BatchNorm1d)" in str(caught[0].message)
 
 
+def _apply(mm: nn.Module, h: torch.Tensor, *, scale: float) -> torch.Tensor:
+    return mm(h) * scale  # type: ignore[no-any-return]
+
+
+def test_a_partial_of_a_wrapped_partial_over_a_batch_norm_is_warned() -> None:
+    # Guards against: only the outer partial unwrapped. Python merges a partial of a partial
+    # into one, except when the inner one has attributes (functools.update_wrapper gives it
+    # __name__, __wrapped__, ...): the block the inner one binds then goes unwatched, and its
+    # statistics are updated twice a step without a warning.
+    def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        inner = functools.update_wrapper(functools.partial(_apply, m), _apply)
+        outer = functools.partial(inner, scale=1.0)
+        assert outer.func is inner  # not merged
+        return checkpoint(outer, x)  # type: ignore[no-any-return]
+
+    caught, _ = _steps(run, _block())
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "partial argument 0 submodule '1' (BatchNorm1d)" in str(caught[0].message)
+
+
 class _SlotHolder:
     """A callable object with ``__slots__``: its attributes are not in a ``__dict__``."""
 
