@@ -156,9 +156,12 @@ def test_the_tip_names_the_functions_own_variable_and_a_deleted_one_is_no_module
     assert "checkpoint(lambda t, block=block: block(t), h)" in str(caught.value)
     assert "checkpoint(block, h)" in str(caught.value)
     h = x
+    made = []
     for block in layers:
-        h = checkpoint(lambda t: block(t), h)
-    del block
+        made.append(lambda t: block(t))
+        h = checkpoint(made[-1], h)
+    assert made[0].__closure__ is not None
+    del made[0].__closure__[0].cell_contents  # `del block`, the cell all of them share emptied
     with pytest.raises(CheckpointError) as caught:
         h.sum().backward()
     assert "got:      closure variable 'block' = no module" in str(caught.value)
