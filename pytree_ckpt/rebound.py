@@ -27,10 +27,18 @@ __all__ = ["Bound", "modules_bound", "refuse_rebound"]
 # original pass and compared before the replay; another module there is refused, naming the
 # variable and both modules. Ids only: holding the modules would keep a model replaced since
 # alive; an id reused by a new module after the old one was freed goes unseen (the old one
-# could not have been replayed anyway). Not seen: a module reached through an attribute
-# (`self.block` rebound), a function that holds no module at its first call, one already
-# warned about by plain_state.py, a callable object's attributes, a partial's function.
-Bound = tuple[tuple[str, int, str], ...]  # (where, id(module), its description)
+# could not have been replayed anyway). A place that held a module at the code's first look
+# but holds none at this call (a function, None: `for layer in [block, torch.tanh, block]`) is
+# noted as holding none, and refused when it holds a module at the replay: that replay would
+# run a module where the original pass ran something else (silently, when the loop ends on a
+# module the other calls held). A non-module replaced by another one is not seen (a new
+# partial each iteration may compute the same); in such a loop the calls that held a module
+# are refused then, unless the loop ended on that module, where those that held none are.
+# Not seen: a module reached through an attribute (`self.block` rebound), a function that
+# holds no module at its first call, one already warned about by plain_state.py, a callable
+# object's attributes, a partial's function.
+Bound = tuple[tuple[str, int, str], ...]  # (where, id(module) or _NO_MODULE, its description)
+_NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
 
 
 def _describe(module: nn.Module, /) -> str:
@@ -56,18 +64,21 @@ def _held_now(fn: Any, held: tuple[tuple[int, ...], tuple[str, ...]], /
 
 def modules_bound(fn: Any, /) -> Bound | None:
     """The modules ``fn`` (a plain function) holds in closure cells or names as globals now,
-    by identity; ``None`` when it holds none (NOTE [a module rebound before the replay])."""
+    by identity, and the places among those that hold none now; ``None`` when its code held
+    none at its first look (NOTE [a module rebound before the replay])."""
     code = getattr(fn, "__code__", None)
     held = modules_held(code) if code is not None else None
     if held is None or not (held[0] or held[2]):
         return None
-    return tuple((where, id(module), _describe(module))
-                 for where, module in _held_now(fn, (held[0], held[2])) if module is not None)
+    return tuple((where, _NO_MODULE, "no module") if module is None else
+                 (where, id(module), _describe(module))
+                 for where, module in _held_now(fn, (held[0], held[2])))
 
 
 def refuse_rebound(call: BoundaryCall, /) -> None:
     """Refuse the replay when a module ``call.fn`` held at its original pass is no longer the
-    one it holds (NOTE [a module rebound before the replay])."""
+    one it holds, or a place that held none then holds one now (NOTE [a module rebound before
+    the replay])."""
     bound = call.bound
     assert bound is not None
     code = getattr(call.fn, "__code__", None)
@@ -77,15 +88,17 @@ def refuse_rebound(call: BoundaryCall, /) -> None:
     now = dict(_held_now(call.fn, (held[0], held[2])))
     for where, ident, described in bound:
         module = now.get(where)
-        if module is not None and id(module) == ident:
+        if (module is None) if ident == _NO_MODULE else \
+                (module is not None and id(module) == ident):
             continue
         name = callable_name(call.fn)
         variable = where.split("'")[1] if "'" in where else "layer"
+        then, now_ = ("no module", "one") if ident == _NO_MODULE else ("one module", "another")
         raise CheckpointError(
-            f"the replay of checkpoint({name}) would run another module: its {where} held one "
-            "module at the original pass and holds another now (Python closures and globals "
-            "bind late: a function made in a loop reads the loop variable's last value), so "
-            "the replay would compute, and return the gradients of, another layer",
+            f"the replay of checkpoint({name}) would run another module: its {where} held "
+            f"{then} at the original pass and holds {now_} now (Python closures and "
+            "globals bind late: a function made in a loop reads the loop variable's last "
+            "value), so the replay would compute, and return the gradients of, another layer",
             expected=f"{where} = {described} (the original pass's)",
             got=f"{where} = " + ("no module" if module is None else _describe(module)),
             tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "

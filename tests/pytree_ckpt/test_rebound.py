@@ -209,3 +209,48 @@ def test_a_function_warned_about_between_two_of_its_replays_gives_eager_gradient
     for got, want in zip(grads, [x.grad, *(p.grad for p in twin.parameters())]):
         assert got is not None and want is not None and torch.equal(got, want)
     assert len([w for w in caught if "is a plain function" in str(w.message)]) == 1
+
+
+def test_a_loop_over_a_module_a_function_and_the_module_again_is_refused_at_the_functions_call(
+        ) -> None:
+    # Guards against: a place that held no module at the original pass (the loop variable on
+    # torch.tanh) not noted: its replay ran the module the loop ended on instead of tanh, and
+    # returned that module's gradients for tanh's input, silently (the calls that held the
+    # module are right, so nothing else was refused).
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for layer in [lin, torch.tanh, lin]:
+        h = checkpoint(lambda t: layer(t), h)
+    with pytest.raises(CheckpointError) as caught:
+        h.square().sum().backward()
+    message = str(caught.value)
+    assert "closure variable 'layer' held no module at the original pass and holds one" in message
+    assert "expected: closure variable 'layer' = no module (the original pass's)" in message
+    assert f"got:      closure variable 'layer' = Linear at {id(lin):#x}" in message
+    assert "lambda t, layer=layer: layer(t)" in message
+
+
+def _each_its_own(layer: Callable[[torch.Tensor], torch.Tensor] | None
+                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: layer(t) if layer is not None else t * 2
+
+
+def test_a_loop_over_a_module_and_functions_bound_early_gives_the_eager_twins_gradients() -> None:
+    # Guards against: the places that held no module refused though the replay runs what the
+    # original pass ran (one code, a cell of its own per call: a module, tanh, None).
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    grads = []
+    for wrap in (False, True):
+        h = x
+        for layer in [lin, torch.tanh, lin, None]:
+            step = _each_its_own(layer)  # a fresh cell per call, holding tanh or None too
+            h = checkpoint(step, h) if wrap else step(h)
+        h.square().sum().backward()
+        grads.append((x.grad, lin.weight.grad, lin.bias.grad))
+        x.grad = lin.weight.grad = lin.bias.grad = None
+    for got, want in zip(*grads):
+        assert got is not None and want is not None and torch.equal(got, want)
