@@ -34,10 +34,16 @@ __all__ = ["Bound", "modules_bound", "refuse_rebound"]
 # module the other calls held). A non-module replaced by another one is not seen (a new
 # partial each iteration may compute the same); in such a loop the calls that held a module
 # are refused then, unless the loop ended on that module, where those that held none are.
-# Not seen: a module reached through an attribute (`self.block` rebound), a function that
-# holds no module at its first call, one already warned about by plain_state.py, a callable
+# The places looked at are kept with the ids, not read from plain_state.py's first look at
+# the replay: a replay that warns about module state (a loop of batch-norm blocks: the last
+# call's replay, run first, warns) drops that look, and the earlier calls' replays must still
+# be checked. Not seen: a module reached through an attribute (`self.block` rebound), a
+# function that holds no module at its first call, the calls of a code made after it was
+# warned about by plain_state.py (a later step's: the first step's are refused), a callable
 # object's attributes, a partial's function.
-Bound = tuple[tuple[str, int, str], ...]  # (where, id(module) or _NO_MODULE, its description)
+_Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
+# The places, then per place: (where, id(module) or _NO_MODULE, its description)
+Bound = tuple[_Places, tuple[tuple[str, int, str], ...]]
 _NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
 
 
@@ -45,8 +51,7 @@ def _describe(module: nn.Module, /) -> str:
     return f"{type(module).__name__} at {id(module):#x}"
 
 
-def _held_now(fn: Any, held: tuple[tuple[int, ...], tuple[str, ...]], /
-              ) -> list[tuple[str, nn.Module | None]]:
+def _held_now(fn: Any, held: _Places, /) -> list[tuple[str, nn.Module | None]]:
     cells, names = held
     closure = getattr(fn, "__closure__", None) or ()
     free = getattr(getattr(fn, "__code__", None), "co_freevars", ())
@@ -70,22 +75,19 @@ def modules_bound(fn: Any, /) -> Bound | None:
     held = modules_held(code) if code is not None else None
     if held is None or not (held[0] or held[2]):
         return None
-    return tuple((where, _NO_MODULE, "no module") if module is None else
-                 (where, id(module), _describe(module))
-                 for where, module in _held_now(fn, (held[0], held[2])))
+    places = (held[0], held[2])
+    return places, tuple((where, _NO_MODULE, "no module") if module is None else
+                         (where, id(module), _describe(module))
+                         for where, module in _held_now(fn, places))
 
 
 def refuse_rebound(call: BoundaryCall, /) -> None:
     """Refuse the replay when a module ``call.fn`` held at its original pass is no longer the
     one it holds, or a place that held none then holds one now (NOTE [a module rebound before
     the replay])."""
-    bound = call.bound
-    assert bound is not None
-    code = getattr(call.fn, "__code__", None)
-    held = modules_held(code) if code is not None else None
-    if held is None:  # warned about since: not looked at again (its first look is gone)
-        return
-    now = dict(_held_now(call.fn, (held[0], held[2])))
+    assert call.bound is not None
+    places, bound = call.bound
+    now = dict(_held_now(call.fn, places))  # the places noted: plain_state may drop its own
     for where, ident, described in bound:
         module = now.get(where)
         if (module is None) if ident == _NO_MODULE else \

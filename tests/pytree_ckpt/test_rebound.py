@@ -254,3 +254,27 @@ def test_a_loop_over_a_module_and_functions_bound_early_gives_the_eager_twins_gr
         x.grad = lin.weight.grad = lin.bias.grad = None
     for got, want in zip(*grads):
         assert got is not None and want is not None and torch.equal(got, want)
+
+
+def test_a_lambda_in_a_loop_over_batch_norm_blocks_is_refused_after_the_state_warning() -> None:
+    # Guards against: the check reading plain_state.py's first look at the code again at each
+    # replay: the last call's replay (run first) warns that the blocks' statistics are
+    # updated twice, which drops that look, and every earlier call's replay then went
+    # unchecked, running the last block and returning its gradients for each block's input,
+    # silently (a ResNet-style loop of blocks with batch norm).
+    import warnings
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(3)])
+    x = torch.randn(5, 4, requires_grad=True)
+    h = x
+    for block in blocks:
+        h = checkpoint(lambda t: block(t), h)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError) as refused:
+            h.square().sum().backward()
+    assert len([w for w in caught if "is a plain function" in str(w.message)]) == 1
+    message = str(refused.value)
+    assert f"closure variable 'block' = Sequential at {id(blocks[1]):#x} (the original" in message
+    assert f"Sequential at {id(blocks[2]):#x}" in message.split("got:")[1]
