@@ -37,7 +37,9 @@ def _register_dataclass(cls: type) -> None:
     init_names = frozenset(f.name for f in fields if f.init)
     required = frozenset(f.name for f in fields if f.init and f.default is dataclasses.MISSING
                          and f.default_factory is dataclasses.MISSING)
-    is_mapping = issubclass(cls, Mapping)
+    # A Mapping without item assignment: items set on the rebuilt one would raise (NOTE
+    # [mapping dataclasses]).
+    is_mapping = issubclass(cls, Mapping) and callable(getattr(cls, "__setitem__", None))
 
     def flatten_one(obj: Any) -> tuple[list[Any], tuple[tuple[Any, ...], tuple[Any, ...]],
                                        tuple[Any, ...]]:
@@ -65,7 +67,8 @@ def _register_dataclass(cls: type) -> None:
         # with the fields that were keys (and required ones), then gets the other items, then
         # every attribute as it was (an attribute set after construction is not an item), then
         # the keys in the original's order and no others: to_tuple() and iteration give the
-        # eager output's tensors in the eager order.
+        # eager output's tensors in the eager order. A read-only Mapping (no __setitem__)
+        # makes its items from its attributes: rebuilt as a plain dataclass.
         attrs, keys = spec
         values = dict(zip(attrs, children))
         if not is_mapping:

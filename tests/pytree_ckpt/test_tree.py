@@ -221,6 +221,39 @@ def test_a_mapping_dataclass_output_keeps_the_eagers_keys_items_and_attributes(
     assert torch.equal(*grads)
 
 
+@dataclasses.dataclass
+class ReadOnlyScores(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A read-only mapping over its field: the item "probs" is computed at each read."""
+
+    logits: torch.Tensor
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return {"logits": lambda: self.logits, "probs": lambda: self.logits.softmax(0)}[key]()
+
+    def __iter__(self) -> Any:
+        return iter(("logits", "probs"))
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_a_read_only_mapping_dataclass_output_with_a_computed_item_gets_eagers_gradients(
+        ) -> None:
+    # Guards against: a dataclass that is a Mapping without item assignment rebuilt as a
+    # ModelOutput-like one: its computed item, not its attribute, was set on the rebuilt
+    # output, a TypeError (does not support item assignment) where eager's output just works.
+    x = torch.randn(4, requires_grad=True)
+    grads, items = [], []
+    for out in (ReadOnlyScores(x * 2), checkpoint(lambda t: ReadOnlyScores(t * 2), x)):
+        assert type(out) is ReadOnlyScores and list(out) == ["logits", "probs"]
+        items.append([out["logits"], out["probs"]])
+        (out["logits"].sum() + (out["probs"] * torch.arange(4.0)).sum()).backward()
+        grads.append(x.grad)
+        x.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*items))
+    assert torch.equal(*grads)
+
+
 def test_two_threads_flattening_a_new_dataclass_at_once_register_it_once() -> None:
     # Guards against: a registered class is not recorded in _registered: a second thread that saw
     # the class unregistered before taking the lock registers it again, and optree refuses that.
