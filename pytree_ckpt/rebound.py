@@ -4,6 +4,7 @@ before the replay]).
 
 from __future__ import annotations
 
+import dis
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -45,6 +46,21 @@ _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, glo
 # The places, then per place: (where, id(module) or _NO_MODULE, its description)
 Bound = tuple[_Places, tuple[tuple[str, int, str], ...]]
 _NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
+# Of the global names plain_state.py's first look found (any of the code's co_names that is a
+# global module, attribute names included: `holder.layer(t)` beside a global `layer`), those
+# its instructions read as globals; the others are never read, and a global of that name
+# rebound since changes nothing the replay runs. By id(code), holding the code (its id is not
+# reused); read once per code object.
+_GLOBALS_READ: dict[int, tuple[Any, tuple[str, ...]]] = {}
+
+
+def _globals_read(code: Any, names: tuple[str, ...], /) -> tuple[str, ...]:
+    entry = _GLOBALS_READ.get(id(code))
+    if entry is None:
+        read = {i.argval for i in dis.get_instructions(code)
+                if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+        entry = _GLOBALS_READ[id(code)] = (code, tuple(n for n in names if n in read))
+    return entry[1]
 
 
 def _describe(module: nn.Module, /) -> str:
@@ -75,7 +91,10 @@ def modules_bound(fn: Any, /) -> Bound | None:
     held = modules_held(code) if code is not None else None
     if held is None or not (held[0] or held[2]):
         return None
-    places = (held[0], held[2])
+    names = _globals_read(code, held[2]) if held[2] else ()
+    if not (held[0] or names):
+        return None
+    places = (held[0], names)
     return places, tuple((where, _NO_MODULE, "no module") if module is None else
                          (where, id(module), _describe(module))
                          for where, module in _held_now(fn, places))

@@ -278,3 +278,24 @@ def test_a_lambda_in_a_loop_over_batch_norm_blocks_is_refused_after_the_state_wa
     message = str(refused.value)
     assert f"closure variable 'block' = Sequential at {id(blocks[1]):#x} (the original" in message
     assert f"Sequential at {id(blocks[2]):#x}" in message.split("got:")[1]
+
+
+def test_an_attribute_named_like_a_global_module_rebound_since_is_not_refused() -> None:
+    # Guards against: every name of the code's co_names that is a global module taken for a
+    # global the function reads: co_names holds attribute names too, so a script's
+    # `holder.layer(t)` was refused when its global `layer` (never read by the lambda) moved
+    # on before the backward, though the replay runs what the original pass ran.
+    torch.manual_seed(0)
+    space: dict[str, Any] = {"checkpoint": checkpoint, "holder": nn.Module(),
+                             "layers": _layers(), "x": torch.randn(2, 4, requires_grad=True)}
+    space["holder"].layer = nn.Linear(4, 4)
+    exec("layer = layers[0]\n"
+         "y = checkpoint(lambda t: holder.layer(t), x)\n"
+         "layer = layers[1]\n", space)
+    space["y"].square().sum().backward()
+    x, lin = space["x"], space["holder"].layer
+    grads = [x.grad, lin.weight.grad, lin.bias.grad]
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    lin(x).square().sum().backward()
+    for got, want in zip(grads, [x.grad, lin.weight.grad, lin.bias.grad]):
+        assert got is not None and want is not None and torch.equal(got, want)
