@@ -5,6 +5,7 @@ before the replay]).
 from __future__ import annotations
 
 import dis
+import functools
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -41,7 +42,7 @@ __all__ = ["Bound", "modules_bound", "refuse_rebound"]
 # be checked. Not seen: a module reached through an attribute (`self.block` rebound), a
 # function that holds no module at its first call, the calls of a code made after it was
 # warned about by plain_state.py (a later step's: the first step's are refused), a callable
-# object's attributes, a partial's function.
+# object's attributes (a partial's function is looked at: its cells bind as late).
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # The places, then per place: (where, id(module) or _NO_MODULE, its description)
 Bound = tuple[_Places, tuple[tuple[str, int, str], ...]]
@@ -83,10 +84,21 @@ def _held_now(fn: Any, held: _Places, /) -> list[tuple[str, nn.Module | None]]:
     return found
 
 
+def _called(fn: Any, /) -> Any:
+    """The function a ``functools.partial`` (of partials) calls: its cells and globals are
+    read late as a lambda's are (plain_state.py's first look keys on its code too)."""
+    for _ in range(8):
+        if not isinstance(fn, functools.partial):
+            break
+        fn = fn.func
+    return fn
+
+
 def modules_bound(fn: Any, /) -> Bound | None:
     """The modules ``fn`` (a plain function) holds in closure cells or names as globals now,
     by identity, and the places among those that hold none now; ``None`` when its code held
     none at its first look (NOTE [a module rebound before the replay])."""
+    fn = _called(fn)
     code = getattr(fn, "__code__", None)
     held = modules_held(code) if code is not None else None
     if held is None or not (held[0] or held[2]):
@@ -106,7 +118,7 @@ def refuse_rebound(call: BoundaryCall, /) -> None:
     the replay])."""
     assert call.bound is not None
     places, bound = call.bound
-    now = dict(_held_now(call.fn, places))  # the places noted: plain_state may drop its own
+    now = dict(_held_now(_called(call.fn), places))  # the places noted: plain_state may drop its own
     for where, ident, described in bound:
         module = now.get(where)
         if (module is None) if ident == _NO_MODULE else \

@@ -299,3 +299,47 @@ def test_an_attribute_named_like_a_global_module_rebound_since_is_not_refused() 
     lin(x).square().sum().backward()
     for got, want in zip(grads, [x.grad, lin.weight.grad, lin.bias.grad]):
         assert got is not None and want is not None and torch.equal(got, want)
+
+
+def test_a_partial_of_a_lambda_in_a_loop_reading_the_loop_variable_is_refused() -> None:
+    # Guards against: only the function given to checkpoint looked at: a functools.partial
+    # has no code of its own, so the late lambda it wraps (binding a keyword, as a mask or a
+    # scale is bound) replayed the last layer for every call, silently.
+    import functools
+
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for layer in layers:
+        h = checkpoint(functools.partial(lambda t, scale: layer(t) * scale, scale=2.0), h)
+    with pytest.raises(CheckpointError) as caught:
+        h.sum().backward()
+    message = str(caught.value)
+    assert f"closure variable 'layer' = Linear at {id(layers[1]):#x} (the original" in message
+    assert f"Linear at {id(layers[2]):#x}" in message.split("got:")[1]
+
+
+def test_partials_binding_their_layer_give_the_eager_twins_gradients() -> None:
+    # Guards against: a partial's function looked at with the partial's own arguments taken
+    # for closure cells, or a partial per call over one early-bound function refused.
+    import functools
+
+    layers, twin = _layers(), _layers()
+
+    def apply(module: nn.Module, t: torch.Tensor, scale: float) -> torch.Tensor:
+        return module(t) * scale
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            t = checkpoint(functools.partial(apply, layer, scale=2.0), t)
+            t = checkpoint(functools.partial(lambda u, s, m=layer: m(u) * s, s=0.5), t)
+        return t
+
+    def eager(t: torch.Tensor) -> torch.Tensor:
+        for layer in twin:
+            t = layer(layer(t) * 2.0) * 0.5
+        return t
+
+    x = torch.randn(2, 4, requires_grad=True)
+    for got, want in zip(_grads(layers, x, run), _grads(twin, x, eager)):
+        assert torch.equal(got, want)
