@@ -42,7 +42,9 @@ __all__ = ["Bound", "modules_bound", "refuse_rebound"]
 # be checked. Not seen: a module reached through an attribute (`self.block` rebound), a
 # function that holds no module at its first call, the calls of a code made after it was
 # warned about by plain_state.py (a later step's: the first step's are refused), a callable
-# object's attributes (a partial's function is looked at: its cells bind as late).
+# object's attributes (a partial's function is looked at: its cells bind as late), a
+# torch.compile'd lambda (its wrapper's cells hold the function), an index read late
+# (`lambda t: layers[i](t)`: `i` is no module; docs/limits.md's row lists these).
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # The places, then per place: (where, id(module) or _NO_MODULE, its description)
 Bound = tuple[_Places, tuple[tuple[str, int, str], ...]]
