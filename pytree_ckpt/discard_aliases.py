@@ -20,7 +20,8 @@ __all__ = ["made_outside", "reachable_tensors", "root_key"]
 def reachable_tensors(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
     """Tensors that exist outside ``fn`` and that it can return a view of: the parameters and
     buffers of the module it belongs to and of modules among its arguments, and tensors and
-    modules it closes over or names as globals (a lambda, a ``functools.partial``).
+    modules it closes over, binds as defaults or names as globals (a lambda, a
+    ``functools.partial``).
 
     NOTE [discard frees only fn's own storages]: an output that is a view of one of these (a
     rotary cache sliced to the sequence length, learned positions) is kept, like an output that
@@ -41,6 +42,10 @@ def reachable_tensors(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[tor
         target = target.func
     found += [cell.cell_contents for cell in getattr(target, "__closure__", None) or ()
               if _cell_filled(cell)]
+    # Defaults bind a module as a closure does (`lambda t, m=lin: m(t)`): missing them made
+    # such a lambda's parameters unreachable, refused in backward as foreign tensors.
+    found += [*(getattr(target, "__defaults__", None) or ()),
+              *(getattr(target, "__kwdefaults__", None) or {}).values()]
     code, names = getattr(target, "__code__", None), getattr(target, "__globals__", {})
     if code is not None:  # globals it names (a model defined at module level)
         found += [names[name] for name in code.co_names if name in names]

@@ -834,6 +834,36 @@ def test_a_closure_over_a_name_not_assigned_yet_is_discarded_and_gives_eager_gra
     assert_same_grads(expected, grads_of([x, *norm.parameters()]))
 
 
+@pytest.mark.parametrize("bound", ["default", "keyword default", "closure"])
+def test_a_lambda_binding_its_module_as_a_default_is_discarded_with_eager_gradients(
+        bound: str) -> None:
+    # Guards against: the search for what a plain function reaches reading closure cells but
+    # not defaults: `lambda t, m=lin: m(t)` (the bound form docs/limits.md gives for a loop)
+    # was taken to reach nothing trainable, and its backward refused the Linear's weight as
+    # "neither an input nor a parameter".
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    fn = {"default": lambda t, m=lin: m(t).tanh(),
+          "keyword default": lambda t, *, m=lin: m(t).tanh(),
+          "closure": lambda t: lin(t).tanh()}[bound]
+
+    def step(discard: bool) -> None:
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(fn, x) if discard else fn(x)
+        out = normed * 3
+        if discard:
+            ckpt.discard_output_and_register_recompute(out)
+            assert normed.untyped_storage().nbytes() == 0  # freed: rebuilt in backward
+        out.square().sum().backward()
+
+    step(discard=False)
+    expected = grads_of([x, *lin.parameters()])
+    zero_grads([x, *lin.parameters()])
+    step(discard=True)
+    assert_same_grads(expected, grads_of([x, *lin.parameters()]))
+
+
 @pytest.mark.parametrize("through", ["own", "manager"])
 @pytest.mark.parametrize("failure", ["output refused", "fn raised"])
 def test_a_discard_after_a_checkpoint_that_raised_is_refused_naming_the_op(
