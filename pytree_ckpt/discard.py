@@ -70,6 +70,7 @@ from .forward_modules import ForwardModules
 from .frames import callable_name
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
+from .rebound import Bound, modules_bound_now, refuse_rebound
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
@@ -145,6 +146,8 @@ class CheckpointWithoutOutput:
         self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
         self.modules: list[nn.Module] | None = None  # fn's modules, until its forward ran
         self.forward_modules: ForwardModules | None = None
+        # NOTE [a module rebound before the replay] (rebound.py): a plain function's modules.
+        self.bound: Bound | None = None
         # Their buffer dicts, frozen parameters (known tensors for backward's check) and
         # trees; what the forward changed of them (NOTE [state the forward changes] in
         # state_changes.py, NOTE [discard lifetimes] 5).
@@ -216,6 +219,8 @@ class CheckpointWithoutOutput:
             output = fn(*args, **kwargs)
             self.checkpointed = True
             return output
+        if owner is None:  # NOTE [a module rebound before the replay] (rebound.py)
+            self.bound = modules_bound_now(fn)
         outputs = tuple(_apply(self, *args, *(self.params or ())))  # NOTE [discard stays eager]
         # After the eager call: a compiled body reaches the refusal first (NOTE [discard stays
         # eager]), not this ContextVar read.
@@ -349,6 +354,8 @@ class CheckpointWithoutOutput:
         ctx = self.ctx() if self.ctx is not None else None
         if ctx is None:
             return False  # its node is gone: nothing reads its output (NOTE [discard lifetimes] 3)
+        if self.bound is not None:  # NOTE [a module rebound before the replay] (rebound.py)
+            refuse_rebound(self.fn, self.bound, what="CheckpointWithoutOutput.checkpoint")
         watched, param_before = self.param_versions, None
         if watched is not None:
             assert self.params is not None

@@ -8,8 +8,10 @@ or holds, and says when the replay changes their state again.
 
 from __future__ import annotations
 
+import dis
 import functools
 import logging
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -24,8 +26,8 @@ from .refusals import readable_path
 from .state_changes import StateWatch
 from .tree import leaf_paths
 
-__all__ = ["NOTHING_HELD", "PlainStateWatch", "cell_contents", "globals_of", "modules_held",
-           "watch_plain_state"]
+__all__ = ["NOTHING_HELD", "PlainStateWatch", "cell_contents", "globals_of", "globals_read",
+           "modules_held", "watch_plain_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +39,10 @@ logger = logging.getLogger(__name__)
 # their buffers watched: those it is given (argument leaves, bound methods of modules, the
 # arguments a functools.partial binds), holds (closure cells, bound defaults, the attributes of
 # a callable object, one level: in its __dict__ or its __slots__), or names as globals (a name
-# of its code's co_names that is a module in its __globals__: a lambda at a script's top
-# level). Not followed: functions it calls, attributes and containers of those modules'
+# its code reads as a global, globals_read, that is a module in its __globals__: a lambda at a
+# script's top level; not any name of co_names, which holds attribute names too: `blk.norm(t)`
+# beside a global module `norm` would be watched for nothing, and refused by rebound.py when
+# that global is rebound before backward, though the replay never reads it). Not followed: functions it calls, attributes and containers of those modules'
 # owners (self.block of a plain object's method), globals of a callable object's __call__.
 #
 # Warned when the replay changed them again, not when the original pass changed them: a
@@ -93,7 +97,7 @@ def _first_look(fn: Any, key: Any, /) -> _Held:
     attributes: tuple[str, ...] = ()
     if key is not type(fn):  # a function, or a method of a plain object
         space = globals_of(fn)
-        found_globals = tuple(name for name in getattr(key, "co_names", ())
+        found_globals = tuple(name for name in globals_read(key)
                               if isinstance(module := dict.get(space, name), nn.Module) and
                               _few_buffers(module, name))
     else:  # a callable object: its own attributes, one level
@@ -149,6 +153,22 @@ def _holding_buffers(module: nn.Module, /) -> list[dict[str, Any]]:
         cached = (structure_generation(), dicts)  # after module_dicts: it may bump it
         _BUFFER_DICTS[module] = cached
     return cached[1]
+
+
+# By id(code), holding the code (its id is not reused); read once per code object.
+_GLOBALS_READ: dict[int, tuple[Any, tuple[str, ...]]] = {}
+
+
+def globals_read(code: Any, /) -> tuple[str, ...]:
+    """The names ``code`` reads as globals (LOAD_GLOBAL, LOAD_NAME), in order, once per code
+    object; none for what is not a code object."""
+    entry = _GLOBALS_READ.get(id(code))
+    if entry is None:
+        read = dict.fromkeys(i.argval for i in dis.get_instructions(code)
+                             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+                             ) if isinstance(code, types.CodeType) else {}
+        entry = _GLOBALS_READ[id(code)] = (code, tuple(read))
+    return entry[1]
 
 
 def cell_contents(cell: Any, /) -> Any:

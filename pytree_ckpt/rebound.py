@@ -4,20 +4,16 @@ before the replay]).
 
 from __future__ import annotations
 
-import dis
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from .errors import CheckpointError
 from .frames import callable_name
-from .plain_state import cell_contents, globals_of, modules_held
+from .plain_state import cell_contents, globals_of, globals_read, modules_held
 
-if TYPE_CHECKING:  # the boundary imports this module
-    from .boundary_call import BoundaryCall
-
-__all__ = ["Bound", "modules_bound", "refuse_rebound"]
+__all__ = ["Bound", "modules_bound", "modules_bound_now", "refuse_rebound"]
 
 # NOTE [a module rebound before the replay]: Python closures and globals bind late, so
 # `for layer in layers: h = checkpoint(lambda t: layer(t), h)` makes functions that all read
@@ -44,7 +40,10 @@ __all__ = ["Bound", "modules_bound", "refuse_rebound"]
 # warned about by plain_state.py (a later step's: the first step's are refused), a callable
 # object's attributes (a partial's function is looked at: its cells bind as late), a
 # torch.compile'd lambda (its wrapper's cells hold the function), an index read late
-# (`lambda t: layers[i](t)`: `i` is no module; docs/limits.md's row lists these).
+# (`lambda t: layers[i](t)`: `i` is no module; docs/limits.md's row lists these). Output
+# discard (discard.py) has no first look: it notes every closure cell (a module or none) and
+# the globals its code reads that hold a module, at each call (modules_bound_now), and
+# checks them before its rebuild.
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # NOTE [the check's cost]: every call of a plain function whose code held a module notes its
 # places, so the call notes ids and classes only; the words of a refusal (the variable's name,
@@ -53,21 +52,6 @@ _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, glo
 # The places, then per place: (id(module) or _NO_MODULE, its class or None)
 Bound = tuple[_Places, tuple[tuple[int, type | None], ...]]
 _NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
-# Of the global names plain_state.py's first look found (any of the code's co_names that is a
-# global module, attribute names included: `holder.layer(t)` beside a global `layer`), those
-# its instructions read as globals; the others are never read, and a global of that name
-# rebound since changes nothing the replay runs. By id(code), holding the code (its id is not
-# reused); read once per code object.
-_GLOBALS_READ: dict[int, tuple[Any, tuple[str, ...]]] = {}
-
-
-def _globals_read(code: Any, names: tuple[str, ...], /) -> tuple[str, ...]:
-    entry = _GLOBALS_READ.get(id(code))
-    if entry is None:
-        read = {i.argval for i in dis.get_instructions(code)
-                if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-        entry = _GLOBALS_READ[id(code)] = (code, tuple(n for n in names if n in read))
-    return entry[1]
 
 
 def _modules_now(fn: Any, places: _Places, /) -> list[nn.Module | None]:
@@ -117,32 +101,48 @@ def modules_bound(fn: Any, /) -> Bound | None:
     held = modules_held(code) if code is not None else None
     if held is None or not (held[0] or held[2]):
         return None
-    names = _globals_read(code, held[2]) if held[2] else ()
-    if not (held[0] or names):
+    return _note(fn, (held[0], held[2]))
+
+
+def modules_bound_now(fn: Any, /) -> Bound | None:
+    """For a caller without plain_state.py's first look (output discard): every closure cell
+    of ``fn`` (a module, or none) and the globals its code reads that hold a module now;
+    ``None`` when there are none (NOTE [a module rebound before the replay])."""
+    fn = _called(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
         return None
-    places = (held[0], names)
+    closure = getattr(fn, "__closure__", None) or ()
+    space = globals_of(fn)
+    names = tuple(n for n in globals_read(code)
+                  if isinstance(dict.get(space, n), nn.Module)) if space else ()
+    if not closure and not names:
+        return None
+    return _note(fn, (tuple(range(len(closure))), names))
+
+
+def _note(fn: Any, places: _Places, /) -> Bound:
     return places, tuple((_NO_MODULE, None) if module is None else (id(module), type(module))
                          for module in _modules_now(fn, places))
 
 
-def refuse_rebound(call: BoundaryCall, /) -> None:
-    """Refuse the replay when a module ``call.fn`` held at its original pass is no longer the
-    one it holds, or a place that held none then holds one now (NOTE [a module rebound before
-    the replay])."""
-    assert call.bound is not None
-    places, bound = call.bound
-    fn = _called(call.fn)
-    now = _modules_now(fn, places)  # the places noted: plain_state may drop its own look
-    for k, ((ident, cls), module) in enumerate(zip(bound, now)):
+def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> None:
+    """Refuse the replay of ``fn`` (given to ``what``) when a module it held at its original
+    pass is no longer the one it holds, or a place that held none then holds one now (NOTE [a
+    module rebound before the replay])."""
+    places, noted = bound
+    called = _called(fn)
+    now = _modules_now(called, places)  # the places noted: plain_state may drop its own look
+    for k, ((ident, cls), module) in enumerate(zip(noted, now)):
         if (module is None) if ident == _NO_MODULE else \
                 (module is not None and id(module) == ident):
             continue
-        name = callable_name(call.fn)
-        where = _place_name(fn, places, k)
+        name = callable_name(fn)
+        where = _place_name(called, places, k)
         variable = where.split("'")[1] if "'" in where else "layer"
         then, now_ = ("no module", "one") if ident == _NO_MODULE else ("one module", "another")
         raise CheckpointError(
-            f"the replay of checkpoint({name}) would run another module: its {where} held "
+            f"the replay of {what}({name}) would run another module: its {where} held "
             f"{then} at the original pass and holds {now_} now (Python closures and "
             "globals bind late: a function made in a loop reads the loop variable's last "
             "value), so the replay would compute, and return the gradients of, another layer",

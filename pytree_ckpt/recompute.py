@@ -148,7 +148,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     if call.kept is not None:  # NOTE [a replay kept between restricted backwards]
         return _from_kept(ctx, call, call.kept, grad_outputs)
     if call.bound is not None:  # NOTE [a module rebound before the replay] in rebound.py
-        refuse_rebound(call)
+        refuse_rebound(call.fn, call.bound)
     n = call.n_inputs + len(call.attributes)
     saved = _saved_unchanged(ctx, call)
     # NOTE [inference tensors are kept as they are] (boundary_function.py)

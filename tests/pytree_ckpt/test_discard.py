@@ -1120,3 +1120,70 @@ def test_a_wrapper_output_before_a_plain_one_leaves_the_plain_one_freed_and_rebu
         return [y.grad, w.grad]
 
     assert_same_grads(run(False), run(True))
+
+
+def _discard_loop(layers: list[nn.Linear], x: torch.Tensor, late: bool) -> torch.Tensor:
+    def create_custom_forward(layer: nn.Module) -> Any:
+        return lambda t: torch.tanh(layer(t))
+
+    h, kept = x, []
+    for layer in layers:
+        ckpt = CheckpointWithoutOutput()
+        fn = (lambda t: torch.tanh(layer(t))) if late else create_custom_forward(layer)
+        h = ckpt.checkpoint(fn, h) * 2
+        ckpt.discard_output_and_register_recompute(h)
+        kept.append(ckpt)
+    return h
+
+
+def test_an_output_discard_of_a_lambda_made_in_a_loop_is_refused_naming_the_loop_variable(
+        ) -> None:
+    # Guards against: the rebuild reading the loop variable's last value (Python binds it
+    # late): every discarded op was rebuilt, and backpropagated, through the last layer, so
+    # the first layers got no gradient and the input another one, silently (NOTE [a module
+    # rebound before the replay] in rebound.py; the boundary refused this, the discard did not).
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(3)]
+    x = torch.randn(2, 4, requires_grad=True)
+    h = _discard_loop(layers, x, late=True)
+    with pytest.raises(CheckpointError) as caught:
+        h.square().sum().backward()
+    message = str(caught.value)
+    assert "closure variable 'layer'" in message
+    assert f"Linear at {id(layers[1]):#x} (the original pass's)" in message
+    assert f"Linear at {id(layers[2]):#x}" in message.split("got:")[1]
+
+
+def test_an_output_discard_of_a_closure_made_per_call_gives_the_eager_twins_gradients() -> None:
+    # Guards against: the rebound check refusing a closure whose cell is its own per call
+    # (transformers' old create_custom_forward(module)): nothing it reads has changed.
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4) for _ in range(3)]
+    twin = copy.deepcopy(layers)
+    x = torch.randn(2, 4, requires_grad=True)
+    _discard_loop(layers, x, late=False).square().sum().backward()
+    grads = [x.grad, *(p.grad for layer in layers for p in layer.parameters())]
+    x.grad = None
+    h = x
+    for layer in twin:
+        h = torch.tanh(layer(h)) * 2
+    h.square().sum().backward()
+    for got, want in zip(grads, [x.grad, *(p.grad for layer in twin for p in layer.parameters())]):
+        assert got is not None and want is not None and torch.equal(got, want)
+
+
+def test_an_output_discard_of_a_loop_starting_on_a_function_is_refused_at_its_rebuild() -> None:
+    # Guards against: output discard noting only the cells that hold a module (it has no first
+    # look per code): the call whose `layer` was torch.tanh would be rebuilt through the last
+    # Linear, silently. Every cell is noted, so that call is refused.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    h, kept = x, []
+    for layer in (torch.tanh, lin):
+        ckpt = CheckpointWithoutOutput()
+        h = ckpt.checkpoint(lambda t: layer(t) + 1, h) * 2  # noqa: B023 (the point of the test)
+        ckpt.discard_output_and_register_recompute(h)
+        kept.append(ckpt)
+    with pytest.raises(CheckpointError, match="held no module at the original pass"):
+        h.square().sum().backward()
