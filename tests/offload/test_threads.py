@@ -308,9 +308,14 @@ def test_two_worker_forwards_backed_by_the_main_thread_give_eager_gradients_and_
     backwards_done = threading.Event()
     seen: dict[str, list[tuple[str, int]]] = {}
     failures: list[BaseException] = []
+    # A new thread starts with torch's default intra-op thread count, not the one the main
+    # thread set (tests/distributed's session fixture sets 1): the workers' forwards would sum
+    # in another order than the eager twins run here, and differ in the last bits.
+    threads = torch.get_num_threads()
 
     def forward(name: str) -> None:
         try:
+            torch.set_num_threads(threads)
             model = models[name]
             h = model.x
             for layer in model.layers:
