@@ -336,6 +336,33 @@ def test_offload_switched_on_by_the_environment_for_the_transformers_function_is
     assert manager.stats()["windows"] == before + 2  # checkpointed(fn) read the variable
 
 
+def test_the_offload_variable_is_read_from_whatever_os_environ_is_at_the_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: checkpoint() reading the variable from the mapping os.environ was at
+    # import (NOTE [the variable read cheaply] in functional.py) after a test or launcher put
+    # another mapping in its place: the variable set there went unseen, and unwarned. Also an
+    # empty value, off for os.environ.get, read as on by the cheap lookup. Gradients stay eager's.
+    import os
+
+    from pytree_ckpt import functional
+
+    expected, _ = _grads_and_warnings(_model("forward", None))
+    told = []
+    for environ, warned in (({"XTUNER_ACTIVATION_OFFLOAD": "1"}, True),
+                            ({}, False), ({"XTUNER_ACTIVATION_OFFLOAD": ""}, False)):
+        monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
+        monkeypatch.setattr(os, "environ", environ)
+        got, caught = _grads_and_warnings(_model("forward", pytree_ckpt.checkpoint))
+        monkeypatch.undo()
+        assert_same_grads(expected, got)
+        told.append(sum("XTUNER_ACTIVATION_OFFLOAD" in str(w.message) for w in caught))
+    monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "")  # os.environ itself, set empty
+    got, caught = _grads_and_warnings(_model("forward", pytree_ckpt.checkpoint))
+    told.append(sum("XTUNER_ACTIVATION_OFFLOAD" in str(w.message) for w in caught))
+    assert told == [1, 0, 0, 0]
+
+
 def test_a_layer_wrapped_in_place_with_the_transformers_switch_on_too_is_warned() -> None:
     # Two boundaries a step (the installed one, and transformers' around the body): the
     # installed one says so, whichever function transformers was given.
