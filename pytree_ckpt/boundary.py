@@ -167,9 +167,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     seen: dict[int, int] = {}
     for index in flat.tensor_index:
         tensor = leaves[index]
-        slot = seen.get(id(tensor))
+        key = id(tensor)
+        slot = seen.get(key)
         if slot is None:
-            slot = seen[id(tensor)] = len(unique)
+            slot = seen[key] = len(unique)
             unique.append(tensor)
             if tensor.requires_grad and (tensor._backward_hooks or
                                          tensor._post_accumulate_grad_hooks):

