@@ -72,10 +72,12 @@ class _BoundaryFunction(torch.autograd.Function):
         # NOTE [attributes set before the call] (boundary.py), continued: saved with the
         # inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
-        if any(type(t) is not _Tensor for t in saved):
-            # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
-            # NOTE [a subclass's attributes as the forward began]: read now.
-            call.subclasses = [kind_of(t, as_now=True) for t in saved]
+        for t in saved:  # NOTE [loops on the per-call path] (boundary.py): no generator
+            if type(t) is not _Tensor:
+                # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
+                # NOTE [a subclass's attributes as the forward began]: read now.
+                call.subclasses = [kind_of(t, as_now=True) for t in saved]
+                break
         param_before = ParameterVersions.read(call.params) if call.params else None
         # NOTE [state the forward changes] (state_changes.py); a tree with no buffer nor frozen
         # parameter (the usual layer) needs no watch: only a registration can happen there,

@@ -131,6 +131,7 @@ class FlatTree(NamedTuple):
 # optree's own, so they compare equal to what the general path builds for the same tree.
 LEAF_SPEC = optree.tree_structure(torch.empty(0), namespace=NAMESPACE)  # type: ignore[arg-type]
 _CALL_SPECS: dict[int, optree.PyTreeSpec] = {}
+_Tensor = torch.Tensor  # read per call
 
 
 def flatten(tree: Any, /) -> FlatTree:
@@ -154,7 +155,10 @@ def flatten(tree: Any, /) -> FlatTree:
 
 def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
     """Flatten a call's ``(args, kwargs)``; see NOTE [fast paths]."""
-    if not kwargs and all(type(arg) is torch.Tensor for arg in args):
+    if not kwargs:
+        for arg in args:  # NOTE [loops on the per-call path] (boundary.py): no generator
+            if type(arg) is not _Tensor:
+                return flatten((args, kwargs))
         spec = _CALL_SPECS.get(len(args))
         if spec is None:
             spec = _CALL_SPECS[len(args)] = flatten((args, kwargs)).spec
