@@ -125,6 +125,11 @@ class FlatTree(NamedTuple):
     tensor_index: list[int]
 
 
+# FlatTree(leaves, spec, tensor_index), made three times per layer call: the class's own
+# __new__ is a Python function (namedtuple's), which this calls, without its frame.
+_tuple_new = tuple.__new__
+
+
 # NOTE [fast paths]: a layer's usual call is ``layer(hidden)`` returning one tensor. For a
 # plain tensor, and for positional plain tensors without keywords, the spec is known without
 # asking optree (a few microseconds per boundary call, several times per call). The specs are
@@ -137,7 +142,7 @@ _Tensor = torch.Tensor  # read per call
 def flatten(tree: Any, /) -> FlatTree:
     """Flatten ``tree``; dataclass instances are opened like named containers."""
     if type(tree) is torch.Tensor:
-        return FlatTree([tree], LEAF_SPEC, [0])
+        return _tuple_new(FlatTree, ([tree], LEAF_SPEC, [0]))
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     while True:
         pending = {type(leaf) for leaf in leaves
@@ -150,7 +155,7 @@ def flatten(tree: Any, /) -> FlatTree:
                 _registered.add(cls)
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    return FlatTree(leaves, spec, tensor_index)
+    return _tuple_new(FlatTree, (leaves, spec, tensor_index))
 
 
 def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
@@ -162,7 +167,7 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
         spec = _CALL_SPECS.get(len(args))
         if spec is None:
             spec = _CALL_SPECS[len(args)] = flatten((args, kwargs)).spec
-        return FlatTree([*args], spec, list(range(len(args))))
+        return _tuple_new(FlatTree, ([*args], spec, list(range(len(args)))))
     return flatten((args, kwargs))
 
 
