@@ -43,6 +43,10 @@ __all__ = ["replay_backward", "used_by_this_backward"]
 
 # torch.autograd._is_checkpoint_valid() without its Python frame: the engine's own method.
 _checkpoint_valid: Any = torch.autograd.Variable._execution_engine.is_checkpoint_valid
+# Read at every replay: kept, not looked up through torch._C._autograd each time.
+_top_saved_hooks: Any = torch._C._autograd._top_saved_tensors_default_hooks
+_keep_graph: Any = torch._C._autograd._get_current_graph_task_keep_graph
+_RECOMPUTE = Phase.RECOMPUTE  # an enum member's lookup costs about five plain ones
 
 
 class _FirstReplay:
@@ -156,7 +160,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         saved = tuple(call.inference.get(i, t) for i, t in enumerate(saved))
     call.frame.start_replay()
     assert call.env is not None
-    invocation = Invocation(Phase.RECOMPUTE, call.frame, ACTIVE.get())
+    invocation = Invocation(_RECOMPUTE, call.frame, ACTIVE.get())
     token = ACTIVE.set(invocation)
     try:
         with Replaying(call.env), IsolatedPass():
@@ -184,7 +188,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
             first = _FirstReplay.of(call, args, kwargs, aliases)  # None but at a first replay
-            shadow = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            shadow = _top_saved_hooks(False) is not None
             recorded = None
             # NOTE [state a plain function changes] in plain_state.py
             plain = call.plain_state.before_replay() if call.plain_state is not None else None
@@ -293,7 +297,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     # here, in the outer task (the inner backward below is a task of its own); the frame is
     # cleared after that inner backward, in which a nested boundary's replay may still read
     # it. (The census reads frame.released as "this invocation no longer holds its inputs".)
-    keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+    keep_graph = _keep_graph()
     release = bool(call.frame.results or call.reported) and not keep_graph
     if not keep_graph:
         # Its buffers' snapshots (NOTE [small state as it was before the forward] in
@@ -419,7 +423,7 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     assert call.params is not None  # kept only where the parameters are known
     # NOTE [a replay kept between restricted backwards] (kept_replay.py): the in-place check.
     saved = _saved_unchanged(ctx, call)
-    keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+    keep_graph = _keep_graph()
     needs = ctx.needs_input_grad[2:]
     wrt = kept.wrt
     needed = [i for i, need in enumerate(needs) if need and wrt[i].requires_grad]

@@ -67,6 +67,10 @@ _set_grad_enabled: Any = torch._C._set_grad_enabled
 
 
 _cuda = torch.cuda
+# Read at every layer call (the autocast state twice): kept, not looked up in torch each time.
+_is_autocast_enabled: Any = torch.is_autocast_enabled
+_get_autocast_dtype: Any = torch.get_autocast_dtype
+_is_autocast_cache_enabled: Any = torch.is_autocast_cache_enabled
 
 
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -74,10 +78,10 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     # as the flag torch.cuda.is_initialized() reads (twice per layer call; that function's
     # check for a forked child is moot here: reading the autocast state does not touch CUDA).
     if _cuda._initialized:
-        return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+        return tuple((d, _is_autocast_enabled(d), _get_autocast_dtype(d))
                      for d in _AUTOCAST_DEVICES)
     # Spelled out (read twice per layer call): no generator.
-    return (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),)
+    return (("cpu", _is_autocast_enabled("cpu"), _get_autocast_dtype("cpu")),)
 
 
 # NOTE [the replay picks the forward's kernels]: backend switches that choose a kernel, which
@@ -181,7 +185,7 @@ class ReplayEnvironment:
         # None: enabled, the usual state (read cheaply; the state object costs ~10x more).
         torch_function = None if _is_torch_function_enabled() else \
             _get_torch_function_state()
-        env = cls(cpu_rng, cuda_rng, _autocast_state(), torch.is_autocast_cache_enabled(),
+        env = cls(cpu_rng, cuda_rng, _autocast_state(), _is_autocast_cache_enabled(),
                   torch_function, _kernel_state())
         if preserve_rng and (leaves or held):
             generators = {id(g): g for g in leaves if isinstance(g, torch.Generator)} \
