@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 # its code reads as a global, globals_read, that is a module in its __globals__: a lambda at a
 # script's top level; not any name of co_names, which holds attribute names too: `blk.norm(t)`
 # beside a global module `norm` would be watched for nothing, and refused by rebound.py when
-# that global is rebound before backward, though the replay never reads it). Not followed: functions it calls, attributes and containers of those modules'
-# owners (self.block of a plain object's method), globals of a callable object's __call__.
+# that global is rebound before backward, though the replay never reads it). Not followed:
+# functions it calls, attributes and containers of those modules' owners (self.block of a
+# plain object's method), globals of a callable object's __call__.
 #
 # Warned when the replay changed them again, not when the original pass changed them: a
 # forward that skips its update when current_phase() is "recompute" (a step counter counted
