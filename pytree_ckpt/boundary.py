@@ -233,9 +233,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         if owner is None:
             plain = watch_plain_state(fn, leaves, flat.spec)
             bound = modules_bound(fn)
-    elif owner is None and id(getattr(fn, "__code__", None)) not in NOTHING_HELD:
-        plain = watch_plain_state(fn, None, flat.spec)
-        bound = modules_bound(fn)
+    elif owner is None:
+        if id(getattr(fn, "__code__", None)) not in NOTHING_HELD:
+            plain = watch_plain_state(fn, None, flat.spec)
+        bound = modules_bound(fn)  # also for a code holding no module: its indices
     call = BoundaryCall(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.bound = bound
     call.original_call = (args, kwargs)

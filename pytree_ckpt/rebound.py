@@ -1,5 +1,5 @@
-"""A plain function's modules rebound before its replay: refused (NOTE [a module rebound
-before the replay]).
+"""A plain function's modules, or the indices it subscripts with, rebound before its replay:
+refused (NOTE [a module rebound before the replay], NOTE [an index rebound before the replay]).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 from .errors import CheckpointError
 from .frames import callable_name
 from .plain_state import cell_contents, globals_of, globals_read, modules_held
+from .subscripts import index_places
 
 __all__ = ["Bound", "modules_bound", "modules_bound_now", "refuse_rebound"]
 
@@ -39,34 +40,51 @@ __all__ = ["Bound", "modules_bound", "modules_bound_now", "refuse_rebound"]
 # function that holds no module at its first call, the calls of a code made after it was
 # warned about by plain_state.py (a later step's: the first step's are refused), a callable
 # object's attributes (a partial's function is looked at: its cells bind as late), a
-# torch.compile'd lambda (its wrapper's cells hold the function), an index read late
-# (`lambda t: layers[i](t)`: `i` is no module; docs/limits.md's row lists these). Output
+# torch.compile'd lambda (its wrapper's cells hold the function; docs/limits.md's row lists
+# these). An index read late is NOTE [an index rebound before the replay]. Output
 # discard (discard.py) has no first look: it notes every closure cell (a module or none) and
 # the globals its code reads that hold a module, at each call (modules_bound_now), and
 # checks them before its rebuild.
+# NOTE [an index rebound before the replay]: `for i in range(n): h = checkpoint(lambda t:
+# layers[i](t), h)` holds the layers' container, the same at every replay, and reads `i` late:
+# every replay would run the last layer, silently, as with a loop variable that is a module.
+# So the closure cells and globals a plain function's code reads into a subscript's index
+# (subscripts.py reads that from the bytecode once per code object: `layers[i]`,
+# `self.layers[i - 1]`, `t[:, i]`) are noted by value at the original pass when they hold an
+# int or a str (a loop index, a ModuleDict's key), and a replay reading another value is
+# refused: it would index another layer or another slice of a tensor. Only subscripts: a
+# `layer_idx=i` passed on (a key/value cache's index, unused in training) is not compared, and
+# other values (an object whose attribute indexes, `layers[cfg.i]`) are not noted. This runs
+# for every plain function, holding a module or not (a plain list of layers is no module):
+# one dict lookup a call for a code with no such index.
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # NOTE [the check's cost]: every call of a plain function whose code held a module notes its
 # places, so the call notes ids and classes only; the words of a refusal (the variable's name,
 # the modules' descriptions) are made when refusing. modules_bound for a lambda over one
 # Linear: 0.84 us a call (1.27 us when it made the words at each call; min of 5 timeit runs).
-# The places, then per place: (id(module) or _NO_MODULE, its class or None)
-Bound = tuple[_Places, tuple[tuple[int, type | None], ...]]
+# The module places, per place (id(module) or _NO_MODULE, its class or None), the index places
+# and per place its int or str (_NOT_NOTED for any other value).
+Bound = tuple[_Places, tuple[tuple[int, type | None], ...], _Places, tuple[Any, ...]]
 _NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
+_NOT_NOTED = object()  # an index place holding neither an int nor a str at the original pass
+_NO_PLACES: _Places = ((), ())
+
+
+def _values_now(fn: Any, places: _Places, /) -> list[Any]:
+    """What each place holds now (``None`` for an empty cell or a missing global)."""
+    cells, names = places
+    closure = getattr(fn, "__closure__", None) or ()
+    found = [cell_contents(closure[i]) if i < len(closure) else None for i in cells]
+    if names:
+        space = globals_of(fn)
+        found.extend(dict.get(space, name) for name in names)
+    return found
 
 
 def _modules_now(fn: Any, places: _Places, /) -> list[nn.Module | None]:
     """What each place holds now, a module or ``None``; no words (NOTE [the check's cost])."""
-    cells, names = places
-    closure = getattr(fn, "__closure__", None) or ()
-    found: list[nn.Module | None] = []
-    for i in cells:
-        value = cell_contents(closure[i]) if i < len(closure) else None
-        found.append(value if isinstance(value, nn.Module) else None)
-    space = globals_of(fn) if names else {}
-    for name in names:
-        value = dict.get(space, name)
-        found.append(value if isinstance(value, nn.Module) else None)
-    return found
+    return [value if isinstance(value, nn.Module) else None
+            for value in _values_now(fn, places)]
 
 
 def _place_name(fn: Any, places: _Places, k: int, /) -> str:
@@ -94,20 +112,24 @@ def _called(fn: Any, /) -> Any:
 
 def modules_bound(fn: Any, /) -> Bound | None:
     """The modules ``fn`` (a plain function) holds in closure cells or names as globals now,
-    by identity, and the places among those that hold none now; ``None`` when its code held
-    none at its first look (NOTE [a module rebound before the replay])."""
+    by identity, the places among those that hold none now, and the indices its code
+    subscripts with; ``None`` when its code held no module at its first look and subscripts
+    with no late int or str (NOTE [a module rebound before the replay], NOTE [an index
+    rebound before the replay])."""
     fn = _called(fn)
     code = getattr(fn, "__code__", None)
-    held = modules_held(code) if code is not None else None
-    if held is None or not (held[0] or held[2]):
+    if code is None:
         return None
-    return _note(fn, (held[0], held[2]))
+    held = modules_held(code)
+    places = (held[0], held[2]) if held is not None and (held[0] or held[2]) else _NO_PLACES
+    return _note(fn, places, index_places(code))
 
 
 def modules_bound_now(fn: Any, /) -> Bound | None:
     """For a caller without plain_state.py's first look (output discard): every closure cell
-    of ``fn`` (a module, or none) and the globals its code reads that hold a module now;
-    ``None`` when there are none (NOTE [a module rebound before the replay])."""
+    of ``fn`` (a module, or none), the globals its code reads that hold a module now and the
+    indices its code subscripts with; ``None`` when there are none (NOTE [a module rebound
+    before the replay])."""
     fn = _called(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -116,21 +138,34 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
     space = globals_of(fn)
     names = tuple(n for n in globals_read(code)
                   if isinstance(dict.get(space, n), nn.Module)) if space else ()
-    if not closure and not names:
+    return _note(fn, (tuple(range(len(closure))), names), index_places(code))
+
+
+def _note(fn: Any, places: _Places, indices: _Places, /) -> Bound | None:
+    noted = tuple((_NO_MODULE, None) if module is None else (id(module), type(module))
+                  for module in _modules_now(fn, places)) if places is not _NO_PLACES else ()
+    values: tuple[Any, ...] = ()
+    if indices[0] or indices[1]:
+        values = tuple(value if isinstance(value, (int, str)) else _NOT_NOTED
+                       for value in _values_now(fn, indices))
+        if all(value is _NOT_NOTED for value in values):
+            indices, values = _NO_PLACES, ()
+    if not noted and not values:
         return None
-    return _note(fn, (tuple(range(len(closure))), names))
+    return places, noted, indices, values
 
 
-def _note(fn: Any, places: _Places, /) -> Bound:
-    return places, tuple((_NO_MODULE, None) if module is None else (id(module), type(module))
-                         for module in _modules_now(fn, places))
+def _short(value: Any, /) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> None:
     """Refuse the replay of ``fn`` (given to ``what``) when a module it held at its original
-    pass is no longer the one it holds, or a place that held none then holds one now (NOTE [a
-    module rebound before the replay])."""
-    places, noted = bound
+    pass is no longer the one it holds, a place that held none then holds one now, or an index
+    it subscripts with holds another value (NOTE [a module rebound before the replay], NOTE [an
+    index rebound before the replay])."""
+    places, noted, indices, values = bound
     called = _called(fn)
     now = _modules_now(called, places)  # the places noted: plain_state may drop its own look
     for k, ((ident, cls), module) in enumerate(zip(noted, now)):
@@ -152,3 +187,22 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
             tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
                 f"{variable}(t), h), or pass the module itself, checkpoint({variable}, h), "
                 "which also knows its parameters and state")
+    if not values:
+        return
+    for k, (then, value) in enumerate(zip(values, _values_now(called, indices))):
+        if then is _NOT_NOTED or (type(value) is type(then) and value == then):
+            continue
+        name = callable_name(fn)
+        where = _place_name(called, indices, k)
+        variable = where.split("'")[1] if "'" in where else "i"
+        raise CheckpointError(
+            f"the replay of {what}({name}) would index another element: its {where}, which "
+            "its code uses in a subscript's index, held another value at the original pass "
+            "(Python closures and globals bind late: a function made in a loop reads the loop "
+            "variable's last value), so the replay would run another layer, or read another "
+            "slice, and return the gradients of that",
+            expected=f"{where} = {_short(then)} (the original pass's)",
+            got=f"{where} = {_short(value)}",
+            tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
+                f"layers[{variable}](t), h), or pass the module itself, "
+                f"checkpoint(layers[{variable}], h), which also knows its parameters and state")

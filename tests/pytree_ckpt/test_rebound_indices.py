@@ -1,0 +1,204 @@
+"""A plain function whose code subscripts with a late-bound variable that holds another int or
+str at its replay than at its original pass (`lambda t: layers[i](t)` made in a loop): refused
+before the replay (NOTE [an index rebound before the replay] in pytree_ckpt/rebound.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pytree_ckpt import CheckpointError, CheckpointWithoutOutput, checkpoint
+from pytree_ckpt.subscripts import index_places
+
+
+def _layers() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+
+def _grads(layers: nn.ModuleList, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]
+           ) -> list[torch.Tensor]:
+    layers.zero_grad(set_to_none=True)
+    x.grad = None
+    run(x).square().sum().backward()
+    assert x.grad is not None
+    return [x.grad, *(p.grad for p in layers.parameters() if p.grad is not None)]
+
+
+def _assert_names_both_values(error: BaseException, where: str, then: object,
+                              now: object) -> None:
+    expected, got = str(error).split("\n  got:")
+    assert f"{where} = {then!r} (the original pass's)" in expected
+    assert f"{where} = {now!r}" in got.split("\n")[0]
+    assert "which its code uses in a subscript's index" in expected
+
+
+@pytest.mark.parametrize("container", ["ModuleList", "list"])
+def test_a_lambda_indexing_layers_with_the_loop_variable_is_refused_naming_both_values(
+        container: str) -> None:
+    # Guards against: every replay indexing with the loop's last value: each boundary would
+    # replay the last layer and return its gradients for its own input, silently (torch's
+    # checkpoints do). A plain list of layers is no module, so the check must not depend on
+    # the code holding one.
+    layers = _layers()
+    held: Any = layers if container == "ModuleList" else list(layers)
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for i in range(3):
+        h = checkpoint(lambda t: held[i](t), h)  # noqa: B023 (the point of the test)
+    with pytest.raises(CheckpointError) as caught:
+        h.sum().backward()
+    _assert_names_both_values(caught.value, "closure variable 'i'", 1, 2)
+    assert "lambda t, i=i: layers[i](t)" in str(caught.value)
+
+
+def test_the_same_lambda_at_a_scripts_top_level_is_refused_naming_the_global_index() -> None:
+    # Guards against: only closure cells being looked at: at a script's top level the loop
+    # index is a global, read late the same way.
+    space: dict[str, Any] = {"checkpoint": checkpoint, "layers": _layers(),
+                             "x": torch.randn(2, 4, requires_grad=True)}
+    exec("h = x\nfor i in range(3):\n    h = checkpoint(lambda t: layers[i](t), h)\n", space)
+    with pytest.raises(CheckpointError) as caught:
+        space["h"].sum().backward()
+    _assert_names_both_values(caught.value, "global 'i'", 1, 2)
+
+
+class _Stack(nn.Module):
+    def __init__(self, late: bool) -> None:
+        super().__init__()
+        self.layers = _layers()
+        self.late = late
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(1, len(self.layers) + 1):
+            if self.late:  # `self` is the model: the module check sees it unchanged
+                h = checkpoint(lambda t: self.layers[i - 1](t[:, :4]), h)  # noqa: B023
+            else:
+                h = checkpoint(lambda t, i=i: self.layers[i - 1](t[:, :4]), h)
+        return h
+
+
+def test_a_models_forward_indexing_its_own_layers_late_is_refused() -> None:
+    # Guards against: an index read through an attribute and an arithmetic expression
+    # (`self.layers[i - 1]`) not being found in the bytecode.
+    model = _Stack(late=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(CheckpointError) as caught:
+        model(x).sum().backward()
+    _assert_names_both_values(caught.value, "closure variable 'i'", 2, 3)
+
+
+def test_a_lambda_slicing_a_tensor_with_the_loop_variable_is_refused() -> None:
+    # Guards against: a late column index: the replay would read another slice of its input
+    # and return that slice's gradient.
+    lin = nn.Linear(1, 4)
+    x = torch.randn(2, 3, requires_grad=True)
+    outs = []
+    for col in range(3):
+        outs.append(checkpoint(lambda t: lin(t[:, col:col + 1]), x))  # noqa: B023
+    with pytest.raises(CheckpointError) as caught:
+        torch.stack(outs).sum().backward()
+    _assert_names_both_values(caught.value, "closure variable 'col'", 1, 2)
+
+
+def _bound_early(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            x = checkpoint(lambda t, i=i: layers[i](t), x)
+        return x
+    return run
+
+
+def _index_not_subscripted(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
+    def layer_call(layer: nn.Module, t: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        del layer_idx  # a key/value cache's index: nothing in training reads it
+        return layer(t)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(layers):
+            x = checkpoint(lambda t, layer=layer: layer_call(layer, t, layer_idx=i), x)  # noqa
+        return x
+    return run
+
+
+@pytest.mark.parametrize("make", [_bound_early, _index_not_subscripted])
+def test_functions_whose_index_is_bound_early_or_not_subscripted_give_the_eager_twins_gradients(
+        make: Callable[[nn.ModuleList], Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    # Guards against: the check refusing a replay that reads what the original pass read (a
+    # default binds the index at the call) or refusing a late int the code only passes on
+    # (a layer_idx for a key/value cache, NOTE [an index rebound before the replay]).
+    layers, twin = _layers(), _layers()
+
+    def eager(t: torch.Tensor) -> torch.Tensor:
+        for layer in twin:
+            t = layer(t)
+        return t
+
+    x = torch.randn(2, 4, requires_grad=True)
+    wrapped, expected = _grads(layers, x, make(layers)), _grads(twin, x, eager)
+    assert len(wrapped) == len(expected) == 7
+    for got, want in zip(wrapped, expected):
+        assert torch.equal(got, want)
+
+
+def test_each_call_replayed_before_its_index_moves_on_gives_the_eager_twins_gradients() -> None:
+    # Guards against: refusing a late index that still holds the original pass's value at the
+    # replay (each call's backward run inside the loop, as in a per-layer loss).
+    layers, twin = _layers(), _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    for i in range(3):
+        checkpoint(lambda t: layers[i](t), x).square().sum().backward()  # noqa: B023
+        twin[i](y).square().sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, y.grad)
+    for got, want in zip(layers.parameters(), twin.parameters()):
+        assert got.grad is not None and torch.equal(got.grad, want.grad)
+
+
+def test_an_output_discard_indexing_with_the_loop_variable_is_refused() -> None:
+    # Guards against: the discard's rebuild indexing with the loop's last value: every
+    # discarded op rebuilt through the last layer, silently.
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    h, kept = x, []
+    for i in range(3):
+        ckpt = CheckpointWithoutOutput()
+        h = ckpt.checkpoint(lambda t: torch.tanh(layers[i](t)), h) * 2  # noqa: B023
+        ckpt.discard_output_and_register_recompute(h)
+        kept.append(ckpt)
+    with pytest.raises(CheckpointError) as caught:
+        h.square().sum().backward()
+    _assert_names_both_values(caught.value, "closure variable 'i'", 1, 2)
+    assert "CheckpointWithoutOutput.checkpoint" in str(caught.value)
+
+
+def _codes() -> dict[str, Any]:
+    layers: Any = None
+    cfg: Any = None
+    i, j, k = 0, 1, 2
+    return {
+        "layers[i](t)": lambda t: layers[i](t),
+        "layers[0](t) * i": lambda t: layers[0](t) * i,
+        "layers[len(t) - k](t)": lambda t: layers[len(t) - k](t),
+        "t[i:j]": lambda t: t[i:j],
+        "layers[i if t else j](t)": lambda t: layers[i if t else j](t),
+        "layers[cfg.n](t)": lambda t: layers[cfg.n](t),
+    }
+
+
+@pytest.mark.parametrize("source, indices", [
+    ("layers[i](t)", ("i",)), ("layers[0](t) * i", ()), ("layers[len(t) - k](t)", ("k",)),
+    ("t[i:j]", ("i", "j")), ("layers[i if t else j](t)", ()), ("layers[cfg.n](t)", ("cfg",))])
+def test_the_cells_a_code_reads_into_a_subscripts_index_are_found(
+        source: str, indices: tuple[str, ...]) -> None:
+    # Guards against: a walk back over the index expression that stops early (an arithmetic
+    # index, a call in it, a slice's two bounds) or runs past it (the container's own cell
+    # taken for an index), or that reads through a jump (a conditional index: not followed).
+    fn = _codes()[source]
+    cells, names = index_places(fn.__code__)
+    assert {fn.__code__.co_freevars[c] for c in cells} == set(indices)
+    assert names == (("len",) if "len" in source else ())
