@@ -100,7 +100,7 @@ from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches
 from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Phase
 from .plain_state import NOTHING_HELD, watch_plain_state
-from .rebound import modules_bound
+from .rebound import NOTHING_BOUND, modules_bound
 from .refusals import input_path
 from .shared_containers import shared_containers
 from .tree import flatten_call
@@ -234,9 +234,11 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             plain = watch_plain_state(fn, leaves, flat.spec)
             bound = modules_bound(fn)
     elif owner is None:
-        if id(getattr(fn, "__code__", None)) not in NOTHING_HELD:
+        code_id = id(getattr(fn, "__code__", None))
+        if code_id not in NOTHING_HELD:
             plain = watch_plain_state(fn, None, flat.spec)
-        bound = modules_bound(fn)  # also for a code holding no module: its indices
+        if code_id not in NOTHING_BOUND:  # a code holding no module may still index late
+            bound = modules_bound(fn)
     call = BoundaryCall(fn, options, flat.spec, leaves, flat.tensor_index, slots)
     call.bound = bound
     call.original_call = (args, kwargs)

@@ -14,7 +14,7 @@ from .frames import callable_name
 from .plain_state import cell_contents, globals_of, globals_read, modules_held
 from .subscripts import index_places
 
-__all__ = ["Bound", "modules_bound", "modules_bound_now", "refuse_rebound"]
+__all__ = ["Bound", "NOTHING_BOUND", "modules_bound", "modules_bound_now", "refuse_rebound"]
 
 # NOTE [a module rebound before the replay]: Python closures and globals bind late, so
 # `for layer in layers: h = checkpoint(lambda t: layer(t), h)` makes functions that all read
@@ -61,30 +61,37 @@ _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, glo
 # NOTE [the check's cost]: every call of a plain function whose code held a module notes its
 # places, so the call notes ids and classes only; the words of a refusal (the variable's name,
 # the modules' descriptions) are made when refusing. modules_bound for a lambda over one
-# Linear: 0.84 us a call (1.27 us when it made the words at each call; min of 5 timeit runs).
+# Linear: 0.84 us a call (1.27 us when it made the words at each call; min of 5 timeit runs);
+# under callgrind 12,400 instructions, and refuse_rebound 10,000, of the 834,000 the call and
+# its backward cost (with the index check: comprehensions cost more, so loops are used).
 # The module places, per place (id(module) or _NO_MODULE, its class or None), the index places
 # and per place its int or str (_NOT_NOTED for any other value).
 Bound = tuple[_Places, tuple[tuple[int, type | None], ...], _Places, tuple[Any, ...]]
 _NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
+_HELD_NONE: tuple[int, type | None] = (_NO_MODULE, None)
 _NOT_NOTED = object()  # an index place holding neither an int nor a str at the original pass
 _NO_PLACES: _Places = ((), ())
+# The code objects whose functions hold no module at plain_state.py's first look and subscript
+# with no late-bound variable, by id (holding the code, so its id is not reused): the boundary
+# skips modules_bound for them, one dict lookup a call (modules_bound would cost about 7,000
+# callgrind instructions, 1% of `checkpoint(lambda h: h * 2, x)` and its backward, 631,000).
+NOTHING_BOUND: dict[int, Any] = {}
 
 
 def _values_now(fn: Any, places: _Places, /) -> list[Any]:
-    """What each place holds now (``None`` for an empty cell or a missing global)."""
+    """What each place holds now (``None`` for an empty cell or a missing global); loops, not
+    comprehensions, and no words (NOTE [the check's cost])."""
     cells, names = places
-    closure = getattr(fn, "__closure__", None) or ()
-    found = [cell_contents(closure[i]) if i < len(closure) else None for i in cells]
+    found = []
+    if cells:
+        closure = getattr(fn, "__closure__", None) or ()
+        for i in cells:
+            found.append(cell_contents(closure[i]) if i < len(closure) else None)
     if names:
         space = globals_of(fn)
-        found.extend(dict.get(space, name) for name in names)
+        for name in names:
+            found.append(dict.get(space, name))
     return found
-
-
-def _modules_now(fn: Any, places: _Places, /) -> list[nn.Module | None]:
-    """What each place holds now, a module or ``None``; no words (NOTE [the check's cost])."""
-    return [value if isinstance(value, nn.Module) else None
-            for value in _values_now(fn, places)]
 
 
 def _place_name(fn: Any, places: _Places, k: int, /) -> str:
@@ -122,7 +129,11 @@ def modules_bound(fn: Any, /) -> Bound | None:
         return None
     held = modules_held(code)
     places = (held[0], held[2]) if held is not None and (held[0] or held[2]) else _NO_PLACES
-    return _note(fn, places, index_places(code))
+    indices = index_places(code)
+    if held is not None and places is _NO_PLACES and not (indices[0] or indices[1]):
+        NOTHING_BOUND[id(code)] = code  # static facts of the code: never anything to note
+        return None
+    return _note(fn, places, indices)
 
 
 def modules_bound_now(fn: Any, /) -> Bound | None:
@@ -142,17 +153,23 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
 
 
 def _note(fn: Any, places: _Places, indices: _Places, /) -> Bound | None:
-    noted = tuple((_NO_MODULE, None) if module is None else (id(module), type(module))
-                  for module in _modules_now(fn, places)) if places is not _NO_PLACES else ()
-    values: tuple[Any, ...] = ()
+    noted: list[tuple[int, type | None]] = []
+    for value in _values_now(fn, places):
+        noted.append((id(value), type(value)) if isinstance(value, nn.Module) else _HELD_NONE)
+    values: list[Any] = []
     if indices[0] or indices[1]:
-        values = tuple(value if isinstance(value, (int, str)) else _NOT_NOTED
-                       for value in _values_now(fn, indices))
-        if all(value is _NOT_NOTED for value in values):
-            indices, values = _NO_PLACES, ()
+        checked = False
+        for value in _values_now(fn, indices):
+            if isinstance(value, (int, str)):
+                checked = True
+                values.append(value)
+            else:
+                values.append(_NOT_NOTED)
+        if not checked:
+            indices, values = _NO_PLACES, []
     if not noted and not values:
         return None
-    return places, noted, indices, values
+    return places, tuple(noted), indices, tuple(values)
 
 
 def _short(value: Any, /) -> str:
@@ -167,8 +184,9 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
     index rebound before the replay])."""
     places, noted, indices, values = bound
     called = _called(fn)
-    now = _modules_now(called, places)  # the places noted: plain_state may drop its own look
-    for k, ((ident, cls), module) in enumerate(zip(noted, now)):
+    now = _values_now(called, places)  # the places noted: plain_state may drop its own look
+    for k, ((ident, cls), value) in enumerate(zip(noted, now)):
+        module = value if isinstance(value, nn.Module) else None
         if (module is None) if ident == _NO_MODULE else \
                 (module is not None and id(module) == ident):
             continue

@@ -202,3 +202,27 @@ def test_the_cells_a_code_reads_into_a_subscripts_index_are_found(
     cells, names = index_places(fn.__code__)
     assert {fn.__code__.co_freevars[c] for c in cells} == set(indices)
     assert names == (("len",) if "len" in source else ())
+
+
+def test_a_code_with_nothing_to_note_is_looked_at_once_and_one_with_an_index_at_every_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: the index check costing every plain function's call its look (NOTHING_BOUND
+    # in rebound.py: about 7,000 instructions a call), or a code with a late index being skipped
+    # after its first call.
+    import pytree_ckpt.boundary as boundary
+
+    calls: list[Any] = []
+    real = boundary.modules_bound
+
+    def counted(fn: Any) -> Any:
+        calls.append(fn)
+        return real(fn)
+
+    monkeypatch.setattr(boundary, "modules_bound", counted)
+    layers = list(_layers())
+    x = torch.randn(2, 4, requires_grad=True)
+    for i in range(3):
+        checkpoint(lambda t: t * 2, x)
+        checkpoint(lambda t: layers[i](t), x)  # noqa: B023
+    codes = [fn.__code__.co_freevars for fn in calls]
+    assert codes.count(()) == 1 and codes.count(("i", "layers")) == 3
