@@ -28,7 +28,7 @@ from torch.nn.parameter import is_lazy
 
 from .eager import Told, user_stacklevel
 from .hook_outputs import is_library_hook, keeps_output_as_is
-from .tree import _CALL_SPECS
+from .tree import POSITIONAL_CALL_SPECS
 
 __all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module",
            "call_switches", "changed_submodule", "collect_parameters", "drop_caches",
@@ -352,7 +352,7 @@ def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool, only_ten
     sets it is looked up in then hash an int; two keys sharing a 64-bit hash would share a
     verification). A few microseconds a call with flags, a hash of the spec without."""
     if only_tensors:  # the usual layer call: nothing else to read
-        if _CALL_SPECS.get(len(leaves)) is spec:
+        if POSITIONAL_CALL_SPECS.get(len(leaves)) is spec:
             # NOTE [fast paths] in tree.py: one spec object per count of positional tensors,
             # kept for good, so its keys are too (hashing a spec walks it: about 270 ns).
             keys = _FAST_CALL_KEYS.get(len(leaves))

@@ -21,9 +21,9 @@ from typing import Any, NamedTuple, cast
 import optree
 import torch
 
-__all__ = ["FlatTree", "LEAF_SPEC", "flatten", "flatten_call", "unflatten", "leaf_paths",
-           "describe_leaf", "first_difference", "hidden_tensor", "leaf_kind", "CONTAINER",
-           "ITERATOR", "PLAIN", "alias", "alias_all"]
+__all__ = ["FlatTree", "LEAF_SPEC", "POSITIONAL_CALL_SPECS", "flatten", "flatten_call",
+           "unflatten", "leaf_paths", "describe_leaf", "first_difference", "hidden_tensor",
+           "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN", "alias", "alias_all"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -135,7 +135,9 @@ _tuple_new = tuple.__new__
 # asking optree (a few microseconds per boundary call, several times per call). The specs are
 # optree's own, so they compare equal to what the general path builds for the same tree.
 LEAF_SPEC = optree.tree_structure(torch.empty(0), namespace=NAMESPACE)  # type: ignore[arg-type]
-_CALL_SPECS: dict[int, optree.PyTreeSpec] = {}
+# The spec of a call of n positional plain tensors, one object per n, kept for good: a spec
+# that *is* one of these is known without hashing it (module_state.py's call keys).
+POSITIONAL_CALL_SPECS: dict[int, optree.PyTreeSpec] = {}
 _Tensor = torch.Tensor  # read per call
 
 
@@ -164,9 +166,9 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
         for arg in args:  # NOTE [loops on the per-call path] (boundary.py): no generator
             if type(arg) is not _Tensor:
                 return flatten((args, kwargs))
-        spec = _CALL_SPECS.get(len(args))
+        spec = POSITIONAL_CALL_SPECS.get(len(args))
         if spec is None:
-            spec = _CALL_SPECS[len(args)] = flatten((args, kwargs)).spec
+            spec = POSITIONAL_CALL_SPECS[len(args)] = flatten((args, kwargs)).spec
         return _tuple_new(FlatTree, ([*args], spec, list(range(len(args)))))
     return flatten((args, kwargs))
 
