@@ -13,20 +13,7 @@ from torch import nn
 
 from pytree_ckpt import CheckpointError, CheckpointWithoutOutput, checkpoint
 from pytree_ckpt.subscripts import index_places
-
-
-def _layers() -> nn.ModuleList:
-    torch.manual_seed(0)
-    return nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
-
-
-def _grads(layers: nn.ModuleList, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]
-           ) -> list[torch.Tensor]:
-    layers.zero_grad(set_to_none=True)
-    x.grad = None
-    run(x).square().sum().backward()
-    assert x.grad is not None
-    return [x.grad, *(p.grad for p in layers.parameters() if p.grad is not None)]
+from tests.pytree_ckpt.test_rebound import _grads, _layers
 
 
 def _assert_names_both_values(error: BaseException, where: str, then: object,
