@@ -781,6 +781,41 @@ def test_a_buffer_the_forward_writes_a_result_into_keeps_its_gradient_when_retur
     assert torch.equal(layer.slots, twin.slots)
 
 
+class FillsFrozenParameter(nn.Module):
+    """FillsBuffer with its slots a frozen nn.Parameter rather than a buffer."""
+
+    def __init__(self, rows: bool) -> None:
+        super().__init__()
+        self.lin, self.rows = nn.Linear(4, 4), rows
+        self.slots = nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.slots[: x.shape[0]].copy_(self.lin(x))
+        return self.slots[: x.shape[0]] if self.rows else self.slots
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
+def test_a_frozen_parameter_the_forward_writes_a_result_into_keeps_its_gradient_when_returned(
+        rows: bool) -> None:
+    # Guards against: StateWatch.unchanged_in_place asking only the buffers' versions, not
+    # the frozen parameters': the written parameter counted as unchanged, made before the
+    # call, and left non-differentiable, though eager's requires grad after the write
+    # ("element 0 of tensors does not require grad" in backward).
+    torch.manual_seed(0)
+    layer = FillsFrozenParameter(rows)
+    twin = copy.deepcopy(layer)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    grads = []
+    for model in (layer, twin):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = model(x)
+        assert out.requires_grad
+        out.square().sum().backward()
+        grads.append([x.grad, model.lin.weight.grad, model.lin.bias.grad])
+    assert_same_grads(*grads)
+    assert torch.equal(layer.slots, twin.slots)
+
+
 class SharedCache(nn.Module):
     """Keys and values registered as views of one cache tensor (``cache[0]``, ``cache[1]``);
     writes a result into one of them in place and returns the values whole."""
