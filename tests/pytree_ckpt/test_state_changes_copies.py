@@ -491,6 +491,30 @@ def test_a_buffer_registered_in_the_forward_next_to_another_is_absent_from_the_r
     _assert_same_runs(_twins(LazyNextToACounter, _trained((4, 8)), steps=3))
 
 
+def test_a_buffer_registered_in_the_forward_next_to_a_constant_one_is_absent_from_the_replay(
+        ) -> None:
+    # Guards against: a watched dict found changed only by a moved version or a replaced
+    # entry, not by its length: beside a buffer the forward never changes, the name it
+    # registered went unseen, stayed in the dict for the replay, which took the "already
+    # registered" branch (n + 1 where the forward computed with n): other gradients, and n
+    # one ahead of eager's.
+    class LazyNextToAConstant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.full((), 2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if "n" not in self._buffers:
+                self.register_buffer("n", torch.ones(()))
+            else:
+                with torch.no_grad():
+                    self.n += 1
+            return self.lin(x) * self.n * self.scale
+
+    _assert_same_runs(_twins(LazyNextToAConstant, _trained((4, 8)), steps=3))
+
+
 def test_small_buffers_are_cloned_before_the_forward_only_of_modules_that_change_state(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Cloning every small buffer at every call cost 6.4 MB a call for 100 untouched 64 KB
