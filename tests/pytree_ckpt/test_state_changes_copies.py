@@ -266,10 +266,28 @@ class KeepsAnEma(nn.Module):
         return self.lin(x) + x @ self.ema
 
 
-@pytest.mark.parametrize("make", [TracksGradients, KeepsAnEma],
-                         ids=["backward hook changing state", "frozen parameter reassigned"])
+class KeepsAnEmaBuffer(nn.Module):
+    """KeepsAnEma with its EMA a buffer, reassigned (never changed in place) by each forward:
+    only the dict's entry tells the change (no version moves, no name is new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema = self.ema * 0.9 + 0.1 * self.lin.weight.detach()
+        return self.lin(x) + x @ self.ema
+
+
+@pytest.mark.parametrize("make", [TracksGradients, KeepsAnEma, KeepsAnEmaBuffer],
+                         ids=["backward hook changing state", "frozen parameter reassigned",
+                              "buffer reassigned"])
 def test_state_changed_in_backward_or_by_reassignment_ends_each_step_as_in_eager(
         make: Any) -> None:
+    # Guards against (buffer reassigned): a watched buffer dict found changed by versions
+    # and length only, not by its entries: the replay read the EMA the forward had just
+    # reassigned (one update ahead) and reassigned it again, silently.
     # The copies were open around the replay's gradients, where the hook wrote into them (its
     # change was lost); a reassigned frozen parameter was not seen (the replay reassigned it
     # again), and the replay now starts from the one before the forward, as the forward did
