@@ -533,6 +533,33 @@ def test_a_buffer_registered_in_the_forward_next_to_a_constant_one_is_absent_fro
     _assert_same_runs(_twins(LazyNextToAConstant, _trained((4, 8)), steps=3))
 
 
+def test_a_buffer_registered_in_the_forward_by_a_submodule_without_buffers_is_absent_too(
+        ) -> None:
+    # Guards against: the buffer dicts that were empty before the forward skipped when
+    # another dict of the tree has buffers (watched as a whole: StateWatch.empty): the name
+    # a bufferless submodule registered stayed for the replay, which took the "already
+    # registered" branch (n + 1 where the forward computed with n): other gradients.
+    class Lazy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if "n" not in self._buffers:
+                self.register_buffer("n", torch.ones(()))
+            else:
+                with torch.no_grad():
+                    self.n += 1
+            return x * self.n
+
+    class WithAConstant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.lazy = nn.Linear(8, 8), Lazy()
+            self.register_buffer("scale", torch.full((), 2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lazy(self.lin(x)) * self.scale
+
+    _assert_same_runs(_twins(WithAConstant, _trained((4, 8)), steps=3))
+
+
 def test_small_buffers_are_cloned_before_the_forward_only_of_modules_that_change_state(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Cloning every small buffer at every call cost 6.4 MB a call for 100 untouched 64 KB
