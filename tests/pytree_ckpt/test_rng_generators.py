@@ -513,3 +513,37 @@ def test_a_cuda_generator_the_layer_holds_replays_as_eager_drew_it(how: str) -> 
         return block
 
     _assert_steps_equal(make(), apply_activation_checkpointing(make()))
+
+
+class RoutesWith(nn.Module):
+    """A layer that routes with a router it is handed (not one of its submodules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, router: Router) -> torch.Tensor:
+        return self.proj(router(x))
+
+
+class HandsItsRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = RoutesWith()
+        self.router = Router()  # holds a generator; passed to the checkpointed layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, self.router)
+
+
+def test_a_generator_held_by_a_module_passed_as_an_argument_replays_as_eager_drew_it() -> None:
+    # Guards against: held_generators reading only the first module of a call (the owner)
+    # when modules are passed as arguments too: the argument's generator was not restored,
+    # so the replay routed with the numbers drawn after the forward (the caller draws between
+    # forward and backward here): other experts, other gradients, silently.
+    def wrapping(model: HandsItsRouter) -> nn.Module:
+        apply_activation_checkpointing(model.layer)
+        return model
+
+    eager, wrapped = _twins(HandsItsRouter, wrapping)
+    _assert_steps_equal(eager, wrapped)
