@@ -753,3 +753,38 @@ def test_an_enum_argument_that_first_reaches_an_unknown_module_later_is_a_new_sw
     block(x, _Route.PLAIN).sum().backward()
     with pytest.raises(CheckpointError, match="neither an input nor a parameter"):
         block(x, _Route.HEAD).sum().backward()
+
+
+class _Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, double: bool) -> torch.Tensor:
+        h = torch.tanh(self.lin(h))
+        return h * 2 if double else h
+
+
+def test_the_first_replay_checks_run_once_per_switch_and_later_replays_give_eager_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: _FirstReplay.of (recompute.py) no longer asking is_verified, so every
+    # replay of a verified module reads its stored scalars and numbers and the containers
+    # passed in again (NOTE [verified per switch]: once per switch, not at each step).
+    from pytree_ckpt import recompute
+    reads = []
+    real = recompute.stored_tensors
+    monkeypatch.setattr(recompute, "stored_tensors", lambda dicts: reads.append(1) or real(dicts))
+    torch.manual_seed(0)
+    eager = _Flagged()
+    block = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    for step, double in enumerate([False, False, False, True, True, False]):
+        for model in (eager, block):
+            model.zero_grad()
+            x.grad = None
+            model(x, double).sum().backward()
+            if model is eager:
+                expected = grads_of([*eager.parameters(), x])
+        assert_same_grads(expected, grads_of([*block.parameters(), x]))
+        assert len(reads) == (1 if step < 3 else 2), step
