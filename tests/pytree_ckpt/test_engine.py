@@ -224,3 +224,24 @@ def test_a_torch_function_mode_and_a_subclass_see_what_function_apply_would_show
     in_python = run()
     assert in_c[:2] == in_python[:2] and in_c[1] is _Tagged
     _assert_equal(in_c[2], in_python[2])
+
+
+def test_a_full_backward_asks_the_engine_about_no_node_and_a_restricted_one_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: used_by_this_backward (recompute.py) asking
+    # torch._C._will_engine_execute_node about every wanted gradient in a full backward too
+    # (torch's checkpoint-valid flag on: every gradient is used), once per input and
+    # parameter at every replay; a restricted one must still ask, and both give eager's
+    # gradients.
+    asked: list[object] = []
+    real = torch._C._will_engine_execute_node
+    monkeypatch.setattr(torch._C, "_will_engine_execute_node",
+                        lambda node: asked.append(node) or real(node))
+    block, wrapped, data = _twins()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(block, data), _grads(wrapped, data)))
+    assert asked == []
+    bias, twin_bias = block[2].bias, wrapped[2].bias
+    expected = torch.autograd.grad(block(data).square().sum(), [bias])
+    got = torch.autograd.grad(wrapped(data).square().sum(), [twin_bias])
+    assert torch.equal(expected[0], got[0])
+    assert len(asked) == 4  # the two weights and two biases of the layer (the input needs none)
