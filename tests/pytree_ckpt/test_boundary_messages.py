@@ -1303,3 +1303,18 @@ def test_a_scalar_that_requires_grad_held_before_the_call_is_not_taken_for_a_sto
             grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_a_refusal_made_during_the_replay_gets_no_replay_note() -> None:
+    # Guards against: replay_backward (recompute.py) letting its own CheckpointErrors (the
+    # first replay's refusal of a filled container, inside its try) reach the handler of
+    # errors the replay meets, which adds the "an object the forward changed" note to the
+    # boundary's refusal: a second, generic explanation under a message that names the cause.
+    layer = pytree_ckpt.apply_activation_checkpointing(CollectsAuxLoss())
+    aux: list[torch.Tensor] = []
+    out = layer(torch.randn(6, 8), aux)
+    with pytest.raises(CheckpointError) as error:
+        (out.sum() + aux[0]).backward()
+    assert str(error.value).startswith(
+        "CollectsAuxLoss put a tensor that requires grad into the list passed as args[1]")
+    assert getattr(error.value, "__notes__", []) == []
