@@ -1318,3 +1318,41 @@ def test_a_refusal_made_during_the_replay_gets_no_replay_note() -> None:
     assert str(error.value).startswith(
         "CollectsAuxLoss put a tensor that requires grad into the list passed as args[1]")
     assert getattr(error.value, "__notes__", []) == []
+
+
+def test_an_inner_boundarys_recompile_limit_note_is_the_only_note_the_outer_replay_leaves() -> None:
+    # Guards against: replay_backward (recompute.py) adding its generic "an object the forward
+    # changed (a key/value cache)" note to an error an inner boundary already named as dynamo's
+    # recompile limit (NOTE [two entries per variant] in compiled_layers.py: the innermost
+    # note is the one kept). Here the inner boundary's original pass, run inside the outer
+    # replay, meets the error (dynamo's own wording, raised by the body).
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise RuntimeError("found no compiled frames")
+            return self.lin(x).relu()
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x) * 2
+
+    stage = Stage()
+    pytree_ckpt.apply_activation_checkpointing(stage.block)
+    pytree_ckpt.apply_activation_checkpointing(stage)
+    out = stage(torch.randn(3, 4, requires_grad=True))
+    stage.block.fail = True
+    with pytest.raises(RuntimeError, match="found no compiled frames") as caught:
+        out.sum().backward()
+    notes = getattr(caught.value, "__notes__", [])
+    assert len(notes) == 1, notes
+    assert notes[0].startswith("pytree_ckpt: raised in the original pass of Block, where a "
+                               "compiled body could not compile"), notes
