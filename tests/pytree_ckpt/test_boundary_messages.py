@@ -1356,3 +1356,31 @@ def test_an_inner_boundarys_recompile_limit_note_is_the_only_note_the_outer_repl
     assert len(notes) == 1, notes
     assert notes[0].startswith("pytree_ckpt: raised in the original pass of Block, where a "
                                "compiled body could not compile"), notes
+
+
+@pytest.mark.timeout(30, method="thread")  # the mutant below hangs in the engine
+def test_an_outside_tensor_returned_by_a_function_is_refused_in_backward_naming_its_path() -> None:
+    # Guards against: replay_backward (recompute.py) no longer checking whether a replayed
+    # output's grad_fn is the boundary's own node: a tensor from outside the call, returned
+    # as it is, had the boundary attach itself to it in the forward, and its replay then
+    # fed the node's own output back into the replay's backward (which never returned)
+    # instead of this refusal.
+    table = torch.randn(3)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, table
+
+    x = torch.randn(3, requires_grad=True)
+    out, same = checkpoint(fn, x)
+    assert same is table
+    with pytest.raises(CheckpointError) as error:
+        (out.sum() + same.sum()).backward()
+    assert str(error.value).startswith(
+        f"output[1] of {fn.__qualname__} is a tensor from outside the call (not computed by it, "
+        "not one of its "
+        "inputs), and the boundary attached itself to it\n"
+        "  expected: tensors computed by fn, its inputs, or buffers and parameters of the module "
+        "fn belongs to\n"
+        "  got:      the same outside tensor, returned again by the replay\n"
+        "  tip: return a clone (t.clone()) of it")
+    assert x.grad is None
