@@ -584,7 +584,10 @@ def test_an_unknown_environment_value_is_refused_naming_the_variable(
     ({"min_bytes": 0}, "dict", "build one with offload.OffloadManager(offload.OffloadConfig(...))"),
     (OffloadConfig(), "OffloadConfig", "pass offload.OffloadManager(config, device=...)"),
     (1, "int 1", "offload=True turns it on (the process's default manager), offload=False off"),
-], ids=["a config dict", "a config", "an int"])
+    # Guards against: resolve_offload (apply.py) testing `offload == False` (or True): 0 (and
+    # 1) would pass as a bool, an int read from a config file taken for a switch.
+    (0, "int 0", "offload=True turns it on (the process's default manager), offload=False off"),
+], ids=["a config dict", "a config", "an int", "a zero"])
 def test_an_offload_argument_of_another_kind_is_refused_with_the_way_to_build_one(
         value: Any, got: str, tip: str) -> None:
     with pytest.raises(CheckpointConfigError) as refused:
