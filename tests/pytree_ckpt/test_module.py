@@ -870,3 +870,17 @@ def test_a_moduledict_or_a_model_given_as_layers_gets_a_tip_naming_its_layer_lis
     assert not any(is_checkpointed(m) for m in model.modules())
     assert checkpoint_layers(model.layers.values()) == [0, 1, 2]
     assert all(is_checkpointed(layer) for layer in model.layers.values())
+
+
+def test_check_fn_choosing_layers_1_and_10_checkpoints_both_as_siblings() -> None:
+    # Guards against: _chosen_by (apply.py) taking a name that merely starts with another's
+    # ("10" with "1") for a module inside it: two sibling layers of a long stack were refused
+    # as nested. Both are checkpointed, and give eager's gradients bit for bit.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(11)))
+    twin = copy.deepcopy(model)
+    chosen = (model[1], model[10])
+    apply_activation_checkpointing(model, check_fn=lambda m: any(m is c for c in chosen))
+    assert [i for i, layer in enumerate(model) if is_checkpointed(layer)] == [1, 10]
+    x = torch.randn(2, 4, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, model], x, seed=0))
