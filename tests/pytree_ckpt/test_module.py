@@ -884,3 +884,25 @@ def test_check_fn_choosing_layers_1_and_10_checkpoints_both_as_siblings() -> Non
     assert [i for i, layer in enumerate(model) if is_checkpointed(layer)] == [1, 10]
     x = torch.randn(2, 4, requires_grad=True)
     assert_same_grads(*grads_per_model([twin, model], x, seed=0))
+
+
+def test_a_list_check_fn_a_plain_dict_of_layers_and_one_refused_keyword_are_told_exactly() -> None:
+    # Guards against: _refuse_policy (apply.py) leaving a list of classes out (check_fn=[Layer]
+    # then failed in named_modules with "'list' object is not callable"); listed_layers
+    # leaving a plain dict out of its refusal (iterating it gives its keys: "layers[0] is not
+    # one" named no fix); _refuse_torch_keywords saying "keywords" of one keyword.
+    model = Stack(2)
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(model, check_fn=[Layer])  # type: ignore[arg-type]
+    assert "got:      list {Layer}" in str(err.value)
+    assert "tip: check_fn=lambda m: isinstance(m, Layer) " in str(err.value)
+    with pytest.raises(CheckpointConfigError) as err:
+        checkpoint_layers({"0": Layer(), "1": Layer()})  # type: ignore[arg-type]
+    assert str(err.value).startswith("checkpoint_layers takes a sequence of layers, not a dict")
+    assert "got:      dict with keys ['0', '1']" in str(err.value)
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(model, auto_wrap_policy={Layer})  # type: ignore[arg-type]
+    assert str(err.value).startswith(
+        "apply_activation_checkpointing takes no auto_wrap_policy= (torch.distributed's "
+        "keyword): ")
+    assert not any(is_checkpointed(m) for m in model.modules())
