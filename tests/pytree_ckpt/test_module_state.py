@@ -48,6 +48,50 @@ def test_autograd_grad_through_a_partial_of_a_module_gives_eager_results(make: A
     assert all(p.grad is None for p in layer.parameters())
 
 
+def _logged(forward: Any) -> Any:
+    """A decorator as logging and profiling libraries write them (functools.wraps)."""
+    @functools.wraps(forward)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+    return wrapper
+
+
+class LoggedScaled(Scaled):
+    forward = _logged(Scaled.forward)
+
+
+class InheritsScaled(Scaled):
+    """Defines no forward of its own: its class's base does."""
+
+
+@pytest.mark.parametrize("how", ["bound method of a decorated forward",
+                                 "decorated partial of the module",
+                                 "partial of a base class's forward"])
+def test_autograd_grad_through_a_wrapped_callable_of_a_module_gives_eager_results(
+        how: str) -> None:
+    # Guards against: owning_module losing the module behind the callable, so the call is taken
+    # as an unknown callable and torch.autograd.grad is refused: (1) a bound method whose
+    # function has __wrapped__ unwrapped to the plain function (the __self__ check dropped);
+    # (2) the walk through partials and wrappers stopped after one step; (3) _method_of looking
+    # for the partial's function only in the module's own class, not its bases (__mro__).
+    torch.manual_seed(0)
+    layer = {"bound method of a decorated forward": LoggedScaled,
+             "decorated partial of the module": Scaled,
+             "partial of a base class's forward": InheritsScaled}[how]()
+    if how == "bound method of a decorated forward":
+        fn: Any = functools.partial(layer.forward, scale=2.0)
+    elif how == "decorated partial of the module":
+        fn = _logged(functools.partial(layer, scale=2.0))
+    else:
+        fn = functools.partial(Scaled.forward, layer, scale=2.0)
+    x = torch.randn(3, 4, requires_grad=True)
+    wrt = [x, layer.lin.weight, layer.lin.bias]
+    eager = torch.autograd.grad(layer(x, scale=2.0).square().sum(), wrt)
+    got = torch.autograd.grad(checkpoint(fn, x).square().sum(), wrt)
+    assert_same_grads(list(eager), list(got))
+    assert all(p.grad is None for p in layer.parameters())
+
+
 def test_a_layer_inserted_while_the_removed_one_stays_alive_gets_its_eager_gradient() -> None:
     # Guards against: _check_structure compares only the size of each cached _modules dict, not its
     # identity. insert(0) + del [-1] leaves the old dict at its old size and replaces it; with the
