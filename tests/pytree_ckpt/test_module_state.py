@@ -92,6 +92,33 @@ def test_autograd_grad_through_a_wrapped_callable_of_a_module_gives_eager_result
     assert all(p.grad is None for p in layer.parameters())
 
 
+class Distilled(nn.Module):
+    """A decorated forward that takes a frozen module of its own class first (a teacher)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @_logged
+    def forward(self, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch.sigmoid(teacher.lin(x))
+
+
+def test_a_partial_of_a_bound_method_given_another_module_first_is_its_owners_call() -> None:
+    # Guards against: _method_of following a bound method's __wrapped__ to its class's function
+    # (the __self__ check dropped): partial(student.forward, teacher) then counted as teacher's
+    # own method, the student's parameters were taken for foreign tensors and the call refused,
+    # where it is the student's call and eager gives its parameters their gradients.
+    torch.manual_seed(0)
+    student, teacher = Distilled(), Distilled().requires_grad_(False)
+    x = torch.randn(3, 4, requires_grad=True)
+    wrt = [x, *student.parameters()]
+    eager = torch.autograd.grad(student(teacher, x).square().sum(), wrt)
+    got = torch.autograd.grad(
+        checkpoint(functools.partial(student.forward, teacher), x).square().sum(), wrt)
+    assert_same_grads(list(eager), list(got))
+
+
 def test_a_layer_inserted_while_the_removed_one_stays_alive_gets_its_eager_gradient() -> None:
     # Guards against: _check_structure compares only the size of each cached _modules dict, not its
     # identity. insert(0) + del [-1] leaves the old dict at its old size and replaces it; with the
