@@ -859,3 +859,36 @@ def test_the_first_replay_checks_run_once_per_switch_and_later_replays_give_eage
                 expected = grads_of([*eager.parameters(), x])
         assert_same_grads(expected, grads_of([*block.parameters(), x]))
         assert len(reads) == (1 if step < 3 else 2), step
+
+
+class KeywordBiasBlock(nn.Module):
+    """Reaches a head it holds but does not register only when its bias comes as a keyword."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self._shared = (head,)  # held, not registered
+
+    def forward(self, h: torch.Tensor, *args: torch.Tensor, **kwargs: torch.Tensor
+                ) -> torch.Tensor:
+        h = torch.tanh(self.proj(h))
+        if args:
+            return h + args[0]
+        return h + self._shared[0](kwargs["bias"])
+
+
+def test_a_tensor_passed_by_keyword_after_the_same_count_by_position_is_a_new_switch() -> None:
+    # Guards against: call_switches giving any call of tensors only the fast path's key for its
+    # count of tensors, not only the fast path's own spec (NOTE [verified per switch], NOTE
+    # [fast paths] in tree.py): block(x, b) and block(x, bias=b) are two tensors each, but
+    # another structure and another path; verified for the first, the second reached the head
+    # unverified and the head lost its gradient silently, where eager gives it one.
+    head = nn.Linear(8, 8)
+    eager = KeywordBiasBlock(head)
+    x, b = torch.randn(4, 8), torch.randn(4, 8)
+    eager(x, bias=b).sum().backward()
+    assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
+    block = pytree_ckpt.apply_activation_checkpointing(KeywordBiasBlock(nn.Linear(8, 8)))
+    block(x, b).sum().backward()
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter"):
+        block(x, bias=b).sum().backward()
