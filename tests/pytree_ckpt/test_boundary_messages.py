@@ -386,6 +386,35 @@ def test_a_forward_hook_on_a_module_passed_as_an_argument_is_warned_about_too() 
     assert kept[0].requires_grad  # the output as it is: it leaves with the boundary's node
 
 
+def test_a_hook_of_a_submodule_also_passed_as_an_argument_is_named_once() -> None:
+    # Guards against: warn_forward_hooks listing the hooks of a module passed as an argument
+    # without leaving out the submodules already inside the checkpointed module (id(sub) not in
+    # inside): layer(x, layer.router) named the gate's hook twice, once as the layer's
+    # submodule and once as the argument's.
+    class Mixer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.router = Gated()
+
+        def forward(self, x: torch.Tensor, router: torch.nn.Module) -> torch.Tensor:
+            return self.proj(x) * router(x).softmax(-1).sum(-1, keepdim=True)
+
+    def keep_gate_output(module: Any, args: Any, out: torch.Tensor) -> None:
+        return None
+
+    mixer = Mixer()
+    mixer.router.gate.register_forward_hook(keep_gate_output)
+    x = torch.randn(3, 4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint(mixer, x, mixer.router).sum().backward()
+    messages = [str(w.message) for w in caught if "forward hooks inside" in str(w.message)]
+    assert len(messages) == 1
+    assert messages[0].count("keep_gate_output") == 1
+    assert "router.gate: " in messages[0] and "(argument Gated)" not in messages[0]
+
+
 def test_hooks_of_torch_and_of_this_library_inside_the_boundary_are_not_warned_about() -> None:
     import pytree_ckpt
     from torch.utils.flop_counter import FlopCounterMode
