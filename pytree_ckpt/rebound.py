@@ -221,6 +221,7 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
             "slice, and return the gradients of that",
             expected=f"{where} = {_short(then)} (the original pass's)",
             got=f"{where} = {_short(value)}",
-            tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
-                f"layers[{variable}](t), h), or pass the module itself, "
-                f"checkpoint(layers[{variable}], h), which also knows its parameters and state")
+            tip=f"bind it when the function is made (a default is read then): "
+                f"checkpoint(lambda t, {variable}={variable}: layers[{variable}](t), h); for a "
+                f"layer, pass the module itself, checkpoint(layers[{variable}], h), which also "
+                "knows its parameters and state")
