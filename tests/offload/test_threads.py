@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dis
 import gc
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import CodeType
 from typing import Any
 
 import pytest
@@ -20,6 +23,11 @@ from torch import nn
 
 import pytree_ckpt
 from offload import OffloadManager
+from offload.in_flight import InFlight
+from offload.packing import pack_saved
+from offload.pool import HostPool, size_class
+from offload.unpacking import unpack_handle
+from offload.window import Copy
 from tests.offload.blocks import manager
 
 
@@ -360,3 +368,328 @@ def test_two_worker_forwards_backed_by_the_main_thread_give_eager_gradients_and_
                     for model in models.values())
     assert stats["offloaded_bytes"] == stats["restored_bytes"] == offloaded
     assert stats["host_buffers_in_use"] == 0 and m.pool.checked_out == 0
+
+
+# -- forced interleavings --------------------------------------------------------------------
+# The tests above run their threads in turns: each step of one thread happens between two of
+# the other's, never inside one, so they pass with the manager's lock taken out. These hold one
+# thread at each switch point of a critical section in turn (``_SWITCHES``) and run the other
+# meanwhile, as far as it gets: to its end, or to a lock it has to wait for (which the held
+# thread holds). Deterministic: with the locks, the other always stops at the lock.
+
+
+class Watched:
+    """Stands for a lock, and says (``waiting``) when the thread named ``second`` has to wait
+    for it."""
+
+    def __init__(self, lock: Any, waiting: threading.Event) -> None:
+        self.lock = lock
+        self.waiting = waiting
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self.lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        if threading.current_thread().name == "second":
+            self.waiting.set()
+        return bool(self.lock.acquire(True, timeout))
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# Where holding a thread can let another change what it is working on: before a store (after
+# the read of a count it adds to), a call (the method's object loaded), a branch (taken on what
+# it checked) and the next step of a loop (over a dict another thread may add to). Holding at
+# these only (about a third of the bytecodes) keeps the sweeps below short.
+_SWITCHES = frozenset(code for name, code in dis.opmap.items() if name in (
+    "STORE_ATTR", "STORE_SUBSCR", "CALL", "FOR_ITER") or "JUMP" in name and "IF" in name)
+
+
+def held_inside(m: OffloadManager, code: CodeType, index: int, first: Callable[[], None],
+                second: Callable[[], None], *, call: int = 1) -> bool:
+    """Run ``first()`` on a thread and hold it at the ``index``-th switch point (a bytecode of
+    ``_SWITCHES``) of its ``call``-th call of ``code``; meanwhile run ``second()`` on another
+    thread until it returns or has to wait for the manager's lock or its pool's; then let
+    ``first`` go on, and wait for both. False where that call has no ``index``-th switch point
+    (``second`` then ran after ``first``)."""
+    held, go_on, second_stopped = threading.Event(), threading.Event(), threading.Event()
+    m._lock = Watched(m._lock, second_stopped)  # type: ignore[assignment]
+    m.pool._lock = Watched(m.pool._lock, second_stopped)  # type: ignore[assignment]
+    calls = count = 0
+    reached = False
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count, reached
+        if event == "opcode" and frame.f_code.co_code[frame.f_lasti] in _SWITCHES:
+            if count == index:
+                reached = True
+                held.set()
+                assert go_on.wait(30), "second never stopped"
+            count += 1
+        return local
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal calls
+        if frame.f_code is not code:
+            return None
+        calls += 1
+        if calls != call:
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    def traced() -> None:
+        sys.settrace(on_call)
+        try:
+            first()
+        finally:
+            sys.settrace(None)
+            held.set()  # also when it never got there
+
+    def stopping() -> None:
+        try:
+            second()
+        finally:
+            second_stopped.set()
+
+    threads = torch.get_num_threads()  # the eager twins' (see the test above)
+    failures: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                torch.set_num_threads(threads)
+                target()
+            except BaseException as error:  # handed to the main thread, which raises it
+                failures.append(error)
+        return run
+
+    one = threading.Thread(target=guarded(traced), name="first")
+    one.start()
+    assert held.wait(30)
+    two = threading.Thread(target=guarded(stopping), name="second")
+    two.start()
+    assert second_stopped.wait(30), "second hung while first was held"
+    go_on.set()
+    for thread in (one, two):
+        thread.join(30)
+        assert not thread.is_alive(), f"{thread.name} hung"
+    if failures:
+        raise failures[0]
+    return reached
+
+
+def sweep(code: CodeType, run: Callable[[int], bool], /) -> int:
+    """``run(index)`` for each switch point of the call of ``code`` held in, until it says
+    there is none (``held_inside``'s answer); how many there were."""
+    index = 0
+    while run(index):
+        index += 1
+    assert index > 0, f"{code.co_name} never ran"
+    return index
+
+
+# A critical section of each kind: opening a window, a save (its copy, its pool buffer), the
+# copies in flight let go of, backward's unpack and restore.
+_CRITICAL = [OffloadManager._open, pack_saved, Copy.__init__, HostPool.acquire, InFlight.let_go,
+             unpack_handle, Copy.restore]
+
+
+def _solo_totals() -> dict[str, float]:
+    alone = {key: 0.0 for key in _COUNTED}
+    for rows, seed in ((8, 0), (6, 1)):
+        solo = manager(prefetch=1)
+        Model(solo, rows=rows, seed=seed).step(contextlib.nullcontext)
+        for key, value in solo.stats().items():
+            if key in alone:
+                alone[key] += value
+    return alone
+
+
+@pytest.mark.parametrize("critical", _CRITICAL, ids=lambda f: f.__qualname__)
+def test_two_steps_held_inside_each_other_give_eager_gradients_and_the_counts_of_each_alone(
+        critical: Callable[..., Any]) -> None:
+    # Guards against: a critical section of the manager left unlocked (the manager's lock, or
+    # its pool's, taken out of an entry point). Thread "first" runs a's forward and backward
+    # and is held at each switch point of one critical section in turn; "second" runs b's whole
+    # step meanwhile, until it must wait for the lock first holds. Unlocked, second's step ran
+    # inside first's: a counter first had read and not yet stored lost second's bytes and
+    # windows, and first's copies in flight, listed anew, dropped second's (whose device
+    # bytes then stayed held until its backward reused them). Each step must give its eager
+    # twin's gradients bit for bit and each backward its own events, and the counters must be
+    # those of both steps alone, every host buffer back in the pool.
+    alone = _solo_totals()
+    code = critical.__code__
+
+    def run(index: int) -> bool:
+        m = manager(prefetch=1)
+        a, b = Model(m, rows=8, seed=0), Model(m, rows=6, seed=1)
+        reached = held_inside(m, code, index, lambda: a.step(contextlib.nullcontext),
+                              lambda: b.step(contextlib.nullcontext))
+        assert a.events == b.events == [_OWN], f"held at switch point {index}"
+        stats = m.stats()
+        assert {key: stats[key] for key in _COUNTED} == alone, f"held at switch point {index}"
+        # A host buffer per copy: each model's three layer inputs and its table.
+        assert stats["pool_hits"] + stats["pool_misses"] == 8, f"held at switch point {index}"
+        assert stats["host_buffers_in_use"] == 0 and m.pool.checked_out == 0
+        return reached
+
+    sweep(code, run)
+
+
+def _solo_a() -> tuple[dict[str, float], Model]:
+    solo = manager(prefetch=1)
+    model = Model(solo, rows=8, seed=0)
+    model.step(contextlib.nullcontext)
+    return solo.stats(), model
+
+
+# Counted the same whenever a stats() runs (which lets go of device bytes early, and so changes
+# what backward reuses and what is judged alive elsewhere).
+_ANYTIME = ("offloaded_bytes", "restored_bytes", "prefetch_hits", "windows")
+
+
+@pytest.mark.parametrize(("critical", "call"), [
+    (OffloadManager._open, 2), (Copy.__init__, 2), (Copy.restore, 1)],
+    ids=lambda v: getattr(v, "__qualname__", f"call{v}"))
+def test_a_reset_held_inside_a_step_loses_and_repeats_no_count(
+        critical: Callable[..., Any], call: int) -> None:
+    # Guards against: stats() reading and resetting the counters without the manager's lock.
+    # Run inside a step's count (read, add, store), the reset was undone by the store: the
+    # bytes counted before it came back after it. What the reset returned and what is counted
+    # after it must add up to the step's counts alone, and the step give eager gradients.
+    alone, _ = _solo_a()
+
+    def run(index: int) -> bool:
+        m = manager(prefetch=1)
+        a = Model(m, rows=8, seed=0)
+        before: list[dict[str, float]] = []
+        # A count is held in its second call: not 0 by then (a reset that came back as 0 would
+        # leave no trace).
+        reached = held_inside(m, critical.__code__, index, lambda: a.step(contextlib.nullcontext),
+                              lambda: before.append(m.stats(reset=True)), call=call)
+        after = m.stats()
+        assert {key: before[0][key] + after[key] for key in _ANYTIME} == {
+            key: alone[key] for key in _ANYTIME}, f"held at switch point {index}"
+        assert before[0]["pool_hits"] + before[0]["pool_misses"] + after["pool_hits"] + after[
+            "pool_misses"] == 4, f"held at switch point {index}"
+        return reached
+
+    sweep(critical.__code__, run)
+
+
+def test_an_offload_into_held_inside_a_save_loses_no_count() -> None:
+    # Guards against: offload_into (a replay frame's result, offloaded from another thread)
+    # copying without the manager's lock. Run inside a save's count of its bytes (read, add,
+    # store), its own bytes were lost. Its tensor must come back as it was, and the counts be
+    # the step's alone plus its copy's.
+    alone, _ = _solo_a()
+    y = torch.randn(16, 32)
+    nbytes = y.untyped_storage().nbytes()
+
+    def run(index: int) -> bool:
+        m = manager(prefetch=1)
+        a = Model(m, rows=8, seed=0)
+        with m.window([y]) as window:
+            pass
+        handles: list[Any] = []
+        reached = held_inside(m, Copy.__init__.__code__, index,
+                              lambda: a.step(contextlib.nullcontext),
+                              lambda: handles.append(m.offload_into(window, y)))
+        assert torch.equal(m.restore(handles[0]), y)
+        stats = m.stats()
+        assert stats["offloaded_bytes"] == alone["offloaded_bytes"] + nbytes, (
+            f"held at switch point {index}")
+        assert stats["windows"] == alone["windows"] + 1
+        assert stats["pool_hits"] + stats["pool_misses"] == 5, f"held at switch point {index}"
+        return reached
+
+    sweep(Copy.__init__.__code__, run)
+
+
+def _comprehension_in(function: Callable[..., Any]) -> CodeType:
+    """The code ``function``'s list comprehension runs: a function of its own before Python
+    3.12, ``function``'s own code from 3.12 on (inlined)."""
+    inner = [const for const in function.__code__.co_consts if isinstance(const, CodeType)]
+    return inner[0] if inner else function.__code__
+
+
+@pytest.mark.parametrize(("critical", "warm", "ahead", "ops"), [
+    (HostPool.acquire.__code__, True, False, "reserve count take"),
+    (HostPool.acquire.__code__, False, False, "reserve count take"),
+    (HostPool.acquire.__code__, False, False, "take"),
+    (_comprehension_in(HostPool.acquire), False, True, "reserve"),
+    (HostPool._allocate.__code__, False, False, "reserve"),
+    (HostPool._take_returned.__code__, True, False, "count")],
+    ids=lambda v: getattr(v, "co_qualname", getattr(v, "co_name", str(v))))
+def test_pool_calls_held_inside_a_steps_pool_lose_no_buffer_and_no_count(
+        critical: CodeType, warm: bool, ahead: bool, ops: str) -> None:
+    # Guards against: the host pool's lock taken out. Its callers from outside the manager
+    # (reserve(), checked_out, a buffer taken and given back) run while a step, under the
+    # manager's lock, takes buffers: a count the step had read and not yet stored (host
+    # bytes, hits, misses, buffers out) lost theirs, a free list added while the step looked
+    # for a larger class (its iteration raised), and the returned buffers it was moving to
+    # the free lists were moved twice (an IndexError) or counted back twice. A ``warm``
+    # step's buffers come back from the step before; with ``ahead``, the reserved buffer is
+    # allocated before (allocating takes the lock on its own), so that reserve's own section
+    # runs where the step is held. Every count must be the step's alone plus those of the
+    # calls alone (on a class the step does not use, so each pool's counts are its own).
+    def pool_counts(pool: HostPool) -> list[int]:
+        return [pool.hits, pool.misses, pool.host_bytes]
+
+    def free_buffers(pool: HostPool) -> int:
+        assert pool.checked_out == 0  # and the returned ones moved to the free lists
+        return sum(map(len, pool._free.values()))
+
+    reserved = 3000
+
+    def calls(pool: HostPool, out: list[int]) -> None:
+        for op in ops.split():
+            if op == "reserve":
+                pool.reserve([reserved])
+            elif op == "count":
+                out.append(pool.checked_out)
+            else:  # take
+                pool.release(pool.acquire(reserved))
+        out.append(pool.checked_out)
+
+    _, solo = _solo_a()
+    first = pool_counts(solo.m.pool)
+    solo.step(contextlib.nullcontext)
+    second = pool_counts(solo.m.pool)
+    expected = [b - a for a, b in zip(first, second)] if warm else first
+    alone = HostPool(pin_memory=False)
+    calls(alone, [])
+    expected = [step + other for step, other in zip(expected, pool_counts(alone))]
+    free = free_buffers(solo.m.pool) + free_buffers(alone)
+    assert size_class(reserved) > 2 * size_class(solo.x.untyped_storage().nbytes())
+
+    def run(index: int) -> bool:
+        m = manager(prefetch=1)
+        a = Model(m, rows=8, seed=0)
+        if warm:
+            a.step(contextlib.nullcontext)  # its buffers wait, returned, for the next step
+        base = pool_counts(m.pool)
+        if ahead:
+            allocate = m.pool._allocate
+            made = allocate(size_class(reserved))
+            m.pool._allocate = (  # type: ignore[method-assign]
+                lambda nbytes: made if nbytes == size_class(reserved) else allocate(nbytes))
+        out: list[int] = []
+        reached = held_inside(m, critical, index, lambda: a.step(contextlib.nullcontext),
+                              lambda: calls(m.pool, out))
+        assert all(0 <= n <= 5 for n in out), f"held at switch point {index}: {out}"
+        assert [b - a for a, b in zip(base, pool_counts(m.pool))] == expected, (
+            f"held at switch point {index}")
+        assert free_buffers(m.pool) == free, f"held at switch point {index}"
+        return reached
+
+    sweep(critical, run)
