@@ -747,62 +747,33 @@ def test_a_buffer_that_is_a_view_or_its_rows_come_back_untouched_across_steps(ro
 
 
 class FillsBuffer(nn.Module):
-    """Writes a result into its buffer in place and returns the buffer, or rows of it."""
+    """Writes a result into its buffer (or a frozen nn.Parameter) in place and returns it, or
+    rows of it."""
 
-    def __init__(self, rows: bool) -> None:
+    def __init__(self, rows: bool, parameter: bool = False) -> None:
         super().__init__()
         self.lin, self.rows = nn.Linear(4, 4), rows
-        self.register_buffer("slots", torch.zeros(6, 4))
+        if parameter:
+            self.slots = nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        else:
+            self.register_buffer("slots", torch.zeros(6, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.slots[: x.shape[0]].copy_(self.lin(x))
         return self.slots[: x.shape[0]] if self.rows else self.slots
 
 
+@pytest.mark.parametrize("parameter", [False, True], ids=["buffer", "frozen parameter"])
 @pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
 def test_a_buffer_the_forward_writes_a_result_into_keeps_its_gradient_when_returned(
-        rows: bool) -> None:
+        rows: bool, parameter: bool) -> None:
     # Guards against: the buffer itself counted as made before the call and left
     # non-differentiable, though eager's requires grad after the write: "element 0 of tensors
     # does not require grad" in backward, or, with another path to the loss, no gradient for
-    # the layer, silently.
+    # the layer, silently. A frozen parameter written so: StateWatch.unchanged_in_place asking
+    # only the buffers' versions, not the frozen parameters', had the same effect.
     torch.manual_seed(0)
-    layer = FillsBuffer(rows)
-    twin = copy.deepcopy(layer)
-    pytree_ckpt.apply_activation_checkpointing(twin)
-    grads = []
-    for model in (layer, twin):
-        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        out = model(x)
-        assert out.requires_grad
-        out.square().sum().backward()
-        grads.append([x.grad, model.lin.weight.grad, model.lin.bias.grad])
-    assert_same_grads(*grads)
-    assert torch.equal(layer.slots, twin.slots)
-
-
-class FillsFrozenParameter(nn.Module):
-    """FillsBuffer with its slots a frozen nn.Parameter rather than a buffer."""
-
-    def __init__(self, rows: bool) -> None:
-        super().__init__()
-        self.lin, self.rows = nn.Linear(4, 4), rows
-        self.slots = nn.Parameter(torch.zeros(6, 4), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.slots[: x.shape[0]].copy_(self.lin(x))
-        return self.slots[: x.shape[0]] if self.rows else self.slots
-
-
-@pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
-def test_a_frozen_parameter_the_forward_writes_a_result_into_keeps_its_gradient_when_returned(
-        rows: bool) -> None:
-    # Guards against: StateWatch.unchanged_in_place asking only the buffers' versions, not
-    # the frozen parameters': the written parameter counted as unchanged, made before the
-    # call, and left non-differentiable, though eager's requires grad after the write
-    # ("element 0 of tensors does not require grad" in backward).
-    torch.manual_seed(0)
-    layer = FillsFrozenParameter(rows)
+    layer = FillsBuffer(rows, parameter)
     twin = copy.deepcopy(layer)
     pytree_ckpt.apply_activation_checkpointing(twin)
     grads = []

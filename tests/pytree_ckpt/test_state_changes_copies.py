@@ -467,6 +467,17 @@ def test_buffers_that_share_memory_still_share_it_in_the_replay(view: bool) -> N
     _assert_same_runs(_twins(lambda: TiedStats(view), _trained((4, 8)), steps=2))
 
 
+def _registered_or_counted(module: nn.Module) -> torch.Tensor:
+    """Registers the buffer ``n`` (one) at the module's first call, counts it up at later ones:
+    a replay that finds it registered computes with n + 1 where the forward used n."""
+    if "n" not in module._buffers:
+        module.register_buffer("n", torch.ones(()))
+    else:
+        with torch.no_grad():
+            module.n += 1
+    return module.n
+
+
 def test_a_buffer_registered_in_the_forward_is_absent_from_the_replay_too() -> None:
     # The replay found the new name and took the "already registered" branch: it computed
     # with n + 1 where the forward computed with n, and the bias's gradient doubled.
@@ -476,11 +487,7 @@ def test_a_buffer_registered_in_the_forward_is_absent_from_the_replay_too() -> N
             self.lin = nn.Linear(8, 8)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if "n" not in self._buffers:
-                self.register_buffer("n", torch.ones(()))
-            else:
-                self.n += 1
-            return self.lin(x) * self.n
+            return self.lin(x) * _registered_or_counted(self)
 
     _assert_same_runs(_twins(Lazy, _trained((4, 8)), steps=3))
 
@@ -500,11 +507,7 @@ def test_a_buffer_registered_in_the_forward_next_to_another_is_absent_from_the_r
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
                 self.steps += 1
-            if "n" not in self._buffers:
-                self.register_buffer("n", torch.ones(()))
-            else:
-                self.n += 1
-            return self.lin(x) * self.n
+            return self.lin(x) * _registered_or_counted(self)
 
     _assert_same_runs(_twins(LazyNextToACounter, _trained((4, 8)), steps=3))
 
@@ -523,12 +526,7 @@ def test_a_buffer_registered_in_the_forward_next_to_a_constant_one_is_absent_fro
             self.register_buffer("scale", torch.full((), 2.0))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if "n" not in self._buffers:
-                self.register_buffer("n", torch.ones(()))
-            else:
-                with torch.no_grad():
-                    self.n += 1
-            return self.lin(x) * self.n * self.scale
+            return self.lin(x) * _registered_or_counted(self) * self.scale
 
     _assert_same_runs(_twins(LazyNextToAConstant, _trained((4, 8)), steps=3))
 
@@ -541,12 +539,7 @@ def test_a_buffer_registered_in_the_forward_by_a_submodule_without_buffers_is_ab
     # registered" branch (n + 1 where the forward computed with n): other gradients.
     class Lazy(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if "n" not in self._buffers:
-                self.register_buffer("n", torch.ones(()))
-            else:
-                with torch.no_grad():
-                    self.n += 1
-            return x * self.n
+            return x * _registered_or_counted(self)
 
     class WithAConstant(nn.Module):
         def __init__(self) -> None:
