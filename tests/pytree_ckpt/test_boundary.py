@@ -1614,32 +1614,40 @@ def test_post_accumulate_hooks_after_one_that_clears_grad_still_run_as_in_eager(
     assert run(True) == run(False) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
+@pytest.mark.parametrize("alone", [False, True], ids=["both hooks", "post-accumulate alone"])
 @pytest.mark.parametrize("as_module", [False, True], ids=["function", "module"])
 def test_hooks_put_on_an_input_after_the_call_get_no_call_without_a_gradient(
-        as_module: bool) -> None:
+        as_module: bool, alone: bool) -> None:
     # Guards against: the hooks of an input without a gradient were wrapped only when the
     # call saved it; one registered between forward and backward got None (lambda g: g * 2
-    # raised TypeError), and a post-accumulate one ran, where eager calls neither.
+    # raised TypeError), and a post-accumulate one ran, where eager calls neither. Alone:
+    # _inputs_without_gradient (recompute.py) wrapping an input's hooks only when it has a
+    # plain backward hook, so a post-accumulate-grad hook alone ran on the replay's None.
     layer = nn.Linear(3, 3)
 
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (x > 0).float() * w + layer(w)
 
-    def run(wrap: bool) -> list[str]:
+    def run(wrap: bool) -> tuple[list[str], list[torch.Tensor | None]]:
         calls: list[str] = []
+        torch.manual_seed(0)
         x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        layer.zero_grad(set_to_none=True)
         target: Any = fn
         if as_module:
             target = nn.Module()
             target.layer = layer
             target.forward = fn  # type: ignore[method-assign]
         out = pytree_ckpt.checkpoint(target, x, w) if wrap else fn(x, w)
-        x.register_hook(lambda g: calls.append("hook") or g * 2)
-        x.register_post_accumulate_grad_hook(lambda t: calls.append("accumulated"))
+        if not alone:
+            x.register_hook(lambda g: calls.append("hook") or g * 2)
+        x.register_post_accumulate_grad_hook(lambda t: calls.append(f"accumulated {t.grad}"))
         out.sum().backward()
-        return calls
+        return calls, grads_of([x, w, *layer.parameters()])
 
-    assert run(True) == run(False) == []
+    (eager_calls, eager_grads), (calls, grads) = run(False), run(True)
+    assert calls == eager_calls == []
+    assert_same_grads(eager_grads, grads)
 
 
 def test_hooks_of_an_input_without_a_gradient_get_no_call_under_offload() -> None:
@@ -1809,34 +1817,3 @@ def test_an_input_made_under_inference_mode_is_accepted_as_in_eager(offloaded: b
         grads.append(grads_of([*model.parameters(), x]))
         x.grad = None
     assert_same_grads(*grads)
-
-
-@pytest.mark.parametrize("as_module", [False, True], ids=["function", "module"])
-def test_a_post_accumulate_hook_alone_on_an_input_without_a_gradient_gets_no_call(
-        as_module: bool) -> None:
-    # Guards against: _inputs_without_gradient (recompute.py) wrapping an input's hooks only
-    # when it has a plain backward hook: a post-accumulate-grad hook alone, registered after
-    # the call, ran on the replay's None gradient where eager, with no edge to it, calls none.
-    layer = nn.Linear(3, 3)
-
-    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (x > 0).float() * w + layer(w)
-
-    def run(wrap: bool) -> tuple[list[str], list[torch.Tensor | None]]:
-        calls: list[str] = []
-        torch.manual_seed(0)
-        x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
-        layer.zero_grad(set_to_none=True)
-        target: Any = fn
-        if as_module:
-            target = nn.Module()
-            target.layer = layer
-            target.forward = fn  # type: ignore[method-assign]
-        out = pytree_ckpt.checkpoint(target, x, w) if wrap else fn(x, w)
-        x.register_post_accumulate_grad_hook(lambda t: calls.append(f"accumulated {t.grad}"))
-        out.sum().backward()
-        return calls, grads_of([x, w, *layer.parameters()])
-
-    (eager_calls, eager_grads), (calls, grads) = run(False), run(True)
-    assert calls == eager_calls == []
-    assert_same_grads(eager_grads, grads)
