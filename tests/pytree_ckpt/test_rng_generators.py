@@ -547,3 +547,19 @@ def test_a_generator_held_by_a_module_passed_as_an_argument_replays_as_eager_dre
 
     eager, wrapped = _twins(HandsItsRouter, wrapping)
     _assert_steps_equal(eager, wrapped)
+
+
+def test_a_router_replaced_by_another_of_its_class_is_the_one_whose_generator_is_restored(
+        ) -> None:
+    # Guards against: the cached search (NOTE [generators held as attributes]) kept after the
+    # module tree changed: a new router of the same class leaves every cached dict its size,
+    # so the cache read the old router's generator and the replay drew the new one's next
+    # numbers (other experts, other gradients, silently, at every later step).
+    def replace(step: int, model: nn.Module) -> None:
+        if step == 2:
+            torch.manual_seed(30)
+            model.router = Router()  # the same seeds in both twins: a linear and a generator
+
+    eager, wrapped = _twins(RoutedBlock, apply_activation_checkpointing)
+    _assert_steps_equal(eager, wrapped, steps=4, between=replace)
+
