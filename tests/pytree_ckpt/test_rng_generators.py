@@ -563,3 +563,59 @@ def test_a_router_replaced_by_another_of_its_class_is_the_one_whose_generator_is
     eager, wrapped = _twins(RoutedBlock, apply_activation_checkpointing)
     _assert_steps_equal(eager, wrapped, steps=4, between=replace)
 
+
+class MakesAnother(Router):
+    """A router holding a generator from ``__init__`` that makes a second one during its
+    forward: under a name that held None (``second``) or as a new attribute (``new``);
+    ``every``: anew at every call, from a fixed seed."""
+
+    def __init__(self, how: str, *, every: bool = False) -> None:
+        super().__init__(held=how == "second")
+        if how == "second":
+            self.other: torch.Generator | None = None
+        self.made, self.every = how, every
+
+    def forward(self, x: torch.Tensor, rng: torch.Generator | None = None) -> torch.Tensor:
+        name = "other" if self.made == "second" else "gen"
+        if self.every or self.__dict__.get(name) is None:
+            setattr(self, name, torch.Generator(device=x.device).manual_seed(9))
+        y = super().forward(x, rng)
+        return y if self.made != "second" else _dropout(y, self.other)
+
+
+def _warned_made(layer: nn.Module, steps: int) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            _held_step(layer)
+    return [str(w.message) for w in caught if "torch.Generator" in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["second", "new"],
+                         ids=["beside one held before", "as a new attribute of a layer"])
+def test_a_generator_made_in_the_forward_is_warned_of_wherever_it_is_made(how: str) -> None:
+    # Guards against: warn_made_during looking only at names that held a generator or None
+    # (a layer holding none, whose forward adds one as a new attribute, was not looked at:
+    # its dict grew), or warning only when no generator of the call was restored (one held
+    # since __init__ hid the second one made in the forward). Either way silent, and the
+    # first step's gradients differ from eager's.
+    _, wrapped = _twins(lambda: MakesAnother(how), apply_activation_checkpointing)
+    told = _warned_made(wrapped, 3)
+    assert len(told) == 1, told
+    assert "MakesAnother" in told[0] and "before the first checkpointed call" in told[0]
+
+
+def test_a_generator_made_anew_at_every_call_is_warned_of_once() -> None:
+    # Guards against: the warning's once-per-module flag unread: a forward that makes its
+    # generator at every call (seeded: the replay draws the forward's numbers, so the loss
+    # and gradients are eager's; the generator left is the replay's, as the warning says)
+    # warned at every step.
+    eager, wrapped = _twins(lambda: MakesAnother("new", every=True),
+                            apply_activation_checkpointing)
+    n = 2 + len(list(eager.parameters()))  # the loss, the input's and parameters' gradients
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert_same_grads(_held_step(eager)[:n], _held_step(wrapped)[:n])
+    told = [str(w.message) for w in caught if "torch.Generator" in str(w.message)]
+    assert len(told) == 1, told
