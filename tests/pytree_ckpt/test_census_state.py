@@ -319,3 +319,49 @@ def test_a_buffer_over_the_small_size_is_not_cloned_before_the_forward() -> None
         model.zero_grad()
         for (name, a), b in zip(layer.named_buffers(), eager.buffers()):
             assert torch.equal(a, b), (step, name)
+
+
+class CountsIntoAWindow(nn.Module):
+    """A buffer of 4 floats that is a view of a storage over the small size (64 KiB): saved
+    alone before the forward, its values resolved. Every forward adds into it in place and
+    the output reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("window", torch.zeros(16 * 1024 + 1)[:4])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.window += x[:4].sum(-1)
+        return self.lin(x) * self.window.sum()
+
+
+def test_a_small_buffer_viewing_a_large_storage_counts_as_module_state() -> None:
+    # Guards against: ChangedState.snapshots() listing only the saved storages, not the
+    # buffers saved alone (a small view of a large storage): the census left their bytes,
+    # kept from the forward to the replay, out of Mechanism.MODULE_STATE. The replay reads the
+    # window as the forward did: gradients and buffers end each step as eager's.
+    torch.manual_seed(0)
+    eager = CountsIntoAWindow()
+    model = nn.Sequential(CountsIntoAWindow())
+    model.load_state_dict({f"0.{k}": v for k, v in eager.state_dict().items()})
+    checkpoint_layers(model, offload=False)
+    layer = model[0]
+    assert layer.window.untyped_storage().nbytes() == 64 * 1024 + 4
+    for step in range(3):
+        x = torch.randn(8, 16, requires_grad=True)
+        with ActivationCensus(model) as census:
+            loss = model(x).square().sum()
+            assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(x),
+                                                    "autograd": nbytes(x),
+                                                    "module state": 4 * 4}, step
+            loss.backward()
+        grads = [x.grad, *(p.grad for p in layer.parameters())]
+        x.grad = None
+        eager.zero_grad()
+        eager(x).square().sum().backward()
+        for a, b in zip(grads, [x.grad, *(p.grad for p in eager.parameters())]):
+            assert torch.equal(a, b), step
+        model.zero_grad()
+        assert torch.equal(layer.window, eager.window), step
