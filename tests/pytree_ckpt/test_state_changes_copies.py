@@ -740,3 +740,41 @@ def test_buffers_sharing_a_storage_of_exactly_the_size_limit_replay_as_the_forwa
     module = CountsIntoAHalfOfItsTable()
     assert module.table.untyped_storage().nbytes() == 64 * 1024
     _assert_same_runs(_twins(CountsIntoAHalfOfItsTable, _trained((3, 8)), steps=2))
+
+
+class ScalesByItsStep(nn.Module):
+    """Counts its calls in a buffer and scales its output by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        return self.lin(x) * self.step
+
+
+def test_a_graph_backpropagated_twice_replays_from_the_state_before_the_forward_each_time(
+        ) -> None:
+    # Guards against: the replay's copy of the saved state made over the saved storage itself
+    # (not a clone of it): the first replay's count went into the snapshot, so the second
+    # backward of a retained graph replayed with the count one ahead (its gradients other than
+    # eager's, silently). Each step: backward(retain_graph=True), then backward again.
+    results = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        module = ScalesByItsStep()
+        if wrapped:
+            pytree_ckpt.apply_activation_checkpointing(module)
+        for step in range(2):
+            torch.manual_seed(step + 1)
+            x = torch.randn(2, 4, requires_grad=True)
+            loss = module(x).square().sum()
+            loss.backward(retain_graph=True)
+            first = [t.grad.clone() for t in (x, *module.parameters())]
+            loss.backward()
+            results.append([*first, x.grad, *(p.grad for p in module.parameters()),
+                            module.step.clone()])
+            module.zero_grad(set_to_none=True)
+    _assert_same_runs([results[:2], results[2:]])
