@@ -391,3 +391,37 @@ def test_fake_quantizers_passed_as_arguments_in_another_order_stay_found() -> No
         return seen
 
     _assert_same_steps(run(False), run(True))
+
+
+def test_a_fake_quantizer_first_passed_to_a_discarded_call_after_its_layer_is_compared_then(
+        ) -> None:
+    # Guards against: an output discard taking its modules as compared once any of them was
+    # (kernel_written.compared with any for all): a layer discarded with one quantizer, then
+    # with an observing one it never had, never compared the new one's dicts, so the rebuild
+    # updated its statistics a second time each step, and its scale read one update ahead.
+    def run(discarded: bool) -> list[Any]:
+        torch.manual_seed(0)
+        layer, still, observing = (_Quantized(), tq.FusedMovingAvgObsFakeQuantize(),
+                                   tq.FusedMovingAvgObsFakeQuantize())
+        still.disable_observer()
+        proj = nn.Linear(8, 8)
+        seen = []
+        for step in range(3):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step),
+                            requires_grad=True)
+            second = still if step == 0 else observing
+            if discarded:
+                ckpt = pytree_ckpt.CheckpointWithoutOutput()
+                out = proj(ckpt.checkpoint(layer, x, still, second))
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = proj(layer(x, still, second))
+            loss = out.square().sum()
+            loss.backward()
+            seen.append((loss.detach(), grads_of([x, *layer.parameters(), *proj.parameters()]),
+                         [b.clone() for b in [*still.buffers(), *observing.buffers()]]))
+            for p in [*layer.parameters(), *proj.parameters()]:
+                p.grad = None
+        return seen
+
+    _assert_same_steps(run(False), run(True))
