@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, create_selective_checkpoin
 
 import offload
 import pytree_ckpt
+from pytree_ckpt import state_changes
 from pytree_ckpt.kernel_written import remembered
 from pytree_ckpt.state_changes import snapshots_wanted
 from tests.conftest import assert_same_grads, grads_of
@@ -425,3 +426,29 @@ def test_a_fake_quantizer_first_passed_to_a_discarded_call_after_its_layer_is_co
         return seen
 
     _assert_same_steps(run(False), run(True))
+
+
+def test_a_discarded_layer_compares_its_buffers_only_at_its_first_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: the discard's compared-mark never matching (NOTE [state a kernel
+    # writes]): every discarded call compared every buffer dict by value, a device sync per
+    # call, where the docs promise later calls compare nothing.
+    calls: list[int] = []
+    real = state_changes.differs
+
+    def counting(*args: Any) -> bool:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(state_changes, "differs", counting)
+    torch.manual_seed(0)
+    layer, quantizer, proj = _Quantized(), tq.FusedMovingAvgObsFakeQuantize(), nn.Linear(8, 8)
+    quantizer.disable_observer()  # its dict stays as it was: compared, never found written
+    counts = []
+    for step in range(3):
+        ckpt = pytree_ckpt.CheckpointWithoutOutput()
+        out = proj(ckpt.checkpoint(layer, torch.randn(6, 8), quantizer, quantizer))
+        ckpt.discard_output_and_register_recompute(out)
+        out.square().sum().backward()
+        counts.append(len(calls))
+    assert counts[0] > 0 and counts[1:] == [counts[0]] * 2, counts
