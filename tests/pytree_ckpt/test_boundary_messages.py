@@ -7,6 +7,7 @@ import copy
 import enum
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -1413,3 +1414,60 @@ def test_an_outside_tensor_returned_by_a_function_is_refused_in_backward_naming_
         "  got:      the same outside tensor, returned again by the replay\n"
         "  tip: return a clone (t.clone()) of it")
     assert x.grad is None
+
+
+class CountsCalls(nn.Module):
+    """Counts its calls in a Python int and scales by the count (NOTE [numbers a forward
+    changes]); keeps the last output's norm, detached, for logging."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.lin(x) * min(1.0, self.calls / 4)
+        self.last_norm = y.detach().norm()  # a float scalar without grad: logging, no loss
+        return y
+
+
+class ScalesWith(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, counter: CountsCalls) -> torch.Tensor:
+        return counter(self.lin(x))
+
+
+def _number_warnings(run: Callable[[], None]) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+
+
+def test_a_detached_scalar_the_forward_keeps_for_logging_is_not_taken_for_a_lost_aux_loss(
+        ) -> None:
+    # Guards against: a float scalar stored without grad (a detached norm kept for logging)
+    # taken for a stored result computed with grad (an aux loss that silently loses its
+    # gradient): warned about, with a tip that does not apply. Only the count is said.
+    layer = pytree_ckpt.apply_activation_checkpointing(CountsCalls())
+
+    def run() -> None:
+        for _ in range(3):
+            layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
+
+    told = _number_warnings(run)
+    assert len(told) == 1 and "changed the number calls again" in told[0], told
+    assert layer.calls == 6  # what that warning is about: each call counted twice
+
+
+def test_a_number_a_module_passed_as_an_argument_changes_is_named_by_its_class() -> None:
+    # Guards against: the warning naming an argument module's attribute by its path in its
+    # own tree as if it were the layer's ("calls", the layer has none): it says which
+    # module holds it, "(CountsCalls).calls".
+    layer = pytree_ckpt.apply_activation_checkpointing(ScalesWith())
+    counter = CountsCalls()
+    told = _number_warnings(lambda: layer(torch.randn(4, 8), counter).sum().backward())
+    assert len(told) == 1 and "changed the number (CountsCalls).calls again" in told[0], told
