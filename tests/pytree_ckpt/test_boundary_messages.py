@@ -1471,3 +1471,19 @@ def test_a_number_a_module_passed_as_an_argument_changes_is_named_by_its_class()
     counter = CountsCalls()
     told = _number_warnings(lambda: layer(torch.randn(4, 8), counter).sum().backward())
     assert len(told) == 1 and "changed the number (CountsCalls).calls again" in told[0], told
+
+
+def test_a_number_is_warned_about_once_even_when_a_changed_tree_is_verified_again() -> None:
+    # Guards against: the numbers warning's once-per-module flag unread: a layer given a new
+    # submodule is verified again at its next replay, which reads its numbers again, and the
+    # same warning was said a second time.
+    layer = pytree_ckpt.apply_activation_checkpointing(CountsCalls())
+
+    def run() -> None:
+        for step in range(3):
+            if step == 1:
+                layer.norm = nn.Identity()  # a new submodule: the tree is verified again
+            layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
+
+    told = _number_warnings(run)
+    assert len(told) == 1 and "changed the number calls again" in told[0], told
