@@ -1487,3 +1487,16 @@ def test_a_number_is_warned_about_once_even_when_a_changed_tree_is_verified_agai
 
     told = _number_warnings(run)
     assert len(told) == 1 and "changed the number calls again" in told[0], told
+
+
+def test_a_layers_own_forward_given_as_a_partial_is_no_transformers_boundary() -> None:
+    # Guards against: every partial whose first argument is the layer taken for the one
+    # transformers' wrapper opens (which wraps the function it was given, not the class's
+    # forward): checkpoint(partial(type(layer).forward, layer), x) with transformers'
+    # checkpointing on was not warned about, though its layer is checkpointed twice.
+    layer = torch.nn.Linear(4, 4)
+    layer.gradient_checkpointing = True  # what transformers' enable sets on each layer
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match="checkpointed twice"):
+        pytree_ckpt.checkpoint(functools.partial(torch.nn.Linear.forward, layer), x).sum(
+            ).backward()
