@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 import weakref
 from collections import Counter
 from typing import Any
@@ -270,6 +271,77 @@ def test_a_weight_pass_that_raises_can_be_run_again_as_in_eager() -> None:
         dw = torch.autograd.grad(loss, params)
         results.append([dx, *dw])
     assert_same_grads(*results)
+
+
+def test_a_weight_pass_that_raises_without_retaining_the_graph_replays_when_run_again() -> None:
+    # Guards against: _from_kept (recompute.py) keeping call.kept after a weight pass that
+    # raised without retain_graph: that pass had freed part of the kept graph, and the retry
+    # read it again and failed with autograd's "backward through the graph a second time"
+    # (as eager's own retry does) instead of replaying the block from its saved inputs.
+    # Handed a gradient other than the input pass's (a clone), the pass reads the kept graph
+    # from its outputs (NOTE [a weight pass from captured gradients] in kept_weights.py).
+    torch.manual_seed(0)
+    eager = _RaisingBlock()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(4, 8, requires_grad=True)
+    g = torch.randn(4, 8)
+    _RaisingBlock.raising = False
+    want = torch.autograd.grad(eager(x), [x, *eager.parameters()], g)
+    out = wrapped(x)
+    (dx,) = torch.autograd.grad(out, [x], g, retain_graph=True)
+    params = list(wrapped.parameters())
+    _RaisingBlock.raising = True
+    try:
+        with pytest.raises(ValueError, match="raised in the weight pass"):
+            torch.autograd.grad(out, params, g.clone())
+    finally:
+        _RaisingBlock.raising = False
+    dw = torch.autograd.grad(out, params, g.clone())
+    assert_same_grads(list(want), [dx, *dw])
+
+
+class _GatedBlock(nn.Module):
+    """A residual block whose gate (a Linear a forward hook keeps the output of, as an
+    auxiliary loss's collector does) scales its hidden activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        CALLS["block"] += 1
+        logits = self.gate(h)
+        return h + torch.tanh(self.up(h)) * logits.sigmoid().mean(-1, keepdim=True)
+
+
+def test_a_weight_pass_from_a_kept_graph_gives_hooked_outputs_their_own_gradients() -> None:
+    # Guards against: replay_backward (recompute.py) placing a hooked output (NOTE [hooked
+    # outputs leave with gradients] in hook_outputs.py) in the kept replay at its place among
+    # the hooked outputs rather than after the call's own outputs: the weight pass from the
+    # kept graph then paired the gate's logits with the block output's gradient (autograd:
+    # "invalid gradient at index 1") instead of the auxiliary loss's.
+    torch.manual_seed(0)
+    eager = nn.Sequential(_GatedBlock(), _GatedBlock())
+    wrapped = copy.deepcopy(eager)
+    for block in wrapped:
+        pytree_ckpt.apply_activation_checkpointing(block, offload=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    results, calls = [], []
+    for model in (eager, wrapped):
+        kept: list[torch.Tensor] = []
+        for block in model:
+            block.gate.register_forward_hook(lambda module, args, out: kept.append(out))
+        CALLS.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the hook is a user hook: warned about once
+            loss = model(x).square().sum() + torch.stack(kept).square().sum()
+            (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+            dw = torch.autograd.grad(loss, list(model.parameters()))
+        results.append([dx, *dw])
+        calls.append(CALLS["block"])
+    assert_same_grads(*results)
+    assert calls == [2, 2 * 2]  # one replay each: the weight pass read the kept graph
 
 
 def _weight_passes_in_threads(hook: Any = None) -> None:
