@@ -339,3 +339,42 @@ def test_a_parameter_frozen_in_the_forward_and_unfrozen_before_backward_gets_non
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert grads[0][1] is None and grads[1][1] is None
     assert_same_grads(*grads)
+
+
+class _GradBuffer(nn.Module):
+    """Holds a buffer that requires grad (the replay gives gradients to inputs and parameters
+    only); ``through`` calls another module passed as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), 2.0, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+    def through(self, x: torch.Tensor, other: nn.Module) -> torch.Tensor:
+        return other(x)
+
+
+@pytest.mark.parametrize("whose", ["own", "argument"])
+def test_a_buffer_that_requires_grad_is_refused_by_its_path_on_the_module_or_the_argument(
+        whose: str) -> None:
+    # Guards against: verify_leaves (refusals.py) leaving modules passed as arguments out of
+    # refuse_module_tensor, or refuse_module_tensor putting the "(argument ...)" prefix on the
+    # wrong module: the buffer of a module passed in was then refused only as an anonymous
+    # tensor "neither an input nor a parameter", or named by a path the user's module does
+    # not have.
+    x = torch.randn(4, 8, requires_grad=True)
+    module = _GradBuffer()
+    out = pytree_ckpt.checkpoint(module, x) if whose == "own" else \
+        pytree_ckpt.checkpoint(_GradBuffer().through, x, module)
+    name = "scale" if whose == "own" else "(argument _GradBuffer).scale"
+    with pytest.raises(CheckpointError) as error:
+        out.sum().backward()
+    assert str(error.value) == (
+        f"the buffer {name} requires grad: the replay takes gradients for inputs and "
+        "parameters, so it would get none\n"
+        "  expected: buffers that require no grad\n"
+        f"  got:      {name}.requires_grad=True\n"
+        "  tip: register it as an nn.Parameter, or pass it as an argument")
+    assert x.grad is None and module.scale.grad is None
