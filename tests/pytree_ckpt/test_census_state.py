@@ -225,6 +225,41 @@ def test_buffer_snapshots_kept_for_the_replay_count_as_module_state_until_backwa
         assert torch.equal(a, b), name
 
 
+def test_buffer_snapshots_kept_for_a_kept_replay_are_freed_by_the_weight_pass() -> None:
+    # Guards against: _from_kept (recompute.py) leaving call.changed_state set after the last
+    # pass through a kept replay's graph (a weight pass without retain_graph): the buffer
+    # snapshots the call keeps to its replay (NOTE [state read, then changed by a later
+    # call]) then stayed alive, counted as module state, as long as the loss did, where the
+    # full backward frees them (test above).
+    torch.manual_seed(0)
+    eager = nn.Sequential(NormedLayer())
+    model = nn.Sequential(NormedLayer())
+    model.load_state_dict(eager.state_dict())
+    checkpoint_layers(model, offload=False)
+    for m in (eager, model):  # a first step: the forward changes state, the replay verifies
+        m.train()
+        m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
+        m.zero_grad()
+    x = torch.randn(8, 16, requires_grad=True)
+    state = sum(nbytes(b) for b in model.buffers())
+    grads = []
+    for m in (eager, model):
+        with ActivationCensus(m) as census:
+            loss = m(x).square().sum()
+            (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+            if m is model:  # the input pass keeps the replay, and the snapshots with it
+                assert census.bytes_by("mechanism")["module state"] == state
+            dw = torch.autograd.grad(loss, list(m.parameters()))
+            if m is model:
+                assert census.total_bytes == 0
+                assert _module_state_alive(census) == 0  # freed, while the loss is alive
+        grads.append([dx, *dw])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    for (name, a), b in zip(model.named_buffers(), eager.buffers()):
+        assert torch.equal(a, b), name
+
+
 def test_a_fake_quant_layer_s_clones_count_as_module_state_at_every_step() -> None:
     # NOTE [state a kernel writes] (kernel_written.py): the fused fake-quant kernel writes its
     # observer's buffers with no version moving; the module then clones its small buffers
