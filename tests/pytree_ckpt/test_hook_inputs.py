@@ -251,8 +251,12 @@ class GlobalGatedBlock(Block):
         return x + self.down(self.gate(torch.tanh(self.up(self.norm(x))), scale))
 
 
+@pytest.mark.timeout(60, method="thread")  # the mutant below hangs in the engine
 def test_a_global_tensor_a_hooked_module_receives_in_a_compiled_body_is_refused_with_the_clone_tip(
         ) -> None:
+    # Guards against: replay_backward (recompute.py) no longer checking whether a replayed
+    # hooked output's grad_fn is the boundary's own node: the replay then fed the node's own
+    # output back into its backward, which never returned, instead of this refusal.
     # NOTE [only what eager would give a gradient is recorded]: in a compiled body the
     # original pass cannot note what its ops made, so the global gets the boundary's node
     # (documented in docs/limits.md): backward says so and names the fix, a clone made in the
