@@ -293,6 +293,37 @@ def test_a_wrapper_subclass_buffer_of_the_model_is_left_out_by_its_inner_storage
     out.sum().backward()
 
 
+def test_a_nested_wrapper_subclass_buffer_of_the_model_is_left_out_by_its_innermost_storages(
+        ) -> None:
+    # Guards against: plain_parts (subclass.py) going one level into a wrapper subclass only:
+    # a buffer that is a wrapper of wrappers (a TwoTensor of TwoTensors) gave the census the
+    # inner wrappers, which have no storage of their own, so the model's buffer was not left
+    # out and was counted as an activation (x * scale saves scale).
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def nested() -> torch.Tensor:
+        return TwoTensor(TwoTensor(torch.randn(8, 4), torch.randn(8, 4)),
+                         TwoTensor(torch.randn(8, 4), torch.randn(8, 4)))
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", nested())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    model = Scaled()
+    x = nested().requires_grad_()
+    with ActivationCensus(model) as census:
+        out = model(x)
+    assert census.total_bytes == 0
+    with ActivationCensus() as anonymous:  # without the model: its four innermost tensors
+        out = model(x)
+    assert anonymous.bytes_by("mechanism") == {"autograd": 4 * 8 * 4 * 4}
+    out.sum().backward()
+
+
 def test_views_of_parameters_are_not_counted_even_without_a_model() -> None:
     layer = nn.Linear(16, 16)  # addmm saves weight.t() (a view of the parameter) for x.grad
     x = torch.randn(4, 16, requires_grad=True)
