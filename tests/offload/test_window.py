@@ -445,6 +445,70 @@ def test_a_frozen_result_of_a_wrapper_subclass_is_offloaded_by_its_inner_tensors
     assert stats["host_buffers_in_use"] == 0
 
 
+def test_a_wrapper_subclass_holding_its_inner_tensors_in_slots_frees_them_once_offloaded(
+        ) -> None:
+    # Guards against: kind_of (pytree_ckpt/subclass.py) recording the __slots__ that hold a
+    # wrapper subclass's inner tensors (a DTensor's _local_tensor) as slots to give back: the
+    # offloaded frozen result's kind then held its device inner tensors alive until backward
+    # (offloaded, and kept too), and put them back in the restored wrapper. Gradients equal
+    # eager's either way; the device tensors' lifetime shows the difference.
+    import copy
+    import gc
+    import weakref
+
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from pytree_ckpt import apply_activation_checkpointing, reuse_during_recompute
+
+    class SlotTwo(TwoTensor):
+        """TwoTensor with its inner tensors in __slots__, as DTensor holds its local shard."""
+
+        __slots__ = ("a", "b")
+
+        @staticmethod
+        def __new__(cls, a: torch.Tensor, b: torch.Tensor, outer_size: Any = None,
+                    outer_stride: Any = None) -> SlotTwo:
+            return TwoTensor.__new__(cls, a, b, outer_size, outer_stride)  # type: ignore
+
+        @staticmethod
+        def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: Any, outer_size: Any,
+                                 outer_stride: Any) -> SlotTwo:
+            return SlotTwo(inner["a"], inner["b"], outer_size, outer_stride)
+
+    seen: list[tuple[type, bool, weakref.ref[torch.Tensor]]] = []
+
+    def slot_sin_cos(t: torch.Tensor) -> torch.Tensor:
+        return SlotTwo(t.sin(), t.cos())
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            scale = reuse_during_recompute(slot_sin_cos, h.detach())
+            seen.append((type(scale), torch.is_grad_enabled(), weakref.ref(scale.a)))
+            return h * scale
+
+    torch.manual_seed(0)
+    eager = Scaled()
+    m = manager(min_bytes=0)
+    wrapped = apply_activation_checkpointing(copy.deepcopy(eager), offload=m)
+    x = torch.randn(4, 8)
+    eager(x).sum().backward()
+    loss = wrapped(x).sum()
+    gc.collect()
+    assert seen[1][2]() is None  # the original pass's inner tensor: offloaded and freed
+    loss.backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in wrapped.parameters()])
+    # eager's call, the original pass, the replay
+    assert [s[:2] for s in seen] == [(SlotTwo, True), (SlotTwo, False), (SlotTwo, True)]
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == x.nbytes + 2 * 4 * 8 * 4
+    assert stats["host_buffers_in_use"] == 0
+
+
 def test_a_change_in_place_is_named_by_the_first_window_tensor_on_its_storage() -> None:
     # window_keys keeps, per storage, the index of the first window tensor on it (for the
     # message): a window given a tensor and a view of it names the tensor, as the caller
