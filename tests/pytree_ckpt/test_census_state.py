@@ -183,21 +183,28 @@ def _module_state_alive(census: ActivationCensus) -> int:
                if e.mechanism is pytree_ckpt.Mechanism.MODULE_STATE and not e.storage.expired())
 
 
+def _normed_twins_after_a_first_step() -> tuple[nn.Sequential, nn.Sequential]:
+    """An eager NormedLayer and its checkpointed twin, after a first training step (the forward
+    changes state, the replay verifies)."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(NormedLayer())
+    model = nn.Sequential(NormedLayer())
+    model.load_state_dict(eager.state_dict())
+    checkpoint_layers(model, offload=False)
+    for m in (eager, model):
+        m.train()
+        m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
+        m.zero_grad()
+    return eager, model
+
+
 def test_buffer_snapshots_kept_for_the_replay_count_as_module_state_until_backward() -> None:
     # NOTE [state read, then changed by a later call]: once its forward changed state, each
     # call clones the layer's small buffers and keeps them to its replay, those it changed
     # (a train micro-batch: the BatchNorm's three) and those it only read (the eval one: all
     # four, and `scale` at both). The census counted none of these bytes, and after backward
     # they stayed alive as long as the losses did (the graph's nodes held the calls).
-    torch.manual_seed(0)
-    eager = nn.Sequential(NormedLayer())
-    model = nn.Sequential(NormedLayer())
-    model.load_state_dict(eager.state_dict())
-    checkpoint_layers(model, offload=False)
-    for m in (eager, model):  # a first step: the forward changes state, the replay verifies
-        m.train()
-        m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
-        m.zero_grad()
+    eager, model = _normed_twins_after_a_first_step()
     x1, x2 = torch.randn(8, 16), torch.randn(8, 16)
     state = sum(nbytes(b) for b in model.buffers())  # 64 + 64 + 8 + 64: one clone each
     with ActivationCensus(model) as census:
@@ -231,15 +238,7 @@ def test_buffer_snapshots_kept_for_a_kept_replay_are_freed_by_the_weight_pass() 
     # snapshots the call keeps to its replay (NOTE [state read, then changed by a later
     # call]) then stayed alive, counted as module state, as long as the loss did, where the
     # full backward frees them (test above).
-    torch.manual_seed(0)
-    eager = nn.Sequential(NormedLayer())
-    model = nn.Sequential(NormedLayer())
-    model.load_state_dict(eager.state_dict())
-    checkpoint_layers(model, offload=False)
-    for m in (eager, model):  # a first step: the forward changes state, the replay verifies
-        m.train()
-        m(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
-        m.zero_grad()
+    eager, model = _normed_twins_after_a_first_step()
     x = torch.randn(8, 16, requires_grad=True)
     state = sum(nbytes(b) for b in model.buffers())
     grads = []

@@ -720,6 +720,9 @@ def test_without_preserve_rng_state_the_rebuild_draws_the_generators_next_number
 
 
 class _GradBuffer(nn.Module):
+    """Holds a buffer that requires grad (a replay or rebuild gives gradients to inputs and
+    parameters only); ``through`` calls another module passed as an argument."""
+
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("scale", torch.full((8,), 2.0, requires_grad=True))

@@ -18,6 +18,7 @@ import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import CheckpointError
 from tests.conftest import assert_same_grads
+from tests.pytree_ckpt.test_discard_audit import _GradBuffer
 
 CALLS: Counter[str] = Counter()
 MADE: list[weakref.ref[torch.Tensor]] = []  # weak references to every bias made
@@ -339,21 +340,6 @@ def test_a_parameter_frozen_in_the_forward_and_unfrozen_before_backward_gets_non
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert grads[0][1] is None and grads[1][1] is None
     assert_same_grads(*grads)
-
-
-class _GradBuffer(nn.Module):
-    """Holds a buffer that requires grad (the replay gives gradients to inputs and parameters
-    only); ``through`` calls another module passed as an argument."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("scale", torch.full((8,), 2.0, requires_grad=True))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
-
-    def through(self, x: torch.Tensor, other: nn.Module) -> torch.Tensor:
-        return other(x)
 
 
 @pytest.mark.parametrize("whose", ["own", "argument"])
