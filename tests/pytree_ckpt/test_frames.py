@@ -1127,6 +1127,28 @@ def test_a_float_inside_a_plain_result_object_is_refused_naming_it() -> None:
     assert_same_grads(*grads_per_model([layer, twin], x, seed=0))
 
 
+class OpaqueRouterUnderNoGrad(OpaqueRouter):
+    """The same router's call wrapped in the caller's own no_grad: its weights are frozen."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        with torch.no_grad():
+            routed = reuse_during_recompute(self.route, h)
+        return (torch.gather(h, -1, routed.ids) * routed.weights).sum(-1, keepdim=True) * h
+
+
+def test_a_plain_result_object_from_a_trainable_module_under_no_grad_matches_eager() -> None:
+    # Guards against: the hidden-float rule applied whatever the grad mode in a plain call
+    # (mutation round CA: F12), refusing an eager model that is fine as it is: under the
+    # caller's no_grad the weights are frozen in eager, and a float in the open passes there.
+    torch.manual_seed(0)
+    eager = OpaqueRouterUnderNoGrad()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=0))
+    assert eager.gate.weight.grad is None and eager.lin.weight.grad is not None
+
+
 def test_an_op_given_to_reuse_during_recompute_is_refused_with_a_tip() -> None:
     # Save units record ops by identity in the same frame: the result's checks were skipped,
     # and an in-place change to it was applied twice, silently.
