@@ -119,7 +119,8 @@ def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], 
             return
 
 
-# One change a reused call made: ("argument", leaf index, ...) or ("buffer", name, ...), with
+# One change a reused call made: ("argument", leaf index, ...), ("buffer", name, ...) for a
+# buffer changed in place or ("reassigned", name, ...) for one reassigned, with
 # the storage the original pass left it on (weakly) and its value after the call (NOTE
 # [state a reused call changes]).
 StateAfter = tuple[tuple[str, Any, "weakref.ref[torch.UntypedStorage]", torch.Tensor], ...]
@@ -153,7 +154,10 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     argument the layer makes itself is the replay's own). State with no copy is read as the
     caller left it (docs/limits.md, the micro-batch row). Floating arguments are warned
     about instead (NOTE [a reused fn changes no argument]): logits-sized scores would be
-    kept twice. ``None`` when nothing changed (the usual case)."""
+    kept twice. A buffer the call reassigned is reassigned in the replay, one it changed in
+    place is changed in place there (``"reassigned"``, ``"buffer"``), as eager did each: a
+    graph that saved the tensor before the call finds it as eager's did. ``None`` when
+    nothing changed (the usual case)."""
     changed: list[tuple[str, Any, weakref.ref[torch.UntypedStorage], torch.Tensor]] = [
         ("argument", j, weakref.ref(t.untyped_storage()), t.detach().clone())
         for j, version in zip(call.tensor_index, before)
@@ -165,8 +169,8 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
             now = held.get(name)
             if isinstance(now, torch.Tensor) and not now.is_inference() and (
                     now is not b or now._version != version):
-                changed.append(("buffer", name, weakref.ref(now.untyped_storage()),
-                                now.detach().clone()))
+                changed.append(("buffer" if now is b else "reassigned", name,
+                                weakref.ref(now.untyped_storage()), now.detach().clone()))
     return tuple(changed) if changed else None
 
 
@@ -183,6 +187,19 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
                 target = call.leaves[key] if key < len(call.leaves) else None
                 ours = isinstance(target, torch.Tensor) and \
                     target.untyped_storage() is not original()
+            elif kind == "reassigned":
+                # NOTE [a reassigned buffer is reassigned in the replay]: eager put a new
+                # tensor in the dict and left the one it replaced as it was; an op before
+                # the call may have saved that one (h * router.scale), and a copy into it
+                # moved its version: the replay's backward failed where eager's ran. The
+                # dict gets the forward's entries back when the replay's fn returns.
+                target = held.get(key)
+                if isinstance(target, torch.Tensor) and \
+                        getattr(target.untyped_storage(), REPLAY_COPY_MARK, False):
+                    copy = value.clone()
+                    setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)
+                    held[key] = copy
+                continue
             else:
                 target = held.get(key)
                 ours = isinstance(target, torch.Tensor) and \

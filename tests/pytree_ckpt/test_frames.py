@@ -1009,10 +1009,27 @@ class ReassignsRouterEma(ReadsRouterEma):
         self.router = ReassigningRouter()
 
 
-@pytest.mark.parametrize("make", [CountsTokens, ReadsRouterEma, ReassignsRouterEma],
-                         ids=["count", "router ema", "router ema reassigned"])
+class SavesRouterEmaThenReassigns(ReassignsRouterEma):
+    """Reads the buffer before the reused call too, in an op that saves it (h * ema)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = h + h * self.router.ema
+        ids = reuse_during_recompute(self.router.route, h.detach())
+        return torch.gather(h, -1, ids) * (1 + self.router.ema[:2])
+
+
+@pytest.mark.parametrize("make", [CountsTokens, ReadsRouterEma, ReassignsRouterEma,
+                                  SavesRouterEmaThenReassigns],
+                         ids=["count", "router ema", "router ema reassigned",
+                              "router ema saved, then reassigned"])
 def test_state_a_reused_call_changes_is_read_after_it_in_the_replay_as_in_eager(
         make: Any) -> None:
+    # Guards against: the replay reading state a skipped reused call changed as it was before
+    # the call, and (NOTE [a reassigned buffer is reassigned in the replay]) a reassigned
+    # buffer copied into in place in the replay, which moved the version of the tensor an op
+    # before the call saved ("modified by an inplace operation" in the replay's backward;
+    # eager, which reassigns, runs).
     # NOTE [state a reused call changes]: the replay skips the call and ran on a copy of the
     # state as it was before it, so it read the count (the EMA) one update behind, at every
     # step (gradients 4.65 off). The state itself must still change once per step.
