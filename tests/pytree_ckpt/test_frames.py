@@ -263,6 +263,32 @@ def test_router_gate_weights_replayed_instead_of_recomputed_are_refused_as_in_ea
     assert wrapped.router.gate.weight.grad is None and x.grad is None  # nothing half-done
 
 
+class RoutingGate(nn.Module):
+    """A trainable module given to reuse_during_recompute itself, returning its gate weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, h: torch.Tensor) -> Any:
+        return self.gate(h).softmax(-1).topk(2, dim=-1)
+
+
+def test_a_trainable_module_given_itself_is_refused_as_one_that_is_such_a_module() -> None:
+    # Guards against: the module rule's message saying a module "belongs to" a module (it is
+    # one: mutation round CA, F16), which sends the reader looking for an owner.
+    gate = RoutingGate()
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(gate, h.detach())
+        return (weights * h.gather(-1, ids)).sum(-1)
+
+    out = checkpoint(forward, torch.randn(6, 8, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"returned the float result.values, and RoutingGate is "
+                                         r"a module with trainable parameters \(RoutingGate\)"):
+        out.sum().backward()
+
+
 def test_a_reused_call_the_caller_wraps_in_no_grad_may_return_floats_and_matches_eager() -> None:
     torch.manual_seed(0)
     eager = TinyMoE(no_grad_at_call=True)
