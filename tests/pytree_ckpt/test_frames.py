@@ -289,6 +289,20 @@ def test_a_trainable_module_given_itself_is_refused_as_one_that_is_such_a_module
         out.sum().backward()
 
 
+def test_a_frozen_routers_method_given_detached_inputs_may_return_floats_and_matches_eager(
+        ) -> None:
+    # Guards against: the module rule counting a module with parameters, none trainable, as
+    # trainable (mutation round CA: F20), refusing a frozen router's frozen weights.
+    torch.manual_seed(0)
+    eager = TinyMoE(detach=True)
+    eager.router.requires_grad_(False)
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(6, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=1))
+    assert eager.experts[0].weight.grad is not None
+
+
 def test_a_reused_call_the_caller_wraps_in_no_grad_may_return_floats_and_matches_eager() -> None:
     torch.manual_seed(0)
     eager = TinyMoE(no_grad_at_call=True)
