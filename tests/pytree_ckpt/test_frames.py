@@ -1191,6 +1191,30 @@ def test_a_float_inside_a_plain_result_object_is_refused_naming_it() -> None:
     assert_same_grads(*grads_per_model([layer, twin], x, seed=0))
 
 
+class StatsOfGraphInputs(FrozenStats):
+    """The plain function given the hidden states with their graph (not detached)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        routed = reuse_during_recompute(_frozen_stats, h)
+        return torch.gather(h, -1, routed.ids) * routed.weights.max()
+
+
+def test_a_float_inside_a_plain_result_object_from_inputs_that_require_grad_is_refused(
+        ) -> None:
+    # Guards against: the hidden-float rule asking only about trainable modules (mutation
+    # round CA: F21): a plain function given inputs that require grad returned its softmax
+    # in a plain object, and the replay handed it back without its graph, silently.
+    layer = StatsOfGraphInputs()
+    x = torch.randn(4, 8)
+    with pytest.raises(ReuseError, match=r"_frozen_stats\) returned a Routing holding a float "
+                                         r"tensor at result\.weights"):
+        layer(x)
+    out = pytree_ckpt.apply_activation_checkpointing(StatsOfGraphInputs())(x)
+    with pytest.raises(ReuseError, match=r"_frozen_stats\) returned a Routing holding a float"):
+        out.sum().backward()
+
+
 class OpaqueRouterUnderNoGrad(OpaqueRouter):
     """The same router's call wrapped in the caller's own no_grad: its weights are frozen."""
 
