@@ -303,6 +303,25 @@ def test_a_frozen_routers_method_given_detached_inputs_may_return_floats_and_mat
     assert eager.experts[0].weight.grad is not None
 
 
+def _ids_weights_probs(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    probs = h[:, :4].softmax(-1)
+    weights, ids = probs.topk(2, dim=-1)
+    return ids, weights, probs
+
+
+def test_the_refusal_of_several_float_results_names_the_first() -> None:
+    # Guards against: the float rule naming another float than the first of the result
+    # (mutation round CA: F24, the last named), so the message and the leaf order disagree.
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        ids, weights, _ = reuse_during_recompute(_ids_weights_probs, h)
+        return (weights * h.gather(-1, ids)).sum(-1)
+
+    out = checkpoint(forward, torch.randn(6, 8, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"_ids_weights_probs\) returned the float result\[1\] "
+                                         r"for argument args\[0\], which requires grad"):
+        out.sum().backward()
+
+
 def test_a_reused_call_the_caller_wraps_in_no_grad_may_return_floats_and_matches_eager() -> None:
     torch.manual_seed(0)
     eager = TinyMoE(no_grad_at_call=True)
