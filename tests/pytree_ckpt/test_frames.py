@@ -1293,6 +1293,33 @@ def test_a_reused_call_under_inference_mode_gives_eager_gradients() -> None:
     assert_same_grads(*grads_per_model([eager, wrapped], torch.randn(4, 8), seed=0))
 
 
+def _top2_of_sum(scores: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return (scores + table).topk(2, -1).indices
+
+
+def test_an_inference_tensor_given_to_a_reused_call_gives_eager_gradients() -> None:
+    # Guards against: a version read of an inference tensor argument (it has no version
+    # counter: RuntimeError), where argument_versions records None for it (mutation round
+    # CA: F25, 0 recorded and the counter read after the call).
+    with torch.inference_mode():
+        table = torch.randn(8)
+
+    class WithTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            ids = reuse_during_recompute(_top2_of_sum, h.detach(), table)
+            return torch.gather(h, -1, ids)
+
+    torch.manual_seed(0)
+    eager = WithTable()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    assert_same_grads(*grads_per_model([eager, wrapped], torch.randn(4, 8), seed=0))
+
+
 class PlainCounter(nn.Module):
     """A token count kept as a plain tensor attribute (no copy of it stands in the replay),
     passed as it is or as a view (a new object each pass)."""
