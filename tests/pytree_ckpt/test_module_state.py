@@ -271,6 +271,29 @@ def test_a_submodule_swapped_in_after_the_first_replay_is_verified_again() -> No
     assert "shape=(4,)" in str(err.value)
 
 
+def test_a_layer_changed_after_its_first_replay_is_verified_once_more_not_at_every_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: the verified switches kept under the old structure generation (mutation
+    # round BX/CA: M32), so that after any change of the tree every step walked the graph
+    # for foreign tensors again (same gradients, a graph walk per call for good).
+    from pytree_ckpt import refusals
+
+    walks: list[int] = []
+    real = refusals.foreign_leaves
+    monkeypatch.setattr(refusals, "foreign_leaves",
+                        lambda *args: walks.append(1) or real(*args))
+    layer = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(nn.Linear(4, 4),
+                                                                     nn.Identity()))
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(3):
+        layer(x).sum().backward()
+    assert len(walks) == 1
+    layer[1] = nn.Tanh()
+    for _ in range(3):
+        layer(x).sum().backward()
+    assert len(walks) == 2
+
+
 class LoRA(nn.Module):
     """An adapter that wraps the layer it replaces: the replaced layer stays alive inside it."""
 
