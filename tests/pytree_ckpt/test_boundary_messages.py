@@ -1223,7 +1223,13 @@ def test_a_number_attribute_replaced_by_a_tensor_is_told_about_without_a_crash()
         layer(torch.randn(4, 8)).sum().backward()
 
 
-def test_a_computing_forward_hook_added_after_the_first_step_is_warned_about() -> None:
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
+def test_a_computing_forward_hook_added_after_the_first_step_is_warned_about(
+        by_keyword: bool) -> None:
+    # Guards against: a call's switches leaving out whether user hooks run inside, so the
+    # first step's verification stood for the hooked calls and the hook was never told about;
+    # for the positional fast path's key (mutation round BX: M22) and for any other
+    # tensors-only call, block(x=x) (mutation round BX/CA: M24).
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -1234,11 +1240,15 @@ def test_a_computing_forward_hook_added_after_the_first_step_is_warned_about() -
 
     block = pytree_ckpt.apply_activation_checkpointing(Block())
     x = torch.randn(16, 8, requires_grad=True)
-    block(x).sum().backward()
+
+    def call() -> torch.Tensor:
+        return block(x=x) if by_keyword else block(x)
+
+    call().sum().backward()
     kept: list[torch.Tensor] = []
     block.gate.register_forward_hook(lambda module, args, out: kept.append(out.double()))
     with pytest.warns(UserWarning, match="forward hooks inside the checkpointed Block"):
-        block(x).sum().backward()
+        call().sum().backward()
 
 
 def test_tensors_the_caller_has_itself_put_into_containers_are_left_alone() -> None:
