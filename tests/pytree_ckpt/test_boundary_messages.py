@@ -1251,6 +1251,36 @@ def test_a_computing_forward_hook_added_after_the_first_step_is_warned_about(
         call().sum().backward()
 
 
+def test_a_second_forward_hook_added_later_is_warned_about_naming_both() -> None:
+    # Guards against: the hook warning said once per module for good (mutation round BX/CA:
+    # M36), so a computing hook added after the first was told about was never named, even
+    # where a new switch verified the module again.
+    def first_hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        kept.append(out.double())
+
+    def second_hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        kept.append(out.exp())
+
+    kept: list[torch.Tensor] = []
+    block = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(nn.Linear(8, 8),
+                                                                     nn.Linear(8, 8)))
+    x = torch.randn(4, 8, requires_grad=True)
+    block[0].register_forward_hook(first_hook)
+    with pytest.warns(UserWarning, match=r"checkpointed Sequential .*: 0: "
+                                         r"test_a_second_forward_hook_added_later_is_warned_"
+                                         r"about_naming_both.<locals>.first_hook\."):
+        block(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same hooks: not said again
+        block(x).sum().backward()
+    block[1].register_forward_hook(second_hook)
+    # Verified anew for a new switch (called by keyword): the hooks found are other ones now.
+    with pytest.warns(UserWarning, match=r"first_hook, 1: test_a_second_forward_hook_added_"
+                                         r"later_is_warned_about_naming_both.<locals>."
+                                         r"second_hook\."):
+        block(input=x).sum().backward()
+
+
 def test_tensors_the_caller_has_itself_put_into_containers_are_left_alone() -> None:
     # An input kept in a list of hidden states, a tied weight shared through a dict, inputs
     # repackaged in a tuple: the container holds the caller's own tensors (the replay's
