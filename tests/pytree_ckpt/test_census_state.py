@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -328,13 +329,22 @@ def test_a_buffer_over_the_small_size_is_not_cloned_before_the_forward() -> None
     # large buffers (a KV cache, a big table) before its forward and keep them to its replay,
     # memory the docs promise it does not take. Only the counter's 8 bytes are kept; the
     # table's copy for the replay is made from what the forward left, and ends as eager's.
+    layer = _three_steps_counting_module_state(AccumulatesIntoALargeTable,
+                                               lambda m: nbytes(m.steps))
+    assert nbytes(layer.table) == 64 * 1024 + 4
+
+
+def _three_steps_counting_module_state(make: Callable[[], nn.Module],
+                                       state: Callable[[nn.Module], int]) -> nn.Module:
+    """Three steps of ``make()``'s layer, checkpointed, against an eager twin: the census counts
+    the input, the loss's saved output and ``state(layer)`` bytes of module state; gradients
+    and buffers end each step as eager's. Returns the checkpointed layer."""
     torch.manual_seed(0)
-    eager = AccumulatesIntoALargeTable()
-    model = nn.Sequential(AccumulatesIntoALargeTable())
+    eager = make()
+    model = nn.Sequential(make())
     model.load_state_dict({f"0.{k}": v for k, v in eager.state_dict().items()})
     checkpoint_layers(model, offload=False)
     layer = model[0]
-    assert nbytes(layer.table) == 64 * 1024 + 4
     for step in range(3):
         x = torch.randn(8, 16, requires_grad=True)
         with ActivationCensus(model) as census:
@@ -342,7 +352,7 @@ def test_a_buffer_over_the_small_size_is_not_cloned_before_the_forward() -> None
             # the loss's square saves the layer's output (as large as x)
             assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(x),
                                                     "autograd": nbytes(x),
-                                                    "module state": nbytes(layer.steps)}, step
+                                                    "module state": state(layer)}, step
             loss.backward()
         grads = [x.grad, *(p.grad for p in layer.parameters())]
         x.grad = None
@@ -353,6 +363,7 @@ def test_a_buffer_over_the_small_size_is_not_cloned_before_the_forward() -> None
         model.zero_grad()
         for (name, a), b in zip(layer.named_buffers(), eager.buffers()):
             assert torch.equal(a, b), (step, name)
+    return layer
 
 
 class CountsIntoAWindow(nn.Module):
@@ -376,26 +387,5 @@ def test_a_small_buffer_viewing_a_large_storage_counts_as_module_state() -> None
     # buffers saved alone (a small view of a large storage): the census left their bytes,
     # kept from the forward to the replay, out of Mechanism.MODULE_STATE. The replay reads the
     # window as the forward did: gradients and buffers end each step as eager's.
-    torch.manual_seed(0)
-    eager = CountsIntoAWindow()
-    model = nn.Sequential(CountsIntoAWindow())
-    model.load_state_dict({f"0.{k}": v for k, v in eager.state_dict().items()})
-    checkpoint_layers(model, offload=False)
-    layer = model[0]
+    layer = _three_steps_counting_module_state(CountsIntoAWindow, lambda m: 4 * 4)
     assert layer.window.untyped_storage().nbytes() == 64 * 1024 + 4
-    for step in range(3):
-        x = torch.randn(8, 16, requires_grad=True)
-        with ActivationCensus(model) as census:
-            loss = model(x).square().sum()
-            assert census.bytes_by("mechanism") == {"checkpoint boundary": nbytes(x),
-                                                    "autograd": nbytes(x),
-                                                    "module state": 4 * 4}, step
-            loss.backward()
-        grads = [x.grad, *(p.grad for p in layer.parameters())]
-        x.grad = None
-        eager.zero_grad()
-        eager(x).square().sum().backward()
-        for a, b in zip(grads, [x.grad, *(p.grad for p in eager.parameters())]):
-            assert torch.equal(a, b), step
-        model.zero_grad()
-        assert torch.equal(layer.window, eager.window), step
