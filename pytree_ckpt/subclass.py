@@ -6,8 +6,10 @@ otherwise, and without the attributes the original carried. A layer may branch o
 (``isinstance``, a scale stored on the tensor), so both are recorded at the save and given
 back: the class by ``as_subclass``, the instance dict by reference for an offload restore (the
 object's own, as eager autograd hands back the tensor it saved), and ``__slots__`` values as
-they were. Parameters (and their subclasses) stay what the boundary makes of them: detached
-aliases.
+they were. A plain ``nn.Parameter`` passed as an argument comes back as one too (a forward
+may branch on ``isinstance(w, nn.Parameter)``: the replay took the other branch, silently);
+its subclasses (a quantized parameter with its own ``__new__`` and state) stay what the
+boundary makes of them: detached aliases of class ``torch.Tensor``.
 
 NOTE [a subclass's attributes as the forward began]: the replay runs the forward again, so its
 inputs carry the attributes the original pass saw, read when it began (``kind_of(...,
@@ -36,7 +38,8 @@ class SubclassKind(NamedTuple):
 
 
 def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | None:
-    """``tensor``'s subclass and attributes; ``None`` for a plain tensor or a parameter.
+    """``tensor``'s subclass and attributes; ``None`` for a plain tensor or a subclass of
+    ``nn.Parameter`` (NOTE [subclasses come back as themselves]).
     ``as_now``: its instance dict as it is now (a shallow copy), not the dict itself (NOTE [a
     subclass's attributes as the forward began]).
 
@@ -47,7 +50,7 @@ def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | 
     DTensor input's device shard alive until backward, and put it back in the restored one.
     """
     cls = type(tensor)
-    if cls is torch.Tensor or issubclass(cls, nn.Parameter):
+    if cls is torch.Tensor or (cls is not nn.Parameter and issubclass(cls, nn.Parameter)):
         return None
     inner = _inner_tensors(tensor) or {}
     slots = []

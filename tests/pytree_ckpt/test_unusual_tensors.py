@@ -236,3 +236,34 @@ def test_a_constant_float_output_leaves_requiring_grad_unless_it_is_a_frozen_res
     outs = pytree_ckpt.checkpoint(Masked(), x)
     assert [o.requires_grad for o in outs] == [True, True, False, True]
     assert all(torch.equal(a, b) for a, b in zip(outs[1:], Masked()(x)[1:]))
+
+
+class _FrozenKind(nn.Parameter):
+    """A parameter subclass (a quantized weight's shape): stays a plain alias in the replay."""
+
+
+def _scaled_by_kind(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # A parameter takes one branch, any other tensor the other (a cast, a dequantization).
+    return x @ (w if isinstance(w, nn.Parameter) else w * 2)
+
+
+def test_a_forward_branching_on_a_parameter_argument_replays_the_branch_eager_took() -> None:
+    # Guards against: the replay handing fn a parameter argument as a plain tensor (kind_of in
+    # pytree_ckpt/subclass.py returning None for nn.Parameter): `isinstance(w, nn.Parameter)`
+    # was false in the replay only, which computed `w * 2` and returned twice eager's
+    # gradients, silently. The original pass, the replay and eager all see a Parameter now; a
+    # subclass of it still reaches the replay as a plain tensor (docs/limits.md's row).
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, requires_grad=True)
+    for w in (nn.Parameter(torch.randn(4, 4)), _FrozenKind(torch.randn(4, 4))):
+        grads = []
+        for run in ("eager", "checkpoint"):
+            w.grad, x.grad = None, None
+            out = _scaled_by_kind(x, w) if run == "eager" else \
+                pytree_ckpt.checkpoint(_scaled_by_kind, x, w)
+            out.square().sum().backward()
+            grads.append((out.detach(), x.grad, w.grad))
+        (out_e, *eager), (out_c, *ours) = grads
+        assert torch.equal(out_e, out_c)  # the original pass gets the caller's tensors
+        same = all(torch.equal(a, b) for a, b in zip(eager, ours))
+        assert same == (type(w) is nn.Parameter), type(w).__name__
