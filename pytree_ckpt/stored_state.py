@@ -55,10 +55,13 @@ def _scalar_result(value: Any) -> bool:
 
 
 def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
-    """Per module ``__dict__``, each int or float attribute (not a bool: a flag set at the
-    first call is no count): read with ``stored_tensors`` (NOTE [numbers a forward changes])."""
+    """Per module ``__dict__``, each int, float or bool attribute: read with
+    ``stored_tensors`` (NOTE [numbers a forward changes]). A flag the forward sets once (at
+    the first call) is set to the same value by the replay, and not told; one it flips
+    (``self.odd = not self.odd``) is flipped back by the replay, and told."""
     return [{name: value for name, value in d.items()
-             if type(value) is int or type(value) is float} for d in dicts]
+             if type(value) is int or type(value) is float or type(value) is bool}
+            for d in dicts]
 
 
 def _differs(now: Any, before: Any) -> bool:

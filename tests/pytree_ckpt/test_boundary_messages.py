@@ -1185,6 +1185,35 @@ def test_a_hook_registered_in_the_forward_gets_a_note_naming_the_no_grad_pass() 
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+class _Alternates(nn.Module):
+    """Flips a flag at every call and reads it (``odd``); sets another once (``ready``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.odd, self.ready = nn.Linear(8, 8), False, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.odd = not self.odd
+        self.ready = True
+        return self.lin(x) * (2.0 if self.odd else 1.0)
+
+
+def test_a_flag_the_forward_flips_is_warned_about_and_one_it_sets_once_is_not() -> None:
+    # Guards against: bools left out of the numbers watched (stored_numbers): the replay
+    # flipped `odd` back and computed with the other scale, so the weight's gradient was
+    # half (or twice) eager's and the flag ended each step where it began, silently.
+    # A flag set once (`ready`) is set to the same value by the replay: nothing to tell.
+    layer = pytree_ckpt.apply_activation_checkpointing(_Alternates())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            layer(torch.randn(4, 8)).sum().backward()
+    told = [str(w.message) for w in caught if "changed the number" in str(w.message)]
+    assert len(told) == 1 and "changed the number odd again" in told[0], told
+    assert "ready" not in told[0]
+    assert layer.odd is False  # what the warning is about: flipped twice a step
+
+
 def test_a_number_recomputed_to_an_equal_value_each_call_is_not_warned_about() -> None:
     class Scaled(nn.Module):
         def __init__(self) -> None:
