@@ -29,6 +29,7 @@ from offload.pool import HostPool, size_class
 from offload.unpacking import unpack_handle
 from offload.window import Copy
 from tests.offload.blocks import manager
+from tests.offload.simulated import simulated
 
 
 def test_two_threads_restoring_one_copy_copy_it_back_once() -> None:
@@ -693,3 +694,62 @@ def test_pool_calls_held_inside_a_steps_pool_lose_no_buffer_and_no_count(
         return reached
 
     sweep(critical, run)
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["copies-done", "copies-in-flight"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_backwards_run_after_their_forward_threads_ended_reuse_and_count_as_each_alone(
+        prefetch: int, in_flight: bool) -> None:
+    # Guards against: a backward whose forward's thread has ended (its lane gone) not letting
+    # go of its own pass's copies in flight (``_belongs`` without ``owner is pass_``: every
+    # window was then reused from the device bytes still held), or letting go of another ended
+    # thread's pass's (``_belongs`` without ``lane is not None``: b's backward dropped a's
+    # device bytes, which a's backward then copied back from host instead of reusing them).
+    # Two workers each run a forward and end; the main thread runs both backwards. The
+    # counters must add up to those of each model alone on one thread, the gradients must be
+    # the eager twins' bit for bit. Without prefetch the second-to-last window is in flight
+    # and not restored now at the first unpack (with prefetch=1 it is: kept either way); it is
+    # still held there only where copies are in flight (a simulated device that never runs
+    # them unless waited for; on the CPU every copy is done when the next window opens).
+    def new_manager() -> OffloadManager:
+        return simulated(None, prefetch=prefetch)[0] if in_flight else manager(prefetch=prefetch)
+
+    m = new_manager()
+    models = {"a": Model(m, rows=8, seed=0), "b": Model(m, rows=6, seed=1)}
+    outs: dict[str, torch.Tensor] = {}
+    threads = torch.get_num_threads()  # a new thread's own count would sum in another order
+
+    def forward(name: str) -> None:
+        torch.set_num_threads(threads)
+        model = models[name]
+        table = model.table.clone()  # made per forward, as Model.step does
+        h = model.x
+        for layer in model.layers:
+            h = layer(h, table)
+        outs[name] = h
+
+    for name in models:  # one after the other: each thread has ended before the backwards
+        run_threads({name: lambda name=name: forward(name)})
+    for name in ("b", "a"):
+        outs.pop(name).sum().backward()
+    stats = m.stats()
+    for model in models.values():
+        got = [p.grad for p in model.layers.parameters()] + [model.x.grad]
+        model.x.grad = None
+        h = model.x
+        for layer in model.eager:
+            h = layer(h, model.table)
+        h.sum().backward()
+        expected = [p.grad for p in model.eager.parameters()] + [model.x.grad]
+        assert all(g is not None and torch.equal(g, e) for g, e in zip(got, expected))
+    alone = {key: 0.0 for key in _COUNTED}
+    for name, model in models.items():
+        solo = new_manager()
+        twin = Model(solo, rows=model.x.shape[0], seed=0 if name == "a" else 1)
+        twin.step(contextlib.nullcontext)
+        for key, value in solo.stats().items():
+            if key in alone:
+                alone[key] += value
+    assert alone["reused_bytes"] > 0  # the last windows, at least: reuse is measured
+    assert {key: stats[key] for key in _COUNTED} == alone
+    assert stats["host_buffers_in_use"] == 0
