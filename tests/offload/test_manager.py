@@ -1469,3 +1469,35 @@ def test_threads_asking_for_the_default_manager_at_once_get_one_manager(
         thread.join(10)
     assert len(built) == 1 and got["a"] is got["b"] is built[0]
     assert offload.default_manager() is built[0]
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated in 2.13
+@pytest.mark.filterwarnings("ignore:.*nested.*:UserWarning")  # the strided nested layout: a prototype
+@pytest.mark.parametrize("kind", ["nested tensor", "quantized tensor", "sparse"])
+def test_a_window_tensor_without_a_plain_storage_is_warned_of_by_its_kind_and_stays_resident(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: plain_kind swapping its two names (a nested tensor warned of as a
+    # quantized one and back: the warning then told the wrong reason), and a sparse window
+    # tensor not staying on the device, named by its layout, with eager gradients.
+    m = manager()
+    if kind == "nested tensor":
+        t = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    elif kind == "quantized tensor":
+        t = torch.quantize_per_tensor(torch.randn(64), 0.05, 3, torch.quint8)
+    else:
+        t = torch.randn(8, 8).relu().to_sparse()
+    with caplog.at_level("WARNING", logger="offload.manager"), m.window([t]):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    named = f"(Tensor, layout {t.layout})" if kind == "sparse" else f"({kind}, layout "
+    assert len(warnings) == 1 and named in warnings[0], warnings
+    assert m.stats()["offloaded_bytes"] == 0
+    if kind == "sparse":  # saved by a window over it: stays resident, eager gradients
+        x = torch.randn(8, 32, requires_grad=True)
+        eager = torch.sparse.mm(t, x * 1.0).sum()
+        eager.backward()
+        expected, x.grad = x.grad, None
+        with m.window([t]):
+            loss = torch.sparse.mm(t, x * 1.0).sum()
+        loss.backward()
+        assert torch.equal(x.grad, expected) and m.stats()["offloaded_bytes"] == 0
