@@ -374,6 +374,42 @@ def test_a_dropped_graphs_copy_in_flight_is_let_go_when_a_one_window_backward_be
     assert streams.violations == [] and manager.stats()["host_buffers_in_use"] == 0
 
 
+def test_a_dropped_graphs_last_copy_in_flight_is_let_go_two_windows_into_the_next_forward(
+        ) -> None:
+    # Guards against: the window count restarting at each pass turn (Lane.turn resetting
+    # ``opened``): windows of a dropped pass then count as younger than the next pass's, and
+    # the next forward held the dropped pass's last input on the device window after window
+    # (NOTE [copies in flight]: two windows later at the latest, counted per thread across
+    # passes). The new forward's gradients are eager's bit for bit.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(3))
+    manager, streams = simulated(None)
+    layers = copy.deepcopy(eager)
+    checkpoint_layers(layers, offload=manager)
+    stack_grads(layers, torch.randn(8, 32, requires_grad=True))  # one whole step first
+    for p in layers.parameters():
+        p.grad = None
+    h = torch.randn(8, 32, requires_grad=True)
+    for layer in layers[:2]:
+        h = layer(h)
+    last_input = StorageWeakRef(h.untyped_storage())
+    out = layers[2](h)
+    del out, h  # dropped without backward: its last window's copy is still queued
+    x = torch.randn(8, 32)
+    leaf = x.clone().requires_grad_()
+    held = []
+    h = leaf
+    for layer in layers:
+        h = layer(h)
+        held.append(not last_input.expired())
+    assert held == [True, False, False]  # let go as the new forward's second window opened
+    h.square().sum().backward()  # as stack_grads, for the eager twin
+    expected = stack_grads(eager, x.clone().requires_grad_())
+    assert_same_grads(expected, [p.grad for p in layers.parameters()] + [leaf.grad])
+    streams.finish()
+    assert streams.violations == [] and manager.stats()["host_buffers_in_use"] == 0
+
+
 def test_a_copy_is_waited_for_on_the_stream_that_saved_it_not_the_current_one() -> None:
     # The freed memory belongs to the stream that was current when the tensor was saved: a
     # window opened under another stream must make that one wait, not its own.
