@@ -597,3 +597,46 @@ def test_reused_bytes_changed_during_backward_through_a_detached_alias_are_refus
     with pytest.raises(pytree_ckpt.CheckpointError,
                        match=r"^args\[0\] \(offload window 0, .*modified in place"):
         run(offloaded=True)
+
+
+class _Unflattened(torch.Tensor):
+    """A wrapper subclass without __tensor_flatten__: its storage is a placeholder whose data
+    pointer torch refuses to read (no plain storage)."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> _Unflattened:
+        out = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+        out.elem = elem
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_map
+
+        out = func(*tree_map(lambda t: t.elem if isinstance(t, _Unflattened) else t, args),
+                   **tree_map(lambda t: t.elem if isinstance(t, _Unflattened) else t,
+                              kwargs or {}))
+        return tree_map(lambda t: _Unflattened(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def test_a_resident_subclass_keeps_its_later_inner_tensor_resident_after_one_without_storage(
+        ) -> None:
+    # Guards against: _resident_keys giving up on a resident tensor's remaining inner tensors
+    # at the first one without a plain storage (``break`` for ``continue``): a TwoTensor whose
+    # first part is a wrapper with no plain storage and whose second is the window's tensor
+    # left that storage offloaded, copied to host and back once per window.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    y = torch.randn(64, 64)
+    pair = TwoTensor(_Unflattened(torch.randn(64, 64)), y)
+    for resident, copied in (((), y.untyped_storage().nbytes()), ((pair,), 0)):
+        m = manager()
+        x = torch.randn(64, 64, requires_grad=True)
+        with m.window([y], resident=resident):
+            loss = (x * y).sum()  # saves y (x's gradient)
+        assert m.stats()["offloaded_bytes"] == copied
+        loss.backward()
+        assert torch.equal(x.grad, y)
