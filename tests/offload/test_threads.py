@@ -158,6 +158,11 @@ class Model:
             h.sum().backward()
             self.events.append(self.m.events())
             then()
+        self.assert_eager_grads()
+
+    def assert_eager_grads(self) -> None:
+        """The checkpointed layers' and the input's gradients are the eager twin's, bit for
+        bit; every gradient is reset after."""
         got = [p.grad for p in self.layers.parameters()] + [self.x.grad]
         self.layers.zero_grad(set_to_none=True)
         self.x.grad = None
@@ -355,14 +360,7 @@ def test_two_worker_forwards_backed_by_the_main_thread_give_eager_gradients_and_
         raise failures[0]
     assert seen == {"a": _OWN, "b": _OWN}
     for model in models.values():
-        got = [p.grad for p in model.layers.parameters()] + [model.x.grad]
-        model.x.grad = None
-        h = model.x
-        for layer in model.eager:
-            h = layer(h, model.table)
-        h.sum().backward()
-        expected = [p.grad for p in model.eager.parameters()] + [model.x.grad]
-        assert all(g is not None and torch.equal(g, e) for g, e in zip(got, expected))
+        model.assert_eager_grads()
     stats = m.stats()
     # Per model: three layer inputs, and the table every layer gets, copied once per pass.
     offloaded = sum(3 * model.x.untyped_storage().nbytes() + model.table.untyped_storage().nbytes()
@@ -734,14 +732,7 @@ def test_backwards_run_after_their_forward_threads_ended_reuse_and_count_as_each
         outs.pop(name).sum().backward()
     stats = m.stats()
     for model in models.values():
-        got = [p.grad for p in model.layers.parameters()] + [model.x.grad]
-        model.x.grad = None
-        h = model.x
-        for layer in model.eager:
-            h = layer(h, model.table)
-        h.sum().backward()
-        expected = [p.grad for p in model.eager.parameters()] + [model.x.grad]
-        assert all(g is not None and torch.equal(g, e) for g, e in zip(got, expected))
+        model.assert_eager_grads()
     alone = {key: 0.0 for key in _COUNTED}
     for name, model in models.items():
         solo = new_manager()
