@@ -5,6 +5,7 @@ refused (NOTE [a module rebound before the replay], NOTE [an index rebound befor
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 from torch import nn
@@ -39,9 +40,11 @@ __all__ = ["Bound", "NOTHING_BOUND", "modules_bound", "modules_bound_now", "refu
 # be checked. Not seen: a module reached through an attribute (`self.block` rebound), a
 # function that holds no module at its first call, the calls of a code made after it was
 # warned about by plain_state.py (a later step's: the first step's are refused), a callable
-# object's attributes (a partial's function is looked at: its cells bind as late), a
-# torch.compile'd lambda (its wrapper's cells hold the function; docs/limits.md's row lists
-# these). An index read late is NOTE [an index rebound before the replay]. Output
+# object's attributes (a partial's function is looked at: its cells bind as late;
+# docs/limits.md's row lists these). A decorator's wrapper (functools.wraps, torch.compile:
+# its own cells hold the function) is followed by __wrapped__ to the function, whose code
+# plain_state.py never looked at: every cell is noted, as for output discard. An index read
+# late is NOTE [an index rebound before the replay]. Output
 # discard (discard.py) has no first look: it notes every closure cell (a module or none) and
 # the globals its code reads that hold a module, at each call (modules_bound_now), and
 # checks them before its rebuild.
@@ -62,8 +65,9 @@ _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, glo
 # places, so the call notes ids and classes only; the words of a refusal (the variable's name,
 # the modules' descriptions) are made when refusing. modules_bound for a lambda over one
 # Linear: 0.84 us a call (1.27 us when it made the words at each call; min of 5 timeit runs);
-# under callgrind 12,400 instructions, and refuse_rebound 10,000, of the 834,000 the call and
-# its backward cost (with the index check: comprehensions cost more, so loops are used).
+# under callgrind 11,500 instructions, and refuse_rebound 9,100, of the 832,000 the call and
+# its backward cost (with the index check and the wrapper's unwrapping: comprehensions cost
+# more, so loops are used, and a plain function leaves _unwrap at its first test).
 # The module places, per place (id(module) or _NO_MODULE, its class or None), the index places
 # and per place its int or str (_NOT_NOTED for any other value).
 Bound = tuple[_Places, tuple[tuple[int, type | None], ...], _Places, tuple[Any, ...]]
@@ -107,14 +111,27 @@ def _describe(ident: int, cls: type | None, /) -> str:
     return "no module" if cls is None else f"{cls.__name__} at {ident:#x}"
 
 
-def _called(fn: Any, /) -> Any:
-    """The function a ``functools.partial`` (of partials) calls: its cells and globals are
-    read late as a lambda's are (plain_state.py's first look keys on its code too)."""
+_Function = types.FunctionType  # functools.wraps puts __wrapped__ in the wrapper's __dict__
+
+
+def _unwrap(fn: Any, /) -> tuple[Any, bool]:
+    """The function a ``functools.partial`` (of partials) calls, or a decorator's wrapper
+    wraps (``__wrapped__``: ``functools.wraps``, ``torch.compile``), and whether a wrapper was
+    passed: their cells and globals are read late as a lambda's are. plain_state.py's first
+    look keys on a partial's function too, but on a wrapper's own code (whose cells hold the
+    function, not its modules)."""
+    if type(fn) is _Function and "__wrapped__" not in fn.__dict__:
+        return fn, False  # the usual case: a plain function (NOTE [the check's cost])
+    wrapped = False
     for _ in range(8):
-        if not isinstance(fn, functools.partial):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif type(fn) is _Function and \
+                type(inner := fn.__dict__.get("__wrapped__")) is _Function:  # no raise
+            fn, wrapped = inner, True
+        else:
             break
-        fn = fn.func
-    return fn
+    return fn, wrapped
 
 
 def modules_bound(fn: Any, /) -> Bound | None:
@@ -123,7 +140,9 @@ def modules_bound(fn: Any, /) -> Bound | None:
     subscripts with; ``None`` when its code held no module at its first look and subscripts
     with no late int or str (NOTE [a module rebound before the replay], NOTE [an index
     rebound before the replay])."""
-    fn = _called(fn)
+    fn, wrapped = _unwrap(fn)
+    if wrapped:  # no first look at the wrapped function's code: every cell, as discard does
+        return modules_bound_now(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
@@ -141,7 +160,7 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
     of ``fn`` (a module, or none), the globals its code reads that hold a module now and the
     indices its code subscripts with; ``None`` when there are none (NOTE [a module rebound
     before the replay])."""
-    fn = _called(fn)
+    fn = _unwrap(fn)[0]
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
@@ -183,7 +202,7 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
     it subscripts with holds another value (NOTE [a module rebound before the replay], NOTE [an
     index rebound before the replay])."""
     places, noted, indices, values = bound
-    called = _called(fn)
+    called = _unwrap(fn)[0]
     now = _values_now(called, places)  # the places noted: plain_state may drop its own look
     for k, ((ident, cls), value) in enumerate(zip(noted, now)):
         module = value if isinstance(value, nn.Module) else None

@@ -345,3 +345,54 @@ def test_partials_binding_their_layer_give_the_eager_twins_gradients() -> None:
     x = torch.randn(2, 4, requires_grad=True)
     for got, want in zip(_grads(layers, x, run), _grads(twin, x, eager)):
         assert torch.equal(got, want)
+
+
+def _logged(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args: torch.Tensor) -> torch.Tensor:
+        return f(*args)
+    return wrapper
+
+
+def _compiled(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return torch.compile(f, backend="eager")  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("wrap", [_logged, _compiled], ids=["functools.wraps", "torch.compile"])
+def test_a_wrapped_lambda_in_a_loop_reading_the_loop_variable_is_refused(
+        wrap: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> None:
+    # Guards against: a decorator's wrapper (functools.wraps, torch.compile) looked at in the
+    # lambda's place: its cells hold the function, not the module, so every replay ran the
+    # last layer, silently. The wrapped function (__wrapped__) is looked at, every cell.
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for layer in layers:
+        h = checkpoint(wrap(lambda t: layer(t)), h)  # noqa: B023 (the point of the test)
+    with pytest.raises(CheckpointError) as caught:
+        h.sum().backward()
+    assert_names_both_modules(caught.value, "closure variable 'layer'", layers[1], layers[2])
+
+
+@pytest.mark.parametrize("wrap", [_logged, _compiled], ids=["functools.wraps", "torch.compile"])
+def test_wrapped_lambdas_that_bind_their_layer_give_the_eager_twins_gradients(
+        wrap: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> None:
+    # Guards against: the wrapped function's cells refused when nothing the replay reads
+    # changed (a default binds the layer; the wrapper is made per call).
+    layers, twin = _layers(), _layers()
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            t = checkpoint(wrap(lambda u, layer=layer: layer(u)), t)
+        return t
+
+    def eager(t: torch.Tensor) -> torch.Tensor:
+        for layer in twin:
+            t = layer(t)
+        return t
+
+    x = torch.randn(2, 4, requires_grad=True)
+    for got, want in zip(_grads(layers, x, run), _grads(twin, x, eager)):
+        assert torch.equal(got, want)
