@@ -38,16 +38,36 @@ def _grads(layers: nn.ModuleList, x: torch.Tensor, run: Callable[[torch.Tensor],
     return [x.grad, *(p.grad for p in layers.parameters() if p.grad is not None)]
 
 
+def _logged(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args: torch.Tensor) -> torch.Tensor:
+        return f(*args)
+    return wrapper
+
+
+def _compiled(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return torch.compile(f, backend="eager")  # type: ignore[return-value]
+
+
+def _bare(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return f
+
+
+@pytest.mark.parametrize("wrap", [_bare, _logged, _compiled],
+                         ids=["lambda", "functools.wraps", "torch.compile"])
 def test_a_lambda_in_a_loop_reading_the_loop_variable_is_refused_naming_it_and_both_layers(
-        ) -> None:
+        wrap: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> None:
     # Guards against: every replay reading the loop variable's last value: each boundary would
     # replay the last layer and return its gradients for its own input, silently (as torch's
-    # checkpoints do).
+    # checkpoints do). Wrapped by a decorator (functools.wraps, torch.compile), the wrapper's
+    # own cells hold the function, not the module: the wrapped one (__wrapped__) is looked at.
     layers = _layers()
     x = torch.randn(2, 4, requires_grad=True)
     h = x
     for layer in layers:
-        h = checkpoint(lambda t: layer(t), h)
+        h = checkpoint(wrap(lambda t: layer(t)), h)  # noqa: B023 (the point of the test)
     with pytest.raises(CheckpointError) as caught:
         h.sum().backward()
     message = str(caught.value)
@@ -95,6 +115,17 @@ def _custom_forward(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Ten
     return run
 
 
+def _wrapped_in_a_loop(wrap: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]
+                       ) -> Callable[[nn.ModuleList], Callable[[torch.Tensor], torch.Tensor]]:
+    def make(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for layer in layers:  # a default binds it; the wrapper is made per call
+                x = checkpoint(wrap(lambda t, layer=layer: layer(t)), x)
+            return x
+        return run
+    return make
+
+
 def _rebound_to_the_same(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
     def run(x: torch.Tensor) -> torch.Tensor:
         block = layers[0]
@@ -105,7 +136,10 @@ def _rebound_to_the_same(layers: nn.ModuleList) -> Callable[[torch.Tensor], torc
 
 
 @pytest.mark.parametrize("make", [_late_in_a_loop, _module_itself, _custom_forward,
-                                  _rebound_to_the_same])
+                                  _rebound_to_the_same, _wrapped_in_a_loop(_logged),
+                                  _wrapped_in_a_loop(_compiled)],
+                         ids=["default", "module", "custom_forward", "rebound to the same",
+                              "functools.wraps", "torch.compile"])
 def test_functions_that_bind_their_layer_early_give_the_eager_twins_gradients(
         make: Callable[[nn.ModuleList], Callable[[torch.Tensor], torch.Tensor]]) -> None:
     # Guards against: the check refusing functions whose replay runs the original pass's layer
@@ -340,57 +374,6 @@ def test_partials_binding_their_layer_give_the_eager_twins_gradients() -> None:
     def eager(t: torch.Tensor) -> torch.Tensor:
         for layer in twin:
             t = layer(layer(t) * 2.0) * 0.5
-        return t
-
-    x = torch.randn(2, 4, requires_grad=True)
-    for got, want in zip(_grads(layers, x, run), _grads(twin, x, eager)):
-        assert torch.equal(got, want)
-
-
-def _logged(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    import functools
-
-    @functools.wraps(f)
-    def wrapper(*args: torch.Tensor) -> torch.Tensor:
-        return f(*args)
-    return wrapper
-
-
-def _compiled(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return torch.compile(f, backend="eager")  # type: ignore[return-value]
-
-
-@pytest.mark.parametrize("wrap", [_logged, _compiled], ids=["functools.wraps", "torch.compile"])
-def test_a_wrapped_lambda_in_a_loop_reading_the_loop_variable_is_refused(
-        wrap: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> None:
-    # Guards against: a decorator's wrapper (functools.wraps, torch.compile) looked at in the
-    # lambda's place: its cells hold the function, not the module, so every replay ran the
-    # last layer, silently. The wrapped function (__wrapped__) is looked at, every cell.
-    layers = _layers()
-    x = torch.randn(2, 4, requires_grad=True)
-    h = x
-    for layer in layers:
-        h = checkpoint(wrap(lambda t: layer(t)), h)  # noqa: B023 (the point of the test)
-    with pytest.raises(CheckpointError) as caught:
-        h.sum().backward()
-    assert_names_both_modules(caught.value, "closure variable 'layer'", layers[1], layers[2])
-
-
-@pytest.mark.parametrize("wrap", [_logged, _compiled], ids=["functools.wraps", "torch.compile"])
-def test_wrapped_lambdas_that_bind_their_layer_give_the_eager_twins_gradients(
-        wrap: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> None:
-    # Guards against: the wrapped function's cells refused when nothing the replay reads
-    # changed (a default binds the layer; the wrapper is made per call).
-    layers, twin = _layers(), _layers()
-
-    def run(t: torch.Tensor) -> torch.Tensor:
-        for layer in layers:
-            t = checkpoint(wrap(lambda u, layer=layer: layer(u)), t)
-        return t
-
-    def eager(t: torch.Tensor) -> torch.Tensor:
-        for layer in twin:
-            t = layer(t)
         return t
 
     x = torch.randn(2, 4, requires_grad=True)
