@@ -53,7 +53,8 @@ __all__ = ["Bound", "NOTHING_BOUND", "modules_bound", "modules_bound_now", "refu
 # every replay would run the last layer, silently, as with a loop variable that is a module.
 # So the closure cells and globals a plain function's code reads into a subscript's index
 # (subscripts.py reads that from the bytecode once per code object: `layers[i]`,
-# `self.layers[i - 1]`, `t[:, i]`) are noted by value at the original pass when they hold an
+# `self.layers[i - 1]`, `t[:, i]`; and the arguments of a getattr or get_submodule call, a
+# layer picked by name: `getattr(self, f"layer{i}")`) are noted by value at the original pass when they hold an
 # int or a str (a loop index, a ModuleDict's key), and a replay reading another value is
 # refused: it would index another layer or another slice of a tensor. Only subscripts: a
 # `layer_idx=i` passed on (a key/value cache's index, unused in training) is not compared, and
@@ -234,7 +235,8 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
         variable = where.split("'")[1] if "'" in where else "i"
         raise CheckpointError(
             f"the replay of {what}({name}) would index another element: its {where}, which "
-            "its code uses in a subscript's index, held another value at the original pass "
+            "its code uses in a subscript's index (or in the name getattr or get_submodule "
+            "reads), held another value at the original pass "
             "(Python closures and globals bind late: a function made in a loop reads the loop "
             "variable's last value), so the replay would run another layer, or read another "
             "slice, and return the gradients of that",

@@ -1,5 +1,6 @@
 """The late-bound variables a function's code uses as a subscript's index (``layers[i]``,
-``t[:, i]``), read from its bytecode once per code object (NOTE [an index rebound before the
+``t[:, i]``) or in the name it picks a submodule or attribute by (``getattr(self,
+f"layer{i}")``), read from its bytecode once per code object (NOTE [an index rebound before the
 replay] in rebound.py)."""
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ _SUBSCRIPTS = {"BINARY_SUBSCR": 1, "STORE_SUBSCR": 1, "DELETE_SUBSCR": 1, "BINAR
                "STORE_SLICE": 2}
 _CELL_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+# A module or attribute picked by a name a late variable builds is picked as by an index:
+# `getattr(self, f"layer{i}")`, `self.get_submodule(f"layers.{i}")`. By call instruction,
+# how many stack values below the arguments the call takes (the callable, and a NULL or self
+# slot where the call has one), and the loads that name the callable.
+_NAME_PICKERS = frozenset({"getattr", "get_submodule"})
+_CALLS = {"CALL": 2, "CALL_METHOD": 2, "CALL_FUNCTION": 1}
+_CALLEE_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_METHOD", "LOAD_ATTR"})
 # An index expression longer than this is not read (one that long is no loop index).
 _LONGEST_INDEX = 48
 # By id(code): (code, (closure cells by index, global names)); the code object is held so its
@@ -40,6 +48,52 @@ def _stack_effect(instruction: dis.Instruction, /) -> int | None:
         return None
 
 
+def _walk_back(instructions: list[dis.Instruction], at: int, need: int, /
+               ) -> list[dis.Instruction] | None:
+    """The instructions before ``at`` that push its last ``need`` stack values, nearest first;
+    ``None`` where a jump (a conditional expression), an instruction whose effect dis cannot
+    say, or a stretch over _LONGEST_INDEX is in the way."""
+    # Each instruction pushes its effect's net count, so the values are complete when the
+    # count still needed reaches none.
+    found: list[dis.Instruction] = []
+    back = at - 1
+    while need > 0:
+        if back < 0 or at - back > _LONGEST_INDEX:
+            return None
+        before = instructions[back]
+        effect = _stack_effect(before)
+        if effect is None or before.is_jump_target or before.opcode in dis.hasjrel or \
+                before.opcode in dis.hasjabs:
+            return None
+        found.append(before)
+        need -= effect
+        back -= 1
+    return found
+
+
+def _picked_by_name(instructions: list[dis.Instruction], at: int, /
+                    ) -> list[dis.Instruction] | None:
+    """For a call at ``at`` to getattr or get_submodule (_NAME_PICKERS), the instructions that
+    push its arguments; ``None`` for any other call, or one not read."""
+    call = instructions[at]
+    # A call's stack below its arguments: the callable and a NULL or self slot (3.11+, and
+    # 3.10's CALL_METHOD after LOAD_METHOD), the callable alone (3.10's CALL_FUNCTION).
+    below = _CALLS.get(call.opname)
+    if below is None:
+        return None
+    start = at - 1 if at and instructions[at - 1].opname == "PRECALL" else at  # 3.11
+    arguments = _walk_back(instructions, start, call.arg or 0)
+    if arguments is None:
+        return None
+    callee = _walk_back(instructions, start - len(arguments), below)
+    # The callable's last load names it: in `layers.get_submodule(n)(len(t))` the outer call's
+    # callee holds get_submodule too, and its arguments pick nothing.
+    if not callee or callee[0].opname not in _CALLEE_LOADS or \
+            callee[0].argval not in _NAME_PICKERS:
+        return None
+    return arguments
+
+
 def _read(code: types.CodeType, /) -> tuple[tuple[int, ...], tuple[str, ...]]:
     instructions = list(dis.get_instructions(code))
     free = code.co_freevars
@@ -47,24 +101,9 @@ def _read(code: types.CodeType, /) -> tuple[tuple[int, ...], tuple[str, ...]]:
     names: dict[str, None] = {}
     for at, instruction in enumerate(instructions):
         need = _index_takes(instruction)
-        # Walk back over the instructions that pushed the index: each pushes its effect's net
-        # count, so the index is complete when the values still needed reach none. A jump in
-        # or into that stretch (a conditional index) ends the walk with nothing found.
-        found: list[dis.Instruction] = []
-        back = at - 1
-        while need > 0 and back >= 0 and at - back <= _LONGEST_INDEX:
-            before = instructions[back]
-            effect = _stack_effect(before)
-            if effect is None or before.is_jump_target or before.opcode in dis.hasjrel or \
-                    before.opcode in dis.hasjabs:
-                found = []
-                break
-            found.append(before)
-            need -= effect
-            back -= 1
-        if need > 0:
-            continue
-        for load in found:
+        found = _walk_back(instructions, at, need) if need else \
+            _picked_by_name(instructions, at)
+        for load in found or ():
             if load.opname in _CELL_LOADS and load.argval in free:
                 cells[free.index(load.argval)] = None
             elif load.opname in _GLOBAL_LOADS:
@@ -74,7 +113,8 @@ def _read(code: types.CodeType, /) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 def index_places(code: Any, /) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The closure cells (by index into ``__closure__``) and global names that ``code`` reads
-    into a subscript's index, once per code object; none for what is not a code object."""
+    into a subscript's index or a getattr's or get_submodule's arguments, once per code
+    object; none for what is not a code object."""
     entry = _INDEX_PLACES.get(id(code))
     if entry is None:
         places = _read(code) if isinstance(code, types.CodeType) else ((), ())

@@ -21,7 +21,7 @@ def _assert_names_both_values(error: BaseException, where: str, then: object,
     expected, got = str(error).split("\n  got:")
     assert f"{where} = {then!r} (the original pass's)" in expected
     assert f"{where} = {now!r}" in got.split("\n")[0]
-    assert "which its code uses in a subscript's index" in expected
+    assert "which its code uses in a subscript's index (or in the name getattr" in expected
 
 
 @pytest.mark.parametrize("container", ["ModuleList", "list"])
@@ -90,6 +90,52 @@ def test_a_lambda_slicing_a_tensor_with_the_loop_variable_is_refused() -> None:
     with pytest.raises(CheckpointError) as caught:
         torch.stack(outs).sum().backward()
     _assert_names_both_values(caught.value, "closure variable 'col'", 1, 2)
+
+
+class _Named(nn.Module):
+    """Layers registered as `layer0`, `layer1`, ... (an older model's style), picked by a name
+    built from the loop variable: through getattr, or get_submodule."""
+
+    def __init__(self, late: bool, pick: str) -> None:
+        super().__init__()
+        for i, layer in enumerate(_layers()):
+            self.add_module(f"layer{i}", layer)
+        self.late, self.pick = late, pick
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            if self.pick == "getattr":
+                late: Any = lambda t: getattr(self, f"layer{i}")(t)  # noqa: B023
+                early: Any = lambda t, i=i: getattr(self, f"layer{i}")(t)
+            else:
+                late = lambda t: self.get_submodule(f"layer{i}")(t)  # noqa: B023
+                early = lambda t, i=i: self.get_submodule(f"layer{i}")(t)
+            h = checkpoint(late if self.late else early, h)
+        return h
+
+
+@pytest.mark.parametrize("pick", ["getattr", "get_submodule"])
+def test_a_layer_picked_by_a_name_the_loop_variable_builds_is_refused_and_bound_early_is_eagers(
+        pick: str) -> None:
+    # Guards against: `getattr(self, f"layer{i}")` read late: every replay would run the last
+    # layer and return its gradients for each layer's input, silently (the last note's Left).
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(CheckpointError) as caught:
+        _Named(late=True, pick=pick)(x).sum().backward()
+    _assert_names_both_values(caught.value, "closure variable 'i'", 1, 2)
+    model = _Named(late=False, pick=pick)
+    twin = _layers()
+    twin.load_state_dict({k.removeprefix("layer"): v for k, v in model.state_dict().items()})
+
+    def eager(t: torch.Tensor) -> torch.Tensor:
+        for layer in twin:
+            t = layer(t)
+        return t
+
+    wrapped, expected = _grads(model, x, model), _grads(twin, x, eager)
+    assert len(wrapped) == len(expected) == 7
+    for got, want in zip(wrapped, expected):
+        assert torch.equal(got, want)
 
 
 def _bound_early(layers: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -174,21 +220,35 @@ def _codes() -> dict[str, Any]:
         "t[i:j]": lambda t: t[i:j],
         "layers[i if t else j](t)": lambda t: layers[i if t else j](t),
         "layers[cfg.n](t)": lambda t: layers[cfg.n](t),
+        "getattr(cfg, f'layer{i}')(t)": lambda t: getattr(cfg, f"layer{i}")(t),
+        "getattr(cfg, 'l%d' % i, None)(t)": lambda t: getattr(cfg, "l%d" % i, None)(t),
+        "cfg.get_submodule(f'layers.{j}')(t)": lambda t: cfg.get_submodule(f"layers.{j}")(t),
+        "cfg.get_parameter(f'w{j}') * k": lambda t: cfg.get_parameter(f"w{j}") * k,
+        "layers.get_submodule(str(i))(len(t))":
+            lambda t: layers.get_submodule(str(i))(len(t)),
     }
 
 
 @pytest.mark.parametrize("source, indices", [
     ("layers[i](t)", ("i",)), ("layers[0](t) * i", ()), ("layers[len(t) - k](t)", ("k",)),
-    ("t[i:j]", ("i", "j")), ("layers[i if t else j](t)", ()), ("layers[cfg.n](t)", ("cfg",))])
+    ("t[i:j]", ("i", "j")), ("layers[i if t else j](t)", ()), ("layers[cfg.n](t)", ("cfg",)),
+    ("getattr(cfg, f'layer{i}')(t)", ("cfg", "i")),
+    ("getattr(cfg, 'l%d' % i, None)(t)", ("cfg", "i")),
+    ("cfg.get_submodule(f'layers.{j}')(t)", ("j",)), ("cfg.get_parameter(f'w{j}') * k", ()),
+    ("layers.get_submodule(str(i))(len(t))", ("i",))])
 def test_the_cells_a_code_reads_into_a_subscripts_index_are_found(
         source: str, indices: tuple[str, ...]) -> None:
     # Guards against: a walk back over the index expression that stops early (an arithmetic
     # index, a call in it, a slice's two bounds) or runs past it (the container's own cell
-    # taken for an index), or that reads through a jump (a conditional index: not followed).
+    # taken for an index), or that reads through a jump (a conditional index: not followed);
+    # and a layer picked by a name the loop variable builds (getattr's arguments, a
+    # get_submodule call's but not its object's, nor another method's, nor the arguments of a
+    # call made on what it returned).
     fn = _codes()[source]
     cells, names = index_places(fn.__code__)
     assert {fn.__code__.co_freevars[c] for c in cells} == set(indices)
-    assert names == (("len",) if "len" in source else ())
+    assert names == {"layers[len(t) - k](t)": ("len",),
+                     "layers.get_submodule(str(i))(len(t))": ("str",)}.get(source, ())
 
 
 def test_a_code_with_nothing_to_note_is_looked_at_once_and_one_with_an_index_at_every_call(
