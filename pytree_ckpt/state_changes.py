@@ -334,7 +334,10 @@ class ChangedState:
     frozen parameter) the original pass changed in place or reassigned (every buffer of a
     batch norm, whose kernel writes its running statistics without moving their versions) is
     replaced in its dict by a copy, and one it registered is taken out; the dicts get their
-    entries back when ``fn`` returns. A small one's copy is of its value before the forward
+    entries back when ``fn`` returns, but for a name only the replay registered, reassigned or
+    deleted (under ``torch.is_grad_enabled()``), where the original pass left it alone (any
+    of a batch norm's counts as changed), which keeps the replay's change, as eager's forward
+    made it. A small one's copy is of its value before the forward
     (NOTE [small state as it was before the forward]); a reassigned one's, of the tensor it
     replaced (still held); a larger one changed in place, of what the forward left. Copies
     of one storage share one copy of it. So the replay computes what the forward did
@@ -435,12 +438,25 @@ class ChangedState:
                     del d[name]
                 elif not t.requires_grad:  # one that does stays: the replay's gradient reaches it
                     d[name] = self._copy(t if previous is None else previous, storages)
+        # Per dict, the names the original pass changed (all of a batch norm's), and the
+        # entries the replay starts from.
+        starts = [(set(entries_before) if moved is None else {n for n, _ in moved}, dict(d))
+                  for (d, moved), (_, entries_before) in zip(dicts, entries)]
         try:
             yield
         finally:
-            for d, entries_before in entries:
+            for (d, entries_before), (on, at_start) in zip(entries, starts):
+                # A change only the replay makes (under `torch.is_grad_enabled()`, which the
+                # original pass never is) is kept, as eager's forward made it: a name the
+                # original pass left alone that the replay registers or reassigns, and one
+                # the replay deletes that the original pass left holding a tensor.
+                own = [(n, t) for n, t in d.items() if n not in on and at_start.get(n) is not t]
+                gone = [n for n in at_start if n not in d and entries_before.get(n) is not None]
                 d.clear()
                 d.update(entries_before)
+                d.update(own)
+                for n in gone:
+                    del d[n]
             restored = [(tensor, version, value) for tensor, version, value in kept
                         if tensor._version != version]
             if restored:

@@ -424,6 +424,71 @@ def test_a_count_kept_only_where_grad_is_enabled_counts_once_next_to_changed_sta
     assert tokens.shape == (width,) and float(tokens[:4].sum()) > 0
 
 
+class KeepsItsLastInputWhereGradIsEnabled(nn.Module):
+    """Counts its calls (a change the forward makes), and where grad is enabled (eager's pass,
+    and under the boundary only the replay) keeps its last input's mean under a name it
+    registers at its first call and reassigns after (not in a batch norm's dict: its names
+    count as a whole, docs/limits.md), and drops a scratch buffer."""
+
+    def __init__(self, batch_norm: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        # A batch norm's dict is run on copies whole (its kernel moves no version).
+        self.state = nn.BatchNorm1d(4) if batch_norm else nn.Module()
+        self.state.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.state.register_buffer("scratch", torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.state.calls += 1
+        if torch.is_grad_enabled():
+            if not (isinstance(self.state, nn.BatchNorm1d) and hasattr(self.state, "last")):
+                self.state.register_buffer("last", x.detach().mean(0))
+            self.state._buffers.pop("scratch", None)
+        return self.lin(self.state(x) if isinstance(self.state, nn.BatchNorm1d) else x)
+
+
+@pytest.mark.parametrize("batch_norm", [False, True])
+def test_a_buffer_only_the_replay_registers_reassigns_or_deletes_ends_as_eagers(
+        batch_norm: bool) -> None:
+    # Helpers' mutant S29: the module's dict, run on copies for the replay because the forward
+    # counted in it, got its entries back after the replay, so `last` (registered, then
+    # reassigned, only where grad is enabled) was dropped, or kept the first step's value,
+    # and `scratch` came back: eager's state_dict differed (gradients did not).
+    base = _trained((8, 4))
+
+    def step(module: nn.Module) -> list[Any]:
+        return [*base(module), sorted(module.state_dict())]
+
+    runs = _twins(lambda: KeepsItsLastInputWhereGradIsEnabled(batch_norm), step, steps=3)
+    _assert_same_runs(runs)
+    assert "state.last" in runs[1][-1][-1] and "state.scratch" not in runs[1][-1][-1]
+
+
+def test_a_buffer_only_an_output_discards_rebuild_registers_ends_as_eagers() -> None:
+    # The same on the discard's rebuild (its forward runs under no-grad too).
+    runs = []
+    for discard in (False, True):
+        torch.manual_seed(0)
+        module = KeepsItsLastInputWhereGradIsEnabled(batch_norm=False)
+        torch.manual_seed(1)
+        run = []
+        for _ in range(3):
+            x = torch.randn(8, 4)
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                out = torch.tanh(ckpt.checkpoint(module, x))
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = torch.tanh(module(x))
+            out.square().sum().backward()
+            run.append([*(p.grad.clone() for p in module.parameters() if p.grad is not None),
+                        *_state(module), sorted(module.state_dict())])
+        runs.append(run)
+    _assert_same_runs(runs)
+    assert "state.last" in runs[1][-1][-1]
+
+
 @pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # counting hooks
 def test_state_put_back_after_the_replay_keeps_the_version_the_forward_left() -> None:
     # A copy back moved the version counter: a graph outside that saved the buffer after the
