@@ -1,13 +1,16 @@
-"""A plain function's modules, or the indices it subscripts with, rebound before its replay:
-refused (NOTE [a module rebound before the replay], NOTE [an index rebound before the replay]).
+"""A plain function's modules, the indices it subscripts with, or the tensors it closes over,
+rebound before its replay: refused (NOTE [a module rebound before the replay], NOTE [an index
+rebound before the replay], NOTE [a tensor rebound before the replay]).
 """
 
 from __future__ import annotations
 
 import functools
 import types
+import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from .errors import CheckpointError
@@ -16,6 +19,8 @@ from .plain_state import cell_contents, globals_of, globals_read, modules_held
 from .subscripts import index_places
 
 __all__ = ["Bound", "NOTHING_BOUND", "modules_bound", "modules_bound_now", "refuse_rebound"]
+
+_Tensor = torch.Tensor
 
 # NOTE [a module rebound before the replay]: Python closures and globals bind late, so
 # `for layer in layers: h = checkpoint(lambda t: layer(t), h)` makes functions that all read
@@ -61,6 +66,19 @@ __all__ = ["Bound", "NOTHING_BOUND", "modules_bound", "modules_bound_now", "refu
 # other values (an object whose attribute indexes, `layers[cfg.i]`) are not noted. This runs
 # for every plain function, holding a module or not (a plain list of layers is no module):
 # one dict lookup a call for a code with no such index.
+# NOTE [a tensor rebound before the replay]: the same late binding with a tensor the function
+# closes over: `for e in embeds: h = checkpoint(lambda t: shared(t + e), h)` (one layer shared
+# by every depth, as MTP's) replays every call with the last `e`, and `h = checkpoint(lambda t:
+# t + h, h)` replays with the call's own output (the name it was assigned to): the weight's
+# gradient is another's, silently. So the closure cells and globals that held a tensor at the
+# code's first call (a first look per code object, as for modules) are noted at the original
+# pass by weak reference, and a replay that would read another tensor there (or none, or a
+# place that held none now holding one) is refused. Weak references, not ids: a mask made in
+# each iteration is freed when the next takes its name, and a new tensor may take its id; one
+# freed since cannot be the one there now. Not seen: a place holding no tensor at the code's
+# first call (`prev = None` before a loop that rebinds it); a tensor reached through an
+# attribute or a container (`self.cache`, `masks[i]`: the index is NOTE [an index rebound
+# before the replay]), a tensor changed in place (the saved-input checks' business).
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # NOTE [the check's cost]: every call of a plain function whose code held a module notes its
 # places, so the call notes ids and classes only; the words of a refusal (the variable's name,
@@ -70,8 +88,10 @@ _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, glo
 # its backward cost (with the index check and the wrapper's unwrapping: comprehensions cost
 # more, so loops are used, and a plain function leaves _unwrap at its first test).
 # The module places, per place (id(module) or _NO_MODULE, its class or None), the index places
-# and per place its int or str (_NOT_NOTED for any other value).
-Bound = tuple[_Places, tuple[tuple[int, type | None], ...], _Places, tuple[Any, ...]]
+# and per place its int or str (_NOT_NOTED for any other value), the tensor places and per
+# place a weak reference to its tensor (None where it held none).
+Bound = tuple[_Places, tuple[tuple[int, type | None], ...], _Places, tuple[Any, ...], _Places,
+              tuple[Any, ...]]
 _NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
 _HELD_NONE: tuple[int, type | None] = (_NO_MODULE, None)
 _NOT_NOTED = object()  # an index place holding neither an int nor a str at the original pass
@@ -81,6 +101,22 @@ _NO_PLACES: _Places = ((), ())
 # skips modules_bound for them, one dict lookup a call (modules_bound would cost about 7,000
 # callgrind instructions, 1% of `checkpoint(lambda h: h * 2, x)` and its backward, 631,000).
 NOTHING_BOUND: dict[int, Any] = {}
+# By id(code): (code, the closure cells and globals holding a tensor at its first call).
+_TENSOR_PLACES: dict[int, tuple[Any, _Places]] = {}
+
+
+def _tensor_places(fn: Any, code: Any, /) -> _Places:
+    """The closure cells and globals of ``fn`` that held a tensor at its code's first call
+    (NOTE [a tensor rebound before the replay])."""
+    entry = _TENSOR_PLACES.get(id(code))
+    if entry is None:
+        closure = getattr(fn, "__closure__", None) or ()
+        space = globals_of(fn)
+        places = (tuple(i for i, cell in enumerate(closure)
+                        if isinstance(cell_contents(cell), _Tensor)),
+                  tuple(n for n in globals_read(code) if isinstance(dict.get(space, n), _Tensor)))
+        entry = _TENSOR_PLACES[id(code)] = (code, places)
+    return entry[1]
 
 
 def _values_now(fn: Any, places: _Places, /) -> list[Any]:
@@ -150,10 +186,12 @@ def modules_bound(fn: Any, /) -> Bound | None:
     held = modules_held(code)
     places = (held[0], held[2]) if held is not None and (held[0] or held[2]) else _NO_PLACES
     indices = index_places(code)
-    if held is not None and places is _NO_PLACES and not (indices[0] or indices[1]):
-        NOTHING_BOUND[id(code)] = code  # static facts of the code: never anything to note
+    tensors = _tensor_places(fn, code)
+    if held is not None and places is _NO_PLACES and not (indices[0] or indices[1]) and \
+            not (tensors[0] or tensors[1]):
+        NOTHING_BOUND[id(code)] = code  # facts of the code's first look: nothing to note
         return None
-    return _note(fn, places, indices)
+    return _note(fn, places, indices, tensors)
 
 
 def modules_bound_now(fn: Any, /) -> Bound | None:
@@ -169,10 +207,14 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
     space = globals_of(fn)
     names = tuple(n for n in globals_read(code)
                   if isinstance(dict.get(space, n), nn.Module)) if space else ()
-    return _note(fn, (tuple(range(len(closure))), names), index_places(code))
+    tensors = (tuple(i for i, cell in enumerate(closure)
+                     if isinstance(cell_contents(cell), _Tensor)),
+               tuple(n for n in globals_read(code)
+                     if isinstance(dict.get(space, n), _Tensor)) if space else ())
+    return _note(fn, (tuple(range(len(closure))), names), index_places(code), tensors)
 
 
-def _note(fn: Any, places: _Places, indices: _Places, /) -> Bound | None:
+def _note(fn: Any, places: _Places, indices: _Places, tensors: _Places, /) -> Bound | None:
     noted: list[tuple[int, type | None]] = []
     for value in _values_now(fn, places):
         noted.append((id(value), type(value)) if isinstance(value, nn.Module) else _HELD_NONE)
@@ -187,9 +229,13 @@ def _note(fn: Any, places: _Places, indices: _Places, /) -> Bound | None:
                 values.append(_NOT_NOTED)
         if not checked:
             indices, values = _NO_PLACES, []
-    if not noted and not values:
+    refs: list[Any] = []
+    if tensors[0] or tensors[1]:
+        for value in _values_now(fn, tensors):
+            refs.append(weakref.ref(value) if isinstance(value, _Tensor) else None)
+    if not noted and not values and not refs:
         return None
-    return places, tuple(noted), indices, tuple(values)
+    return places, tuple(noted), indices, tuple(values), tensors, tuple(refs)
 
 
 def _short(value: Any, /) -> str:
@@ -202,7 +248,7 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
     pass is no longer the one it holds, a place that held none then holds one now, or an index
     it subscripts with holds another value (NOTE [a module rebound before the replay], NOTE [an
     index rebound before the replay])."""
-    places, noted, indices, values = bound
+    places, noted, indices, values, tensors, refs = bound
     called = _unwrap(fn)[0]
     now = _values_now(called, places)  # the places noted: plain_state may drop its own look
     for k, ((ident, cls), value) in enumerate(zip(noted, now)):
@@ -225,6 +271,8 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
             tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
                 f"{variable}(t), h), or pass the module itself, checkpoint({variable}, h), "
                 "which also knows its parameters and state")
+    if refs:
+        _refuse_other_tensors(fn, called, tensors, refs, what)
     if not values:
         return
     for k, (then, value) in enumerate(zip(values, _values_now(called, indices))):
@@ -246,3 +294,36 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
                 f"checkpoint(lambda t, {variable}={variable}: layers[{variable}](t), h); for a "
                 f"layer, pass the module itself, checkpoint(layers[{variable}], h), which also "
                 "knows its parameters and state")
+
+
+def _tensor_words(t: Any, /) -> str:
+    return f"a tensor of shape {list(t.shape)}, {t.dtype}, at {id(t):#x}"
+
+
+def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[Any, ...],
+                          what: str, /) -> None:
+    """NOTE [a tensor rebound before the replay]: refuse a replay that would read another
+    tensor (or none) where the original pass read one, or one where it read none."""
+    for k, (ref, value) in enumerate(zip(refs, _values_now(called, tensors))):
+        then = None if ref is None else ref()
+        if ref is None and not isinstance(value, _Tensor) or then is not None and then is value:
+            continue
+        name = callable_name(fn)
+        where = _place_name(called, tensors, k)
+        variable = where.split("'")[1] if "'" in where else "t"
+        raise CheckpointError(
+            f"the replay of {what}({name}) would compute with another tensor: its {where} "
+            f"held {'one tensor' if ref is not None else 'no tensor'} at the original pass "
+            f"and holds {'another' if isinstance(value, _Tensor) else 'none'} now (Python "
+            "closures and globals bind late: a function made in a loop reads the loop "
+            "variable's last value, and one that reads the name the call's output is "
+            "assigned to reads that output), so the replay would compute, and return the "
+            "gradients of, something else",
+            expected=f"{where} = " + ("no tensor" if ref is None else "a tensor freed since"
+                                      if then is None else _tensor_words(then))
+                     + " (the original pass's)",
+            got=f"{where} = " + (_tensor_words(value) if isinstance(value, _Tensor)
+                                 else repr(value)[:60]),
+            tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
+                f"..., h), or pass it as an argument, checkpoint(fn, h, {variable}), which "
+                "also gives it its gradient")

@@ -1,0 +1,176 @@
+"""A plain function closing over a tensor that is another one (or freed) at its replay than at
+its original pass (`for e in embeds: h = checkpoint(lambda t: shared(t + e), h)`): refused before
+the replay (NOTE [a tensor rebound before the replay] in pytree_ckpt/rebound.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pytree_ckpt import CheckpointError, CheckpointWithoutOutput, checkpoint
+
+
+def _shared() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(4, 4)
+
+
+def _embeds() -> list[torch.Tensor]:
+    return [torch.randn(2, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+
+
+def _grads(layer: nn.Module, run: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    run(x).square().sum().backward()
+    assert x.grad is not None
+    return [x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+
+def _refusal(run: Callable[[], torch.Tensor]) -> str:
+    with pytest.raises(CheckpointError) as caught:
+        run().square().sum().backward()
+    return str(caught.value)
+
+
+def test_a_shared_layer_closing_over_the_loop_tensor_is_refused_naming_both_tensors() -> None:
+    # Guards against: every replay reading the loop's last tensor: the shared weight's gradient
+    # was another's with no error (the input's happened to match: an addition's gradient does
+    # not read the addend), as with torch's checkpoints.
+    shared, embeds = _shared(), _embeds()
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        h = x
+        for e in embeds:
+            h = checkpoint(lambda t: shared(t + e), h)  # noqa: B023 (the point of the test)
+        return h
+
+    words = _refusal(run)
+    expected, got = words.split("\n  got:")
+    first, last = embeds[1], embeds[2]  # the last call's replay runs first, and is right
+    assert f"closure variable 'e' = a tensor of shape [2, 4], torch.float32, at {id(first):#x}" \
+        " (the original pass's)" in expected
+    assert f"closure variable 'e' = a tensor of shape [2, 4], torch.float32, at {id(last):#x}" \
+        in got
+    assert "lambda t, e=e:" in words and "checkpoint(fn, h, e)" in words
+
+
+@pytest.mark.parametrize("form", ["default", "argument"])
+def test_a_tensor_bound_early_or_passed_gives_eagers_gradients(form: str) -> None:
+    # Guards against: the check refusing a replay that reads the tensor its original pass read.
+    shared, twin, embeds = _shared(), _shared(), _embeds()
+
+    def eager(h: torch.Tensor) -> torch.Tensor:
+        for e in embeds:
+            h = twin(h + e)
+        return h
+
+    def ours(h: torch.Tensor) -> torch.Tensor:
+        for e in embeds:
+            if form == "default":
+                h = checkpoint(lambda t, e=e: shared(t + e), h)
+            else:
+                h = checkpoint(lambda t, f: shared(t + f), h, e)
+        return h
+
+    got, expected = _grads(shared, ours), _grads(twin, eager)
+    assert len(got) == len(expected) == 3
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+def test_each_call_replayed_before_its_tensor_moves_on_gives_eagers_gradients() -> None:
+    # Guards against: refusing a late tensor still there at the replay (each call's backward
+    # inside the loop, as in a per-depth loss).
+    shared, twin = _shared(), _shared()
+    x = torch.randn(2, 4, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    for e in _embeds():
+        checkpoint(lambda t: shared(t + e), x).square().sum().backward()  # noqa: B023
+        twin(y + e).square().sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, y.grad)
+    for got, want in zip(shared.parameters(), twin.parameters()):
+        assert got.grad is not None and torch.equal(got.grad, want.grad)
+
+
+def test_a_function_reading_the_name_its_own_output_is_assigned_to_is_refused() -> None:
+    # Guards against: `h = checkpoint(lambda t: t * h, h)`: the replay read the call's output
+    # where the forward read its input.
+    lin = _shared()
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        h = lin(x)
+        h = checkpoint(lambda t: t * h, h)
+        return h
+
+    assert "closure variable 'h'" in _refusal(run)
+
+
+def test_a_tensor_freed_since_the_original_pass_is_refused_as_freed() -> None:
+    # Guards against: ids: a mask made in each iteration is freed when the next takes its name,
+    # and the new one may take its id; a weak reference tells.
+    shared = _shared()
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        h = x
+        for k in range(3):
+            mask = torch.full((2, 4), float(k))
+            h = checkpoint(lambda t: shared(t * mask), h)  # noqa: B023
+        return h
+
+    assert "closure variable 'mask' = a tensor freed since (the original pass's)" in \
+        _refusal(run)
+
+
+def test_a_global_tensor_rebound_at_a_scripts_top_level_is_refused_naming_the_global() -> None:
+    space: dict[str, Any] = {"checkpoint": checkpoint, "shared": _shared(),
+                             "embeds": _embeds(), "x": torch.randn(2, 4, requires_grad=True)}
+    exec("h = x\nfor e in embeds:\n    h = checkpoint(lambda t: shared(t + e), h)\n", space)
+    with pytest.raises(CheckpointError, match="its global 'e' held one tensor"):
+        space["h"].sum().backward()
+
+
+def test_an_output_discard_closing_over_the_loop_tensor_is_refused() -> None:
+    # Guards against: the discard's rebuild computing with the loop's last tensor.
+    shared, embeds = _shared(), _embeds()
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        h, kept = x, []
+        for e in embeds:
+            ckpt = CheckpointWithoutOutput()
+            h = ckpt.checkpoint(lambda t: torch.tanh(shared(t + e)), h) * 2  # noqa: B023
+            ckpt.discard_output_and_register_recompute(h)
+            kept.append(ckpt)
+        return h
+
+    words = _refusal(run)
+    assert "CheckpointWithoutOutput.checkpoint" in words and "closure variable 'e'" in words
+
+
+def test_a_code_holding_no_tensor_is_still_looked_at_once_and_one_holding_one_every_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: the tensor check costing every plain function a look at each call
+    # (NOTHING_BOUND), or a code closing over a tensor being skipped after its first call.
+    import pytree_ckpt.boundary as boundary
+
+    calls: list[Any] = []
+    real = boundary.modules_bound
+
+    def counted(fn: Any) -> Any:
+        calls.append(fn)
+        return real(fn)
+
+    monkeypatch.setattr(boundary, "modules_bound", counted)
+    x = torch.randn(2, 4, requires_grad=True)
+    for e in _embeds():
+        checkpoint(lambda t: t * 2, x)
+        checkpoint(lambda t: t + e, x)  # noqa: B023
+    codes = [fn.__code__.co_freevars for fn in calls]
+    assert codes.count(()) == 1 and codes.count(("e",)) == 3
