@@ -418,6 +418,31 @@ def test_backward_inside_autocast_keeps_no_replay_input_alive() -> None:
         assert [ref() for ref in seen] == [None] * 4
 
 
+def test_an_output_the_caller_drops_is_freed_at_once_as_in_eager() -> None:
+    # The boundary keeps what its replay needs, not the outputs it returned: a layer's output
+    # that only ops saving nothing of it read (a sum) dies with the caller's last reference,
+    # as in eager, however long the graph lives.
+    lin = nn.Linear(8, 8)
+
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden_states": lin(x) * 2}
+
+    data = torch.randn(4, 8)
+    freed, grads = [], []
+    for wrapped in (False, True):
+        x = data.clone().requires_grad_()
+        out = checkpoint(fn, x) if wrapped else fn(x)
+        ref = weakref.ref(out["hidden_states"])
+        loss = out["hidden_states"].sum()
+        del out
+        freed.append(ref() is None)
+        loss.backward()
+        grads.append(grads_of([x, *lin.parameters()]))
+        lin.zero_grad()
+    assert freed == [True, True]
+    assert_same_grads(*grads)
+
+
 def test_a_multi_grad_hook_the_layer_puts_on_its_own_input_fires_once_as_in_eager() -> None:
     # Not a module hook: the layer's own forward (FSDP1's forward, torch.utils.debug_log) hooks
     # its input's gradient. torch refuses that hook on a leaf under the replay's gradient call.
@@ -568,6 +593,23 @@ def test_replay_with_another_leaf_shape_or_dtype_names_the_key_path(change: str)
     assert "output['dsa_topk_ids']" in message
     assert "expected: Tensor(shape=(4,), dtype=torch.int64)" in message
     assert "reuse_during_recompute" in message
+
+
+def test_a_replay_tensor_that_changes_after_an_unchanged_one_is_named_at_its_own_key() -> None:
+    # The changed tensor is the second leaf (optree orders a dict's keys): the message names
+    # its own path, not the output's first tensor.
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        ids = torch.arange(4)
+        if current_phase() == "recompute":
+            ids = ids[:3]
+        return {"a_hidden_states": x * 2, "b_topk_ids": ids}
+
+    out = checkpoint(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(ReplayMismatchError) as err:
+        out["a_hidden_states"].sum().backward()
+    message = str(err.value)
+    assert "returned a different tensor at output['b_topk_ids']" in message
+    assert "output['a_hidden_states']" not in message
 
 
 @pytest.mark.parametrize("change", ["shape", "container"])
