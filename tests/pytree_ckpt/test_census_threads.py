@@ -3,6 +3,7 @@ on (on CUDA, the replay runs on autograd's device thread, not the thread that en
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Any, Callable
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import pytree_ckpt
 from pytree_ckpt import ActivationCensus, apply_activation_checkpointing, current_phase
 
 from tests.conftest import assert_same_grads, grads_of
@@ -128,3 +130,47 @@ def test_a_census_open_across_backward_counts_the_same_on_autograds_own_thread()
     assert {"module": "1.inner", "mechanism": "checkpoint boundary", "device": "cpu",
             "bytes": 4 * 8 * 4} in here[0][1]
     assert_same_grads(grads_here, grads_there)
+
+
+@pytest.mark.skipif(not hasattr(torch._C, "_remove_obj_from_tls"),
+                    reason="a torch without thread-local objects: nothing is stashed")
+def test_a_census_ended_on_a_thread_leaves_nothing_in_its_thread_local_objects() -> None:
+    # NOTE [nothing left in a thread] (census_threads.py): an object left there is freed by the
+    # thread's C++ destructors, which may no longer get the GIL; the entry must be erased,
+    # not set to None.
+    key = pytree_ckpt.census_threads._TLS_KEY
+    seen: list[tuple[bool, bool]] = []
+
+    def work() -> None:
+        with ActivationCensus(nn.Linear(4, 4)):
+            inside = torch._C._is_key_in_tls(key)
+        seen.append((inside, torch._C._is_key_in_tls(key)))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [(True, False)]
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["thread-local objects", "older torch"])
+def test_a_boundary_called_in_a_copied_context_on_another_thread_is_left_out(
+        carried: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [where a census records]: a thread of Python's own carries the census's pack hook
+    # no more than its reports, so both are left out, alike. Without thread-local objects to
+    # carry (an older torch), the census is found through the ContextVar, which a copied
+    # context does carry: only the thread that entered it may record.
+    if not carried:
+        monkeypatch.setattr(pytree_ckpt.census_threads, "_CARRIED", False)
+    layer = nn.Linear(8, 8)
+    apply_activation_checkpointing(layer)
+    x = torch.randn(4, 8, requires_grad=True)
+    outs: list[torch.Tensor] = []
+    with ActivationCensus(layer) as census:
+        context = contextvars.copy_context()
+        thread = threading.Thread(target=lambda: outs.append(context.run(layer, x)))
+        thread.start()
+        thread.join()
+        assert census.total_bytes == 0
+        here = layer(x)  # the same call on the entering thread is counted
+        assert census.bytes_by("mechanism") == {"checkpoint boundary": 4 * 8 * 4}
+    (outs[0].sum() + here.sum()).backward()
