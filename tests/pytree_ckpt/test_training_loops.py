@@ -157,6 +157,22 @@ def test_an_eval_micro_batch_before_a_train_one_gets_the_gradient_of_what_it_rea
     assert _Layer.calls == 2 * 2 * 3 * 3  # steps x micro-batches x layers, twice each
 
 
+def test_an_eval_micro_batch_reads_what_its_forward_read_when_write_records_are_swept_often(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [forward writes, by id] (forward_writes.py): the records of the buffers forwards
+    # changed are swept of dead tensors' once the table reaches a size (1024 records, which
+    # these tests never reach). With a sweep as soon as it holds a record, the live buffers'
+    # records must stay: the eval micro-batch still replays on what its forward read.
+    monkeypatch.setattr(pytree_ckpt.forward_writes, "_SWEEP_AT", 1)
+    monkeypatch.setattr(pytree_ckpt.forward_writes, "_sweep_at", 1)
+
+    def body(model: nn.Module) -> Any:
+        wrapped = pytree_ckpt.is_checkpointed(model.layers[0])
+        return _micro_batches(model, (False, True, True), steps=1, read_clones=not wrapped)
+
+    _against_eager(body, offloaded=False)
+
+
 class _CountsWithGrad(nn.Module):
     """Counts its calls where grad is enabled: code written for reentrant checkpointing, whose
     replay is the only pass with grad."""
@@ -187,6 +203,32 @@ def test_a_count_only_replays_make_is_kept_over_micro_batches() -> None:
             sum(layer(_batch(i)[:, :4]).sum() for i in range(3)).backward()
         seen.append(layer.seen.item())
     assert seen == [6, 6]
+
+
+class _CountsAlsoWhenAsked(_CountsWithGrad):
+    """Also counts a call asked to without grad: a forward that changes its state itself."""
+
+    def forward(self, x: torch.Tensor, count: bool = False) -> torch.Tensor:
+        if count and not torch.is_grad_enabled():
+            self.seen += 1
+        return super().forward(x)
+
+
+def test_a_count_only_replays_make_is_kept_after_a_forward_that_counted_itself() -> None:
+    # NOTE [state read, then changed by a later call]: the first call's forward changes the
+    # buffer (recorded as a forward write); the next two only read it, at the version that
+    # write left. The last call's replay counts first; the middle one's replay then finds a
+    # version no forward wrote since its read, so it counts on the module's own too.
+    seen = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = _CountsAlsoWhenAsked()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        xs = [_batch(i)[:, :4] for i in range(3)]
+        (layer(xs[0], count=True).sum() + layer(xs[1]).sum() + layer(xs[2]).sum()).backward()
+        seen.append(layer.seen.item())
+    assert seen == [3, 3]
 
 
 @_MODES
