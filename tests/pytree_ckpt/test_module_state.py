@@ -671,6 +671,37 @@ def test_a_submodule_whose_training_flag_is_a_property_replays_in_the_forwards_m
     assert_same_grads(*grads)
 
 
+class TakesActivation(nn.Module):
+    """Runs a module it is given as an argument after its own Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        return act(self.lin(x))
+
+
+def test_a_property_training_flag_in_a_module_passed_as_an_argument_replays_in_the_forwards_mode(
+        ) -> None:
+    # The argument's tree is the call's second: its submodules whose flag is a property are
+    # put back for the replay as the layer's own are.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer, act = TakesActivation(), nn.Sequential(PropertyMode())
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        torch.manual_seed(1)
+        loss = layer(x, act).square().sum()
+        act.eval()
+        loss.backward()
+        assert not act[0].training
+        grads.append(grads_of([x, *layer.parameters()]))
+    assert_same_grads(*grads)
+
+
 def test_a_parameter_unfrozen_between_forward_and_backward_gets_no_gradient_as_in_eager() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     grads = []
