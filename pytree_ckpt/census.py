@@ -327,8 +327,9 @@ class ActivationCensus(CensusReading):
                 resident = known.resident_holder()
                 if resident is not None and known.mechanism in _FREEING:
                     # A plain autograd save or a save unit's record holds it too: that, not the
-                    # freeing mechanism, is what keeps it (and what the census files it under).
-                    known.mechanism = resident
+                    # freeing mechanism, is what keeps it (and what the census files it under,
+                    # while it holds it: _Entry.filed_under).
+                    known.displaced, known.mechanism = known.mechanism, resident
                 return
             module = self._module_now()
             if known is not None and known.flagged() and mechanism is not Mechanism.AUTOGRAD:

@@ -77,12 +77,13 @@ class CensusReading:
                 "'mechanism'", got=repr(what), tip="e.g. census.bytes_by('mechanism')")
         grouped: dict[str, int] = defaultdict(int)
         for entry in self._alive():
-            grouped[str(getattr(entry, what))] += entry.nbytes
+            key = entry.filed_under() if what == "mechanism" else getattr(entry, what)
+            grouped[str(key)] += entry.nbytes
         return dict(grouped)
 
     def flagged(self) -> list[dict[str, Any]]:
         """Storages a mechanism released that something else still keeps alive."""
-        return [{"module": e.module, "mechanism": str(e.mechanism), "bytes": e.nbytes,
+        return [{"module": e.module, "mechanism": str(e.filed_under()), "bytes": e.nbytes,
                  "device": e.device}
                 for e in self._recorded() if e.flagged()]
 
@@ -93,7 +94,7 @@ class CensusReading:
         one model give the same order whatever order their storages were saved in."""
         rows: dict[tuple[str, str, str], int] = defaultdict(int)
         for e in self._alive():
-            rows[(e.module, str(e.mechanism), e.device)] += e.nbytes
+            rows[(e.module, str(e.filed_under()), e.device)] += e.nbytes
         return {
             "total_bytes": self.total_bytes,
             "by_device": self.bytes_by("device"),

@@ -71,6 +71,9 @@ class _Entry:
     module: str
     mechanism: Mechanism
     discarded: bool = False  # its storage was freed by output discard (until refilled)
+    # The freeing mechanism a resident holder took the storage from (NOTE [what an offload
+    # swap replaces]): filed under it again once no resident holder holds it.
+    displaced: Mechanism | None = None
 
     def held(self) -> bool:
         return any(_holds(keeper) for keeper, _ in self.keepers)
@@ -80,10 +83,18 @@ class _Entry:
         holding = {mechanism for keeper, mechanism in self.keepers if _holds(keeper)}
         return next((mechanism for mechanism in _RESIDENT if mechanism in holding), None)
 
+    def filed_under(self) -> Mechanism:
+        """The mechanism the storage is filed under now: a resident holder only while it holds
+        it (a plain graph that saved a frame's result, then was dropped, keeps nothing)."""
+        if self.displaced is not None and self.resident_holder() is None:
+            return self.displaced
+        return self.mechanism
+
     def flagged(self) -> bool:
         # A mechanism that frees memory let go, yet the storage lives on: something else keeps
         # it. (A boundary letting go of its inputs frees nothing by itself: never flagged.)
-        return (self.mechanism in _FREEING and not self.held() and not self.storage.expired()
+        return (self.filed_under() in _FREEING and not self.held() and
+                not self.storage.expired()
                 and not self.discarded)  # freed in place by output discard: nothing lives on
 
 
