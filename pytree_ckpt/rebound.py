@@ -75,8 +75,9 @@ _Tensor = torch.Tensor
 # pass by weak reference, and a replay that would read another tensor there (or none, or a
 # place that held none now holding one) is refused. Weak references, not ids: a mask made in
 # each iteration is freed when the next takes its name, and a new tensor may take its id; one
-# freed since cannot be the one there now. Not seen: a place holding no tensor at the code's
-# first call (`prev = None` before a loop that rebinds it); a tensor reached through an
+# freed since cannot be the one there now. A cell holding None at the first call is looked at
+# too (`prev = None` before a loop that sets `prev = h`). Not seen: a place holding anything
+# else at the code's first call; a tensor reached through an
 # attribute or a container (`self.cache`, `masks[i]`: the index is NOTE [an index rebound
 # before the replay]), a tensor changed in place (the saved-input checks' business).
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
@@ -116,8 +117,10 @@ def _tensor_places(fn: Any, code: Any, /) -> _Places:
     if entry is None:
         closure = getattr(fn, "__closure__", None) or ()
         space = globals_of(fn)
+        # A cell holding None may hold a tensor at later calls (`prev = None` before a loop
+        # that sets `prev = h`); a global not there reads as None too (a builtin): not those.
         places = (tuple(i for i, cell in enumerate(closure)
-                        if isinstance(cell_contents(cell), _Tensor)),
+                        if isinstance(value := cell_contents(cell), _Tensor) or value is None),
                   tuple(n for n in globals_read(code) if isinstance(dict.get(space, n), _Tensor)))
         entry = _TENSOR_PLACES[id(code)] = (code, places)
     return entry[1]

@@ -128,6 +128,22 @@ def test_a_tensor_freed_since_the_original_pass_is_refused_as_freed() -> None:
         _refusal(run)
 
 
+def test_a_cell_holding_none_at_the_first_call_and_a_tensor_later_is_looked_at() -> None:
+    # Guards against: the first look keeping only the cells holding a tensor then: `prev`
+    # holds None at the first call and the previous output at the later ones, read late.
+    shared = _shared()
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        h, prev = x, None
+        for _ in range(3):
+            h = checkpoint(lambda t: shared(t if prev is None else t + prev), h)  # noqa: B023
+            prev = h
+        return h
+
+    assert "closure variable 'prev' held one tensor" in _refusal(run)
+
+
 def test_a_global_tensor_rebound_at_a_scripts_top_level_is_refused_naming_the_global() -> None:
     space: dict[str, Any] = {"checkpoint": checkpoint, "shared": _shared(),
                              "embeds": _embeds(), "x": torch.randn(2, 4, requires_grad=True)}
