@@ -379,3 +379,17 @@ def test_partials_binding_their_layer_give_the_eager_twins_gradients() -> None:
     x = torch.randn(2, 4, requires_grad=True)
     for got, want in zip(_grads(layers, x, run), _grads(twin, x, eager)):
         assert torch.equal(got, want)
+
+
+def test_a_decorated_lambda_whose_code_never_ran_bare_is_refused_naming_both_layers() -> None:
+    # Guards against: the wrapped function's code taken as looked at: plain_state.py looks at
+    # the wrapper's code, so a decorated lambda that never ran undecorated has no first look
+    # of its own, and its modules went unnoted (replaying the last layer, silently).
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for layer in layers:
+        h = checkpoint(_logged(lambda t: layer(t).relu()), h)  # noqa: B023
+    with pytest.raises(CheckpointError) as caught:
+        h.sum().backward()
+    assert_names_both_modules(caught.value, "closure variable 'layer'", layers[1], layers[2])
