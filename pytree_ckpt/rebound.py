@@ -58,7 +58,8 @@ _Tensor = torch.Tensor
 # every replay would run the last layer, silently, as with a loop variable that is a module.
 # So the closure cells and globals a plain function's code reads into a subscript's index
 # (subscripts.py reads that from the bytecode once per code object: `layers[i]`,
-# `self.layers[i - 1]`, `t[:, i]`; and the arguments of a getattr or get_submodule call, a
+# `self.layers[i - 1]`, `t[:, i]`, `out[:, i] += 1`, in the comprehensions and inner functions
+# it makes too; and the arguments of a getattr or get_submodule call, a
 # layer picked by name: `getattr(self, f"layer{i}")`) are noted by value at the original pass when they hold an
 # int or a str (a loop index, a ModuleDict's key), and a replay reading another value is
 # refused: it would index another layer or another slice of a tensor. Only subscripts: a

@@ -1,6 +1,7 @@
 """The late-bound variables a function's code uses as a subscript's index (``layers[i]``,
-``t[:, i]``) or in the name it picks a submodule or attribute by (``getattr(self,
-f"layer{i}")``), read from its bytecode once per code object (NOTE [an index rebound before the
+``t[:, i]``, ``out[:, i] += 1``) or in the name it picks a submodule or attribute by
+(``getattr(self, f"layer{i}")``), read from its bytecode (and from the comprehensions and
+inner functions it makes) once per code object (NOTE [an index rebound before the
 replay] in rebound.py)."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _CALLS = {"CALL": 2, "CALL_METHOD": 2, "CALL_FUNCTION": 1}
 _CALLEE_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_METHOD", "LOAD_ATTR"})
 # An index expression longer than this is not read (one that long is no loop index).
 _LONGEST_INDEX = 48
+# How deep the codes a code makes are read (a comprehension in an inner function: 2).
+_DEEPEST_CODE = 4
 # By id(code): (code, (closure cells by index, global names)); the code object is held so its
 # id is not reused (as plain_state.py's tables hold theirs). Static facts of a code object,
 # not state of a step.
@@ -94,21 +97,48 @@ def _picked_by_name(instructions: list[dis.Instruction], at: int, /
     return arguments
 
 
-def _read(code: types.CodeType, /) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _augmented_from(instructions: list[dis.Instruction], at: int, /) -> int:
+    """Where to walk back from for the subscript at ``at``: in an augmented store
+    (`out[:, i] += 1`) the container and the index are pushed once and copied (3.11+: COPY 2,
+    COPY 2; 3.10: DUP_TOP_TWO) for the read, so the index is what precedes the copies."""
+    if at >= 1 and instructions[at - 1].opname == "DUP_TOP_TWO":
+        return at - 1
+    if at >= 2 and all(i.opname == "COPY" and i.arg == 2 for i in instructions[at - 2:at]):
+        return at - 2
+    return at
+
+
+def _read_names(code: types.CodeType, depth: int = 0, /
+                ) -> tuple[dict[str, None], dict[str, None]]:
+    """The free variables and globals ``code`` reads into an index, by name; with those of
+    the codes it makes (a comprehension's, a generator expression's, an inner function's:
+    Python 3.11 gives each a code of its own) whose free variables are ``code``'s too."""
     instructions = list(dis.get_instructions(code))
-    free = code.co_freevars
-    cells: dict[int, None] = {}
+    free: dict[str, None] = {}
     names: dict[str, None] = {}
     for at, instruction in enumerate(instructions):
         need = _index_takes(instruction)
-        found = _walk_back(instructions, at, need) if need else \
-            _picked_by_name(instructions, at)
+        found = _walk_back(instructions, _augmented_from(instructions, at), need) if need \
+            else _picked_by_name(instructions, at)
         for load in found or ():
-            if load.opname in _CELL_LOADS and load.argval in free:
-                cells[free.index(load.argval)] = None
+            if load.opname in _CELL_LOADS and load.argval in code.co_freevars:
+                free[load.argval] = None
             elif load.opname in _GLOBAL_LOADS:
                 names[load.argval] = None
-    return tuple(sorted(cells)), tuple(names)
+    if depth < _DEEPEST_CODE:
+        for inner in code.co_consts:
+            if isinstance(inner, types.CodeType):
+                inner_free, inner_names = _read_names(inner, depth + 1)
+                # One of the inner code's free variables that is a local of this code (a cell
+                # it makes at each call) is bound when the call runs: not late.
+                free.update((n, None) for n in inner_free if n in code.co_freevars)
+                names.update(inner_names)
+    return free, names
+
+
+def _read(code: types.CodeType, /) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    free, names = _read_names(code)
+    return tuple(sorted(code.co_freevars.index(n) for n in free)), tuple(names)
 
 
 def index_places(code: Any, /) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -433,22 +433,32 @@ def _augmented(layers: nn.ModuleList, x: torch.Tensor, late: bool) -> torch.Tens
     return x
 
 
-@pytest.mark.xfail(strict=True, reason="subscripts.py reads only the function's own code "
-                   "(not a comprehension's or an inner function's, a code of its own on "
-                   "Python 3.11) and misses an augmented subscript store (`out[:, i] += 1`: "
-                   "COPY pushes its index): the replay silently reads the last index, and "
-                   "docs/limits.md does not list either")
 @pytest.mark.parametrize("run", [_in_a_comprehension, _augmented])
-def test_a_late_index_in_a_comprehension_or_an_augmented_store_is_refused_or_exact(
+def test_a_late_index_in_a_comprehension_or_an_augmented_store_is_refused(
         run: Callable[[nn.ModuleList, torch.Tensor, bool], torch.Tensor]) -> None:
-    # Guards against: a late index the walk does not see: each replay reads the loop's last
-    # value and returns another layer's (another column's) gradients, with no error.
+    # Guards against (helper CD's finding): a late index the walk does not see, in the code
+    # of a comprehension the function makes or copied for an augmented store: each replay
+    # read the loop's last value and returned another layer's (another column's) gradients,
+    # with no error.
+    layers = _layers()
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(CheckpointError) as caught:
+        _grads(layers, x, lambda t: run(layers, t, True))
+    _assert_names_both_values(caught.value, "closure variable 'i'", 1, 2)
+
+
+def test_a_comprehension_indexing_with_a_default_bound_index_gives_eagers_gradients() -> None:
+    # Guards against: the comprehension's own free variable taken for a late one where it is
+    # the function's local (a default, bound at the call): no refusal, eager's gradients.
     layers, twin = _layers(), _layers()
     x = torch.randn(2, 4, requires_grad=True)
-    try:
-        got = _grads(layers, x, lambda t: run(layers, t, True))
-    except CheckpointError as error:
-        assert "which its code uses in a subscript's index" in str(error)
-        return
-    want = _grads(twin, x, lambda t: run(twin, t, False))
+
+    def ours(h: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            h = checkpoint(lambda t, i=i: torch.stack([layers[i](r) for r in t]), h)
+        return h
+
+    got = _grads(layers, x, ours)
+    want = _grads(twin, x, lambda t: _in_a_comprehension(twin, t, False))
+    assert len(got) == len(want) == 7
     assert all(torch.equal(a, b) for a, b in zip(got, want))
