@@ -4,9 +4,13 @@ bytecode of it. The tests stop at each of those points and do there what that th
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from offload.liveness import Liveness
 from offload.window import Copy
+from pytree_ckpt.discard import DISCARDED_MARK
 from tests.offload.blocks import manager, offloaded_stack
 from tests.switch_points import at_each_switch_point
 
@@ -47,3 +51,22 @@ def test_a_reset_while_a_copy_counts_its_storage_alive_elsewhere_is_not_undone()
         assert stats["alive_elsewhere_bytes"] in (0, per), f"switch point {points}"
         points += 1
     assert points > 3
+
+
+@pytest.mark.parametrize("discarded", [False, True], ids=["alive elsewhere", "discarded"])
+def test_a_late_verdict_waits_for_the_managers_lock_to_be_counted(discarded: bool) -> None:
+    # Guards against: Liveness._count adding a verdict judged late (by a copy's __del__, no
+    # lock) to the counters itself, or Liveness.judge dropping ``late`` for a storage freed by
+    # output discard (NOTE [discarded storages are marked]): the read-add-store race the test
+    # above forces. Judged late, nothing counts until the manager adds the verdicts up under
+    # its lock (``count_late``, NOTE [counted late]); then each counts once, where it belongs.
+    counters = {"alive_elsewhere_bytes": 0, "discarded_bytes": 0}
+    liveness = Liveness(counters)
+    storage = torch.randn(8, 32).untyped_storage()  # still alive: kept by this test
+    if discarded:
+        setattr(storage, DISCARDED_MARK, "a discard")  # as CheckpointWithoutOutput marks it
+    liveness.judge(StorageWeakRef(storage), storage.nbytes(), late=True)
+    assert counters == {"alive_elsewhere_bytes": 0, "discarded_bytes": 0}
+    liveness.count_late()
+    key = "discarded_bytes" if discarded else "alive_elsewhere_bytes"
+    assert counters == {"alive_elsewhere_bytes": 0, "discarded_bytes": 0, key: storage.nbytes()}

@@ -278,3 +278,21 @@ def test_the_offloaded_nothing_warning_names_the_largest_storage_below_the_floor
     assert stats["offloaded_bytes"] == 0
     warnings = manager_warnings(caplog)
     assert len(warnings) == 1 and f"(the largest had {64 * 32 * 4} bytes)" in warnings[0]
+
+
+def test_every_reused_storage_the_caller_keeps_counts_as_alive_elsewhere_at_the_first_read(
+        ) -> None:
+    # Guards against: count_late taking out only one verdict counted late, or storing one
+    # instead of adding it. Two storages of one window, reused at backward's turn (NOTE [reuse
+    # at the turn]) and kept by the caller, are judged by their copies' __del__ (NOTE [counted
+    # late]): both must be in the first stats() after backward, added to each other.
+    m = manager()
+    a = torch.randn(16, 32, requires_grad=True) * 1.0
+    b = torch.randn(8, 32, requires_grad=True) * 1.0
+    with m.window([a, b]):
+        loss = (a[:8] * b).sum() + a.square().sum()
+    loss.backward()
+    both = a.untyped_storage().nbytes() + b.untyped_storage().nbytes()
+    stats = m.stats()
+    assert stats["reused_bytes"] == both  # judged late, not when backward began
+    assert stats["alive_elsewhere_bytes"] == both

@@ -640,3 +640,26 @@ def test_a_resident_subclass_keeps_its_later_inner_tensor_resident_after_one_wit
         assert m.stats()["offloaded_bytes"] == copied
         loss.backward()
         assert torch.equal(x.grad, y)
+
+
+def test_a_view_saved_in_a_window_is_held_to_the_floor_by_its_whole_storage() -> None:
+    # Guards against: _pack weighing the saved view's own bytes (numel * element_size) against
+    # min_bytes, or counting them in below_min_bytes, instead of its storage's: the unit copied
+    # is the whole storage (NOTE [one copy per storage] in offload/packing.py). A two-row slice
+    # of a large storage is offloaded with it; below the floor, the storage's bytes count.
+    def saved_slice(m: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        x = torch.randn(64, 64, requires_grad=True)
+        h = x * 1.0
+        with m.window([h]):
+            loss = (h[:2] * h[:2]).sum()  # saves a 512-byte view of a 16 KiB storage
+        stats = m.stats()
+        loss.backward()
+        return h, stats
+
+    h, stats = saved_slice(manager(min_bytes=4096))
+    assert h[:2].untyped_storage().nbytes() >= 4096 > h[:2].numel() * h.element_size()
+    assert stats["offloaded_bytes"] == h.untyped_storage().nbytes()
+    assert stats["below_min_bytes"] == 0
+    h, stats = saved_slice(manager(min_bytes=1 << 20))
+    assert stats["offloaded_bytes"] == 0
+    assert stats["below_min_bytes"] == h.untyped_storage().nbytes()
