@@ -55,32 +55,30 @@ _Tensor = torch.Tensor
 # checks them before its rebuild.
 # NOTE [an index rebound before the replay]: `for i in range(n): h = checkpoint(lambda t:
 # layers[i](t), h)` holds the layers' container, the same at every replay, and reads `i` late:
-# every replay would run the last layer, silently, as with a loop variable that is a module.
-# So the closure cells and globals a plain function's code reads into a subscript's index
-# (subscripts.py reads that from the bytecode once per code object: `layers[i]`,
-# `self.layers[i - 1]`, `t[:, i]`, `out[:, i] += 1`, in the comprehensions and inner functions
-# it makes too; and the arguments of a getattr or get_submodule call, a
-# layer picked by name: `getattr(self, f"layer{i}")`) are noted by value at the original pass when they hold an
-# int or a str (a loop index, a ModuleDict's key), and a replay reading another value is
-# refused: it would index another layer or another slice of a tensor. Only subscripts: a
-# `layer_idx=i` passed on (a key/value cache's index, unused in training) is not compared, and
-# other values (an object whose attribute indexes, `layers[cfg.i]`) are not noted. This runs
-# for every plain function, holding a module or not (a plain list of layers is no module):
-# one dict lookup a call for a code with no such index.
+# every replay would run the last layer, silently, as with a loop variable that is a module. So the
+# closure cells and globals a plain function's code reads into a subscript's index (subscripts.py
+# reads that from the bytecode once per code object: `layers[i]`, `self.layers[i - 1]`, `t[:, i]`,
+# `out[:, i] += 1`, in the comprehensions and inner functions it makes too; and the arguments of a
+# getattr or get_submodule call, a layer picked by name: `getattr(self, f"layer{i}")`) are noted by
+# value at the original pass when they hold an int or a str (a loop index, a ModuleDict's key), and
+# a replay reading another value is refused: it would index another layer or another slice of a
+# tensor. Only subscripts: a `layer_idx=i` passed on (a key/value cache's index, unused in
+# training) is not compared, and other values (an object whose attribute indexes, `layers[cfg.i]`)
+# are not noted. This runs for every plain function, holding a module or not (a plain list of
+# layers is no module): one dict lookup a call for a code with no such index.
 # NOTE [a tensor rebound before the replay]: the same late binding with a tensor the function
-# closes over: `for e in embeds: h = checkpoint(lambda t: shared(t + e), h)` (one layer shared
-# by every depth, as MTP's) replays every call with the last `e`, and `h = checkpoint(lambda t:
-# t + h, h)` replays with the call's own output (the name it was assigned to): the weight's
-# gradient is another's, silently. So the closure cells and globals that held a tensor at the
-# code's first call (a first look per code object, as for modules) are noted at the original
-# pass by weak reference, and a replay that would read another tensor there (or none, or a
-# place that held none now holding one) is refused. Weak references, not ids: a mask made in
-# each iteration is freed when the next takes its name, and a new tensor may take its id; one
-# freed since cannot be the one there now. A cell holding None at the first call is looked at
-# too (`prev = None` before a loop that sets `prev = h`). Not seen: a place holding anything
-# else at the code's first call; a tensor reached through an
-# attribute or a container (`self.cache`, `masks[i]`: the index is NOTE [an index rebound
-# before the replay]), a tensor changed in place (the saved-input checks' business).
+# closes over: `for e in embeds: h = checkpoint(lambda t: shared(t + e), h)` (one layer shared by
+# every depth, as MTP's) replays every call with the last `e`, and `h = checkpoint(lambda t: t + h,
+# h)` replays with the call's own output (the name it was assigned to): the weight's gradient is
+# another's, silently. So the closure cells and globals that held a tensor at the code's first call
+# (a first look per code object, as for modules) are noted at the original pass by weak reference,
+# and a replay that would read another tensor there (or none, or a place that held none now holding
+# one) is refused. Weak references, not ids: a mask made in each iteration is freed when the next
+# takes its name, and a new tensor may take its id; one freed since cannot be the one there now. A
+# cell holding None at the first call is looked at too (`prev = None` before a loop that sets `prev
+# = h`). Not seen: a place holding anything else at the code's first call; a tensor reached through
+# an attribute or a container (`self.cache`, `masks[i]`: the index is NOTE [an index rebound before
+# the replay]), a tensor changed in place (the saved-input checks' business).
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # NOTE [the check's cost]: every call of a plain function whose code held a module notes its
 # places, so the call notes ids and classes only; the words of a refusal (the variable's name,
@@ -254,8 +252,9 @@ def _short(value: Any, /) -> str:
 def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> None:
     """Refuse the replay of ``fn`` (given to ``what``) when a module it held at its original
     pass is no longer the one it holds, a place that held none then holds one now, or an index
-    it subscripts with holds another value (NOTE [a module rebound before the replay], NOTE [an
-    index rebound before the replay])."""
+    it subscripts with holds another value, or a tensor it closes over is another one (NOTE [a
+    module rebound before the replay], NOTE [an index rebound before the replay], NOTE [a
+    tensor rebound before the replay])."""
     places, noted, indices, values, tensors, refs = bound
     called = _unwrap(fn)[0]
     now = _values_now(called, places)  # the places noted: plain_state may drop its own look
