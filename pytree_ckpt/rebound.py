@@ -214,7 +214,7 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
     names = tuple(n for n in globals_read(code)
                   if isinstance(dict.get(space, n), nn.Module)) if space else ()
     tensors = (tuple(i for i, cell in enumerate(closure)
-                     if isinstance(cell_contents(cell), _Tensor)),
+                     if isinstance(value := cell_contents(cell), _Tensor) or value is None),
                tuple(n for n in globals_read(code)
                      if isinstance(dict.get(space, n), _Tensor)) if space else ())
     return _note(fn, (tuple(range(len(closure))), names), index_places(code), tensors)

@@ -170,6 +170,21 @@ def test_an_output_discard_closing_over_the_loop_tensor_is_refused() -> None:
     assert "CheckpointWithoutOutput.checkpoint" in words and "closure variable 'e'" in words
 
 
+def test_an_output_discard_whose_cell_held_none_and_holds_a_tensor_at_its_rebuild_is_refused(
+        ) -> None:
+    # Guards against: the discard's rebuild computing with a tensor where its forward read
+    # None (`prev` set after the call).
+    shared = _shared()
+    x = torch.randn(2, 4, requires_grad=True)
+    prev: torch.Tensor | None = None
+    ckpt = CheckpointWithoutOutput()
+    h = ckpt.checkpoint(lambda t: torch.tanh(shared(t if prev is None else t + prev)), x) * 2
+    ckpt.discard_output_and_register_recompute(h)
+    prev = x * 3
+    with pytest.raises(CheckpointError, match="closure variable 'prev' held no tensor"):
+        h.square().sum().backward()
+
+
 def test_a_code_holding_no_tensor_is_still_looked_at_once_and_one_holding_one_every_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Guards against: the tensor check costing every plain function a look at each call
