@@ -150,6 +150,14 @@ def _place_name(fn: Any, places: _Places, k: int, /) -> str:
     return f"closure variable {free[i]!r}" if i < len(free) else "a closure variable"
 
 
+def _words(fn: Any, called: Any, places: _Places, k: int, default: str, /
+           ) -> tuple[str, str, str]:
+    """For a refusal: the function's name, the ``k``-th place's words, and the variable's name
+    for the tip (``default`` where the place has none)."""
+    where = _place_name(called, places, k)
+    return callable_name(fn), where, where.split("'")[1] if "'" in where else default
+
+
 def _describe(ident: int, cls: type | None, /) -> str:
     return "no module" if cls is None else f"{cls.__name__} at {ident:#x}"
 
@@ -263,9 +271,7 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
         if (module is None) if ident == _NO_MODULE else \
                 (module is not None and id(module) == ident):
             continue
-        name = callable_name(fn)
-        where = _place_name(called, places, k)
-        variable = where.split("'")[1] if "'" in where else "layer"
+        name, where, variable = _words(fn, called, places, k, "layer")
         then, now_ = ("no module", "one") if ident == _NO_MODULE else ("one module", "another")
         raise CheckpointError(
             f"the replay of {what}({name}) would run another module: its {where} held "
@@ -285,9 +291,7 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
     for k, (then, value) in enumerate(zip(values, _values_now(called, indices))):
         if then is _NOT_NOTED or (type(value) is type(then) and value == then):
             continue
-        name = callable_name(fn)
-        where = _place_name(called, indices, k)
-        variable = where.split("'")[1] if "'" in where else "i"
+        name, where, variable = _words(fn, called, indices, k, "i")
         raise CheckpointError(
             f"the replay of {what}({name}) would index another element: its {where}, which "
             "its code uses in a subscript's index (or in the name getattr or get_submodule "
@@ -315,9 +319,7 @@ def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[An
         then = None if ref is None else ref()
         if ref is None and not isinstance(value, _Tensor) or then is not None and then is value:
             continue
-        name = callable_name(fn)
-        where = _place_name(called, tensors, k)
-        variable = where.split("'")[1] if "'" in where else "t"
+        name, where, variable = _words(fn, called, tensors, k, "t")
         raise CheckpointError(
             f"the replay of {what}({name}) would compute with another tensor: its {where} "
             f"held {'one tensor' if ref is not None else 'no tensor'} at the original pass "

@@ -29,6 +29,22 @@ def assert_names_both_modules(error: BaseException, where: str, before: nn.Modul
     assert f"{where} = {type(after).__name__} at {id(after):#x}" in got
 
 
+def looks_counted(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The plain functions the boundary calls modules_bound for from now on (a function whose
+    code has nothing to note is skipped after its first call: NOTHING_BOUND)."""
+    import pytree_ckpt.boundary as boundary
+
+    calls: list[Any] = []
+    real = boundary.modules_bound
+
+    def counted(fn: Any) -> Any:
+        calls.append(fn)
+        return real(fn)
+
+    monkeypatch.setattr(boundary, "modules_bound", counted)
+    return calls
+
+
 def _grads(layers: nn.ModuleList, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]
            ) -> list[torch.Tensor]:
     layers.zero_grad(set_to_none=True)

@@ -13,7 +13,7 @@ from torch import nn
 
 from pytree_ckpt import CheckpointError, CheckpointWithoutOutput, checkpoint
 from pytree_ckpt.subscripts import index_places
-from tests.pytree_ckpt.test_rebound import _grads, _layers, _logged
+from tests.pytree_ckpt.test_rebound import _grads, _layers, _logged, looks_counted
 
 
 def _assert_names_both_values(error: BaseException, where: str, then: object,
@@ -279,16 +279,7 @@ def test_a_code_with_nothing_to_note_is_looked_at_once_and_one_with_an_index_at_
     # Guards against: the index check costing every plain function's call its look (NOTHING_BOUND
     # in rebound.py: about 7,000 instructions a call), or a code with a late index being skipped
     # after its first call.
-    import pytree_ckpt.boundary as boundary
-
-    calls: list[Any] = []
-    real = boundary.modules_bound
-
-    def counted(fn: Any) -> Any:
-        calls.append(fn)
-        return real(fn)
-
-    monkeypatch.setattr(boundary, "modules_bound", counted)
+    calls = looks_counted(monkeypatch)
     layers = list(_layers())
     x = torch.randn(2, 4, requires_grad=True)
     for i in range(3):

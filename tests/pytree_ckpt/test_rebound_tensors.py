@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pytree_ckpt import CheckpointError, CheckpointWithoutOutput, checkpoint
+from tests.pytree_ckpt.test_rebound import looks_counted
 
 
 def _shared() -> nn.Linear:
@@ -189,16 +190,7 @@ def test_a_code_holding_no_tensor_is_still_looked_at_once_and_one_holding_one_ev
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Guards against: the tensor check costing every plain function a look at each call
     # (NOTHING_BOUND), or a code closing over a tensor being skipped after its first call.
-    import pytree_ckpt.boundary as boundary
-
-    calls: list[Any] = []
-    real = boundary.modules_bound
-
-    def counted(fn: Any) -> Any:
-        calls.append(fn)
-        return real(fn)
-
-    monkeypatch.setattr(boundary, "modules_bound", counted)
+    calls = looks_counted(monkeypatch)
     x = torch.randn(2, 4, requires_grad=True)
     for e in _embeds():
         checkpoint(lambda t: t * 2, x)
