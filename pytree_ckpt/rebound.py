@@ -5,6 +5,7 @@ rebound before the replay], NOTE [a tensor rebound before the replay]).
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
 import weakref
@@ -76,9 +77,11 @@ _Tensor = torch.Tensor
 # one) is refused. Weak references, not ids: a mask made in each iteration is freed when the next
 # takes its name, and a new tensor may take its id; one freed since cannot be the one there now. A
 # cell holding None at the first call is looked at too (`prev = None` before a loop that sets `prev
-# = h`). Not seen: a place holding anything else at the code's first call; a tensor reached through
-# an attribute or a container (`self.cache`, `masks[i]`: the index is NOTE [an index rebound before
-# the replay]), a tensor changed in place (the saved-input checks' business).
+# = h`). A place the function assigns itself (`nonlocal stats; stats = ...`, a `global`) is not
+# taken: its original pass set it, and its replay sets it again. Not seen: a place holding anything
+# else at the code's first call; a tensor reached through an attribute or a container
+# (`self.cache`, `masks[i]`: the index is NOTE [an index rebound before the replay]), a tensor
+# changed in place (the saved-input checks' business).
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # NOTE [the check's cost]: every call of a plain function whose code held a module notes its
 # places, so the call notes ids and classes only; the words of a refusal (the variable's name,
@@ -105,23 +108,54 @@ _NO_PLACES: _Places = ((), ())
 # skips modules_bound for them, one dict lookup a call (modules_bound would cost about 7,000
 # callgrind instructions, 1% of `checkpoint(lambda h: h * 2, x)` and its backward, 631,000).
 NOTHING_BOUND: dict[int, Any] = {}
-# By id(code): (code, the closure cells and globals holding a tensor at its first call).
+# By id(code): (code, the closure cells and globals holding a tensor at its first call), and
+# (code, the names it writes); the codes held so their ids are not reused.
 _TENSOR_PLACES: dict[int, tuple[Any, _Places]] = {}
+_WRITTEN: dict[int, tuple[Any, frozenset[str]]] = {}
+_WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL", "DELETE_GLOBAL"})
+
+
+def _written(code: Any, /) -> frozenset[str]:
+    """The closure variables and globals ``code`` (or a code it makes) assigns or deletes
+    (``nonlocal stats; stats = ...``): the function sets them itself, and the replay sets them
+    again, so they are not read late (NOTE [a tensor rebound before the replay])."""
+    entry = _WRITTEN.get(id(code))
+    if entry is None:
+        names: set[str] = set()
+        stack = [code]
+        while stack:
+            one = stack.pop()
+            if not isinstance(one, types.CodeType):
+                continue
+            names.update(i.argval for i in dis.get_instructions(one) if i.opname in _WRITES)
+            stack.extend(c for c in one.co_consts if isinstance(c, types.CodeType))
+        entry = _WRITTEN[id(code)] = (code, frozenset(names))
+    return entry[1]
+
+
+def _tensor_cells(fn: Any, code: Any, /) -> _Places:
+    """The closure cells holding a tensor or None now, and the globals holding a tensor, that
+    ``code`` does not write itself."""
+    closure = getattr(fn, "__closure__", None) or ()
+    space = globals_of(fn)
+    written = _written(code)
+    free = getattr(code, "co_freevars", ())
+    # A cell holding None may hold a tensor at later calls (`prev = None` before a loop that
+    # sets `prev = h`); a global not there reads as None too (a builtin): not those.
+    return (tuple(i for i, cell in enumerate(closure)
+                  if (isinstance(value := cell_contents(cell), _Tensor) or value is None)
+                  and not (i < len(free) and free[i] in written)),
+            tuple(n for n in globals_read(code)
+                  if isinstance(dict.get(space, n), _Tensor) and n not in written)
+            if space else ())
 
 
 def _tensor_places(fn: Any, code: Any, /) -> _Places:
-    """The closure cells and globals of ``fn`` that held a tensor at its code's first call
-    (NOTE [a tensor rebound before the replay])."""
+    """The places of _tensor_cells at ``code``'s first call (NOTE [a tensor rebound before
+    the replay])."""
     entry = _TENSOR_PLACES.get(id(code))
     if entry is None:
-        closure = getattr(fn, "__closure__", None) or ()
-        space = globals_of(fn)
-        # A cell holding None may hold a tensor at later calls (`prev = None` before a loop
-        # that sets `prev = h`); a global not there reads as None too (a builtin): not those.
-        places = (tuple(i for i, cell in enumerate(closure)
-                        if isinstance(value := cell_contents(cell), _Tensor) or value is None),
-                  tuple(n for n in globals_read(code) if isinstance(dict.get(space, n), _Tensor)))
-        entry = _TENSOR_PLACES[id(code)] = (code, places)
+        entry = _TENSOR_PLACES[id(code)] = (code, _tensor_cells(fn, code))
     return entry[1]
 
 
@@ -221,11 +255,8 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
     space = globals_of(fn)
     names = tuple(n for n in globals_read(code)
                   if isinstance(dict.get(space, n), nn.Module)) if space else ()
-    tensors = (tuple(i for i, cell in enumerate(closure)
-                     if isinstance(value := cell_contents(cell), _Tensor) or value is None),
-               tuple(n for n in globals_read(code)
-                     if isinstance(dict.get(space, n), _Tensor)) if space else ())
-    return _note(fn, (tuple(range(len(closure))), names), index_places(code), tensors)
+    return _note(fn, (tuple(range(len(closure))), names), index_places(code),
+                 _tensor_cells(fn, code))
 
 
 def _note(fn: Any, places: _Places, indices: _Places, tensors: _Places, /) -> Bound | None:

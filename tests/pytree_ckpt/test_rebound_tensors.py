@@ -186,6 +186,44 @@ def test_an_output_discard_whose_cell_held_none_and_holds_a_tensor_at_its_rebuil
         h.square().sum().backward()
 
 
+@pytest.mark.parametrize("discard", [False, True])
+def test_a_tensor_the_function_writes_itself_through_nonlocal_is_not_refused(
+        discard: bool) -> None:
+    # Guards against: a false refusal: a function that keeps a statistic in a closure cell it
+    # assigns (`nonlocal stats`, for logging) set it in its original pass, so the cell holds
+    # another tensor by its replay, which sets it again. Eager's gradients, and the cell ends
+    # with the replay's value, equal to the forward's.
+    shared, twin = _shared(), _shared()
+    stats: torch.Tensor | None = None
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        nonlocal stats
+        out = torch.tanh(shared(t))
+        stats = out.detach().abs().mean()
+        return out
+
+    def ours(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                out = ckpt.checkpoint(block, h)
+                h = out * 2
+                ckpt.discard_output_and_register_recompute(h)
+            else:
+                h = checkpoint(block, h) * 2
+        return h
+
+    def eager(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            h = torch.tanh(twin(h)) * 2
+        return h
+
+    got, want = _grads(shared, ours), _grads(twin, eager)
+    assert len(got) == len(want) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert stats is not None
+
+
 def test_a_code_holding_no_tensor_is_still_looked_at_once_and_one_holding_one_every_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Guards against: the tensor check costing every plain function a look at each call
