@@ -76,12 +76,14 @@ _Tensor = torch.Tensor
 # and a replay that would read another tensor there (or none, or a place that held none now holding
 # one) is refused. Weak references, not ids: a mask made in each iteration is freed when the next
 # takes its name, and a new tensor may take its id; one freed since cannot be the one there now. A
-# cell holding None at the first call is looked at too (`prev = None` before a loop that sets `prev
-# = h`). A place the function assigns itself (`nonlocal stats; stats = ...`, a `global`) is not
-# taken: its original pass set it, and its replay sets it again. Not seen: a place holding anything
-# else at the code's first call; a tensor reached through an attribute or a container
-# (`self.cache`, `masks[i]`: the index is NOTE [an index rebound before the replay]), a tensor
-# changed in place (the saved-input checks' business).
+# float is noted the same way, by value (`for scale in scales: h = checkpoint(lambda t: shared(t) *
+# scale, h)`; NaN equal to NaN); not an int, which NOTE [an index rebound before the replay]
+# compares where it indexes. A cell holding None at the first call is looked at too (`prev = None`
+# before a loop that sets `prev = h`). A place the function assigns itself (`nonlocal stats; stats
+# = ...`, a `global`) is not taken: its original pass set it, and its replay sets it again. Not
+# seen: a place holding anything else at the code's first call; a tensor reached through an
+# attribute or a container (`self.cache`, `masks[i]`: the index is NOTE [an index rebound before
+# the replay]), a tensor changed in place (the saved-input checks' business).
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # NOTE [the check's cost]: every call of a plain function whose code held a module notes its
 # places, so the call notes ids and classes only; the words of a refusal (the variable's name,
@@ -113,6 +115,11 @@ NOTHING_BOUND: dict[int, Any] = {}
 _TENSOR_PLACES: dict[int, tuple[Any, _Places]] = {}
 _WRITTEN: dict[int, tuple[Any, frozenset[str]]] = {}
 _WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL", "DELETE_GLOBAL"})
+# What a tensor place may hold and have noted: a tensor (by weak reference), a float (by value,
+# in a 1-tuple: `for scale in scales: h = checkpoint(lambda t: shared(t) * scale, h)`). Not
+# ints: a `layer_idx=i` passed on is no computation (an int index is NOTE [an index rebound
+# before the replay]).
+_NOTED_VALUES = (_Tensor, float)
 
 
 def _written(code: Any, /) -> frozenset[str]:
@@ -134,8 +141,8 @@ def _written(code: Any, /) -> frozenset[str]:
 
 
 def _tensor_cells(fn: Any, code: Any, /) -> _Places:
-    """The closure cells holding a tensor or None now, and the globals holding a tensor, that
-    ``code`` does not write itself."""
+    """The closure cells holding a tensor, a float or None now, and the globals holding a
+    tensor or a float, that ``code`` does not write itself."""
     closure = getattr(fn, "__closure__", None) or ()
     space = globals_of(fn)
     written = _written(code)
@@ -143,10 +150,10 @@ def _tensor_cells(fn: Any, code: Any, /) -> _Places:
     # A cell holding None may hold a tensor at later calls (`prev = None` before a loop that
     # sets `prev = h`); a global not there reads as None too (a builtin): not those.
     return (tuple(i for i, cell in enumerate(closure)
-                  if (isinstance(value := cell_contents(cell), _Tensor) or value is None)
+                  if (isinstance(value := cell_contents(cell), _NOTED_VALUES) or value is None)
                   and not (i < len(free) and free[i] in written)),
             tuple(n for n in globals_read(code)
-                  if isinstance(dict.get(space, n), _Tensor) and n not in written)
+                  if isinstance(dict.get(space, n), _NOTED_VALUES) and n not in written)
             if space else ())
 
 
@@ -277,7 +284,8 @@ def _note(fn: Any, places: _Places, indices: _Places, tensors: _Places, /) -> Bo
     refs: list[Any] = []
     if tensors[0] or tensors[1]:
         for value in _values_now(fn, tensors):
-            refs.append(weakref.ref(value) if isinstance(value, _Tensor) else None)
+            refs.append(weakref.ref(value) if isinstance(value, _Tensor) else
+                        (value,) if isinstance(value, float) else None)
     if not noted and not values and not refs:
         return None
     return places, tuple(noted), indices, tuple(values), tensors, tuple(refs)
@@ -347,6 +355,9 @@ def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[An
     """NOTE [a tensor rebound before the replay]: refuse a replay that would read another
     tensor (or none) where the original pass read one, or one where it read none."""
     for k, (ref, value) in enumerate(zip(refs, _values_now(called, tensors))):
+        if type(ref) is tuple:
+            _refuse_another_float(fn, called, tensors, k, ref[0], value, what)
+            continue
         then = None if ref is None else ref()
         if ref is None and not isinstance(value, _Tensor) or then is not None and then is value:
             continue
@@ -367,3 +378,20 @@ def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[An
             tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
                 f"..., h), or pass it as an argument, checkpoint(fn, h, {variable}), which "
                 "also gives it its gradient")
+
+
+def _refuse_another_float(fn: Any, called: Any, tensors: _Places, k: int, then: float,
+                          value: Any, what: str, /) -> None:
+    """NOTE [a tensor rebound before the replay]: a float the function closes over that holds
+    another value at the replay (NaN equal to NaN)."""
+    if isinstance(value, float) and (value == then or value != value and then != then):
+        return
+    name, where, variable = _words(fn, called, tensors, k, "scale")
+    raise CheckpointError(
+        f"the replay of {what}({name}) would compute with another value: its {where} held "
+        "another float at the original pass (Python closures and globals bind late: a "
+        "function made in a loop reads the loop variable's last value), so the replay would "
+        "compute, and return the gradients of, something else",
+        expected=f"{where} = {then!r} (the original pass's)", got=f"{where} = {_short(value)}",
+        tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
+            f"..., h), or pass it as an argument, checkpoint(fn, h, {variable})")

@@ -224,6 +224,50 @@ def test_a_tensor_the_function_writes_itself_through_nonlocal_is_not_refused(
     assert stats is not None
 
 
+def test_a_shared_layer_scaled_by_the_loop_float_is_refused_and_bound_early_is_eagers() -> None:
+    # Guards against: a late float (a per-depth scale): every replay scaled by the last one,
+    # the gradients another's, silently.
+    shared, twin = _shared(), _shared()
+    scales = [0.5, 1.5, 2.5]
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def late() -> torch.Tensor:
+        h = x
+        for scale in scales:
+            h = checkpoint(lambda t: shared(t) * scale, h)  # noqa: B023
+        return h
+
+    words = _refusal(late)
+    expected, got = words.split("\n  got:")
+    assert "closure variable 'scale' = 1.5 (the original pass's)" in expected
+    assert "closure variable 'scale' = 2.5" in got
+
+    shared = _shared()  # the refused backward accumulated the last call's gradients
+
+    def bound(h: torch.Tensor) -> torch.Tensor:
+        for scale in scales:
+            h = checkpoint(lambda t, scale=scale: shared(t) * scale, h)
+        return h
+
+    def eager(h: torch.Tensor) -> torch.Tensor:
+        for scale in scales:
+            h = twin(h) * scale
+        return h
+
+    got_grads, want = _grads(shared, bound), _grads(twin, eager)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want)) and len(want) == 3
+
+
+def test_a_float_that_holds_nan_at_both_passes_is_not_refused() -> None:
+    # Guards against: NaN compared by ==: a NaN the replay reads again is the same value.
+    shared = _shared()
+    fill = float("nan")
+    x = torch.randn(2, 4, requires_grad=True)
+    out = checkpoint(lambda t: torch.nan_to_num(shared(t) * fill, nan=1.0), x)
+    out.sum().backward()
+    assert x.grad is not None
+
+
 def test_a_code_holding_no_tensor_is_still_looked_at_once_and_one_holding_one_every_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Guards against: the tensor check costing every plain function a look at each call
