@@ -424,7 +424,19 @@ def _augmented(layers: nn.ModuleList, x: torch.Tensor, late: bool) -> torch.Tens
     return x
 
 
-@pytest.mark.parametrize("run", [_in_a_comprehension, _augmented])
+def _in_an_inner_functions_comprehension(layers: nn.ModuleList, x: torch.Tensor, late: bool
+                                         ) -> torch.Tensor:
+    for i in range(3):
+        def block(t: torch.Tensor) -> torch.Tensor:
+            def each(u: torch.Tensor) -> torch.Tensor:
+                return torch.stack([layers[i](r) for r in u])  # noqa: B023
+            return each(t)
+        x = checkpoint(block, x) if late else block(x)
+    return x
+
+
+@pytest.mark.parametrize("run", [_in_a_comprehension, _augmented,
+                                 _in_an_inner_functions_comprehension])
 def test_a_late_index_in_a_comprehension_or_an_augmented_store_is_refused(
         run: Callable[[nn.ModuleList, torch.Tensor, bool], torch.Tensor]) -> None:
     # Guards against (helper CD's finding): a late index the walk does not see, in the code
@@ -453,3 +465,15 @@ def test_a_comprehension_indexing_with_a_default_bound_index_gives_eagers_gradie
     want = _grads(twin, x, lambda t: _in_a_comprehension(twin, t, False))
     assert len(got) == len(want) == 7
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_scripts_top_level_comprehension_indexing_late_is_refused() -> None:
+    # Guards against: the globals a comprehension reads into an index dropped (only its free
+    # variables kept): at a script's top level the loop variable is a global there.
+    space: dict[str, Any] = {"checkpoint": checkpoint, "torch": torch, "layers": _layers(),
+                             "x": torch.randn(2, 4, requires_grad=True)}
+    exec("h = x\nfor i in range(3):\n"
+         "    h = checkpoint(lambda t: torch.stack([layers[i](r) for r in t]), h)\n", space)
+    with pytest.raises(CheckpointError) as caught:
+        space["h"].sum().backward()
+    _assert_names_both_values(caught.value, "global 'i'", 1, 2)
