@@ -203,6 +203,31 @@ def test_a_frame_result_is_filed_under_a_plain_graphs_save_only_while_that_graph
     assert without["replay frame"] - with_graph.get("replay frame", 0) == ids_bytes
 
 
+def test_the_reports_rows_file_a_frame_result_as_its_totals_do_once_the_graph_is_dropped(
+        ) -> None:
+    # Guards against: to_dict()'s rows (and report()'s table) filing the ids under the dropped
+    # graph's save while bytes_by('mechanism') files them under the frame again: the rows
+    # must add up, per mechanism, to the totals beside them.
+    h = torch.randn(5, 8, requires_grad=True)
+    ids = torch.topk(h.detach(), 3, dim=-1).indices
+    the_ids = lambda _: ids  # noqa: E731  (one callable for both passes)
+    reports = []
+    with ActivationCensus() as census:
+        out = checkpoint(lambda t: torch.gather(t, -1, reuse_during_recompute(the_ids, t)), h)
+        graph = torch.gather(h, -1, ids)  # saves ids while it lives
+        reports.append(census.to_dict())
+        del graph
+        reports.append(census.to_dict())
+    out.sum().backward()
+    for report in reports:
+        summed: dict[str, int] = {}
+        for row in report["rows"]:
+            summed[row["mechanism"]] = summed.get(row["mechanism"], 0) + row["bytes"]
+        assert summed == report["by_mechanism"]
+    with_graph, without = (report["by_mechanism"] for report in reports)
+    assert "autograd" in with_graph and "autograd" not in without
+
+
 def test_a_flagged_storage_stays_flagged_however_many_steps_follow() -> None:
     # A census open over a training run drops, in batches, the records nothing holds whose
     # storage is gone (NOTE [records of dead storages] in census.py). A flagged storage is
