@@ -141,19 +141,20 @@ def _written(code: Any, /) -> frozenset[str]:
 
 
 def _tensor_cells(fn: Any, code: Any, /) -> _Places:
-    """The closure cells holding a tensor, a float or None now, and the globals holding a
-    tensor or a float, that ``code`` does not write itself."""
+    """The closure cells and globals holding a tensor, a float or None now that ``code`` does
+    not write itself."""
     closure = getattr(fn, "__closure__", None) or ()
     space = globals_of(fn)
     written = _written(code)
     free = getattr(code, "co_freevars", ())
-    # A cell holding None may hold a tensor at later calls (`prev = None` before a loop that
-    # sets `prev = h`); a global not there reads as None too (a builtin): not those.
+    # A place holding None may hold a tensor at later calls (`prev = None` before a loop that
+    # sets `prev = h`); a global the module lacks (a builtin) is no such place.
     return (tuple(i for i, cell in enumerate(closure)
                   if (isinstance(value := cell_contents(cell), _NOTED_VALUES) or value is None)
                   and not (i < len(free) and free[i] in written)),
             tuple(n for n in globals_read(code)
-                  if isinstance(dict.get(space, n), _NOTED_VALUES) and n not in written)
+                  if (isinstance(value := dict.get(space, n), _NOTED_VALUES) or
+                      value is None and n in space) and n not in written)
             if space else ())
 
 
@@ -362,10 +363,11 @@ def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[An
         if ref is None and not isinstance(value, _Tensor) or then is not None and then is value:
             continue
         name, where, variable = _words(fn, called, tensors, k, "t")
+        now = "none" if not isinstance(value, _Tensor) else "one" if ref is None else "another"
         raise CheckpointError(
             f"the replay of {what}({name}) would compute with another tensor: its {where} "
             f"held {'one tensor' if ref is not None else 'no tensor'} at the original pass "
-            f"and holds {'another' if isinstance(value, _Tensor) else 'none'} now (Python "
+            f"and holds {now} now (Python "
             "closures and globals bind late: a function made in a loop reads the loop "
             "variable's last value, and one that reads the name the call's output is "
             "assigned to reads that output), so the replay would compute, and return the "
@@ -392,6 +394,8 @@ def _refuse_another_float(fn: Any, called: Any, tensors: _Places, k: int, then: 
         "another float at the original pass (Python closures and globals bind late: a "
         "function made in a loop reads the loop variable's last value), so the replay would "
         "compute, and return the gradients of, something else",
-        expected=f"{where} = {then!r} (the original pass's)", got=f"{where} = {_short(value)}",
+        expected=f"{where} = {then!r} (the original pass's)",
+        got=f"{where} = " + (_tensor_words(value) if isinstance(value, _Tensor)
+                             else _short(value)),
         tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
             f"..., h), or pass it as an argument, checkpoint(fn, h, {variable})")
