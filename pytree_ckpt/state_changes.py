@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import CheckpointError
 from .forward_writes import note_forward_write, written_by_a_forward_since
 from .kernel_written import differs
 from .module_state import ModuleDicts, ever_verified
@@ -444,6 +445,9 @@ class ChangedState:
                   for (d, moved), (_, entries_before) in zip(dicts, entries)]
         try:
             yield
+        except AttributeError as error:
+            _refuse_a_read_of_what_was_taken_out(error, dicts)
+            raise
         finally:
             for (d, entries_before), (on, at_start) in zip(entries, starts):
                 # A change only the replay makes (under `torch.is_grad_enabled()`, which the
@@ -488,6 +492,30 @@ class ChangedState:
             copy.set_(storage, offset, size, stride)
         setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)
         return copy
+
+
+def _refuse_a_read_of_what_was_taken_out(error: AttributeError, dicts: Sequence[Any], /
+                                         ) -> None:
+    """A replay that reads a buffer its original pass registered, without registering it
+    again (registered under a flag the original pass set, `if not self.ready:`): the buffer
+    was taken out for the replay (NOTE [the replay changes copies]), so the read fails; say
+    so, with the fix, instead of torch's bare AttributeError."""
+    words = str(error)
+    for _, moved in dicts:
+        for name, previous in moved or ():
+            if previous is _ABSENT and f"'{name}'" in words:
+                raise CheckpointError(
+                    f"the replay read the buffer {name!r}, which its original pass registered "
+                    "and it did not register again: the replay runs as the forward began, "
+                    "without the buffers the forward registered (so a registration keyed on "
+                    "the buffer's absence registers, and computes, as the forward did), and "
+                    "the flag or attribute that chose to register it was left set",
+                    expected=f"the replay registers {name!r} before reading it, as its "
+                             "forward did",
+                    got=f"AttributeError: {words}",
+                    tip=f"key the registration on the buffer itself (`if {name!r} not in "
+                        f"self._buffers:` or `if not hasattr(self, {name!r}):`) rather than "
+                        "on a separate flag, or register it in __init__") from error
 
 
 def _covers_its_storage(tensor: torch.Tensor, /) -> bool:

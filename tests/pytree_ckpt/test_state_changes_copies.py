@@ -497,13 +497,19 @@ def test_a_buffer_the_forward_registered_that_the_replay_leaves_alone_ends_as_ea
     assert "first" in runs[1][-1][-1]
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="a buffer the forward registered "
-                   "is taken out for the replay (NOTE [the replay changes copies]), but one "
-                   "registered under a Python flag the original pass set is not registered "
-                   "again: the replay's read of it raises torch's AttributeError")
-def test_a_buffer_registered_once_by_a_flag_and_read_gives_eagers_gradients() -> None:
-    runs = _twins(lambda: RegistersOnceByAFlag(reads=True), _trained((8, 4)), steps=2)
-    _assert_same_runs(runs)
+def test_a_buffer_registered_once_by_a_flag_and_read_is_refused_naming_it_and_the_fix(
+        ) -> None:
+    # Helper CG's finding: the buffer the forward registered is taken out for the replay (NOTE
+    # [the replay changes copies]), and the flag the original pass set stops the replay from
+    # registering it again: its read raised torch's bare AttributeError from inside backward.
+    module = RegistersOnceByAFlag(reads=True)
+    pytree_ckpt.apply_activation_checkpointing(module)
+    with pytest.raises(CheckpointError) as caught:
+        module(torch.randn(8, 4)).square().sum().backward()
+    words = str(caught.value)
+    assert "the replay read the buffer 'first', which its original pass registered" in words
+    assert "if 'first' not in self._buffers:" in words
+    assert isinstance(caught.value.__cause__, AttributeError)
 
 
 def test_a_buffer_only_an_output_discards_rebuild_registers_ends_as_eagers() -> None:
