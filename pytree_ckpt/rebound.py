@@ -92,10 +92,11 @@ _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, glo
 # under callgrind 11,500 instructions, and refuse_rebound 9,100, of the 832,000 the call and
 # its backward cost (with the index check and the wrapper's unwrapping: comprehensions cost
 # more, so loops are used, and a plain function leaves _unwrap at its first test). The tensor
-# check (2026-12-04, 200 calls of checkpoint + backward under callgrind, against d0ebc29): a
-# lambda over a Linear 837,200 -> 839,900 instructions a call, one that also closes over a
-# tensor 873,400 -> 883,700 (its weak reference and comparison), `lambda t: t * 2` unchanged
-# within the count's noise (NOTHING_BOUND).
+# check (2026-12-04, 200 calls of checkpoint + backward under callgrind, against d0ebc29, with
+# the float, None-cell and self-assigned-name rules): a lambda over a Linear 839,500 -> 843,400
+# instructions a call, one that also closes over a tensor 870,700 -> 887,500 (its weak
+# reference and comparison), `lambda t: t * 2` unchanged within the count's noise (about 0.3%:
+# NOTHING_BOUND).
 # The module places, per place (id(module) or _NO_MODULE, its class or None), the index places
 # and per place its int or str (_NOT_NOTED for any other value), the tensor places and per
 # place a weak reference to its tensor (None where it held none).
