@@ -71,18 +71,22 @@ _Tensor = torch.Tensor
 # closes over: `for e in embeds: h = checkpoint(lambda t: shared(t + e), h)` (one layer shared by
 # every depth, as MTP's) replays every call with the last `e`, and `h = checkpoint(lambda t: t + h,
 # h)` replays with the call's own output (the name it was assigned to): the weight's gradient is
-# another's, silently. So the closure cells and globals that held a tensor at the code's first call
-# (a first look per code object, as for modules) are noted at the original pass by weak reference,
-# and a replay that would read another tensor there (or none, or a place that held none now holding
-# one) is refused. Weak references, not ids: a mask made in each iteration is freed when the next
-# takes its name, and a new tensor may take its id; one freed since cannot be the one there now. A
-# float is noted the same way, by value (`for scale in scales: h = checkpoint(lambda t: shared(t) *
+# another's, silently. So the closure cells that held a tensor at the code's first call (a first
+# look per code object, as for modules) are noted at the original pass by weak reference, and a
+# replay that would read another tensor there (or none, or a place that held none now holding one)
+# is refused. Weak references, not ids: a mask made in each iteration is freed when the next takes
+# its name, and a new tensor may take its id; one freed since cannot be the one there now. A float
+# is noted the same way, by value (`for scale in scales: h = checkpoint(lambda t: shared(t) *
 # scale, h)`; NaN equal to NaN); not an int, which NOTE [an index rebound before the replay]
 # compares where it indexes. A cell holding None at the first call is looked at too (`prev = None`
-# before a loop that sets `prev = h`). A place the function assigns itself (`nonlocal stats; stats
-# = ...`, a `global`) is not taken: its original pass set it, and its replay sets it again. Not
-# seen: a place holding anything else at the code's first call; a tensor reached through an
-# attribute or a container (`self.cache`, `masks[i]`: the index is NOTE [an index rebound before
+# before a loop that sets `prev = h`). A cell the function assigns before it reads it (`nonlocal
+# stats; stats = ...`) is not taken, nor an index so set: its original pass set it, and its replay
+# sets it again; one it reads first (`out = out * prev; prev = out`) is. Globals are not taken (a
+# documented limit: a top-level script's loop tensor read late is silent): a global cache a helper
+# the function calls builds or rebuilds (`global _mask` in `make_mask`) is set again by the
+# replay's own call, so another tensor there is no late binding, and refusing it refused working
+# code. Not seen: a place holding anything else at the code's first call; a tensor reached through
+# an attribute or a container (`self.cache`, `masks[i]`: the index is NOTE [an index rebound before
 # the replay]), a tensor changed in place (the saved-input checks' business).
 _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, globals by name
 # NOTE [the check's cost]: every call of a plain function whose code held a module notes its
@@ -116,6 +120,8 @@ NOTHING_BOUND: dict[int, Any] = {}
 _TENSOR_PLACES: dict[int, tuple[Any, _Places]] = {}
 _WRITTEN: dict[int, tuple[Any, frozenset[str]]] = {}
 _WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL", "DELETE_GLOBAL"})
+_READS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_GLOBAL", "LOAD_NAME"})
+_LATE_INDICES: dict[int, tuple[Any, _Places]] = {}
 # What a tensor place may hold and have noted: a tensor (by weak reference), a float (by value,
 # in a 1-tuple: `for scale in scales: h = checkpoint(lambda t: shared(t) * scale, h)`). Not
 # ints: a `layer_idx=i` passed on is no computation (an int index is NOTE [an index rebound
@@ -124,39 +130,57 @@ _NOTED_VALUES = (_Tensor, float)
 
 
 def _written(code: Any, /) -> frozenset[str]:
-    """The closure variables and globals ``code`` (or a code it makes) assigns or deletes
-    (``nonlocal stats; stats = ...``): the function sets them itself, and the replay sets them
-    again, so they are not read late (NOTE [a tensor rebound before the replay])."""
+    """The closure variables and globals ``code`` assigns or deletes before it reads them
+    (``nonlocal seq; seq = t.shape[0]``, in instruction order), or that a code it makes
+    assigns: the function sets them itself, and the replay sets them again, so they are not
+    read late. One read first (``out = out * prev; prev = out``) is (NOTE [a tensor rebound
+    before the replay])."""
     entry = _WRITTEN.get(id(code))
     if entry is None:
         names: set[str] = set()
-        stack = [code]
-        while stack:
-            one = stack.pop()
-            if not isinstance(one, types.CodeType):
-                continue
-            names.update(i.argval for i in dis.get_instructions(one) if i.opname in _WRITES)
-            stack.extend(c for c in one.co_consts if isinstance(c, types.CodeType))
+        if isinstance(code, types.CodeType):
+            first: dict[str, bool] = {}  # by name: whether its first access writes it
+            for i in dis.get_instructions(code):
+                if i.opname in _WRITES or i.opname in _READS:
+                    first.setdefault(i.argval, i.opname in _WRITES)
+            names.update(n for n, writes in first.items() if writes)
+            stack = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            while stack:
+                one = stack.pop()
+                names.update(i.argval for i in dis.get_instructions(one)
+                             if i.opname in _WRITES)
+                stack.extend(c for c in one.co_consts if isinstance(c, types.CodeType))
         entry = _WRITTEN[id(code)] = (code, frozenset(names))
     return entry[1]
 
 
+def _late_indices(code: Any, /) -> _Places:
+    """index_places of ``code`` without the names it writes before reading (_written)."""
+    entry = _LATE_INDICES.get(id(code))
+    if entry is None:
+        cells, names = index_places(code)
+        written = _written(code)
+        free = getattr(code, "co_freevars", ())
+        entry = _LATE_INDICES[id(code)] = (code, (
+            tuple(i for i in cells if not (i < len(free) and free[i] in written)),
+            tuple(n for n in names if n not in written)))
+    return entry[1]
+
+
 def _tensor_cells(fn: Any, code: Any, /) -> _Places:
-    """The closure cells and globals holding a tensor, a float or None now that ``code`` does
-    not write itself."""
+    """The closure cells holding a tensor, a float or None now that ``code`` does not write
+    before reading. Not globals: a global cache a helper the function calls builds or rebuilds
+    (`global _mask; _mask = ...` in `make_mask`, called by the function) is set again by the
+    replay's own call, so another tensor there is no late binding (NOTE [a tensor rebound
+    before the replay])."""
     closure = getattr(fn, "__closure__", None) or ()
-    space = globals_of(fn)
     written = _written(code)
     free = getattr(code, "co_freevars", ())
-    # A place holding None may hold a tensor at later calls (`prev = None` before a loop that
-    # sets `prev = h`); a global the module lacks (a builtin) is no such place.
+    # A cell holding None may hold a tensor at later calls (`prev = None` before a loop that
+    # sets `prev = h`).
     return (tuple(i for i, cell in enumerate(closure)
                   if (isinstance(value := cell_contents(cell), _NOTED_VALUES) or value is None)
-                  and not (i < len(free) and free[i] in written)),
-            tuple(n for n in globals_read(code)
-                  if (isinstance(value := dict.get(space, n), _NOTED_VALUES) or
-                      value is None and n in space) and n not in written)
-            if space else ())
+                  and not (i < len(free) and free[i] in written)), ())
 
 
 def _tensor_places(fn: Any, code: Any, /) -> _Places:
@@ -242,7 +266,7 @@ def modules_bound(fn: Any, /) -> Bound | None:
         return None
     held = modules_held(code)
     places = (held[0], held[2]) if held is not None and (held[0] or held[2]) else _NO_PLACES
-    indices = index_places(code)
+    indices = _late_indices(code)
     tensors = _tensor_places(fn, code)
     if held is not None and places is _NO_PLACES and not (indices[0] or indices[1]) and \
             not (tensors[0] or tensors[1]):
@@ -264,7 +288,7 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
     space = globals_of(fn)
     names = tuple(n for n in globals_read(code)
                   if isinstance(dict.get(space, n), nn.Module)) if space else ()
-    return _note(fn, (tuple(range(len(closure))), names), index_places(code),
+    return _note(fn, (tuple(range(len(closure))), names), _late_indices(code),
                  _tensor_cells(fn, code))
 
 

@@ -163,14 +163,6 @@ def test_a_function_closing_over_a_loop_tensor_and_no_module_is_refused() -> Non
         f"{id(embeds[1]):#x} (the original pass's)" in expected
 
 
-def test_a_global_tensor_rebound_at_a_scripts_top_level_is_refused_naming_the_global() -> None:
-    space: dict[str, Any] = {"checkpoint": checkpoint, "shared": _shared(),
-                             "embeds": _embeds(), "x": torch.randn(2, 4, requires_grad=True)}
-    exec("h = x\nfor e in embeds:\n    h = checkpoint(lambda t: shared(t + e), h)\n", space)
-    with pytest.raises(CheckpointError, match="its global 'e' held one tensor"):
-        space["h"].sum().backward()
-
-
 def test_an_output_discard_closing_over_the_loop_tensor_is_refused() -> None:
     # Guards against: the discard's rebuild computing with the loop's last tensor.
     shared, embeds = _shared(), _embeds()
@@ -358,19 +350,6 @@ def test_a_place_holding_a_float_at_a_later_call_is_refused_when_its_replay_read
         in got
 
 
-def test_an_output_discard_at_a_scripts_top_level_reading_the_loop_tensor_is_refused() -> None:
-    # Guards against: the discard noting only closure cells: a global tensor rebound before
-    # its rebuild (a script's top-level loop) would give the last tensor to every rebuild.
-    space: dict[str, Any] = {"CheckpointWithoutOutput": CheckpointWithoutOutput, "torch": torch,
-                             "shared": _shared(), "embeds": _embeds(),
-                             "x": torch.randn(2, 4, requires_grad=True)}
-    exec("h, kept = x, []\nfor e in embeds:\n    ckpt = CheckpointWithoutOutput()\n"
-         "    h = ckpt.checkpoint(lambda t: torch.tanh(shared(t + e)), h) * 2\n"
-         "    ckpt.discard_output_and_register_recompute(h)\n    kept.append(ckpt)\n", space)
-    with pytest.raises(CheckpointError, match="its global 'e' held one tensor"):
-        space["h"].square().sum().backward()
-
-
 def _decorated(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
     @functools.wraps(fn)
     def wrapper(*args: Any) -> torch.Tensor:
@@ -424,22 +403,98 @@ def test_a_cell_holding_none_at_a_discards_or_decorated_functions_call_is_refuse
     _eager_or_refused(ours, "closure variable 'prev' = no tensor (the original pass's)")
 
 
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the late-binding row): "
+                   "globals are not compared for tensors, since a helper the function calls may "
+                   "build or rebuild a global cache that the replay's own call sets again")
 @pytest.mark.parametrize("discard", [False, True])
-def test_a_global_holding_none_at_the_first_call_and_a_tensor_later_is_refused(
-        discard: bool) -> None:
-    # Helper CG's finding: a global holding None was skipped as one the module lacks (a
-    # builtin reads as None too); `n in globals` tells them apart.
+def test_a_global_tensor_rebound_at_a_scripts_top_level_is_refused(discard: bool) -> None:
     call = ("ckpt = CheckpointWithoutOutput(); kept.append(ckpt)\n"
-            "    h = ckpt.checkpoint(f, h) * 2; ckpt.discard_output_and_register_recompute(h)"
-            if discard else "h = checkpoint(f, h) * 2")
+            "    h = ckpt.checkpoint(lambda t: torch.tanh(shared(t + e)), h) * 2\n"
+            "    ckpt.discard_output_and_register_recompute(h)"
+            if discard else "h = checkpoint(lambda t: torch.tanh(shared(t + e)), h) * 2")
+    space: dict[str, Any] = {"checkpoint": checkpoint, "CheckpointWithoutOutput":
+                             CheckpointWithoutOutput, "torch": torch, "shared": _shared(),
+                             "embeds": _embeds(), "x": torch.randn(2, 4, requires_grad=True)}
+    exec(f"h, kept = x, []\nfor e in embeds:\n    {call}\n", space)
+    with pytest.raises(CheckpointError, match="its global 'e'"):
+        space["h"].square().sum().backward()
 
-    def ours(shared: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        space: dict[str, Any] = {"checkpoint": checkpoint, "CheckpointWithoutOutput":
-                                 CheckpointWithoutOutput, "torch": torch, "shared": shared,
-                                 "bias": _embeds()[0], "x": x}
-        exec("h, prev, kept = x, None, []\nfor _ in range(3):\n"
-             "    f = lambda t: torch.tanh(shared(t if prev is None else t + prev))\n"
-             f"    {call}\n    prev = bias\n", space)
-        return space["h"]
 
-    _eager_or_refused(ours, "global 'prev' = no tensor (the original pass's)")
+_table: torch.Tensor | None = None
+
+
+def _init_table(n: int) -> None:
+    global _table
+    if _table is None or _table.shape[-1] != n:
+        _table = torch.linspace(0.5, 1.5, n)
+
+
+def _reads_a_global_its_helper_builds(layer: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    _init_table(t.shape[-1])
+    assert _table is not None
+    return torch.tanh(layer(t)) * _table[: t.shape[-1]]
+
+
+def test_a_global_cache_a_helper_builds_or_rebuilds_gives_eagers_gradients() -> None:
+    # Reviewer CI's finding: a global the function's helper fills lazily (`global _table` in
+    # `_init_table`) held None at the first call and a tensor at the replay, and was refused;
+    # rebuilt for another length by a later call before an earlier call's replay, it was
+    # refused as freed. The replay calls the helper again and reads what the forward read.
+    global _table
+    widths = (4, 6)
+    grads = []
+    for wrapped in (False, True):
+        _table = None
+        torch.manual_seed(0)
+        layers = [nn.Linear(w, w) for w in widths]
+        xs = [torch.randn(2, w, requires_grad=True) for w in widths]
+        outs = [checkpoint(_reads_a_global_its_helper_builds, layer, x) if wrapped
+                else _reads_a_global_its_helper_builds(layer, x)
+                for layer, x in zip(layers, xs)]
+        sum(o.square().sum() for o in outs).backward()
+        grads.append([*(x.grad for x in xs), *(p.grad for layer in layers
+                                                for p in layer.parameters())])
+    assert len(grads[0]) == len(grads[1]) == 6
+    assert all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_cell_the_function_reads_before_it_writes_it_is_refused() -> None:
+    # Reviewer CI's finding: `nonlocal prev; out = out * prev; prev = out.detach()` reads the
+    # value the forward (or a later call) left: the exemption for names the function sets
+    # itself must not cover a name it reads first.
+    shared = _shared()
+    x = torch.randn(2, 4, requires_grad=True)
+    prev: torch.Tensor | None = None
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        nonlocal prev
+        out = torch.tanh(shared(t))
+        if prev is not None:
+            out = out * prev
+        prev = out.detach()
+        return out
+
+    def run() -> torch.Tensor:
+        h = x
+        for _ in range(3):
+            h = checkpoint(block, h)
+        return h
+
+    assert "closure variable 'prev'" in _refusal(run)
+
+
+def test_an_index_the_function_sets_before_reading_it_is_not_refused() -> None:
+    # Reviewer CI's finding: `nonlocal seq; seq = t.shape[0]; ... table[:seq]` sets the index
+    # at each call, the replay's too: no late binding, eager's gradients.
+    shared, twin = _shared(), _shared()
+    table = torch.linspace(0.5, 1.5, 8).reshape(8, 1)
+    seq = 0
+
+    def block(layer: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        nonlocal seq
+        seq = t.shape[0]
+        return torch.tanh(layer(t)) * table[:seq]
+
+    got = _grads(shared, lambda h: checkpoint(block, shared, checkpoint(block, shared, h)))
+    want = _grads(twin, lambda h: block(twin, block(twin, h)))
+    assert len(got) == len(want) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
