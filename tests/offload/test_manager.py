@@ -671,6 +671,29 @@ def test_the_census_does_not_count_a_shared_input_whose_device_storage_is_gone()
     assert census.total_bytes == 0
 
 
+def test_the_census_flags_a_shared_input_the_caller_keeps_as_a_copy_that_saved_nothing() -> None:
+    # The table the caller keeps is copied by the first window; the later boundaries report it
+    # as their input, and what holds it for their backward is that copy, not the boundary:
+    # once the copy lets go it is flagged (under the first layer), as stats() counts it alive
+    # elsewhere, not filed as a boundary input resident on the device.
+    m = manager()
+    layers = offloaded_stack(m, 3, Biased)
+    x = torch.randn(4, 32, requires_grad=True).clone()
+    with pytree_ckpt.ActivationCensus(layers) as census:
+        bias = torch.randn(4, 32)  # kept by the test to the end
+        h = x
+        for layer in layers:
+            h = layer(h, bias)
+        del x
+    m.stats()  # lets go of the last window too
+    per = bias.untyped_storage().nbytes()
+    assert census.bytes_by("mechanism") == {"offloaded to host": 4 * size_class(per)}
+    assert [(f["module"], f["bytes"]) for f in census.flagged()] == [("0", per)]
+    h.sum().backward()
+    assert m.stats()["alive_elsewhere_bytes"] == per
+    assert [f["bytes"] for f in census.flagged()] == [per]
+
+
 def test_a_reused_storage_the_caller_keeps_is_still_counted_as_alive_elsewhere() -> None:
     # NOTE [reuse at the turn] (window.py): backward takes the last window's device bytes as they
     # are, so whether something else kept them is known only once backward is done with them.
