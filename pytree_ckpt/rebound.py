@@ -397,9 +397,10 @@ def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[An
             "variable's last value, and one that reads the name the call's output is "
             "assigned to reads that output), so the replay would compute, and return the "
             "gradients of, something else",
-            expected=f"{where} = " + ("no tensor" if ref is None else "a tensor freed since"
-                                      if then is None else _tensor_words(then))
-                     + " (the original pass's)",
+            expected=f"{where} = " + ("the original pass's tensor, freed since" if
+                                      ref is not None and then is None else
+                                      ("no tensor" if ref is None else _tensor_words(then))
+                                      + " (the original pass's)"),
             got=f"{where} = " + (_tensor_words(value) if isinstance(value, _Tensor)
                                  else repr(value)[:60]),
             tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
