@@ -115,8 +115,9 @@ _NO_PLACES: _Places = ((), ())
 # skips modules_bound for them, one dict lookup a call (modules_bound would cost about 7,000
 # callgrind instructions, 1% of `checkpoint(lambda h: h * 2, x)` and its backward, 631,000).
 NOTHING_BOUND: dict[int, Any] = {}
-# By id(code): (code, the closure cells and globals holding a tensor at its first call), and
-# (code, the names it writes); the codes held so their ids are not reused.
+# By id(code): (code, the closure cells holding a tensor, a float or None at its first call),
+# (code, the names it writes before reading), and (code, its late index places): the codes held
+# so their ids are not reused.
 _TENSOR_PLACES: dict[int, tuple[Any, _Places]] = {}
 _WRITTEN: dict[int, tuple[Any, frozenset[str]]] = {}
 _WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL", "DELETE_GLOBAL"})
@@ -277,9 +278,10 @@ def modules_bound(fn: Any, /) -> Bound | None:
 
 def modules_bound_now(fn: Any, /) -> Bound | None:
     """For a caller without plain_state.py's first look (output discard): every closure cell
-    of ``fn`` (a module, or none), the globals its code reads that hold a module now and the
-    indices its code subscripts with; ``None`` when there are none (NOTE [a module rebound
-    before the replay])."""
+    of ``fn`` (a module, or none), the globals its code reads that hold a module now, the
+    indices its code subscripts with and the cells holding a tensor, a float or None now;
+    ``None`` when there are none (NOTE [a module rebound before the replay], NOTE [a tensor
+    rebound before the replay])."""
     fn = _unwrap(fn)[0]
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -402,7 +404,7 @@ def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[An
                                       ("no tensor" if ref is None else _tensor_words(then))
                                       + " (the original pass's)"),
             got=f"{where} = " + (_tensor_words(value) if isinstance(value, _Tensor)
-                                 else repr(value)[:60]),
+                                 else _short(value)),
             tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
                 f"..., h), or pass it as an argument, checkpoint(fn, h, {variable}), which "
                 "also gives it its gradient")
