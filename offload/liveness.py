@@ -7,6 +7,14 @@ that forward is over is held by something else, and its copy saved no device mem
 module keeps the storages let go while alive (``suspect``), and judges them when the manager
 says the forward is over (``judge_all``): those still alive count as ``alive_elsewhere_bytes``,
 those output discard freed in place as ``discarded_bytes``.
+
+NOTE [verdicts are taken at three points]: the manager calls ``judge_all`` when a backward
+begins (a pass's first restore), when a new pass opens, and at ``stats()``; not at every
+unpack. A storage whose pass is over but which is let go before the next of those points is
+not counted (a micro-batch's forward run inside another's backward, its inputs kept only until
+that backward ends: tests/offload/test_stats.py). So the count does not depend on how many
+tensors a window saved or the order autograd unpacks them, and an unpack costs no walk over
+the suspects. docs/offload.md's ``alive_elsewhere_bytes`` row says the same.
 """
 
 from __future__ import annotations

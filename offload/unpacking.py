@@ -54,7 +54,7 @@ def unpack_handle(manager: OffloadManager, packed: Handle, /) -> torch.Tensor:
     manager._prefetch.run(ahead)
     if manager._pending:
         manager._pending.let_go(manager.engine, lane, pass_, force_before=sys.maxsize)
-    if manager._liveness and restore_now:
+    if manager._liveness and restore_now:  # NOTE [verdicts are taken at three points]
         manager._liveness.judge_all()
     copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
     manager.engine.wait(copy.h2d_event)

@@ -127,6 +127,45 @@ def test_layer_inputs_kept_past_the_next_forward_count_as_alive_elsewhere_when_i
     assert m.stats()["alive_elsewhere_bytes"] == 3 * per
 
 
+@pytest.mark.parametrize("kept_through_stats", [False, True])
+def test_a_micro_batch_run_inside_a_backward_is_judged_at_stats_not_at_the_next_unpack(
+        kept_through_stats: bool) -> None:
+    # Guards against: judging at every unpack (NOTE [verdicts are taken at three points] in
+    # liveness.py). A hook in pass A's backward runs pass B's forward, keeps B's layer inputs
+    # as detached aliases and drops B's graph; A's backward then only unpacks prefetched
+    # windows. The caller lets the aliases go before stats(): not counted (at stats() they are
+    # gone; no backward began and no pass opened while they lived). Kept through stats(): B's
+    # three inputs are counted, on top of A's first input (the caller's x), counted when A's
+    # backward began.
+    m = manager()
+    layers_a, layers_b = offloaded_stack(m, 4), offloaded_stack(m, 3)
+    x = torch.randn(8, 32, requires_grad=True)
+    per = x.untyped_storage().nbytes()
+    kept: list[torch.Tensor] = []
+    h = x
+    for i, layer in enumerate(layers_a):
+        h = layer(h)
+        if i == 1:
+            h.register_hook(lambda grad: kept.extend(run_b()))
+
+    def run_b() -> list[torch.Tensor]:
+        inputs = []
+        with torch.enable_grad():
+            hb = torch.randn(8, 32, requires_grad=True)
+            for layer in layers_b:
+                inputs.append(hb.detach())
+                hb = layer(hb)
+        return inputs  # hb, B's graph, goes here: B's pass is over
+
+    h.sum().backward()
+    assert m.events() == [("restore", 3), ("prefetch", 2), ("prefetch_hit", 2),
+                          ("prefetch", 1), ("prefetch_hit", 1), ("prefetch", 0),
+                          ("prefetch_hit", 0)]  # no restore after the hook: no verdicts
+    if not kept_through_stats:
+        kept.clear()
+    assert m.stats()["alive_elsewhere_bytes"] == (4 if kept_through_stats else 1) * per
+
+
 def test_a_window_saved_several_times_counts_one_prefetch_hit() -> None:
     # Guards against: _unpack no longer discards the window from ``prefetched`` at its first
     # unpack, so every later unpack of a prefetched window counts (and logs) another hit.
