@@ -16,6 +16,7 @@ from torch import nn
 from .changed_in_place import ParameterVersions
 from .errors import ReplayMismatchError, validate_bool
 from .forward_modules import ForwardModules
+from .forward_numbers import ChangedNumbers
 from .frames import Frame
 from .hook_outputs import HookedOutputs
 from .keep import KeepPolicy
@@ -65,8 +66,9 @@ class BoundaryCall:
                  "in_shared", "n_inputs", "params", "owner", "out_spec", "out_leaves",
                  "out_tensor_index", "out_meta", "frame", "env", "original_call", "reported",
                  "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
-                 "changed_state", "modules", "forward_modules", "hooked", "hooked_outputs",
-                 "held", "subclasses", "switches", "inference", "saved_versions",
+                 "changed_state", "changed_numbers", "numbers_saved", "modules",
+                 "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
+                 "switches", "inference", "saved_versions",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
@@ -125,6 +127,10 @@ class BoundaryCall:
         # What the original pass changed of the modules' state (NOTE [state the forward
         # changes] in state_changes.py); None when it changed nothing.
         self.changed_state: ChangedState | None = None
+        # And of their plain numbers and flags (NOTE [numbers and flags as the forward began]
+        # in forward_numbers.py).
+        self.changed_numbers: ChangedNumbers | None = None
+        self.numbers_saved = False  # saved before the forward: the replay's own changes stay
         # For a plain function whose original pass changed the buffers of modules it reaches:
         # their watch, for the replay (NOTE [state a plain function changes] in plain_state.py).
         self.plain_state: PlainStateWatch | None = None

@@ -21,6 +21,7 @@ from .changed_in_place import (ParameterVersions, raise_input_changed,
                                refuse_parameters_changed)
 from .compiled_layers import recompile_limit_note
 from .forward_modules import ForwardModules
+from .forward_numbers import NumbersWatch
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode
@@ -83,12 +84,17 @@ class _BoundaryFunction(torch.autograd.Function):
         # NOTE [state the forward changes] (state_changes.py); a tree with no buffer nor frozen
         # parameter (the usual layer) needs no watch: only a registration can happen there,
         # looked for after the call (registered_state).
+        wanted = call.owner is not None and call.modules is not None and \
+            snapshots_wanted(call.owner)
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
-                           snapshot=snapshots_wanted(call.owner),
-                           compare=not ever_verified(call.owner),
+                           snapshot=wanted, compare=not ever_verified(call.owner),
                            written=remembered(call.modules[0])) \
             if call.owner is not None and call.modules is not None and \
             (call.frozen or any(call.buffer_dicts)) else None
+        # NOTE [numbers and flags as the forward began] (forward_numbers.py)
+        numbers = NumbersWatch([*(m.__dict__ for m in call.modules[0]),
+                                *(d for tree in call.modules[1] for d in tree.submodules)]) \
+            if wanted and call.modules is not None else None
         token = ACTIVE.set(invocation)
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
@@ -141,6 +147,12 @@ class _BoundaryFunction(torch.autograd.Function):
                 remember(call.modules[0], watch.kernel_written)
             if call.changed_state is not None and call.changed_state.changes:
                 assert call.owner is not None  # a watch has one, and buffer dicts
+                mark_stateful(call.owner)
+        if numbers is not None:
+            call.numbers_saved = True
+            call.changed_numbers = numbers.changed()
+            if call.changed_numbers is not None:
+                assert call.owner is not None  # wanted
                 mark_stateful(call.owner)
         if call.modules is not None:
             if call.options.preserve_rng_state:  # NOTE [generators held as attributes]

@@ -67,6 +67,7 @@ from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_f
 from .eager import DISCARD_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
 from .forward_modules import ForwardModules
+from .forward_numbers import ChangedNumbers
 from .frames import callable_name
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
@@ -154,6 +155,9 @@ class CheckpointWithoutOutput:
         self.state: tuple[list[dict[str, torch.Tensor | None]], list[torch.Tensor],
                           list[ModuleDicts]] | None = None
         self.changed_state: ChangedState | None = None
+        # And of their plain numbers and flags (NOTE [numbers and flags as the forward began]
+        # in forward_numbers.py), for the rebuild.
+        self.changed_numbers: ChangedNumbers | None = None
 
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` under no-grad; inputs saved through autograd; returns its
@@ -385,6 +389,8 @@ class CheckpointWithoutOutput:
                 stack.enter_context(self.forward_modules.reinstated(changes))
             if self.changed_state is not None:  # NOTE [discard lifetimes] 5
                 stack.enter_context(self.changed_state.on_copies())
+            if self.changed_numbers is not None:  # NOTE [numbers and flags as the forward began]
+                stack.enter_context(self.changed_numbers.as_forward_began())
             args = []
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
                 if not is_tensor:
@@ -398,7 +404,7 @@ class CheckpointWithoutOutput:
             outputs = self.fn(*args, **self.kwargs)
         # One replay per forward: the buffers' snapshots served it (freed now, as the census
         # reads them: module state, held until the outputs are rebuilt and handed over).
-        self.changed_state = None
+        self.changed_state = self.changed_numbers = None
         if watched is not None and param_before is not None:  # its own moves, counted
             assert self.params is not None
             watched.replayed(self.params, param_before)

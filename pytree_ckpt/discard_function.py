@@ -27,6 +27,7 @@ from .discard_aliases import made_outside
 from .discard_refusals import refuse_input_changed, refuse_output
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
+from .forward_numbers import NumbersWatch
 from .held_generators import held_generators
 from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaves, module_dicts
@@ -79,10 +80,16 @@ class DiscardFunction(torch.autograd.Function):
         roots = owner.modules or []
         watch = StateWatch(*owner.state, snapshot=True, compare=not compared(roots),
                            written=remembered(roots)) if owner.state is not None else None
+        # NOTE [numbers and flags as the forward began] (forward_numbers.py), at each call too.
+        numbers = NumbersWatch([*(m.__dict__ for m in roots),
+                                *(d for tree in owner.state[2] for d in tree.submodules)]) \
+            if owner.state is not None else None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
         with torch.no_grad(), IsolatedPass():
             outputs = owner.fn(*args, **owner.kwargs)
+        if numbers is not None:
+            owner.changed_numbers = numbers.changed()
         moved = [i for i, (now, version) in enumerate(zip(versions(tensors), input_versions))
                  if now != version] if tensors else []
         if moved:

@@ -85,7 +85,8 @@ class _FirstReplay:
         owner = self.modules[0]
         warn_stacked_checkpointing(owner, call.fn)
         warn_stored_scalars(owner, self.modules, self.dicts, self.tensors)
-        warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
+        if not call.numbers_saved:  # else a number the replay changes is its own change
+            warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
 
 
 def used_by_this_backward(edges: tuple[tuple[Any, int], ...], wanted: list[int]
@@ -193,13 +194,17 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # NOTE [state a plain function changes] in plain_state.py
             plain = call.plain_state.before_replay() if call.plain_state is not None else None
             if not (shadow or call.attributes or call.options.keep is not None or
-                    call.hooked_outputs is not None or call.changed_state is not None):
+                    call.hooked_outputs is not None or call.changed_state is not None or
+                    call.changed_numbers is not None):
                 output = call.fn(*args, **kwargs)  # the usual case, with no context more
             else:
                 with ExitStack() as stack:
                     if call.changed_state is not None:
                         # NOTE [the replay changes copies] in state_changes.py
                         stack.enter_context(call.changed_state.on_copies())
+                    if call.changed_numbers is not None:
+                        # NOTE [numbers and flags as the forward began] (forward_numbers.py)
+                        stack.enter_context(call.changed_numbers.as_forward_began())
                     if shadow:
                         # Shadow an ambient hook (offload, census): the replay's short-lived
                         # graph is not theirs to see. Only then: the hooks cost ~1 us per saved

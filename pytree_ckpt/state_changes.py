@@ -497,7 +497,9 @@ class ChangedState:
 def _refuse_a_read_of_what_was_taken_out(error: AttributeError, dicts: Sequence[Any], /
                                          ) -> None:
     """A replay that reads a buffer its original pass registered, without registering it
-    again (registered under a flag the original pass set, `if not self.ready:`): the buffer
+    again (registered under a flag the original pass set, `if not self.ready:`, where the
+    flag was not saved before the forward: its first change came after the layer's first
+    replay, NOTE [numbers and flags as the forward began] in forward_numbers.py): the buffer
     was taken out for the replay (NOTE [the replay changes copies]), so the read fails; say
     so, with the fix, instead of torch's bare AttributeError."""
     words = str(error)
@@ -509,7 +511,9 @@ def _refuse_a_read_of_what_was_taken_out(error: AttributeError, dicts: Sequence[
                     "and it did not register again: the replay runs as the forward began, "
                     "without the buffers the forward registered (so a registration keyed on "
                     "the buffer's absence registers, and computes, as the forward did), and "
-                    "the flag or attribute that chose to register it was left set",
+                    "the flag or attribute that chose to register it was left set (its "
+                    "forward first set it after the layer's first replay, when the layer's "
+                    "numbers and flags were not saved before the forward)",
                     expected=f"the replay registers {name!r} before reading it, as its "
                              "forward did",
                     got=f"AttributeError: {words}",

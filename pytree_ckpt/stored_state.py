@@ -18,13 +18,14 @@ from torch import nn
 from .eager import Told, user_stacklevel
 from .changed_in_place import parameter_path
 from .refusals import fn_name
+from .state_changes import mark_stateful
 from .tree_refusals import container_elements
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["stored_numbers", "stored_tensors", "warn_changed_numbers", "warn_parameter_changed",
-           "warn_stacked_checkpointing", "warn_stored_scalars"]
+__all__ = ["stored_numbers", "stored_tensors", "value_differs", "warn_changed_numbers",
+           "warn_parameter_changed", "warn_stacked_checkpointing", "warn_stored_scalars"]
 
 _WARNED_STORED = "_pytree_ckpt_warned_stored"
 _WARNED_NUMBERS = "_pytree_ckpt_warned_numbers"
@@ -64,7 +65,7 @@ def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
             for d in dicts]
 
 
-def _differs(now: Any, before: Any) -> bool:
+def value_differs(now: Any, before: Any) -> bool:
     """By value (``self.seq_len = x.shape[1]`` stores an equal new int each call), NaN
     equal to NaN; another type (a tensor where a number was) differs."""
     if type(now) is not type(before):
@@ -162,23 +163,28 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
                          dicts: Sequence[dict[str, Any]],
                          before: list[dict[str, Any]], /) -> None:
     """NOTE [numbers a forward changes]: a Python int or float attribute the forward changes
-    (``self.calls += 1``, a warm-up scale) is changed again by the replay, which computes with
-    the changed value: eager's gradient is not the replay's, and the count ends one ahead.
-    Buffers are watched (NOTE [state the forward changes]); plain numbers are not, so this is
-    said once per module, when the replay changes one again (read around a module's first
-    replay with each switch): one the forward sets to a value it computes
+    (``self.calls += 1``, a warm-up scale) is put back as the forward began for the replay
+    where it was saved before the forward (NOTE [numbers and flags as the forward began] in
+    forward_numbers.py). Where it was not (the module's forward first changed one after its
+    first replay, with a new switch), the replay changes it again and computes with the
+    changed value: eager's gradient is not the replay's, and the count ends one ahead. Read
+    around a module's first replay with each switch; said once per module. The module is then
+    marked stateful, so its later calls save them. One the forward sets to a value it computes
     (``self.seq_len = x.shape[1]``) is set to the same value by the replay, and not told."""
+    found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
+             for name, value in old.items() if value_differs(d.get(name), value)]
+    if found:
+        mark_stateful(owner)
     if owner.__dict__.get(_WARNED_NUMBERS):
         return
-    found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
-             for name, value in old.items() if _differs(d.get(name), value)]
     _warn_naming(owner, _WARNED_NUMBERS, modules, dicts, found, lambda where: (
         f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} changed the "
         f"number {where} again in its replay in backward, and computed with the changed "
         "value (a counter ends a step ahead, a scale read from it gives other gradients). "
-        "Tip: keep such state in a buffer (register_buffer), which the replay changes a copy "
-        "of, and change it outside the checkpointed call if the output reads it "
-        "(docs/limits.md, 'Module state')"))
+        "This call's numbers were not saved before its forward (the layer first changed "
+        "state after its first replay); from the layer's next call on they are, and each "
+        "replay reads them as its forward began (docs/limits.md, 'Module state'). Tip: where "
+        "this step's value matters, change such numbers outside the checkpointed call"))
 
 
 _WARNED_PARAMETER = "_pytree_ckpt_warned_parameter"

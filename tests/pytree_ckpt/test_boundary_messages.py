@@ -1084,9 +1084,37 @@ def test_a_list_the_forward_logs_integers_into_is_left_alone() -> None:
     assert len(log) == 2  # the replay appends to a list rebuilt from the inputs
 
 
-def test_a_number_the_forward_changes_on_a_module_is_warned_about_once() -> None:
+def _twin_steps(make: Callable[[], nn.Module], steps: int,
+                call: Callable[[nn.Module, int], torch.Tensor] | None = None
+                ) -> tuple[list[list[Any]], nn.Module, list[str]]:
+    """Per twin (eager, checkpointed), each step's parameter gradients; the checkpointed twin;
+    and the pytree_ckpt warnings its steps gave. ``call(layer, step)`` runs one forward."""
+    torch.manual_seed(0)
+    eager = make()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    runs: list[list[Any]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in (eager, ours):
+            run = []
+            for step in range(steps):
+                out = call(layer, step) if call is not None else layer(x)
+                out.square().sum().backward()
+                run.append([p.grad.clone() for p in layer.parameters()])
+                layer.zero_grad(set_to_none=True)
+            runs.append(run)
+    return runs, ours, [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+
+
+def _same_steps(runs: list[list[Any]]) -> bool:
+    return all(torch.equal(a, b) for ea, oa in zip(*runs) for a, b in zip(ea, oa))
+
+
+def test_a_number_the_forward_changes_is_replayed_as_the_forward_began() -> None:
     # self.calls += 1 ran again in the replay, which computed with calls + 1: eager's weight
-    # gradient doubled here, and the count ended a step ahead, silently.
+    # gradient doubled here, and the count ended a step ahead (only warned about). NOTE
+    # [numbers and flags as the forward began]: the replay starts from the forward's value.
     class Warmup(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -1096,15 +1124,9 @@ def test_a_number_the_forward_changes_on_a_module_is_warned_about_once() -> None
             self.calls += 1
             return self.lin(x) * min(1.0, self.calls / 4) * self.scale
 
-    layer = pytree_ckpt.apply_activation_checkpointing(Warmup())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            layer(torch.randn(4, 8)).sum().backward()
-    told = [w for w in caught if "changed the number" in str(w.message)]
-    assert len(told) == 1 and told[0].filename == __file__
-    assert "changed the number calls again" in str(told[0].message)  # not scale
-    assert layer.calls == 6  # what the warning is about: each call counted twice
+    runs, ours, told = _twin_steps(Warmup, steps=3)
+    assert _same_steps(runs) and told == []
+    assert ours.calls == 3  # one a step, as eager's
 
 
 def test_a_scalar_the_forward_stores_in_a_dict_on_a_module_is_warned_about() -> None:
@@ -1198,20 +1220,13 @@ class _Alternates(nn.Module):
         return self.lin(x) * (2.0 if self.odd else 1.0)
 
 
-def test_a_flag_the_forward_flips_is_warned_about_and_one_it_sets_once_is_not() -> None:
-    # Guards against: bools left out of the numbers watched (stored_numbers): the replay
-    # flipped `odd` back and computed with the other scale, so the weight's gradient was
-    # half (or twice) eager's and the flag ended each step where it began, silently.
-    # A flag set once (`ready`) is set to the same value by the replay: nothing to tell.
-    layer = pytree_ckpt.apply_activation_checkpointing(_Alternates())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            layer(torch.randn(4, 8)).sum().backward()
-    told = [str(w.message) for w in caught if "changed the number" in str(w.message)]
-    assert len(told) == 1 and "changed the number odd again" in told[0], told
-    assert "ready" not in told[0]
-    assert layer.odd is False  # what the warning is about: flipped twice a step
+def test_a_flag_the_forward_flips_is_replayed_as_the_forward_began() -> None:
+    # The replay flipped `odd` back and computed with the other scale, so the weight's gradient
+    # was half (or twice) eager's and the flag ended each step where it began (only warned
+    # about). Now the replay reads the flag as the forward began, and leaves it as eager's.
+    runs, ours, told = _twin_steps(_Alternates, steps=3)
+    assert _same_steps(runs) and told == []
+    assert ours.odd is True and ours.ready is True  # three flips, as eager's
 
 
 def test_a_number_recomputed_to_an_equal_value_each_call_is_not_warned_about() -> None:
@@ -1500,15 +1515,6 @@ class CountsCalls(nn.Module):
         return y
 
 
-class ScalesWith(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, counter: CountsCalls) -> torch.Tensor:
-        return counter(self.lin(x))
-
-
 def _number_warnings(run: Callable[[], None]) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1527,35 +1533,60 @@ def test_a_detached_scalar_the_forward_keeps_for_logging_is_not_taken_for_a_lost
         for _ in range(3):
             layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
 
-    told = _number_warnings(run)
-    assert len(told) == 1 and "changed the number calls again" in told[0], told
-    assert layer.calls == 6  # what that warning is about: each call counted twice
+    assert _number_warnings(run) == []
+    assert layer.calls == 3  # NOTE [numbers and flags as the forward began]
+
+
+class CountsWhenAsked(nn.Module):
+    """Counts its calls in a Python int only when told to (``count``: a switch, NOTE [verified
+    per switch]), and scales by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x: torch.Tensor, count: bool = False) -> torch.Tensor:
+        if count:
+            self.calls += 1
+        return self.lin(x) * min(1.0, (1 + self.calls) / 4)
+
+
+class ScalesWith(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, counter: CountsWhenAsked, count: bool = False
+                ) -> torch.Tensor:
+        return counter(self.lin(x), count)
 
 
 def test_a_number_a_module_passed_as_an_argument_changes_is_named_by_its_class() -> None:
     # Guards against: the warning naming an argument module's attribute by its path in its
     # own tree as if it were the layer's ("calls", the layer has none): it says which
-    # module holds it, "(CountsCalls).calls".
+    # module holds it, "(CountsWhenAsked).calls". Its first change comes after the layer's
+    # first replay (a new switch), when nothing was saved: the replay changes it again.
     layer = pytree_ckpt.apply_activation_checkpointing(ScalesWith())
-    counter = CountsCalls()
-    told = _number_warnings(lambda: layer(torch.randn(4, 8), counter).sum().backward())
-    assert len(told) == 1 and "changed the number (CountsCalls).calls again" in told[0], told
+    counter = CountsWhenAsked()
+    told = _number_warnings(lambda: [layer(torch.randn(4, 8), counter, count).sum().backward()
+                                     for count in (False, True)])
+    assert len(told) == 1 and "changed the number (CountsWhenAsked).calls again" in told[0], told
+    assert "This call's numbers were not saved before its forward" in told[0]
 
 
-def test_a_number_is_warned_about_once_even_when_a_changed_tree_is_verified_again() -> None:
-    # Guards against: the numbers warning's once-per-module flag unread: a layer given a new
-    # submodule is verified again at its next replay, which reads its numbers again, and the
-    # same warning was said a second time.
-    layer = pytree_ckpt.apply_activation_checkpointing(CountsCalls())
+def test_a_number_first_changed_after_the_first_replay_is_warned_and_saved_from_then_on(
+        ) -> None:
+    # NOTE [numbers a forward changes]: the step that first changes it (a new switch, after the
+    # layer's first replay: nothing saved) counts it twice and is warned about; the layer is
+    # marked stateful, so each later call saves its numbers and its replay is eager's.
+    def call(layer: nn.Module, step: int) -> torch.Tensor:
+        return layer(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)),
+                     count=step > 0)
 
-    def run() -> None:
-        for step in range(3):
-            if step == 1:
-                layer.norm = nn.Identity()  # a new submodule: the tree is verified again
-            layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
-
-    told = _number_warnings(run)
+    _, ours, told = _twin_steps(CountsWhenAsked, steps=4, call=call)
     assert len(told) == 1 and "changed the number calls again" in told[0], told
+    # Eager's 3, and one more: counted twice at the step warned about, once at each later one.
+    assert ours.calls == 3 + 1
 
 
 def test_a_layers_own_forward_given_as_a_partial_is_no_transformers_boundary() -> None:

@@ -101,7 +101,6 @@ class _Told(nn.Module):
         super().__init__()
         self.how = how
         self.lin = nn.Linear(4, 4)
-        self.calls = 0
         if how == "stacked":
             self.gradient_checkpointing = True  # what transformers' enable sets
         if how == "hook":
@@ -114,8 +113,6 @@ class _Told(nn.Module):
         out = self.lin(x)
         if self.how == "stored":
             self.aux_loss = out.square().mean()
-        elif self.how == "number":
-            self.calls += 1
         return out
 
 
@@ -123,9 +120,11 @@ def _computes_from_output(module: nn.Module, args: Any, out: torch.Tensor) -> No
     out.softmax(-1)
 
 
+# Not a number the forward changes: a layer warned about one is marked stateful, and its copy
+# saves its numbers before each forward, so its replay is exact and there is nothing to tell
+# (NOTE [numbers and flags as the forward began] in pytree_ckpt/forward_numbers.py).
 _TOLD = {"stacked": "checkpointed twice", "stored": "stored aux_loss on a module",
-         "number": "changed the number calls", "hook": "forward hooks inside",
-         "parameter": "changed its parameter lin.weight in place"}
+         "hook": "forward hooks inside", "parameter": "changed its parameter lin.weight in place"}
 
 
 @pytest.mark.parametrize("copy_with", ["deepcopy", "pickle"])

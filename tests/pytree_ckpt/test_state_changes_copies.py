@@ -467,8 +467,9 @@ def test_a_buffer_only_the_replay_registers_reassigns_or_deletes_ends_as_eagers(
 
 class RegistersOnceByAFlag(nn.Module):
     """Counts its calls, and at its first call registers its input's mean under a name, keyed
-    on a Python flag (set by the original pass, so the replay does not register it again);
-    with ``reads``, its output is divided by that buffer."""
+    on a Python flag (set by the original pass; the replay reads it as the forward began:
+    NOTE [numbers and flags as the forward began] in pytree_ckpt/forward_numbers.py); with
+    ``reads``, its output is divided by that buffer."""
 
     def __init__(self, reads: bool) -> None:
         super().__init__()
@@ -497,15 +498,43 @@ def test_a_buffer_the_forward_registered_that_the_replay_leaves_alone_ends_as_ea
     assert "first" in runs[1][-1][-1]
 
 
-def test_a_buffer_registered_once_by_a_flag_and_read_is_refused_naming_it_and_the_fix(
-        ) -> None:
+def test_a_buffer_registered_once_by_a_flag_and_read_gets_eagers_gradients() -> None:
     # Helper CG's finding: the buffer the forward registered is taken out for the replay (NOTE
-    # [the replay changes copies]), and the flag the original pass set stops the replay from
-    # registering it again: its read raised torch's bare AttributeError from inside backward.
-    module = RegistersOnceByAFlag(reads=True)
-    pytree_ckpt.apply_activation_checkpointing(module)
+    # [the replay changes copies]), and the flag the original pass set stopped the replay from
+    # registering it again: its read raised torch's bare AttributeError from inside backward,
+    # then a CheckpointError. The flag is now put back as the forward began for the replay.
+    runs = _twins(lambda: RegistersOnceByAFlag(reads=True),
+                  lambda module: [*_trained((8, 4))(module), module.ready,
+                                  sorted(module.state_dict())], steps=3)
+    _assert_same_runs(runs)
+
+
+class RegistersWhenAsked(nn.Module):
+    """Registers its input's mean under a flag, at the first call told to use it (``use``: a
+    switch), and then divides by it; no other state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.ready = False
+
+    def forward(self, x: torch.Tensor, use: bool = False) -> torch.Tensor:
+        if use and not self.ready:
+            self.register_buffer("first", x.detach().abs().mean(0))
+            self.ready = True
+        return self.lin(x) / self.first if use else self.lin(x)
+
+
+def test_a_buffer_first_registered_by_a_flag_after_the_first_replay_is_refused_naming_it(
+        ) -> None:
+    # The flag's first change comes after the layer's first replay (a new switch), when its
+    # numbers were not saved (NOTE [numbers and flags as the forward began]): the replay finds
+    # it set, skips the registration and reads the buffer taken out for it. Refused with the
+    # fix, not torch's bare AttributeError.
+    module = pytree_ckpt.apply_activation_checkpointing(RegistersWhenAsked())
+    module(torch.randn(8, 4)).square().sum().backward()
     with pytest.raises(CheckpointError) as caught:
-        module(torch.randn(8, 4)).square().sum().backward()
+        module(torch.randn(8, 4), use=True).square().sum().backward()
     words = str(caught.value)
     assert "the replay read the buffer 'first', which its original pass registered" in words
     assert "if 'first' not in self._buffers:" in words

@@ -1,0 +1,199 @@
+"""NOTE [numbers and flags as the forward began] (pytree_ckpt/forward_numbers.py): the plain
+numbers and flags a forward sets on its modules are put back as the forward began for the
+replay, which then decides and computes as the forward did; each case against an eager twin."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import CheckpointWithoutOutput
+
+
+class GrowingRotary(nn.Module):
+    """transformers' older rotary module: its cache is rebuilt, buffers and all, when a
+    sequence outgrows ``max_seq_len_cached`` (a plain int that decides the rebuild)."""
+
+    def __init__(self, dim: int = 8, max_positions: int = 4) -> None:
+        super().__init__()
+        self.dim, self.lin = dim, nn.Linear(dim, dim)
+        self.build(max_positions)
+
+    def build(self, n: int) -> None:
+        self.max_seq_len_cached = n
+        angles = torch.arange(n)[:, None] * torch.arange(1, self.dim + 1) / self.dim
+        self.register_buffer("cos_cached", angles.cos(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.max_seq_len_cached:
+            self.build(x.shape[1])
+        return self.lin(x) * self.cos_cached[: x.shape[1]]
+
+
+class Warmup(nn.Module):
+    """Scales by its call count, a plain int it increments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * min(1.0, self.calls / 4)
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor]:
+    grads = [p.grad.clone() for p in module.parameters() if p.grad is not None]
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _discarded(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` through an output discard, its output freed and rebuilt in backward."""
+    ckpt = CheckpointWithoutOutput()
+    out = torch.tanh(ckpt.checkpoint(module, x))
+    ckpt.discard_output_and_register_recompute(out)
+    return out
+
+
+@pytest.mark.parametrize("how", ["boundary", "discard"])
+def test_a_rotary_cache_rebuilt_for_a_longer_sequence_replays_as_eager(how: str) -> None:
+    # Reviewer CI's finding: the replay found max_seq_len_cached already grown, skipped the
+    # rebuild, sliced the old table (its buffer is put back as the forward began) and failed
+    # in backward with torch's bare size mismatch.
+    eager = GrowingRotary()
+    ours = copy.deepcopy(eager)
+    if how == "boundary":
+        pytree_ckpt.apply_activation_checkpointing(ours)
+    for length in (6, 6, 9):  # grown at the first call, reused, grown again
+        x = torch.randn(2, length, 8)
+        torch.tanh(eager(x)).square().sum().backward()
+        out = torch.tanh(ours(x)) if how == "boundary" else _discarded(ours, x)
+        out.square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert ours.max_seq_len_cached == eager.max_seq_len_cached == length
+        assert torch.equal(ours.cos_cached, eager.cos_cached)
+
+
+def test_each_micro_batch_replays_from_its_own_forwards_count() -> None:
+    # Two forwards, then their backwards in reverse: each replay starts from the count its
+    # own forward began with (0, then 1), and the count ends at eager's 2, not 4 or 3.
+    eager = Warmup()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    for module in (eager, ours):
+        outs = [module(x) for x in xs]
+        for out in reversed(outs):
+            out.square().sum().backward()
+    assert _same(_grads(eager), _grads(ours))
+    assert ours.calls == eager.calls == 2
+
+
+def test_a_second_backward_of_a_kept_graph_replays_from_the_same_count() -> None:
+    eager = Warmup()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    for module in (eager, ours):
+        loss = module(x).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert _same(_grads(eager), _grads(ours))
+    assert ours.calls == eager.calls == 1
+
+
+def test_a_number_only_the_replay_changes_keeps_its_change() -> None:
+    # Counted where grad is enabled: the original pass (no-grad) leaves it, the replay counts
+    # once, as eager's forward does; it is not the forward's change, so it is not put back.
+    class CountsWithGrad(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.grad_calls = nn.Linear(8, 8), 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.is_grad_enabled():
+                self.grad_calls += 1
+            return self.lin(x)
+
+    eager = CountsWithGrad()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing changed twice: nothing to warn about
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            for module in (eager, ours):
+                module(x).sum().backward()
+    assert ours.grad_calls == eager.grad_calls == 2
+
+
+def test_a_number_set_anew_and_one_deleted_by_the_forward_replay_as_eager() -> None:
+    # A one-time scale held until its first use (then deleted), and a flag first set by the
+    # forward (absent before): the replay sees the scale and no flag, as the forward began,
+    # and the module ends the step without the scale and with the flag, as eager's.
+    class OneTimeScale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.pending = nn.Linear(8, 8), 3.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = 1.0
+            if hasattr(self, "pending"):
+                scale = self.pending
+                del self.pending
+            if not hasattr(self, "seen"):
+                scale *= 2.0
+                self.seen = True
+            return self.lin(x) * scale
+
+    eager = OneTimeScale()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert not hasattr(ours, "pending") and ours.seen is True
+
+
+def test_a_cache_attribute_a_forward_turns_from_none_into_a_tensor_is_left_alone() -> None:
+    # Not a number to put back: the replay reads the forward's tensor, which stays the
+    # module's (the same object after backward).
+    class CachesAMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.mask = nn.Linear(8, 8), None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.mask is None:
+                self.mask = (torch.arange(8) % 2).float()
+            return self.lin(x) * self.mask
+
+    eager = CachesAMask()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    eager(x).square().sum().backward()
+    out = ours(x)
+    mask = ours.mask
+    out.square().sum().backward()
+    assert ours.mask is mask
+    assert _same(_grads(eager), _grads(ours))
+
+
+@pytest.mark.parametrize("make", [Warmup, GrowingRotary])
+def test_numbers_put_back_for_the_replay_give_no_warning(make: Callable[[], nn.Module]
+                                                         ) -> None:
+    ours = pytree_ckpt.apply_activation_checkpointing(make())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for length in (6, 7):
+            x = torch.randn(2, length, 8) if make is GrowingRotary else torch.randn(4, 8)
+            ours(x).square().sum().backward()
