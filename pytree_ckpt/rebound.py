@@ -8,12 +8,14 @@ from __future__ import annotations
 import dis
 import functools
 import types
+import warnings
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+from .eager import user_stacklevel
 from .errors import CheckpointError
 from .frames import callable_name
 from .plain_state import cell_contents, globals_of, globals_read, modules_held
@@ -77,8 +79,12 @@ _Tensor = torch.Tensor
 # is refused. Weak references, not ids: a mask made in each iteration is freed when the next takes
 # its name, and a new tensor may take its id; one freed since cannot be the one there now. A float
 # is noted the same way, by value (`for scale in scales: h = checkpoint(lambda t: shared(t) *
-# scale, h)`; NaN equal to NaN); not an int, which NOTE [an index rebound before the replay]
-# compares where it indexes. A cell holding None at the first call is looked at too (`prev = None`
+# scale, h)`; NaN equal to NaN). An int (or bool) in a cell the code does not index with is
+# noted by value too, but another one at the replay is warned of, once per code, not refused:
+# `lambda t: shared(t) / math.sqrt(i + 1)` computes with it, while a `layer_idx=i` only passed
+# on (a key/value cache's index, unused in training) changes nothing, and the two cannot be told
+# apart (one it indexes with is NOTE [an index rebound before the replay]'s, refused). A cell
+# holding None at the first call is looked at too (`prev = None`
 # before a loop that sets `prev = h`). A cell the function assigns before it reads it (`nonlocal
 # stats; stats = ...`) is not taken, nor an index so set: its original pass set it, and its replay
 # sets it again; one it reads first (`out = out * prev; prev = out`) is. Globals are not taken (a
@@ -124,10 +130,25 @@ _WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL", "DELETE_GLOB
 _READS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_GLOBAL", "LOAD_NAME"})
 _LATE_INDICES: dict[int, tuple[Any, _Places]] = {}
 # What a tensor place may hold and have noted: a tensor (by weak reference), a float (by value,
-# in a 1-tuple: `for scale in scales: h = checkpoint(lambda t: shared(t) * scale, h)`). Not
-# ints: a `layer_idx=i` passed on is no computation (an int index is NOTE [an index rebound
-# before the replay]).
-_NOTED_VALUES = (_Tensor, float)
+# in a 1-tuple: `for scale in scales: h = checkpoint(lambda t: shared(t) * scale, h)`), an int
+# or bool where the code does not index with it (by value, in a _LateInt: warned of, not
+# refused; NOTE [a tensor rebound before the replay]).
+_NOTED_VALUES = (_Tensor, float, int)
+
+
+class _LateInt:
+    """An int (or bool) a tensor place held at the original pass: another one at the replay
+    is warned of."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int, /) -> None:
+        self.value = value
+
+
+# The codes warned of for an int read late, by id (holding the code, so its id is not reused):
+# once per code, as a lambda written in a loop is one code.
+_WARNED_INTS: dict[int, Any] = {}
 
 
 def _written(code: Any, /) -> frozenset[str]:
@@ -177,11 +198,13 @@ def _tensor_cells(fn: Any, code: Any, /) -> _Places:
     closure = getattr(fn, "__closure__", None) or ()
     written = _written(code)
     free = getattr(code, "co_freevars", ())
+    indexed = _late_indices(code)[0]  # an int there is the index check's (refused)
     # A cell holding None may hold a tensor at later calls (`prev = None` before a loop that
     # sets `prev = h`).
     return (tuple(i for i, cell in enumerate(closure)
                   if (isinstance(value := cell_contents(cell), _NOTED_VALUES) or value is None)
-                  and not (i < len(free) and free[i] in written)), ())
+                  and not (i < len(free) and free[i] in written)
+                  and not (type(value) in (int, bool) and i in indexed)), ())
 
 
 def _tensor_places(fn: Any, code: Any, /) -> _Places:
@@ -313,7 +336,8 @@ def _note(fn: Any, places: _Places, indices: _Places, tensors: _Places, /) -> Bo
     if tensors[0] or tensors[1]:
         for value in _values_now(fn, tensors):
             refs.append(weakref.ref(value) if isinstance(value, _Tensor) else
-                        (value,) if isinstance(value, float) else None)
+                        (value,) if isinstance(value, float) else
+                        _LateInt(value) if isinstance(value, int) else None)
     if not noted and not values and not refs:
         return None
     return places, tuple(noted), indices, tuple(values), tensors, tuple(refs)
@@ -386,6 +410,9 @@ def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[An
         if type(ref) is tuple:
             _refuse_another_float(fn, called, tensors, k, ref[0], value, what)
             continue
+        if type(ref) is _LateInt:
+            _warn_another_int(fn, called, tensors, k, ref.value, value, what)
+            continue
         then = None if ref is None else ref()
         if ref is None and not isinstance(value, _Tensor) or then is not None and then is value:
             continue
@@ -427,3 +454,25 @@ def _refuse_another_float(fn: Any, called: Any, tensors: _Places, k: int, then: 
                              else _short(value)),
         tip=f"bind it when the function is made, checkpoint(lambda t, {variable}={variable}: "
             f"..., h), or pass it as an argument, checkpoint(fn, h, {variable})")
+
+
+def _warn_another_int(fn: Any, called: Any, tensors: _Places, k: int, then: int, value: Any,
+                      what: str, /) -> None:
+    """NOTE [a tensor rebound before the replay]: an int the function closes over (not as an
+    index) that holds another value at the replay: warned of once per code."""
+    if type(value) is type(then) and value == then:
+        return
+    code = getattr(called, "__code__", None)
+    if id(code) in _WARNED_INTS:
+        return
+    _WARNED_INTS[id(code)] = code
+    name, where, variable = _words(fn, called, tensors, k, "i")
+    warnings.warn(
+        f"pytree_ckpt: the replay of {what}({name}) in backward reads its {where} = "
+        f"{_short(value)}, where its original pass read {_short(then)} (Python closures bind "
+        "late: a function made in a loop reads the loop variable's last value). If the "
+        "function computes with it (a per-depth scale), the replay computes, and returns the "
+        "gradients of, something else; if it only passes it on (a layer_idx that a key/value "
+        "cache uses, unused in training), nothing changes. Tip: bind it when the function is "
+        f"made, checkpoint(lambda t, {variable}={variable}: ..., h), or pass it as an "
+        "argument. Said once per function", stacklevel=user_stacklevel())

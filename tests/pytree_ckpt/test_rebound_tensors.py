@@ -5,6 +5,8 @@ the replay (NOTE [a tensor rebound before the replay] in pytree_ckpt/rebound.py)
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -499,3 +501,69 @@ def test_an_index_the_function_sets_before_reading_it_is_not_refused() -> None:
     got = _grads(shared, lambda h: checkpoint(block, shared, checkpoint(block, shared, h)))
     want = _grads(twin, lambda h: block(twin, block(twin, h)))
     assert len(got) == len(want) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _late_int_warnings(run: Callable[[], torch.Tensor]) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run().square().sum().backward()
+    return [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+
+
+@pytest.mark.parametrize("discard", [False, True])
+def test_an_int_a_shared_layer_computes_with_read_late_is_warned_once_naming_both_values(
+        discard: bool) -> None:
+    # Reviewer CI's finding: `/ math.sqrt(d + 1)` over one shared layer replayed every call
+    # with the last depth, silently (a late float there is refused). An int is warned of, not
+    # refused: one only passed on (a layer_idx) changes nothing, and cannot be told apart.
+    shared, twin = _shared(), _shared()
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def late() -> torch.Tensor:
+        h, kept = x, []
+        for d in range(3):  # a lambda per branch: each code is warned of once
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                h = ckpt.checkpoint(
+                    lambda t: torch.tanh(shared(t) / math.sqrt(d + 1)), h) * 2  # noqa: B023
+                ckpt.discard_output_and_register_recompute(h)
+                kept.append(ckpt)
+            else:
+                h = checkpoint(lambda t: torch.tanh(shared(t) / math.sqrt(d + 1)), h) * 2  # noqa
+        return h
+
+    told = _late_int_warnings(late)
+    assert len(told) == 1, told  # the second replay differs, the third too: said once
+    assert "reads its closure variable 'd' = 2, where its original pass read 1" in told[0]
+    assert "checkpoint(lambda t, d=d: ..., h)" in told[0]
+    eager_x = x.detach().clone().requires_grad_()
+    h = eager_x
+    for d in range(3):
+        h = torch.tanh(twin(h) / math.sqrt(d + 1)) * 2
+    h.square().sum().backward()
+    assert not torch.equal(shared.weight.grad, twin.weight.grad)  # what the warning is about
+
+
+def test_an_int_bound_early_or_used_as_an_index_is_not_warned_of() -> None:
+    # Bound as a default: read when the lambda is made, nothing late. Read late as an index:
+    # refused by the index check (NOTE [an index rebound before the replay]), not also warned.
+    shared, layers = _shared(), nn.ModuleList(_shared() for _ in range(3))
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def bound() -> torch.Tensor:
+        h = x
+        for d in range(3):
+            h = checkpoint(lambda t, d=d: shared(t) / math.sqrt(d + 1), h)
+        return h
+
+    def indexed() -> torch.Tensor:
+        h = x
+        for i in range(3):
+            h = checkpoint(lambda t: layers[i](t) * (i + 1), h)  # noqa: B023
+        return h
+
+    assert _late_int_warnings(bound) == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert "would index another element" in _refusal(indexed)
+    assert [w for w in caught if "pytree_ckpt" in str(w.message)] == []
