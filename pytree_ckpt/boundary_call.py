@@ -141,9 +141,10 @@ class BoundaryCall:
         # forward_modules.py).
         self.modules: tuple[list[nn.Module], list[ModuleDicts]] | None = None
         self.forward_modules: ForwardModules | None = None
-        # Modules with user forward hooks run inside (NOTE [hooked outputs leave with
-        # gradients] in hook_outputs.py), and the extra outputs the original pass chose.
-        self.hooked = False
+        # The keys of the user forward hooks that run inside (NOTE [hooked outputs leave with
+        # gradients] in hook_outputs.py; empty: none), and the extra outputs the original pass
+        # chose.
+        self.hooked: tuple[int, ...] = ()
         self.hooked_outputs: HookedOutputs | None = None
         # The tensors the modules held as attributes before fn ran, by id, when hooked (NOTE
         # [held tensors are not hooked outputs] in hook_outputs.py); for the original pass only.

@@ -264,31 +264,37 @@ def user_hooks(module: nn.Module, /) -> list[Any]:
 
 
 def hooked_modules(dicts: Iterable[dict[str, Any]], roots: Sequence[nn.Module],
-                   skip: nn.Module | None, /) -> bool:
-    """Whether a module among ``dicts`` (each a module's ``__dict__``) has a user forward hook
-    or forward pre-hook; if so, the recorder is installed on each such module of ``roots``'
-    trees but ``skip`` that lacks it."""
+                   skip: nn.Module | None, /) -> tuple[int, ...]:
+    """The keys of the user forward hooks and forward pre-hooks of the modules among
+    ``dicts`` (each a module's ``__dict__``), empty when there are none; if there are, the
+    recorder is installed on each such module of ``roots``' trees but ``skip`` that lacks it.
+    Keys, not a flag: they are part of the call's switches (NOTE [verified per switch] in
+    module_state.py), so a hook added beside another one verifies the module again, and a
+    hook that computes is warned about (torch's handles number hooks uniquely; -1 stands for
+    the recorder an enclosing pass needs, below)."""
     dicts = dicts if isinstance(dicts, list) else list(dicts)
     if not any(map(_FORWARD_HOOKS, dicts)) and not any(map(_PRE_HOOKS, dicts)):
-        return False  # the usual case: two dict lookups per submodule (C-level: no generator)
+        return ()  # the usual case: two dict lookups per submodule (C-level: no generator)
     # An enclosing pass that records (an outer boundary's replay, whose forward recorded a
     # module inside this boundary) needs this boundary to hand the module's outputs on as
     # outputs of its node, with or without user hooks on it now.
     enclosing = bool(getattr(_RECORDING, "passes", ()))
-    found = False
+    found: list[int] = []
     for module in (m for root in roots for m in root.modules() if m is not skip):
         hooks = module._forward_hooks
         if not hooks and not module._forward_pre_hooks:
             continue
-        if not user_hooks(module):
+        keys = [key for table in (module._forward_pre_hooks, hooks)
+                for key, hook in table.items() if not is_library_hook(hook)]
+        if not keys:
             # NOTE [a recorder stays]: once the user's hooks are gone, the recorder is left
             # where it is, as a call still waiting for its backward may need it in its replay
             # (micro-batches; an outer replay, above); remove_activation_checkpointing takes it
             # off.
             if enclosing and _record_output in hooks.values():
-                found = True
+                found.append(-1)
             continue
-        found = True
+        found.extend(keys)
         if _record_output not in hooks.values():
             with _INSTALLING:  # two threads' first calls must not both install one
                 if _record_output not in hooks.values():
@@ -297,7 +303,7 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], roots: Sequence[nn.Module],
                     # on torch 2.11.
                     key = module.register_forward_hook(_record_output, with_kwargs=True).id
                     put_first(hooks, key, _record_output)
-    return found
+    return tuple(found)
 
 
 def remove_recorder(module: nn.Module, /) -> None:

@@ -338,11 +338,12 @@ def module_buffers(module: nn.Module, /) -> list[torch.Tensor]:
             if b is not None]
 
 
-def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool, only_tensors: bool
-                  ) -> Any:
+def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: tuple[int, ...],
+                  only_tensors: bool) -> Any:
     """NOTE [verified per switch]: what a call says about the path its forward takes, other
     than through tensor values: the structure of its arguments (an optional tensor given or
-    None), its flags (bools, strings, enums), and whether user forward hooks run inside. A
+    None), its flags (bools, strings, enums), and which user forward hooks run inside (their
+    keys, ``hooked_modules``: a second hook added later counts as new). A
     module is verified (and its first calls' checks made) once per such key, not once in
     all: a block that uses a shared head only when told to (``use_head=True``) first reaches
     it at a later step, and its gradient would be lost there without an error; a hook added
@@ -352,13 +353,13 @@ def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool, only_ten
     sets it is looked up in then hash an int; two keys sharing a 64-bit hash would share a
     verification). A few microseconds a call with flags, a hash of the spec without."""
     if only_tensors:  # the usual layer call: nothing else to read
-        if POSITIONAL_CALL_SPECS.get(len(leaves)) is spec:
+        if not hooked and POSITIONAL_CALL_SPECS.get(len(leaves)) is spec:
             # NOTE [fast paths] in tree.py: one spec object per count of positional tensors,
             # kept for good, so its keys are too (hashing a spec walks it: about 270 ns).
-            keys = _FAST_CALL_KEYS.get(len(leaves))
-            if keys is None:
-                keys = _FAST_CALL_KEYS[len(leaves)] = (hash((spec, False)), hash((spec, True)))
-            return keys[hooked]
+            key = _FAST_CALL_KEYS.get(len(leaves))
+            if key is None:
+                key = _FAST_CALL_KEYS[len(leaves)] = hash((spec, ()))
+            return key
         return hash((spec, hooked))
     flags = [(i, leaf) for i, leaf in enumerate(leaves)
              if leaf is not None and (type(leaf) in _FLAGS or isinstance(leaf, enum.Enum))]
@@ -373,7 +374,7 @@ def call_switches(spec: Any, leaves: Sequence[Any], /, *, hooked: bool, only_ten
 
 
 _FLAGS = (bool, str)
-_FAST_CALL_KEYS: dict[int, tuple[int, int]] = {}  # call_switches' keys of the fast-path specs
+_FAST_CALL_KEYS: dict[int, int] = {}  # call_switches' keys of the fast-path specs, unhooked
 
 
 def is_verified(module: nn.Module, switches: Any, /) -> bool:
