@@ -21,7 +21,7 @@ from .changed_in_place import (ParameterVersions, raise_input_changed,
                                refuse_parameters_changed)
 from .compiled_layers import recompile_limit_note
 from .forward_modules import ForwardModules
-from .forward_numbers import NumbersWatch
+from .forward_numbers import NumbersWatch, numbers_read
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode
@@ -91,10 +91,10 @@ class _BoundaryFunction(torch.autograd.Function):
                            written=remembered(call.modules[0])) \
             if call.owner is not None and call.modules is not None and \
             (call.frozen or any(call.buffer_dicts)) else None
-        # NOTE [numbers and flags as the forward began] (forward_numbers.py)
-        numbers = NumbersWatch([*(m.__dict__ for m in call.modules[0]),
-                                *(d for tree in call.modules[1] for d in tree.submodules)]) \
-            if wanted and call.modules is not None else None
+        # NOTE [numbers and flags as the forward began] (forward_numbers.py): every module's
+        # at first calls and once stateful, else those holding buffers.
+        numbers = NumbersWatch(numbers_read(*call.modules, every=wanted)) \
+            if call.modules is not None and (wanted or watch is not None) else None
         token = ACTIVE.set(invocation)
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
@@ -149,11 +149,16 @@ class _BoundaryFunction(torch.autograd.Function):
                 assert call.owner is not None  # a watch has one, and buffer dicts
                 mark_stateful(call.owner)
         if numbers is not None:
-            call.numbers_saved = True
+            call.numbers_saved = wanted
             call.changed_numbers = numbers.changed()
             if call.changed_numbers is not None:
-                assert call.owner is not None  # wanted
+                assert call.owner is not None  # modules
                 mark_stateful(call.owner)
+                if call.param_versions is not None and param_before is not None and \
+                        call.param_versions.versions != param_before[0]:
+                    # A trainable parameter changed in place: not put back (NOTE [numbers
+                    # and flags as the forward began]).
+                    call.changed_numbers = None
         if call.modules is not None:
             if call.options.preserve_rng_state:  # NOTE [generators held as attributes]
                 warn_made_during(*call.modules, env.generators)

@@ -27,7 +27,7 @@ from .discard_aliases import made_outside
 from .discard_refusals import refuse_input_changed, refuse_output
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
-from .forward_numbers import NumbersWatch
+from .forward_numbers import NumbersWatch, numbers_read
 from .held_generators import held_generators
 from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaves, module_dicts
@@ -81,8 +81,7 @@ class DiscardFunction(torch.autograd.Function):
         watch = StateWatch(*owner.state, snapshot=True, compare=not compared(roots),
                            written=remembered(roots)) if owner.state is not None else None
         # NOTE [numbers and flags as the forward began] (forward_numbers.py), at each call too.
-        numbers = NumbersWatch([*(m.__dict__ for m in roots),
-                                *(d for tree in owner.state[2] for d in tree.submodules)]) \
+        numbers = NumbersWatch(numbers_read(roots, owner.state[2], every=True)) \
             if owner.state is not None else None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
@@ -90,6 +89,10 @@ class DiscardFunction(torch.autograd.Function):
             outputs = owner.fn(*args, **owner.kwargs)
         if numbers is not None:
             owner.changed_numbers = numbers.changed()
+            if param_before is not None and versions(owner.params or []) != param_before[0]:
+                # A trainable parameter changed in place: not put back (NOTE [numbers and
+                # flags as the forward began] in forward_numbers.py).
+                owner.changed_numbers = None
         moved = [i for i, (now, version) in enumerate(zip(versions(tensors), input_versions))
                  if now != version] if tensors else []
         if moved:

@@ -8,7 +8,7 @@ with their files.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
 __all__ = ["replay_backward", "used_by_this_backward"]
+
+_NOTHING = nullcontext()  # reusable: entered on every replay without numbers to put back
 
 # torch.autograd._is_checkpoint_valid() without its Python frame: the engine's own method.
 _checkpoint_valid: Any = torch.autograd.Variable._execution_engine.is_checkpoint_valid
@@ -193,37 +195,39 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             recorded = None
             # NOTE [state a plain function changes] in plain_state.py
             plain = call.plain_state.before_replay() if call.plain_state is not None else None
-            if not (shadow or call.attributes or call.options.keep is not None or
-                    call.hooked_outputs is not None or call.changed_state is not None or
-                    call.changed_numbers is not None):
-                output = call.fn(*args, **kwargs)  # the usual case, with no context more
-            else:
-                with ExitStack() as stack:
-                    if call.changed_state is not None:
-                        # NOTE [the replay changes copies] in state_changes.py
-                        stack.enter_context(call.changed_state.on_copies())
-                    if call.changed_numbers is not None:
-                        # NOTE [numbers and flags as the forward began] (forward_numbers.py)
-                        stack.enter_context(call.changed_numbers.as_forward_began())
-                    if shadow:
-                        # Shadow an ambient hook (offload, census): the replay's short-lived
-                        # graph is not theirs to see. Only then: the hooks cost ~1 us per saved
-                        # tensor. NOTE [hooks switch off the in-place check] in saved.py:
-                        # Unchanged checks.
-                        stack.enter_context(
-                            torch.autograd.graph.saved_tensors_hooks(Unchanged, Unchanged.get))
-                    if call.attributes:
-                        assert call.owner is not None
-                        stack.enter_context(_attributes_set(call.owner, call.attributes,
-                                                            aliases[call.n_inputs:]))
-                    if call.options.keep is not None:
-                        stack.enter_context(KeepMode(call.options.keep, invocation,
-                                                     layer=call.fn))
-                    if call.hooked_outputs is not None:
-                        recorded = stack.enter_context(recording())
-                    output = call.fn(*args, **kwargs)
-            if first is not None:
-                first.check(call)
+            # NOTE [numbers and flags as the forward began] (forward_numbers.py): around the
+            # first replay's checks too, which read what the replay stored (an aux loss) before
+            # the forward's objects are put back.
+            numbers = _NOTHING if call.changed_numbers is None else \
+                call.changed_numbers.as_forward_began()
+            with numbers:
+                if not (shadow or call.attributes or call.options.keep is not None or
+                        call.hooked_outputs is not None or call.changed_state is not None):
+                    output = call.fn(*args, **kwargs)  # the usual case, with no context more
+                else:
+                    with ExitStack() as stack:
+                        if call.changed_state is not None:
+                            # NOTE [the replay changes copies] in state_changes.py
+                            stack.enter_context(call.changed_state.on_copies())
+                        if shadow:
+                            # Shadow an ambient hook (offload, census): the replay's
+                            # short-lived graph is not theirs to see. Only then: the hooks
+                            # cost ~1 us per saved tensor. NOTE [hooks switch off the in-place
+                            # check] in saved.py: Unchanged checks.
+                            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                                Unchanged, Unchanged.get))
+                        if call.attributes:
+                            assert call.owner is not None
+                            stack.enter_context(_attributes_set(call.owner, call.attributes,
+                                                                aliases[call.n_inputs:]))
+                        if call.options.keep is not None:
+                            stack.enter_context(KeepMode(call.options.keep, invocation,
+                                                         layer=call.fn))
+                        if call.hooked_outputs is not None:
+                            recorded = stack.enter_context(recording())
+                        output = call.fn(*args, **kwargs)
+                if first is not None:
+                    first.check(call)
     except CheckpointError:
         raise
     except Exception as error:

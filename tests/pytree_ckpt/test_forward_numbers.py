@@ -5,6 +5,7 @@ replay, which then decides and computes as the forward did; each case against an
 from __future__ import annotations
 
 import copy
+import enum
 import warnings
 from collections.abc import Callable
 
@@ -197,3 +198,127 @@ def test_numbers_put_back_for_the_replay_give_no_warning(make: Callable[[], nn.M
         for length in (6, 7):
             x = torch.randn(2, length, 8) if make is GrowingRotary else torch.randn(4, 8)
             ours(x).square().sum().backward()
+
+
+class TensorCache(nn.Module):
+    """A table kept as a plain tensor attribute (not a buffer), rebuilt with the int that says
+    how long it is (GPT-NeoX's and Falcon's rotary modules in transformers 4.2x-4.3x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.cached = nn.Linear(4, 4), 4
+        self.table = torch.arange(4.0)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n > self.cached:
+            self.cached = n
+            self.table = torch.arange(float(n))[:, None]
+        return self.lin(x) * self.table[:n]
+
+
+def test_a_tensor_attribute_cache_stays_paired_with_its_length_across_micro_batches() -> None:
+    # Reviewer CL's finding: both micro-batches' forwards grew the cache (6, then 8); the
+    # first one's replay, given its length back (4), rebuilt the table for 6, and the length
+    # then got 8 back: the next step's forward (7) sliced a 6-row table and failed. The table
+    # the replay rebinds gets back the one it held when the replay began.
+    eager = TensorCache()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    a, b = torch.randn(6, 4), torch.randn(8, 4)
+    for module in (eager, ours):
+        (module(a).sum() + module(b).sum()).backward()
+    assert _same(_grads(eager), _grads(ours))
+    assert ours.cached == 8 and torch.equal(ours.table, eager.table)
+    x = torch.randn(7, 4)
+    for module in (eager, ours):
+        module(x).sum().backward()
+    assert _same(_grads(eager), _grads(ours))
+
+
+def test_a_rotary_cache_grown_at_a_later_step_replays_as_eager() -> None:
+    # Reviewer CL's finding: a short first step (3), then a longer one (6): the growth comes
+    # after the module's first replay, where a module's numbers were not read. A module
+    # holding buffers has them read at every call.
+    eager = GrowingRotary()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for length in (3, 6, 6, 8):
+        x = torch.randn(2, length, 8)
+        for module in (eager, ours):
+            torch.tanh(module(x)).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert ours.max_seq_len_cached == eager.max_seq_len_cached
+
+
+class Phase(enum.IntEnum):
+    CALIBRATE = 0
+    RUN = 1
+
+
+class KeyedMask(nn.Module):
+    """A mask buffer rebuilt when the input's shape differs from the key it was built for
+    (``key``: a ``torch.Size``, a tuple), and a calibrate-once phase kept as an enum."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(8, 8), key
+        self.key: object = None
+        self.phase = Phase.CALIBRATE
+        self.register_buffer("mask", torch.ones(1, 8))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        key = h.shape if self.how == "size" else tuple(h.shape)
+        if key != self.key:
+            self.key = key
+            self.mask = (torch.arange(h.shape[0] * 8).reshape(h.shape) % 3).float()
+        scale = 2.0 if self.phase is Phase.CALIBRATE else 1.0
+        self.phase = Phase.RUN
+        return self.lin(h) * self.mask * scale
+
+
+@pytest.mark.parametrize("key", ["size", "tuple"])
+def test_a_cache_keyed_on_a_shape_and_an_enum_phase_replay_as_eager(key: str) -> None:
+    # Reviewer CL's finding: a torch.Size or tuple key, an enum flag: values that cannot change
+    # in place, now put back like ints (the replay rebuilt nothing, read the later phase, and
+    # its gradients differed silently).
+    eager = KeyedMask(key)
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for rows in (4, 4, 6, 4):
+        xs = [torch.randn(rows, 8), torch.randn(rows + 1, 8)]  # two micro-batches
+        for module in (eager, ours):
+            sum(module(x).square().sum() for x in xs).backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert ours.key == eager.key and ours.phase is eager.phase
+
+
+class ActNorm(nn.Module):
+    """Initialises its trainable parameters at its first forward, at random, keyed on a flag
+    (Glow's ActNorm initialises from the data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.loc, self.initialized = nn.Linear(8, 8), nn.Parameter(torch.zeros(8)), False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.normal_()
+            self.initialized = True
+        return self.lin(h) + self.loc
+
+
+def test_a_flag_keying_a_parameter_initialisation_is_not_put_back_for_the_replay() -> None:
+    # Reviewer CL's finding: given the flag back, the replay initialised the trainable
+    # parameter again, which copies cannot undo (drawing other values without the RNG
+    # restored). A forward that changed a trainable parameter in place keeps its numbers.
+    torch.manual_seed(0)
+    eager = ActNorm()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager),
+                                                      preserve_rng_state=False)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing changed twice
+        for module in (eager, ours):
+            torch.manual_seed(1)
+            module(x).square().sum().backward()
+    assert torch.equal(ours.loc, eager.loc)
+    assert _same(_grads(eager), _grads(ours))
