@@ -1247,6 +1247,27 @@ def test_a_number_recomputed_to_an_equal_value_each_call_is_not_warned_about() -
             layer(torch.randn(4, 8)).sum().backward()
 
 
+def test_a_nan_set_again_at_a_later_switchs_first_replay_is_not_warned_about() -> None:
+    # A later switch's first replay, with nothing saved, reads the numbers around the replay:
+    # NaN set again to NaN is unchanged there too (mutation round CK: S3), as is an equal int.
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # As the forward sets them: the first call changes nothing, so the layer is not
+            # stateful, and its later switch's replay has nothing saved.
+            self.lin, self.rows, self.scale = nn.Linear(8, 8), 4 * 1000, float("nan")
+
+        def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+            self.rows = int(x.shape[0]) * 1000
+            self.scale = float("nan")
+            return self.lin(x) * (2.0 if wide else 1.0)
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Scaled())
+    told = _number_warnings(lambda: [layer(torch.randn(4, 8), wide=wide).sum().backward()
+                                     for wide in (False, True)])
+    assert told == []
+
+
 def test_a_number_attribute_replaced_by_a_tensor_is_told_about_without_a_crash() -> None:
     # Comparing a number with a tensor of several values raised "Boolean value of Tensor
     # with more than one value is ambiguous" in the forward.
