@@ -78,8 +78,9 @@ class NumbersWatch:
     read by the replay as they are (only ids are kept: no tensor is held from the forward to
     the replay), and after the replay, one the replay rebound again gets back what it held when
     the replay began: otherwise an earlier micro-batch's replay left its shorter rebuild paired
-    with the later micro-batch's length. One only the replay changes keeps its change, as for
-    buffers.
+    with the later micro-batch's length. A tensor requiring grad that the replay stored stays,
+    as eager's module holds one with a graph. One only the replay changes keeps its change, as
+    for buffers.
 
     Read at a module's first calls until its first replay and at every call once a forward of
     it changed state (``snapshots_wanted``), for all of a call's modules; at other calls, for
@@ -182,7 +183,13 @@ class ChangedNumbers:
             yield
         finally:
             for d, entries in at_start:
-                _set(d, entries)
+                # A tensor requiring grad the replay stored stays (`self.last = out`, a leaf it
+                # made): eager's module holds one with a graph too, and the checks that read
+                # it after the replay (a stored aux loss, NOTE [leaves the call makes] in
+                # refusals.py) must find it.
+                _set(d, [(name, value) for name, value in entries
+                         if not (isinstance(now := d.get(name), torch.Tensor) and
+                                 now.requires_grad)])
 
 
 def _set(d: dict[str, Any], entries: list[tuple[str, Any]], /) -> None:

@@ -445,10 +445,11 @@ def test_a_list_the_forward_uses_once_and_sets_to_none_is_used_once() -> None:
     assert ours.log is None
 
 
-def test_a_tensor_the_forward_stores_where_none_was_is_the_forwards_after_backward() -> None:
-    # The replay runs from None, as the forward began, and its store is put back to what the
-    # module held when it began, the original pass's (no graph of the replay's is kept alive
-    # on the module); its values are eager's (mutation round CK: M17).
+def test_a_tensor_the_forward_stores_where_none_was_is_the_replays_after_backward() -> None:
+    # The replay runs from None, as the forward began; its store, a tensor requiring grad,
+    # stays the module's, with a graph as eager's has (not put back to the no-grad original
+    # pass's: the checks that read it after the replay must find it), its values eager's
+    # (mutation round CK: M17).
     class KeepsLast(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -465,7 +466,8 @@ def test_a_tensor_the_forward_stores_where_none_was_is_the_forwards_after_backwa
     out = ours(x)
     stored = ours.last
     out.square().sum().backward()
-    assert ours.last is stored and not stored.requires_grad  # the no-grad original pass's
+    assert ours.last is not stored and not stored.requires_grad  # the original pass's
+    assert ours.last.requires_grad == eager.last.requires_grad  # the replay's, as eager's
     assert torch.equal(ours.last, eager.last)
     assert _same(_grads(eager), _grads(ours))
 
