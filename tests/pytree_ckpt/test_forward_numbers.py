@@ -8,6 +8,7 @@ import copy
 import enum
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -47,6 +48,11 @@ class Warmup(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self.lin(x) * min(1.0, self.calls / 4)
+
+
+def _twins(eager: nn.Module) -> tuple[Any, Any]:
+    """``eager`` and a checkpointed copy of it (``Any``: the tests read their attributes)."""
+    return eager, pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
@@ -89,8 +95,7 @@ def test_a_rotary_cache_rebuilt_for_a_longer_sequence_replays_as_eager(how: str)
 def test_each_micro_batch_replays_from_its_own_forwards_count() -> None:
     # Two forwards, then their backwards in reverse: each replay starts from the count its
     # own forward began with (0, then 1), and the count ends at eager's 2, not 4 or 3.
-    eager = Warmup()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(Warmup())
     xs = [torch.randn(4, 8) for _ in range(2)]
     for module in (eager, ours):
         outs = [module(x) for x in xs]
@@ -101,8 +106,7 @@ def test_each_micro_batch_replays_from_its_own_forwards_count() -> None:
 
 
 def test_a_second_backward_of_a_kept_graph_replays_from_the_same_count() -> None:
-    eager = Warmup()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(Warmup())
     x = torch.randn(4, 8)
     for module in (eager, ours):
         loss = module(x).square().sum()
@@ -125,8 +129,7 @@ def test_a_number_only_the_replay_changes_keeps_its_change() -> None:
                 self.grad_calls += 1
             return self.lin(x)
 
-    eager = CountsWithGrad()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(CountsWithGrad())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing changed twice: nothing to warn about
         for _ in range(2):
@@ -155,8 +158,7 @@ def test_a_number_set_anew_and_one_deleted_by_the_forward_replay_as_eager() -> N
                 self.seen = True
             return self.lin(x) * scale
 
-    eager = OneTimeScale()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(OneTimeScale())
     for _ in range(2):
         x = torch.randn(4, 8)
         for module in (eager, ours):
@@ -178,8 +180,7 @@ def test_a_cache_attribute_a_forward_turns_from_none_into_a_tensor_is_left_alone
                 self.mask = (torch.arange(8) % 2).float()
             return self.lin(x) * self.mask
 
-    eager = CachesAMask()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(CachesAMask())
     x = torch.randn(4, 8)
     eager(x).square().sum().backward()
     out = ours(x)
@@ -222,8 +223,7 @@ def test_a_tensor_attribute_cache_stays_paired_with_its_length_across_micro_batc
     # first one's replay, given its length back (4), rebuilt the table for 6, and the length
     # then got 8 back: the next step's forward (7) sliced a 6-row table and failed. The table
     # the replay rebinds gets back the one it held when the replay began.
-    eager = TensorCache()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(TensorCache())
     a, b = torch.randn(6, 4), torch.randn(8, 4)
     for module in (eager, ours):
         (module(a).sum() + module(b).sum()).backward()
@@ -239,8 +239,7 @@ def test_a_rotary_cache_grown_at_a_later_step_replays_as_eager() -> None:
     # Reviewer CL's finding: a short first step (3), then a longer one (6): the growth comes
     # after the module's first replay, where a module's numbers were not read. A module
     # holding buffers has them read at every call.
-    eager = GrowingRotary()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(GrowingRotary())
     for length in (3, 6, 6, 8):
         x = torch.randn(2, length, 8)
         for module in (eager, ours):
@@ -280,8 +279,7 @@ def test_a_cache_keyed_on_a_shape_and_an_enum_phase_replay_as_eager(key: str) ->
     # Reviewer CL's finding: a torch.Size or tuple key, an enum flag: values that cannot change
     # in place, now put back like ints (the replay rebuilt nothing, read the later phase, and
     # its gradients differed silently).
-    eager = KeyedMask(key)
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(KeyedMask(key))
     for rows in (4, 4, 6, 4):
         xs = [torch.randn(rows, 8), torch.randn(rows + 1, 8)]  # two micro-batches
         for module in (eager, ours):
@@ -339,8 +337,7 @@ def test_a_string_mode_and_a_length_first_set_where_none_was_replay_as_eager() -
             self.mode, self.first_rows = "hot", x.shape[0]
             return self.lin(x) * scale
 
-    eager = FirstCallScaled()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(FirstCallScaled())
     for _ in range(2):
         x = torch.randn(4, 8)
         for module in (eager, ours):
@@ -402,8 +399,7 @@ def test_tensor_caches_the_forward_builds_are_built_by_the_replay_as_the_forward
 
     built_eager: list[str] = []
     built_ours: list[str] = []
-    eager = Caches(built_eager)
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(Caches(built_eager))
     ours.built = built_ours
     for step in range(2):
         x = torch.randn(4, 8)
@@ -433,8 +429,7 @@ def test_a_list_the_forward_uses_once_and_sets_to_none_is_used_once() -> None:
                 self.log = None
             return self.lin(x)
 
-    eager = LogsOnce()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(LogsOnce())
     logs: list[list[int]] = [[], []]
     x = torch.randn(4, 8)
     for module, log in zip((eager, ours), logs):
@@ -459,8 +454,7 @@ def test_a_tensor_the_forward_stores_where_none_was_is_the_replays_after_backwar
             self.last = self.lin(x)
             return torch.tanh(self.last) * 2.0
 
-    eager = KeepsLast()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(KeepsLast())
     x = torch.randn(4, 8)
     eager(x).square().sum().backward()
     out = ours(x)
@@ -483,8 +477,7 @@ def test_a_number_the_forward_replaces_by_a_tensor_replays_as_eager() -> None:
             self.scale = torch.tensor(3.0)  # a learned-later scale, kept as a tensor
             return out
 
-    eager = ScaleThenTensor()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(ScaleThenTensor())
     x = torch.randn(4, 8)
     for module in (eager, ours):
         module(x).square().sum().backward()
@@ -506,8 +499,7 @@ def test_a_tensor_the_forward_uses_once_and_sets_to_none_replays_as_eager() -> N
                 out, self.pending = out * self.pending, None
             return out
 
-    eager = PendingScale()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(PendingScale())
     x = torch.randn(4, 8)
     for module in (eager, ours):
         module(x).square().sum().backward()
@@ -525,8 +517,7 @@ def test_a_warm_up_dropout_the_forward_switches_off_replays_as_eager() -> None:
             self.drop.train(False)  # dropout for the first call only
             return out
 
-    eager = WarmupDropout()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(WarmupDropout())
     x = torch.randn(4, 8)
     for module in (eager, ours):
         torch.manual_seed(0)
@@ -549,8 +540,7 @@ def test_a_number_replaced_by_a_tensor_before_backward_replays_as_eager(what: st
             self.scale = self.scale * 0.5
             return out
 
-    eager = Decays()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(Decays())
     x = torch.randn(4, 8)
     for module in (eager, ours):
         loss = module(x).square().sum()
@@ -575,8 +565,7 @@ def test_a_cache_invalidated_before_backward_stays_invalidated_as_in_eager() -> 
                 self.ramp = torch.linspace(0.5, 1.5, 8)
             return self.lin(x) * self.ramp
 
-    eager = Cached()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    eager, ours = _twins(Cached())
     x = torch.randn(4, 8)
     for module in (eager, ours):
         loss = module(x).square().sum()
