@@ -805,3 +805,29 @@ def test_a_sparse_buffer_of_the_model_does_not_break_reading_the_census() -> Non
     assert torch.equal(out, eager)
     for (name, p), q in zip(sparse.named_parameters(), dense.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_split_backward_keeps_the_boundary_inputs_counted_until_the_weight_pass() -> None:
+    # docs/census.md: between a restricted backward with retain_graph=True (a zero-bubble
+    # input pass) and the pass that takes the remaining gradients, the replay's kept graph is
+    # not counted (its saves are hidden from the census), but the boundary's inputs stay
+    # counted as before; the weight pass releases them. (The last note's "not pinned".)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    checkpoint_layers(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    with ActivationCensus(model) as census:
+        out = model(x)
+        before = census.bytes_by("mechanism")
+        assert before == {"checkpoint boundary": 3 * nbytes(x)}
+        (dx,) = torch.autograd.grad(out.sum(), [x], retain_graph=True)  # the input pass
+        assert census.bytes_by("mechanism") == before
+        grads = torch.autograd.grad(out.sum(), list(model.parameters()))  # the weight pass
+        assert census.bytes_by("mechanism") == {}
+    twin = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    twin.load_state_dict(model.state_dict())
+    y = x.detach().requires_grad_()
+    eager_out = twin(y)
+    (eager_dx,) = torch.autograd.grad(eager_out.sum(), [y], retain_graph=True)
+    eager_grads = torch.autograd.grad(eager_out.sum(), list(twin.parameters()))
+    assert torch.equal(dx, eager_dx)
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
