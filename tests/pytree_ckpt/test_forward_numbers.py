@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import enum
+import gc
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -677,3 +679,73 @@ def test_a_cache_dropped_before_its_rebuild_stays_paired_with_its_length() -> No
     for module in (eager, ours):
         module(x).sum().backward()
     assert _same(_grads(eager), _grads(ours))
+
+
+def test_a_cache_keyed_on_a_nested_tuple_replays_as_eager() -> None:
+    # A key of a shape tuple and a dtype name, a tuple holding a tuple: a value, put back as
+    # the forward began, so the replay rebuilds the mask buffer too (mutation round CM: N2,
+    # nested tuples taken by id, left the replay reading the forward's key and the old mask).
+    class NestedKey(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.key = nn.Linear(8, 8), None
+            self.register_buffer("mask", torch.ones(1, 8))
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            key = (tuple(h.shape), str(h.dtype))
+            if key != self.key:
+                self.key = key
+                self.mask = (torch.arange(h.shape[0] * 8).reshape(h.shape) % 3).float()
+            return self.lin(h) * self.mask
+
+    eager = NestedKey()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for rows in (4, 4, 6):
+        xs = [torch.randn(rows, 8), torch.randn(rows + 1, 8)]  # two micro-batches
+        for module in (eager, ours):
+            sum(module(x).square().sum() for x in xs).backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert ours.key == eager.key and torch.equal(ours.mask, eager.mask)
+
+
+def test_a_numpy_integer_call_count_replays_as_eager() -> None:
+    # A count kept as a NumPy scalar (`self.calls += 1` on an np.int64, as a count read from
+    # a checkpoint's NumPy state stays): a value, put back like an int (mutation round CM: N4).
+    np = pytest.importorskip("numpy")
+
+    class NumpyWarmup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.calls = nn.Linear(8, 8), np.int64(0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.lin(x) * min(1.0, float(self.calls) / 4)
+
+    eager = NumpyWarmup()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for _ in range(2):
+        xs = [torch.randn(4, 8) for _ in range(2)]
+        for module in (eager, ours):
+            sum(module(x).square().sum() for x in xs).backward()
+        assert _same(_grads(eager), _grads(ours))
+    assert ours.calls == eager.calls == 4 and type(ours.calls) is type(eager.calls)
+
+
+def test_a_cache_the_forward_rebinds_is_not_held_from_the_forward_to_the_replay() -> None:
+    # Only ids of objects are kept: the table the forward replaced, and the one it built once
+    # the caller drops it, are freed before backward, as in eager (the replay then rebuilds).
+    class Rebuilds(TensorCache):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(1))  # numbers read at every call
+
+    ours = pytree_ckpt.apply_activation_checkpointing(Rebuilds())
+    replaced = weakref.ref(ours.table)
+    out = ours(torch.randn(6, 4))
+    built = weakref.ref(ours.table)
+    ours.table, ours.cached = torch.arange(4.0)[:, None], 4  # the caller resets the cache
+    gc.collect()
+    assert replaced() is None and built() is None
+    out.sum().backward()
+    assert ours.cached == 4 and ours.table.shape == (4, 1)  # the caller's, after the replay
