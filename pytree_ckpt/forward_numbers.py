@@ -9,6 +9,7 @@ Buffers the forward changes are ``state_changes.py``'s; the modes and entries of
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -69,18 +70,19 @@ class NumbersWatch:
     a forward (the training flag too: a forward that switches a warm-up dropout off replays
     with it on, as it ran): those holding a value that cannot change in place
     (``_immutable``: an int, float, bool, str, None, an enum member, a ``torch.Size`` or a
-    tuple of such, a NumPy scalar) by value, the others by id. Those the forward set anew,
-    deleted, or changed from such a value (to another value or to an object: a number replaced
-    by a tensor) are put back as the forward began for the replay, and get what they held
-    when the replay began back after it (a later micro-batch's forward, or the caller, may have
-    changed them since). Those holding another object that the forward rebound (a cache kept as
-    a plain tensor attribute, rebuilt with its length; a tensor it consumed, set to None) are
-    read by the replay as they are (only ids are kept: no tensor is held from the forward to
-    the replay), and after the replay, one the replay rebound again gets back what it held when
-    the replay began: otherwise an earlier micro-batch's replay left its shorter rebuild paired
-    with the later micro-batch's length. A tensor requiring grad that the replay stored stays,
-    as eager's module holds one with a graph. One only the replay changes keeps its change, as
-    for buffers.
+    tuple of such, a NumPy scalar) by value, tensors by weak reference, others by id. Those
+    the forward set anew, deleted, or changed from such a value (to another value or to an
+    object: a number replaced by a tensor) are put back as the forward began for the replay,
+    and get what they held when the replay began back after it (a later micro-batch's forward,
+    or the caller, may have changed them since). Those holding another object that the
+    forward rebound (a cache kept as a plain tensor attribute, rebuilt with its length; a
+    tensor it consumed, set to None) are read by the replay as they are (no tensor is held
+    from the forward to the replay), and after the replay, one the replay rebound again gets
+    back what it held when the replay began: otherwise an earlier micro-batch's replay, run
+    last, left its shorter rebuild paired with the later micro-batch's length (a table
+    computed from a parameter too), or its stored output in place of the last one's. A leaf
+    requiring grad that the replay stored stays, for the made-leaf check to refuse. One only
+    the replay changes keeps its change, as for buffers.
 
     Read at a module's first calls until its first replay and at every call once a forward of
     it changed state (``snapshots_wanted``), for all of a call's modules; at other calls, for
@@ -147,16 +149,34 @@ def numbers_read(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /, *,
             for d, buffers in zip((root.__dict__, *tree.submodules), tree.buffers) if buffers]
 
 
+class _TensorHeld:
+    """A tensor attribute, by weak reference: equal to another only while both refer to the
+    same live tensor. Not by id: a cache dropped before its rebuild (`self.table = None;
+    self.table = build(n)`) is freed, and the new one may take its address."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, tensor: torch.Tensor, /) -> None:
+        self.ref = weakref.ref(tensor)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _TensorHeld and (held := self.ref()) is not None and \
+            held is other.ref()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def _read(d: dict[str, Any], /) -> dict[str, tuple[bool, Any]]:
-    """By name: (True, the value) for a value that cannot change in place, (False, its id)
-    for another object. nn.Module's own entries are left out by one set difference (a
-    module's ``__dict__`` holds about 17 of them and a few of its own)."""
-    found = {}
+    """By name: (True, the value) for a value that cannot change in place, (False, a weak
+    reference) for a tensor, (False, its id) for another object. nn.Module's own entries are
+    left out by one set difference (a module's ``__dict__`` holds about 17 of them and a few
+    of its own)."""
+    found: dict[str, tuple[bool, Any]] = {}
     for name in d.keys() - _NOT_STATE:
         if not name.startswith(_OURS):
             value = d[name]
             found[name] = (True, value) if type(value) in _PLAIN or _immutable(value) else \
-                (False, id(value))
+                (False, _TensorHeld(value) if isinstance(value, torch.Tensor) else id(value))
     return found
 
 
@@ -183,13 +203,12 @@ class ChangedNumbers:
             yield
         finally:
             for d, entries in at_start:
-                # A tensor requiring grad the replay stored stays (`self.last = out`, a leaf it
-                # made): eager's module holds one with a graph too, and the checks that read
-                # it after the replay (a stored aux loss, NOTE [leaves the call makes] in
-                # refusals.py) must find it.
+                # A leaf requiring grad that the replay stored stays (`self.last = leaf`, made
+                # in the forward): the check that reads it once the replay's graph is gone
+                # (NOTE [leaves the call makes] in refusals.py) must find it held, and refuse.
                 _set(d, [(name, value) for name, value in entries
                          if not (isinstance(now := d.get(name), torch.Tensor) and
-                                 now.requires_grad)])
+                                 now.requires_grad and now.grad_fn is None)])
 
 
 def _set(d: dict[str, Any], entries: list[tuple[str, Any]], /) -> None:
