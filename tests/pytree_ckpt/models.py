@@ -10,8 +10,16 @@ from torch import nn
 
 from pytree_ckpt import CheckpointWithoutOutput, reuse_during_recompute
 
-__all__ = ["Dropped", "Gate", "JitteredOnly", "MappingOutput", "Stack", "UsesOwnWeight", "jittered_topk",
-           "project_norm"]
+__all__ = ["Dropped", "Gate", "JitteredOnly", "Log", "MappingOutput", "Stack", "UsesOwnWeight",
+           "jittered_topk", "project_norm"]
+
+
+class Log(list):  # type: ignore[type-arg]
+    """A record a module keeps of its calls, the replay's included. A plain ``list`` of plain
+    values on a module is read before the forward and gets its entries back after the replay
+    (NOTE [numbers and flags as the forward began] in pytree_ckpt/forward_numbers.py), which
+    drops what the replay appends, as eager never ran it; a subclass is read by identity only,
+    so a test sees each pass."""
 
 
 class Stack(nn.Module):

@@ -18,7 +18,7 @@ from torch import nn
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
 from tests.conftest import MatrixProducts, assert_same_grads, grads_of, run_twice
-from tests.pytree_ckpt.models import MappingOutput, Stack
+from tests.pytree_ckpt.models import Log, MappingOutput, Stack
 
 Pair = collections.namedtuple("Pair", "left right")
 
@@ -1489,7 +1489,7 @@ class _TypeAware(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(4, 4)
-        self.seen: list[tuple[str, str, Any]] = []
+        self.seen: list[tuple[str, str, Any]] = Log()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.append((current_phase().value, type(x).__name__, getattr(x, "tag", None)))

@@ -23,7 +23,7 @@ from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointErro
                          CheckpointWithoutOutput, CheckpointWithoutOutputManager,
                          build_residual_stream_recompute_plan, checkpoint, current_phase)
 from tests.conftest import MatrixProducts, assert_same_grads, grads_of, zero_grads
-from tests.pytree_ckpt.models import UsesOwnWeight
+from tests.pytree_ckpt.models import Log, UsesOwnWeight
 from tests.pytree_ckpt.test_rebound import assert_names_both_modules
 
 
@@ -31,7 +31,7 @@ class Norm(nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.rand(width) + 0.5)
-        self.calls: list[str] = []
+        self.calls: list[str] = Log()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(current_phase().value if torch.is_grad_enabled() else "no-grad")

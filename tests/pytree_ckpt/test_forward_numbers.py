@@ -4,6 +4,7 @@ replay, which then decides and computes as the forward did; each case against an
 
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import gc
@@ -391,24 +392,26 @@ def test_tensor_caches_the_forward_builds_are_built_by_the_replay_as_the_forward
     # A cache set where None was, and one set under a new name: the replay runs as the forward
     # began (None, absent), builds both again, and the module keeps the forward's (mutation
     # round CK: M12, F20; CK first pinned the replay reading the forward's, changed since).
+    # The builds are told through a bound method (an object, not read): a list the module
+    # held would get its entries back as the forward began too.
     class Caches(nn.Module):
         def __init__(self, built: list[str]) -> None:
             super().__init__()
-            self.lin, self.mask, self.built = nn.Linear(8, 8), None, built
+            self.lin, self.mask, self.record = nn.Linear(8, 8), None, built.append
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if self.mask is None:
-                self.built.append("mask")
+                self.record("mask")
                 self.mask = (torch.arange(8) % 2).float()
             if not hasattr(self, "ramp"):
-                self.built.append("ramp")
+                self.record("ramp")
                 self.ramp = torch.linspace(0.5, 1.5, 8)
             return self.lin(x) * self.mask * self.ramp
 
     built_eager: list[str] = []
     built_ours: list[str] = []
     eager, ours = _twins(Caches(built_eager))
-    ours.built = built_ours
+    ours.record = built_ours.append
     for step in range(2):
         x = torch.randn(4, 8)
         eager(x).square().sum().backward()
@@ -748,3 +751,169 @@ def test_a_cache_the_forward_rebinds_is_not_held_from_the_forward_to_the_replay(
     assert replaced() is None and built() is None
     out.sum().backward()
     assert ours.cached == 4 and ours.table.shape == (4, 1)  # the caller's, after the replay
+
+
+class ExpertCounts(nn.Module):
+    """Counts kept in containers and changed in place, one deciding what the forward computes
+    (a per-expert count scaling its expert), others only counting (a defaultdict, a Counter,
+    a set of the batch sizes seen keying a one-time branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.per_expert = [0, 0]
+        self.calls: collections.defaultdict[str, int] = collections.defaultdict(int)
+        self.sizes: collections.Counter[int] = collections.Counter()
+        self.seen: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = int(x.sum() > 0)
+        self.per_expert[e] += 1
+        self.calls["forward"] += 1
+        self.sizes[x.shape[0]] += 1
+        first = x.shape[0] not in self.seen
+        self.seen.add(x.shape[0])
+        scale = self.per_expert[e] + 0.5 * self.calls["forward"] + (2.0 if first else 0.0)
+        return self.lin(x) * scale
+
+
+def _containers(module: Any) -> tuple[Any, ...]:
+    return (list(module.per_expert), dict(module.calls), dict(module.sizes), set(module.seen))
+
+
+@pytest.mark.parametrize("how", ["boundary", "discard"])
+def test_counts_in_containers_changed_in_place_replay_as_eager(how: str) -> None:
+    # Before, each replay counted again and computed with the count a step ahead: the
+    # gradients differed from the first step and every count ended doubled, silently.
+    eager = ExpertCounts()
+    ours = copy.deepcopy(eager)
+    if how == "boundary":
+        pytree_ckpt.apply_activation_checkpointing(ours)
+    held = (ours.per_expert, ours.calls, ours.sizes, ours.seen)
+    for rows in (4, 4, 6):
+        x = torch.randn(rows, 8)
+        torch.tanh(eager(x)).square().sum().backward()
+        out = torch.tanh(ours(x)) if how == "boundary" else _discarded(ours, x)
+        out.square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert _containers(ours) == _containers(eager)
+    assert _containers(ours)[1:3] == ({"forward": 3}, {4: 2, 6: 1})
+    # Changed in place, and still the module's own containers, of their kinds.
+    assert (ours.per_expert, ours.calls, ours.sizes, ours.seen) == held
+    assert all(a is b for a, b in zip(held, (ours.per_expert, ours.calls, ours.sizes, ours.seen)))
+    assert ours.calls.default_factory is int and type(ours.sizes) is collections.Counter
+
+
+def test_each_micro_batch_replays_from_its_own_forwards_container_entries() -> None:
+    # Two forwards, then their backwards in reverse: each replay starts from the entries its own
+    # forward began with, and the containers end as eager's (not counted three or four times).
+    eager = ExpertCounts()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for _ in range(2):
+        xs = [torch.randn(4, 8), torch.randn(6, 8)]
+        for module in (eager, ours):
+            outs = [module(x) for x in xs]
+            for out in reversed(outs):
+                out.square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert _containers(ours) == _containers(eager)
+
+
+def test_a_container_the_caller_resets_before_backward_keeps_the_callers_entries() -> None:
+    # Cleared in place, and rebound, between the forward and its backward: the replay still
+    # computes from the entries its forward began with, and leaves the caller's.
+    eager = ExpertCounts()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            out = module(x)
+            module.per_expert[:] = [0, 0]
+            module.calls = collections.defaultdict(int)
+            out.square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert _containers(ours) == _containers(eager)
+        assert ours.per_expert == [0, 0] and dict(ours.calls) == {}
+
+
+def test_a_container_the_forward_rebinds_replays_from_the_one_it_began_with() -> None:
+    # A history rebuilt each call (`self.lengths = [*self.lengths, n]`): the replay reads a
+    # new container holding the entries the forward began with (the one the forward replaced
+    # is left as it was, in case another holder has it), and the module keeps the forward's.
+    class History(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.lengths = nn.Linear(8, 8), [3]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lengths = [*self.lengths, x.shape[0]]
+            return self.lin(x) * len(self.lengths)
+
+    eager = History()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    first = ours.lengths
+    for rows in (4, 5):
+        x = torch.randn(rows, 8)
+        eager(x).square().sum().backward()
+        out = ours(x)
+        kept = ours.lengths
+        out.square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert ours.lengths is kept and ours.lengths == eager.lengths
+    assert first == [3] and ours.lengths == [3, 4, 5]
+
+
+def test_a_container_two_layers_share_ends_the_step_as_eager() -> None:
+    # One dict held by every layer of a stack (a model-wide tally), each layer counting its
+    # calls under its own key and scaling by the total so far; two micro-batches.
+    class Tallied(nn.Module):
+        def __init__(self, tally: dict[str, int], name: str) -> None:
+            super().__init__()
+            self.lin, self.tally, self.name = nn.Linear(8, 8), tally, name
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.tally[self.name] = self.tally.get(self.name, 0) + 1
+            return torch.tanh(self.lin(x)) * (1 + sum(self.tally.values()) / 10)
+
+    def stack() -> nn.Sequential:
+        tally: dict[str, int] = {}
+        return nn.Sequential(*(Tallied(tally, f"l{i}") for i in range(3)))
+
+    eager = stack()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours, check_fn=lambda m: isinstance(m, Tallied))
+    for _ in range(2):
+        xs = [torch.randn(4, 8) for _ in range(2)]
+        for module in (eager, ours):
+            sum(module(x).square().sum() for x in xs).backward()
+        assert _same(_grads(eager), _grads(ours))
+    assert ours[0].tally is ours[2].tally
+    assert ours[0].tally == eager[0].tally == {"l0": 4, "l1": 4, "l2": 4}
+
+
+def test_a_container_over_64_entries_or_holding_a_tensor_is_not_read() -> None:
+    # Documented limit (docs/limits.md, 'Module state'): a longer container, or one holding
+    # anything but plain values (a tensor among a list's entries or a dict's values: no
+    # tensor is held from the forward to the replay), is read by identity only, so a count in
+    # it is changed twice (as with torch's reentrant checkpoint); one of 64 entries is exact.
+    class Wide(nn.Module):
+        def __init__(self, n: int, tensor: str) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.counts: Any = [0] * n if tensor != "dict" else {0: 0, 1: torch.zeros(1)}
+            if tensor == "list":
+                self.counts.append(torch.zeros(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.counts[0] += 1
+            return self.lin(x) * self.counts[0]
+
+    for n, tensor, twice in ((64, "", False), (65, "", True), (3, "list", True),
+                             (0, "dict", True)):
+        eager = Wide(n, tensor)
+        ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert ours.counts[0] == (2 if twice else 1) and eager.counts[0] == 1
+        assert _same(_grads(eager), _grads(ours)) is not twice

@@ -17,7 +17,7 @@ import pytree_ckpt
 from pytree_ckpt import (CheckpointConfigError, apply_activation_checkpointing, checkpoint_layers,
                          current_phase, is_checkpointed, remove_activation_checkpointing)
 from tests.conftest import assert_same_grads, grads_per_model, run_twice
-from tests.pytree_ckpt.models import Gate
+from tests.pytree_ckpt.models import Gate, Log
 
 
 class Layer(nn.Module):
@@ -26,7 +26,7 @@ class Layer(nn.Module):
         self.attn = nn.Linear(8, 8)
         self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
         self.register_buffer("scale", torch.full((8,), 0.5))
-        self.phases: list[str] = []
+        self.phases: list[str] = Log()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.phases.append(current_phase().value)

@@ -21,7 +21,7 @@ import offload
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, checkpoint
 from tests.conftest import assert_same_grads, grads_of, grads_per_model
-from tests.pytree_ckpt.models import Dropped, Gate, JitteredOnly, Stack, UsesOwnWeight
+from tests.pytree_ckpt.models import Dropped, Gate, JitteredOnly, Log, Stack, UsesOwnWeight
 
 
 class Scaled(nn.Module):
@@ -550,7 +550,7 @@ class LazyProjection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.LazyLinear(8)
-        self.runs: list[int] = []  # a list: the replay appends too, unlike a plain number
+        self.runs: list[int] = Log()  # the replay's runs too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.runs.append(1)

@@ -12,7 +12,7 @@ from torch import nn
 
 import pytree_ckpt
 from tests.conftest import assert_same_grads, grads_of
-from tests.pytree_ckpt.models import Dropped
+from tests.pytree_ckpt.models import Dropped, Log
 
 
 class OwnDropout(nn.Module):
@@ -271,7 +271,7 @@ class OnlyLazyBuffers(nn.Module):
         super().__init__()
         self.lin = nn.Linear(8, 8)
         self.norm = nn.LazyBatchNorm1d(affine=False)  # lazy buffers, no lazy parameter
-        self.runs: list[int] = []  # a list: the replay appends too, unlike a plain number
+        self.runs: list[int] = Log()  # the replay's runs too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.runs.append(1)

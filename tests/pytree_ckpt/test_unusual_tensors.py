@@ -25,7 +25,7 @@ import pytree_ckpt
 from offload import size_class
 from pytree_ckpt import (ActivationCensus, KeptCallables, RecomputeConfig, SaveUnit,
                          apply_recompute_config, current_phase)
-from tests.pytree_ckpt.models import project_norm
+from tests.pytree_ckpt.models import Log, project_norm
 
 W = 8
 
@@ -43,7 +43,7 @@ class Layer(nn.Module):
         self.lin = nn.Linear(W, W, dtype=dtype)
         self.norm = nn.LayerNorm(W, dtype=dtype)
         self.discard = discard
-        self.seen: list[tuple[str, list[Any], list[list[int]]]] = []
+        self.seen: list[tuple[str, list[Any], list[list[int]]]] = Log()
 
     def part(self, h: torch.Tensor) -> torch.Tensor:  # kept by KeptCallables("Layer.part")
         return self.lin(h)
@@ -142,7 +142,7 @@ class Conv(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.seen: list[tuple[Any, bool]] = []
+        self.seen: list[tuple[Any, bool]] = Log()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen.append((x.stride(), x.is_contiguous(memory_format=torch.channels_last)))
