@@ -62,13 +62,15 @@ class _FirstReplay:
     __slots__ = ("containers", "known", "modules", "dicts", "tensors", "numbers")
 
     def __init__(self, containers: Any, known: set[int], modules: list[nn.Module],
-                 dicts: list[dict[str, Any]]) -> None:
+                 dicts: list[dict[str, Any]], numbers_saved: bool) -> None:
         self.containers = containers
         self.known = known  # the replay's inputs and parameters: the caller has them
         self.modules = modules
         self.dicts = dicts
         self.tensors = stored_tensors(dicts)
-        self.numbers = stored_numbers(dicts)
+        # Where numbers were saved before the forward, a number the replay changes is its own
+        # change (put back after it): nothing to read for the warning.
+        self.numbers = None if numbers_saved else stored_numbers(dicts)
 
     @classmethod
     def of(cls, call: BoundaryCall, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -79,7 +81,8 @@ class _FirstReplay:
         modules = list(call.forward_modules.roots)
         known = {id(t) for t in (*aliases, *(call.params or ()))}
         return cls(open_containers(args, kwargs), known, modules,
-                   [*(m.__dict__ for m in modules), *call.forward_modules.submodules])
+                   [*(m.__dict__ for m in modules), *call.forward_modules.submodules],
+                   call.numbers_saved)
 
     def check(self, call: BoundaryCall) -> None:
         if self.containers is not None:
@@ -87,7 +90,7 @@ class _FirstReplay:
         owner = self.modules[0]
         warn_stacked_checkpointing(owner, call.fn)
         warn_stored_scalars(owner, self.modules, self.dicts, self.tensors)
-        if not call.numbers_saved:  # else a number the replay changes is its own change
+        if self.numbers is not None:
             warn_changed_numbers(owner, self.modules, self.dicts, self.numbers)
 
 
