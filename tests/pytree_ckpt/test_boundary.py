@@ -1859,3 +1859,28 @@ def test_an_input_made_under_inference_mode_is_accepted_as_in_eager(offloaded: b
         grads.append(grads_of([*model.parameters(), x]))
         x.grad = None
     assert_same_grads(*grads)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "an output that is a view of fn's own result (nn.Linear on a 3-D input returns a view of its "
+    "2-D matmul) leaves _BoundaryFunction as a view, so a caller's in-place change (timm's "
+    "LayerScale(inplace=True): x.mul_(gamma)) raises torch's 'Output 0 of _BoundaryFunction is a "
+    "view and is being modified inplace' where eager works; not in docs/limits.md (its rows cover "
+    "an input returned as it is and outputs that view one another)"))
+@pytest.mark.parametrize("how", ["wrapped", "checkpoint"])
+def test_an_output_viewing_the_layers_own_result_can_be_changed_in_place_as_in_eager(
+        how: str) -> None:
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    ours = copy.deepcopy(eager)
+    if how == "wrapped":
+        pytree_ckpt.apply_activation_checkpointing(ours)
+    x = torch.randn(2, 3, 4)
+    got = []
+    for layer, call in ((eager, eager), (ours, ours if how == "wrapped" else
+                                        lambda t: checkpoint(ours, t))):
+        gamma = torch.full((4,), 0.5, requires_grad=True)
+        out = call(x)
+        out.mul_(gamma)                                # timm's LayerScale(inplace=True)
+        got.append(torch.autograd.grad(out.square().sum(), [gamma, *layer.parameters()]))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
