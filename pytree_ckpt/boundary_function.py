@@ -26,7 +26,7 @@ from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode
 from .kernel_written import remember, remembered
-from .made_before import leaving_tensors
+from .made_before import leaving_tensors, unviewed
 from .module_state import ever_verified
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
@@ -177,7 +177,7 @@ class _BoundaryFunction(torch.autograd.Function):
         if len(flat.tensor_index) < len(flat.leaves):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         # NOTE [outputs made before the call] (made_before.py)
-        out_tensors, as_is = leaving_tensors(
+        out_tensors, as_is, views = leaving_tensors(
             flat.leaves if len(flat.tensor_index) == len(flat.leaves) else
             [flat.leaves[i] for i in flat.tensor_index], tensors, call.before, watch)
         extra: tuple[torch.Tensor, ...] = ()
@@ -191,6 +191,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 call.hooked_outputs = hooked
                 extra = tuple(hooked.tensors(recorded))
             del recorded
+        if views:  # NOTE [outputs that view fn's own results] (made_before.py)
+            out_tensors = unviewed(out_tensors, views, (*extra, *call.frame.tensors()))
         call.before = None
         call.held = {}
         call.out_spec = flat.spec

@@ -29,7 +29,7 @@ import torch
 from .state_changes import StateWatch
 from .tree import alias, alias_all
 
-__all__ = ["leaving_tensors"]
+__all__ = ["leaving_tensors", "unviewed"]
 
 
 def _of_an_input(root: torch.Tensor, inputs: Sequence[torch.Tensor], /) -> bool:
@@ -43,13 +43,15 @@ def _of_an_input(root: torch.Tensor, inputs: Sequence[torch.Tensor], /) -> bool:
 
 def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                     before: dict[int, torch.Tensor] | None, watch: StateWatch | None, /
-                    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
-    """The tensors the boundary's Function returns for ``outputs`` (fn's tensor leaves), and
-    those of them to mark non-differentiable as made before the call (NOTE [outputs made before
-    the call]). ``before``: the frozen parameters and buffers by id, taken before fn ran;
-    ``watch`` says which of them fn changed in place."""
+                    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor], list[int]]:
+    """The tensors the boundary's Function returns for ``outputs`` (fn's tensor leaves), those
+    of them to mark non-differentiable as made before the call (NOTE [outputs made before the
+    call]), and the positions of views of a tensor none of those (NOTE [outputs that view
+    fn's own results]). ``before``: the frozen parameters and buffers by id, taken before fn
+    ran; ``watch`` says which of them fn changed in place."""
     out = list(alias_all(outputs))
     as_is = []
+    views = []
     for position, t in enumerate(out):
         if t.requires_grad:
             continue
@@ -59,6 +61,8 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
             as_is.append(t)  # changed in place, an input is refused (raise_input_changed)
             continue
         if before is None:
+            if base is not None and not root.requires_grad:
+                views.append(position)
             continue
         known = before.get(id(root))
         if known is not root:
@@ -71,6 +75,8 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
             if known is not t:
                 known = watch.buffer_viewing(root) if watch is not None else None
                 if known is None:
+                    if not root.requires_grad:  # (an input's or a parameter's view does)
+                        views.append(position)
                     continue
         if known.requires_grad:
             continue
@@ -79,4 +85,28 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
             as_is.append(t)
         elif t is known and (t.is_floating_point() or t.is_complex()):
             out[position] = alias(t)  # the buffer itself gets no node: an alias does
-    return tuple(out), as_is
+    return tuple(out), as_is, views
+
+
+def unviewed(outputs: tuple[torch.Tensor, ...], views: list[int],
+             others: Sequence[torch.Tensor], /) -> tuple[torch.Tensor, ...]:
+    """NOTE [outputs that view fn's own results]: ``nn.Linear`` on a 3-D input returns a view
+    of its 2-D matmul, so a layer (or an MLP, an attention block) ending in a projection
+    returns a view of a tensor fn made. Left a view, it leaves the boundary's Function as one,
+    and torch refuses a caller's in-place change of it ("Output 0 of _BoundaryFunction is a
+    view and is being modified inplace": ``out += residual``, timm's ``LayerScale(inplace=
+    True)``), where eager and torch's non-reentrant checkpoint allow it. The tensor it views is
+    fn's own and dropped after the call, so the output leaves as a ``detach()`` alias of the
+    same bytes, which is no view; it shares the version counter, so a kept op's or a frozen
+    result's tensor changed through it is still refused at the replay. Not where another
+    output, a hooked output or a frozen result (``others``) shares its storage: two outputs
+    viewing one tensor must stay views of one another for autograd to follow a change through
+    either (torch refuses it, documented)."""
+    shared = [t.untyped_storage().data_ptr() for t in (*outputs, *others)]
+    out = list(outputs)
+    for position in views:
+        t = outputs[position]
+        if type(t) is torch.Tensor and t.layout is torch.strided and \
+                t.untyped_storage().nbytes() and shared.count(shared[position]) == 1:
+            out[position] = t.detach()
+    return tuple(out)
