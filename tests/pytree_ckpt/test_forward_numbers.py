@@ -917,3 +917,55 @@ def test_a_container_over_64_entries_or_holding_a_tensor_is_not_read() -> None:
             module(x).square().sum().backward()
         assert ours.counts[0] == (2 if twice else 1) and eager.counts[0] == 1
         assert _same(_grads(eager), _grads(ours)) is not twice
+
+
+@pytest.mark.xfail(strict=True, reason="bug (helper CN): an OrderedDict (or dict) the forward "
+                   "only reorders (move_to_end, a round robin over experts) reads as unchanged "
+                   "(_Contents compares its entries as a plain dict, order ignored): the replay "
+                   "reorders it again and computes with the next entry, silently")
+def test_an_ordered_dict_the_forward_only_reorders_replays_as_eager() -> None:
+    class RoundRobin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.queue = collections.OrderedDict((("a", 1.0), ("b", 2.0), ("c", 3.0)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            name = next(iter(self.queue))
+            self.queue.move_to_end(name)  # the next call takes the next entry
+            return self.lin(x) * self.queue[name]
+
+    eager, ours = _twins(RoundRobin())
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert list(ours.queue) == list(eager.queue)
+
+
+@pytest.mark.xfail(strict=True, reason="regression of 795831a (helper CN): a plain list read "
+                   "by its entries (empty) is held by the call's _Contents until backward, so "
+                   "the tensors the forward then appends stay alive after the caller replaced "
+                   "the list (before 795831a it was read by id, and they were freed)")
+def test_tensors_stored_in_a_list_the_caller_replaces_are_not_held_until_backward() -> None:
+    # A module collecting what its forward computed (for logging) in a list that starts empty;
+    # the caller takes the list and gives the module a new one before backward, as in eager.
+    class Collects(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.maps = nn.Linear(8, 8), []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            self.maps.append(h.detach().clone())
+            return h
+
+    eager, ours = _twins(Collects())
+    for module in (eager, ours):
+        out = module(torch.randn(4, 8))
+        stored = weakref.ref(module.maps[0])
+        module.maps = []
+        gc.collect()
+        assert stored() is None, type(module).__name__
+        out.square().sum().backward()
