@@ -969,3 +969,182 @@ def test_tensors_stored_in_a_list_the_caller_replaces_are_not_held_until_backwar
         gc.collect()
         assert stored() is None, type(module).__name__
         out.square().sum().backward()
+
+
+def test_a_list_the_forward_appends_to_replays_as_eager_up_to_and_past_its_64th_entry() -> None:
+    # A history grown in place (`self.lengths.append(n)`), the forward computing with its
+    # length: from 63 entries to 64 (read by entries), then from 64 to 65 (read by entries
+    # before the forward, by identity after it: still put back). Each replay computes with the
+    # length its forward began with, and the history ends each step as eager's.
+    class Appends(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.lengths = nn.Linear(8, 8), list(range(63))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lengths.append(x.shape[0])
+            return self.lin(x) * len(self.lengths) / 64
+
+    eager, ours = _twins(Appends())
+    held = ours.lengths
+    for rows in (4, 5):
+        x = torch.randn(rows, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert ours.lengths == eager.lengths and ours.lengths is held
+    assert len(ours.lengths) == 65
+
+
+def test_an_ordered_dict_of_counts_changed_in_place_replays_as_eager() -> None:
+    # A count per route kept in an OrderedDict (read by its entries, as a dict is): the
+    # replay computes with the count its forward read, and each counts once.
+    class Routes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.per_route = collections.OrderedDict((("low", 0), ("high", 0)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            route = "high" if x.sum() > 0 else "low"
+            self.per_route[route] += 1
+            return self.lin(x) * self.per_route[route]
+
+    eager, ours = _twins(Routes())
+    held = ours.per_route
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+    assert ours.per_route is held and type(held) is collections.OrderedDict
+    assert list(held.items()) == list(eager.per_route.items()) and sum(held.values()) == 3
+
+
+def test_a_container_the_forward_deletes_replays_with_the_entries_it_held() -> None:
+    # One-shot scales the caller leaves on the module for its next call, which uses and
+    # deletes them: the replay reads them as the forward did (a new list holding them), and
+    # the module ends the step without them, as eager's.
+    class OneShot(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = 1.0
+            if hasattr(self, "pending"):
+                scale = sum(self.pending)
+                del self.pending
+            return self.lin(x) * scale
+
+    eager, ours = _twins(OneShot())
+    for step in range(3):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module.pending = [0.5 + step, 2.0]
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert not hasattr(ours, "pending")
+
+
+@pytest.mark.parametrize("kind", ["dict keyed by a tensor", "defaultdict", "OrderedDict"])
+def test_a_container_holding_a_tensor_the_caller_replaces_is_freed_before_backward(kind: str
+                                                                                 ) -> None:
+    # Read by identity only (docs/limits.md, 'Module state': no tensor is held from the
+    # forward to the replay), whatever the dict's kind, and a tensor key as a tensor value:
+    # the container and its tensor are freed once the caller gives the module a new one, as
+    # in eager.
+    make: Callable[[], Any] = {
+        "dict keyed by a tensor": lambda: {"calls": 0, torch.zeros(256): 0},
+        "defaultdict": lambda: collections.defaultdict(int, calls=0, table=torch.zeros(256)),
+        "OrderedDict": lambda: collections.OrderedDict(calls=0, table=torch.zeros(256)),
+    }[kind]
+
+    class Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.stats = nn.Linear(8, 8), make()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.stats["calls"] += 1
+            return self.lin(x)
+
+    eager, ours = _twins(Keeps())
+    for module in (eager, ours):
+        out = module(torch.randn(4, 8))
+        table = weakref.ref(next(t for t in (*module.stats, *module.stats.values())
+                                 if isinstance(t, torch.Tensor)))
+        module.stats = make()
+        gc.collect()
+        assert table() is None, module is ours
+        out.square().sum().backward()
+
+
+def test_a_set_the_forward_rebinds_to_an_equal_one_is_the_forwards_for_the_step() -> None:
+    # `self.seen = self.seen | {n}` makes a new set each call, one with the same entries
+    # where n was seen: the replay still reads the set its forward began with, not the one the
+    # caller added to since, and the module ends the step holding the forward's set.
+    class Lengths(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.seen = nn.Linear(8, 8), set()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen = self.seen | {x.shape[0]}
+            return self.lin(x) * len(self.seen)
+
+    eager, ours = _twins(Lengths())
+    for step, rows in enumerate((4, 4, 6)):
+        x = torch.randn(rows, 8)
+        for module in (eager, ours):
+            out = module(x)
+            made = module.seen
+            module.seen.add(100 + step)  # the caller marks a length between forward and backward
+            out.square().sum().backward()
+            assert module.seen is made
+        assert _same(_grads(eager), _grads(ours))
+        assert ours.seen == eager.seen
+
+
+def test_a_container_the_caller_replaces_by_a_copy_between_micro_batches_and_backwards() -> None:
+    # Two forwards count in place; the caller then gives the module a copy of the counts
+    # (keeping the original) before the backwards, run in reverse: each replay reads the
+    # entries its forward began with, and neither the original nor the copy is counted again.
+    eager = ExpertCounts()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for _ in range(2):
+        xs = [torch.randn(4, 8), torch.randn(6, 8)]
+        kept = []
+        for module in (eager, ours):
+            outs = [module(x) for x in xs]
+            kept.append(module.per_expert)
+            module.per_expert = list(module.per_expert)
+            for out in reversed(outs):
+                out.square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert kept[1] == kept[0] and _containers(ours) == _containers(eager)
+
+
+def test_a_container_only_the_replay_changes_keeps_its_change() -> None:
+    # Training calls counted only with grad enabled (no count under torch.no_grad()): the
+    # boundary's original pass runs without grad and its replay with, so the count is the
+    # replay's, once a step, as eager's; put back only what the forward changed (its call count).
+    class GradCalls(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.calls, self.stats = nn.Linear(8, 8), 0, {"grad_calls": 0}
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if torch.is_grad_enabled():
+                self.stats["grad_calls"] += 1
+            return self.lin(x) * self.calls
+
+    eager, ours = _twins(GradCalls())
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+    assert ours.calls == eager.calls == 3
+    assert ours.stats == eager.stats == {"grad_calls": 3}
