@@ -21,7 +21,7 @@ from .changed_in_place import (ParameterVersions, raise_input_changed,
                                refuse_parameters_changed)
 from .compiled_layers import recompile_limit_note
 from .forward_modules import ForwardModules
-from .forward_numbers import NumbersWatch, numbers_read
+from .forward_numbers import NumbersWatch, numbers_read, with_reused_calls
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode
@@ -159,6 +159,11 @@ class _BoundaryFunction(torch.autograd.Function):
                     # A trainable parameter changed in place: not put back (NOTE [numbers
                     # and flags as the forward began]).
                     call.changed_numbers = None
+        if call.frame.state_after:  # NOTE [state a reused call changes] (frozen.py)
+            made = [value for changes in call.frame.state_after.values()
+                    for kind, _, _, value in changes if kind == "numbers"]
+            if made:
+                call.changed_numbers = with_reused_calls(call.changed_numbers, made)
         if call.modules is not None:
             if call.options.preserve_rng_state:  # NOTE [generators held as attributes]
                 warn_made_during(*call.modules, env.generators)

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from .module_state import ModuleDicts
-from .stored_state import value_differs
 
-__all__ = ["ChangedNumbers", "NumbersWatch", "numbers_read"]
+__all__ = ["ChangedNumbers", "MadeNumbers", "NumbersWatch", "numbers_read", "plain_entries",
+           "value_differs", "with_reused_calls"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
 # members, tuples of such values (a shape key) and NumPy scalars (_immutable).
@@ -89,22 +89,41 @@ class _Contents:
 
 
 def _entries(held: Any, /) -> Any:
-    """A copy of a container's entries: a list, a set or a plain dict."""
+    """A copy of a container's entries: a list, a set, or a dict's items in their order (a
+    round robin that only moves an entry to the end, ``move_to_end``, changes the order)."""
     kind = type(held)
-    return list(held) if kind is list else set(held) if kind is set else dict(held)
+    return list(held) if kind is list else set(held) if kind is set else list(held.items())
 
 
 def _put(held: Any, entries: Any, /) -> None:
     """``held`` given ``entries`` in place."""
     if type(held) is list:
         held[:] = entries
-    else:  # a set or a dict of any kind; cleared first, so a Counter's update sets too
+    elif type(held) is set:
         held.clear()
         held.update(entries)
+    else:  # each kind's own item assignment (a Counter's update would add counts)
+        held.clear()
+        for key, value in entries:
+            held[key] = value
 
 
-def _plain_container(value: Any, /) -> bool:
-    if type(value) not in _CONTAINERS or len(value) > _MOST_ENTRIES:
+def plain_entries(value: Any, /) -> Any:
+    """A copy of the entries of a small container of plain values (NOTE [numbers and flags as
+    the forward began]), ``None`` for anything else: for the 'changed again' warning."""
+    return _entries(value) if _plain_container(value) else None
+
+
+def value_differs(now: Any, before: Any) -> bool:
+    """By value (``self.seq_len = x.shape[1]`` stores an equal new int each call), NaN
+    equal to NaN; another type (a tensor where a number was) differs."""
+    if type(now) is not type(before):
+        return True
+    return bool(now != before) and not (now != now and before != before)
+
+
+def _plain_container(value: Any, /, most: float = _MOST_ENTRIES) -> bool:
+    if type(value) not in _CONTAINERS or len(value) > most:
         return False
     if isinstance(value, dict):
         return all(map(_immutable, value)) and all(map(_immutable, value.values()))
@@ -134,11 +153,13 @@ class NumbersWatch:
     number replaced by a tensor) are put back as the forward began for the replay, and get
     what they held when the replay began back after it (a later micro-batch's forward, or the
     caller, may have changed them since). A container is the same object throughout: one
-    changed in place gets its entries put back, in place, and its entries at the replay's
-    start back after it (so entries only the replay adds, a log it appends to, are dropped,
-    as eager never made them); one the forward rebound or deleted is put back as a new
-    container holding the entries read (the object read may have other holders, and stays as
-    it is). Those holding another object that the
+    changed in place (a dict's order too: a round robin's ``move_to_end``) gets its entries
+    put back, in place, and its entries at the replay's start back after it (so entries only
+    the replay adds, a log it appends to, are dropped, as eager never made them); one the
+    forward rebound or deleted is put back as a new container holding the entries read (the
+    object read may have other holders, and stays as it is). One the forward filled in place
+    with anything else (tensors it collects) is read as it is, as an object: holding it until
+    the replay would keep those tensors alive after the caller let go of the container. Those holding another object that the
     forward rebound (a cache kept as a plain tensor attribute, rebuilt with its length; a
     tensor it consumed, set to None) are read by the replay as they are (no tensor is held
     from the forward to the replay), and after the replay, one the replay rebound again gets
@@ -152,8 +173,9 @@ class NumbersWatch:
     it changed state (``snapshots_wanted``), for all of a call's modules; at other calls, for
     those holding buffers (their forward may rebuild them with the number that decides it, at
     any step). A change makes the module stateful. Not read: containers of more than 64
-    entries, or holding anything else (a tensor, a nested list), ``__slots__``, a number first
-    changed after the module's first
+    entries (one growing past 64 in the forward is still put back), or holding anything else
+    (a tensor, a nested list), ``__slots__``, a number (or small container) first changed
+    after the module's first
     replay in a module with no buffer (changed twice, warned only at a first replay with a new
     switch: ``warn_changed_numbers``). Not put back for a call whose forward changed a
     trainable parameter in place (a one-time initialisation keyed on a flag, ActNorm's): the
@@ -193,10 +215,13 @@ class NumbersWatch:
                     if not entry[0] or value_differs(entry[1], was[1]):
                         values.append((name, was[1]))  # a value changed, or replaced
                 elif entry != was:
-                    if type(was[1]) is _Contents:  # its entries changed, or it was rebound
-                        values.append((name, was[1]))
-                    else:
+                    if type(was[1]) is not _Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is
+                    elif type(entry[1]) is _Contents or d[name] is not was[1].held or \
+                            _plain_container(d[name], most=float("inf")):
+                        values.append((name, was[1]))  # its entries changed, or rebound
+                    # else it was filled in place with something else (tensors a forward
+                    # collects): read as it is, and not held, as an object is
             for name, was in before.items():
                 if name not in now:  # deleted by the forward
                     if was[0] or type(was[1]) is _Contents:
@@ -206,6 +231,64 @@ class NumbersWatch:
             if values or rebound:
                 found.append((d, values, rebound))
         return ChangedNumbers(found) if found else None
+
+    def made(self) -> MadeNumbers | None:
+        """What the call changed of the values and small containers of the one ``__dict__``
+        read (NOTE [state a reused call changes] in frozen.py); ``None`` when nothing."""
+        d, before = self.dicts[0], self.before[0]
+        now = _read(d)
+        if now == before:
+            return None
+        made = []
+        for name in [*before, *(name for name in now if name not in before)]:
+            was, entry = before.get(name), now.get(name)
+            if entry == was or (was is not None and not _plain_entry(was)) or \
+                    (entry is not None and not _plain_entry(entry)):
+                continue  # an object (a tensor): read as it is, and not held
+            made.append((name, was, _ABSENT if entry is None else entry[1]))
+        return MadeNumbers(d, made) if made else None
+
+
+def _plain_entry(entry: tuple[bool, Any], /) -> bool:
+    return entry[0] or type(entry[1]) is _Contents
+
+
+def _same_as(entry: tuple[bool, Any] | None, was: tuple[bool, Any] | None, /) -> bool:
+    """Whether a value is as read (``None``: absent); a container by its entries alone."""
+    if entry is None or was is None:
+        return entry is was
+    if type(was[1]) is _Contents:
+        return type(entry[1]) is _Contents and type(entry[1].held) is type(was[1].held) and \
+            entry[1].entries == was[1].entries
+    return entry[0] and not value_differs(entry[1], was[1])
+
+
+class MadeNumbers:
+    """The plain values and small containers a reused call changed on its module, each with
+    what it held as the call began and what the call left (NOTE [state a reused call
+    changes] in frozen.py)."""
+
+    __slots__ = ("d", "made")
+
+    def __init__(self, d: dict[str, Any], made: list[tuple[str, tuple[bool, Any] | None, Any]],
+                 /) -> None:
+        self.d = d
+        self.made = made
+
+    def make_again(self, d: dict[str, Any], /) -> None:
+        """Each change made again in ``d`` where the value is as the call found it (the replay,
+        skipping the call, reads what the call left); one changed otherwise since is left."""
+        for name, was, after in self.made:
+            if not _same_as(_entry(d[name]) if name in d else None, was):
+                continue
+            if after is _ABSENT:
+                del d[name]
+            elif type(after) is not _Contents:
+                d[name] = after
+            elif type(d.get(name)) is type(after.held):
+                _put(d[name], after.entries)
+            else:
+                d[name] = after.fresh()
 
 
 def numbers_read(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /, *, every: bool
@@ -246,9 +329,18 @@ def _read(d: dict[str, Any], /) -> dict[str, tuple[bool, Any]]:
         if not name.startswith(_OURS):
             value = d[name]
             found[name] = (True, value) if type(value) in _PLAIN or _immutable(value) else \
-                (False, _TensorHeld(value) if isinstance(value, torch.Tensor) else
-                 _Contents(value) if _plain_container(value) else id(value))
+                _object_entry(value)
     return found
+
+
+def _object_entry(value: Any, /) -> tuple[bool, Any]:
+    return (False, _TensorHeld(value) if isinstance(value, torch.Tensor) else
+            _Contents(value) if _plain_container(value) else id(value))
+
+
+def _entry(value: Any, /) -> tuple[bool, Any]:
+    """One value as ``_read`` reads it."""
+    return (True, value) if _immutable(value) else _object_entry(value)
 
 
 class ChangedNumbers:
@@ -300,3 +392,26 @@ def _set(d: dict[str, Any], named: list[tuple[str, Any]], /) -> None:
                 d[name] = value.fresh()
         else:
             d[name] = value
+
+
+def with_reused_calls(changed: ChangedNumbers | None, made: list[MadeNumbers], /
+                      ) -> ChangedNumbers | None:
+    """``changed`` with the values reused calls changed (``made``, in call order) that it does
+    not put back, put back as the first such call found them (NOTE [state a reused call
+    changes] in frozen.py): a module outside the call's (a router the layer reaches in a
+    closure) is then found by the replay as the call found it, gets what the call left where
+    the replay skips it, and after the replay what it held when the replay began, as the
+    call's own modules do."""
+    covered = set() if changed is None else {
+        (id(d), name) for d, values, rebound in changed.found
+        for name in [*(name for name, _ in values), *rebound]}
+    found: dict[int, tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = {}
+    for change in made:
+        for name, was, _ in change.made:
+            if (id(change.d), name) not in covered:
+                covered.add((id(change.d), name))
+                found.setdefault(id(change.d), (change.d, [], []))[1].append(
+                    (name, _ABSENT if was is None else was[1]))
+    if not found:
+        return changed
+    return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()])

@@ -38,8 +38,8 @@ import torch
 from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError
 from .frozen import (Passthrough, StateAfter, apply_state_after, argument_versions, as_recorded,
-                     buffer_versions, refuse_in_plain_call, refuse_in_replay, state_after,
-                     warn_changed_arguments)
+                     buffer_versions, numbers_watch, refuse_in_plain_call, refuse_in_replay,
+                     state_after, warn_changed_arguments)
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import GeneratorStates, RngState, generators_moved, rng_changed, rng_state, set_rng_state
@@ -362,6 +362,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         token = IN_REUSE.set(True)
         call, versions = argument_versions(args, kwargs)
         buffers = buffer_versions(fn)
+        numbers = numbers_watch(fn)
         try:
             before = rng_state(devices) if devices is not None else None
             generators_before = tuple((g, g.get_state()) for g in generators) \
@@ -376,7 +377,8 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         finally:
             IN_REUSE.reset(token)
         warn_changed_arguments(callable_name(fn), call, versions)  # NOTE in frozen.py
-        changes = state_after(call, versions, buffers)  # NOTE [state a reused call changes]
+        # NOTE [state a reused call changes] (frozen.py)
+        changes = state_after(call, versions, buffers, numbers)
         # NOTE [differentiable results are refused where grad is on] in frozen.py
         passthrough = as_recorded(callable_name(fn), result, args, kwargs)
     else:  # a nested boundary's original pass inside a replay records the jump it took too

@@ -41,12 +41,14 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .errors import ReuseError
+from .forward_numbers import NumbersWatch
 from .module_state import owning_module
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
 __all__ = ["Passthrough", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
-           "buffer_versions", "refuse_in_plain_call", "refuse_in_replay", "state_after",
+           "buffer_versions", "numbers_watch", "refuse_in_plain_call", "refuse_in_replay",
+           "state_after",
            "warn_changed_arguments"]
 
 _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call and compute "
@@ -123,7 +125,7 @@ def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], 
 # buffer changed in place or ("reassigned", name, ...) for one reassigned, with
 # the storage the original pass left it on (weakly) and its value after the call (NOTE
 # [state a reused call changes]).
-StateAfter = tuple[tuple[str, Any, "weakref.ref[torch.UntypedStorage]", torch.Tensor], ...]
+StateAfter = tuple[tuple[str, Any, "weakref.ref[torch.UntypedStorage] | None", Any], ...]
 Buffers = tuple[dict[str, Any], list[tuple[str, Any, int | None]]]
 
 
@@ -139,8 +141,15 @@ def buffer_versions(fn: Callable[..., Any], /) -> Buffers | None:
                   for name, b in held.items()]
 
 
-def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | None, /
-                ) -> StateAfter | None:
+def numbers_watch(fn: Callable[..., Any], /) -> NumbersWatch | None:
+    """The plain values of ``fn``'s module (if any; not its children's), read before ``fn``
+    runs (NOTE [state a reused call changes])."""
+    module = owning_module(fn)
+    return None if module is None else NumbersWatch([module.__dict__])
+
+
+def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | None,
+                numbers: NumbersWatch | None, /) -> StateAfter | None:
     """NOTE [state a reused call changes]: the replay skips a reused call, so a change it made
     in place to an integer argument (a token count it adds to), or to a buffer of its own
     module, in place or by reassignment (a router's load EMA), is not made again there, and
@@ -156,9 +165,16 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     about instead (NOTE [a reused fn changes no argument]): logits-sized scores would be
     kept twice. A buffer the call reassigned is reassigned in the replay, one it changed in
     place is changed in place there (``"reassigned"``, ``"buffer"``), as eager did each: a
-    graph that saved the tensor before the call finds it as eager's did. ``None`` when
-    nothing changed (the usual case)."""
-    changed: list[tuple[str, Any, weakref.ref[torch.UntypedStorage], torch.Tensor]] = [
+    graph that saved the tensor before the call finds it as eager's did. Plain values and
+    small containers of its module (a count per expert, ``self.load[e] += 1``; NOTE [numbers
+    and flags as the forward began] in forward_numbers.py) likewise: the replay puts them
+    back as the forward began and runs the code before the call again, so it finds them as
+    the call did, and gets what the call left (``"numbers"``); one found otherwise (changed
+    since) is left; the call's values are put back as it found them for the replay even on
+    a module outside the boundary's (``with_reused_calls`` in forward_numbers.py). Cost: two
+    reads of the module's ``__dict__`` per reused call in the original pass (11 us for a
+    Linear on the 2-core CI machine). ``None`` when nothing changed (the usual case)."""
+    changed: list[tuple[str, Any, weakref.ref[torch.UntypedStorage] | None, Any]] = [
         ("argument", j, weakref.ref(t.untyped_storage()), t.detach().clone())
         for j, version in zip(call.tensor_index, before)
         if version is not None and (t := call.leaves[j])._version != version
@@ -171,6 +187,8 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
                     now is not b or now._version != version):
                 changed.append(("buffer" if now is b else "reassigned", name,
                                 weakref.ref(now.untyped_storage()), now.detach().clone()))
+    if numbers is not None and (made := numbers.made()) is not None:
+        changed.append(("numbers", None, None, made))
     return tuple(changed) if changed else None
 
 
@@ -185,8 +203,12 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         for kind, key, original, value in changes:
             if kind == "argument":
                 target = call.leaves[key] if key < len(call.leaves) else None
-                ours = isinstance(target, torch.Tensor) and \
+                ours = isinstance(target, torch.Tensor) and original is not None and \
                     target.untyped_storage() is not original()
+            elif kind == "numbers":
+                if module is not None:
+                    value.make_again(module.__dict__)
+                continue
             elif kind == "reassigned":
                 # NOTE [a reassigned buffer is reassigned in the replay]: eager put a new
                 # tensor in the dict and left the one it replaced as it was; an op before

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .eager import Told, user_stacklevel
+from .forward_numbers import plain_entries, value_differs
 from .changed_in_place import parameter_path
 from .refusals import fn_name
 from .state_changes import mark_stateful
@@ -24,7 +25,7 @@ from .tree_refusals import container_elements
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["stored_numbers", "stored_tensors", "value_differs", "warn_changed_numbers",
+__all__ = ["stored_numbers", "stored_tensors", "warn_changed_numbers",
            "warn_parameter_changed", "warn_stacked_checkpointing", "warn_stored_scalars"]
 
 _WARNED_STORED = "_pytree_ckpt_warned_stored"
@@ -55,22 +56,38 @@ def _scalar_result(value: Any) -> bool:
         value.is_floating_point() and value.requires_grad
 
 
+class _Entries:
+    """The entries of a small container of plain values, read before a first replay."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: Any, /) -> None:
+        self.entries = entries
+
+
 def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
-    """Per module ``__dict__``, each int, float or bool attribute: read with
-    ``stored_tensors`` (NOTE [numbers a forward changes]). A flag the forward sets once (at
-    the first call) is set to the same value by the replay, and not told; one it flips
-    (``self.odd = not self.odd``) is flipped back by the replay, and told."""
-    return [{name: value for name, value in d.items()
-             if type(value) is int or type(value) is float or type(value) is bool}
-            for d in dicts]
+    """Per module ``__dict__``, each int, float or bool attribute, and the entries of each
+    small container of plain values (a count per expert): read with ``stored_tensors`` (NOTE
+    [numbers a forward changes]). A flag the forward sets once (at the first call) is set to
+    the same value by the replay, and not told; one it flips (``self.odd = not self.odd``) is
+    flipped back by the replay, and told."""
+    found = []
+    for d in dicts:
+        numbers: dict[str, Any] = {}
+        for name, value in d.items():
+            kind = type(value)
+            if kind is int or kind is float or kind is bool:
+                numbers[name] = value
+            elif (entries := plain_entries(value)) is not None:
+                numbers[name] = _Entries(entries)
+        found.append(numbers)
+    return found
 
 
-def value_differs(now: Any, before: Any) -> bool:
-    """By value (``self.seq_len = x.shape[1]`` stores an equal new int each call), NaN
-    equal to NaN; another type (a tensor where a number was) differs."""
-    if type(now) is not type(before):
-        return True
-    return bool(now != before) and not (now != now and before != before)
+def _number_differs(now: Any, before: Any, /) -> bool:
+    if type(before) is _Entries:
+        return plain_entries(now) != before.entries
+    return value_differs(now, before)
 
 
 def _warn_naming(owner: nn.Module, flag: str, modules: Sequence[nn.Module],
@@ -172,7 +189,7 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
     marked stateful, so its later calls save them. One the forward sets to a value it computes
     (``self.seq_len = x.shape[1]``) is set to the same value by the replay, and not told."""
     found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
-             for name, value in old.items() if value_differs(d.get(name), value)]
+             for name, value in old.items() if _number_differs(d.get(name), value)]
     if found:
         mark_stateful(owner)
     if owner.__dict__.get(_WARNED_NUMBERS):
