@@ -61,7 +61,7 @@ from torch import nn
 
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
-from .discard_aliases import reachable_tensors
+from .discard_aliases import reachable_tensors, register_rebuild
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -337,7 +337,7 @@ class CheckpointWithoutOutput:
             refuse_discarded_hook(hook_tensor, [self])
         self._discard_output()
         if not self.passthrough:
-            hook_tensor.register_hook(self._hook)
+            register_rebuild(hook_tensor, self._hook)  # NOTE [a hook tensor that is a view]
 
     def _hook(self, grad: torch.Tensor) -> None:
         self._replay()

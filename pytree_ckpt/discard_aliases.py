@@ -14,7 +14,7 @@ from torch import nn
 
 from .module_state import module_buffers, owning_module, trainable_parameters
 
-__all__ = ["made_outside", "reachable_tensors", "root_key"]
+__all__ = ["made_outside", "reachable_tensors", "register_rebuild", "root_key"]
 
 
 def reachable_tensors(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[torch.Tensor]:
@@ -118,3 +118,34 @@ def _cell_filled(cell: Any) -> bool:
     except ValueError:  # an empty cell (a name assigned later in the enclosing scope)
         return False
     return True
+
+
+def register_rebuild(hook_tensor: torch.Tensor, hook: Callable[[torch.Tensor], None], /
+                     ) -> None:
+    """Register a discard's rebuild ``hook`` for ``hook_tensor``'s gradient.
+
+    NOTE [a hook tensor that is a view]: the consumer's output is often a view (``nn.Linear``
+    on a 3-D input returns one of its 2-D matmul), and a caller may change it in place after
+    the discard (timm's ``LayerScale(inplace=True)``, ``out += residual``). Autograd then
+    routes the gradient from the in-place op straight to the view's base, past the node a
+    hook on the view sits on, so that hook never ran: nothing was rebuilt, and backward
+    failed with torch's "data is not allocated yet". So a view's base gets the hook too: it
+    sits on the node that made the base, which a change through any view leaves in place.
+    The first of the two to run in a backward rebuilds, the other lets it be (by graph task:
+    a second backward of a kept graph rebuilds again, and is refused as before); the view's
+    own runs first where both run, which keeps the order a hook tensor that is an output of a
+    discarded call, viewing its input, needs."""
+    base = hook_tensor._base
+    if base is None or not base.requires_grad or base.grad_fn is None:
+        hook_tensor.register_hook(hook)
+        return
+    ran_in: list[int | None] = [None]  # the graph task whose backward ran it
+
+    def once(grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if ran_in[0] != task:
+            ran_in[0] = task
+            hook(grad)
+
+    hook_tensor.register_hook(once)
+    base.register_hook(once)

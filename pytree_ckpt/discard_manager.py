@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .discard import CheckpointWithoutOutput
+from .discard_aliases import register_rebuild
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook
 from .errors import CheckpointError, validate_bool
 
@@ -69,7 +70,7 @@ class CheckpointWithoutOutputManager:
         self.registered = True
         for ckpt in self.checkpoints:
             ckpt._discard_output()
-        hook_tensor.register_hook(self._hook)
+        register_rebuild(hook_tensor, self._hook)  # NOTE [a hook tensor that is a view]
 
     def _hook(self, grad: torch.Tensor) -> None:
         # In forward order (NOTE [discard lifetimes] 4 in discard.py).
