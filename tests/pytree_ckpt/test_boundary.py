@@ -1942,3 +1942,30 @@ def test_a_kept_ops_result_changed_in_place_through_an_output_is_refused() -> No
     with pytest.raises((CheckpointError, RuntimeError), match="view|version|in place"):
         out.mul_(2)
         out.sum().backward()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "e9e0606 regression (helper CP): unviewed() takes any output viewing a tensor that requires "
+    "no grad and is no input, parameter or buffer for 'fn's own result', so a view of a tensor "
+    "that existed before the call (a closure's table, a plain tensor attribute) leaves as a "
+    "detach() alias: the caller's in-place change, which eager refuses at backward (the op saved "
+    "the table) and which torch refused at the change before e9e0606 ('is a view and is being "
+    "modified inplace'), now passes, and the replay computes with the changed table, silently"))
+@pytest.mark.parametrize("held", ["closure", "attribute"])
+def test_a_view_of_a_tensor_made_before_the_call_changed_in_place_is_refused_as_in_eager(
+        held: str) -> None:
+    table = torch.randn(4, 8)
+    holder = nn.Module()
+    holder.table = table  # a plain tensor attribute, no buffer
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = table if held == "closure" else holder.table
+        return x * t, t[:2]
+
+    for wrap in (lambda f, x: f(x), checkpoint):
+        table.fill_(1.0)
+        x = torch.randn(4, 8, requires_grad=True)
+        with pytest.raises((CheckpointError, RuntimeError)):
+            y, rows = wrap(fn, x)
+            rows.mul_(3.0)
+            y.sum().backward()
