@@ -68,7 +68,7 @@ class BoundaryCall:
                  "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
                  "changed_state", "changed_numbers", "numbers_saved", "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
-                 "switches", "inference", "saved_versions",
+                 "switches", "inference", "saved_versions", "unviewed",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
@@ -109,6 +109,9 @@ class BoundaryCall:
         # Inputs the original pass returned as they are, by output position; for run_boundary
         # only (then dropped).
         self.as_is: list[tuple[int, torch.Tensor]] | None = None
+        # Outputs left as detach() aliases of views, with their versions (NOTE [outputs that
+        # view fn's own results] in made_before.py).
+        self.unviewed: list[tuple[int, Any, int]] | None = None
         # The modules' buffers, by submodule, and frozen parameters; for the original pass
         # only (then dropped).
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []

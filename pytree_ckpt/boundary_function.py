@@ -197,7 +197,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 extra = tuple(hooked.tensors(recorded))
             del recorded
         if views:  # NOTE [outputs that view fn's own results] (made_before.py)
-            out_tensors = unviewed(out_tensors, views, (*extra, *call.frame.tensors()))
+            out_tensors, call.unviewed = unviewed(out_tensors, views,
+                                                  (*extra, *call.frame.tensors()))
         call.before = None
         call.held = {}
         call.out_spec = flat.spec

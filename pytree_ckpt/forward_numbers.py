@@ -88,6 +88,25 @@ class _Contents:
         return made
 
 
+class _Refilled:
+    """A container read by its entries that the forward filled in place with something else
+    (tensors it collects, a cache of projections): its entries as read are put back for the
+    replay all the same (a cache the caller empties each step must be empty there, or the
+    replay reuses the original pass's tensor, which has no gradient), but the container is
+    known by id and type only, so the tensors it holds are not kept alive until the replay
+    once the caller lets go of it. (An id reused by a container the caller put in its place
+    gets the entries read during the replay, and its own back after it.)"""
+
+    __slots__ = ("ident", "kind", "entries")
+
+    def __init__(self, contents: _Contents, /) -> None:
+        self.ident, self.kind = id(contents.held), type(contents.held)
+        self.entries = contents.entries
+
+    def holds(self, held: Any, /) -> bool:
+        return id(held) == self.ident and type(held) is self.kind
+
+
 def _entries(held: Any, /) -> Any:
     """A copy of a container's entries: a list, a set, or a dict's items in their order (a
     round robin that only moves an entry to the end, ``move_to_end``, changes the order)."""
@@ -158,8 +177,10 @@ class NumbersWatch:
     the replay adds, a log it appends to, are dropped, as eager never made them); one the
     forward rebound or deleted is put back as a new container holding the entries read (the
     object read may have other holders, and stays as it is). One the forward filled in place
-    with anything else (tensors it collects) is read as it is, as an object: holding it until
-    the replay would keep those tensors alive after the caller let go of the container. Those holding another object that the
+    with anything else (tensors it collects, a cache of projections the caller empties each
+    step) gets its entries put back all the same, but is known by id only (``_Refilled``):
+    held until the replay, it would keep those tensors alive after the caller let go of it.
+    Those holding another object that the
     forward rebound (a cache kept as a plain tensor attribute, rebuilt with its length; a
     tensor it consumed, set to None) are read by the replay as they are (no tensor is held
     from the forward to the replay), and after the replay, one the replay rebound again gets
@@ -174,9 +195,9 @@ class NumbersWatch:
     those holding buffers (their forward may rebuild them with the number that decides it, at
     any step). A change makes the module stateful. Not read: containers of more than 64
     entries (one growing past 64 in the forward is still put back), or holding anything else
-    (a tensor, a nested list), ``__slots__``, a number (or small container) first changed
-    after the module's first
-    replay in a module with no buffer (changed twice, warned only at a first replay with a new
+    before the forward (a tensor, a nested list), ``__slots__``, a number (or small
+    container) first changed after the module's first replay in a module with no buffer
+    (changed twice, warned only at a first replay with a new
     switch: ``warn_changed_numbers``). Not put back for a call whose forward changed a
     trainable parameter in place (a one-time initialisation keyed on a flag, ActNorm's): the
     replay must not redo what copies cannot undo, so it reads the flag as the forward left it,
@@ -220,8 +241,8 @@ class NumbersWatch:
                     elif type(entry[1]) is _Contents or d[name] is not was[1].held or \
                             _plain_container(d[name], most=float("inf")):
                         values.append((name, was[1]))  # its entries changed, or rebound
-                    # else it was filled in place with something else (tensors a forward
-                    # collects): read as it is, and not held, as an object is
+                    else:  # filled in place with something else (tensors): not held
+                        values.append((name, _Refilled(was[1])))
             for name, was in before.items():
                 if name not in now:  # deleted by the forward
                     if was[0] or type(was[1]) is _Contents:
@@ -362,9 +383,13 @@ class ChangedNumbers:
                     for d, values, rebound in self.found]
         # A container the forward changed in place also gets its entries back after the block
         # (the object is the same, so putting it back as an object would not).
-        entries_at_start = [(held, _entries(held)) for d, values, _ in self.found
-                            for name, value in values if type(value) is _Contents
-                            if d.get(name) is (held := value.held)]
+        entries_at_start = []
+        for d, values, _ in self.found:
+            for name, value in values:
+                held = d.get(name)
+                if (type(value) is _Contents and held is value.held) or \
+                        (type(value) is _Refilled and value.holds(held)):
+                    entries_at_start.append((held, _entries(held)))
         for d, values, _ in self.found:
             _set(d, values)
         try:
@@ -390,6 +415,9 @@ def _set(d: dict[str, Any], named: list[tuple[str, Any]], /) -> None:
                 _put(value.held, value.entries)
             else:  # rebound or deleted: a new one, so the object read is not changed
                 d[name] = value.fresh()
+        elif type(value) is _Refilled:
+            if value.holds(held := d.get(name)):  # else the caller replaced it: as it is
+                _put(held, value.entries)
         else:
             d[name] = value
 

@@ -22,14 +22,20 @@ call counter) cannot carry a gradient and comes back as itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
+from .discard_aliases import reachable_objects, root_key
+from .errors import CheckpointError
+from .refusals import fn_name
 from .state_changes import StateWatch
 from .tree import alias, alias_all
 
-__all__ = ["leaving_tensors", "unviewed"]
+__all__ = ["leaving_tensors", "refuse_changed_views", "unviewed"]
 
 
 def _of_an_input(root: torch.Tensor, inputs: Sequence[torch.Tensor], /) -> bool:
@@ -89,24 +95,66 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
 
 
 def unviewed(outputs: tuple[torch.Tensor, ...], views: list[int],
-             others: Sequence[torch.Tensor], /) -> tuple[torch.Tensor, ...]:
+             others: Sequence[torch.Tensor], /
+             ) -> tuple[tuple[torch.Tensor, ...], list[tuple[int, Any, int]] | None]:
     """NOTE [outputs that view fn's own results]: ``nn.Linear`` on a 3-D input returns a view
     of its 2-D matmul, so a layer (or an MLP, an attention block) ending in a projection
     returns a view of a tensor fn made. Left a view, it leaves the boundary's Function as one,
     and torch refuses a caller's in-place change of it ("Output 0 of _BoundaryFunction is a
     view and is being modified inplace": ``out += residual``, timm's ``LayerScale(inplace=
-    True)``), where eager and torch's non-reentrant checkpoint allow it. The tensor it views is
-    fn's own and dropped after the call, so the output leaves as a ``detach()`` alias of the
-    same bytes, which is no view; it shares the version counter, so a kept op's or a frozen
-    result's tensor changed through it is still refused at the replay. Not where another
-    output, a hooked output or a frozen result (``others``) shares its storage: two outputs
-    viewing one tensor must stay views of one another for autograd to follow a change through
-    either (torch refuses it, documented)."""
+    True)``), where eager and torch's non-reentrant checkpoint allow it. So the output leaves
+    as a ``detach()`` alias of the same bytes, which is no view; it shares the version
+    counter, so a kept op's or a frozen result's tensor changed through it is still refused
+    at the replay. Not where another output, a hooked output or a frozen result (``others``)
+    shares its storage: two outputs viewing one tensor must stay views of one another for
+    autograd to follow a change through either (torch refuses it, documented).
+
+    The tensor it views may also be one that existed before the call (a table in a closure or
+    on a module, ``t[:n]`` returned), which nothing cheap tells from fn's own: changed through
+    the output, the replay would read the changed table, silently, where eager refuses it at
+    backward when an op saved it. So each alias is noted with its version (returned, by weak
+    reference: a dropped output cannot be changed), and a replay that finds one moved looks
+    for state the call reaches on the same storage, and refuses (``refuse_changed_views``);
+    one of fn's own, the usual case, passes."""
     shared = [t.untyped_storage().data_ptr() for t in (*outputs, *others)]
     out = list(outputs)
+    noted = []
     for position in views:
         t = outputs[position]
         if type(t) is torch.Tensor and t.layout is torch.strided and \
                 t.untyped_storage().nbytes() and shared.count(shared[position]) == 1:
-            out[position] = t.detach()
-    return tuple(out)
+            out[position] = alias = t.detach()
+            noted.append((position, weakref.ref(alias), alias._version))
+    return tuple(out), noted or None
+
+
+def refuse_changed_views(fn: Callable[..., Any], noted: list[tuple[int, Any, int]],
+                         modules: Sequence[nn.Module], names: Callable[[int], str], /
+                         ) -> None:
+    """NOTE [outputs that view fn's own results]: refuse an output the caller changed in place
+    that views state the call reaches (``fn``'s closures, defaults and globals, ``modules``
+    and their submodules' parameters, buffers and plain tensor attributes). ``names`` gives
+    an output's path by its position."""
+    moved = [(position, alias, version) for position, ref, version in noted
+             if (alias := ref()) is not None and alias._version != version]
+    if not moved:
+        return
+    # Rare (an output changed in place), so read everything the call reaches.
+    objects = reachable_objects(fn, ())
+    found: list[Any] = [obj for obj in objects if isinstance(obj, torch.Tensor)]
+    for module in [*modules, *(obj for obj in objects if isinstance(obj, nn.Module))]:
+        for sub in module.modules():
+            found += [*sub._parameters.values(), *sub._buffers.values(),
+                      *(v for v in sub.__dict__.values() if isinstance(v, torch.Tensor))]
+    keys = {root_key(t) for t in found if isinstance(t, torch.Tensor)} - {None}
+    for position, alias, version in moved:
+        if root_key(alias) in keys:
+            raise CheckpointError(
+                f"{names(position)} of {fn_name(fn)} views a tensor that existed before the "
+                "call (a table in a closure or on a module), and was changed in place after it: "
+                "the replay would read the changed tensor, and compute another function than "
+                "the forward did",
+                expected="an output viewing the call's own result, or left unchanged",
+                got=f"its version {alias._version}, {version} when the call returned",
+                tip="clone it before changing it (`rows = rows.clone()`), or return a clone "
+                    "from the call")

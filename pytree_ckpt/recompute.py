@@ -20,6 +20,7 @@ from .hook_outputs import recording
 from .keep import KeepMode
 from .kept_replay import KeptReplay
 from .kept_weights import WeightCapture
+from .made_before import refuse_changed_views
 from .module_state import is_verified
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
@@ -33,7 +34,7 @@ from .saved import Unchanged
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
 from .subclass import as_kind
-from .tree import alias_all, flatten
+from .tree import alias_all, flatten, leaf_paths
 from .tree_refusals import open_containers, refuse_filled_containers
 
 if TYPE_CHECKING:  # the boundary imports this module
@@ -193,6 +194,12 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             if call.subclasses is not None:
                 aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
+            if call.unviewed is not None:  # NOTE [outputs that view fn's own results]
+                refuse_changed_views(
+                    call.fn, call.unviewed,
+                    call.forward_modules.roots if call.forward_modules is not None else (),
+                    lambda position: leaf_paths(call.out_spec, root="output")[
+                        call.out_tensor_index[position]])
             first = _FirstReplay.of(call, args, kwargs, aliases)  # None but at a first replay
             shadow = _top_saved_hooks(False) is not None
             recorded = None

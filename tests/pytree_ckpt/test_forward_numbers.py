@@ -1271,15 +1271,12 @@ def test_a_count_first_made_after_the_first_replay_is_warned_and_counted_once_fr
     assert counted() == before + 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "639deb7 regression (helper CP): a container the forward fills with tensors is read as it "
-    "is (not put back, so it is not held until backward); a cache the caller empties before each "
-    "step, which the forward fills with a projection and reads back (`if 'k' not in self.cache: "
-    "self.cache['k'] = self.lin(x)`), is found filled by the replay, which then reuses the "
-    "original pass's no-grad tensor: the projection gets no gradient, silently (exact at 795831a; "
-    "no row in docs/limits.md)"))
 @pytest.mark.parametrize("kind", ["dict", "list"])
 def test_a_cache_the_forward_fills_in_an_emptied_container_replays_as_eager(kind: str) -> None:
+    # Helper CP's finding (a regression of 639deb7, which left a container filled with tensors
+    # as it was so as not to hold them): the replay found the cache filled and reused the
+    # original pass's no-grad projection, silently; it is emptied again for the replay, the
+    # container known by id (test_tensors_stored_in_a_list_the_caller_replaces_...: not held).
     class Cached(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -1303,11 +1300,11 @@ def test_a_cache_the_forward_fills_in_an_emptied_container_replays_as_eager(kind
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "undocumented silent case (helper CP): a reused call's numbers are read on its own module "
-    "only (frozen.numbers_watch); a count it keeps on a child of that module (`self.stats.load[e] "
-    "+= 1`) is put back as the forward began by the boundary, and the replay, which skips the "
-    "call, computes with the count before it; docs/limits.md's row on a reused call names only a "
-    "buffer of a child"))
+    "documented limit (docs/limits.md, the row on a reused call changing state of a child of "
+    "its module; helper CP): a reused call's numbers are read on its own module only "
+    "(frozen.numbers_watch: a walk of its tree at every call costs); a count it keeps on a child "
+    "(`self.stats.load[e] += 1`) is put back as the forward began by the boundary, and the "
+    "replay, which skips the call, computes with the count before it"))
 def test_a_count_a_reused_router_keeps_on_its_child_replays_as_eager() -> None:
     class Router(nn.Module):
         def __init__(self) -> None:
