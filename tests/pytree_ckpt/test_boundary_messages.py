@@ -366,6 +366,33 @@ def test_a_forward_hook_that_computes_a_tensor_inside_the_boundary_is_warned_abo
         layer(x).sum().backward()  # once per module and structure
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "the forward-hook warning is decided from the hooks present at the first replay: a hook "
+    "that computes a tensor in the original pass (no gradient) and is removed before backward "
+    "(a capture scoped to the model's forward) is never told, and the "
+    "loss built from it is silently other than eager's"))
+def test_a_forward_hook_that_computes_a_tensor_and_is_removed_before_backward_is_warned_about(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = Gated()
+    layer = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    grads, told = [], []
+    for model in (eager, layer):
+        kept: list[torch.Tensor] = []
+        handle = model.gate.register_forward_hook(
+            lambda module, args, out: kept.append(out.softmax(-1)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model(x)
+            handle.remove()  # the capture ends with the forward, before backward
+            (out.sum() + kept[0].square().sum()).backward()
+        told.append(any("forward hooks inside" in str(w.message) for w in caught))
+        grads.append([p.grad for p in model.parameters()])
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    assert same or told[1]  # eager's gradients, or told that the kept softmax has none
+
+
 def test_a_forward_hook_on_a_module_passed_as_an_argument_is_warned_about_too() -> None:
     import pytree_ckpt
 
