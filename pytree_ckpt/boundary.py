@@ -95,8 +95,8 @@ from .boundary_function import apply_function
 from .errors import CheckpointError
 from .hook_outputs import held_tensors, hooked_modules
 from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches,
-                           collect_parameters, ever_verified, graph_attributes, module_dicts,
-                           owning_module)
+                           collect_parameters, ever_verified, graph_attributes, is_verified,
+                           module_dicts, owning_module, warn_forward_hooks)
 from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Phase
 from .plain_state import NOTHING_HELD, watch_plain_state
@@ -269,6 +269,12 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     if owner is not None:
         call.switches = call_switches(flat.spec, leaves, hooked=call.hooked,
                                       only_tensors=len(flat.tensor_index) == len(leaves))
+        if call.hooked and torch.is_grad_enabled() and not is_verified(owner, call.switches):
+            # Hooks inside are warned about at the first replay (verify_leaves in refusals.py),
+            # where one removed before backward (registered for one step's forward) is gone,
+            # though what it computed under no-grad has no gradient: said here too, once.
+            warn_forward_hooks(owner, [leaf for leaf in leaves if isinstance(leaf, nn.Module)],
+                               own=fn is owner)
     inputs = unique
     if attributes:
         call.attributes = [name for name, _ in attributes]

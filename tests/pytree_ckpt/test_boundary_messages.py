@@ -366,13 +366,11 @@ def test_a_forward_hook_that_computes_a_tensor_inside_the_boundary_is_warned_abo
         layer(x).sum().backward()  # once per module and structure
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the forward-hook warning is decided from the hooks present at the first replay: a hook "
-    "that computes a tensor in the original pass (no gradient) and is removed before backward "
-    "(a capture scoped to the model's forward) is never told, and the "
-    "loss built from it is silently other than eager's"))
 def test_a_forward_hook_that_computes_a_tensor_and_is_removed_before_backward_is_warned_about(
         ) -> None:
+    # Helper CQ's finding: the warning was decided from the hooks present at the first replay,
+    # so a capture scoped to the model's forward was never told, and the loss built from the
+    # softmax it kept was silently other than eager's; it is said at the forward too.
     torch.manual_seed(0)
     eager = Gated()
     layer = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
@@ -389,8 +387,8 @@ def test_a_forward_hook_that_computes_a_tensor_and_is_removed_before_backward_is
             (out.sum() + kept[0].square().sum()).backward()
         told.append(any("forward hooks inside" in str(w.message) for w in caught))
         grads.append([p.grad for p in model.parameters()])
-    same = all(torch.equal(a, b) for a, b in zip(*grads))
-    assert same or told[1]  # eager's gradients, or told that the kept softmax has none
+    assert told == [False, True]  # the kept softmax has no gradient under the boundary
+    assert not all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_a_forward_hook_on_a_module_passed_as_an_argument_is_warned_about_too() -> None:
