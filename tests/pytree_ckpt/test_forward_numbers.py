@@ -1333,3 +1333,242 @@ def test_a_count_a_reused_router_keeps_on_its_child_replays_as_eager() -> None:
     for module in (eager, ours):
         module(x).square().sum().backward()
     assert _same(_grads(eager), _grads(ours))
+
+
+class _Router(nn.Module):
+    """A router frozen with reuse_during_recompute that keeps plain state on itself: ``how``
+    says which (a count per expert, one made at its first call, a one-shot bias it consumes,
+    its last scores, a tensor it consumes)."""
+
+    def __init__(self, how: str = "count") -> None:
+        super().__init__()
+        self.gate, self.how = nn.Linear(8, 2), how
+        if how in ("count", "alias"):
+            self.load = [0, 0]
+        elif how == "scores":
+            self.last = None
+
+    def forward(self, h: torch.Tensor) -> int:
+        with torch.no_grad():
+            scores = self.gate(h)
+        if self.how == "lazy" and not hasattr(self, "load"):
+            self.load = [0, 0]  # made at the first call
+        if self.how == "one-shot" and hasattr(self, "bias"):
+            scores = scores + self.bias
+            del self.bias  # consumed
+        if self.how == "consume" and self.pending is not None:
+            scores = scores + self.pending.sum()
+            self.pending = None
+        if self.how == "scores":
+            self.last = scores
+        e = int(scores.sum() > 0)
+        if self.how in ("count", "lazy", "alias"):
+            self.load[e] += 1
+        return e
+
+
+def _routed_layer(router: _Router, *, calls: int = 1, inside: bool = True,
+                  decay: bool = False, read_before: bool = False) -> nn.Module:
+    """A layer choosing its expert through ``router`` (a submodule, or reached in a closure
+    with ``inside`` false) ``calls`` times, scaling by what the router keeps (``decay``: halving
+    its counts before each call; ``read_before``: scaling by their sum before each call too)."""
+
+    class Routed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            if inside:
+                self.router = router
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x
+            for _ in range(calls):
+                if decay:  # the layer halves the router's counts before each call
+                    router.load[:] = [c // 2 for c in router.load]
+                if read_before:
+                    h = h * (1 + sum(router.load))
+                counts = router.__dict__.get("load")  # an alias taken before the call
+                e = reuse_during_recompute(router, h)
+                if router.how == "alias":
+                    scale = 1 + counts[e]
+                elif router.how in ("count", "lazy"):
+                    scale = 1 + router.load[e]
+                elif router.how == "one-shot":
+                    scale = 3.0 if hasattr(router, "bias") else 1.0
+                elif router.how == "consume":
+                    scale = 1.0 if router.pending is None else 5.0
+                else:
+                    scale = router.last.softmax(-1)[:, :1]
+                h = self.experts[e](h) * scale
+            return h
+
+    return Routed()
+
+
+def _routed_twins(how: str, **options: Any) -> tuple[tuple[Any, Any], tuple[_Router, _Router]]:
+    """An eager routed layer and a checkpointed one, each with its own router."""
+    routers = (_Router(how), _Router(how))
+    routers[1].load_state_dict(routers[0].state_dict())
+    eager = _routed_layer(routers[0], **options)
+    ours = _routed_layer(routers[1], **options)
+    ours.load_state_dict(eager.state_dict())
+    return (eager, pytree_ckpt.apply_activation_checkpointing(ours)), routers
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_two_reused_calls_counting_on_one_router_replay_as_eager_in_reverse(inside: bool
+                                                                            ) -> None:
+    # Two routing steps in one forward, each counting on the same router (a submodule, or one
+    # outside the layer), the layer reading the counts before each; two micro-batches, their
+    # backwards in reverse: each replay starts from the counts its forward began with.
+    (eager, ours), routers = _routed_twins("count", calls=2, inside=inside, read_before=True)
+    for _ in range(2):
+        xs = [torch.randn(4, 8), -torch.randn(4, 8)]
+        for module in (eager, ours):
+            outs = [module(x) for x in xs]
+            for out in reversed(outs):
+                out.square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert routers[0].load == routers[1].load and sum(routers[1].load) > 0
+
+
+def test_a_count_the_layer_changes_before_the_reused_call_replays_as_eager() -> None:
+    # The layer halves the router's counts, then the router counts: the replay starts from the
+    # counts as the forward began (not as the call found them), halves them again, and finds
+    # them as the call did.
+    (eager, ours), routers = _routed_twins("count", decay=True)
+    routers[0].load[:] = routers[1].load[:] = [6, 9]
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert routers[0].load == routers[1].load
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_count_a_reused_router_makes_at_its_first_call_replays_as_eager(inside: bool) -> None:
+    # `if not hasattr(self, "load"): self.load = [0, 0]` in the reused call: the replay, which
+    # skips the call, finds the count made (not absent, not None), as eager's code after it.
+    (eager, ours), routers = _routed_twins("lazy", inside=inside)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert routers[0].load == routers[1].load
+
+
+def test_a_one_shot_bias_a_reused_router_consumes_is_gone_in_the_replay_as_in_eager() -> None:
+    # The caller leaves a bias on the router for its next call, which uses and deletes it; the
+    # layer scales by whether it is still there: the replay finds it gone, as eager's code did.
+    (eager, ours), routers = _routed_twins("one-shot")
+    for step in range(2):
+        x = torch.randn(4, 8)
+        for module, router in zip((eager, ours), routers):
+            router.bias = torch.tensor([0.5, -0.5]) * step if step else 0.25
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert not hasattr(routers[1], "bias")
+
+
+def test_a_count_the_layer_reads_through_an_alias_taken_before_the_reused_call() -> None:
+    # `counts = self.router.load; e = reuse(...); scale = counts[e]`: eager's alias sees the
+    # call's count (one list, changed in place); the replay's must too, so the count is made
+    # again in that very list.
+    (eager, ours), routers = _routed_twins("alias")
+    held = routers[1].load
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+    assert routers[1].load is held and held == routers[0].load
+
+
+def test_a_router_outside_the_layer_that_keeps_its_last_scores_replays_as_eager() -> None:
+    # `self.last = scores` where None was, on a router reached in a closure: the replay skips
+    # the call and reads the tensor the original pass stored (not None, nor anything else).
+    (eager, ours), _ = _routed_twins("scores", inside=False)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "pre-existing (helper CP): a reused router (a submodule) that stores its scores where None "
+    "was (`self.last = scores`, read by the layer after the call) has the None put back for the "
+    "replay as the forward began (a value replaced by an object), and the replay, which skips "
+    "the call, reads None: AttributeError in backward at the first step, where eager works "
+    "(MadeNumbers records plain values only; at later steps a tensor was there and it is exact)"))
+def test_a_submodule_router_that_keeps_its_last_scores_replays_as_eager_at_the_first_step(
+        ) -> None:
+    (eager, ours), _ = _routed_twins("scores")
+    x = torch.randn(4, 8)
+    for module in (eager, ours):
+        module(x).square().sum().backward()
+    assert _same(_grads(eager), _grads(ours))
+
+
+def test_a_tensor_a_router_outside_the_layer_consumes_is_none_in_the_replay_as_in_eager(
+        ) -> None:
+    # The caller leaves a tensor on the router, which its call adds and sets to None; the
+    # layer scales by whether it is gone: the replay finds None, as eager's code did.
+    (eager, ours), routers = _routed_twins("consume", inside=False)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        for module, router in zip((eager, ours), routers):
+            router.pending = torch.ones(2)
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+        assert routers[1].pending is None
+
+
+def test_a_memory_the_forward_rebinds_to_a_list_of_its_output_replays_as_eager() -> None:
+    # `prev = self.memory; self.memory = [out]`: a plain (empty) list rebound to one holding a
+    # tensor; the replay reads the list the forward began with, as eager's forward did, not
+    # the original pass's output.
+    class Memory(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.memory = nn.Linear(8, 8), []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.lin(x)
+            if self.memory:
+                out = torch.tanh(out + self.memory[0].detach())
+            self.memory = [out]
+            return out
+
+    eager, ours = _twins(Memory())
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        for module in (eager, ours):
+            module.memory = []  # a fresh memory each step
+            module(x).square().sum().backward()
+        assert _same(_grads(eager), _grads(ours))
+
+
+def test_a_small_container_first_changed_after_the_first_replay_is_warned_by_its_name_only(
+        ) -> None:
+    # The warning (stored_state.warn_changed_numbers) names the list counted from a new switch,
+    # not a container the forward leaves as it is (a dict of sizes, nn.Module's own dicts).
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.hits, self.sizes = nn.Linear(8, 8), [0], {4: 1}
+
+        def forward(self, x: torch.Tensor, counting: bool = False) -> torch.Tensor:
+            if counting:
+                self.hits[0] += 1
+            return self.lin(x) * (1 + self.sizes[4])
+
+    ours = pytree_ckpt.apply_activation_checkpointing(Late())
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        ours(torch.randn(4, 8)).sum().backward()
+        ours(torch.randn(4, 8), counting=True).sum().backward()
+    said = [str(w.message) for w in told if "again in its replay" in str(w.message)]
+    assert len(said) == 1 and "changed the number hits again" in said[0], said
