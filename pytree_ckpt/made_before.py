@@ -22,6 +22,7 @@ call counter) cannot carry a gradient and comes back as itself.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -107,7 +108,9 @@ def unviewed(outputs: tuple[torch.Tensor, ...], views: list[int],
     counter, so a kept op's or a frozen result's tensor changed through it is still refused
     at the replay. Not where another output, a hooked output or a frozen result (``others``)
     shares its storage: two outputs viewing one tensor must stay views of one another for
-    autograd to follow a change through either (torch refuses it, documented).
+    autograd to follow a change through either (torch refuses it, documented); nor where
+    anything but the boundary holds the output object (``_unheld``: a hook that kept it, a
+    module attribute), nor for a sparse tensor or a subclass: those stay views, as before.
 
     The tensor it views may also be one that existed before the call (a table in a closure or
     on a module, ``t[:n]`` returned), which nothing cheap tells from fn's own: changed through
@@ -116,16 +119,54 @@ def unviewed(outputs: tuple[torch.Tensor, ...], views: list[int],
     reference: a dropped output cannot be changed), and a replay that finds one moved looks
     for state the call reaches on the same storage, and refuses (``refuse_changed_views``);
     one of fn's own, the usual case, passes."""
-    shared = [t.untyped_storage().data_ptr() for t in (*outputs, *others)]
+    shared = [_storage_key(t) for t in (*outputs, *others)]
+    # Counted before anything here holds the outputs.
+    replaced = [position for position in views
+                if shared[position] is not None and shared.count(shared[position]) == 1 and
+                _references(outputs, position) <= _UNHELD]
+    if not replaced:
+        return outputs, None
     out = list(outputs)
     noted = []
-    for position in views:
-        t = outputs[position]
-        if type(t) is torch.Tensor and t.layout is torch.strided and \
-                t.untyped_storage().nbytes() and shared.count(shared[position]) == 1:
-            out[position] = alias = t.detach()
-            noted.append((position, weakref.ref(alias), alias._version))
-    return tuple(out), noted or None
+    for position in replaced:
+        out[position] = alias = outputs[position].detach()
+        noted.append((position, weakref.ref(alias), alias._version))
+    return tuple(out), noted
+
+
+def _storage_key(t: torch.Tensor, /) -> int | None:
+    """The address of a plain strided tensor's storage (``None`` for others: a sparse tensor
+    has none, and a subclass is left as it is)."""
+    if type(t) is not torch.Tensor or t.layout is not torch.strided:
+        return None
+    storage = t.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else None
+
+
+def _references(outputs: tuple[Any, ...], position: int, /) -> int:
+    """References to ``outputs[position]`` (the same code measures ``_UNHELD``)."""
+    return sys.getrefcount(outputs[position])
+
+
+def _unheld() -> int:
+    """What ``_references`` gives for an output nothing but the boundary holds: NOTE [outputs
+    that view fn's own results]. Autograd gives its node to the very object the Function
+    returns, so an output object someone else holds (a forward hook that kept the module's
+    output, a module attribute the forward stored it in, a list it appended it to) must stay
+    that object, or the holder keeps the original pass's tensor, without a graph, and a loss
+    built from it silently loses its gradient. While the boundary replaces it, an output is
+    held by fn's output structure, the flattened leaves and the tuple of outputs: a probe held
+    so, measured once on this interpreter (the tests pin both sides: an unheld view is
+    replaced, a hook's is not)."""
+    probe = object()
+    structure, leaves, outputs = (probe,), [probe], (probe,)
+    del probe
+    count = _references(outputs, 0)
+    del structure, leaves
+    return count
+
+
+_UNHELD = _unheld()
 
 
 def refuse_changed_views(fn: Callable[..., Any], noted: list[tuple[int, Any, int]],
