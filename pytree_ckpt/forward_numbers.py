@@ -264,8 +264,12 @@ class NumbersWatch:
         for name in [*before, *(name for name in now if name not in before)]:
             was, entry = before.get(name), now.get(name)
             if entry == was or (was is not None and not _plain_entry(was)) or \
-                    (entry is not None and not _plain_entry(entry)):
-                continue  # an object (a tensor): read as it is, and not held
+                    (entry is not None and not _plain_entry(entry) and
+                     type(entry[1]) is not _TensorHeld):
+                continue  # an object: read as it is, and not held
+            # A tensor stored where a value was (`self.last = scores`, None before) by weak
+            # reference: the replay, which skips the call, gets it while someone holds it
+            # (the module, until the replay puts back the value; the frame, a result).
             made.append((name, was, _ABSENT if entry is None else entry[1]))
         return MadeNumbers(d, made) if made else None
 
@@ -304,6 +308,9 @@ class MadeNumbers:
                 continue
             if after is _ABSENT:
                 del d[name]
+            elif type(after) is _TensorHeld:
+                if (tensor := after.ref()) is not None:
+                    d[name] = tensor
             elif type(after) is not _Contents:
                 d[name] = after
             elif type(d.get(name)) is type(after.held):
