@@ -71,13 +71,19 @@ class MLP(nn.Module):
         return self.w2(self.drop(nn.functional.silu(self.w1(x)) * self.w3(x)))
 
 
+class CallCount(Counter[int]):
+    """The blocks' forward calls, the replay's included: a subclass, which the boundary reads
+    by identity (an exact Counter a module holds is read by its entries and gets them back
+    after the replay: NOTE [numbers and flags as the forward began], forward_numbers.py)."""
+
+
 class Block(nn.Module):
     def __init__(self, plan: str, calls: Counter[int], index: int) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(DIM)
         self.mlp = MLP(plan == "drop")
         self.drop = nn.Dropout(0.25) if plan == "dt" else nn.Identity()
-        self.calls, self.index = calls, index  # counted outside the module's own state
+        self.calls, self.index = calls, index  # a CallCount: counts the replay too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls[self.index] += 1
@@ -172,7 +178,7 @@ def run(blocks: nn.ModuleList, plan: str, rank: int, mesh: DeviceMesh, calls: Co
 
 def case(name: str, rank: int, mesh: DeviceMesh) -> dict[str, Any]:
     plan, offload, *order = name.split("-")
-    calls: Counter[int] = Counter()
+    calls: Counter[int] = CallCount()
     eager = run(make_model(plan, mesh, calls), plan, rank, mesh, calls, None)
     manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload == "on" \
         else None
