@@ -300,9 +300,10 @@ class MadeNumbers:
         self.d = d
         self.made = made
 
-    def make_again(self, d: dict[str, Any], /) -> None:
-        """Each change made again in ``d`` where the value is as the call found it (the replay,
+    def make_again(self) -> None:
+        """Each change made again where the value is as the call found it (the replay,
         skipping the call, reads what the call left); one changed otherwise since is left."""
+        d = self.d
         for name, was, after in self.made:
             if not _same_as(_entry(d[name]) if name in d else None, was):
                 continue

@@ -208,8 +208,7 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
                 ours = isinstance(target, torch.Tensor) and original is not None and \
                     target.untyped_storage() is not original()
             elif kind == "numbers":
-                if module is not None:
-                    value.make_again(module.__dict__)
+                value.make_again()  # in the dict of the module the original pass read
                 continue
             elif kind == "reassigned":
                 # NOTE [a reassigned buffer is reassigned in the replay]: eager put a new

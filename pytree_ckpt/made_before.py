@@ -1,4 +1,5 @@
-"""The tensors a boundary call returns, for the outputs that existed before the call.
+"""The tensors a boundary call returns: for the outputs that existed before the call, and
+for those that view fn's own results (NOTE [outputs that view fn's own results], below).
 
 NOTE [outputs made before the call]: the original pass runs under no-grad, so an output that
 requires grad (a parameter, or a graph tensor fn closed over) existed before fn ran. Returned

@@ -68,6 +68,14 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _step_alike(eager: nn.Module, ours: nn.Module) -> None:
+    """One step of each twin on the same input: their gradients must be equal."""
+    x = torch.randn(4, 8)
+    for module in (eager, ours):
+        module(x).square().sum().backward()
+    assert _same(_grads(eager), _grads(ours))
+
+
 def _discarded(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` through an output discard, its output freed and rebuilt in backward."""
     ckpt = CheckpointWithoutOutput()
@@ -163,10 +171,7 @@ def test_a_number_set_anew_and_one_deleted_by_the_forward_replay_as_eager() -> N
 
     eager, ours = _twins(OneTimeScale())
     for _ in range(2):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
         assert not hasattr(ours, "pending") and ours.seen is True
 
 
@@ -348,10 +353,7 @@ def test_a_string_mode_and_a_length_first_set_where_none_was_replay_as_eager() -
 
     eager, ours = _twins(FirstCallScaled())
     for _ in range(2):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
     assert (ours.mode, ours.first_rows) == (eager.mode, eager.first_rows) == ("hot", 4)
 
 
@@ -936,10 +938,7 @@ def test_an_ordered_dict_the_forward_only_reorders_replays_as_eager() -> None:
 
     eager, ours = _twins(RoundRobin())
     for _ in range(2):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
         assert list(ours.queue) == list(eager.queue)
 
 
@@ -1011,10 +1010,7 @@ def test_an_ordered_dict_of_counts_changed_in_place_replays_as_eager() -> None:
     eager, ours = _twins(Routes())
     held = ours.per_route
     for _ in range(3):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
     assert ours.per_route is held and type(held) is collections.OrderedDict
     assert list(held.items()) == list(eager.per_route.items()) and sum(held.values()) == 3
 
@@ -1140,10 +1136,7 @@ def test_a_container_only_the_replay_changes_keeps_its_change() -> None:
 
     eager, ours = _twins(GradCalls())
     for _ in range(3):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
     assert ours.calls == eager.calls == 3
     assert ours.stats == eager.stats == {"grad_calls": 3}
 
@@ -1178,10 +1171,7 @@ def test_a_count_a_reused_router_changes_and_the_layer_reads_after_it_replays_as
 
     eager, ours = _twins(Routed())
     for _ in range(3):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
         assert ours.load == eager.load
     for _ in range(2):  # two micro-batches, their backwards in reverse
         xs = [torch.randn(4, 8), -torch.randn(4, 8)]
@@ -1451,10 +1441,7 @@ def test_a_count_the_layer_changes_before_the_reused_call_replays_as_eager() -> 
     (eager, ours), routers = _routed_twins("count", decay=True)
     routers[0].load[:] = routers[1].load[:] = [6, 9]
     for _ in range(3):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
         assert routers[0].load == routers[1].load
 
 
@@ -1464,10 +1451,7 @@ def test_a_count_a_reused_router_makes_at_its_first_call_replays_as_eager(inside
     # skips the call, finds the count made (not absent, not None), as eager's code after it.
     (eager, ours), routers = _routed_twins("lazy", inside=inside)
     for _ in range(2):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
         assert routers[0].load == routers[1].load
 
 
@@ -1491,10 +1475,7 @@ def test_a_count_the_layer_resets_to_a_new_list_before_the_reused_call_replays_a
     # gets the call's count made again in it.
     (eager, ours), routers = _routed_twins("count", reset=True)
     for _ in range(2):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
         assert routers[0].load == routers[1].load
 
 
@@ -1520,10 +1501,7 @@ def test_a_count_the_layer_reads_through_an_alias_taken_before_the_reused_call()
     (eager, ours), routers = _routed_twins("alias")
     held = routers[1].load
     for _ in range(3):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
     assert routers[1].load is held and held == routers[0].load
 
 
@@ -1532,10 +1510,7 @@ def test_a_router_outside_the_layer_that_keeps_its_last_scores_replays_as_eager(
     # the call and reads the tensor the original pass stored (not None, nor anything else).
     (eager, ours), _ = _routed_twins("scores", inside=False)
     for _ in range(2):
-        x = torch.randn(4, 8)
-        for module in (eager, ours):
-            module(x).square().sum().backward()
-        assert _same(_grads(eager), _grads(ours))
+        _step_alike(eager, ours)
 
 
 def test_a_submodule_router_that_keeps_its_last_scores_replays_as_eager_at_the_first_step(
