@@ -4,6 +4,8 @@ layers (also after an outer boundary is removed), RNG of kept ops outside aten, 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -267,3 +269,96 @@ def test_a_kept_op_run_under_inference_mode_inside_a_layer_runs_again_and_matche
         grads.append(grads_of([x, *model.parameters()]))
         x.grad = None
     assert_same_grads(*grads)
+
+
+class EndsInKeptMm(nn.Module):
+    """Returns a kept op's output itself: the boundary's output is the tensor the record holds."""
+
+    def __init__(self, hooks: list[int] | None = None) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.hooks = hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.mm(x.tanh(), self.w)
+        if self.hooks is not None and h.requires_grad:  # eager's pass, and the replay
+            h.register_hook(lambda g: self.hooks.append(1))  # type: ignore[union-attr]
+        return h
+
+
+def _keeping_mm(layer: nn.Module) -> nn.Module:
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::mm")})
+    return layer
+
+
+def test_an_output_dropped_without_backward_is_freed_by_reference_counting_as_in_eager() -> None:
+    # Guards against: the record holds the kept op's output itself, not an alias of it. When
+    # the layer returns that output, the boundary's node gives it its grad_fn, and the record
+    # (on the node's frame) holds it back: a cycle, so an output dropped without backward (an
+    # evaluation, a skipped step) and everything its frame keeps wait for the garbage collector.
+    layer = _keeping_mm(EndsInKeptMm())
+    x = torch.randn(4, 8, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        out = layer(x)
+        freed = weakref.ref(out)
+        del out
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+def test_a_hook_the_replay_puts_on_a_kept_output_runs_once_per_backward_as_in_eager() -> None:
+    # Guards against: the replay hands autograd the record's own alias rather than a fresh one:
+    # the second replay of a retained graph attaches its history to the tensor the first one
+    # hooked, and the layer's gradient hook ran once over two backwards, where eager runs twice.
+    calls = []
+    for wrap in (False, True):
+        hooks: list[int] = []
+        torch.manual_seed(0)
+        layer = EndsInKeptMm(hooks)
+        if wrap:
+            _keeping_mm(layer)
+        loss = layer(torch.randn(4, 8, requires_grad=True)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        calls.append(len(hooks))
+    assert calls == [2, 2]
+
+
+class Mixer(nn.Module):
+    """Its kept method ``mix`` calls ``Gate.project``, which another layer's unit keeps."""
+
+    def __init__(self, gate: Gate) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate.project(x).tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(x) * x
+
+
+def test_a_kept_method_keeps_what_a_method_another_layer_keeps_dispatches_inside_it() -> None:
+    # Guards against: a kept method's region replaced the names of the kept methods around it
+    # instead of adding to them: Gate.project, wrapped for another layer's unit, ran inside
+    # Mixer.mix with only its own name in the region, so the Mixer layer's replay recomputed
+    # the projection its unit (everything Mixer.mix dispatches) keeps.
+    torch.manual_seed(0)
+    eager = Mixer(Gate())
+    mixer = copy.deepcopy(eager)
+    apply_recompute_config([nn.Sequential(mixer.gate)], RecomputeConfig(1.0, save=["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("Gate.project")})
+    apply_recompute_config([mixer], RecomputeConfig(1.0, save=["moe_dispatch"]),
+                           {SaveUnit.MOE_DISPATCH: KeptCallables("Mixer.mix")})
+    counter = CountReplayOps()
+    x = torch.randn(4, 8, requires_grad=True)
+    with counter.mode:
+        mixer(x).sum().backward()
+    assert counter.counts.get("aten.addmm", 0) == 0 and counter.counts.get("aten.tanh", 0) == 0
+    assert counter.counts["aten.mul"] == 1  # what no unit keeps is recomputed
+    eager(x).sum().backward()
+    assert_same_grads(grads_of(eager.parameters()), grads_of(mixer.parameters()))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from pytree_ckpt import KeptOps, RecomputeConfig, SaveUnit, apply_recompute_config
+from pytree_ckpt import KeptOps, RecomputeConfig, SaveUnit, apply_recompute_config, kept_calls
 from tests.conftest import assert_same_grads, grads_per_model
 
 CALLS: dict[str, int] = {"attn": 0, "scaled": 0}
@@ -247,4 +247,30 @@ def test_a_kept_op_given_another_list_of_numbers_in_the_replay_says_both_lists()
                                          r"with another argument than the original pass did "
                                          r"\(pad: \(1, 1\) -> \(2, 0\)\): its record was "
                                          r"not used"):
+        wrapped(x).sum().backward()
+
+
+class ScaledByGradMode(nn.Module):
+    """Scales its product by 2 without grad, by addmm's default (alpha=1) with it: torch's
+    dispatch leaves out a keyword argument equal to its default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = 1 if torch.is_grad_enabled() else 2
+        return x + torch.addmm(self.proj.bias, x, self.proj.weight.t(), alpha=alpha)
+
+
+def test_an_argument_left_at_its_default_in_the_replay_is_shown_as_that_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against: a call's arguments were read without the schema's defaults, so the
+    # warning said the replay called addmm with alpha None, a value it never had.
+    monkeypatch.setattr(kept_calls, "_WARNED_OTHERWISE", set())  # once per op: not yet here
+    _, wrapped = _twins(ScaledByGradMode(), "aten::addmm")
+    x = torch.randn(2, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"addmm\.default, which a save unit keeps, with another "
+                                         r"argument than the original pass did "
+                                         r"\(alpha: 2 -> 1\)"):
         wrapped(x).sum().backward()
