@@ -5,6 +5,7 @@ marks are prehooks on the nodes of the replay's outputs, which those outputs hol
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import torch
@@ -109,3 +110,23 @@ def test_a_parameter_hook_registered_inside_the_replay_runs_twice_as_the_limits_
     assert torch.equal(twice, eager * 2)  # its doubling, applied twice
     once, once_calls = run(True, False)
     assert once_calls == 1 and torch.equal(once, eager)
+
+
+def _stack_depth() -> int:
+    frame, depth = sys._getframe(), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    return depth
+
+
+def test_a_parameter_hook_runs_at_the_same_call_depth_at_every_step() -> None:
+    # Guards against: each replay wrapped the parameter's hook again, around the wrapper of the
+    # step before (NOTE [parameter hooks run once]): one more Python call per step, for good,
+    # until the hook raised RecursionError after about a thousand steps.
+    layer = pytree_ckpt.apply_activation_checkpointing(nn.Linear(4, 4))
+    depths: list[int] = []
+    layer.weight.register_hook(lambda g: depths.append(_stack_depth()) or g * 2)
+    x = torch.randn(2, 4)
+    for _ in range(4):
+        layer(x).sum().backward()
+    assert len(depths) == 4 and len(set(depths)) == 1, depths
