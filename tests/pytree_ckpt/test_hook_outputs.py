@@ -6,6 +6,7 @@ bit for bit (fp32)."""
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -299,6 +300,22 @@ def test_transformers_output_capturing_hook_is_not_warned_about() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer(torch.randn(6, 8, requires_grad=True)).sum().backward()
+
+
+def test_a_hook_of_torchs_registered_as_a_functools_partial_is_not_taken_for_the_users() -> None:
+    # FSDP's and DTensor's distribute_module register forward hooks as partials of torch's
+    # functions: they only read or rewrite. Taken by the partial's own module (functools)
+    # for a user hook, it was warned about and the recorder was installed on that module.
+    def _pre_forward(state: Any, module: nn.Module, args: Any) -> None:
+        return None
+
+    _pre_forward.__module__ = "torch.distributed.fsdp._runtime_utils"
+    layer = pytree_ckpt.apply_activation_checkpointing(MoeLayer())
+    layer.router.register_forward_pre_hook(functools.partial(_pre_forward, None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(6, 8, requires_grad=True)).sum().backward()
+    assert not layer.router._forward_hooks  # no recorder
 
 
 def test_an_unknown_callable_with_hooked_modules_is_not_changed() -> None:
