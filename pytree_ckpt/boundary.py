@@ -26,12 +26,14 @@ NOTE [parameters are inputs]: when the boundary knows the module whose parameter
 (``fn`` is a module, a bound method of one, or the forward installed by
 ``apply_activation_checkpointing``), its trainable parameters (and those of modules passed as
 arguments) are extra inputs of the Function. The replay then computes their gradients with
-``torch.autograd.grad`` and returns them, so autograd adds them to ``.grad`` exactly where and
-in the order eager would: bit-identical gradients with micro-batch accumulation and layers used
-several times (shared-weight MTP), parameters get gradients when no input requires grad, and
-``torch.autograd.grad`` / ``backward(inputs=...)`` work. The first replay of each module (and
-the first after any module gains or swaps a submodule) checks that its graph reaches no other
-tensor that requires grad: it would silently get no gradient.
+``torch.autograd.grad`` and returns them, so autograd adds them to ``.grad`` where eager would,
+in eager's order with the parameter's other uses: bit-identical gradients with micro-batch
+accumulation and layers used several times (shared-weight MTP), parameters get gradients when
+no input requires grad, and ``torch.autograd.grad`` / ``backward(inputs=...)`` work. The first
+replay of each module (and the first after any module gains or swaps a submodule) checks that
+its graph reaches no other tensor that requires grad: it would silently get no gradient. The
+parameters' own hooks then run when the node returns, in autograd's order for tasks ready
+together, not eager's within the layer (docs/limits.md, "Gradient hooks and DDP").
 
 NOTE [attributes set before the call]: a module's own forward pre-hooks run before its wrapped
 forward, outside the boundary. One that sets a tensor with a graph as a plain attribute (the

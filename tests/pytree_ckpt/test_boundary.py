@@ -1291,25 +1291,33 @@ def test_a_parameter_gets_no_hook_call_when_no_output_of_the_call_had_a_gradient
     assert calls == [] and layer.weight.grad is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the boundary's node hands every parameter its gradient at once, and autograd runs their "
-    "AccumulateGrad nodes in another order than eager's backward reaches them (torch's own "
-    "checkpoints, reentrant or not, keep eager's); not in docs/limits.md"))
-def test_post_accumulate_grad_hooks_of_a_layers_parameters_run_in_eagers_order() -> None:
-    # An optimizer step in backward, or FSDP-style bucketing, acts on each parameter as it
-    # becomes ready: eager readies the last layer's first.
-    def ready(wrap: bool) -> list[str]:
+def test_parameter_hooks_run_once_layer_by_layer_as_in_eager_with_eagers_gradients() -> None:
+    # The boundary's node hands a layer's parameters their gradients at once, when its replay
+    # ends, so their hooks run layer by layer as eager's (the last layer's first: an optimizer
+    # step in backward, DDP's buckets, FSDP's per-module reduce), each once, with eager's
+    # gradient; within one layer autograd runs them in its own order, not eager's
+    # (docs/limits.md, "Gradient hooks and DDP"; helper CT).
+    def ready(wrap: bool) -> list[tuple[str, torch.Tensor]]:
         torch.manual_seed(0)
-        model = Stack()
+        model = nn.Sequential(Stack(), Stack())
         if wrap:
-            pytree_ckpt.apply_activation_checkpointing(model)
-        names: list[str] = []
+            pytree_ckpt.apply_activation_checkpointing(
+                model, check_fn=lambda m: isinstance(m, Stack))
+        seen: list[tuple[str, torch.Tensor]] = []
         for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda p, name=name: names.append(name))
-        model(torch.randn(3, 8)).sum().backward()
-        return names
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name: seen.append((name, p.grad.clone())))
+        x = torch.randn(3, 8, requires_grad=True)
+        model(x).sum().backward()
+        return seen
 
-    assert ready(True) == ready(False)
+    eager, ours = ready(False), ready(True)
+    assert len(ours) == len(eager) == len({name for name, _ in eager}) == 8
+    layer_order = [name.split(".")[0] for name, _ in ours]
+    assert layer_order == [name.split(".")[0] for name, _ in eager] == ["1"] * 4 + ["0"] * 4
+    expected = dict(eager)
+    for name, grad in ours:
+        assert torch.equal(grad, expected[name]), name
 
 
 @dataclasses.dataclass
