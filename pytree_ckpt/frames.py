@@ -28,6 +28,8 @@ backwards] in kept_replay.py): the node's next run reads no frame, and a backwar
 
 from __future__ import annotations
 
+import functools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -224,11 +226,17 @@ class Frame:
         if position >= len(recorded):
             kept_op = isinstance(fn, torch._ops.OpOverload)
             what = "a save unit for kept output" if kept_op else "reuse_during_recompute for result"
+            remade = not recorded and not kept_op and _made_anew(fn, self.results)
             raise ReuseError(
                 f"the replay asked {what} #{position + 1} of {callable_name(fn)}, but the "
-                f"original pass recorded {len(recorded)}",
+                f"original pass recorded {len(recorded)}" + (
+                    ": the original pass recorded another callable of the same code, so a new "
+                    "one is made at each call" if remade else ""),
                 expected=f"at most {len(recorded)} call(s)", got=f"call #{position + 1}",
                 tip=KEPT_OP_TIP if kept_op else
+                "make the callable once (a method, a module-level function, or one stored in "
+                "__init__) and pass that object each time: results are recorded per callable "
+                "object" if remade else
                 "the replay must make the same calls, in the same order, as the original pass; "
                 "branch on inputs, not on current_phase() or grad mode; and pass the same "
                 "callable object each time (a new lambda or functools.partial per call is "
@@ -411,3 +419,19 @@ def _restored_by(invocations: list[Any], /
     generators = {id(g): g for i in invocations for g in i.frame.generators}
     return (None if not devices else tuple(sorted({d for ds in devices for d in ds})),
             tuple(generators.values()))
+
+
+def _made_anew(fn: Any, recorded: Any, /) -> bool:
+    """Whether the original pass recorded another callable of ``fn``'s code (a lambda or nested
+    function made again, or a ``functools.partial`` of the same function made again)."""
+    def code(f: Any) -> Any:
+        partial = isinstance(f, functools.partial)
+        while isinstance(f, functools.partial):
+            f = f.func
+        # A plain function, or a partial of any function: not a bound method (another
+        # object's method of the same code is another call, not one made anew).
+        return f.__code__ if isinstance(f, types.FunctionType) else \
+            f if partial else None
+
+    mine = code(fn)
+    return mine is not None and any(code(other) == mine for other in recorded)

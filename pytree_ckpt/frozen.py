@@ -16,25 +16,30 @@ refused when
 2. a tensor argument of the call requires grad (logits the layer computed, passed to a
    top-k that returns its values), or
 3. fn is a module, or a method of one, with a parameter that requires grad (a router whose
-   gate computes the weights it returns); or such a module is among the call's arguments, or
-   bound by a ``functools.partial``.
+   gate computes the weights it returns); or fn reaches such a module, or a tensor that
+   requires grad, among the call's arguments, bound by a ``functools.partial``, as an attribute
+   of a plain callable object, in a closure cell or as a global its code reads (NOTE [what fn
+   reaches with grad]).
+
+Rules 2 and 3 do not apply to a function decorated with ``torch.no_grad()`` (or
+``inference_mode()``, ``set_grad_enabled(False)``): eager computes its results without grad.
 
 Frozen floats therefore come from inputs passed detached, and from a plain function, not a
 method of a trainable module (or are computed outside the reused call). Whatever the grad
 mode, a leaf that requires grad when recorded (fn enabled grad itself, or returned a
 parameter or an input as it is) is refused at once, and so, in the replay, is a float leaf
 that was one of the call's tensor arguments if that argument requires grad (eager would hand
-back the tensor, graph and all). Tensors fn reaches other than through its arguments and its
-module (a closure, an attribute of a plain object) are not seen.
+back the tensor, graph and all). What fn reaches deeper than those places (an attribute of
+an attribute) is not seen.
 """
 
 from __future__ import annotations
 
-import functools
+import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +48,8 @@ from .eager import user_stacklevel
 from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
+from .function_reach import (attribute, attribute_names, cell_contents, globals_of, globals_read,
+                             unwrap_partials)
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
@@ -247,7 +254,7 @@ def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,
     for i in flat.tensor_index:
         if flat.leaves[i].requires_grad:
             _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False,
-                                   module=_trainable_module(fn, flatten_call(args, kwargs)))
+                                   reach=_grad_reach(fn, flatten_call(args, kwargs)))
     if torch.is_grad_enabled():
         _refuse_floats(fn, name, flat, args, kwargs, replay=False)
 
@@ -283,25 +290,23 @@ def _is_float(tensor: torch.Tensor, /) -> bool:
 def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tuple[Any, ...],
                    kwargs: dict[str, Any], /, *, replay: bool) -> None:
     floats = [i for i in flat.tensor_index if _is_float(flat.leaves[i])]
-    if not floats:
+    if not floats or _decorated_without_grad(fn):
         return
     result = leaf_paths(flat.spec, root="result")[floats[0]]
     why = ("the replay hands back the value recorded in the original pass without calling fn"
            if replay else "under checkpointing the replay would hand back a recorded value "
            "without calling fn")
     call = flatten_call(args, kwargs)
-    # The module first: detaching the inputs cannot help there.
-    owner = _trainable_module(fn, call)
-    if owner is not None:
-        kind = type(owner).__name__
-        relation = "is" if fn is owner else "belongs to"
+    # What fn reaches first: detaching the inputs cannot help there.
+    reach = _grad_reach(fn, call)
+    if reach is not None:
         raise ReuseError(
             f"reuse_during_recompute({name}) returned the float {result}, and {name} "
-            f"{relation} a module with trainable parameters ({kind}): {why}, so it cannot tell "
-            "whether eager computes it with grad from them",
+            f"{_reach_words(fn, reach)}: {why}, so it cannot tell whether eager computes it "
+            "with grad from them",
             expected="float results only from plain functions given detached inputs (or int "
                      "results only)",
-            got=f"a float {result} from a trainable {kind}",
+            got=f"a float {result} from {_reach_short(reach)}",
             tip=_SPLIT_TIP + _MODULE_TIP)
     for j in call.tensor_index:
         if call.leaves[j].requires_grad:
@@ -314,20 +319,107 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
                 tip=_SPLIT_TIP + _DETACH_TIP)
 
 
-def _trainable_module(fn: Callable[..., Any], call: FlatTree, /) -> nn.Module | None:
-    """A module with a parameter that requires grad among those fn computes with: fn itself or
-    its owner, modules a ``functools.partial`` binds, and modules among the call's arguments."""
-    candidates = [owning_module(fn)]
-    inner = fn
-    while isinstance(inner, functools.partial):
-        candidates.extend(m for m in (*inner.args, *inner.keywords.values())
-                          if isinstance(m, nn.Module))
-        inner = inner.func
-    candidates.extend(leaf for leaf in call.leaves if isinstance(leaf, nn.Module))
-    for module in candidates:
-        if module is not None and any(p.requires_grad for p in module.parameters()):
-            return module
+class _Reach(NamedTuple):
+    """What gives fn's floats a graph: a module with a trainable parameter (``module``), or a
+    tensor that requires grad (``module`` None); ``place`` says where fn reaches it ("" for fn
+    itself or its owner)."""
+
+    module: nn.Module | None
+    place: str
+
+
+def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
+    """NOTE [what fn reaches with grad]: rule 3's places, in order: fn itself or its owner,
+    the modules among the call's arguments, the values a ``functools.partial`` binds, a plain
+    callable object's own attributes (or those of the plain object a method is bound to), the
+    function's closure cells and the globals its code reads. Each place is one value deep (a
+    module, or a tensor that requires grad: a parameter bound by a partial), or two for a plain
+    dict, list or tuple of at most 64 values there (``GATES["router"]``); an attribute's
+    attribute is not seen (docs/limits.md, "Plain functions (closures)")."""
+    owner = owning_module(fn)
+    if owner is not None and _trainable(owner):
+        return _Reach(owner, "")
+    for j, leaf in enumerate(call.leaves):
+        if isinstance(leaf, nn.Module) and _trainable(leaf):
+            return _Reach(leaf, _argument_path(call, j))
+    inner, bound = unwrap_partials(fn)
+    places = list(bound)
+    while not isinstance(inner, nn.Module) and getattr(inner, "__wrapped__", None) is not None:
+        inner = getattr(inner, "__wrapped__")  # functools.wraps, torch.compiler.disable
+    holder = getattr(inner, "__self__", None)
+    if holder is None and not isinstance(inner, (types.FunctionType, nn.Module, type)) and \
+            type(inner).__module__ != "builtins":  # not a method descriptor (Tensor.topk)
+        holder = inner  # a callable object of the user's
+    if isinstance(holder, torch.Tensor):  # a tensor's method: scores.topk
+        places.append(("the tensor its method is bound to", holder))
+    elif holder is not None and not isinstance(holder, (nn.Module, types.ModuleType)):
+        places += [(f"attribute {name!r} of its {type(holder).__name__}",
+                    attribute(holder, name)) for name in attribute_names(holder)]
+    function = getattr(inner, "__func__", inner)
+    code = getattr(function, "__code__", None)
+    for name, cell in zip(getattr(code, "co_freevars", ()),
+                          getattr(function, "__closure__", None) or ()):
+        places.append((f"closure variable {name!r}", cell_contents(cell)))
+    space = globals_of(function)
+    places += [(f"global {name!r}", space.get(name)) for name in globals_read(code)]
+    for place, value in places:
+        if type(value) in (dict, list, tuple) and len(value) <= _OPENED:  # GATES["router"]
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            inside = [(f"{place}[{key!r}]", v) for key, v in items]
+        else:
+            inside = [(place, value)]
+        for where, v in inside:
+            if isinstance(v, nn.Module) and _trainable(v):
+                return _Reach(v, where)
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                return _Reach(None, where)
     return None
+
+
+# A plain dict, list or tuple at one of those places is opened when it holds at most this many
+# values (a registry of modules; a larger one, a table of anything, is left unopened).
+_OPENED = 64
+
+
+def _decorated_without_grad(fn: Callable[..., Any], /) -> bool:
+    """fn (or a function a partial of it calls) is decorated with ``torch.no_grad()``,
+    ``torch.inference_mode()`` or ``torch.set_grad_enabled(False)``: its results have no graph in
+    eager whatever it reaches, so the static rules do not apply (router statistics computed
+    under the function's own no-grad). Seen by the context object torch's decorator holds in
+    its closure; a ``with torch.no_grad():`` inside the body is not seen."""
+    inner, _ = unwrap_partials(fn)
+    for _ in range(8):
+        if getattr(inner, "__wrapped__", None) is None or isinstance(inner, nn.Module):
+            return False
+        for cell in getattr(inner, "__closure__", None) or ():
+            ctx = getattr(cell_contents(cell), "__self__", None)
+            if isinstance(ctx, torch.no_grad) or \
+                    isinstance(ctx, torch.inference_mode) and getattr(ctx, "mode", False) or \
+                    isinstance(ctx, torch.set_grad_enabled) and not getattr(ctx, "mode", True):
+                return True
+        inner = getattr(inner, "__wrapped__")
+    return False
+
+
+def _trainable(module: nn.Module, /) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _reach_words(fn: Callable[..., Any], reach: _Reach, /) -> str:
+    if reach.module is None:
+        return f"reaches a tensor that requires grad ({reach.place})"
+    kind = type(reach.module).__name__
+    if not reach.place:
+        relation = "is" if fn is reach.module else "belongs to"
+        return f"{relation} a module with trainable parameters ({kind})"
+    return f"reaches a module with trainable parameters ({kind}, {reach.place})"
+
+
+def _reach_short(reach: _Reach, /) -> str:
+    if reach.module is None:
+        return f"a function reaching a tensor that requires grad ({reach.place})"
+    kind = type(reach.module).__name__
+    return f"a trainable {kind}" + (f" ({reach.place})" if reach.place else "")
 
 
 def _argument_path(call: FlatTree, index: int, /) -> str:
@@ -351,14 +443,14 @@ def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
         if found is None:
             continue
         call = flatten_call(args, kwargs)
-        if _trainable_module(fn, call) is None and \
+        if _decorated_without_grad(fn) or _grad_reach(fn, call) is None and \
                 not any(call.leaves[j].requires_grad for j in call.tensor_index):
             return
         raise ReuseError(
             f"reuse_during_recompute({name}) returned a {type(leaf).__name__} holding a float "
             f"tensor at {leaf_paths(flat.spec, root='result')[i]}{found[0]}, from a function "
-            "that may compute it with grad (a method of a module with trainable parameters, "
-            "or given inputs that require grad): the replay hands the object back as "
+            "that may compute it with grad (one that reaches a module with trainable "
+            "parameters or a tensor that requires grad, or is given inputs that require grad): the replay hands the object back as "
             "recorded, unopened, so such a tensor would silently lose its gradient (and is "
             "neither checked nor offloaded)",
             expected="results as PyTrees: tensors in dicts, lists, tuples, namedtuples or "
@@ -368,7 +460,7 @@ def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
 
 
 def _refuse_differentiable(name: str, path: str, /, *, replay: bool,
-                           module: nn.Module | None = None) -> None:
+                           reach: _Reach | None = None) -> None:
     where = ("the replay hands back the value recorded in the original pass, which has no graph"
              if replay else "under checkpointing the replay would hand back a recorded value, "
              "which has no graph")
@@ -379,4 +471,4 @@ def _refuse_differentiable(name: str, path: str, /, *, replay: bool,
                  "detached inputs",
         got=f"{path}.requires_grad=True (computed with grad, or a parameter or an input "
             "returned as it is)",
-        tip=_SPLIT_TIP + (_MODULE_TIP if module is not None else _DETACH_TIP))
+        tip=_SPLIT_TIP + (_MODULE_TIP if reach is not None else _DETACH_TIP))

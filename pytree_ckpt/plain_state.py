@@ -8,10 +8,8 @@ or holds, and says when the replay changes their state again.
 
 from __future__ import annotations
 
-import dis
 import functools
 import logging
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -21,13 +19,14 @@ from torch import nn
 
 from .eager import user_site
 from .frames import callable_name
+from .function_reach import (attribute, attribute_names, cell_contents, globals_of, globals_read,
+                             unwrap_partials)
 from .module_state import argument_module, module_dicts, structure_generation
 from .refusals import readable_path
 from .state_changes import StateWatch
 from .tree import leaf_paths
 
-__all__ = ["NOTHING_HELD", "PlainStateWatch", "cell_contents", "globals_of", "globals_read",
-           "modules_held", "watch_plain_state"]
+__all__ = ["NOTHING_HELD", "PlainStateWatch", "modules_held", "watch_plain_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +101,8 @@ def _first_look(fn: Any, key: Any, /) -> _Held:
                               if isinstance(module := dict.get(space, name), nn.Module) and
                               _few_buffers(module, name))
     else:  # a callable object: its own attributes, one level
-        attributes = tuple(name for name in _attribute_names(fn)
-                           if isinstance(_attribute(fn, name), nn.Module))
+        attributes = tuple(name for name in attribute_names(fn)
+                           if isinstance(attribute(fn, name), nn.Module))
     found = (cells, defaults, found_globals, attributes)
     _HELD[id(key)] = (key, found)
     if not any(found):
@@ -156,77 +155,9 @@ def _holding_buffers(module: nn.Module, /) -> list[dict[str, Any]]:
     return cached[1]
 
 
-# By id(code), holding the code (its id is not reused); read once per code object.
-_GLOBALS_READ: dict[int, tuple[Any, tuple[str, ...]]] = {}
-
-
-def globals_read(code: Any, /) -> tuple[str, ...]:
-    """The names ``code`` reads as globals (LOAD_GLOBAL, LOAD_NAME), in order, once per code
-    object; none for what is not a code object."""
-    entry = _GLOBALS_READ.get(id(code))
-    if entry is None:
-        read = dict.fromkeys(i.argval for i in dis.get_instructions(code)
-                             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-                             ) if isinstance(code, types.CodeType) else {}
-        entry = _GLOBALS_READ[id(code)] = (code, tuple(read))
-    return entry[1]
-
-
-def cell_contents(cell: Any, /) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # a cell not filled yet (a name assigned after the function was made)
-        return None
-
-
-def globals_of(fn: Any, /) -> dict[str, Any]:
-    # Read with dict.get, not the namespace's own get: exec'd code may have globals of a dict
-    # subclass whose methods do more than look up (an audited or lazy namespace).
-    space = getattr(fn, "__globals__", None)
-    return space if isinstance(space, dict) else {}
-
-
-def _attribute_names(fn: Any, /) -> list[str]:
-    """A callable object's own attributes: its ``__dict__``'s (when it is a dict: a property
-    of that name may give anything) and its slots (no ``__dict__`` holds them), by the name
-    ``getattr`` reads (a private slot's, mangled)."""
-    own = getattr(fn, "__dict__", None)
-    names = list(own) if isinstance(own, dict) else []
-    for cls in type(fn).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name.startswith("__") and not name.endswith("__"):
-                name = f"_{cls.__name__.lstrip('_')}{name}"
-            if name not in ("__dict__", "__weakref__"):
-                names.append(name)
-    return names
-
-
-def _attribute(fn: Any, name: str, /) -> Any:
-    own = getattr(fn, "__dict__", None)
-    if isinstance(own, dict) and name in own:
-        return own[name]
-    try:
-        return getattr(fn, name, None)  # a slot (unset: None)
-    except Exception:  # a property of a subclass that shadows the slot, raising
-        return None
-
-
 def _defaults(fn: Any, /) -> list[Any]:
     return [*(getattr(fn, "__defaults__", None) or ()),
             *(getattr(fn, "__kwdefaults__", None) or {}).values()]
-
-
-def _unwrap_partials(fn: Any, /) -> tuple[Any, list[tuple[str, Any]]]:
-    """The function a ``functools.partial`` (of partials) calls, and the values it binds."""
-    bound: list[tuple[str, Any]] = []
-    for _ in range(8):
-        if not isinstance(fn, functools.partial):
-            break
-        bound += [(f"partial argument {i}", v) for i, v in enumerate(fn.args)]
-        bound += [(f"partial keyword {k!r}", v) for k, v in fn.keywords.items()]
-        fn = fn.func
-    return fn, bound
 
 
 def watch_plain_state(fn: Callable[..., Any], leaves: list[Any] | None, spec: Any, /
@@ -237,7 +168,7 @@ def watch_plain_state(fn: Callable[..., Any], leaves: list[Any] | None, spec: An
     shown = fn
     bound: list[tuple[str, Any]] = []
     if isinstance(fn, functools.partial):  # a partial of a module's method is known: not here
-        fn, bound = _unwrap_partials(fn)
+        fn, bound = unwrap_partials(fn)
     key = getattr(fn, "__code__", None) or type(fn)
     entry = _HELD.get(id(key))
     if entry is None:
@@ -270,7 +201,7 @@ def _watch(fn: Any, shown: Any, key: Any, held: _Held, leaves: list[Any] | None,
             if isinstance(module := dict.get(space, name), nn.Module):
                 roots.append((f"global {name!r}", module))
     for name in held[3]:
-        if isinstance(module := _attribute(fn, name), nn.Module):
+        if isinstance(module := attribute(fn, name), nn.Module):
             roots.append((f"attribute {name!r}", module))
     for where, value in bound:
         if (module := argument_module(value)) is not None:

@@ -18,7 +18,8 @@ from torch import nn
 from .eager import user_stacklevel
 from .errors import CheckpointError
 from .frames import callable_name
-from .plain_state import cell_contents, globals_of, globals_read, modules_held
+from .function_reach import cell_contents, globals_of, globals_read
+from .plain_state import modules_held
 from .subscripts import index_places
 
 __all__ = ["Bound", "NOTHING_BOUND", "modules_bound", "modules_bound_now", "refuse_rebound"]

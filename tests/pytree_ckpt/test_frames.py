@@ -18,6 +18,7 @@ import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import ReuseError, checkpoint, current_phase, reuse_during_recompute
 from tests.conftest import assert_same_grads, grads_of, grads_per_model
+from tests.pytree_ckpt.models import Log
 
 
 class CountingTopk:
@@ -455,7 +456,7 @@ def test_a_trainable_module_given_as_an_argument_or_bound_by_a_partial_is_seen(h
     with pytest.raises(ReuseError, match="returned result, which requires grad"):
         layer(x)
     out = checkpoint(layer, x)
-    with pytest.raises(ReuseError, match=r"module with trainable parameters \(Linear\)"):
+    with pytest.raises(ReuseError, match=r"module with trainable parameters \(Linear[,)]"):
         out.sum().backward()
 
 
@@ -469,6 +470,114 @@ def test_the_tip_of_a_refused_result_works_when_followed() -> None:
     with pytest.raises(ReuseError, match="pass fn its inputs detached"):
         reuse_during_recompute(ident, lin(x))
     assert not reuse_during_recompute(ident, lin(x).detach()).requires_grad  # as the tip says
+
+
+# A router held the ways a plain function reaches it (helper CV: each form gave the gate no
+# gradient under checkpointing, silently, where eager refuses the result).
+_ROUTERS: dict[str, nn.Module] = {}
+
+
+def _route_global(x: torch.Tensor) -> Any:
+    return _ROUTERS["gate"](x).softmax(-1).topk(2, dim=-1)
+
+
+def _route_weight(x: torch.Tensor, *, weight: torch.Tensor) -> Any:
+    return (x @ weight.t()).softmax(-1).topk(2, dim=-1)
+
+
+class _Router:
+    """A plain callable object holding the gate."""
+
+    def __init__(self, gate: nn.Module) -> None:
+        self.gate = gate
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        return self.gate(x).softmax(-1).topk(2, dim=-1)
+
+
+def _reaching_router(how: str, gate: nn.Linear) -> Any:
+    if how == "global dict":
+        _ROUTERS["gate"] = gate
+        return _route_global
+    if how == "partial parameter":
+        import functools
+        return functools.partial(_route_weight, weight=gate.weight)
+    if how == "callable object":
+        return _Router(gate)
+    return lambda x: gate(x).softmax(-1).topk(2, dim=-1)  # a closure
+
+
+@pytest.mark.parametrize("how, place", [
+    ("global dict", "global '_ROUTERS'['gate']"),
+    ("partial parameter", "partial keyword 'weight'"),
+    ("callable object", "attribute 'gate' of its _Router"),
+    ("closure", "closure variable 'gate'"),
+])
+def test_a_router_a_plain_function_reaches_is_refused_under_checkpointing_as_in_eager(
+        how: str, place: str) -> None:
+    gate = nn.Linear(8, 4)
+    route = _reaching_router(how, gate)  # made once, as a layer holds it
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError) as refused:
+        out.sum().backward()
+    assert place in str(refused.value) and "float result.values" in str(refused.value)
+    assert gate.weight.grad is None  # refused before anything was accumulated
+
+
+def test_a_router_under_its_own_no_grad_decorator_returns_floats_as_in_eager() -> None:
+    # torch.no_grad() as a decorator: the floats have no graph in eager, whatever the function
+    # reaches, so they replay (router statistics); a plain function reaching the same
+    # gate is refused (above).
+    gate = nn.Linear(8, 4)
+
+    @torch.no_grad()
+    def probabilities(x: torch.Tensor) -> torch.Tensor:
+        return gate(x).softmax(-1)
+
+    calls = Log()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        calls.append(current_phase())
+        probs = reuse_during_recompute(probabilities, x)
+        return gate(x).sum(-1, keepdim=True) * x * probs.max(-1, keepdim=True).values
+
+    x = torch.randn(3, 8, requires_grad=True)
+    grads = []
+    for run in (layer, lambda t: checkpoint(layer, t)):
+        gate.zero_grad(set_to_none=True)
+        x.grad = None
+        run(x).sum().backward()
+        grads.append(grads_of([x, *gate.parameters()]))
+    assert_same_grads(*grads)
+    assert len(calls) == 3  # eager, the original pass and the replay
+
+
+@pytest.mark.parametrize("how", ["lambda", "partial"])
+def test_a_callable_made_anew_at_each_call_is_refused_saying_so_first(how: str) -> None:
+    # Helper CV: the message opened with "branch on inputs, not on current_phase()"; the cause,
+    # a new lambda (or partial) per call, which results are not recorded under, came last.
+    import functools
+
+    def route(x: torch.Tensor, k: int) -> torch.Tensor:
+        return x.topk(k, dim=-1).indices
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        fn = (lambda x: route(x, 2)) if how == "lambda" else functools.partial(route, k=2)
+        return h.gather(-1, reuse_during_recompute(fn, h.detach()))
+
+    out = checkpoint(layer, torch.randn(3, 8, requires_grad=True))
+    with pytest.raises(ReuseError, match="recorded another callable of the same code, so a new "
+                                         "one is made at each call") as refused:
+        out.sum().backward()
+    assert "tip: make the callable once" in str(refused.value)
 
 
 def test_grad_enabled_inside_fn_is_refused_when_recorded_whatever_the_callers_mode() -> None:
@@ -554,7 +663,9 @@ def test_a_nested_boundary_refuses_a_differentiable_result_its_enclosing_replay_
         return reuse_during_recompute(route, t) * t
 
     out = checkpoint(lambda t: checkpoint(inner, t) * 2, torch.randn(3, 4, requires_grad=True))
-    with pytest.raises(ReuseError, match=r"route\) returned the float result for argument"):
+    with pytest.raises(ReuseError, match=r"route\) returned the float result, and .*route "
+                                         r"reaches a tensor that requires grad \(closure "
+                                         r"variable 'gate'\)"):
         out.sum().backward()
 
 

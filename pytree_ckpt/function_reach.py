@@ -1,0 +1,85 @@
+"""What a plain callable reaches besides its arguments: the globals its code reads, its
+closure cells, a callable object's own attributes, the values a ``functools.partial`` binds.
+
+Read by the checks that look at what a function holds rather than what it is given: the late
+binding of a lambda made in a loop (``rebound.py``), the state a plain function changes
+(``plain_state.py``), and what gives a reused call's floats a graph (``frozen.py``).
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import types
+from typing import Any
+
+__all__ = ["attribute", "attribute_names", "cell_contents", "globals_of", "globals_read",
+           "unwrap_partials"]
+
+
+# By id(code), holding the code (its id is not reused); read once per code object.
+_GLOBALS_READ: dict[int, tuple[Any, tuple[str, ...]]] = {}
+
+
+def globals_read(code: Any, /) -> tuple[str, ...]:
+    """The names ``code`` reads as globals (LOAD_GLOBAL, LOAD_NAME), in order, once per code
+    object; none for what is not a code object."""
+    entry = _GLOBALS_READ.get(id(code))
+    if entry is None:
+        read = dict.fromkeys(i.argval for i in dis.get_instructions(code)
+                             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+                             ) if isinstance(code, types.CodeType) else {}
+        entry = _GLOBALS_READ[id(code)] = (code, tuple(read))
+    return entry[1]
+
+
+def cell_contents(cell: Any, /) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet (a name assigned after the function was made)
+        return None
+
+
+def globals_of(fn: Any, /) -> dict[str, Any]:
+    # Read with dict.get, not the namespace's own get: exec'd code may have globals of a dict
+    # subclass whose methods do more than look up (an audited or lazy namespace).
+    space = getattr(fn, "__globals__", None)
+    return space if isinstance(space, dict) else {}
+
+
+def attribute_names(fn: Any, /) -> list[str]:
+    """A callable object's own attributes: its ``__dict__``'s (when it is a dict: a property
+    of that name may give anything) and its slots (no ``__dict__`` holds them), by the name
+    ``getattr`` reads (a private slot's, mangled)."""
+    own = getattr(fn, "__dict__", None)
+    names = list(own) if isinstance(own, dict) else []
+    for cls in type(fn).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"
+            if name not in ("__dict__", "__weakref__"):
+                names.append(name)
+    return names
+
+
+def attribute(fn: Any, name: str, /) -> Any:
+    own = getattr(fn, "__dict__", None)
+    if isinstance(own, dict) and name in own:
+        return own[name]
+    try:
+        return getattr(fn, name, None)  # a slot (unset: None)
+    except Exception:  # a property of a subclass that shadows the slot, raising
+        return None
+
+
+def unwrap_partials(fn: Any, /) -> tuple[Any, list[tuple[str, Any]]]:
+    """The function a ``functools.partial`` (of partials) calls, and the values it binds."""
+    bound: list[tuple[str, Any]] = []
+    for _ in range(8):
+        if not isinstance(fn, functools.partial):
+            break
+        bound += [(f"partial argument {i}", v) for i, v in enumerate(fn.args)]
+        bound += [(f"partial keyword {k!r}", v) for k, v in fn.keywords.items()]
+        fn = fn.func
+    return fn, bound
