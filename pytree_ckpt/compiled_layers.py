@@ -79,10 +79,23 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
         installed.check_wrapper = False
         return
     wrapper = compiled_wrapper(module)
+    name = type(module).__name__
     if wrapper is None:
         installed.check_wrapper = True
+        outer = None if "compiled model" in installed.told else \
+            compiled_wrapper(module, around=True)
+        if outer is not None:  # NOTE [compiled around the model]
+            model = type(getattr(outer, "_orig_mod", outer)).__name__
+            _tell_once(
+                installed, "compiled model",
+                f"pytree_ckpt: this {name} is checkpointed and called inside "
+                f"torch.compile({model}), which compiles only the code around it: the boundary "
+                "is opaque to dynamo, so the layer's body runs eagerly, and so does the whole "
+                "function that calls the layers in a loop (dynamo does not resume inside a "
+                "loop). Compile each layer's body first: "
+                "layer.forward = torch.compile(layer.forward), then "
+                "apply_activation_checkpointing(layer) (docs/scaling.md, 'Wrapping order')")
         return
-    name = type(module).__name__
     fix = ("compile the body inside the boundary: remove_activation_checkpointing(layer), "
            "then either layer.forward = torch.compile(layer.forward{}) and "
            "apply_activation_checkpointing(layer), or checkpoint the compiled module, "
@@ -107,6 +120,15 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
         "which compiles nothing: the compiled wrapper reaches only the boundary, "
         f"which is opaque to dynamo, and so is the body it runs. To compile it, "
         f"{fix.format('', '')}")
+
+
+# NOTE [compiled around the model]: torch.compile(model) over checkpointed layers (torch's
+# checkpoint is traced by dynamo, so a user coming from it expects the whole model compiled)
+# compiles only the code around the layers, and nothing of the function that calls them in a
+# loop: dynamo does not resume after a graph break inside a loop. Found by the same walk, at the
+# layer's first call and at calls under dynamo's flag: a wrapper's call whose module is not
+# this layer. Told once per layer, and not for a layer whose body is compiled (returned
+# above), where compiling the model too is harmless.
 
 
 # NOTE [compiled over the boundary]: ``layer.forward = torch.compile(layer.forward)`` after

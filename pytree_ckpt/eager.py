@@ -112,7 +112,11 @@ def _not_told() -> None:
     return None
 
 
-_WRAPPER_DEPTH = 16  # frames looked at: the wrapper's call is the 10th on torch 2.11 and 2.13
+# Frames looked at: the layer's own wrapper's call is the 10th on torch 2.11 and 2.13; a
+# compiled model's that calls it in a loop the 13th, more where models nest (a causal-LM head
+# around a decoder), looked for until it is found once.
+_WRAPPER_DEPTH = 16
+_AROUND_DEPTH = 64
 
 _eval_frame: Any = None  # torch._dynamo.eval_frame, kept once dynamo is imported
 _wrapper_call: Any = None  # the code of OptimizedModule.__call__ (False: none of its own)
@@ -144,13 +148,15 @@ def compile_stance_is_default() -> bool:
     return getattr(getattr(eval_frame, "_stance", None), "stance", "default") == "default"
 
 
-def compiled_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:
+def compiled_wrapper(module: torch.nn.Module, /, *, around: bool = False
+                     ) -> torch.nn.Module | None:
     """The OptimizedModule (``torch.compile(module)``) whose call is running ``module``, if
     any, found among the frames that led to the boundary (NOTE [compiled around the layer] in
     compiled_layers.py): a frame of OptimizedModule's own ``__call__`` whose wrapper wraps
-    ``module``. Frames are told apart by their code object, so the locals of no other frame
-    are read (reading them copies them into a dict). None on a torch whose OptimizedModule has no
-    ``__call__`` of its own (torch 2.11 and 2.13 have one)."""
+    ``module``; with ``around``, the nearest whose wrapper wraps another module (a compiled
+    model calling the layer). Frames are told apart by their code object, so the locals of no
+    other frame are read (reading them copies them into a dict). None on a torch whose
+    OptimizedModule has no ``__call__`` of its own (torch 2.11 and 2.13 have one)."""
     global _wrapper_call
     if _wrapper_call is None:
         eval_frame = _dynamo_eval_frame()
@@ -161,12 +167,12 @@ def compiled_wrapper(module: torch.nn.Module) -> torch.nn.Module | None:
     if _wrapper_call is False:
         return None
     frame: FrameType | None = sys._getframe(1)
-    for _ in range(_WRAPPER_DEPTH):
+    for _ in range(_AROUND_DEPTH if around else _WRAPPER_DEPTH):
         if frame is None:
             return None
         if frame.f_code is _wrapper_call:
             owner = frame.f_locals.get("self")
-            if getattr(owner, "_orig_mod", None) is module:
+            if (getattr(owner, "_orig_mod", None) is module) is not around:
                 return owner
         frame = frame.f_back
     return None

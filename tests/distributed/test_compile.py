@@ -201,10 +201,76 @@ def test_compiling_around_a_checkpointed_layer_keeps_its_boundary_eager_and_exac
         # block.compile() compiles nothing inside the boundary: said once, with the fix.
         told = [w for w in caught if "compiled with module.compile()" in str(w.message)]
         assert len(told) == (1 if how == "block.compile()" else 0)
+        # torch.compile(model) compiles only the code around the layer: said once, too.
+        inside = [w for w in caught if "called inside torch.compile(_Net)" in str(w.message)]
+        assert len(inside) == (1 if how == "torch.compile(model)" else 0)
         # The boundary ran eagerly, as a boundary: an original pass, then one replay, per step.
         assert phases == ["forward", "recompute"] * 2
         if how == "torch.compile(model)":
             assert counter.frame_count > 0  # the code around the boundary did compile
+    finally:
+        torch._dynamo.reset()
+
+
+class _Looped(nn.Module):
+    """A decoder's shape: layers called in a loop, inside a model a head module holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Looped()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).sum()
+
+
+@pytest.mark.parametrize("body_compiled", [False, True])
+def test_compiling_a_model_around_checkpointed_layers_in_a_loop_says_it_compiles_nothing(
+        body_compiled: bool) -> None:
+    # Helper CV: torch.compile(model) over layers checkpointed the torchtune way compiled no
+    # frame at all (dynamo does not resume after a graph break inside a loop) and said
+    # nothing; with torch's checkpoint the same call compiles the model. Each layer now says so
+    # once, naming the compiled model and the fix; a layer whose body is compiled says nothing.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Head()
+        net = copy.deepcopy(eager)
+        for layer in net.model.layers:
+            if body_compiled:
+                layer.forward = torch.compile(layer.forward, backend="eager")
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+        counter = CompileCounterWithBackend("eager")
+        run = torch.compile(net, backend=counter)
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                net.zero_grad(set_to_none=True)
+                eager.zero_grad(set_to_none=True)
+                run(x).backward()
+                eager(x).backward()
+                assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                                   {n: p.grad for n, p in net.named_parameters()})
+        told = [str(w.message) for w in caught
+                if "called inside torch.compile(_Head)" in str(w.message)]
+        if body_compiled:
+            assert told == []
+        else:
+            assert len(told) == 3  # once per layer, over two steps
+            assert "layer.forward = torch.compile(layer.forward)" in told[0]
     finally:
         torch._dynamo.reset()
 
@@ -342,9 +408,10 @@ def test_eager_calls_after_a_layers_first_walk_no_frames_and_compiled_callers_wa
     walks: list[nn.Module] = []
     real = compiled_layers.compiled_wrapper
 
-    def counted(module: nn.Module) -> Any:
-        walks.append(module)
-        return real(module)
+    def counted(module: nn.Module, *, around: bool = False) -> Any:
+        if not around:  # the look for a compiled model around it is told once (tested below)
+            walks.append(module)
+        return real(module, around=around)
 
     monkeypatch.setattr(compiled_layers, "compiled_wrapper", counted)
     torch._dynamo.reset()
