@@ -228,8 +228,11 @@ class OffloadManager:
             log.warning(
                 "offload is on, but the last pass offloaded nothing: the window storages on %s "
                 "were below OffloadConfig.min_bytes=%d (the largest had %d bytes); lower "
-                "min_bytes to offload them, or turn offload off (if your batches vary in "
-                "length, longer ones may reach it)", self.device,
+                "min_bytes to offload them (a manager of your own, passed as offload=: "
+                "offload.OffloadManager(offload.OffloadConfig(min_bytes=...)); the one "
+                "offload=True or XTUNER_ACTIVATION_OFFLOAD=1 makes keeps the default), or turn "
+                "offload off (if your batches vary in length, longer ones may reach it)",
+                self.device,
                 self.config.min_bytes, largest_small)
 
     def _pack(self, window: Window, tensor: torch.Tensor) -> Any:

@@ -217,11 +217,12 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     try:
         return run_boundary(*_bound_inputs(fn, args, kwargs), DEFAULT_OPTIONS)
     except TypeError as error:
-        if torch_options and hasattr(error, "add_note") and \
-                any(name in str(error) for name in torch_options):
-            error.add_note(
-                f"pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} included "
-                f"(torch.utils.checkpoint's options). Tip: {_torch_options_tip(torch_options)}.")
+        if torch_options and any(name in str(error) for name in torch_options):
+            # In the message, not a note: loggers and trainers record str(error) only.
+            raise TypeError(
+                f"{error}: pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} "
+                f"included (torch.utils.checkpoint's options). Tip: "
+                f"{_torch_options_tip(torch_options)}.") from error
         raise
 
 
