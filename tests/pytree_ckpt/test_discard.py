@@ -1218,3 +1218,68 @@ def test_a_hook_tensor_changed_in_place_after_the_discard_rebuilds_the_output(ho
     # The rebuild's rounding only (docs/limits.md: output discard, equal to float rounding).
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6)
                for a, b in zip(grads(discard=False), grads(discard=True)))
+
+
+def test_an_op_returning_values_and_integer_indices_frees_and_rebuilds_both() -> None:
+    # Only one output needs to carry a gradient: top-k's integer indices beside its values
+    # are freed and rebuilt with them, not refused as an op with no floating output.
+    torch.manual_seed(0)
+    proj = nn.Linear(4, 16)
+    x = torch.randn(6, 16, requires_grad=True)
+    tensors = [x, *proj.parameters()]
+
+    def top(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, ids = t.topk(4, dim=-1)
+        return values, ids
+
+    values, ids = top(x)
+    proj(values).square().sum().backward()
+    expected = grads_of(tensors)
+    zero_grads(tensors)
+    ckpt = CheckpointWithoutOutput()
+    got_values, got_ids = ckpt.checkpoint(top, x)
+    out = proj(got_values)
+    ckpt.discard_output_and_register_recompute(out)
+    sizes = [got_values.untyped_storage().nbytes(), got_ids.untyped_storage().nbytes()]
+    assert sizes == [0, 0]
+    out.square().sum().backward()
+    assert_same_grads(expected, grads_of(tensors))
+    assert torch.equal(got_ids, ids)  # rebuilt in place, as the forward made them
+
+
+def test_the_census_stops_counting_a_rebuilt_output_as_discarded_before_its_ops_backward(
+        ) -> None:
+    norm, proj = Norm(), nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    seen: list[int] = []
+    with ActivationCensus() as census:
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(norm, x)
+        out = proj(normed)  # saves normed
+        ckpt.discard_output_and_register_recompute(out)
+        freed = census.discarded_bytes
+        # Runs once the projection's backward read the rebuilt output, before the norm's
+        # backward lets the checkpoint go: the output is held, and resident again.
+        normed.register_hook(lambda g: seen.append(census.discarded_bytes))
+        out.sum().backward()
+    size = normed.untyped_storage().nbytes()
+    assert freed == size == 8 * 16 * 4
+    assert seen == [0]
+
+
+def test_a_loss_and_checkpoint_kept_after_backward_keep_none_of_the_ops_inputs() -> None:
+    # As above, with the checkpoint object kept too (self.ckpt on a layer): the rebuild's
+    # detached aliases of the op's inputs share their storages, and the Function's backward
+    # must drop them, or the input activation lives on until the next step replaces the object.
+    norm, proj = Norm(), nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    h = x * 2  # an activation: the op's input
+    storage = StorageWeakRef(h.untyped_storage())
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(norm, h))
+    ckpt.discard_output_and_register_recompute(out)
+    loss = out.square().sum()
+    loss.backward()
+    del h, out
+    assert loss.grad_fn is not None and ckpt.fn is norm  # the graph and the object live on
+    assert storage.expired()
