@@ -183,3 +183,26 @@ def test_a_read_by_keyword_names_the_keyword_and_other_ops_run_as_without_the_mo
     twin = x.detach().clone().requires_grad_()
     (torch.sigmoid(twin) * 2).sum().backward()
     assert torch.equal(x.grad, twin.grad)
+
+
+def test_a_discarded_output_inside_a_list_argument_is_named_as_a_read() -> None:
+    # torch.cat and torch.stack take their tensors as one list argument: a discarded output
+    # in it is read as any other argument is.
+    normed, out = _discarded()
+    with detect_discarded_reads():
+        with pytest.raises(CheckpointError, match=r"^aten\.cat\.default read its argument "
+                                                  r"'tensors' .* an output of RmsNorm"):
+            torch.cat([torch.ones(1, 8), normed])
+        out.sum().backward()
+        assert torch.cat([torch.ones(1, 8), normed]).shape == (5, 8)  # rebuilt: passes
+
+
+def test_a_write_into_a_discarded_output_by_an_out_overload_of_a_metadata_op_is_named() -> None:
+    # zeros_like reads only its input's metadata, but its out= overload writes the tensor
+    # given: into a freed storage, a write to no memory (a crash without the mode).
+    normed, out = _discarded()
+    with detect_discarded_reads():
+        with pytest.raises(CheckpointError, match=r"^aten\.zeros_like\.out read its argument "
+                                                  r"'out' .* an output of RmsNorm"):
+            torch.ops.aten.zeros_like.out(torch.ones(4, 8), out=normed)
+        out.sum().backward()
