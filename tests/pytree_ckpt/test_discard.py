@@ -692,6 +692,8 @@ def test_megatron_style_plan_calls_run_through_the_context_and_fp8_is_refused() 
         torch.testing.assert_close(b, a, rtol=0, atol=8 * torch.finfo(a.dtype).eps * a.abs().max())
     CheckpointWithoutOutput(fp8=False)
     CheckpointWithoutOutput(fp8=None)  # what Megatron passes from a config with FP8 off
+    with pytest.raises(CheckpointConfigError, match="fp8=0"):  # falsy, but not off (CU's R01)
+        CheckpointWithoutOutput(fp8=0)
     with pytest.raises(CheckpointConfigError, match="fp8='e4m3'"):
         CheckpointWithoutOutput(fp8="e4m3")
     with pytest.raises(CheckpointConfigError, match="fp8=True"):
