@@ -178,8 +178,8 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     back as the forward began and runs the code before the call again, so it finds them as
     the call did, and gets what the call left (``"numbers"``; a tensor it stored where a value
     was, ``self.last = scores``, by weak reference: while the module or the frame holds it);
-    one found otherwise (changed since) is left; the call's values are put back as it found them for the replay even on
-    a module outside the boundary's (``with_reused_calls`` in forward_numbers.py). Cost: two
+    one found otherwise (changed since) is left; the call's values are put back as it found
+    them for the replay even on a module outside the boundary's (``with_reused_calls`` in forward_numbers.py). Cost: two
     reads of the module's ``__dict__`` per reused call in the original pass (on the 2-core CI
     machine 9 to 11 us for a Linear; helper CP measured 64 us for a module holding 30 ints
     and a list the call changes). ``None`` when nothing changed (the usual case)."""
@@ -450,9 +450,9 @@ def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
             f"reuse_during_recompute({name}) returned a {type(leaf).__name__} holding a float "
             f"tensor at {leaf_paths(flat.spec, root='result')[i]}{found[0]}, from a function "
             "that may compute it with grad (one that reaches a module with trainable "
-            "parameters or a tensor that requires grad, or is given inputs that require grad): the replay hands the object back as "
-            "recorded, unopened, so such a tensor would silently lose its gradient (and is "
-            "neither checked nor offloaded)",
+            "parameters or a tensor that requires grad, or is given inputs that require "
+            "grad): the replay hands the object back as recorded, unopened, so such a tensor "
+            "would silently lose its gradient (and is neither checked nor offloaded)",
             expected="results as PyTrees: tensors in dicts, lists, tuples, namedtuples or "
                      "dataclasses", got=f"{type(leaf).__name__} (a leaf the bridge does not open)",
             tip="return a dataclass or a NamedTuple instead, and compute differentiable parts "
