@@ -453,6 +453,25 @@ class Holder:  # an unregistered plain class
         self.aux = aux
 
 
+
+def test_a_plain_object_input_holding_a_weight_that_requires_grad_gets_eagers_gradient() -> None:
+    # docs/limits.md: plain objects among the inputs are passed as they are; only containers
+    # the bridge leaves closed (a dict subclass, a set, a namespace) are searched and refused.
+    # A config object holding a learnable leaf tensor reaches the replay as it is, whose
+    # backward gives that leaf eager's gradient: refusing it would break a working model.
+    weight = torch.randn(3, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def fn(t: torch.Tensor, cfg: Holder) -> torch.Tensor:
+        return torch.tanh(t * cfg.aux)
+
+    fn(x, Holder(weight)).sum().backward()
+    eager = [x.grad, weight.grad]
+    x.grad = weight.grad = None
+    checkpoint(fn, x, Holder(weight)).sum().backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(weight.grad, eager[1])
+
+
 @pytest.mark.parametrize(("make", "read", "path"), [
     (lambda t: Extras(aux=t * 2), lambda o: o["aux"], "output[1]['aux']"),
     (lambda t: {t * 2}, lambda o: next(iter(o)), "output[1]"),
