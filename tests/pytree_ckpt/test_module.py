@@ -318,6 +318,24 @@ def test_a_model_with_offload_pickles_with_one_fresh_manager_shared_as_before() 
     assert pickle.loads(pickle.dumps(default)).forward.options.offload is default_manager()
 
 
+def test_removing_checkpointing_lets_go_of_the_offload_manager_it_was_applied_with() -> None:
+    # Guards against a leak: remove_activation_checkpointing must take the whole boundary off
+    # the module, not only its forward; a boundary left in the module's __dict__ would keep
+    # the manager it was given (its pinned pool) alive as long as the model lives.
+    from offload import OffloadConfig, OffloadManager
+
+    layer = Layer()
+    before = set(vars(layer))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    apply_activation_checkpointing(layer, offload=manager)
+    layer(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    alive = weakref.ref(manager)
+    del manager
+    remove_activation_checkpointing(layer)
+    gc.collect()
+    assert alive() is None and set(vars(layer)) == before
+
+
 def _recompute_config(layers: Any, *, ratio: float = 1.0) -> list[int]:
     return pytree_ckpt.apply_recompute_config(layers, pytree_ckpt.RecomputeConfig(ratio), {})
 
