@@ -324,6 +324,27 @@ def test_use_cache_true_with_only_immutable_non_tensor_arguments_is_not_refused(
     assert x.grad is not None and torch.equal(x.grad, (lin.weight.sum(0) * 2).expand(3, 4))
 
 
+def test_use_cache_true_with_a_submodule_passed_as_an_argument_is_not_refused() -> None:
+    # A module among the arguments (a rotary embedding or a norm handed to the layer) is no
+    # cache the original pass fills: its parameters are known to the boundary otherwise, and a
+    # GPT-2 style layer called with use_cache=True and such a module is checkpointed with
+    # eager's gradients, not refused as "an object at kwargs['rotary']".
+    lin, rotary = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def layer(x: torch.Tensor, *, use_cache: bool = False,
+              rotary: torch.nn.Module | None = None) -> torch.Tensor:
+        assert rotary is not None
+        return torch.tanh(lin(x) * rotary(x))
+
+    x = torch.randn(3, 4, requires_grad=True)
+    leaves = [x, *lin.parameters(), *rotary.parameters()]
+    layer(x, use_cache=True, rotary=rotary).sum().backward()
+    eager = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    checkpoint(layer, x, use_cache=True, rotary=rotary).sum().backward()
+    assert all(torch.equal(t.grad, g) for t, g in zip(leaves, eager))
+
 def test_use_cache_true_with_a_bound_method_of_a_cache_is_still_refused() -> None:
     cache: list[torch.Tensor] = []
     lin = torch.nn.Linear(4, 4)
