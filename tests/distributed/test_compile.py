@@ -861,3 +861,76 @@ def test_compile_layer_bodies_on_a_torch_without_the_option_doubles_the_process_
             compile_layer_bodies(build()[1], backend="eager")  # compiles nothing until called
             limits.append(torch._dynamo.config.recompile_limit)
     assert limits == [16, 16, 16]
+
+
+class _Outer(nn.Module):
+    """A module around another (a task head, a wrapper a framework adds)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_model_compiled_around_layers_nested_in_wrappers_is_found_and_named(
+        ) -> None:
+    # Mutation round CX: the look for a compiled model goes deeper than the look for a
+    # layer's own wrapper (kills X33): three modules around a decoder's loop.
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Outer(_Outer(_Outer(_Head())))
+        net = copy.deepcopy(eager)
+        for layer in net.inner.inner.inner.model.layers:
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.compile(net, backend="eager")(x).backward()
+        eager(x).backward()
+        assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                           {n: p.grad for n, p in net.named_parameters()})
+        told = [str(w.message) for w in caught
+                if "called inside torch.compile(_Outer)" in str(w.message)]
+        assert len(told) == 3  # each layer, naming the compiled model
+    finally:
+        torch._dynamo.reset()
+
+
+def test_each_layer_looks_for_a_compiled_model_until_told_once_even_when_compiled_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [compiled around the model]: the 64-frame walk runs until found once per layer,
+    # and a layer is told once, also under a second torch.compile of the same model (kills
+    # CX's X34, X37).
+    if not _compiled_calls_marked():
+        pytest.skip("this torch marks no torch.compile(module) call: first calls only")
+    from pytree_ckpt import compiled_layers
+
+    walks: list[nn.Module] = []
+    real = compiled_layers.compiled_wrapper
+
+    def counted(module: nn.Module, *, around: bool = False) -> Any:
+        if around:
+            walks.append(module)
+        return real(module, around=around)
+
+    monkeypatch.setattr(compiled_layers, "compiled_wrapper", counted)
+    torch._dynamo.reset()
+    try:
+        net = _Head()
+        layers = list(net.model.layers)
+        for layer in layers:
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                torch.compile(net, backend="eager")(x).backward()  # a new wrapper each step
+        told = [str(w.message) for w in caught
+                if "called inside torch.compile(_Head)" in str(w.message)]
+        assert len(told) == len(layers)
+        assert walks == layers  # found at each layer's first call, not looked for again
+    finally:
+        torch._dynamo.reset()
