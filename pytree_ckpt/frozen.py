@@ -18,8 +18,8 @@ refused when
 3. fn is a module, or a method of one, with a parameter that requires grad (a router whose
    gate computes the weights it returns); or fn reaches such a module, or a tensor that
    requires grad, among the call's arguments, bound by a ``functools.partial``, as an attribute
-   of a plain callable object, in a closure cell or as a global its code reads (NOTE [what fn
-   reaches with grad]).
+   of a plain callable object (or a classmethod's class), as an argument default, in a closure
+   cell or as a global its code reads (NOTE [what fn reaches with grad]).
 
 Rules 2 and 3 do not apply to a function decorated with ``torch.no_grad()`` (or
 ``inference_mode()``, ``set_grad_enabled(False)``): eager computes its results without grad.
@@ -48,8 +48,8 @@ from .eager import user_stacklevel
 from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
-from .function_reach import (attribute, attribute_names, cell_contents, globals_of, globals_read,
-                             unwrap_partials)
+from .function_reach import (attribute, attribute_names, cell_contents, defaults_of, globals_of,
+                             globals_read, unwrap_partials)
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
@@ -68,7 +68,8 @@ _DETACH_TIP = ("; only floats that must get no gradient (statistics) may come ba
                "its inputs detached then (reuse_during_recompute(fn, logits.detach()))")
 _MODULE_TIP = ("; a module's trainable parameters give its floats a graph, so detaching the "
                "inputs does not help: frozen statistics can come from a plain function given "
-               "detached inputs, or be computed outside the call")
+               "detached inputs, from a function decorated with @torch.no_grad(), or be "
+               "computed outside the call")
 
 # A recorded float leaf that was one of the call's tensor arguments: (its key path, the
 # argument's index among the call's flattened leaves).
@@ -331,8 +332,9 @@ class _Reach(NamedTuple):
 def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
     """NOTE [what fn reaches with grad]: rule 3's places, in order: fn itself or its owner,
     the modules among the call's arguments, the values a ``functools.partial`` binds, a plain
-    callable object's own attributes (or those of the plain object a method is bound to), the
-    function's closure cells and the globals its code reads. Each place is one value deep (a
+    callable object's own attributes (or those of the plain object, or the class, a method is
+    bound to), the function's argument defaults (``lambda x, g=gate: ...``), its closure cells
+    and the globals its code reads. Each place is one value deep (a
     module, or a tensor that requires grad: a parameter bound by a partial), or two for a plain
     dict, list or tuple of at most 64 values there (``GATES["router"]``); an attribute's
     attribute is not seen (docs/limits.md, "Plain functions (closures)")."""
@@ -352,11 +354,15 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
         holder = inner  # a callable object of the user's
     if isinstance(holder, torch.Tensor):  # a tensor's method: scores.topk
         places.append(("the tensor its method is bound to", holder))
+    elif isinstance(holder, type):  # a classmethod: its class's own attributes (cls.gate)
+        places += [(f"class attribute {name!r} of {holder.__name__}", value)
+                   for name, value in vars(holder).items() if not name.startswith("__")]
     elif holder is not None and not isinstance(holder, (nn.Module, types.ModuleType)):
         places += [(f"attribute {name!r} of its {type(holder).__name__}",
                     attribute(holder, name)) for name in attribute_names(holder)]
     function = getattr(inner, "__func__", inner)
     code = getattr(function, "__code__", None)
+    places += [(f"default of {name!r}", value) for name, value in defaults_of(function)]
     for name, cell in zip(getattr(code, "co_freevars", ()),
                           getattr(function, "__closure__", None) or ()):
         places.append((f"closure variable {name!r}", cell_contents(cell)))

@@ -13,8 +13,8 @@ import functools
 import types
 from typing import Any
 
-__all__ = ["attribute", "attribute_names", "cell_contents", "globals_of", "globals_read",
-           "unwrap_partials"]
+__all__ = ["attribute", "attribute_names", "cell_contents", "defaults_of", "globals_of",
+           "globals_read", "unwrap_partials"]
 
 
 # By id(code), holding the code (its id is not reused); read once per code object.
@@ -83,3 +83,13 @@ def unwrap_partials(fn: Any, /) -> tuple[Any, list[tuple[str, Any]]]:
         bound += [(f"partial keyword {k!r}", v) for k, v in fn.keywords.items()]
         fn = fn.func
     return fn, bound
+
+
+def defaults_of(fn: Any, /) -> list[tuple[str, Any]]:
+    """A function's argument defaults, by parameter name (``lambda x, g=gate: ...``)."""
+    code = getattr(fn, "__code__", None)
+    positional = (getattr(code, "co_varnames", ())[:getattr(code, "co_argcount", 0)]
+                  if isinstance(code, types.CodeType) else ())
+    values = getattr(fn, "__defaults__", None) or ()
+    found = list(zip(positional[len(positional) - len(values):], values))
+    return found + list((getattr(fn, "__kwdefaults__", None) or {}).items())
