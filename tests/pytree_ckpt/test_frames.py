@@ -17,7 +17,7 @@ from torch import nn
 import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import ReuseError, checkpoint, current_phase, reuse_during_recompute
-from tests.conftest import assert_same_grads, grads_of, grads_per_model
+from tests.conftest import assert_same_grads, grads_of, grads_per_model, run_twice
 from tests.pytree_ckpt.models import Log
 
 
@@ -550,13 +550,9 @@ def test_a_router_under_its_own_no_grad_decorator_returns_floats_as_in_eager() -
         return gate(x).sum(-1, keepdim=True) * x * probs.max(-1, keepdim=True).values
 
     x = torch.randn(3, 8, requires_grad=True)
-    grads = []
-    for run in (layer, lambda t: checkpoint(layer, t)):
-        gate.zero_grad(set_to_none=True)
-        x.grad = None
-        run(x).sum().backward()
-        grads.append(grads_of([x, *gate.parameters()]))
-    assert_same_grads(*grads)
+    assert_same_grads(*run_twice(  # eager, then checkpointed
+        lambda ckpt: (checkpoint(layer, x) if ckpt else layer(x)).sum().backward(),
+        [x, *gate.parameters()]))
     assert len(calls) == 3  # eager, the original pass and the replay
 
 
@@ -1602,13 +1598,9 @@ def test_only_a_decorator_that_turns_grad_off_exempts_a_router_that_reaches_a_ga
                                              r"\(Linear, closure variable 'gate'\)"):
             layer(x)
         return
-    grads = []
-    for run in (layer, lambda t: checkpoint(layer, t)):
-        gate.zero_grad(set_to_none=True)
-        x.grad = None
-        run(x).sum().backward()
-        grads.append(grads_of([x, *gate.parameters()]))
-    assert_same_grads(*grads)
+    assert_same_grads(*run_twice(  # eager, then checkpointed
+        lambda ckpt: (checkpoint(layer, x) if ckpt else layer(x)).sum().backward(),
+        [x, *gate.parameters()]))
 
 
 def _logged(fn: Any) -> Any:
@@ -1720,13 +1712,9 @@ def test_a_partial_of_a_no_grad_router_and_a_plain_object_it_returns_replay_as_i
         return gate(x)[:, :2] * held.top
 
     x = torch.randn(3, 8, requires_grad=True)
-    grads = []
-    for run in (layer, lambda t: checkpoint(layer, t)):
-        gate.zero_grad(set_to_none=True)
-        x.grad = None
-        run(x).sum().backward()
-        grads.append(grads_of([x, *gate.parameters()]))
-    assert_same_grads(*grads)
+    assert_same_grads(*run_twice(  # eager, then checkpointed
+        lambda ckpt: (checkpoint(layer, x) if ckpt else layer(x)).sum().backward(),
+        [x, *gate.parameters()]))
     assert len(calls) == 3  # eager, the original pass and the replay
 
 
@@ -1744,12 +1732,9 @@ def test_a_router_that_reaches_only_a_frozen_gate_replays_its_floats_as_in_eager
         return x.gather(-1, ids) * weights
 
     x = torch.randn(3, 8, requires_grad=True)
-    grads = []
-    for run in (layer, lambda t: checkpoint(layer, t)):
-        x.grad = None
-        run(x).sum().backward()
-        grads.append(grads_of([x]))
-    assert_same_grads(*grads)
+    assert_same_grads(*run_twice(  # eager, then checkpointed
+        lambda ckpt: (checkpoint(layer, x) if ckpt else layer(x)).sum().backward(),
+        [x]))
     assert len(calls) == 3  # eager, the original pass and the replay
 
 
