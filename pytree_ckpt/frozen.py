@@ -441,9 +441,10 @@ def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
     ``SimpleNamespace``, a class of one's own) is a leaf the bridge does not open, so a float
     in it escapes the float rule below (a router's gate weights, replayed without their graph:
     the gate silently got no gradient), and is neither offloaded nor counted. Refused where
-    that rule refuses a float in the open (grad on, and ``fn`` of a trainable module or given
-    inputs that require grad), in a plain call as in the replay; one from detached inputs
-    passes, as it does in the open."""
+    that rule refuses a float in the open (grad on, and ``fn`` reaching a trainable module or a
+    tensor that requires grad, or given inputs that require grad, and not decorated with
+    ``torch.no_grad()``), in a plain call as in the replay; one from detached inputs passes, as
+    it does in the open."""
     for i, leaf in enumerate(flat.leaves):
         found = None if isinstance(leaf, torch.Tensor) else hidden_tensor(leaf, _is_float)
         if found is None:
