@@ -19,7 +19,8 @@ refused when
    gate computes the weights it returns); or fn reaches such a module, or a tensor that
    requires grad, among the call's arguments, bound by a ``functools.partial``, as an attribute
    of a plain callable object (or a classmethod's class), as an argument default, in a closure
-   cell or as a global its code reads (NOTE [what fn reaches with grad]).
+   cell or as a global its code reads, or from there through the attributes its code reads
+   (NOTE [what fn reaches with grad]).
 
 Rules 2 and 3 do not apply to a function decorated with ``torch.no_grad()`` (or
 ``inference_mode()``, ``set_grad_enabled(False)``): eager computes its results without grad.
@@ -29,8 +30,8 @@ method of a trainable module (or are computed outside the reused call). Whatever
 mode, a leaf that requires grad when recorded (fn enabled grad itself, or returned a
 parameter or an input as it is) is refused at once, and so, in the replay, is a float leaf
 that was one of the call's tensor arguments if that argument requires grad (eager would hand
-back the tensor, graph and all). What fn reaches deeper than those places (an attribute of
-an attribute) is not seen.
+back the tensor, graph and all). What fn reaches only through another function's code is
+not seen.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ from .eager import user_stacklevel
 from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
-from .function_reach import (attribute, attribute_names, cell_contents, defaults_of, globals_of,
-                             globals_read, unwrap_partials)
+from .function_reach import (attribute, attribute_names, attributes_read, cell_contents,
+                             defaults_of, globals_of, globals_read, unwrap_partials)
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
@@ -334,10 +335,11 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
     the modules among the call's arguments, the values a ``functools.partial`` binds, a plain
     callable object's own attributes (or those of the plain object, or the class, a method is
     bound to), the function's argument defaults (``lambda x, g=gate: ...``), its closure cells
-    and the globals its code reads. Each place is one value deep (a
-    module, or a tensor that requires grad: a parameter bound by a partial), or two for a plain
-    dict, list or tuple of at most 64 values there (``GATES["router"]``); an attribute's
-    attribute is not seen (docs/limits.md, "Plain functions (closures)")."""
+    and the globals its code reads. From each place the look goes on (``_look``) into a plain
+    dict, list or tuple of at most 64 values (``GATES["router"]``), and into the attributes of
+    a plain object or a frozen module whose names fn's code reads (``self.cfg.gate``: cfg,
+    gate), up to _STEPS steps. What fn reaches only through another function's code (a helper it
+    calls reading ``cfg.gate``) is not seen (docs/limits.md, "Plain functions (closures)")."""
     owner = owning_module(fn)
     if owner is not None and _trainable(owner):
         return _Reach(owner, "")
@@ -345,7 +347,9 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
         if isinstance(leaf, nn.Module) and _trainable(leaf):
             return _Reach(leaf, _argument_path(call, j))
     inner, bound = unwrap_partials(fn)
-    places = list(bound)
+    # A frozen owner is looked in too: the plain attributes its method reads (self.scale).
+    places: list[tuple[str, Any]] = [("its module", owner)] if owner is not None else []
+    places += bound
     while not isinstance(inner, nn.Module) and getattr(inner, "__wrapped__", None) is not None:
         inner = getattr(inner, "__wrapped__")  # functools.wraps, torch.compiler.disable
     holder = getattr(inner, "__self__", None)
@@ -361,6 +365,10 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
         places += [(f"attribute {name!r} of its {type(holder).__name__}",
                     attribute(holder, name)) for name in attribute_names(holder)]
     function = getattr(inner, "__func__", inner)
+    if isinstance(function, nn.Module):
+        function = type(function).forward  # a module as fn: what its forward reads
+    elif holder is not None and not hasattr(function, "__code__"):
+        function = getattr(type(holder), "__call__", None)  # a callable object: its __call__
     code = getattr(function, "__code__", None)
     places += [(f"default of {name!r}", value) for name, value in defaults_of(function)]
     for name, cell in zip(getattr(code, "co_freevars", ()),
@@ -368,23 +376,72 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
         places.append((f"closure variable {name!r}", cell_contents(cell)))
     space = globals_of(function)
     places += [(f"global {name!r}", space.get(name)) for name in globals_read(code)]
+    look = _Look(attributes_read(code))
     for place, value in places:
-        if type(value) in (dict, list, tuple) and len(value) <= _OPENED:  # GATES["router"]
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            inside = [(f"{place}[{key!r}]", v) for key, v in items]
-        else:
-            inside = [(place, value)]
-        for where, v in inside:
-            if isinstance(v, nn.Module) and _trainable(v):
-                return _Reach(v, where)
-            if isinstance(v, torch.Tensor) and v.requires_grad:
-                return _Reach(None, where)
+        found = look(place, "", value, _STEPS)
+        if found is not None:
+            return found
     return None
 
 
-# A plain dict, list or tuple at one of those places is opened when it holds at most this many
-# values (a registry of modules; a larger one, a table of anything, is left unopened).
+# How far the look goes from a place: into containers and read attributes, this many steps
+# (self.cfg.router.gate is three); at most _VALUES values are looked at in all, so a call whose
+# fn reaches large object graphs costs a bounded look each time it returns floats.
+_STEPS = 4
+_VALUES = 512
+# A plain dict, list or tuple is opened when it holds at most this many values (a registry of
+# modules; a larger one, a table of anything, is left unopened).
 _OPENED = 64
+
+
+class _Look:
+    """One look from rule 3's places at what they hold, each value once."""
+
+    def __init__(self, read: frozenset[str], /) -> None:
+        self.read = read  # the attribute names fn's code reads
+        self.seen: set[int] = set()
+
+    def __call__(self, place: str, path: str, value: Any, steps: int, /) -> _Reach | None:
+        if isinstance(value, types.MethodType):  # a bound method held: gate.forward
+            value = value.__self__
+        if isinstance(value, torch.Tensor):
+            return _Reach(None, _where(place, path)) if value.requires_grad else None
+        if isinstance(value, nn.Module) and _trainable(value):
+            return _Reach(value, _where(place, path))
+        if steps == 0 or id(value) in self.seen or len(self.seen) >= _VALUES:
+            return None
+        self.seen.add(id(value))
+        inside: list[tuple[str, Any]]
+        if type(value) in (dict, list, tuple):
+            if len(value) > _OPENED:
+                return None
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            inside = [(f"[{key!r}]", v) for key, v in items]
+        elif isinstance(value, nn.Module):  # frozen: plain attributes only (not in _modules)
+            inside = [(f".{name}", v) for name, v in vars(value).items() if name in self.read]
+        elif _plain_object(value):
+            inside = [(f".{name}", attribute(value, name)) for name in attribute_names(value)
+                      if name in self.read]
+        else:
+            return None
+        for step, v in inside:
+            found = self(place, path + step, v, steps - 1)
+            if found is not None:
+                return found
+        return None
+
+
+def _plain_object(value: Any, /) -> bool:
+    """An object of the user's whose attributes may hold a router (a config, a holder)."""
+    return not isinstance(value, (type, types.ModuleType, types.FunctionType,
+                                  types.BuiltinFunctionType, torch.Tensor)) and \
+        type(value).__module__ != "builtins"
+
+
+def _where(place: str, path: str, /) -> str:
+    if not path or path.startswith("["):  # GATES["router"]: the key follows the name
+        return place + path
+    return f"{place}, at {path}"  # closure variable 'self', at .cfg.gate
 
 
 def _decorated_without_grad(fn: Callable[..., Any], /) -> bool:

@@ -13,12 +13,13 @@ import functools
 import types
 from typing import Any
 
-__all__ = ["attribute", "attribute_names", "cell_contents", "defaults_of", "globals_of",
-           "globals_read", "unwrap_partials"]
+__all__ = ["attribute", "attribute_names", "attributes_read", "cell_contents", "defaults_of",
+           "globals_of", "globals_read", "unwrap_partials"]
 
 
 # By id(code), holding the code (its id is not reused); read once per code object.
 _GLOBALS_READ: dict[int, tuple[Any, tuple[str, ...]]] = {}
+_ATTRIBUTES_READ: dict[int, tuple[Any, frozenset[str]]] = {}
 
 
 def globals_read(code: Any, /) -> tuple[str, ...]:
@@ -30,6 +31,24 @@ def globals_read(code: Any, /) -> tuple[str, ...]:
                              if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
                              ) if isinstance(code, types.CodeType) else {}
         entry = _GLOBALS_READ[id(code)] = (code, tuple(read))
+    return entry[1]
+
+
+def attributes_read(code: Any, /) -> frozenset[str]:
+    """The attribute names ``code`` reads (``x.cfg.gate``: cfg, gate), its nested functions'
+    and comprehensions' included, once per code object; none for what is not a code object.
+    A name only: which object it is read from is not known without running the code."""
+    entry = _ATTRIBUTES_READ.get(id(code))
+    if entry is None:
+        names: set[str] = set()
+        stack = [code] if isinstance(code, types.CodeType) else []
+        while stack:
+            one = stack.pop()
+            names.update(i.argval for i in dis.get_instructions(one)
+                         if i.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR")
+                         and isinstance(i.argval, str))
+            stack += [c for c in one.co_consts if isinstance(c, types.CodeType)]
+        entry = _ATTRIBUTES_READ[id(code)] = (code, frozenset(names))
     return entry[1]
 
 
