@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .eager import compile_stance_is_default, compiled_wrapper, user_stacklevel
+from .eager import compile_stance_is_default, compiled_caller, compiled_wrapper, user_stacklevel
 from .errors import CheckpointConfigError
 
 if TYPE_CHECKING:  # module.py imports this module
@@ -82,17 +82,17 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
     name = type(module).__name__
     if wrapper is None:
         installed.check_wrapper = True
-        outer = None if "compiled model" in installed.told else \
-            compiled_wrapper(module, around=True)
+        # Not told under another stance (force_eager compiles nothing at all), until later.
+        outer = None if "compiled model" in installed.told or \
+            not compile_stance_is_default() else compiled_caller(module)
         if outer is not None:  # NOTE [compiled around the model]
-            model = type(getattr(outer, "_orig_mod", outer)).__name__
             _tell_once(
                 installed, "compiled model",
                 f"pytree_ckpt: this {name} is checkpointed and called inside "
-                f"torch.compile({model}), which compiles only the code around it: the boundary "
-                "is opaque to dynamo, so the layer's body runs eagerly, and so does the whole "
-                "function that calls the layers in a loop (dynamo does not resume inside a "
-                "loop). Compile each layer's body first: "
+                f"torch.compile({_compiled_name(outer)}), which compiles only the code around "
+                "it: the boundary is opaque to dynamo, so the layer's body runs eagerly, and so "
+                "does the whole function that calls the layers in a loop (dynamo does not "
+                "resume inside a loop). Compile each layer's body first: "
                 "layer.forward = torch.compile(layer.forward), then "
                 "apply_activation_checkpointing(layer) (docs/scaling.md, 'Wrapping order')")
         return
@@ -127,8 +127,20 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
 # compiles only the code around the layers, and nothing of the function that calls them in a
 # loop: dynamo does not resume after a graph break inside a loop. Found by the same walk, at the
 # layer's first call and at calls under dynamo's flag: a wrapper's call whose module is not
-# this layer. Told once per layer, and not for a layer whose body is compiled (returned
-# above), where compiling the model too is harmless.
+# this layer, or the call of a compiled function (torch.compile(train_step), a lambda over the
+# model). A function compiled around a layer whose first call was eager is not found: no flag
+# marks a compiled function's call, so later calls are not walked. Told once per layer, not
+# under a compile stance other than the default (force_eager compiles nothing), and not for a
+# layer whose body is compiled (returned above), where compiling the model too is harmless.
+
+
+def _compiled_name(outer: Any, /) -> str:
+    """How the message names what was compiled: the model's class, or the function's name."""
+    for target in (getattr(outer, "_orig_mod", None), getattr(outer, "__self__", None), outer):
+        if isinstance(target, nn.Module):  # torch.compile(model): its call, or the wrapper's
+            return type(target).__name__
+    name = getattr(outer, "__qualname__", None)  # train_step, Trainer.step, <lambda>
+    return name if isinstance(name, str) else type(outer).__name__
 
 
 # NOTE [compiled over the boundary]: ``layer.forward = torch.compile(layer.forward)`` after

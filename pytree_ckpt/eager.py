@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = ["BOUNDARY_REASON", "DISCARD_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
-           "compile_stance_is_default", "compiled_wrapper", "in_compiled_module_call",
+           "compile_stance_is_default", "compiled_caller", "compiled_wrapper",
+           "in_compiled_module_call",
            "Told", "runs_eagerly", "user_site", "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -120,6 +121,7 @@ _AROUND_DEPTH = 64
 
 _eval_frame: Any = None  # torch._dynamo.eval_frame, kept once dynamo is imported
 _wrapper_call: Any = None  # the code of OptimizedModule.__call__ (False: none of its own)
+_compile_call: Any = None  # the code of torch.compile's wrapper of a function (False: none)
 
 
 def _dynamo_eval_frame() -> Any:
@@ -148,31 +150,65 @@ def compile_stance_is_default() -> bool:
     return getattr(getattr(eval_frame, "_stance", None), "stance", "default") == "default"
 
 
-def compiled_wrapper(module: torch.nn.Module, /, *, around: bool = False
-                     ) -> torch.nn.Module | None:
+def compiled_wrapper(module: torch.nn.Module, /) -> torch.nn.Module | None:
     """The OptimizedModule (``torch.compile(module)``) whose call is running ``module``, if
     any, found among the frames that led to the boundary (NOTE [compiled around the layer] in
     compiled_layers.py): a frame of OptimizedModule's own ``__call__`` whose wrapper wraps
-    ``module``; with ``around``, the nearest whose wrapper wraps another module (a compiled
-    model calling the layer). Frames are told apart by their code object, so the locals of no
-    other frame are read (reading them copies them into a dict). None on a torch whose
-    OptimizedModule has no ``__call__`` of its own (torch 2.11 and 2.13 have one)."""
-    global _wrapper_call
-    if _wrapper_call is None:
-        eval_frame = _dynamo_eval_frame()
-        optimized = getattr(eval_frame, "OptimizedModule", None)
-        if optimized is None:
-            return None  # nothing was compiled in this process yet
-        _wrapper_call = getattr(vars(optimized).get("__call__"), "__code__", False)
-    if _wrapper_call is False:
+    ``module``. Frames are told apart by their code object, so the locals of no other frame
+    are read (reading them copies them into a dict). None on a torch whose OptimizedModule has
+    no ``__call__`` of its own (torch 2.11 and 2.13 have one)."""
+    if not _find_codes():
         return None
     frame: FrameType | None = sys._getframe(1)
-    for _ in range(_AROUND_DEPTH if around else _WRAPPER_DEPTH):
+    for _ in range(_WRAPPER_DEPTH):
         if frame is None:
             return None
         if frame.f_code is _wrapper_call:
             owner = frame.f_locals.get("self")
-            if (getattr(owner, "_orig_mod", None) is module) is not around:
+            if getattr(owner, "_orig_mod", None) is module:
                 return owner
         frame = frame.f_back
     return None
+
+
+def compiled_caller(module: torch.nn.Module, /) -> Any:
+    """What ``torch.compile`` compiled around ``module``'s call, if anything (NOTE [compiled
+    around the model] in compiled_layers.py): the nearest OptimizedModule of another module
+    (a compiled model), or the callable of the nearest compiled function's call
+    (``torch.compile(train_step)``; its wrapper's frame, of dynamo's optimize context), found
+    within _AROUND_DEPTH frames. None if neither."""
+    if not _find_codes():
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_AROUND_DEPTH):
+        if frame is None:
+            return None
+        if frame.f_code is _wrapper_call:
+            owner = frame.f_locals.get("self")
+            if getattr(owner, "_orig_mod", None) is not module:
+                return owner
+        elif frame.f_code is _compile_call and \
+                type(frame.f_locals.get("self")).__name__ == "OptimizeContext":
+            fn = frame.f_locals.get("fn")
+            if fn is not module and getattr(fn, "__self__", None) is not module:
+                return fn
+        frame = frame.f_back
+    return None
+
+
+def _find_codes() -> bool:
+    """Reads, once dynamo is imported, the code objects the walks look for: OptimizedModule's
+    ``__call__`` and the wrapper torch.compile puts around a function (``compile_wrapper``,
+    made anew per compiled callable from one code object)."""
+    global _wrapper_call, _compile_call
+    if _wrapper_call is None:
+        eval_frame = _dynamo_eval_frame()
+        optimized = getattr(eval_frame, "OptimizedModule", None)
+        if optimized is None:
+            return False  # nothing was compiled in this process yet
+        _wrapper_call = getattr(vars(optimized).get("__call__"), "__code__", False)
+        context = getattr(getattr(eval_frame, "_TorchDynamoContext", None), "__call__", None)
+        _compile_call = next((c for c in getattr(getattr(context, "__code__", None),
+                                                 "co_consts", ())
+                              if getattr(c, "co_name", None) == "compile_wrapper"), False)
+    return _wrapper_call is not False

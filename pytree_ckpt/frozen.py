@@ -181,10 +181,11 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     the call did, and gets what the call left (``"numbers"``; a tensor it stored where a value
     was, ``self.last = scores``, by weak reference: while the module or the frame holds it);
     one found otherwise (changed since) is left; the call's values are put back as it found
-    them for the replay even on a module outside the boundary's (``with_reused_calls`` in forward_numbers.py). Cost: two
-    reads of the module's ``__dict__`` per reused call in the original pass (on the 2-core CI
-    machine 9 to 11 us for a Linear; helper CP measured 64 us for a module holding 30 ints
-    and a list the call changes). ``None`` when nothing changed (the usual case)."""
+    them for the replay even on a module outside the boundary's (``with_reused_calls`` in
+    forward_numbers.py). Cost: two reads of the module's ``__dict__`` per reused call in the
+    original pass (on the 2-core CI machine 9 to 11 us for a Linear; helper CP measured 64 us
+    for a module holding 30 ints and a list the call changes). ``None`` when nothing changed
+    (the usual case)."""
     changed: list[tuple[str, Any, weakref.ref[torch.UntypedStorage] | None, Any]] = [
         ("argument", j, weakref.ref(t.untyped_storage()), t.detach().clone())
         for j, version in zip(call.tensor_index, before)

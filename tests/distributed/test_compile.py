@@ -73,7 +73,8 @@ def compiled_run() -> Iterator[CompiledRun]:
         model = copy.deepcopy(eager)  # before compiling: a compiled forward is bound to its layer
         counter = CompileCounterWithBackend("aot_eager")
         run.fullgraph = compile_layer_bodies(model, backend=counter)
-        model.checkpoint_layers(1.0, offload=OffloadManager(OffloadConfig(min_bytes=0), device="cpu"))
+        model.checkpoint_layers(1.0, offload=OffloadManager(OffloadConfig(min_bytes=0),
+                                                            device="cpu"))
         batch = make_packed_batch(config, SEQ_LENS, seed=0)
         for index in range(3):
             model.zero_grad(set_to_none=True)
@@ -408,10 +409,9 @@ def test_eager_calls_after_a_layers_first_walk_no_frames_and_compiled_callers_wa
     walks: list[nn.Module] = []
     real = compiled_layers.compiled_wrapper
 
-    def counted(module: nn.Module, *, around: bool = False) -> Any:
-        if not around:  # the look for a compiled model around it is told once (tested below)
-            walks.append(module)
-        return real(module, around=around)
+    def counted(module: nn.Module) -> Any:  # (compiled_caller's walk is tested below)
+        walks.append(module)
+        return real(module)
 
     monkeypatch.setattr(compiled_layers, "compiled_wrapper", counted)
     torch._dynamo.reset()
@@ -909,14 +909,13 @@ def test_each_layer_looks_for_a_compiled_model_until_told_once_even_when_compile
     from pytree_ckpt import compiled_layers
 
     walks: list[nn.Module] = []
-    real = compiled_layers.compiled_wrapper
+    real = compiled_layers.compiled_caller
 
-    def counted(module: nn.Module, *, around: bool = False) -> Any:
-        if around:
-            walks.append(module)
-        return real(module, around=around)
+    def counted(module: nn.Module) -> Any:
+        walks.append(module)
+        return real(module)
 
-    monkeypatch.setattr(compiled_layers, "compiled_wrapper", counted)
+    monkeypatch.setattr(compiled_layers, "compiled_caller", counted)
     torch._dynamo.reset()
     try:
         net = _Head()
@@ -932,5 +931,64 @@ def test_each_layer_looks_for_a_compiled_model_until_told_once_even_when_compile
                 if "called inside torch.compile(_Head)" in str(w.message)]
         assert len(told) == len(layers)
         assert walks == layers  # found at each layer's first call, not looked for again
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_compiled_train_step_around_checkpointed_layers_is_told_once_per_layer() -> None:
+    # Helper CX: only torch.compile(module) was looked for; a compiled function calling the
+    # model (a train step, a lambda) compiled as little and said nothing. Gradients as eager's.
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Head()
+        net = copy.deepcopy(eager)
+        for layer in net.model.layers:
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+
+        def train_step(x: torch.Tensor) -> torch.Tensor:
+            return net(x) * 2
+
+        step = torch.compile(train_step, backend="eager")
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                net.zero_grad(set_to_none=True)
+                eager.zero_grad(set_to_none=True)
+                step(x).backward()
+                (eager(x) * 2).backward()
+                assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                                   {n: p.grad for n, p in net.named_parameters()})
+        told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+        assert len(told) == len(net.model.layers)  # once per layer, over two steps
+        assert all("inside torch.compile(test_a_compiled_train_step_around_checkpointed_layers"
+                   "_is_told_once_per_layer.<locals>.train_step)" in m for m in told)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_model_compiled_under_the_force_eager_stance_is_told_only_once_it_compiles() -> None:
+    # Helper CX: under set_stance("force_eager") nothing compiles, so "compiles only the code
+    # around it" overstated; the layers say nothing then and are told at the first call under
+    # the default stance.
+    if not _compiled_calls_marked():
+        pytest.skip("this torch marks no torch.compile(module) call: first calls only")
+    torch._dynamo.reset()
+    try:
+        net = _Head()
+        for layer in net.model.layers:
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+        run = torch.compile(net, backend="eager")
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.compiler.set_stance("force_eager"):
+                run(x).backward()
+            assert [w for w in caught if "pytree_ckpt" in str(w.message)] == []
+            run(x).backward()
+        told = [str(w.message) for w in caught
+                if "called inside torch.compile(_Head)" in str(w.message)]
+        assert len(told) == len(net.model.layers)
     finally:
         torch._dynamo.reset()
