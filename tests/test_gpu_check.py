@@ -60,10 +60,23 @@ exec "$real" "$@"
 """
 
 
-@functools.cache
-def _files_with_cuda_tests() -> frozenset[str]:
+def _files_with_cuda_tests(session: pytest.Session) -> frozenset[str]:
     """The test files of every test ``-m cuda`` selects in the whole suite (a full collection,
-    as the script ran it before it picked its files)."""
+    as the script ran it before it picked its files). Read from this session's own items when
+    it collected every test file and deselected nothing (the README's test command), else
+    collected again in a subprocess (about 20 s)."""
+    config = session.config
+    files = {str(Path(item.path).relative_to(ROOT)) for item in session.items}
+    every = {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")}
+    if files == every and not (config.option.keyword or config.option.markexpr or
+                               config.getoption("deselect", None)):
+        return frozenset(str(Path(item.path).relative_to(ROOT)) for item in session.items
+                         if item.get_closest_marker("cuda") is not None)
+    return _collected_cuda_files()
+
+
+@functools.cache
+def _collected_cuda_files() -> frozenset[str]:
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                            "--collect-only", "-q", "-m", "cuda", "tests"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -85,7 +98,7 @@ def _stand_in(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
 @pytest.mark.parametrize("pytest_timeout", [True, False], ids=["plugin", "no_plugin"])
 def test_gpu_check_runs_the_cuda_tests_and_both_benches_with_arguments_they_accept(
-        tmp_path: Path, pytest_timeout: bool) -> None:
+        tmp_path: Path, pytest_timeout: bool, request: pytest.FixtureRequest) -> None:
     if pytest_timeout:
         pytest.importorskip("pytest_timeout")  # the dev extra installs it
     env = _stand_in(tmp_path)
@@ -103,7 +116,7 @@ def test_gpu_check_runs_the_cuda_tests_and_both_benches_with_arguments_they_acce
     assert " skipped" in summary and "error" not in summary and "failed" not in summary
     # The script collects only the files that mark a test cuda: every such test is among them.
     ran = frozenset(re.findall(r"^(tests/\S+?\.py)::", tests_log, re.MULTILINE))
-    assert ran == _files_with_cuda_tests()
+    assert ran == _files_with_cuda_tests(request.session)
     assert tests_log.startswith("2.11.0+cu130 NVIDIA H200 (stand-in)")  # what ran, first
     assert "slowest 12 durations" in tests_log  # each test's cost there, for the next limits
     assert ("timeout: 45.0s" in tests_log) == pytest_timeout  # the per-test limit, if any
