@@ -336,7 +336,7 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
     the modules among the call's arguments, the values a ``functools.partial`` binds, a plain
     callable object's own attributes (or those of the plain object, or the class, a method is
     bound to), the function's argument defaults (``lambda x, g=gate: ...``), its closure cells
-    and the globals its code reads. From each place the look goes on (``_look``) into a plain
+    and the globals its code reads. From each place the look goes on (``_Look``) into a plain
     dict, list or tuple of at most 64 values (``GATES["router"]``), and into the attributes of
     a plain object or a frozen module whose names fn's code reads (``self.cfg.gate``: cfg,
     gate), up to _STEPS steps. What fn reaches only through another function's code (a helper it
