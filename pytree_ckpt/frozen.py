@@ -336,10 +336,11 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
     the modules among the call's arguments, the values a ``functools.partial`` binds, a plain
     callable object's own attributes (or those of the plain object, or the class, a method is
     bound to), the function's argument defaults (``lambda x, g=gate: ...``), its closure cells
-    and the globals its code reads. From each place the look goes on (``_Look``) into a plain
+    and the globals its code reads. From each place the look goes on (``_Look``) into a
     dict, list or tuple of at most 64 values (``GATES["router"]``), and into the attributes of
-    a plain object or a frozen module whose names fn's code reads (``self.cfg.gate``: cfg,
-    gate), up to _STEPS steps. What fn reaches only through another function's code (a helper it
+    a plain object, a namedtuple, a class, a Python module or a frozen module whose names fn's
+    code reads (``self.cfg.gate``: cfg, gate; a property's getter adds the names it reads), up
+    to _STEPS steps. What fn reaches only through another function's code (a helper it
     calls reading ``cfg.gate``) is not seen (docs/limits.md, "Plain functions (closures)")."""
     owner = owning_module(fn)
     if owner is not None and _trainable(owner):
@@ -390,17 +391,19 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
 # fn reaches large object graphs costs a bounded look each time it returns floats.
 _STEPS = 4
 _VALUES = 512
-# A plain dict, list or tuple is opened when it holds at most this many values (a registry of
+# A dict, list or tuple is opened when it holds at most this many values (a registry of
 # modules; a larger one, a table of anything, is left unopened).
 _OPENED = 64
 
 
 class _Look:
-    """One look from rule 3's places at what they hold, each value once."""
+    """One look from rule 3's places at what they hold: each value opened once, or again when
+    met nearer a place (with more steps left) than before."""
 
     def __init__(self, read: frozenset[str], /) -> None:
-        self.read = read  # the attribute names fn's code reads
-        self.seen: set[int] = set()
+        self.read = set(read)  # the attribute names fn's code reads (and its properties')
+        self.opened: dict[int, int] = {}  # id of a value opened: the steps it had left
+        self.budget = _VALUES
 
     def __call__(self, place: str, path: str, value: Any, steps: int, /) -> _Reach | None:
         if isinstance(value, types.MethodType):  # a bound method held: gate.forward
@@ -409,27 +412,72 @@ class _Look:
             return _Reach(None, _where(place, path)) if value.requires_grad else None
         if isinstance(value, nn.Module) and _trainable(value):
             return _Reach(value, _where(place, path))
-        if steps == 0 or id(value) in self.seen or len(self.seen) >= _VALUES:
+        self.budget -= 1
+        if steps == 0 or self.budget < 0 or self.opened.get(id(value), -1) >= steps:
             return None
-        self.seen.add(id(value))
-        inside: list[tuple[str, Any]]
-        if type(value) in (dict, list, tuple):
-            if len(value) > _OPENED:
-                return None
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            inside = [(f"[{key!r}]", v) for key, v in items]
-        elif isinstance(value, nn.Module):  # frozen: plain attributes only (not in _modules)
-            inside = [(f".{name}", v) for name, v in vars(value).items() if name in self.read]
-        elif _plain_object(value):
-            inside = [(f".{name}", attribute(value, name)) for name in attribute_names(value)
-                      if name in self.read]
-        else:
-            return None
-        for step, v in inside:
+        self.opened[id(value)] = steps
+        for step, v in self._inside(value):
             found = self(place, path + step, v, steps - 1)
             if found is not None:
                 return found
         return None
+
+    def _inside(self, value: Any, /) -> list[tuple[str, Any]]:
+        """What the look goes on to from ``value``: a container's items, or the attributes
+        (its own, its class's) whose names fn's code reads."""
+        read = self.read
+        fields = getattr(type(value), "_fields", None)
+        if isinstance(value, tuple) and isinstance(fields, tuple):  # a namedtuple: cfg.gate
+            return [(f".{name}", v) for name, v in zip(fields, value) if name in read]
+        if isinstance(value, (dict, list, tuple)):  # OrderedDict, defaultdict included
+            if len(value) > _OPENED:
+                return []
+            items = dict.items(value) if isinstance(value, dict) else enumerate(value)
+            return [(f"[{_key(key)}]", v) for key, v in items]
+        if isinstance(value, nn.Module):  # frozen: its plain attributes and submodules read
+            own = vars(value)
+            return [(f".{name}", own[name] if name in own else own["_modules"][name])
+                    for name in sorted(read) if name in own or name in own["_modules"]]
+        if isinstance(value, types.ModuleType):  # a Python module as a namespace: state.gate
+            space = vars(value)
+            return [(f".{name}", space[name]) for name in sorted(read) if name in space]
+        if isinstance(value, type):  # a class read as a namespace: Routers.gate
+            if value.__module__ == "builtins":
+                return []
+            return [(f".{name}", v) for name in sorted(read)
+                    if (v := _class_attribute(value, name, read)) is not None]
+        if not _plain_object(value):
+            return []
+        names = attribute_names(value)
+        # First the class's: a property's getter adds the names it reads (self._gate).
+        from_class = [(name, _class_attribute(type(value), name, read))
+                      for name in sorted(read - set(names))]
+        return [(f".{name}", attribute(value, name)) for name in names if name in read] + \
+            [(f".{name}", v) for name, v in from_class if v is not None]
+
+
+def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:
+    """The value a class (or an instance through it) gives for ``name``, if a plain one
+    (``Routers.gate``); for a property, None, and the names its getter reads join ``read``
+    (``return self._gate``). Read from the classes' own dicts: no descriptor runs."""
+    for klass in cls.__mro__:
+        if klass is object or name not in vars(klass):
+            continue
+        found = vars(klass)[name]
+        if isinstance(found, property):
+            read.update(attributes_read(getattr(found.fget, "__code__", None)))
+            return None
+        if isinstance(found, (types.FunctionType, staticmethod, classmethod)):
+            return None
+        return found
+    return None
+
+
+def _key(key: Any, /) -> str:
+    try:
+        return repr(key)
+    except Exception:  # a key whose repr raises: named by its type
+        return f"<{type(key).__name__}>"
 
 
 def _plain_object(value: Any, /) -> bool:

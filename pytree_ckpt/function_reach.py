@@ -36,8 +36,9 @@ def globals_read(code: Any, /) -> tuple[str, ...]:
 
 def attributes_read(code: Any, /) -> frozenset[str]:
     """The attribute names ``code`` reads (``x.cfg.gate``: cfg, gate), its nested functions'
-    and comprehensions' included, once per code object; none for what is not a code object.
-    A name only: which object it is read from is not known without running the code."""
+    and comprehensions' included, and its string constants that could name one
+    (``getattr(h, "gate")``), once per code object; none for what is not a code object. A
+    name only: which object it is read from is not known without running the code."""
     entry = _ATTRIBUTES_READ.get(id(code))
     if entry is None:
         names: set[str] = set()
@@ -47,6 +48,7 @@ def attributes_read(code: Any, /) -> frozenset[str]:
             names.update(i.argval for i in dis.get_instructions(one)
                          if i.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR")
                          and isinstance(i.argval, str))
+            names.update(c for c in one.co_consts if isinstance(c, str) and c.isidentifier())
             stack += [c for c in one.co_consts if isinstance(c, types.CodeType)]
         entry = _ATTRIBUTES_READ[id(code)] = (code, frozenset(names))
     return entry[1]
