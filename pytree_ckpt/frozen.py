@@ -20,7 +20,7 @@ refused when
    requires grad, among the call's arguments, bound by a ``functools.partial``, as an attribute
    of a plain callable object (or a classmethod's class), as an argument default, in a closure
    cell or as a global its code reads, or from there through the attributes its code reads
-   (NOTE [what fn reaches with grad]).
+   and the functions of the user's it reaches (NOTE [what fn reaches with grad]).
 
 Rules 2 and 3 do not apply to a function decorated with ``torch.no_grad()`` (or
 ``inference_mode()``, ``set_grad_enabled(False)``): eager computes its results without grad.
@@ -30,12 +30,13 @@ method of a trainable module (or are computed outside the reused call). Whatever
 mode, a leaf that requires grad when recorded (fn enabled grad itself, or returned a
 parameter or an input as it is) is refused at once, and so, in the replay, is a float leaf
 that was one of the call's tensor arguments if that argument requires grad (eager would hand
-back the tensor, graph and all). What fn reaches only through another function's code is
-not seen.
+back the tensor, graph and all).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
 import warnings
 import weakref
@@ -339,9 +340,9 @@ def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
     and the globals its code reads. From each place the look goes on (``_Look``) into a
     dict, list or tuple of at most 64 values (``GATES["router"]``), and into the attributes of
     a plain object, a namedtuple, a class, a Python module or a frozen module whose names fn's
-    code reads (``self.cfg.gate``: cfg, gate; a property's getter adds the names it reads), up
-    to _STEPS steps. What fn reaches only through another function's code (a helper it
-    calls reading ``cfg.gate``) is not seen (docs/limits.md, "Plain functions (closures)")."""
+    code reads (``self.cfg.gate``: cfg, gate; a property's getter or a method adds the names
+    it reads), and into what a function of the user's found there holds (a helper fn calls),
+    up to _STEPS steps (docs/limits.md, "Plain functions (closures)")."""
     owner = owning_module(fn)
     if owner is not None and _trainable(owner):
         return _Reach(owner, "")
@@ -407,7 +408,8 @@ class _Look:
 
     def __call__(self, place: str, path: str, value: Any, steps: int, /) -> _Reach | None:
         if isinstance(value, types.MethodType):  # a bound method held: gate.forward
-            value = value.__self__
+            self.read.update(attributes_read(getattr(value.__func__, "__code__", None)))
+            value = value.__self__  # (and what its code reads of it: holder.score's self.gate)
         if isinstance(value, torch.Tensor):
             return _Reach(None, _where(place, path)) if value.requires_grad else None
         if isinstance(value, nn.Module) and _trainable(value):
@@ -426,6 +428,11 @@ class _Look:
         """What the look goes on to from ``value``: a container's items, or the attributes
         (its own, its class's) whose names fn's code reads."""
         read = self.read
+        if isinstance(value, types.FunctionType):
+            return self._helper(value)
+        if isinstance(value, functools.partial):  # score = partial(_score, gate=gate)
+            inner, bound = unwrap_partials(value)
+            return [(f" via partial: {where}", v) for where, v in bound] + [("", inner)]
         fields = getattr(type(value), "_fields", None)
         if isinstance(value, tuple) and isinstance(fields, tuple):  # a namedtuple: cfg.gate
             return [(f".{name}", v) for name, v in zip(fields, value) if name in read]
@@ -442,7 +449,7 @@ class _Look:
             space = vars(value)
             return [(f".{name}", space[name]) for name in sorted(read) if name in space]
         if isinstance(value, type):  # a class read as a namespace: Routers.gate
-            if value.__module__ == "builtins":
+            if _library(value):
                 return []
             return [(f".{name}", v) for name in sorted(read)
                     if (v := _class_attribute(value, name, read)) is not None]
@@ -456,18 +463,48 @@ class _Look:
             [(f".{name}", v) for name, v in from_class if v is not None]
 
 
+    def _helper(self, function: types.FunctionType, /) -> list[tuple[str, Any]]:
+        """A function of the user's that fn reaches (a helper it calls, ``score = lambda x:
+        gate(x)``): what it holds, as fn's own places are looked at (defaults, closure cells,
+        the globals its code reads), and the names its code reads join those looked for.
+        Not torch's or the standard library's functions: they hold no module of the user's."""
+        if _library(function):
+            return []
+        code = function.__code__
+        self.read.update(attributes_read(code))
+        name = function.__qualname__
+        inside = [(f" via {name}: default of {arg!r}", v) for arg, v in defaults_of(function)]
+        inside += [(f" via {name}: closure variable {var!r}", cell_contents(cell))
+                   for var, cell in zip(code.co_freevars, function.__closure__ or ())]
+        space = globals_of(function)
+        return inside + [(f" via {name}: global {var!r}", space.get(var))
+                         for var in globals_read(code)]
+
+
+def _library(value: Any, /) -> bool:
+    """A function or class of torch's, numpy's, this library's or Python's own (builtins
+    included): the look does not follow into its code, which holds no module of the user's."""
+    package = (getattr(value, "__module__", None) or "builtins").partition(".")[0]
+    return package in _LIBRARIES or package in sys.stdlib_module_names
+
+
+_LIBRARIES = frozenset({"torch", "pytree_ckpt", "offload", "numpy", "functorch", "triton"})
+
+
 def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:
     """The value a class (or an instance through it) gives for ``name``, if a plain one
-    (``Routers.gate``); for a property, None, and the names its getter reads join ``read``
-    (``return self._gate``). Read from the classes' own dicts: no descriptor runs."""
+    (``Routers.gate``); for a property or a method, None, and the names its getter or its code
+    reads join ``read`` (``return self._gate``). Read from the classes' own dicts: no
+    descriptor runs."""
     for klass in cls.__mro__:
-        if klass is object or name not in vars(klass):
+        if name not in vars(klass) or _library(klass):
             continue
         found = vars(klass)[name]
-        if isinstance(found, property):
-            read.update(attributes_read(getattr(found.fget, "__code__", None)))
-            return None
-        if isinstance(found, (types.FunctionType, staticmethod, classmethod)):
+        if isinstance(found, (property, types.FunctionType, staticmethod, classmethod)):
+            # A method fn calls reads the object's attributes for it (holder.score: self.gate)
+            getter = found.fget if isinstance(found, property) else \
+                getattr(found, "__func__", found)
+            read.update(attributes_read(getattr(getter, "__code__", None)))
             return None
         return found
     return None
@@ -488,7 +525,7 @@ def _plain_object(value: Any, /) -> bool:
 
 
 def _where(place: str, path: str, /) -> str:
-    if not path or path.startswith("["):  # GATES["router"]: the key follows the name
+    if not path or path.startswith(("[", " via ")):  # GATES["router"]: the key follows the name
         return place + path
     return f"{place}, at {path}"  # closure variable 'self', at .cfg.gate
 

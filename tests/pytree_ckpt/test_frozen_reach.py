@@ -10,6 +10,7 @@ gate got no gradient, silently, where eager refuses the result (it requires grad
 from __future__ import annotations
 
 import collections
+import functools
 import types
 from typing import Any
 
@@ -248,6 +249,27 @@ class _FrozenOuter(nn.Module):
         return self.sub.plain.gate(x).softmax(-1).topk(2, dim=-1)
 
 
+_HELD: dict[str, nn.Module] = {}
+
+
+def _helper_scores(x: torch.Tensor) -> torch.Tensor:
+    return _HELD["gate"](x)
+
+
+def _weighted(x: torch.Tensor, *, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.t()
+
+
+class _Scorer:
+    """A plain holder whose method reads the gate (the caller's code reads only .score)."""
+
+    def __init__(self, gate: nn.Module) -> None:
+        self.gate = gate
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
+
+
 class _BadKey:
     """A dict key whose repr raises (the look names it by its type instead)."""
 
@@ -288,6 +310,18 @@ def _missed_router(how: str, gate: nn.Linear) -> Any:
         return lambda x: state.gate(x).softmax(-1).topk(2, dim=-1)
     if how == "frozen submodule's plain attribute":
         return _FrozenOuter(gate).route
+    if how == "helper closure":
+        score = lambda x: gate(x)  # noqa: E731
+        return lambda x: score(x).softmax(-1).topk(2, dim=-1)
+    if how == "module-level helper":
+        _HELD["gate"] = gate
+        return lambda x: _helper_scores(x).softmax(-1).topk(2, dim=-1)
+    if how == "partial of a helper":
+        weighted = functools.partial(_weighted, weight=gate.weight)
+        return lambda x: weighted(x).softmax(-1).topk(2, dim=-1)
+    if how == "bound method of a plain holder":
+        scorer = _Scorer(gate)
+        return lambda x: scorer.score(x).softmax(-1).topk(2, dim=-1)
     if how == "dict key whose repr raises":
         return lambda x: keyed[_BadKey()](x).softmax(-1).topk(2, dim=-1)
     # A value first met far from one place (three steps in) is marked seen with one step
@@ -311,6 +345,11 @@ def _missed_router(how: str, gate: nn.Linear) -> Any:
     ("Python module as a namespace", "closure variable 'state', at .gate"),
     ("frozen submodule's plain attribute", "its module, at .sub.plain.gate"),
     ("dict key whose repr raises", "global 'keyed'[<_BadKey>]"),
+    ("helper closure", "closure variable 'score' via _missed_router.<locals>.<lambda>: "
+                       "closure variable 'gate'"),
+    ("module-level helper", "global '_helper_scores' via _helper_scores: global '_HELD'['gate']"),
+    ("partial of a helper", "closure variable 'weighted' via partial: partial keyword 'weight'"),
+    ("bound method of a plain holder", "closure variable 'scorer', at .gate"),
 ])
 def test_a_router_in_other_containers_classes_properties_or_modules_is_refused_naming_it(
         how: str, place: str) -> None:
