@@ -84,7 +84,7 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
         installed.check_wrapper = True
         # Not told under another stance (force_eager compiles nothing at all), until later.
         outer = None if "compiled model" in installed.told or \
-            not compile_stance_is_default() else compiled_caller(module)
+            not compile_stance_is_default() else compiled_caller(module, forward=installed)
         if outer is not None:  # NOTE [compiled around the model]
             _tell_once(
                 installed, "compiled model",

@@ -171,12 +171,13 @@ def compiled_wrapper(module: torch.nn.Module, /) -> torch.nn.Module | None:
     return None
 
 
-def compiled_caller(module: torch.nn.Module, /) -> Any:
+def compiled_caller(module: torch.nn.Module, /, *, forward: Any = None) -> Any:
     """What ``torch.compile`` compiled around ``module``'s call, if anything (NOTE [compiled
     around the model] in compiled_layers.py): the nearest OptimizedModule of another module
     (a compiled model), or the callable of the nearest compiled function's call
     (``torch.compile(train_step)``; its wrapper's frame, of dynamo's optimize context), found
-    within _AROUND_DEPTH frames. None if neither."""
+    within _AROUND_DEPTH frames. None if neither; not the layer itself, its bound methods or
+    its installed ``forward`` (compiled over the boundary: told by warn_compiled_over)."""
     if not _find_codes():
         return None
     frame: FrameType | None = sys._getframe(1)
@@ -190,10 +191,22 @@ def compiled_caller(module: torch.nn.Module, /) -> Any:
         elif frame.f_code is _compile_call and \
                 type(frame.f_locals.get("self")).__name__ == "OptimizeContext":
             fn = frame.f_locals.get("fn")
-            if fn is not module and getattr(fn, "__self__", None) is not module:
+            if not _of_layer(fn, module, forward):
                 return fn
         frame = frame.f_back
     return None
+
+
+def _of_layer(fn: Any, module: torch.nn.Module, forward: Any, /) -> bool:
+    """Whether a compiled function is the layer, one of its methods or its installed forward,
+    seen through dynamo's inline wrapper of a callable object (``__wrapped__``)."""
+    for _ in range(3):
+        if fn is None:
+            return False
+        if fn is module or fn is forward or getattr(fn, "__self__", None) is module:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 def _find_codes() -> bool:

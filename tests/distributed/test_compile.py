@@ -911,9 +911,9 @@ def test_each_layer_looks_for_a_compiled_model_until_told_once_even_when_compile
     walks: list[nn.Module] = []
     real = compiled_layers.compiled_caller
 
-    def counted(module: nn.Module) -> Any:
+    def counted(module: nn.Module, **options: Any) -> Any:
         walks.append(module)
-        return real(module)
+        return real(module, **options)
 
     monkeypatch.setattr(compiled_layers, "compiled_caller", counted)
     torch._dynamo.reset()
