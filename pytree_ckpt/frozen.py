@@ -20,7 +20,8 @@ refused when
    requires grad, among the call's arguments, bound by a ``functools.partial``, as an attribute
    of a plain callable object (or a classmethod's class), as an argument default, in a closure
    cell or as a global its code reads, or from there through the attributes its code reads
-   and the functions of the user's it reaches (NOTE [what fn reaches with grad]).
+   and the functions of the user's it reaches (NOTE [what fn reaches with grad] in
+   grad_reach.py).
 
 Rules 2 and 3 do not apply to a function decorated with ``torch.no_grad()`` (or
 ``inference_mode()``, ``set_grad_enabled(False)``): eager computes its results without grad.
@@ -35,13 +36,10 @@ back the tensor, graph and all).
 
 from __future__ import annotations
 
-import functools
-import sys
-import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,8 +48,8 @@ from .eager import user_stacklevel
 from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
-from .function_reach import (attribute, attribute_names, attributes_read, cell_contents,
-                             defaults_of, globals_of, globals_read, unwrap_partials)
+from .function_reach import cell_contents, unwrap_partials
+from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
@@ -122,7 +120,7 @@ def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], 
             _WARNED_CHANGED.add(name)
             warnings.warn(
                 f"pytree_ckpt: reuse_during_recompute({name}) changed its "
-                f"{_argument_path(call, j)} in place; the replay skips the call, so the "
+                f"{argument_path(call, j)} in place; the replay skips the call, so the "
                 "change is not made again there: if anything reads that tensor's storage "
                 "after the call (the logits a logits.detach() argument shares it with), the "
                 "replay computes another function than eager's, silently. Tip: change a "
@@ -258,7 +256,7 @@ def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,
     for i in flat.tensor_index:
         if flat.leaves[i].requires_grad:
             _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False,
-                                   reach=_grad_reach(fn, flatten_call(args, kwargs)))
+                                   reach=grad_reach(fn, flatten_call(args, kwargs)))
     if torch.is_grad_enabled():
         _refuse_floats(fn, name, flat, args, kwargs, replay=False)
 
@@ -270,7 +268,7 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, passthrough: Passthrough
         call = flatten_call(args, kwargs)
         for path, j in passthrough:
             if call.leaves[j].requires_grad:
-                argument = _argument_path(call, j)
+                argument = argument_path(call, j)
                 raise ReuseError(
                     f"reuse_during_recompute({name}) returned {path}, which is {argument} as it "
                     "is, and that requires grad: eager hands back the tensor itself, graph and "
@@ -302,232 +300,25 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
            "without calling fn")
     call = flatten_call(args, kwargs)
     # What fn reaches first: detaching the inputs cannot help there.
-    reach = _grad_reach(fn, call)
+    reach = grad_reach(fn, call)
     if reach is not None:
         raise ReuseError(
             f"reuse_during_recompute({name}) returned the float {result}, and {name} "
-            f"{_reach_words(fn, reach)}: {why}, so it cannot tell whether eager computes it "
+            f"{reach_words(fn, reach)}: {why}, so it cannot tell whether eager computes it "
             "with grad from them",
             expected="float results only from plain functions given detached inputs (or int "
                      "results only)",
-            got=f"a float {result} from {_reach_short(reach)}",
+            got=f"a float {result} from {reach_short(reach)}",
             tip=_SPLIT_TIP + _MODULE_TIP)
     for j in call.tensor_index:
         if call.leaves[j].requires_grad:
-            argument = _argument_path(call, j)
+            argument = argument_path(call, j)
             raise ReuseError(
                 f"reuse_during_recompute({name}) returned the float {result} for {argument}, "
                 f"which requires grad: {why}, so it cannot tell whether eager computes it with "
                 "grad", expected="int results only (or floats from inputs passed detached)",
                 got=f"{argument}.requires_grad=True and a float {result}",
                 tip=_SPLIT_TIP + _DETACH_TIP)
-
-
-class _Reach(NamedTuple):
-    """What gives fn's floats a graph: a module with a trainable parameter (``module``), or a
-    tensor that requires grad (``module`` None); ``place`` says where fn reaches it ("" for fn
-    itself or its owner)."""
-
-    module: nn.Module | None
-    place: str
-
-
-def _grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> _Reach | None:
-    """NOTE [what fn reaches with grad]: rule 3's places, in order: fn itself or its owner,
-    the modules among the call's arguments, the values a ``functools.partial`` binds, a plain
-    callable object's own attributes (or those of the plain object, or the class, a method is
-    bound to), the function's argument defaults (``lambda x, g=gate: ...``), its closure cells
-    and the globals its code reads. From each place the look goes on (``_Look``) into a
-    dict, list or tuple of at most 64 values (``GATES["router"]``), and into the attributes of
-    a plain object, a namedtuple, a class, a Python module or a frozen module whose names fn's
-    code reads (``self.cfg.gate``: cfg, gate; a property's getter or a method adds the names
-    it reads), and into what a function of the user's found there holds (a helper fn calls),
-    up to _STEPS steps (docs/limits.md, "Plain functions (closures)")."""
-    owner = owning_module(fn)
-    if owner is not None and _trainable(owner):
-        return _Reach(owner, "")
-    for j, leaf in enumerate(call.leaves):
-        if isinstance(leaf, nn.Module) and _trainable(leaf):
-            return _Reach(leaf, _argument_path(call, j))
-    inner, bound = unwrap_partials(fn)
-    # A frozen owner is looked in too: the plain attributes its method reads (self.scale).
-    places: list[tuple[str, Any]] = [("its module", owner)] if owner is not None else []
-    places += bound
-    while not isinstance(inner, nn.Module) and getattr(inner, "__wrapped__", None) is not None:
-        inner = getattr(inner, "__wrapped__")  # functools.wraps, torch.compiler.disable
-    holder = getattr(inner, "__self__", None)
-    if holder is None and not isinstance(inner, (types.FunctionType, nn.Module, type)) and \
-            type(inner).__module__ != "builtins":  # not a method descriptor (Tensor.topk)
-        holder = inner  # a callable object of the user's
-    if isinstance(holder, torch.Tensor):  # a tensor's method: scores.topk
-        places.append(("the tensor its method is bound to", holder))
-    elif isinstance(holder, type):  # a classmethod: its class's own attributes (cls.gate)
-        places += [(f"class attribute {name!r} of {holder.__name__}", value)
-                   for name, value in vars(holder).items() if not name.startswith("__")]
-    elif holder is not None and not isinstance(holder, (nn.Module, types.ModuleType)):
-        places += [(f"attribute {name!r} of its {type(holder).__name__}",
-                    attribute(holder, name)) for name in attribute_names(holder)]
-    function = getattr(inner, "__func__", inner)
-    if isinstance(function, nn.Module):
-        function = type(function).forward  # a module as fn: what its forward reads
-    elif holder is not None and not hasattr(function, "__code__"):
-        function = getattr(type(holder), "__call__", None)  # a callable object: its __call__
-    code = getattr(function, "__code__", None)
-    places += [(f"default of {name!r}", value) for name, value in defaults_of(function)]
-    for name, cell in zip(getattr(code, "co_freevars", ()),
-                          getattr(function, "__closure__", None) or ()):
-        places.append((f"closure variable {name!r}", cell_contents(cell)))
-    space = globals_of(function)
-    places += [(f"global {name!r}", space.get(name)) for name in globals_read(code)]
-    look = _Look(attributes_read(code))
-    for place, value in places:
-        found = look(place, "", value, _STEPS)
-        if found is not None:
-            return found
-    return None
-
-
-# How far the look goes from a place: into containers and read attributes, this many steps
-# (self.cfg.router.gate is three); at most _VALUES values are looked at in all, so a call whose
-# fn reaches large object graphs costs a bounded look each time it returns floats.
-_STEPS = 4
-_VALUES = 512
-# A dict, list or tuple is opened when it holds at most this many values (a registry of
-# modules; a larger one, a table of anything, is left unopened).
-_OPENED = 64
-
-
-class _Look:
-    """One look from rule 3's places at what they hold: each value opened once, or again when
-    met nearer a place (with more steps left) than before."""
-
-    def __init__(self, read: frozenset[str], /) -> None:
-        self.read = set(read)  # the attribute names fn's code reads (and its properties')
-        self.opened: dict[int, int] = {}  # id of a value opened: the steps it had left
-        self.budget = _VALUES
-
-    def __call__(self, place: str, path: str, value: Any, steps: int, /) -> _Reach | None:
-        if isinstance(value, types.MethodType):  # a bound method held: gate.forward
-            self.read.update(attributes_read(getattr(value.__func__, "__code__", None)))
-            value = value.__self__  # (and what its code reads of it: holder.score's self.gate)
-        if isinstance(value, torch.Tensor):
-            return _Reach(None, _where(place, path)) if value.requires_grad else None
-        if isinstance(value, nn.Module) and _trainable(value):
-            return _Reach(value, _where(place, path))
-        self.budget -= 1
-        if steps == 0 or self.budget < 0 or self.opened.get(id(value), -1) >= steps:
-            return None
-        self.opened[id(value)] = steps
-        for step, v in self._inside(value):
-            found = self(place, path + step, v, steps - 1)
-            if found is not None:
-                return found
-        return None
-
-    def _inside(self, value: Any, /) -> list[tuple[str, Any]]:
-        """What the look goes on to from ``value``: a container's items, or the attributes
-        (its own, its class's) whose names fn's code reads."""
-        read = self.read
-        if isinstance(value, types.FunctionType):
-            return self._helper(value)
-        if isinstance(value, functools.partial):  # score = partial(_score, gate=gate)
-            inner, bound = unwrap_partials(value)
-            return [(f" via partial: {where}", v) for where, v in bound] + [("", inner)]
-        fields = getattr(type(value), "_fields", None)
-        if isinstance(value, tuple) and isinstance(fields, tuple):  # a namedtuple: cfg.gate
-            return [(f".{name}", v) for name, v in zip(fields, value) if name in read]
-        if isinstance(value, (dict, list, tuple)):  # OrderedDict, defaultdict included
-            if len(value) > _OPENED:
-                return []
-            items = dict.items(value) if isinstance(value, dict) else enumerate(value)
-            return [(f"[{_key(key)}]", v) for key, v in items]
-        if isinstance(value, nn.Module):  # frozen: its plain attributes and submodules read
-            own = vars(value)
-            return [(f".{name}", own[name] if name in own else own["_modules"][name])
-                    for name in sorted(read) if name in own or name in own["_modules"]]
-        if isinstance(value, types.ModuleType):  # a Python module as a namespace: state.gate
-            space = vars(value)
-            return [(f".{name}", space[name]) for name in sorted(read) if name in space]
-        if isinstance(value, type):  # a class read as a namespace: Routers.gate
-            if _library(value):
-                return []
-            return [(f".{name}", v) for name in sorted(read)
-                    if (v := _class_attribute(value, name, read)) is not None]
-        if not _plain_object(value):
-            return []
-        names = attribute_names(value)
-        # First the class's: a property's getter adds the names it reads (self._gate).
-        from_class = [(name, _class_attribute(type(value), name, read))
-                      for name in sorted(read - set(names))]
-        return [(f".{name}", attribute(value, name)) for name in names if name in read] + \
-            [(f".{name}", v) for name, v in from_class if v is not None]
-
-
-    def _helper(self, function: types.FunctionType, /) -> list[tuple[str, Any]]:
-        """A function of the user's that fn reaches (a helper it calls, ``score = lambda x:
-        gate(x)``): what it holds, as fn's own places are looked at (defaults, closure cells,
-        the globals its code reads), and the names its code reads join those looked for.
-        Not torch's or the standard library's functions: they hold no module of the user's."""
-        if _library(function):
-            return []
-        code = function.__code__
-        self.read.update(attributes_read(code))
-        name = function.__qualname__
-        inside = [(f" via {name}: default of {arg!r}", v) for arg, v in defaults_of(function)]
-        inside += [(f" via {name}: closure variable {var!r}", cell_contents(cell))
-                   for var, cell in zip(code.co_freevars, function.__closure__ or ())]
-        space = globals_of(function)
-        return inside + [(f" via {name}: global {var!r}", space.get(var))
-                         for var in globals_read(code)]
-
-
-def _library(value: Any, /) -> bool:
-    """A function or class of torch's, numpy's, this library's or Python's own (builtins
-    included): the look does not follow into its code, which holds no module of the user's."""
-    package = (getattr(value, "__module__", None) or "builtins").partition(".")[0]
-    return package in _LIBRARIES or package in sys.stdlib_module_names
-
-
-_LIBRARIES = frozenset({"torch", "pytree_ckpt", "offload", "numpy", "functorch", "triton"})
-
-
-def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:
-    """The value a class (or an instance through it) gives for ``name``, if a plain one
-    (``Routers.gate``); for a property or a method, None, and the names its getter or its code
-    reads join ``read`` (``return self._gate``). Read from the classes' own dicts: no
-    descriptor runs."""
-    for klass in cls.__mro__:
-        if name not in vars(klass) or _library(klass):
-            continue
-        found = vars(klass)[name]
-        if isinstance(found, (property, types.FunctionType, staticmethod, classmethod)):
-            # A method fn calls reads the object's attributes for it (holder.score: self.gate)
-            getter = found.fget if isinstance(found, property) else \
-                getattr(found, "__func__", found)
-            read.update(attributes_read(getattr(getter, "__code__", None)))
-            return None
-        return found
-    return None
-
-
-def _key(key: Any, /) -> str:
-    try:
-        return repr(key)
-    except Exception:  # a key whose repr raises: named by its type
-        return f"<{type(key).__name__}>"
-
-
-def _plain_object(value: Any, /) -> bool:
-    """An object of the user's whose attributes may hold a router (a config, a holder)."""
-    return not isinstance(value, (type, types.ModuleType, types.FunctionType,
-                                  types.BuiltinFunctionType, torch.Tensor)) and \
-        type(value).__module__ != "builtins"
-
-
-def _where(place: str, path: str, /) -> str:
-    if not path or path.startswith(("[", " via ")):  # GATES["router"]: the key follows the name
-        return place + path
-    return f"{place}, at {path}"  # closure variable 'self', at .cfg.gate
 
 
 def _decorated_without_grad(fn: Callable[..., Any], /) -> bool:
@@ -550,34 +341,6 @@ def _decorated_without_grad(fn: Callable[..., Any], /) -> bool:
     return False
 
 
-def _trainable(module: nn.Module, /) -> bool:
-    return any(p.requires_grad for p in module.parameters())
-
-
-def _reach_words(fn: Callable[..., Any], reach: _Reach, /) -> str:
-    if reach.module is None:
-        return f"reaches a tensor that requires grad ({reach.place})"
-    kind = type(reach.module).__name__
-    if not reach.place:
-        relation = "is" if fn is reach.module else "belongs to"
-        return f"{relation} a module with trainable parameters ({kind})"
-    return f"reaches a module with trainable parameters ({kind}, {reach.place})"
-
-
-def _reach_short(reach: _Reach, /) -> str:
-    if reach.module is None:
-        return f"a function reaching a tensor that requires grad ({reach.place})"
-    kind = type(reach.module).__name__
-    return f"a trainable {kind}" + (f" ({reach.place})" if reach.place else "")
-
-
-def _argument_path(call: FlatTree, index: int, /) -> str:
-    path = leaf_paths(call.spec, root="call")[index]  # call[0][i] or call[1]['key']
-    if path.startswith("call[0]"):
-        return "argument " + path.replace("call[0]", "args", 1)
-    return "argument " + path.replace("call[1]", "kwargs", 1)
-
-
 def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tuple[Any, ...],
                    kwargs: dict[str, Any], /) -> None:
     """NOTE [leaves that hold tensors] (tree.py), for reused results: a plain object (a
@@ -593,7 +356,7 @@ def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
         if found is None:
             continue
         call = flatten_call(args, kwargs)
-        if _decorated_without_grad(fn) or _grad_reach(fn, call) is None and \
+        if _decorated_without_grad(fn) or grad_reach(fn, call) is None and \
                 not any(call.leaves[j].requires_grad for j in call.tensor_index):
             return
         raise ReuseError(
@@ -610,7 +373,7 @@ def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
 
 
 def _refuse_differentiable(name: str, path: str, /, *, replay: bool,
-                           reach: _Reach | None = None) -> None:
+                           reach: Reach | None = None) -> None:
     where = ("the replay hands back the value recorded in the original pass, which has no graph"
              if replay else "under checkpointing the replay would hand back a recorded value, "
              "which has no graph")

@@ -1,6 +1,6 @@
 """What a reused call's fn reaches past its first place: attributes its code reads.
 
-Rule 3 of reuse_during_recompute (NOTE [what fn reaches with grad] in frozen.py) refuses a
+Rule 3 of reuse_during_recompute (NOTE [what fn reaches with grad] in grad_reach.py) refuses a
 float result where fn reaches a trainable module or a tensor that requires grad. Before this
 file's change the look stopped one value in, so a router a closure reached as
 ``holder.cfg.gate`` replayed its gate weights without their graph under checkpointing: the
