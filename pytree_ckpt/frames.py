@@ -41,7 +41,7 @@ from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError
 from .frozen import (Passthrough, StateAfter, apply_state_after, argument_versions, as_recorded,
                      buffer_versions, numbers_watch, refuse_in_plain_call, refuse_in_replay,
-                     state_after, warn_changed_arguments)
+                     state_after, warn_changed_arguments, warn_grad_mode_read)
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import GeneratorStates, RngState, generators_moved, rng_changed, rng_state, set_rng_state
@@ -402,6 +402,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
                 IN_REUSE.reset(token)
         if not recorders:  # the replay itself (a nested original pass checks in its replay)
             refuse_in_replay(fn, callable_name(fn), passthrough, result, args, kwargs)
+            warn_grad_mode_read(fn, callable_name(fn))  # NOTE in frozen.py
     for recorder in recorders:
         recorder.frame.record(fn, result, rng_after=rng_after, passthrough=passthrough,
                               state_after=changes, generators_after=generators_after)

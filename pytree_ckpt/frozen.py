@@ -48,15 +48,14 @@ from .eager import user_stacklevel
 from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
-from .function_reach import cell_contents, unwrap_partials
+from .function_reach import cell_contents, code_reading, unwrap_partials
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
 __all__ = ["Passthrough", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
            "buffer_versions", "numbers_watch", "refuse_in_plain_call", "refuse_in_replay",
-           "state_after",
-           "warn_changed_arguments"]
+           "state_after", "warn_changed_arguments", "warn_grad_mode_read"]
 
 _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call and compute "
               "the differentiable part outside it, from those ids (MoE gate weights: gather "
@@ -243,6 +242,37 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 
 # Functions warned about by warn_changed_arguments (a warning's dedupe, not step state).
 _WARNED_CHANGED: set[str] = set()
+
+
+def warn_grad_mode_read(fn: Callable[..., Any], name: str, /) -> None:
+    """NOTE [a reused fn that reads the grad mode]: the original pass runs fn under the
+    boundary's no-grad, and the replay, where eager's grad mode holds again, does not call it.
+    So what fn does only ``if torch.is_grad_enabled()`` never happens under checkpointing
+    (Megatron-Core's router counts tokens per expert so, for its expert bias: the count stays
+    0, the bias drifts from eager's from the next step, silently). Whether eager had grad on
+    at the call is known only in the replay, so it is told there, once per function, when grad
+    is on and fn's code, or a method or helper of its own it reads, reads is_grad_enabled
+    (``function_reach.code_reading``; a read in a branch not taken is told too). Not
+    refused: what it guards may not matter (a log)."""
+    if name in _WARNED_GRAD_MODE or not torch.is_grad_enabled():
+        return
+    where = code_reading(fn, "is_grad_enabled")
+    if where is None:
+        return
+    _WARNED_GRAD_MODE.add(name)
+    warnings.warn(
+        f"pytree_ckpt: reuse_during_recompute({name}): {where} reads torch.is_grad_enabled(). "
+        "Eager runs it here with grad on; under checkpointing the original pass ran it under "
+        "the boundary's no-grad and the replay hands back its result without calling it, so "
+        "what it does only with grad on (a token count per expert for a load-balancing bias) "
+        "never happens. Move that part out of the reused call, after it, on the ids it "
+        "returns: the layer's own code runs again in the replay with grad on, once, as under "
+        "torch's checkpoint (docs/replay.md, 'What may be replayed')",
+        stacklevel=user_stacklevel())
+
+
+# Functions warned about by warn_grad_mode_read (a warning's dedupe, not step state).
+_WARNED_GRAD_MODE: set[str] = set()
 
 
 def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,

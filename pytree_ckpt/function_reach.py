@@ -13,8 +13,8 @@ import functools
 import types
 from typing import Any
 
-__all__ = ["attribute", "attribute_names", "attributes_read", "cell_contents", "defaults_of",
-           "globals_of", "globals_read", "unwrap_partials"]
+__all__ = ["attribute", "attribute_names", "attributes_read", "cell_contents", "code_reading",
+           "defaults_of", "globals_of", "globals_read", "unwrap_partials"]
 
 
 # By id(code), holding the code (its id is not reused); read once per code object.
@@ -114,3 +114,68 @@ def defaults_of(fn: Any, /) -> list[tuple[str, Any]]:
     values = getattr(fn, "__defaults__", None) or ()
     found = list(zip(positional[len(positional) - len(values):], values))
     return found + list((getattr(fn, "__kwdefaults__", None) or {}).items())
+
+
+def code_reading(fn: Any, name: str, /) -> str | None:
+    """The qualified name of a function whose code reads ``name`` (as a global or an
+    attribute: ``torch.is_grad_enabled``), among ``fn``'s own (through partials and wrappers;
+    a module's forward, a callable object's ``__call__``) and, one level on, the methods of
+    the object it is bound to that its code reads (``self._apply_expert_bias``) and the
+    functions it reads as globals or closure cells that are defined in the same module as it
+    (its own helpers); None if none does."""
+    inner, _ = unwrap_partials(fn)
+    for _ in range(8):
+        wrapped = getattr(inner, "__wrapped__", None)
+        if wrapped is None or getattr(inner, "__self__", None) is not None:
+            break
+        inner = wrapped
+    holder = getattr(inner, "__self__", None)
+    function = getattr(inner, "__func__", inner)
+    if not isinstance(function, types.FunctionType):  # a module (its forward), an object
+        holder = inner if holder is None else holder
+        function = next((f for f in (getattr(type(holder), "forward", None),
+                                     getattr(type(holder), "__call__", None))
+                         if isinstance(f, types.FunctionType)), None)
+    if not isinstance(function, types.FunctionType):
+        return None
+    # Once per code, bound-to class and name: a replayed call asks at every step. The code
+    # and the class are held with the answer, so their ids are not reused. (A closure or a
+    # global rebound later to another helper is not looked at again.)
+    key = (id(function.__code__), id(type(holder)), name)
+    entry = _CODE_READING.get(key)
+    if entry is None:
+        entry = _CODE_READING[key] = (function.__code__, type(holder),
+                                      _code_reading(function, holder, name))
+    return entry[2]
+
+
+# (id(code), id(class bound to), name) -> (code, class, answer): see code_reading.
+_CODE_READING: dict[tuple[int, int, str], tuple[Any, Any, str | None]] = {}
+
+
+def _code_reading(function: types.FunctionType, holder: Any, name: str, /) -> str | None:
+    module = function.__module__
+    candidates = [function]
+    read = attributes_read(function.__code__)
+    if holder is not None:
+        candidates += [f for n in sorted(read) if isinstance(
+            f := getattr(type(holder), n, None), types.FunctionType)]
+    cells = [cell_contents(c) for c in function.__closure__ or ()]
+    space = globals_of(function)
+    candidates += [f for f in cells + [space.get(g) for g in globals_read(function.__code__)]
+                   if isinstance(f, types.FunctionType) and f.__module__ == module]
+    for candidate in candidates:
+        if _reads(candidate.__code__, name):
+            return candidate.__qualname__
+    return None
+
+
+def _reads(code: types.CodeType, name: str, /) -> bool:
+    """Whether ``code`` (or a function or comprehension nested in it) names ``name``."""
+    stack = [code]
+    while stack:
+        one = stack.pop()
+        if name in one.co_names:
+            return True
+        stack += [c for c in one.co_consts if isinstance(c, types.CodeType)]
+    return False

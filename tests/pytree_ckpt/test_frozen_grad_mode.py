@@ -1,0 +1,151 @@
+"""A reused call whose fn reads torch.is_grad_enabled() (NOTE [a reused fn that reads the grad
+mode] in frozen.py).
+
+Helper DA: Megatron-Core's router counts tokens per expert only ``if torch.is_grad_enabled()``.
+Frozen with reuse_during_recompute, the count never happened under checkpointing (the original
+pass runs fn under the boundary's no-grad, the replay does not call it): the expert bias drifted
+from eager's from the second step, silently.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import frozen, reuse_during_recompute
+
+
+class _Router(nn.Module):
+    """Megatron-style: the routing method's helper counts tokens per expert with grad on; with
+    ``count_after`` the layer counts after the reused call instead (the warning's fix)."""
+
+    def __init__(self, *, count_after: bool = False, under_no_grad: bool = False) -> None:
+        super().__init__()
+        self.count_after = count_after
+        self.under_no_grad = under_no_grad
+        self.weight = nn.Parameter(torch.randn(4, 8))
+        self.register_buffer("expert_bias", torch.zeros(4))
+        self.register_buffer("tokens_per_expert", torch.zeros(4))
+
+    def _count(self, ids: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=4)
+
+    def routing(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = (scores + self.expert_bias).topk(2, dim=-1).indices
+        self._count(ids)
+        return ids
+
+    def routing_only(self, scores: torch.Tensor) -> torch.Tensor:
+        return (scores + self.expert_bias).topk(2, dim=-1).indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(nn.functional.linear(x, self.weight))
+        route = self.routing_only if self.count_after else self.routing
+        if self.under_no_grad:
+            with torch.no_grad():
+                ids = reuse_during_recompute(route, scores.detach())
+        else:
+            ids = reuse_during_recompute(route, scores.detach())
+        if self.count_after:
+            self._count(ids)
+        return x * scores.gather(-1, ids).sum(-1, keepdim=True)
+
+
+def _train(router: _Router, steps: int = 3) -> tuple[list[torch.Tensor], list[str]]:
+    """Steps of a loop that moves the bias from the counts after backward, as Megatron's does;
+    returns the counts and the bias after each step (copies), and the warnings given."""
+    seen = []
+    torch.manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            router.zero_grad(set_to_none=True)
+            router(torch.randn(6, 8, requires_grad=True)).square().sum().backward()
+            with torch.no_grad():
+                counts = router.tokens_per_expert
+                router.expert_bias += 0.01 * torch.sign(counts.mean() - counts)
+            seen += [counts.clone(), router.expert_bias.clone(), router.weight.grad.clone()]
+            counts.zero_()
+    return seen, [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+
+
+@pytest.fixture(autouse=True)
+def _warned_anew() -> None:
+    frozen._WARNED_GRAD_MODE.clear()  # said once per function in a process
+
+
+def test_a_reused_router_counting_only_with_grad_on_is_warned_naming_the_helper() -> None:
+    torch.manual_seed(0)
+    eager = _Router()
+    checkpointed = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager),
+                                                              offload=False)
+    expected, told_eager = _train(eager)
+    got, told = _train(checkpointed)
+    assert told_eager == []  # a plain call runs fn with eager's grad mode
+    assert len(told) == 1  # once, at the first replay
+    assert "_Router._count reads torch.is_grad_enabled()" in told[0]
+    assert "Move that part out of the reused call, after it" in told[0]
+    assert expected[0].sum() == 6 * 2  # eager: every token's two experts counted, once
+    assert got[0].sum() == 0  # what the warning is about: the count never ran
+
+
+def test_counting_after_the_reused_call_gives_eagers_counts_bias_and_gradients() -> None:
+    # The warning's fix: the layer's own code runs again in the replay with grad on, once.
+    torch.manual_seed(0)
+    eager = _Router(count_after=True)
+    checkpointed = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager),
+                                                              offload=False)
+    expected, _ = _train(eager)
+    got, told = _train(checkpointed)
+    assert told == []  # the reused routing reads no grad mode now
+    assert expected[0].sum() == 6 * 2  # every token's two experts counted, once
+    for want, have in zip(expected, got):
+        assert torch.equal(want, have)
+
+
+def test_a_reused_call_under_the_layers_own_no_grad_is_not_warned() -> None:
+    # Eager runs fn with grad off there too: nothing differs.
+    torch.manual_seed(0)
+    eager = _Router(under_no_grad=True)
+    checkpointed = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager),
+                                                              offload=False)
+    expected, _ = _train(eager)
+    got, told = _train(checkpointed)
+    assert told == []
+    assert expected[0].sum() == 0
+    for want, have in zip(expected, got):
+        assert torch.equal(want, have)
+
+
+def _counting_helper(ids: torch.Tensor, counts: torch.Tensor) -> None:
+    if torch.is_grad_enabled():
+        counts += torch.bincount(ids.flatten(), minlength=counts.numel())
+
+
+def test_a_module_level_helper_a_plain_function_calls_is_named() -> None:
+    counts = torch.zeros(8)
+
+    def route(scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, dim=-1).indices
+        _counting_helper(ids, counts)
+        return ids
+
+    def plain(scores: torch.Tensor) -> torch.Tensor:
+        return scores.topk(2, dim=-1).indices
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(-1, reuse_during_recompute(route, x.detach())) + \
+            x.gather(-1, reuse_during_recompute(plain, x.detach()))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
+    told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+    assert len(told) == 1 and "route): _counting_helper reads torch.is_grad_enabled()" in told[0]
