@@ -149,6 +149,8 @@ class _Look:
             return [(f".{name}", own[name] if name in own else own["_modules"][name])
                     for name in sorted(read) if name in own or name in own["_modules"]]
         if isinstance(value, types.ModuleType):  # a Python module as a namespace: state.gate
+            if _library_package(value.__name__):  # torch, F, math: nothing of the user's
+                return []
             space = vars(value)
             return [(f".{name}", space[name]) for name in sorted(read) if name in space]
         if isinstance(value, type):  # a class read as a namespace: Routers.gate
@@ -187,7 +189,11 @@ class _Look:
 def _library(value: Any, /) -> bool:
     """A function or class of torch's, numpy's, this library's or Python's own (builtins
     included): the look does not follow into its code, which holds no module of the user's."""
-    package = (getattr(value, "__module__", None) or "builtins").partition(".")[0]
+    return _library_package(getattr(value, "__module__", None) or "builtins")
+
+
+def _library_package(module: str, /) -> bool:
+    package = module.partition(".")[0]
     return package in _LIBRARIES or package in sys.stdlib_module_names
 
 

@@ -390,3 +390,19 @@ def test_an_int_read_through_a_trainable_model_refuses_the_floats_in_eager_too()
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match="closure variable 'ctx', at .model"):
         out.sum().backward()
+
+
+def test_library_modules_a_router_reads_are_not_opened() -> None:
+    # torch, torch.nn.functional, math: their attributes hold nothing of the user's, and
+    # opening them would spend the look's budget before the user's own places.
+    import math
+
+    from pytree_ckpt import grad_reach
+
+    for module in (torch, nn.functional, math):
+        look = grad_reach._Look(frozenset({"softmax", "topk", "sqrt", "float32"}))
+        assert look("global", "", module, 4) is None
+        assert look.budget == grad_reach._VALUES - 1  # the module itself, nothing inside
+    user = types.ModuleType("router_state")
+    user.gate = nn.Linear(2, 2)  # type: ignore[attr-defined]
+    assert grad_reach._Look(frozenset({"gate"}))("global 'state'", "", user, 4) is not None
