@@ -84,6 +84,18 @@ def test_a_plain_function_that_updates_a_batch_norm_is_warned_once_naming_it(run
     assert caught[0].filename == __file__  # the user's call, not the library's
 
 
+def test_the_warning_names_both_fixes_the_module_itself_or_skipping_the_update_in_the_replay(
+        ) -> None:
+    # Both fixes work (test_checkpointing_the_block_itself_is_not_warned_and_counts_once,
+    # test_a_counter_the_forward_skips_in_the_replay_is_not_warned_and_counts_once): the
+    # warning must name each, with the phase the forward is to test for.
+    caught, _ = _steps(_in_closure, _block(), steps=1)
+    (message,) = [str(w.message) for w in caught]
+    for part in ("checkpoint(block, h)", "pytree_ckpt.current_phase()", "'recompute'",
+                 "docs/limits.md"):
+        assert part in message, (part, message)
+
+
 def test_the_warning_names_where_the_function_reached_the_module() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
