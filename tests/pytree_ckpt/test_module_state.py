@@ -879,6 +879,29 @@ def test_an_enum_argument_that_first_reaches_an_unknown_module_later_is_a_new_sw
         block(x, _Route.HEAD).sum().backward()
 
 
+class NamedRouteBlock(RoutedBlock):
+    """RoutedBlock told its route by a string ("plain" or "head")."""
+
+    def forward(self, h: torch.Tensor, route: str) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(h, _Route(route))
+
+
+def test_a_string_argument_that_first_reaches_an_unknown_module_later_is_a_new_switch() -> None:
+    # NOTE [verified per switch]: strings are flags. Verified only for "plain", the call that
+    # first reached the head with "head" would lose its gradient silently (eager gives one).
+    head = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    NamedRouteBlock(head)(x, "head").sum().backward()
+    assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0
+    head.zero_grad(set_to_none=True)
+    block = pytree_ckpt.apply_activation_checkpointing(NamedRouteBlock(head))
+    block(x, "plain").sum().backward()
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter"):
+        block(x, "head").sum().backward()
+    assert head.weight.grad is None
+    block(x, "plain").sum().backward()  # the verified switch still runs
+
+
 class _Flagged(nn.Module):
     def __init__(self) -> None:
         super().__init__()
