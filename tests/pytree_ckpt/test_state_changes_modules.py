@@ -509,6 +509,29 @@ def test_parameters_swapped_by_a_conversion_between_forward_and_backward_are_ref
         torch.__future__.set_swap_module_params_on_conversion(False)
 
 
+def test_a_conversion_with_an_in_place_step_after_it_is_still_refused_as_the_conversion(
+) -> None:
+    # One parameter stepped twice after model.double() has its version ahead of the
+    # forward's, the others behind it: the conversion is named, with its fix, not an
+    # optimizer step for all of them.
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+        loss = model(torch.randn(3, 4, requires_grad=True)).sum()
+        model.double()
+        with torch.no_grad():
+            for _ in range(2):
+                model[2].bias.add_(1.0)
+        with pytest.raises(pytree_ckpt.CheckpointError,
+                           match=r"(?s)replaced by torch\.utils\.swap_tensors.*convert the "
+                                 r"model between steps"):
+            loss.backward()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
 def test_a_conversion_making_new_parameters_between_forward_and_backward_gives_eager_grads(
 ) -> None:
     # With overwrite_module_params_on_conversion, model.double() puts new Parameter objects in
