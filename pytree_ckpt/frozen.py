@@ -251,8 +251,9 @@ def warn_grad_mode_read(fn: Callable[..., Any], name: str, /) -> None:
     (Megatron-Core's router counts tokens per expert so, for its expert bias: the count stays
     0, the bias drifts from eager's from the next step, silently). Whether eager had grad on
     at the call is known only in the replay, so it is told there, once per function, when grad
-    is on and fn's code, or a method or helper of its own it reads, reads is_grad_enabled
-    (``function_reach.code_reading``; a read in a branch not taken is told too). Not
+    is on and fn's code, or a method or helper of the user's it calls (up to four calls
+    deep), reads is_grad_enabled (``function_reach.code_reading``; a read in a branch not
+    taken is told too). Not
     refused: what it guards may not matter (a log)."""
     if name in _WARNED_GRAD_MODE or not torch.is_grad_enabled():
         return

@@ -3,18 +3,25 @@ closure cells, a callable object's own attributes, the values a ``functools.part
 
 Read by the checks that look at what a function holds rather than what it is given: the late
 binding of a lambda made in a loop (``rebound.py``), the state a plain function changes
-(``plain_state.py``), and what gives a reused call's floats a graph (``frozen.py``).
+(``plain_state.py``), what gives a reused call's floats a graph (``grad_reach.py``) and
+whether a reused call's code reads the grad mode (``code_reading``). ``called`` is the one
+place they learn which function a callable runs, and ``library_code`` which code is not the
+user's.
 """
 
 from __future__ import annotations
 
 import dis
 import functools
+import sys
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["attribute", "attribute_names", "attributes_read", "cell_contents", "code_reading",
-           "defaults_of", "globals_of", "globals_read", "unwrap_partials"]
+from torch import nn
+
+__all__ = ["Called", "attribute", "attribute_names", "attributes_read", "called",
+           "cell_contents", "code_reading", "defaults_of", "globals_of", "globals_read",
+           "library_code", "library_package", "unwrap_partials"]
 
 
 # By id(code), holding the code (its id is not reused); read once per code object.
@@ -116,58 +123,121 @@ def defaults_of(fn: Any, /) -> list[tuple[str, Any]]:
     return found + list((getattr(fn, "__kwdefaults__", None) or {}).items())
 
 
-def code_reading(fn: Any, name: str, /) -> str | None:
-    """The qualified name of a function whose code reads ``name`` (as a global or an
-    attribute: ``torch.is_grad_enabled``), among ``fn``'s own (through partials and wrappers;
-    a module's forward, a callable object's ``__call__``) and, one level on, the methods of
-    the object it is bound to that its code reads (``self._apply_expert_bias``) and the
-    functions it reads as globals or closure cells that are defined in the same module as it
-    (its own helpers); None if none does."""
-    inner, _ = unwrap_partials(fn)
+class Called(NamedTuple):
+    """What calling ``fn`` runs: ``function``, the Python function whose code runs (None for a
+    builtin or an object without one); ``holder``, the object it runs for (a method's
+    ``self``, a classmethod's class, a callable object or module given as fn; None for a plain
+    function); ``inner``, fn without its partials and wrappers; ``bound``, the values its
+    partials bind."""
+
+    function: types.FunctionType | None
+    holder: Any
+    inner: Any
+    bound: list[tuple[str, Any]]
+
+
+def called(fn: Any, /) -> Called:
+    """NOTE [the function fn calls]: through ``functools.partial`` (its bound values kept) and
+    ``__wrapped__`` (``functools.wraps``, ``torch.compiler.disable``), stopping at a bound
+    method (its ``__wrapped__`` is the unbound function: the ``self`` would be lost) and at a
+    module; then a module's ``forward``, a callable object's ``__call__``. The one place both
+    reach checks (what fn reaches with grad, what its code reads) learn what fn runs."""
+    inner, bound = unwrap_partials(fn)
     for _ in range(8):
         wrapped = getattr(inner, "__wrapped__", None)
-        if wrapped is None or getattr(inner, "__self__", None) is not None:
+        if wrapped is None or isinstance(inner, nn.Module) or \
+                getattr(inner, "__self__", None) is not None:
             break
         inner = wrapped
     holder = getattr(inner, "__self__", None)
+    if holder is None and not isinstance(inner, (types.FunctionType, type)) and \
+            type(inner).__module__ != "builtins":  # not a method descriptor (Tensor.topk)
+        holder = inner  # a callable object or a module given as fn
     function = getattr(inner, "__func__", inner)
-    if not isinstance(function, types.FunctionType):  # a module (its forward), an object
-        holder = inner if holder is None else holder
-        function = next((f for f in (getattr(type(holder), "forward", None),
-                                     getattr(type(holder), "__call__", None))
-                         if isinstance(f, types.FunctionType)), None)
-    if not isinstance(function, types.FunctionType):
+    if not isinstance(function, types.FunctionType) and holder is not None:
+        function = getattr(type(holder), "forward" if isinstance(holder, nn.Module)
+                           else "__call__", None)
+    return Called(function if isinstance(function, types.FunctionType) else None, holder,
+                  inner, bound)
+
+
+def library_code(value: Any, /) -> bool:
+    """A function or class of torch's, numpy's, this library's or Python's own (builtins
+    included): the reach checks do not follow into its code, which holds nothing of the
+    user's."""
+    return library_package(getattr(value, "__module__", None) or "builtins")
+
+
+def library_package(module: str, /) -> bool:
+    package = module.partition(".")[0]
+    return package in _LIBRARIES or package in sys.stdlib_module_names
+
+
+_LIBRARIES = frozenset({"torch", "pytree_ckpt", "offload", "numpy", "functorch", "triton"})
+
+
+def code_reading(fn: Any, name: str, /) -> str | None:
+    """The qualified name of a function whose code reads ``name`` (as a global or an
+    attribute: ``torch.is_grad_enabled``), among the one ``fn`` calls (NOTE [the function fn
+    calls]) and those its code reaches, up to _STEPS calls deep: the methods of the object it
+    is bound to that it reads (``self._apply_expert_bias``), and the functions of the user's
+    (not torch's, the standard library's, ...) it reads as globals or closure cells (its
+    helpers); None if none does."""
+    function, holder, _, _ = called(fn)
+    if function is None:
         return None
-    # Once per code, bound-to class and name: a replayed call asks at every step. The code
-    # and the class are held with the answer, so their ids are not reused. (A closure or a
-    # global rebound later to another helper is not looked at again.)
-    key = (id(function.__code__), id(type(holder)), name)
+    # Once per code, bound-to class, functions its closure holds and name: a replayed call
+    # asks at every step (a lambda made anew each step has the same code and cells). What the
+    # ids are of is held with the answer, so they are not reused. (A global rebound later to
+    # another helper is not looked at again.)
+    cells = tuple(f for f in map(cell_contents, function.__closure__ or ())
+                  if isinstance(f, types.FunctionType))
+    key = (id(function.__code__), id(type(holder)), tuple(map(id, cells)), name)
     entry = _CODE_READING.get(key)
     if entry is None:
-        entry = _CODE_READING[key] = (function.__code__, type(holder),
+        entry = _CODE_READING[key] = ((function.__code__, type(holder), cells),
                                       _code_reading(function, holder, name))
-    return entry[2]
+    return entry[1]
 
 
-# (id(code), id(class bound to), name) -> (code, class, answer): see code_reading.
-_CODE_READING: dict[tuple[int, int, str], tuple[Any, Any, str | None]] = {}
+# (ids of code, class bound to, closure's functions; name) -> (what the ids are of, answer)
+_CODE_READING: dict[tuple[int, int, tuple[int, ...], str], tuple[Any, str | None]] = {}
+# How deep code_reading follows calls (fn, its helper, the helper's helper: two), and how many
+# functions it reads at most, so a call graph of many helpers costs a bounded first look.
+_STEPS = 4
+_FUNCTIONS = 64
 
 
 def _code_reading(function: types.FunctionType, holder: Any, name: str, /) -> str | None:
-    module = function.__module__
-    candidates = [function]
-    read = attributes_read(function.__code__)
-    if holder is not None:
-        candidates += [f for n in sorted(read) if isinstance(
-            f := getattr(type(holder), n, None), types.FunctionType)]
-    cells = [cell_contents(c) for c in function.__closure__ or ()]
-    space = globals_of(function)
-    candidates += [f for f in cells + [space.get(g) for g in globals_read(function.__code__)]
-                   if isinstance(f, types.FunctionType) and f.__module__ == module]
-    for candidate in candidates:
-        if _reads(candidate.__code__, name):
-            return candidate.__qualname__
+    # Each function once (by identity: closures of one code may hold different helpers).
+    seen = {id(function)}
+    level = [function]
+    budget = _FUNCTIONS
+    for _ in range(_STEPS + 1):
+        after: list[types.FunctionType] = []
+        for candidate in level:
+            if _reads(candidate.__code__, name):
+                return candidate.__qualname__
+            for found in _functions_read(candidate, holder):
+                if id(found) not in seen and budget > 0:
+                    seen.add(id(found))
+                    budget -= 1
+                    after.append(found)
+        level = after
     return None
+
+
+def _functions_read(function: types.FunctionType, holder: Any, /) -> list[types.FunctionType]:
+    """The functions ``function``'s code calls that are known without running it: the methods
+    of ``holder``'s class whose names it reads, and the user's functions among its closure
+    cells and the globals it reads."""
+    held = [] if holder is None else [getattr(type(holder), n, None)
+                                      for n in sorted(attributes_read(function.__code__))]
+    held += [cell_contents(c) for c in function.__closure__ or ()]
+    space = globals_of(function)
+    held += [space.get(g) for g in globals_read(function.__code__)]
+    found = [getattr(f, "__func__", f) for f in held]  # a staticmethod's, a classmethod's
+    return [f for f in found if isinstance(f, types.FunctionType) and not library_code(f)]
 
 
 def _reads(code: types.CodeType, name: str, /) -> bool:

@@ -10,7 +10,6 @@ grad]).
 from __future__ import annotations
 
 import functools
-import sys
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -18,8 +17,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .function_reach import (attribute, attribute_names, attributes_read, cell_contents,
-                             defaults_of, globals_of, globals_read, unwrap_partials)
+from .function_reach import (attribute, attribute_names, attributes_read, called,
+                             cell_contents, defaults_of, globals_of, globals_read,
+                             library_code, library_package, unwrap_partials)
 from .module_state import owning_module
 from .tree import FlatTree, leaf_paths
 
@@ -52,16 +52,10 @@ def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
     for j, leaf in enumerate(call.leaves):
         if isinstance(leaf, nn.Module) and _trainable(leaf):
             return Reach(leaf, argument_path(call, j))
-    inner, bound = unwrap_partials(fn)
+    function, holder, _, bound = called(fn)  # NOTE [the function fn calls]
     # A frozen owner is looked in too: the plain attributes its method reads (self.scale).
     places: list[tuple[str, Any]] = [("its module", owner)] if owner is not None else []
     places += bound
-    while not isinstance(inner, nn.Module) and getattr(inner, "__wrapped__", None) is not None:
-        inner = getattr(inner, "__wrapped__")  # functools.wraps, torch.compiler.disable
-    holder = getattr(inner, "__self__", None)
-    if holder is None and not isinstance(inner, (types.FunctionType, nn.Module, type)) and \
-            type(inner).__module__ != "builtins":  # not a method descriptor (Tensor.topk)
-        holder = inner  # a callable object of the user's
     if isinstance(holder, torch.Tensor):  # a tensor's method: scores.topk
         places.append(("the tensor its method is bound to", holder))
     elif isinstance(holder, type):  # a classmethod: its class's own attributes (cls.gate)
@@ -70,11 +64,6 @@ def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
     elif holder is not None and not isinstance(holder, (nn.Module, types.ModuleType)):
         places += [(f"attribute {name!r} of its {type(holder).__name__}",
                     attribute(holder, name)) for name in attribute_names(holder)]
-    function = getattr(inner, "__func__", inner)
-    if isinstance(function, nn.Module):
-        function = type(function).forward  # a module as fn: what its forward reads
-    elif holder is not None and not hasattr(function, "__code__"):
-        function = getattr(type(holder), "__call__", None)  # a callable object: its __call__
     code = getattr(function, "__code__", None)
     places += [(f"default of {name!r}", value) for name, value in defaults_of(function)]
     for name, cell in zip(getattr(code, "co_freevars", ()),
@@ -149,12 +138,12 @@ class _Look:
             return [(f".{name}", own[name] if name in own else own["_modules"][name])
                     for name in sorted(read) if name in own or name in own["_modules"]]
         if isinstance(value, types.ModuleType):  # a Python module as a namespace: state.gate
-            if _library_package(value.__name__):  # torch, F, math: nothing of the user's
+            if library_package(value.__name__):  # torch, F, math: nothing of the user's
                 return []
             space = vars(value)
             return [(f".{name}", space[name]) for name in sorted(read) if name in space]
         if isinstance(value, type):  # a class read as a namespace: Routers.gate
-            if _library(value):
+            if library_code(value):
                 return []
             return [(f".{name}", v) for name in sorted(read)
                     if (v := _class_attribute(value, name, read)) is not None]
@@ -173,7 +162,7 @@ class _Look:
         gate(x)``): what it holds, as fn's own places are looked at (defaults, closure cells,
         the globals its code reads), and the names its code reads join those looked for.
         Not torch's or the standard library's functions: they hold no module of the user's."""
-        if _library(function):
+        if library_code(function):
             return []
         code = function.__code__
         self.read.update(attributes_read(code))
@@ -186,27 +175,13 @@ class _Look:
                          for var in globals_read(code)]
 
 
-def _library(value: Any, /) -> bool:
-    """A function or class of torch's, numpy's, this library's or Python's own (builtins
-    included): the look does not follow into its code, which holds no module of the user's."""
-    return _library_package(getattr(value, "__module__", None) or "builtins")
-
-
-def _library_package(module: str, /) -> bool:
-    package = module.partition(".")[0]
-    return package in _LIBRARIES or package in sys.stdlib_module_names
-
-
-_LIBRARIES = frozenset({"torch", "pytree_ckpt", "offload", "numpy", "functorch", "triton"})
-
-
 def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:
     """The value a class (or an instance through it) gives for ``name``, if a plain one
     (``Routers.gate``); for a property or a method, None, and the names its getter or its code
     reads join ``read`` (``return self._gate``). Read from the classes' own dicts: no
     descriptor runs."""
     for klass in cls.__mro__:
-        if name not in vars(klass) or _library(klass):
+        if name not in vars(klass) or library_code(klass):
             continue
         found = vars(klass)[name]
         if isinstance(found, (property, types.FunctionType, staticmethod, classmethod)):

@@ -18,6 +18,7 @@ from torch import nn
 
 import pytree_ckpt
 from pytree_ckpt import frozen, reuse_during_recompute
+from pytree_ckpt.function_reach import code_reading
 
 
 class _Router(nn.Module):
@@ -149,3 +150,83 @@ def test_a_module_level_helper_a_plain_function_calls_is_named() -> None:
         pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
     told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
     assert len(told) == 1 and "route): _counting_helper reads torch.is_grad_enabled()" in told[0]
+
+
+def _accounting_helper(ids: torch.Tensor, counts: torch.Tensor) -> None:
+    _counting_helper(ids, counts)  # the read is one call further on
+
+
+class _Accounting(_Router):
+    """The routing method reaches the read through two methods of its own."""
+
+    def _account(self, ids: torch.Tensor) -> None:
+        self._count(ids)
+
+    def routing(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = (scores + self.expert_bias).topk(2, dim=-1).indices
+        self._account(ids)
+        return ids
+
+
+def test_a_read_two_methods_deep_is_named_and_is_what_differs_from_eager() -> None:
+    torch.manual_seed(0)
+    eager = _Accounting()
+    checkpointed = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager),
+                                                              offload=False)
+    expected, _ = _train(eager)
+    got, told = _train(checkpointed)
+    assert len(told) == 1 and "_Router._count reads torch.is_grad_enabled()" in told[0]
+    assert expected[0].sum() == 6 * 2 and got[0].sum() == 0
+
+
+def test_a_read_in_a_helper_of_a_helper_is_named() -> None:
+    counts = torch.zeros(8)
+
+    def route(scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, dim=-1).indices
+        _accounting_helper(ids, counts)
+        return ids
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(-1, reuse_during_recompute(route, x.detach()))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
+    told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+    assert len(told) == 1 and "route): _counting_helper reads torch.is_grad_enabled()" in told[0]
+
+
+def test_the_read_is_looked_for_four_calls_deep_and_no_further() -> None:
+    # Each step holds the next in a closure cell. Every chain's outer step has one code: the
+    # answer is kept per code and the functions its cells hold, so chain(5) is looked at anew.
+    def chain(depth: int) -> object:
+        def reading(ids: torch.Tensor) -> torch.Tensor:
+            return ids if torch.is_grad_enabled() else ids
+
+        def wrap(inner: object) -> object:
+            def step(ids: torch.Tensor) -> torch.Tensor:
+                return inner(ids)  # type: ignore[operator]
+            return step
+
+        fn: object = reading
+        for _ in range(depth):
+            fn = wrap(fn)
+        return fn
+
+    assert code_reading(chain(4), "is_grad_enabled").endswith("reading")
+    assert code_reading(chain(5), "is_grad_enabled") is None  # docs/limits.md
+
+
+def test_torchs_own_functions_are_not_looked_into() -> None:
+    # F.linear_cross_entropy reads the grad mode to pick its kernel: torch's code, whose
+    # results do not depend on it, is not the user's count.
+    from torch.nn.functional import linear_cross_entropy
+
+    def route(scores: torch.Tensor) -> torch.Tensor:
+        if scores.dim() > 8:
+            linear_cross_entropy(scores, scores, scores)
+        return scores.topk(2, dim=-1).indices
+
+    assert code_reading(linear_cross_entropy, "is_grad_enabled") is not None  # it does read
+    assert code_reading(route, "is_grad_enabled") is None

@@ -81,6 +81,8 @@ def _router(how: str, gate: nn.Linear) -> Any:
     _REGISTRY.routers["gate"] = gate
     if how == "callable object reading a global":
         return _RegistryRouter()
+    if how == "decorated method of a plain holder":
+        return _Scorer(gate).routed
     return _route_registry
 
 
@@ -101,6 +103,8 @@ class _RegistryRouter:
     ("global registry object", "global '_REGISTRY', at .routers['gate']"),
     ("callable object reading a global", "global '_REGISTRY', at .routers['gate']"),
     ("bound method in a closure", "closure variable 'score'"),
+    # A bound method's __wrapped__ is the plain function: unwrapping it lost the holder.
+    ("decorated method of a plain holder", "attribute 'gate' of its _Scorer"),
 ])
 def test_a_router_reached_through_attributes_fn_reads_is_refused_as_in_eager(
         how: str, place: str) -> None:
@@ -256,6 +260,14 @@ def _helper_scores(x: torch.Tensor) -> torch.Tensor:
     return _HELD["gate"](x)
 
 
+def _logged(method: Any) -> Any:
+    """A decorator keeping the method's name (functools.wraps sets __wrapped__)."""
+    @functools.wraps(method)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+    return logged
+
+
 def _weighted(x: torch.Tensor, *, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.t()
 
@@ -268,6 +280,10 @@ class _Scorer:
 
     def score(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x)
+
+    @_logged
+    def routed(self, x: torch.Tensor) -> Any:
+        return self.gate(x).softmax(-1).topk(2, dim=-1)
 
 
 class _BadKey:
