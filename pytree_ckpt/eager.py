@@ -13,6 +13,7 @@ under a torch that reads other ones the wrapper still runs eagerly, with torch's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -62,17 +63,19 @@ def runs_eagerly(reason: str, /) -> Callable[[F], F]:
     return decorate
 
 
-_INNER_DIRS = tuple(os.path.dirname(path) + os.sep
-                    for path in (torch.__file__, __file__))  # torch's and this package's
+# torch's and this package's folders, and contextlib's file (an ExitStack's exit runs a
+# dispatch mode's, which may warn).
+_INNER_PATHS = tuple(os.path.dirname(path) + os.sep
+                     for path in (torch.__file__, __file__)) + (contextlib.__file__,)
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning name the user's line: the first frame outside
-    torch and this package. The dynamo wrapper of ``runs_eagerly`` (two frames in torch, their
+    torch, this package and contextlib. The dynamo wrapper of ``runs_eagerly`` (two frames in torch, their
     number a torch detail) and ``nn.Module``'s call sit between the user and the boundary."""
     level = 1  # the frame that calls warnings.warn
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_INNER_DIRS):
+    while frame is not None and frame.f_code.co_filename.startswith(_INNER_PATHS):
         level += 1
         frame = frame.f_back
     return level
@@ -83,7 +86,7 @@ def user_site() -> tuple[str, int, dict[str, Any]]:
     globals, for a warning given later (``warnings.warn_explicit``) that names it."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_back is not None and \
-            frame.f_code.co_filename.startswith(_INNER_DIRS):
+            frame.f_code.co_filename.startswith(_INNER_PATHS):
         frame = frame.f_back
     assert frame is not None
     return frame.f_code.co_filename, frame.f_lineno, frame.f_globals

@@ -46,6 +46,7 @@ from .errors import CheckpointError
 from .kept_calls import call_arguments, for_backward, replay_may_take
 from .phase import Invocation, Phase
 from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
+from .unit_use import UnitUse
 
 __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept", "op_name"]
 
@@ -102,6 +103,7 @@ def op_name(op: Any, /) -> Any:
 
 
 def _policy_from_names(names: tuple[str, ...], callables: tuple[str, ...], description: str,
+                       units: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (),
                        /) -> KeepPolicy:
     """A pickled ``KeepPolicy`` (its ``__reduce__``), its ops looked up by name."""
     ops = []
@@ -118,21 +120,27 @@ def _policy_from_names(names: tuple[str, ...], callables: tuple[str, ...], descr
                 got=f"no {name} in torch.ops",
                 tip="import the library that registers it (its torch.library definitions) "
                     "before torch.load") from None
-    return KeepPolicy(ops, callables=callables, description=description)
+    # Its layers are not known here: the unit watch says nothing (unit_use.py).
+    return KeepPolicy(ops, callables=callables, description=description, units=units)
 
 
 class KeepPolicy:
     """Which ops a boundary keeps: ``ops`` by identity, plus everything the kept callables
-    (``"Class.method"`` names of the wrapped methods) dispatch."""
+    (``"Class.method"`` names of the wrapped methods) dispatch. ``units`` (each a unit's name,
+    the names of its ops, its kept methods) and ``layers`` (the checkpointed layers) let it
+    tell a unit that keeps nothing at run time (NOTE [a unit that keeps nothing at run time]
+    in unit_use.py)."""
 
-    def __init__(self, ops: Iterable[Any], /, *, callables: Iterable[str],
-                 description: str) -> None:
+    def __init__(self, ops: Iterable[Any], /, *, callables: Iterable[str], description: str,
+                 units: Iterable[tuple[str, Iterable[str], Iterable[str]]] = (),
+                 layers: Iterable[Any] = ()) -> None:
         ops = frozenset(ops)
         # Whole ops (OpOverloadPackets) and single overloads (KeptOps("aten::mm.default")).
         self.ops = frozenset(op for op in ops if not isinstance(op, torch._ops.OpOverload))
         self.overloads = ops - self.ops
         self.callables = frozenset(callables)
         self.description = description
+        self.use = UnitUse(units, layers)  # not part of what the policy is (_key)
 
     def __repr__(self) -> str:
         # What it keeps, not only the units' names: a refused re-application names both sides
@@ -148,7 +156,10 @@ class KeepPolicy:
         # this policy (torch.save(model) failed on a layer given KeptOps). The ops travel by
         # qualified name and are looked up again when loaded.
         names = tuple(sorted(op_name(op) for op in self.ops | self.overloads))
-        return (_policy_from_names, (names, tuple(sorted(self.callables)), self.description))
+        units = tuple((name, tuple(sorted(ops)), tuple(sorted(methods)))
+                      for name, ops, methods in self.use.units)
+        return (_policy_from_names,
+                (names, tuple(sorted(self.callables)), self.description, units))
 
     # Two policies that keep the same things are the same option (re-applying a config is a
     # no-op, as for apply_activation_checkpointing); one that wraps other methods is not.
@@ -297,8 +308,12 @@ class KeepMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._kept_at and func._schema.is_mutable:
             self._unkeep_written(func, args, kwargs)
-        if IN_REUSE.get() or not self.policy.keeps(func) or \
-                (func is _TO_COPY and self._autocast_cast(args)):
+        if IN_REUSE.get():
+            if not self.policy.use.settled:  # NOTE [a unit that keeps nothing at run time]
+                self.policy.use.kept((op_name(func), op_name(func.overloadpacket)),
+                                     IN_KEPT_CALLABLE.get())
+            return func(*args, **kwargs)
+        if not self.policy.keeps(func) or (func is _TO_COPY and self._autocast_cast(args)):
             return func(*args, **kwargs)
         invocation = self.invocation
         frame = invocation.frame
@@ -325,6 +340,9 @@ class KeepMode(TorchDispatchMode):
                 frame.record(func, RECOMPUTE)
                 return out
             kept = optree.tree_map(_tracking_alias, out)
+            if not self.policy.use.settled:  # NOTE [a unit that keeps nothing at run time]
+                self.policy.use.kept((op_name(func), op_name(func.overloadpacket)),
+                                     IN_KEPT_CALLABLE.get())
             # The census counts the kept bytes while this record holds them: a record taken
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
@@ -366,6 +384,12 @@ class KeepMode(TorchDispatchMode):
         # A fresh alias each time (a replay may run twice with retain_graph): autograd, above
         # this mode, attaches this replay's history to it.
         return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept)
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if exc[0] is None and self.invocation.phase is Phase.FORWARD and \
+                not self.policy.use.settled:  # NOTE [a unit that keeps nothing at run time]
+            self.policy.use.pass_ended(getattr(self.layer, "__self__", self.layer))
 
     def _autocast_cast(self, args: Any) -> bool:
         # NOTE [autocast casts are never kept]

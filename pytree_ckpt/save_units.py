@@ -30,7 +30,7 @@ from .apply import (layer_count, listed_layers, refuse_checkpointed_beyond, reso
                     validate_ratio)
 from .boundary_call import BoundaryOptions
 from .errors import CheckpointConfigError
-from .keep import KeepPolicy
+from .keep import KeepPolicy, op_name
 from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misses
 from .kept_ops import KeptOps
 from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
@@ -175,6 +175,8 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     ops: list[Any] = []
     wrapped: list[str] = []
     kept: list[tuple[nn.Module, str]] = []  # installed once every layer was checked
+    # What each unit keeps, by name: NOTE [a unit that keeps nothing at run time]
+    unit_targets: list[tuple[str, list[str], list[str]]] = []
     if units and not chosen:
         warnings.warn(f"RecomputeConfig(ratio={config.ratio}) checkpoints none of the "
                       f"{len(listed)} layers: the save units {[u.value for u in units]} keep "
@@ -189,6 +191,8 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                               "not exist in this build (and the others, if any, were "
                               "skipped with a warning above)", stacklevel=2)
             ops.extend(found)
+            if found:
+                unit_targets.append((unit.value, [op_name(op) for op in found], []))
             log.info("save unit %s keeps ops %s", unit.value, [str(op) for op in found])
         else:
             found_methods = kept_methods(chosen, target)
@@ -199,12 +203,15 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                               f"has a method matching {list(target.targets)}"
                               f"{near_misses(chosen, target)}", stacklevel=2)
             wrapped.extend(names)
+            if names:
+                unit_targets.append((unit.value, [], names))
             log.info("save unit %s keeps everything %s dispatch",
                      unit.value, sorted(set(names)))
     policy = None
     if units:
         policy = KeepPolicy(ops, callables=wrapped,
-                            description=", ".join(u.value for u in units))
+                            description=", ".join(u.value for u in units),
+                            units=unit_targets, layers=chosen)
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload), keep=policy)
     # Before anything changes: refused, nothing changes.

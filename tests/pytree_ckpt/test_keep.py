@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 from typing import Any
 
@@ -265,10 +266,16 @@ def test_a_kept_op_run_under_inference_mode_inside_a_layer_runs_again_and_matche
     x = torch.randn(4, 8, requires_grad=True)
     grads = []
     for model in (eager, kept):
-        model(x).square().sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).square().sum().backward()
         grads.append(grads_of([x, *model.parameters()]))
         x.grad = None
     assert_same_grads(*grads)
+    # The unit held nothing, and says so (NOTE [a unit that keeps nothing at run time]).
+    assert [str(w.message)[:48] for w in caught] == \
+        ["pytree_ckpt: save unit 'dsa_indexer' kept nothin"]
+    assert "under inference_mode" in str(caught[0].message)
 
 
 class EndsInKeptMm(nn.Module):
