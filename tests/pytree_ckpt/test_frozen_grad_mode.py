@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -130,6 +131,14 @@ def _counting_helper(ids: torch.Tensor, counts: torch.Tensor) -> None:
         counts += torch.bincount(ids.flatten(), minlength=counts.numel())
 
 
+def _told_by_one_step(layer: Any) -> list[str]:
+    """The pytree_ckpt warnings of one checkpointed step of ``layer``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
+    return [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+
+
 def test_a_module_level_helper_a_plain_function_calls_is_named() -> None:
     counts = torch.zeros(8)
 
@@ -145,10 +154,7 @@ def test_a_module_level_helper_a_plain_function_calls_is_named() -> None:
         return x.gather(-1, reuse_during_recompute(route, x.detach())) + \
             x.gather(-1, reuse_during_recompute(plain, x.detach()))
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
-    told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+    told = _told_by_one_step(layer)
     assert len(told) == 1 and "route): _counting_helper reads torch.is_grad_enabled()" in told[0]
 
 
@@ -190,10 +196,7 @@ def test_a_read_in_a_helper_of_a_helper_is_named() -> None:
     def layer(x: torch.Tensor) -> torch.Tensor:
         return x.gather(-1, reuse_during_recompute(route, x.detach()))
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
-    told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+    told = _told_by_one_step(layer)
     assert len(told) == 1 and "route): _counting_helper reads torch.is_grad_enabled()" in told[0]
 
 
