@@ -69,7 +69,8 @@ class BoundaryCall:
                  "changed_state", "changed_numbers", "numbers_saved", "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
                  "switches", "inference", "saved_versions", "unviewed",
-                 "param_versions", "plain_state", "bound", "kept", "made_leaves")
+                 "param_versions", "plain_state", "bound", "kept", "made_leaves",
+                 "generator_sets")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -91,6 +92,9 @@ class BoundaryCall:
         self.params: list[torch.Tensor] | None = None  # None: an unknown callable
         self.owner: nn.Module | None = None
         self.frame = Frame()
+        # NOTE [a forward that sets a default generator's state] (generator_sets.py): the
+        # states the original pass's sets left, set again in the replay; None: none.
+        self.generator_sets: list[tuple[torch.Generator, torch.Tensor]] | None = None
         # NOTE [a replay kept between restricted backwards] (kept_replay.py)
         self.kept: KeptReplay | None = None
         self.out_spec: Any = None

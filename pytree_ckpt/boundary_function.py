@@ -22,6 +22,7 @@ from .changed_in_place import (ParameterVersions, raise_input_changed,
 from .compiled_layers import recompile_limit_note
 from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read, with_reused_calls
+from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode
@@ -95,6 +96,8 @@ class _BoundaryFunction(torch.autograd.Function):
         # at first calls and once stateful, else those holding buffers.
         numbers = NumbersWatch(numbers_read(*call.modules, every=wanted)) \
             if call.modules is not None and (wanted or watch is not None) else None
+        # NOTE [a forward that sets a default generator's state] (generator_sets.py)
+        sets = forward_watch(call.fn, call.owner) if preserve_rng else None
         token = ACTIVE.set(invocation)
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
@@ -102,10 +105,12 @@ class _BoundaryFunction(torch.autograd.Function):
             with IsolatedPass():
                 recorded = None
                 flow: GradFlow | None = None
-                if call.options.keep is None and not call.hooked:
+                if call.options.keep is None and not call.hooked and sets is None:
                     output = call.fn(*args, **kwargs)  # the usual case, with no context more
                 else:
                     with ExitStack() as stack:
+                        if sets is not None:
+                            stack.enter_context(sets)
                         if call.options.keep is not None:
                             stack.enter_context(KeepMode(call.options.keep, invocation,
                                                          layer=call.fn))
@@ -130,6 +135,8 @@ class _BoundaryFunction(torch.autograd.Function):
             raise
         finally:
             ACTIVE.reset(token)
+        if sets is not None:
+            call.generator_sets = learned(call.fn, call.owner, sets)
         now = versions(tensors)
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
             if now != input_versions else []

@@ -69,6 +69,7 @@ from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError,
 from .forward_modules import ForwardModules
 from .forward_numbers import ChangedNumbers
 from .frames import callable_name
+from .generator_sets import replay_watch
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
 from .rebound import Bound, modules_bound_now, refuse_rebound
@@ -125,6 +126,8 @@ class CheckpointWithoutOutput:
         self.kwargs: dict[str, Any] = {}  # plain values only (checked in checkpoint())
         self.ctx: Any = None
         self.env: ReplayEnvironment | None = None
+        # NOTE [a forward that sets a default generator's state] (generator_sets.py)
+        self.generator_sets: list[tuple[torch.Generator, torch.Tensor]] | None = None
         self.single = True
         self.arg_kinds: list[bool] = []
         self.non_tensor_args: list[Any] = []
@@ -383,6 +386,9 @@ class CheckpointWithoutOutput:
         with ExitStack() as stack:
             stack.enter_context(self.env.replaying())
             stack.enter_context(IsolatedPass())
+            sets = replay_watch(self.generator_sets)
+            if sets is not None:  # NOTE [a forward that sets a default generator's state]
+                stack.enter_context(sets)
             changes = self.forward_modules.changes() if self.forward_modules else None
             if changes is not None:
                 assert self.forward_modules is not None

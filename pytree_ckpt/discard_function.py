@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +29,7 @@ from .discard_refusals import refuse_input_changed, refuse_output
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read
+from .generator_sets import forward_watch, learned
 from .held_generators import held_generators
 from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaves, module_dicts
@@ -85,8 +87,12 @@ class DiscardFunction(torch.autograd.Function):
             if owner.state is not None else None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
-        with torch.no_grad(), IsolatedPass():
+        # NOTE [a forward that sets a default generator's state] (generator_sets.py)
+        sets = forward_watch(owner.fn, None) if owner.preserve_rng_state else None
+        with torch.no_grad(), IsolatedPass(), sets if sets is not None else nullcontext():
             outputs = owner.fn(*args, **owner.kwargs)
+        if sets is not None:
+            owner.generator_sets = learned(owner.fn, None, sets)
         if numbers is not None:
             owner.changed_numbers = numbers.changed()
             if param_before is not None and versions(owner.params or []) != param_before[0]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .engine import input_grads
+from .generator_sets import replay_watch
 from .errors import CheckpointError, SavedTensorChanged
 from .hook_outputs import recording
 from .keep import KeepMode
@@ -210,12 +211,17 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # the forward's objects are put back.
             numbers = _NOTHING if call.changed_numbers is None else \
                 call.changed_numbers.as_forward_began()
+            # NOTE [a forward that sets a default generator's state] (generator_sets.py)
+            sets = replay_watch(call.generator_sets)
             with numbers:
                 if not (shadow or call.attributes or call.options.keep is not None or
-                        call.hooked_outputs is not None or call.changed_state is not None):
+                        call.hooked_outputs is not None or call.changed_state is not None
+                        or sets is not None):
                     output = call.fn(*args, **kwargs)  # the usual case, with no context more
                 else:
                     with ExitStack() as stack:
+                        if sets is not None:
+                            stack.enter_context(sets)
                         if call.changed_state is not None:
                             # NOTE [the replay changes copies] in state_changes.py
                             stack.enter_context(call.changed_state.on_copies())

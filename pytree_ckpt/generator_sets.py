@@ -1,0 +1,159 @@
+"""The states a checkpointed call's forward sets a default generator to, recorded in the
+original pass and set again in the replay.
+
+NOTE [a forward that sets a default generator's state]: Megatron-Core's and DeepSpeed's RNG
+trackers run a dropout inside ``get_cuda_rng_tracker().fork()``, which loads the tracker's
+state for that stream into the default generator (``torch.cuda.set_rng_state(states[name])``),
+draws, stores the advanced state back in the tracker and puts the default state back. The
+boundary restores the default generators for the replay as the forward began, but the state
+the replay's fork loads is the tracker's, which the original pass already advanced: the
+replay drew another mask, and the gradients differed from eager's, silently (helper DF; so
+does torch's checkpoint, which is why Megatron's own saves the tracker's states). The tracker
+is an object the boundary cannot know, so the sets themselves are watched: in the original
+pass, the state each ``set_state`` of a default generator (CPU, or a CUDA device's) leaves it
+in is recorded, in order; in the replay, after the set at the same place, the generator is set
+to the recorded state where it differs, so the replay draws the forward's numbers. What the
+replay reads back of that generator until its next set (the fork storing the advanced state
+in the tracker) is the state the replay's set loaded: the tracker ends each replay as it
+began it, and the step as in eager (the replays run in reverse order: otherwise the tracker
+would end where the first layer's fork left it). Sets and reads made by this library's own
+code (the jumps of NOTE [skipped work keeps the RNG in step]) are not counted.
+
+Seen through ``sys.setprofile`` (a C method's call shows there with the generator it is bound
+to): at a layer's (its class's; a plain function's code's) first original pass, and at every
+pass after that of one whose first pass set a state; one whose first pass set none is not
+watched again (one cheap lookup per call). An output discard's function is watched alike, for
+its rebuild. Not seen: a layer that first sets a state at a later call, and any pass that runs
+while a profiler other than this one is on (cProfile's profile function cannot be chained).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["GeneratorSets", "forward_watch", "learned", "replay_watch"]
+
+# This package's and the offload package's folders: their own sets are not the forward's.
+_OURS = (os.path.dirname(__file__) + os.sep,
+         os.path.join(os.path.dirname(os.path.dirname(__file__)), "offload") + os.sep)
+_cpu_generator = torch.default_generator
+_cuda = torch.cuda
+
+# By a layer's class or a function's code: whether its first original pass set a default
+# generator's state (then each pass is watched). Learned once per key, not step state.
+_SETS: dict[Any, bool] = {}
+
+
+def _is_default(generator: Any, /) -> bool:
+    return generator is _cpu_generator or _cuda._initialized and \
+        any(generator is g for g in _cuda.default_generators)
+
+
+class GeneratorSets:
+    """A profile function around one pass of fn: records the states each set leaves a
+    default generator in (``recorded`` None: an original pass), or sets those ``recorded``
+    again after the sets at the same places (a replay). Calls the watch of an enclosing
+    boundary's pass too (a nested call's sets are the outer call's as well)."""
+
+    __slots__ = ("states", "pinning", "position", "outer", "loaded", "reading")
+
+    def __init__(self, recorded: list[tuple[torch.Generator, torch.Tensor]] | None, /) -> None:
+        self.pinning = recorded is not None
+        self.states = recorded if recorded is not None else []
+        self.position = 0
+        self.outer: Any = None
+        # A replay's generators set to another state than the forward's, each with the state
+        # the replay's set gave it (the tracker's now), and one being read meanwhile.
+        self.loaded: dict[torch.Generator, torch.Tensor] = {}
+        self.reading: tuple[torch.Generator, torch.Tensor] | None = None
+
+    def __enter__(self) -> None:
+        self.outer = sys.getprofile()
+        sys.setprofile(self)
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self.outer)
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if self.outer is not None:
+            self.outer(frame, event, arg)
+        if event != "c_return" and event != "c_call":
+            return
+        name = getattr(arg, "__name__", None)
+        if name != "set_state" and name != "get_state":
+            return
+        generator: Any = getattr(arg, "__self__", None)
+        if not _is_default(generator) or frame.f_code.co_filename.startswith(_OURS):
+            return
+        if name == "get_state":
+            if self.pinning:
+                self._read(generator, event)
+            return
+        if event == "c_call":
+            return
+        if not self.pinning:
+            self.states.append((generator, generator.get_state()))
+            return
+        self.loaded.pop(generator, None)
+        if self.position < len(self.states):
+            recorded, state = self.states[self.position]
+            now = generator.get_state()
+            if recorded is generator and not torch.equal(now, state):
+                self.loaded[generator] = now
+                generator.set_state(state)  # made inside a profile function: not seen again
+        self.position += 1
+
+    def _read(self, generator: torch.Generator, event: str, /) -> None:
+        """NOTE: a replay leaves what it reads back as it found it. The tracker's fork stores
+        the state after its draw back into the tracker; in a replay set to the forward's state,
+        that is the forward's state after the draw, and the replays run in reverse: the
+        tracker would end the step where the first layer's fork left it, not the last. So a
+        read after such a set gives the state the set loaded (the tracker's now); the
+        generator itself goes on from where it was."""
+        if event == "c_call" and generator in self.loaded:
+            self.reading = (generator, generator.get_state())
+            generator.set_state(self.loaded[generator])
+        elif event == "c_return" and self.reading is not None and self.reading[0] is generator:
+            generator.set_state(self.reading[1])
+            self.reading = None
+
+
+def _watchable() -> bool:
+    # Only this library's watches chain: a C profiler (cProfile) cannot be called from here.
+    outer = sys.getprofile()
+    return outer is None or isinstance(outer, GeneratorSets)
+
+
+def _key(fn: Any, owner: Any, /) -> Any:
+    # A layer's class and the code that runs (two checkpointed methods of one class differ).
+    return type(owner), getattr(fn, "__code__", None) or type(fn)
+
+
+def forward_watch(fn: Any, owner: Any, /) -> GeneratorSets | None:
+    """The watch for an original pass of ``fn`` (a layer's ``owner``), or None: its first
+    pass set no default generator's state, or a foreign profiler is on."""
+    if _SETS.get(_key(fn, owner)) is False or not _watchable():
+        return None
+    return GeneratorSets(None)
+
+
+def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Generator,
+                                                                          torch.Tensor]] | None:
+    """After an original pass under ``watch``: the states its sets left (for the replay), or
+    None; the first pass of a key decides whether the later ones are watched."""
+    key = _key(fn, owner)
+    if key not in _SETS:
+        _SETS[key] = bool(watch.states)
+    return watch.states or None
+
+
+def replay_watch(recorded: list[tuple[torch.Generator, torch.Tensor]] | None, /
+                 ) -> GeneratorSets | None:
+    """The watch for a replay of a pass whose sets were ``recorded``, or None."""
+    if recorded is None or not _watchable():
+        return None
+    return GeneratorSets(recorded)
