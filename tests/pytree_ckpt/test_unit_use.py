@@ -9,6 +9,7 @@ said so.
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -181,6 +182,79 @@ def test_a_unit_whose_ops_run_in_a_reused_call_is_not_warned() -> None:
     layers = copy.deepcopy(eager)
     apply_recompute_config(layers, RecomputeConfig(1.0, save=["dsa_indexer"]),
                            {SaveUnit.DSA_INDEXER: KeptOps("aten::topk")})
+    expected, _ = _steps(eager)
+    got, told = _steps(layers)
+    assert told == []
+    assert_same_grads(expected, got)
+
+
+def test_a_kept_method_that_keeps_is_not_warned() -> None:
+    # What a kept method dispatches is kept whatever kernel SDPA takes: the unit holds bytes.
+    _, layers = _pair(dropout=0.5)
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptCallables("_Attention.forward")})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = _kept_bytes(layers)
+    assert kept > 0
+    assert [str(w.message) for w in caught if "kept nothing" in str(w.message)] == []
+
+
+def test_a_forward_that_raised_is_not_a_first_pass() -> None:
+    # Every layer's first call fails before its attention ran: nothing is known yet of what
+    # the unit keeps, so nothing is told; the passes that follow keep, as in eager.
+    eager, layers = _pair(dropout=0.0)  # the fused CPU kernel: kept
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]), {SaveUnit.ATTN: _FUSED})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in layers:
+            with pytest.raises(RuntimeError):
+                layer(torch.randn(6, 5, requires_grad=True))  # not the 8 features qkv takes
+    expected, _ = _steps(eager)
+    got, told = _steps(layers)
+    assert [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)] == []
+    assert told == []
+    assert_same_grads(expected, got)
+
+
+def test_a_policy_loaded_from_a_pickle_does_not_know_its_layers_and_says_nothing() -> None:
+    # torch.save / torch.load rebuild the policy from its pickle, without its layers: a
+    # dense first layer ending its pass is no sign the unit keeps nothing.
+    eager, layers = _pair(dropout=0.0, attends=(False, True))
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]), {SaveUnit.ATTN: _FUSED})
+    loaded = pickle.loads(pickle.dumps(layers))
+    expected, _ = _steps(eager)
+    got, told = _steps(loaded)
+    assert told == []
+    assert_same_grads(expected, got)
+
+
+def test_only_the_checkpointed_layers_are_waited_for() -> None:
+    # ratio 0.5: one of two layers is checkpointed; the other never runs a boundary's pass.
+    _, layers = _pair(dropout=0.5)
+    apply_recompute_config(layers, RecomputeConfig(0.5, save=["attn"]), {SaveUnit.ATTN: _FUSED})
+    _, told = _steps(layers, steps=1)
+    assert len(told) == 1 and "save unit 'attn' kept nothing" in told[0]
+
+
+def test_the_warning_names_the_users_line() -> None:
+    # The mode's exit runs inside an ExitStack (contextlib): the line named is the call here.
+    _, layers = _pair(dropout=0.5)
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]), {SaveUnit.ATTN: _FUSED})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _kept_bytes(layers)
+    told = [w for w in caught if "kept nothing" in str(w.message)]
+    assert len(told) == 1 and told[0].filename == __file__
+
+
+@pytest.mark.parametrize("target", [KeptOps("x::y"), KeptCallables("_Attention.no_such")],
+                         ids=["an op not in this build", "a method no layer has"])
+def test_a_unit_warned_at_apply_as_keeping_nothing_is_not_told_again(target: object) -> None:
+    eager, layers = _pair(dropout=0.5)
+    with pytest.warns(UserWarning, match="'attn' keeps nothing"):
+        apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: target})
     expected, _ = _steps(eager)
     got, told = _steps(layers)
     assert told == []
