@@ -186,18 +186,27 @@ def code_reading(fn: Any, name: str, /) -> str | None:
     function, holder, _, _ = called(fn)
     if function is None:
         return None
-    # Once per code, bound-to class, functions its closure holds and name: a replayed call
-    # asks at every step (a lambda made anew each step has the same code and cells). What the
-    # ids are of is held with the answer, so they are not reused. (A global rebound later to
-    # another helper is not looked at again.)
-    cells = tuple(f for f in map(cell_contents, function.__closure__ or ())
-                  if isinstance(f, types.FunctionType))
+    # Once per code, bound-to class, what its closure holds that runs (functions; bound
+    # methods, by function and class) and name: a replayed call asks at every step (a lambda
+    # made anew each step has the same code and cells). What the ids are of is held with the
+    # answer, so they are not reused. (A global rebound later to another helper is not looked
+    # at again.)
+    cells = tuple(part for f in map(cell_contents, function.__closure__ or ())
+                  for part in _runs(f))
     key = (id(function.__code__), id(type(holder)), tuple(map(id, cells)), name)
     entry = _CODE_READING.get(key)
     if entry is None:
         entry = _CODE_READING[key] = ((function.__code__, type(holder), cells),
                                       _code_reading(function, holder, name))
     return entry[1]
+
+
+def _runs(value: Any, /) -> tuple[Any, ...]:
+    """What of a held value decides the code it runs: a function; a bound method's function
+    and class (methods it reads are looked up there)."""
+    if isinstance(value, types.MethodType):
+        return value.__func__, type(value.__self__)
+    return (value,) if isinstance(value, types.FunctionType) else ()
 
 
 # (ids of code, class bound to, closure's functions; name) -> (what the ids are of, answer)
@@ -209,35 +218,45 @@ _FUNCTIONS = 64
 
 
 def _code_reading(function: types.FunctionType, holder: Any, name: str, /) -> str | None:
-    # Each function once (by identity: closures of one code may hold different helpers).
-    seen = {id(function)}
-    level = [function]
+    # Each function once per object it runs for (by identity: closures of one code may hold
+    # different helpers).
+    seen = {(id(function), id(holder))}
+    level = [(function, holder)]
     budget = _FUNCTIONS
     for _ in range(_STEPS + 1):
-        after: list[types.FunctionType] = []
-        for candidate in level:
+        after: list[tuple[types.FunctionType, Any]] = []
+        for candidate, bound_to in level:
             if _reads(candidate.__code__, name):
                 return candidate.__qualname__
-            for found in _functions_read(candidate, holder):
-                if id(found) not in seen and budget > 0:
-                    seen.add(id(found))
+            for found in _functions_read(candidate, bound_to):
+                mark = (id(found[0]), id(found[1]))
+                if mark not in seen and budget > 0:
+                    seen.add(mark)
                     budget -= 1
                     after.append(found)
         level = after
     return None
 
 
-def _functions_read(function: types.FunctionType, holder: Any, /) -> list[types.FunctionType]:
-    """The functions ``function``'s code calls that are known without running it: the methods
-    of ``holder``'s class whose names it reads, and the user's functions among its closure
-    cells and the globals it reads."""
-    held = [] if holder is None else [getattr(type(holder), n, None)
-                                      for n in sorted(attributes_read(function.__code__))]
-    held += [cell_contents(c) for c in function.__closure__ or ()]
+def _functions_read(function: types.FunctionType, holder: Any, /
+                    ) -> list[tuple[types.FunctionType, Any]]:
+    """The functions ``function``'s code calls that are known without running it, each with
+    the object it runs for: the methods of ``holder``'s class whose names it reads (for
+    ``holder``), and the user's functions among its closure cells and the globals it reads
+    (a bound method's for its object)."""
+    found: list[tuple[Any, Any]] = [] if holder is None else [
+        (getattr(f, "__func__", f), holder)  # a staticmethod's, a classmethod's
+        for n in sorted(attributes_read(function.__code__))
+        if (f := getattr(type(holder), n, None)) is not None]
     space = globals_of(function)
-    held += [space.get(g) for g in globals_read(function.__code__)]
-    found = [getattr(f, "__func__", f) for f in held]  # a staticmethod's, a classmethod's
-    return [f for f in found if isinstance(f, types.FunctionType) and not library_code(f)]
+    for value in [cell_contents(c) for c in function.__closure__ or ()] + \
+            [space.get(g) for g in globals_read(function.__code__)]:
+        if isinstance(value, types.MethodType):
+            found.append((value.__func__, value.__self__))
+        else:
+            found.append((value, None))
+    return [(f, h) for f, h in found
+            if isinstance(f, types.FunctionType) and not library_code(f)]
 
 
 def _reads(code: types.CodeType, name: str, /) -> bool:

@@ -12,8 +12,9 @@ anything, is warned about, once. A unit that keeps in some layers only (the MoE 
 model whose first layers are dense) keeps something: not warned. Nor is one whose ops run
 inside ``reuse_during_recompute`` (the DSA indexer's top-k, reused): never kept (rule 4 in
 keep.py), but the replay hands back their results without running them, which is what the
-unit asks for. A policy loaded from a pickle
-or copied (``torch.load``, ``copy.deepcopy``) does not know its layers and says nothing.
+unit asks for. A policy loaded from a pickle (``torch.load``) does not know its layers and
+says nothing; a model's deepcopy shares the policy, whose watch waits for the original's
+layers (the copy's count towards its units, not its layers).
 """
 
 from __future__ import annotations

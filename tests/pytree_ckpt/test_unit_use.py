@@ -148,8 +148,9 @@ def test_a_kept_method_the_forward_never_calls_is_warned_naming_it() -> None:
     assert "['_Attention.unused_score'] kept nothing there" in told[0]
 
 
-def test_a_copied_policy_does_not_know_its_layers_and_says_nothing() -> None:
-    # A deepcopy rebuilds the policy from its pickle: the layers it watched are others.
+def test_a_copied_model_says_nothing_and_the_original_still_tells() -> None:
+    # A deepcopy shares the installed options, policy and watch included (helper DD): the
+    # watch waits for the original's layers, which the copy's are not.
     _, layers = _pair(dropout=0.5)
     apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]), {SaveUnit.ATTN: _FUSED})
     copied = copy.deepcopy(layers)
