@@ -992,3 +992,48 @@ def test_a_model_compiled_under_the_force_eager_stance_is_told_only_once_it_comp
         assert len(told) == len(net.model.layers)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_again_at_a_second_call(
+        ) -> None:
+    # The refusal leaves the layer to be checked again: a retry (or the next step) is refused
+    # with the fix as well, not left to torch's message after a forward run eagerly (mutation
+    # round DE: kills D11).
+    torch._dynamo.reset()
+    try:
+        net = _Net()
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        net.block = torch.compile(net.block, backend="eager",  # type: ignore[assignment]
+                                  fullgraph=True)
+        for _ in range(2):
+            with pytest.raises(pytree_ckpt.CheckpointConfigError,
+                               match=r"layer\.forward = torch\.compile\(layer\.forward, "
+                                     r"fullgraph=True\)"):
+                net(torch.randn(4, 8))
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_fullgraph_compile_of_a_checkpointed_layer_under_the_eager_on_recompile_stance_runs(
+        ) -> None:
+    # Only the default stance fails a fullgraph call that compiled no frame; torch runs it under
+    # set_stance("eager_on_recompile") as under "force_eager", so the boundary must not refuse
+    # it there (mutation round DE: kills D21, a check for force_eager alone).
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Net()
+        net = copy.deepcopy(eager)
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        net.block = torch.compile(net.block, backend="eager",  # type: ignore[assignment]
+                                  fullgraph=True)
+        x = torch.randn(4, 8)
+        with torch.compiler.set_stance("eager_on_recompile"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warning that the wrapper compiles nothing
+            net(x).backward()
+        eager(x).backward()
+        assert_grads_equal(
+            {n: p.grad for n, p in eager.named_parameters()},
+            {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
+    finally:
+        torch._dynamo.reset()

@@ -924,3 +924,25 @@ def test_a_list_check_fn_a_plain_dict_of_layers_and_one_refused_keyword_are_told
         "apply_activation_checkpointing takes no auto_wrap_policy= (torch.distributed's "
         "keyword): ")
     assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_module_compile_of_a_checkpointed_layer_is_told_as_module_compile_only() -> None:
+    # layer.compile() calls the layer through torch.compile(layer._call_impl), a compiled
+    # function bound to the layer itself: not a compiled caller around it, so the one warning
+    # is module.compile()'s (mutation round DE: kills D27).
+    import warnings
+
+    x = torch.randn(2, 4, requires_grad=True)
+    layer = nn.Linear(4, 4)
+    twin = copy.deepcopy(layer)
+    apply_activation_checkpointing(layer)
+    layer.compile(backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            layer(x).sum().backward()
+            twin(x).sum().backward()
+    told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+    assert len(told) == 1 and "module.compile()" in told[0], told
+    assert torch.equal(layer.weight.grad, twin.weight.grad)
+    assert torch.equal(layer.bias.grad, twin.bias.grad)
