@@ -72,6 +72,8 @@ class GeneratorSets:
         self.reading: tuple[torch.Generator, torch.Tensor] | None = None
 
     def __enter__(self) -> None:
+        if not _skipped_by_dynamo:
+            _skip_by_dynamo()
         self.outer = sys.getprofile()
         sys.setprofile(self)
 
@@ -120,6 +122,24 @@ class GeneratorSets:
         elif event == "c_return" and self.reading is not None and self.reading[0] is generator:
             generator.set_state(self.reading[1])
             self.reading = None
+
+
+_skipped_by_dynamo = False
+
+
+def _skip_by_dynamo() -> None:
+    """NOTE: a profile function runs in the frame being evaluated, so inside a compiled body
+    dynamo took the watch's own frames for user code and compiled them (each event a new
+    variant: the recompile limit hit, a test's compile counted). Its code objects are marked
+    skipped once dynamo is loaded (it loads with the first compile; not imported here)."""
+    global _skipped_by_dynamo
+    if "torch._dynamo" not in sys.modules:
+        return
+    from torch._dynamo.eval_frame import skip_code
+    for code in (GeneratorSets.__call__.__code__, GeneratorSets._read.__code__,
+                 _is_default.__code__):
+        skip_code(code)
+    _skipped_by_dynamo = True
 
 
 def _watchable() -> bool:
