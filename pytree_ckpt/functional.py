@@ -223,6 +223,14 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
                 f"{error}: pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} "
                 f"included (torch.utils.checkpoint's options). Tip: "
                 f"{_torch_options_tip(torch_options)}.") from error
+        if args and isinstance(args[0], bool) and "positional argument" in str(error):
+            # Megatron-Core's tensor_parallel.checkpoint(fn, distribute_saved_activations,
+            # *args) kept as it is: the flag became fn's first argument.
+            raise TypeError(
+                f"{error}: pytree_ckpt.checkpoint gave fn the bool {args[0]} as its first "
+                "argument. If the call was Megatron-Core's tensor_parallel.checkpoint(fn, "
+                "distribute_saved_activations, *args), drop that flag: "
+                "pytree_ckpt.checkpoint(fn, *args).") from error
         raise
 
 

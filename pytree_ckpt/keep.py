@@ -195,7 +195,12 @@ class KeepPolicy:
             if name not in _WARNED_MUTATING:  # once per op, however many policies
                 _WARNED_MUTATING.add(name)
                 warnings.warn(f"pytree_ckpt: {name} mutates its inputs inside a kept unit; it "
-                              "is recomputed in the replay, not kept", stacklevel=2)
+                              "is recomputed in the replay, not kept. The numbers are "
+                              "unchanged (a dropout's in-place mask draw is the usual case: "
+                              "expected). To keep less recomputation, keep the ops around it "
+                              "by name (KeptOps) or a method without it (KeptCallables); to "
+                              "silence it: warnings.filterwarnings('ignore', 'pytree_ckpt: .* "
+                              "mutates its inputs')", stacklevel=2)
             return False
         return True
 

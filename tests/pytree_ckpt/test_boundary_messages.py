@@ -572,6 +572,20 @@ def test_a_type_error_of_fn_itself_gets_no_note_about_torch_checkpoint_options()
     assert not getattr(raised.value, "__notes__", None)
 
 
+def test_megatrons_checkpoint_call_kept_as_it_is_raises_naming_the_flag_to_drop() -> None:
+    # Helper DF: tensor_parallel.checkpoint(fn, distribute_saved_activations, *args) kept as
+    # it is gave Python's bare "takes 2 positional arguments but 3 were given".
+    def layer(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x * mask
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match=r"(?s)positional argument.*gave fn the bool False.*"
+                       r"drop that flag: pytree_ckpt\.checkpoint\(fn, \*args\)"):
+        checkpoint(layer, False, x, torch.ones(3))
+    # A fn that takes the flag first is the user's own: nothing said
+    assert torch.equal(checkpoint(lambda flag, t: t * 2 if flag else t, True, x), x * 2)
+
+
 def test_an_iterator_among_the_inputs_is_refused_naming_its_path() -> None:
     # Guards against: an iterator is a leaf passed as it is to both passes; the original pass
     # consumes it, so the replay reads the next items: next(it) is x1 in the forward and x2 in
