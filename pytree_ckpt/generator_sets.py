@@ -29,6 +29,7 @@ while a profiler other than this one is on (cProfile's profile function cannot b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -89,7 +90,7 @@ class GeneratorSets:
         if name != "set_state" and name != "get_state":
             return
         generator: Any = getattr(arg, "__self__", None)
-        if not _is_default(generator) or frame.f_code.co_filename.startswith(_OURS):
+        if not _is_default(generator) or not _users(frame):
             return
         if name == "get_state":
             if self.pinning:
@@ -124,6 +125,27 @@ class GeneratorSets:
             self.reading = None
 
 
+def _users(frame: Any, /) -> bool:
+    """Whether a set or read is the user's code's: made there, or in torch's functions (and
+    contextlib's) it called (``torch.cuda.set_rng_state`` is three frames deep in torch). Not
+    this library's (its jumps), nor torch's own work (dynamo keeps the RNG state around its
+    tracing, many frames inside torch and contextlib)."""
+    for _ in range(_THROUGH):
+        if frame is None:
+            return False
+        name = frame.f_code.co_filename
+        if name.startswith(_OURS):
+            return False
+        if not name.startswith(_TRANSPARENT):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_TRANSPARENT = (os.path.dirname(torch.__file__) + os.sep, contextlib.__file__)
+_THROUGH = 5  # frames of torch's and contextlib's looked through
+
+
 _skipped_by_dynamo = False
 
 
@@ -137,7 +159,7 @@ def _skip_by_dynamo() -> None:
         return
     from torch._dynamo.eval_frame import skip_code
     for code in (GeneratorSets.__call__.__code__, GeneratorSets._read.__code__,
-                 _is_default.__code__):
+                 _is_default.__code__, _users.__code__):
         skip_code(code)
     _skipped_by_dynamo = True
 
