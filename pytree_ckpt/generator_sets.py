@@ -17,7 +17,8 @@ replay reads back of that generator until its next set (the fork storing the adv
 in the tracker) is the state the replay's set loaded: the tracker ends each replay as it
 began it, and the step as in eager (the replays run in reverse order: otherwise the tracker
 would end where the first layer's fork left it). Sets and reads made by this library's own
-code (the jumps of NOTE [skipped work keeps the RNG in step]) are not counted.
+code (the jumps of NOTE [skipped work keeps the RNG in step]) are not counted, nor torch's own
+(dynamo keeps the state around its tracing): ``_users``.
 
 Seen through ``sys.setprofile`` (a C method's call shows there with the generator it is bound
 to): at a layer's (its class's; a plain function's code's) first original pass, and at every
@@ -44,8 +45,9 @@ _OURS = (os.path.dirname(__file__) + os.sep,
 _cpu_generator = torch.default_generator
 _cuda = torch.cuda
 
-# By a layer's class or a function's code: whether its first original pass set a default
-# generator's state (then each pass is watched). Learned once per key, not step state.
+# By a layer's class (None's for a plain function) and the code that runs: whether its first
+# original pass set a default generator's state (then each pass is watched). Learned once per
+# key, not step state.
 _SETS: dict[Any, bool] = {}
 
 
