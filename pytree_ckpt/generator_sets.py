@@ -24,8 +24,9 @@ Seen through ``sys.setprofile`` (a C method's call shows there with the generato
 to): at a layer's (its class's; a plain function's code's) first original pass, and at every
 pass after that of one whose first pass set a state; one whose first pass set none is not
 watched again (one cheap lookup per call). An output discard's function is watched alike, for
-its rebuild. Not seen: a layer that first sets a state at a later call, and any pass that runs
-while a profiler other than this one is on (cProfile's profile function cannot be chained).
+its rebuild. Not seen: a layer that first sets a state at a later call, any pass that runs
+while a profiler other than this one is on (cProfile's profile function cannot be chained),
+and ``graphsafe_set_state`` (Megatron-Core's CUDA-graph-safe tracker).
 """
 
 from __future__ import annotations
