@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 from typing import Any
 
 import torch
@@ -174,8 +175,17 @@ def _watchable() -> bool:
 
 
 def _key(fn: Any, owner: Any, /) -> Any:
-    # A layer's class and the code that runs (two checkpointed methods of one class differ).
-    return type(owner), getattr(fn, "__code__", None) or type(fn)
+    # A layer's class and the code that runs (two checkpointed methods of one class differ);
+    # a module or other callable by its class: getattr on a module for a name it lacks runs
+    # nn.Module.__getattr__ and raises (about 16k instructions a call).
+    kind = type(fn)
+    if kind is _Function or kind is _Method:
+        return type(owner), fn.__code__
+    return type(owner), kind
+
+
+_Function = types.FunctionType
+_Method = types.MethodType
 
 
 def forward_watch(fn: Any, owner: Any, /) -> GeneratorSets | None:
