@@ -71,8 +71,9 @@ _INNER_PATHS = tuple(os.path.dirname(path) + os.sep
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning name the user's line: the first frame outside
-    torch, this package and contextlib. The dynamo wrapper of ``runs_eagerly`` (two frames in torch, their
-    number a torch detail) and ``nn.Module``'s call sit between the user and the boundary."""
+    torch, this package and contextlib. The dynamo wrapper of ``runs_eagerly`` (two frames in
+    torch, their number a torch detail) and ``nn.Module``'s call sit between the user and the
+    boundary."""
     level = 1  # the frame that calls warnings.warn
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_INNER_PATHS):

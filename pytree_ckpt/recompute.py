@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from .engine import input_grads
-from .generator_sets import replay_watch
 from .errors import CheckpointError, SavedTensorChanged
+from .generator_sets import replay_watch
 from .hook_outputs import recording
 from .keep import KeepMode
 from .kept_replay import KeptReplay
