@@ -599,3 +599,25 @@ def test_a_set_made_three_frames_inside_torch_is_the_forwards() -> None:
     got = _run(ours, ours[0].tracker, kind=_DeepTracker)
     for i, (want, have) in enumerate(zip(expected, got)):
         assert torch.equal(want, have), i
+
+
+def test_the_watchs_own_frames_inside_a_compiled_body_are_not_compiled() -> None:
+    # A fork inside the compiled body: the watch runs in its frames. A watched replay compiles
+    # as many frames as one not watched (preserve_rng_state=False).
+    from torch._dynamo.utils import counters
+
+    class Body(_Attention):
+        pass
+
+    def frames(preserve: bool) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        body = Body([_Tracker(1)])
+        body.forward = torch.compile(body.forward, backend="aot_eager")
+        model = pytree_ckpt.apply_activation_checkpointing(
+            nn.Sequential(body), check_fn=lambda m: m is body, preserve_rng_state=preserve)
+        for _ in range(2):
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        return counters["frames"]["total"]
+
+    assert frames(True) == frames(False)
