@@ -39,12 +39,15 @@ from typing import Any
 
 import torch
 
+from .keep import IN_REUSE
+
 __all__ = ["GeneratorSets", "forward_watch", "learned", "replay_watch"]
 
 # This package's and the offload package's folders: their own sets are not the forward's.
 _OURS = (os.path.dirname(__file__) + os.sep,
          os.path.join(os.path.dirname(os.path.dirname(__file__)), "offload") + os.sep)
 _cpu_generator = torch.default_generator
+_NoDispatch: Any = torch._C._DisableTorchDispatch
 _cuda = torch.cuda
 
 # By a layer's class (None's for a plain function) and the code that runs: whether its first
@@ -94,7 +97,9 @@ class GeneratorSets:
         if name != "set_state" and name != "get_state":
             return
         generator: Any = getattr(arg, "__self__", None)
-        if not _is_default(generator) or not _users(frame):
+        if not _is_default(generator) or IN_REUSE.get() or not _users(frame):
+            # A reused call's sets: the replay skips the call (and jumps the generators past
+            # it, NOTE [skipped work keeps the RNG in step]), so they have no place to match.
             return
         if name == "get_state":
             if self.pinning:
@@ -109,7 +114,11 @@ class GeneratorSets:
         if self.position < len(self.states):
             recorded, state = self.states[self.position]
             now = generator.get_state()
-            if recorded is generator and not torch.equal(now, state):
+            # No dispatch mode sees the comparison (a save unit's KeepMode took it for a kept
+            # op of the replay the original pass never made).
+            with _NoDispatch():
+                differs = not torch.equal(now, state)
+            if recorded is generator and differs:
                 self.loaded[generator] = now
                 generator.set_state(state)  # made inside a profile function: not seen again
         self.position += 1
