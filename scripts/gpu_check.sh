@@ -61,8 +61,8 @@ status=0
 # pytest-timeout's signal cannot stop it (the step's limit does).
 per_test=()
 if python3 -c 'import pytest_timeout' 2>/dev/null; then per_test=(-o timeout=45); fi
-# Only the files that mark a test cuda are collected (7 of the suite's 86 modules): collecting
-# all of them took 15 s of this step's 120 on a 2-core developer machine, these 7 took 5 s.
+# Only the files that mark a test cuda are collected (8 of the suite's 95 modules): collecting
+# all of them took 15 s of this step's 120 on a 2-core developer machine, 7 of these took 5 s.
 # tests/test_gpu_check.py checks that they hold every test `-m cuda` selects in the suite.
 mapfile -t cuda_files < <(grep -rlE 'mark\.cuda' tests --include='test_*.py' | sort)
 # --durations: what each test cost there, to size the next run's limits.

@@ -619,3 +619,53 @@ def test_the_watchs_own_frames_inside_a_compiled_body_are_not_compiled() -> None
         return counters["frames"]["total"]
 
     assert frames(True) == frames(False)
+
+
+class _CudaTracker:
+    """Megatron-Core's CudaRNGStatesTracker as it is: CUDA states through torch.cuda's
+    get_rng_state / set_rng_state (the set three frames inside torch)."""
+
+    def __init__(self, seed: int) -> None:
+        orig = torch.cuda.get_rng_state()
+        torch.cuda.manual_seed(seed)
+        self.states = {"model-parallel-rng": torch.cuda.get_rng_state()}
+        torch.cuda.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        orig = torch.cuda.get_rng_state()
+        torch.cuda.set_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = torch.cuda.get_rng_state()
+            torch.cuda.set_rng_state(orig)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dropout_under_megatrons_cuda_tracker_fork_replays_as_eager() -> None:
+    def run(model: nn.Module, tracker: list[Any]) -> list[torch.Tensor]:
+        tracker[:] = [_CudaTracker(123)]
+        torch.manual_seed(5)
+        seen = []
+        for _ in range(3):
+            x = torch.randn(4, 8, device="cuda", requires_grad=True)
+            model(x).square().sum().backward()
+            seen += [p.grad.clone() for p in model.parameters()]
+            seen += [tracker[0].states["model-parallel-rng"].clone(),
+                     torch.cuda.get_rng_state()]
+            model.zero_grad(set_to_none=True)
+        return seen
+
+    eager_tracker: list[Any] = []
+    ours_tracker: list[Any] = []
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(_Attention(eager_tracker) for _ in range(3))).cuda()
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        layer.tracker = ours_tracker
+    pytree_ckpt.apply_activation_checkpointing(ours, check_fn=lambda m: isinstance(m, _Attention))
+    expected, got = run(eager, eager_tracker), run(ours, ours_tracker)
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert torch.equal(want, have), i
