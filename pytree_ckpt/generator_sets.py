@@ -21,12 +21,14 @@ code (the jumps of NOTE [skipped work keeps the RNG in step]) are not counted, n
 (dynamo keeps the state around its tracing): ``_users``.
 
 Seen through ``sys.setprofile`` (a C method's call shows there with the generator it is bound
-to): at a layer's (its class's; a plain function's code's) first original pass, and at every
-pass after that of one whose first pass set a state; one whose first pass set none is not
-watched again (one cheap lookup per call). An output discard's function is watched alike, for
-its rebuild. Not seen: a layer that first sets a state at a later call, any pass that runs
-while a profiler other than this one is on (cProfile's profile function cannot be chained),
-and ``graphsafe_set_state`` (Megatron-Core's CUDA-graph-safe tracker).
+to): each layer (each module, by identity; a plain function by its code) and method is
+watched in its original passes until one made in training mode sets no state; from then on,
+one cheap lookup per call. Any pass that set a state has it watched at every pass after. An
+output discard's function is watched alike, for its rebuild. Not seen: a layer that first
+sets a state after a training pass that set none, any pass that runs while a profiler other
+than this one is on (cProfile's, ``torch.profiler`` with ``with_stack=True``: a C profile
+function cannot be chained), and ``graphsafe_set_state`` (Megatron-Core's CUDA-graph-safe
+tracker).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import types
 from typing import Any
 
 import torch
+from torch import nn
 
 from .keep import IN_REUSE
 
@@ -50,9 +53,9 @@ _cpu_generator = torch.default_generator
 _NoDispatch: Any = torch._C._DisableTorchDispatch
 _cuda = torch.cuda
 
-# By a layer's class (None's for a plain function) and the code that runs: whether its first
-# original pass set a default generator's state (then each pass is watched). Learned once per
-# key, not step state.
+# By a layer (its id and class; None's for a plain function) and the code that runs: whether
+# its first training pass set a default generator's state (then each pass is watched). Learned
+# once per key, not step state.
 _SETS: dict[Any, bool] = {}
 
 
@@ -183,23 +186,33 @@ def _watchable() -> bool:
     return outer is None or isinstance(outer, GeneratorSets)
 
 
-def _key(fn: Any, owner: Any, /) -> Any:
-    # A layer's class and the code that runs (two checkpointed methods of one class differ);
-    # a module or other callable by its class: getattr on a module for a name it lacks runs
+def _key(fn: Any, owner: Any, /) -> tuple[int, Any, Any]:
+    # Per layer, not per class (helper DH: a Sequential checkpointed without a fork left every
+    # other one unwatched), and the code that runs (two checkpointed methods of one layer
+    # differ). The layer's class is kept with its id: one made later at the id of a dropped
+    # one of another class is not taken for it. A module or other callable is keyed by its
+    # class, not by attributes: getattr on a module for a name it lacks runs
     # nn.Module.__getattr__ and raises (about 16k instructions a call).
     kind = type(fn)
     if kind is _Function or kind is _Method:
-        return type(owner), fn.__code__
-    return type(owner), kind
+        code = fn.__code__
+        if owner is None and kind is _Method:
+            owner = fn.__self__  # an output discard of a module's method
+    else:
+        code = kind
+        if owner is None and isinstance(fn, _Module):
+            owner = fn  # an output discard of a module
+    return id(owner), type(owner), code
 
 
 _Function = types.FunctionType
 _Method = types.MethodType
+_Module = nn.Module
 
 
 def forward_watch(fn: Any, owner: Any, /) -> GeneratorSets | None:
     """The watch for an original pass of ``fn`` (a layer's ``owner``), or None: its first
-    pass set no default generator's state, or a foreign profiler is on."""
+    training pass set no default generator's state, or a foreign profiler is on."""
     if _SETS.get(_key(fn, owner)) is False or not _watchable():
         return None
     return GeneratorSets(None)
@@ -208,10 +221,14 @@ def forward_watch(fn: Any, owner: Any, /) -> GeneratorSets | None:
 def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Generator,
                                                                           torch.Tensor]] | None:
     """After an original pass under ``watch``: the states its sets left (for the replay), or
-    None; the first pass of a key decides whether the later ones are watched."""
+    None. A pass that set one has the layer watched from then on; one that set none decides
+    so only in training mode (a forward may fork only then: an eval pass with grad on, the
+    first one, would have the layer never watched)."""
     key = _key(fn, owner)
     if key not in _SETS:
-        _SETS[key] = bool(watch.states)
+        holder = owner if owner is not None else getattr(fn, "__self__", fn)
+        if watch.states or not isinstance(holder, _Module) or holder.training:
+            _SETS[key] = bool(watch.states)
     return watch.states or None
 
 

@@ -669,3 +669,56 @@ def test_dropout_under_megatrons_cuda_tracker_fork_replays_as_eager() -> None:
     expected, got = run(eager, eager_tracker), run(ours, ours_tracker)
     for i, (want, have) in enumerate(zip(expected, got)):
         assert torch.equal(want, have), i
+
+
+class _ForksInTraining(_Attention):
+    """Forks only in training mode (its dropout is off in eval)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).softmax(-1)
+        if self.training:
+            with self.tracker[0].fork():
+                h = nn.functional.dropout(h, 0.5)
+        return x + h
+
+
+def test_a_layer_first_called_in_eval_mode_with_grad_is_still_watched_in_training() -> None:
+    # Helper DH: the first pass decided for good; one made in eval mode (no fork there) left
+    # the layer unwatched when training began.
+    tracker: list[_Tracker] = []
+    torch.manual_seed(0)
+    eager = nn.Sequential(_ForksInTraining(tracker), _ForksInTraining(tracker))
+    ours = copy.deepcopy(eager)
+    ours_tracker = ours[0].tracker
+    pytree_ckpt.apply_activation_checkpointing(
+        ours, check_fn=lambda m: isinstance(m, _ForksInTraining))
+    for model in (eager, ours):  # a validation pass with grad on, before training
+        model.eval()
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        model.train()
+        model.zero_grad(set_to_none=True)
+    expected, got = _run(eager, tracker), _run(ours, ours_tracker)
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert torch.equal(want, have), i
+
+
+def test_each_layer_is_watched_on_its_own_not_by_its_class() -> None:
+    # Helper DH: keyed by class, a checkpointed Sequential that forks nowhere left every other
+    # Sequential (Megatron's "uniform" chunks) unwatched.
+    quiet = nn.Sequential(nn.Linear(8, 8))
+    pytree_ckpt.checkpoint(quiet, torch.randn(4, 8, requires_grad=True)).sum().backward()
+    eager, ours, tracker = _twins()
+    ours_tracker = ours[0].tracker
+
+    class Chunked(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return pytree_ckpt.checkpoint(self.inner, x)  # one boundary around the chunk
+
+    expected = _run(eager, eager[0].tracker)
+    got = _run(Chunked(ours), ours_tracker)
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert torch.equal(want, have), i
