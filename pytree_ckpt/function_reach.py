@@ -211,7 +211,7 @@ def _runs(value: Any, /) -> tuple[Any, ...]:
 
 # (ids of code, class bound to, closure's functions; name) -> (what the ids are of, answer)
 _CODE_READING: dict[tuple[int, int, tuple[int, ...], str], tuple[Any, str | None]] = {}
-# How deep code_reading follows calls (fn, its helper, the helper's helper: two), and how many
+# How deep code_reading follows calls (fn's helper is one, the helper's helper two), and how many
 # functions it reads at most, so a call graph of many helpers costs a bounded first look.
 _STEPS = 4
 _FUNCTIONS = 64
