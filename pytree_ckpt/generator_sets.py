@@ -37,6 +37,7 @@ import contextlib
 import os
 import sys
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -189,8 +190,7 @@ def _watchable() -> bool:
 def _key(fn: Any, owner: Any, /) -> tuple[int, Any, Any]:
     # Per layer, not per class (helper DH: a Sequential checkpointed without a fork left every
     # other one unwatched), and the code that runs (two checkpointed methods of one layer
-    # differ). The layer's class is kept with its id: one made later at the id of a dropped
-    # one of another class is not taken for it. A module or other callable is keyed by its
+    # differ). A layer's entry goes with it (learned: its id may be reused). A module or other callable is keyed by its
     # class, not by attributes: getattr on a module for a name it lacks runs
     # nn.Module.__getattr__ and raises (about 16k instructions a call).
     kind = type(fn)
@@ -229,6 +229,8 @@ def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Ge
         holder = owner if owner is not None else getattr(fn, "__self__", fn)
         if watch.states or not isinstance(holder, _Module) or holder.training:
             _SETS[key] = bool(watch.states)
+            if isinstance(holder, _Module):  # forgotten with it: its id may be reused
+                weakref.finalize(holder, _SETS.pop, key, None)
     return watch.states or None
 
 

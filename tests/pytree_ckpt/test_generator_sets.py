@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -722,3 +723,16 @@ def test_each_layer_is_watched_on_its_own_not_by_its_class() -> None:
     got = _run(Chunked(ours), ours_tracker)
     for i, (want, have) in enumerate(zip(expected, got)):
         assert torch.equal(want, have), i
+
+
+def test_what_was_learned_of_a_layer_goes_with_it() -> None:
+    # Its id may be reused by a layer made later, which must be looked at anew.
+    from pytree_ckpt import generator_sets
+
+    layer = pytree_ckpt.apply_activation_checkpointing(_Plain())
+    layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    learned = [key for key in generator_sets._SETS if key[0] == id(layer)]
+    assert len(learned) == 1 and generator_sets._SETS[learned[0]] is False
+    del layer
+    gc.collect()
+    assert learned[0] not in generator_sets._SETS
