@@ -127,12 +127,10 @@ class Called(NamedTuple):
     """What calling ``fn`` runs: ``function``, the Python function whose code runs (None for a
     builtin or an object without one); ``holder``, the object it runs for (a method's
     ``self``, a classmethod's class, a callable object or module given as fn; None for a plain
-    function); ``inner``, fn without its partials and wrappers; ``bound``, the values its
-    partials bind."""
+    function); ``bound``, the values its partials bind."""
 
     function: types.FunctionType | None
     holder: Any
-    inner: Any
     bound: list[tuple[str, Any]]
 
 
@@ -158,7 +156,7 @@ def called(fn: Any, /) -> Called:
         function = getattr(type(holder), "forward" if isinstance(holder, nn.Module)
                            else "__call__", None)
     return Called(function if isinstance(function, types.FunctionType) else None, holder,
-                  inner, bound)
+                  bound)
 
 
 def library_code(value: Any, /) -> bool:
@@ -183,7 +181,7 @@ def code_reading(fn: Any, name: str, /) -> str | None:
     is bound to that it reads (``self._apply_expert_bias``), and the functions of the user's
     (not torch's, the standard library's, ...) it reads as globals or closure cells (its
     helpers); None if none does."""
-    function, holder, _, _ = called(fn)
+    function, holder, _ = called(fn)
     if function is None:
         return None
     # Once per code, bound-to class, what its closure holds that runs (functions; bound

@@ -52,7 +52,7 @@ def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
     for j, leaf in enumerate(call.leaves):
         if isinstance(leaf, nn.Module) and _trainable(leaf):
             return Reach(leaf, argument_path(call, j))
-    function, holder, _, bound = called(fn)  # NOTE [the function fn calls]
+    function, holder, bound = called(fn)  # NOTE [the function fn calls]
     # A frozen owner is looked in too: the plain attributes its method reads (self.scale).
     places: list[tuple[str, Any]] = [("its module", owner)] if owner is not None else []
     places += bound

@@ -314,9 +314,8 @@ class KeepMode(TorchDispatchMode):
         if self._kept_at and func._schema.is_mutable:
             self._unkeep_written(func, args, kwargs)
         if IN_REUSE.get():
-            if not self.policy.use.settled:  # NOTE [a unit that keeps nothing at run time]
-                self.policy.use.kept((op_name(func), op_name(func.overloadpacket)),
-                                     IN_KEPT_CALLABLE.get())
+            if not self.policy.use.settled:  # replayed, not recomputed: what a unit asks for
+                self._unit_kept(func)
             return func(*args, **kwargs)
         if not self.policy.keeps(func) or (func is _TO_COPY and self._autocast_cast(args)):
             return func(*args, **kwargs)
@@ -345,9 +344,8 @@ class KeepMode(TorchDispatchMode):
                 frame.record(func, RECOMPUTE)
                 return out
             kept = optree.tree_map(_tracking_alias, out)
-            if not self.policy.use.settled:  # NOTE [a unit that keeps nothing at run time]
-                self.policy.use.kept((op_name(func), op_name(func.overloadpacket)),
-                                     IN_KEPT_CALLABLE.get())
+            if not self.policy.use.settled:
+                self._unit_kept(func)
             # The census counts the kept bytes while this record holds them: a record taken
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
@@ -389,6 +387,11 @@ class KeepMode(TorchDispatchMode):
         # A fresh alias each time (a replay may run twice with retain_graph): autograd, above
         # this mode, attaches this replay's history to it.
         return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept)
+
+    def _unit_kept(self, func: Any, /) -> None:
+        # NOTE [a unit that keeps nothing at run time] (unit_use.py)
+        self.policy.use.kept((op_name(func), op_name(func.overloadpacket)),
+                             IN_KEPT_CALLABLE.get())
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)

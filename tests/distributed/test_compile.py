@@ -502,12 +502,14 @@ def test_compiling_a_layer_whose_body_is_compiled_inside_its_boundary_runs_and_s
         torch._dynamo.reset()
 
 
-def test_a_fullgraph_compile_of_a_checkpointed_layer_under_the_force_eager_stance_runs(
-        ) -> None:
+@pytest.mark.parametrize("stance", ["force_eager", "eager_on_recompile"])
+def test_a_fullgraph_compile_of_a_checkpointed_layer_under_an_eager_stance_runs(
+        stance: str) -> None:
     # Guards against: the refusal did not ask whether torch itself would fail. Under
     # torch.compiler.set_stance("force_eager") (a debugging switch: run compiled callables
     # eagerly) torch does not check for compiled frames and runs the call; the boundary
-    # refused it.
+    # refused it. Under "eager_on_recompile" torch runs it too (mutation round DE: kills D21,
+    # a check for force_eager alone).
     torch._dynamo.reset()
     try:
         torch.manual_seed(0)
@@ -517,7 +519,7 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_under_the_force_eager_stanc
         net.block = torch.compile(net.block, backend="eager",  # type: ignore[assignment]
                                   fullgraph=True)
         x = torch.randn(4, 8)
-        with torch.compiler.set_stance("force_eager"), warnings.catch_warnings():
+        with torch.compiler.set_stance(stance), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the warning that the wrapper compiles nothing
             net(x).backward()
         eager(x).backward()
@@ -1014,26 +1016,3 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_again_at_
         torch._dynamo.reset()
 
 
-def test_a_fullgraph_compile_of_a_checkpointed_layer_under_the_eager_on_recompile_stance_runs(
-        ) -> None:
-    # Only the default stance fails a fullgraph call that compiled no frame; torch runs it under
-    # set_stance("eager_on_recompile") as under "force_eager", so the boundary must not refuse
-    # it there (mutation round DE: kills D21, a check for force_eager alone).
-    torch._dynamo.reset()
-    try:
-        torch.manual_seed(0)
-        eager = _Net()
-        net = copy.deepcopy(eager)
-        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
-        net.block = torch.compile(net.block, backend="eager",  # type: ignore[assignment]
-                                  fullgraph=True)
-        x = torch.randn(4, 8)
-        with torch.compiler.set_stance("eager_on_recompile"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the warning that the wrapper compiles nothing
-            net(x).backward()
-        eager(x).backward()
-        assert_grads_equal(
-            {n: p.grad for n, p in eager.named_parameters()},
-            {n.replace("_orig_mod.", ""): p.grad for n, p in net.named_parameters()})
-    finally:
-        torch._dynamo.reset()
