@@ -39,7 +39,7 @@ from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
 
-from .config import OffloadConfig
+from .config import OffloadConfig, refuse_torchtune_options
 from .lanes import Lanes
 # default_manager: also what a manager pickled before the split names (``offload.manager``).
 from .defaults import default_manager, is_default_for
@@ -67,7 +67,13 @@ class OffloadManager:
     """Offloads saved activations by storage windows to a pooled host buffer."""
 
     def __init__(self, config: OffloadConfig | None = None, /, *,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, min_offload_size: None = None,
+                 use_pin_memory: None = None, use_streams: None = None,
+                 max_fwd_stash_size: None = None) -> None:
+        # torchtune's OffloadActivations options, refused with what each is here.
+        refuse_torchtune_options("OffloadManager", {
+            "min_offload_size": min_offload_size, "use_pin_memory": use_pin_memory,
+            "use_streams": use_streams, "max_fwd_stash_size": max_fwd_stash_size})
         if config is not None and not isinstance(config, OffloadConfig):
             raise CheckpointConfigError(
                 "OffloadManager takes an OffloadConfig", expected="OffloadConfig or None",

@@ -41,7 +41,8 @@ class Copy:
 
     __slots__ = ("manager", "pass_ref", "seq", "stream", "host", "nbytes", "device", "version",
                  "storage_ref", "data_ptr", "device_bytes", "alias", "d2h_event", "restored",
-                 "reused", "restored_on", "h2d_event", "host_holder", "__weakref__")
+                 "reused", "restored_on", "h2d_event", "host_holder", "seen_version",
+                 "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor, /) -> None:
         storage = tensor.untyped_storage()
@@ -78,6 +79,9 @@ class Copy:
         # are: a change after the save, by a caller who then dropped the tensor, is still
         # seen, and reused bytes are never changed ones.
         self.alias: torch.Tensor | None = tensor.detach()
+        # The alias's version when the copy let go of it: a change seen while it was held is
+        # still refused after (NOTE [in-place check]).
+        self.seen_version = self.version
         self.host: torch.Tensor | None = manager.pool.acquire(self.nbytes)
         try:
             self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
@@ -109,7 +113,11 @@ class Copy:
         storage = self.device_bytes.untyped_storage()
         freed = storage.nbytes() == 0  # in place, by a discard
         self.device_bytes = None
-        if not self.reused:  # reused, backward reads the very bytes: keep checking them
+        if not self.reused and self.alias is not None:
+            # Reused, backward reads the very bytes: keep checking them. Otherwise the version
+            # the alias saw is kept: a change made before now (the caller's tensor since
+            # dropped) is refused at unpack, as eager refuses it, not read from the host copy.
+            self.seen_version = self.alias._version
             self.alias = None
         # Still alive now may be a later layer's input or a table every layer gets: it counts
         # as alive elsewhere only if still alive when backward begins (liveness.py). A
@@ -203,10 +211,14 @@ class Handle:
     share their base's version counter, and a view made inside an op has no Python object of
     its own that outlives the save). ``_unpack`` refuses a tensor modified since. Once the
     tensor is gone, the copy's own ``detach()`` alias (sharing its version counter) serves,
-    for as long as the copy holds the device bytes. After that, a change through an alias
-    the caller made with ``detach()`` (which shares the counter without being a view) and
-    then dropped is not seen: backward reads the bytes copied to host when the tensor was
-    saved (on a GPU, a change may have raced with that copy).
+    for as long as the copy holds the device bytes; then the version that alias had when the
+    copy let go of it (``seen_version``): a change made before that is refused whenever
+    backward comes (helper DJ: a prefetch or a ``stats()`` read let go of the alias first,
+    and the change was read from host silently). A later change through an alias the caller
+    made with ``detach()`` (which shares the counter without being a view) and then dropped
+    is not seen: backward reads the bytes copied to host when the tensor was saved. On a
+    GPU that copy is ordered before any write queued after the copy let go (the saving
+    stream waited on it, stream rule 1), so no unseen change races with it.
     """
 
     __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "conj", "neg",
@@ -250,15 +262,15 @@ class Handle:
         source = self.source()
         if source is None:  # dropped by the caller: the copy's alias shares its counter
             source = self.copy.alias
-        if source is None or source._version == self.version:
+        now = self.copy.seen_version if source is None else source._version
+        if now == self.version:
             return
         window = self.window
         from_input = window.keys.get(self.key) is not None
         raise CheckpointError(
             f"{window.describe(self.key)} (offload window {window.id}, "
             f"{self.dtype}{list(self.size)}) was modified in place after it was saved for "
-            "backward", expected=f"version {self.version} (when saved)",
-            got=f"version {source._version}",
+            "backward", expected=f"version {self.version} (when saved)", got=f"version {now}",
             tip=CHANGED_AFTER_CALL_TIP if from_input else
                 "a tensor given to offload_into must stay as it was until restore(): change "
                 "a clone instead")

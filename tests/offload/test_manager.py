@@ -8,6 +8,7 @@ device in ``test_stream_rules.py``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import threading
@@ -248,6 +249,36 @@ def test_a_layer_input_changed_in_place_and_then_dropped_is_refused_not_read_cha
             h = block(layer, h)
         with pytest.raises(RuntimeError, match=error):
             h.square().sum().backward()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("stats_read", [False, True])
+def test_an_earlier_layers_input_changed_in_place_and_dropped_is_refused_after_its_copy_let_go(
+        prefetch: int, stats_read: bool) -> None:
+    # Helper DJ: `h += y` writes the residual into layer 0's input, and h is dropped when the
+    # forward returns. The copy saw the change, but let go of its alias before the handle was
+    # unpacked (a prefetch restored the window first, or a stats() read let go of the device
+    # bytes), and backward read the forward's bytes from host, silently. Eager refuses.
+    def forward(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1
+        y = layers[0](h)  # saves h (eager: Linear does; here the boundary's window)
+        h += y
+        return h.sum() + layers[1](y).sum()
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+    eager = copy.deepcopy(layers)
+    m = manager(prefetch=prefetch)
+    pytree_ckpt.checkpoint_layers(layers, offload=m)
+    x = torch.randn(8, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        forward(eager, x).backward()
+    loss = forward(layers, x)
+    if stats_read:
+        m.stats()
+    with pytest.raises(CheckpointError, match=r"(?s)args\[0\] \(offload window 0, .*modified in "
+                                              r"place.*version 0 \(when saved\).*version 1"):
+        loss.backward()
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated in 2.13
@@ -603,6 +634,41 @@ def test_an_offload_argument_of_another_kind_is_refused_with_the_way_to_build_on
 def test_bad_offload_config_is_refused_with_a_tip(field: str, value: Any) -> None:
     with pytest.raises(CheckpointConfigError, match=f"(?s)OffloadConfig.{field} must be.*tip"):
         OffloadConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("make", "where"), [(OffloadConfig, "OffloadConfig"),
+                                           (OffloadManager, "OffloadManager")])
+@pytest.mark.parametrize(("option", "value", "counterpart"), [
+    ("min_offload_size", 1024, r"OffloadConfig\(min_bytes=\.\.\.\), which counts a whole storage"),
+    ("use_pin_memory", True, r"OffloadConfig\(pin_memory=\.\.\.\)"),
+    ("use_pin_memory", False, r"OffloadConfig\(pin_memory=\.\.\.\)"),
+    ("use_streams", True, "no option: copies always run on side streams on CUDA"),
+    ("max_fwd_stash_size", 5, "no option: a window's device bytes are let go two windows later"),
+])
+def test_torchtunes_offload_options_are_refused_naming_what_each_is_here(
+        make: Any, where: str, option: str, value: object, counterpart: str) -> None:
+    # Helper DJ: a torchtune user types OffloadActivations' names; Python's "unexpected
+    # keyword argument" named no replacement.
+    with pytest.raises(CheckpointConfigError,
+                       match=rf"(?s){where} takes no {option}= \(torchtune's OffloadActivations "
+                             rf"option\).*got:      {option}={value!r}.*tip: {option}: "
+                             rf"{counterpart}"):
+        make(**{option: value})
+
+
+def test_several_torchtune_options_are_named_together() -> None:
+    with pytest.raises(CheckpointConfigError) as refused:
+        OffloadManager(use_streams=False, max_fwd_stash_size=5)
+    lines = str(refused.value).splitlines()
+    assert lines[0] == ("OffloadManager takes no use_streams= or max_fwd_stash_size= "
+                        "(torchtune's OffloadActivations options)")
+    assert lines[2] == "  got:      use_streams=False, max_fwd_stash_size=5"
+    assert lines[3].startswith("  tip: use_streams: no option") and "; max_fwd_stash_size: " in \
+        lines[3]
+    # Not stored: the config's fields, repr, equality and dataclasses.replace are its own three.
+    config = OffloadConfig(min_bytes=0)
+    assert [f.name for f in dataclasses.fields(config)] == ["min_bytes", "prefetch", "pin_memory"]
+    assert dataclasses.replace(config, prefetch=2) == OffloadConfig(min_bytes=0, prefetch=2)
 
 
 @pytest.mark.parametrize(("tensors", "message"), [
