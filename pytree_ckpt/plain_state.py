@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from .eager import user_site
+from .eager import loader_globals, user_site
 from .frames import callable_name
 from .function_reach import (attribute, attribute_names, cell_contents, globals_of, globals_read,
                              unwrap_partials)
@@ -272,4 +272,5 @@ class PlainStateWatch:
             "knows its state, or skip the update when pytree_ckpt.current_phase() is "
             "'recompute' (docs/limits.md, 'Plain functions')",
             UserWarning, filename, lineno, module=space.get("__name__"),
-            registry=space.setdefault("__warningregistry__", {}), module_globals=space)
+            registry=space.setdefault("__warningregistry__", {}),
+            module_globals=loader_globals(space))

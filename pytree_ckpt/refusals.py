@@ -63,8 +63,8 @@ TORCH_REENTRANT = "When use_reentrant=True, torch.utils.checkpoint is incompatib
 def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> NoReturn:
     # A module's replay computes its gradients with torch.autograd.grad, under which torch's
     # reentrant checkpoint refuses to run; its message speaks of .grad() and inputs=, which the
-    # user never called (transformers' gradient_checkpointing_enable(use_reentrant=True) puts
-    # one inside every decoder layer).
+    # user never called (transformers' activation_checkpointing_enable with use_reentrant=True
+    # puts one inside every decoder layer).
     raise CheckpointError(
         f"the replay of {fn_name(call.fn)} in backward ran torch.utils.checkpoint with "
         "use_reentrant=True, which cannot run inside this boundary (it computes the module's "
@@ -73,8 +73,9 @@ def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> 
                  "works, but runs the layer a third time)",
         got="torch.utils.checkpoint(..., use_reentrant=True) inside "
             f"{fn_name(call.fn)}",
-        tip="drop the inner checkpoint: with transformers, model.gradient_checkpointing_disable() "
-            "(pytree_ckpt already checkpoints the layer)") from error
+        tip="drop the inner checkpoint: with transformers, "
+            "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
+            "5.23; pytree_ckpt already checkpoints the layer)") from error
 
 
 def refuse_double_backward(where: Callable[[], str], /) -> None:

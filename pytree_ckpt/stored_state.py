@@ -131,7 +131,8 @@ def _opened_by_transformers(owner: nn.Module, fn: Callable[..., Any], /) -> bool
 
 def warn_stacked_checkpointing(owner: nn.Module, fn: Callable[..., Any], /) -> None:
     """transformers' own checkpointing switched on for a layer this boundary wraps
-    (``gradient_checkpointing_enable()``, before or after wrapping): its non-reentrant
+    (``activation_checkpointing_enable()``, ``gradient_checkpointing_enable()`` before 5.23,
+    before or after wrapping): its non-reentrant
     checkpoint around the layer's call recomputes the layer once more, every step
     (gradients stay exact; its reentrant one is refused in backward). Warned once per
     layer, at its first replay; not when this boundary is the one transformers opened with
@@ -145,8 +146,9 @@ def warn_stacked_checkpointing(owner: nn.Module, fn: Callable[..., Any], /) -> N
         f"pytree_ckpt: {type(owner).__name__} is checkpointed twice: transformers' own "
         "gradient checkpointing is on for it too, so each step runs its forward once more "
         "than needed (gradients stay exact). Tip: "
-        "model.gradient_checkpointing_disable() (or TrainingArguments(gradient_checkpointing="
-        "False)) and keep pytree_ckpt's", stacklevel=user_stacklevel())
+        "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
+        "transformers 5.23; or TrainingArguments(gradient_checkpointing=False)) and keep "
+        "pytree_ckpt's", stacklevel=user_stacklevel())
 
 
 def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],

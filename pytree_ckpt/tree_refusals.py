@@ -149,11 +149,13 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
                 "in backward fills it again, and may read what the no-grad original pass stored "
                 "(transformers' attention does): gradients through it would be silently "
                 "missing",
-                expected="no cache (use_cache=False) while training",
+                expected="no cache (use_cache=False) while grad is enabled",
                 got=type(leaf).__name__ if kv_cache else "use_cache=True",
-                tip="pass use_cache=False in training (with transformers, "
-                    "model.config.use_cache = False or model(..., use_cache=False)); run "
-                    "evaluation under torch.no_grad()")
+                tip="pass use_cache=False whenever grad is enabled (with transformers, "
+                    "model.config.use_cache = False or model(..., use_cache=False)): the "
+                    "boundary checkpoints any call with grad, in eval mode too, where "
+                    "transformers' own checkpointing is off; run evaluation and generate() "
+                    "under torch.no_grad(), where the cache works as usual")
         if sort is CONTAINER:
             found = hidden_tensor(leaf, _requires_grad)
             if found is not None:

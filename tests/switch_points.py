@@ -9,6 +9,16 @@ from types import CodeType
 from typing import Any
 
 
+def reenable_tracing() -> None:
+    """NOTE: Python 3.12+ trace through ``sys.monitoring``, whose instrumentation belongs to
+    the code object, for every thread: a thread running traced code untraced (the other
+    thread of a forced interleaving) gets ``DISABLE`` back from ``settrace``'s callbacks, which
+    switches those events off for the traced thread too, until restarted. (No-op before
+    3.12.)"""
+    if hasattr(sys, "monitoring"):
+        sys.monitoring.restart_events()
+
+
 def at_each_switch_point(run: Callable[[], None], at: Callable[[int], None], /, *,
                          within: CodeType | None = None) -> int:
     """Run ``run()``, calling ``at(i)`` between every two bytecodes of each Python frame it
@@ -23,6 +33,7 @@ def at_each_switch_point(run: Callable[[], None], at: Callable[[int], None], /, 
         if event == "opcode":
             at(count)
             count += 1
+            reenable_tracing()  # ``at`` ran code untraced
         return local
 
     def on_call(frame: Any, event: str, arg: Any) -> Any:
@@ -32,10 +43,15 @@ def at_each_switch_point(run: Callable[[], None], at: Callable[[int], None], /, 
                 caller = caller.f_back
             if caller is None:
                 return None
+        # f_trace first: Python 3.13 switches a code's opcode events on when f_trace_opcodes is
+        # set on a frame that already has its f_trace (3.11 also traces through the local
+        # function returned here); CPython 3.12.1 sends none either way.
+        frame.f_trace = local
         frame.f_trace_opcodes = True
         return local
 
     previous = sys.gettrace()
+    reenable_tracing()
     sys.settrace(on_call)
     try:
         run()

@@ -30,6 +30,7 @@ from offload.unpacking import unpack_handle
 from offload.window import Copy
 from tests.offload.blocks import manager
 from tests.offload.simulated import simulated
+from tests.switch_points import reenable_tracing
 
 
 def test_two_threads_restoring_one_copy_copy_it_back_once() -> None:
@@ -432,6 +433,7 @@ def held_inside(m: OffloadManager, code: CodeType, index: int, first: Callable[[
                 reached = True
                 held.set()
                 assert go_on.wait(30), "second never stopped"
+                reenable_tracing()  # second ran this code meanwhile, untraced
             count += 1
         return local
 
@@ -442,10 +444,12 @@ def held_inside(m: OffloadManager, code: CodeType, index: int, first: Callable[[
         calls += 1
         if calls != call:
             return None
+        frame.f_trace = local  # first: Python 3.13's opcode events (tests/switch_points.py)
         frame.f_trace_opcodes = True
         return local
 
     def traced() -> None:
+        reenable_tracing()  # after earlier sweeps (NOTE in tests/switch_points.py)
         sys.settrace(on_call)
         try:
             first()

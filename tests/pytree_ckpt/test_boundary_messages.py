@@ -259,6 +259,13 @@ def test_a_transformers_cache_is_refused_without_use_cache_unless_the_layer_only
                                               r"\(TransformersCache\)") as error:
         checkpoint(layer, x, cache=TransformersCache())
     assert "use_cache=False" in str(error.value) and "torch.no_grad()" in str(error.value)
+    # Helper DI: in eval mode with grad (saliency), where transformers' own checkpointing is
+    # off, the message said "while training".
+    layer.eval()
+    with pytest.raises(CheckpointError, match=r"(?s)expected: no cache \(use_cache=False\) while "
+                                              r"grad is enabled.*in eval mode too"):
+        checkpoint(layer, x, cache=TransformersCache())
+    layer.train()
     checkpoint(layer, x, cache=None).sum().backward()  # what use_cache=False passes
     with torch.no_grad():  # no boundary (generation): the cache works as usual
         checkpoint(layer, x, cache=TransformersCache())
@@ -289,7 +296,9 @@ def test_transformers_checkpointing_stacked_on_a_wrapped_layer_is_warned_once() 
     layer = pytree_ckpt.apply_activation_checkpointing(torch.nn.Linear(4, 4))
     layer.gradient_checkpointing = True  # what transformers' enable sets on each layer
     x = torch.randn(2, 4, requires_grad=True)
-    with pytest.warns(UserWarning, match="checkpointed twice.*gradient_checkpointing_disable"):
+    told = (r"checkpointed twice.*activation_checkpointing_disable\(\) "
+            r"\(gradient_checkpointing_disable\(\) before transformers 5\.23")
+    with pytest.warns(UserWarning, match=told):
         layer(x).sum().backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -778,7 +787,8 @@ def test_a_torch_reentrant_checkpoint_inside_a_wrapped_layer_is_refused_naming_t
         layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
     message = str(raised.value)
     assert "use_reentrant=True" in message and "_SelfCheckpointing" in message
-    assert "gradient_checkpointing_disable()" in message
+    assert "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before " \
+        "5.23" in message
     assert "use_reentrant=True, torch.utils.checkpoint is incompatible" in \
         str(raised.value.__cause__)
 

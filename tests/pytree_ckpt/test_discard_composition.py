@@ -207,8 +207,9 @@ def test_a_compiled_body_runs_output_discard_eagerly_without_dynamo_warnings() -
             warnings.simplefilter("always")
             compiled(xs[0]).sum().backward()
         # Nothing from inside the Function. (torch 2.9 also warns of optree, which
-        # checkpoint()'s own argument checks call, traced before the Function's call.)
-        told = [str(w.message) for w in caught]
+        # checkpoint()'s own argument checks call, traced before the Function's call; on
+        # Python 3.13.0 dynamo warns of that interpreter: "Guards may run slower".)
+        told = [str(w.message) for w in caught if "Guards may run slower" not in str(w.message)]
         assert not [m for m in told if "optree" not in m], told
         if "optree" not in " ".join(told):
             assert counter.op_count > 0  # the ops around the discard compiled

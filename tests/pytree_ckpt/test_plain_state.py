@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.machinery
+import importlib.util
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -82,6 +85,32 @@ def test_a_plain_function_that_updates_a_batch_norm_is_warned_once_naming_it(run
         assert part in message, (part, message)
     assert caught[0].category is UserWarning
     assert caught[0].filename == __file__  # the user's call, not the library's
+
+
+@pytest.mark.parametrize("space", ["a fresh module", "spec None", "loaders differ"])
+def test_the_warning_from_code_run_in_a_namespace_without_a_loader_is_given_not_raised(
+        space: str) -> None:
+    # Python 3.12+: warnings.warn_explicit(module_globals=...) raised ValueError ("Module
+    # globals is missing a __spec__.loader") for the globals of code run by exec in a fresh
+    # module (the doc-page runner; some notebook namespaces), so the warning raised from the
+    # user's backward instead (found running the suite on Python 3.13).
+    namespace: dict[str, Any] = {"checkpoint": checkpoint, "torch": torch}
+    if space == "a fresh module":
+        namespace.update(types.ModuleType("user_code").__dict__)
+    elif space == "spec None":
+        namespace.update(__name__="__main__", __spec__=None, __loader__=None)
+    else:
+        namespace.update(__name__="user_code", __spec__=importlib.util.spec_from_loader(
+            "user_code", loader=importlib.machinery.BuiltinImporter()), __loader__=object())
+    code = compile("def run(block, x):\n    return checkpoint(lambda h: block(h), x)\n",
+                   "user_code.py", "exec")
+    exec(code, namespace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        caught_steps, _ = _steps(namespace["run"], _block())
+    assert len(caught_steps) == 1 and "is a plain function" in str(caught_steps[0].message)
+    assert caught_steps[0].filename == "user_code.py" and caught_steps[0].lineno == 2
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
 
 
 def test_the_warning_names_both_fixes_the_module_itself_or_skipping_the_update_in_the_replay(
