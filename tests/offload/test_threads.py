@@ -30,7 +30,7 @@ from offload.unpacking import unpack_handle
 from offload.window import Copy
 from tests.offload.blocks import manager
 from tests.offload.simulated import simulated
-from tests.switch_points import reenable_tracing
+from tests.switch_points import reenable_tracing, require_opcode_tracing
 
 
 def test_two_threads_restoring_one_copy_copy_it_back_once() -> None:
@@ -420,6 +420,7 @@ def held_inside(m: OffloadManager, code: CodeType, index: int, first: Callable[[
     thread until it returns or has to wait for the manager's lock or its pool's; then let
     ``first`` go on, and wait for both. False where that call has no ``index``-th switch point
     (``second`` then ran after ``first``)."""
+    require_opcode_tracing()
     held, go_on, second_stopped = threading.Event(), threading.Event(), threading.Event()
     m._lock = Watched(m._lock, second_stopped)  # type: ignore[assignment]
     m.pool._lock = Watched(m.pool._lock, second_stopped)  # type: ignore[assignment]
