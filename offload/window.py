@@ -217,8 +217,9 @@ class Handle:
     and the change was read from host silently). A later change through an alias the caller
     made with ``detach()`` (which shares the counter without being a view) and then dropped
     is not seen: backward reads the bytes copied to host when the tensor was saved. On a
-    GPU that copy is ordered before any write queued after the copy let go (the saving
-    stream waited on it, stream rule 1), so no unseen change races with it.
+    GPU that copy is ordered before any write queued after the copy let go (the copy had
+    completed, or the saving stream waited on it: stream rule 1), so no unseen change on that
+    stream races with it.
     """
 
     __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "conj", "neg",

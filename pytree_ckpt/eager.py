@@ -96,10 +96,12 @@ def user_site() -> tuple[str, int, dict[str, Any]]:
 def loader_globals(space: dict[str, Any], /) -> dict[str, Any] | None:
     """``space`` (a frame's globals, from ``user_site``) if ``warnings.warn_explicit`` can take
     it as ``module_globals``, else None. NOTE: Python 3.12+ raises ValueError ("Module globals
-    is missing a __spec__.loader") for globals without a loader (code run by ``exec`` in a
-    fresh module, some notebook namespaces), and warns of a ``__loader__`` other than
-    ``__spec__.loader``: the warning would have raised in the user's backward instead. The
-    globals only let the warning show its source line."""
+    is missing a __spec__.loader") where ``__spec__`` and ``__loader__`` are None (code run by
+    ``exec`` in a fresh module, some notebook namespaces), and gives a DeprecationWarning (an
+    error under ``-W error``) where ``__spec__`` is None but ``__loader__`` is set (a script
+    run as ``__main__``) or the two loaders differ: the warning raised in the user's backward
+    instead. The globals only let the warning show its source line; without them linecache
+    still reads a real file by its name."""
     loader = getattr(space.get("__spec__"), "loader", None)
     return space if loader is not None and space.get("__loader__", loader) is loader else None
 

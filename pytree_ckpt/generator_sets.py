@@ -26,9 +26,9 @@ watched in its original passes until one made in training mode sets no state; fr
 one cheap lookup per call. Any pass that set a state has it watched at every pass after. An
 output discard's function is watched alike, for its rebuild. Not seen: a layer that first
 sets a state after a training pass that set none, any pass that runs while a profiler other
-than this one is on (``torch.profiler`` with ``with_stack=True``; cProfile up to Python
-3.11, which runs on ``sys.monitoring`` from 3.12: a C profile function cannot be chained),
-and ``graphsafe_set_state`` (Megatron-Core's CUDA-graph-safe tracker).
+than this one is on (``torch.profiler`` with ``with_stack=True``, cProfile up to Python
+3.11: a C profile function cannot be chained; cProfile from 3.12 runs on ``sys.monitoring``
+and sets none), and ``graphsafe_set_state`` (Megatron-Core's CUDA-graph-safe tracker).
 """
 
 from __future__ import annotations

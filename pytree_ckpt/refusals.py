@@ -63,8 +63,9 @@ TORCH_REENTRANT = "When use_reentrant=True, torch.utils.checkpoint is incompatib
 def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> NoReturn:
     # A module's replay computes its gradients with torch.autograd.grad, under which torch's
     # reentrant checkpoint refuses to run; its message speaks of .grad() and inputs=, which the
-    # user never called (transformers' activation_checkpointing_enable with use_reentrant=True
-    # puts one inside every decoder layer).
+    # user never called (transformers' activation_checkpointing_enable with
+    # activation_checkpointing_kwargs={"use_reentrant": True} puts one inside every decoder
+    # layer).
     raise CheckpointError(
         f"the replay of {fn_name(call.fn)} in backward ran torch.utils.checkpoint with "
         "use_reentrant=True, which cannot run inside this boundary (it computes the module's "

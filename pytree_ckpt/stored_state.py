@@ -146,9 +146,10 @@ def warn_stacked_checkpointing(owner: nn.Module, fn: Callable[..., Any], /) -> N
         f"pytree_ckpt: {type(owner).__name__} is checkpointed twice: transformers' own "
         "gradient checkpointing is on for it too, so each step runs its forward once more "
         "than needed (gradients stay exact). Tip: "
-        "model.activation_checkpointing_disable() (or TrainingArguments(activation_"
-        "checkpointing=False); gradient_checkpointing_... before transformers 5.23) and keep "
-        "pytree_ckpt's", stacklevel=user_stacklevel())
+        "model.activation_checkpointing_disable(), or TrainingArguments(activation_"
+        "checkpointing=False) (before transformers 5.23: model.gradient_checkpointing_disable(), "
+        "TrainingArguments(gradient_checkpointing=False)), and keep pytree_ckpt's",
+        stacklevel=user_stacklevel())
 
 
 def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],

@@ -151,11 +151,11 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
                 "missing",
                 expected="no cache (use_cache=False) while grad is enabled",
                 got=type(leaf).__name__ if kv_cache else "use_cache=True",
-                tip="pass use_cache=False whenever grad is enabled (with transformers, "
-                    "model.config.use_cache = False or model(..., use_cache=False)): the "
-                    "boundary checkpoints any call with grad, in eval mode too, where "
-                    "transformers' own checkpointing is off; run evaluation and generate() "
-                    "under torch.no_grad(), where the cache works as usual")
+                tip="pass use_cache=False whenever grad is enabled: model.config.use_cache = "
+                    "False, or model(..., use_cache=False). The boundary checkpoints every "
+                    "call made with grad, in eval mode too, where transformers' own "
+                    "checkpointing (which turns the cache off) does not run. Run evaluation "
+                    "and generate() under torch.no_grad(): the cache works as usual there")
         if sort is CONTAINER:
             found = hidden_tensor(leaf, _requires_grad)
             if found is not None:

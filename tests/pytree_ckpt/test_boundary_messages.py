@@ -296,9 +296,10 @@ def test_transformers_checkpointing_stacked_on_a_wrapped_layer_is_warned_once() 
     layer = pytree_ckpt.apply_activation_checkpointing(torch.nn.Linear(4, 4))
     layer.gradient_checkpointing = True  # what transformers' enable sets on each layer
     x = torch.randn(2, 4, requires_grad=True)
-    told = (r"checkpointed twice.*activation_checkpointing_disable\(\) \(or "
-            r"TrainingArguments\(activation_checkpointing=False\); gradient_checkpointing_\.\.\. "
-            r"before transformers 5\.23\)")
+    told = (r"checkpointed twice.*activation_checkpointing_disable\(\), or "
+            r"TrainingArguments\(activation_checkpointing=False\) \(before transformers 5\.23: "
+            r"model\.gradient_checkpointing_disable\(\), "
+            r"TrainingArguments\(gradient_checkpointing=False\)\)")
     with pytest.warns(UserWarning, match=told):
         layer(x).sum().backward()
     with warnings.catch_warnings():

@@ -87,7 +87,8 @@ def test_a_plain_function_that_updates_a_batch_norm_is_warned_once_naming_it(run
     assert caught[0].filename == __file__  # the user's call, not the library's
 
 
-@pytest.mark.parametrize("space", ["a fresh module", "spec None", "loaders differ"])
+@pytest.mark.parametrize("space", ["a fresh module", "spec None", "a script's __main__",
+                                   "loaders differ"])
 def test_the_warning_from_code_run_in_a_namespace_without_a_loader_is_given_not_raised(
         space: str) -> None:
     # Python 3.12+: warnings.warn_explicit(module_globals=...) raised ValueError ("Module
@@ -99,6 +100,9 @@ def test_the_warning_from_code_run_in_a_namespace_without_a_loader_is_given_not_
         namespace.update(types.ModuleType("user_code").__dict__)
     elif space == "spec None":
         namespace.update(__name__="__main__", __spec__=None, __loader__=None)
+    elif space == "a script's __main__":  # `python train.py`: a DeprecationWarning on 3.12+
+        namespace.update(__name__="__main__", __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", "train.py"))
     else:
         namespace.update(__name__="user_code", __spec__=importlib.util.spec_from_loader(
             "user_code", loader=importlib.machinery.BuiltinImporter()), __loader__=object())
