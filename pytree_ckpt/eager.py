@@ -25,7 +25,7 @@ import torch
 __all__ = ["BOUNDARY_REASON", "DISCARD_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
            "compile_stance_is_default", "compiled_caller", "compiled_wrapper",
            "in_compiled_module_call",
-           "Told", "loader_globals", "runs_eagerly", "user_site", "user_stacklevel"]
+           "Told", "runs_eagerly", "user_site", "user_stacklevel"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,19 +91,6 @@ def user_site() -> tuple[str, int, dict[str, Any]]:
         frame = frame.f_back
     assert frame is not None
     return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
-
-
-def loader_globals(space: dict[str, Any], /) -> dict[str, Any] | None:
-    """``space`` (a frame's globals, from ``user_site``) if ``warnings.warn_explicit`` can take
-    it as ``module_globals``, else None. NOTE: Python 3.12+ raises ValueError ("Module globals
-    is missing a __spec__.loader") where ``__spec__`` and ``__loader__`` are None (code run by
-    ``exec`` in a fresh module, some notebook namespaces), and gives a DeprecationWarning (an
-    error under ``-W error``) where ``__spec__`` is None but ``__loader__`` is set (a script
-    run as ``__main__``) or the two loaders differ: the warning raised in the user's backward
-    instead. The globals only let the warning show its source line; without them linecache
-    still reads a real file by its name."""
-    loader = getattr(space.get("__spec__"), "loader", None)
-    return space if loader is not None and space.get("__loader__", loader) is loader else None
 
 
 class Told:

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from .eager import loader_globals, user_site
+from .eager import user_site
 from .frames import callable_name
 from .function_reach import (attribute, attribute_names, cell_contents, globals_of, globals_read,
                              unwrap_partials)
@@ -261,6 +261,10 @@ class PlainStateWatch:
                                 f"({type(module).__name__}): {', '.join(names)}")
         assert self.site is not None
         filename, lineno, space = self.site
+        # NOTE: no module_globals, as warnings.warn passes none: Python 3.12+ raises
+        # ValueError for globals without a loader (code exec'd in a fresh module, some
+        # notebooks) and warns for a script's __main__ (an error under -W error), so the
+        # warning raised in the user's backward; linecache reads the line by file name anyway.
         warnings.warn_explicit(
             f"pytree_ckpt: checkpoint({callable_name(self.fn)}) is a plain function, and both "
             f"its original pass and its replay in backward changed the buffers of modules it "
@@ -272,5 +276,4 @@ class PlainStateWatch:
             "knows its state, or skip the update when pytree_ckpt.current_phase() is "
             "'recompute' (docs/limits.md, 'Plain functions')",
             UserWarning, filename, lineno, module=space.get("__name__"),
-            registry=space.setdefault("__warningregistry__", {}),
-            module_globals=loader_globals(space))
+            registry=space.setdefault("__warningregistry__", {}))
