@@ -281,6 +281,88 @@ def test_an_earlier_layers_input_changed_in_place_and_dropped_is_refused_after_i
         loss.backward()
 
 
+def _change_then_drop(case: str, layers: nn.ModuleList, m: OffloadManager | None,
+                      x: torch.Tensor) -> None:
+    """Two layers' forward and backward where ``case`` changes in place a tensor a layer saved
+    (its input, or the buffer it views) and drops it before the backward that needs it."""
+    if case.startswith("two layers given views of one buffer"):
+        buf = x * 1
+        loss = (layers[0](buf[:, :64]) + layers[1](buf[:, 64:])).square().sum()
+        buf.add_(1)
+        del buf
+        loss.backward()
+        return
+    base = x * 1
+    h = base[:, :64]  # layer 0's input: a view of a buffer
+    mid = layers[0](h)
+    if case == "another part of the first layer's buffer changed at once":
+        base[:, 64:].add_(1)  # the version counter the view shares
+    loss = layers[1](mid).square().sum()
+    if case == "a view of the first layer's input changed a window later":
+        h[:, :8].mul_(2)
+    elif case == "the last layer's input changed after a stats() read":
+        if m is not None:
+            m.stats()  # lets go of the device bytes the turn would have reused
+        mid.add_(1)
+    elif case.startswith("changed between two backwards"):
+        loss.backward(retain_graph=True)
+        with torch.no_grad():
+            (mid if "last" in case else h).add_(1)
+    else:  # "changed between the input pass and the weight pass"
+        torch.autograd.grad(loss, [x], retain_graph=True)
+        with torch.no_grad():
+            (mid if "last" in case else h).mul_(2)
+    del base, h, mid
+    if "weight pass" in case:
+        torch.autograd.grad(loss, list(layers.parameters()))
+    else:
+        loss.backward()
+
+
+def _refused_like_eager(case: str) -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+    eager = copy.deepcopy(layers)
+    m = manager(prefetch=1)
+    pytree_ckpt.checkpoint_layers(layers, offload=m)
+    x = torch.randn(8, 128, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _change_then_drop(case, eager, None, x)
+    with pytest.raises(CheckpointError, match=r"(?s)args\[0\] \(offload window \d, .*modified "
+                                              r"in place"):
+        _change_then_drop(case, layers, m, x)
+
+
+@pytest.mark.parametrize("case", [
+    "another part of the first layer's buffer changed at once",
+    "changed between two backwards (retain_graph), the last layer's input",
+    "changed between the input pass and the weight pass, the last layer's input"])
+def test_a_saved_tensor_changed_while_its_copy_watches_and_then_dropped_is_refused_like_eager(
+        case: str) -> None:
+    # Helper DK: the copy's alias sees the change: made at once (through the buffer the
+    # input views), or to the last window's input, whose bytes backward reused at the turn and
+    # whose alias the copy keeps as long as backward may read them (NOTE [in-place check]).
+    _refused_like_eager(case)
+
+
+@pytest.mark.xfail(strict=True, reason="a change made after the manager let go of its alias "
+                   "(the next window, a stats() read), to the saved tensor itself, which is then "
+                   "dropped, is not seen: backward reads the host copy where eager refuses; "
+                   "docs/offload.md names only a detach() alias as the gap")
+@pytest.mark.parametrize("case", [
+    "a view of the first layer's input changed a window later",
+    "the last layer's input changed after a stats() read",
+    "two layers given views of one buffer, the buffer changed after both",
+    "changed between two backwards (retain_graph), the first layer's input",
+    "changed between the input pass and the weight pass, the first layer's input"])
+def test_a_saved_tensor_changed_after_its_copy_let_go_and_then_dropped_is_refused_like_eager(
+        case: str) -> None:
+    # Helper DK: not through a detach() alias (docs/offload.md's one gap): the caller's own
+    # tensor, alive at the change, then dropped. The handle's weak reference is dead and the
+    # copy's alias was let go before the change: nothing sees it.
+    _refused_like_eager(case)
+
+
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated in 2.13
 def test_a_quantized_tensor_in_a_window_stays_on_the_device_with_its_scale() -> None:
     # Restored from its bytes it lost its scale and zero point (an internal assert on use).
@@ -640,6 +722,7 @@ def test_bad_offload_config_is_refused_with_a_tip(field: str, value: Any) -> Non
                                            (OffloadManager, "OffloadManager")])
 @pytest.mark.parametrize(("option", "value", "counterpart"), [
     ("min_offload_size", 1024, r"OffloadConfig\(min_bytes=\.\.\.\), which counts a whole storage"),
+    ("min_offload_size", "64 KiB", r"OffloadConfig\(min_bytes=\.\.\.\)"),  # got: shown as typed
     ("use_pin_memory", True, r"OffloadConfig\(pin_memory=\.\.\.\)"),
     ("use_pin_memory", False, r"OffloadConfig\(pin_memory=\.\.\.\)"),
     ("use_streams", True, "no option: copies always run on side streams on CUDA"),

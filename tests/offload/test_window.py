@@ -687,3 +687,21 @@ def test_a_view_saved_in_a_window_is_held_to_the_floor_by_its_whole_storage() ->
     h, stats = saved_slice(manager(min_bytes=1 << 20))
     assert stats["offloaded_bytes"] == 0
     assert stats["below_min_bytes"] == h.untyped_storage().nbytes()
+
+
+def test_a_storage_changed_in_place_since_its_save_is_not_reused_at_the_turn() -> None:
+    # Helper DK: backward's first unpack restores the whole window; the gate, changed since,
+    # is refused at its own unpack, and its bytes are copied back, never taken as they are
+    # (NOTE [reuse at the turn]: reused bytes are never changed ones).
+    m = manager()
+    x = torch.randn(64, 16, requires_grad=True)
+    h, gate = x * 1.0, torch.randn(64, 16)
+    with m.window([h, gate]):
+        # mul saves h and the gate, then square saves h: backward unpacks h first
+        out = (h * gate + h.square()).sum()
+    gate.mul_(2)
+    del h, gate
+    with pytest.raises(pytree_ckpt.CheckpointError, match=r"window tensor #1 .*modified in place"):
+        out.backward()
+    stats = m.stats()
+    assert stats["reused_bytes"] == stats["offloaded_bytes"] - x.untyped_storage().nbytes()
