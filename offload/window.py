@@ -15,6 +15,7 @@ dropped when the thread ends (NOTE [a pass per forward thread] in lanes.py).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -41,8 +42,8 @@ class Copy:
 
     __slots__ = ("manager", "pass_ref", "seq", "stream", "host", "nbytes", "device", "version",
                  "storage_ref", "data_ptr", "device_bytes", "alias", "d2h_event", "restored",
-                 "reused", "restored_on", "h2d_event", "host_holder", "seen_version",
-                 "__weakref__")
+                 "reused", "restored_on", "h2d_event", "host_holder", "seen_version", "source",
+                 "watch", "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor, /) -> None:
         storage = tensor.untyped_storage()
@@ -82,6 +83,11 @@ class Copy:
         # The alias's version when the copy let go of it: a change seen while it was held is
         # still refused after (NOTE [in-place check]).
         self.seen_version = self.version
+        # The caller's tensor (a view's base), weakly, and once the device bytes are let go
+        # while it lives, the weak reference whose callback lets go of the alias when it dies.
+        base = tensor._base
+        self.source = weakref.ref(base if base is not None else tensor)
+        self.watch: weakref.ref[torch.Tensor] | None = None
         self.host: torch.Tensor | None = manager.pool.acquire(self.nbytes)
         try:
             self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
@@ -114,11 +120,15 @@ class Copy:
         freed = storage.nbytes() == 0  # in place, by a discard
         self.device_bytes = None
         if not self.reused and self.alias is not None:
-            # Reused, backward reads the very bytes: keep checking them. Otherwise the version
-            # the alias saw is kept: a change made before now (the caller's tensor since
-            # dropped) is refused at unpack, as eager refuses it, not read from the host copy.
-            self.seen_version = self.alias._version
-            self.alias = None
+            # Reused, backward reads the very bytes: keep checking them. Otherwise the alias
+            # goes when the caller's tensor does, which holds the same memory until then, and
+            # the version it saw is kept (NOTE [in-place check]).
+            source = self.source()
+            if source is None:
+                self._let_go_of_alias()
+            else:
+                self.watch = weakref.ref(source, functools.partial(_source_died,
+                                                                  weakref.ref(self)))
         # Still alive now may be a later layer's input or a table every layer gets: it counts
         # as alive elsewhere only if still alive when backward begins (liveness.py). A
         # reused storage is checked when backward is done with it (``__del__``).
@@ -127,6 +137,14 @@ class Copy:
                 self.manager._liveness.copied_and_discarded(self.nbytes)
         elif not self.reused and not self.storage_ref.expired():
             self.manager._liveness.suspect(self.storage_ref, self.nbytes, self.pass_ref)
+
+    def _let_go_of_alias(self) -> None:
+        # One attribute read and two stores, no lock: the garbage collector may run this on
+        # any thread (NOTE [counted late] in liveness.py).
+        alias = self.alias
+        if alias is not None:
+            self.seen_version = alias._version
+            self.alias = None
 
     def restore(self) -> None:
         if self.restored is not None:
@@ -192,6 +210,12 @@ class Copy:
             manager.pool.release(self.host, event=last)
 
 
+def _source_died(copy_ref: weakref.ref[Copy], _: Any, /) -> None:
+    copy = copy_ref()
+    if copy is not None:
+        copy._let_go_of_alias()
+
+
 class HostHolder:
     """Stands for "this copy still holds its host buffer" in the census: held while alive."""
 
@@ -211,12 +235,14 @@ class Handle:
     share their base's version counter, and a view made inside an op has no Python object of
     its own that outlives the save). ``_unpack`` refuses a tensor modified since. Once the
     tensor is gone, the copy's own ``detach()`` alias (sharing its version counter) serves,
-    for as long as the copy holds the device bytes; then the version that alias had when the
-    copy let go of it (``seen_version``): a change made before that is refused whenever
-    backward comes (helper DJ: a prefetch or a ``stats()`` read let go of the alias first,
-    and the change was read from host silently). A later change through an alias the caller
-    made with ``detach()`` (which shares the counter without being a view) and then dropped
-    is not seen: backward reads the bytes copied to host when the tensor was saved. On a
+    for as long as the copy holds the device bytes, and after that while the caller's tensor
+    (``Copy.source``) lives, which holds the same memory; then the version that alias had when
+    the copy let go of it (``seen_version``): a change made before that is refused whenever
+    backward comes (helper DJ: a prefetch or a ``stats()`` read let go of the alias first, and
+    the change was read from host silently; helper DK: a change made after that, through the
+    caller's tensor, then dropped). A change through an alias the caller made with
+    ``detach()`` (which shares the counter without being a view), made once the copy let go
+    of the device bytes and the saved tensor itself is gone, is not seen: backward reads the bytes copied to host when the tensor was saved. On a
     GPU that copy is ordered before any write queued after the copy let go (the copy had
     completed, or the saving stream waited on it: stream rule 1), so no unseen change on that
     stream races with it.

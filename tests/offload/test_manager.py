@@ -345,10 +345,6 @@ def test_a_saved_tensor_changed_while_its_copy_watches_and_then_dropped_is_refus
     _refused_like_eager(case)
 
 
-@pytest.mark.xfail(strict=True, reason="a change made after the manager let go of its alias "
-                   "(the next window, a stats() read), to the saved tensor itself, which is then "
-                   "dropped, is not seen: backward reads the host copy where eager refuses; "
-                   "docs/offload.md names only a detach() alias as the gap")
 @pytest.mark.parametrize("case", [
     "a view of the first layer's input changed a window later",
     "the last layer's input changed after a stats() read",
