@@ -103,7 +103,7 @@ from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Phase
 from .plain_state import NOTHING_HELD, watch_plain_state
 from .rebound import NOTHING_BOUND, modules_bound
-from .refusals import input_path
+from .refusals import input_path_of
 from .shared_containers import shared_containers
 from .tree import flatten_call
 from .tree_refusals import refuse_strided_nested, refuse_unreadable_inputs
@@ -293,9 +293,12 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             # NOTE: the window covers only the save of the inputs (the original pass inside runs
             # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
             manager = options.offload
-            # Named from the spec and index lists only: the window must not hold `call`, whose
-            # frame holds this window's handles (a cycle only the garbage collector would free).
-            name = functools.partial(input_path, flat.spec, flat.tensor_index, slots)
+            # Named from the callable, the spec and index lists only: the window must not hold
+            # `call`, whose frame holds this window's handles (a cycle only the garbage
+            # collector would free). Helper DJ: the message named no layer, unlike the one
+            # without offload.
+            name = functools.partial(input_path_of, call.fn, flat.spec, flat.tensor_index,
+                                     slots)
             # The module's parameters: a detached alias of one passed in stays resident.
             resident = [*params, *frozen] if params is not None else ()
             with manager.window(unique, name=name, resident=resident) as window:

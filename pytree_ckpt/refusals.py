@@ -28,7 +28,7 @@ from .tree import describe_leaf, leaf_paths
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["TORCH_REENTRANT", "check_made_leaves", "fn_name", "input_path",
+__all__ = ["TORCH_REENTRANT", "check_made_leaves", "fn_name", "input_path", "input_path_of",
            "raise_attached_to_outside_tensor", "raise_hooked_outside_tensor",
            "raise_torch_reentrant_inside", "readable_path", "refuse_container",
            "refuse_double_backward", "refuse_module_tensor", "require_callable", "verify_leaves"]
@@ -46,6 +46,13 @@ def input_path(spec: Any, tensor_index: list[int], slots: list[int], slot: int, 
     """The key path of the first input leaf that is unique input ``slot``, e.g. ``args[0]`` or
     ``kwargs['dsa_topk_ids']`` (for messages; computed only when one is needed)."""
     return readable_path(leaf_paths(spec, root="inputs")[tensor_index[slots.index(slot)]])
+
+
+def input_path_of(fn: Callable[..., Any], spec: Any, tensor_index: list[int], slots: list[int],
+                  slot: int, /) -> str:
+    """``input_path``, naming whose input it is (``args[0] of Linear``), as the boundary's own
+    in-place refusal does: for an offload window's messages."""
+    return f"{input_path(spec, tensor_index, slots, slot)} of {fn_name(fn)}"
 
 
 def fn_name(fn: Callable[..., Any], /) -> str:
