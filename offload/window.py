@@ -119,7 +119,7 @@ class Copy:
         storage = self.device_bytes.untyped_storage()
         freed = storage.nbytes() == 0  # in place, by a discard
         self.device_bytes = None
-        if not self.reused and self.alias is not None:
+        if not self.reused:
             # Reused, backward reads the very bytes: keep checking them. Otherwise the alias
             # goes when the caller's tensor does, which holds the same memory until then, and
             # the version it saw is kept (NOTE [in-place check]).
@@ -242,10 +242,10 @@ class Handle:
     the change was read from host silently; helper DK: a change made after that, through the
     caller's tensor, then dropped). A change through an alias the caller made with
     ``detach()`` (which shares the counter without being a view), made once the copy let go
-    of the device bytes and the saved tensor itself is gone, is not seen: backward reads the bytes copied to host when the tensor was saved. On a
-    GPU that copy is ordered before any write queued after the copy let go (the copy had
-    completed, or the saving stream waited on it: stream rule 1), so no unseen change on that
-    stream races with it.
+    of the device bytes and the saved tensor itself is gone, is not seen: backward reads the
+    bytes copied to host when the tensor was saved. On a GPU that copy is ordered before any
+    write queued after the copy let go (the copy had completed, or the saving stream waited
+    on it: stream rule 1), so no unseen change on that stream races with it.
     """
 
     __slots__ = ("copy", "window", "key", "dtype", "size", "stride", "offset", "conj", "neg",

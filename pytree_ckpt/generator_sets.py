@@ -191,9 +191,9 @@ def _watchable() -> bool:
 def _key(fn: Any, owner: Any, /) -> tuple[int, Any, Any]:
     # Per layer, not per class (helper DH: a Sequential checkpointed without a fork left every
     # other one unwatched), and the code that runs (two checkpointed methods of one layer
-    # differ). A layer's entry goes with it (learned: its id may be reused). A module or other callable is keyed by its
-    # class, not by attributes: getattr on a module for a name it lacks runs
-    # nn.Module.__getattr__ and raises (about 16k instructions a call).
+    # differ). A layer's entry goes with it (learned: its id may be reused). A module or other
+    # callable is keyed by its class, not by attributes: getattr on a module for a name it
+    # lacks runs nn.Module.__getattr__ and raises (about 16k instructions a call).
     kind = type(fn)
     if kind is _Function or kind is _Method:
         code = fn.__code__

@@ -100,6 +100,13 @@ def _run(model: nn.Module, tracker: list[_Tracker], *, steps: int = 3,
     return seen
 
 
+def _assert_same_runs(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    """Every grad and generator state ``_run`` recorded, bit for bit, and as many of them."""
+    assert len(expected) == len(got)
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert torch.equal(want, have), i
+
+
 def _twins() -> tuple[nn.Module, nn.Module, list[_Tracker]]:
     tracker: list[_Tracker] = []
     torch.manual_seed(0)
@@ -115,8 +122,7 @@ def test_dropout_under_an_rng_tracker_fork_replays_as_eager_and_the_tracker_ends
     pytree_ckpt.apply_activation_checkpointing(ours, check_fn=lambda m: isinstance(m, _Attention))
     expected = _run(eager, eager[0].tracker, retain=retain)
     got = _run(ours, tracker, retain=retain)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 def test_a_fork_in_a_checkpointed_plain_function_replays_as_eager() -> None:
@@ -135,8 +141,7 @@ def test_a_fork_in_a_checkpointed_plain_function_replays_as_eager() -> None:
 
     expected = _run(eager, eager[0].tracker)
     got = _run(Checkpointed(ours), tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 # The profile function each call of _Plain ran under (a global: a list the module held would
@@ -216,8 +221,7 @@ def test_a_fork_in_an_output_discards_function_rebuilds_as_eager() -> None:
         layer.tracker, layer.discard = ours_tracker, True
     expected = _run(eager, eager_tracker)
     got = _run(ours, ours_tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 def test_dynamos_own_sets_while_compiling_a_body_are_not_the_forwards() -> None:
@@ -294,8 +298,7 @@ def test_several_forks_of_several_streams_in_one_layer_replay_as_eager(micro: bo
         copy.deepcopy(eager), check_fn=lambda m: isinstance(m, _TwoForks))
     expected = _run(eager, tracker, micro=micro)
     got = _run(ours, ours[0].tracker, micro=micro)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 class _Outer(nn.Module):
@@ -323,8 +326,7 @@ def test_forks_in_a_checkpointed_block_inside_a_checkpointed_layer_replay_as_eag
         copy.deepcopy(eager), check_fn=lambda m: isinstance(m, _Outer))
     expected = _run(eager, tracker, retain=True)
     got = _run(ours, ours[0].tracker, retain=True)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 class _Sometimes(nn.Module):
@@ -352,8 +354,7 @@ def test_a_layer_that_skips_its_fork_at_one_call_is_still_watched_after() -> Non
     ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     expected = _run(eager, tracker)
     got = _run(ours, ours.tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 class _Methods(nn.Module):
@@ -390,8 +391,7 @@ def test_two_checkpointed_methods_of_one_class_are_learned_apart() -> None:
     ours.checkpointed = True
     expected = _run(eager, tracker)
     got = _run(ours, ours.m.tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 class _ReusedFork(nn.Module):
@@ -425,8 +425,7 @@ def test_a_fork_inside_a_reused_call_then_a_fork_replays_as_eager() -> None:
     ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     expected = _run(eager, tracker, steps=1)
     got = _run(ours, ours.tracker, steps=1)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 class _Gate(nn.Module):
@@ -462,8 +461,7 @@ def test_a_fork_inside_a_save_units_kept_callable_replays_as_eager() -> None:
         {pytree_ckpt.SaveUnit.MOE_GATE: pytree_ckpt.KeptCallables("_Gate.forward")}) == [0, 1]
     expected = _run(eager, tracker)
     got = _run(ours, ours[0].gate.tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 class _ReusedDraw(_ReusedFork):
@@ -481,8 +479,7 @@ def test_a_reused_calls_jump_is_not_taken_for_a_set_of_the_forwards() -> None:
     ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     expected = _run(eager, tracker)
     got = _run(ours, ours.tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 class _GatedFork(nn.Module):
@@ -510,8 +507,7 @@ def test_a_fork_around_a_save_units_kept_callable_replays_as_eager() -> None:
         {pytree_ckpt.SaveUnit.MOE_GATE: pytree_ckpt.KeptCallables("_Plain.forward")}) == [0, 1]
     expected = _run(eager, tracker)
     got = _run(ours, ours[0].tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 def test_a_call_that_opts_out_of_the_rng_restore_is_not_watched() -> None:
@@ -566,8 +562,7 @@ def test_a_replay_run_under_cprofile_leaves_it_in_place() -> None:
             got = _run(ours, ours[0].tracker)
         finally:
             profiler.disable()
-        for i, (want, have) in enumerate(zip(expected, got)):
-            assert torch.equal(want, have), i
+        _assert_same_runs(expected, got)
 
 
 def test_a_layer_that_sets_its_own_generators_state_is_not_watched_again() -> None:
@@ -613,8 +608,7 @@ def test_a_set_made_three_frames_inside_torch_is_the_forwards() -> None:
     pytree_ckpt.apply_activation_checkpointing(ours, check_fn=lambda m: isinstance(m, _Attention))
     expected = _run(eager, eager[0].tracker, kind=_DeepTracker)
     got = _run(ours, ours[0].tracker, kind=_DeepTracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 def test_the_watchs_own_frames_inside_a_compiled_body_are_not_compiled() -> None:
@@ -685,8 +679,7 @@ def test_dropout_under_megatrons_cuda_tracker_fork_replays_as_eager() -> None:
         layer.tracker = ours_tracker
     pytree_ckpt.apply_activation_checkpointing(ours, check_fn=lambda m: isinstance(m, _Attention))
     expected, got = run(eager, eager_tracker), run(ours, ours_tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 class _ForksInTraining(_Attention):
@@ -716,8 +709,7 @@ def test_a_layer_first_called_in_eval_mode_with_grad_is_still_watched_in_trainin
         model.train()
         model.zero_grad(set_to_none=True)
     expected, got = _run(eager, tracker), _run(ours, ours_tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 def test_each_layer_is_watched_on_its_own_not_by_its_class() -> None:
@@ -738,8 +730,7 @@ def test_each_layer_is_watched_on_its_own_not_by_its_class() -> None:
 
     expected = _run(eager, eager[0].tracker)
     got = _run(Chunked(ours), ours_tracker)
-    for i, (want, have) in enumerate(zip(expected, got)):
-        assert torch.equal(want, have), i
+    _assert_same_runs(expected, got)
 
 
 def test_what_was_learned_of_a_layer_goes_with_it() -> None:
