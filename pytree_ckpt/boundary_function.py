@@ -29,6 +29,7 @@ from .keep import KeepMode
 from .kernel_written import remember, remembered
 from .made_before import leaving_tensors, unviewed
 from .module_state import ever_verified
+from .notes import add_note
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
 from .refusals import check_made_leaves, fn_name, refuse_double_backward
@@ -121,17 +122,16 @@ class _BoundaryFunction(torch.autograd.Function):
         except Exception as error:
             # torch's "cannot register a hook on a tensor that doesn't require gradient" from
             # a forward that assumes grad mode: name the boundary's no-grad pass.
-            if isinstance(error, RuntimeError) and "register a hook" in str(error) and \
-                    hasattr(error, "add_note"):  # 3.11+
-                error.add_note(
+            if isinstance(error, RuntimeError) and "register a hook" in str(error):
+                add_note(error,
                     f"pytree_ckpt: raised in the original pass of {fn_name(call.fn)}, which "
                     "runs the forward under torch.no_grad() (the replay in backward runs it "
                     "with grad). Tip: guard what needs grad, e.g. `if h.requires_grad: "
                     "h.register_hook(...)`: the hook is then registered in the replay, whose "
                     "gradients are the ones used.")
             limit = recompile_limit_note(error, f"the original pass of {fn_name(call.fn)}")
-            if limit is not None and hasattr(error, "add_note"):
-                error.add_note(limit)  # NOTE [two entries per variant] in compiled_layers.py
+            if limit is not None:
+                add_note(error, limit)  # NOTE [two entries per variant] in compiled_layers.py
             raise
         finally:
             ACTIVE.reset(token)

@@ -23,6 +23,7 @@ from .kept_replay import KeptReplay
 from .kept_weights import WeightCapture
 from .made_before import refuse_changed_views
 from .module_state import is_verified
+from .notes import add_note
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .changed_in_place import raise_changed_after_call
@@ -254,14 +255,12 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # keeps its type (an out-of-memory error stays one); the note says where it came from
         # and names the first cause only as a possibility (an out-of-memory error gets its
         # own ways out instead).
-        if not hasattr(error, "add_note"):  # Python 3.11+
-            raise
         limit = recompile_limit_note(error, f"the replay of {fn_name(call.fn)} in backward")
         if limit is not None:  # NOTE [two entries per variant] in compiled_layers.py
-            error.add_note(limit)
+            add_note(error, limit)
         elif isinstance(error, torch.OutOfMemoryError):
             # The replay's own peak, not a changed argument: the cache hint would mislead.
-            error.add_note(
+            add_note(error,
                 f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
                 "rebuilds that call's activations, with grad enabled, on top of what backward "
                 "already holds. Tip: lower the replay's own peak by discarding outputs the next "
@@ -270,9 +269,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         elif (batched := _batched_backward(grad_outputs)) is not None:
             # The replay runs inside the vmap of a batched backward: the cache hint would
             # mislead (NOTE [a replay under vmap]).
-            error.add_note(_under_vmap_note(fn_name(call.fn), batched))
+            add_note(error, _under_vmap_note(fn_name(call.fn), batched))
         elif not recompile_limit_noted(error):  # an inner boundary's replay named it
-            error.add_note(
+            add_note(error,
                 f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
                 "runs the forward again on the same arguments, with grad enabled. If the "
                 "error does not come from grad mode, check for an object the forward changed "

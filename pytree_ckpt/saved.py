@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .errors import SavedTensorChanged
+from .notes import add_note
 
 __all__ = ["Unchanged", "note_hooks_disabled"]
 
@@ -23,11 +24,11 @@ def note_hooks_disabled(error: RuntimeError, who: str, tip: str, /) -> None:
     ``torch.autograd.graph.disable_saved_tensors_hooks(reason)``, whose message is only
     ``reason``: nothing else in it names the hooks, or this library."""
     enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-    if enabled is None or enabled() or not hasattr(error, "add_note"):  # add_note: 3.11+
+    if enabled is None or enabled():
         return
-    error.add_note(f"pytree_ckpt: {who} needs saved-tensor hooks, which "
-                   "torch.autograd.graph.disable_saved_tensors_hooks turned off here (its "
-                   f"reason is the message above). Tip: {tip}")
+    add_note(error, f"pytree_ckpt: {who} needs saved-tensor hooks, which "
+             "torch.autograd.graph.disable_saved_tensors_hooks turned off here (its reason is "
+             f"the message above). Tip: {tip}")
 
 
 class Unchanged:

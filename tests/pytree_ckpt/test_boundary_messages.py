@@ -100,9 +100,8 @@ def test_an_error_only_the_replay_meets_keeps_its_type_and_says_it_came_from_the
     with pytest.raises(RuntimeError, match="must match") as raised:
         out.sum().backward()
     notes = "\n".join(getattr(raised.value, "__notes__", []))
-    if hasattr(raised.value, "add_note"):  # Python 3.11+
-        assert "raised by the replay of Cached in backward" in notes
-        assert "use_cache=False" in notes
+    assert "raised by the replay of Cached in backward" in notes
+    assert "use_cache=False" in notes
 
 
 
@@ -123,11 +122,10 @@ def test_an_out_of_memory_error_in_the_replay_is_told_how_to_lower_the_replays_p
     out = checkpoint(RunsOutOfMemoryInTheReplay(), torch.randn(2, 4, requires_grad=True))
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as raised:
         out.sum().backward()
-    if hasattr(raised.value, "add_note"):  # Python 3.11+
-        notes = "\n".join(raised.value.__notes__)
-        assert "raised by the replay of RunsOutOfMemoryInTheReplay in backward" in notes
-        assert "use_cache" not in notes and "key/value cache" not in notes
-        assert "docs/discard.md" in notes and "offload=True" in notes
+    notes = "\n".join(raised.value.__notes__)
+    assert "raised by the replay of RunsOutOfMemoryInTheReplay in backward" in notes
+    assert "use_cache" not in notes and "key/value cache" not in notes
+    assert "docs/discard.md" in notes and "offload=True" in notes
 
 
 def _dropout_layer(p: float = 0.5) -> nn.Sequential:
@@ -155,14 +153,13 @@ def test_a_batched_gradient_through_a_layer_with_dropout_says_the_replay_runs_un
     layer = pytree_ckpt.apply_activation_checkpointing(_dropout_layer())
     with pytest.raises(RuntimeError, match="random operations") as raised:
         _vector_grads(layer, batched=True)
-    if hasattr(raised.value, "add_note"):  # Python 3.11+
-        notes = "\n".join(raised.value.__notes__)
-        assert "raised by the replay of Sequential in backward" in notes
-        assert "is_grads_batched=True" in notes and "vmap" in notes
-        assert "dropout in training" in notes and "Random ops" in notes
-        assert "retain_graph=True" in notes and "eval mode" in notes and "p=0" in notes
-        assert "remove_activation_checkpointing" in notes
-        assert "use_cache" not in notes and "key/value cache" not in notes
+    notes = "\n".join(raised.value.__notes__)
+    assert "raised by the replay of Sequential in backward" in notes
+    assert "is_grads_batched=True" in notes and "vmap" in notes
+    assert "dropout in training" in notes and "Random ops" in notes
+    assert "retain_graph=True" in notes and "eval mode" in notes and "p=0" in notes
+    assert "remove_activation_checkpointing" in notes
+    assert "use_cache" not in notes and "key/value cache" not in notes
     assert torch.equal(_vector_grads(layer, batched=False),
                        _vector_grads(_dropout_layer(), batched=True))
     for p in (0.5, 0.0):  # in eval mode, and p=0 in training: the batched gradient runs
@@ -183,13 +180,12 @@ def test_a_batched_gradient_by_torch_func_vmap_over_backward_says_the_replay_can
     with pytest.raises(RuntimeError, match="requires_grad_") as raised:
         torch.func.vmap(lambda v: torch.autograd.grad(y, x, v, retain_graph=True))(
             torch.eye(12).view(12, 3, 4))
-    if hasattr(raised.value, "add_note"):  # Python 3.11+
-        notes = "\n".join(raised.value.__notes__)
-        assert "raised by the replay of Sequential in backward" in notes
-        assert "torch.func transform" in notes and "whatever the layer does" in notes
-        assert "retain_graph=True" in notes and "is_grads_batched=True" in notes
-        assert "torch.func.vjp" in notes
-        assert "use_cache" not in notes and "key/value cache" not in notes
+    notes = "\n".join(raised.value.__notes__)
+    assert "raised by the replay of Sequential in backward" in notes
+    assert "torch.func transform" in notes and "whatever the layer does" in notes
+    assert "retain_graph=True" in notes and "is_grads_batched=True" in notes
+    assert "torch.func.vjp" in notes
+    assert "use_cache" not in notes and "key/value cache" not in notes
 
 
 class AppendingAttention(torch.nn.Module):
@@ -1254,7 +1250,6 @@ def test_a_scalar_the_forward_stores_in_a_dict_on_a_module_is_warned_about() -> 
         pytree_ckpt.apply_activation_checkpointing(Registers())(torch.randn(4, 8)).sum().backward()
 
 
-@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes need Python 3.11+")
 def test_a_hook_registered_in_the_forward_gets_a_note_naming_the_no_grad_pass() -> None:
     class Clamped(nn.Module):
         def __init__(self, guard: bool) -> None:
