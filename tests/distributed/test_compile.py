@@ -832,11 +832,12 @@ def test_an_error_a_boundary_named_past_the_recompile_limit_is_not_named_again()
     # (the case above never reaches two clauses on this torch, but an outer replay running an
     # inner original pass would): the innermost note is kept, and no second one added.
     from pytree_ckpt.compiled_layers import recompile_limit_note, recompile_limit_noted
+    from pytree_ckpt.notes import add_note
 
     error = RuntimeError("found no compiled frames")
     first = recompile_limit_note(error, "the original pass of Linear")
     assert first is not None and not recompile_limit_noted(error)
-    error.add_note(first)
+    add_note(error, first)
     assert recompile_limit_noted(error)
     assert recompile_limit_note(error, "the replay of Stage in backward") is None
     assert recompile_limit_note(RuntimeError("shape mismatch"), "anywhere") is None
