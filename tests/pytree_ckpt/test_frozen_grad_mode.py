@@ -445,3 +445,24 @@ def test_a_read_in_a_function_nested_in_fn_is_named_as_fn() -> None:
     told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
     assert counts.sum() == 0  # eager counts 3 * 2
     assert len(told) == 1 and "nesting_route reads torch.is_grad_enabled()" in told[0]
+
+
+@pytest.mark.xfail(strict=True, reason="a layer whose only output is a reused trainable module's "
+                   "result is checked in the replay alone, which never runs: eager raises "
+                   "ReuseError, checkpointed silently drops the gate's gradient (helper DO)")
+def test_a_reused_trainable_gate_as_a_layers_only_output_is_refused_as_in_eager() -> None:
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(4, 4)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return pytree_ckpt.reuse_during_recompute(self.gate, h)
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(pytree_ckpt.ReuseError):
+        Layer()(x)  # eager refuses at the call
+    layer = pytree_ckpt.apply_activation_checkpointing(Layer())
+    with pytest.raises(pytree_ckpt.ReuseError):
+        out = layer(x)
+        (out.sum() + x.sum()).backward()  # got: runs, layer.gate.weight.grad stays None
