@@ -1285,3 +1285,14 @@ def test_a_loss_and_checkpoint_kept_after_backward_keep_none_of_the_ops_inputs()
     del h, out
     assert loss.grad_fn is not None and ckpt.fn is norm  # the graph and the object live on
     assert storage.expired()
+
+
+@pytest.mark.xfail(strict=True, reason="atomic_layer_pairs is iterated twice (checked, then "
+                   "used): pairs given as a generator are used up by the check, and the plan "
+                   "silently splits them (helper DO)")
+def test_atomic_pairs_given_as_a_generator_are_kept_together_as_from_a_list() -> None:
+    as_list = build_residual_stream_recompute_plan(4, 1, atomic_layer_pairs=[(1, 2)])
+    as_generator = build_residual_stream_recompute_plan(
+        4, 1, atomic_layer_pairs=(pair for pair in [(1, 2)]))  # type: ignore[arg-type]
+    assert [c.block_index for c in as_list] == [0, 1, 1, 2]
+    assert [c.block_index for c in as_generator] == [0, 1, 1, 2]  # got [0, 1, 2, 3]
