@@ -2155,3 +2155,32 @@ def test_an_output_the_forward_also_stores_on_its_module_stays_the_stored_object
         (out.sum() + model.last.square().sum()).backward()
         grads.append(grads_of(list(model.parameters())))
     assert_same_grads(*grads)
+
+
+@pytest.mark.xfail(strict=True, reason="a view of a registered buffer returned by a checkpointed "
+                   "layer and changed in place after the call is not refused (a plain attribute "
+                   "or a closure table is): the replay computes with the changed buffer and the "
+                   "gradient silently differs from what the forward computed; docs/limits.md "
+                   "says it is refused in backward (helper DO)")
+def test_a_view_of_a_layers_buffer_changed_in_place_after_the_call_is_refused() -> None:
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("table", torch.randn(4, 8))
+
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.lin(h) * self.table[0], self.table[:2]
+
+    torch.manual_seed(0)
+    eager = Table()
+    layer = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 8)
+    y, rows = eager(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rows.mul_(2.0)  # eager refuses the backward
+        y.sum().backward()
+    y, rows = layer(x)
+    with pytest.raises(CheckpointError, match=r"output\[1\] of .*views a tensor"):
+        rows.mul_(2.0)
+        y.sum().backward()  # got: runs; lin.weight.grad is twice what the forward computed
