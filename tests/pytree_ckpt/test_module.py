@@ -946,3 +946,16 @@ def test_module_compile_of_a_checkpointed_layer_is_told_as_module_compile_only()
     assert len(told) == 1 and "module.compile()" in told[0], told
     assert torch.equal(layer.weight.grad, twin.weight.grad)
     assert torch.equal(layer.bias.grad, twin.bias.grad)
+
+
+@pytest.mark.xfail(strict=True, reason="is_checkpointed and remove_activation_checkpointing do "
+                   "not check their argument: None or a list gives \"'NoneType' object has no "
+                   "attribute '__dict__'\" from module.py/module_state.py, where "
+                   "apply_activation_checkpointing raises CheckpointConfigError naming the fix "
+                   "(helper DO)")
+@pytest.mark.parametrize("fn", [pytree_ckpt.is_checkpointed,
+                                pytree_ckpt.remove_activation_checkpointing])
+@pytest.mark.parametrize("given", [None, [nn.Linear(2, 2)]])
+def test_a_module_function_given_no_module_is_refused_naming_the_fix(fn: Any, given: Any) -> None:
+    with pytest.raises(CheckpointConfigError, match="nn.Module"):
+        fn(given)
