@@ -831,3 +831,12 @@ def test_a_split_backward_keeps_the_boundary_inputs_counted_until_the_weight_pas
     eager_grads = torch.autograd.grad(eager_out.sum(), list(twin.parameters()))
     assert torch.equal(dx, eager_dx)
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
+@pytest.mark.xfail(strict=True, reason="ending a census that was never entered is refused saying "
+                   "'got: its end in another thread or context', which is not what happened "
+                   "(helper DO)")
+def test_ending_a_census_never_entered_says_it_was_never_entered() -> None:
+    census = ActivationCensus()
+    with pytest.raises(CheckpointError, match="not entered|never entered|before __enter__"):
+        census.__exit__(None, None, None)
