@@ -218,3 +218,18 @@ def test_with_inputs_of_several_sizes_the_pool_stops_growing_at_its_first_step_w
     first_quiet = misses.index(0)
     assert first_quiet <= 2 and not any(misses[first_quiet:]), misses
     assert manager.stats()["host_buffers_in_use"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="HostPool.release takes anything: a tensor it never "
+                   "handed out joins a free list and checked_out goes to -1; a non-tensor is "
+                   "found only by a later acquire, as \"'str' object has no attribute 'numel'\" "
+                   "(helper DO)")
+@pytest.mark.parametrize("foreign", ["buffer", torch.ones(3)])
+def test_releasing_what_the_pool_never_handed_out_is_refused_at_the_release(foreign: Any
+                                                                            ) -> None:
+    from pytree_ckpt import CheckpointError
+    pool = HostPool(pin_memory=False)
+    with pytest.raises((CheckpointError, TypeError, ValueError)):
+        pool.release(foreign)
+    assert pool.checked_out == 0
+    assert pool.acquire(16).dtype == torch.uint8
