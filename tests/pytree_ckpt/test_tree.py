@@ -740,3 +740,21 @@ def test_a_strided_nested_tensor_at_the_boundary_is_refused_naming_its_path_and_
     # Given both, the strided one is named, not the jagged one before it (which crosses).
     with pytest.raises(CheckpointError, match=r"at args\[1\]"):
         checkpoint(lambda j, t: (j * weight).sin(), jagged, nested)
+
+
+@pytest.mark.xfail(strict=True, reason="an iterator output (iter([...]), map, zip) is a leaf the "
+                   "bridge cannot look into, and is not refused as an iterator input is: the "
+                   "tensor fn computed in it leaves without gradient and its share of the loss "
+                   "silently vanishes (x.grad 3, eager 5) (helper DO)")
+def test_a_tensor_inside_an_output_iterator_is_refused_or_gets_its_gradient() -> None:
+    x = torch.randn(3, requires_grad=True)
+    eager = (x * 3, iter([x * 2]))
+    (eager[0].sum() + next(eager[1]).sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 5.0))
+    x.grad = None
+    try:
+        out = checkpoint(lambda t: (t * 3, iter([t * 2])), x)
+    except CheckpointError:
+        return  # refused, naming it: fine
+    (out[0].sum() + next(out[1]).sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 5.0))  # got 3.0
