@@ -5,7 +5,7 @@ discards its cheap outputs together and replays them, in forward order, from one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -44,7 +44,7 @@ class ResidualStreamRecomputeContext:
 
 def build_residual_stream_recompute_plan(
         num_layers: int, block_size: int | None, *,
-        atomic_layer_pairs: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
+        atomic_layer_pairs: Iterable[tuple[int, int]] = (),
 ) -> list[ResidualStreamRecomputeContext]:
     """One context per layer; layers of a block share a manager; pairs never split. The
     signature is Megatron-Core's (both arguments may be given by name).
@@ -63,17 +63,26 @@ def build_residual_stream_recompute_plan(
         raise CheckpointConfigError("block_size must be a positive int or None",
                                     expected=">= 1, or None for the whole stack",
                                     got=repr(block_size), tip="None makes one block")
+    # Read once: a generator is used up by the check below, and the plan would split its pairs.
+    if isinstance(atomic_layer_pairs, (str, bytes)) or \
+            not isinstance(atomic_layer_pairs, Iterable):
+        raise CheckpointConfigError(
+            "atomic_layer_pairs must be an iterable of (a, b) layer index pairs",
+            expected="a list or tuple of pairs, () for none", got=repr(atomic_layer_pairs),
+            tip="pass atomic_layer_pairs=() (the default) when no layers must stay together")
+    pairs = tuple(atomic_layer_pairs)
     unit_of = list(range(num_layers))  # the first layer of the atomic unit holding each layer
-    for pair in atomic_layer_pairs:
+    for pair in pairs:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2
-                and all(isinstance(i, int) for i in pair) and 0 <= pair[0] < pair[1] < num_layers):
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in pair)
+                and 0 <= pair[0] < pair[1] < num_layers):
             raise CheckpointConfigError(
                 f"atomic_layer_pairs entry {pair!r} is not a pair of layer indices a < b",
                 expected=f"0 <= a < b < {num_layers}", got=repr(pair),
                 tip="list each pair once, smaller index first")
     # In order of their first layer, so that overlapping pairs chain into one unit whatever
     # order they are listed in.
-    for a, b in sorted(tuple(pair) for pair in atomic_layer_pairs):
+    for a, b in sorted(tuple(pair) for pair in pairs):
         for layer in range(a + 1, b + 1):
             unit_of[layer] = unit_of[a]
     units: list[list[int]] = []

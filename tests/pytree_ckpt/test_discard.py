@@ -1287,15 +1287,21 @@ def test_a_loss_and_checkpoint_kept_after_backward_keep_none_of_the_ops_inputs()
     assert storage.expired()
 
 
-@pytest.mark.xfail(strict=True, reason="atomic_layer_pairs is iterated twice (checked, then "
-                   "used): pairs given as a generator are used up by the check, and the plan "
-                   "silently splits them (helper DO)")
 def test_atomic_pairs_given_as_a_generator_are_kept_together_as_from_a_list() -> None:
     as_list = build_residual_stream_recompute_plan(4, 1, atomic_layer_pairs=[(1, 2)])
     as_generator = build_residual_stream_recompute_plan(
-        4, 1, atomic_layer_pairs=(pair for pair in [(1, 2)]))  # type: ignore[arg-type]
+        4, 1, atomic_layer_pairs=(pair for pair in [(1, 2)]))
     assert [c.block_index for c in as_list] == [0, 1, 1, 2]
-    assert [c.block_index for c in as_generator] == [0, 1, 1, 2]  # got [0, 1, 2, 3]
+    assert [c.block_index for c in as_generator] == [0, 1, 1, 2]  # was [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("pairs, shown", [(None, "None"), (3, "3"), ("12", "'12'"),
+                                          ([(False, True)], "(False, True)")])
+def test_atomic_pairs_that_are_no_iterable_of_index_pairs_are_refused(
+        pairs: Any, shown: str) -> None:
+    with pytest.raises(CheckpointConfigError, match="atomic_layer_pairs") as raised:
+        build_residual_stream_recompute_plan(4, 1, atomic_layer_pairs=pairs)
+    assert f"got:      {shown}" in str(raised.value) and "tip:" in str(raised.value)
 
 
 @pytest.mark.xfail(strict=True, reason="CheckpointWithoutOutput.checkpoint (and the manager's, "
