@@ -262,7 +262,8 @@ def alias_all(tensors: Sequence[torch.Tensor], /) -> tuple[torch.Tensor, ...]:
 def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
                   depth: int = 3) -> tuple[str, torch.Tensor] | None:
     """The first ``wanted`` tensor inside a leaf the bridge did not open, with its path from
-    the leaf (``['aux']``, ``.h``, ``[0]``), looking ``depth`` levels down and at 64 objects in
+    the leaf (``['aux']``, ``.h``, ``[0]``; an iterator's items by what it iterates over, a
+    generator's by its frame's variables), looking ``depth`` levels down and at 64 objects in
     all (docs/limits.md: one past those is not found); ``None`` if none. ``leaf`` is never a
     tensor: its callers pass only the leaves that are not.
 
@@ -289,6 +290,16 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
         elif isinstance(getattr(obj, "__dict__", None), dict) and \
                 not callable(obj) and not isinstance(obj, types.ModuleType):
             children = ((f".{name}", value) for name, value in vars(obj).items())
+        elif isinstance(obj, types.GeneratorType):
+            # What a generator (a generator expression's source iterator included) holds is
+            # in its frame, None once it is finished.
+            frame = obj.gi_frame
+            children = () if frame is None else \
+                ((f"<{name}>", value) for name, value in frame.f_locals.items())
+        elif isinstance(obj, Iterator) and type(obj).__module__ == "builtins":
+            # iter(list), map, zip, enumerate, reversed, dict iterators: __reduce__ gives what
+            # they iterate over without advancing them (itertools' is deprecated, not used).
+            children = (("", item) for item in obj.__reduce__()[1])
         else:
             return None
         for key, child in children:
