@@ -10,6 +10,7 @@ call, loops on the per-call path) are in boundary.py.
 from __future__ import annotations
 
 import functools
+import weakref
 from contextlib import ExitStack
 from typing import Any
 
@@ -189,7 +190,7 @@ class _BoundaryFunction(torch.autograd.Function):
         if len(flat.tensor_index) < len(flat.leaves):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         # NOTE [outputs made before the call] (made_before.py)
-        out_tensors, as_is, views = leaving_tensors(
+        out_tensors, as_is, views, state = leaving_tensors(
             flat.leaves if len(flat.tensor_index) == len(flat.leaves) else
             [flat.leaves[i] for i in flat.tensor_index], tensors, call.before, watch)
         extra: tuple[torch.Tensor, ...] = ()
@@ -206,6 +207,13 @@ class _BoundaryFunction(torch.autograd.Function):
         if views:  # NOTE [outputs that view fn's own results] (made_before.py)
             out_tensors, call.unviewed = unviewed(out_tensors, views,
                                                   (*extra, *call.frame.tensors()))
+        if state:
+            # A buffer's rows returned untouched (marked non-differentiable below) and changed
+            # in place by the caller: the replay would read the changed buffer, where eager
+            # refuses at backward when an op saved it. Watched as the views above are.
+            call.unviewed = [*(call.unviewed or ()),
+                             *((p, weakref.ref(out_tensors[p]), out_tensors[p]._version)
+                               for p in state)]
         call.before = None
         call.held = {}
         call.out_spec = flat.spec

@@ -51,15 +51,19 @@ def _of_an_input(root: torch.Tensor, inputs: Sequence[torch.Tensor], /) -> bool:
 
 def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                     before: dict[int, torch.Tensor] | None, watch: StateWatch | None, /
-                    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor], list[int]]:
+                    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor], list[int],
+                               list[int]]:
     """The tensors the boundary's Function returns for ``outputs`` (fn's tensor leaves), those
     of them to mark non-differentiable as made before the call (NOTE [outputs made before the
     call]), and the positions of views of a tensor none of those (NOTE [outputs that view
-    fn's own results]). ``before``: the frozen parameters and buffers by id, taken before fn
-    ran; ``watch`` says which of them fn changed in place."""
+    fn's own results]), and the positions of those returned untouched that are module state
+    (a buffer, a frozen parameter, or a view of one), to watch for a change in place after the
+    call as those views are. ``before``: the frozen parameters and buffers by id, taken before
+    fn ran; ``watch`` says which of them fn changed in place."""
     out = list(alias_all(outputs))
     as_is = []
     views = []
+    state = []
     for position, t in enumerate(out):
         if t.requires_grad:
             continue
@@ -91,9 +95,10 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
         # A view shares its base's version counter: the buffer's says whether fn wrote to it.
         if watch is None or watch.unchanged_in_place(known):
             as_is.append(t)
+            state.append(position)
         elif t is known and (t.is_floating_point() or t.is_complex()):
             out[position] = alias(t)  # the buffer itself gets no node: an alias does
-    return tuple(out), as_is, views
+    return tuple(out), as_is, views, state
 
 
 def unviewed(outputs: tuple[torch.Tensor, ...], views: list[int],
