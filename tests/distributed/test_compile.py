@@ -1096,3 +1096,33 @@ def test_compiled_autograd_in_a_compiled_step_of_a_plain_model_still_works_after
                            {n: p.grad for n, p in plain.named_parameters()})
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.xfail(strict=True, reason="pytree_ckpt.current_phase() in a fullgraph body fails with "
+                   "dynamo's bare 'Dynamo does not know how to trace method `get` of class "
+                   "`ContextVar`' (hint: 'report an issue to PyTorch'), where reuse and output "
+                   "discard name the reason and the fix (compile without fullgraph=True)")
+def test_current_phase_in_a_fullgraph_body_is_refused_with_the_reason_and_the_fix() -> None:
+    # limits.md suggests a forward that skips an update when current_phase() is "recompute".
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if pytree_ckpt.current_phase() != "recompute":
+                x = x * 1.0
+            return torch.tanh(self.lin(x))
+
+    torch._dynamo.reset()
+    try:
+        layer = Counting()
+        layer.forward = torch.compile(layer.forward, backend="eager", fullgraph=True)
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+        with pytest.raises(Exception) as raised:
+            layer(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        message = str(raised.value)
+        assert "current_phase" in message.split("from user code:")[0], message
+        assert "fullgraph=True" in message, message
+    finally:
+        torch._dynamo.reset()
