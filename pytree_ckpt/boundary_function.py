@@ -21,6 +21,7 @@ from .census import Mechanism, census_active, report_held
 from .changed_in_place import (ParameterVersions, raise_input_changed,
                                refuse_parameters_changed)
 from .compiled_layers import recompile_limit_note
+from .eager import BACKWARD_REASON, runs_eagerly
 from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read, with_reused_calls
 from .generator_sets import forward_watch, learned
@@ -273,6 +274,10 @@ class _BoundaryFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        return _backward(ctx, grad_outputs)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
         call: BoundaryCall = ctx.call
         if torch.is_grad_enabled():  # refused (no closure made per call otherwise)
             refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
@@ -311,6 +316,14 @@ class _BoundaryFunction(torch.autograd.Function):
         if call.made_leaves is not None:  # NOTE [leaves the call makes] (refusals.py)
             check_made_leaves(call)
         return grads
+
+
+# NOTE [the replay stays eager]: dynamo meets the Function's backward where compiled autograd
+# puts it into its graph, and where a compiled step calls loss.backward() on the CPU (the
+# engine then runs backward on the calling thread, under dynamo's frame callback). Traced, the
+# replay's try blocks crashed dynamo ("exception table entry start instruction has no
+# offset"); opaque, it runs eagerly, as in any backward.
+_backward = runs_eagerly(BACKWARD_REASON)(_BoundaryFunction._backward)
 
 
 # NOTE [the Function is applied in C]: ``torch.autograd.Function.apply`` (Python) binds default

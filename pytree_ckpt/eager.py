@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["BOUNDARY_REASON", "DISCARD_REASON", "KEPT_CALLABLE_REASON", "REUSE_REASON",
+__all__ = ["BACKWARD_REASON", "BOUNDARY_REASON", "DISCARD_REASON", "HOOK_REASON",
+           "KEPT_CALLABLE_REASON", "REUSE_REASON",
            "compile_stance_is_default", "compiled_caller", "compiled_wrapper",
            "in_compiled_module_call",
            "Told", "runs_eagerly", "user_site", "user_stacklevel"]
@@ -45,6 +46,12 @@ DISCARD_REASON = (
     "place and hangs their rebuild on a gradient hook, which traced code would not follow, so "
     "a compiled body graph-breaks at each discarded op. Compile such a body without "
     "fullgraph=True (see docs/scaling.md)")
+HOOK_REASON = (
+    "pytree_ckpt's module registration hooks run eagerly: torch calls them for every module "
+    "built anywhere, and they only count that the module structure changed")
+BACKWARD_REASON = (
+    "pytree_ckpt's checkpoint boundary replays its layer in backward eagerly: the replay runs "
+    "the layer's forward again with grad enabled and takes its gradients, outside any graph")
 KEPT_CALLABLE_REASON = (
     "a method kept by a pytree_ckpt save unit (KeptCallables) runs eagerly: the region that "
     "keeps its outputs must see every op it runs. Save units need eager layer bodies (see "

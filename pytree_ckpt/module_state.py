@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from .eager import Told, user_stacklevel
+from .eager import HOOK_REASON, Told, runs_eagerly, user_stacklevel
 from .hook_outputs import is_library_hook, keeps_output_as_is
 from .tree import POSITIONAL_CALL_SPECS
 
@@ -118,11 +118,17 @@ _structure_generation = 0
 _hook_installed = False
 
 
+# NOTE [global hooks stay eager]: these hooks run for every module anyone builds, compiled code
+# included (compiled autograd builds an OptimizedModule inside a compiled step). Traced, dynamo
+# read the half-built module and failed (KeyError: _orig_mod) for models that never met a
+# boundary; opaque, they graph-break and count as always.
+@runs_eagerly(HOOK_REASON)
 def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     global _structure_generation
     _structure_generation += 1
 
 
+@runs_eagerly(HOOK_REASON)  # NOTE [global hooks stay eager]
 def _bump_generation_for_new_buffer(module: nn.Module, name: str, buffer: Any) -> None:
     # NOTE [a new buffer is new state]: a buffer registered under a new name is state a
     # forward may change (the deprecated spectral_norm registers its u and v and a pre-hook

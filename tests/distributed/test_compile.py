@@ -1046,10 +1046,6 @@ def _compiled_autograd_enable() -> Any:
     return enable(torch.compile(backend="eager"))
 
 
-@pytest.mark.xfail(strict=True, reason="under compiled autograd dynamo traces the boundary's "
-                   "backward (boundary_function.py backward/_replay) and crashes inside dynamo: "
-                   "AssertionError 'exception table entry start instruction has no offset'; "
-                   "torch's own checkpoints, reentrant or not, give eager's gradients there")
 def test_compiled_autograd_over_a_checkpointed_layer_gives_eager_grads() -> None:
     torch._dynamo.reset()
     try:
@@ -1067,11 +1063,6 @@ def test_compiled_autograd_over_a_checkpointed_layer_gives_eager_grads() -> None
         torch._dynamo.reset()
 
 
-
-@pytest.mark.xfail(strict=True, reason="once any checkpointed layer has run, the library's global "
-                   "module-registration hook (module_state._bump_generation) is traced by dynamo "
-                   "when compiled autograd builds its OptimizedModule: InternalTorchDynamoError "
-                   "KeyError: _orig_mod, for every model in the process, checkpointed or not")
 def test_compiled_autograd_in_a_compiled_step_of_a_plain_model_still_works_after_a_boundary_ran(
         ) -> None:
     torch._dynamo.reset()
@@ -1128,11 +1119,6 @@ def test_current_phase_in_a_fullgraph_body_is_refused_with_the_reason_and_the_fi
         torch._dynamo.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="a compiled train step that calls loss.backward() runs the "
-                   "backward under dynamo's frame callback (CPU: on the calling thread), so dynamo "
-                   "traces the boundary's backward (boundary_function.py backward/_replay) and "
-                   "crashes: AssertionError 'exception table entry start instruction has no "
-                   "offset'; torch's reentrant checkpoint and the plain model run there")
 def test_a_compiled_train_step_calling_backward_through_checkpointed_layers_gives_eager_grads(
         ) -> None:
     torch._dynamo.reset()
