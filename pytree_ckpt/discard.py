@@ -193,7 +193,6 @@ class CheckpointWithoutOutput:
         owner = owning_module(fn)
         self.n_args = len(args)
         modules = [m for m in (owner, *args) if isinstance(m, nn.Module)]
-        skip = {id(a) for a in args if isinstance(a, torch.Tensor)}
         if modules:
             self.modules = modules
             trees = [module_dicts(m) for m in modules]
@@ -202,8 +201,11 @@ class CheckpointWithoutOutput:
             # is used both ways, and each use needs its gradient (as in the boundary).
             self.params = collect_parameters(trees, set(), frozen=frozen)
             self.state = ([d for tree in trees for d in tree.buffers], frozen, trees)
-        elif not any(t.requires_grad and id(t) not in skip
+        elif not any(t.requires_grad and not any(t is a for a in args)
                      for t in self._found_reachable(fn, args)):
+            # By identity, not id(): in a compiled body (this method is traced: NOTE [discard
+            # stays eager]) id() of a tensor argument made dynamo guard on that very object,
+            # so each call with a new input recompiled, up to the recompile limit.
             # A plain function that reaches nothing trainable (F.gelu, a lambda, a partial):
             # its gradients are its inputs' alone, so the explicit path serves, also under
             # torch.autograd.grad (a checkpoint boundary's replay uses it).

@@ -233,18 +233,14 @@ def test_a_compiled_body_runs_output_discard_eagerly_without_dynamo_warnings() -
         torch._dynamo.reset()
 
 
-
-@pytest.mark.xfail(strict=True, reason="CheckpointWithoutOutput.checkpoint is traced by dynamo and "
-                   "takes id() of its tensor arguments (discard.py, `skip = {id(a) ...}`): a "
-                   "guard on the identity of the body's input, so every step recompiles until "
-                   "dynamo's recompile_limit, after which the body runs eagerly, not compiled")
 def test_a_compiled_body_that_discards_its_input_norm_stays_compiled_step_after_step() -> None:
-    # The pre-norm of a decoder layer, discarded: the discarded module reads the layer's own
-    # input. dynamo traces CheckpointWithoutOutput.checkpoint, whose `skip = {id(a) ...}`
-    # (discard.py) guards on the identity of that input (___check_obj_id), so every call
-    # recompiles, and past dynamo's recompile_limit the compiled graphs stop running. Graphs run
-    # per step, three layers: 3, 3, 2, 0, 0, ... (one layer, 2-D input: 2 eight times, then 1).
-    # The numbers stay eager's; only the compilation is silently lost.
+    # Guards against (helper DN): the pre-norm of a decoder layer, discarded: the discarded
+    # module reads the layer's own input. dynamo traces CheckpointWithoutOutput.checkpoint,
+    # whose `skip = {id(a) ...}` (discard.py) guarded on the identity of that input
+    # (___check_obj_id), so every call recompiled, and past dynamo's recompile_limit the
+    # compiled graphs stopped running. Graphs run per step, three layers: 3, 3, 2, 0, 0, ...
+    # (one layer, 2-D input: 2 eight times, then 1). The numbers stayed eager's; only the
+    # compilation was silently lost.
     class Layer(nn.Module):
         def __init__(self) -> None:
             super().__init__()
