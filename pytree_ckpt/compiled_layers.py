@@ -38,6 +38,20 @@ def warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> No
 def warn_module_compiled(module: nn.Module, installed: _CheckpointedForward) -> None:
     if "module.compile()" in installed.told:  # called at every call: no message built then
         return
+    if _fullgraph(module.__dict__["_compiled_call_impl"]) and compile_stance_is_default():
+        # As torch.compile(layer, fullgraph=True) is (check_compiled_wrapper): torch would
+        # fail after the whole forward had run, "found no compiled frames". Not marked told:
+        # every call is refused.
+        name = type(module).__name__
+        raise CheckpointConfigError(
+            f"this {name} is checkpointed and compiled with {name}.compile(fullgraph=True), "
+            "which compiles its call up to the boundary: the boundary runs eagerly (its replay "
+            "runs in backward, outside any graph), so no graph can be compiled",
+            expected="the layer's body compiled, inside the boundary",
+            got=f"module.compile(fullgraph=True) of the checkpointed {name}",
+            tip="compile the body inside the boundary: remove_activation_checkpointing(layer), "
+                "then layer.forward = torch.compile(layer.forward, fullgraph=True), then "
+                "apply_activation_checkpointing(layer) (docs/scaling.md, 'Wrapping order')")
     _tell_once(
         installed, "module.compile()",
         f"pytree_ckpt: this {type(module).__name__} was compiled with module.compile(), which "
@@ -45,6 +59,20 @@ def warn_module_compiled(module: nn.Module, installed: _CheckpointedForward) -> 
         "dynamo, and so is the body it runs). Compile the body instead: "
         "layer.forward = torch.compile(layer.forward) before apply_activation_checkpointing("
         "layer) (docs/scaling.md, 'Wrapping order')")
+
+
+def _fullgraph(compiled: Any, /) -> bool:
+    """Whether the function ``torch.compile`` returned was made with ``fullgraph=True``: read
+    from the compile context its closure holds (dynamo's private layout; False where it
+    differs, and the layer is then told, not refused)."""
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if hasattr(type(held), "__call__") and isinstance(getattr(held, "fullgraph", None), bool):
+            return bool(held.fullgraph)
+    return False
 
 
 def _tell_once(installed: _CheckpointedForward, what: str, message: str, /) -> None:

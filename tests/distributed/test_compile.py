@@ -1019,9 +1019,6 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_again_at_
 
 
 
-@pytest.mark.xfail(strict=True, reason="layer.compile(fullgraph=True) on a checkpointed layer is "
-                   "only warned about ('compiled with module.compile()'), then torch raises "
-                   "'found no compiled frames' after the forward ran; boundary.md says refused")
 def test_a_fullgraph_module_compile_of_a_checkpointed_layer_is_refused_naming_the_fix() -> None:
     # boundary.md ("told or refused"): "`layer.compile()`, `torch.compile(layer)` of a
     # checkpointed layer (refused with `fullgraph=True`; ...)". torch.compile(layer,
@@ -1034,8 +1031,11 @@ def test_a_fullgraph_module_compile_of_a_checkpointed_layer_is_refused_naming_th
         net.block.compile(backend="eager", fullgraph=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with pytest.raises(pytree_ckpt.CheckpointConfigError, match="fullgraph=True"):
+            with pytest.raises(pytree_ckpt.CheckpointConfigError,
+                               match=r"Linear.compile\(fullgraph=True\)") as raised:
                 net(torch.randn(4, 8))
+        assert "layer.forward = torch.compile(layer.forward, fullgraph=True)" in \
+            str(raised.value)
     finally:
         torch._dynamo.reset()
 
