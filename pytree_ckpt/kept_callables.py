@@ -36,14 +36,16 @@ class KeptCallables:
             raise CheckpointConfigError("KeptCallables needs at least one callable",
                                         expected="a method or 'Class.method'", got="nothing",
                                         tip="e.g. KeptCallables('Router.project')")
-        bad = next((t for t in callables_or_qualnames if not callable(t) and not (
-            isinstance(t, str) and all(t.rpartition(".")[::2]))), None)
-        if bad is not None:
+        # A list, not next(..., None): None itself is a bad argument.
+        bad = [t for t in callables_or_qualnames if not callable(t) and not (
+            isinstance(t, str) and all(t.rpartition(".")[::2]))]
+        if bad:
             raise CheckpointConfigError(
                 "KeptCallables takes methods, or their qualified names 'Class.method'",
                 expected="e.g. KeptCallables('Router.project') or KeptCallables(Router.project)",
-                got=repr(bad), tip="name the method with its class: the unit wraps that method "
-                                   "of every submodule of that class in the checkpointed layers")
+                got=repr(bad[0]),
+                tip="name the method with its class: the unit wraps that method of every "
+                    "submodule of that class in the checkpointed layers")
         self.targets = tuple(callables_or_qualnames)
 
     def __repr__(self) -> str:

@@ -35,9 +35,10 @@ class KeptOps:
 
     def __init__(self, *ops: str | torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> None:
         names = [op_name(op) for op in ops]
-        bad: Any = next((op for op, n in zip(ops, names)
-                         if not (isinstance(n, str) and "::" in n)), None)
-        if not names or bad is not None:
+        # A list, not next(..., None): None itself is a bad argument.
+        bad_ops = [op for op, n in zip(ops, names) if not (isinstance(n, str) and "::" in n)]
+        if not names or bad_ops:
+            bad: Any = bad_ops[0] if bad_ops else None
             higher_order = isinstance(bad, torch._ops.HigherOrderOperator)
             raise CheckpointConfigError(
                 "KeptOps takes one or more op names of the form 'namespace::name' (or "

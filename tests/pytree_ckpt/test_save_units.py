@@ -978,14 +978,13 @@ def test_a_pickled_layer_keeping_an_op_this_process_lacks_is_refused_naming_it()
     assert name(*args) == policy
 
 
-@pytest.mark.xfail(strict=True, reason="KeptOps/KeptCallables find a bad argument with "
-                   "next(..., None), so a None argument reads as 'no bad one': KeptOps(None) is "
-                   "accepted and fails later with AttributeError, KeptCallables(None) matches a "
-                   "method named '' on every module (helper DO)")
 @pytest.mark.parametrize("make", [lambda: KeptOps(None), lambda: KeptOps("aten::mm", None),
-                                  lambda: KeptCallables(None)])
+                                  lambda: KeptCallables(None),
+                                  lambda: KeptCallables("Attn.forward", None)])
 def test_a_none_target_is_refused_when_the_unit_is_made(make: Any) -> None:
-    with pytest.raises(CheckpointConfigError):
+    # A None argument is the bad one; it once read as "no bad one" (next(..., None)).
+    with pytest.raises(CheckpointConfigError,
+                       match=r"(?s)takes .*expected: e\.g\. Kept.*got:      None.*tip: "):
         make()
 
 
