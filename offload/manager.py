@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from pytree_ckpt.census import Mechanism, census_active, report_held
-from pytree_ckpt.errors import CheckpointConfigError
+from pytree_ckpt.errors import CheckpointConfigError, validate_bool
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
 
@@ -162,6 +162,7 @@ class OffloadManager:
 
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """Counters since the last reset: bytes, pool hits/misses, prefetch hits, waits."""
+        validate_bool(reset, name="reset", default=False)
         with self._lock:  # NOTE [one thread at a time]
             return self._stats(reset=reset)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pytree_ckpt.errors import CheckpointConfigError
+from pytree_ckpt.errors import CheckpointConfigError, validate_bool
 
 __all__ = ["HostPool", "size_class"]
 
@@ -61,7 +61,7 @@ class HostPool:
     """Host buffers (``uint8`` tensors) by size class, pinned when ``pin_memory``."""
 
     def __init__(self, *, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
+        self.pin_memory = validate_bool(pin_memory, name="pin_memory", default=None)
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
         self._returned: deque[tuple[torch.Tensor, Any]] = deque()  # NOTE [release never waits]
         self._lock = threading.Lock()

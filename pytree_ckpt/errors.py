@@ -48,14 +48,17 @@ class SavedTensorChanged(CheckpointError):
         self.version = version
 
 
-def validate_bool(value: object, /, *, name: str) -> bool:
-    """``value`` if it is a bool, else a ``CheckpointConfigError`` naming option ``name``.
+def validate_bool(value: object, /, *, name: str, default: bool | None = True) -> bool:
+    """``value`` if it is a bool, else a ``CheckpointConfigError`` naming option ``name``;
+    its tip names ``default`` as the default (``None``: the option has none).
 
     NOTE: options are never read by truthiness: ``preserve_rng_state=None`` (a config's missing
     key) would silently turn RNG restoring off and give other dropout masks in the replay.
     """
     if not isinstance(value, bool):
+        choices = [f"{name}={flag}" + (" (the default)" if flag is default else "")
+                   for flag in (True, False)]
         raise CheckpointConfigError(
             f"{name} takes a bool", expected="True or False", got=repr(value),
-            tip=f"pass {name}=True (the default) or {name}=False")
+            tip=f"pass {choices[0]} or {choices[1]}")
     return value

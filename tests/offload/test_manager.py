@@ -1703,12 +1703,16 @@ def test_a_window_name_that_is_a_string_does_not_hide_the_error_it_names() -> No
         y.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="stats(reset=) and HostPool(pin_memory=) are read by "
-                   "truthiness, which errors.validate_bool says options never are: "
-                   "stats(reset='no') resets the counters, HostPool(pin_memory='no') pins "
-                   "(helper DO)")
-@pytest.mark.parametrize("call", [lambda: OffloadManager().stats(reset="no"),
-                                  lambda: offload.HostPool(pin_memory="no")])
-def test_a_flag_given_as_a_string_is_refused(call: Any) -> None:
-    with pytest.raises(CheckpointConfigError, match="bool"):
-        call()
+@pytest.mark.parametrize(("call", "name", "tip"), [
+    (lambda flag: OffloadManager().stats(reset=flag), "reset",
+     "reset=True or reset=False (the default)"),
+    (lambda flag: offload.HostPool(pin_memory=flag), "pin_memory",
+     "pin_memory=True or pin_memory=False")])
+@pytest.mark.parametrize("flag", ["no", None, 1])
+def test_a_flag_given_as_a_string_is_refused(call: Any, name: str, tip: str, flag: Any) -> None:
+    # Read by truthiness, stats(reset="no") reset the counters, stats(reset=None) did not, and
+    # HostPool(pin_memory="no") pinned.
+    with pytest.raises(CheckpointConfigError) as caught:
+        call(flag)
+    assert str(caught.value) == (f"{name} takes a bool\n  expected: True or False\n"
+                                 f"  got:      {flag!r}\n  tip: pass {tip}")
