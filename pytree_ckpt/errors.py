@@ -6,8 +6,12 @@ or a callable), shows both sides of a mismatch, and ends with a tip.
 
 from __future__ import annotations
 
+from typing import Any
+
+from .tree import describe_leaf
+
 __all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError",
-           "SavedTensorChanged", "validate_bool"]
+           "SavedTensorChanged", "require_callable", "validate_bool"]
 
 
 class CheckpointError(RuntimeError):
@@ -62,3 +66,12 @@ def validate_bool(value: object, /, *, name: str, default: bool | None = True) -
             f"{name} takes a bool", expected="True or False", got=repr(value),
             tip=f"pass {choices[0]} or {choices[1]}")
     return value
+
+
+
+def require_callable(fn: Any, where: str, tip: str, /, *,
+                     role: str = "the function (or module) to run behind the boundary") -> None:
+    """A ``CheckpointConfigError`` unless ``fn`` is callable: ``where`` takes ``role``."""
+    if not callable(fn):
+        raise CheckpointConfigError(f"{where} takes {role}", expected="a callable",
+                                    got=describe_leaf(fn), tip=tip)

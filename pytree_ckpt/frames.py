@@ -38,7 +38,7 @@ import optree
 import torch
 
 from .eager import REUSE_REASON, runs_eagerly
-from .errors import ReuseError
+from .errors import ReuseError, require_callable
 from .frozen import (Passthrough, StateAfter, apply_state_after, argument_versions, as_recorded,
                      buffer_versions, numbers_watch, refuse_in_plain_call, refuse_in_replay,
                      state_after, warn_changed_arguments, warn_grad_mode_read)
@@ -331,6 +331,9 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     A result that eager would compute with grad is refused with ``ReuseError`` (NOTE
     [differentiable results are refused where grad is on] in frozen.py).
     """
+    require_callable(fn, "reuse_during_recompute", "reuse_during_recompute(indexer, h) or "
+                     "reuse_during_recompute(fn, h, ...): the function first, then its arguments",
+                     role="the function whose result the replay reuses")
     invocation = ACTIVE.get()
     if IN_REUSE.get():
         # NOTE [reuse inside reuse]: a call made while another reused fn runs is a plain call.

@@ -19,10 +19,10 @@ from .apply import OFFLOAD_ENV
 from .boundary import run_boundary
 from .boundary_call import DEFAULT_OPTIONS, BoundaryOptions
 from .eager import BOUNDARY_REASON, runs_eagerly, user_stacklevel
-from .errors import CheckpointConfigError
+from .errors import CheckpointConfigError, require_callable
 from .module_state import owning_module
 from .phase import Phase, current_phase
-from .refusals import fn_name, refuse_container, require_callable
+from .refusals import fn_name, refuse_container
 from .tree import flatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time

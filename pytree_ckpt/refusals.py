@@ -23,7 +23,7 @@ from torch import nn
 from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .module_state import foreign_leaves, mark_verified, owning_module, warn_forward_hooks
-from .tree import describe_leaf, leaf_paths
+from .tree import leaf_paths
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the boundary imports this module
 __all__ = ["TORCH_REENTRANT", "check_made_leaves", "fn_name", "input_path", "input_path_of",
            "raise_attached_to_outside_tensor", "raise_hooked_outside_tensor",
            "raise_torch_reentrant_inside", "readable_path", "refuse_container",
-           "refuse_double_backward", "refuse_module_tensor", "require_callable", "verify_leaves"]
+           "refuse_double_backward", "refuse_module_tensor", "verify_leaves"]
 
 
 def readable_path(path: str) -> str:
@@ -275,9 +275,3 @@ def refuse_container(module: nn.Module, consequence: str, /, *, index: int | Non
         got=f"a {name} (a container of modules)",
         tip=f"checkpoint_layers({layers}) checkpoints each layer it holds")
 
-
-def require_callable(fn: Any, where: str, tip: str, /) -> None:
-    if not callable(fn):
-        raise CheckpointConfigError(
-            f"{where} takes the function (or module) to run behind the boundary",
-            expected="a callable", got=describe_leaf(fn), tip=tip)

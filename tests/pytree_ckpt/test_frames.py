@@ -1777,10 +1777,6 @@ def test_a_partial_of_a_torch_function_made_anew_at_each_call_is_said_to_be() ->
         out.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="reuse_during_recompute does not check that fn is "
-                   "callable: a None or a string gives Python's bare \"'NoneType' object is not "
-                   "callable\" from inside frames.py, where checkpoint() and checkpointed() raise "
-                   "CheckpointConfigError naming the fix (helper DO)")
 @pytest.mark.parametrize("inside", [False, True])
 @pytest.mark.parametrize("fn", [None, "indexer"])
 def test_reuse_of_something_not_callable_is_refused_naming_the_fix(inside: bool, fn: Any) -> None:
@@ -1789,5 +1785,12 @@ def test_reuse_of_something_not_callable_is_refused_naming_the_fix(inside: bool,
     def body(h: torch.Tensor) -> torch.Tensor:
         return h * reuse_during_recompute(fn, h.detach())
 
-    with pytest.raises(pytree_ckpt.CheckpointError, match="callable"):
+    # Once Python's bare "'NoneType' object is not callable" from inside frames.py.
+    with pytest.raises(pytree_ckpt.CheckpointConfigError) as caught:
         checkpoint(body, x) if inside else body(x)
+    assert str(caught.value) == (
+        "reuse_during_recompute takes the function whose result the replay reuses\n"
+        "  expected: a callable\n"
+        f"  got:      {type(fn).__name__} {fn!r}\n"
+        "  tip: reuse_during_recompute(indexer, h) or reuse_during_recompute(fn, h, ...): the "
+        "function first, then its arguments")
