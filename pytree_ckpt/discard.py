@@ -65,7 +65,8 @@ from .discard_aliases import reachable_tensors, register_rebuild
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
-from .errors import CheckpointConfigError, CheckpointError, ReplayMismatchError, validate_bool
+from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError, require_callable,
+                     validate_bool)
 from .forward_modules import ForwardModules
 from .forward_numbers import ChangedNumbers
 from .frames import callable_name
@@ -73,6 +74,7 @@ from .generator_sets import replay_watch
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
 from .rebound import Bound, modules_bound_now, refuse_rebound
+from .refusals import refuse_container
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
@@ -169,6 +171,15 @@ class CheckpointWithoutOutput:
             raise CheckpointError("this CheckpointWithoutOutput was already used",
                                   expected="one checkpoint() per object", got="a second call",
                                   tip="create one CheckpointWithoutOutput per op call")
+        require_callable(fn, "CheckpointWithoutOutput.checkpoint", "ckpt.checkpoint(norm, x) or "
+                         "ckpt.checkpoint(fn, x, ...): the op first, then its arguments",
+                         role="the op whose output is discarded and rebuilt")
+        if isinstance(fn, nn.Module):
+            # torch's own "missing the required forward function" otherwise, naming no fix
+            refuse_container(fn, "checkpoint would have nothing to run",
+                             tip="checkpoint each module it holds on its own: one "
+                                 "CheckpointWithoutOutput per op (ckpt.checkpoint(norm, x)), "
+                                 "or one CheckpointWithoutOutputManager for the block")
         for key, value in kwargs.items():
             if any(isinstance(x, (torch.Tensor, nn.Module)) for x in flatten(value).leaves):
                 raise CheckpointConfigError(

@@ -259,11 +259,12 @@ def _refuse_fsdp_units_inside(owner: nn.Module, *, own: bool) -> None:
             f"...), or make {name} itself the FSDP unit (fully_shard it, not its children)")
 
 
-def refuse_container(module: nn.Module, consequence: str, /, *, index: int | None = None
-                     ) -> None:
+def refuse_container(module: nn.Module, consequence: str, /, *, index: int | None = None,
+                     tip: str | None = None) -> None:
     """Refuse a container (``ModuleList``, ``ModuleDict``) as a module to checkpoint: nothing
     calls its forward. ``consequence``: what a boundary on it would do; ``index``: its place in
-    a layer list, named in the message."""
+    a layer list, named in the message; ``tip``: the fix, where it is not to checkpoint each
+    layer the container holds."""
     if type(module).forward is not nn.Module.forward or "forward" in module.__dict__:
         return
     name = type(module).__name__
@@ -271,7 +272,7 @@ def refuse_container(module: nn.Module, consequence: str, /, *, index: int | Non
     layers = "model.layers.values()" if isinstance(module, nn.ModuleDict) else "model.layers"
     raise CheckpointConfigError(
         f"{name if index is None else f'layer {index} ({name})'} has no forward of its own: "
-        f"{consequence}", expected="a module that is called (a decoder layer)",
+        f"{consequence}", expected="a module that is called (a decoder layer, a norm)",
         got=f"a {name} (a container of modules)",
-        tip=f"checkpoint_layers({layers}) checkpoints each layer it holds")
+        tip=tip or f"checkpoint_layers({layers}) checkpoints each layer it holds")
 
