@@ -17,6 +17,7 @@ from torch import nn
 from .boundary_call import BoundaryOptions
 from .errors import CheckpointConfigError
 from .module import install_boundary, is_checkpointed, refuse_other_options
+from .refusals import require_module
 from .tree import describe_leaf
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -81,11 +82,9 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
     so that a type checker flags them too; ``None`` (their unset value) is ignored.
     """
     _refuse_torch_keywords(checkpoint_wrapper_fn, auto_wrap_policy)
-    if not isinstance(module, nn.Module):
-        raise CheckpointConfigError(
-            "apply_activation_checkpointing expects an nn.Module",
-            expected="nn.Module", got=type(module).__name__,
-            tip="wrap a plain function with pytree_ckpt.checkpoint(fn, *args) instead")
+    require_module(module, "apply_activation_checkpointing",
+                   "pass one module (checkpoint_layers(model.layers) takes a list of layers); "
+                   "wrap a plain function with pytree_ckpt.checkpoint(fn, *args) instead")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload))
     if check_fn is None:

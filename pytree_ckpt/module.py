@@ -45,7 +45,7 @@ from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .kept_owners import keeping_boundary_made, kept_elsewhere, kept_wrappers
 from .module_state import drop_caches
-from .refusals import refuse_container
+from .refusals import refuse_container, require_module
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,8 @@ def body_forward(module: nn.Module, /) -> Any:
 
 def is_checkpointed(module: nn.Module, /) -> bool:
     """Whether ``apply_activation_checkpointing`` is in effect on ``module``."""
+    require_module(module, "is_checkpointed", "pass the module itself, is_checkpointed(layer); "
+                   "for a list, [is_checkpointed(layer) for layer in model.layers]")
     return _installed(module) is not None
 
 
@@ -248,6 +250,8 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     units are restored too, but for those another layer still checkpointed keeps (NOTE [kept
     methods of shared submodules] in kept_owners.py).
     """
+    require_module(module, "remove_activation_checkpointing", "pass the module itself; for a "
+                   "list, for layer in model.layers: remove_activation_checkpointing(layer)")
     drop_caches(module)
     installed = _installed(module)
     module.__dict__.pop(_INSTALLED, None)

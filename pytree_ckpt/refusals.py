@@ -23,7 +23,7 @@ from torch import nn
 from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .module_state import foreign_leaves, mark_verified, owning_module, warn_forward_hooks
-from .tree import leaf_paths
+from .tree import describe_leaf, leaf_paths
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the boundary imports this module
 __all__ = ["TORCH_REENTRANT", "check_made_leaves", "fn_name", "input_path", "input_path_of",
            "raise_attached_to_outside_tensor", "raise_hooked_outside_tensor",
            "raise_torch_reentrant_inside", "readable_path", "refuse_container",
-           "refuse_double_backward", "refuse_module_tensor", "verify_leaves"]
+           "refuse_double_backward", "refuse_module_tensor", "require_module", "verify_leaves"]
 
 
 def readable_path(path: str) -> str:
@@ -257,6 +257,20 @@ def _refuse_fsdp_units_inside(owner: nn.Module, *, own: bool) -> None:
         got=f"fully_shard() applied to {', '.join(repr(u) for u in units)}",
         tip=f"checkpoint each unit instead (apply_activation_checkpointing on {units[0]!r}, "
             f"...), or make {name} itself the FSDP unit (fully_shard it, not its children)")
+
+
+def require_module(module: Any, where: str, tip: str, /) -> None:
+    """A ``CheckpointConfigError`` unless ``module`` is an ``nn.Module`` instance; ``where``
+    names the function, ``tip`` the fix (a module class is told to pass an instance)."""
+    if isinstance(module, nn.Module):
+        return
+    if isinstance(module, type) and issubclass(module, nn.Module):
+        got = f"the class {module.__name__}, not an instance of it"
+        tip = f"pass the model's {module.__name__} module itself, not its class"
+    else:
+        got = describe_leaf(module)
+    raise CheckpointConfigError(f"{where} expects an nn.Module", expected="an nn.Module",
+                                got=got, tip=tip)
 
 
 def refuse_container(module: nn.Module, consequence: str, /, *, index: int | None = None,

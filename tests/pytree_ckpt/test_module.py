@@ -948,14 +948,21 @@ def test_module_compile_of_a_checkpointed_layer_is_told_as_module_compile_only()
     assert torch.equal(layer.bias.grad, twin.bias.grad)
 
 
-@pytest.mark.xfail(strict=True, reason="is_checkpointed and remove_activation_checkpointing do "
-                   "not check their argument: None or a list gives \"'NoneType' object has no "
-                   "attribute '__dict__'\" from module.py/module_state.py, where "
-                   "apply_activation_checkpointing raises CheckpointConfigError naming the fix "
-                   "(helper DO)")
 @pytest.mark.parametrize("fn", [pytree_ckpt.is_checkpointed,
-                                pytree_ckpt.remove_activation_checkpointing])
-@pytest.mark.parametrize("given", [None, [nn.Linear(2, 2)]])
+                                pytree_ckpt.remove_activation_checkpointing,
+                                pytree_ckpt.apply_activation_checkpointing])
+@pytest.mark.parametrize("given", [None, [nn.Linear(2, 2)], nn.Linear])
 def test_a_module_function_given_no_module_is_refused_naming_the_fix(fn: Any, given: Any) -> None:
-    with pytest.raises(CheckpointConfigError, match="nn.Module"):
+    # is_checkpointed and remove_activation_checkpointing once raised "'NoneType' object has no
+    # attribute '__dict__'" from inside; a module class was "got: type", naming no fix.
+    with pytest.raises(CheckpointConfigError) as caught:
         fn(given)
+    what, expected, got, tip = str(caught.value).split("\n")
+    assert what == f"{fn.__name__} expects an nn.Module"
+    assert expected == "  expected: an nn.Module"
+    if given is nn.Linear:
+        assert got == "  got:      the class Linear, not an instance of it"
+        assert tip == "  tip: pass the model's Linear module itself, not its class"
+    else:
+        assert got == f"  got:      {type(given).__name__} {given!r}"
+        assert tip.startswith("  tip: pass ") and "model.layers" in tip
