@@ -34,6 +34,7 @@ from .keep import KeepPolicy, op_name
 from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misses
 from .kept_ops import KeptOps
 from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
+from .tree import describe_leaf
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -158,6 +159,14 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
             "apply_recompute_config takes a RecomputeConfig", expected="RecomputeConfig",
             got=type(config).__name__,
             tip="RecomputeConfig(ratio, save=[...]), or RecomputeConfig.from_json(text)")
+    if not isinstance(targets, Mapping):
+        raise CheckpointConfigError(
+            "apply_recompute_config takes the model's targets: a mapping from each save unit "
+            "it declares to what the unit keeps",
+            expected="e.g. {SaveUnit.ATTN: KeptOps('aten::mm')}, or {} (no units declared)",
+            got=describe_leaf(targets),
+            tip="pass {} for a model that declares no save units; put each target in a dict "
+                "under the unit it serves ({SaveUnit.ATTN: KeptOps(...)})")
     for unit, target in targets.items():
         if not isinstance(target, (KeptOps, KeptCallables)):
             raise CheckpointConfigError(

@@ -988,13 +988,21 @@ def test_a_none_target_is_refused_when_the_unit_is_made(make: Any) -> None:
         make()
 
 
-@pytest.mark.xfail(strict=True, reason="apply_recompute_config calls targets.items() before any "
-                   "check: None (a model that declares no units) or a list of targets gives "
-                   "\"'NoneType' object has no attribute 'items'\" (helper DO)")
 @pytest.mark.parametrize("targets", [None, [KeptOps("aten::mm")]])
 def test_targets_that_are_not_a_mapping_are_refused_naming_the_fix(targets: Any) -> None:
-    with pytest.raises(CheckpointConfigError, match="targets|SaveUnit"):
-        apply_recompute_config([nn.Linear(2, 2)], RecomputeConfig(1.0), targets)
+    # Once "'NoneType' object has no attribute 'items'", before any check.
+    layer = nn.Linear(2, 2)
+    with pytest.raises(CheckpointConfigError) as caught:
+        apply_recompute_config([layer], RecomputeConfig(1.0), targets)
+    assert str(caught.value) == (
+        "apply_recompute_config takes the model's targets: a mapping from each save unit it "
+        "declares to what the unit keeps\n"
+        "  expected: e.g. {SaveUnit.ATTN: KeptOps('aten::mm')}, or {} (no units declared)\n"
+        f"  got:      {type(targets).__name__} {targets!r}\n"
+        "  tip: pass {} for a model that declares no save units; put each target in a dict "
+        "under the unit it serves ({SaveUnit.ATTN: KeptOps(...)})")
+    assert not pytree_ckpt.is_checkpointed(layer)  # refused before any change
+    assert apply_recompute_config([layer], RecomputeConfig(1.0), {}) == [0]  # the tip's fix
 
 
 @pytest.mark.xfail(strict=True, reason="a KeptOps name that differs from an existing op only by "
