@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from pytree_ckpt.census import Mechanism, census_active, report_held
-from pytree_ckpt.errors import CheckpointConfigError, validate_bool
+from pytree_ckpt.errors import CheckpointConfigError, require_callable, validate_bool
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
 
@@ -309,6 +309,13 @@ class OffloadManager:
         its module's parameters, so that a ``.detach()`` alias of one is not copied).
         """
         refuse_non_tensors(tensors)
+        refuse_non_tensors(resident, name="resident")
+        if name is not None:
+            # Checked now: its first use is in the message of a refused backward, which a
+            # TypeError from calling it would replace.
+            require_callable(name, "OffloadManager.window's name=", "name=lambda i: "
+                             "f'block.args[{i}]', or leave it out ('window tensor #i')",
+                             role="a function from a tensor's index to its name in messages")
         with self._lock:  # NOTE [one thread at a time]
             window = self._open(tensors, name, resident)
 

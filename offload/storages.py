@@ -23,21 +23,26 @@ __all__ = ["is_parameter", "plain_kind", "plain_storage_key", "refuse_non_tensor
 Key = tuple[str, int]
 
 
-def refuse_non_tensors(tensors: Any, /) -> None:
-    """``window``'s argument: a sequence of tensors (iterating one tensor would give its
-    rows, each a view of its storage)."""
+def refuse_non_tensors(tensors: Any, /, *, name: str = "tensors") -> None:
+    """``window``'s argument ``name`` (``tensors``, its first, or ``resident``): a sequence of
+    tensors (iterating one tensor would give its rows, each a view of its storage)."""
+    first = name == "tensors"
+    where = "OffloadManager.window" if first else f"OffloadManager.window's {name}="
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise CheckpointConfigError(
-            "OffloadManager.window takes a list or tuple of tensors",
+            f"{where} takes a list or tuple of tensors",
             expected="Sequence[torch.Tensor]", got=type(tensors).__name__,
-            tip="wrap one tensor in a list: manager.window([x])")
+            tip="wrap one tensor in a list: "
+                + ("manager.window([x])" if first else f"manager.window(tensors, {name}=[x])"))
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
+            storages = ("the block's saves should go to host from" if first
+                        else "should stay on the device")
             raise CheckpointConfigError(
-                f"OffloadManager.window takes tensors: tensors[{index}] is not one",
+                f"{where} takes tensors: {name}[{index}] is not one",
                 expected="torch.Tensor", got=type(tensor).__name__,
-                tip="pass only the tensors whose storages the block's saves should go to host "
-                    "from (leave out None and other values)")
+                tip=f"pass only the tensors whose storages {storages} (leave out None and other "
+                    "values)")
 
 
 def is_parameter(tensor: torch.Tensor, /) -> bool:

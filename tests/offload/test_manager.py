@@ -1673,30 +1673,46 @@ def test_a_window_tensor_without_a_plain_storage_is_warned_of_by_its_kind_and_st
         assert torch.equal(x.grad, expected) and m.stats()["offloaded_bytes"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="OffloadManager.window checks tensors= but not resident= "
-                   "or name=: resident=x (a tensor, not a list) gives torch's 'Boolean value of "
-                   "Tensor with more than one value is ambiguous', resident=[1] an AttributeError "
-                   "(helper DO)")
-@pytest.mark.parametrize("resident", ["tensor", [1]])
-def test_a_window_resident_argument_that_is_not_a_list_of_tensors_is_refused(resident: Any
+@pytest.mark.parametrize(("resident", "message"), [
+    ("tensor", "OffloadManager.window's resident= takes a list or tuple of tensors\n"
+               "  expected: Sequence[torch.Tensor]\n  got:      Tensor\n"
+               "  tip: wrap one tensor in a list: manager.window(tensors, resident=[x])"),
+    ([1], "OffloadManager.window's resident= takes tensors: resident[0] is not one\n"
+          "  expected: torch.Tensor\n  got:      int\n"
+          "  tip: pass only the tensors whose storages should stay on the device (leave out None "
+          "and other values)")])
+def test_a_window_resident_argument_that_is_not_a_list_of_tensors_is_refused(resident: Any,
+                                                                             message: str
                                                                              ) -> None:
+    # Once torch's "Boolean value of Tensor with more than one value is ambiguous" (a tensor)
+    # or an AttributeError (an int).
     x = torch.randn(4, 4, requires_grad=True)
     manager = OffloadManager(OffloadConfig(min_bytes=0))
-    with pytest.raises(CheckpointConfigError, match="resident"):
+    with pytest.raises(CheckpointConfigError) as caught:
         with manager.window([x], resident=x if resident == "tensor" else resident):
             pass
+    assert str(caught.value) == message
+    with manager.window([x]):  # the refused window left nothing open
+        (x * x).sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())
 
 
-@pytest.mark.xfail(strict=True, reason="window(name='block') is accepted (name takes a function "
-                   "of the window id) and its first use, in the message of a refused backward, "
-                   "raises \"'str' object is not callable\" instead of the CheckpointError that "
-                   "says the input was changed (helper DO)")
 def test_a_window_name_that_is_a_string_does_not_hide_the_error_it_names() -> None:
+    # Accepted, name="block" was first called in the message of a refused backward, whose
+    # "'str' object is not callable" then replaced the error saying the input was changed.
     manager = OffloadManager(OffloadConfig(min_bytes=0))
     x = torch.randn(4, 4, requires_grad=True)
-    w = torch.randn(4, 4, requires_grad=True)
-    with pytest.raises(CheckpointError, match="modified in place|name"):
+    with pytest.raises(CheckpointConfigError) as caught:
         with manager.window([x], name="block"):  # type: ignore[arg-type]
+            pass
+    assert str(caught.value) == (
+        "OffloadManager.window's name= takes a function from a tensor's index to its name in "
+        "messages\n  expected: a callable\n  got:      str 'block'\n"
+        "  tip: name=lambda i: f'block.args[{i}]', or leave it out ('window tensor #i')")
+    # The tip's name is used in the refusal it is for.
+    w = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"block\.args\[0\].*modified in place"):
+        with manager.window([x], name=lambda i: f"block.args[{i}]"):
             y = x * w
         with torch.no_grad():
             x.add_(1)
