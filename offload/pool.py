@@ -19,8 +19,9 @@ Where pinning is unavailable (CPU-only torch) buffers are ordinary host memory.
 NOTE [release never waits]: buffers are released by a copy's ``__del__``, which the garbage
 collector runs wherever an allocation happens to start a collection (an offloaded graph in a
 reference cycle), including inside this pool's own locked sections, on the thread that holds
-the lock. ``release`` therefore takes no lock: it appends to a deque (one atomic call), and
-the locked sections move what was returned to the free lists before they read them.
+the lock. ``release`` therefore takes no lock: it takes the buffer out of those checked out
+and appends it to a deque (one atomic call each), and the locked sections move what was
+returned to the free lists before they read them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from pytree_ckpt.errors import CheckpointConfigError, validate_bool
+from pytree_ckpt.tree import describe_leaf
 
 __all__ = ["HostPool", "size_class"]
 
@@ -68,21 +70,21 @@ class HostPool:
         self.hits = 0
         self.misses = 0
         self.host_bytes = 0
-        self._out = 0  # acquired, returned or not
+        # Checked out, by id (held, so no other object takes the id): release takes only these.
+        self._handed: dict[int, torch.Tensor] = {}
 
     @property
     def checked_out(self) -> int:
         """Buffers acquired and not yet released."""
         with self._lock:
             self._take_returned()
-            return self._out
+            return len(self._handed)
 
     def _take_returned(self) -> None:
         """Move released buffers to their free lists (the caller holds the lock)."""
         while self._returned:
             buffer, event = self._returned.popleft()
             self._free[buffer.numel()].append((buffer, event))
-            self._out -= 1
 
     def reserve(self, nbytes_list: list[int], /) -> None:
         """Allocate buffers up front (e.g. one step's worth) so the first step hits too."""
@@ -134,7 +136,7 @@ class HostPool:
                 self.misses += 1
             else:
                 self.hits += 1
-            self._out += 1
+            self._handed[id(buffer)] = buffer
         return buffer
 
     def release(self, buffer: torch.Tensor, /, *, event: Any = None) -> None:
@@ -142,4 +144,14 @@ class HostPool:
 
         Takes no lock (NOTE [release never waits]).
         """
+        if self._handed.pop(id(buffer), None) is not buffer:
+            # Taken in, it would join a free list (a float buffer among uint8 ones, or an object
+            # the next acquire fails on) and leave checked_out one short.
+            raise CheckpointConfigError(
+                "HostPool.release takes back only buffers this pool handed out",
+                expected="a buffer from this pool's acquire(), not released since",
+                got=describe_leaf(buffer) + (" (not this pool's, or released already)"
+                                             if isinstance(buffer, torch.Tensor) else ""),
+                tip="release each buffer acquire() returned exactly once, to the pool it came "
+                    "from; a tensor of your own needs no release")
         self._returned.append((buffer, event))

@@ -220,16 +220,32 @@ def test_with_inputs_of_several_sizes_the_pool_stops_growing_at_its_first_step_w
     assert manager.stats()["host_buffers_in_use"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="HostPool.release takes anything: a tensor it never "
-                   "handed out joins a free list and checked_out goes to -1; a non-tensor is "
-                   "found only by a later acquire, as \"'str' object has no attribute 'numel'\" "
-                   "(helper DO)")
-@pytest.mark.parametrize("foreign", ["buffer", torch.ones(3)])
+@pytest.mark.parametrize("foreign", ["buffer", torch.ones(3), "twice", "other pool's"])
 def test_releasing_what_the_pool_never_handed_out_is_refused_at_the_release(foreign: Any
                                                                             ) -> None:
-    from pytree_ckpt import CheckpointError
+    # Once taken in: a tensor joined a free list (a float32 buffer in a uint8 pool) and
+    # checked_out went to -1; a str was found by the next acquire ("'str' object has no
+    # attribute 'numel'").
+    from pytree_ckpt import CheckpointConfigError
     pool = HostPool(pin_memory=False)
-    with pytest.raises((CheckpointError, TypeError, ValueError)):
+    held = pool.acquire(16)
+    if foreign == "twice":
+        pool.release(held)
+        foreign = held
+    elif foreign == "other pool's":
+        foreign = HostPool(pin_memory=False).acquire(16)
+    with pytest.raises(CheckpointConfigError) as caught:
         pool.release(foreign)
-    assert pool.checked_out == 0
-    assert pool.acquire(16).dtype == torch.uint8
+    what, expected, got, tip = str(caught.value).split("\n")
+    assert what == "HostPool.release takes back only buffers this pool handed out"
+    assert expected == "  expected: a buffer from this pool's acquire(), not released since"
+    assert got == ("  got:      str 'buffer'" if isinstance(foreign, str) else
+                   f"  got:      Tensor(shape=({foreign.numel()},), dtype={foreign.dtype}, "
+                   "device=cpu) (not this pool's, or released already)")
+    assert tip.startswith("  tip: release each buffer acquire() returned exactly once")
+    assert pool.checked_out == (0 if foreign is held else 1)
+    if foreign is not held:
+        pool.release(held)
+    assert pool.checked_out == 0 and pool.hits == 0
+    again = pool.acquire(16)  # the buffer released, not anything refused
+    assert again is held and again.dtype == torch.uint8 and pool.hits == 1
