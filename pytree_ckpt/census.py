@@ -233,6 +233,14 @@ class ActivationCensus(CensusReading):
                 got="a second __exit__ after its block ended",
                 tip="end each census once (a with-block does); make a new ActivationCensus "
                     "for each measurement")
+        if self._token is None:
+            # Told as such: the refusal below would say it was ended in another thread.
+            raise CheckpointError(
+                "an ActivationCensus cannot end before it is entered",
+                expected="__enter__, then __exit__ (a with-block)",
+                got="__exit__ of a census never entered",
+                tip="use it as a with-block: with ActivationCensus(model) as census: "
+                    "loss = model(batch)")
         here = threading.get_ident() == self._thread
         recording = _recording()
         if _ACTIVE.get() is not self or not here or recording is not self:
