@@ -108,23 +108,29 @@ def _near_op_names(name: str, named: Sequence[str]) -> list[str]:
     """Ops close to ``name`` that this build has and ``named`` does not name: a typo, not a
     kernel version this build lacks (a v2/v3 pair names both; a namespace not loaded, e.g.
     flash-attn not installed, has none). For an existing op with another overload, its
-    overloads."""
-    namespace, qualified = name.split("::", 1)
+    overloads. Compared without spaces and case: a space makes another namespace, with no ops,
+    and difflib is case-sensitive (``" aten::mm"`` and ``"aten::MM"`` mean ``aten::mm``)."""
+    namespace, qualified = "".join(name.split()).split("::", 1)
     op_name, _, overload = qualified.partition(".")
-    base = f"{namespace}::{op_name}"
     bases = {n.split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names()
-             if n.startswith(namespace + "::")}
+             if n.lower().startswith(namespace.lower() + "::")}
+    folded = {b.lower(): b for b in bases}  # no two ops of a namespace differ only by case
+    base = folded.get(f"{namespace}::{op_name}".lower(), f"{namespace}::{op_name}")
     if overload and base in bases:
-        packet = getattr(getattr(torch.ops, namespace), op_name)
+        packet = getattr(getattr(torch.ops, base.split("::")[0]), base.split("::")[1])
         return [f"{base}.{o}" for o in packet.overloads()
                 if not getattr(packet, o)._schema.is_mutable]  # out= variants are never kept
-    taken = {n.split(".", 1)[0] for n in named}
+    # The other names (this one's own op is what it means when off only by case or spaces).
+    taken = {"".join(n.split()).split(".", 1)[0] for n in named if n != name}
     if any(base != other and (base.startswith(other) or other.startswith(base))
            for other in taken):
         return []  # a version of a named op (_efficient_attention_forward_v2)
+    if base in bases:  # off only by case or spaces
+        return [] if base in taken else [base]
+    close = [folded[c] for c in difflib.get_close_matches(base.lower(), sorted(folded), n=3,
+                                                          cutoff=0.85)]
     # Not suggested: in-place variants (addmm_, never kept), and backward kernels.
-    return [c for c in difflib.get_close_matches(base, sorted(bases), n=3, cutoff=0.85)
-            if c not in taken and not c.endswith(("_", "_backward"))]
+    return [c for c in close if c not in taken and not c.endswith(("_", "_backward"))]
 
 
 # A kernel under any of these keys runs the op itself on that device: the mode that keeps ops
