@@ -27,6 +27,7 @@ returned to the free lists before they read them.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections import defaultdict, deque
 from typing import Any
@@ -43,6 +44,25 @@ log = logging.getLogger(__name__)
 _MIN_CLASS = 512
 
 
+def _require_size(nbytes: Any, where: str, /, *, index: int | None = None) -> int:
+    """``nbytes`` as an int if it is a byte count (an integer, not a bool, not negative), else
+    a ``CheckpointConfigError`` naming ``where`` (and ``index``, its place in a list)."""
+    count = -1
+    if not isinstance(nbytes, bool):  # an int to Python, not a size
+        try:
+            count = operator.index(nbytes)  # numpy's and torch's ints too
+        except TypeError:  # a float, a str
+            pass
+    if count < 0:
+        raise CheckpointConfigError(
+            f"{where} takes a number of bytes" if index is None
+            else f"{where} takes numbers of bytes: nbytes_list[{index}] is not one",
+            expected="an int >= 0", got=describe_leaf(nbytes),
+            tip="pass a tensor's byte count: t.untyped_storage().nbytes() or "
+                "t.numel() * t.element_size()")
+    return count
+
+
 def size_class(nbytes: int, /, *, pinned: bool = False) -> int:
     """Round up to a size class: powers of two split in quarters (at most 25% waste).
 
@@ -50,6 +70,10 @@ def size_class(nbytes: int, /, *, pinned: bool = False) -> int:
     a power of two: there the classes are the powers of two, so ``host_bytes`` counts what is
     really pinned and two requests of one power share buffers.
     """
+    return _size_class(_require_size(nbytes, "size_class"), pinned)
+
+
+def _size_class(nbytes: int, pinned: bool, /) -> int:
     if nbytes <= _MIN_CLASS:
         return _MIN_CLASS
     top = 1 << (nbytes - 1).bit_length()   # next power of two >= nbytes
@@ -88,8 +112,11 @@ class HostPool:
 
     def reserve(self, nbytes_list: list[int], /) -> None:
         """Allocate buffers up front (e.g. one step's worth) so the first step hits too."""
-        for nbytes in nbytes_list:
-            cls = size_class(nbytes, pinned=self.pin_memory)
+        # All checked first: a refused size leaves nothing half reserved.
+        sizes = [_require_size(nbytes, "HostPool.reserve", index=index)
+                 for index, nbytes in enumerate(nbytes_list)]
+        for nbytes in sizes:
+            cls = _size_class(nbytes, self.pin_memory)
             buffer = self._allocate(cls)
             with self._lock:
                 self._free[cls].append((buffer, None))
@@ -113,7 +140,7 @@ class HostPool:
 
     def acquire(self, nbytes: int, /) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes, checked out until ``release``."""
-        cls = size_class(nbytes, pinned=self.pin_memory)
+        cls = _size_class(_require_size(nbytes, "HostPool.acquire"), self.pin_memory)
         with self._lock:
             self._take_returned()
             free = self._free.get(cls)

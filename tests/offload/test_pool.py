@@ -6,13 +6,16 @@ ordinary allocations (``unpinned_empty``).
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from offload import HostPool, size_class
+from pytree_ckpt import CheckpointConfigError
 
 
 @pytest.fixture
@@ -226,7 +229,6 @@ def test_releasing_what_the_pool_never_handed_out_is_refused_at_the_release(fore
     # Once taken in: a tensor joined a free list (a float32 buffer in a uint8 pool) and
     # checked_out went to -1; a str was found by the next acquire ("'str' object has no
     # attribute 'numel'").
-    from pytree_ckpt import CheckpointConfigError
     pool = HostPool(pin_memory=False)
     held = pool.acquire(16)
     if foreign == "twice":
@@ -249,3 +251,25 @@ def test_releasing_what_the_pool_never_handed_out_is_refused_at_the_release(fore
     assert pool.checked_out == 0 and pool.hits == 0
     again = pool.acquire(16)  # the buffer released, not anything refused
     assert again is held and again.dtype == torch.uint8 and pool.hits == 1
+
+
+@pytest.mark.parametrize("size", [600.5, math.nan, "a", True, -1])
+def test_a_size_that_is_no_byte_count_is_refused_naming_the_call(size: Any) -> None:
+    # Once AttributeError "'float' object has no attribute 'bit_length'" (600.5, nan), "'<='
+    # not supported" (a str), and -1 or True taken as sizes by acquire and reserve.
+    pool = HostPool(pin_memory=False)
+    calls = [("size_class", lambda: size_class(size)),
+             ("HostPool.acquire", lambda: pool.acquire(size)),
+             ("HostPool.reserve", lambda: pool.reserve([16, size]))]
+    for where, call in calls:
+        with pytest.raises(CheckpointConfigError) as caught:
+            call()
+        what = ("HostPool.reserve takes numbers of bytes: nbytes_list[1] is not one"
+                if where == "HostPool.reserve" else f"{where} takes a number of bytes")
+        assert str(caught.value) == (
+            f"{what}\n  expected: an int >= 0\n  got:      {type(size).__name__} {size!r}\n"
+            "  tip: pass a tensor's byte count: t.untyped_storage().nbytes() or "
+            "t.numel() * t.element_size()")
+    # Refused before anything changed (reserve's first size included).
+    assert pool.checked_out == pool.host_bytes == pool.hits == pool.misses == 0
+    assert size_class(np.int64(600)) == size_class(600) == 640  # an integer of another kind
