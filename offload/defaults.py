@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pytree_ckpt.errors import CheckpointConfigError
+from pytree_ckpt.tree import describe_leaf
 
 if TYPE_CHECKING:  # default_manager() builds one; manager.py imports this module
     from .manager import OffloadManager
@@ -54,6 +55,11 @@ def default_manager() -> OffloadManager:
 
 def env_flag(name: str, /) -> bool:
     """Parse an on/off environment variable: ``1``/``true`` on, ``0``/``false``/unset off."""
+    if not isinstance(name, str) or not name:
+        # os.environ's own TypeError ("str expected, not NoneType") names no fix.
+        raise CheckpointConfigError(
+            "env_flag takes the name of an environment variable", expected="a non-empty str",
+            got=describe_leaf(name), tip="env_flag('XTUNER_ACTIVATION_OFFLOAD')")
     raw = os.environ.get(name)
     if raw is None or raw.strip().lower() in ("", "0", "false"):
         return False

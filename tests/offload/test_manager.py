@@ -1571,6 +1571,17 @@ def test_env_flag_refuses_every_value_but_the_four_it_documents(
         offload.env_flag("SOME_SWITCH")
 
 
+@pytest.mark.parametrize("name", [None, "", 1])
+def test_env_flag_given_no_variable_name_is_refused_naming_the_fix(name: Any) -> None:
+    # Once os.environ's own "str expected, not NoneType" (None), or a read of "" (off).
+    with pytest.raises(CheckpointConfigError) as caught:
+        offload.env_flag(name)
+    assert str(caught.value) == (
+        "env_flag takes the name of an environment variable\n  expected: a non-empty str\n"
+        f"  got:      {type(name).__name__} {name!r}\n"
+        "  tip: env_flag('XTUNER_ACTIVATION_OFFLOAD')")
+
+
 @pytest.mark.parametrize(("value", "got", "tip"), [
     ("1", "got:      str '1'", "a string is not parsed"),
     (1, "got:      int 1", "offload=True turns it on"),
