@@ -42,6 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .census import Mechanism, census_active, report_held
+from .eager import user_stacklevel
 from .errors import CheckpointError
 from .kept_calls import call_arguments, for_backward, replay_may_take
 from .phase import Invocation, Phase
@@ -200,7 +201,7 @@ class KeepPolicy:
                               "expected). To keep less recomputation, keep the ops around it "
                               "by name (KeptOps) or a method without it (KeptCallables); to "
                               "silence it: warnings.filterwarnings('ignore', 'pytree_ckpt: .* "
-                              "mutates its inputs')", stacklevel=2)
+                              "mutates its inputs')", stacklevel=user_stacklevel())
             return False
         return True
 

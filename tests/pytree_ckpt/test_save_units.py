@@ -164,9 +164,6 @@ def test_a_kept_output_mutated_before_the_replay_raises_naming_the_op() -> None:
         out.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="the 'mutates its inputs inside a kept unit' warning uses "
-                   "stacklevel=2 and points at pytree_ckpt/keep.py, not at the user's code (the "
-                   "unit-watch warning names the user's line)")
 def test_the_in_place_op_warning_inside_a_kept_callable_names_the_users_line() -> None:
     class Scaling(nn.Module):
         def __init__(self) -> None:
