@@ -298,6 +298,10 @@ class KeepMode(TorchDispatchMode):
         # then aten._unsafe_view of the clone, a new tensor (its own version counter) on the
         # clone's storage. A write through either changes both, so all are taken back.
         self._kept_at: dict[int, list[tuple[Any, int]]] = {}
+        # NOTE [a unit that keeps nothing at run time] (unit_use.py): the records this pass kept
+        # (op, position, kept methods running), counted for their units when the pass ends, once
+        # rule 3 had its chance to take them back.
+        self._unit_records: list[tuple[Any, int, frozenset[str]]] = []
         # NOTE [autocast casts are never kept]: autocast caches its casts of leaves that
         # require grad (weights; a leaf input in the original pass, a view of one in the
         # replay) for its whole region, so whether a pass dispatches such a cast depends on
@@ -316,7 +320,7 @@ class KeepMode(TorchDispatchMode):
             self._unkeep_written(func, args, kwargs)
         if IN_REUSE.get():
             if not self.policy.use.settled:  # replayed, not recomputed: what a unit asks for
-                self._unit_kept(func)
+                self._unit_kept(func, IN_KEPT_CALLABLE.get())
             return func(*args, **kwargs)
         if not self.policy.keeps(func) or (func is _TO_COPY and self._autocast_cast(args)):
             return func(*args, **kwargs)
@@ -345,8 +349,6 @@ class KeepMode(TorchDispatchMode):
                 frame.record(func, RECOMPUTE)
                 return out
             kept = optree.tree_map(_tracking_alias, out)
-            if not self.policy.use.settled:
-                self._unit_kept(func)
             # The census counts the kept bytes while this record holds them: a record taken
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
@@ -354,6 +356,8 @@ class KeepMode(TorchDispatchMode):
                                 call_arguments(func, args, kwargs)), rng_after=rng_after,
                          generators_after=generators_after)
             position = len(frame.results[func]) - 1
+            if not self.policy.use.settled:
+                self._unit_records.append((func, position, IN_KEPT_CALLABLE.get()))
             for tensor in _tensors(kept):
                 key = _storage_id(tensor)
                 if key is not None:
@@ -389,16 +393,20 @@ class KeepMode(TorchDispatchMode):
         # this mode, attaches this replay's history to it.
         return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept)
 
-    def _unit_kept(self, func: Any, /) -> None:
+    def _unit_kept(self, func: Any, regions: frozenset[str], /) -> None:
         # NOTE [a unit that keeps nothing at run time] (unit_use.py)
-        self.policy.use.kept((op_name(func), op_name(func.overloadpacket)),
-                             IN_KEPT_CALLABLE.get())
+        self.policy.use.kept((op_name(func), op_name(func.overloadpacket)), regions)
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         if exc[0] is None and self.invocation.phase is Phase.FORWARD and \
                 not self.policy.use.settled:  # NOTE [a unit that keeps nothing at run time]
+            results = self.invocation.frame.results
+            for func, position, regions in self._unit_records:
+                if results[func][position] is not RECOMPUTE:  # not taken back (rule 3)
+                    self._unit_kept(func, regions)
             self.policy.use.pass_ended(getattr(self.layer, "__self__", self.layer))
+        self._unit_records = []
 
     def _autocast_cast(self, args: Any) -> bool:
         # NOTE [autocast casts are never kept]

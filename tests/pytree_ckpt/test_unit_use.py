@@ -278,9 +278,6 @@ class _MaskedTopk(nn.Module):
         return x + h.gather(-1, ids.clamp(min=0)).sum(-1, keepdim=True)
 
 
-@pytest.mark.xfail(strict=True, reason="a unit whose kept output is changed in place later in "
-                   "the original pass (rule 4) keeps nothing, but the unit watch counted it as "
-                   "kept when recorded: no 'kept nothing' warning")
 def test_a_unit_whose_only_kept_output_is_changed_in_place_later_is_warned_as_keeping_nothing(
 ) -> None:
     torch.manual_seed(0)
