@@ -67,8 +67,9 @@ _DETACH_TIP = ("; only floats that must get no gradient (statistics) may come ba
                "its inputs detached then (reuse_during_recompute(fn, logits.detach()))")
 _MODULE_TIP = ("; a module's trainable parameters give its floats a graph, so detaching the "
                "inputs does not help: frozen statistics can come from a plain function given "
-               "detached inputs, from a function decorated with @torch.no_grad(), or be "
-               "computed outside the call")
+               "detached inputs, from a function decorated with @torch.no_grad() (a module "
+               "whose forward is decorated so: pass module.forward, as a module's call runs "
+               "its hooks too), or be computed outside the call")
 
 # A recorded float leaf that was one of the call's tensor arguments: (its key path, the
 # argument's index among the call's flattened leaves).

@@ -466,3 +466,27 @@ def test_a_reused_trainable_gate_as_a_layers_only_output_is_refused_as_in_eager(
     with pytest.raises(pytree_ckpt.ReuseError):
         out = layer(x)
         (out.sum() + x.sum()).backward()  # got: runs, layer.gate.weight.grad stays None
+
+
+def test_a_module_whose_forward_is_decorated_without_grad_is_told_to_pass_its_forward() -> None:
+    # Guards against (helper DM's F5): the refusal told a user whose forward *is* decorated with
+    # @torch.no_grad() to use such a function, without saying to pass module.forward (a
+    # module's call is refused: its hooks could add a graph).
+    class Indexer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wq = nn.Linear(8, 8)
+
+        @torch.no_grad()
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            values, ids = self.wq(x).topk(3, dim=-1)
+            return {"ids": ids, "values": values}
+
+    indexer = Indexer()
+    x = torch.randn(4, 8)
+    with pytest.raises(pytree_ckpt.ReuseError, match="pass module.forward"):
+        pytree_ckpt.reuse_during_recompute(indexer, x)
+    got = pytree_ckpt.reuse_during_recompute(indexer.forward, x)
+    expected = indexer(x)
+    assert torch.equal(got["ids"], expected["ids"]) and not got["values"].requires_grad
+    assert torch.equal(got["values"], expected["values"])
