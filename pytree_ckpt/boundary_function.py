@@ -241,8 +241,21 @@ class _BoundaryFunction(torch.autograd.Function):
             # it, and the replay, which returns that very tensor, would find its own node on
             # it. It leaves non-differentiable and untouched, as in eager.
             in_frame = {id(t) for t in call.frame.tensors()}
-            frozen += [t for t in out_tensors if (t.is_floating_point() or t.is_complex())
-                       and not t.requires_grad and id(t) in in_frame]
+            floats = [t for t in out_tensors if (t.is_floating_point() or t.is_complex())
+                      and not t.requires_grad and id(t) in in_frame]
+            if floats and len(frozen) + len(floats) + len(as_is) >= len(out_tensors):
+                # NOTE [a call that returns only frozen results]: then nothing would ever reach
+                # this node, so the replay, which decides whether eager computes those floats
+                # with grad (NOTE [differentiable results are refused where grad is on] in
+                # frozen.py), would never run: a trainable gate's weights returned alone lost
+                # their gradient silently, where eager refuses. They leave as detach() aliases
+                # that carry the node (the recorded tensors stay clean), so a backward through
+                # them runs the replay, which refuses them or, where eager computes them
+                # without grad, gives them no gradient. Unlike eager, they require grad.
+                out_tensors = tuple(t.detach() if any(t is f for f in floats) else t
+                                    for t in out_tensors)
+            else:
+                frozen += floats
         if frozen or as_is:
             ctx.mark_non_differentiable(*frozen, *as_is)
         # Autograd returns an input as a view of it even so: the caller gets the input itself.

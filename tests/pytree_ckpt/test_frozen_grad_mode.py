@@ -447,10 +447,10 @@ def test_a_read_in_a_function_nested_in_fn_is_named_as_fn() -> None:
     assert len(told) == 1 and "nesting_route reads torch.is_grad_enabled()" in told[0]
 
 
-@pytest.mark.xfail(strict=True, reason="a layer whose only output is a reused trainable module's "
-                   "result is checked in the replay alone, which never runs: eager raises "
-                   "ReuseError, checkpointed silently drops the gate's gradient (helper DO)")
 def test_a_reused_trainable_gate_as_a_layers_only_output_is_refused_as_in_eager() -> None:
+    # Guards against (helper DO): a call whose outputs are all frozen results leaves no
+    # differentiable output, so its node never ran and the replay's check never came: the
+    # gate's gradient was silently lost (NOTE [a call that returns only frozen results]).
     class Layer(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -465,7 +465,46 @@ def test_a_reused_trainable_gate_as_a_layers_only_output_is_refused_as_in_eager(
     layer = pytree_ckpt.apply_activation_checkpointing(Layer())
     with pytest.raises(pytree_ckpt.ReuseError):
         out = layer(x)
-        (out.sum() + x.sum()).backward()  # got: runs, layer.gate.weight.grad stays None
+        (out.sum() + x.sum()).backward()  # was: ran, layer.gate.weight.grad stayed None
+
+
+def test_a_reused_result_of_a_graph_argument_as_the_only_output_is_refused_as_in_eager() -> None:
+    # The same through rule 2 (an argument that requires grad): x.grad was 1, not a refusal.
+    def scale(h: torch.Tensor) -> torch.Tensor:
+        return h * 2
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(pytree_ckpt.ReuseError):
+        pytree_ckpt.reuse_during_recompute(scale, x)  # eager refuses at the call
+    out = pytree_ckpt.checkpoint(lambda h: pytree_ckpt.reuse_during_recompute(scale, h * 1), x)
+    with pytest.raises(pytree_ckpt.ReuseError):
+        (out.sum() + x.sum()).backward()
+
+
+def test_frozen_statistics_as_the_only_output_keep_eagers_gradients_and_carry_the_node() -> None:
+    # Frozen floats eager computes without grad (a no-grad function of the input), returned
+    # alone: the replay runs when backward reaches them and gives them no gradient, so the
+    # numbers are eager's. Unlike eager they require grad (they carry the boundary's node).
+    @torch.no_grad()
+    def load(h: torch.Tensor) -> torch.Tensor:
+        return h.softmax(-1).mean(0)
+
+    calls = []
+
+    def layer(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(1)
+        return pytree_ckpt.reuse_during_recompute(load, h), h.argmax(-1)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    stats, ids = layer(x)
+    (stats.sum() + x.square().sum()).backward()
+    expected, x.grad = x.grad, None
+    got_stats, got_ids = pytree_ckpt.checkpoint(layer, x)
+    assert torch.equal(got_stats, stats) and torch.equal(got_ids, ids)
+    assert got_stats.requires_grad and not stats.requires_grad
+    (got_stats.sum() + x.square().sum()).backward()
+    assert torch.equal(x.grad, expected)
+    assert len(calls) == 3  # eager, the original pass, and the replay backward reached
 
 
 def test_a_module_whose_forward_is_decorated_without_grad_is_told_to_pass_its_forward() -> None:
