@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = ["BACKWARD_REASON", "BOUNDARY_REASON", "DISCARD_REASON", "HOOK_REASON",
-           "KEPT_CALLABLE_REASON", "REUSE_REASON",
+           "KEPT_CALLABLE_REASON", "PHASE_REASON", "REUSE_REASON",
            "compile_stance_is_default", "compiled_caller", "compiled_wrapper",
            "in_compiled_module_call",
            "Told", "runs_eagerly", "user_site", "user_stacklevel"]
@@ -46,6 +46,11 @@ DISCARD_REASON = (
     "place and hangs their rebuild on a gradient hook, which traced code would not follow, so "
     "a compiled body graph-breaks at each discarded op. Compile such a body without "
     "fullgraph=True (see docs/scaling.md)")
+PHASE_REASON = (
+    "pytree_ckpt.current_phase() runs eagerly: it reads which pass of a checkpoint boundary is "
+    "running from a ContextVar, which dynamo can neither trace nor guard on, so a compiled body "
+    "graph-breaks at the call. Compile such a body without fullgraph=True (see "
+    "docs/scaling.md)")
 HOOK_REASON = (
     "pytree_ckpt's module registration hooks run eagerly: torch calls them for every module "
     "built anywhere, and they only count that the module structure changed")

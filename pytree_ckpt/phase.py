@@ -13,6 +13,8 @@ import enum
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
+from .eager import PHASE_REASON, runs_eagerly
+
 if TYPE_CHECKING:
     from .frames import Frame
 
@@ -48,6 +50,9 @@ class Invocation:
 ACTIVE: ContextVar[Invocation | None] = ContextVar("pytree_ckpt_active_invocation", default=None)
 
 
+# Opaque to dynamo, with the reason: traced, a fullgraph body failed with dynamo's bare
+# "does not know how to trace method get of class ContextVar" and a plea to report it.
+@runs_eagerly(PHASE_REASON)
 def current_phase() -> Phase:
     """The phase of the innermost active boundary: ``"plain"``, ``"forward"`` or ``"recompute"``."""
     invocation = ACTIVE.get()
