@@ -26,13 +26,20 @@ def warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> No
     if "compiled over" in installed.told or \
             not compiled_over(module.__dict__.get("forward"), installed):
         return
+    if installed.options.keep is not None:
+        # Compiling the body first is no way out here: save units refuse a compiled body.
+        fix = ("This layer keeps ops through save units, which need an eager body "
+               "(docs/save_units.md): leave its forward eager, or drop its save units "
+               "and compile the body first")
+    else:
+        fix = ("Compile the body first: remove_activation_checkpointing(layer), then "
+               "layer.forward = torch.compile(layer.forward), then "
+               "apply_activation_checkpointing(layer) (docs/scaling.md, 'Wrapping order')")
     _tell_once(
         installed, "compiled over",
         f"pytree_ckpt: the forward of this {type(module).__name__} was compiled after "
         "checkpointing, which compiles nothing (the boundary is opaque to dynamo, and so is the "
-        "body it runs). Compile the body first: remove_activation_checkpointing(layer), then "
-        "layer.forward = torch.compile(layer.forward), then apply_activation_checkpointing("
-        "layer) (docs/scaling.md, 'Wrapping order')")
+        f"body it runs). {fix}")
 
 
 def warn_module_compiled(module: nn.Module, installed: _CheckpointedForward) -> None:

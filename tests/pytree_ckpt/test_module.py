@@ -428,6 +428,29 @@ def test_compiling_a_forward_after_checkpointing_warns_and_the_layer_stays_check
     assert phases == ["plain"]
 
 
+def test_a_forward_compiled_over_a_layer_with_save_units_is_told_they_need_an_eager_body(
+        ) -> None:
+    # Guards against (helper DN's m1): the warning's usual fix (compile the body first, then
+    # checkpoint) leads a layer with save units straight into apply_recompute_config's refusal
+    # of compiled bodies.
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    layer = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    pytree_ckpt.apply_recompute_config(
+        [layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+        {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")}, offload=False)
+    counter = CompileCounterWithBackend("eager")
+    layer.forward = torch.compile(layer.forward, backend=counter)  # over the boundary
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    (told,) = [str(w.message) for w in caught if "compiled after checkpointing" in str(w.message)]
+    assert "save units, which need an eager body" in told and "Compile the body first" not in told
+    assert counter.frame_count == 0
+
+
 def test_a_functools_wraps_wrapper_over_the_boundary_is_the_users_own() -> None:
     # Only torch.compile's wrapper counts as the boundary (NOTE [compiled over the boundary],
     # compiled_layers.py).
