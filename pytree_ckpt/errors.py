@@ -68,7 +68,6 @@ def validate_bool(value: object, /, *, name: str, default: bool | None = True) -
     return value
 
 
-
 def require_callable(fn: Any, where: str, tip: str, /, *,
                      role: str = "the function (or module) to run behind the boundary") -> None:
     """A ``CheckpointConfigError`` unless ``fn`` is callable: ``where`` takes ``role``."""
