@@ -74,7 +74,10 @@ NOTE [when there is no boundary]: with grad disabled (``no_grad``, ``inference_m
 ``torch.func`` transform (``grad``, ``vmap``, ``vjp``: it builds its own graph), inside
 forward-mode AD (``torch.autograd.forward_ad.dual_level()``: the no-grad original pass would
 drop the tangents of dual tensors it reaches other than as inputs, and the Function has no
-jvp), or when
+jvp), while ``torch.jit.trace`` or a non-strict ``torch.export`` records the forward (they
+capture the model's computation for serving: a boundary is an autograd Function with a Python
+replay, which neither can record, and its save units and offload windows would run on their
+fake tensors; an exported program trains without checkpointing, as ``torch.fx`` gives), or when
 nothing can receive a gradient (no input requires grad and ``fn`` belongs to a module with no
 trainable parameter), ``fn`` is just called: no node, no frame, phase unchanged.
 """
@@ -145,6 +148,8 @@ def _anchor() -> torch.Tensor:
 # capture) then deep-copies: about 100,000 instructions a layer call at the small size of
 # examples.bench_instructions, in the caller's own autograd work as much as in the boundary's.
 _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
+_is_tracing: Any = torch._C._is_tracing  # torch.jit.trace records (torch.jit.is_tracing's test)
+_compiler = torch.compiler  # _is_exporting_flag: torch.compiler.is_exporting()'s, read as is
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -154,13 +159,15 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.
     """
     if not torch.is_grad_enabled() or _functorch_transforms_active() \
-            or _forward_ad._current_level >= 0:
+            or _forward_ad._current_level >= 0 or _is_tracing() \
+            or getattr(_compiler, "_is_exporting_flag", False):
         # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
         # jacrev) too: the Function has no setup_context, and torch's error would name no fix
         # (read as Function.apply reads it: see _functorch_transforms_active);
         # and inside forward-mode AD's dual_level(): the no-grad original pass drops the
         # tangents of dual tensors it reaches other than as inputs (parameters swapped in by
-        # functional_call), silently.
+        # functional_call), silently; and while torch.jit.trace or torch.export (non-strict)
+        # records the forward.
         return fn(*args, **kwargs)
     flat = flatten_call(args, kwargs)
     leaves = flat.leaves

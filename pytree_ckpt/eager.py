@@ -36,7 +36,10 @@ BOUNDARY_REASON = (
     "compile each layer's body instead (layer.forward = torch.compile(layer.forward, "
     "fullgraph=True), then apply_activation_checkpointing(layer); see docs/scaling.md). "
     "Without fullgraph the layers run eagerly, and a forward that calls them in a loop is not "
-    "compiled at all (dynamo skips a frame with a graph break in a loop)")
+    "compiled at all (dynamo skips a frame with a graph break in a loop). To export or serve "
+    "a trained model (torch.export with strict=True, a fullgraph compile for inference), call "
+    "pytree_ckpt.remove_activation_checkpointing on its layers first (docs/boundary.md, "
+    "'Shipping a trained model')")
 REUSE_REASON = (
     "pytree_ckpt.reuse_during_recompute runs eagerly: it records its result in the boundary's "
     "frame, which traced code would not follow, so a compiled body graph-breaks at the call. "

@@ -53,6 +53,7 @@ __all__ = ["remove_activation_checkpointing", "is_checkpointed", "body_forward",
            "install_boundary", "refuse_other_options"]
 
 _INSTALLED = "_pytree_ckpt_installed"
+_MARKS = "_pytree_ckpt_"  # the prefix of every attribute the library sets on a module
 
 
 class _CheckpointedForward:
@@ -99,11 +100,36 @@ class _CheckpointedForward:
         # drops the batch columns forward does not name; PEFT checks keywords). Not
         # __wrapped__: inspect.unwrap would hand such code the bare forward, and a call to it
         # would skip the boundary.
+        return inspect.signature(self._own_forward())
+
+    @property
+    def __code__(self) -> types.CodeType:
+        # The layer's own forward's code, for code that reads a module's forward as a function
+        # would (torch.export reads forward.__code__ for the argument names; the call then
+        # runs no boundary while it records: NOTE [when there is no boundary] in boundary.py).
+        bare = self._own_forward()
+        code = getattr(bare, "__code__", None)
+        if code is None:
+            raise AttributeError("__code__")
+        return code  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what normal lookup does not find. torch.jit.script compiles a forward from
+        # its source and globals, which this object has not: said with the fix, rather than
+        # as "no attribute '__globals__'".
+        if name == "__globals__":
+            raise AttributeError(
+                "a checkpointed forward has no __globals__: torch.jit.script compiles a "
+                "module's forward from its source, and pytree_ckpt's boundary replaces it. Call "
+                "pytree_ckpt.remove_activation_checkpointing(module) on the checkpointed layers "
+                "before scripting (docs/boundary.md, 'Shipping a trained model')")
+        raise AttributeError(name)
+
+    def _own_forward(self) -> Any:
         module = self.module_ref()
         if module is None:  # hasattr() says False, and the call says why (_module)
             raise AttributeError("__signature__")
-        forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
-        return inspect.signature(forward)
+        return self.bare if self.bare is not None else type(module).forward.__get__(module)
 
     def _module(self) -> nn.Module:
         module = self.module_ref()
@@ -274,6 +300,11 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
                 sub.__dict__[name] = kept.inner
     for sub in _own_submodules(module):
         remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
+        # What the boundary noted on the modules (caches, warnings given, state seen changing):
+        # relearned at the first calls of a boundary applied again, and, left, a pickle of the
+        # unwrapped model would still name pytree_ckpt's classes (a warning's Told marker).
+        for name in [name for name in sub.__dict__ if name.startswith(_MARKS)]:
+            del sub.__dict__[name]
     bare = installed.bare
     # NOTE [compiled over the boundary] in compiled_layers.py
     if module.__dict__.get("forward") is not installed:

@@ -52,11 +52,6 @@ def call_targets(program: torch.export.ExportedProgram) -> list[str]:
     return [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
 
 
-@pytest.mark.xfail(strict=True, reason="torch.export.export (non-strict, the default) with grad "
-                   "enabled of a model with a KeptCallables save unit raises torch's raw "
-                   "DataDependentOutputException (aten.equal.default) from rng_changed in "
-                   "pytree_ckpt/rng.py, run on fake RNG states; torch.onnx.export fails the same "
-                   "way. Under torch.no_grad() it exports the twin's program")
 def test_exporting_a_model_with_a_kept_callable_save_unit_gives_the_twins_program() -> None:
     twin, model = twin_and_model()
     apply_recompute_config([model[1]], RecomputeConfig(1.0, save=["attn"]),
@@ -71,10 +66,6 @@ def test_exporting_a_model_with_a_kept_callable_save_unit_gives_the_twins_progra
     assert torch.equal(program.module()(x), twin(x))
 
 
-@pytest.mark.xfail(strict=True, reason="torch.export.export of a checkpointed module itself (the "
-                   "root) raises AttributeError: '_CheckpointedForward' object has no attribute "
-                   "'__code__' (torch/_export/non_strict_utils.py reads nn_module.forward."
-                   "__code__), also under torch.no_grad(); a model containing it exports fine")
 def test_exporting_a_checkpointed_module_itself_gives_the_twins_program() -> None:
     twin, model = twin_and_model()
     pytree_ckpt.apply_activation_checkpointing(model)
@@ -86,10 +77,6 @@ def test_exporting_a_checkpointed_module_itself_gives_the_twins_program() -> Non
     assert torch.equal(program.module()(x), twin(x))
 
 
-@pytest.mark.xfail(strict=True, reason="torch.jit.trace with grad enabled (the default) of a "
-                   "model with a checkpointed layer raises a raw RuntimeError 'unordered_map::at' "
-                   "from the boundary's autograd Function; under torch.no_grad() it traces the "
-                   "twin's graph")
 def test_jit_trace_of_a_model_with_a_checkpointed_layer_gives_the_twins_outputs() -> None:
     twin, model = twin_and_model()
     pytree_ckpt.apply_activation_checkpointing(model[1])
@@ -100,10 +87,6 @@ def test_jit_trace_of_a_model_with_a_checkpointed_layer_gives_the_twins_outputs(
         str(torch.jit.trace(twin, (x,)).graph).count("aten::linear")
 
 
-@pytest.mark.xfail(strict=True, reason="torch.jit.script of a model with a checkpointed layer "
-                   "raises a raw AttributeError: '_CheckpointedForward' object has no attribute "
-                   "'__globals__' (also under torch.no_grad()), naming neither the layer nor "
-                   "remove_activation_checkpointing")
 def test_jit_script_of_a_model_with_a_checkpointed_layer_works_or_names_the_fix() -> None:
     twin, model = twin_and_model()
     pytree_ckpt.apply_activation_checkpointing(model[1])
@@ -116,11 +99,6 @@ def test_jit_script_of_a_model_with_a_checkpointed_layer_works_or_names_the_fix(
         assert torch.equal(scripted(x), twin(x))
 
 
-@pytest.mark.xfail(strict=True, reason="torch.export.export(strict=True) of a model with a "
-                   "checkpointed layer, under torch.no_grad() where no boundary is built, is "
-                   "refused by dynamo's 'Skip inlining torch.compiler.disable()d function' whose "
-                   "reason tells to compile each layer's body then apply_activation_checkpointing:"
-                   " nothing about export, inference or remove_activation_checkpointing")
 def test_strict_export_of_a_model_with_a_checkpointed_layer_works_or_names_the_fix() -> None:
     twin, model = twin_and_model()
     pytree_ckpt.apply_activation_checkpointing(model[1])
@@ -134,11 +112,6 @@ def test_strict_export_of_a_model_with_a_checkpointed_layer_works_or_names_the_f
             assert torch.equal(program.module()(x), twin(x))
 
 
-@pytest.mark.xfail(strict=True, reason="torch.export.export with grad enabled of a model whose "
-                   "layer offloads runs the boundary on fake tensors: the manager opens a window "
-                   "per layer (counted in stats()) and logs the warning 'offload is on, but a "
-                   "window tensor (FakeTensor, ...) has no plain storage to copy', about nothing "
-                   "the user did wrong")
 def test_exporting_a_model_with_an_offloading_layer_opens_no_window_and_warns_of_nothing(
         caplog: pytest.LogCaptureFixture) -> None:
     twin, model = twin_and_model()

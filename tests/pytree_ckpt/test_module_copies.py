@@ -163,11 +163,6 @@ def _keep_output(module: nn.Module, args: Any, output: torch.Tensor) -> None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="remove_activation_checkpointing leaves the boundary's "
-                   "marks in the module's __dict__ (_pytree_ckpt_warned_hooks, a "
-                   "pytree_ckpt.eager.Told, and _pytree_ckpt_stateful): torch.save of the whole "
-                   "unwrapped model still pickles a reference to pytree_ckpt.eager._not_told, so "
-                   "it cannot be loaded where pytree_ckpt is not installed")
 def test_a_module_unwrapped_after_training_has_its_twins_attributes_and_pickles_without_pytree_ckpt(
         ) -> None:
     import pickletools
