@@ -831,3 +831,37 @@ def test_a_hooked_module_returning_a_tensor_it_holds_in_an_attribute_works_as_in
     assert torch.equal(x.grad, x_twin.grad)
     for p, q in zip(eager.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inner(x)))
+
+
+@pytest.mark.xfail(strict=True, reason="a hook-kept activation leaves as an extra output of the "
+                   "boundary's node, not as an ancestor of the layer's output: torch.autograd."
+                   "grad(out, kept) raises torch's 'appears to not have been used in the graph' "
+                   "(None with allow_unused=True), where eager gives the layer attribution")
+def test_autograd_grad_with_respect_to_a_hook_kept_activation_gives_eagers_gradient() -> None:
+    # Captum's layer attributions (LayerGradCam, LayerIntegratedGradients) keep a layer's
+    # output with a forward hook, then take torch.autograd.grad(output, kept).
+    torch.manual_seed(0)
+    eager = _Block()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 6, requires_grad=True)
+    grads = []
+    for model in (eager, twin):
+        kept: list[torch.Tensor] = []
+        handle = model.inner.register_forward_hook(lambda m, args, out: kept.append(out))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the hook is a user hook: warned about once
+            out = model(x)
+            grads.append(torch.autograd.grad(out[:, 0].sum(), kept, allow_unused=True)[0])
+        handle.remove()
+    assert grads[0] is not None and grads[1] is not None
+    assert torch.equal(grads[0], grads[1])
