@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -72,3 +73,37 @@ def test_two_threads_whose_boundaries_overlap_leave_the_attention_fast_path_off_
                  b_after_a=lambda: seen.append(torch.backends.mha.get_fastpath_enabled()))
     assert seen == [False]  # eager with x requiring grad takes the composite path
     assert torch.backends.mha.get_fastpath_enabled()  # the caller's setting again
+
+
+@pytest.mark.xfail(strict=True, reason="the boundary skips itself when forward_ad._current_level "
+                   ">= 0, a process-wide value: a dual_level() open in any other thread turns "
+                   "every boundary in this one into a plain call (no recompute, no offload: "
+                   "eager's memory), silently")
+def test_a_dual_level_open_in_another_thread_leaves_this_threads_boundary_in_place() -> None:
+    import torch.autograd.forward_ad as fwad
+
+    import pytree_ckpt
+
+    phases: list[str] = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        phases.append(str(pytree_ckpt.current_phase()))
+        return x.tanh()
+
+    entered, release = threading.Event(), threading.Event()
+
+    def other_thread() -> None:  # a metrics thread taking a JVP
+        with fwad.dual_level():
+            entered.set()
+            release.wait(timeout=30)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        entered.wait(timeout=30)
+        x = torch.randn(3, requires_grad=True)
+        checkpoint(layer, x).sum().backward()
+    finally:
+        release.set()
+        thread.join()
+    assert phases == ["forward", "recompute"]
