@@ -266,3 +266,53 @@ def test_increment_version_on_an_input_after_the_call_is_refused_as_eager_refuse
     torch.autograd.graph.increment_version(h)  # what a custom kernel writing in place does
     with pytest.raises(pytree_ckpt.CheckpointError, match="changed in place after the call"):
         out.sum().backward()
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """An op whose backward raises (a device out of memory during the replay's backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+
+class _FailingLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _FailsInBackward.apply(self.proj(h)).tanh()
+
+
+@pytest.mark.xfail(strict=True, reason="limits.md says only a NaN stop with the NaN check on "
+                   "keeps the boundary node (and the inputs below it) alive, and that anomaly "
+                   "mode is otherwise eager's with or without check_nan; any error raised in the "
+                   "replay's backward under anomaly mode (an OOM), check_nan=False too, keeps them")
+@pytest.mark.parametrize("check_nan", [True, False])
+def test_an_error_in_a_replays_backward_under_anomaly_mode_frees_the_inputs_as_eager(
+        check_nan: bool) -> None:
+    import gc
+    import weakref
+
+    freed = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        below, layer = nn.Linear(WIDTH, WIDTH), _FailingLayer()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        h = below(torch.randn(4, WIDTH, requires_grad=True))
+        alive = weakref.ref(h)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # anomaly mode's own warning and traceback
+            with torch.autograd.detect_anomaly(check_nan=check_nan):
+                with pytest.raises(RuntimeError, match="out of memory"):
+                    layer(h).sum().backward()
+        del h
+        gc.collect()
+        freed.append(alive() is None)
+    assert freed == [True, True]
