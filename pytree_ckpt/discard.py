@@ -57,6 +57,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 from .census import ActivationCensus, active_census
@@ -223,10 +224,16 @@ class CheckpointWithoutOutput:
             self.params = []
         needs_grad = bool(self.params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        if not torch.is_grad_enabled() or not needs_grad:
+        transformed = torch._C._are_functorch_transforms_active() or \
+            _forward_ad._current_level >= 0
+        if not torch.is_grad_enabled() or not needs_grad or transformed:
             # Nothing will be saved (no_grad, a checkpoint boundary's original pass, or nothing
             # that needs a gradient): nothing to discard; a boundary's replay runs this again.
-            if torch.is_grad_enabled() and self._name() not in _INERT_LOGGED:
+            # Under a torch.func transform or forward-mode AD, which build their own graph (and
+            # where the Function, with no setup_context or jvp, is refused), it is a plain call
+            # too, as the boundary is (NOTE [when there is no boundary] in boundary.py).
+            if torch.is_grad_enabled() and not transformed and \
+                    self._name() not in _INERT_LOGGED:
                 _INERT_LOGGED.add(self._name())  # once per op: a step would repeat it
                 why = ("its parameters are unknown (a lambda or function reaching a module's: "
                        "pass the module or its method instead)" if self.params is None else

@@ -373,10 +373,6 @@ class _DiscardingLayer(nn.Module):
         return x + out
 
 
-@pytest.mark.xfail(strict=True, reason="CheckpointWithoutOutput applies its autograd.Function "
-                   "under a torch.func transform: torch's raw 'must override the setup_context "
-                   "staticmethod' (forward AD: 'must implement the jvp function'), naming no "
-                   "fix, where the checkpoint boundary just calls the function")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "dual_level"])
 def test_output_discard_inside_a_checkpointed_layer_under_a_torch_func_transform_is_eager(
