@@ -122,9 +122,11 @@ class _BoundaryFunction(torch.autograd.Function):
                             flow = stack.enter_context(GradFlow())
                         output = call.fn(*args, **kwargs)
         except Exception as error:
-            # torch's "cannot register a hook on a tensor that doesn't require gradient" from
-            # a forward that assumes grad mode: name the boundary's no-grad pass.
-            if isinstance(error, RuntimeError) and "register a hook" in str(error):
+            # torch's "cannot register a hook on a tensor that doesn't require gradient" (or
+            # "can't retain_grad on Tensor that has requires_grad=False") from a forward, or a
+            # forward hook, that assumes grad mode: name the boundary's no-grad pass.
+            if isinstance(error, RuntimeError) and ("register a hook" in str(error)
+                                                    or "retain_grad" in str(error)):
                 add_note(error,
                     f"pytree_ckpt: raised in the original pass of {fn_name(call.fn)}, which "
                     "runs the forward under torch.no_grad() (the replay in backward runs it "
