@@ -17,6 +17,7 @@ from torch import nn
 from .engine import input_grads
 from .errors import CheckpointError, SavedTensorChanged
 from .generator_sets import replay_watch
+from .grad_reach import grad_reach
 from .hook_outputs import recording
 from .keep import KeepMode
 from .kept_replay import KeptReplay
@@ -36,7 +37,7 @@ from .saved import Unchanged
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
 from .subclass import as_kind
-from .tree import alias_all, flatten, leaf_paths
+from .tree import FlatTree, alias_all, flatten, leaf_paths
 from .tree_refusals import open_containers, refuse_filled_containers
 
 if TYPE_CHECKING:  # the boundary imports this module
@@ -141,10 +142,48 @@ def _inputs_without_gradient(saved: Sequence[torch.Tensor], grads: Sequence[Any]
             skip_no_gradient(tensor)
 
 
+def _refuse_leaves_reached(call: BoundaryCall, outs: Sequence[torch.Tensor],
+                           inputs: Sequence[torch.Tensor], /) -> None:
+    """NOTE [a plain function under a restricted backward]: refuse a replay whose graph reaches
+    a leaf that requires grad other than the call's inputs (a parameter fn found past the
+    reach search): the explicit path would give it no gradient, silently."""
+    own = {id(t) for t in inputs}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf
+        if variable is not None and id(variable) not in own:
+            raise CheckpointError(
+                f"the boundary around {fn_name(call.fn)} was reached by a restricted backward "
+                "(torch.autograd.grad(), backward(inputs=...), or an enclosing boundary's "
+                "replay), and its replay reaches a tensor that requires grad other than its "
+                "arguments, whose gradient that backward cannot take",
+                expected="a function of its tensor arguments alone, or a module as fn",
+                got=f"a leaf of shape {tuple(variable.shape)} reached from {fn_name(call.fn)}",
+                tip="pass that tensor as an argument, or wrap the module that holds it "
+                    "(pytree_ckpt.checkpoint(module, ...) or apply_activation_checkpointing)")
+        stack += [next_node for next_node, _ in node.next_functions if next_node is not None]
+
+
 def replay_backward(ctx: Any, call: BoundaryCall,
                     grad_outputs: tuple[torch.Tensor | None, ...], /) -> Any:
     """The replay of ``call`` and the gradients of its inputs (and parameters)."""
     explicit = call.params is not None
+    pure = False
+    if not explicit and not torch.autograd._is_checkpoint_valid() and grad_reach(
+            call.fn, FlatTree(call.in_leaves, call.in_spec, call.in_tensor_index)) is None:
+        # NOTE [a plain function under a restricted backward]: the implicit path (backward
+        # inside the replay, into whatever fn reaches) cannot serve a restricted backward
+        # (torch.autograd.grad, an enclosing boundary's replay). A function that reaches
+        # nothing trainable (every tensor an argument: an attention core, F.gelu) has its
+        # inputs' gradients alone, so the explicit path serves; the replay's graph is walked
+        # to make sure (the reach is searched only so far), and refused below otherwise.
+        call.params = []
+        explicit = pure = True
     if not explicit and not torch.autograd._is_checkpoint_valid():
         raise CheckpointError(
             f"the boundary around {fn_name(call.fn)} was reached by a restricted backward: "
@@ -338,6 +377,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         _inputs_without_gradient(saved, from_inputs, needs)
         return (None, None, *from_inputs)
     assert call.params is not None
+    if pure:
+        _refuse_leaves_reached(call, outs, detached)
     wrt = [*detached, *call.params]
     # NOTE [parameters frozen or unfrozen since the forward] (discard_function.py): a
     # parameter frozen since the forward (requires_grad_(False) before backward) gets no
