@@ -297,6 +297,10 @@ _MHA_FLAG = "_is_fastpath_enabled"
 _mha_flag_direct = isinstance(getattr(_mha, _MHA_FLAG, None), bool)
 
 
+_is_fwd_grad_enabled: Any = torch._C._is_fwd_grad_enabled
+_set_fwd_grad_enabled: Any = torch._C._set_fwd_grad_enabled
+
+
 class IsolatedPass:
     """A context for one pass (the original one, or a replay) of a checkpointed call: what it
     must not share with the caller, or let grad mode choose. One plain class, not two
@@ -338,11 +342,19 @@ class IsolatedPass:
     so only threads running one module at once can see each other's weights.
     """
 
-    __slots__ = ("outer_cache", "inner_cache")
+    __slots__ = ("outer_cache", "inner_cache", "fwd_grad_off")
 
     _swapped: list[IsolatedPass] = []  # passes running with a cache of their own
 
     def __enter__(self) -> None:
+        # NOTE [forward-mode AD inside a pass]: torch turns forward grad off inside a custom
+        # Function's forward, where the original pass runs, so a dual_level() the layer opens
+        # itself got no tangent (None, or 0.0 where the code guarded against None), where eager
+        # gets it. On for the pass (a thread's own setting); no dual level is open around a
+        # boundary (NOTE [when there is no boundary] in boundary.py).
+        self.fwd_grad_off = not _is_fwd_grad_enabled()
+        if self.fwd_grad_off:
+            _set_fwd_grad_enabled(True)
         lock = _passes_lock  # acquire/release, not a with block: NOTE [the lock of passes]
         lock.acquire()
         try:
@@ -366,6 +378,8 @@ class IsolatedPass:
             lock.release()
 
     def __exit__(self, *exc: object) -> None:
+        if self.fwd_grad_off:
+            _set_fwd_grad_enabled(False)
         lock = _passes_lock
         lock.acquire()
         try:

@@ -289,10 +289,10 @@ class _FailingLayer(nn.Module):
         return _FailsInBackward.apply(self.proj(h)).tanh()
 
 
-@pytest.mark.xfail(strict=True, reason="limits.md says only a NaN stop with the NaN check on "
-                   "keeps the boundary node (and the inputs below it) alive, and that anomaly "
-                   "mode is otherwise eager's with or without check_nan; any error raised in the "
-                   "replay's backward under anomaly mode (an OOM), check_nan=False too, keeps them")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the detect_anomaly "
+                   "row): torch keeps the boundary node alive after any error raised in a "
+                   "replay's backward under anomaly mode (a leak in torch for a Function running "
+                   "a backward inside its backward) (helper DS)")
 @pytest.mark.parametrize("check_nan", [True, False])
 def test_an_error_in_a_replays_backward_under_anomaly_mode_frees_the_inputs_as_eager(
         check_nan: bool) -> None:

@@ -540,9 +540,6 @@ class _JvpInside(nn.Module):
         return self.out(tangent * x)
 
 
-@pytest.mark.xfail(strict=True, reason="the original pass runs inside the boundary's "
-                   "autograd.Function forward, where torch turns forward-mode AD off: a "
-                   "dual_level() entered inside the layer yields no tangent (None)")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_forward_mode_ad_inside_a_wrapped_layer_gives_eager_outputs_and_gradients() -> None:
     torch.manual_seed(0)

@@ -843,10 +843,9 @@ class _Block(nn.Module):
         return self.out(torch.tanh(self.inner(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="a hook-kept activation leaves as an extra output of the "
-                   "boundary's node, not as an ancestor of the layer's output: torch.autograd."
-                   "grad(out, kept) raises torch's 'appears to not have been used in the graph' "
-                   "(None with allow_unused=True), where eager gives the layer attribution")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the row on gradients "
+                   "with respect to a hook-kept tensor): it leaves as an extra output of the "
+                   "boundary's node, not an ancestor of the layer's output (helper DS)")
 def test_autograd_grad_with_respect_to_a_hook_kept_activation_gives_eagers_gradient() -> None:
     # Captum's layer attributions (LayerGradCam, LayerIntegratedGradients) keep a layer's
     # output with a forward hook, then take torch.autograd.grad(output, kept).
@@ -909,10 +908,9 @@ def test_a_hook_that_hooks_the_gradient_of_a_modules_output_is_eager_or_told_the
     assert seen[0] is not None and seen[1] is not None and torch.equal(seen[0], seen[1])
 
 
-@pytest.mark.xfail(strict=True, reason="the same cause as torch.autograd.grad with respect to a "
-                   "hook-kept activation: a tensor hook registered on it after the forward runs "
-                   "with None (not on the path from the layer's output), where eager hands it "
-                   "the activation's gradient")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the row on gradients "
+                   "with respect to a hook-kept tensor): its tensor hook runs with None (helper "
+                   "DS)")
 def test_a_tensor_hook_on_a_hook_kept_activation_gets_eagers_gradient() -> None:
     # Attention-gradient visualisation keeps a module's output with a forward hook, then hooks
     # its gradient: kept.register_hook(save_grad).

@@ -75,10 +75,9 @@ def test_two_threads_whose_boundaries_overlap_leave_the_attention_fast_path_off_
     assert torch.backends.mha.get_fastpath_enabled()  # the caller's setting again
 
 
-@pytest.mark.xfail(strict=True, reason="the boundary skips itself when forward_ad._current_level "
-                   ">= 0, a process-wide value: a dual_level() open in any other thread turns "
-                   "every boundary in this one into a plain call (no recompute, no offload: "
-                   "eager's memory), silently")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the dual_level row): "
+                   "torch's forward-AD level is one for the process, so a dual level open in "
+                   "another thread turns this thread's boundaries into plain calls (helper DS)")
 def test_a_dual_level_open_in_another_thread_leaves_this_threads_boundary_in_place() -> None:
     import torch.autograd.forward_ad as fwad
 
