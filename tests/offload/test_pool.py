@@ -273,3 +273,15 @@ def test_a_size_that_is_no_byte_count_is_refused_naming_the_call(size: Any) -> N
     # Refused before anything changed (reserve's first size included).
     assert pool.checked_out == pool.host_bytes == pool.hits == pool.misses == 0
     assert size_class(np.int64(600)) == size_class(600) == 640  # an integer of another kind
+
+
+def test_a_size_of_zero_bytes_is_a_byte_count_served_by_the_smallest_class() -> None:
+    # The refusal of sizes that are no byte count says "an int >= 0": an empty tensor's
+    # storage (0 bytes) is one, served by the smallest class, not refused.
+    pool = HostPool(pin_memory=False)
+    assert size_class(0) == size_class(1) == 512
+    pool.reserve([0])
+    buffer = pool.acquire(0)
+    assert buffer.numel() == 512 and pool.hits == 1 and pool.checked_out == 1
+    pool.release(buffer)
+    assert pool.checked_out == 0
