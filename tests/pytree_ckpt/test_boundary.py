@@ -2251,3 +2251,33 @@ def test_a_plain_function_reaching_a_parameter_past_the_search_is_refused_under_
     out = checkpoint(scaled, x)  # plain backward: the implicit path, eager's gradients
     out.sum().backward()
     assert torch.equal(holder.w.grad, x.detach().sum(0))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("changed", [1, 2])
+def test_rows_of_either_of_two_buffers_changed_in_place_after_the_call_are_refused(
+        changed: int) -> None:
+    # Each buffer returned untouched is watched, not only the first: the replay would read
+    # whichever changed (eager refuses at backward: both rows were saved by a mul).
+    class Tables(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("first", torch.randn(4, 8))
+            self.register_buffer("second", torch.randn(4, 8))
+
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return (self.lin(h) * self.first[0] * self.second[0], self.first[:2],
+                    self.second[:2])
+
+    torch.manual_seed(0)
+    eager = Tables()
+    layer = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 8)
+    y, *rows = eager(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rows[changed - 1].mul_(2.0)  # eager refuses the backward
+        y.sum().backward()
+    y, *rows = layer(x)
+    with pytest.raises(CheckpointError, match=rf"output\[{changed}\] of Tables views a tensor"):
+        rows[changed - 1].mul_(2.0)
+        y.sum().backward()
