@@ -41,3 +41,17 @@ def test_on_python_3_10_a_second_note_joins_the_first(monkeypatch: pytest.Monkey
     error.__notes__ = ["an earlier note"]  # type: ignore[attr-defined]
     notes.add_note(error, "a second note")
     assert error.__notes__ == ["an earlier note", "a second note"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="Python 3.11+ only")
+def test_on_python_3_11_a_note_is_added_natively_and_not_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The 3.10 path (log as well) is taken only where add_note is missing: a 3.11 traceback
+    # shows the note itself, and a log line would repeat the whole error.
+    layer = pytree_ckpt.apply_activation_checkpointing(RegistersAHook())
+    with caplog.at_level(logging.DEBUG, logger="pytree_ckpt.notes"), \
+            pytest.raises(RuntimeError, match="register a hook") as raised:
+        layer(torch.randn(3, requires_grad=True))
+    (note,) = raised.value.__notes__  # type: ignore[attr-defined]
+    assert note.startswith("pytree_ckpt: raised in the original pass of RegistersAHook")
+    assert caplog.records == []
