@@ -1027,3 +1027,19 @@ def test_a_kept_op_name_off_by_case_or_spaces_is_warned_with_the_op_it_means(typ
             assert [str(op) for op in KeptOps(*names).resolve()] == [
                 f"aten.{n.split('::')[1]}" for n in names if n != typo]
         assert not caught
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("ATEN::mm", "'aten::mm'"),  # the namespace off by case
+    ("aten::MM.default", "'aten::mm.default'"),  # an overload named (then the op's others)
+])
+def test_a_kept_op_name_off_by_case_in_its_namespace_or_with_an_overload_is_warned_with_the_op(
+        typo: str, meant: str) -> None:
+    # The namespace is compared without case too, and an overload of an op off by case is
+    # looked up under the op's own name (not getattr(torch.ops.aten, 'MM'), which fails).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [str(op) for op in KeptOps("aten::addmm", typo).resolve()] == ["aten.addmm"]
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(f"KeptOps({typo!r}) names no op in this build; did you mean {meant}")
+
