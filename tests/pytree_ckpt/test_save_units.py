@@ -1043,3 +1043,13 @@ def test_a_kept_op_name_off_by_case_in_its_namespace_or_with_an_overload_is_warn
     (message,) = [str(w.message) for w in caught]
     assert message.startswith(f"KeptOps({typo!r}) names no op in this build; did you mean {meant}")
 
+
+
+@pytest.mark.parametrize("make, shown", [
+    (lambda: KeptOps(None, 3), "None"), (lambda: KeptOps("aten::mm", 3, None), "3"),
+    (lambda: KeptCallables(None, 3), "None"),
+    (lambda: KeptCallables("Attn.forward", "nodot", None), "'nodot'")])
+def test_of_several_bad_targets_the_first_is_named(make: Any, shown: str) -> None:
+    with pytest.raises(CheckpointConfigError) as caught:
+        make()
+    assert f"\n  got:      {shown}\n" in str(caught.value)
