@@ -294,3 +294,32 @@ def test_a_unit_whose_only_kept_output_is_changed_in_place_later_is_warned_as_ke
     assert_same_grads(expected, got)                   # exact: full recompute
     assert kept == 0                                   # the unit holds nothing ...
     assert any("'dsa_indexer' kept nothing" in str(w.message) for w in caught)  # ... say so
+
+
+class _RoutedByMethod(nn.Module):
+    """Top-k ids from a reused call made inside a method a unit keeps (KeptCallables)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self.indices(self.score(x).detach())
+        return x * self.score(x).gather(-1, ids).sum(-1, keepdim=True)
+
+    def indices(self, scores: torch.Tensor) -> torch.Tensor:
+        return reuse_during_recompute(_top2, scores)
+
+
+def test_a_kept_method_whose_ops_run_in_a_reused_call_is_not_warned() -> None:
+    # The ops of a reused call count for the kept method running them, as they count for a
+    # unit naming the ops: the replay hands back their results without running them.
+    torch.manual_seed(0)
+    eager = nn.ModuleList([_RoutedByMethod(), _RoutedByMethod()])
+    layers = copy.deepcopy(eager)
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=["dsa_indexer"]),
+                           {SaveUnit.DSA_INDEXER: KeptCallables("_RoutedByMethod.indices")})
+    expected, _ = _steps(eager)
+    got, told = _steps(layers)
+    assert told == []
+    assert_same_grads(expected, got)
