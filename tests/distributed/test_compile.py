@@ -1150,3 +1150,21 @@ def test_a_compiled_train_step_calling_backward_through_checkpointed_layers_give
                            {n: p.grad for n, p in net.named_parameters()})
     finally:
         torch._dynamo.reset()
+
+
+def test_a_fullgraph_module_compile_of_a_checkpointed_layer_is_refused_at_every_call() -> None:
+    # Not marked told: a second call, after the refusal was caught, is refused again (the
+    # module.compile() warning is told once; this refusal is not a warning).
+    torch._dynamo.reset()
+    try:
+        net = _Net()
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        net.block.compile(backend="eager", fullgraph=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(2):
+                with pytest.raises(pytree_ckpt.CheckpointConfigError,
+                                   match=r"Sequential.compile\(fullgraph=True\)"):
+                    net(torch.randn(4, 8))
+    finally:
+        torch._dynamo.reset()
