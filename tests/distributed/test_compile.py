@@ -1168,3 +1168,26 @@ def test_a_fullgraph_module_compile_of_a_checkpointed_layer_is_refused_at_every_
                     net(torch.randn(4, 8))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("stance", ["force_eager", "eager_on_recompile"])
+def test_a_fullgraph_module_compile_of_a_checkpointed_layer_under_an_eager_stance_runs(
+        stance: str) -> None:
+    # As torch.compile(layer, fullgraph=True) under such a stance (the test above for it):
+    # torch would not fail, so layer.compile(fullgraph=True) is not refused either.
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Net()
+        net = copy.deepcopy(eager)
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        net.block.compile(backend="eager", fullgraph=True)
+        x = torch.randn(4, 8)
+        with torch.compiler.set_stance(stance), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warning that module.compile() compiles nothing
+            net(x).backward()
+        eager(x).backward()
+        assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                           {n: p.grad for n, p in net.named_parameters()})
+    finally:
+        torch._dynamo.reset()
