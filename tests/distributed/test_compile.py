@@ -1191,3 +1191,35 @@ def test_a_fullgraph_module_compile_of_a_checkpointed_layer_under_an_eager_stanc
                            {n: p.grad for n, p in net.named_parameters()})
     finally:
         torch._dynamo.reset()
+
+
+def test_a_compiled_function_registering_a_buffer_does_not_recompile_after_a_boundary_ran(
+        ) -> None:
+    # NOTE [global hooks stay eager]: traced, the new-buffer hook's count made dynamo guard on
+    # the count's value, which each call changes: every call recompiled.
+    from torch._dynamo.testing import CompileCounter
+
+    class WithLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+    def register_and_use(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        module.register_buffer("scale", x * 2)
+        return module.lin(module.scale + 1)
+
+    torch._dynamo.reset()
+    try:
+        layer = pytree_ckpt.apply_activation_checkpointing(nn.Linear(4, 4))
+        layer(torch.randn(2, 4, requires_grad=True)).sum().backward()  # the hooks installed
+        counter = CompileCounter()
+        compiled = torch.compile(register_and_use, backend=counter)
+        frames = []
+        for _ in range(4):
+            module = WithLinear()
+            x = torch.randn(3)
+            assert torch.equal(compiled(x, module), module.lin(x * 2 + 1))
+            frames.append(counter.frame_count)
+        assert frames[1:] == [frames[0]] * 3, frames
+    finally:
+        torch._dynamo.reset()
