@@ -761,3 +761,38 @@ def test_an_output_iterator_over_the_calls_own_input_keeps_eagers_gradient() -> 
     out = checkpoint(lambda t: (t * 3, iter([t])), x)
     (out[0].sum() + next(out[1]).sum()).backward()
     assert torch.equal(x.grad, torch.full((3,), 4.0))
+
+
+class _SlottedIterator:
+    """An iterator of the user's with no __dict__ (its __reduce__ refuses: slots, no state)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = 0
+
+    def __iter__(self) -> _SlottedIterator:
+        return self
+
+    def __next__(self) -> int:
+        raise StopIteration
+
+
+def _finished_generator() -> Any:
+    generator = (v for v in [1])
+    assert list(generator) == [1]  # its frame is gone (gi_frame is None)
+    return generator
+
+
+@pytest.mark.parametrize("make", [lambda: _finished_generator(), lambda: _SlottedIterator()],
+                         ids=["finished_generator", "slotted_iterator"])
+def test_an_output_iterator_with_nothing_to_look_into_passes_with_eagers_gradient(
+        make: Callable[[], Any]) -> None:
+    # A finished generator has no frame to read, and an iterator class of the user's without
+    # __dict__ is not a builtin one read through __reduce__: both leave as they are.
+    x = torch.randn(3, requires_grad=True)
+    made = make()
+    out = checkpoint(lambda t: (t * 3, made), x)
+    assert out[1] is made
+    out[0].sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 3.0))
