@@ -1343,3 +1343,14 @@ def test_discard_of_something_not_callable_is_refused_naming_the_fix(fn: Any, vi
     (twin(x_twin) * 2 + x_twin).sum().backward()
     assert torch.allclose(x.grad, x_twin.grad, atol=1e-6)  # float rounding: NOTE [exactness]
     assert torch.equal(norm.weight.grad, twin.weight.grad)
+
+
+@pytest.mark.parametrize("pairs", [b"", b"\x00\x01"])
+def test_atomic_pairs_given_as_bytes_are_refused_as_a_string_is(pairs: bytes) -> None:
+    # bytes iterate as ints: b"" read as no pairs, b"\x00\x01" as the entries 0 and 1.
+    with pytest.raises(CheckpointConfigError) as raised:
+        build_residual_stream_recompute_plan(4, 1, atomic_layer_pairs=pairs)
+    assert str(raised.value).startswith(
+        "atomic_layer_pairs must be an iterable of (a, b) layer index pairs\n"
+        "  expected: a list or tuple of pairs, () for none\n"
+        f"  got:      {pairs!r}\n")
