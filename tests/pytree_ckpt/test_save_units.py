@@ -1053,3 +1053,15 @@ def test_of_several_bad_targets_the_first_is_named(make: Any, shown: str) -> Non
     with pytest.raises(CheckpointConfigError) as caught:
         make()
     assert f"\n  got:      {shown}\n" in str(caught.value)
+
+
+def test_a_kept_op_name_off_by_case_and_by_a_letter_is_warned_with_the_op_it_means() -> None:
+    # The close matches are looked for without case too: "aten::MMM" is "aten::mmm", close to
+    # aten::mm (case-sensitive, nothing is close to it, and it was skipped without a word).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [str(op) for op in KeptOps("aten::addmm", "aten::MMM").resolve()] == [
+            "aten.addmm"]
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(
+        "KeptOps('aten::MMM') names no op in this build; did you mean 'aten::mm'")
