@@ -1794,3 +1794,22 @@ def test_reuse_of_something_not_callable_is_refused_naming_the_fix(inside: bool,
         f"  got:      {type(fn).__name__} {fn!r}\n"
         "  tip: reuse_during_recompute(indexer, h) or reuse_during_recompute(fn, h, ...): the "
         "function first, then its arguments")
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_reuse_of_something_not_callable_inside_a_reused_call_is_refused_naming_the_fix(
+        inside: bool) -> None:
+    # NOTE [reuse inside reuse]: the inner call is a plain call, but the check comes first: a
+    # None there is refused as at the top level, not Python's bare "not callable".
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def outer(h: torch.Tensor) -> torch.Tensor:
+        return reuse_during_recompute(None, h)  # type: ignore[arg-type]
+
+    def body(h: torch.Tensor) -> torch.Tensor:
+        return h * reuse_during_recompute(outer, h.detach())
+
+    with pytest.raises(pytree_ckpt.CheckpointConfigError,
+                       match="^reuse_during_recompute takes the function whose result the "
+                             "replay reuses\n"):
+        checkpoint(body, x) if inside else body(x)
