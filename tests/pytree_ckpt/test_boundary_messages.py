@@ -1695,3 +1695,21 @@ def test_a_layers_own_forward_given_as_a_partial_is_no_transformers_boundary() -
     with pytest.warns(UserWarning, match="checkpointed twice"):
         pytree_ckpt.checkpoint(functools.partial(torch.nn.Linear.forward, layer), x).sum(
             ).backward()
+
+
+@pytest.mark.parametrize("call, tip", [
+    (lambda: checkpoint(None, torch.randn(2)),  # type: ignore[arg-type]
+     "checkpoint(layer, x) or checkpoint(fn, x, ...): the function (or module) first, then its "
+     "arguments"),
+    (lambda: pytree_ckpt.checkpointed("gelu"),  # type: ignore[arg-type]
+     "checkpointed(layer) or checkpointed(fn, preserve_rng_state=False); the arguments go to "
+     "the wrapper it returns")], ids=["checkpoint", "checkpointed"])
+def test_a_boundary_given_something_not_callable_is_refused_naming_the_fix(
+        call: Callable[[], Any], tip: str) -> None:
+    with pytest.raises(pytree_ckpt.CheckpointConfigError) as caught:
+        call()
+    where = "checkpointed" if "checkpointed" in tip else "checkpoint"
+    got = "NoneType None" if where == "checkpoint" else "str 'gelu'"
+    assert str(caught.value) == (
+        f"{where} takes the function (or module) to run behind the boundary\n"
+        f"  expected: a callable\n  got:      {got}\n  tip: {tip}")
