@@ -316,3 +316,16 @@ def test_an_error_in_a_replays_backward_under_anomaly_mode_frees_the_inputs_as_e
         gc.collect()
         freed.append(alive() is None)
     assert freed == [True, True]
+
+
+def test_an_error_raised_with_saved_tensor_hooks_on_gets_no_note_about_them() -> None:
+    # note_hooks_disabled names the hooks only where they are off: another RuntimeError from
+    # entering the hooks keeps no misleading tip.
+    from pytree_ckpt.saved import note_hooks_disabled
+
+    error = RuntimeError("something else")
+    note_hooks_disabled(error, "offload", "run this call outside that context")
+    assert getattr(error, "__notes__", []) == []
+    with torch.autograd.graph.disable_saved_tensors_hooks("a framework's own reason"):
+        note_hooks_disabled(error, "offload", "run this call outside that context")
+    assert "offload needs saved-tensor hooks" in _notes(error)
