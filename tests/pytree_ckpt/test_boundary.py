@@ -2281,3 +2281,24 @@ def test_rows_of_either_of_two_buffers_changed_in_place_after_the_call_are_refus
     with pytest.raises(CheckpointError, match=rf"output\[{changed}\] of Tables views a tensor"):
         rows[changed - 1].mul_(2.0)
         y.sum().backward()
+
+
+def test_a_table_view_changed_after_the_call_is_refused_when_a_buffers_rows_leave_too() -> None:
+    # The buffer's rows join the views already watched (a plain tensor attribute's rows, a
+    # table on the module): neither list replaces the other.
+    class Tables(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.cos = torch.randn(4, 8)  # a plain attribute, not a buffer
+            self.register_buffer("table", torch.randn(4, 8))
+
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.lin(h) * self.cos[0] * self.table[0], self.cos[:2], self.table[:2]
+
+    torch.manual_seed(0)
+    layer = pytree_ckpt.apply_activation_checkpointing(Tables())
+    y, cos, _ = layer(torch.randn(3, 8))
+    with pytest.raises(CheckpointError, match=r"output\[1\] of Tables views a tensor"):
+        cos.mul_(2.0)
+        y.sum().backward()
