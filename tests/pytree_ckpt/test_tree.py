@@ -811,3 +811,16 @@ def test_a_tensor_computed_into_an_itertools_output_iterator_is_refused(
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(CheckpointError, match=r"at output\[1\]"):
         checkpoint(lambda t: (t * 3, make(t)), x)
+
+
+def test_a_tensor_held_by_an_output_generators_variable_is_named_by_that_variable() -> None:
+    # A generator is looked into through its frame's variables, each named <name> in the path
+    # (not started, it holds its argument h, a tensor fn computed).
+    def rows(h: torch.Tensor) -> Any:
+        yield h * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError,
+                       match=r"returned a generator at output\[1\] that holds a tensor at "
+                             r"output\[1\]<h>;"):
+        checkpoint(lambda t: (t * 3, rows(t * 1)), x)
