@@ -824,3 +824,22 @@ def test_a_tensor_held_by_an_output_generators_variable_is_named_by_that_variabl
                        match=r"returned a generator at output\[1\] that holds a tensor at "
                              r"output\[1\]<h>;"):
         checkpoint(lambda t: (t * 3, rows(t * 1)), x)
+
+
+def _delegating_rows(h: torch.Tensor) -> Any:
+    yield from (h * 2, h * 4)
+
+
+@pytest.mark.xfail(strict=True, reason="a started generator delegating with yield from holds "
+                   "what it delegates to in gi_yieldfrom, not in its frame's variables: the "
+                   "tensors fn computed into it leave without gradient, silently")
+def test_a_tensor_in_what_a_started_output_generator_delegates_to_is_refused() -> None:
+    # Eager's x.grad is 7 (3 from t * 3, 4 from the second row); the boundary's was 3.
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        rows = _delegating_rows(t)
+        next(rows)  # started: the tuple (t * 2, t * 4) is delegated to, on the frame's stack
+        return t * 3, rows
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"returned a generator at output\[1\]"):
+        checkpoint(fn, x)
