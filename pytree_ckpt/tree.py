@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["FlatTree", "LEAF_SPEC", "POSITIONAL_CALL_SPECS", "flatten", "flatten_call",
            "unflatten", "leaf_paths", "describe_leaf", "first_difference", "hidden_tensor",
-           "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN", "alias", "alias_all"]
+           "can_look_into", "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN", "alias", "alias_all"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -295,8 +295,12 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
             # in its frame, None once it is finished.
             frame = obj.gi_frame
             children = () if frame is None else \
-                ((f"<{name}>", value) for name, value in frame.f_locals.items())
-        elif isinstance(obj, Iterator) and type(obj).__module__ == "builtins":
+                [(f"<{name}>", value) for name, value in frame.f_locals.items()]
+            if obj.gi_yieldfrom is not None:  # a started `yield from`: what it delegates to
+                children = [*children, ("<yield from>", obj.gi_yieldfrom)]
+        elif isinstance(obj, Iterator) and _slot_names(obj):  # an iterator class of slots
+            children = ((f".{name}", getattr(obj, name, None)) for name in _slot_names(obj))
+        elif isinstance(obj, Iterator) and _reduces_to_items(obj):
             # iter(list), map, zip, enumerate, reversed, dict iterators: __reduce__ gives what
             # they iterate over without advancing them (itertools' is deprecated, not used).
             children = (("", item) for item in obj.__reduce__()[1])
@@ -311,6 +315,35 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
         return None
 
     return search(leaf, depth)
+
+
+_CALLABLE_ITERATOR = type(iter(int, 1))  # iter(fn, sentinel): its items are fn's results
+
+
+def _reduces_to_items(iterator: Any, /) -> bool:
+    """Python's own iterators (``iter(list)``, ``zip``, ``map``, ``enumerate``, ``reversed``,
+    dict iterators), whose ``__reduce__`` gives what they iterate over; not ``iter(fn,
+    sentinel)``, whose items are calls yet to come."""
+    kind = type(iterator)
+    return kind.__module__ == "builtins" and kind is not _CALLABLE_ITERATOR
+
+
+def _slot_names(obj: Any, /) -> list[str]:
+    """The ``__slots__`` attributes of ``obj``'s Python classes (none for builtin types)."""
+    names: list[str] = []
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
+
+
+def can_look_into(iterator: Any, /) -> bool:
+    """Whether ``hidden_tensor`` sees what ``iterator`` holds without consuming it: a
+    generator, one of Python's own iterators over values, or an iterator class of the user's
+    (its attributes, or its slots)."""
+    return isinstance(iterator, types.GeneratorType) or _reduces_to_items(iterator) or (
+        not callable(iterator) and (isinstance(getattr(iterator, "__dict__", None), dict)
+                                    or bool(_slot_names(iterator))))
 
 
 CONTAINER = "container"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +23,8 @@ from torch import nn
 from .errors import CheckpointError
 from .module_state import owning_module
 from .refusals import fn_name, readable_path
-from .tree import CONTAINER, ITERATOR, describe_leaf, hidden_tensor, leaf_kind, leaf_paths
+from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, hidden_tensor, leaf_kind,
+                   leaf_paths)
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -55,6 +56,20 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             known.update((id(t), t) for t in (*inputs, *call.frame.tensors()))
         found = hidden_tensor(leaf, functools.partial(_fresh_float, known))
         if found is None:
+            if isinstance(leaf, Iterator) and not can_look_into(leaf):
+                # itertools' chain or islice, an iterator class without attributes: what
+                # it holds cannot be seen without consuming it, so a tensor fn computed into
+                # it might leave without gradient. Said, not guessed.
+                path = leaf_paths(spec, root="output")[index]
+                raise CheckpointError(
+                    f"{fn_name(call.fn)} returned a {type(leaf).__name__} at {path}, an "
+                    "iterator whose items cannot be looked at without consuming it: a tensor "
+                    "fn computed into it would leave the boundary without gradient",
+                    expected="tensors in dicts, lists, tuples, namedtuples, dataclasses, or "
+                             "iterators over those (iter(list), zip, map, a generator)",
+                    got=f"a {type(leaf).__module__}.{type(leaf).__qualname__}",
+                    tip="return a plain container instead (list(...) of it), or build the "
+                        "iterator after the call")
             continue
         where, tensor = found
         path = leaf_paths(spec, root="output")[index]

@@ -799,12 +799,10 @@ def test_an_output_iterator_with_nothing_to_look_into_passes_with_eagers_gradien
     assert torch.equal(x.grad, torch.full((3,), 3.0))
 
 
-@pytest.mark.xfail(strict=True, reason="an itertools iterator (chain, islice) is not looked "
-                   "into: a tensor fn computed into one leaves without gradient, silently, "
-                   "where limits.md says an iterator holding one is refused")
 @pytest.mark.parametrize("make", [lambda t: itertools.chain([t * 2]),
-                                  lambda t: itertools.islice([t * 2], 1)],
-                         ids=["chain", "islice"])
+                                  lambda t: itertools.islice([t * 2], 1),
+                                  lambda t: iter(lambda: t * 2, None)],
+                         ids=["chain", "islice", "callable_iterator"])
 def test_a_tensor_computed_into_an_itertools_output_iterator_is_refused(
         make: Callable[[torch.Tensor], Any]) -> None:
     # As for iter(list), zip and map above: eager's x.grad is 5, the boundary's was 3.
@@ -830,9 +828,6 @@ def _delegating_rows(h: torch.Tensor) -> Any:
     yield from (h * 2, h * 4)
 
 
-@pytest.mark.xfail(strict=True, reason="a started generator delegating with yield from holds "
-                   "what it delegates to in gi_yieldfrom, not in its frame's variables: the "
-                   "tensors fn computed into it leave without gradient, silently")
 def test_a_tensor_in_what_a_started_output_generator_delegates_to_is_refused() -> None:
     # Eager's x.grad is 7 (3 from t * 3, 4 from the second row); the boundary's was 3.
     def fn(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -842,4 +837,21 @@ def test_a_tensor_in_what_a_started_output_generator_delegates_to_is_refused() -
 
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(CheckpointError, match=r"returned a generator at output\[1\]"):
+        checkpoint(fn, x)
+
+
+class _SlottedHolder(_SlottedIterator):
+    __slots__ = ("held",)
+
+
+def test_a_tensor_computed_into_an_output_iterator_of_slots_is_refused_naming_its_slot() -> None:
+    # An iterator class of the user's without __dict__ is looked into through its slots.
+    x = torch.randn(3, requires_grad=True)
+
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, _SlottedHolder]:
+        holder = _SlottedHolder()
+        holder.held = t * 2
+        return t * 3, holder
+
+    with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]\.held"):
         checkpoint(fn, x)
