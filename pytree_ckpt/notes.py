@@ -27,4 +27,6 @@ def add_note(error: BaseException, note: str, /) -> None:
         notes = []
         error.__notes__ = notes  # type: ignore[attr-defined]
     notes.append(note)
-    _LOG.warning("%s: %s\n%s", type(error).__name__, error, note)
+    # A string, not the error, in the record: a handler that keeps records (pytest's, a
+    # memory handler) would keep the error's traceback, and with it the step's tensors.
+    _LOG.warning("%s", f"{type(error).__name__}: {error}\n{note}")
