@@ -94,10 +94,12 @@ def refuse_double_backward(where: Callable[[], str], /) -> None:
     if torch.is_grad_enabled():
         raise CheckpointError(
             f"{where()} was reached by a backward with create_graph=True (double backward, a "
-            "gradient penalty)", expected="create_graph=False", got="create_graph=True",
-            tip="second-order gradients through a replay would be incomplete: take the penalty "
-                "with checkpointing off for this module (remove_activation_checkpointing, "
-                "or call it outside checkpoint())")
+            "gradient penalty, torch.autograd.functional's jvp, hvp or hessian, a MAML inner "
+            "step)", expected="create_graph=False", got="create_graph=True",
+            tip="second-order gradients through a replay would be incomplete: use torch.func "
+                "(torch.func.grad, jvp, hessian: no boundary is built under a transform, so "
+                "they see the plain layers), or take them with checkpointing off for this "
+                "module (remove_activation_checkpointing, or call it outside checkpoint())")
 
 
 def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int, /) -> None:

@@ -1112,9 +1112,12 @@ def test_a_backward_with_create_graph_is_refused_instead_of_losing_second_order_
     with pytest.raises(pytree_ckpt.CheckpointError, match="create_graph=True") as caught:
         torch.autograd.grad(layer(x).sum(), x, create_graph=True)
     assert "remove_activation_checkpointing" in str(caught.value)
+    assert "torch.func" in str(caught.value)  # the way that works on the wrapped layer:
+    hessian = torch.func.hessian(lambda t: layer(t).sum())(x)  # no boundary under a transform
     (grad,) = torch.autograd.grad(layer(x).sum(), x)  # first order: as before
     pytree_ckpt.remove_activation_checkpointing(layer)
     assert torch.equal(grad, torch.autograd.grad(layer(x).sum(), x)[0])
+    assert torch.equal(hessian, torch.func.hessian(lambda t: layer(t).sum())(x))
 
 
 @pytest.mark.parametrize("change", ["insert", "delete", "insert then delete"])
