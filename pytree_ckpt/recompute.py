@@ -157,6 +157,7 @@ def _refuse_leaves_reached(call: BoundaryCall, outs: Sequence[torch.Tensor],
         seen.add(id(node))
         variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf
         if variable is not None and id(variable) not in own:
+            call.params = None  # unknown again: a later plain backward takes the implicit path
             raise CheckpointError(
                 f"the boundary around {fn_name(call.fn)} was reached by a restricted backward "
                 "(torch.autograd.grad(), backward(inputs=...), or an enclosing boundary's "
