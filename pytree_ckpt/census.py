@@ -85,7 +85,6 @@ def report_held(tensors: Iterable[torch.Tensor], mechanism: Mechanism, /, *,
         census = census._parent
 
 
-
 def _stored_tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors an outer saved-tensor hook stored: the object, or those in a tuple/list."""
     if isinstance(obj, torch.Tensor):
@@ -382,4 +381,3 @@ class ActivationCensus(CensusReading):
                 entry.discarded = False
         if self._parent is not None:
             self._parent.note_refilled(tensor)
-

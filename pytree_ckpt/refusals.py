@@ -291,4 +291,3 @@ def refuse_container(module: nn.Module, consequence: str, /, *, index: int | Non
         f"{consequence}", expected="a module that is called (a decoder layer, a norm)",
         got=f"a {name} (a container of modules)",
         tip=tip or f"checkpoint_layers({layers}) checkpoints each layer it holds")
-

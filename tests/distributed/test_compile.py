@@ -1019,13 +1019,12 @@ def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_again_at_
         torch._dynamo.reset()
 
 
-
-
 def test_a_fullgraph_module_compile_of_a_checkpointed_layer_is_refused_naming_the_fix() -> None:
-    # boundary.md ("told or refused"): "`layer.compile()`, `torch.compile(layer)` of a
-    # checkpointed layer (refused with `fullgraph=True`; ...)". torch.compile(layer,
-    # fullgraph=True) is refused with a CheckpointConfigError; layer.compile(fullgraph=True),
-    # the same compile through nn.Module.compile, is not.
+    # Guards against (helper DN): boundary.md says "`layer.compile()`, `torch.compile(layer)`
+    # of a checkpointed layer (refused with `fullgraph=True`; ...)", and torch.compile(layer,
+    # fullgraph=True) was, but layer.compile(fullgraph=True), the same compile through
+    # nn.Module.compile, ran the forward and then failed with torch's "found no compiled
+    # frames".
     torch._dynamo.reset()
     try:
         net = _Net()

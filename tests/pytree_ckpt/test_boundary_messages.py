@@ -104,7 +104,6 @@ def test_an_error_only_the_replay_meets_keeps_its_type_and_says_it_came_from_the
     assert "use_cache=False" in notes
 
 
-
 class RunsOutOfMemoryInTheReplay(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

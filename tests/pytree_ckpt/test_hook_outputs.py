@@ -574,8 +574,6 @@ def test_a_table_a_hooked_module_builds_in_its_first_call_and_keeps_stays_as_in_
     assert layer.cache.table is not None and not layer.cache.table.requires_grad
 
 
-
-
 def test_an_inner_boundary_hands_on_what_an_outer_replay_records_after_the_hook_went() -> None:
     # The hook was removed between two micro-batch forwards; the outer replay of the first
     # still records the router (its forward did), but the inner boundary, finding no user hook,

@@ -1044,7 +1044,6 @@ def test_a_kept_op_name_off_by_case_in_its_namespace_or_with_an_overload_is_warn
     assert message.startswith(f"KeptOps({typo!r}) names no op in this build; did you mean {meant}")
 
 
-
 @pytest.mark.parametrize("make, shown", [
     (lambda: KeptOps(None, 3), "None"), (lambda: KeptOps("aten::mm", 3, None), "3"),
     (lambda: KeptCallables(None, 3), "None"),

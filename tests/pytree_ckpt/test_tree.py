@@ -454,7 +454,6 @@ class Holder:  # an unregistered plain class
         self.aux = aux
 
 
-
 def test_a_plain_object_input_holding_a_weight_that_requires_grad_gets_eagers_gradient() -> None:
     # docs/limits.md: plain objects among the inputs are passed as they are; only containers
     # the bridge leaves closed (a dict subclass, a set, a namespace) are searched and refused.
