@@ -505,6 +505,32 @@ def test_module_compile_warns_once_naming_the_body_compile_whichever_order(
         assert counter.frame_count == 0  # why it warns: nothing inside was compiled
 
 
+@pytest.mark.xfail(strict=True, reason="the module.compile(fullgraph=True) refusal's tip "
+                   "(remove_activation_checkpointing, compile the body, apply again) leaves "
+                   "module.compile()'s wrapper on the layer, so the layer is refused again")
+def test_following_the_module_compile_fullgraph_refusal_tip_gives_eager_grads() -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    twin = copy.deepcopy(layer)
+    apply_activation_checkpointing(layer)
+    layer.compile(backend="eager", fullgraph=True)
+    with pytest.raises(CheckpointConfigError) as refused:
+        layer(x)
+    tip = str(refused.value)
+    assert "remove_activation_checkpointing(layer), then layer.forward = torch.compile(" \
+        "layer.forward, fullgraph=True), then apply_activation_checkpointing(layer)" in tip
+    try:
+        remove_activation_checkpointing(layer)                 # the tip, step by step
+        layer.forward = torch.compile(layer.forward, backend="eager", fullgraph=True)
+        apply_activation_checkpointing(layer)
+        layer(x).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    twin(x).sum().backward()
+    assert_same_grads([p.grad for p in twin.parameters()], [p.grad for p in layer.parameters()])
+
+
 def test_a_container_of_layers_is_refused_naming_checkpoint_layers() -> None:
     # Its forward is never called: the boundary would have checkpointed nothing, silently.
     layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
