@@ -42,6 +42,7 @@ __all__ = ["HostPool", "size_class"]
 log = logging.getLogger(__name__)
 
 _MIN_CLASS = 512
+_NOT_HANDED = object()  # what release finds for a buffer the pool did not hand out
 
 
 def _require_size(nbytes: Any, where: str, /, *, index: int | None = None) -> int:
@@ -171,7 +172,7 @@ class HostPool:
 
         Takes no lock (NOTE [release never waits]).
         """
-        if self._handed.pop(id(buffer), None) is not buffer:
+        if self._handed.pop(id(buffer), _NOT_HANDED) is not buffer:  # None is no buffer too
             # Taken in, it would join a free list (a float buffer among uint8 ones, or an object
             # the next acquire fails on) and leave checked_out one short.
             raise CheckpointConfigError(

@@ -33,7 +33,8 @@ def refuse_non_tensors(tensors: Any, /, *, name: str = "tensors") -> None:
             f"{where} takes a list or tuple of tensors",
             expected="Sequence[torch.Tensor]", got=type(tensors).__name__,
             tip="wrap one tensor in a list: "
-                + ("manager.window([x])" if first else f"manager.window(tensors, {name}=[x])"))
+                + ("manager.window([x])" if first else
+                   f"manager.window(tensors, {name}=[x]); or leave {name} out (the default, ())"))
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             storages = ("the block's saves should go to host from" if first

@@ -131,8 +131,8 @@ class _BoundaryFunction(torch.autograd.Function):
                     f"pytree_ckpt: raised in the original pass of {fn_name(call.fn)}, which "
                     "runs the forward under torch.no_grad() (the replay in backward runs it "
                     "with grad). Tip: guard what needs grad, e.g. `if h.requires_grad: "
-                    "h.register_hook(...)`: the hook is then registered in the replay, whose "
-                    "gradients are the ones used.")
+                    "h.register_hook(...)` (or `h.retain_grad()`): it then runs in the replay, "
+                    "whose gradients are the ones used.")
             limit = recompile_limit_note(error, f"the original pass of {fn_name(call.fn)}")
             if limit is not None:
                 add_note(error, limit)  # NOTE [two entries per variant] in compiled_layers.py

@@ -118,11 +118,15 @@ class _CheckpointedForward:
         # its source and globals, which this object has not: said with the fix, rather than
         # as "no attribute '__globals__'".
         if name == "__globals__":
+            module = self.module_ref()
+            which = f"this {type(module).__name__}" if module is not None else "this layer"
             raise AttributeError(
-                "a checkpointed forward has no __globals__: torch.jit.script compiles a "
-                "module's forward from its source, and pytree_ckpt's boundary replaces it. Call "
-                "pytree_ckpt.remove_activation_checkpointing(module) on the checkpointed layers "
-                "before scripting (docs/boundary.md, 'Shipping a trained model')")
+                f"the forward of {which} is checkpointed by pytree_ckpt, so torch.jit.script "
+                "cannot read its source (it has no __globals__). Call "
+                "pytree_ckpt.remove_activation_checkpointing(layer) on each checkpointed layer "
+                "before scripting: `for m in model.modules(): "
+                "pytree_ckpt.remove_activation_checkpointing(m)` (docs/boundary.md, 'Shipping "
+                "a trained model')")
         raise AttributeError(name)
 
     def _own_forward(self) -> Any:
@@ -306,6 +310,14 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
         for name in [name for name in sub.__dict__ if name.startswith(_MARKS)]:
             del sub.__dict__[name]
     bare = installed.bare
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        # module.compile() of the checkpointed layer compiled nothing through the boundary,
+        # and left on, it would refuse (fullgraph) or warn again once the layer is checkpointed
+        # anew, whatever its body: removal takes it away, as a wrapper compiled over the
+        # boundary goes (compile the module again after removal to compile it unwrapped).
+        logger.info("%s: module.compile()'s compiled call goes with the boundary",
+                    type(module).__name__)
+        module.__dict__["_compiled_call_impl"] = None
     # NOTE [compiled over the boundary] in compiled_layers.py
     if module.__dict__.get("forward") is not installed:
         logger.info("%s: the torch.compile wrapper put over its boundary goes with it",

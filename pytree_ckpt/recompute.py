@@ -191,12 +191,13 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             "torch.autograd.grad(), backward(inputs=...), or the replay of a checkpoint "
             "boundary or output discard around it (which takes its gradients with "
             "torch.autograd.grad)",
-            expected="a module (or a method of one) as fn, or loss.backward() with no "
-                     "module-aware replay around it",
-            got="an arbitrary callable under a restricted backward",
-            tip="wrap a module (pytree_ckpt.checkpoint(module, ...) or "
-                "apply_activation_checkpointing) so its parameters are known, or call "
-                "loss.backward() and read .grad")
+            expected="a module (or a method of one) as fn, a function whose tensors are all "
+                     "its arguments, or loss.backward() with no module-aware replay around it",
+            got="a callable that reaches a trainable module or tensor, under a restricted "
+                "backward",
+            tip="pass the tensors fn reaches as arguments (checkpoint(fn, x, weight)), wrap the "
+                "module that holds them (pytree_ckpt.checkpoint(module, ...) or "
+                "apply_activation_checkpointing), or call loss.backward() and read .grad")
     needs = ctx.needs_input_grad[2:]
     if call.kept is not None:  # NOTE [a replay kept between restricted backwards]
         return _from_kept(ctx, call, call.kept, grad_outputs)

@@ -79,7 +79,8 @@ def build_residual_stream_recompute_plan(
             raise CheckpointConfigError(
                 f"atomic_layer_pairs entry {pair!r} is not a pair of layer indices a < b",
                 expected=f"0 <= a < b < {num_layers}", got=repr(pair),
-                tip="list each pair once, smaller index first")
+                tip="give each pair as two int layer indices (not bools), smaller first, each "
+                    "listed once")
     # In order of their first layer, so that overlapping pairs chain into one unit whatever
     # order they are listed in.
     for a, b in sorted(tuple(pair) for pair in pairs):

@@ -295,7 +295,8 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
             # in its frame, None once it is finished.
             frame = obj.gi_frame
             children = () if frame is None else \
-                [(f"<{name}>", value) for name, value in frame.f_locals.items()]
+                [("<its iterable>" if name == ".0" else f"<{name}>", value)  # a genexpr's
+                 for name, value in frame.f_locals.items()]
             if obj.gi_yieldfrom is not None:  # a started `yield from`: what it delegates to
                 children = [*children, ("<yield from>", obj.gi_yieldfrom)]
         elif isinstance(obj, Iterator) and _slot_names(obj):  # an iterator class of slots

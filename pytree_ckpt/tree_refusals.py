@@ -61,13 +61,14 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
                 # it holds cannot be seen without consuming it, so a tensor fn computed into
                 # it might leave without gradient. Said, not guessed.
                 path = leaf_paths(spec, root="output")[index]
+                kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
                 raise CheckpointError(
-                    f"{fn_name(call.fn)} returned a {type(leaf).__name__} at {path}, an "
-                    "iterator whose items cannot be looked at without consuming it: a tensor "
-                    "fn computed into it would leave the boundary without gradient",
+                    f"{fn_name(call.fn)} returned an iterator ({kind}) at {path} whose items "
+                    "cannot be looked at without consuming it: a tensor fn computed into it "
+                    "would leave the boundary without gradient",
                     expected="tensors in dicts, lists, tuples, namedtuples, dataclasses, or "
                              "iterators over those (iter(list), zip, map, a generator)",
-                    got=f"a {type(leaf).__module__}.{type(leaf).__qualname__}",
+                    got=kind,
                     tip="return a plain container instead (list(...) of it), or build the "
                         "iterator after the call")
             continue
@@ -80,7 +81,9 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or types "
                      "registered with optree in namespace 'pytree_ckpt'",
             got=f"{type(leaf).__name__} holding {describe_leaf(tensor)}",
-            tip=f"return a plain container (dict(...), list(...)) or a dataclass instead, or "
+            tip="return list(...) of it instead (a plain container the boundary opens), or "
+                "build the iterator after the call" if isinstance(leaf, Iterator) else
+                f"return a plain container (dict(...), list(...)) or a dataclass instead, or "
                 f"register {type(leaf).__name__} with optree.register_pytree_node(..., "
                 "namespace='pytree_ckpt')")
 

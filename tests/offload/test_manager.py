@@ -1687,7 +1687,8 @@ def test_a_window_tensor_without_a_plain_storage_is_warned_of_by_its_kind_and_st
 @pytest.mark.parametrize(("resident", "message"), [
     ("tensor", "OffloadManager.window's resident= takes a list or tuple of tensors\n"
                "  expected: Sequence[torch.Tensor]\n  got:      Tensor\n"
-               "  tip: wrap one tensor in a list: manager.window(tensors, resident=[x])"),
+               "  tip: wrap one tensor in a list: manager.window(tensors, resident=[x]); or leave "
+               "resident out (the default, ())"),
     ([1], "OffloadManager.window's resident= takes tensors: resident[0] is not one\n"
           "  expected: torch.Tensor\n  got:      int\n"
           "  tip: pass only the tensors whose storages should stay on the device (leave out None "

@@ -287,9 +287,6 @@ def test_a_size_of_zero_bytes_is_a_byte_count_served_by_the_smallest_class() -> 
     assert pool.checked_out == 0
 
 
-@pytest.mark.xfail(strict=True, reason="HostPool.release(None) is taken in: the check "
-                   "`self._handed.pop(id(buffer), None) is not buffer` passes for None, which "
-                   "then reaches the free lists and checked_out fails on None.numel()")
 def test_releasing_none_is_refused_at_the_release_like_any_foreign_object() -> None:
     pool = HostPool(pin_memory=False)
     held = pool.acquire(16)

@@ -505,9 +505,6 @@ def test_module_compile_warns_once_naming_the_body_compile_whichever_order(
         assert counter.frame_count == 0  # why it warns: nothing inside was compiled
 
 
-@pytest.mark.xfail(strict=True, reason="the module.compile(fullgraph=True) refusal's tip "
-                   "(remove_activation_checkpointing, compile the body, apply again) leaves "
-                   "module.compile()'s wrapper on the layer, so the layer is refused again")
 def test_following_the_module_compile_fullgraph_refusal_tip_gives_eager_grads() -> None:
     x = torch.randn(2, 4, requires_grad=True)
     torch.manual_seed(0)
