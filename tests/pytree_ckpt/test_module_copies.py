@@ -182,3 +182,31 @@ def test_a_module_unwrapped_after_training_has_its_twins_attributes_and_pickles_
     globals_named = [arg for op, arg, _ in pickletools.genops(pickle.dumps(layer))
                      if isinstance(arg, str) and arg.startswith("pytree_ckpt")]
     assert globals_named == []
+
+
+class _NestedCheckpoint(nn.Module):
+    """A layer whose forward checkpoints a stateful submodule itself (a norm with running
+    statistics): the inner boundary marks the submodule as the outer one marks the layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(pytree_ckpt.checkpoint(self.sub, x))
+
+
+def test_every_module_unwrapped_after_training_has_its_twins_attributes() -> None:
+    # All of the boundary's marks go (the caches of state and shapes, not only the warnings'
+    # Told markers), from the layer and from the submodules a nested boundary ran.
+    torch.manual_seed(0)
+    twin = _NestedCheckpoint()
+    layer = copy.deepcopy(twin)
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(3, 4, requires_grad=True)
+    layer(x).sum().backward()  # (the twin is not run: its own inner boundary marks it)
+    pytree_ckpt.remove_activation_checkpointing(layer)
+    for (name, got), (_, expected) in zip(layer.named_modules(), twin.named_modules()):
+        assert set(got.__dict__) == set(expected.__dict__), (name, set(got.__dict__)
+                                                             ^ set(expected.__dict__))
