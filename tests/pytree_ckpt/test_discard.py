@@ -1354,3 +1354,41 @@ def test_atomic_pairs_given_as_bytes_are_refused_as_a_string_is(pairs: bytes) ->
         "atomic_layer_pairs must be an iterable of (a, b) layer index pairs\n"
         "  expected: a list or tuple of pairs, () for none\n"
         f"  got:      {pairs!r}\n")
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("transform", ["grad", "dual_level"])
+def test_a_discard_under_a_transform_logs_nothing_and_a_later_inert_one_is_still_logged(
+        transform: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Under a torch.func transform or forward-mode AD the discard is a plain call, which
+    # frees nothing by design: no "frees nothing" log there (it has trainable parameters), and
+    # the op is not marked as told, so a discard of it that really can free nothing still says so.
+    import torch.autograd.forward_ad as fwad
+
+    from pytree_ckpt import discard
+
+    norm = nn.LayerNorm(8)
+    proj = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    discard._INERT_LOGGED.discard("LayerNorm")
+
+    def step(params: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        ckpt = CheckpointWithoutOutput()
+        normed = ckpt.checkpoint(lambda t: torch.func.functional_call(norm, params, (t,)), h) \
+            if params else ckpt.checkpoint(norm, h)
+        out = proj(normed)
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+
+    with caplog.at_level("WARNING", logger="pytree_ckpt.discard"):
+        if transform == "grad":
+            params = {k: v.detach() for k, v in norm.named_parameters()}
+            torch.func.grad(lambda p: step(p, x).sum())(params)
+        else:
+            with fwad.dual_level():
+                step({}, fwad.make_dual(x, torch.ones_like(x)))
+        assert caplog.records == []
+        norm.requires_grad_(False)
+        step({}, x)  # frozen, on an input needing no grad: inert, and said once
+    assert [r.getMessage()[:40] for r in caplog.records] == [
+        "output discard of LayerNorm frees nothin"]
