@@ -855,3 +855,103 @@ def test_a_tensor_computed_into_an_output_iterator_of_slots_is_refused_naming_it
 
     with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]\.held"):
         checkpoint(fn, x)
+
+
+class _StringSlotted(_SlottedIterator):
+    __slots__ = "held"  # one slot, given as a string
+
+
+class _BaseHolding(_SlottedIterator):
+    __slots__ = ()  # the tensor goes in the base class's slot
+
+
+def _string_slot(t: torch.Tensor) -> Any:
+    holder = _StringSlotted()
+    holder.held = t * 2
+    return holder
+
+
+def _base_slot(t: torch.Tensor) -> Any:
+    holder = _BaseHolding()
+    holder.left = t * 2  # type: ignore[assignment]
+    return holder
+
+
+@pytest.mark.parametrize("make, where", [(_string_slot, "held"), (_base_slot, "left")],
+                         ids=["string_slots", "base_class_slot"])
+def test_a_tensor_in_a_string_slot_or_a_base_class_slot_of_an_output_iterator_is_refused(
+        make: Callable[[torch.Tensor], Any], where: str) -> None:
+    # __slots__ = "held" is one slot named held (not h, e, l, d), and slots are looked up
+    # along the class's MRO: eager's x.grad is 5, leaving it unrefused gave 3.
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=rf"holds a tensor at output\[1\]\.{where}"):
+        checkpoint(lambda t: (t * 3, make(t)), x)
+
+
+class _CallableIterator:
+    """An iterator of the user's that is also callable (the search skips callables)."""
+
+    def __init__(self, held: torch.Tensor) -> None:
+        self.held = held
+
+    def __iter__(self) -> _CallableIterator:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return self.held
+
+    def __call__(self) -> torch.Tensor:
+        return self.held
+
+
+def test_a_callable_output_iterator_holding_a_computed_tensor_is_refused() -> None:
+    # Its __dict__ is not searched (a callable), so it cannot be looked into: refused, not
+    # passed with the tensor's gradient lost (eager's x.grad 5, the boundary's 3).
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"_CallableIterator\) at output\[1\]"):
+        checkpoint(lambda t: (t * 3, _CallableIterator(t * 2)), x)
+
+
+class _CountingIterator:
+    """An iterator of the user's with a __dict__ of plain numbers."""
+
+    def __init__(self) -> None:
+        self.left = 2
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> int:
+        if self.left == 0:
+            raise StopIteration
+        self.left -= 1
+        return self.left
+
+
+def test_an_output_iterator_class_with_plain_attributes_passes_with_eagers_gradient() -> None:
+    x = torch.randn(3, requires_grad=True)
+    made = _CountingIterator()
+    out = checkpoint(lambda t: (t * 3, made), x)
+    assert out[1] is made and list(out[1]) == [1, 0]
+    out[0].sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 3.0))
+
+
+def _delegating_with_a_local(h: torch.Tensor) -> Any:
+    extra = h * 2
+    yield from range(2)
+    yield extra
+
+
+def test_a_tensor_in_a_delegating_generators_variable_is_refused_naming_it() -> None:
+    # Started inside `yield from`, its frame's variables are still looked into, not only what
+    # it delegates to (eager's x.grad is 5, leaving it unrefused gave 3).
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        rows = _delegating_with_a_local(t)
+        next(rows)
+        return t * 3, rows
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]<extra>"):
+        checkpoint(fn, x)
+
