@@ -529,3 +529,44 @@ def test_a_module_whose_forward_is_decorated_without_grad_is_told_to_pass_its_fo
     expected = indexer(x)
     assert torch.equal(got["ids"], expected["ids"]) and not got["values"].requires_grad
     assert torch.equal(got["values"], expected["values"])
+
+
+def test_a_reused_trainable_gate_returned_with_an_untouched_buffer_is_refused_as_in_eager(
+        ) -> None:
+    # An untouched buffer returned beside it (marked non-differentiable as it is) leaves the
+    # gate's weights the only float output that could carry the node: still refused, not a
+    # gradient lost silently (NOTE [a call that returns only frozen results]).
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(4, 4)
+            self.register_buffer("table", torch.randn(4))
+
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return pytree_ckpt.reuse_during_recompute(self.gate, h), self.table
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(pytree_ckpt.ReuseError):
+        Layer()(x)  # eager refuses at the call
+    layer = pytree_ckpt.apply_activation_checkpointing(Layer())
+    with pytest.raises(pytree_ckpt.ReuseError):
+        out = layer(x)
+        (out[0].sum() + x.sum()).backward()
+
+
+def test_frozen_statistics_returned_with_an_input_as_it_is_hand_back_that_input_itself() -> None:
+    # Only the frozen floats leave as aliases carrying the node: an input returned as it is
+    # (a mask) is still the caller's own tensor, as in eager.
+    @torch.no_grad()
+    def load(h: torch.Tensor) -> torch.Tensor:
+        return h.softmax(-1).mean(0)
+
+    def layer(h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return pytree_ckpt.reuse_during_recompute(load, h), mask
+
+    x, mask = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    stats, kept = layer(x, mask)
+    got_stats, got_mask = pytree_ckpt.checkpoint(layer, x, mask)
+    assert got_mask is mask and kept is mask
+    assert torch.equal(got_stats, stats)
+
