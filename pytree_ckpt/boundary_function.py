@@ -245,7 +245,8 @@ class _BoundaryFunction(torch.autograd.Function):
             in_frame = {id(t) for t in call.frame.tensors()}
             floats = [t for t in out_tensors if (t.is_floating_point() or t.is_complex())
                       and not t.requires_grad and id(t) in in_frame]
-            if floats and len(frozen) + len(floats) + len(as_is) >= len(out_tensors):
+            if floats and all(any(t is u for u in (*frozen, *floats, *as_is))
+                              for t in out_tensors):  # (an int input returned is in two)
                 # NOTE [a call that returns only frozen results]: then nothing would ever reach
                 # this node, so the replay, which decides whether eager computes those floats
                 # with grad (NOTE [differentiable results are refused where grad is on] in

@@ -571,10 +571,6 @@ def test_frozen_statistics_returned_with_an_input_as_it_is_hand_back_that_input_
     assert torch.equal(got_stats, stats)
 
 
-@pytest.mark.xfail(strict=True, reason="an integer input returned as it is counts twice (as a "
-                   "non-float and as made before the call), so a call with a differentiable "
-                   "output is taken for one returning only frozen results: its frozen "
-                   "statistics leave requiring grad, unlike eager")
 def test_frozen_statistics_beside_an_integer_input_and_a_differentiable_output_need_no_grad(
         ) -> None:
     @torch.no_grad()
