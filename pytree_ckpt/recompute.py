@@ -144,9 +144,9 @@ def _inputs_without_gradient(saved: Sequence[torch.Tensor], grads: Sequence[Any]
 
 def _refuse_leaves_reached(call: BoundaryCall, outs: Sequence[torch.Tensor],
                            inputs: Sequence[torch.Tensor], /) -> None:
-    """NOTE [a plain function under a restricted backward]: refuse a replay whose graph reaches
-    a leaf that requires grad other than the call's inputs (a parameter fn found past the
-    reach search): the explicit path would give it no gradient, silently."""
+    """Refuse a replay whose graph reaches a leaf that requires grad other than the call's
+    inputs (a parameter fn found past the reach search): the explicit path would give it no
+    gradient, silently (NOTE [a plain function under a restricted backward], below)."""
     own = {id(t) for t in inputs}
     seen: set[int] = set()
     stack = [t.grad_fn for t in outs if t.grad_fn is not None]
