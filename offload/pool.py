@@ -140,7 +140,8 @@ class HostPool:
         return buffer
 
     def acquire(self, nbytes: int, /) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` bytes, checked out until ``release``."""
+        """A buffer of at least ``nbytes`` bytes, checked out until ``release``: the pool holds
+        it until then, so a buffer never released stays allocated."""
         cls = _size_class(_require_size(nbytes, "HostPool.acquire"), self.pin_memory)
         with self._lock:
             self._take_returned()

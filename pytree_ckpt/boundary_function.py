@@ -212,8 +212,9 @@ class _BoundaryFunction(torch.autograd.Function):
                                                   (*extra, *call.frame.tensors()))
         if state:
             # A buffer's rows returned untouched (marked non-differentiable below) and changed
-            # in place by the caller: the replay would read the changed buffer, where eager
-            # refuses at backward when an op saved it. Watched as the views above are.
+            # in place by the caller: a replay that reads the buffer would read the changed
+            # one, where eager refuses at backward when an op saved it. Watched as the views
+            # above are (refused whether or not fn reads it: nothing cheap tells).
             call.unviewed = [*(call.unviewed or ()),
                              *((p, weakref.ref(out_tensors[p]), out_tensors[p]._version)
                                for p in state)]
@@ -290,7 +291,9 @@ class _BoundaryFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
-        return _backward(ctx, grad_outputs)
+        if _is_compiling():  # NOTE [the replay stays eager]: only code dynamo traces
+            return _backward_opaque(ctx, grad_outputs)
+        return _BoundaryFunction._backward(ctx, grad_outputs)
 
     @staticmethod
     def _backward(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
@@ -338,8 +341,11 @@ class _BoundaryFunction(torch.autograd.Function):
 # puts it into its graph, and where a compiled step calls loss.backward() on the CPU (the
 # engine then runs backward on the calling thread, under dynamo's frame callback). Traced, the
 # replay's try blocks crashed dynamo ("exception table entry start instruction has no
-# offset"); opaque, it runs eagerly, as in any backward.
-_backward = runs_eagerly(BACKWARD_REASON)(_BoundaryFunction._backward)
+# offset"); opaque, it runs eagerly, as in any backward. Only there: the opaque wrapper costs
+# about 3 us a call, so backward takes it where torch.compiler.is_compiling() is true, which
+# it is only in code dynamo traces (in eager it is a flag read).
+_backward_opaque = runs_eagerly(BACKWARD_REASON)(_BoundaryFunction._backward)
+_is_compiling = torch.compiler.is_compiling
 
 
 # NOTE [the Function is applied in C]: ``torch.autograd.Function.apply`` (Python) binds default

@@ -77,7 +77,7 @@ def _fullgraph(compiled: Any, /) -> bool:
             held = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if hasattr(type(held), "__call__") and isinstance(getattr(held, "fullgraph", None), bool):
+        if callable(held) and isinstance(getattr(held, "fullgraph", None), bool):
             return bool(held.fullgraph)
     return False
 

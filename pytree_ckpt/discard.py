@@ -98,6 +98,12 @@ log = logging.getLogger(__name__)
 
 _WARNED_WRAPPERS: set[type] = set()  # output classes a discard kept, warned of once
 
+# Read at each discarded op, as boundary.py reads them (without a Python frame).
+_functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
+# torch.jit's, not torch._C._is_tracing, which boundary.py reads: dynamo traces this method
+# (NOTE [discard stays eager]) and knows torch.jit.is_tracing, not the C function.
+_is_tracing = torch.jit.is_tracing
+
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
 
@@ -224,13 +230,14 @@ class CheckpointWithoutOutput:
             self.params = []
         needs_grad = bool(self.params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        transformed = torch._C._are_functorch_transforms_active() or \
-            _forward_ad._current_level >= 0
+        transformed = _functorch_transforms_active() or _forward_ad._current_level >= 0 \
+            or _is_tracing()
         if not torch.is_grad_enabled() or not needs_grad or transformed:
             # Nothing will be saved (no_grad, a checkpoint boundary's original pass, or nothing
             # that needs a gradient): nothing to discard; a boundary's replay runs this again.
             # Under a torch.func transform or forward-mode AD, which build their own graph (and
-            # where the Function, with no setup_context or jvp, is refused), it is a plain call
+            # where the Function, with no setup_context or jvp, is refused), and while
+            # torch.jit.trace records (it would record the Python Function), it is a plain call
             # too, as the boundary is (NOTE [when there is no boundary] in boundary.py).
             if torch.is_grad_enabled() and not transformed and \
                     self._name() not in _INERT_LOGGED:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tree import describe_leaf
+from .tree import describe_leaf  # tree.py imports nothing of this package: no cycle
 
 __all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError",
            "SavedTensorChanged", "require_callable", "validate_bool"]

@@ -298,9 +298,9 @@ class KeepMode(TorchDispatchMode):
         # then aten._unsafe_view of the clone, a new tensor (its own version counter) on the
         # clone's storage. A write through either changes both, so all are taken back.
         self._kept_at: dict[int, list[tuple[Any, int]]] = {}
-        # NOTE [a unit that keeps nothing at run time] (unit_use.py): the records this pass kept
-        # (op, position, kept methods running), counted for their units when the pass ends, once
-        # rule 3 had its chance to take them back.
+        # The records this pass kept (op, position, kept methods running), counted for their
+        # units when the pass ends, once rule 3 had its chance to take them back (NOTE [a unit
+        # that keeps nothing at run time] in unit_use.py).
         self._unit_records: list[tuple[Any, int, frozenset[str]]] = []
         # NOTE [autocast casts are never kept]: autocast caches its casts of leaves that
         # require grad (weights; a leaf input in the original pass, a view of one in the

@@ -199,8 +199,8 @@ def refuse_changed_views(fn: Callable[..., Any], noted: list[tuple[int, Any, int
             raise CheckpointError(
                 f"{names(position)} of {fn_name(fn)} views a tensor that existed before the "
                 "call (a table in a closure or on a module), and was changed in place after it: "
-                "the replay would read the changed tensor, and compute another function than "
-                "the forward did",
+                "a replay that reads it would read the changed tensor, and compute another "
+                "function than the forward did (whether the call reads it is not known here)",
                 expected="an output viewing the call's own result, or left unchanged",
                 got=f"its version {alias._version}, {version} when the call returned",
                 tip="clone it before changing it (`rows = rows.clone()`), or return a clone "

@@ -13,6 +13,8 @@ import enum
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
+import torch
+
 from .eager import PHASE_REASON, runs_eagerly
 
 if TYPE_CHECKING:
@@ -50,10 +52,20 @@ class Invocation:
 ACTIVE: ContextVar[Invocation | None] = ContextVar("pytree_ckpt_active_invocation", default=None)
 
 
-# Opaque to dynamo, with the reason: traced, a fullgraph body failed with dynamo's bare
-# "does not know how to trace method get of class ContextVar" and a plea to report it.
-@runs_eagerly(PHASE_REASON)
 def current_phase() -> Phase:
     """The phase of the innermost active boundary: ``"plain"``, ``"forward"`` or ``"recompute"``."""
+    if _is_compiling():
+        # Opaque to dynamo, with the reason, where it traces: a fullgraph body failed with
+        # dynamo's bare "does not know how to trace method get of class ContextVar" and a
+        # plea to report it. Not in eager, where the opaque wrapper would cost about 3 us.
+        return _phase_opaque()
+    return _phase()
+
+
+def _phase() -> Phase:
     invocation = ACTIVE.get()
     return Phase.PLAIN if invocation is None else invocation.phase
+
+
+_phase_opaque = runs_eagerly(PHASE_REASON)(_phase)
+_is_compiling = torch.compiler.is_compiling

@@ -175,7 +175,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     """The replay of ``call`` and the gradients of its inputs (and parameters)."""
     explicit = call.params is not None
     pure = False
-    if not explicit and not torch.autograd._is_checkpoint_valid() and grad_reach(
+    restricted = not explicit and not _checkpoint_valid()
+    if restricted and grad_reach(
             call.fn, FlatTree(call.in_leaves, call.in_spec, call.in_tensor_index)) is None:
         # NOTE [a plain function under a restricted backward]: the implicit path (backward
         # inside the replay, into whatever fn reaches) cannot serve a restricted backward
@@ -185,7 +186,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # to make sure (the reach is searched only so far), and refused below otherwise.
         call.params = []
         explicit = pure = True
-    if not explicit and not torch.autograd._is_checkpoint_valid():
+    if restricted and not pure:
         raise CheckpointError(
             f"the boundary around {fn_name(call.fn)} was reached by a restricted backward: "
             "torch.autograd.grad(), backward(inputs=...), or the replay of a checkpoint "

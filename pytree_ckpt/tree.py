@@ -299,12 +299,12 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
                  for name, value in frame.f_locals.items()]
             if obj.gi_yieldfrom is not None:  # a started `yield from`: what it delegates to
                 children = [*children, ("<yield from>", obj.gi_yieldfrom)]
-        elif isinstance(obj, Iterator) and _slot_names(obj):  # an iterator class of slots
-            children = ((f".{name}", getattr(obj, name, None)) for name in _slot_names(obj))
-        elif isinstance(obj, Iterator) and _reduces_to_items(obj):
+        elif isinstance(obj, Iterator) and (slots := _slot_names(obj)):  # a class of slots
+            children = ((f".{name}", getattr(obj, name, None)) for name in slots)
+        elif isinstance(obj, Iterator) and (items := _reduced_items(obj)) is not None:
             # iter(list), map, zip, enumerate, reversed, dict iterators: __reduce__ gives what
             # they iterate over without advancing them (itertools' is deprecated, not used).
-            children = (("", item) for item in obj.__reduce__()[1])
+            children = (("", item) for item in items)
         else:
             return None
         for key, child in children:
@@ -321,12 +321,18 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
 _CALLABLE_ITERATOR = type(iter(int, 1))  # iter(fn, sentinel): its items are fn's results
 
 
-def _reduces_to_items(iterator: Any, /) -> bool:
-    """Python's own iterators (``iter(list)``, ``zip``, ``map``, ``enumerate``, ``reversed``,
-    dict iterators), whose ``__reduce__`` gives what they iterate over; not ``iter(fn,
-    sentinel)``, whose items are calls yet to come."""
+def _reduced_items(iterator: Any, /) -> tuple[Any, ...] | None:
+    """What one of Python's own iterators (``iter(list)``, ``zip``, ``map``, ``enumerate``,
+    ``reversed``, dict iterators) iterates over, from its ``__reduce__``; ``None`` for others:
+    ``iter(fn, sentinel)``, whose items are calls yet to come, and one that does not reduce
+    (a memoryview's)."""
     kind = type(iterator)
-    return kind.__module__ == "builtins" and kind is not _CALLABLE_ITERATOR
+    if kind.__module__ != "builtins" or kind is _CALLABLE_ITERATOR:
+        return None
+    try:
+        return tuple(iterator.__reduce__()[1])
+    except TypeError:  # "cannot pickle 'memory_iterator' object"
+        return None
 
 
 def _slot_names(obj: Any, /) -> list[str]:
@@ -342,7 +348,7 @@ def can_look_into(iterator: Any, /) -> bool:
     """Whether ``hidden_tensor`` sees what ``iterator`` holds without consuming it: a
     generator, one of Python's own iterators over values, or an iterator class of the user's
     (its attributes, or its slots)."""
-    return isinstance(iterator, types.GeneratorType) or _reduces_to_items(iterator) or (
+    return isinstance(iterator, types.GeneratorType) or _reduced_items(iterator) is not None or (
         not callable(iterator) and (isinstance(getattr(iterator, "__dict__", None), dict)
                                     or bool(_slot_names(iterator))))
 

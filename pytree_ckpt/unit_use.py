@@ -9,8 +9,9 @@ numbers stay exact while the memory and time the unit was chosen for are lost, s
 (helper CV). So each policy watches its layers' first original passes: once every checkpointed
 layer has run one, a unit none of whose ops was kept there, and none of whose methods kept
 anything, is warned about, once. An op counts as kept at the end of its pass: a record a later
-in-place change took back (rule 3 in keep.py: DSA ids masked in place) keeps nothing. A unit that keeps in some layers only (the MoE gate of a
-model whose first layers are dense) keeps something: not warned. Nor is one whose ops run
+in-place change took back (rule 3 in keep.py: DSA ids masked in place) keeps nothing. A unit
+that keeps in some layers only (the MoE gate of a model whose first layers are dense) keeps
+something: not warned. Nor is one whose ops run
 inside ``reuse_during_recompute`` (the DSA indexer's top-k, reused): never kept (rule 4 in
 keep.py), but the replay hands back their results without running them, which is what the
 unit asks for. A policy loaded from a pickle (``torch.load``) does not know its layers and

@@ -2305,3 +2305,24 @@ def test_a_table_view_changed_after_the_call_is_refused_when_a_buffers_rows_leav
     with pytest.raises(CheckpointError, match=r"output\[1\] of Tables views a tensor"):
         cos.mul_(2.0)
         y.sum().backward()
+
+
+def test_a_returned_buffer_the_layer_never_reads_is_refused_when_changed_and_told_why() -> None:
+    # A documented over-refusal (limits.md, the row on returned buffers): which tensors the
+    # replay reads is not known, so a buffer returned untouched and changed in place before
+    # backward is refused even when the layer never reads it; the message says so.
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("tag", torch.zeros(3))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.lin(x).relu(), self.tag
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Counted())
+    y, tag = layer(torch.randn(2, 4, requires_grad=True))
+    tag.add_(1)
+    with pytest.raises(CheckpointError, match="whether the call reads it is not known") as raised:
+        y.sum().backward()
+    assert "tip: clone it before changing it" in str(raised.value)

@@ -404,3 +404,17 @@ def test_output_discard_inside_a_checkpointed_layer_under_a_torch_func_transform
                                     torch.func.jvp(model, (x,), (torch.ones_like(x),)))))
     assert results[0].keys() == results[1].keys()
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace_method` is deprecated:DeprecationWarning")
+def test_a_block_with_output_discard_traces_with_jit_as_without_it() -> None:
+    # Guards against (helper DW): the discard's Function was applied while torch.jit.trace
+    # recorded (the boundary already made itself a plain call there): "Graphs differed across
+    # invocations", and with check_trace=False a graph holding the Python Function.
+    torch.manual_seed(0)
+    block = _DiscardingLayer(discard=True)
+    x = torch.randn(3, 8)
+    traced = torch.jit.trace(block, (x,))
+    assert "DiscardFunction" not in str(traced.graph)
+    assert torch.equal(traced(x), block(x))

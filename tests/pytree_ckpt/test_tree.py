@@ -955,3 +955,11 @@ def test_a_tensor_in_a_delegating_generators_variable_is_refused_naming_it() -> 
     with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]<extra>"):
         checkpoint(fn, x)
 
+
+
+def test_an_output_iterator_that_does_not_reduce_is_refused_as_unreadable_not_crashed() -> None:
+    # Guards against (helper DW): a builtin iterator whose __reduce__ raises (a memoryview's)
+    # crashed the search with "cannot pickle 'memory_iterator' object".
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"builtins\.memory_iterator\) at output\[1\]"):
+        checkpoint(lambda t: (t * 3, iter(memoryview(b"ab"))), x)
