@@ -146,7 +146,13 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     args = parse_args(argv)
     env = init_from_env() if args.fsdp or args.ddp else None
     try:
-        return _train(args, env)
+        losses = _train(args, env)
+        if env is not None:
+            # Every rank done before any tears its group down: a rank that destroyed gloo's
+            # group while its peer still ran a collective got the peer aborted at exit
+            # ("terminate called without an active exception", once in a full suite run).
+            torch.distributed.barrier()
+        return losses
     finally:
         if env is not None:
             torch.distributed.destroy_process_group()
