@@ -148,9 +148,9 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     try:
         losses = _train(args, env)
         if env is not None:
-            # Every rank done before any tears its group down: a rank that destroyed gloo's
-            # group while its peer still ran a collective got the peer aborted at exit
-            # ("terminate called without an active exception", once in a full suite run).
+            # Every rank done before any tears its group down. Once in a full suite run a rank
+            # aborted at exit ("terminate called without an active exception") after its last
+            # step; a peer destroying gloo's group first is the likely cause.
             torch.distributed.barrier()
         return losses
     finally:
