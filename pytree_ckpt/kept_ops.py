@@ -91,17 +91,29 @@ class KeptOps:
                 continue
             base = f"{namespace}::{op_name}"
             if _decomposed_before_dispatch(base, packet, overload or None):
+                example = _BECOMES.get(base, "e.g. aten::addmm for aten::linear")
                 warnings.warn(
                     f"KeptOps({name!r}) keeps nothing in this build: torch decomposes {name} "
                     "into other ops (a CompositeImplicitAutograd kernel) before the mode that "
                     "keeps ops sees it; name the ops it becomes (list them by running the layer "
                     "under torch.utils.flop_counter.FlopCounterMode or a TorchDispatchMode), "
-                    "e.g. aten::addmm for aten::linear, or keep the method that calls it with "
+                    f"{example}, or keep the method that calls it with "
                     "KeptCallables('Class.method')", stacklevel=3)
                 warned.append(name)
                 continue
             found.append(target)
         return found, warned
+
+
+# What the usual decomposed ops become, named in the warning for them.
+_BECOMES = {
+    "aten::scaled_dot_product_attention":
+        "for aten::scaled_dot_product_attention: "
+        "aten::_scaled_dot_product_flash_attention_for_cpu on CPU, and "
+        "aten::_scaled_dot_product_flash_attention, _efficient_attention and "
+        "_cudnn_attention on CUDA (docs/save_units.md, 'Declaring targets for your model')",
+    "aten::linear": "for aten::linear: aten::addmm (aten::mm without a bias)",
+}
 
 
 def _near_op_names(name: str, named: Sequence[str]) -> list[str]:

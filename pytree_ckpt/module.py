@@ -251,7 +251,10 @@ def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
             f"{'differ' if len(fields) > 1 else 'differs'}",
             expected="as installed: " + _describe_options(installed.options, fields),
             got="as requested now: " + _describe_options(options, fields),
-            tip=f"call remove_activation_checkpointing({ref}) first, then apply again{env}")
+            tip=f"call remove_activation_checkpointing({ref}) first, then apply again{env}"
+                + ("; or wrap the layers once, with every option in one call: "
+                   "apply_recompute_config(layers, config, targets, offload=...)"
+                   if "keep" in fields else ""))
     return installed is not None
 
 

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+import offload
 import pytree_ckpt
 from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointError, KeptCallables,
                          KeptOps, RecomputeConfig, ReuseError, SaveUnit, apply_recompute_config,
                          current_phase)
-from tests.conftest import assert_same_grads, grads_per_model
+from tests.conftest import assert_same_grads, grads_of, grads_per_model
 
 
 class OpCounter(TorchDispatchMode):
@@ -1064,3 +1065,44 @@ def test_a_kept_op_name_off_by_case_and_by_a_letter_is_warned_with_the_op_it_mea
     (message,) = [str(w.message) for w in caught]
     assert message.startswith(
         "KeptOps('aten::MMM') names no op in this build; did you mean 'aten::mm'")
+
+
+def test_save_units_after_the_readme_loop_are_refused_naming_the_one_call_that_does_both() -> None:
+    # Guards against (helper DX): a user who wrapped layers with offload as the README shows,
+    # then added save units, was told only to remove and apply again; the one call that takes
+    # both (apply_recompute_config(..., offload=...)) is named now, and gives eager's grads.
+    torch.manual_seed(0)
+    stack = nn.ModuleList(Block() for _ in range(2))
+    eager = copy.deepcopy(stack)
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    for layer in stack:
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+    with pytest.raises(CheckpointConfigError, match="keep differ") as raised:
+        apply_recompute_config(stack, RecomputeConfig(1.0, save=["attn"]), TARGETS,
+                               offload=manager)
+    assert "apply_recompute_config(layers, config, targets, offload=...)" in str(raised.value)
+    for layer in stack:
+        pytree_ckpt.remove_activation_checkpointing(layer)
+    apply_recompute_config(stack, RecomputeConfig(1.0, save=["attn"]), TARGETS, offload=manager)
+    x = torch.randn(3, 8, requires_grad=True)
+    grads = []
+    for model in (eager, stack):
+        h = x
+        for layer in model:
+            h = layer(h)
+        h.sum().backward()
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
+    assert manager.stats()["offloaded_bytes"] > 0
+
+
+def test_keeping_sdpa_by_its_public_name_is_told_the_kernels_it_becomes() -> None:
+    # Guards against (helper DX): the decomposed-op warning suggested aten::addmm whatever the
+    # op; for scaled_dot_product_attention it names the kernels save_units.md lists.
+    with pytest.warns(UserWarning, match="keeps nothing in this build") as caught:
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptOps("aten::scaled_dot_product_attention")})
+    (told,) = [str(w.message) for w in caught if "decomposes" in str(w.message)]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu on CPU" in told
+    assert "aten::addmm" not in told
