@@ -138,6 +138,7 @@ class CheckpointWithoutOutput:
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         self.generator_sets: list[tuple[torch.Generator, torch.Tensor]] | None = None
         self.single = True
+        self.as_list = False  # fn returned a list of tensors
         self.arg_kinds: list[bool] = []
         self.non_tensor_args: list[Any] = []
         self.outputs: tuple[torch.Tensor, ...] = ()
@@ -272,7 +273,8 @@ class CheckpointWithoutOutput:
         self.outputs = tuple(o.detach() for o in outputs)
         self.versions = [o._version for o in self.outputs]  # they share the outputs' counters
         self.checkpointed = True
-        return outputs[0] if self.single else outputs
+        # fn's own container: a list of outputs comes back a list (the Function returns a tuple)
+        return outputs[0] if self.single else list(outputs) if self.as_list else outputs
 
     def _found_reachable(self, fn: Callable[..., Any], args: tuple[Any, ...]
                          ) -> list[torch.Tensor]:

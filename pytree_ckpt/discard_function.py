@@ -122,6 +122,7 @@ class DiscardFunction(torch.autograd.Function):
                 owner.modules, [module_dicts(m) for m in owner.modules])
         owner.modules = None
         single = isinstance(outputs, torch.Tensor)
+        outputs_given = outputs
         if not single and not isinstance(outputs, (tuple, list)):
             refuse_output(owner._name(), outputs)  # a dict would give its keys, a dataclass nothing
         outputs = (outputs,) if single else tuple(outputs)
@@ -129,6 +130,7 @@ class DiscardFunction(torch.autograd.Function):
             if not isinstance(out, torch.Tensor):
                 refuse_output(owner._name(), out)  # before reading storages: None has none
         owner.single = single
+        owner.as_list = isinstance(outputs_given, list)
         owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]
         owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
         ctx.owner = owner

@@ -1392,3 +1392,26 @@ def test_a_discard_under_a_transform_logs_nothing_and_a_later_inert_one_is_still
         step({}, x)  # frozen, on an input needing no grad: inert, and said once
     assert [r.getMessage()[:40] for r in caplog.records] == [
         "output discard of LayerNorm frees nothin"]
+
+
+def test_a_function_returning_a_list_gets_a_list_back_and_eagers_gradients() -> None:
+    # Guards against (helper DO's minor list): fn's list of outputs came back a tuple (the
+    # Function's), where the passthrough path (no grad) and eager hand back fn's own list.
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def split(t: torch.Tensor) -> list[torch.Tensor]:
+        return [t.tanh(), t.sigmoid()]
+
+    a, b = split(x)
+    (((a @ w) * (b @ w)).sum()).backward()
+    expected = grads_of([x, w])
+    x.grad = w.grad = None
+    ckpt = CheckpointWithoutOutput()
+    outs = ckpt.checkpoint(split, x)
+    assert isinstance(outs, list) and len(outs) == 2
+    loss = ((outs[0] @ w) * (outs[1] @ w)).sum()
+    ckpt.discard_output_and_register_recompute(loss)
+    assert all(o.untyped_storage().nbytes() == 0 for o in outs)  # freed, rebuilt in backward
+    loss.backward()
+    assert_same_grads(expected, grads_of([x, w]))
