@@ -125,9 +125,9 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
                 installed, "compiled model",
                 f"pytree_ckpt: this {name} is checkpointed and called inside "
                 f"torch.compile({_compiled_name(outer)}), which compiles only the code around "
-                "it: the boundary is opaque to dynamo, so the layer's body runs eagerly, and so "
-                "does the whole function that calls the layers in a loop (dynamo does not "
-                "resume inside a loop). Compile each layer's body first: "
+                "it: the boundary is opaque to dynamo, so the layer's body runs eagerly (and a "
+                "function that calls such layers in a loop is not compiled at all: dynamo does "
+                "not resume inside a loop). Compile each layer's body first: "
                 "layer.forward = torch.compile(layer.forward), then "
                 "apply_activation_checkpointing(layer) (docs/scaling.md, 'Wrapping order')")
         return
