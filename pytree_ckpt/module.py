@@ -132,7 +132,7 @@ class _CheckpointedForward:
     def _own_forward(self) -> Any:
         module = self.module_ref()
         if module is None:  # hasattr() says False, and the call says why (_module)
-            raise AttributeError("__signature__")
+            raise AttributeError("the checkpointed module no longer exists")
         return self.bare if self.bare is not None else type(module).forward.__get__(module)
 
     def _module(self) -> nn.Module:
