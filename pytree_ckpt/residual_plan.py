@@ -29,6 +29,30 @@ class ResidualStreamRecomputeContext:
     manager: CheckpointWithoutOutputManager
     is_block_end: bool
 
+    def __post_init__(self) -> None:
+        # Built by build_residual_stream_recompute_plan; one built by hand (a custom plan) is
+        # checked here, as a wrong field would fail only at the block's discard or replay.
+        for name in ("layer_index", "block_index"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointConfigError(
+                    f"ResidualStreamRecomputeContext.{name} must be an int >= 0",
+                    expected=">= 0", got=repr(value),
+                    tip="build the plan with build_residual_stream_recompute_plan(num_layers, "
+                        "block_size)")
+        if not isinstance(self.manager, CheckpointWithoutOutputManager):
+            raise CheckpointConfigError(
+                "ResidualStreamRecomputeContext.manager must be a CheckpointWithoutOutputManager",
+                expected="CheckpointWithoutOutputManager()",
+                got=type(self.manager).__name__,
+                tip="the layers of one block share one manager: build the plan with "
+                    "build_residual_stream_recompute_plan")
+        if not isinstance(self.is_block_end, bool):
+            raise CheckpointConfigError(
+                "ResidualStreamRecomputeContext.is_block_end must be a bool",
+                expected="True at the block's last layer, else False",
+                got=repr(self.is_block_end), tip="pass True or False")
+
     def checkpoint(self, function: Callable[..., R], /, *args: Any,
                    fp8: bool | str | None = False, **kwargs: Any) -> R:
         """Run one cheap op through the block's manager, for ordered replay."""

@@ -505,6 +505,26 @@ def test_more_bad_plans_are_refused(args: tuple[Any, ...], match: str) -> None:
         build_residual_stream_recompute_plan(args[0], args[1], atomic_layer_pairs=pairs)
 
 
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("layer_index", "a", "layer_index must be an int >= 0"),
+    ("block_index", -1, "block_index must be an int >= 0"),
+    ("layer_index", True, "layer_index must be an int >= 0"),
+    ("manager", None, "manager must be a CheckpointWithoutOutputManager"),
+    ("is_block_end", 1, "is_block_end must be a bool"),
+])
+def test_a_plan_context_built_by_hand_with_a_wrong_field_is_refused_when_built(
+        field: str, value: Any, match: str) -> None:
+    # Helper DO: built directly, a context took any field and failed only at the block's
+    # discard or replay. A context built by hand with right fields works as the plan's do.
+    from pytree_ckpt import CheckpointWithoutOutputManager, ResidualStreamRecomputeContext
+    fields: dict[str, Any] = {"layer_index": 0, "block_index": 0,
+                              "manager": CheckpointWithoutOutputManager(), "is_block_end": True}
+    ResidualStreamRecomputeContext(**fields)
+    with pytest.raises(CheckpointConfigError, match=match) as info:
+        ResidualStreamRecomputeContext(**{**fields, field: value})
+    assert "build_residual_stream_recompute_plan" in str(info.value) or field == "is_block_end"
+
+
 def test_a_boundary_nested_in_a_replay_reports_its_own_phase_not_its_parents() -> None:
     # pytree_ckpt/phase.py: the innermost active invocation decides. During the outer
     # boundary's replay the inner boundary runs its own original pass: "forward".
