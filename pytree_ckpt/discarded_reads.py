@@ -51,6 +51,11 @@ class detect_discarded_reads(TorchDispatchMode):
             loss.backward()
     """
 
+    def __init__(self) -> None:
+        # TorchDispatchMode's own signature takes a private ``_dispatch_key``: an argument
+        # given here (``detect_discarded_reads(True)``) got torch's assertion about it.
+        super().__init__()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -206,3 +206,14 @@ def test_a_write_into_a_discarded_output_by_an_out_overload_of_a_metadata_op_is_
                                                   r"'out' .* an output of RmsNorm"):
             torch.ops.aten.zeros_like.out(torch.ones(4, 8), out=normed)
         out.sum().backward()
+
+
+def test_the_mode_takes_no_arguments_rather_than_torchs_private_dispatch_key() -> None:
+    # Helper DO: its signature was TorchDispatchMode's (_dispatch_key=None), and
+    # detect_discarded_reads(1) raised torch's assertion about that private argument.
+    import inspect
+    assert list(inspect.signature(detect_discarded_reads).parameters) == []
+    with pytest.raises(TypeError, match="positional argument"):
+        detect_discarded_reads(1)  # type: ignore[call-arg]
+    with detect_discarded_reads():
+        assert torch.ones(2).add(1).tolist() == [2.0, 2.0]
