@@ -182,7 +182,18 @@ def _describe_keyword(value: object, /) -> str:
 def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /
                ) -> list[tuple[str, nn.Module]]:
     """The modules of ``model`` that ``check_fn`` chooses, refusing none and nested ones."""
-    chosen = [(name, m) for name, m in model.named_modules() if check_fn(m)]
+    chosen = []
+    for name, m in model.named_modules():
+        answer = check_fn(m)
+        if isinstance(answer, (str, bytes)):
+            # Read as torch reads it (by truth), "no" or "False" would choose the module.
+            raise CheckpointConfigError(
+                f"check_fn returned the string {answer!r} for {name or '(the model)'} "
+                f"({type(m).__name__}), which is always true when read as a bool",
+                expected="True or False", got=f"{type(answer).__name__} {answer!r}",
+                tip="return a bool: check_fn=lambda m: isinstance(m, DecoderLayer)")
+        if answer:
+            chosen.append((name, m))
     if not chosen:
         raise CheckpointConfigError(
             f"check_fn chose none of the modules of {type(model).__name__}: nothing would be "

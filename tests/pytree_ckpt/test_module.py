@@ -826,6 +826,27 @@ def test_check_fn_that_chooses_nothing_or_a_layer_and_its_child_is_refused_uncha
     assert not any(is_checkpointed(m) for m in model.modules())
 
 
+def test_a_check_fn_returning_a_string_is_refused_naming_the_module_and_nothing_changes(
+) -> None:
+    # Helper DO: read by truth, lambda m: "no" chose every module, and the message then spoke
+    # of nesting. None (a function with no return for other modules) stays false, as torch's.
+    model = Stack(2)
+    with pytest.raises(CheckpointConfigError,
+                       match=r"(?s)returned the string 'no' for layers\.0 \(Layer\).*"
+                             r"got: +str 'no'.*tip: return a bool"):
+        apply_activation_checkpointing(
+            model, check_fn=lambda m: ("no" if isinstance(m, Layer) else False))
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+    def chosen(m: nn.Module) -> bool | None:
+        if isinstance(m, Layer):
+            return True
+        return None
+
+    apply_activation_checkpointing(model, check_fn=chosen)  # type: ignore[arg-type]
+    assert [is_checkpointed(m) for m in model.layers] == [True, True]
+
+
 def test_check_fn_checks_every_chosen_layer_before_changing_any() -> None:
     model = Stack(3)
     apply_activation_checkpointing(model.layers[2], preserve_rng_state=False)
