@@ -63,6 +63,19 @@ _COUNTERS = ("offloaded_bytes", "restored_bytes", "reused_bytes", "prefetch_hits
              "other_device_bytes", "windows")
 
 
+def _device(device: object, /) -> torch.device:
+    """``device=`` as torch reads it; what torch cannot read (``"gpu"``, a list, an index
+    without an accelerator) is refused in the library's terms."""
+    try:
+        return torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as error:
+        raise CheckpointConfigError(
+            f"OffloadManager(device={device!r}) is not a device torch can use here",
+            expected="a torch.device or its string ('cuda', 'cuda:1', 'cpu'), or None",
+            got=f"{device!r}: {str(error).splitlines()[0]}",
+            tip="leave device out (the current CUDA device, or the CPU without one)") from error
+
+
 class OffloadManager:
     """Offloads saved activations by storage windows to a pooled host buffer."""
 
@@ -80,7 +93,7 @@ class OffloadManager:
                 got=type(config).__name__,
                 tip="OffloadManager(OffloadConfig(min_bytes=0, prefetch=2))")
         self.config = config if config is not None else OffloadConfig()
-        self.device = torch.device(device) if device is not None else (
+        self.device = _device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             # NOTE: an indexed CUDA device (a pickled manager's) is not checked here: a model

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import gc
 import logging
+import re
 import threading
 import time
 import warnings
@@ -1551,6 +1552,15 @@ def test_a_manager_given_a_dict_or_a_device_this_torch_lacks_names_the_fix() -> 
         with pinned.window([h]):
             h.square()
     assert pinned.stats()["host_buffers_in_use"] == 0 and pinned.pool.host_bytes == 0
+
+
+@pytest.mark.parametrize("device", ["gpu", [], 1.5])
+def test_a_manager_given_a_device_torch_cannot_read_names_the_fix(device: Any) -> None:
+    # Helper DO's minor item: torch's own RuntimeError or TypeError, outside the family.
+    with pytest.raises(CheckpointConfigError,
+                       match=rf"(?s)OffloadManager\(device={re.escape(repr(device))}\) is not a "
+                             r"device torch can use here.*tip: leave device out"):
+        OffloadManager(device=device)
 
 
 @pytest.mark.parametrize(("value", "on"), [(" 0 ", False), (" False ", False), ("  ", False),
