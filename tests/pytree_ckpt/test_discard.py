@@ -1415,3 +1415,29 @@ def test_a_function_returning_a_list_gets_a_list_back_and_eagers_gradients() -> 
     assert all(o.untyped_storage().nbytes() == 0 for o in outs)  # freed, rebuilt in backward
     loss.backward()
     assert_same_grads(expected, grads_of([x, w]))
+
+
+@pytest.mark.xfail(strict=True, raises=CheckpointError,
+                   reason="a split backward (input pass with retain_graph=True, then a weight "
+                   "pass) over a discarded op outside any checkpointed layer is refused in the "
+                   "weight pass: 'already replayed ... a graph backpropagated twice "
+                   "(retain_graph=True)'; eager runs it, and discard.md's rules describe an "
+                   "input pass and a weight pass as supported")
+def test_a_discarded_norm_outside_a_checkpoint_takes_a_split_backward_as_eager() -> None:
+    torch.manual_seed(0)
+    norm, proj = nn.LayerNorm(16), nn.Linear(16, 16)
+    params = [*norm.parameters(), *proj.parameters()]
+    x0 = torch.randn(4, 16)
+    runs = []
+    for discard in (False, True):
+        x = x0.clone().requires_grad_()
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = proj(ckpt.checkpoint(norm, x))
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = proj(norm(x))
+        loss = (x + out).square().sum()
+        (dx,) = torch.autograd.grad(loss, [x], retain_graph=True)  # the input pass
+        runs.append([dx, *torch.autograd.grad(loss, params)])      # the weight pass, later
+    assert_same_grads(runs[0], runs[1])
