@@ -815,3 +815,41 @@ def test_a_weight_pass_handed_a_gradient_changed_in_place_since_the_input_pass_u
         results.append([dx, *dw])
         assert CALLS["block"] == (1 if model is eager[0] else 2)  # one replay, both passes
     assert_same_grads(*results)
+
+
+class _IndexedBlock(nn.Module):
+    """A DSA-style layer: a trainable indexer (trained by a loss of its own elsewhere, so it
+    requires grad) run under no-grad through ``reuse_during_recompute``; the language-model
+    loss never reaches its parameters, in eager or checkpointed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.indexer, self.proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    @torch.no_grad()
+    def pick(self, h: torch.Tensor) -> torch.Tensor:
+        return self.indexer(h).topk(2, dim=-1).indices
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ids = reuse_during_recompute(self.pick, h)
+        return h + self.proj(h).gather(-1, ids).sum(-1, keepdim=True)
+
+
+@_TORCH_WEIGHT_PASS
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="torch's stage_backward_weight asks the boundary's node for the "
+                   "indexer's parameters (every parameter is an input of the node), the "
+                   "node returns None and torch raises 'appears to not have been used in the "
+                   "graph'; eager never reaches them. Hits ZBV / interleaved zero bubble / "
+                   "DualPipeV with any reuse_during_recompute indexer (the check_fn workaround "
+                   "of limits.md's row does not apply: the indexer is in every layer)")
+def test_a_trainable_indexer_run_under_no_grad_passes_torchs_zero_bubble_weight_pass_as_eager(
+) -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(_IndexedBlock(), _IndexedBlock())
+    model = copy.deepcopy(eager)
+    pytree_ckpt.checkpoint_layers(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = _stage_backward(eager, x.detach().requires_grad_())[0]
+    got = _stage_backward(model, x.detach().requires_grad_())[0]
+    assert_same_grads(expected, got)
