@@ -379,10 +379,12 @@ class CheckpointWithoutOutput:
         if self.replayed:
             raise CheckpointError(f"the output of {self._name()} was already replayed",
                                   expected="one replay per forward", got="a second replay",
-                                  tip="a graph backpropagated twice (retain_graph=True) needs "
-                                  "the output twice: leave this op undiscarded there, or run it "
-                                  "inside a checkpointed layer, whose every replay discards and "
-                                  "rebuilds it anew")
+                                  tip="a graph backpropagated twice (retain_graph=True, or a "
+                                  "split backward: an input pass, then a weight pass, as "
+                                  "zero-bubble pipeline schedules run) needs the output twice: "
+                                  "leave this op undiscarded there, or run it inside a "
+                                  "checkpointed layer, whose every replay discards and rebuilds "
+                                  "it anew")
         self.replayed = True
         # Held from here on: read twice, a collection in between could free the node after
         # the first read said it lived. Set by every checkpoint() that returned and was not a

@@ -427,6 +427,27 @@ def test_a_window_that_copied_nothing_does_not_end_the_prefetch_chain(depth: int
     assert m.stats()["prefetch_hits"] == 3  # windows 4, 1 and 0
 
 
+@pytest.mark.parametrize("order", ["forward order", "reverse order"])
+def test_two_micro_batches_prefetch_across_graphs_only_when_backward_runs_in_reverse_order(
+        order: str) -> None:
+    # docs/offload.md ("Prefetch", "Limits"), helper DY: prefetch walks window ids down, so
+    # B2 B1 ends micro-batch 2's backward by restoring micro-batch 1's last window, while in
+    # B1 B2 (GPipe) each backward starts with an exposed copy. The doc had them the other way.
+    m = manager(prefetch=1)
+    layers = offloaded_stack(m, 3)
+    losses = [stack(layers, torch.randn(2, 32, requires_grad=True)).sum() for _ in range(2)]
+    for loss in (losses if order == "forward order" else losses[::-1]):
+        loss.backward()
+    restores = [e for e in m.events() if e[0] == "restore"]
+    if order == "forward order":
+        assert restores == [("restore", 2), ("restore", 5)]
+        assert m.stats()["prefetch_hits"] == 4  # windows 1, 0, 4, 3
+    else:
+        assert restores == [("restore", 5)]
+        assert m.stats()["prefetch_hits"] == 5  # windows 4, 3, then 2, 1, 0 of micro-batch 1
+    assert m.stats()["host_buffers_in_use"] == 0
+
+
 def test_checkpoint_with_offload_gives_eager_gradients_and_retain_graph_twice_works() -> None:
     torch.manual_seed(0)
     eager_layers = nn.ModuleList(Layer() for _ in range(4))

@@ -837,12 +837,11 @@ class _IndexedBlock(nn.Module):
 
 @_TORCH_WEIGHT_PASS
 @pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="torch's stage_backward_weight asks the boundary's node for the "
-                   "indexer's parameters (every parameter is an input of the node), the "
-                   "node returns None and torch raises 'appears to not have been used in the "
-                   "graph'; eager never reaches them. Hits ZBV / interleaved zero bubble / "
-                   "DualPipeV with any reuse_during_recompute indexer (the check_fn workaround "
-                   "of limits.md's row does not apply: the indexer is in every layer)")
+                   reason="documented limit (docs/limits.md, zero-bubble weight pass row; "
+                   "scaling.md, Pipeline parallelism): torch's stage_backward_weight asks the "
+                   "boundary's node for the indexer's parameters (every parameter is an input "
+                   "of the node), the node returns None and torch raises 'appears to not have "
+                   "been used in the graph'; eager never reaches them")
 def test_a_trainable_indexer_run_under_no_grad_passes_torchs_zero_bubble_weight_pass_as_eager(
 ) -> None:
     torch.manual_seed(0)
@@ -852,4 +851,20 @@ def test_a_trainable_indexer_run_under_no_grad_passes_torchs_zero_bubble_weight_
     x = torch.randn(4, 8, requires_grad=True)
     expected = _stage_backward(eager, x.detach().requires_grad_())[0]
     got = _stage_backward(model, x.detach().requires_grad_())[0]
+    assert_same_grads(expected, got)
+
+
+@_TORCH_WEIGHT_PASS
+def test_a_frozen_indexer_run_under_no_grad_passes_torchs_zero_bubble_weight_pass_as_eager(
+) -> None:
+    # The documented fix for the limit above (scaling.md): freeze what no loss trains.
+    torch.manual_seed(0)
+    eager = nn.Sequential(_IndexedBlock(), _IndexedBlock())
+    for block in eager:
+        block.indexer.requires_grad_(False)
+    model = copy.deepcopy(eager)
+    pytree_ckpt.checkpoint_layers(model)
+    x = torch.randn(4, 8)
+    expected = _stage_backward(eager, x.clone().requires_grad_())[0]
+    got = _stage_backward(model, x.clone().requires_grad_())[0]
     assert_same_grads(expected, got)
