@@ -359,7 +359,7 @@ class ActivationCensus(CensusReading):
         self._prune_at = max(_PRUNE_FLOOR, 2 * len(self._entries))
 
     # -- output discard ----------------------------------------------------------------------
-    def note_discarded(self, tensor: torch.Tensor, /, *, keeper: Any = None) -> None:
+    def _note_discarded(self, tensor: torch.Tensor, /, *, keeper: Any = None) -> None:
         """Output discard is about to free ``tensor``'s storage: stop counting it as resident.
         ``keeper`` (the discard) holds it for backward from now on, whoever else lets go."""
         with self._lock:
@@ -371,13 +371,13 @@ class ActivationCensus(CensusReading):
                 # Freed memory gets reused at once: file it under a key no new storage can have.
                 self._entries[("discarded", id(entry))] = entry
         if self._parent is not None:
-            self._parent.note_discarded(tensor, keeper=keeper)
+            self._parent._note_discarded(tensor, keeper=keeper)
 
-    def note_refilled(self, tensor: torch.Tensor, /) -> None:
+    def _note_refilled(self, tensor: torch.Tensor, /) -> None:
         """A discarded storage was rebuilt for backward: resident again."""
         cdata = StorageWeakRef(tensor.untyped_storage()).cdata
         for entry in self._recorded():
             if entry.discarded and entry.storage.cdata == cdata:
                 entry.discarded = False
         if self._parent is not None:
-            self._parent.note_refilled(tensor)
+            self._parent._note_refilled(tensor)

@@ -357,7 +357,7 @@ class CheckpointWithoutOutput:
             storage = out.untyped_storage()
             self.sizes.append(storage.nbytes())
             if self.census is not None:
-                self.census.note_discarded(out, keeper=self)
+                self.census._note_discarded(out, keeper=self)
             # NOTE [discarded storages are marked]
             setattr(storage, DISCARDED_MARK, self._name())
             storage.resize_(0)
@@ -468,6 +468,6 @@ class CheckpointWithoutOutput:
                 with torch.no_grad():
                     storage.copy_(new.untyped_storage())
                 if self.census is not None:
-                    self.census.note_refilled(original)
+                    self.census._note_refilled(original)
         self.recomputed = outputs
         return True

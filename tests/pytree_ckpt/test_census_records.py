@@ -139,7 +139,7 @@ def test_a_census_nested_in_another_sees_the_same_discarded_bytes() -> None:
 
 
 def test_a_refilled_output_is_resident_again_for_every_census() -> None:
-    # note_refilled: after a backward that keeps the graph, the rebuilt output is held again.
+    # _note_refilled: after a backward that keeps the graph, the rebuilt output is held again.
     norm, proj = Norm(), nn.Linear(16, 16)
     x = torch.randn(8, 16, requires_grad=True)
     with ActivationCensus() as outer, ActivationCensus() as inner:
@@ -195,7 +195,7 @@ def test_a_discarded_offloaded_input_whose_graph_was_dropped_is_not_flagged() ->
 
 def test_a_discarded_offloaded_input_counts_as_discarded_until_backward_rebuilds_it() -> None:
     # Output discard holds what it freed until backward rebuilds it, whoever else lets go
-    # (note_discarded's keeper). Here the freed output is the next layer's input, which its
+    # (_note_discarded's keeper). Here the freed output is the next layer's input, which its
     # offload window copied to host: the window lets go of the device storage once the copy
     # is done (stats() collects it), and nothing else holds the record. Without the discard
     # among its holders, discarded_bytes dropped to 0 while backward still needed the bytes.
@@ -224,7 +224,7 @@ def test_a_new_storage_at_the_address_of_a_dead_one_is_counted_by_its_own_size()
 
 
 def test_a_storage_at_the_address_of_a_discarded_one_is_counted_as_resident() -> None:
-    # note_discarded: output discard frees the memory at once and the allocator may hand the
+    # _note_discarded: output discard frees the memory at once and the allocator may hand the
     # address to the next tensor; that one is a new, resident storage. (Two storage objects at
     # one address are made here from one buffer, as in test_manager, without the allocator.)
     buffer = bytearray(torch.randn(32, 32).numpy().tobytes())
@@ -233,7 +233,7 @@ def test_a_storage_at_the_address_of_a_discarded_one_is_counted_as_resident() ->
     with ActivationCensus() as census:
         first = torch.frombuffer(buffer, dtype=torch.float32).view(32, 32)
         loss = (w * first).sum()  # saves first
-        census.note_discarded(first, keeper=discard)
+        census._note_discarded(first, keeper=discard)
         second = torch.frombuffer(buffer, dtype=torch.float32, count=16 * 32).view(16, 32)
         assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
         loss = loss + (w[:16] * second).sum()  # saves second

@@ -85,7 +85,7 @@ def test_a_census_open_for_many_steps_keeps_records_only_for_what_is_still_held(
     # record per storage ever saved: keyed by address, a record was replaced only when a new
     # storage came to the same address, and a discarded output's record never (it is filed
     # under a key of its own), so the records grew with every step (about 30 a step here, a
-    # few thousand a step in an LLM) and note_refilled, which reads them all, slowed down.
+    # few thousand a step in an LLM) and _note_refilled, which reads them all, slowed down.
     model = _model(OffloadManager(OffloadConfig(min_bytes=0), device="cpu"))
     records = []
     with ActivationCensus(model) as census:
