@@ -46,6 +46,8 @@ from .subclass import plain_parts
 __all__ = ["ActivationCensus", "Holder", "Mechanism", "active_census", "census_active",
            "report_held"]
 
+_compiling = torch.compiler.is_compiling  # read once: the hooks run at every module call
+
 
 class _Packed:
     """What the census's pack hook hands autograd: alive exactly as long as the graph holds it.
@@ -154,6 +156,8 @@ class ActivationCensus(CensusReading):
         self._thread: int | None = None  # the thread that entered it
         # The model's modules already running when it was entered: NOTE [entered inside].
         self._running: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
+        # The model's modules by id, with their paths (NOTE [the census in a compiled body]).
+        self._paths: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
         self._lock = threading.RLock()  # NOTE [one lock per census]
         self._ended = False  # its with-block is over (for the message of a second one)
 
@@ -177,9 +181,12 @@ class ActivationCensus(CensusReading):
         if self._model is not None:
             paths = {}
             for path, module in self._model.named_modules():
-                self._handles.append(module.register_forward_pre_hook(self._push(path)))
-                self._handles.append(module.register_forward_hook(self._pop, always_call=True))
                 paths[id(module)] = (weakref.ref(module), path or "<root>")
+            self._paths = paths
+            # NOTE [the census in a compiled body]
+            self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._push))
+            self._handles.append(nn.modules.module.register_module_forward_hook(
+                self._pop, always_call=True))
             self._running = {key: paths[key] for key in running_modules(paths)}
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
@@ -256,6 +263,7 @@ class ActivationCensus(CensusReading):
         with _OPEN_LOCK:
             _OPEN[0] -= 1
         self._running.clear()
+        self._paths = {}
         self._hooks.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -278,12 +286,29 @@ class ActivationCensus(CensusReading):
             stack = self._local.stack = []
         return stack
 
-    def _push(self, path: str) -> Any:
-        def hook(*_: Any) -> None:
-            self._stack.append(path or "<root>")
-        return hook
+    # NOTE [the census in a compiled body]: the model's module paths are kept by two global
+    # module hooks, not by a pair of hooks on each module. Dynamo traces the hooks of a
+    # compiled body's submodules and guards on each module's own hook ids (and would on each
+    # hook's path), so with hooks per module every layer compiled its own graphs and reached
+    # dynamo's recompile limit: the bodies then ran eagerly for the rest of the run, census
+    # or not. The global hooks are the same for every module, and traced they do nothing: a
+    # compiled body's saved tensors are packed when its graph runs, under the path of the
+    # module called eagerly around it, where the census files them anyway. Other modules
+    # (another model's, while the census is open) pass through at the cost of a dict lookup.
+    def _path_of(self, module: nn.Module, /) -> str | None:
+        entry = self._paths.get(id(module))
+        return entry[1] if entry is not None and entry[0]() is module else None
 
-    def _pop(self, *_: Any) -> None:
+    def _push(self, module: nn.Module, *_: Any) -> None:
+        if _compiling():
+            return
+        path = self._path_of(module)
+        if path is not None:
+            self._stack.append(path)
+
+    def _pop(self, module: nn.Module, *_: Any) -> None:
+        if _compiling() or self._path_of(module) is None:
+            return
         if self._stack:
             self._stack.pop()
 

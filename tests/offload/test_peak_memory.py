@@ -91,7 +91,8 @@ def test_with_the_device_lagging_the_peak_drops_by_all_but_two_layer_inputs() ->
     "with .grad already allocated (gradient accumulation, zero_grad(set_to_none=False)) the "
     "boundary returns a whole layer's parameter gradients from torch.autograd.grad at once, "
     "before any is accumulated; eager and torch's checkpoints accumulate each as it is made, "
-    "so the backward peak is higher by about one layer's parameter bytes (undocumented)"))
+    "so the backward peak is higher by about one layer's parameter bytes: a documented limit "
+    "(docs/limits.md, Parameters as inputs: the exceptions)"))
 def test_backward_peak_with_gradients_allocated_is_no_higher_than_torch_reentrant() -> None:
     torch.manual_seed(0)
     layers = nn.ModuleList(nn.Sequential(nn.Linear(256, 256, bias=False),
