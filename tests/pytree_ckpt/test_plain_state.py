@@ -548,3 +548,15 @@ def test_a_loop_binding_each_layer_now_gives_the_eager_twins_gradients(form: str
     got, calls = _loop_of_layers(form)
     assert calls == [2, 2, 2]
     assert_same_grads(eager, got)
+
+
+@pytest.mark.xfail(strict=True, reason="the plain-function warning goes through "
+                   "warnings.warn_explicit(module=globals.get('__name__')); for code exec'd in "
+                   "a bare dict (no __name__) that is module=None, and Python then drops the "
+                   "warning: the batch norm is updated twice a step with no word")
+def test_the_warning_from_code_exec_d_in_globals_without_a_name_is_given() -> None:
+    namespace: dict[str, Any] = {"checkpoint": checkpoint, "torch": torch}  # exec(src, {...})
+    exec(compile("def run(block, x):\n    return checkpoint(lambda h: block(h), x)\n",
+                 "user_code.py", "exec"), namespace)
+    caught, _ = _steps(namespace["run"], _block())
+    assert len(caught) == 1 and "is a plain function" in str(caught[0].message)
