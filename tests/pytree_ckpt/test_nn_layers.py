@@ -6,7 +6,9 @@ fp32, with the layer's forward counted (original pass and replay: two a step).""
 
 from __future__ import annotations
 
+import copy
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -227,3 +229,21 @@ def test_without_rng_preservation_the_random_cases_differ_from_eager(name: str) 
     # numbers, not because their draws do not reach the gradients.
     eager, got = _trained(name, None), _trained(name, "in place without rng preservation")
     assert not all(torch.equal(e, g) for e, g in zip(eager["grads"][0], got["grads"][0]))
+
+
+@pytest.mark.xfail(strict=True, reason="nn.Embedding(max_norm=...) renormalises its weight in "
+                   "place in forward and the replay renormalises it again; a renorm is not "
+                   "idempotent in float (rows at the limit are rescaled once more), so the "
+                   "replay's output, the downstream gradients and the weight differ from eager's "
+                   "by rounding, while the warning and docs/limits.md call a renorm exact")
+def test_embedding_with_max_norm_gives_eager_weight_and_grads() -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Embedding(10, _D, max_norm=1.0, norm_type=1.0), nn.Linear(_D, _D))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    ids = torch.arange(10).view(2, 5)
+    for model in (eager, wrapped):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the in-place change is warned of, as exact
+            model(ids).square().sum().backward()
+    assert torch.equal(eager[1].weight.grad, wrapped[1].weight.grad)
+    assert torch.equal(eager[0].weight, wrapped[0].weight)
