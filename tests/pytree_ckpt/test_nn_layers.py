@@ -247,3 +247,48 @@ def test_embedding_with_max_norm_gives_eager_weight_and_grads() -> None:
             model(ids).square().sum().backward()
     assert torch.equal(eager[1].weight.grad, wrapped[1].weight.grad)
     assert torch.equal(eager[0].weight, wrapped[0].weight)
+
+
+class _FrozenAttentionThenHead(nn.Module):
+    """A frozen attention in eval mode (a pretrained encoder) feeding a trainable head."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.attn: nn.Module = (
+            nn.TransformerEncoder(nn.TransformerEncoderLayer(_D, 2, 16, batch_first=True), 2)
+            if kind == "TransformerEncoder" else nn.MultiheadAttention(_D, 2, batch_first=True))
+        self.attn.requires_grad_(False).eval()
+        self.head = nn.Linear(_D, _D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(3, 5, dtype=torch.bool)
+        padded[1, -2:] = True
+        if self.kind == "TransformerEncoder":
+            h = self.attn(x, src_key_padding_mask=padded)
+        else:
+            h = self.attn(x, x, x, key_padding_mask=padded, need_weights=False)[0]
+        return self.head(h)
+
+
+@pytest.mark.xfail(strict=True, reason="eager runs a frozen eval-mode attention fed an input "
+                   "without grad on torch's fast path (TransformerEncoder: nested tensors, "
+                   "padded positions zeroed); the boundary turns the fast path off in both "
+                   "passes, so the output and the head's gradients differ from eager's (by "
+                   "1.46 and 9.8 for the encoder, rounding for MultiheadAttention), silently "
+                   "and undocumented in docs/limits.md")
+@pytest.mark.parametrize("kind", ["TransformerEncoder", "MultiheadAttention"])
+def test_a_frozen_eval_attention_before_a_trainable_head_gives_eager_outputs(kind: str) -> None:
+    torch.manual_seed(0)
+    eager = _FrozenAttentionThenHead(kind)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    x = torch.randn(3, 5, _D)
+    outs = []
+    for model in (eager, wrapped):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's prototype warning for nested tensors
+            out = model(x)
+        out.square().sum().backward()
+        outs.append(out.detach())
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(eager.head.weight.grad, wrapped.head.weight.grad)
