@@ -275,5 +275,8 @@ class PlainStateWatch:
             "module itself, checkpoint(block, h), or one of its methods, so that the boundary "
             "knows its state, or skip the update when pytree_ckpt.current_phase() is "
             "'recompute' (docs/limits.md, 'Plain functions')",
-            UserWarning, filename, lineno, module=space.get("__name__"),
+            # A module name is needed: given None, warn_explicit drops the warning (code
+            # exec'd in a dict without __name__); Python's own default is the file's stem.
+            UserWarning, filename, lineno,
+            module=space.get("__name__") or filename.removesuffix(".py") or "<unknown>",
             registry=space.setdefault("__warningregistry__", {}))
