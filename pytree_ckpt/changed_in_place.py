@@ -247,7 +247,7 @@ def raise_parameter_changed_after_call(where: str,
     whose version moved (versions read after the original pass, compared before the replay).
     One the forward itself changes in place (a weight constraint, ``nn.Embedding``'s
     ``max_norm`` renorm) is changed again by the replay: exact only when repeating the change
-    leaves it as it is; warned once per module when the replay moves a version again
+    leaves it as it is (a clamp; not the renorm, which rescales a row at the limit again); warned once per module when the replay moves a version again
     (``warn_parameter_changed`` in stored_state.py; a change inside
     ``reuse_during_recompute`` is not replayed, and not told). Writes through ``.data`` (a
     ``model.half()`` without ``swap_module_params_on_conversion``), and FSDP2's all-gathers

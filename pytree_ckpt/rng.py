@@ -325,8 +325,11 @@ class IsolatedPass:
     differently (and zeroes padded positions), so the layer's output was not eager's, and the
     replay (composite, grad enabled) backpropagated through another function than the one
     that ran. Both passes therefore run with ``torch.backends.mha``'s fast path off, and agree
-    with each other always, and with eager whenever something in the attention requires grad
-    (a frozen attention fed a frozen input takes the fast path in eager: equal to rounding).
+    with each other always, and with eager whenever something in the attention requires grad.
+    A frozen attention fed a frozen input takes the fast path in eager: equal to rounding,
+    but a ``TransformerEncoder`` given a padding mask then returns zeros at padded positions
+    where the composite path returns values (docs/limits.md, "Float rounding and other
+    kernels": the original pass cannot tell whether eager's inputs would require grad).
     The caller's setting is put back after the passes.
 
     NOTE [passes in several threads]: both settings are process-global, and passes of two
@@ -335,7 +338,9 @@ class IsolatedPass:
     put back per pass, the last pass to end put back what it found: another pass's cache
     (the caller kept it) and, for the fast path, the setting of whichever pass entered first,
     leaving a pass still running with the fast path on. So the fast path is off while any pass
-    runs, and the caller's setting comes back when the last one ends (a depth under a lock);
+    runs, in every thread (a plain inference beside a training step takes the composite path
+    meanwhile, documented), and the caller's setting comes back when the last one ends (a
+    depth under a lock);
     and a pass that ends while a later one still runs hands its outer cache to the pass that
     swapped its own cache out, so the caller's comes back last. Overlapping passes still share
     whichever cache is current (one process-wide dict): keys are per parametrization object,

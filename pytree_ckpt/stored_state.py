@@ -228,10 +228,13 @@ def warn_parameter_changed(call: BoundaryCall, before: list[int | None], /) -> N
         f"pytree_ckpt: the forward of {fn_name(call.fn)} changed its "
         f"parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} in place, and its replay "
         "in backward changes it again: exact only "
-        "if repeating the change leaves it as it is (a renorm, a clamp; nn.Embedding's "
-        "max_norm), otherwise the step ends with the change made twice and other gradients. "
+        "if repeating the change leaves it as it is (a clamp), otherwise the step ends with "
+        "the change made twice and other gradients (nn.Embedding's max_norm renorm rescales "
+        "a row at the limit again: equal to rounding). "
         "Tip: make the change outside the checkpointed call (before the forward, or after "
-        "the optimizer step), or compute with a changed copy (w = self.weight * 0.5); "
+        "the optimizer step; for max_norm, an Embedding without it and torch.embedding_renorm_"
+        "(weight, ids, max_norm, norm_type) under no_grad before the layer), or compute with a "
+        "changed copy (w = self.weight * 0.5); "
         "one that takes no gradient (a MoE router's e_score_correction_bias) can be frozen "
         "(requires_grad_(False)) or registered as a buffer: the replay then changes a copy",
         stacklevel=user_stacklevel())

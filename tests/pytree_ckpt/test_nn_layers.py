@@ -231,11 +231,12 @@ def test_without_rng_preservation_the_random_cases_differ_from_eager(name: str) 
     assert not all(torch.equal(e, g) for e, g in zip(eager["grads"][0], got["grads"][0]))
 
 
-@pytest.mark.xfail(strict=True, reason="nn.Embedding(max_norm=...) renormalises its weight in "
-                   "place in forward and the replay renormalises it again; a renorm is not "
-                   "idempotent in float (rows at the limit are rescaled once more), so the "
-                   "replay's output, the downstream gradients and the weight differ from eager's "
-                   "by rounding, while the warning and docs/limits.md call a renorm exact")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, a trainable "
+                   "parameter the forward changes in place): nn.Embedding(max_norm=...) "
+                   "renormalises its weight in place in forward and the replay renormalises it "
+                   "again; a renorm is not idempotent in float (rows at the limit are rescaled "
+                   "once more), so the downstream gradients and the weight differ from eager's "
+                   "by rounding")
 def test_embedding_with_max_norm_gives_eager_weight_and_grads() -> None:
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Embedding(10, _D, max_norm=1.0, norm_type=1.0), nn.Linear(_D, _D))
@@ -247,6 +248,28 @@ def test_embedding_with_max_norm_gives_eager_weight_and_grads() -> None:
             model(ids).square().sum().backward()
     assert torch.equal(eager[1].weight.grad, wrapped[1].weight.grad)
     assert torch.equal(eager[0].weight, wrapped[0].weight)
+
+
+def test_embedding_renormed_before_the_checkpointed_layer_gives_eager_weight_and_grads() -> None:
+    # The documented fix for the limit above: F.embedding renorms the looked-up rows under
+    # no-grad, then looks them up; doing the renorm before the layer makes the layer's own
+    # Embedding (without max_norm) change nothing in place.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Embedding(10, _D, max_norm=1.0, norm_type=1.0), nn.Linear(_D, _D))
+    wrapped = copy.deepcopy(eager)
+    wrapped[0].max_norm = None
+    pytree_ckpt.apply_activation_checkpointing(wrapped, offload=False)
+    ids = torch.arange(10).view(2, 5)
+    for _ in range(2):
+        eager(ids).square().sum().backward()
+        with torch.no_grad():
+            torch.embedding_renorm_(wrapped[0].weight, ids, 1.0, 1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing changed in place inside the call
+            wrapped(ids).square().sum().backward()
+    assert torch.equal(eager[0].weight, wrapped[0].weight)
+    for e, w in zip(eager.parameters(), wrapped.parameters()):
+        assert torch.equal(e.grad, w.grad)
 
 
 class _FrozenAttentionThenHead(nn.Module):
@@ -271,12 +294,10 @@ class _FrozenAttentionThenHead(nn.Module):
         return self.head(h)
 
 
-@pytest.mark.xfail(strict=True, reason="eager runs a frozen eval-mode attention fed an input "
-                   "without grad on torch's fast path (TransformerEncoder: nested tensors, "
-                   "padded positions zeroed); the boundary turns the fast path off in both "
-                   "passes, so the output and the head's gradients differ from eager's (by "
-                   "1.46 and 9.8 for the encoder, rounding for MultiheadAttention), silently "
-                   "and undocumented in docs/limits.md")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Float rounding and "
+                   "other kernels): eager runs a frozen eval-mode attention fed an input without "
+                   "grad on torch's fast path (TransformerEncoder: nested tensors, padded "
+                   "positions zeroed); both passes of the boundary take the composite path")
 @pytest.mark.parametrize("kind", ["TransformerEncoder", "MultiheadAttention"])
 def test_a_frozen_eval_attention_before_a_trainable_head_gives_eager_outputs(kind: str) -> None:
     torch.manual_seed(0)
