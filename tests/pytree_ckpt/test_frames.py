@@ -1544,6 +1544,48 @@ def test_ids_changed_in_place_after_the_call_are_refused_naming_the_reused_funct
         "change a clone (ids = ids.clone(); ids += 1)"]
 
 
+_FULL_ORDERS: list[torch.Tensor] = []
+
+
+def _first_two_of_order(h: torch.Tensor) -> torch.Tensor:
+    full = h.argsort(-1)
+    _FULL_ORDERS.append(full)  # the caller keeps the whole order; the result is a view of it
+    return full[:, :2]
+
+
+class _ReturnsAViewOfItsOrder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h.gather(-1, reuse_during_recompute(_first_two_of_order, h.detach()))
+
+
+@pytest.mark.parametrize("offloaded", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="helper EA: with offload, a result that is a view whose base the caller "
+    "changed in place (the view itself dropped) is refused by offload's handle check, a "
+    "CheckpointError naming 'a tensor given to offload_into (a replay frame's frozen result) "
+    "(offload window 0, ...)' and a tip about restore(), an internal call the user never made; "
+    "without offload the same change is the ReuseError naming _first_two_of_order"))],
+    ids=["resident", "offload"])
+def test_a_reused_view_whose_base_is_changed_in_place_is_refused_naming_the_reused_function(
+        offloaded: bool) -> None:
+    _FULL_ORDERS.clear()
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offloaded else False
+    layer = pytree_ckpt.apply_activation_checkpointing(_ReturnsAViewOfItsOrder(),
+                                                       offload=manager)
+    out = layer(torch.randn(3, 8, requires_grad=True))
+    gc.collect()
+    _FULL_ORDERS[0].add_(0)  # same values, a new version: the replay would hand back a changed
+    with pytest.raises(ReuseError) as refused:
+        out.sum().backward()
+    assert str(refused.value).splitlines()[0] == (
+        "result of _first_two_of_order, recorded by reuse_during_recompute, was modified in "
+        "place after it was returned")
+
+
 # Mutation round CX over NOTE [what fn reaches with grad] and the no-grad decorator exemption.
 _GATE_LIST: list[nn.Module] = []
 
