@@ -1033,3 +1033,76 @@ def test_a_module_function_given_no_module_is_refused_naming_the_fix(fn: Any, gi
     else:
         assert got == f"  got:      {type(given).__name__} {given!r}"
         assert tip.startswith("  tip: pass ") and "model.layers" in tip
+
+
+# Coverage audit (helper EA): the branches below ran in no test.
+@pytest.mark.parametrize("policy", ["class", "function"])
+def test_an_auto_wrap_policy_given_as_a_class_or_a_function_is_refused_naming_it(
+        policy: str) -> None:
+    # torch.distributed's auto_wrap_policy= as a bare class, or as a policy function of its
+    # own (neither a set nor FSDP's ModuleWrapPolicy): named by its qualified name; the tip
+    # names the class where the policy is one, the placeholder where it is a function.
+    def only_blocks(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True
+
+    value: Any = nn.GELU if policy == "class" else only_blocks
+    model = Stack(2)
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(model, auto_wrap_policy=value)
+    lines = str(err.value).splitlines()
+    name = "GELU" if policy == "class" else only_blocks.__qualname__
+    test = "isinstance(m, GELU)" if policy == "class" else "isinstance(m, Layer)"
+    assert lines[2] == f"  got:      auto_wrap_policy={name}"
+    assert lines[3] == f"  tip: apply_activation_checkpointing(model, check_fn=lambda m: {test})"
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_a_checkpointed_forward_without_code_has_no_code_attribute_as_in_eager() -> None:
+    # A forward installed on the instance as a functools.partial (no __code__): the installed
+    # forward's __code__ raises AttributeError, so hasattr() says False as for the bare one;
+    # the call runs it, with eager's gradients.
+    import functools
+
+    def scaled(module: nn.Module, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        return module.proj(x) * scale
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.Module()
+        layer.proj = nn.Linear(4, 4)
+        layer.forward = functools.partial(scaled, layer, scale=3.0)
+        return layer
+
+    twin, layer = make(), make()
+    assert not hasattr(layer.forward, "__code__")
+    apply_activation_checkpointing(layer)
+    assert is_checkpointed(layer)
+    assert not hasattr(layer.forward, "__code__")
+    with pytest.raises(AttributeError, match="^__code__$"):
+        layer.forward.__code__  # noqa: B018
+    x = torch.randn(2, 4, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, layer], x, seed=0))
+
+
+def test_a_module_built_under_inference_mode_gets_eagers_gradients() -> None:
+    # Its parameters are inference tensors, whose version counter cannot be read (reading
+    # raises): the boundary's parameter checks take the other way; the gradients are eager's.
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shift = nn.Parameter(torch.linspace(-1, 1, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * 3).sin() + self.shift  # the add saves no parameter: eager runs
+
+    with torch.inference_mode():
+        layer = Shifted()
+    assert layer.shift.is_inference() and layer.shift.requires_grad
+    twin = Shifted()
+    with torch.no_grad():
+        twin.shift.copy_(layer.shift)
+    apply_activation_checkpointing(layer)
+    x = torch.randn(2, 4, requires_grad=True)
+    grads = grads_per_model([twin, layer], x, seed=0)
+    assert grads[0][0] is not None and grads[1][0] is not None
+    assert_same_grads(*grads)
