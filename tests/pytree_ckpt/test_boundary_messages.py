@@ -502,6 +502,22 @@ def test_torch_checkpoint_options_given_to_checkpoint_raise_a_type_error_saying_
     assert "Tip: drop use_reentrant" in message
 
 
+def test_a_torch_option_given_to_checkpoint_of_a_builtin_raises_the_same_type_error(
+        ) -> None:
+    # Coverage audit (helper EA): a builtin has no signature to read (no "swallowed by
+    # **kwargs" warning can be made), and raises Python's TypeError, with the same words.
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError) as raised:
+            checkpoint(torch.sin, x, use_reentrant=False)
+    assert str(raised.value) == (
+        "sin() got an unexpected keyword argument 'use_reentrant': pytree_ckpt.checkpoint "
+        "passes every keyword to fn, ['use_reentrant'] included (torch.utils.checkpoint's "
+        "options). Tip: drop use_reentrant (the boundary is always reentrant-style, and takes "
+        "any PyTree).")
+
+
 def test_a_forward_hook_of_the_checkpointed_module_itself_is_warned_about() -> None:
     # checkpoint(module, x) runs the module's own hooks inside the boundary too.
     layer = Gated()

@@ -1069,6 +1069,37 @@ def test_a_reused_function_that_changes_its_argument_in_place_is_warned_about_na
     assert_same_grads(*grads_per_model([twin, ours], x, seed=0))
 
 
+def test_a_reused_function_changing_its_argument_in_place_is_warned_about_once() -> None:
+    # Coverage audit (helper EA): "once per function" ran in no test (each test reset the
+    # record). Two layers, two steps: one warning in all, at the first call.
+    def route_masking(scores: torch.Tensor) -> torch.Tensor:
+        scores[:, 0] = float("-inf")
+        return scores.topk(2, -1).indices
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.gate(x)
+            ids = reuse_during_recompute(route_masking, logits.detach())
+            return x * logits.gather(-1, ids).sum(-1, keepdim=True)
+
+    from pytree_ckpt import frozen
+
+    frozen._WARNED_CHANGED.discard(route_masking.__qualname__)
+    layers = [pytree_ckpt.apply_activation_checkpointing(MoE()) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            x = torch.randn(6, 8, requires_grad=True)
+            layers[1](layers[0](x)).sum().backward()
+    told = [w for w in caught if "changed its argument args[0] in place" in str(w.message)]
+    assert len(told) == 1, [str(w.message) for w in caught]
+    assert f"reuse_during_recompute({route_masking.__qualname__})" in str(told[0].message)
+
+
 def test_a_reused_function_changing_a_keyword_argument_in_place_is_warned_about_by_its_key(
         ) -> None:
     # The same warning for a tensor passed by keyword: named kwargs['scores'] (the path's

@@ -1106,3 +1106,12 @@ def test_keeping_sdpa_by_its_public_name_is_told_the_kernels_it_becomes() -> Non
     (told,) = [str(w.message) for w in caught if "decomposes" in str(w.message)]
     assert "aten::_scaled_dot_product_flash_attention_for_cpu on CPU" in told
     assert "aten::addmm" not in told
+
+
+def test_kept_callables_with_nothing_to_keep_is_refused() -> None:
+    # Coverage audit (helper EA): the message ran in no test.
+    with pytest.raises(CheckpointConfigError) as err:
+        KeptCallables()
+    assert str(err.value).splitlines() == [
+        "KeptCallables needs at least one callable", "  expected: a method or 'Class.method'",
+        "  got:      nothing", "  tip: e.g. KeptCallables('Router.project')"]
