@@ -2256,6 +2256,20 @@ def test_a_plain_function_reaching_a_parameter_past_the_search_is_refused_under_
     assert torch.equal(holder.w.grad, x.detach().sum(0))  # type: ignore[attr-defined]
 
 
+def test_a_plain_function_whose_graph_joins_again_gets_eagers_gradients_under_autograd_grad(
+        ) -> None:
+    # Coverage audit (helper EA): the search for leaves the replay reaches meets a node twice
+    # where the graph forks and joins (y used by two ops); no test's graph did.
+    def forked(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return y.sin() + y.cos() * y
+
+    x = torch.randn(5, requires_grad=True)
+    expected = torch.autograd.grad(forked(x).sum(), x)
+    got = torch.autograd.grad(checkpoint(forked, x).sum(), x)
+    assert_same_grads(list(expected), list(got))
+
+
 @pytest.mark.parametrize("changed", [1, 2])
 def test_rows_of_either_of_two_buffers_changed_in_place_after_the_call_are_refused(
         changed: int) -> None:

@@ -766,3 +766,69 @@ def test_an_eval_micro_batch_replays_what_it_read_when_a_later_one_reassigns_or_
         assert sorted(layer._buffers) == (["scale"] if reassigns else ["factor", "scale"])
         assert torch.equal(layer.scale, torch.full((4,), 2.5 if reassigns else 3.0))
     assert_same_grads(*results)
+
+
+def test_a_batch_norm_holding_an_inference_mode_buffer_replays_as_eager() -> None:
+    # Coverage audit (helper EA): a module whose state the forward changes (the running
+    # statistics) and that also holds a buffer made under inference mode (a table, only read):
+    # that buffer has no version to read and is left as it is for the replay. Gradients and
+    # buffers as eager's.
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+            with torch.inference_mode():
+                table = torch.linspace(0, 1, 4)
+            self.norm.register_buffer("table", table)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.lin(x)) + self.norm.table  # the add saves no table
+
+    torch.manual_seed(0)
+    eager = Normed()
+    torch.manual_seed(0)
+    layer = pytree_ckpt.apply_activation_checkpointing(Normed())
+    assert layer.norm.table.is_inference()
+    x = torch.randn(8, 4, requires_grad=True)
+    grads = []
+    for model in (eager, layer):
+        for _ in range(2):
+            model(x).square().sum().backward()
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
+    for a, b in zip(eager.buffers(), layer.buffers()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_a_quantized_buffer_beside_a_step_counter_replays_as_eager() -> None:
+    # Coverage audit (helper EA): at a module's first calls its buffers are compared by value
+    # (NOTE [state a kernel writes]); a quantized one by its own torch.equal, which no test
+    # reached. The counter counts each forward once; gradients as eager's.
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.quantize_per_tensor(
+                torch.linspace(-1, 1, 4), 0.1, 0, torch.qint8))
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.steps += 1
+            return self.lin(x) * self.scale.dequantize()
+
+    torch.manual_seed(0)
+    eager = Scaled()
+    torch.manual_seed(0)
+    layer = pytree_ckpt.apply_activation_checkpointing(Scaled())
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (eager, layer):
+        for _ in range(2):
+            model(x).square().sum().backward()
+        grads.append(grads_of([*model.parameters(), x]))
+        x.grad = None
+    assert_same_grads(*grads)
+    assert eager.steps.item() == layer.steps.item() == 2
+    assert torch.equal(eager.scale, layer.scale)
