@@ -540,6 +540,46 @@ def test_a_partial_binding_the_layers_own_parameter_and_submodule_leaves_them_bo
     assert_same_grads(*results)
 
 
+class _TakesAPosition(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(x + pos)
+
+
+def test_a_partial_of_a_wrapped_forward_binding_a_trainable_tensor_is_refused_not_silent(
+        ) -> None:
+    # Coverage audit (helper EA): NOTE [what a layer's partial binds] lifts a trainable bound
+    # keyword into the call's inputs for partial(layer.forward, ...); a partial of a wrapper of
+    # the forward (functools.wraps: a decorator) is left as it is. Its bound tensor then gets
+    # no gradient from the replay: refused in backward, never a silent missing gradient.
+    import functools
+
+    def logged(f: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(f)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return f(*args, **kwargs)
+        return call
+
+    torch.manual_seed(0)
+    layer = _TakesAPosition()
+    pos = torch.randn(4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    lifted = pytree_ckpt.checkpoint(functools.partial(layer.forward, pos=pos), x)
+    lifted.square().sum().backward()
+    assert pos.grad is not None  # the plain partial: lifted, eager's gradient
+    pos.grad = None
+    out = pytree_ckpt.checkpoint(functools.partial(logged(layer.forward), pos=pos), x)
+    with pytest.raises(pytree_ckpt.CheckpointError) as refused:
+        out.square().sum().backward()
+    assert str(refused.value).startswith(
+        "the forward of _TakesAPosition uses a tensor that requires grad but is neither an "
+        "input nor a parameter of the module; it would get no gradient")
+    assert pos.grad is None
+
+
 @pytest.mark.parametrize("setting", ["0", "maybe", "no_grad", "saved_tensors_hooks"])
 def test_the_offload_variable_is_told_only_when_on_and_the_call_saves_on_the_device(
         monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
