@@ -1021,6 +1021,44 @@ def test_window_tensors_without_plain_storage_stay_on_the_device_and_are_logged_
     assert len(warnings) == 1 and "no plain storage" in warnings[0]
 
 
+def _sparse_first_two(h: torch.Tensor) -> torch.Tensor:
+    return h.argsort(-1)[:, :2].to_sparse()
+
+
+class _GathersSparseIds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = pytree_ckpt.reuse_during_recompute(_sparse_first_two, h.detach())
+        return h.gather(-1, ids.to_dense())
+
+
+def test_a_sparse_frozen_result_stays_on_the_device_with_eagers_gradients(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Coverage audit (helper EA): offload_into given a frozen result with no plain storage
+    # (a sparse COO tensor) takes no storage key: it is held on the device, logged once as a
+    # window tensor would be; the ids' own bytes are not counted; gradients as eager's.
+    torch.manual_seed(0)
+    eager = _GathersSparseIds()
+    layer = copy.deepcopy(eager)
+    m = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(3, 8, requires_grad=True)
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        grads = []
+        for model in (eager, layer):
+            model(x).square().sum().backward()
+            grads.append([*(p.grad for p in model.parameters()), x.grad])
+            x.grad = None
+    assert_same_grads(*grads)
+    assert m.stats()["offloaded_bytes"] == x.nbytes  # the input alone
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    assert len(warnings) == 1 and "layout torch.sparse_coo) has no plain storage" in warnings[0]
+
+
 def test_a_wrapper_subclass_window_tensor_is_offloaded_by_its_inner_tensors(
         caplog: pytest.LogCaptureFixture) -> None:
     # A DTensor's bytes are its local shard (tests/distributed/test_tensor_parallel.py offloads
