@@ -56,6 +56,19 @@ _INSTALLED = "_pytree_ckpt_installed"
 _MARKS = "_pytree_ckpt_"  # the prefix of every attribute the library sets on a module
 
 
+def _class_forward(module: nn.Module, /) -> Any:
+    """The forward of ``module``'s class as ``module.forward`` would find it without the
+    installed one: a function bound to the module, or a class attribute without ``__get__``
+    (``forward = torch.tanh``, a callable object) as it is, as Python's lookup gives it."""
+    forward = type(module).forward
+    try:
+        return forward.__get__(module)
+    except AttributeError:  # no descriptor: the attribute itself (eager calls it unbound)
+        if hasattr(type(forward), "__get__"):
+            raise
+        return forward
+
+
 class _CheckpointedForward:
     """The ``forward`` instance attribute that sends a module's forward through the boundary.
 
@@ -91,7 +104,7 @@ class _CheckpointedForward:
         if check is None or (check and in_compiled_module_call()):
             # NOTE [compiled around the layer] in compiled_layers.py
             check_compiled_wrapper(module, self)
-        forward = self.bare if self.bare is not None else type(module).forward.__get__(module)
+        forward = self.bare if self.bare is not None else _class_forward(module)
         return run_boundary(forward, args, kwargs, self.options, owner=module)
 
     @property
@@ -133,7 +146,7 @@ class _CheckpointedForward:
         module = self.module_ref()
         if module is None:  # hasattr() says False, and the call says why (_module)
             raise AttributeError("the checkpointed module no longer exists")
-        return self.bare if self.bare is not None else type(module).forward.__get__(module)
+        return self.bare if self.bare is not None else _class_forward(module)
 
     def _module(self) -> nn.Module:
         module = self.module_ref()

@@ -1097,13 +1097,11 @@ class _Doubling(nn.Module):
     forward = _DoublingCall()  # a callable object without __get__
 
 
-@pytest.mark.xfail(strict=True, reason="helper EA: a class whose forward is a builtin or a "
-                   "callable object without __get__ runs in eager (and under checkpoint(module, "
-                   "x)), but once wrapped by apply_activation_checkpointing every call raises "
-                   "AttributeError: '... object has no attribute '__get__'' "
-                   "(_CheckpointedForward.__call__ binds type(module).forward.__get__(module))")
 @pytest.mark.parametrize("kind", [_Tanh, _Doubling], ids=["builtin", "callable-object"])
 def test_a_class_forward_without_get_runs_wrapped_with_eagers_gradients(kind: type) -> None:
+    # Helper EA: the installed forward bound type(module).forward.__get__(module), so a class
+    # forward without __get__ (a builtin, a callable object), which Python calls unbound,
+    # raised AttributeError at every call once wrapped.
     twin, layer = kind(), kind()
     x = torch.randn(3, requires_grad=True)
     apply_activation_checkpointing(layer)
