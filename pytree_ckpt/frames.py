@@ -91,7 +91,10 @@ class _Offloaded:
 
     def __init__(self, packed: Any, source: torch.Tensor) -> None:
         self.packed = packed
-        self.source = weakref.ref(source)
+        # A view's base shares its version counter and outlives a view the caller drops
+        # (the result was a slice of a table it keeps), as offload's handle watches it.
+        base = source._base
+        self.source = weakref.ref(base if base is not None else source)
 
 
 class Frame:
