@@ -25,7 +25,7 @@ from .state_changes import versions
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["CHANGED_AFTER_CALL_TIP", "ParameterVersions", "parameter_path", "parameter_versions",
+__all__ = ["CHANGED_AFTER_CALL_TIP", "ParameterVersions", "parameter_path",
            "raise_changed_after_call", "raise_input_changed", "raise_parameter_changed_after_call",
            "refuse_parameters_changed"]
 
@@ -114,15 +114,6 @@ def _changed_since_saved(saved: Any, version: int | None) -> bool | None:
     return data is not None and version is not None and data._version != version
 
 
-def parameter_versions(params: Sequence[torch.Tensor], /) -> list[int | None]:
-    """``versions`` of trainable parameters, read at each call: never inference tensors but
-    in a module built under inference mode (asking raises there), so asked only then."""
-    try:
-        return [p._version for p in params]
-    except RuntimeError:
-        return versions(params)
-
-
 # On a parameter, the count of version moves the library's own passes made (a forward or a
 # replay that changes the parameter in place: nn.Embedding's max_norm renorm). Until a pass
 # first moves one, in this process, every count is 0 and none is read per call.
@@ -139,8 +130,10 @@ class ParameterVersions:
 
     __slots__ = ("versions", "own")
 
-    # Read four times per layer call (around the forward, around the replay): parameter_versions
-    # and _own_moves are spelled out in each of these methods (a Python call less each).
+    # Read four times per layer call (around the forward, around the replay): the versions
+    # (read directly; versions() where asking raises: the parameters of a module built under
+    # inference mode) and _own_moves are spelled out in each of these methods (a Python call
+    # less each).
 
     @staticmethod
     def read(params: Sequence[torch.Tensor], /) -> tuple[list[int | None], list[int] | None]:
@@ -148,7 +141,7 @@ class ParameterVersions:
         now: list[int | None]
         try:
             now = [p._version for p in params]
-        except RuntimeError:  # parameter_versions: a module built under inference mode
+        except RuntimeError:  # a module built under inference mode (see above)
             now = versions(params)
         return now, [p.__dict__.get(_OWN_MOVES, 0) for p in params] \
             if _own_moves_seen else None
@@ -158,7 +151,7 @@ class ParameterVersions:
         self.versions: list[int | None]
         try:
             self.versions = [p._version for p in params]
-        except RuntimeError:  # parameter_versions
+        except RuntimeError:  # a module built under inference mode
             self.versions = versions(params)
         if self.versions != before[0]:
             _count_own_moves(params, before, self.versions)
@@ -182,7 +175,7 @@ class ParameterVersions:
         now: list[int | None]
         try:
             now = [p._version for p in params]
-        except RuntimeError:  # parameter_versions
+        except RuntimeError:  # a module built under inference mode
             now = versions(params)
         if now == before[0]:
             return False

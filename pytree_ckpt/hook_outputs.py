@@ -73,7 +73,7 @@ from .parameter_hooks import put_first
 from .tree import describe_leaf, first_difference, flatten, leaf_paths
 
 __all__ = ["GradFlow", "HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
-           "keeps_output_as_is", "recording", "remove_recorder", "user_hooks"]
+           "keeps_output_as_is", "recording", "remove_recorder"]
 
 # .passes: this thread's recording passes, innermost last (a module output goes to each of
 # them). Not a ContextVar: NOTE [the recorder is traceable].
@@ -254,13 +254,6 @@ def _tensors_in(value: Any, /) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors_in(item)
-
-
-def user_hooks(module: nn.Module, /) -> list[Any]:
-    """``module``'s forward pre-hooks and forward hooks that are neither torch's nor this
-    library's."""
-    return [hook for hooks in (module._forward_pre_hooks, module._forward_hooks)
-            for hook in hooks.values() if not is_library_hook(hook)]
 
 
 def hooked_modules(dicts: Iterable[dict[str, Any]], roots: Sequence[nn.Module],
