@@ -364,3 +364,35 @@ def test_a_buffer_that_requires_grad_is_refused_by_its_path_on_the_module_or_the
         f"  got:      {name}.requires_grad=True\n"
         "  tip: register it as an nn.Parameter, or pass it as an argument")
     assert x.grad is None and module.scale.grad is None
+
+
+class _GradOnInput(nn.Module):
+    """A forward that makes one of its inputs require grad (a saliency map of a mask, taken
+    inside the layer): eager fills that input's ``.grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        scale.requires_grad_()
+        return self.lin(x) * scale
+
+
+@pytest.mark.xfail(strict=True, reason="an input leaf the forward makes require grad "
+                   "(scale.requires_grad_()) gets no gradient under the boundary, silently; "
+                   "eager fills its .grad")
+@pytest.mark.parametrize("offload", [False, True])
+def test_an_input_the_forward_makes_require_grad_gets_eager_gradient(offload: bool) -> None:
+    torch.manual_seed(0)
+    eager = _GradOnInput()
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload else False
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=manager)
+    grads = []
+    for layer in (eager, wrapped):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        scale = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+        layer(x, scale).square().sum().backward()
+        grads.append([x.grad, scale.grad, *(p.grad for p in layer.parameters())])
+    assert grads[0][1] is not None
+    assert_same_grads(*grads)
