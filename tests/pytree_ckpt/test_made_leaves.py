@@ -396,3 +396,36 @@ def test_an_input_the_forward_makes_require_grad_gets_eager_gradient(offload: bo
         grads.append([x.grad, scale.grad, *(p.grad for p in layer.parameters())])
     assert grads[0][1] is not None
     assert_same_grads(*grads)
+
+
+class _UnfreezesInForward(nn.Module):
+    """A forward that unfreezes its own weight before using it (a schedule that unfreezes a
+    layer from its forward at a given step): eager gives the weight its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lin.weight.requires_grad_(True)
+        return self.lin(x)
+
+
+@pytest.mark.xfail(strict=True, reason="a parameter the forward itself unfreezes "
+                   "(requires_grad_(True) before using it) gets no gradient under the boundary, "
+                   "silently; eager gives it one")
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_parameter_the_forward_unfreezes_before_using_it_gets_eager_gradient(
+        offload: bool) -> None:
+    torch.manual_seed(0)
+    eager = _UnfreezesInForward()
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload else False
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=manager)
+    grads = []
+    for layer in (eager, wrapped):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        layer(x).tanh().sum().backward()
+        grads.append([x.grad, *(p.grad for p in layer.parameters())])
+    assert grads[0][1] is not None
+    assert_same_grads(*grads)
