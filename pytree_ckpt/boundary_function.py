@@ -18,7 +18,7 @@ import torch
 
 from .boundary_call import BoundaryCall
 from .census import Mechanism, census_active, report_held
-from .changed_in_place import (ParameterVersions, raise_input_changed,
+from .changed_in_place import (ParameterVersions, raise_input_changed, refuse_grad_switched,
                                refuse_parameters_changed)
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
@@ -75,6 +75,8 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(_FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
+        needs = [t.requires_grad for t in tensors]  # NOTE [requires_grad switched inside the call]
+        frozen = call.frozen
         # NOTE [attributes set before the call] (boundary.py), continued: saved with the
         # inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
@@ -141,6 +143,8 @@ class _BoundaryFunction(torch.autograd.Function):
             ACTIVE.reset(token)
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
+        if frozen or [t.requires_grad for t in tensors] != needs:
+            refuse_grad_switched(call, tensors, needs, frozen)
         now = versions(tensors)
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \
             if now != input_versions else []

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the boundary imports this module
 
 __all__ = ["CHANGED_AFTER_CALL_TIP", "ParameterVersions", "parameter_path",
            "raise_changed_after_call", "raise_input_changed", "raise_parameter_changed_after_call",
-           "refuse_parameters_changed"]
+           "refuse_grad_switched", "refuse_parameters_changed"]
 
 
 def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
@@ -44,6 +44,41 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
         expected="inputs left as they are", got="a version counter moved by the original pass",
         tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
             "change outside the checkpointed call")
+
+
+def refuse_grad_switched(call: BoundaryCall, tensors: Sequence[torch.Tensor],
+                         needs: Sequence[bool], frozen: Sequence[torch.Tensor], /) -> None:
+    """NOTE [requires_grad switched inside the call]: the boundary's node takes its inputs and
+    parameters as they are when the call begins: an input leaf or a frozen parameter that the
+    forward itself makes require grad (``scale.requires_grad_()``, ``weight.requires_grad_(True)``
+    before using it) has no edge from the node and would silently get no gradient, where eager
+    gives it one; an input leaf the forward stops (``y.requires_grad_(False)``) cannot be
+    stopped in the replay, whose inputs are not leaves. Both are refused after the original
+    pass, naming the tensor. (A trainable parameter frozen inside the call gets no gradient,
+    as in eager: NOTE [parameters frozen or unfrozen since the forward] in discard_function.py.)
+    ``needs``: each input's ``requires_grad`` when the call began; ``frozen``: the modules'
+    parameters that did not require grad then."""
+    switched = [slot for slot, t in enumerate(tensors) if t.requires_grad != needs[slot]]
+    unfrozen = [p for p in frozen if p.requires_grad]
+    if not switched and not unfrozen:
+        return
+    if switched:
+        slot = switched[0]
+        what = (f"input {input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)}"
+                f" {'require' if tensors[slot].requires_grad else 'stop requiring'} grad")
+    else:
+        modules = call.modules[0] if call.modules is not None else []
+        what = f"parameter {parameter_path(modules, unfrozen[0])!r} require grad"
+    raise CheckpointError(
+        f"the forward of {fn_name(call.fn)} made its {what} (requires_grad_) during the call; "
+        "the boundary takes whether each input and parameter requires grad when the call "
+        "begins, so its gradient would differ from eager's",
+        expected="requires_grad as it was when the call began",
+        got=f"switched by the forward ({len(switched) + len(unfrozen)} tensor"
+            f"{'s' if len(switched) + len(unfrozen) > 1 else ''})",
+        tip="set requires_grad before calling the layer (x.requires_grad_() or "
+            "module.requires_grad_(True) outside it); to stop a gradient inside, use "
+            "x.detach()")
 
 
 _AUTOGRAD_VERSIONS = re.compile(r"is at version (\d+); expected version (\d+)")

@@ -379,22 +379,28 @@ class _GradOnInput(nn.Module):
         return self.lin(x) * scale
 
 
-@pytest.mark.xfail(strict=True, reason="an input leaf the forward makes require grad "
-                   "(scale.requires_grad_()) gets no gradient under the boundary, silently; "
-                   "eager fills its .grad")
 @pytest.mark.parametrize("offload", [False, True])
-def test_an_input_the_forward_makes_require_grad_gets_eager_gradient(offload: bool) -> None:
+def test_an_input_the_forward_makes_require_grad_is_refused_at_the_call_naming_it(
+        offload: bool) -> None:
+    # Helper EI: the node takes whether each input requires grad when the call begins, so an
+    # input the forward makes require grad got no gradient, silently (eager fills its .grad).
+    # NOTE [requires_grad switched inside the call] in changed_in_place.py.
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload else False
+    layer = pytree_ckpt.apply_activation_checkpointing(_GradOnInput(), offload=manager)
+    with pytest.raises(CheckpointError, match=r"(?s)forward of _GradOnInput made its input "
+                       r"args\[1\] require grad .*tip: set requires_grad before calling"):
+        layer(torch.randn(3, 4, requires_grad=True), torch.randn(3, 4))
+    # The tip's way gives eager's gradients.
     torch.manual_seed(0)
     eager = _GradOnInput()
-    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload else False
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=manager)
     grads = []
-    for layer in (eager, wrapped):
+    for model in (eager, wrapped):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        scale = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
-        layer(x, scale).square().sum().backward()
-        grads.append([x.grad, scale.grad, *(p.grad for p in layer.parameters())])
-    assert grads[0][1] is not None
+        scale = torch.randn(3, 4, generator=torch.Generator().manual_seed(2),
+                            requires_grad=True)
+        model(x, scale).square().sum().backward()
+        grads.append([x.grad, scale.grad, *(p.grad for p in model.parameters())])
     assert_same_grads(*grads)
 
 
@@ -412,21 +418,26 @@ class _UnfreezesInForward(nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.xfail(strict=True, reason="a parameter the forward itself unfreezes "
-                   "(requires_grad_(True) before using it) gets no gradient under the boundary, "
-                   "silently; eager gives it one")
 @pytest.mark.parametrize("offload", [False, True])
-def test_a_parameter_the_forward_unfreezes_before_using_it_gets_eager_gradient(
+def test_a_parameter_the_forward_unfreezes_is_refused_at_the_call_naming_it(
         offload: bool) -> None:
+    # Helper EI: a frozen parameter the forward unfreezes before using it got no gradient,
+    # silently (eager gives it one).
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload else False
+    layer = pytree_ckpt.apply_activation_checkpointing(_UnfreezesInForward(), offload=manager)
+    with pytest.raises(CheckpointError, match=r"(?s)made its parameter 'lin\.weight' require "
+                       r"grad .*expected: +requires_grad as it was when the call began"):
+        layer(torch.randn(3, 4, requires_grad=True))
+    # Unfrozen before the call (the tip), it gets eager's gradient.
     torch.manual_seed(0)
     eager = _UnfreezesInForward()
-    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offload else False
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=manager)
     grads = []
-    for layer in (eager, wrapped):
+    for model in (eager, wrapped):
+        model.lin.weight.requires_grad_(True)
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        layer(x).tanh().sum().backward()
-        grads.append([x.grad, *(p.grad for p in layer.parameters())])
+        model(x).tanh().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert grads[0][1] is not None
     assert_same_grads(*grads)
 
@@ -444,19 +455,42 @@ class _FreezesInput(nn.Module):
         return self.lin(x) * y
 
 
-@pytest.mark.xfail(strict=True, reason="an input leaf the forward freezes "
-                   "(y.requires_grad_(False)) makes backward raise torch's 'you can only change "
-                   "requires_grad flags of leaf variables' from the replay (whose inputs are no "
-                   "leaves), with a tip about key/value caches; eager gives y no gradient")
-def test_an_input_leaf_the_forward_freezes_gets_no_gradient_as_in_eager() -> None:
+def test_an_input_leaf_the_forward_stops_is_refused_at_the_call_naming_it() -> None:
+    # Helper EI: y.requires_grad_(False) inside the forward raised torch's "only change
+    # requires_grad flags of leaf variables" from the replay (whose inputs are no leaves),
+    # with a tip about key/value caches. Refused at the call now; x.detach() is the way.
+    layer = pytree_ckpt.apply_activation_checkpointing(_FreezesInput(), offload=False)
+    with pytest.raises(CheckpointError, match=r"(?s)made its input args\[1\] stop requiring "
+                       r"grad .*to stop a gradient inside, use x\.detach\(\)"):
+        layer(torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True))
+
+
+class _FreezesOwnWeight(nn.Module):
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        self.lin, self.order = nn.Linear(4, 4), order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.order == "before use":
+            self.lin.weight.requires_grad_(False)
+            return self.lin(x)
+        y = self.lin(x)
+        self.lin.weight.requires_grad_(False)
+        return y
+
+
+@pytest.mark.parametrize("order", ["before use", "after use"])
+def test_a_trainable_parameter_the_forward_freezes_gets_no_gradient_as_in_eager(
+        order: str) -> None:
+    # Not refused (NOTE [requires_grad switched inside the call]): eager gives it no gradient
+    # either way, and so does the replay, which sees it frozen.
     torch.manual_seed(0)
-    eager = _FreezesInput()
+    eager = _FreezesOwnWeight(order)
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
     grads = []
-    for layer in (eager, wrapped):
+    for model in (eager, wrapped):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        y = torch.randn(3, 4, generator=torch.Generator().manual_seed(2), requires_grad=True)
-        layer(x, y).square().sum().backward()
-        grads.append([x.grad, y.grad, *(p.grad for p in layer.parameters())])
-    assert grads[0][1] is None
+        model(x).tanh().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert grads[0][1] is None and grads[0][2] is not None
     assert_same_grads(*grads)
