@@ -212,6 +212,35 @@ def test_a_later_layer_given_a_data_alias_after_an_in_place_change_gets_eager_gr
     assert_same_grads(*grads)                                     # read only the new values
 
 
+class _Added(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return self.proj(h) + bias
+
+
+@pytest.mark.xfail(strict=True, reason="the refusal of an input changed after its call names "
+                   "the later layer that shared the stale host copy (given a .data alias made "
+                   "after the change), not the layer whose input was changed; its tip, 'make "
+                   "the change before the call', is what the user did for that layer")
+def test_the_refusal_of_a_changed_input_names_the_layer_that_received_it_before_the_change(
+        ) -> None:
+    first, last = _Added(), _Gated()
+    m = manager()
+    for layer in (first, last):
+        apply_activation_checkpointing(layer, offload=m)
+    h0 = torch.randn(8, 16, requires_grad=True)
+    gate = torch.randn(8, 16)
+    h = first(h0, gate)  # first keeps gate for its replay (eager's add would not)
+    with torch.no_grad():
+        gate.add_(1.0)
+    out = last(h, gate.data)  # last gets the changed values: not changed after its call
+    with pytest.raises(CheckpointError, match=r"args\[1\] of _Added \(offload window 0"):
+        out.square().sum().backward()
+
+
 def test_a_view_saved_from_a_temporary_is_still_checked_through_its_base() -> None:
     # The view `x[:, :8]` has no Python object left once saved; its base does, and shares
     # its version counter.
