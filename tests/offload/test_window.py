@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import offload
 import pytree_ckpt
 from tests.conftest import assert_same_grads
 from tests.offload.blocks import grads_with_last_input_changed, manager
