@@ -749,3 +749,29 @@ def test_backwards_run_after_their_forward_threads_ended_reuse_and_count_as_each
     assert alone["reused_bytes"] > 0  # the last windows, at least: reuse is measured
     assert {key: stats[key] for key in _COUNTED} == alone
     assert stats["host_buffers_in_use"] == 0
+
+
+def test_a_pass_that_offloaded_nothing_on_a_thread_that_ended_is_warned_of_at_the_next_window(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against: _open not checking the passes that died unchecked (``_check_ended``),
+    # leaving the warning to the next stats() read. docs/offload.md: the warning comes "when
+    # the pass is over: at the first stats() after its backward, or when the next pass opens
+    # its first window"; a training loop that never reads stats() must still hear of it.
+    m = manager(min_bytes=1 << 20)
+    rows = 8
+
+    def forward_and_backward() -> None:
+        x = torch.randn(rows, 32, requires_grad=True)
+        with m.window([x]):
+            loss = (x * x).sum()
+        loss.backward()
+
+    with caplog.at_level(logging.WARNING, logger="offload.manager"):
+        run_threads({"worker": forward_and_backward})
+        gc.collect()
+        x = torch.randn(rows, 32, requires_grad=True)
+        with m.window([x]):  # the main thread's first window: no stats() read before it
+            loss = (x * x).sum()
+        warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+        assert len(warnings) == 1 and f"the largest had {rows * 32 * 4} bytes" in warnings[0]
+    loss.backward()
