@@ -427,3 +427,26 @@ def test_saves_after_a_module_forward_raised_are_filed_outside_any_module() -> N
         loss = x.sin().sum()  # sin saves x
     assert census.bytes_by("module") == {"<outside any module>": nbytes(x)}
     loss.backward()
+
+
+def test_a_discarded_record_its_keeper_still_holds_outlives_the_pruning_of_dead_records() -> None:
+    # Guards against: _prune dropping every record whose storage is gone, held or not (NOTE
+    # [records of dead storages]: "A record still held ... stays"). discarded_bytes counts the
+    # records a discard's keeper holds, whatever became of the storage object; a long run's
+    # pruning must not change that reading.
+    class Keeper:
+        pass
+
+    w = torch.randn(1024, requires_grad=True)
+    with ActivationCensus() as census:
+        a = torch.randn(1024)
+        y = w * a  # saves a: a record of 4096 bytes
+        keeper = Keeper()
+        census.note_discarded(a, keeper=keeper)
+        del y, a  # the graph and the storage are gone; the keeper holds the record
+        gc.collect()
+        assert census.discarded_bytes == 1024 * 4
+        outs = [w[:16] * torch.randn(16) for _ in range(80)]  # 80 new records: a prune runs
+        assert census.discarded_bytes == 1024 * 4
+        del outs, keeper
+    assert census.discarded_bytes == 0
