@@ -335,3 +335,15 @@ def test_every_reused_storage_the_caller_keeps_counts_as_alive_elsewhere_at_the_
     stats = m.stats()
     assert stats["reused_bytes"] == both  # judged late, not when backward began
     assert stats["alive_elsewhere_bytes"] == both
+
+
+def test_a_view_on_another_device_counts_its_whole_storage_as_the_size_floor_does() -> None:
+    # Guards against: _other_device counting the saved view's bytes (``tensor.nbytes``) rather
+    # than its storage's. docs/offload.md: other_device_bytes are "bytes of window storages";
+    # below_min_bytes counts whole storages too (a view is held to the floor by its storage).
+    m = OffloadManager(OffloadConfig(min_bytes=0), device="meta")
+    h = torch.randn(64, 64, requires_grad=True) * 1.0
+    with m.window([h]):
+        loss = h[:8].square().sum()  # square saves the view h[:8]: 8 rows of a 64-row storage
+    assert m.stats()["other_device_bytes"] == h.untyped_storage().nbytes() == 64 * 64 * 4
+    loss.backward()
