@@ -1880,3 +1880,25 @@ def test_a_flag_given_as_a_string_is_refused(call: Any, name: str, tip: str, fla
         call(flag)
     assert str(caught.value) == (f"{name} takes a bool\n  expected: True or False\n"
                                  f"  got:      {flag!r}\n  tip: pass {tip}")
+
+
+def test_the_census_counts_inner_tensors_a_nested_wrapper_subclass_leaves_on_the_device() -> None:
+    # Guards against: Flattened.left_on_device not recursing into a wrapper nested in a
+    # wrapper. TwoTensor(TwoTensor(x, y), z) with a window over x: x is copied, y (inside the
+    # inner wrapper) and z stay on the device, held by autograd; the census must count both.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    m = manager()
+    x, y, z = torch.randn(8, 32), torch.randn(8, 32), torch.randn(8, 32)
+    w = torch.randn(8, 32, requires_grad=True)
+    expected = torch.autograd.grad((TwoTensor(TwoTensor(x, y), z) * w).sum(), w)[0]
+    with pytree_ckpt.ActivationCensus() as census:
+        with m.window([x]):
+            out = (TwoTensor(TwoTensor(x, y), z) * w).sum()  # saves the nested wrapper
+        assert census.bytes_by("mechanism") == {
+            "offload in flight": x.nbytes, "offloaded to host": size_class(x.nbytes),
+            "autograd": y.nbytes + z.nbytes}
+    got = torch.autograd.grad(out, w)[0]
+    assert torch.equal(got.a.a, expected.a.a) and torch.equal(got.a.b, expected.a.b)
+    assert torch.equal(got.b, expected.b)
+    assert m.stats()["offloaded_bytes"] == x.nbytes
