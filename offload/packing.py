@@ -6,7 +6,9 @@ on a window storage copies the whole storage to a host buffer; every other saved
 a slice with an offset, a transposed stride) gets a handle to the same copy, and each is rebuilt
 in backward from one restored device storage with its own offset, size and stride. A storage
 offloaded by an earlier window of the same pass that is still alive and unmodified (same version)
-is not copied again: RoPE tables or ``cu_seqlens`` passed to every layer cost one copy.
+is not copied again: RoPE tables or ``cu_seqlens`` passed to every layer cost one copy. Both
+only for tensors counting their versions on the copied one's counter (NOTE [one counter per
+shared copy] in window.py).
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ def pack_saved(manager: OffloadManager, window: Window, tensor: torch.Tensor, /)
             window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
         return Unchanged(tensor)
     copy = window.copies.get(key)
-    if copy is None or not copy.holds(tensor):
+    if copy is None or not copy.holds(tensor) or not copy.same_counter(tensor):
         copy = window.pass_.shared.get(key)
-        if copy is None or not copy.holds(tensor):
+        if copy is None or not copy.holds(tensor) or not copy.same_counter(tensor):
             copy = Copy(manager, window, tensor)
             window.pass_.shared[key] = copy
             _report_offload(copy, tensor)

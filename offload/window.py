@@ -108,6 +108,19 @@ class Copy:
         return (self.version == tensor._version and not self.storage_ref.expired()
                 and self.storage_ref.cdata == tensor.untyped_storage()._cdata)
 
+    def same_counter(self, tensor: torch.Tensor, /) -> bool:
+        """Whether ``tensor`` is known to count its versions on the counter the copied tensor
+        did: it is that tensor (or its view's base), or a view of that base (views share their
+        base's counter). NOTE [one counter per shared copy]: ``holds`` compares version
+        numbers, which mean nothing across counters: a ``.data`` alias (a counter of its own,
+        at 0) made after an in-place write on the tensor (counted on the tensor's) read 0
+        like the alias copied before the write, and took its stale copy: backward read bytes
+        its forward never used. So another tensor on the storage (a ``.data`` or ``.detach()``
+        alias, a tensor ``set_`` on it) gets a copy of its own. Views and the very tensor, as
+        RoPE tables and ``cu_seqlens`` passed to every layer are, still share one."""
+        source = self.source()
+        return source is not None and (tensor is source or tensor._base is source)
+
     @property
     def released(self) -> bool:
         """This copy no longer holds the device storage (read by the census)."""

@@ -183,10 +183,6 @@ class _Gated(nn.Module):
         return self.proj(h) * gate
 
 
-@pytest.mark.xfail(strict=True, reason="a later window shares an earlier window's host copy "
-                   "when the new tensor's version number equals the one the copy saw, though "
-                   "it counts on another version counter: a .data alias made after a tracked "
-                   "in-place change reads the stale copy in backward, silently")
 def test_a_later_layer_given_a_data_alias_after_an_in_place_change_gets_eager_gradients(
         ) -> None:
     # A gate buffer reused across layers: the first layer reads it through `.data`, the buffer
@@ -221,10 +217,6 @@ class _Added(nn.Module):
         return self.proj(h) + bias
 
 
-@pytest.mark.xfail(strict=True, reason="the refusal of an input changed after its call names "
-                   "the later layer that shared the stale host copy (given a .data alias made "
-                   "after the change), not the layer whose input was changed; its tip, 'make "
-                   "the change before the call', is what the user did for that layer")
 def test_the_refusal_of_a_changed_input_names_the_layer_that_received_it_before_the_change(
         ) -> None:
     first, last = _Added(), _Gated()

@@ -442,7 +442,7 @@ def test_a_discarded_record_its_keeper_still_holds_outlives_the_pruning_of_dead_
         a = torch.randn(1024)
         y = w * a  # saves a: a record of 4096 bytes
         keeper = Keeper()
-        census.note_discarded(a, keeper=keeper)
+        census._note_discarded(a, keeper=keeper)
         del y, a  # the graph and the storage are gone; the keeper holds the record
         gc.collect()
         assert census.discarded_bytes == 1024 * 4
