@@ -1440,3 +1440,38 @@ def test_a_split_backward_through_a_discarded_op_outside_a_checkpoint_is_refused
     with pytest.raises(CheckpointError, match="(?s)already replayed.*split backward: an input "
                                               "pass, then a weight pass"):
         torch.autograd.grad(loss, params)  # the weight pass
+
+
+class _GradOnArgument(nn.Module):
+    """An op that makes one of its arguments require grad before using it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, t: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        gate.requires_grad_()
+        return self.norm(t) * gate
+
+
+@pytest.mark.xfail(strict=True, reason="an argument the discarded op makes require grad "
+                   "(gate.requires_grad_() inside it) silently gets no gradient from the "
+                   "rebuild; eager fills its .grad")
+def test_an_argument_the_discarded_op_makes_require_grad_gets_eager_gradient() -> None:
+    torch.manual_seed(0)
+    eager_op, proj = _GradOnArgument(), nn.Linear(8, 8)
+    twin_op, twin_proj = copy.deepcopy(eager_op), copy.deepcopy(proj)
+    grads = []
+    for op, consumer, discard in ((eager_op, proj, False), (twin_op, twin_proj, True)):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        gate = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+        ckpt = CheckpointWithoutOutput()
+        out = ckpt.checkpoint(op, x, gate) if discard else op(x, gate)
+        y = consumer(out)
+        if discard:
+            ckpt.discard_output_and_register_recompute(y)
+        y.square().sum().backward()
+        grads.append([x.grad, gate.grad,
+                      *(p.grad for p in (*op.parameters(), *consumer.parameters()))])
+    assert grads[0][1] is not None
+    assert_same_grads(*grads)
