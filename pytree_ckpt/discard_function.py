@@ -25,7 +25,7 @@ import torch
 from .census import Mechanism, census_active, report_held
 from .changed_in_place import ParameterVersions
 from .discard_aliases import made_outside
-from .discard_refusals import refuse_input_changed, refuse_output
+from .discard_refusals import refuse_grad_switched, refuse_input_changed, refuse_output
 from .errors import CheckpointError
 from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read
@@ -74,6 +74,8 @@ class DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by checkpoint() before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)
+        needs = [t.requires_grad for t in tensors]  # NOTE [requires_grad switched inside the call]
+        frozen = owner.state[1] if owner.state is not None else ()
         param_before = ParameterVersions.read(owner.params) if owner.params else None
         # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
         # discarded module is never marked verified).
@@ -93,6 +95,8 @@ class DiscardFunction(torch.autograd.Function):
             outputs = owner.fn(*args, **owner.kwargs)
         if sets is not None:
             owner.generator_sets = learned(owner.fn, None, sets)
+        if frozen or [t.requires_grad for t in tensors] != needs:
+            refuse_grad_switched(owner._name(), args, tensors, needs, frozen, roots)
         if numbers is not None:
             owner.changed_numbers = numbers.changed()
             if param_before is not None and versions(owner.params or []) != param_before[0]:

@@ -1,23 +1,27 @@
 """What output discard refuses, and how it says so: an op that changes its inputs in place or
-returns something other than tensors (found in the forward), a hook tensor that cannot fire the
+returns something other than tensors, or switches requires_grad of an argument or a frozen
+parameter (found in the forward), a hook tensor that cannot fire the
 rebuild, and Megatron-Core's ``fp8=``. Each raises before anything is freed, naming the op,
 both sides and a tip. discard.py, discard_function.py and discard_manager.py call these.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
+from .changed_in_place import parameter_path
 from .discard_aliases import root_key
 from .errors import CheckpointConfigError, CheckpointError
 
 if TYPE_CHECKING:  # discard.py imports this module
     from .discard import CheckpointWithoutOutput
 
-__all__ = ["check_hook_tensor", "refuse_discarded_hook", "refuse_fp8", "refuse_input_changed",
-           "refuse_output"]
+__all__ = ["check_hook_tensor", "refuse_discarded_hook", "refuse_fp8", "refuse_grad_switched",
+           "refuse_input_changed", "refuse_output"]
 
 
 def refuse_input_changed(name: str, args: tuple[Any, ...], tensor: torch.Tensor) -> None:
@@ -32,6 +36,33 @@ def refuse_input_changed(name: str, args: tuple[Any, ...], tensor: torch.Tensor)
         got="a version counter moved by the op (mul_, relu_, an inplace=True module)",
         tip="make the op out of place (nn.ReLU() rather than nn.ReLU(inplace=True); "
             "x = x * s rather than x.mul_(s)), or call it without discarding its output")
+
+
+def refuse_grad_switched(name: str, args: tuple[Any, ...], tensors: list[torch.Tensor],
+                         needs: list[bool], frozen: Any, modules: Sequence[nn.Module]) -> None:
+    """As at the boundary (NOTE [requires_grad switched inside the call] in
+    changed_in_place.py): the op's node takes whether each argument and parameter requires
+    grad when it is called; one the op switches would get no gradient, or could not be
+    stopped in the rebuild."""
+    switched = [t for t, need in zip(tensors, needs) if t.requires_grad != need]
+    unfrozen = [p for p in frozen if p.requires_grad]
+    if not switched and not unfrozen:
+        return
+    if switched:
+        position = next(i for i, a in enumerate(args) if a is switched[0])
+        what = (f"argument args[{position}] "
+                f"{'require' if switched[0].requires_grad else 'stop requiring'} grad")
+    else:
+        what = f"parameter {parameter_path(modules, unfrozen[0])!r} require grad"
+    raise CheckpointError(
+        f"{name} made its {what} (requires_grad_) while it ran; output discard takes whether "
+        "each argument and parameter requires grad when the op is called, so its gradient "
+        "would differ from eager's",
+        expected="requires_grad as it was when the op was called",
+        got=f"switched by the op ({len(switched) + len(unfrozen)} tensor"
+            f"{'s' if len(switched) + len(unfrozen) > 1 else ''})",
+        tip="set requires_grad before calling the op; to stop a gradient inside, use "
+            "x.detach()")
 
 
 def refuse_output(name: str, got: Any) -> None:

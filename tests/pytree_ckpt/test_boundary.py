@@ -2358,8 +2358,8 @@ class _GradModeBranch(nn.Module):
 @pytest.mark.xfail(strict=True, reason="a layer forward that branches on "
                    "torch.is_grad_enabled() returns the no-grad branch's output (the original "
                    "pass runs under no-grad) while backward differentiates the grad branch: "
-                   "output and gradients differ from eager's, silently, and docs/limits.md has "
-                   "no row for it (only for reused calls)")
+                   "output and gradients differ from eager's, silently: a documented limit "
+                   "(docs/limits.md, Random numbers and modes around the call)")
 def test_a_forward_branching_on_the_grad_mode_gives_eagers_output_and_gradients() -> None:
     torch.manual_seed(0)
     eager = _GradModeBranch()

@@ -1454,17 +1454,23 @@ class _GradOnArgument(nn.Module):
         return self.norm(t) * gate
 
 
-@pytest.mark.xfail(strict=True, reason="an argument the discarded op makes require grad "
-                   "(gate.requires_grad_() inside it) silently gets no gradient from the "
-                   "rebuild; eager fills its .grad")
-def test_an_argument_the_discarded_op_makes_require_grad_gets_eager_gradient() -> None:
+def test_an_argument_the_discarded_op_makes_require_grad_is_refused_at_the_call() -> None:
+    # Helper EI: it got no gradient from the rebuild, silently (eager fills its .grad). As at
+    # the boundary (NOTE [requires_grad switched inside the call]), refused when the op runs;
+    # made to require grad before the call, it gets eager's gradient.
+    op = _GradOnArgument()
+    with pytest.raises(CheckpointError, match=r"(?s)made its argument args\[1\] require grad "
+                       r".*tip: set requires_grad before calling the op"):
+        CheckpointWithoutOutput().checkpoint(op, torch.randn(4, 8, requires_grad=True),
+                                             torch.randn(4, 8))
     torch.manual_seed(0)
     eager_op, proj = _GradOnArgument(), nn.Linear(8, 8)
     twin_op, twin_proj = copy.deepcopy(eager_op), copy.deepcopy(proj)
     grads = []
     for op, consumer, discard in ((eager_op, proj, False), (twin_op, twin_proj, True)):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        gate = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+        gate = torch.randn(4, 8, generator=torch.Generator().manual_seed(2),
+                           requires_grad=True)
         ckpt = CheckpointWithoutOutput()
         out = ckpt.checkpoint(op, x, gate) if discard else op(x, gate)
         y = consumer(out)
