@@ -791,3 +791,44 @@ def test_a_plain_objects_method_at_a_reused_address_is_looked_at_anew() -> None:
     assert torch.equal(lin.weight.grad, eager_lin.weight.grad)
     assert torch.equal(trackers[0].states["model-parallel-rng"],
                        trackers[1].states["model-parallel-rng"])
+
+
+def _quiet(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return lin(x).relu()
+
+
+def _forking(lin: nn.Module, tracker: _Tracker, x: torch.Tensor) -> torch.Tensor:
+    h = lin(x)
+    with tracker.fork():
+        h = nn.functional.dropout(h, 0.5)
+    return x + h
+
+
+@pytest.mark.xfail(strict=True, reason="generator_sets._key keys any callable that is neither "
+                   "a function, a method nor a module by its class: every functools.partial "
+                   "of a plain function shares one entry, so one unrelated partial that sets "
+                   "no state (anywhere in the process, once) leaves every later partial's "
+                   "fork unwatched and its replay draws another mask")
+def test_a_partial_that_forks_is_watched_after_an_unrelated_partial_that_did_not() -> None:
+    import functools
+
+    from pytree_ckpt import generator_sets
+
+    # Learned afresh here, whatever an earlier test's partial left (the key is the class's).
+    for key in [k for k in generator_sets._SETS if k[2] is functools.partial]:
+        del generator_sets._SETS[key]
+    pytree_ckpt.checkpoint(functools.partial(_quiet, nn.Linear(8, 8)),
+                           torch.randn(4, 8, requires_grad=True)).sum().backward()
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    eager_lin = copy.deepcopy(lin)
+    trackers = [_Tracker(1), _Tracker(1)]
+    x = torch.randn(4, 8)
+    torch.manual_seed(3)
+    _forking(eager_lin, trackers[1], x.clone().requires_grad_()).square().sum().backward()
+    torch.manual_seed(3)
+    pytree_ckpt.checkpoint(functools.partial(_forking, lin, trackers[0]),
+                           x.clone().requires_grad_()).square().sum().backward()
+    assert torch.equal(lin.weight.grad, eager_lin.weight.grad)
+    assert torch.equal(trackers[0].states["model-parallel-rng"],
+                       trackers[1].states["model-parallel-rng"])
