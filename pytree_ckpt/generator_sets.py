@@ -21,7 +21,8 @@ code (the jumps of NOTE [skipped work keeps the RNG in step]) are not counted, n
 (dynamo keeps the state around its tracing): ``_users``.
 
 Seen through ``sys.setprofile`` (a C method's call shows there with the generator it is bound
-to): each layer (each module, by identity; a plain function by its code) and method is
+to): each layer (each module, partial or callable object by identity, forgotten with it; a
+plain function by its code; one that takes no weak reference is watched always) and method is
 watched in its original passes until one made in training mode sets no state; from then on,
 one cheap lookup per call. Any pass that set a state has it watched at every pass after. An
 output discard's function is watched alike, for its rebuild. Not seen: a layer that first
@@ -201,8 +202,11 @@ def _key(fn: Any, owner: Any, /) -> tuple[int, Any, Any]:
             owner = fn.__self__  # an output discard of a module's method
     else:
         code = kind
-        if owner is None and isinstance(fn, _Module):
-            owner = fn  # an output discard of a module
+        if owner is None:
+            # An output discard of a module, a functools.partial, a callable object: by
+            # identity, as a layer is (helper EG: keyed by class alone, one partial that set
+            # no state left every later partial unwatched).
+            owner = fn
     return id(owner), type(owner), code
 
 
@@ -229,9 +233,15 @@ def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Ge
     if key not in _SETS:
         holder = owner if owner is not None else getattr(fn, "__self__", fn)
         if watch.states or not isinstance(holder, _Module) or holder.training:
-            _SETS[key] = bool(watch.states)
-            if isinstance(holder, _Module):  # forgotten with it: its id may be reused
+            # Forgotten with what the key names by id, whose id may be reused (helper EG: a
+            # plain object's method kept an entry, and a new object at its address inherited
+            # "sets no state"); one that takes no weak reference is not remembered: watched at
+            # every pass.
+            try:
                 weakref.finalize(holder, _SETS.pop, key, None)
+            except TypeError:
+                return watch.states or None
+            _SETS[key] = bool(watch.states)
     return watch.states or None
 
 

@@ -761,10 +761,6 @@ class _PlainBlock:
         return x + h
 
 
-@pytest.mark.xfail(strict=True, reason="generator_sets._SETS keys a plain object's method by "
-                   "id(object) with no finalizer (only modules get one): a new object at a "
-                   "dead one's address inherits 'sets no state' and its fork is not watched, "
-                   "so its replay draws another dropout mask")
 def test_a_plain_objects_method_at_a_reused_address_is_looked_at_anew() -> None:
     torch.manual_seed(0)
     quiet = _PlainBlock(nn.Linear(8, 8), None)  # its method sets no state: learned so
@@ -804,11 +800,6 @@ def _forking(lin: nn.Module, tracker: _Tracker, x: torch.Tensor) -> torch.Tensor
     return x + h
 
 
-@pytest.mark.xfail(strict=True, reason="generator_sets._key keys any callable that is neither "
-                   "a function, a method nor a module by its class: every functools.partial "
-                   "of a plain function shares one entry, so one unrelated partial that sets "
-                   "no state (anywhere in the process, once) leaves every later partial's "
-                   "fork unwatched and its replay draws another mask")
 def test_a_partial_that_forks_is_watched_after_an_unrelated_partial_that_did_not() -> None:
     import functools
 
