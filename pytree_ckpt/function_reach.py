@@ -15,6 +15,7 @@ import dis
 import functools
 import sys
 import types
+import weakref
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -186,17 +187,19 @@ def code_reading(fn: Any, name: str, /) -> str | None:
         return None
     # Once per code, bound-to class, what its closure holds that runs (functions; bound
     # methods, by function and class) and name: a replayed call asks at every step (a lambda
-    # made anew each step has the same code and cells). What the ids are of is held with the
-    # answer, so they are not reused. (A global rebound later to another helper is not looked
-    # at again.)
+    # made anew each step has the same code and cells). An entry goes with any of what its ids
+    # are of, so no id is reused while it stands, and it holds none of them (helper EG: held,
+    # a helper made per model kept each deleted model's weights, through its closure). (A
+    # global rebound later to another helper is not looked at again.)
     cells = tuple(part for f in map(cell_contents, function.__closure__ or ())
                   for part in _runs(f))
     key = (id(function.__code__), id(type(holder)), tuple(map(id, cells)), name)
-    entry = _CODE_READING.get(key)
-    if entry is None:
-        entry = _CODE_READING[key] = ((function.__code__, type(holder), cells),
-                                      _code_reading(function, holder, name))
-    return entry[1]
+    if key in _CODE_READING:
+        return _CODE_READING[key]
+    answer = _CODE_READING[key] = _code_reading(function, holder, name)
+    for part in {id(p): p for p in (function.__code__, type(holder), *cells)}.values():
+        weakref.finalize(part, _CODE_READING.pop, key, None)
+    return answer
 
 
 def _runs(value: Any, /) -> tuple[Any, ...]:
@@ -207,8 +210,8 @@ def _runs(value: Any, /) -> tuple[Any, ...]:
     return (value,) if isinstance(value, types.FunctionType) else ()
 
 
-# (ids of code, class bound to, closure's functions; name) -> (what the ids are of, answer)
-_CODE_READING: dict[tuple[int, int, tuple[int, ...], str], tuple[Any, str | None]] = {}
+# (ids of code, class bound to, closure's functions; name) -> answer
+_CODE_READING: dict[tuple[int, int, tuple[int, ...], str], str | None] = {}
 # How deep code_reading follows calls (fn's helper is one, the helper's helper two), and how many
 # functions it reads at most, so a call graph of many helpers costs a bounded first look.
 _STEPS = 4

@@ -212,10 +212,6 @@ class _PickingLayer(nn.Module):
         return self.proj(h) * (ids.unsqueeze(-1) + 1)
 
 
-@pytest.mark.xfail(strict=True, reason="function_reach._CODE_READING (the replay's check of "
-                   "whether a reused fn reads is_grad_enabled) is keyed by the ids of the "
-                   "functions fn's closure holds and holds those functions strongly: one "
-                   "entry per model, and each keeps the deleted model's scorer alive")
 def test_models_whose_reused_function_calls_a_helper_made_per_model_are_freed_once_deleted(
         ) -> None:
     from pytree_ckpt import function_reach
