@@ -108,13 +108,14 @@ _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, glo
 # instructions a call, one that also closes over a tensor 870,700 -> 887,500 (its weak
 # reference and comparison), `lambda t: t * 2` unchanged within the count's noise (about 0.3%:
 # NOTHING_BOUND).
-# The module places, per place (id(module) or _NO_MODULE, its class or None), the index places
+# The module places, per place (id(module) or _NO_MODULE, its class or None, a weak reference
+# to it or None: an id alone passed a new module made at a dead one's address), the index places
 # and per place its int or str (_NOT_NOTED for any other value), the tensor places and per
 # place a weak reference to its tensor (None where it held none).
-Bound = tuple[_Places, tuple[tuple[int, type | None], ...], _Places, tuple[Any, ...], _Places,
-              tuple[Any, ...]]
+Bound = tuple[_Places, tuple[tuple[int, type | None, Any], ...], _Places, tuple[Any, ...],
+              _Places, tuple[Any, ...]]
 _NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
-_HELD_NONE: tuple[int, type | None] = (_NO_MODULE, None)
+_HELD_NONE: tuple[int, type | None, Any] = (_NO_MODULE, None, None)
 _NOT_NOTED = object()  # an index place holding neither an int nor a str at the original pass
 _NO_PLACES: _Places = ((), ())
 # The code objects whose functions hold no module at plain_state.py's first look and subscript
@@ -319,9 +320,10 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
 
 
 def _note(fn: Any, places: _Places, indices: _Places, tensors: _Places, /) -> Bound | None:
-    noted: list[tuple[int, type | None]] = []
+    noted: list[tuple[int, type | None, Any]] = []
     for value in _values_now(fn, places):
-        noted.append((id(value), type(value)) if isinstance(value, nn.Module) else _HELD_NONE)
+        noted.append((id(value), type(value), weakref.ref(value))
+                     if isinstance(value, nn.Module) else _HELD_NONE)
     values: list[Any] = []
     if indices[0] or indices[1]:
         checked = False
@@ -358,10 +360,9 @@ def refuse_rebound(fn: Any, bound: Bound, /, *, what: str = "checkpoint") -> Non
     places, noted, indices, values, tensors, refs = bound
     called = _unwrap(fn)[0]
     now = _values_now(called, places)  # the places noted: plain_state may drop its own look
-    for k, ((ident, cls), value) in enumerate(zip(noted, now)):
+    for k, ((ident, cls, ref), value) in enumerate(zip(noted, now)):
         module = value if isinstance(value, nn.Module) else None
-        if (module is None) if ident == _NO_MODULE else \
-                (module is not None and id(module) == ident):
+        if (module is None) if ident == _NO_MODULE else (module is not None and ref() is module):
             continue
         name, where, variable = _words(fn, called, places, k, "layer")
         then, now_ = ("no module", "one") if ident == _NO_MODULE else ("one module", "another")

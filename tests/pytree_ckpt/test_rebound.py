@@ -422,10 +422,6 @@ class _Scale(nn.Module):
         return (t * self.w).tanh()
 
 
-@pytest.mark.xfail(strict=True, reason="rebound.py notes a closure's module by (id, class) "
-                   "only: a module made after the original one died, at its address, passes "
-                   "the check, and the replay runs it (the first weight gets no gradient, the "
-                   "second one gets the first's)")
 def test_a_closure_variable_rebound_to_a_new_module_at_the_old_ones_address_is_refused(
         ) -> None:
     torch.manual_seed(0)
