@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .kept_callables import _KeptMethod
-from .module_state import structure_generation, watch_module_structure
+from .module_state import structure_generation, watch_module_structure, watch_tree
 
 if TYPE_CHECKING:
     from .module import _CheckpointedForward
@@ -52,7 +52,10 @@ _read_at: tuple[int, int, int] | None = None
 def keeping_boundary_made(forward: _CheckpointedForward, /) -> None:
     """Register a boundary whose policy keeps methods (made by an apply or a copy)."""
     global _boundaries_made
-    watch_module_structure()  # from now on, a submodule registered anywhere is seen
+    watch_module_structure()  # from now on, a submodule registered in its layer is seen
+    layer = forward.module_ref()
+    if layer is not None:  # NOTE [only watched trees move the generation] in module_state.py
+        watch_tree(layer)
     _KEEPING.add(forward)
     _boundaries_made += 1
 

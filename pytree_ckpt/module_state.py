@@ -34,7 +34,8 @@ __all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argu
            "call_switches", "changed_submodule", "collect_parameters", "drop_caches",
            "ever_verified", "foreign_leaves", "graph_attributes", "is_verified", "mark_verified",
            "module_buffers", "module_dicts", "owning_module", "structure_generation",
-           "submodules_now", "trainable_parameters", "warn_forward_hooks", "watch_module_structure"]
+           "submodules_now", "trainable_parameters", "warn_forward_hooks", "watch_module_structure",
+           "watch_tree"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -111,11 +112,25 @@ _DICTS = "_pytree_ckpt_dicts"
 # attributes] there); dropped with the other caches.
 GENERATORS_CACHE = "_pytree_ckpt_generators"
 _VERIFIED = "_pytree_ckpt_verified"
-# Bumped whenever any module gets a submodule, or a buffer under a new name (torch's global
-# registration hooks, installed at the first boundary call, or when a boundary keeping methods
-# is made: kept_owners.py): cached parameter dicts and verifications older than it are stale.
+# Bumped whenever a watched module gets a submodule, or a buffer under a new name (torch's
+# global registration hooks, installed at the first boundary call, or when a boundary keeping
+# methods is made: kept_owners.py): cached parameter dicts and verifications older than it are
+# stale.
 _structure_generation = 0
 _hook_installed = False
+# NOTE [only watched trees move the generation]: the modules of every tree whose structure
+# something here cached (added where _check_structure caches a tree's shape, and a keeping
+# layer's tree when its boundary is made). A registration on any other module (one being
+# built: a metric, a probe made each step) cannot make a cache stale, and once moved the
+# generation every layer redid its first-call checks at its next call (helper EG: 30-40% more
+# CPU time a step for a small stack building one module a step). A module attached to a
+# watched one is registered on it (a bump), and its tree is watched from the next cache on.
+_WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def watch_tree(module: nn.Module, /) -> None:
+    """Have registrations in ``module``'s tree move the structure generation."""
+    _WATCHED.update(module.modules())
 
 
 # NOTE [global hooks stay eager]: these hooks run for every module anyone builds, compiled code
@@ -125,7 +140,8 @@ _hook_installed = False
 @runs_eagerly(HOOK_REASON)
 def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     global _structure_generation
-    _structure_generation += 1
+    if module in _WATCHED:  # NOTE [only watched trees move the generation]
+        _structure_generation += 1
 
 
 @runs_eagerly(HOOK_REASON)  # NOTE [global hooks stay eager]
@@ -138,7 +154,7 @@ def _bump_generation_for_new_buffer(module: nn.Module, name: str, buffer: Any) -
     # left. A buffer reassigned under its name (an EMA, each call) goes through torch's
     # register_buffer too, and is no new state: not counted.
     global _structure_generation
-    if name not in module._buffers:
+    if name not in module._buffers and module in _WATCHED:
         _structure_generation += 1
 
 
@@ -213,8 +229,10 @@ def _check_structure(module: nn.Module) -> None:
         else:
             return
         _structure_generation += 1  # changed behind the hooks: every cache is stale
+    tree = list(module.modules())
+    _WATCHED.update(tree)  # NOTE [only watched trees move the generation]
     module.__dict__[_SHAPE] = _Shape(_structure_generation, tuple(
-        (weakref.ref(m), m._modules, len(m._modules)) for m in module.modules()))
+        (weakref.ref(m), m._modules, len(m._modules)) for m in tree))
 
 
 def structure_generation() -> int:

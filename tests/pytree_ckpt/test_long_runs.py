@@ -233,11 +233,6 @@ def test_models_whose_reused_function_calls_a_helper_made_per_model_are_freed_on
     assert entries[2:] == [entries[2]] * 4, entries
 
 
-@pytest.mark.xfail(strict=True, reason="module_state._structure_generation is process-wide: "
-                   "a submodule or new buffer registered on ANY module (a metric, a probe "
-                   "built per step) marks every checkpointed layer unverified, so each layer "
-                   "redoes its first-call checks at every such step (about 30-40% more CPU time "
-                   "a step for an 8-layer width-64 CPU stack)")
 def test_a_module_built_elsewhere_each_step_does_not_make_every_layer_check_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from pytree_ckpt import recompute
