@@ -390,7 +390,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
                 generators_after = generators_moved(generators_before)
         finally:
             IN_REUSE.reset(token)
-        warn_changed_arguments(callable_name(fn), call, versions)  # NOTE in frozen.py
+        warn_changed_arguments(fn, callable_name(fn), call, versions)  # NOTE in frozen.py
         # NOTE [state a reused call changes] (frozen.py)
         changes = state_after(call, versions, buffers, numbers)
         # NOTE [differentiable results are refused where grad is on] in frozen.py

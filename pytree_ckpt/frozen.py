@@ -103,7 +103,18 @@ def argument_versions(args: tuple[Any, ...], kwargs: dict[str, Any], /
                   for j in call.tensor_index]
 
 
-def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], /) -> None:
+def warned_key(fn: Any, /) -> Any:
+    """What a warning about ``fn`` is told once for: the code it runs (a function's, through
+    partials and bound methods), or the class of a module or callable object. Not its name:
+    two routers of one class name in two model families, or two top-level lambdas, are other
+    functions (helper EG: the second was never told)."""
+    function = getattr(unwrap_partials(fn)[0], "__func__", unwrap_partials(fn)[0])
+    code = getattr(function, "__code__", None)
+    return code if code is not None else type(function)
+
+
+def warn_changed_arguments(fn: Any, name: str, call: FlatTree, before: list[int | None], /
+                           ) -> None:
     """NOTE [a reused fn changes no argument]: the replay skips ``fn``, so a change ``fn``
     made in place to a floating argument (a mask written into the scores it is given:
     ``logits.detach()`` shares the logits' storage) is not made again, and what reads that
@@ -112,12 +123,13 @@ def warn_changed_arguments(name: str, call: FlatTree, before: list[int | None], 
     ``scorer(x).detach()`` masked in place is fine), so this is a warning, once per function.
     Integer arguments are not told: a token count the function adds to counts once, as in
     eager, since the replay skips the call."""
-    if name in _WARNED_CHANGED:
+    key = warned_key(fn)
+    if key in _WARNED_CHANGED:
         return
     for j, version in zip(call.tensor_index, before):
         t = call.leaves[j]
         if version is not None and t._version != version and _is_float(t):
-            _WARNED_CHANGED.add(name)
+            _WARNED_CHANGED.add(key)
             warnings.warn(
                 f"pytree_ckpt: reuse_during_recompute({name}) changed its "
                 f"{argument_path(call, j)} in place; the replay skips the call, so the "
@@ -241,8 +253,9 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
                 target.copy_(value)
 
 
-# Functions warned about by warn_changed_arguments (a warning's dedupe, not step state).
-_WARNED_CHANGED: set[str] = set()
+# Functions warned about by warn_changed_arguments, by warned_key (a warning's dedupe, not step
+# state; weak: a class or code gone takes its entry with it).
+_WARNED_CHANGED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def warn_grad_mode_read(fn: Callable[..., Any], name: str, /) -> None:
