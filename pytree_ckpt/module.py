@@ -290,8 +290,11 @@ def _describe_options(options: BoundaryOptions, fields: list[str], /) -> str:
 def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     """Undo ``apply_activation_checkpointing`` or ``apply_recompute_config`` on ``module``.
 
-    A no-op on an unwrapped module (and on one whose ``forward`` was assigned over the
-    boundary since: that forward stays; a ``torch.compile`` wrapper of the boundary goes with
+    On a module that is not checkpointed itself (the model or list given to
+    ``checkpoint_layers``, ``apply_recompute_config`` or a ``check_fn``), it is undone on every
+    checkpointed module inside it. A no-op where there is none (and on a module whose
+    ``forward`` was assigned over the boundary since: that forward stays, while the checkpointed
+    modules inside it are undone; a ``torch.compile`` wrapper of the boundary goes with
     it, NOTE [compiled over the boundary] in compiled_layers.py); methods wrapped by its save
     units are restored too, but for those another layer still checkpointed keeps (NOTE [kept
     methods of shared submodules] in kept_owners.py).
@@ -302,7 +305,11 @@ def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
     installed = _installed(module)
     module.__dict__.pop(_INSTALLED, None)
     if installed is None:
-        return module  # never wrapped (or its forward replaced since): nothing to undo
+        # Never wrapped (or its forward replaced since): the checkpointed modules inside it.
+        for sub in list(module.modules())[1:]:
+            if _installed(sub) is not None:
+                remove_activation_checkpointing(sub)
+        return module
     # Methods its save units wrapped (KeptCallables), in submodules behind a boundary of their
     # own too: its units keep those as well (in its replay, their original pass is taken from
     # its records). NOTE [kept methods of shared submodules] in kept_owners.py: not those
