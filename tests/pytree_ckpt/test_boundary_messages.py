@@ -1728,3 +1728,45 @@ def test_a_boundary_given_something_not_callable_is_refused_naming_the_fix(
     assert str(caught.value) == (
         f"{where} takes the function (or module) to run behind the boundary\n"
         f"  expected: a callable\n  got:      {got}\n  tip: {tip}")
+
+
+class AttentionCachingOnItself(nn.Module):
+    """A use_cache-style layer that keeps its keys and values on itself between calls (Meta's
+    reference Llama, many research models), trained through the cache: chunked long-context
+    training, or a loss on generated tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(4, 4)
+        self.kv: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        keys = self.k(x)
+        if use_cache:
+            if self.kv is not None:
+                keys = torch.cat([self.kv, keys], 1)
+            self.kv = keys
+        return (x @ keys.transpose(1, 2)).softmax(-1) @ keys
+
+
+@pytest.mark.xfail(strict=True, reason="helper EF: a key/value cache kept on the module (not "
+                   "passed in) with use_cache=True is neither refused nor exact: the original "
+                   "pass stores no-grad keys, each replay reads the cache as it is at backward, "
+                   "and the first chunk's keys get no gradient through the second chunk")
+def test_a_key_value_cache_kept_on_the_module_with_use_cache_true_is_refused_or_exact() -> None:
+    torch.manual_seed(0)
+    eager = AttentionCachingOnItself()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 6, 4)
+    grads = []
+    for layer in (eager, wrapped):
+        try:
+            first = layer(x[:, :3], use_cache=True)
+            second = layer(x[:, 3:], use_cache=True)
+            torch.cat([first, second], 1).square().sum().backward()
+        except CheckpointError:
+            return  # refused: fine
+        finally:
+            layer.kv = None
+        grads.append([layer.k.weight.grad, layer.k.bias.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
