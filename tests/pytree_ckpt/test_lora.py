@@ -219,3 +219,40 @@ def test_a_frozen_base_weight_merged_between_forward_and_backward_is_refused_or_
             return  # refused, as for a trainable parameter: fine
         grads.append(grads_of([lora.lora_A.weight, lora.lora_B.weight]))
     assert_same_grads(*grads)
+
+
+class TwoAdapterLinear(nn.Module):
+    """peft's multi-adapter layer: set_adapter() picks which adapter the forward adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(16, 16).requires_grad_(False)
+        self.lora_A = nn.ModuleDict({n: nn.Linear(16, 4, bias=False) for n in ("a", "b")})
+        self.lora_B = nn.ModuleDict({n: nn.Linear(4, 16, bias=False) for n in ("a", "b")})
+        self.active_adapter = "a"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.active_adapter
+        return torch.tanh(self.base_layer(x) + self.lora_B[n](self.lora_A[n](x)))
+
+
+@pytest.mark.xfail(strict=True, reason="helper EF: the active adapter switched (set_adapter) "
+                   "between two forwards of one backward (a loss over two adapters' outputs) is "
+                   "silent: both replays run the adapter active at backward, so adapter 'a' "
+                   "gets no gradient and 'b' a wrong one (docs/limits.md row 'state a call "
+                   "reads without changing it'; the LoRA section of docs/boundary.md says "
+                   "nothing of it)")
+def test_two_adapters_switched_between_forwards_of_one_backward_get_eager_grads() -> None:
+    torch.manual_seed(0)
+    eager = TwoAdapterLinear()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 16)
+    grads = []
+    for layer in (eager, wrapped):
+        layer.active_adapter = "a"
+        first = layer(x)
+        layer.active_adapter = "b"
+        second = layer(x)
+        (first.square().sum() + second.sum()).backward()
+        grads.append(grads_of(p for p in layer.parameters() if p.requires_grad))
+    assert_same_grads(*grads)
