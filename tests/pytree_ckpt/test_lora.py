@@ -256,3 +256,50 @@ def test_two_adapters_switched_between_forwards_of_one_backward_get_eager_grads(
         (first.square().sum() + second.sum()).backward()
         grads.append(grads_of(p for p in layer.parameters() if p.requires_grad))
     assert_same_grads(*grads)
+
+
+class BankedLinear(nn.Module):
+    """A frozen linear that adds an adapter looked up in a bank the model root owns (held
+    through a plain list, so that it is registered once, on the root)."""
+
+    def __init__(self, bank: nn.ParameterDict, key: str) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(16, 16).requires_grad_(False)
+        self.lora_A = nn.Linear(16, 4, bias=False)  # an in-tree adapter: the layer replays
+        self.bank, self.key = [bank], key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x) + self.lora_A(x).sum(-1, keepdim=True)
+        if self.key in self.bank[0]:
+            y = y + x @ self.bank[0][self.key]
+        return torch.tanh(y)
+
+
+@pytest.mark.xfail(strict=True, reason="helper EF: an adapter parameter added to a bank outside "
+                   "the layer after the layer's first replay gets no gradient, silently (docs/"
+                   "limits.md row 'a tensor that requires grad reached other than as an input "
+                   "or a parameter'), where the same adapter added as a submodule (an "
+                   "nn.ModuleDict bank) or present from the first step is refused: registering "
+                   "a parameter is not taken as a reason to check the next replay again")
+def test_an_adapter_parameter_added_later_to_a_bank_outside_the_layer_is_refused_or_exact() -> None:
+    torch.manual_seed(0)
+    models = []
+    for _ in range(2):
+        root = nn.Module()
+        root.bank = nn.ParameterDict()
+        root.layer = BankedLinear(root.bank, "q")
+        models.append(root)
+    models[1].load_state_dict(models[0].state_dict())
+    pytree_ckpt.apply_activation_checkpointing(models[1].layer)
+    x = torch.randn(2, 16)
+    delta = torch.randn(16, 16) * 0.1
+    grads = []
+    for root in models:
+        root.layer(x).sum().backward()  # step 0: the bank is empty
+        root.bank["q"] = nn.Parameter(delta.clone())  # an adapter added between steps
+        try:
+            root.layer(x).sum().backward()
+        except pytree_ckpt.CheckpointError:
+            return  # refused, as with an nn.ModuleDict bank: fine
+        grads.append(grads_of([root.bank["q"], root.layer.lora_A.weight]))
+    assert_same_grads(*grads)
