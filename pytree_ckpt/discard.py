@@ -427,7 +427,7 @@ class CheckpointWithoutOutput:
             if self.changed_state is not None:  # NOTE [discard lifetimes] 5
                 stack.enter_context(self.changed_state.on_copies())
             if self.changed_numbers is not None:  # NOTE [numbers and flags as the forward began]
-                stack.enter_context(self.changed_numbers.as_forward_began())
+                stack.enter_context(self.changed_numbers.as_forward_began(self._name()))
             args = []
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
                 if not is_tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import enum
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .eager import user_stacklevel
 from .module_state import ModuleDicts
 
 __all__ = ["ChangedNumbers", "MadeNumbers", "NumbersWatch", "numbers_read", "plain_entries",
@@ -383,9 +385,10 @@ class ChangedNumbers:
         self.found = found
 
     @contextmanager
-    def as_forward_began(self) -> Iterator[None]:
+    def as_forward_began(self, where: str = "the layer", /) -> Iterator[None]:
         """The changed values as the forward began, for the block; the values, and the objects
-        the forward rebound, as the block began, after it."""
+        the forward rebound, as the block began, after it. ``where`` names the call for
+        NOTE [a graph tensor kept on a module]."""
         at_start = [(d, [(name, d.get(name, _ABSENT))
                          for name in [*(name for name, _ in values), *rebound]])
                     for d, values, rebound in self.found]
@@ -405,6 +408,7 @@ class ChangedNumbers:
         finally:
             for held, entries in entries_at_start:
                 _put(held, entries)
+            _warn_graph_tensors_kept(at_start, where)
             for d, named in at_start:
                 # A leaf requiring grad that the replay stored stays (`self.last = leaf`, made
                 # in the forward): the check that reads it once the replay's graph is gone
@@ -412,6 +416,41 @@ class ChangedNumbers:
                 _set(d, [(name, value) for name, value in named
                          if not (isinstance(now := d.get(name), torch.Tensor) and
                                  now.requires_grad and now.grad_fn is None)])
+
+
+def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],
+                             where: str, /) -> None:
+    """NOTE [a graph tensor kept on a module]: a forward that stores on its module a tensor it
+    computed with grad (Meta's reference Llama keeps its key/value cache so: ``self.kv =
+    keys``) stored it without a graph in the original pass, which runs under no-grad, and a
+    later call that reads it (the next chunk appending to the cache) computes with that one in
+    its replay: the gradients through it are missing, silently. The replay, with grad, stores
+    one with a graph: seen here, after the block, and warned of once per module and attribute
+    (a tensor kept only for logging, read after backward, is fine: nothing reads it in a
+    forward). Not refused: nothing tells the two apart. Scalars are left to NOTE [results
+    stored on a module] (stored_state.py), which says it once."""
+    for d, named in at_start:
+        for name, _ in named:
+            now = d.get(name)
+            # A scalar (an aux loss) is told by NOTE [results stored on a module] instead.
+            if isinstance(now, torch.Tensor) and now.grad_fn is not None and now.dim():
+                told = _TOLD_GRAPH + name
+                if d.get(told):
+                    continue
+                d[told] = True
+                warnings.warn(
+                    f"pytree_ckpt: the forward of {where} stores a tensor computed with grad "
+                    f"in the module attribute {name!r}; the original pass, which runs under "
+                    "no-grad, stored it without a graph, so a later call that reads it (a "
+                    "key/value cache kept on the module, appended to by the next chunk) "
+                    "computes with that one in its replay, and the gradients through it are "
+                    "missing, silently. Tip: keep no such cache while grad is enabled "
+                    "(use_cache=False in training); a tensor kept only to be read after "
+                    "backward (an attention map for logging) is fine (docs/limits.md, 'State "
+                    "the forward changes')", stacklevel=user_stacklevel())
+
+
+_TOLD_GRAPH = _OURS + "_told_graph_"
 
 
 def _set(d: dict[str, Any], named: list[tuple[str, Any]], /) -> None:

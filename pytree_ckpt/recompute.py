@@ -253,7 +253,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # first replay's checks too, which read what the replay stored (an aux loss) before
             # the forward's objects are put back.
             numbers = _NOTHING if call.changed_numbers is None else \
-                call.changed_numbers.as_forward_began()
+                call.changed_numbers.as_forward_began(fn_name(call.fn))
             # NOTE [a forward that sets a default generator's state] (generator_sets.py)
             sets = replay_watch(call.generator_sets)
             with numbers:

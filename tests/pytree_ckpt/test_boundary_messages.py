@@ -1749,24 +1749,32 @@ class AttentionCachingOnItself(nn.Module):
         return (x @ keys.transpose(1, 2)).softmax(-1) @ keys
 
 
-@pytest.mark.xfail(strict=True, reason="helper EF: a key/value cache kept on the module (not "
-                   "passed in) with use_cache=True is neither refused nor exact: the original "
-                   "pass stores no-grad keys, each replay reads the cache as it is at backward, "
-                   "and the first chunk's keys get no gradient through the second chunk")
-def test_a_key_value_cache_kept_on_the_module_with_use_cache_true_is_refused_or_exact() -> None:
+def test_a_key_value_cache_kept_on_the_module_and_trained_through_is_warned_of() -> None:
+    # Helper EF: neither refused nor exact, silently: the original pass stores no-grad keys on
+    # the module, and the second chunk's replay reads those, so the first chunk's keys get no
+    # gradient through it. Nothing tells a cache from a tensor kept for logging: the replay's
+    # graph tensor stored on the module is warned of, once per module and attribute (NOTE [a
+    # graph tensor kept on a module] in forward_numbers.py).
     torch.manual_seed(0)
     eager = AttentionCachingOnItself()
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     x = torch.randn(2, 6, 4)
     grads = []
     for layer in (eager, wrapped):
-        try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             first = layer(x[:, :3], use_cache=True)
             second = layer(x[:, 3:], use_cache=True)
             torch.cat([first, second], 1).square().sum().backward()
-        except CheckpointError:
-            return  # refused: fine
-        finally:
-            layer.kv = None
+        layer.kv = None
+        told = [str(w.message) for w in caught if "module attribute 'kv'" in str(w.message)]
+        assert len(told) == (0 if layer is eager else 1), told
         grads.append([layer.k.weight.grad, layer.k.bias.grad])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert "AttentionCachingOnItself" in told[0] and "use_cache=False" in told[0]
+    assert not all(torch.equal(a, b) for a, b in zip(*grads))  # what the warning is about
+    # Without the cache (use_cache=False, the tip), the gradients are eager's.
+    for layer in (eager, wrapped):
+        layer.zero_grad(set_to_none=True)
+        torch.cat([layer(x[:, :3]), layer(x[:, 3:])], 1).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), wrapped.parameters()))
