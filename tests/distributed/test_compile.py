@@ -1237,11 +1237,10 @@ class _CausalAttention(nn.Module):
         return h + scores.masked_fill(~causal, float("-inf")).softmax(-1) @ self.v(h)
 
 
-@pytest.mark.xfail(strict=True, reason="helper EF: docs/limits.md says an inductor-compiled body "
-                   "in float32 is bit for bit with the compiled twin; a masked causal softmax "
-                   "compiles to a no-grad graph (the original pass) whose output differs from "
-                   "the training graph's (the twin's) by float rounding (~1e-7), and so do the "
-                   "gradients")
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/limits.md, a body compiled with inductor: float32 where the fusions "
+    "differ, a masked causal softmax): the compiled no-grad and training graphs round "
+    "differently (helper EF)"))
 def test_an_inductor_compiled_causal_attention_in_float32_matches_its_compiled_twin_bit_for_bit(
         ) -> None:
     torch.manual_seed(0)

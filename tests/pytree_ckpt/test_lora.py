@@ -196,12 +196,8 @@ def test_torch_reentrant_checkpoint_gives_the_first_layers_adapters_no_gradient(
     assert our_warnings == []
 
 
-@pytest.mark.xfail(strict=True, reason="helper EF: a frozen base weight changed in place between "
-                   "a call's forward and its backward (an adapter merged, base.weight += B@A*s) "
-                   "is replayed with the new value, silently: eager's backward uses what its "
-                   "forward saved (and raises where an op saved the weight); a trainable "
-                   "parameter so changed is refused (docs/limits.md row 'a trainable parameter "
-                   "changed in place between a call's forward and its backward')")
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/limits.md, state a call reads without changing it; boundary.md, LoRA on a frozen base): a frozen base weight merged between forward and backward is read by the replay as it is in backward (helper EF)"))
 def test_a_frozen_base_weight_merged_between_forward_and_backward_is_refused_or_exact() -> None:
     torch.manual_seed(0)
     eager = nn.Sequential(LoraLinear(16, 16, 4, 0.0), nn.Tanh())
@@ -236,12 +232,8 @@ class TwoAdapterLinear(nn.Module):
         return torch.tanh(self.base_layer(x) + self.lora_B[n](self.lora_A[n](x)))
 
 
-@pytest.mark.xfail(strict=True, reason="helper EF: the active adapter switched (set_adapter) "
-                   "between two forwards of one backward (a loss over two adapters' outputs) is "
-                   "silent: both replays run the adapter active at backward, so adapter 'a' "
-                   "gets no gradient and 'b' a wrong one (docs/limits.md row 'state a call "
-                   "reads without changing it'; the LoRA section of docs/boundary.md says "
-                   "nothing of it)")
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/limits.md, state a call reads without changing it; boundary.md, LoRA on a frozen base): both replays run the adapter active in backward (helper EF)"))
 def test_two_adapters_switched_between_forwards_of_one_backward_get_eager_grads() -> None:
     torch.manual_seed(0)
     eager = TwoAdapterLinear()
@@ -275,12 +267,8 @@ class BankedLinear(nn.Module):
         return torch.tanh(y)
 
 
-@pytest.mark.xfail(strict=True, reason="helper EF: an adapter parameter added to a bank outside "
-                   "the layer after the layer's first replay gets no gradient, silently (docs/"
-                   "limits.md row 'a tensor that requires grad reached other than as an input "
-                   "or a parameter'), where the same adapter added as a submodule (an "
-                   "nn.ModuleDict bank) or present from the first step is refused: registering "
-                   "a parameter is not taken as a reason to check the next replay again")
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/limits.md, a tensor that requires grad reached other than as an input or a parameter; boundary.md, LoRA on a frozen base): a parameter added to a bank outside the layer after its first replay gets no gradient (helper EF)"))
 def test_an_adapter_parameter_added_later_to_a_bank_outside_the_layer_is_refused_or_exact() -> None:
     torch.manual_seed(0)
     models = []
