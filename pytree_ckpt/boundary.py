@@ -200,6 +200,9 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
                       (module := argument_module(leaf)) is not None)]
         trees = [module_dicts(owner)] if len(modules) == 1 else \
             [module_dicts(module) for module in modules]
+        keep = options.keep
+        if keep is not None and keep.callables:  # NOTE [kept methods of modules added later]
+            keep.install_late(owner)
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
         # each use needs its gradient (the argument's comes through its input slot).
         params = collect_parameters(trees, set(), frozen=before)

@@ -39,12 +39,14 @@ from typing import Any
 
 import optree
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .census import Mechanism, census_active, report_held
 from .eager import user_stacklevel
 from .errors import CheckpointError
 from .kept_calls import call_arguments, for_backward, replay_may_take
+from . import module_state  # read at call time: module_state imports this module's users
 from .phase import Invocation, Phase
 from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
 from .unit_use import UnitUse
@@ -61,6 +63,9 @@ IN_REUSE: ContextVar[bool] = ContextVar("pytree_ckpt_in_reuse", default=False)
 
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                     "_dtensor"})
+# NOTE [kept methods of modules added later]: the structure generation a layer's kept methods
+# were last looked for at (a mark on the layer, dropped with its checkpointing).
+_LATE_AT = "_pytree_ckpt_kept_late_at"
 _CLONE = torch.ops.aten.clone  # NOTE [clones are never kept]
 
 
@@ -142,6 +147,27 @@ class KeepPolicy:
         self.callables = frozenset(callables)
         self.description = description
         self.use = UnitUse(units, layers)  # not part of what the policy is (_key)
+
+    def install_late(self, layer: nn.Module, /) -> None:
+        """NOTE [kept methods of modules added later]: ``apply_recompute_config`` wraps the
+        kept methods of the instances the layers hold then; an instance of a kept class
+        assigned into a layer afterwards (a LoRA adapter injected as peft does,
+        ``setattr(parent, name, LoraLinear(...))``; a router replaced) had its method
+        recomputed in the replay, silently (helper EF). Once the layer's tree changed (the
+        structure generation moved), the next call wraps the methods of such instances as
+        ``apply_recompute_config`` would have, before the original pass. One compare a call
+        otherwise."""
+        generation = module_state.structure_generation()
+        if layer.__dict__.get(_LATE_AT) == generation:
+            return
+        from .save_units import install_kept  # save_units imports this module
+        for module in layer.modules():
+            qualname = type(module).__qualname__
+            for kept in self.callables:
+                owner, _, name = kept.rpartition(".")
+                if owner == qualname:
+                    install_kept(module, name, layers=[layer])
+        layer.__dict__[_LATE_AT] = module_state.structure_generation()
 
     def __repr__(self) -> str:
         # What it keeps, not only the units' names: a refused re-application names both sides

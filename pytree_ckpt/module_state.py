@@ -129,8 +129,11 @@ _WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def watch_tree(module: nn.Module, /) -> None:
-    """Have registrations in ``module``'s tree move the structure generation."""
-    _WATCHED.update(module.modules())
+    """Have registrations in ``module``'s tree move the structure generation. A module still
+    being built (a copy, whose boundary is made before its submodules are) is watched from its
+    first call instead, when its tree is cached."""
+    if "_modules" in module.__dict__:
+        _WATCHED.update(module.modules())
 
 
 # NOTE [global hooks stay eager]: these hooks run for every module anyone builds, compiled code

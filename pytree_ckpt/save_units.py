@@ -230,12 +230,23 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     for module, name in kept:
         _refuse_unkeepable(module, name, chosen)
     for module, name in kept:
-        held = module.__dict__.get(name)
-        if not getattr(held, "_pytree_ckpt_kept", False):
-            module.__dict__[name] = _KeptMethod(module, name, held)
+        install_kept(module, name)
     for layer in chosen:
         install_boundary(layer, options)
     return list(range(count))
+
+
+def install_kept(module: nn.Module, name: str, /, *,
+                 layers: list[nn.Module] | None = None) -> None:
+    """Wrap ``module``'s method ``name`` for its save unit, unless it is already; with
+    ``layers`` (the checkpointed layers holding it), refused first as at apply time (NOTE [kept
+    methods of modules added later] in keep.py)."""
+    held = module.__dict__.get(name)
+    if getattr(held, "_pytree_ckpt_kept", False):
+        return
+    if layers is not None:
+        _refuse_unkeepable(module, name, layers)
+    module.__dict__[name] = _KeptMethod(module, name, held)
 
 
 def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) -> None:

@@ -334,11 +334,6 @@ def test_a_kept_method_inside_a_nested_boundary_goes_with_the_last_layer_keeping
     assert "project" not in router.__dict__
 
 
-@pytest.mark.xfail(strict=True, reason="helper EF: a submodule of the kept class assigned into a "
-                   "checkpointed layer after apply_recompute_config (a LoRA adapter injected "
-                   "later, peft's setattr(parent, name, new)) is not wrapped: its method is "
-                   "recomputed in the replay, silently (only 'keeps nothing' when no layer has "
-                   "the class at all), though a shared submodule assigned later is followed")
 def test_a_kept_method_of_a_submodule_assigned_after_applying_is_kept() -> None:
     torch.manual_seed(0)
     eager = nn.ModuleList(Layer() for _ in range(2))
