@@ -290,3 +290,11 @@ def test_a_keyboard_interrupt_as_the_passes_lock_is_taken_leaves_the_lock_free(
     lock_held, _ = _step_interrupted_after("lock.acquire", caller)
     assert not lock_held
 
+
+@pytest.mark.xfail(strict=True, reason="helper EJ: a Ctrl-C delivered in IsolatedPass.__exit__ "
+                   "after _set_fwd_grad_enabled(False) returns (before the depth count goes "
+                   "down) leaves _passes.depth at 1: torch.backends.mha's fast path, turned "
+                   "off for the pass, is never put back, for the rest of the process")
+def test_a_keyboard_interrupt_as_a_pass_ends_gives_back_the_mha_fast_path() -> None:
+    _, restored = _step_interrupted_after("_set_fwd_grad_enabled", "__exit__")
+    assert restored
