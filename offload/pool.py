@@ -139,9 +139,15 @@ class HostPool:
             self.host_bytes += nbytes  # counted once allocated: a failed allocation holds nothing
         return buffer
 
-    def acquire(self, nbytes: int, /) -> torch.Tensor:
+    def acquire(self, nbytes: int, /, *, into: Any = None) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes, checked out until ``release``: the pool holds
-        it until then, so a buffer never released stays allocated."""
+        it until then, so a buffer never released stays allocated.
+
+        ``into``: an object whose ``host`` attribute gets the buffer as it is checked out, with
+        no call between. NOTE [a buffer handed out under an interrupt]: a KeyboardInterrupt is
+        raised right after a call returns; one raised as this returns found the caller's
+        attribute unset, and the buffer stayed checked out for good (helper EJ). With
+        ``into``, whoever holds the buffer can give it back."""
         cls = _size_class(_require_size(nbytes, "HostPool.acquire"), self.pin_memory)
         with self._lock:
             self._take_returned()
@@ -166,6 +172,8 @@ class HostPool:
             else:
                 self.hits += 1
             self._handed[id(buffer)] = buffer
+            if into is not None:
+                into.host = buffer
         return buffer
 
     def release(self, buffer: torch.Tensor, /, *, event: Any = None) -> None:

@@ -88,14 +88,18 @@ class Copy:
         base = tensor._base
         self.source = weakref.ref(base if base is not None else tensor)
         self.watch: weakref.ref[torch.Tensor] | None = None
-        self.host: torch.Tensor | None = manager.pool.acquire(self.nbytes)
+        self.host: torch.Tensor | None = None
         try:
+            # NOTE [a buffer handed out under an interrupt] (pool.py): set as it is handed out.
+            manager.pool.acquire(self.nbytes, into=self)
+            assert self.host is not None
             self.d2h_event = manager.engine.to_host(self.host, self.device_bytes)
         except BaseException:
-            manager.pool.release(self.host)  # the copy failed: nothing reads the buffer
-            self.host = None
+            if self.host is not None:  # the copy failed: nothing reads the buffer
+                manager.pool.release(self.host)
+                self.host = None
             raise
-        self.host_holder = HostHolder()  # lives exactly as long as this copy (for the census)
+        self.host_holder: HostHolder = HostHolder()  # lives as long as this copy (for the census)
         manager._counters["offloaded_bytes"] += self.nbytes
         window.pass_.offloaded += self.nbytes
         manager._pending.append(self)

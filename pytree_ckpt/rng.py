@@ -347,66 +347,83 @@ class IsolatedPass:
     so only threads running one module at once can see each other's weights.
     """
 
-    __slots__ = ("outer_cache", "inner_cache", "fwd_grad_off")
+    __slots__ = ("outer_cache", "inner_cache", "fwd_grad_off", "counted")
 
     _swapped: list[IsolatedPass] = []  # passes running with a cache of their own
 
+    # NOTE [a pass interrupted at any point]: a KeyboardInterrupt is raised where CPython next
+    # looks for a pending signal, right after a call returns. A pass interrupted after taking
+    # the lock but before its try (helper EJ) left the lock held, and every later pass in the
+    # process waited on it for ever; one interrupted between its changes and the count of them
+    # left the fast path off for good. So the lock is taken by a with statement (its enter is
+    # no call a signal can follow); each change is recorded on the pass, with no call between
+    # the two, before the next call; __exit__ undoes what is recorded, and __enter__ calls it
+    # when interrupted itself. The count of passes and the fast path come back before the
+    # parametrization cache (a call: interrupted after it, a cache swapped inside
+    # parametrize.cached() stays swapped until that block ends).
+
     def __enter__(self) -> None:
-        # NOTE [forward-mode AD inside a pass]: torch turns forward grad off inside a custom
-        # Function's forward, where the original pass runs, so a dual_level() the layer opens
-        # itself got no tangent (None, or 0.0 where the code guarded against None), where eager
-        # gets it. On for the pass (a thread's own setting); no dual level is open around a
-        # boundary (NOTE [when there is no boundary] in boundary.py).
-        self.fwd_grad_off = not _is_fwd_grad_enabled()
-        if self.fwd_grad_off:
-            _set_fwd_grad_enabled(True)
-        lock = _passes_lock  # acquire/release, not a with block: NOTE [the lock of passes]
-        lock.acquire()
+        self.fwd_grad_off = False
+        self.outer_cache: dict[Any, Any] | None = None
+        self.inner_cache: dict[Any, Any] | None = None
+        self.counted = False
         try:
-            self.outer_cache: dict[Any, Any] | None = None
-            self.inner_cache: dict[Any, Any] | None = None
-            if parametrize._cache_enabled:  # usually off: nothing to isolate
-                self.outer_cache = parametrize._cache
-                self.inner_cache = parametrize._cache = {}
-                IsolatedPass._swapped.append(self)
-            passes = _passes
-            if passes.depth == 0:
-                if _mha_flag_direct:
-                    passes.fast_path_outer = _mha._is_fastpath_enabled
-                    _mha._is_fastpath_enabled = False
-                else:
-                    passes.fast_path_outer = _mha.get_fastpath_enabled()
-                    if passes.fast_path_outer:
+            with _passes_lock:  # NOTE [the lock of passes]
+                passes = _passes
+                first = passes.depth == 0
+                if first:
+                    passes.fast_path_outer = _mha._is_fastpath_enabled if _mha_flag_direct \
+                        else _mha.get_fastpath_enabled()
+                passes.depth += 1
+                self.counted = True
+                if first and passes.fast_path_outer:
+                    if _mha_flag_direct:
+                        _mha._is_fastpath_enabled = False
+                    else:
                         _mha.set_fastpath_enabled(False)
-            passes.depth += 1
-        finally:
-            lock.release()
+                if parametrize._cache_enabled:  # usually off: nothing to isolate
+                    self.outer_cache = parametrize._cache
+                    self.inner_cache = parametrize._cache = {}
+                    IsolatedPass._swapped.append(self)
+            # NOTE [forward-mode AD inside a pass]: torch turns forward grad off inside a
+            # custom Function's forward, where the original pass runs, so a dual_level() the
+            # layer opens itself got no tangent (None, or 0.0 where the code guarded against
+            # None), where eager gets it. On for the pass (a thread's own setting); no dual
+            # level is open around a boundary (NOTE [when there is no boundary] in
+            # boundary.py). Recorded before the call: turned off again even if it never ran.
+            if not _is_fwd_grad_enabled():
+                self.fwd_grad_off = True
+                _set_fwd_grad_enabled(True)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        if self.fwd_grad_off:
-            _set_fwd_grad_enabled(False)
-        lock = _passes_lock
-        lock.acquire()
         try:
-            if self.inner_cache is not None:
-                assert self.outer_cache is not None  # both set together in __enter__
-                swapped = IsolatedPass._swapped
-                swapped.remove(self)
-                if parametrize._cache is self.inner_cache:
-                    parametrize._cache = self.outer_cache
-                else:  # a later pass swapped ours out and still runs: it puts our outer back
-                    for later in swapped:
-                        if later.outer_cache is self.inner_cache:
-                            later.outer_cache = self.outer_cache
-            passes = _passes
-            passes.depth -= 1
-            if passes.depth == 0 and passes.fast_path_outer:
-                if _mha_flag_direct:
-                    _mha._is_fastpath_enabled = True
-                else:
-                    _mha.set_fastpath_enabled(True)
+            if self.fwd_grad_off:
+                self.fwd_grad_off = False
+                _set_fwd_grad_enabled(False)
         finally:
-            lock.release()
+            with _passes_lock:
+                passes = _passes
+                if self.counted:
+                    self.counted = False
+                    passes.depth -= 1
+                    if passes.depth == 0 and passes.fast_path_outer:
+                        if _mha_flag_direct:
+                            _mha._is_fastpath_enabled = True
+                        else:
+                            _mha.set_fastpath_enabled(True)
+                if self.inner_cache is not None:
+                    assert self.outer_cache is not None  # both set together in __enter__
+                    inner, self.inner_cache = self.inner_cache, None
+                    if parametrize._cache is inner:
+                        parametrize._cache = self.outer_cache
+                    else:  # a later pass swapped ours out and still runs: it puts our outer back
+                        for later in IsolatedPass._swapped:
+                            if later.outer_cache is inner:
+                                later.outer_cache = self.outer_cache
+                    IsolatedPass._swapped.remove(self)
 
 
 class _Passes:
@@ -424,7 +441,7 @@ class _Passes:
 
 _passes = _Passes()
 # NOTE [the lock of passes]: guards _passes and IsolatedPass._swapped (NOTE [passes in several
-# threads]). Taken twice per pass, four times per layer call: acquired and released in a
-# try/finally, from a module global, it costs about 1,200 instructions a use less than a with
-# block on a class attribute did (callgrind; released the same way when the block raises).
+# threads]). Taken twice per pass, four times per layer call, from a module global (about 1,200
+# instructions a use less than from a class attribute, callgrind), by a with statement: NOTE
+# [a pass interrupted at any point].
 _passes_lock = threading.Lock()
