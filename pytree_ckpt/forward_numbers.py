@@ -420,34 +420,35 @@ class ChangedNumbers:
 
 def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],
                              where: str, /) -> None:
-    """NOTE [a graph tensor kept on a module]: a forward that stores on its module a tensor it
-    computed with grad (Meta's reference Llama keeps its key/value cache so: ``self.kv =
-    keys``) stored it without a graph in the original pass, which runs under no-grad, and a
-    later call that reads it (the next chunk appending to the cache) computes with that one in
-    its replay: the gradients through it are missing, silently. The replay, with grad, stores
-    one with a graph: seen here, after the block, and warned of once per module and attribute
-    (a tensor kept only for logging, read after backward, is fine: nothing reads it in a
-    forward). Not refused: nothing tells the two apart. Scalars are left to NOTE [results
-    stored on a module] (stored_state.py), which says it once."""
+    """NOTE [a graph tensor kept on a module]: a forward that keeps on its module a tensor it
+    computed with grad and reads it in a later call (Meta's reference Llama keeps its
+    key/value cache so: ``self.kv = torch.cat([self.kv, keys])``) stored it without a graph
+    in the original pass, which runs under no-grad, and the later call's replay computes with
+    that one: the gradients through it are missing, silently. Seen after a replay that stored
+    there a tensor with a graph larger than the one its forward left (it read what the
+    attribute held and extended it: a cache growing), and warned of once per module and
+    attribute. A tensor kept for logging (``self.last = out``, the same size each call) or set
+    by a pre-hook (a weight-norm's ``weight``) is not told; scalars are told by NOTE [results
+    stored on a module] (stored_state.py). Not refused: a cache only read after backward is
+    fine."""
     for d, named in at_start:
-        for name, _ in named:
+        for name, left in named:
             now = d.get(name)
-            # A scalar (an aux loss) is told by NOTE [results stored on a module] instead.
-            if isinstance(now, torch.Tensor) and now.grad_fn is not None and now.dim():
+            if isinstance(now, torch.Tensor) and now.grad_fn is not None and now.dim() and \
+                    isinstance(left, torch.Tensor) and now.numel() > left.numel():
                 told = _TOLD_GRAPH + name
                 if d.get(told):
                     continue
                 d[told] = True
                 warnings.warn(
-                    f"pytree_ckpt: the forward of {where} stores a tensor computed with grad "
-                    f"in the module attribute {name!r}; the original pass, which runs under "
-                    "no-grad, stored it without a graph, so a later call that reads it (a "
-                    "key/value cache kept on the module, appended to by the next chunk) "
-                    "computes with that one in its replay, and the gradients through it are "
-                    "missing, silently. Tip: keep no such cache while grad is enabled "
-                    "(use_cache=False in training); a tensor kept only to be read after "
-                    "backward (an attention map for logging) is fine (docs/limits.md, 'State "
-                    "the forward changes')", stacklevel=user_stacklevel())
+                    f"pytree_ckpt: the forward of {where} extends a tensor it keeps in the "
+                    f"module attribute {name!r} with one computed with grad (a key/value cache "
+                    "kept on the module); the original pass, which runs under no-grad, stored "
+                    "it without a graph, and the replay of a later call that reads it computes "
+                    "with that one, so the gradients through it are missing, silently. Tip: "
+                    "keep no such cache while grad is enabled (use_cache=False in training) "
+                    "(docs/limits.md, 'State the forward changes')",
+                    stacklevel=user_stacklevel())
 
 
 _TOLD_GRAPH = _OURS + "_told_graph_"
