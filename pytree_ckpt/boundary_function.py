@@ -75,7 +75,11 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(_FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
-        needs = [t.requires_grad for t in tensors]  # NOTE [requires_grad switched inside the call]
+        # NOTE [requires_grad switched inside the call]; loops, not comprehensions: NOTE
+        # [loops on the per-call path] (boundary.py).
+        needs = []
+        for t in tensors:
+            needs.append(t.requires_grad)
         frozen = call.frozen
         # NOTE [attributes set before the call] (boundary.py), continued: saved with the
         # inputs, after them.
@@ -143,7 +147,11 @@ class _BoundaryFunction(torch.autograd.Function):
             ACTIVE.reset(token)
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
-        if frozen or [t.requires_grad for t in tensors] != needs:
+        switched = bool(frozen)
+        for t, need in zip(tensors, needs):
+            if t.requires_grad is not need:
+                switched = True
+        if switched:
             refuse_grad_switched(call, tensors, needs, frozen)
         now = versions(tensors)
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \

@@ -74,7 +74,11 @@ class DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by checkpoint() before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)
-        needs = [t.requires_grad for t in tensors]  # NOTE [requires_grad switched inside the call]
+        # NOTE [requires_grad switched inside the call]; loops, not comprehensions: NOTE
+        # [loops on the per-call path] (boundary.py).
+        needs = []
+        for t in tensors:
+            needs.append(t.requires_grad)
         frozen = owner.state[1] if owner.state is not None else ()
         param_before = ParameterVersions.read(owner.params) if owner.params else None
         # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
@@ -95,7 +99,11 @@ class DiscardFunction(torch.autograd.Function):
             outputs = owner.fn(*args, **owner.kwargs)
         if sets is not None:
             owner.generator_sets = learned(owner.fn, None, sets)
-        if frozen or [t.requires_grad for t in tensors] != needs:
+        switched = bool(frozen)
+        for t, need in zip(tensors, needs):
+            if t.requires_grad is not need:
+                switched = True
+        if switched:
             refuse_grad_switched(owner._name(), args, tensors, needs, frozen, roots)
         if numbers is not None:
             owner.changed_numbers = numbers.changed()
