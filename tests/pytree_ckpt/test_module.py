@@ -1111,6 +1111,23 @@ def test_a_class_forward_without_get_runs_wrapped_with_eagers_gradients(kind: ty
     assert_same_grads(*grads_per_model([twin, layer], x, seed=0))
 
 
+class _StaticTanh(nn.Module):
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # called unbound, as Python's lookup gives it
+        return torch.tanh(x) * 2
+
+
+@pytest.mark.xfail(strict=True, reason="_class_forward reads type(module).forward, which for a "
+                   "staticmethod is its plain function, and binds it with __get__(module): the "
+                   "module is passed as x and every call raises TypeError; eager calls it unbound")
+def test_a_static_method_forward_runs_wrapped_with_eagers_gradients() -> None:
+    twin, layer = _StaticTanh(), _StaticTanh()
+    x = torch.randn(3, requires_grad=True)
+    apply_activation_checkpointing(layer)
+    assert is_checkpointed(layer)
+    assert_same_grads(*grads_per_model([twin, layer], x, seed=0))
+
+
 def test_a_module_built_under_inference_mode_gets_eagers_gradients() -> None:
     # Its parameters are inference tensors, whose version counter cannot be read (reading
     # raises): the boundary's parameter checks take the other way; the gradients are eager's.
