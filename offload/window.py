@@ -119,8 +119,9 @@ class Copy:
         numbers, which mean nothing across counters: a ``.data`` alias (a counter of its own,
         at 0) made after an in-place write on the tensor (counted on the tensor's) read 0
         like the alias copied before the write, and took its stale copy: backward read bytes
-        its forward never used. So another tensor on the storage (a ``.data`` or ``.detach()``
-        alias, a tensor ``set_`` on it) gets a copy of its own. Views and the very tensor, as
+        its forward never used. So another tensor on the storage (a ``.data`` alias, a tensor
+        ``set_`` on it, or a ``.detach()`` alias, which shares the counter but cannot be told
+        from them) gets a copy of its own. Views and the very tensor, as
         RoPE tables and ``cu_seqlens`` passed to every layer are, still share one."""
         source = self.source()
         return source is not None and (tensor is source or tensor._base is source)

@@ -147,9 +147,12 @@ class _BoundaryFunction(torch.autograd.Function):
             ACTIVE.reset(token)
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
-        switched = bool(frozen)
+        switched = False
         for t, need in zip(tensors, needs):
             if t.requires_grad is not need:
+                switched = True
+        for p in frozen:  # every LoRA layer has frozen parameters: no lists built per call
+            if p.requires_grad:
                 switched = True
         if switched:
             refuse_grad_switched(call, tensors, needs, frozen)

@@ -99,9 +99,12 @@ class DiscardFunction(torch.autograd.Function):
             outputs = owner.fn(*args, **owner.kwargs)
         if sets is not None:
             owner.generator_sets = learned(owner.fn, None, sets)
-        switched = bool(frozen)
+        switched = False
         for t, need in zip(tensors, needs):
             if t.requires_grad is not need:
+                switched = True
+        for p in frozen:
+            if p.requires_grad:
                 switched = True
         if switched:
             refuse_grad_switched(owner._name(), args, tensors, needs, frozen, roots)

@@ -36,6 +36,7 @@ back the tensor, graph and all).
 
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -110,7 +111,14 @@ def warned_key(fn: Any, /) -> Any:
     functions (helper EG: the second was never told)."""
     function = getattr(unwrap_partials(fn)[0], "__func__", unwrap_partials(fn)[0])
     code = getattr(function, "__code__", None)
-    return code if code is not None else type(function)
+    if code is not None:
+        return code
+    # A builtin (torch.relu_) is itself, not its type, which all builtins share (helper EL).
+    return function if isinstance(function, _BUILTINS) else type(function)
+
+
+_BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType, torch._ops.OpOverload,
+             torch._ops.OpOverloadPacket)
 
 
 def warn_changed_arguments(fn: Any, name: str, call: FlatTree, before: list[int | None], /
@@ -124,12 +132,15 @@ def warn_changed_arguments(fn: Any, name: str, call: FlatTree, before: list[int 
     Integer arguments are not told: a token count the function adds to counts once, as in
     eager, since the replay skips the call."""
     key = warned_key(fn)
-    if key in _WARNED_CHANGED:
+    if key in _WARNED_CHANGED or key in _WARNED_BUILTINS:
         return
     for j, version in zip(call.tensor_index, before):
         t = call.leaves[j]
         if version is not None and t._version != version and _is_float(t):
-            _WARNED_CHANGED.add(key)
+            try:
+                _WARNED_CHANGED.add(key)
+            except TypeError:  # a builtin takes no weak reference (and lives as long)
+                _WARNED_BUILTINS.add(key)
             warnings.warn(
                 f"pytree_ckpt: reuse_during_recompute({name}) changed its "
                 f"{argument_path(call, j)} in place; the replay skips the call, so the "
@@ -256,6 +267,7 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
 # Functions warned about by warn_changed_arguments, by warned_key (a warning's dedupe, not step
 # state; weak: a class or code gone takes its entry with it).
 _WARNED_CHANGED: weakref.WeakSet[Any] = weakref.WeakSet()
+_WARNED_BUILTINS: set[Any] = set()
 
 
 def warn_grad_mode_read(fn: Callable[..., Any], name: str, /) -> None:

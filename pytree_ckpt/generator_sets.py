@@ -236,9 +236,10 @@ def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Ge
             # Forgotten with what the key names by id, whose id may be reused (helper EG: a
             # plain object's method kept an entry, and a new object at its address inherited
             # "sets no state"); one that takes no weak reference is not remembered: watched at
-            # every pass.
+            # every pass. A plain function is keyed by its code, which outlives a lambda made
+            # anew each step (helper EL: tied to the function, each step's was watched again).
             try:
-                weakref.finalize(holder, _SETS.pop, key, None)
+                weakref.finalize(key[2] if key[0] == id(None) else holder, _SETS.pop, key, None)
             except TypeError:
                 return watch.states or None
             _SETS[key] = bool(watch.states)

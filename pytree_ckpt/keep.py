@@ -64,8 +64,24 @@ IN_REUSE: ContextVar[bool] = ContextVar("pytree_ckpt_in_reuse", default=False)
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                     "_dtensor"})
 # NOTE [kept methods of modules added later]: the structure generation a layer's kept methods
-# were last looked for at (a mark on the layer, dropped with its checkpointing).
+# were last looked for at (a mark on the layer, dropped with its checkpointing and by a copy).
 _LATE_AT = "_pytree_ckpt_kept_late_at"
+
+
+class _LateAt:
+    """The mark: a copy or pickle of the layer carries none (as module_state.DroppedOnCopy,
+    which this module cannot import at its own import: module_state imports its users)."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self, generation: int, /) -> None:
+        self.generation = generation
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(None), ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
 _CLONE = torch.ops.aten.clone  # NOTE [clones are never kept]
 
 
@@ -158,16 +174,21 @@ class KeepPolicy:
         ``apply_recompute_config`` would have, before the original pass. One compare a call
         otherwise."""
         generation = module_state.structure_generation()
-        if layer.__dict__.get(_LATE_AT) == generation:
+        mark = layer.__dict__.get(_LATE_AT)
+        if mark is not None and mark.generation == generation:
             return
         from .save_units import install_kept  # save_units imports this module
         for module in layer.modules():
-            qualname = type(module).__qualname__
+            # As KeptCallables matches at apply time: the class or a base of it (a subclass of
+            # the kept class: helper EL), kept under the policy's own name.
+            owners = {klass.__qualname__ for klass in type(module).__mro__}
             for kept in self.callables:
                 owner, _, name = kept.rpartition(".")
-                if owner == qualname:
-                    install_kept(module, name, layers=[layer])
-        layer.__dict__[_LATE_AT] = module_state.structure_generation()
+                if owner in owners:
+                    install_kept(module, name, layers=[layer], kept_as=kept)
+        # Dropped by a copy (helper EL: a deep copy carried it, and an adapter assigned into the
+        # copy before its first call was never wrapped).
+        layer.__dict__[_LATE_AT] = _LateAt(module_state.structure_generation())
 
     def __repr__(self) -> str:
         # What it keeps, not only the units' names: a refused re-application names both sides

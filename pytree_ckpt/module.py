@@ -77,11 +77,17 @@ class _CheckpointedForward:
     and told anew.
     """
 
-    __slots__ = ("module_ref", "bare", "options", "check_wrapper", "told", "__weakref__")
+    __slots__ = ("module_ref", "bare", "static", "options", "check_wrapper", "told",
+                 "__weakref__")
 
     def __init__(self, module: nn.Module, bare: Any, options: BoundaryOptions) -> None:
         self.module_ref = weakref.ref(module)
         self.bare = bare  # an instance-level forward that was there before, else None
+        # A class forward that is a staticmethod is called unbound, as Python's lookup gives it
+        # (helper EL: bound, every call raised TypeError). Read once: a class attribute access
+        # cannot tell it from a function.
+        self.static = isinstance(inspect.getattr_static(type(module), "forward", None),
+                                 staticmethod)
         self.options = options
         if options.keep is not None and options.keep.callables:
             # NOTE [kept methods of shared submodules] in kept_owners.py
@@ -104,7 +110,8 @@ class _CheckpointedForward:
         if check is None or (check and in_compiled_module_call()):
             # NOTE [compiled around the layer] in compiled_layers.py
             check_compiled_wrapper(module, self)
-        forward = self.bare if self.bare is not None else _class_forward(module)
+        forward = self.bare if self.bare is not None else \
+            type(module).forward if self.static else _class_forward(module)
         return run_boundary(forward, args, kwargs, self.options, owner=module)
 
     @property
@@ -146,7 +153,8 @@ class _CheckpointedForward:
         module = self.module_ref()
         if module is None:  # hasattr() says False, and the call says why (_module)
             raise AttributeError("the checkpointed module no longer exists")
-        return self.bare if self.bare is not None else _class_forward(module)
+        return self.bare if self.bare is not None else \
+            type(module).forward if self.static else _class_forward(module)
 
     def _module(self) -> nn.Module:
         module = self.module_ref()

@@ -128,6 +128,15 @@ _hook_installed = False
 _WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+def _watched(module: nn.Module, /) -> bool:
+    # A module class defining __eq__ without __hash__ (a dataclass module) cannot be looked up
+    # (helper EL: building one raised TypeError): counted as watched, as every module was.
+    try:
+        return module in _WATCHED
+    except TypeError:
+        return True
+
+
 def watch_tree(module: nn.Module, /) -> None:
     """Have registrations in ``module``'s tree move the structure generation. A module still
     being built (a copy, whose boundary is made before its submodules are) is watched from its
@@ -143,7 +152,7 @@ def watch_tree(module: nn.Module, /) -> None:
 @runs_eagerly(HOOK_REASON)
 def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     global _structure_generation
-    if module in _WATCHED:  # NOTE [only watched trees move the generation]
+    if _watched(module):  # NOTE [only watched trees move the generation]
         _structure_generation += 1
 
 
@@ -157,7 +166,7 @@ def _bump_generation_for_new_buffer(module: nn.Module, name: str, buffer: Any) -
     # left. A buffer reassigned under its name (an EMA, each call) goes through torch's
     # register_buffer too, and is no new state: not counted.
     global _structure_generation
-    if name not in module._buffers and module in _WATCHED:
+    if name not in module._buffers and _watched(module):
         _structure_generation += 1
 
 

@@ -276,7 +276,8 @@ class PlainStateWatch:
             "knows its state, or skip the update when pytree_ckpt.current_phase() is "
             "'recompute' (docs/limits.md, 'Plain functions')",
             # A module name is needed: given None, warn_explicit drops the warning (code
-            # exec'd in a dict without __name__); Python's own default is the file's stem.
+            # exec'd in a dict without __name__); as Python's own default: the file name
+            # without its .py.
             UserWarning, filename, lineno,
             module=space.get("__name__") or filename.removesuffix(".py") or "<unknown>",
             registry=space.setdefault("__warningregistry__", {}))

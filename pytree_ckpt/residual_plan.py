@@ -37,7 +37,7 @@ class ResidualStreamRecomputeContext:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise CheckpointConfigError(
                     f"ResidualStreamRecomputeContext.{name} must be an int >= 0",
-                    expected=">= 0", got=repr(value),
+                    expected="an int >= 0", got=f"{type(value).__name__} {value!r}",
                     tip="build the plan with build_residual_stream_recompute_plan(num_layers, "
                         "block_size)")
         if not isinstance(self.manager, CheckpointWithoutOutputManager):

@@ -237,7 +237,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
 
 
 def install_kept(module: nn.Module, name: str, /, *,
-                 layers: list[nn.Module] | None = None) -> None:
+                 layers: list[nn.Module] | None = None, kept_as: str | None = None) -> None:
     """Wrap ``module``'s method ``name`` for its save unit, unless it is already; with
     ``layers`` (the checkpointed layers holding it), refused first as at apply time (NOTE [kept
     methods of modules added later] in keep.py)."""
@@ -246,7 +246,7 @@ def install_kept(module: nn.Module, name: str, /, *,
         return
     if layers is not None:
         _refuse_unkeepable(module, name, layers)
-    module.__dict__[name] = _KeptMethod(module, name, held)
+    module.__dict__[name] = _KeptMethod(module, name, held, kept_as)
 
 
 def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) -> None:

@@ -714,13 +714,13 @@ def test_an_alias_with_a_counter_of_its_own_gets_a_copy_of_its_own_and_views_sha
 ) -> None:
     # NOTE [one counter per shared copy] (offload/window.py): a copy is shared only by tensors
     # known to count their versions on the copied tensor's counter (the tensor, its views). A
-    # .data or .detach() alias of the same storage gets a copy of its own (helpers EB, EI:
+    # .data alias (a counter of its own) or a .detach() alias (which shares the counter but
+    # cannot be told from one that does not) gets a copy of its own (helpers EB, EI:
     # matched by version number alone, a .data alias made after an in-place write took a
     # stale copy). docs/offload.md says which tensors share a copy.
     m = manager()
     w = torch.randn(32, requires_grad=True)
-    x = torch.randn(32)
-    x.mul_(2)  # version 1; x.data starts its own counter at 0
+    x = torch.randn(32)  # x and x.data both at version 0, each counting on its own counter
     nbytes = x.untyped_storage().nbytes()
     with m.window([x]):
         loss = (w * x + w * x.data).sum()  # each mul saves its other operand: x, then x.data

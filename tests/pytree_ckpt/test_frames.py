@@ -1966,10 +1966,6 @@ class _BuiltinRoutedLayer(nn.Module):
         return logits.softmax(-1) * masked.argmax(-1, keepdim=True)
 
 
-@pytest.mark.xfail(strict=True, reason="frozen.warned_key keys a function without __code__ by "
-                   "its type: every builtin (torch.relu_, torch.sigmoid_) is one key, so only the "
-                   "first builtin changing its argument is warned of (by name, before e887493, "
-                   "each was)")
 def test_two_different_reused_builtins_are_each_warned_of_changing_an_argument() -> None:
     from pytree_ckpt import frozen
 

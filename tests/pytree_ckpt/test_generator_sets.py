@@ -805,7 +805,8 @@ def test_a_partial_that_forks_is_watched_after_an_unrelated_partial_that_did_not
 
     from pytree_ckpt import generator_sets
 
-    # Learned afresh here, whatever an earlier test's partial left (the key is the class's).
+    # Learned afresh here, whatever an earlier test's partial left (partials are keyed by
+    # identity; this clears any a test left).
     for key in [k for k in generator_sets._SETS if k[2] is functools.partial]:
         del generator_sets._SETS[key]
     pytree_ckpt.checkpoint(functools.partial(_quiet, nn.Linear(8, 8)),
@@ -825,11 +826,6 @@ def test_a_partial_that_forks_is_watched_after_an_unrelated_partial_that_did_not
                        trackers[1].states["model-parallel-rng"])
 
 
-@pytest.mark.xfail(strict=True, reason="learned() registers weakref.finalize on a plain "
-                   "function's object while its entry is keyed by the function's code: a lambda "
-                   "or closure made anew each step drops the code's entry when it dies, so every "
-                   "step's original pass runs under the sys.setprofile watch (the module "
-                   "docstring: a plain function by its code)")
 def test_a_lambda_made_anew_each_step_is_watched_only_at_its_first_pass(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from pytree_ckpt import generator_sets

@@ -1117,9 +1117,6 @@ class _StaticTanh(nn.Module):
         return torch.tanh(x) * 2
 
 
-@pytest.mark.xfail(strict=True, reason="_class_forward reads type(module).forward, which for a "
-                   "staticmethod is its plain function, and binds it with __get__(module): the "
-                   "module is passed as x and every call raises TypeError; eager calls it unbound")
 def test_a_static_method_forward_runs_wrapped_with_eagers_gradients() -> None:
     twin, layer = _StaticTanh(), _StaticTanh()
     x = torch.randn(3, requires_grad=True)

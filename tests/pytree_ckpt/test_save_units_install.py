@@ -355,10 +355,6 @@ class _SubRouter(Router):
     """A router of a subclass of the kept class (a noisy router replacing a plain one)."""
 
 
-@pytest.mark.xfail(strict=True, reason="install_late matches type(module).__qualname__ exactly "
-                   "against the concrete class names found at apply time, while apply matches "
-                   "the unit's targets through the MRO: an instance of a subclass of the kept "
-                   "class assigned later is not wrapped, and its method is recomputed, silently")
 def test_a_kept_method_of_a_subclass_instance_assigned_after_applying_is_kept() -> None:
     torch.manual_seed(0)
     eager = nn.ModuleList(Layer() for _ in range(2))
@@ -376,11 +372,6 @@ def test_a_kept_method_of_a_subclass_instance_assigned_after_applying_is_kept() 
     assert counter.counts["recompute", "aten.addmm"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="a deep copy carries its layers' _LATE_AT mark (the "
-                   "generation its original last looked at) while its tree is not watched "
-                   "before its first call: a kept-class instance assigned into the copy moves "
-                   "no generation, install_late returns at once, and the method is recomputed, "
-                   "silently")
 def test_a_kept_method_assigned_into_a_copy_of_a_called_model_is_kept() -> None:
     torch.manual_seed(0)
     eager = nn.ModuleList(Layer() for _ in range(2))
