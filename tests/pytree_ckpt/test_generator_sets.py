@@ -777,7 +777,8 @@ def test_a_plain_objects_method_at_a_reused_address_is_looked_at_anew() -> None:
         if id(ours) == address:
             break
         made.append(ours)
-    assert id(ours) == address  # CPython reuses the address: the case under test
+    if id(ours) != address:  # the case under test needs the address reused (3.11 here does)
+        pytest.skip("this Python did not reuse the dead object's address within 10,000 tries")
     eager = _PlainBlock(eager_lin, trackers[1])
     x = torch.randn(4, 8)
     torch.manual_seed(3)

@@ -439,7 +439,8 @@ def test_a_closure_variable_rebound_to_a_new_module_at_the_old_ones_address_is_r
             if id(layer) == address:
                 break
             made.append(layer)
-        assert id(layer) == address  # CPython reused the address: the case under test
+        if id(layer) != address:  # the case under test needs the address reused
+            pytest.skip("this Python did not reuse the dead module's address")
         return h
 
     try:
