@@ -1481,3 +1481,48 @@ def test_an_argument_the_discarded_op_makes_require_grad_is_refused_at_the_call(
                       *(p.grad for p in (*op.parameters(), *consumer.parameters()))])
     assert grads[0][1] is not None
     assert_same_grads(*grads)
+
+
+class _UnfreezesItsWeight(nn.Module):
+    """An op that unfreezes its own frozen weight before using it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.norm.weight.requires_grad_(False)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        self.norm.weight.requires_grad_(True)
+        return self.norm(t)
+
+
+def test_a_parameter_the_discarded_op_unfreezes_is_refused_at_the_call_naming_it() -> None:
+    # Mutation testing (helper EK): with the frozen parameters dropped from the check
+    # (discard_function.py's `frozen`), nothing refused this (only an argument was tested).
+    with pytest.raises(CheckpointError, match=r"(?s)_UnfreezesItsWeight made its parameter "
+                       r"'norm\.weight' require grad .*expected: +requires_grad as it was when "
+                       r"the op was called.*got: +switched by the op \(1 tensor\)"):
+        CheckpointWithoutOutput().checkpoint(_UnfreezesItsWeight(),
+                                             torch.randn(4, 8, requires_grad=True))
+
+
+class _StopsItsArgument(nn.Module):
+    """An op that stops one of its arguments requiring grad before using it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, t: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        gate.requires_grad_(False)
+        return self.norm(t) * gate
+
+
+def test_an_argument_the_discarded_op_stops_requiring_grad_is_refused_at_the_call() -> None:
+    # Mutation testing (helper EK): a check for switches to True alone went unnoticed.
+    with pytest.raises(CheckpointError, match=r"(?s)_StopsItsArgument made its argument "
+                       r"args\[1\] stop requiring grad .*to stop a gradient inside, use "
+                       r"x\.detach\(\)"):
+        CheckpointWithoutOutput().checkpoint(_StopsItsArgument(),
+                                             torch.randn(4, 8, requires_grad=True),
+                                             torch.randn(4, 8, requires_grad=True))
