@@ -849,6 +849,17 @@ def test_a_check_fn_returning_a_string_is_refused_naming_the_module_and_nothing_
     assert [is_checkpointed(m) for m in model.layers] == [True, True]
 
 
+def test_a_check_fn_returning_bytes_is_refused_as_a_string_is() -> None:
+    # Mutation testing (helper EK): the refusal's bytes case was untested (b"False" is true).
+    model = Stack(2)
+    with pytest.raises(CheckpointConfigError,
+                       match=r"(?s)returned the string b'False' for layers\.0 \(Layer\).*"
+                             r"got: +bytes b'False'"):
+        apply_activation_checkpointing(
+            model, check_fn=lambda m: (b"False" if isinstance(m, Layer) else False))
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
 def test_check_fn_checks_every_chosen_layer_before_changing_any() -> None:
     model = Stack(3)
     apply_activation_checkpointing(model.layers[2], preserve_rng_state=False)
@@ -1166,3 +1177,17 @@ def test_removing_checkpointing_from_the_model_checkpoint_layers_was_given_undoe
     gc.collect()
     assert [pytree_ckpt.is_checkpointed(layer) for layer in model] == [False] * 3
     assert held() is None
+
+
+def test_removing_checkpointing_from_the_model_undoes_layers_nested_below_its_children() -> None:
+    # Mutation testing (helper EK): the test above checkpoints a Sequential's direct children;
+    # undoing only the model's children passed it. A model's layers sit in a ModuleList.
+    model = Stack(2)
+    twin = copy.deepcopy(model)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
+    assert [is_checkpointed(layer) for layer in model.layers] == [True, True]
+    pytree_ckpt.remove_activation_checkpointing(model)
+    assert not any(is_checkpointed(m) for m in model.modules())
+    assert "forward" not in model.layers[0].__dict__
+    x = torch.randn(3, 8, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, model], x, seed=0))
