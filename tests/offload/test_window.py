@@ -736,6 +736,28 @@ def test_an_alias_with_a_counter_of_its_own_gets_a_copy_of_its_own_and_views_sha
     assert torch.equal(w.grad, 2 * x)
 
 
+def test_a_data_alias_at_the_same_version_number_in_the_same_window_gets_a_copy_of_its_own(
+) -> None:
+    # Mutation testing (helper EK): NOTE [one counter per shared copy] was checked for the
+    # earlier windows' copies (pass_.shared) but not for the window's own (window.copies): a
+    # .data alias written in place after x was copied reads 1 on its own counter, as x does,
+    # and took x's copy, made before the write. Eager's backward reads the bytes as they are.
+    m = manager()
+    w = torch.randn(32, requires_grad=True)
+    x = torch.randn(32)
+    x.mul_(2)  # version 1
+    alias = x.data  # its own counter, at 0
+    with m.window([x]):
+        unused = w * x  # saves x at version 1: copied  # noqa: F841
+        alias.mul_(3)  # the alias at version 1 too; x's counter does not move
+        loss = (w * alias).sum()  # saves the alias
+    expected = alias.clone()  # eager's gradient of w
+    del x, alias
+    m.stats()  # the copies taken in: the storage lives on the host copies alone
+    loss.backward()
+    assert torch.equal(w.grad, expected)
+
+
 def test_the_default_floor_is_64_kib_a_storage_of_it_is_offloaded_and_one_just_below_is_not(
         ) -> None:
     # Guards against: OffloadConfig's default min_bytes changed from 1 << 16 (docs/offload.md,
