@@ -932,3 +932,41 @@ def test_compiled_layer_bodies_stay_compiled_after_a_census_watched_their_first_
         assert step(census=False) == 2 * len(layers)
     finally:
         torch._dynamo.reset()
+
+
+class _CallsOthers(nn.Module):
+    """A layer that calls a module of no model the census watches (held, not registered), and
+    a child whose forward raises (caught), before its own save."""
+
+    def __init__(self, outside: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["outside"] = outside  # not a submodule
+        self.bad = _RaisesInForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.outside(x)
+        try:
+            self.bad(x)
+        except ValueError:
+            pass
+        return (x * 1.0).sin()  # sin saves its input, under this layer's path
+
+
+class _RaisesInForward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("no")
+
+
+def test_a_save_after_an_outside_module_and_a_raising_child_is_filed_under_the_layer() -> None:
+    # Mutation testing (helper EK) on NOTE [the census in a compiled body]: the global hooks'
+    # pop for a module of no watched model (the outside one), and the pop of a child whose
+    # forward raised (always_call), were untested: either left the path stack wrong, and the
+    # layer's later save was filed under another module.
+    model = nn.ModuleDict({"layer": _CallsOthers(nn.Identity())})
+    x = torch.randn(16, 16, requires_grad=True)
+    with ActivationCensus(model) as census:
+        out = model["layer"](x)
+        rows = census.to_dict()["rows"]
+    assert rows == [{"module": "layer", "mechanism": "autograd", "device": "cpu",
+                     "bytes": nbytes(x)}]
+    out.sum().backward()
