@@ -256,3 +256,20 @@ def test_a_module_built_elsewhere_each_step_does_not_make_every_layer_check_agai
         _step(model, step)
         unverified.append(checks.count(False))
     assert unverified == [0] * 4, unverified
+
+
+def test_a_deleted_models_code_reading_entry_goes_with_the_helper_it_was_made_for() -> None:
+    # Mutation testing (helper EK): with no finalizer on an entry's objects, the entries did
+    # not grow (a new model's helper, at the dead one's address, reused the dead one's key and
+    # answer), so the test above passed; each entry must go with its helper.
+    from pytree_ckpt import function_reach
+
+    gc.collect()
+    before = len(function_reach._CODE_READING)
+    layer = _PickingLayer()
+    checkpoint_layers([layer])
+    layer(torch.randn(LENGTHS[0], WIDTH, requires_grad=True)).square().mean().backward()
+    assert len(function_reach._CODE_READING) > before
+    del layer
+    gc.collect()
+    assert len(function_reach._CODE_READING) == before
