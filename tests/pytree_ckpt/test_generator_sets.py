@@ -845,3 +845,27 @@ def test_a_lambda_made_anew_each_step_is_watched_only_at_its_first_pass(
                                torch.randn(4, 8, requires_grad=True)).sum().backward()
         gc.collect()
     assert made.count(True) == 1, made
+
+
+def test_a_partial_that_forks_is_watched_while_an_unrelated_quiet_partial_is_alive() -> None:
+    # Mutation testing (helper EK): the test above lets its quiet partial die at once, and its
+    # entry goes with it, so keying every partial by the partial class passed it; held alive
+    # (a model's partial), the quiet one's entry must not stand for the forking one.
+    import functools
+
+    quiet = functools.partial(_quiet, nn.Linear(8, 8))
+    pytree_ckpt.checkpoint(quiet, torch.randn(4, 8, requires_grad=True)).sum().backward()
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    eager_lin = copy.deepcopy(lin)
+    trackers = [_Tracker(1), _Tracker(1)]
+    x = torch.randn(4, 8)
+    torch.manual_seed(3)
+    _forking(eager_lin, trackers[1], x.clone().requires_grad_()).square().sum().backward()
+    torch.manual_seed(3)
+    pytree_ckpt.checkpoint(functools.partial(_forking, lin, trackers[0]),
+                           x.clone().requires_grad_()).square().sum().backward()
+    assert torch.equal(lin.weight.grad, eager_lin.weight.grad)
+    assert torch.equal(trackers[0].states["model-parallel-rng"],
+                       trackers[1].states["model-parallel-rng"])
+    del quiet
