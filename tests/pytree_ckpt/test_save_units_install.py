@@ -356,12 +356,26 @@ class _SubRouter(Router):
 
 
 def test_a_kept_method_of_a_subclass_instance_assigned_after_applying_is_kept() -> None:
+
+
+def test_a_kept_method_assigned_deeper_after_applying_is_kept_and_looked_for_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mutation testing (helper EK) on NOTE [kept methods of modules added later]: an instance
+    # assigned below a direct child (a router wrapped in a Sequential) was untested (a look at
+    # the layer's children alone passed), and so was the look's cost: one compare a call once
+    # the layer's tree is unchanged (looking at every call passed).
+    from pytree_ckpt import save_units
+
     torch.manual_seed(0)
     eager = nn.ModuleList(Layer() for _ in range(2))
     ours = copy.deepcopy(eager)
     _apply(ours, "Router.project")
     fresh = _SubRouter()  # apply_recompute_config would keep its project (Router in its MRO)
     eager[1].router, ours[1].router = copy.deepcopy(fresh), fresh
+
+
+    fresh = Router()
+    eager[1].router, ours[1].router = nn.Sequential(copy.deepcopy(fresh)), nn.Sequential(fresh)
     x = torch.randn(3, 8)
     expected_loss, expected = _step(eager, x)
     counter = OpCounter()
@@ -390,3 +404,45 @@ def test_a_kept_method_assigned_into_a_copy_of_a_called_model_is_kept() -> None:
     assert_same_grads(expected, got)
     # two replays: each mix Linear's addmm; both projections kept
     assert counter.counts["recompute", "aten.addmm"] == 2
+
+
+    assert counter.counts["recompute", "aten.addmm"] == 2  # each mix Linear's: both kept
+    looks = []
+    original = save_units.install_kept
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        looks.append(args)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(save_units, "install_kept", counted)
+    _step(ours, x)
+    assert looks == []
+
+
+def test_a_kept_class_instance_checkpointed_on_its_own_assigned_after_applying_is_refused(
+) -> None:
+    # Mutation testing (helper EK): install_kept's refusal for a module added later (NOTE [kept
+    # methods of modules added later]) was untested: dropping it passed the suite. Refused
+    # as at apply time (test_save_units_install's refusals of a nested boundary).
+    layers = nn.ModuleList(Layer() for _ in range(2))
+    _apply(layers, "Router.forward")
+    fresh = Router()
+    pytree_ckpt.apply_activation_checkpointing(fresh)
+    layers[1].router = fresh
+    with pytest.raises(CheckpointConfigError, match=r"(?s)Router\.forward is kept by a save "
+                       r"unit, but Router is checkpointed on its own"):
+        _step(layers, torch.randn(3, 8))
+
+
+def test_a_module_attached_below_a_keeping_layer_before_its_first_call_moves_the_generation(
+) -> None:
+    # Mutation testing (helper EK): a keeping boundary watches its layer's whole tree from when
+    # it is made (kept_owners.keeping_boundary_made, module_state.watch_tree); watching the
+    # layer alone passed the suite.
+    from pytree_ckpt.module_state import structure_generation
+
+    layers = nn.ModuleList(Layer() for _ in range(2))
+    _apply(layers, "Router.project")
+    before = structure_generation()
+    layers[0].router.extra = nn.Identity()
+    assert structure_generation() > before
