@@ -1816,6 +1816,12 @@ def test_a_sliding_window_cache_kept_on_the_module_and_trained_through_is_warned
 
 
 class _KeepsItsOutput(nn.Module):
+
+
+class _KeepsForLogging(nn.Module):
+    """Keeps tensors that are no cache: the last output (a graph tensor the same size each
+    call, None before the first) and a history that grows without a graph."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
@@ -1836,3 +1842,41 @@ def test_a_tensor_kept_on_the_module_for_logging_is_not_warned_of_as_a_cache() -
         for _ in range(2):
             layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
     assert not [w for w in caught if "module attribute 'last'" in str(w.message)]
+
+
+        self.history = torch.zeros(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x).tanh()
+        self.last = out
+        self.history = torch.cat([self.history, out.detach().flatten()])
+        return out
+
+
+def test_tensors_kept_for_logging_are_not_warned_of_and_a_growing_cache_is_warned_of_once(
+) -> None:
+    # Mutation testing (helper EK) on NOTE [a graph tensor kept on a module]: the warning's
+    # conditions (larger than what the forward left, a tensor left there, a graph) and its
+    # once-per-attribute mark were each untested: warning a kept last output, a history
+    # without a graph, or the cache at each later call passed the suite.
+    torch.manual_seed(0)
+    eager = _KeepsForLogging()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    grads = []
+    for layer in (eager, wrapped):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+                layer(x).square().sum().backward()
+        assert [str(w.message) for w in caught if "extends a tensor" in str(w.message)] == []
+        grads.append([p.grad for p in layer.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    cache = pytree_ckpt.apply_activation_checkpointing(AttentionCachingOnItself())
+    x = torch.randn(2, 9, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [cache(x[:, i:i + 3], use_cache=True) for i in (0, 3, 6)]
+        torch.cat(outs, 1).square().sum().backward()
+    told = [str(w.message) for w in caught if "module attribute 'kv'" in str(w.message)]
+    assert len(told) == 1, told
