@@ -834,3 +834,22 @@ def test_a_quantized_buffer_beside_a_step_counter_replays_as_eager() -> None:
     assert_same_grads(*grads)
     assert eager.steps.item() == layer.steps.item() == 2
     assert torch.equal(eager.scale, layer.scale)
+
+
+def test_a_new_buffer_moves_the_structure_generation_only_inside_a_checkpointed_layers_tree(
+) -> None:
+    # Mutation testing (helper EK) on NOTE [only watched trees move the generation]: the new
+    # buffer's bump (module_state._bump_generation_for_new_buffer) was untested, dropping it
+    # passed the suite; a buffer reassigned under its name moves nothing.
+    from pytree_ckpt.module_state import structure_generation
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Activated())
+    layer(torch.randn(5, 8, requires_grad=True)).square().sum().backward()
+    before = structure_generation()
+    nn.Module().register_buffer("count", torch.zeros(()))  # built elsewhere
+    assert structure_generation() == before
+    layer.act.register_buffer("count", torch.zeros(()))
+    assert structure_generation() > before
+    before = structure_generation()
+    layer.act.count = torch.ones(())  # reassigned under its name: no new state
+    assert structure_generation() == before
