@@ -5,6 +5,7 @@ for bit in fp32."""
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -555,3 +556,53 @@ def test_forward_mode_ad_inside_a_wrapped_layer_gives_eager_outputs_and_gradient
         x.grad = None
     assert torch.equal(*outs)
     assert_same_grads(*grads)
+
+
+class _WaitsForOtherPass(nn.Module):
+    """Lets another thread's pass start and end inside its own, then reads the fast path."""
+
+    def __init__(self, started: threading.Event, other_done: threading.Event) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.started, self.other_done = started, other_done
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.started.set()
+        assert self.other_done.wait(30)
+        self.seen.append(torch.backends.mha.get_fastpath_enabled())
+        return self.lin(x)
+
+
+def test_the_attention_fast_path_stays_off_in_a_pass_after_another_threads_pass_ends() -> None:
+    # Mutation testing (helper EK) on NOTE [passes in several threads]: the caller's setting
+    # comes back when the last running pass ends, not when any does; restoring it at every
+    # pass's end passed the suite.
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(True)
+    started, other_done = threading.Event(), threading.Event()
+    try:
+        ours = pytree_ckpt.apply_activation_checkpointing(
+            _WaitsForOtherPass(started, other_done))
+        other = pytree_ckpt.apply_activation_checkpointing(nn.Linear(8, 8))
+        failed: list[BaseException] = []
+
+        def run_other() -> None:
+            try:
+                assert started.wait(30)
+                other(torch.randn(2, 8, requires_grad=True)).sum().backward()
+            except BaseException as error:  # noqa: BLE001 (reported by the main thread)
+                failed.append(error)
+            finally:
+                other_done.set()
+
+        thread = threading.Thread(target=run_other)
+        thread.start()
+        ours(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        thread.join(30)
+        assert not failed
+        assert ours.seen and ours.seen == [False] * len(ours.seen)
+        assert torch.backends.mha.get_fastpath_enabled() is True
+    finally:
+        other_done.set()
+        torch.backends.mha.set_fastpath_enabled(before)
