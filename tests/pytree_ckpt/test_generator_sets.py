@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import weakref
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -905,3 +906,47 @@ def test_a_closure_that_forks_is_watched_while_a_quiet_closure_of_the_same_code_
     assert torch.equal(trackers[0].states["model-parallel-rng"],
                        trackers[1].states["model-parallel-rng"])
     del quiet
+
+
+class _SlottedBlock:
+    """As _PlainBlock, with no __weakref__: it cannot be forgotten with its entry."""
+
+    __slots__ = ("lin", "tracker")
+
+    def __init__(self, lin: nn.Module, tracker: _Tracker | None) -> None:
+        self.lin, self.tracker = lin, tracker
+
+    run = _PlainBlock.run
+
+
+def test_a_method_of_an_object_without_weak_references_is_watched_at_every_pass() -> None:
+    # Mutation testing (helper EK): one that takes no weak reference is not remembered
+    # (generator_sets.learned); remembering it anyway, a new object at a dead one's address
+    # inherited "sets no state" and its fork went unwatched, and the suite passed.
+    with pytest.raises(TypeError):
+        weakref.ref(_SlottedBlock(nn.Linear(1, 1), None))
+    torch.manual_seed(0)
+    quiet = _SlottedBlock(nn.Linear(8, 8), None)
+    pytree_ckpt.checkpoint(quiet.run, torch.randn(4, 8, requires_grad=True)).sum().backward()
+    address = id(quiet)
+    lin = nn.Linear(8, 8)
+    eager_lin = copy.deepcopy(lin)
+    trackers = [_Tracker(1), _Tracker(1)]
+    del quiet
+    gc.collect()
+    made = []
+    for _ in range(10000):
+        ours = _SlottedBlock(lin, trackers[0])
+        if id(ours) == address:
+            break
+        made.append(ours)
+    assert id(ours) == address
+    eager = _SlottedBlock(eager_lin, trackers[1])
+    x = torch.randn(4, 8)
+    torch.manual_seed(3)
+    eager.run(x.clone().requires_grad_()).square().sum().backward()
+    torch.manual_seed(3)
+    pytree_ckpt.checkpoint(ours.run, x.clone().requires_grad_()).square().sum().backward()
+    assert torch.equal(lin.weight.grad, eager_lin.weight.grad)
+    assert torch.equal(trackers[0].states["model-parallel-rng"],
+                       trackers[1].states["model-parallel-rng"])
