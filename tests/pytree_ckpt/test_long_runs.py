@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -273,3 +274,26 @@ def test_a_deleted_models_code_reading_entry_goes_with_the_helper_it_was_made_fo
     del layer
     gc.collect()
     assert len(function_reach._CODE_READING) == before
+
+
+def test_code_reading_reads_a_function_once_while_it_lives(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    # Mutation testing (helper EK): the cache lookup in function_reach.code_reading dropped,
+    # every call read the code again (and added finalizers), and the suite passed.
+    from pytree_ckpt import function_reach
+
+    reads = []
+    original = function_reach._code_reading
+
+    def counted(*args: Any) -> Any:
+        reads.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(function_reach, "_code_reading", counted)
+
+    def scorer(x: torch.Tensor) -> torch.Tensor:
+        return x.sigmoid() if torch.is_grad_enabled() else x
+
+    for _ in range(3):
+        assert function_reach.code_reading(scorer, "is_grad_enabled") is not None
+    assert len(reads) == 1

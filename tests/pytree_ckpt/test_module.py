@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import gc
+import inspect
 import pickle
 import weakref
 from typing import Any
@@ -1191,3 +1192,13 @@ def test_removing_checkpointing_from_the_model_undoes_layers_nested_below_its_ch
     assert "forward" not in model.layers[0].__dict__
     x = torch.randn(3, 8, requires_grad=True)
     assert_same_grads(*grads_per_model([twin, model], x, seed=0))
+
+
+
+def test_a_class_forward_without_get_keeps_its_signature_once_wrapped() -> None:
+    # Mutation testing (helper EK): the installed forward's signature looks its own forward up
+    # as its call does (module._class_forward); binding it there raised about __get__ inside
+    # the property, inspect fell back to (*args, **kwargs), and the suite passed.
+    twin, layer = _Doubling(), apply_activation_checkpointing(_Doubling())
+    assert str(inspect.signature(twin.forward)) == "(x: 'torch.Tensor') -> 'torch.Tensor'"
+    assert inspect.signature(layer.forward) == inspect.signature(twin.forward)
