@@ -1816,12 +1816,6 @@ def test_a_sliding_window_cache_kept_on_the_module_and_trained_through_is_warned
 
 
 class _KeepsItsOutput(nn.Module):
-
-
-class _KeepsForLogging(nn.Module):
-    """Keeps tensors that are no cache: the last output (a graph tensor the same size each
-    call, None before the first) and a history that grows without a graph."""
-
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
@@ -1844,6 +1838,14 @@ def test_a_tensor_kept_on_the_module_for_logging_is_not_warned_of_as_a_cache() -
     assert not [w for w in caught if "module attribute 'last'" in str(w.message)]
 
 
+class _KeepsForLogging(nn.Module):
+    """Keeps tensors that are no cache: the last output (a graph tensor the same size each
+    call, None before the first) and a history that grows without a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.last: torch.Tensor | None = None
         self.history = torch.zeros(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

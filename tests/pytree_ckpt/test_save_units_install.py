@@ -356,26 +356,12 @@ class _SubRouter(Router):
 
 
 def test_a_kept_method_of_a_subclass_instance_assigned_after_applying_is_kept() -> None:
-
-
-def test_a_kept_method_assigned_deeper_after_applying_is_kept_and_looked_for_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # Mutation testing (helper EK) on NOTE [kept methods of modules added later]: an instance
-    # assigned below a direct child (a router wrapped in a Sequential) was untested (a look at
-    # the layer's children alone passed), and so was the look's cost: one compare a call once
-    # the layer's tree is unchanged (looking at every call passed).
-    from pytree_ckpt import save_units
-
     torch.manual_seed(0)
     eager = nn.ModuleList(Layer() for _ in range(2))
     ours = copy.deepcopy(eager)
     _apply(ours, "Router.project")
     fresh = _SubRouter()  # apply_recompute_config would keep its project (Router in its MRO)
     eager[1].router, ours[1].router = copy.deepcopy(fresh), fresh
-
-
-    fresh = Router()
-    eager[1].router, ours[1].router = nn.Sequential(copy.deepcopy(fresh)), nn.Sequential(fresh)
     x = torch.randn(3, 8)
     expected_loss, expected = _step(eager, x)
     counter = OpCounter()
@@ -406,6 +392,26 @@ def test_a_kept_method_assigned_into_a_copy_of_a_called_model_is_kept() -> None:
     assert counter.counts["recompute", "aten.addmm"] == 2
 
 
+def test_a_kept_method_assigned_deeper_after_applying_is_kept_and_looked_for_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mutation testing (helper EK) on NOTE [kept methods of modules added later]: an instance
+    # assigned below a direct child (a router wrapped in a Sequential) was untested (a look at
+    # the layer's children alone passed), and so was the look's cost: one compare a call once
+    # the layer's tree is unchanged (looking at every call passed).
+    from pytree_ckpt import save_units
+
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Layer() for _ in range(2))
+    ours = copy.deepcopy(eager)
+    _apply(ours, "Router.project")
+    fresh = Router()
+    eager[1].router, ours[1].router = nn.Sequential(copy.deepcopy(fresh)), nn.Sequential(fresh)
+    x = torch.randn(3, 8)
+    expected_loss, expected = _step(eager, x)
+    counter = OpCounter()
+    loss, got = _step(ours, x, counter)
+    assert torch.equal(expected_loss, loss)
+    assert_same_grads(expected, got)
     assert counter.counts["recompute", "aten.addmm"] == 2  # each mix Linear's: both kept
     looks = []
     original = save_units.install_kept
