@@ -22,7 +22,8 @@ code (the jumps of NOTE [skipped work keeps the RNG in step]) are not counted, n
 
 Seen through ``sys.setprofile`` (a C method's call shows there with the generator it is bound
 to): each layer (each module, partial or callable object by identity, forgotten with it; a
-plain function by its code; one that takes no weak reference is watched always) and method is
+plain function by its code, a closure by its code and the objects it closes over; one that
+takes no weak reference is watched always) and method is
 watched in its original passes until one made in training mode sets no state; from then on,
 one cheap lookup per call. Any pass that set a state has it watched at every pass after. An
 output discard's function is watched alike, for its rebuild. Not seen: a layer that first
@@ -200,6 +201,11 @@ def _key(fn: Any, owner: Any, /) -> tuple[int, Any, Any]:
         code = fn.__code__
         if owner is None and kind is _Method:
             owner = fn.__self__  # an output discard of a module's method
+        elif owner is None and fn.__closure__:
+            # A closure: its code and the objects it closes over (helper EK: by code alone, a
+            # quiet closure of one factory stood for another that forks its own tracker). A
+            # lambda made anew each step over the same layer is still learned once.
+            return id(None), tuple(map(id, _closed_over(fn))), code
     else:
         code = kind
         if owner is None:
@@ -213,6 +219,20 @@ def _key(fn: Any, owner: Any, /) -> tuple[int, Any, Any]:
 _Function = types.FunctionType
 _Method = types.MethodType
 _Module = nn.Module
+
+
+def _closed_over(fn: Any, /) -> list[Any]:
+    """The objects ``fn``'s closure cells hold that take weak references (modules, trackers,
+    functions): numbers and strings, made anew each step, would make a new key every time."""
+    held = []
+    for cell in fn.__closure__:
+        try:
+            value = cell.cell_contents
+            weakref.ref(value)
+        except (ValueError, TypeError):  # an empty cell, or no weak reference
+            continue
+        held.append(value)
+    return held
 
 
 def forward_watch(fn: Any, owner: Any, /) -> GeneratorSets | None:
@@ -239,7 +259,12 @@ def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Ge
             # every pass. A plain function is keyed by its code, which outlives a lambda made
             # anew each step (helper EL: tied to the function, each step's was watched again).
             try:
-                weakref.finalize(key[2] if key[0] == id(None) else holder, _SETS.pop, key, None)
+                if key[0] == id(None) and type(key[1]) is tuple:  # a closure's
+                    for part in (key[2], *_closed_over(fn)):
+                        weakref.finalize(part, _SETS.pop, key, None)
+                else:
+                    weakref.finalize(key[2] if key[0] == id(None) else holder, _SETS.pop,
+                                     key, None)
             except TypeError:
                 return watch.states or None
             _SETS[key] = bool(watch.states)

@@ -882,10 +882,6 @@ def _make_block(lin: nn.Module, tracker: _Tracker | None) -> Any:
     return block
 
 
-@pytest.mark.xfail(strict=True, reason="generator_sets keys a plain function by its code: a "
-                   "closure of the same code that set no state (still alive) leaves another "
-                   "closure's RNG-tracker fork unwatched, its replay draws another dropout mask "
-                   "(silent wrong grads), as the partials keyed by class did")
 def test_a_closure_that_forks_is_watched_while_a_quiet_closure_of_the_same_code_is_alive(
 ) -> None:
     # Helper EK: the partial case (helper EG) for closures made by one factory, one per model
