@@ -82,6 +82,8 @@ class _LateAt:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None
+
+
 _CLONE = torch.ops.aten.clone  # NOTE [clones are never kept]
 
 
