@@ -222,12 +222,15 @@ _Module = nn.Module
 
 
 def _closed_over(fn: Any, /) -> list[Any]:
-    """The objects ``fn``'s closure cells hold that take weak references (modules, trackers,
-    functions): numbers and strings, made anew each step, would make a new key every time."""
+    """The objects ``fn``'s closure cells hold that may set a generator's state (modules,
+    trackers, functions) and take weak references. Not numbers, strings nor tensors: data,
+    made anew each step, they would make a new key, and a new watch, every time."""
     held = []
     for cell in fn.__closure__:
         try:
             value = cell.cell_contents
+            if isinstance(value, torch.Tensor):
+                continue
             weakref.ref(value)
         except (ValueError, TypeError):  # an empty cell, or no weak reference
             continue

@@ -946,3 +946,26 @@ def test_a_method_of_an_object_without_weak_references_is_watched_at_every_pass(
     assert torch.equal(lin.weight.grad, eager_lin.weight.grad)
     assert torch.equal(trackers[0].states["model-parallel-rng"],
                        trackers[1].states["model-parallel-rng"])
+
+
+def test_a_lambda_over_a_tensor_made_anew_each_step_is_watched_only_at_its_first_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Closures are keyed by the objects they close over (a tracker of their own), but not by
+    # tensors: data made anew each step would make every step's lambda new to the watch.
+    from pytree_ckpt import generator_sets
+
+    made = []
+
+    class Counted(generator_sets.GeneratorSets):
+        def __init__(self, recorded: Any) -> None:
+            made.append(recorded is None)  # an original pass's watch
+            super().__init__(recorded)
+
+    monkeypatch.setattr(generator_sets, "GeneratorSets", Counted)
+    lin = nn.Linear(8, 8)
+    for _ in range(4):
+        scale = torch.rand(8)
+        pytree_ckpt.checkpoint(lambda h: torch.tanh(lin(h)) * scale,
+                               torch.randn(4, 8, requires_grad=True)).sum().backward()
+        gc.collect()
+    assert made.count(True) == 1, made
