@@ -18,8 +18,9 @@ import torch
 
 from .boundary_call import BoundaryCall
 from .census import Mechanism, census_active, report_held
-from .changed_in_place import (ParameterVersions, raise_input_changed, refuse_grad_switched,
-                               refuse_parameters_changed)
+from .changed_in_place import (ParameterVersions, grad_switched, raise_input_changed,
+                               refuse_grad_switched, refuse_parameters_changed,
+                               requires_grad_flags)
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
 from .forward_modules import ForwardModules
@@ -75,11 +76,7 @@ class _BoundaryFunction(torch.autograd.Function):
         call.original_call = None
         invocation = Invocation(_FORWARD, call.frame, ACTIVE.get())
         input_versions = versions(tensors)
-        # NOTE [requires_grad switched inside the call]; loops, not comprehensions: NOTE
-        # [loops on the per-call path] (boundary.py).
-        needs = []
-        for t in tensors:
-            needs.append(t.requires_grad)
+        needs = requires_grad_flags(tensors)  # NOTE [requires_grad switched inside the call]
         frozen = call.frozen
         # NOTE [attributes set before the call] (boundary.py), continued: saved with the
         # inputs, after them.
@@ -147,14 +144,7 @@ class _BoundaryFunction(torch.autograd.Function):
             ACTIVE.reset(token)
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
-        switched = False
-        for t, need in zip(tensors, needs):
-            if t.requires_grad is not need:
-                switched = True
-        for p in frozen:  # every LoRA layer has frozen parameters: no lists built per call
-            if p.requires_grad:
-                switched = True
-        if switched:
+        if grad_switched(tensors, needs, frozen):
             refuse_grad_switched(call, tensors, needs, frozen)
         now = versions(tensors)
         moved = [slot for slot, version in enumerate(now) if version != input_versions[slot]] \

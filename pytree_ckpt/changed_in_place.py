@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # the boundary imports this module
 
 __all__ = ["CHANGED_AFTER_CALL_TIP", "ParameterVersions", "parameter_path",
            "raise_changed_after_call", "raise_input_changed", "raise_parameter_changed_after_call",
-           "refuse_grad_switched", "refuse_parameters_changed"]
+           "grad_switched", "refuse_grad_switched", "refuse_parameters_changed",
+           "requires_grad_flags"]
 
 
 def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
@@ -46,22 +47,46 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
             "change outside the checkpointed call")
 
 
+def requires_grad_flags(tensors: Sequence[torch.Tensor], /) -> list[bool]:
+    """Each tensor's ``requires_grad``, read as a call begins (NOTE [requires_grad switched
+    inside the call]); a loop, not a comprehension (NOTE [loops on the per-call path] in
+    boundary.py)."""
+    needs = []
+    for t in tensors:
+        needs.append(t.requires_grad)
+    return needs
+
+
+def grad_switched(tensors: Sequence[torch.Tensor], needs: Sequence[bool],
+                  frozen: Sequence[torch.Tensor], /) -> bool:
+    """Whether the call switched an input's ``requires_grad`` (``needs``: as it began) or made a
+    parameter frozen then require grad. No lists built: every LoRA layer has frozen
+    parameters, read at each call."""
+    for t, need in zip(tensors, needs):
+        if t.requires_grad is not need:
+            return True
+    for p in frozen:
+        if p.requires_grad:
+            return True
+    return False
+
+
 def refuse_grad_switched(call: BoundaryCall, tensors: Sequence[torch.Tensor],
-                         needs: Sequence[bool], frozen: Sequence[torch.Tensor], /) -> None:
+                         needs: Sequence[bool], frozen: Sequence[torch.Tensor], /) -> NoReturn:
     """NOTE [requires_grad switched inside the call]: the boundary's node takes its inputs and
     parameters as they are when the call begins: an input leaf or a frozen parameter that the
     forward itself makes require grad (``scale.requires_grad_()``, ``weight.requires_grad_(True)``
     before using it) has no edge from the node and would silently get no gradient, where eager
     gives it one; an input leaf the forward stops (``y.requires_grad_(False)``) cannot be
     stopped in the replay, whose inputs are not leaves. Both are refused after the original
-    pass, naming the tensor. (A trainable parameter frozen inside the call gets no gradient,
+    pass (once ``grad_switched`` found one), naming the tensor; so is a parameter unfrozen
+    after its last use (eager: no gradient this step), which the original pass cannot tell
+    from one unfrozen before. (A trainable parameter frozen inside the call gets no gradient,
     as in eager: NOTE [parameters frozen or unfrozen since the forward] in discard_function.py.)
     ``needs``: each input's ``requires_grad`` when the call began; ``frozen``: the modules'
     parameters that did not require grad then."""
     switched = [slot for slot, t in enumerate(tensors) if t.requires_grad != needs[slot]]
     unfrozen = [p for p in frozen if p.requires_grad]
-    if not switched and not unfrozen:
-        return
     if switched:
         slot = switched[0]
         what = (f"input {input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)}"
@@ -275,7 +300,8 @@ def raise_parameter_changed_after_call(where: str,
     whose version moved (versions read after the original pass, compared before the replay).
     One the forward itself changes in place (a weight constraint, ``nn.Embedding``'s
     ``max_norm`` renorm) is changed again by the replay: exact only when repeating the change
-    leaves it as it is (a clamp; not the renorm, which rescales a row at the limit again); warned once per module when the replay moves a version again
+    leaves it as it is (a clamp; not the renorm, which rescales a row at the limit again);
+    warned once per module when the replay moves a version again
     (``warn_parameter_changed`` in stored_state.py; a change inside
     ``reuse_during_recompute`` is not replayed, and not told). Writes through ``.data`` (a
     ``model.half()`` without ``swap_module_params_on_conversion``), and FSDP2's all-gathers

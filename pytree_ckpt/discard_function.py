@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .census import Mechanism, census_active, report_held
-from .changed_in_place import ParameterVersions
+from .changed_in_place import ParameterVersions, grad_switched, requires_grad_flags
 from .discard_aliases import made_outside
 from .discard_refusals import refuse_grad_switched, refuse_input_changed, refuse_output
 from .errors import CheckpointError
@@ -74,11 +74,7 @@ class DiscardFunction(torch.autograd.Function):
         assert owner.fn is not None  # set by checkpoint() before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         input_versions = versions(tensors)
-        # NOTE [requires_grad switched inside the call]; loops, not comprehensions: NOTE
-        # [loops on the per-call path] (boundary.py).
-        needs = []
-        for t in tensors:
-            needs.append(t.requires_grad)
+        needs = requires_grad_flags(tensors)  # NOTE [requires_grad switched inside the call]
         frozen = owner.state[1] if owner.state is not None else ()
         param_before = ParameterVersions.read(owner.params) if owner.params else None
         # NOTE [small state as it was before the forward] (state_changes.py), at each call (a
@@ -99,14 +95,7 @@ class DiscardFunction(torch.autograd.Function):
             outputs = owner.fn(*args, **owner.kwargs)
         if sets is not None:
             owner.generator_sets = learned(owner.fn, None, sets)
-        switched = False
-        for t, need in zip(tensors, needs):
-            if t.requires_grad is not need:
-                switched = True
-        for p in frozen:
-            if p.requires_grad:
-                switched = True
-        if switched:
+        if grad_switched(tensors, needs, frozen):
             refuse_grad_switched(owner._name(), args, tensors, needs, frozen, roots)
         if numbers is not None:
             owner.changed_numbers = numbers.changed()

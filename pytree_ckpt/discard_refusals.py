@@ -8,7 +8,7 @@ both sides and a tip. discard.py, discard_function.py and discard_manager.py cal
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -39,15 +39,14 @@ def refuse_input_changed(name: str, args: tuple[Any, ...], tensor: torch.Tensor)
 
 
 def refuse_grad_switched(name: str, args: tuple[Any, ...], tensors: list[torch.Tensor],
-                         needs: list[bool], frozen: Any, modules: Sequence[nn.Module]) -> None:
+                         needs: list[bool], frozen: Any, modules: Sequence[nn.Module]
+                         ) -> NoReturn:
     """As at the boundary (NOTE [requires_grad switched inside the call] in
     changed_in_place.py): the op's node takes whether each argument and parameter requires
     grad when it is called; one the op switches would get no gradient, or could not be
-    stopped in the rebuild."""
+    stopped in the rebuild. Called once ``grad_switched`` found one."""
     switched = [t for t, need in zip(tensors, needs) if t.requires_grad != need]
     unfrozen = [p for p in frozen if p.requires_grad]
-    if not switched and not unfrozen:
-        return
     if switched:
         position = next(i for i, a in enumerate(args) if a is switched[0])
         what = (f"argument args[{position}] "

@@ -109,7 +109,8 @@ def warned_key(fn: Any, /) -> Any:
     partials and bound methods), or the class of a module or callable object. Not its name:
     two routers of one class name in two model families, or two top-level lambdas, are other
     functions (helper EG: the second was never told)."""
-    function = getattr(unwrap_partials(fn)[0], "__func__", unwrap_partials(fn)[0])
+    called = unwrap_partials(fn)[0]
+    function = getattr(called, "__func__", called)
     code = getattr(function, "__code__", None)
     if code is not None:
         return code

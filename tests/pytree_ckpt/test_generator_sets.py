@@ -828,8 +828,11 @@ def test_a_partial_that_forks_is_watched_after_an_unrelated_partial_that_did_not
                        trackers[1].states["model-parallel-rng"])
 
 
+@pytest.mark.parametrize("over", ["a layer", "a layer and a tensor made each step"])
 def test_a_lambda_made_anew_each_step_is_watched_only_at_its_first_pass(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, over: str) -> None:
+    # A closure is keyed by its code and the objects it closes over (a tracker of its own), but
+    # not by a tensor: data made anew each step would make every step's lambda new to the watch.
     from pytree_ckpt import generator_sets
 
     made = []
@@ -842,8 +845,10 @@ def test_a_lambda_made_anew_each_step_is_watched_only_at_its_first_pass(
     monkeypatch.setattr(generator_sets, "GeneratorSets", Counted)
     lin = nn.Linear(8, 8)
     for _ in range(4):
-        pytree_ckpt.checkpoint(lambda h: torch.tanh(lin(h)),
-                               torch.randn(4, 8, requires_grad=True)).sum().backward()
+        scale = torch.rand(8)
+        fn = (lambda h: torch.tanh(lin(h))) if over == "a layer" else \
+            (lambda h: torch.tanh(lin(h)) * scale)
+        pytree_ckpt.checkpoint(fn, torch.randn(4, 8, requires_grad=True)).sum().backward()
         gc.collect()
     assert made.count(True) == 1, made
 
@@ -946,26 +951,3 @@ def test_a_method_of_an_object_without_weak_references_is_watched_at_every_pass(
     assert torch.equal(lin.weight.grad, eager_lin.weight.grad)
     assert torch.equal(trackers[0].states["model-parallel-rng"],
                        trackers[1].states["model-parallel-rng"])
-
-
-def test_a_lambda_over_a_tensor_made_anew_each_step_is_watched_only_at_its_first_pass(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # Closures are keyed by the objects they close over (a tracker of their own), but not by
-    # tensors: data made anew each step would make every step's lambda new to the watch.
-    from pytree_ckpt import generator_sets
-
-    made = []
-
-    class Counted(generator_sets.GeneratorSets):
-        def __init__(self, recorded: Any) -> None:
-            made.append(recorded is None)  # an original pass's watch
-            super().__init__(recorded)
-
-    monkeypatch.setattr(generator_sets, "GeneratorSets", Counted)
-    lin = nn.Linear(8, 8)
-    for _ in range(4):
-        scale = torch.rand(8)
-        pytree_ckpt.checkpoint(lambda h: torch.tanh(lin(h)) * scale,
-                               torch.randn(4, 8, requires_grad=True)).sum().backward()
-        gc.collect()
-    assert made.count(True) == 1, made
