@@ -1241,7 +1241,7 @@ class _CausalAttention(nn.Module):
     "documented limit (docs/limits.md, a body compiled with inductor: float32 where the fusions "
     "differ, a masked causal softmax): the compiled no-grad and training graphs round "
     "differently (helper EF)"))
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
 def test_an_inductor_compiled_causal_attention_in_float32_matches_its_compiled_twin_bit_for_bit(
         ) -> None:
     torch.manual_seed(0)

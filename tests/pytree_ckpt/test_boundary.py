@@ -1103,7 +1103,7 @@ def test_flop_counter_mode_counts_the_replay_of_a_layer_fed_a_leaf_under_autocas
     assert x.grad is not None
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # func
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # func
 def test_a_backward_with_create_graph_is_refused_instead_of_losing_second_order_terms() -> None:
     # A gradient penalty through a replay would miss every term that goes through the detached
     # inputs; eager computes them, so the boundary refuses instead of returning less.

@@ -152,8 +152,9 @@ def test_torch_func_transforms_through_a_wrapped_module_give_eager_results() -> 
     assert torch.equal(pull(torch.ones(3, 4))[0], pull_twin(torch.ones(3, 4))[0])
 
 
-# torch's forward-mode AD calls torch.jit.script internally, deprecated in torch 2.13
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# torch's forward-mode AD calls torch.jit.script internally, deprecated since torch 2.13 (a
+# DeprecationWarning there, a FutureWarning in 2.14: the filters name no category)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_forward_mode_ad_through_a_wrapped_module_gives_eager_tangents() -> None:
     # Inside forward_ad.dual_level() the no-grad original pass dropped the tangent of dual
     # parameters swapped in by functional_call (the output had none, silently), and a dual
@@ -541,7 +542,7 @@ class _JvpInside(nn.Module):
         return self.out(tangent * x)
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_forward_mode_ad_inside_a_wrapped_layer_gives_eager_outputs_and_gradients() -> None:
     torch.manual_seed(0)
     eager = _JvpInside()

@@ -1356,7 +1356,7 @@ def test_atomic_pairs_given_as_bytes_are_refused_as_a_string_is(pairs: bytes) ->
         f"  got:      {pairs!r}\n")
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 @pytest.mark.parametrize("transform", ["grad", "dual_level"])
 def test_a_discard_under_a_transform_logs_nothing_and_a_later_inert_one_is_still_logged(
         transform: str, caplog: pytest.LogCaptureFixture) -> None:

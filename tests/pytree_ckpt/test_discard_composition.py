@@ -373,7 +373,7 @@ class _DiscardingLayer(nn.Module):
         return x + out
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 @pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "dual_level"])
 def test_output_discard_inside_a_checkpointed_layer_under_a_torch_func_transform_is_eager(
         transform: str) -> None:
@@ -406,8 +406,8 @@ def test_output_discard_inside_a_checkpointed_layer_under_a_torch_func_transform
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
-@pytest.mark.filterwarnings("ignore:`torch.jit.trace_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace_method` is deprecated")
 def test_a_block_with_output_discard_traces_with_jit_as_without_it() -> None:
     # Guards against (helper DW): the discard's Function was applied while torch.jit.trace
     # recorded (the boundary already made itself a plain call there): "Graphs differed across

@@ -77,6 +77,9 @@ def test_exporting_a_checkpointed_module_itself_gives_the_twins_program() -> Non
     assert torch.equal(program.module()(x), twin(x))
 
 
+# torch 2.14 warns that torch.jit is deprecated (FutureWarning); shipping through it is tested
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace_method` is deprecated")
 def test_jit_trace_of_a_model_with_a_checkpointed_layer_gives_the_twins_outputs() -> None:
     twin, model = twin_and_model()
     pytree_ckpt.apply_activation_checkpointing(model[1])
@@ -87,6 +90,7 @@ def test_jit_trace_of_a_model_with_a_checkpointed_layer_gives_the_twins_outputs(
         str(torch.jit.trace(twin, (x,)).graph).count("aten::linear")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_jit_script_of_a_model_with_a_checkpointed_layer_works_or_names_the_fix() -> None:
     twin, model = twin_and_model()
     pytree_ckpt.apply_activation_checkpointing(model[1])
