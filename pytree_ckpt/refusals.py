@@ -22,6 +22,7 @@ from torch import nn
 
 from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
+from .function_reach import cell_contents, globals_of
 from .module_state import foreign_leaves, mark_verified, owning_module, warn_forward_hooks
 from .tree import describe_leaf, leaf_paths
 
@@ -189,18 +190,52 @@ def check_made_leaves(call: BoundaryCall, /) -> None:
         gc.collect()  # a cycle through the graph (a hook's closure) would hold it still
         alive = [leaf for leaf in (ref() for ref in refs) if leaf is not None]
         if alive:
+            where = _held_at(alive[0], call.owner, call.fn)
             raise CheckpointError(
                 f"the forward of {type(call.owner).__name__} uses a tensor that requires grad "
                 "but is neither an input nor a parameter of the module; it would get no "
                 "gradient", expected="inputs, and parameters of the module or of modules "
                 "passed as arguments",
                 got=f"Tensor(shape={tuple(alive[0].shape)}, dtype={alive[0].dtype}), "
-                    "still held after the replay (a leaf the forward made and dropped is "
-                    "accepted)",
+                    f"still held after the replay{where} (a leaf the forward made and "
+                    "dropped is accepted)",
                 tip="pass the tensor (or the module owning it) as an argument, or register it "
                     "as a parameter of a submodule; a leaf the forward makes should not be "
                     "kept past it (on the module, in a global)")
     mark_verified(call.owner, call.switches)
+
+
+def _held_at(leaf: torch.Tensor, owner: nn.Module, fn: Callable[..., Any], /) -> str:
+    """Where a foreign leaf is held, for the refusal to name (", by layer.cache[2]", ", by
+    the closure variable 'table' of Lookup.forward"), or "": the modules' own attributes (and
+    the lists, tuples and dicts in them), then the globals and closure variables of the code
+    that ran. Searched only when refusing, so its cost is of no matter."""
+    for path, module in owner.named_modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            at = f"{path}.{name}" if path else name
+            if value is leaf:
+                return f", by {at} (a module attribute)"
+            items = value.items() if isinstance(value, dict) else \
+                enumerate(value) if isinstance(value, (list, tuple)) else ()
+            for key, item in items:
+                if item is leaf:
+                    return f", by {at}[{key!r}] (a module attribute)"
+    functions = [getattr(type(m), "forward", None) for m in owner.modules()]
+    for func in (getattr(fn, "__func__", fn), *functions):
+        code = getattr(func, "__code__", None)
+        if code is None:
+            continue
+        label = getattr(func, "__qualname__", "the function")
+        for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
+            if cell_contents(cell) is leaf:
+                return f", by the closure variable {name!r} of {label}"
+        space = globals_of(func)
+        for name in code.co_names:
+            if space.get(name) is leaf:
+                return f", by the global {name!r} of {space.get('__name__', 'its module')}"
+    return ""
 
 
 def refuse_module_tensor(foreign: torch.Tensor, modules: Sequence[nn.Module], /) -> None:

@@ -173,7 +173,10 @@ def test_a_table_from_outside_is_refused_when_the_model_is_switched_to_eval_befo
     assert lines[0] == ("the forward of Scaled uses a tensor that requires grad but is neither "
                         "an input nor a parameter of the module; it would get no gradient")
     assert lines[2] == ("  got:      Tensor(shape=(8,), dtype=torch.float32), still held after "
-                        "the replay (a leaf the forward made and dropped is accepted)")
+                        "the replay, by the closure variable 'table' of "
+                        "test_a_table_from_outside_is_refused_when_the_model_is_switched_to_eval"
+                        "_before_backward.<locals>.Scaled.forward (a leaf the forward made and "
+                        "dropped is accepted)")
     assert x.grad is None and table.grad is None
     assert not layer.training  # the caller's mode, back after the replay
 
@@ -184,6 +187,37 @@ def test_a_leaf_the_forward_stores_on_its_module_is_refused() -> None:
         wrapped(torch.randn(2, 5, 8)).backward()
     assert "BiasAttention" not in str(err.value) and "Block" in str(err.value)
     assert "shape=(1, 5, 5)" in str(err.value)
+    assert "still held after the replay, by attn.last (a module attribute)" in str(err.value)
+
+
+TABLE = torch.randn(8, requires_grad=True)
+
+
+class _Banked(nn.Module):
+    def __init__(self, bank: Any) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bank = bank  # plain attributes: neither parameters nor buffers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = TABLE if self.bank is None else self.bank["scale"] if \
+            isinstance(self.bank, dict) else self.bank[1]
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("bank, where", [
+    (None, "by the global 'TABLE' of tests.pytree_ckpt.test_made_leaves"),
+    ([torch.zeros(8), torch.randn(8, requires_grad=True)], "by bank[1] (a module attribute)"),
+    ({"scale": torch.randn(8, requires_grad=True)}, "by bank['scale'] (a module attribute)")],
+    ids=["global", "list", "dict"])
+def test_the_refusal_of_an_outside_tensor_names_where_it_is_held(bank: Any, where: str
+                                                                  ) -> None:
+    layer = pytree_ckpt.apply_activation_checkpointing(_Banked(bank))
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        layer(x).sum().backward()
+    assert f"still held after the replay, {where} (a leaf the forward made" in str(err.value)
+    assert x.grad is None and all(p.grad is None for p in layer.parameters())
 
 
 def test_a_split_backward_replays_anew_until_the_made_leaf_is_checked_then_keeps_the_graph(
