@@ -1882,3 +1882,30 @@ def test_tensors_kept_for_logging_are_not_warned_of_and_a_growing_cache_is_warne
         torch.cat(outs, 1).square().sum().backward()
     told = [str(w.message) for w in caught if "module attribute 'kv'" in str(w.message)]
     assert len(told) == 1, told
+
+
+@pytest.mark.xfail(strict=True, reason="a forward that takes gradients inside itself (a PINN's "
+                   "du/dx, forces = -dE/dpos) without its own torch.enable_grad() fails in the "
+                   "no-grad original pass with torch's bare 'does not require grad' error: no "
+                   "note says the pass runs under no-grad or names torch.enable_grad()")
+def test_a_forward_taking_gradients_without_enable_grad_is_refused_naming_enable_grad() -> None:
+    class Pinn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            u = self.net(x)
+            (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)  # relies on grad mode
+            return u, du
+
+    torch.manual_seed(0)
+    layer = Pinn()
+    x = torch.randn(5, 2, requires_grad=True)
+    u, du = layer(x)  # eager: fine
+    (u.square().sum() + du.square().sum()).backward()
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(Exception) as caught:  # noqa: B017 (torch's RuntimeError today)
+        layer(x)
+    text = str(caught.value) + "\n".join(getattr(caught.value, "__notes__", []))
+    assert "enable_grad" in text, text
