@@ -1526,3 +1526,34 @@ def test_an_argument_the_discarded_op_stops_requiring_grad_is_refused_at_the_cal
         CheckpointWithoutOutput().checkpoint(_StopsItsArgument(),
                                              torch.randn(4, 8, requires_grad=True),
                                              torch.randn(4, 8, requires_grad=True))
+
+
+@pytest.mark.xfail(strict=True, reason="a gradient-norm penalty on the weight of a discarded "
+                   "output's consumer (eager: fine) is refused as 'already replayed' with a "
+                   "message about retain_graph and split backwards, and a tip (run it in a "
+                   "checkpointed layer) that refuses create_graph=True too; create_graph is "
+                   "never named")
+def test_a_gradient_penalty_on_a_discard_consumers_weight_gives_eager_grads_or_names_create_graph(
+) -> None:
+    def run(discard: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        norm, proj, head = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 1)
+        x = torch.randn(4, 8, requires_grad=True)
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = proj(ckpt.checkpoint(norm, x))
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = proj(norm(x))
+        loss = head(out.tanh()).square().sum()
+        (grad,) = torch.autograd.grad(loss, proj.weight, create_graph=True)
+        (loss + grad.square().sum()).backward()
+        return grads_of([x, *norm.parameters(), *proj.parameters(), *head.parameters()])
+
+    eager = run(False)
+    try:
+        got = run(True)
+    except CheckpointError as refused:
+        assert "create_graph" in str(refused), str(refused)
+    else:
+        assert_same_grads(eager, got)
