@@ -32,7 +32,7 @@ from .keep import KeepMode
 from .kernel_written import remember, remembered
 from .made_before import leaving_tensors, unviewed
 from .module_state import ever_verified
-from .notes import add_note
+from .notes import add_note, note_no_grad_pass
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
 from .refusals import check_made_leaves, fn_name, refuse_double_backward
@@ -125,17 +125,8 @@ class _BoundaryFunction(torch.autograd.Function):
                             flow = stack.enter_context(GradFlow())
                         output = call.fn(*args, **kwargs)
         except Exception as error:
-            # torch's "cannot register a hook on a tensor that doesn't require gradient" (or
-            # "can't retain_grad on Tensor that has requires_grad=False") from a forward, or a
-            # forward hook, that assumes grad mode: name the boundary's no-grad pass.
-            if isinstance(error, RuntimeError) and ("register a hook" in str(error)
-                                                    or "retain_grad" in str(error)):
-                add_note(error,
-                    f"pytree_ckpt: raised in the original pass of {fn_name(call.fn)}, which "
-                    "runs the forward under torch.no_grad() (the replay in backward runs it "
-                    "with grad). Tip: guard what needs grad, e.g. `if h.requires_grad: "
-                    "h.register_hook(...)` (or `h.retain_grad()`): it then runs in the replay, "
-                    "whose gradients are the ones used.")
+            # A forward, or a forward hook, that assumes grad mode: name the no-grad pass.
+            note_no_grad_pass(error, f"the original pass of {fn_name(call.fn)}")
             limit = recompile_limit_note(error, f"the original pass of {fn_name(call.fn)}")
             if limit is not None:
                 add_note(error, limit)  # NOTE [two entries per variant] in compiled_layers.py

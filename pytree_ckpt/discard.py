@@ -75,7 +75,7 @@ from .generator_sets import replay_watch
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
 from .rebound import Bound, modules_bound_now, refuse_rebound
-from .refusals import refuse_container
+from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
@@ -372,6 +372,11 @@ class CheckpointWithoutOutput:
             register_rebuild(hook_tensor, self._hook)  # NOTE [a hook tensor that is a view]
 
     def _hook(self, grad: torch.Tensor) -> None:
+        # A create_graph backward reaching the consumer (a penalty on its weight's gradient)
+        # would build its gradient's graph on the rebuilt output: the penalty's own backward
+        # then needs a second replay. Refused here, naming create_graph, not there.
+        refuse_double_backward(lambda: f"the output-discard checkpoint of {self._name()}",
+                               discard=True)
         self._replay()
 
     def _replay(self) -> bool:

@@ -35,6 +35,7 @@ from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaves, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .recompute import used_by_this_backward
+from .notes import note_no_grad_pass
 from .refusals import refuse_double_backward, refuse_module_tensor
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import StateWatch, versions
@@ -91,8 +92,12 @@ class DiscardFunction(torch.autograd.Function):
         # mode] in rng.py, as at the boundary.
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         sets = forward_watch(owner.fn, None) if owner.preserve_rng_state else None
-        with torch.no_grad(), IsolatedPass(), sets if sets is not None else nullcontext():
-            outputs = owner.fn(*args, **owner.kwargs)
+        try:
+            with torch.no_grad(), IsolatedPass(), sets if sets is not None else nullcontext():
+                outputs = owner.fn(*args, **owner.kwargs)
+        except Exception as error:
+            note_no_grad_pass(error, f"the original pass of {owner._name()}")
+            raise
         if sets is not None:
             owner.generator_sets = learned(owner.fn, None, sets)
         if grad_switched(tensors, needs, frozen):
@@ -151,7 +156,8 @@ class DiscardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         owner: CheckpointWithoutOutput = ctx.owner
-        refuse_double_backward(lambda: f"the output-discard checkpoint of {owner._name()}")
+        refuse_double_backward(lambda: f"the output-discard checkpoint of {owner._name()}",
+                               discard=True)
         if owner.recomputed is None:
             owner._replay()  # never discarded (or its hook never fired): replay now
         assert owner.recomputed is not None and owner.detached is not None

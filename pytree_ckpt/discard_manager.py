@@ -15,6 +15,7 @@ from .discard import CheckpointWithoutOutput
 from .discard_aliases import register_rebuild
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook
 from .errors import CheckpointError, validate_bool
+from .refusals import refuse_double_backward
 
 __all__ = ["CheckpointWithoutOutputManager"]
 
@@ -73,6 +74,10 @@ class CheckpointWithoutOutputManager:
         register_rebuild(hook_tensor, self._hook)  # NOTE [a hook tensor that is a view]
 
     def _hook(self, grad: torch.Tensor) -> None:
+        refuse_double_backward(  # as CheckpointWithoutOutput._hook refuses it
+            lambda: "the output discard of "
+                    f"{', '.join(c._name() for c in self.checkpoints if not c.passthrough)}",
+            discard=True)
         # In forward order (NOTE [discard lifetimes] 4 in discard.py).
         for index, ckpt in enumerate(self.checkpoints):
             if not ckpt.passthrough:

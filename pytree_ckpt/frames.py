@@ -62,9 +62,19 @@ def callable_name(fn: Callable[..., Any], /) -> str:
     name = getattr(func, "__qualname__", None) or type(func).__name__
     if name.startswith("_VariableFunctionsClass."):  # torch.topk's own qualname
         return "torch." + name.partition(".")[2]
+    if isinstance(owner, types.ModuleType):  # a builtin of torch's C namespaces (F.gelu)
+        public, prefix = _TORCH_NAMESPACES.get(owner.__name__, (owner.__name__, ""))
+        return f"{public}.{name.removeprefix(prefix)}"
     if owner is not None and not isinstance(owner, type):
         return f"{type(owner).__name__}.{getattr(func, '__name__', name)}"
     return name
+
+
+# Where torch's builtins bound to a C module are public, and the prefix their names carry there.
+_TORCH_NAMESPACES = {"torch._C._nn": ("torch.nn.functional", ""),
+                     "torch._C._special": ("torch.special", "special_"),
+                     "torch._C._linalg": ("torch.linalg", "linalg_"),
+                     "torch._C._fft": ("torch.fft", "fft_")}
 
 
 # NOTE [kept ops dispatched differently]: the original pass runs under no-grad, the replay with

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["add_note"]
+__all__ = ["add_note", "note_no_grad_pass"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -30,3 +30,25 @@ def add_note(error: BaseException, note: str, /) -> None:
     # A string, not the error, in the record: a handler that keeps records (pytest's, a
     # memory handler) would keep the error's traceback, and with it the step's tensors.
     _LOG.warning("%s", f"{type(error).__name__}: {error}\n{note}")
+
+
+def note_no_grad_pass(error: BaseException, where: str, /) -> None:
+    """A note on an error a forward that assumes grad mode meets in an original pass, which
+    runs under no-grad (``where`` names it): a hook registered on a tensor, ``retain_grad``,
+    or gradients taken inside the forward (a physics-informed network's du/dx, forces =
+    -dE/dpos: torch's "does not require grad and does not have a grad_fn"). Other errors
+    pass unnoted."""
+    text = str(error) if isinstance(error, RuntimeError) else ""
+    if "register a hook" in text or "retain_grad" in text:
+        add_note(error,
+            f"pytree_ckpt: raised in {where}, which runs the forward under torch.no_grad() "
+            "(the replay in backward runs it with grad). Tip: guard what needs grad, e.g. `if "
+            "h.requires_grad: h.register_hook(...)` (or `h.retain_grad()`): it then runs in the "
+            "replay, whose gradients are the ones used.")
+    elif "does not require grad and does not have a grad_fn" in text:
+        add_note(error,
+            f"pytree_ckpt: raised in {where}, which runs the forward under torch.no_grad() "
+            "(the replay in backward runs it with grad). Tip: a forward that takes gradients "
+            "itself (torch.autograd.grad inside it) needs grad mode there in every pass: wrap "
+            "that part in `with torch.enable_grad():`; both passes then build its graph, and "
+            "the results are eager's.")

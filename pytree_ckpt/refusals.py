@@ -87,20 +87,24 @@ def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> 
             "5.23; pytree_ckpt already checkpoints the layer)") from error
 
 
-def refuse_double_backward(where: Callable[[], str], /) -> None:
+def refuse_double_backward(where: Callable[[], str], /, *, discard: bool = False) -> None:
     """Refuse a backward with ``create_graph=True`` (autograd runs a Function's backward with
     grad mode on exactly then). The replay starts from detached inputs, so the gradient it
     returns has no graph back to them: a gradient penalty would silently lose its terms.
-    ``where()`` names the node; called only to raise (every backward passes here)."""
+    ``where()`` names the node; called only to raise (every backward passes here).
+    ``discard``: the node is an output discard's, whose way out is to keep that output."""
     if torch.is_grad_enabled():
+        off = ("keep this op's output (no discard_output_and_register_recompute or residual "
+               "plan around it; in the reference model, discard_norm_outputs=False)"
+               if discard else "take them with checkpointing off for this module "
+               "(remove_activation_checkpointing, or call it outside checkpoint())")
         raise CheckpointError(
             f"{where()} was reached by a backward with create_graph=True (double backward, a "
             "gradient penalty, torch.autograd.functional's jvp, hvp or hessian, a MAML inner "
             "step)", expected="create_graph=False", got="create_graph=True",
             tip="second-order gradients through a replay would be incomplete: use torch.func "
                 "(torch.func.grad, jvp, hessian: no boundary is built under a transform, so "
-                "they see the plain layers), or take them with checkpointing off for this "
-                "module (remove_activation_checkpointing, or call it outside checkpoint())")
+                f"they see the plain layers), or {off}")
 
 
 def raise_attached_to_outside_tensor(call: BoundaryCall, spec: Any, index: int, /) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import enum
 import functools
@@ -16,6 +17,7 @@ from torch import nn
 
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
+from tests.conftest import assert_same_grads, grads_of
 
 
 def test_a_leaf_that_becomes_a_tensor_in_the_replay_is_named_at_the_first_such_key() -> None:
@@ -1884,28 +1886,48 @@ def test_tensors_kept_for_logging_are_not_warned_of_and_a_growing_cache_is_warne
     assert len(told) == 1, told
 
 
-@pytest.mark.xfail(strict=True, reason="a forward that takes gradients inside itself (a PINN's "
-                   "du/dx, forces = -dE/dpos) without its own torch.enable_grad() fails in the "
-                   "no-grad original pass with torch's bare 'does not require grad' error: no "
-                   "note says the pass runs under no-grad or names torch.enable_grad()")
-def test_a_forward_taking_gradients_without_enable_grad_is_refused_naming_enable_grad() -> None:
-    class Pinn(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+class _Pinn(nn.Module):
+    """A physics-informed network's forward: u and du/dx, a gradient taken inside the forward
+    (as forces = -dE/dpos are)."""
 
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, enable: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.enable = enable
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad() if self.enable else contextlib.nullcontext():
             u = self.net(x)
-            (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)  # relies on grad mode
-            return u, du
+            (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)  # needs grad mode
+        return u, du
 
-    torch.manual_seed(0)
-    layer = Pinn()
+
+@pytest.mark.parametrize("through", ["boundary", "discard"])
+def test_a_forward_taking_gradients_without_enable_grad_is_refused_naming_enable_grad(
+        through: str) -> None:
+    # Helper EO: torch's bare "element 0 of tensors does not require grad" from the no-grad
+    # original pass, with no word of it (torch's non-reentrant checkpoint runs it in grad mode).
+    layer = _Pinn(enable=False)
     x = torch.randn(5, 2, requires_grad=True)
-    u, du = layer(x)  # eager: fine
-    (u.square().sum() + du.square().sum()).backward()
-    pytree_ckpt.apply_activation_checkpointing(layer)
-    with pytest.raises(Exception) as caught:  # noqa: B017 (torch's RuntimeError today)
-        layer(x)
-    text = str(caught.value) + "\n".join(getattr(caught.value, "__notes__", []))
-    assert "enable_grad" in text, text
+    layer(x)  # eager: fine
+    with pytest.raises(RuntimeError, match="does not require grad") as caught:
+        if through == "boundary":
+            pytree_ckpt.apply_activation_checkpointing(layer)(x)
+        else:
+            pytree_ckpt.CheckpointWithoutOutput().checkpoint(layer, x)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "raised in the original pass of _Pinn" in notes, notes
+    assert "wrap that part in `with torch.enable_grad():`" in notes, notes
+
+
+def test_a_forward_taking_gradients_under_its_own_enable_grad_gives_eager_grads() -> None:
+    def run(wrap: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = _Pinn(enable=True)
+        x = torch.randn(5, 2, requires_grad=True)
+        model = pytree_ckpt.apply_activation_checkpointing(layer) if wrap else layer
+        u, du = model(x)
+        (u.square().sum() + du.square().sum()).backward()
+        return grads_of([x, *layer.parameters()])
+
+    assert_same_grads(run(False), run(True))
