@@ -68,7 +68,7 @@ class BoundaryCall:
                  "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
                  "changed_state", "changed_numbers", "numbers_saved", "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
-                 "switches", "inference", "saved_versions", "unviewed",
+                 "switches", "inference", "saved_versions", "unviewed", "kept_aliases",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
                  "generator_sets")
 
@@ -116,6 +116,9 @@ class BoundaryCall:
         # Outputs left as detach() aliases of views, with their versions (NOTE [outputs that
         # view fn's own results] in made_before.py).
         self.unviewed: list[tuple[int, Any, int]] | None = None
+        # Outputs on a storage a save unit keeps, with their versions and the op kept there
+        # (NOTE [outputs on a kept storage] in made_before.py).
+        self.kept_aliases: list[tuple[int, Any, int, str]] | None = None
         # The modules' buffers, by submodule, and frozen parameters; for the original pass
         # only (then dropped).
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []

@@ -30,7 +30,7 @@ from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode
 from .kernel_written import remember, remembered
-from .made_before import leaving_tensors, unviewed
+from .made_before import leaving_tensors, on_kept_storages, unviewed
 from .module_state import ever_verified
 from .notes import add_note, note_no_grad_pass
 from .phase import ACTIVE, Invocation, Phase
@@ -111,6 +111,7 @@ class _BoundaryFunction(torch.autograd.Function):
             with IsolatedPass():
                 recorded = None
                 flow: GradFlow | None = None
+                keeping: KeepMode | None = None
                 if call.options.keep is None and not call.hooked and sets is None:
                     output = call.fn(*args, **kwargs)  # the usual case, with no context more
                 else:
@@ -118,8 +119,8 @@ class _BoundaryFunction(torch.autograd.Function):
                         if sets is not None:
                             stack.enter_context(sets)
                         if call.options.keep is not None:
-                            stack.enter_context(KeepMode(call.options.keep, invocation,
-                                                         layer=call.fn))
+                            keeping = stack.enter_context(
+                                KeepMode(call.options.keep, invocation, layer=call.fn))
                         if call.hooked:
                             recorded = stack.enter_context(recording())
                             flow = stack.enter_context(GradFlow())
@@ -206,6 +207,9 @@ class _BoundaryFunction(torch.autograd.Function):
         if views:  # NOTE [outputs that view fn's own results] (made_before.py)
             out_tensors, call.unviewed = unviewed(out_tensors, views,
                                                   (*extra, *call.frame.tensors()))
+        if keeping is not None and keeping.kept_storages():
+            # NOTE [outputs on a kept storage] (made_before.py)
+            call.kept_aliases = on_kept_storages(out_tensors, keeping.kept_storages())
         if state:
             # A buffer's rows returned untouched (marked non-differentiable below) and changed
             # in place by the caller: a replay that reads the buffer would read the changed

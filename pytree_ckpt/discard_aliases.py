@@ -132,7 +132,7 @@ def register_rebuild(hook_tensor: torch.Tensor, hook: Callable[[torch.Tensor], N
     """Register a discard's rebuild ``hook`` for ``hook_tensor``'s gradient.
 
     NOTE [a hook tensor that is a view]: the consumer's output is often a view (``nn.Linear``
-    on a 3-D input returns one of its 2-D matmul), and a caller may change it in place after
+    on a 3-D input returns one of its 2-D matmul before torch 2.15), and a caller may change it in place after
     the discard (timm's ``LayerScale(inplace=True)``, ``out += residual``). Autograd then
     routes the gradient from the in-place op straight to the view's base, past the node a
     hook on the view sits on, so that hook never ran: nothing was rebuilt, and backward

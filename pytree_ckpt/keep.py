@@ -442,6 +442,12 @@ class KeepMode(TorchDispatchMode):
         # this mode, attaches this replay's history to it.
         return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept)
 
+    def kept_storages(self) -> dict[int, list[tuple[Any, int]]]:
+        """The storages of the records this original pass kept and did not take back, by
+        address, each with its (op, position) records (NOTE [outputs on a kept storage] in
+        made_before.py)."""
+        return self._kept_at
+
     def _unit_kept(self, func: Any, regions: frozenset[str], /) -> None:
         # NOTE [a unit that keeps nothing at run time] (unit_use.py)
         self.policy.use.kept((op_name(func), op_name(func.overloadpacket)), regions)

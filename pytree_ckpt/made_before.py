@@ -37,7 +37,8 @@ from .refusals import fn_name
 from .state_changes import StateWatch
 from .tree import alias, alias_all
 
-__all__ = ["leaving_tensors", "refuse_changed_views", "unviewed"]
+__all__ = ["leaving_tensors", "on_kept_storages", "refuse_changed_kept",
+           "refuse_changed_views", "unviewed"]
 
 
 def _of_an_input(root: torch.Tensor, inputs: Sequence[torch.Tensor], /) -> bool:
@@ -105,8 +106,8 @@ def unviewed(outputs: tuple[torch.Tensor, ...], views: list[int],
              others: Sequence[torch.Tensor], /
              ) -> tuple[tuple[torch.Tensor, ...], list[tuple[int, Any, int]] | None]:
     """NOTE [outputs that view fn's own results]: ``nn.Linear`` on a 3-D input returns a view
-    of its 2-D matmul, so a layer (or an MLP, an attention block) ending in a projection
-    returns a view of a tensor fn made. Left a view, it leaves the boundary's Function as one,
+    of its 2-D matmul (before torch 2.15), so a layer (or an MLP, an attention block) ending
+    in a projection returns a view of a tensor fn made. Left a view, it leaves the boundary's Function as one,
     and torch refuses a caller's in-place change of it ("Output 0 of _BoundaryFunction is a
     view and is being modified inplace": ``out += residual``, timm's ``LayerScale(inplace=
     True)``), where eager and torch's non-reentrant checkpoint allow it. So the output leaves
@@ -205,3 +206,44 @@ def refuse_changed_views(fn: Callable[..., Any], noted: list[tuple[int, Any, int
                 got=f"its version {alias._version}, {version} when the call returned",
                 tip="clone it before changing it (`rows = rows.clone()`), or return a clone "
                     "from the call")
+
+
+def on_kept_storages(outputs: Sequence[torch.Tensor], kept: dict[int, list[tuple[Any, int]]],
+                     /) -> list[tuple[int, Any, int, str]] | None:
+    """NOTE [outputs on a kept storage]: an output may share its storage with a result a save
+    unit keeps without sharing its version counter: ``aten._unsafe_view`` makes a new tensor
+    (a counter of its own) on its argument's storage, and torch returns ``nn.Linear`` on a 3-D
+    input so from 2.15 on (a view of the kept ``addmm`` before), ``torch.matmul`` of a 3-D
+    input by a matrix on every version. A caller's change in place of that output (``out +=
+    residual``) then changes the kept bytes unseen: the kept record's version check passes,
+    and the replay computes on with the changed result, silently (a ``relu`` of it saved
+    another mask). So each output on a kept storage is noted, by weak reference, with its
+    version and the op kept there, and a replay that finds one moved is refused
+    (``refuse_changed_kept``); an output whose version did not move, the usual case, passes.
+    Noted whatever its counter: a view sharing the record's counter is refused here too,
+    before the record's own check would refuse it in the replay."""
+    noted = []
+    for position, t in enumerate(outputs):
+        key = _storage_key(t)
+        records = kept.get(key) if key is not None else None
+        if records:
+            noted.append((position, weakref.ref(t), t._version, str(records[0][0])))
+    return noted or None
+
+
+def refuse_changed_kept(fn: Callable[..., Any], noted: list[tuple[int, Any, int, str]],
+                        names: Callable[[int], str], /) -> None:
+    """NOTE [outputs on a kept storage]: refuse an output changed in place since the call
+    whose storage a save unit's record holds. ``names`` gives an output's path by position."""
+    for position, ref, version, op in noted:
+        out = ref()
+        if out is not None and out._version != version:
+            raise CheckpointError(
+                f"{names(position)} of {fn_name(fn)} shares its memory with the result of "
+                f"{op} that a save unit keeps for the replay, and was changed in place after "
+                "the call: the replay would compute on with the changed result (Tensor cached "
+                "during selective activation checkpoint has been mutated)",
+                expected="an output left unchanged until backward, or no unit keeping that op",
+                got=f"its version {out._version}, {version} when the call returned",
+                tip="change a clone (`out = out.clone()`, or `out = out + residual` instead "
+                    f"of `out += residual`), or drop {op} from the unit that keeps it")

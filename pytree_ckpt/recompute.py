@@ -22,7 +22,7 @@ from .hook_outputs import recording
 from .keep import KeepMode
 from .kept_replay import KeptReplay
 from .kept_weights import WeightCapture
-from .made_before import refuse_changed_views
+from .made_before import refuse_changed_kept, refuse_changed_views
 from .module_state import is_verified
 from .notes import add_note
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
@@ -238,6 +238,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             if call.subclasses is not None:
                 aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
+            if call.kept_aliases is not None:  # NOTE [outputs on a kept storage]
+                refuse_changed_kept(call.fn, call.kept_aliases, lambda position: leaf_paths(
+                    call.out_spec, root="output")[call.out_tensor_index[position]])
             if call.unviewed is not None:  # NOTE [outputs that view fn's own results]
                 refuse_changed_views(
                     call.fn, call.unviewed,

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -99,6 +100,11 @@ PRESETS: dict[str, Preset] = {
 # --------------------------------------------------------------------------- torch adapters
 
 
+# torch 2.15 lets a selective checkpoint route its cache through saved-tensor hooks.
+_SAC_CHOOSES_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(
+    torch_ckpt.checkpoint).parameters
+
+
 class TorchCheckpointAdapter(nn.Module):
     """A decoder or MTP layer behind ``torch.utils.checkpoint``; see NOTE [torch adapters]."""
 
@@ -136,6 +142,10 @@ class TorchCheckpointAdapter(nn.Module):
         options: dict[str, Any] = {"use_reentrant": self.use_reentrant}
         if self.context_fn is not None:
             options["context_fn"] = self.context_fn
+            if _SAC_CHOOSES_HOOKS:
+                # Its cache past the saved-tensor hooks, as every torch before 2.15 keeps it
+                # (and 2.15 does, warning, when not told): the bench meters it apart.
+                options["respect_saved_tensors_hooks"] = False
         out = torch_ckpt.checkpoint(self._positional, *tensors, **options)
         if self.is_mtp:
             return MtpLayerOutput(hidden_states=out[0], final_hidden_states=out[1],
