@@ -37,7 +37,9 @@ class CheckpointWithoutOutputManager:
                 "this manager's outputs were already discarded; it takes no more checkpoints",
                 expected="every checkpoint() of the block before its discard",
                 got="a checkpoint() after discard_all_outputs_and_register_unified_recompute",
-                tip="use one manager per block and forward (build the plan per step); inside "
+                tip="use one manager per block and forward (build the plan per forward: a step of "
+                    "several forwards, gradient accumulation or DPO's chosen and rejected, "
+                    "builds one for each); inside "
                     "checkpointed layers, whose replays run in reverse order, a block cannot "
                     "span layers: block_size=1")
         ckpt = CheckpointWithoutOutput(preserve_rng_state=self.preserve_rng_state)

@@ -73,7 +73,8 @@ def build_residual_stream_recompute_plan(
     """One context per layer; layers of a block share a manager; pairs never split. The
     signature is Megatron-Core's (both arguments may be given by name).
 
-    Managers are single-use (one discard and one replay per forward): build a plan per step.
+    Managers are single-use (one discard and one replay per forward): build a plan per forward
+    (several a step under gradient accumulation).
 
     ``block_size=None`` makes the whole stack one block. A pair ``(a, b)`` keeps layers
     ``a..b`` in one block even when that exceeds ``block_size`` (``block_size=1`` included).

@@ -122,7 +122,7 @@ def _holds_no_state(leaf: Any, /) -> bool:
 
 
 def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], /, *,
-                              kwargs_use_cache: bool = False) -> None:
+                              kwargs_use_cache: bool = False, cache_off: bool = False) -> None:
     """Input leaves the boundary cannot hand to the replay as the forward had them, refused
     before the original pass.
 
@@ -138,7 +138,8 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
     they are, as documented, except a key/value cache (an object with ``update()`` and
     ``get_seq_length()``) under any keyword, unless the layer's class sets
     ``_can_checkpoint_with_cache``, and any stateful object when ``use_cache=True`` is among
-    the keywords: NOTE [a cache filled twice]."""
+    the keywords: NOTE [a cache filled twice]. ``cache_off``: ``use_cache=False`` is among
+    the keywords (the tip then says what else to do)."""
     for index, leaf in enumerate(leaves):
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
@@ -167,13 +168,19 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
                 "in backward fills it again, and may read what the no-grad original pass stored "
                 "(transformers' attention does): gradients through it would be silently "
                 "missing",
-                expected="no cache (use_cache=False) while grad is enabled",
+                expected="no cache object while grad is enabled (use_cache=False, and none passed)",
                 got=type(leaf).__name__ if kv_cache else "use_cache=True",
-                tip="pass use_cache=False whenever grad is enabled: model.config.use_cache = "
-                    "False, or model(..., use_cache=False). The boundary checkpoints every "
-                    "call made with grad, in eval mode too, where transformers' own "
-                    "checkpointing (which turns the cache off) does not run. Run evaluation "
-                    "and generate() under torch.no_grad(): the cache works as usual there")
+                tip=("pass no cache object while grad is enabled: use_cache=False does not "
+                     "stop the attention filling a cache it is given. To train a continuation "
+                     "on a prompt computed under no-grad, pass the prompt's keys and values "
+                     "as tensors (a tuple per layer), which the boundary saves as inputs; or "
+                     "run the prompt and the continuation as one sequence"
+                     if cache_off else
+                     "pass use_cache=False whenever grad is enabled: model.config.use_cache = "
+                     "False, or model(..., use_cache=False). The boundary checkpoints every "
+                     "call made with grad, in eval mode too, where transformers' own "
+                     "checkpointing (which turns the cache off) does not run. Run evaluation "
+                     "and generate() under torch.no_grad(): the cache works as usual there"))
         if sort is CONTAINER:
             found = hidden_tensor(leaf, _requires_grad)
             if found is not None:

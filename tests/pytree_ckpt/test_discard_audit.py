@@ -772,9 +772,6 @@ def test_a_buffer_that_requires_grad_on_a_discarded_module_is_refused_by_its_nam
         out.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="the refusal of a residual-stream plan reused by a second "
-                   "forward says to build the plan per step; a DPO step (chosen and rejected) or "
-                   "gradient accumulation makes several forwards a step, each needing its own plan")
 def test_a_plan_reused_by_a_second_forward_of_one_step_is_refused_with_a_tip_per_forward(
         ) -> None:
     norms = torch.nn.ModuleList(torch.nn.LayerNorm(8) for _ in range(2))
@@ -785,7 +782,7 @@ def test_a_plan_reused_by_a_second_forward_of_one_step_is_refused_with_a_tip_per
             ctx.finalize(h)
         return h
 
-    plan = pytree_ckpt.build_residual_stream_recompute_plan(2, 2)  # "a plan per step"
+    plan = pytree_ckpt.build_residual_stream_recompute_plan(2, 2)  # one plan for the whole step
     chosen = forward(plan, torch.randn(3, 8))
     with pytest.raises(CheckpointError) as refused:
         forward(plan, torch.randn(3, 8))  # the rejected half of the same step
