@@ -24,7 +24,7 @@ from .changed_in_place import (ParameterVersions, grad_switched, raise_input_cha
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
 from .forward_modules import ForwardModules
-from .forward_numbers import NumbersWatch, numbers_read, with_reused_calls
+from .forward_numbers import NumbersGlance, NumbersWatch, numbers_read, with_reused_calls
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
@@ -102,6 +102,12 @@ class _BoundaryFunction(torch.autograd.Function):
         # at first calls and once stateful, else those holding buffers.
         numbers = NumbersWatch(numbers_read(*call.modules, every=wanted)) \
             if call.modules is not None and (wanted or watch is not None) else None
+        # NOTE [a number first changed after the first replay]: the other dicts, glanced at.
+        glance = None
+        if call.modules is not None and not wanted:
+            read = numbers.dicts if numbers is not None else ()
+            glance = NumbersGlance([d for d in numbers_read(*call.modules, every=True)
+                                    if not any(d is r for r in read)])
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         sets = forward_watch(call.fn, call.owner) if preserve_rng else None
         token = ACTIVE.set(invocation)
@@ -156,9 +162,11 @@ class _BoundaryFunction(torch.autograd.Function):
             if call.changed_state is not None and call.changed_state.changes:
                 assert call.owner is not None  # a watch has one, and buffer dicts
                 mark_stateful(call.owner)
-        if numbers is not None:
+        if numbers is not None or glance is not None:
             call.numbers_saved = wanted
-            call.changed_numbers = numbers.changed()
+            call.changed_numbers = numbers.changed() if numbers is not None else None
+            if glance is not None and (glanced := glance.changed()) is not None:
+                call.changed_numbers = glanced.joined(call.changed_numbers)
             if call.changed_numbers is not None:
                 assert call.owner is not None  # modules
                 mark_stateful(call.owner)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import enum
+import operator
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -23,8 +24,8 @@ from torch import nn
 from .eager import user_stacklevel
 from .module_state import ModuleDicts
 
-__all__ = ["ChangedNumbers", "MadeNumbers", "NumbersWatch", "numbers_read", "plain_entries",
-           "value_differs", "with_reused_calls"]
+__all__ = ["ChangedNumbers", "MadeNumbers", "NumbersGlance", "NumbersWatch", "numbers_read",
+           "plain_entries", "value_differs", "with_reused_calls"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
 # members, tuples of such values (a shape key) and NumPy scalars (_immutable).
@@ -197,10 +198,11 @@ class NumbersWatch:
     those holding buffers (their forward may rebuild them with the number that decides it, at
     any step). A change makes the module stateful. Not read: containers of more than 64
     entries (one growing past 64 in the forward is still put back), or holding anything else
-    before the forward (a tensor, a nested list), ``__slots__``, a number (or small
-    container) first changed after the module's first replay in a module with no buffer
-    (changed twice, warned only at a first replay with a new
-    switch: ``warn_changed_numbers``). Not put back for a call whose forward changed a
+    before the forward (a tensor, a nested list), ``__slots__``, a small container first
+    changed in place after the module's first replay in a module with no buffer (changed
+    twice, warned only at a first replay with a new switch: ``warn_changed_numbers``); a
+    number first changed then is seen by a glance (NOTE [a number first changed after the
+    first replay]). Not put back for a call whose forward changed a
     trainable parameter in place (a one-time initialisation keyed on a flag, ActNorm's): the
     replay must not redo what copies cannot undo, so it reads the flag as the forward left it,
     as eager's parameters are.
@@ -322,6 +324,57 @@ class MadeNumbers:
                 d[name] = after.fresh()
 
 
+class NumbersGlance:
+    """NOTE [a number first changed after the first replay]: once a module's first replay is
+    done and no forward of it changed state, ``NumbersWatch`` reads only the dicts of modules
+    holding buffers. A plain value a forward first changes later (a count that LayerDrop
+    skipped at the first calls, a training-only step count after a first backward in eval
+    mode, as classifier guidance takes before training) was then changed again by every
+    replay, silently, and the replay computed with it: the module never showed a change, so
+    it was never read again. So those calls glance at every other dict of their modules:
+    its keys and values by identity, around the forward (about a microsecond for a layer of
+    ten modules, against ten for a full read). A value the forward rebound (an int counted
+    up, a flag set, an object replaced) makes its module stateful, read in full from then
+    on, and this call gets what a full read would have given for it: a value that cannot
+    change in place is put back as the forward began for the replay, an object the forward
+    rebound is read as it is. A container changed in place keeps its identity and is not
+    seen (a count per expert first changed so after the first replay: changed twice)."""
+
+    __slots__ = ("dicts", "keys", "values")
+
+    def __init__(self, dicts: Sequence[dict[str, Any]], /) -> None:
+        self.dicts = dicts
+        self.keys = [tuple(d) for d in dicts]
+        self.values = [tuple(d.values()) for d in dicts]
+
+    def changed(self) -> ChangedNumbers | None:
+        """What the forward rebound, set anew or deleted, as ``NumbersWatch.changed`` gives
+        it; ``None`` when nothing."""
+        found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = []
+        for d, keys, values in zip(self.dicts, self.keys, self.values):
+            if len(d) == len(keys) and all(map(operator.is_, d.values(), values)):
+                continue  # the usual case
+            before = dict(zip(keys, values))
+            changed: list[tuple[str, Any]] = []
+            rebound: list[str] = []
+            for name in (d.keys() | before.keys()) - _NOT_STATE:
+                if name.startswith(_OURS):
+                    continue
+                was, now = before.get(name, _ABSENT), d.get(name, _ABSENT)
+                if was is now:
+                    continue
+                if was is _ABSENT:
+                    changed.append((name, _ABSENT))  # set anew: the replay runs without it
+                elif _immutable(was):
+                    if now is _ABSENT or not _immutable(now) or value_differs(now, was):
+                        changed.append((name, was))
+                else:
+                    rebound.append(name)  # an object rebound or deleted: read as it is
+            if changed or rebound:
+                found.append((d, changed, rebound))
+        return ChangedNumbers(found) if found else None
+
+
 def numbers_read(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /, *, every: bool
                  ) -> list[dict[str, Any]]:
     """The ``__dict__`` of each module of ``roots``' trees (``trees``: their dicts), or with
@@ -383,6 +436,10 @@ class ChangedNumbers:
     def __init__(self, found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]],
                  /) -> None:
         self.found = found
+
+    def joined(self, other: ChangedNumbers | None, /) -> ChangedNumbers:
+        """This and ``other`` (changes of other dicts) as one."""
+        return self if other is None else ChangedNumbers([*self.found, *other.found])
 
     @contextmanager
     def as_forward_began(self, where: str = "the layer", /) -> Iterator[None]:
