@@ -49,7 +49,7 @@ import pytree_ckpt
 from pytree_ckpt import KeptCallables, KeptOps, RecomputeConfig, SaveUnit
 
 B, T, D, VOCAB, HEADS = 2, 4, 8, 11, 2
-CASES = 24  # about 10 s on two cores; scripts can run run_case(seed) for many more
+CASES = 45  # about 8 s on two cores; scripts can run run_case(seed) for many more
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -413,7 +413,9 @@ class Model(nn.Module):
         return loss + h.square().mean(), leaves
 
 
-HOOKED = ["lin", "norm", "gate_proj", "qkv", "inner", "lin2", "shared"]
+# Not lin2: it consumes the discarded norm2 output, which a hook keeping its input would read
+# after the discard freed it (docs/discard.md: a late reader crashes the process).
+HOOKED = ["lin", "norm", "gate_proj", "qkv", "inner", "shared"]
 
 
 def add_hook(model: Model, module: nn.Module, kind: str) -> None:
@@ -593,6 +595,7 @@ def run_case(seed: int, *, exact: bool = True, steps: int = 2) -> list[str]:
             for i, name, kind in hooks:  # deepcopy keeps the hooks, on the old list
                 getattr(model.blocks[i], name)._forward_hooks.clear()
                 getattr(model.blocks[i], name)._forward_pre_hooks.clear()
+            for i, name, kind in hooks:
                 add_hook(model, getattr(model.blocks[i], name), kind)
         results = []
         for m, opt in zip((eager, model), opts):
@@ -603,6 +606,9 @@ def run_case(seed: int, *, exact: bool = True, steps: int = 2) -> list[str]:
                     return []
                 if how_backward == "retain" and "already replayed" in str(error):
                     return []  # docs/discard.md: a discarded output replayed twice is refused
+                if hooks and "is a view and is being modified inplace" in str(error):
+                    return []  # docs/limits.md: outputs viewing one another (one a hooked
+                    # output) changed in place are refused by torch
                 return [f"seed {seed}: {describe()}", f"step {step}: the wrapped model raised "
                         f"{type(error).__name__}: {error}"]
         (l0, o0, g0, h0, e0), (l1, o1, g1, h1, e1) = results
