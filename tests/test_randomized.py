@@ -49,7 +49,7 @@ import pytree_ckpt
 from pytree_ckpt import KeptCallables, KeptOps, RecomputeConfig, SaveUnit
 
 B, T, D, VOCAB, HEADS = 2, 4, 8, 11, 2
-CASES = 45  # about 10 s on two cores; scripts can run run_case(seed) for many more
+CASES = 36  # about 8 s on two cores; scripts can run run_case(seed) for many more
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -624,7 +624,10 @@ def run_case(seed: int, *, exact: bool = True, steps: int = 2) -> list[str]:
         # A window no backward restores (a layer whose output is its input, unchanged, with
         # nothing needing grad) is copied for nothing, and reported as alive elsewhere.
         unrestored = stats["offloaded_bytes"] - stats["restored_bytes"]
-        if stats["host_buffers_in_use"] or not 0 <= unrestored <= stats["alive_elsewhere_bytes"]:
+        # A restricted backward (inputs=, autograd.grad) may not reach a window at all.
+        restricted = how_backward in ("inputs", "grad")
+        if stats["host_buffers_in_use"] or unrestored < 0 or (
+                not restricted and unrestored > stats["alive_elsewhere_bytes"]):
             problems.append(f"step {step}: offload stats after the step {stats}")
         if not equal(l0, l1):
             problems.append(f"step {step}: loss {l0.tolist()} vs {l1.tolist()}")
