@@ -2442,12 +2442,12 @@ class _AddsAndReturnsInput(nn.Module):
         return self.lin(h) + ext, ext  # ext used once, and returned as it is
 
 
-@pytest.mark.xfail(strict=True, reason="an input that two checkpointed calls each use once "
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Parameters as "
+                   "inputs: the exceptions): an input that two checkpointed calls each use once "
                    "and return as it is, with the loss reading the returned aliases, gets a "
-                   "gradient summed in another order than eager's (1.5e-8 off in fp32); "
-                   "torch's non-reentrant checkpoint is exact, and docs/limits.md ('Tensors "
-                   "made before the call') says such an alias gets eager's gradient (found by "
-                   "tests/test_randomized.py)")
+                   "gradient summed in another order than eager's (1.5e-8 off in fp32; torch's "
+                   "non-reentrant checkpoint is exact): the returned alias's gradient comes back "
+                   "through the node, summed with the use's (helper EP, tests/test_randomized.py)")
 def test_an_input_used_once_and_returned_by_two_layers_gets_eagers_gradient() -> None:
     torch.manual_seed(0)
     eager = nn.ModuleList(_AddsAndReturnsInput() for _ in range(2))
@@ -2477,12 +2477,13 @@ class _TransposedProjection(nn.Module):
         return self.lin(h).transpose(0, 1)  # an output viewing a tensor the layer made
 
 
-@pytest.mark.xfail(strict=True, reason="an output that is a transposed view of a tensor the "
-                   "layer made, changed in place by the caller (out.mul_(0.9)), gives the "
-                   "bias a gradient 2.4e-7 off eager's in fp32 (torch's non-reentrant "
-                   "checkpoint is exact); docs/limits.md says such an output 'is changed in "
-                   "place as in eager' (found by tests/test_randomized.py, with a BatchNorm "
-                   "on h.transpose(1, 2))")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Inputs and outputs: "
+                   "outputs that are views, changed in place): an output that is a transposed "
+                   "view of a tensor the layer made, changed in place by the caller "
+                   "(out.mul_(0.9)), gives the bias a gradient 2.4e-7 off eager's in fp32 "
+                   "(torch's non-reentrant checkpoint is exact): the gradient reaching the "
+                   "replay has another memory layout, and the bias reduction sums in another "
+                   "order (helper EP, tests/test_randomized.py)")
 def test_a_transposed_output_changed_in_place_by_the_caller_gets_eagers_gradients() -> None:
     torch.manual_seed(0)
     eager = _TransposedProjection()
