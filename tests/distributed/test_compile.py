@@ -1260,3 +1260,37 @@ def test_an_inductor_compiled_causal_attention_in_float32_matches_its_compiled_t
     finally:
         torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+@pytest.mark.xfail(strict=True, reason="the replay's detached inputs lose torch._dynamo."
+                   "maybe_mark_dynamic's marks: the replay compiles a static graph, then "
+                   "recompiles at the next length (3 graphs where the original pass and the "
+                   "replay need 2)")
+def test_maybe_mark_dynamic_inputs_compile_one_graph_per_pass_across_lengths() -> None:
+    # Packed batches change their token count every step; marking the token dimension dynamic
+    # is how a trainer avoids a static first graph (mark_dynamic's marks reach the replay
+    # through dynamo's automatic-dynamic state; maybe_mark_dynamic's do not). Unwrapped, the
+    # compiled body compiles one graph for every length; behind the boundary it should
+    # compile two (no-grad original pass, grad replay), once.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        block = copy.deepcopy(eager)
+        counter = CompileCounterWithBackend("aot_eager")
+        block.forward = torch.compile(block.forward, backend=counter)  # type: ignore[method-assign]
+        pytree_ckpt.apply_activation_checkpointing(block, offload=False)
+        for tokens in (20, 28, 9, 33):
+            h = torch.randn(tokens, 8, requires_grad=True)
+            torch._dynamo.maybe_mark_dynamic(h, 0)
+            block.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+            block(h).square().sum().backward()
+            eager(h).square().sum().backward()
+            assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                               {n: p.grad for n, p in block.named_parameters()})
+        assert counter.frame_count == 2
+    finally:
+        torch._dynamo.reset()
