@@ -7,6 +7,7 @@ with their files.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -235,6 +236,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # alive until the caller's autocast region ends (backward inside it kept every
             # layer's input).
             aliases = alias_all(detached)  # NOTE [tensors of other layouts]: sparse: clones
+            for t, a in zip(saved, aliases):  # NOTE [dynamo's marks reach the replay]
+                if t.__dict__:
+                    _copy_dynamo_marks(t, a)
             if call.subclasses is not None:
                 aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
@@ -434,6 +438,25 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     if release:
         call.frame.clear()
     return (None, None, *result)
+
+
+# NOTE [dynamo's marks reach the replay]: torch._dynamo.maybe_mark_dynamic(t, dim) (and
+# mark_dynamic) set attributes on the tensor object, which the replay's detached aliases do
+# not carry: a compiled body's replay entry compiled for its first length and again at the
+# next (three graphs where two serve: helper ER). Copied onto the aliases fn is handed (an
+# empty attribute dict costs a lookup per input). An offloaded
+# input comes back as a new tensor, without them: its replay entry turns dynamic at the second
+# length, as dynamo's automatic dynamic shapes do.
+_DYNAMO_MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices",
+                 "_dynamo_dynamic_range", "_dynamo_unbacked_indices", "_dynamo_static_indices",
+                 "_dynamo_hint_overrides", "_specialize_on", "_has_dynamo_dim_marking")
+
+
+def _copy_dynamo_marks(source: torch.Tensor, target: torch.Tensor, /) -> None:
+    marks = source.__dict__
+    for name in _DYNAMO_MARKS:
+        if name in marks:
+            setattr(target, name, copy.copy(marks[name]))
 
 
 def _batched_backward(grad_outputs: Sequence[torch.Tensor | None], /) -> str | None:

@@ -1262,10 +1262,6 @@ def test_an_inductor_compiled_causal_attention_in_float32_matches_its_compiled_t
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
-@pytest.mark.xfail(strict=True, reason="the replay's detached inputs lose torch._dynamo."
-                   "maybe_mark_dynamic's marks: the replay compiles a static graph, then "
-                   "recompiles at the next length (3 graphs where the original pass and the "
-                   "replay need 2)")
 def test_maybe_mark_dynamic_inputs_compile_one_graph_per_pass_across_lengths() -> None:
     # Packed batches change their token count every step; marking the token dimension dynamic
     # is how a trainer avoids a static first graph (mark_dynamic's marks reach the replay
