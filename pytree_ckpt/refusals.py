@@ -239,6 +239,10 @@ def _held_at(leaf: torch.Tensor, owner: nn.Module, fn: Callable[..., Any], /) ->
         for name in code.co_names:
             if space.get(name) is leaf:
                 return f", by the global {name!r} of {space.get('__name__', 'its module')}"
+    if isinstance(leaf, nn.Parameter):  # helper EM: a forward bound to another instance
+        return (", an nn.Parameter of a module outside this one (is the forward bound to "
+                "another instance? `m.forward = torch.compile(m.forward)` before a deepcopy "
+                "leaves the copy's forward on the original)")
     return ""
 
 

@@ -561,3 +561,19 @@ def test_a_frozen_parameter_the_forward_unfreezes_after_using_it_gets_no_gradien
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert grads[0][1] is None and grads[0][2] is not None
     assert_same_grads(*grads)
+
+
+def test_the_refusal_of_another_instances_parameter_asks_whether_forward_is_bound_to_it(
+        ) -> None:
+    # Helper EM: compiled (or otherwise rebound) before a deepcopy, the copy's forward is the
+    # original's bound method, and the copy's replay reaches the original's parameters.
+    original = nn.Sequential(nn.Linear(8, 8))
+    copied = copy.deepcopy(original)
+    copied.forward = original.forward  # type: ignore[method-assign]  # what such a copy keeps
+    pytree_ckpt.apply_activation_checkpointing(copied)
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        copied(x).sum().backward()
+    assert "an nn.Parameter of a module outside this one (is the forward bound to another " \
+           "instance?" in str(err.value)
+    assert all(p.grad is None for p in (*original.parameters(), *copied.parameters()))
