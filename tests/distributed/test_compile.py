@@ -1290,3 +1290,36 @@ def test_maybe_mark_dynamic_inputs_compile_one_graph_per_pass_across_lengths() -
         assert counter.frame_count == 2
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.xfail(strict=True, reason="_copy_dynamo_marks (recompute.py) copies maybe_mark_"
+                   "dynamic's and mark_dynamic's attributes but not _dynamo_propagated_dynamic_"
+                   "indices, which AOTAutograd stamps on a compiled producer's dynamic outputs "
+                   "(a compiled embedding, a compiled stretch before a graph break): the replay's "
+                   "entry compiles a static graph first, then a dynamic one: three graphs where "
+                   "two serve (unwrapped: one)")
+def test_inputs_from_a_dynamic_compiled_producer_compile_one_graph_per_pass_across_lengths(
+        ) -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        block = copy.deepcopy(eager)
+        counter = CompileCounterWithBackend("aot_eager")
+        block.forward = torch.compile(block.forward, backend=counter)  # type: ignore[method-assign]
+        pytree_ckpt.apply_activation_checkpointing(block, offload=False)
+        produce = torch.compile(lambda t: t * 2, backend="aot_eager", dynamic=True)
+        for tokens in (20, 28, 9, 33):
+            x = torch.randn(tokens, 8, requires_grad=True)
+            block.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+            # produce(x) carries _dynamo_propagated_dynamic_indices; one graph per twin
+            block(produce(x)).square().sum().backward()
+            eager(produce(x)).square().sum().backward()
+            assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                               {n: p.grad for n, p in block.named_parameters()})
+        assert counter.frame_count == 2
+    finally:
+        torch._dynamo.reset()
