@@ -24,7 +24,8 @@ from .changed_in_place import (ParameterVersions, grad_switched, raise_input_cha
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
 from .forward_modules import ForwardModules
-from .forward_numbers import NumbersGlance, NumbersWatch, numbers_read, with_reused_calls
+from .forward_numbers import (NumbersGlance, NumbersWatch, glanced_dicts, numbers_read,
+                              with_reused_calls)
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
@@ -105,9 +106,11 @@ class _BoundaryFunction(torch.autograd.Function):
         # NOTE [a number first changed after the first replay]: the other dicts, glanced at.
         glance = None
         if call.modules is not None and not wanted:
-            read = numbers.dicts if numbers is not None else ()
-            glance = NumbersGlance([d for d in numbers_read(*call.modules, every=True)
-                                    if not any(d is r for r in read)])
+            every = glanced_dicts(*call.modules)
+            if numbers is not None:
+                read = {id(d) for d in numbers.dicts}
+                every = [d for d in every if id(d) not in read]
+            glance = NumbersGlance(every)
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         sets = forward_watch(call.fn, call.owner) if preserve_rng else None
         token = ACTIVE.set(invocation)

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from .eager import user_stacklevel
-from .module_state import ModuleDicts
+from .module_state import ModuleDicts, torch_nn_class
 
-__all__ = ["ChangedNumbers", "MadeNumbers", "NumbersGlance", "NumbersWatch", "numbers_read",
-           "plain_entries", "value_differs", "with_reused_calls"]
+__all__ = ["ChangedNumbers", "MadeNumbers", "NumbersGlance", "NumbersWatch", "glanced_dicts",
+           "numbers_read", "plain_entries", "value_differs", "with_reused_calls"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
 # members, tuples of such values (a shape key) and NumPy scalars (_immutable).
@@ -331,9 +331,10 @@ class NumbersGlance:
     skipped at the first calls, a training-only step count after a first backward in eval
     mode, as classifier guidance takes before training) was then changed again by every
     replay, silently, and the replay computed with it: the module never showed a change, so
-    it was never read again. So those calls glance at every other dict of their modules:
-    its keys and values by identity, around the forward (about a microsecond for a layer of
-    ten modules, against ten for a full read). A value the forward rebound (an int counted
+    it was never read again. So those calls glance at the other dicts of their modules, keys
+    and values by identity, around the forward: those of modules not of torch.nn's own
+    classes, whose forwards rebind no plain attribute (a few microseconds for a layer of three
+    such modules; a full read of a ten-module layer takes about twenty). A value the forward rebound (an int counted
     up, a flag set, an object replaced) makes its module stateful, read in full from then
     on, and this call gets what a full read would have given for it: a value that cannot
     change in place is put back as the forward began for the replay, an object the forward
@@ -352,8 +353,9 @@ class NumbersGlance:
         it; ``None`` when nothing."""
         found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = []
         for d, keys, values in zip(self.dicts, self.keys, self.values):
-            if len(d) == len(keys) and all(map(operator.is_, d.values(), values)):
-                continue  # the usual case
+            if len(d) == len(keys) and all(map(operator.is_, d, keys)) and \
+                    all(map(operator.is_, d.values(), values)):
+                continue  # the usual case (by name too: `del self.a; self.b = True`)
             before = dict(zip(keys, values))
             changed: list[tuple[str, Any]] = []
             rebound: list[str] = []
@@ -373,6 +375,14 @@ class NumbersGlance:
             if changed or rebound:
                 found.append((d, changed, rebound))
         return ChangedNumbers(found) if found else None
+
+
+def glanced_dicts(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /
+                  ) -> list[dict[str, Any]]:
+    """The dicts a ``NumbersGlance`` looks at: those of the modules not of torch.nn's own
+    classes."""
+    return [*(m.__dict__ for m in roots if not torch_nn_class(m)),
+            *(d for tree in trees for d in tree.own)]
 
 
 def numbers_read(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /, *, every: bool

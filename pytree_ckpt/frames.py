@@ -29,6 +29,7 @@ backwards] in kept_replay.py): the node's next run reads no frame, and a backwar
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -63,18 +64,26 @@ def callable_name(fn: Callable[..., Any], /) -> str:
     if name.startswith("_VariableFunctionsClass."):  # torch.topk's own qualname
         return "torch." + name.partition(".")[2]
     if isinstance(owner, types.ModuleType):  # a builtin of torch's C namespaces (F.gelu)
-        public, prefix = _TORCH_NAMESPACES.get(owner.__name__, (owner.__name__, ""))
-        return f"{public}.{name.removeprefix(prefix)}"
+        return _public_name(fn, owner, name)
     if owner is not None and not isinstance(owner, type):
         return f"{type(owner).__name__}.{getattr(func, '__name__', name)}"
     return name
 
 
-# Where torch's builtins bound to a C module are public, and the prefix their names carry there.
-_TORCH_NAMESPACES = {"torch._C._nn": ("torch.nn.functional", ""),
-                     "torch._C._special": ("torch.special", "special_"),
-                     "torch._C._linalg": ("torch.linalg", "linalg_"),
-                     "torch._C._fft": ("torch.fft", "fft_")}
+# Where torch's builtins bound to a C module are public (read only for a message).
+_TORCH_NAMESPACES = {"torch._C._nn": "torch.nn.functional", "torch._C._special": "torch.special",
+                     "torch._C._linalg": "torch.linalg", "torch._C._fft": "torch.fft"}
+
+
+def _public_name(fn: Any, owner: types.ModuleType, name: str, /) -> str:
+    """``torch.nn.functional.logsigmoid`` for ``torch._C._nn.log_sigmoid``: the name under
+    which the public namespace holds that very object, else the C module's own."""
+    public = sys.modules.get(_TORCH_NAMESPACES.get(owner.__name__, ""))
+    if public is not None:
+        for attribute, value in vars(public).items():
+            if value is fn:
+                return f"{public.__name__}.{attribute}"
+    return f"{owner.__name__}.{name}"
 
 
 # NOTE [kept ops dispatched differently]: the original pass runs under no-grad, the replay with

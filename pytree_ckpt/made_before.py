@@ -217,17 +217,19 @@ def on_kept_storages(outputs: Sequence[torch.Tensor], kept: dict[int, list[tuple
     input by a matrix on every version. A caller's change in place of that output (``out +=
     residual``) then changes the kept bytes unseen: the kept record's version check passes,
     and the replay computes on with the changed result, silently (a ``relu`` of it saved
-    another mask). So each output on a kept storage is noted, by weak reference, with its
-    version and the op kept there, and a replay that finds one moved is refused
-    (``refuse_changed_kept``); an output whose version did not move, the usual case, passes.
-    Noted whatever its counter: a view sharing the record's counter is refused here too,
-    before the record's own check would refuse it in the replay."""
+    another mask). So each output on a kept storage is noted, by a ``detach()`` alias of it
+    (which shares its version counter: a change through another alias the caller kept, the
+    output object dropped, shows too; helper EQ) with its version and the op kept there, and
+    a replay that finds one moved is refused (``refuse_changed_kept``); an output whose
+    version did not move, the usual case, passes. The alias holds the kept storage, which the
+    record holds anyway. Noted whatever its counter: a view sharing the record's counter is
+    refused here too, before the record's own check would refuse it in the replay."""
     noted = []
     for position, t in enumerate(outputs):
         key = _storage_key(t)
         records = kept.get(key) if key is not None else None
         if records:
-            noted.append((position, weakref.ref(t), t._version, str(records[0][0])))
+            noted.append((position, t.detach(), t._version, str(records[0][0])))
     return noted or None
 
 
@@ -235,9 +237,8 @@ def refuse_changed_kept(fn: Callable[..., Any], noted: list[tuple[int, Any, int,
                         names: Callable[[int], str], /) -> None:
     """NOTE [outputs on a kept storage]: refuse an output changed in place since the call
     whose storage a save unit's record holds. ``names`` gives an output's path by position."""
-    for position, ref, version, op in noted:
-        out = ref()
-        if out is not None and out._version != version:
+    for position, out, version, op in noted:
+        if out._version != version:
             raise CheckpointError(
                 f"{names(position)} of {fn_name(fn)} shares its memory with the result of "
                 f"{op} that a save unit keeps for the replay, and was changed in place after "

@@ -34,8 +34,8 @@ __all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argu
            "call_switches", "changed_submodule", "collect_parameters", "drop_caches",
            "ever_verified", "foreign_leaves", "graph_attributes", "is_verified", "mark_verified",
            "module_buffers", "module_dicts", "owning_module", "structure_generation",
-           "submodules_now", "trainable_parameters", "warn_forward_hooks", "watch_module_structure",
-           "watch_tree"]
+           "submodules_now", "torch_nn_class", "trainable_parameters", "warn_forward_hooks",
+           "watch_module_structure", "watch_tree"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -315,6 +315,15 @@ class ModuleDicts(NamedTuple):
     # Submodules whose training flag is not in their __dict__ (a property): read and set as
     # attributes.
     flagged_otherwise: tuple[nn.Module, ...] = ()
+    # The __dict__ of each submodule not of one of torch.nn's own classes (NOTE [a number first
+    # changed after the first replay] in forward_numbers.py).
+    own: tuple[dict[str, Any], ...] = ()
+
+
+def torch_nn_class(module: nn.Module, /) -> bool:
+    """Whether ``module`` is of one of torch.nn's own classes (``nn.Linear``, ``nn.LayerNorm``),
+    whose forwards rebind no plain attribute of theirs."""
+    return type(module).__module__.startswith("torch.nn.modules.")
 
 
 def module_dicts(module: nn.Module, /) -> ModuleDicts:
@@ -331,7 +340,9 @@ def module_dicts(module: nn.Module, /) -> ModuleDicts:
                                    tuple(m._buffers for m in tree),
                                    tuple(m.__dict__ for m in tree if m is not module),
                                    tuple(m for m in tree if m is not module and
-                                         "training" not in m.__dict__)))
+                                         "training" not in m.__dict__),
+                                   tuple(m.__dict__ for m in tree if m is not module and
+                                         not torch_nn_class(m))))
         module.__dict__[_DICTS] = cached
     return cached[1]
 

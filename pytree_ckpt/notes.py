@@ -50,5 +50,7 @@ def note_no_grad_pass(error: BaseException, where: str, /) -> None:
             f"pytree_ckpt: raised in {where}, which runs the forward under torch.no_grad() "
             "(the replay in backward runs it with grad). Tip: a forward that takes gradients "
             "itself (torch.autograd.grad inside it) needs grad mode there in every pass: wrap "
-            "that part in `with torch.enable_grad():`; both passes then build its graph, and "
-            "the results are eager's.")
+            "that part in `with torch.enable_grad():`, from the computation of what it "
+            "differentiates to the gradient call (a tensor computed before the block has no "
+            "graph in this pass); both passes then build its graph, and the results are "
+            "eager's.")

@@ -443,20 +443,20 @@ def replay_backward(ctx: Any, call: BoundaryCall,
 # NOTE [dynamo's marks reach the replay]: torch._dynamo.maybe_mark_dynamic(t, dim) (and
 # mark_dynamic) set attributes on the tensor object, which the replay's detached aliases do
 # not carry: a compiled body's replay entry compiled for its first length and again at the
-# next (three graphs where two serve: helper ER). Copied onto the aliases fn is handed (an
-# empty attribute dict costs a lookup per input). An offloaded
-# input comes back as a new tensor, without them: its replay entry turns dynamic at the second
-# length, as dynamo's automatic dynamic shapes do.
-_DYNAMO_MARKS = ("_dynamo_weak_dynamic_indices", "_dynamo_dynamic_indices",
-                 "_dynamo_dynamic_range", "_dynamo_unbacked_indices", "_dynamo_static_indices",
-                 "_dynamo_hint_overrides", "_specialize_on", "_has_dynamo_dim_marking")
+# next (three graphs where two serve: helper ER); so does the mark AOTAutograd stamps on a
+# dynamic compiled producer's outputs (_dynamo_propagated_dynamic_indices: helper EQ). Every
+# attribute of dynamo's (its names start with "_dynamo", as in torch's own
+# copy_dynamo_tensor_attributes, plus mark_dynamic's "_has_dynamo_dim_marking" and
+# "_specialize_on") is copied onto the aliases fn is handed; an empty attribute dict costs a
+# lookup per input. An offloaded input comes back as a new tensor, without them: its replay
+# entry turns dynamic at the second length, as dynamo's automatic dynamic shapes do.
+_DYNAMO_NAMES = ("_dynamo", "_has_dynamo", "_specialize_on")
 
 
 def _copy_dynamo_marks(source: torch.Tensor, target: torch.Tensor, /) -> None:
-    marks = source.__dict__
-    for name in _DYNAMO_MARKS:
-        if name in marks:
-            setattr(target, name, copy.copy(marks[name]))
+    for name, value in source.__dict__.items():
+        if name.startswith(_DYNAMO_NAMES):
+            setattr(target, name, copy.copy(value))
 
 
 def _batched_backward(grad_outputs: Sequence[torch.Tensor | None], /) -> str | None:

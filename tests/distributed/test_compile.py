@@ -1292,12 +1292,6 @@ def test_maybe_mark_dynamic_inputs_compile_one_graph_per_pass_across_lengths() -
         torch._dynamo.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="_copy_dynamo_marks (recompute.py) copies maybe_mark_"
-                   "dynamic's and mark_dynamic's attributes but not _dynamo_propagated_dynamic_"
-                   "indices, which AOTAutograd stamps on a compiled producer's dynamic outputs "
-                   "(a compiled embedding, a compiled stretch before a graph break): the replay's "
-                   "entry compiles a static graph first, then a dynamic one: three graphs where "
-                   "two serve (unwrapped: one)")
 def test_inputs_from_a_dynamic_compiled_producer_compile_one_graph_per_pass_across_lengths(
         ) -> None:
     from torch._dynamo.testing import CompileCounterWithBackend

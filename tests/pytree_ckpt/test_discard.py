@@ -1601,9 +1601,6 @@ def test_a_discarded_functional_gelu_is_named_gelu_not_module_gelu() -> None:
     assert "gelu" in message and "module.gelu" not in message, message
 
 
-@pytest.mark.xfail(strict=True, reason="callable_name maps torch._C._nn builtins to "
-                   "torch.nn.functional by their C name: F.logsigmoid (torch._C._nn.log_sigmoid) "
-                   "is named torch.nn.functional.log_sigmoid, which does not exist")
 def test_a_discarded_functional_logsigmoid_is_named_by_its_public_name() -> None:
     proj = nn.Linear(16, 16)
     x = torch.randn(4, 16, requires_grad=True)

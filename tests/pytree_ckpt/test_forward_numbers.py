@@ -1747,12 +1747,6 @@ def test_a_training_step_counter_after_guided_sampling_in_eval_counts_once_as_ea
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.xfail(strict=True, reason="NumbersGlance.changed's fast path compares a dict's "
-                   "length and its values by position only, not its keys: a forward that first "
-                   "deletes one attribute and sets another to the same object after the first "
-                   "replay (`del self.warm; self.done = True` with end_warmup True: the values "
-                   "read (.., True, True) both times) is not seen, and the replay takes the "
-                   "post-warm-up branch; gradients differ from eager's at that step, silently")
 def test_a_forward_that_renames_a_flag_after_the_first_replay_replays_as_it_ran() -> None:
     class Warm(nn.Module):
         def __init__(self) -> None:
