@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import copy
 import enum
-import operator
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -353,9 +352,11 @@ class NumbersGlance:
         it; ``None`` when nothing."""
         found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = []
         for d, keys, values in zip(self.dicts, self.keys, self.values):
-            if len(d) == len(keys) and all(map(operator.is_, d, keys)) and \
-                    all(map(operator.is_, d.values(), values)):
-                continue  # the usual case (by name too: `del self.a; self.b = True`)
+            try:  # the usual case, compared in C (identity first), by name too
+                if tuple(d.values()) == values and tuple(d) == keys:  # (`del a; self.b = a`)
+                    continue
+            except Exception:  # noqa: BLE001 (an __eq__ that raises: a tensor rebound, an array)
+                pass  # looked at by name below
             before = dict(zip(keys, values))
             changed: list[tuple[str, Any]] = []
             rebound: list[str] = []
