@@ -132,10 +132,10 @@ def register_rebuild(hook_tensor: torch.Tensor, hook: Callable[[torch.Tensor], N
     """Register a discard's rebuild ``hook`` for ``hook_tensor``'s gradient.
 
     NOTE [a hook tensor that is a view]: the consumer's output is often a view (``nn.Linear``
-    on a 3-D input returns one of its 2-D matmul before torch 2.15), and a caller may change it in place after
-    the discard (timm's ``LayerScale(inplace=True)``, ``out += residual``). Autograd then
-    routes the gradient from the in-place op straight to the view's base, past the node a
-    hook on the view sits on, so that hook never ran: nothing was rebuilt, and backward
+    on a 3-D input returns one of its 2-D matmul before torch 2.15), and a caller may change
+    it in place after the discard (timm's ``LayerScale(inplace=True)``, ``out += residual``).
+    Autograd then routes the gradient from the in-place op straight to the view's base, past
+    the node a hook on the view sits on, so that hook never ran: nothing was rebuilt, and backward
     failed with torch's "data is not allocated yet". So a view's base gets the hook too: it
     sits on the node that made the base, which a change through any view leaves in place.
     The first of the two to run in a backward rebuilds, the other lets it be (by graph task:

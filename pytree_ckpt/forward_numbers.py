@@ -332,10 +332,10 @@ class NumbersGlance:
     replay, silently, and the replay computed with it: the module never showed a change, so
     it was never read again. So those calls glance at the other dicts of their modules, keys
     and values by identity, around the forward: those of modules not of torch.nn's own
-    classes, whose forwards rebind no plain attribute (a few microseconds for a layer of three
-    such modules; a full read of a ten-module layer takes about twenty). A value the forward rebound (an int counted
-    up, a flag set, an object replaced) makes its module stateful, read in full from then
-    on, and this call gets what a full read would have given for it: a value that cannot
+    classes, whose forwards rebind no plain attribute (under a microsecond a dict; a full
+    read of a ten-module layer takes about twenty). A value the forward rebound (an int
+    counted up, a flag set, an object replaced) makes its module stateful, read in full from
+    then on, and this call gets what a full read would have given for it: a value that cannot
     change in place is put back as the forward began for the replay, an object the forward
     rebound is read as it is. A container changed in place keeps its identity and is not
     seen (a count per expert first changed so after the first replay: changed twice)."""

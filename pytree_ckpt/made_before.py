@@ -107,25 +107,25 @@ def unviewed(outputs: tuple[torch.Tensor, ...], views: list[int],
              ) -> tuple[tuple[torch.Tensor, ...], list[tuple[int, Any, int]] | None]:
     """NOTE [outputs that view fn's own results]: ``nn.Linear`` on a 3-D input returns a view
     of its 2-D matmul (before torch 2.15), so a layer (or an MLP, an attention block) ending
-    in a projection returns a view of a tensor fn made. Left a view, it leaves the boundary's Function as one,
-    and torch refuses a caller's in-place change of it ("Output 0 of _BoundaryFunction is a
-    view and is being modified inplace": ``out += residual``, timm's ``LayerScale(inplace=
-    True)``), where eager and torch's non-reentrant checkpoint allow it. So the output leaves
-    as a ``detach()`` alias of the same bytes, which is no view; it shares the version
-    counter, so a kept op's or a frozen result's tensor changed through it is still refused
-    at the replay. Not where another output, a hooked output or a frozen result (``others``)
-    shares its storage: two outputs viewing one tensor must stay views of one another for
-    autograd to follow a change through either (torch refuses it, documented); nor where
-    anything but the boundary holds the output object (``_unheld``: a hook that kept it, a
-    module attribute), nor for a sparse tensor or a subclass: those stay views, as before.
+    in a projection returns a view of a tensor fn made. Left a view, it leaves the boundary's
+    Function as one, and torch refuses a caller's in-place change of it ("Output 0 of
+    _BoundaryFunction is a view and is being modified inplace": ``out += residual``, timm's
+    ``LayerScale(inplace=True)``), where eager and torch's non-reentrant checkpoint allow it.
+    So the output leaves as a ``detach()`` alias of the same bytes, which is no view; it shares
+    the version counter, so a kept op's or a frozen result's tensor changed through it is still
+    refused at the replay. Not where another output, a hooked output or a frozen result
+    (``others``) shares its storage: two outputs viewing one tensor must stay views of one
+    another for autograd to follow a change through either (torch refuses it, documented); nor
+    where anything but the boundary holds the output object (``_unheld``: a hook that kept it,
+    a module attribute), nor for a sparse tensor or a subclass: those stay views, as before.
 
     The tensor it views may also be one that existed before the call (a table in a closure or
     on a module, ``t[:n]`` returned), which nothing cheap tells from fn's own: changed through
     the output, the replay would read the changed table, silently, where eager refuses it at
     backward when an op saved it. So each alias is noted with its version (returned, by weak
-    reference: a dropped output cannot be changed), and a replay that finds one moved looks
-    for state the call reaches on the same storage, and refuses (``refuse_changed_views``);
-    one of fn's own, the usual case, passes."""
+    reference: a dropped output cannot be changed), and a replay that finds one moved looks for
+    state the call reaches on the same storage, and refuses (``refuse_changed_views``); one of
+    fn's own, the usual case, passes."""
     shared = [_storage_key(t) for t in (*outputs, *others)]
     # Counted before anything here holds the outputs.
     replaced = [position for position in views

@@ -168,7 +168,8 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
                 "in backward fills it again, and may read what the no-grad original pass stored "
                 "(transformers' attention does): gradients through it would be silently "
                 "missing",
-                expected="no cache object while grad is enabled (use_cache=False, and none passed)",
+                expected="no cache object while grad is enabled (use_cache=False, and none "
+                         "passed)",
                 got=type(leaf).__name__ if kv_cache else "use_cache=True",
                 tip=("pass no cache object while grad is enabled: use_cache=False does not "
                      "stop the attention filling a cache it is given. To train a continuation "
