@@ -241,8 +241,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     bound = None  # NOTE [a module rebound before the replay] (rebound.py)
     if len(flat.tensor_index) < len(leaves):
         refuse_unreadable_inputs(fn, flat.spec, leaves,
-                                  kwargs_use_cache=kwargs.get("use_cache") is True,
-                                  cache_off=kwargs.get("use_cache") is False)
+                                  use_cache=kwargs.get("use_cache"))
         if owner is None:
             plain = watch_plain_state(fn, leaves, flat.spec)
             bound = modules_bound(fn)

@@ -185,9 +185,11 @@ def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],
     """NOTE [numbers a forward changes]: a Python int or float attribute the forward changes
     (``self.calls += 1``, a warm-up scale) is put back as the forward began for the replay
     where it was saved before the forward (NOTE [numbers and flags as the forward began] in
-    forward_numbers.py). Where it was not (the module's forward first changed one after its
-    first replay, with a new switch), the replay changes it again and computes with the
-    changed value: eager's gradient is not the replay's, and the count ends one ahead. Read
+    forward_numbers.py), or seen rebound by the glance (NOTE [a number first changed after
+    the first replay]). Where neither saw it (an entry of a small container first changed in
+    place after the module's first replay, with a new switch), the replay changes it again
+    and computes with the changed value: eager's gradient is not the replay's, and the count
+    ends one ahead. Read
     around a module's first replay with each switch; said once per module. The module is then
     marked stateful, so its later calls save them. One the forward sets to a value it computes
     (``self.seq_len = x.shape[1]``) is set to the same value by the replay, and not told."""

@@ -122,7 +122,7 @@ def _holds_no_state(leaf: Any, /) -> bool:
 
 
 def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], /, *,
-                              kwargs_use_cache: bool = False, cache_off: bool = False) -> None:
+                              use_cache: Any = None) -> None:
     """Input leaves the boundary cannot hand to the replay as the forward had them, refused
     before the original pass.
 
@@ -138,8 +138,8 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
     they are, as documented, except a key/value cache (an object with ``update()`` and
     ``get_seq_length()``) under any keyword, unless the layer's class sets
     ``_can_checkpoint_with_cache``, and any stateful object when ``use_cache=True`` is among
-    the keywords: NOTE [a cache filled twice]. ``cache_off``: ``use_cache=False`` is among
-    the keywords (the tip then says what else to do)."""
+    the keywords: NOTE [a cache filled twice]. ``use_cache``: the ``use_cache`` keyword as
+    given (``None`` when absent); with ``False`` the tip says what else to do."""
     for index, leaf in enumerate(leaves):
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
@@ -147,7 +147,7 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
         kv_cache = _is_kv_cache(leaf)
         if kv_cache and _reads_caches_only(fn):
             continue  # transformers' opt-in: the layer only reads it, use_cache or not
-        if sort is not ITERATOR and (kv_cache or kwargs_use_cache and not _holds_no_state(leaf)):
+        if sort is not ITERATOR and (kv_cache or use_cache is True and not _holds_no_state(leaf)):
             # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
             # is appended to by the original pass and again by the replay. The replay's
             # attention then reads the keys the no-grad original pass stored (same values,
@@ -176,7 +176,7 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
                      "on a prompt computed under no-grad, pass the prompt's keys and values "
                      "as tensors (a tuple per layer), which the boundary saves as inputs; or "
                      "run the prompt and the continuation as one sequence"
-                     if cache_off else
+                     if use_cache is False else
                      "pass use_cache=False whenever grad is enabled: model.config.use_cache = "
                      "False, or model(..., use_cache=False). The boundary checkpoints every "
                      "call made with grad, in eval mode too, where transformers' own "

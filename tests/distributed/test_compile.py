@@ -1262,38 +1262,14 @@ def test_an_inductor_compiled_causal_attention_in_float32_matches_its_compiled_t
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
-def test_maybe_mark_dynamic_inputs_compile_one_graph_per_pass_across_lengths() -> None:
+@pytest.mark.parametrize("marked_by", ["maybe_mark_dynamic", "a dynamic compiled producer"])
+def test_dynamic_inputs_compile_one_graph_per_pass_across_lengths(marked_by: str) -> None:
     # Packed batches change their token count every step; marking the token dimension dynamic
-    # is how a trainer avoids a static first graph (mark_dynamic's marks reach the replay
-    # through dynamo's automatic-dynamic state; maybe_mark_dynamic's do not). Unwrapped, the
-    # compiled body compiles one graph for every length; behind the boundary it should
-    # compile two (no-grad original pass, grad replay), once.
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()
-    try:
-        torch.manual_seed(0)
-        eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-        block = copy.deepcopy(eager)
-        counter = CompileCounterWithBackend("aot_eager")
-        block.forward = torch.compile(block.forward, backend=counter)  # type: ignore[method-assign]
-        pytree_ckpt.apply_activation_checkpointing(block, offload=False)
-        for tokens in (20, 28, 9, 33):
-            h = torch.randn(tokens, 8, requires_grad=True)
-            torch._dynamo.maybe_mark_dynamic(h, 0)
-            block.zero_grad(set_to_none=True)
-            eager.zero_grad(set_to_none=True)
-            block(h).square().sum().backward()
-            eager(h).square().sum().backward()
-            assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
-                               {n: p.grad for n, p in block.named_parameters()})
-        assert counter.frame_count == 2
-    finally:
-        torch._dynamo.reset()
-
-
-def test_inputs_from_a_dynamic_compiled_producer_compile_one_graph_per_pass_across_lengths(
-        ) -> None:
+    # (maybe_mark_dynamic, helper ER) or making it in a dynamic compiled function (which
+    # stamps _dynamo_propagated_dynamic_indices, helper EQ) is how a trainer avoids a static
+    # first graph. Unwrapped, the compiled body compiles one graph for every length; behind
+    # the boundary it must compile two (no-grad original pass, grad replay), once: the marks
+    # reach the replay's aliases (NOTE [dynamo's marks reach the replay]). Without them, 3.
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -1306,12 +1282,14 @@ def test_inputs_from_a_dynamic_compiled_producer_compile_one_graph_per_pass_acro
         pytree_ckpt.apply_activation_checkpointing(block, offload=False)
         produce = torch.compile(lambda t: t * 2, backend="aot_eager", dynamic=True)
         for tokens in (20, 28, 9, 33):
-            x = torch.randn(tokens, 8, requires_grad=True)
+            h = torch.randn(tokens, 8, requires_grad=True)
+            if marked_by == "maybe_mark_dynamic":
+                torch._dynamo.maybe_mark_dynamic(h, 0)
             block.zero_grad(set_to_none=True)
             eager.zero_grad(set_to_none=True)
-            # produce(x) carries _dynamo_propagated_dynamic_indices; one graph per twin
-            block(produce(x)).square().sum().backward()
-            eager(produce(x)).square().sum().backward()
+            for model in (block, eager):  # a producer's output per twin: its own graph
+                model(h if marked_by == "maybe_mark_dynamic" else produce(h)).square().sum(
+                    ).backward()
             assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
                                {n: p.grad for n, p in block.named_parameters()})
         assert counter.frame_count == 2
