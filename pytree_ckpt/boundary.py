@@ -106,6 +106,7 @@ from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, Phase
 from .plain_state import NOTHING_HELD, watch_plain_state
 from .rebound import NOTHING_BOUND, modules_bound
+from .recompute import dynamo_marks
 from .refusals import input_path_of
 from .shared_containers import shared_containers
 from .tree import flatten_call
@@ -313,6 +314,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             resident = [*params, *frozen] if params is not None else ()
             with manager.window(unique, name=name, resident=resident) as window:
                 out_tensors = apply_function(call, anchor, inputs)
+            call.marks = dynamo_marks(unique)  # NOTE [dynamo's marks reach the replay]
             if call.frame.results:  # frozen results (top-k ids) go to host with the inputs
                 call.frame.offload(functools.partial(manager.offload_into, window),
                                    manager.restore)

@@ -68,7 +68,7 @@ class BoundaryCall:
                  "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
                  "changed_state", "changed_numbers", "numbers_saved", "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
-                 "switches", "inference", "saved_versions", "unviewed", "kept_aliases",
+                 "switches", "inference", "saved_versions", "unviewed", "kept_aliases", "marks",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
                  "generator_sets")
 
@@ -119,6 +119,9 @@ class BoundaryCall:
         # Outputs on a storage a save unit keeps, with their versions and the op kept there
         # (NOTE [outputs on a kept storage] in made_before.py).
         self.kept_aliases: list[tuple[int, Any, int, str]] | None = None
+        # Dynamo's marks of inputs a window offloaded, by input position (NOTE [dynamo's marks
+        # reach the replay] in recompute.py): the restored tensor is a new object.
+        self.marks: dict[int, dict[str, Any]] | None = None
         # The modules' buffers, by submodule, and frozen parameters; for the original pass
         # only (then dropped).
         self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []

@@ -238,7 +238,10 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             aliases = alias_all(detached)  # NOTE [tensors of other layouts]: sparse: clones
             for t, a in zip(saved, aliases):  # NOTE [dynamo's marks reach the replay]
                 if t.__dict__:
-                    _copy_dynamo_marks(t, a)
+                    _copy_dynamo_marks(t.__dict__, a)
+            if call.marks is not None:
+                for position, marks in call.marks.items():
+                    _copy_dynamo_marks(marks, aliases[position])
             if call.subclasses is not None:
                 aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
             args, kwargs = call.inputs(aliases)
@@ -448,13 +451,27 @@ def replay_backward(ctx: Any, call: BoundaryCall,
 # attribute of dynamo's (its names start with "_dynamo", as in torch's own
 # copy_dynamo_tensor_attributes, plus mark_dynamic's "_has_dynamo_dim_marking" and
 # "_specialize_on") is copied onto the aliases fn is handed; an empty attribute dict costs a
-# lookup per input. An offloaded input comes back as a new tensor, without them: its replay
-# entry turns dynamic at the second length, as dynamo's automatic dynamic shapes do.
+# lookup per input. An input a window offloaded comes back as a new tensor, without them
+# (its replay entry turned dynamic only at the second length): the boundary takes its marks
+# when the window closes (dynamo_marks, into BoundaryCall.marks), and they are copied from
+# there.
 _DYNAMO_NAMES = ("_dynamo", "_has_dynamo", "_specialize_on")
 
 
-def _copy_dynamo_marks(source: torch.Tensor, target: torch.Tensor, /) -> None:
-    for name, value in source.__dict__.items():
+def dynamo_marks(tensors: Sequence[torch.Tensor], /) -> dict[int, dict[str, Any]] | None:
+    """Dynamo's attributes of ``tensors``, by position, or ``None`` where none has any."""
+    marks = {}
+    for position, t in enumerate(tensors):
+        if t.__dict__:
+            own = {name: value for name, value in t.__dict__.items()
+                   if name.startswith(_DYNAMO_NAMES)}
+            if own:
+                marks[position] = own
+    return marks or None
+
+
+def _copy_dynamo_marks(source: dict[str, Any], target: torch.Tensor, /) -> None:
+    for name, value in source.items():
         if name.startswith(_DYNAMO_NAMES):
             setattr(target, name, copy.copy(value))
 

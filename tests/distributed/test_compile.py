@@ -1262,14 +1262,18 @@ def test_an_inductor_compiled_causal_attention_in_float32_matches_its_compiled_t
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
 @pytest.mark.parametrize("marked_by", ["maybe_mark_dynamic", "a dynamic compiled producer"])
-def test_dynamic_inputs_compile_one_graph_per_pass_across_lengths(marked_by: str) -> None:
+def test_dynamic_inputs_compile_one_graph_per_pass_across_lengths(marked_by: str,
+                                                                  offloaded: bool) -> None:
     # Packed batches change their token count every step; marking the token dimension dynamic
     # (maybe_mark_dynamic, helper ER) or making it in a dynamic compiled function (which
     # stamps _dynamo_propagated_dynamic_indices, helper EQ) is how a trainer avoids a static
     # first graph. Unwrapped, the compiled body compiles one graph for every length; behind
     # the boundary it must compile two (no-grad original pass, grad replay), once: the marks
     # reach the replay's aliases (NOTE [dynamo's marks reach the replay]). Without them, 3.
+    # An offloaded input comes back from host as a new tensor: its marks are taken when the
+    # window closes and reach the replay too.
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -1279,7 +1283,8 @@ def test_dynamic_inputs_compile_one_graph_per_pass_across_lengths(marked_by: str
         block = copy.deepcopy(eager)
         counter = CompileCounterWithBackend("aot_eager")
         block.forward = torch.compile(block.forward, backend=counter)  # type: ignore[method-assign]
-        pytree_ckpt.apply_activation_checkpointing(block, offload=False)
+        manager = OffloadManager(OffloadConfig(min_bytes=0)) if offloaded else None
+        pytree_ckpt.apply_activation_checkpointing(block, offload=manager or False)
         produce = torch.compile(lambda t: t * 2, backend="aot_eager", dynamic=True)
         for tokens in (20, 28, 9, 33):
             h = torch.randn(tokens, 8, requires_grad=True)
@@ -1292,6 +1297,8 @@ def test_dynamic_inputs_compile_one_graph_per_pass_across_lengths(marked_by: str
                     ).backward()
             assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
                                {n: p.grad for n, p in block.named_parameters()})
+            if manager is not None:  # the input went to host and back, each step
+                assert manager.stats(reset=True)["restored_bytes"] == h.nbytes
         assert counter.frame_count == 2
     finally:
         torch._dynamo.reset()
