@@ -99,6 +99,7 @@ from .boundary_call import BoundaryCall, BoundaryOptions
 from .boundary_function import apply_function
 from .errors import CheckpointError
 from .hook_outputs import held_tensors, hooked_modules
+from .hook_tables import HookTables, backward_or_global_hooks, registered
 from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches,
                            collect_parameters, ever_verified, graph_attributes, is_verified,
                            module_dicts, owning_module, warn_forward_hooks)
@@ -276,6 +277,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             for m in roots:  # NOTE [loops on the per-call path]
                 dicts.append(m.__dict__)
         call.hooked = hooked_modules(dicts, modules, None if fn is owner else owner)
+        # NOTE [the replay runs the forward's hooks] (hook_tables.py)
+        call.hook_dicts, call.hook_epoch = dicts, registered()
+        if call.hooked or backward_or_global_hooks(dicts):
+            call.hook_tables = HookTables(dicts)
         if call.hooked:
             call.held = held_tensors([*(m.__dict__ for m in modules),
                                       *(d for tree in trees for d in tree.submodules)])

@@ -19,6 +19,7 @@ from .forward_modules import ForwardModules
 from .forward_numbers import ChangedNumbers
 from .frames import Frame
 from .hook_outputs import HookedOutputs
+from .hook_tables import HookTables
 from .keep import KeepPolicy
 from .kept_replay import KeptReplay
 from .module_state import ModuleDicts
@@ -69,6 +70,7 @@ class BoundaryCall:
                  "changed_state", "changed_numbers", "numbers_saved", "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
                  "switches", "inference", "saved_versions", "unviewed", "kept_aliases", "marks",
+                 "hook_dicts", "hook_tables", "hook_epoch",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
                  "generator_sets")
 
@@ -158,6 +160,12 @@ class BoundaryCall:
         # gradients] in hook_outputs.py; empty: none), and the extra outputs the original pass
         # chose.
         self.hooked: tuple[int, ...] = ()
+        # NOTE [the replay runs the forward's hooks] (hook_tables.py): the modules whose hooks
+        # run inside the call (their ``__dict__``s), and their hooks as the forward began where
+        # any module (or the process) had one.
+        self.hook_dicts: Sequence[dict[str, Any]] | None = None
+        self.hook_tables: HookTables | None = None
+        self.hook_epoch = 0  # hook_tables.registered() when the forward began
         self.hooked_outputs: HookedOutputs | None = None
         # The tensors the modules held as attributes before fn ran, by id, when hooked (NOTE
         # [held tensors are not hooked outputs] in hook_outputs.py); for the original pass only.

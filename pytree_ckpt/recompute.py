@@ -20,6 +20,7 @@ from .errors import CheckpointError, SavedTensorChanged
 from .generator_sets import replay_watch
 from .grad_reach import grad_reach
 from .hook_outputs import recording
+from .hook_tables import HookTables
 from .keep import KeepMode
 from .kept_replay import KeptReplay
 from .kept_weights import WeightCapture
@@ -266,15 +267,20 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 call.changed_numbers.as_forward_began(fn_name(call.fn))
             # NOTE [a forward that sets a default generator's state] (generator_sets.py)
             sets = replay_watch(call.generator_sets)
+            # NOTE [the replay runs the forward's hooks] (hook_tables.py)
+            hooks = None if call.hook_dicts is None else \
+                HookTables.replay(call.hook_tables, call.hook_dicts, call.hook_epoch)
             with numbers:
                 if not (shadow or call.attributes or call.options.keep is not None or
                         call.hooked_outputs is not None or call.changed_state is not None
-                        or sets is not None):
+                        or sets is not None or hooks is not None):
                     output = call.fn(*args, **kwargs)  # the usual case, with no context more
                 else:
                     with ExitStack() as stack:
                         if sets is not None:
                             stack.enter_context(sets)
+                        if hooks is not None:
+                            stack.enter_context(hooks)
                         if call.changed_state is not None:
                             # NOTE [the replay changes copies] in state_changes.py
                             stack.enter_context(call.changed_state.on_copies())

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 import pytree_ckpt
+from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import CheckpointError, ReplayMismatchError
+from pytree_ckpt.hook_outputs import _record_output
 
 
 class Router(nn.Module):
@@ -474,7 +476,6 @@ def test_the_recorder_is_first_in_the_hook_dicts_own_order_as_dynamo_reads_it() 
     # prepend=True's OrderedDict.move_to_end does not change: its guard took the user's hook
     # for the recorder, and the fullgraph compile of a hooked layer raised
     # InternalTorchDynamoError ('function' object has no attribute '__func__').
-    from pytree_ckpt.hook_outputs import _record_output
 
     layer = pytree_ckpt.apply_activation_checkpointing(MoeLayer())
     collector = Collector()
@@ -930,3 +931,100 @@ def test_a_tensor_hook_on_a_hook_kept_activation_gets_eagers_gradient() -> None:
         seen.append(got)
     assert len(seen[0]) == len(seen[1]) == 1
     assert seen[1][0] is not None and torch.equal(seen[0][0], seen[1][0])
+
+
+_CHANGES = ["output hook removed", "pre-hook removed", "output hook added",
+            "full backward hook removed", "full backward hook added", "global hook removed",
+            "global hook added"]
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+@pytest.mark.parametrize("change", _CHANGES)
+def test_hooks_removed_or_added_between_forward_and_backward_give_eager_grads(
+        change: str, offloaded: bool) -> None:
+    # An activation-patching or clipping context (`with model.hooks(...)`) that exits before
+    # backward, or a hook registered between forward and backward: eager backpropagates
+    # through what the forward's hooks did, and runs the full backward hooks its forward
+    # registered. The replay ran with the hooks of the moment: gradients off by 0.41 (helper
+    # EU). NOTE [the replay runs the forward's hooks].
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(
+        copy.deepcopy(eager), offload=OffloadManager(OffloadConfig(min_bytes=0)) if offloaded
+        else False)
+    x = torch.randn(4, 8, requires_grad=True)
+    grads, calls = [], []
+    for model in (eager, wrapped):
+        ran: list[str] = []
+
+        def hook() -> Any:
+            if change == "pre-hook removed":
+                return model[1].register_forward_pre_hook(
+                    lambda mod, args: ran.append("pre") or (args[0] * 0.5,))
+            if change.startswith("full backward"):
+                return model[1].register_full_backward_hook(
+                    lambda mod, gi, go: ran.append("backward") or (gi[0] * 2,))
+            if change.startswith("global"):
+                return nn.modules.module.register_module_forward_hook(
+                    lambda mod, args, out: ran.append("global") or out * 0.5
+                    if isinstance(mod, nn.GELU) else None)
+            return model[0].register_forward_hook(
+                lambda mod, args, out: ran.append("output") or out.clamp(-0.3, 0.3))
+        handle = None if change.endswith("added") else hook()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+                y = model(x)
+                if handle is None:
+                    handle = hook()
+                else:
+                    handle.remove()
+                y.square().sum().backward()
+        finally:
+            assert handle is not None
+            handle.remove()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        x.grad = None
+        calls.append(ran)
+        # The tables are the caller's again: the hook removed stays removed, and one added
+        # runs from the next forward on.
+        assert not any(hook is not _record_output for m in model
+                       for table in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)
+                       for hook in table.values())
+        assert not nn.modules.module._global_forward_hooks
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # A forward hook runs in the original pass and again in the replay (documented); a full
+    # backward hook runs once, in backward, as eager's.
+    twice = change.endswith("removed") and not change.startswith("full backward")
+    assert calls[1] == calls[0] * (2 if twice else 1)
+
+
+def test_a_hook_that_removes_itself_in_the_forward_runs_in_the_replay_as_in_the_forward() -> None:
+    # A one-shot hook (a patch applied to the first call only) removes its own handle while
+    # the forward runs: the forward ran it, so the replay must too, and leave it removed.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8, requires_grad=True)
+    grads, calls = [], []
+    for model in (eager, wrapped):
+        ran: list[int] = []
+        handles = []
+
+        def once(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            ran.append(1)
+            handles[0].remove()
+            return out * 3
+
+        handles.append(model[1].register_forward_hook(once))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+            model(x).square().sum().backward()
+            model(x).square().sum().backward()  # a second step, without it
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        x.grad = None
+        calls.append(len(ran))
+        assert not any(hook is not _record_output for hook in model[1]._forward_hooks.values())
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert calls == [1, 2]  # the forward and its replay
+
