@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from .eager import KEPT_CALLABLE_REASON, runs_eagerly
@@ -154,15 +155,38 @@ def near_misses(layers: list[nn.Module], target: KeptCallables, /) -> str:
                for name, value in vars(cls).items()
                if callable(value) and not name.startswith("__")}
     classes = {name.rpartition(".")[0] for name in methods}
+    # A checkpointed layer's own forward is refused as a target (helper EU: it was suggested
+    # for an autograd.Function's forward): never a suggestion.
+    candidates = sorted(methods - {f"{cls.__qualname__}.forward" for layer in layers
+                                   for cls in type(layer).__mro__})
     hints = []
     for wanted in (t for t in target.targets if isinstance(t, str)):
         owner, _, method = wanted.rpartition(".")
-        close = difflib.get_close_matches(wanted, sorted(methods), n=1)
+        function = _autograd_function(layers, owner)
+        if function is not None:
+            hints.append(f"{wanted!r}: {owner!r} is a torch.autograd.Function, whose "
+                         "methods autograd calls, not a module: keep the module method that "
+                         f"calls {owner}.apply")
+            continue
+        close = difflib.get_close_matches(wanted, candidates, n=1)
         where = ("" if owner in classes else
                  f"no class {owner!r} in the checkpointed layers; ") + \
             (f"did you mean {close[0]!r}?" if close else f"no method {method!r} close to it")
         hints.append(f"{wanted!r}: {where}")
     return f" ({'; '.join(hints)})" if hints else ""
+
+
+def _autograd_function(layers: list[nn.Module], owner: str, /) -> type | None:
+    """The ``torch.autograd.Function`` subclass ``owner`` (a dotted qualified name) names in
+    the globals of the layers' modules' forwards, if any."""
+    head, *rest = owner.split(".")
+    for module in (m for layer in layers for m in layer.modules()):
+        found: Any = getattr(type(module).forward, "__globals__", {}).get(head)
+        for part in rest:
+            found = getattr(found, part, None)
+        if isinstance(found, type) and issubclass(found, torch.autograd.Function):
+            return found
+    return None
 
 
 def kept_methods(layers: list[nn.Module], target: KeptCallables

@@ -1117,3 +1117,48 @@ def test_kept_callables_with_nothing_to_keep_is_refused() -> None:
     assert str(err.value).splitlines() == [
         "KeptCallables needs at least one callable", "  expected: a method or 'Class.method'",
         "  got:      nothing", "  tip: e.g. KeptCallables('Router.project')"]
+
+
+class QuantFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        y, = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class QuantBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantFn.apply(self.lin(x))
+
+
+def test_kept_callable_near_miss_never_suggests_the_layers_own_forward() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([QuantBlock()], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptCallables("QuantFn.forward")})
+    # A refused target was suggested (helper EU); the hint says what to keep instead.
+    told = " ".join(str(w.message) for w in caught)
+    assert "keeps nothing" in told
+    assert "did you mean 'QuantBlock.forward'" not in told
+    assert ("'QuantFn.forward': 'QuantFn' is a torch.autograd.Function, whose methods autograd "
+            "calls, not a module: keep the module method that calls QuantFn.apply") in told
+
+
+def test_kept_callable_near_miss_suggests_no_checkpointed_layers_forward() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([QuantBlock()], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptCallables("QuantBlok.forward")})
+    told = " ".join(str(w.message) for w in caught)
+    assert "'QuantBlok.forward': no class 'QuantBlok' in the checkpointed layers; no method " \
+        "'forward' close to it" in told
