@@ -2058,6 +2058,85 @@ def test_an_output_sharing_a_kept_result_changed_through_a_detached_alias_is_ref
 
 
 
+class _CountThenProject(_ProjectThenRelu):
+    """``_ProjectThenRelu`` with a number before its tensors: output[1] and output[2]."""
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        a, b = super().forward(x)
+        return x.shape[0], a, b
+
+
+def test_an_output_on_a_kept_storage_after_a_number_is_named_by_its_own_path() -> None:
+    # NOTE [outputs on a kept storage]: the refusal names the output by its path among all
+    # the output's leaves, not by its position among the tensors.
+    layer = _CountThenProject("matmul")
+    pytree_ckpt.apply_recompute_config(
+        [layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+        {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::mm")})
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    n, a, b = layer(x)
+    a.sub_(1.0)
+    with pytest.raises(CheckpointError) as refused:
+        (a.sum() + (b * torch.arange(4.0)).sum()).backward()
+    assert str(refused.value).startswith("output[1] of _CountThenProject shares its memory"), \
+        str(refused.value)
+
+
+class _ScaledInPlace(nn.Module):
+    """Changes its kept projection in place inside the forward (rule 3 takes the record back)
+    and returns it with its relu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = x @ self.proj.weight.t()
+        a.mul_(2.0)
+        return a, a.relu()
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. save unit .attn. kept nothing")
+def test_an_output_on_a_kept_result_taken_back_changed_in_place_gives_eager_grads() -> None:
+    # The forward changed the kept mm in place, so the unit does not keep it (rule 3); the
+    # output on its storage is then not the kept result's, and the caller may change it in
+    # place as in eager (relu saved its own result): nothing to refuse.
+    def run(wrap: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = _ScaledInPlace()
+        if wrap:
+            pytree_ckpt.apply_recompute_config(
+                [layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+                {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::mm")})
+        x = torch.randn(2, 3, 4, requires_grad=True)
+        a, b = layer(x)
+        a.sub_(1.0)
+        (a.sum() + (b * torch.arange(4.0)).sum()).backward()
+        return grads_of([x, *layer.parameters()])
+
+    assert_same_grads(run(False), run(True))
+
+
+def test_an_output_on_a_kept_storage_dropped_without_backward_is_freed() -> None:
+    # The note of an output on a kept storage (NOTE [outputs on a kept storage]) holds an
+    # alias without a graph: an output dropped with its graph (an evaluation with grad on, a
+    # skipped step) is freed at once, not held in a cycle through its own node until the
+    # garbage collector runs (its memory, on a GPU, held meanwhile).
+    layer = _ProjectThenRelu("matmul")
+    pytree_ckpt.apply_recompute_config(
+        [layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+        {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::mm")})
+    gc.collect()
+    gc.disable()  # freed by reference counts, as eager's output is: no cycle to wait for
+    try:
+        a, b = layer(torch.randn(2, 3, 4, requires_grad=True))
+        held = weakref.ref(a)
+        del a, b
+        assert held() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("held", ["closure", "attribute"])
 def test_a_view_of_a_tensor_made_before_the_call_changed_in_place_is_refused_as_in_eager(
         held: str) -> None:
