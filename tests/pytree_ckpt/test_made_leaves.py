@@ -208,8 +208,9 @@ class _Banked(nn.Module):
 @pytest.mark.parametrize("bank, where", [
     (None, "by the global 'TABLE' of tests.pytree_ckpt.test_made_leaves"),
     ([torch.zeros(8), torch.randn(8, requires_grad=True)], "by bank[1] (a module attribute)"),
-    ({"scale": torch.randn(8, requires_grad=True)}, "by bank['scale'] (a module attribute)")],
-    ids=["global", "list", "dict"])
+    ({"scale": torch.randn(8, requires_grad=True)}, "by bank['scale'] (a module attribute)"),
+    ((torch.zeros(8), torch.randn(8, requires_grad=True)), "by bank[1] (a module attribute)")],
+    ids=["global", "list", "dict", "tuple"])
 def test_the_refusal_of_an_outside_tensor_names_where_it_is_held(bank: Any, where: str
                                                                   ) -> None:
     layer = pytree_ckpt.apply_activation_checkpointing(_Banked(bank))
@@ -218,6 +219,26 @@ def test_the_refusal_of_an_outside_tensor_names_where_it_is_held(bank: Any, wher
         layer(x).sum().backward()
     assert f"still held after the replay, {where} (a leaf the forward made" in str(err.value)
     assert x.grad is None and all(p.grad is None for p in layer.parameters())
+
+
+class _HoldsBanked(nn.Module):
+    """Calls a submodule whose forward reads the global table; its own forward names none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Banked(None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_the_refusal_names_a_global_read_by_a_submodules_forward() -> None:
+    layer = pytree_ckpt.apply_activation_checkpointing(_HoldsBanked())
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        layer(x).sum().backward()
+    assert "still held after the replay, by the global 'TABLE' of " \
+           "tests.pytree_ckpt.test_made_leaves (a leaf" in str(err.value), str(err.value)
 
 
 def test_a_split_backward_replays_anew_until_the_made_leaf_is_checked_then_keeps_the_graph(
