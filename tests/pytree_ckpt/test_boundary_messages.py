@@ -1312,6 +1312,25 @@ def test_a_hook_registered_in_the_forward_gets_a_note_naming_the_no_grad_pass() 
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_retain_grad_in_the_forward_gets_a_note_naming_the_no_grad_pass() -> None:
+    # retain_grad on a tensor computed under the original pass's no-grad raises torch's "can't
+    # retain_grad on Tensor that has requires_grad=False": noted as a hook is.
+    class Retains(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            h.retain_grad()
+            return h.tanh()
+
+    with pytest.raises(RuntimeError, match="retain_grad") as error:
+        pytree_ckpt.apply_activation_checkpointing(Retains())(torch.randn(2, 8, requires_grad=True))
+    notes = "\n".join(getattr(error.value, "__notes__", ()))
+    assert "runs the forward under torch.no_grad()" in notes and "h.retain_grad()" in notes, notes
+
+
 class _Alternates(nn.Module):
     """Flips a flag at every call and reads it (``odd``); sets another once (``ready``)."""
 
