@@ -1589,6 +1589,21 @@ def test_the_create_graph_refusal_at_an_output_discard_names_the_discard_fix() -
     assert "discard" in tip, tip
 
 
+def test_the_create_graph_refusal_of_a_checkpoint_never_discarded_names_the_discard_fix(
+        ) -> None:
+    # No discard registered: no rebuild hook runs, and the refusal comes from the discard's
+    # own backward, which names the same fix.
+    norm, proj = nn.LayerNorm(16), nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(norm, x))
+    with pytest.raises(CheckpointError, match="create_graph=True") as caught:
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+    tip = str(caught.value).split("tip:", 1)[1]
+    assert "remove_activation_checkpointing" not in tip, tip
+    assert "discard" in tip, tip
+
+
 @pytest.mark.parametrize("op, name", [
     (torch.nn.functional.gelu, "torch.nn.functional.gelu"),  # helper EO: was 'module.gelu'
     (torch.nn.functional.logsigmoid, "torch.nn.functional.logsigmoid")])  # EQ: 'log_sigmoid'
