@@ -331,7 +331,9 @@ class NumbersGlance:
     mode, as classifier guidance takes before training) was then changed again by every
     replay, silently, and the replay computed with it: the module never showed a change, so
     it was never read again. So those calls glance at the other dicts of their modules, keys
-    and values by identity, around the forward: those of modules not of torch.nn's own
+    and values compared as tuples (identity, then equality: an equal value of another type,
+    ``1`` rebound to ``True``, passes as unchanged), around the forward: those of modules not
+    of torch.nn's own
     classes, whose forwards rebind no plain attribute (under a microsecond a dict; a full
     read of a ten-module layer takes about twenty). A value the forward rebound (an int
     counted up, a flag set, an object replaced) makes its module stateful, read in full from
