@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Callable
@@ -121,7 +122,7 @@ class Frame:
 
     __slots__ = ("results", "versions", "passthrough", "rng_jumps", "rng_devices", "generators",
                  "generator_jumps", "cursors", "released", "restore", "state_after",
-                 "__weakref__")
+                 "threads", "__weakref__")
 
     def __init__(self) -> None:
         self.results: dict[Callable[..., Any], list[Any]] = {}
@@ -153,6 +154,8 @@ class Frame:
         # that changed an integer argument or a buffer of their module.
         self.state_after: dict[tuple[Callable[..., Any], int], StateAfter] = {}
         self.cursors: dict[Callable[..., Any], int] = {}
+        # The thread each callable was recorded from (NOTE [records from one thread]).
+        self.threads: dict[Callable[..., Any], int] = {}
         self.released = False  # set once cleared after its last replay (read by the census)
         # Set when the frame's tensors were offloaded: turns a handle back into a tensor.
         self.restore: Callable[[Any], torch.Tensor] | None = None
@@ -190,6 +193,22 @@ class Frame:
                     self.generator_jumps = {}
                 self.generator_jumps[fn, len(self.results.get(fn, ()))] = mine
         if not isinstance(fn, torch._ops.OpOverload):  # save units check their own
+            # NOTE [records from one thread]: a callable's records are taken in call order.
+            # Worker threads that copied the caller's context (experts on a pool, run with
+            # contextvars.copy_context(), as asyncio.to_thread does) reach this frame too,
+            # in the scheduler's order, which the replay does not meet again: each expert
+            # got another's top-k ids, silently (helper EV). Refused at the second thread.
+            me = threading.get_ident()
+            if self.threads.setdefault(fn, me) != me:
+                raise ReuseError(
+                    f"reuse_during_recompute({callable_name(fn)}, ...) was called from two "
+                    "threads within one checkpointed call: its results are replayed in the "
+                    "order they were recorded, and threads reach it in the scheduler's order, "
+                    "which the replay would not meet again (each call could get another's "
+                    "result)", expected="every call of it on one thread",
+                    got="calls from two threads (workers that copied the caller's context)",
+                    tip="call reuse_during_recompute on the calling thread before handing "
+                        "work to the pool, or run those calls one after another")
             flat = flatten(result)
             # NOTE [recorded containers are the frame's own]: the caller may change the
             # containers it got (r["ids"] = ..., r.pop("ids")), which the replay would see

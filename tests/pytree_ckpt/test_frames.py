@@ -1980,3 +1980,65 @@ def test_two_different_reused_builtins_are_each_warned_of_changing_an_argument()
         told.append(sum("changed its argument args[0] in place" in str(w.message)
                         for w in caught))
     assert told == [1, 1], told
+
+
+def _top_ids(h: torch.Tensor) -> torch.Tensor:
+    return h.detach().abs().topk(3, dim=-1).indices
+
+
+class _ExpertsOnThreads(nn.Module):
+    """Two experts run on two threads, each in a copy of the caller's context (as
+    ``asyncio.to_thread`` runs a function), each reusing its own top-k through one function.
+    Which expert reaches ``reuse_during_recompute`` first is up to the threads: here expert 0
+    in the original pass and expert 1 in the replay (``order`` by phase; eager: any)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.order = {"forward": (0, 1), "recompute": (1, 0)}
+
+    def _expert(self, i: int, h: torch.Tensor, turns: dict[int, threading.Event]) -> torch.Tensor:
+        first, second = self.order.get(current_phase().value, (i, i))
+        if i == second and first != second:
+            assert turns[first].wait(10)
+        ids = reuse_during_recompute(_top_ids, self.experts[i](h))
+        turns[i].set()
+        return torch.tanh(self.experts[i](h)).gather(-1, ids)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        import contextvars
+
+        turns = {0: threading.Event(), 1: threading.Event()}
+        results: dict[int, torch.Tensor] = {}
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                results[i] = self._expert(i, h, turns)
+            except BaseException as error:  # noqa: BLE001 - raised below
+                errors.append(error)
+                turns[i].set()
+
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(run, i))
+                   for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        if errors:
+            raise errors[0]
+        return results[0] + results[1]
+
+
+def test_reused_calls_from_threads_in_a_copied_context_are_refused() -> None:
+    # Experts on a thread pool that copies contextvars (asyncio.to_thread, a context-copying
+    # executor) see the boundary's invocation and record into its frame; a plain
+    # ThreadPoolExecutor does not (phase "plain": recomputed, exact). The replay popped the
+    # frame FIFO in whatever order the threads arrived; expert 1 got expert 0's top-k ids
+    # (gradients off by ~10, shapes equal; helper EV). NOTE [records from one thread].
+    torch.manual_seed(0)
+    twin = pytree_ckpt.apply_activation_checkpointing(_ExpertsOnThreads())
+    with pytest.raises(pytree_ckpt.ReuseError, match=r"was called from two threads within one "
+                       "checkpointed call") as error:
+        twin(torch.randn(4, 8))
+    assert "tip: call reuse_during_recompute on the calling thread" in str(error.value)
