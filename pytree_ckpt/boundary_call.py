@@ -70,7 +70,7 @@ class BoundaryCall:
                  "changed_state", "changed_numbers", "numbers_saved", "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
                  "switches", "inference", "saved_versions", "unviewed", "kept_aliases", "marks",
-                 "hook_dicts", "hook_tables", "hook_epoch",
+                 "hook_dicts", "hook_tables", "hook_epoch", "replaying",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
                  "generator_sets")
 
@@ -132,6 +132,9 @@ class BoundaryCall:
         # NOTE [leaves the call makes] (refusals.py): weak references to the leaves the first
         # replay reached that are neither inputs nor parameters, checked once its graph is gone.
         self.made_leaves: list[weakref.ref[torch.Tensor]] | None = None
+        # The threads running this call's backward now (NOTE [a replay that reaches its own
+        # node] in refusals.py).
+        self.replaying: set[int] = set()
         # What ctx saved, as versions when saved: names an input changed after the call where
         # torch has no SavedTensor.unpack() (before 2.12; raise_changed_after_call in
         # changed_in_place.py).
@@ -225,6 +228,22 @@ class BoundaryCall:
             leaf = leaves[index]
             if leaf.shape != shape or leaf.dtype != dtype:
                 paths = paths or leaf_paths(spec, root="output")
+                if leaf.is_nested and len(leaf.shape) == len(shape) and leaf.dtype == dtype:
+                    # A jagged output built in the call from offsets it made (or cloned): the
+                    # replay's offsets are other tensor objects, so its ragged dimension is
+                    # another one (j2 for j1), and autograd cannot hand it the forward's
+                    # gradient (helper ET: the tip pointed at reuse_during_recompute).
+                    raise ReplayMismatchError(
+                        f"the replay of {name} returned a jagged nested tensor at "
+                        f"{paths[index]} with another ragged dimension than the forward's: "
+                        "one built in the call from offsets the call made is a new ragged "
+                        "dimension at each pass",
+                        expected=f"Tensor(shape={tuple(shape)}, dtype={dtype})",
+                        got=describe_leaf(leaf),
+                        tip="return its values and offsets (`nt.values(), nt.offsets()`) and "
+                            "build the nested tensor after the call, or build it with the "
+                            "offsets of a nested input (`nested_tensor_from_jagged(v, "
+                            "x.offsets())`)")
                 raise ReplayMismatchError(
                     f"the replay of {name} returned a different tensor at {paths[index]}",
                     expected=f"Tensor(shape={tuple(shape)}, dtype={dtype})",

@@ -10,6 +10,7 @@ call, loops on the per-call path) are in boundary.py.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from contextlib import ExitStack
 from typing import Any
@@ -36,7 +37,8 @@ from .module_state import ever_verified
 from .notes import add_note, note_no_grad_pass
 from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
-from .refusals import check_made_leaves, fn_name, refuse_double_backward
+from .refusals import (check_made_leaves, fn_name, raise_replay_reentered,
+                       refuse_double_backward)
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
                             versions)
@@ -271,12 +273,22 @@ class _BoundaryFunction(torch.autograd.Function):
                                     for t in out_tensors)
             else:
                 frozen += floats
-        if frozen or as_is:
-            ctx.mark_non_differentiable(*frozen, *as_is)
         # Autograd returns an input as a view of it even so: the caller gets the input itself.
         if as_is:
             call.as_is = [(k, t) for k, t in enumerate(out_tensors)
                           if any(t is x for x in as_is) and any(t is x for x in tensors)]
+            if any(t.layout != torch.strided for _, t in call.as_is):
+                # A sparse input has no view, and autograd's view_as of it raised
+                # NotImplementedError at the call (`return x, adj`, helper ET): a dense
+                # placeholder leaves in its place, and the caller gets the input itself.
+                placed = dict(call.as_is)
+                out_tensors = tuple(
+                    torch.empty(0, dtype=t.dtype, device=t.device)
+                    if k in placed and t.layout != torch.strided else t
+                    for k, t in enumerate(out_tensors))
+                as_is = [*as_is, *(t for k, t in enumerate(out_tensors) if k in placed)]
+        if frozen or as_is:
+            ctx.mark_non_differentiable(*frozen, *as_is)
         if census_active():
             call.reported = True
             report_held(saved, Mechanism.BOUNDARY, holder=call.frame)
@@ -311,6 +323,21 @@ class _BoundaryFunction(torch.autograd.Function):
         call: BoundaryCall = ctx.call
         if torch.is_grad_enabled():  # refused (no closure made per call otherwise)
             refuse_double_backward(lambda: f"the boundary around {fn_name(call.fn)}")
+        # NOTE [a replay that reaches its own node] (refusals.py): autograd runs a backward
+        # called inside a backward on the calling thread, so this thread being in this call's
+        # backward already is a cycle; two threads each in one are not.
+        me = threading.get_ident()
+        if me in call.replaying:
+            raise_replay_reentered(ctx, call)
+        call.replaying.add(me)
+        try:
+            return _BoundaryFunction._checked_replay(ctx, call, grad_outputs)
+        finally:
+            call.replaying.discard(me)
+
+    @staticmethod
+    def _checked_replay(ctx: Any, call: BoundaryCall,
+                        grad_outputs: tuple[torch.Tensor | None, ...]) -> Any:
         watched = call.param_versions
         if watched is not None:
             assert call.params is not None

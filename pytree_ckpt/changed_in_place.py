@@ -39,12 +39,19 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
     where = paths[0] if len(paths) == 1 else "one of " + ", ".join(paths)
     shared = (" (views share their base's version counter: the write may have gone to another "
               "view of the same tensor)" if views else "")
+    # A sparse COO tensor's counter moves when it is only marked coalesced (`_coalesced_`,
+    # which PyG's to_edge_index calls on an adjacency already coalesced): no value changed,
+    # and nothing tells that apart; the fix is in the caller's hands (helper ET).
+    coo = any(tensors[slot].layout == torch.sparse_coo for slot in moved)
     raise CheckpointError(
         f"{fn_name(call.fn)} changed its input {where} in place{shared}; the replay would run "
         "on the changed tensor and give wrong gradients",
         expected="inputs left as they are", got="a version counter moved by the original pass",
         tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
-            "change outside the checkpointed call")
+            "change outside the checkpointed call" + (
+                "; a sparse COO input's counter also moves when code only marks it coalesced "
+                "(`_coalesced_(True)`, as PyG's GCNConv does with a COO `adj_t`): pass it as "
+                "CSR (`adj.to_sparse_csr()`)" if coo else ""))
 
 
 def requires_grad_flags(tensors: Sequence[torch.Tensor], /) -> list[bool]:

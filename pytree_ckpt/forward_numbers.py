@@ -184,8 +184,10 @@ class NumbersWatch:
     held until the replay, it would keep those tensors alive after the caller let go of it.
     Those holding another object that the
     forward rebound (a cache kept as a plain tensor attribute, rebuilt with its length; a
-    tensor it consumed, set to None) are read by the replay as they are (no tensor is held
-    from the forward to the replay), and after the replay, one the replay rebound again gets
+    tensor it consumed, set to None) are read by the replay as they are (no tensor over 64
+    KiB is held from the forward to the replay; a smaller one without a graph is put back:
+    NOTE [small tensor attributes as the forward read them]), and after the replay, one the
+    replay rebound again gets
     back what it held when the replay began: otherwise an earlier micro-batch's replay, run
     last, left its shorter rebuild paired with the later micro-batch's length (a table
     computed from a parameter too), or its stored output in place of the last one's. A leaf
@@ -239,7 +241,10 @@ class NumbersWatch:
                     if not entry[0] or value_differs(entry[1], was[1]):
                         values.append((name, was[1]))  # a value changed, or replaced
                 elif entry != was:
-                    if type(was[1]) is not _Contents:
+                    if type(was[1]) is _TensorHeld and was[1].kept is not None:
+                        # NOTE [small tensor attributes as the forward read them]
+                        values.append((name, was[1].kept))
+                    elif type(was[1]) is not _Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is
                     elif type(entry[1]) is _Contents or d[name] is not was[1].held or \
                             _plain_container(d[name], most=float("inf")):
@@ -250,6 +255,8 @@ class NumbersWatch:
                 if name not in now:  # deleted by the forward
                     if was[0] or type(was[1]) is _Contents:
                         values.append((name, was[1]))
+                    elif type(was[1]) is _TensorHeld and was[1].kept is not None:
+                        values.append((name, was[1].kept))
                     else:
                         rebound.append(name)
             if values or rebound:
@@ -278,7 +285,8 @@ class NumbersWatch:
 
 
 def _plain_entry(entry: tuple[bool, Any], /) -> bool:
-    return entry[0] or type(entry[1]) is _Contents
+    return entry[0] or type(entry[1]) is _Contents or \
+        (type(entry[1]) is _TensorHeld and entry[1].kept is not None)
 
 
 def _same_as(entry: tuple[bool, Any] | None, was: tuple[bool, Any] | None, /) -> bool:
@@ -288,6 +296,8 @@ def _same_as(entry: tuple[bool, Any] | None, was: tuple[bool, Any] | None, /) ->
     if type(was[1]) is _Contents:
         return type(entry[1]) is _Contents and type(entry[1].held) is type(was[1].held) and \
             entry[1].entries == was[1].entries
+    if type(was[1]) is _TensorHeld:  # a small tensor, held: the same object
+        return entry[1] == was[1]
     return entry[0] and not value_differs(entry[1], was[1])
 
 
@@ -338,8 +348,9 @@ class NumbersGlance:
     read of a ten-module layer takes about twenty). A value the forward rebound (an int
     counted up, a flag set, an object replaced) makes its module stateful, read in full from
     then on, and this call gets what a full read would have given for it: a value that cannot
-    change in place is put back as the forward began for the replay, an object the forward
-    rebound is read as it is. A container changed in place keeps its identity and is not
+    change in place is put back as the forward began for the replay (and a small tensor
+    without a graph: NOTE [small tensor attributes as the forward read them]), another object
+    the forward rebound is read as it is. A container changed in place keeps its identity and is not
     seen (a count per expert first changed so after the first replay: changed twice)."""
 
     __slots__ = ("dicts", "keys", "values")
@@ -373,6 +384,9 @@ class NumbersGlance:
                 elif _immutable(was):
                     if now is _ABSENT or not _immutable(now) or value_differs(now, was):
                         changed.append((name, was))
+                elif isinstance(was, torch.Tensor) and _small_detached(was):
+                    # NOTE [small tensor attributes as the forward read them]
+                    changed.append((name, was))
                 else:
                     rebound.append(name)  # an object rebound or deleted: read as it is
             if changed or rebound:
@@ -401,18 +415,39 @@ def numbers_read(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /, *,
 class _TensorHeld:
     """A tensor attribute, by weak reference: equal to another only while both refer to the
     same live tensor. Not by id: a cache dropped before its rebuild (`self.table = None;
-    self.table = build(n)`) is freed, and the new one may take its address."""
+    self.table = build(n)`) is freed, and the new one may take its address.
 
-    __slots__ = ("ref",)
+    NOTE [small tensor attributes as the forward read them]: a small one without a graph (its
+    storage at most 64 KiB, as for buffers: NOTE [small state as it was before the forward] in
+    state_changes.py) is held too, ``kept``: a forward that replaces it (a streaming
+    recurrent state carried detached, ``self.h = out.detach()``; a short memory, ``self.mem =
+    torch.cat([self.mem, out.detach()])``) gets it put back for its replay, which read the
+    last call's state before (gradients off by up to 0.25, silently: helper ES). A larger
+    one is read by the replay as it is then, as before: holding it from every forward to its
+    replay could cost what checkpointing saves (an attention map kept for logging); a buffer
+    holds any size (documented)."""
+
+    __slots__ = ("ref", "kept")
 
     def __init__(self, tensor: torch.Tensor, /) -> None:
         self.ref = weakref.ref(tensor)
+        self.kept = tensor if _small_detached(tensor) else None
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _TensorHeld and (held := self.ref()) is not None and \
             held is other.ref()
 
     __hash__ = None  # type: ignore[assignment]
+
+
+_SMALL_BYTES = 64 * 1024  # NOTE [small tensor attributes as the forward read them]
+
+
+def _small_detached(t: torch.Tensor, /) -> bool:
+    """A strided tensor without a graph whose whole storage is small (a view of a large
+    output would keep that output)."""
+    return not t.requires_grad and t.layout == torch.strided and type(t) is torch.Tensor \
+        and t.untyped_storage().nbytes() <= _SMALL_BYTES
 
 
 def _read(d: dict[str, Any], /) -> dict[str, tuple[bool, Any]]:
@@ -473,12 +508,17 @@ class ChangedNumbers:
                     entries_at_start.append((held, _entries(held)))
         for d, values, _ in self.found:
             _set(d, values)
+        put = {(id(d), name): value for d, values, _ in self.found for name, value in values
+               if isinstance(value, torch.Tensor)}
         try:
             yield
         finally:
             for held, entries in entries_at_start:
                 _put(held, entries)
-            _warn_graph_tensors_kept(at_start, where)
+            # What the replay read there: a small tensor put back, else what it held.
+            _warn_graph_tensors_kept([(d, [(name, put.get((id(d), name), left))
+                                           for name, left in named])
+                                      for d, named in at_start], where)
             for d, named in at_start:
                 # A leaf requiring grad that the replay stored stays (`self.last = leaf`, made
                 # in the forward): the check that reads it once the replay's graph is gone
@@ -494,9 +534,13 @@ def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str
     computed with grad and reads it in a later call (Meta's reference Llama keeps its
     key/value cache so: ``self.kv = torch.cat([self.kv, keys])``) stored it without a graph
     in the original pass, which runs under no-grad, and the later call's replay computes with
-    that one: the gradients through it are missing, silently. Seen after a replay that stored
-    there a tensor with a graph larger than the one its forward left (it read what the
-    attribute held and extended it: a cache growing), and warned of once per module and
+    that one: the gradients through it are missing, silently (a small one is put back for
+    each replay as its forward read it: NOTE [small tensor attributes as the forward read
+    them]; a larger one, read as the last call left it, gives the replay another function
+    still: helper ES). Seen after a replay that stored
+    there a tensor with a graph larger than the one it read (the one put back, else what the
+    attribute held: it extended it, a cache growing or a sliding window not yet full), and
+    warned of once per module and
     attribute. A tensor kept for logging (``self.last = out``, the same size each call) or set
     by a pre-hook (a weight-norm's ``weight``) is not told; scalars are told by NOTE [results
     stored on a module] (stored_state.py). Not refused: a cache only read after backward is
@@ -514,10 +558,11 @@ def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str
                     f"pytree_ckpt: the forward of {where} extends a tensor it keeps in the "
                     f"module attribute {name!r} with one computed with grad (a key/value cache "
                     "kept on the module); the original pass, which runs under no-grad, stored "
-                    "it without a graph, and the replay of a later call that reads it computes "
-                    "with that one, so the gradients through it are missing, silently. Tip: "
-                    "keep no such cache while grad is enabled (use_cache=False in training) "
-                    "(docs/limits.md, 'State the forward changes')",
+                    "it without a graph, so the gradients through it are missing, silently "
+                    "(and one over 64 KiB is read by each replay as the last call left it, not "
+                    "as its forward read it). Tip: keep no such cache while grad is enabled "
+                    "(use_cache=False in training), or pass it in and return it (`out, cache = "
+                    "layer(x, cache)`) (docs/limits.md, 'State the forward changes')",
                     stacklevel=user_stacklevel())
 
 
@@ -557,7 +602,8 @@ def with_reused_calls(changed: ChangedNumbers | None, made: list[MadeNumbers], /
             if (id(change.d), name) not in covered:
                 covered.add((id(change.d), name))
                 found.setdefault(id(change.d), (change.d, [], []))[1].append(
-                    (name, _ABSENT if was is None else was[1]))
+                    (name, _ABSENT if was is None else was[1].kept
+                     if type(was[1]) is _TensorHeld else was[1]))
     if not found:
         return changed
     return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()])

@@ -32,13 +32,14 @@ from .phase import ACTIVE, Invocation, Phase
 from .changed_in_place import raise_changed_after_call
 from .compiled_layers import recompile_limit_note, recompile_limit_noted
 from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tensor,
-                       raise_hooked_outside_tensor, raise_torch_reentrant_inside, verify_leaves)
+                       raise_freed_graph_reached, raise_hooked_outside_tensor,
+                       raise_torch_reentrant_inside, verify_leaves)
 from .rebound import refuse_rebound
 from .rng import IsolatedPass, Replaying
 from .saved import Unchanged
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
-from .subclass import as_kind
+from .subclass import as_kind, detached as alias_of
 from .tree import FlatTree, alias_all, flatten, leaf_paths
 from .tree_refusals import open_containers, refuse_filled_containers
 
@@ -225,7 +226,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 for t, need in zip(saved, needs[:n]):  # NOTE [loops on the per-call path]
                     detached.append(t.detach().requires_grad_(need))
             else:
-                detached = [as_kind(t.detach(), kind, attributes=False).requires_grad_(need)
+                detached = [as_kind(alias_of(t), kind, attributes=False).requires_grad_(need)
                             for t, kind, need in zip(saved, call.subclasses, needs[:n])]
             # fn sees non-leaf aliases (made with grad enabled), whatever its inputs were in
             # eager. Three things need them (a review of a change that handed fn the leaves
@@ -385,11 +386,18 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # Its buffers' snapshots (NOTE [small state as it was before the forward] in
         # state_changes.py) served this replay only: freed now, not with the graph's nodes (a
         # loss kept for logging keeps those), as the census reads them (module state, held
-        # by the frame).
+        # by the frame). So are the values put back for it (NOTE [small tensor attributes as
+        # the forward read them] in forward_numbers.py: a tensor it held).
         call.changed_state = None
+        call.changed_numbers = None
     if not explicit:
         if outs:
-            torch.autograd.backward(outs, grads)
+            try:
+                torch.autograd.backward(outs, grads)
+            except RuntimeError as error:
+                if not isinstance(error, CheckpointError):
+                    raise_freed_graph_reached(call, error)
+                raise
         if release:
             call.frame.clear()
         from_inputs = [d.grad if need else None for d, need in zip(detached, needs)]
@@ -428,7 +436,10 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                                   [wrt[i] for i in wanted],  # all wanted: the usual case
                                   keep)
             except RuntimeError as error:
-                if isinstance(error, CheckpointError) or TORCH_REENTRANT not in str(error):
+                if isinstance(error, CheckpointError):
+                    raise
+                raise_freed_graph_reached(call, error)
+                if TORCH_REENTRANT not in str(error):
                     raise
                 raise_torch_reentrant_inside(call, error)
             finally:

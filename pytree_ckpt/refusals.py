@@ -68,6 +68,120 @@ def fn_name(fn: Callable[..., Any], /) -> str:
 TORCH_REENTRANT = "When use_reentrant=True, torch.utils.checkpoint is incompatible"
 
 
+def raise_replay_reentered(node: Any, call: BoundaryCall, /) -> NoReturn:
+    """NOTE [a replay that reaches its own node]: a forward that reads a tensor this very call
+    returned, from state the replay finds it in (a plain object's attribute the caller set
+    to the output, PyG's ``data.x = layer(data)``; helper ET), builds the replay's graph
+    through the call's own node: backward then ran this replay again inside itself, without
+    end (torch moved the nesting to new threads, memory grew). Refused at the first re-entry,
+    naming where the output is held when it can be found (the call's inputs' attributes, its
+    modules' attributes)."""
+    where = _held_output(node, call)
+    raise CheckpointError(
+        f"the replay of {fn_name(call.fn)} reads a tensor that call returned{where}, so its "
+        "backward runs into the call's own node, and would replay it again without end: the "
+        "replay reads state as it is in backward, after the caller stored the output there",
+        expected="the forward reads its inputs and module state, not what the call returned",
+        got=f"the replay of {fn_name(call.fn)} reached its own node",
+        tip="keep the output out of what the forward reads (`h = layer(data)`, not `data.x "
+            "= layer(data)`; a state carried between calls is passed in and returned, `out, h "
+            "= cell(x, h)`), or pass the tensors themselves (`layer(data.x, "
+            "data.edge_index)`), or a dataclass or a class registered with optree in namespace "
+            "'pytree_ckpt', whose tensors are inputs the boundary saves")
+
+
+def _held_output(node: Any, call: BoundaryCall, /) -> str:
+    """", held at inputs args[0].x" where an input object's attribute (or a module's) holds a
+    tensor whose graph reaches ``node``; "" where none is found."""
+    def holding(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.grad_fn is not None and \
+            _reaches(value.grad_fn, node, most=256)
+
+    found = _in_input_objects(call, holding)
+    if found is not None:
+        return f", held at {found}"
+    func = getattr(call.fn, "__func__", call.fn)
+    code = getattr(func, "__code__", None)
+    if code is not None:  # a plain function's closure cells and globals
+        for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
+            if _holds(cell_contents(cell), holding):
+                return f", held by the closure variable {name!r} of {fn_name(call.fn)}"
+        space = globals_of(func)
+        for name in code.co_names:
+            if _holds(space.get(name), holding):
+                return f", held by the global {name!r} of {space.get('__name__', 'its module')}"
+    roots = call.forward_modules.roots if call.forward_modules is not None else ()
+    for root in roots:
+        for path, module in root.named_modules():
+            for name, value in vars(module).items():
+                at = f"{path}.{name}" if path else name
+                if holding(value):
+                    return f", held by the module attribute {at}"
+                items = value.items() if isinstance(value, dict) else \
+                    enumerate(value) if isinstance(value, (list, tuple)) else ()
+                for key, item in items:
+                    if holding(item):
+                        return f", held by the module attribute {at}[{key!r}]"
+    return ""
+
+
+def _holds(value: Any, holding: Callable[[Any], bool], /) -> bool:
+    """Whether ``value``, or an item of it (a dict, list or tuple), is one ``holding`` takes."""
+    if holding(value):
+        return True
+    items = value.values() if isinstance(value, dict) else \
+        value if isinstance(value, (list, tuple)) else ()
+    return any(holding(item) for item in items)
+
+
+def _in_input_objects(call: BoundaryCall, holding: Callable[[Any], bool], /) -> str | None:
+    """The path (``args[0].x``) of the first attribute of a plain object among the call's
+    inputs (which the tree bridge does not open) whose value ``holding`` accepts."""
+    paths = leaf_paths(call.in_spec, root="inputs")
+    for path, leaf in zip(paths, call.in_leaves):
+        if isinstance(leaf, (torch.Tensor, nn.Module)) or not hasattr(leaf, "__dict__"):
+            continue
+        for name, value in vars(leaf).items():
+            if holding(value):
+                return f"{readable_path(path)}.{name}"
+    return None
+
+
+_FREED_GRAPH = "backward through the graph a second time"
+
+
+def raise_freed_graph_reached(call: BoundaryCall, error: RuntimeError, /) -> None:
+    """A replay whose backward reached a graph already freed: the usual cause is a tensor
+    with a graph kept on a module between calls (a state carried with its gradient, in an
+    attribute, dict or list: ``self.cache["h"] = out``), which the replay reads as the last
+    call, or the last replay, left it, and whose graph another call's backward freed (helper
+    ES: torch's bare error named nothing). Refused naming such attributes where the modules
+    hold one; otherwise torch's error stands."""
+    if _FREED_GRAPH not in str(error):
+        return
+    held = [f"{path}.{name}" if path else name
+            for module in ([call.owner] if call.owner is not None else [])
+            for path, sub in module.named_modules()
+            for name, value in vars(sub).items()
+            if name not in ("_parameters", "_buffers", "_modules") and any(
+                isinstance(t, torch.Tensor) and t.grad_fn is not None
+                for t in ([value] if isinstance(value, torch.Tensor) else
+                          value.values() if isinstance(value, dict) else
+                          value if isinstance(value, (list, tuple)) else ()))]
+    if not held:
+        return  # another cause: torch's error as it is
+    what = f"the module attribute{'s' if len(held) > 1 else ''} {', '.join(map(repr, held))}"
+    raise CheckpointError(
+        f"the replay of {fn_name(call.fn)} reached a graph already freed through {what}, which "
+        "holds a tensor with a graph kept between calls (a state carried with its gradient): "
+        "the replay reads it as the last call (or replay) left it, not as its forward did, "
+        "and backpropagates into another call's graph",
+        expected="state carried between calls passed in and returned, or kept detached",
+        got=f"{what} holding a tensor with a graph (torch: {_FREED_GRAPH})",
+        tip="pass the state as an argument and return the new one (`out, h = cell(x, h)`), "
+            "or keep it detached (`.detach()`: truncated backpropagation)") from error
+
+
 def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> NoReturn:
     # A module's replay computes its gradients with torch.autograd.grad, under which torch's
     # reentrant checkpoint refuses to run; its message speaks of .grad() and inputs=, which the
@@ -194,7 +308,7 @@ def check_made_leaves(call: BoundaryCall, /) -> None:
         gc.collect()  # a cycle through the graph (a hook's closure) would hold it still
         alive = [leaf for leaf in (ref() for ref in refs) if leaf is not None]
         if alive:
-            where = _held_at(alive[0], call.owner, call.fn)
+            where = _held_at(alive[0], call)
             raise CheckpointError(
                 f"the forward of {type(call.owner).__name__} uses a tensor that requires grad "
                 "but is neither an input nor a parameter of the module; it would get no "
@@ -209,11 +323,14 @@ def check_made_leaves(call: BoundaryCall, /) -> None:
     mark_verified(call.owner, call.switches)
 
 
-def _held_at(leaf: torch.Tensor, owner: nn.Module, fn: Callable[..., Any], /) -> str:
+def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     """Where a foreign leaf is held, for the refusal to name (", by layer.cache[2]", ", by
     the closure variable 'table' of Lookup.forward"), or "": the modules' own attributes (and
     the lists, tuples and dicts in them), then the globals and closure variables of the code
-    that ran. Searched only when refusing, so its cost is of no matter."""
+    that ran, then tensors with a graph to it on the modules' buffers or on plain objects
+    among the inputs. Searched only when refusing, so its cost is of no matter."""
+    owner, fn = call.owner, call.fn
+    assert owner is not None
     for path, module in owner.named_modules():
         for name, value in vars(module).items():
             if name in ("_parameters", "_buffers", "_modules"):
@@ -239,11 +356,41 @@ def _held_at(leaf: torch.Tensor, owner: nn.Module, fn: Callable[..., Any], /) ->
         for name in code.co_names:
             if space.get(name) is leaf:
                 return f", by the global {name!r} of {space.get('__name__', 'its module')}"
+    # Reached through a tensor with a graph to it that the module holds (a learned initial
+    # state put in a state buffer: `self.h = h0.expand(...)`; helper ES).
+    for path, buffer in owner.named_buffers():
+        if buffer.grad_fn is not None and _reaches(buffer.grad_fn, leaf):
+            return f", reached through the buffer {path} (a tensor with a graph to it)"
+    # Or through an attribute of a plain object passed in, which the tree bridge does not open
+    # (a graph batch, `data.x` the encoder's output; helper ET: the encoder's weight was named
+    # as a parameter of another instance).
+    found = _in_input_objects(call, lambda value: isinstance(value, torch.Tensor) and (
+        value is leaf or value.grad_fn is not None and _reaches(value.grad_fn, leaf)))
+    if found is not None:
+        return (f", reached through {found} (an attribute of a plain object, which the "
+                "boundary does not open: pass a dataclass, or register its class with optree "
+                "in namespace 'pytree_ckpt', and its tensors are inputs)")
     if isinstance(leaf, nn.Parameter):  # helper EM: a forward bound to another instance
-        return (", an nn.Parameter of a module outside this one (is the forward bound to "
-                "another instance? `m.forward = torch.compile(m.forward)` before a deepcopy "
-                "leaves the copy's forward on the original)")
+        return (", an nn.Parameter of no module passed in (is the forward bound to another "
+                "instance? `m.forward = torch.compile(m.forward)` before a deepcopy leaves "
+                "the copy's forward on the original)")
     return ""
+
+
+def _reaches(node: Any, target: Any, /, most: int = 10_000) -> bool:
+    """Whether the graph below ``node`` is ``target`` (a node) or accumulates into it (a
+    leaf tensor), searched so far only."""
+    stack: list[Any] = [node]
+    seen: set[Any] = set()
+    while stack and len(seen) < most:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node is target or getattr(node, "variable", None) is target:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def refuse_module_tensor(foreign: torch.Tensor, modules: Sequence[nn.Module], /) -> None:

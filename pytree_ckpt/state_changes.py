@@ -419,6 +419,10 @@ class ChangedState:
         if not dicts:  # only read, and unchanged since
             yield
             return
+        for _, moved in self.buffers:  # before anything is changed
+            for name, previous in moved or ():
+                if isinstance(previous, torch.Tensor) and previous.requires_grad:
+                    _refuse_a_graph_replaced(name, previous)
         entries = [(d, dict(d)) for d, _ in dicts]
         # Each tensor copied, as the forward left it, with its version: one the replay still
         # reaches another way (a list or a hook holding it, a view of it, one that requires
@@ -437,8 +441,13 @@ class ChangedState:
                 kept.append((t, t._version, t.detach().clone()))
                 if previous is _ABSENT:
                     del d[name]
+                elif isinstance(previous, torch.Tensor):  # replaced by the forward
+                    # Read as the forward read it, whatever the forward put there: its own
+                    # output (`self.h = out`) gets the boundary's node, and read so, the
+                    # replay backpropagated into itself, and backward hung (helper ES).
+                    d[name] = self._copy(previous, storages)
                 elif not t.requires_grad:  # one that does stays: the replay's gradient reaches it
-                    d[name] = self._copy(t if previous is None else previous, storages)
+                    d[name] = self._copy(t, storages)
         # Per dict, the names the original pass changed (all of a batch norm's), and the
         # entries the replay starts from.
         starts = [(set(entries_before) if moved is None else {n for n, _ in moved}, dict(d))
@@ -492,6 +501,25 @@ class ChangedState:
             copy.set_(storage, offset, size, stride)
         setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)
         return copy
+
+
+def _refuse_a_graph_replaced(name: str, previous: torch.Tensor, /) -> None:
+    """A buffer holding a tensor with a graph (a recurrent state carried with its gradient
+    from the last call, ``self.h = out``; a learned initial state put there, ``self.h =
+    h0.expand(...)``) that the forward replaced: eager backpropagates through it into the
+    graph that made it, but the replay reads module state, not inputs of the boundary's node,
+    so no gradient can reach that graph from it (a copy has none: the learned state got no
+    gradient, silently; helper ES)."""
+    raise CheckpointError(
+        f"the forward replaced the buffer {name!r}, which held a tensor with a graph (a state "
+        "carried with its gradient from an earlier call, or a trainable initial state put "
+        "there), and the replay cannot backpropagate into that graph: module state is not an "
+        "input of the checkpointed call",
+        expected=f"{name!r} holding a tensor without a graph (detached) when the call begins",
+        got=f"Tensor(shape={tuple(previous.shape)}, dtype={previous.dtype}, "
+            f"grad_fn={type(previous.grad_fn).__name__ if previous.grad_fn else None})",
+        tip="pass the state as an argument and return the new one (`out, h = cell(x, h)`), "
+            f"or keep it detached (`self.{name} = out.detach()`: truncated backpropagation)")
 
 
 def _refuse_a_read_of_what_was_taken_out(error: AttributeError, dicts: Sequence[Any], /

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["SubclassKind", "as_kind", "kind_of", "plain_parts", "rebuilt_by_parts", "rebuilt_parts"]
+__all__ = ["SubclassKind", "as_kind", "detached", "kind_of", "plain_parts", "rebuilt_by_parts",
+           "rebuilt_parts"]
 
 
 class SubclassKind(NamedTuple):
@@ -124,3 +125,19 @@ def rebuilt_parts(tensor: torch.Tensor, /) -> list[torch.Tensor]:
     if not rebuilt_by_parts(tensor):
         return [tensor]
     return [plain for t in (_inner_tensors(tensor) or {}).values() for plain in rebuilt_parts(t)]
+
+
+def detached(tensor: torch.Tensor, /) -> torch.Tensor:
+    """``tensor.detach()``, of ``tensor``'s class: a traceable wrapper subclass whose ops
+    return plain tensors (PyG's ``EdgeIndex``: its ``detach()`` is a plain tensor) is rebuilt
+    around its detached inner tensors, as an offload window rebuilds one. Given back by
+    ``as_subclass`` alone, it lacked its inner tensor, and the replay failed in backward
+    (AttributeError '_data'; helper ET)."""
+    alias = tensor.detach()
+    if type(alias) is type(tensor) or not rebuilt_by_parts(tensor):
+        return alias
+    names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {name: detached(getattr(tensor, name)) for name in names}
+    return type(tensor).__tensor_unflatten__(  # type: ignore[attr-defined]
+        inner, context, tensor.size(), tensor.stride())
+

@@ -2598,3 +2598,37 @@ def test_a_transposed_output_changed_in_place_by_the_caller_gets_eagers_gradient
         (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
         grads.append([x.grad, *(p.grad for p in layer.parameters())])
     assert_same_grads(*grads)
+
+
+class _StateCell(nn.Module):
+    """A recurrent cell returning its output and the state it computed the output from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.lin(x) + h)
+        return h * 2, h
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, gradients taken with "
+                   "respect to an output the call also uses inside): it leaves the boundary's "
+                   "node with only its outside uses' gradient, 1 where eager gives 3, as with "
+                   "torch's reentrant checkpoint (helper ES)")
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_a_hook_on_a_returned_state_the_call_also_uses_sees_eagers_gradient(offloaded: bool) -> None:
+    eager = _StateCell()
+    ours = pytree_ckpt.apply_activation_checkpointing(
+        copy.deepcopy(eager), offload=offload.OffloadManager(device="cpu") if offloaded else False)
+    xs, seen = torch.randn(3, 2, 4), {}
+    for name, cell in (("eager", eager), ("ours", ours)):
+        h, loss, got = torch.zeros(2, 4), 0, seen.setdefault(name, [])
+        for x in xs:  # the state carries into the next call; each step's output feeds the loss
+            y, h = cell(x, h)
+            h.register_hook(lambda g, got=got: got.append(g) or (None if g is None else g.clamp(-.5, .5)))
+            loss = loss + y.sum()
+        loss.backward()
+    assert all(g is not None for g in seen["ours"])
+    assert all(torch.equal(a, b) for a, b in zip(seen["eager"], seen["ours"]))
+    assert_same_grads(grads_of(eager.parameters()), grads_of(ours.parameters()))

@@ -595,6 +595,6 @@ def test_the_refusal_of_another_instances_parameter_asks_whether_forward_is_boun
     x = torch.randn(2, 8, requires_grad=True)
     with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
         copied(x).sum().backward()
-    assert "an nn.Parameter of a module outside this one (is the forward bound to another " \
+    assert "an nn.Parameter of no module passed in (is the forward bound to another " \
            "instance?" in str(err.value)
     assert all(p.grad is None for p in (*original.parameters(), *copied.parameters()))

@@ -968,3 +968,64 @@ def test_a_tensor_passed_by_keyword_after_the_same_count_by_position_is_a_new_sw
     block(x, b).sum().backward()
     with pytest.raises(CheckpointError, match="neither an input nor a parameter"):
         block(x, bias=b).sum().backward()
+
+
+class _StatefulCell(nn.Module):
+    """A streaming cell whose state lives in a buffer; the forward replaces it with its own state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+        self.register_buffer("h", torch.zeros(3, 5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.lin(x) + self.h)
+        self.h = out.detach()
+        return out
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+def test_a_learned_initial_state_put_in_a_state_buffer_the_forward_replaces_is_refused(
+        calls: int) -> None:
+    # A learned h0 put in the state buffer at reset (`h = h0.expand(...)`), which the forward
+    # then replaces: the replay read a copy of it (no graph), and h0 got no gradient, silently
+    # (helper ES). Module state is no input of the boundary's node: refused, with the fix.
+    ours = pytree_ckpt.apply_activation_checkpointing(_StatefulCell())
+    h0 = nn.Parameter(torch.randn(1, 5))
+    ours.h = h0.expand(3, 5)
+    loss = sum(ours(x).square().sum() for x in torch.randn(calls, 3, 4))
+    with pytest.raises(CheckpointError, match="the forward replaced the buffer 'h', which held a "
+                       "tensor with a graph") as err:
+        loss.backward()
+    assert "tip: pass the state as an argument and return the new one" in str(err.value)
+    assert h0.grad is None
+
+
+class _CarriedWithGradient(_StatefulCell):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.lin(x) + self.h)
+        self.h = out  # full backpropagation through time, through a buffer
+        return out
+
+
+def test_a_state_carried_with_its_gradient_in_a_buffer_is_refused_not_hung() -> None:
+    # The forward stores its own output in the buffer: autograd gives that object the
+    # boundary's node, and the replay, reading the buffer as the forward left it, computed
+    # with its own output and backpropagated into itself: backward hung (helper ES).
+    ours = pytree_ckpt.apply_activation_checkpointing(_CarriedWithGradient())
+    loss = sum(ours(x).square().sum() for x in torch.randn(3, 3, 4))
+    with pytest.raises(CheckpointError, match="the forward replaced the buffer 'h'"):
+        loss.backward()
+
+
+def test_a_detached_state_in_a_buffer_gives_eager_grads_over_several_calls() -> None:
+    # The form the refusal's tip names: each call reads the state its forward read.
+    torch.manual_seed(0)
+    eager = _StatefulCell()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    xs = torch.randn(4, 3, 4)
+    for cell in (eager, ours):
+        cell.h = torch.zeros(3, 5)
+        sum(cell(x).square().sum() for x in xs).backward()
+    assert_same_grads(grads_of(eager.parameters()), grads_of(ours.parameters()))
+    assert torch.equal(eager.h, ours.h)

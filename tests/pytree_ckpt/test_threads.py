@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+import pytree_ckpt
 from pytree_ckpt import checkpoint
 
 
@@ -142,3 +143,148 @@ def test_eager_inference_in_another_thread_keeps_the_attention_fast_path() -> No
     checkpoint(Layer(), torch.randn(4, 8)).sum().backward()
     assert len(seen) == 2  # the original pass and the replay
     assert all(torch.equal(expected, got) for got in seen)
+
+
+class _HeldInReplay(nn.Module):
+    """Passes its input through; in ``thread``'s grad-enabled pass (the replay), says so and
+    waits until told to go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.inside, self.go_on = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and threading.current_thread() is self.thread:
+            self.inside.set()
+            assert self.go_on.wait(10)
+        return x
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, a layer run in "
+                   "another thread while one of its replays runs): the replay swaps copies into "
+                   "the module's _buffers for its duration, process-wide; a forward meanwhile "
+                   "updates the copies, then dropped (helper EV)")
+def test_a_forward_while_another_thread_replays_the_same_layer_keeps_its_state_changes(
+        ) -> None:
+    # Micro-batch 1's backward on a worker thread overlaps micro-batch 2's forward on the main
+    # thread (the same layer; eager gives the same numbers as running them one after the
+    # other: its backward reads no module state). The replay of micro-batch 1 runs on copies
+    # of BatchNorm's buffers swapped into the module's dict (NOTE [the replay changes copies]),
+    # so micro-batch 2's forward, reading the module meanwhile, updates the copies.
+    def make() -> tuple[nn.Sequential, _HeldInReplay]:
+        torch.manual_seed(0)
+        held = _HeldInReplay()
+        return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), held, nn.Tanh(),
+                             nn.Linear(8, 8)), held
+
+    torch.manual_seed(1)
+    batches = [torch.randn(4, 8) for _ in range(2)]
+    eager, _ = make()
+    losses = [eager(x).square().sum() for x in batches]
+    for loss in losses:
+        loss.backward()
+
+    model, held = make()
+    pytree_ckpt.apply_activation_checkpointing(model)
+    first = model(batches[0]).square().sum()
+    errors: list[BaseException] = []
+
+    def backward() -> None:
+        try:
+            first.backward()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            held.inside.set()
+
+    held.thread = threading.Thread(target=backward)
+    held.thread.start()
+    assert held.inside.wait(10)
+    second = model(batches[1]).square().sum()  # while the worker's replay is held inside
+    held.go_on.set()
+    held.thread.join(20)
+    assert not errors, errors
+    second.backward()
+    assert torch.equal(second.detach(), losses[1].detach())
+    for (name, expected), got in zip(eager.named_buffers(), model.buffers()):
+        assert torch.equal(expected, got), name
+    for expected, got in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(expected.grad, got.grad)
+
+
+class _ReplaysInTurn(nn.Module):
+    """Passes its input through; in the grad-enabled passes (replays) of threads ``a`` and
+    ``b``, orders them A inside, B inside, A done, B done."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a: threading.Thread | None = None
+        self.b: threading.Thread | None = None
+        self.a_inside, self.b_inside, self.a_done = (threading.Event(), threading.Event(),
+                                                     threading.Event())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and threading.current_thread() is self.a:
+            self.a_inside.set()
+            assert self.b_inside.wait(10)
+        elif torch.is_grad_enabled() and threading.current_thread() is self.b:
+            self.b_inside.set()
+            assert self.a_done.wait(10)
+        return x
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, a layer run in "
+                   "another thread while one of its replays runs): B's replay found A's copies "
+                   "and put them back, so the layer ends holding stale copies (helper EV)")
+def test_two_threads_replaying_one_layer_with_a_batch_norm_leave_its_buffers_as_eager(
+        ) -> None:
+    # Two micro-batches' forwards, then each backward on its own thread, overlapping (as
+    # test_hooks_threads.py's parameter-hook case does). Eager's backwards read no module
+    # state; the boundary's replays each swap in copies of BatchNorm's buffers and put back
+    # what they found, so the last to end puts back the other's copies.
+    def make() -> tuple[nn.Sequential, _ReplaysInTurn]:
+        torch.manual_seed(0)
+        turns = _ReplaysInTurn()
+        return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), turns, nn.Tanh(),
+                             nn.Linear(8, 8)), turns
+
+    torch.manual_seed(1)
+    batches = [torch.randn(4, 8) for _ in range(2)]
+    eager, _ = make()
+    for loss in [eager(x).square().sum() for x in batches]:
+        loss.backward()
+
+    model, turns = make()
+    pytree_ckpt.apply_activation_checkpointing(model)
+    losses = [model(x).square().sum() for x in batches]
+    buffers = list(model.buffers())
+    errors: list[BaseException] = []
+
+    def a() -> None:
+        try:
+            losses[0].backward()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            turns.a_inside.set()
+        finally:
+            turns.a_done.set()
+
+    def b() -> None:
+        assert turns.a_inside.wait(10)
+        try:
+            losses[1].backward()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            turns.b_inside.set()
+
+    turns.a, turns.b = threading.Thread(target=a), threading.Thread(target=b)
+    turns.a.start()
+    turns.b.start()
+    turns.a.join(20)
+    turns.b.join(20)
+    assert not errors, errors
+    for expected, got in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(expected.grad, got.grad)
+    assert all(held is own for held, own in zip(model.buffers(), buffers))
+    for (name, expected), got in zip(eager.named_buffers(), model.buffers()):
+        assert torch.equal(expected, got), name

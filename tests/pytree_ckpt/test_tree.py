@@ -719,6 +719,63 @@ def test_a_sparse_input_that_requires_grad_returned_as_it_is_gets_eagers_gradien
     assert torch.equal(*grads)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's, once
+@pytest.mark.parametrize("to_sparse", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr],
+                         ids=["coo", "csr"])
+def test_a_sparse_adjacency_that_requires_no_grad_passed_through_comes_back_as_in_eager(
+        to_sparse: Any) -> None:
+    # A GNN layer handing its adjacency on to the next one: `return h, adjacency`.
+    weight = torch.randn(3, 4, requires_grad=True)
+
+    def layer(h: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (a @ (h @ weight)).tanh(), a
+
+    results = []
+    for run in (layer, lambda *args: checkpoint(layer, *args)):
+        torch.manual_seed(0)
+        adjacency = to_sparse(torch.randn(5, 5).relu())
+        h, same = run(torch.randn(5, 3), adjacency)
+        assert same is adjacency and not same.requires_grad
+        weight.grad = None
+        h.square().sum().backward()
+        results.append(weight.grad)
+    assert torch.equal(*results)
+
+
+def _marks_coalesced(weight: torch.Tensor) -> Callable[..., torch.Tensor]:
+    # torch_geometric.utils.to_edge_index, called by gcn_norm on a COO adj_t:
+    # `adj = adj._coalesced_(True)`, a flag that moves the COO tensor's version counter.
+    def layer(x: torch.Tensor, adjacency: torch.Tensor) -> torch.Tensor:
+        if adjacency.layout == torch.sparse_coo:
+            adjacency = adjacency._coalesced_(True)
+        return torch.sparse.mm(adjacency, x @ weight).tanh()
+    return layer
+
+
+def test_marking_a_sparse_coo_input_coalesced_is_refused_with_the_csr_way_out() -> None:
+    # Only a flag, but the version counter moves as for a change of values, which nothing
+    # tells apart (documented): the refusal names the way out the user has (helper ET: the
+    # tip pointed inside PyG).
+    weight = torch.randn(4, 4, requires_grad=True)
+    adjacency = torch.randn(5, 5).relu().to_sparse().coalesce()
+    with pytest.raises(CheckpointError, match=r"changed its input args\[1\] in place") as error:
+        checkpoint(_marks_coalesced(weight), torch.randn(5, 4), adjacency)
+    assert "pass it as CSR (`adj.to_sparse_csr()`)" in str(error.value)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's, once
+def test_the_same_adjacency_as_csr_gives_eagers_gradients() -> None:
+    weight = torch.randn(4, 4, requires_grad=True)
+    layer = _marks_coalesced(weight)
+    grads = []
+    for run in (layer, lambda *args: checkpoint(layer, *args)):
+        adjacency = torch.randn(5, 5, generator=torch.Generator().manual_seed(1)).relu()
+        weight.grad = None
+        run(torch.ones(5, 4), adjacency.to_sparse_csr()).square().sum().backward()
+        grads.append(weight.grad)
+    assert torch.equal(*grads)
+
+
 def test_a_strided_nested_tensor_at_the_boundary_is_refused_naming_its_path_and_the_jagged_layout(
         ) -> None:
     # Guards against: no autograd Function takes or returns a nested tensor of the strided
@@ -740,6 +797,32 @@ def test_a_strided_nested_tensor_at_the_boundary_is_refused_naming_its_path_and_
     # Given both, the strided one is named, not the jagged one before it (which crosses).
     with pytest.raises(CheckpointError, match=r"at args\[1\]"):
         checkpoint(lambda j, t: (j * weight).sin(), jagged, nested)
+
+
+def test_a_jagged_tensor_built_from_offsets_inside_the_call_is_refused_with_the_way_out() -> None:
+    # A GNN readout / packed-batch layer: node features in, a jagged batch per graph out. The
+    # replay's offsets are another tensor object, so its output's ragged dimension is another
+    # one (documented): the refusal named reuse_during_recompute (helper ET); it names the
+    # ways out now, and the first one is exact.
+    lin = torch.nn.Linear(4, 4)
+    offsets = torch.tensor([0, 3, 7])
+
+    def layer(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return torch.nested.nested_tensor_from_jagged(lin(x), offsets)
+
+    x = torch.randn(7, 4, requires_grad=True)
+    with pytest.raises(ReplayMismatchError, match="returned a jagged nested tensor "
+                       "at output with another ragged dimension") as error:
+        checkpoint(layer, x, offsets).values().square().sum().backward()
+    assert "return its values and offsets (`nt.values(), nt.offsets()`)" in str(error.value)
+    grads = []
+    for run in (layer, lambda *args: torch.nested.nested_tensor_from_jagged(
+            checkpoint(lambda h, o: layer(h, o).values(), *args), args[1])):
+        lin.zero_grad()
+        x.grad = None
+        run(x, offsets).values().square().sum().backward()
+        grads.append([x.grad, lin.weight.grad, lin.bias.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @pytest.mark.parametrize("make, kind", [
