@@ -329,6 +329,12 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             refuse_strided_nested(fn, flat.spec, flat.tensor_index,
                                   [unique[slot] for slot in slots], root="inputs")
         raise
+    if call.hook_dicts is not None and registered() != call.hook_epoch:
+        # NOTE [the replay runs the forward's hooks] (hook_tables.py): one the forward
+        # registered (a first call installing a hook before its submodule runs) ran in it.
+        call.hook_tables = (call.hook_tables or HookTables.none(call.hook_dicts)).joined(
+            call.hook_dicts)
+        call.hook_epoch = registered()
     if plain is not None:
         call.plain_state = plain.after_forward()  # kept for the replay when it changed state
     if call.as_is:

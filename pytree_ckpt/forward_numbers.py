@@ -241,9 +241,9 @@ class NumbersWatch:
                     if not entry[0] or value_differs(entry[1], was[1]):
                         values.append((name, was[1]))  # a value changed, or replaced
                 elif entry != was:
-                    if type(was[1]) is _TensorHeld and was[1].kept is not None:
+                    if type(was[1]) is _TensorHeld and (kept := was[1].as_read()) is not None:
                         # NOTE [small tensor attributes as the forward read them]
-                        values.append((name, was[1].kept))
+                        values.append((name, kept))
                     elif type(was[1]) is not _Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is
                     elif type(entry[1]) is _Contents or d[name] is not was[1].held or \
@@ -255,8 +255,8 @@ class NumbersWatch:
                 if name not in now:  # deleted by the forward
                     if was[0] or type(was[1]) is _Contents:
                         values.append((name, was[1]))
-                    elif type(was[1]) is _TensorHeld and was[1].kept is not None:
-                        values.append((name, was[1].kept))
+                    elif type(was[1]) is _TensorHeld and (kept := was[1].as_read()) is not None:
+                        values.append((name, kept))
                     else:
                         rebound.append(name)
             if values or rebound:
@@ -425,13 +425,22 @@ class _TensorHeld:
     last call's state before (gradients off by up to 0.25, silently: helper ES). A larger
     one is read by the replay as it is then, as before: holding it from every forward to its
     replay could cost what checkpointing saves (an attention map kept for logging); a buffer
-    holds any size (documented)."""
+    holds any size (documented). So is one the forward also changed in place (its version
+    moved since the read: the values read are gone), as the glance's own read, which keeps no
+    version, cannot tell (documented)."""
 
-    __slots__ = ("ref", "kept")
+    __slots__ = ("ref", "kept", "version")
 
     def __init__(self, tensor: torch.Tensor, /) -> None:
         self.ref = weakref.ref(tensor)
         self.kept = tensor if _small_detached(tensor) else None
+        self.version = tensor._version
+
+    def as_read(self) -> torch.Tensor | None:
+        """The small tensor held, where nothing changed it in place since it was read (its
+        values then are gone: read as it is, as a larger one; helper EX)."""
+        kept = self.kept
+        return kept if kept is not None and kept._version == self.version else None
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _TensorHeld and (held := self.ref()) is not None and \

@@ -155,7 +155,7 @@ class Frame:
         self.state_after: dict[tuple[Callable[..., Any], int], StateAfter] = {}
         self.cursors: dict[Callable[..., Any], int] = {}
         # The thread each callable was recorded from (NOTE [records from one thread]).
-        self.threads: dict[Callable[..., Any], int] = {}
+        self.threads: dict[Callable[..., Any], threading.Thread] = {}
         self.released = False  # set once cleared after its last replay (read by the census)
         # Set when the frame's tensors were offloaded: turns a handle back into a tensor.
         self.restore: Callable[[Any], torch.Tensor] | None = None
@@ -197,9 +197,11 @@ class Frame:
             # Worker threads that copied the caller's context (experts on a pool, run with
             # contextvars.copy_context(), as asyncio.to_thread does) reach this frame too,
             # in the scheduler's order, which the replay does not meet again: each expert
-            # got another's top-k ids, silently (helper EV). Refused at the second thread.
-            me = threading.get_ident()
-            if self.threads.setdefault(fn, me) != me:
+            # got another's top-k ids, silently (helper EV). Refused at the second thread,
+            # calls made one after another on two threads too (their order is fixed, but
+            # nothing cheap tells them from overlapping ones: documented).
+            me = threading.current_thread()  # held: a finished thread's ident is reused
+            if self.threads.setdefault(fn, me) is not me:
                 raise ReuseError(
                     f"reuse_during_recompute({callable_name(fn)}, ...) was called from two "
                     "threads within one checkpointed call: its results are replayed in the "
@@ -207,8 +209,8 @@ class Frame:
                     "which the replay would not meet again (each call could get another's "
                     "result)", expected="every call of it on one thread",
                     got="calls from two threads (workers that copied the caller's context)",
-                    tip="call reuse_during_recompute on the calling thread before handing "
-                        "work to the pool, or run those calls one after another")
+                    tip="make every call of it on one thread: the one that calls the "
+                        "layer, before handing work to a pool (or run the work there)")
             flat = flatten(result)
             # NOTE [recorded containers are the frame's own]: the caller may change the
             # containers it got (r["ids"] = ..., r.pop("ids")), which the replay would see

@@ -12,7 +12,9 @@ run in it, and either gave other gradients, silently (helper EU: 0.41 on a weigh
 boundary reads, at each call, whether any module inside it (or the process, for global hooks)
 has a user hook; the usual call has none, and that read is all it costs (a few dict lookups
 per submodule). A call that has some keeps a copy of each such module's hook tables, taken
-before fn runs (a hook that removes itself in the forward ran there). At the replay the user
+before fn runs (a hook that removes itself in the forward ran there), joined after it by the
+user hooks the forward registered (a first call installing one before its submodule runs:
+``registered()`` moved). At the replay the user
 hooks are read again; where they differ from the forward's, the forward's are put in the
 tables for the replay (in the forward's order) and the tables are put back as they were
 after it. Hooks of torch and of this library (FSDP's, a ``FlopCounterMode``'s module tracker,
@@ -24,6 +26,7 @@ its own duration for every thread (only when they changed between a forward and 
 from __future__ import annotations
 
 import operator
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -97,16 +100,29 @@ def _any_hooks(dicts: Sequence[dict[str, Any]], /) -> bool:
 
 
 def registered() -> int:
-    """How many hooks of any kind the process has registered so far (torch numbers them)."""
-    return RemovableHandle.next_id
+    """A count that moves whenever a hook table may have gained a hook: each registration
+    (torch numbers hooks) and each fill of tables by a replay (which puts hooks back without
+    registering them: an inner boundary's forward ran inside an outer replay that had taken a
+    hook out; helper EX)."""
+    return RemovableHandle.next_id + _FILLS[0]
+
+
+_FILLS = [0]  # fills of hook tables by replays, for registered()
+# NOTE [one replay fills tables at a time]: a replay fills the tables, runs the forward and puts
+# back what it found. Two overlapping on two threads (backwards of two layers; a submodule or
+# global hooks both reach) each found the other's filled tables and put them back, leaving a
+# removed hook registered for good (helper EX): the fills are serialized. The lock is held
+# while a replay's forward runs only, not its backward (where nested replays run), and only
+# where the hooks changed between a forward and its backward.
+_FILLING = threading.RLock()
 
 
 def _user_keys(dicts: Sequence[dict[str, Any]], /) -> tuple[int, ...]:
     """The keys of the user hooks (neither torch's nor this library's) of the modules and of
-    the process; torch numbers hooks uniquely across tables."""
-    return tuple(key for place in _places(dicts) for name in _TABLES
-                 for key, hook in (place.table(name) or {}).items()
-                 if not is_library_hook(hook))
+    the process, sorted; torch numbers hooks uniquely across tables."""
+    return tuple(sorted(key for place in _places(dicts) for name in _TABLES
+                        for key, hook in (place.table(name) or {}).items()
+                        if not is_library_hook(hook)))
 
 
 class HookTables:
@@ -126,35 +142,70 @@ class HookTables:
                            if place.hooked()}
 
     @classmethod
+    def none(cls, dicts: Sequence[dict[str, Any]], /) -> HookTables:
+        """The tables of a forward that had no user hook."""
+        tables = cls.__new__(cls)
+        tables.dicts, tables.keys, tables.copies = dicts, (), {}
+        return tables
+
+    @classmethod
     def replay(cls, forward: HookTables | None, dicts: Sequence[dict[str, Any]], epoch: int,
                /) -> AbstractContextManager[None] | None:
         """What puts the forward's user hooks back for the replay, or ``None`` where the user
         hooks now are the forward's (``forward`` ``None``: a forward without any hook; ``dicts``
         the modules' then; ``epoch``: ``registered()`` then)."""
         if forward is None:
-            # The usual case: no hook then, and none registered anywhere since (a removal
-            # cannot add one), or none now.
-            if RemovableHandle.next_id == epoch or not _any_hooks(dicts) or \
-                    not _user_keys(dicts):
+            # The usual case: no hook then, and none registered or put back anywhere since (a
+            # removal cannot add one), or none now.
+            if registered() == epoch or not _any_hooks(dicts) or not _user_keys(dicts):
                 return None
-            forward = cls.__new__(cls)  # the forward's: none
-            forward.dicts, forward.keys, forward.copies = dicts, (), {}
+            forward = cls.none(dicts)
         elif _user_keys(dicts) == forward.keys:
             return None
         return forward.reinstated()
 
+    def joined(self, dicts: Sequence[dict[str, Any]], /) -> HookTables:
+        """These tables (taken before the forward) with the user hooks the forward registered
+        (and kept): a hook a first call installs before its submodule runs ran in the forward,
+        so it runs in the replay too (helper EX); one a hook removed while the forward ran is
+        in these already."""
+        after = HookTables(dicts)
+        if not after.keys:
+            return self
+        joined = HookTables.__new__(HookTables)
+        joined.dicts = dicts
+        joined.keys = tuple(sorted({*self.keys, *after.keys}))
+        joined.copies = dict(after.copies)
+        for key, before in self.copies.items():
+            later = after.copies.get(key)
+            joined.copies[key] = before if later is None else _united(before, later)
+        return joined
+
     @contextmanager
     def reinstated(self, /) -> Iterator[None]:
         """The forward's user hooks in place for the block, the tables put back after it."""
-        now = [(place, _copied(place)) for place in _places(self.dicts)
-               if place.key in self.copies or place.hooked()]
-        for place, current in now:
-            _fill(place, _merged(self.copies.get(place.key), current))
-        try:
-            yield
-        finally:
+        with _FILLING:  # NOTE [one replay fills tables at a time]
+            now = [(place, _copied(place)) for place in _places(self.dicts)
+                   if place.key in self.copies or place.hooked()]
             for place, current in now:
-                _fill(place, current)
+                _fill(place, _merged(self.copies.get(place.key), current))
+            try:
+                yield
+            finally:
+                for place, current in now:
+                    _fill(place, current)
+
+
+def _united(before: dict[str, Any], after: dict[str, Any], /) -> dict[str, Any]:
+    """Tables holding the hooks of ``before`` in their order, then those ``after`` added."""
+    united: dict[str, Any] = {}
+    for name in {*before, *after} - {_FULL_FLAG}:
+        table = OrderedDict(before.get(name, {}))
+        for key, value in after.get(name, {}).items():
+            table.setdefault(key, value)
+        united[name] = table
+    united[_FULL_FLAG] = after.get(_FULL_FLAG) or before.get(_FULL_FLAG)
+    return united
 
 
 def _copied(place: _Tables, /) -> dict[str, Any]:
@@ -190,6 +241,7 @@ def _merged(forward: dict[str, Any] | None, now: dict[str, Any], /) -> dict[str,
 def _fill(place: _Tables, tables: dict[str, Any], /) -> None:
     """Fill ``place``'s tables in place: torch's handles hold the table objects, and so may
     compiled code's guards."""
+    _FILLS[0] += 1  # under _FILLING
     for name, table in tables.items():
         if name == _FULL_FLAG:
             place.set_flag(table)

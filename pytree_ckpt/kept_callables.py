@@ -181,7 +181,9 @@ def _autograd_function(layers: list[nn.Module], owner: str, /) -> type | None:
     the globals of the layers' modules' forwards, if any."""
     head, *rest = owner.split(".")
     for module in (m for layer in layers for m in layer.modules()):
-        found: Any = getattr(type(module).forward, "__globals__", {}).get(head)
+        # Unwrapped: a decorated forward's globals are its decorator's module's (helper EX)
+        forward = inspect.unwrap(type(module).forward)
+        found: Any = getattr(forward, "__globals__", {}).get(head)
         for part in rest:
             found = getattr(found, part, None)
         if isinstance(found, type) and issubclass(found, torch.autograd.Function):

@@ -37,6 +37,7 @@ from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tenso
 from .rebound import refuse_rebound
 from .rng import IsolatedPass, Replaying
 from .saved import Unchanged
+from .state_changes import refuse_graph_read
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
 from .subclass import as_kind, detached as alias_of
@@ -370,6 +371,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 if grad is not None:
                     outs.append(out)
                     grads.append(grad)
+    # NOTE [a graph tensor a forward replaced] (state_changes.py)
+    if call.changed_state is not None and call.changed_state.graph_read:
+        refuse_graph_read(call.changed_state.graph_read, outs)
     # NOTE [frame lifetime] (frames.py), here: without retain_graph this node never runs
     # again (autograd frees its saved tensors right after it), so its frame is cleared as
     # soon as its own backward

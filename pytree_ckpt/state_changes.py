@@ -21,8 +21,8 @@ from .forward_writes import note_forward_write, written_by_a_forward_since
 from .kernel_written import differs
 from .module_state import ModuleDicts, ever_verified
 
-__all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "registered_state",
-           "snapshots_wanted", "versions"]
+__all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "refuse_graph_read",
+           "registered_state", "snapshots_wanted", "versions"]
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
@@ -278,6 +278,9 @@ class _Absent:
 
 
 _ABSENT: Any = _Absent()
+# A buffer registered as None that the forward filled (helper EX: taken for a change in place,
+# the replay read the forward's result): the replay starts from None, as the forward did.
+_WAS_NONE: Any = _Absent()
 
 
 def _storage_key(t: Any, /) -> Any:
@@ -316,6 +319,8 @@ def _moved(d: _Buffers, items: tuple[tuple[str, torch.Tensor | None], ...],
             continue
         if was is None:  # registered by the forward
             moved.append((name, _ABSENT))
+        elif was[0] is None:  # registered as None, filled by the forward (a reset state)
+            moved.append((name, _WAS_NONE))
         elif was[0] is not t:
             moved.append((name, was[0]))
         elif not t.is_inference() and t._version != was[1]:
@@ -360,7 +365,7 @@ class ChangedState:
     (its change was lost in the copies).
     """
 
-    __slots__ = ("buffers", "parameters", "before", "storages", "read")
+    __slots__ = ("buffers", "parameters", "before", "storages", "read", "graph_read")
 
     def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
                  parameters: list[tuple[_Buffers, _Moved]], before: dict[int, tuple[Any, Any]],
@@ -373,6 +378,9 @@ class ChangedState:
         self.storages = storages      # their storages then, by key
         # The dicts the forward read and left unchanged: entries and versions after it.
         self.read = read or []
+        # The graph tensors a replay read as the forward did (NOTE [a graph tensor a forward
+        # replaced]), by name: set by on_copies, checked once the replay's graph is made.
+        self.graph_read: list[tuple[str, torch.Tensor]] = []
 
     def snapshots(self) -> list[torch.Tensor]:
         """A tensor over each saved storage and each buffer saved alone: what this keeps from
@@ -419,10 +427,7 @@ class ChangedState:
         if not dicts:  # only read, and unchanged since
             yield
             return
-        for _, moved in self.buffers:  # before anything is changed
-            for name, previous in moved or ():
-                if isinstance(previous, torch.Tensor) and previous.requires_grad:
-                    _refuse_a_graph_replaced(name, previous)
+        self.graph_read = []
         entries = [(d, dict(d)) for d, _ in dicts]
         # Each tensor copied, as the forward left it, with its version: one the replay still
         # reaches another way (a list or a hook holding it, a view of it, one that requires
@@ -441,11 +446,20 @@ class ChangedState:
                 kept.append((t, t._version, t.detach().clone()))
                 if previous is _ABSENT:
                     del d[name]
+                elif previous is _WAS_NONE:  # filled by the forward: None, as it began
+                    d[name] = None
                 elif isinstance(previous, torch.Tensor):  # replaced by the forward
                     # Read as the forward read it, whatever the forward put there: its own
                     # output (`self.h = out`) gets the boundary's node, and read so, the
                     # replay backpropagated into itself, and backward hung (helper ES).
-                    d[name] = self._copy(previous, storages)
+                    if previous.requires_grad:
+                        # NOTE [a graph tensor a forward replaced]: itself, not a copy (which
+                        # has no graph: a learned initial state put there got no gradient,
+                        # silently); refused after the replay if its graph reaches it.
+                        d[name] = previous
+                        self.graph_read.append((name, previous))
+                    else:
+                        d[name] = self._copy(previous, storages)
                 elif not t.requires_grad:  # one that does stays: the replay's gradient reaches it
                     d[name] = self._copy(t, storages)
         # Per dict, the names the original pass changed (all of a batch norm's), and the
@@ -503,13 +517,38 @@ class ChangedState:
         return copy
 
 
+def refuse_graph_read(graph_read: list[tuple[str, torch.Tensor]], outs: Sequence[Any],
+                      /) -> None:
+    """NOTE [a graph tensor a forward replaced]: a buffer holding a tensor with a graph (a
+    recurrent state carried with its gradient from the last call, ``self.h = out``; a learned
+    initial state put there, ``self.h = h0.expand(...)``) that the forward replaced is put back
+    itself for the replay. Where the replay's graph (``outs``) reaches it, eager
+    backpropagates through it into the graph that made it, but module state is no input of
+    the boundary's node, so that graph gets no gradient (a copy, put back before, gave the
+    learned state none, silently; the forward's own output read so hung backward: helper ES):
+    refused before the replay's backward. A buffer only overwritten, never read (the last
+    output kept for logging), is not reached and passes (helper EX)."""
+    for name, previous in graph_read:
+        if _graph_reaches(outs, previous):
+            _refuse_a_graph_replaced(name, previous)
+
+
+def _graph_reaches(outs: Sequence[Any], target: torch.Tensor, /, most: int = 100_000) -> bool:
+    node = target.grad_fn
+    stack = [out.grad_fn for out in outs if isinstance(out, torch.Tensor)]
+    seen: set[Any] = set()
+    while stack and len(seen) < most:
+        current = stack.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if current is node or getattr(current, "variable", None) is target:
+            return True
+        stack.extend(next_node for next_node, _ in current.next_functions)
+    return False
+
+
 def _refuse_a_graph_replaced(name: str, previous: torch.Tensor, /) -> None:
-    """A buffer holding a tensor with a graph (a recurrent state carried with its gradient
-    from the last call, ``self.h = out``; a learned initial state put there, ``self.h =
-    h0.expand(...)``) that the forward replaced: eager backpropagates through it into the
-    graph that made it, but the replay reads module state, not inputs of the boundary's node,
-    so no gradient can reach that graph from it (a copy has none: the learned state got no
-    gradient, silently; helper ES)."""
     raise CheckpointError(
         f"the forward replaced the buffer {name!r}, which held a tensor with a graph (a state "
         "carried with its gradient from an earlier call, or a trainable initial state put "

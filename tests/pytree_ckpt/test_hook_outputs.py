@@ -1028,3 +1028,66 @@ def test_a_hook_that_removes_itself_in_the_forward_runs_in_the_replay_as_in_the_
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert calls == [1, 2]  # the forward and its replay
 
+
+
+_LAZILY_HOOKED: set[int] = set()
+
+
+class _LazilyHooked(nn.Module):
+    """Installs a forward hook on a submodule at its first forward, before running it, and
+    keeps it (a first-call installation keyed outside the module's own attributes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if id(self) not in _LAZILY_HOOKED:
+            _LAZILY_HOOKED.add(id(self))
+            self.a.register_forward_hook(lambda mod, args, out: out * 2)
+        return self.b(self.a(x).tanh())
+
+
+def test_a_hook_registered_in_the_first_forward_before_its_module_runs_runs_in_the_replay(
+        ) -> None:
+    # The hooks were copied before fn ran, so the replay took out one the first forward
+    # installed (and ran): off by up to 1.46 (helper EX). Hooks registered in the forward
+    # join the copy.
+    torch.manual_seed(0)
+    eager = _LazilyHooked()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (eager, wrapped):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+            model(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        x.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_hook_added_between_forward_and_backward_does_not_run_in_a_nested_replay() -> None:
+    # The inner forward ran inside the outer replay, which had taken the hook out; putting
+    # it back registered nothing, so the inner replay's "nothing registered since" shortcut
+    # ran the hook (helper EX). registered() counts fills too.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 6),
+                          nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6)),
+                          nn.Tanh(), nn.Linear(6, 6))
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped[1])
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(3, 6, requires_grad=True)
+    grads = []
+    for model in (eager, wrapped):
+        y = model(x)
+        handle = model[1][0].register_forward_hook(lambda mod, args, out: out.clamp(-0.2, 0.2))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+            y.square().sum().backward()
+        handle.remove()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        x.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -1162,3 +1162,29 @@ def test_kept_callable_near_miss_suggests_no_checkpointed_layers_forward() -> No
     told = " ".join(str(w.message) for w in caught)
     assert "'QuantBlok.forward': no class 'QuantBlok' in the checkpointed layers; no method " \
         "'forward' close to it" in told
+
+
+# A decorator defined in another module (transformers decorates forwards so: @deprecate_kwarg,
+# @can_return_tuple): the wrapper's __globals__ are that module's.
+_OTHER_MODULE: dict[str, Any] = {}
+exec(compile("import functools\n"
+             "def logged(f):\n"
+             "    @functools.wraps(f)\n"
+             "    def wrapper(*args, **kwargs):\n"
+             "        return f(*args, **kwargs)\n"
+             "    return wrapper\n", "other_module.py", "exec"), _OTHER_MODULE)
+
+
+class _DecoratedQuantBlock(QuantBlock):
+    @_OTHER_MODULE["logged"]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantFn.apply(self.lin(x))
+
+
+def test_kept_callable_naming_an_autograd_function_is_told_so_under_a_decorated_forward() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([_DecoratedQuantBlock()], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptCallables("QuantFn.forward")})
+    told = " ".join(str(w.message) for w in caught)
+    assert "'QuantFn' is a torch.autograd.Function" in told
