@@ -1091,3 +1091,103 @@ def test_a_hook_added_between_forward_and_backward_does_not_run_in_a_nested_repl
         grads.append([x.grad, *(p.grad for p in model.parameters())])
         x.grad = None
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def _kwargs_output_hook(model: nn.Module, ran: list[str]) -> Any:
+    return model[0].register_forward_hook(
+        lambda mod, args, kwargs, out: ran.append("kwargs output") or out.clamp(-0.3, 0.3),
+        with_kwargs=True)
+
+
+def _kwargs_pre_hook(model: nn.Module, ran: list[str]) -> Any:
+    return model[1].register_forward_pre_hook(
+        lambda mod, args, kwargs: ran.append("kwargs pre") or ((args[0] * 0.5,), kwargs),
+        with_kwargs=True)
+
+
+def _always_called_hook(model: nn.Module, ran: list[str]) -> Any:
+    return model[0].register_forward_hook(
+        lambda mod, args, out: ran.append("always") or out.clamp(-0.3, 0.3), always_call=True)
+
+
+def _backward_pre_hook(model: nn.Module, ran: list[str]) -> Any:
+    return model[1].register_full_backward_pre_hook(
+        lambda mod, go: ran.append("backward pre") or (go[0] * 3,))
+
+
+def _global_full_backward_hook(model: nn.Module, ran: list[str]) -> Any:
+    return nn.modules.module.register_module_full_backward_hook(
+        lambda mod, gi, go: ran.append("global backward") or (gi[0] * 2,)
+        if isinstance(mod, nn.GELU) else None)
+
+
+def _global_backward_pre_hook(model: nn.Module, ran: list[str]) -> Any:
+    return nn.modules.module.register_module_full_backward_pre_hook(
+        lambda mod, go: ran.append("global backward pre") or (go[0] * 3,)
+        if isinstance(mod, nn.GELU) else None)
+
+
+@pytest.mark.parametrize("hook", [_kwargs_output_hook, _kwargs_pre_hook, _always_called_hook,
+                                  _backward_pre_hook, _global_full_backward_hook,
+                                  _global_backward_pre_hook], ids=lambda f: f.__name__[1:])
+def test_hooks_of_other_kinds_removed_between_forward_and_backward_give_eager_grads(
+        hook: Callable[[nn.Module, list[str]], Any]) -> None:
+    # NOTE [the replay runs the forward's hooks]: the flags a hook was registered with
+    # (with_kwargs, always_call) go with it into the replay, and the process's backward hooks
+    # count as hooks of the call (a call with no other hook: its tables are taken all the same).
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8, requires_grad=True)
+    grads, calls = [], []
+    for model in (eager, wrapped):
+        ran: list[str] = []
+        handle = hook(model, ran)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+                y = model(x)
+                handle.remove()
+                y.square().sum().backward()
+        finally:
+            handle.remove()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        x.grad = None
+        calls.append(ran)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert calls[1] == calls[0] * (1 if "backward" in hook.__name__ else 2)
+
+
+@pytest.mark.parametrize("removed", [False, True], ids=["kept", "removed before backward"])
+def test_a_module_tracker_entered_for_backward_sees_the_replays_modules_when_a_hook_went(
+        removed: bool) -> None:
+    # Hooks of torch (a ModuleTracker's, a FlopCounterMode's) entered after the forward are
+    # left in the tables while the forward's user hooks are put back for the replay: the
+    # tracker sees the replay's modules as it does when no user hook changed.
+    from torch.utils.module_tracker import ModuleTracker
+
+    torch.manual_seed(0)
+    model = pytree_ckpt.apply_activation_checkpointing(
+        nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)))
+    x = torch.randn(4, 8, requires_grad=True)
+    seen: list[set[str]] = []
+    tracker = ModuleTracker()
+
+    def hook(mod: nn.Module, args: Any) -> tuple[torch.Tensor]:
+        seen.append(set(tracker.parents))  # the process's pre-hooks ran before the module's
+        return (args[0] * 2,)
+
+    handle = model[2].register_forward_pre_hook(hook)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+            y = model(x)
+        if removed:
+            handle.remove()
+        with tracker:
+            y.square().sum().backward()
+    finally:
+        handle.remove()
+    assert len(seen) == 2  # the forward and its replay
+    assert seen[1] == {"Global", "Linear"}  # inside model[2] (the tracker names it so)
+
