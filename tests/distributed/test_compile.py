@@ -1302,3 +1302,45 @@ def test_dynamic_inputs_compile_one_graph_per_pass_across_lengths(marked_by: str
         assert counter.frame_count == 2
     finally:
         torch._dynamo.reset()
+
+
+class _Mixer(nn.Module):
+    """Two inputs: a fixed-size context and the packed tokens (the second), only the second
+    marked dynamic by the trainer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, ctx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.lin(h)) + ctx
+
+
+def test_the_marks_of_an_offloaded_second_input_reach_the_replay() -> None:
+    # NOTE [dynamo's marks reach the replay]: the marks are taken by input position when the
+    # window closes; a mark on the second input only must reach that input's alias (two
+    # graphs: the original pass and the replay, whatever the token count).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = _Mixer()
+        block = copy.deepcopy(eager)
+        counter = CompileCounterWithBackend("aot_eager")
+        block.forward = torch.compile(block.forward, backend=counter)  # type: ignore[method-assign]
+        manager = OffloadManager(OffloadConfig(min_bytes=0))
+        pytree_ckpt.apply_activation_checkpointing(block, offload=manager)
+        ctx = torch.randn(1, 8, requires_grad=True)
+        for tokens in (20, 28, 9, 33):
+            h = torch.randn(tokens, 8, requires_grad=True)
+            torch._dynamo.maybe_mark_dynamic(h, 0)
+            block.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+            for model in (block, eager):
+                model(ctx, h).square().sum().backward()
+            assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                               {n: p.grad for n, p in block.named_parameters()})
+        assert counter.frame_count == 2
+    finally:
+        torch._dynamo.reset()
