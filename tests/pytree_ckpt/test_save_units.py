@@ -1188,3 +1188,62 @@ def test_kept_callable_naming_an_autograd_function_is_told_so_under_a_decorated_
                                {SaveUnit.ATTN: KeptCallables("QuantFn.forward")})
     told = " ".join(str(w.message) for w in caught)
     assert "'QuantFn' is a torch.autograd.Function" in told
+
+
+class QuantBlockV2(QuantBlock):
+    """A layer whose forward is its base class's."""
+
+
+class QuantOps:
+    Fn = QuantFn
+
+
+class NestedQuant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantOps.Fn.apply(self.lin(x))
+
+
+def _told(layer: nn.Module, target: str) -> str:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptCallables(target)})
+    return " ".join(str(w.message) for w in caught)
+
+
+def test_kept_callable_near_miss_suggests_no_forward_a_layer_inherits() -> None:
+    told = _told(QuantBlockV2(), "QuantBlok.forward")
+    assert "keeps nothing" in told and "did you mean 'QuantBlock.forward'" not in told
+
+
+def test_kept_callable_naming_an_autograd_function_gets_that_hint_alone() -> None:
+    told = _told(QuantBlock(), "QuantFn.forward")
+    assert told.count("'QuantFn.forward':") == 1  # no near-miss hint beside it
+
+
+def test_kept_callable_naming_an_autograd_function_through_a_class_attribute_says_so() -> None:
+    told = _told(NestedQuant(), "QuantOps.Fn.forward")
+    assert "'QuantOps.Fn' is a torch.autograd.Function" in told
+
+
+def test_kept_callable_naming_an_autograd_function_a_submodule_applies_says_so() -> None:
+    # The Function is a global of the submodule's code, not of the layer's.
+    space: dict[str, Any] = {"nn": nn, "torch": torch, "HiddenFn": QuantFn}
+    exec("class Inner(nn.Module):\n"  # noqa: S102 - a class defined under other globals
+         "    def forward(self, x):\n"
+         "        return HiddenFn.apply(x)\n", space)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.inner = nn.Linear(8, 8), space["Inner"]()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.lin(x))
+
+    told = _told(Outer(), "HiddenFn.forward")
+    assert "'HiddenFn' is a torch.autograd.Function" in told
