@@ -2091,6 +2091,11 @@ class _DecayedMemory(nn.Module):
     """A small detached memory (a plain attribute) the forward decays in place before
     replacing it (`self.h.mul_(0.5); self.h = self.h + out.detach()`)."""
 
+
+class _LearnedStartCell(nn.Module):
+    """A recurrent cell whose state starts each sequence from a learned initial state, set as
+    a plain attribute with its graph (`self.h = self.h0 * 1.0`), and carried detached."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
@@ -2118,3 +2123,34 @@ def test_a_small_tensor_attribute_changed_in_place_then_replaced_is_read_by_the_
             model(x).square().sum().backward()
         grads.append([*(p.grad for p in model.parameters()), model.h])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+        self.h0 = nn.Parameter(torch.randn(4))
+
+    def reset(self) -> None:
+        self.h = self.h0 * 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.lin(x) + self.h)
+        self.h = out.detach()
+        return out
+
+
+@pytest.mark.xfail(strict=True, reason="a small plain tensor attribute holding a graph (a "
+                   "learned initial state, `self.h = self.h0 * 1.0`) that the forward "
+                   "replaces is neither held for the replay (_small_detached: requires grad) "
+                   "nor refused as the buffer case is (_refuse_a_graph_replaced): the replay "
+                   "reads the forward's detached replacement, h0 gets no gradient and the "
+                   "layer's are off, silently")
+def test_a_learned_initial_state_in_a_plain_attribute_the_forward_replaces_gets_eager_grads(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = _LearnedStartCell()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    grads = []
+    for model in (eager, wrapped):
+        model.reset()
+        sum(model(x).square().sum() for _ in range(3)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(*grads))
