@@ -1035,6 +1035,10 @@ class _LogsItsOutputInABuffer(nn.Module):
     """Keeps its last output in a non-persistent buffer for logging; its forward never reads
     it, only replaces it."""
 
+
+class _DecayThenReplace(nn.Module):
+    """A state buffer the forward changes in place (a decay) and then replaces."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
@@ -1092,3 +1096,29 @@ def test_a_buffer_reset_to_none_and_filled_by_the_forward_gives_eager_grads() ->
                 model(x).square().sum().backward()
         grads.append([*(p.grad for p in model.parameters()), model.h])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+        self.register_buffer("h", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.h.mul_(0.5)
+        out = torch.tanh(self.lin(x) + self.h)
+        self.h = out.detach().mean(0)
+        return out
+
+
+def test_a_buffer_changed_in_place_then_replaced_replays_twice_as_eager() -> None:
+    # The replay reads a copy of the buffer as the forward read it (it changes it in place
+    # again); a second backward through the kept graph replays from the same state.
+    torch.manual_seed(0)
+    eager = _DecayThenReplace()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    got = []
+    for model in (eager, wrapped):
+        model(x)
+        y = model(x)
+        y.square().sum().backward(retain_graph=True)
+        y.square().sum().backward()
+        got.append([p.grad for p in model.parameters()] + [model.h])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
