@@ -2060,3 +2060,21 @@ def test_a_plain_object_batch_whose_x_is_replaced_by_the_layer_output_is_refused
         batch.x.square().sum().backward()
     assert "tip: keep the output out of what the forward reads (`h = layer(data)`" in str(error.value)
     assert _FORWARD_CALLS == [1, 1]  # the forward, and one replay
+
+
+def test_a_function_reading_its_own_output_from_a_closure_is_refused_naming_the_variable(
+        ) -> None:
+    # As with the global above, the outputs kept in a list the function closes over.
+    kept: list[torch.Tensor] = []
+
+    def reads_the_first_output(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(x @ weight + (kept[0] if kept else 0))
+        kept.append(out)
+        return out
+
+    weight = torch.randn(4, 4, requires_grad=True)
+    loss = sum(checkpoint(reads_the_first_output, x, weight).sum()
+               for x in torch.randn(2, 3, 4))
+    with pytest.raises(CheckpointError, match=r"reads a tensor that call returned, held by the "
+                       r"closure variable 'kept' of .*reads_the_first_output"):
+        loss.backward()
