@@ -2154,3 +2154,59 @@ def test_a_learned_initial_state_in_a_plain_attribute_the_forward_replaces_gets_
         sum(model(x).square().sum() for _ in range(3)).backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _WideStreamingState(nn.Module):
+    """A streaming layer carrying a detached state of ``width`` floats as a plain attribute
+    (NOTE [small tensor attributes as the forward read them])."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.state = torch.ones(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * self.state[:4]
+        self.state = torch.cat([out.detach().mean(0), self.state[4:]]) * 0.5
+        return out
+
+
+@pytest.mark.parametrize("width", [16384, 16385], ids=["64 KiB", "over 64 KiB"])
+def test_a_state_of_at_most_64_kib_is_held_for_the_replay_and_one_over_is_not(
+        width: int) -> None:
+    # "At most 64 KiB": a state of exactly 16384 floats is put back for the replay (gradients
+    # eager's over two calls, backward after both); one float more is read as the last call
+    # left it (documented), so its gradients differ.
+    torch.manual_seed(0)
+    eager = _WideStreamingState(width)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    grads = []
+    for model in (eager, wrapped):
+        (model(x).square().sum() + model(x).square().sum()).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads)) == (width == 16384)
+
+
+def test_a_small_view_of_a_large_state_is_not_held_for_the_replay() -> None:
+    # A view holds its whole storage: a 16-float view of a 1 MiB table is not "small" (it
+    # would keep the table alive from the forward to the replay).
+    class Windowed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("seen", torch.zeros(1))  # numbers read at every call
+            self.big = torch.ones(1 << 18)
+            self.state = self.big[:4]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.lin(x) * self.state
+            self.state = self.big[4:8]
+            return out
+
+    ours = pytree_ckpt.apply_activation_checkpointing(Windowed())
+    replaced = weakref.ref(ours.state)
+    out = ours(torch.randn(2, 4))
+    gc.collect()
+    assert replaced() is None  # not held: only a weak reference
+    out.sum().backward()
