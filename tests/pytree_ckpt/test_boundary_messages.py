@@ -2078,3 +2078,51 @@ def test_a_function_reading_its_own_output_from_a_closure_is_refused_naming_the_
     with pytest.raises(CheckpointError, match=r"reads a tensor that call returned, held by the "
                        r"closure variable 'kept' of .*reads_the_first_output"):
         loss.backward()
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a backward of the user's that fails")
+
+
+class _LogsAndFails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _RaisesInBackward.apply(self.lin(x))
+        self.last = out  # kept for logging, with its graph
+        return out
+
+
+def test_another_error_in_a_replays_backward_is_torchs_even_with_a_graph_kept_on_the_module(
+        ) -> None:
+    # raise_freed_graph_reached speaks only of torch's "backward through the graph a second
+    # time": another error stays the one raised, though the module holds a graph tensor.
+    layer = pytree_ckpt.apply_activation_checkpointing(_LogsAndFails())
+    with pytest.raises(RuntimeError, match="a backward of the user's that fails") as error:
+        layer(torch.randn(2, 4)).sum().backward()
+    assert not isinstance(error.value, CheckpointError)
+
+
+def test_a_closure_tensor_with_a_graph_used_twice_gives_torchs_error_not_a_module_refusal(
+        ) -> None:
+    # Documented (limits.md, plain functions): torch's "backward through the graph a second
+    # time" stands where no module attribute holds a graph tensor.
+    weight = torch.randn(4, 4, requires_grad=True)
+    scale = weight.sum() * 2  # a graph made before the call, read by the closure
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return (x * scale).tanh()
+
+    y = pytree_ckpt.checkpoint(scaled, torch.randn(2, 4, requires_grad=True))
+    scale.backward()  # frees the graph the replay reaches
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as error:
+        y.sum().backward()
+    assert not isinstance(error.value, CheckpointError)
