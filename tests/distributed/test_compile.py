@@ -1344,3 +1344,32 @@ def test_the_marks_of_an_offloaded_second_input_reach_the_replay() -> None:
         assert counter.frame_count == 2
     finally:
         torch._dynamo.reset()
+
+
+def test_mark_dynamic_on_an_offloaded_input_reaches_the_replay_with_all_its_attributes() -> None:
+    # torch._dynamo.mark_dynamic stamps _dynamo_dynamic_indices, _specialize_on and
+    # _has_dynamo_dim_marking: all reach the alias of an input a window restored (without
+    # _specialize_on the replay compiles no graph specialized for 28: 3 frames).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        block = copy.deepcopy(eager)
+        counter = CompileCounterWithBackend("aot_eager")
+        block.forward = torch.compile(block.forward, backend=counter)  # type: ignore[method-assign]
+        pytree_ckpt.apply_activation_checkpointing(
+            block, offload=OffloadManager(OffloadConfig(min_bytes=0)))
+        for tokens in (20, 28, 9):
+            h = torch.randn(tokens, 8, requires_grad=True)
+            torch._dynamo.mark_dynamic(h, 0, specialize_on=[lambda n: n == 28])
+            block.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+            for model in (block, eager):
+                model(h).square().sum().backward()
+            assert_grads_equal({n: p.grad for n, p in eager.named_parameters()},
+                               {n: p.grad for n, p in block.named_parameters()})
+        assert counter.frame_count == 4  # per pass: the dynamic graph and the one for 28
+    finally:
+        torch._dynamo.reset()
