@@ -2146,3 +2146,62 @@ def test_reused_calls_from_short_lived_threads_in_a_copied_context_are_refused()
     with pytest.raises(pytree_ckpt.ReuseError, match=r"was called from two threads within one "
                        "checkpointed call"):
         twin(torch.randn(4, 8))
+
+
+def _top_ids_of_expert_0(h: torch.Tensor) -> torch.Tensor:
+    return h.detach().abs().topk(3, dim=-1).indices
+
+
+def _top_ids_of_expert_1(h: torch.Tensor) -> torch.Tensor:
+    return h.detach().abs().topk(3, dim=-1).indices
+
+
+class _ExpertsWithOwnReusedCalls(_ExpertsOnThreads):
+    """Each expert reuses its own function on its own thread, both threads alive together (a
+    barrier after the reused call): each function's records come from one thread."""
+
+    barrier = threading.Barrier(2, timeout=10)  # on the class: a module copy shares it
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order = {}
+
+    def _expert(self, i: int, h: torch.Tensor, turns: dict[int, threading.Event]) -> torch.Tensor:
+        fn = (_top_ids_of_expert_0, _top_ids_of_expert_1)[i]
+        ids = reuse_during_recompute(fn, self.experts[i](h))
+        self.barrier.wait()
+        return torch.tanh(self.experts[i](h)).gather(-1, ids)
+
+
+def test_each_expert_reusing_its_own_function_on_its_own_thread_gets_eager_grads() -> None:
+    # NOTE [records from one thread] is per callable: two callables, one per thread, are
+    # fine (each replays its own records in order).
+    torch.manual_seed(0)
+    eager = _ExpertsWithOwnReusedCalls()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    h = torch.randn(4, 8)
+    grads = []
+    for model in (eager, wrapped):
+        model(h).square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _ExpertsOnOverlappingThreads(_ExpertsWithOwnReusedCalls):
+    """Both experts reuse one function, their threads alive together (a barrier before the
+    reused call): unlike ``_ExpertsOnThreads``, neither thread can end before the other
+    starts, so their identities differ."""
+
+    def _expert(self, i: int, h: torch.Tensor, turns: dict[int, threading.Event]) -> torch.Tensor:
+        self.barrier.wait()
+        ids = reuse_during_recompute(_top_ids, self.experts[i](h))
+        return torch.tanh(self.experts[i](h)).gather(-1, ids)
+
+
+def test_reused_calls_from_threads_alive_together_are_refused_every_time() -> None:
+    # The deterministic form of test_reused_calls_from_threads_in_a_copied_context_are_refused.
+    for _ in range(3):
+        layer = pytree_ckpt.apply_activation_checkpointing(_ExpertsOnOverlappingThreads())
+        with pytest.raises(ReuseError, match=r"was called from two threads within one "
+                           "checkpointed call"):
+            layer(torch.randn(4, 8))
