@@ -2210,3 +2210,82 @@ def test_a_small_view_of_a_large_state_is_not_held_for_the_replay() -> None:
     gc.collect()
     assert replaced() is None  # not held: only a weak reference
     out.sum().backward()
+
+
+class _ConsumesPending(nn.Module):
+    """A small tensor the caller leaves on the module, which the forward uses once and
+    deletes (`del self.pending`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(1))  # numbers read at every call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        if hasattr(self, "pending"):
+            out = out * self.pending
+            del self.pending
+        return out
+
+
+def test_a_small_tensor_the_forward_deletes_is_put_back_for_the_replay() -> None:
+    torch.manual_seed(0)
+    eager = _ConsumesPending()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    grads = []
+    for model in (eager, wrapped):
+        model.pending = torch.full((4,), 3.0)
+        model(x).square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+        assert not hasattr(model, "pending")
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _LateStream(nn.Module):
+    """No buffer: after its first replay only a glance sees its attributes. Streaming is
+    switched on later, and the forward then first replaces its state."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.stream = False
+        self.state = torch.ones(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * self.state[:4]
+        if self.stream:
+            self.state = torch.cat([out.detach().mean(0), self.state[4:]]) * 0.5
+        return out
+
+
+def test_a_small_state_first_replaced_after_the_first_replay_replays_as_eager() -> None:
+    # NOTE [a number first changed after the first replay]: the glance puts back a small
+    # tensor the forward replaced, as a full read does.
+    torch.manual_seed(0)
+    eager = _LateStream(4)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    grads = []
+    for model in (eager, wrapped):
+        model(x).sum().backward()  # the first replay, nothing changed
+        model.zero_grad()
+        model.stream = True
+        (model(x).square().sum() + model(x).square().sum()).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_large_state_first_replaced_after_the_first_replay_is_not_held_to_the_replay(
+        ) -> None:
+    # Over 64 KiB the glance keeps nothing past the forward: the state replaced is freed.
+    layer = pytree_ckpt.apply_activation_checkpointing(_LateStream(1 << 15))
+    x = torch.randn(2, 4)
+    layer(x).sum().backward()
+    layer.stream = True
+    replaced = weakref.ref(layer.state)
+    out = layer(x)
+    gc.collect()
+    assert replaced() is None
+    out.sum().backward()
