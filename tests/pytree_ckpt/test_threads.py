@@ -368,3 +368,51 @@ def test_overlapping_replays_on_two_threads_leave_the_global_hooks_as_the_user_l
     assert inside == ["a in", "a out", "b"]  # one replay's hooks at a time
     assert all(torch.equal(p.grad, q.grad) for m, n in ((eager_a, a), (eager_b, b))
                for p, q in zip(m.parameters(), n.parameters()))
+
+
+class _MeetsInBackward(nn.Module):
+    """A gradient hook on an activation that waits for a second thread: two backwards through
+    the one call are inside its replay together."""
+
+    barrier = threading.Barrier(2, timeout=10)  # on the class: a module copy shares it
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin1(x))
+        if h.requires_grad:
+            h.register_hook(lambda g: (self.barrier.wait(), None)[1])
+        return self.lin2(h)
+
+
+def test_two_threads_in_one_calls_replay_together_get_eager_grads() -> None:
+    # NOTE [a replay that reaches its own node]: a re-entry is refused per thread; two
+    # threads each taking gradients through the same kept graph are no cycle.
+    torch.manual_seed(0)
+    eager = _MeetsInBackward()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    got = []
+    for model in (eager, wrapped):
+        y = model(x).square().sum()
+        results: dict[int, tuple[torch.Tensor, ...]] = {}
+        errors: list[BaseException] = []
+
+        def run(i: int, model: nn.Module = model, y: torch.Tensor = y) -> None:
+            try:
+                results[i] = torch.autograd.grad(y, list(model.parameters()), retain_graph=True)
+            except BaseException as error:  # noqa: BLE001 - raised below
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        if errors:
+            raise errors[0]
+        assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+        got.append(results[0])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
