@@ -2126,3 +2126,35 @@ def test_a_closure_tensor_with_a_graph_used_twice_gives_torchs_error_not_a_modul
     with pytest.raises(RuntimeError, match="backward through the graph a second time") as error:
         y.sum().backward()
     assert not isinstance(error.value, CheckpointError)
+
+
+def test_a_leaf_held_as_a_plain_objects_attribute_is_refused_naming_its_path() -> None:
+    # The leaf itself, not a tensor with a graph to it: named by its path all the same.
+    layer = pytree_ckpt.apply_activation_checkpointing(_MessagePassing())
+    x = torch.randn(5, 4, requires_grad=True)
+    edge_index = torch.tensor([[0, 1, 2, 3, 4, 0], [1, 2, 3, 4, 0, 0]])
+    loss = layer(_GraphBatch(x, edge_index)).square().sum()
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as error:
+        loss.backward()
+    assert "reached through args[0].x (an attribute of a plain object" in str(error.value)
+
+
+class _ReadsStart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("start", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + self.start)
+
+
+def test_a_foreign_leaf_reached_through_a_buffer_the_forward_only_reads_is_named() -> None:
+    # A learned start put in a buffer the forward reads and leaves (not replaced: the
+    # replaced case is refused before any replay, naming the buffer).
+    layer = pytree_ckpt.apply_activation_checkpointing(_ReadsStart())
+    h0 = torch.zeros(1, requires_grad=True)
+    layer.start = h0.expand(4)
+    with pytest.raises(CheckpointError) as error:
+        layer(torch.randn(2, 4)).square().sum().backward()
+    assert "reached through the buffer start (a tensor with a graph to it)" in str(error.value)
