@@ -2056,16 +2056,6 @@ class _ExpertsOneAfterAnother(nn.Module):
         ids = reuse_during_recompute(_top_ids, self.experts[i](h))
         return torch.tanh(self.experts[i](h)).gather(-1, ids)
 
-
-    assert "tip: call reuse_during_recompute on the calling thread" in str(error.value)
-
-
-class _ExpertsOnShortLivedThreads(_ExpertsOnThreads):
-    """As ``_ExpertsOnThreads``, but each expert's thread ends before the next one starts (a
-    context-copying executor that makes a thread per task): the second expert runs on a new
-    thread that the system gave the first one's identity (``threading.get_ident()`` values are
-    reused once a thread has ended), found by starting threads until one has it."""
-
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         import contextvars
 
@@ -2104,6 +2094,15 @@ def test_reused_calls_one_after_another_on_two_threads_give_eager_grads() -> Non
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+class _ExpertsOnShortLivedThreads(_ExpertsOnThreads):
+    """As ``_ExpertsOnThreads``, but each expert's thread ends before the next one starts (a
+    context-copying executor that makes a thread per task): the second expert runs on a new
+    thread that the system gave the first one's identity (``threading.get_ident()`` values are
+    reused once a thread has ended), found by starting threads until one has it."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        import contextvars
+
         turns = {0: threading.Event(), 1: threading.Event()}
         turns[1].set()  # run one after another here: no thread waits for the other
         results: dict[int, torch.Tensor] = {}
@@ -2133,13 +2132,6 @@ def test_reused_calls_one_after_another_on_two_threads_give_eager_grads() -> Non
         return results[0] + results[1]
 
 
-@pytest.mark.xfail(strict=True, reason="NOTE [records from one thread] tells threads apart by "
-                   "threading.get_ident(), which the system reuses once a thread has ended: a "
-                   "second worker thread started after the first ended passes as the same "
-                   "thread, unrefused (a replay meeting them in another order hands each "
-                   "expert another's top-k ids, silently; also why the test with overlapping "
-                   "threads above fails about one run in three: its first thread may end "
-                   "before the second starts)")
 def test_reused_calls_from_short_lived_threads_in_a_copied_context_are_refused() -> None:
     torch.manual_seed(0)
     twin = pytree_ckpt.apply_activation_checkpointing(_ExpertsOnShortLivedThreads())

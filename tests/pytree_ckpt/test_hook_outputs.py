@@ -1192,11 +1192,9 @@ def test_a_module_tracker_entered_for_backward_sees_the_replays_modules_when_a_h
     assert seen[1] == {"Global", "Linear"}  # inside model[2] (the tracker names it so)
 
 
-@pytest.mark.xfail(strict=True, reason="a plain function's modules (passed as arguments or in "
-                   "a closure) are not known to the boundary: their hooks are not put back "
-                   "for the replay, so a hook removed between forward and backward is missing "
-                   "from it (NOTE [the replay runs the forward's hooks] covers layers and "
-                   "module methods only; docs say nothing of it)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Plain functions: a "
+                   "hook on a module a plain function calls, registered or removed between the "
+                   "call and its backward): the boundary knows no modules there (helper EZ)")
 @pytest.mark.parametrize("how", ["module passed in", "closure"])
 def test_a_hook_removed_before_backward_runs_in_a_plain_functions_replay_as_in_eager(
         how: str) -> None:
@@ -1220,11 +1218,6 @@ def test_a_hook_removed_before_backward_runs_in_a_plain_functions_replay_as_in_e
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.xfail(strict=True, reason="NOTE [the replay runs the forward's hooks] copies the "
-                   "tables before fn runs, so a hook the forward itself registers (a pre-hook "
-                   "installing instrumentation once, at the first call) ran in the forward but "
-                   "is taken out for the replay, where the user keys now differ from those "
-                   "copied: gradients 0.57 off, silently; eager's before 2021563")
 def test_a_hook_a_pre_hook_registers_during_the_forward_runs_in_the_replay_as_in_eager(
         ) -> None:
     torch.manual_seed(0)
