@@ -229,16 +229,6 @@ class StateWatch:
         for d, name, t in self.frozen_entries:
             if d.get(name) is not t:  # reassigned: the replay starts from the one before
                 parameters.setdefault(id(d), (d, []))[1].append((name, t))
-        if read and self.before:
-            # NOTE [state read, then changed by a later call], for the buffers a changed dict
-            # holds that the forward left alone (a scale changed only in training, beside a
-            # call counter changed at every call): read live, an eval micro-batch's replay read
-            # the scale as a later train micro-batch left it (helper EY). They get copies of
-            # their snapshots too, as changed in place.
-            buffers = [(d, moved if moved is None else [*moved, *(
-                (name, None) for name, t in d.items()
-                if t is not None and id(t) in self.before and
-                all(name != m for m, _ in moved))]) for d, moved in buffers]
         # NOTE [state read, then changed by a later call]: the dicts the forward left as they
         # were, with their snapshots, for the replay to read them as the forward did.
         done = {id(d) for d, _ in buffers}
