@@ -434,7 +434,7 @@ class _TensorHeld:
     def __init__(self, tensor: torch.Tensor, /) -> None:
         self.ref = weakref.ref(tensor)
         self.kept = tensor if _small_detached(tensor) else None
-        self.version = tensor._version
+        self.version = tensor._version if self.kept is not None else 0
 
     def as_read(self) -> torch.Tensor | None:
         """The small tensor held, where nothing changed it in place since it was read (its
@@ -454,9 +454,10 @@ _SMALL_BYTES = 64 * 1024  # NOTE [small tensor attributes as the forward read th
 
 def _small_detached(t: torch.Tensor, /) -> bool:
     """A strided tensor without a graph whose whole storage is small (a view of a large
-    output would keep that output)."""
+    output would keep that output); not an inference tensor (it has no version to check, and
+    cannot change outside inference mode: helper FA)."""
     return not t.requires_grad and t.layout == torch.strided and type(t) is torch.Tensor \
-        and t.untyped_storage().nbytes() <= _SMALL_BYTES
+        and not t.is_inference() and t.untyped_storage().nbytes() <= _SMALL_BYTES
 
 
 def _read(d: dict[str, Any], /) -> dict[str, tuple[bool, Any]]:

@@ -113,7 +113,8 @@ _FILLS = [0]  # fills of hook tables by replays, for registered()
 # global hooks both reach) each found the other's filled tables and put them back, leaving a
 # removed hook registered for good (helper EX): the fills are serialized. The lock is held
 # while a replay's forward runs only, not its backward (where nested replays run), and only
-# where the hooks changed between a forward and its backward.
+# where the hooks changed between a forward and its backward; a replay's forward that waits for
+# another thread which needs it blocks (helper FA; documented in limits.md).
 _FILLING = threading.RLock()
 
 
@@ -168,7 +169,9 @@ class HookTables:
         """These tables (taken before the forward) with the user hooks the forward registered
         (and kept): a hook a first call installs before its submodule runs ran in the forward,
         so it runs in the replay too (helper EX); one a hook removed while the forward ran is
-        in these already."""
+        in these already. Which hooks ran is not recorded: one registered after its module ran
+        joins too, and a hook that removes and registers itself again runs twice in the replay
+        (helper FA; documented)."""
         after = HookTables(dicts)
         if not after.keys:
             return self

@@ -2311,3 +2311,37 @@ def test_a_large_state_first_replaced_after_the_first_replay_is_not_held_to_the_
     gc.collect()
     assert replaced() is None
     out.sum().backward()
+
+
+class _InferenceMadeAttribute(nn.Module):
+    """A buffer the forward counts, beside a small plain tensor attribute made under
+    torch.inference_mode() (a model built or loaded there, then trained)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        with torch.inference_mode():
+            self.shift = torch.tensor(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return self.lin(x).tanh() + self.shift
+
+
+def test_a_plain_tensor_attribute_made_in_inference_mode_beside_a_buffer_gives_eager_grads(
+        ) -> None:
+    models = []
+    for wrap in (False, True):  # not a deep copy: that one's attribute is a normal tensor
+        torch.manual_seed(0)
+        model = _InferenceMadeAttribute()
+        assert model.shift.is_inference()
+        models.append(pytree_ckpt.apply_activation_checkpointing(model) if wrap else model)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in models:
+        for _ in range(2):
+            model(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        x.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -1231,3 +1231,37 @@ def test_a_buffer_changed_in_place_then_replaced_replays_twice_as_eager() -> Non
         y.square().sum().backward()
         got.append([p.grad for p in model.parameters()] + [model.h])
     assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+class _CountsGradCallsBesideACounter(nn.Module):
+    """A buffer counted at every call, beside one counted only where grad is enabled (once per
+    call under reentrant checkpointing: only the replay has grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("grad_calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if torch.is_grad_enabled():
+            self.grad_calls += 1
+        return self.lin(x).tanh()
+
+
+def test_a_count_kept_where_grad_is_enabled_beside_a_call_counter_counts_each_call() -> None:
+    torch.manual_seed(0)
+    eager = _CountsGradCallsBesideACounter()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 4, requires_grad=True)
+    for _ in range(3):
+        grads = []
+        for model in (eager, wrapped):
+            model(x).square().sum().backward()
+            grads.append([x.grad, *(p.grad for p in model.parameters())])
+            x.grad = None
+            model.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert [int(m.grad_calls) for m in (eager, wrapped)] == [3, 3]
+    assert [int(m.calls) for m in (eager, wrapped)] == [3, 3]

@@ -416,3 +416,68 @@ def test_two_threads_in_one_calls_replay_together_get_eager_grads() -> None:
         assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
         got.append(results[0])
     assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+class _EnergyInner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).tanh()
+
+
+class _ForcesOnAWorker(nn.Module):
+    """A forward that takes gradients itself (forces = dE/dx, of a checkpointed block) on a
+    worker thread it waits for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _EnergyInner()
+        self.head = nn.Linear(4, 4)
+        self.workers: list[threading.Thread] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        found: dict[str, torch.Tensor] = {}
+
+        def work() -> None:
+            with torch.enable_grad():
+                xi = x.detach().requires_grad_()
+                found["g"], = torch.autograd.grad(self.inner(xi).square().sum(), xi)
+
+        worker = threading.Thread(target=work, daemon=True)
+        self.workers.append(worker)
+        worker.start()
+        worker.join(timeout=3)
+        if worker.is_alive():
+            raise RuntimeError("the worker taking gradients is blocked")
+        return self.head(x) + found["g"]
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, a replay's forward "
+                   "waiting for another thread that replays a layer whose hooks changed: it "
+                   "blocks) (helper FA)")
+def test_a_forward_waiting_for_a_worker_that_takes_gradients_replays_with_a_one_shot_hook(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = _ForcesOnAWorker()
+    wrapped = copy.deepcopy(eager)
+    wrapped.inner = pytree_ckpt.apply_activation_checkpointing(wrapped.inner)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    try:
+        for model in (eager, wrapped):
+            def once(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+                handle.remove()  # a one-shot hook (for one step's forward)
+                return out * 2
+            handle = model.inner.lin.register_forward_hook(once)
+            model(x).square().sum().backward()
+            grads.append([x.grad, *(p.grad for p in model.parameters() if p.grad is not None)])
+            x.grad = None
+    finally:
+        for model in (eager, wrapped):
+            for worker in model.workers:
+                worker.join(timeout=10)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
