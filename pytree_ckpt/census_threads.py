@@ -57,14 +57,20 @@ def _recording() -> ActivationCensus | None:
         return None
     if _CARRIED:
         return _get_obj(_TLS_KEY) if _is_key(_TLS_KEY) else None
-    # A torch without thread-local objects to carry: the thread that entered it only (reports
-    # on autograd's device threads are then not counted; docs/census.md).
-    census = _ACTIVE.get()
-    return census if census is not None and census._thread == threading.get_ident() else None
+    # A torch without thread-local objects to carry (2.11 has no way to erase one): the thread
+    # that entered it only (reports on autograd's device threads are then not counted;
+    # docs/census.md), recorded per thread, not per context (read from the ContextVar, two
+    # contexts' censuses interleaved on one thread each looked like the one recording, and the
+    # first one's end was let through: it popped the other's hooks).
+    return getattr(_THREAD_RECORDING, "census", None)
+
+
+_THREAD_RECORDING = threading.local()  # where _CARRIED is false
 
 
 def _set_recording(census: ActivationCensus | None) -> None:
     if not _CARRIED:
+        _THREAD_RECORDING.census = census
         return
     if census is None:
         _remove_obj(_TLS_KEY)  # erased, not set to None: NOTE [nothing left in a thread]
