@@ -19,7 +19,7 @@ import functools
 import operator
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -32,8 +32,8 @@ from .tree import POSITIONAL_CALL_SPECS
 
 __all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module",
            "call_switches", "changed_submodule", "collect_parameters", "drop_caches",
-           "ever_verified", "foreign_leaves", "graph_attributes", "is_verified", "mark_verified",
-           "module_buffers", "module_dicts", "owning_module", "structure_generation",
+           "ever_verified", "foreign_leaves", "graph_attributes", "graph_reaches", "is_verified",
+           "mark_verified", "module_buffers", "module_dicts", "owning_module", "structure_generation",
            "submodules_now", "torch_nn_class", "trainable_parameters", "warn_forward_hooks",
            "watch_module_structure", "watch_tree"]
 
@@ -470,6 +470,25 @@ def foreign_leaves(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /
             found.append(variable)
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return found
+
+
+def graph_reaches(nodes: Iterable[Any], target: Any, /, *, most: int = 10_000) -> bool:
+    """Whether the autograd graph below ``nodes`` holds ``target``: a node, or a tensor (its
+    node, or the leaf a node accumulates into), searched through ``most`` nodes at most (for
+    refusals and their messages: a rare path)."""
+    node = target.grad_fn if isinstance(target, torch.Tensor) else target
+    stack = list(nodes)
+    seen: set[Any] = set()
+    while stack and len(seen) < most:
+        current = stack.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if (node is not None and current is node) or \
+                getattr(current, "variable", None) is target:
+            return True
+        stack.extend(n for n, _ in current.next_functions)
+    return False
 
 
 _WARNED_HOOKS = "_pytree_ckpt_warned_hooks"

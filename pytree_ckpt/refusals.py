@@ -23,7 +23,8 @@ from torch import nn
 from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .function_reach import cell_contents, globals_of
-from .module_state import foreign_leaves, mark_verified, owning_module, warn_forward_hooks
+from .module_state import (foreign_leaves, graph_reaches, mark_verified, owning_module,
+                           warn_forward_hooks)
 from .tree import describe_leaf, leaf_paths
 
 if TYPE_CHECKING:  # the boundary imports this module
@@ -95,7 +96,7 @@ def _held_output(node: Any, call: BoundaryCall, /) -> str:
     tensor whose graph reaches ``node``; "" where none is found."""
     def holding(value: Any) -> bool:
         return isinstance(value, torch.Tensor) and value.grad_fn is not None and \
-            _reaches(value.grad_fn, node, most=256)
+            graph_reaches([value.grad_fn], node, most=256)
 
     found = _in_input_objects(call, holding)
     if found is not None:
@@ -359,13 +360,13 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     # Reached through a tensor with a graph to it that the module holds (a learned initial
     # state put in a state buffer: `self.h = h0.expand(...)`; helper ES).
     for path, buffer in owner.named_buffers():
-        if buffer.grad_fn is not None and _reaches(buffer.grad_fn, leaf):
+        if buffer.grad_fn is not None and graph_reaches([buffer.grad_fn], leaf):
             return f", reached through the buffer {path} (a tensor with a graph to it)"
     # Or through an attribute of a plain object passed in, which the tree bridge does not open
     # (a graph batch, `data.x` the encoder's output; helper ET: the encoder's weight was named
     # as a parameter of another instance).
     found = _in_input_objects(call, lambda value: isinstance(value, torch.Tensor) and (
-        value is leaf or value.grad_fn is not None and _reaches(value.grad_fn, leaf)))
+        value is leaf or value.grad_fn is not None and graph_reaches([value.grad_fn], leaf)))
     if found is not None:
         return (f", reached through {found} (an attribute of a plain object, which the "
                 "boundary does not open: pass a dataclass, or register its class with optree "
@@ -375,22 +376,6 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
                 "instance? `m.forward = torch.compile(m.forward)` before a deepcopy leaves "
                 "the copy's forward on the original)")
     return ""
-
-
-def _reaches(node: Any, target: Any, /, most: int = 10_000) -> bool:
-    """Whether the graph below ``node`` is ``target`` (a node) or accumulates into it (a
-    leaf tensor), searched so far only."""
-    stack: list[Any] = [node]
-    seen: set[Any] = set()
-    while stack and len(seen) < most:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node is target or getattr(node, "variable", None) is target:
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
 
 
 def refuse_module_tensor(foreign: torch.Tensor, modules: Sequence[nn.Module], /) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from .errors import CheckpointError
 from .forward_writes import note_forward_write, written_by_a_forward_since
 from .kernel_written import differs
-from .module_state import ModuleDicts, ever_verified
+from .module_state import ModuleDicts, ever_verified, graph_reaches
 
 __all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "refuse_graph_read",
            "registered_state", "snapshots_wanted", "versions"]
@@ -529,23 +529,8 @@ def refuse_graph_read(graph_read: list[tuple[str, torch.Tensor]], outs: Sequence
     refused before the replay's backward. A buffer only overwritten, never read (the last
     output kept for logging), is not reached and passes (helper EX)."""
     for name, previous in graph_read:
-        if _graph_reaches(outs, previous):
+        if graph_reaches([out.grad_fn for out in outs], previous, most=100_000):
             _refuse_a_graph_replaced(name, previous)
-
-
-def _graph_reaches(outs: Sequence[Any], target: torch.Tensor, /, most: int = 100_000) -> bool:
-    node = target.grad_fn
-    stack = [out.grad_fn for out in outs if isinstance(out, torch.Tensor)]
-    seen: set[Any] = set()
-    while stack and len(seen) < most:
-        current = stack.pop()
-        if current is None or current in seen:
-            continue
-        seen.add(current)
-        if current is node or getattr(current, "variable", None) is target:
-            return True
-        stack.extend(next_node for next_node, _ in current.next_functions)
-    return False
 
 
 def _refuse_a_graph_replaced(name: str, previous: torch.Tensor, /) -> None:
