@@ -231,10 +231,26 @@ class StateWatch:
                 parameters.setdefault(id(d), (d, []))[1].append((name, t))
         # NOTE [state read, then changed by a later call]: the dicts the forward left as they
         # were, with their snapshots, for the replay to read them as the forward did.
-        done = {id(d) for d, _ in buffers}
-        unchanged = [(d, items, before) for d, items, before in self.watched
-                     if id(d) not in done and any(id(t) in self.before for _, t in items)] \
-            if read and self.before else []
+        # So are the buffers a changed dict's forward left alone beside those it changed (an
+        # eval micro-batch reads a scale changed only in training, beside a call counter:
+        # helper EY), as entries of their own, copied only if a later forward changes them.
+        unchanged: list[_Read] = []
+        if read and self.before:
+            moved_in = {id(d): moved for d, moved in buffers}
+            for d, items, before in self.watched:
+                if id(d) not in moved_in:
+                    if any(id(t) in self.before for _, t in items):
+                        unchanged.append((d, items, before, True))
+                    continue
+                moved = moved_in[id(d)]
+                if moved is None:  # a batch norm's: copied wholly already
+                    continue
+                names = {name for name, _ in moved}
+                kept = [(item, version) for item, version in zip(items, before)
+                        if item[0] not in names and id(item[1]) in self.before]
+                if kept:
+                    unchanged.append((d, tuple(item for item, _ in kept),
+                                      [version for _, version in kept], False))
         if not (buffers or parameters or unchanged):
             return None
         # Only the clones of what changed are kept (the forward's own, or the one it replaced),
@@ -244,7 +260,7 @@ class StateWatch:
                    for obj in (d.get(name), previous) if obj is not None}
         changed.update(id(obj) for d, moved in parameters.values() for name, previous in moved
                        for obj in (d.get(name), previous) if obj is not None)
-        changed.update(id(t) for _, items, _ in unchanged for _, t in items)
+        changed.update(id(t) for _, items, _, _ in unchanged for _, t in items)
         for d, moved in buffers:  # NOTE [state read, then changed by a later call]
             for name in d if moved is None else (name for name, _ in moved):
                 t = d.get(name)
@@ -300,6 +316,10 @@ def _storage_key(t: Any, /) -> Any:
 # to None or deleted (the replay starts from that one), ``_ABSENT`` when the forward
 # registered it.
 _Moved = list[tuple[str, Any]]
+# NOTE [state read, then changed by a later call]: a dict's entries a forward read and left
+# unchanged, their versions after it, and whether they are all of the dict's entries (else the
+# names a changed dict's forward left alone).
+_Read = tuple[_Buffers, tuple[tuple[str, "torch.Tensor | None"], ...], list[int | None], bool]
 
 
 def _moved(d: _Buffers, items: tuple[tuple[str, torch.Tensor | None], ...],
@@ -326,6 +346,20 @@ def _moved(d: _Buffers, items: tuple[tuple[str, torch.Tensor | None], ...],
         elif not t.is_inference() and t._version != was[1]:
             moved.append((name, None))
     return moved
+
+
+def _one_entry_a_dict(dicts: list[tuple[_Buffers, _Moved | None]], /
+                      ) -> list[tuple[_Buffers, _Moved | None]]:
+    """``dicts`` with the names of a dict listed twice (a changed dict, and its names the
+    forward left alone and a later forward changed) in one entry."""
+    merged: dict[int, tuple[_Buffers, _Moved | None]] = {}
+    for d, moved in dicts:
+        seen = merged.get(id(d))
+        if seen is None:
+            merged[id(d)] = (d, None if moved is None else list(moved))
+        elif seen[1] is not None:
+            merged[id(d)] = (d, None if moved is None else seen[1] + moved)
+    return list(merged.values())
 
 
 def _object_versions(items: tuple[tuple[str, torch.Tensor | None], ...]) -> list[int | None]:
@@ -370,13 +404,13 @@ class ChangedState:
     def __init__(self, buffers: list[tuple[_Buffers, _Moved | None]],
                  parameters: list[tuple[_Buffers, _Moved]], before: dict[int, tuple[Any, Any]],
                  storages: dict[Any, torch.UntypedStorage],
-                 read: list[tuple[_Buffers, tuple[tuple[str, torch.Tensor | None], ...],
-                                  list[int | None]]] | None = None, /) -> None:
+                 read: list[_Read] | None = None, /) -> None:
         self.buffers = buffers        # the changed buffer dicts, and what changed (None: all)
         self.parameters = parameters  # the parameter dicts with a frozen parameter changed
         self.before = before          # small changed (or read) buffers before the forward, by id
         self.storages = storages      # their storages then, by key
-        # The dicts the forward read and left unchanged: entries and versions after it.
+        # The dicts the forward read and left unchanged, and the names it left alone in those
+        # it changed: entries and versions after it, and whether the entries are the dict's.
         self.read = read or []
         # The graph tensors a replay read as the forward did (NOTE [a graph tensor a forward
         # replaced]), by name: set by on_copies, checked once the replay's graph is made.
@@ -403,11 +437,13 @@ class ChangedState:
         are then. So where small buffers were saved before the forward (snapshots_wanted: a
         module's first calls, and every call once a forward of it changed state; an output
         discard's, at every call), the boundary (and the discard, for its rebuild) keeps the saved
-        ones of the dicts the forward left unchanged, with their entries and versions, until the
-        replay (memory: at most _SMALL_BYTES a buffer, per call, from the forward to its replay,
-        which drops them; a census counts them as Mechanism.MODULE_STATE, as it does those of
-        changed dicts: snapshots()). The replay compares their versions (their entries are the
-        forward's again by then: NOTE [the replay sees the forward's modules]): a dict an
+        ones of the dicts the forward left unchanged, and of the names a changed dict's forward
+        left alone (a scale changed only in training, beside a call counter: helper EY), with
+        their entries and versions, until the replay (memory: at most _SMALL_BYTES a buffer, per
+        call, from the forward to its replay, which drops them; a census counts them as
+        Mechanism.MODULE_STATE, as it does those of changed dicts: snapshots()). The replay
+        compares their versions (their entries are the forward's again by then: NOTE [the
+        replay sees the forward's modules]): a dict an
         original pass changed in place since (forward_writes.py holds the buffers each one
         changed, with their versions then: NOTE [forward writes, by id]) runs the replay on
         copies of it as the forward read it, as a changed one does (NOTE [the replay changes
@@ -417,13 +453,22 @@ class ChangedState:
         without ``num_batches_tracked``), one made outside any boundary or discard (the module
         called plainly: no original pass of ours), state of a module with no snapshot (its first
         change since its first replay, documented), frozen parameters."""
-        return [(d, _moved(d, items, before)) for d, items, before in self.read
-                if _object_versions(items) != before
-                and written_by_a_forward_since(items, before)]
+        found: list[tuple[_Buffers, _Moved | None]] = []
+        for d, items, before, whole in self.read:
+            if _object_versions(items) != before and written_by_a_forward_since(items, before):
+                # A whole unchanged dict, or some of a changed dict's names (the others are
+                # copied already; never a batch norm's): only changed in place since.
+                found.append((d, _moved(d, items, before) if whole else
+                              [(name, None) for (name, t), version in zip(items, before)
+                               if t is not None and version is not None
+                               and t._version != version]))
+        return found
 
     @contextmanager
     def on_copies(self) -> Iterator[None]:
         dicts = [*self.buffers, *self.parameters, *(self._changed_since() if self.read else ())]
+        if len(dicts) > len(self.buffers) + len(self.parameters):
+            dicts = _one_entry_a_dict(dicts)
         if not dicts:  # only read, and unchanged since
             yield
             return

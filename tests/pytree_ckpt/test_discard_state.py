@@ -555,3 +555,45 @@ def test_a_kernel_written_buffer_added_to_a_discarded_module_later_is_updated_on
         _discard_step_equals_the_twins(op, proj, twin_op, twin_proj, step)
         for module in (proj, twin_proj):
             module.zero_grad(set_to_none=True)
+
+
+class _ScaleAndCounter(nn.Module):
+    """A scale buffer changed only in training beside a call counter changed at every call:
+    the counter makes every call change the buffer dict, the scale is read unchanged by an
+    eval call (helper EY's case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.training:
+                self.scale.mul_(2.0)
+            self.calls.add_(1)
+        return torch.tanh(self.lin(h * self.scale))
+
+
+@pytest.mark.parametrize("how", ["discard", "boundary"])
+def test_an_eval_micro_batch_beside_a_counter_rebuilds_with_the_scale_its_forward_read(
+        how: str) -> None:
+    # NOTE [state read, then changed by a later call], for the names a changed dict's forward
+    # left alone: the eval call changes only the counter; the train call after it doubles the
+    # scale before backward. The rebuild read the doubled scale.
+    torch.manual_seed(0)
+    scaled, proj = _ScaleAndCounter(), nn.Linear(8, 8)
+    twin_scaled, twin_proj = copy.deepcopy(scaled), copy.deepcopy(proj)
+    xs = [torch.randn(4, 8), torch.randn(4, 8)]
+    results = []
+    for module, linear, through in ((twin_scaled, twin_proj, "eager"), (scaled, proj, how)):
+        losses = []
+        for training, x in zip((False, True), xs):
+            module.train(training)
+            losses.append(_norm_and_proj(module, linear, x, through).square().sum())
+        sum(losses).backward()
+        results.append(([loss.detach() for loss in losses],
+                         grads_of([*module.parameters(), *linear.parameters()]),
+                         [module.scale.clone(), module.calls.clone()]))
+    _assert_same_runs([results[0]], [results[1]])

@@ -1179,10 +1179,6 @@ class _TrainOnlyScale(nn.Module):
         return self.lin(h * self.scale)
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Module state: a "
-                   "buffer a call left alone in a dict where it changed another, changed by a "
-                   "later call before its backward): read live by the replay (helper EY; a "
-                   "fix that copied such buffers broke replay-only changes, reverted)")
 @pytest.mark.parametrize("off", [False, True])
 def test_an_eval_micro_batch_replays_with_the_buffers_its_forward_read_beside_a_counter(
         off: bool) -> None:
