@@ -103,7 +103,7 @@ class _BoundaryFunction(torch.autograd.Function):
             (call.frozen or any(call.buffer_dicts)) else None
         # NOTE [numbers and flags as the forward began] (forward_numbers.py): every module's
         # at first calls and once stateful, else those holding buffers.
-        numbers = NumbersWatch(numbers_read(*call.modules, every=wanted)) \
+        numbers = NumbersWatch(numbers_read(*call.modules, every=wanted), clone=wanted) \
             if call.modules is not None and (wanted or watch is not None) else None
         # NOTE [a number first changed after the first replay]: the other dicts, glanced at.
         glance = None
@@ -295,6 +295,9 @@ class _BoundaryFunction(torch.autograd.Function):
             report_held(call.frame.tensors(), Mechanism.REPLAY_FRAME, holder=call.frame)
             if call.changed_state is not None:  # released with the frame (recompute.py)
                 report_held(call.changed_state.snapshots(), Mechanism.MODULE_STATE,
+                            holder=call.frame)
+            if call.changed_numbers is not None:
+                report_held(call.changed_numbers.snapshots(), Mechanism.MODULE_STATE,
                             holder=call.frame)
         # NOTE [inference tensors are kept as they are]: autograd refuses to save a tensor made
         # under torch.inference_mode() (a table built there), which eager accepts as an input

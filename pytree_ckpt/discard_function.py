@@ -86,7 +86,7 @@ class DiscardFunction(torch.autograd.Function):
         watch = StateWatch(*owner.state, snapshot=True, compare=not compared(roots),
                            written=remembered(roots)) if owner.state is not None else None
         # NOTE [numbers and flags as the forward began] (forward_numbers.py), at each call too.
-        numbers = NumbersWatch(numbers_read(roots, owner.state[2], every=True)) \
+        numbers = NumbersWatch(numbers_read(roots, owner.state[2], every=True), clone=True) \
             if owner.state is not None else None
         # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
         # mode] in rng.py, as at the boundary.
@@ -108,6 +108,9 @@ class DiscardFunction(torch.autograd.Function):
                 # A trainable parameter changed in place: not put back (NOTE [numbers and
                 # flags as the forward began] in forward_numbers.py).
                 owner.changed_numbers = None
+            if owner.changed_numbers is not None and census_active():  # held by the discard
+                report_held(owner.changed_numbers.snapshots(), Mechanism.MODULE_STATE,
+                            holder=owner)
         moved = [i for i, (now, version) in enumerate(zip(versions(tensors), input_versions))
                  if now != version] if tensors else []
         if moved:

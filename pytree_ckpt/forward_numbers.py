@@ -219,9 +219,11 @@ class NumbersWatch:
 
     __slots__ = ("dicts", "before")
 
-    def __init__(self, dicts: Sequence[dict[str, Any]], /) -> None:
+    def __init__(self, dicts: Sequence[dict[str, Any]], /, *, clone: bool = False) -> None:
+        # ``clone``: the small tensor attributes' values are cloned too (NOTE [small tensor
+        # attributes as the forward read them]), where small buffers are (snapshots_wanted).
         self.dicts = dicts
-        self.before = [_read(d) for d in dicts]
+        self.before = [_read(d, clone) for d in dicts]
 
     def changed(self) -> ChangedNumbers | None:
         """The entries the forward changed, each with what it held before the forward;
@@ -414,8 +416,9 @@ def numbers_read(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /, *,
 
 class _TensorHeld:
     """A tensor attribute, by weak reference: equal to another only while both refer to the
-    same live tensor. Not by id: a cache dropped before its rebuild (`self.table = None;
-    self.table = build(n)`) is freed, and the new one may take its address.
+    same live tensor (and a small one held, at the same version). Not by id: a cache dropped
+    before its rebuild (`self.table = None; self.table = build(n)`) is freed, and the new one
+    may take its address.
 
     NOTE [small tensor attributes as the forward read them]: a small one without a graph (its
     storage at most 64 KiB, as for buffers: NOTE [small state as it was before the forward] in
@@ -425,28 +428,52 @@ class _TensorHeld:
     last call's state before (gradients off by up to 0.25, silently: helper ES). A larger
     one is read by the replay as it is then, as before: holding it from every forward to its
     replay could cost what checkpointing saves (an attention map kept for logging); a buffer
-    holds any size (documented). So is one the forward also changed in place (its version
-    moved since the read: the values read are gone), as the glance's own read, which keeps no
-    version, cannot tell (documented)."""
+    holds any size (documented). One the forward changes in place (a step count kept as a
+    plain tensor, ``self.steps += 1``, which the replay counted again and computed with:
+    helper EY) is told by its version, and where its values were cloned before the forward
+    (``clone``: at the calls where small buffers are, a module's first calls and every call
+    once a forward of it changed state), the replay reads a fresh copy of those values in its
+    place, whose changes are dropped with it; the attribute holds its own tensor again after
+    the replay (cost: a clone of each small tensor attribute of the call's modules at those
+    calls, about 2.6 us each on this machine's CPU; nothing for modules keeping none, the
+    usual case). Where they were not cloned (first changed in place after the module's first
+    replay, as for buffers; or under the glance, which keeps no version) it is read as it
+    is then (documented)."""
 
-    __slots__ = ("ref", "kept", "version")
+    __slots__ = ("ref", "kept", "version", "values")
 
-    def __init__(self, tensor: torch.Tensor, /) -> None:
+    def __init__(self, tensor: torch.Tensor, /, clone: bool = False) -> None:
         self.ref = weakref.ref(tensor)
         self.kept = tensor if _small_detached(tensor) else None
         self.version = tensor._version if self.kept is not None else 0
+        self.values = tensor.clone() if clone and self.kept is not None else None
 
-    def as_read(self) -> torch.Tensor | None:
-        """The small tensor held, where nothing changed it in place since it was read (its
-        values then are gone: read as it is, as a larger one; helper EX)."""
+    def as_read(self) -> torch.Tensor | _ValuesRead | None:
+        """The small tensor held, where nothing changed it in place since it was read; else
+        its values as read, where they were cloned (else they are gone: read as it is, as a
+        larger one; helper EX)."""
         kept = self.kept
-        return kept if kept is not None and kept._version == self.version else None
+        if kept is None:
+            return None
+        if kept._version == self.version:
+            return kept
+        return None if self.values is None else _ValuesRead(self.values)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _TensorHeld and (held := self.ref()) is not None and \
-            held is other.ref()
+            held is other.ref() and self.version == other.version
 
     __hash__ = None  # type: ignore[assignment]
+
+
+class _ValuesRead:
+    """A small tensor attribute's values as the forward read them, changed in place since
+    (NOTE [small tensor attributes as the forward read them]): each replay gets a fresh copy."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: torch.Tensor, /) -> None:
+        self.values = values
 
 
 _SMALL_BYTES = 64 * 1024  # NOTE [small tensor attributes as the forward read them]
@@ -460,7 +487,7 @@ def _small_detached(t: torch.Tensor, /) -> bool:
         and not t.is_inference() and t.untyped_storage().nbytes() <= _SMALL_BYTES
 
 
-def _read(d: dict[str, Any], /) -> dict[str, tuple[bool, Any]]:
+def _read(d: dict[str, Any], clone: bool = False, /) -> dict[str, tuple[bool, Any]]:
     """By name: (True, the value) for a value that cannot change in place, (False, a weak
     reference) for a tensor, (False, its entries) for a small container of such values,
     (False, its id) for another object. nn.Module's own entries are
@@ -471,12 +498,12 @@ def _read(d: dict[str, Any], /) -> dict[str, tuple[bool, Any]]:
         if not name.startswith(_OURS):
             value = d[name]
             found[name] = (True, value) if type(value) in _PLAIN or _immutable(value) else \
-                _object_entry(value)
+                _object_entry(value, clone)
     return found
 
 
-def _object_entry(value: Any, /) -> tuple[bool, Any]:
-    return (False, _TensorHeld(value) if isinstance(value, torch.Tensor) else
+def _object_entry(value: Any, clone: bool = False, /) -> tuple[bool, Any]:
+    return (False, _TensorHeld(value, clone) if isinstance(value, torch.Tensor) else
             _Contents(value) if _plain_container(value) else id(value))
 
 
@@ -499,6 +526,19 @@ class ChangedNumbers:
         """This and ``other`` (changes of other dicts) as one."""
         return self if other is None else ChangedNumbers([*self.found, *other.found])
 
+    def snapshots(self) -> list[torch.Tensor]:
+        """The small tensor attributes held from the forward to the replay (NOTE [small
+        tensor attributes as the forward read them]), and the copies of the values of those
+        changed in place, for the census (Mechanism.MODULE_STATE)."""
+        found: list[torch.Tensor] = []
+        for _, values, _ in self.found:
+            for _, value in values:
+                if type(value) is _ValuesRead:
+                    found.append(value.values)
+                elif isinstance(value, torch.Tensor):
+                    found.append(value)
+        return found
+
     @contextmanager
     def as_forward_began(self, where: str = "the layer", /) -> Iterator[None]:
         """The changed values as the forward began, for the block; the values, and the objects
@@ -516,9 +556,13 @@ class ChangedNumbers:
                 if (type(value) is _Contents and held is value.held) or \
                         (type(value) is _Refilled and value.holds(held)):
                     entries_at_start.append((held, _entries(held)))
-        for d, values, _ in self.found:
+        # A small tensor attribute changed in place: a fresh copy of its values as read, for
+        # this block alone (NOTE [small tensor attributes as the forward read them]).
+        found = [(d, [(name, value.values.clone() if type(value) is _ValuesRead else value)
+                      for name, value in values]) for d, values, _ in self.found]
+        for d, values in found:
             _set(d, values)
-        put = {(id(d), name): value for d, values, _ in self.found for name, value in values
+        put = {(id(d), name): value for d, values in found for name, value in values
                if isinstance(value, torch.Tensor)}
         try:
             yield

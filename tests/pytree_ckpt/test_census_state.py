@@ -389,3 +389,27 @@ def test_a_small_buffer_viewing_a_large_storage_counts_as_module_state() -> None
     # window as the forward did: gradients and buffers end each step as eager's.
     layer = _three_steps_counting_module_state(CountsIntoAWindow, lambda m: 4 * 4)
     assert layer.window.untyped_storage().nbytes() == 64 * 1024 + 4
+
+
+class CountsInAPlainTensor(nn.Module):
+    """A count kept as a small plain tensor attribute (not a buffer), changed in place by
+    every forward, which scales the output with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.steps = torch.zeros(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.steps += 1
+        return self.lin(x) * (1 + 0.125 * self.steps.sum())
+
+
+def test_a_plain_tensor_count_changed_in_place_counts_its_copy_as_module_state() -> None:
+    # NOTE [small tensor attributes as the forward read them]: the copy of the count's values
+    # as the forward read them is held from the forward to the replay, which reads it: the
+    # census counts its bytes as module state (they were left out), and the gradients and
+    # the count end each step as eager's.
+    layer = _three_steps_counting_module_state(CountsInAPlainTensor, lambda m: 2 * 4)
+    assert layer.steps.tolist() == [3.0, 3.0]

@@ -2103,9 +2103,6 @@ class _DecayedMemory(nn.Module):
         return out
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
-                   "changes: a small tensor attribute the forward also changes in place): its "
-                   "values read are gone, so it is read as the last call left it (helper EX)")
 def test_a_small_tensor_attribute_changed_in_place_then_replaced_is_read_by_the_replay_as_eager(
         ) -> None:
     torch.manual_seed(0)
