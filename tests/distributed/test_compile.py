@@ -1237,10 +1237,11 @@ class _CausalAttention(nn.Module):
         return h + scores.masked_fill(~causal, float("-inf")).softmax(-1) @ self.v(h)
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(torch.__version__ >= "2.12", strict=True, reason=(
     "documented limit (docs/limits.md, a body compiled with inductor: float32 where the fusions "
     "differ, a masked causal softmax): the compiled no-grad and training graphs round "
-    "differently (helper EF)"))
+    "differently (helper EF; seen on 2.13.0, 2.14.1 and 2.15.0; torch 2.11.0's inductor "
+    "rounds them alike, 2.12 not run)"))
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
 def test_an_inductor_compiled_causal_attention_in_float32_matches_its_compiled_twin_bit_for_bit(
         ) -> None:

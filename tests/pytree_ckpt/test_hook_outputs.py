@@ -798,6 +798,22 @@ class _UsesSequenceCache(nn.Module):
         return self.inner(x)[0]
 
 
+def _skip_where_dynamo_drops_a_hooks_append(net: nn.Module, /) -> None:
+    """Skip where this torch's dynamo, without this library, runs ``net.inner``'s forward hook
+    (a lambda appending to the list its default names, as the test's) without its append
+    (torch 2.11.0: the list stays empty, so the test's own read fails)."""
+    net.forward = torch.compile(net.forward, backend="eager")  # type: ignore[method-assign]
+    into: list[torch.Tensor] = []
+    net.inner.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net(_inputs()[0])
+    torch._dynamo.reset()
+    if not into:
+        pytest.skip(f"torch {torch.__version__}'s dynamo drops a forward hook's append to a "
+                    "list named by a lambda default, without pytree_ckpt too")
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager body", "compiled body"])
 @pytest.mark.parametrize("kind", [torch.Tensor, dict, tuple, list])
 def test_a_hooked_module_returning_a_tensor_it_holds_in_an_attribute_works_as_in_eager(
@@ -812,6 +828,7 @@ def test_a_hooked_module_returning_a_tensor_it_holds_in_an_attribute_works_as_in
     eager = _UsesCached() if kind is dict else _UsesSequenceCache(kind)
     model = copy.deepcopy(eager)
     if compiled:
+        _skip_where_dynamo_drops_a_hooks_append(copy.deepcopy(eager))
         model.forward = torch.compile(model.forward, backend="eager")  # type: ignore[method-assign]
     pytree_ckpt.apply_activation_checkpointing(model, offload=False)
     x, x_twin = _inputs()
