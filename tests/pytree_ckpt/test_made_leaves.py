@@ -241,6 +241,38 @@ def test_the_refusal_names_a_global_read_by_a_submodules_forward() -> None:
            "tests.pytree_ckpt.test_made_leaves (a leaf" in str(err.value), str(err.value)
 
 
+DEFAULT_TABLE = torch.randn(8, requires_grad=True)
+
+
+class _TakesABias(nn.Module):
+    """Reads a tensor that requires grad through a callable argument or an argument default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, get_bias: Any = None,
+                table: torch.Tensor = DEFAULT_TABLE) -> torch.Tensor:
+        return self.lin(x) * (table if get_bias is None else get_bias())
+
+
+@pytest.mark.xfail(strict=True, reason="helper FB: the refusal of a tensor read through a "
+                   "callable argument's closure (args[1]) or a forward argument's tensor default "
+                   "names no place ('still held after the replay (a leaf the forward made...'), "
+                   "where one in a plain object argument is named (args[1].h)")
+@pytest.mark.parametrize("how", ["closure-argument", "argument-default"])
+def test_the_refusal_of_a_tensor_read_through_a_callable_argument_or_a_default_names_it(
+        how: str) -> None:
+    layer = pytree_ckpt.apply_activation_checkpointing(_TakesABias())
+    x = torch.randn(2, 8, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    args = (x, lambda: bias) if how == "closure-argument" else (x,)
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        layer(*args).sum().backward()
+    where = "args[1]" if how == "closure-argument" else "'table'"
+    assert where in str(err.value), str(err.value)
+
+
 def test_a_split_backward_replays_anew_until_the_made_leaf_is_checked_then_keeps_the_graph(
         ) -> None:
     # NOTE [a replay kept between restricted backwards]: a kept graph would hold the made
