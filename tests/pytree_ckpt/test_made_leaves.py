@@ -273,6 +273,39 @@ def test_the_refusal_of_a_tensor_read_through_a_callable_argument_or_a_default_n
     assert where in str(err.value), str(err.value)
 
 
+class _SlottedConfig:  # a plain class with __slots__: no __dict__ to look into
+    __slots__ = ("bias",)
+
+    def __init__(self, bias: torch.Tensor) -> None:
+        self.bias = bias
+
+
+class _ReadsAnObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, holder: Any) -> torch.Tensor:
+        if isinstance(holder, dict):  # the tensor is the dict's key
+            return sum(self.lin(x) * key * value for key, value in holder.items())
+        return self.lin(x) * holder.bias
+
+
+@pytest.mark.xfail(strict=True, reason="helper FB: the refusal of a tensor held in a slot of a "
+                   "plain object argument, or used as a dict key (optree keeps keys in the spec), "
+                   "names no place, where one in a plain object's __dict__ is named (args[1].h)")
+@pytest.mark.parametrize("how", ["slotted-object", "dict-key"])
+def test_the_refusal_of_a_tensor_in_a_slot_or_a_dict_key_of_an_argument_names_it(how: str
+                                                                                   ) -> None:
+    layer = pytree_ckpt.apply_activation_checkpointing(_ReadsAnObject())
+    x = torch.randn(2, 8, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    holder = _SlottedConfig(bias) if how == "slotted-object" else {bias: 2.0}
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        layer(x, holder).sum().backward()
+    assert "args[1]" in str(err.value), str(err.value)
+
+
 def test_a_split_backward_replays_anew_until_the_made_leaf_is_checked_then_keeps_the_graph(
         ) -> None:
     # NOTE [a replay kept between restricted backwards]: a kept graph would hold the made
