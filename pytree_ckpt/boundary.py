@@ -111,7 +111,8 @@ from .recompute import dynamo_marks
 from .refusals import input_path_of
 from .shared_containers import shared_containers
 from .tree import flatten_call
-from .tree_refusals import refuse_strided_nested, refuse_unreadable_inputs
+from .tree_refusals import (refuse_metadata_tensors, refuse_strided_nested,
+                            refuse_unreadable_inputs)
 
 __all__ = ["run_boundary"]
 
@@ -173,6 +174,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         return fn(*args, **kwargs)
     flat = flatten_call(args, kwargs)
     leaves = flat.leaves
+    if flat.spec.num_nodes - flat.spec.num_leaves > 3:  # more than (args, kwargs): NOTE
+        refuse_metadata_tensors(fn, flat.spec, root="inputs")  # [tensors in a node's metadata]
     unique: list[torch.Tensor] = []
     slots: list[int] = []
     seen: dict[int, int] = {}

@@ -45,7 +45,7 @@ from .state_changes import (StateWatch, mark_stateful, registered_state, snapsho
 from .stored_state import warn_parameter_changed
 from .subclass import kind_of
 from .tree import flatten
-from .tree_refusals import refuse_hidden_outputs, refuse_strided_nested
+from .tree_refusals import refuse_hidden_outputs, refuse_metadata_tensors, refuse_strided_nested
 
 __all__ = ["apply_function"]
 
@@ -202,6 +202,8 @@ class _BoundaryFunction(torch.autograd.Function):
         flat = flatten(output)
         if len(flat.tensor_index) < len(flat.leaves):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
+        if flat.spec.num_nodes > flat.spec.num_leaves:  # NOTE [tensors in a node's metadata]
+            refuse_metadata_tensors(call.fn, flat.spec, root="output")
         # NOTE [outputs made before the call] (made_before.py)
         out_tensors, as_is, views, state = leaving_tensors(
             flat.leaves if len(flat.tensor_index) == len(flat.leaves) else

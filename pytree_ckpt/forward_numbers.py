@@ -482,7 +482,9 @@ _SMALL_BYTES = 64 * 1024  # NOTE [small tensor attributes as the forward read th
 def _small_detached(t: torch.Tensor, /) -> bool:
     """A strided tensor without a graph whose whole storage is small (a view of a large
     output would keep that output); not an inference tensor (it has no version to check, and
-    cannot change outside inference mode: helper FA)."""
+    cannot change outside inference mode: helper FA); a plain ``torch.Tensor`` only: a
+    subclass may hold more than its storage shows (a wrapper subclass's storage is empty or
+    not its data, so its size says nothing, and its clone may not be a copy of its state)."""
     return not t.requires_grad and t.layout == torch.strided and type(t) is torch.Tensor \
         and not t.is_inference() and t.untyped_storage().nbytes() <= _SMALL_BYTES
 

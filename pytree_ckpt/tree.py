@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -210,6 +211,74 @@ def first_difference(expected: optree.PyTreeSpec, got: optree.PyTreeSpec, /, *,
     return path, shown[0], shown[1]
 
 
+def metadata_tensor(spec: optree.PyTreeSpec, /, *, root: str
+                    ) -> tuple[str, str, torch.Tensor] | None:
+    """NOTE [tensors in a node's metadata]: a class registered with optree (in the bridge's
+    namespace, or globally) whose flatten keeps a tensor in the node's metadata rather than
+    among its children (helper FB: `lambda n: ((n.h,), n.scale, ...)`) hides it from the
+    boundary: an output's, computed under no-grad, left without gradient, silently; an
+    input's was refused naming no place; and a spec comparison (``==`` on the metadata) raised
+    torch's "Boolean value of Tensor with more than one value is ambiguous". So where such
+    classes are registered, the bridge looks at the metadata of their nodes (a walk of the
+    spec: about a microsecond for a few nodes; nothing where none is registered): the path of
+    the node, its class's name and the first tensor in its metadata, or ``None``."""
+    if spec is LEAF_SPEC or spec.num_nodes == spec.num_leaves:
+        return None
+    users = _user_node_types()
+    if not users:
+        return None
+    found: list[tuple[type, torch.Tensor]] = []
+
+    def look(node_type: type, data: Any, children: Any) -> None:
+        if not found and node_type in users:
+            hit = ("", data) if isinstance(data, torch.Tensor) else \
+                hidden_tensor(data, lambda t: True, depth=2)
+            if hit is not None:
+                found.append((node_type, hit[1]))
+
+    spec.walk([None] * spec.num_leaves, look, None)
+    if not found:
+        return None
+    return _node_path(spec, found[0][0], root), found[0][0].__name__, found[0][1]
+
+
+def _node_path(spec: optree.PyTreeSpec, node_type: type, path: str, /) -> str:
+    """The path of the first node of ``node_type`` in ``spec`` (for a message)."""
+    if spec.type is node_type:
+        return path
+    level = spec.one_level()
+    if level is None:
+        return path
+    for accessor, child in zip(level.accessors(), spec.children()):
+        if not child.is_leaf() and child.num_nodes > child.num_leaves:
+            found = _node_path(child, node_type, path + accessor.codify(""))
+            if found:
+                return found
+    return ""
+
+
+# The classes registered with optree by users, recomputed when the registry's size changes
+# (optree's own dict, read for its size only; looked up in full where it is missing).
+_USERS: list[Any] = [-1, frozenset()]
+_OPTREE_OWN = ("builtins", "collections", "optree")
+
+
+def _user_node_types() -> frozenset[type]:
+    registry = getattr(getattr(optree, "registry", None), "_NODETYPE_REGISTRY", None)
+    size = len(registry) if isinstance(registry, dict) else None
+    if size is not None and size == _USERS[0]:
+        return cast(frozenset, _USERS[1])
+    get = getattr(optree.register_pytree_node, "get", None)  # optree 0.14+
+    every = get(namespace=NAMESPACE) if get is not None else {}
+    if not isinstance(every, dict):
+        every = {}
+    users = frozenset(cls for cls in every if isinstance(cls, type) and cls not in _registered
+                      and cls.__module__.split(".")[0] not in _OPTREE_OWN)
+    if size is not None:
+        _USERS[:] = [size, users]
+    return users
+
+
 def _class_id(cls: type) -> str:
     return (f"{cls.__module__}.{cls.__qualname__} at {id(cls):#x}: same name, another class "
             "object; define the class once, at module level")
@@ -271,7 +340,11 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
     subclasses (a ``dict`` subclass, ``UserDict``), nor sets, nor a class registered only with
     ``torch.utils._pytree``, nor plain objects: to the bridge those are leaves, passed by
     reference. A tensor in one is not an input or output of the boundary. Modules are
-    skipped (their parameters are known otherwise), and so are strings and bytes.
+    skipped (their parameters are known otherwise), and so are strings and bytes. An object
+    is looked into through its attributes and slots; a function through its closure's
+    variables and its defaults, a bound method through its instance, a ``functools.partial``
+    through its function and bound arguments (a closure returned holding a tensor ``fn``
+    computed left it without gradient: helper FB).
     """
     budget = [64]  # objects looked at in all: a huge leaf costs a bounded time
 
@@ -287,9 +360,17 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
         elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
             children = ((f"[{i}]" if not isinstance(obj, (set, frozenset)) else "", item)
                         for i, item in enumerate(obj))
+        elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
+            # A closure, a bound method or a partial returned (helper FB: `lambda aux=t * 2:
+            # aux`, `partial(torch.mul, t * 2)`, `Box(t * 2).get`): what it would hand back.
+            children = _callable_children(obj)
         elif isinstance(getattr(obj, "__dict__", None), dict) and \
-                not callable(obj) and not isinstance(obj, types.ModuleType):
-            children = ((f".{name}", value) for name, value in vars(obj).items())
+                not isinstance(obj, (types.ModuleType, types.BuiltinFunctionType)):
+            # Its slots too: a class may have both (a slotted class's subclass without them).
+            children = [*((f".{name}", value) for name, value in vars(obj).items()),
+                        *_slot_children(obj)]
+        elif not isinstance(obj, Iterator) and (slotted := _slot_children(obj)):
+            children = slotted  # a result object of a class with __slots__ (helper FB)
         elif isinstance(obj, types.GeneratorType):
             # What a generator (a generator expression's source iterator included) holds is
             # in its frame, None once it is finished.
@@ -335,6 +416,33 @@ def _reduced_items(iterator: Any, /) -> tuple[Any, ...] | None:
         return None
 
 
+def _callable_children(fn: Any, /) -> list[tuple[str, Any]]:
+    """What a function (its closure's variables, its defaults), a bound method (its
+    instance, its function) or a ``functools.partial`` (its function and bound arguments)
+    holds, each with its path from it, for ``hidden_tensor``."""
+    if isinstance(fn, types.MethodType):
+        return [(".__self__", fn.__self__), ("", fn.__func__)]
+    if isinstance(fn, functools.partial):
+        return [(".func", fn.func), *((f".args[{i}]", a) for i, a in enumerate(fn.args)),
+                *((f".keywords[{k!r}]", v) for k, v in fn.keywords.items())]
+    found: list[tuple[str, Any]] = []
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            found.append((f"<{name} in its closure>", cell.cell_contents))
+        except ValueError:  # an empty cell: a variable not yet assigned
+            continue
+    names = fn.__code__.co_varnames[fn.__code__.co_argcount - len(fn.__defaults__ or ()):]
+    found += [(f"<default of {name}>", value) for name, value in zip(names, fn.__defaults__ or ())]
+    found += [(f"<default of {name}>", value) for name, value in (fn.__kwdefaults__ or {}).items()]
+    return found
+
+
+def _slot_children(obj: Any, /) -> list[tuple[str, Any]]:
+    """The set ``__slots__`` attributes of ``obj``, with their paths."""
+    return [(f".{name}", getattr(obj, name)) for name in _slot_names(obj)
+            if hasattr(obj, name)]
+
+
 def _slot_names(obj: Any, /) -> list[str]:
     """The ``__slots__`` attributes of ``obj``'s Python classes (none for builtin types)."""
     names: list[str] = []
@@ -348,9 +456,8 @@ def can_look_into(iterator: Any, /) -> bool:
     """Whether ``hidden_tensor`` sees what ``iterator`` holds without consuming it: a
     generator, one of Python's own iterators over values, or an iterator class of the user's
     (its attributes, or its slots)."""
-    return isinstance(iterator, types.GeneratorType) or _reduced_items(iterator) is not None or (
-        not callable(iterator) and (isinstance(getattr(iterator, "__dict__", None), dict)
-                                    or bool(_slot_names(iterator))))
+    return isinstance(iterator, types.GeneratorType) or _reduced_items(iterator) is not None or \
+        isinstance(getattr(iterator, "__dict__", None), dict) or bool(_slot_names(iterator))
 
 
 CONTAINER = "container"

@@ -24,13 +24,34 @@ from .errors import CheckpointError
 from .module_state import owning_module
 from .refusals import fn_name, readable_path
 from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, hidden_tensor, leaf_kind,
-                   leaf_paths)
+                   leaf_paths, metadata_tensor)
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
 __all__ = ["container_elements", "open_containers", "refuse_filled_containers",
-           "refuse_hidden_outputs", "refuse_strided_nested", "refuse_unreadable_inputs"]
+           "refuse_hidden_outputs", "refuse_metadata_tensors", "refuse_strided_nested",
+           "refuse_unreadable_inputs"]
+
+
+def refuse_metadata_tensors(fn: Callable[..., Any], spec: Any, /, *, root: str) -> None:
+    """NOTE [tensors in a node's metadata] (tree.py): refused at the call, naming the node."""
+    found = metadata_tensor(spec, root=root)
+    if found is None:
+        return
+    path, kind, tensor = found
+    path = readable_path(path) if root == "inputs" else path
+    side = "returned" if root == "output" else "was given"
+    raise CheckpointError(
+        f"{fn_name(fn)} {side} a {kind} at {path} whose optree flatten keeps a tensor in the "
+        "node's metadata (its second value), not among its children: the boundary sees only "
+        "children, so that tensor would cross it without gradient, or be read as it is then "
+        "by the replay",
+        expected=f"every tensor of a {kind} among the children its flatten returns",
+        got=f"{kind} metadata holding {describe_leaf(tensor)}",
+        tip=f"return the tensor among the children in the flatten registered for {kind} "
+            "(`lambda n: ((n.h, n.scale), None, ('h', 'scale'))`), keeping only plain values "
+            "(names, sizes, flags) in its metadata")
 
 
 def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tensor_index: list[int],
@@ -83,6 +104,9 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             got=f"{type(leaf).__name__} holding {describe_leaf(tensor)}",
             tip="return list(...) of it instead (a plain container the boundary opens), or "
                 "build the iterator after the call" if isinstance(leaf, Iterator) else
+                "return the tensor itself as an output, and build the function after the "
+                "call from it" if isinstance(leaf, (types.FunctionType, types.MethodType,
+                                                     functools.partial)) else
                 f"return a plain container (dict(...), list(...)) or a dataclass instead, or "
                 f"register {type(leaf).__name__} with optree.register_pytree_node(..., "
                 "namespace='pytree_ckpt')")
