@@ -199,7 +199,7 @@ class _BoundaryFunction(torch.autograd.Function):
         # depends on the module structure then, which may change before backward).
         call.frozen_at_call = call.frozen
         call.buffer_dicts, call.frozen, call.modules = [], [], None
-        flat = flatten(output)
+        flat = flatten(output, root="output")
         if len(flat.tensor_index) < len(flat.leaves):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         if flat.spec.num_nodes > flat.spec.num_leaves:  # NOTE [tensors in a node's metadata]

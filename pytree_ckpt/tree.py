@@ -142,10 +142,29 @@ POSITIONAL_CALL_SPECS: dict[int, optree.PyTreeSpec] = {}
 _Tensor = torch.Tensor  # read per call
 
 
-def flatten(tree: Any, /) -> FlatTree:
-    """Flatten ``tree``; dataclass instances are opened like named containers."""
+def flatten(tree: Any, /, *, root: str = "the tree") -> FlatTree:
+    """Flatten ``tree``; dataclass instances are opened like named containers. ``root`` names
+    ``tree`` in the message refusing a reference cycle."""
     if type(tree) is torch.Tensor:
         return _tuple_new(FlatTree, ([tree], LEAF_SPEC, [0]))
+    try:
+        return _flatten(tree)
+    except RecursionError:
+        where = _cycle_path(tree, root, set())
+        if where is None:
+            raise
+        from .errors import CheckpointError  # errors.py imports this module
+        raise CheckpointError(
+            f"{where} refers back to an object that holds it (a child's parent, a node's "
+            "owner): the tree bridge opens dataclasses, dicts, lists and tuples as containers, "
+            "and a reference cycle through them has no end",
+            expected="inputs and outputs whose containers do not hold one another",
+            got=f"{where}: a {type(_at(tree, where, root)).__name__} that holds {where} itself",
+            tip="keep the back-reference out of the tree: in a plain object (not a dataclass), "
+                "or as a weakref.ref, or pass the nodes' tensors as a list") from None
+
+
+def _flatten(tree: Any, /) -> FlatTree:
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     while True:
         pending = {type(leaf) for leaf in leaves
@@ -166,12 +185,63 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
     if not kwargs:
         for arg in args:  # NOTE [loops on the per-call path] (boundary.py): no generator
             if type(arg) is not _Tensor:
-                return flatten((args, kwargs))
+                return flatten((args, kwargs), root=_CALL)
         spec = POSITIONAL_CALL_SPECS.get(len(args))
         if spec is None:
             spec = POSITIONAL_CALL_SPECS[len(args)] = flatten((args, kwargs)).spec
         return _tuple_new(FlatTree, ([*args], spec, list(range(len(args)))))
-    return flatten((args, kwargs))
+    return flatten((args, kwargs), root=_CALL)
+
+
+_CALL = "<call>"  # the root of a call's (args, kwargs): its paths read args[0], kwargs['x']
+
+
+def _children(obj: Any, /) -> list[tuple[str, Any]]:
+    """What the bridge opens of ``obj`` (for ``_cycle_path``), each with its path step."""
+    if isinstance(obj, dict):
+        return [(f"[{key!r}]", value) for key, value in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", item) for i, item in enumerate(obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if hasattr(obj, f.name)]
+    return []
+
+
+def _cycle_path(obj: Any, path: str, holding: set[int], /) -> str | None:
+    """The path of the first place in ``obj`` that holds one of its own holders (``None``
+    where there is none: the recursion was deep, not endless). Only on the error path."""
+    if id(obj) in holding:
+        return path
+    children = _children(obj)
+    if not children:
+        return None
+    holding.add(id(obj))
+    try:
+        for step, child in children:
+            if path == _CALL:  # (args, kwargs)
+                found = _cycle_path(child, "args" if step == "[0]" else "kwargs", holding)
+            else:
+                found = _cycle_path(child, path + step, holding)
+            if found is not None:
+                return found
+        return None
+    finally:
+        holding.discard(id(obj))
+
+
+def _at(tree: Any, where: str, root: str, /) -> Any:
+    """The object at ``where`` (a path ``_cycle_path`` found) in ``tree``."""
+    obj, path = tree, root
+    while path != where:
+        for step, child in _children(obj):
+            nxt = ("args" if step == "[0]" else "kwargs") if path == _CALL else path + step
+            if where == nxt or where.startswith(nxt) and where[len(nxt)] in ".[":
+                obj, path = child, nxt
+                break
+        else:
+            return obj
+    return obj
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any], /) -> Any:

@@ -2570,11 +2570,11 @@ def test_an_input_used_once_and_returned_by_two_layers_gets_eagers_gradient() ->
     assert_same_grads(*grads)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FB: an input one call returns as it is in "
-                   "three places of its output (and does not use) gets a gradient summed in "
-                   "another order than eager's (3.8e-6 off in fp32; torch's non-reentrant "
-                   "checkpoint is exact); limits.md lists returned inputs as rounding only for "
-                   "two or more calls that also use them")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Parameters as inputs: "
+                   "the exceptions): an input one call returns as it is in three places of its "
+                   "output gets a gradient summed in another order than eager's (3.8e-6 off in "
+                   "fp32; torch's non-reentrant checkpoint, which adds no node, is exact) "
+                   "(helper FB)")
 def test_an_input_one_call_returns_in_three_places_gets_eagers_gradient_bit_for_bit() -> None:
     def fn(t: torch.Tensor) -> dict[str, Any]:
         return {"a": t, "b": [t], "c": (t,)}
