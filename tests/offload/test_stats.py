@@ -347,3 +347,44 @@ def test_a_view_on_another_device_counts_its_whole_storage_as_the_size_floor_doe
         loss = h[:8].square().sum()  # square saves the view h[:8]: 8 rows of a 64-row storage
     assert m.stats()["other_device_bytes"] == h.untyped_storage().nbytes() == 64 * 64 * 4
     loss.backward()
+
+
+@pytest.mark.xfail(strict=True, reason="alive_elsewhere_bytes misses a window storage that an "
+                   "autograd save outside the layers holds, once the caller dropped its own "
+                   "variable (an encoder output read by a CTC head after the decoder)")
+def test_an_encoder_output_a_head_saves_after_the_decoder_counts_as_alive_elsewhere() -> None:
+    # docs/census.md, Flags: a storage autograd also saves "keeps it resident whatever the
+    # offload does (the manager counts it in alive_elsewhere_bytes)". A Whisper-style model
+    # whose CTC head reads the encoder output after the decoder layers: the head's Linear
+    # saves it, so the offloaded copy frees nothing, yet the count stays 0 once the forward's
+    # local `enc` is gone (kept by the caller, it counts: 8192).
+    from torch import nn
+
+    import pytree_ckpt
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, y: torch.Tensor, enc: torch.Tensor | None = None) -> torch.Tensor:
+            return y + torch.tanh(self.lin(enc if enc is not None else y))
+
+    torch.manual_seed(0)
+    m = manager(min_bytes=0)
+    layers = nn.ModuleList(Layer() for _ in range(3))
+    for layer in layers:
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=m)
+    head = nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        enc = x * 3                                       # the encoder output
+        y = layers[0](x * 2, enc)                         # cross-attention reads it
+        for layer in layers[1:]:
+            y = layer(y)
+        return y.sum() + head(enc).sum()                  # CTC head after the decoder
+
+    loss = forward()
+    loss.backward()
+    assert m.stats()["alive_elsewhere_bytes"] == 32 * 64 * 4
