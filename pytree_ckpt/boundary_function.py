@@ -65,6 +65,7 @@ class _BoundaryFunction(torch.autograd.Function):
         env = call.env = ReplayEnvironment.capture(
             tensors, preserve_rng=preserve_rng,
             leaves=call.in_leaves if len(call.in_tensor_index) < len(call.in_leaves) else None,
+            fn=call.fn,
             # NOTE [generators held as attributes] (held_generators.py)
             held=held_generators(*call.modules) if preserve_rng and call.modules is not None
             else ())

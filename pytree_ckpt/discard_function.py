@@ -70,6 +70,7 @@ class DiscardFunction(torch.autograd.Function):
             tuple(t for t in args if isinstance(t, torch.Tensor)),
             preserve_rng=owner.preserve_rng_state,
             leaves=[*args, *flatten(owner.kwargs).leaves] if owner.kwargs else list(args),
+            fn=owner.fn,
             held=held_generators(owner.modules, owner.state[2])
             if owner.preserve_rng_state and owner.modules and owner.state is not None else ())
         assert owner.fn is not None  # set by checkpoint() before the Function runs

@@ -5,11 +5,13 @@ mode (attention's fast path)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["GeneratorStates", "IsolatedPass", "ReplayEnvironment", "Replaying", "RngState",
@@ -151,6 +153,10 @@ class ReplayEnvironment:
         # ends the step where eager leaves it. Where a reused call or a kept op drew from it,
         # the replay skips the draw and jumps it past, as the default ones (NOTE [skipped work
         # keeps the RNG in step] in frames.py: Frame.generators are these).
+        # Also one a plain object argument holds as an attribute (a SimpleNamespace config:
+        # optree leaves those unopened), and one bound in a functools.partial that is the
+        # call's function (transformers' `partial(forward, self, generator=g)`): the replay
+        # drew other numbers from those (helper FE). Not one deeper in an object.
         # Only with preserve_rng_state, as for the default generators: without it, none is
         # restored or jumped, and the replay draws the next numbers of each.
         self.generators: GeneratorStates = ()
@@ -168,11 +174,12 @@ class ReplayEnvironment:
 
     @classmethod
     def capture(cls, tensors: tuple[torch.Tensor, ...], /, *, preserve_rng: bool,
-                leaves: list[Any] | None = None,
+                leaves: list[Any] | None = None, fn: Any = None,
                 held: tuple[torch.Generator, ...] = ()) -> ReplayEnvironment:
-        """The environment now; ``leaves``, the call's other leaves, may hold generators
-        (NOTE [generators passed in]); ``held``: those its modules hold as attributes (NOTE
-        [generators held as attributes] in held_generators.py), restored alike."""
+        """The environment now; ``leaves``, the call's other leaves, and ``fn``, where it is
+        a ``functools.partial``, may hold generators (NOTE [generators passed in]); ``held``:
+        those its modules hold as attributes (NOTE [generators held as attributes] in
+        held_generators.py), restored alike."""
         cpu_rng = None
         cuda_rng: dict[int, torch.Tensor] = {}
         if preserve_rng:
@@ -187,9 +194,8 @@ class ReplayEnvironment:
             _get_torch_function_state()
         env = cls(cpu_rng, cuda_rng, _autocast_state(), _is_autocast_cache_enabled(),
                   torch_function, _kernel_state())
-        if preserve_rng and (leaves or held):
-            generators = {id(g): g for g in leaves if isinstance(g, torch.Generator)} \
-                if leaves else {}
+        if preserve_rng and (leaves or held or type(fn) is functools.partial):
+            generators = _passed_generators(leaves or (), fn)
             for g in held:  # one passed in and held too is restored once
                 generators[id(g)] = g
             env.generators = tuple((g, g.get_state()) for g in generators.values())
@@ -203,6 +209,24 @@ class ReplayEnvironment:
     def replaying(self) -> Replaying:
         """A context in which a replay sees the original pass's environment, grad enabled."""
         return Replaying(self)
+
+
+def _passed_generators(leaves: Any, fn: Any, /) -> dict[int, torch.Generator]:
+    """NOTE [generators passed in]: the generators among ``leaves``, the attributes of those
+    that are plain objects, and the arguments ``fn`` binds where it is a partial, by id."""
+    found: dict[int, torch.Generator] = {}
+    while type(fn) is functools.partial:
+        leaves = [*leaves, *fn.args, *fn.keywords.values()]
+        fn = fn.func
+    for leaf in leaves:
+        if isinstance(leaf, torch.Generator):
+            found[id(leaf)] = leaf
+        elif not isinstance(leaf, (torch.Tensor, nn.Module)) and \
+                isinstance(attributes := getattr(leaf, "__dict__", None), dict):
+            for value in attributes.values():
+                if isinstance(value, torch.Generator):
+                    found[id(value)] = value
+    return found
 
 
 class Replaying:

@@ -635,9 +635,6 @@ class _SpecAugment(nn.Module):
         return self.lin(_dropout(x * keep, generator))
 
 
-@pytest.mark.xfail(strict=True, reason="a generator bound as a keyword in the partial that "
-                   "transformers' layer wrapper passes (partial(forward, self, **kwargs)) is not "
-                   "restored for the replay: other masks, other gradients, no warning")
 def test_a_generator_bound_in_a_layers_partial_replays_as_eager_drew_it() -> None:
     # docs/limits.md counts `partial(forward, self, **kwargs)` as a module the boundary knows,
     # and restores "a generator passed as an argument (`layer(x, generator=g)`, in any
@@ -664,10 +661,6 @@ class _SpecAugmentFromConfig(_SpecAugment):
         return super().forward(x, generator=cfg.generator)
 
 
-@pytest.mark.xfail(strict=True, reason="a generator inside a plain-object argument (a "
-                   "SimpleNamespace or argparse config) is not restored for the replay: other "
-                   "masks, other gradients, no warning, where docs/limits.md says a generator "
-                   "passed as an argument is restored 'in any container'")
 def test_a_generator_in_a_namespace_argument_replays_as_eager_drew_it() -> None:
     import types
 
