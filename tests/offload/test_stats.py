@@ -349,9 +349,11 @@ def test_a_view_on_another_device_counts_its_whole_storage_as_the_size_floor_doe
     loss.backward()
 
 
-@pytest.mark.xfail(strict=True, reason="alive_elsewhere_bytes misses a window storage that an "
-                   "autograd save outside the layers holds, once the caller dropped its own "
-                   "variable (an encoder output read by a CTC head after the decoder)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/offload.md, the "
+                   "alive_elsewhere_bytes row): a window storage only an autograd save outside "
+                   "the layers holds, freed by that op's backward before backward's first "
+                   "restore (an encoder output read by a CTC head after the decoder, the "
+                   "caller's variable gone), is judged too late to count (helper FE)")
 def test_an_encoder_output_a_head_saves_after_the_decoder_counts_as_alive_elsewhere() -> None:
     # docs/census.md, Flags: a storage autograd also saves "keeps it resident whatever the
     # offload does (the manager counts it in alive_elsewhere_bytes)". A Whisper-style model
