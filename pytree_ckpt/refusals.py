@@ -25,7 +25,7 @@ from .frames import callable_name
 from .function_reach import cell_contents, globals_of
 from .module_state import (foreign_leaves, graph_reaches, mark_verified, owning_module,
                            warn_forward_hooks)
-from .tree import describe_leaf, leaf_paths
+from .tree import describe_leaf, leaf_paths, node_path, object_children
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -136,15 +136,17 @@ def _holds(value: Any, holding: Callable[[Any], bool], /) -> bool:
 
 
 def _in_input_objects(call: BoundaryCall, holding: Callable[[Any], bool], /) -> str | None:
-    """The path (``args[0].x``) of the first attribute of a plain object among the call's
-    inputs (which the tree bridge does not open) whose value ``holding`` accepts."""
+    """The path (``args[0].x``) of the first attribute (or slot) of a plain object among the
+    call's inputs (which the tree bridge does not open), or of what a function passed in holds
+    (its closure's variables and defaults, a partial's bound arguments: ``args[1]<bias in its
+    closure>``), whose value ``holding`` accepts."""
     paths = leaf_paths(call.in_spec, root="inputs")
     for path, leaf in zip(paths, call.in_leaves):
-        if isinstance(leaf, (torch.Tensor, nn.Module)) or not hasattr(leaf, "__dict__"):
+        if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, type)):
             continue
-        for name, value in vars(leaf).items():
+        for step, value in object_children(leaf):
             if holding(value):
-                return f"{readable_path(path)}.{name}"
+                return f"{readable_path(path)}{step}"
     return None
 
 
@@ -353,6 +355,13 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
         for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
             if cell_contents(cell) is leaf:
                 return f", by the closure variable {name!r} of {label}"
+        names = code.co_varnames[code.co_argcount - len(getattr(func, "__defaults__", None)
+                                                        or ()):code.co_argcount]
+        defaults = [*zip(names, getattr(func, "__defaults__", None) or ()),
+                    *(getattr(func, "__kwdefaults__", None) or {}).items()]
+        for name, value in defaults:
+            if value is leaf:
+                return f", by the default of the argument {name!r} of {label}"
         space = globals_of(func)
         for name in code.co_names:
             if space.get(name) is leaf:
@@ -368,9 +377,16 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     found = _in_input_objects(call, lambda value: isinstance(value, torch.Tensor) and (
         value is leaf or value.grad_fn is not None and graph_reaches([value.grad_fn], leaf)))
     if found is not None:
-        return (f", reached through {found} (an attribute of a plain object, which the "
-                "boundary does not open: pass a dataclass, or register its class with optree "
-                "in namespace 'pytree_ckpt', and its tensors are inputs)")
+        return (f", reached through {found} (held by an argument the boundary does not open: "
+                "pass a dataclass, or register its class with optree in namespace "
+                "'pytree_ckpt', and its tensors are inputs; where it holds a tensor also "
+                "passed as an argument, read that argument instead)")
+    # Or as a key of a dict passed in (optree keeps keys in the spec, not among the leaves).
+    key = node_path(call.in_spec, lambda node_type, data: isinstance(data, (list, tuple)) and
+                    issubclass(node_type, dict) and any(k is leaf for k in data), root="inputs")
+    if key is not None:
+        return (f", used as a key of the dict at {readable_path(key)} (keys are not inputs of "
+                "the boundary: pass it as a value)")
     if isinstance(leaf, nn.Parameter):  # helper EM: a forward bound to another instance
         return (", an nn.Parameter of no module passed in (is the forward bound to another "
                 "instance? `m.forward = torch.compile(m.forward)` before a deepcopy leaves "

@@ -309,22 +309,41 @@ def metadata_tensor(spec: optree.PyTreeSpec, /, *, root: str
     spec.walk([None] * spec.num_leaves, look, None)
     if not found:
         return None
-    return _node_path(spec, found[0][0], root), found[0][0].__name__, found[0][1]
+    kind, tensor = found[0]
+    path = node_path(spec, lambda node_type, data: node_type is kind and (
+        data is tensor or hidden_tensor(data, lambda t: t is tensor, depth=2) is not None),
+        root=root)
+    return path or root, kind.__name__, tensor
 
 
-def _node_path(spec: optree.PyTreeSpec, node_type: type, path: str, /) -> str:
-    """The path of the first node of ``node_type`` in ``spec`` (for a message)."""
-    if spec.type is node_type:
-        return path
+def node_path(spec: optree.PyTreeSpec, test: Callable[[type, Any], bool], /, *, root: str
+              ) -> str | None:
+    """The path of the first node of ``spec`` whose type and metadata ``test`` accepts (a
+    dict's metadata is its keys), or ``None``; for messages only."""
     level = spec.one_level()
     if level is None:
-        return path
+        return None
+    data = level.walk([None] * level.num_leaves, lambda node_type, data, children: data, None)
+    if test(cast(type, spec.type), data):
+        return root
     for accessor, child in zip(level.accessors(), spec.children()):
-        if not child.is_leaf() and child.num_nodes > child.num_leaves:
-            found = _node_path(child, node_type, path + accessor.codify(""))
-            if found:
+        if child.num_nodes > child.num_leaves:
+            found = node_path(child, test, root=root + accessor.codify(""))
+            if found is not None:
                 return found
-    return ""
+    return None
+
+
+def object_children(obj: Any, /) -> list[tuple[str, Any]]:
+    """What a plain object holds (its attributes and slots), or a function (its closure's
+    variables and defaults; a bound method's instance; a partial's bound arguments), each
+    with its path from it: where ``hidden_tensor`` looks, one level."""
+    if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
+        return _callable_children(obj)
+    attributes = getattr(obj, "__dict__", None)
+    return [*((f".{name}", value) for name, value in attributes.items()), *_slot_children(obj)] \
+        if isinstance(attributes, dict) and not isinstance(obj, types.ModuleType) else \
+        _slot_children(obj)
 
 
 # The classes registered with optree by users, recomputed when the registry's size changes
