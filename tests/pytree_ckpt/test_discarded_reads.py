@@ -217,3 +217,33 @@ def test_the_mode_takes_no_arguments_rather_than_torchs_private_dispatch_key() -
         detect_discarded_reads(1)  # type: ignore[call-arg]
     with detect_discarded_reads():
         assert torch.ones(2).add(1).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.xfail(strict=True, reason="detect_discarded_reads has no rule for higher-order ops: a "
+                   "step calling flex_attention under it raises torch's raw NotImplementedError "
+                   "('no rule registered for HigherOrderOperator flex_attention')")
+def test_a_correct_step_calling_flex_attention_under_the_mode_gives_eager_grads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    import torch.nn.attention.flex_attention as flex
+    # torch refuses flex_attention's backward on CPU in this check only; the unfused eager
+    # implementation behind it differentiates (stands in for CUDA, where it is allowed).
+    monkeypatch.setattr(flex, "_validate_device", lambda *args: None)
+    torch.manual_seed(0)
+    proj = nn.Linear(8, 24)
+    x = torch.randn(1, 2, 8, 8)
+
+    def step() -> list[torch.Tensor | None]:
+        proj.zero_grad(set_to_none=True)
+        q, k, v = proj(x).chunk(3, -1)
+        flex.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s - (qi - kv).abs()
+                            ).square().sum().backward()
+        return grads_of(proj.parameters())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention's "called without torch.compile()"
+        expected = step()
+        with detect_discarded_reads():
+            got = step()
+    assert_same_grads(expected, got)
