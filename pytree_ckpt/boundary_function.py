@@ -29,8 +29,8 @@ from .forward_numbers import (NumbersGlance, NumbersWatch, glanced_dicts, number
                               with_reused_calls)
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
-from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
-from .keep import KeepMode
+from .hook_outputs import GradFlow, HookedOutputs, recording
+from .keep import KeepMode, refuse_compiled_under_keep
 from .kernel_written import remember, remembered
 from .made_before import leaving_tensors, on_kept_storages, unviewed
 from .module_state import ever_verified
@@ -117,13 +117,13 @@ class _BoundaryFunction(torch.autograd.Function):
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         sets = forward_watch(call.fn, call.owner) if preserve_rng else None
         token = ACTIVE.set(invocation)
+        keeping: KeepMode | None = None
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
             # mode] in rng.py.
             with IsolatedPass():
                 recorded = None
                 flow: GradFlow | None = None
-                keeping: KeepMode | None = None
                 if call.options.keep is None and not call.hooked and sets is None:
                     output = call.fn(*args, **kwargs)  # the usual case, with no context more
                 else:
@@ -138,6 +138,8 @@ class _BoundaryFunction(torch.autograd.Function):
                             flow = stack.enter_context(GradFlow())
                         output = call.fn(*args, **kwargs)
         except Exception as error:
+            if keeping is not None:  # NOTE [higher-order ops pass through our modes]
+                refuse_compiled_under_keep(error, fn_name(call.fn))
             # A forward, or a forward hook, that assumes grad mode: name the no-grad pass.
             note_no_grad_pass(error, f"the original pass of {fn_name(call.fn)}")
             limit = recompile_limit_note(error, f"the original pass of {fn_name(call.fn)}")
@@ -190,12 +192,10 @@ class _BoundaryFunction(torch.autograd.Function):
             if call.options.preserve_rng_state:  # NOTE [generators held as attributes]
                 warn_made_during(*call.modules, env.generators)
             call.forward_modules = ForwardModules(*call.modules)
-            # NOTE [held tensors are not hooked outputs] (hook_outputs.py): after the call too
+            # NOTE [held tensors are not hooked outputs] (hook_outputs.py): as each hooked
+            # module returned too
             if recorded:
-                modules, trees = call.modules
-                call.held.update(held_tensors(
-                    [*(m.__dict__ for m in modules),
-                     *(d for tree in trees for d in tree.submodules)]))
+                call.held.update(recorded.held)
         # For verify_leaves, should this call's replay be the one that verifies (whether it is
         # depends on the module structure then, which may change before backward).
         call.frozen_at_call = call.frozen

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .discard import DISCARDED_MARK
@@ -51,6 +52,21 @@ class detect_discarded_reads(TorchDispatchMode):
             loss.backward()
     """
 
+    # NOTE [higher-order ops pass through our modes]: torch refuses a higher-order op
+    # (flex_attention, a control-flow op) under a dispatch mode without a rule for it ("There
+    # was no rule registered for HigherOrderOperator ..."; helper FC) unless the mode says it
+    # supports them; then the op reaches __torch_dispatch__ with the mode already popped, and
+    # runs there as it is: its inputs are checked, the ops inside it are not seen.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Off while torch.compile compiles, on for what the compiled code runs: a compiled
+        # region (flex_attention compiles its own call, with fullgraph=True, even uncompiled)
+        # compiles as without the mode, where dynamo refused to ("non-infra torch dispatch
+        # mode present": helper FC). What inductor fuses is not seen.
+        return True
+
     def __init__(self) -> None:
         # TorchDispatchMode's own signature takes a private ``_dispatch_key``: an argument
         # given here (``detect_discarded_reads(True)``) got torch's assertion about it.
@@ -59,6 +75,10 @@ class detect_discarded_reads(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            # NOTE [higher-order ops pass through our modes]: inputs checked, run as it is.
+            _check_all(func, args, kwargs)
+            return func(*args, **kwargs)
         if not func.is_view and func not in _METADATA_ONLY:
             _check_all(func, args, kwargs)
             return func(*args, **kwargs)
@@ -94,7 +114,7 @@ def _check(func: Any, value: Any, index: int | None, name: str | None) -> None:
         if discarded_by is None or storage.nbytes() > 0:  # never discarded, or rebuilt
             continue
         if name is None:
-            arguments = func._schema.arguments
+            arguments = getattr(getattr(func, "_schema", None), "arguments", ())
             name = arguments[index].name if index is not None and index < len(arguments) \
                 else f"#{index}"
         raise CheckpointError(

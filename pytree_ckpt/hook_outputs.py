@@ -106,10 +106,14 @@ def keeps_output_as_is(hook: Any, /) -> bool:
 
 def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
     # Registered with_kwargs: what the module received (after its pre-hooks) and returned.
+    # Put first, it runs before the user's hooks: what the module holds now, it held when its
+    # forward returned (NOTE [held tensors are not hooked outputs]).
     passes = getattr(_RECORDING, "passes", ())
     if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
+        held = held_tensors([module.__dict__]) if not torch.compiler.is_compiling() else {}
         for recorded in passes:
             recorded.append((module, (args, kwargs, output)))
+            recorded.held.update(held)
 
 
 # What stops the flow: eager's results of these require no grad.
@@ -309,10 +313,14 @@ def remove_recorder(module: nn.Module, /) -> None:
 
 def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
     """The tensors the modules hold as plain attributes (each a module's ``__dict__``),
-    directly or in a tuple, list or dict, by id. Read before the call and again after it: they are
-    no results of it (one a module builds in its first call and keeps, a lazy cache, neither).
-    The tensors themselves are kept until the selection is made, so their ids stay theirs (a
-    pre-hook that replaces ``.weight`` frees the old one, and its id went to a fresh output).
+    directly or in a tuple, list or dict, by id. Read before the call, and for each hooked
+    module as its forward returns (before the user's hooks run): they are no results of the
+    call (one a module builds in its first call and keeps, a lazy cache, neither). Not after
+    the call: a hook that keeps the output on a module (``m.kept.append(out)``, ``m.last =
+    out``: an attention-map loss) stored a result of it, which then left without its graph
+    and its gradient was lost (helper FC). The tensors themselves are kept until the
+    selection is made, so their ids stay theirs (a pre-hook that replaces ``.weight`` frees
+    the old one, and its id went to a fresh output).
 
     NOTE [held tensors are not hooked outputs]: a hooked module that returns such a tensor (a
     cached table, ``(cos, sin)`` kept as an attribute) returns the same object in both passes.
@@ -333,11 +341,22 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
     return held
 
 
+class Recorded(list):  # type: ignore[type-arg]
+    """The (module, (args, kwargs, output)) of each hooked module's call, in call order, and
+    ``held``: the tensors those modules held as their forwards returned (``held_tensors``)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[int, torch.Tensor] = {}
+
+
 @contextmanager
-def recording() -> Iterator[list[Any]]:
+def recording() -> Iterator[Recorded]:
     """The (module, (args, kwargs, output)) of each hooked module's call in the block, in call
     order."""
-    recorded: list[Any] = []
+    recorded = Recorded()
     enclosing = getattr(_RECORDING, "passes", ())
     _RECORDING.passes = (*enclosing, recorded)
     try:

@@ -40,11 +40,12 @@ from typing import Any
 import optree
 import torch
 from torch import nn
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .census import Mechanism, census_active, report_held
 from .eager import user_stacklevel
-from .errors import CheckpointError
+from .errors import CheckpointConfigError, CheckpointError
 from .kept_calls import call_arguments, for_backward, replay_may_take
 from . import module_state  # read at call time: module_state imports this module's users
 from .phase import Invocation, Phase
@@ -326,6 +327,33 @@ def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]
     return written
 
 
+_OP = torch._ops.OpOverload  # the usual func: one type check per op, not an isinstance
+_DYNAMO_REFUSED = "non-infra torch dispatch mode present"
+
+
+def refuse_compiled_under_keep(error: BaseException, name: str, /) -> None:
+    """Name the cause where dynamo refused to compile code inside a layer that keeps units
+    (NOTE [higher-order ops pass through our modes]): save units keep ops through a dispatch
+    mode, under which dynamo compiles nothing, so a region compiled with ``fullgraph=True``
+    raises "found no compiled frames"; ``flex_attention`` compiles its own call so even when
+    it is not compiled (helper FC: torch's message named dynamo's internals only)."""
+    if not isinstance(error, RuntimeError) or _DYNAMO_REFUSED not in str(error):
+        return
+    flex = "flex_attention" in str(error)
+    raise CheckpointConfigError(
+        f"{name} runs code compiled with fullgraph=True"
+        f"{' (flex_attention compiles its own call, even uncompiled)' if flex else ''} while "
+        "the layer keeps save units: units keep ops through a TorchDispatchMode, and dynamo "
+        "compiles nothing while one is active",
+        expected="no save unit on a layer that calls flex_attention or other code compiled "
+                 "with fullgraph=True",
+        got="torch.compile(fullgraph=True) refused: non-infra torch dispatch mode present",
+        tip="apply the save units to layers without such code (RecomputeConfig's save=[] for "
+            "these, or wrap only the other layers), and recompute these layers in full; the "
+            "boundary itself (recompute and offload) runs flex_attention as eager does"
+    ) from error
+
+
 class KeepMode(TorchDispatchMode):
     """Records kept ops' outputs in the original pass, returns them in the replay.
 
@@ -334,6 +362,11 @@ class KeepMode(TorchDispatchMode):
     mode (which returns what the outer original pass kept) and its own (which records that for
     its own replay). Modes stack, so each sees the op once.
     """
+
+    # NOTE [higher-order ops pass through our modes] (discarded_reads.py): flex_attention
+    # under a layer with save units raised torch's "no rule registered for HigherOrderOperator"
+    # (helper FC). It runs as it is in both passes: recomputed, the ops inside it not kept.
+    supports_higher_order_operators = True
 
     def __init__(self, policy: KeepPolicy, invocation: Invocation, /, *, layer: Any) -> None:
         super().__init__()
@@ -365,6 +398,8 @@ class KeepMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if type(func) is not _OP and isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)  # NOTE [higher-order ops pass through our modes]
         if self._kept_at and func._schema.is_mutable:
             self._unkeep_written(func, args, kwargs)
         if IN_REUSE.get():

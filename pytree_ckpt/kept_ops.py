@@ -47,9 +47,12 @@ class KeptOps:
                          "KeptOps(torch.ops.aten.addmm.default)",
                 got=(f"the higher-order op {bad.name()!r}" if higher_order else repr(bad))
                 if names else "nothing",
-                tip="a higher-order op (flex_attention) is no single op the mode that keeps "
-                    "ops sees: keep the method that calls it with KeptCallables('Class.method')"
-                    if higher_order else "op identity is the namespace and the op's name")
+                tip="a higher-order op is no single op the mode that keeps ops sees: keep the "
+                    "method that calls it with KeptCallables('Class.method'); but not "
+                    "flex_attention, which runs in no layer that keeps units (it compiles its "
+                    "own call, and dynamo compiles nothing under that mode): recompute its "
+                    "layers in full" if higher_order else
+                    "op identity is the namespace and the op's name")
         self.op_names = tuple(names)
 
     def __repr__(self) -> str:

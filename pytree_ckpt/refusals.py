@@ -172,7 +172,23 @@ def raise_freed_graph_reached(call: BoundaryCall, error: RuntimeError, /) -> Non
                           value.values() if isinstance(value, dict) else
                           value if isinstance(value, (list, tuple)) else ()))]
     if not held:
-        return  # another cause: torch's error as it is
+        # A tensor with a graph from outside the call, held by a function passed in (a
+        # score_mod closure over a bias computed once and shared by every layer: helper FC):
+        # each replay backpropagates through that graph, the first one frees it.
+        passed = _in_input_objects(call, lambda value: isinstance(value, torch.Tensor) and
+                                   value.grad_fn is not None)
+        if passed is None:
+            return  # another cause: torch's error as it is
+        raise CheckpointError(
+            f"the replay of {fn_name(call.fn)} reached a graph already freed through {passed}, "
+            "a tensor with a graph computed outside the call that an argument the boundary "
+            "does not open holds: each call's replay backpropagates into that graph itself (it "
+            "is no input of the call), and another call's replay freed it",
+            expected="tensors computed outside the call passed as arguments themselves",
+            got=f"{passed} holding a tensor with a graph (torch: {_FREED_GRAPH})",
+            tip="pass the tensor as an argument and build the function (or object) inside the "
+                "forward from it (`score_mod = lambda s: s + bias` in the layer's forward)"
+        ) from error
     what = f"the module attribute{'s' if len(held) > 1 else ''} {', '.join(map(repr, held))}"
     raise CheckpointError(
         f"the replay of {fn_name(call.fn)} reached a graph already freed through {what}, which "
@@ -376,11 +392,15 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     # as a parameter of another instance).
     found = _in_input_objects(call, lambda value: isinstance(value, torch.Tensor) and (
         value is leaf or value.grad_fn is not None and graph_reaches([value.grad_fn], leaf)))
+    if found is not None and "<" in found:  # a closure's variable or a default
+        return (f", reached through {found} (held by a function passed as an argument, which "
+                "the boundary does not open: build the function inside the forward from "
+                "tensors passed as arguments)")
     if found is not None:
-        return (f", reached through {found} (held by an argument the boundary does not open: "
-                "pass a dataclass, or register its class with optree in namespace "
-                "'pytree_ckpt', and its tensors are inputs; where it holds a tensor also "
-                "passed as an argument, read that argument instead)")
+        return (f", reached through {found} (an attribute of a plain object, which the "
+                "boundary does not open: pass a dataclass, or register its class with optree "
+                "in namespace 'pytree_ckpt', and its tensors are inputs; where it holds a "
+                "tensor also passed as an argument, read that argument instead)")
     # Or as a key of a dict passed in (optree keeps keys in the spec, not among the leaves).
     key = node_path(call.in_spec, lambda node_type, data: isinstance(data, (list, tuple)) and
                     issubclass(node_type, dict) and any(k is leaf for k in data), root="inputs")

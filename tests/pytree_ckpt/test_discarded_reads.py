@@ -219,9 +219,6 @@ def test_the_mode_takes_no_arguments_rather_than_torchs_private_dispatch_key() -
         assert torch.ones(2).add(1).tolist() == [2.0, 2.0]
 
 
-@pytest.mark.xfail(strict=True, reason="detect_discarded_reads has no rule for higher-order ops: a "
-                   "step calling flex_attention under it raises torch's raw NotImplementedError "
-                   "('no rule registered for HigherOrderOperator flex_attention')")
 def test_a_correct_step_calling_flex_attention_under_the_mode_gives_eager_grads(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings

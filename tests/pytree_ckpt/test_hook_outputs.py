@@ -1370,11 +1370,6 @@ def _keep_as_attribute(module: nn.Module, args: Any, output: torch.Tensor) -> No
     module.last = output                # `module.last = output`, the output as it is
 
 
-@pytest.mark.xfail(strict=True, reason="a forward hook that keeps a module's output as it is, "
-                   "but stores it on a module inside the checkpointed layer (a list attribute, "
-                   "or `module.last = output`), gets a tensor with no graph: a loss built from "
-                   "it silently loses its gradient (the warning says keeping them as they are "
-                   "is fine; a list in a closure is exact)")
 @pytest.mark.parametrize("hook", [_keep_in_list_attribute, _keep_as_attribute])
 def test_a_hooked_output_kept_on_a_module_gives_eager_grads(
         hook: Callable[[nn.Module, Any, torch.Tensor], None]) -> None:

@@ -265,7 +265,7 @@ def test_the_refusal_of_a_tensor_read_through_a_callable_argument_or_a_default_n
     args = (x, lambda: bias) if how == "closure-argument" else (x,)
     with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
         layer(*args).sum().backward()
-    where = "reached through args[1]<bias in its closure> (held by an argument" \
+    where = "reached through args[1]<bias in its closure> (held by a function passed" \
         if how == "closure-argument" else "by the default of the argument 'table' of"
     assert where in str(err.value), str(err.value)
 
@@ -297,7 +297,8 @@ def test_the_refusal_of_a_tensor_in_a_slot_or_a_dict_key_of_an_argument_names_it
     holder = _SlottedConfig(bias) if how == "slotted-object" else {bias: 2.0}
     with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
         layer(x, holder).sum().backward()
-    where = "reached through args[1].bias (held by" if how == "slotted-object" else \
+    where = "reached through args[1].bias (an attribute of a plain object" \
+        if how == "slotted-object" else \
         "used as a key of the dict at args[1] (keys are not inputs"
     assert where in str(err.value), str(err.value)
 
