@@ -597,3 +597,69 @@ def test_an_eval_micro_batch_beside_a_counter_rebuilds_with_the_scale_its_forwar
                          grads_of([*module.parameters(), *linear.parameters()]),
                          [module.scale.clone(), module.calls.clone()]))
     _assert_same_runs([results[0]], [results[1]])
+
+
+class _ScaleAndCountWhereGradIsEnabled(nn.Module):
+    """A scale changed only in training, a count kept where grad is enabled (code written for
+    reentrant checkpointing: only the replay counts), and with ``counter`` a call counter
+    changed at every call: an eval call's forward leaves the scale and the count alone."""
+
+    def __init__(self, counter: bool) -> None:
+        super().__init__()
+        self.counter = counter
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        counting = torch.is_grad_enabled()
+        with torch.no_grad():
+            if self.training:
+                self.scale.mul_(2.0)
+            if self.counter:
+                self.calls.add_(1)
+            if counting:
+                self.seen.add_(1)
+        return torch.tanh(self.lin(h * self.scale))
+
+
+def _eval_then_train_counts(how: str, counter: bool, backward: str) -> list[Any]:
+    """Two steps of an eval then a train micro-batch through ``how``, backward ``"summed"``
+    (the train call's replay first) or ``"in order"`` (the eval call's first): the losses,
+    the gradients and the buffers after each step."""
+    torch.manual_seed(0)
+    module, proj = _ScaleAndCountWhereGradIsEnabled(counter), nn.Linear(8, 8)
+    results = []
+    for step in range(2):
+        losses = []
+        for training in (False, True):
+            module.train(training)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * step + training))
+            losses.append(_norm_and_proj(module, proj, x, how).square().sum())
+        if backward == "summed":
+            sum(losses).backward()
+        else:
+            for loss in losses:
+                loss.backward()
+        results.append(([loss.detach() for loss in losses],
+                        grads_of([*module.parameters(), *proj.parameters()]),
+                        _state(module)))
+        module.zero_grad(set_to_none=True)
+        proj.zero_grad(set_to_none=True)
+    return results
+
+
+@pytest.mark.parametrize("counter", [True, False], ids=["beside a counter", "alone"])
+@pytest.mark.parametrize("how", ["discard", "boundary"])
+def test_an_eval_micro_batchs_replay_run_first_counts_where_grad_is_enabled_as_eager(
+        how: str, counter: bool) -> None:
+    # Helper FD's mutant M10 (the names a changed dict's forward left alone copied for the
+    # replay whether or not a later forward moved them): the eval call's replay, run before
+    # the train call's, got a copy of the count too, and its count was lost. Only the scale,
+    # which the train call's forward changed, is copied.
+    expected = _eval_then_train_counts("eager", counter, "in order")
+    got = _eval_then_train_counts(how, counter, "in order")
+    _assert_same_runs(expected, got)
+    assert int(expected[-1][-1][-1]) == 4
+
