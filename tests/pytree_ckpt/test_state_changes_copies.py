@@ -916,16 +916,29 @@ class ScalesByItsStep(nn.Module):
         return self.lin(x) * self.step
 
 
+class ScalesByAStepInALargeStorage(ScalesByItsStep):
+    """``ScalesByItsStep`` whose step is a one-element view of a storage over 64 KiB: saved
+    alone before the forward, not with its storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = torch.zeros(32 * 1024)[:1]
+
+
+@pytest.mark.parametrize("make", [ScalesByItsStep, ScalesByAStepInALargeStorage],
+                         ids=["its storage saved", "saved alone"])
 def test_a_graph_backpropagated_twice_replays_from_the_state_before_the_forward_each_time(
-        ) -> None:
+        make: Callable[[], nn.Module]) -> None:
     # Guards against: the replay's copy of the saved state made over the saved storage itself
     # (not a clone of it): the first replay's count went into the snapshot, so the second
     # backward of a retained graph replayed with the count one ahead (its gradients other than
     # eager's, silently). Each step: backward(retain_graph=True), then backward again.
+    # Helper FD's mutant M24: the same for a buffer saved alone (a small view of a large
+    # storage), whose copy was the snapshot itself.
     results = []
     for wrapped in (False, True):
         torch.manual_seed(0)
-        module = ScalesByItsStep()
+        module = make()
         if wrapped:
             pytree_ckpt.apply_activation_checkpointing(module)
         for step in range(2):
