@@ -2342,3 +2342,33 @@ def test_a_plain_tensor_attribute_made_in_inference_mode_beside_a_buffer_gives_e
         grads.append([x.grad, *(p.grad for p in model.parameters())])
         x.grad = None
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class AveragesItsLength(nn.Module):
+    """Picks its first ``self.length`` features by index, then keeps the running mean of the
+    lengths it saw there: begun as an int, ``(self.length + n) / 2`` rebinds it to an equal
+    float, which indexes no more (``torch.arange(4.0)`` is a float tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.length = 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)[:, torch.arange(self.length)]
+        self.length = (self.length + out.shape[1]) / 2
+        return out
+
+
+@pytest.mark.xfail(strict=True, reason="helper FD: NumbersWatch.changed's fast path (`now == "
+                   "before`, read entries compared by ==) takes 4 rebound to 4.0 (or 1 to True) "
+                   "for unchanged, so value_differs' type check never runs: the replay reads "
+                   "4.0 where the forward read 4, and its index fails in backward")
+def test_a_number_rebound_to_an_equal_value_of_another_type_is_put_back_for_the_replay() -> None:
+    # Found by helper FD's mutant M38 (value_differs without its type check), which no test
+    # told apart: 4 rebound to 4.0 passes as unchanged, the replay reads 4.0 and its index (a
+    # float tensor) fails where eager's forward, which read 4, ran. One call: eager's next
+    # forward fails too.
+    eager, ours = _twins(AveragesItsLength())
+    _step_alike(eager, ours)
+    assert type(ours.length) is float and ours.length == eager.length == 4.0
