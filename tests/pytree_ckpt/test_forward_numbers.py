@@ -2372,3 +2372,33 @@ def test_a_number_rebound_to_an_equal_value_of_another_type_is_put_back_for_the_
     eager, ours = _twins(AveragesItsLength())
     _step_alike(eager, ours)
     assert type(ours.length) is float and ours.length == eager.length == 4.0
+
+
+class LogsItsBatchSizes(nn.Module):
+    """Appends each batch size to a list it keeps (a log its caller swaps for a new one after
+    each forward), and scales its output by how many it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.sizes = [4] * 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(x.shape[0])
+        return self.lin(x) * len(self.sizes)
+
+
+def test_a_list_the_forward_grows_past_64_that_the_caller_then_swaps_replays_as_read() -> None:
+    # Helper FD's mutant M41 (a container the forward grew in place, by entries read, taken
+    # for one filled with something else once past 64 entries: known by id only): the
+    # replay found the caller's new, empty list, counted 1 where the forward counted 65, and
+    # its gradients were 65 times smaller. The list read (64 entries) is put back as a new
+    # one for the replay, and the caller's is left with what the replay did not add.
+    eager, ours = _twins(LogsItsBatchSizes())
+    x = torch.randn(4, 8)
+    for module in (eager, ours):
+        loss = module(x).square().sum()
+        module.sizes = []
+        loss.backward()
+    assert _same(_grads(eager), _grads(ours))
+    assert ours.sizes == eager.sizes == []
