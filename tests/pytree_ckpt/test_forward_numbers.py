@@ -2402,3 +2402,34 @@ def test_a_list_the_forward_grows_past_64_that_the_caller_then_swaps_replays_as_
         loss.backward()
     assert _same(_grads(eager), _grads(ours))
     assert ours.sizes == eager.sizes == []
+
+
+class _AppendsItsSize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(x.shape[0])
+        return x
+
+
+class SharesItsLogWithASubmodule(nn.Module):
+    """A list held by the module and by its submodule, which appends to it; the module scales
+    its output by how many entries the list holds after the submodule ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.inner = nn.Linear(8, 8), _AppendsItsSize()
+        self.sizes: list[int] = []
+        self.inner.sizes = self.sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        return self.lin(h) * (1 + len(self.sizes))
+
+
+def test_a_list_two_modules_share_and_the_forward_fills_is_one_list_in_the_replay() -> None:
+    # Helper FD's mutant M45 (a container the forward changed in place put back for the replay
+    # as a new one, not in place): each module got a list of its own, the submodule's append
+    # did not reach the module's, and the replay scaled by 1 where the forward scaled by 2.
+    eager, ours = _twins(SharesItsLogWithASubmodule())
+    for _ in range(2):
+        _step_alike(eager, ours)
+    assert ours.sizes == eager.sizes == [4, 4] and ours.inner.sizes is ours.sizes
