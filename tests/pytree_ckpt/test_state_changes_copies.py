@@ -952,3 +952,37 @@ def test_a_graph_backpropagated_twice_replays_from_the_state_before_the_forward_
                             module.step.clone()])
             module.zero_grad(set_to_none=True)
     _assert_same_runs([results[:2], results[2:]])
+
+
+class StepsAViewOfASmallTable(nn.Module):
+    """Counts its calls in a buffer that is a one-element view of a small table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros(4)[:1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.step += 1
+        return self.lin(x)
+
+
+def test_a_view_buffer_the_replay_left_alone_keeps_its_version_for_a_graph_that_saved_it(
+        ) -> None:
+    # Helper FD's mutant M20 (every buffer the replay ran on copies of written back after it,
+    # not only those the replay reached and changed another way): the write moved the view's
+    # version (a view's counter is its base's: not set back), and a second backward of a
+    # retained graph that saved the buffer after the forward failed where eager's ran.
+    results = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        module = StepsAViewOfASmallTable()
+        if wrapped:
+            pytree_ckpt.apply_activation_checkpointing(module)
+        x = torch.randn(2, 4, requires_grad=True)
+        loss = (module(x) * module.step).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        results.append([x.grad, *(p.grad for p in module.parameters()), module.step.clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
