@@ -1389,3 +1389,42 @@ def test_a_hooked_output_kept_on_a_module_gives_eager_grads(
         handle.remove()
         grads.append([p.grad for p in block.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_one_shot_hook_beside_one_the_forward_registers_on_its_module_both_run_in_the_replay(
+        ) -> None:
+    # Helper FD's mutant M56 (the joined tables of a module that gained a hook in the forward
+    # taken from after the forward alone): the one-shot hook that removed itself on that same
+    # module was missing from the replay, whose output was not tripled as the forward's was.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8, requires_grad=True)
+    grads, calls = [], []
+    for model in (eager, wrapped):
+        ran: list[str] = []
+        handles = []
+
+        def once(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            ran.append("once")
+            handles[0].remove()
+            return out * 3
+
+        def shift(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            ran.append("shift")
+            return out + 1
+
+        def install(mod: nn.Module, args: Any) -> None:
+            if len(handles) == 1:  # at the first call, before the GELU runs
+                handles.append(model[1].register_forward_hook(shift))
+
+        handles.append(model[1].register_forward_hook(once))
+        model[0].register_forward_pre_hook(install)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+            model(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        x.grad = None
+        calls.append(ran)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert calls == [["once", "shift"], ["once", "shift"] * 2]  # the forward and its replay
