@@ -1428,3 +1428,39 @@ def test_a_one_shot_hook_beside_one_the_forward_registers_on_its_module_both_run
         calls.append(ran)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert calls == [["once", "shift"], ["once", "shift"] * 2]  # the forward and its replay
+
+
+def test_a_full_backward_hook_the_forward_registers_runs_as_full_when_another_hook_went(
+        ) -> None:
+    # Helper FD's mutant M57 (the joined tables' full-backward flag taken from before the
+    # forward alone): a module with no backward hook before the forward, which registered a
+    # full one on it, got its flag back as None when the replay put the forward's hooks back
+    # (another hook removed before backward), and torch ran the hook as an old-style one.
+    # The module has a forward hook already, so its tables before and after are joined.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8, requires_grad=True)
+    grads, calls = [], []
+    for model in (eager, wrapped):
+        ran: list[str] = []
+        handles = []
+
+        def install(mod: nn.Module, args: Any) -> None:
+            if not handles:  # at the first call, before the GELU runs
+                handles.append(model[1].register_full_backward_hook(
+                    lambda mod, gi, go: ran.append("backward") or (gi[0] * 2,)))
+
+        model[0].register_forward_pre_hook(install)
+        model[1].register_forward_hook(lambda mod, args, out: out * 0.5)  # tables to join
+        clamp = model[2].register_forward_hook(lambda mod, args, out: out.clamp(-0.3, 0.3))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+            y = model(x)
+            clamp.remove()
+            y.square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+        x.grad = None
+        calls.append(ran)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert calls == [["backward"], ["backward"]]
