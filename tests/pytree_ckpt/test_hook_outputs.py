@@ -1464,3 +1464,32 @@ def test_a_full_backward_hook_the_forward_registers_runs_as_full_when_another_ho
         calls.append(ran)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert calls == [["backward"], ["backward"]]
+
+
+def test_a_hook_kept_output_before_another_rewrites_it_gets_eager_grads_when_a_hook_went(
+        ) -> None:
+    # Helper FD's mutant M63 (the replay's tables, put back when a hook went between forward
+    # and backward, holding this library's hooks after the user's rather than in the
+    # forward's order): the recorder ran after the hook that doubles the output, recorded
+    # the doubled one, and the kept output's gradient went elsewhere.
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model)
+        kept: list[torch.Tensor] = []
+        model[0].register_forward_hook(lambda m, a, out: kept.append(out))
+        model[0].register_forward_hook(lambda m, a, out: out * 2)
+        x = torch.randn(4, 8, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(2):
+                kept.clear()
+                clamp = model[2].register_forward_hook(lambda m, a, out: out.clamp(-0.3, 0.3))
+                y = model(x)
+                clamp.remove()
+                (y.square().sum() + kept[0].square().sum()).backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
