@@ -286,12 +286,12 @@ class NumbersWatch:
         return MadeNumbers(d, made) if made else None
 
 
-def _plain_entry(entry: tuple[bool, Any], /) -> bool:
+def _plain_entry(entry: tuple[Any, ...], /) -> bool:
     return entry[0] or type(entry[1]) is _Contents or \
         (type(entry[1]) is _TensorHeld and entry[1].kept is not None)
 
 
-def _same_as(entry: tuple[bool, Any] | None, was: tuple[bool, Any] | None, /) -> bool:
+def _same_as(entry: tuple[Any, ...] | None, was: tuple[Any, ...] | None, /) -> bool:
     """Whether a value is as read (``None``: absent); a container by its entries alone."""
     if entry is None or was is None:
         return entry is was
@@ -310,7 +310,7 @@ class MadeNumbers:
 
     __slots__ = ("d", "made")
 
-    def __init__(self, d: dict[str, Any], made: list[tuple[str, tuple[bool, Any] | None, Any]],
+    def __init__(self, d: dict[str, Any], made: list[tuple[str, tuple[Any, ...] | None, Any]],
                  /) -> None:
         self.d = d
         self.made = made
@@ -489,29 +489,30 @@ def _small_detached(t: torch.Tensor, /) -> bool:
         and not t.is_inference() and t.untyped_storage().nbytes() <= _SMALL_BYTES
 
 
-def _read(d: dict[str, Any], clone: bool = False, /) -> dict[str, tuple[bool, Any]]:
-    """By name: (True, the value) for a value that cannot change in place, (False, a weak
-    reference) for a tensor, (False, its entries) for a small container of such values,
-    (False, its id) for another object. nn.Module's own entries are
-    left out by one set difference (a module's ``__dict__`` holds about 17 of them and a few
-    of its own)."""
-    found: dict[str, tuple[bool, Any]] = {}
+def _read(d: dict[str, Any], clone: bool = False, /) -> dict[str, tuple[Any, ...]]:
+    """By name: (True, the value, its type) for a value that cannot change in place (the type
+    too: a number rebound to an equal one of another type, 4 to 4.0 or 1 to True, compared
+    equal and was not put back for the replay: helper FD), (False, a weak reference) for a
+    tensor, (False, its entries) for a small container of such values, (False, its id) for
+    another object. nn.Module's own entries are left out by one set difference (a module's
+    ``__dict__`` holds about 17 of them and a few of its own)."""
+    found: dict[str, tuple[Any, ...]] = {}
     for name in d.keys() - _NOT_STATE:
         if not name.startswith(_OURS):
             value = d[name]
-            found[name] = (True, value) if type(value) in _PLAIN or _immutable(value) else \
-                _object_entry(value, clone)
+            found[name] = (True, value, type(value)) \
+                if type(value) in _PLAIN or _immutable(value) else _object_entry(value, clone)
     return found
 
 
-def _object_entry(value: Any, clone: bool = False, /) -> tuple[bool, Any]:
+def _object_entry(value: Any, clone: bool = False, /) -> tuple[Any, ...]:
     return (False, _TensorHeld(value, clone) if isinstance(value, torch.Tensor) else
             _Contents(value) if _plain_container(value) else id(value))
 
 
-def _entry(value: Any, /) -> tuple[bool, Any]:
+def _entry(value: Any, /) -> tuple[Any, ...]:
     """One value as ``_read`` reads it."""
-    return (True, value) if _immutable(value) else _object_entry(value)
+    return (True, value, type(value)) if _immutable(value) else _object_entry(value)
 
 
 class ChangedNumbers:

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-__all__ = ["note_forward_write", "written_by_a_forward_since"]
+__all__ = ["note_forward_write", "written_by_a_forward_since", "written_since"]
 
 # NOTE [forward writes, by id]: each buffer an original pass changed (in place, reassigned or
 # registered), with its version then, by id. Written for every changed buffer at every call of
@@ -59,3 +59,17 @@ def written_by_a_forward_since(items: tuple[tuple[str, torch.Tensor | None], ...
             if written is not None and written > version:
                 return True
     return False
+
+
+def written_since(items: tuple[tuple[str, torch.Tensor | None], ...], before: list[int | None],
+                  /) -> list[str]:
+    """The names among ``items`` that an original pass changed in place since they were read
+    at versions ``before``: not those only a replay moved since (a count kept where grad is
+    enabled, which the replay of a later call of the same step moved first: helper FD)."""
+    found = []
+    for (name, t), version in zip(items, before):
+        if t is not None and version is not None:
+            written = _forward_version(t)
+            if written is not None and written > version:
+                found.append(name)
+    return found

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
-from .forward_writes import note_forward_write, written_by_a_forward_since
+from .forward_writes import note_forward_write, written_by_a_forward_since, written_since
 from .kernel_written import differs
 from .module_state import ModuleDicts, ever_verified, graph_reaches
 
@@ -457,11 +457,12 @@ class ChangedState:
         for d, items, before, whole in self.read:
             if _object_versions(items) != before and written_by_a_forward_since(items, before):
                 # A whole unchanged dict, or some of a changed dict's names (the others are
-                # copied already; never a batch norm's): only changed in place since.
-                found.append((d, _moved(d, items, before) if whole else
-                              [(name, None) for (name, t), version in zip(items, before)
-                               if t is not None and version is not None
-                               and t._version != version]))
+                # copied already): only changed in place since, and only those a forward
+                # changed (one only another call's replay moved, a count kept where grad is
+                # enabled, stays the module's own: helper FD); a batch norm's wholly (its
+                # kernel moves no version of its running statistics).
+                found.append((d, None if whole and "num_batches_tracked" in d else
+                              [(name, None) for name in written_since(items, before)]))
         return found
 
     @contextmanager

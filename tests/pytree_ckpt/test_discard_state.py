@@ -664,10 +664,6 @@ def test_an_eval_micro_batchs_replay_run_first_counts_where_grad_is_enabled_as_e
     assert int(expected[-1][-1][-1]) == 4
 
 
-@pytest.mark.xfail(strict=True, reason="helper FD: an eval call's replay copies every name whose "
-                   "version moved since its forward, where a later forward changed one of them: "
-                   "a count a later call's replay made (where grad is enabled) is copied too, "
-                   "and the eval replay's own count goes to the copy and is lost (2 of 4)")
 @pytest.mark.parametrize("counter", [True, False], ids=["beside a counter", "alone"])
 @pytest.mark.parametrize("how", ["discard", "boundary"])
 def test_an_eval_micro_batchs_replay_run_after_a_train_ones_counts_where_grad_is_enabled_as_eager(

@@ -2360,10 +2360,6 @@ class AveragesItsLength(nn.Module):
         return out
 
 
-@pytest.mark.xfail(strict=True, reason="helper FD: NumbersWatch.changed's fast path (`now == "
-                   "before`, read entries compared by ==) takes 4 rebound to 4.0 (or 1 to True) "
-                   "for unchanged, so value_differs' type check never runs: the replay reads "
-                   "4.0 where the forward read 4, and its index fails in backward")
 def test_a_number_rebound_to_an_equal_value_of_another_type_is_put_back_for_the_replay() -> None:
     # Found by helper FD's mutant M38 (value_differs without its type check), which no test
     # told apart: 4 rebound to 4.0 passes as unchanged, the replay reads 4.0 and its index (a
