@@ -1391,6 +1391,52 @@ def test_a_hooked_output_kept_on_a_module_gives_eager_grads(
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+class _TwiceBlock(nn.Module):
+    """Scores computed twice in one layer (one module called twice; or two modules whose hook
+    keeps into one list they share): an attention-map loss over every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores = nn.Linear(8, 8)
+        self.keys = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.out(torch.tanh(self.scores(x)) * self.keys(x))
+        return h + self.out(torch.tanh(self.scores(h)))
+
+
+@pytest.mark.xfail(strict=True, reason="held tensors are read as each hooked module returns: "
+                   "a hook keeping outputs in a list on a module (m.kept.append(out)) has the "
+                   "first call's output in that list when the module returns again (or when "
+                   "another module sharing the list returns), so it is taken as held and leaves "
+                   "without its graph: the attention-map loss of that call loses its gradient, "
+                   "silently (FC's fix covers one call per module only)")
+@pytest.mark.parametrize("shared", [False, True], ids=["one-module-called-twice",
+                                                        "a-list-two-modules-share"])
+def test_outputs_a_hook_keeps_in_a_module_list_over_several_calls_give_eager_grads(
+        shared: bool) -> None:
+    torch.manual_seed(0)
+    eager = _TwiceBlock()
+    model = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    grads = []
+    for block in (eager, model):
+        kept: list[torch.Tensor] = []
+        handles = []
+        for module in (block.scores, block.keys) if shared else (block.scores,):
+            module.kept = kept
+            handles.append(module.register_forward_hook(_keep_in_list_attribute))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+            out = block(x)
+            (out.square().mean() + 0.1 * sum(k.square().mean() for k in kept)).backward()
+        for handle in handles:
+            handle.remove()
+        grads.append([p.grad for p in block.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_a_one_shot_hook_beside_one_the_forward_registers_on_its_module_both_run_in_the_replay(
         ) -> None:
     # Helper FD's mutant M56 (the joined tables of a module that gained a hook in the forward
