@@ -223,7 +223,10 @@ class NumbersWatch:
         # ``clone``: the small tensor attributes' values are cloned too (NOTE [small tensor
         # attributes as the forward read them]), where small buffers are (snapshots_wanted).
         self.dicts = dicts
-        self.before = [_read(d, clone) for d in dicts]
+        # One clone per tensor: submodules holding one tensor (a step count they share) read
+        # one copy in the replay, as they read one tensor in the forward (helper FG).
+        clones: dict[int, torch.Tensor] | None = {} if clone else None
+        self.before = [_read(d, clones) for d in dicts]
 
     def changed(self) -> ChangedNumbers | None:
         """The entries the forward changed, each with what it held before the forward;
@@ -442,11 +445,16 @@ class _TensorHeld:
 
     __slots__ = ("ref", "kept", "version", "values")
 
-    def __init__(self, tensor: torch.Tensor, /, clone: bool = False) -> None:
+    def __init__(self, tensor: torch.Tensor, /,
+                 clones: dict[int, torch.Tensor] | None = None) -> None:
         self.ref = weakref.ref(tensor)
         self.kept = tensor if _small_detached(tensor) else None
         self.version = tensor._version if self.kept is not None else 0
-        self.values = tensor.clone() if clone and self.kept is not None else None
+        self.values: torch.Tensor | None = None
+        if clones is not None and self.kept is not None:  # one clone per tensor
+            self.values = clones.get(id(tensor))
+            if self.values is None:
+                self.values = clones[id(tensor)] = tensor.clone()
 
     def as_read(self) -> torch.Tensor | _ValuesRead | None:
         """The small tensor held, where nothing changed it in place since it was read; else
@@ -464,6 +472,13 @@ class _TensorHeld:
             held is other.ref() and self.version == other.version
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _fresh(read: _ValuesRead, fresh: dict[int, torch.Tensor], /) -> torch.Tensor:
+    copy = fresh.get(id(read.values))
+    if copy is None:
+        copy = fresh[id(read.values)] = read.values.clone()
+    return copy
 
 
 class _ValuesRead:
@@ -489,7 +504,8 @@ def _small_detached(t: torch.Tensor, /) -> bool:
         and not t.is_inference() and t.untyped_storage().nbytes() <= _SMALL_BYTES
 
 
-def _read(d: dict[str, Any], clone: bool = False, /) -> dict[str, tuple[Any, ...]]:
+def _read(d: dict[str, Any], clones: dict[int, torch.Tensor] | None = None, /
+          ) -> dict[str, tuple[Any, ...]]:
     """By name: (True, the value, its type) for a value that cannot change in place (the type
     too: a number rebound to an equal one of another type, 4 to 4.0 or 1 to True, compared
     equal and was not put back for the replay: helper FD), (False, a weak reference) for a
@@ -501,12 +517,13 @@ def _read(d: dict[str, Any], clone: bool = False, /) -> dict[str, tuple[Any, ...
         if not name.startswith(_OURS):
             value = d[name]
             found[name] = (True, value, type(value)) \
-                if type(value) in _PLAIN or _immutable(value) else _object_entry(value, clone)
+                if type(value) in _PLAIN or _immutable(value) else _object_entry(value, clones)
     return found
 
 
-def _object_entry(value: Any, clone: bool = False, /) -> tuple[Any, ...]:
-    return (False, _TensorHeld(value, clone) if isinstance(value, torch.Tensor) else
+def _object_entry(value: Any, clones: dict[int, torch.Tensor] | None = None, /
+                  ) -> tuple[Any, ...]:
+    return (False, _TensorHeld(value, clones) if isinstance(value, torch.Tensor) else
             _Contents(value) if _plain_container(value) else id(value))
 
 
@@ -560,8 +577,10 @@ class ChangedNumbers:
                         (type(value) is _Refilled and value.holds(held)):
                     entries_at_start.append((held, _entries(held)))
         # A small tensor attribute changed in place: a fresh copy of its values as read, for
-        # this block alone (NOTE [small tensor attributes as the forward read them]).
-        found = [(d, [(name, value.values.clone() if type(value) is _ValuesRead else value)
+        # this block alone (NOTE [small tensor attributes as the forward read them]), one per
+        # tensor, whatever number of modules hold it.
+        fresh: dict[int, torch.Tensor] = {}
+        found = [(d, [(name, _fresh(value, fresh) if type(value) is _ValuesRead else value)
                       for name, value in values]) for d, values, _ in self.found]
         for d, values in found:
             _set(d, values)

@@ -108,12 +108,20 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     # Registered with_kwargs: what the module received (after its pre-hooks) and returned.
     # Put first, it runs before the user's hooks: what the module holds now, it held when its
     # forward returned (NOTE [held tensors are not hooked outputs]).
+    # Not an output recorded before in the pass, though: a hook that keeps outputs in a list
+    # on the module (or on one two hooked modules share) holds the earlier call's by then
+    # (helper FG).
     passes = getattr(_RECORDING, "passes", ())
     if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
-        held = held_tensors([module.__dict__]) if not torch.compiler.is_compiling() else {}
+        compiling = torch.compiler.is_compiling()
+        held = held_tensors([module.__dict__]) if not compiling else {}
+        made = [t for t in flatten(output).leaves if isinstance(t, torch.Tensor)] \
+            if not compiling else []
         for recorded in passes:
             recorded.append((module, (args, kwargs, output)))
-            recorded.held.update(held)
+            recorded.held.update((key, t) for key, t in held.items()
+                                 if key not in recorded.outputs)
+            recorded.outputs.update(id(t) for t in made)
 
 
 # What stops the flow: eager's results of these require no grad.
@@ -342,14 +350,17 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
 
 
 class Recorded(list):  # type: ignore[type-arg]
-    """The (module, (args, kwargs, output)) of each hooked module's call, in call order, and
-    ``held``: the tensors those modules held as their forwards returned (``held_tensors``)."""
+    """The (module, (args, kwargs, output)) of each hooked module's call, in call order;
+    ``held``: the tensors those modules held as their forwards returned (``held_tensors``),
+    but for the outputs recorded before; ``outputs``: the ids of those outputs' tensors (each
+    held by the entries above, so no id is reused meanwhile)."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "outputs")
 
     def __init__(self) -> None:
         super().__init__()
         self.held: dict[int, torch.Tensor] = {}
+        self.outputs: set[int] = set()
 
 
 @contextmanager

@@ -346,25 +346,29 @@ def object_children(obj: Any, /) -> list[tuple[str, Any]]:
         _slot_children(obj)
 
 
-# The classes registered with optree by users, recomputed when the registry's size changes
-# (optree's own dict, read for its size only; looked up in full where it is missing).
-_USERS: list[Any] = [-1, frozenset()]
+# The classes registered with optree by users, recomputed when the registry changes: keyed
+# on optree's own dict's size and last key (a registration appends one; an unregistration
+# and another registration leave the size as it was: helper FG), read for those only; looked
+# up in full at every call where that dict is missing. One tuple, swapped whole: a thread
+# reads a key and its set together.
+_USERS: tuple[Any, frozenset[type]] = (None, frozenset())
 _OPTREE_OWN = ("builtins", "collections", "optree")
 
 
 def _user_node_types() -> frozenset[type]:
+    global _USERS
     registry = getattr(getattr(optree, "registry", None), "_NODETYPE_REGISTRY", None)
-    size = len(registry) if isinstance(registry, dict) else None
-    if size is not None and size == _USERS[0]:
-        return cast(frozenset, _USERS[1])
-    get = getattr(optree.register_pytree_node, "get", None)  # optree 0.14+
-    every = get(namespace=NAMESPACE) if get is not None else {}
-    if not isinstance(every, dict):
-        every = {}
-    users = frozenset(cls for cls in every if isinstance(cls, type) and cls not in _registered
+    key = (len(registry), next(reversed(registry), None)) \
+        if isinstance(registry, dict) else None
+    cached = _USERS
+    if key is not None and key == cached[0]:
+        return cached[1]
+    every: Any = optree.register_pytree_node.get(namespace=NAMESPACE)  # type: ignore[call-arg]
+    users = frozenset(cls for cls in (every if isinstance(every, dict) else ())
+                      if isinstance(cls, type) and cls not in _registered
                       and cls.__module__.split(".")[0] not in _OPTREE_OWN)
-    if size is not None:
-        _USERS[:] = [size, users]
+    if key is not None:
+        _USERS = (key, users)
     return users
 
 

@@ -2453,11 +2453,6 @@ class _TwoCountingShared(nn.Module):
         return self.b(self.a(x))
 
 
-@pytest.mark.xfail(strict=True, reason="a small tensor attribute changed in place is given to "
-                   "the replay as a fresh clone per module dict and name, not one per tensor: "
-                   "two submodules sharing one step count each replay from their own copy of "
-                   "it as it was before the forward (b reads 1 where its forward read 2), so "
-                   "the gradients differ from eager's, silently; the counts end right")
 def test_a_small_tensor_attribute_two_submodules_share_and_count_replays_as_one_tensor() -> None:
     torch.manual_seed(0)
     eager = _TwoCountingShared()

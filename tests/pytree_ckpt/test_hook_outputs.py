@@ -1406,12 +1406,6 @@ class _TwiceBlock(nn.Module):
         return h + self.out(torch.tanh(self.scores(h)))
 
 
-@pytest.mark.xfail(strict=True, reason="held tensors are read as each hooked module returns: "
-                   "a hook keeping outputs in a list on a module (m.kept.append(out)) has the "
-                   "first call's output in that list when the module returns again (or when "
-                   "another module sharing the list returns), so it is taken as held and leaves "
-                   "without its graph: the attention-map loss of that call loses its gradient, "
-                   "silently (FC's fix covers one call per module only)")
 @pytest.mark.parametrize("shared", [False, True], ids=["one-module-called-twice",
                                                         "a-list-two-modules-share"])
 def test_outputs_a_hook_keeps_in_a_module_list_over_several_calls_give_eager_grads(
