@@ -290,8 +290,9 @@ def metadata_tensor(spec: optree.PyTreeSpec, /, *, root: str
     input's was refused naming no place; and a spec comparison (``==`` on the metadata) raised
     torch's "Boolean value of Tensor with more than one value is ambiguous". So where such
     classes are registered, the bridge looks at the metadata of their nodes (a walk of the
-    spec: about a microsecond for a few nodes; nothing where none is registered): the path of
-    the node, its class's name and the first tensor in its metadata, or ``None``."""
+    spec: about 0.13 us a container node on this machine, 9 us for a 68-node output; two
+    reads where none is registered): the path of the node, its class's name and the first
+    tensor in its metadata, or ``None``."""
     if spec is LEAF_SPEC or spec.num_nodes == spec.num_leaves:
         return None
     users = _user_node_types()
