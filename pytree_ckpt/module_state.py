@@ -222,7 +222,11 @@ def _check_structure(module: nn.Module) -> None:
     ``ModuleList.insert``, ``Sequential.insert`` and deleting a submodule edit ``_modules``
     directly, and no hook fires: a layer inserted so would silently get no gradient. Each
     submodule's ``_modules`` dict and its size show it (``del module_list[i]`` replaces the
-    dict; an insert grows it). Weak references to the submodules: no reference cycle. About
+    dict; an insert grows it), and, for those holding submodules, the submodules themselves:
+    ``parent._modules[name] = new`` (torch.ao's ``prepare_qat``/``convert``, a LoRA wrapper put
+    in so) keeps the dict and its size, and the old module alive where something holds it
+    (helper FI: the adapter got no gradient, silently). Weak references to the submodules: no
+    reference cycle (the tuples of a container's children are the dict's own values). About
     2 µs per call for a decoder layer.
     """
     global _structure_generation
@@ -234,9 +238,10 @@ def _check_structure(module: nn.Module) -> None:
     if shape is not None and shape.generation == _structure_generation:
         # A loop, not all() over a generator: run twice per layer call, and a generator costs
         # more to make than this loop does to run (NOTE [loops on the per-call path]).
-        for ref, modules, n in shape.entries:
+        for ref, modules, n, children in shape.entries:
             m = ref()
-            if m is None or m._modules is not modules or len(modules) != n:
+            if m is None or m._modules is not modules or len(modules) != n or \
+                    n and tuple(modules.values()) != children:
                 break
         else:
             return
@@ -244,7 +249,8 @@ def _check_structure(module: nn.Module) -> None:
     tree = list(module.modules())
     _WATCHED.update(tree)  # NOTE [only watched trees move the generation]
     module.__dict__[_SHAPE] = _Shape(_structure_generation, tuple(
-        (weakref.ref(m), m._modules, len(m._modules)) for m in tree))
+        (weakref.ref(m), m._modules, len(m._modules), tuple(m._modules.values()))
+        for m in tree))
 
 
 def structure_generation() -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .engine import input_grads
-from .errors import CheckpointError, SavedTensorChanged
+from .errors import CheckpointError, ReuseError, SavedTensorChanged
 from .generator_sets import replay_watch
 from .grad_reach import grad_reach
 from .hook_outputs import recording
@@ -345,7 +345,11 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         assert call.plain_state is not None
         call.plain_state.after_replay(plain)
     call.plain_state = None
-    call.frame.check_consumed()
+    try:
+        call.frame.check_consumed()
+    except ReuseError as error:
+        _refuse_removed_between(call, error)
+        raise
     flat = flatten(output)
     call.check_replay(flat.spec, flat.leaves, flat.tensor_index)
     outs, grads = [], []
@@ -631,3 +635,24 @@ def _attributes_set(module: nn.Module, names: Sequence[str],
 
 
 _MISSING = object()
+
+
+def _refuse_removed_between(call: Any, error: ReuseError, /) -> None:
+    """A replay that left kept results over because ``remove_activation_checkpointing`` ran
+    between its forward and this backward: the kept methods (``KeptCallables``) are the
+    instance's own again, so the replay runs them and takes none of their records (helper
+    FI: the tip sent the user to branches on current_phase()). Said as that."""
+    if call.options.keep is None or call.owner is None:
+        return
+    from .module import is_checkpointed  # module.py imports this module's users
+    if is_checkpointed(call.owner):
+        return
+    raise ReuseError(
+        f"remove_activation_checkpointing ran on {type(call.owner).__name__} between a call's "
+        "forward and its backward: its save units' kept methods (KeptCallables) are the "
+        "module's own again, so that call's replay cannot take what they kept",
+        expected="the module's checkpointing, save units included, in place until the "
+                 "backward of every call made with it",
+        got=str(error).split("\n", 1)[0],
+        tip="remove it after the backward (between steps), or keep ops with KeptOps, whose "
+            "replay needs no wrapped method") from error
