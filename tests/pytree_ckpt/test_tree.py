@@ -1256,3 +1256,20 @@ def test_a_metadata_tensor_of_a_class_registered_after_another_was_unregistered_
             (out.h * out.scale).sum().backward()  # eager: gate.weight gets a gradient; here none
     finally:
         optree.unregister_pytree_node(_ScaledLater, namespace="pytree_ckpt")
+
+
+def test_a_deep_tree_sharing_a_list_between_two_places_is_not_refused_as_a_cycle() -> None:
+    # Mutant M3 (helper FH): _cycle_path keeping every object it entered (no discard on the
+    # way back) took a list held in two places (no cycle) for a back-reference. The search
+    # runs only where optree's flatten ran out of depth: a tree too deep is no cycle, and
+    # Python's own RecursionError stands.
+    x = torch.randn(3, requires_grad=True)
+    shared = [x]
+    deep: list[Any] = []
+    cur = deep
+    for _ in range(3000):
+        nxt: list[Any] = []
+        cur.append(nxt)
+        cur = nxt
+    with pytest.raises(RecursionError):
+        checkpoint(lambda t, a, b, d: t * 2, x, shared, shared, deep)
