@@ -1273,3 +1273,22 @@ def test_a_deep_tree_sharing_a_list_between_two_places_is_not_refused_as_a_cycle
         cur = nxt
     with pytest.raises(RecursionError):
         checkpoint(lambda t, a, b, d: t * 2, x, shared, shared, deep)
+
+
+def test_a_cycle_refusal_names_the_class_of_the_object_the_back_reference_reaches() -> None:
+    # Mutant M4 (helper FH): tree._at returning the root (the call's (args, kwargs) tuple)
+    # rather than the object at the path said "a tuple that holds ..." in the message's got.
+    x, y = torch.randn(2, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    root = _TreeNode(x)
+    root.children.append(_TreeNode(y, parent=root))
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint(lambda r: r.h * 2, root)
+    assert "got:      args[0].children[0].parent: a _TreeNode that holds " \
+           "args[0].children[0].parent itself" in str(refused.value)
+    config: dict[str, Any] = {"scale": 2.0}
+    config["self"] = config
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint(lambda t, cfg: t * cfg["scale"], x, cfg=config)
+    assert str(refused.value).startswith("kwargs['cfg']['self'] refers back")
+    assert "got:      kwargs['cfg']['self']: a dict that holds kwargs['cfg']['self'] itself" \
+        in str(refused.value)
