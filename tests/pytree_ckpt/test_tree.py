@@ -1292,3 +1292,15 @@ def test_a_cycle_refusal_names_the_class_of_the_object_the_back_reference_reache
     assert str(refused.value).startswith("kwargs['cfg']['self'] refers back")
     assert "got:      kwargs['cfg']['self']: a dict that holds kwargs['cfg']['self'] itself" \
         in str(refused.value)
+
+
+def test_a_tensor_bound_as_a_keyword_of_a_partial_output_is_refused_naming_the_keyword() -> None:
+    # Mutant M7 (helper FH): _callable_children reading a partial's positional arguments only
+    # let a tensor bound by keyword leave without gradient (eager's x.grad 5, ours 3).
+    x = torch.randn(3, requires_grad=True)
+    eager = (x * 3, functools.partial(torch.mul, input=x * 2, other=1.0))
+    (eager[0].sum() + eager[1]().sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 5.0))
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint(lambda t: (t * 3, functools.partial(torch.mul, input=t * 2, other=1.0)), x)
+    assert "holds a tensor at output[1].keywords['input'];" in str(refused.value)
