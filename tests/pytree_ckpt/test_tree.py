@@ -1304,3 +1304,28 @@ def test_a_tensor_bound_as_a_keyword_of_a_partial_output_is_refused_naming_the_k
     with pytest.raises(CheckpointError) as refused:
         checkpoint(lambda t: (t * 3, functools.partial(torch.mul, input=t * 2, other=1.0)), x)
     assert "holds a tensor at output[1].keywords['input'];" in str(refused.value)
+
+
+def _closure_over_an_unset_variable(aux: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def get() -> torch.Tensor:
+        return aux if never_set is None else never_set
+
+    return get
+    never_set = None  # noqa: F841  (unreachable: get's cell for it stays empty)
+
+
+def test_a_closure_with_an_empty_cell_is_searched_past_that_cell() -> None:
+    # Mutant M8 (helper FH): reading an empty closure cell raises ValueError; without the
+    # guard, hidden_tensor raised it from the boundary instead of naming the tensor in the
+    # next cell (eager's x.grad 5: the refusal is what keeps ours from being 3).
+    x = torch.randn(3, requires_grad=True)
+    get = _closure_over_an_unset_variable(x * 2)
+    assert get.__closure__ is not None and len(get.__closure__) == 2
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint(lambda t: (t * 3, _closure_over_an_unset_variable(t * 2)), x)
+    assert "holds a tensor at output[1]<aux in its closure>;" in str(refused.value)
+    # And one whose only cell is empty leaves as it is, with eager's gradient.
+    y = torch.randn(3, requires_grad=True)
+    out, fn = checkpoint(lambda t: (t * 3, _closure_over_an_unset_variable(None)), y)
+    out.sum().backward()
+    assert torch.equal(y.grad, torch.full((3,), 3.0)) and fn.__closure__ is not None
