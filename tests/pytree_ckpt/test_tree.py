@@ -1329,3 +1329,15 @@ def test_a_closure_with_an_empty_cell_is_searched_past_that_cell() -> None:
     out, fn = checkpoint(lambda t: (t * 3, _closure_over_an_unset_variable(None)), y)
     out.sum().backward()
     assert torch.equal(y.grad, torch.full((3,), 3.0)) and fn.__closure__ is not None
+
+
+def test_a_tensor_in_a_keyword_only_default_of_a_callable_output_is_refused_naming_it() -> None:
+    # Mutant M10 (helper FH): _callable_children reading __defaults__ alone missed a
+    # keyword-only default (__kwdefaults__): the tensor left without gradient (eager's 5, 3).
+    x = torch.randn(3, requires_grad=True)
+    eager = (x * 3, lambda *, held=x * 2: held)
+    (eager[0].sum() + eager[1]().sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 5.0))
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint(lambda t: (t * 3, lambda *, held=t * 2: held), x)
+    assert "holds a tensor at output[1]<default of held>;" in str(refused.value)
