@@ -1357,3 +1357,21 @@ def test_a_tensor_in_a_slot_of_an_output_object_that_also_has_a_dict_is_refused_
     assert torch.equal(x.grad, torch.full((3,), 5.0))
     with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]\.h;"):
         checkpoint(lambda t: (t * 3, _SlottedWithDict(t * 2, 1)), x)
+
+
+class _PartlySlotted:
+    __slots__ = ("cache", "h")
+
+    def __init__(self, h: torch.Tensor | None) -> None:
+        self.h = h  # cache left unset
+
+
+def test_an_output_object_with_an_unset_slot_is_searched_past_it() -> None:
+    # Mutant M13 (helper FH): reading every slot name without the hasattr guard raised
+    # AttributeError from the boundary on an unset slot, before the tensor in the next.
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]\.h;"):
+        checkpoint(lambda t: (t * 3, _PartlySlotted(t * 2)), x)
+    out, obj = checkpoint(lambda t: (t * 3, _PartlySlotted(None)), x)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 3.0)) and not hasattr(obj, "cache")
