@@ -1375,3 +1375,22 @@ def test_an_output_object_with_an_unset_slot_is_searched_past_it() -> None:
     out, obj = checkpoint(lambda t: (t * 3, _PartlySlotted(None)), x)
     out.sum().backward()
     assert torch.equal(x.grad, torch.full((3,), 3.0)) and not hasattr(obj, "cache")
+
+
+@dataclasses.dataclass
+class _PlainDataclassInput:
+    h: torch.Tensor
+    scale: float = 2.0
+
+
+def test_dataclasses_the_bridge_registers_itself_are_not_walked_for_metadata_tensors() -> None:
+    # Mutant M20 (helper FH): _user_node_types counting the dataclasses the bridge registers
+    # itself as users' classes made every call with a dataclass walk its spec for tensors in
+    # node metadata (NOTE [tensors in a node's metadata]: nothing where no user class is).
+    from pytree_ckpt import tree
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(lambda d: d.h * d.scale, _PlainDataclassInput(x))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    assert _PlainDataclassInput in tree._registered
+    assert _PlainDataclassInput not in tree._user_node_types()
