@@ -1394,3 +1394,29 @@ def test_dataclasses_the_bridge_registers_itself_are_not_walked_for_metadata_ten
     assert torch.equal(x.grad, torch.full((3,), 2.0))
     assert _PlainDataclassInput in tree._registered
     assert _PlainDataclassInput not in tree._user_node_types()
+
+
+class _ScaledPairInTuple:  # its flatten keeps the tensor inside a tuple in the node's metadata
+    def __init__(self, h: torch.Tensor, scale: torch.Tensor) -> None:
+        self.h, self.scale = h, scale
+
+
+optree.register_pytree_node(  # type: ignore[arg-type]
+    _ScaledPairInTuple, lambda n: ((n.h,), ("scale", n.scale), ("h",)),
+    lambda meta, children: _ScaledPairInTuple(children[0], meta[1]), namespace="pytree_ckpt")
+
+
+def test_a_tensor_inside_a_tuple_in_an_output_nodes_metadata_is_refused_naming_the_node(
+        ) -> None:
+    # Mutant M22 (helper FH): metadata_tensor looking at metadata that is a tensor itself, not
+    # into it, let the gate's gradient be lost silently (eager's twin gets one).
+    torch.manual_seed(0)
+    proj, gate = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    x = torch.randn(2, 4, requires_grad=True)
+    eager = _ScaledPairInTuple(proj(x), gate(x).mean())
+    (eager.h * eager.scale).sum().backward()
+    assert gate.weight.grad is not None
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint(lambda t: {"out": _ScaledPairInTuple(proj(t), gate(t).mean())}, x)
+    assert "returned a _ScaledPairInTuple at output['out'] whose optree flatten keeps a " \
+        "tensor in the node's metadata" in str(refused.value), str(refused.value)
