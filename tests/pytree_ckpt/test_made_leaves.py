@@ -686,3 +686,22 @@ def test_the_refusal_of_another_instances_parameter_asks_whether_forward_is_boun
     assert "an nn.Parameter of no module passed in (is the forward bound to another " \
            "instance?" in str(err.value)
     assert all(p.grad is None for p in (*original.parameters(), *copied.parameters()))
+
+
+class _SlottedConfigWithDict(_SlottedConfig):  # no __slots__ of its own: a __dict__ and a slot
+    def __init__(self, bias: torch.Tensor) -> None:
+        super().__init__(bias)
+        self.name = "config"
+
+
+def test_the_refusal_of_a_tensor_in_a_slot_of_an_argument_that_also_has_a_dict_names_it(
+        ) -> None:
+    # Mutant M16 (helper FH): tree.object_children reading such an object's __dict__ alone
+    # named no place (the slot is where the tensor is).
+    layer = pytree_ckpt.apply_activation_checkpointing(_ReadsAnObject())
+    x = torch.randn(2, 8, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        layer(x, _SlottedConfigWithDict(bias)).sum().backward()
+    assert "reached through args[1].bias (an attribute of a plain object" in str(err.value), \
+        str(err.value)
