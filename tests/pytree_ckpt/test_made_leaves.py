@@ -705,3 +705,23 @@ def test_the_refusal_of_a_tensor_in_a_slot_of_an_argument_that_also_has_a_dict_n
         layer(x, _SlottedConfigWithDict(bias)).sum().backward()
     assert "reached through args[1].bias (an attribute of a plain object" in str(err.value), \
         str(err.value)
+
+
+class _TakesAKeywordOnlyTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *, table: torch.Tensor = DEFAULT_TABLE) -> torch.Tensor:
+        return self.lin(x) * table
+
+
+def test_the_refusal_of_a_tensor_read_through_a_keyword_only_default_names_it() -> None:
+    # Mutant M26 (helper FH): refusals._held_at reading __defaults__ alone named no place for
+    # a keyword-only argument's default (__kwdefaults__).
+    layer = pytree_ckpt.apply_activation_checkpointing(_TakesAKeywordOnlyTable())
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
+        layer(x).sum().backward()
+    assert "by the default of the argument 'table' of _TakesAKeywordOnlyTable.forward" in \
+        str(err.value), str(err.value)
