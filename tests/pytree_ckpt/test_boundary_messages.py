@@ -2220,3 +2220,26 @@ def test_a_score_mod_closure_over_a_shared_nonleaf_bias_is_refused_naming_the_cl
     assert "reached a graph already freed through args[2]<bias in its closure>" in \
         str(error.value)
     assert "tip: pass the tensor as an argument and build the function" in str(error.value)
+
+
+def test_a_freed_graph_refusal_names_the_closure_holding_a_graph_not_one_holding_a_leaf(
+        ) -> None:
+    # Mutant M30 (helper FH): raise_freed_graph_reached taking any tensor a function argument
+    # holds named args[1] (a closure over a plain tensor with no graph, read first) rather
+    # than args[2], whose tensor's graph the replays share.
+    torch.manual_seed(0)
+    w = torch.randn(8, requires_grad=True)
+    scale = torch.randn(8)  # no graph
+    bias = w.exp()  # a graph, computed once outside the calls and shared by both
+    get_scale, get_bias = (lambda: scale), (lambda: bias)
+
+    def layer(x: torch.Tensor, f: Any, g: Any) -> torch.Tensor:
+        return torch.tanh(x * f() + g())
+
+    x = torch.randn(4, 8, requires_grad=True)
+    h = pytree_ckpt.checkpoint(layer, x, get_scale, get_bias)
+    h = pytree_ckpt.checkpoint(layer, h, get_scale, get_bias)
+    with pytest.raises(CheckpointError) as error:
+        h.sum().backward()
+    assert "reached a graph already freed through args[2]<bias in its closure>" in \
+        str(error.value), str(error.value)
