@@ -244,3 +244,20 @@ def test_a_correct_step_calling_flex_attention_under_the_mode_gives_eager_grads(
         with detect_discarded_reads():
             got = step()
     assert_same_grads(expected, got)
+
+
+def test_a_higher_order_op_reading_a_discarded_output_is_named_under_the_mode() -> None:
+    # Mutant M43 (helper FH): a higher-order op passed through the mode without its inputs
+    # checked read the freed storage (NOTE [higher-order ops pass through our modes]: its
+    # inputs are checked, the ops inside it are not seen).
+    import warnings
+
+    import torch.nn.attention.flex_attention as flex
+    normed, out = _discarded()
+    q = torch.randn(1, 1, 4, 8)
+    with detect_discarded_reads(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention's "called without torch.compile()"
+        with pytest.raises(CheckpointError, match=r"flex_attention read its argument .* an "
+                                                  r"output of RmsNorm that output discard"):
+            flex.flex_attention(q, normed.detach().view(1, 1, 4, 8), q)
+        out.sum().backward()
