@@ -413,3 +413,26 @@ def test_a_plain_tensor_count_changed_in_place_counts_its_copy_as_module_state()
     # the count end each step as eager's.
     layer = _three_steps_counting_module_state(CountsInAPlainTensor, lambda m: 2 * 4)
     assert layer.steps.tolist() == [3.0, 3.0]
+
+
+class ReplacesAPlainTensor(nn.Module):
+    """A count kept as a small plain tensor attribute (not a buffer) that every forward
+    replaces with a new tensor (not in place), and scales the output with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.steps = torch.zeros(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * (1 + 0.125 * self.steps.sum())
+        self.steps = self.steps + 1
+        return out
+
+
+def test_a_plain_tensor_the_forward_replaces_counts_the_one_held_for_the_replay() -> None:
+    # Mutant M48 (helper FH): ChangedNumbers.snapshots leaving out the small tensor attribute
+    # held from the forward to its replay (the one the forward replaced) counted no module
+    # state; the gradients and the count end each step as eager's either way.
+    layer = _three_steps_counting_module_state(ReplacesAPlainTensor, lambda m: 2 * 4)
+    assert layer.steps.tolist() == [3.0, 3.0]
