@@ -654,6 +654,29 @@ def test_a_generator_bound_in_a_layers_partial_replays_as_eager_drew_it() -> Non
     assert torch.equal(g_eager.get_state(), g_wrapped.get_state())
 
 
+def test_a_generator_bound_in_the_inner_of_two_nested_partials_replays_as_eager_drew_it(
+        ) -> None:
+    # Mutant M35 (helper FH): _passed_generators opening one partial only (if, not while)
+    # missed a generator bound in an inner partial Python did not merge into the outer (one
+    # that carries an attribute, as functools.update_wrapper gives it): other masks drawn.
+    import functools
+
+    torch.manual_seed(0)
+    eager = _SpecAugment()
+    wrapped = copy.deepcopy(eager)
+    x = torch.randn(2, 14, 10)
+    g_eager, g_wrapped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    eager(x, generator=g_eager).square().mean().backward()
+    inner = functools.partial(type(wrapped).forward, generator=g_wrapped)
+    inner.__name__ = "forward"  # an attribute: Python keeps the partial nested
+    layer_call = functools.partial(inner, wrapped)
+    assert type(layer_call.func) is functools.partial
+    checkpoint(layer_call, x).square().mean().backward()
+    assert_same_grads([p.grad for p in eager.parameters()],
+                      [p.grad for p in wrapped.parameters()])
+    assert torch.equal(g_eager.get_state(), g_wrapped.get_state())
+
+
 class _SpecAugmentFromConfig(_SpecAugment):
     """The same layer, given its generator inside a config object."""
 
