@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -1533,3 +1534,53 @@ def test_a_hook_kept_output_before_another_rewrites_it_gets_eager_grads_when_a_h
 
     for a, b in zip(run(False), run(True)):
         assert torch.equal(a, b)
+
+
+class _CachedLazilyInBlankMemory(nn.Module):
+    """Builds its table in its first call in blank memory filled where no torch call sees it
+    (as a Triton kernel would: NOTE [blank tensors]), keeps it, and returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: torch.Tensor | None = None
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cache is None:
+            table = torch.empty(6, 8)
+            table.numpy()[:] = np.linspace(-1.0, 1.0, 48, dtype=np.float32).reshape(6, 8)
+            self.cache = table
+        return self.proj(x) * self.cache, self.cache
+
+
+class _UsesLazyBlankCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _CachedLazilyInBlankMemory()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[0]
+
+
+def test_a_hooked_module_returning_a_blank_table_it_builds_in_its_first_call_is_eager(
+        ) -> None:
+    # Mutants M36, M37 (helper FH): without the held read as each hooked module returns
+    # (_record_output), a table not held before the call (built in it: a lazy cache) in
+    # memory GradFlow takes as in the flow was made an extra output of the call.
+    torch.manual_seed(0)
+    eager = _UsesLazyBlankCache()
+    model = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+    x, x_twin = _inputs()
+    kept: list[list[torch.Tensor]] = [[], []]
+    for net, into in zip((eager, model), kept):
+        net.inner.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
+    for _ in range(2):
+        for net, xi, into in zip((eager, model), (x, x_twin), kept):
+            into.clear()
+            (net(xi).sum() + into[0].square().sum()).backward()
+    assert model.inner.cache is not None and not model.inner.cache.requires_grad
+    assert model.inner.cache.grad_fn is None
+    assert torch.equal(x.grad, x_twin.grad)
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
