@@ -1584,3 +1584,59 @@ def test_a_hooked_module_returning_a_blank_table_it_builds_in_its_first_call_is_
     assert torch.equal(x.grad, x_twin.grad)
     for p, q in zip(eager.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class _CachedLazilyCompiled(nn.Module):
+    """Builds its table in its first call and keeps it as a plain attribute, and returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: torch.Tensor | None = None
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cache is None:
+            self.cache = torch.linspace(-1.0, 1.0, 48).reshape(6, 8)
+        return self.proj(x) * self.cache, self.cache
+
+
+class _UsesLazyCacheCompiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _CachedLazilyCompiled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[0]
+
+
+@pytest.mark.xfail(strict=True, reason="in a compiled body, _record_output reads no held "
+                   "tensors (is_compiling), and GradFlow is blind there: a table a hooked "
+                   "module builds in its first call, keeps and returns (a lazy cache) is made "
+                   "an extra output, and the next step's backward is refused ('reached a graph "
+                   "already freed through the module attribute inner.cache') where eager trains")
+def test_a_compiled_hooked_module_returning_a_table_it_builds_in_its_first_call_is_eager(
+        ) -> None:
+    # Helper FH: NOTE [held tensors are not hooked outputs] covers a table held before the
+    # call, in any body, and one built in the call in an eager body (the held read as each
+    # hooked module returns), not one built in the call in a compiled body.
+    torch.manual_seed(0)
+    eager = _UsesLazyCacheCompiled()
+    model = copy.deepcopy(eager)
+    _skip_where_dynamo_drops_a_hooks_append(copy.deepcopy(eager))
+    # A compiled body: there GradFlow is blind, and only the held read tells.
+    model.forward = torch.compile(model.forward, backend="eager")  # type: ignore[method-assign]
+    pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+    x, x_twin = _inputs()
+    kept: list[list[torch.Tensor]] = [[], []]
+    for net, into in zip((eager, model), kept):
+        net.inner.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for net, xi, into in zip((eager, model), (x, x_twin), kept):
+                into.clear()
+                (net(xi).sum() + into[0].square().sum()).backward()
+    assert model.inner.cache is not None and not model.inner.cache.requires_grad
+    assert torch.equal(x.grad, x_twin.grad)
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
