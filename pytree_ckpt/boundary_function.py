@@ -29,7 +29,7 @@ from .forward_numbers import (NumbersGlance, NumbersWatch, glanced_dicts, number
                               with_reused_calls)
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
-from .hook_outputs import GradFlow, HookedOutputs, recording
+from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode, refuse_compiled_under_keep
 from .kernel_written import remember, remembered
 from .made_before import leaving_tensors, on_kept_storages, unviewed
@@ -193,9 +193,14 @@ class _BoundaryFunction(torch.autograd.Function):
                 warn_made_during(*call.modules, env.generators)
             call.forward_modules = ForwardModules(*call.modules)
             # NOTE [held tensors are not hooked outputs] (hook_outputs.py): as each hooked
-            # module returned too
+            # module returned too, or, in a compiled body, after the call
             if recorded:
                 call.held.update(recorded.held)
+                if recorded.compiled:
+                    modules, trees = call.modules
+                    call.held.update(held_tensors(
+                        [*(m.__dict__ for m in modules),
+                         *(d for tree in trees for d in tree.submodules)]))
         # For verify_leaves, should this call's replay be the one that verifies (whether it is
         # depends on the module structure then, which may change before backward).
         call.frozen_at_call = call.frozen

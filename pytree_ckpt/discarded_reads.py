@@ -17,6 +17,7 @@ It costs a Python call per op, in forward and backward: a mode for finding the r
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -94,6 +95,20 @@ class detect_discarded_reads(TorchDispatchMode):
             raise
 
 
+def _argument_names(func: Any, /) -> list[str]:
+    """The names of ``func``'s positional arguments: from its schema, or, for a higher-order
+    op (which has none), from its ``__call__``'s signature (flex_attention's ``key``: helper
+    FH; it was named by position)."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return [argument.name for argument in schema.arguments]
+    try:
+        parameters = list(inspect.signature(type(func).__call__).parameters)[1:]  # not self
+    except (TypeError, ValueError):
+        return []
+    return [] if any(name in ("args", "kwargs") for name in parameters) else parameters
+
+
 def _check_all(func: Any, args: Any, kwargs: dict[str, Any], /) -> None:
     for index, value in enumerate(args):
         _check(func, value, index, None)
@@ -114,9 +129,8 @@ def _check(func: Any, value: Any, index: int | None, name: str | None) -> None:
         if discarded_by is None or storage.nbytes() > 0:  # never discarded, or rebuilt
             continue
         if name is None:
-            arguments = getattr(getattr(func, "_schema", None), "arguments", ())
-            name = arguments[index].name if index is not None and index < len(arguments) \
-                else f"#{index}"
+            names = _argument_names(func)
+            name = names[index] if index is not None and index < len(names) else f"#{index}"
         raise CheckpointError(
             f"{func} read its argument {name!r} (shape {tuple(tensor.shape)}, "
             f"{tensor.dtype}), an output of {discarded_by} that output discard freed and "

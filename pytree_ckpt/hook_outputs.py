@@ -111,6 +111,8 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     # Not an output recorded before in the pass, though: a hook that keeps outputs in a list
     # on the module (or on one two hooked modules share) holds the earlier call's by then
     # (helper FG).
+    # In a compiled body this runs as dynamo traces it: nothing read here then, and the
+    # boundary reads what the modules hold after the call instead (``compiled``).
     passes = getattr(_RECORDING, "passes", ())
     if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
         compiling = torch.compiler.is_compiling()
@@ -122,6 +124,8 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
             recorded.held.update((key, t) for key, t in held.items()
                                  if key not in recorded.outputs)
             recorded.outputs.update(id(t) for t in made)
+            if compiling:
+                recorded.compiled = True
 
 
 # What stops the flow: eager's results of these require no grad.
@@ -326,7 +330,10 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
     call (one a module builds in its first call and keeps, a lazy cache, neither). Not after
     the call: a hook that keeps the output on a module (``m.kept.append(out)``, ``m.last =
     out``: an attention-map loss) stored a result of it, which then left without its graph
-    and its gradient was lost (helper FC). The tensors themselves are kept until the
+    and its gradient was lost (helper FC). But after the call in a compiled body, where the
+    read at the return would be traced, not run (a lazy table of a hooked module there was
+    made an extra output, and backward was refused at the next step: helper FH); a hook
+    keeping outputs on a module in a compiled body loses their gradient, documented. The tensors themselves are kept until the
     selection is made, so their ids stay theirs (a pre-hook that replaces ``.weight`` frees
     the old one, and its id went to a fresh output).
 
@@ -355,12 +362,13 @@ class Recorded(list):  # type: ignore[type-arg]
     but for the outputs recorded before; ``outputs``: the ids of those outputs' tensors (each
     held by the entries above, so no id is reused meanwhile)."""
 
-    __slots__ = ("held", "outputs")
+    __slots__ = ("held", "outputs", "compiled")
 
     def __init__(self) -> None:
         super().__init__()
         self.held: dict[int, torch.Tensor] = {}
         self.outputs: set[int] = set()
+        self.compiled = False  # recorded as dynamo traced: held is read after the call
 
 
 @contextmanager

@@ -13,6 +13,7 @@ may hold is refused in ``tree_refusals.py``; inputs and parameters changed in pl
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -144,7 +145,12 @@ def _in_input_objects(call: BoundaryCall, holding: Callable[[Any], bool], /) -> 
     for path, leaf in zip(paths, call.in_leaves):
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, type)):
             continue
-        for step, value in object_children(leaf):
+        children = object_children(leaf)
+        if isinstance(leaf, types.MethodType) and not isinstance(leaf.__self__, nn.Module):
+            # A bound method's instance holds what it reads (`holder.get`: helper FH).
+            children += [(f".__self__{step}", value)
+                         for step, value in object_children(leaf.__self__)]
+        for step, value in children:
             if holding(value):
                 return f"{readable_path(path)}{step}"
     return None

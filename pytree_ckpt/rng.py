@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .tree import object_children
+
 __all__ = ["GeneratorStates", "IsolatedPass", "ReplayEnvironment", "Replaying", "RngState",
            "generators_moved", "rng_changed", "rng_state", "set_rng_state"]
 
@@ -212,8 +214,9 @@ class ReplayEnvironment:
 
 
 def _passed_generators(leaves: Any, fn: Any, /) -> dict[int, torch.Generator]:
-    """NOTE [generators passed in]: the generators among ``leaves``, the attributes of those
-    that are plain objects, and the arguments ``fn`` binds where it is a partial, by id."""
+    """NOTE [generators passed in]: the generators among ``leaves``, what those that are plain
+    objects hold (attributes, slots) or functions hold (closure variables, defaults), and the
+    arguments ``fn`` binds where it is a partial, by id."""
     found: dict[int, torch.Generator] = {}
     while type(fn) is functools.partial:
         leaves = [*leaves, *fn.args, *fn.keywords.values()]
@@ -221,9 +224,9 @@ def _passed_generators(leaves: Any, fn: Any, /) -> dict[int, torch.Generator]:
     for leaf in leaves:
         if isinstance(leaf, torch.Generator):
             found[id(leaf)] = leaf
-        elif not isinstance(leaf, (torch.Tensor, nn.Module)) and \
-                isinstance(attributes := getattr(leaf, "__dict__", None), dict):
-            for value in attributes.values():
+        elif leaf is not None and not isinstance(leaf, (torch.Tensor, nn.Module, type, str,
+                                                         int, float)):
+            for _, value in object_children(leaf):  # attributes and slots (helper FH)
                 if isinstance(value, torch.Generator):
                     found[id(value)] = value
     return found

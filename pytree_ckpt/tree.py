@@ -339,7 +339,7 @@ def object_children(obj: Any, /) -> list[tuple[str, Any]]:
     """What a plain object holds (its attributes and slots), or a function (its closure's
     variables and defaults; a bound method's instance; a partial's bound arguments), each
     with its path from it: where ``hidden_tensor`` looks, one level."""
-    if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
+    if isinstance(obj, _CALLABLES):
         return _callable_children(obj)
     attributes = getattr(obj, "__dict__", None)
     return [*((f".{name}", value) for name, value in attributes.items()), *_slot_children(obj)] \
@@ -454,9 +454,10 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
         elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
             children = ((f"[{i}]" if not isinstance(obj, (set, frozenset)) else "", item)
                         for i, item in enumerate(obj))
-        elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
+        elif isinstance(obj, _CALLABLES):
             # A closure, a bound method or a partial returned (helper FB: `lambda aux=t * 2:
-            # aux`, `partial(torch.mul, t * 2)`, `Box(t * 2).get`): what it would hand back.
+            # aux`, `partial(torch.mul, t * 2)`, `Box(t * 2).get`): what it would hand back;
+            # a builtin method of an object too (helper FH: `(t * 2).clone`, `h.__neg__`).
             children = _callable_children(obj)
         elif isinstance(getattr(obj, "__dict__", None), dict) and \
                 not isinstance(obj, (types.ModuleType, types.BuiltinFunctionType)):
@@ -510,12 +511,21 @@ def _reduced_items(iterator: Any, /) -> tuple[Any, ...] | None:
         return None
 
 
+# The callables hidden_tensor looks into (what they hold: _callable_children).
+_CALLABLES = (types.FunctionType, types.MethodType, functools.partial, types.BuiltinMethodType,
+              types.MethodWrapperType)
+
+
 def _callable_children(fn: Any, /) -> list[tuple[str, Any]]:
     """What a function (its closure's variables, its defaults), a bound method (its
     instance, its function) or a ``functools.partial`` (its function and bound arguments)
     holds, each with its path from it, for ``hidden_tensor``."""
     if isinstance(fn, types.MethodType):
         return [(".__self__", fn.__self__), ("", fn.__func__)]
+    if isinstance(fn, (types.BuiltinMethodType, types.MethodWrapperType)):
+        bound = getattr(fn, "__self__", None)  # a module's for a builtin function: skipped
+        return [] if bound is None or isinstance(bound, (types.ModuleType, type)) else \
+            [(".__self__", bound)]
     if isinstance(fn, functools.partial):
         return [(".func", fn.func), *((f".args[{i}]", a) for i, a in enumerate(fn.args)),
                 *((f".keywords[{k!r}]", v) for k, v in fn.keywords.items())]

@@ -263,9 +263,6 @@ def test_a_higher_order_op_reading_a_discarded_output_is_named_under_the_mode() 
         out.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="a higher-order op has no _schema: _check names its "
-                   "argument by position ('#1'), not by name ('key'), where an aten op's "
-                   "argument is named ('self', 'mat2')")
 def test_a_higher_order_op_reading_a_discarded_output_names_the_argument() -> None:
     import warnings
 

@@ -735,10 +735,6 @@ class _BiasHolder:
         return self.bias
 
 
-@pytest.mark.xfail(strict=True, reason="_in_input_objects looks one level into an argument "
-                   "(tree.object_children): a bound method passed in gives its instance, never "
-                   "a tensor, so a tensor the instance holds is refused naming no place (the "
-                   "closure case names args[1]<bias in its closure>)")
 def test_the_refusal_of_a_tensor_read_through_a_bound_method_argument_names_it() -> None:
     layer = pytree_ckpt.apply_activation_checkpointing(_TakesABias())
     x = torch.randn(2, 8, requires_grad=True)

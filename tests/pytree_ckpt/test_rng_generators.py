@@ -706,11 +706,6 @@ class _SlottedGeneratorConfig:  # a plain config class with __slots__ (no __dict
         self.generator = generator
 
 
-@pytest.mark.xfail(strict=True, reason="_passed_generators reads a plain object argument's "
-                   "__dict__ only, not its slots (tree.object_children, which the refusals "
-                   "use, reads both): a generator in a slotted config is not restored for the "
-                   "replay, which draws other masks (silent); limits.md says an attribute of a "
-                   "plain object argument is restored")
 def test_a_generator_in_a_slotted_config_argument_replays_as_eager_drew_it() -> None:
     torch.manual_seed(0)
     eager = _SpecAugmentFromConfig()

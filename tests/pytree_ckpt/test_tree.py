@@ -1422,23 +1422,12 @@ def test_a_tensor_inside_a_tuple_in_an_output_nodes_metadata_is_refused_naming_t
         "tensor in the node's metadata" in str(refused.value), str(refused.value)
 
 
-@pytest.mark.xfail(strict=True, reason="hidden_tensor does not look into a builtin method "
-                   "bound to a tensor ((t * 2).clone, h.__neg__: types.BuiltinMethodType, "
-                   "MethodWrapperType, __self__ the tensor): the tensor made under no-grad "
-                   "leaves through the callable without gradient (x.grad 3 where eager gives 5)")
 @pytest.mark.parametrize("make", [lambda aux: aux.clone, lambda aux: aux.__neg__],
                          ids=["builtin-method", "method-wrapper"])
-def test_a_tensors_own_bound_method_returned_by_a_layer_is_refused_or_gets_eagers_grads(
+def test_a_tensors_own_bound_method_returned_by_a_layer_is_refused_naming_the_tensor(
         make: Any) -> None:
+    # Helper FH: a builtin method bound to a tensor fn computed left it without gradient
+    # (x.grad 3 where eager gives 5): refused naming the tensor, as a partial's is.
     x = torch.randn(3, requires_grad=True)
-    eager = (x * 3, make(x * 2))
-    (eager[0].sum() + eager[1]().sum()).backward()
-    expected = x.grad.clone()
-    x.grad = None
-    try:
-        out = checkpoint(lambda t: (t * 3, make(t * 2)), x)
-    except CheckpointError as refused:  # refused naming the tensor, as for a partial's
-        assert "holds a tensor at output[1].__self__;" in str(refused)
-        return
-    (out[0].sum() + out[1]().sum()).backward()
-    assert torch.equal(x.grad, expected)
+    with pytest.raises(CheckpointError, match=r"holds a tensor at output\[1\]\.__self__;"):
+        checkpoint(lambda t: (t * 3, make(t * 2)), x)
