@@ -49,9 +49,9 @@ class KeptOps:
                 if names else "nothing",
                 tip="a higher-order op is no single op the mode that keeps ops sees: keep the "
                     "method that calls it with KeptCallables('Class.method'); but not "
-                    "flex_attention, which runs in no layer that keeps units (it compiles its "
-                    "own call, and dynamo compiles nothing under that mode): recompute its "
-                    "layers in full" if higher_order else
+                    "flex_attention, which may run in no layer that keeps units (torch 2.13 "
+                    "compiles its call, and dynamo compiles nothing under that mode): "
+                    "recompute its layers in full" if higher_order else
                     "op identity is the namespace and the op's name")
         self.op_names = tuple(names)
 
