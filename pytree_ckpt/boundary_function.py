@@ -197,10 +197,9 @@ class _BoundaryFunction(torch.autograd.Function):
             if recorded:
                 call.held.update(recorded.held)
                 if recorded.compiled:
-                    modules, trees = call.modules
                     call.held.update(held_tensors(
-                        [*(m.__dict__ for m in modules),
-                         *(d for tree in trees for d in tree.submodules)]))
+                        {id(sub): sub.__dict__ for module in recorded.compiled
+                         for sub in module.modules()}.values()))
         # For verify_leaves, should this call's replay be the one that verifies (whether it is
         # depends on the module structure then, which may change before backward).
         call.frozen_at_call = call.frozen

@@ -112,7 +112,9 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     # on the module (or on one two hooked modules share) holds the earlier call's by then
     # (helper FG).
     # In a compiled body this runs as dynamo traces it: nothing read here then, and the
-    # boundary reads what the modules hold after the call instead (``compiled``).
+    # boundary reads what those modules hold after the call instead (``compiled``; only
+    # those: a hook keeping outputs on a module run eagerly beside a compiled submodule keeps
+    # their graph, helper FJ).
     passes = getattr(_RECORDING, "passes", ())
     if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
         compiling = torch.compiler.is_compiling()
@@ -125,7 +127,7 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
                                  if key not in recorded.outputs)
             recorded.outputs.update(id(t) for t in made)
             if compiling:
-                recorded.compiled = True
+                recorded.compiled.append(module)
 
 
 # What stops the flow: eager's results of these require no grad.
@@ -333,9 +335,9 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
     and its gradient was lost (helper FC). But after the call in a compiled body, where the
     read at the return would be traced, not run (a lazy table of a hooked module there was
     made an extra output, and backward was refused at the next step: helper FH); a hook
-    keeping outputs on a module in a compiled body loses their gradient, documented. The tensors themselves are kept until the
-    selection is made, so their ids stay theirs (a pre-hook that replaces ``.weight`` frees
-    the old one, and its id went to a fresh output).
+    keeping outputs on a module in a compiled body loses their gradient, documented. The
+    tensors themselves are kept until the selection is made, so their ids stay theirs (a
+    pre-hook that replaces ``.weight`` frees the old one, and its id went to a fresh output).
 
     NOTE [held tensors are not hooked outputs]: a hooked module that returns such a tensor (a
     cached table, ``(cos, sin)`` kept as an attribute) returns the same object in both passes.
@@ -368,7 +370,9 @@ class Recorded(list):  # type: ignore[type-arg]
         super().__init__()
         self.held: dict[int, torch.Tensor] = {}
         self.outputs: set[int] = set()
-        self.compiled = False  # recorded as dynamo traced: held is read after the call
+        # The hooked modules recorded as dynamo traced them: what they (and their
+        # submodules) hold is read after the call instead.
+        self.compiled: list[nn.Module] = []
 
 
 @contextmanager

@@ -222,12 +222,14 @@ def _check_structure(module: nn.Module) -> None:
     ``ModuleList.insert``, ``Sequential.insert`` and deleting a submodule edit ``_modules``
     directly, and no hook fires: a layer inserted so would silently get no gradient. Each
     submodule's ``_modules`` dict and its size show it (``del module_list[i]`` replaces the
-    dict; an insert grows it), and, for those holding submodules, the submodules themselves:
+    dict; an insert grows it), and, for those holding submodules, their children's ids:
     ``parent._modules[name] = new`` (torch.ao's ``prepare_qat``/``convert``, a LoRA wrapper put
     in so) keeps the dict and its size, and the old module alive where something holds it
-    (helper FI: the adapter got no gradient, silently). Weak references to the submodules: no
-    reference cycle (the tuples of a container's children are the dict's own values). About
-    2 µs per call for a decoder layer.
+    (helper FI: the adapter got no gradient, silently). Ids, not the children: a replaced one
+    must be freed as in eager (helper FJ); one freed and its id reused by the new one is told
+    by its own entry's weak reference, dead then. Weak references to the submodules: no
+    reference cycle. Cost per check (run twice a call; helper FJ's timings): 0.86 us for a
+    12-module layer (0.61 us before the ids), 19.8 us for a 64-expert MoE layer (12.5 us).
     """
     global _structure_generation
     shape = module.__dict__.get(_SHAPE)
@@ -241,7 +243,7 @@ def _check_structure(module: nn.Module) -> None:
         for ref, modules, n, children in shape.entries:
             m = ref()
             if m is None or m._modules is not modules or len(modules) != n or \
-                    n and tuple(modules.values()) != children:
+                    n and tuple(map(id, modules.values())) != children:
                 break
         else:
             return
@@ -249,7 +251,7 @@ def _check_structure(module: nn.Module) -> None:
     tree = list(module.modules())
     _WATCHED.update(tree)  # NOTE [only watched trees move the generation]
     module.__dict__[_SHAPE] = _Shape(_structure_generation, tuple(
-        (weakref.ref(m), m._modules, len(m._modules), tuple(m._modules.values()))
+        (weakref.ref(m), m._modules, len(m._modules), tuple(map(id, m._modules.values())))
         for m in tree))
 
 

@@ -642,8 +642,9 @@ def _refuse_removed_between(call: Any, error: ReuseError, /) -> None:
     between its forward and this backward: the kept methods (``KeptCallables``) are the
     instance's own again, so the replay runs them and takes none of their records (helper
     FI: the tip sent the user to branches on current_phase()). Said as that."""
-    if call.options.keep is None or call.owner is None:
-        return
+    if call.options.keep is None or not call.options.keep.callables or call.owner is None or \
+            "by a save unit" not in str(error):
+        return  # only kept methods' records are left by the removal (helper FJ)
     from .module import is_checkpointed  # module.py imports this module's users
     if is_checkpointed(call.owner):
         return

@@ -348,10 +348,10 @@ def object_children(obj: Any, /) -> list[tuple[str, Any]]:
 
 
 # The classes registered with optree by users, recomputed when the registry changes: keyed
-# on optree's own dict's size and last key (a registration appends one; an unregistration
-# and another registration leave the size as it was: helper FG), read for those only; looked
-# up in full at every call where that dict is missing. One tuple, swapped whole: a thread
-# reads a key and its set together.
+# on optree's own dict's keys, in order (its size alone, or with its last key, missed an
+# unregistration followed by registrations: helpers FG, FJ; about 15 keys, compared by
+# identity); looked up in full at every call where that dict is missing. One tuple, swapped
+# whole: a thread reads a key and its set together.
 _USERS: tuple[Any, frozenset[type]] = (None, frozenset())
 _OPTREE_OWN = ("builtins", "collections", "optree")
 
@@ -359,8 +359,7 @@ _OPTREE_OWN = ("builtins", "collections", "optree")
 def _user_node_types() -> frozenset[type]:
     global _USERS
     registry = getattr(getattr(optree, "registry", None), "_NODETYPE_REGISTRY", None)
-    key = (len(registry), next(reversed(registry), None)) \
-        if isinstance(registry, dict) else None
+    key = tuple(registry) if isinstance(registry, dict) else None
     cached = _USERS
     if key is not None and key == cached[0]:
         return cached[1]

@@ -62,7 +62,8 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
     gradient through it silently goes missing. Refused in the original pass, naming its path.
     Not refused: a leaf that is one of the inputs (an object passed on, a cache), and tensors
     that require grad or are known from before the call (parameters, buffers, the call's own
-    input tensors: eager hands back those very tensors too), or frozen results of
+    input tensors: eager hands back those very tensors too), the call's own tensor outputs
+    (the node is attached to those objects), or frozen results of
     ``reuse_during_recompute`` (frozen when returned bare too: NOTE [frozen results returned
     as outputs] in boundary_function.py)."""
     passed = {id(leaf) for leaf in call.in_leaves if leaf is not None}
@@ -75,6 +76,10 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
         if known is None:  # built once, and only for a leaf that needs looking into
             known = dict(call.before or {})
             known.update((id(t), t) for t in (*inputs, *call.frame.tensors()))
+            # The call's own tensor outputs: each leaves with the boundary's node attached to
+            # that very object, so a leaf holding one reaches it with its gradient (`return h,
+            # h.size`; helper FJ).
+            known.update((id(leaves[i]), leaves[i]) for i in tensor_index)
         found = hidden_tensor(leaf, functools.partial(_fresh_float, known))
         if found is None:
             if isinstance(leaf, Iterator) and not can_look_into(leaf):

@@ -1653,12 +1653,6 @@ class _EagerThenCompiled(nn.Module):
         return self.out(self.block(self.first(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="5c3cf98: one hooked module traced by dynamo (in a "
-                   "compiled submodule) sets Recorded.compiled, and the boundary then reads what "
-                   "every module of the call holds after it: an output a hook kept on an eagerly "
-                   "run module (first.kept.append(out)) is taken for a held table and leaves "
-                   "without gradient, silently; 8117876 was exact, and boundary.md limits that "
-                   "loss to a compiled body")
 def test_a_hook_keeping_outputs_on_an_eager_module_beside_a_compiled_submodule_is_eager(
         ) -> None:
     torch.manual_seed(0)

@@ -1297,11 +1297,6 @@ def test_a_count_kept_where_grad_is_enabled_beside_a_call_counter_counts_each_ca
     assert [int(m.calls) for m in (eager, wrapped)] == [3, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="module_state._check_structure's cached shape keeps each "
-                   "container's children as a tuple of strong references (e418afd): a submodule "
-                   "replaced after a step (a projection swapped for a quantized one) stays alive, "
-                   "weights and all, until the layer's next call with grad, where the eager twin "
-                   "frees it at once (8117876 held weak references only)")
 def test_a_submodule_replaced_after_a_step_is_freed_as_in_eager() -> None:
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))

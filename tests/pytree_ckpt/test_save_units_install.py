@@ -493,12 +493,6 @@ class _SkipsItsReuseInTheReplay(nn.Module):
         return x + self.mix(logits)
 
 
-@pytest.mark.xfail(strict=True, reason="recompute._refuse_removed_between (e418afd) blames any "
-                   "ReuseError of a keeping call whose checkpointing was removed before backward "
-                   "on KeptCallables, though its units keep ops (KeptOps: exact after removal, "
-                   "limits.md): a replay that skipped a reuse_during_recompute call is told "
-                   "'kept methods (KeptCallables) are the module's own again', tip 'keep ops with "
-                   "KeptOps' (what it does), and the real cause is only in the got line")
 def test_a_kept_ops_layer_whose_replay_skips_a_reused_call_after_removal_is_told_the_skip(
         ) -> None:
     layers = nn.ModuleList([_SkipsItsReuseInTheReplay()])

@@ -1453,11 +1453,6 @@ def _register_plain(cls: type) -> None:
         cls, lambda n: ((n.h,), None, ("h",)), lambda _, c: cls(c[0]), namespace="pytree_ckpt")
 
 
-@pytest.mark.xfail(strict=True, reason="tree._user_node_types keys its cache on optree's "
-                   "registry's size and last key (14bd282): two classes unregistered, then a "
-                   "new one and the old last one registered again, give the same key, the cache "
-                   "keeps the old set, and the new class's metadata tensor is not looked for: "
-                   "it leaves without gradient, silently (a refusal is promised)")
 def test_a_metadata_tensor_of_a_class_registered_before_the_last_one_is_reregistered_is_refused(
         ) -> None:
     torch.manual_seed(0)
@@ -1485,12 +1480,6 @@ def test_a_metadata_tensor_of_a_class_registered_before_the_last_one_is_reregist
         optree.unregister_pytree_node(_Last, namespace="pytree_ckpt")
 
 
-@pytest.mark.xfail(strict=True, reason="tree._callable_children opening builtin methods "
-                   "(5c3cf98) refuses a bound method of a tensor that is itself a direct output "
-                   "of the call ((h, h.size), (h, h.clone)): that tensor leaves with the "
-                   "boundary's node in place, so the method reaches it with its gradient, and "
-                   "8117876 ran such a layer exactly as eager; the refusal's 'known' tensors "
-                   "leave out the call's own tensor outputs")
 @pytest.mark.parametrize("make", [lambda h: h.size, lambda h: h.clone],
                          ids=["size", "clone"])
 def test_a_bound_method_of_a_tensor_the_layer_also_returns_gives_eagers_gradients(
