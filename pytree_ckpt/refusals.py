@@ -409,7 +409,8 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
                 "tensor also passed as an argument, read that argument instead)")
     # Or as a key of a dict passed in (optree keeps keys in the spec, not among the leaves).
     key = node_path(call.in_spec, lambda node_type, data: isinstance(data, (list, tuple)) and
-                    issubclass(node_type, dict) and any(k is leaf for k in data), root="inputs")
+                    isinstance(node_type, type) and issubclass(node_type, dict) and
+                    any(k is leaf for k in data), root="inputs")
     if key is not None:
         return (f", used as a key of the dict at {readable_path(key)} (keys are not inputs of "
                 "the boundary: pass it as a value)")

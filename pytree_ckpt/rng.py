@@ -155,10 +155,11 @@ class ReplayEnvironment:
         # ends the step where eager leaves it. Where a reused call or a kept op drew from it,
         # the replay skips the draw and jumps it past, as the default ones (NOTE [skipped work
         # keeps the RNG in step] in frames.py: Frame.generators are these).
-        # Also one a plain object argument holds as an attribute (a SimpleNamespace config:
-        # optree leaves those unopened), and one bound in a functools.partial that is the
-        # call's function (transformers' `partial(forward, self, generator=g)`): the replay
-        # drew other numbers from those (helper FE). Not one deeper in an object.
+        # Also one a plain object argument holds (an attribute or a slot: a SimpleNamespace
+        # config, which optree leaves unopened), one a function argument holds (its closure,
+        # its defaults), and one bound in a functools.partial that is the call's function
+        # (transformers' `partial(forward, self, generator=g)`): the replay drew other numbers
+        # from those (helpers FE, FH). Not one deeper in an object.
         # Only with preserve_rng_state, as for the default generators: without it, none is
         # restored or jumped, and the replay draws the next numbers of each.
         self.generators: GeneratorStates = ()
