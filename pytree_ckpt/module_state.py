@@ -33,9 +33,9 @@ from .tree import POSITIONAL_CALL_SPECS
 __all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module",
            "call_switches", "changed_submodule", "collect_parameters", "drop_caches",
            "ever_verified", "foreign_leaves", "graph_attributes", "graph_reaches", "is_verified",
-           "mark_verified", "module_buffers", "module_dicts", "owning_module", "structure_generation",
-           "submodules_now", "torch_nn_class", "trainable_parameters", "warn_forward_hooks",
-           "watch_module_structure", "watch_tree"]
+           "mark_verified", "module_buffers", "module_dicts", "owning_module",
+           "structure_generation", "submodules_now", "torch_nn_class", "trainable_parameters",
+           "warn_forward_hooks", "watch_module_structure", "watch_tree"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
