@@ -1676,3 +1676,50 @@ def test_a_hook_keeping_outputs_on_an_eager_module_beside_a_compiled_submodule_i
 
     for a, b in zip(run(False), run(True)):
         assert a is not None and b is not None and torch.equal(a, b)
+
+
+class _ReturnsItsChildsLazyBlankCache(nn.Module):
+    """Hooked; its unhooked child builds the table in its first call and it returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _CachedLazilyInBlankMemory()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner(x)
+
+
+class _UsesChildsLazyBlankCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid = _ReturnsItsChildsLazyBlankCache()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mid(x)[0]
+
+
+@pytest.mark.xfail(strict=True, reason="helper FL: a lazy table an unhooked child builds "
+                   "in blank memory, returned by its hooked parent, is not taken as held (the "
+                   "held read at the return looks at the hooked module's own __dict__ only) "
+                   "and is made an extra output; the next step's backward is refused (graph "
+                   "already freed through mid.inner.cache) where eager trains; also at 8117876")
+def test_a_hooked_module_returning_a_blank_table_its_child_builds_in_its_first_call_is_eager(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = _UsesChildsLazyBlankCache()
+    model = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+    x, x_twin = _inputs()
+    kept: list[list[torch.Tensor]] = [[], []]
+    for net, into in zip((eager, model), kept):
+        net.mid.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+        for _ in range(2):
+            for net, xi, into in zip((eager, model), (x, x_twin), kept):
+                into.clear()
+                (net(xi).sum() + into[0].square().sum()).backward()
+    assert model.mid.inner.cache is not None and model.mid.inner.cache.grad_fn is None
+    assert torch.equal(x.grad, x_twin.grad)
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
