@@ -118,7 +118,9 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     passes = getattr(_RECORDING, "passes", ())
     if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
         compiling = torch.compiler.is_compiling()
-        held = held_tensors([module.__dict__]) if not compiling else {}
+        # Its submodules' too: a table a child without hooks builds and the hooked module
+        # returns (helper FL).
+        held = held_tensors([m.__dict__ for m in module.modules()]) if not compiling else {}
         made = [t for t in flatten(output).leaves if isinstance(t, torch.Tensor)] \
             if not compiling else []
         for recorded in passes:

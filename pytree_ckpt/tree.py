@@ -303,7 +303,7 @@ def metadata_tensor(spec: optree.PyTreeSpec, /, *, root: str
     def look(node_type: type, data: Any, children: Any) -> None:
         if not found and node_type in users:
             hit = ("", data) if isinstance(data, torch.Tensor) else \
-                hidden_tensor(data, lambda t: True, depth=2)
+                hidden_tensor(data, lambda t: True)  # three levels, as for output leaves
             if hit is not None:
                 found.append((node_type, hit[1]))
 
@@ -312,7 +312,7 @@ def metadata_tensor(spec: optree.PyTreeSpec, /, *, root: str
         return None
     kind, tensor = found[0]
     path = node_path(spec, lambda node_type, data: node_type is kind and (
-        data is tensor or hidden_tensor(data, lambda t: t is tensor, depth=2) is not None),
+        data is tensor or hidden_tensor(data, lambda t: t is tensor) is not None),
         root=root)
     return path or root, kind.__name__, tensor
 

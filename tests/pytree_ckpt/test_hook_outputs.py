@@ -1698,11 +1698,6 @@ class _UsesChildsLazyBlankCache(nn.Module):
         return self.mid(x)[0]
 
 
-@pytest.mark.xfail(strict=True, reason="helper FL: a lazy table an unhooked child builds "
-                   "in blank memory, returned by its hooked parent, is not taken as held (the "
-                   "held read at the return looks at the hooked module's own __dict__ only) "
-                   "and is made an extra output; the next step's backward is refused (graph "
-                   "already freed through mid.inner.cache) where eager trains; also at 8117876")
 def test_a_hooked_module_returning_a_blank_table_its_child_builds_in_its_first_call_is_eager(
         ) -> None:
     torch.manual_seed(0)

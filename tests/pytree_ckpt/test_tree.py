@@ -1517,10 +1517,6 @@ optree.register_pytree_node(  # type: ignore[arg-type]
     namespace="pytree_ckpt")
 
 
-@pytest.mark.xfail(strict=True, reason="helper FL: metadata_tensor looks two levels into a "
-                   "node's metadata (hidden_tensor depth=2), so a tensor three levels down "
-                   "((('scale', (t,)),)) leaves without gradient, silently, where limits.md "
-                   "says such a node is refused at the call (no depth named)")
 def test_a_tensor_three_levels_into_an_output_nodes_metadata_is_refused_or_gets_eagers_grads(
         ) -> None:
     torch.manual_seed(0)
