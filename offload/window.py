@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.discard import DISCARDED_MARK
 from pytree_ckpt.errors import CheckpointError
 from pytree_ckpt.changed_in_place import CHANGED_AFTER_CALL_TIP
@@ -42,8 +43,8 @@ class Copy:
 
     __slots__ = ("manager", "pass_ref", "seq", "stream", "host", "nbytes", "device", "version",
                  "storage_ref", "data_ptr", "device_bytes", "alias", "d2h_event", "restored",
-                 "reused", "restored_on", "h2d_event", "host_holder", "seen_version", "source",
-                 "watch", "__weakref__")
+                 "reused", "restored_on", "h2d_event", "host_holder", "restored_holder",
+                 "seen_version", "source", "watch", "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor, /) -> None:
         storage = tensor.untyped_storage()
@@ -67,6 +68,7 @@ class Copy:
         self.storage_ref = StorageWeakRef(storage)
         self.data_ptr = storage.data_ptr()
         self.restored: torch.Tensor | None = None
+        self.restored_holder: RestoredHolder | None = None  # for the census, while restored
         self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
         self.restored_on: Any = None  # the stream whose pool ``restored``'s memory came from
         self.d2h_event: Any = None
@@ -191,6 +193,13 @@ class Copy:
             self.restored, self.h2d_event = self.manager.engine.to_device(
                 self.host, self.nbytes, self.d2h_event)
         counters["restored_bytes"] += self.nbytes
+        if census_active():
+            # Held for backward from now until the handles are dropped (a retained graph's
+            # second backward reads them: helper FM, the census counted none of them), filed
+            # as restored (the bytes reused were filed as in flight).
+            self.restored_holder = RestoredHolder()
+            report_held([self.restored], Mechanism.OFFLOAD_RESTORED,
+                        holder=self.restored_holder, replace=self.reused)
 
     def give_up_restore(self) -> None:
         """Let go of the device buffer a prefetch restored, before backward read it: the next
@@ -203,6 +212,8 @@ class Copy:
         if self.restored is None or self.reused:
             return
         self.restored = self.restored_on = None
+        if self.restored_holder is not None:
+            self.restored_holder.released = True
         self.manager._counters["restored_bytes"] -= self.nbytes  # brought back once, counted once
 
     def _storage_intact(self, device_bytes: torch.Tensor) -> bool:
@@ -232,6 +243,16 @@ def _source_died(copy_ref: weakref.ref[Copy], _: Any, /) -> None:
     copy = copy_ref()
     if copy is not None:
         copy._let_go_of_alias()
+
+
+class RestoredHolder:
+    """Stands for "this copy holds a device copy restored for backward" in the census: held
+    until the copy dies, or gives the restored buffer up (a prefetch out of memory)."""
+
+    __slots__ = ("released", "__weakref__")
+
+    def __init__(self) -> None:
+        self.released = False
 
 
 class HostHolder:

@@ -25,6 +25,7 @@ class Mechanism(str, enum.Enum):
     SAVE_UNIT = "save unit"             # op outputs a save unit keeps instead of recomputing
     OFFLOADED = "offloaded to host"     # host copies of offloaded storages
     OFFLOAD_IN_FLIGHT = "offload in flight"  # device storages the manager holds until copied
+    OFFLOAD_RESTORED = "restored for backward"  # device copies back from host, until dropped
     AUTOGRAD = "autograd"               # saved by ordinary autograd outside any boundary
     MODULE_STATE = "module state"       # small buffers as before the forward, for the replay
 

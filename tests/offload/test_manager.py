@@ -1896,11 +1896,6 @@ def test_the_census_counts_inner_tensors_a_nested_wrapper_subclass_leaves_on_the
     assert m.stats()["offloaded_bytes"] == x.nbytes
 
 
-@pytest.mark.xfail(strict=True, reason="helper FM: between two backwards of a retained graph "
-                   "the restored device copies of every window stay held by the graph's "
-                   "handles (Copy.restored), but the census counts only the last window's "
-                   "(as offload in flight) and the host copies: the others' device bytes are "
-                   "missing from its total")
 def test_a_census_between_two_backwards_of_a_retained_graph_counts_the_restored_copies() -> None:
     torch.manual_seed(0)
     manager = OffloadManager(OffloadConfig(min_bytes=0, prefetch=1), device="cpu")
