@@ -193,13 +193,12 @@ class Copy:
             self.restored, self.h2d_event = self.manager.engine.to_device(
                 self.host, self.nbytes, self.d2h_event)
         counters["restored_bytes"] += self.nbytes
-        if census_active():
+        if census_active() and not self.reused:
             # Held for backward from now until the handles are dropped (a retained graph's
-            # second backward reads them: helper FM, the census counted none of them), filed
-            # as restored (the bytes reused were filed as in flight).
+            # second backward reads them: helper FM, the census counted none of them). Bytes
+            # reused stay filed as in flight: flagged if alive elsewhere once let go.
             self.restored_holder = RestoredHolder()
-            report_held([self.restored], Mechanism.OFFLOAD_RESTORED,
-                        holder=self.restored_holder, replace=self.reused)
+            report_held([self.restored], Mechanism.OFFLOAD_RESTORED, holder=self.restored_holder)
 
     def give_up_restore(self) -> None:
         """Let go of the device buffer a prefetch restored, before backward read it: the next
