@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from contextlib import ExitStack
 from typing import Any
 
@@ -157,9 +158,10 @@ class ReplayEnvironment:
         # keeps the RNG in step] in frames.py: Frame.generators are these).
         # Also one a plain object argument holds (an attribute or a slot: a SimpleNamespace
         # config, which optree leaves unopened), one a function argument holds (its closure,
-        # its defaults), and one bound in a functools.partial that is the call's function
-        # (transformers' `partial(forward, self, generator=g)`): the replay drew other numbers
-        # from those (helpers FE, FH). Not one deeper in an object.
+        # its defaults, a bound method's instance), and one bound in a functools.partial (or a
+        # subclass) that is the call's function (transformers' `partial(forward, self,
+        # generator=g)`): the replay drew other numbers from those (helpers FE, FH, FL). Not
+        # one deeper in an object.
         # Only with preserve_rng_state, as for the default generators: without it, none is
         # restored or jumped, and the replay draws the next numbers of each.
         self.generators: GeneratorStates = ()
@@ -197,7 +199,7 @@ class ReplayEnvironment:
             _get_torch_function_state()
         env = cls(cpu_rng, cuda_rng, _autocast_state(), _is_autocast_cache_enabled(),
                   torch_function, _kernel_state())
-        if preserve_rng and (leaves or held or type(fn) is functools.partial):
+        if preserve_rng and (leaves or held or isinstance(fn, functools.partial)):
             generators = _passed_generators(leaves or (), fn)
             for g in held:  # one passed in and held too is restored once
                 generators[id(g)] = g
@@ -219,7 +221,7 @@ def _passed_generators(leaves: Any, fn: Any, /) -> dict[int, torch.Generator]:
     objects hold (attributes, slots) or functions hold (closure variables, defaults), and the
     arguments ``fn`` binds where it is a partial, by id."""
     found: dict[int, torch.Generator] = {}
-    while type(fn) is functools.partial:
+    while isinstance(fn, functools.partial):  # a subclass too (helper FL)
         leaves = [*leaves, *fn.args, *fn.keywords.values()]
         fn = fn.func
     for leaf in leaves:
@@ -227,7 +229,10 @@ def _passed_generators(leaves: Any, fn: Any, /) -> dict[int, torch.Generator]:
             found[id(leaf)] = leaf
         elif leaf is not None and not isinstance(leaf, (torch.Tensor, nn.Module, type, str,
                                                          int, float)):
-            for _, value in object_children(leaf):  # attributes and slots (helper FH)
+            children = object_children(leaf)  # attributes and slots (helper FH)
+            if isinstance(leaf, types.MethodType) and not isinstance(leaf.__self__, nn.Module):
+                children += object_children(leaf.__self__)  # `sampler.draw` (helper FL)
+            for _, value in children:
                 if isinstance(value, torch.Generator):
                     found[id(value)] = value
     return found
