@@ -453,18 +453,14 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
         elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
             children = ((f"[{i}]" if not isinstance(obj, (set, frozenset)) else "", item)
                         for i, item in enumerate(obj))
-        elif isinstance(obj, _CALLABLES):
-            # A closure, a bound method or a partial returned (helper FB: `lambda aux=t * 2:
-            # aux`, `partial(torch.mul, t * 2)`, `Box(t * 2).get`): what it would hand back;
-            # a builtin method of an object too (helper FH: `(t * 2).clone`, `h.__neg__`).
-            children = _callable_children(obj)
-        elif isinstance(getattr(obj, "__dict__", None), dict) and \
-                not isinstance(obj, (types.ModuleType, types.BuiltinFunctionType)):
-            # Its slots too: a class may have both (a slotted class's subclass without them).
-            children = [*((f".{name}", value) for name, value in vars(obj).items()),
-                        *_slot_children(obj)]
-        elif not isinstance(obj, Iterator) and (slotted := _slot_children(obj)):
-            children = slotted  # a result object of a class with __slots__ (helper FB)
+        elif isinstance(obj, _CALLABLES) or (
+                isinstance(getattr(obj, "__dict__", None), dict) and
+                not isinstance(obj, types.ModuleType)) or \
+                (not isinstance(obj, Iterator) and _slot_names(obj)):
+            # An object's attributes and slots (a slotted result object: helper FB); what a
+            # closure, a bound method (a builtin one too: `(t * 2).clone`) or a partial would
+            # hand back (helpers FB, FH): object_children.
+            children = object_children(obj)
         elif isinstance(obj, types.GeneratorType):
             # What a generator (a generator expression's source iterator included) holds is
             # in its frame, None once it is finished.

@@ -1562,32 +1562,6 @@ class _UsesLazyBlankCache(nn.Module):
         return self.inner(x)[0]
 
 
-def test_a_hooked_module_returning_a_blank_table_it_builds_in_its_first_call_is_eager(
-        ) -> None:
-    # Mutants M36, M37 (helper FH): without the held read as each hooked module returns
-    # (_record_output), a table not held before the call (built in it: a lazy cache) in
-    # memory GradFlow takes as in the flow was made an extra output of the call.
-    torch.manual_seed(0)
-    eager = _UsesLazyBlankCache()
-    model = copy.deepcopy(eager)
-    pytree_ckpt.apply_activation_checkpointing(model, offload=False)
-    x, x_twin = _inputs()
-    kept: list[list[torch.Tensor]] = [[], []]
-    for net, into in zip((eager, model), kept):
-        net.inner.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
-        for _ in range(2):
-            for net, xi, into in zip((eager, model), (x, x_twin), kept):
-                into.clear()
-                (net(xi).sum() + into[0].square().sum()).backward()
-    assert model.inner.cache is not None and not model.inner.cache.requires_grad
-    assert model.inner.cache.grad_fn is None
-    assert torch.equal(x.grad, x_twin.grad)
-    for p, q in zip(eager.parameters(), model.parameters()):
-        assert torch.equal(p.grad, q.grad)
-
-
 class _CachedLazilyCompiled(nn.Module):
     """Builds its table in its first call and keeps it as a plain attribute, and returns it."""
 
@@ -1698,23 +1672,30 @@ class _UsesChildsLazyBlankCache(nn.Module):
         return self.mid(x)[0]
 
 
-def test_a_hooked_module_returning_a_blank_table_its_child_builds_in_its_first_call_is_eager(
-        ) -> None:
+@pytest.mark.parametrize("whose", ["its own", "its child's"])
+def test_a_hooked_module_returning_a_blank_table_built_in_its_first_call_is_eager(
+        whose: str) -> None:
+    # Mutants M36, M37 (helper FH): without the held read as each hooked module returns
+    # (_record_output), a table not held before the call (built in it: a lazy cache) in
+    # memory GradFlow takes as in the flow was made an extra output of the call; one its
+    # unhooked child builds was missed until the read covered submodules (helper FL).
     torch.manual_seed(0)
-    eager = _UsesChildsLazyBlankCache()
+    eager = _UsesLazyBlankCache() if whose == "its own" else _UsesChildsLazyBlankCache()
     model = copy.deepcopy(eager)
     pytree_ckpt.apply_activation_checkpointing(model, offload=False)
     x, x_twin = _inputs()
     kept: list[list[torch.Tensor]] = [[], []]
-    for net, into in zip((eager, model), kept):
-        net.mid.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
+    hooked = [getattr(net, "inner" if whose == "its own" else "mid") for net in (eager, model)]
+    for module, into in zip(hooked, kept):
+        module.register_forward_hook(lambda m, a, out, into=into: into.append(out[0]))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
         for _ in range(2):
             for net, xi, into in zip((eager, model), (x, x_twin), kept):
                 into.clear()
                 (net(xi).sum() + into[0].square().sum()).backward()
-    assert model.mid.inner.cache is not None and model.mid.inner.cache.grad_fn is None
+    table = next(m for m in model.modules() if isinstance(m, _CachedLazilyInBlankMemory)).cache
+    assert table is not None and not table.requires_grad and table.grad_fn is None
     assert torch.equal(x.grad, x_twin.grad)
     for p, q in zip(eager.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
