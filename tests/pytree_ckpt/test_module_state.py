@@ -1310,3 +1310,59 @@ def test_a_submodule_replaced_after_a_step_is_freed_as_in_eager() -> None:
     gc.collect()
     assert replaced[0]() is None  # eager frees it
     assert replaced[1]() is None
+
+
+def test_a_submodule_freed_behind_the_hooks_whose_id_the_new_one_takes_gets_eager_grads(
+        ) -> None:
+    # The structure check compares a container's children by id; a child deleted from
+    # _modules (no hook runs) and freed can leave its id to the module put in its place, which
+    # the ids alone do not tell: the freed module's weak-reference callback moves the
+    # generation (without it the new Linear got no gradient, silently).
+    class Big(nn.Linear):
+        # Objects this large come from malloc, which gives a freed block of a size to the next
+        # request of that size: the new module takes the old one's id (pymalloc's small blocks
+        # go to whatever object of the size class comes first).
+        __slots__ = tuple(f"pad{i}" for i in range(100))
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), Big(8, 8))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 8, requires_grad=True)
+    for model in (eager, wrapped):
+        model(x).sum().backward()
+    for model in (eager, wrapped):
+        was = id(model._modules["1"])
+        del model._modules["1"]  # behind the hooks; nothing else holds it: freed here
+        torch.manual_seed(1)
+        new = Big(8, 8)
+        if model is wrapped and id(new) != was:
+            pytest.skip("this allocator gave the new module another address")
+        model._modules["1"] = new
+    x.grad = None
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=2))
+
+
+def test_freeing_a_whole_wrapped_model_leaves_other_layers_caches_valid() -> None:
+    # The callbacks that tell a freed submodule move the structure generation only while its
+    # tree's root lives: a model freed (an evaluation copy made each step) would otherwise have
+    # every other model's layers redo their first-call checks at their next call.
+    from pytree_ckpt.module_state import structure_generation
+    x = torch.randn(3, 8)
+    kept = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(nn.Linear(8, 8)))
+    kept(x).sum().backward()
+    for cycle in (False, True):
+        copied = copy.deepcopy(kept)
+        copied(x).sum().backward()
+        if cycle:
+            copied.me = [copied]  # freed by the garbage collector, all at once
+        before = structure_generation()
+        del copied
+        gc.collect()
+        assert structure_generation() == before
+    inner = nn.Linear(8, 8)
+    grown = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(nn.Sequential(inner)))
+    grown(x).sum().backward()
+    before = structure_generation()
+    del grown[0]._modules["0"], inner  # a submodule of a live tree freed
+    gc.collect()
+    assert structure_generation() > before
