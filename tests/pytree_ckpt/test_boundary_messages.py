@@ -7,6 +7,7 @@ import contextlib
 import copy
 import enum
 import functools
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -2243,3 +2244,58 @@ def test_a_freed_graph_refusal_names_the_closure_holding_a_graph_not_one_holding
         h.sum().backward()
     assert "reached a graph already freed through args[2]<bias in its closure>" in \
         str(error.value), str(error.value)
+
+
+_GLOBAL_CALLS = {"n": 0}
+
+
+class _CountedTopK(nn.Module):
+    """A layer whose width of top-k follows a call counter kept outside the module's own
+    attributes: a process-wide dict (a global micro-batch or step counter, as training scripts
+    keep) or a plain config object the layer holds (transformers' ``self.config``). The
+    replay, its second call, takes other shapes inside, while its output keeps the forward's
+    shape."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.config = types.SimpleNamespace(calls=0)
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "global":
+            _GLOBAL_CALLS["n"] += 1
+            calls = _GLOBAL_CALLS["n"]
+        else:
+            self.config.calls += 1
+            calls = self.config.calls
+        k = 4 if calls % 2 else 6
+        return x * self.lin(x).topk(k, dim=-1).values.sum(-1, keepdim=True)
+
+
+@pytest.mark.xfail(strict=True, reason="helper FO: boundary.md tells torch users to drop "
+                   "determinism_check since 'the replay's outputs are always checked', but only "
+                   "outputs are: a replay whose saved tensors change shape (torch's default "
+                   "determinism_check raises CheckpointError) gives silently wrong gradients")
+@pytest.mark.parametrize("where", ["global", "config object"])
+def test_a_replay_whose_inner_shapes_change_is_refused_as_torchs_determinism_check_does(
+        where: str) -> None:
+    from torch.utils.checkpoint import CheckpointError as TorchCheckpointError
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    torch.manual_seed(0)
+    layer = _CountedTopK(where)
+    x = torch.randn(3, 8, requires_grad=True)
+    _GLOBAL_CALLS["n"] = 0
+    with pytest.raises(TorchCheckpointError, match="different metadata"):
+        torch_checkpoint(copy.deepcopy(layer), x, use_reentrant=False).sum().backward()
+    _GLOBAL_CALLS["n"] = 0
+    eager = copy.deepcopy(layer)
+    expected = torch.autograd.grad(eager(x).sum(), [x, *eager.parameters()])
+    _GLOBAL_CALLS["n"] = 0
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(layer))
+    try:
+        got = torch.autograd.grad(wrapped(x).sum(), [x, *wrapped.parameters()])
+    except CheckpointError:
+        return  # refused, as torch refuses: fine
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))  # else eager's gradients
