@@ -2299,3 +2299,26 @@ def test_a_replay_whose_inner_shapes_change_is_refused_as_torchs_determinism_che
     except CheckpointError:
         return  # refused, as torch refuses: fine
     assert all(torch.equal(a, b) for a, b in zip(expected, got))  # else eager's gradients
+
+
+@pytest.mark.xfail(strict=True, reason="helper FO: torch.utils.checkpoint.checkpoint's "
+                   "early_stop= (torchtitan passes it) is missing from the options checkpoint() "
+                   "tells about: Python's bare TypeError from fn, or, where fn takes **kwargs, "
+                   "no warning at all")
+def test_torchs_early_stop_given_to_checkpoint_is_told_what_replaces_it() -> None:
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    assert "early_stop" in inspect.signature(torch_checkpoint).parameters  # torch 2.13's option
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(TypeError, match="early_stop") as raised:
+        checkpoint(layer, x, early_stop=False)
+    assert "tip:" in str(raised.value)
+
+    def takes_kwargs(t: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return layer(t)
+
+    with pytest.warns(UserWarning, match=r"receives \['early_stop'\]"):
+        checkpoint(takes_kwargs, x, early_stop=False)
