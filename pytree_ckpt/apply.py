@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from .boundary_call import BoundaryOptions
+from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .module import install_boundary, is_checkpointed, refuse_other_options
 from .refusals import require_module
+from .torch_options import refuses_torch_options
 from .tree import describe_leaf
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -62,6 +65,7 @@ def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager 
         expected="None | bool | offload.OffloadManager", got=got, tip=tip)
 
 
+@refuses_torch_options
 def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: bool = True,
                                    offload: bool | OffloadManager | None = None,
                                    check_fn: Callable[[nn.Module], bool] | None = None,
@@ -88,11 +92,13 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload))
     if check_fn is None:
+        warn_inside_torch_wrapper(module, [("", module)])
         return install_boundary(module, options)
     _refuse_policy(check_fn)
     chosen = _chosen_by(module, check_fn)
     for _, layer in chosen:  # before any changes: refused, none change
         refuse_other_options(layer, options)
+    warn_inside_torch_wrapper(module, chosen)
     for _, layer in chosen:
         install_boundary(layer, options)
     return module
@@ -205,13 +211,60 @@ def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /
             if outer != inner and (outer == "" or inner.startswith(outer + ".")):
                 # A boundary inside a boundary replays the inner layer twice in backward
                 # (once in the outer's replay, once in its own): compute for no memory.
+                # The model itself chosen (check_fn=lambda m: isinstance(m, nn.Sequential) on
+                # a Sequential of blocks): torch.distributed's function never asks about it,
+                # and wraps the blocks (helper FO); said, with the test that does the same.
+                root = (" (torch.distributed's apply_activation_checkpointing never chooses "
+                        "the model it is given; this one asks check_fn about it too)"
+                        if outer == "" else "")
                 raise CheckpointConfigError(
                     f"check_fn chose {inner!r} inside {outer or 'the model'!r}, which it also "
-                    "chose: the inner layer would be recomputed twice",
+                    f"chose: the inner layer would be recomputed twice{root}",
                     expected="chosen modules that do not contain one another",
                     got=f"{outer or '(the model)'} and {inner}",
-                    tip="make check_fn true for the layers only (isinstance(m, DecoderLayer))")
+                    tip="make check_fn true for the layers only (isinstance(m, DecoderLayer))"
+                        + ("; to leave the model out as torch does: check_fn=lambda m: m is "
+                           "not model and ..." if outer == "" else ""))
     return chosen
+
+
+def _torch_wrapper(module: nn.Module, /) -> bool:
+    # Known by its class's name and package: an isinstance test would import torch.distributed
+    # for every user.
+    return any(klass.__name__ == "CheckpointWrapper" and
+               klass.__module__.startswith("torch.distributed.") for klass in type(module).__mro__)
+
+
+def warn_inside_torch_wrapper(model: nn.Module | None,
+                              chosen: Sequence[tuple[str, nn.Module]], /) -> None:
+    """NOTE [a layer left in torch's wrapper]: a layer still inside torch.distributed's
+    ``checkpoint_wrapper`` (a migration half done), or holding one, and checkpointed here too
+    runs its forward three times a step (eager's, torch's recompute, this replay; gradients
+    stay exact; its reentrant impl is refused in backward) where once more than eager is
+    needed (helper FO): warned once per apply, naming the layers, as transformers' own
+    checkpointing left on is (``warn_stacked_checkpointing``). ``chosen``: (path in ``model``,
+    module) pairs about to be checkpointed; their subtrees, and their ancestors in ``model``
+    where given, are looked at (layers given in a list have no known ancestors: ``path`` then
+    only names them)."""
+    found = []
+    for path, layer in chosen:
+        inner = next((name for name, m in layer.named_modules() if _torch_wrapper(m)), None)
+        parts = path.split(".") if path and model is not None else []
+        outer = next((".".join(parts[:i]) for i in range(len(parts)) if model is not None and
+                      _torch_wrapper(model.get_submodule(".".join(parts[:i])))), None)
+        if inner is not None or outer is not None:
+            found.append(f"{path or type(layer).__name__} ("
+                         + (f"inside the CheckpointWrapper {outer or 'the model'}" if outer
+                            is not None else f"holding the CheckpointWrapper {inner or 'itself'}")
+                         + ")")
+    if found:
+        warnings.warn(
+            f"pytree_ckpt: {', '.join(found[:3])}{' and others' if len(found) > 3 else ''} "
+            "checkpointed twice: torch.distributed's checkpoint_wrapper recomputes it too, so "
+            "each step runs its forward once more than needed (gradients stay exact). Tip: "
+            "take the layer out of torch's wrapper (module._checkpoint_wrapped_module, or drop "
+            "the checkpoint_wrapper call) and keep pytree_ckpt's", stacklevel=user_stacklevel())
+
 
 def refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: float, /
                                ) -> None:
@@ -285,6 +338,7 @@ def listed_layers(layers: Iterable[nn.Module], where: str, /) -> list[nn.Module]
     return listed
 
 
+@refuses_torch_options
 def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
                       preserve_rng_state: bool = True,
                       offload: bool | OffloadManager | None = None) -> list[int]:

@@ -23,6 +23,7 @@ from .errors import CheckpointConfigError, require_callable
 from .module_state import owning_module
 from .phase import Phase, current_phase
 from .refusals import fn_name, refuse_container
+from .torch_options import TORCH_OPTIONS, refuses_torch_options, torch_options_tip
 from .tree import flatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
@@ -31,25 +32,6 @@ if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at r
 __all__ = ["checkpoint", "checkpointed"]
 
 T = TypeVar("T")
-
-# torch.utils.checkpoint's options, each with what takes its place here.
-_TORCH_OPTIONS = {
-    "use_reentrant": "drop use_reentrant (the boundary is always reentrant-style, and takes "
-                     "any PyTree)",
-    "preserve_rng_state": "set preserve_rng_state with pytree_ckpt.checkpointed(fn, "
-                          "preserve_rng_state=...)(*args)",
-    "context_fn": "selective checkpointing (create_selective_checkpoint_contexts) is "
-                  "RecomputeConfig(save=[...]) with KeptOps targets, applied to layers with "
-                  "apply_recompute_config (docs/save_units.md)",
-    "determinism_check": "drop determinism_check (the structure, shapes and dtypes of the "
-                         "replay's outputs are always checked: ReplayMismatchError)",
-    "debug": "drop debug (a replay that differs raises ReplayMismatchError naming the key path,"
-             " and an error raised in the replay says it came from there)",
-}
-
-
-def _torch_options_tip(names: list[str], /) -> str:
-    return "; ".join(_TORCH_OPTIONS[name] for name in names)
 
 
 def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
@@ -203,7 +185,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         # torch's own "missing the required forward function" otherwise, naming no fix
         refuse_container(fn, "checkpoint would have nothing to run")
     # Code moved over from torch.utils.checkpoint passes its options as keywords.
-    torch_options = sorted(_TORCH_OPTIONS.keys() & kwargs.keys()) if kwargs else []
+    torch_options = sorted(TORCH_OPTIONS.keys() & kwargs.keys()) if kwargs else []
     swallowed = _swallowed(fn, torch_options) if torch_options else []
     if swallowed:
         # A forward taking **kwargs (a transformers decoder layer) takes them silently; one
@@ -211,7 +193,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         warnings.warn(
             f"pytree_ckpt.checkpoint passes every keyword to fn, so {fn_name(fn)} receives "
             f"{swallowed} in its **kwargs: options of torch.utils.checkpoint, which mean "
-            f"nothing here. Tip: {_torch_options_tip(swallowed)}",
+            f"nothing here. Tip: {torch_options_tip(swallowed)}",
             stacklevel=user_stacklevel())
     _tell_env_offload_unused(fn)
     try:
@@ -222,7 +204,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
             raise TypeError(
                 f"{error}: pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} "
                 f"included (torch.utils.checkpoint's options). Tip: "
-                f"{_torch_options_tip(torch_options)}.") from error
+                f"{torch_options_tip(torch_options)}.") from error
         if args and isinstance(args[0], bool) and "positional argument" in str(error):
             # Megatron-Core's tensor_parallel.checkpoint(fn, distribute_saved_activations,
             # *args) kept as it is: the flag became fn's first argument.
@@ -234,6 +216,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         raise
 
 
+@refuses_torch_options
 def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
                  offload: bool | OffloadManager | None = None) -> Callable[..., T]:
     """Return ``fn`` wrapped in a boundary with the given options.

@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING, Any, Union
 from torch import nn
 
 from .apply import (layer_count, listed_layers, refuse_checkpointed_beyond, resolve_offload,
-                    validate_ratio)
+                    validate_ratio, warn_inside_torch_wrapper)
 from .boundary_call import BoundaryOptions
 from .errors import CheckpointConfigError
 from .keep import KeepPolicy, op_name
 from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misses
 from .kept_ops import KeptOps
 from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
+from .torch_options import refuses_torch_options
 from .tree import describe_leaf
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -146,6 +147,7 @@ def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[Save
     return list(config.save)
 
 
+@refuses_torch_options
 def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                            targets: RecomputeTargetMap, /, *, preserve_rng_state: bool = True,
                            offload: bool | OffloadManager | None = None) -> list[int]:
@@ -231,6 +233,8 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
         _refuse_unkeepable(module, name, chosen)
     for module, name in kept:
         install_kept(module, name)
+    warn_inside_torch_wrapper(None, [(f"layers[{index}]", layer)
+                                     for index, layer in enumerate(chosen)])
     for layer in chosen:
         install_boundary(layer, options)
     return list(range(count))

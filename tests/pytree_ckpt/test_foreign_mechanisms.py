@@ -454,11 +454,6 @@ def test_a_discarded_layer_compares_its_buffers_only_at_its_first_call(
     assert counts[0] > 0 and counts[1:] == [counts[0]] * 2, counts
 
 
-@pytest.mark.xfail(strict=True, reason="helper FO: a layer still inside torch.distributed's "
-                   "checkpoint_wrapper (NO_REENTRANT, torch's default) when it is also wrapped "
-                   "here runs its forward three times a step, silently (limits.md lists it), "
-                   "where transformers' own checkpointing left on is warned ('checkpointed "
-                   "twice'); a CheckpointWrapper is plain to see when applying")
 def test_a_layer_left_in_torchs_checkpoint_wrapper_is_warned_as_checkpointed_twice() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -472,3 +467,29 @@ def test_a_layer_left_in_torchs_checkpoint_wrapper_is_warned_as_checkpointed_twi
             model, check_fn=lambda m: isinstance(m, _Block), offload=False)
         _steps(model, model, steps=1)
     assert block.calls - before == 3  # what runs: eager's, torch's recompute, the replay
+
+
+def test_layers_holding_torchs_checkpoint_wrapper_are_warned_however_they_are_checkpointed(
+        ) -> None:
+    # The wrapper itself given (checkpoint_layers over a list of torch-wrapped layers), or a
+    # layer holding one, through each entry point: one warning per apply naming the layers;
+    # plain layers beside them are not named, and plain layers alone are not warned about.
+    import warnings
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _model()
+    wrapped = [checkpoint_wrapper(model[0]), model[1]]
+    with pytest.warns(UserWarning, match="checkpointed twice") as told:
+        pytree_ckpt.checkpoint_layers(wrapped, offload=False)
+    assert "holding the CheckpointWrapper itself" in str(told[0].message)
+    holder = nn.Sequential(checkpoint_wrapper(_model()[0]))
+    with pytest.warns(UserWarning, match=r"layers\[0\] \(holding the CheckpointWrapper 0\)") \
+            as told:
+        pytree_ckpt.apply_recompute_config(
+            [holder, _model()[1]], pytree_ckpt.RecomputeConfig(save=["attn"]),
+            {"attn": pytree_ckpt.KeptOps("aten::mm")}, offload=False)
+    assert "layers[1]" not in str(told[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pytree_ckpt.checkpoint_layers(list(_model()), offload=False)

@@ -1204,11 +1204,6 @@ def test_a_class_forward_without_get_keeps_its_signature_once_wrapped() -> None:
     assert inspect.signature(layer.forward) == inspect.signature(twin.forward)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FO: torch's checkpoint options moved to the "
-                   "functions that take the boundary's options (checkpointed, "
-                   "apply_activation_checkpointing, checkpoint_layers) raise Python's bare "
-                   "'unexpected keyword argument', with no tip, where checkpoint() and "
-                   "checkpoint_wrapper_fn= name the replacement")
 @pytest.mark.parametrize("option", ["use_reentrant", "context_fn", "determinism_check", "debug"])
 @pytest.mark.parametrize("where", ["checkpointed", "apply_activation_checkpointing",
                                    "checkpoint_layers"])
@@ -1229,12 +1224,6 @@ def test_torch_checkpoint_options_given_where_boundary_options_go_name_their_rep
     assert option in str(err.value) and "tip:" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FO: torch.distributed's apply_activation_"
-                   "checkpointing never chooses the model it is given (only_wrap_children), so "
-                   "check_fn=lambda m: isinstance(m, nn.Sequential) on a Sequential of "
-                   "Sequential blocks wraps the blocks; boundary.md calls this 'the same call', "
-                   "but here the model counts too and the call is refused as nested, with no "
-                   "word of the difference")
 def test_a_torch_check_fn_that_also_matches_the_model_checkpoints_its_blocks_as_torchs_does(
         ) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -1256,6 +1245,29 @@ def test_a_torch_check_fn_that_also_matches_the_model_checkpoints_its_blocks_as_
     try:
         apply_activation_checkpointing(ours, check_fn=check)
     except CheckpointConfigError as refused:
-        assert "torch" in str(refused)  # at least says why torch's same call wraps the blocks
-        return
+        # Says why torch's same call wraps the blocks, and the test that does the same here.
+        assert "never chooses the model it is given" in str(refused)
+        assert "m is not model and" in str(refused)
+        apply_activation_checkpointing(ours, check_fn=lambda m: m is not ours and check(m))
     assert [is_checkpointed(b) for b in ours] == [True, True] and not is_checkpointed(ours)
+
+
+def test_torchs_wrapper_and_selective_options_are_refused_where_they_are_moved_to() -> None:
+    # torch.distributed's checkpoint_wrapper(block, checkpoint_impl=...) becomes
+    # apply_activation_checkpointing(block), and a context_fn of selective checkpointing goes
+    # with apply_recompute_config: each is refused naming what it becomes, while the options
+    # these functions take themselves (preserve_rng_state) still reach them.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    block = nn.Linear(2, 2)
+    with pytest.raises(CheckpointConfigError, match="checkpoint_impl=") as raised:
+        apply_activation_checkpointing(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    assert "drop checkpoint_impl" in str(raised.value)
+    assert not pytree_ckpt.is_checkpointed(block)
+    with pytest.raises(CheckpointConfigError, match="context_fn=") as raised:
+        pytree_ckpt.apply_recompute_config([block], pytree_ckpt.RecomputeConfig(save=["attn"]),
+                                           {"attn": pytree_ckpt.KeptOps("aten::mm")},
+                                           context_fn=lambda: None)
+    assert "RecomputeConfig(save=[...])" in str(raised.value)
+    apply_activation_checkpointing(block, preserve_rng_state=False)
+    assert pytree_ckpt.is_checkpointed(block)

@@ -1,0 +1,77 @@
+"""torch.utils.checkpoint's options, moved over to pytree_ckpt's calls as they are: what each
+becomes here, told where it is given (NOTE [torch's options])."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from .errors import CheckpointConfigError
+
+__all__ = ["TORCH_OPTIONS", "refuses_torch_options", "torch_options_tip"]
+
+# NOTE [torch's options]: code moved from torch.utils.checkpoint (torchtitan's
+# ptd_checkpoint_wrapper(block, context_fn=..., determinism_check=..., early_stop=...)) brings
+# its options along. ``checkpoint(fn, *args, **kwargs)`` passes every keyword to ``fn`` (they
+# may be fn's own), so it tells about these where fn does not take them (functional.py); the
+# functions that take the boundary's own options refuse them here, naming what each becomes:
+# Python's "unexpected keyword argument" named no replacement (helper FO).
+TORCH_OPTIONS = {
+    "use_reentrant": "drop use_reentrant (the boundary is always reentrant-style, and takes "
+                     "any PyTree)",
+    "preserve_rng_state": "set preserve_rng_state with pytree_ckpt.checkpointed(fn, "
+                          "preserve_rng_state=...)(*args)",
+    "context_fn": "selective checkpointing (create_selective_checkpoint_contexts) is "
+                  "RecomputeConfig(save=[...]) with KeptOps targets, applied to layers with "
+                  "apply_recompute_config (docs/save_units.md)",
+    "determinism_check": "drop determinism_check (the structure, shapes and dtypes of the "
+                         "replay's outputs are always checked: ReplayMismatchError; what the "
+                         "forward computes inside must depend only on its inputs and its "
+                         "modules' state: docs/limits.md)",
+    "debug": "drop debug (a replay that differs raises ReplayMismatchError naming the key path,"
+             " and an error raised in the replay says it came from there)",
+    "early_stop": "drop early_stop (the replay always reruns the whole forward; keep what is "
+                  "costly to recompute with save units: docs/save_units.md)",
+}
+# torch.distributed's checkpoint_wrapper(module, checkpoint_impl=...), whose place
+# apply_activation_checkpointing takes.
+_WRAPPER_OPTIONS = {
+    "checkpoint_impl": "drop checkpoint_impl (the boundary is always reentrant-style, and takes "
+                       "any PyTree)",
+}
+
+
+def torch_options_tip(names: list[str], /) -> str:
+    return "; ".join(TORCH_OPTIONS.get(name) or _WRAPPER_OPTIONS[name] for name in names)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def refuses_torch_options(fn: Callable[P, R], /) -> Callable[P, R]:
+    """Have ``fn`` (which takes the boundary's options as keywords) refuse torch's options with
+    a ``CheckpointConfigError`` naming what each becomes (NOTE [torch's options]), but for
+    those ``fn`` takes itself. Its signature is unchanged; a call costs one set intersection
+    (these functions run once, when the model is set up)."""
+    # Less those fn takes itself (preserve_rng_state).
+    known = (TORCH_OPTIONS.keys() | _WRAPPER_OPTIONS.keys()) - \
+        inspect.signature(fn).parameters.keys()
+    name = getattr(fn, "__name__", "this call")
+
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        given = sorted(known & kwargs.keys()) if kwargs else []
+        if given:
+            raise CheckpointConfigError(
+                f"{name} takes no {', '.join(f'{option}=' for option in given)} "
+                "(options of torch.utils.checkpoint or torch.distributed's checkpoint_wrapper)",
+                expected=f"the keywords of {name} (docs/boundary.md, 'Coming from torch's "
+                         "checkpoint')",
+                got=", ".join(f"{option}={kwargs[option]!r}" for option in given),
+                tip=torch_options_tip(given))
+        return fn(*args, **kwargs)
+
+    return checked
