@@ -32,9 +32,12 @@ still records the op's node with the replay's inputs, and gradients flow. Rules:
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Iterable
 from contextvars import ContextVar
+from types import FrameType
 from typing import Any
 
 import optree
@@ -328,6 +331,11 @@ def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]
 
 
 _OP = torch._ops.OpOverload  # the usual func: one type check per op, not an isinstance
+# NOTE [control flow under save units]: torch's control-flow operators, by their names, and
+# the folder of their Python code.
+_CONTROL_FLOW = frozenset({"cond", "while_loop", "while_loop_stack_output", "scan", "map",
+                           "map_impl"})
+_HIGHER_ORDER_OPS = os.path.dirname(torch._higher_order_ops.__file__) + os.sep
 _DYNAMO_REFUSED = "non-infra torch dispatch mode present"
 
 
@@ -368,6 +376,35 @@ class KeepMode(TorchDispatchMode):
     # (helper FC). It runs as it is in both passes: recomputed, the ops inside it not kept.
     supports_higher_order_operators = True
 
+    def _refuse_control_flow(self, func: HigherOrderOperator, /) -> None:
+        """NOTE [control flow under save units]: torch.cond, while_loop, scan and map run
+        eagerly by compiling their own call, which lifts what the branches read (parameters in
+        a closure) into the op's operands, so that its autograd gives them gradients. Dynamo
+        compiles nothing while this mode is active (NOTE [higher-order ops pass through our
+        modes]): the op then ran its branches as they are, and in the replay the parameters
+        they read got no gradient, silently (helper FN); torch's own selective checkpoint
+        refuses these ops. Refused, in the original pass, naming the layer and the op. Dynamo
+        marked the op's own compile wrapper (running now, further up this stack) to be
+        skipped from then on, which left every later call of the op raising, in any module,
+        until ``torch._dynamo.reset()``: those code objects' caches are reset first."""
+        from .refusals import fn_name  # refusals imports keep's users
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(_HIGHER_ORDER_OPS):
+                torch._dynamo.reset_code(frame.f_code)
+            frame = frame.f_back
+        raise CheckpointConfigError(
+            f"{fn_name(self.layer)} calls torch's {func.name()} (a control-flow operator) while "
+            "the layer keeps save units: units keep ops through a TorchDispatchMode, under which "
+            f"dynamo does not trace {func.name()}'s branches, and the parameters they read "
+            "would get no gradient",
+            expected="no save unit on a layer whose forward calls torch.cond, while_loop, scan "
+                     "or map",
+            got=f"{func.name()} in the original pass of {fn_name(self.layer)}",
+            tip="apply the save units to layers without such code (RecomputeConfig's save=[] "
+                "for these, or wrap only the other layers), and recompute these layers in "
+                "full: the boundary itself (recompute and offload) runs them as eager does")
+
     def __init__(self, policy: KeepPolicy, invocation: Invocation, /, *, layer: Any) -> None:
         super().__init__()
         self.policy = policy
@@ -399,6 +436,8 @@ class KeepMode(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if type(func) is not _OP and isinstance(func, HigherOrderOperator):
+            if func.name() in _CONTROL_FLOW:
+                self._refuse_control_flow(func)
             return func(*args, **kwargs)  # NOTE [higher-order ops pass through our modes]
         if self._kept_at and func._schema.is_mutable:
             self._unkeep_written(func, args, kwargs)

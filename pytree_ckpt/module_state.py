@@ -145,19 +145,35 @@ def watch_tree(module: nn.Module, /) -> None:
         _WATCHED.update(module.modules())
 
 
-# NOTE [global hooks stay eager]: these hooks run for every module anyone builds, compiled code
-# included (compiled autograd builds an OptimizedModule inside a compiled step). Traced, dynamo
-# read the half-built module and failed (KeyError: _orig_mod) for models that never met a
-# boundary; opaque, they graph-break and count as always.
-@runs_eagerly(HOOK_REASON)
+# NOTE [global hooks stay eager]: these hooks run for every module anyone builds, and torch
+# calls the buffer one at every buffer assignment (`self.count += 1`), compiled code included
+# (compiled autograd builds an OptimizedModule inside a compiled step). Traced, dynamo read the
+# half-built module and failed (KeyError: _orig_mod) for models that never met a boundary; so
+# the counting runs eagerly, and opaque to dynamo. Where dynamo traces the hook it meets
+# is_compiling() first, true then, and returns: an opaque call there was a graph break in
+# every compiled module assigning a buffer, and fullgraph=True raised, once any boundary had
+# run in the process, checkpointed or not (helper FN). A registration in traced code is not
+# counted: the boundary's own structure check (_check_structure) still sees a submodule added
+# so, not a buffer under a new name (a lazy buffer registered in a compiled forward).
 def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _count_submodule(module)
+
+
+@runs_eagerly(HOOK_REASON)
+def _count_submodule(module: nn.Module) -> None:
     global _structure_generation
     if _watched(module):  # NOTE [only watched trees move the generation]
         _structure_generation += 1
 
 
-@runs_eagerly(HOOK_REASON)  # NOTE [global hooks stay eager]
 def _bump_generation_for_new_buffer(module: nn.Module, name: str, buffer: Any) -> None:
+    if not torch.compiler.is_compiling():  # NOTE [global hooks stay eager]
+        _count_buffer(module, name)
+
+
+@runs_eagerly(HOOK_REASON)
+def _count_buffer(module: nn.Module, name: str) -> None:
     # NOTE [a new buffer is new state]: a buffer registered under a new name is state a
     # forward may change (the deprecated spectral_norm registers its u and v and a pre-hook
     # that iterates them, with no submodule): the layers' next calls must clone their small

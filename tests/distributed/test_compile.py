@@ -1390,12 +1390,6 @@ class _CallCounter(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-@pytest.mark.xfail(strict=True, reason="helper FN: once any boundary ran, pytree_ckpt's global "
-                   "buffer-registration hook (torch.compiler.disable'd) runs at every buffer "
-                   "reassignment, `self.count += 1` included: a fullgraph=True compile of such a "
-                   "module raises dynamo's 'Skip calling torch.compiler.disable()d function' with "
-                   "no tip, for a layer body compiled in the documented order and for a module "
-                   "never checkpointed alike (without fullgraph: one more graph break, silently)")
 @pytest.mark.parametrize("where", ["a checkpointed layer's body", "a module never checkpointed"])
 def test_a_fullgraph_body_counting_its_calls_in_a_buffer_compiles_after_a_boundary_ran(
         where: str) -> None:
