@@ -829,6 +829,28 @@ def test_a_jagged_tensor_built_from_offsets_inside_the_call_is_refused_with_the_
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_a_jagged_output_whose_replay_has_another_number_of_dimensions_is_named_a_different_tensor(
+        ) -> None:
+    # Guards against (helper FQ, mutant Q8): the jagged-offsets tip given for any jagged output
+    # the replay returns otherwise; one with another number of dimensions is the generic
+    # mismatch (rebuilding the offsets would change nothing there).
+    lin = torch.nn.Linear(4, 4)
+    offsets = torch.tensor([0, 3, 7])
+
+    def layer(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        if torch.is_grad_enabled():  # the replay (the original pass runs under no_grad)
+            h = h.unsqueeze(-1)
+        return torch.nested.nested_tensor_from_jagged(h, offsets)
+
+    x = torch.randn(7, 4, requires_grad=True)
+    out = checkpoint(layer, x, offsets)
+    with pytest.raises(ReplayMismatchError,
+                       match="returned a different tensor at output") as error:
+        out.values().square().sum().backward()
+    assert "ragged" not in str(error.value)
+
+
 @pytest.mark.parametrize("make, kind", [
     (lambda t: iter([t * 2]), "list_iterator"), (lambda t: (v for v in [t * 2]), "generator"),
     (lambda t: zip([t * 2], "a"), "zip"), (lambda t: map(torch.neg, [t * 2]), "map")])
