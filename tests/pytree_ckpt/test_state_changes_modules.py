@@ -700,6 +700,25 @@ def test_a_submodule_the_forward_registers_is_one_that_ran_when_other_models_are
     assert_same_grads(*grads)
 
 
+def test_layers_that_each_register_a_submodule_in_their_first_forward_give_eager_grads() -> None:
+    # Guards against (helper FQ, mutant Q31): the replay's tree check made against the tree
+    # read before the forward. Building an unrelated model no longer moves the structure
+    # generation (only watched trees do), so the test above passes either way; here each
+    # checkpointed layer's lazily built rotary moves it, and the first layer's own rotary
+    # looked replaced in its replay.
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(MakesItsRotary(), MakesItsRotary())
+        if wrap:
+            for layer in model:
+                pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(5, 8, requires_grad=True)
+        model(x).square().sum().backward()
+        grads.append(grads_of([x, *model.parameters()]))
+    assert_same_grads(*grads)
+
+
 class SwapsAfterWarmUp(nn.Module):
     """Runs a warm-up activation, then replaces it for later calls, in the forward."""
 
