@@ -388,6 +388,28 @@ def test_a_router_in_other_containers_classes_properties_or_modules_is_refused_n
     assert gate.weight.grad is None  # refused before anything was accumulated
 
 
+def test_a_router_in_a_list_of_exactly_64_modules_is_refused_naming_its_index() -> None:
+    # Guards against (helper FQ, mutant Q43): a list of exactly _OPENED (64) values left
+    # unopened like one of 65 (documented: "a dict, list or tuple of at most 64 values" is
+    # opened): the gate got no gradient under checkpointing, silently, where eager refuses.
+    gate = nn.Linear(8, 4)
+    routers = [nn.Identity() for _ in range(63)] + [gate]
+    route = lambda x: routers[63](x).softmax(-1).topk(2, dim=-1)  # noqa: E731
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="which requires grad"):
+        layer(x)  # eager: the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match="float result.values") as refused:
+        out.sum().backward()
+    assert "closure variable 'routers'[63]" in str(refused.value)
+    assert gate.weight.grad is None  # refused before anything was accumulated
+
+
 def test_an_int_read_through_a_trainable_model_refuses_the_floats_in_eager_too() -> None:
     # The rule is static: a trainable module reached is refused whatever fn reads from it
     # (docs/replay.md), alike in eager and under checkpointing; the message says where.
