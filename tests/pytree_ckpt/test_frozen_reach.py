@@ -180,6 +180,30 @@ def test_a_frozen_module_holding_a_trainable_module_its_code_does_not_read_refus
         [x, *parent.parameters()]))
 
 
+_Config = collections.namedtuple("_Config", "gate k head")
+
+
+def test_a_trainable_module_in_a_namedtuple_field_the_code_does_not_read_refuses_nothing(
+        ) -> None:
+    # Guards against (helper FQ, mutant Q44): every field of a namedtuple looked in, not only
+    # those fn's code reads: its trainable `head` (used outside the reused call) would refuse
+    # floats that eager computes without grad.
+    cfg = _Config(nn.Linear(8, 4).requires_grad_(False), 2, nn.Linear(8, 8))
+    route = lambda x: cfg.gate(x).softmax(-1).topk(cfg.k, dim=-1)  # noqa: E731
+    calls = Log()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        calls.append(current_phase())
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return cfg.head(x).gather(-1, ids) * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    assert_same_grads(*run_twice(
+        lambda ckpt: (checkpoint(layer, x) if ckpt else layer(x)).sum().backward(),
+        [x, *cfg.head.parameters()]))
+    assert len(calls) == 3  # eager, the original pass and the replay
+
+
 class _Counted:
     """A plain config that counts the reads of its ``__dict__``: each look in it reads it."""
 
