@@ -4,6 +4,7 @@ before the replay (NOTE [an index rebound before the replay] in pytree_ckpt/rebo
 
 from __future__ import annotations
 
+import dis
 import sys
 import warnings
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from pytree_ckpt import CheckpointError, CheckpointWithoutOutput, checkpoint
+from pytree_ckpt import subscripts
 from pytree_ckpt.subscripts import index_places
 from tests.pytree_ckpt.test_rebound import _grads, _layers, _logged, looks_counted
 
@@ -287,6 +289,41 @@ def test_the_cells_a_code_reads_into_a_subscripts_index_are_found(
     assert {fn.__code__.co_freevars[c] for c in cells} == set(indices)
     assert names == {"layers[len(t) - k](t)": ("len",),
                      "layers.get_submodule(str(i))(len(t))": ("str",)}.get(source, ())
+
+
+def _indexing(terms: int, negated: bool) -> tuple[Any, int]:
+    """A closure reading ``layers[i + a + ... + a]`` (negated or not), and how many
+    instructions push its index."""
+    expression = " + ".join(["i", *["a"] * terms])
+    if negated:
+        expression = f"-({expression})"
+    space: dict[str, Any] = {}
+    exec(f"def make(layers, i, a):\n    return lambda t: layers[{expression}]\n", space)
+    fn = space["make"]([], 0, 0)
+    ops = list(dis.get_instructions(fn.__code__))
+    at = next(n for n, op in enumerate(ops) if op.opname == "BINARY_SUBSCR" or
+              (op.opname == "BINARY_OP" and op.argrepr == "[]"))
+    start = next(n for n, op in enumerate(ops) if op.argval == "layers")
+    return fn, at - start - 1
+
+
+def test_an_index_of_exactly_the_longest_read_length_is_read_and_one_longer_is_not() -> None:
+    # Guards against (helper FQ, mutant Q48): the walk back over an index stopping one
+    # instruction short of _LONGEST_INDEX ("an index expression longer than this is not
+    # read"), or reading past it.
+    made: dict[int, Any] = {}
+    for terms in range(10, 40):
+        for negated in (False, True):
+            fn, length = _indexing(terms, negated)
+            made.setdefault(length, fn)
+    longest = subscripts._LONGEST_INDEX
+    if longest not in made or longest + 1 not in made:
+        pytest.skip("this Python's bytecode makes no index of exactly those lengths")
+    for length, read in ((longest, True), (longest + 1, False)):
+        fn = made[length]
+        cells, _ = index_places(fn.__code__)
+        found = {fn.__code__.co_freevars[c] for c in cells}
+        assert found == ({"a", "i"} if read else set()), (length, found)
 
 
 def test_a_code_with_nothing_to_note_is_looked_at_once_and_one_with_an_index_at_every_call(
