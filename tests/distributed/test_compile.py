@@ -439,6 +439,42 @@ def test_eager_calls_after_a_layers_first_walk_no_frames_and_compiled_callers_wa
         torch._dynamo.reset()
 
 
+def test_eager_calls_of_a_layer_first_called_through_torch_compile_layer_walk_no_frames(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Guards against (helper FQ, mutant Q60): a layer whose first call found a torch.compile(
+    # layer) wrapper left to look again at every call (check_wrapper None, not True): each
+    # eager call of the bare layer after that walked the call stack, which an eager step must
+    # not pay (NOTE [compiled around the layer]).
+    if not _compiled_calls_marked():
+        pytest.skip("this torch marks no torch.compile(module) call: first calls only")
+    from pytree_ckpt import compiled_layers
+
+    walks: list[nn.Module] = []
+    real = compiled_layers.compiled_wrapper
+
+    def counted(module: nn.Module) -> Any:
+        walks.append(module)
+        return real(module)
+
+    monkeypatch.setattr(compiled_layers, "compiled_wrapper", counted)
+    torch._dynamo.reset()
+    try:
+        net = _Net()
+        pytree_ckpt.apply_activation_checkpointing(net.block, offload=False)
+        wrapped = torch.compile(net.block, backend="eager")
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped(x).sum().backward()
+        assert len(_told_compiled_around(caught)) == 1 and walks == [net.block]
+        walks.clear()
+        for _ in range(3):
+            net(x).backward()  # eager, through the model: the bare layer
+        assert walks == []
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("first_call", ["compiled", "eager"])
 def test_a_fullgraph_compile_of_a_checkpointed_layer_itself_is_refused_naming_the_fix(
         first_call: str) -> None:
