@@ -234,6 +234,9 @@ def _codes() -> dict[str, Any]:
     def delete(t: Any) -> None:
         del cache[i]
 
+    def store_slice(t: Any) -> None:
+        cache[i:j] = t  # Python 3.12+: STORE_SLICE, two bounds
+
     def own_cell(t: Any) -> Any:
         n = 1  # its own variable, set at each call, that an inner function captures
         return (lambda: n)() + t[n]
@@ -255,6 +258,7 @@ def _codes() -> dict[str, Any]:
         "layers[order[i]](t)": lambda t: layers[order[i]](t),
         "cache[i] = t": store,
         "del cache[i]": delete,
+        "cache[i:j] = t": store_slice,
         "n = 1; t[n]": own_cell,
     }
 
@@ -267,7 +271,8 @@ def _codes() -> dict[str, Any]:
     ("cfg.get_submodule(f'layers.{j}')(t)", ("j",)), ("cfg.get_parameter(f'w{j}') * k", ()),
     ("layers.get_submodule(str(i))(len(t))", ("i",)),
     ("layers[-i](t)", ("i",)), ("layers[order[i]](t)", ("order", "i")),
-    ("cache[i] = t", ("i",)), ("del cache[i]", ("i",)), ("n = 1; t[n]", ())])
+    ("cache[i] = t", ("i",)), ("del cache[i]", ("i",)), ("n = 1; t[n]", ()),
+    ("cache[i:j] = t", ("i", "j"))])
 def test_the_cells_a_code_reads_into_a_subscripts_index_are_found(
         source: str, indices: tuple[str, ...]) -> None:
     # Guards against: a walk back over the index expression that stops early (an arithmetic
@@ -278,7 +283,8 @@ def test_the_cells_a_code_reads_into_a_subscripts_index_are_found(
     # taken for a late one (it is no free variable: no place in __closure__); and a layer
     # picked by a name the loop variable builds (getattr's arguments, a get_submodule call's
     # but not its object's, nor another method's, nor the arguments of a call made on what it
-    # returned).
+    # returned); a store through a slice's two late bounds (helper FQ, mutant Q67: Python
+    # 3.12's STORE_SLICE read as one value, its first bound missed).
     fn = _codes()[source]
     cells, names = index_places(fn.__code__)
     if source == "layers[i if t else j](t)" and sys.version_info[:2] in ((3, 10), (3, 12)):
