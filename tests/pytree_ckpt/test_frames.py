@@ -1787,6 +1787,53 @@ def test_a_router_a_default_or_a_class_attribute_holds_is_refused_as_in_eager(
     assert gate.weight.grad is None  # refused before anything was accumulated
 
 
+class _GateBase:
+    gate: nn.Module  # set per case: a trainable router held as a class attribute
+
+
+class _GateHolder(_GateBase):
+    """A plain holder whose methods read the gate through ``self``/``cls``: Python finds it on
+    the base class."""
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self.gate(x).softmax(-1).topk(2, dim=-1)
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        return self.gate(x).softmax(-1).topk(2, dim=-1)
+
+    @classmethod
+    def class_route(cls, x: torch.Tensor) -> Any:
+        return cls.gate(x).softmax(-1).topk(2, dim=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="helper FQ: grad_reach places a callable object's own "
+                   "attributes and a classmethod's class's own vars only; a class attribute "
+                   "found through the class (a base class's, or the class of the object a "
+                   "method is bound to) is not looked at: silent, the gate gets no gradient")
+@pytest.mark.parametrize("how", ["classmethod of a subclass", "method of a plain holder",
+                                 "callable object"])
+def test_a_router_held_as_an_inherited_class_attribute_is_refused_as_in_eager(how: str) -> None:
+    gate = nn.Linear(8, 4)
+    _GateBase.gate = gate
+    holder = _GateHolder()
+    route = {"classmethod of a subclass": _GateHolder.class_route,
+             "method of a plain holder": holder.route, "callable object": holder}[how]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: refused, the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    try:
+        with pytest.raises(ReuseError, match="float result.values"):
+            out.sum().backward()  # got: no refusal, and the gate got no gradient
+    finally:
+        del _GateBase.gate
+
+
 def test_a_partial_of_a_no_grad_router_and_a_plain_object_it_returns_replay_as_in_eager() -> None:
     # The exemption reaches through a partial to the decorated function, and covers a float a
     # plain object holds (a leaf the bridge does not open) too (kills CX's X19, X21).
