@@ -38,8 +38,9 @@ class Reach(NamedTuple):
 def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
     """NOTE [what fn reaches with grad]: rule 3's places, in order: fn itself or its owner,
     the modules among the call's arguments, the values a ``functools.partial`` binds, a plain
-    callable object's own attributes (or those of the plain object, or the class, a method is
-    bound to), the function's argument defaults (``lambda x, g=gate: ...``), its closure cells
+    callable object's attributes (or those of the plain object, or the class, a method is
+    bound to; class attributes of its class and user base classes included), the function's
+    argument defaults (``lambda x, g=gate: ...``), its closure cells
     and the globals its code reads. From each place the look goes on (``_Look``) into a
     dict, list or tuple of at most 64 values (``GATES["router"]``), and into the attributes of
     a plain object, a namedtuple, a class, a Python module or a frozen module whose names fn's
@@ -58,12 +59,15 @@ def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
     places += bound
     if isinstance(holder, torch.Tensor):  # a tensor's method: scores.topk
         places.append(("the tensor its method is bound to", holder))
-    elif isinstance(holder, type):  # a classmethod: its class's own attributes (cls.gate)
-        places += [(f"class attribute {name!r} of {holder.__name__}", value)
-                   for name, value in vars(holder).items() if not name.startswith("__")]
+    elif isinstance(holder, type):  # a classmethod: its class's attributes (cls.gate)
+        places += _class_places(holder, set())
     elif holder is not None and not isinstance(holder, (nn.Module, types.ModuleType)):
+        names = attribute_names(holder)
         places += [(f"attribute {name!r} of its {type(holder).__name__}",
-                    attribute(holder, name)) for name in attribute_names(holder)]
+                    attribute(holder, name)) for name in names]
+        # and its class's, where the instance has none of that name (helper FQ: a router held
+        # as a class attribute, self.gate, got no gradient, silently)
+        places += _class_places(type(holder), set(names))
     code = getattr(function, "__code__", None)
     places += [(f"default of {name!r}", value) for name, value in defaults_of(function)]
     for name, cell in zip(getattr(code, "co_freevars", ()),
@@ -173,6 +177,22 @@ class _Look:
         space = globals_of(function)
         return inside + [(f" via {name}: global {var!r}", space.get(var))
                          for var in globals_read(code)]
+
+
+def _class_places(cls: type, skip: set[str], /) -> list[tuple[str, Any]]:
+    """The attributes of ``cls`` and of its bases (a router a base class holds, read as
+    ``cls.gate`` or ``self.gate``), the nearest of each name, without dunders, names in
+    ``skip`` (the instance's own) or library classes' (object, Enum: they hold no user
+    module)."""
+    found: list[tuple[str, Any]] = []
+    for klass in cls.__mro__:
+        if library_code(klass):
+            continue
+        for name, value in vars(klass).items():
+            if not name.startswith("__") and name not in skip:
+                skip.add(name)
+                found.append((f"class attribute {name!r} of {klass.__name__}", value))
+    return found
 
 
 def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:

@@ -2341,12 +2341,6 @@ class _BranchOverCells(nn.Module):
         return torch.cond(x.sum() > 0, lambda t: self.c1(t), lambda t: self.c2(t), (x,))
 
 
-@pytest.mark.xfail(strict=True, reason="helper FN: a checkpointed layer called inside torch.cond's "
-                   "branch (or a scan / while_loop body) of an uncompiled model is refused by "
-                   "torch's UncapturedHigherOrderOpError, whose pytree_ckpt reason tells only of "
-                   "fullgraph compiles and compiling the layer's body (which does not help); the "
-                   "fix that works, checkpointing the module that calls the op, is not told, nor "
-                   "is the case in limits.md (torch's non-reentrant checkpoint runs there)")
 def test_a_checkpointed_layer_inside_torch_cond_is_refused_with_a_tip_naming_the_op() -> None:
     torch.manual_seed(0)
     model = _BranchOverCells()

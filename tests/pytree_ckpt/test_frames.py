@@ -1806,10 +1806,6 @@ class _GateHolder(_GateBase):
         return cls.gate(x).softmax(-1).topk(2, dim=-1)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FQ: grad_reach places a callable object's own "
-                   "attributes and a classmethod's class's own vars only; a class attribute "
-                   "found through the class (a base class's, or the class of the object a "
-                   "method is bound to) is not looked at: silent, the gate gets no gradient")
 @pytest.mark.parametrize("how", ["classmethod of a subclass", "method of a plain holder",
                                  "callable object"])
 def test_a_router_held_as_an_inherited_class_attribute_is_refused_as_in_eager(how: str) -> None:

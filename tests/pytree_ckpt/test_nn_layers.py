@@ -333,11 +333,9 @@ class _ScanCell(nn.Module):
         return ys + last
 
 
-@pytest.mark.xfail(strict=True, reason="helper FN: torch's scan rounds differently under no-grad "
-                   "(equal to the Python loop) than with grad, so the original pass's output, "
-                   "which the next layer reads, differs from eager's by float rounding (loss "
-                   "1.9e-6 off, gradients up to 5.7e-6 in a 2-layer stack); limits.md lists the "
-                   "same case for nn.LSTM on CPU, not scan")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Float rounding: a "
+                   "recurrent cell unrolled by torch's scan): scan rounds differently under the "
+                   "original pass's no-grad (as the Python loop) than with grad (helper FN)")
 def test_a_recurrent_cell_unrolled_by_scan_gives_eager_outputs_and_grads() -> None:
     torch.manual_seed(0)
     eager = nn.Sequential(_ScanCell(), _ScanCell())
