@@ -758,6 +758,30 @@ def test_a_data_alias_at_the_same_version_number_in_the_same_window_gets_a_copy_
     assert torch.equal(w.grad, expected)
 
 
+def test_a_window_saving_its_tensor_again_after_a_nested_window_copied_a_data_alias_reuses_its_copy(
+        ) -> None:
+    # Mutation testing (helper FP, mutant P14: pack_saved skipped the window's own copies and
+    # looked in pass_.shared only; every other test passed): a nested window (a boundary inside
+    # another one, or manager.window used directly) that copies a .data alias of the outer
+    # window's storage replaces it in pass_.shared, so the outer window saving the tensor again
+    # found only the alias's copy (another counter) and copied the storage a third time.
+    m = manager()
+    w = torch.randn(32, requires_grad=True)
+    x = torch.randn(32)
+    alias = x.data  # the same storage, a counter of its own
+    nbytes = x.untyped_storage().nbytes()
+    with m.window([x]):
+        a = w * x  # saves x: copied
+        with m.window([alias]):
+            b = w * alias  # saves the alias: a copy of its own (another counter)
+        c = w * x  # x again: the outer window's own copy serves
+    assert m.stats()["offloaded_bytes"] == 2 * nbytes
+    (a + b + c).sum().backward()
+    eager = w.detach().clone().requires_grad_()
+    (eager * x + eager * alias + eager * x).sum().backward()
+    assert torch.equal(w.grad, eager.grad)
+
+
 def test_the_default_floor_is_64_kib_a_storage_of_it_is_offloaded_and_one_just_below_is_not(
         ) -> None:
     # Guards against: OffloadConfig's default min_bytes changed from 1 << 16 (docs/offload.md,
