@@ -283,6 +283,21 @@ def test_a_backward_on_another_thread_counts_for_the_thread_that_ran_its_forward
     assert seen == [_OWN] and m.events() == []
 
 
+def test_events_on_a_thread_whose_forward_ran_and_whose_backward_did_not_yet_are_empty() -> None:
+    # Mutation testing (helper FP, mutant L3: a new lane's ``recent`` pass left None until its
+    # first backward; every other test passed): events() between the first forward and its
+    # backward, on the thread that opened the window, raised AttributeError instead of giving
+    # the documented empty list.
+    m = manager(prefetch=1)
+    w = torch.randn(32, requires_grad=True)
+    x = torch.randn(32)
+    with m.window([x]):
+        loss = (w * x).sum()
+    assert m.events() == []
+    loss.backward()
+    assert m.events() == [("restore", 0)] and torch.equal(w.grad, x)
+
+
 def test_a_pass_that_offloaded_nothing_on_a_thread_that_ended_is_still_warned_of(
         caplog: pytest.LogCaptureFixture) -> None:
     # Guards against: the "offloaded nothing" check looking only at live threads' passes. A
