@@ -1366,3 +1366,37 @@ def test_freeing_a_whole_wrapped_model_leaves_other_layers_caches_valid() -> Non
     del grown[0]._modules["0"], inner  # a submodule of a live tree freed
     gc.collect()
     assert structure_generation() > before
+
+
+@pytest.mark.xfail(strict=True, reason="helper FR: the structure check reads a childless "
+                   "module's _modules dict only; torch's own ModuleList.__delitem__ (del "
+                   "adapters[:] on an empty list) gives it a new dict, and an insert into that "
+                   "one is never seen: the inserted module gets no gradient, silently")
+def test_a_module_inserted_into_an_emptied_module_list_after_del_slice_gets_eager_grads(
+        ) -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.adapters = nn.ModuleList()  # filled later, as LoRA-style adapters
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            for adapter in self.adapters:
+                h = h + adapter(h)
+            return h
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(Block())
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped[0])
+    x = torch.randn(3, 8, requires_grad=True)
+    for model in (eager, wrapped):
+        model(x).sum().backward()  # the layer's tree cached with the list empty
+    for model in (eager, wrapped):
+        del model[0].adapters[:]  # a clear, a no-op here: torch's __delitem__ sets a new dict
+        torch.manual_seed(1)
+        model[0].adapters.insert(0, nn.Linear(8, 8))  # into that dict, behind the hooks
+        model.zero_grad()
+    x.grad = None
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=2))
