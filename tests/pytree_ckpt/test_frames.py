@@ -2240,3 +2240,46 @@ def test_reused_calls_from_threads_alive_together_are_refused_every_time() -> No
         with pytest.raises(ReuseError, match=r"was called from two threads within one "
                            "checkpointed call"):
             layer(torch.randn(4, 8))
+
+
+_AUX_HEAD = nn.Linear(8, 8)  # trainable, used by a method the router never calls
+
+
+class _Dispatcher:
+    """A plain router object: ``route`` computes from a detached input (no grad in eager);
+    ``aux_loss``, never called by ``route``, reads a trainable module as a global."""
+
+    def __init__(self) -> None:
+        self.k = 2
+
+    def route(self, x: torch.Tensor) -> Any:
+        return x.softmax(-1).topk(self.k, dim=-1)
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        return x.softmax(-1).topk(self.k, dim=-1)
+
+    def aux_loss(self, h: torch.Tensor) -> torch.Tensor:
+        return _AUX_HEAD(h).square().mean()
+
+
+@pytest.mark.xfail(strict=True, reason="helper FR: rule 3 now looks at every class attribute "
+                   "of a method's object's class, other methods included, and follows their "
+                   "globals: a router computing from detached inputs is refused (plain call "
+                   "and replay) because a sibling method it never calls reads a trainable "
+                   "module; it passed before af9b8fe")
+@pytest.mark.parametrize("how", ["method of a plain holder", "callable object"])
+def test_a_router_whose_sibling_method_reads_a_trainable_global_replays_as_in_eager(
+        how: str) -> None:
+    dispatcher = _Dispatcher()
+    route = dispatcher.route if how == "method of a plain holder" else dispatcher
+    proj = nn.Linear(8, 8)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = proj(x)
+        weights, ids = reuse_during_recompute(route, h.detach())
+        return h.gather(-1, ids) * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    eager, ckpt = run_twice(lambda wrapped: (checkpoint(layer, x) if wrapped else layer(x))
+                            .sum().backward(), [x, *proj.parameters()])
+    assert_same_grads(eager, ckpt)
