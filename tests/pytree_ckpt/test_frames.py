@@ -2320,3 +2320,57 @@ def test_a_router_returned_by_a_property_from_a_global_is_refused_as_in_eager() 
             out.sum().backward()  # got: no refusal, and the gate got no gradient
     finally:
         _PROPERTY_GATE.zero_grad(set_to_none=True)
+
+
+_ROUTER_CONFIG = {f"expert{i}": [i, float(i), str(i)] for i in range(60)}
+
+
+class _ManyMethodsRouter:
+    """A plain router whose class has helper methods ``route`` never calls, each reading a
+    module-level config."""
+
+    def __init__(self) -> None:
+        self.k = 2
+
+    def route(self, x: torch.Tensor) -> Any:
+        return x.softmax(-1).topk(self.k, dim=-1)
+
+    def capacity(self) -> float:
+        return _ROUTER_CONFIG["expert0"][1]
+
+    def bias(self) -> float:
+        return _ROUTER_CONFIG["expert1"][1]
+
+    def scale(self) -> float:
+        return _ROUTER_CONFIG["expert2"][1]
+
+
+@pytest.mark.xfail(strict=True, reason="helper FR: rule 3's look (run at every plain call and "
+                   "replay of a reused call returning floats) now follows every method of a "
+                   "plain holder's class and the globals they read, methods fn never calls: "
+                   "here about 5 us a call before, hundreds of us after (up to the 512-value "
+                   "budget each call)")
+def test_the_reach_look_of_a_router_method_does_not_open_methods_it_never_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytree_ckpt import grad_reach as reach_module
+
+    opened: list[str] = []
+    real = reach_module._Look._helper
+
+    def counted(self: Any, function: Any) -> Any:
+        opened.append(function.__qualname__)
+        return real(self, function)
+
+    monkeypatch.setattr(reach_module._Look, "_helper", counted)
+    router = _ManyMethodsRouter()
+    proj = nn.Linear(8, 8)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = proj(x)
+        weights, ids = reuse_during_recompute(router.route, h.detach())
+        return h.gather(-1, ids) * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    checkpoint(layer, x).sum().backward()
+    assert not [name for name in opened if name.split(".")[-1] in ("capacity", "bias", "scale")], \
+        opened
