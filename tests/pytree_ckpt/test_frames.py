@@ -2374,3 +2374,35 @@ def test_the_reach_look_of_a_router_method_does_not_open_methods_it_never_calls(
     checkpoint(layer, x).sum().backward()
     assert not [name for name in opened if name.split(".")[-1] in ("capacity", "bias", "scale")], \
         opened
+
+
+class _RouterMeta(type):
+    gate: nn.Module  # set per test: a trainable router held by the metaclass
+
+
+class _MetaHolder(metaclass=_RouterMeta):
+    @classmethod
+    def route(cls, x: torch.Tensor) -> Any:
+        return cls.gate(x).softmax(-1).topk(2, dim=-1)  # found on the metaclass
+
+
+@pytest.mark.xfail(strict=True, reason="helper FR: a router a classmethod reads as cls.gate "
+                   "where Python finds it on the class's metaclass is not looked at by rule 3 "
+                   "(_class_places walks cls.__mro__, not type(cls)'s): eager refuses, "
+                   "checkpointed the gate gets no gradient, silently")
+def test_a_router_held_by_a_metaclass_is_refused_as_in_eager() -> None:
+    _RouterMeta.gate = nn.Linear(8, 4)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(_MetaHolder.route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    try:
+        with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+            layer(x)  # eager: refused, the weights carry the gate's graph
+        out = checkpoint(layer, x)
+        with pytest.raises(ReuseError, match="float result.values"):
+            out.sum().backward()  # got: no refusal, and the gate got no gradient
+    finally:
+        del _RouterMeta.gate
