@@ -240,8 +240,9 @@ def warn_inside_torch_wrapper(model: nn.Module | None,
     """NOTE [a layer left in torch's wrapper]: a layer still inside torch.distributed's
     ``checkpoint_wrapper`` (a migration half done), or holding one, and checkpointed here too
     runs its forward three times a step (eager's, torch's recompute, this replay; gradients
-    stay exact; its reentrant impl is refused in backward) where once more than eager is
-    needed (helper FO): warned once per apply, naming the layers, as transformers' own
+    stay exact) where once more than eager is needed (helper FO): warned once per apply,
+    naming the layers (one holding a reentrant wrapper, whose every backward would be refused,
+    is refused at once), as transformers' own
     checkpointing left on is (``warn_stacked_checkpointing``). ``chosen``: (path in ``model``,
     module) pairs about to be checkpointed; their subtrees, and their ancestors in ``model``
     where given, are looked at (layers given in a list have no known ancestors: ``path`` then
@@ -249,6 +250,20 @@ def warn_inside_torch_wrapper(model: nn.Module | None,
     found = []
     for path, layer in chosen:
         inner = next((name for name, m in layer.named_modules() if _torch_wrapper(m)), None)
+        impl = getattr(layer.get_submodule(inner), "checkpoint_impl", None) \
+            if inner is not None else None
+        if getattr(impl, "name", None) == "REENTRANT":
+            # torch's reentrant checkpoint inside this boundary refuses every backward (helper
+            # FR: a warning saying gradients stay exact, then each backward refused).
+            raise CheckpointConfigError(
+                f"{path or type(layer).__name__} holds torch.distributed's CheckpointWrapper "
+                f"{inner or '(itself)'} with CheckpointImpl.REENTRANT, whose reentrant "
+                "checkpoint cannot run inside this boundary: every backward would be refused",
+                expected="no torch checkpoint wrapper inside a layer checkpointed here",
+                got=f"{inner or type(layer).__name__}: CheckpointWrapper(checkpoint_impl="
+                    "CheckpointImpl.REENTRANT)",
+                tip="take the layer out of torch's wrapper (module._checkpoint_wrapped_module, "
+                    "or drop the checkpoint_wrapper call) and keep pytree_ckpt's")
         parts = path.split(".") if path and model is not None else []
         outer = next((".".join(parts[:i]) for i in range(len(parts)) if model is not None and
                       _torch_wrapper(model.get_submodule(".".join(parts[:i])))), None)

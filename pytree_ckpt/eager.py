@@ -58,7 +58,10 @@ PHASE_REASON = (
     "docs/scaling.md)")
 HOOK_REASON = (
     "pytree_ckpt's module registration hooks run eagerly: torch calls them for every module "
-    "built anywhere, and they only count that the module structure changed")
+    "built anywhere, and they only count that the module structure changed. Under "
+    "fullgraph=True, register a submodule or a buffer under a new name outside the compiled "
+    "code (in __init__, or before the compiled call), or compile without fullgraph; a buffer "
+    "reassigned under its name (self.count += 1) compiles")
 BACKWARD_REASON = (
     "pytree_ckpt's checkpoint boundary replays its layer in backward eagerly: the replay runs "
     "the layer's forward again with grad enabled and takes its gradients, outside any graph")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .keep import never_kept, op_name
 
@@ -84,12 +85,13 @@ class KeptOps:
                 close = _near_op_names(name, self.op_names)
                 if close:
                     warnings.warn(f"KeptOps({name!r}) names no op in this build; did you mean "
-                                  f"{' or '.join(map(repr, close))}?", stacklevel=3)
+                                  f"{' or '.join(map(repr, close))}?", stacklevel=user_stacklevel())
                     warned.append(name)
                 continue
             reason = never_kept(namespace, packet, overload or None)
             if reason is not None:
-                warnings.warn(f"KeptOps({name!r}) keeps nothing: {reason}", stacklevel=3)
+                warnings.warn(f"KeptOps({name!r}) keeps nothing: {reason}",
+                              stacklevel=user_stacklevel())
                 warned.append(name)
                 continue
             base = f"{namespace}::{op_name}"
@@ -101,7 +103,7 @@ class KeptOps:
                     "keeps ops sees it; name the ops it becomes (list them by running the layer "
                     "under torch.utils.flop_counter.FlopCounterMode or a TorchDispatchMode), "
                     f"{example}, or keep the method that calls it with "
-                    "KeptCallables('Class.method')", stacklevel=3)
+                    "KeptCallables('Class.method')", stacklevel=user_stacklevel())
                 warned.append(name)
                 continue
             found.append(target)

@@ -152,9 +152,13 @@ def watch_tree(module: nn.Module, /) -> None:
 # the counting runs eagerly, and opaque to dynamo. Where dynamo traces the hook it meets
 # is_compiling() first, true then, and returns: an opaque call there was a graph break in
 # every compiled module assigning a buffer, and fullgraph=True raised, once any boundary had
-# run in the process, checkpointed or not (helper FN). A registration in traced code is not
-# counted: the boundary's own structure check (_check_structure) still sees a submodule added
-# so, not a buffer under a new name (a lazy buffer registered in a compiled forward).
+# run in the process, checkpointed or not (helper FN). A submodule registered in traced code
+# is not counted here: the boundary's own structure check (_check_structure) sees it. The
+# buffer hook is traced up to its test of the name: a reassignment (`self.count += 1`) ends
+# there; a new name goes on to the opaque count, a graph break (under fullgraph=True, dynamo's
+# refusal quoting HOOK_REASON). Uncounted, the replay of a layer that compiled code gave a
+# buffer read it as its forward left it (helper FR); counted by a traced increment, dynamo
+# guarded on the count's value and recompiled at every call.
 def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     if not torch.compiler.is_compiling():
         _count_submodule(module)
@@ -168,7 +172,7 @@ def _count_submodule(module: nn.Module) -> None:
 
 
 def _bump_generation_for_new_buffer(module: nn.Module, name: str, buffer: Any) -> None:
-    if not torch.compiler.is_compiling():  # NOTE [global hooks stay eager]
+    if name not in module._buffers:  # NOTE [global hooks stay eager]
         _count_buffer(module, name)
 
 
@@ -180,9 +184,9 @@ def _count_buffer(module: nn.Module, name: str) -> None:
     # buffers before the forward, as at their first calls (snapshots_wanted in
     # state_changes.py), or a layer that already replayed would replay from what its forward
     # left. A buffer reassigned under its name (an EMA, each call) goes through torch's
-    # register_buffer too, and is no new state: not counted.
+    # register_buffer too, and is no new state: not counted (the hook's own test).
     global _structure_generation
-    if name not in module._buffers and _watched(module):
+    if _watched(module):
         _structure_generation += 1
 
 
@@ -216,6 +220,9 @@ class DroppedOnCopy:
         return None
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
 class _Shape(DroppedOnCopy):
     """The cached shape of a module tree (weak references, which cannot be pickled)."""
 
@@ -223,11 +230,14 @@ class _Shape(DroppedOnCopy):
 
     def __init__(self, generation: int, tree: list[nn.Module]) -> None:
         self.generation = generation
-        # (weak reference, its _modules, their ids) for each module holding submodules.
+        # (weak reference, its _modules, their ids) for each module holding submodules, and
+        # each of torch's container classes, whose __delitem__ gives it a new dict even when
+        # empty (helper FR: `del adapters[:]` on an empty ModuleList, then an insert).
         self.containers = tuple((weakref.ref(m), m._modules, tuple(map(id, m._modules.values())))
-                                for m in tree if m._modules)
-        # The _modules dict of each module holding none.
-        self.childless = tuple(m._modules for m in tree if not m._modules)
+                                for m in tree if m._modules or isinstance(m, _CONTAINERS))
+        # The _modules dict of each other module, holding none.
+        self.childless = tuple(m._modules for m in tree
+                               if not m._modules and not isinstance(m, _CONTAINERS))
         # Weak references whose callbacks move the generation when a module of the tree is
         # freed while its root lives; dropped with this shape, their callbacks never run.
         freed = functools.partial(_module_freed, weakref.ref(tree[0]))
@@ -266,8 +276,8 @@ def _check_structure(module: nn.Module) -> None:
     dict staying empty only, without reading the module: a submodule put into it is an insert
     into that dict (its own ``insert`` or ``_modules[name] = m``; ``add_module`` and attribute
     assignment run the hooks), and one removed or replaced shows in its parent's ids; only a
-    ``_modules`` dict of its own reassigned to a non-empty one (which no torch code does) is
-    not seen. Cost per check (run twice a call): about 0.5 us for the 7-module layer of
+    ``_modules`` dict of its own reassigned to a non-empty one is not seen (torch's container
+    classes, whose ``__delitem__`` reassigns it, are checked as holders even when empty). Cost per check (run twice a call): about 0.5 us for the 7-module layer of
     examples.bench_boundary, 1.05 us when every module was read (helper FJ's timings then:
     0.86 us for a 12-module layer, 19.8 us for a 64-expert MoE layer).
     """

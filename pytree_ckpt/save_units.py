@@ -29,6 +29,7 @@ from torch import nn
 from .apply import (layer_count, listed_layers, refuse_checkpointed_beyond, resolve_offload,
                     validate_ratio, warn_inside_torch_wrapper)
 from .boundary_call import BoundaryOptions
+from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .keep import KeepPolicy, op_name
 from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misses
@@ -131,7 +132,7 @@ def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[Save
     if config.save is True:
         if not declared:
             warnings.warn("RecomputeConfig(save=True) on a model that declares no save units: "
-                          "nothing is kept", stacklevel=3)
+                          "nothing is kept", stacklevel=user_stacklevel())
         return declared
     assert isinstance(config.save, tuple)
     missing = [u for u in config.save if u not in declared]
@@ -191,7 +192,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     if units and not chosen:
         warnings.warn(f"RecomputeConfig(ratio={config.ratio}) checkpoints none of the "
                       f"{len(listed)} layers: the save units {[u.value for u in units]} keep "
-                      "nothing", stacklevel=2)
+                      "nothing", stacklevel=user_stacklevel())
     for unit in units if chosen else ():
         target = targets[unit]
         if isinstance(target, KeptOps):
@@ -200,7 +201,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
             if not found and missing:  # the others were warned about by name
                 warnings.warn(f"save unit {unit.value!r} keeps nothing: the ops {missing} do "
                               "not exist in this build (and the others, if any, were "
-                              "skipped with a warning above)", stacklevel=2)
+                              "skipped with a warning above)", stacklevel=user_stacklevel())
             ops.extend(found)
             if found:
                 unit_targets.append((unit.value, [op_name(op) for op in found], []))
@@ -212,7 +213,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
             if not names:
                 warnings.warn(f"save unit {unit.value!r} keeps nothing: no checkpointed layer "
                               f"has a method matching {list(target.targets)}"
-                              f"{near_misses(chosen, target)}", stacklevel=2)
+                              f"{near_misses(chosen, target)}", stacklevel=user_stacklevel())
             wrapped.extend(names)
             if names:
                 unit_targets.append((unit.value, [], names))
@@ -231,10 +232,10 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     refuse_checkpointed_beyond(listed, count, config.ratio)
     for module, name in kept:
         _refuse_unkeepable(module, name, chosen)
+    warn_inside_torch_wrapper(None, [(f"layers[{index}]", layer)  # may refuse: before changes
+                                     for index, layer in enumerate(chosen)])
     for module, name in kept:
         install_kept(module, name)
-    warn_inside_torch_wrapper(None, [(f"layers[{index}]", layer)
-                                     for index, layer in enumerate(chosen)])
     for layer in chosen:
         install_boundary(layer, options)
     return list(range(count))

@@ -495,25 +495,19 @@ def test_layers_holding_torchs_checkpoint_wrapper_are_warned_however_they_are_ch
         pytree_ckpt.checkpoint_layers(list(_model()), offload=False)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FR: a layer holding torch's CheckpointWrapper "
-                   "with CheckpointImpl.REENTRANT is warned at apply that its forward only runs "
-                   "once more than needed, 'gradients stay exact', and then every backward is "
-                   "refused (CheckpointError): the warning should say so, or apply refuse")
-def test_a_layer_holding_a_reentrant_torch_wrapper_is_not_told_its_gradients_stay_exact(
-        ) -> None:
-    import warnings
-
+def test_a_layer_holding_a_reentrant_torch_wrapper_is_refused_at_apply() -> None:
+    # Warned "checkpointed twice ... gradients stay exact", then every backward was refused
+    # (torch's reentrant checkpoint cannot run inside the boundary; helper FR): refused at
+    # apply, naming the wrapper, and the layer is left as it was.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, checkpoint_wrapper)
 
     holder = nn.Sequential(checkpoint_wrapper(_model()[0],
                                               checkpoint_impl=CheckpointImpl.REENTRANT))
-    with warnings.catch_warnings(record=True) as told:
-        warnings.simplefilter("always")
+    with pytest.raises(pytree_ckpt.CheckpointConfigError, match=r"holds torch.distributed's "
+                       r"CheckpointWrapper 0 with CheckpointImpl.REENTRANT") as raised:
         pytree_ckpt.apply_activation_checkpointing(holder, offload=False)
-    said = " ".join(str(w.message) for w in told)
-    assert "checkpointed twice" in said
+    assert "take the layer out of torch's wrapper" in str(raised.value)
+    assert not pytree_ckpt.is_checkpointed(holder)
     x = torch.randn(6, 8, requires_grad=True)
-    with pytest.raises(pytree_ckpt.CheckpointError, match="use_reentrant=True"):
-        holder(x).sum().backward()  # what happens
-    assert "gradients stay exact" not in said  # what the warning said would
+    holder(x).sum().backward()  # torch's wrapper alone runs as before

@@ -2262,11 +2262,6 @@ class _Dispatcher:
         return _AUX_HEAD(h).square().mean()
 
 
-@pytest.mark.xfail(strict=True, reason="helper FR: rule 3 now looks at every class attribute "
-                   "of a method's object's class, other methods included, and follows their "
-                   "globals: a router computing from detached inputs is refused (plain call "
-                   "and replay) because a sibling method it never calls reads a trainable "
-                   "module; it passed before af9b8fe")
 @pytest.mark.parametrize("how", ["method of a plain holder", "callable object"])
 def test_a_router_whose_sibling_method_reads_a_trainable_global_replays_as_in_eager(
         how: str) -> None:
@@ -2299,11 +2294,6 @@ class _PropertyHolder:
         return self.gate(x).softmax(-1).topk(2, dim=-1)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FR: a router a property of the holder's class "
-                   "returns from a global is not looked at by rule 3 (the look takes a "
-                   "property's getter for the attribute names it reads, not its globals, and "
-                   "the new class-attribute places do not open it): eager refuses, "
-                   "checkpointed the gate gets no gradient, silently")
 def test_a_router_returned_by_a_property_from_a_global_is_refused_as_in_eager() -> None:
     route = _PropertyHolder().route
 
@@ -2345,11 +2335,6 @@ class _ManyMethodsRouter:
         return _ROUTER_CONFIG["expert2"][1]
 
 
-@pytest.mark.xfail(strict=True, reason="helper FR: rule 3's look (run at every plain call and "
-                   "replay of a reused call returning floats) now follows every method of a "
-                   "plain holder's class and the globals they read, methods fn never calls: "
-                   "here about 5 us a call before, hundreds of us after (up to the 512-value "
-                   "budget each call)")
 def test_the_reach_look_of_a_router_method_does_not_open_methods_it_never_calls(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from pytree_ckpt import grad_reach as reach_module
@@ -2386,10 +2371,6 @@ class _MetaHolder(metaclass=_RouterMeta):
         return cls.gate(x).softmax(-1).topk(2, dim=-1)  # found on the metaclass
 
 
-@pytest.mark.xfail(strict=True, reason="helper FR: a router a classmethod reads as cls.gate "
-                   "where Python finds it on the class's metaclass is not looked at by rule 3 "
-                   "(_class_places walks cls.__mro__, not type(cls)'s): eager refuses, "
-                   "checkpointed the gate gets no gradient, silently")
 def test_a_router_held_by_a_metaclass_is_refused_as_in_eager() -> None:
     _RouterMeta.gate = nn.Linear(8, 4)
 

@@ -1390,9 +1390,6 @@ def test_a_control_flow_op_in_a_layer_keeping_units_is_refused_and_later_calls_s
     assert_same_grads(expected, got_full)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FR: apply_recompute_config's warnings use a "
-                   "fixed stacklevel (2, or 3 in _selected), and refuses_torch_options' wrapper "
-                   "adds a frame: they name pytree_ckpt/torch_options.py, not the user's line")
 def test_apply_recompute_configs_warnings_name_the_callers_line() -> None:
     cases = [(RecomputeConfig(0.0, save=True), TARGETS),  # ratio 0: nothing checkpointed
              (RecomputeConfig(1.0, save=True), {}),  # save=True, no unit declared
