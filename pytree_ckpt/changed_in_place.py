@@ -36,7 +36,10 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
     paths = [input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
              for slot in moved]
     views = any(tensors[slot]._base is not None for slot in moved)
-    where = paths[0] if len(paths) == 1 else "one of " + ", ".join(paths)
+    # Views share their base's counter: any of them may be the one written; separate tensors'
+    # counters each moved (helper FS: two of a running-softmax state, named 'one of').
+    where = f"input {paths[0]}" if len(paths) == 1 else \
+        ("input one of " if views else "inputs ") + ", ".join(paths)
     shared = (" (views share their base's version counter: the write may have gone to another "
               "view of the same tensor)" if views else "")
     # A sparse COO tensor's counter moves when it is only marked coalesced (`_coalesced_`,
@@ -44,8 +47,8 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
     # and nothing tells that apart; the fix is in the caller's hands (helper ET).
     coo = any(tensors[slot].layout == torch.sparse_coo for slot in moved)
     raise CheckpointError(
-        f"{fn_name(call.fn)} changed its input {where} in place{shared}; the replay would run "
-        "on the changed tensor and give wrong gradients",
+        f"{fn_name(call.fn)} changed its {where} in place{shared}; the replay would run on "
+        "the changed tensor and give wrong gradients",
         expected="inputs left as they are", got="a version counter moved by the original pass",
         tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
             "change outside the checkpointed call" + (

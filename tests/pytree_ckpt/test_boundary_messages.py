@@ -2360,8 +2360,6 @@ def test_a_checkpointed_layer_inside_torch_cond_is_refused_with_a_tip_naming_the
     wrapped(torch.randn(4, 8).abs()).sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="two independent inputs both changed in place are named "
-                                       "'one of args[1], args[2]', as if only one had changed")
 def test_two_independent_inputs_both_changed_in_place_are_both_named_not_one_of() -> None:
     # A running-softmax state (l, acc) updated in place by a sequence chunk: both tensors are
     # separate (no shared version counter), both counters moved, so there is no doubt to express.
