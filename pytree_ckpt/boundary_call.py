@@ -6,8 +6,9 @@ boundary_function.py."""
 from __future__ import annotations
 
 import dataclasses
+import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +37,10 @@ if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at r
     from .plain_state import PlainStateWatch
     from .rebound import Bound
 
-__all__ = ["DEFAULT_OPTIONS", "BoundaryCall", "BoundaryOptions"]
+__all__ = ["DEFAULT_OPTIONS", "NO_HELD", "BoundaryCall", "BoundaryOptions"]
+
+# No held tensors (NOTE [empty defaults]): read-only, one for every call.
+NO_HELD: Mapping[int, torch.Tensor] = types.MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,7 +94,7 @@ class BoundaryCall:
         self.n_inputs = 0
         # Names of the owner's attributes passed as inputs after the call's own (NOTE
         # [attributes set before the call] in boundary.py).
-        self.attributes: list[str] = []
+        self.attributes: Sequence[str] = ()
         self.params: list[torch.Tensor] | None = None  # None: an unknown callable
         self.owner: nn.Module | None = None
         self.frame = Frame()
@@ -100,9 +104,12 @@ class BoundaryCall:
         # NOTE [a replay kept between restricted backwards] (kept_replay.py)
         self.kept: KeptReplay | None = None
         self.out_spec: Any = None
-        self.out_leaves: list[Any] = []
-        self.out_tensor_index: list[int] = []
-        self.out_meta: list[tuple[torch.Size, torch.dtype]] = []
+        # NOTE [empty defaults]: an empty tuple where a call most often keeps nothing, or
+        # where the forward puts its own: a list per call is one more object allocated, and
+        # one more for the garbage collector to scan while the call waits for its backward.
+        self.out_leaves: Sequence[Any] = ()
+        self.out_tensor_index: Sequence[int] = ()
+        self.out_meta: Sequence[tuple[torch.Size, torch.dtype]] = ()
         self.env: ReplayEnvironment | None = None
         # The caller's own args and kwargs, for the original pass only (then dropped): fn sees
         # the very containers it was given, as in eager; the replay gets rebuilt containers,
@@ -126,9 +133,9 @@ class BoundaryCall:
         self.marks: dict[int, dict[str, Any]] | None = None
         # The modules' buffers, by submodule, and frozen parameters; for the original pass
         # only (then dropped).
-        self.buffer_dicts: list[dict[str, torch.Tensor | None]] = []
-        self.frozen: list[torch.Tensor] = []
-        self.frozen_at_call: list[torch.Tensor] = []  # the frozen ones, kept for backward
+        self.buffer_dicts: Sequence[dict[str, torch.Tensor | None]] = ()
+        self.frozen: Sequence[torch.Tensor] = ()
+        self.frozen_at_call: Sequence[torch.Tensor] = ()  # the frozen ones, kept for backward
         # NOTE [leaves the call makes] (refusals.py): weak references to the leaves the first
         # replay reached that are neither inputs nor parameters, checked once its graph is gone.
         self.made_leaves: list[weakref.ref[torch.Tensor]] | None = None
@@ -138,7 +145,7 @@ class BoundaryCall:
         # What ctx saved, as versions when saved: names an input changed after the call where
         # torch has no SavedTensor.unpack() (before 2.12; raise_changed_after_call in
         # changed_in_place.py).
-        self.saved_versions: list[int | None] = []
+        self.saved_versions: Sequence[int | None] = ()
         # The trainable parameters' versions as the original pass (or the last replay) left
         # them (NOTE [parameters changed in place] in changed_in_place.py).
         self.param_versions: ParameterVersions | None = None
@@ -172,7 +179,7 @@ class BoundaryCall:
         self.hooked_outputs: HookedOutputs | None = None
         # The tensors the modules held as attributes before fn ran, by id, when hooked (NOTE
         # [held tensors are not hooked outputs] in hook_outputs.py); for the original pass only.
-        self.held: dict[int, torch.Tensor] = {}
+        self.held: Mapping[int, torch.Tensor] = NO_HELD
         # Per saved input, its __torch_function__ subclass and attributes (None for a plain
         # tensor); None when every one is plain (NOTE [subclasses come back as themselves] in
         # subclass.py, NOTE [the replay sees tensor subclasses as the forward did] in rng.py).

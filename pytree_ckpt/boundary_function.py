@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .boundary_call import BoundaryCall
+from .boundary_call import NO_HELD, BoundaryCall
 from .census import Mechanism, census_active, report_held
 from .changed_in_place import (ParameterVersions, grad_switched, raise_input_changed,
                                refuse_grad_switched, refuse_parameters_changed,
@@ -195,15 +195,15 @@ class _BoundaryFunction(torch.autograd.Function):
             # NOTE [held tensors are not hooked outputs] (hook_outputs.py): as each hooked
             # module returned too, or, in a compiled body, after the call
             if recorded:
-                call.held.update(recorded.held)
+                held = call.held = {**call.held, **recorded.held}
                 if recorded.compiled:
-                    call.held.update(held_tensors(
+                    held.update(held_tensors(
                         {id(sub): sub.__dict__ for module in recorded.compiled
                          for sub in module.modules()}.values()))
         # For verify_leaves, should this call's replay be the one that verifies (whether it is
         # depends on the module structure then, which may change before backward).
         call.frozen_at_call = call.frozen
-        call.buffer_dicts, call.frozen, call.modules = [], [], None
+        call.buffer_dicts, call.frozen, call.modules = (), (), None
         flat = flatten(output, root="output")
         if len(flat.tensor_index) < len(flat.leaves):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
@@ -239,7 +239,7 @@ class _BoundaryFunction(torch.autograd.Function):
                              *((p, weakref.ref(out_tensors[p]), out_tensors[p]._version)
                                for p in state)]
         call.before = None
-        call.held = {}
+        call.held = NO_HELD
         call.out_spec = flat.spec
         call.out_tensor_index = flat.tensor_index
         call.out_meta = out_meta = []
@@ -250,9 +250,9 @@ class _BoundaryFunction(torch.autograd.Function):
             refuse_strided_nested(call.fn, flat.spec, flat.tensor_index, out_tensors,
                                   root="output")
             raise
-        call.out_leaves = flat.leaves
+        out_leaves = call.out_leaves = flat.leaves
         for index in flat.tensor_index:
-            call.out_leaves[index] = None
+            out_leaves[index] = None
         frozen = []
         for t in out_tensors:
             if not (t.is_floating_point() or t.is_complex()):

@@ -291,7 +291,7 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
     # reshard_after_forward=False) and a buffer that requires grad are not inputs, and the
     # replay's gradients would skip them.
     known = [*wrt, *call.frozen_at_call]
-    call.frozen_at_call = []
+    call.frozen_at_call = ()
     foreign = foreign_leaves(outs, known)
     assert call.owner is not None
     # fn is the module itself (checkpoint(module, x)): its own hooks run inside the boundary.

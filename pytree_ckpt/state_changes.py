@@ -79,8 +79,8 @@ class StateWatch:
     __slots__ = ("watched", "empty", "frozen", "frozen_versions", "trees", "frozen_entries",
                  "before", "storages", "compare", "written", "kernel_written")
 
-    def __init__(self, dicts: list[dict[str, torch.Tensor | None]],
-                 frozen: list[torch.Tensor], trees: Sequence[ModuleDicts], /, *,
+    def __init__(self, dicts: Sequence[dict[str, torch.Tensor | None]],
+                 frozen: Sequence[torch.Tensor], trees: Sequence[ModuleDicts], /, *,
                  snapshot: bool, compare: bool = False,
                  written: frozenset[tuple[int, int]] = frozenset()) -> None:
         # NOTE [state a kernel writes] (kernel_written.py): with ``compare`` (a module's first
@@ -271,7 +271,8 @@ class StateWatch:
         return ChangedState(buffers, list(parameters.values()), saved, storages, unchanged)
 
 
-def registered_state(dicts: list[dict[str, torch.Tensor | None]], /) -> ChangedState | None:
+def registered_state(dicts: Sequence[dict[str, torch.Tensor | None]], /
+                     ) -> ChangedState | None:
     """``StateWatch(dicts, [], ...).changed()`` for buffer dicts that were all empty before
     the forward, and no frozen parameter: the buffers the forward registered (the boundary
     builds no watch for such a tree; this is read after the call only when one dict is no
