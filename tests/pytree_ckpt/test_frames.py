@@ -2387,3 +2387,65 @@ def test_a_router_held_by_a_metaclass_is_refused_as_in_eager() -> None:
             out.sum().backward()  # got: no refusal, and the gate got no gradient
     finally:
         del _RouterMeta.gate
+
+
+class _ClassGateViaMethod:
+    """A plain router holder whose trainable gate is a class attribute, read only by a method
+    ``route`` calls (``self._score``)."""
+
+    gate = nn.Linear(8, 4)
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self._score(x).softmax(-1).topk(2, dim=-1)
+
+    def _score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
+
+
+class _ClassGateViaProperty:
+    """The gate a class attribute ``_g``, read through a property's getter."""
+
+    _g = nn.Linear(8, 4)
+
+    @property
+    def gate(self) -> nn.Module:
+        return self._g
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self.gate(x).softmax(-1).topk(2, dim=-1)
+
+
+class _ClassRegistryViaMethod:
+    """The gate in a class-level registry a helper method reads (``type(self).REG``)."""
+
+    REG = {"g": nn.Linear(8, 4)}
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self.pick()(x).softmax(-1).topk(2, dim=-1)
+
+    def pick(self) -> nn.Module:
+        return type(self).REG["g"]
+
+
+@pytest.mark.xfail(strict=True, reason="helper FT: rule 3 (169cb48) looks up on the holder's "
+                   "class only the names fn's own code reads, from a snapshot taken before a "
+                   "called method's or a property getter's names join `read`: a trainable "
+                   "class attribute read only by that method or getter is never looked at. "
+                   "Eager refuses; checkpointed, the gate gets no gradient, silently (found "
+                   "before 169cb48, which looked at every class attribute)")
+@pytest.mark.parametrize("holder", [_ClassGateViaMethod, _ClassGateViaProperty,
+                                    _ClassRegistryViaMethod])
+def test_a_class_attribute_router_read_by_a_called_method_or_property_is_refused_as_in_eager(
+        holder: type) -> None:
+    route = holder().route
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: refused, the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match="float result.values"):
+        out.sum().backward()  # got: no refusal, and the gate got no gradient
