@@ -2449,3 +2449,49 @@ def test_a_class_attribute_router_read_by_a_called_method_or_property_is_refused
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match="float result.values"):
         out.sum().backward()  # got: no refusal, and the gate got no gradient
+
+
+_SUPER_GATE = nn.Linear(8, 4)
+
+
+class _GlobalGateRouter:
+    def route(self, x: torch.Tensor) -> Any:
+        return _SUPER_GATE(x).softmax(-1).topk(2, dim=-1)
+
+
+class _SuperRouter(_GlobalGateRouter):
+    """Overrides ``route`` and calls the base's through ``super()``."""
+
+    def route(self, x: torch.Tensor) -> Any:
+        return super().route(x)
+
+
+class _NamedGateRouter:
+    """The gate a class attribute picked by a name held in an instance attribute."""
+
+    g = nn.Linear(8, 4)
+
+    def __init__(self) -> None:
+        self.which = "g"
+
+    def route(self, x: torch.Tensor) -> Any:
+        return getattr(self, self.which)(x).softmax(-1).topk(2, dim=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="helper FT: rule 3 opens a method by the nearest "
+                   "definition of the name read, so super().route(x) in an override opens the "
+                   "override itself, never the base's route reading a trainable global. Eager "
+                   "refuses; checkpointed, the gate gets no gradient, silently")
+def test_a_router_reached_through_super_is_refused_as_in_eager() -> None:
+    route = _SuperRouter().route
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: refused, the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match="float result.values"):
+        out.sum().backward()  # got: no refusal, and the gate got no gradient
