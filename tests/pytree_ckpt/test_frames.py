@@ -2495,3 +2495,22 @@ def test_a_router_reached_through_super_is_refused_as_in_eager() -> None:
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match="float result.values"):
         out.sum().backward()  # got: no refusal, and the gate got no gradient
+
+
+@pytest.mark.xfail(strict=True, reason="helper FT: since 169cb48 rule 3 looks at a holder's "
+                   "class attributes by the names fn's code reads only, so a trainable class "
+                   "attribute picked by getattr(self, self.which) is not looked at (it was "
+                   "before). Eager refuses; checkpointed, the gate gets no gradient, silently")
+def test_a_class_attribute_router_picked_by_a_getattr_name_is_refused_as_in_eager() -> None:
+    route = _NamedGateRouter().route
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: refused, the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match="float result.values"):
+        out.sum().backward()  # got: no refusal, and the gate got no gradient
