@@ -530,3 +530,18 @@ def test_checkpoint_layers_refusing_a_reentrant_torch_wrapper_leaves_every_layer
         pytree_ckpt.checkpoint_layers([good, holder], offload=False)
     assert not pytree_ckpt.is_checkpointed(good)
 
+
+@pytest.mark.xfail(strict=True, reason="helper FT: the apply-time refusal of a reentrant torch "
+                   "CheckpointWrapper looks at the first wrapper in the layer only: one nested "
+                   "inside a NO_REENTRANT wrapper is applied, then every backward is refused")
+def test_a_reentrant_torch_wrapper_nested_inside_a_non_reentrant_one_is_refused_at_apply(
+        ) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    inner = checkpoint_wrapper(_model()[0], checkpoint_impl=CheckpointImpl.REENTRANT)
+    layer = nn.Sequential(checkpoint_wrapper(nn.Sequential(inner),
+                                             checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    with pytest.raises(pytree_ckpt.CheckpointConfigError, match="CheckpointImpl.REENTRANT"):
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+    assert not pytree_ckpt.is_checkpointed(layer)
