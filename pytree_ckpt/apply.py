@@ -235,6 +235,30 @@ def _torch_wrapper(module: nn.Module, /) -> bool:
                klass.__module__.startswith("torch.distributed.") for klass in type(module).__mro__)
 
 
+def refuse_reentrant_torch_wrappers(chosen: Sequence[tuple[str, nn.Module]], /) -> None:
+    """A layer about to be checkpointed that is, or holds anywhere below it, torch's
+    CheckpointWrapper with CheckpointImpl.REENTRANT: torch's reentrant checkpoint inside this
+    boundary refuses every backward (helper FR: a warning saying gradients stay exact, then
+    each backward refused); refused before any layer changes (helper FT: checkpoint_layers had
+    checkpointed the layers before it)."""
+    for path, layer in chosen:
+        for inner, m in layer.named_modules():
+            impl = getattr(m, "checkpoint_impl", None) if _torch_wrapper(m) else None
+            if getattr(impl, "name", None) != "REENTRANT":
+                continue
+            what = (f"{path or type(layer).__name__} is" if not inner else
+                    f"{path or type(layer).__name__} holds at {inner!r}")
+            raise CheckpointConfigError(
+                f"{what} torch.distributed's CheckpointWrapper with CheckpointImpl.REENTRANT, "
+                "whose reentrant checkpoint cannot run inside this boundary: every backward "
+                "would be refused",
+                expected="no torch checkpoint wrapper inside a layer checkpointed here",
+                got=f"CheckpointWrapper(checkpoint_impl=CheckpointImpl.REENTRANT) at "
+                    f"{inner or '(the layer itself)'}",
+                tip="take the layer out of torch's wrapper (module._checkpoint_wrapped_module, "
+                    "or drop the checkpoint_wrapper call) and keep pytree_ckpt's")
+
+
 def warn_inside_torch_wrapper(model: nn.Module | None,
                               chosen: Sequence[tuple[str, nn.Module]], /) -> None:
     """NOTE [a layer left in torch's wrapper]: a layer still inside torch.distributed's
@@ -247,23 +271,10 @@ def warn_inside_torch_wrapper(model: nn.Module | None,
     module) pairs about to be checkpointed; their subtrees, and their ancestors in ``model``
     where given, are looked at (layers given in a list have no known ancestors: ``path`` then
     only names them)."""
+    refuse_reentrant_torch_wrappers(chosen)
     found = []
     for path, layer in chosen:
         inner = next((name for name, m in layer.named_modules() if _torch_wrapper(m)), None)
-        impl = getattr(layer.get_submodule(inner), "checkpoint_impl", None) \
-            if inner is not None else None
-        if getattr(impl, "name", None) == "REENTRANT":
-            # torch's reentrant checkpoint inside this boundary refuses every backward (helper
-            # FR: a warning saying gradients stay exact, then each backward refused).
-            raise CheckpointConfigError(
-                f"{path or type(layer).__name__} holds torch.distributed's CheckpointWrapper "
-                f"{inner or '(itself)'} with CheckpointImpl.REENTRANT, whose reentrant "
-                "checkpoint cannot run inside this boundary: every backward would be refused",
-                expected="no torch checkpoint wrapper inside a layer checkpointed here",
-                got=f"{inner or type(layer).__name__}: CheckpointWrapper(checkpoint_impl="
-                    "CheckpointImpl.REENTRANT)",
-                tip="take the layer out of torch's wrapper (module._checkpoint_wrapped_module, "
-                    "or drop the checkpoint_wrapper call) and keep pytree_ckpt's")
         parts = path.split(".") if path and model is not None else []
         outer = next((".".join(parts[:i]) for i in range(len(parts)) if model is not None and
                       _torch_wrapper(model.get_submodule(".".join(parts[:i])))), None)
@@ -368,6 +379,8 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager)
     for index, layer in enumerate(listed[:count]):  # before any changes: refused, none change
         refuse_other_options(layer, options, index=index)
+    refuse_reentrant_torch_wrappers([(f"layers[{index}]", layer)
+                                     for index, layer in enumerate(listed[:count])])
     for layer in listed[:count]:
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
                                        offload=manager if manager is not None else False)

@@ -36,10 +36,16 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
     paths = [input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot)
              for slot in moved]
     views = any(tensors[slot]._base is not None for slot in moved)
-    # Views share their base's counter: any of them may be the one written; separate tensors'
-    # counters each moved (helper FS: two of a running-softmax state, named 'one of').
-    where = f"input {paths[0]}" if len(paths) == 1 else \
-        ("input one of " if views else "inputs ") + ", ".join(paths)
+    # Views of one base share its counter: any of them may be the one written; each other
+    # tensor's counter moved itself (helpers FS, FT: a running-softmax state's two tensors,
+    # and a view beside a separate tensor, were named 'one of').
+    groups: dict[int, list[str]] = {}
+    for slot, path in zip(moved, paths):
+        base = tensors[slot]._base
+        groups.setdefault(id(tensors[slot] if base is None else base), []).append(path)
+    parts = [names[0] if len(names) == 1 else "one of " + ", ".join(names)
+             for names in groups.values()]
+    where = f"input {parts[0]}" if len(parts) == 1 else "inputs " + " and ".join(parts)
     shared = (" (views share their base's version counter: the write may have gone to another "
               "view of the same tensor)" if views else "")
     # A sparse COO tensor's counter moves when it is only marked coalesced (`_coalesced_`,

@@ -62,14 +62,15 @@ def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
     code = getattr(function, "__code__", None)
     look = _Look(attributes_read(code))
     if isinstance(holder, type):  # a classmethod: its class's attributes (cls.gate)
-        places += _class_places(holder, look.read, set(), metaclass=True)
+        places += _class_places(holder, look.read, set(), metaclass=True, calling=function)
     elif holder is not None and not isinstance(holder, (nn.Module, types.ModuleType)):
         names = attribute_names(holder)
         places += [(f"attribute {name!r} of its {type(holder).__name__}",
                     attribute(holder, name)) for name in names]
         # and its class's, where the instance has none of that name (helper FQ: a router held
         # as a class attribute, self.gate, got no gradient, silently)
-        places += _class_places(type(holder), look.read, set(names), metaclass=False)
+        places += _class_places(type(holder), look.read, set(names), metaclass=False,
+                                calling=function)
     places += [(f"default of {name!r}", value) for name, value in defaults_of(function)]
     for name, cell in zip(getattr(code, "co_freevars", ()),
                           getattr(function, "__closure__", None) or ()):
@@ -179,30 +180,44 @@ class _Look:
                          for var in globals_read(code)]
 
 
-def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bool
-                  ) -> list[tuple[str, Any]]:
-    """The attributes of ``cls`` (its bases' included: a router a base class holds) whose
-    names fn's code reads (``cls.gate``, ``self.gate``), but for those in ``skip`` (the
-    instance's own); with ``metaclass``, also those its metaclass holds (``cls.gate`` of a
-    class made by ``class Meta(type): gate = ...``). By the names read only: a method fn never
-    calls is not looked into (helper FR: a sibling method reading a trainable global refused a
-    legal router, and a class of 30 helpers cost 0.7 ms a call)."""
-    found = []
-    for name in sorted(read - skip):
-        value = _class_attribute(cls, name, read)
-        if value is None and metaclass:
-            value = _class_attribute(type(cls), name, read)
-        if value is not None:
-            found.append((f"class attribute {name!r} of {cls.__name__}", value))
+def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bool,
+                  calling: Any = None) -> list[tuple[str, Any]]:
+    """The attributes of ``cls`` (its bases' included: a router a base class holds) that fn
+    may reach, but for names in ``skip`` (the instance's own): every module or tensor held as
+    a class attribute, whatever the name (``getattr(self, self.which)``), and, by the names
+    fn's code reads (``cls.gate``, ``self.score``), the other values, the names a method or a
+    property's getter reads joining those looked up (``self._score()`` reading ``self.gate``);
+    with ``metaclass``, also what its metaclass holds (``cls.gate`` of a class made by
+    ``class Meta(type): gate = ...``). A method fn never calls is not opened (helper FR: a
+    sibling method reading a trainable global refused a legal router, and a class of 30
+    helpers cost 0.7 ms a call); ``calling`` (fn's own function) is looked past to the
+    definition it overrides, which ``super().route(x)`` calls (helper FT)."""
+    found: list[tuple[str, Any]] = []
+    done = set(skip)
+    for klass in cls.__mro__:
+        if not library_code(klass):
+            for name, value in vars(klass).items():
+                if name not in done and isinstance(value, (nn.Module, torch.Tensor)):
+                    done.add(name)
+                    found.append((f"class attribute {name!r} of {cls.__name__}", value))
+    while todo := sorted(read - done):  # a method's or getter's names join read
+        for name in todo:
+            done.add(name)
+            value = _class_attribute(cls, name, read, past=calling)
+            if value is None and metaclass:
+                value = _class_attribute(type(cls), name, read)
+            if value is not None:
+                found.append((f"class attribute {name!r} of {cls.__name__}", value))
     return found
 
 
-def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:
+def _class_attribute(cls: type, name: str, read: set[str], /, *, past: Any = None) -> Any:
     """The value a class (or an instance through it) gives for ``name``, if a plain one
     (``Routers.gate``); for a property or a method, its getter or function, whose code's
     names join ``read`` (``return self._gate``) and which the look opens as a helper (the
     globals it reads: a property returning a global router, helper FR). Read from the
-    classes' own dicts: no descriptor runs."""
+    classes' own dicts: no descriptor runs. A method that is ``past`` (the function being
+    looked at) is passed over for the definition it overrides."""
     for klass in cls.__mro__:
         if name not in vars(klass) or library_code(klass):
             continue
@@ -211,6 +226,8 @@ def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:
             # A method fn calls reads the object's attributes for it (holder.score: self.gate)
             getter = found.fget if isinstance(found, property) else \
                 getattr(found, "__func__", found)
+            if past is not None and getter is past:
+                continue
             read.update(attributes_read(getattr(getter, "__code__", None)))
             return getter if isinstance(getter, types.FunctionType) else None
         return found

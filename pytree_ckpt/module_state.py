@@ -125,16 +125,20 @@ _hook_installed = False
 # generation every layer redid its first-call checks at its next call (helper EG: 30-40% more
 # CPU time a step for a small stack building one module a step). A module attached to a
 # watched one is registered on it (a bump), and its tree is watched from the next cache on.
-_WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Marked in the module's own __dict__ (a copy or pickle carries None: watched from its own
+# first call), not held in a set: the buffer hook reads the mark where dynamo traces it (NOTE
+# [global hooks stay eager]), and a module class defining __eq__ without __hash__ (a dataclass
+# module, helper EL) needs no hashing.
+_WATCHED = "_pytree_ckpt_watched"
 
 
 def _watched(module: nn.Module, /) -> bool:
-    # A module class defining __eq__ without __hash__ (a dataclass module) cannot be looked up
-    # (helper EL: building one raised TypeError): counted as watched, as every module was.
-    try:
-        return module in _WATCHED
-    except TypeError:
-        return True
+    return module.__dict__.get(_WATCHED) is not None
+
+
+def _watch(modules: Iterable[nn.Module], /) -> None:
+    for m in modules:
+        m.__dict__[_WATCHED] = _WATCHED_MARK
 
 
 def watch_tree(module: nn.Module, /) -> None:
@@ -142,7 +146,7 @@ def watch_tree(module: nn.Module, /) -> None:
     being built (a copy, whose boundary is made before its submodules are) is watched from its
     first call instead, when its tree is cached."""
     if "_modules" in module.__dict__:
-        _WATCHED.update(module.modules())
+        _watch(module.modules())
 
 
 # NOTE [global hooks stay eager]: these hooks run for every module anyone builds, and torch
@@ -154,9 +158,10 @@ def watch_tree(module: nn.Module, /) -> None:
 # every compiled module assigning a buffer, and fullgraph=True raised, once any boundary had
 # run in the process, checkpointed or not (helper FN). A submodule registered in traced code
 # is not counted here: the boundary's own structure check (_check_structure) sees it. The
-# buffer hook is traced up to its test of the name: a reassignment (`self.count += 1`) ends
-# there; a new name goes on to the opaque count, a graph break (under fullgraph=True, dynamo's
-# refusal quoting HOOK_REASON). Uncounted, the replay of a layer that compiled code gave a
+# buffer hook is traced up to its test of the name and of the module's watch mark: a
+# reassignment (`self.count += 1`), or a new name on a module no boundary met, ends there; a
+# new name on a watched module goes on to the opaque count, a graph break (under
+# fullgraph=True, dynamo's refusal quoting HOOK_REASON). Uncounted, the replay of a layer that compiled code gave a
 # buffer read it as its forward left it (helper FR); counted by a traced increment, dynamo
 # guarded on the count's value and recompiled at every call.
 def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
@@ -172,7 +177,10 @@ def _count_submodule(module: nn.Module) -> None:
 
 
 def _bump_generation_for_new_buffer(module: nn.Module, name: str, buffer: Any) -> None:
-    if name not in module._buffers:  # NOTE [global hooks stay eager]
+    # NOTE [global hooks stay eager]; a name registered as None and given a tensor later is
+    # new state too (helper FT), and an unwatched module's never counts (compiled code of a
+    # module that never met a boundary registering a lazy buffer: no graph break)
+    if module._buffers.get(name) is None and getattr(module, _WATCHED, None) is not None:
         _count_buffer(module, name)
 
 
@@ -186,8 +194,7 @@ def _count_buffer(module: nn.Module, name: str) -> None:
     # left. A buffer reassigned under its name (an EMA, each call) goes through torch's
     # register_buffer too, and is no new state: not counted (the hook's own test).
     global _structure_generation
-    if _watched(module):
-        _structure_generation += 1
+    _structure_generation += 1
 
 
 def watch_module_structure() -> None:
@@ -223,6 +230,23 @@ class DroppedOnCopy:
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
+def _plain_leaf(module: nn.Module, /) -> bool:
+    # One of torch.nn's own leaf classes (Linear, LayerNorm, an activation), which never
+    # reassign their _modules: checked by their dict staying empty. A container class (whose
+    # __delitem__ reassigns it even when empty) or a class of the user's (a container that
+    # clears itself with a new dict: helper FT) is checked as a holder.
+    return not isinstance(module, _CONTAINERS) and torch_nn_class(module)
+
+
+class _Watch(DroppedOnCopy):
+    """The mark of a watched module (NOTE [only watched trees move the generation])."""
+
+    __slots__ = ()
+
+
+_WATCHED_MARK = _Watch()
+
+
 class _Shape(DroppedOnCopy):
     """The cached shape of a module tree (weak references, which cannot be pickled)."""
 
@@ -234,10 +258,9 @@ class _Shape(DroppedOnCopy):
         # each of torch's container classes, whose __delitem__ gives it a new dict even when
         # empty (helper FR: `del adapters[:]` on an empty ModuleList, then an insert).
         self.containers = tuple((weakref.ref(m), m._modules, tuple(map(id, m._modules.values())))
-                                for m in tree if m._modules or isinstance(m, _CONTAINERS))
+                                for m in tree if m._modules or not _plain_leaf(m))
         # The _modules dict of each other module, holding none.
-        self.childless = tuple(m._modules for m in tree
-                               if not m._modules and not isinstance(m, _CONTAINERS))
+        self.childless = tuple(m._modules for m in tree if not m._modules and _plain_leaf(m))
         # Weak references whose callbacks move the generation when a module of the tree is
         # freed while its root lives; dropped with this shape, their callbacks never run.
         freed = functools.partial(_module_freed, weakref.ref(tree[0]))
@@ -300,7 +323,7 @@ def _check_structure(module: nn.Module) -> None:
                 return
         _structure_generation += 1  # changed behind the hooks: every cache is stale
     tree = list(module.modules())
-    _WATCHED.update(tree)  # NOTE [only watched trees move the generation]
+    _watch(tree)  # NOTE [only watched trees move the generation]
     module.__dict__[_SHAPE] = _Shape(_structure_generation, tree)
 
 

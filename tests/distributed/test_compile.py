@@ -1467,10 +1467,11 @@ class _DecayedLayer(nn.Module):
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_a_buffer_registered_on_a_checkpointed_layer_by_compiled_code_gives_eager_grads(
         fullgraph: bool) -> None:
-    # NOTE [global hooks stay eager]: a buffer under a new name is counted by an opaque call (a
-    # traced count made dynamo guard on its value: test above), so compiled code registering
-    # one graph-breaks there, and under fullgraph=True dynamo refuses, quoting the hooks'
-    # reason with what to do: register it outside the compiled code, which is exact.
+    # NOTE [global hooks stay eager]: a buffer under a new name on a watched module (one a
+    # boundary cached) is counted by an opaque call (a traced count made dynamo guard on its
+    # value: test above), so compiled code registering one graph-breaks there, and under
+    # fullgraph=True dynamo refuses, quoting the hooks' reason with what to do: register it
+    # outside the compiled code, which is exact. A module no boundary met is not counted.
     def setup(layer: nn.Module, x: torch.Tensor, late: bool) -> torch.Tensor:
         if late and "decay" not in layer._buffers:  # lazily, at a later step
             layer.register_buffer("decay", torch.ones(()))
@@ -1485,10 +1486,12 @@ def test_a_buffer_registered_on_a_checkpointed_layer_by_compiled_code_gives_eage
         pytree_ckpt.apply_activation_checkpointing(wrapped, offload=False)
         x = torch.randn(3, 8, requires_grad=True)
         if fullgraph:
+            probe = pytree_ckpt.apply_activation_checkpointing(nn.Linear(2, 2), offload=False)
+            probe(torch.randn(1, 2, requires_grad=True)).sum().backward()  # its tree watched
             with pytest.raises(torch._dynamo.exc.Unsupported,
                                match="register a submodule or a buffer under a new name "
                                      "outside the compiled code"):
-                compiled_setup(nn.Linear(2, 2), x, True)
+                compiled_setup(probe, x, True)
             compiled_setup = torch.compile(  # what the reason says: registered outside it
                 lambda model, x, late: x * 1, backend="eager", fullgraph=True)
         for step in range(3):
@@ -1518,12 +1521,6 @@ class _LazyScaled(nn.Module):
         return self.lin(x) * self.scale
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: since 169cb48 the global buffer hook is "
-                   "traced up to its name test and a new name goes to the opaque _count_buffer "
-                   "for every module, watched or not: a model that never meets a boundary, "
-                   "compiled with fullgraph=True, registering a lazy buffer, raises Unsupported "
-                   "once any boundary ran in the process (it compiled before; helper FN's case "
-                   "for a reassignment); without fullgraph it gains a graph break")
 def test_a_fullgraph_module_never_checkpointed_registering_a_lazy_buffer_compiles_after_a_boundary_ran(
         ) -> None:
     torch._dynamo.reset()

@@ -748,7 +748,7 @@ def test_a_data_alias_at_the_same_version_number_in_the_same_window_gets_a_copy_
     x.mul_(2)  # version 1
     alias = x.data  # its own counter, at 0
     with m.window([x]):
-        unused = w * x  # saves x at version 1: copied  # noqa: F841
+        unused = w * x  # saves x at version 1: copied
         alias.mul_(3)  # the alias at version 1 too; x's counter does not move
         loss = (w * alias).sum()  # saves the alias
     expected = alias.clone()  # eager's gradient of w
@@ -756,6 +756,7 @@ def test_a_data_alias_at_the_same_version_number_in_the_same_window_gets_a_copy_
     m.stats()  # the copies taken in: the storage lives on the host copies alone
     loss.backward()
     assert torch.equal(w.grad, expected)
+    del unused  # held to here, its saved copy with it
 
 
 def test_a_window_saving_its_tensor_again_after_a_nested_window_copied_a_data_alias_reuses_its_copy(

@@ -2378,10 +2378,6 @@ def test_two_independent_inputs_both_changed_in_place_are_both_named_not_one_of(
     assert "one of" not in message.split("\n")[0]
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: raise_input_changed says 'one of' (and that "
-                   "views share a counter) as soon as any moved input is a view: a view and a "
-                   "separate tensor both changed in place are named 'one of args[1], args[2]', "
-                   "though the separate one certainly changed and shares no counter")
 def test_a_view_and_a_separate_input_both_changed_in_place_are_both_named_not_one_of() -> None:
     # The running-softmax state of the test above, its l a row of a preallocated table.
     def chunk(q: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:

@@ -504,8 +504,9 @@ def test_a_layer_holding_a_reentrant_torch_wrapper_is_refused_at_apply() -> None
 
     holder = nn.Sequential(checkpoint_wrapper(_model()[0],
                                               checkpoint_impl=CheckpointImpl.REENTRANT))
-    with pytest.raises(pytree_ckpt.CheckpointConfigError, match=r"holds torch.distributed's "
-                       r"CheckpointWrapper 0 with CheckpointImpl.REENTRANT") as raised:
+    with pytest.raises(pytree_ckpt.CheckpointConfigError, match=r"Sequential holds at '0' "
+                       r"torch.distributed's CheckpointWrapper with CheckpointImpl.REENTRANT"
+                       ) as raised:
         pytree_ckpt.apply_activation_checkpointing(holder, offload=False)
     assert "take the layer out of torch's wrapper" in str(raised.value)
     assert not pytree_ckpt.is_checkpointed(holder)
@@ -513,11 +514,6 @@ def test_a_layer_holding_a_reentrant_torch_wrapper_is_refused_at_apply() -> None
     holder(x).sum().backward()  # torch's wrapper alone runs as before
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: checkpoint_layers refuses a layer holding a "
-                   "reentrant torch CheckpointWrapper inside its per-layer "
-                   "apply_activation_checkpointing call, after the earlier layers were already "
-                   "checkpointed (its own comment: 'before any changes: refused, none change'); "
-                   "apply_recompute_config checks all layers first")
 def test_checkpoint_layers_refusing_a_reentrant_torch_wrapper_leaves_every_layer_unchanged(
         ) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -531,9 +527,6 @@ def test_checkpoint_layers_refusing_a_reentrant_torch_wrapper_leaves_every_layer
     assert not pytree_ckpt.is_checkpointed(good)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: the apply-time refusal of a reentrant torch "
-                   "CheckpointWrapper looks at the first wrapper in the layer only: one nested "
-                   "inside a NO_REENTRANT wrapper is applied, then every backward is refused")
 def test_a_reentrant_torch_wrapper_nested_inside_a_non_reentrant_one_is_refused_at_apply(
         ) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (

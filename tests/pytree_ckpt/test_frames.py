@@ -2427,12 +2427,6 @@ class _ClassRegistryViaMethod:
         return type(self).REG["g"]
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: rule 3 (169cb48) looks up on the holder's "
-                   "class only the names fn's own code reads, from a snapshot taken before a "
-                   "called method's or a property getter's names join `read`: a trainable "
-                   "class attribute read only by that method or getter is never looked at. "
-                   "Eager refuses; checkpointed, the gate gets no gradient, silently (found "
-                   "before 169cb48, which looked at every class attribute)")
 @pytest.mark.parametrize("holder", [_ClassGateViaMethod, _ClassGateViaProperty,
                                     _ClassRegistryViaMethod])
 def test_a_class_attribute_router_read_by_a_called_method_or_property_is_refused_as_in_eager(
@@ -2478,10 +2472,6 @@ class _NamedGateRouter:
         return getattr(self, self.which)(x).softmax(-1).topk(2, dim=-1)
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: rule 3 opens a method by the nearest "
-                   "definition of the name read, so super().route(x) in an override opens the "
-                   "override itself, never the base's route reading a trainable global. Eager "
-                   "refuses; checkpointed, the gate gets no gradient, silently")
 def test_a_router_reached_through_super_is_refused_as_in_eager() -> None:
     route = _SuperRouter().route
 
@@ -2497,10 +2487,6 @@ def test_a_router_reached_through_super_is_refused_as_in_eager() -> None:
         out.sum().backward()  # got: no refusal, and the gate got no gradient
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: since 169cb48 rule 3 looks at a holder's "
-                   "class attributes by the names fn's code reads only, so a trainable class "
-                   "attribute picked by getattr(self, self.which) is not looked at (it was "
-                   "before). Eager refuses; checkpointed, the gate gets no gradient, silently")
 def test_a_class_attribute_router_picked_by_a_getattr_name_is_refused_as_in_eager() -> None:
     route = _NamedGateRouter().route
 

@@ -1399,11 +1399,6 @@ def test_a_module_inserted_into_an_emptied_module_list_after_del_slice_gets_eage
     assert_same_grads(*grads_per_model([eager, wrapped], x, seed=2))
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: 169cb48 checks torch's container classes as "
-                   "holders even when empty, but a user container that does what torch's "
-                   "__delitem__ does (gives itself a new, empty _modules dict: a clear()) and "
-                   "then inserts into it (_modules[name] = m, as ModuleList.insert) is still "
-                   "checked by its old dict only: the inserted adapter gets no gradient, silently")
 def test_a_module_inserted_into_an_emptied_user_container_gets_eager_grads() -> None:
     class Adapters(nn.Module):
         """A user list of adapters, cleared and filled as torch's ModuleList does."""
@@ -1462,11 +1457,6 @@ class _DecaysOnceSet(nn.Module):
         return h
 
 
-@pytest.mark.xfail(strict=True, reason="helper FT: the buffer hook counts a name not yet in "
-                   "_buffers only; a buffer registered as None and later given a tensor under "
-                   "its name is new state all the same (as a new name is: NOTE [a new buffer is "
-                   "new state]), but is not counted: a layer that already replayed does not "
-                   "clone it before its forward, and its replay reads it one update ahead")
 def test_a_none_buffer_given_a_tensor_after_the_first_replay_gets_eager_grads() -> None:
     torch.manual_seed(0)
     eager = _DecaysOnceSet()
