@@ -153,17 +153,17 @@ def watch_tree(module: nn.Module, /) -> None:
 # calls the buffer one at every buffer assignment (`self.count += 1`), compiled code included
 # (compiled autograd builds an OptimizedModule inside a compiled step). Traced, dynamo read the
 # half-built module and failed (KeyError: _orig_mod) for models that never met a boundary; so
-# the counting runs eagerly, and opaque to dynamo. Where dynamo traces the hook it meets
-# is_compiling() first, true then, and returns: an opaque call there was a graph break in
-# every compiled module assigning a buffer, and fullgraph=True raised, once any boundary had
-# run in the process, checkpointed or not (helper FN). A submodule registered in traced code
-# is not counted here: the boundary's own structure check (_check_structure) sees it. The
-# buffer hook is traced up to its test of the name and of the module's watch mark: a
-# reassignment (`self.count += 1`), or a new name on a module no boundary met, ends there; a
-# new name on a watched module goes on to the opaque count, a graph break (under
-# fullgraph=True, dynamo's refusal quoting HOOK_REASON). Uncounted, the replay of a layer that compiled code gave a
-# buffer read it as its forward left it (helper FR); counted by a traced increment, dynamo
-# guarded on the count's value and recompiled at every call.
+# the counting runs eagerly, and opaque to dynamo. An opaque call where dynamo traces is a
+# graph break, and under fullgraph=True a refusal: every compiled module assigning a buffer
+# broke, once any boundary had run in the process (helper FN). So the submodule hook returns
+# at once where dynamo traces it (is_compiling(); a submodule registered in traced code is
+# seen by the boundary's own structure check, _check_structure), and the buffer hook is
+# traced up to its test of the name and of the module's watch mark: a reassignment
+# (`self.count += 1`), or a new name on a module no boundary met, ends there; a new name on a
+# watched module goes on to the opaque count (a graph break; under fullgraph=True, dynamo's
+# refusal quoting HOOK_REASON, which says what to do). Uncounted, the replay of a layer that
+# compiled code gave a buffer read it as its forward left it (helper FR); counted by a traced
+# increment, dynamo guarded on the count's value and recompiled at every call.
 def _bump_generation(module: nn.Module, name: str, submodule: Any) -> None:
     if not torch.compiler.is_compiling():
         _count_submodule(module)
@@ -299,10 +299,12 @@ def _check_structure(module: nn.Module) -> None:
     dict staying empty only, without reading the module: a submodule put into it is an insert
     into that dict (its own ``insert`` or ``_modules[name] = m``; ``add_module`` and attribute
     assignment run the hooks), and one removed or replaced shows in its parent's ids; only a
-    ``_modules`` dict of its own reassigned to a non-empty one is not seen (torch's container
-    classes, whose ``__delitem__`` reassigns it, are checked as holders even when empty). Cost per check (run twice a call): about 0.5 us for the 7-module layer of
-    examples.bench_boundary, 1.05 us when every module was read (helper FJ's timings then:
-    0.86 us for a 12-module layer, 19.8 us for a 64-expert MoE layer).
+    ``_modules`` dict of its own reassigned is not seen, so only torch.nn's own leaf classes
+    are checked so (``_plain_leaf``): its container classes, whose ``__delitem__`` reassigns
+    it even when empty, and classes of the user's are checked as holders. Cost per check (run
+    twice a call): about 0.5 us for the 7-module layer of examples.bench_boundary, 1.05 us
+    when every module was read (helper FJ's timings then: 0.86 us for a 12-module layer,
+    19.8 us for a 64-expert MoE layer).
     """
     global _structure_generation
     shape = module.__dict__.get(_SHAPE)

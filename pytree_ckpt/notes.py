@@ -38,13 +38,19 @@ def note_no_grad_pass(error: BaseException, where: str, /) -> None:
     or gradients taken inside the forward (a physics-informed network's du/dx, forces =
     -dE/dpos: torch's "does not require grad and does not have a grad_fn"). Other errors
     pass unnoted."""
-    text = str(error) if isinstance(error, RuntimeError) else ""
-    if "register a hook" in text or "retain_grad" in text:
+    text = str(error) if isinstance(error, (RuntimeError, AttributeError, AssertionError)) \
+        else ""
+    # A hook on a grad_fn (None under no-grad) or a multi-grad hook: helper FU.
+    node_hook = (isinstance(error, AttributeError) and "'NoneType' object has no attribute "
+                 "'register_" in text) or \
+        (isinstance(error, AssertionError) and "Expected gradient function to be set" in text)
+    if "register a hook" in text or "retain_grad" in text or node_hook:
         add_note(error,
             f"pytree_ckpt: raised in {where}, which runs the forward under torch.no_grad() "
             "(the replay in backward runs it with grad). Tip: guard what needs grad, e.g. `if "
-            "h.requires_grad: h.register_hook(...)` (or `h.retain_grad()`): it then runs in the "
-            "replay, whose gradients are the ones used.")
+            "h.requires_grad: h.register_hook(...)` (or `h.retain_grad()`, "
+            "`h.grad_fn.register_prehook(...)`, `register_multi_grad_hook((h,), ...)`): it "
+            "then runs in the replay, whose gradients are the ones used.")
     elif "does not require grad and does not have a grad_fn" in text:
         add_note(error,
             f"pytree_ckpt: raised in {where}, which runs the forward under torch.no_grad() "

@@ -2653,11 +2653,10 @@ def test_a_hook_on_a_returned_state_the_call_also_uses_sees_eagers_gradient(offl
     assert_same_grads(grads_of(eager.parameters()), grads_of(ours.parameters()))
 
 
-@pytest.mark.xfail(strict=True, reason="hooks on a parameter's AccumulateGrad node (DeepSpeed "
-                   "ZeRO-1/2's and Megatron DDP's gradient-ready hooks, found through "
-                   "param.expand_as(param).grad_fn.next_functions) run for a parameter the call "
-                   "leaves unused, with param.grad None, where eager runs none; only DDP's case "
-                   "is documented (docs/limits.md, 'Gradient hooks and DDP')")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks and "
+                   "DDP: a hook on a parameter's gradient accumulator node): the boundary's "
+                   "node takes every trainable parameter as an input, so an unused one's "
+                   "accumulator and its hooks run with no gradient (helper FU)")
 def test_grad_accumulator_node_hooks_of_an_unused_parameter_run_as_in_eager() -> None:
     class TwoExperts(nn.Module):
         def __init__(self) -> None:
@@ -2686,11 +2685,9 @@ def test_grad_accumulator_node_hooks_of_an_unused_parameter_run_as_in_eager() ->
     assert run(True) == run(False)
 
 
-@pytest.mark.xfail(strict=True, reason="every output of a checkpointed call shares one grad_fn "
-                   "(the boundary's node): a prehook put on out['main'].grad_fn reads "
-                   "grad_outputs[0], which there is another output's gradient (silently), and "
-                   "a prehook returning a 1-tuple raises 'incorrect number of values'; eager "
-                   "gives each output its own node; not documented")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks and "
+                   "DDP: hooks on an output's grad_fn of a call with several outputs): every "
+                   "output shares the call's one node (helper FU)")
 def test_prehooks_on_each_outputs_grad_fn_see_that_outputs_gradient_as_in_eager() -> None:
     class TwoHeads(nn.Module):
         def __init__(self) -> None:

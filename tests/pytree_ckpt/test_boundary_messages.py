@@ -2412,10 +2412,6 @@ class _HooksTheGradFn(nn.Module):
         return h.tanh()
 
 
-@pytest.mark.xfail(strict=True, reason="a hook put on an intermediate's grad_fn, or a multi-grad "
-                   "hook, in a checkpointed forward fails in the no-grad original pass with "
-                   "torch's bare AttributeError / AssertionError and no note; the tensor-hook "
-                   "case gets the note naming the no-grad pass and the guard")
 @pytest.mark.parametrize("how", ["grad_fn", "multi_grad_hook"])
 def test_a_grad_fn_or_multi_grad_hook_in_the_forward_gets_the_no_grad_pass_note(how: str) -> None:
     eager = _HooksTheGradFn(how)

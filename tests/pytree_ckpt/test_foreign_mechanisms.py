@@ -559,9 +559,10 @@ class _FakeQuantLinear(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="docs/limits.md (the TorchFunctionMode row) says to keep "
-                   "the mode on for backward too, but no TorchFunctionMode is active inside "
-                   "backward: the replay runs without it and the gradients differ from eager's")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Random numbers and "
+                   "modes around the call: a TorchFunctionMode entered around the forward): no "
+                   "TorchFunctionMode is active inside backward, kept on or not, so the replay "
+                   "runs without it (helper FU: the docs' earlier fix said to keep it on)")
 def test_a_torch_function_mode_kept_on_for_backward_too_gives_eager_gradients() -> None:
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
@@ -575,3 +576,32 @@ def test_a_torch_function_mode_kept_on_for_backward_too_gives_eager_gradients() 
     # the replay's two linears should run under the mode, as the dispatch-mode case does
     assert got[1][1] == ["forward", "forward", "recompute", "recompute"]
     assert_same_grads(got[0][0], got[1][0])
+
+
+def test_a_torch_function_mode_entered_inside_the_layers_forward_gives_eager_gradients(
+        ) -> None:
+    # What limits.md says to do instead: the mode entered in the forward itself runs in both
+    # passes, the replay's included (helper FU).
+    class Quantized(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with _FakeQuantLinear() as mode:
+                out = self.inner(x)
+            seen.extend(mode.seen)
+            return out
+
+    seen: list[str] = []
+    torch.manual_seed(0)
+    eager = Quantized(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)))
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 16)
+    grads = []
+    for model in (eager, twin):
+        seen.clear()
+        model(x).square().sum().backward()
+        grads.append(grads_of(model.parameters()))
+    assert seen == ["forward", "forward", "recompute", "recompute"]
+    assert_same_grads(*grads)
