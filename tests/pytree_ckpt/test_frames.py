@@ -2525,3 +2525,47 @@ def test_a_router_reached_through_two_levels_of_super_is_refused_as_in_eager() -
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match="float result.values"):
         out.sum().backward()  # got: no refusal, and the gate got no gradient
+
+
+_FROZEN_SCORER = nn.Linear(8, 4).requires_grad_(False)
+
+
+class _RouterWithUnusedTrainableClassModule:
+    """Holds a trainable module as a class attribute that ``route`` never reaches."""
+
+    head = nn.Linear(8, 4)
+
+    def route(self, x: torch.Tensor) -> Any:
+        return _FROZEN_SCORER(x).softmax(-1).topk(2, dim=-1)
+
+
+class _ClassRouterWithUnusedTrainableClassModule:
+    head = nn.Linear(8, 4)
+
+    @classmethod
+    def route(cls, x: torch.Tensor) -> Any:
+        return _FROZEN_SCORER(x).softmax(-1).topk(2, dim=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="3c00c28: rule 3 makes every trainable module held as a "
+                   "class attribute a place whatever fn reads, so a router whose class also "
+                   "holds a trainable module it never uses is refused in eager and in the "
+                   "replay; passed before (its result never requires grad in eager)")
+@pytest.mark.parametrize("route", [_RouterWithUnusedTrainableClassModule().route,
+                                   _ClassRouterWithUnusedTrainableClassModule.route])
+def test_a_router_whose_class_holds_a_trainable_module_it_never_uses_gets_eager_grads(
+        route: Any) -> None:
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        weights, ids = reuse_during_recompute(route, h.detach())
+        return h[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+
+    def step(checkpointed: bool) -> None:
+        (checkpoint(layer, x) if checkpointed else layer(x)).sum().backward()
+
+    eager, ckpt = run_twice(step, [w, x])  # got: ReuseError in the eager run already
+    assert_same_grads(eager, ckpt)
