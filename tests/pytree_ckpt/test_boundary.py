@@ -2752,3 +2752,38 @@ def test_a_layer_filling_and_clearing_a_none_buffer_each_call_keeps_the_boundary
         layers(x).sum().backward()
     assert module_state._structure_generation == generation  # got: + 6
     assert module_state.module_dicts(layers[1]) is cached
+
+
+@pytest.mark.xfail(strict=True, reason="docs/limits.md (a hook on a parameter's gradient "
+                   "accumulator node) says torch's reentrant checkpoint does the same, but its "
+                   "node takes only the call's tensor arguments: an unused parameter's "
+                   "accumulator hooks never run there, as in eager (doc false, eedc26f)")
+def test_grad_accumulator_node_hooks_of_an_unused_parameter_run_as_under_torchs_reentrant_checkpoint(
+        ) -> None:
+    class TwoExperts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    def run(how: str) -> list[str]:
+        torch.manual_seed(0)
+        layer = TwoExperts()
+        if how == "ours":
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        fired: list[str] = []
+        accumulators = []
+        for name, p in layer.named_parameters():
+            node = p.expand_as(p).grad_fn.next_functions[0][0]
+            node.register_hook(lambda grad_in, grad_out, name=name: fired.append(name))
+            accumulators.append(node)
+        x = torch.randn(3, 4, requires_grad=True)
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True) \
+            if how == "torch" else layer(x)
+        out.sum().backward()
+        return sorted(fired)
+
+    assert run("torch") == ["used.bias", "used.weight"]  # as eager
+    assert run("ours") == run("torch")  # what the row says; got: the unused ones' too
