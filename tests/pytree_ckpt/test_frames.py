@@ -2606,3 +2606,34 @@ def test_an_override_calling_another_objects_same_named_method_gets_eager_grads(
 
     eager, ckpt = run_twice(step, [w, x])  # got: ReuseError in the eager run already
     assert_same_grads(eager, ckpt)
+
+
+class _NamedRegistryRouter:
+    """A registry of gates held as a class attribute, picked by a name an attribute holds."""
+
+    tables = {"g": nn.Linear(8, 4)}
+
+    def __init__(self) -> None:
+        self.which = "tables"
+
+    def route(self, x: torch.Tensor) -> Any:
+        return getattr(self, self.which)["g"](x).softmax(-1).topk(2, dim=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="3c00c28 looks at class attributes whatever their name "
+                   "only where they are modules or tensors: a dict of gates held as a class "
+                   "attribute and picked by getattr(self, self.which) is not opened; eager "
+                   "refuses, checkpointed the gate gets no gradient, silently")
+def test_a_class_attribute_registry_picked_by_a_getattr_name_is_refused_as_in_eager() -> None:
+    route = _NamedRegistryRouter().route
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: refused, the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match="float result.values"):
+        out.sum().backward()  # got: no refusal, and the gate got no gradient
