@@ -183,27 +183,35 @@ class _Look:
 def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bool,
                   calling: Any = None) -> list[tuple[str, Any]]:
     """The attributes of ``cls`` (its bases' included: a router a base class holds) that fn
-    may reach, but for names in ``skip`` (the instance's own): every module or tensor held as
-    a class attribute, whatever the name (``getattr(self, self.which)``), and, by the names
-    fn's code reads (``cls.gate``, ``self.score``), the other values, the names a method or a
-    property's getter reads joining those looked up (``self._score()`` reading ``self.gate``);
-    with ``metaclass``, also what its metaclass holds (``cls.gate`` of a class made by
-    ``class Meta(type): gate = ...``). A method fn never calls is not opened (helper FR: a
-    sibling method reading a trainable global refused a legal router, and a class of 30
-    helpers cost 0.7 ms a call); ``calling`` (fn's own function) is looked past to the
-    definition it overrides, which ``super().route(x)`` calls (helper FT)."""
+    may reach, but for names in ``skip`` (the instance's own): by the names fn's code reads
+    (``cls.gate``, ``self.score``), the names a method or a property's getter reads joining
+    those looked up (``self._score()`` reading ``self.gate``); with ``metaclass``, also what
+    its metaclass holds (``cls.gate`` of a class made by ``class Meta(type): gate = ...``);
+    where fn's code calls ``getattr`` (a name computed at run time), every module, tensor or
+    container the classes hold. A method fn never calls is not opened (helper FR: a sibling
+    method reading a trainable global refused a legal router, and a class of 30 helpers cost
+    0.7 ms a call); fn's own name leads to the definitions it overrides only through
+    ``super()`` (``calling``: fn's own function; helpers FT, FV)."""
     found: list[tuple[str, Any]] = []
     done = set(skip)
-    for klass in cls.__mro__:
-        if not library_code(klass):
-            for name, value in vars(klass).items():
-                if name not in done and isinstance(value, (nn.Module, torch.Tensor)):
-                    done.add(name)
-                    found.append((f"class attribute {name!r} of {cls.__name__}", value))
+    code = getattr(calling, "__code__", None)
+    if code is not None and "getattr" in code.co_names:
+        # A name computed at run time (getattr(self, self.which)): every module, tensor or
+        # container the classes hold, whatever its name; not where fn names what it reads (a
+        # trainable class attribute it never uses refused a legal router: helper FV).
+        for klass in cls.__mro__:
+            if not library_code(klass):
+                for name, value in vars(klass).items():
+                    if name not in done and isinstance(value, _HELD):
+                        done.add(name)
+                        found.append((f"class attribute {name!r} of {cls.__name__}", value))
     while todo := sorted(read - done):  # a method's or getter's names join read
         for name in todo:
             done.add(name)
-            value = _class_attribute(cls, name, read, past=calling)
+            if calling is not None and name == calling.__name__:
+                found += _overridden(cls, calling, read)
+                continue
+            value = _class_attribute(cls, name, read)
             if value is None and metaclass:
                 value = _class_attribute(type(cls), name, read)
             if value is not None:
@@ -211,13 +219,44 @@ def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bo
     return found
 
 
-def _class_attribute(cls: type, name: str, read: set[str], /, *, past: Any = None) -> Any:
+_HELD = (nn.Module, torch.Tensor, dict, list, tuple)
+
+
+def _overridden(cls: type, calling: Any, read: set[str], /) -> list[tuple[str, Any]]:
+    """The definitions that fn's own method (``calling``) reaches through ``super()``: each
+    next one along ``cls``' MRO while the one before calls ``super`` (a chain of overrides,
+    helper FV); none where fn does not (``self.inner.route(x)`` reads the same name of another
+    object: helper FV)."""
+    found: list[tuple[str, Any]] = []
+    name = calling.__name__
+    current = calling
+    passed = False
+    for klass in cls.__mro__:
+        if name not in vars(klass) or library_code(klass):
+            continue
+        value = vars(klass)[name]
+        function = getattr(value, "__func__", value)
+        if function is calling:
+            passed = True
+            continue
+        if not passed:
+            continue
+        if "super" not in getattr(getattr(current, "__code__", None), "co_names", ()):
+            break
+        if not isinstance(function, types.FunctionType):
+            break
+        read.update(attributes_read(function.__code__))
+        found.append((f"{klass.__name__}.{name}, which super() calls", function))
+        current = function
+    return found
+
+
+def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:
     """The value a class (or an instance through it) gives for ``name``, if a plain one
     (``Routers.gate``); for a property or a method, its getter or function, whose code's
     names join ``read`` (``return self._gate``) and which the look opens as a helper (the
     globals it reads: a property returning a global router, helper FR). Read from the
-    classes' own dicts: no descriptor runs. A method that is ``past`` (the function being
-    looked at) is passed over for the definition it overrides."""
+    classes' own dicts: no descriptor runs."""
     for klass in cls.__mro__:
         if name not in vars(klass) or library_code(klass):
             continue
@@ -226,8 +265,6 @@ def _class_attribute(cls: type, name: str, read: set[str], /, *, past: Any = Non
             # A method fn calls reads the object's attributes for it (holder.score: self.gate)
             getter = found.fget if isinstance(found, property) else \
                 getattr(found, "__func__", found)
-            if past is not None and getter is past:
-                continue
             read.update(attributes_read(getattr(getter, "__code__", None)))
             return getter if isinstance(getter, types.FunctionType) else None
         return found

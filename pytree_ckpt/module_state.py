@@ -177,10 +177,12 @@ def _count_submodule(module: nn.Module) -> None:
 
 
 def _bump_generation_for_new_buffer(module: nn.Module, name: str, buffer: Any) -> None:
-    # NOTE [global hooks stay eager]; a name registered as None and given a tensor later is
-    # new state too (helper FT), and an unwatched module's never counts (compiled code of a
-    # module that never met a boundary registering a lazy buffer: no graph break)
-    if module._buffers.get(name) is None and getattr(module, _WATCHED, None) is not None:
+    # NOTE [global hooks stay eager]; an unwatched module's never counts (compiled code of a
+    # module that never met a boundary registering a lazy buffer: no graph break). A name
+    # registered as None and given a tensor later is not counted (helper FT counted it: a
+    # layer filling and clearing one each call then moved the generation twice a step, every
+    # layer redoing its first-call checks, and its fullgraph body broke: helper FV).
+    if name not in module._buffers and getattr(module, _WATCHED, None) is not None:
         _count_buffer(module, name)
 
 

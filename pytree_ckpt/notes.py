@@ -32,6 +32,12 @@ def add_note(error: BaseException, note: str, /) -> None:
     _LOG.warning("%s", f"{type(error).__name__}: {error}\n{note}")
 
 
+# What a grad_fn's hook methods raise on None (a forward's intermediate under no-grad); not a
+# module's register_forward_hook on None, which eager raises alike (helper FV).
+_NODE_HOOKS = frozenset(f"'NoneType' object has no attribute '{method}'"
+                        for method in ("register_hook", "register_prehook"))
+
+
 def note_no_grad_pass(error: BaseException, where: str, /) -> None:
     """A note on an error a forward that assumes grad mode meets in an original pass, which
     runs under no-grad (``where`` names it): a hook registered on a tensor, ``retain_grad``,
@@ -41,8 +47,7 @@ def note_no_grad_pass(error: BaseException, where: str, /) -> None:
     text = str(error) if isinstance(error, (RuntimeError, AttributeError, AssertionError)) \
         else ""
     # A hook on a grad_fn (None under no-grad) or a multi-grad hook: helper FU.
-    node_hook = (isinstance(error, AttributeError) and "'NoneType' object has no attribute "
-                 "'register_" in text) or \
+    node_hook = (isinstance(error, AttributeError) and text in _NODE_HOOKS) or \
         (isinstance(error, AssertionError) and "Expected gradient function to be set" in text)
     if "register a hook" in text or "retain_grad" in text or node_hook:
         add_note(error,

@@ -1554,11 +1554,6 @@ class _NoneBufferSetEachCall(nn.Module):
         return h * 2
 
 
-@pytest.mark.xfail(strict=True, reason="3c00c28: the buffer hook counts a buffer registered as "
-                   "None (in __init__) and given a tensor as a new name, an opaque call: the "
-                   "fullgraph body of a checkpointed layer assigning it raises Unsupported "
-                   "(the reason says to register it outside the compiled code and that "
-                   "reassignment compiles, which is what the layer does); passed before, exact")
 def test_a_fullgraph_checkpointed_body_setting_a_buffer_registered_as_none_gives_eager_grads(
         ) -> None:
     torch._dynamo.reset()

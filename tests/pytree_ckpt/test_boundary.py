@@ -2733,11 +2733,6 @@ class _TransientCache(nn.Module):
         return out
 
 
-@pytest.mark.xfail(strict=True, reason="3c00c28: a buffer registered as None and given a tensor "
-                   "counts as new state each time, so a layer filling and clearing a scratch "
-                   "buffer moves the structure generation twice a step (forward and replay) and "
-                   "every checkpointed layer of the model rebuilds its caches and redoes its "
-                   "first-call checks each step; none before")
 def test_a_layer_filling_and_clearing_a_none_buffer_each_call_keeps_the_boundarys_caches(
         ) -> None:
     from pytree_ckpt import module_state
@@ -2754,10 +2749,10 @@ def test_a_layer_filling_and_clearing_a_none_buffer_each_call_keeps_the_boundary
     assert module_state.module_dicts(layers[1]) is cached
 
 
-@pytest.mark.xfail(strict=True, reason="docs/limits.md (a hook on a parameter's gradient "
-                   "accumulator node) says torch's reentrant checkpoint does the same, but its "
-                   "node takes only the call's tensor arguments: an unused parameter's "
-                   "accumulator hooks never run there, as in eager (doc false, eedc26f)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks and "
+                   "DDP: a hook on a parameter's gradient accumulator node; torch's reentrant "
+                   "checkpoint, whose node takes only the call's tensor arguments, runs them as "
+                   "eager, which the first assert checks: helper FV found the row said otherwise)")
 def test_grad_accumulator_node_hooks_of_an_unused_parameter_run_as_under_torchs_reentrant_checkpoint(
         ) -> None:
     class TwoExperts(nn.Module):

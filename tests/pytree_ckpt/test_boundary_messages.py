@@ -2434,10 +2434,6 @@ class _HooksAnOptionalModule(nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.xfail(strict=True, reason="eedc26f: note_no_grad_pass notes every AttributeError "
-                   "\"'NoneType' object has no attribute 'register_...\", so an error eager "
-                   "raises alike (a forward hook on a submodule left None) is blamed on the "
-                   "no-grad pass, with a tip to guard on requires_grad")
 def test_an_attribute_error_eager_raises_alike_gets_no_no_grad_pass_note() -> None:
     with pytest.raises(AttributeError) as in_eager:
         _HooksAnOptionalModule()(torch.randn(2, 8, requires_grad=True))

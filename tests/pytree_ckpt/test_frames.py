@@ -2509,9 +2509,6 @@ class _TwoLevelSuperRouter(_SuperRouter):
         return super().route(x)
 
 
-@pytest.mark.xfail(strict=True, reason="rule 3 looks past fn's own method once only: the "
-                   "middle override's super().route is never opened (its name 'route' is "
-                   "already looked up), so the gate gets no gradient under checkpointing")
 def test_a_router_reached_through_two_levels_of_super_is_refused_as_in_eager() -> None:
     route = _TwoLevelSuperRouter().route
 
@@ -2547,10 +2544,6 @@ class _ClassRouterWithUnusedTrainableClassModule:
         return _FROZEN_SCORER(x).softmax(-1).topk(2, dim=-1)
 
 
-@pytest.mark.xfail(strict=True, reason="3c00c28: rule 3 makes every trainable module held as a "
-                   "class attribute a place whatever fn reads, so a router whose class also "
-                   "holds a trainable module it never uses is refused in eager and in the "
-                   "replay; passed before (its result never requires grad in eager)")
 @pytest.mark.parametrize("route", [_RouterWithUnusedTrainableClassModule().route,
                                    _ClassRouterWithUnusedTrainableClassModule.route])
 def test_a_router_whose_class_holds_a_trainable_module_it_never_uses_gets_eager_grads(
@@ -2586,10 +2579,6 @@ class _DelegatingRouter(_GlobalGateRouter):
         return self.inner.route(x)
 
 
-@pytest.mark.xfail(strict=True, reason="3c00c28: fn's own method is looked past to the one it "
-                   "overrides whenever its code reads the name 'route', here "
-                   "self.inner.route, so the base's route (reading a trainable global) is "
-                   "opened and a legal router refused; passed before")
 def test_an_override_calling_another_objects_same_named_method_gets_eager_grads() -> None:
     route = _DelegatingRouter().route
     w = torch.randn(8, 8, requires_grad=True)
@@ -2620,10 +2609,6 @@ class _NamedRegistryRouter:
         return getattr(self, self.which)["g"](x).softmax(-1).topk(2, dim=-1)
 
 
-@pytest.mark.xfail(strict=True, reason="3c00c28 looks at class attributes whatever their name "
-                   "only where they are modules or tensors: a dict of gates held as a class "
-                   "attribute and picked by getattr(self, self.which) is not opened; eager "
-                   "refuses, checkpointed the gate gets no gradient, silently")
 def test_a_class_attribute_registry_picked_by_a_getattr_name_is_refused_as_in_eager() -> None:
     route = _NamedRegistryRouter().route
 

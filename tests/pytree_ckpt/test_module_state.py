@@ -1457,6 +1457,11 @@ class _DecaysOnceSet(nn.Module):
         return h
 
 
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a buffer the forward changes in place, first so after the module's "
+                   "first replay; a buffer registered as None and given a tensor later is no new "
+                   "name): counted as new, a layer filling and clearing one each call moved the "
+                   "generation twice a step and broke its fullgraph body (helpers FT, FV)")
 def test_a_none_buffer_given_a_tensor_after_the_first_replay_gets_eager_grads() -> None:
     torch.manual_seed(0)
     eager = _DecaysOnceSet()
