@@ -2622,3 +2622,42 @@ def test_a_class_attribute_registry_picked_by_a_getattr_name_is_refused_as_in_ea
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match="float result.values"):
         out.sum().backward()  # got: no refusal, and the gate got no gradient
+
+
+_TABLE_GATE = nn.Linear(8, 4)
+
+
+def _table_gate_scores(x: torch.Tensor) -> torch.Tensor:
+    return _TABLE_GATE(x)
+
+
+class _TableRouterCallingGetattr:
+    """A class-level table of 640 plain numbers (no module in it), and a router calling
+    getattr with a constant name; the gate is reached through a global helper function."""
+
+    TABLE = {f"e{i}": {f"k{j}": float(j) for j in range(16)} for i in range(40)}
+
+    def route(self, x: torch.Tensor) -> Any:
+        temperature = getattr(self, "temperature", 1.0)
+        return (_table_gate_scores(x) / temperature).softmax(-1).topk(2, dim=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="since e2d3700/3c00c28 a router calling getattr has "
+                   "every container its class holds opened first; a plain 640-value class table "
+                   "spends the look's 512-value budget before the global helper reaching the "
+                   "gate is looked at: eager refuses, checkpointed the gate gets no gradient "
+                   "(refused at fa94326)")
+def test_a_router_calling_getattr_whose_class_holds_a_large_table_is_refused_as_in_eager(
+        ) -> None:
+    route = _TableRouterCallingGetattr().route
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: refused, the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match="float result.values"):
+        out.sum().backward()  # got: no refusal, and the gate got no gradient
