@@ -2661,3 +2661,40 @@ def test_a_router_calling_getattr_whose_class_holds_a_large_table_is_refused_as_
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match="float result.values"):
         out.sum().backward()  # got: no refusal, and the gate got no gradient
+
+
+class _RegisteredRouter:
+    """Each router registers itself in a class-level list; ``route`` reads its own scorer
+    through getattr with a constant name."""
+
+    registry: list[Any] = []
+
+    def __init__(self, scorer: nn.Module) -> None:
+        self.scorer = scorer
+        _RegisteredRouter.registry.append(self)
+
+    def route(self, x: torch.Tensor) -> Any:
+        return getattr(self, "scorer")(x).softmax(-1).topk(2, dim=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="since 3c00c28 (kept by e2d3700 where fn calls getattr, "
+                   "even with a constant name) rule 3 opens every container the class holds: a "
+                   "class-level registry of routers, another of which holds a trainable scorer, "
+                   "refuses this frozen router in eager and in the replay (passed at fa94326)")
+def test_a_router_reading_its_own_scorer_by_a_constant_getattr_name_gets_eager_grads() -> None:
+    _RegisteredRouter(nn.Linear(8, 4))  # another router, trainable, never used here
+    route = _RegisteredRouter(nn.Linear(8, 4).requires_grad_(False)).route
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        weights, ids = reuse_during_recompute(route, h.detach())
+        return h[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+
+    def step(checkpointed: bool) -> None:
+        (checkpoint(layer, x) if checkpointed else layer(x)).sum().backward()
+
+    eager, ckpt = run_twice(step, [w, x])  # got: ReuseError in the eager run already
+    assert_same_grads(eager, ckpt)
