@@ -2698,3 +2698,43 @@ def test_a_router_reading_its_own_scorer_by_a_constant_getattr_name_gets_eager_g
 
     eager, ckpt = run_twice(step, [w, x])  # got: ReuseError in the eager run already
     assert_same_grads(eager, ckpt)
+
+
+_OVERRIDING_GATE = nn.Linear(8, 4)
+
+
+class _RouterDefaults:
+    gate = nn.Linear(8, 4).requires_grad_(False)  # a frozen default, overridden below
+
+
+class _RouterWithGatePropertyCallingGetattr(_RouterDefaults):
+    """Overrides the base's class-level gate with a property returning a trainable global."""
+
+    @property
+    def gate(self) -> nn.Module:  # type: ignore[override]
+        return _OVERRIDING_GATE
+
+    def route(self, x: torch.Tensor) -> Any:
+        temperature = getattr(self, "temperature", 1.0)
+        return (self.gate(x) / temperature).softmax(-1).topk(2, dim=-1)
+
+
+@pytest.mark.xfail(strict=True, reason="rule 3's getattr pass (3c00c28/e2d3700) takes the base "
+                   "class's frozen 'gate' by name and marks the name looked at, so the subclass's "
+                   "property that Python finds first is never opened: eager refuses, checkpointed "
+                   "the gate gets no gradient (without the getattr call HEAD refuses; fa94326 "
+                   "missed both)")
+def test_a_property_overriding_a_base_class_gate_in_a_router_calling_getattr_is_refused(
+        ) -> None:
+    route = _RouterWithGatePropertyCallingGetattr().route
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: refused, the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match="float result.values"):
+        out.sum().backward()  # got: no refusal, and the gate got no gradient
