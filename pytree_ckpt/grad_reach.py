@@ -61,23 +61,26 @@ def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
         places.append(("the tensor its method is bound to", holder))
     code = getattr(function, "__code__", None)
     look = _Look(attributes_read(code))
+    # Class attributes are looked at last: a large class table opened first spent the look's
+    # budget before the places above (helper FW).
+    last: list[tuple[str, Any]] = []
     if isinstance(holder, type):  # a classmethod: its class's attributes (cls.gate)
-        places += _class_places(holder, look.read, set(), metaclass=True, calling=function)
+        last = _class_places(holder, look.read, set(), metaclass=True, calling=function)
     elif holder is not None and not isinstance(holder, (nn.Module, types.ModuleType)):
         names = attribute_names(holder)
         places += [(f"attribute {name!r} of its {type(holder).__name__}",
                     attribute(holder, name)) for name in names]
         # and its class's, where the instance has none of that name (helper FQ: a router held
         # as a class attribute, self.gate, got no gradient, silently)
-        places += _class_places(type(holder), look.read, set(names), metaclass=False,
-                                calling=function)
+        last = _class_places(type(holder), look.read, set(names), metaclass=False,
+                             calling=function)
     places += [(f"default of {name!r}", value) for name, value in defaults_of(function)]
     for name, cell in zip(getattr(code, "co_freevars", ()),
                           getattr(function, "__closure__", None) or ()):
         places.append((f"closure variable {name!r}", cell_contents(cell)))
     space = globals_of(function)
     places += [(f"global {name!r}", space.get(name)) for name in globals_read(code)]
-    for place, value in places:
+    for place, value in places + last:
         found = look(place, "", value, _STEPS)
         if found is not None:
             return found
@@ -187,8 +190,8 @@ def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bo
     (``cls.gate``, ``self.score``), the names a method or a property's getter reads joining
     those looked up (``self._score()`` reading ``self.gate``); with ``metaclass``, also what
     its metaclass holds (``cls.gate`` of a class made by ``class Meta(type): gate = ...``);
-    where fn's code calls ``getattr`` (a name computed at run time), every module, tensor or
-    container the classes hold. A method fn never calls is not opened (helper FR: a sibling
+    where fn's code calls ``getattr`` (a name computed at run time), every module or tensor
+    the classes hold. A method fn never calls is not opened (helper FR: a sibling
     method reading a trainable global refused a legal router, and a class of 30 helpers cost
     0.7 ms a call); fn's own name leads to the definitions it overrides only through
     ``super()`` (``calling``: fn's own function; helpers FT, FV)."""
@@ -196,9 +199,9 @@ def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bo
     done = set(skip)
     code = getattr(calling, "__code__", None)
     if code is not None and "getattr" in code.co_names:
-        # A name computed at run time (getattr(self, self.which)): every module, tensor or
-        # container the classes hold, whatever its name; not where fn names what it reads (a
-        # trainable class attribute it never uses refused a legal router: helper FV).
+        # A name computed at run time (getattr(self, self.which)): every module or tensor the
+        # classes hold, whatever its name; not where fn names what it reads (a trainable class
+        # attribute it never uses refused a legal router: helper FV).
         for klass in cls.__mro__:
             if not library_code(klass):
                 for name, value in vars(klass).items():
@@ -219,7 +222,9 @@ def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bo
     return found
 
 
-_HELD = (nn.Module, torch.Tensor, dict, list, tuple)
+# Not containers: a constant getattr name opened a class registry holding other routers, and
+# refused a legal one (helper FW); a class-attribute dict read by a computed name is missed.
+_HELD = (nn.Module, torch.Tensor)
 
 
 def _overridden(cls: type, calling: Any, read: set[str], /) -> list[tuple[str, Any]]:

