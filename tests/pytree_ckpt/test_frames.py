@@ -2749,9 +2749,6 @@ class _DelegatingToClassGateScorer:
         return self.inner.route(x)
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the row on the fn of a reused call reaching a "
-                   "trainable module: names only another object's method reads, "
-                   "self.inner.route(x)) (helper FW)")
 def test_a_router_delegating_to_an_objects_method_reading_its_class_gate_is_refused() -> None:
     route = _DelegatingToClassGateScorer().route
 
@@ -2765,3 +2762,78 @@ def test_a_router_delegating_to_an_objects_method_reading_its_class_gate_is_refu
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match="float result.values"):
         out.sum().backward()  # got: no refusal, and the gate got no gradient
+
+
+class _ChainedClassGateScorer:
+    """Its method reaches the class gate through a second method and a property."""
+
+    gate = nn.Linear(8, 4)
+
+    @property
+    def _gate(self) -> nn.Module:
+        return self.gate
+
+    def _score(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gate(x)
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self._score(x).softmax(-1).topk(2, dim=-1)
+
+
+class _DelegatingToChainedScorer:
+    def __init__(self) -> None:
+        self.inner = _ChainedClassGateScorer()
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self.inner.route(x)
+
+
+def test_a_class_gate_an_objects_method_reaches_through_a_method_and_a_property_is_refused() -> None:
+    route = _DelegatingToChainedScorer().route
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)
+    out = checkpoint(layer, x)
+    where = r"attribute 'inner' of its _DelegatingToChainedScorer, at \.gate"
+    with pytest.raises(ReuseError, match=where):
+        out.sum().backward()
+
+
+class _FrozenClassGateScorer:
+    gate = nn.Linear(8, 4).requires_grad_(False)
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self.gate(x).softmax(-1).topk(2, dim=-1)
+
+
+class _DelegatingToFrozenScorer:
+    def __init__(self) -> None:
+        self.inner = _FrozenClassGateScorer()
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self.inner.route(x)
+
+
+def test_a_frozen_class_gate_an_objects_method_reads_is_replayed_as_in_eager() -> None:
+    scorer = _DelegatingToFrozenScorer()
+    calls = []
+
+    def route(x: torch.Tensor) -> Any:
+        calls.append(1)
+        return scorer.route(x)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(route, x.detach())
+        return x.gather(1, ids) * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    layer(x).sum().backward()
+    checkpoint(layer, x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert len(calls) == 2  # eager once, checkpointed once: the replay reused the result
