@@ -34,6 +34,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import optree
@@ -41,9 +42,10 @@ import torch
 
 from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError, require_callable
-from .frozen import (Passthrough, StateAfter, apply_state_after, argument_versions, as_recorded,
+from .frozen import (AsRecorded, StateAfter, apply_state_after, argument_versions, as_recorded,
                      buffer_versions, numbers_watch, refuse_in_plain_call, refuse_in_replay,
                      state_after, warn_changed_arguments, warn_grad_mode_read)
+from .grad_probe import note_probe, probe_grad
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import GeneratorStates, RngState, generators_moved, rng_changed, rng_state, set_rng_state
@@ -53,6 +55,7 @@ from .tree import NAMESPACE, flatten, leaf_paths, unflatten
 __all__ = ["Frame", "callable_name", "reuse_during_recompute"]
 
 T = TypeVar("T")
+_UNCHECKED = AsRecorded()  # a save unit's kept outputs: checked by the keep mode
 
 
 def callable_name(fn: Callable[..., Any], /) -> str:
@@ -120,7 +123,7 @@ class _Offloaded:
 class Frame:
     """The recorded frozen results of one boundary invocation."""
 
-    __slots__ = ("results", "versions", "passthrough", "rng_jumps", "rng_devices", "generators",
+    __slots__ = ("results", "versions", "checks", "rng_jumps", "rng_devices", "generators",
                  "generator_jumps", "cursors", "released", "restore", "state_after",
                  "threads", "__weakref__")
 
@@ -129,9 +132,9 @@ class Frame:
         # The version counters of each recorded result's tensors, when recorded: the replay
         # hands back those very tensors, so a change made to them since would count twice.
         self.versions: dict[Callable[..., Any], list[dict[int, int]]] = {}
-        # Each recorded result's float leaves that were tensor arguments of the call (NOTE
-        # [differentiable results are refused where grad is on] in frozen.py).
-        self.passthrough: dict[Callable[..., Any], list[Passthrough]] = {}
+        # What the replay checks of each recorded result (NOTE [differentiable results are
+        # refused where grad is on] in frozen.py).
+        self.checks: dict[Callable[..., Any], list[AsRecorded]] = {}
         # NOTE [skipped work keeps the RNG in step]: a recorded call that drew random numbers
         # (router jitter, a kept dropout) is skipped in the replay, so the generators would
         # stay behind and every later random op (dropout) would draw other numbers than in
@@ -180,7 +183,7 @@ class Frame:
                 recorded[i] = unflatten(flat.spec, leaves)
 
     def record(self, fn: Callable[..., Any], result: Any, /, *,
-               rng_after: RngState | None = None, passthrough: Passthrough = (),
+               rng_after: RngState | None = None, checks: AsRecorded = _UNCHECKED,
                state_after: StateAfter | None = None,
                generators_after: GeneratorStates = ()) -> None:
         if state_after is not None:
@@ -222,7 +225,7 @@ class Frame:
                  if not flat.leaves[i].is_inference()})
         self.results.setdefault(fn, []).append(result)
         self.rng_jumps.setdefault(fn, []).append(rng_after)
-        self.passthrough.setdefault(fn, []).append(passthrough)
+        self.checks.setdefault(fn, []).append(checks)
 
     def unkeep(self, op: Callable[..., Any], position: int, /) -> None:
         """Take back a save unit's record: the replay runs ``op`` again (keep.py, rule 3)."""
@@ -260,10 +263,10 @@ class Frame:
         return self.take_with_rng(fn)[0]
 
     def take_with_rng(self, fn: Callable[..., Any], /
-                      ) -> tuple[Any, RngState | None, Passthrough]:
+                      ) -> tuple[Any, RngState | None, AsRecorded]:
         """The next recorded result for ``fn``, the RNG states recorded after it if this replay
-        jumped to them, and its float leaves that were arguments of the call (a nested boundary
-        recording it again needs both too)."""
+        jumped to them, and what the replay checks of it (a nested boundary recording it again
+        needs both too)."""
         recorded = self.results.get(fn, ())
         position = self.cursors.get(fn, 0)
         if position >= len(recorded):
@@ -308,9 +311,9 @@ class Frame:
             flat = flatten(result)
             if not (len(flat.leaves) == 1 and flat.leaves[0] is result):  # not a bare leaf
                 result = unflatten(flat.spec, list(flat.leaves))
-        passthrough = (() if isinstance(fn, torch._ops.OpOverload)
-                       else self.passthrough[fn][position])
-        return result, jump, passthrough
+        checks = _UNCHECKED if isinstance(fn, torch._ops.OpOverload) else \
+            self.checks[fn][position]
+        return result, jump, checks
 
     def taken_generator_jump(self, fn: Callable[..., Any], /) -> GeneratorStates:
         """The generators passed in that ``take_with_rng(fn)`` just jumped, with their states
@@ -354,7 +357,7 @@ class Frame:
     def clear(self) -> None:
         self.results.clear()
         self.versions.clear()
-        self.passthrough.clear()
+        self.checks.clear()
         self.rng_jumps.clear()
         self.generator_jumps = None
         self.state_after.clear()
@@ -421,7 +424,14 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             before = rng_state(devices) if devices is not None else None
             generators_before = tuple((g, g.get_state()) for g in generators) \
                 if generators else ()
-            result = fn(*args, **kwargs)
+            probe = probe_grad(fn, call)  # NOTE [the grad probe] (grad_probe.py)
+            with probe if probe is not None else nullcontext():
+                try:
+                    result = fn(*args, **kwargs)
+                except Exception as error:
+                    if probe is not None:
+                        note_probe(error, callable_name(fn))
+                    raise
             if before is not None and devices is not None:
                 # NOTE [skipped work keeps the RNG in step]
                 after = rng_state(devices)
@@ -434,9 +444,10 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # NOTE [state a reused call changes] (frozen.py)
         changes = state_after(call, versions, buffers, numbers)
         # NOTE [differentiable results are refused where grad is on] in frozen.py
-        passthrough = as_recorded(callable_name(fn), result, args, kwargs)
+        result, checks = as_recorded(callable_name(fn), result, args, kwargs,
+                                     probed=probe is not None)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
-        result, rng_after, passthrough = invocation.frame.take_with_rng(fn)
+        result, rng_after, checks = invocation.frame.take_with_rng(fn)
         if recorders:
             generators_after = invocation.frame.taken_generator_jump(fn)
         changes = invocation.frame.taken_state_after(fn)
@@ -447,10 +458,10 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             finally:
                 IN_REUSE.reset(token)
         if not recorders:  # the replay itself (a nested original pass checks in its replay)
-            refuse_in_replay(fn, callable_name(fn), passthrough, result, args, kwargs)
-            warn_grad_mode_read(fn, callable_name(fn))  # NOTE in frozen.py
+            refuse_in_replay(fn, callable_name(fn), checks, result, args, kwargs)
+            warn_grad_mode_read(fn, callable_name(fn), probed=checks.probed)  # NOTE in frozen.py
     for recorder in recorders:
-        recorder.frame.record(fn, result, rng_after=rng_after, passthrough=passthrough,
+        recorder.frame.record(fn, result, rng_after=rng_after, checks=checks,
                               state_after=changes, generators_after=generators_after)
     return result
 

@@ -5,12 +5,10 @@ result instead of calling fn, so a float leaf that eager computes with grad (rou
 weights or probabilities) would silently lose its gradient under checkpointing. Whether eager
 computes it with grad cannot be seen in the original pass: it runs under the boundary's
 no-grad, so neither the caller's grad mode at the call nor what requires grad among the
-layer's own tensors shows there; and fn must run there exactly as eager runs it (under the
-caller's no_grad: numpy calls, in-place updates, the kernels torch picks by grad mode). The
-replay sees both, as eager does, but does not call fn. So the rules are static, and the same
-in eager and in the replay, so that a model that checkpoints only some of its layers fails
-alike in every one. Where grad is enabled at the call, a float (or complex) result leaf is
-refused when
+layer's own tensors shows there. The replay sees both, as eager does, but does not call fn.
+So the rules are static (but for the probe behind rule 3), and the same in eager and in the
+replay, so that a model that checkpoints only some of its layers fails alike in every one.
+Where grad is enabled at the call, a float (or complex) result leaf is refused when
 
 1. it requires grad itself (eager: computed with grad), or
 2. a tensor argument of the call requires grad (logits the layer computed, passed to a
@@ -21,7 +19,9 @@ refused when
    of a plain callable object (or a classmethod's class), as an argument default, in a closure
    cell or as a global its code reads, or from there through the attributes its code reads
    and the functions of the user's it reaches (NOTE [what fn reaches with grad] in
-   grad_reach.py).
+   grad_reach.py); or, where that static look finds nothing, fn computed it with a graph
+   when the original pass ran it with grad on (NOTE [the grad probe] in grad_probe.py: what
+   the look misses, the probe sees, but for a tensor that has a graph in the replay only).
 
 Rules 2 and 3 do not apply to a function decorated with ``torch.no_grad()`` (or
 ``inference_mode()``, ``set_grad_enabled(False)``): eager computes its results without grad.
@@ -40,7 +40,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -50,11 +50,12 @@ from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
 from .function_reach import cell_contents, code_reading, unwrap_partials
+from .grad_probe import probed_graph
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
-__all__ = ["Passthrough", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
+__all__ = ["AsRecorded", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
            "buffer_versions", "numbers_watch", "refuse_in_plain_call", "refuse_in_replay",
            "state_after", "warn_changed_arguments", "warn_grad_mode_read"]
 
@@ -72,28 +73,40 @@ _MODULE_TIP = ("; a module's trainable parameters give its floats a graph, so de
                "whose forward is decorated so: pass module.forward, as a module's call runs "
                "its hooks too), or be computed outside the call")
 
-# A recorded float leaf that was one of the call's tensor arguments: (its key path, the
-# argument's index among the call's flattened leaves).
-Passthrough = tuple[tuple[str, int], ...]
+class AsRecorded(NamedTuple):
+    """What the replay checks of a recorded result: its float leaves that were tensor arguments
+    of the call (their key paths, and their indexes among the call's flattened leaves), and
+    where the probe saw a float leaf computed with grad (NOTE [the grad probe] in
+    grad_probe.py; ``probed``: the original pass ran fn with grad on)."""
+
+    arguments: tuple[tuple[str, int], ...] = ()
+    graph: str | None = None
+    probed: bool = False
 
 
-def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
-                ) -> Passthrough:
-    """Check ``result`` as the original pass records it; the float leaves that are arguments."""
+def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /, *,
+                probed: bool) -> tuple[Any, AsRecorded]:
+    """Check ``result`` as the original pass records it; the result to record (detached where
+    the probe gave it a graph) and what the replay checks of it."""
     flat = flatten(result)
-    if not flat.tensor_index:
-        return ()
-    for i in flat.tensor_index:
-        if flat.leaves[i].requires_grad:  # fn enabled grad itself, or an outside tensor
-            _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
+    if not flat.tensor_index and not probed:
+        return result, AsRecorded()
     call = flatten_call(args, kwargs)
     given = {id(call.leaves[j]): j for j in call.tensor_index}
+    for i in flat.tensor_index:
+        leaf = flat.leaves[i]
+        # Unprobed: fn enabled grad itself, or returned an outside tensor. Probed, a graph the
+        # call made is the probe's to report (in the replay); a parameter, or an argument, as
+        # it is still is refused here.
+        if leaf.requires_grad and (not probed or leaf.grad_fn is None or id(leaf) in given):
+            _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
+    graph = None
+    if probed:
+        result, graph = probed_graph(result)
     passed = [(i, given[id(flat.leaves[i])]) for i in flat.tensor_index
               if id(flat.leaves[i]) in given and _is_float(flat.leaves[i])]
-    if not passed:
-        return ()
-    paths = leaf_paths(flat.spec, root="result")
-    return tuple((paths[i], j) for i, j in passed)
+    paths = leaf_paths(flat.spec, root="result") if passed else []
+    return result, AsRecorded(tuple((paths[i], j) for i, j in passed), graph, probed)
 
 
 def argument_versions(args: tuple[Any, ...], kwargs: dict[str, Any], /
@@ -271,29 +284,39 @@ _WARNED_CHANGED: weakref.WeakSet[Any] = weakref.WeakSet()
 _WARNED_BUILTINS: set[Any] = set()
 
 
-def warn_grad_mode_read(fn: Callable[..., Any], name: str, /) -> None:
+def warn_grad_mode_read(fn: Callable[..., Any], name: str, /, *, probed: bool) -> None:
     """NOTE [a reused fn that reads the grad mode]: the original pass runs fn under the
-    boundary's no-grad, and the replay, where eager's grad mode holds again, does not call it.
+    boundary's no-grad (but where the grad probe runs it with grad on: NOTE [the grad probe] in
+    grad_probe.py), and the replay, where eager's grad mode holds again, does not call it.
     So what fn does only ``if torch.is_grad_enabled()`` never happens under checkpointing
     (Megatron-Core's router counts tokens per expert so, for its expert bias: the count stays
-    0, the bias drifts from eager's from the next step, silently). Whether eager had grad on
-    at the call is known only in the replay, so it is told there, once per function, when grad
-    is on and fn's code, or a method or helper of the user's it calls (up to four calls
-    deep), reads is_grad_enabled (``function_reach.code_reading``; a read in a branch not
-    taken is told too). Not
+    0, the bias drifts from eager's from the next step, silently); probed, what it does only
+    with grad off is what never happens, where eager's call has grad off. Whether eager had
+    grad on at the call is known only in the replay, so it is told there, once per function,
+    when that mode is not the one fn ran under and fn's code, or a method or helper of the
+    user's it calls (up to four calls deep), reads is_grad_enabled
+    (``function_reach.code_reading``; a read in a branch not taken is told too). Not
     refused: what it guards may not matter (a log)."""
-    if name in _WARNED_GRAD_MODE or not torch.is_grad_enabled():
+    grad = torch.is_grad_enabled()
+    if name in _WARNED_GRAD_MODE or grad == probed:
         return
     where = code_reading(fn, "is_grad_enabled")
     if where is None:
         return
     _WARNED_GRAD_MODE.add(name)
+    if probed:
+        ran = ("Eager runs it here with grad off; under checkpointing the original pass ran it "
+               "with grad on (the grad probe: nothing it reads has a trainable parameter) and "
+               "the replay hands back its result without calling it, so what it does only "
+               "with grad off never happens")
+    else:
+        ran = ("Eager runs it here with grad on; under checkpointing the original pass ran it "
+               "under the boundary's no-grad and the replay hands back its result without "
+               "calling it, so what it does only with grad on (a token count per expert for a "
+               "load-balancing bias) never happens")
     warnings.warn(
         f"pytree_ckpt: reuse_during_recompute({name}): {where} reads torch.is_grad_enabled(). "
-        "Eager runs it here with grad on; under checkpointing the original pass ran it under "
-        "the boundary's no-grad and the replay hands back its result without calling it, so "
-        "what it does only with grad on (a token count per expert for a load-balancing bias) "
-        "never happens. Move that part out of the reused call, after it, on the ids it "
+        f"{ran}. Move that part out of the reused call, after it, on the ids it "
         "returns: the layer's own code runs again in the replay with grad on, once, as under "
         "torch's checkpoint (docs/replay.md, 'What may be replayed')",
         stacklevel=user_stacklevel())
@@ -319,12 +342,12 @@ def refuse_in_plain_call(fn: Callable[..., Any], name: str, result: Any,
         _refuse_floats(fn, name, flat, args, kwargs, replay=False)
 
 
-def refuse_in_replay(fn: Callable[..., Any], name: str, passthrough: Passthrough, result: Any,
+def refuse_in_replay(fn: Callable[..., Any], name: str, recorded: AsRecorded, result: Any,
                      args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
     """The rules in the replay, which sees eager's grad mode and arguments."""
-    if passthrough:
+    if recorded.arguments:
         call = flatten_call(args, kwargs)
-        for path, j in passthrough:
+        for path, j in recorded.arguments:
             if call.leaves[j].requires_grad:
                 argument = argument_path(call, j)
                 raise ReuseError(
@@ -341,6 +364,16 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, passthrough: Passthrough
             _refuse_hidden(fn, name, flat, args, kwargs)
         if flat.tensor_index:
             _refuse_floats(fn, name, flat, args, kwargs, replay=True)
+        if recorded.graph is not None:  # NOTE [the grad probe] (grad_probe.py)
+            raise ReuseError(
+                f"reuse_during_recompute({name}) returned {recorded.graph}: run with grad on "
+                "in the original pass, as eager runs it here, it computed that float with a "
+                "graph, and the replay hands back the value recorded there without calling "
+                "fn, so its gradient would be lost (eager refuses the result, which requires "
+                "grad)",
+                expected="frozen results only: int ids, or floats computed without grad",
+                got=f"{recorded.graph.split(' (')[0]} computed with grad in the original pass",
+                tip=_SPLIT_TIP + _MODULE_TIP)
 
 
 def _is_float(tensor: torch.Tensor, /) -> bool:

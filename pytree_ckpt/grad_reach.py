@@ -153,15 +153,16 @@ class _Look:
         if isinstance(value, type):  # a class read as a namespace: Routers.gate
             if library_code(value):
                 return []
-            return _class_reads(value, read, set())
+            return [(f".{name}", v) for name in sorted(read)
+                    if (v := _class_attribute(value, name, read)) is not None]
         if not _plain_object(value):
             return []
         names = attribute_names(value)
-        # First the class's: a property's getter or a method adds the names it reads
-        # (self._gate; self.inner.route reading the inner class's gate: helper FW).
-        from_class = _class_reads(type(value), read, set(names))
+        # First the class's: a property's getter adds the names it reads (self._gate).
+        from_class = [(name, _class_attribute(type(value), name, read))
+                      for name in sorted(read - set(names))]
         return [(f".{name}", attribute(value, name)) for name in names if name in read] + \
-            from_class
+            [(f".{name}", v) for name, v in from_class if v is not None]
 
 
     def _helper(self, function: types.FunctionType, /) -> list[tuple[str, Any]]:
@@ -207,21 +208,7 @@ def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bo
                     if name not in done and isinstance(value, _HELD):
                         done.add(name)
                         found.append((f"class attribute {name!r} of {cls.__name__}", value))
-    return found + _class_reads(cls, read, done, metaclass=metaclass, calling=calling,
-                                label=lambda name: f"class attribute {name!r} of {cls.__name__}")
-
-
-def _class_reads(cls: type, read: set[str], skip: set[str], /, *, metaclass: bool = False,
-                 calling: Any = None,
-                 label: Callable[[str], str] = ".{}".format) -> list[tuple[str, Any]]:
-    """The class attributes of ``cls`` named in ``read`` (but for those in ``skip``), each
-    with its ``label``, until no more names join: a method's or a getter's names join
-    ``read`` as it is found (a snapshot of the names missed a class gate only a called
-    method reads: ``self.inner.route``). With ``calling``, fn's own name leads to the
-    definitions it overrides (``_overridden``) instead."""
-    found: list[tuple[str, Any]] = []
-    done = set(skip)
-    while todo := sorted(read - done):
+    while todo := sorted(read - done):  # a method's or getter's names join read
         for name in todo:
             done.add(name)
             if calling is not None and name == calling.__name__:
@@ -231,7 +218,7 @@ def _class_reads(cls: type, read: set[str], skip: set[str], /, *, metaclass: boo
             if value is None and metaclass:
                 value = _class_attribute(type(cls), name, read)
             if value is not None:
-                found.append((label(name), value))
+                found.append((f"class attribute {name!r} of {cls.__name__}", value))
     return found
 
 

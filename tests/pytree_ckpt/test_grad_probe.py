@@ -1,0 +1,220 @@
+"""The grad probe behind rule 3 of reuse_during_recompute (NOTE [the grad probe] in
+grad_probe.py): where the static look finds nothing trainable, the original pass runs fn with
+grad on, and a float it computed with a graph is refused in the replay, as eager refuses it.
+
+Before it, each review round found another way for a router to reach its trainable gate past
+the look (another object's method, super() in a delegate, a computed getattr, a weakref, a
+registry of more than 64): the gate silently got no gradient under checkpointing.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pytree_ckpt import ReuseError, checkpoint, reuse_during_recompute
+
+PROBED = r"computed with grad from a parameter of shape \(4, 8\)"
+
+
+class _WeakRouter:
+    """Holds its gate behind a weak reference: the static look does not follow one."""
+
+    def __init__(self, gate: nn.Module) -> None:
+        self.gate_ref = weakref.ref(gate)
+        self.seen: list[bool] = []  # the grad mode each call ran under
+
+    def route(self, x: torch.Tensor) -> Any:
+        self.seen.append(torch.is_grad_enabled())
+        return self.gate_ref()(x).softmax(-1).topk(2, dim=-1)  # type: ignore[misc]
+
+
+def test_a_gate_behind_a_weakref_is_refused_under_checkpointing_as_in_eager() -> None:
+    gate = nn.Linear(8, 4)
+    router = _WeakRouter(gate)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = reuse_during_recompute(router.route, x.detach())
+        return x[:, :2] * weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="returned result.values, which requires grad"):
+        layer(x)  # eager: the weights carry the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=PROBED) as caught:
+        out.sum().backward()  # was: no refusal, and the gate got no gradient
+    assert "result.values" in str(caught.value)
+    assert router.seen == [True, True]  # eager, then the probed original pass: grad on
+
+
+def test_a_probed_plain_function_builds_no_graph_and_gives_eagers_numbers() -> None:
+    seen: list[bool] = []
+
+    def stats(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(torch.is_grad_enabled())
+        probs = h.softmax(-1)
+        return probs.max(-1).values, probs.argmax(-1, keepdim=True)
+
+    recorded: list[torch.Tensor] = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        top, ids = reuse_during_recompute(stats, x.detach())
+        recorded.append(top)
+        return x.gather(1, ids) * top[:, None]
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert seen == [True, True]  # eager and the probed original pass; the replay reuses
+    assert all(t.grad_fn is None and not t.requires_grad for t in recorded)
+    assert torch.equal(recorded[1], recorded[0])  # the replay handed back the recorded value
+    assert recorded[2] is recorded[1]
+
+
+class _TrainableRouter(nn.Module):
+    """A router with a trainable gate returning only its ids: the usual replay. The static look
+    finds the gate, so no probe: the original pass builds no graph for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.seen: list[bool] = []
+
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.is_grad_enabled())
+        return self.gate(x).topk(2, dim=-1).indices
+
+
+def test_a_router_whose_trainable_gate_the_look_finds_runs_without_grad_in_the_original_pass(
+) -> None:
+    router = _TrainableRouter()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        ids = reuse_during_recompute(router.route, x.detach())
+        return x.gather(1, ids)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    expected, x.grad = x.grad, None
+    with pytest.warns(UserWarning, match="Eager runs it here with grad on"):  # its own read
+        checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert router.seen == [True, False]  # eager, then the boundary's no-grad: unprobed
+    assert router.gate.weight.grad is None  # ids only: eager gives the gate none either
+
+
+def test_a_probed_gate_under_the_callers_no_grad_is_replayed_as_in_eager() -> None:
+    # Eager computes the weights without grad at a call under no_grad: legal. The probe runs
+    # the call with grad on, drops the graph from the record, and the replay (grad off at the
+    # call) hands the values back: eager's numbers.
+    torch.manual_seed(0)
+    gate = nn.Linear(8, 4)
+    router = _WeakRouter(gate)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            weights, ids = reuse_during_recompute(router.route, x.detach())
+        return x[:, :2] * weights + x.gather(1, ids)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).square().sum().backward()
+    expected, x.grad = x.grad, None
+    with pytest.warns(UserWarning, match="Eager runs it here with grad off"):  # its own read
+        checkpoint(layer, x).square().sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert gate.weight.grad is None
+    assert router.seen == [False, True]  # eager's call under no_grad; the probe's with grad
+
+
+def test_an_error_a_probed_call_raises_tells_about_the_probe() -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route_and_decay(x: torch.Tensor) -> torch.Tensor:
+        holder.ref().weight.mul_(0.5)  # legal only with grad off  # type: ignore[union-attr]
+        return x.topk(2, dim=-1).indices
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            ids = reuse_during_recompute(route_and_decay, x.detach())
+        return x.gather(1, ids)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x)  # eager: grad off at the call, the update is legal
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad") as caught:
+        checkpoint(layer, x)
+    notes = "".join(getattr(caught.value, "__notes__", []))
+    assert "grad probe" in notes and "@torch.no_grad()" in notes
+
+
+def test_a_probed_float_with_a_graph_inside_a_plain_object_is_refused_in_the_replay() -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> Any:
+        scores = holder.ref()(x).softmax(-1)  # type: ignore[misc]
+        return types.SimpleNamespace(weights=scores.max(-1).values), scores.argmax(-1)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        box, ids = reuse_during_recompute(route, x.detach())
+        return x[:, 0] * box.weights + ids
+
+    x = torch.randn(3, 8, requires_grad=True)
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=r"result\[0\]\.weights \(computed with grad"):
+        out.sum().backward()  # was: the weights' gradient lost, silently
+
+
+def test_a_probed_function_reading_the_grad_mode_counts_as_eager_and_is_not_warned() -> None:
+    counts_eager, counts_ckpt = torch.zeros(8), torch.zeros(8)
+
+    def counting(counts: torch.Tensor) -> Any:
+        def route(scores: torch.Tensor) -> torch.Tensor:
+            ids = scores.topk(2, dim=-1).indices
+            if torch.is_grad_enabled():
+                counts.add_(torch.bincount(ids.flatten(), minlength=8))
+            return ids
+        return route
+
+    route_eager, route_ckpt = counting(counts_eager), counting(counts_ckpt)
+    x = torch.randn(3, 8, requires_grad=True)
+    x.gather(-1, reuse_during_recompute(route_eager, x.detach())).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint(lambda h: h.gather(-1, reuse_during_recompute(route_ckpt, h.detach())),
+                   x).sum().backward()
+    assert [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)] == []
+    assert counts_eager.sum() == 6 and torch.equal(counts_ckpt, counts_eager)
+
+
+def test_a_probed_function_under_the_callers_no_grad_reading_the_grad_mode_is_warned() -> None:
+    calls = []
+
+    def route(scores: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            calls.append("no-grad branch")
+        return scores.topk(2, dim=-1).indices
+
+    def layer(h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            ids = reuse_during_recompute(route, h.detach())
+        return h.gather(-1, ids)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x)
+    assert calls == ["no-grad branch"]  # eager
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint(layer, x).sum().backward()
+    told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
+    assert calls == ["no-grad branch"]  # the probed pass took the other branch
+    assert len(told) == 1 and "route reads torch.is_grad_enabled()" in told[0]
+    assert "Eager runs it here with grad off" in told[0]
