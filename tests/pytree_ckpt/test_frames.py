@@ -2972,3 +2972,30 @@ class _DelegatingToClassGateScoredByAFunction:
                    "(also at dc86b8f)")
 def test_an_inner_objects_class_gate_read_by_a_function_its_method_calls_is_refused() -> None:
     _refused_in_eager_and_under_checkpointing(_DelegatingToClassGateScoredByAFunction().route)
+
+
+class _BaseScorerWithClassGate:
+    gate = nn.Linear(8, 4)
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self.gate(x).softmax(-1).topk(2, dim=-1)
+
+
+class _ScorerOverridingRouteWithSuper(_BaseScorerWithClassGate):
+    def route(self, x: torch.Tensor) -> Any:
+        return super().route(x)
+
+
+class _DelegatingToScorerOverridingRoute:
+    def __init__(self) -> None:
+        self.inner = _ScorerOverridingRouteWithSuper()
+
+    def route(self, x: torch.Tensor) -> Any:
+        return self.inner.route(x)
+
+
+@pytest.mark.xfail(strict=True, reason="gap of a0499e9 (helper FX): in an inner object's class, a "
+                   "method's super() call is not followed to the base's definition (only fn's own "
+                   "class follows super(): _overridden); also at dc86b8f")
+def test_an_inner_objects_method_calling_super_reaching_the_base_class_gate_is_refused() -> None:
+    _refused_in_eager_and_under_checkpointing(_DelegatingToScorerOverridingRoute().route)
