@@ -549,6 +549,73 @@ def test_a_buffer_first_registered_by_a_flag_after_the_first_replay_ends_as_eage
     assert runs[1][-1][-1] is True and "first" in runs[1][-1][-2]
 
 
+class RegistersWhenAskedKeyedOnTheBuffer(nn.Module):
+    """RegistersWhenAsked, its registration keyed on the buffer itself (docs/limits.md's fix
+    for a buffer registered under a flag the forward sets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use: bool = False) -> torch.Tensor:
+        if use and "first" not in self._buffers:
+            self.register_buffer("first", x.detach().abs().mean(0))
+        return self.lin(x) / self.first if use else self.lin(x)
+
+
+def test_a_buffer_keyed_on_its_own_absence_first_registered_after_the_first_replay_is_eagers(
+        ) -> None:
+    # docs/limits.md's "do instead" for a buffer registered under a flag (helper GA): the
+    # registration keyed on the buffer, first made after the layer's first replay.
+    runs = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        module = RegistersWhenAskedKeyedOnTheBuffer()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(module)
+        torch.manual_seed(1)
+        run = []
+        for use in (False, True, True):
+            module.zero_grad()
+            module(torch.randn(8, 4), use=use).square().sum().backward()
+            run.append([*(p.grad.clone() for p in module.parameters()), *_state(module),
+                        sorted(module.state_dict())])
+        runs.append(run)
+    _assert_same_runs(runs)
+    assert "first" in runs[1][-1][-1]
+
+
+class RegistersWhenAskedUnderAFlagInADict(nn.Module):
+    """RegistersWhenAsked with its flag in a dict attribute (not a number the boundary puts back
+    for the replay as the forward began)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.flags = {"ready": False}
+
+    def forward(self, x: torch.Tensor, use: bool = False) -> torch.Tensor:
+        if use and not self.flags["ready"]:
+            self.register_buffer("first", x.detach().abs().mean(0))
+            self.flags["ready"] = True
+        return self.lin(x) / self.first if use else self.lin(x)
+
+
+def test_a_buffer_registered_under_a_flag_in_a_dict_after_the_first_replay_is_refused() -> None:
+    # The refusal docs/limits.md's flag row states (helper GA: with a plain attribute flag,
+    # the row's own example, the case is exact since the flag is put back for the replay; a
+    # flag in a dict is not, and the replay reads the buffer taken out for it). Refused in
+    # backward, naming the buffer and the fix, not torch's bare AttributeError.
+    module = pytree_ckpt.apply_activation_checkpointing(RegistersWhenAskedUnderAFlagInADict())
+    module(torch.randn(8, 4)).square().sum().backward()
+    out = module(torch.randn(8, 4), use=True)
+    with pytest.raises(CheckpointError) as error:
+        out.square().sum().backward()
+    words = str(error.value)
+    assert "'first'" in words and "not in self._buffers" in words, words
+    assert isinstance(error.value.__cause__, AttributeError)
+
+
 def test_a_buffer_first_registered_after_the_first_replay_warns_of_no_number() -> None:
     # The registration marks the layer stateful after its forward and before the glance at its
     # dict is read (NOTE [a number first changed after the first replay]): the library's own
