@@ -2535,6 +2535,81 @@ def test_a_forward_branching_on_the_grad_mode_gives_eagers_output_and_gradients(
     assert_same_grads(*grads)
 
 
+class _PhaseBranch(nn.Module):
+    """_GradModeBranch written as docs/limits.md says instead: the cheap path chosen by the
+    pass (``current_phase()``), not by the grad mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        training_pass = current_phase() != "plain" or torch.is_grad_enabled()
+        return y * 2 if training_pass else y
+
+
+def test_a_forward_branching_on_the_pass_instead_of_the_grad_mode_gives_eagers_gradients(
+        ) -> None:
+    # The grad-mode branch row's fix (helper GA): eager's path taken in both passes.
+    torch.manual_seed(0)
+    eager = _GradModeBranch()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(_PhaseBranch(), offload=False)
+    wrapped.load_state_dict(eager.state_dict())
+    outs, grads = [], []
+    for layer in (eager, wrapped):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = layer(x)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append([x.grad, *(p.grad for p in layer.parameters())])
+    assert torch.equal(outs[0], outs[1])
+    assert_same_grads(*grads)
+    with torch.no_grad():  # and the cheap path where eager takes it
+        assert torch.equal(eager(outs[0]), wrapped(outs[0]))
+
+
+_TRACKER: dict[str, torch.Tensor] = {}
+
+
+class _LogsToATracker(nn.Module):
+    """Adds a detached statistic to a global tracker (Megatron-Core's
+    save_to_aux_losses_tracker), guarded by the grad mode as docs/limits.md says, or not."""
+
+    def __init__(self, guarded: bool) -> None:
+        super().__init__()
+        self.lin, self.guarded = nn.Linear(8, 8), guarded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        if not self.guarded or torch.is_grad_enabled():
+            _TRACKER["load"] += out.detach().abs().sum()
+        return torch.tanh(out)
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_global_tracker_write_guarded_by_the_grad_mode_is_made_once_as_in_eager(
+        guarded: bool) -> None:
+    # The tracker row of docs/limits.md (helper GA): unguarded, the replay adds again (twice
+    # eager's); guarded by torch.is_grad_enabled(), it runs once, in the replay, and the
+    # tracker read after backward is eager's. Gradients are eager's either way.
+    torch.manual_seed(0)
+    eager = _LogsToATracker(guarded)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    logged, grads = [], []
+    for layer in (eager, wrapped):
+        _TRACKER["load"] = torch.zeros(())
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        sum(layer(x * k).sum() for k in (1.0, 2.0)).backward()
+        logged.append(_TRACKER.pop("load"))
+        grads.append(grads_of(list(layer.parameters())))
+    assert_same_grads(*grads)
+    if guarded:
+        assert torch.equal(logged[0], logged[1])
+    else:
+        assert torch.allclose(logged[1], 2 * logged[0])  # each call logged twice
+
+
 class _AddsAndReturnsInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()
