@@ -4,8 +4,11 @@ the boundary was doing and a tip, added without changing the error's type or mes
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-__all__ = ["add_note", "note_no_grad_pass"]
+import torch
+
+__all__ = ["add_note", "converted_since", "note_no_grad_pass"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -65,3 +68,25 @@ def note_no_grad_pass(error: BaseException, where: str, /) -> None:
             "differentiates to the gradient call (a tensor computed before the block has no "
             "graph in this pass); both passes then build its graph, and the results are "
             "eager's.")
+
+
+def converted_since(fn: Any, args: tuple[Any, ...], /) -> str | None:
+    """Where a replay's error follows a model converted between a call's forward and its
+    backward (``model.double()``, ``model.to(device)``: helper GA): the float parameters of
+    ``fn``'s module share no dtype, or no device, with the call's float tensor arguments; what
+    each side has, or ``None``. A mixed-precision layer whose parameters and inputs always
+    differ meets this too, so the note says it as a possibility."""
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(module, torch.nn.Module):
+        return None
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if not params or not inputs:
+        return None
+    for what in ("dtype", "device"):
+        have = {str(getattr(p, what)) for p in params}
+        given = {str(getattr(a, what)) for a in inputs}
+        if not have & given:
+            return (f"its parameters are {', '.join(sorted(have))} and the inputs its forward "
+                    f"was given {', '.join(sorted(given))}")
+    return None

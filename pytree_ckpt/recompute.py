@@ -26,7 +26,7 @@ from .kept_replay import KeptReplay
 from .kept_weights import WeightCapture
 from .made_before import refuse_changed_kept, refuse_changed_views
 from .module_state import is_verified
-from .notes import add_note
+from .notes import add_note, converted_since
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_gradient
 from .phase import ACTIVE, Invocation, Phase
 from .changed_in_place import raise_changed_after_call
@@ -330,6 +330,14 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # The replay runs inside the vmap of a batched backward: the cache hint would
             # mislead (NOTE [a replay under vmap]).
             add_note(error, _under_vmap_note(fn_name(call.fn), batched))
+        elif (converted := converted_since(call.fn, args)) is not None:
+            add_note(error,
+                f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "
+                f"runs the forward again with the module as it is now: {converted}. If the "
+                "model was converted (model.double(), model.to(...)) between this call's "
+                "forward and its backward, the replay computes with other parameters than the "
+                "forward did. Tip: convert between steps, after backward (docs/limits.md, "
+                "'State the forward changes').")
         elif not recompile_limit_noted(error):  # an inner boundary's replay named it
             add_note(error,
                 f"pytree_ckpt: raised by the replay of {fn_name(call.fn)} in backward, which "

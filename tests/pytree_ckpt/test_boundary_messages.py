@@ -827,7 +827,10 @@ def test_a_torch_reentrant_checkpoint_inside_a_wrapped_layer_is_refused_naming_t
         str(raised.value.__cause__)
 
 
-@pytest.mark.xfail(strict=True, reason="bug (helper GA): torch's reentrant "
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the row on torch's "
+                   "checkpoint stacked with the boundary; docs/boundary.md, 'A transformers "
+                   "decoder layer'; as under torch's reentrant checkpoint alone) (helper GA): "
+                   "torch's reentrant "
                    "checkpoint inside a wrapped layer is refused (docs/limits.md, the row on "
                    "torch's checkpoint stacked with the boundary) only where the layer's input "
                    "requires grad; fed one that does not (frozen embeddings before a LoRA or "
@@ -2473,12 +2476,6 @@ def test_an_attribute_error_eager_raises_alike_gets_no_no_grad_pass_note() -> No
     assert "torch.no_grad()" not in "\n".join(getattr(checkpointed.value, "__notes__", []))
 
 
-@pytest.mark.xfail(strict=True, reason="bad message (helper GA): a model converted between a "
-                   "call's forward and its backward (`model.double()`, docs/limits.md's "
-                   "conversion row) raises torch's dtype mismatch from the replay, and the note "
-                   "added to it blames a key/value cache and says to pass use_cache=False; the "
-                   "forward's parameter dtypes are known, and the row's fix is to convert "
-                   "between steps")
 def test_a_model_converted_between_forward_and_backward_gets_a_note_naming_the_conversion(
         ) -> None:
     layer = pytree_ckpt.apply_activation_checkpointing(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
