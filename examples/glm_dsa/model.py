@@ -76,6 +76,15 @@ class GlmDsaForCausalLM(nn.Module):
         self.mtp_layers = nn.ModuleList(
             MtpLayer(config, computes_topk=j == 0) for j in range(num_mtp))
 
+    def declared_targets(self) -> RecomputeTargetMap:
+        """The save units this model's layers have: the MoE ones only where ``config.moe`` (a
+        dense model's ``save=True`` warned that they keep nothing: helper FZ); a unit it does not
+        have is refused by name, listing these."""
+        if self.config.moe:
+            return self.recompute_targets
+        return {unit: target for unit, target in self.recompute_targets.items()
+                if unit not in (SaveUnit.MOE_GATE, SaveUnit.MOE_DISPATCH)}
+
     def checkpoint_layers(self, ratio: float = 1.0, *, mtp: bool = True,
                           offload: bool | OffloadManager | None = None,
                           save: list[SaveUnit | str] | bool | None = None) -> list[int]:
@@ -87,7 +96,7 @@ class GlmDsaForCausalLM(nn.Module):
         indices of the checkpointed decoder layers.
         """
         manager = pytree_ckpt.resolve_offload(offload) or False
-        targets = self.recompute_targets
+        targets = self.declared_targets()
         chosen = apply_recompute_config(self.layers, RecomputeConfig(ratio, save=save), targets,
                                         offload=manager)
         if mtp and len(self.mtp_layers):

@@ -777,27 +777,36 @@ def test_with_ratio_0_the_training_script_checkpoints_nothing_not_even_the_mtp_l
     assert {phase for phase, _ in counts} == {"plain"}  # no original pass, no replay
 
 
-@pytest.mark.xfail(strict=True, reason="docs/scaling.md says torch.compile(model) around "
-                   "checkpointed layers called in a loop 'compiles nothing of that function ... "
-                   "runs the whole forward eagerly (embedding, head and loss included)'; for the "
-                   "reference model dynamo compiles the forward's prefix, the rope helpers, the "
-                   "final RMSNorm and the loss (7 graphs), and with aot_eager 97 of its "
-                   "gradients then differ from eager's (by up to 8e-9)")
-def test_compiled_checkpointed_reference_model_runs_its_forward_eagerly() -> None:
+def test_compiled_checkpointed_reference_model_equals_its_twin_compiled_with_eager_layers(
+        ) -> None:
+    # docs/scaling.md: around layers called in a loop, torch.compile(model) runs the forward's
+    # own code eagerly, and still compiles the functions of the user's it calls (helper FZ: 7
+    # graphs in this model, where the page said nothing was compiled), as it does for the
+    # unwrapped model whose layers run eagerly.
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
     config, eager = build()
     model = copy.deepcopy(eager)
     model.checkpoint_layers(1.0, offload=False)
-    counter = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
+    twin = copy.deepcopy(eager)
+    for layer in (*twin.layers, *twin.mtp_layers):
+        layer.forward = torch.compiler.disable(layer.forward)
     batch = make_packed_batch(config, SEQ_LENS, seed=0)
-    loss = torch.compile(model, backend=counter)(**batch)["loss"]
-    loss.backward()
-    eager_loss = eager(**batch)["loss"]
-    eager_loss.backward()
-    assert counter.frame_count == 0                       # "compiles nothing of that function"
-    assert torch.equal(loss, eager_loss)
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters())
+    results = []
+    for candidate in (twin, model):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(candidate, backend=counter)
+        if candidate is model:  # each checkpointed layer says the body is not compiled
+            with pytest.warns(UserWarning, match="compiles only the code around it"):
+                loss = compiled(**batch)["loss"]
+        else:
+            loss = compiled(**batch)["loss"]
+        loss.backward()
+        results.append((loss, counter.frame_count))
+    (twin_loss, twin_frames), (loss, frames) = results
+    assert frames == twin_frames > 0
+    assert torch.equal(loss, twin_loss)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(twin.parameters(), model.parameters())
                if a.grad is not None)

@@ -110,10 +110,7 @@ def test_the_census_shows_what_each_unit_keeps() -> None:
     assert "save unit" not in census.bytes_by("mechanism")
 
 
-@pytest.mark.xfail(strict=True, reason="the reference model declares the MoE units whatever its "
-                   "config, so save=True ('keep every unit the model declares') on the default "
-                   "dense model warns that 'moe_gate' and 'moe_dispatch' keep nothing")
-def test_save_true_on_the_dense_reference_model_warns_about_nothing() -> None:
+def test_save_true_on_the_dense_reference_model_keeps_only_its_declared_units_silently() -> None:
     import warnings
 
     torch.manual_seed(0)
