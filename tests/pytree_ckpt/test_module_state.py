@@ -1445,6 +1445,43 @@ def test_a_module_inserted_into_an_emptied_user_container_gets_eager_grads() -> 
     assert_same_grads(*grads_per_model([eager, wrapped], x, seed=2))
 
 
+def test_a_submodule_put_into_a_torch_leafs_modules_dict_between_steps_gets_eager_grads(
+        ) -> None:
+    # Guards against: the structure check skipping the _modules dicts of torch.nn's own leaf
+    # classes (_Shape.childless left empty, or not read): an adapter put into a Linear's dict
+    # (no registration hook runs) and used by a forward patched on the instance got no gradient,
+    # silently (mutants of _Shape.__init__ and _check_structure, helper FY).
+    import types
+
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(x))
+
+    def adapted(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, lin.weight, lin.bias) + lin.adapter(x)
+
+    torch.manual_seed(0)
+    eager = Block()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(3, 8, requires_grad=True)
+    for model in (eager, wrapped):
+        model(x).sum().backward()  # the layer's tree cached, the Linear holding no submodule
+    for model in (eager, wrapped):
+        torch.manual_seed(1)
+        model.lin._modules["adapter"] = nn.Linear(8, 8)  # into the leaf's dict: no hook runs
+        model.lin.forward = types.MethodType(adapted, model.lin)
+        model.zero_grad()
+    x.grad = None
+    assert_same_grads(*grads_per_model([eager, wrapped], x, seed=2))
+
+
 class _DecaysOnceSet(nn.Module):
     """A buffer registered as None in __init__ (an optional state), set between steps, then
     halved in place by each forward and read."""
