@@ -20,7 +20,7 @@ from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import held_generators
 from pytree_ckpt import (CheckpointWithoutOutput, KeptCallables, KeptOps, RecomputeConfig,
                          SaveUnit, apply_activation_checkpointing, apply_recompute_config,
-                         checkpoint, reuse_during_recompute)
+                         checkpoint, remove_activation_checkpointing, reuse_during_recompute)
 from tests.conftest import assert_same_grads, grads_of
 
 # The generator as the caller passes it: alone, or in a container (the boundary flattens it).
@@ -345,6 +345,54 @@ def test_a_generator_put_in_place_of_none_after_some_steps_is_restored_from_the_
 
     eager, wrapped = _twins(LazyRouter, apply_activation_checkpointing)
     _assert_steps_equal(eager, wrapped, steps=4, between=assign)
+
+
+class _NoisyOnceSeeded(nn.Module):
+    """Draws noise from a generator of its own once one takes the place of a plain setting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gen: object = 0  # a setting, later a generator: no dict changes size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if isinstance(self.gen, torch.Generator):
+            h = h * torch.rand(h.shape, generator=self.gen)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("forget", ["drop_caches", "removed and applied again"])
+def test_a_generator_set_in_place_of_a_setting_is_restored_once_the_caches_are_forgotten(
+        forget: str) -> None:
+    # held_generators.py: a generator taking the place of another attribute of the same name
+    # is not found until pytree_ckpt.module_state.drop_caches(module) forgets the cache.
+    # Guards against: drop_caches leaving the generators' cache (GENERATORS_CACHE) in place:
+    # the replay drew other numbers than the forward, silently (a mutant, helper FY).
+    from pytree_ckpt.module_state import drop_caches
+
+    torch.manual_seed(0)
+    eager = _NoisyOnceSeeded()
+    wrapped = copy.deepcopy(eager)
+    apply_activation_checkpointing(wrapped)
+    x = torch.randn(3, 8, requires_grad=True)
+    for model in (eager, wrapped):
+        model(x).sum().backward()  # the generators the tree holds cached: none
+        model.gen = torch.Generator().manual_seed(5)
+        model.zero_grad()
+    if forget == "drop_caches":
+        drop_caches(wrapped)
+    else:
+        remove_activation_checkpointing(wrapped)
+        apply_activation_checkpointing(wrapped)
+    grads = []
+    for model in (eager, wrapped):
+        x.grad = None
+        torch.manual_seed(2)
+        model(x).sum().backward()
+        grads.append(grads_of([*model.parameters(), x]))
+    assert_same_grads(*grads)
+    assert torch.equal(eager.gen.get_state(), wrapped.gen.get_state())
 
 
 def test_a_generator_made_lazily_in_the_forward_is_warned_of_once_naming_the_fix() -> None:
