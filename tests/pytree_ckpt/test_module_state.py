@@ -366,6 +366,45 @@ def test_a_deep_copy_made_after_a_step_sees_a_layer_inserted_after_its_own_step(
     assert_same_grads(grads_of(eager.parameters()), grads_of(twin.parameters()))
 
 
+class _CountsWhenTold(nn.Module):
+    """Scales by a count it moves in place, only once told to (``counting``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.counting = False
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.counting:
+            self.count.add_(1)
+        return torch.tanh(self.lin(x)) * self.count
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_replayed_layer_whose_forward_then_changes_a_buffer_gets_eager_grads(
+        how: str) -> None:
+    # A copy's first call makes its own first-call checks (drop_caches when its _Shape is
+    # gone), the buffer snapshot before the forward among them: a forward first changing a
+    # buffer in place after the original's first replay is then replayed from the buffer as
+    # it began. Guards against: drop_caches leaving the verification (_VERIFIED) a copy carries
+    # over: the replay read the count the forward left, silently (a mutant, helper FY).
+    torch.manual_seed(0)
+    eager = _CountsWhenTold()
+    wrapped = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    x = torch.randn(3, 8, requires_grad=True)
+    wrapped(x).sum().backward()  # the original's first replay: its first-call checks done
+    twin = copy.deepcopy(wrapped) if how == "deepcopy" else pickle.loads(pickle.dumps(wrapped))
+    eager.load_state_dict(twin.state_dict())
+    for model in (eager, twin):
+        model.counting = True
+        model.zero_grad()
+    x.grad = None
+    assert_same_grads(*grads_per_model([eager, twin], x, seed=2))
+    assert torch.equal(eager.count, twin.count)
+
+
 def test_removing_checkpointing_lets_a_layer_deleted_afterwards_be_freed() -> None:
     # Guards against: drop_caches is a no-op: remove_activation_checkpointing leaves the cached
     # _parameters dicts on the module, and a layer deleted later keeps its weights alive.
