@@ -390,6 +390,26 @@ def test_a_submodule_changed_between_forward_and_backward_is_refused_naming_it(
         loss.backward()
 
 
+def test_two_blocks_swapped_between_forward_and_backward_are_refused_as_moved() -> None:
+    # Both blocks ran, and are still there: only their order tells the replay would run
+    # another function (block 1 then block 0), whose gradients would differ silently.
+    # Guards against: changed_submodule comparing the submodules by which ran alone, not in
+    # which order (a mutant, helper FY).
+    layer = Activated()
+    layer.blocks.append(nn.Linear(8, 8))
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(5, 8, requires_grad=True)
+    layer(x).sum().backward()  # a first step: the module is verified
+    loss = layer(x).square().sum()
+    held = layer.blocks._modules
+    held["0"], held["1"] = held["1"], held["0"]  # in the same dict, behind torch's hooks
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match="(?s)of the checkpointed Activated changed between its forward "
+                             "and this backward.*got: +a submodule the forward ran was removed "
+                             "or moved"):
+        loss.backward()
+
+
 def test_a_submodule_changed_between_steps_gives_eager_gradients() -> None:
     grads = []
     for wrap in (False, True):
