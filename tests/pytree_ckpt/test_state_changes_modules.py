@@ -876,3 +876,28 @@ def test_a_new_buffer_moves_the_structure_generation_only_inside_a_checkpointed_
     before = structure_generation()
     layer.act.count = torch.ones(())  # reassigned under its name: no new state
     assert structure_generation() == before
+
+
+def test_a_layers_first_call_installs_the_registration_hooks_that_move_the_generation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's global registration hooks are installed at the first boundary call
+    # (module_dicts), not only when a boundary keeping methods is made. Run as a fresh process
+    # would: no hook of this library installed yet. Guards against: module_dicts no longer
+    # installing them, which the rest of the suite hid once any earlier test had made a
+    # keeping boundary (a mutant, helper FY).
+    import collections
+
+    from torch.nn.modules import module as torch_module
+
+    from pytree_ckpt import module_state
+
+    monkeypatch.setattr(module_state, "_hook_installed", False)
+    for name in ("_global_module_registration_hooks", "_global_buffer_registration_hooks"):
+        monkeypatch.setattr(torch_module, name, collections.OrderedDict())
+    layer = pytree_ckpt.apply_activation_checkpointing(Activated())
+    layer(torch.randn(5, 8, requires_grad=True)).square().sum().backward()
+    before = module_state.structure_generation()
+    layer.act.register_buffer("count", torch.zeros(()))  # a new name: new state
+    assert module_state.structure_generation() == before + 1
+    layer.act.probe = nn.Identity()  # a submodule registered in the layer's tree
+    assert module_state.structure_generation() == before + 2
