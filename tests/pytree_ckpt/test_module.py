@@ -1224,6 +1224,22 @@ def test_torch_checkpoint_options_given_where_boundary_options_go_name_their_rep
     assert option in str(err.value) and "tip:" in str(err.value)
 
 
+def test_several_torch_options_given_at_once_are_each_named_with_their_values_and_tips(
+        ) -> None:
+    # Guards against: refuses_torch_options (torch_options.py) naming only the first option
+    # given, or its value by str() (a string then read as a name), while the others, refused
+    # next, cost one more round each (mutants, helper FY).
+    block = nn.Linear(2, 2)
+    with pytest.raises(CheckpointConfigError) as raised:
+        apply_activation_checkpointing(block, use_reentrant=False, determinism_check="none")
+    message = str(raised.value)
+    assert message.startswith(
+        "apply_activation_checkpointing takes no determinism_check=, use_reentrant= ")
+    assert "got:      determinism_check='none', use_reentrant=False" in message
+    assert "drop determinism_check" in message and "drop use_reentrant" in message
+    assert not pytree_ckpt.is_checkpointed(block)
+
+
 def test_a_torch_check_fn_that_also_matches_the_model_checkpoints_its_blocks_as_torchs_does(
         ) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
