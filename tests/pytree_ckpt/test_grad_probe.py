@@ -218,3 +218,46 @@ def test_a_probed_function_under_the_callers_no_grad_reading_the_grad_mode_is_wa
     assert calls == ["no-grad branch"]  # the probed pass took the other branch
     assert len(told) == 1 and "route reads torch.is_grad_enabled()" in told[0]
     assert "Eager runs it here with grad off" in told[0]
+
+
+class _LoadRouter(nn.Module):
+    """A parameter-free router with a load EMA buffer (nothing trainable for the static look,
+    so probed), called under the caller's no_grad on the layer's input, undetached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("load", torch.zeros(8))
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        probs = scores.softmax(-1)
+        self.load.mul_(0.9).add_(probs.mean(0) * 0.1)
+        return probs.topk(2, dim=-1).indices
+
+
+@pytest.mark.xfail(strict=True, reason="regression of the grad probe (6db9921): the probe runs "
+                   "fn with grad on where eager's call is under no_grad, so a float buffer fn "
+                   "updates in place from its input (which requires grad: the layer's input) "
+                   "takes a graph; the replay reads it and x gets a gradient eager does not "
+                   "give (the next step's backward raises 'backward through the graph a second "
+                   "time'); dc86b8f gave eager's")
+def test_a_probed_router_updating_a_buffer_under_the_callers_no_grad_gives_eagers_grads(
+) -> None:
+    def run(ckpt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        router, lin = _LoadRouter(), nn.Linear(8, 8)
+
+        def layer(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                ids = reuse_during_recompute(router.select, x)  # no_grad: left undetached
+            return lin(x).gather(-1, ids) * (1 + router.load[:2])
+
+        x = torch.randn(3, 8, requires_grad=True)
+        (checkpoint(layer, x) if ckpt else layer(x)).sum().backward()
+        assert x.grad is not None
+        return x.grad, router.load
+
+    expected, eager_load = run(False)
+    got, load = run(True)
+    assert not load.requires_grad and load.grad_fn is None  # got: AddBackward0
+    assert torch.equal(load, eager_load)
+    assert torch.equal(got, expected)
