@@ -350,3 +350,29 @@ def test_a_frozen_lstm_in_a_probed_function_under_the_callers_no_grad_gives_eage
     expected, x.grad = x.grad, None
     checkpoint(layer, x).sum().backward()
     assert torch.equal(x.grad, expected)
+
+
+@torch.no_grad()
+def _decorated_route(scores: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled():  # never true: the decorator holds in eager and when probed
+        raise AssertionError("unreachable")
+    return scores.topk(2, dim=-1).indices
+
+
+@pytest.mark.xfail(strict=True, reason="false warning since the grad probe (6db9921): a "
+                   "function decorated with @torch.no_grad() that reads is_grad_enabled, at a "
+                   "call under the caller's no_grad, is told 'under checkpointing the original "
+                   "pass ran it with grad on', but its decorator ran it with grad off there, as "
+                   "in eager (dc86b8f told the same falsely at a call with grad on instead)")
+def test_a_no_grad_decorated_function_reading_the_grad_mode_is_not_warned_under_no_grad(
+) -> None:
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            ids = reuse_during_recompute(_decorated_route, x.detach())
+        return x.gather(-1, ids)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint(layer, x).sum().backward()
+    assert [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)] == []
