@@ -45,7 +45,7 @@ from .errors import ReuseError, require_callable
 from .frozen import (AsRecorded, StateAfter, apply_state_after, argument_versions, as_recorded,
                      buffer_versions, numbers_watch, refuse_in_plain_call, refuse_in_replay,
                      state_after, warn_changed_arguments, warn_grad_mode_read)
-from .grad_probe import note_probe, probe_grad
+from .grad_probe import probe_for
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import GeneratorStates, RngState, generators_moved, rng_changed, rng_state, set_rng_state
@@ -424,14 +424,9 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             before = rng_state(devices) if devices is not None else None
             generators_before = tuple((g, g.get_state()) for g in generators) \
                 if generators else ()
-            probe = probe_grad(fn, call)  # NOTE [the grad probe] (grad_probe.py)
+            probe = probe_for(fn, call)  # NOTE [the grad probe] (grad_probe.py)
             with probe if probe is not None else nullcontext():
-                try:
-                    result = fn(*args, **kwargs)
-                except Exception as error:
-                    if probe is not None:
-                        note_probe(error, callable_name(fn))
-                    raise
+                result = fn(*args, **kwargs)
             if before is not None and devices is not None:
                 # NOTE [skipped work keeps the RNG in step]
                 after = rng_state(devices)
@@ -444,8 +439,8 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # NOTE [state a reused call changes] (frozen.py)
         changes = state_after(call, versions, buffers, numbers)
         # NOTE [differentiable results are refused where grad is on] in frozen.py
-        result, checks = as_recorded(callable_name(fn), result, args, kwargs,
-                                     probed=probe is not None)
+        checks = as_recorded(callable_name(fn), result, args, kwargs,
+                             graph=None if probe is None else probe.found(result))
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after, checks = invocation.frame.take_with_rng(fn)
         if recorders:
@@ -459,7 +454,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
                 IN_REUSE.reset(token)
         if not recorders:  # the replay itself (a nested original pass checks in its replay)
             refuse_in_replay(fn, callable_name(fn), checks, result, args, kwargs)
-            warn_grad_mode_read(fn, callable_name(fn), probed=checks.probed)  # NOTE in frozen.py
+            warn_grad_mode_read(fn, callable_name(fn))  # NOTE in frozen.py
     for recorder in recorders:
         recorder.frame.record(fn, result, rng_after=rng_after, checks=checks,
                               state_after=changes, generators_after=generators_after)

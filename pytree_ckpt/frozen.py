@@ -19,9 +19,9 @@ Where grad is enabled at the call, a float (or complex) result leaf is refused w
    of a plain callable object (or a classmethod's class), as an argument default, in a closure
    cell or as a global its code reads, or from there through the attributes its code reads
    and the functions of the user's it reaches (NOTE [what fn reaches with grad] in
-   grad_reach.py); or, where that static look finds nothing, fn computed it with a graph
-   when the original pass ran it with grad on (NOTE [the grad probe] in grad_probe.py: what
-   the look misses, the probe sees, but for a tensor that has a graph in the replay only).
+   grad_reach.py); or, where that look finds nothing, the original pass's ops computed it
+   from a tensor that requires grad (NOTE [the grad probe] in grad_probe.py: what the look
+   misses, the probe sees, but for a tensor that has a graph in the replay only).
 
 Rules 2 and 3 do not apply to a function decorated with ``torch.no_grad()`` (or
 ``inference_mode()``, ``set_grad_enabled(False)``): eager computes its results without grad.
@@ -50,7 +50,6 @@ from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
 from .function_reach import cell_contents, code_reading, unwrap_partials
-from .grad_probe import probed_graph
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
@@ -76,37 +75,30 @@ _MODULE_TIP = ("; a module's trainable parameters give its floats a graph, so de
 class AsRecorded(NamedTuple):
     """What the replay checks of a recorded result: its float leaves that were tensor arguments
     of the call (their key paths, and their indexes among the call's flattened leaves), and
-    where the probe saw a float leaf computed with grad (NOTE [the grad probe] in
-    grad_probe.py; ``probed``: the original pass ran fn with grad on)."""
+    where the grad probe saw a float leaf eager computes with grad (NOTE [the grad probe] in
+    grad_probe.py)."""
 
     arguments: tuple[tuple[str, int], ...] = ()
     graph: str | None = None
-    probed: bool = False
 
 
 def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /, *,
-                probed: bool) -> tuple[Any, AsRecorded]:
-    """Check ``result`` as the original pass records it; the result to record (detached where
-    the probe gave it a graph) and what the replay checks of it."""
+                graph: str | None = None) -> AsRecorded:
+    """Check ``result`` as the original pass records it; what the replay checks of it."""
     flat = flatten(result)
-    if not flat.tensor_index and not probed:
-        return result, AsRecorded()
+    if not flat.tensor_index:
+        return AsRecorded((), graph)
+    for i in flat.tensor_index:
+        if flat.leaves[i].requires_grad:  # fn enabled grad itself, or an outside tensor
+            _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
     call = flatten_call(args, kwargs)
     given = {id(call.leaves[j]): j for j in call.tensor_index}
-    for i in flat.tensor_index:
-        leaf = flat.leaves[i]
-        # Unprobed: fn enabled grad itself, or returned an outside tensor. Probed, a graph the
-        # call made is the probe's to report (in the replay); a parameter, or an argument, as
-        # it is still is refused here.
-        if leaf.requires_grad and (not probed or leaf.grad_fn is None or id(leaf) in given):
-            _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
-    graph = None
-    if probed:
-        result, graph = probed_graph(result)
     passed = [(i, given[id(flat.leaves[i])]) for i in flat.tensor_index
               if id(flat.leaves[i]) in given and _is_float(flat.leaves[i])]
-    paths = leaf_paths(flat.spec, root="result") if passed else []
-    return result, AsRecorded(tuple((paths[i], j) for i, j in passed), graph, probed)
+    if not passed:
+        return AsRecorded((), graph)
+    paths = leaf_paths(flat.spec, root="result")
+    return AsRecorded(tuple((paths[i], j) for i, j in passed), graph)
 
 
 def argument_versions(args: tuple[Any, ...], kwargs: dict[str, Any], /
@@ -284,39 +276,29 @@ _WARNED_CHANGED: weakref.WeakSet[Any] = weakref.WeakSet()
 _WARNED_BUILTINS: set[Any] = set()
 
 
-def warn_grad_mode_read(fn: Callable[..., Any], name: str, /, *, probed: bool) -> None:
+def warn_grad_mode_read(fn: Callable[..., Any], name: str, /) -> None:
     """NOTE [a reused fn that reads the grad mode]: the original pass runs fn under the
-    boundary's no-grad (but where the grad probe runs it with grad on: NOTE [the grad probe] in
-    grad_probe.py), and the replay, where eager's grad mode holds again, does not call it.
+    boundary's no-grad, and the replay, where eager's grad mode holds again, does not call it.
     So what fn does only ``if torch.is_grad_enabled()`` never happens under checkpointing
     (Megatron-Core's router counts tokens per expert so, for its expert bias: the count stays
-    0, the bias drifts from eager's from the next step, silently); probed, what it does only
-    with grad off is what never happens, where eager's call has grad off. Whether eager had
-    grad on at the call is known only in the replay, so it is told there, once per function,
-    when that mode is not the one fn ran under and fn's code, or a method or helper of the
-    user's it calls (up to four calls deep), reads is_grad_enabled
-    (``function_reach.code_reading``; a read in a branch not taken is told too). Not
+    0, the bias drifts from eager's from the next step, silently). Whether eager had grad on
+    at the call is known only in the replay, so it is told there, once per function, when grad
+    is on and fn's code, or a method or helper of the user's it calls (up to four calls
+    deep), reads is_grad_enabled (``function_reach.code_reading``; a read in a branch not
+    taken is told too). Not
     refused: what it guards may not matter (a log)."""
-    grad = torch.is_grad_enabled()
-    if name in _WARNED_GRAD_MODE or grad == probed:
+    if name in _WARNED_GRAD_MODE or not torch.is_grad_enabled():
         return
     where = code_reading(fn, "is_grad_enabled")
     if where is None:
         return
     _WARNED_GRAD_MODE.add(name)
-    if probed:
-        ran = ("Eager runs it here with grad off; under checkpointing the original pass ran it "
-               "with grad on (the grad probe: nothing it reads has a trainable parameter) and "
-               "the replay hands back its result without calling it, so what it does only "
-               "with grad off never happens")
-    else:
-        ran = ("Eager runs it here with grad on; under checkpointing the original pass ran it "
-               "under the boundary's no-grad and the replay hands back its result without "
-               "calling it, so what it does only with grad on (a token count per expert for a "
-               "load-balancing bias) never happens")
     warnings.warn(
         f"pytree_ckpt: reuse_during_recompute({name}): {where} reads torch.is_grad_enabled(). "
-        f"{ran}. Move that part out of the reused call, after it, on the ids it "
+        "Eager runs it here with grad on; under checkpointing the original pass ran it under "
+        "the boundary's no-grad and the replay hands back its result without calling it, so "
+        "what it does only with grad on (a token count per expert for a load-balancing bias) "
+        "never happens. Move that part out of the reused call, after it, on the ids it "
         "returns: the layer's own code runs again in the replay with grad on, once, as under "
         "torch's checkpoint (docs/replay.md, 'What may be replayed')",
         stacklevel=user_stacklevel())
@@ -364,15 +346,16 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, recorded: AsRecorded, re
             _refuse_hidden(fn, name, flat, args, kwargs)
         if flat.tensor_index:
             _refuse_floats(fn, name, flat, args, kwargs, replay=True)
-        if recorded.graph is not None:  # NOTE [the grad probe] (grad_probe.py)
+        if recorded.graph is not None and not _decorated_without_grad(fn):
+            # NOTE [the grad probe] (grad_probe.py)
             raise ReuseError(
-                f"reuse_during_recompute({name}) returned {recorded.graph}: run with grad on "
-                "in the original pass, as eager runs it here, it computed that float with a "
-                "graph, and the replay hands back the value recorded there without calling "
-                "fn, so its gradient would be lost (eager refuses the result, which requires "
-                "grad)",
+                f"reuse_during_recompute({name}) returned {recorded.graph}: eager computes "
+                "that float with grad here, and the replay hands back the value recorded in "
+                "the original pass without calling fn, so its gradient would be lost (eager "
+                "refuses the result, which requires grad)",
                 expected="frozen results only: int ids, or floats computed without grad",
-                got=f"{recorded.graph.split(' (')[0]} computed with grad in the original pass",
+                got=f"{recorded.graph.split(' (')[0]}, which the original pass's ops computed "
+                    "from a tensor that requires grad",
                 tip=_SPLIT_TIP + _MODULE_TIP)
 
 

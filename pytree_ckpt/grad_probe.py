@@ -1,101 +1,126 @@
-"""The grad probe: a reused call's fn run with grad on in the original pass, where the static
-look (grad_reach.py) finds nothing trainable, so that a graph it missed is seen.
+"""The grad probe: what a reused call's fn computes from tensors that require grad, watched
+in the original pass where the static look (grad_reach.py) finds nothing trainable.
 
 NOTE [the grad probe]: rule 3 (NOTE [differentiable results are refused where grad is on] in
 frozen.py) reads fn's code for what it reaches, and Python hides reach in too many ways to find
-every one (another object's method, ``super()``, a computed ``getattr``, a metaclass: each
-review round found another, and the gate silently got no gradient under checkpointing where
-eager refuses). So where the look finds nothing, the original pass runs fn with grad on, as
-eager does at a call with grad on (the boundary's original pass runs only where grad was on at
-its entry): a float leaf the call computes with a graph then shows it, the recorded value is
-detached (the original pass goes on without a graph, as under the boundary's no-grad), and
-the replay, which sees the grad mode at the call, refuses it where grad is on there, as eager
-does. Where the look finds something, fn runs under the boundary's no-grad as before: a router
-with a trainable gate returning only its top-k ids (the usual replay) builds no graph there.
-Costs: none where nothing fn reads requires grad (no graph is built); otherwise the graph of
-the call, freed when it returns (kept, with the frame, only for a tensor in a plain object the
-bridge does not open). fn also sees ``torch.is_grad_enabled()`` true, as eager does at a call
-with grad on; where eager's call has grad off, what fn then does differs (an in-place update
-of a parameter it reaches raises, a ``.numpy()`` of a tensor computed from one too): such an
-error gets a note naming the probe and the fix (``@torch.no_grad()`` on fn).
+every one (another object's method, ``super()`` in a delegate, a computed ``getattr``, a
+metaclass, a weakref: each review round found another, and the gate silently got no gradient
+under checkpointing where eager refuses). So where the look finds nothing and no tensor
+argument requires grad (rule 2 covers those), the original pass watches fn's ops with a
+``TorchFunctionMode``: an op given a tensor that requires grad (a parameter: it keeps
+``requires_grad`` under no-grad), or one such an op made, marks its float outputs, as eager's
+autograd would give them a graph at a call with grad on. A float leaf of the result so marked
+is recorded with what it came from, and the replay, which sees the grad mode at the call,
+refuses it where grad is on there, as eager does. fn runs exactly as before, under the
+boundary's no-grad (helper GB: running it with grad on, the first form of this probe, changed
+what it did at a call under the caller's ``no_grad``: a buffer it updated took a graph, NumPy
+refused, a CPU LSTM picked another kernel). What the watch cannot see: a ``with
+torch.no_grad():`` inside fn (the pass is under no-grad already: its floats are marked, and
+refused at a call with grad on, as the static rule refuses them), and a tensor that has a
+graph in the replay only (the layer's own activations, computed under the original pass's
+no-grad). A ``torch.autograd.Function``'s ``apply`` is seen as one op (its output is marked
+where an input is, as eager gives it a graph then). Cost: a Python call per op of a probed fn,
+in the original pass only; none where the look finds a trainable module (a router with its
+gate returning top-k ids, the usual replay, is not probed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .grad_reach import grad_reach
-from .notes import add_note
-from .tree import FlatTree, flatten, hidden_tensor, leaf_paths, unflatten
+from .tree import FlatTree, flatten, hidden_tensor, leaf_paths
 
-__all__ = ["note_probe", "probe_grad", "probed_graph"]
-
-
-def probe_grad(fn: Callable[..., Any], call: FlatTree, /) -> AbstractContextManager[Any] | None:
-    """``torch.enable_grad()`` to run ``fn`` under in the original pass, or ``None`` where the
-    static look finds what gives its floats a graph (refused in the replay by rule 3)."""
-    return torch.enable_grad() if grad_reach(fn, call) is None else None
+__all__ = ["GradProbe", "probe_for"]
 
 
-def note_probe(error: BaseException, name: str, /) -> None:
-    """Tell, on an error ``fn`` raised while probed, that it ran with grad on, and why."""
-    add_note(error, f"pytree_ckpt: reuse_during_recompute({name}) ran it with grad on in the "
-             "checkpoint's original pass, as eager runs it at a call with grad on (the grad "
-             "probe: the static look found nothing trainable it reaches, docs/replay.md, 'What "
-             "may be replayed'). If eager's call has grad off and fn relies on it (an in-place "
-             "update of a parameter, .numpy()), decorate fn with @torch.no_grad(), or do that "
-             "part under its own torch.no_grad()")
+class GradProbe(TorchFunctionMode):
+    """Marks the float tensors fn's ops compute from tensors that require grad (NOTE above)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Weak, by identity: a tensor fn made and dropped must not live on, nor its id mark
+        # another (a WeakKeyDictionary compares tensors with ==, elementwise).
+        self.marked = WeakIdKeyDictionary()
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _NO_GRAPH:
+            return out
+        source = None
+        for tensor in _tensors(args, kwargs):
+            if tensor.requires_grad:
+                source = _what(tensor)
+            else:
+                source = self.marked.get(tensor)
+            if source is not None:
+                break
+        if source is not None:
+            for tensor in _tensors(out, None):
+                if tensor.is_floating_point() or tensor.is_complex():
+                    self.marked[tensor] = source
+        return out
+
+    def found(self, result: Any, /) -> str | None:
+        """Where the first float leaf of ``result`` eager computes with grad is (its key path and
+        what it came from), or ``None``."""
+        flat = flatten(result)
+        for i, leaf in enumerate(flat.leaves):
+            if isinstance(leaf, torch.Tensor):
+                where, source = "", self.marked.get(leaf)
+            else:  # NOTE [leaves that hold tensors] (tree.py): looked into as the rules do
+                hidden = hidden_tensor(leaf, lambda t: t in self.marked)
+                where, source = ("", None) if hidden is None else \
+                    (hidden[0], self.marked.get(hidden[1]))
+            if source is not None:
+                return f"{leaf_paths(flat.spec, root='result')[i]}{where} ({source})"
+        return None
 
 
-def probed_graph(result: Any, /) -> tuple[Any, str | None]:
-    """``result`` with every leaf the probed call computed with grad detached, and where the
-    first float one is (``None``: none), with what gave it the graph."""
-    flat = flatten(result)
-    leaves = list(flat.leaves)
-    found: str | None = None
-    paths: list[str] | None = None
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            if leaf.grad_fn is None:
-                continue
-            leaves[i] = leaf.detach()
-            if found is None and (leaf.is_floating_point() or leaf.is_complex()):
-                paths = paths or leaf_paths(flat.spec, root="result")
-                found = f"{paths[i]} ({_source(leaf)})"
-        elif found is None:
-            # NOTE [leaves that hold tensors] (tree.py): left as it is (the bridge does not
-            # open it), graph and all, until the frame is released.
-            hidden = hidden_tensor(leaf, _with_graph)
-            if hidden is not None:
-                paths = paths or leaf_paths(flat.spec, root="result")
-                found = f"{paths[i]}{hidden[0]} ({_source(hidden[1])})"
-    if all(a is b for a, b in zip(leaves, flat.leaves)):
-        return result, found
-    return unflatten(flat.spec, leaves), found
+def probe_for(fn: Callable[..., Any], call: FlatTree, /) -> GradProbe | None:
+    """The probe to watch ``fn`` with in the original pass, or ``None``: where the static look
+    finds what gives its floats a graph (rule 3 refuses them in the replay), where a tensor
+    argument requires grad (rule 2 does), and for a compiled fn (dynamo would trace the mode)."""
+    if any(call.leaves[j].requires_grad for j in call.tensor_index):
+        return None
+    if hasattr(fn, "_torchdynamo_orig_callable") or hasattr(fn, "_orig_mod"):
+        return None
+    return GradProbe() if grad_reach(fn, call) is None else None
 
 
-def _with_graph(tensor: torch.Tensor, /) -> bool:
-    return tensor.grad_fn is not None and (tensor.is_floating_point() or tensor.is_complex())
+def _tensors(value: Any, kwargs: Any, /) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments or outputs: at the top, and one list or tuple down
+    (``torch.cat([a, b])``, ``topk``'s (values, indices))."""
+    for group in (value, kwargs.values() if kwargs else ()):
+        items: Any = (group,) if isinstance(group, torch.Tensor) else group \
+            if isinstance(group, (list, tuple, type({}.values()))) else ()
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (list, tuple)):
+                yield from (t for t in item if isinstance(t, torch.Tensor))
 
 
-def _source(tensor: torch.Tensor, /) -> str:
-    """What gave ``tensor`` its graph: the first tensor that requires grad its graph reaches
-    (a parameter, named by its shape; the look walks at most 256 nodes)."""
-    stack = [tensor.grad_fn]
-    seen: set[int] = set()
-    while stack and len(seen) < 256:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node
-        if isinstance(variable, torch.Tensor):
-            kind = "a parameter" if isinstance(variable, torch.nn.Parameter) else \
-                "a tensor that requires grad"
-            return f"computed with grad from {kind} of shape {tuple(variable.shape)}"
-        stack += [next_node for next_node, _ in node.next_functions]
-    return "computed with grad"
+def _what(tensor: torch.Tensor, /) -> str:
+    if isinstance(tensor, torch.nn.Parameter):
+        return f"computed from a parameter of shape {tuple(tensor.shape)}"
+    if tensor.grad_fn is not None:
+        return f"computed from a tensor with a graph, of shape {tuple(tensor.shape)}"
+    return f"computed from a tensor that requires grad, of shape {tuple(tensor.shape)}"
+
+
+# Ops whose outputs eager gives no graph whatever their inputs: a detached alias, a new tensor
+# of the input's shape, the .data and .grad attributes.
+_NO_GRAPH = frozenset({
+    torch.Tensor.detach, torch.Tensor.detach_, torch.detach, torch.Tensor.requires_grad_,
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+    torch.randn_like, torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+    torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor,
+    *(vars(torch._C.TensorBase)[name].__get__ for name in ("data", "grad")),
+})

@@ -132,14 +132,6 @@ def _counting_helper(ids: torch.Tensor, counts: torch.Tensor) -> None:
         counts += torch.bincount(ids.flatten(), minlength=counts.numel())
 
 
-def _reused_without_grad(fn: Any, *args: Any) -> Any:
-    """A reused call at which eager has grad off: a plain function (nothing trainable for the
-    static look) is probed with grad on in the original pass (NOTE [the grad probe]), so what
-    it does only with grad off is what differs from eager, and the warning names the read."""
-    with torch.no_grad():
-        return reuse_during_recompute(fn, *args)
-
-
 def _told_by_one_step(layer: Any) -> list[str]:
     """The pytree_ckpt warnings of one checkpointed step of ``layer``."""
     with warnings.catch_warnings(record=True) as caught:
@@ -160,8 +152,8 @@ def test_a_module_level_helper_a_plain_function_calls_is_named() -> None:
         return scores.topk(2, dim=-1).indices
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(-1, _reused_without_grad(route, x.detach())) + \
-            x.gather(-1, _reused_without_grad(plain, x.detach()))
+        return x.gather(-1, reuse_during_recompute(route, x.detach())) + \
+            x.gather(-1, reuse_during_recompute(plain, x.detach()))
 
     told = _told_by_one_step(layer)
     assert len(told) == 1 and "route): _counting_helper reads torch.is_grad_enabled()" in told[0]
@@ -203,7 +195,7 @@ def test_a_read_in_a_helper_of_a_helper_is_named() -> None:
         return ids
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(-1, _reused_without_grad(route, x.detach()))
+        return x.gather(-1, reuse_during_recompute(route, x.detach()))
 
     told = _told_by_one_step(layer)
     assert len(told) == 1 and "route): _counting_helper reads torch.is_grad_enabled()" in told[0]
@@ -274,14 +266,14 @@ def test_closures_of_one_code_over_different_bound_methods_are_each_looked_at() 
     first, second = _through(quiet.route), _through(counting.route)
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(-1, _reused_without_grad(first, x.detach())) + \
-            x.gather(-1, _reused_without_grad(second, x.detach()))
+        return x.gather(-1, reuse_during_recompute(first, x.detach())) + \
+            x.gather(-1, reuse_during_recompute(second, x.detach()))
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
     told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
-    assert counting.counts.sum() == 3 * 2  # eager, grad off at the call, counts none
+    assert counting.counts.sum() == 0  # eager counts 3 * 2: what the warning is for
     assert len(told) == 1 and "_Counting.route reads torch.is_grad_enabled()" in told[0]
 
 
@@ -328,15 +320,15 @@ def test_a_function_under_two_decorator_objects_is_the_one_named() -> None:
     route = _Logged(_Logged(_counting_route))
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(-1, _reused_without_grad(route, x.detach()))
+        return x.gather(-1, reuse_during_recompute(route, x.detach()))
 
     x = torch.randn(3, 8, requires_grad=True)
-    layer(x)  # eager: grad off at the call, not counted
+    layer(x)  # eager: grad on, counted
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pytree_ckpt.checkpoint(layer, x).sum().backward()
     told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
-    assert _counting_route.calls == 1  # type: ignore[attr-defined]  # the probed pass only
+    assert _counting_route.calls == 1  # type: ignore[attr-defined]  # the eager call only
     assert len(told) == 1 and "_counting_route reads torch.is_grad_enabled()" in told[0]
 
 
@@ -363,13 +355,13 @@ def test_a_module_given_as_fn_is_read_as_its_own_forward_not_what_it_wraps() -> 
     route = _CountingWrapper(_TopTwo())
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(-1, _reused_without_grad(route, x.detach()))
+        return x.gather(-1, reuse_during_recompute(route, x.detach()))
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
     told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
-    assert route.calls == 1  # eager, grad off at the call, counts none
+    assert route.calls == 0  # eager counts 1: what the warning is for
     assert len(told) == 1 and "_CountingWrapper.forward reads torch.is_grad_enabled()" in told[0]
 
 
@@ -423,13 +415,13 @@ def test_a_bound_method_a_closure_calls_is_read_and_named() -> None:
     route = lambda scores: score(scores)  # noqa: E731  # a cell holding a bound method
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(-1, _reused_without_grad(route, x.detach()))
+        return x.gather(-1, reuse_during_recompute(route, x.detach()))
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
     told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
-    assert counting.counts.sum() == 3 * 2  # eager, grad off at the call, counts none
+    assert counting.counts.sum() == 0  # eager counts 3 * 2
     assert len(told) == 1 and "_Counting.route reads torch.is_grad_enabled()" in told[0]
 
 
@@ -445,13 +437,13 @@ def test_a_read_in_a_function_nested_in_fn_is_named_as_fn() -> None:
         return ids
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(-1, _reused_without_grad(nesting_route, x.detach()))
+        return x.gather(-1, reuse_during_recompute(nesting_route, x.detach()))
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pytree_ckpt.checkpoint(layer, torch.randn(3, 8, requires_grad=True)).sum().backward()
     told = [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)]
-    assert counts.sum() == 3 * 2  # eager, grad off at the call, counts none
+    assert counts.sum() == 0  # eager counts 3 * 2
     assert len(told) == 1 and "nesting_route reads torch.is_grad_enabled()" in told[0]
 
 
