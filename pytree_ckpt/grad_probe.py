@@ -65,6 +65,10 @@ class GradProbe(TorchFunctionMode):
             for tensor in _tensors(out, None):
                 if tensor.is_floating_point() or tensor.is_complex():
                     self.marked[tensor] = source
+                    # In place into a view (buf[0].add_(w)): eager's graph reaches the base
+                    base = tensor._base
+                    if base is not None and getattr(func, "__name__", "").endswith("_"):
+                        self.marked[base] = source
         return out
 
     def found(self, result: Any, /) -> str | None:

@@ -393,3 +393,24 @@ def test_floats_a_weakref_gate_computes_under_fns_own_no_grad_are_refused_and_th
     expected, x.grad = x.grad, None
     checkpoint(layer_of(decorated), x).sum().backward()
     assert torch.equal(x.grad, expected) and gate.weight.grad is None
+
+
+def test_a_buffer_filled_in_place_through_a_view_from_a_weakref_gate_is_refused_as_in_eager(
+) -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> Any:
+        table = torch.zeros(2, 3, 4)
+        table[0].add_(holder.ref()(x))  # type: ignore[misc]
+        return table.sum(0)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="which requires grad"):
+        layer(x)  # eager: the table took the gate's graph through its view
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=r"result \(computed from a parameter of shape \(4, 8\)\)"):
+        out.sum().backward()
