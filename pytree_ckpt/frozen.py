@@ -5,9 +5,11 @@ result instead of calling fn, so a float leaf that eager computes with grad (rou
 weights or probabilities) would silently lose its gradient under checkpointing. Whether eager
 computes it with grad cannot be seen in the original pass: it runs under the boundary's
 no-grad, so neither the caller's grad mode at the call nor what requires grad among the
-layer's own tensors shows there. The replay sees both, as eager does, but does not call fn.
-So the rules are static (but for the probe behind rule 3), and the same in eager and in the
-replay, so that a model that checkpoints only some of its layers fails alike in every one.
+layer's own tensors shows there; and fn must run there exactly as eager runs it (under the
+caller's no_grad: numpy calls, in-place updates, the kernels torch picks by grad mode). The
+replay sees both, as eager does, but does not call fn. So the rules are static (but for the
+probe behind rule 3, which only watches), and the same in eager and in the replay, so that a
+model that checkpoints only some of its layers fails alike in every one.
 Where grad is enabled at the call, a float (or complex) result leaf is refused when
 
 1. it requires grad itself (eager: computed with grad), or
