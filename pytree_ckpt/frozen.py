@@ -73,6 +73,11 @@ _MODULE_TIP = ("; a module's trainable parameters give its floats a graph, so de
                "detached inputs, from a function decorated with @torch.no_grad() (a module "
                "whose forward is decorated so: pass module.forward, as a module's call runs "
                "its hooks too), or be computed outside the call")
+# The grad probe cannot see grad switched off inside fn (NOTE [the grad probe]).
+_PROBE_TIP = ("; where eager computes that float without grad though fn reads a parameter "
+              "(under a torch.no_grad() block inside fn, or an op torch runs so: a "
+              "distribution's sample()), detach what it reads there (scores.detach()), or "
+              "decorate fn with @torch.no_grad()")
 
 class AsRecorded(NamedTuple):
     """What the replay checks of a recorded result: its float leaves that were tensor arguments
@@ -81,11 +86,11 @@ class AsRecorded(NamedTuple):
     grad_probe.py)."""
 
     arguments: tuple[tuple[str, int], ...] = ()
-    graph: str | None = None
+    graph: tuple[str, str] | None = None  # (key path, what it came from)
 
 
 def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /, *,
-                graph: str | None = None) -> AsRecorded:
+                graph: tuple[str, str] | None = None) -> AsRecorded:
     """Check ``result`` as the original pass records it; what the replay checks of it."""
     flat = flatten(result)
     if not flat.tensor_index:
@@ -350,15 +355,16 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, recorded: AsRecorded, re
             _refuse_floats(fn, name, flat, args, kwargs, replay=True)
         if recorded.graph is not None and not _decorated_without_grad(fn):
             # NOTE [the grad probe] (grad_probe.py)
+            path, source = recorded.graph
             raise ReuseError(
-                f"reuse_during_recompute({name}) returned {recorded.graph}: eager computes "
+                f"reuse_during_recompute({name}) returned {path} ({source}): eager computes "
                 "that float with grad here, and the replay hands back the value recorded in "
                 "the original pass without calling fn, so its gradient would be lost (eager "
                 "refuses the result, which requires grad)",
                 expected="frozen results only: int ids, or floats computed without grad",
-                got=f"{recorded.graph.split(' (')[0]}, which the original pass's ops computed "
-                    "from a tensor that requires grad",
-                tip=_SPLIT_TIP + _MODULE_TIP)
+                got=f"{path}, which the original pass's ops computed from a tensor that "
+                    "requires grad",
+                tip=_SPLIT_TIP + _MODULE_TIP + _PROBE_TIP)
 
 
 def _is_float(tensor: torch.Tensor, /) -> bool:

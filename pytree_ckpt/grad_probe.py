@@ -16,12 +16,16 @@ boundary's no-grad (helper GB: running it with grad on, the first form of this p
 what it did at a call under the caller's ``no_grad``: a buffer it updated took a graph, NumPy
 refused, a CPU LSTM picked another kernel). What the watch cannot see: a ``with
 torch.no_grad():`` inside fn (the pass is under no-grad already: its floats are marked, and
-refused at a call with grad on, as the static rule refuses them), and a tensor that has a
-graph in the replay only (the layer's own activations, computed under the original pass's
-no-grad). A ``torch.autograd.Function``'s ``apply`` is seen as one op (its output is marked
-where an input is, as eager gives it a graph then). Cost: a Python call per op of a probed fn,
-in the original pass only; none where the look finds a trainable module (a router with its
-gate returning top-k ids, the usual replay, is not probed).
+refused at a call with grad on, as the static rule refuses them; so are the floats of an op
+torch runs under its own no-grad, a distribution's ``sample()``, and an ``autograd.Function``'s
+output marked non-differentiable: the refusal's tip says to detach what fn reads there), and
+a tensor that has a graph in the replay only (the layer's own activations, computed under the
+original pass's no-grad). A ``torch.autograd.Function``'s ``apply`` is seen as one op (its
+output is marked where an input is, as eager gives it a graph then). An op writing in place
+(a trailing underscore, ``t[i] = v``, ``out=``) marks what it wrote, and the base of a view it
+wrote through, so every view of that base reads as marked. Cost: a Python call per op of a
+probed fn (2.5 to 4 us), in the original pass only; none where the look finds a trainable
+module (a router with its gate returning top-k ids, the usual replay, is not probed).
 """
 
 from __future__ import annotations
@@ -47,43 +51,57 @@ class GradProbe(TorchFunctionMode):
         # Weak, by identity: a tensor fn made and dropped must not live on, nor its id mark
         # another (a WeakKeyDictionary compares tensors with ==, elementwise).
         self.marked = WeakIdKeyDictionary()
+        # Bases written in place with a marked value (buf[0].add_(g), buf[:] = g): every view
+        # of one, made before or after, reads what eager gives a graph (helper GC).
+        self.written = WeakIdKeyDictionary()
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in _NO_GRAPH:
             return out
+        given = args[:1] if func in _SHAPE_FROM_OTHERS else args
         source = None
-        for tensor in _tensors(args, kwargs):
-            if tensor.requires_grad:
-                source = _what(tensor)
-            else:
-                source = self.marked.get(tensor)
+        for tensor in _tensors(given, kwargs):
+            source = self.source(tensor)
             if source is not None:
                 break
-        if source is not None:
-            for tensor in _tensors(out, None):
-                if tensor.is_floating_point() or tensor.is_complex():
-                    self.marked[tensor] = source
-                    # In place into a view (buf[0].add_(w)): eager's graph reaches the base
-                    base = tensor._base
-                    if base is not None and getattr(func, "__name__", "").endswith("_"):
-                        self.marked[base] = source
+        if source is None:
+            return out
+        written = [t for t in _tensors(kwargs.get("out") if kwargs else None, None)]
+        if func in _IN_PLACE or getattr(func, "__name__", "").endswith("_"):
+            written += [t for t in _tensors(args[:1], None)]  # self, changed in place
+        for tensor in [*_tensors(out, None), *written]:
+            if tensor.is_floating_point() or tensor.is_complex():
+                self.marked[tensor] = source
+        for tensor in written:
+            if tensor.is_floating_point() or tensor.is_complex():
+                self.written[tensor._base if tensor._base is not None else tensor] = source
         return out
 
-    def found(self, result: Any, /) -> str | None:
-        """Where the first float leaf of ``result`` eager computes with grad is (its key path and
-        what it came from), or ``None``."""
+    def source(self, tensor: torch.Tensor, /) -> str | None:
+        """What gives ``tensor`` a graph in eager (a call with grad on), or ``None``."""
+        if tensor.requires_grad:
+            return _what(tensor)
+        found = self.marked.get(tensor)
+        if found is None and self.written:
+            found = self.written.get(tensor._base if tensor._base is not None else tensor)
+        return found
+
+    def found(self, result: Any, /) -> tuple[str, str] | None:
+        """The key path of the first float leaf of ``result`` eager computes with grad, and what
+        it came from; ``None`` if none."""
         flat = flatten(result)
         for i, leaf in enumerate(flat.leaves):
             if isinstance(leaf, torch.Tensor):
-                where, source = "", self.marked.get(leaf)
+                where, source = "", self.source(leaf) if _is_float(leaf) else None
             else:  # NOTE [leaves that hold tensors] (tree.py): looked into as the rules do
-                hidden = hidden_tensor(leaf, lambda t: t in self.marked)
+                hidden = hidden_tensor(leaf, lambda t: _is_float(t) and
+                                       self.source(t) is not None)
                 where, source = ("", None) if hidden is None else \
-                    (hidden[0], self.marked.get(hidden[1]))
+                    (hidden[0], self.source(hidden[1]))
             if source is not None:
-                return f"{leaf_paths(flat.spec, root='result')[i]}{where} ({source})"
+                return f"{leaf_paths(flat.spec, root='result')[i]}{where}", source
         return None
 
 
@@ -111,6 +129,10 @@ def _tensors(value: Any, kwargs: Any, /) -> Iterator[torch.Tensor]:
                 yield from (t for t in item if isinstance(t, torch.Tensor))
 
 
+def _is_float(tensor: torch.Tensor, /) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
 def _what(tensor: torch.Tensor, /) -> str:
     if isinstance(tensor, torch.nn.Parameter):
         return f"computed from a parameter of shape {tuple(tensor.shape)}"
@@ -127,4 +149,14 @@ _NO_GRAPH = frozenset({
     torch.randn_like, torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones,
     torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor,
     *(vars(torch._C.TensorBase)[name].__get__ for name in ("data", "grad")),
+    # not differentiable in eager: their float outputs take no graph (helper GC)
+    torch.histc, torch.Tensor.histc,
 })
+# Ops whose other tensor arguments give only a dtype, device or shape (x.type_as(w),
+# x.to(w), x.expand_as(w)): only their first one is followed (helper GC).
+_SHAPE_FROM_OTHERS = frozenset({
+    torch.Tensor.type_as, torch.Tensor.to, torch.Tensor.expand_as, torch.Tensor.view_as,
+    torch.Tensor.reshape_as,
+})
+# In place though not named with a trailing underscore: indexed assignment (table[0] = g).
+_IN_PLACE = frozenset({torch.Tensor.__setitem__})

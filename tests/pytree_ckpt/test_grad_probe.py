@@ -364,7 +364,7 @@ def test_a_result_computed_under_fns_own_enable_grad_is_refused_under_the_caller
         checkpoint(layer, x).sum().backward()  # got: no refusal
 
 
-def test_floats_a_weakref_gate_computes_under_fns_own_no_grad_are_refused_and_the_decorator_fixes_it(
+def test_a_weakref_gates_floats_under_fns_own_no_grad_are_refused_and_the_decorator_fixes_it(
 ) -> None:
     # The watch runs under the boundary's no-grad: a `with torch.no_grad():` inside fn is not
     # seen, so its floats are refused at a call with grad on (docs/replay.md), as the static
@@ -416,10 +416,6 @@ def test_a_buffer_filled_in_place_through_a_view_from_a_weakref_gate_is_refused_
         out.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="helper GC: the grad probe marks every float output of an "
-                   "op given a parameter, also where the parameter is only a dtype/shape template "
-                   "(x.type_as(w), x.to(w), x.expand_as(w)): eager gives no graph, dc86b8f was "
-                   "exact, HEAD refuses in the replay")
 @pytest.mark.parametrize("template", ["type_as", "to", "expand_as"])
 def test_a_parameter_used_only_as_a_dtype_or_shape_template_is_replayed_as_in_eager(
         template: str) -> None:
@@ -455,11 +451,17 @@ class _NonDifferentiable(torch.autograd.Function):
         return grad
 
 
-@pytest.mark.xfail(strict=True, reason="helper GC: the grad probe marks the float outputs of ops "
-                   "that eager gives no graph though an input requires grad (histc, a "
-                   "Function's mark_non_differentiable output, a Distribution's sample(), which "
-                   "torch draws under its own no_grad): refused in the replay, dc86b8f exact")
-@pytest.mark.parametrize("op", ["histc", "non_differentiable_function", "normal_sample"])
+_UNSEEN = ("documented limit (docs/replay.md, 'What may be replayed': grad switched off where "
+           "the probe cannot see it, its tip: detach what fn reads there) (helper GC): "
+           "refused in the replay though eager gives the float no graph; dc86b8f exact")
+
+
+@pytest.mark.parametrize("op", [
+    "histc",  # not differentiable: known to the probe
+    pytest.param("non_differentiable_function", marks=pytest.mark.xfail(strict=True,
+                                                                         reason=_UNSEEN)),
+    pytest.param("normal_sample", marks=pytest.mark.xfail(strict=True, reason=_UNSEEN)),
+])
 def test_floats_eager_computes_without_graph_from_a_weakref_gate_are_replayed_as_in_eager(
         op: str) -> None:
     gate = nn.Linear(8, 4)
@@ -486,10 +488,6 @@ def test_floats_eager_computes_without_graph_from_a_weakref_gate_are_replayed_as
     assert gate.weight.grad is None
 
 
-@pytest.mark.xfail(strict=True, reason="helper GC: the grad probe misses a buffer filled by "
-                   "indexed assignment (t[:] = gate(x): __setitem__ returns None, so the mode "
-                   "marks nothing): eager refuses the result, the replay hands it back silently "
-                   "and the gate gets no gradient")
 @pytest.mark.parametrize("index", ["all", "row"])
 def test_a_buffer_filled_by_indexed_assignment_from_a_weakref_gate_is_refused_as_in_eager(
         index: str) -> None:
@@ -515,10 +513,6 @@ def test_a_buffer_filled_by_indexed_assignment_from_a_weakref_gate_is_refused_as
         out.sum().backward()  # got: no refusal, gate.weight.grad stays None
 
 
-@pytest.mark.xfail(strict=True, reason="helper GC: the grad probe marks the tensor an in-place op "
-                   "returns (and its base), not views of that storage made before: a row view "
-                   "taken before table.add_(gate(x)), or a sibling row of the written one, has "
-                   "eager's graph; the replay hands it back silently, the gate gets no gradient")
 @pytest.mark.parametrize("view", ["taken_before", "sibling"])
 def test_a_view_of_a_buffer_a_weakref_gate_writes_in_place_is_refused_as_in_eager(
         view: str) -> None:
@@ -545,9 +539,6 @@ def test_a_view_of_a_buffer_a_weakref_gate_writes_in_place_is_refused_as_in_eage
         out.sum().backward()  # got: no refusal
 
 
-@pytest.mark.xfail(strict=True, reason="helper GC: the probe's refusal cuts its 'got' line at the "
-                   "first ' (' of the recorded text, inside a dict key that holds one: "
-                   "\"got: result['w, which ...\"")
 def test_the_probes_refusal_names_a_dict_key_with_a_parenthesis_whole() -> None:
     gate = nn.Linear(8, 4)
     holder = types.SimpleNamespace(ref=weakref.ref(gate))
