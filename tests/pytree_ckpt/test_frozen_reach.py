@@ -468,3 +468,35 @@ def test_library_modules_a_router_reads_are_not_opened() -> None:
     user = types.ModuleType("router_state")
     user.gate = nn.Linear(2, 2)  # type: ignore[attr-defined]
     assert grad_reach._Look(frozenset({"gate"}))("global 'state'", "", user, 4) is not None
+
+
+class _Slotted:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+def _weights_from_holder(holder: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = holder.logits.softmax(-1).topk(2, dim=-1)
+    return ids, weights
+
+
+@pytest.mark.xfail(strict=True, reason="logits with a graph passed inside a plain-object "
+                   "argument (SimpleNamespace, __slots__ class) are not looked at by rule 2/3 "
+                   "nor by the probe: eager refuses the float result, checkpointing accepts "
+                   "it and the gate silently gets no gradient (a dataclass is refused)")
+@pytest.mark.parametrize("wrap", [lambda t: types.SimpleNamespace(logits=t), _Slotted],
+                         ids=["namespace", "slots"])
+def test_logits_passed_inside_a_plain_object_argument_are_refused_as_in_eager(wrap: Any) -> None:
+    gate = nn.Linear(8, 4)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        ids, weights = reuse_during_recompute(_weights_from_holder, wrap(gate(x)))
+        return x[:, :2] * weights + ids
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="requires grad"):
+        layer(x)  # eager: the weights carry the gate's graph
+    with pytest.raises(ReuseError):
+        checkpoint(layer, x).sum().backward()  # got: no error, gate.weight.grad is None
