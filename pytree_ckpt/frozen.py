@@ -401,6 +401,20 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
                 "grad", expected="int results only (or floats from inputs passed detached)",
                 got=f"{argument}.requires_grad=True and a float {result}",
                 tip=_SPLIT_TIP + _DETACH_TIP)
+    # NOTE [leaves that hold tensors] (tree.py): logits in a plain object passed in (a
+    # SimpleNamespace, a class with __slots__) are an argument too (helper GE: accepted, the
+    # gate got no gradient, where eager refuses)
+    for j, leaf in enumerate(call.leaves):
+        hidden = None if isinstance(leaf, torch.Tensor) else \
+            hidden_tensor(leaf, lambda t: t.requires_grad)
+        if hidden is not None:
+            argument = argument_path(call, j) + hidden[0]
+            raise ReuseError(
+                f"reuse_during_recompute({name}) returned the float {result} for {argument}, "
+                f"which requires grad: {why}, so it cannot tell whether eager computes it with "
+                "grad", expected="int results only (or floats from inputs passed detached)",
+                got=f"{argument}.requires_grad=True and a float {result}",
+                tip=_SPLIT_TIP + _DETACH_TIP)
 
 
 def _decorated_without_grad(fn: Callable[..., Any], /) -> bool:

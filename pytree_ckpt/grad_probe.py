@@ -69,7 +69,7 @@ class GradProbe(TorchFunctionMode):
         if source is None:
             return out
         written = [t for t in _tensors(kwargs.get("out") if kwargs else None, None)]
-        if func in _IN_PLACE or getattr(func, "__name__", "").endswith("_"):
+        if func in _IN_PLACE or _in_place(getattr(func, "__name__", "")):
             written += [t for t in _tensors(args[:1], None)]  # self, changed in place
         for tensor in [*_tensors(out, None), *written]:
             if tensor.is_floating_point() or tensor.is_complex():
@@ -127,6 +127,20 @@ def _tensors(value: Any, kwargs: Any, /) -> Iterator[torch.Tensor]:
                 yield item
             elif isinstance(item, (list, tuple)):
                 yield from (t for t in item if isinstance(t, torch.Tensor))
+
+
+def _in_place(name: str, /) -> bool:
+    """An op named as one changing its first argument in place: ``add_``, ``__iadd__``; not
+    ``__eq__`` or ``__mul__``, which also end with an underscore (helper GE: ``noise ==
+    scores`` marked ``noise``)."""
+    if name.startswith("__"):
+        return name.startswith("__i") and name[3:-2] in _AUGMENTED
+    return name.endswith("_")
+
+
+# The operators an augmented assignment (x += y) calls in place, as __i<name>__.
+_AUGMENTED = frozenset({"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or",
+                        "xor", "lshift", "rshift", "matmul"})
 
 
 def _is_float(tensor: torch.Tensor, /) -> bool:

@@ -482,10 +482,6 @@ def _weights_from_holder(holder: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights
 
 
-@pytest.mark.xfail(strict=True, reason="logits with a graph passed inside a plain-object "
-                   "argument (SimpleNamespace, __slots__ class) are not looked at by rule 2/3 "
-                   "nor by the probe: eager refuses the float result, checkpointing accepts "
-                   "it and the gate silently gets no gradient (a dataclass is refused)")
 @pytest.mark.parametrize("wrap", [lambda t: types.SimpleNamespace(logits=t), _Slotted],
                          ids=["namespace", "slots"])
 def test_logits_passed_inside_a_plain_object_argument_are_refused_as_in_eager(wrap: Any) -> None:

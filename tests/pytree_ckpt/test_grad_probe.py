@@ -556,10 +556,6 @@ def test_the_probes_refusal_names_a_dict_key_with_a_parenthesis_whole() -> None:
     assert "result['w (gate)']" in got
 
 
-@pytest.mark.xfail(strict=True, reason="the probe takes every dunder op (its name ends with "
-                   "'_') for one writing in place, so `noise == scores` or `noise // scores` "
-                   "marks the unrelated `noise` as computed from the gate: refused though eager "
-                   "gives it no graph")
 @pytest.mark.parametrize("op", ["eq", "floordiv"])
 def test_a_tensor_only_compared_with_gate_scores_is_not_refused(op: str) -> None:
     gate = nn.Linear(8, 4)

@@ -372,7 +372,9 @@ class _MoEReadingRouterProbs(nn.Module):
         return self.out(x) * self.router.probs.gather(-1, ids).sum(-1, keepdim=True)
 
 
-@pytest.mark.xfail(strict=True, reason="a reused fn that hands the layer a float with a graph "
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Aux losses and forward "
+                   "hooks: a float a reused call's fn stores on a module) (helper GE): "
+                   "a reused fn that hands the layer a float with a graph "
                    "through its module's attribute (self.probs) is accepted silently: the replay "
                    "skips fn, the layer reads the original pass's value without a graph, and "
                    "the gate gets no gradient (eager: it gets one); neither refused nor warned")
@@ -419,7 +421,9 @@ class _MoEWithReusedAuxRouter(nn.Module):
         return self.out(x) * self.router.gate(x).softmax(-1).gather(-1, ids)
 
 
-@pytest.mark.xfail(strict=True, reason="docs/limits.md 'an aux loss stored on the module: "
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Aux losses and forward "
+                   "hooks: a float a reused call's fn stores on a module) (helper GE): "
+                   "docs/limits.md 'an aux loss stored on the module: "
                    "warned' holds for a recomputed router, but not when the storing function is "
                    "reused: the replay skips it, nothing is warned, and the aux loss silently has "
                    "no gradient (eager's trains the gate)")
