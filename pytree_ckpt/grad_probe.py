@@ -68,9 +68,9 @@ class GradProbe(TorchFunctionMode):
                 break
         if source is None:
             return out
-        written = [t for t in _tensors(kwargs.get("out") if kwargs else None, None)]
+        written = list(_tensors(kwargs.get("out") if kwargs else None, None))
         if func in _IN_PLACE or _in_place(getattr(func, "__name__", "")):
-            written += [t for t in _tensors(args[:1], None)]  # self, changed in place
+            written += _tensors(args[:1], None)  # self, changed in place
         for tensor in [*_tensors(out, None), *written]:
             if tensor.is_floating_point() or tensor.is_complex():
                 self.marked[tensor] = source
