@@ -611,3 +611,36 @@ def test_floats_eager_builds_without_graph_from_a_weakref_gates_parameter_are_re
     checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a ..."
     assert torch.equal(x.grad, expected)
     assert gate.weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "regression of the grad probe (3f2f5e3) (helper GD): an op returning one output per input "
+    "(broadcast_tensors, meshgrid, atleast_2d) marks every float output where any input "
+    "requires grad; eager gives the output of the detached input no graph: refused in the "
+    "replay; dc86b8f exact"))
+@pytest.mark.parametrize("op", ["broadcast_tensors", "meshgrid", "atleast_2d"])
+def test_the_output_of_a_detached_input_of_a_per_input_op_with_a_weakref_gate_is_replayed(
+        op: str) -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        w = holder.ref().weight  # type: ignore[union-attr]
+        if op == "broadcast_tensors":
+            mine, _ = torch.broadcast_tensors(x[:1, :4], w[:, :1].T)
+            return mine.expand(3, 4)
+        if op == "meshgrid":
+            mine, _ = torch.meshgrid(x[0, :4], w[:, 0], indexing="ij")
+            return mine[:3]
+        mine, _ = torch.atleast_2d(x[:, :4], w[0, 0])
+        return mine
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).square().sum().backward()  # eager: legal, the result has no graph
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a ..."
+    assert torch.equal(x.grad, expected)
+    assert gate.weight.grad is None
