@@ -644,3 +644,27 @@ def test_the_output_of_a_detached_input_of_a_per_input_op_with_a_weakref_gate_is
     checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a ..."
     assert torch.equal(x.grad, expected)
     assert gate.weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "regression of the grad probe (3f2f5e3) (helper GD): detach_() after an in-place write "
+    "from a gate leaves the buffer marked (detach_ is only skipped, never unmarks): eager's "
+    "buffer has no graph, the replay refuses it; dc86b8f exact"))
+def test_a_buffer_written_from_a_weakref_gate_then_detached_in_place_is_replayed() -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros(3, 4)
+        buf.copy_(holder.ref()(x))  # type: ignore[misc]
+        return buf.detach_()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).square().sum().backward()  # eager: legal, detach_ dropped the graph
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a ..."
+    assert torch.equal(x.grad, expected)
+    assert gate.weight.grad is None
