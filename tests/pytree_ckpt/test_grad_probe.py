@@ -668,3 +668,27 @@ def test_a_buffer_written_from_a_weakref_gate_then_detached_in_place_is_replayed
     checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a ..."
     assert torch.equal(x.grad, expected)
     assert gate.weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the grad probe misses Tensor.set_ (helper GD): it does not reach __torch_function__, so "
+    "buf.set_(gate(x)) marks nothing; eager refuses the result (it takes the gate's graph), "
+    "the replay silently hands it back and the gate gets no gradient; also at dc86b8f"))
+def test_a_buffer_set_to_a_weakref_gates_output_is_refused_as_in_eager() -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros(3, 4)
+        buf.set_(holder.ref()(x))  # type: ignore[misc]
+        return buf
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="which requires grad"):
+        layer(x)  # eager: buf took the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=r"computed from a parameter of shape \(4, 8\)"):
+        out.sum().backward()  # got: no refusal, gate.weight.grad stays None
