@@ -789,3 +789,25 @@ def test_swap_tensors_of_a_weakref_gates_output_runs_in_the_original_pass_as_in_
     checkpoint(layer, x).square().sum().backward()  # got: RuntimeError in the original pass
     assert torch.equal(x.grad, expected)
     assert gate.weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "regression of the grad probe (3f2f5e3) (helper GD): a router compiled by "
+    "module.compile(fullgraph=True) is probed (probe_for sees no _orig_mod), and dynamo, "
+    "tracing the probe's TorchFunctionMode, raises Unsupported on WeakIdKeyDictionary.get in "
+    "the original pass; eager and dc86b8f run it"))
+def test_a_router_compiled_by_module_compile_with_fullgraph_runs_under_checkpointing() -> None:
+    torch._dynamo.reset()
+    router = _FrozenTableRouter()
+    router.compile(backend="eager", fullgraph=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return (x[:, :4] * reuse_during_recompute(router, x.detach())).sum(-1)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    expected, x.grad = x.grad, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpoint(layer, x).sum().backward()  # got: torch._dynamo.exc.Unsupported
+    assert torch.equal(x.grad, expected)
