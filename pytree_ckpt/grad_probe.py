@@ -20,7 +20,10 @@ refused at a call with grad on, as the static rule refuses them; so are the floa
 torch runs under its own no-grad, a distribution's ``sample()``, and an ``autograd.Function``'s
 output marked non-differentiable: the refusal's tip says to detach what fn reads there), and
 a tensor that has a graph in the replay only (the layer's own activations, computed under the
-original pass's no-grad). A ``torch.autograd.Function``'s ``apply`` is seen as one op (its
+original pass's no-grad), ``Tensor.set_`` (it bypasses the modes), and a tensor
+``torch.utils.swap_tensors`` swaps (it refuses one with weak references, which the marks are:
+helper GD; both documented). Ops giving one output per input (``broadcast_tensors``) mark
+each output from its own input; ``detach_`` drops a mark. A ``torch.autograd.Function``'s ``apply`` is seen as one op (its
 output is marked where an input is, as eager gives it a graph then). An op writing in place
 (a trailing underscore, ``t[i] = v``, ``out=``) marks what it wrote, and the base of a view it
 wrote through, so every view of that base reads as marked. Cost: a Python call per op of a
@@ -37,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .function_reach import unwrap_partials
 from .grad_reach import grad_reach
 from .tree import FlatTree, flatten, hidden_tensor, leaf_paths
 
@@ -59,17 +63,29 @@ class GradProbe(TorchFunctionMode):
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in _NO_GRAPH:
+            if func is torch.Tensor.detach_ or func is torch.Tensor.requires_grad_:
+                self.marked.pop(args[0], None)  # no graph from here on, as in eager
+                self.written.pop(args[0], None)
             return out
-        given = args[:1] if func in _SHAPE_FROM_OTHERS else args
+        if func in _PER_INPUT:  # one output per input (broadcast_tensors, meshgrid)
+            inputs = list(_tensors(args, kwargs))
+            outputs = list(_tensors(out, None))
+            if len(inputs) == len(outputs):
+                for given, made in zip(inputs, outputs):
+                    source = self.source(given)
+                    if source is not None and _is_float(made):
+                        self.marked[made] = source
+                return out
+        shaped = func in _SHAPE_FROM_OTHERS
         source = None
-        for tensor in _tensors(given, kwargs):
+        for tensor in _tensors(args[:1] if shaped else args, None if shaped else kwargs):
             source = self.source(tensor)
             if source is not None:
                 break
         if source is None:
             return out
         written = list(_tensors(kwargs.get("out") if kwargs else None, None))
-        if func in _IN_PLACE or _in_place(getattr(func, "__name__", "")):
+        if func in _IN_PLACE or _in_place(getattr(func, "__name__", "").split(".")[0]):
             written += _tensors(args[:1], None)  # self, changed in place
         for tensor in [*_tensors(out, None), *written]:
             if tensor.is_floating_point() or tensor.is_complex():
@@ -111,9 +127,23 @@ def probe_for(fn: Callable[..., Any], call: FlatTree, /) -> GradProbe | None:
     argument requires grad (rule 2 does), and for a compiled fn (dynamo would trace the mode)."""
     if any(call.leaves[j].requires_grad for j in call.tensor_index):
         return None
-    if hasattr(fn, "_torchdynamo_orig_callable") or hasattr(fn, "_orig_mod"):
+    if _compiled(fn):
         return None
     return GradProbe() if grad_reach(fn, call) is None else None
+
+
+def _compiled(fn: Any, /) -> bool:
+    """``fn`` is compiled (``torch.compile(f)``, a module after ``module.compile()``, a partial
+    of either): dynamo would trace the mode (graph breaks; with fullgraph, an error: helper
+    GD), so such a call is left to the static look."""
+    inner, _ = unwrap_partials(fn)
+    for candidate in (fn, inner, getattr(inner, "__self__", None)):
+        if hasattr(candidate, "_torchdynamo_orig_callable") or hasattr(candidate, "_orig_mod"):
+            return True
+        if isinstance(candidate, torch.nn.Module) and candidate is fn and \
+                getattr(candidate, "_compiled_call_impl", None) is not None:
+            return True
+    return False
 
 
 def _tensors(value: Any, kwargs: Any, /) -> Iterator[torch.Tensor]:
@@ -162,6 +192,7 @@ _NO_GRAPH = frozenset({
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
     torch.randn_like, torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones,
     torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor,
+    torch.Tensor.new_empty_strided, torch.Tensor.new, torch.tensor,
     *(vars(torch._C.TensorBase)[name].__get__ for name in ("data", "grad")),
     # not differentiable in eager: their float outputs take no graph (helper GC)
     torch.histc, torch.Tensor.histc,
@@ -170,7 +201,10 @@ _NO_GRAPH = frozenset({
 # x.to(w), x.expand_as(w)): only their first one is followed (helper GC).
 _SHAPE_FROM_OTHERS = frozenset({
     torch.Tensor.type_as, torch.Tensor.to, torch.Tensor.expand_as, torch.Tensor.view_as,
-    torch.Tensor.reshape_as,
+    torch.Tensor.reshape_as, torch.Tensor.resize_as_,
 })
+# Ops giving one output per input, each from its own input only (helper GD).
+_PER_INPUT = frozenset({torch.broadcast_tensors, torch.meshgrid, torch.atleast_1d,
+                        torch.atleast_2d, torch.atleast_3d})
 # In place though not named with a trailing underscore: indexed assignment (table[0] = g).
 _IN_PLACE = frozenset({torch.Tensor.__setitem__})

@@ -576,11 +576,6 @@ def test_a_tensor_only_compared_with_gate_scores_is_not_refused(op: str) -> None
     checkpoint(layer, x).sum().backward()  # got: ReuseError "result[1] (computed from a parameter"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "regression of the grad probe (3f2f5e3) (helper GD): ops eager gives no graph are not in "
-    "_NO_GRAPH/_SHAPE_FROM_OTHERS (new_empty_strided, the legacy Tensor.new, resize_as_'s "
-    "template, torch.tensor of 0-d tensors) or their template is passed by keyword "
-    "(type_as(other=w)): the result is marked and refused in the replay; dc86b8f exact"))
 @pytest.mark.parametrize("op", ["new_empty_strided", "legacy_new", "resize_as_",
                                 "tensor_of_scalars", "type_as_keyword"])
 def test_floats_eager_builds_without_graph_from_a_weakref_gates_parameter_are_replayed(
@@ -613,11 +608,6 @@ def test_floats_eager_builds_without_graph_from_a_weakref_gates_parameter_are_re
     assert gate.weight.grad is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "regression of the grad probe (3f2f5e3) (helper GD): an op returning one output per input "
-    "(broadcast_tensors, meshgrid, atleast_2d) marks every float output where any input "
-    "requires grad; eager gives the output of the detached input no graph: refused in the "
-    "replay; dc86b8f exact"))
 @pytest.mark.parametrize("op", ["broadcast_tensors", "meshgrid", "atleast_2d"])
 def test_the_output_of_a_detached_input_of_a_per_input_op_with_a_weakref_gate_is_replayed(
         op: str) -> None:
@@ -646,10 +636,6 @@ def test_the_output_of_a_detached_input_of_a_per_input_op_with_a_weakref_gate_is
     assert gate.weight.grad is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "regression of the grad probe (3f2f5e3) (helper GD): detach_() after an in-place write "
-    "from a gate leaves the buffer marked (detach_ is only skipped, never unmarks): eager's "
-    "buffer has no graph, the replay refuses it; dc86b8f exact"))
 def test_a_buffer_written_from_a_weakref_gate_then_detached_in_place_is_replayed() -> None:
     gate = nn.Linear(8, 4)
     holder = types.SimpleNamespace(ref=weakref.ref(gate))
@@ -671,7 +657,8 @@ def test_a_buffer_written_from_a_weakref_gate_then_detached_in_place_is_replayed
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "the grad probe misses Tensor.set_ (helper GD): it does not reach __torch_function__, so "
+    "documented limit (docs/replay.md, 'What may be replayed': Tensor.set_ and "
+    "torch.utils.swap_tensors) the grad probe misses Tensor.set_ (helper GD): it does not reach __torch_function__, so "
     "buf.set_(gate(x)) marks nothing; eager refuses the result (it takes the gate's graph), "
     "the replay silently hands it back and the gate gets no gradient; also at dc86b8f"))
 def test_a_buffer_set_to_a_weakref_gates_output_is_refused_as_in_eager() -> None:
@@ -705,12 +692,6 @@ class _FrozenTableRouter(nn.Module):
         return self.table[(x[:, :4] @ self.table).argmax(-1)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "regression of the grad probe (3f2f5e3) (helper GD): a router compiled by module.compile() "
-    "(no _orig_mod: probe_for checks only torch.compile's wrappers) runs its compiled call "
-    "under the probe's TorchFunctionMode: dynamo traces the mode, breaks the graph on its "
-    "WeakIdKeyDictionary, skips the frame and compiles grad_probe.py's own functions "
-    "(source(), recompiled per shape and dtype); dc86b8f: no graph break"))
 def test_a_router_compiled_by_module_compile_runs_without_graph_breaks_under_checkpointing(
         ) -> None:
     from torch._dynamo.utils import counters
@@ -735,11 +716,6 @@ def test_a_router_compiled_by_module_compile_runs_without_graph_breaks_under_che
     assert counters["frames"]["total"] == counters["frames"]["ok"]  # got: 11 total, 6 ok
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the grad probe misses in-place aten overloads called directly (helper GD): an OpOverload's "
-    "__name__ is 'copy_.default' / 'add_.Tensor', which does not end with '_', so the base of "
-    "the view written is not marked; eager refuses the result, the replay silently hands it "
-    "back and the gate gets no gradient; also at dc86b8f"))
 @pytest.mark.parametrize("op", ["copy_", "add_"])
 def test_a_buffer_written_through_a_view_by_an_aten_in_place_overload_is_refused_as_in_eager(
         op: str) -> None:
@@ -767,7 +743,8 @@ def test_a_buffer_written_through_a_view_by_an_aten_in_place_overload_is_refused
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "regression of the grad probe (3f2f5e3) (helper GD): the probe's WeakIdKeyDictionary "
+    "documented limit (docs/replay.md, 'What may be replayed': Tensor.set_ and "
+    "torch.utils.swap_tensors) (helper GD): the probe's WeakIdKeyDictionary "
     "holds a weak reference to every marked tensor, and torch.utils.swap_tensors refuses a "
     "tensor with one (RuntimeError 'Cannot swap t2 because it has weakref associated with "
     "it') in the original pass only: fn does not run as in eager; dc86b8f exact"))
@@ -791,11 +768,6 @@ def test_swap_tensors_of_a_weakref_gates_output_runs_in_the_original_pass_as_in_
     assert gate.weight.grad is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "regression of the grad probe (3f2f5e3) (helper GD): a router compiled by "
-    "module.compile(fullgraph=True) is probed (probe_for sees no _orig_mod), and dynamo, "
-    "tracing the probe's TorchFunctionMode, raises Unsupported on WeakIdKeyDictionary.get in "
-    "the original pass; eager and dc86b8f run it"))
 def test_a_router_compiled_by_module_compile_with_fullgraph_runs_under_checkpointing() -> None:
     torch._dynamo.reset()
     router = _FrozenTableRouter()
