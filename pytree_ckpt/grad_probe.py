@@ -23,10 +23,11 @@ a tensor that has a graph in the replay only (the layer's own activations, compu
 original pass's no-grad), ``Tensor.set_`` (it bypasses the modes), and a tensor
 ``torch.utils.swap_tensors`` swaps (it refuses one with weak references, which the marks are:
 helper GD; both documented). Ops giving one output per input (``broadcast_tensors``) mark
-each output from its own input; ``detach_`` drops a mark. A ``torch.autograd.Function``'s ``apply`` is seen as one op (its
-output is marked where an input is, as eager gives it a graph then). An op writing in place
-(a trailing underscore, ``t[i] = v``, ``out=``) marks what it wrote, and the base of a view it
-wrote through, so every view of that base reads as marked. Cost: a Python call per op of a
+each output from its own input; ``detach_`` drops a mark. A ``torch.autograd.Function``'s
+``apply`` is seen as one op (its output is marked where an input is, as eager gives it a
+graph then). An op writing in place (a trailing underscore, ``t[i] = v``, ``out=``) marks
+what it wrote, and the base of a view it wrote through, so every view of that base reads as
+marked. Cost: a Python call per op of a
 probed fn (2.5 to 4 us), in the original pass only; none where the look finds a trainable
 module (a router with its gate returning top-k ids, the usual replay, is not probed).
 """
