@@ -357,10 +357,10 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, recorded: AsRecorded, re
             # NOTE [the grad probe] (grad_probe.py)
             path, source = recorded.graph
             raise ReuseError(
-                f"reuse_during_recompute({name}) returned {path} ({source}): eager computes "
-                "that float with grad here, and the replay hands back the value recorded in "
-                "the original pass without calling fn, so its gradient would be lost (eager "
-                "refuses the result, which requires grad)",
+                f"reuse_during_recompute({name}) returned {path} ({source}): eager gives that "
+                "float a graph here (unless fn switches grad off inside it: see the tip), and "
+                "the replay hands back the value recorded in the original pass without calling "
+                "fn, so its gradient would be lost (eager refuses such a result)",
                 expected="frozen results only: int ids, or floats computed without grad",
                 got=f"{path}, which the original pass's ops computed from a tensor that "
                     "requires grad",
@@ -476,8 +476,8 @@ def _refuse_differentiable(name: str, path: str, /, *, replay: bool,
     raise ReuseError(
         f"reuse_during_recompute({name}) returned {path}, which requires grad: {where}, so "
         "its gradient would be lost",
-        expected="frozen results only: int ids, or tensors computed under torch.no_grad() from "
-                 "detached inputs",
+        expected="frozen results only: int ids, or floats computed without grad (by a "
+                 "function decorated with @torch.no_grad(), or from detached inputs)",
         got=f"{path}.requires_grad=True (computed with grad, or a parameter or an input "
             "returned as it is)",
         tip=_SPLIT_TIP + (_MODULE_TIP if reach is not None else _DETACH_TIP))

@@ -20,7 +20,8 @@ refused at a call with grad on, as the static rule refuses them; so are the floa
 torch runs under its own no-grad, a distribution's ``sample()``, and an ``autograd.Function``'s
 output marked non-differentiable: the refusal's tip says to detach what fn reads there), and
 a tensor that has a graph in the replay only (the layer's own activations, computed under the
-original pass's no-grad), ``Tensor.set_`` (it bypasses the modes), and a tensor
+original pass's no-grad), ``torch.vmap`` inside fn (its results are not the tensors the
+batched ops made: helper GF), ``Tensor.set_`` (it bypasses the modes), and a tensor
 ``torch.utils.swap_tensors`` swaps (it refuses one with weak references, which the marks are:
 helper GD; both documented). Ops giving one output per input (``broadcast_tensors``) mark
 each output from its own input; ``detach_`` drops a mark. A ``torch.autograd.Function``'s

@@ -658,8 +658,8 @@ def test_a_buffer_written_from_a_weakref_gate_then_detached_in_place_is_replayed
 
 @pytest.mark.xfail(strict=True, reason=(
     "documented limit (docs/replay.md, 'What may be replayed': Tensor.set_ and "
-    "torch.utils.swap_tensors) the grad probe misses Tensor.set_ (helper GD): it does not reach __torch_function__, so "
-    "buf.set_(gate(x)) marks nothing; eager refuses the result (it takes the gate's graph), "
+    "torch.utils.swap_tensors) the grad probe misses Tensor.set_ (helper GD): it does not "
+    "reach __torch_function__, so buf.set_(gate(x)) marks nothing; eager refuses the result (it takes the gate's graph), "
     "the replay silently hands it back and the gate gets no gradient; also at dc86b8f"))
 def test_a_buffer_set_to_a_weakref_gates_output_is_refused_as_in_eager() -> None:
     gate = nn.Linear(8, 4)
@@ -786,7 +786,8 @@ def test_a_router_compiled_by_module_compile_with_fullgraph_runs_under_checkpoin
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "the grad probe marks tensors by identity, and torch.vmap's ops run on batched wrappers: "
+    "documented limit (docs/replay.md, 'What may be replayed': torch.vmap inside fn) (helper "
+    "GF): the grad probe marks tensors by identity, and torch.vmap's ops run on batched wrappers: "
     "the float vmap returns from a weakref gate is not marked, so the checkpointed call "
     "replays it without graph and the gate silently loses that gradient (eager refuses)"))
 def test_a_weakref_gate_called_under_vmap_is_refused_under_checkpointing_as_in_eager() -> None:
