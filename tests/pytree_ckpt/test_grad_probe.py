@@ -659,7 +659,8 @@ def test_a_buffer_written_from_a_weakref_gate_then_detached_in_place_is_replayed
 @pytest.mark.xfail(strict=True, reason=(
     "documented limit (docs/replay.md, 'What may be replayed': Tensor.set_ and "
     "torch.utils.swap_tensors) the grad probe misses Tensor.set_ (helper GD): it does not "
-    "reach __torch_function__, so buf.set_(gate(x)) marks nothing; eager refuses the result (it takes the gate's graph), "
+    "reach __torch_function__, so buf.set_(gate(x)) marks nothing; eager refuses the result "
+    "(it takes the gate's graph), "
     "the replay silently hands it back and the gate gets no gradient; also at dc86b8f"))
 def test_a_buffer_set_to_a_weakref_gates_output_is_refused_as_in_eager() -> None:
     gate = nn.Linear(8, 4)
