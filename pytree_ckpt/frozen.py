@@ -392,23 +392,17 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
                      "results only)",
             got=f"a float {result} from {reach_short(reach)}",
             tip=_SPLIT_TIP + _MODULE_TIP)
-    for j in call.tensor_index:
-        if call.leaves[j].requires_grad:
-            argument = argument_path(call, j)
-            raise ReuseError(
-                f"reuse_during_recompute({name}) returned the float {result} for {argument}, "
-                f"which requires grad: {why}, so it cannot tell whether eager computes it with "
-                "grad", expected="int results only (or floats from inputs passed detached)",
-                got=f"{argument}.requires_grad=True and a float {result}",
-                tip=_SPLIT_TIP + _DETACH_TIP)
     # NOTE [leaves that hold tensors] (tree.py): logits in a plain object passed in (a
     # SimpleNamespace, a class with __slots__) are an argument too (helper GE: accepted, the
     # gate got no gradient, where eager refuses)
     for j, leaf in enumerate(call.leaves):
-        hidden = None if isinstance(leaf, torch.Tensor) else \
-            hidden_tensor(leaf, lambda t: t.requires_grad)
-        if hidden is not None:
-            argument = argument_path(call, j) + hidden[0]
+        if isinstance(leaf, torch.Tensor):
+            where = "" if leaf.requires_grad else None
+        else:
+            hidden = hidden_tensor(leaf, lambda t: t.requires_grad)
+            where = None if hidden is None else hidden[0]
+        if where is not None:
+            argument = argument_path(call, j) + where
             raise ReuseError(
                 f"reuse_during_recompute({name}) returned the float {result} for {argument}, "
                 f"which requires grad: {why}, so it cannot tell whether eager computes it with "
