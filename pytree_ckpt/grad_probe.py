@@ -29,7 +29,7 @@ each output from its own input; ``detach_`` drops a mark. A ``torch.autograd.Fun
 graph then). An op writing in place (a trailing underscore, ``t[i] = v``, ``out=``) marks
 what it wrote, and the base of a view it wrote through, so every view of that base reads as
 marked. Cost: a Python call per op of a
-probed fn (2.5 to 4 us), in the original pass only; none where the look finds a trainable
+probed fn (a few microseconds each on a CPU), in the original pass only; none where the look finds a trainable
 module (a router with its gate returning top-k ids, the usual replay, is not probed).
 """
 
@@ -194,7 +194,8 @@ _NO_GRAPH = frozenset({
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
     torch.randn_like, torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones,
     torch.Tensor.new_empty, torch.Tensor.new_full, torch.Tensor.new_tensor,
-    torch.Tensor.new_empty_strided, torch.Tensor.new, torch.tensor,
+    torch.Tensor.new_empty_strided, torch.Tensor.new, torch.tensor, torch.linspace,
+    torch.logspace, torch.arange,
     *(vars(torch._C.TensorBase)[name].__get__ for name in ("data", "grad")),
     # not differentiable in eager: their float outputs take no graph (helper GC)
     torch.histc, torch.Tensor.histc,

@@ -488,11 +488,6 @@ def test_floats_eager_computes_without_graph_from_a_weakref_gate_are_replayed_as
     assert gate.weight.grad is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "regression of the grad probe (3f2f5e3) (helper GG): torch.linspace / torch.logspace with a "
-    "0-d tensor end computed from a weakref gate are not differentiable (eager gives the float no "
-    "graph and runs the layer), but the probe marks their output and the replay refuses it "
-    "('eager gives that float a graph here'); dc86b8f exact"))
 @pytest.mark.parametrize("op", ["linspace", "logspace"])
 def test_a_linspace_ending_at_a_weakref_gates_max_is_replayed_as_in_eager(op: str) -> None:
     gate = nn.Linear(8, 4)
