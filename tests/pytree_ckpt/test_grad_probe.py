@@ -854,3 +854,31 @@ def test_a_probed_function_calling_a_higher_order_op_runs_under_checkpointing_as
     expected, x.grad = x.grad, None
     checkpoint(layer, x).square().sum().backward()  # got: dynamo error naming WeakIdKeyDictionary
     assert torch.equal(x.grad, expected)
+
+
+@pytest.mark.xfail(strict=True, raises=ReuseError, reason=(
+    "helper GH: torch.special's Bessel functions and orthogonal polynomials are not "
+    "differentiable (eager gives their float outputs no graph, as torch.histc, which the probe "
+    "knows), but the probe marks any float output of an op given a marked input, and the "
+    "replay refuses: contradicts replay.md 'where it refuses, eager refuses too'; 4755c66"))
+@pytest.mark.parametrize("op", ["bessel_j0", "modified_bessel_i0", "chebyshev_polynomial_t"])
+def test_floats_of_a_non_differentiable_special_function_of_a_weakref_gate_are_replayed(
+        op: str) -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        scores = holder.ref()(x).clamp(-3, 3)  # type: ignore[misc]
+        if op == "chebyshev_polynomial_t":
+            return torch.special.chebyshev_polynomial_t(scores, 2)
+        return getattr(torch.special, op)(scores)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).square().sum().backward()  # eager: legal, the result has no graph
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a parameter"
+    assert torch.equal(x.grad, expected)
+    assert gate.weight.grad is None
