@@ -909,3 +909,32 @@ def test_the_non_differentiable_output_of_a_multi_output_op_of_a_weakref_gate_is
     checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a parameter"
     assert torch.equal(x.grad, expected)
     assert gate.weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, raises=ReuseError, reason=(
+    "helper GH: a loss's target is not a differentiable argument (hinge_embedding_loss, "
+    "cosine_embedding_loss): eager gives the loss no graph from a target computed from the "
+    "gate, but the probe marks the output of an op given any marked input, and the replay "
+    "refuses; 4755c66"))
+@pytest.mark.parametrize("op", ["hinge_embedding_loss", "cosine_embedding_loss"])
+def test_a_loss_whose_target_only_comes_from_a_weakref_gate_is_replayed_as_in_eager(
+        op: str) -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        target = holder.ref()(x).sign()  # type: ignore[misc]
+        if op == "hinge_embedding_loss":
+            return nn.functional.hinge_embedding_loss(x[:, :4], target, reduction="none")
+        return nn.functional.cosine_embedding_loss(
+            x[:, :4], x[:, 4:], target[:, 0], reduction="none")[:, None].expand(3, 4)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).square().sum().backward()  # eager: legal, the result has no graph
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a parameter"
+    assert torch.equal(x.grad, expected)
+    assert gate.weight.grad is None
