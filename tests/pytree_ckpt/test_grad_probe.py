@@ -938,3 +938,30 @@ def test_a_loss_whose_target_only_comes_from_a_weakref_gate_is_replayed_as_in_ea
     checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a parameter"
     assert torch.equal(x.grad, expected)
     assert gate.weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, raises=ReuseError, reason=(
+    "helper GH: an in-place op that is not differentiable (logical_and_, logical_or_, "
+    "logical_xor_ into a float tensor) with a gate's output as its other argument: eager "
+    "leaves the buffer without graph, the probe marks it as written and the replay refuses; "
+    "4755c66"))
+@pytest.mark.parametrize("op", ["logical_and_", "logical_xor_"])
+def test_a_float_buffer_changed_in_place_by_a_logical_op_with_a_weakref_gate_is_replayed(
+        op: str) -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        buf = x[:, :4].clone()
+        getattr(buf, op)(holder.ref()(x))  # type: ignore[misc]
+        return buf
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).square().sum().backward()  # eager: legal, the result has no graph
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a parameter"
+    assert torch.equal(x.grad, expected)
+    assert gate.weight.grad is None
