@@ -965,3 +965,27 @@ def test_a_float_buffer_changed_in_place_by_a_logical_op_with_a_weakref_gate_is_
     checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a parameter"
     assert torch.equal(x.grad, expected)
     assert gate.weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, raises=ReuseError, reason=(
+    "helper GH: _SHAPE_FROM_OTHERS holds torch.Tensor.resize_as_ but not the function form "
+    "torch.resize_as_, so torch.resize_as_(buf, w) marks buf from the parameter it only takes "
+    "a shape from (the method form is replayed: test above); eager gives buf no graph; "
+    "4755c66"))
+def test_a_buffer_resized_by_torch_resize_as_to_a_weakref_gates_parameter_is_replayed() -> None:
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        w = holder.ref().weight  # type: ignore[union-attr]
+        return torch.resize_as_(torch.empty(0), w[:3, :4]).zero_() + x[:, :4]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).square().sum().backward()  # eager: legal, the result has no graph
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a parameter"
+    assert torch.equal(x.grad, expected)
+    assert gate.weight.grad is None
