@@ -1024,3 +1024,38 @@ def test_an_autograd_function_given_a_weakref_gates_output_in_a_list_is_replayed
     checkpoint(layer, x).square().sum().backward()  # got: ReuseError "computed from a parameter"
     assert torch.equal(x.grad, expected)
     assert gate.weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
+    "helper GH: copy.copy and a torch.save/torch.load round trip rebuild a gate's output as a "
+    "new leaf that requires grad in eager (eager refuses the result), through __reduce_ex__, "
+    "which the probe does not see; in the original pass the output has no grad, so the copy "
+    "is plain and the checkpointed call runs where eager refuses (no gradient reaches the gate "
+    "in either: the leaf is new); 4755c66"))
+@pytest.mark.parametrize("op", ["copy", "save_load"])
+def test_a_copy_of_a_weakref_gates_output_rebuilt_by_pickling_is_refused_as_in_eager(
+        op: str) -> None:
+    import copy
+    import io
+
+    gate = nn.Linear(8, 4)
+    holder = types.SimpleNamespace(ref=weakref.ref(gate))
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        scores = holder.ref()(x)  # type: ignore[misc]
+        if op == "copy":
+            return copy.copy(scores)
+        buf = io.BytesIO()
+        torch.save(scores, buf)
+        buf.seek(0)
+        return torch.load(buf)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="which requires grad"):
+        layer(x)  # eager: the copy is a leaf that requires grad
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError):
+        out.sum().backward()  # got: no refusal
