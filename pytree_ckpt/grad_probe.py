@@ -23,14 +23,18 @@ a tensor that has a graph in the replay only (the layer's own activations, compu
 original pass's no-grad), ``torch.vmap`` inside fn (its results are not the tensors the
 batched ops made: helper GF), ``Tensor.set_`` (it bypasses the modes), and a tensor
 ``torch.utils.swap_tensors`` swaps (it refuses one with weak references, which the marks are:
-helper GD; both documented). Ops giving one output per input (``broadcast_tensors``) mark
-each output from its own input; ``detach_`` drops a mark. A ``torch.autograd.Function``'s
-``apply`` is seen as one op (its output is marked where an input is, as eager gives it a
-graph then). An op writing in place (a trailing underscore, ``t[i] = v``, ``out=``) marks
-what it wrote, and the base of a view it wrote through, so every view of that base reads as
-marked. Cost: a Python call per op of a
-probed fn (a few microseconds each on a CPU), in the original pass only; none where the look finds a trainable
-module (a router with its gate returning top-k ids, the usual replay, is not probed).
+helper GD; both documented). Ops giving one output per input (``broadcast_tensors``) mark each
+output from its own input; ``detach_`` drops a mark. A ``torch.autograd.Function`` is seen only
+through the ops its forward runs (its ``apply`` does not reach the mode): one running a kernel
+the mode does not see (Triton, a C++ extension) is missed, one given a marked tensor inside a
+list is marked where eager gives its output no graph (both documented, with the other
+over-marks helper GH's randomized comparison with eager found). An op writing in place (a trailing
+underscore, ``t[i] = v``, ``out=``) marks what it wrote, and the base of a view it wrote
+through, so every view of that base reads as marked. Ops dynamo traces inside a higher-order op
+(``torch.cond``, flex_attention) are not marked; the eager call around the op is. Cost: a
+Python call per op of a probed fn (a few microseconds each on a CPU), in the original pass
+only; none where the look finds a trainable module (a router with its gate returning top-k ids,
+the usual replay, is not probed).
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ class GradProbe(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if torch.compiler.is_compiling():
+            # dynamo tracing a higher-order op's body (torch.cond, flex_attention) under this
+            # mode: the marks are made by the eager call around the op (helper GH: tracing
+            # them raised in the original pass)
+            return out
         if func in _NO_GRAPH:
             if func is torch.Tensor.detach_ or func is torch.Tensor.requires_grad_:
                 self.marked.pop(args[0], None)  # no graph from here on, as in eager
@@ -197,14 +206,17 @@ _NO_GRAPH = frozenset({
     torch.Tensor.new_empty_strided, torch.Tensor.new, torch.tensor, torch.linspace,
     torch.logspace, torch.arange,
     *(vars(torch._C.TensorBase)[name].__get__ for name in ("data", "grad")),
-    # not differentiable in eager: their float outputs take no graph (helper GC)
-    torch.histc, torch.Tensor.histc,
+    # not differentiable in eager: their float outputs take no graph (helpers GC, GH)
+    torch.histc, torch.Tensor.histc, torch.Tensor.logical_and_, torch.Tensor.logical_or_,
+    torch.Tensor.logical_xor_, torch.Tensor.logical_not_,
+    *(getattr(torch.special, name) for name in dir(torch.special)
+      if "bessel" in name or "polynomial" in name or name == "airy_ai"),
 })
 # Ops whose other tensor arguments give only a dtype, device or shape (x.type_as(w),
 # x.to(w), x.expand_as(w)): only their first one is followed (helper GC).
 _SHAPE_FROM_OTHERS = frozenset({
     torch.Tensor.type_as, torch.Tensor.to, torch.Tensor.expand_as, torch.Tensor.view_as,
-    torch.Tensor.reshape_as, torch.Tensor.resize_as_,
+    torch.Tensor.reshape_as, torch.Tensor.resize_as_, torch.resize_as_,
 })
 # Ops giving one output per input, each from its own input only (helper GD).
 _PER_INPUT = frozenset({torch.broadcast_tensors, torch.meshgrid, torch.atleast_1d,
