@@ -78,6 +78,8 @@ class GradProbe(TorchFunctionMode):
                 self.marked.pop(args[0], None)  # no graph from here on, as in eager
                 self.written.pop(args[0], None)
             return out
+        if func in _SPECIAL and not _differentiable(func, args):
+            return out
         if func in _PER_INPUT:  # one output per input (broadcast_tensors, meshgrid)
             inputs = list(_tensors(args, kwargs))
             outputs = list(_tensors(out, None))
@@ -209,9 +211,22 @@ _NO_GRAPH = frozenset({
     # not differentiable in eager: their float outputs take no graph (helpers GC, GH)
     torch.histc, torch.Tensor.histc, torch.Tensor.logical_and_, torch.Tensor.logical_or_,
     torch.Tensor.logical_xor_, torch.Tensor.logical_not_,
-    *(getattr(torch.special, name) for name in dir(torch.special)
-      if "bessel" in name or "polynomial" in name or name == "airy_ai"),
 })
+# torch.special's Bessel functions and orthogonal polynomials: not differentiable on torch
+# 2.13 (helper GH), some are on 2.15; asked of torch once each, on one-element tensors.
+_SPECIAL = frozenset(getattr(torch.special, name) for name in dir(torch.special)
+                     if "bessel" in name or "polynomial" in name or name == "airy_ai")
+_DIFFERENTIABLE: dict[Any, bool] = {}  # a fact about the running torch, not step state
+
+
+def _differentiable(func: Any, args: Any, /) -> bool:
+    known = _DIFFERENTIABLE.get(func)
+    if known is None:
+        tiny = [torch.ones(1, dtype=a.dtype, requires_grad=True)
+                if isinstance(a, torch.Tensor) and _is_float(a) else a for a in args]
+        with torch.enable_grad():
+            known = _DIFFERENTIABLE[func] = func(*tiny).requires_grad
+    return known
 # Ops whose other tensor arguments give only a dtype, device or shape (x.type_as(w),
 # x.to(w), x.expand_as(w)): only their first one is followed (helper GC).
 _SHAPE_FROM_OTHERS = frozenset({
