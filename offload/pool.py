@@ -124,7 +124,10 @@ class HostPool:
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         try:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            # device= always: under torch's default device (set_default_device("cuda")), a
+            # device-less empty would be a GPU buffer, and offload would move nothing off it
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu",
+                                 pin_memory=self.pin_memory)
         except RuntimeError as error:
             if not self.pin_memory or torch.cuda.is_available():
                 raise  # out of host memory, say: torch's message says so

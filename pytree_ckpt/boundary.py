@@ -140,7 +140,8 @@ def _anchor() -> torch.Tensor:
     # A constant, never receives a gradient (backward returns None for it): no step state.
     global _anchor_tensor
     if _anchor_tensor is None:
-        _anchor_tensor = torch.empty(0, requires_grad=True)
+        # On the CPU, whatever torch's default device is at the first call.
+        _anchor_tensor = torch.empty(0, device="cpu", requires_grad=True)
     return _anchor_tensor
 
 

@@ -222,7 +222,7 @@ _DIFFERENTIABLE: dict[Any, bool] = {}  # a fact about the running torch, not ste
 def _differentiable(func: Any, args: Any, /) -> bool:
     known = _DIFFERENTIABLE.get(func)
     if known is None:
-        tiny = [torch.ones(1, dtype=a.dtype, requires_grad=True)
+        tiny = [torch.ones(1, dtype=a.dtype, device=a.device, requires_grad=True)
                 if isinstance(a, torch.Tensor) and _is_float(a) else a for a in args]
         with torch.enable_grad():
             known = _DIFFERENTIABLE[func] = func(*tiny).requires_grad

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils._device import DeviceContext  # what set_default_device and torch.device push
 
 from .tree import object_children
 
@@ -67,6 +68,8 @@ _get_torch_function_state: Any = torch._C._get_torch_function_state  # type: ign
 _set_torch_function_state: Any = torch._C._set_torch_function_state  # type: ignore[attr-defined]
 _TF_ENABLED: Any = torch._C._TorchFunctionState.ENABLED  # type: ignore[attr-defined]
 _is_torch_function_enabled: Any = torch._C._is_torch_function_enabled
+_len_function_stack: Any = torch._C._len_torch_function_stack
+_function_stack: Any = torch.overrides._get_current_function_mode_stack
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled: Any = torch._C._set_grad_enabled
 
@@ -136,12 +139,21 @@ def _set_kernel_state(state: tuple[Any, ...], now: tuple[Any, ...]) -> None:
             put(value)
 
 
+def _default_device() -> torch.device | None:
+    """The device of the innermost ``torch.device`` context (or ``torch.set_default_device``),
+    ``None`` with none (NOTE [the replay sees the forward's default device])."""
+    for mode in reversed(_function_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    return None
+
+
 class ReplayEnvironment:
-    """RNG states, autocast settings, kernel switches and the torch-function state captured
-    at the start of an original pass."""
+    """RNG states, autocast settings, kernel switches, the torch-function state and the default
+    device captured at the start of an original pass."""
 
     __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function",
-                 "kernels", "generators")
+                 "kernels", "generators", "device")
 
     def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
                  autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool,
@@ -176,6 +188,17 @@ class ReplayEnvironment:
         # another function than in the forward (isinstance checks, the subclass's overrides).
         # The replay runs under the forward's torch-function state.
         self.torch_function = torch_function  # None: enabled
+        # NOTE [the replay sees the forward's default device]: torch's default device
+        # (torch.set_default_device("cuda"), `with torch.device("cuda"):`) is a TorchFunctionMode,
+        # and none is active inside backward, so a replay without it made every tensor the
+        # forward makes without a device (a causal mask, torch.arange's positions) on the CPU:
+        # another device than the forward's, an error in backward. The replay runs under a
+        # DeviceContext of its own for the forward's device, as torch's non-reentrant
+        # checkpoint does (a new one: entering the forward's own object again would overwrite
+        # what its still-open `with` restores at its exit), entered only where backward runs
+        # under another default device. Other TorchFunctionModes are not re-entered
+        # (docs/limits.md, "Random numbers and modes around the call").
+        self.device = _default_device() if _len_function_stack() else None
 
     @classmethod
     def capture(cls, tensors: tuple[torch.Tensor, ...], /, *, preserve_rng: bool,
@@ -247,7 +270,7 @@ class Replaying:
     layer call in backward, and the stack's bookkeeping cost more than the work."""
 
     __slots__ = ("env", "saved_rng", "autocast", "grad", "torch_function", "kernels",
-                 "generators")
+                 "generators", "device")
 
     def __init__(self, env: ReplayEnvironment, /) -> None:
         self.env = env
@@ -257,6 +280,7 @@ class Replaying:
         self.autocast: ExitStack | None = None
         self.grad: bool | None = None  # the caller's grad mode, once set
         self.torch_function: Any = None  # backward's torch-function state, where it differs
+        self.device: Any = None  # the DeviceContext entered for the replay, if any
 
     def __enter__(self) -> None:
         env = self.env
@@ -301,8 +325,21 @@ class Replaying:
             if state != env.torch_function:
                 self.torch_function = state
                 _set_torch_function_state(env.torch_function)
+        # NOTE [the replay sees the forward's default device]; last in, first out.
+        if env.device is not None and (not _len_function_stack() or
+                                       _default_device() != env.device):
+            context = DeviceContext(env.device)
+            try:
+                context.__enter__()
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+            self.device = context
 
     def __exit__(self, *exc: Any) -> None:
+        if self.device is not None:
+            self.device.__exit__(*exc)
+            self.device = None
         if self.torch_function is not None:
             _set_torch_function_state(self.torch_function)
         if self.grad is not None:

@@ -135,7 +135,8 @@ _tuple_new = tuple.__new__
 # plain tensor, and for positional plain tensors without keywords, the spec is known without
 # asking optree (a few microseconds per boundary call, several times per call). The specs are
 # optree's own, so they compare equal to what the general path builds for the same tree.
-LEAF_SPEC = optree.tree_structure(torch.empty(0), namespace=NAMESPACE)  # type: ignore[arg-type]
+LEAF_SPEC = optree.tree_structure(  # on the CPU: imported under a default device, no CUDA start
+    torch.empty(0, device="cpu"), namespace=NAMESPACE)  # type: ignore[arg-type]
 # The spec of a call of n positional plain tensors, one object per n, kept for good: a spec
 # that *is* one of these is known without hashing it (module_state.py's call keys).
 POSITIONAL_CALL_SPECS: dict[int, optree.PyTreeSpec] = {}

@@ -39,6 +39,21 @@ def test_host_buffers_are_pinned_and_copies_run_on_side_streams() -> None:
     assert manager.stats()["host_buffers_in_use"] == 0
 
 
+def test_under_the_default_device_cuda_host_copies_are_pinned_cpu_buffers() -> None:
+    # Guards against: the pool's device-less torch.empty made its "host" buffers on the GPU
+    # under torch.set_default_device("cuda"), so offload moved nothing off it.
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
+    x = torch.randn(256, 256, device="cuda", requires_grad=True)
+    with torch.device("cuda"):
+        h = x * 2
+        with manager.window([h]) as window:
+            loss = (h * h).sum()
+    copy_ = next(iter(window.copies.values()))
+    assert copy_.host.device == torch.device("cpu") and copy_.host.is_pinned()
+    loss.backward()
+    assert torch.equal(x.grad, 8 * x.detach())
+
+
 @pytest.mark.parametrize("gpu_held_back", [False, True])
 def test_offload_gives_bit_identical_gradients_on_cuda(gpu_held_back: bool) -> None:
     # Held back, the host enqueues the whole step before any copy to host has run, so the

@@ -1917,3 +1917,40 @@ def test_a_census_between_two_backwards_of_a_retained_graph_counts_the_restored_
         assert census.total_bytes == 4 * layer_input + 4 * layer_input + layer_input
         loss.backward()
         assert manager.stats()["restored_bytes"] == 4 * layer_input  # no second restore
+
+
+class MadeMask(nn.Module):
+    """A residual layer that makes a tensor without naming a device (a mask, positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        assert torch.arange(2).device == torch.device("meta")  # the forward's, in the replay too
+        return h + torch.tanh(self.proj(h))
+
+
+def test_offload_under_a_default_device_keeps_its_host_copies_on_the_cpu() -> None:
+    # Guards against: the host pool allocated its buffers with a device-less torch.empty, so
+    # under torch's default device (set_default_device("cuda"); "meta" stands in here) its
+    # "host" copies were made on that device: here backward failed ("Cannot copy out of meta
+    # tensor"); on a GPU nothing would leave it. The replay makes the layer's own tensors on
+    # the forward's default device (NOTE [the replay sees the forward's default device]).
+    torch.manual_seed(0)
+    m = manager()
+    layers = offloaded_stack(m, 3, MadeMask)
+    eager = nn.ModuleList(MadeMask() for _ in range(3))
+    eager.load_state_dict(layers.state_dict())
+    grads = []
+    for model in (eager, layers):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.device("meta"):
+            out = stack(model, x)
+        out.square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] > 0
+    assert [buffer.device for buffers in m.pool._free.values() for buffer, _ in buffers] == \
+        [torch.device("cpu")] * stats["windows"]

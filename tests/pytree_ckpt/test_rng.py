@@ -224,3 +224,127 @@ def test_a_generator_passed_in_draws_the_forwards_numbers_in_the_replay_and_ends
         results.append([*grads_of([x, *model.parameters()]),
                         torch.rand(8, generator=generator)])  # where the step left it
     assert_same_grads(*results)
+
+
+# Per pass (forward, replay), the devices MadeDevices's tensors were made on. A global, not the
+# module's: a list the layer holds and appends to is module state, which its replay changes
+# on a copy (docs/limits.md, "Module state").
+MADE_ON: list[list[torch.device]] = []
+
+
+class MadeDevices(nn.Module):
+    """Records, per pass, the device of the tensors its forward makes without naming one (a
+    causal mask, positions), as a layer under torch's default device makes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask, positions = torch.ones(4, 4).tril(), torch.arange(4)
+        MADE_ON.append([mask.device, positions.device])
+        return self.lin(x).relu()
+
+
+# Each doubles the layer's output, as _discarded's consumer does.
+def _torch_non_reentrant(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) * 2
+
+
+def _ours(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return pytree_ckpt.checkpoint(layer, x) * 2
+
+
+def _discarded(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    ckpt = pytree_ckpt.CheckpointWithoutOutput()
+    out = ckpt.checkpoint(layer, x) * 2  # the product saves nothing of the output
+    ckpt.discard_output_and_register_recompute(out)
+    return out
+
+
+@pytest.mark.parametrize("how", ["context", "process"])
+@pytest.mark.parametrize("call", [_ours, _discarded], ids=["boundary", "discard"])
+def test_the_replay_makes_tensors_on_the_default_device_the_forward_ran_under(
+        how: str, call: Any) -> None:
+    # Guards against: torch's default device (`with torch.device("cuda"):`,
+    # torch.set_default_device) is a TorchFunctionMode, and none is active inside backward, so
+    # the replay made the forward's masks and positions on the CPU: on a GPU, an error in
+    # backward ("Expected all tensors to be on the same device") where eager and torch's
+    # non-reentrant checkpoint run (NOTE [the replay sees the forward's default device]).
+    # "meta" stands in for the accelerator: nothing here computes with what it makes.
+    runs = []
+    for run in (_torch_non_reentrant, call):
+        MADE_ON.clear()
+        torch.manual_seed(0)
+        layer, x = MadeDevices(), torch.randn(2, 8, requires_grad=True)
+        if how == "context":
+            with torch.device("meta"):
+                out = run(layer, x)
+        else:
+            torch.set_default_device("meta")
+            try:
+                out = run(layer, x)
+            finally:
+                torch.set_default_device(None)
+        out.sum().backward()  # outside: as a step's backward after the model's forward
+        runs.append(([device for devices in MADE_ON for device in devices],
+                     [x.grad, *grads_of(layer.parameters())]))
+        assert torch.empty(0).device == torch.device("cpu")  # nothing left behind
+    (torch_devices, torch_grads), (devices, grads) = runs
+    assert len(devices) == len(torch_devices) == 4  # the forward and one replay (or rebuild)
+    assert devices == torch_devices == [torch.device("meta")] * 4
+    assert_same_grads(torch_grads, grads)
+
+
+def test_a_replay_under_a_default_device_of_its_own_is_left_as_it_is() -> None:
+    # The replay enters the forward's default device only where backward runs under another:
+    # under the same one nothing more is pushed, and backward's own is back afterwards.
+    MADE_ON.clear()
+    layer, x = MadeDevices(), torch.randn(2, 8, requires_grad=True)
+    with torch.device("meta"):
+        out = pytree_ckpt.checkpoint(layer, x)
+    env = ReplayEnvironment.capture((x,), preserve_rng=False)
+    assert env.device is None  # outside any default device
+    with torch.device("meta"):
+        env = ReplayEnvironment.capture((x,), preserve_rng=False)
+        depth = torch._C._len_torch_function_stack()
+        with env.replaying():
+            assert torch._C._len_torch_function_stack() == depth
+        out.sum().backward()
+        assert torch._C._len_torch_function_stack() == depth
+    assert torch._C._len_torch_function_stack() == 0
+    assert MADE_ON == [[torch.device("meta")] * 2] * 2
+
+
+class MaskedAttention(nn.Module):
+    """Causal scores with a mask made without naming a device, as code written for
+    torch.set_default_device("cuda") makes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, dim=-1)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        scores = (q @ k.transpose(1, 2)).masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ x
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_a_layer_under_the_default_device_gets_eager_gradients() -> None:
+    # Guards against: the replay made the mask on the CPU (no default device inside
+    # backward), and masked_fill refused a CPU mask for CUDA scores in backward.
+    torch.manual_seed(0)
+    eager = MaskedAttention().cuda()
+    wrapped = apply_activation_checkpointing(copy.deepcopy(eager))
+    grads = []
+    for layer in (eager, wrapped):
+        torch.manual_seed(1)
+        x = torch.randn(2, 5, 8, device="cuda", requires_grad=True)
+        with torch.device("cuda"):
+            out = layer(x)
+        out.square().sum().backward()
+        grads.append([x.grad, *grads_of(layer.parameters())])
+    assert_same_grads(*grads)
