@@ -24,7 +24,8 @@ Seen through ``sys.setprofile`` (a C method's call shows there with the generato
 to): each layer (each module, partial or callable object by identity, forgotten with it; a
 plain function by its code, a closure by its code and the objects it closes over; one that
 takes no weak reference is watched always) and method is
-watched in its original passes until one made in training mode sets no state; from then on,
+watched in its original passes until one made in training mode (a closure's, a partial's: with
+every module it holds in training mode) sets no state; from then on,
 one cheap lookup per call. Any pass that set a state has it watched at every pass after. An
 output discard's function is watched alike, for its rebuild. Not seen: a layer that first
 sets a state after a training pass that set none, any pass that runs while a profiler other
@@ -36,6 +37,7 @@ and sets none), and ``graphsafe_set_state`` (Megatron-Core's CUDA-graph-safe tra
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import types
@@ -255,7 +257,7 @@ def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Ge
     key = _key(fn, owner)
     if key not in _SETS:
         holder = owner if owner is not None else getattr(fn, "__self__", fn)
-        if watch.states or not isinstance(holder, _Module) or holder.training:
+        if watch.states or _in_training(fn, holder):
             # Forgotten with what the key names by id, whose id may be reused (helper EG: a
             # plain object's method kept an entry, and a new object at its address inherited
             # "sets no state"); one that takes no weak reference is not remembered: watched at
@@ -272,6 +274,27 @@ def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Ge
                 return watch.states or None
             _SETS[key] = bool(watch.states)
     return watch.states or None
+
+
+def _in_training(fn: Any, holder: Any, /) -> bool:
+    """Whether a pass of ``fn`` that set no state may decide so: a module in training mode; a
+    closure, partial or method of a plain object whose modules (those its cells, bound
+    arguments or instance hold) are all in training mode (helper GJ: Megatron-Core's
+    ``custom(start, end)`` closure over its block, first run in eval mode with grad on, was
+    learned as setting none, and its layers' training forks went unwatched); one holding no
+    module decides at once."""
+    if isinstance(holder, _Module):
+        return holder.training
+    held: list[Any] = []
+    while isinstance(fn, functools.partial):
+        held += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    if isinstance(fn, _Method):
+        held.append(fn.__self__)
+        fn = fn.__func__
+    if type(fn) is _Function and fn.__closure__:
+        held += _closed_over(fn)
+    return all(value.training for value in held if isinstance(value, _Module))
 
 
 def replay_watch(recorded: list[tuple[torch.Generator, torch.Tensor]] | None, /

@@ -170,14 +170,17 @@ def _raise_other_tensors(func: Any, found: tuple[str, Any, Any], *, position: in
         f"tensors than the original pass did (call #{position + 1} of {count}{inside}): the "
         "record the original pass kept is for another computation",
         expected=f"argument {where}: {_shown(old)}", got=f"argument {where}: {_shown(new)}",
-        tip="the replay must compute what the original pass did. Usually state the forward "
-            "reads (a Python attribute, a global, a config value) changed between forward "
-            "and backward, so the replay built other tensors: change it only after backward, "
+        tip="the replay must compute what the original pass did. Usually the code branches "
+            "on grad mode (`if torch.is_grad_enabled():`, or on current_phase(): the original "
+            "pass runs without grad, the replay with it; Megatron-Core's router computes its "
+            "aux loss so), or state the forward reads (a Python attribute, a global, a config "
+            "value) changed between forward and backward, so the replay built other tensors: "
+            "branch on inputs or self.training instead, change such state only after backward "
             "or pass it to the layer as an argument; if that code must differ, keep it out of "
-            "the unit (drop the op from KeptOps, or keep a smaller method). If nothing changed, "
-            "torch may have dispatched the kept ops otherwise in the replay (torch.matmul picks "
-            "aten::mm or aten::bmm by whether an operand requires grad: docs/save_units.md, "
-            "rule 1)")
+            "the unit (drop the op from KeptOps, or keep a smaller method: a router's gating "
+            "projection, not the whole router). If neither, torch may have dispatched the kept "
+            "ops otherwise in the replay (torch.matmul picks aten::mm or aten::bmm by whether "
+            "an operand requires grad: docs/save_units.md, rule 1)")
 
 
 # Ops warned about as called otherwise in the replay (a warning's dedupe, not step state).
