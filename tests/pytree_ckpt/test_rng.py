@@ -435,3 +435,68 @@ def test_an_einsum_contraction_order_set_around_the_forward_only_is_set_again_fo
         out.square().sum().backward()
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
 
+
+class ConvStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Tanh(),
+                                  nn.Conv2d(8, 8, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class HalfAttention(SelfAttention):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).float()
+
+
+def _no_onednn_nor_nnpack() -> Any:
+    import contextlib
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+    stack.enter_context(torch.backends.nnpack.flags(enabled=False))
+    return stack
+
+
+def _math_with_low_precision_reduction() -> Any:
+    import contextlib
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    @contextlib.contextmanager
+    def switch() -> Any:
+        before = torch._C._get_math_sdp_allow_fp16_bf16_reduction()
+        torch._C._set_math_sdp_allow_fp16_bf16_reduction(True)
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                yield
+        finally:
+            torch._C._set_math_sdp_allow_fp16_bf16_reduction(before)
+    return switch()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "helper GK: two kernel switches are not among those the replay sets again: "
+    "torch.backends.nnpack.flags (with oneDNN off around the forward too, the advice for a "
+    "padded LSTM, the replay's convolutions run NNPACK: fp32 gradients off by 1.5e-4; torch's "
+    "non-reentrant checkpoint differs too) and torch.backends.cuda."
+    "allow_fp16_bf16_reduction_math_sdp (read by the CPU's math attention as well: bf16 "
+    "gradients off by 0.125, silently, where torch's non-reentrant checkpoint refuses)"))
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN:UserWarning")
+@pytest.mark.parametrize(("model", "switch", "shape", "dtype"), [
+    (ConvStack, _no_onednn_nor_nnpack, (16, 8, 16, 16), torch.float32),
+    (HalfAttention, _math_with_low_precision_reduction, (2, 64, 32), torch.bfloat16)],
+    ids=["nnpack.flags(enabled=False)", "allow_fp16_bf16_reduction_math_sdp"])
+def test_every_kernel_switch_set_around_the_forward_only_is_set_again_for_the_replay(
+        model: Any, switch: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if dtype is torch.float32 and not torch._nnpack_available():
+        pytest.skip("this torch build has no NNPACK")
+    torch.manual_seed(0)
+    eager = model().to(dtype)
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(*shape).to(dtype)
+    for layer in (eager, twin):
+        with switch():
+            out = layer(x)
+        out.float().square().sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
