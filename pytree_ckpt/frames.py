@@ -43,8 +43,9 @@ import torch
 from .eager import REUSE_REASON, runs_eagerly
 from .errors import ReuseError, require_callable
 from .frozen import (AsRecorded, StateAfter, apply_state_after, argument_versions, as_recorded,
-                     buffer_versions, numbers_watch, refuse_in_plain_call, refuse_in_replay,
-                     state_after, warn_changed_arguments, warn_grad_mode_read)
+                     buffer_versions, held_tensors, numbers_watch, refuse_in_plain_call,
+                     refuse_in_replay, state_after, stored_floats, stores_floats,
+                     warn_changed_arguments, warn_grad_mode_read)
 from .grad_probe import probe_for
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
@@ -420,11 +421,14 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         call, versions = argument_versions(args, kwargs)
         buffers = buffer_versions(fn)
         numbers = numbers_watch(fn)
+        held = held_tensors(fn)  # NOTE [floats a reused fn stores on its module] (frozen.py)
         try:
             before = rng_state(devices) if devices is not None else None
             generators_before = tuple((g, g.get_state()) for g in generators) \
                 if generators else ()
-            probe = probe_for(fn, call)  # NOTE [the grad probe] (grad_probe.py)
+            # NOTE [the grad probe] (grad_probe.py), and NOTE [floats a reused fn stores on
+            # its module] (frozen.py)
+            probe = probe_for(fn, call, stores=held is not None and stores_floats(fn))
             with probe if probe is not None else nullcontext():
                 result = fn(*args, **kwargs)
             if before is not None and devices is not None:
@@ -440,7 +444,9 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         changes = state_after(call, versions, buffers, numbers)
         # NOTE [differentiable results are refused where grad is on] in frozen.py
         checks = as_recorded(callable_name(fn), result, args, kwargs,
-                             graph=None if probe is None else probe.found(result))
+                             graph=None if probe is None else probe.found(result),
+                             stored=() if held is None else stored_floats(fn, held, probe),
+                             probed=probe is not None)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after, checks = invocation.frame.take_with_rng(fn)
         if recorders:

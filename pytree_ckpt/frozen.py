@@ -52,13 +52,15 @@ from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
 from .function_reach import cell_contents, code_reading, unwrap_partials
+from .grad_probe import compiled as _compiled
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
 
 __all__ = ["AsRecorded", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
            "buffer_versions", "numbers_watch", "refuse_in_plain_call", "refuse_in_replay",
-           "state_after", "warn_changed_arguments", "warn_grad_mode_read"]
+           "held_tensors", "state_after", "stored_floats", "stores_floats",
+           "warn_changed_arguments", "warn_grad_mode_read"]
 
 _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call and compute "
               "the differentiable part outside it, from those ids (MoE gate weights: gather "
@@ -87,14 +89,20 @@ class AsRecorded(NamedTuple):
 
     arguments: tuple[tuple[str, int], ...] = ()
     graph: tuple[str, str] | None = None  # (key path, what it came from)
+    # NOTE [floats a reused fn stores on its module]: (attribute, what the probe saw it
+    # computed from, or None), and whether the probe watched the call
+    stored: tuple[tuple[str, str | None], ...] = ()
+    probed: bool = False
 
 
 def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /, *,
-                graph: tuple[str, str] | None = None) -> AsRecorded:
+                graph: tuple[str, str] | None = None,
+                stored: tuple[tuple[str, str | None], ...] = (),
+                probed: bool = False) -> AsRecorded:
     """Check ``result`` as the original pass records it; what the replay checks of it."""
     flat = flatten(result)
     if not flat.tensor_index:
-        return AsRecorded((), graph)
+        return AsRecorded((), graph, stored, probed)
     for i in flat.tensor_index:
         if flat.leaves[i].requires_grad:  # fn enabled grad itself, or an outside tensor
             _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
@@ -103,9 +111,133 @@ def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str,
     passed = [(i, given[id(flat.leaves[i])]) for i in flat.tensor_index
               if id(flat.leaves[i]) in given and _is_float(flat.leaves[i])]
     if not passed:
-        return AsRecorded((), graph)
+        return AsRecorded((), graph, stored, probed)
     paths = leaf_paths(flat.spec, root="result")
-    return AsRecorded(tuple((paths[i], j) for i, j in passed), graph)
+    return AsRecorded(tuple((paths[i], j) for i, j in passed), graph, stored, probed)
+
+
+# A module's __dict__ and the ids of the tensors held in it, read before a reused call.
+Held = tuple[dict[str, Any], dict[str, int]]
+
+
+def held_tensors(fn: Callable[..., Any], /) -> Held | None:
+    """The tensors ``fn``'s module holds as plain attributes (in its ``__dict__``; not its
+    children's), by name and id, read before ``fn`` runs (NOTE [floats a reused fn stores on
+    its module])."""
+    module = owning_module(fn)
+    if module is None:
+        return None
+    d = module.__dict__
+    return d, {name: id(value) for name, value in d.items() if isinstance(value, torch.Tensor)}
+
+
+def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
+                  ) -> tuple[tuple[str, str | None], ...]:
+    """NOTE [floats a reused fn stores on its module]: a reused call that binds a float tensor
+    on its module (``self.probs = self.gate(x).softmax(-1)``, an aux loss) while returning only
+    ids escapes the checks on its result, and the layer reading that attribute after the call
+    is silently wrong under checkpointing: the replay skips the call, so it reads what the
+    original pass stored, computed under its no-grad, where eager's has a graph (the gate gets
+    no gradient from it). What the call bound anew (a float tensor without a graph) is kept by
+    name, with what the grad probe saw it computed from. A function seen storing one is
+    probed from its next call on (``stores_floats``; where the static look finds a trainable
+    module too, unlike for its results, which rule 3 judges by the look alone): the look
+    cannot tell gate weights from a statistic (``counts.float()``), the probe can. The replay,
+    which sees the grad mode, warns once per function where the probe saw a stored float
+    computed from a tensor that requires grad, or, unprobed, where a tensor argument requires
+    grad (rule 2) or fn is compiled and the look finds a trainable module
+    (``warn_stored_floats``). A warning, not a refusal, and none for a function whose code
+    (or a helper's of the user's it calls) switches grad off itself (``with torch.no_grad():``,
+    ``inference_mode``, ``set_grad_enabled``): a statistic computed under such a block from a
+    parameter cannot be told from gate weights (the probe does not see grad switched off
+    inside fn), and routers storing one are common (a function decorated with
+    ``@torch.no_grad()`` has no graph in eager, and is not told either). Not seen: a float
+    stored by such a function that eager does give a graph, by a function that is no method
+    of a module, on another module than fn's own (a child's), or in a container. Cost:
+    two reads of the module's ``__dict__`` per reused call in the original pass, and the
+    probe's (a Python call per op) in calls of a function that stores floats."""
+    d, before = held
+    found = tuple((name, None if probe is None else probe.source(value))
+                  for name, value in d.items()
+                  if isinstance(value, torch.Tensor) and before.get(name) != id(value) and
+                  _is_float(value) and not value.requires_grad)
+    if found:
+        try:
+            _STORES.add(warned_key(fn))
+        except TypeError:  # a builtin takes no weak reference (and stores nothing)
+            pass
+    return found
+
+
+def _switches_grad_off(fn: Callable[..., Any], /) -> bool:
+    """fn's code, or a helper or method of the user's it calls, reads ``torch.no_grad``,
+    ``inference_mode`` or ``set_grad_enabled``: floats it stores may be statistics computed
+    with grad off inside it, which the probe cannot tell from gate weights (NOTE [floats a
+    reused fn stores on its module]); not warned of."""
+    return any(code_reading(fn, name) is not None
+               for name in ("no_grad", "inference_mode", "set_grad_enabled"))
+
+
+# Functions seen storing a float on their module, by warned_key: probed from then on (NOTE
+# [floats a reused fn stores on its module]; a fact about the code, not step state).
+_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def stores_floats(fn: Callable[..., Any], /) -> bool:
+    """Whether ``fn`` was seen storing a float on its module (NOTE [floats a reused fn stores
+    on its module])."""
+    try:
+        return warned_key(fn) in _STORES
+    except TypeError:
+        return False
+
+
+# Functions warned about by warn_stored_floats, by warned_key (a warning's dedupe, not step
+# state; weak: a class or code gone takes its entry with it).
+_WARNED_STORED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded,
+                       args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
+    """NOTE [floats a reused fn stores on its module], in the replay, where grad is on."""
+    key = warned_key(fn)
+    if key in _WARNED_STORED or _decorated_without_grad(fn) or _switches_grad_off(fn):
+        return
+    seen = next(((attribute, source) for attribute, source in recorded.stored
+                 if source is not None), None)
+    if seen is not None:
+        attributes, why = [seen[0]], seen[1]
+    elif recorded.probed:
+        return  # the probe saw them computed from nothing that requires grad: statistics
+    else:
+        call = flatten_call(args, kwargs)
+        given = next((j for j in call.tensor_index if call.leaves[j].requires_grad), None)
+        reach = grad_reach(fn, call) if given is None and _compiled(fn) else None
+        if given is None and reach is None:
+            return  # not probed: the function's first such call (its next one is)
+        attributes = [a for a, _ in recorded.stored]
+        if given is not None:
+            why = f"its {argument_path(call, given)} requires grad"
+        else:
+            assert reach is not None
+            why = f"{name} {reach_words(fn, reach)}"
+    try:
+        _WARNED_STORED.add(key)
+    except TypeError:  # a builtin takes no weak reference (and lives as long)
+        return
+    module = owning_module(fn)
+    where = ", ".join(f"{type(module).__name__}.{a}" for a in attributes)
+    warnings.warn(
+        f"pytree_ckpt: reuse_during_recompute({name}) stored the float tensor {where} on its "
+        f"module in the original pass ({why}): eager gives it a graph there. The replay "
+        "does not call the function, so code after the call reads the value the original "
+        "pass stored, computed under its no-grad: a gradient through it (gate weights the "
+        "layer multiplies by, an aux loss) is lost, silently. Tip: return it from the "
+        "function instead (its results are checked; compute the differentiable part after "
+        "the call, from the replayed ids); for a statistic computed without grad, decorate "
+        "the function with @torch.no_grad(), which also silences this (docs/replay.md, 'What "
+        "may be replayed')",
+        stacklevel=user_stacklevel())
 
 
 def argument_versions(args: tuple[Any, ...], kwargs: dict[str, Any], /
@@ -353,6 +485,8 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, recorded: AsRecorded, re
             _refuse_hidden(fn, name, flat, args, kwargs)
         if flat.tensor_index:
             _refuse_floats(fn, name, flat, args, kwargs, replay=True)
+        if recorded.stored:
+            warn_stored_floats(fn, name, recorded, args, kwargs)
         if recorded.graph is not None and not _decorated_without_grad(fn):
             # NOTE [the grad probe] (grad_probe.py)
             path, source = recorded.graph

@@ -50,7 +50,7 @@ from .function_reach import unwrap_partials
 from .grad_reach import grad_reach
 from .tree import FlatTree, flatten, hidden_tensor, leaf_paths
 
-__all__ = ["GradProbe", "probe_for"]
+__all__ = ["GradProbe", "compiled", "probe_for"]
 
 
 class GradProbe(TorchFunctionMode):
@@ -134,18 +134,21 @@ class GradProbe(TorchFunctionMode):
         return None
 
 
-def probe_for(fn: Callable[..., Any], call: FlatTree, /) -> GradProbe | None:
+def probe_for(fn: Callable[..., Any], call: FlatTree, /, *, stores: bool = False
+              ) -> GradProbe | None:
     """The probe to watch ``fn`` with in the original pass, or ``None``: where the static look
-    finds what gives its floats a graph (rule 3 refuses them in the replay), where a tensor
-    argument requires grad (rule 2 does), and for a compiled fn (dynamo would trace the mode)."""
+    finds what gives its floats a graph (rule 3 refuses them in the replay; but ``stores``: fn
+    stores floats on its module, NOTE [floats a reused fn stores on its module] in frozen.py),
+    where a tensor argument requires grad (rule 2 does), and for a compiled fn (dynamo would
+    trace the mode)."""
     if any(call.leaves[j].requires_grad for j in call.tensor_index):
         return None
-    if _compiled(fn):
+    if compiled(fn):
         return None
-    return GradProbe() if grad_reach(fn, call) is None else None
+    return GradProbe() if stores or grad_reach(fn, call) is None else None
 
 
-def _compiled(fn: Any, /) -> bool:
+def compiled(fn: Any, /) -> bool:
     """``fn`` is compiled (``torch.compile(f)``, a module after ``module.compile()``, a partial
     of either): dynamo would trace the mode (graph breaks; with fullgraph, an error: helper
     GD), so such a call is left to the static look."""

@@ -372,29 +372,31 @@ class _MoEReadingRouterProbs(nn.Module):
         return self.out(x) * self.router.probs.gather(-1, ids).sum(-1, keepdim=True)
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Aux losses and forward "
-                   "hooks: a float a reused call's fn stores on a module) (helper GE): "
-                   "a reused fn that hands the layer a float with a graph "
-                   "through its module's attribute (self.probs) is accepted silently: the replay "
-                   "skips fn, the layer reads the original pass's value without a graph, and "
-                   "the gate gets no gradient (eager: it gets one); neither refused nor warned")
-def test_a_reused_router_keeping_its_probs_on_itself_gives_eager_gate_grads_or_is_refused(
+def test_a_reused_router_keeping_its_probs_on_itself_is_warned_of_naming_the_attribute(
 ) -> None:
+    # Helper GE: the replay skips fn, the layer reads the original pass's probs, without a
+    # graph, and the gate gets no gradient (eager: it gets one), neither refused nor warned.
+    # Now warned, once, at the replay of the function's second call, the first one the grad
+    # probe watches (NOTE [floats a reused fn stores on its module]).
     torch.manual_seed(0)
     eager = _MoEReadingRouterProbs()
     ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     x = torch.randn(T, D)
-    eager(x).square().sum().backward()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            ours(x).square().sum().backward()
-        except pytree_ckpt.ReuseError:
-            return  # refused: acceptable
-    if caught:
-        return  # warned: acceptable
-    assert ours.router.gate.weight.grad is not None
-    assert torch.equal(ours.router.gate.weight.grad, eager.router.gate.weight.grad)
+    told = []
+    for model in (eager, ours, ours, ours):
+        model.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).square().sum().backward()
+        told.append([str(w.message) for w in caught])
+    assert told[0] == told[1] == told[3] == []  # eager says nothing; told once
+    assert told[2] == [told[2][0]] and told[2][0].startswith(
+        "pytree_ckpt: reuse_during_recompute(_RouterKeepingItsProbs.select) stored the float "
+        f"tensor _RouterKeepingItsProbs.probs on its module in the original pass (computed "
+        f"from a parameter of shape {(E, D)}): eager gives it a graph there.")
+    assert "Tip: return it from the function instead" in told[2][0]
+    assert eager.router.gate.weight.grad is not None
+    assert ours.router.gate.weight.grad is None  # what it warns of
 
 
 class _RouterStoringItsAuxLoss(nn.Module):
@@ -421,18 +423,92 @@ class _MoEWithReusedAuxRouter(nn.Module):
         return self.out(x) * self.router.gate(x).softmax(-1).gather(-1, ids)
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Aux losses and forward "
-                   "hooks: a float a reused call's fn stores on a module) (helper GE): "
-                   "docs/limits.md 'an aux loss stored on the module: "
-                   "warned' holds for a recomputed router, but not when the storing function is "
-                   "reused: the replay skips it, nothing is warned, and the aux loss silently has "
-                   "no gradient (eager's trains the gate)")
 def test_an_aux_loss_a_reused_router_stores_on_itself_is_warned_as_a_recomputed_ones() -> None:
     torch.manual_seed(0)
     layer = pytree_ckpt.apply_activation_checkpointing(_MoEWithReusedAuxRouter())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = layer(torch.randn(T, D))
-        (out.square().mean() + layer.router.aux_loss).backward()
+        for _ in range(2):  # told at the second, which the grad probe watches
+            out = layer(torch.randn(T, D))
+            (out.square().mean() + layer.router.aux_loss).backward()
     assert not layer.router.aux_loss.requires_grad  # no gradient, where eager has one
-    assert any("aux_loss" in str(w.message) for w in caught)  # got: no warning at all
+    # Helper GE: nothing was warned; now the replay warns, naming the attribute
+    assert [str(w.message).split(" on its module")[0] for w in caught] == [
+        "pytree_ckpt: reuse_during_recompute(_RouterStoringItsAuxLoss.select) stored the float "
+        "tensor _RouterStoringItsAuxLoss.aux_loss"]
+
+
+class _RouterKeepingAStatistic(nn.Module):
+    """A router whose reused selection keeps a float on itself that eager computes without
+    grad: ``how`` says how (from the ids; under its own no-grad; decorated; from an input that
+    requires grad, which has a graph in eager)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.gate, self.how = nn.Linear(D, E, bias=False), how
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self.gate(x).topk(2, dim=-1).indices
+        if self.how == "counts":
+            self.load = torch.bincount(ids.flatten(), minlength=E).float() / ids.numel()
+        else:
+            self.last = x.softmax(-1)  # x requires grad: a graph in eager
+        return ids
+
+    def select_with_block(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.last = self.gate(x).softmax(-1)
+        return self.last.topk(2, dim=-1).indices
+
+    @torch.no_grad()
+    def select_without_grad(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = self.gate(x).softmax(-1)
+        return self.last.topk(2, dim=-1).indices
+
+
+class _MoEWithAStatistic(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.router, self.out, self.how = _RouterKeepingAStatistic(how), nn.Linear(D, D), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        select = {"decorated": self.router.select_without_grad,
+                  "no_grad block": self.router.select_with_block}.get(self.how,
+                                                                       self.router.select)
+        ids = reuse_during_recompute(select, x if self.how == "input" else x.detach())
+        out = self.out(x) * self.router.gate(x).softmax(-1).gather(-1, ids).sum(-1, True)
+        return out * self.router.last.amax(-1, True) if self.how == "input" else out
+
+
+@pytest.mark.parametrize("how", ["counts", "no_grad block", "decorated", "input"])
+def test_a_float_a_reused_router_keeps_is_warned_of_only_where_eager_gives_it_a_graph(
+        how: str) -> None:
+    # NOTE [floats a reused fn stores on its module]: counts from the ids and a function
+    # decorated with @torch.no_grad() store floats eager computes without grad: not told,
+    # and gradients stay eager's; one stored under the function's own `with torch.no_grad():`
+    # is not told either (the probe cannot see that block: such functions are left alone);
+    # one computed from an input that requires grad is told at the first replay (rule 2's
+    # evidence needs no probe), and the input's gradient through it is what is lost.
+    torch.manual_seed(0)
+    eager = _MoEWithAStatistic(how)
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    told, grads = [], []
+    for model in (eager, ours):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):  # the second call of the router is the first one probed
+                x = torch.randn(T, D, generator=torch.Generator().manual_seed(1),
+                                requires_grad=True)
+                model(x).square().sum().backward()
+        told.append([str(w.message) for w in caught])
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert told[0] == []
+    if how == "input":
+        assert len(told[1]) == 1 and told[1][0].startswith(
+            "pytree_ckpt: reuse_during_recompute(_RouterKeepingAStatistic.select) stored the "
+            "float tensor _RouterKeepingAStatistic.last on its module in the original pass "
+            "(its argument args[0] requires grad)")
+        assert not torch.equal(grads[0][0], grads[1][0])  # what it warns of
+    else:
+        assert told[1] == []
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
