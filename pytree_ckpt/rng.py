@@ -6,6 +6,7 @@ mode (attention's fast path)."""
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
 from contextlib import ExitStack
@@ -71,6 +72,8 @@ _is_torch_function_enabled: Any = torch._C._is_torch_function_enabled
 _len_function_stack: Any = torch._C._len_torch_function_stack
 _function_stack: Any = torch.overrides._get_current_function_mode_stack
 _is_grad_enabled = torch.is_grad_enabled
+_get_default_dtype = torch.get_default_dtype
+_modules = sys.modules
 _set_grad_enabled: Any = torch._C._set_grad_enabled
 
 
@@ -97,8 +100,12 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 # then `loss.backward()` outside; `torch.backends.mkldnn.flags(enabled=False)`,
 # `torch.backends.cudnn.flags(...)`), are read with the autocast state and set again for the
 # replay where backward's differ: eager's backward uses what the forward's kernels saved, and
-# a replay on other kernels gave other gradients. Settings meant for a whole run (TF32, matmul
-# precision, torch.use_deterministic_algorithms) are not read (per call, each costs). The
+# a replay on other kernels gave other gradients. Also NNPACK's switch (convolutions) and the
+# math attention's fp16/bf16 reduction (`allow_fp16_bf16_reduction_math_sdp`), and, where the
+# opt_einsum package is installed, torch.backends.opt_einsum's `enabled` and `strategy` (the
+# order an einsum of three operands or more contracts in: helper GK, other fp32 gradients).
+# Settings meant for a whole run (TF32, matmul precision, torch.use_deterministic_algorithms,
+# flush-denormal, which has no getter) are not read (per call, each costs). The
 # switches are process-global, like the fast-path setting
 # (NOTE [passes in several threads]): replays that run at once on several GPUs' device
 # threads, each setting switches that differ from backward's, may see each other's.
@@ -113,7 +120,9 @@ _KERNEL_SWITCHES = (
     ("_get_mkldnn_deterministic", "_set_mkldnn_deterministic"),
     ("_get_cudnn_enabled", "_set_cudnn_enabled"),
     ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
-    ("_get_cudnn_benchmark", "_set_cudnn_benchmark"))
+    ("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
+    ("_get_nnpack_enabled", "_set_nnpack_enabled"),
+    ("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"))
 
 
 def _absent() -> None:
@@ -121,16 +130,48 @@ def _absent() -> None:
 
 
 (_flash, _efficient, _math, _cudnn_sdp, _overrideable, _priority, _mkldnn,
- _mkldnn_deterministic, _cudnn, _cudnn_deterministic, _cudnn_benchmark) = (
-    getattr(torch._C, get, _absent) for get, _ in _KERNEL_SWITCHES)
-_KERNEL_SETTERS = tuple(getattr(torch._C, put, None) for _, put in _KERNEL_SWITCHES)
+ _mkldnn_deterministic, _cudnn, _cudnn_deterministic, _cudnn_benchmark, _nnpack,
+ _math_reduction) = (getattr(torch._C, get, _absent) for get, _ in _KERNEL_SWITCHES)
+
+# torch.backends.opt_einsum: torch's einsum reads `enabled` and `strategy` as attributes of
+# the module object sys.modules holds (a wrapper), which finds one assigned on it
+# (`torch.backends.opt_einsum.strategy = "greedy"`: torch 2.13's wrapper class declares no
+# property, so the assignment lands there) before the global of the module it wraps, which
+# `flags()` sets. Read, and set for the replay, where each lives now, without a Python call
+# (the wrapper's fallback is one; its setters refuse a strategy while disabled, a state
+# `flags(enabled=False)` makes). Only where the opt_einsum package is installed: without it,
+# torch's einsum reads neither.
+_einsum_own: dict[str, Any] | None = None
+_einsum_globals: dict[str, Any] = {}
+if torch.backends.opt_einsum.is_available():
+    _einsum_own = torch.backends.opt_einsum.__dict__
+    _einsum_globals = torch.backends.opt_einsum._get_enabled.__globals__
+_EINSUM_FLAGS = ("enabled", "strategy")
+
+
+def _einsum() -> Any:
+    own = _einsum_own
+    if own is None:
+        return None
+    held = _einsum_globals
+    return tuple(own[name] if name in own else held[name] for name in _EINSUM_FLAGS)
+
+
+def _set_einsum(value: Any) -> None:
+    own = _einsum_own
+    assert own is not None
+    for name, flag in zip(_EINSUM_FLAGS, value):
+        (own if name in own else _einsum_globals)[name] = flag
+
+
+_KERNEL_SETTERS = (*(getattr(torch._C, put, None) for _, put in _KERNEL_SWITCHES), _set_einsum)
 
 
 def _kernel_state() -> tuple[Any, ...]:
     # Spelled out: read twice per layer call, and a loop over the getters costs twice as much.
     return (_flash(), _efficient(), _math(), _cudnn_sdp(), _overrideable(), _priority(),
             _mkldnn(), _mkldnn_deterministic(), _cudnn(), _cudnn_deterministic(),
-            _cudnn_benchmark())
+            _cudnn_benchmark(), _nnpack(), _math_reduction(), _einsum())
 
 
 def _set_kernel_state(state: tuple[Any, ...], now: tuple[Any, ...]) -> None:
@@ -153,7 +194,7 @@ class ReplayEnvironment:
     device captured at the start of an original pass."""
 
     __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function",
-                 "kernels", "generators", "device")
+                 "kernels", "generators", "device", "dtype", "stance")
 
     def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
                  autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool,
@@ -199,6 +240,16 @@ class ReplayEnvironment:
         # under another default device. Other TorchFunctionModes are not re-entered
         # (docs/limits.md, "Random numbers and modes around the call").
         self.device = _default_device() if _len_function_stack() else None
+        # Likewise torch's default dtype (torch.set_default_dtype around the forward only: a
+        # table the forward makes with torch.arange in float64) and dynamo's stance
+        # (torch.compiler.set_stance("force_eager") around the forward only: the replay
+        # compiled and ran a body the forward ran eagerly): helper GK, other gradients than
+        # eager's. Both are process-global, set for the replay where backward's differ and
+        # put back after it. The stance is read only once dynamo is imported (set_stance
+        # imports it).
+        self.dtype = _get_default_dtype()
+        frame = _modules.get("torch._dynamo.eval_frame")
+        self.stance = None if frame is None else frame._stance
 
     @classmethod
     def capture(cls, tensors: tuple[torch.Tensor, ...], /, *, preserve_rng: bool,
@@ -270,7 +321,7 @@ class Replaying:
     layer call in backward, and the stack's bookkeeping cost more than the work."""
 
     __slots__ = ("env", "saved_rng", "autocast", "grad", "torch_function", "kernels",
-                 "generators", "device")
+                 "generators", "device", "dtype", "stance")
 
     def __init__(self, env: ReplayEnvironment, /) -> None:
         self.env = env
@@ -281,6 +332,8 @@ class Replaying:
         self.grad: bool | None = None  # the caller's grad mode, once set
         self.torch_function: Any = None  # backward's torch-function state, where it differs
         self.device: Any = None  # the DeviceContext entered for the replay, if any
+        self.dtype: torch.dtype | None = None  # backward's default dtype, where it differs
+        self.stance: Any = None  # backward's dynamo stance, where it differs
 
     def __enter__(self) -> None:
         env = self.env
@@ -313,6 +366,18 @@ class Replaying:
         if kernels != env.kernels:  # NOTE [the replay picks the forward's kernels]
             self.kernels = kernels
             _set_kernel_state(env.kernels, kernels)
+        # NOTE [the replay sees the forward's default device], continued
+        dtype = _get_default_dtype()
+        if dtype != env.dtype:
+            self.dtype = dtype
+            torch.set_default_dtype(env.dtype)
+        if env.stance is not None:
+            frame = _modules["torch._dynamo.eval_frame"]
+            if frame._stance != env.stance:
+                try:
+                    self.stance = frame._set_stance(env.stance)
+                except RuntimeError:  # inside a compiled region (compiled autograd): as it is
+                    pass
         self.grad = _is_grad_enabled()
         _set_grad_enabled(True)
         # NOTE [the replay sees tensor subclasses as the forward did]
@@ -342,6 +407,12 @@ class Replaying:
             self.device = None
         if self.torch_function is not None:
             _set_torch_function_state(self.torch_function)
+        if self.stance is not None:
+            _modules["torch._dynamo.eval_frame"]._set_stance(self.stance)
+            self.stance = None
+        if self.dtype is not None:
+            torch.set_default_dtype(self.dtype)
+            self.dtype = None
         if self.grad is not None:
             _set_grad_enabled(self.grad)
         if self.kernels is not None:

@@ -1576,13 +1576,6 @@ def test_a_fullgraph_checkpointed_body_setting_a_buffer_registered_as_none_gives
         torch._dynamo.reset()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "helper GK: torch.compiler.set_stance('force_eager') entered around the forward only is "
-    "not the replay's: the forward ran the body eagerly, and the replay in backward, under "
-    "the default stance, compiles it and runs the compiled graph. With inductor the fp32 "
-    "gradients then differ from eager's silently (3.7e-9 seen, a small MLP body), where "
-    "torch's non-reentrant checkpoint refuses (another number of saved tensors). Not in "
-    "docs/limits.md"))
 def test_a_body_run_eagerly_under_force_eager_around_the_forward_is_not_compiled_in_its_replay(
         ) -> None:
     from torch._dynamo.testing import CompileCounterWithBackend

@@ -364,13 +364,6 @@ class RotaryScaled(nn.Module):
         return self.lin(x) * torch.cat([angles.sin(), angles.cos()], -1).to(x.dtype)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "helper GK: torch.set_default_dtype set around the forward only (a try/finally around "
-    "model(x)) is not the replay's: backward runs under the process default, so the angles the "
-    "forward made in float64 are made in float32 again, and fp32 gradients differ from eager's "
-    "silently (1.2e-7 here; a float16 default, 6e-5, which torch's non-reentrant checkpoint "
-    "refuses with a metadata CheckpointError). Not captured with the default device, nor "
-    "documented in docs/limits.md"))
 @pytest.mark.parametrize("call", [_ours, _discarded], ids=["boundary", "discard"])
 def test_the_replay_makes_tensors_in_the_default_dtype_the_forward_ran_under(call: Any) -> None:
     runs = []
@@ -414,12 +407,6 @@ def _strategy(name: str) -> Any:
     return strategy()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "helper GK: torch.backends.opt_einsum's switches (enabled, strategy), which choose an "
-    "einsum's contraction order, are not among the kernel switches the replay sets again: "
-    "set around the forward only, the replay contracts in backward's order and fp32 gradients "
-    "differ from eager's silently (4e-5 relative; torch's non-reentrant checkpoint refuses "
-    "with a metadata CheckpointError)"))
 @pytest.mark.parametrize("switch", [lambda: torch.backends.opt_einsum.flags(enabled=False),
                                     lambda: _strategy("greedy")], ids=["disabled", "greedy"])
 def test_an_einsum_contraction_order_set_around_the_forward_only_is_set_again_for_the_replay(
@@ -475,13 +462,6 @@ def _math_with_low_precision_reduction() -> Any:
     return switch()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "helper GK: two kernel switches are not among those the replay sets again: "
-    "torch.backends.nnpack.flags (with oneDNN off around the forward too, the advice for a "
-    "padded LSTM, the replay's convolutions run NNPACK: fp32 gradients off by 1.5e-4; torch's "
-    "non-reentrant checkpoint differs too) and torch.backends.cuda."
-    "allow_fp16_bf16_reduction_math_sdp (read by the CPU's math attention as well: bf16 "
-    "gradients off by 0.125, silently, where torch's non-reentrant checkpoint refuses)"))
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN:UserWarning")
 @pytest.mark.parametrize(("model", "switch", "shape", "dtype"), [
     (ConvStack, _no_onednn_nor_nnpack, (16, 8, 16, 16), torch.float32),
