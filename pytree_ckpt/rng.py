@@ -153,8 +153,9 @@ def _einsum() -> Any:
     own = _einsum_own
     if own is None:
         return None
-    held = _einsum_globals
-    return tuple(own[name] if name in own else held[name] for name in _EINSUM_FLAGS)
+    held = _einsum_globals  # spelled out: read twice per layer call (no generator)
+    return (own["enabled"] if "enabled" in own else held["enabled"],
+            own["strategy"] if "strategy" in own else held["strategy"])
 
 
 def _set_einsum(value: Any) -> None:
