@@ -234,9 +234,10 @@ def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded,
         "pass stored, computed under its no-grad: a gradient through it (gate weights the "
         "layer multiplies by, an aux loss) is lost, silently. Tip: return it from the "
         "function instead (its results are checked; compute the differentiable part after "
-        "the call, from the replayed ids); for a statistic computed without grad, decorate "
-        "the function with @torch.no_grad(), which also silences this (docs/replay.md, 'What "
-        "may be replayed')",
+        "the call, from the replayed ids); for a statistic or a log that needs no gradient, "
+        "store it detached (self.last = scores.detach()) or decorate the function with "
+        "@torch.no_grad(), either of which also silences this (docs/replay.md, 'What may be "
+        "replayed')",
         stacklevel=user_stacklevel())
 
 

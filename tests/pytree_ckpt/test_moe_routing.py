@@ -451,6 +451,8 @@ class _RouterKeepingAStatistic(nn.Module):
         ids = self.gate(x).topk(2, dim=-1).indices
         if self.how == "counts":
             self.load = torch.bincount(ids.flatten(), minlength=E).float() / ids.numel()
+        elif self.how == "detached":
+            self.last = self.gate(x).softmax(-1).detach()  # a log: as the warning's tip says
         else:
             self.last = x.softmax(-1)  # x requires grad: a graph in eager
         return ids
@@ -480,11 +482,12 @@ class _MoEWithAStatistic(nn.Module):
         return out * self.router.last.amax(-1, True) if self.how == "input" else out
 
 
-@pytest.mark.parametrize("how", ["counts", "no_grad block", "decorated", "input"])
+@pytest.mark.parametrize("how", ["counts", "detached", "no_grad block", "decorated", "input"])
 def test_a_float_a_reused_router_keeps_is_warned_of_only_where_eager_gives_it_a_graph(
         how: str) -> None:
-    # NOTE [floats a reused fn stores on its module]: counts from the ids and a function
-    # decorated with @torch.no_grad() store floats eager computes without grad: not told,
+    # NOTE [floats a reused fn stores on its module]: counts from the ids, a detached log and
+    # a function decorated with @torch.no_grad() store floats eager computes without grad:
+    # not told,
     # and gradients stay eager's; one stored under the function's own `with torch.no_grad():`
     # is not told either (the probe cannot see that block: such functions are left alone);
     # one computed from an input that requires grad is told at the first replay (rule 2's
