@@ -52,3 +52,15 @@ def test_layers_checkpointed_inside_one_fsdp1_unit_with_flat_params_train_as_the
         ranks: dict[str, list[Any]]) -> None:
     for result in ranks["whole-flat"]:
         _equal_to_twin(result)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "check_fn choosing the FSDP1-wrapped layers checkpoints the FSDP1 unit itself: flat params "
+    "fail in backward with torch's 'SplitWithSizesBackward0 returned an invalid gradient', "
+    "orig params with 'neither an input nor a parameter'; neither names FSDP or the fix "
+    "(choose the inner layers), as the FSDP2 refusal does"))
+@pytest.mark.parametrize("params", ["flat", "orig"])
+def test_checkpointing_an_fsdp1_unit_itself_trains_as_the_twin_or_is_refused_naming_fsdp(
+        ranks: dict[str, list[Any]], params: str) -> None:
+    for result in ranks[f"unit-{params}"]:
+        _equal_to_twin_or_refused_naming_fsdp(result)
