@@ -64,3 +64,15 @@ def test_checkpointing_an_fsdp1_unit_itself_trains_as_the_twin_or_is_refused_nam
         ranks: dict[str, list[Any]], params: str) -> None:
     for result in ranks[f"unit-{params}"]:
         _equal_to_twin_or_refused_naming_fsdp(result)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a checkpointed module whose children are FSDP1 units: flat params fail in backward with "
+    "torch's 'SplitWithSizesBackward0 returned an invalid gradient', orig params with 'neither "
+    "an input nor a parameter'; the FSDP2 layout is refused naming the units and the fix, and "
+    "torch's non-reentrant checkpoint_wrapper gives the twin's numbers"))
+@pytest.mark.parametrize("params", ["flat", "orig"])
+def test_a_checkpointed_module_holding_fsdp1_units_trains_as_the_twin_or_is_refused_naming_them(
+        ranks: dict[str, list[Any]], params: str) -> None:
+    for result in ranks[f"inside-{params}"]:
+        _equal_to_twin_or_refused_naming_fsdp(result)
