@@ -100,6 +100,7 @@ from .boundary_function import apply_function
 from .errors import CheckpointError
 from .hook_outputs import held_tensors, hooked_modules
 from .hook_tables import HookTables, backward_or_global_hooks, registered
+from .fsdp_units import refuse_fsdp1_units
 from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches,
                            collect_parameters, ever_verified, graph_attributes, is_verified,
                            module_dicts, owning_module, warn_forward_hooks)
@@ -213,6 +214,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # each use needs its gradient (the argument's comes through its input slot).
         params = collect_parameters(trees, set(), frozen=before)
         frozen = list(before)
+        if not ever_verified(owner):
+            refuse_fsdp1_units(owner)  # NOTE [FSDP1 around a boundary] (fsdp_units.py)
         if not ever_verified(owner) and any_lazy(trees):
             # A lazy module (nn.LazyLinear) gives its parameters (and buffers) their shape in
             # its first call: taken as inputs before it, they would get gradients of the wrong

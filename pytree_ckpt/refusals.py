@@ -23,6 +23,7 @@ from torch import nn
 
 from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
+from .fsdp_units import refuse_fsdp_units_inside, refuse_flat_parameter
 from .function_reach import cell_contents, globals_of
 from .module_state import (foreign_leaves, graph_reaches, mark_verified, owning_module,
                            warn_forward_hooks)
@@ -298,8 +299,9 @@ def verify_leaves(call: BoundaryCall, outs: list[torch.Tensor], wrt: list[torch.
     # So do those of a module passed as an argument, when fn calls it.
     passed = [leaf for leaf in call.in_leaves if isinstance(leaf, nn.Module)]
     if foreign:
-        _refuse_fsdp_units_inside(call.owner, own=call.fn is call.owner)
+        refuse_fsdp_units_inside(call.owner, own=call.fn is call.owner)
         for leaf in foreign:
+            refuse_flat_parameter(leaf, call.owner)  # NOTE [FSDP1 around a boundary]
             refuse_module_tensor(leaf, [call.owner, *passed])
     warn_forward_hooks(call.owner, passed, own=call.fn is call.owner)
     if not foreign:
@@ -444,39 +446,6 @@ def refuse_module_tensor(foreign: torch.Tensor, modules: Sequence[nn.Module], /)
                     got=f"{prefix}{path}, new in the forward",
                     tip="create it in __init__, or run one call without checkpointing first "
                         "(as a lazy module's first call runs)")
-
-
-def _refuse_fsdp_units_inside(owner: nn.Module, *, own: bool) -> None:
-    """NOTE [FSDP units inside a boundary]: a submodule that is an FSDP2 unit of its own swaps
-    its parameters in its hooks, which run *inside* the boundary: the boundary collects its
-    sharded parameters (DTensors, which the replay never uses) and the replay all-gathers
-    unsharded ones that ``torch.autograd.grad`` would leave without gradient. Found as a
-    foreign leaf at the first replay; said here in FSDP's terms, with the two ways out.
-    ``own``: the owner's own hooks run inside too (``checkpoint(unit, x)``)."""
-    fsdp = getattr(torch.distributed, "fsdp", None) if torch.distributed.is_available() else None
-    unit_type = getattr(fsdp, "FSDPModule", None)
-    if unit_type is None:
-        return
-    name = type(owner).__name__
-    if own and isinstance(owner, unit_type):
-        raise CheckpointConfigError(
-            f"checkpoint() was given the FSDP unit {name} itself: its hooks all-gather its "
-            "parameters inside the boundary, so the replay's gradients for them would be lost",
-            expected="the unit's hooks outside the boundary",
-            got=f"pytree_ckpt.checkpoint({name}, ...) on a fully_shard()ed module",
-            tip=f"apply_activation_checkpointing on the {name} before fully_shard() (its hooks "
-                "then run around the boundary), and call the module itself")
-    units = [path for path, sub in owner.named_modules()
-             if sub is not owner and isinstance(sub, unit_type)]
-    if not units:
-        return
-    raise CheckpointConfigError(
-        f"the checkpointed {name} contains separate FSDP units {units}: their hooks all-gather "
-        "their parameters inside the boundary, so the replay's gradients for them would be lost",
-        expected=f"no fully_shard()ed submodule inside the checkpointed {name}",
-        got=f"fully_shard() applied to {', '.join(repr(u) for u in units)}",
-        tip=f"checkpoint each unit instead (apply_activation_checkpointing on {units[0]!r}, "
-            f"...), or make {name} itself the FSDP unit (fully_shard it, not its children)")
 
 
 def require_module(module: Any, where: str, tip: str, /) -> None:

@@ -5,9 +5,11 @@ ranks, each case against the same FSDP1 model without checkpointing (its twin).
 
 A case is ``<layout>-<params>``: params ``flat`` (``use_orig_params=False``) or ``orig``
 (``True``); layout ``whole`` (one FSDP1 unit, the model; its layers checkpointed before
-wrapping), ``unit`` (every layer an FSDP1 unit, then the FSDP-wrapped layers chosen with
-``check_fn``, as torch's recipe applies its wrapper after wrapping) or ``inside`` (a stack of
-two layers checkpointed, each layer an FSDP1 unit inside it). Each rank writes
+wrapping), ``layer`` (every layer an FSDP1 unit, then the inner layers chosen with
+``check_fn``, as torch's recipe applies its wrapper after wrapping), ``before`` (every layer
+checkpointed, then wrapped as a unit each), ``unit`` (every layer an FSDP1 unit, then the
+FSDP-wrapped layers chosen with ``check_fn``) or ``inside`` (a stack of two layers
+checkpointed, each layer an FSDP1 unit inside it). Each rank writes
 ``OUT/<case>.rank<r>.pt``: the twin's and the checkpointed model's losses and local gradients
 over two SGD steps (``error``: the checkpointed run's exception, type and message).
 """
@@ -28,7 +30,8 @@ import pytree_ckpt
 from tests.distributed.rank_cases import run_cases
 
 WORLD = 2
-CASES = ["whole-flat", "unit-flat", "unit-orig", "inside-flat", "inside-orig"]
+CASES = ["whole-flat", "whole-orig", "layer-flat", "layer-orig", "before-flat", "before-orig",
+         "unit-flat", "unit-orig", "inside-flat", "inside-orig"]
 
 
 class Layer(nn.Module):
@@ -53,7 +56,7 @@ class Stack(nn.Module):
 def _build(layout: str, params: str, checkpointed: bool) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), Stack(), nn.Linear(8, 1))
-    if checkpointed and layout == "whole":
+    if checkpointed and layout in ("whole", "before"):
         pytree_ckpt.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
     if checkpointed and layout == "inside":
         pytree_ckpt.apply_activation_checkpointing(model[1])
@@ -62,6 +65,8 @@ def _build(layout: str, params: str, checkpointed: bool) -> nn.Module:
     if checkpointed and layout == "unit":
         pytree_ckpt.apply_activation_checkpointing(
             model, check_fn=lambda m: isinstance(m, FSDP) and isinstance(m.module, Layer))
+    if checkpointed and layout == "layer":
+        pytree_ckpt.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
     return model
 
 
