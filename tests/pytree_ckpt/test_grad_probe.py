@@ -1015,3 +1015,44 @@ def test_an_opaque_kernel_function_given_a_weakref_gate_is_refused_as_in_eager()
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match="computed from a parameter"):
         out.sum().backward()
+
+
+# Helper GI's mutation round (the grad probe, and the refusal of a reused call's results): each
+# test below kills a hand-made mutant the tests above let live; its comment names the mutant.
+
+
+def _refused_as_in_eager(route: Any, *, path: str = "result") -> None:
+    """A layer scaling its input by ``route``'s results, reused: eager refuses the call (a float
+    result carries the gate's graph), and so does the checkpointed replay, by the probe's mark,
+    naming ``path``."""
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        out = reuse_during_recompute(route, x.detach())
+        return x.sum() * sum(t.float().sum() for t in (out if isinstance(out, tuple) else (out,)))
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="which requires grad"):
+        layer(x)  # eager: the result carries the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=PROBED) as caught:
+        out.sum().backward()
+    assert f"returned {path} (" in str(caught.value)
+
+
+def _weak_gate() -> tuple[nn.Module, Any]:
+    gate = nn.Linear(8, 4)
+    return gate, types.SimpleNamespace(ref=weakref.ref(gate))
+
+
+@pytest.mark.parametrize("op", ["add_other", "linear_weight"])
+def test_an_op_given_a_weakref_gates_tensor_as_a_keyword_is_refused_as_in_eager(op: str) -> None:
+    # mutants: the probe following only positional arguments (kwargs dropped from _tensors'
+    # look at an op's arguments) let the gate's output through, silently
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        if op == "add_other":
+            return torch.add(x[:, :4], other=holder.ref()(x))
+        return nn.functional.linear(x, weight=holder.ref().weight)
+
+    _refused_as_in_eager(route)
