@@ -1056,3 +1056,25 @@ def test_an_op_given_a_weakref_gates_tensor_as_a_keyword_is_refused_as_in_eager(
         return nn.functional.linear(x, weight=holder.ref().weight)
 
     _refused_as_in_eager(route)
+
+
+def test_a_buffer_written_through_a_view_by_out_from_a_weakref_gate_is_refused_in_the_replay(
+) -> None:
+    # mutant: out= not counted as written (its view's base unmarked): the replay handed the
+    # table back, where eager raises
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        table = torch.zeros(2, 3, 4)
+        torch.add(x[:, :4], holder.ref()(x), out=table[0])  # type: ignore[misc]
+        return table.sum(0)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="out="):
+        layer(x)  # eager: out= refuses an input that requires grad
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=PROBED):
+        out.sum().backward()
