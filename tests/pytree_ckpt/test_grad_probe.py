@@ -1078,3 +1078,28 @@ def test_a_buffer_written_through_a_view_by_out_from_a_weakref_gate_is_refused_i
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match=PROBED):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["its_abs", "returned"])
+def test_a_complex_tensor_from_a_weakref_gate_is_refused_as_in_eager(kind: str) -> None:
+    # mutant: only real floats marked (is_complex dropped where outputs are marked)
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> Any:
+        scores = holder.ref()(x).reshape(3, 2, 2).contiguous()  # type: ignore[misc]
+        made = torch.view_as_complex(scores)
+        return made.abs() if kind == "its_abs" else (made,)
+
+    if kind == "its_abs":
+        _refused_as_in_eager(route)
+        return
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x.sum() * reuse_during_recompute(route, x.detach())[0].abs().sum()
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="which requires grad"):
+        layer(x)  # eager
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=r"result\[0\] \(computed from a parameter"):
+        out.sum().backward()
