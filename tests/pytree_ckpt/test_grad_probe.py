@@ -1103,3 +1103,19 @@ def test_a_complex_tensor_from_a_weakref_gate_is_refused_as_in_eager(kind: str) 
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match=r"result\[0\] \(computed from a parameter"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("op", ["aminmax", "std_mean"])
+def test_the_second_output_of_a_multi_output_op_of_a_weakref_gate_is_refused_as_in_eager(
+        op: str) -> None:
+    # mutant: a multi-output op marking its first output only (aminmax's max, std_mean's mean
+    # passed, silently)
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        scores = holder.ref()(x)  # type: ignore[misc]
+        if op == "aminmax":
+            return torch.aminmax(scores, dim=-1).max
+        return torch.std_mean(scores, dim=-1)[1]
+
+    _refused_as_in_eager(route)
