@@ -1119,3 +1119,22 @@ def test_the_second_output_of_a_multi_output_op_of_a_weakref_gate_is_refused_as_
         return torch.std_mean(scores, dim=-1)[1]
 
     _refused_as_in_eager(route)
+
+
+def test_the_probes_refusal_names_the_leaf_it_marked_after_an_argument_returned_as_it_is(
+) -> None:
+    # mutants: the refusal naming the result's first leaf (leaf_paths(...)[0]), and the probe's
+    # finding dropped where the result holds one of the call's tensor arguments as it is
+    # (AsRecorded(arguments, None)): both let the gate's weights through or misnamed them
+    gate, holder = _weak_gate()
+
+    def route(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h, holder.ref()(h).softmax(-1)  # type: ignore[misc]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h, weights = reuse_during_recompute(route, x.detach())
+        return h[:, :4] * weights
+
+    out = checkpoint(layer, torch.randn(3, 8, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"returned result\[1\] \(computed from a parameter"):
+        out.sum().backward()
