@@ -1138,3 +1138,14 @@ def test_the_probes_refusal_names_the_leaf_it_marked_after_an_argument_returned_
     out = checkpoint(layer, torch.randn(3, 8, requires_grad=True))
     with pytest.raises(ReuseError, match=r"returned result\[1\] \(computed from a parameter"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("op", ["cat", "stack"])
+def test_an_op_given_a_weakref_gates_output_in_a_list_is_refused_as_in_eager(op: str) -> None:
+    # mutant: _tensors not looking one list down (torch.cat([x, scores]) left unmarked)
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        return getattr(torch, op)([x[:, :4], holder.ref()(x)])  # type: ignore[misc]
+
+    _refused_as_in_eager(route)
