@@ -1149,3 +1149,29 @@ def test_an_op_given_a_weakref_gates_output_in_a_list_is_refused_as_in_eager(op:
         return getattr(torch, op)([x[:, :4], holder.ref()(x)])  # type: ignore[misc]
 
     _refused_as_in_eager(route)
+
+
+@pytest.mark.parametrize("op", [
+    "detach",
+])
+def test_floats_eager_gives_no_graph_from_a_weakref_gates_output_are_replayed(op: str) -> None:
+    # mutants: one name dropped from _NO_GRAPH, _PER_INPUT or _SPECIAL (each param names its
+    # own): the replay refused what eager accepts
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        scores = holder.ref()(x)  # type: ignore[misc]
+        if op == "detach":
+            return scores.detach()
+        if op == "zeros_like":
+            return torch.zeros_like(scores) + x[:, :4]
+        if op == "new_zeros":
+            return scores.new_zeros(3, 4) + x[:, :4]
+        if op == "data":
+            return scores.data
+        if op == "airy_ai":
+            return torch.special.airy_ai(scores.clamp(-3, 3))
+        mine, _ = getattr(torch, op)(x[:, :4], scores)
+        return mine.reshape(3, 4)
+
+    _replayed_as_in_eager(route, gate, per_torch=op == "airy_ai")
