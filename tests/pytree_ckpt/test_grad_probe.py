@@ -1157,6 +1157,7 @@ def test_an_op_given_a_weakref_gates_output_in_a_list_is_refused_as_in_eager(op:
     "new_zeros",
     "data",
     "atleast_1d",
+    "airy_ai",
 ])
 def test_floats_eager_gives_no_graph_from_a_weakref_gates_output_are_replayed(op: str) -> None:
     # mutants: one name dropped from _NO_GRAPH, _PER_INPUT or _SPECIAL (each param names its
