@@ -1180,3 +1180,19 @@ def test_floats_eager_gives_no_graph_from_a_weakref_gates_output_are_replayed(op
         return mine.reshape(3, 4)
 
     _replayed_as_in_eager(route, gate, per_torch=op == "airy_ai")
+
+
+def test_a_probed_float_in_a_plain_object_returned_alone_is_refused_in_the_replay() -> None:
+    # mutant: the probe's finding dropped where the result has no tensor leaf in the open
+    # (AsRecorded((), None) at as_recorded's first return)
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> Any:
+        return types.SimpleNamespace(w=holder.ref()(x).softmax(-1))  # type: ignore[misc]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach()).w
+
+    out = checkpoint(layer, torch.randn(3, 8, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"result\.w \(computed from a parameter"):
+        out.sum().backward()  # got: no refusal, the gate's weights replayed without graph
