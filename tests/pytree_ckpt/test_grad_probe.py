@@ -1196,3 +1196,19 @@ def test_a_probed_float_in_a_plain_object_returned_alone_is_refused_in_the_repla
     out = checkpoint(layer, torch.randn(3, 8, requires_grad=True))
     with pytest.raises(ReuseError, match=r"result\.w \(computed from a parameter"):
         out.sum().backward()  # got: no refusal, the gate's weights replayed without graph
+
+
+def test_the_probes_refusal_tells_to_detach_what_fn_reads_under_its_own_no_grad() -> None:
+    # mutant: _PROBE_TIP dropped from the refusal's tip (the other tips also name
+    # @torch.no_grad(), so the tests above matched without it)
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        return holder.ref()(x).softmax(-1)  # type: ignore[misc]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    out = checkpoint(layer, torch.randn(3, 8, requires_grad=True))
+    with pytest.raises(ReuseError, match=r"detach what it reads there \(scores\.detach\(\)\)"):
+        out.sum().backward()
