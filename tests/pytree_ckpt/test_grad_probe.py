@@ -1212,3 +1212,17 @@ def test_the_probes_refusal_tells_to_detach_what_fn_reads_under_its_own_no_grad(
     out = checkpoint(layer, torch.randn(3, 8, requires_grad=True))
     with pytest.raises(ReuseError, match=r"detach what it reads there \(scores\.detach\(\)\)"):
         out.sum().backward()
+
+
+def test_a_weakref_gates_float_under_fns_own_no_grad_made_frozen_by_requires_grad_is_replayed(
+) -> None:
+    # mutant: requires_grad_ not unmarking (the probe cannot see fn's own no_grad block, but
+    # requires_grad_(False) tells it, as eager: no graph)
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scores = holder.ref()(x).softmax(-1)  # type: ignore[misc]
+        return scores.requires_grad_(False)
+
+    _replayed_as_in_eager(route, gate)
