@@ -1226,3 +1226,33 @@ def test_a_weakref_gates_float_under_fns_own_no_grad_made_frozen_by_requires_gra
         return scores.requires_grad_(False)
 
     _replayed_as_in_eager(route, gate)
+
+
+def test_a_function_whose_trainable_gate_the_look_finds_is_not_probed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # mutant: probe_for probing whatever the static look finds (NOTE [the grad probe]: "none
+    # where the look finds a trainable module"): same refusals, a Python call per op
+    from pytree_ckpt.grad_probe import GradProbe
+
+    watched: list[Any] = []
+    original = GradProbe.__torch_function__
+
+    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        watched.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(GradProbe, "__torch_function__", counting)
+    gate = nn.Linear(8, 4)
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        return gate(x).topk(2, dim=-1).indices  # a closure: the look finds the gate
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, reuse_during_recompute(route, x.detach()))
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert watched == []
