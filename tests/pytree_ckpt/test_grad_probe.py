@@ -1256,3 +1256,31 @@ def test_a_function_whose_trainable_gate_the_look_finds_is_not_probed(
     checkpoint(layer, x).sum().backward()
     assert torch.equal(x.grad, expected)
     assert watched == []
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
+    "helper GI: requires_grad_(False) and .numpy() of a weakref gate's output raise in eager "
+    "(a non-leaf's flag; numpy of a tensor that requires grad), but the original pass runs "
+    "under no-grad, where neither raises, requires_grad_ unmarks the probe's mark and numpy "
+    "leaves the mode's sight: the checkpointed call runs and the gate silently gets no "
+    "gradient there, where an eager layer of the same model raises"))
+@pytest.mark.parametrize("op", ["requires_grad_false", "numpy"])
+def test_a_weakref_gates_output_that_eager_refuses_to_freeze_is_refused_under_checkpointing(
+        op: str) -> None:
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        scores = holder.ref()(x).softmax(-1)  # type: ignore[misc]
+        if op == "numpy":
+            return torch.from_numpy(scores.numpy())
+        return scores.requires_grad_(False)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(route, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="requires grad|leaf variables"):
+        layer(x)  # eager
+    out = checkpoint(layer, x)
+    with pytest.raises((ReuseError, RuntimeError)):
+        out.sum().backward()  # got: no refusal, gate.weight.grad stays None
