@@ -1284,3 +1284,20 @@ def test_a_weakref_gates_output_that_eager_refuses_to_freeze_is_refused_under_ch
     out = checkpoint(layer, x)
     with pytest.raises((ReuseError, RuntimeError)):
         out.sum().backward()  # got: no refusal, gate.weight.grad stays None
+
+
+def test_a_view_written_from_a_weakref_gate_keeps_its_graph_when_its_base_is_detached_in_place(
+) -> None:
+    # mutant: what an op writes in place (first[:] = ..., which returns nothing) recorded only
+    # by its base, not marked itself: detach_ of the base then unmarked the view, which eager
+    # keeps with its own graph
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        table = torch.zeros(2, 3, 4)
+        first = table[0]
+        first[:] = holder.ref()(x)  # type: ignore[misc]
+        table.detach_()
+        return first
+
+    _refused_as_in_eager(route)
