@@ -1301,3 +1301,53 @@ def test_a_view_written_from_a_weakref_gate_keeps_its_graph_when_its_base_is_det
         return first
 
     _refused_as_in_eager(route)
+
+
+@pytest.mark.parametrize("kind", ["module_compile", "compiled_module", "compiled_function",
+                                  "partial_of_a_compiled_function"])
+def test_a_compiled_router_is_not_probed(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # mutants: _compiled not seeing module.compile() (_compiled_call_impl), torch.compile(fn)
+    # (_torchdynamo_orig_callable) or a partial of one (only fn itself looked at), or dropped:
+    # the is_compiling() skip keeps the marks out of dynamo's trace (gradients and graph counts
+    # as with the check), but the probe's mode still ran per op of the compiled call
+    import functools
+
+    from pytree_ckpt.grad_probe import GradProbe
+
+    watched: list[Any] = []
+    original = GradProbe.__torch_function__
+
+    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        watched.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(GradProbe, "__torch_function__", counting)
+    torch._dynamo.reset()
+    router = _FrozenTableRouter()
+
+    def ids_of(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return table[(x[:, :4] @ table).argmax(-1)]
+
+    fn: Any
+    if kind == "module_compile":
+        router.compile(backend="eager")
+        fn = router
+    elif kind == "compiled_module":
+        fn = torch.compile(router, backend="eager")
+    else:
+        fn = torch.compile(ids_of, backend="eager")
+        if kind.startswith("partial"):
+            fn = functools.partial(fn, table=router.table)
+    table = (router.table,) if kind == "compiled_function" else ()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return (x[:, :4] * reuse_during_recompute(fn, x.detach(), *table)).sum(-1)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    expected, x.grad = x.grad, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert watched == []
