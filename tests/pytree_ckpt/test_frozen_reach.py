@@ -496,3 +496,31 @@ def test_logits_passed_inside_a_plain_object_argument_are_refused_as_in_eager(wr
         layer(x)  # eager: the weights carry the gate's graph
     with pytest.raises(ReuseError):
         checkpoint(layer, x).sum().backward()  # got: no error, gate.weight.grad is None
+
+
+class _NamespaceRouter(nn.Module):
+    """A trainable gate whose weights come back inside a plain object (not a PyTree node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return types.SimpleNamespace(weights=self.gate(x).softmax(-1))
+
+
+def test_a_trainable_routers_weights_in_a_plain_object_are_refused_as_in_eager() -> None:
+    # mutant: _refuse_hidden not asking grad_reach (only arguments that require grad): the
+    # static look finds the gate, so nothing is probed, and the weights were replayed
+    # without graph, silently (eager gave the gate a gradient)
+    router = _NamespaceRouter()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(router, x.detach()).weights
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match=r"SimpleNamespace holding a float tensor at result\."):
+        layer(x)  # eager
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=r"SimpleNamespace holding a float tensor at result\."):
+        out.sum().backward()
