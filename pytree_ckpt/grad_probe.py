@@ -176,9 +176,13 @@ def _tensors(value: Any, kwargs: Any, /) -> Iterator[torch.Tensor]:
 
 
 def _in_place(name: str, /) -> bool:
-    """An op named as one changing its first argument in place: ``add_``, ``__iadd__``; not
+    """An op named as one changing its first argument in place: ``add_``, ``__ior__``; not
     ``__eq__`` or ``__mul__``, which also end with an underscore (helper GE: ``noise ==
-    scores`` marked ``noise``)."""
+    scores`` marked ``noise``). On torch 2.13 an augmented assignment of floats reaches the
+    mode as the in-place op (``x += y`` as ``add_``, ``x *= y`` as ``mul_``); only the bitwise
+    ones (``__iand__``, ``__ior__``, ...) come under their dunder names, on integer or bool
+    tensors, which are never marked (helper GI). The dunder names are looked at all the same,
+    for a torch that sends the others so."""
     if name.startswith("__"):
         return name.startswith("__i") and name[3:-2] in _AUGMENTED
     return name.endswith("_")

@@ -1259,6 +1259,9 @@ def test_a_function_whose_trainable_gate_the_look_finds_is_not_probed(
 
 
 @pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
+    "documented limit (docs/replay.md, 'What may be replayed': numpy() or requires_grad_(False) "
+    "where eager raises; marking them would refuse the same calls under fn's own no_grad, "
+    "test_a_weakref_gates_float_under_fns_own_no_grad_made_frozen_by_requires_grad_is_replayed) "
     "helper GI: requires_grad_(False) and .numpy() of a weakref gate's output raise in eager "
     "(a non-leaf's flag; numpy of a tensor that requires grad), but the original pass runs "
     "under no-grad, where neither raises, requires_grad_ unmarks the probe's mark and numpy "
