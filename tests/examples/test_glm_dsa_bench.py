@@ -350,3 +350,22 @@ def test_a_run_stopped_during_timing_leaves_what_the_earlier_phases_and_rounds_m
         assert row["census"] == {"total_bytes": 7} and row["flops"]["total"] == 5
         assert row["step_times_ms"] == [20.0]  # the first timed round, the warm-up not
     assert steps == [1, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.xfail(strict=True, reason="helper GL: ./dev demo's hint without matplotlib says "
+                   "`pip install -e .[plot]`: the bare pip is not .venv's (the one ./dev demo "
+                   "runs), and unquoted .[plot] is a glob (zsh: no matches found); the README says "
+                   "`.venv/bin/pip install -e \".[plot]\"` (or sys.executable -m pip, quoted)")
+def test_the_demos_plot_hint_is_the_readmes_command(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Any) -> None:
+    import sys
+
+    from examples.glm_dsa import bench_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert bench_report.write_plot({"configs": {}}, tmp_path / "plot.png") is None
+    out = capsys.readouterr().out
+    # quoted, and a pip of the interpreter that runs the demo (README's, or sys.executable's)
+    assert any(hint in out for hint in ('.venv/bin/pip install -e ".[plot]"',
+                                        f'{sys.executable} -m pip install -e ".[plot]"')), out
