@@ -515,3 +515,56 @@ def test_a_float_a_reused_router_keeps_is_warned_of_only_where_eager_gives_it_a_
     else:
         assert told[1] == []
         assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _BiasRouterKeepingItsLoad(nn.Module):
+    """DeepSeek-V3's aux-loss-free router: sigmoid scores, a selection bias (a buffer), and the
+    per-expert load kept on itself for the bias update (counts from the ids: no graph in
+    eager)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+        self.register_buffer("bias", torch.zeros(E))
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (self.gate(x).sigmoid() + self.bias).topk(2, dim=-1).indices
+        self.load = torch.bincount(ids.flatten(), minlength=E).float() / ids.numel()
+        return ids
+
+
+class _BiasRoutedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.router, self.out = nn.LayerNorm(D), _BiasRouterKeepingItsLoad(), \
+            nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)  # the router's input: no grad in the original pass, a graph in replay
+        ids = reuse_during_recompute(self.router.select, h)
+        return x + self.out(h) * self.router.gate(h).sigmoid().gather(-1, ids).sum(-1, True)
+
+
+@pytest.mark.xfail(strict=True, reason="helper GN: the first call of a reused router is not "
+                   "probed, and its replay warns of any float it stored because the replay's "
+                   "argument requires grad, a load statistic from the ids included (eager "
+                   "gives it no graph); later calls are probed and silent, but the warning "
+                   "has already fired")
+def test_a_reused_bias_router_keeping_its_load_statistic_is_not_warned_of() -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[_BiasRoutedLayer() for _ in range(3)])
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    told, grads = [], []
+    for model in (eager, ours):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                x = torch.randn(T, D, generator=torch.Generator().manual_seed(step),
+                                requires_grad=True)
+                model(x).square().sum().backward()
+        told.append([str(w.message) for w in caught])
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))  # the load has no graph: exact
+    assert told == [[], []]
