@@ -9,7 +9,8 @@ wrapping), ``layer`` (every layer an FSDP1 unit, then the inner layers chosen wi
 ``check_fn``, as torch's recipe applies its wrapper after wrapping), ``before`` (every layer
 checkpointed, then wrapped as a unit each), ``unit`` (every layer an FSDP1 unit, then the
 FSDP-wrapped layers chosen with ``check_fn``) or ``inside`` (a stack of two layers
-checkpointed, each layer an FSDP1 unit inside it). Each rank writes
+checkpointed, each layer an FSDP1 unit inside it) or ``method`` (a module holding the layers, each
+an FSDP1 unit, checkpoints a method of its own that calls only its head). Each rank writes
 ``OUT/<case>.rank<r>.pt``: the twin's and the checkpointed model's losses and local gradients
 over two SGD steps (``error``: the checkpointed run's exception, type and message).
 """
@@ -31,7 +32,7 @@ from tests.distributed.rank_cases import run_cases
 
 WORLD = 2
 CASES = ["whole-flat", "whole-orig", "layer-flat", "layer-orig", "before-flat", "before-orig",
-         "unit-flat", "unit-orig", "inside-flat", "inside-orig"]
+         "unit-flat", "unit-orig", "inside-flat", "inside-orig", "method-flat", "method-orig"]
 
 
 class Layer(nn.Module):
@@ -53,9 +54,26 @@ class Stack(nn.Module):
         return self.second(self.first(x))
 
 
+class Headed(nn.Module):
+    """Holds the stack (its layers FSDP1 units) and a head; checkpoints only its own method
+    calling the head (a chunked loss, say), which calls no unit."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.body, self.head, self.checkpointed = Stack(), nn.Linear(8, 1), checkpointed
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return pytree_ckpt.checkpoint(self.project, h) if self.checkpointed else self.project(h)
+
+
 def _build(layout: str, params: str, checkpointed: bool) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), Stack(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(4, 8), Headed(checkpointed)) if layout == "method" else \
+        nn.Sequential(nn.Linear(4, 8), Stack(), nn.Linear(8, 1))
     if checkpointed and layout in ("whole", "before"):
         pytree_ckpt.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
     if checkpointed and layout == "inside":
