@@ -96,3 +96,14 @@ def test_a_checkpointed_method_calling_no_fsdp1_unit_of_its_module_trains_as_the
     for result in ranks["method-orig"]:
         _equal_to_twin(result)
 
+
+@pytest.mark.xfail(strict=True, reason="helper GN: with flat parameters the head's weight is a "
+                   "view of the root unit's flat parameter, which is what cannot be served; the "
+                   "refusal instead blames units that are never called inside the boundary and "
+                   "tips to make the module the unit, which does not help; use_orig_params=True "
+                   "(what refuse_flat_parameter names) is the way out")
+def test_a_checkpointed_method_reading_a_flat_parameter_is_refused_naming_use_orig_params(
+        ranks: dict[str, list[Any]]) -> None:
+    for result in ranks["method-flat"]:
+        _refused(result, "the checkpointed ")
+        assert "use_orig_params=True" in result["error"][1]
