@@ -12,6 +12,7 @@ unless autograd also saves it): that offload saved nothing.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,18 +26,27 @@ __all__ = ["InFlight"]
 
 class InFlight:
     """One manager's copies whose device tensor it still holds (``Copy.drop_device_copy`` lets
-    go of it); a ``Copy`` appends itself when its copy to host starts."""
+    go of it); a ``Copy`` appends itself when its copy to host starts.
+
+    NOTE [a copy nobody needs is not held]: held weakly. A copy lives while a handle to it does
+    (NOTE [lifetimes] in window.py); held strongly here, a forward dropped without backward
+    (an evaluation with grad on, a worker thread's forward) left its last windows' device
+    tensors and host buffers held until the manager's next window, backward or ``stats()``
+    (helper GL). A copy whose handles are gone dies at once: the stream that saved its tensor
+    waits for its copy to host (stream rule 1, in ``Copy.__del__``, as for bytes backward
+    reused), its device tensor goes, and its host buffer goes back to the pool with its copy's
+    event."""
 
     __slots__ = ("copies",)
 
     def __init__(self) -> None:
-        self.copies: list[Copy] = []
+        self.copies: list[weakref.ref[Copy]] = []
 
     def __bool__(self) -> bool:
         return bool(self.copies)
 
     def append(self, copy: Copy, /) -> None:
-        self.copies.append(copy)
+        self.copies.append(weakref.ref(copy))
 
     def let_go(self, engine: CopyEngine, lane: Lane | None, pass_: Pass | None = None, *,
                everyone: bool = False, force_before: int | None = None,
@@ -64,9 +74,12 @@ class InFlight:
         """
         kept = {id(copy) for window in keep for copy in window.copies.values()}
         still = []
-        for copy in self.copies:
+        for ref in self.copies:
+            copy = ref()
+            if copy is None:
+                continue  # nobody needed it: gone with its handles
             if id(copy) in kept or not (everyone or _belongs(copy, lane, pass_)):
-                still.append(copy)
+                still.append(ref)
             elif copy.reused or engine.done(copy.d2h_event):
                 # NOTE [reuse at the turn] (window.py): a reused copy's storage is held by its
                 # restore, which backward reads (as the copy to host does): backward need not wait
@@ -77,7 +90,7 @@ class InFlight:
                 engine.wait(copy.d2h_event, stream=copy.stream)
                 copy.drop_device_copy()
             else:
-                still.append(copy)
+                still.append(ref)
         self.copies = still
 
 

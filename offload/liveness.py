@@ -45,7 +45,7 @@ class Liveness:
     count into its ``alive_elsewhere_bytes`` and ``discarded_bytes``.
     """
 
-    __slots__ = ("counters", "late", "suspects", "limit", "warned_discarded")
+    __slots__ = ("counters", "late", "late_suspects", "suspects", "limit", "warned_discarded")
 
     def __init__(self, counters: dict[str, int], /) -> None:
         self.counters = counters
@@ -58,6 +58,10 @@ class Liveness:
         # (one atomic call), and the manager adds them up under its lock (``count_late``)
         # before it reads the counters.
         self.late: deque[tuple[str, int]] = deque()
+        # Storages let go while alive by a copy's ``__del__`` (NOTE [a copy nobody needs is
+        # not held] in in_flight.py), appended there, made suspects under the manager's lock
+        # (``judge_all``), for the same reason.
+        self.late_suspects: deque[tuple[StorageWeakRef, int, weakref.ref[Pass]]] = deque()
         # By storage (``StorageWeakRef.cdata``) and pass (the id of its weak reference, which
         # the entry holds: never reused while it lives), with the bytes of every copy of it
         # let go, and the pass whose forward must be over before it is judged.
@@ -91,6 +95,11 @@ class Liveness:
             self.limit = max(64, 2 * len(self.suspects))
         self.suspects[key] = (ref, nbytes, pass_ref)
 
+    def suspect_late(self, ref: StorageWeakRef, nbytes: int, pass_ref: weakref.ref[Pass], /
+                     ) -> None:
+        """``suspect``, from a copy's ``__del__``: one append (NOTE [counted late])."""
+        self.late_suspects.append((ref, nbytes, pass_ref))
+
     def judge_all(self) -> None:
         """Count the storages let go while still alive that are alive still, of the passes
         whose forward is over.
@@ -107,6 +116,9 @@ class Liveness:
         # reads the manager's ``stats()`` lets go of the copies in flight on this very thread
         # (``suspect``) and runs a nested ``judge_all``, all inside this loop (a dict must not
         # grow while it is read). Those land in the fresh dict.
+        late = self.late_suspects
+        while late:  # one taken out at a time: a __del__ meanwhile appends behind them
+            self.suspect(*late.popleft())
         suspects, self.suspects = self.suspects, {}
         for key, (ref, nbytes, pass_ref) in suspects.items():
             pass_ = pass_ref()

@@ -5,10 +5,11 @@ creates them and moves them between forward and backward.
 NOTE [lifetimes]: the copies hang off the handles that the autograd graph holds. A copy lives
 while a handle to it does; when the last handle goes (after the node's backward, or when a
 graph is dropped without backward, or an exception unwinds it) the host buffer returns to the
-pool. The manager holds windows, passes and shared copies weakly; strongly only its pool,
-counters, and the copies whose device-to-host copy it has not yet released (``_pending``: at
-most the last two windows' of each thread after a window opens, none of a pass's thread after
-its backward's first restore; see NOTE [copies in flight]). Each thread that opened a window
+pool. The manager holds windows, passes, shared copies and the copies whose device tensor it
+has not yet released weakly (``_pending``: at most the last two windows' of each thread after
+a window opens, none of a pass's thread after its backward's first restore; see NOTE [copies
+in flight] and NOTE [a copy nobody needs is not held] in in_flight.py); strongly only its pool
+and counters. Each thread that opened a window
 holds two passes of its own (the one its new windows join, the one whose backward began last),
 dropped when the thread ends (NOTE [a pass per forward thread] in lanes.py).
 """
@@ -223,6 +224,23 @@ class Copy:
         manager = getattr(self, "manager", None)
         if manager is None:
             return
+        device_bytes = getattr(self, "device_bytes", None)
+        if device_bytes is not None and not getattr(self, "reused", False):
+            # NOTE [a copy nobody needs is not held] (in_flight.py): its handles went while the
+            # manager still held its device bytes (a forward dropped without backward). Stream
+            # rule 1: the saving stream waits for the copy to host, which may still read them
+            # (no wait on the host). Then what drop_device_copy tells the liveness record, told
+            # late (NOTE [counted late] in liveness.py): a storage still alive once ours go.
+            if not manager.engine.done(self.d2h_event):
+                manager.engine.wait(self.d2h_event, stream=self.stream)
+            storage = device_bytes.untyped_storage()
+            self.device_bytes = self.alias = device_bytes = None
+            if storage.nbytes() == 0:
+                if getattr(storage, DISCARDED_MARK, False):
+                    manager._liveness.copied_and_discarded(self.nbytes, late=True)
+            elif not self.storage_ref.expired():
+                manager._liveness.suspect_late(self.storage_ref, self.nbytes, self.pass_ref)
+            del storage
         if getattr(self, "reused", False):
             # Stream rule 1, for bytes backward reused (NOTE [reuse at the turn]): the saving
             # stream waits for the copy to host before the memory is let go. Long done by

@@ -141,7 +141,10 @@ def _tell_env_offload_unused(fn: Callable[..., Any], /) -> None:
     window anyway) with grad enabled and the variable on warns, once. Not under a saved-tensor
     hook (an offload window, torch's ``save_on_cpu``; an ``ActivationCensus`` too): that hook
     sees the inputs the call saves, which may not stay on the device; a later call with none
-    is told. Until told, a call with the variable unset costs one environment lookup."""
+    is told. A value the variable does not accept (``yes``) is told too, once, with the
+    refusal the other entry points raise (helper GL: its user, meaning on, got no offload and
+    no word; checkpoint() itself does not read the variable, so it warns, not raises). Until
+    told, a call with the variable unset costs one environment lookup."""
     global _ENV_OFFLOAD_TOLD
     if _ENV_OFFLOAD_TOLD:
         return
@@ -156,7 +159,12 @@ def _tell_env_offload_unused(fn: Callable[..., Any], /) -> None:
 
     try:
         on = env_flag(OFFLOAD_ENV)
-    except CheckpointConfigError:  # an unparsable value is refused where it is used
+    except CheckpointConfigError as error:  # refused where it is read; told here
+        _ENV_OFFLOAD_TOLD = True
+        warnings.warn(
+            "pytree_ckpt.checkpoint(fn, ...) never offloads, and apply_activation_"
+            "checkpointing, checkpoint_layers, apply_recompute_config and checkpointed(fn) "
+            f"refuse the variable's value: {error}", stacklevel=user_stacklevel())
         return
     if not on:
         return

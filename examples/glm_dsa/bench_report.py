@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,9 @@ def write_plot(results: dict[str, Any], path: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot skipped: matplotlib not installed (pip install -e .[plot])")
+        # This interpreter's pip (./dev demo's is .venv's), the extra quoted (zsh globs it)
+        print(f'plot skipped: matplotlib not installed ({sys.executable} -m pip install -e '
+              '".[plot]")')
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in results["configs"].values():

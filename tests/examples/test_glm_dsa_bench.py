@@ -352,10 +352,6 @@ def test_a_run_stopped_during_timing_leaves_what_the_earlier_phases_and_rounds_m
     assert steps == [1, 1, 1, 2, 2, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="helper GL: ./dev demo's hint without matplotlib says "
-                   "`pip install -e .[plot]`: the bare pip is not .venv's (the one ./dev demo "
-                   "runs), and unquoted .[plot] is a glob (zsh: no matches found); the README says "
-                   "`.venv/bin/pip install -e \".[plot]\"` (or sys.executable -m pip, quoted)")
 def test_the_demos_plot_hint_is_the_readmes_command(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str],
                                                      tmp_path: Any) -> None:

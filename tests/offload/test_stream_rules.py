@@ -340,12 +340,18 @@ def test_a_graph_dropped_with_copies_in_flight_ends_its_pass() -> None:
     assert manager.stats()["host_buffers_in_use"] == 0 and streams.violations == []
 
 
-def test_a_dropped_graphs_copy_in_flight_is_let_go_when_a_one_window_backward_begins() -> None:
-    # The dropped forward's last window is younger than the window opened next, so that opening
-    # keeps its copy in flight; the pass turns there and the dropped pass dies, leaving a copy
-    # of a pass gone. The next backward's first restore lets go of it (NOTE [copies in
-    # flight]: passes gone belong to every lane), and gives eager's gradients. A one-layer step
-    # opens no second window that would let it go first.
+def _device_copies(manager: Any) -> list[Any]:
+    """The copies whose device tensor ``manager`` still holds (NOTE [copies in flight])."""
+    return [held for ref in manager._pending.copies
+            if (held := ref()) is not None and held.device_bytes is not None]
+
+
+def test_a_kept_graphs_copy_in_flight_is_let_go_when_a_one_window_backward_begins() -> None:
+    # A grad-enabled evaluation keeps its output (and so its graph, and its copies). Its last
+    # window is younger than the window opened next, so that opening keeps its copy in flight;
+    # the next backward's first restore lets go of it (NOTE [copies in flight]), and gives
+    # eager's gradients. A one-layer step opens no second window that would let it go first.
+    # (A graph dropped instead lets go of its copies at once: test_a_dropped_graphs_copies_...)
     torch.manual_seed(0)
     eager = Layer()
     manager, streams = simulated(None)
@@ -357,30 +363,34 @@ def test_a_dropped_graphs_copy_in_flight_is_let_go_when_a_one_window_backward_be
     for layer in layers[:2]:
         h = layer(h)
     last_input = StorageWeakRef(h.untyped_storage())
-    out = layers[2](h)
-    del out, h  # its last window's copy is still queued: the manager holds that input
-    assert not last_input.expired()
+    kept = layers[2](h)  # its graph holds the copies (and the boundary its input)
+    del h
+    copy_of_last = _device_copies(manager)[-1]  # its last window's, still queued
+    assert copy_of_last.storage_ref.cdata == last_input.cdata
     x = torch.randn(8, 32)
     leaf = x.clone().requires_grad_()
     loss = layers[0](leaf).square().sum()  # opens one window
-    assert not last_input.expired()  # younger than the window opened: still in flight
+    assert copy_of_last in _device_copies(manager)  # younger than that window: still held
     expected = stack_grads(nn.ModuleList([eager]), x.clone().requires_grad_())
     for p in layers[0].parameters():
         p.grad = None
     loss.backward()
-    assert last_input.expired()  # let go by the backward, before any stats()
+    assert copy_of_last.device_bytes is None  # let go by the backward, before any stats()
+    assert copy_of_last not in _device_copies(manager)
     assert_same_grads(expected, [p.grad for p in layers[0].parameters()] + [leaf.grad])
     streams.finish()
+    del kept, copy_of_last
     assert streams.violations == [] and manager.stats()["host_buffers_in_use"] == 0
 
 
-def test_a_dropped_graphs_last_copy_in_flight_is_let_go_two_windows_into_the_next_forward(
+def test_a_kept_graphs_last_copy_in_flight_is_let_go_two_windows_into_the_next_forward(
         ) -> None:
     # Guards against: the window count restarting at each pass turn (Lane.turn resetting
-    # ``opened``): windows of a dropped pass then count as younger than the next pass's, and
-    # the next forward held the dropped pass's last input on the device window after window
-    # (NOTE [copies in flight]: two windows later at the latest, counted per thread across
-    # passes). The new forward's gradients are eager's bit for bit.
+    # ``opened``): windows of a finished forward (a grad-enabled evaluation keeping its
+    # output, whose copies live) then count as younger than the next pass's, and the next
+    # forward held its last input on the device window after window (NOTE [copies in
+    # flight]: two windows later at the latest, counted per thread across passes). The new
+    # forward's gradients are eager's bit for bit.
     torch.manual_seed(0)
     eager = nn.ModuleList(Layer() for _ in range(3))
     manager, streams = simulated(None)
@@ -393,8 +403,8 @@ def test_a_dropped_graphs_last_copy_in_flight_is_let_go_two_windows_into_the_nex
     for layer in layers[:2]:
         h = layer(h)
     last_input = StorageWeakRef(h.untyped_storage())
-    out = layers[2](h)
-    del out, h  # dropped without backward: its last window's copy is still queued
+    kept = layers[2](h)  # a grad-enabled evaluation keeping its output: its copies live
+    del h  # its last window's copy is still queued
     x = torch.randn(8, 32)
     leaf = x.clone().requires_grad_()
     held = []
@@ -407,6 +417,31 @@ def test_a_dropped_graphs_last_copy_in_flight_is_let_go_two_windows_into_the_nex
     expected = stack_grads(eager, x.clone().requires_grad_())
     assert_same_grads(expected, [p.grad for p in layers.parameters()] + [leaf.grad])
     streams.finish()
+    del kept
+    assert streams.violations == [] and manager.stats()["host_buffers_in_use"] == 0
+
+
+def test_a_dropped_graphs_copies_in_flight_go_with_it_once_the_saving_stream_waited() -> None:
+    # NOTE [a copy nobody needs is not held] (in_flight.py): helper GL, a forward dropped
+    # without backward left its last window's input and host buffer held by the manager until
+    # its next window, backward or stats(). The copies die with their handles; the stream
+    # that saved each tensor waits for its copy to host first (stream rule 1), and the host
+    # buffers go back to the pool with their copies' events.
+    manager, streams = simulated(None)
+    layers = nn.ModuleList(Layer() for _ in range(3))
+    checkpoint_layers(layers, offload=manager)
+    stack_grads(layers, torch.randn(8, 32, requires_grad=True))  # one whole step first
+    h = torch.randn(8, 32, requires_grad=True)
+    inputs = []
+    for layer in layers:
+        inputs.append(StorageWeakRef(h.untyped_storage()))
+        h = layer(h)
+    waits = len(streams.waits)
+    del h  # dropped without backward: the last windows' copies are still queued
+    assert [ref.expired() for ref in inputs[1:]] == [True, True]  # x is the caller's
+    assert ("d2h", "compute") in streams.waits[waits:]
+    assert manager.pool.checked_out == 0
+    streams.finish()
     assert streams.violations == [] and manager.stats()["host_buffers_in_use"] == 0
 
 
@@ -418,8 +453,9 @@ def test_a_copy_is_waited_for_on_the_stream_that_saved_it_not_the_current_one() 
     checkpoint_layers(layers, offload=manager)
     h = layers[1](layers[0](torch.randn(8, 32, requires_grad=True)))
     streams.current = "side"
-    layers[3](layers[2](h)).sum()
+    out = layers[3](layers[2](h)).sum()  # kept: its copies live (a dropped graph's go at once)
     assert [w for w in streams.waits if w[0] == "d2h"] == [("d2h", "compute"), ("d2h", "compute")]
+    del out
 
 
 def test_a_restore_read_on_another_stream_than_it_was_allocated_on_is_marked_used_there(

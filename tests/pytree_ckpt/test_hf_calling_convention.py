@@ -580,14 +580,13 @@ def test_a_partial_of_a_wrapped_forward_binding_a_trainable_tensor_is_refused_no
     assert pos.grad is None
 
 
-@pytest.mark.parametrize("setting", ["0", "maybe", "no_grad", "saved_tensors_hooks"])
+@pytest.mark.parametrize("setting", ["0", "no_grad", "saved_tensors_hooks"])
 def test_the_offload_variable_is_told_only_when_on_and_the_call_saves_on_the_device(
         monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
     # NOTE [the variable and checkpoint()]: told when the variable says on, grad is enabled and
-    # no saved-tensor hook sees the inputs. Set to "0" it says off; an unparsable value is
-    # refused where it is used, not here; under no_grad there is no boundary; under a hook
-    # (save_on_cpu, a census) the inputs may not stay on the device. None of these warns, and
-    # none spends the one warning: the next plain call is told.
+    # no saved-tensor hook sees the inputs. Set to "0" it says off; under no_grad there is no
+    # boundary; under a hook (save_on_cpu, a census) the inputs may not stay on the device.
+    # None of these warns, and none spends the one warning: the next plain call is told.
     from pytree_ckpt import functional
 
     monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
@@ -608,6 +607,29 @@ def test_the_offload_variable_is_told_only_when_on_and_the_call_saves_on_the_dev
     monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "1")
     with pytest.warns(UserWarning, match="never offloads"):
         pytree_ckpt.checkpoint(lin, x)
+
+
+def test_an_offload_variable_checkpoint_cannot_read_is_told_once_with_the_refusal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Helper GL: XTUNER_ACTIVATION_OFFLOAD=yes (meant as on) gave a transformers user of
+    # pytree_ckpt.checkpoint no offload and no word, where every other entry point refuses the
+    # value. checkpoint() does not read the variable: told once, with that refusal's text.
+    from pytree_ckpt import functional
+
+    monkeypatch.setattr(functional, "_ENV_OFFLOAD_TOLD", False)
+    monkeypatch.setenv("XTUNER_ACTIVATION_OFFLOAD", "yes")
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            pytree_ckpt.checkpoint(lin, x).sum().backward()
+    with pytest.raises(pytree_ckpt.CheckpointConfigError) as refused:
+        pytree_ckpt.checkpointed(lin)
+    assert [str(w.message) for w in told] == [
+        "pytree_ckpt.checkpoint(fn, ...) never offloads, and apply_activation_checkpointing, "
+        "checkpoint_layers, apply_recompute_config and checkpointed(fn) refuse the variable's "
+        f"value: {refused.value}"]
 
 
 class _TakesPositionals(nn.Module):
