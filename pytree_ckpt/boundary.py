@@ -215,7 +215,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         params = collect_parameters(trees, set(), frozen=before)
         frozen = list(before)
         if not ever_verified(owner):
-            refuse_fsdp1_units(owner)  # NOTE [FSDP1 around a boundary] (fsdp_units.py)
+            refuse_fsdp1_units(owner, fn)  # NOTE [FSDP1 around a boundary] (fsdp_units.py)
         if not ever_verified(owner) and any_lazy(trees):
             # A lazy module (nn.LazyLinear) gives its parameters (and buffers) their shape in
             # its first call: taken as inputs before it, they would get gradients of the wrong

@@ -52,7 +52,6 @@ from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
 from .function_reach import cell_contents, code_reading, unwrap_partials
-from .grad_probe import compiled as _compiled
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
@@ -140,32 +139,38 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     original pass stored, computed under its no-grad, where eager's has a graph (the gate gets
     no gradient from it). What the call bound anew (a float tensor without a graph) is kept by
     name, with what the grad probe saw it computed from. A function seen storing one is
-    probed from its next call on (``stores_floats``; where the static look finds a trainable
-    module too, unlike for its results, which rule 3 judges by the look alone): the look
-    cannot tell gate weights from a statistic (``counts.float()``), the probe can. The replay,
-    which sees the grad mode, warns once per function where the probe saw a stored float
-    computed from a tensor that requires grad, or, unprobed, where a tensor argument requires
-    grad (rule 2) or fn is compiled and the look finds a trainable module
-    (``warn_stored_floats``). A warning, not a refusal, and none for a function whose code
+    probed at its next call, once (``stores_floats``; where the static look finds a trainable
+    module too, or a tensor argument requires grad, unlike for its results, which rules 2 and
+    3 judge without the probe): neither the look nor the arguments tell gate weights from a
+    statistic (``bincount(ids).float()``, ``scores.detach()``: helper GN, warned falsely when
+    they stood as evidence), the probe can. The replay, which sees the grad mode, warns once
+    per function where the probe saw a stored float computed from a tensor that requires
+    grad (``warn_stored_floats``); a call the probe did not watch (the function's first, a
+    compiled function's) is not told. A warning, not a refusal, and none for a function whose code
     (or a helper's of the user's it calls) switches grad off itself (``with torch.no_grad():``,
     ``inference_mode``, ``set_grad_enabled``): a statistic computed under such a block from a
     parameter cannot be told from gate weights (the probe does not see grad switched off
     inside fn), and routers storing one are common (a function decorated with
     ``@torch.no_grad()`` has no graph in eager, and is not told either). Not seen: a float
     stored by such a function that eager does give a graph, by a function that is no method
-    of a module, on another module than fn's own (a child's), or in a container. Cost:
-    two reads of the module's ``__dict__`` per reused call in the original pass, and the
-    probe's (a Python call per op) in calls of a function that stores floats."""
+    of a module, on another module than fn's own (a child's), or in a container, or stored
+    only in calls the probe does not watch. Cost: two reads of the module's ``__dict__`` per
+    reused call in the original pass, and the probe's (a Python call per op) in one call of a
+    function that stores floats; a ``torch.compile``d helper that call runs is compiled once
+    more under the probe's mode (dynamo guards on the mode stack: one more graph, helper GN)."""
     d, before = held
     found = tuple((name, None if probe is None else probe.source(value))
                   for name, value in d.items()
                   if isinstance(value, torch.Tensor) and before.get(name) != id(value) and
                   _is_float(value) and not value.requires_grad)
-    if found:
-        try:
-            _STORES.add(warned_key(fn))
-        except TypeError:  # a builtin takes no weak reference (and stores nothing)
-            pass
+    try:
+        key = warned_key(fn)
+        if probe is not None:
+            _JUDGED.add(key)  # watched once: its next calls are not probed for this
+        elif found:
+            _STORES.add(key)
+    except TypeError:  # a builtin takes no weak reference (and stores nothing)
+        pass
     return found
 
 
@@ -178,16 +183,19 @@ def _switches_grad_off(fn: Callable[..., Any], /) -> bool:
                for name in ("no_grad", "inference_mode", "set_grad_enabled"))
 
 
-# Functions seen storing a float on their module, by warned_key: probed from then on (NOTE
-# [floats a reused fn stores on its module]; a fact about the code, not step state).
+# Functions seen storing a float on their module, and those a probe watched once since, by
+# warned_key (NOTE [floats a reused fn stores on its module]; facts about the code, not step
+# state).
 _STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+_JUDGED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def stores_floats(fn: Callable[..., Any], /) -> bool:
-    """Whether ``fn`` was seen storing a float on its module (NOTE [floats a reused fn stores
-    on its module])."""
+    """Whether ``fn`` was seen storing a float on its module and no probe has watched it since
+    (NOTE [floats a reused fn stores on its module]): its next call is probed."""
     try:
-        return warned_key(fn) in _STORES
+        key = warned_key(fn)
+        return key in _STORES and key not in _JUDGED
     except TypeError:
         return False
 
@@ -205,22 +213,9 @@ def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded,
         return
     seen = next(((attribute, source) for attribute, source in recorded.stored
                  if source is not None), None)
-    if seen is not None:
-        attributes, why = [seen[0]], seen[1]
-    elif recorded.probed:
-        return  # the probe saw them computed from nothing that requires grad: statistics
-    else:
-        call = flatten_call(args, kwargs)
-        given = next((j for j in call.tensor_index if call.leaves[j].requires_grad), None)
-        reach = grad_reach(fn, call) if given is None and _compiled(fn) else None
-        if given is None and reach is None:
-            return  # not probed: the function's first such call (its next one is)
-        attributes = [a for a, _ in recorded.stored]
-        if given is not None:
-            why = f"its {argument_path(call, given)} requires grad"
-        else:
-            assert reach is not None
-            why = f"{name} {reach_words(fn, reach)}"
+    if seen is None:
+        return  # statistics, or a call the probe did not watch (the function's first)
+    attributes, why = [seen[0]], seen[1]
     try:
         _WARNED_STORED.add(key)
     except TypeError:  # a builtin takes no weak reference (and lives as long)

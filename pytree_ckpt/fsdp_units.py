@@ -72,8 +72,12 @@ def _fsdp1_unit() -> Any:
     return None if fsdp is None else getattr(fsdp, "FullyShardedDataParallel", None)
 
 
-def refuse_fsdp1_units(owner: nn.Module, /) -> None:
-    """NOTE [FSDP1 around a boundary]: ``owner``, checkpointed, is an FSDP1 unit or holds one."""
+def refuse_fsdp1_units(owner: nn.Module, fn: Any, /) -> None:
+    """NOTE [FSDP1 around a boundary]: ``owner``, checkpointed, is an FSDP1 unit, or ``fn`` runs
+    its whole forward (the module, or its ``forward``) and it holds one. A method of it that
+    calls none (a head or a chunked loss of a model whose layers are units: helper GN) is not
+    looked into: a flat parameter it reads is refused at its first replay, naming
+    ``use_orig_params=True``."""
     unit = _fsdp1_unit()
     if unit is None:
         return
@@ -89,6 +93,8 @@ def refuse_fsdp1_units(owner: nn.Module, /) -> None:
             tip=f"choose the inner layers: apply_activation_checkpointing(model, check_fn="
                 f"lambda m: isinstance(m, {inner})), before or after FSDP wrapping (not "
                 "isinstance(m, FullyShardedDataParallel))")
+    if fn is not owner and getattr(fn, "__name__", None) != "forward":
+        return
     units = [path for path, sub in owner.named_modules()
              if sub is not owner and isinstance(sub, unit)]
     if units:

@@ -137,15 +137,18 @@ class GradProbe(TorchFunctionMode):
 def probe_for(fn: Callable[..., Any], call: FlatTree, /, *, stores: bool = False
               ) -> GradProbe | None:
     """The probe to watch ``fn`` with in the original pass, or ``None``: where the static look
-    finds what gives its floats a graph (rule 3 refuses them in the replay; but ``stores``: fn
-    stores floats on its module, NOTE [floats a reused fn stores on its module] in frozen.py),
-    where a tensor argument requires grad (rule 2 does), and for a compiled fn (dynamo would
-    trace the mode)."""
-    if any(call.leaves[j].requires_grad for j in call.tensor_index):
-        return None
+    finds what gives its floats a graph (rule 3 refuses them in the replay), where a tensor
+    argument requires grad (rule 2 does), and for a compiled fn (dynamo would trace the mode).
+    ``stores``: fn stores floats on its module, and its call is watched for them whatever
+    rules 2 and 3 find (NOTE [floats a reused fn stores on its module] in frozen.py); not a
+    compiled fn's."""
     if compiled(fn):
         return None
-    return GradProbe() if stores or grad_reach(fn, call) is None else None
+    if stores:
+        return GradProbe()
+    if any(call.leaves[j].requires_grad for j in call.tensor_index):
+        return None
+    return GradProbe() if grad_reach(fn, call) is None else None
 
 
 def compiled(fn: Any, /) -> bool:

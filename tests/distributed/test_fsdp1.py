@@ -87,21 +87,12 @@ def test_a_checkpointed_module_holding_fsdp1_units_is_refused_naming_them(
 
 
 
-@pytest.mark.xfail(strict=True, reason="helper GN: refuse_fsdp1_units refuses any checkpointed "
-                   "module holding FSDP1 units, also one whose checkpointed method calls none "
-                   "of them (a head or chunked loss beside FSDP1-wrapped layers), a layout that "
-                   "trained exactly as the twin before 0c00de3 (use_orig_params=True)")
 def test_a_checkpointed_method_calling_no_fsdp1_unit_of_its_module_trains_as_the_twin(
         ranks: dict[str, list[Any]]) -> None:
     for result in ranks["method-orig"]:
         _equal_to_twin(result)
 
 
-@pytest.mark.xfail(strict=True, reason="helper GN: with flat parameters the head's weight is a "
-                   "view of the root unit's flat parameter, which is what cannot be served; the "
-                   "refusal instead blames units that are never called inside the boundary and "
-                   "tips to make the module the unit, which does not help; use_orig_params=True "
-                   "(what refuse_flat_parameter names) is the way out")
 def test_a_checkpointed_method_reading_a_flat_parameter_is_refused_naming_use_orig_params(
         ranks: dict[str, list[Any]]) -> None:
     for result in ranks["method-flat"]:

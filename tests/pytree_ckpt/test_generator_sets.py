@@ -1031,10 +1031,6 @@ def test_a_discarded_closure_first_run_in_eval_mode_with_grad_is_still_watched()
     _assert_same_runs(*runs)
 
 
-@pytest.mark.xfail(strict=True, reason="helper GN: a closure decides only once every module it "
-                   "holds trains; one holding a frozen eval-mode teacher (distillation) never "
-                   "decides, so each of its original passes runs under sys.setprofile for good "
-                   "(decided at its first pass before e710ea0)")
 def test_a_closure_over_a_frozen_eval_mode_teacher_is_watched_only_until_a_training_pass() -> None:
     torch.manual_seed(0)
     student = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
