@@ -54,6 +54,38 @@ def test_under_the_default_device_cuda_host_copies_are_pinned_cpu_buffers() -> N
     assert torch.equal(x.grad, 8 * x.detach())
 
 
+def test_a_graph_dropped_with_copies_in_flight_frees_them_after_the_saving_stream_waited(
+        ) -> None:
+    # NOTE [a copy nobody needs is not held] (offload/in_flight.py): with the GPU held back,
+    # the copies to host are still queued when the graph goes; Copy.__del__ makes the saving
+    # stream wait for them before their device memory goes back (stream rule 1), and the
+    # host buffers go back with their events. The next step reuses the pool and gets eager's
+    # gradients (a copy reading reused memory would not break them, but an ordering bug
+    # shows as an illegal access or a hang here).
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Block(256) for _ in range(4)).cuda()
+    twin = copy.deepcopy(layers)
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cuda")
+    checkpoint_layers(twin, offload=manager)
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    stack(twin, x.clone()).sum().backward()  # warm the pool
+    torch.cuda.synchronize()
+    manager.stats(reset=True)
+    base = torch.cuda.memory_allocated()
+    torch.cuda._sleep(200_000_000)  # the copies below queue behind ~0.1 s of GPU time
+    out = stack(twin, x.clone())
+    del out  # dropped without backward, copies still queued
+    assert manager.pool.checked_out == 0
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base
+    twin.zero_grad(set_to_none=True)
+    stack(layers, x).square().mean().backward()
+    expected = [p.grad for p in layers.parameters()]
+    stack(twin, x.clone()).square().mean().backward()
+    assert_same_grads(expected, [p.grad for p in twin.parameters()])
+    assert manager.stats()["pool_misses"] == 0
+
+
 @pytest.mark.parametrize("gpu_held_back", [False, True])
 def test_offload_gives_bit_identical_gradients_on_cuda(gpu_held_back: bool) -> None:
     # Held back, the host enqueues the whole step before any copy to host has run, so the
