@@ -374,7 +374,8 @@ class Replaying:
             torch.set_default_dtype(env.dtype)
         if env.stance is not None:
             frame = _modules["torch._dynamo.eval_frame"]
-            if frame._stance != env.stance:
+            now = frame._stance  # the same object unless set_stance ran: no dataclass compare
+            if now is not env.stance and now != env.stance:
                 try:
                     self.stance = frame._set_stance(env.stance)
                 except RuntimeError:  # inside a compiled region (compiled autograd): as it is
