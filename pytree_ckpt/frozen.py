@@ -89,19 +89,17 @@ class AsRecorded(NamedTuple):
     arguments: tuple[tuple[str, int], ...] = ()
     graph: tuple[str, str] | None = None  # (key path, what it came from)
     # NOTE [floats a reused fn stores on its module]: (attribute, what the probe saw it
-    # computed from, or None), and whether the probe watched the call
+    # computed from, or None where it did not watch or saw nothing)
     stored: tuple[tuple[str, str | None], ...] = ()
-    probed: bool = False
 
 
 def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /, *,
                 graph: tuple[str, str] | None = None,
-                stored: tuple[tuple[str, str | None], ...] = (),
-                probed: bool = False) -> AsRecorded:
+                stored: tuple[tuple[str, str | None], ...] = ()) -> AsRecorded:
     """Check ``result`` as the original pass records it; what the replay checks of it."""
     flat = flatten(result)
     if not flat.tensor_index:
-        return AsRecorded((), graph, stored, probed)
+        return AsRecorded((), graph, stored)
     for i in flat.tensor_index:
         if flat.leaves[i].requires_grad:  # fn enabled grad itself, or an outside tensor
             _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
@@ -110,9 +108,9 @@ def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str,
     passed = [(i, given[id(flat.leaves[i])]) for i in flat.tensor_index
               if id(flat.leaves[i]) in given and _is_float(flat.leaves[i])]
     if not passed:
-        return AsRecorded((), graph, stored, probed)
+        return AsRecorded((), graph, stored)
     paths = leaf_paths(flat.spec, root="result")
-    return AsRecorded(tuple((paths[i], j) for i, j in passed), graph, stored, probed)
+    return AsRecorded(tuple((paths[i], j) for i, j in passed), graph, stored)
 
 
 # A module's __dict__ and the ids of the tensors held in it, read before a reused call.
@@ -205,8 +203,7 @@ def stores_floats(fn: Callable[..., Any], /) -> bool:
 _WARNED_STORED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded,
-                       args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
+def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded, /) -> None:
     """NOTE [floats a reused fn stores on its module], in the replay, where grad is on."""
     key = warned_key(fn)
     if key in _WARNED_STORED or _decorated_without_grad(fn) or _switches_grad_off(fn):
@@ -215,13 +212,12 @@ def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded,
                  if source is not None), None)
     if seen is None:
         return  # statistics, or a call the probe did not watch (the function's first)
-    attributes, why = [seen[0]], seen[1]
+    attribute, why = seen
     try:
         _WARNED_STORED.add(key)
     except TypeError:  # a builtin takes no weak reference (and lives as long)
         return
-    module = owning_module(fn)
-    where = ", ".join(f"{type(module).__name__}.{a}" for a in attributes)
+    where = f"{type(owning_module(fn)).__name__}.{attribute}"
     warnings.warn(
         f"pytree_ckpt: reuse_during_recompute({name}) stored the float tensor {where} on its "
         f"module in the original pass ({why}): eager gives it a graph there. The replay "
@@ -482,7 +478,7 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, recorded: AsRecorded, re
         if flat.tensor_index:
             _refuse_floats(fn, name, flat, args, kwargs, replay=True)
         if recorded.stored:
-            warn_stored_floats(fn, name, recorded, args, kwargs)
+            warn_stored_floats(fn, name, recorded)
         if recorded.graph is not None and not _decorated_without_grad(fn):
             # NOTE [the grad probe] (grad_probe.py)
             path, source = recorded.graph

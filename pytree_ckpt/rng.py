@@ -1,7 +1,8 @@
 """What the replay must see as the original pass saw it: RNG streams, autocast state, the
-kernel switches (NOTE [the replay picks the forward's kernels]) and the torch-function state;
-and what each pass must not share with the caller (a parametrization cache) or choose by grad
-mode (attention's fast path)."""
+kernel switches (NOTE [the replay picks the forward's kernels]), the torch-function state, the
+default device and dtype and dynamo's stance (NOTE [the replay sees the forward's default
+device]); and what each pass must not share with the caller (a parametrization cache) or
+choose by grad mode (attention's fast path)."""
 
 from __future__ import annotations
 
@@ -191,8 +192,8 @@ def _default_device() -> torch.device | None:
 
 
 class ReplayEnvironment:
-    """RNG states, autocast settings, kernel switches, the torch-function state and the default
-    device captured at the start of an original pass."""
+    """RNG states, autocast settings, kernel switches, the torch-function state, the default
+    device and dtype, and dynamo's stance, captured at the start of an original pass."""
 
     __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function",
                  "kernels", "generators", "device", "dtype", "stance")
