@@ -234,13 +234,13 @@ class Copy:
             if not manager.engine.done(self.d2h_event):
                 manager.engine.wait(self.d2h_event, stream=self.stream)
             storage = device_bytes.untyped_storage()
-            self.device_bytes = self.alias = device_bytes = None
-            if storage.nbytes() == 0:
-                if getattr(storage, DISCARDED_MARK, False):
-                    manager._liveness.copied_and_discarded(self.nbytes, late=True)
-            elif not self.storage_ref.expired():
+            freed = storage.nbytes() == 0  # in place, by a discard
+            discarded = freed and getattr(storage, DISCARDED_MARK, False)
+            self.device_bytes = self.alias = device_bytes = storage = None  # ours go first
+            if discarded:
+                manager._liveness.copied_and_discarded(self.nbytes, late=True)
+            elif not freed and not self.storage_ref.expired():
                 manager._liveness.suspect_late(self.storage_ref, self.nbytes, self.pass_ref)
-            del storage
         if getattr(self, "reused", False):
             # Stream rule 1, for bytes backward reused (NOTE [reuse at the turn]): the saving
             # stream waits for the copy to host before the memory is let go. Long done by
