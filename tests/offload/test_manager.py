@@ -1973,3 +1973,28 @@ def test_a_dropped_forward_without_backward_leaves_nothing_held_before_any_stats
     # No stats() here: a stats() read is what lets go of the copies still "in flight".
     assert m.pool.checked_out == 0
     assert [ref.expired() for ref in inputs] == [True, True, True]
+
+
+@pytest.mark.xfail(strict=True, reason="helper GO: since 24c93b3 a copy dies with its last "
+                   "handle, and window.copies holds it weakly: a storage saved again in the "
+                   "same window after the first save's graph was dropped is copied to host a "
+                   "second time (docs/offload.md: once per window)")
+def test_a_storage_saved_again_in_one_window_after_a_dropped_branch_is_copied_once() -> None:
+    # A metric logged mid-forward (base.norm().item()) saves base and drops its graph at once;
+    # the loss then saves base again, in the same window. Before 24c93b3 the manager held the
+    # first copy until its next window, and the second save shared it.
+    m = manager()
+    to_host, copies = m.engine.to_host, [0]
+
+    def counted(*args: Any) -> Any:
+        copies[0] += 1
+        return to_host(*args)
+    m.engine.to_host = counted  # type: ignore[method-assign]
+    base = torch.randn(16, 32, requires_grad=True) * 1.0
+    with m.window([base]):
+        base.norm().item()  # saved, then its graph goes
+        loss = (base * base).sum()
+    assert copies[0] == 1
+    assert m.stats()["offloaded_bytes"] == base.untyped_storage().nbytes()
+    loss.backward()
+
