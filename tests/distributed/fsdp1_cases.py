@@ -17,6 +17,7 @@ over two SGD steps (``error``: the checkpointed run's exception, type and messag
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -32,7 +33,8 @@ from tests.distributed.rank_cases import run_cases
 
 WORLD = 2
 CASES = ["whole-flat", "whole-orig", "layer-flat", "layer-orig", "before-flat", "before-orig",
-         "unit-flat", "unit-orig", "inside-flat", "inside-orig", "method-flat", "method-orig"]
+         "unit-flat", "unit-orig", "inside-flat", "inside-orig", "method-flat", "method-orig",
+         "call-flat", "call-orig", "partial-flat", "partial-orig"]
 
 
 class Layer(nn.Module):
@@ -70,9 +72,27 @@ class Headed(nn.Module):
         return pytree_ckpt.checkpoint(self.project, h) if self.checkpointed else self.project(h)
 
 
+class Calling(nn.Module):
+    """Holds a stack (its layers FSDP1 units) and checkpoints its whole forward through its
+    ``__call__`` (transformers' gradient checkpointing passes ``layer.__call__``) or a
+    ``functools.partial`` of it: the same layout as ``inside``."""
+
+    def __init__(self, how: str, checkpointed: bool) -> None:
+        super().__init__()
+        self.stack, self.how, self.checkpointed = Stack(), how, checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.checkpointed:
+            return self.stack(x)
+        fn = self.stack.__call__ if self.how == "call" else functools.partial(self.stack)
+        return pytree_ckpt.checkpoint(fn, x)
+
+
 def _build(layout: str, params: str, checkpointed: bool) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), Headed(checkpointed)) if layout == "method" else \
+        nn.Sequential(nn.Linear(4, 8), Calling(layout, checkpointed), nn.Linear(8, 1)) \
+        if layout in ("call", "partial") else \
         nn.Sequential(nn.Linear(4, 8), Stack(), nn.Linear(8, 1))
     if checkpointed and layout in ("whole", "before"):
         pytree_ckpt.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer))
