@@ -71,7 +71,7 @@ class Liveness:
         self.warned_discarded = False
 
     def __len__(self) -> int:
-        return len(self.suspects)
+        return len(self.suspects) + len(self.late_suspects)
 
     def suspect(self, ref: StorageWeakRef, nbytes: int, pass_ref: weakref.ref[Pass], /) -> None:
         """Note a storage let go while still alive by a copy of pass ``pass_ref``, for

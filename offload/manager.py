@@ -356,6 +356,7 @@ class OffloadManager:
             yield window
         finally:
             hooks.__exit__()
+            window.open_copies = None  # the graph's handles hold them from here on
         # NOTE: device tensors are released one window late (at the next window, the first
         # restore in backward, or stats()): by then the copy has usually completed, and the
         # caller has dropped its own reference to the window's inputs, so "still alive

@@ -70,6 +70,8 @@ def pack_saved(manager: OffloadManager, window: Window, tensor: torch.Tensor, /)
             # resident boundary input, never flagged when the caller keeps it).
             _report_shared(copy, tensor)
         window.copies[key] = copy
+        if window.open_copies is not None:
+            window.open_copies.append(copy)
     return Handle(copy, window, key, tensor)
 
 def _pack_inner(manager: OffloadManager, window: Window, tensor: torch.Tensor, /

@@ -225,7 +225,10 @@ class Copy:
         if manager is None:
             return
         device_bytes = getattr(self, "device_bytes", None)
-        if device_bytes is not None and not getattr(self, "reused", False):
+        # A copy whose copy to host failed (its __init__ raised: no host buffer) offloaded
+        # nothing, and tells nothing (helper GO: counted alive elsewhere).
+        if device_bytes is not None and not getattr(self, "reused", False) and \
+                getattr(self, "host", None) is not None:
             # NOTE [a copy nobody needs is not held] (in_flight.py): its handles went while the
             # manager still held its device bytes (a forward dropped without backward). Stream
             # rule 1: the saving stream waits for the copy to host, which may still read them
@@ -413,8 +416,8 @@ class Window:
     Exported for type annotations: ``with manager.window(tensors) as window`` gives one; it is
     not built directly (its pass belongs to the manager)."""
 
-    __slots__ = ("pass_", "id", "seq", "keys", "name", "copies", "restored", "small",
-                 "__weakref__")
+    __slots__ = ("pass_", "id", "seq", "keys", "name", "copies", "open_copies", "restored",
+                 "small", "__weakref__")
 
     def __init__(self, pass_: Pass, keys: dict[tuple[str, int], int | None],
                  name: Callable[[int], str] | None, /, *, seq: int) -> None:
@@ -428,6 +431,11 @@ class Window:
         # Weak: handles hold their window and copy; the window holds no copy (no cycle).
         self.copies: weakref.WeakValueDictionary[tuple[str, int], Copy] = (
             weakref.WeakValueDictionary())
+        # Strong while the window is open (its ``with`` block), then None: a storage saved
+        # again in the window after the graph of its first save was dropped (a metric logged
+        # mid-forward, ``loss.item()``) finds its copy, copied once per window (helper GO;
+        # NOTE [a copy nobody needs is not held] in in_flight.py).
+        self.open_copies: list[Copy] | None = []
         self.restored = False
         self.small: set[tuple[str, int]] = set()  # left alone: below min_bytes, or elsewhere
 

@@ -445,7 +445,8 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # NOTE [differentiable results are refused where grad is on] in frozen.py
         checks = as_recorded(callable_name(fn), result, args, kwargs,
                              graph=None if probe is None else probe.found(result),
-                             stored=() if held is None else stored_floats(fn, held, probe))
+                             stored=() if held is None else stored_floats(fn, held, probe),
+                             probed=probe is not None)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after, checks = invocation.frame.take_with_rng(fn)
         if recorders:

@@ -89,17 +89,19 @@ class AsRecorded(NamedTuple):
     arguments: tuple[tuple[str, int], ...] = ()
     graph: tuple[str, str] | None = None  # (key path, what it came from)
     # NOTE [floats a reused fn stores on its module]: (attribute, what the probe saw it
-    # computed from, or None where it did not watch or saw nothing)
+    # computed from, or None where it did not watch or saw nothing), and whether it watched
     stored: tuple[tuple[str, str | None], ...] = ()
+    probed: bool = False
 
 
 def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /, *,
                 graph: tuple[str, str] | None = None,
-                stored: tuple[tuple[str, str | None], ...] = ()) -> AsRecorded:
+                stored: tuple[tuple[str, str | None], ...] = (),
+                probed: bool = False) -> AsRecorded:
     """Check ``result`` as the original pass records it; what the replay checks of it."""
     flat = flatten(result)
     if not flat.tensor_index:
-        return AsRecorded((), graph, stored)
+        return AsRecorded((), graph, stored, probed)
     for i in flat.tensor_index:
         if flat.leaves[i].requires_grad:  # fn enabled grad itself, or an outside tensor
             _refuse_differentiable(name, leaf_paths(flat.spec, root="result")[i], replay=False)
@@ -108,9 +110,9 @@ def as_recorded(name: str, result: Any, args: tuple[Any, ...], kwargs: dict[str,
     passed = [(i, given[id(flat.leaves[i])]) for i in flat.tensor_index
               if id(flat.leaves[i]) in given and _is_float(flat.leaves[i])]
     if not passed:
-        return AsRecorded((), graph, stored)
+        return AsRecorded((), graph, stored, probed)
     paths = leaf_paths(flat.spec, root="result")
-    return AsRecorded(tuple((paths[i], j) for i, j in passed), graph, stored)
+    return AsRecorded(tuple((paths[i], j) for i, j in passed), graph, stored, probed)
 
 
 # A module's __dict__ and the ids of the tensors held in it, read before a reused call.
@@ -137,14 +139,18 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     original pass stored, computed under its no-grad, where eager's has a graph (the gate gets
     no gradient from it). What the call bound anew (a float tensor without a graph) is kept by
     name, with what the grad probe saw it computed from. A function seen storing one is
-    probed at its next call, once (``stores_floats``; where the static look finds a trainable
+    probed at its next calls until one of them is replayed (helper GO: a watched call whose
+    graph was dropped, a dry run, a skipped step, left the function unwatched for good), and
+    again once it stores an attribute that call did not (an aux loss switched on later)
+    (``stores_floats``, ``judged``; where the static look finds a trainable
     module too, or a tensor argument requires grad, unlike for its results, which rules 2 and
     3 judge without the probe): neither the look nor the arguments tell gate weights from a
     statistic (``bincount(ids).float()``, ``scores.detach()``: helper GN, warned falsely when
     they stood as evidence), the probe can. The replay, which sees the grad mode, warns once
     per function where the probe saw a stored float computed from a tensor that requires
     grad (``warn_stored_floats``); a call the probe did not watch (the function's first, a
-    compiled function's) is not told. A warning, not a refusal, and none for a function whose code
+    compiled function's: a documented limit) is not told. A warning, not a refusal, and none
+    for a function whose code
     (or a helper's of the user's it calls) switches grad off itself (``with torch.no_grad():``,
     ``inference_mode``, ``set_grad_enabled``): a statistic computed under such a block from a
     parameter cannot be told from gate weights (the probe does not see grad switched off
@@ -153,22 +159,24 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     stored by such a function that eager does give a graph, by a function that is no method
     of a module, on another module than fn's own (a child's), or in a container, or stored
     only in calls the probe does not watch. Cost: two reads of the module's ``__dict__`` per
-    reused call in the original pass, and the probe's (a Python call per op) in one call of a
-    function that stores floats; a ``torch.compile``d helper that call runs is compiled once
-    more under the probe's mode (dynamo guards on the mode stack: one more graph, helper GN)."""
+    reused call in the original pass, and the probe's (a Python call per op) in one replayed
+    call of a function that stores floats (more where graphs are dropped); a
+    ``torch.compile``d helper such a call runs is compiled once more under the probe's mode
+    (dynamo guards on the mode stack: one more graph, helper GN)."""
     d, before = held
     found = tuple((name, None if probe is None else probe.source(value))
                   for name, value in d.items()
                   if isinstance(value, torch.Tensor) and before.get(name) != id(value) and
                   _is_float(value) and not value.requires_grad)
-    try:
-        key = warned_key(fn)
-        if probe is not None:
-            _JUDGED.add(key)  # watched once: its next calls are not probed for this
-        elif found:
+    if found and probe is None:
+        try:
+            key = warned_key(fn)
+            judged = _JUDGED.get(key)
+            if judged is not None and not {name for name, _ in found} <= judged:
+                del _JUDGED[key]  # a new attribute: watched again
             _STORES.add(key)
-    except TypeError:  # a builtin takes no weak reference (and stores nothing)
-        pass
+        except TypeError:  # a builtin takes no weak reference (and stores nothing)
+            pass
     return found
 
 
@@ -181,11 +189,11 @@ def _switches_grad_off(fn: Callable[..., Any], /) -> bool:
                for name in ("no_grad", "inference_mode", "set_grad_enabled"))
 
 
-# Functions seen storing a float on their module, and those a probe watched once since, by
-# warned_key (NOTE [floats a reused fn stores on its module]; facts about the code, not step
-# state).
+# Functions seen storing a float on their module, and, for those a probed call of was replayed,
+# the attributes it stored then, by warned_key (NOTE [floats a reused fn stores on its module];
+# facts about the code, not step state).
 _STORES: weakref.WeakSet[Any] = weakref.WeakSet()
-_JUDGED: weakref.WeakSet[Any] = weakref.WeakSet()
+_JUDGED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def stores_floats(fn: Callable[..., Any], /) -> bool:
@@ -206,7 +214,13 @@ _WARNED_STORED: weakref.WeakSet[Any] = weakref.WeakSet()
 def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded, /) -> None:
     """NOTE [floats a reused fn stores on its module], in the replay, where grad is on."""
     key = warned_key(fn)
-    if key in _WARNED_STORED or _decorated_without_grad(fn) or _switches_grad_off(fn):
+    if recorded.probed:
+        try:  # judged: its next calls are not probed, until it stores another attribute
+            _JUDGED[key] = frozenset(attribute for attribute, _ in recorded.stored)
+        except TypeError:
+            pass
+    if not recorded.stored or key in _WARNED_STORED or _decorated_without_grad(fn) or \
+            _switches_grad_off(fn):
         return
     seen = next(((attribute, source) for attribute, source in recorded.stored
                  if source is not None), None)
@@ -477,7 +491,7 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, recorded: AsRecorded, re
             _refuse_hidden(fn, name, flat, args, kwargs)
         if flat.tensor_index:
             _refuse_floats(fn, name, flat, args, kwargs, replay=True)
-        if recorded.stored:
+        if recorded.stored or recorded.probed:
             warn_stored_floats(fn, name, recorded)
         if recorded.graph is not None and not _decorated_without_grad(fn):
             # NOTE [the grad probe] (grad_probe.py)

@@ -6,6 +6,7 @@ themselves, or an FSDP1 unit's flat parameter read by a checkpointed layer insid
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -67,6 +68,11 @@ def refuse_fsdp_units_inside(owner: nn.Module, *, own: bool) -> None:
 # torch.distributed.fsdp is imported (no import here).
 
 
+# The bound methods that run a module's whole forward (its call: transformers passes
+# layer.__call__, nn.Module's _wrapped_call_impl).
+_WHOLE = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
+
+
 def _fsdp1_unit() -> Any:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return None if fsdp is None else getattr(fsdp, "FullyShardedDataParallel", None)
@@ -74,7 +80,8 @@ def _fsdp1_unit() -> Any:
 
 def refuse_fsdp1_units(owner: nn.Module, fn: Any, /) -> None:
     """NOTE [FSDP1 around a boundary]: ``owner``, checkpointed, is an FSDP1 unit, or ``fn`` runs
-    its whole forward (the module, or its ``forward``) and it holds one. A method of it that
+    its whole forward (the module, its ``forward`` or its call, or a partial of one: helper GO)
+    and it holds one. A method of it that
     calls none (a head or a chunked loss of a model whose layers are units: helper GN) is not
     looked into: a flat parameter it reads is refused at its first replay, naming
     ``use_orig_params=True``."""
@@ -93,7 +100,10 @@ def refuse_fsdp1_units(owner: nn.Module, fn: Any, /) -> None:
             tip=f"choose the inner layers: apply_activation_checkpointing(model, check_fn="
                 f"lambda m: isinstance(m, {inner})), before or after FSDP wrapping (not "
                 "isinstance(m, FullyShardedDataParallel))")
-    if fn is not owner and getattr(fn, "__name__", None) != "forward":
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if fn is not owner and not (getattr(fn, "__self__", None) is owner and
+                                getattr(fn, "__name__", None) in _WHOLE):
         return
     units = [path for path, sub in owner.named_modules()
              if sub is not owner and isinstance(sub, unit)]

@@ -25,7 +25,7 @@ to): each layer (each module, partial or callable object by identity, forgotten 
 plain function by its code, a closure by its code and the objects it closes over; one that
 takes no weak reference is watched always) and method is
 watched in its original passes until one made in training mode (a closure's, a partial's: with
-a module it holds in training mode) sets no state; from then on,
+a trainable module it holds in training mode) sets no state; from then on,
 one cheap lookup per call. Any pass that set a state has it watched at every pass after. An
 output discard's function is watched alike, for its rebuild. Not seen: a layer that first
 sets a state after a training pass that set none, any pass that runs while a profiler other
@@ -278,13 +278,14 @@ def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Ge
 
 def _in_training(fn: Any, holder: Any, /) -> bool:
     """Whether a pass of ``fn`` that set no state may decide so: a module in training mode; a
-    closure, partial or method of a plain object with a module it holds (in its cells, bound
-    arguments or instance) in training mode (helper GJ: Megatron-Core's ``custom(start, end)``
-    closure over its block, first run in eval mode with grad on, was learned as setting none,
-    and its layers' training forks went unwatched; helper GN: *every* module, and a closure
-    over a student and its frozen eval-mode teacher was watched at every pass); one holding
-    no module decides at once. One holding only modules that never train (a frozen model's
-    forward alone) is watched at every pass."""
+    closure, partial or method of a plain object with a *trainable* module it holds (in its
+    cells, bound arguments or instance: one with a parameter that requires grad) in training
+    mode (helper GJ: Megatron-Core's ``custom(start, end)`` closure over its block, first run
+    in eval mode with grad on, was learned as setting none, and its layers' training forks
+    went unwatched; helper GN: with *every* module asked, a closure over a student and its
+    frozen eval-mode teacher was watched at every pass; helper GO: with *any* module asked, a
+    loss module left in training mode beside eval-mode layers decided at a validation pass).
+    One holding no trainable module decides at once."""
     if isinstance(holder, _Module):
         return holder.training
     held: list[Any] = []
@@ -296,8 +297,9 @@ def _in_training(fn: Any, holder: Any, /) -> bool:
         fn = fn.__func__
     if type(fn) is _Function and fn.__closure__:
         held += _closed_over(fn)
-    modules = [value for value in held if isinstance(value, _Module)]
-    return not modules or any(module.training for module in modules)
+    trainable = [value for value in held if isinstance(value, _Module) and
+                 any(p.requires_grad for p in value.parameters())]
+    return not trainable or any(module.training for module in trainable)
 
 
 def replay_watch(recorded: list[tuple[torch.Generator, torch.Tensor]] | None, /

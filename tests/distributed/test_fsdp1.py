@@ -100,12 +100,6 @@ def test_a_checkpointed_method_reading_a_flat_parameter_is_refused_naming_use_or
         assert "use_orig_params=True" in result["error"][1]
 
 
-@pytest.mark.xfail(strict=True, reason="helper GO: since 107f1d3 refuse_fsdp1_units looks for "
-                   "inner units only where fn is the module or is named forward; the module "
-                   "checkpointed through its __call__ (transformers passes layer.__call__) or a "
-                   "functools.partial of it is not refused: flat parameters fail in backward "
-                   "with torch's shape error, use_orig_params=True is refused blaming flat "
-                   "parameters (both refused naming the units at 0c00de3)")
 @pytest.mark.parametrize("how", ["call", "partial"])
 @pytest.mark.parametrize("params", ["flat", "orig"])
 def test_a_module_holding_fsdp1_units_checkpointed_through_its_call_is_refused_naming_them(

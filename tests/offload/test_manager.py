@@ -1975,10 +1975,6 @@ def test_a_dropped_forward_without_backward_leaves_nothing_held_before_any_stats
     assert [ref.expired() for ref in inputs] == [True, True, True]
 
 
-@pytest.mark.xfail(strict=True, reason="helper GO: since 24c93b3 a copy dies with its last "
-                   "handle, and window.copies holds it weakly: a storage saved again in the "
-                   "same window after the first save's graph was dropped is copied to host a "
-                   "second time (docs/offload.md: once per window)")
 def test_a_storage_saved_again_in_one_window_after_a_dropped_branch_is_copied_once() -> None:
     # A metric logged mid-forward (base.norm().item()) saves base and drops its graph at once;
     # the loss then saves base again, in the same window. Before 24c93b3 the manager held the
@@ -2000,10 +1996,6 @@ def test_a_storage_saved_again_in_one_window_after_a_dropped_branch_is_copied_on
 
 
 
-@pytest.mark.xfail(strict=True, reason="helper GO: since 24c93b3 Copy.__del__ of a copy whose "
-                   "copy to host raised (its host buffer already given back) tells the "
-                   "liveness record its storage was let go alive: alive_elsewhere_bytes counts "
-                   "bytes that were never offloaded (offloaded_bytes 0)")
 def test_a_copy_to_host_that_failed_counts_nothing_alive_elsewhere() -> None:
     # Pinned host memory ran out (or the copy failed) at a save; the training loop catches it
     # and goes on, the caller still holding its input. Nothing was offloaded, so nothing was

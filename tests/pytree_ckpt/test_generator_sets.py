@@ -1076,12 +1076,6 @@ class _BlockWithLoss(nn.Module):
         return pytree_ckpt.checkpoint(body, x) if self.checkpointed else body(x)
 
 
-@pytest.mark.xfail(strict=True, reason="helper GO: since 107f1d3 a closure decides at a pass "
-                   "where any module it holds trains: one over eval-mode layers and a loss "
-                   "module left in training mode (not in the model, so model.eval() skips it) "
-                   "decides at a validation pass with grad on (no fork there), and its layers' "
-                   "training forks go unwatched: other masks in the replay, other gradients "
-                   "(exact at 0c00de3)")
 def test_a_closure_over_eval_layers_and_a_training_mode_loss_module_is_still_watched() -> None:
     tracker: list[_Tracker] = []
     torch.manual_seed(0)

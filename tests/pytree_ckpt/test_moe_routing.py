@@ -485,14 +485,7 @@ class _MoEWithAStatistic(nn.Module):
 @pytest.mark.parametrize("how", ["counts", "detached", "no_grad block", "decorated", "input"])
 def test_a_float_a_reused_router_keeps_is_warned_of_only_where_eager_gives_it_a_graph(
         how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The cases share select's code, which is watched once (per code, not per instance):
-    # forgotten between cases.
-    import weakref
-
-    from pytree_ckpt import frozen
-
-    for learned in ("_STORES", "_JUDGED", "_WARNED_STORED"):
-        monkeypatch.setattr(frozen, learned, weakref.WeakSet())
+    _forget_stored_floats(monkeypatch)
     # NOTE [floats a reused fn stores on its module]: counts from the ids, a detached log and
     # a function decorated with @torch.no_grad() store floats eager computes without grad:
     # not told,
@@ -654,19 +647,14 @@ class _ProbsRoutedLayer(nn.Module):
 
 
 def _forget_stored_floats(monkeypatch: pytest.MonkeyPatch) -> None:
-    import weakref
-
+    """What frozen.py learned of stored floats, per function's code, forgotten for one test
+    (cases of one test share a router's code)."""
     from pytree_ckpt import frozen
 
     for learned in ("_STORES", "_JUDGED", "_WARNED_STORED"):
-        monkeypatch.setattr(frozen, learned, weakref.WeakSet(), raising=False)
+        monkeypatch.setattr(frozen, learned, type(getattr(frozen, learned))())
 
 
-@pytest.mark.xfail(strict=True, reason="helper GO: since 107f1d3 a function storing a float is "
-                   "probed at one call per code; where that call's graph is dropped (a "
-                   "grad-enabled dry run, a step skipped for a non-finite loss) its replay never "
-                   "runs, no later call is probed, and the lost gate gradient is never told "
-                   "(warned at 0c00de3)")
 def test_a_router_whose_watched_call_had_no_backward_is_warned_of_at_a_later_step(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _forget_stored_floats(monkeypatch)
@@ -687,11 +675,11 @@ def test_a_router_whose_watched_call_had_no_backward_is_warned_of_at_a_later_ste
     assert len(told) == 1 and "_RouterKeepingItsProbs.probs" in told[0]
 
 
-
-@pytest.mark.xfail(strict=True, reason="helper GO: since 107f1d3 a torch.compile'd reused "
-                   "router storing its gate's probabilities on itself is never probed, so "
-                   "never warned (docs/limits.md: warned at the replay of its second call; "
-                   "warned at 0c00de3)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Aux losses and forward "
+                   "hooks: a compiled fn is not watched) helper GO: since 107f1d3 a "
+                   "torch.compile'd reused router storing its gate's probabilities on itself is "
+                   "never probed, so never warned (warned at 0c00de3, which also warned "
+                   "compiled routers storing statistics, falsely)")
 def test_a_compiled_router_keeping_its_probs_on_itself_is_warned_of(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _forget_stored_floats(monkeypatch)
