@@ -71,7 +71,7 @@ def pack_saved(manager: OffloadManager, window: Window, tensor: torch.Tensor, /)
             _report_shared(copy, tensor)
         window.copies[key] = copy
         if window.open_copies is not None:
-            window.open_copies.append(copy)
+            window.open_copies[key] = copy
     return Handle(copy, window, key, tensor)
 
 def _pack_inner(manager: OffloadManager, window: Window, tensor: torch.Tensor, /

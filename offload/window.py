@@ -434,8 +434,10 @@ class Window:
         # Strong while the window is open (its ``with`` block), then None: a storage saved
         # again in the window after the graph of its first save was dropped (a metric logged
         # mid-forward, ``loss.item()``) finds its copy, copied once per window (helper GO;
-        # NOTE [a copy nobody needs is not held] in in_flight.py).
-        self.open_copies: list[Copy] | None = []
+        # NOTE [a copy nobody needs is not held] in in_flight.py). The latest copy per storage
+        # only: an older one (of an input changed in place since) is never taken again
+        # (helper GP: one host buffer per version held to the window's exit).
+        self.open_copies: dict[tuple[str, int], Copy] | None = {}
         self.restored = False
         self.small: set[tuple[str, int]] = set()  # left alone: below min_bytes, or elsewhere
 

@@ -140,9 +140,10 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     no gradient from it). What the call bound anew (a float tensor without a graph) is kept by
     name, with what the grad probe saw it computed from. A function seen storing one is
     probed at its next calls until one of them is replayed (helper GO: a watched call whose
-    graph was dropped, a dry run, a skipped step, left the function unwatched for good), and
-    again once it stores an attribute that call did not (an aux loss switched on later)
-    (``stores_floats``, ``judged``; where the static look finds a trainable
+    graph was dropped, a dry run, a skipped step, left the function unwatched for good), eight
+    at most without one (a grad-enabled evaluation loop: helper GP), and again once it stores
+    an attribute no replayed probed call did (an aux loss switched on later), unless told
+    (``stores_floats``; where the static look finds a trainable
     module too, or a tensor argument requires grad, unlike for its results, which rules 2 and
     3 judge without the probe): neither the look nor the arguments tell gate weights from a
     statistic (``bincount(ids).float()``, ``scores.detach()``: helper GN, warned falsely when
@@ -168,15 +169,16 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
                   for name, value in d.items()
                   if isinstance(value, torch.Tensor) and before.get(name) != id(value) and
                   _is_float(value) and not value.requires_grad)
-    if found and probe is None:
-        try:
-            key = warned_key(fn)
-            judged = _JUDGED.get(key)
-            if judged is not None and not {name for name, _ in found} <= judged:
-                del _JUDGED[key]  # a new attribute: watched again
-            _STORES.add(key)
-        except TypeError:  # a builtin takes no weak reference (and stores nothing)
-            pass
+    try:
+        key = warned_key(fn)
+        if probe is not None:
+            _PROBED[key] = _PROBED.get(key, 0) + 1
+        elif found and key not in _OPEN and key not in _WARNED_STORED and \
+                not {name for name, _ in found} <= _JUDGED.get(key, frozenset()):
+            _OPEN.add(key)  # a first store, or an attribute no replayed probed call stored
+            _PROBED[key] = 0
+    except TypeError:  # a builtin takes no weak reference (and stores nothing)
+        pass
     return found
 
 
@@ -189,11 +191,15 @@ def _switches_grad_off(fn: Callable[..., Any], /) -> bool:
                for name in ("no_grad", "inference_mode", "set_grad_enabled"))
 
 
-# Functions seen storing a float on their module, and, for those a probed call of was replayed,
-# the attributes it stored then, by warned_key (NOTE [floats a reused fn stores on its module];
-# facts about the code, not step state).
-_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+# By warned_key (NOTE [floats a reused fn stores on its module]; facts about the code, not step
+# state): the functions whose next calls are probed, and the attributes the replayed probed
+# calls of each stored, all of them.
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 _JUDGED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+# Probed calls since the function was last (re)opened: at most _MAX_PROBED without a replay (a
+# grad-enabled evaluation loop that never runs backward: helper GP, every call probed).
+_PROBED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_MAX_PROBED = 8
 
 
 def stores_floats(fn: Callable[..., Any], /) -> bool:
@@ -201,7 +207,7 @@ def stores_floats(fn: Callable[..., Any], /) -> bool:
     (NOTE [floats a reused fn stores on its module]): its next call is probed."""
     try:
         key = warned_key(fn)
-        return key in _STORES and key not in _JUDGED
+        return key in _OPEN and _PROBED.get(key, 0) < _MAX_PROBED
     except TypeError:
         return False
 
@@ -216,7 +222,9 @@ def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded, 
     key = warned_key(fn)
     if recorded.probed:
         try:  # judged: its next calls are not probed, until it stores another attribute
-            _JUDGED[key] = frozenset(attribute for attribute, _ in recorded.stored)
+            _JUDGED[key] = _JUDGED.get(key, frozenset()) | \
+                frozenset(attribute for attribute, _ in recorded.stored)
+            _OPEN.discard(key)
         except TypeError:
             pass
     if not recorded.stored or key in _WARNED_STORED or _decorated_without_grad(fn) or \

@@ -100,10 +100,14 @@ def refuse_fsdp1_units(owner: nn.Module, fn: Any, /) -> None:
             tip=f"choose the inner layers: apply_activation_checkpointing(model, check_fn="
                 f"lambda m: isinstance(m, {inner})), before or after FSDP wrapping (not "
                 "isinstance(m, FullyShardedDataParallel))")
+    whole = False
     while isinstance(fn, functools.partial):
+        # partial(Layer.forward, layer), transformers' checkpointing layer's form (helper GP)
+        whole = whole or bool(fn.args) and fn.args[0] is owner and \
+            getattr(fn.func, "__name__", None) in _WHOLE
         fn = fn.func
-    if fn is not owner and not (getattr(fn, "__self__", None) is owner and
-                                getattr(fn, "__name__", None) in _WHOLE):
+    if not whole and fn is not owner and not (getattr(fn, "__self__", None) is owner and
+                                              getattr(fn, "__name__", None) in _WHOLE):
         return
     units = [path for path, sub in owner.named_modules()
              if sub is not owner and isinstance(sub, unit)]

@@ -285,7 +285,8 @@ def _in_training(fn: Any, holder: Any, /) -> bool:
     went unwatched; helper GN: with *every* module asked, a closure over a student and its
     frozen eval-mode teacher was watched at every pass; helper GO: with *any* module asked, a
     loss module left in training mode beside eval-mode layers decided at a validation pass).
-    One holding no trainable module decides at once."""
+    One holding no trainable module asks the modules it holds (helper GP: a frozen base whose
+    dropout forks in training), and one holding no module decides at once."""
     if isinstance(holder, _Module):
         return holder.training
     held: list[Any] = []
@@ -297,9 +298,10 @@ def _in_training(fn: Any, holder: Any, /) -> bool:
         fn = fn.__func__
     if type(fn) is _Function and fn.__closure__:
         held += _closed_over(fn)
-    trainable = [value for value in held if isinstance(value, _Module) and
-                 any(p.requires_grad for p in value.parameters())]
-    return not trainable or any(module.training for module in trainable)
+    modules = [value for value in held if isinstance(value, _Module)]
+    trainable = [module for module in modules
+                 if any(p.requires_grad for p in module.parameters())]
+    return not modules or any(module.training for module in trainable or modules)
 
 
 def replay_watch(recorded: list[tuple[torch.Generator, torch.Tensor]] | None, /

@@ -2017,12 +2017,6 @@ def test_a_copy_to_host_that_failed_counts_nothing_alive_elsewhere() -> None:
     assert stats["alive_elsewhere_bytes"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="helper GP: since 8bdcf32 Window.open_copies holds every "
-                   "copy made in an open window: a window input changed in place and saved "
-                   "again each step of a loop, each save's graph dropped (a metric), keeps one "
-                   "host buffer per version until the window exits, though a stale version's "
-                   "copy can never be shared (8 buffers here; 0 at 8bdcf32~1, each given back "
-                   "when its graph went)")
 def test_stale_copies_of_an_input_changed_in_place_in_one_window_are_not_held() -> None:
     m = manager()
     x = torch.randn(64, 64, requires_grad=True) * 1.0

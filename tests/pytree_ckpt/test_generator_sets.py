@@ -709,19 +709,8 @@ def test_a_layer_first_called_in_eval_mode_with_grad_is_still_watched_in_trainin
         model(torch.randn(4, 8, requires_grad=True)).sum().backward()
         model.train()
         model.zero_grad(set_to_none=True)
-    runs = []
-    for model, shared in ((eager, tracker), (ours, ours_tracker)):
-        shared[:] = [_Tracker(123)]
-        torch.manual_seed(5)
-        seen = []
-        for _ in range(3):
-            model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
-            seen += [model.adapter.weight.grad.clone(), model.adapter.bias.grad.clone(),
-                     *(state.clone() for state in shared[0].states.values()),
-                     torch.get_rng_state()]
-            model.zero_grad(set_to_none=True)
-        runs.append(seen)
-    _assert_same_runs(*runs)
+    expected, got = _run(eager, tracker), _run(ours, ours_tracker)
+    _assert_same_runs(expected, got)
 
 
 def test_each_layer_is_watched_on_its_own_not_by_its_class() -> None:
@@ -998,19 +987,8 @@ def test_a_checkpointed_closure_first_called_in_eval_mode_with_grad_is_still_wat
         model(torch.randn(4, 8, requires_grad=True)).sum().backward()
         model.train()
         model.zero_grad(set_to_none=True)
-    runs = []
-    for model, shared in ((eager, tracker), (ours, ours_tracker)):
-        shared[:] = [_Tracker(123)]
-        torch.manual_seed(5)
-        seen = []
-        for _ in range(3):
-            model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
-            seen += [model.adapter.weight.grad.clone(), model.adapter.bias.grad.clone(),
-                     *(state.clone() for state in shared[0].states.values()),
-                     torch.get_rng_state()]
-            model.zero_grad(set_to_none=True)
-        runs.append(seen)
-    _assert_same_runs(*runs)
+    expected, got = _run(eager, tracker), _run(ours, ours_tracker)
+    _assert_same_runs(expected, got)
 
 
 class _DiscardedActivation(nn.Module):
@@ -1139,12 +1117,6 @@ class _FrozenBaseWithAdapter(nn.Module):
         return pytree_ckpt.checkpoint(body, h) if self.checkpointed else body(h)
 
 
-@pytest.mark.xfail(strict=True, reason="helper GP: since 8bdcf32 _in_training asks only trainable "
-                   "modules: a closure over a frozen base whose dropout forks in training holds "
-                   "none, so decides at its first pass, a validation pass in eval mode with grad "
-                   "on (no fork): its training forks go unwatched, the replay draws other masks "
-                   "(the adapter's grads differ from eager; exact at 8bdcf32~1, which waited for "
-                   "a pass with the base in training mode)")
 def test_a_closure_over_a_frozen_base_that_forks_in_training_is_still_watched_after_eval() -> None:
     tracker: list[_Tracker] = []
     torch.manual_seed(0)

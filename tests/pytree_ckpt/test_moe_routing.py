@@ -651,7 +651,7 @@ def _forget_stored_floats(monkeypatch: pytest.MonkeyPatch) -> None:
     (cases of one test share a router's code)."""
     from pytree_ckpt import frozen
 
-    for learned in ("_STORES", "_JUDGED", "_WARNED_STORED"):
+    for learned in ("_OPEN", "_JUDGED", "_PROBED", "_WARNED_STORED"):
         monkeypatch.setattr(frozen, learned, type(getattr(frozen, learned))())
 
 
@@ -742,11 +742,6 @@ def _count_stored_float_probes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return probes
 
 
-@pytest.mark.xfail(strict=True, reason="helper GP: since 8bdcf32 frozen._JUDGED keeps only the "
-                   "attributes of the last replayed probed call: a router storing a name that "
-                   "alternates between steps re-opens it every step, and is probed (a Python "
-                   "call per op) at every step forever (40 probed calls in 20 steps of 3 "
-                   "layers; 1 at 8bdcf32~1)")
 def test_a_router_storing_alternating_attribute_names_is_not_probed_at_every_step(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _forget_stored_floats(monkeypatch)
@@ -763,11 +758,6 @@ def test_a_router_storing_alternating_attribute_names_is_not_probed_at_every_ste
     assert probes[0] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="helper GP: since 8bdcf32 a storing function is probed "
-                   "until a probed call is replayed: in a grad-enabled evaluation loop (graphs "
-                   "dropped, no backward) every call but the first is probed (a Python call per "
-                   "op), forever (59 probed calls in 20 passes of 3 layers; 1 at 8bdcf32~1); "
-                   "docs say one replayed call, more where graphs are dropped")
 def test_a_storing_router_in_a_grad_enabled_evaluation_loop_is_probed_at_most_once_a_pass(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _forget_stored_floats(monkeypatch)
