@@ -203,8 +203,9 @@ _MAX_PROBED = 8
 
 
 def stores_floats(fn: Callable[..., Any], /) -> bool:
-    """Whether ``fn`` was seen storing a float on its module and no probe has watched it since
-    (NOTE [floats a reused fn stores on its module]): its next call is probed."""
+    """Whether ``fn``'s next call is probed for the floats it stores on its module (NOTE
+    [floats a reused fn stores on its module]): it stored one no replayed probed call of it
+    did, and fewer than _MAX_PROBED calls were probed since."""
     try:
         key = warned_key(fn)
         return key in _OPEN and _PROBED.get(key, 0) < _MAX_PROBED
