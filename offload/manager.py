@@ -358,9 +358,10 @@ class OffloadManager:
             hooks.__exit__()
             window.open_copies = None  # the graph's handles hold them from here on
         # NOTE: device tensors are released one window late (at the next window, the first
-        # restore in backward, or stats()): by then the copy has usually completed, and the
-        # caller has dropped its own reference to the window's inputs, so "still alive
-        # elsewhere" means something really keeps them.
+        # restore in backward, or stats()), or with the graph if it is dropped first (NOTE [a
+        # copy nobody needs is not held] in in_flight.py): by then the copy has usually
+        # completed, and the caller has dropped its own reference to the window's inputs, so
+        # "still alive elsewhere" means something really keeps them.
 
     # -- backward ----------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
