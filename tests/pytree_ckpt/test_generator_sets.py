@@ -1142,3 +1142,65 @@ def test_a_closure_over_a_frozen_base_that_forks_in_training_is_still_watched_af
             model.zero_grad(set_to_none=True)
         runs.append(seen)
     _assert_same_runs(*runs)
+
+
+class _FrozenBaseWithLoss(nn.Module):
+    """Prompt tuning: a frozen base (its dropout forks in training) and the loss module the
+    training script made (parameterless, not a child: ``model.eval()`` leaves it in training
+    mode), run by one checkpointed closure, after a trainable soft prompt held outside it."""
+
+    def __init__(self, tracker: list[_Tracker], criterion: nn.Module, checkpointed: bool
+                 ) -> None:
+        super().__init__()
+        self.adapter = nn.Linear(8, 8)  # the trainable prompt encoder, outside the closure
+        self.base = nn.ModuleList(_ForksInTraining(tracker) for _ in range(2))
+        self.base.requires_grad_(False)
+        self.checkpointed = checkpointed
+        self.criterion = [criterion]  # held outside the module tree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base, criterion = self.base, self.criterion[0]
+
+        def body(h: torch.Tensor) -> torch.Tensor:
+            for layer in base:
+                h = layer(h)
+            return criterion(h, torch.zeros_like(h)) * torch.ones(4, 8)
+
+        h = self.adapter(x)
+        return pytree_ckpt.checkpoint(body, h) if self.checkpointed else body(h)
+
+
+@pytest.mark.xfail(strict=True, reason="helper GQ: since 59f332a a closure holding only frozen "
+                   "modules asks all of them for training mode, and a parameterless loss module "
+                   "counts as one: left in training mode by model.eval(), it decides at a "
+                   "validation pass with grad on, so the frozen base's training forks go "
+                   "unwatched and the replay draws other dropout masks (wrong adapter grads; "
+                   "also wrong at 59f332a~1, which decided such closures at once)")
+def test_a_closure_over_a_frozen_base_and_a_training_mode_loss_module_is_still_watched(
+) -> None:
+    tracker: list[_Tracker] = []
+    torch.manual_seed(0)
+    eager = _FrozenBaseWithLoss(tracker, nn.SmoothL1Loss(), checkpointed=False)
+    ours = copy.deepcopy(eager)
+    ours.criterion = [nn.SmoothL1Loss()]
+    ours.checkpointed = True
+    ours_tracker = ours.base[0].tracker
+    for model in (eager, ours):  # a validation pass with grad on, before training
+        model.eval()
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        model.train()
+        model.zero_grad(set_to_none=True)
+    assert ours.criterion[0].training  # model.eval() did not reach it
+    runs = []
+    for model, shared in ((eager, tracker), (ours, ours_tracker)):
+        shared[:] = [_Tracker(123)]
+        torch.manual_seed(5)
+        seen = []
+        for _ in range(3):
+            model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
+            seen += [model.adapter.weight.grad.clone(), model.adapter.bias.grad.clone(),
+                     *(state.clone() for state in shared[0].states.values()),
+                     torch.get_rng_state()]
+            model.zero_grad(set_to_none=True)
+        runs.append(seen)
+    _assert_same_runs(*runs)
