@@ -221,13 +221,17 @@ _WARNED_STORED: weakref.WeakSet[Any] = weakref.WeakSet()
 def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded, /) -> None:
     """NOTE [floats a reused fn stores on its module], in the replay, where grad is on."""
     key = warned_key(fn)
-    if recorded.probed:
-        try:  # judged: its next calls are not probed, until it stores another attribute
+    try:
+        if recorded.probed:  # judged: its next calls are not probed, until it stores another
             _JUDGED[key] = _JUDGED.get(key, frozenset()) | \
                 frozenset(attribute for attribute, _ in recorded.stored)
             _OPEN.discard(key)
-        except TypeError:
-            pass
+        elif key in _OPEN:
+            # An unprobed call replayed: backward runs now (training began after a
+            # grad-enabled evaluation spent the probes: helper GQ), the next call is probed.
+            _PROBED[key] = 0
+    except TypeError:
+        pass
     if not recorded.stored or key in _WARNED_STORED or _decorated_without_grad(fn) or \
             _switches_grad_off(fn):
         return

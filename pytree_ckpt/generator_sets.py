@@ -285,8 +285,11 @@ def _in_training(fn: Any, holder: Any, /) -> bool:
     went unwatched; helper GN: with *every* module asked, a closure over a student and its
     frozen eval-mode teacher was watched at every pass; helper GO: with *any* module asked, a
     loss module left in training mode beside eval-mode layers decided at a validation pass).
-    One holding no trainable module asks the modules it holds (helper GP: a frozen base whose
-    dropout forks in training), and one holding no module decides at once."""
+    One holding no trainable module asks the modules it holds that have parameters (helper
+    GP: a frozen base whose dropout forks in training; helper GQ: not a parameterless loss
+    module beside it, left in training mode), else any it holds; one holding no module
+    decides at once. One holding only frozen modules kept in eval mode is watched at every
+    pass (a profile function each: documented)."""
     if isinstance(holder, _Module):
         return holder.training
     held: list[Any] = []
@@ -299,9 +302,11 @@ def _in_training(fn: Any, holder: Any, /) -> bool:
     if type(fn) is _Function and fn.__closure__:
         held += _closed_over(fn)
     modules = [value for value in held if isinstance(value, _Module)]
-    trainable = [module for module in modules
-                 if any(p.requires_grad for p in module.parameters())]
-    return not modules or any(module.training for module in trainable or modules)
+    weighted = [(module, [p.requires_grad for p in module.parameters()]) for module in modules]
+    trainable = [module for module, flags in weighted if any(flags)]
+    with_parameters = [module for module, flags in weighted if flags]
+    asked = trainable or with_parameters or modules
+    return not modules or any(module.training for module in asked)
 
 
 def replay_watch(recorded: list[tuple[torch.Generator, torch.Tensor]] | None, /

@@ -1170,12 +1170,6 @@ class _FrozenBaseWithLoss(nn.Module):
         return pytree_ckpt.checkpoint(body, h) if self.checkpointed else body(h)
 
 
-@pytest.mark.xfail(strict=True, reason="helper GQ: since 59f332a a closure holding only frozen "
-                   "modules asks all of them for training mode, and a parameterless loss module "
-                   "counts as one: left in training mode by model.eval(), it decides at a "
-                   "validation pass with grad on, so the frozen base's training forks go "
-                   "unwatched and the replay draws other dropout masks (wrong adapter grads; "
-                   "also wrong at 59f332a~1, which decided such closures at once)")
 def test_a_closure_over_a_frozen_base_and_a_training_mode_loss_module_is_still_watched(
 ) -> None:
     tracker: list[_Tracker] = []

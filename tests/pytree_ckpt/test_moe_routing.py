@@ -772,12 +772,6 @@ def test_a_storing_router_in_a_grad_enabled_evaluation_loop_is_probed_at_most_on
     assert probes[0] <= passes
 
 
-@pytest.mark.xfail(strict=True, reason="helper GQ: since 59f332a a storing function stays in "
-                   "frozen._OPEN with _PROBED at its cap after eight probed calls without a "
-                   "replay, and is never reopened: three grad-enabled evaluation passes of 3 "
-                   "layers before training leave a router keeping its gate's probs never probed "
-                   "again, so never warned, while the gate silently gets no gradient (warned at "
-                   "59f332a~1)")
 def test_a_router_keeping_its_probs_is_warned_of_after_a_grad_enabled_evaluation_loop(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _forget_stored_floats(monkeypatch)
