@@ -74,8 +74,8 @@ class _Attention(nn.Module):
 def _run(model: nn.Module, tracker: list[_Tracker], *, steps: int = 3,
          retain: bool = False, micro: bool = False,
          kind: type[_Tracker] = _Tracker) -> list[torch.Tensor]:
-    """Steps of training; what each leaves: every grad, the tracker's state and the default
-    generator's."""
+    """Steps of training; what each leaves: every trainable parameter's grad, the tracker's
+    state and the default generator's."""
     tracker[:] = [kind(123)]
     torch.manual_seed(5)
     seen = []
@@ -85,7 +85,8 @@ def _run(model: nn.Module, tracker: list[_Tracker], *, steps: int = 3,
                       for _ in range(2)]
             for loss in reversed(losses):
                 loss.backward()
-            seen += [p.grad.clone() for p in model.parameters()]
+            seen += [p.grad.clone() for p in model.parameters()
+                     if p.requires_grad]
             seen += [state.clone() for state in tracker[0].states.values()]
             seen += [torch.get_rng_state()]
             model.zero_grad(set_to_none=True)
@@ -94,7 +95,8 @@ def _run(model: nn.Module, tracker: list[_Tracker], *, steps: int = 3,
         loss.backward(retain_graph=retain)
         if retain:
             loss.backward()  # the replay runs again: the tracker must not move
-        seen += [p.grad.clone() for p in model.parameters()]
+        seen += [p.grad.clone() for p in model.parameters()
+                 if p.requires_grad]
         seen += [state.clone() for state in tracker[0].states.values()]
         seen += [torch.get_rng_state()]
         model.zero_grad(set_to_none=True)
@@ -694,6 +696,15 @@ class _ForksInTraining(_Attention):
         return x + h
 
 
+def _validate_with_grad(*models: nn.Module) -> None:
+    """A validation pass with grad on (eval mode, a backward), before training."""
+    for model in models:
+        model.eval()
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        model.train()
+        model.zero_grad(set_to_none=True)
+
+
 def test_a_layer_first_called_in_eval_mode_with_grad_is_still_watched_in_training() -> None:
     # Helper DH: the first pass decided for good; one made in eval mode (no fork there) left
     # the layer unwatched when training began.
@@ -704,11 +715,7 @@ def test_a_layer_first_called_in_eval_mode_with_grad_is_still_watched_in_trainin
     ours_tracker = ours[0].tracker
     pytree_ckpt.apply_activation_checkpointing(
         ours, check_fn=lambda m: isinstance(m, _ForksInTraining))
-    for model in (eager, ours):  # a validation pass with grad on, before training
-        model.eval()
-        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
-        model.train()
-        model.zero_grad(set_to_none=True)
+    _validate_with_grad(eager, ours)
     expected, got = _run(eager, tracker), _run(ours, ours_tracker)
     _assert_same_runs(expected, got)
 
@@ -982,11 +989,7 @@ def test_a_checkpointed_closure_first_called_in_eval_mode_with_grad_is_still_wat
     ours = copy.deepcopy(eager)
     ours.checkpointed = True
     ours_tracker = ours.layers[0].tracker
-    for model in (eager, ours):  # a validation pass with grad on, before training
-        model.eval()
-        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
-        model.train()
-        model.zero_grad(set_to_none=True)
+    _validate_with_grad(eager, ours)
     expected, got = _run(eager, tracker), _run(ours, ours_tracker)
     _assert_same_runs(expected, got)
 
@@ -1084,11 +1087,7 @@ def test_a_closure_over_eval_layers_and_a_training_mode_loss_module_is_still_wat
     ours.criterion = [nn.SmoothL1Loss()]
     ours.checkpointed = True
     ours_tracker = ours.layers[0].tracker
-    for model in (eager, ours):  # a validation pass with grad on, before training
-        model.eval()
-        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
-        model.train()
-        model.zero_grad(set_to_none=True)
+    _validate_with_grad(eager, ours)
     assert ours.criterion[0].training  # model.eval() did not reach it
     expected, got = _run(eager, tracker), _run(ours, ours_tracker)
     _assert_same_runs(expected, got)
@@ -1124,24 +1123,9 @@ def test_a_closure_over_a_frozen_base_that_forks_in_training_is_still_watched_af
     ours = copy.deepcopy(eager)
     ours.checkpointed = True
     ours_tracker = ours.base[0].tracker
-    for model in (eager, ours):  # a validation pass with grad on, before training
-        model.eval()
-        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
-        model.train()
-        model.zero_grad(set_to_none=True)
-    runs = []
-    for model, shared in ((eager, tracker), (ours, ours_tracker)):
-        shared[:] = [_Tracker(123)]
-        torch.manual_seed(5)
-        seen = []
-        for _ in range(3):
-            model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
-            seen += [model.adapter.weight.grad.clone(), model.adapter.bias.grad.clone(),
-                     *(state.clone() for state in shared[0].states.values()),
-                     torch.get_rng_state()]
-            model.zero_grad(set_to_none=True)
-        runs.append(seen)
-    _assert_same_runs(*runs)
+    _validate_with_grad(eager, ours)
+    expected, got = _run(eager, tracker), _run(ours, ours_tracker)
+    _assert_same_runs(expected, got)
 
 
 class _FrozenBaseWithLoss(nn.Module):
@@ -1179,22 +1163,7 @@ def test_a_closure_over_a_frozen_base_and_a_training_mode_loss_module_is_still_w
     ours.criterion = [nn.SmoothL1Loss()]
     ours.checkpointed = True
     ours_tracker = ours.base[0].tracker
-    for model in (eager, ours):  # a validation pass with grad on, before training
-        model.eval()
-        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
-        model.train()
-        model.zero_grad(set_to_none=True)
+    _validate_with_grad(eager, ours)
     assert ours.criterion[0].training  # model.eval() did not reach it
-    runs = []
-    for model, shared in ((eager, tracker), (ours, ours_tracker)):
-        shared[:] = [_Tracker(123)]
-        torch.manual_seed(5)
-        seen = []
-        for _ in range(3):
-            model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
-            seen += [model.adapter.weight.grad.clone(), model.adapter.bias.grad.clone(),
-                     *(state.clone() for state in shared[0].states.values()),
-                     torch.get_rng_state()]
-            model.zero_grad(set_to_none=True)
-        runs.append(seen)
-    _assert_same_runs(*runs)
+    expected, got = _run(eager, tracker), _run(ours, ours_tracker)
+    _assert_same_runs(expected, got)
