@@ -50,7 +50,7 @@ from .function_reach import unwrap_partials
 from .grad_reach import grad_reach
 from .tree import FlatTree, flatten, hidden_tensor, leaf_paths
 
-__all__ = ["GradProbe", "compiled", "probe_for"]
+__all__ = ["GradProbe", "probe_for"]
 
 
 class GradProbe(TorchFunctionMode):
@@ -142,7 +142,7 @@ def probe_for(fn: Callable[..., Any], call: FlatTree, /, *, stores: bool = False
     ``stores``: fn stores floats on its module, and its call is watched for them whatever
     rules 2 and 3 find (NOTE [floats a reused fn stores on its module] in frozen.py); not a
     compiled fn's."""
-    if compiled(fn):
+    if _compiled(fn):
         return None
     if stores:
         return GradProbe()
@@ -151,7 +151,7 @@ def probe_for(fn: Callable[..., Any], call: FlatTree, /, *, stores: bool = False
     return GradProbe() if grad_reach(fn, call) is None else None
 
 
-def compiled(fn: Any, /) -> bool:
+def _compiled(fn: Any, /) -> bool:
     """``fn`` is compiled (``torch.compile(f)``, a module after ``module.compile()``, a partial
     of either): dynamo would trace the mode (graph breaks; with fullgraph, an error: helper
     GD), so such a call is left to the static look."""
