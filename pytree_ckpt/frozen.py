@@ -141,10 +141,10 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     name, with what the grad probe saw it computed from. A function seen storing one is
     probed at its next calls until one of them is replayed (helper GO: a watched call whose
     graph was dropped, a dry run, a skipped step, left the function unwatched for good), eight
-    at most without one (a grad-enabled evaluation loop: helper GP), and again once it stores
-    an attribute no replayed probed call did (an aux loss switched on later), unless told
-    (``stores_floats``; where the static look finds a trainable
-    module too, or a tensor argument requires grad, unlike for its results, which rules 2 and
+    at most without one (a grad-enabled evaluation loop: helper GP), counted anew once an
+    unwatched call of it is replayed (helper GQ), and again once it stores an attribute no
+    replayed probed call did (an aux loss switched on later), unless told (``stores_floats``;
+    where the static look finds a trainable module too, or a tensor argument requires grad, unlike for its results, which rules 2 and
     3 judge without the probe): neither the look nor the arguments tell gate weights from a
     statistic (``bincount(ids).float()``, ``scores.detach()``: helper GN, warned falsely when
     they stood as evidence), the probe can. The replay, which sees the grad mode, warns once
