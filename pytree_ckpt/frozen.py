@@ -147,8 +147,8 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     where the static look finds a trainable module too, or a tensor argument requires grad,
     unlike for its results, which rules 2 and 3 judge without the probe): neither the look nor the
     arguments tell gate weights from a statistic (``bincount(ids).float()``, ``scores.detach()``:
-    helper GN, warned falsely when
-    they stood as evidence), the probe can. The replay, which sees the grad mode, warns once
+    helper GN, warned falsely when they stood as evidence), the probe can. The replay, which
+    sees the grad mode, warns once
     per function where the probe saw a stored float computed from a tensor that requires
     grad (``warn_stored_floats``); a call the probe did not watch (the function's first, a
     compiled function's: a documented limit) is not told. A warning, not a refusal, and none
