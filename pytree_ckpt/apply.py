@@ -68,6 +68,7 @@ def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager 
 @refuses_torch_options
 def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: bool = True,
                                    offload: bool | OffloadManager | None = None,
+                                   verify_replay: bool = False,
                                    check_fn: Callable[[nn.Module], bool] | None = None,
                                    checkpoint_wrapper_fn: None = None,
                                    auto_wrap_policy: None = None) -> nn.Module:
@@ -76,6 +77,9 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
     ``offload``: ``None`` reads ``XTUNER_ACTIVATION_OFFLOAD`` (``1``/``true`` on, ``0``/
     ``false``/unset off); ``True``/``False`` override it; a manager is used as given. With
     offload on, each call opens a window over the call's input tensor leaves.
+    ``verify_replay``: compare each replay's output values with its original pass's, bit for
+    bit (``ReplayMismatchError`` naming the output), to find a forward that reads state it
+    should not; costs a few reductions per output and a device sync per replay.
     ``check_fn``: as in torch.distributed's function of this name, checkpoint each module of
     ``module`` (itself included) for which it returns true, instead of ``module`` itself; one
     manager serves them all. Applying again with the same options is a no-op; with other
@@ -90,7 +94,7 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
                    "pass one module (checkpoint_layers(model.layers) takes a list of layers); "
                    "wrap a plain function with pytree_ckpt.checkpoint(fn, *args) instead")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
-                              offload=resolve_offload(offload))
+                              offload=resolve_offload(offload), verify_replay=verify_replay)
     if check_fn is None:
         warn_inside_torch_wrapper(module, [("", module)])
         return install_boundary(module, options)
@@ -367,21 +371,25 @@ def listed_layers(layers: Iterable[nn.Module], where: str, /) -> list[nn.Module]
 @refuses_torch_options
 def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
                       preserve_rng_state: bool = True,
-                      offload: bool | OffloadManager | None = None) -> list[int]:
+                      offload: bool | OffloadManager | None = None,
+                      verify_replay: bool = False) -> list[int]:
     """Checkpoint the first ``int(len(layers) * ratio)`` layers; return their indices.
 
-    ``offload`` is resolved once, so every layer shares one manager (one window numbering).
+    ``offload`` is resolved once, so every layer shares one manager (one window numbering);
+    ``verify_replay`` as in ``apply_activation_checkpointing``.
     """
     listed = listed_layers(layers, "checkpoint_layers")
     count = layer_count(len(listed), validate_ratio(ratio))
     refuse_checkpointed_beyond(listed, count, ratio)
     manager = resolve_offload(offload)
-    options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager)
+    options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager,
+                              verify_replay=verify_replay)
     for index, layer in enumerate(listed[:count]):  # before any changes: refused, none change
         refuse_other_options(layer, options, index=index)
     refuse_reentrant_torch_wrappers([(f"layers[{index}]", layer)
                                      for index, layer in enumerate(listed[:count])])
     for layer in listed[:count]:
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
-                                       offload=manager if manager is not None else False)
+                                       offload=manager if manager is not None else False,
+                                       verify_replay=verify_replay)
     return list(range(count))

@@ -25,6 +25,7 @@ from .keep import KeepPolicy
 from .kept_replay import KeptReplay
 from .module_state import ModuleDicts
 from .refusals import fn_name
+from .replay_values import OutputPrints
 from .rng import ReplayEnvironment
 from .shared_containers import unflatten_shared
 from .state_changes import ChangedState
@@ -51,14 +52,17 @@ class BoundaryOptions:
     call, so the inputs it saves (hidden states, top-k ids) go to host memory until backward.
     ``keep``: the ops whose outputs stay resident instead of being recomputed (save units);
     ``apply_recompute_config`` builds it from a ``RecomputeConfig``, not user code.
+    ``verify_replay``: compare the replay's output values with the forward's, bit for bit.
     """
 
     preserve_rng_state: bool = True
     offload: OffloadManager | None = None
     keep: KeepPolicy | None = None  # what stays resident (apply_recompute_config builds it)
+    verify_replay: bool = False  # NOTE [output prints] in replay_values.py
 
     def __post_init__(self) -> None:
         validate_bool(self.preserve_rng_state, name="preserve_rng_state")
+        validate_bool(self.verify_replay, name="verify_replay", default=False)
 
 
 DEFAULT_OPTIONS = BoundaryOptions()
@@ -76,7 +80,7 @@ class BoundaryCall:
                  "switches", "inference", "saved_versions", "unviewed", "kept_aliases", "marks",
                  "hook_dicts", "hook_tables", "hook_epoch", "replaying",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
-                 "generator_sets")
+                 "generator_sets", "prints")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -110,6 +114,7 @@ class BoundaryCall:
         self.out_leaves: Sequence[Any] = ()
         self.out_tensor_index: Sequence[int] = ()
         self.out_meta: Sequence[tuple[torch.Size, torch.dtype]] = ()
+        self.prints: OutputPrints | None = None  # verify_replay=True: NOTE [output prints]
         self.env: ReplayEnvironment | None = None
         # The caller's own args and kwargs, for the original pass only (then dropped): fn sees
         # the very containers it was given, as in eager; the replay gets rebuilt containers,

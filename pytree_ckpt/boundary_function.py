@@ -39,12 +39,13 @@ from .phase import ACTIVE, Invocation, Phase
 from .recompute import replay_backward
 from .refusals import (check_made_leaves, fn_name, raise_replay_reentered,
                        refuse_double_backward)
+from .replay_values import OutputPrints
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
                             versions)
 from .stored_state import warn_parameter_changed
 from .subclass import kind_of
-from .tree import flatten
+from .tree import flatten, leaf_paths
 from .tree_refusals import refuse_hidden_outputs, refuse_metadata_tensors, refuse_strided_nested
 
 __all__ = ["apply_function"]
@@ -250,6 +251,11 @@ class _BoundaryFunction(torch.autograd.Function):
             refuse_strided_nested(call.fn, flat.spec, flat.tensor_index, out_tensors,
                                   root="output")
             raise
+        if call.options.verify_replay:  # NOTE [output prints] (replay_values.py)
+            spec, places = flat.spec, flat.tensor_index
+            call.prints = OutputPrints.of(
+                out_tensors, lambda: [leaf_paths(spec, root="output")[i] for i in places],
+                fn=fn_name(call.fn))
         out_leaves = call.out_leaves = flat.leaves
         for index in flat.tensor_index:
             out_leaves[index] = None

@@ -226,11 +226,14 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
 @refuses_torch_options
 def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
-                 offload: bool | OffloadManager | None = None) -> Callable[..., T]:
+                 offload: bool | OffloadManager | None = None,
+                 verify_replay: bool = False) -> Callable[..., T]:
     """Return ``fn`` wrapped in a boundary with the given options.
 
     ``offload`` as in ``apply_activation_checkpointing``: ``None`` reads
     ``XTUNER_ACTIVATION_OFFLOAD`` now, ``True`` the process's default manager, ``False`` none.
+    ``verify_replay``: compare each replay's output values with its original pass's, bit for
+    bit (docs/boundary.md, "Checking that the replay computes what the forward did").
     """
     from .apply import resolve_offload  # imported at the call, as the layer entry points'
 
@@ -240,7 +243,7 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     if isinstance(fn, nn.Module):
         refuse_container(fn, "the wrapper would have nothing to run")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
-                              offload=resolve_offload(offload))
+                              offload=resolve_offload(offload), verify_replay=verify_replay)
 
     @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
     @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py

@@ -360,6 +360,10 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         raise
     flat = flatten(output)
     call.check_replay(flat.spec, flat.leaves, flat.tensor_index)
+    if call.prints is not None:  # verify_replay=True: NOTE [output prints] (replay_values.py)
+        call.prints.check([flat.leaves[i] for i in flat.tensor_index], lambda: [
+            leaf_paths(flat.spec, root="output")[i] for i in flat.tensor_index],
+            fn=fn_name(call.fn))
     outs, grads = [], []
     placed: list[tuple[int, torch.Tensor]] = []  # for a kept graph: by place in grad_outputs
     for place, (index, grad) in enumerate(zip(flat.tensor_index, grad_outputs)):

@@ -151,10 +151,11 @@ def _selected(config: RecomputeConfig, targets: RecomputeTargetMap) -> list[Save
 @refuses_torch_options
 def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                            targets: RecomputeTargetMap, /, *, preserve_rng_state: bool = True,
-                           offload: bool | OffloadManager | None = None) -> list[int]:
+                           offload: bool | OffloadManager | None = None,
+                           verify_replay: bool = False) -> list[int]:
     """Checkpoint the first ``int(n * config.ratio)`` layers keeping ``config.save``'s units.
 
-    Returns the indices of the checkpointed layers. ``offload`` as in
+    Returns the indices of the checkpointed layers. ``offload`` and ``verify_replay`` as in
     ``apply_activation_checkpointing``.
     """
     if not isinstance(config, RecomputeConfig):
@@ -225,7 +226,8 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                             description=", ".join(u.value for u in units),
                             units=unit_targets, layers=chosen)
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
-                              offload=resolve_offload(offload), keep=policy)
+                              offload=resolve_offload(offload), keep=policy,
+                              verify_replay=verify_replay)
     # Before anything changes: refused, nothing changes.
     for index, layer in enumerate(chosen):
         refuse_other_options(layer, options, index=index)

@@ -27,9 +27,10 @@ TORCH_OPTIONS = {
                   "RecomputeConfig(save=[...]) with KeptOps targets, applied to layers with "
                   "apply_recompute_config (docs/save_units.md)",
     "determinism_check": "drop determinism_check (the structure, shapes and dtypes of the "
-                         "replay's outputs are always checked: ReplayMismatchError; what the "
-                         "forward computes inside must depend only on its inputs and its "
-                         "modules' state: docs/limits.md)",
+                         "replay's outputs are always checked: ReplayMismatchError); pass "
+                         "verify_replay=True to compare their values too, bit for bit, which "
+                         "finds a forward that reads state other than its inputs and its "
+                         "modules' (docs/limits.md)",
     "debug": "drop debug (a replay that differs raises ReplayMismatchError naming the key path,"
              " and an error raised in the replay says it came from there)",
     "early_stop": "drop early_stop (the replay always reruns the whole forward; keep what is "

@@ -87,21 +87,22 @@ class GlmDsaForCausalLM(nn.Module):
 
     def checkpoint_layers(self, ratio: float = 1.0, *, mtp: bool = True,
                           offload: bool | OffloadManager | None = None,
-                          save: list[SaveUnit | str] | bool | None = None) -> list[int]:
+                          save: list[SaveUnit | str] | bool | None = None,
+                          verify_replay: bool = False) -> list[int]:
         """Checkpoint the first ``ratio`` of the decoder layers and, if ``mtp``, the MTP layers.
 
-        ``save``: the save units to keep resident (``RecomputeConfig.save``). ``offload`` as in
-        ``pytree_ckpt.apply_activation_checkpointing`` (``None`` reads
+        ``save``: the save units to keep resident (``RecomputeConfig.save``). ``offload`` and
+        ``verify_replay`` as in ``pytree_ckpt.apply_activation_checkpointing`` (``None`` reads
         XTUNER_ACTIVATION_OFFLOAD); resolved once, so all layers share one manager. Returns the
         indices of the checkpointed decoder layers.
         """
         manager = pytree_ckpt.resolve_offload(offload) or False
         targets = self.declared_targets()
         chosen = apply_recompute_config(self.layers, RecomputeConfig(ratio, save=save), targets,
-                                        offload=manager)
+                                        offload=manager, verify_replay=verify_replay)
         if mtp and len(self.mtp_layers):
             apply_recompute_config(self.mtp_layers, RecomputeConfig(1.0, save=save), targets,
-                                   offload=manager)
+                                   offload=manager, verify_replay=verify_replay)
         return chosen
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,

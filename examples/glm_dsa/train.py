@@ -3,7 +3,7 @@
     python -m examples.glm_dsa.train --steps 5 --ratio 1.0 [--no-reuse] [--moe] \\
         [--mtp-depth 2] [--seed 0] [--offload [--offload-min-bytes 1024]] \\
         [--save attn,dsa_indexer,moe_gate,moe_dispatch | --save all] [--discard-norms] \\
-        [--compile [--compile-backend inductor]]
+        [--verify-replay] [--compile [--compile-backend inductor]]
     torchrun --nproc-per-node N -m examples.glm_dsa.train --fsdp [--compile] [...]
     torchrun --nproc-per-node N -m examples.glm_dsa.train --ddp [...]
 
@@ -16,7 +16,9 @@ layers behind a checkpoint boundary (the MTP layer is checkpointed whenever ``ra
 with an ``offload.OffloadManager`` and prints what it moved per step; without it offload follows
 ``XTUNER_ACTIVATION_OFFLOAD`` as everywhere else. ``--save`` keeps save units resident inside
 the checkpointed layers (docs/save_units.md); ``--discard-norms`` frees the norms' outputs and
-rebuilds them before backward needs them (docs/discard.md). ``--compile`` compiles each layer's
+rebuilds them before backward needs them (docs/discard.md). ``--verify-replay`` compares each
+replay's outputs with the forward's, bit for bit, and stops at the first that differs (a
+debugging switch; docs/boundary.md). ``--compile`` compiles each layer's
 body before it is checkpointed (the boundary stays eager; see docs/scaling.md).
 
 Under torchrun, ``--fsdp`` shards every decoder and MTP layer, then the root, with FSDP2, and
@@ -69,6 +71,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save", type=_save_units, default=None, metavar="UNITS",
                         help="save units to keep resident, comma-separated ("
                              f"{', '.join(u.value for u in SaveUnit)}), or 'all' for the model's")
+    parser.add_argument("--verify-replay", action="store_true",
+                        help="compare each replay's outputs with the forward's, bit for bit "
+                             "(a debugging switch: a device sync per layer in backward)")
     parser.add_argument("--discard-norms", action="store_true",
                         help="output-discard replay of the norms (gradients equal to rounding)")
     parallel = parser.add_mutually_exclusive_group()
@@ -172,7 +177,7 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
                if args.offload else None)
     # None (no --offload) keeps the XTUNER_ACTIVATION_OFFLOAD behaviour.
     checkpointed = model.checkpoint_layers(args.ratio, mtp=args.ratio > 0, offload=manager,
-                                           save=args.save)
+                                           save=args.save, verify_replay=args.verify_replay)
     trained: torch.nn.Module = model
     if args.fsdp:
         # The root returns logits[None], a view; nothing modifies it in place.

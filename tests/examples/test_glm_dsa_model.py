@@ -228,20 +228,30 @@ def test_a_consumer_receives_the_storage_its_source_produced_in_forward_and_in_r
 # --------------------------------------------------------------------------- 4. why reuse
 
 
+class ErraticIndexers:
+    """Makes every DsaIndexer pick other keys on every call (as ties or a racy kernel could):
+    the n-th call since ``restart()`` adds noise seeded n."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = itertools.count()
+        original = DsaIndexer.forward
+
+        def erratic(indexer: DsaIndexer, hidden_states: torch.Tensor, q_latent: torch.Tensor,
+                    cu_seqlens: torch.Tensor) -> torch.Tensor:
+            generator = torch.Generator().manual_seed(next(self.calls))
+            noise = torch.randn(hidden_states.shape, generator=generator)
+            return original(indexer, hidden_states + 10 * noise, q_latent, cu_seqlens)
+
+        monkeypatch.setattr(DsaIndexer, "forward", erratic)
+
+    def restart(self) -> None:
+        self.calls = itertools.count()
+
+
 @pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # counting hooks
 def test_reuse_keeps_grads_exact_under_a_nondeterministic_indexer_and_a_direct_call_does_not(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # An indexer that picks other keys on every call (as ties or a racy kernel could).
-    calls = itertools.count()
-    original = DsaIndexer.forward
-
-    def erratic(self: DsaIndexer, hidden_states: torch.Tensor, q_latent: torch.Tensor,
-                cu_seqlens: torch.Tensor) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(next(calls))
-        noise = torch.randn(hidden_states.shape, generator=generator)
-        return original(self, hidden_states + 10 * noise, q_latent, cu_seqlens)
-
-    monkeypatch.setattr(DsaIndexer, "forward", erratic)
+    erratic = ErraticIndexers(monkeypatch)
     config, eager = build()
     batch = make_packed_batch(config, SEQ_LENS)
     indexer = eager.layers[0].self_attn.indexer
@@ -249,7 +259,7 @@ def test_reuse_keeps_grads_exact_under_a_nondeterministic_indexer_and_a_direct_c
             batch["cu_seqlens"])
     assert not torch.equal(indexer(*args), indexer(*args)), "the indexer must be erratic"
 
-    calls = itertools.count()
+    erratic.restart()
     eager_loss = train_step(eager, batch)
     expected = grads(eager)
     results = {}
@@ -259,7 +269,7 @@ def test_reuse_keeps_grads_exact_under_a_nondeterministic_indexer_and_a_direct_c
         for attn in (m for m in model.modules() if isinstance(m, attention_module.MlaAttention)):
             attn.reuse_indexer = reuse
         log = count_indexer_calls(model)
-        calls = itertools.count()  # the original pass sees the same ids as the eager run
+        erratic.restart()  # the original pass sees the same ids as the eager run
         assert torch.equal(train_step(model, batch, log=log), eager_loss)
         results[reuse] = (differing_grads(expected, grads(model)), log)
 

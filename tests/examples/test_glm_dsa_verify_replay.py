@@ -1,0 +1,85 @@
+"""The reference model under verify_replay=True: no false alarm with replay, save units and
+offload, and the silent case it exists for (an indexer rerun in the replay) refused."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from examples.glm_dsa import make_packed_batch
+from examples.glm_dsa import attention as attention_module
+from offload import OffloadConfig, OffloadManager
+from pytree_ckpt import ReplayMismatchError
+from pytree_ckpt.replay_values import OutputPrints
+from tests.examples.test_glm_dsa_model import (SEQ_LENS, ErraticIndexers, _one_thread,
+                                               assert_same_grads, build, differing_grads,
+                                               grads, train_step)
+
+__all__ = ["_one_thread"]  # the module-scoped one-thread fixture applies here too
+
+
+@pytest.mark.parametrize("save", [None, True])
+def test_replay_save_units_and_offload_pass_verification_with_eager_gradients(
+        save: bool | None) -> None:
+    config, eager = build(moe=True, dropout=0.2)
+    model = copy.deepcopy(eager)
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    model.checkpoint_layers(1.0, offload=manager, save=save, verify_replay=True)
+    batch = make_packed_batch(config, SEQ_LENS)
+    assert torch.equal(train_step(eager, batch), train_step(model, batch))
+    assert_same_grads(grads(eager), grads(model))
+    assert manager.stats()["offloaded_bytes"] > 0
+
+
+def test_an_erratic_indexer_rerun_in_the_replay_is_refused_and_its_replayed_ids_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # test_glm_dsa_model's test_reuse_keeps_grads_exact_under_a_nondeterministic_indexer...
+    # shows the direct call's gradients silently wrong; verify_replay turns that into an error.
+    erratic = ErraticIndexers(monkeypatch)
+    config, eager = build()
+    batch = make_packed_batch(config, SEQ_LENS)
+    erratic.restart()
+    eager_loss = train_step(eager, batch)
+    expected = grads(eager)
+    for reuse in (True, False):
+        model = copy.deepcopy(eager)
+        model.zero_grad(set_to_none=True)
+        model.checkpoint_layers(1.0, verify_replay=True)
+        for attn in (m for m in model.modules() if isinstance(m, attention_module.MlaAttention)):
+            attn.reuse_indexer = reuse
+        erratic.restart()  # the original pass sees the same ids as the eager run
+        if reuse:
+            assert torch.equal(train_step(model, batch), eager_loss)
+            assert differing_grads(expected, grads(model)) == []
+            continue
+        with pytest.raises(ReplayMismatchError) as raised:
+            train_step(model, batch)
+        message = str(raised.value)
+        # The MTP layer's replay runs first in backward; its indexer reran with other noise.
+        assert "in backward computed other values than its original pass at output" in message
+        assert "verify_replay=True compares them bit for bit" in message
+
+
+def test_the_training_script_with_verify_replay_trains_as_without_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.glm_dsa import train
+
+    made: list[bool] = []
+    original = OutputPrints.of.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[OutputPrints], *args: Any, **kwargs: Any) -> OutputPrints:
+        made.append(True)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(OutputPrints, "of", classmethod(counted))
+    plain = train.main(["--steps", "2", "--moe"])
+    assert made == []
+    verified = train.main(["--steps", "2", "--moe", "--verify-replay"])
+    assert verified == plain
+    # Two steps of eight decoder layers and two MTP depths, each printed once per call.
+    assert len(made) == 2 * (8 + 2)
+    assert "--verify-replay" in train.__doc__
+    capsys.readouterr()
