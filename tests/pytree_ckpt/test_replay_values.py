@@ -353,3 +353,97 @@ def test_torchs_determinism_check_names_verify_replay_as_its_replacement() -> No
     with pytest.raises(CheckpointConfigError) as raised:
         apply_activation_checkpointing(nn.Linear(2, 2), determinism_check="default")
     assert "pass verify_replay=True to compare their values too" in str(raised.value)
+
+
+# ------------------------------------------------------- the silent rows of docs/limits.md
+
+class _Cfg:
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+SETTINGS = _Cfg()  # a global setting the forward reads
+
+
+class _Layer(nn.Module):
+    def __init__(self, body: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.body = body
+
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return self.body(self.lin(x), *rest)
+
+
+class _DoubleLinear(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.nn.functional.linear else out
+
+
+def _plain_object_input(wrap: Callable[[Any], Any], x: torch.Tensor) -> Any:
+    cfg = _Cfg()
+    layer = _Layer(lambda h, c: h * c.scale)
+    y = wrap(layer)(x, cfg)
+    cfg.scale = 0.5  # "a plain object input whose ... attributes change before backward"
+    return layer, y
+
+
+def _inference_input_changed(wrap: Callable[[Any], Any], x: torch.Tensor) -> Any:
+    with torch.inference_mode():
+        table = torch.ones(4)
+    layer = _Layer(lambda h, t: (h + t).tanh())  # (h * t would save the inference tensor)
+    y = wrap(layer)(x, table)
+    with torch.inference_mode():
+        table.mul_(3)  # no version counter: nothing else can tell
+    return layer, y
+
+
+def _global_changed(wrap: Callable[[Any], Any], x: torch.Tensor) -> Any:
+    SETTINGS.scale = 1.0
+    layer = _Layer(lambda h: h * SETTINGS.scale)
+    y = wrap(layer)(x)
+    SETTINGS.scale = 2.0  # "state a call reads without changing it, changed before backward"
+    return layer, y
+
+
+def _unreached_generator(wrap: Callable[[Any], Any], x: torch.Tensor) -> Any:
+    gen = torch.Generator().manual_seed(0)  # the body's closure holds it: the replay draws on
+    layer = _Layer(lambda h: h * torch.rand(h.shape, generator=gen))
+    return layer, wrap(layer)(x)
+
+
+def _grad_mode_branch(wrap: Callable[[Any], Any], x: torch.Tensor) -> Any:
+    layer = _Layer(lambda h: h * 2 if torch.is_grad_enabled() else h)
+    return layer, wrap(layer)(x)
+
+
+def _mode_around_the_forward(wrap: Callable[[Any], Any], x: torch.Tensor) -> Any:
+    layer = _Layer(lambda h: h)
+    with _DoubleLinear():
+        y = wrap(layer)(x)
+    return layer, y
+
+
+@pytest.mark.parametrize("case", [_plain_object_input, _inference_input_changed,
+                                  _global_changed, _unreached_generator, _grad_mode_branch,
+                                  _mode_around_the_forward], ids=lambda case: case.__name__[1:])
+def test_silent_rows_of_the_limits_page_that_change_the_output_are_refused(
+        case: Callable[..., Any]) -> None:
+    # Each is a row of docs/limits.md marked silent; the limits page says verify_replay finds
+    # the rows whose replay computes other outputs than the forward.
+    results = []
+    x0 = torch.randn(3, 4)
+    for wrap in (lambda m: m, checkpointed):
+        x = x0.clone().requires_grad_()
+        layer, y = case(wrap, x)
+        y.pow(2).sum().backward()
+        results.append(grads_of([x, *layer.parameters()]))
+    # The premise: unchecked, the gradients differ from eager's with no error.
+    assert any(not torch.equal(a, b) for a, b in zip(*results) if a is not None)
+    x = torch.randn(3, 4, requires_grad=True)
+    layer, y = case(lambda m: checkpointed(m, verify_replay=True), x)
+    with pytest.raises(ReplayMismatchError, match="computed other values than its original"):
+        y.pow(2).sum().backward()
