@@ -13,7 +13,8 @@ import pytest
 
 from examples import bench_boundary
 
-EXPECTED_CONFIGS = {"ours", "ours (module)", "torch reentrant", "torch non-reentrant", "eager"}
+EXPECTED_CONFIGS = {"ours", "ours (module)", "ours (verify_replay)", "torch reentrant",
+                    "torch non-reentrant", "eager"}
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +131,24 @@ def test_sizes_naming_nothing_or_an_unknown_size_are_usage_errors_that_say_which
         bench_boundary.main(["--sizes", sizes])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_verify_replay_row_compares_each_layers_replay_and_only_that_row_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytree_ckpt.replay_values import OutputPrints
+
+    checked: list[str] = []
+    original = OutputPrints.check
+
+    def counted(self: OutputPrints, *args: Any, **kwargs: Any) -> None:
+        checked.append(kwargs["fn"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(OutputPrints, "check", counted)
+    bench = bench_boundary.Bench(bench_boundary.SIZES["small"])
+    for config in bench_boundary.CONFIGS:
+        if config != bench_boundary.OURS_VERIFY:
+            bench.step(config)
+    assert checked == []
+    bench.step(bench_boundary.OURS_VERIFY)
+    assert checked == ["DecoderBlock"] * bench_boundary.LAYERS
