@@ -154,5 +154,8 @@ class OutputPrints:
                 "and its modules' state (a call counter or flag in a global or a shared config "
                 "object): keep it on the layer, or pass it in as an input (docs/limits.md, "
                 "'State the forward changes'). Where the sums differ in their last digits "
-                "only, a nondeterministic kernel (atomic adds: index_add_, scatter_add_ on "
-                "CUDA) rounded otherwise: torch.use_deterministic_algorithms(True)")
+                "only, the passes rounded otherwise: a kernel chosen by grad mode, which the "
+                "original pass runs without (docs/limits.md, 'Float rounding and other "
+                "kernels': inductor in low precision, a padded LSTM on CPU), or a "
+                "nondeterministic one (atomic adds: index_add_, scatter_add_ on CUDA: "
+                "torch.use_deterministic_algorithms(True))")

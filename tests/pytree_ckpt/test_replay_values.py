@@ -165,6 +165,33 @@ def test_on_cuda_a_bf16_attention_layer_passes_verification_with_eager_gradients
     assert_same_grads(results[0], results[1])
 
 
+def test_a_padded_lstm_on_cpu_is_refused_until_onednn_is_off_around_the_forward() -> None:
+    # docs/limits.md, "Float rounding and other kernels": oneDNN takes another LSTM kernel
+    # under no-grad, so the passes differ in their last bits; the row's way out makes them one.
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, batch_first=True)
+    layer = checkpointed(lambda x: lstm(x)[0], verify_replay=True)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    with pytest.raises(ReplayMismatchError) as raised:
+        layer(x).sum().backward()
+    message = str(raised.value)
+    assert "the passes rounded otherwise: a kernel chosen by grad mode" in message
+    summed = [float(part.split("summing to ")[1].split("\n")[0])
+              for part in message.split("expected: ")[1].split("got:")]
+    assert summed[0] != summed[1] and summed[0] == pytest.approx(summed[1], rel=1e-6)
+    results = []
+    for run in (lambda t: lstm(t)[0], layer):
+        x.grad = None
+        lstm.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # oneDNN's TF32 note on builds without an Intel GPU
+            with torch.backends.mkldnn.flags(enabled=False):
+                y = run(x)
+        y.sum().backward()  # checkpointed: passes, and gives eager's gradients
+        results.append(grads_of([x, *lstm.parameters()]))
+    assert_same_grads(results[0], results[1])
+
+
 def test_a_batched_backward_compares_the_replay_and_gets_eager_gradients() -> None:
     # The replay runs under the vmap of torch.autograd.grad(..., is_grads_batched=True); its
     # outputs are not batched, so their prints compare as in a plain backward.
