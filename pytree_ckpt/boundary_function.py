@@ -133,7 +133,9 @@ class _BoundaryFunction(torch.autograd.Function):
                             stack.enter_context(sets)
                         if call.options.keep is not None:
                             keeping = stack.enter_context(
-                                KeepMode(call.options.keep, invocation, layer=call.fn))
+                                KeepMode(call.options.keep, invocation, layer=call.fn,
+                                         verify=call.options.verify_replay,
+                                         preserve_rng=preserve_rng))
                         if call.hooked:
                             recorded = stack.enter_context(recording())
                             flow = stack.enter_context(GradFlow())
@@ -252,9 +254,12 @@ class _BoundaryFunction(torch.autograd.Function):
                                   root="output")
             raise
         if call.options.verify_replay:  # NOTE [output prints] (replay_values.py)
-            spec, places = flat.spec, flat.tensor_index
+            spec, places, kept_hooks, owner = flat.spec, flat.tensor_index, \
+                call.hooked_outputs, call.owner
             call.prints = OutputPrints.of(
-                out_tensors, lambda: [leaf_paths(spec, root="output")[i] for i in places],
+                (*out_tensors, *extra), lambda: [
+                    *(leaf_paths(spec, root="output")[i] for i in places),
+                    *(kept_hooks.names(owner) if kept_hooks is not None else ())],
                 fn=fn_name(call.fn))
         out_leaves = call.out_leaves = flat.leaves
         for index in flat.tensor_index:

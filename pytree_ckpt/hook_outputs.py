@@ -439,6 +439,19 @@ class HookedOutputs:
         flats = [flatten(output).leaves for _, output in recorded]
         return [flats[call][index] for call, index in self.positions]
 
+    def names(self, owner: nn.Module | None, /) -> list[str]:
+        """How a message names each extra output: the hooked module's path, then the leaf."""
+        paths = {id(module): path for path, module in owner.named_modules()} \
+            if owner is not None else {}
+        named = []
+        for call, index in self.positions:
+            path = paths.get(self.modules[call])
+            module = "the layer itself" if path == "" else repr(path) if path else \
+                "a hooked module"
+            named.append(f"{module}'s {_leaf_path(self.specs[call], index)} (kept by a forward "
+                         "hook)")
+        return named
+
     def replayed(self, recorded: Sequence[tuple[nn.Module, Any]], name: str,
                  owner: nn.Module | None = None, /) -> list[torch.Tensor]:
         """The replay's counterparts, checked against what the original pass recorded

@@ -52,6 +52,7 @@ from .errors import CheckpointConfigError, CheckpointError
 from .kept_calls import call_arguments, for_backward, replay_may_take
 from . import module_state  # read at call time: module_state imports this module's users
 from .phase import Invocation, Phase
+from .replay_values import arguments_print, check_arguments
 from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
 from .unit_use import UnitUse
 
@@ -405,11 +406,15 @@ class KeepMode(TorchDispatchMode):
                 "for these, or wrap only the other layers), and recompute these layers in "
                 "full: the boundary itself (recompute and offload) runs them as eager does")
 
-    def __init__(self, policy: KeepPolicy, invocation: Invocation, /, *, layer: Any) -> None:
+    def __init__(self, policy: KeepPolicy, invocation: Invocation, /, *, layer: Any,
+                 verify: bool = False, preserve_rng: bool = True) -> None:
         super().__init__()
         self.policy = policy
         self.invocation = invocation
         self.layer = layer  # the boundary's fn, named when the replay is refused
+        # verify_replay=True: NOTE [the kept ops' arguments are verified too] (replay_values.py)
+        self.verify = verify
+        self.preserve_rng = preserve_rng
         # Original pass: the storages of kept outputs -> every (op, position in the frame) kept
         # on it, so that a later in-place change can take the records back (rule 3).
         # NOTE [kept outputs share storages]: several records may hold one storage without
@@ -476,7 +481,9 @@ class KeepMode(TorchDispatchMode):
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
             frame.record(func, (kept, [t._version for t in _tensors(kept)], holder,
-                                call_arguments(func, args, kwargs)), rng_after=rng_after,
+                                call_arguments(func, args, kwargs),
+                                arguments_print(_tensors((args, kwargs))) if self.verify
+                                else None), rng_after=rng_after,
                          generators_after=generators_after)
             position = len(frame.results[func]) - 1
             if not self.policy.use.settled:
@@ -502,7 +509,10 @@ class KeepMode(TorchDispatchMode):
         record = frame.take(func)
         if record is RECOMPUTE:  # changed in place later in the original pass (rule 3), or
             return func(*args, **kwargs)  # called otherwise (rule 5)
-        kept, versions, _, _ = record
+        kept, versions, _, _, prints = record
+        if prints is not None:  # NOTE [the kept ops' arguments are verified too]
+            check_arguments(prints, _tensors(for_backward(func, args, kwargs)), fn=self.layer,
+                            op=func, preserve_rng=self.preserve_rng)
         for tensor, version in zip(_tensors(kept), versions):
             if tensor._version != version:
                 raise CheckpointError(

@@ -298,8 +298,10 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                             stack.enter_context(_attributes_set(call.owner, call.attributes,
                                                                 aliases[call.n_inputs:]))
                         if call.options.keep is not None:
-                            stack.enter_context(KeepMode(call.options.keep, invocation,
-                                                         layer=call.fn))
+                            stack.enter_context(KeepMode(
+                                call.options.keep, invocation, layer=call.fn,
+                                verify=call.options.verify_replay,
+                                preserve_rng=call.options.preserve_rng_state))
                         if call.hooked_outputs is not None:
                             recorded = stack.enter_context(recording())
                         output = call.fn(*args, **kwargs)
@@ -360,10 +362,6 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         raise
     flat = flatten(output)
     call.check_replay(flat.spec, flat.leaves, flat.tensor_index)
-    if call.prints is not None:  # verify_replay=True: NOTE [output prints] (replay_values.py)
-        call.prints.check([flat.leaves[i] for i in flat.tensor_index], lambda: [
-            leaf_paths(flat.spec, root="output")[i] for i in flat.tensor_index],
-            fn=fn_name(call.fn))
     outs, grads = [], []
     placed: list[tuple[int, torch.Tensor]] = []  # for a kept graph: by place in grad_outputs
     for place, (index, grad) in enumerate(zip(flat.tensor_index, grad_outputs)):
@@ -375,6 +373,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             if grad is not None:
                 outs.append(out)
                 grads.append(grad)
+    extra: list[torch.Tensor] = []
     if call.hooked_outputs is not None:
         assert recorded is not None
         extra = call.hooked_outputs.replayed(recorded, fn_name(call.fn), call.owner)
@@ -387,6 +386,12 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 if grad is not None:
                     outs.append(out)
                     grads.append(grad)
+    if call.prints is not None:  # verify_replay=True: NOTE [output prints] (replay_values.py)
+        hooked, owner = call.hooked_outputs, call.owner
+        call.prints.check([*(flat.leaves[i] for i in flat.tensor_index), *extra], lambda: [
+            *(leaf_paths(flat.spec, root="output")[i] for i in flat.tensor_index),
+            *(hooked.names(owner) if hooked is not None else ())],
+            fn=fn_name(call.fn), preserve_rng=call.options.preserve_rng_state)
     # NOTE [a graph tensor a forward replaced] (state_changes.py)
     if call.changed_state is not None and call.changed_state.graph_read:
         refuse_graph_read(call.changed_state.graph_read, outs)

@@ -8,18 +8,21 @@ until backward would keep what checkpointing frees, so each output leaves a prin
 sums over its bits (the bits read as integers of the element's size, so any flipped bit counts,
 and integer sums give the same total in any order, on any kernel schedule), one plain, one
 with a pseudo-random weight per place (two different values swapped move it), and, for the
-message only, its values' sum. The replay's outputs get the same prints, compared in
-one ``torch.equal`` (one device sync per replay, on CUDA). Plain strided tensors are printed;
-an output of another layout or a tensor subclass is named in a warning at the call, and not
-compared. The check adds a few reductions per output in each pass, a few int64 temporaries of 8 MiB
-(the weights, made a chunk at a time) and a copy of an output that is not contiguous: a switch
-to find a cause, not to train with.
+message only, its values' sum and absolute sum (a difference within 1e-3 of the latter is
+named as float rounding, and the tip then leads with the kernels that cause it). The replay's
+outputs get the same prints, compared in one ``torch.equal`` (one device sync per replay, on
+CUDA). Plain strided tensors are printed; an output of another layout or a tensor subclass is
+named in a warning at the call, and not compared. The check adds a few reductions per output in
+each pass, a few int64 temporaries of 8 MiB (the weights, made a chunk at a time) and a copy of
+an output that is not contiguous: a switch to find a cause, not to train with.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +30,7 @@ from torch import nn
 from .eager import user_stacklevel
 from .errors import ReplayMismatchError
 
-__all__ = ["OutputPrints"]
+__all__ = ["OutputPrints", "arguments_print", "check_arguments"]
 
 # Signed integers of each element size: unsigned types lack reductions on some devices.
 _BITS_AS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -36,20 +39,32 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 # the place (place * constant) missed two rows of equal sums swapped: their change is the
 # difference of the rows' sums times one constant. Mixed, the weights have no such structure.
 _MIX = (-7046029254386353131, -4658895280553007687)
-_CHUNK = 1 << 20  # elements weighted at once: int64 temporaries of 8 MiB each
+_CHUNK = 1 << 20  # elements weighted at once (whole rows): int64 temporaries of 8 MiB each
 
 
 def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(bit sums, value sum)`` of ``t``, or None for a tensor that has no such print."""
+    """``(bit sums, value sums)`` of ``t``, or None for a tensor that has no such print."""
     if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized:
         return None
     t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
+    sums = _bit_sums(torch.view_as_real(t) if t.is_complex() else t)
+    return None if sums is None else (sums, _value_sums(t))
+
+
+def _value_sums(t: torch.Tensor, /) -> torch.Tensor:
+    """The values' sum and absolute sum, for the message (a complex tensor's complex sum)."""
+    wide = torch.complex128 if t.is_complex() else \
+        torch.float64 if t.is_floating_point() else torch.int64
     try:
-        value = t.sum(dtype=torch.float64 if t.is_floating_point() else torch.int64)
-    except RuntimeError:  # no sum kernel for the dtype (float8): the message's sum only
-        value = t.to(torch.float64).sum()
+        return torch.stack([t.sum(dtype=wide), (t if t.dtype is torch.bool else t.abs()).sum(
+            dtype=torch.float64 if t.is_complex() else wide).to(wide)])
+    except RuntimeError:  # no kernel for the dtype (float8): through the wide dtype
+        widened = t.to(wide)
+        return torch.stack([widened.sum(), widened.abs().sum().to(wide)])
+
+
+def _bit_sums(t: torch.Tensor, /) -> torch.Tensor | None:
+    """Two int64 sums over ``t``'s bits in row-major places: plain and weighted."""
     bits_as = _BITS_AS.get(t.element_size())
     if bits_as is None:
         return None
@@ -57,13 +72,25 @@ def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
         bits = t.view(bits_as)
     except RuntimeError:  # a dtype view does not support (sub-byte packed types)
         return None
-    flat = bits.reshape(-1)  # row-major places: a copy where the output is not contiguous
+    if bits.dim() == 0:
+        bits = bits.reshape(1)
+    # A chunk of whole rows at a time: an output that is not contiguous is copied a chunk at a
+    # time, not whole.
+    row = bits[0].numel() if bits.shape[0] else 1
+    rows = max(1, _CHUNK // max(row, 1))
+    plain = torch.zeros((), dtype=torch.int64, device=t.device)
     mixed = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, flat.numel(), _CHUNK):  # the weights' memory bounded by a chunk's
-        part = flat[start:start + _CHUNK]
-        mixed += (part * _weights(start, part.numel(), t.device)).sum()
-    sums = torch.stack([flat.sum(dtype=torch.int64), mixed])
-    return sums, value
+    for first in range(0, bits.shape[0], rows):
+        part = bits[first:first + rows].reshape(-1)
+        place = first * row
+        if bits_as is torch.int64:
+            # 8-byte elements as pairs of int32: a sign bit read in an int64 is worth 2**63,
+            # which wraps to itself in an int64 sum, so two sign flips left both sums as they
+            # were (a float64 output negated: helper GR).
+            part, place = part.view(torch.int32), 2 * place
+        plain += part.sum(dtype=torch.int64)
+        mixed += (part * _weights(place, part.numel(), t.device)).sum()
+    return torch.stack([plain, mixed])
 
 
 def _weights(start: int, count: int, device: torch.device, /) -> torch.Tensor:
@@ -73,16 +100,92 @@ def _weights(start: int, count: int, device: torch.device, /) -> torch.Tensor:
     return z ^ (z >> 27)
 
 
+_STATE = ("the forward read something that changed before backward outside its inputs and its "
+          "modules' state (a call counter or flag in a global or a shared config object): keep "
+          "it on the layer, or pass it in as an input (docs/limits.md, 'State the forward "
+          "changes')")
+_ROUNDING = ("the passes rounded otherwise: a kernel chosen by grad mode, which the original "
+             "pass runs without (docs/limits.md, 'Float rounding and other kernels': inductor "
+             "in low precision, a padded LSTM on CPU), or a nondeterministic one (atomic adds: "
+             "index_add_, scatter_add_ on CUDA: torch.use_deterministic_algorithms(True))")
+_RNG = ("preserve_rng_state=False, which lets the replay draw other random numbers than the "
+        "forward (dropout): leave it True")
+_UNWRITTEN = ("an output holding uninitialized memory, which its forward never wrote "
+              "(torch.empty or new_empty padding left as it was): fill it (torch.zeros), or run "
+              "under torch.use_deterministic_algorithms(True), which fills new memory with NaN "
+              "in both passes")
+
+
+def _broadcast_dims(t: torch.Tensor, /) -> tuple[int, ...]:
+    """The dimensions ``t`` repeats one slice along (stride 0: ``expand``, a broadcast mask)."""
+    return tuple(d for d, (size, stride) in enumerate(zip(t.shape, t.stride()))
+                 if stride == 0 and size > 1)
+
+
+def _slice(t: torch.Tensor, dims: tuple[int, ...], /) -> torch.Tensor:
+    """``t`` with ``dims`` narrowed to their first index: the one slice a broadcast repeats."""
+    for d in dims:
+        t = t.narrow(d, 0, 1)
+    return t
+
+
+# NOTE [the kept ops' arguments are verified too]: a save unit's kept op hands the replay the
+# original pass's output, so a replay that computes other values before it (a counter scaling
+# the attention's q) gives the layer the forward's output, whose print then agrees, while the
+# kept op's backward reads the replay's arguments: other gradients, silently (helper GR). Under
+# verify_replay each record keeps the bit sums of the op's tensor arguments, and the replay's
+# arguments are compared where the record is handed over.
+def arguments_print(tensors: Sequence[torch.Tensor], /) -> torch.Tensor | None:
+    """The bit sums of ``tensors`` (a kept op's tensor arguments: NOTE [output prints]), one
+    row each, zeros for one without a print; None for none."""
+    if not tensors:
+        return None
+    rows = []
+    with torch.no_grad():
+        for t in tensors:
+            made = _print(_slice(t, _broadcast_dims(t)))
+            rows.append(made[0] if made is not None else
+                        torch.zeros(2, dtype=torch.int64, device=t.device))
+    return torch.stack(rows)
+
+
+def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, *, fn: Any,
+                    op: Any, preserve_rng: bool) -> None:
+    """Refuse a kept op's replayed call whose tensor arguments (``tensors``) have other values
+    than the original pass's (``recorded``: their ``arguments_print``)."""
+    now = arguments_print(tensors)
+    if now is not None and now.shape == recorded.shape and torch.equal(now, recorded):
+        return
+    from .refusals import fn_name  # an error path: imported here, no cycle
+
+    differ = [i for i, (a, b) in enumerate(zip(recorded.tolist(), (
+        now.tolist() if now is not None else []))) if a != b] or [0]
+    causes = [_STATE, _ROUNDING]
+    if not preserve_rng:
+        causes.insert(0, _RNG)
+    raise ReplayMismatchError(
+        f"the replay of {fn_name(fn)} in backward called {op}, which a save unit keeps, on "
+        f"other values than its original pass did (tensor argument #{differ[0] + 1}): "
+        "verify_replay=True compares them bit for bit, and the kept op's backward would read "
+        "the replay's values beside the forward's output",
+        expected="the original pass's values", got="other values, of the same shapes and dtypes",
+        tip="most likely " + "; else ".join(causes))
+
+
 class OutputPrints:
     """The prints of one call's output tensors (NOTE [output prints])."""
 
-    __slots__ = ("positions", "sums", "values")
+    __slots__ = ("positions", "sums", "values", "broadcast")
 
     def __init__(self, positions: list[int], sums: torch.Tensor | None,
-                 values: list[torch.Tensor]) -> None:
+                 values: list[torch.Tensor], broadcast: dict[int, tuple[int, ...]]) -> None:
         self.positions = positions  # places in the output's tensor leaves that have a print
         self.sums = sums  # one row per printed output; None where none has a print
         self.values = values
+        # NOTE [output prints]: an output the forward broadcast (stride 0) is printed by the one
+        # slice it repeats, not by a copy of every place (a mask expanded to heads x tokens**2:
+        # about 1 GiB and 28 s on this CPU, helper GR); by place in the tensor leaves.
+        self.broadcast = broadcast
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
@@ -91,13 +194,17 @@ class OutputPrints:
         positions: list[int] = []
         sums: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
+        broadcast: dict[int, tuple[int, ...]] = {}
         unprinted: list[int] = []
         with torch.no_grad():
             for position, t in enumerate(tensors):
-                made = _print(t)
+                dims = _broadcast_dims(t)
+                made = _print(_slice(t, dims) if dims else t)
                 if made is None:
                     unprinted.append(position)
                     continue
+                if dims:
+                    broadcast[position] = dims
                 positions.append(position)
                 sums.append(made[0])
                 values.append(made[1])
@@ -111,19 +218,24 @@ class OutputPrints:
                 "the plain tensor (a subclass's local tensor, a nested tensor's values) to have "
                 "it compared, or leave verify_replay off for this layer",
                 stacklevel=user_stacklevel())
-        return cls(positions, torch.stack(sums) if sums else None, values)
+        return cls(positions, torch.stack(sums) if sums else None, values, broadcast)
 
     def check(self, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
-              fn: str) -> None:
+              fn: str, preserve_rng: bool) -> None:
         """Raise ``ReplayMismatchError`` naming the first replayed output whose print differs
         from the original pass's (``tensors``: the replay's, in the same places)."""
         if self.sums is None:
             return
         with torch.no_grad():
-            made = [_print(tensors[p]) for p in self.positions]
-            for position, m in zip(self.positions, made):
+            made = []
+            for position in self.positions:
+                t = tensors[position]
+                dims = self.broadcast.get(position, ())
+                if dims and not _repeats(t, dims):
+                    _raise_other_values(fn, paths()[position], "", t, None, None,
+                                        preserve_rng, broadcast=dims)
+                m = _print(_slice(t, dims) if dims else t)
                 if m is None:  # shapes and dtypes agree (the structure check): not the kind
-                    t = tensors[position]
                     raise ReplayMismatchError(
                         f"the replay of {fn} in backward returned another kind of tensor than "
                         f"its original pass at {paths()[position]}, whose values "
@@ -132,30 +244,66 @@ class OutputPrints:
                         got=f"{type(t).__name__} of layout {t.layout}",
                         tip="return the same kind of tensor in both passes (not one chosen by "
                             "current_phase() or grad mode)")
-            sums = torch.stack([m[0] for m in made if m is not None])
+                made.append(m)
+            sums = torch.stack([m[0] for m in made])
             if torch.equal(sums, self.sums):
                 return
             differ = (sums != self.sums).any(dim=1).tolist()
         first = differ.index(True)
         position = self.positions[first]
-        t = tensors[position]
-        replayed = made[first]
-        assert replayed is not None
         more = sum(differ) - 1
         also = f" (and {more} more output{'s' if more > 1 else ''})" if more else ""
+        _raise_other_values(fn, paths()[position], also, tensors[position], self.values[first],
+                            made[first][1], preserve_rng)
+
+
+def _repeats(t: torch.Tensor, dims: tuple[int, ...], /) -> bool:
+    """Whether ``t`` holds one slice repeated along ``dims`` (it does where it broadcasts)."""
+    if all(t.stride(d) == 0 for d in dims):
+        return True
+    return torch.equal(t, _slice(t, dims).expand_as(t))
+
+
+def _raise_other_values(fn: str, where: str, also: str, t: torch.Tensor,
+                        forward: torch.Tensor | None, replay: torch.Tensor | None,
+                        preserve_rng: bool, /, *, broadcast: tuple[int, ...] = (),
+                        kept: str = "") -> None:
+    """The ``ReplayMismatchError`` of an output (or, ``kept``, a kept op's argument) whose
+    values differ between the passes; the values' sums (``forward``, ``replay``) choose the
+    tip's first cause."""
+    state, rounding = _STATE, _ROUNDING
+    what = (f"the replay of {fn} in backward computed other values than its original pass at "
+            f"{where}{also}: verify_replay=True compares them bit for bit, and the gradients "
+            "would be those of other values than the forward " +
+            ("computed" if kept else "returned"))
+    if kept:
+        what = (f"the replay of {fn} in backward called {kept}, which a save unit keeps, on "
+                f"other values than its original pass did, at {where}: verify_replay=True "
+                "compares them bit for bit, and the kept op's backward would read the replay's "
+                "values against the forward's output")
+    if forward is None or replay is None:
         raise ReplayMismatchError(
-            f"the replay of {fn} in backward computed other values than its original pass at "
-            f"{paths()[position]}{also}: verify_replay=True compares them bit for bit, and the "
-            "gradients would be those of other values than the forward returned",
-            expected=f"the forward's Tensor(shape={tuple(t.shape)}, dtype={t.dtype}), values "
-                     f"summing to {self.values[first].item()!r}",
-            got=f"the replay's, summing to {replayed[1].item()!r}",
-            tip="the forward read something that changed before backward outside its inputs "
-                "and its modules' state (a call counter or flag in a global or a shared config "
-                "object): keep it on the layer, or pass it in as an input (docs/limits.md, "
-                "'State the forward changes'). Where the sums differ in their last digits "
-                "only, the passes rounded otherwise: a kernel chosen by grad mode, which the "
-                "original pass runs without (docs/limits.md, 'Float rounding and other "
-                "kernels': inductor in low precision, a padded LSTM on CPU), or a "
-                "nondeterministic one (atomic adds: index_add_, scatter_add_ on CUDA: "
-                "torch.use_deterministic_algorithms(True))")
+            what, expected=f"the forward's {where}, broadcast along dimension(s) "
+                           f"{list(broadcast)}: one slice repeated",
+            got="the replay's, which differs along them", tip=state)
+    (summed, absolute), (again, _) = forward.tolist(), replay.tolist()
+    absolute = abs(absolute)
+    floating = t.is_floating_point() or t.is_complex()
+    close = floating and summed != again and abs(summed - again) <= 1e-3 * absolute
+    causes = [state, rounding, _UNWRITTEN]
+    if not preserve_rng:
+        causes.insert(0, _RNG)
+    if not all(math.isfinite(abs(v)) for v in (summed, again)):
+        causes.remove(_UNWRITTEN)  # NaN or inf: more likely garbage than a counter
+        causes.insert(0, _UNWRITTEN)
+    elif close:
+        causes.remove(rounding)
+        causes.insert(0, rounding)
+    if close:
+        what += (f"; the sums differ by {abs(summed - again):.3g}, within 1e-3 of the values' "
+                 f"absolute sum ({absolute:.6g}), as float rounding does")
+    raise ReplayMismatchError(
+        what, expected=f"the forward's Tensor(shape={tuple(t.shape)}, dtype={t.dtype}), values "
+                       f"summing to {summed!r}",
+        got=f"the replay's, summing to {again!r}",
+        tip="most likely " + "; else ".join(causes))

@@ -86,7 +86,7 @@ def test_a_forward_reading_a_shared_counter_is_refused_naming_the_output_and_bot
                               "original pass at output['hidden'] (and 1 more output): ")
     assert f"values summing to {forward_sum!r}" in message
     assert f"the replay's, summing to {2 * forward_sum!r}" in message  # the counter doubled
-    assert "tip: the forward read something that changed" in message
+    assert "tip: most likely the forward read something that changed" in message
     assert "torch.use_deterministic_algorithms(True)" in message
     assert x.grad is None and all(p.grad is None for p in layer.parameters())
 
@@ -218,7 +218,8 @@ class _Sums(TorchDispatchMode):
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_the_prints_are_made_only_when_verify_replay_is_on(verify: bool) -> None:
-    # One output: its print is three sums (two over the bits, one of the values) in each pass.
+    # One output: its print is four sums (two over the bits, the values' and their absolute
+    # values') in each pass.
     layer = checkpointed(nn.Linear(5, 5), verify_replay=verify)
     x = torch.randn(3, 5, requires_grad=True)
     with _Sums() as counted:
@@ -227,7 +228,7 @@ def test_the_prints_are_made_only_when_verify_replay_is_on(verify: bool) -> None
     with _Sums() as counted:
         y.backward(torch.ones_like(y))
     # A Linear's forward sums nothing; its backward sums the bias's gradient, once.
-    assert (forward, counted.sums) == ((3, 4) if verify else (0, 1))
+    assert (forward, counted.sums) == ((4, 5) if verify else (0, 1))
 
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64,
@@ -382,6 +383,222 @@ def test_torchs_determinism_check_names_verify_replay_as_its_replacement() -> No
     assert "pass verify_replay=True to compare their values too" in str(raised.value)
 
 
+# ------------------------------------------------------------- helper GR's review
+
+class _ScaledRouter(nn.Module):
+    """A router whose logits read a counter on a shared config object (the silent case)."""
+
+    def __init__(self, shared: Config) -> None:
+        super().__init__()
+        self.gate = nn.Linear(6, 3)
+        self.config = shared
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.config.calls += 1
+        return self.gate(h) * self.config.calls
+
+
+class _Routed(nn.Module):
+    def __init__(self, shared: Config) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.router = _ScaledRouter(shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = self.router(h).argmax(-1)  # positive scale: the same ids in both passes
+        return h * (ids.unsqueeze(-1) + 1)
+
+
+def test_a_hooked_output_whose_replay_differs_is_refused() -> None:
+    # A forward hook keeping the router's logits as they are (the transformers router_logits
+    # pattern, which the hooks warning calls fine) makes them extra outputs of the boundary
+    # (NOTE [hooked outputs leave with gradients]): the aux loss built from them backpropagates
+    # through the replay. Here the logits read a shared counter, so the replay's are twice the
+    # forward's; the layer's own output does not see it (argmax of a positive scaling). Its
+    # print agrees, the hooked tensor has none, and the gradients differ from eager's with no
+    # error. Cause: OutputPrints.of / check get the flat outputs only, not the hooked extra
+    # tensors (boundary_function.py's `extra`, recompute.py's `hooked_outputs.replayed`).
+    def step(wrap: Callable[[nn.Module], Any]) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = _Routed(Config())
+        kept: list[torch.Tensor] = []
+        layer.router.register_forward_hook(lambda module, args, out: kept.append(out))
+        x = torch.randn(4, 6, requires_grad=True)
+        out = wrap(layer)(x)
+        (out.sum() + kept[0].pow(2).sum()).backward()
+        return grads_of([x, *layer.parameters()])
+
+    expected = step(lambda layer: layer)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+        unchecked = step(checkpointed)  # the premise: other gradients, no error
+        assert any(not torch.equal(a, b) for a, b in zip(expected, unchecked) if a is not None)
+        with pytest.raises(ReplayMismatchError) as raised:
+            step(lambda layer: checkpointed(layer, verify_replay=True))
+    assert "at 'router''s output (kept by a forward hook): " in str(raised.value)
+
+
+def test_a_float64_output_negated_in_the_replay_is_refused() -> None:
+    # A float64 read as int64 has its sign bit at 2**63: flipping it moves the element by
+    # 2**63, which is -2**63 modulo 2**64, so an even number of flips leaves the plain sum as it
+    # was, and the weighted one too whenever the flipped places' weights sum to an even number
+    # (half of all cases: here the 24 places of a (4, 6) output, and any two places whose
+    # weights have the same parity). A layer whose sign reads a shared counter then keeps the
+    # wrong gradients. Fix: read 8-byte elements as two int32 halves (no sum of them wraps).
+    shared = Config()
+
+    class Flipped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            shared.calls += 1
+            return self.lin(x) * (-1) ** shared.calls
+
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    out = checkpointed(Flipped(), verify_replay=True)(x)
+    with pytest.raises(ReplayMismatchError, match="other values"):
+        out.pow(3).sum().backward()
+
+
+def test_a_kept_op_whose_inputs_differ_in_the_replay_is_refused() -> None:
+    # docs/save_units.md's Window with a shared counter in place of the width: the replay's q is
+    # twice the forward's, of the same shape, so the save unit's own check (shapes, dtypes)
+    # hands each bmm its record; both products are the forward's, and so is the output, whose
+    # print agrees. The first bmm's backward then takes the replay's q, and the gradients are
+    # not eager's, with no error. A print of each kept op's tensor arguments at its record,
+    # compared where the replay is handed it, would see it (the layer's output cannot).
+    class Window(nn.Module):
+        def __init__(self, shared: Config) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+            self.config = shared
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            self.config.calls += 1
+            q = self.proj(h) * self.config.calls
+            return h + (q @ q.transpose(-1, -2)).softmax(-1) @ h
+
+    def step(checked: bool | None) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        window = Window(Config())
+        if checked is not None:
+            apply_recompute_config([window], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+                                   {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::bmm")},
+                                   verify_replay=checked)
+        x = torch.randn(2, 8, 32, requires_grad=True)
+        window(x).pow(2).sum().backward()
+        return grads_of([x, *window.parameters()])
+
+    expected = step(None)
+    # The premise: unchecked, the output agrees and the gradients do not, with no error.
+    assert any(not torch.equal(a, b) for a, b in zip(expected, step(False)) if a is not None)
+    with pytest.raises(ReplayMismatchError) as raised:
+        step(True)
+    message = str(raised.value)
+    assert "called aten.bmm.default, which a save unit keeps, on other values than its " \
+        "original pass did (tensor argument #1)" in message
+
+
+def test_a_complex_outputs_message_shows_its_complex_sum() -> None:
+    # _print takes view_as_real before the value sum, so the message's "summing to" adds the
+    # real and imaginary parts into one real number, which is no sum of the output's values
+    # (and can be equal in both passes where the values are not). Fix: sum the complex
+    # tensor itself (complex128) for the message, the bits over view_as_real as now.
+    shared = Config()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        shared.calls += 1
+        y = x * shared.calls
+        return torch.complex(y, -2 * y)
+
+    x = torch.tensor([1.0, 0.5, 0.75], requires_grad=True)
+    out = checkpointed(fn, verify_replay=True)(x)
+    assert complex(out.sum().item()) == complex(2.25, -4.5)
+    with pytest.raises(ReplayMismatchError) as raised:
+        out.real.sum().backward()
+    message = str(raised.value)
+    assert "values summing to (2.25-4.5j)" in message, message
+    assert "the replay's, summing to (4.5-9j)" in message, message
+
+
+def test_an_output_with_uninitialized_padding_is_refused_naming_that_memory() -> None:
+    # A dispatch that pads to a capacity with new_empty and writes the tokens' rows only (the
+    # rest never read: eager's gradients are right) returns other garbage in the replay, and
+    # verify_replay=True refuses it, rightly bit for bit, but the message shows "summing to
+    # nan" or 1e24 against the forward's and sends the user to a shared counter. Under
+    # torch.use_deterministic_algorithms(True) torch fills such memory with NaN in both passes
+    # and the layer passes: the tip could say so. (The garbage is whatever the allocator hands
+    # out: tried a few times, as it may be the same twice.)
+    def dispatch(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(2 * x.shape[0], x.shape[1])
+        out[:x.shape[0]] = x * 2
+        return out
+
+    for _ in range(5):
+        x = torch.randn(16, 8, requires_grad=True)
+        torch.full((32, 8), 7.0)  # freed: the forward's padding likely holds these bits
+        out = checkpointed(dispatch, verify_replay=True)(x)
+        torch.full((32, 8), 9.0)  # and the replay's these
+        try:
+            out[:16].sum().backward()
+        except ReplayMismatchError as raised:
+            message = str(raised)
+            break
+    else:
+        pytest.skip("the allocator handed out the same bits in both passes")
+    tip = message.split("tip: ")[1]  # the message names fn, whose path holds this test's name
+    assert "uninitialized" in tip or "fill_uninitialized_memory" in tip, message
+
+
+def test_a_random_layer_without_preserved_rng_is_told_the_option_is_the_cause() -> None:
+    # preserve_rng_state=False (an option of the same call) lets the replay draw another
+    # dropout mask: verify_replay=True rightly refuses it, but the tip names a shared counter
+    # or atomic adds on CUDA. The boundary knows its own options: the tip could say that
+    # random ops draw other numbers in the replay without preserve_rng_state=True (default).
+    layer = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5))
+    x = torch.randn(4, 6, requires_grad=True)
+    out = checkpointed(layer, preserve_rng_state=False, verify_replay=True)(x)
+    with pytest.raises(ReplayMismatchError) as raised:
+        out.sum().backward()
+    assert "preserve_rng_state" in str(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_torchs_layers_with_fast_paths_and_running_stats_pass_with_eager_gradients(
+        train: bool) -> None:
+    # nn.TransformerEncoderLayer would take its fused fast path under no-grad in eval mode (the
+    # original pass's mode; the boundary keeps it off), BatchNorm updates its running stats,
+    # and a nested checkpointed layer is replayed inside the replay: none of them makes
+    # verify_replay=True refuse, and the gradients are eager's. (Not an Embedding with
+    # max_norm: its replay renormalises the weight again, which is not idempotent in about
+    # one draw in eight, and is rightly refused then; the boundary warns about it.)
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+            self.norm = nn.BatchNorm1d(5)
+            self.inner = apply_activation_checkpointing(
+                nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2)), verify_replay=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.norm(self.enc(x * 2)))  # x * 2: no grad in the first pass
+
+    torch.manual_seed(0)
+    layer = Stack().train(train)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    results = []
+    for wrap in (lambda m: m, lambda m: checkpointed(m, verify_replay=True)):
+        model = copy.deepcopy(layer)
+        x.grad = None
+        torch.manual_seed(1)
+        wrap(model)(x).pow(2).sum().backward()
+        results.append(grads_of([x, *model.parameters()]))
+    assert_same_grads(results[0], results[1])
+
+
 # ------------------------------------------------------- the silent rows of docs/limits.md
 
 class _Cfg:
@@ -474,3 +691,82 @@ def test_silent_rows_of_the_limits_page_that_change_the_output_are_refused(
     layer, y = case(lambda m: checkpointed(m, verify_replay=True), x)
     with pytest.raises(ReplayMismatchError, match="computed other values than its original"):
         y.pow(2).sum().backward()
+
+
+# ------------------------------------------------------------------ broadcast outputs
+
+def test_a_broadcast_output_is_printed_by_the_one_slice_it_repeats(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mask expanded to (batch, heads, tokens, tokens) was copied whole for its print (about
+    # 1 GiB and 28 s for a 2048-token mask: helper GR); its stride-0 dimensions repeat one slice.
+    from pytree_ckpt import replay_values
+
+    printed: list[int] = []
+    original = replay_values._bit_sums
+
+    def counted(t: torch.Tensor) -> Any:
+        printed.append(t.numel())
+        return original(t)
+
+    monkeypatch.setattr(replay_values, "_bit_sums", counted)
+    mask = torch.rand(1, 1, 16, 16) > 0.5
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, mask.expand(4, 8, 16, 16)
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpointed(fn, verify_replay=True)(x)
+    out[0].sum().backward()
+    assert printed == [3, 16 * 16] * 2  # each pass: the float output, then the mask's slice
+
+
+@pytest.mark.parametrize("varies", [False, True])
+def test_a_replay_materializing_a_broadcast_output_is_compared_along_its_repeats(
+        varies: bool) -> None:
+    base = torch.randn(1, 5)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if pytree_ckpt.current_phase() != "recompute":
+            return x * 2, base.expand(4, 5)
+        made = base.repeat(4, 1)  # the same values, materialized ...
+        if varies:
+            made[2, 1] += 1  # ... or one place that differs from the slice the forward repeated
+        return x * 2, made
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpointed(fn, verify_replay=True)(x)
+    if not varies:
+        out[0].sum().backward()
+        assert torch.equal(x.grad, torch.full((3,), 2.0))
+        return
+    with pytest.raises(ReplayMismatchError) as raised:
+        out[0].sum().backward()
+    message = str(raised.value)
+    assert "at output[1]" in message
+    assert "expected: the forward's output[1], broadcast along dimension(s) [0]" in message
+
+
+def test_kept_ops_arguments_are_printed_only_under_verify_replay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytree_ckpt import keep, replay_values
+
+    calls: list[int] = []
+    original = replay_values.arguments_print
+
+    def counted(tensors: Any) -> Any:
+        calls.append(len(tensors))
+        return original(tensors)
+
+    monkeypatch.setattr(keep, "arguments_print", counted)  # the record's
+    monkeypatch.setattr(replay_values, "arguments_print", counted)  # the replay's
+    for verify in (False, True):
+        calls.clear()
+        torch.manual_seed(0)
+        layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))]
+        apply_recompute_config(layers, pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+                               {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")},
+                               verify_replay=verify)
+        layers[0](torch.randn(2, 4, requires_grad=True)).sum().backward()
+        # Two kept addmm calls, each with three tensor arguments: printed at the record and
+        # where the replay takes it.
+        assert calls == ([3, 3, 3, 3] if verify else [])
