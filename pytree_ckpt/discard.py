@@ -74,6 +74,7 @@ from .frames import callable_name
 from .generator_sets import replay_watch
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
+from .replay_values import OutputPrints
 from .rebound import Bound, modules_bound_now, refuse_rebound
 from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
@@ -127,10 +128,14 @@ def _apply(*args: Any) -> Any:
 class CheckpointWithoutOutput:
     """Run a cheap ``fn`` under no-grad now; free its output; rebuild it just before backward."""
 
-    def __init__(self, *, fp8: bool | str | None = False, preserve_rng_state: bool = True
-                 ) -> None:
+    def __init__(self, *, fp8: bool | str | None = False, preserve_rng_state: bool = True,
+                 verify_replay: bool = False) -> None:
         refuse_fp8(fp8)  # Megatron-Core's keyword: said, not swallowed
         self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
+        # The rebuilt outputs compared with the forward's, bit for bit (NOTE [output prints] in
+        # replay_values.py): printed before the discard frees them.
+        self.verify_replay = validate_bool(verify_replay, name="verify_replay", default=False)
+        self.prints: OutputPrints | None = None
         self.fn: Callable[..., Any] | None = None
         self.kwargs: dict[str, Any] = {}  # plain values only (checked in checkpoint())
         self.ctx: Any = None
@@ -271,10 +276,16 @@ class CheckpointWithoutOutput:
                     "them with pytree_ckpt.reuse_during_recompute inside a checkpoint")
         # Detached aliases: the same storages, without a grad_fn pointing back at our node.
         self.outputs = tuple(o.detach() for o in outputs)
+        if self.verify_replay:
+            self.prints = OutputPrints.of(self.outputs, self._paths, fn=self._name())
         self.versions = [o._version for o in self.outputs]  # they share the outputs' counters
         self.checkpointed = True
         # fn's own container: a list of outputs comes back a list (the Function returns a tuple)
         return outputs[0] if self.single else list(outputs) if self.as_list else outputs
+
+    def _paths(self) -> list[str]:
+        """How a message names each output."""
+        return ["output"] if self.single else [f"output[{i}]" for i in range(len(self.outputs))]
 
     def _found_reachable(self, fn: Callable[..., Any], args: tuple[Any, ...]
                          ) -> list[torch.Tensor]:
@@ -467,6 +478,10 @@ class CheckpointWithoutOutput:
                     expected=f"{tuple(original.shape)} {original.dtype}",
                     got=f"{tuple(new.shape)} {new.dtype}",
                     tip="a discarded op must be deterministic in shape")
+        if self.prints is not None:  # before any refill: a refused rebuild changes nothing
+            self.prints.check(outputs, self._paths, fn=self._name(),
+                              preserve_rng=self.preserve_rng_state)
+        for original, new, size in zip(self.outputs, outputs, sizes):
             if size:
                 storage = original.untyped_storage()
                 storage.resize_(size)

@@ -23,8 +23,10 @@ __all__ = ["CheckpointWithoutOutputManager"]
 class CheckpointWithoutOutputManager:
     """Several chained checkpoints, discarded together, replayed in forward order by one hook."""
 
-    def __init__(self, *, preserve_rng_state: bool = True) -> None:
+    def __init__(self, *, preserve_rng_state: bool = True, verify_replay: bool = False) -> None:
         self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
+        # Each checkpoint's rebuild compared with its forward (CheckpointWithoutOutput's option).
+        self.verify_replay = validate_bool(verify_replay, name="verify_replay", default=False)
         self.checkpoints: list[CheckpointWithoutOutput] = []
         self.replay_order: list[int] = []  # indices, in the order replays happened
         self.registered = False
@@ -42,7 +44,8 @@ class CheckpointWithoutOutputManager:
                     "builds one for each); inside "
                     "checkpointed layers, whose replays run in reverse order, a block cannot "
                     "span layers: block_size=1")
-        ckpt = CheckpointWithoutOutput(preserve_rng_state=self.preserve_rng_state)
+        ckpt = CheckpointWithoutOutput(preserve_rng_state=self.preserve_rng_state,
+                                       verify_replay=self.verify_replay)
         self.checkpoints.append(ckpt)
         return ckpt.checkpoint(fn, *args, **kwargs)
 

@@ -770,3 +770,74 @@ def test_kept_ops_arguments_are_printed_only_under_verify_replay(
         # Two kept addmm calls, each with three tensor arguments: printed at the record and
         # where the replay takes it.
         assert calls == ([3, 3, 3, 3] if verify else [])
+
+
+# ------------------------------------------------------------------- output discard
+
+class _ScaledNorm(nn.Module):
+    """A norm whose output reads a global setting (the silent case, in a discarded op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) * SETTINGS.scale
+
+
+def _discard_step(make: Callable[[], Any] | None) -> list[torch.Tensor | None]:
+    """One step of a norm (discarded unless ``make`` is None) feeding a projection, with the
+    setting changed between forward and backward."""
+    torch.manual_seed(0)
+    norm, proj = _ScaledNorm(), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    SETTINGS.scale = 1.0
+    if make is None:
+        out = proj(norm(x))
+    else:
+        ckpt = make()
+        out = proj(ckpt.checkpoint(norm, x))
+        ckpt.discard_output_and_register_recompute(out)
+    SETTINGS.scale = 3.0
+    out.pow(2).sum().backward()
+    return grads_of([x, *norm.parameters(), *proj.parameters()])
+
+
+def test_an_output_discard_whose_rebuild_differs_is_refused_under_verify_replay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SETTINGS, "scale", 1.0)  # put back after the test
+    expected = _discard_step(None)
+    # The premise: the rebuild reads the changed setting, and the gradients differ silently.
+    unchecked = _discard_step(pytree_ckpt.CheckpointWithoutOutput)
+    assert any(not torch.equal(a, b) for a, b in zip(expected, unchecked) if a is not None)
+    with pytest.raises(ReplayMismatchError) as raised:
+        _discard_step(lambda: pytree_ckpt.CheckpointWithoutOutput(verify_replay=True))
+    message = str(raised.value)
+    assert message.startswith("the replay of _ScaledNorm in backward computed other values "
+                              "than its original pass at output: ")
+
+
+class _Unified:
+    """A manager's checkpoint, discarded through the manager (its unified hook)."""
+
+    def __init__(self, **options: Any) -> None:
+        self.manager = pytree_ckpt.CheckpointWithoutOutputManager(**options)
+
+    def checkpoint(self, fn: Any, *args: Any) -> Any:
+        return self.manager.checkpoint(fn, *args)
+
+    def discard_output_and_register_recompute(self, hook: torch.Tensor) -> None:
+        self.manager.discard_all_outputs_and_register_unified_recompute(hook)
+
+
+def test_a_discard_managers_checkpoints_verify_their_rebuilds_and_pass_when_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SETTINGS, "scale", 1.0)  # put back after the test
+    with pytest.raises(ReplayMismatchError, match="other values than its original pass"):
+        _discard_step(lambda: _Unified(verify_replay=True))
+    # A correct op (the setting not read) passes, with the gradients of the unchecked run.
+    monkeypatch.setattr(_ScaledNorm, "forward", lambda self, x: self.norm(x))
+    assert_same_grads(_discard_step(lambda: _Unified()),
+                      _discard_step(lambda: _Unified(verify_replay=True)))
+    with pytest.raises(CheckpointConfigError, match="verify_replay takes a bool"):
+        pytree_ckpt.CheckpointWithoutOutputManager(verify_replay="yes")  # type: ignore[arg-type]
