@@ -446,9 +446,9 @@ class HookedOutputs:
         named = []
         for call, index in self.positions:
             path = paths.get(self.modules[call])
-            module = "the layer itself" if path == "" else repr(path) if path else \
+            module = "the layer itself" if path == "" else f"submodule {path!r}" if path else \
                 "a hooked module"
-            named.append(f"{module}'s {_leaf_path(self.specs[call], index)} (kept by a forward "
+            named.append(f"{_leaf_path(self.specs[call], index)} of {module} (kept by a forward "
                          "hook)")
         return named
 

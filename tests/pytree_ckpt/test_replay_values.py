@@ -436,7 +436,7 @@ def test_a_hooked_output_whose_replay_differs_is_refused() -> None:
         assert any(not torch.equal(a, b) for a, b in zip(expected, unchecked) if a is not None)
         with pytest.raises(ReplayMismatchError) as raised:
             step(lambda layer: checkpointed(layer, verify_replay=True))
-    assert "at 'router''s output (kept by a forward hook): " in str(raised.value)
+    assert "at output of submodule 'router' (kept by a forward hook): " in str(raised.value)
 
 
 def test_a_float64_output_negated_in_the_replay_is_refused() -> None:
