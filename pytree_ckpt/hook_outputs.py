@@ -448,8 +448,11 @@ class HookedOutputs:
             path = paths.get(self.modules[call])
             module = "the layer itself" if path == "" else f"submodule {path!r}" if path else \
                 "a hooked module"
+            # A module called several times (a shared gate): which of its calls.
+            calls = [c for c, m in enumerate(self.modules) if m == self.modules[call]]
+            which = f", call {calls.index(call) + 1} of {len(calls)}" if len(calls) > 1 else ""
             named.append(f"{_leaf_path(self.specs[call], index)} of {module} (kept by a forward "
-                         "hook)")
+                         f"hook{which})")
         return named
 
     def replayed(self, recorded: Sequence[tuple[nn.Module, Any]], name: str,

@@ -46,7 +46,8 @@ def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(bit sums, value sums)`` of ``t``, or None for a tensor that has no such print."""
     if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized:
         return None
-    t = t.detach()
+    # A conjugate or negative view holds its values' other bits: resolved (a copy) first.
+    t = t.detach().resolve_conj().resolve_neg()
     sums = _bit_sums(torch.view_as_real(t) if t.is_complex() else t)
     return None if sums is None else (sums, _value_sums(t))
 
@@ -65,12 +66,8 @@ def _value_sums(t: torch.Tensor, /) -> torch.Tensor:
 
 def _bit_sums(t: torch.Tensor, /) -> torch.Tensor | None:
     """Two int64 sums over ``t``'s bits in row-major places: plain and weighted."""
-    bits_as = _BITS_AS.get(t.element_size())
-    if bits_as is None:
-        return None
-    try:
-        bits = t.view(bits_as)
-    except RuntimeError:  # a dtype view does not support (sub-byte packed types)
+    bits = _as_bits(t)
+    if bits is None:
         return None
     if bits.dim() == 0:
         bits = bits.reshape(1)
@@ -83,7 +80,7 @@ def _bit_sums(t: torch.Tensor, /) -> torch.Tensor | None:
     for first in range(0, bits.shape[0], rows):
         part = bits[first:first + rows].reshape(-1)
         place = first * row
-        if bits_as is torch.int64:
+        if bits.element_size() == 8:
             # 8-byte elements as pairs of int32: a sign bit read in an int64 is worth 2**63,
             # which wraps to itself in an int64 sum, so two sign flips left both sums as they
             # were (a float64 output negated: helper GR).
@@ -110,6 +107,11 @@ _ROUNDING = ("the passes rounded otherwise: a kernel chosen by grad mode, which 
              "index_add_, scatter_add_ on CUDA: torch.use_deterministic_algorithms(True))")
 _RNG = ("preserve_rng_state=False, which lets the replay draw other random numbers than the "
         "forward (dropout): leave it True")
+_UNWRITTEN_ARGUMENT = ("a buffer the kept op fills, made uninitialized (torch.scatter into "
+                       "torch.empty_like: other garbage in each pass, which the op overwrites): "
+                       "make it with torch.zeros_like, or run under "
+                       "torch.use_deterministic_algorithms(True), which fills new memory with "
+                       "NaN in both passes")
 _UNWRITTEN = ("an output holding uninitialized memory, which its forward never wrote "
               "(torch.empty or new_empty padding left as it was): fill it (torch.zeros), or run "
               "under torch.use_deterministic_algorithms(True), which fills new memory with NaN "
@@ -117,7 +119,10 @@ _UNWRITTEN = ("an output holding uninitialized memory, which its forward never w
 
 
 def _broadcast_dims(t: torch.Tensor, /) -> tuple[int, ...]:
-    """The dimensions ``t`` repeats one slice along (stride 0: ``expand``, a broadcast mask)."""
+    """The dimensions ``t`` repeats one slice along (stride 0: ``expand``, a broadcast mask);
+    none for a tensor of another layout (a sparse COO tensor reports strides of 0 too)."""
+    if t.layout is not torch.strided or type(t) not in _PLAIN:
+        return ()
     return tuple(d for d, (size, stride) in enumerate(zip(t.shape, t.stride()))
                  if stride == 0 and size > 1)
 
@@ -146,7 +151,14 @@ def arguments_print(tensors: Sequence[torch.Tensor], /) -> torch.Tensor | None:
             made = _print(_slice(t, _broadcast_dims(t)))
             rows.append(made[0] if made is not None else
                         torch.zeros(2, dtype=torch.int64, device=t.device))
-    return torch.stack(rows)
+    return _stacked(rows)
+
+
+def _stacked(rows: Sequence[torch.Tensor], /) -> torch.Tensor:
+    """``rows`` stacked on one device: the first accelerator's among them, else the CPU (a CPU
+    scalar tensor beside CUDA ones: helper GS)."""
+    device = next((r.device for r in rows if r.device.type != "cpu"), rows[0].device)
+    return torch.stack([r.to(device) for r in rows])
 
 
 def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, *, fn: Any,
@@ -160,14 +172,20 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
 
     differ = [i for i, (a, b) in enumerate(zip(recorded.tolist(), (
         now.tolist() if now is not None else []))) if a != b] or [0]
-    causes = [_STATE, _ROUNDING]
+    t = tensors[differ[0]] if differ[0] < len(tensors) else None
+    causes = [_STATE, _ROUNDING, _UNWRITTEN_ARGUMENT]
+    if t is not None and (t.is_floating_point() or t.is_complex()) and \
+            not bool(torch.isfinite(t).all()):
+        causes.remove(_UNWRITTEN_ARGUMENT)  # NaN or inf: more likely garbage than a counter
+        causes.insert(0, _UNWRITTEN_ARGUMENT)
     if not preserve_rng:
         causes.insert(0, _RNG)
     raise ReplayMismatchError(
         f"the replay of {fn_name(fn)} in backward called {op}, which a save unit keeps, on "
-        f"other values than its original pass did (tensor argument #{differ[0] + 1}): "
-        "verify_replay=True compares them bit for bit, and the kept op's backward would read "
-        "the replay's values beside the forward's output",
+        f"other values than its original pass did (tensor argument {differ[0] + 1} of "
+        f"{len(recorded)}, in call order): verify_replay=True "
+        "compares them bit for bit, and the kept op's backward may read the replay's values "
+        "beside the forward's output",
         expected="the original pass's values", got="other values, of the same shapes and dtypes",
         tip="most likely " + "; else ".join(causes))
 
@@ -218,7 +236,7 @@ class OutputPrints:
                 "the plain tensor (a subclass's local tensor, a nested tensor's values) to have "
                 "it compared, or leave verify_replay off for this layer",
                 stacklevel=user_stacklevel())
-        return cls(positions, torch.stack(sums) if sums else None, values, broadcast)
+        return cls(positions, _stacked(sums) if sums else None, values, broadcast)
 
     def check(self, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
               fn: str, preserve_rng: bool) -> None:
@@ -245,7 +263,7 @@ class OutputPrints:
                         tip="return the same kind of tensor in both passes (not one chosen by "
                             "current_phase() or grad mode)")
                 made.append(m)
-            sums = torch.stack([m[0] for m in made])
+            sums = _stacked([m[0] for m in made])
             if torch.equal(sums, self.sums):
                 return
             differ = (sums != self.sums).any(dim=1).tolist()
@@ -261,26 +279,32 @@ def _repeats(t: torch.Tensor, dims: tuple[int, ...], /) -> bool:
     """Whether ``t`` holds one slice repeated along ``dims`` (it does where it broadcasts)."""
     if all(t.stride(d) == 0 for d in dims):
         return True
-    return torch.equal(t, _slice(t, dims).expand_as(t))
+    bits = _as_bits(t.detach().resolve_conj().resolve_neg())
+    # Bit for bit, as the prints compare: a NaN repeated is the same slice, -0.0 is not 0.0.
+    return bits is not None and torch.equal(bits, _slice(bits, dims).expand_as(bits))
+
+
+def _as_bits(t: torch.Tensor, /) -> torch.Tensor | None:
+    """``t``'s bits as integers of its element's size (a complex tensor's real view's)."""
+    t = torch.view_as_real(t) if t.is_complex() else t
+    bits_as = _BITS_AS.get(t.element_size())
+    if bits_as is None:
+        return None
+    try:
+        return t.view(bits_as)
+    except RuntimeError:  # a dtype view does not support (sub-byte packed types)
+        return None
 
 
 def _raise_other_values(fn: str, where: str, also: str, t: torch.Tensor,
                         forward: torch.Tensor | None, replay: torch.Tensor | None,
-                        preserve_rng: bool, /, *, broadcast: tuple[int, ...] = (),
-                        kept: str = "") -> None:
-    """The ``ReplayMismatchError`` of an output (or, ``kept``, a kept op's argument) whose
-    values differ between the passes; the values' sums (``forward``, ``replay``) choose the
-    tip's first cause."""
+                        preserve_rng: bool, /, *, broadcast: tuple[int, ...] = ()) -> None:
+    """The ``ReplayMismatchError`` of an output whose values differ between the passes; the
+    values' sums (``forward``, ``replay``) choose the tip's first cause."""
     state, rounding = _STATE, _ROUNDING
     what = (f"the replay of {fn} in backward computed other values than its original pass at "
             f"{where}{also}: verify_replay=True compares them bit for bit, and the gradients "
-            "would be those of other values than the forward " +
-            ("computed" if kept else "returned"))
-    if kept:
-        what = (f"the replay of {fn} in backward called {kept}, which a save unit keeps, on "
-                f"other values than its original pass did, at {where}: verify_replay=True "
-                "compares them bit for bit, and the kept op's backward would read the replay's "
-                "values against the forward's output")
+            "would be those of other values than the forward returned")
     if forward is None or replay is None:
         raise ReplayMismatchError(
             what, expected=f"the forward's {where}, broadcast along dimension(s) "

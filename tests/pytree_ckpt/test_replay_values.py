@@ -499,7 +499,7 @@ def test_a_kept_op_whose_inputs_differ_in_the_replay_is_refused() -> None:
         step(True)
     message = str(raised.value)
     assert "called aten.bmm.default, which a save unit keeps, on other values than its " \
-        "original pass did (tensor argument #1)" in message
+        "original pass did (tensor argument 1 of 2, in call order)" in message
 
 
 def test_a_complex_outputs_message_shows_its_complex_sum() -> None:
@@ -841,3 +841,232 @@ def test_a_discard_managers_checkpoints_verify_their_rebuilds_and_pass_when_exac
                       _discard_step(lambda: _Unified(verify_replay=True)))
     with pytest.raises(CheckpointConfigError, match="verify_replay takes a bool"):
         pytree_ckpt.CheckpointWithoutOutputManager(verify_replay="yes")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- helper GS's review
+
+def _sparse_coo(y: torch.Tensor) -> torch.Tensor:
+    return y.detach().to_sparse()
+
+
+def _sparse_csr(y: torch.Tensor) -> torch.Tensor:
+    return y.detach().to_sparse_csr()
+
+
+def _mkldnn(y: torch.Tensor) -> torch.Tensor:
+    return y.detach().to_mkldnn()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's own
+@pytest.mark.parametrize("make", [_sparse_coo, _sparse_csr, _mkldnn],
+                         ids=lambda make: make.__name__[1:])
+def test_an_output_of_another_layout_is_named_in_the_warning_not_a_crash_of_the_forward(
+        make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    # Guards against (helper GS) _broadcast_dims reading the strides of a tensor of another
+    # layout: a sparse COO tensor reports (0, 0), so _slice narrowed it (aten::as_strided,
+    # which SparseCPU lacks), a CSR one raised "Sparse CSR tensors do not have strides", and
+    # mkldnn has no as_strided either: the forward crashed where it should warn.
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        return y, make(y)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"output\[1\] .* not compared"):
+        out = checkpointed(fn, verify_replay=True)(x)
+    out[0].sum().backward()
+    assert torch.equal(x.grad, torch.full((3, 4), 2.0))
+
+
+def test_a_kept_op_taking_a_sparse_argument_passes_verification() -> None:
+    # A graph convolution, torch.sparse.mm(adj, h), dispatches aten._sparse_addmm(zeros, adj,
+    # h): kept by a save unit, its record prints its tensor arguments. Guards against (helper
+    # GS) the sparse adj's strides, (0, 0), read as broadcast dimensions and narrowed: a crash
+    # in the forward. It gets a print of zeros, as any argument _print cannot print.
+    class Graph(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(adj, self.lin(x)).relu()
+
+    def step(verify: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = Graph()
+        apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]), {
+            pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::_sparse_addmm")},
+            verify_replay=verify)
+        x = torch.randn(5, 4, requires_grad=True)
+        adj = (torch.rand(5, 5) > 0.5).float().to_sparse()
+        layer(x, adj).pow(2).sum().backward()
+        return grads_of([x, *layer.parameters()])
+
+    assert_same_grads(step(False), step(True))
+
+
+class _Permute(nn.Module):
+    """MoE-style dispatch: tokens sorted by expert with a functional scatter into an empty
+    buffer whose every row the scatter writes (its output holds no uninitialized memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.up = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = self.gate(x).argmax(-1).argsort(stable=True)
+        dest = torch.empty_like(order).scatter(0, order, torch.arange(len(order)))
+        h = self.up(x)
+        return torch.scatter(torch.empty_like(h), 0, dest.unsqueeze(-1).expand_as(h), h).tanh()
+
+
+def test_a_kept_op_on_an_empty_buffer_it_fills_is_not_sent_to_a_shared_counter() -> None:
+    # The scatter's output is the same in both passes, and so are the gradients (scatter's
+    # backward never reads `self`): the output check passes. Kept by a save unit, its first
+    # argument, the empty buffer, holds other garbage in each pass, and check_arguments refuses
+    # it (it cannot know which arguments the op's backward reads). Guards against (helper GS)
+    # a tip naming only a shared counter and rounding: it names the uninitialized buffer and
+    # torch.use_deterministic_algorithms(True), which makes this layer pass (torch fills new
+    # memory with NaN in both passes). (The garbage is whatever the allocator hands out: tried
+    # a few times.)
+    kept = {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::scatter.src")}
+    for _ in range(5):
+        torch.manual_seed(0)
+        layer = _Permute()
+        apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]), kept,
+                               verify_replay=True)
+        x = torch.randn(64, 8, requires_grad=True)
+        out = layer(x)
+        torch.full((64, 8), 7.0), torch.full((64, 8), 9.0)  # freed: other bits for the replay
+        try:
+            out.pow(2).sum().backward()
+        except ReplayMismatchError as raised:
+            message = str(raised)
+            break
+    else:
+        pytest.skip("the allocator handed out the same bits in both passes")
+    assert "aten.scatter.src" in message
+    tip = message.split("tip: ")[1]
+    assert "uninitialized" in tip, message
+
+
+class _ConjOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w).conj()  # a conjugate view: torch sets the conj bit, copies nothing
+
+
+class _ConjArgument(_ConjOut):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w.conj()).abs()  # mm's second argument has the conj bit
+
+
+@pytest.mark.parametrize("kind", [_ConjOut, _ConjArgument], ids=["output", "kept_argument"])
+def test_a_conjugate_view_is_printed_not_a_crash(kind: type[nn.Module]) -> None:
+    # Guards against (helper GS) torch.view_as_real(t) of a conjugate view ("view_as_real
+    # doesn't work on unresolved conjugated tensors"): a layer returning z.conj() failed its
+    # forward under verify_replay=True, and so did a save unit keeping aten::mm called on
+    # w.conj(). _print resolves the conjugate (a copy only where the bit is set) and a negative
+    # view (z.conj().imag, which t.view(int32) refused: "not compared", wrongly).
+    def step(verify: bool | None) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = kind()
+        if verify is not None:
+            apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]), {
+                pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::mm")}, verify_replay=verify)
+        x = torch.randn(2, 4, dtype=torch.complex64, requires_grad=True)
+        layer(x).abs().pow(2).sum().backward()
+        return grads_of([x, *layer.parameters()])
+
+    assert_same_grads(step(None), step(True))
+
+
+def test_a_kept_ops_arguments_on_two_devices_are_printed() -> None:
+    # torch lets a 0-dim CPU tensor join a CUDA op (x * torch.tensor(0.5), torch.where(mask,
+    # scores, torch.tensor(-inf)), lerp's weight): the kept op's arguments then live on two
+    # devices. Guards against (helper GS) arguments_print stacking rows made on each tensor's
+    # device ("Expected all tensors to be on the same device" at the record, in the forward).
+    # No CUDA here: the meta device stands in for it, as torch lets a CPU scalar tensor join a
+    # meta op too.
+    from pytree_ckpt.replay_values import arguments_print
+
+    scores = torch.ones(2, 3, device="meta")
+    fill = torch.tensor(float("-inf"))
+    assert (scores * fill).device.type == "meta"  # the op itself accepts the pair
+    made = arguments_print([scores, fill])
+    assert made is not None and made.shape == (2, 2)
+
+
+@pytest.mark.parametrize("case", ["nan repeated", "signed zero"])
+def test_a_materialized_broadcast_output_is_compared_along_its_repeats_bit_for_bit(
+        case: str) -> None:
+    # The forward returns a slice broadcast (stride 0), the replay the same slice materialized
+    # (_repeats). Guards against (helper GS) comparing values with torch.equal: NaN is unequal
+    # to itself, so a replay repeating a NaN exactly was refused, and -0.0 equals 0.0, so a
+    # repeat holding -0.0 where the slice has 0.0 passed (copysign, atan2 and 1/x see the
+    # sign). The bits are compared.
+    value = float("nan") if case == "nan repeated" else 0.0
+    base = torch.tensor([[1.0, value, 2.0]])
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if pytree_ckpt.current_phase() != "recompute":
+            return x * 2, base.expand(4, 3)
+        made = base.repeat(4, 1)
+        if case == "signed zero":
+            made[2, 1] = -0.0
+        return x * 2, made
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpointed(fn, verify_replay=True)(x)
+    if case == "nan repeated":
+        out[0].sum().backward()  # the same bits in every repeat: passes
+        assert torch.equal(x.grad, torch.full((3,), 2.0))
+    else:
+        with pytest.raises(ReplayMismatchError, match=r"at output\[1\]"):
+            out[0].sum().backward()
+
+
+class _Gate(nn.Module):
+    """A gate called twice per forward; only the second call reads the shared counter."""
+
+    def __init__(self, shared: Config) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 3)
+        self.config = shared
+
+    def forward(self, h: torch.Tensor, counted: bool) -> torch.Tensor:
+        self.config.calls += 1
+        return self.proj(h) * (self.config.calls if counted else 1)
+
+
+class _TwiceGated(nn.Module):
+    def __init__(self, shared: Config) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.gate = _Gate(shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = self.gate(h, False).argmax(-1) + self.gate(h, True).argmax(-1)
+        return h * (ids.unsqueeze(-1) + 1)
+
+
+def test_a_hooked_output_that_differs_is_named_with_its_call_of_the_module() -> None:
+    # The gate runs twice in the layer; a hook keeps both outputs (two extra outputs of the
+    # boundary). Only the second call's differs in the replay. Guards against (helper GS) a
+    # message naming both calls alike: the call's number among the module's calls is named.
+    layer = _TwiceGated(Config())
+    kept: list[torch.Tensor] = []
+    layer.gate.register_forward_hook(lambda module, args, out: kept.append(out))
+    x = torch.randn(4, 6, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+        out = checkpointed(layer, verify_replay=True)(x)
+        with pytest.raises(ReplayMismatchError) as raised:
+            (out.sum() + kept[1].pow(2).sum()).backward()
+    message = str(raised.value)
+    assert "at output of submodule 'gate' (kept by a forward hook, call 2 of 2)" in message
+    assert "(and " not in message.split("\n")[0]
