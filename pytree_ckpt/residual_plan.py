@@ -12,7 +12,7 @@ import torch
 
 from .discard_manager import CheckpointWithoutOutputManager
 from .discard_refusals import refuse_fp8
-from .errors import CheckpointConfigError
+from .errors import CheckpointConfigError, validate_bool
 
 __all__ = ["ResidualStreamRecomputeContext", "build_residual_stream_recompute_plan"]
 
@@ -69,6 +69,7 @@ class ResidualStreamRecomputeContext:
 def build_residual_stream_recompute_plan(
         num_layers: int, block_size: int | None, *,
         atomic_layer_pairs: Iterable[tuple[int, int]] = (),
+        verify_replay: bool = False,
 ) -> list[ResidualStreamRecomputeContext]:
     """One context per layer; layers of a block share a manager; pairs never split. The
     signature is Megatron-Core's (both arguments may be given by name).
@@ -79,7 +80,10 @@ def build_residual_stream_recompute_plan(
     ``block_size=None`` makes the whole stack one block. A pair ``(a, b)`` keeps layers
     ``a..b`` in one block even when that exceeds ``block_size`` (``block_size=1`` included).
     No layers (a pipeline stage without local layers) is an empty plan, as in Megatron-Core.
+    ``verify_replay``: each block's manager compares its rebuilt outputs with the forward's
+    (``CheckpointWithoutOutputManager(verify_replay=True)``); not Megatron-Core's.
     """
+    validate_bool(verify_replay, name="verify_replay", default=False)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
         raise CheckpointConfigError("num_layers must be an int >= 0", expected=">= 0",
                                     got=repr(num_layers), tip="pass the number of layers")
@@ -126,7 +130,7 @@ def build_residual_stream_recompute_plan(
             blocks.append(list(unit))
     plan = []
     for block_index, block in enumerate(blocks):
-        manager = CheckpointWithoutOutputManager()
+        manager = CheckpointWithoutOutputManager(verify_replay=verify_replay)
         for layer in block:
             plan.append(ResidualStreamRecomputeContext(
                 layer_index=layer, block_index=block_index, manager=manager,

@@ -1070,3 +1070,34 @@ def test_a_hooked_output_that_differs_is_named_with_its_call_of_the_module() -> 
     message = str(raised.value)
     assert "at output of submodule 'gate' (kept by a forward hook, call 2 of 2)" in message
     assert "(and " not in message.split("\n")[0]
+
+
+def test_a_residual_stream_plan_verifies_each_blocks_rebuilds_when_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Megatron-Core's plan builds the managers itself: the option reaches them through it.
+    monkeypatch.setattr(SETTINGS, "scale", 1.0)
+
+    def step(verify: bool | None) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        norms = nn.ModuleList(_ScaledNorm() for _ in range(2))
+        h = torch.randn(4, 8, requires_grad=True)
+        if verify is None:  # eager
+            for norm in norms:
+                h = h + norm(h).tanh()
+        else:
+            plan = pytree_ckpt.build_residual_stream_recompute_plan(2, 2, verify_replay=verify)
+            assert all(ctx.manager.verify_replay is verify for ctx in plan)
+            for ctx, norm in zip(plan, norms):
+                h = h + ctx.checkpoint(norm, h).tanh()
+                ctx.finalize(h)
+        SETTINGS.scale = 2.0
+        h.sum().backward()
+        SETTINGS.scale = 1.0
+        return grads_of(list(norms.parameters()))
+
+    # Unchecked, the rebuild reads the changed setting: other gradients, no error.
+    assert any(not torch.equal(a, b) for a, b in zip(step(None), step(False)))
+    with pytest.raises(ReplayMismatchError, match="other values than its original pass"):
+        step(True)
+    with pytest.raises(CheckpointConfigError, match="verify_replay takes a bool"):
+        pytree_ckpt.build_residual_stream_recompute_plan(2, 1, verify_replay=None)  # type: ignore
