@@ -79,7 +79,8 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
     offload on, each call opens a window over the call's input tensor leaves.
     ``verify_replay``: compare each replay's output values with its original pass's, bit for
     bit (``ReplayMismatchError`` naming the output), to find a forward that reads state it
-    should not; costs a few reductions per output and a device sync per replay.
+    should not; costs a few reductions per output in each pass (a chunk at a time) and a
+    device sync per replay.
     ``check_fn``: as in torch.distributed's function of this name, checkpoint each module of
     ``module`` (itself included) for which it returns true, instead of ``module`` itself; one
     manager serves them all. Applying again with the same options is a no-op; with other

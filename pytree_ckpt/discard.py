@@ -126,7 +126,14 @@ def _apply(*args: Any) -> Any:
 
 
 class CheckpointWithoutOutput:
-    """Run a cheap ``fn`` under no-grad now; free its output; rebuild it just before backward."""
+    """Run a cheap ``fn`` under no-grad now; free its output; rebuild it just before backward.
+
+    ``preserve_rng_state``: the rebuild draws the forward's random numbers. ``verify_replay``:
+    compare each rebuilt output with the forward's, bit for bit, before refilling it
+    (``ReplayMismatchError`` naming the output), to find an ``fn`` that reads state changed
+    since; a debugging switch (docs/boundary.md, "Checking that the replay computes what the
+    forward did"). ``fp8``: Megatron-Core's keyword, off only (False or None).
+    """
 
     def __init__(self, *, fp8: bool | str | None = False, preserve_rng_state: bool = True,
                  verify_replay: bool = False) -> None:

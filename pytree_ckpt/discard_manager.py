@@ -21,7 +21,11 @@ __all__ = ["CheckpointWithoutOutputManager"]
 
 
 class CheckpointWithoutOutputManager:
-    """Several chained checkpoints, discarded together, replayed in forward order by one hook."""
+    """Several chained checkpoints, discarded together, replayed in forward order by one hook.
+
+    ``preserve_rng_state`` and ``verify_replay`` go to each of its checkpoints, as
+    ``CheckpointWithoutOutput``'s.
+    """
 
     def __init__(self, *, preserve_rng_state: bool = True, verify_replay: bool = False) -> None:
         self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")

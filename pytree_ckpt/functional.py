@@ -23,7 +23,8 @@ from .errors import CheckpointConfigError, require_callable
 from .module_state import owning_module
 from .phase import Phase, current_phase
 from .refusals import fn_name, refuse_container
-from .torch_options import TORCH_OPTIONS, refuses_torch_options, torch_options_tip
+from .torch_options import (BOUNDARY_OPTIONS, TORCH_OPTIONS, refuses_torch_options,
+                            torch_options_tip)
 from .tree import flatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
@@ -192,16 +193,19 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     if isinstance(fn, nn.Module) and type(fn).forward is nn.Module.forward:
         # torch's own "missing the required forward function" otherwise, naming no fix
         refuse_container(fn, "checkpoint would have nothing to run")
-    # Code moved over from torch.utils.checkpoint passes its options as keywords.
-    torch_options = sorted(TORCH_OPTIONS.keys() & kwargs.keys()) if kwargs else []
+    # Code moved over from torch.utils.checkpoint passes its options as keywords, and a
+    # boundary option (verify_replay=True) given here reads as one for the boundary.
+    torch_options = sorted((TORCH_OPTIONS.keys() | BOUNDARY_OPTIONS.keys()) & kwargs.keys()) \
+        if kwargs else []
     swallowed = _swallowed(fn, torch_options) if torch_options else []
     if swallowed:
         # A forward taking **kwargs (a transformers decoder layer) takes them silently; one
         # that names such a keyword means its own, and one that takes none raises (noted below).
         warnings.warn(
             f"pytree_ckpt.checkpoint passes every keyword to fn, so {fn_name(fn)} receives "
-            f"{swallowed} in its **kwargs: options of torch.utils.checkpoint, which mean "
-            f"nothing here. Tip: {torch_options_tip(swallowed)}",
+            f"{swallowed} in its **kwargs: options of a checkpoint (torch.utils.checkpoint's, "
+            f"or checkpointed's), which checkpoint() does not take. Tip: "
+            f"{torch_options_tip(swallowed)}",
             stacklevel=user_stacklevel())
     _tell_env_offload_unused(fn)
     try:
@@ -211,7 +215,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
             # In the message, not a note: loggers and trainers record str(error) only.
             raise TypeError(
                 f"{error}: pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} "
-                f"included (torch.utils.checkpoint's options). Tip: "
+                f"included (options of a checkpoint, which checkpoint() does not take). Tip: "
                 f"{torch_options_tip(torch_options)}.") from error
         if args and isinstance(args[0], bool) and "positional argument" in str(error):
             # Megatron-Core's tensor_parallel.checkpoint(fn, distribute_saved_activations,

@@ -43,51 +43,63 @@ _CHUNK = 1 << 20  # elements weighted at once (whole rows): int64 temporaries of
 
 
 def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(bit sums, value sums)`` of ``t``, or None for a tensor that has no such print."""
-    if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized:
-        return None
+    """``(bit sums, value sums)`` of ``t``, or None for a tensor that has no such print.
+
+    One pass over ``t``, a chunk of whole rows at a time: the temporaries (an output that is
+    not contiguous copied, its values widened for their sums, the weights) are a chunk's, not
+    the output's (whole-output float64 copies took 4x a bf16 output: helper GU)."""
+    if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized or t.is_meta:
+        return None  # (a meta tensor has no values, and torch.equal no meta kernel)
     # A conjugate or negative view holds its values' other bits: resolved (a copy) first.
     t = t.detach().resolve_conj().resolve_neg()
-    sums = _bit_sums(torch.view_as_real(t) if t.is_complex() else t)
-    return None if sums is None else (sums, _value_sums(t))
-
-
-def _value_sums(t: torch.Tensor, /) -> torch.Tensor:
-    """The values' sum and absolute sum, for the message (a complex tensor's complex sum)."""
-    wide = torch.complex128 if t.is_complex() else \
-        torch.float64 if t.is_floating_point() else torch.int64
-    try:
-        return torch.stack([t.sum(dtype=wide), (t if t.dtype is torch.bool else t.abs()).sum(
-            dtype=torch.float64 if t.is_complex() else wide).to(wide)])
-    except RuntimeError:  # no kernel for the dtype (float8): through the wide dtype
-        widened = t.to(wide)
-        return torch.stack([widened.sum(), widened.abs().sum().to(wide)])
-
-
-def _bit_sums(t: torch.Tensor, /) -> torch.Tensor | None:
-    """Two int64 sums over ``t``'s bits in row-major places: plain and weighted."""
+    if t.dim() == 0:
+        t = t.reshape(1)
     bits = _as_bits(t)
     if bits is None:
         return None
-    if bits.dim() == 0:
-        bits = bits.reshape(1)
-    # A chunk of whole rows at a time: an output that is not contiguous is copied a chunk at a
-    # time, not whole.
-    row = bits[0].numel() if bits.shape[0] else 1
+    wide = torch.complex128 if t.is_complex() else \
+        torch.float64 if t.is_floating_point() else torch.int64
+    row = bits[0].numel() if bits.shape[0] else 1  # bits per row of t
     rows = max(1, _CHUNK // max(row, 1))
-    plain = torch.zeros((), dtype=torch.int64, device=t.device)
-    mixed = torch.zeros((), dtype=torch.int64, device=t.device)
-    for first in range(0, bits.shape[0], rows):
+    zero = torch.zeros((), dtype=torch.int64, device=t.device)
+    plain, mixed = zero.clone(), zero.clone()
+    total = torch.zeros((), dtype=wide, device=t.device)
+    absolute = torch.zeros((), dtype=torch.float64 if wide is not torch.int64 else wide,
+                           device=t.device)
+    for first in range(0, t.shape[0], rows):
         part = bits[first:first + rows].reshape(-1)
         place = first * row
-        if bits.element_size() == 8:
+        if part.element_size() == 8:
             # 8-byte elements as pairs of int32: a sign bit read in an int64 is worth 2**63,
-            # which wraps to itself in an int64 sum, so two sign flips left both sums as they
-            # were (a float64 output negated: helper GR).
-            part, place = part.view(torch.int32), 2 * place
+            # which wraps to itself in an int64 sum, so two sign flips left the plain sum as
+            # it was (a float64 output negated: helper GR). A strided column (top-k ids'
+            # first column) is made contiguous for the view (helper GT).
+            part, place = part.contiguous().view(torch.int32), 2 * place
         plain += part.sum(dtype=torch.int64)
-        mixed += (part * _weights(place, part.numel(), t.device)).sum()
-    return torch.stack([plain, mixed])
+        mixed += _mixed(part, place).sum()
+        values = t[first:first + rows]
+        try:
+            total += values.sum(dtype=wide)
+            absolute += (values if values.dtype is torch.bool else values.abs()).sum(
+                dtype=absolute.dtype)
+        except RuntimeError:  # no kernel for the dtype (float8): through the wide dtype
+            widened = values.to(wide)
+            total += widened.sum()
+            absolute += widened.abs().sum().to(absolute.dtype)
+    return torch.stack([plain, mixed]), torch.stack([total, absolute.to(wide)])
+
+
+def _mixed(part: torch.Tensor, start: int, /) -> torch.Tensor:
+    """Each element's bits hashed together with its place ``start + k``, non-linearly.
+
+    Weights times bits (linear in the bits) missed a value swapped with its negation wherever
+    the two places' weights agreed in their low 33 bits (the sign bit is 2**31 in an int32):
+    about 74 place pairs of a million (helper GU). Hashed, a swap of two different values moves
+    the sum but by chance (about 2**-64)."""
+    z = _weights(start, part.numel(), part.device) ^ part.to(torch.int64)
+    z = (z ^ (z >> 31)) * _MIX[1]
+    z = (z ^ (z >> 29)) * _MIX[0]
+    return z ^ (z >> 32)
 
 
 def _weights(start: int, count: int, device: torch.device, /) -> torch.Tensor:
@@ -105,6 +117,10 @@ _ROUNDING = ("the passes rounded otherwise: a kernel chosen by grad mode, which 
              "pass runs without (docs/limits.md, 'Float rounding and other kernels': inductor "
              "in low precision, a padded LSTM on CPU), or a nondeterministic one (atomic adds: "
              "index_add_, scatter_add_ on CUDA: torch.use_deterministic_algorithms(True))")
+_AROUND = ("a mode or generator the replay runs without, or a branch on grad mode (a "
+           "TorchFunctionMode entered around the forward, a generator neither passed in nor "
+           "held by the layer, `if torch.is_grad_enabled():`): docs/limits.md, 'Random "
+           "numbers and modes around the call'")
 _RNG = ("preserve_rng_state=False, which lets the replay draw other random numbers than the "
         "forward (dropout): leave it True")
 _UNWRITTEN_ARGUMENT = ("a buffer the kept op fills, made uninitialized (torch.scatter into "
@@ -173,9 +189,10 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
     differ = [i for i, (a, b) in enumerate(zip(recorded.tolist(), (
         now.tolist() if now is not None else []))) if a != b] or [0]
     t = tensors[differ[0]] if differ[0] < len(tensors) else None
-    causes = [_STATE, _ROUNDING, _UNWRITTEN_ARGUMENT]
-    if t is not None and (t.is_floating_point() or t.is_complex()) and \
-            not bool(torch.isfinite(t).all()):
+    causes = [_STATE, _AROUND, _ROUNDING, _UNWRITTEN_ARGUMENT]
+    # Widened first: float8 has no isfinite kernel (helper GT); an error path, a copy is fine.
+    if t is not None and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(
+            t.to(torch.complex128 if t.is_complex() else torch.float64)).all()):
         causes.remove(_UNWRITTEN_ARGUMENT)  # NaN or inf: more likely garbage than a counter
         causes.insert(0, _UNWRITTEN_ARGUMENT)
     if not preserve_rng:
@@ -314,7 +331,7 @@ def _raise_other_values(fn: str, where: str, also: str, t: torch.Tensor,
     absolute = abs(absolute)
     floating = t.is_floating_point() or t.is_complex()
     close = floating and summed != again and abs(summed - again) <= 1e-3 * absolute
-    causes = [state, rounding, _UNWRITTEN]
+    causes = [state, _AROUND, rounding, _UNWRITTEN]
     if not preserve_rng:
         causes.insert(0, _RNG)
     if not all(math.isfinite(abs(v)) for v in (summed, again)):

@@ -1,5 +1,6 @@
 """torch.utils.checkpoint's options, moved over to pytree_ckpt's calls as they are: what each
-becomes here, told where it is given (NOTE [torch's options])."""
+becomes here, told where it is given (NOTE [torch's options]); and the boundary's own options
+given to ``checkpoint``, which takes none."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import ParamSpec, TypeVar
 
 from .errors import CheckpointConfigError
 
-__all__ = ["TORCH_OPTIONS", "refuses_torch_options", "torch_options_tip"]
+__all__ = ["BOUNDARY_OPTIONS", "TORCH_OPTIONS", "refuses_torch_options", "torch_options_tip"]
 
 # NOTE [torch's options]: code moved from torch.utils.checkpoint (torchtitan's
 # ptd_checkpoint_wrapper(block, context_fn=..., determinism_check=..., early_stop=...)) brings
@@ -44,8 +45,19 @@ _WRAPPER_OPTIONS = {
 }
 
 
+# The boundary's own options, which checkpoint(fn, *args, **kwargs) passes to fn as it does
+# every keyword (a forward taking **kwargs swallowed verify_replay=True: nothing was verified,
+# helper GU); checkpointed takes them.
+BOUNDARY_OPTIONS = {
+    "offload": "set offload with pytree_ckpt.checkpointed(fn, offload=...)(*args)",
+    "verify_replay": "set verify_replay with pytree_ckpt.checkpointed(fn, "
+                     "verify_replay=True)(*args)",
+}
+
+
 def torch_options_tip(names: list[str], /) -> str:
-    return "; ".join(TORCH_OPTIONS.get(name) or _WRAPPER_OPTIONS[name] for name in names)
+    return "; ".join(TORCH_OPTIONS.get(name) or BOUNDARY_OPTIONS.get(name) or
+                     _WRAPPER_OPTIONS[name] for name in names)
 
 
 P = ParamSpec("P")

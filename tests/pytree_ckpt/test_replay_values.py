@@ -702,13 +702,13 @@ def test_a_broadcast_output_is_printed_by_the_one_slice_it_repeats(
     from pytree_ckpt import replay_values
 
     printed: list[int] = []
-    original = replay_values._bit_sums
+    original = replay_values._as_bits
 
     def counted(t: torch.Tensor) -> Any:
         printed.append(t.numel())
         return original(t)
 
-    monkeypatch.setattr(replay_values, "_bit_sums", counted)
+    monkeypatch.setattr(replay_values, "_as_bits", counted)
     mask = torch.rand(1, 1, 16, 16) > 0.5
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1101,3 +1101,267 @@ def test_a_residual_stream_plan_verifies_each_blocks_rebuilds_when_asked(
         step(True)
     with pytest.raises(CheckpointConfigError, match="verify_replay takes a bool"):
         pytree_ckpt.build_residual_stream_recompute_plan(2, 1, verify_replay=None)  # type: ignore
+
+
+def test_verify_replay_given_to_checkpoint_is_not_swallowed_by_a_forward_taking_kwargs() -> None:
+    # The README lists verify_replay beside checkpoint(fn, *args, **kwargs), and a user tries it
+    # there. checkpoint passes every keyword to fn; a transformers decoder layer's forward
+    # takes **kwargs. Guards against (helper GU) the option vanishing there unreported: as for
+    # torch's options, checkpoint warns, naming checkpointed(fn, verify_replay=True).
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            return self.lin(x)
+
+    x = torch.randn(3, 6, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            pytree_ckpt.checkpoint(Layer(), x, verify_replay=True).sum().backward()
+        except CheckpointConfigError as error:
+            told = str(error)
+        else:
+            told = " ".join(str(w.message) for w in caught)
+    assert "verify_replay" in told and "checkpointed" in told
+
+
+def test_the_prints_of_a_large_output_allocate_no_temporary_larger_than_the_output() -> None:
+    # Guards against (helper GU) the sums kept for the message, t.sum(dtype=float64) and
+    # t.abs().sum(dtype=float64), copying the whole output to float64 (torch casts a
+    # reduction's input to its dtype first) and taking a full abs() copy, in each pass: a
+    # 128 MiB bf16 output raised the process's peak by about 620 MiB on CPU (the replay's, in
+    # backward, where memory peaks). They go a chunk at a time, with the bit sums. Seen through
+    # the CPU allocator as the profiler records it: the call's largest allocation.
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = checkpointed(lambda x: x * 2, verify_replay=True)
+    x = torch.randn(8, 1024, 1024).to(torch.bfloat16).requires_grad_()  # 16 MiB
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's, about blocks made before it started
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            y = layer(x)
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    assert largest <= max(y.nbytes, 8 << 20), \
+        f"{largest >> 20} MiB for a {y.nbytes >> 20} MiB output"
+
+
+# Two places of a 2**20-element output whose pseudo-random weights agree modulo 2**33 (found by
+# sorting _weights(0, 2**20) & (2**33 - 1): 74 such pairs; this is the first): weights linear in
+# the bits could not tell a value and its negation swapped between them.
+_COLLIDING = (188986, 716671)
+
+
+def test_a_replay_that_swaps_a_value_and_its_negation_is_refused() -> None:
+    # An fp32 x and -x differ in the sign bit only, 2**31 as an int32, so swapping them leaves
+    # the plain sum as it was. Guards against (helper GU) a weighted sum linear in the bits,
+    # which moved by 2**31 * (w_i - w_j): zero modulo 2**64 wherever w_i and w_j agreed in
+    # their low 33 bits, about 74 place pairs of an output of 2**20 elements (a 4 MiB hidden
+    # state). Each element's bits are hashed with its place now. Here a global sign table
+    # (state the forward reads) changes before backward.
+    i, j = _COLLIDING
+    sign = torch.ones(1 << 20)
+    layer = checkpointed(lambda x: x * sign, verify_replay=True)
+    x = torch.zeros(1 << 20)
+    x[i], x[j] = 1.0, -1.0
+    x.requires_grad_()
+    y = layer(x)
+    sign[i] = sign[j] = -1.0  # the replay's output swaps the two values; its gradient differs
+    with pytest.raises(ReplayMismatchError):
+        (y * torch.arange(1 << 20)).sum().backward()
+
+
+def test_the_tip_for_a_mode_the_replay_runs_without_names_modes() -> None:
+    # docs/limits.md's row on a TorchFunctionMode entered around the forward (a fake
+    # quantization) says verify_replay finds it. Guards against (helper GU) a tip that named
+    # only shared state, rounding and uninitialized memory, and pointed at 'State the forward
+    # changes', not at 'Random numbers and modes around the call', whose fix (enter the mode
+    # inside the layer's forward) applies; a generator the replay does not see, and a branch
+    # on grad mode, got the same tip.
+    from torch.overrides import TorchFunctionMode
+
+    class FakeQuant(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            return out.round() if func is nn.functional.linear else out
+
+    layer = checkpointed(nn.Linear(6, 6), verify_replay=True)
+    with FakeQuant():
+        y = layer(torch.randn(3, 6, requires_grad=True))
+    with pytest.raises(ReplayMismatchError,
+                       match=r"(?s)tip: .*(TorchFunctionMode|modes around the call)"):
+        y.sum().backward()
+
+
+# ------------------------------------------------------------- helper GT's review
+
+def _id_column(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x * 2
+    return h, h.topk(2, dim=-1).indices[:, 0]  # the top expert per token: int64, stride 2
+
+
+def _float64_column(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.double() * 2
+    return h, h[:, 0]  # a float64 column: stride 6
+
+
+@pytest.mark.parametrize("fn", [_id_column, _float64_column], ids=["int64", "float64"])
+def test_an_8_byte_output_that_is_a_strided_column_is_printed_not_a_crash(
+        fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # _print reads 8-byte elements as int32 pairs (helper GR's sign-bit fix). Guards against
+    # (helper GT) the view of a chunk that keeps its stride (reshape(-1) of a 1-d column is a
+    # view): "self.stride(-1) must be 1 to view Long as Int", so an int64 ids column
+    # (topk(...).indices[:, 0]) or a float64 column failed its forward under verify_replay.
+    x = torch.randn(4, 6, requires_grad=True)
+    out = checkpointed(fn, verify_replay=True)(x)
+    out[0].sum().backward()
+    assert torch.equal(x.grad, torch.full((4, 6), 2.0))
+
+
+def test_a_layer_run_on_the_meta_device_passes_its_backward_under_verify_replay() -> None:
+    # A dry run on the meta device (shapes and the graph without memory: a memory planner, a
+    # FLOP counter over the wrapped model) runs forward and backward without verify_replay.
+    # Guards against (helper GT) meta prints, which hold no values, compared with torch.equal,
+    # which has no meta kernel: NotImplementedError in backward. A meta output is named in the
+    # warning and not compared, as a tensor of another layout.
+    layer = nn.Linear(4, 4, device="meta")
+    x = torch.randn(2, 4, device="meta", requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a warning naming the output is fine
+        checkpointed(layer, verify_replay=True)(x).sum().backward()
+    assert x.grad is not None and x.grad.device.type == "meta"
+
+
+class _History:
+    """FP8 delayed scaling: each forward's scale comes from the amax the forwards before it saw
+    (a history outside the layer, appended to at each call: the replay reads a longer one)."""
+
+    amax = [1.0]
+
+
+class _Fp8Linear(torch.autograd.Function):
+    # The usual FP8 recipe: quantize, torch._scaled_mm, the quantized tensors saved for
+    # backward (on CPU torch._scaled_mm takes float8_e4m3fn too).
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
+                ) -> torch.Tensor:
+        xq, wq = (x / scale).to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+        ctx.save_for_backward(xq, wq, scale)
+        return torch._scaled_mm(xq, wq.t(), scale, torch.ones(()), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        xq, wq, scale = ctx.saved_tensors
+        return grad @ wq.float(), grad.t() @ (xq.float() * scale), None
+
+
+class _Fp8Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 32) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(_History.amax[-1] / 448.0)
+        _History.amax.append(x.detach().abs().max().item() * len(_History.amax))
+        return _Fp8Linear.apply(x, self.w, scale).tanh()
+
+
+def test_a_kept_fp8_matmul_whose_scaled_input_differs_is_refused_not_a_crash(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The replay reads a longer amax history, so its quantized x differs; the save unit hands
+    # it the forward's _scaled_mm result (the output agrees) and the Function's backward reads
+    # the replay's xq: other gradients, silently (the premise, checked). Under verify_replay,
+    # check_arguments finds argument 1 (xq, float8_e4m3fn) differs and, to order its tip, asks
+    # whether it is finite. Guards against (helper GT) torch.isfinite on float8_e4m3fn ('not
+    # implemented'; e5m2 has it, e4m3fn and the fnuz types do not): a crash in the error path
+    # instead of the ReplayMismatchError. It is asked of a widened copy.
+    def step(verify: bool | None) -> list[torch.Tensor | None]:
+        monkeypatch.setattr(_History, "amax", [1.0])
+        torch.manual_seed(0)
+        layer = _Fp8Layer()
+        if verify is not None:
+            apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]), {
+                pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::_scaled_mm")},
+                verify_replay=verify)
+        x = torch.randn(16, 32, requires_grad=True)
+        layer(x).pow(2).sum().backward()
+        return grads_of([x, layer.w])
+
+    assert any(not torch.equal(a, b) for a, b in zip(step(None), step(False))
+               if a is not None)
+    with pytest.raises(ReplayMismatchError) as raised:
+        step(True)
+    assert "called aten._scaled_mm.default, which a save unit keeps" in str(raised.value)
+
+
+class _Stepped(nn.Module):
+    """A layer with a frozen result, an output discard and a kept op; the second of its kind
+    reads SETTINGS.scale (the refused step changes it between forward and backward)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.a, self.b, self.gate = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.norm = nn.LayerNorm(8)
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        return self.gate(h).detach().argmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = pytree_ckpt.reuse_during_recompute(self.route, x)
+        discard = pytree_ckpt.CheckpointWithoutOutput()
+        h = self.a(discard.checkpoint(self.norm, x))
+        discard.discard_output_and_register_recompute(h)
+        scale = SETTINGS.scale if self.index == 1 else 1.0
+        return x + self.b(h.tanh() * scale * (ids.unsqueeze(-1) + 1))
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["outputs", "kept_arguments"])
+def test_steps_after_a_refused_replay_match_eager_and_leave_nothing_held(
+        save: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ReplayMismatchError is raised after the replay's forward ran (an output's print) or
+    # inside it (a kept op's arguments), with offload, a frozen result and an output discard in
+    # the layer: the steps after it are eager's bit for bit, offload's host buffers all come
+    # back, and a census reads 0 (test_failed_steps.py raises in the replay's forward only).
+    import offload
+
+    monkeypatch.setattr(SETTINGS, "scale", 1.0)
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(_Stepped(i) for i in range(3)))
+    twin = copy.deepcopy(eager)
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0, prefetch=2),
+                                     device="cpu")
+    apply_recompute_config(list(twin), pytree_ckpt.RecomputeConfig(1.0, save=["attn"] if save
+                                                                   else []),
+                           {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")},
+                           offload=manager, verify_replay=True)
+    results = []
+    for model in (eager, twin):
+        seen = []
+        for step in range(3):
+            torch.manual_seed(10 + step)
+            x = torch.randn(6, 8, requires_grad=True)
+            census = pytree_ckpt.ActivationCensus()
+            SETTINGS.scale = 1.0
+            failing = model is twin and step == 1
+            with census:
+                loss = model(x).pow(2).sum()
+                if failing:
+                    SETTINGS.scale = 2.0
+                    with pytest.raises(ReplayMismatchError, match="a save unit keeps" if save
+                                       else "computed other values"):
+                        loss.backward()
+                    model.zero_grad(set_to_none=True)
+                    continue
+                loss.backward()
+            assert census.total_bytes == 0
+            seen.append([x.grad, *(p.grad for p in model.parameters())])
+            model.zero_grad(set_to_none=True)
+        results.append(seen)
+    expected, got = results[0][::2], results[1]  # the eager run's steps 0 and 2
+    assert_same_grads([g for step in expected for g in step], [g for step in got for g in step])
+    assert manager.stats()["host_buffers_in_use"] == 0
+    assert str(pytree_ckpt.current_phase()) == "plain"
