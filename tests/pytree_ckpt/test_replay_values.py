@@ -1365,3 +1365,14 @@ def test_steps_after_a_refused_replay_match_eager_and_leave_nothing_held(
     assert_same_grads([g for step in expected for g in step], [g for step in got for g in step])
     assert manager.stats()["host_buffers_in_use"] == 0
     assert str(pytree_ckpt.current_phase()) == "plain"
+
+
+@pytest.mark.parametrize("option", ["verify_replay", "offload"])
+def test_a_boundary_option_given_to_checkpoint_of_a_fn_without_it_names_checkpointed(
+        option: str) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    with pytest.raises(TypeError) as raised:
+        pytree_ckpt.checkpoint(fn, torch.randn(2, requires_grad=True), **{option: True})
+    assert f"Tip: set {option} with pytree_ckpt.checkpointed(fn, {option}=" in str(raised.value)
