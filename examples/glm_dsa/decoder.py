@@ -37,6 +37,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.discard_norm_outputs = config.discard_norm_outputs
+        self.verify_discards = config.verify_discards
         self.computes_topk = computes_topk
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MlaAttention(config, has_indexer=computes_topk)
@@ -58,13 +59,13 @@ class DecoderLayer(nn.Module):
         # Output discard: each norm's output is freed once its consumers saved it, and rebuilt
         # when the gradient of the consumer's output arrives (inside a checkpoint boundary this
         # happens in the replay; the original pass runs without grad and discards nothing).
-        norm = CheckpointWithoutOutput()
+        norm = CheckpointWithoutOutput(verify_replay=self.verify_discards)
         attn = self.self_attn(norm.checkpoint(self.input_layernorm, hidden_states),
                               rope_cos=rope_cos, rope_sin=rope_sin, cu_seqlens=cu_seqlens,
                               dsa_topk_ids=dsa_topk_ids)
         norm.discard_output_and_register_recompute(attn["hidden_states"])
         hidden_states = hidden_states + attn["hidden_states"]
-        post_norm = CheckpointWithoutOutput()
+        post_norm = CheckpointWithoutOutput(verify_replay=self.verify_discards)
         mlp_out = self.mlp(post_norm.checkpoint(self.post_attention_layernorm, hidden_states))
         post_norm.discard_output_and_register_recompute(mlp_out)
         return DecoderLayerOutput(hidden_states=hidden_states + mlp_out,

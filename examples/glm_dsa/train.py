@@ -17,9 +17,10 @@ with an ``offload.OffloadManager`` and prints what it moved per step; without it
 ``XTUNER_ACTIVATION_OFFLOAD`` as everywhere else. ``--save`` keeps save units resident inside
 the checkpointed layers (docs/save_units.md); ``--discard-norms`` frees the norms' outputs and
 rebuilds them before backward needs them (docs/discard.md). ``--verify-replay`` compares each
-replay's outputs with the forward's, bit for bit, and stops at the first that differs (a
-debugging switch; docs/boundary.md). ``--compile`` compiles each layer's
-body before it is checkpointed (the boundary stays eager; see docs/scaling.md).
+replay's outputs (and, with ``--discard-norms``, each rebuilt norm output) with the forward's,
+bit for bit, and stops at the first that differs (a debugging switch; docs/boundary.md).
+``--compile`` compiles each layer's body before it is checkpointed (the boundary stays eager;
+see docs/scaling.md).
 
 Under torchrun, ``--fsdp`` shards every decoder and MTP layer, then the root, with FSDP2, and
 ``--ddp`` wraps the model in DistributedDataParallel; CUDA with nccl when available, else CPU
@@ -167,7 +168,8 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
     rank = 0 if env is None else env.rank
     device = torch.device("cpu") if env is None else env.device
     config = GlmDsaConfig(mtp_depth=args.mtp_depth, moe=args.moe,
-                          reuse_indexer=not args.no_reuse, discard_norm_outputs=args.discard_norms)
+                          reuse_indexer=not args.no_reuse, discard_norm_outputs=args.discard_norms,
+                          verify_discards=args.verify_replay)
     torch.manual_seed(args.seed)
     model = GlmDsaForCausalLM(config).to(device)
     if args.compile:  # the bodies first: the boundary keeps the compiled forward it finds
@@ -222,6 +224,8 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
                 f"{int(stats['windows'])} windows, {int(stats['restored_bytes'])} restored "
                 f"({int(stats['reused_bytes'])} without a copy back), "
                 f"{int(stats['alive_elsewhere_bytes'])} alive elsewhere")
+    if args.verify_replay:  # a replay that differed would have raised in its backward
+        say("verify_replay: every replay (and norm rebuild) matched its forward, bit for bit")
     return losses
 
 

@@ -83,3 +83,32 @@ def test_the_training_script_with_verify_replay_trains_as_without_it(
     assert len(made) == 2 * (8 + 2)
     assert "--verify-replay" in train.__doc__
     capsys.readouterr()
+
+
+def test_the_training_scripts_verify_replay_reaches_the_norms_output_discards(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # With --ratio 0.5 the unchecked layers' norm discards rebuild in the outer backward, where
+    # no boundary's check sees them: the flag reaches CheckpointWithoutOutput through the config.
+    from collections import Counter
+
+    from examples.glm_dsa import train
+
+    made: Counter[str] = Counter()
+    original = OutputPrints.of.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[OutputPrints], *args: Any, **kwargs: Any) -> OutputPrints:
+        made[kwargs["fn"]] += 1
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(OutputPrints, "of", classmethod(counted))
+    argv = ["--steps", "2", "--discard-norms", "--ratio", "0.5"]
+    plain = train.main(argv)
+    assert not made
+    capsys.readouterr()
+    assert train.main([*argv, "--verify-replay"]) == plain
+    # Per step: 4 checkpointed decoder layers and 2 MTP depths printed once each (in forward);
+    # two norms in each of the 10 layers, discarded for real (and printed) once a step: in the
+    # unchecked layers' forward, in the checkpointed ones' replay.
+    assert made == Counter({"RMSNorm": 2 * 2 * 10, "DecoderLayer": 2 * 4, "MtpLayer": 2 * 2})
+    assert "verify_replay: every replay (and norm rebuild) matched its forward, bit for bit" \
+        in capsys.readouterr().out
