@@ -18,7 +18,7 @@ from torch import nn
 from .boundary_call import BoundaryOptions
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError
-from .module import install_boundary, is_checkpointed, refuse_other_options
+from .module import install_boundary, is_checkpointed, label_boundary, refuse_other_options
 from .refusals import require_module
 from .torch_options import refuses_torch_options
 from .tree import describe_leaf
@@ -104,8 +104,8 @@ def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: 
     for _, layer in chosen:  # before any changes: refused, none change
         refuse_other_options(layer, options)
     warn_inside_torch_wrapper(module, chosen)
-    for _, layer in chosen:
-        install_boundary(layer, options)
+    for name, layer in chosen:
+        install_boundary(layer, options, label=name or None)
     return module
 
 
@@ -389,8 +389,9 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
         refuse_other_options(layer, options, index=index)
     refuse_reentrant_torch_wrappers([(f"layers[{index}]", layer)
                                      for index, layer in enumerate(listed[:count])])
-    for layer in listed[:count]:
+    for index, layer in enumerate(listed[:count]):
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
                                        offload=manager if manager is not None else False,
                                        verify_replay=verify_replay)
+        label_boundary(layer, f"layers[{index}]")
     return list(range(count))

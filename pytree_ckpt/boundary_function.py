@@ -260,7 +260,7 @@ class _BoundaryFunction(torch.autograd.Function):
                 (*out_tensors, *extra), lambda: [
                     *(leaf_paths(spec, root="output")[i] for i in places),
                     *(kept_hooks.names(owner) if kept_hooks is not None else ())],
-                fn=fn_name(call.fn))
+                fn=call.fn)
         out_leaves = call.out_leaves = flat.leaves
         for index in flat.tensor_index:
             out_leaves[index] = None

@@ -35,6 +35,16 @@ __all__ = ["checkpoint", "checkpointed"]
 T = TypeVar("T")
 
 
+def _whose(names: list[str], /, *, short: bool = False) -> str:
+    """Whose options ``names`` are, in a message: torch's, checkpointed's, or both."""
+    torch_ones = [name for name in names if name in TORCH_OPTIONS]
+    if len(torch_ones) == len(names):
+        return "torch.utils.checkpoint's options" if short else \
+            "options of torch.utils.checkpoint"
+    return "options of pytree_ckpt.checkpointed" if not torch_ones else \
+        "options of torch.utils.checkpoint and of pytree_ckpt.checkpointed"
+
+
 def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
     """Those of ``names`` that ``fn`` takes only through ``**kwargs``."""
     try:  # a module's call takes (*args, **kwargs): its forward says what it names
@@ -203,8 +213,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         # that names such a keyword means its own, and one that takes none raises (noted below).
         warnings.warn(
             f"pytree_ckpt.checkpoint passes every keyword to fn, so {fn_name(fn)} receives "
-            f"{swallowed} in its **kwargs: options of a checkpoint (torch.utils.checkpoint's, "
-            f"or checkpointed's), which checkpoint() does not take. Tip: "
+            f"{swallowed} in its **kwargs: {_whose(swallowed)}, which mean nothing here. Tip: "
             f"{torch_options_tip(swallowed)}",
             stacklevel=user_stacklevel())
     _tell_env_offload_unused(fn)
@@ -215,7 +224,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
             # In the message, not a note: loggers and trainers record str(error) only.
             raise TypeError(
                 f"{error}: pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} "
-                f"included (options of a checkpoint, which checkpoint() does not take). Tip: "
+                f"included ({_whose(torch_options, short=True)}). Tip: "
                 f"{torch_options_tip(torch_options)}.") from error
         if args and isinstance(args[0], bool) and "positional argument" in str(error):
             # Megatron-Core's tensor_parallel.checkpoint(fn, distribute_saved_activations,

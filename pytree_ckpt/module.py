@@ -77,7 +77,7 @@ class _CheckpointedForward:
     and told anew.
     """
 
-    __slots__ = ("module_ref", "bare", "static", "options", "check_wrapper", "told",
+    __slots__ = ("module_ref", "bare", "static", "options", "check_wrapper", "told", "label",
                  "__weakref__")
 
     def __init__(self, module: nn.Module, bare: Any, options: BoundaryOptions) -> None:
@@ -96,6 +96,9 @@ class _CheckpointedForward:
         # made while such a wrapper's call runs (True), or never (False: its body is compiled).
         self.check_wrapper: bool | None = None
         self.told: set[str] = set()  # the warnings given about the module, each given once
+        # Where the entry point found the module (``layers[3]``, check_fn's ``model.layers.3``),
+        # named by verify_replay's refusal: layers of one class look alike (helper GU).
+        self.label: str | None = None
 
     @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -238,15 +241,40 @@ def is_checkpointed(module: nn.Module, /) -> bool:
     return _installed(module) is not None
 
 
-def install_boundary(module: nn.Module, options: BoundaryOptions, /) -> nn.Module:
+def install_boundary(module: nn.Module, options: BoundaryOptions, /, *,
+                     label: str | None = None) -> nn.Module:
     """Install a boundary with ``options`` on ``module``; ``apply_activation_checkpointing``'s
-    core, also used by ``apply_recompute_config``."""
+    core, also used by ``apply_recompute_config``. ``label``: where the caller found the
+    module (``layers[3]``), kept for messages (a boundary already there keeps its own, unless
+    it has none)."""
     if refuse_other_options(module, options):
+        label_boundary(module, label)
         return module
     forward = _CheckpointedForward(module, module.__dict__.get("forward"), options)
+    forward.label = label
     module.__dict__["forward"] = forward
     module.__dict__[_INSTALLED] = forward
     return module
+
+
+def label_boundary(module: nn.Module, label: str | None, /) -> None:
+    """Give the boundary on ``module`` the ``label`` (see ``install_boundary``), unless it has
+    one: the first entry point that found the module named it."""
+    installed = _installed(module)
+    if installed is not None and installed.label is None:
+        installed.label = label
+
+
+def described(fn: Any, /) -> str:
+    """``fn``'s name in a message, with the label of the boundary on its module, if any
+    (``DecoderLayer (layers[3])``)."""
+    from .module_state import owning_module
+    from .refusals import fn_name
+
+    owner = owning_module(fn)
+    installed = _installed(owner) if owner is not None else None
+    label = installed.label if installed is not None else None
+    return f"{fn_name(fn)} ({label})" if label else fn_name(fn)
 
 
 def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,

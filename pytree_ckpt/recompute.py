@@ -391,7 +391,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         call.prints.check([*(flat.leaves[i] for i in flat.tensor_index), *extra], lambda: [
             *(leaf_paths(flat.spec, root="output")[i] for i in flat.tensor_index),
             *(hooked.names(owner) if hooked is not None else ())],
-            fn=fn_name(call.fn), preserve_rng=call.options.preserve_rng_state)
+            fn=call.fn, preserve_rng=call.options.preserve_rng_state)
     # NOTE [a graph tensor a forward replaced] (state_changes.py)
     if call.changed_state is not None and call.changed_state.graph_read:
         refuse_graph_read(call.changed_state.graph_read, outs)

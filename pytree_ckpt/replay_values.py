@@ -134,6 +134,16 @@ _UNWRITTEN = ("an output holding uninitialized memory, which its forward never w
               "in both passes")
 
 
+def _described(fn: Any, /) -> str:
+    """How a message names ``fn``: a name given as it is, a callable with its boundary's label
+    (``DecoderLayer (layers[3])``: layers of one class look alike)."""
+    if isinstance(fn, str):
+        return fn
+    from .module import described  # an error path: imported here (module imports the boundary)
+
+    return described(fn)
+
+
 def _broadcast_dims(t: torch.Tensor, /) -> tuple[int, ...]:
     """The dimensions ``t`` repeats one slice along (stride 0: ``expand``, a broadcast mask);
     none for a tensor of another layout (a sparse COO tensor reports strides of 0 too)."""
@@ -184,8 +194,6 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
     now = arguments_print(tensors)
     if now is not None and now.shape == recorded.shape and torch.equal(now, recorded):
         return
-    from .refusals import fn_name  # an error path: imported here, no cycle
-
     differ = [i for i, (a, b) in enumerate(zip(recorded.tolist(), (
         now.tolist() if now is not None else []))) if a != b] or [0]
     t = tensors[differ[0]] if differ[0] < len(tensors) else None
@@ -198,7 +206,7 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
     if not preserve_rng:
         causes.insert(0, _RNG)
     raise ReplayMismatchError(
-        f"the replay of {fn_name(fn)} in backward called {op}, which a save unit keeps, on "
+        f"the replay of {_described(fn)} in backward called {op}, which a save unit keeps, on "
         f"other values than its original pass did (tensor argument {differ[0] + 1} of "
         f"{len(recorded)}, in call order): verify_replay=True "
         "compares them bit for bit, and the kept op's backward may read the replay's values "
@@ -224,7 +232,7 @@ class OutputPrints:
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
-           fn: str) -> OutputPrints:
+           fn: Any) -> OutputPrints:
         """The original pass's prints; warns, naming them, about outputs that have none."""
         positions: list[int] = []
         sums: list[torch.Tensor] = []
@@ -248,15 +256,15 @@ class OutputPrints:
             listed = ", ".join(f"{named[p]} ({type(tensors[p]).__name__}, {tensors[p].layout}, "
                                f"{tensors[p].dtype})" for p in unprinted)
             warnings.warn(
-                f"verify_replay=True compares the replay's outputs of {fn} with the forward's "
-                f"where they are plain strided tensors: {listed} not compared. Tip: return "
-                "the plain tensor (a subclass's local tensor, a nested tensor's values) to have "
-                "it compared, or leave verify_replay off for this layer",
+                f"verify_replay=True compares the replay's outputs of {_described(fn)} with the "
+                f"forward's where they are plain strided tensors: {listed} not compared. Tip: "
+                "return the plain tensor (a subclass's local tensor, a nested tensor's values) "
+                "to have it compared, or leave verify_replay off for this layer",
                 stacklevel=user_stacklevel())
         return cls(positions, _stacked(sums) if sums else None, values, broadcast)
 
     def check(self, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
-              fn: str, preserve_rng: bool) -> None:
+              fn: Any, preserve_rng: bool) -> None:
         """Raise ``ReplayMismatchError`` naming the first replayed output whose print differs
         from the original pass's (``tensors``: the replay's, in the same places)."""
         if self.sums is None:
@@ -272,7 +280,8 @@ class OutputPrints:
                 m = _print(_slice(t, dims) if dims else t)
                 if m is None:  # shapes and dtypes agree (the structure check): not the kind
                     raise ReplayMismatchError(
-                        f"the replay of {fn} in backward returned another kind of tensor than "
+                        f"the replay of {_described(fn)} in backward returned another kind of "
+                        "tensor than "
                         f"its original pass at {paths()[position]}, whose values "
                         "verify_replay=True cannot compare",
                         expected="a plain strided tensor, as the forward returned",
@@ -313,15 +322,15 @@ def _as_bits(t: torch.Tensor, /) -> torch.Tensor | None:
         return None
 
 
-def _raise_other_values(fn: str, where: str, also: str, t: torch.Tensor,
+def _raise_other_values(fn: Any, where: str, also: str, t: torch.Tensor,
                         forward: torch.Tensor | None, replay: torch.Tensor | None,
                         preserve_rng: bool, /, *, broadcast: tuple[int, ...] = ()) -> None:
     """The ``ReplayMismatchError`` of an output whose values differ between the passes; the
     values' sums (``forward``, ``replay``) choose the tip's first cause."""
     state, rounding = _STATE, _ROUNDING
-    what = (f"the replay of {fn} in backward computed other values than its original pass at "
-            f"{where}{also}: verify_replay=True compares them bit for bit, and the gradients "
-            "would be those of other values than the forward returned")
+    what = (f"the replay of {_described(fn)} in backward computed other values than its "
+            f"original pass at {where}{also}: verify_replay=True compares them bit for bit, and "
+            "the gradients would be those of other values than the forward returned")
     if forward is None or replay is None:
         raise ReplayMismatchError(
             what, expected=f"the forward's {where}, broadcast along dimension(s) "

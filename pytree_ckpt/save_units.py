@@ -238,8 +238,8 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                                      for index, layer in enumerate(chosen)])
     for module, name in kept:
         install_kept(module, name)
-    for layer in chosen:
-        install_boundary(layer, options)
+    for index, layer in enumerate(chosen):
+        install_boundary(layer, options, label=f"layers[{index}]")
     return list(range(count))
 
 

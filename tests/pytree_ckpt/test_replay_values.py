@@ -1376,3 +1376,28 @@ def test_a_boundary_option_given_to_checkpoint_of_a_fn_without_it_names_checkpoi
     with pytest.raises(TypeError) as raised:
         pytree_ckpt.checkpoint(fn, torch.randn(2, requires_grad=True), **{option: True})
     assert f"Tip: set {option} with pytree_ckpt.checkpointed(fn, {option}=" in str(raised.value)
+
+
+@pytest.mark.parametrize("where", ["checkpoint_layers", "apply_recompute_config", "check_fn"])
+def test_a_refused_layer_is_named_with_where_the_entry_point_found_it(where: str) -> None:
+    # Layers of one class look alike: "the replay of Counted" named none of forty (helper GU).
+    # Backward replays the last layer first: layers[1] is the one refused.
+    model = nn.Module()
+    model.layers = nn.ModuleList([Counted(Config()), Counted(Config())])
+    if where == "checkpoint_layers":
+        checkpoint_layers(model.layers, verify_replay=True)
+        label = "layers[1]"
+    elif where == "apply_recompute_config":
+        apply_recompute_config(model.layers, pytree_ckpt.RecomputeConfig(1.0), {},
+                               verify_replay=True)
+        label = "layers[1]"
+    else:
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Counted),
+                                       verify_replay=True)
+        label = "layers.1"
+    h = torch.randn(2, 6, requires_grad=True)
+    for layer in model.layers:
+        h = layer(h)["hidden"]
+    with pytest.raises(ReplayMismatchError) as raised:
+        h.sum().backward()
+    assert str(raised.value).startswith(f"the replay of Counted ({label}) in backward computed")
