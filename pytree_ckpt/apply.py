@@ -333,6 +333,20 @@ def layer_count(n: int, ratio: float, /) -> int:
     return math.floor(n * ratio + 1e-9)
 
 
+_DICT_VALUES: type = type({}.values())
+
+
+def layer_labels(layers: Iterable[nn.Module], count: int, where: str, /) -> list[str]:
+    """How messages name the first ``count`` of ``layers`` (a ModuleDict's ``values()`` by
+    key: a view, which ``listed_layers`` does not use up; else by place in what was given).
+    Not ``layers[k]``: a slice or a pipeline stage's list would name another layer of the
+    model (helper GV)."""
+    mapping = getattr(layers, "mapping", None) if isinstance(layers, _DICT_VALUES) else None
+    if mapping is not None:
+        return [f"key {key!r} of the layers given to {where}" for key in list(mapping)[:count]]
+    return [f"#{index} of the layers given to {where}" for index in range(count)]
+
+
 def listed_layers(layers: Iterable[nn.Module], where: str, /) -> list[nn.Module]:
     """``layers`` (a ``ModuleList``, a ``Sequential``, a list, ``model.children()`` or a
     generator) as a list, in order; one module or anything else that is not a module is
@@ -381,6 +395,7 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
     """
     listed = listed_layers(layers, "checkpoint_layers")
     count = layer_count(len(listed), validate_ratio(ratio))
+    labels = layer_labels(layers, count, "checkpoint_layers")
     refuse_checkpointed_beyond(listed, count, ratio)
     manager = resolve_offload(offload)
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager,
@@ -393,5 +408,5 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
                                        offload=manager if manager is not None else False,
                                        verify_replay=verify_replay)
-        label_boundary(layer, f"layers[{index}]")
+        label_boundary(layer, labels[index])
     return list(range(count))

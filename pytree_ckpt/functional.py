@@ -47,9 +47,18 @@ def _whose(names: list[str], /, *, short: bool = False) -> str:
 
 def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
     """Those of ``names`` that ``fn`` takes only through ``**kwargs``."""
-    try:  # a module's call takes (*args, **kwargs): its forward says what it names
-        parameters = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn
-                                       ).parameters
+    try:  # a module's call takes (*args, **kwargs): its forward says what it names, also
+        # through a partial of the module or of its __call__ (transformers' 5.x convention:
+        # a layer taking `offload` itself was warned of swallowing it, helper GV)
+        target = fn
+        while isinstance(target, functools.partial):
+            target = target.func
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, nn.Module) and getattr(target, "__func__", None) in (
+                nn.Module.__call__, nn.Module._wrapped_call_impl):
+            target = owner
+        parameters = inspect.signature(target.forward if isinstance(target, nn.Module)
+                                       else fn).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin): say nothing
         return []
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
@@ -220,7 +229,11 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     try:
         return run_boundary(*_bound_inputs(fn, args, kwargs), DEFAULT_OPTIONS)
     except TypeError as error:
-        if torch_options and any(name in str(error) for name in torch_options):
+        # A boundary option only where fn refused it as a keyword: a layer's own TypeError
+        # about its own `offload` argument is no such refusal (helper GV).
+        if torch_options and any(
+                f"unexpected keyword argument '{name}'" in str(error) if name in BOUNDARY_OPTIONS
+                else name in str(error) for name in torch_options):
             # In the message, not a note: loggers and trainers record str(error) only.
             raise TypeError(
                 f"{error}: pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} "

@@ -96,8 +96,9 @@ class _CheckpointedForward:
         # made while such a wrapper's call runs (True), or never (False: its body is compiled).
         self.check_wrapper: bool | None = None
         self.told: set[str] = set()  # the warnings given about the module, each given once
-        # Where the entry point found the module (``layers[3]``, check_fn's ``model.layers.3``),
-        # named by verify_replay's refusal: layers of one class look alike (helper GU).
+        # Where the entry point found the module (``#3 of the layers given to
+        # checkpoint_layers``, check_fn's ``model.layers.3``), named by verify_replay's
+        # refusal: layers of one class look alike (helper GU).
         self.label: str | None = None
 
     @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager]
@@ -245,8 +246,8 @@ def install_boundary(module: nn.Module, options: BoundaryOptions, /, *,
                      label: str | None = None) -> nn.Module:
     """Install a boundary with ``options`` on ``module``; ``apply_activation_checkpointing``'s
     core, also used by ``apply_recompute_config``. ``label``: where the caller found the
-    module (``layers[3]``), kept for messages (a boundary already there keeps its own, unless
-    it has none)."""
+    module (``#3 of the layers given to ...``), kept for messages (a boundary already there
+    keeps its own, unless it has none)."""
     if refuse_other_options(module, options):
         label_boundary(module, label)
         return module
@@ -267,7 +268,7 @@ def label_boundary(module: nn.Module, label: str | None, /) -> None:
 
 def described(fn: Any, /) -> str:
     """``fn``'s name in a message, with the label of the boundary on its module, if any
-    (``DecoderLayer (layers[3])``)."""
+    (``DecoderLayer (model.layers.3)``)."""
     from .module_state import owning_module
     from .refusals import fn_name
 

@@ -19,9 +19,10 @@ an output that is not contiguous: a switch to find a cause, not to train with.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,36 +40,37 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 # the place (place * constant) missed two rows of equal sums swapped: their change is the
 # difference of the rows' sums times one constant. Mixed, the weights have no such structure.
 _MIX = (-7046029254386353131, -4658895280553007687)
-_CHUNK = 1 << 20  # elements weighted at once (whole rows): int64 temporaries of 8 MiB each
+_CHUNK = 1 << 20  # elements printed at once: int64 temporaries of 8 MiB each
 
 
 def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(bit sums, value sums)`` of ``t``, or None for a tensor that has no such print.
 
-    One pass over ``t``, a chunk of whole rows at a time: the temporaries (an output that is
-    not contiguous copied, its values widened for their sums, the weights) are a chunk's, not
-    the output's (whole-output float64 copies took 4x a bf16 output: helper GU)."""
+    One pass over ``t`` in chunks of at most ``_CHUNK`` elements in row-major order: the
+    temporaries (a chunk of an output that is not contiguous copied, its values widened for
+    their sums, the weights) are a chunk's, not the output's (whole-output float64 copies took
+    4x a bf16 output: helper GU; chunks of whole rows, one chunk for a batch of one: helper
+    GV)."""
     if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized or t.is_meta:
         return None  # (a meta tensor has no values, and torch.equal no meta kernel)
     # A conjugate or negative view holds its values' other bits: resolved (a copy) first.
     t = t.detach().resolve_conj().resolve_neg()
     if t.dim() == 0:
         t = t.reshape(1)
-    bits = _as_bits(t)
-    if bits is None:
+    if _as_bits(t) is None:
         return None
+    per = 2 if t.is_complex() else 1  # bit elements per element (a complex one's two halves)
     wide = torch.complex128 if t.is_complex() else \
         torch.float64 if t.is_floating_point() else torch.int64
-    row = bits[0].numel() if bits.shape[0] else 1  # bits per row of t
-    rows = max(1, _CHUNK // max(row, 1))
     zero = torch.zeros((), dtype=torch.int64, device=t.device)
     plain, mixed = zero.clone(), zero.clone()
     total = torch.zeros((), dtype=wide, device=t.device)
     absolute = torch.zeros((), dtype=torch.float64 if wide is not torch.int64 else wide,
                            device=t.device)
-    for first in range(0, t.shape[0], rows):
-        part = bits[first:first + rows].reshape(-1)
-        place = first * row
+    for first, values in _chunks(t):
+        bits = _as_bits(values)
+        assert bits is not None  # as t's
+        part, place = bits.reshape(-1), first * per
         if part.element_size() == 8:
             # 8-byte elements as pairs of int32: a sign bit read in an int64 is worth 2**63,
             # which wraps to itself in an int64 sum, so two sign flips left the plain sum as
@@ -77,7 +79,6 @@ def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
             part, place = part.contiguous().view(torch.int32), 2 * place
         plain += part.sum(dtype=torch.int64)
         mixed += _mixed(part, place).sum()
-        values = t[first:first + rows]
         try:
             total += values.sum(dtype=wide)
             absolute += (values if values.dtype is torch.bool else values.abs()).sum(
@@ -89,6 +90,33 @@ def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
     return torch.stack([plain, mixed]), torch.stack([total, absolute.to(wide)])
 
 
+def _chunks(t: torch.Tensor, /) -> Iterator[tuple[int, torch.Tensor]]:
+    """``t`` in pieces of at most ``_CHUNK`` elements, in row-major order, each with the place
+    of its first element: the innermost dimensions whole while they fit, the next one sliced,
+    the outer ones an index at a time."""
+    inner, k = 1, t.dim() - 1
+    while k >= 0 and inner * t.shape[k] <= _CHUNK:
+        inner *= t.shape[k]
+        k -= 1
+    if k < 0:
+        yield 0, t
+        return
+    step = max(1, _CHUNK // max(inner, 1))
+    for outer in itertools.product(*(range(n) for n in t.shape[:k])):
+        base = 0
+        for size, index in zip(t.shape[:k], outer):
+            base = base * size + index
+        piece = t[outer]
+        for first in range(0, t.shape[k], step):
+            yield (base * t.shape[k] + first) * inner, piece[first:first + step]
+
+
+def _shifted(z: torch.Tensor, bits: int, /) -> torch.Tensor:
+    """``z >> bits`` as unsigned (logical): torch shifts an int64 arithmetically, which hashed
+    bits b and their complement ~b alike (helper GV)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
 def _mixed(part: torch.Tensor, start: int, /) -> torch.Tensor:
     """Each element's bits hashed together with its place ``start + k``, non-linearly.
 
@@ -97,9 +125,9 @@ def _mixed(part: torch.Tensor, start: int, /) -> torch.Tensor:
     about 74 place pairs of a million (helper GU). Hashed, a swap of two different values moves
     the sum but by chance (about 2**-64)."""
     z = _weights(start, part.numel(), part.device) ^ part.to(torch.int64)
-    z = (z ^ (z >> 31)) * _MIX[1]
-    z = (z ^ (z >> 29)) * _MIX[0]
-    return z ^ (z >> 32)
+    z = (z ^ _shifted(z, 31)) * _MIX[1]
+    z = (z ^ _shifted(z, 29)) * _MIX[0]
+    return z ^ _shifted(z, 32)
 
 
 def _weights(start: int, count: int, device: torch.device, /) -> torch.Tensor:
@@ -136,7 +164,7 @@ _UNWRITTEN = ("an output holding uninitialized memory, which its forward never w
 
 def _described(fn: Any, /) -> str:
     """How a message names ``fn``: a name given as it is, a callable with its boundary's label
-    (``DecoderLayer (layers[3])``: layers of one class look alike)."""
+    (``DecoderLayer (model.layers.3)``: layers of one class look alike)."""
     if isinstance(fn, str):
         return fn
     from .module import described  # an error path: imported here (module imports the boundary)

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 from torch import nn
 
-from .apply import (layer_count, listed_layers, refuse_checkpointed_beyond, resolve_offload,
-                    validate_ratio, warn_inside_torch_wrapper)
+from .apply import (layer_count, layer_labels, listed_layers, refuse_checkpointed_beyond,
+                    resolve_offload, validate_ratio, warn_inside_torch_wrapper)
 from .boundary_call import BoundaryOptions
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError
@@ -182,6 +182,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     listed = listed_layers(layers, "apply_recompute_config")
     count = layer_count(len(listed), config.ratio)
     chosen = listed[:count]
+    labels = layer_labels(layers, count, "apply_recompute_config")
     units = _selected(config, targets)
     if units:
         _refuse_compiled_bodies(chosen)
@@ -239,7 +240,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     for module, name in kept:
         install_kept(module, name)
     for index, layer in enumerate(chosen):
-        install_boundary(layer, options, label=f"layers[{index}]")
+        install_boundary(layer, options, label=labels[index])
     return list(range(count))
 
 

@@ -57,9 +57,6 @@ class GlmDsaConfig:
     # Run both pre-norms through output-discard replay (pytree_ckpt.CheckpointWithoutOutput):
     # their outputs are freed once the projections saved them, and rebuilt in backward.
     discard_norm_outputs: bool = False
-    # Those discards compare each rebuilt norm output with the forward's, bit for bit
-    # (CheckpointWithoutOutput(verify_replay=True)): train.py --verify-replay sets it.
-    verify_discards: bool = False
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "q_lora_rank",

@@ -93,8 +93,9 @@ class GlmDsaForCausalLM(nn.Module):
 
         ``save``: the save units to keep resident (``RecomputeConfig.save``). ``offload`` and
         ``verify_replay`` as in ``pytree_ckpt.apply_activation_checkpointing`` (``None`` reads
-        XTUNER_ACTIVATION_OFFLOAD); resolved once, so all layers share one manager. Returns the
-        indices of the checkpointed decoder layers.
+        XTUNER_ACTIVATION_OFFLOAD); resolved once, so all layers share one manager.
+        ``verify_replay`` also reaches every layer's norm discards (``discard_norm_outputs``),
+        checkpointed or not. Returns the indices of the checkpointed decoder layers.
         """
         manager = pytree_ckpt.resolve_offload(offload) or False
         targets = self.declared_targets()
@@ -103,6 +104,9 @@ class GlmDsaForCausalLM(nn.Module):
         if mtp and len(self.mtp_layers):
             apply_recompute_config(self.mtp_layers, RecomputeConfig(1.0, save=save), targets,
                                    offload=manager, verify_replay=verify_replay)
+        for module in self.modules():  # the norms' output discards, checkpointed or not
+            if isinstance(module, DecoderLayer):
+                module.verify_discards = verify_replay
         return chosen
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,

@@ -168,8 +168,7 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
     rank = 0 if env is None else env.rank
     device = torch.device("cpu") if env is None else env.device
     config = GlmDsaConfig(mtp_depth=args.mtp_depth, moe=args.moe,
-                          reuse_indexer=not args.no_reuse, discard_norm_outputs=args.discard_norms,
-                          verify_discards=args.verify_replay)
+                          reuse_indexer=not args.no_reuse, discard_norm_outputs=args.discard_norms)
     torch.manual_seed(args.seed)
     model = GlmDsaForCausalLM(config).to(device)
     if args.compile:  # the bodies first: the boundary keeps the compiled forward it finds
@@ -224,7 +223,10 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
                 f"{int(stats['windows'])} windows, {int(stats['restored_bytes'])} restored "
                 f"({int(stats['reused_bytes'])} without a copy back), "
                 f"{int(stats['alive_elsewhere_bytes'])} alive elsewhere")
-    if args.verify_replay:  # a replay that differed would have raised in its backward
+    if args.verify_replay and args.ratio == 0 and not args.discard_norms:
+        say("verify_replay: nothing was compared (no layer is checkpointed at --ratio 0, and "
+            "no norm output is discarded without --discard-norms)")
+    elif args.verify_replay:  # a replay that differed would have raised in its backward
         say("verify_replay: every replay (and norm rebuild) matched its forward, bit for bit")
     return losses
 

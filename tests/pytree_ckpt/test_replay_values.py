@@ -702,13 +702,13 @@ def test_a_broadcast_output_is_printed_by_the_one_slice_it_repeats(
     from pytree_ckpt import replay_values
 
     printed: list[int] = []
-    original = replay_values._as_bits
+    original = replay_values._print
 
     def counted(t: torch.Tensor) -> Any:
         printed.append(t.numel())
         return original(t)
 
-    monkeypatch.setattr(replay_values, "_as_bits", counted)
+    monkeypatch.setattr(replay_values, "_print", counted)
     mask = torch.rand(1, 1, 16, 16) > 0.5
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1386,11 +1386,11 @@ def test_a_refused_layer_is_named_with_where_the_entry_point_found_it(where: str
     model.layers = nn.ModuleList([Counted(Config()), Counted(Config())])
     if where == "checkpoint_layers":
         checkpoint_layers(model.layers, verify_replay=True)
-        label = "layers[1]"
+        label = "#1 of the layers given to checkpoint_layers"
     elif where == "apply_recompute_config":
         apply_recompute_config(model.layers, pytree_ckpt.RecomputeConfig(1.0), {},
                                verify_replay=True)
-        label = "layers[1]"
+        label = "#1 of the layers given to apply_recompute_config"
     else:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Counted),
                                        verify_replay=True)
@@ -1401,3 +1401,108 @@ def test_a_refused_layer_is_named_with_where_the_entry_point_found_it(where: str
     with pytest.raises(ReplayMismatchError) as raised:
         h.sum().backward()
     assert str(raised.value).startswith(f"the replay of Counted ({label}) in backward computed")
+
+
+def test_a_replay_that_swaps_two_values_whose_bits_are_complements_is_refused() -> None:
+    # Guards against (helper GV) _mixed's shifts done arithmetically (int64 >> in torch):
+    # ~z ^ (~z >> 31) == z ^ (z >> 31), so an element and its bit complement hashed alike at
+    # any place, and a swap of two such values also kept the plain sum (b + ~b == -1 either
+    # way): the print was unchanged. The shifts are logical (masked) now.
+    one = torch.tensor([1.0])
+    other = (~one.view(torch.int32)).view(torch.float32)  # -3.9999998: 1.0's bits flipped
+    x = torch.cat([one, other, torch.tensor([0.5])]).requires_grad_()
+    order = [0, 1, 2]  # state the forward reads, changed before backward
+    layer = checkpointed(lambda v: v[order], verify_replay=True)  # outputs: x, reordered
+    weights = torch.tensor([1.0, 2.0, 3.0])
+    y = layer(x)
+    order[:2] = [1, 0]  # the replay swaps the two: other gradients than eager's
+    with pytest.raises(ReplayMismatchError):
+        (y * weights).sum().backward()
+    # The natural integer case: a 0/-1 window mask (0 is ~-1) moved by one place.
+    pos = torch.arange(16)
+    mask = torch.where((pos >= 4) & (pos < 8), 0, -1)
+    moved = torch.where((pos >= 5) & (pos < 9), 0, -1)
+    a, b = _print(mask), _print(moved)
+    assert a is not None and b is not None and not torch.equal(a[0], b[0])
+
+
+def test_the_prints_of_a_batch_1_output_allocate_no_temporary_larger_than_the_output() -> None:
+    # Guards against (helper GV) chunks of whole rows of dimension 0: an output whose first
+    # dimension is small and whose rows are large (batch 1: (1, tokens, hidden), the usual
+    # shape of a decoder layer's hidden state in LLM training) was one chunk, its int64 bits,
+    # weights and hash temporaries the whole output's, 4x a bf16 output's bytes, in each pass.
+    # _chunks slices the innermost dimensions that do not fit. Seen as the test above sees it.
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = checkpointed(lambda x: x * 2, verify_replay=True)
+    x = torch.randn(1, 8192, 1024).to(torch.bfloat16).requires_grad_()  # 16 MiB
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's, about blocks made before it started
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            y = layer(x)
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    assert largest <= max(y.nbytes, 8 << 20), \
+        f"{largest >> 20} MiB for a {y.nbytes >> 20} MiB output"
+
+
+class OwnOffload(nn.Module):
+    """A layer whose forward has an ``offload`` parameter of its own (it means the layer's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: Any = None, offload: bool = False) -> torch.Tensor:
+        if not isinstance(offload, bool):
+            raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+        return self.lin(x) * (2 if offload else 1)
+
+
+@pytest.mark.parametrize("how", ["partial of the layer", "partial of its __call__"])
+def test_a_layer_naming_offload_itself_is_not_warned_when_called_through_a_partial(
+        how: str) -> None:
+    # checkpoint() warns where fn takes a boundary option only through **kwargs. A layer whose
+    # forward names offload itself takes it, and checkpoint(layer, x, offload=True) is left
+    # alone. Guards against (helper GV) a partial of it (partial(layer, mask=...), or
+    # transformers' earlier 5.x convention partial(super().__call__, **kwargs)) read as
+    # nn.Module's __call__, (*args, **kwargs): a false warning; its forward's signature is.
+    import functools
+
+    torch.manual_seed(0)
+    layer, x = OwnOffload(), torch.randn(3, 6, requires_grad=True)
+    fn = functools.partial(layer, mask=None) if how == "partial of the layer" else \
+        functools.partial(layer.__call__, mask=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = pytree_ckpt.checkpoint(fn, x, offload=True)
+    assert torch.equal(got, layer(x, offload=True))
+
+
+def test_a_layers_own_type_error_about_its_offload_parameter_gets_no_checkpointed_tip() -> None:
+    # A layer that names offload itself and checks its type raises its own TypeError
+    # ("offload must be a bool, got str"). Guards against (helper GV) checkpoint() rewriting
+    # any TypeError naming a boundary option, as if fn had refused the keyword: the tip to
+    # "set offload with pytree_ckpt.checkpointed(fn, offload=...)" would take the layer's own
+    # option away. Only Python's "unexpected keyword argument" is that refusal.
+    layer = OwnOffload()
+    with pytest.raises(TypeError) as raised:
+        pytree_ckpt.checkpoint(layer, torch.randn(3, 6, requires_grad=True), offload="cpu")
+    assert str(raised.value) == "offload must be a bool, got str"
+
+
+def test_a_refused_layer_of_a_module_dict_is_not_named_by_another_layers_index() -> None:
+    # torchtitan keeps model.layers in a ModuleDict whose keys stay the model's layer numbers
+    # when pipeline parallelism leaves a stage only some of them ("16", "17", ...), and
+    # checkpoint_layers' own refusal of a ModuleDict tips "pass model.layers.values()".
+    # Guards against (helper GV) a label "layers[1]" for this stage's layers.17, the name of
+    # another stage's layer: the key is named (dict_values.mapping).
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"16": Counted(Config()), "17": Counted(Config())})
+    checkpoint_layers(model.layers.values(), verify_replay=True)
+    h = torch.randn(2, 6, requires_grad=True)
+    for layer in model.layers.values():
+        h = layer(h)["hidden"]
+    with pytest.raises(ReplayMismatchError) as raised:
+        h.sum().backward()  # layers.17 replays first, and is refused
+    head = str(raised.value).split(" in backward")[0]
+    assert head == "the replay of Counted (key '17' of the layers given to checkpoint_layers)"
