@@ -40,26 +40,29 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 # the place (place * constant) missed two rows of equal sums swapped: their change is the
 # difference of the rows' sums times one constant. Mixed, the weights have no such structure.
 _MIX = (-7046029254386353131, -4658895280553007687)
-_CHUNK = 1 << 20  # elements printed at once: int64 temporaries of 8 MiB each
+_CHUNK = 1 << 20  # 4-byte words printed at once: int64 temporaries of 8 MiB each
 
 
 def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(bit sums, value sums)`` of ``t``, or None for a tensor that has no such print.
 
-    One pass over ``t`` in chunks of at most ``_CHUNK`` elements in row-major order: the
-    temporaries (a chunk of an output that is not contiguous copied, its values widened for
-    their sums, the weights) are a chunk's, not the output's (whole-output float64 copies took
-    4x a bf16 output: helper GU; chunks of whole rows, one chunk for a batch of one: helper
-    GV)."""
+    One pass over ``t`` in chunks of at most ``_CHUNK`` 4-byte words in row-major order: the
+    temporaries (a chunk of an output that is not contiguous copied, or resolved from a
+    conjugate or negative view; its values widened for their sums; the weights) are a
+    chunk's, about 8 MiB each, not the output's (whole-output float64 copies took 4x a bf16
+    output: helper GU; chunks of whole rows, one chunk for a batch of one: helper GV; 8-byte
+    and complex chunks of 16-32 MiB, a conjugate output resolved whole: helper GW)."""
     if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized or t.is_meta:
         return None  # (a meta tensor has no values, and torch.equal no meta kernel)
-    # A conjugate or negative view holds its values' other bits: resolved (a copy) first.
-    t = t.detach().resolve_conj().resolve_neg()
+    t = t.detach()
     if t.dim() == 0:
         t = t.reshape(1)
-    if _as_bits(t) is None:
+    probe = t[(0,) * t.dim()].reshape(1) if t.numel() else t.reshape(0)  # one element
+    if _as_bits(probe.resolve_conj().resolve_neg()) is None:
         return None
-    per = 2 if t.is_complex() else 1  # bit elements per element (a complex one's two halves)
+    # Bit words per element: a complex one's two halves, an 8-byte one's two int32s.
+    words = (2 if t.is_complex() else 1) * (2 if probe.element_size() // (
+        2 if t.is_complex() else 1) == 8 else 1)
     wide = torch.complex128 if t.is_complex() else \
         torch.float64 if t.is_floating_point() else torch.int64
     zero = torch.zeros((), dtype=torch.int64, device=t.device)
@@ -67,41 +70,47 @@ def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
     total = torch.zeros((), dtype=wide, device=t.device)
     absolute = torch.zeros((), dtype=torch.float64 if wide is not torch.int64 else wide,
                            device=t.device)
-    for first, values in _chunks(t):
+    for first, values in _chunks(t, max(1, _CHUNK // words)):
+        # A conjugate or negative view holds its values' other bits: resolved a chunk at a time.
+        values = values.resolve_conj().resolve_neg()
         bits = _as_bits(values)
-        assert bits is not None  # as t's
-        part, place = bits.reshape(-1), first * per
+        assert bits is not None  # as the probe's
+        part = bits.reshape(-1)
         if part.element_size() == 8:
             # 8-byte elements as pairs of int32: a sign bit read in an int64 is worth 2**63,
             # which wraps to itself in an int64 sum, so two sign flips left the plain sum as
-            # it was (a float64 output negated: helper GR). A strided column (top-k ids'
-            # first column) is made contiguous for the view (helper GT).
-            part, place = part.contiguous().view(torch.int32), 2 * place
+            # it was (a float64 output negated: helper GR). Through a trailing dimension of 1,
+            # which any stride allows (a strided column: helper GT; one element with a stride,
+            # which counts as contiguous: helper GW).
+            part = part.unsqueeze(-1).view(torch.int32).reshape(-1)
         plain += part.sum(dtype=torch.int64)
-        mixed += _mixed(part, place).sum()
+        mixed += _mixed(part, first * words).sum()
         try:
-            total += values.sum(dtype=wide)
-            absolute += (values if values.dtype is torch.bool else values.abs()).sum(
+            summed = values.sum(dtype=wide)
+            size = (values if values.dtype is torch.bool else values.abs()).sum(
                 dtype=absolute.dtype)
-        except RuntimeError:  # no kernel for the dtype (float8): through the wide dtype
+        except RuntimeError:  # no kernel for the dtype (float8, uint32): through the wide
+            # dtype. Both read before either is added (an unsigned output's sum was added
+            # twice: helper GW).
             widened = values.to(wide)
-            total += widened.sum()
-            absolute += widened.abs().sum().to(absolute.dtype)
+            summed, size = widened.sum(), widened.abs().sum().to(absolute.dtype)
+        total += summed
+        absolute += size
     return torch.stack([plain, mixed]), torch.stack([total, absolute.to(wide)])
 
 
-def _chunks(t: torch.Tensor, /) -> Iterator[tuple[int, torch.Tensor]]:
-    """``t`` in pieces of at most ``_CHUNK`` elements, in row-major order, each with the place
+def _chunks(t: torch.Tensor, limit: int, /) -> Iterator[tuple[int, torch.Tensor]]:
+    """``t`` in pieces of at most ``limit`` elements, in row-major order, each with the place
     of its first element: the innermost dimensions whole while they fit, the next one sliced,
     the outer ones an index at a time."""
     inner, k = 1, t.dim() - 1
-    while k >= 0 and inner * t.shape[k] <= _CHUNK:
+    while k >= 0 and inner * t.shape[k] <= limit:
         inner *= t.shape[k]
         k -= 1
     if k < 0:
         yield 0, t
         return
-    step = max(1, _CHUNK // max(inner, 1))
+    step = max(1, limit // max(inner, 1))
     for outer in itertools.product(*(range(n) for n in t.shape[:k])):
         base = 0
         for size, index in zip(t.shape[:k], outer):
@@ -122,9 +131,16 @@ def _mixed(part: torch.Tensor, start: int, /) -> torch.Tensor:
 
     Weights times bits (linear in the bits) missed a value swapped with its negation wherever
     the two places' weights agreed in their low 33 bits (the sign bit is 2**31 in an int32):
-    about 74 place pairs of a million (helper GU). Hashed, a swap of two different values moves
+    about 74 place pairs of a million (helper GU). The place enters twice: xored into the bits
+    alone, two places whose weights shared their high 33 bits could trade bits and keep the
+    sum (about one place pair in 2**32: helper GW). A swap of two different values now moves
     the sum but by chance (about 2**-64)."""
-    z = _weights(start, part.numel(), part.device) ^ part.to(torch.int64)
+    w = _weights(start, part.numel(), part.device)
+    return _finished(_finished(w ^ part.to(torch.int64)) + w)
+
+
+def _finished(z: torch.Tensor, /) -> torch.Tensor:
+    """SplitMix64's finishing mix (logical shifts: ``_shifted``)."""
     z = (z ^ _shifted(z, 31)) * _MIX[1]
     z = (z ^ _shifted(z, 29)) * _MIX[0]
     return z ^ _shifted(z, 32)
