@@ -5,16 +5,20 @@ of giving other gradients than eager's, silently.
 
 NOTE [output prints]: the original pass's outputs are the caller's, and keeping copies of them
 until backward would keep what checkpointing frees, so each output leaves a print: two int64
-sums over its bits (the bits read as integers of the element's size, so any flipped bit counts,
-and integer sums give the same total in any order, on any kernel schedule), one plain, one
-with a pseudo-random weight per place (two different values swapped move it), and, for the
-message only, its values' sum and absolute sum (a difference within 1e-3 of the latter is
-named as float rounding, and the tip then leads with the kernels that cause it). The replay's
-outputs get the same prints, compared in one ``torch.equal`` (one device sync per replay, on
-CUDA). Plain strided tensors are printed; an output of another layout or a tensor subclass is
-named in a warning at the call, and not compared. The check adds a few reductions per output in
-each pass, a few int64 temporaries of 8 MiB (the weights, made a chunk at a time) and a copy of
-an output that is not contiguous: a switch to find a cause, not to train with.
+sums over its bits, read as integers (8-byte elements as int32 pairs: a sign bit worth 2**63
+wraps to itself), so that any flipped bit counts and the total is the same in any order, on any
+kernel schedule: one plain, one of a hash of each element's bits with its place (a swap of two
+different values moves it, except by a chance of about 2**-64); and, for the message only, its
+values' sum and absolute sum (a difference within 1e-3 of the latter is named as float rounding,
+and the tip then leads with the kernels that cause it). What leaves the call with a gradient
+path is printed: its outputs, the submodule outputs its forward hooks keep, and the tensor
+arguments of its kept ops (NOTE [the kept ops' arguments are verified too]). The replay's get
+the same prints, compared in one ``torch.equal`` (one device sync per replay, on CUDA). Plain
+strided tensors are printed, by place in row-major order whatever their strides (an output
+broadcast with stride 0 by the one slice it repeats); one of another layout, a tensor subclass
+or a meta tensor is named in a warning at the call, and not compared. The print reads each
+output once, a chunk of 2**20 4-byte words at a time (int64 temporaries of about 8 MiB each,
+whatever the output's size): a switch to find a cause, not to train with.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def _mixed(part: torch.Tensor, start: int, /) -> torch.Tensor:
     about 74 place pairs of a million (helper GU). The place enters twice: xored into the bits
     alone, two places whose weights shared their high 33 bits could trade bits and keep the
     sum (about one place pair in 2**32: helper GW). A swap of two different values now moves
-    the sum but by chance (about 2**-64)."""
+    the sum, except by a chance of about 2**-64."""
     w = _weights(start, part.numel(), part.device)
     return _finished(_finished(w ^ part.to(torch.int64)) + w)
 
