@@ -9,16 +9,17 @@ sums over its bits, read as integers (8-byte elements as int32 pairs: a sign bit
 wraps to itself), so that any flipped bit counts and the total is the same in any order, on any
 kernel schedule: one plain, one of a hash of each element's bits with its place (a swap of two
 different values moves it, except by a chance of about 2**-64); and, for the message only, its
-values' sum and absolute sum (a difference within 1e-3 of the latter is named as float rounding,
-and the tip then leads with the kernels that cause it). What leaves the call with a gradient
-path is printed: its outputs, the submodule outputs its forward hooks keep, and the tensor
-arguments of its kept ops (NOTE [the kept ops' arguments are verified too]). The replay's get
-the same prints, compared in one ``torch.equal`` (one device sync per replay, on CUDA). Plain
-strided tensors are printed, by place in row-major order whatever their strides (an output
-broadcast with stride 0 by the one slice it repeats); one of another layout, a tensor subclass
-or a meta tensor is named in a warning at the call, and not compared. The print reads each
-output once, a chunk of 2**20 4-byte words at a time (int64 temporaries of about 8 MiB each,
-whatever the output's size): a switch to find a cause, not to train with.
+finite values' sum and absolute sum and the count of the others (both sums within 1e-3 of the
+absolute one are named float rounding, and the tip then leads with the kernels that cause it).
+What leaves the call with a gradient path is printed: its outputs, the submodule outputs its
+forward hooks keep, and the tensor arguments of its kept ops (NOTE [the kept ops' arguments are
+verified too]). The replay's get the same prints, compared in one ``torch.equal`` (one device
+sync per replay, on CUDA). Plain strided tensors are printed, by place in row-major order
+whatever their strides (an output broadcast with stride 0 by the one slice it repeats); one of
+another layout, a tensor subclass or a meta tensor is named in a warning at the call, and not
+compared. The print reads each output once, a chunk of 2**20 4-byte words at a time (int64
+temporaries of about 8 MiB each, whatever the output's size): a switch to find a cause, not to
+train with.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
     total = torch.zeros((), dtype=wide, device=t.device)
     absolute = torch.zeros((), dtype=torch.float64 if wide is not torch.int64 else wide,
                            device=t.device)
+    unfinished = zero.clone()
     for first, values in _chunks(t, max(1, _CHUNK // words)):
         # A conjugate or negative view holds its values' other bits: resolved a chunk at a time.
         values = values.resolve_conj().resolve_neg()
@@ -90,17 +92,31 @@ def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
         plain += part.sum(dtype=torch.int64)
         mixed += _mixed(part, first * words).sum()
         try:
-            summed = values.sum(dtype=wide)
-            size = (values if values.dtype is torch.bool else values.abs()).sum(
-                dtype=absolute.dtype)
+            summed, size, bad = _value_sums(values, wide, absolute.dtype)
         except RuntimeError:  # no kernel for the dtype (float8, uint32): through the wide
-            # dtype. Both read before either is added (an unsigned output's sum was added
-            # twice: helper GW).
-            widened = values.to(wide)
-            summed, size = widened.sum(), widened.abs().sum().to(absolute.dtype)
+            # dtype. All read before any is added (an unsigned output's sum was added twice:
+            # helper GW).
+            summed, size, bad = _value_sums(values.to(wide), wide, absolute.dtype)
         total += summed
         absolute += size
-    return torch.stack([plain, mixed]), torch.stack([total, absolute.to(wide)])
+        unfinished += bad
+    return torch.stack([plain, mixed]), torch.stack([total, absolute.to(wide),
+                                                     unfinished.to(wide)])
+
+
+def _value_sums(values: torch.Tensor, wide: torch.dtype, absolute: torch.dtype, /
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the message: the sum and absolute sum of ``values``' finite ones, and how many are
+    not finite (masked logits hold -inf in both passes: a sum of -inf each told nothing, and
+    read as memory never written: helper GX)."""
+    if not (values.is_floating_point() or values.is_complex()):
+        return (values.sum(dtype=wide), (values if values.dtype is torch.bool else
+                                         values.abs()).sum(dtype=absolute),
+                torch.zeros((), dtype=torch.int64, device=values.device))
+    finite = torch.isfinite(values)
+    kept = torch.where(finite, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return (kept.sum(dtype=wide), kept.abs().sum(dtype=absolute),
+            finite.numel() - finite.sum(dtype=torch.int64))
 
 
 def _chunks(t: torch.Tensor, limit: int, /) -> Iterator[tuple[int, torch.Tensor]]:
@@ -246,10 +262,11 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
         now.tolist() if now is not None else []))) if a != b] or [0]
     t = tensors[differ[0]] if differ[0] < len(tensors) else None
     causes = [_STATE, _AROUND, _ROUNDING, _UNWRITTEN_ARGUMENT]
-    # Widened first: float8 has no isfinite kernel (helper GT); an error path, a copy is fine.
-    if t is not None and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(
-            t.to(torch.complex128 if t.is_complex() else torch.float64)).all()):
-        causes.remove(_UNWRITTEN_ARGUMENT)  # NaN or inf: more likely garbage than a counter
+    # Widened first: float8 has no isnan kernel (helper GT); an error path, a copy is fine.
+    # NaN, not inf: a mask's -inf is no garbage (helper GX).
+    if t is not None and (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(
+            t.to(torch.complex128 if t.is_complex() else torch.float64)).any()):
+        causes.remove(_UNWRITTEN_ARGUMENT)  # NaN: more likely garbage than a counter
         causes.insert(0, _UNWRITTEN_ARGUMENT)
     if not preserve_rng:
         causes.insert(0, _RNG)
@@ -294,6 +311,8 @@ class OutputPrints:
                 if made is None:
                     unprinted.append(position)
                     continue
+                if dims:  # the message's sums are the whole output's (helper GX)
+                    made = made[0], made[1] * math.prod(t.shape[d] for d in dims)
                 if dims:
                     broadcast[position] = dims
                 positions.append(position)
@@ -326,6 +345,8 @@ class OutputPrints:
                     _raise_other_values(fn, paths()[position], "", t, None, None,
                                         preserve_rng, broadcast=dims)
                 m = _print(_slice(t, dims) if dims else t)
+                if m is not None and dims:
+                    m = m[0], m[1] * math.prod(t.shape[d] for d in dims)
                 if m is None:  # shapes and dtypes agree (the structure check): not the kind
                     raise ReplayMismatchError(
                         f"the replay of {_described(fn)} in backward returned another kind of "
@@ -384,15 +405,21 @@ def _raise_other_values(fn: Any, where: str, also: str, t: torch.Tensor,
             what, expected=f"the forward's {where}, broadcast along dimension(s) "
                            f"{list(broadcast)}: one slice repeated",
             got="the replay's, which differs along them", tip=state)
-    (summed, absolute), (again, _) = forward.tolist(), replay.tolist()
-    absolute = abs(absolute)
+    (summed, absolute, bad), (again, again_absolute, again_bad) = forward.tolist(), \
+        replay.tolist()
+    absolute, again_absolute, bad, again_bad = abs(absolute), abs(again_absolute), \
+        int(abs(bad)), int(abs(again_bad))
     floating = t.is_floating_point() or t.is_complex()
-    close = floating and summed != again and abs(summed - again) <= 1e-3 * absolute
+    # Rounding moves both sums a little: the plain one alone stays near 0 for a normed output
+    # at any scale (helper GX: a changed scale read as rounding).
+    close = floating and summed != again and bad == again_bad and \
+        abs(summed - again) <= 1e-3 * absolute and \
+        abs(absolute - again_absolute) <= 1e-3 * absolute
     causes = [state, _AROUND, rounding, _UNWRITTEN]
     if not preserve_rng:
         causes.insert(0, _RNG)
-    if not all(math.isfinite(abs(v)) for v in (summed, again)):
-        causes.remove(_UNWRITTEN)  # NaN or inf: more likely garbage than a counter
+    if bad != again_bad:  # NaN or inf in other numbers: garbage more likely than a counter
+        causes.remove(_UNWRITTEN)
         causes.insert(0, _UNWRITTEN)
     elif close:
         causes.remove(rounding)
@@ -400,8 +427,11 @@ def _raise_other_values(fn: Any, where: str, also: str, t: torch.Tensor,
     if close:
         what += (f"; the sums differ by {abs(summed - again):.3g}, within 1e-3 of the values' "
                  f"absolute sum ({absolute:.6g}), as float rounding does")
+    def counted(n: int) -> str:
+        return f" ({n} not finite, left out)" if n else ""
+
     raise ReplayMismatchError(
         what, expected=f"the forward's Tensor(shape={tuple(t.shape)}, dtype={t.dtype}), values "
-                       f"summing to {summed!r}",
-        got=f"the replay's, summing to {again!r}",
+                       f"summing to {summed!r}{counted(bad)}",
+        got=f"the replay's, summing to {again!r}{counted(again_bad)}",
         tip="most likely " + "; else ".join(causes))

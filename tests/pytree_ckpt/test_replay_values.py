@@ -220,8 +220,8 @@ class _Sums(TorchDispatchMode):
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_the_prints_are_made_only_when_verify_replay_is_on(verify: bool) -> None:
-    # One output: its print is four sums (two over the bits, the values' and their absolute
-    # values') in each pass.
+    # One output: its print is five sums (two over the bits; the finite values', their
+    # absolute values' and the count of the others, for the message) in each pass.
     layer = checkpointed(nn.Linear(5, 5), verify_replay=verify)
     x = torch.randn(3, 5, requires_grad=True)
     with _Sums() as counted:
@@ -230,7 +230,7 @@ def test_the_prints_are_made_only_when_verify_replay_is_on(verify: bool) -> None
     with _Sums() as counted:
         y.backward(torch.ones_like(y))
     # A Linear's forward sums nothing; its backward sums the bias's gradient, once.
-    assert (forward, counted.sums) == ((4, 5) if verify else (0, 1))
+    assert (forward, counted.sums) == ((5, 6) if verify else (0, 1))
 
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64,
@@ -1666,3 +1666,74 @@ def test_the_message_names_an_unsigned_outputs_own_sums(dtype: torch.dtype) -> N
     sums = [line.split("summing to ")[1] for line in str(raised.value).splitlines()
             if "summing to" in line]
     assert sums == ["6", "9"]
+
+
+# ------------------------------------------------------------- helper GX's review
+
+def test_a_normed_output_scaled_by_a_changed_setting_is_not_called_float_rounding() -> None:
+    # A LayerNorm's rows sum to about 0 whatever their scale, so the values' sums of the two
+    # passes differ by far less than 1e-3 of the absolute sum even when the replay's values are
+    # 3x the forward's. Guards against (helper GX) the message saying "as float rounding does"
+    # there: rounding keeps the absolute sums close too, a 3x scale does not.
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(x) * SETTINGS.scale
+
+    torch.manual_seed(0)
+    SETTINGS.scale = 1.0
+    y = checkpointed(Normed(), verify_replay=True)(torch.randn(4, 8, requires_grad=True))
+    SETTINGS.scale = 3.0
+    try:
+        with pytest.raises(ReplayMismatchError) as raised:
+            y.pow(2).sum().backward()
+    finally:
+        SETTINGS.scale = 1.0
+    message = str(raised.value)
+    assert "tip: most likely the forward read something that changed" in message
+    assert "as float rounding does" not in message
+
+
+def test_a_broadcast_outputs_message_gives_the_sums_of_its_values_not_of_one_slice() -> None:
+    # The print of an output broadcast with stride 0 is that of the one slice it repeats.
+    # Guards against (helper GX) its value sums shown as the output's: "values summing to 4.0"
+    # for a (5, 4) output of ones, whose values sum to 20.0; they are scaled by the repeats.
+    scale = torch.ones(1, 4)  # state the forward reads, changed before backward
+    layer = checkpointed(lambda x: (x * 2, (x[:1] * scale).expand(5, 4)), verify_replay=True)
+    y = layer(torch.ones(3, 4, requires_grad=True))
+    forward_sum = y[1].double().sum().item()
+    scale += 1
+    with pytest.raises(ReplayMismatchError) as raised:
+        (y[0].sum() + y[1].sum()).backward()
+    message = str(raised.value)
+    assert "at output[1]" in message
+    assert f"values summing to {forward_sum!r}" in message  # 20.0; it says 4.0
+
+
+class _Temperature:
+    value = 1.0  # a global setting the forward reads
+
+
+def test_masked_logits_scaled_by_a_changed_setting_are_not_blamed_on_unwritten_memory() -> None:
+    # Attention scores masked with -inf (a causal mask, as the DSA indexer's) are an ordinary
+    # output. Their temperature, a global changed before backward, makes the replay's scores
+    # half the forward's. Guards against (helper GX) a message showing "summing to -inf" for
+    # both passes with a tip leading with uninitialized memory: the sums are the finite
+    # values', the others counted, and that cause leads only where the counts differ.
+    def scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (q @ k.t() / _Temperature.value).masked_fill(mask, float("-inf"))
+
+    torch.manual_seed(0)
+    mask = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    _Temperature.value = 1.0
+    y = checkpointed(scores, verify_replay=True)(
+        torch.randn(4, 8, requires_grad=True), torch.randn(4, 8), mask)
+    _Temperature.value = 2.0
+    with pytest.raises(ReplayMismatchError) as raised:
+        y.softmax(-1).sum().backward()
+    message = str(raised.value)
+    assert "tip: most likely the forward read something that changed" in message
+    assert "summing to -inf" not in message
