@@ -4,6 +4,7 @@ offload, and the silent case it exists for (an indexer rerun in the replay) refu
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -64,36 +65,8 @@ def test_an_erratic_indexer_rerun_in_the_replay_is_refused_and_its_replayed_ids_
         assert "verify_replay=True compares them bit for bit" in message
 
 
-def test_the_training_script_with_verify_replay_trains_as_without_it(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from examples.glm_dsa import train
-
-    made: list[bool] = []
-    original = OutputPrints.of.__func__  # type: ignore[attr-defined]
-
-    def counted(cls: type[OutputPrints], *args: Any, **kwargs: Any) -> OutputPrints:
-        made.append(True)
-        return original(cls, *args, **kwargs)
-
-    monkeypatch.setattr(OutputPrints, "of", classmethod(counted))
-    plain = train.main(["--steps", "2", "--moe"])
-    assert made == []
-    verified = train.main(["--steps", "2", "--moe", "--verify-replay"])
-    assert verified == plain
-    # Two steps of eight decoder layers and two MTP depths, each printed once per call.
-    assert len(made) == 2 * (8 + 2)
-    assert "--verify-replay" in train.__doc__
-    capsys.readouterr()
-
-
-def test_the_training_scripts_verify_replay_reaches_the_norms_output_discards(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    # With --ratio 0.5 the unchecked layers' norm discards rebuild in the outer backward, where
-    # no boundary's check sees them: the flag reaches CheckpointWithoutOutput through the config.
-    from collections import Counter
-
-    from examples.glm_dsa import train
-
+def _counted_prints(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts OutputPrints.of by what made the prints: a discard's name, a boundary's class."""
     made: Counter[str] = Counter()
     original = OutputPrints.of.__func__  # type: ignore[attr-defined]
 
@@ -103,6 +76,32 @@ def test_the_training_scripts_verify_replay_reaches_the_norms_output_discards(
         return original(cls, *args, **kwargs)
 
     monkeypatch.setattr(OutputPrints, "of", classmethod(counted))
+    return made
+
+
+def test_the_training_script_with_verify_replay_trains_as_without_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.glm_dsa import train
+
+    made = _counted_prints(monkeypatch)
+    plain = train.main(["--steps", "2", "--moe"])
+    assert not made
+    verified = train.main(["--steps", "2", "--moe", "--verify-replay"])
+    assert verified == plain
+    # Two steps of eight decoder layers and two MTP depths, each printed once per call.
+    assert made == Counter({"DecoderLayer": 2 * 8, "MtpLayer": 2 * 2})
+    assert "--verify-replay" in train.__doc__
+    capsys.readouterr()
+
+
+def test_the_training_scripts_verify_replay_reaches_the_norms_output_discards(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # With --ratio 0.5 the unchecked layers' norm discards rebuild in the outer backward, where
+    # no boundary's check sees them: the flag reaches their CheckpointWithoutOutput through the
+    # model's checkpoint_layers.
+    from examples.glm_dsa import train
+
+    made = _counted_prints(monkeypatch)
     argv = ["--steps", "2", "--discard-norms", "--ratio", "0.5"]
     plain = train.main(argv)
     assert not made
@@ -123,16 +122,9 @@ def test_the_training_script_does_not_claim_a_check_that_verified_nothing(
     # matched there: it says nothing was compared.
     from examples.glm_dsa import train
 
-    made: list[bool] = []
-    original = OutputPrints.of.__func__  # type: ignore[attr-defined]
-
-    def counted(cls: type[OutputPrints], *args: Any, **kwargs: Any) -> OutputPrints:
-        made.append(True)
-        return original(cls, *args, **kwargs)
-
-    monkeypatch.setattr(OutputPrints, "of", classmethod(counted))
+    made = _counted_prints(monkeypatch)
     train.main(["--steps", "1", "--ratio", "0", "--verify-replay"])
-    assert made == []  # nothing was verified ...
+    assert not made  # nothing was verified ...
     out = capsys.readouterr().out
     assert "matched its forward" not in out, out  # ... and the script says so
     assert "verify_replay: nothing was compared" in out
@@ -145,19 +137,10 @@ def test_the_models_checkpoint_layers_verify_replay_reaches_the_norms_output_dis
     # boundary's check compares the layer's outputs, made before the rebuild). Guards against
     # (helper GV) model.checkpoint_layers(verify_replay=True) not reaching them (only train.py
     # set a config flag): it sets every decoder layer's, checkpointed or not.
-    from collections import Counter
-
-    made: Counter[str] = Counter()
-    original = OutputPrints.of.__func__  # type: ignore[attr-defined]
-
-    def counted(cls: type[OutputPrints], *args: Any, **kwargs: Any) -> OutputPrints:
-        fn = kwargs["fn"]
-        made[fn if isinstance(fn, str) else fn_name(fn)] += 1
-        return original(cls, *args, **kwargs)
-
-    monkeypatch.setattr(OutputPrints, "of", classmethod(counted))
+    made = _counted_prints(monkeypatch)
     config, model = build(discard_norm_outputs=True)
     model.checkpoint_layers(1.0, verify_replay=True)
     train_step(model, make_packed_batch(config, SEQ_LENS))
-    assert made["DecoderLayer"] > 0  # the layers' replays are verified...
-    assert made["RMSNorm"] > 0, made  # ...and their norms' rebuilds are not
+    # One step: 8 decoder layers and 2 MTP depths, each printed once, and their two norms each,
+    # discarded for real (and printed) in the layers' replays.
+    assert made == Counter({"RMSNorm": 2 * 10, "DecoderLayer": 8, "MtpLayer": 2})

@@ -1130,6 +1130,20 @@ def test_verify_replay_given_to_checkpoint_is_not_swallowed_by_a_forward_taking_
     assert "verify_replay" in told and "checkpointed" in told
 
 
+def _largest_block(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, /, *,
+                   besides: str = "") -> tuple[torch.Tensor, int]:
+    """``checkpointed(fn, verify_replay=True)(x)`` and the largest CPU block its call took (as
+    the profiler records allocations), but those of the op named ``besides``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = checkpointed(fn, verify_replay=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's, about blocks made before it started
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            y = layer(x)
+    return y, max(e.self_cpu_memory_usage for e in prof.events() if e.name != besides)
+
+
 def test_the_prints_of_a_large_output_allocate_no_temporary_larger_than_the_output() -> None:
     # Guards against (helper GU) the sums kept for the message, t.sum(dtype=float64) and
     # t.abs().sum(dtype=float64), copying the whole output to float64 (torch casts a
@@ -1137,17 +1151,9 @@ def test_the_prints_of_a_large_output_allocate_no_temporary_larger_than_the_outp
     # 128 MiB bf16 output raised the process's peak by about 620 MiB on CPU (the replay's, in
     # backward, where memory peaks). They go a chunk at a time, with the bit sums. Seen through
     # the CPU allocator as the profiler records it: the call's largest allocation.
-    from torch.profiler import ProfilerActivity, profile
-
-    layer = checkpointed(lambda x: x * 2, verify_replay=True)
     x = torch.randn(8, 1024, 1024).to(torch.bfloat16).requires_grad_()  # 16 MiB
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the profiler's, about blocks made before it started
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            y = layer(x)
-    largest = max(e.self_cpu_memory_usage for e in prof.events())
-    assert largest <= max(y.nbytes, 8 << 20), \
-        f"{largest >> 20} MiB for a {y.nbytes >> 20} MiB output"
+    y, largest = _largest_block(lambda x: x * 2, x)
+    assert largest <= max(y.nbytes, 8 << 20), f"{largest >> 20} MiB for {y.nbytes >> 20} MiB"
 
 
 # Two places of a 2**20-element output whose pseudo-random weights agree modulo 2**33 (found by
@@ -1434,17 +1440,9 @@ def test_the_prints_of_a_batch_1_output_allocate_no_temporary_larger_than_the_ou
     # shape of a decoder layer's hidden state in LLM training) was one chunk, its int64 bits,
     # weights and hash temporaries the whole output's, 4x a bf16 output's bytes, in each pass.
     # _chunks slices the innermost dimensions that do not fit. Seen as the test above sees it.
-    from torch.profiler import ProfilerActivity, profile
-
-    layer = checkpointed(lambda x: x * 2, verify_replay=True)
     x = torch.randn(1, 8192, 1024).to(torch.bfloat16).requires_grad_()  # 16 MiB
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the profiler's, about blocks made before it started
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            y = layer(x)
-    largest = max(e.self_cpu_memory_usage for e in prof.events())
-    assert largest <= max(y.nbytes, 8 << 20), \
-        f"{largest >> 20} MiB for a {y.nbytes >> 20} MiB output"
+    y, largest = _largest_block(lambda x: x * 2, x)
+    assert largest <= max(y.nbytes, 8 << 20), f"{largest >> 20} MiB for {y.nbytes >> 20} MiB"
 
 
 class OwnOffload(nn.Module):
@@ -1618,18 +1616,10 @@ def test_the_prints_of_an_8_byte_or_complex_output_allocate_no_temporary_over_8_
     # chunks of _CHUNK float64 or complex elements, 2 or 4 * _CHUNK int32 words to hash: each
     # int64 temporary of _mixed was 16 or 32 MiB, in each pass. Chunks are _CHUNK words now.
     # Seen as the test above sees it; bounded by the chunk, not the output's size.
-    from torch.profiler import ProfilerActivity, profile
-
-    layer = checkpointed(lambda x: x * 2, verify_replay=True)
     count = (8 << 20) // torch.empty((), dtype=dtype).element_size()  # an 8 MiB output
     x = torch.zeros(count, dtype=dtype).reshape(8, -1).requires_grad_()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the profiler's, about blocks made before it started
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            y = layer(x)
-    largest = max(e.self_cpu_memory_usage for e in prof.events())
-    assert largest <= max(y.nbytes, 8 << 20), \
-        f"{largest >> 20} MiB for a {y.nbytes >> 20} MiB output"
+    y, largest = _largest_block(lambda x: x * 2, x)
+    assert largest <= max(y.nbytes, 8 << 20), f"{largest >> 20} MiB for {y.nbytes >> 20} MiB"
 
 
 def test_the_print_of_a_conjugate_view_output_copies_no_more_than_a_chunk() -> None:
@@ -1637,17 +1627,10 @@ def test_the_print_of_a_conjugate_view_output_copies_no_more_than_a_chunk() -> N
     # chunking: t.resolve_conj() copied the whole output (a 32 MiB block for a 32 MiB complex64
     # output returned as (x * 2).conj(), in each pass). Each chunk is resolved now. Seen as the
     # tests above see it.
-    from torch.profiler import ProfilerActivity, profile
-
-    layer = checkpointed(lambda x: (x * 2).conj(), verify_replay=True)
     x = torch.zeros(4 << 20, dtype=torch.complex64).reshape(8, -1).requires_grad_()  # 32 MiB
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the profiler's, about blocks made before it started
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            y = layer(x)
-    assert y.is_conj()  # the premise: the output is a conjugate view
     # The largest block but the output's own (x * 2, made by aten::mul).
-    largest = max(e.self_cpu_memory_usage for e in prof.events() if e.name != "aten::mul")
+    y, largest = _largest_block(lambda x: (x * 2).conj(), x, besides="aten::mul")
+    assert y.is_conj()  # the premise: the output is a conjugate view
     assert largest < y.nbytes, f"{largest >> 20} MiB for a {y.nbytes >> 20} MiB output"
 
 
