@@ -123,8 +123,9 @@ class Copy:
         at 0) made after an in-place write on the tensor (counted on the tensor's) read 0
         like the alias copied before the write, and took its stale copy: backward read bytes
         its forward never used. So another tensor on the storage (a ``.data`` alias, a tensor
-        ``set_`` on it, or a ``.detach()`` alias, which shares the counter but cannot be told
-        from them) gets a copy of its own. Views and the very tensor, as
+        ``set_`` on it, or a ``.detach()`` alias or a dtype view, ``x.view(torch.int32)``,
+        which share the counter without a ``_base`` and cannot be told from them: helper GY)
+        gets a copy of its own. Views and the very tensor, as
         RoPE tables and ``cu_seqlens`` passed to every layer are, still share one."""
         source = self.source()
         return source is not None and (tensor is source or tensor._base is source)

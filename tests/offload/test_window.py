@@ -880,3 +880,61 @@ def test_a_table_changed_through_data_between_windows_gives_the_later_window_eag
 
     eager = run(None)
     assert torch.equal(run(manager()), eager)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/offload.md, 'In-place changes "
+                   "after saving': a dtype view shares the counter without being a view) "
+                   "(helper GY)")
+def test_a_change_through_a_dtype_view_of_a_dropped_layer_input_is_refused_like_eager() -> None:
+    # A documented limit (helper GY), strict: closing the gap makes it pass.
+    # x.view(torch.int32) shares x's storage and version counter but is no ``_base`` view:
+    # once the caller drops x, the handle's weak source is gone, the manager let go of its
+    # alias (at stats(), at the next window, ...) and a change made through the dtype view is
+    # read from host silently. Eager autograd (and the boundary without offload) refuse the
+    # backward: the version counter the saved input shares moved.
+    results = []
+    for offloaded in (False, True):
+        layer = nn.Linear(8, 8)
+        m = manager()
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=m if offloaded else False)
+        x = torch.randn(4, 8, requires_grad=True) * 1.0
+        bits = x.view(torch.int32)  # a view in torch's terms: same storage, same counter
+        y = layer(x)
+        del x
+        m.stats()                   # on CPU the copy has landed: its alias is let go
+        bits.add_(1)                # changes the bytes the layer's backward needs
+        with pytest.raises(pytree_ckpt.CheckpointError, match="changed in place|modified in pl"):
+            y.sum().backward()
+        results.append(offloaded)
+    assert results == [False, True]
+
+
+class _SaveAll(torch.autograd.Function):
+    """Saves every tensor given after ``x``; backward checks each came back as it was."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *saved: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*saved)
+        ctx.expected = [t.clone() for t in saved]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        assert all(torch.equal(t, e) for t, e in zip(ctx.saved_tensors, ctx.expected))
+        return (grad * 2, *(None for _ in ctx.expected))
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/offload.md, 'The window rule': "
+                   "a dtype view gets a copy of its own) (helper GY)")
+def test_a_dtype_view_saved_beside_its_tensor_shares_the_one_copy_of_the_storage() -> None:
+    # A documented limit (helper GY), strict: sharing the copy makes it pass.
+    # docs/offload.md: "Each storage is copied to host once per window, however many saved
+    # tensors or views alias it". x.view(torch.int32) is a view (same storage, same version
+    # counter), but has no ``_base``: Copy.same_counter takes it for a .data-like alias.
+    m = manager()
+    x = torch.randn(16, 32, requires_grad=True) * 1.0
+    nbytes = x.untyped_storage().nbytes()
+    with m.window([x]):
+        out = _SaveAll.apply(x, x, x[2:], x.view(torch.int32))
+    assert m.stats()["offloaded_bytes"] == nbytes
+    out.sum().backward()
