@@ -74,7 +74,7 @@ from .frames import callable_name
 from .generator_sets import replay_watch
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
-from .replay_values import OutputPrints
+from .replay_values import OutputPrints, check_rebuilt
 from .rebound import Bound, modules_bound_now, refuse_rebound
 from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
@@ -496,5 +496,6 @@ class CheckpointWithoutOutput:
                     storage.copy_(new.untyped_storage())
                 if self.census is not None:
                     self.census._note_refilled(original)
+                check_rebuilt(storage)  # NOTE [a hooked output the replay discarded]
         self.recomputed = outputs
         return True

@@ -482,7 +482,8 @@ class KeepMode(TorchDispatchMode):
             holder = _RecordHolder()
             frame.record(func, (kept, [t._version for t in _tensors(kept)], holder,
                                 call_arguments(func, args, kwargs),
-                                arguments_print(_tensors((args, kwargs))) if self.verify
+                                arguments_print(_tensors((args, kwargs)), op=func,
+                                                fn=self.layer) if self.verify
                                 else None), rng_after=rng_after,
                          generators_after=generators_after)
             position = len(frame.results[func]) - 1

@@ -15,9 +15,9 @@ What leaves the call with a gradient path is printed: its outputs, the submodule
 forward hooks keep, and the tensor arguments of its kept ops (NOTE [the kept ops' arguments are
 verified too]). The replay's get the same prints, compared in one ``torch.equal`` (one device
 sync per replay, on CUDA). Plain strided tensors are printed, by place in row-major order
-whatever their strides (an output broadcast with stride 0 by the one slice it repeats); one of
-another layout, a tensor subclass or a meta tensor is named in a warning at the call, and not
-compared. The print reads each output once, a chunk of 2**20 4-byte words at a time (int64
+whatever their strides (an output broadcast with stride 0 by the one slice it repeats), and
+sparse ones by their parts (NOTE [sparse tensors are printed by their parts]); a tensor subclass,
+a nested or meta tensor is named in a warning at the call, and not compared. The print reads each output once, a chunk of 2**20 4-byte words at a time (int64
 temporaries of about 8 MiB each, whatever the output's size): a switch to find a cause, not to
 train with.
 """
@@ -36,7 +36,7 @@ from torch import nn
 from .eager import user_stacklevel
 from .errors import ReplayMismatchError
 
-__all__ = ["OutputPrints", "arguments_print", "check_arguments"]
+__all__ = ["OutputPrints", "arguments_print", "check_arguments", "check_rebuilt"]
 
 # Signed integers of each element size: unsigned types lack reductions on some devices.
 _BITS_AS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -49,7 +49,48 @@ _CHUNK = 1 << 20  # 4-byte words printed at once: int64 temporaries of 8 MiB eac
 
 
 def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(bit sums, value sums)`` of ``t``, or None for a tensor that has no such print.
+    """``(bit sums, value sums)`` of ``t``, or None for a tensor that has no such print: a
+    plain strided tensor's (``_strided_print``), or a sparse one's made of its parts'."""
+    parts = _sparse_parts(t)
+    if parts is None:
+        return _strided_print(t)
+    made = [_strided_print(part) for part in parts]
+    if any(m is None for m in made):
+        return None  # a meta sparse tensor
+    # Each part's bits hashed with its place among the parts: indices and values that swap
+    # their roles do not cancel. The message's value sums are the values part's (the last).
+    bits = sum(_finished(m[0] ^ _weights(k, 1, m[0].device)) for k, m in enumerate(made)
+               if m is not None)
+    assert isinstance(bits, torch.Tensor) and made[-1] is not None
+    return bits, made[-1][1]
+
+
+# NOTE [sparse tensors are printed by their parts]: a kept op's sparse argument (an adjacency
+# given to torch.sparse.mm) got a print of zeros in both passes, so other values there passed
+# (helper HA: a graph layer's adjacency scaled by a shared counter, half of eager's gradients);
+# a sparse output was only warned about. A sparse tensor's values are its indices' and values'
+# (as the op made them: not coalesced here, which would sum duplicates), so those are printed.
+_COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"),
+               torch.sparse_bsr: ("crow_indices", "col_indices"),
+               torch.sparse_csc: ("ccol_indices", "row_indices"),
+               torch.sparse_bsc: ("ccol_indices", "row_indices")}
+
+
+def _sparse_parts(t: torch.Tensor, /) -> list[torch.Tensor] | None:
+    """The plain tensors a sparse ``t`` holds its values in (NOTE [sparse tensors are printed
+    by their parts]), values last; None for any other tensor."""
+    if type(t) not in _PLAIN:
+        return None
+    if t.layout is torch.sparse_coo:
+        return [t._indices(), t._values()]
+    names = _COMPRESSED.get(t.layout)
+    if names is None:
+        return None
+    return [getattr(t, name)() for name in names] + [t.values()]
+
+
+def _strided_print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(bit sums, value sums)`` of a plain strided ``t``, or None for another tensor.
 
     One pass over ``t`` in chunks of at most ``_CHUNK`` 4-byte words in row-major order: the
     temporaries (a chunk of an output that is not contiguous copied, or resolved from a
@@ -230,18 +271,35 @@ def _slice(t: torch.Tensor, dims: tuple[int, ...], /) -> torch.Tensor:
 # kept op's backward reads the replay's arguments: other gradients, silently (helper GR). Under
 # verify_replay each record keeps the bit sums of the op's tensor arguments, and the replay's
 # arguments are compared where the record is handed over.
-def arguments_print(tensors: Sequence[torch.Tensor], /) -> torch.Tensor | None:
-    """The bit sums of ``tensors`` (a kept op's tensor arguments: NOTE [output prints]), one
-    row each, zeros for one without a print; None for none."""
+def arguments_print(tensors: Sequence[torch.Tensor], /, *, op: Any, fn: Any
+                    ) -> torch.Tensor | None:
+    """The bit sums of ``tensors`` (the tensor arguments of ``op``, which a save unit of
+    ``fn`` keeps: NOTE [output prints]), one row each, zeros for one without a print (named in
+    a warning, as outputs are: not compared); None for none."""
     if not tensors:
         return None
     rows = []
+    unprinted = []
     with torch.no_grad():
-        for t in tensors:
+        for position, t in enumerate(tensors):
             made = _print(_slice(t, _broadcast_dims(t)))
+            if made is None:
+                unprinted.append(position)
             rows.append(made[0] if made is not None else
                         torch.zeros(2, dtype=torch.int64, device=t.device))
+    if unprinted:
+        listed = ", ".join(f"tensor argument {p + 1} of {len(tensors)} ({_kind(tensors[p])})"
+                           for p in unprinted)
+        warnings.warn(
+            f"verify_replay=True compares the tensor arguments of {op}, which a save unit of "
+            f"{_described(fn)} keeps, where they are plain strided or sparse tensors: {listed} "
+            "not compared. Tip: leave that op to the replay (not kept), or verify_replay off "
+            "for this layer", stacklevel=user_stacklevel())
     return _stacked(rows)
+
+
+def _kind(t: torch.Tensor, /) -> str:
+    return f"{type(t).__name__}, {t.layout}, {t.dtype}" + (", meta" if t.is_meta else "")
 
 
 def _stacked(rows: Sequence[torch.Tensor], /) -> torch.Tensor:
@@ -255,7 +313,9 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
                     op: Any, preserve_rng: bool) -> None:
     """Refuse a kept op's replayed call whose tensor arguments (``tensors``) have other values
     than the original pass's (``recorded``: their ``arguments_print``)."""
-    now = arguments_print(tensors)
+    with warnings.catch_warnings():  # told in the forward already
+        warnings.simplefilter("ignore")
+        now = arguments_print(tensors, op=op, fn=fn)
     if now is not None and now.shape == recorded.shape and torch.equal(now, recorded):
         return
     differ = [i for i, (a, b) in enumerate(zip(recorded.tolist(), (
@@ -320,11 +380,11 @@ class OutputPrints:
                 values.append(made[1])
         if unprinted:
             named = paths()
-            listed = ", ".join(f"{named[p]} ({type(tensors[p]).__name__}, {tensors[p].layout}, "
-                               f"{tensors[p].dtype})" for p in unprinted)
+            listed = ", ".join(f"{named[p]} ({_kind(tensors[p])})" for p in unprinted)
             warnings.warn(
                 f"verify_replay=True compares the replay's outputs of {_described(fn)} with the "
-                f"forward's where they are plain strided tensors: {listed} not compared. Tip: "
+                f"forward's where they are plain strided or sparse tensors: {listed} not "
+                "compared. Tip: "
                 "return the plain tensor (a subclass's local tensor, a nested tensor's values) "
                 "to have it compared, or leave verify_replay off for this layer",
                 stacklevel=user_stacklevel())
@@ -333,13 +393,21 @@ class OutputPrints:
     def check(self, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
               fn: Any, preserve_rng: bool) -> None:
         """Raise ``ReplayMismatchError`` naming the first replayed output whose print differs
-        from the original pass's (``tensors``: the replay's, in the same places)."""
+        from the original pass's (``tensors``: the replay's, in the same places). One whose
+        storage an output discard inside the replay freed is compared once it is rebuilt
+        (NOTE [a hooked output the replay discarded])."""
         if self.sums is None:
             return
         with torch.no_grad():
-            made = []
-            for position in self.positions:
+            made, rows = [], []
+            for row, position in enumerate(self.positions):
                 t = tensors[position]
+                if t.layout is torch.strided and t.numel() and \
+                        not t.untyped_storage().nbytes():
+                    _check_when_rebuilt(t, self.sums[row], self.values[row],
+                                        self.broadcast.get(position, ()), paths()[position],
+                                        fn, preserve_rng)
+                    continue
                 dims = self.broadcast.get(position, ())
                 if dims and not _repeats(t, dims):
                     _raise_other_values(fn, paths()[position], "", t, None, None,
@@ -353,21 +421,74 @@ class OutputPrints:
                         "tensor than "
                         f"its original pass at {paths()[position]}, whose values "
                         "verify_replay=True cannot compare",
-                        expected="a plain strided tensor, as the forward returned",
+                        expected="a plain strided or sparse tensor, as the forward returned",
                         got=f"{type(t).__name__} of layout {t.layout}",
                         tip="return the same kind of tensor in both passes (not one chosen by "
                             "current_phase() or grad mode)")
                 made.append(m)
-            sums = _stacked([m[0] for m in made])
-            if torch.equal(sums, self.sums):
+                rows.append(row)
+            if not made:
                 return
-            differ = (sums != self.sums).any(dim=1).tolist()
+            sums = _stacked([m[0] for m in made])
+            expected = self.sums if len(rows) == len(self.positions) else self.sums[rows]
+            if torch.equal(sums, expected):
+                return
+            differ = (sums != expected).any(dim=1).tolist()
         first = differ.index(True)
-        position = self.positions[first]
+        position = self.positions[rows[first]]
         more = sum(differ) - 1
         also = f" (and {more} more output{'s' if more > 1 else ''})" if more else ""
-        _raise_other_values(fn, paths()[position], also, tensors[position], self.values[first],
-                            made[first][1], preserve_rng)
+        _raise_other_values(fn, paths()[position], also, tensors[position],
+                            self.values[rows[first]], made[first][1], preserve_rng)
+
+
+# NOTE [a hooked output the replay discarded]: a forward hook's output (a norm's, read by an
+# activation-statistics logger) may be one an output discard frees inside the replay, which
+# discards for real, before the replay's outputs are printed: its storage is empty then, and
+# reading it raised torch's out-of-bounds error (helper HA). The original pass discards nothing
+# (no grad), so its print is of the values. The replay's is taken when the discard rebuilds
+# the storage (``check_rebuilt``, called by the discard after its refill), from the storage
+# and the tensor's place in it: the check holds no tensor, so the storage's attribute makes no
+# cycle. A storage never rebuilt is one nothing in backward reads.
+_REBUILT_CHECKS = "_pytree_ckpt_rebuilt_checks"
+
+
+def _check_when_rebuilt(t: torch.Tensor, expected: torch.Tensor, values: torch.Tensor,
+                        dims: tuple[int, ...], where: str, fn: Any, preserve_rng: bool, /
+                        ) -> None:
+    place = (t.dtype, t.device, t.size(), t.stride(), t.storage_offset())
+
+    def check(storage: torch.UntypedStorage) -> None:
+        dtype, device, size, stride, offset = place
+        again = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
+        with torch.no_grad():
+            if dims and not _repeats(again, dims):
+                _raise_other_values(fn, where, "", again, None, None, preserve_rng,
+                                    broadcast=dims)
+            m = _print(_slice(again, dims) if dims else again)
+            assert m is not None  # a plain strided tensor, as the forward's
+            if dims:
+                m = m[0], m[1] * math.prod(again.shape[d] for d in dims)
+            if torch.equal(m[0], expected):
+                return
+        _raise_other_values(fn, where, "", again, values, m[1], preserve_rng)
+
+    storage = t.untyped_storage()
+    checks = getattr(storage, _REBUILT_CHECKS, None)
+    if checks is None:
+        checks = []
+        setattr(storage, _REBUILT_CHECKS, checks)
+    checks.append(check)
+
+
+def check_rebuilt(storage: torch.UntypedStorage, /) -> None:
+    """Run the checks waiting for ``storage``'s rebuild (NOTE [a hooked output the replay
+    discarded]); an output discard calls it once it has refilled the storage."""
+    checks = getattr(storage, _REBUILT_CHECKS, None)
+    if checks:
+        delattr(storage, _REBUILT_CHECKS)
+        for check in checks:
+            check(storage)
 
 
 def _repeats(t: torch.Tensor, dims: tuple[int, ...], /) -> bool:
