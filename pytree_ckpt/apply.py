@@ -119,9 +119,12 @@ def _refuse_policy(check_fn: object, /) -> None:
         return
     named = _class_names(classes or [])
     test = _isinstance_test(named)
+    # Each container in its own brackets: a tuple shown in braces read as a set (helper GZ).
+    opened, closed = ("(", ")") if isinstance(check_fn, tuple) else \
+        ("[", "]") if isinstance(check_fn, list) else ("{", "}")
     got = (f"the class {named[0]}" if isinstance(check_fn, type)
-           else f"{type(check_fn).__name__} {{{', '.join(named)}}}" if classes is not None
-           else describe_leaf(check_fn))
+           else f"{type(check_fn).__name__} {opened}{', '.join(named)}{closed}"
+           if classes is not None else describe_leaf(check_fn))
     raise CheckpointConfigError(
         "check_fn is called with each module and returns whether to checkpoint it",
         expected="a function of a module returning a bool", got=got,

@@ -993,7 +993,7 @@ def test_a_list_check_fn_a_plain_dict_of_layers_and_one_refused_keyword_are_told
     model = Stack(2)
     with pytest.raises(CheckpointConfigError) as err:
         apply_activation_checkpointing(model, check_fn=[Layer])  # type: ignore[arg-type]
-    assert "got:      list {Layer}" in str(err.value)
+    assert "got:      list [Layer]" in str(err.value)
     assert "tip: check_fn=lambda m: isinstance(m, Layer) " in str(err.value)
     with pytest.raises(CheckpointConfigError) as err:
         checkpoint_layers({"0": Layer(), "1": Layer()})  # type: ignore[arg-type]
@@ -1287,3 +1287,14 @@ def test_torchs_wrapper_and_selective_options_are_refused_where_they_are_moved_t
     assert "RecomputeConfig(save=[...])" in str(raised.value)
     apply_activation_checkpointing(block, preserve_rng_state=False)
     assert pytree_ckpt.is_checkpointed(block)
+
+
+@pytest.mark.parametrize("policy", [(Layer, nn.Linear), [Layer, nn.Linear]])
+def test_a_check_fn_given_as_a_tuple_or_list_of_classes_is_shown_as_that_container(
+        policy: Any) -> None:
+    # Guards against (helper GZ) "got:      tuple {Layer, Linear}", which read as a set of the
+    # two classes: the container given is shown with its own brackets.
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(Stack(2), check_fn=policy)
+    opened, closed = ("(", ")") if isinstance(policy, tuple) else ("[", "]")
+    assert f"got:      {type(policy).__name__} {opened}Layer, Linear{closed}" in str(err.value)
