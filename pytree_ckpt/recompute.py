@@ -415,6 +415,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # the forward read them] in forward_numbers.py: a tensor it held).
         call.changed_state = None
         call.changed_numbers = None
+        call.prints = None  # verify_replay's, compared above (helper HA: held with the graph)
     if not explicit:
         if outs:
             try:

@@ -1880,3 +1880,25 @@ def test_a_hooked_output_the_replay_discards_is_compared_once_it_is_rebuilt() ->
     message = str(raised.value)
     assert "at output of submodule 'scaled' (kept by a forward hook)" in message, message
     assert shared.calls == 3
+
+
+def test_the_prints_are_let_go_once_a_replay_without_retain_graph_is_done() -> None:
+    # Guards against (helper HA) a call's prints held as long as its graph: a loss kept for
+    # logging kept them. A replay under retain_graph=True keeps them for the next backward,
+    # which compares again (a shared counter there is refused by both).
+    import gc
+
+    from pytree_ckpt.replay_values import OutputPrints
+
+    def held() -> int:
+        gc.collect()
+        return sum(type(o) is OutputPrints for o in gc.get_objects())
+
+    before = held()
+    layer = checkpointed(nn.Linear(4, 4), verify_replay=True)
+    y = layer(torch.randn(2, 4, requires_grad=True))
+    assert held() == before + 1
+    y.sum().backward(retain_graph=True)
+    assert held() == before + 1
+    y.sum().backward()
+    assert held() == before  # y, and so the graph, still alive
