@@ -101,8 +101,8 @@ _WARNED_WRAPPERS: set[type] = set()  # output classes a discard kept, warned of 
 
 # Read at each discarded op, as boundary.py reads them (without a Python frame).
 _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
-# torch.jit's, not torch._C._is_tracing, which boundary.py reads: dynamo traces this method
-# (NOTE [discard stays eager]) and knows torch.jit.is_tracing, not the C function.
+# torch.jit's, not torch._C._is_tracing, which boundary.py reads: dynamo, which traced this
+# method before NOTE [discard stays eager], knew torch.jit.is_tracing, not the C function.
 _is_tracing = torch.jit.is_tracing
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
@@ -115,14 +115,15 @@ _INERT_LOGGED: set[str] = set()
 # but traced its forward frame by frame, down to the replay environment's reads of torch's
 # kernel switches, and warned about each builtin it could not trace there (once that body
 # compiled past its second sequence length, NOTE [the decoder body's variants] in
-# examples/glm_dsa/distributed.py). The Function is applied through a function marked to run
-# eagerly instead: the body breaks its graph there, with the reason, and nothing inside is
-# traced (as at the boundary's entry). The public methods are not marked: a method of an
-# object made in the traced frame cannot be called across a graph break, and dynamo then
-# skipped the whole body.
-@runs_eagerly(DISCARD_REASON)
-def _apply(*args: Any) -> Any:
-    return DiscardFunction.apply(*args)
+# examples/glm_dsa/distributed.py). With only the Function's call marked eager, the object
+# was made in the traced frame and its checkpoint() traced up to that call, and dynamo could
+# carry neither across the break: it ran the whole body eagerly, with none of the body's
+# compute compiled (only the bookkeeping before the call: helper HA found the body's linears
+# in no graph), and compiled checkpoint()'s own frame once per layer and pass, past the
+# recompile limit. So the constructor and the public methods run eagerly, each with the
+# reason: the body breaks its graph at each, holds a real object across the breaks, and
+# compiles what comes between them.
+_eager = runs_eagerly(DISCARD_REASON)
 
 
 class CheckpointWithoutOutput:
@@ -135,6 +136,7 @@ class CheckpointWithoutOutput:
     forward did"). ``fp8``: Megatron-Core's keyword, off only (False or None).
     """
 
+    @_eager
     def __init__(self, *, fp8: bool | str | None = False, preserve_rng_state: bool = True,
                  verify_replay: bool = False) -> None:
         refuse_fp8(fp8)  # Megatron-Core's keyword: said, not swallowed
@@ -184,6 +186,7 @@ class CheckpointWithoutOutput:
         # in forward_numbers.py), for the rebuild.
         self.changed_numbers: ChangedNumbers | None = None
 
+    @_eager
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` under no-grad; inputs saved through autograd; returns its
         output. Keyword arguments take plain values only (``eps=1e-6``)."""
@@ -234,9 +237,9 @@ class CheckpointWithoutOutput:
             self.state = ([d for tree in trees for d in tree.buffers], frozen, trees)
         elif not any(t.requires_grad and not any(t is a for a in args)
                      for t in self._found_reachable(fn, args)):
-            # By identity, not id(): in a compiled body (this method is traced: NOTE [discard
-            # stays eager]) id() of a tensor argument made dynamo guard on that very object,
-            # so each call with a new input recompiled, up to the recompile limit.
+            # By identity, not id(): when dynamo traced this method (before NOTE [discard
+            # stays eager]), id() of a tensor argument made it guard on that very object, so
+            # each call with a new input recompiled, up to the recompile limit.
             # A plain function that reaches nothing trainable (F.gelu, a lambda, a partial):
             # its gradients are its inputs' alone, so the explicit path serves, also under
             # torch.autograd.grad (a checkpoint boundary's replay uses it).
@@ -268,9 +271,9 @@ class CheckpointWithoutOutput:
             return output
         if owner is None:  # NOTE [a module rebound before the replay] (rebound.py)
             self.bound = modules_bound_now(fn)
-        outputs = tuple(_apply(self, *args, *(self.params or ())))  # NOTE [discard stays eager]
-        # After the eager call: a compiled body reaches the refusal first (NOTE [discard stays
-        # eager]), not this ContextVar read.
+        outputs = tuple(DiscardFunction.apply(self, *args, *(self.params or ())))
+        # After the Function's call: a fullgraph body is refused at this method's call (NOTE
+        # [discard stays eager]), before this ContextVar read.
         note_discard()  # NOTE [a replay kept between restricted backwards] (kept_replay.py)
         if not any(o.requires_grad for o in outputs):
             # No output can carry a gradient, so autograd keeps no node (and no inputs) to
@@ -380,6 +383,7 @@ class CheckpointWithoutOutput:
             setattr(storage, DISCARDED_MARK, self._name())
             storage.resize_(0)
 
+    @_eager
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor, /) -> None:
         """Free the outputs now; rebuild them when ``hook_tensor``'s gradient is computed."""
         if not self.passthrough:

@@ -12,12 +12,15 @@ from typing import Any
 import torch
 
 from .discard import CheckpointWithoutOutput
+from .eager import DISCARD_REASON, runs_eagerly
 from .discard_aliases import register_rebuild
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook
 from .errors import CheckpointError, validate_bool
 from .refusals import refuse_double_backward
 
 __all__ = ["CheckpointWithoutOutputManager"]
+
+_eager = runs_eagerly(DISCARD_REASON)  # NOTE [discard stays eager] (discard.py)
 
 
 class CheckpointWithoutOutputManager:
@@ -27,6 +30,7 @@ class CheckpointWithoutOutputManager:
     ``CheckpointWithoutOutput``'s.
     """
 
+    @_eager
     def __init__(self, *, preserve_rng_state: bool = True, verify_replay: bool = False) -> None:
         self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
         # Each checkpoint's rebuild compared with its forward (CheckpointWithoutOutput's option).
@@ -35,6 +39,7 @@ class CheckpointWithoutOutputManager:
         self.replay_order: list[int] = []  # indices, in the order replays happened
         self.registered = False
 
+    @_eager
     def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` through a new ``CheckpointWithoutOutput`` of this manager, in
         forward order; returns its output."""
@@ -53,6 +58,7 @@ class CheckpointWithoutOutputManager:
         self.checkpoints.append(ckpt)
         return ckpt.checkpoint(fn, *args, **kwargs)
 
+    @_eager
     def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor,
                                                            /) -> None:
         """Free every output checkpointed so far, and rebuild them all, in forward order, when

@@ -420,3 +420,64 @@ def test_a_block_with_output_discard_traces_with_jit_as_without_it() -> None:
     traced = torch.jit.trace(block, (x,))
     assert "DiscardFunction" not in str(traced.graph)
     assert torch.equal(traced(x), block(x))
+
+
+
+def test_a_compiled_body_with_output_discard_compiles_its_compute_between_the_discards(
+        ) -> None:
+    # NOTE [discard stays eager] (discard.py): with only the Function's call marked eager,
+    # dynamo ran the whole body eagerly (the object was made in the traced frame, and it could
+    # not carry it across the break): no graph held the body's linears, and it compiled
+    # checkpoint()'s own frame once per layer and pass, past the recompile limit (helper HA,
+    # the reference model with --compile --discard-norms). Now the body's compute is compiled
+    # between the discard's calls, ten layers share the graphs (no recompile from the second
+    # step on), the discard's methods get no compiled frame, and the numbers stay eager's.
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(16)
+            self.up = nn.Linear(16, 32)
+            self.down = nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x * 2
+            ckpt = CheckpointWithoutOutput()
+            y = self.up(ckpt.checkpoint(self.norm, x))
+            ckpt.discard_output_and_register_recompute(y)
+            return x + self.down(torch.nn.functional.gelu(y))
+
+    compiled_ops: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        compiled_ops.extend(str(node.target) for node in gm.graph.nodes
+                            if node.op in ("call_function", "call_method", "call_module"))
+        return gm.forward
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Layer() for _ in range(10))
+    eager = copy.deepcopy(layers)
+    torch._dynamo.reset()
+    try:
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, backend=backend)
+        per_step = []
+        for step in range(3):
+            x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(step))
+            xs = [x.clone().requires_grad_() for _ in range(2)]
+            for stack, h in ((layers, xs[0]), (eager, xs[1])):
+                for layer in stack:
+                    h = layer(h)
+                h.square().sum().backward()
+            assert torch.equal(xs[0].grad, xs[1].grad)
+            per_step.append(len(compiled_ops))
+        assert_same_grads(grads_of(eager.parameters()), grads_of(layers.parameters()))
+        assert sum("linear" in op for op in compiled_ops) == 2, compiled_ops
+        assert any("gelu" in op for op in compiled_ops), compiled_ops
+        assert per_step[0] == per_step[-1], per_step  # nothing compiled after the first step
+        for method in (CheckpointWithoutOutput.__init__, CheckpointWithoutOutput.checkpoint,
+                       CheckpointWithoutOutput.discard_output_and_register_recompute):
+            assert _debug_get_cache_entry_list(method.__wrapped__.__code__) == []
+    finally:
+        torch._dynamo.reset()
