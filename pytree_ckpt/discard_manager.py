@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from .discard import CheckpointWithoutOutput
-from .eager import DISCARD_REASON, runs_eagerly
 from .discard_aliases import register_rebuild
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook
+from .eager import DISCARD_REASON, runs_eagerly
 from .errors import CheckpointError, validate_bool
 from .refusals import refuse_double_backward
 

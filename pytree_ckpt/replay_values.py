@@ -16,10 +16,10 @@ forward hooks keep, and the tensor arguments of its kept ops (NOTE [the kept ops
 verified too]). The replay's get the same prints, compared in one ``torch.equal`` (one device
 sync per replay, on CUDA). Plain strided tensors are printed, by place in row-major order
 whatever their strides (an output broadcast with stride 0 by the one slice it repeats), and
-sparse ones by their parts (NOTE [sparse tensors are printed by their parts]); a tensor subclass,
-a nested or meta tensor is named in a warning at the call, and not compared. The print reads each output once, a chunk of 2**20 4-byte words at a time (int64
-temporaries of about 8 MiB each, whatever the output's size): a switch to find a cause, not to
-train with.
+sparse ones by their parts (NOTE [sparse tensors are printed by their parts]); a tensor
+subclass, a nested or meta tensor is named in a warning at the call, and not compared. The
+print reads each output once, a chunk of 2**20 4-byte words at a time (int64 temporaries of
+about 8 MiB each, whatever the output's size): a switch to find a cause, not to train with.
 """
 
 from __future__ import annotations
