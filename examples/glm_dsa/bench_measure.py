@@ -191,6 +191,10 @@ def census_of(variant: Variant, batch: Batch, device: torch.device) -> dict[str,
     zero_grads(variant)
     gc.collect()
     _sync(device)
+    if variant.manager is not None:
+        # Counters of this forward alone: the phases before (the equality step) used the same
+        # manager, and their windows were counted into the census's statistics (helper HC).
+        variant.manager.stats(reset=True)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     meter = (_CacheMeter(variant.cached_ops, variant.model) if variant.cached_ops
              else None)

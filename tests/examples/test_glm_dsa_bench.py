@@ -365,3 +365,23 @@ def test_the_demos_plot_hint_is_the_readmes_command(monkeypatch: pytest.MonkeyPa
     # quoted, and a pip of the interpreter that runs the demo (README's, or sys.executable's)
     assert any(hint in out for hint in ('.venv/bin/pip install -e ".[plot]"',
                                         f'{sys.executable} -m pip install -e ".[plot]"')), out
+
+
+def test_the_census_rows_offload_statistics_are_those_of_the_census_forward_alone() -> None:
+    # Guards against (helper HC) the census's offload statistics adding the equality step's
+    # windows (20 for 10 in the demo: offloaded bytes above the host copies counted).
+    # The bench's own phases in its order (equality, then census) on the tiny preset, with
+    # only the rows they need. The census measures one forward; its offload_stats must be that
+    # forward's: one window per layer call, and offloaded bytes no more than the
+    # host copies the census counts (docs/census.md: "at least stats()['offloaded_bytes']").
+    from examples.glm_dsa.bench_configs import PRESETS
+    from examples.glm_dsa.bench_measure import census_of
+    state = bench._Bench(PRESETS["tiny"], torch.device("cpu"), 0)
+    state.variants = {key: state.variants[key] for key in ("eager", "pytree_offload")}
+    state.equality(_quiet_progress())
+    state.measure_each(_quiet_progress(), "census", census_of, "census")
+    census = state.rows["pytree_offload"]["census"]
+    config = state.variants["pytree_offload"].model.config
+    stats = census["offload_stats"]
+    assert stats["windows"] == config.num_layers + config.mtp_depth  # one window a layer call
+    assert stats["offloaded_bytes"] <= census["by_mechanism"]["offloaded to host"]
