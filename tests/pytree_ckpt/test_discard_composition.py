@@ -422,7 +422,6 @@ def test_a_block_with_output_discard_traces_with_jit_as_without_it() -> None:
     assert torch.equal(traced(x), block(x))
 
 
-
 def test_a_compiled_body_with_output_discard_compiles_its_compute_between_the_discards(
         ) -> None:
     # NOTE [discard stays eager] (discard.py): with only the Function's call marked eager,
