@@ -614,6 +614,8 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
         call.kept = None  # never used again
     if not keep_graph:  # as after a replay: NOTE [frame lifetime] (frames.py)
         call.changed_state = None
+        call.changed_numbers = None  # (helper HB: held with the graph on this path)
+        call.prints = None
         if call.frame.results or call.reported:
             call.frame.clear()
     return (None, None, *result)

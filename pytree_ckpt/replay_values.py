@@ -271,11 +271,11 @@ def _slice(t: torch.Tensor, dims: tuple[int, ...], /) -> torch.Tensor:
 # kept op's backward reads the replay's arguments: other gradients, silently (helper GR). Under
 # verify_replay each record keeps the bit sums of the op's tensor arguments, and the replay's
 # arguments are compared where the record is handed over.
-def arguments_print(tensors: Sequence[torch.Tensor], /, *, op: Any, fn: Any
-                    ) -> torch.Tensor | None:
+def arguments_print(tensors: Sequence[torch.Tensor], /, *, op: Any, fn: Any,
+                    warn: bool = True) -> torch.Tensor | None:
     """The bit sums of ``tensors`` (the tensor arguments of ``op``, which a save unit of
     ``fn`` keeps: NOTE [output prints]), one row each, zeros for one without a print (named in
-    a warning, as outputs are: not compared); None for none."""
+    a warning unless ``warn`` is false, as outputs are: not compared); None for none."""
     if not tensors:
         return None
     rows = []
@@ -287,7 +287,7 @@ def arguments_print(tensors: Sequence[torch.Tensor], /, *, op: Any, fn: Any
                 unprinted.append(position)
             rows.append(made[0] if made is not None else
                         torch.zeros(2, dtype=torch.int64, device=t.device))
-    if unprinted:
+    if unprinted and warn:
         listed = ", ".join(f"tensor argument {p + 1} of {len(tensors)} ({_kind(tensors[p])})"
                            for p in unprinted)
         warnings.warn(
@@ -313,9 +313,9 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
                     op: Any, preserve_rng: bool) -> None:
     """Refuse a kept op's replayed call whose tensor arguments (``tensors``) have other values
     than the original pass's (``recorded``: their ``arguments_print``)."""
-    with warnings.catch_warnings():  # told in the forward already
-        warnings.simplefilter("ignore")
-        now = arguments_print(tensors, op=op, fn=fn)
+    # Told in the forward already. Not through warnings.catch_warnings, whose exit resets
+    # every module's once-per-line record: each replay let every warning repeat (helper HB).
+    now = arguments_print(tensors, op=op, fn=fn, warn=False)
     if now is not None and now.shape == recorded.shape and torch.equal(now, recorded):
         return
     differ = [i for i, (a, b) in enumerate(zip(recorded.tolist(), (
@@ -324,8 +324,12 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
     causes = [_STATE, _AROUND, _ROUNDING, _UNWRITTEN_ARGUMENT]
     # Widened first: float8 has no isnan kernel (helper GT); an error path, a copy is fine.
     # NaN, not inf: a mask's -inf is no garbage (helper GX).
-    if t is not None and (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(
-            t.to(torch.complex128 if t.is_complex() else torch.float64)).any()):
+    # A sparse argument's values part: a compressed layout has no any() (helper HB).
+    parts = _sparse_parts(t) if t is not None else None
+    values = parts[-1] if parts is not None else t
+    if values is not None and (values.is_floating_point() or values.is_complex()) and \
+            bool(torch.isnan(values.to(torch.complex128 if values.is_complex()
+                                       else torch.float64)).any()):
         causes.remove(_UNWRITTEN_ARGUMENT)  # NaN: more likely garbage than a counter
         causes.insert(0, _UNWRITTEN_ARGUMENT)
     if not preserve_rng:
