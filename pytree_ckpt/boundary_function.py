@@ -45,7 +45,7 @@ from .state_changes import (StateWatch, mark_stateful, registered_state, snapsho
                             versions)
 from .stored_state import warn_parameter_changed
 from .subclass import kind_of
-from .tree import flatten, leaf_paths
+from .tree import flatten, leaf_paths, object_children
 from .tree_refusals import refuse_hidden_outputs, refuse_metadata_tensors, refuse_strided_nested
 
 __all__ = ["apply_function"]
@@ -408,10 +408,12 @@ class _BoundaryFunction(torch.autograd.Function):
 # NOTE [tensors held by reference are counted]: besides the inputs it saves, a call holds
 # for its replay the callable it runs and the input objects optree does not open, as they
 # are: a functools.partial's bound tensors (transformers' calling convention binds the
-# attention mask and the rotary tables so), a closure's, and a plain input object's
-# attributes. The census left them out (helper HC: a 3-layer stack's masks and tables, 18 of
-# 51 KB). Reported for the census only, bounded as its other searches are: one level into
-# each object, at most 64 values each.
+# attention mask and the rotary tables so), a closure's (through decorators' ``__wrapped__``),
+# and a plain input object's attributes and slots. The census left them out (helper HC: a
+# 3-layer stack's masks and tables, 18 of 51 KB). Reported for the census only, by a walk of
+# its own, bounded as the census's other searches are: lists, tuples and dicts' values opened
+# (never dict keys, which may be tensors, nor dataclasses, whose links may cycle: helper HD),
+# four levels deep, 64 values each, 256 values in all.
 _LOOKED_AT = 64
 
 
@@ -419,28 +421,41 @@ def referenced_tensors(fn: Any, leaves: list[Any], /) -> list[torch.Tensor]:
     """The tensors ``fn`` and the input objects ``leaves`` hold (NOTE [tensors held by
     reference are counted])."""
     values: list[Any] = []
-    for _ in range(8):  # partials of partials
+    for _ in range(8):  # partials of partials, decorators of decorators
         if isinstance(fn, functools.partial):
             values += [*fn.args[:_LOOKED_AT], *list(fn.keywords.values())[:_LOOKED_AT]]
             fn = fn.func
-        else:
+            continue
+        for cell in (getattr(fn, "__closure__", None) or ())[:_LOOKED_AT]:
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
             break
-    for cell in (getattr(fn, "__closure__", None) or ())[:_LOOKED_AT]:
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            pass
     for leaf in leaves:
-        if leaf is not None and not isinstance(leaf, (_Tensor, int, float, str, bytes)) and \
-                isinstance(getattr(leaf, "__dict__", None), dict) and \
-                not isinstance(leaf, torch.nn.Module):
-            values += list(vars(leaf).values())[:_LOOKED_AT]
-    found = []
-    for value in values:
-        if isinstance(value, _Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple, dict)):
-            found += [t for t in flatten(value).leaves[:_LOOKED_AT] if isinstance(t, _Tensor)]
+        if isinstance(leaf, (list, tuple, dict)):  # a subclass optree passes on as it is
+            values.append(leaf)
+        elif leaf is not None and not isinstance(leaf, (_Tensor, int, float, str, bytes,
+                                                        torch.nn.Module)):
+            values += [value for _, value in object_children(leaf)[:_LOOKED_AT]]
+    found: list[torch.Tensor] = []
+    budget = 4 * _LOOKED_AT
+    level = 0
+    while values and level < 4 and budget > 0:
+        deeper: list[Any] = []
+        for value in values[:budget]:
+            if isinstance(value, _Tensor):
+                found.append(value)
+            elif isinstance(value, list):  # the builtin's own items, whatever a subclass does
+                deeper += list.__getitem__(value, slice(_LOOKED_AT))
+            elif isinstance(value, tuple):
+                deeper += tuple.__getitem__(value, slice(_LOOKED_AT))
+            elif isinstance(value, dict):
+                deeper += list(dict.values(value))[:_LOOKED_AT]
+        budget -= len(values)
+        values, level = deeper, level + 1
     return found
 
 

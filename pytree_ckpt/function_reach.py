@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from .tree import instance_dict
+
 __all__ = ["Called", "attribute", "attribute_names", "attributes_read", "called",
            "cell_contents", "code_reading", "defaults_of", "globals_of", "globals_read",
            "library_code", "library_package", "unwrap_partials"]
@@ -80,7 +82,7 @@ def attribute_names(fn: Any, /) -> list[str]:
     """A callable object's own attributes: its ``__dict__``'s (when it is a dict: a property
     of that name may give anything) and its slots (no ``__dict__`` holds them), by the name
     ``getattr`` reads (a private slot's, mangled)."""
-    own = getattr(fn, "__dict__", None)
+    own = instance_dict(fn)
     names = list(own) if isinstance(own, dict) else []
     for cls in type(fn).__mro__:
         slots = cls.__dict__.get("__slots__", ())
@@ -93,7 +95,7 @@ def attribute_names(fn: Any, /) -> list[str]:
 
 
 def attribute(fn: Any, name: str, /) -> Any:
-    own = getattr(fn, "__dict__", None)
+    own = instance_dict(fn)
     if isinstance(own, dict) and name in own:
         return own[name]
     try:

@@ -24,7 +24,8 @@ import torch
 
 __all__ = ["FlatTree", "LEAF_SPEC", "POSITIONAL_CALL_SPECS", "flatten", "flatten_call",
            "unflatten", "leaf_paths", "describe_leaf", "first_difference", "hidden_tensor",
-           "can_look_into", "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN", "alias", "alias_all"]
+           "can_look_into", "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN", "alias", "alias_all",
+           "instance_dict", "object_children"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -342,7 +343,7 @@ def object_children(obj: Any, /) -> list[tuple[str, Any]]:
     with its path from it: where ``hidden_tensor`` looks, one level."""
     if isinstance(obj, _CALLABLES):
         return _callable_children(obj)
-    attributes = getattr(obj, "__dict__", None)
+    attributes = instance_dict(obj)
     return [*((f".{name}", value) for name, value in attributes.items()), *_slot_children(obj)] \
         if isinstance(attributes, dict) and not isinstance(obj, types.ModuleType) else \
         _slot_children(obj)
@@ -455,7 +456,7 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
             children = ((f"[{i}]" if not isinstance(obj, (set, frozenset)) else "", item)
                         for i, item in enumerate(obj))
         elif isinstance(obj, _CALLABLES) or (
-                isinstance(getattr(obj, "__dict__", None), dict) and
+                isinstance(instance_dict(obj), dict) and
                 not isinstance(obj, types.ModuleType)) or \
                 (not isinstance(obj, Iterator) and _slot_names(obj)):
             # An object's attributes and slots (a slotted result object: helper FB); what a
@@ -537,10 +538,26 @@ def _callable_children(fn: Any, /) -> list[tuple[str, Any]]:
     return found
 
 
+def instance_dict(obj: Any, /) -> Any:
+    """``obj.__dict__``, or None. NOTE: an object with slots and no ``__dict__`` answers it
+    through its ``__getattr__``, which may raise something else than AttributeError (a
+    KeyError from attributes kept in a dict: helper HD), which getattr's default lets pass."""
+    try:
+        return getattr(obj, "__dict__", None)
+    except Exception:
+        return None
+
+
 def _slot_children(obj: Any, /) -> list[tuple[str, Any]]:
-    """The set ``__slots__`` attributes of ``obj``, with their paths."""
-    return [(f".{name}", getattr(obj, name)) for name in _slot_names(obj)
-            if hasattr(obj, name)]
+    """The set ``__slots__`` attributes of ``obj``, with their paths (an unset one left out,
+    whatever its class's ``__getattr__`` raises: ``_dict_of``)."""
+    found = []
+    for name in _slot_names(obj):
+        try:
+            found.append((f".{name}", getattr(obj, name)))
+        except Exception:
+            continue
+    return found
 
 
 def _slot_names(obj: Any, /) -> list[str]:
@@ -557,7 +574,7 @@ def can_look_into(iterator: Any, /) -> bool:
     generator, one of Python's own iterators over values, or an iterator class of the user's
     (its attributes, or its slots)."""
     return isinstance(iterator, types.GeneratorType) or _reduced_items(iterator) is not None or \
-        isinstance(getattr(iterator, "__dict__", None), dict) or bool(_slot_names(iterator))
+        isinstance(instance_dict(iterator), dict) or bool(_slot_names(iterator))
 
 
 CONTAINER = "container"

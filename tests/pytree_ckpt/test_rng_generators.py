@@ -809,3 +809,36 @@ def test_a_generator_behind_a_bound_method_or_a_partial_subclass_replays_as_eage
     assert_same_grads([p.grad for p in eager.parameters()],
                       [p.grad for p in wrapped.parameters()])
     assert torch.equal(g_eager.get_state(), g_wrapped.get_state())
+
+
+def test_an_input_object_with_slots_whose_getattr_raises_key_error_is_passed_on() -> None:
+    # Guards against (helper HD), as it was found:
+    # A small attribute-access config (slots, and __getattr__ reading a dict, as many config
+    # helpers do) passed as an argument: eager reads cfg.scale and runs. The boundary's search
+    # for generators among the input objects' attributes (rng.py _passed_generators ->
+    # tree.object_children) asks it for __dict__, which it has not (slots): Python then calls
+    # its __getattr__('__dict__'), whose KeyError escapes the boundary at the call.
+    class Attrs:
+        __slots__ = ("_values",)
+
+        def __init__(self, **values: Any) -> None:
+            object.__setattr__(self, "_values", values)
+
+        def __getattr__(self, name: str) -> Any:
+            return self._values[name]
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def fn(h: torch.Tensor, cfg: Attrs) -> torch.Tensor:
+        return lin(h) * cfg.scale
+
+    grads = []
+    for wrap in (lambda f: f, lambda f: functools.partial(checkpoint, f)):
+        # .backward(): a closure reaching a module is refused under torch.autograd.grad
+        wrap(fn)(x, Attrs(scale=2.0)).sum().backward()
+        grads.append([t.grad.clone() for t in (x, *lin.parameters())])
+        x.grad = None
+        lin.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
