@@ -29,7 +29,20 @@ if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at r
 OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_layers", "resolve_offload",
-           "layer_count", "refuse_checkpointed_beyond", "validate_ratio"]
+           "layer_count", "refuse_checkpointed_beyond", "validate_ratio", "warn_offload_unused"]
+
+
+def warn_offload_unused(offload: bool | OffloadManager | None, count: int, total: int,
+                        ratio: float, where: str, /) -> None:
+    """Warn where offload is asked for explicitly (a manager, or True) and no layer is
+    checkpointed: only boundaries offload, so a sweep's ratio 0 moved nothing, silently, where
+    save units there warn (helper HE). Not for the environment variable, a process-wide switch
+    that a ratio-0 baseline runs beside."""
+    if count == 0 and total and offload is not None and offload is not False:
+        given = "True" if offload is True else "an OffloadManager"
+        warnings.warn(f"{where}(ratio={ratio}) checkpoints none of the {total} layers: "
+                      f"offload={given} offloads nothing (only checkpointed layers offload "
+                      "their inputs)", stacklevel=user_stacklevel())
 
 
 def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager | None:
@@ -401,6 +414,7 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
     labels = layer_labels(layers, count, "checkpoint_layers")
     refuse_checkpointed_beyond(listed, count, ratio)
     manager = resolve_offload(offload)
+    warn_offload_unused(offload, count, len(listed), ratio, "checkpoint_layers")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager,
                               verify_replay=verify_replay)
     for index, layer in enumerate(listed[:count]):  # before any changes: refused, none change

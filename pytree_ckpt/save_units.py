@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Union
 from torch import nn
 
 from .apply import (layer_count, layer_labels, listed_layers, refuse_checkpointed_beyond,
-                    resolve_offload, validate_ratio, warn_inside_torch_wrapper)
+                    resolve_offload, validate_ratio, warn_inside_torch_wrapper,
+                    warn_offload_unused)
 from .boundary_call import BoundaryOptions
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError
@@ -229,6 +230,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload), keep=policy,
                               verify_replay=verify_replay)
+    warn_offload_unused(offload, count, len(listed), config.ratio, "RecomputeConfig")
     # Before anything changes: refused, nothing changes.
     for index, layer in enumerate(chosen):
         refuse_other_options(layer, options, index=index)

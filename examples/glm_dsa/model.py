@@ -99,8 +99,11 @@ class GlmDsaForCausalLM(nn.Module):
         """
         manager = pytree_ckpt.resolve_offload(offload) or False
         targets = self.declared_targets()
+        # The environment's switch passed on as such (it resolves to the same default
+        # manager): at ratio 0 only an offload asked for explicitly is warned about.
         chosen = apply_recompute_config(self.layers, RecomputeConfig(ratio, save=save), targets,
-                                        offload=manager, verify_replay=verify_replay)
+                                        offload=None if offload is None and manager else manager,
+                                        verify_replay=verify_replay)
         if mtp and len(self.mtp_layers):
             apply_recompute_config(self.mtp_layers, RecomputeConfig(1.0, save=save), targets,
                                    offload=manager, verify_replay=verify_replay)

@@ -69,14 +69,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # silently move nothing, so the example lowers it.
     parser.add_argument("--offload-min-bytes", type=int,
                         help="smallest storage --offload moves (default 1024 bytes)")
-    parser.add_argument("--save", type=_save_units, default=None, metavar="UNITS",
-                        help="save units to keep resident, comma-separated ("
-                             f"{', '.join(u.value for u in SaveUnit)}), or 'all' for the model's")
+    parser.add_argument("--save", type=_save_units, action="append", metavar="UNITS",
+                        help="save units to keep resident, comma-separated (attn, dsa_indexer; "
+                             "with --moe also moe_gate, moe_dispatch), or 'all' for all the "
+                             "model has; repeated flags add up")
     parser.add_argument("--verify-replay", action="store_true",
                         help="compare each replay's outputs with the forward's, bit for bit "
                              "(a debugging switch: a device sync per layer in backward)")
     parser.add_argument("--discard-norms", action="store_true",
-                        help="output-discard replay of the norms (gradients equal to rounding)")
+                        help="free the norms' outputs once their consumers saved them and "
+                             "rebuild them in backward: saves forward memory in layers left "
+                             "uncheckpointed (--ratio < 1), else only the replay's peak; "
+                             "gradients equal eager's to rounding")
     parallel = parser.add_mutually_exclusive_group()
     parallel.add_argument("--fsdp", action="store_true",
                           help="shard every layer, then the root, with FSDP2 (under torchrun)")
@@ -96,6 +100,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if not 0.0 <= args.lr < math.inf:  # also refuses nan; AdamW's own check is a traceback
         parser.error(f"--lr must be a finite number >= 0, got {args.lr}")
+    if args.save is not None:  # repeated flags add up (helper HE: the last one alone was kept)
+        if any(units is True for units in args.save):
+            if len(args.save) > 1:
+                parser.error("--save all keeps every unit: give it alone")
+            args.save = True
+        else:
+            args.save = list(dict.fromkeys(unit for units in args.save for unit in units))
+    moe_units = [unit.value for unit in (args.save if isinstance(args.save, list) else ())
+                 if unit in (SaveUnit.MOE_GATE, SaveUnit.MOE_DISPATCH)]
+    if moe_units and not args.moe:
+        parser.error(f"--save {','.join(moe_units)} needs --moe: the dense model declares the "
+                     "units attn and dsa_indexer")
     if args.save is not None and args.ratio <= 0:
         parser.error("--save needs --ratio > 0: save units live inside checkpointed layers")
     if args.offload and args.ratio <= 0:
@@ -222,7 +238,10 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
             say(f"  offload: {int(stats['offloaded_bytes'])} bytes to host in "
                 f"{int(stats['windows'])} windows, {int(stats['restored_bytes'])} restored "
                 f"({int(stats['reused_bytes'])} without a copy back), "
-                f"{int(stats['alive_elsewhere_bytes'])} alive elsewhere")
+                f"{int(stats['alive_elsewhere_bytes'])} alive elsewhere"
+                + (" (copied, but also held outside the layers, so that copy freed no device "
+                   "memory: docs/offload.md, 'Statistics')"
+                   if stats["alive_elsewhere_bytes"] and step == 1 else ""))
     if args.verify_replay and args.ratio == 0 and not args.discard_norms:
         say("verify_replay: nothing was compared (no layer is checkpointed at --ratio 0, and "
             "no norm output is discarded without --discard-norms)")

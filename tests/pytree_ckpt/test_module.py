@@ -7,6 +7,7 @@ import enum
 import gc
 import inspect
 import pickle
+import warnings
 import weakref
 from typing import Any
 
@@ -198,6 +199,36 @@ def test_layer_ratio_checkpoints_the_first_int_n_times_ratio_layers(ratio: float
     model = Stack()
     assert checkpoint_layers(model.layers, ratio=ratio) == expected
     assert [is_checkpointed(layer) for layer in model.layers] == [i in expected for i in range(4)]
+
+
+def test_an_offload_manager_given_with_a_ratio_of_0_warns_that_nothing_will_be_offloaded(
+        ) -> None:
+    # Guards against (helper HE), as it was found:
+    # docs/offload.md: "Offload that silently does nothing is a common complaint about other
+    # tools". A manager passed explicitly, with a ratio that checkpoints no layer (a config
+    # sweep's ratio 0), opens no window, copies nothing and never warns: the manager's
+    # nothing-offloaded warning needs a pass, and there is none. apply_recompute_config warns
+    # for save units in the same case ("checkpoints none of the 2 layers: the save units ...
+    # keep nothing"), and the example's train refuses --offload --ratio 0 as a usage error.
+    from offload import OffloadConfig, OffloadManager
+    from pytree_ckpt import RecomputeConfig, apply_recompute_config
+
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    with pytest.warns(UserWarning, match="offload"):
+        assert checkpoint_layers(Stack().layers, ratio=0.0, offload=manager) == []
+    with pytest.warns(UserWarning, match="offload"):
+        assert apply_recompute_config(Stack().layers, RecomputeConfig(0.0), {},
+                                      offload=manager) == []
+    model = Stack()
+    with pytest.warns(UserWarning, match=r"checkpoint_layers\(ratio=0.0\) checkpoints none of "
+                      r"the 4 layers: offload=an OffloadManager offloads nothing"):
+        checkpoint_layers(model.layers, ratio=0.0, offload=manager)
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert manager.stats()["windows"] == 0  # what the warning says: nothing moved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the environment's switch is not warned about
+        checkpoint_layers(Stack().layers, ratio=0.0, offload=None)
+        checkpoint_layers(Stack().layers, ratio=0.0, offload=False)
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan"), True, "1", None])
