@@ -21,7 +21,7 @@ from .errors import CheckpointConfigError
 from .module import install_boundary, is_checkpointed, label_boundary, refuse_other_options
 from .refusals import require_module
 from .torch_options import refuses_torch_options
-from .tree import describe_leaf
+from .tree import describe_leaf, dunder
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -202,7 +202,7 @@ def _describe_keyword(value: object, /) -> str:
     held = _policy_classes(value)
     if held and not isinstance(value, type):  # a ModuleWrapPolicy
         return f"{type(value).__name__} {{{', '.join(_class_names(held))}}}"
-    name = getattr(value, "__qualname__", None)
+    name = dunder(value, "__qualname__")
     return name if isinstance(name, str) else type(value).__name__
 
 

@@ -111,7 +111,7 @@ from .rebound import NOTHING_BOUND, modules_bound
 from .recompute import dynamo_marks
 from .refusals import input_path_of
 from .shared_containers import shared_containers
-from .tree import flatten_call
+from .tree import dunder, flatten_call
 from .tree_refusals import (refuse_metadata_tensors, refuse_strided_nested,
                             refuse_unreadable_inputs)
 
@@ -255,7 +255,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             plain = watch_plain_state(fn, leaves, flat.spec)
             bound = modules_bound(fn)
     elif owner is None:
-        code_id = id(getattr(fn, "__code__", None))
+        code_id = id(dunder(fn, "__code__"))
         if code_id not in NOTHING_HELD:
             plain = watch_plain_state(fn, None, flat.spec)
         if code_id not in NOTHING_BOUND:  # a code holding no module may still index late

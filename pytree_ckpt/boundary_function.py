@@ -45,7 +45,7 @@ from .state_changes import (StateWatch, mark_stateful, registered_state, snapsho
                             versions)
 from .stored_state import warn_parameter_changed
 from .subclass import kind_of
-from .tree import flatten, leaf_paths, object_children
+from .tree import dunder, flatten, leaf_paths, object_children
 from .tree_refusals import refuse_hidden_outputs, refuse_metadata_tensors, refuse_strided_nested
 
 __all__ = ["apply_function"]
@@ -426,18 +426,19 @@ def referenced_tensors(fn: Any, leaves: list[Any], /) -> list[torch.Tensor]:
             values += [*fn.args[:_LOOKED_AT], *list(fn.keywords.values())[:_LOOKED_AT]]
             fn = fn.func
             continue
-        for cell in (getattr(fn, "__closure__", None) or ())[:_LOOKED_AT]:
+        for cell in (dunder(fn, "__closure__") or ())[:_LOOKED_AT]:
             try:
                 values.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 pass
-        fn = getattr(fn, "__wrapped__", None)
+        fn = dunder(fn, "__wrapped__")
         if fn is None:
             break
     for leaf in leaves:
-        if isinstance(leaf, (list, tuple, dict)):  # a subclass optree passes on as it is
+        kind = type(leaf)  # NOTE: not isinstance, which a proxy's __class__ answers (helper HF)
+        if issubclass(kind, (list, tuple, dict)):  # a subclass optree passes on as it is
             values.append(leaf)
-        elif leaf is not None and not isinstance(leaf, (_Tensor, int, float, str, bytes,
+        elif leaf is not None and not issubclass(kind, (_Tensor, int, float, str, bytes,
                                                         torch.nn.Module)):
             values += [value for _, value in object_children(leaf)[:_LOOKED_AT]]
     found: list[torch.Tensor] = []
@@ -446,13 +447,14 @@ def referenced_tensors(fn: Any, leaves: list[Any], /) -> list[torch.Tensor]:
     while values and level < 4 and budget > 0:
         deeper: list[Any] = []
         for value in values[:budget]:
-            if isinstance(value, _Tensor):
+            kind = type(value)
+            if issubclass(kind, _Tensor):
                 found.append(value)
-            elif isinstance(value, list):  # the builtin's own items, whatever a subclass does
+            elif issubclass(kind, list):  # the builtin's own items, whatever a subclass does
                 deeper += list.__getitem__(value, slice(_LOOKED_AT))
-            elif isinstance(value, tuple):
+            elif issubclass(kind, tuple):
                 deeper += tuple.__getitem__(value, slice(_LOOKED_AT))
-            elif isinstance(value, dict):
+            elif issubclass(kind, dict):
                 deeper += list(dict.values(value))[:_LOOKED_AT]
         budget -= len(values)
         values, level = deeper, level + 1

@@ -14,6 +14,7 @@ from torch import nn
 
 from .eager import compile_stance_is_default, compiled_caller, compiled_wrapper, user_stacklevel
 from .errors import CheckpointConfigError
+from .tree import dunder
 
 if TYPE_CHECKING:  # module.py imports this module
     from .module import _CheckpointedForward
@@ -72,7 +73,7 @@ def _fullgraph(compiled: Any, /) -> bool:
     """Whether the function ``torch.compile`` returned was made with ``fullgraph=True``: read
     from the compile context its closure holds (dynamo's private layout; False where it
     differs, and the layer is then told, not refused)."""
-    for cell in getattr(compiled, "__closure__", None) or ():
+    for cell in dunder(compiled, "__closure__") or ():
         try:
             held = cell.cell_contents
         except ValueError:  # an empty cell
@@ -171,10 +172,10 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
 
 def _compiled_name(outer: Any, /) -> str:
     """How the message names what was compiled: the model's class, or the function's name."""
-    for target in (getattr(outer, "_orig_mod", None), getattr(outer, "__self__", None), outer):
+    for target in (getattr(outer, "_orig_mod", None), dunder(outer, "__self__"), outer):
         if isinstance(target, nn.Module):  # torch.compile(model): its call, or the wrapper's
             return type(target).__name__
-    name = getattr(outer, "__qualname__", None)  # train_step, Trainer.step, <lambda>
+    name = dunder(outer, "__qualname__")  # train_step, Trainer.step, <lambda>
     return name if isinstance(name, str) else type(outer).__name__
 
 
@@ -191,7 +192,7 @@ def compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
         if forward is None or forward is installed:
             return forward is installed
         forward = getattr(forward, "_torchdynamo_orig_callable", None) or \
-            getattr(forward, "__wrapped__", None)
+            dunder(forward, "__wrapped__")
     return False
 
 

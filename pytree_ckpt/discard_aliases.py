@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .module_state import module_buffers, owning_module, trainable_parameters
+from .tree import dunder
 
 __all__ = ["made_outside", "reachable_objects", "reachable_tensors", "register_rebuild",
            "root_key"]
@@ -56,13 +57,13 @@ def reachable_objects(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[Any
     if isinstance(target, functools.partial):
         found += [*target.args, *target.keywords.values()]
         target = target.func
-    found += [cell.cell_contents for cell in getattr(target, "__closure__", None) or ()
+    found += [cell.cell_contents for cell in dunder(target, "__closure__") or ()
               if _cell_filled(cell)]
     # Defaults bind a module as a closure does (`lambda t, m=lin: m(t)`): missing them made
     # such a lambda's parameters unreachable, refused in backward as foreign tensors.
-    found += [*(getattr(target, "__defaults__", None) or ()),
-              *(getattr(target, "__kwdefaults__", None) or {}).values()]
-    code, names = getattr(target, "__code__", None), getattr(target, "__globals__", {})
+    found += [*(dunder(target, "__defaults__") or ()),
+              *(dunder(target, "__kwdefaults__") or {}).values()]
+    code, names = dunder(target, "__code__"), dunder(target, "__globals__", {})
     if code is not None:  # globals it names (a model defined at module level)
         found += [names[name] for name in code.co_names if name in names]
     for obj in list(found):  # one level into containers (a dict of caches, say)

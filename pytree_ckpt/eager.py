@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .tree import dunder
+
 __all__ = ["BACKWARD_REASON", "BOUNDARY_REASON", "DISCARD_REASON", "HOOK_REASON",
            "KEPT_CALLABLE_REASON", "PHASE_REASON", "REUSE_REASON",
            "compile_stance_is_default", "compiled_caller", "compiled_wrapper",
@@ -227,9 +229,9 @@ def _of_layer(fn: Any, module: torch.nn.Module, forward: Any, /) -> bool:
     for _ in range(3):
         if fn is None:
             return False
-        if fn is module or fn is forward or getattr(fn, "__self__", None) is module:
+        if fn is module or fn is forward or dunder(fn, "__self__") is module:
             return True
-        fn = getattr(fn, "__wrapped__", None)
+        fn = dunder(fn, "__wrapped__")
     return False
 
 
@@ -245,7 +247,7 @@ def _find_codes() -> bool:
             return False  # nothing was compiled in this process yet
         _wrapper_call = getattr(vars(optimized).get("__call__"), "__code__", False)
         context = getattr(getattr(eval_frame, "_TorchDynamoContext", None), "__call__", None)
-        _compile_call = next((c for c in getattr(getattr(context, "__code__", None),
+        _compile_call = next((c for c in getattr(dunder(context, "__code__"),
                                                  "co_consts", ())
                               if getattr(c, "co_name", None) == "compile_wrapper"), False)
     return _wrapper_call is not False

@@ -22,6 +22,7 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .module_state import ModuleDicts, torch_nn_class
+from .tree import dunder
 
 __all__ = ["ChangedNumbers", "MadeNumbers", "NumbersGlance", "NumbersWatch", "glanced_dicts",
            "numbers_read", "plain_entries", "value_differs", "with_reused_calls"]
@@ -52,7 +53,7 @@ def _immutable(value: Any, /, depth: int = 0) -> bool:
     if kind is tuple:
         return depth < 4 and all(_immutable(v, depth + 1) for v in value)
     # A NumPy scalar (np.bool_, np.float32; an array is unhashable), without importing NumPy.
-    return kind.__module__ == "numpy" and getattr(kind, "__hash__", None) is not None
+    return kind.__module__ == "numpy" and dunder(kind, "__hash__") is not None
 
 
 class _Absent:

@@ -51,7 +51,7 @@ from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
 from .rng import GeneratorStates, RngState, generators_moved, rng_changed, rng_state, set_rng_state
 from .saved import Unchanged
-from .tree import NAMESPACE, flatten, leaf_paths, unflatten
+from .tree import NAMESPACE, dunder, flatten, leaf_paths, unflatten
 
 __all__ = ["Frame", "callable_name", "reuse_during_recompute"]
 
@@ -63,9 +63,9 @@ def callable_name(fn: Callable[..., Any], /) -> str:
     """A readable name for ``fn`` in messages (``DsaIndexer.forward``, ``aten.mm.default``)."""
     if isinstance(fn, torch._ops.OpOverload):
         return str(fn)
-    owner = getattr(fn, "__self__", None)
-    func = getattr(fn, "__func__", fn)
-    name = getattr(func, "__qualname__", None) or type(func).__name__
+    owner = dunder(fn, "__self__")
+    func = dunder(fn, "__func__", fn)
+    name = dunder(func, "__qualname__") or type(func).__name__
     if name.startswith("_VariableFunctionsClass."):  # torch.topk's own qualname
         return "torch." + name.partition(".")[2]
     if isinstance(owner, types.ModuleType):  # a builtin of torch's C namespaces (F.gelu)

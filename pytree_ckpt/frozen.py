@@ -54,7 +54,7 @@ from .module_state import owning_module
 from .function_reach import cell_contents, code_reading, unwrap_partials
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .state_changes import REPLAY_COPY_MARK
-from .tree import FlatTree, flatten, flatten_call, hidden_tensor, leaf_paths
+from .tree import FlatTree, dunder, flatten, flatten_call, hidden_tensor, leaf_paths
 
 __all__ = ["AsRecorded", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
            "buffer_versions", "numbers_watch", "refuse_in_plain_call", "refuse_in_replay",
@@ -274,8 +274,8 @@ def warned_key(fn: Any, /) -> Any:
     two routers of one class name in two model families, or two top-level lambdas, are other
     functions (helper EG: the second was never told)."""
     called = unwrap_partials(fn)[0]
-    function = getattr(called, "__func__", called)
-    code = getattr(function, "__code__", None)
+    function = dunder(called, "__func__", called)
+    code = dunder(function, "__code__")
     if code is not None:
         return code
     # A builtin (torch.relu_) is itself, not its type, which all builtins share (helper EL).
@@ -573,9 +573,9 @@ def _decorated_without_grad(fn: Callable[..., Any], /) -> bool:
     its closure; a ``with torch.no_grad():`` inside the body is not seen."""
     inner, _ = unwrap_partials(fn)
     for _ in range(8):
-        if getattr(inner, "__wrapped__", None) is None or isinstance(inner, nn.Module):
+        if dunder(inner, "__wrapped__") is None or isinstance(inner, nn.Module):
             return False
-        for cell in getattr(inner, "__closure__", None) or ():
+        for cell in dunder(inner, "__closure__") or ():
             ctx = getattr(cell_contents(cell), "__self__", None)
             if isinstance(ctx, torch.no_grad) or \
                     isinstance(ctx, torch.inference_mode) and getattr(ctx, "mode", False) or \

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointConfigError
+from .tree import dunder
 
 __all__ = ["refuse_flat_parameter", "refuse_fsdp1_units", "refuse_fsdp_units_inside"]
 
@@ -104,10 +105,10 @@ def refuse_fsdp1_units(owner: nn.Module, fn: Any, /) -> None:
     while isinstance(fn, functools.partial):
         # partial(Layer.forward, layer), transformers' checkpointing layer's form (helper GP)
         whole = whole or bool(fn.args) and fn.args[0] is owner and \
-            getattr(fn.func, "__name__", None) in _WHOLE
+            dunder(fn.func, "__name__") in _WHOLE
         fn = fn.func
-    if not whole and fn is not owner and not (getattr(fn, "__self__", None) is owner and
-                                              getattr(fn, "__name__", None) in _WHOLE):
+    if not whole and fn is not owner and not (dunder(fn, "__self__") is owner and
+                                              dunder(fn, "__name__") in _WHOLE):
         return
     units = [path for path, sub in owner.named_modules()
              if sub is not owner and isinstance(sub, unit)]

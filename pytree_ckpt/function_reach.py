@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from .tree import instance_dict
+from .tree import dunder, instance_dict
 
 __all__ = ["Called", "attribute", "attribute_names", "attributes_read", "called",
            "cell_contents", "code_reading", "defaults_of", "globals_of", "globals_read",
@@ -74,7 +74,7 @@ def cell_contents(cell: Any, /) -> Any:
 def globals_of(fn: Any, /) -> dict[str, Any]:
     # Read with dict.get, not the namespace's own get: exec'd code may have globals of a dict
     # subclass whose methods do more than look up (an audited or lazy namespace).
-    space = getattr(fn, "__globals__", None)
+    space = dunder(fn, "__globals__")
     return space if isinstance(space, dict) else {}
 
 
@@ -118,12 +118,12 @@ def unwrap_partials(fn: Any, /) -> tuple[Any, list[tuple[str, Any]]]:
 
 def defaults_of(fn: Any, /) -> list[tuple[str, Any]]:
     """A function's argument defaults, by parameter name (``lambda x, g=gate: ...``)."""
-    code = getattr(fn, "__code__", None)
+    code = dunder(fn, "__code__")
     positional = (getattr(code, "co_varnames", ())[:getattr(code, "co_argcount", 0)]
                   if isinstance(code, types.CodeType) else ())
-    values = getattr(fn, "__defaults__", None) or ()
+    values = dunder(fn, "__defaults__") or ()
     found = list(zip(positional[len(positional) - len(values):], values))
-    return found + list((getattr(fn, "__kwdefaults__", None) or {}).items())
+    return found + list((dunder(fn, "__kwdefaults__") or {}).items())
 
 
 class Called(NamedTuple):
@@ -145,16 +145,16 @@ def called(fn: Any, /) -> Called:
     reach checks (what fn reaches with grad, what its code reads) learn what fn runs."""
     inner, bound = unwrap_partials(fn)
     for _ in range(8):
-        wrapped = getattr(inner, "__wrapped__", None)
+        wrapped = dunder(inner, "__wrapped__")
         if wrapped is None or isinstance(inner, nn.Module) or \
-                getattr(inner, "__self__", None) is not None:
+                dunder(inner, "__self__") is not None:
             break
         inner = wrapped
-    holder = getattr(inner, "__self__", None)
+    holder = dunder(inner, "__self__")
     if holder is None and not isinstance(inner, (types.FunctionType, type)) and \
             type(inner).__module__ != "builtins":  # not a method descriptor (Tensor.topk)
         holder = inner  # a callable object or a module given as fn
-    function = getattr(inner, "__func__", inner)
+    function = dunder(inner, "__func__", inner)
     if not isinstance(function, types.FunctionType) and holder is not None:
         function = getattr(type(holder), "forward" if isinstance(holder, nn.Module)
                            else "__call__", None)
@@ -166,7 +166,7 @@ def library_code(value: Any, /) -> bool:
     """A function or class of torch's, numpy's, this library's or Python's own (builtins
     included): the reach checks do not follow into its code, which holds nothing of the
     user's."""
-    return library_package(getattr(value, "__module__", None) or "builtins")
+    return library_package(dunder(value, "__module__") or "builtins")
 
 
 def library_package(module: str, /) -> bool:
@@ -248,7 +248,7 @@ def _functions_read(function: types.FunctionType, holder: Any, /
     ``holder``), and the user's functions among its closure cells and the globals it reads
     (a bound method's for its object)."""
     found: list[tuple[Any, Any]] = [] if holder is None else [
-        (getattr(f, "__func__", f), holder)  # a staticmethod's, a classmethod's
+        (dunder(f, "__func__", f), holder)  # a staticmethod's, a classmethod's
         for n in sorted(attributes_read(function.__code__))
         if (f := getattr(type(holder), n, None)) is not None]
     space = globals_of(function)

@@ -25,7 +25,7 @@ from .phase import Phase, current_phase
 from .refusals import fn_name, refuse_container
 from .torch_options import (BOUNDARY_OPTIONS, TORCH_OPTIONS, refuses_torch_options,
                             torch_options_tip)
-from .tree import flatten
+from .tree import dunder, flatten
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -53,8 +53,8 @@ def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
         target = fn
         while isinstance(target, functools.partial):
             target = target.func
-        owner = getattr(target, "__self__", None)
-        if isinstance(owner, nn.Module) and getattr(target, "__func__", None) in (
+        owner = dunder(target, "__self__")
+        if isinstance(owner, nn.Module) and dunder(target, "__func__") in (
                 nn.Module.__call__, nn.Module._wrapped_call_impl):
             target = owner
         parameters = inspect.signature(target.forward if isinstance(target, nn.Module)
@@ -121,7 +121,7 @@ def _bound_inputs(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str,
     if owner is None:
         return fn, args, kwargs
     first = 1 if fn.args and fn.args[0] is owner else 0
-    if not first and getattr(fn.func, "__self__", None) is not owner:
+    if not first and dunder(fn.func, "__self__") is not owner:
         return fn, args, kwargs  # a wrapper or a nested partial: left as it is
     lifted = {k: v for k, v in fn.keywords.items()
               if k not in kwargs and _trainable(v, owner)}

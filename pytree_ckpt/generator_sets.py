@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .keep import IN_REUSE
+from .tree import dunder
 
 __all__ = ["GeneratorSets", "forward_watch", "learned", "replay_watch"]
 
@@ -101,6 +102,8 @@ class GeneratorSets:
             self.outer(frame, event, arg)
         if event != "c_return" and event != "c_call":
             return
+        # (getattr, not tree.dunder: arg is a C function, and a Python call here is a frame
+        # dynamo would compile inside a compiled body: NOTE in _skip_by_dynamo)
         name = getattr(arg, "__name__", None)
         if name != "set_state" and name != "get_state":
             return
@@ -256,7 +259,7 @@ def learned(fn: Any, owner: Any, watch: GeneratorSets, /) -> list[tuple[torch.Ge
     first one, would have the layer never watched)."""
     key = _key(fn, owner)
     if key not in _SETS:
-        holder = owner if owner is not None else getattr(fn, "__self__", fn)
+        holder = owner if owner is not None else dunder(fn, "__self__", fn)
         if watch.states or _in_training(fn, holder):
             # Forgotten with what the key names by id, whose id may be reused (helper EG: a
             # plain object's method kept an entry, and a new object at its address inherited

@@ -48,7 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .function_reach import unwrap_partials
 from .grad_reach import grad_reach
-from .tree import FlatTree, flatten, hidden_tensor, leaf_paths
+from .tree import FlatTree, dunder, flatten, hidden_tensor, leaf_paths
 
 __all__ = ["GradProbe", "probe_for"]
 
@@ -156,7 +156,7 @@ def _compiled(fn: Any, /) -> bool:
     of either): dynamo would trace the mode (graph breaks; with fullgraph, an error: helper
     GD), so such a call is left to the static look."""
     inner, _ = unwrap_partials(fn)
-    for candidate in (fn, inner, getattr(inner, "__self__", None)):
+    for candidate in (fn, inner, dunder(inner, "__self__")):
         if hasattr(candidate, "_torchdynamo_orig_callable") or hasattr(candidate, "_orig_mod"):
             return True
         if isinstance(candidate, torch.nn.Module) and candidate is fn and \

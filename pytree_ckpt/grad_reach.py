@@ -21,7 +21,7 @@ from .function_reach import (attribute, attribute_names, attributes_read, called
                              cell_contents, defaults_of, globals_of, globals_read,
                              library_code, library_package, unwrap_partials)
 from .module_state import owning_module
-from .tree import FlatTree, leaf_paths
+from .tree import FlatTree, dunder, leaf_paths
 
 __all__ = ["Reach", "argument_path", "grad_reach", "reach_short", "reach_words"]
 
@@ -59,7 +59,7 @@ def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
     places += bound
     if isinstance(holder, torch.Tensor):  # a tensor's method: scores.topk
         places.append(("the tensor its method is bound to", holder))
-    code = getattr(function, "__code__", None)
+    code = dunder(function, "__code__")
     look = _Look(attributes_read(code))
     # Class attributes are looked at last: a large class table opened first spent the look's
     # budget before the places above (helper FW).
@@ -76,7 +76,7 @@ def grad_reach(fn: Callable[..., Any], call: FlatTree, /) -> Reach | None:
                              calling=function)
     places += [(f"default of {name!r}", value) for name, value in defaults_of(function)]
     for name, cell in zip(getattr(code, "co_freevars", ()),
-                          getattr(function, "__closure__", None) or ()):
+                          dunder(function, "__closure__") or ()):
         places.append((f"closure variable {name!r}", cell_contents(cell)))
     space = globals_of(function)
     places += [(f"global {name!r}", space.get(name)) for name in globals_read(code)]
@@ -108,7 +108,7 @@ class _Look:
 
     def __call__(self, place: str, path: str, value: Any, steps: int, /) -> Reach | None:
         if isinstance(value, types.MethodType):  # a bound method held: gate.forward
-            self.read.update(attributes_read(getattr(value.__func__, "__code__", None)))
+            self.read.update(attributes_read(dunder(value.__func__, "__code__")))
             value = value.__self__  # (and what its code reads of it: holder.score's self.gate)
         if isinstance(value, torch.Tensor):
             return Reach(None, _where(place, path)) if value.requires_grad else None
@@ -197,7 +197,7 @@ def _class_places(cls: type, read: set[str], skip: set[str], /, *, metaclass: bo
     ``super()`` (``calling``: fn's own function; helpers FT, FV)."""
     found: list[tuple[str, Any]] = []
     done = set(skip)
-    code = getattr(calling, "__code__", None)
+    code = dunder(calling, "__code__")
     if code is not None and "getattr" in code.co_names:
         # A name computed at run time (getattr(self, self.which)): every module or tensor the
         # classes hold, whatever its name; not where fn names what it reads (a trainable class
@@ -240,13 +240,13 @@ def _overridden(cls: type, calling: Any, read: set[str], /) -> list[tuple[str, A
         if name not in vars(klass) or library_code(klass):
             continue
         value = vars(klass)[name]
-        function = getattr(value, "__func__", value)
+        function = dunder(value, "__func__", value)
         if function is calling:
             passed = True
             continue
         if not passed:
             continue
-        if "super" not in getattr(getattr(current, "__code__", None), "co_names", ()):
+        if "super" not in getattr(dunder(current, "__code__"), "co_names", ()):
             break
         if not isinstance(function, types.FunctionType):
             break
@@ -269,8 +269,8 @@ def _class_attribute(cls: type, name: str, read: set[str], /) -> Any:
         if isinstance(found, (property, types.FunctionType, staticmethod, classmethod)):
             # A method fn calls reads the object's attributes for it (holder.score: self.gate)
             getter = found.fget if isinstance(found, property) else \
-                getattr(found, "__func__", found)
-            read.update(attributes_read(getattr(getter, "__code__", None)))
+                dunder(found, "__func__", found)
+            read.update(attributes_read(dunder(getter, "__code__")))
             return getter if isinstance(getter, types.FunctionType) else None
         return found
     return None

@@ -70,7 +70,7 @@ from torch import nn
 from .errors import ReplayMismatchError
 from .keep import IN_REUSE
 from .parameter_hooks import put_first
-from .tree import describe_leaf, first_difference, flatten, leaf_paths
+from .tree import describe_leaf, dunder, first_difference, flatten, leaf_paths
 
 __all__ = ["GradFlow", "HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
            "keeps_output_as_is", "recording", "remove_recorder"]
@@ -87,7 +87,7 @@ _PRE_HOOKS = operator.itemgetter("_forward_pre_hooks")
 def is_library_hook(hook: Any, /) -> bool:
     """Whether ``hook`` is torch's or this library's (they only read or rewrite outputs)."""
     fn = hook.func if isinstance(hook, functools.partial) else hook
-    module = getattr(fn, "__module__", None) or type(fn).__module__
+    module = dunder(fn, "__module__") or type(fn).__module__
     return (module + ".").startswith(_LIBRARY_HOOKS)
 
 
@@ -100,8 +100,8 @@ def keeps_output_as_is(hook: Any, /) -> bool:
     """Whether ``hook`` is known to keep the module output it receives as it is (so the
     output's gradient is all it needs: NOTE [hooked outputs leave with gradients])."""
     module, name = _KEEPS_OUTPUT_AS_IS
-    return getattr(hook, "__module__", None) == module and \
-        getattr(hook, "__name__", None) == name
+    return dunder(hook, "__module__") == module and \
+        dunder(hook, "__name__") == name
 
 
 def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -214,7 +214,7 @@ class GradFlow(torch.overrides.TorchFunctionMode):
             if kwargs and kwargs.get("out") is not None:  # written as well
                 for t in _tensors_in(kwargs["out"]):
                     self._written(t)
-            if func in _STOPS or getattr(func, "__self__", None) is _DATA or \
+            if func in _STOPS or dunder(func, "__self__") is _DATA or \
                     func in _SHAPE_ONLY:
                 flows = False
             elif func in _SELF_ONLY:  # NOTE [tensors read for their shape]

@@ -54,6 +54,7 @@ from . import module_state  # read at call time: module_state imports this modul
 from .phase import Invocation, Phase
 from .replay_values import arguments_print, check_arguments
 from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
+from .tree import dunder
 from .unit_use import UnitUse
 
 __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept", "op_name"]
@@ -545,7 +546,7 @@ class KeepMode(TorchDispatchMode):
             for func, position, regions in self._unit_records:
                 if results[func][position] is not RECOMPUTE:  # not taken back (rule 3)
                     self._unit_kept(func, regions)
-            self.policy.use.pass_ended(getattr(self.layer, "__self__", self.layer))
+            self.policy.use.pass_ended(dunder(self.layer, "__self__", self.layer))
         self._unit_records = []
 
     def _autocast_cast(self, args: Any) -> bool:

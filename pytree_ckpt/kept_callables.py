@@ -21,6 +21,7 @@ from .eager import KEPT_CALLABLE_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
 from .keep import IN_KEPT_CALLABLE
 from .kept_calls import KEPT_METHOD
+from .tree import dunder
 
 __all__ = ["KeptCallables", "kept_methods", "near_misses"]
 
@@ -183,7 +184,7 @@ def _autograd_function(layers: list[nn.Module], owner: str, /) -> type | None:
     for module in (m for layer in layers for m in layer.modules()):
         # Unwrapped: a decorated forward's globals are its decorator's module's (helper EX)
         forward = inspect.unwrap(type(module).forward)
-        found: Any = getattr(forward, "__globals__", {}).get(head)
+        found: Any = dunder(forward, "__globals__", {}).get(head)
         for part in rest:
             found = getattr(found, part, None)
         if isinstance(found, type) and issubclass(found, torch.autograd.Function):

@@ -46,6 +46,7 @@ from .hook_outputs import remove_recorder
 from .kept_owners import keeping_boundary_made, kept_elsewhere, kept_wrappers
 from .module_state import drop_caches
 from .refusals import refuse_container, require_module
+from .tree import dunder
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class _CheckpointedForward:
         # would (torch.export reads forward.__code__ for the argument names; the call then
         # runs no boundary while it records: NOTE [when there is no boundary] in boundary.py).
         bare = self._own_forward()
-        code = getattr(bare, "__code__", None)
+        code = dunder(bare, "__code__")
         if code is None:
             raise AttributeError("__code__")
         return code  # type: ignore[no-any-return]

@@ -28,7 +28,7 @@ from torch.nn.parameter import is_lazy
 
 from .eager import HOOK_REASON, Told, runs_eagerly, user_stacklevel
 from .hook_outputs import is_library_hook, keeps_output_as_is
-from .tree import POSITIONAL_CALL_SPECS
+from .tree import POSITIONAL_CALL_SPECS, dunder
 
 __all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module",
            "call_switches", "changed_submodule", "collect_parameters", "drop_caches",
@@ -49,14 +49,14 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
                     _method_of(fn.args[0], fn.func):
                 return fn.args[0]  # NOTE [a method bound by a partial]
             fn = fn.func
-        elif not isinstance(fn, nn.Module) and getattr(fn, "__self__", None) is None and \
-                getattr(fn, "__wrapped__", None) is not None:
+        elif not isinstance(fn, nn.Module) and dunder(fn, "__self__") is None and \
+                dunder(fn, "__wrapped__") is not None:
             fn = getattr(fn, "__wrapped__")
         else:
             break
     if isinstance(fn, nn.Module):
         return fn
-    owner = getattr(fn, "__self__", None)
+    owner = dunder(fn, "__self__")
     return owner if isinstance(owner, nn.Module) else None
 
 
@@ -73,15 +73,15 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
 # (``torch.compile(Layer.forward)``, ``torch.compiler.disable``): its ``__wrapped__`` chain is
 # walked too, as owning_module walks a wrapped bound method's.
 def _method_of(module: nn.Module, func: Any, /) -> bool:
-    name = getattr(func, "__name__", None)
+    name = dunder(func, "__name__")
     if not isinstance(name, str):
         return False
     chain = []
     for _ in range(8):  # func, then what it wraps, down to a plain function
-        if func is None or getattr(func, "__self__", None) is not None:
+        if func is None or dunder(func, "__self__") is not None:
             break
         chain.append(func)
-        func = getattr(func, "__wrapped__", None)
+        func = dunder(func, "__wrapped__")
     if not chain:
         return False
     for klass in type(module).__mro__:
@@ -91,7 +91,7 @@ def _method_of(module: nn.Module, func: Any, /) -> bool:
                 break
             if any(attribute is f for f in chain):
                 return True
-            attribute = getattr(attribute, "__wrapped__", None)
+            attribute = dunder(attribute, "__wrapped__")
     return False
 
 
@@ -598,7 +598,7 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
             if is_library_hook(hook) or keeps_output_as_is(hook):
                 continue
             fn = hook.func if isinstance(hook, functools.partial) else hook
-            names.append(getattr(fn, "__qualname__", type(fn).__qualname__))
+            names.append(dunder(fn, "__qualname__", type(fn).__qualname__))
         return names
 
     def module_hooks(sub: nn.Module) -> list[str]:  # pre-hooks run there too, first

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .tree import dunder
+
 __all__ = ["add_note", "converted_since", "note_no_grad_pass"]
 
 _LOG = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ def add_note(error: BaseException, note: str, /) -> None:
     if _NATIVE:
         error.add_note(note)
         return
-    notes = getattr(error, "__notes__", None)
+    notes = dunder(error, "__notes__")
     if not isinstance(notes, list):
         notes = []
         error.__notes__ = notes  # type: ignore[attr-defined]
@@ -76,7 +78,7 @@ def converted_since(fn: Any, args: tuple[Any, ...], /) -> str | None:
     ``fn``'s module share no dtype, or no device, with the call's float tensor arguments; what
     each side has, or ``None``. A mixed-precision layer whose parameters and inputs always
     differ meets this too, so the note says it as a possibility."""
-    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    module = fn if isinstance(fn, torch.nn.Module) else dunder(fn, "__self__")
     if not isinstance(module, torch.nn.Module):
         return None
     params = [p for p in module.parameters() if p.is_floating_point()]

@@ -12,6 +12,8 @@ from typing import Any, cast
 import torch
 from torch.autograd.graph import Node
 
+from .tree import dunder
+
 __all__ = ["ParameterHook", "ParameterHooksPaused", "SkipsNoGradAccumulated",
            "SkipsNoGradient", "accumulated_nothing", "put_first", "skip_no_gradient"]
 
@@ -122,7 +124,7 @@ def _wrap_parameter_hooks(hooks: dict[Any, Any], /) -> None:
 def _torch_own(hook: Any) -> bool:
     """A hook torch itself registered, which expects its ``None`` calls (a multi-grad hook in
     "all" mode counts them: wrapped, it would never fire)."""
-    return (getattr(hook, "__module__", None) or "").startswith("torch.")
+    return (dunder(hook, "__module__") or "").startswith("torch.")
 
 
 class ParameterHook:

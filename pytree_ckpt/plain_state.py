@@ -24,7 +24,7 @@ from .function_reach import (attribute, attribute_names, cell_contents, globals_
 from .module_state import argument_module, module_dicts, structure_generation
 from .refusals import readable_path
 from .state_changes import StateWatch
-from .tree import leaf_paths
+from .tree import dunder, leaf_paths
 
 __all__ = ["NOTHING_HELD", "PlainStateWatch", "modules_held", "watch_plain_state"]
 
@@ -89,7 +89,7 @@ def modules_held(code: Any, /) -> _Held | None:
 
 
 def _first_look(fn: Any, key: Any, /) -> _Held:
-    cells = tuple(i for i, cell in enumerate(getattr(fn, "__closure__", None) or ())
+    cells = tuple(i for i, cell in enumerate(dunder(fn, "__closure__") or ())
                   if isinstance(cell_contents(cell), nn.Module))
     defaults = tuple(i for i, value in enumerate(_defaults(fn))
                      if isinstance(value, nn.Module))
@@ -156,8 +156,8 @@ def _holding_buffers(module: nn.Module, /) -> list[dict[str, Any]]:
 
 
 def _defaults(fn: Any, /) -> list[Any]:
-    return [*(getattr(fn, "__defaults__", None) or ()),
-            *(getattr(fn, "__kwdefaults__", None) or {}).values()]
+    return [*(dunder(fn, "__defaults__") or ()),
+            *(dunder(fn, "__kwdefaults__") or {}).values()]
 
 
 def watch_plain_state(fn: Callable[..., Any], leaves: list[Any] | None, spec: Any, /
@@ -169,7 +169,7 @@ def watch_plain_state(fn: Callable[..., Any], leaves: list[Any] | None, spec: An
     bound: list[tuple[str, Any]] = []
     if isinstance(fn, functools.partial):  # a partial of a module's method is known: not here
         fn, bound = unwrap_partials(fn)
-    key = getattr(fn, "__code__", None) or type(fn)
+    key = dunder(fn, "__code__") or type(fn)
     entry = _HELD.get(id(key))
     if entry is None:
         held = _first_look(fn, key)
@@ -185,8 +185,8 @@ def watch_plain_state(fn: Callable[..., Any], leaves: list[Any] | None, spec: An
 def _watch(fn: Any, shown: Any, key: Any, held: _Held, leaves: list[Any] | None,
            bound: list[tuple[str, Any]], spec: Any, /) -> PlainStateWatch | None:
     roots: list[tuple[Any, nn.Module]] = []  # (where: a leaf index or words, the module)
-    closure = getattr(fn, "__closure__", None) or ()
-    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    closure = dunder(fn, "__closure__") or ()
+    names = getattr(dunder(fn, "__code__"), "co_freevars", ())
     for i in held[0]:
         if i < len(closure) and isinstance(module := cell_contents(closure[i]), nn.Module):
             roots.append((f"closure variable {names[i]!r}" if i < len(names) else

@@ -21,6 +21,7 @@ from .frames import callable_name
 from .function_reach import cell_contents, globals_of, globals_read
 from .plain_state import modules_held
 from .subscripts import index_places
+from .tree import dunder
 
 __all__ = ["Bound", "NOTHING_BOUND", "modules_bound", "modules_bound_now", "refuse_rebound"]
 
@@ -197,7 +198,7 @@ def _tensor_cells(fn: Any, code: Any, /) -> _Places:
     (`global _mask; _mask = ...` in `make_mask`, called by the function) is set again by the
     replay's own call, so another tensor there is no late binding (NOTE [a tensor rebound
     before the replay])."""
-    closure = getattr(fn, "__closure__", None) or ()
+    closure = dunder(fn, "__closure__") or ()
     written = _written(code)
     free = getattr(code, "co_freevars", ())
     indexed = _late_indices(code)[0]  # an int there is the index check's (refused)
@@ -224,7 +225,7 @@ def _values_now(fn: Any, places: _Places, /) -> list[Any]:
     cells, names = places
     found = []
     if cells:
-        closure = getattr(fn, "__closure__", None) or ()
+        closure = dunder(fn, "__closure__") or ()
         for i in cells:
             found.append(cell_contents(closure[i]) if i < len(closure) else None)
     if names:
@@ -238,7 +239,7 @@ def _place_name(fn: Any, places: _Places, k: int, /) -> str:
     cells, names = places
     if k >= len(cells):
         return f"global {names[k - len(cells)]!r}"
-    free = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    free = getattr(dunder(fn, "__code__"), "co_freevars", ())
     i = cells[k]
     return f"closure variable {free[i]!r}" if i < len(free) else "a closure variable"
 
@@ -287,7 +288,7 @@ def modules_bound(fn: Any, /) -> Bound | None:
     fn, wrapped = _unwrap(fn)
     if wrapped:  # no first look at the wrapped function's code: every cell, as discard does
         return modules_bound_now(fn)
-    code = getattr(fn, "__code__", None)
+    code = dunder(fn, "__code__")
     if code is None:
         return None
     held = modules_held(code)
@@ -308,10 +309,10 @@ def modules_bound_now(fn: Any, /) -> Bound | None:
     ``None`` when there are none (NOTE [a module rebound before the replay], NOTE [a tensor
     rebound before the replay])."""
     fn = _unwrap(fn)[0]
-    code = getattr(fn, "__code__", None)
+    code = dunder(fn, "__code__")
     if code is None:
         return None
-    closure = getattr(fn, "__closure__", None) or ()
+    closure = dunder(fn, "__closure__") or ()
     space = globals_of(fn)
     names = tuple(n for n in globals_read(code)
                   if isinstance(dict.get(space, n), nn.Module)) if space else ()
@@ -464,7 +465,7 @@ def _warn_another_int(fn: Any, called: Any, tensors: _Places, k: int, then: int,
     index) that holds another value at the replay: warned of once per code."""
     if type(value) is type(then) and value == then:
         return
-    code = getattr(called, "__code__", None)
+    code = dunder(called, "__code__")
     if id(code) in _WARNED_INTS:
         return
     _WARNED_INTS[id(code)] = code

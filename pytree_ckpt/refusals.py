@@ -27,7 +27,7 @@ from .fsdp_units import refuse_fsdp_units_inside, refuse_flat_parameter
 from .function_reach import cell_contents, globals_of
 from .module_state import (foreign_leaves, graph_reaches, mark_verified, owning_module,
                            warn_forward_hooks)
-from .tree import describe_leaf, leaf_paths, node_path, object_children
+from .tree import describe_leaf, dunder, leaf_paths, node_path, object_children
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -103,10 +103,10 @@ def _held_output(node: Any, call: BoundaryCall, /) -> str:
     found = _in_input_objects(call, holding)
     if found is not None:
         return f", held at {found}"
-    func = getattr(call.fn, "__func__", call.fn)
-    code = getattr(func, "__code__", None)
+    func = dunder(call.fn, "__func__", call.fn)
+    code = dunder(func, "__code__")
     if code is not None:  # a plain function's closure cells and globals
-        for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
+        for name, cell in zip(code.co_freevars, dunder(func, "__closure__") or ()):
             if _holds(cell_contents(cell), holding):
                 return f", held by the closure variable {name!r} of {fn_name(call.fn)}"
         space = globals_of(func)
@@ -371,18 +371,18 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
                 if item is leaf:
                     return f", by {at}[{key!r}] (a module attribute)"
     functions = [getattr(type(m), "forward", None) for m in owner.modules()]
-    for func in (getattr(fn, "__func__", fn), *functions):
-        code = getattr(func, "__code__", None)
+    for func in (dunder(fn, "__func__", fn), *functions):
+        code = dunder(func, "__code__")
         if code is None:
             continue
-        label = getattr(func, "__qualname__", "the function")
-        for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
+        label = dunder(func, "__qualname__", "the function")
+        for name, cell in zip(code.co_freevars, dunder(func, "__closure__") or ()):
             if cell_contents(cell) is leaf:
                 return f", by the closure variable {name!r} of {label}"
-        names = code.co_varnames[code.co_argcount - len(getattr(func, "__defaults__", None)
+        names = code.co_varnames[code.co_argcount - len(dunder(func, "__defaults__")
                                                         or ()):code.co_argcount]
-        defaults = [*zip(names, getattr(func, "__defaults__", None) or ()),
-                    *(getattr(func, "__kwdefaults__", None) or {}).items()]
+        defaults = [*zip(names, dunder(func, "__defaults__") or ()),
+                    *(dunder(func, "__kwdefaults__") or {}).items()]
         for name, value in defaults:
             if value is leaf:
                 return f", by the default of the argument {name!r} of {label}"

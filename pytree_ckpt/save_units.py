@@ -37,7 +37,7 @@ from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misse
 from .kept_ops import KeptOps
 from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
 from .torch_options import refuses_torch_options
-from .tree import describe_leaf
+from .tree import describe_leaf, dunder
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
     from offload import OffloadManager
@@ -280,7 +280,7 @@ def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) ->
             tip=f"remove_activation_checkpointing on the {type(module).__name__}, or drop "
                 "the unit")
     on_class = inspect.getattr_static(type(module), name, None)
-    on_class = getattr(on_class, "__func__", on_class)  # a static or class method's function
+    on_class = dunder(on_class, "__func__", on_class)  # a static or class method's function
     for where, held in (("instance attribute", module.__dict__.get(name)),
                         ("class attribute", on_class)):
         if _compiled(held):

@@ -20,6 +20,7 @@ from .forward_numbers import plain_entries, value_differs
 from .changed_in_place import parameter_path
 from .refusals import fn_name
 from .state_changes import mark_stateful
+from .tree import dunder
 from .tree_refusals import container_elements
 
 if TYPE_CHECKING:  # the boundary imports this module
@@ -122,10 +123,10 @@ def _opened_by_transformers(owner: nn.Module, fn: Callable[..., Any], /) -> bool
     if not isinstance(fn, functools.partial):
         return False
     func, kind = fn.func, type(owner)
-    if fn.args and fn.args[0] is owner and getattr(func, "__self__", None) is None:
+    if fn.args and fn.args[0] is owner and dunder(func, "__self__") is None:
         return func is not kind.forward
-    if getattr(func, "__self__", None) is owner:
-        return getattr(func, "__func__", None) not in (kind.__call__, kind.forward)
+    if dunder(func, "__self__") is owner:
+        return dunder(func, "__func__") not in (kind.__call__, kind.forward)
     return False
 
 

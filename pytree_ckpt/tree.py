@@ -25,7 +25,7 @@ import torch
 __all__ = ["FlatTree", "LEAF_SPEC", "POSITIONAL_CALL_SPECS", "flatten", "flatten_call",
            "unflatten", "leaf_paths", "describe_leaf", "first_difference", "hidden_tensor",
            "can_look_into", "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN", "alias", "alias_all",
-           "instance_dict", "object_children"]
+           "dunder", "instance_dict", "object_children"]
 
 NAMESPACE = "pytree_ckpt"
 _registered: set[type] = set()
@@ -520,7 +520,7 @@ def _callable_children(fn: Any, /) -> list[tuple[str, Any]]:
     if isinstance(fn, types.MethodType):
         return [(".__self__", fn.__self__), ("", fn.__func__)]
     if isinstance(fn, (types.BuiltinMethodType, types.MethodWrapperType)):
-        bound = getattr(fn, "__self__", None)  # a module's for a builtin function: skipped
+        bound = dunder(fn, "__self__")  # a module's for a builtin function: skipped
         return [] if bound is None or isinstance(bound, (types.ModuleType, type)) else \
             [(".__self__", bound)]
     if isinstance(fn, functools.partial):
@@ -538,14 +538,23 @@ def _callable_children(fn: Any, /) -> list[tuple[str, Any]]:
     return found
 
 
-def instance_dict(obj: Any, /) -> Any:
-    """``obj.__dict__``, or None. NOTE: an object with slots and no ``__dict__`` answers it
-    through its ``__getattr__``, which may raise something else than AttributeError (a
-    KeyError from attributes kept in a dict: helper HD), which getattr's default lets pass."""
+def dunder(obj: Any, name: str, default: Any = None, /) -> Any:
+    """``getattr(obj, name, default)`` for a special attribute (``__self__``, ``__wrapped__``,
+    ``__closure__``, ``__dict__`` ...), ``default`` whatever the lookup raises. NOTE: an object that
+    lacks the name answers it through its ``__getattr__``, which may raise something else than
+    AttributeError (a KeyError from settings kept in a dict, as config classes do: helpers HD,
+    HF), and getattr's default lets that pass: eager never asks, so the boundary must not
+    fail there."""
     try:
-        return getattr(obj, "__dict__", None)
+        return getattr(obj, name, default)
     except Exception:
-        return None
+        return default
+
+
+def instance_dict(obj: Any, /) -> Any:
+    """``obj.__dict__``, or None (``dunder``: an object with slots has none, and its
+    ``__getattr__`` is asked)."""
+    return dunder(obj, "__dict__")
 
 
 def _slot_children(obj: Any, /) -> list[tuple[str, Any]]:

@@ -23,8 +23,8 @@ from torch import nn
 from .errors import CheckpointError
 from .module_state import owning_module
 from .refusals import fn_name, readable_path
-from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, hidden_tensor, leaf_kind,
-                   leaf_paths, metadata_tensor)
+from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, dunder, hidden_tensor,
+                   leaf_kind, leaf_paths, metadata_tensor)
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -145,7 +145,7 @@ def _holds_no_state(leaf: Any, /) -> bool:
     if isinstance(leaf, _STATELESS):
         return True
     if isinstance(leaf, types.BuiltinFunctionType):
-        owner = getattr(leaf, "__self__", None)
+        owner = dunder(leaf, "__self__")
         return owner is None or isinstance(owner, types.ModuleType)
     return False
 

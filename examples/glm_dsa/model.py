@@ -99,12 +99,20 @@ class GlmDsaForCausalLM(nn.Module):
         """
         manager = pytree_ckpt.resolve_offload(offload) or False
         targets = self.declared_targets()
-        # The environment's switch passed on as such (it resolves to the same default
-        # manager): at ratio 0 only an offload asked for explicitly is warned about.
-        chosen = apply_recompute_config(self.layers, RecomputeConfig(ratio, save=save), targets,
-                                        offload=None if offload is None and manager else manager,
-                                        verify_replay=verify_replay)
-        if mtp and len(self.mtp_layers):
+        wraps_mtp = mtp and len(self.mtp_layers) > 0
+        try:
+            no_decoder_layer = int(len(self.layers) * ratio) == 0
+        except (TypeError, ValueError):  # refused below, naming the ratio
+            no_decoder_layer = False
+        # The offload and save units asked for reach the decoder layers as given (None, the
+        # environment's switch, resolves to the same default manager), so that at ratio 0
+        # the library says they do nothing; but not where the MTP layers, always wrapped,
+        # use them (helper HF: a false "offloads nothing").
+        quiet = no_decoder_layer and wraps_mtp
+        chosen = apply_recompute_config(
+            self.layers, RecomputeConfig(ratio, save=None if quiet else save), targets,
+            offload=False if quiet else offload, verify_replay=verify_replay)
+        if wraps_mtp:
             apply_recompute_config(self.mtp_layers, RecomputeConfig(1.0, save=save), targets,
                                    offload=manager, verify_replay=verify_replay)
         for module in self.modules():  # the norms' output discards, checkpointed or not

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -848,3 +849,22 @@ def test_compiled_checkpointed_reference_model_equals_its_twin_compiled_with_eag
     assert torch.equal(loss, twin_loss)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(twin.parameters(), model.parameters())
                if a.grad is not None)
+
+def test_the_models_ratio_0_offload_warning_is_not_given_while_the_mtp_layer_offloads() -> None:
+    # Guards against (helper HF), as it was found:
+    # checkpoint_layers(ratio, mtp=True) checkpoints the MTP layer whatever the ratio, with the
+    # same manager; apply_recompute_config warns for the decoder layers alone (8 of 8 left
+    # uncheckpointed) that "offload=an OffloadManager offloads nothing", yet the MTP layer's
+    # windows move its inputs to host. warn_offload_unused's promise: no warning where
+    # something is offloaded.
+    from offload import OffloadConfig, OffloadManager
+
+    config, model = build()
+    assert len(model.mtp_layers) > 0
+    manager = OffloadManager(OffloadConfig(min_bytes=1024))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert model.checkpoint_layers(0.0, offload=manager) == []
+    model(**make_packed_batch(config, SEQ_LENS))["loss"].backward()
+    assert manager.stats()["offloaded_bytes"] > 0  # the MTP layer did offload
+    assert not [w for w in caught if "offloads nothing" in str(w.message)]

@@ -1555,3 +1555,41 @@ def test_a_none_buffer_given_a_tensor_after_the_first_replay_gets_eager_grads() 
         model.zero_grad()
     x.grad = None
     assert_same_grads(*grads_per_model([eager, wrapped], x, seed=2))
+
+
+def test_a_callable_argument_whose_getattr_raises_key_error_runs_as_in_eager() -> None:
+    # Guards against (helper HF), as it was found:
+    # A callable object whose settings live in a dict read by __getattr__ (the pattern helper
+    # HD's fix of tree.instance_dict covers for __dict__), passed as an argument, bound by a
+    # partial, or given to checkpoint or reuse_during_recompute: eager calls it. The boundary
+    # asks it for __self__ and __wrapped__ (module_state.owning_module, through
+    # argument_module for arguments, buffer_versions for reuse_during_recompute), and the
+    # KeyError its __getattr__ raises for '__self__' escapes at the call: getattr's default
+    # catches AttributeError only.
+    class Scaled:
+        def __init__(self, **settings: Any) -> None:
+            self.__dict__["_settings"] = settings
+
+        def __getattr__(self, name: str) -> Any:
+            return self._settings[name]
+
+        def __call__(self, h: torch.Tensor) -> torch.Tensor:
+            return h * self.scale
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    act = Scaled(scale=2.0)
+
+    def fn(h: torch.Tensor, act: Scaled) -> torch.Tensor:
+        return act(lin(h))
+
+    grads = []
+    for run in (lambda: fn(x, act), lambda: checkpoint(fn, x, act),
+                lambda: checkpoint(functools.partial(fn, act=act), x),
+                lambda: checkpoint(act, lin(x))):
+        run().sum().backward()
+        grads.append([t.grad.clone() for t in (x, *lin.parameters())])
+        x.grad = None
+        lin.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
