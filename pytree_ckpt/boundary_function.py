@@ -426,7 +426,8 @@ def referenced_tensors(fn: Any, leaves: list[Any], /) -> list[torch.Tensor]:
             values += [*fn.args[:_LOOKED_AT], *list(fn.keywords.values())[:_LOOKED_AT]]
             fn = fn.func
             continue
-        for cell in (dunder(fn, "__closure__") or ())[:_LOOKED_AT]:
+        closure = dunder(fn, "__closure__")
+        for cell in closure[:_LOOKED_AT] if type(closure) is tuple else ():  # (a function's)
             try:
                 values.append(cell.cell_contents)
             except ValueError:  # an empty cell
