@@ -540,11 +540,11 @@ def _callable_children(fn: Any, /) -> list[tuple[str, Any]]:
 
 def dunder(obj: Any, name: str, default: Any = None, /) -> Any:
     """``getattr(obj, name, default)`` for a special attribute (``__self__``, ``__wrapped__``,
-    ``__closure__``, ``__dict__`` ...), ``default`` whatever the lookup raises. NOTE: an object that
-    lacks the name answers it through its ``__getattr__``, which may raise something else than
-    AttributeError (a KeyError from settings kept in a dict, as config classes do: helpers HD,
-    HF), and getattr's default lets that pass: eager never asks, so the boundary must not
-    fail there."""
+    ``__closure__``, ``__dict__`` ...), ``default`` whatever the lookup raises. NOTE: an
+    object that lacks the name answers it through its ``__getattr__``, which may raise
+    something else than AttributeError (a KeyError from settings kept in a dict, as config
+    classes do: helpers HD, HF), and getattr's default lets that pass: eager never asks, so
+    the boundary must not fail there."""
     try:
         return getattr(obj, name, default)
     except Exception:
@@ -559,7 +559,7 @@ def instance_dict(obj: Any, /) -> Any:
 
 def _slot_children(obj: Any, /) -> list[tuple[str, Any]]:
     """The set ``__slots__`` attributes of ``obj``, with their paths (an unset one left out,
-    whatever its class's ``__getattr__`` raises: ``_dict_of``)."""
+    whatever its class's ``__getattr__`` raises: ``dunder``)."""
     found = []
     for name in _slot_names(obj):
         try:
