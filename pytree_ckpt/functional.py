@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at r
 
 __all__ = ["checkpoint", "checkpointed"]
 
+_ABSENT = object()  # a name functools.wraps would copy, not there
+
 T = TypeVar("T")
 
 
@@ -271,9 +273,20 @@ def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,
                               offload=resolve_offload(offload), verify_replay=verify_replay)
 
-    @functools.wraps(fn, updated=())  # a module's __dict__ must not be copied onto run
     @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py
     def run(*args: Any, **kwargs: Any) -> T:
         return run_boundary(*_bound_inputs(fn, args, kwargs), options)
+
+    # functools.wraps' names, read through dunder: its getattr stops only AttributeError, and
+    # a callable whose __getattr__ raises KeyError failed here (helper HG). Not __dict__: a
+    # module's must not be copied onto run.
+    for name in functools.WRAPPER_ASSIGNMENTS:
+        value = dunder(fn, name, _ABSENT)
+        if value is not _ABSENT:
+            try:
+                setattr(run, name, value)
+            except (TypeError, ValueError):  # a __name__ that is no str, say: run keeps its own
+                pass
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
 
     return run

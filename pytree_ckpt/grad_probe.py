@@ -157,7 +157,9 @@ def _compiled(fn: Any, /) -> bool:
     GD), so such a call is left to the static look."""
     inner, _ = unwrap_partials(fn)
     for candidate in (fn, inner, dunder(inner, "__self__")):
-        if hasattr(candidate, "_torchdynamo_orig_callable") or hasattr(candidate, "_orig_mod"):
+        # (dunder, not hasattr: a __getattr__ may raise a KeyError for them: helper HG)
+        if dunder(candidate, "_torchdynamo_orig_callable") is not None or \
+                dunder(candidate, "_orig_mod") is not None:
             return True
         if isinstance(candidate, torch.nn.Module) and candidate is fn and \
                 getattr(candidate, "_compiled_call_impl", None) is not None:

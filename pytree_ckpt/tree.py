@@ -49,8 +49,9 @@ def _register_dataclass(cls: type) -> None:
         # and so are a mapping's items that are not the attribute of their name: nothing is
         # dropped, and a tensor among them carries gradient like a field.
         # (A field left unset, as an init=False one may be, is left unset in the copy too.)
+        # (dunder: a slotted one answers __dict__ through its __getattr__: helper HG)
         attrs = tuple(n for n in names if hasattr(obj, n)) + tuple(
-            k for k in getattr(obj, "__dict__", {}) if k not in field_set)
+            k for k in dunder(obj, "__dict__", None) or {} if k not in field_set)
         if not is_mapping:
             return [getattr(obj, k) for k in attrs], (attrs, ()), attrs
         # A mapping's keys in their own order, each marked by whether its item is the

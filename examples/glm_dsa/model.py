@@ -21,6 +21,7 @@ import pytree_ckpt
 from offload import OffloadManager
 from pytree_ckpt import (KeptCallables, KeptOps, RecomputeConfig, RecomputeTargetMap, SaveUnit,
                          apply_recompute_config)
+from pytree_ckpt.apply import layer_count
 
 from .common import (RMSNorm, default_cu_seqlens, position_ids, rope_tables,
                      validate_cu_seqlens)
@@ -100,8 +101,8 @@ class GlmDsaForCausalLM(nn.Module):
         manager = pytree_ckpt.resolve_offload(offload) or False
         targets = self.declared_targets()
         wraps_mtp = mtp and len(self.mtp_layers) > 0
-        try:
-            no_decoder_layer = int(len(self.layers) * ratio) == 0
+        try:  # the library's count of the layers a ratio takes (helper HG: not int(n * ratio))
+            no_decoder_layer = layer_count(len(self.layers), ratio) == 0
         except (TypeError, ValueError):  # refused below, naming the ratio
             no_decoder_layer = False
         # The offload and save units asked for reach the decoder layers as given (None, the

@@ -868,3 +868,22 @@ def test_the_models_ratio_0_offload_warning_is_not_given_while_the_mtp_layer_off
     model(**make_packed_batch(config, SEQ_LENS))["loss"].backward()
     assert manager.stats()["offloaded_bytes"] > 0  # the MTP layer did offload
     assert not [w for w in caught if "offloads nothing" in str(w.message)]
+
+
+def test_a_decoder_layer_checkpointed_at_ratio_1_of_49_keeps_its_offload_and_save_units_with_mtp(
+) -> None:
+    # Guards against (helper HG), as it was found:
+    # 49 * (1 / 49) is 0.9999999999999999: int() gives 0 (the model's "no decoder layer", so
+    # quiet), layer_count gives 1 (the library checkpoints layers[0]); Megatron's
+    # recompute_num_layers=1 of 49 layers is ratio=1/49, as the library's own tip says.
+    from offload import OffloadConfig, OffloadManager
+    from pytree_ckpt.module import _installed
+
+    options = {}
+    for mtp in (False, True):
+        _, model = build(num_layers=49)
+        manager = OffloadManager(OffloadConfig(min_bytes=1024))
+        assert model.checkpoint_layers(1 / 49, mtp=mtp, offload=manager, save=True) == [0]
+        installed = _installed(model.layers[0])
+        options[mtp] = (installed.options.offload is manager, installed.options.keep is None)
+    assert options[True] == options[False] == (True, False)

@@ -2857,3 +2857,29 @@ def test_grad_accumulator_node_hooks_of_an_unused_parameter_run_as_under_torchs_
 
     assert run("torch") == ["used.bias", "used.weight"]  # as eager
     assert run("ours") == run("torch")  # what the row says; got: the unused ones' too
+
+
+def test_checkpointed_wraps_a_callable_whose_getattr_raises_key_error_as_checkpoint_runs_it(
+) -> None:
+    # Guards against (helper HG), as it was found:
+    # c56657d made checkpoint(act, h) run such a callable (settings kept in a dict, as config
+    # classes do); checkpointed(act) (any option: verify_replay, offload, preserve_rng_state)
+    # still fails before the first call, at functools.update_wrapper's getattr(act,
+    # '__name__'), catching AttributeError only.
+    class Scaled:
+        def __init__(self, **settings: Any) -> None:
+            self.__dict__["_settings"] = settings
+
+        def __getattr__(self, name: str) -> Any:
+            return self._settings[name]
+
+        def __call__(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(h) * self.scale
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, requires_grad=True)
+    act = Scaled(scale=2.0)
+    act(x).sum().backward()
+    expected, x.grad = x.grad, None
+    pytree_ckpt.checkpointed(act, verify_replay=True)(x).sum().backward()
+    assert torch.equal(x.grad, expected)

@@ -1354,3 +1354,36 @@ def test_a_compiled_router_is_not_probed(kind: str, monkeypatch: pytest.MonkeyPa
         checkpoint(layer, x).sum().backward()
     assert torch.equal(x.grad, expected)
     assert watched == []
+
+
+def test_a_reused_callable_whose_getattr_raises_key_error_runs_as_in_eager_in_a_boundary() -> None:
+    # Guards against (helper HG), as it was found:
+    # c56657d's promise: a callable whose settings live in a dict read by __getattr__ works
+    # "given to reuse_during_recompute"; outside a boundary it does, inside one the probe's
+    # compiled test asks it for _torchdynamo_orig_callable (and _orig_mod) with hasattr.
+    class Topk:
+        def __init__(self, **settings: Any) -> None:
+            self.__dict__["_settings"] = settings
+
+        def __getattr__(self, name: str) -> Any:
+            return self._settings[name]
+
+        def __call__(self, h: torch.Tensor) -> torch.Tensor:
+            return h.detach().topk(self.k, dim=-1).indices
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    pick = Topk(k=3)
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        a = lin(h)
+        return a.gather(-1, reuse_during_recompute(pick, a))
+
+    fn(x).sum().backward()
+    expected = [t.grad for t in (x, *lin.parameters())]
+    x.grad = None
+    lin.zero_grad(set_to_none=True)
+    checkpoint(fn, x).sum().backward()
+    assert all(torch.equal(a, b)
+               for a, b in zip(expected, (x.grad, *(p.grad for p in lin.parameters()))))
