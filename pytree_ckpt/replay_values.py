@@ -54,14 +54,16 @@ def _print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
     parts = _sparse_parts(t)
     if parts is None:
         return _strided_print(t)
-    made = [_strided_print(part) for part in parts]
-    if any(m is None for m in made):
-        return None  # a meta sparse tensor
+    made = []
+    for part in parts:
+        printed = _strided_print(part)
+        if printed is None:
+            return None  # a meta sparse tensor
+        made.append(printed)
     # Each part's bits hashed with its place among the parts: indices and values that swap
     # their roles do not cancel. The message's value sums are the values part's (the last).
-    bits = sum(_finished(m[0] ^ _weights(k, 1, m[0].device)) for k, m in enumerate(made)
-               if m is not None)
-    assert isinstance(bits, torch.Tensor) and made[-1] is not None
+    bits = torch.stack([_finished(m[0] ^ _weights(k, 1, m[0].device))
+                        for k, m in enumerate(made)]).sum(dim=0)
     return bits, made[-1][1]
 
 

@@ -10,8 +10,21 @@ from torch import nn
 
 from pytree_ckpt import CheckpointWithoutOutput, reuse_during_recompute
 
-__all__ = ["Dropped", "Gate", "JitteredOnly", "Log", "MappingOutput", "Stack", "UsesOwnWeight",
-           "jittered_topk", "project_norm"]
+__all__ = ["DictSettings", "Dropped", "Gate", "JitteredOnly", "Log", "MappingOutput", "Stack",
+           "UsesOwnWeight", "jittered_topk", "project_norm"]
+
+
+class DictSettings:
+    """Settings kept in a dict and read by ``__getattr__``, which raises KeyError (not
+    AttributeError) for any other name, as config classes do: eager never asks such an object
+    for ``__self__`` or ``__name__``, and the boundary must not fail where it does (tree.dunder;
+    helpers HF, HG). Subclasses add ``__call__``."""
+
+    def __init__(self, **settings: object) -> None:
+        self.__dict__["_settings"] = settings
+
+    def __getattr__(self, name: str) -> object:
+        return self._settings[name]
 
 
 class Log(list):  # type: ignore[type-arg]

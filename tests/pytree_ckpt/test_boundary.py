@@ -19,7 +19,7 @@ import offload
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
 from tests.conftest import MatrixProducts, assert_same_grads, grads_of, run_twice
-from tests.pytree_ckpt.models import Log, MappingOutput, Stack
+from tests.pytree_ckpt.models import DictSettings, Log, MappingOutput, Stack
 
 Pair = collections.namedtuple("Pair", "left right")
 
@@ -2866,13 +2866,7 @@ def test_checkpointed_wraps_a_callable_whose_getattr_raises_key_error_as_checkpo
     # classes do); checkpointed(act) (any option: verify_replay, offload, preserve_rng_state)
     # still fails before the first call, at functools.update_wrapper's getattr(act,
     # '__name__'), catching AttributeError only.
-    class Scaled:
-        def __init__(self, **settings: Any) -> None:
-            self.__dict__["_settings"] = settings
-
-        def __getattr__(self, name: str) -> Any:
-            return self._settings[name]
-
+    class Scaled(DictSettings):
         def __call__(self, h: torch.Tensor) -> torch.Tensor:
             return torch.tanh(h) * self.scale
 

@@ -235,6 +235,22 @@ def test_a_compiled_body_runs_output_discard_eagerly_without_dynamo_warnings() -
         torch._dynamo.reset()
 
 
+class _PreNormLayer(nn.Module):
+    """A decoder layer's pre-norm, discarded: the discarded module reads the layer's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ckpt = CheckpointWithoutOutput()
+        y = self.up(ckpt.checkpoint(self.norm, x))
+        ckpt.discard_output_and_register_recompute(y)
+        return x + self.down(torch.nn.functional.gelu(y))
+
+
 def test_a_compiled_body_that_discards_its_input_norm_stays_compiled_step_after_step() -> None:
     # Guards against (helper DN): the pre-norm of a decoder layer, discarded: the discarded
     # module reads the layer's own input. dynamo traces CheckpointWithoutOutput.checkpoint,
@@ -243,22 +259,8 @@ def test_a_compiled_body_that_discards_its_input_norm_stays_compiled_step_after_
     # compiled graphs stopped running. Graphs run per step, three layers: 3, 3, 2, 0, 0, ...
     # (one layer, 2-D input: 2 eight times, then 1). The numbers stayed eager's; only the
     # compilation was silently lost.
-    class Layer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(16)
-            self.up = nn.Linear(16, 32)
-            self.down = nn.Linear(32, 16)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            ckpt = CheckpointWithoutOutput()
-            normed = ckpt.checkpoint(self.norm, x)
-            y = self.up(normed)
-            ckpt.discard_output_and_register_recompute(y)
-            return x + self.down(torch.nn.functional.gelu(y))
-
     torch.manual_seed(0)
-    layers = nn.ModuleList(Layer() for _ in range(3))
+    layers = nn.ModuleList(_PreNormLayer() for _ in range(3))
     eager = copy.deepcopy(layers)
     runs: collections.Counter[str] = collections.Counter()
 
@@ -433,20 +435,6 @@ def test_a_compiled_body_with_output_discard_compiles_its_compute_between_the_di
     # step on), the discard's methods get no compiled frame, and the numbers stay eager's.
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    class Layer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(16)
-            self.up = nn.Linear(16, 32)
-            self.down = nn.Linear(32, 16)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = x * 2
-            ckpt = CheckpointWithoutOutput()
-            y = self.up(ckpt.checkpoint(self.norm, x))
-            ckpt.discard_output_and_register_recompute(y)
-            return x + self.down(torch.nn.functional.gelu(y))
-
     compiled_ops: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
@@ -455,7 +443,7 @@ def test_a_compiled_body_with_output_discard_compiles_its_compute_between_the_di
         return gm.forward
 
     torch.manual_seed(0)
-    layers = nn.ModuleList(Layer() for _ in range(10))
+    layers = nn.ModuleList(_PreNormLayer() for _ in range(10))
     eager = copy.deepcopy(layers)
     torch._dynamo.reset()
     try:

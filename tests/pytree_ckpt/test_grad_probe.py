@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pytree_ckpt import ReuseError, checkpoint, reuse_during_recompute
+from tests.pytree_ckpt.models import DictSettings
 
 PROBED = r"computed from a parameter of shape \(4, 8\)"
 
@@ -1361,13 +1362,7 @@ def test_a_reused_callable_whose_getattr_raises_key_error_runs_as_in_eager_in_a_
     # c56657d's promise: a callable whose settings live in a dict read by __getattr__ works
     # "given to reuse_during_recompute"; outside a boundary it does, inside one the probe's
     # compiled test asks it for _torchdynamo_orig_callable (and _orig_mod) with hasattr.
-    class Topk:
-        def __init__(self, **settings: Any) -> None:
-            self.__dict__["_settings"] = settings
-
-        def __getattr__(self, name: str) -> Any:
-            return self._settings[name]
-
+    class Topk(DictSettings):
         def __call__(self, h: torch.Tensor) -> torch.Tensor:
             return h.detach().topk(self.k, dim=-1).indices
 

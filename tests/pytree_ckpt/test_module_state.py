@@ -22,7 +22,8 @@ import offload
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, checkpoint
 from tests.conftest import assert_same_grads, grads_of, grads_per_model
-from tests.pytree_ckpt.models import Dropped, Gate, JitteredOnly, Log, Stack, UsesOwnWeight
+from tests.pytree_ckpt.models import (DictSettings, Dropped, Gate, JitteredOnly, Log, Stack,
+                                      UsesOwnWeight)
 
 
 class Scaled(nn.Module):
@@ -1566,13 +1567,7 @@ def test_a_callable_argument_whose_getattr_raises_key_error_runs_as_in_eager() -
     # argument_module for arguments, buffer_versions for reuse_during_recompute), and the
     # KeyError its __getattr__ raises for '__self__' escapes at the call: getattr's default
     # catches AttributeError only.
-    class Scaled:
-        def __init__(self, **settings: Any) -> None:
-            self.__dict__["_settings"] = settings
-
-        def __getattr__(self, name: str) -> Any:
-            return self._settings[name]
-
+    class Scaled(DictSettings):
         def __call__(self, h: torch.Tensor) -> torch.Tensor:
             return h * self.scale
 

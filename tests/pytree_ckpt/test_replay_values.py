@@ -1806,46 +1806,6 @@ def test_a_hook_logging_a_discarded_norm_output_passes_verification_with_eager_g
     assert_same_grads(grads_of(eager.parameters()), grads_of(layer.parameters()))
 
 
-def test_a_kept_sparse_argument_read_from_a_shared_counter_is_refused_or_warned_about() -> None:
-    # The graph convolution of test_a_kept_op_taking_a_sparse_argument_passes_verification,
-    # its adjacency normalized by a counter on a config object the layers share (the silent
-    # row verify_replay is for). The save unit hands the replay the forward's output of
-    # aten._sparse_addmm, so the layer's output agrees, while the op's backward reads the
-    # replay's adjacency: the linear's gradients differ from eager's. The dense twin (aten.mm)
-    # is refused (NOTE [the kept ops' arguments are verified too]); the sparse one passed with
-    # no error and no warning, where an output that cannot be printed is named in a warning.
-    class Graph(nn.Module):
-        def __init__(self, shared: Config) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.config = shared
-            self.register_buffer("base", (torch.rand(5, 5) > 0.5).float())
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.config.calls += 1
-            adj = (self.base / self.config.calls).to_sparse()
-            return torch.sparse.mm(adj, self.lin(x))
-
-    torch.manual_seed(0)
-    layer = Graph(Config())
-    eager = copy.deepcopy(layer)
-    eager.config = Config()
-    apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]), {
-        pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::_sparse_addmm")},
-        verify_replay=True)
-    x = torch.randn(5, 4)
-    eager(x).sum().backward()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            layer(x).sum().backward()
-        except ReplayMismatchError:
-            return  # refused: what verify_replay promises
-    told = [str(w.message) for w in caught if "verify_replay" in str(w.message)]
-    assert told or torch.equal(eager.lin.weight.grad, layer.lin.weight.grad), \
-        "the gradients differ from eager's, with neither an error nor a warning"
-
-
 def test_a_hooked_output_the_replay_discards_is_compared_once_it_is_rebuilt() -> None:
     # NOTE [a hooked output the replay discarded]: the hooked output's print is taken when the
     # discard refills its storage. The layer's output is zeros in every pass, so only that
@@ -1905,17 +1865,16 @@ def test_the_prints_are_let_go_once_a_replay_without_retain_graph_is_done() -> N
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's own
-@pytest.mark.parametrize("layout", ["csr", "csc"])
-def test_a_kept_compressed_sparse_argument_read_from_a_shared_counter_is_refused_naming_it(
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
+def test_a_kept_sparse_argument_read_from_a_shared_counter_is_refused_naming_it(
         layout: str) -> None:
-    # Guards against (helper HB), as it was found:
-    # The graph convolution of test_a_kept_sparse_argument_read_from_a_shared_counter_is_
-    # refused_or_warned_about with its adjacency in a compressed layout (to_sparse_csr, as
-    # GNN libraries hand torch.sparse.mm): its parts are printed (NOTE [sparse tensors are
-    # printed by their parts]) and differ, but the refusal's message probes the argument for
-    # NaN with torch.isnan(...).any(), which SparseCsrCPU lacks: torch's NotImplementedError
-    # ("Could not run 'aten::any.all_out' with arguments from the 'SparseCsrCPU' backend")
-    # instead of the ReplayMismatchError the COO twin gets.
+    # NOTE [sparse tensors are printed by their parts]: a graph convolution whose adjacency a
+    # counter on a shared config object scales. The save unit hands the replay the forward's
+    # output of aten._sparse_addmm, so the layer's output agrees, while the op's backward reads
+    # the replay's adjacency: unverified, the linear's gradients differ from eager's (the
+    # premise). Guards against (helper HA) the sparse argument getting a print of zeros in
+    # both passes (no error, no warning, half of eager's gradients), and (helper HB) the
+    # refusal's NaN probe calling any() on a compressed tensor (torch's NotImplementedError).
     class Graph(nn.Module):
         def __init__(self, shared: Config) -> None:
             super().__init__()
@@ -1926,17 +1885,23 @@ def test_a_kept_compressed_sparse_argument_read_from_a_shared_counter_is_refused
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             self.config.calls += 1
             scaled = self.base / self.config.calls
-            adj = scaled.to_sparse_csr() if layout == "csr" else scaled.to_sparse_csc()
+            adj = {"coo": scaled.to_sparse, "csr": scaled.to_sparse_csr,
+                   "csc": scaled.to_sparse_csc}[layout]()
             return torch.sparse.mm(adj, self.lin(x))
 
-    torch.manual_seed(0)
-    layer = Graph(Config())
-    apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]), {
-        pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::_sparse_addmm")},
-        verify_replay=True)
-    out = layer(torch.randn(5, 4))
+    def step(verify: bool | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = Graph(Config())
+        if verify is not None:
+            apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]), {
+                pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::_sparse_addmm")},
+                verify_replay=verify)
+        layer(torch.randn(5, 4)).sum().backward()
+        return layer.lin.weight.grad
+
+    assert not torch.equal(step(None), step(False))  # silent without verify_replay
     with pytest.raises(ReplayMismatchError, match="tensor argument 2 of 3"):
-        out.sum().backward()
+        step(True)
 
 
 def test_the_prints_are_let_go_after_a_split_backwards_weight_pass() -> None:
