@@ -26,7 +26,9 @@ Where grad is enabled at the call, a float (or complex) result leaf is refused w
    misses, the probe sees, but for a tensor that has a graph in the replay only).
 
 Rules 2 and 3 do not apply to a function decorated with ``torch.no_grad()`` (or
-``inference_mode()``, ``set_grad_enabled(False)``): eager computes its results without grad.
+``inference_mode()``, ``set_grad_enabled(False)``), nor to one whose whole body runs in such a
+block (NOTE [a body under its own no-grad] in grad_blocks.py): eager computes its results
+without grad.
 
 Frozen floats therefore come from inputs passed detached, and from a plain function, not a
 method of a trainable module (or are computed outside the reused call). Whatever the grad
@@ -52,6 +54,7 @@ from .errors import ReuseError
 from .forward_numbers import NumbersWatch
 from .module_state import owning_module
 from .function_reach import cell_contents, code_reading, unwrap_partials
+from .grad_blocks import body_without_grad
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, dunder, flatten, flatten_call, hidden_tensor, leaf_paths
@@ -74,11 +77,12 @@ _MODULE_TIP = ("; a module's trainable parameters give its floats a graph, so de
                "detached inputs, from a function decorated with @torch.no_grad() (a module "
                "whose forward is decorated so: pass module.forward, as a module's call runs "
                "its hooks too), or be computed outside the call")
-# The grad probe cannot see grad switched off inside fn (NOTE [the grad probe]).
+# The grad probe cannot see grad switched off inside fn (NOTE [the grad probe]); a block
+# around the whole body is read from the source (NOTE [a body under its own no-grad]).
 _PROBE_TIP = ("; where eager computes that float without grad though fn reads a parameter "
-              "(under a torch.no_grad() block inside fn, or an op torch runs so: a "
-              "distribution's sample()), detach what it reads there (scores.detach()), or "
-              "decorate fn with @torch.no_grad()")
+              "(under a torch.no_grad() block around part of fn's body, or an op torch runs "
+              "so: a distribution's sample()), detach what it reads there (scores.detach()), "
+              "or decorate fn with @torch.no_grad()")
 
 class AsRecorded(NamedTuple):
     """What the replay checks of a recorded result: its float leaves that were tensor arguments
@@ -233,7 +237,7 @@ def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded, 
             _PROBED[key] = 0
     except TypeError:
         pass
-    if not recorded.stored or key in _WARNED_STORED or _decorated_without_grad(fn) or \
+    if not recorded.stored or key in _WARNED_STORED or _without_grad(fn) or \
             _switches_grad_off(fn):
         return
     seen = next(((attribute, source) for attribute, source in recorded.stored
@@ -507,7 +511,7 @@ def refuse_in_replay(fn: Callable[..., Any], name: str, recorded: AsRecorded, re
             _refuse_floats(fn, name, flat, args, kwargs, replay=True)
         if recorded.stored or recorded.probed:
             warn_stored_floats(fn, name, recorded)
-        if recorded.graph is not None and not _decorated_without_grad(fn):
+        if recorded.graph is not None and not _without_grad(fn):
             # NOTE [the grad probe] (grad_probe.py)
             path, source = recorded.graph
             raise ReuseError(
@@ -528,7 +532,7 @@ def _is_float(tensor: torch.Tensor, /) -> bool:
 def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tuple[Any, ...],
                    kwargs: dict[str, Any], /, *, replay: bool) -> None:
     floats = [i for i in flat.tensor_index if _is_float(flat.leaves[i])]
-    if not floats or _decorated_without_grad(fn):
+    if not floats or _without_grad(fn):
         return
     result = leaf_paths(flat.spec, root="result")[floats[0]]
     why = ("the replay hands back the value recorded in the original pass without calling fn"
@@ -565,13 +569,16 @@ def _refuse_floats(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
                 tip=_SPLIT_TIP + _DETACH_TIP)
 
 
-def _decorated_without_grad(fn: Callable[..., Any], /) -> bool:
+def _without_grad(fn: Callable[..., Any], /) -> bool:
     """fn (or a function a partial of it calls) is decorated with ``torch.no_grad()``,
-    ``torch.inference_mode()`` or ``torch.set_grad_enabled(False)``: its results have no graph in
-    eager whatever it reaches, so the static rules do not apply (router statistics computed
-    under the function's own no-grad). Seen by the context object torch's decorator holds in
-    its closure; a ``with torch.no_grad():`` inside the body is not seen."""
+    ``torch.inference_mode()`` or ``torch.set_grad_enabled(False)``, or runs its whole body in
+    such a block: its results have no graph in eager whatever it reaches, so the static rules
+    do not apply (router statistics computed under the function's own no-grad). The decorator
+    is seen by the context object it holds in its closure; the block, in fn's source (NOTE [a
+    body under its own no-grad] in grad_blocks.py)."""
     inner, _ = unwrap_partials(fn)
+    if not isinstance(inner, nn.Module) and body_without_grad(inner):
+        return True
     for _ in range(8):
         if dunder(inner, "__wrapped__") is None or isinstance(inner, nn.Module):
             return False
@@ -600,7 +607,7 @@ def _refuse_hidden(fn: Callable[..., Any], name: str, flat: FlatTree, args: tupl
         if found is None:
             continue
         call = flatten_call(args, kwargs)
-        if _decorated_without_grad(fn) or grad_reach(fn, call) is None and \
+        if _without_grad(fn) or grad_reach(fn, call) is None and \
                 not any(call.leaves[j].requires_grad for j in call.tensor_index):
             return
         raise ReuseError(

@@ -16,7 +16,8 @@ boundary's no-grad (helper GB: running it with grad on, the first form of this p
 what it did at a call under the caller's ``no_grad``: a buffer it updated took a graph, NumPy
 refused, a CPU LSTM picked another kernel). What the watch cannot see: a ``with
 torch.no_grad():`` inside fn (the pass is under no-grad already: its floats are marked, and
-refused at a call with grad on, as the static rule refuses them; so are the floats of an op
+refused at a call with grad on, as the static rule refuses them, but where the block holds
+all of fn's body: NOTE [a body under its own no-grad] in grad_blocks.py; so are the floats of an op
 torch runs under its own no-grad, a distribution's ``sample()``, and an ``autograd.Function``'s
 output marked non-differentiable: the refusal's tip says to detach what fn reads there), and
 a tensor that has a graph in the replay only (the layer's own activations, computed under the

@@ -392,17 +392,24 @@ def test_a_result_computed_under_fns_own_enable_grad_is_refused_under_the_caller
         checkpoint(layer, x).sum().backward()  # got: no refusal
 
 
-def test_a_weakref_gates_floats_under_fns_own_no_grad_are_refused_and_the_decorator_fixes_it(
+def test_a_weakref_gates_floats_under_fns_own_no_grad_replay_where_the_block_holds_the_body(
 ) -> None:
     # The watch runs under the boundary's no-grad: a `with torch.no_grad():` inside fn is not
-    # seen, so its floats are refused at a call with grad on (docs/replay.md), as the static
-    # rule refuses a module it finds; decorated with @torch.no_grad(), fn passes, exact.
+    # seen by it. One holding all of fn's body is read from the source (NOTE [a body under its
+    # own no-grad] in grad_blocks.py) and passes, exact, as the decorator does; one around
+    # part of it, where eager computes the same floats without grad, is refused at a call with
+    # grad on (docs/replay.md), the tip naming the decorator.
     gate = nn.Linear(8, 4)
     holder = types.SimpleNamespace(ref=weakref.ref(gate))
 
     def inside(x: torch.Tensor) -> Any:
         with torch.no_grad():
             return holder.ref()(x).softmax(-1).max(-1).values  # type: ignore[misc]
+
+    def partly(x: torch.Tensor) -> Any:
+        scale = 2.0
+        with torch.no_grad():
+            return holder.ref()(x).softmax(-1).max(-1).values * scale  # type: ignore[misc]
 
     @torch.no_grad()
     def decorated(x: torch.Tensor) -> Any:
@@ -412,15 +419,16 @@ def test_a_weakref_gates_floats_under_fns_own_no_grad_are_refused_and_the_decora
         return lambda x: x[:, 0] * reuse_during_recompute(fn, x.detach())
 
     x = torch.randn(3, 8, requires_grad=True)
-    layer_of(inside)(x).sum().backward()  # eager: legal, the weights have no grad
-    out = checkpoint(layer_of(inside), x)
+    layer_of(partly)(x).sum().backward()  # eager: legal, the weights have no grad
+    out = checkpoint(layer_of(partly), x)
     with pytest.raises(ReuseError, match="decorated with @torch.no_grad()"):
         out.sum().backward()
-    x.grad = None
-    layer_of(decorated)(x).sum().backward()
-    expected, x.grad = x.grad, None
-    checkpoint(layer_of(decorated), x).sum().backward()
-    assert torch.equal(x.grad, expected) and gate.weight.grad is None
+    for fn in (inside, decorated):
+        x.grad = None
+        layer_of(fn)(x).sum().backward()
+        expected, x.grad = x.grad, None
+        checkpoint(layer_of(fn), x).sum().backward()
+        assert torch.equal(x.grad, expected) and gate.weight.grad is None
 
 
 def test_a_buffer_filled_in_place_through_a_view_from_a_weakref_gate_is_refused_as_in_eager(

@@ -1,0 +1,162 @@
+"""A reused call's fn whose whole body runs in a ``with torch.no_grad():`` block (NOTE [a body
+under its own no-grad] in grad_blocks.py): eager computes its floats without grad, as under
+the decorator, so they replay; any other shape keeps the refusal the decorator lifts.
+
+Before it, such a router (a trainable gate read inside the block) was refused, in eager and
+under checkpointing, where eager runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch import no_grad as imported_no_grad
+
+from pytree_ckpt import ReuseError, checkpoint, reuse_during_recompute
+from pytree_ckpt.grad_blocks import body_without_grad
+
+
+class _Router(nn.Module):
+    """A trainable gate, and routing methods that read it in the shapes the NOTE names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def whole_body(self, x: torch.Tensor) -> Any:
+        """Top-2 weights and ids, all under no-grad."""
+        with torch.no_grad():
+            scores = self.gate(x).softmax(-1)
+            return scores.topk(2)
+
+    def names_returned_after(self, x: torch.Tensor) -> Any:
+        with torch.no_grad():
+            weights, ids = self.gate(x).softmax(-1).topk(2)
+        return weights, ids
+
+    def inference_mode(self, x: torch.Tensor) -> Any:
+        with torch.inference_mode():
+            return self.gate(x).softmax(-1).max(-1).values.clone()
+
+    def grad_switched_off(self, x: torch.Tensor) -> Any:
+        with torch.set_grad_enabled(False):
+            return self.gate(x).softmax(-1).max(-1).values
+
+    def imported(self, x: torch.Tensor) -> Any:
+        with imported_no_grad():
+            return self.gate(x).softmax(-1).max(-1).values
+
+    def computed_before(self, x: torch.Tensor) -> Any:
+        probs = self.gate(x).softmax(-1).max(-1).values
+        with torch.no_grad():
+            return probs
+
+    def computed_after(self, x: torch.Tensor) -> Any:
+        with torch.no_grad():
+            ids = self.gate(x).argmax(-1)
+        return self.gate(x).softmax(-1).max(-1).values, ids
+
+    def enabled_again(self, x: torch.Tensor) -> Any:
+        with torch.no_grad():
+            with torch.enable_grad():
+                return self.gate(x).softmax(-1).max(-1).values
+
+def _layer(route: Any, /) -> Any:
+    return lambda x: x[:, :2] * reuse_during_recompute(route, x.detach())[0]
+
+
+@pytest.mark.parametrize("name", ["whole_body", "names_returned_after"])
+def test_a_router_whose_whole_body_is_under_no_grad_replays_with_eagers_gradients(
+        name: str) -> None:
+    torch.manual_seed(0)
+    router = _Router()
+    route = getattr(router, name)
+    x = torch.randn(5, 8, requires_grad=True)
+    assert not route(x.detach())[0].requires_grad  # the premise: eager gives them no graph
+    _layer(route)(x).sum().backward()
+    expected, x.grad = x.grad, None
+    calls = []
+    router.gate.register_forward_hook(lambda *_: calls.append(1))
+    checkpoint(_layer(route), x).sum().backward()
+    assert torch.equal(x.grad, expected) and router.gate.weight.grad is None
+    assert len(calls) == 1  # the replay handed the recorded result back, gate not called
+
+
+@pytest.mark.parametrize("name", ["inference_mode", "grad_switched_off", "imported"])
+def test_each_way_of_switching_grad_off_around_the_body_is_read(name: str) -> None:
+    router = _Router()
+    route = getattr(router, name)
+    assert body_without_grad(route)
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        # Added, not multiplied: an inference tensor may not be saved for backward.
+        return x[:, 0] + reuse_during_recompute(route, x.detach())
+
+    layer(x).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
+@pytest.mark.parametrize("name", ["computed_before", "computed_after", "enabled_again"])
+def test_a_body_partly_outside_the_block_is_refused_as_before(name: str) -> None:
+    router = _Router()
+    route = getattr(router, name)
+    assert not body_without_grad(route)
+    x = torch.randn(5, 8, requires_grad=True)
+
+    def first(result: Any) -> torch.Tensor:
+        return result[0] if isinstance(result, tuple) else result
+
+    assert first(route(x.detach())).requires_grad  # the premise: eager gives it a graph
+    layer = lambda x: x[:, 0] * first(reuse_during_recompute(route, x.detach()))
+    with pytest.raises(ReuseError, match="requires grad|trainable parameters"):
+        layer(x)
+    with pytest.raises(ReuseError, match="requires grad|trainable parameters"):
+        checkpoint(layer, x).sum().backward()
+
+
+# A context manager of the user's own named no_grad (say, a no-op in some config): it switches
+# nothing off, and only what the function's globals resolve to torch's counts.
+no_grad = contextlib.nullcontext
+
+
+def _route_under_own_no_grad(x: torch.Tensor) -> torch.Tensor:
+    with no_grad():
+        return x * 2
+
+
+def test_a_name_that_is_not_torchs_no_grad_is_not_taken_for_it() -> None:
+    assert not body_without_grad(_route_under_own_no_grad)
+    code = _route_under_own_no_grad.__code__  # the same code, run with torch's no_grad
+    assert body_without_grad(types.FunctionType(code, {"no_grad": torch.no_grad}, "route"))
+
+
+def test_a_lambda_or_a_function_without_source_keeps_the_refusal() -> None:
+    space: dict[str, Any] = {"torch": torch}
+    exec("def route(x):\n    with torch.no_grad():\n        return x * 2\n", space)  # noqa: S102
+    assert not body_without_grad(space["route"])  # no file to read it from
+    assert not body_without_grad(lambda x: x * 2)
+
+
+def test_a_function_wrapped_by_a_decorator_is_left_to_the_decorators_rule() -> None:
+    # The wrapper's own code runs outside the block: it could compute with grad.
+    def logged(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any) -> Any:
+            return fn(*args)
+        return wrapper
+
+    @logged
+    def route(x: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return x * 2
+
+    assert body_without_grad(route.__wrapped__) and not body_without_grad(route)
