@@ -91,6 +91,16 @@ class _Contents:
         return made
 
 
+class _Object:
+    """An object a reused call left where a value was, or where nothing was (NOTE [an object
+    a reused call leaves where a value was])."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: Any, /) -> None:
+        self.held = held
+
+
 class _Refilled:
     """A container read by its entries that the forward filled in place with something else
     (tensors it collects, a cache of projections): its entries as read are put back for the
@@ -279,10 +289,20 @@ class NumbersWatch:
         made = []
         for name in [*before, *(name for name in now if name not in before)]:
             was, entry = before.get(name), now.get(name)
-            if entry == was or (was is not None and not _plain_entry(was)) or \
-                    (entry is not None and not _plain_entry(entry) and
-                     type(entry[1]) is not _TensorHeld):
-                continue  # an object: read as it is, and not held
+            if entry == was or (was is not None and not _plain_entry(was)):
+                continue  # an object before: read as it is (the forward's put-back skips it)
+            if entry is not None and not _plain_entry(entry) and \
+                    type(entry[1]) is not _TensorHeld:
+                # NOTE [an object a reused call leaves where a value was]: the replay finds
+                # the value (or no attribute) there, put back as the forward began, and skips
+                # the call: the object itself (`self.cache = {"ids": ids}`), or a container
+                # the call filled in place with tensors (`self.stats["last_ids"] = ids`
+                # beside a count), its entries, held until the replay (helper HI: the count
+                # read 0 where eager read 1, silently).
+                value = d[name]
+                made.append((name, was, _Contents(value) if type(was[1] if was else None)
+                             is _Contents and value is was[1].held else _Object(value)))
+                continue
             # A tensor stored where a value was (`self.last = scores`, None before) by weak
             # reference: the replay, which skips the call, gets it while someone holds it
             # (the module, until the replay puts back the value; the frame, a result).
@@ -331,6 +351,8 @@ class MadeNumbers:
             elif type(after) is _TensorHeld:
                 if (tensor := after.ref()) is not None:
                     d[name] = tensor
+            elif type(after) is _Object:
+                d[name] = after.held
             elif type(after) is not _Contents:
                 d[name] = after
             elif type(d.get(name)) is type(after.held):

@@ -334,8 +334,10 @@ def buffer_versions(fn: Callable[..., Any], /) -> Buffers | None:
     their versions, read before ``fn`` runs: its ``_buffers`` dict, and (name, tensor,
     version) per entry."""
     module = owning_module(fn)
-    if module is None or not module._buffers:
+    if module is None:
         return None
+    # Read where it holds none too: the call may register one (a lazy load EMA, NOTE [state a
+    # reused call changes]).
     held = module._buffers
     return held, [(name, b, None if b is None or b.is_inference() else b._version)
                   for name, b in held.items()]
@@ -370,7 +372,10 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     and flags as the forward began] in forward_numbers.py) likewise: the replay puts them
     back as the forward began and runs the code before the call again, so it finds them as
     the call did, and gets what the call left (``"numbers"``; a tensor it stored where a value
-    was, ``self.last = scores``, by weak reference: while the module or the frame holds it);
+    was, ``self.last = scores``, by weak reference: while the module or the frame holds it;
+    an object it left where a value or nothing was, or the entries of a small container it
+    filled with tensors, held: NOTE [an object a reused call leaves where a value was]; a
+    buffer it registered, or gave a tensor where None was, as a reassigned one);
     one found otherwise (changed since) is left; the call's values are put back as it found
     them for the replay even on a module outside the boundary's (``with_reused_calls`` in
     forward_numbers.py). Cost: two reads of the module's ``__dict__`` per reused call in the
@@ -390,6 +395,12 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
                     now is not b or now._version != version):
                 changed.append(("buffer" if now is b else "reassigned", name,
                                 weakref.ref(now.untyped_storage()), now.detach().clone()))
+        if len(held) > len(entries):  # registered by the call: made again as reassigned
+            known = {name for name, _, _ in entries}
+            changed += [("reassigned", name, weakref.ref(now.untyped_storage()),
+                         now.detach().clone()) for name, now in held.items()
+                        if name not in known and isinstance(now, torch.Tensor)
+                        and not now.is_inference()]
     if numbers is not None and (made := numbers.made()) is not None:
         changed.append(("numbers", None, None, made))
     return tuple(changed) if changed else None
@@ -416,9 +427,11 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
                 # tensor in the dict and left the one it replaced as it was; an op before
                 # the call may have saved that one (h * router.scale), and a copy into it
                 # moved its version: the replay's backward failed where eager's ran. The
-                # dict gets the forward's entries back when the replay's fn returns.
+                # dict gets the forward's entries back when the replay's fn returns. One the
+                # call made (None, or not registered, before it: a lazy EMA) is as the
+                # forward began there (NOTE [the replay changes copies]): given its copy.
                 target = held.get(key)
-                if isinstance(target, torch.Tensor) and \
+                if target is None or isinstance(target, torch.Tensor) and \
                         getattr(target.untyped_storage(), REPLAY_COPY_MARK, False):
                     copy = value.clone()
                     setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)

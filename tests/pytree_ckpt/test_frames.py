@@ -1248,6 +1248,166 @@ def test_state_a_reused_call_changes_is_read_after_it_in_the_replay_as_in_eager(
         assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), wrapped.buffers()))
 
 
+class LazyEmaRouter(nn.Module):
+    """Creates its load EMA buffer at its first call: a buffer registered as None and given a
+    tensor, or one registered there (keyed on the buffer itself, as the refusal's tip says)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        if how == "registered as None":
+            self.register_buffer("ema", None)
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, -1).indices
+        load = torch.bincount(ids.flatten(), minlength=8).float()
+        if self.how == "registered as None":
+            self.ema = load if self.ema is None else self.ema * 0.9 + load
+        elif "ema" not in self._buffers:
+            self.register_buffer("ema", load)
+        else:
+            self.ema.mul_(0.9).add_(load)
+        return ids
+
+
+class ReadsLazyRouterEma(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), LazyEmaRouter(how)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(self.router.route, h.detach())
+        return torch.gather(h, -1, ids) * (1 + self.router.ema[:2])
+
+
+# Guards against (helper HI), as it was found:
+@pytest.mark.parametrize("how", ["registered as None", "registered in the call"])
+def test_a_buffer_a_reused_call_creates_at_its_first_call_is_read_in_the_replay_as_in_eager(
+        how: str) -> None:
+    # replay.md: a reused call may change "a buffer of the function's own module (a router's
+    # load EMA, in place or reassigned)", and "code after the call reads what eager read".
+    # The replay runs on the module as the forward began (no buffer yet) and skips the call
+    # that made it: the layer reads None (TypeError) or no attribute (a CheckpointError that
+    # blames a flag and tips "if 'ema' not in self._buffers", which is what the code does).
+    torch.manual_seed(0)
+    eager = ReadsLazyRouterEma(how)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
+        for model in (eager, wrapped):
+            model.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), wrapped.buffers()))
+
+
+class StatsRouter(nn.Module):
+    """Counts its calls in a small dict on itself, and logs its last ids there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, Any] = {"calls": 0, "last_ids": None}
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, -1).indices
+        self.stats["calls"] += 1
+        self.stats["last_ids"] = ids  # a log: nothing reads it in the layer
+        return ids
+
+
+class WarmsUpByRouterCalls(nn.Module):
+    """Scales its output by a warm-up factor read, after the reused call, from the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), StatsRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(self.router.route, h.detach())
+        warm = min(1.0, self.router.stats["calls"] / 4)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * warm
+
+
+# Guards against (helper HI), as it was found:
+def test_a_count_a_reused_call_keeps_in_a_dict_beside_its_logged_ids_is_read_as_in_eager(
+        ) -> None:
+    # replay.md: a reused call may change "a plain number or a small container of them on
+    # that module", and the replay "writes the values the call left into its own copies of
+    # that state, so code after the call reads what eager read". At the first step the dict
+    # held only plain values before the call, and is put back so for the replay (calls = 0);
+    # the skipped call's change is not made again, since the dict now holds a tensor: the
+    # replay reads 0 where eager read 1, silently (the gradients are all 0).
+    torch.manual_seed(0)
+    eager = WarmsUpByRouterCalls()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
+        for model in (eager, wrapped):
+            model.zero_grad(set_to_none=True)
+    assert eager.router.stats["calls"] == wrapped.router.stats["calls"] == 2
+
+
+class CachingRouter(nn.Module):
+    """Leaves its ids where a value or an empty container was: in a dict it binds anew, in
+    a dict or list it fills in place (the caller empties them each step)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.cache: Any = {"ids": None} if how == "filled" else [] if how == "appended" \
+            else None
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, -1).indices
+        if self.how == "bound":
+            self.cache = {"ids": ids}
+        elif self.how == "filled":
+            self.cache["ids"] = ids
+        else:
+            self.cache.append(ids)
+        return ids
+
+    def last(self) -> torch.Tensor:
+        return self.cache[-1] if self.how == "appended" else self.cache["ids"]
+
+    def empty(self) -> None:
+        if self.how == "appended":
+            self.cache.clear()
+        elif self.how == "filled":
+            self.cache["ids"] = None
+
+
+class ReadsRouterCache(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), CachingRouter(how)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        reuse_during_recompute(self.router.route, h.detach())
+        return torch.gather(h, -1, self.router.last())
+
+
+@pytest.mark.parametrize("how", ["bound", "filled", "appended"])
+def test_tensors_a_reused_call_leaves_in_a_cache_on_its_module_are_read_in_the_replay(
+        how: str) -> None:
+    # Helper HI: the forward's values are put back for the replay, which skips the call, so
+    # the layer read None (TypeError), no entry (KeyError) or an empty list (IndexError) at
+    # its first backward, where eager reads the ids the call left (NOTE [an object a reused
+    # call leaves where a value was] in forward_numbers.py).
+    torch.manual_seed(0)
+    eager = ReadsRouterCache(how)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(3):
+        x = torch.randn(4, 8)
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
+        for model in (eager, wrapped):
+            model.zero_grad(set_to_none=True)
+            model.router.empty()
+
+
 def _route_dict(scores: torch.Tensor) -> dict[str, Any]:
     return {"ids": scores.topk(2, -1).indices, "offset": 1, "list": []}
 
