@@ -242,8 +242,10 @@ class KeepPolicy:
             return False
         by_op = func.overloadpacket in self.ops or \
             bool(self.overloads) and func in self.overloads
-        by_region = bool(self.callables) and not self.callables.isdisjoint(
-            IN_KEPT_CALLABLE.get())
+        # NOTE [autocast casts are never kept]: nor any cast by a kept callable's region, where
+        # the layer may enter autocast itself (read only as the pass starts: helper HH).
+        by_region = bool(self.callables) and func is not _TO_COPY and \
+            not self.callables.isdisjoint(IN_KEPT_CALLABLE.get())
         if not (by_op or by_region):
             return False
         if func._schema.is_mutable:
@@ -434,7 +436,9 @@ class KeepMode(TorchDispatchMode):
         # region), not on the code, and a kept cast would be handed to another cast in the
         # replay. Casts are cheap to redo: none is kept on a device where autocast is on when
         # the pass starts (the same in both: the replay re-enters the original pass's autocast
-        # state). Read here: inside dispatch, autocast reads as off.
+        # state). Read here: inside dispatch, autocast reads as off; so an autocast the layer
+        # enters itself is not seen, and a kept callable's region keeps no cast at all (a
+        # cast kept by name there is documented: docs/save_units.md, rule 2).
         self._autocast_on = frozenset(d for d in _AUTOCAST_DEVICE_TYPES
                                       if torch.is_autocast_enabled(d))
 

@@ -145,9 +145,12 @@ def replay_may_take(func: Any, recorded: tuple[Any, ...], now: tuple[Any, ...], 
         found = _other_tensor(old, new, repr(name))
         if found is not None:
             _raise_other_tensors(func, found, position=position, count=count, layer=layer)
+    differs = [(name, old, new) for name, old, new in zip(names, recorded, now) if old != new]
     difference = next((f"{name}: {_shown(old)} -> {_shown(new)}"
-                       for name, old, new in zip(names, recorded, now) if old != new), "?")
-    _warn_called_otherwise(func, difference)
+                       for name, old, new in differs), "?")
+    _warn_called_otherwise(func, difference, generator=any(
+        isinstance(old, torch.Generator) and isinstance(new, torch.Generator)
+        for _, old, new in differs))
     return False
 
 
@@ -187,15 +190,21 @@ def _raise_other_tensors(func: Any, found: tuple[str, Any, Any], *, position: in
 _WARNED_OTHERWISE: set[str] = set()
 
 
-def _warn_called_otherwise(func: Any, difference: str) -> None:
+def _warn_called_otherwise(func: Any, difference: str, *, generator: bool) -> None:
     name = str(func)
     if name in _WARNED_OTHERWISE:
         return
     _WARNED_OTHERWISE.add(name)
+    # A generator compares by identity: one the layer makes at each call is a new object in
+    # the replay, whatever its seed (helper HH: the grad-mode words misled there).
+    why = ("A torch.Generator is compared by identity, and one the layer makes at each call "
+           "is another object in the replay. Tip: make the generator once (on the module) or "
+           "pass it in as an argument, or drop the op from the unit" if generator else
+           "The original pass runs under torch.no_grad(): code choosing an argument by grad "
+           "mode calls the op otherwise there. Tip: keep another op (the kernel that code "
+           "calls in both passes), or drop the op from the unit")
     warnings.warn(
         f"pytree_ckpt: the replay called {name}, which a save unit keeps, with another argument "
         f"than the original pass did ({difference}): its record was not used, and the op ran "
-        "again in the replay (right numbers, its memory not saved). The original pass runs "
-        "under torch.no_grad(): code choosing an argument by grad mode calls the op otherwise "
-        "there. Tip: keep another op (the kernel that code calls in both passes), or drop the "
-        "op from the unit", stacklevel=user_stacklevel())
+        f"again in the replay (right numbers, its memory not saved). {why}",
+        stacklevel=user_stacklevel())

@@ -369,3 +369,43 @@ def test_a_kept_method_keeps_what_a_method_another_layer_keeps_dispatches_inside
     assert counter.counts["aten.mul"] == 1  # what no unit keeps is recomputed
     eager(x).sum().backward()
     assert_same_grads(grads_of(eager.parameters()), grads_of(mixer.parameters()))
+
+
+class CastsItsInput(nn.Module):
+    """Enters autocast in its own forward (a decorated forward, or a bf16 attention block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # reads the layer's input twice
+        return self.k(x) * self.v(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.project(x).float()
+
+
+# Guards against (helper HH), as it was found:
+def test_a_kept_callable_under_an_autocast_the_layer_enters_gives_the_gradients_of_keeping_nothing(
+) -> None:
+    # NOTE [autocast casts are never kept] reads autocast when the pass starts: off here, so
+    # the kept method's casts are kept. In the original pass the input is a leaf that requires
+    # grad, which autocast casts once and caches for the region; in the replay it is a view,
+    # cast at each use: the replay asks for a record the original pass never made (ReuseError,
+    # or ReplayMismatchError when another cast's record comes first), where eager and the same
+    # boundary keeping nothing run.
+    torch.manual_seed(0)
+    unkept = CastsItsInput()
+    wrapped = copy.deepcopy(unkept)
+    pytree_ckpt.apply_activation_checkpointing(unkept, offload=False)
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptCallables("CastsItsInput.project")},
+                           offload=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for model in (unkept, wrapped):
+        x.grad = None
+        model(x).sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)
