@@ -111,7 +111,7 @@ def _tell_once(installed: _CheckpointedForward, what: str, message: str, /) -> N
 # are compiled frames, so torch runs it, fullgraph=True included, and nothing is said (nor
 # looked for again).
 def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -> None:
-    if hasattr(installed.bare, "_torchdynamo_orig_callable"):  # a compiled body
+    if dunder(installed.bare, "_torchdynamo_orig_callable") is not None:  # a compiled body
         installed.check_wrapper = False
         return
     wrapper = compiled_wrapper(module)
@@ -187,11 +187,11 @@ def _compiled_name(outer: Any, /) -> str:
 def compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
     """Whether ``forward`` is torch.compile's wrapper of ``installed`` (not any other wrapper:
     a ``functools.wraps`` one of the user's stays theirs)."""
-    forward = getattr(forward, "_torchdynamo_orig_callable", None)  # dynamo's wrapper
+    forward = dunder(forward, "_torchdynamo_orig_callable")  # dynamo's wrapper
     for _ in range(3):  # then its inline wrapper of a callable object
         if forward is None or forward is installed:
             return forward is installed
-        forward = getattr(forward, "_torchdynamo_orig_callable", None) or \
+        forward = dunder(forward, "_torchdynamo_orig_callable") or \
             dunder(forward, "__wrapped__")
     return False
 

@@ -596,7 +596,7 @@ def _without_grad(fn: Callable[..., Any], /) -> bool:
         if dunder(inner, "__wrapped__") is None or isinstance(inner, nn.Module):
             return False
         for cell in dunder(inner, "__closure__") or ():
-            ctx = getattr(cell_contents(cell), "__self__", None)
+            ctx = dunder(cell_contents(cell), "__self__")
             if isinstance(ctx, torch.no_grad) or \
                     isinstance(ctx, torch.inference_mode) and getattr(ctx, "mode", False) or \
                     isinstance(ctx, torch.set_grad_enabled) and not getattr(ctx, "mode", True):

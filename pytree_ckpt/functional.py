@@ -59,9 +59,17 @@ def _swallowed(fn: Callable[..., Any], names: list[str]) -> list[str]:
         if isinstance(owner, nn.Module) and dunder(target, "__func__") in (
                 nn.Module.__call__, nn.Module._wrapped_call_impl):
             target = owner
-        parameters = inspect.signature(target.forward if isinstance(target, nn.Module)
-                                       else fn).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin): say nothing
+        if isinstance(target, nn.Module):
+            target = target.forward
+        elif not inspect.isroutine(target) and dunder(target, "__wrapped__") is None:
+            # A callable object: its class's __call__ (inspect.signature of the object asks
+            # it for __wrapped__ and __signature__, which a __getattr__ may answer with a
+            # KeyError: helper HK)
+            target = dunder(type(target), "__call__", target)
+        else:
+            target = fn
+        parameters = inspect.signature(target).parameters
+    except Exception:  # no signature to read (a builtin): say nothing
         return []
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return []

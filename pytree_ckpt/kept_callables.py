@@ -98,8 +98,9 @@ class _KeptMethod:
         self.kept_as = kept_as or f"{type(module).__qualname__}.{name}"
         # Whether the class's attribute takes the module first (a plain method), read anew at
         # each call from the class (a patched class method is honoured).
-        self.bound = not isinstance(inspect.getattr_static(type(module), name, None),
-                                    (staticmethod, classmethod))
+        static = inspect.getattr_static(type(module), name, None)
+        self.bound = not isinstance(static, (staticmethod, classmethod)) and \
+            hasattr(type(static), "__get__")
         # The boundaries keeping it (NOTE [kept methods of shared submodules] in kept_owners.py):
         # a copy's are the copy's own, found anew.
         self.owners: weakref.WeakSet[Any] = weakref.WeakSet()

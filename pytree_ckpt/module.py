@@ -64,7 +64,7 @@ def _class_forward(module: nn.Module, /) -> Any:
     forward = type(module).forward
     try:
         return forward.__get__(module)
-    except AttributeError:  # no descriptor: the attribute itself (eager calls it unbound)
+    except Exception:  # no descriptor: the attribute itself (eager calls it unbound)
         if hasattr(type(forward), "__get__"):
             raise
         return forward

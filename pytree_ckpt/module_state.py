@@ -659,7 +659,7 @@ def graph_attributes(module: nn.Module, /) -> list[tuple[str, torch.Tensor]]:
     into the freed graph ("backward through the graph a second time").
     """
     names = {name for hook in module._forward_pre_hooks.values()
-             if isinstance(name := getattr(hook, "name", getattr(hook, "_tensor_name", None)),
+             if isinstance(name := dunder(hook, "name", dunder(hook, "_tensor_name")),
                            str)}
     if not names:
         return []

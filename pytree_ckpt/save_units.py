@@ -252,7 +252,7 @@ def install_kept(module: nn.Module, name: str, /, *,
     ``layers`` (the checkpointed layers holding it), refused first as at apply time (NOTE [kept
     methods of modules added later] in keep.py)."""
     held = module.__dict__.get(name)
-    if getattr(held, "_pytree_ckpt_kept", False):
+    if dunder(held, "_pytree_ckpt_kept", False):
         return
     if layers is not None:
         _refuse_unkeepable(module, name, layers)
@@ -295,8 +295,8 @@ def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) ->
 def _compiled(forward: Any) -> bool:
     """Whether ``forward`` is a ``torch.compile``d callable (not a ``torch.compiler.disable``d
     one, which carries the same marker)."""
-    return getattr(forward, "_torchdynamo_orig_callable", None) is not None and \
-        not getattr(forward, "_torchdynamo_disable", False)
+    return dunder(forward, "_torchdynamo_orig_callable") is not None and \
+        not dunder(forward, "_torchdynamo_disable", False)
 
 
 def _refuse_compiled_bodies(layers: list[nn.Module]) -> None:

@@ -50,7 +50,7 @@ def _register_dataclass(cls: type) -> None:
         # dropped, and a tensor among them carries gradient like a field.
         # (A field left unset, as an init=False one may be, is left unset in the copy too.)
         # (dunder: a slotted one answers __dict__ through its __getattr__: helper HG)
-        attrs = tuple(n for n in names if hasattr(obj, n)) + tuple(
+        attrs = tuple(n for n in names if dunder(obj, n, _UNSET) is not _UNSET) + tuple(
             k for k in dunder(obj, "__dict__", None) or {} if k not in field_set)
         if not is_mapping:
             return [getattr(obj, k) for k in attrs], (attrs, ()), attrs
@@ -196,6 +196,7 @@ def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
     return flatten((args, kwargs), root=_CALL)
 
 
+_UNSET = object()
 _CALL = "<call>"  # the root of a call's (args, kwargs): its paths read args[0], kwargs['x']
 
 
@@ -206,8 +207,8 @@ def _children(obj: Any, /) -> list[tuple[str, Any]]:
     if isinstance(obj, (list, tuple)):
         return [(f"[{i}]", item) for i, item in enumerate(obj)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if hasattr(obj, f.name)]
+        found = [(f".{f.name}", dunder(obj, f.name, _UNSET)) for f in dataclasses.fields(obj)]
+        return [(step, value) for step, value in found if value is not _UNSET]
     return []
 
 
@@ -541,7 +542,9 @@ def _callable_children(fn: Any, /) -> list[tuple[str, Any]]:
 
 def dunder(obj: Any, name: str, default: Any = None, /) -> Any:
     """``getattr(obj, name, default)`` for a special attribute (``__self__``, ``__wrapped__``,
-    ``__closure__``, ``__dict__`` ...), ``default`` whatever the lookup raises. NOTE: an
+    ``__closure__``, ``__dict__`` ...), a marker torch or this library sets
+    (``_torchdynamo_orig_callable``, ``_pytree_ckpt_kept``), or a field that may be unset,
+    on a user's object: ``default`` whatever the lookup raises. NOTE: an
     object that lacks the name answers it through its ``__getattr__``, which may raise
     something else than AttributeError (a KeyError from settings kept in a dict, as config
     classes do: helpers HD, HF), and getattr's default lets that pass: eager never asks, so

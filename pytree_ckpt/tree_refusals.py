@@ -135,7 +135,7 @@ def _is_kv_cache(leaf: Any, /) -> bool:
 def _reads_caches_only(fn: Callable[..., Any], /) -> bool:
     """The layer's class says it only reads a cache in training (transformers' opt-in)."""
     owner = owning_module(fn)
-    return bool(getattr(owner if owner is not None else fn, "_can_checkpoint_with_cache", False))
+    return bool(dunder(owner if owner is not None else fn, "_can_checkpoint_with_cache", False))
 
 
 def _holds_no_state(leaf: Any, /) -> bool:

@@ -2877,3 +2877,25 @@ def test_checkpointed_wraps_a_callable_whose_getattr_raises_key_error_as_checkpo
     expected, x.grad = x.grad, None
     pytree_ckpt.checkpointed(act, verify_replay=True)(x).sum().backward()
     assert torch.equal(x.grad, expected)
+
+
+# Guards against (helper HK), as it was found:
+def test_a_callable_config_object_taking_kwargs_runs_given_a_torch_option_keyword() -> None:
+    # checkpoint(fn, x, use_reentrant=False), moved over from torch: fn takes **kwargs, so the
+    # boundary warns that fn swallows the option (where it can read fn's signature).
+    # _swallowed (functional.py) read fn's signature, and inspect.unwrap's
+    # hasattr(fn, '__wrapped__') let the object's KeyError through: its class's __call__ now.
+    class Forwarding(DictSettings):
+        def __call__(self, h: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            return torch.tanh(h) * self.scale
+
+    act = Forwarding(scale=2.0)
+    x = torch.randn(2, 4, requires_grad=True)
+    expected = act(x, use_reentrant=False)
+    expected.sum().backward()
+    grad, x.grad = x.grad, None
+    with pytest.warns(UserWarning, match="use_reentrant"):  # fn swallows it: told so
+        got = checkpoint(act, x, use_reentrant=False)
+    assert torch.equal(got, expected)
+    got.sum().backward()
+    assert torch.equal(x.grad, grad)

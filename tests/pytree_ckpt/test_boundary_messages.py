@@ -2485,3 +2485,19 @@ def test_a_model_converted_between_forward_and_backward_gets_a_note_naming_the_c
         out.sum().backward()
     notes = "\n".join(getattr(error.value, "__notes__", []))
     assert "use_cache" not in notes and "between steps" in notes, notes
+
+
+def test_a_callable_config_object_given_a_cache_gets_the_cache_refusal() -> None:
+    # Helper HK: the transformers opt-in was read with getattr, and a callable whose
+    # __getattr__ raises KeyError (settings kept in a dict) crashed with that KeyError where
+    # the cache refusal is due.
+    from tests.pytree_ckpt.models import DictSettings
+
+    class Attend(DictSettings):
+        def __call__(self, x: torch.Tensor, cache: TransformersCache) -> torch.Tensor:
+            return cache.update(x * self.scale).sum(0)
+
+    x = torch.randn(2, 3, requires_grad=True)
+    Attend(scale=2.0)(x, TransformersCache())  # eager runs
+    with pytest.raises(CheckpointError, match="cache"):
+        checkpoint(Attend(scale=2.0), x, TransformersCache())

@@ -20,7 +20,7 @@ from torch import nn
 
 from pytree_ckpt import ReuseError, checkpoint, current_phase, reuse_during_recompute
 from tests.conftest import assert_same_grads, run_twice
-from tests.pytree_ckpt.models import Log
+from tests.pytree_ckpt.models import DictSettings, Log
 
 
 class _Holder:
@@ -524,3 +524,43 @@ def test_a_trainable_routers_weights_in_a_plain_object_are_refused_as_in_eager()
     out = checkpoint(layer, x)
     with pytest.raises(ReuseError, match=r"SimpleNamespace holding a float tensor at result\."):
         out.sum().backward()
+
+
+def _scaled_by(settings: DictSettings) -> Any:
+    """A decorator factory of the user's: the wrapper's closure holds the settings object."""
+    def decorate(f: Any) -> Any:
+        @functools.wraps(f)
+        def wrapper(h: torch.Tensor) -> torch.Tensor:
+            return f(h) * settings.scale
+        return wrapper
+    return decorate
+
+
+@_scaled_by(DictSettings(scale=2.0))
+def _routing_weights(h: torch.Tensor) -> torch.Tensor:
+    return h.softmax(-1)
+
+
+# Guards against (helper HK), as it was found:
+def test_a_decorated_fn_whose_closure_holds_a_config_object_returns_floats_from_detached_inputs(
+        ) -> None:
+    # Frozen floats from a detached input (allowed by rule 3). fn is decorated by the user's
+    # functools.wraps decorator, whose closure holds a config object whose __getattr__ raises
+    # KeyError: _decorated_without_grad (frozen.py:579) asked each cell's content for
+    # __self__ with getattr, and the KeyError escaped, in a plain call as under checkpointing.
+    lin = nn.Linear(4, 4)
+
+    def layer(x: torch.Tensor, reuse: Any) -> torch.Tensor:
+        h = lin(x)
+        return (h * reuse(_routing_weights, h.detach())).sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    expected = layer(x, lambda fn, h: fn(h))
+    expected.backward()
+    grads, x.grad, lin.weight.grad, lin.bias.grad = [x.grad, lin.weight.grad, lin.bias.grad], \
+        None, None, None
+    assert torch.equal(layer(x, reuse_during_recompute), expected)  # a plain call
+    got = checkpoint(layer, x, reuse_during_recompute)
+    assert torch.equal(got, expected)
+    got.backward()
+    assert_same_grads(grads, [x.grad, lin.weight.grad, lin.bias.grad])

@@ -19,7 +19,7 @@ import pytree_ckpt
 from pytree_ckpt import (CheckpointConfigError, apply_activation_checkpointing, checkpoint_layers,
                          current_phase, is_checkpointed, remove_activation_checkpointing)
 from tests.conftest import assert_same_grads, grads_per_model, run_twice
-from tests.pytree_ckpt.models import Gate, Log
+from tests.pytree_ckpt.models import DictSettings, Gate, Log
 
 
 class Layer(nn.Module):
@@ -1329,3 +1329,50 @@ def test_a_check_fn_given_as_a_tuple_or_list_of_classes_is_shown_as_that_contain
         apply_activation_checkpointing(Stack(2), check_fn=policy)
     opened, closed = ("(", ")") if isinstance(policy, tuple) else ("[", "]")
     assert f"got:      {type(policy).__name__} {opened}Layer, Linear{closed}" in str(err.value)
+
+
+class _ScaledCall(DictSettings):
+    """A callable config object: its __getattr__ raises KeyError for any name it lacks."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * self.factor
+
+
+class _ScaledForward(nn.Module):
+    forward = _ScaledCall(factor=2.0)  # a callable object without __get__, as _Doubling
+
+
+# Guards against (helper HK), as it was found:
+def test_a_class_forward_that_is_a_callable_config_object_runs_wrapped_with_eagers_gradients(
+        ) -> None:
+    # Eager: nn.Module.__call__ finds the class attribute (no __get__) and calls it unbound.
+    # Wrapped: _class_forward reads forward.__get__, which the object's __getattr__ answers
+    # with a KeyError, not the AttributeError it catches.
+    twin, layer = _ScaledForward(), _ScaledForward()
+    x = torch.randn(3, requires_grad=True)
+    apply_activation_checkpointing(layer)
+    assert_same_grads(*grads_per_model([twin, layer], x, seed=0))
+
+
+# Guards against (helper HK), as it was found:
+def test_an_instance_forward_that_is_a_callable_config_object_is_wrapped_and_replaced() -> None:
+    # A layer whose forward was replaced per instance by a callable config object: eager calls
+    # it. Wrapped, check_compiled_wrapper's hasattr(installed.bare, "_torchdynamo_orig_callable")
+    # (compiled_layers.py:114) raised the object's KeyError at the first call; and a forward
+    # replaced by such an object after wrapping made is_checkpointed (compiled_over's getattr,
+    # compiled_layers.py:190) raise instead of saying False.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.Linear(3, 3)
+        layer.forward = _ScaledCall(factor=3.0)  # type: ignore[method-assign]
+        return layer
+
+    twin, layer = make(), make()
+    x = torch.randn(2, 3, requires_grad=True)
+    apply_activation_checkpointing(layer)
+    assert is_checkpointed(layer)
+    assert_same_grads(*grads_per_model([twin, layer], x, seed=0))
+    other = nn.Linear(3, 3)
+    apply_activation_checkpointing(other)
+    other.forward = _ScaledCall(factor=3.0)  # type: ignore[method-assign]
+    assert not is_checkpointed(other)  # the user's forward replaced the boundary

@@ -1588,3 +1588,27 @@ def test_a_callable_argument_whose_getattr_raises_key_error_runs_as_in_eager() -
         x.grad = None
         lin.zero_grad(set_to_none=True)
     assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
+
+
+class _ScaleInputs(DictSettings):
+    """A forward pre-hook object whose settings its __getattr__ reads (KeyError otherwise)."""
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (args[0] * self.scale,)
+
+
+# Guards against (helper HK), as it was found:
+def test_a_forward_pre_hook_object_whose_getattr_raises_keyerror_keeps_eagers_gradients() -> None:
+    # graph_attributes (module_state.py:662) looks for weight_norm's `name` and pruning's
+    # `_tensor_name` on every forward pre-hook of a checkpointed module: the user's hook object
+    # answered with its KeyError, and the first wrapped call raised it.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4)
+        layer.register_forward_pre_hook(_ScaleInputs(scale=2.0))
+        return layer
+
+    twin, layer = make(), make()
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(3, 4, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, layer], x, seed=0))

@@ -21,6 +21,7 @@ from pytree_ckpt import (ActivationCensus, CheckpointConfigError, CheckpointErro
                          KeptOps, RecomputeConfig, ReuseError, SaveUnit, apply_recompute_config,
                          current_phase)
 from tests.conftest import assert_same_grads, grads_of, grads_per_model
+from tests.pytree_ckpt.models import DictSettings
 
 
 class OpCounter(TorchDispatchMode):
@@ -1446,3 +1447,71 @@ def test_a_kept_router_branching_on_grad_mode_is_refused_naming_grad_mode() -> N
     assert "inside the kept method _GradModeRouter.route" in message
     assert "Usually the code branches on grad mode (`if torch.is_grad_enabled():`" in message
     assert "keep a smaller method: a router's gating projection" in message
+
+
+class _HalfCall(DictSettings):
+    """A callable config object (its __getattr__ raises KeyError for any name it lacks)."""
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.factor
+
+
+class _PatchedRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.project(self.lin(h)).tanh()
+
+
+# Guards against (helper HK), as it was found:
+def test_a_kept_method_patched_per_instance_with_a_callable_config_object_keeps_eagers_grads(
+        ) -> None:
+    # NOTE [kept methods wrap what the instance had]: an instance attribute under the kept
+    # name is what eager calls, and is wrapped. _refuse_unkeepable's _compiled(held)
+    # (save_units.py:298), then install_kept's getattr(held, "_pytree_ckpt_kept", False)
+    # (save_units.py:255), asked the user's object for names it lacks: its KeyError escaped
+    # apply_recompute_config.
+    def make() -> nn.ModuleList:
+        torch.manual_seed(0)
+        router = _PatchedRouter()
+        router.project = _HalfCall(factor=0.5)  # type: ignore[method-assign]
+        return nn.ModuleList([nn.Sequential(router)])
+
+    twin, layers = make(), make()
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=[SaveUnit.MOE_GATE]),
+                           {SaveUnit.MOE_GATE: KeptCallables("_PatchedRouter.project")})
+    x = torch.randn(3, 4, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin[0], layers[0]], x, seed=0))
+
+
+class _BuiltinActRouter(nn.Module):
+    act = torch.tanh  # a builtin as a class attribute: no __get__, so eager calls it unbound
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(h))
+
+
+# Guards against (helper HK), as it was found:
+def test_a_kept_class_attribute_without_get_is_called_unbound_as_eager_calls_it() -> None:
+    # _KeptMethod.bound is False only for staticmethod and classmethod, so a kept builtin
+    # class attribute (`act = torch.tanh`, called unbound by Python's lookup, as
+    # module.py's _class_forward knows for forward) got the module as its first argument:
+    # "tanh() takes 1 positional argument but 2 were given" (kept_callables.py:131).
+    def make() -> nn.ModuleList:
+        torch.manual_seed(0)
+        return nn.ModuleList([nn.Sequential(_BuiltinActRouter())])
+
+    twin, layers = make(), make()
+    apply_recompute_config(layers, RecomputeConfig(1.0, save=[SaveUnit.MOE_GATE]),
+                           {SaveUnit.MOE_GATE: KeptCallables("_BuiltinActRouter.act")})
+    x = torch.randn(3, 4, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin[0], layers[0]], x, seed=0))

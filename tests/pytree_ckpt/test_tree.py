@@ -1586,3 +1586,35 @@ def test_a_slotted_dataclass_input_whose_getattr_raises_key_error_runs_as_in_eag
     expected, x.grad = x.grad, None
     checkpoint(fn, batch).sum().backward()
     assert torch.equal(x.grad, expected)
+
+
+@dataclasses.dataclass
+class _BatchWithExtras:
+    """A batch whose extra settings are read as attributes from a dict (KeyError otherwise),
+    with a lazy field left unset."""
+
+    hidden: torch.Tensor
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mask: torch.Tensor = dataclasses.field(init=False)  # left unset
+
+    def __getattr__(self, name: str) -> Any:
+        return self.extras[name]
+
+
+# Guards against (helper HK), as it was found:
+def test_a_dataclass_input_with_an_unset_field_and_a_keyerror_getattr_keeps_eagers_gradients(
+        ) -> None:
+    # flatten_one (tree.py:53) tests each field with hasattr, which lets the KeyError of the
+    # unset field's __getattr__ lookup through: the call raised before fn ran.
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def fn(batch: _BatchWithExtras) -> torch.Tensor:
+        return (batch.hidden * batch.scale).tanh()
+
+    expected = fn(_BatchWithExtras(x, {"scale": 2.0}))
+    expected.sum().backward()
+    grad, x.grad = x.grad, None
+    got = checkpoint(fn, _BatchWithExtras(x, {"scale": 2.0}))
+    assert torch.equal(got, expected)
+    got.sum().backward()
+    assert torch.equal(x.grad, grad)
