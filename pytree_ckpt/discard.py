@@ -137,8 +137,10 @@ class CheckpointWithoutOutput:
     """
 
     @_eager
-    def __init__(self, *, fp8: bool | str | None = False, preserve_rng_state: bool = True,
+    def __init__(self, fp8: bool | str | None = False, *, preserve_rng_state: bool = True,
                  verify_replay: bool = False) -> None:
+        # fp8 positional too, as Megatron-Core's CheckpointWithoutOutput(config.fp8) passes it
+        # (helper HJ: a bare "takes 1 positional argument" error otherwise).
         refuse_fp8(fp8)  # Megatron-Core's keyword: said, not swallowed
         self.preserve_rng_state = validate_bool(preserve_rng_state, name="preserve_rng_state")
         # The rebuilt outputs compared with the forward's, bit for bit (NOTE [output prints] in

@@ -249,9 +249,11 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
                 f"{error}: pytree_ckpt.checkpoint passes every keyword to fn, {torch_options} "
                 f"included ({_whose(torch_options, short=True)}). Tip: "
                 f"{torch_options_tip(torch_options)}.") from error
-        if args and isinstance(args[0], bool) and "positional argument" in str(error):
+        if args and isinstance(args[0], bool) and any(
+                words in str(error) for words in ("positional argument", "bool")):
             # Megatron-Core's tensor_parallel.checkpoint(fn, distribute_saved_activations,
-            # *args) kept as it is: the flag became fn's first argument.
+            # *args) kept as it is: the flag became fn's first argument (a custom_forward
+            # taking *args hands it to its first layer: "must be Tensor, not bool", helper HJ).
             raise TypeError(
                 f"{error}: pytree_ckpt.checkpoint gave fn the bool {args[0]} as its first "
                 "argument. If the call was Megatron-Core's tensor_parallel.checkpoint(fn, "

@@ -629,6 +629,24 @@ def test_megatrons_checkpoint_call_kept_as_it_is_raises_naming_the_flag_to_drop(
     assert torch.equal(checkpoint(lambda flag, t: t * 2 if flag else t, True, x), x * 2)
 
 
+# Guards against (helper HJ), as it was found:
+def test_megatrons_flag_kept_before_a_varargs_custom_forward_names_the_flag_to_drop() -> None:
+    # Megatron-LM's legacy transformer: custom_forward(*args) does `x_, *args = args` and
+    # runs the layers on x_, so the kept distribute_saved_activations flag reaches a layer as
+    # its hidden states; the arity check that names the fix never fires.
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def custom_forward(*args: Any) -> torch.Tensor:
+        x_, *rest = args
+        for layer in layers:
+            x_ = layer(x_)
+        return x_
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(TypeError, match=r"(?s)gave fn the bool False.*drop that flag"):
+        checkpoint(custom_forward, False, x, None)
+
+
 def test_an_iterator_among_the_inputs_is_refused_naming_its_path() -> None:
     # Guards against: an iterator is a leaf passed as it is to both passes; the original pass
     # consumes it, so the replay reads the next items: next(it) is x1 in the forward and x2 in

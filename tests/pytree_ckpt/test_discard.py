@@ -1617,3 +1617,18 @@ def test_a_discarded_builtin_function_is_named_by_its_public_name(op: Any, name:
         torch.autograd.grad(out.sum(), x, create_graph=True)
     message = str(caught.value)
     assert message.startswith(f"the output-discard checkpoint of {name} was reached"), message
+
+
+# Guards against (helper HJ), as it was found:
+def test_checkpoint_without_output_takes_megatrons_fp8_flag_positionally_as_megatron_does(
+        ) -> None:
+    # megatron/core/tensor_parallel/random.py: `def __init__(self, fp8=False)`; discard.md
+    # and save_units.md ("Coming from Megatron-Core") promise the same names.
+    norm, proj = nn.LayerNorm(16), nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    eager = torch.autograd.grad(proj(norm(x)).sum(), [x, *norm.parameters(), *proj.parameters()])
+    ckpt = CheckpointWithoutOutput(False)  # Megatron: CheckpointWithoutOutput(config.fp8)
+    out = proj(ckpt.checkpoint(norm, x))
+    ckpt.discard_output_and_register_recompute(out)
+    ours = torch.autograd.grad(out.sum(), [x, *norm.parameters(), *proj.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
