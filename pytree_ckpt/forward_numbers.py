@@ -300,8 +300,9 @@ class NumbersWatch:
                 # beside a count), its entries, held until the replay (helper HI: the count
                 # read 0 where eager read 1, silently).
                 value = d[name]
-                made.append((name, was, _Contents(value) if type(was[1] if was else None)
-                             is _Contents and value is was[1].held else _Object(value)))
+                filled = was is not None and type(was[1]) is _Contents and \
+                    value is was[1].held
+                made.append((name, was, _Contents(value) if filled else _Object(value)))
                 continue
             # A tensor stored where a value was (`self.last = scores`, None before) by weak
             # reference: the replay, which skips the call, gets it while someone holds it
