@@ -80,6 +80,13 @@ def _block_around_body(function: types.FunctionType, /) -> ast.Call | None:
     block = body[0]
     first = block.items[0].context_expr
     inside = [item.context_expr for item in block.items[1:]] + list(block.body)
+    head = first.func if isinstance(first, ast.Call) else None
+    while isinstance(head, ast.Attribute):
+        head = head.value
+    code = function.__code__
+    if not isinstance(head, ast.Name) or head.id in code.co_varnames or \
+            head.id in code.co_cellvars or head.id in code.co_freevars:
+        return None  # resolved among the globals only: a local of that name may be anything
     if not isinstance(first, ast.Call) or any(
             isinstance(node, ast.Attribute) and node.attr in _SWITCHES_ON or
             isinstance(node, ast.Name) and node.id in _SWITCHES_ON

@@ -133,10 +133,17 @@ def _route_under_own_no_grad(x: torch.Tensor) -> torch.Tensor:
         return x * 2
 
 
+def _route_given_a_context(x: torch.Tensor, torch: Any = contextlib) -> torch.Tensor:
+    with torch.no_grad():  # type: ignore[attr-defined]  # a parameter, whatever the globals
+        return x * 2
+
+
 def test_a_name_that_is_not_torchs_no_grad_is_not_taken_for_it() -> None:
     assert not body_without_grad(_route_under_own_no_grad)
     code = _route_under_own_no_grad.__code__  # the same code, run with torch's no_grad
     assert body_without_grad(types.FunctionType(code, {"no_grad": torch.no_grad}, "route"))
+    # A local of the name the block reads (here a parameter shadowing the module's torch).
+    assert not body_without_grad(_route_given_a_context)
 
 
 def test_a_lambda_or_a_function_without_source_keeps_the_refusal() -> None:
