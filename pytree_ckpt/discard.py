@@ -52,6 +52,7 @@ and discarding is a no-op: nothing was saved; the boundary's replay discards for
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -80,7 +81,7 @@ from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
-from .tree import flatten
+from .tree import dunder, flatten
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 
@@ -94,6 +95,8 @@ __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 # rebuilt output kept and given to a layer in a later step is not discarded there.
 # ``detect_discarded_reads`` reads it for a storage still empty (discarded_reads.py).
 DISCARDED_MARK = "_pytree_ckpt_discarded"
+# Beside it, the discarding object by weak reference: NOTE [chained discards in any order].
+_DISCARDED_BY = "_pytree_ckpt_discarded_by"
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,20 @@ _is_tracing = torch.jit.is_tracing
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
+
+
+def _inside_torchs_checkpoint() -> bool:
+    """NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint (used
+    by transformers' gradient checkpointing, torchtune, torchtitan) runs the body with grad
+    on under its own saved-tensor hooks, which keep nothing, and runs it again in backward
+    to make what was saved. A discard there freed the rerun's output that torch had just
+    saved for the consumer (``silu(g) * u``), and set its rebuild on the rerun's output,
+    which no backward reaches: the consumer's backward read freed memory (a segfault:
+    helper HO). Torch's checkpoint frees what the body saves already, so the discard is a
+    plain call under its hooks, in both runs (told by the hooks' module; hooks of another
+    kind opened inside the body hide them)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and dunder(hooks[0], "__module__") == "torch.utils.checkpoint"
 
 
 # NOTE [discard stays eager]: a compiled body whose norms go through output discard (the
@@ -161,6 +178,7 @@ class CheckpointWithoutOutput:
         self.sizes: list[int] = []   # bytes of each freed storage (0: kept); set by the discard
         self.discarded = False
         self.replayed = False
+        self.rebuilt_early = False  # NOTE [chained discards in any order]
         self.recomputed: tuple[torch.Tensor, ...] | None = None
         self.detached: list[torch.Tensor] | None = None
         self.census: ActivationCensus | None = None
@@ -250,14 +268,15 @@ class CheckpointWithoutOutput:
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         transformed = _functorch_transforms_active() or _forward_ad._current_level >= 0 \
             or _is_tracing()
-        if not torch.is_grad_enabled() or not needs_grad or transformed:
+        inside_torchs = torch.is_grad_enabled() and _inside_torchs_checkpoint()
+        if not torch.is_grad_enabled() or not needs_grad or transformed or inside_torchs:
             # Nothing will be saved (no_grad, a checkpoint boundary's original pass, or nothing
             # that needs a gradient): nothing to discard; a boundary's replay runs this again.
             # Under a torch.func transform or forward-mode AD, which build their own graph (and
             # where the Function, with no setup_context or jvp, is refused), and while
             # torch.jit.trace records (it would record the Python Function), it is a plain call
             # too, as the boundary is (NOTE [when there is no boundary] in boundary.py).
-            if torch.is_grad_enabled() and not transformed and \
+            if torch.is_grad_enabled() and not transformed and not inside_torchs and \
                     self._name() not in _INERT_LOGGED:
                 _INERT_LOGGED.add(self._name())  # once per op: a step would repeat it
                 why = ("its parameters are unknown (a lambda or function reaching a module's: "
@@ -383,6 +402,7 @@ class CheckpointWithoutOutput:
                 self.census._note_discarded(out, keeper=self)
             # NOTE [discarded storages are marked]
             setattr(storage, DISCARDED_MARK, self._name())
+            setattr(storage, _DISCARDED_BY, weakref.ref(self))
             storage.resize_(0)
 
     @_eager
@@ -401,6 +421,9 @@ class CheckpointWithoutOutput:
         # then needs a second replay. Refused here, naming create_graph, not there.
         refuse_double_backward(lambda: f"the output-discard checkpoint of {self._name()}",
                                discard=True)
+        if self.rebuilt_early:  # by the op it feeds (NOTE [chained discards in any order])
+            self.rebuilt_early = False
+            return
         self._replay()
 
     def _replay(self) -> bool:
@@ -432,6 +455,17 @@ class CheckpointWithoutOutput:
         saved_tensors = ctx.saved_tensors
         for t in saved_tensors:
             if t.numel() and not t.untyped_storage().nbytes():
+                # NOTE [chained discards in any order]: discards of chained ops, each its own
+                # object, registered on one tensor: hooks run in their registration order, so
+                # a later op's rebuild may run first and find its input, the earlier op's
+                # output, still freed (helper HO: refused, blaming a .detach()). That op
+                # rebuilds now, and its own hook, when it runs, finds nothing to do.
+                by = dunder(t.untyped_storage(), _DISCARDED_BY)
+                producer = by() if callable(by) else None
+                if isinstance(producer, CheckpointWithoutOutput) and \
+                        not producer.replayed and producer._replay():
+                    producer.rebuilt_early = True
+                    continue
                 raise CheckpointError(
                     f"an input of {self._name()} is a discarded output that nothing can rebuild: "
                     "the op that made it has no graph any more (it reached this op only "

@@ -468,3 +468,109 @@ def test_a_compiled_body_with_output_discard_compiles_its_compute_between_the_di
             assert _debug_get_cache_entry_list(method.__wrapped__.__code__) == []
     finally:
         torch._dynamo.reset()
+
+
+_UNDER_TORCH_CHECKPOINT = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from pytree_ckpt import CheckpointWithoutOutput
+
+torch.manual_seed(0)
+gate, up, down = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+params = [*gate.parameters(), *up.parameters(), *down.parameters()]
+
+
+def mlp(x, discard):
+    g, u = gate(x), up(x)
+    if not discard:
+        return down(F.silu(g) * u)
+    ckpt = CheckpointWithoutOutput()
+    m = ckpt.checkpoint(F.silu, g) * u           # SwiGLU, the activation's output discarded
+    ckpt.discard_output_and_register_recompute(m)
+    return down(m)
+
+
+x = torch.randn(4, 8, requires_grad=True)
+mlp(x, False).square().sum().backward()
+expected = [t.grad.clone() for t in (x, *params)]
+for t in (x, *params):
+    t.grad = None
+# transformers' gradient_checkpointing (and torchtune, torchtitan) wrap layers so
+torch_checkpoint(mlp, x, True, use_reentrant=False).square().sum().backward()
+print(all(torch.equal(a, t.grad) for a, t in zip(expected, (x, *params))))
+"""
+
+
+# Guards against (helper HO), as it was found:
+def test_a_discard_inside_torchs_non_reentrant_checkpoint_gives_eagers_gradients_without_crashing(
+        ) -> None:
+    # torch's non-reentrant checkpoint reruns the body in backward to get the saved tensors
+    # back: the rerun's checkpoint() makes a new output, the consumer's recomputed saved
+    # tensor is that output, and the rerun's discard frees it; its hook is on a recomputed
+    # tensor no backward reaches, so the consumer's backward reads freed memory (a
+    # segmentation fault on CPU; detect_discarded_reads() names aten.mul). Run in a child
+    # process: the crash would take pytest down.
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", _UNDER_TORCH_CHECKPOINT], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, f"exit status {out.returncode}: {out.stderr[-500:]}"
+    assert out.stdout.strip() == "True"
+
+
+def test_a_discard_inside_torchs_non_reentrant_checkpoint_frees_nothing_in_either_run(
+        ) -> None:
+    # NOTE [a discard inside torch's non-reentrant checkpoint]: a plain call there, in
+    # torch's forward and in its recompute in backward (each run's output kept whole).
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    gate, up, down = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    made: list[torch.Tensor] = []
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        ckpt = CheckpointWithoutOutput()
+        a = ckpt.checkpoint(torch.nn.functional.silu, gate(x))
+        made.append(a)
+        m = a * up(x)
+        ckpt.discard_output_and_register_recompute(m)
+        return down(m)  # saves m: torch's recompute stops here, after the discard
+
+    x = torch.randn(4, 8, requires_grad=True)
+    out = torch_checkpoint(mlp, x, use_reentrant=False)
+    # Sizes compared, not tensors: a freed one's repr would read freed memory.
+    assert [a.untyped_storage().nbytes() for a in made] == [4 * 8 * 4]
+    out.sum().backward()
+    assert [a.untyped_storage().nbytes() for a in made] == [4 * 8 * 4] * 2
+
+
+# Guards against (helper HO), as it was found:
+def test_chained_discards_registered_on_one_tensor_in_reverse_order_give_eagers_gradients(
+        ) -> None:
+    # norm -> gelu -> proj, each op with its own CheckpointWithoutOutput (Megatron-style: one
+    # per op), both registered on proj's output. Registered in forward order it works; in the
+    # reverse order gelu's rebuild runs first and finds its input (the norm's output) still
+    # freed, and is refused as "a discarded output that nothing can rebuild: ... it reached
+    # this op only through .detach(), and the caller dropped it", with the tip "pass the output
+    # itself (not .detach())": neither is what happened, and the norm's rebuild was one hook
+    # away. Eager has no order here; docs/discard.md names none.
+    torch.manual_seed(0)
+    norm, proj = _Norm(), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [x, *norm.parameters(), *proj.parameters()]
+    proj(torch.nn.functional.gelu(norm(x))).square().sum().backward()
+    expected = grads_of(params)
+    for t in params:
+        t.grad = None
+    first, second = CheckpointWithoutOutput(), CheckpointWithoutOutput()
+    normed = first.checkpoint(norm, x)
+    out = proj(second.checkpoint(torch.nn.functional.gelu, normed))
+    second.discard_output_and_register_recompute(out)   # the later op's discard first
+    first.discard_output_and_register_recompute(out)
+    out.square().sum().backward()
+    assert_same_grads(expected, grads_of(params))
