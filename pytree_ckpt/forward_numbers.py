@@ -73,9 +73,9 @@ class _Contents:
 
     __slots__ = ("held", "entries")
 
-    def __init__(self, held: Any, /) -> None:
+    def __init__(self, held: Any, /, entries: Any = None) -> None:
         self.held = held
-        self.entries = _entries(held)
+        self.entries = _entries(held) if entries is None else entries
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _Contents and other.held is self.held and \
@@ -230,14 +230,17 @@ class NumbersWatch:
 
     __slots__ = ("dicts", "before")
 
-    def __init__(self, dicts: Sequence[dict[str, Any]], /, *, clone: bool = False) -> None:
+    def __init__(self, dicts: Sequence[dict[str, Any]], /, *, clone: bool = False,
+                 mixed: bool = False) -> None:
         # ``clone``: the small tensor attributes' values are cloned too (NOTE [small tensor
         # attributes as the forward read them]), where small buffers are (snapshots_wanted).
+        # ``mixed``: a reused call's watch (made()) reads small containers holding anything by
+        # their entries too (NOTE [an object a reused call leaves where a value was]).
         self.dicts = dicts
         # One clone per tensor: submodules holding one tensor (a step count they share) read
         # one copy in the replay, as they read one tensor in the forward (helper FG).
         clones: dict[int, torch.Tensor] | None = {} if clone else None
-        self.before = [_read(d, clones) for d in dicts]
+        self.before = [_read(d, clones, mixed=mixed) for d in dicts]
 
     def changed(self) -> ChangedNumbers | None:
         """The entries the forward changed, each with what it held before the forward;
@@ -283,27 +286,35 @@ class NumbersWatch:
         """What the call changed of the values and small containers of the one ``__dict__``
         read (NOTE [state a reused call changes] in frozen.py); ``None`` when nothing."""
         d, before = self.dicts[0], self.before[0]
-        now = _read(d)
+        now = _read(d, mixed=True)
         if now == before:
             return None
         made = []
         for name in [*before, *(name for name in now if name not in before)]:
             was, entry = before.get(name), now.get(name)
-            if entry == was or (was is not None and not _plain_entry(was)):
-                continue  # an object before: read as it is (the forward's put-back skips it)
+            if entry == was:
+                continue
             if entry is not None and not _plain_entry(entry) and \
                     type(entry[1]) is not _TensorHeld:
                 # NOTE [an object a reused call leaves where a value was]: the replay finds
                 # the value (or no attribute) there, put back as the forward began, and skips
-                # the call: the object itself (`self.cache = {"ids": ids}`), or a container
-                # the call filled in place with tensors (`self.stats["last_ids"] = ids`
-                # beside a count), its entries, held until the replay (helper HI: the count
-                # read 0 where eager read 1, silently).
+                # the call, so it gets the object the call left (`self.cache = {"ids":
+                # ids}`), or the container it filled in place with tensors
+                # (`self.stats["last_ids"] = ids` beside a count): the object itself, and a
+                # container's entries as the call left them (the rest of the forward may add
+                # to it: a projection memoised there, which the replay must compute with its
+                # graph), held until the replay (helper HI: a count read 0 where eager read 1;
+                # helper HL: a memoised projection reused without its graph, silently). Over
+                # an object a reused call left before in the forward (told by identity: the
+                # replay put it back itself), the next call's is made again too (a router
+                # called once per chunk, helper HL); over one the forward began with, it is
+                # not (the forward's put-back leaves that name as the forward left it).
                 value = d[name]
-                filled = was is not None and type(was[1]) is _Contents and \
-                    value is was[1].held
-                made.append((name, was, _Contents(value) if filled else _Object(value)))
+                made.append((name, was, _Contents(value) if type(value) in _CONTAINERS
+                             else _Object(value)))
                 continue
+            if was is not None and not _plain_entry(was):
+                continue  # an object before: read as it is (the forward's put-back skips it)
             # A tensor stored where a value was (`self.last = scores`, None before) by weak
             # reference: the replay, which skips the call, gets it while someone holds it
             # (the module, until the replay puts back the value; the frame, a result).
@@ -325,6 +336,8 @@ def _same_as(entry: tuple[Any, ...] | None, was: tuple[Any, ...] | None, /) -> b
             entry[1].entries == was[1].entries
     if type(was[1]) is _TensorHeld:  # a small tensor, held: the same object
         return entry[1] == was[1]
+    if not was[0]:  # an object by id, or a mixed container: as a reused call left it
+        return entry == was
     return entry[0] and not value_differs(entry[1], was[1])
 
 
@@ -345,7 +358,7 @@ class MadeNumbers:
         skipping the call, reads what the call left); one changed otherwise since is left."""
         d = self.d
         for name, was, after in self.made:
-            if not _same_as(_entry(d[name]) if name in d else None, was):
+            if not _same_as(_entry(d[name], mixed=True) if name in d else None, was):
                 continue
             if after is _ABSENT:
                 del d[name]
@@ -356,10 +369,10 @@ class MadeNumbers:
                 d[name] = after.held
             elif type(after) is not _Contents:
                 d[name] = after
-            elif type(d.get(name)) is type(after.held):
-                _put(d[name], after.entries)
-            else:
-                d[name] = after.fresh()
+            else:  # the container the call left, with the entries it left there
+                if d.get(name) is not after.held:
+                    d[name] = after.held
+                _put(after.held, after.entries)
 
 
 class NumbersGlance:
@@ -528,8 +541,8 @@ def _small_detached(t: torch.Tensor, /) -> bool:
         and not t.is_inference() and t.untyped_storage().nbytes() <= _SMALL_BYTES
 
 
-def _read(d: dict[str, Any], clones: dict[int, torch.Tensor] | None = None, /
-          ) -> dict[str, tuple[Any, ...]]:
+def _read(d: dict[str, Any], clones: dict[int, torch.Tensor] | None = None, /, *,
+          mixed: bool = False) -> dict[str, tuple[Any, ...]]:
     """By name: (True, the value, its type) for a value that cannot change in place (the type
     too: a number rebound to an equal one of another type, 4 to 4.0 or 1 to True, compared
     equal and was not put back for the replay: helper FD), (False, a weak reference) for a
@@ -541,19 +554,54 @@ def _read(d: dict[str, Any], clones: dict[int, torch.Tensor] | None = None, /
         if not name.startswith(_OURS):
             value = d[name]
             found[name] = (True, value, type(value)) \
-                if type(value) in _PLAIN or _immutable(value) else _object_entry(value, clones)
+                if type(value) in _PLAIN or _immutable(value) else \
+                _object_entry(value, clones, mixed=mixed)
     return found
 
 
-def _object_entry(value: Any, clones: dict[int, torch.Tensor] | None = None, /
-                  ) -> tuple[Any, ...]:
+def _object_entry(value: Any, clones: dict[int, torch.Tensor] | None = None, /, *,
+                  mixed: bool = False) -> tuple[Any, ...]:
     return (False, _TensorHeld(value, clones) if isinstance(value, torch.Tensor) else
-            _Contents(value) if _plain_container(value) else id(value))
+            _Contents(value) if _plain_container(value) else
+            _Mixed(value) if mixed and type(value) in _CONTAINERS and
+            len(value) <= _MOST_ENTRIES else id(value))
 
 
-def _entry(value: Any, /) -> tuple[Any, ...]:
+def _entry(value: Any, /, *, mixed: bool = False) -> tuple[Any, ...]:
     """One value as ``_read`` reads it."""
-    return (True, value, type(value)) if _immutable(value) else _object_entry(value)
+    return (True, value, type(value)) if _immutable(value) else \
+        _object_entry(value, mixed=mixed)
+
+
+class _Mixed:
+    """A small container holding more than plain values (a tensor a reused call logged beside
+    a count), as a reused call's watch reads it (NOTE [an object a reused call leaves where a
+    value was]): equal to another only for the same container holding the same entries, by
+    identity (a tensor's ``==`` is elementwise)."""
+
+    __slots__ = ("held", "entries")
+
+    def __init__(self, held: Any, /) -> None:
+        self.held = held
+        self.entries = _entries(held)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not _Mixed or other.held is not self.held or \
+                len(other.entries) != len(self.entries):
+            return False
+        if type(self.entries) is set:
+            return self.entries == other.entries  # hashed: a tensor by identity
+        return all(_same_entry(a, b) for a, b in zip(self.entries, other.entries))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _same_entry(a: Any, b: Any, /) -> bool:
+    if a is b:
+        return True
+    if type(a) is tuple and type(b) is tuple and len(a) == len(b) == 2:  # a dict's item
+        return all(_same_entry(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and _immutable(a) and not value_differs(a, b)
 
 
 class ChangedNumbers:
@@ -699,11 +747,17 @@ def with_reused_calls(changed: ChangedNumbers | None, made: list[MadeNumbers], /
     found: dict[int, tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = {}
     for change in made:
         for name, was, _ in change.made:
-            if (id(change.d), name) not in covered:
-                covered.add((id(change.d), name))
-                found.setdefault(id(change.d), (change.d, [], []))[1].append(
-                    (name, _ABSENT if was is None else was[1].kept
-                     if type(was[1]) is _TensorHeld else was[1]))
+            if (id(change.d), name) in covered:
+                continue
+            covered.add((id(change.d), name))
+            if was is not None and not was[0] and type(was[1]) is int:
+                continue  # an object, by id: read as it is (NOTE [an object a reused call ...])
+            found.setdefault(id(change.d), (change.d, [], []))[1].append(
+                (name, _ABSENT if was is None else was[1].kept
+                 if type(was[1]) is _TensorHeld else
+                 # a container holding tensors too: its entries put back, as a plain one's
+                 _Contents(was[1].held, was[1].entries) if type(was[1]) is _Mixed
+                 else was[1]))
     if not found:
         return changed
     return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()])

@@ -347,7 +347,7 @@ def numbers_watch(fn: Callable[..., Any], /) -> NumbersWatch | None:
     """The plain values of ``fn``'s module (if any; not its children's), read before ``fn``
     runs (NOTE [state a reused call changes])."""
     module = owning_module(fn)
-    return None if module is None else NumbersWatch([module.__dict__])
+    return None if module is None else NumbersWatch([module.__dict__], mixed=True)
 
 
 def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | None,

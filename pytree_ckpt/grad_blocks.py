@@ -16,7 +16,8 @@ one block that switches grad off (its first context manager is ``torch.no_grad()
 ``torch.inference_mode()`` or ``torch.set_grad_enabled(False)``, named as globals the function
 reads), and at most a ``return`` of names follows the block, every float the function computes
 has no graph in eager, as under the decorator. Anything else (a statement before the block, a
-computation after it, a block that names ``enable_grad`` or ``set_grad_enabled`` again inside,
+computation after it, a block that names ``enable_grad``, ``set_grad_enabled`` or
+``inference_mode`` again inside, a local or closure variable named as the switch,
 source that cannot be read: a lambda, exec'd code) keeps the refusal, which the decorator
 lifts. As with the decorator, a helper the body calls that enables grad itself is not seen.
 """
@@ -39,7 +40,8 @@ __all__ = ["body_without_grad"]
 # id(code) -> (code, kept alive so the id stays its own; the block's first context manager,
 # or None where the body is not all in one block)
 _SHAPES: dict[int, tuple[types.CodeType, ast.Call | None]] = {}
-_SWITCHES_ON = frozenset({"enable_grad", "set_grad_enabled"})
+# Inside the block, a name that may turn grad back on (inference_mode(False) does: helper HL).
+_SWITCHES_ON = frozenset({"enable_grad", "set_grad_enabled", "inference_mode"})
 
 
 def body_without_grad(fn: Any, /) -> bool:

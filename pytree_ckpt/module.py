@@ -62,12 +62,11 @@ def _class_forward(module: nn.Module, /) -> Any:
     installed one: a function bound to the module, or a class attribute without ``__get__``
     (``forward = torch.tanh``, a callable object) as it is, as Python's lookup gives it."""
     forward = type(module).forward
-    try:
-        return forward.__get__(module)
-    except Exception:  # no descriptor: the attribute itself (eager calls it unbound)
-        if hasattr(type(forward), "__get__"):
-            raise
-        return forward
+    # Python looks __get__ up on the type: an object answering it through its __getattr__
+    # (a decorator class delegating to the function it wraps: helper HL), or raising there
+    # (a dict-backed config: helper HK), is no descriptor, and eager calls it unbound.
+    get = dunder(type(forward), "__get__")
+    return forward if get is None else get(forward, module, type(module))
 
 
 class _CheckpointedForward:

@@ -1412,6 +1412,95 @@ def _route_dict(scores: torch.Tensor) -> dict[str, Any]:
     return {"ids": scores.topk(2, -1).indices, "offset": 1, "list": []}
 
 
+class RoutesInChunks(nn.Module):
+    """Routes each half of its input with one router (a chunked layer), reading after each
+    call what the call left on the router: a cache bound anew, or a count beside its logged
+    ids (StatsRouter's dict)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = "bound" if how == "bound" else "count"
+        self.lin = nn.Linear(8, 8)
+        self.router: nn.Module = CachingRouter("bound") if how == "bound" else StatsRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for chunk in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(self.router.route, chunk.detach())
+            if self.how == "bound":
+                outs.append(torch.gather(chunk, -1, self.router.last()))
+            else:
+                outs.append(torch.gather(chunk, -1, ids) * self.router.stats["calls"])
+        return torch.cat(outs)
+
+
+# Helper HL: NOTE [an object a reused call leaves where a value was] records what the first
+# call left; the second call of the same forward finds that object there, so its change is
+# not recorded ("an object before: read as it is", forward_numbers.py made()), and the replay,
+# skipping both calls, reads the first call's object (its ids, its count) after the second.
+# Before 593a9c0 this raised TypeError in backward; now it is silent.
+# Guards against (helper HL), as it was found:
+@pytest.mark.parametrize("how", ["bound", "count", "count kept across steps"])
+def test_what_a_second_reused_call_of_one_forward_leaves_on_its_module_is_read_in_the_replay(
+        how: str) -> None:
+    # "count kept across steps": the dict holds the last step's ids when the forward begins
+    # (a container of more than plain values, which the forward's own put-back does not
+    # read): each reused call's watch reads it by its entries, and the replay gets them as
+    # the first call found them (NOTE [an object a reused call leaves where a value was]).
+    # replay.md: the replay "writes the values the call left into its own copies of that
+    # state ... so code after the call reads what eager read": here after each of two calls.
+    torch.manual_seed(0)
+    eager = RoutesInChunks(how)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
+        for model in (eager, wrapped):
+            model.zero_grad(set_to_none=True)
+            if how == "bound":
+                model.router.cache = None  # the caller empties the cache each step
+            elif how == "count":
+                model.router.stats = {"calls": 0, "last_ids": None}
+    if how == "count kept across steps":
+        assert eager.router.stats["calls"] == wrapped.router.stats["calls"] == 4
+
+
+class MemoisesInRouterCache(nn.Module):
+    """Memoises a projection in the cache dict its reused call binds anew (or fills in place
+    where none was), computing it only where the cache lacks it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.proj, self.router = nn.Linear(8, 8), nn.Linear(8, 8), \
+            CachingRouter("bound")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        reuse_during_recompute(self.router.route, h.detach())
+        cache = self.router.cache
+        if "proj" not in cache:
+            cache["proj"] = self.proj(h)
+        return torch.gather(cache["proj"], -1, cache["ids"])
+
+
+# Helper HL: NOTE [an object a reused call leaves where a value was] holds the object itself
+# (_Object), not what it held when the call returned, so the replay gets the dict as the rest
+# of the original pass left it: with the projection the forward memoised in it (computed under
+# the boundary's no-grad), which the replay reuses instead of computing it: lin and proj get
+# no gradient, silently (before 593a9c0: TypeError in backward).
+# Guards against (helper HL), as it was found:
+def test_an_object_a_reused_call_leaves_is_read_in_the_replay_as_the_call_left_it() -> None:
+    torch.manual_seed(0)
+    eager = MemoisesInRouterCache()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
+        for model in (eager, wrapped):
+            model.zero_grad(set_to_none=True)
+            model.router.cache = None  # the caller empties the cache each step
+
+
 class ChangesItsResult(nn.Module):
     """Changes the container a reused call returned (not a tensor in it)."""
 

@@ -167,3 +167,56 @@ def test_a_function_wrapped_by_a_decorator_is_left_to_the_decorators_rule() -> N
             return x * 2
 
     assert body_without_grad(route.__wrapped__) and not body_without_grad(route)
+
+
+def _switchable_route(gate: nn.Module, *, frozen: bool) -> Any:
+    # A factory's local name shadows the module's `from torch import no_grad` import: the
+    # function's code reads its closure cell (a no-op here), not the global.
+    imported_no_grad = torch.no_grad if frozen else contextlib.nullcontext
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        with imported_no_grad():
+            return gate(x).softmax(-1).max(-1).values
+    return route
+
+
+def _route_reading_held(held: list[torch.Tensor]) -> Any:
+    def route(x: torch.Tensor) -> Any:
+        with torch.no_grad():
+            ids = x.argmax(-1)
+            with torch.inference_mode(False):  # switches grad back on (torch's guard does)
+                scale = held[0].mean(-1)
+        return scale, ids
+    return route
+
+
+# Helper HL: the source check accepts both as whole-body no-grad functions, so the rules the
+# decorator lifts are lifted, where eager computes their floats with grad and refuses them:
+# checkpointing hands back the recorded floats without a graph (the gate, the layer's lin get
+# no gradient from them), silently. Before 9b76702 both were refused under checkpointing too.
+# Causes: grad_blocks._resolved reads the name in the function's globals only, not its closure
+# (nor its locals); _SWITCHES_ON lacks inference_mode (inference_mode(False) enables grad).
+# Guards against (helper HL), as it was found:
+@pytest.mark.parametrize("how", ["no_grad shadowed by a closure", "inference_mode(False) inside"])
+def test_a_body_whose_floats_eager_computes_with_grad_is_refused_under_checkpointing(
+        how: str) -> None:
+    torch.manual_seed(0)
+    lin, gate = nn.Linear(8, 8), nn.Linear(8, 4)
+    held: list[torch.Tensor] = []
+    route = _switchable_route(gate, frozen=False) if how.startswith("no_grad") else \
+        _route_reading_held(held)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        held[:] = [h]
+        floats = reuse_during_recompute(route, h.detach())
+        return h[:, 0] * (floats[0] if isinstance(floats, tuple) else floats)
+
+    x = torch.randn(5, 8)
+    held[:] = [lin(x)]
+    first = route(x)
+    assert (first[0] if isinstance(first, tuple) else first).requires_grad  # eager: a graph
+    with pytest.raises(ReuseError, match="requires grad"):
+        layer(x)  # eager refuses it
+    with pytest.raises(ReuseError):
+        checkpoint(layer, x).sum().backward()

@@ -1376,3 +1376,38 @@ def test_an_instance_forward_that_is_a_callable_config_object_is_wrapped_and_rep
     apply_activation_checkpointing(other)
     other.forward = _ScaledCall(factor=3.0)  # type: ignore[method-assign]
     assert not is_checkpointed(other)  # the user's forward replaced the boundary
+
+
+class _Delegating:
+    """A callable wrapper that answers the attributes it lacks from the function it wraps (a
+    timing or logging decorator written as a class)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+
+def _doubled_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * 2
+
+
+class _DelegatingForward(nn.Module):
+    forward = _Delegating(_doubled_tanh)  # no __get__ on its type: eager calls it unbound
+
+
+# Helper HL: _class_forward (module.py:66) asks the object for forward.__get__, which its
+# __getattr__ answers with the wrapped function's __get__: the boundary binds the module to it
+# and calls _doubled_tanh(module, x) (TypeError), where Python's descriptor protocol reads
+# __get__ on the type only, as the except clause's own hasattr(type(forward), "__get__") does.
+# Guards against (helper HL), as it was found:
+def test_a_class_forward_that_delegates_its_attributes_runs_wrapped_with_eagers_gradients(
+        ) -> None:
+    twin, layer = _DelegatingForward(), _DelegatingForward()
+    x = torch.randn(3, requires_grad=True)
+    apply_activation_checkpointing(layer)
+    assert_same_grads(*grads_per_model([twin, layer], x, seed=0))
