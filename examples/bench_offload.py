@@ -25,7 +25,8 @@ configurations in a rotated order, medians. On CUDA the device is synchronised b
 each timed step, never inside it, so copy/compute overlap is measured as a training loop sees
 it. Memory is read in one untimed probe step per configuration: the bytes still allocated after
 forward (what the graph holds for backward; offload's finished copies released first) and the
-step's peak. The probe's gradients are allocated before it starts, as in a steady-state step
+step's peak; offload's probe follows one untimed step that warms its host pool. The probe's
+gradients are allocated before it starts, as in a steady-state step
 (or under gradient accumulation); gradients set to None instead are created during backward,
 and at this size (each layer's weight gradients are three layer inputs) they would dominate
 both peaks and hide the activations. With prefetch 1 the peak drop is at best exactly (L-2)
@@ -149,6 +150,11 @@ class Bench:
     def probe(self, config: str) -> dict[str, Any]:
         """One untimed step: memory held after forward, peak, and the gradients."""
         cuda = self.device.type == "cuda"
+        if config == OFFLOAD:
+            # A steady-state step: the host pool warmed by one step first (else each window
+            # is a pool miss, on CUDA a pinned allocation inside the measured step: helper HN)
+            self.forward(config).backward()
+            self._sync()
         for t in self.leaves:  # a steady-state step: the gradients exist before it starts
             t.grad = torch.zeros_like(t)
         self.manager.stats(reset=True)

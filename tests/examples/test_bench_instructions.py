@@ -52,3 +52,18 @@ def test_nothing_is_counted_when_ours_differs_from_eager(
                         lambda *args: counted.append(args) or 1)
     assert bench_instructions.main(["--steps", "1"]) == {"grads_equal": False}
     assert counted == []
+
+
+# Guards against (helper HN), as it was found:
+def test_every_pytree_ckpt_row_counted_is_first_checked_bit_for_bit_against_eager(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[str] = []
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.setattr(bench_boundary.Bench, "grads_equal",
+                        lambda self, config: checked.append(config) or True)
+    monkeypatch.setattr(bench_instructions, "count_instructions", lambda *args: 1000)
+    result = bench_instructions.main(["--steps", "1"])
+    counted = {config for config in result["per_step"] if config.startswith("ours")}
+    assert counted == {bench_boundary.OURS, bench_boundary.OURS_MODULE,
+                       bench_boundary.OURS_VERIFY}
+    assert counted <= set(checked), checked

@@ -187,3 +187,11 @@ def test_a_json_path_under_a_file_or_at_a_directory_is_refused_before_anything_r
     err = capsys.readouterr().err
     assert (f"{blocking} is a file, not a directory" in err if where == "under-a-file"
             else "is a directory; tip: name a file in it" in err)
+
+
+# Guards against (helper HN), as it was found:
+def test_the_offload_memory_probe_is_a_steady_state_step_on_a_warm_host_pool(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    probe = tiny_run[0]["offload_probe"]
+    assert probe["windows"] == bench_offload.SIZES["tiny"].layers
+    assert probe["pool_misses"] == 0 and probe["pool_hits"] == probe["windows"], probe

@@ -385,3 +385,22 @@ def test_the_census_rows_offload_statistics_are_those_of_the_census_forward_alon
     stats = census["offload_stats"]
     assert stats["windows"] == config.num_layers + config.mtp_depth  # one window a layer call
     assert stats["offloaded_bytes"] <= census["by_mechanism"]["offloaded to host"]
+
+
+# Guards against (helper HN), as it was found:
+def test_the_torch_selective_anchors_policy_does_not_rebuild_its_op_set_at_every_op(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from examples.glm_dsa import bench_configs
+    from examples.glm_dsa.bench_measure import run_step
+
+    preset = bench_configs.PRESETS["tiny"]
+    torch.manual_seed(0)
+    base = GlmDsaForCausalLM(preset.model)
+    sac = next(config for config in CONFIGS if config.key == "torch_sac")
+    variant = sac.build(base, preset, torch.device("cpu"))
+    builds: list[int] = []  # each frozenset the module makes: one per _sac_saved_ops() call
+    monkeypatch.setattr(bench_configs, "frozenset",
+                        lambda *args: builds.append(1) or frozenset(*args), raising=False)
+    run_step(variant, make_packed_batch(preset.model, preset.seq_lens))
+    # The policy is consulted per op; the set it consults is the same each time.
+    assert len(builds) <= 1, len(builds)
