@@ -751,7 +751,7 @@ def with_reused_calls(changed: ChangedNumbers | None, made: list[MadeNumbers], /
                 continue
             covered.add((id(change.d), name))
             if was is not None and not was[0] and type(was[1]) is int:
-                continue  # an object, by id: read as it is (NOTE [an object a reused call ...])
+                continue  # an object by id: read as it is (the NOTE in made())
             found.setdefault(id(change.d), (change.d, [], []))[1].append(
                 (name, _ABSENT if was is None else was[1].kept
                  if type(was[1]) is _TensorHeld else
