@@ -43,7 +43,7 @@ from .replay_values import OutputPrints
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
                             versions)
-from .stored_state import warn_parameter_changed
+from .stored_state import warn_parameter_changed, warn_under_torchs_checkpoint
 from .subclass import kind_of
 from .tree import dunder, flatten, leaf_paths, object_children
 from .tree_refusals import refuse_hidden_outputs, refuse_metadata_tensors, refuse_strided_nested
@@ -98,6 +98,8 @@ class _BoundaryFunction(torch.autograd.Function):
         # looked for after the call (registered_state).
         wanted = call.owner is not None and call.modules is not None and \
             snapshots_wanted(call.owner)
+        if wanted and call.owner is not None:  # its first calls: torch's checkpoint around?
+            warn_under_torchs_checkpoint(call.owner)
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
                            snapshot=wanted, compare=not ever_verified(call.owner),
                            written=remembered(call.modules[0])) \

@@ -81,6 +81,7 @@ from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
+from .torch_checkpoints import inside_torchs_checkpoint
 from .tree import dunder, flatten
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
@@ -112,18 +113,14 @@ _is_tracing = torch.jit.is_tracing
 _INERT_LOGGED: set[str] = set()
 
 
-def _inside_torchs_checkpoint() -> bool:
-    """NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint (used
-    by transformers' gradient checkpointing, torchtune, torchtitan) runs the body with grad
-    on under its own saved-tensor hooks, which keep nothing, and runs it again in backward
-    to make what was saved. A discard there freed the rerun's output that torch had just
-    saved for the consumer (``silu(g) * u``), and set its rebuild on the rerun's output,
-    which no backward reaches: the consumer's backward read freed memory (a segfault:
-    helper HO). Torch's checkpoint frees what the body saves already, so the discard is a
-    plain call under its hooks, in both runs (told by the hooks' module; hooks of another
-    kind opened inside the body hide them)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and dunder(hooks[0], "__module__") == "torch.utils.checkpoint"
+# NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint (used by
+# transformers' gradient checkpointing, torchtune, torchtitan) runs the body with grad on under
+# its own saved-tensor hooks, which keep nothing, and runs it again in backward to make what
+# was saved. A discard there freed the rerun's output that torch had just saved for the
+# consumer (``silu(g) * u``), and set its rebuild on the rerun's output, which no backward
+# reaches: the consumer's backward read freed memory (a segfault: helper HO). Torch's
+# checkpoint frees what the body saves already, so the discard is a plain call under its
+# hooks, in both runs (torch_checkpoints.py tells them).
 
 
 # NOTE [discard stays eager]: a compiled body whose norms go through output discard (the
@@ -268,7 +265,7 @@ class CheckpointWithoutOutput:
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         transformed = _functorch_transforms_active() or _forward_ad._current_level >= 0 \
             or _is_tracing()
-        inside_torchs = torch.is_grad_enabled() and _inside_torchs_checkpoint()
+        inside_torchs = torch.is_grad_enabled() and inside_torchs_checkpoint()
         if not torch.is_grad_enabled() or not needs_grad or transformed or inside_torchs:
             # Nothing will be saved (no_grad, a checkpoint boundary's original pass, or nothing
             # that needs a gradient): nothing to discard; a boundary's replay runs this again.

@@ -20,6 +20,7 @@ from .forward_numbers import plain_entries, value_differs
 from .changed_in_place import parameter_path
 from .refusals import fn_name
 from .state_changes import mark_stateful
+from .torch_checkpoints import torchs_checkpoint_around
 from .tree import dunder
 from .tree_refusals import container_elements
 
@@ -27,7 +28,8 @@ if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
 __all__ = ["stored_numbers", "stored_tensors", "warn_changed_numbers",
-           "warn_parameter_changed", "warn_stacked_checkpointing", "warn_stored_scalars"]
+           "warn_parameter_changed", "warn_stacked_checkpointing", "warn_stored_scalars",
+           "warn_under_torchs_checkpoint"]
 
 _WARNED_STORED = "_pytree_ckpt_warned_stored"
 _WARNED_NUMBERS = "_pytree_ckpt_warned_numbers"
@@ -142,15 +144,30 @@ def warn_stacked_checkpointing(owner: nn.Module, fn: Callable[..., Any], /) -> N
     if held.get("gradient_checkpointing") is not True or held.get(_WARNED_STACKED) or \
             _opened_by_transformers(owner, fn):
         return
-    held[_WARNED_STACKED] = Told()  # a copy is told anew
+    _warn_twice(owner, "transformers' own gradient checkpointing is on for it too")
+
+
+def warn_under_torchs_checkpoint(owner: nn.Module, /) -> None:
+    """The same, where torch's checkpoint runs around the layer's boundary, told at the
+    layer's first calls (``torchs_checkpoint_around`` in torch_checkpoints.py): transformers
+    4.x keeps its flag on the model, not the layer, and calls torch's checkpoint on the
+    layer's ``__call__`` (helper HQ: silent there), as does a ``checkpoint_wrapper`` or
+    torchtune's wrapper left around a wrapped layer."""
+    if owner.__dict__.get(_WARNED_STACKED) or not torchs_checkpoint_around():
+        return
+    _warn_twice(owner, "torch's checkpoint runs around it too (transformers' own gradient "
+                       "checkpointing, or a torch.utils.checkpoint wrapper)")
+
+
+def _warn_twice(owner: nn.Module, why: str, /) -> None:
+    owner.__dict__[_WARNED_STACKED] = Told()  # a copy is told anew
     warnings.warn(
-        f"pytree_ckpt: {type(owner).__name__} is checkpointed twice: transformers' own "
-        "gradient checkpointing is on for it too, so each step runs its forward once more "
-        "than needed (gradients stay exact). Tip: "
+        f"pytree_ckpt: {type(owner).__name__} is checkpointed twice: {why}, so each step runs "
+        "its forward once more than needed (gradients stay exact). Tip: "
         "model.activation_checkpointing_disable(), or TrainingArguments(activation_"
         "checkpointing=False) (before transformers 5.23: model.gradient_checkpointing_disable(), "
-        "TrainingArguments(gradient_checkpointing=False)), and keep pytree_ckpt's",
-        stacklevel=user_stacklevel())
+        "TrainingArguments(gradient_checkpointing=False)), or drop torch's wrapper, and keep "
+        "pytree_ckpt's", stacklevel=user_stacklevel())
 
 
 def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],

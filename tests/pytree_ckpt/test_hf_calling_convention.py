@@ -668,3 +668,48 @@ def test_positional_arguments_a_partial_binds_after_the_layer_give_eager_gradien
         results.append(grads_of([x, *layer.parameters(), *encoder.parameters(),
                                  *adapter.parameters()]))
     assert_same_grads(*results)
+
+
+class _Transformers4Model(nn.Module):
+    """transformers 4.3x-4.4x: the flag is on the model (LlamaModel), not on its layers, and
+    the model calls ``self._gradient_checkpointing_func(decoder_layer.__call__, *args)``, the
+    function ``gradient_checkpointing_enable()`` built: torch's checkpoint, reentrant by
+    default."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Body() for _ in range(2))
+        self.gradient_checkpointing = True
+        self._gradient_checkpointing_func = functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=use_reentrant)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        k = _layer_kwargs()
+        h = hidden
+        for layer in self.layers:
+            h = self._gradient_checkpointing_func(
+                layer.__call__, h, k["attention_mask"], k["position_embeddings"], None, False,
+                k["cache_position"], k["flags"], False)
+        return h.square().mean()
+
+
+# Guards against (helper HQ), as it was found:
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_layer_wrapped_in_place_under_a_transformers_4_model_checkpointing_it_too_is_warned(
+        use_reentrant: bool) -> None:
+    # boundary.md: leave gradient_checkpointing_enable() off "or every layer is checkpointed
+    # twice: exact, but each step runs the layer once more (warned at its first replay)".
+    # Under transformers 4.x the switch lives on the model, so the layer holds no flag: exact
+    # and three forwards a step, but nothing is said.
+    model = _Transformers4Model(use_reentrant).train()
+    for layer in model.layers:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+        CALLS[id(layer)] = 0
+    torch.manual_seed(2)
+    hidden = torch.randn(2, 6, 16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(hidden).backward()
+    assert [CALLS[id(layer)] for layer in model.layers] == [3, 3]   # once more than needed
+    assert any("checkpointed twice" in str(w.message) for w in caught)
