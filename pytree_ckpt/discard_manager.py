@@ -95,6 +95,8 @@ class CheckpointWithoutOutputManager:
             discard=True)
         # In forward order (NOTE [discard lifetimes] 4 in discard.py).
         for index, ckpt in enumerate(self.checkpoints):
-            if not ckpt.passthrough:
+            if ckpt.rebuilt_early:  # NOTE [chained discards in any order] (discard.py): by
+                ckpt.rebuilt_early = False  # the discard it feeds, before this hook
+            elif not ckpt.passthrough:
                 if ckpt._replay():
                     self.replay_order.append(index)

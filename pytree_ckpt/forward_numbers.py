@@ -92,13 +92,15 @@ class _Contents:
 
 
 class _Object:
-    """An object a reused call left where a value was, or where nothing was (NOTE [an object
-    a reused call leaves where a value was])."""
+    """An object a reused call bound on its module (NOTE [an object a reused call leaves
+    where a value was]), and a container's entries as the call left them (``None`` for
+    another object)."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "entries")
 
     def __init__(self, held: Any, /) -> None:
         self.held = held
+        self.entries = _entries(held) if type(held) in _CONTAINERS else None
 
 
 class _Refilled:
@@ -296,22 +298,25 @@ class NumbersWatch:
                 continue
             if entry is not None and not _plain_entry(entry) and \
                     type(entry[1]) is not _TensorHeld:
-                # NOTE [an object a reused call leaves where a value was]: the replay finds
-                # the value (or no attribute) there, put back as the forward began, and skips
-                # the call, so it gets the object the call left (`self.cache = {"ids":
-                # ids}`), or the container it filled in place with tensors
-                # (`self.stats["last_ids"] = ids` beside a count): the object itself, and a
-                # container's entries as the call left them (the rest of the forward may add
-                # to it: a projection memoised there, which the replay must compute with its
-                # graph), held until the replay (helper HI: a count read 0 where eager read 1;
-                # helper HL: a memoised projection reused without its graph, silently). Over
-                # an object a reused call left before in the forward (told by identity: the
-                # replay put it back itself), the next call's is made again too (a router
-                # called once per chunk, helper HL); over one the forward began with, it is
-                # not (the forward's put-back leaves that name as the forward left it).
+                # NOTE [an object a reused call leaves where a value was]: the replay skips
+                # the call, so it must be given what the call left (helper HI: a count beside
+                # logged ids read 0 where eager read 1; a cache the caller empties each step
+                # raised): an object the call bound (`self.cache = {"ids": ids}`) is bound
+                # again in the replay, a container with the entries the call left (the rest of
+                # the forward may add to it: a projection memoised there, which the replay
+                # must compute with its graph, helper HL), whatever was there (an object, or a
+                # container holding tensors, is not put back as the forward began: it held
+                # the last call's, helper HP); a container the call filled in place gets those
+                # entries where it holds what the call found (read by entries, a tensor by
+                # identity: `_Mixed` in a reused call's watch), in the container the name
+                # holds then (the replay's copy where the caller rebound the name since: the
+                # caller's is left as they changed it, helper HP). So the next call of the
+                # same forward finds what the last one left (a router called once per chunk,
+                # helper HL). Held from the call to the replay: the object and the entries.
                 value = d[name]
-                made.append((name, was, _Contents(value) if type(value) in _CONTAINERS
-                             else _Object(value)))
+                filled = was is not None and type(was[1]) in (_Contents, _Mixed) and \
+                    was[1].held is value
+                made.append((name, was, _Contents(value) if filled else _Object(value)))
                 continue
             if was is not None and not _plain_entry(was):
                 continue  # an object before: read as it is (the forward's put-back skips it)
@@ -336,7 +341,12 @@ def _same_as(entry: tuple[Any, ...] | None, was: tuple[Any, ...] | None, /) -> b
             entry[1].entries == was[1].entries
     if type(was[1]) is _TensorHeld:  # a small tensor, held: the same object
         return entry[1] == was[1]
-    if not was[0]:  # an object by id, or a mixed container: as a reused call left it
+    if type(was[1]) is _Mixed:  # a container holding tensors too: by kind and entries
+        # (a copy the replay's put-back made holds them as well: helper HP)
+        return type(entry[1]) in (_Contents, _Mixed) and \
+            type(entry[1].held) is type(was[1].held) and \
+            _same_entries(entry[1].entries, was[1].entries)
+    if not was[0]:  # an object by id: one an earlier reused call left, held by its record
         return entry == was
     return entry[0] and not value_differs(entry[1], was[1])
 
@@ -358,21 +368,34 @@ class MadeNumbers:
         skipping the call, reads what the call left); one changed otherwise since is left."""
         d = self.d
         for name, was, after in self.made:
-            if not _same_as(_entry(d[name], mixed=True) if name in d else None, was):
+            # An object the call found (by identity, or a container holding tensors) and
+            # replaced by another: the forward's put-back leaves such a name as the forward
+            # left it (with_reused_calls too), so the call's object is bound whatever is there
+            # (helper HP: a dict bound anew at each call, never emptied, was read as the
+            # forward's last from the second step).
+            rebinds = type(after) is _Object and was is not None and not was[0] and \
+                type(was[1]) in (int, _Mixed)
+            if not rebinds and \
+                    not _same_as(_entry(d[name], mixed=True) if name in d else None, was):
                 continue
             if after is _ABSENT:
                 del d[name]
             elif type(after) is _TensorHeld:
                 if (tensor := after.ref()) is not None:
                     d[name] = tensor
-            elif type(after) is _Object:
+            elif type(after) is _Object:  # bound by the call, with the entries it left
                 d[name] = after.held
+                if after.entries is not None:
+                    _put(after.held, after.entries)
             elif type(after) is not _Contents:
                 d[name] = after
-            else:  # the container the call left, with the entries it left there
-                if d.get(name) is not after.held:
-                    d[name] = after.held
-                _put(after.held, after.entries)
+            elif type(d.get(name)) is type(after.held):
+                # filled in place by the call: the container there (the replay's copy where
+                # the caller rebound the name since: theirs is left as they changed it,
+                # helper HP) gets the entries the call left
+                _put(d[name], after.entries)
+            else:
+                d[name] = after.fresh()
 
 
 class NumbersGlance:
@@ -586,14 +609,19 @@ class _Mixed:
         self.entries = _entries(held)
 
     def __eq__(self, other: object) -> bool:
-        if type(other) is not _Mixed or other.held is not self.held or \
-                len(other.entries) != len(self.entries):
-            return False
-        if type(self.entries) is set:
-            return self.entries == other.entries  # hashed: a tensor by identity
-        return all(_same_entry(a, b) for a, b in zip(self.entries, other.entries))
+        return type(other) is _Mixed and other.held is self.held and \
+            _same_entries(self.entries, other.entries)
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _same_entries(a: Any, b: Any, /) -> bool:
+    """Two containers' entries (``_entries``) alike, a tensor by identity."""
+    if type(a) is not type(b) or len(a) != len(b):
+        return False
+    if type(a) is set:
+        return bool(a == b)  # hashed: a tensor by identity
+    return all(_same_entry(x, y) for x, y in zip(a, b))
 
 
 def _same_entry(a: Any, b: Any, /) -> bool:
@@ -751,7 +779,10 @@ def with_reused_calls(changed: ChangedNumbers | None, made: list[MadeNumbers], /
                 continue
             covered.add((id(change.d), name))
             if was is not None and not was[0] and type(was[1]) is int:
-                continue  # an object by id: read as it is (the NOTE in made())
+                # an object by id: read as it is, and what it held when the replay began put
+                # back after it (the call's object is bound in the replay: the NOTE in made())
+                found.setdefault(id(change.d), (change.d, [], []))[2].append(name)
+                continue
             found.setdefault(id(change.d), (change.d, [], []))[1].append(
                 (name, _ABSENT if was is None else was[1].kept
                  if type(was[1]) is _TensorHeld else

@@ -574,3 +574,32 @@ def test_chained_discards_registered_on_one_tensor_in_reverse_order_give_eagers_
     first.discard_output_and_register_recompute(out)
     out.square().sum().backward()
     assert_same_grads(expected, grads_of(params))
+
+
+# Guards against (helper HP), as it was found:
+def test_a_discard_registered_before_the_manager_whose_output_it_reads_gives_eagers_gradients(
+        ) -> None:
+    # docs/discard.md: separate objects work "discarded and registered in any order: a rebuild
+    # that finds its input still freed rebuilds the op that made it first". A manager's block
+    # (norm -> gelu) feeding a separate object's op (a second norm), both registered on one
+    # tensor, the separate one first: its rebuild rebuilds the manager's checkpoints early
+    # (NOTE [chained discards in any order]), then the manager's own hook replays them again
+    # and is refused as "already replayed", with a retain_graph tip (before dbc8e5a: refused
+    # blaming a .detach()).
+    from pytree_ckpt import CheckpointWithoutOutputManager
+
+    torch.manual_seed(0)
+    norm, norm2, proj = _Norm(), _Norm(), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [x, *norm.parameters(), *norm2.parameters(), *proj.parameters()]
+    proj(norm2(torch.nn.functional.gelu(norm(x)))).square().sum().backward()
+    expected = grads_of(params)
+    for t in params:
+        t.grad = None
+    manager, last = CheckpointWithoutOutputManager(), CheckpointWithoutOutput()
+    gelu = manager.checkpoint(torch.nn.functional.gelu, manager.checkpoint(norm, x))
+    out = proj(last.checkpoint(norm2, gelu))
+    last.discard_output_and_register_recompute(out)
+    manager.discard_all_outputs_and_register_unified_recompute(out)
+    out.square().sum().backward()
+    assert_same_grads(expected, grads_of(params))

@@ -2468,3 +2468,98 @@ def test_a_small_tensor_attribute_two_submodules_share_and_count_replays_as_one_
         grads.append([p.grad for p in model.parameters()])
     assert eager.a.steps.item() == ours.a.steps.item() == 4
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _LoadRouter(nn.Module):
+    """Counts its calls in a small dict on itself (plain ints only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load: dict[str, int] = {}
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        self.load["calls"] = self.load.get("calls", 0) + 1
+        return h.topk(2, -1).indices
+
+
+class _RoutedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _LoadRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.gather(h, -1, reuse_during_recompute(self.router.route, h.detach()))
+
+
+# Guards against (helper HP), as it was found:
+def test_a_count_dict_the_caller_swaps_out_before_backward_is_left_as_the_caller_changed_it(
+        ) -> None:
+    # The trainer takes the router's log after each forward and puts an empty one in its
+    # place (`taken, router.load = router.load, {}`), then annotates what it took. Eager's
+    # backward does not touch either dict. MadeNumbers.make_again (d46f127) now binds the
+    # call's own dict back on the router for the replay and refills it in place with the
+    # entries the call left: the caller's dict loses its annotation (before d46f127 the
+    # replay refilled a fresh copy, and the caller's dict was left alone).
+    torch.manual_seed(0)
+    eager = _RoutedLayer()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    taken_by = []
+    for model in (eager, wrapped):
+        out = model(x)
+        taken, model.router.load = model.router.load, {}
+        taken["step"] = 7
+        out.sum().backward()
+        taken_by.append((taken, model.router.load))
+    assert taken_by[0] == taken_by[1] == ({"calls": 1, "step": 7}, {})
+
+
+class _LoggingRouter(nn.Module):
+    """Counts its calls beside the ids it logged last, in one dict kept across steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, Any] = {"calls": 0, "last_ids": None}
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        ids = h.topk(2, -1).indices
+        self.stats["calls"] += 1
+        self.stats["last_ids"] = ids
+        return ids
+
+
+class _ScaledByCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _LoggingRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(self.router.route, h.detach())
+        return torch.gather(h, -1, ids) * self.router.stats["calls"]
+
+
+# Guards against (helper HP), as it was found:
+def test_a_count_beside_logged_ids_that_the_caller_snapshots_before_backward_replays_as_eager(
+        ) -> None:
+    # The caller snapshots the router's stats for logging and puts a copy in their place
+    # (`snapshot, router.stats = router.stats, dict(router.stats)`). From the second step the
+    # dict holds the last step's ids as the forward begins (a mixed container): the replay
+    # puts it back as a fresh copy (the name was rebound), and MadeNumbers.make_again's
+    # _same_as compares a _Mixed entry by identity, so it does not make the call's count again:
+    # the layer's replay reads the count before the call (gradients scaled by 1 where eager's
+    # are by 2), silently. Before d46f127 the replay read eager's count.
+    torch.manual_seed(0)
+    eager = _ScaledByCalls()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, wrapped):
+            out = model(x)
+            model.router.stats = dict(model.router.stats)
+            out.sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), f"step {step}"

@@ -1465,6 +1465,26 @@ def test_what_a_second_reused_call_of_one_forward_leaves_on_its_module_is_read_i
         assert eager.router.stats["calls"] == wrapped.router.stats["calls"] == 4
 
 
+# Guards against (helper HP), as it was found:
+def test_a_dict_each_reused_call_binds_anew_nobody_empties_is_read_per_call_in_every_step(
+        ) -> None:
+    # As above ("bound"), without the caller emptying the cache between steps: the router
+    # just binds `self.cache = {"ids": ids}` at each call. From the second step the first
+    # call finds the last step's dict there (an object, by id), so with_reused_calls puts
+    # nothing back and make_again's _same_as finds the second call's dict in the replay, not
+    # the one the first call found: the first chunk's replay gathers with the second chunk's
+    # ids, silently. replay.md: "a dict bound anew ... also one the next call of the same
+    # forward changes again ... so code after the call reads what eager read".
+    torch.manual_seed(0)
+    eager = RoutesInChunks("bound")
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
+        for model in (eager, wrapped):
+            model.zero_grad(set_to_none=True)
+
+
 class MemoisesInRouterCache(nn.Module):
     """Memoises a projection in the cache dict its reused call binds anew (or fills in place
     where none was), computing it only where the cache lacks it."""
