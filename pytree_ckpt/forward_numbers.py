@@ -22,7 +22,7 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .module_state import ModuleDicts, torch_nn_class
-from .tree import dunder
+from .tree import dunder, instance_dict
 
 __all__ = ["ChangedNumbers", "MadeNumbers", "NumbersGlance", "NumbersWatch", "glanced_dicts",
            "numbers_read", "plain_entries", "value_differs", "with_reused_calls"]
@@ -100,7 +100,41 @@ class _Object:
 
     def __init__(self, held: Any, /) -> None:
         self.held = held
-        self.entries = _entries(held) if type(held) in _CONTAINERS else None
+        self.entries = _snapshot(held)
+
+    def put_back(self) -> None:
+        """The object with what it held when the call left it (the rest of the forward may
+        have added to it: a projection memoised there, helpers HL, HR)."""
+        held, entries = self.held, self.entries
+        if entries is None:
+            return
+        if isinstance(held, dict):
+            held.clear()
+            held.update(entries)
+        elif isinstance(held, list):
+            held[:] = entries
+        elif isinstance(held, set):
+            held.clear()
+            held.update(entries)
+        elif isinstance(own := instance_dict(held), dict):
+            own.clear()
+            own.update(entries)
+
+
+def _snapshot(held: Any, /) -> Any:
+    """What ``_Object.put_back`` restores: a dict's, list's or set's entries (subclasses too),
+    else the attributes in the object's ``__dict__``; ``None`` for anything else (slots, a
+    tensor, a module: rebound as it is)."""
+    if isinstance(held, (torch.Tensor, nn.Module)):
+        return None
+    if isinstance(held, dict):
+        return dict(held)
+    if isinstance(held, list):
+        return list(held)
+    if isinstance(held, set):
+        return set(held)
+    own = instance_dict(held)
+    return dict(own) if isinstance(own, dict) else None
 
 
 class _Refilled:
@@ -109,17 +143,29 @@ class _Refilled:
     replay all the same (a cache the caller empties each step must be empty there, or the
     replay reuses the original pass's tensor, which has no gradient), but the container is
     known by id and type only, so the tensors it holds are not kept alive until the replay
-    once the caller lets go of it. (An id reused by a container the caller put in its place
-    gets the entries read during the replay, and its own back after it.)"""
+    once the caller lets go of it. A container the caller put in its place since is left as
+    it is: the replay gets a new one with the entries read, and the caller's after it (helper
+    HR: the caller's fresh dict was filled by the replay). (An id reused by a container the
+    caller put in its place gets the entries read during the replay, and its own back after
+    it.)"""
 
-    __slots__ = ("ident", "kind", "entries")
+    __slots__ = ("ident", "kind", "entries", "factory")
 
     def __init__(self, contents: _Contents, /) -> None:
         self.ident, self.kind = id(contents.held), type(contents.held)
         self.entries = contents.entries
+        self.factory = getattr(contents.held, "default_factory", None)  # a defaultdict's
 
     def holds(self, held: Any, /) -> bool:
         return id(held) == self.ident and type(held) is self.kind
+
+    def fresh(self) -> Any:
+        """A new container of the kind read, with the entries read: for a name the caller
+        rebound since (the replay must not change the caller's object, and must start from
+        what the forward read: helper HR)."""
+        made = self.kind(self.factory) if self.kind is collections.defaultdict else self.kind()
+        _put(made, self.entries)
+        return made
 
 
 def _entries(held: Any, /) -> Any:
@@ -302,17 +348,18 @@ class NumbersWatch:
                 # the call, so it must be given what the call left (helper HI: a count beside
                 # logged ids read 0 where eager read 1; a cache the caller empties each step
                 # raised): an object the call bound (`self.cache = {"ids": ids}`) is bound
-                # again in the replay, a container with the entries the call left (the rest of
-                # the forward may add to it: a projection memoised there, which the replay
-                # must compute with its graph, helper HL), whatever was there (an object, or a
-                # container holding tensors, is not put back as the forward began: it held
-                # the last call's, helper HP); a container the call filled in place gets those
-                # entries where it holds what the call found (read by entries, a tensor by
-                # identity: `_Mixed` in a reused call's watch), in the container the name
-                # holds then (the replay's copy where the caller rebound the name since: the
-                # caller's is left as they changed it, helper HP). So the next call of the
-                # same forward finds what the last one left (a router called once per chunk,
-                # helper HL). Held from the call to the replay: the object and the entries.
+                # again in the replay, with what it held when the call left it (a container's
+                # entries, another object's attributes: the rest of the forward may add to
+                # it, a projection memoised there, which the replay must compute with its
+                # graph, helpers HL, HR), whatever was there (an object, or a container
+                # holding tensors, is not put back as the forward began: it held the last
+                # call's, helper HP); a container the call filled in place gets those entries
+                # where the name holds what the call found (read by entries, a tensor by
+                # identity: `_Mixed` in a reused call's watch): in place where it is the
+                # call's own container, else in a new one (the caller's, put there since, is
+                # left as they changed it: helpers HP, HR). So the next call of the same
+                # forward finds what the last one left (a router called once per chunk,
+                # helper HL). Held from the call to the replay: the object and what it held.
                 value = d[name]
                 filled = was is not None and type(was[1]) in (_Contents, _Mixed) and \
                     was[1].held is value
@@ -383,18 +430,17 @@ class MadeNumbers:
             elif type(after) is _TensorHeld:
                 if (tensor := after.ref()) is not None:
                     d[name] = tensor
-            elif type(after) is _Object:  # bound by the call, with the entries it left
+            elif type(after) is _Object:  # bound by the call, with what it left in it
                 d[name] = after.held
-                if after.entries is not None:
-                    _put(after.held, after.entries)
+                after.put_back()
             elif type(after) is not _Contents:
                 d[name] = after
-            elif type(d.get(name)) is type(after.held):
-                # filled in place by the call: the container there (the replay's copy where
-                # the caller rebound the name since: theirs is left as they changed it,
-                # helper HP) gets the entries the call left
-                _put(d[name], after.entries)
+            elif d.get(name) is after.held:  # filled in place by the call: in place again
+                _put(after.held, after.entries)
             else:
+                # The name holds another container (the replay's copy, or one the caller put
+                # there since: theirs is left as they changed it, helpers HP, HR): a new one,
+                # the name's own put back after the replay (it is among the forward's changes)
                 d[name] = after.fresh()
 
 
@@ -755,8 +801,10 @@ def _set(d: dict[str, Any], named: list[tuple[str, Any]], /) -> None:
             else:  # rebound or deleted: a new one, so the object read is not changed
                 d[name] = value.fresh()
         elif type(value) is _Refilled:
-            if value.holds(held := d.get(name)):  # else the caller replaced it: as it is
+            if value.holds(held := d.get(name)):
                 _put(held, value.entries)
+            else:  # the caller replaced it: a new one for the replay, theirs left as it is
+                d[name] = value.fresh()
         else:
             d[name] = value
 

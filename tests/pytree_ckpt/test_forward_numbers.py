@@ -8,6 +8,7 @@ import collections
 import copy
 import enum
 import gc
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -2563,3 +2564,117 @@ def test_a_count_beside_logged_ids_that_the_caller_snapshots_before_backward_rep
             grads.append([p.grad.clone() for p in model.parameters()])
             model.zero_grad(set_to_none=True)
         assert all(torch.equal(a, b) for a, b in zip(*grads)), f"step {step}"
+
+
+# Guards against (helper HR), as it was found:
+def test_a_count_dict_the_caller_resets_to_a_fresh_one_before_backward_stays_as_the_caller_set_it(
+        ) -> None:
+    # The trainer logs the router's stats after each forward and resets them to a fresh dict
+    # equal to the one the router starts with (`router.stats = {"calls": 0, "last_ids":
+    # None}`), before backward. Eager's backward touches neither dict. make_again finds the
+    # caller's new dict holding the entries the call found (by entries: _same_as), and puts
+    # the call's entries into it (`_put(d[name], after.entries)`); nothing restores them after
+    # the replay (the forward's put-back is a _Refilled of the old dict, which no longer
+    # holds the name). So the caller's fresh dict ends the step at {"calls": 1, "last_ids":
+    # ids} (a tensor kept too), and the next step counts 2 where eager counts 1: gradients
+    # scaled by 2, silently.
+    torch.manual_seed(0)
+    eager = _ScaledByCalls()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, wrapped):
+            out = model(x)
+            model.router.stats = {"calls": 0, "last_ids": None}
+            out.sum().backward()
+            assert model.router.stats == {"calls": 0, "last_ids": None}, f"step {step}"
+            grads.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), f"step {step}"
+
+
+class _ScaledByCallsInChunks(nn.Module):
+    """_ScaledByCalls with one reused call per half of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _LoggingRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(self.router.route, h.detach())
+            outs.append(torch.gather(h, -1, ids) * self.router.stats["calls"])
+        return torch.cat(outs)
+
+
+# Guards against (helper HR), as it was found:
+def test_a_count_beside_logged_ids_the_caller_copies_before_backward_replays_per_call_as_eager(
+        ) -> None:
+    # As the snapshot test above, with two reused calls in one forward (a chunked layer), in
+    # the first step: the forward begins with {"calls": 0, "last_ids": None}; the caller
+    # copies the dict before backward (`router.stats = dict(router.stats)`: calls 2, the
+    # second call's ids). The forward's put-back (_Refilled) skips the copy (the name holds
+    # another dict), and make_again of the first call finds it holding neither what that call
+    # found nor anything it binds, so it is left: the first chunk's replay reads count 2 where
+    # eager's forward read 1 (its gradients doubled), silently.
+    torch.manual_seed(0)
+    eager = _ScaledByCallsInChunks()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    grads = []
+    for model in (eager, wrapped):
+        out = model(x)
+        model.router.stats = dict(model.router.stats)
+        out.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _NamespaceRouter(nn.Module):
+    """Binds its routing state anew at each call as a plain object (a SimpleNamespace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: Any = None
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        ids = h.topk(2, -1).indices
+        self.state = types.SimpleNamespace(ids=ids, proj=None)
+        return ids
+
+
+class _MemoisesInRouterNamespace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.proj, self.router = nn.Linear(8, 8), nn.Linear(8, 8), _NamespaceRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        reuse_during_recompute(self.router.route, h.detach())
+        state = self.router.state
+        if state.proj is None:  # memoised in the routing state the call bound
+            state.proj = self.proj(h)
+        return torch.gather(state.proj, -1, state.ids).sum(-1, keepdim=True) * h
+
+
+# Guards against (helper HR), as it was found:
+def test_a_projection_memoised_in_a_namespace_the_reused_call_binds_gets_its_gradient() -> None:
+    # The dict form of this (helper HL) is exact: make_again binds the call's dict with the
+    # entries the call left (_Object.entries). A plain object the call binds is held as the
+    # forward left it (_Object.entries is None for anything but _CONTAINERS, a dict subclass
+    # too): the replay finds `proj` the original pass computed under no-grad, reuses it, and
+    # self.proj gets no gradient where eager gives one, silently (no warning; not in
+    # docs/limits.md; replay.md says the replay is given "the object and the entries the
+    # call left").
+    torch.manual_seed(0)
+    eager = _MemoisesInRouterNamespace()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    grads = []
+    for model in (eager, wrapped):
+        model(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(b is not None for b in grads[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
