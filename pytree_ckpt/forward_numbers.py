@@ -9,8 +9,10 @@ Buffers the forward changes are ``state_changes.py``'s; the modes and entries of
 from __future__ import annotations
 
 import collections
+import contextvars
 import copy
 import enum
+import types
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -91,6 +93,21 @@ class _Contents:
         return made
 
 
+# NOTE [what the replay writes into is put back after it]: the replay makes again what a
+# skipped reused call left by writing into the objects it bound or filled (the call's own:
+# eager's objects, which others may hold too: a router's shared namespace, a trainer's log of
+# records, helper HS), so each such object gets what it held when the replay began back once
+# the replay is done (``as_forward_began`` runs these, last written first).
+_AFTER_REPLAY: contextvars.ContextVar[list[tuple[Any, Any]] | None] = \
+    contextvars.ContextVar("pytree_ckpt_after_replay", default=None)
+
+
+def _restore_after_replay(held: Any, /) -> None:
+    pending = _AFTER_REPLAY.get()
+    if pending is not None and (snapshot := _snapshot(held)) is not None:
+        pending.append((held, snapshot))
+
+
 class _Object:
     """An object a reused call bound on its module (NOTE [an object a reused call leaves
     where a value was]), and a container's entries as the call left them (``None`` for
@@ -105,20 +122,23 @@ class _Object:
     def put_back(self) -> None:
         """The object with what it held when the call left it (the rest of the forward may
         have added to it: a projection memoised there, helpers HL, HR)."""
-        held, entries = self.held, self.entries
-        if entries is None:
-            return
-        if isinstance(held, dict):
-            held.clear()
-            held.update(entries)
-        elif isinstance(held, list):
-            held[:] = entries
-        elif isinstance(held, set):
-            held.clear()
-            held.update(entries)
-        elif isinstance(own := instance_dict(held), dict):
-            own.clear()
-            own.update(entries)
+        if self.entries is not None:
+            _put_snapshot(self.held, self.entries)
+
+
+def _put_snapshot(held: Any, entries: Any, /) -> None:
+    """``held`` given a ``_snapshot`` of it back, in place."""
+    if isinstance(held, dict):
+        held.clear()
+        held.update(entries)
+    elif isinstance(held, list):
+        held[:] = entries
+    elif isinstance(held, set):
+        held.clear()
+        held.update(entries)
+    elif isinstance(own := instance_dict(held), dict):
+        own.clear()
+        own.update(entries)
 
 
 def _snapshot(held: Any, /) -> Any:
@@ -170,9 +190,15 @@ class _Refilled:
 
 def _entries(held: Any, /) -> Any:
     """A copy of a container's entries: a list, a set, or a dict's items in their order (a
-    round robin that only moves an entry to the end, ``move_to_end``, changes the order)."""
+    round robin that only moves an entry to the end, ``move_to_end``, changes the order); of
+    another object (a reused call's watch reads plain objects too: ``_Mixed``), the items of
+    its ``__dict__``."""
     kind = type(held)
-    return list(held) if kind is list else set(held) if kind is set else list(held.items())
+    if kind is list or kind is set:
+        return kind(held)
+    if isinstance(held, dict):
+        return list(held.items())
+    return list(instance_dict(held).items())
 
 
 def _put(held: Any, entries: Any, /) -> None:
@@ -182,10 +208,14 @@ def _put(held: Any, entries: Any, /) -> None:
     elif type(held) is set:
         held.clear()
         held.update(entries)
-    else:  # each kind's own item assignment (a Counter's update would add counts)
-        held.clear()
+    elif isinstance(held, dict):  # each kind's own item assignment (a Counter's update
+        held.clear()              # would add counts)
         for key, value in entries:
             held[key] = value
+    else:  # a plain object's attributes
+        own = instance_dict(held)
+        own.clear()
+        own.update(entries)
 
 
 def plain_entries(value: Any, /) -> Any:
@@ -359,11 +389,18 @@ class NumbersWatch:
                 # call's own container, else in a new one (the caller's, put there since, is
                 # left as they changed it: helpers HP, HR). So the next call of the same
                 # forward finds what the last one left (a router called once per chunk,
-                # helper HL). Held from the call to the replay: the object and what it held.
+                # helper HL). A plain object the call changes in place (a namespace a router
+                # counts in) is read by its attributes, as such a container. What the replay
+                # writes into gets what it held when the replay began back after it (NOTE
+                # [what the replay writes into is put back after it]). Read one level deep:
+                # a tensor memoised deeper, in slots, or as a dict subclass's attribute is not
+                # put back (documented). Held from the call to the replay: the object and what
+                # it held.
                 value = d[name]
                 filled = was is not None and type(was[1]) in (_Contents, _Mixed) and \
                     was[1].held is value
-                made.append((name, was, _Contents(value) if filled else _Object(value)))
+                made.append((name, was, _Contents(value) if filled and
+                             type(value) in _CONTAINERS else _Object(value)))
                 continue
             if was is not None and not _plain_entry(was):
                 continue  # an object before: read as it is (the forward's put-back skips it)
@@ -432,10 +469,12 @@ class MadeNumbers:
                     d[name] = tensor
             elif type(after) is _Object:  # bound by the call, with what it left in it
                 d[name] = after.held
+                _restore_after_replay(after.held)
                 after.put_back()
             elif type(after) is not _Contents:
                 d[name] = after
             elif d.get(name) is after.held:  # filled in place by the call: in place again
+                _restore_after_replay(after.held)
                 _put(after.held, after.entries)
             else:
                 # The name holds another container (the replay's copy, or one the caller put
@@ -632,8 +671,24 @@ def _object_entry(value: Any, clones: dict[int, torch.Tensor] | None = None, /, 
                   mixed: bool = False) -> tuple[Any, ...]:
     return (False, _TensorHeld(value, clones) if isinstance(value, torch.Tensor) else
             _Contents(value) if _plain_container(value) else
-            _Mixed(value) if mixed and type(value) in _CONTAINERS and
-            len(value) <= _MOST_ENTRIES else id(value))
+            _Mixed(value) if mixed and _read_by_entries(value) else id(value))
+
+
+def _read_by_entries(value: Any, /) -> bool:
+    """A reused call's watch reads a small container holding anything, and a plain object by
+    the attributes in its ``__dict__`` (a namespace a router counts in), by their entries."""
+    if type(value) in _CONTAINERS:
+        return len(value) <= _MOST_ENTRIES
+    if isinstance(value, _NOT_PLAIN_OBJECTS):
+        return False
+    own = instance_dict(value)
+    return type(own) is dict and len(own) <= _MOST_ENTRIES
+
+
+# Objects a reused call's watch does not read by their attributes: modules and tensors (state
+# of their own kinds), functions, classes and Python modules (code, not state), containers.
+_NOT_PLAIN_OBJECTS = (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType,
+                      types.ModuleType, dict, list, set, tuple)
 
 
 def _entry(value: Any, /, *, mixed: bool = False) -> tuple[Any, ...]:
@@ -728,13 +783,21 @@ class ChangedNumbers:
         fresh: dict[int, torch.Tensor] = {}
         found = [(d, [(name, _fresh(value, fresh) if type(value) is _ValuesRead else value)
                       for name, value in values]) for d, values, _ in self.found]
+        # One new container per container read, whatever number of names held it (a log a
+        # layer shares with its submodule stays one list in the replay: helper HS).
+        made: dict[int, Any] = {}
         for d, values in found:
-            _set(d, values)
+            _set(d, values, made)
         put = {(id(d), name): value for d, values in found for name, value in values
                if isinstance(value, torch.Tensor)}
+        pending: list[tuple[Any, Any]] = []
+        token = _AFTER_REPLAY.set(pending)
         try:
             yield
         finally:
+            _AFTER_REPLAY.reset(token)
+            for held, snapshot in reversed(pending):  # the NOTE at _AFTER_REPLAY
+                _put_snapshot(held, snapshot)
             for held, entries in entries_at_start:
                 _put(held, entries)
             # What the replay read there: a small tensor put back, else what it held.
@@ -791,7 +854,11 @@ def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str
 _TOLD_GRAPH = _OURS + "_told_graph_"
 
 
-def _set(d: dict[str, Any], named: list[tuple[str, Any]], /) -> None:
+def _set(d: dict[str, Any], named: list[tuple[str, Any]],
+         made: dict[int, Any] | None = None, /) -> None:
+    """``d``'s names given the values read; ``made``: the new containers made so far, by the
+    id of the one read (one per container, whatever number of names held it)."""
+    made = {} if made is None else made
     for name, value in named:
         if value is _ABSENT:
             d.pop(name, None)
@@ -799,12 +866,14 @@ def _set(d: dict[str, Any], named: list[tuple[str, Any]], /) -> None:
             if d.get(name) is value.held:  # changed in place: its entries as they were read
                 _put(value.held, value.entries)
             else:  # rebound or deleted: a new one, so the object read is not changed
-                d[name] = value.fresh()
+                key = id(value.held)
+                d[name] = made[key] if key in made else made.setdefault(key, value.fresh())
         elif type(value) is _Refilled:
             if value.holds(held := d.get(name)):
                 _put(held, value.entries)
             else:  # the caller replaced it: a new one for the replay, theirs left as it is
-                d[name] = value.fresh()
+                key = value.ident
+                d[name] = made[key] if key in made else made.setdefault(key, value.fresh())
         else:
             d[name] = value
 
