@@ -113,16 +113,6 @@ _is_tracing = torch.jit.is_tracing
 _INERT_LOGGED: set[str] = set()
 
 
-# NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint (used by
-# transformers' gradient checkpointing, torchtune, torchtitan) runs the body with grad on under
-# its own saved-tensor hooks, which keep nothing, and runs it again in backward to make what
-# was saved. A discard there freed the rerun's output that torch had just saved for the
-# consumer (``silu(g) * u``), and set its rebuild on the rerun's output, which no backward
-# reaches: the consumer's backward read freed memory (a segfault: helper HO). Torch's
-# checkpoint frees what the body saves already, so the discard is a plain call under its
-# hooks, in both runs (torch_checkpoints.py tells them).
-
-
 # NOTE [discard stays eager]: a compiled body whose norms go through output discard (the
 # reference model's discard_norm_outputs) cannot trace the Function: it frees outputs in place
 # and hangs their rebuild on a gradient hook. Called from traced code, dynamo gave up on it
@@ -265,6 +255,14 @@ class CheckpointWithoutOutput:
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         transformed = _functorch_transforms_active() or _forward_ad._current_level >= 0 \
             or _is_tracing()
+        # NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint
+        # (transformers' gradient checkpointing, torchtune, torchtitan) runs the body with
+        # grad on under its own saved-tensor hooks, which keep nothing, and runs it again in
+        # backward to make what was saved. A discard there freed the rerun's output that torch
+        # had just saved for the consumer (``silu(g) * u``), and set its rebuild on the
+        # rerun's output, which no backward reaches: the consumer's backward read freed memory
+        # (a segfault: helper HO). Torch's checkpoint frees what the body saves already, so
+        # the discard is a plain call under its hooks, in both runs (torch_checkpoints.py).
         inside_torchs = torch.is_grad_enabled() and inside_torchs_checkpoint()
         if not torch.is_grad_enabled() or not needs_grad or transformed or inside_torchs:
             # Nothing will be saved (no_grad, a checkpoint boundary's original pass, or nothing

@@ -109,9 +109,9 @@ def _restore_after_replay(held: Any, /) -> None:
 
 
 class _Object:
-    """An object a reused call bound on its module (NOTE [an object a reused call leaves
-    where a value was]), and a container's entries as the call left them (``None`` for
-    another object)."""
+    """An object a reused call bound on its module, or changed in place (NOTE [an object a
+    reused call leaves where a value was]), and what it held as the call left it (``_snapshot``:
+    ``None`` for an object with nothing to snapshot, bound as it is)."""
 
     __slots__ = ("held", "entries")
 
@@ -699,9 +699,10 @@ def _entry(value: Any, /, *, mixed: bool = False) -> tuple[Any, ...]:
 
 class _Mixed:
     """A small container holding more than plain values (a tensor a reused call logged beside
-    a count), as a reused call's watch reads it (NOTE [an object a reused call leaves where a
-    value was]): equal to another only for the same container holding the same entries, by
-    identity (a tensor's ``==`` is elementwise)."""
+    a count), or a plain object by the attributes in its ``__dict__``, as a reused call's
+    watch reads it (NOTE [an object a reused call leaves where a value was]): equal to another
+    only for the same object holding the same entries, a tensor by identity (its ``==`` is
+    elementwise)."""
 
     __slots__ = ("held", "entries")
 

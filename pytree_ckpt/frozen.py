@@ -373,9 +373,9 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     back as the forward began and runs the code before the call again, so it finds them as
     the call did, and gets what the call left (``"numbers"``; a tensor it stored where a value
     was, ``self.last = scores``, by weak reference: while the module or the frame holds it;
-    an object it left where a value or nothing was, or the entries of a small container it
-    filled with tensors, held: NOTE [an object a reused call leaves where a value was]; a
-    buffer it registered, or gave a tensor where None was, as a reassigned one);
+    an object it bound or changed in place, with what it held then: NOTE [an object a reused
+    call leaves where a value was]; a buffer it registered, or gave a tensor where None was,
+    as a reassigned one);
     one found otherwise (changed since) is left; the call's values are put back as it found
     them for the replay even on a module outside the boundary's (``with_reused_calls`` in
     forward_numbers.py). Cost: two reads of the module's ``__dict__`` per reused call in the
