@@ -88,7 +88,7 @@ def format_report(size: str, steps: int, per_step: dict[str, float], grads_equal
     lines = [
         f"pytree-ckpt boundary vs torch.utils.checkpoint, instructions (callgrind), {LAYERS}-layer "
         f"decoder, size {size}, torch {torch.__version__}, {steps} steps counted per config",
-        f"grads of ours (checkpoint and module wrapping) bit-identical to eager: "
+        f"grads of ours (checkpoint, module wrapping, verify_replay) bit-identical to eager: "
         f"{'yes' if grads_equal else 'NO'}",
         "",
         "| config | k instructions / step | over eager, k / layer call | ratio vs torch reentrant |",
