@@ -59,7 +59,8 @@ class UnitUse:
             if name in self._kept:
                 continue
             what = (f"none of its ops {sorted(ops)} was kept there (not dispatched; or only "
-                    "as views, clones, in-place ops or under inference_mode, never kept)"
+                    "as views, clones, in-place ops, under inference_mode, or casts under "
+                    "autocast, never kept)"
                     if ops else
                     f"the methods {sorted(methods)} kept nothing there (not called inside a "
                     "checkpointed layer, or dispatching no op that can be kept)")

@@ -323,3 +323,31 @@ def test_a_kept_method_whose_ops_run_in_a_reused_call_is_not_warned() -> None:
     got, told = _steps(layers)
     assert told == []
     assert_same_grads(expected, got)
+
+
+# Guards against (helper HU), as it was found:
+def test_a_unit_keeping_casts_under_the_callers_autocast_is_told_that_such_casts_are_never_kept() -> None:
+    import warnings
+
+    from torch import nn
+
+    from pytree_ckpt import KeptOps, RecomputeConfig, SaveUnit, apply_recompute_config
+
+    class Cast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.lin(h).float()
+
+    layer = Cast()
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::_to_copy")})
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(torch.randn(2, 8, requires_grad=True))
+        out.sum().backward()
+    said = [str(w.message) for w in told if "kept nothing" in str(w.message)]
+    assert said and "autocast" in said[0]
