@@ -17,9 +17,11 @@ one block that switches grad off (its first context manager is ``torch.no_grad()
 reads), and at most a ``return`` of names follows the block, every float the function computes
 has no graph in eager, as under the decorator. Anything else (a statement before the block, a
 computation after it, a block that names ``enable_grad``, ``set_grad_enabled`` or
-``inference_mode`` again inside, a local or closure variable named as the switch,
-source that cannot be read: a lambda, exec'd code) keeps the refusal, which the decorator
-lifts. As with the decorator, a helper the body calls that enables grad itself is not seen.
+``inference_mode`` again inside, or a global bound to one under another name, a context
+manager beside the switch other than autocast or another switch, a local or closure variable
+named as the switch, source that cannot be read: a lambda, exec'd code) keeps the refusal,
+which the decorator lifts. As with the decorator, a helper the body calls that enables grad
+itself is not seen. Judged once per code object and globals, at its first use.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import ast
 import inspect
 import textwrap
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,11 +39,22 @@ from .tree import dunder
 
 __all__ = ["body_without_grad"]
 
-# id(code) -> (code, kept alive so the id stays its own; the block's first context manager,
-# or None where the body is not all in one block)
-_SHAPES: dict[int, tuple[types.CodeType, ast.Call | None]] = {}
-# Inside the block, a name that may turn grad back on (inference_mode(False) does: helper HL).
-_SWITCHES_ON = frozenset({"enable_grad", "set_grad_enabled", "inference_mode"})
+class _Block(NamedTuple):
+    """What the source says of a body held by one block: its context managers, and the dotted
+    names read inside it (resolved among the globals when the function is judged)."""
+
+    managers: tuple[ast.Call, ...]
+    names: tuple[ast.expr, ...]
+
+
+# id(code) -> (code, kept alive so the id stays its own; its block, or None where the body is
+# not all in one block); (id(code), id(globals)) -> (code, the verdict)
+_SHAPES: dict[int, tuple[types.CodeType, _Block | None]] = {}
+_VERDICTS: dict[tuple[int, int], tuple[types.CodeType, bool]] = {}
+# Inside the block, a name that may turn grad back on (inference_mode(False) does: helper HL),
+# by its last part whatever it is bound to.
+_SWITCHES_ON = frozenset({"enable_grad", "set_grad_enabled", "inference_mode",
+                          "_set_grad_enabled"})
 
 
 def body_without_grad(fn: Any, /) -> bool:
@@ -52,18 +65,39 @@ def body_without_grad(fn: Any, /) -> bool:
     if not isinstance(function, types.FunctionType) or not isinstance(code, types.CodeType) \
             or dunder(function, "__wrapped__") is not None:
         return False
-    entry = _SHAPES.get(id(code))
-    if entry is None or entry[0] is not code:
-        entry = _SHAPES[id(code)] = (code, _block_around_body(function))
-    # Resolved at each call, not kept with the code: one code object may run with other
-    # globals (a function made from another's code).
-    return entry[1] is not None and _switches_off(entry[1], globals_of(function))
+    space = globals_of(function)
+    # Judged per code and globals: one code object may run with other globals (a function
+    # made from another's code).
+    key = (id(code), id(space))
+    verdict = _VERDICTS.get(key)
+    if verdict is None or verdict[0] is not code:
+        entry = _SHAPES.get(id(code))
+        if entry is None or entry[0] is not code:
+            entry = _SHAPES[id(code)] = (code, _block_around_body(function))
+        block = entry[1]
+        verdict = _VERDICTS[key] = (code, block is not None and _judged(block, space))
+    return verdict[1]
 
 
-def _block_around_body(function: types.FunctionType, /) -> ast.Call | None:
-    """The first context manager of the one ``with`` block holding all of the function's
-    body (but a docstring, and a ``return`` of names after it), if it has that shape and
-    nothing inside names a switch turning grad back on."""
+def _judged(block: _Block, space: dict[str, Any], /) -> bool:
+    """The block's first context manager switches grad off, the others switch it off too or
+    are autocast, and no name read inside is bound to a switch that turns it back on (an
+    alias: `from torch import enable_grad as eg`)."""
+    first, *others = block.managers
+    return _switches_off(first, space) and all(
+        _switches_off(other, space) or _is_one_of(_resolved(other.func, space), _AUTOCASTS)
+        for other in others) and not any(
+        _is_one_of(_resolved(name, space), _TURNING_ON) for name in block.names)
+
+
+def _is_one_of(value: Any, options: tuple[Any, ...], /) -> bool:
+    return any(value is option for option in options)  # by identity: a tensor's == is not
+
+
+def _block_around_body(function: types.FunctionType, /) -> _Block | None:
+    """The one ``with`` block holding all of the function's body (but a docstring, and a
+    ``return`` of names after it), if it has that shape, its context managers are calls of
+    global names, and nothing inside names a switch turning grad back on."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError, IndentationError):
@@ -80,21 +114,24 @@ def _block_around_body(function: types.FunctionType, /) -> ast.Call | None:
             not (isinstance(body[1], ast.Return) and _names_only(body[1].value)):
         return None
     block = body[0]
-    first = block.items[0].context_expr
-    inside = [item.context_expr for item in block.items[1:]] + list(block.body)
-    head = first.func if isinstance(first, ast.Call) else None
-    while isinstance(head, ast.Attribute):
-        head = head.value
+    managers = [item.context_expr for item in block.items]
     code = function.__code__
-    if not isinstance(head, ast.Name) or head.id in code.co_varnames or \
-            head.id in code.co_cellvars or head.id in code.co_freevars:
-        return None  # resolved among the globals only: a local of that name may be anything
-    if not isinstance(first, ast.Call) or any(
-            isinstance(node, ast.Attribute) and node.attr in _SWITCHES_ON or
-            isinstance(node, ast.Name) and node.id in _SWITCHES_ON
-            for part in inside for node in ast.walk(part)):
+    local = {*code.co_varnames, *code.co_cellvars, *code.co_freevars}
+    for manager in managers:
+        head = manager.func if isinstance(manager, ast.Call) else None
+        while isinstance(head, ast.Attribute):
+            head = head.value
+        if not isinstance(head, ast.Name) or head.id in local:
+            return None  # resolved among the globals only: a local may be anything
+    inside = [*managers[1:], *block.body]
+    if any(isinstance(node, ast.Attribute) and node.attr in _SWITCHES_ON or
+           isinstance(node, ast.Name) and node.id in _SWITCHES_ON
+           for part in inside for node in ast.walk(part)):
         return None
-    return first
+    names = tuple(node for part in block.body for node in ast.walk(part)
+                  if isinstance(node, (ast.Name, ast.Attribute)))
+    return _Block(tuple(m for m in managers if isinstance(m, ast.Call)), names) \
+        if all(isinstance(m, ast.Call) for m in managers) else None
 
 
 def _names_only(value: ast.expr | None, /) -> bool:
@@ -122,6 +159,13 @@ def _switches_off(expression: ast.Call, space: dict[str, Any], /) -> bool:
     if callee is torch.inference_mode:
         return not given or given == [True]
     return callee is torch.set_grad_enabled and given == [False]
+
+
+# What a name inside the block may be bound to that turns grad back on, and the context
+# managers allowed beside the switch (autocast changes no grad mode).
+_TURNING_ON = (torch.enable_grad, torch.set_grad_enabled, torch.inference_mode,
+               torch._C._set_grad_enabled)
+_AUTOCASTS = (torch.autocast, torch.amp.autocast)
 
 
 def _resolved(expression: ast.expr, space: dict[str, Any], /) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch import enable_grad as turned_on
 from torch import no_grad as imported_no_grad
 
 from pytree_ckpt import ReuseError, checkpoint, reuse_during_recompute
@@ -66,6 +67,38 @@ class _Router(nn.Module):
         with torch.no_grad():
             with torch.enable_grad():
                 return self.gate(x).softmax(-1).max(-1).values
+
+@contextlib.contextmanager
+def _grad_on() -> Any:
+    with torch.enable_grad():
+        yield
+
+
+def _route_with_an_alias_inside(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        with turned_on():  # torch.enable_grad under another name
+            return gate(x).softmax(-1).max(-1).values
+
+
+def _route_with_a_manager_of_ones_own(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), _grad_on():  # its __enter__ turns grad back on
+        return gate(x).softmax(-1).max(-1).values
+
+
+def _route_under_autocast_too(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        return gate(x).softmax(-1).max(-1).values
+
+
+def test_grad_turned_back_on_under_another_name_keeps_the_refusal() -> None:
+    gate = nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    for route in (_route_with_an_alias_inside, _route_with_a_manager_of_ones_own):
+        assert route(gate, x).requires_grad  # the premise: eager gives it a graph
+        assert not body_without_grad(route), route.__name__
+    assert not _route_under_autocast_too(gate, x).requires_grad
+    assert body_without_grad(_route_under_autocast_too)  # autocast beside it changes no mode
+
 
 def _layer(route: Any, /) -> Any:
     return lambda x: x[:, :2] * reuse_during_recompute(route, x.detach())[0]
