@@ -24,6 +24,7 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .module_state import ModuleDicts, torch_nn_class
+from .state_changes import REPLAY_COPY_MARK
 from .tree import dunder, instance_dict
 
 __all__ = ["ChangedNumbers", "MadeNumbers", "NumbersGlance", "NumbersWatch", "glanced_dicts",
@@ -367,7 +368,7 @@ class NumbersWatch:
         now = _read(d, mixed=True)
         if now == before:
             return None
-        made = []
+        made: list[tuple[str, Any, Any]] = []
         for name in [*before, *(name for name in now if name not in before)]:
             was, entry = before.get(name), now.get(name)
             if entry == was:
@@ -404,6 +405,16 @@ class NumbersWatch:
                 continue
             if was is not None and not _plain_entry(was):
                 continue  # an object before: read as it is (the forward's put-back skips it)
+            if was is not None and entry is not None and type(was[1]) is _TensorHeld and \
+                    type(entry[1]) is _TensorHeld and \
+                    (tensor := entry[1].ref()) is not None and tensor is was[1].ref():
+                # A small tensor attribute the call changed in place (DeepSeek-V3's token
+                # count per expert kept as a plain attribute: `self.counts += bincount(ids)`,
+                # helper HV): the replay reads its own copy of the values the forward began
+                # with (NOTE [small tensor attributes as the forward read them]), and gets the
+                # call's values written into that copy; the caller's tensor is left alone.
+                made.append((name, was, _InPlace(tensor.detach().clone())))
+                continue
             # A tensor stored where a value was (`self.last = scores`, None before) by weak
             # reference: the replay, which skips the call, gets it while someone holds it
             # (the module, until the replay puts back the value; the frame, a result).
@@ -458,7 +469,7 @@ class MadeNumbers:
             # (helper HP: a dict bound anew at each call, never emptied, was read as the
             # forward's last from the second step).
             rebinds = type(after) is _Object and was is not None and not was[0] and \
-                type(was[1]) in (int, _Mixed)
+                type(was[1]) in (int, _Mixed) or type(after) is _InPlace
             if not rebinds and \
                     not _same_as(_entry(d[name], mixed=True) if name in d else None, was):
                 continue
@@ -467,6 +478,8 @@ class MadeNumbers:
             elif type(after) is _TensorHeld:
                 if (tensor := after.ref()) is not None:
                     d[name] = tensor
+            elif type(after) is _InPlace:
+                after.write_into(d.get(name))
             elif type(after) is _Object:  # bound by the call, with what it left in it
                 d[name] = after.held
                 _restore_after_replay(after.held)
@@ -623,7 +636,27 @@ def _fresh(read: _ValuesRead, fresh: dict[int, torch.Tensor], /) -> torch.Tensor
     copy = fresh.get(id(read.values))
     if copy is None:
         copy = fresh[id(read.values)] = read.values.clone()
+        setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)  # the replay's own (_InPlace)
     return copy
+
+
+class _InPlace:
+    """The values a reused call left in a small tensor attribute it changed in place, for the
+    replay's copy of it (NOTE in ``NumbersWatch.made``)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: torch.Tensor, /) -> None:
+        self.values = values
+
+    def write_into(self, target: Any, /) -> None:
+        """Into ``target`` where it is the replay's own copy, of the same shape and dtype;
+        another tensor (the caller's: no copy was made) is left as it is."""
+        if isinstance(target, torch.Tensor) and \
+                getattr(target.untyped_storage(), REPLAY_COPY_MARK, False) and \
+                target.shape == self.values.shape and target.dtype == self.values.dtype:
+            with torch.no_grad():
+                target.copy_(self.values)
 
 
 class _ValuesRead:
