@@ -17,7 +17,8 @@ one block that switches grad off (its first context manager is ``torch.no_grad()
 reads), and at most a ``return`` of names follows the block, every float the function computes
 has no graph in eager, as under the decorator. Anything else (a statement before the block, a
 computation after it, a block that names ``enable_grad``, ``set_grad_enabled`` or
-``inference_mode`` again inside, or a global bound to one under another name, a context
+``inference_mode`` again inside (as a name, an attribute or a string), or a global bound to
+one under another name, a context
 manager beside the switch other than autocast or another switch, a local or closure variable
 named as the switch, source that cannot be read: a lambda, exec'd code) keeps the refusal,
 which the decorator lifts. As with the decorator, a helper the body calls that enables grad
@@ -99,10 +100,21 @@ def _block_around_body(function: types.FunctionType, /) -> _Block | None:
     ``return`` of names after it), if it has that shape, its context managers are calls of
     global names, and nothing inside names a switch turning grad back on."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        return None  # no source (exec'd code, a REPL), or a lambda's line that is no module
-    defined = tree.body[0] if tree.body else None
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return None  # no source (exec'd code, a REPL)
+    try:
+        statements = ast.parse(textwrap.dedent(source)).body
+    except SyntaxError:  # IndentationError too
+        # A line at column 0 inside a method (a docstring's or a string's continuation, a
+        # backslash continuation) leaves dedent nothing to take off: parsed as the body of an
+        # `if` (helper HW: refused, the parse error swallowed).
+        try:
+            wrapped = ast.parse("if 1:\n" + source).body
+        except SyntaxError:
+            return None  # a lambda's line that is no statement
+        statements = wrapped[0].body if wrapped and isinstance(wrapped[0], ast.If) else []
+    defined = statements[0] if statements else None
     if not isinstance(defined, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
             defined.name != function.__code__.co_name:
         return None  # a lambda, or a function made some other way
@@ -125,7 +137,9 @@ def _block_around_body(function: types.FunctionType, /) -> _Block | None:
             return None  # resolved among the globals only: a local may be anything
     inside = [*managers[1:], *block.body]
     if any(isinstance(node, ast.Attribute) and node.attr in _SWITCHES_ON or
-           isinstance(node, ast.Name) and node.id in _SWITCHES_ON
+           isinstance(node, ast.Name) and node.id in _SWITCHES_ON or
+           # getattr(torch, "enable_grad"): the name as a string (helper HW)
+           isinstance(node, ast.Constant) and node.value in _SWITCHES_ON
            for part in inside for node in ast.walk(part)):
         return None
     names = tuple(node for part in block.body for node in ast.walk(part)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch import enable_grad as grad_on
 from torch import enable_grad as turned_on
 from torch import no_grad as imported_no_grad
 
@@ -253,3 +254,117 @@ def test_a_body_whose_floats_eager_computes_with_grad_is_refused_under_checkpoin
         layer(x)  # eager refuses it
     with pytest.raises(ReuseError):
         checkpoint(layer, x).sum().backward()
+
+
+class _LayerKeepingItsActivation(nn.Module):
+    """A layer that keeps an activation on itself, and a router that hands it back, unchanged,
+    from under its own no-grad block (no_grad does not take a graph off an existing tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def route(self, h: torch.Tensor) -> Any:
+        with torch.no_grad():
+            ids = h.argmax(-1)
+            scale = self.last  # the activation itself: eager hands it back with its graph
+        return scale, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.last = h.mean(-1)
+        scale, ids = reuse_during_recompute(self.route, h.detach())
+        return h[:, 0] * scale + ids
+
+
+# Helper HW finding 1: the whole body is one no-grad block, so the rules the decorator lifts
+# are lifted; but a tensor read (not computed) inside the block keeps its graph in eager, which
+# refuses it (it requires grad). In the original pass the activation has no graph, so the
+# checkpointed call records and replays it without one: self.lin silently loses that gradient.
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, the reused fn that "
+                   "returns a float from an activation it reaches: a no-grad fn returning one "
+                   "as it is) (helper HW): replayed without its graph, eager refuses it; the "
+                   "decorator's gap as well")
+def test_an_activation_read_inside_the_block_and_returned_as_it_is_is_refused_under_checkpointing(
+        ) -> None:
+    torch.manual_seed(0)
+    layer = _LayerKeepingItsActivation()
+    x = torch.randn(5, 8)
+    with pytest.raises(ReuseError, match="requires grad"):
+        layer(x)  # eager refuses it
+    with pytest.raises(ReuseError):
+        checkpoint(layer, x).sum().backward()
+
+
+def _route_switching_grad_on_by_another_name(held: list[torch.Tensor], how: str) -> Any:
+    def aliased(x: torch.Tensor) -> Any:
+        with torch.no_grad():
+            ids = x.argmax(-1)
+            with grad_on():  # torch.enable_grad, imported under another name
+                scale = held[0].mean(-1)
+        return scale, ids
+
+    def private(x: torch.Tensor) -> Any:
+        with torch.no_grad():
+            ids = x.argmax(-1)
+            torch._C._set_grad_enabled(True)  # what set_grad_enabled(True) calls
+            scale = held[0].mean(-1)
+        return scale, ids
+    return aliased if how == "aliased" else private
+
+
+# Helper HW finding 2: the block is searched for the names enable_grad, set_grad_enabled and
+# inference_mode only; grad switched back on under another name is not seen, so the body passes
+# for all-no-grad. Eager computes the scale with grad from the activation and refuses it; the
+# checkpointed call records it without a graph (the activation has none in the original pass)
+# and the replay hands it back so: lin silently gets no gradient from it.
+# Guards against (helper HW), as it was found:
+@pytest.mark.parametrize("how", ["aliased", "private"])
+def test_grad_switched_back_on_under_another_name_inside_the_block_is_refused_under_checkpointing(
+        how: str) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    held: list[torch.Tensor] = []
+    route = _route_switching_grad_on_by_another_name(held, how)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        held[:] = [h]
+        scale, ids = reuse_during_recompute(route, h.detach())
+        return h[:, 0] * scale + ids
+
+    x = torch.randn(5, 8)
+    with pytest.raises(ReuseError, match="requires grad"):
+        layer(x)  # eager refuses it
+    with pytest.raises(ReuseError):
+        checkpoint(layer, x).sum().backward()
+
+
+class _RouterWithAColumnZeroLine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def select(self, x: torch.Tensor) -> Any:
+        """Top-2 weights and ids.
+Written on from the first column, as some docstrings are."""
+        with torch.no_grad():
+            weights, ids = self.gate(x).softmax(-1).topk(2)
+        return weights, ids
+
+
+# Helper HW finding 3: grad_blocks._block_around_body parses textwrap.dedent(getsource(...));
+# a line of the method's source at column 0 (a docstring's or another string's continuation
+# line, a backslash-continued line) leaves the method indented, ast.parse raises
+# IndentationError, and the valid whole-body no-grad router is refused, in eager and under
+# checkpointing, where the same method without that line passes.
+# Guards against (helper HW), as it was found:
+def test_a_whole_body_block_in_a_method_with_a_line_at_column_zero_is_read() -> None:
+    torch.manual_seed(0)
+    router = _RouterWithAColumnZeroLine()
+    x = torch.randn(5, 8, requires_grad=True)
+    assert not router.select(x.detach())[0].requires_grad  # the premise: eager gives no graph
+    _layer(router.select)(x).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(_layer(router.select), x).sum().backward()
+    assert torch.equal(x.grad, expected) and router.gate.weight.grad is None
