@@ -86,7 +86,7 @@ def _judged(block: _Block, space: dict[str, Any], /) -> bool:
     alias: `from torch import enable_grad as eg`)."""
     first, *others = block.managers
     return _switches_off(first, space) and all(
-        _switches_off(other, space) or _is_one_of(_resolved(other.func, space), _AUTOCASTS)
+        _switches_off(other, space) or _is_autocast(_resolved(other.func, space))
         for other in others) and not any(
         _is_one_of(_resolved(name, space), _TURNING_ON) for name in block.names)
 
@@ -179,7 +179,10 @@ def _switches_off(expression: ast.Call, space: dict[str, Any], /) -> bool:
 # managers allowed beside the switch (autocast changes no grad mode).
 _TURNING_ON = (torch.enable_grad, torch.set_grad_enabled, torch.inference_mode,
                torch._C._set_grad_enabled)
-_AUTOCASTS = (torch.autocast, torch.amp.autocast)
+def _is_autocast(value: Any, /) -> bool:
+    """torch's autocast under any of its names (``torch.cpu.amp.autocast`` is a subclass:
+    helper HX)."""
+    return isinstance(value, type) and issubclass(value, torch.autocast)
 
 
 def _resolved(expression: ast.expr, space: dict[str, Any], /) -> Any:

@@ -368,3 +368,31 @@ def test_a_whole_body_block_in_a_method_with_a_line_at_column_zero_is_read() -> 
     expected, x.grad = x.grad, None
     checkpoint(_layer(router.select), x).sum().backward()
     assert torch.equal(x.grad, expected) and router.gate.weight.grad is None
+
+
+class _RouterUnderCpuAmpAutocast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def route(self, x: torch.Tensor) -> Any:
+        # torch.cpu.amp.autocast (and torch.cuda.amp.autocast): autocast under its older name
+        with torch.no_grad(), torch.cpu.amp.autocast(enabled=False):
+            return self.gate(x).softmax(-1).topk(2)
+
+
+# Guards against (helper HX), as it was found:
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_router_under_no_grad_and_autocast_by_its_older_name_replays_with_eagers_gradients(
+        ) -> None:
+    # replay.md / grad_blocks: a context manager beside the switch may be autocast; matched by
+    # identity with torch.autocast and torch.amp.autocast only, so torch.cpu.amp.autocast
+    # (torch.cuda.amp.autocast alike), a subclass that changes no grad mode, keeps the refusal.
+    torch.manual_seed(0)
+    router = _RouterUnderCpuAmpAutocast()
+    x = torch.randn(5, 8, requires_grad=True)
+    assert not router.route(x.detach())[0].requires_grad  # the premise: no graph in eager
+    _layer(router.route)(x).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(_layer(router.route), x).sum().backward()
+    assert torch.equal(x.grad, expected)
