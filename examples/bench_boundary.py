@@ -224,7 +224,8 @@ def format_report(results: dict[str, Any]) -> str:
     lines = [
         f"pytree-ckpt boundary vs torch.utils.checkpoint, {LAYERS}-layer decoder, CPU, "
         f"torch {torch.__version__}, {results['threads']} threads",
-        f"grads of ours (checkpoint, module wrapping, verify_replay) bit-identical to eager: {checks}",
+        "grads of ours (checkpoint, module wrapping, verify_replay) bit-identical to eager: "
+        f"{checks}",
     ]
     if results.get("offload_env_ignored"):
         lines.append("XTUNER_ACTIVATION_OFFLOAD is on: ignored here, no row offloads (python -m "
