@@ -18,10 +18,9 @@ reads), and at most a ``return`` of names follows the block, every float the fun
 has no graph in eager, as under the decorator. Anything else (a statement before the block, a
 computation after it, a block that names ``enable_grad``, ``set_grad_enabled`` or
 ``inference_mode`` again inside (as a name, an attribute or a string), or a global bound to
-one under another name, a context
-manager beside the switch other than autocast or another switch, a local or closure variable
-named as the switch, source that cannot be read: a lambda, exec'd code) keeps the refusal,
-which the decorator lifts. As with the decorator, a helper the body calls that enables grad
+one under another name, a context manager beside the switch other than autocast or another
+switch, a local or closure variable named as the switch, source that cannot be read: a
+lambda, exec'd code) keeps the refusal, which the decorator lifts. As with the decorator, a helper the body calls that enables grad
 itself is not seen. Judged once per code object and globals, at its first use.
 """
 
@@ -39,6 +38,7 @@ from .function_reach import globals_of
 from .tree import dunder
 
 __all__ = ["body_without_grad"]
+
 
 class _Block(NamedTuple):
     """What the source says of a body held by one block: its context managers, and the dotted
@@ -175,13 +175,14 @@ def _switches_off(expression: ast.Call, space: dict[str, Any], /) -> bool:
     return callee is torch.set_grad_enabled and given == [False]
 
 
-# What a name inside the block may be bound to that turns grad back on, and the context
-# managers allowed beside the switch (autocast changes no grad mode).
+# What a name inside the block may be bound to that turns grad back on.
 _TURNING_ON = (torch.enable_grad, torch.set_grad_enabled, torch.inference_mode,
                torch._C._set_grad_enabled)
+
+
 def _is_autocast(value: Any, /) -> bool:
     """torch's autocast under any of its names (``torch.cpu.amp.autocast`` is a subclass:
-    helper HX)."""
+    helper HX), allowed beside the switch: it changes no grad mode."""
     return isinstance(value, type) and issubclass(value, torch.autocast)
 
 
