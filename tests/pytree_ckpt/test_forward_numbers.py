@@ -65,6 +65,16 @@ def _grads(module: nn.Module) -> list[torch.Tensor]:
     return grads
 
 
+def _grads_after_a_step(models: tuple[nn.Module, ...], x: torch.Tensor, /
+                        ) -> list[list[torch.Tensor]]:
+    """Per model: ``model(x).sum().backward()``, then its parameters' gradients (reset)."""
+    grads = []
+    for model in models:
+        model(x).sum().backward()
+        grads.append(_grads(model))
+    return grads
+
+
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -3000,10 +3010,7 @@ def test_a_count_a_reused_call_keeps_in_a_namespace_of_many_attributes_replays_a
     eager, ours = _twins(_ScaledByLargeNamespaceCalls())
     for step in range(2):
         x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            model(x).sum().backward()
-            grads.append(_grads(model))
+        grads = _grads_after_a_step((eager, ours), x)
         assert ours.router.stats.calls == eager.router.stats.calls == 2 * (step + 1)
         assert _same(*grads), f"step {step}"
 
@@ -3045,10 +3052,7 @@ def test_token_counts_a_reused_call_adds_to_a_plain_tensor_attribute_are_read_in
     eager, ours = _twins(_ScaledByTokenCounts())
     for step in range(3):
         x = torch.randn(6, 8)
-        grads = []
-        for model in (eager, ours):
-            model(x).sum().backward()
-            grads.append(_grads(model))
+        grads = _grads_after_a_step((eager, ours), x)
         assert torch.equal(ours.router.tokens_per_expert, eager.router.tokens_per_expert)
         assert _same(*grads), f"step {step}"
 
@@ -3090,14 +3094,11 @@ def test_expert_load_a_reused_call_adds_to_in_a_stats_dict_is_read_per_call_in_t
     # next call of the same forward changes again", and "code after the call reads what eager
     # read". The dict is read by entries (the tensor by identity), so its in-place change is
     # not seen: both replays read the load as the whole forward left it (the first chunk's
-    # gradients differ), silently; not in docs/limits.md. The same with a SimpleNamespace.
+    # gradients differ), silently; documented in limits.md. The same with a SimpleNamespace.
     torch.manual_seed(0)
     eager, ours = _twins(_ScaledByLoadPerChunk())
     x = torch.randn(6, 8)
-    grads = []
-    for model in (eager, ours):
-        model(x).sum().backward()
-        grads.append(_grads(model))
+    grads = _grads_after_a_step((eager, ours), x)
     assert torch.equal(ours.router.stats["load"], eager.router.stats["load"])
     assert _same(*grads)
 
@@ -3139,13 +3140,10 @@ def test_a_count_changed_through_a_view_of_a_plain_stats_tensor_is_read_through_
     # as a copy of its values before the forward. Here `load` views `stats`: the replay reads
     # each from its own copy, so the change made through `load` at the first chunk is not
     # seen through `stats` (the first chunk's replay reads a zero count), silently; the alias
-    # through a view is documented for buffers only.
+    # through a view is documented with the buffer alias case in limits.md.
     torch.manual_seed(0)
     eager, ours = _twins(_ScaledByStatsPerChunk())
     x = torch.randn(6, 8)
-    grads = []
-    for model in (eager, ours):
-        model(x).sum().backward()
-        grads.append(_grads(model))
+    grads = _grads_after_a_step((eager, ours), x)
     assert torch.equal(ours.router.stats, eager.router.stats)
     assert _same(*grads)

@@ -8,6 +8,7 @@ import gc
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -1223,6 +1224,25 @@ class SavesRouterEmaThenReassigns(ReassignsRouterEma):
         return torch.gather(h, -1, ids) * (1 + self.router.ema[:2])
 
 
+def _steps_as_in_eager(eager: nn.Module, steps: int, /, *,
+                       between: Callable[[Any], object] | None = None,
+                       buffers: bool = False) -> Any:
+    """A checkpointed copy of ``eager``, run ``steps`` steps beside it on the same inputs: equal
+    gradients at each step (and buffers, with ``buffers``); ``between`` runs on each model after
+    each step (the caller resetting state). The copy, for the caller's checks."""
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(steps):
+        x = torch.randn(4, 8)
+        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
+        for model in (eager, wrapped):
+            model.zero_grad(set_to_none=True)
+            if between is not None:
+                between(model)
+        if buffers:
+            assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), wrapped.buffers()))
+    return wrapped
+
+
 @pytest.mark.parametrize("make", [CountsTokens, ReadsRouterEma, ReassignsRouterEma,
                                   SavesRouterEmaThenReassigns],
                          ids=["count", "router ema", "router ema reassigned",
@@ -1239,13 +1259,7 @@ def test_state_a_reused_call_changes_is_read_after_it_in_the_replay_as_in_eager(
     # step (gradients 4.65 off). The state itself must still change once per step.
     torch.manual_seed(0)
     eager = make()
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    for step in range(3):
-        x = torch.randn(4, 8)
-        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
-        for model in (eager, wrapped):
-            model.zero_grad(set_to_none=True)
-        assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), wrapped.buffers()))
+    _steps_as_in_eager(eager, 3, buffers=True)
 
 
 class LazyEmaRouter(nn.Module):
@@ -1292,13 +1306,7 @@ def test_a_buffer_a_reused_call_creates_at_its_first_call_is_read_in_the_replay_
     # blames a flag and tips "if 'ema' not in self._buffers", which is what the code does).
     torch.manual_seed(0)
     eager = ReadsLazyRouterEma(how)
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    for step in range(2):
-        x = torch.randn(4, 8)
-        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
-        for model in (eager, wrapped):
-            model.zero_grad(set_to_none=True)
-        assert all(torch.equal(a, b) for a, b in zip(eager.buffers(), wrapped.buffers()))
+    _steps_as_in_eager(eager, 2, buffers=True)
 
 
 class StatsRouter(nn.Module):
@@ -1340,12 +1348,7 @@ def test_a_count_a_reused_call_keeps_in_a_dict_beside_its_logged_ids_is_read_as_
     # replay reads 0 where eager read 1, silently (the gradients are all 0).
     torch.manual_seed(0)
     eager = WarmsUpByRouterCalls()
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    for step in range(2):
-        x = torch.randn(4, 8)
-        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
-        for model in (eager, wrapped):
-            model.zero_grad(set_to_none=True)
+    wrapped = _steps_as_in_eager(eager, 2)
     assert eager.router.stats["calls"] == wrapped.router.stats["calls"] == 2
 
 
@@ -1399,13 +1402,8 @@ def test_tensors_a_reused_call_leaves_in_a_cache_on_its_module_are_read_in_the_r
     # call leaves where a value was] in forward_numbers.py).
     torch.manual_seed(0)
     eager = ReadsRouterCache(how)
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    for step in range(3):
-        x = torch.randn(4, 8)
-        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
-        for model in (eager, wrapped):
-            model.zero_grad(set_to_none=True)
-            model.router.empty()
+    # the caller empties the cache each step
+    _steps_as_in_eager(eager, 3, between=lambda model: model.router.empty())
 
 
 def _route_dict(scores: torch.Tensor) -> dict[str, Any]:
@@ -1451,16 +1449,14 @@ def test_what_a_second_reused_call_of_one_forward_leaves_on_its_module_is_read_i
     # state ... so code after the call reads what eager read": here after each of two calls.
     torch.manual_seed(0)
     eager = RoutesInChunks(how)
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    for step in range(2):
-        x = torch.randn(4, 8)
-        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
-        for model in (eager, wrapped):
-            model.zero_grad(set_to_none=True)
-            if how == "bound":
-                model.router.cache = None  # the caller empties the cache each step
-            elif how == "count":
-                model.router.stats = {"calls": 0, "last_ids": None}
+
+    def reset(model: Any) -> None:  # the caller empties the cache, or the stats, each step
+        if how == "bound":
+            model.router.cache = None
+        elif how == "count":
+            model.router.stats = {"calls": 0, "last_ids": None}
+
+    wrapped = _steps_as_in_eager(eager, 2, between=reset)
     if how == "count kept across steps":
         assert eager.router.stats["calls"] == wrapped.router.stats["calls"] == 4
 
@@ -1477,12 +1473,7 @@ def test_a_dict_each_reused_call_binds_anew_nobody_empties_is_read_per_call_in_e
     # forward changes again ... so code after the call reads what eager read".
     torch.manual_seed(0)
     eager = RoutesInChunks("bound")
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    for step in range(2):
-        x = torch.randn(4, 8)
-        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
-        for model in (eager, wrapped):
-            model.zero_grad(set_to_none=True)
+    _steps_as_in_eager(eager, 2)
 
 
 class MemoisesInRouterCache(nn.Module):
@@ -1512,13 +1503,8 @@ class MemoisesInRouterCache(nn.Module):
 def test_an_object_a_reused_call_leaves_is_read_in_the_replay_as_the_call_left_it() -> None:
     torch.manual_seed(0)
     eager = MemoisesInRouterCache()
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    for step in range(2):
-        x = torch.randn(4, 8)
-        assert_same_grads(*grads_per_model([eager, wrapped], x, seed=step))
-        for model in (eager, wrapped):
-            model.zero_grad(set_to_none=True)
-            model.router.cache = None  # the caller empties the cache each step
+    # the caller empties the cache each step
+    _steps_as_in_eager(eager, 2, between=lambda model: setattr(model.router, "cache", None))
 
 
 class ChangesItsResult(nn.Module):

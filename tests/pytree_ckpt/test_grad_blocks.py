@@ -105,6 +105,17 @@ def _layer(route: Any, /) -> Any:
     return lambda x: x[:, :2] * reuse_during_recompute(route, x.detach())[0]
 
 
+def _replays_with_eagers_gradients(route: Any, /) -> None:
+    """``route`` gives its floats no graph in eager (the premise), and a layer reusing it
+    gets eager's input gradient under checkpointing."""
+    x = torch.randn(5, 8, requires_grad=True)
+    assert not route(x.detach())[0].requires_grad
+    _layer(route)(x).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(_layer(route), x).sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
 @pytest.mark.parametrize("name", ["whole_body", "names_returned_after"])
 def test_a_router_whose_whole_body_is_under_no_grad_replays_with_eagers_gradients(
         name: str) -> None:
@@ -362,12 +373,8 @@ Written on from the first column, as some docstrings are."""
 def test_a_whole_body_block_in_a_method_with_a_line_at_column_zero_is_read() -> None:
     torch.manual_seed(0)
     router = _RouterWithAColumnZeroLine()
-    x = torch.randn(5, 8, requires_grad=True)
-    assert not router.select(x.detach())[0].requires_grad  # the premise: eager gives no graph
-    _layer(router.select)(x).sum().backward()
-    expected, x.grad = x.grad, None
-    checkpoint(_layer(router.select), x).sum().backward()
-    assert torch.equal(x.grad, expected) and router.gate.weight.grad is None
+    _replays_with_eagers_gradients(router.select)
+    assert router.gate.weight.grad is None
 
 
 class _RouterUnderCpuAmpAutocast(nn.Module):
@@ -389,10 +396,4 @@ def test_a_router_under_no_grad_and_autocast_by_its_older_name_replays_with_eage
     # identity with torch.autocast and torch.amp.autocast only, so torch.cpu.amp.autocast
     # (torch.cuda.amp.autocast alike), a subclass that changes no grad mode, keeps the refusal.
     torch.manual_seed(0)
-    router = _RouterUnderCpuAmpAutocast()
-    x = torch.randn(5, 8, requires_grad=True)
-    assert not router.route(x.detach())[0].requires_grad  # the premise: no graph in eager
-    _layer(router.route)(x).sum().backward()
-    expected, x.grad = x.grad, None
-    checkpoint(_layer(router.route), x).sum().backward()
-    assert torch.equal(x.grad, expected)
+    _replays_with_eagers_gradients(_RouterUnderCpuAmpAutocast().route)

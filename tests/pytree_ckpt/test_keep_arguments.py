@@ -288,6 +288,20 @@ class SeededNoise(nn.Module):
         return self.proj(x) * torch.bernoulli(torch.full_like(x, 0.5), generator=g)
 
 
+def _kept_noise_and_eagers_grads() -> tuple[Any, torch.Tensor, list[Any]]:
+    """A SeededNoise keeping its bernoulli draw, an input, and an eager twin's gradients."""
+    torch.manual_seed(0)
+    eager = SeededNoise()
+    kept = copy.deepcopy(eager)
+    apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::bernoulli")})
+    x = torch.randn(4, 8, requires_grad=True)
+    eager(x).sum().backward()
+    expected = [*(p.grad for p in eager.parameters()), x.grad]
+    x.grad = None
+    return kept, x, expected
+
+
 @pytest.mark.xfail(strict=True, reason="documented limit (docs/save_units.md, rule 6: a "
                    "generator the layer makes at each call) (helper HH): another object in the "
                    "replay, so the kept op is recomputed, warned")
@@ -299,15 +313,7 @@ def test_a_kept_random_op_drawing_from_a_generator_made_in_the_forward_is_kept(
     from tests.pytree_ckpt.test_save_units import OpCounter
 
     monkeypatch.setattr(kept_calls, "_WARNED_OTHERWISE", set())  # once per op: not yet here
-    torch.manual_seed(0)
-    eager = SeededNoise()
-    kept = copy.deepcopy(eager)
-    apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptOps("aten::bernoulli")})
-    x = torch.randn(4, 8, requires_grad=True)
-    eager(x).sum().backward()
-    expected = [*(p.grad for p in eager.parameters()), x.grad]
-    x.grad = None
+    kept, x, expected = _kept_noise_and_eagers_grads()
     with warnings.catch_warnings(record=True) as caught, OpCounter() as counter:
         warnings.simplefilter("always")
         kept(x).sum().backward()
@@ -322,15 +328,7 @@ def test_a_generator_made_in_the_forward_is_named_by_the_called_otherwise_warnin
     # Helper HH: the warning blamed grad mode; the numbers are eager's, the op drawn again
     # from the replay's generator, seeded alike.
     monkeypatch.setattr(kept_calls, "_WARNED_OTHERWISE", set())
-    torch.manual_seed(0)
-    eager = SeededNoise()
-    kept = copy.deepcopy(eager)
-    apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptOps("aten::bernoulli")})
-    x = torch.randn(4, 8, requires_grad=True)
-    eager(x).sum().backward()
-    expected = [*(p.grad for p in eager.parameters()), x.grad]
-    x.grad = None
+    kept, x, expected = _kept_noise_and_eagers_grads()
     with pytest.warns(UserWarning, match="another argument") as caught:
         kept(x).sum().backward()
     assert_same_grads(expected, [*(p.grad for p in kept.parameters()), x.grad])
