@@ -124,38 +124,17 @@ class _Object:
         """The object with what it held when the call left it (the rest of the forward may
         have added to it: a projection memoised there, helpers HL, HR)."""
         if self.entries is not None:
-            _put_snapshot(self.held, self.entries)
-
-
-def _put_snapshot(held: Any, entries: Any, /) -> None:
-    """``held`` given a ``_snapshot`` of it back, in place."""
-    if isinstance(held, dict):
-        held.clear()
-        held.update(entries)
-    elif isinstance(held, list):
-        held[:] = entries
-    elif isinstance(held, set):
-        held.clear()
-        held.update(entries)
-    elif isinstance(own := instance_dict(held), dict):
-        own.clear()
-        own.update(entries)
+            _put(self.held, self.entries)
 
 
 def _snapshot(held: Any, /) -> Any:
-    """What ``_Object.put_back`` restores: a dict's, list's or set's entries (subclasses too),
-    else the attributes in the object's ``__dict__``; ``None`` for anything else (slots, a
-    tensor, a module: rebound as it is)."""
-    if isinstance(held, (torch.Tensor, nn.Module)):
+    """What ``_Object.put_back`` restores (``_entries``): a dict's, list's or set's entries
+    (subclasses too), else the attributes in the object's ``__dict__``; ``None`` for anything
+    else (slots, a tensor, a module: rebound as it is)."""
+    if isinstance(held, (torch.Tensor, nn.Module)) or \
+            not isinstance(held, (dict, list, set)) and type(instance_dict(held)) is not dict:
         return None
-    if isinstance(held, dict):
-        return dict(held)
-    if isinstance(held, list):
-        return list(held)
-    if isinstance(held, set):
-        return set(held)
-    own = instance_dict(held)
-    return dict(own) if isinstance(own, dict) else None
+    return _entries(held)
 
 
 class _Refilled:
@@ -194,9 +173,10 @@ def _entries(held: Any, /) -> Any:
     round robin that only moves an entry to the end, ``move_to_end``, changes the order); of
     another object (a reused call's watch reads plain objects too: ``_Mixed``), the items of
     its ``__dict__``."""
-    kind = type(held)
-    if kind is list or kind is set:
-        return kind(held)
+    if isinstance(held, list):
+        return list(held)
+    if isinstance(held, set):
+        return set(held)
     if isinstance(held, dict):
         return list(held.items())
     return list(instance_dict(held).items())
@@ -204,9 +184,9 @@ def _entries(held: Any, /) -> Any:
 
 def _put(held: Any, entries: Any, /) -> None:
     """``held`` given ``entries`` in place."""
-    if type(held) is list:
+    if isinstance(held, list):
         held[:] = entries
-    elif type(held) is set:
+    elif isinstance(held, set):
         held.clear()
         held.update(entries)
     elif isinstance(held, dict):  # each kind's own item assignment (a Counter's update
@@ -831,7 +811,7 @@ class ChangedNumbers:
         finally:
             _AFTER_REPLAY.reset(token)
             for held, snapshot in reversed(pending):  # the NOTE at _AFTER_REPLAY
-                _put_snapshot(held, snapshot)
+                _put(held, snapshot)
             for held, entries in entries_at_start:
                 _put(held, entries)
             # What the replay read there: a small tensor put back, else what it held.
