@@ -191,8 +191,10 @@ class _BoundaryFunction(torch.autograd.Function):
         if call.frame.state_after:  # NOTE [state a reused call changes] (frozen.py)
             made = [value for changes in call.frame.state_after.values()
                     for kind, _, _, value in changes if kind == "numbers"]
-            if made:
-                call.changed_numbers = with_reused_calls(call.changed_numbers, made)
+            given = [value for changes in call.frame.state_after.values()
+                     for kind, _, _, value in changes if kind == "contents"]
+            if made or given:
+                call.changed_numbers = with_reused_calls(call.changed_numbers, made, given)
         if call.modules is not None:
             if call.options.preserve_rng_state:  # NOTE [generators held as attributes]
                 warn_made_during(*call.modules, env.generators)

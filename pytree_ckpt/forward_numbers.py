@@ -27,8 +27,9 @@ from .module_state import ModuleDicts, torch_nn_class
 from .state_changes import REPLAY_COPY_MARK
 from .tree import dunder, instance_dict
 
-__all__ = ["ChangedNumbers", "MadeNumbers", "NumbersGlance", "NumbersWatch", "glanced_dicts",
-           "numbers_read", "plain_entries", "value_differs", "with_reused_calls"]
+__all__ = ["ArgumentContents", "ChangedNumbers", "MadeContents", "MadeNumbers", "NumbersGlance",
+           "NumbersWatch", "argument_contents", "glanced_dicts", "numbers_read", "plain_entries",
+           "value_differs", "with_reused_calls"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
 # members, tuples of such values (a shape key) and NumPy scalars (_immutable).
@@ -45,7 +46,7 @@ _OURS = "_pytree_ckpt"
 # by exact type; up to _MOST_ENTRIES entries, so that a read stays a small copy (a history
 # that grows every step is left alone once past it).
 _CONTAINERS = frozenset({list, dict, set, collections.defaultdict, collections.Counter,
-                         collections.OrderedDict})
+                         collections.OrderedDict, collections.deque})
 _MOST_ENTRIES = 64
 
 
@@ -132,7 +133,8 @@ def _snapshot(held: Any, /) -> Any:
     (subclasses too), else the attributes in the object's ``__dict__``; ``None`` for anything
     else (slots, a tensor, a module: rebound as it is)."""
     if isinstance(held, (torch.Tensor, nn.Module)) or \
-            not isinstance(held, (dict, list, set)) and type(instance_dict(held)) is not dict:
+            not isinstance(held, (dict, list, set, collections.deque)) and \
+            type(instance_dict(held)) is not dict:
         return None
     return _entries(held)
 
@@ -149,12 +151,13 @@ class _Refilled:
     caller put in its place gets the entries read during the replay, and its own back after
     it.)"""
 
-    __slots__ = ("ident", "kind", "entries", "factory")
+    __slots__ = ("ident", "kind", "entries", "factory", "maxlen")
 
     def __init__(self, contents: _Contents, /) -> None:
         self.ident, self.kind = id(contents.held), type(contents.held)
         self.entries = contents.entries
         self.factory = getattr(contents.held, "default_factory", None)  # a defaultdict's
+        self.maxlen = getattr(contents.held, "maxlen", None)  # a deque's
 
     def holds(self, held: Any, /) -> bool:
         return id(held) == self.ident and type(held) is self.kind
@@ -163,17 +166,19 @@ class _Refilled:
         """A new container of the kind read, with the entries read: for a name the caller
         rebound since (the replay must not change the caller's object, and must start from
         what the forward read: helper HR)."""
-        made = self.kind(self.factory) if self.kind is collections.defaultdict else self.kind()
+        made = self.kind(self.factory) if self.kind is collections.defaultdict else \
+            collections.deque(maxlen=self.maxlen) if self.kind is collections.deque else \
+            self.kind()
         _put(made, self.entries)
         return made
 
 
 def _entries(held: Any, /) -> Any:
-    """A copy of a container's entries: a list, a set, or a dict's items in their order (a
-    round robin that only moves an entry to the end, ``move_to_end``, changes the order); of
-    another object (a reused call's watch reads plain objects too: ``_Mixed``), the items of
-    its ``__dict__``."""
-    if isinstance(held, list):
+    """A copy of a container's entries: a list, a deque (as a list), a set, or a dict's items
+    in their order (a round robin that only moves an entry to the end, ``move_to_end``,
+    changes the order); of another object (a reused call's watch reads plain objects too:
+    ``_Mixed``), the items of its ``__dict__``."""
+    if isinstance(held, (list, collections.deque)):  # a window of recent loads (helper HZ)
         return list(held)
     if isinstance(held, set):
         return set(held)
@@ -186,6 +191,9 @@ def _put(held: Any, entries: Any, /) -> None:
     """``held`` given ``entries`` in place."""
     if isinstance(held, list):
         held[:] = entries
+    elif isinstance(held, collections.deque):  # in place: its maxlen stays
+        held.clear()
+        held.extend(entries)
     elif isinstance(held, set):
         held.clear()
         held.update(entries)
@@ -238,10 +246,10 @@ class NumbersWatch:
     with it on, as it ran): those holding a value that cannot change in place
     (``_immutable``: an int, float, bool, str, None, an enum member, a ``torch.Size`` or a
     tuple of such, a NumPy scalar) by value, a small container of such values (a list, dict,
-    set, defaultdict, Counter or OrderedDict of at most 64 entries: a count per expert, the
-    lengths seen) by its entries, tensors by weak reference, others by id. Those the forward
-    set anew, deleted, or changed from such a value (to another value or to an object: a
-    number replaced by a tensor) are put back as the forward began for the replay, and get
+    set, defaultdict, Counter, OrderedDict or deque of at most 64 entries: a count per expert,
+    the lengths seen, a window of recent loads) by its entries, tensors by weak reference,
+    others by id. Those the forward set anew, deleted, or changed from such a value (to
+    another value or to an object: a number replaced by a tensor) are put back as the forward began for the replay, and get
     what they held when the replay began back after it (a later micro-batch's forward, or the
     caller, may have changed them since). A container is the same object throughout: one
     changed in place (a dict's order too: a round robin's ``move_to_end``) gets its entries
@@ -476,6 +484,63 @@ class MadeNumbers:
                 d[name] = after.fresh()
 
 
+# NOTE [a container a reused call is given and counts in]: a reused call may count in a small
+# container it is given (`fn(h, self.stats)`, `stats["n"] += 1`: the fix limits.md gives for
+# state off the call's module), and the forward read it after the call. The replay skips the
+# call, and the forward's put-back gives the layer's container the entries it held as the
+# forward began: the replay read the count before the call (helper HZ: every gradient 0; a key
+# the call adds first, a KeyError). So a reused call's top-level arguments and keyword
+# arguments that are small containers of plain values (``_plain_container``) are read by their
+# entries before the call and after it; one the call changed is given, in the replay, what
+# the call left where the replay's argument at that place holds what the call found (one
+# changed otherwise is left), and gets what it held when the replay began back after it (NOTE
+# [what the replay writes into is put back after it]). A container the boundary does not read
+# (a global one passed in) is put back for the replay as the first such call found it, as a
+# module outside the call's is (``with_reused_calls``). One the call fills with anything else
+# (a tensor) is not made again: as a float a reused fn stores, it is not told (replay.md).
+ArgumentContents = list[tuple[int | str, Any, Any]]
+
+
+def argument_contents(args: tuple[Any, ...], kwargs: dict[str, Any], /
+                      ) -> ArgumentContents | None:
+    """The small containers of plain values among a reused call's top-level arguments, each
+    with its place and a copy of its entries, read before the call (NOTE above)."""
+    places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    read = [(key, value, _entries(value)) for key, value in places if _plain_container(value)]
+    return read or None
+
+
+class MadeContents:
+    """The argument containers a reused call changed, each with its place, what it held as
+    the call began and what the call left (NOTE [a container a reused call is given and
+    counts in])."""
+
+    __slots__ = ("changed",)
+
+    def __init__(self, changed: list[tuple[int | str, Any, Any, Any]], /) -> None:
+        self.changed = changed
+
+    @staticmethod
+    def of(read: ArgumentContents, /) -> MadeContents | None:
+        """What the call changed of the containers ``read`` before it; ``None`` for nothing
+        (the usual case), and for a container it filled with anything else."""
+        changed = [(key, held, before, after) for key, held, before in read
+                   if _plain_container(held, most=float("inf"))
+                   and (after := _entries(held)) != before]
+        return MadeContents(changed) if changed else None
+
+    def make_again(self, args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
+        """In the replay's arguments at the same places, each change made again where the
+        container holds what the call found."""
+        for key, held, before, after in self.changed:
+            target = kwargs.get(key) if isinstance(key, str) else \
+                args[key] if key < len(args) else None
+            if type(target) is type(held) and _plain_container(target, most=float("inf")) \
+                    and _entries(target) == before:
+                _restore_after_replay(target)
+                _put(target, after)
+
+
 class NumbersGlance:
     """NOTE [a number first changed after the first replay]: once a module's first replay is
     done and no forward of it changed state, ``NumbersWatch`` reads only the dicts of modules
@@ -701,7 +766,7 @@ def _read_by_entries(value: Any, /) -> bool:
 # Objects a reused call's watch does not read by their attributes: modules and tensors (state
 # of their own kinds), functions, classes and Python modules (code, not state), containers.
 _NOT_PLAIN_OBJECTS = (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType,
-                      types.ModuleType, dict, list, set, tuple)
+                      types.ModuleType, dict, list, set, tuple, collections.deque)
 
 
 def _entry(value: Any, /, *, mixed: bool = False) -> tuple[Any, ...]:
@@ -892,18 +957,32 @@ def _set(d: dict[str, Any], named: list[tuple[str, Any]],
             d[name] = value
 
 
-def with_reused_calls(changed: ChangedNumbers | None, made: list[MadeNumbers], /
-                      ) -> ChangedNumbers | None:
+def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers],
+                      contents: Sequence[MadeContents] = (), /) -> ChangedNumbers | None:
     """``changed`` with the values reused calls changed (``made``, in call order) that it does
     not put back, put back as the first such call found them (NOTE [state a reused call
     changes] in frozen.py): a module outside the call's (a router the layer reaches in a
     closure) is then found by the replay as the call found it, gets what the call left where
     the replay skips it, and after the replay what it held when the replay began, as the
-    call's own modules do."""
+    call's own modules do. Likewise the argument containers the calls changed (``contents``)
+    that no module's entry it puts back holds (NOTE [a container a reused call is given and
+    counts in])."""
     covered = set() if changed is None else {
         (id(d), name) for d, values, rebound in changed.found
         for name in [*(name for name, _ in values), *rebound]}
     found: dict[int, tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = {}
+    if contents:
+        held_ids = set() if changed is None else {
+            value.ident if type(value) is _Refilled else id(value.held)
+            for _, values, _ in changed.found for _, value in values
+            if type(value) in (_Contents, _Refilled)}
+        for given in contents:
+            for _, held, before, _ in given.changed:
+                if id(held) not in held_ids:
+                    held_ids.add(id(held))
+                    # Its own dict, for the put-back's entries (which name what they hold).
+                    d = {"argument": held}
+                    found[id(d)] = (d, [("argument", _Contents(held, before))], [])
     for change in made:
         for name, was, _ in change.made:
             if (id(change.d), name) in covered:

@@ -51,7 +51,7 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .errors import ReuseError
-from .forward_numbers import NumbersWatch
+from .forward_numbers import ArgumentContents, MadeContents, NumbersWatch
 from .module_state import owning_module
 from .function_reach import cell_contents, code_reading, unwrap_partials
 from .grad_blocks import body_without_grad
@@ -351,7 +351,8 @@ def numbers_watch(fn: Callable[..., Any], /) -> NumbersWatch | None:
 
 
 def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | None,
-                numbers: NumbersWatch | None, /) -> StateAfter | None:
+                numbers: NumbersWatch | None, contents: ArgumentContents | None = None, /
+                ) -> StateAfter | None:
     """NOTE [state a reused call changes]: the replay skips a reused call, so a change it made
     in place to an integer argument (a token count it adds to), or to a buffer of its own
     module, in place or by reassignment (a router's load EMA), is not made again there, and
@@ -403,6 +404,9 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
                         and not now.is_inference()]
     if numbers is not None and (made := numbers.made()) is not None:
         changed.append(("numbers", None, None, made))
+    if contents is not None and (given := MadeContents.of(contents)) is not None:
+        # NOTE [a container a reused call is given and counts in] (forward_numbers.py)
+        changed.append(("contents", None, None, given))
     return tuple(changed) if changed else None
 
 
@@ -421,6 +425,9 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
                     target.untyped_storage() is not original()
             elif kind == "numbers":
                 value.make_again()  # in the dict of the module the original pass read
+                continue
+            elif kind == "contents":
+                value.make_again(args, kwargs)  # in the replay's own arguments
                 continue
             elif kind == "reassigned":
                 # NOTE [a reassigned buffer is reassigned in the replay]: eager put a new

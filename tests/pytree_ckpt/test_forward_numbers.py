@@ -3147,3 +3147,236 @@ def test_a_count_changed_through_a_view_of_a_plain_stats_tensor_is_read_through_
     grads = _grads_after_a_step((eager, ours), x)
     assert torch.equal(ours.router.stats, eager.router.stats)
     assert _same(*grads)
+
+
+def _counts_into(scores: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
+    stats["n"] += 1  # a token-count dict passed in, as the docs advise for state off the router
+    return scores.topk(2, -1).indices
+
+
+class _ScaledByTheCountItPassedIn(nn.Module):
+    """Passes its own small dict of counts to a reused plain function, which counts in it,
+    and scales by the count after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), {"n": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_into, h.detach(), self.stats)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * self.stats["n"]
+
+
+# Guards against (helper HZ), as it was found:
+def test_a_count_dict_the_layer_passes_to_a_reused_call_is_read_after_it_as_the_call_left_it(
+        ) -> None:
+    # The forward's put-back gives the layer's small dict of numbers the values it held as
+    # the forward began (NOTE [numbers and flags as the forward began]); the replay skips the
+    # reused call, and MadeNumbers only makes again what a call changed on fn's own module
+    # (a plain function has none; a router method passed the layer's dict neither), so the
+    # replay reads n == 0: every gradient is zero where eager's is not. limits.md's fix for
+    # the child-module row ("pass it as an argument") runs into this.
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScaledByTheCountItPassedIn())
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            model.stats["n"] = 0
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert model.stats == {"n": 1}
+        assert _same(*grads), f"step {step}"
+
+
+class _WindowRouter(nn.Module):
+    """Keeps the calls of a recent window in a ``collections.deque`` it appends to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recent: collections.deque[int] = collections.deque(maxlen=4)
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        self.recent.append(len(self.recent) + 1)
+        return h.topk(2, -1).indices
+
+
+class _ScaledByTheWindow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _WindowRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(self.router.route, h.detach())
+            outs.append(torch.gather(h, -1, ids).sum(-1, keepdim=True) * h *
+                        sum(self.router.recent))
+        return torch.cat(outs)
+
+
+# Guards against (helper HZ), as it was found:
+def test_a_deque_a_reused_call_appends_to_is_read_after_each_call_as_the_call_left_it(
+        ) -> None:
+    # The router appends to a small deque (a window of recent loads) at each of two chunk
+    # calls, and the layer reads it after each call. _snapshot/_entries know dict, list, set
+    # and a plain object's __dict__: a deque is none of them, so neither the forward's
+    # put-back nor MadeNumbers gives the replay what each skipped call left, and each chunk's
+    # replay reads the deque as the whole forward left it: gradients differ, silently.
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScaledByTheWindow())
+    for step in range(3):
+        x = torch.randn(6, 8)
+        grads = _grads_after_a_step((eager, ours), x)
+        assert list(ours.router.recent) == list(eager.router.recent)
+        assert _same(*grads), f"step {step}"
+
+
+def _counts_from_nothing(scores: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
+    stats["n"] = stats.get("n", 0) + 1  # the first call of a step adds the key
+    return scores.topk(2, -1).indices
+
+
+class _CountsInAShared(nn.Module):
+    """Holds a dict shared by every layer of the model; passes it to a reused call."""
+
+    def __init__(self, shared: dict[str, int]) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_from_nothing, h.detach(), self.stats)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * self.stats["n"]
+
+
+class _SharedStatsModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, int] = {}
+        self.layers = nn.ModuleList(_CountsInAShared(self.stats) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_dict_every_layer_shares_and_a_reused_call_counts_in_is_read_as_each_call_left_it(
+        retain: bool) -> None:
+    # Helper HZ: the first layer's replay read the shared dict as its forward began ({}): a
+    # KeyError. Each layer's replay must read what its own call left (1, then 2), also in a
+    # second backward of a retained graph, and the dict must end each step as eager's.
+    torch.manual_seed(0)
+    eager = _SharedStatsModel()
+    ours = copy.deepcopy(eager)
+    for layer in ours.layers:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    assert ours.layers[0].stats is ours.layers[1].stats is ours.stats
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            model.stats.clear()
+            loss = model(x).sum()
+            loss.backward(retain_graph=retain)
+            if retain:
+                loss.backward()
+            grads.append(_grads(model))
+            assert model.stats == {"n": 2}
+        assert _same(*grads), f"step {step}"
+
+
+_COUNTS_OFF_THE_MODEL: dict[str, int] = {}
+
+
+class _CountsInAGlobalPerChunk(nn.Module):
+    """Passes a module-level dict (no module holds it) to a reused call per chunk, and reads
+    it after each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(_counts_from_nothing, h.detach(),
+                                         stats=_COUNTS_OFF_THE_MODEL)
+            outs.append(torch.gather(h, -1, ids).sum(-1, keepdim=True) * h *
+                        _COUNTS_OFF_THE_MODEL["n"])
+        return torch.cat(outs)
+
+
+def test_a_dict_no_module_holds_that_a_reused_call_counts_in_is_read_as_each_call_left_it(
+        ) -> None:
+    # The boundary does not read it, so it is put back for the replay as the first call found
+    # it (NOTE [a container a reused call is given and counts in]): each chunk's replay reads
+    # what its own call left, 1 then 2, where it read the step's last (2) for both; given as a
+    # keyword argument. The dict ends the step as the forward left it.
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsInAGlobalPerChunk())
+    for step in range(3):
+        x = torch.randn(6, 8)
+        grads = []
+        for model in (eager, ours):
+            _COUNTS_OFF_THE_MODEL.clear()
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert _COUNTS_OFF_THE_MODEL == {"n": 2}
+        assert _same(*grads), f"step {step}"
+
+
+class _CountsBeforeAndInTheCall(nn.Module):
+    """Changes its own dict before the reused call, which counts in it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), {"n": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats["n"] += 10
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_into, h.detach(), self.stats)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * self.stats["n"]
+
+
+def test_a_count_the_forward_changes_before_the_reused_call_changes_it_too_counts_once_each(
+        ) -> None:
+    # The replay starts from the forward's beginning (0), runs `+= 10` again, and gets the
+    # call's 11 where it finds the call's 10: 11 as in eager, not 21 or 10; and the dict ends
+    # each step at eager's count.
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsBeforeAndInTheCall())
+    for step in range(3):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert eager.stats == ours.stats == {"n": 11 * (step + 1)}
+        assert _same(*grads), f"step {step}"
+
+
+class _ScaledByItsRecentWindow(nn.Module):
+    """Its forward (no reused call) appends to a deque with a maxlen and reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.recent: collections.deque[int] = collections.deque([1, 2], maxlen=3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.recent.append(self.recent[-1] + 1)
+        return self.lin(x) * sum(self.recent)
+
+
+def test_a_deque_the_forward_appends_to_is_put_back_as_the_forward_began_for_the_replay(
+        ) -> None:
+    # A deque was read by id, so the replay read it as the forward left it (one entry on),
+    # then appended again: another scale than eager's, and a window a step ahead. Now read by
+    # its entries as a list is; its maxlen stays.
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScaledByItsRecentWindow())
+    for step in range(4):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert list(ours.recent) == list(eager.recent) and ours.recent.maxlen == 3
+        assert _same(*grads), f"step {step}"
