@@ -19,9 +19,10 @@ has no graph in eager, as under the decorator. Anything else (a statement before
 computation after it, a block that names ``enable_grad``, ``set_grad_enabled`` or
 ``inference_mode`` again inside (as a name, an attribute or a string), or a global bound to
 one under another name, a context manager beside the switch other than autocast or another
-switch, a local or closure variable named as the switch, source that cannot be read: a
-lambda, exec'd code) keeps the refusal, which the decorator lifts. As with the decorator, a helper the body calls that enables grad
-itself is not seen. Judged once per code object and globals, at its first use.
+switch, a local or closure variable named as the switch, source that cannot be read: a lambda,
+exec'd code) keeps the refusal, which the decorator lifts. As with the decorator, a helper the body
+calls that enables grad itself is not seen. Judged once per code object and globals, at its first
+use.
 """
 
 from __future__ import annotations
