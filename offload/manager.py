@@ -67,13 +67,16 @@ def _device(device: object, /) -> torch.device:
     """``device=`` as torch reads it; what torch cannot read (``"gpu"``, a list, an index
     without an accelerator) is refused in the library's terms."""
     try:
-        return torch.device(device)  # type: ignore[call-overload]
+        read = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError) as error:
         raise CheckpointConfigError(
             f"OffloadManager(device={device!r}) is not a device torch can use here",
             expected="a torch.device or its string ('cuda', 'cuda:1', 'cpu'), or None",
             got=f"{device!r}: {str(error).splitlines()[0]}",
             tip="leave device out (the current CUDA device, or the CPU without one)") from error
+    # Tensors on the CPU say `cpu`, never `cpu:0`: an indexed one ("cpu:0", which code built as
+    # f"{kind}:{index}" gives) matched no tensor, and nothing was offloaded (helper HY).
+    return torch.device("cpu") if read.type == "cpu" else read
 
 
 class OffloadManager:

@@ -2031,3 +2031,26 @@ def test_stale_copies_of_an_input_changed_in_place_in_one_window_are_not_held() 
         loss = x.cos().sum()
     loss.backward()
     assert peak <= 1
+
+
+# Guards against (helper HY), as it was found:
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_a_manager_for_an_indexed_cpu_device_offloads_as_one_for_the_cpu(device: Any) -> None:
+    # torch.device('cpu:0') is a device torch reads, and tensors made on it report 'cpu'
+    # (torch.randn(2, device='cpu:0').device == torch.device('cpu')); the manager compares
+    # devices as given, so every window storage counts under other_device_bytes and stays,
+    # and the warning says to build it with device='cpu'. A CUDA device without an index is
+    # made the current indexed one; a CPU index is not dropped.
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    expected = []
+    for dev in ("cpu", device):
+        manager = OffloadManager(OffloadConfig(min_bytes=0), device=dev)
+        h = x * 1.0
+        with manager.window([h]):
+            loss = (h @ w).sum()
+        loss.backward()
+        stats = manager.stats()
+        expected.append((stats["offloaded_bytes"], stats["other_device_bytes"]))
+    assert expected[0] == (4 * 8 * 4, 0)
+    assert expected[1] == expected[0]

@@ -295,3 +295,35 @@ def test_releasing_none_is_refused_at_the_release_like_any_foreign_object() -> N
     assert pool.checked_out == 1
     pool.release(held)
     assert pool.checked_out == 0
+
+
+def test_a_class_holds_no_more_than_its_own_and_the_classes_it_serves_most_requests_in_flight(
+        ) -> None:
+    # docs/offload.md, "Host pool" (helper HY found its first wording, "each class's most
+    # requests in flight", false): in step 2 the 5120-byte class's one buffer serves the
+    # 3072-byte request (a larger class, up to twice), so the 5120-byte request beside it
+    # allocates a second: the class holds its own most requests in flight (1) plus those of
+    # the classes down to half its size it served (1), and from step 3 on nothing is added.
+    pool = HostPool(pin_memory=False)
+    small, large = 3000, 5000
+    assert (size_class(small), size_class(large)) == (3072, 5120)
+    most_in_flight = {3072: 0, 5120: 0}
+    misses = []
+    for sizes in [[large], [small, large], [small, large], [small, large]]:
+        held = [pool.acquire(n) for n in sizes]
+        for n in sizes:
+            most_in_flight[size_class(n)] = max(most_in_flight[size_class(n)],
+                                                sum(size_class(m) == size_class(n)
+                                                    for m in sizes))
+        for buffer in held:
+            pool.release(buffer)
+        misses.append(pool.misses)
+    assert pool.checked_out == 0 and misses == [1, 2, 2, 2]
+    held_by_class: dict[int, int] = {}
+    for buffers in pool._free.values():
+        for buffer, _ in buffers:
+            held_by_class[buffer.numel()] = held_by_class.get(buffer.numel(), 0) + 1
+    assert held_by_class == {5120: 2}
+    assert all(count <= sum(most for served, most in most_in_flight.items()
+                            if cls / 2 <= served <= cls)
+               for cls, count in held_by_class.items())
