@@ -493,12 +493,14 @@ class MadeNumbers:
 # the call adds first, a KeyError). So a reused call's top-level arguments and keyword
 # arguments that are small containers of plain values (``_plain_container``) are read by their
 # entries before the call and after it; one the call changed is given, in the replay, what
-# the call left where the replay's argument at that place holds what the call found (one
-# changed otherwise is left), and gets what it held when the replay began back after it (NOTE
-# [what the replay writes into is put back after it]). A container the boundary does not read
-# (a global one passed in) is put back for the replay as the first such call found it, as a
-# module outside the call's is (``with_reused_calls``). One the call fills with anything else
-# (a tensor) is not made again: as a float a reused fn stores, it is not told (replay.md).
+# the call left where the replay's argument at that place holds what the call found (a dict
+# key by key: the forward may change another key before the call; one changed otherwise is
+# left), and gets what it held when the replay began back after it (NOTE
+# [what the replay writes into is put back after it]). A dict the boundary does not read (a
+# global one passed in) is put back for the replay as the first such call found it, as a
+# module outside the call's is (``with_reused_calls``); another container so is read as the
+# forward left it. One the call fills with anything else (a tensor) is not made again: as a
+# float a reused fn stores, it is not told (replay.md).
 ArgumentContents = list[tuple[int | str, Any, Any]]
 
 
@@ -532,14 +534,38 @@ class MadeContents:
 
     def make_again(self, args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
         """In the replay's arguments at the same places, each change made again where the
-        container holds what the call found."""
+        container holds what the call found: a dict's by key (the forward may change another
+        key of it before the call, a token count it logs, which the replay changes again:
+        helper IC), another container's as a whole."""
         for key, held, before, after in self.changed:
             target = kwargs.get(key) if isinstance(key, str) else \
                 args[key] if key < len(args) else None
-            if type(target) is type(held) and _plain_container(target, most=float("inf")) \
-                    and _entries(target) == before:
+            if type(target) is not type(held) or \
+                    not _plain_container(target, most=float("inf")):
+                continue
+            if isinstance(target, dict):
+                found, left = dict(before), dict(after)
+                keys = [*left, *(k for k in found if k not in left)]
+                # The keys the call changed, where the replay's dict holds what it found.
+                writes = [(k, left.get(k, _ABSENT)) for k in keys
+                          if _differs(left.get(k, _ABSENT), found.get(k, _ABSENT))
+                          and not _differs(target.get(k, _ABSENT), found.get(k, _ABSENT))]
+                if writes:
+                    _restore_after_replay(target)
+                    for k, value in writes:
+                        if value is _ABSENT:
+                            del target[k]
+                        else:
+                            target[k] = value
+            elif _entries(target) == before:
                 _restore_after_replay(target)
                 _put(target, after)
+
+
+def _differs(a: Any, b: Any, /) -> bool:
+    """Two plain values (``_ABSENT``: no such key) differ, NaN equal to NaN."""
+    return (a is _ABSENT) is not (b is _ABSENT) or \
+        a is not _ABSENT and value_differs(a, b)
 
 
 class NumbersGlance:
@@ -979,7 +1005,10 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
             if type(value) in (_Contents, _Refilled)}
         for given in contents:
             for _, held, before, _ in given.changed:
-                if id(held) not in held_ids:
+                # A dict only: its change is made again key by key, where another container
+                # the forward also changed before the call (a log it appends to) would not
+                # match what the call found (helper IC), and is read as the forward left it.
+                if isinstance(held, dict) and id(held) not in held_ids:
                     held_ids.add(id(held))
                     # Its own dict, for the put-back's entries (which name what they hold).
                     d = {"argument": held}

@@ -3380,3 +3380,47 @@ def test_a_deque_the_forward_appends_to_is_put_back_as_the_forward_began_for_the
         grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
         assert list(ours.recent) == list(eager.recent) and ours.recent.maxlen == 3
         assert _same(*grads), f"step {step}"
+
+
+_LOGGED_AND_COUNTED: dict[str, int] = {"tokens": 0, "calls": 0}
+
+
+def _counts_its_calls(scores: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
+    stats["calls"] += 1
+    return scores.topk(2, -1).indices
+
+
+class _LogsTokensThenCountsInTheSameGlobal(nn.Module):
+    """Logs its token count in a module-level dict (read by nothing), then passes the same
+    dict to a reused call that counts its calls there, and scales by that count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _LOGGED_AND_COUNTED["tokens"] += x.shape[0]
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_its_calls, h.detach(), _LOGGED_AND_COUNTED)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * _LOGGED_AND_COUNTED["calls"]
+
+
+# Guards against (helper IC), as it was found:
+def test_a_global_dict_the_forward_logs_in_before_a_reused_call_counts_in_it_reads_the_count(
+        ) -> None:
+    # with_reused_calls puts the dict back for the replay as the first call found it
+    # ({"tokens": 4, "calls": 0}), not as the forward began; the replay's forward logs again
+    # (tokens 8), so MadeContents.make_again finds entries other than the call's and skips:
+    # the replay reads calls == 0 and every gradient is zero. Before 7ea013a the replay read
+    # the count the forward left (1) and the gradients were eager's.
+    torch.manual_seed(0)
+    eager, ours = _twins(_LogsTokensThenCountsInTheSameGlobal())
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            _LOGGED_AND_COUNTED.update(tokens=0, calls=0)
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert _LOGGED_AND_COUNTED == {"tokens": 4, "calls": 1}
+        assert _same(*grads), f"step {step}"
