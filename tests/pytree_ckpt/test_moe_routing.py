@@ -780,3 +780,73 @@ def test_a_storing_router_in_a_grad_enabled_evaluation_loop_is_probed_at_most_on
     for _ in range(passes):
         model(x.clone().requires_grad_()).sum().item()  # evaluation with grad on
     assert probes[0] <= passes
+
+
+class _GradGuardedBiasRouter(torch.nn.Module):
+    """replay.md's ``Router``: frozen ids, then under ``if torch.is_grad_enabled()`` after the
+    call (as the guide advises) the load moves a DeepSeek correction bias the top-k reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+        self.register_buffer("e_score_correction_bias", torch.zeros(4))
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        return (scores + self.e_score_correction_bias).topk(2, dim=-1).indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(self.gate(x))
+        ids = pytree_ckpt.reuse_during_recompute(self.route, scores.detach())
+        if torch.is_grad_enabled():  # after the call: "in eager, and in the replay"
+            with torch.no_grad():
+                load = torch.bincount(ids.flatten(), minlength=4).float()
+                self.e_score_correction_bias.add_(0.5 * torch.sign(load.mean() - load))
+        return x * scores.gather(-1, ids).sum(-1, keepdim=True)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md and docs/replay.md: a "
+                   "change made only if torch.is_grad_enabled(), read by a later forward before "
+                   "backward) (helper IF): the replay makes it, in backward")
+def test_a_bias_updated_under_is_grad_enabled_after_the_reused_call_is_eager_with_micro_batches(
+) -> None:
+    torch.manual_seed(0)
+    eager = _GradGuardedBiasRouter()
+    ckpt = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    xs = [torch.randn(16, 8) for _ in range(2)]
+    for model in (eager, ckpt):
+        sum(model(x).square().sum() for x in xs).backward()  # two micro-batches, one backward
+    assert torch.equal(eager.e_score_correction_bias, ckpt.e_score_correction_bias)
+    assert torch.equal(eager.gate.weight.grad, ckpt.gate.weight.grad)
+
+
+class _BiasMovedInTheReusedCall(_GradGuardedBiasRouter):
+    """The fix the docs give: the load moves the bias inside the reused function, with no
+    grad-mode test."""
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = (scores + self.e_score_correction_bias).topk(2, dim=-1).indices
+        load = torch.bincount(ids.flatten(), minlength=4).float()
+        self.e_score_correction_bias.add_(0.5 * torch.sign(load.mean() - load))
+        return ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(self.gate(x))
+        ids = pytree_ckpt.reuse_during_recompute(self.route, scores.detach())
+        return x * scores.gather(-1, ids).sum(-1, keepdim=True)
+
+
+def test_a_bias_the_reused_call_moves_itself_is_eager_with_micro_batches() -> None:
+    # The second micro-batch's forward routes with the bias the first one moved, in the
+    # forward as in eager; each replay gets the bias its call left.
+    torch.manual_seed(0)
+    eager = _BiasMovedInTheReusedCall()
+    ckpt = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(3):
+        xs = [torch.randn(16, 8) for _ in range(2)]
+        for model in (eager, ckpt):
+            sum(model(x).square().sum() for x in xs).backward()
+        assert torch.equal(eager.e_score_correction_bias, ckpt.e_score_correction_bias)
+        assert torch.equal(eager.gate.weight.grad, ckpt.gate.weight.grad), f"step {step}"
+        assert not torch.equal(eager.e_score_correction_bias, torch.zeros(4))
+        for model in (eager, ckpt):
+            model.zero_grad(set_to_none=True)
