@@ -550,13 +550,24 @@ class MadeContents:
                 writes = [(k, left.get(k, _ABSENT)) for k in keys
                           if _differs(left.get(k, _ABSENT), found.get(k, _ABSENT))
                           and not _differs(target.get(k, _ABSENT), found.get(k, _ABSENT))]
-                if writes:
+                # A round robin's `move_to_end` changes no value, only the order (helper ID):
+                # the keys the call kept, in the order it left them, where the replay's dict
+                # holds them in the order the call found them.
+                kept = [k for k, _ in after if k in found]
+                reorder = kept != [k for k, _ in before if k in left] and \
+                    [k for k in target if k in left and k in found] == \
+                    [k for k, _ in before if k in left]
+                if writes or reorder:
                     _restore_after_replay(target)
                     for k, value in writes:
                         if value is _ABSENT:
                             del target[k]
                         else:
                             target[k] = value
+                    if reorder:
+                        for k in left:  # each to the end, in the order the call left
+                            if k in target:
+                                target[k] = target.pop(k)
             elif _entries(target) == before:
                 _restore_after_replay(target)
                 _put(target, after)

@@ -3424,3 +3424,39 @@ def test_a_global_dict_the_forward_logs_in_before_a_reused_call_counts_in_it_rea
             grads.append(_grads(model))
             assert _LOGGED_AND_COUNTED == {"tokens": 4, "calls": 1}
         assert _same(*grads), f"step {step}"
+
+
+def _serves_the_first_in_turn(scores: torch.Tensor, turn: collections.OrderedDict[int, float]
+                              ) -> torch.Tensor:
+    """A round robin: the entry first in turn is served and moved to the end."""
+    turn.move_to_end(next(iter(turn)))
+    return scores.topk(2, -1).indices
+
+
+class _ScaledByWhoseTurnItIs(nn.Module):
+    """Passes its round robin (an ``OrderedDict`` of weights) to a reused call that moves the
+    served entry to the end, then scales by the weight now first in turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.turn = collections.OrderedDict([(0, 1.0), (1, 2.0), (2, 3.0)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_serves_the_first_in_turn, h.detach(), self.turn)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * next(iter(self.turn.values()))
+
+
+# Guards against (helper ID), as it was found:
+def test_a_round_robin_a_reused_call_moves_to_the_end_is_read_in_the_order_the_call_left(
+        ) -> None:
+    # MadeContents.of sees the order change (_entries: items in order), but make_again (since
+    # 46c3522) only writes keys whose value changed: none did, so the replay reads the turn as
+    # the forward began (weight 1.0 first, not 2.0). 7ea013a put the whole entries back: exact.
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScaledByWhoseTurnItIs())
+    for step in range(3):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert list(ours.turn.items()) == list(eager.turn.items())
+        assert _same(*grads), f"step {step}"
