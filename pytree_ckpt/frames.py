@@ -400,7 +400,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             "op would be mistaken for theirs (its checks skipped)",
             expected="a function, a bound method or a module", got=f"the op {fn}",
             tip="wrap it once in a function of your own: def topk_ids(h): return "
-                f"{fn}(h, ...), then reuse_during_recompute(topk_ids, h)")
+                f"torch.ops.{fn}(h, ...), then reuse_during_recompute(topk_ids, h)")
     if getattr(type(fn), "__hash__", None) is None:
         raise ReuseError(
             f"reuse_during_recompute needs a hashable callable: its results are recorded by "

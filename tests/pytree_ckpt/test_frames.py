@@ -1663,6 +1663,39 @@ def test_an_op_given_to_reuse_during_recompute_is_refused_with_a_tip() -> None:
         checkpoint(forward, torch.randn(4, 8, requires_grad=True))
 
 
+# Guards against (helper IG), as it was found:
+def test_the_tip_for_an_op_given_to_reuse_during_recompute_runs_when_applied_as_written() -> None:
+    # The tip says: wrap it once in a function of your own: def topk_ids(h): return
+    # <op>(h, ...), then reuse_during_recompute(topk_ids, h). Applied literally in a module that
+    # imports torch, the op must be spelt so that it resolves there.
+    import re
+
+    layer = pytree_ckpt.apply_activation_checkpointing(nn.Linear(8, 8))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        ids = reuse_during_recompute(torch.ops.aten.argmax.default, x.detach(), -1, True)
+        return layer(x) * ids
+
+    with pytest.raises(ReuseError) as raised:
+        checkpoint(forward, torch.randn(4, 8, requires_grad=True))
+    code = re.search(r"(def topk_ids\(h\): return .*?\)), then", str(raised.value)).group(1)
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(code.replace("...", "-1, True"), namespace)
+    topk_ids = namespace["topk_ids"]
+
+    def fixed(x: torch.Tensor) -> torch.Tensor:
+        return layer(x) * reuse_during_recompute(topk_ids, x.detach())
+
+    x = torch.randn(4, 8, requires_grad=True)
+    checkpoint(fixed, x).sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad()
+    (layer(x) * torch.ops.aten.argmax.default(x.detach(), -1, True)).sum().backward()
+    want = [x.grad] + [p.grad for p in layer.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def _top2(scores: torch.Tensor) -> torch.Tensor:
     return scores.topk(2, -1).indices
 
