@@ -104,10 +104,14 @@ _AFTER_REPLAY: contextvars.ContextVar[list[tuple[Any, Any]] | None] = \
     contextvars.ContextVar("pytree_ckpt_after_replay", default=None)
 
 
-def _restore_after_replay(held: Any, /) -> None:
+def _restore_after_replay(held: Any, /) -> bool:
+    """Whether ``held`` gets what it holds now back after the replay (``False`` where no
+    replay's put-back runs, or for an object with nothing to snapshot)."""
     pending = _AFTER_REPLAY.get()
     if pending is not None and (snapshot := _snapshot(held)) is not None:
         pending.append((held, snapshot))
+        return True
+    return False
 
 
 class _Object:
@@ -499,7 +503,7 @@ class MadeNumbers:
 # [what the replay writes into is put back after it]). A dict the boundary does not read (a
 # global one passed in) is put back for the replay as the first such call found it, as a
 # module outside the call's is (``with_reused_calls``); another container so is read as the
-# forward left it. One the call fills with anything else (a tensor) is not made again: as a
+# forward left it; either gets what it held when the replay began back after it. One the call fills with anything else (a tensor) is not made again: as a
 # float a reused fn stores, it is not told (replay.md).
 ArgumentContents = list[tuple[int | str, Any, Any]]
 
@@ -557,8 +561,7 @@ class MadeContents:
                 reorder = kept != [k for k, _ in before if k in left] and \
                     [k for k in target if k in left and k in found] == \
                     [k for k, _ in before if k in left]
-                if writes or reorder:
-                    _restore_after_replay(target)
+                if (writes or reorder) and _restore_after_replay(target):
                     for k, value in writes:
                         if value is _ABSENT:
                             del target[k]
@@ -568,8 +571,10 @@ class MadeContents:
                         for k in left:  # each to the end, in the order the call left
                             if k in target:
                                 target[k] = target.pop(k)
-            elif _entries(target) == before:
-                _restore_after_replay(target)
+            elif _entries(target) == before and _restore_after_replay(target):
+                # Only where it gets its entries back after the replay (where no put-back runs,
+                # the caller's list, emptied before backward, kept the replay's append: helper
+                # IE).
                 _put(target, after)
 
 
@@ -1016,14 +1021,19 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
             if type(value) in (_Contents, _Refilled)}
         for given in contents:
             for _, held, before, _ in given.changed:
-                # A dict only: its change is made again key by key, where another container
-                # the forward also changed before the call (a log it appends to) would not
-                # match what the call found (helper IC), and is read as the forward left it.
-                if isinstance(held, dict) and id(held) not in held_ids:
-                    held_ids.add(id(held))
-                    # Its own dict, for the put-back's entries (which name what they hold).
-                    d = {"argument": held}
-                    found[id(d)] = (d, [("argument", _Contents(held, before))], [])
+                if id(held) in held_ids:
+                    continue
+                held_ids.add(id(held))
+                # Its own dict, for the put-back's entries (which name what they hold).
+                d = {"argument": held}
+                # A dict is put back as the call found it: its change is made again key by
+                # key. Another container the forward also changed before the call (a log it
+                # appends to) would not match what the call found (helper IC): it is read as
+                # the forward left it, but gets what it held when the replay began back after
+                # it, as a name rebound is, for a change made again there (helper IE: the
+                # caller's list, emptied before backward, kept the replay's append).
+                found[id(d)] = (d, [("argument", _Contents(held, before))], []) \
+                    if isinstance(held, dict) else (d, [], ["argument"])
     for change in made:
         for name, was, _ in change.made:
             if (id(change.d), name) in covered:

@@ -3460,3 +3460,304 @@ def test_a_round_robin_a_reused_call_moves_to_the_end_is_read_in_the_order_the_c
         grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
         assert list(ours.turn.items()) == list(eager.turn.items())
         assert _same(*grads), f"step {step}"
+
+
+# Mutation tests (helper IE): a reused call's argument containers (NOTE [a container a reused
+# call is given and counts in]), each case told apart by one clause alone.
+def _adds_ten_keys(scores: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
+    for k in range(60, 70):
+        stats[f"k{k}"] = k
+    return scores.topk(2, -1).indices
+
+
+class _GrowsItsDictPast64(nn.Module):
+    """A dict of 60 counts the reused call grows to 70 (past the 64 read before it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), {f"k{k}": k for k in range(60)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_adds_ten_keys, h.detach(), self.stats)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * len(self.stats)
+
+
+def test_a_dict_a_reused_call_grows_past_64_entries_is_read_after_it_as_the_call_left_it(
+        ) -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_GrowsItsDictPast64())
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            model.stats = {f"k{k}": k for k in range(60)}
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert len(model.stats) == 70
+        assert _same(*grads), f"step {step}"
+
+
+def _takes_the_pending_flag(scores: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
+    stats.pop("pending")
+    return scores.topk(2, -1).indices
+
+
+class _ScaledByAKeyTheCallDeletes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), {"pending": 1, "n": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_takes_the_pending_flag, h.detach(), self.stats)
+        scale = 2.0 if "pending" in self.stats else 3.0
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * scale
+
+
+def test_a_key_a_reused_call_deletes_from_a_dict_it_is_given_is_absent_in_the_replay() -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScaledByAKeyTheCallDeletes())
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            model.stats["pending"] = 1
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert model.stats == {"n": 0}
+        assert _same(*grads), f"step {step}"
+
+
+_LOGS_OFF_THE_MODEL: dict[str, Any] = {"list": [], "deque": collections.deque(maxlen=4)}
+
+
+def _logs_a_call(scores: torch.Tensor, log: Any) -> torch.Tensor:
+    log.append(1)
+    return scores.topk(2, -1).indices
+
+
+class _ScaledByAGlobalLog(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin, self.kind = nn.Linear(8, 8), kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        log = _LOGS_OFF_THE_MODEL[self.kind]
+        h = self.lin(x)
+        ids = reuse_during_recompute(_logs_a_call, h.detach(), log)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * len(log)
+
+
+# Helper IE finding: with_reused_calls adds only a dict argument to the put-back; for a list
+# or deque no module holds, changed_numbers stays None, so the replay runs outside
+# as_forward_began, _AFTER_REPLAY is None, and MadeContents.make_again's
+# _restore_after_replay(target) records nothing: the call's append, made again in the
+# caller's emptied log, stays there after backward (eager's log stays empty). Gradients agree.
+# Guards against (helper IE), as it was found:
+@pytest.mark.parametrize("kind", ["list", "deque"])
+def test_a_global_log_the_caller_empties_before_backward_stays_empty_after_it(kind: str) -> None:
+    # The replay's log holds what the call found (the caller emptied it), so the call's
+    # append is made again there, and the caller's emptied log should be given back after it.
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScaledByAGlobalLog(kind))
+    log = _LOGS_OFF_THE_MODEL[kind]
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            loss = model(x).sum()
+            assert list(log) == [1]
+            log.clear()
+            loss.backward()
+            grads.append(_grads(model))
+            assert list(log) == []
+        assert _same(*grads), f"step {step}"
+
+
+_COUNTS_OVER_THREE_CHUNKS: dict[str, int] = {}
+
+
+class _CountsInAGlobalPerThirdChunk(nn.Module):
+    """A module-level dict given to a reused call at each of three chunks (one dict for the
+    three calls: put back for the replay once, as the first call found it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(3):
+            ids = reuse_during_recompute(_counts_from_nothing, h.detach(),
+                                         stats=_COUNTS_OVER_THREE_CHUNKS)
+            outs.append(torch.gather(h, -1, ids).sum(-1, keepdim=True) * h *
+                        _COUNTS_OVER_THREE_CHUNKS["n"])
+        return torch.cat(outs)
+
+
+def test_a_global_dict_three_reused_calls_count_in_is_read_as_each_call_left_it() -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsInAGlobalPerThirdChunk())
+    for step in range(2):
+        x = torch.randn(6, 8)
+        grads = []
+        for model in (eager, ours):
+            _COUNTS_OVER_THREE_CHUNKS.clear()
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert _COUNTS_OVER_THREE_CHUNKS == {"n": 3}
+        assert _same(*grads), f"step {step}"
+
+
+def _caches_a_tensor(scores: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
+    cache["scores"] = scores.clone()
+    return scores.topk(2, -1).indices
+
+
+class _GivesAnEmptyCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.caches: list[dict[str, Any]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        cache: dict[str, Any] = {}
+        self.caches.append(cache)
+        ids = reuse_during_recompute(_caches_a_tensor, h.detach(), cache)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+
+
+def test_a_dict_a_reused_call_fills_with_a_tensor_does_not_keep_it_alive_until_backward(
+        ) -> None:
+    # Not made again (replay.md): what the call left is not held from the call to the replay.
+    torch.manual_seed(0)
+    ours = pytree_ckpt.apply_activation_checkpointing(_GivesAnEmptyCache())
+    loss = ours(torch.randn(4, 8)).sum()
+    stored = weakref.ref(ours.caches[0]["scores"])
+    ours.caches.clear()
+    gc.collect()
+    assert stored() is None
+    loss.backward()
+
+
+class _WindowOfTensors(nn.Module):
+    """A deque window of at most two entries, zeros as it starts, the forward appends a
+    detached statistic to (a tensor: known by id only, ``_Refilled``), scaled by its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.window: collections.deque[Any] = collections.deque([0, 0], maxlen=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.window.append(h.detach().mean())
+        return h * len(self.window) + h * self.window[-1]
+
+
+def test_a_deque_window_of_tensors_the_caller_replaces_keeps_its_maxlen_in_the_replay() -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_WindowOfTensors())
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            loss = model(x).sum()
+            model.window = collections.deque([0, 0], maxlen=2)  # the caller's fresh window
+            loss.backward()
+            grads.append(_grads(model))
+            assert list(model.window) == [0, 0] and model.window.maxlen == 2
+        assert _same(*grads), f"step {step}"
+
+
+class _CacheByDefault(nn.Module):
+    """A defaultdict(list) the forward appends detached tensors to (known by id only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.cache: collections.defaultdict[str, list[torch.Tensor]] = \
+            collections.defaultdict(list)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.cache["h"].append(h.detach())
+        return h * len(self.cache["h"])
+
+
+def test_a_defaultdict_of_tensors_the_caller_replaces_keeps_its_factory_in_the_replay() -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_CacheByDefault())
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            loss = model(x).sum()
+            model.cache = collections.defaultdict(list)  # the caller's fresh cache
+            loss.backward()
+            grads.append(_grads(model))
+            assert dict(model.cache) == {}
+        assert _same(*grads), f"step {step}"
+
+
+class _RebindsAWindowOfIds(nn.Module):
+    """Binds a new deque holding its ids (a tensor: an object, read by id) at each call."""
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        ids = h.topk(2, -1).indices
+        self.recent = collections.deque([ids], maxlen=3)
+        return ids
+
+
+class _AppendsToTheRoutersWindow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _RebindsAWindowOfIds()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(self.router.route, h.detach())
+        self.router.recent.append(ids)  # the layer adds to what the call bound
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * len(self.router.recent)
+
+
+def test_a_deque_a_reused_call_binds_is_read_in_the_replay_as_the_call_left_it() -> None:
+    # The call's deque is bound in the replay with what it held when the call left it (one
+    # entry), not as the forward left it (two): _snapshot reads a deque's entries.
+    torch.manual_seed(0)
+    eager, ours = _twins(_AppendsToTheRoutersWindow())
+    for step in range(2):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert len(ours.router.recent) == len(eager.router.recent) == 2
+        assert _same(*grads), f"step {step}"
+
+
+class _PicksAnActivationClass(nn.Module):
+    """Binds the class of the activation it picks (a class: an object read by id; its
+    ``__dict__`` a mappingproxy, nothing to snapshot) at each call."""
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        self.chosen = nn.GELU if bool(h.mean() > 0) else nn.ReLU
+        return h.topk(2, -1).indices
+
+
+class _UsesThePickedClass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _PicksAnActivationClass()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(self.router.route, h.detach())
+        return torch.gather(self.router.chosen()(h), -1, ids).sum(-1, keepdim=True) * h
+
+
+def test_a_class_a_reused_call_binds_on_its_module_is_bound_in_the_replay_as_it_is() -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_UsesThePickedClass())
+    for step in range(3):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert ours.router.chosen is eager.router.chosen
+        assert _same(*grads), f"step {step}"

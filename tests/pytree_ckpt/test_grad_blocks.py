@@ -397,3 +397,159 @@ def test_a_router_under_no_grad_and_autocast_by_its_older_name_replays_with_eage
     # (torch.cuda.amp.autocast alike), a subclass that changes no grad mode, keeps the refusal.
     torch.manual_seed(0)
     _replays_with_eagers_gradients(_RouterUnderCpuAmpAutocast().route)
+
+
+# Mutation tests (helper IE): each shape below is told apart by one clause of grad_blocks.py
+# alone (the others would not catch it), so each clause is pinned by a case of its own.
+from torch._C import _set_grad_enabled as _private_switch  # noqa: E402
+
+
+def _under_two_switches(x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode(), torch.no_grad():  # a second switch beside the first
+        return x * 2
+
+
+def _under_inference_mode_given_true(x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode(True):
+        return x * 2
+
+
+def _returning_a_dict_after(x: torch.Tensor) -> Any:
+    with torch.no_grad():
+        weights, ids = x.softmax(-1).topk(2)
+    return {"weights": weights, "ids": ids}
+
+
+def _returning_nothing_after(x: torch.Tensor, out: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        out.append(x * 2)
+    return
+
+
+def test_two_switches_a_dict_of_names_or_a_bare_return_after_the_block_are_read_as_no_grad(
+        ) -> None:
+    x = torch.randn(3, 8, requires_grad=True)
+    assert not _under_two_switches(x.detach()).requires_grad  # the premise: no graph
+    assert not _returning_a_dict_after(x)["weights"].requires_grad
+    assert not _under_inference_mode_given_true(x).requires_grad
+    for route in (_under_two_switches, _under_inference_mode_given_true, _returning_a_dict_after,
+                  _returning_nothing_after):
+        assert body_without_grad(route), route.__name__
+
+
+def _inference_mode_off(x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return x * 2
+
+
+def _inference_mode_off_by_keyword(x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode(mode=False):
+        return x * 2
+
+
+def _grad_set_on(x: torch.Tensor) -> torch.Tensor:
+    with torch.set_grad_enabled(True):
+        return x * 2
+
+
+def test_a_block_whose_switch_leaves_grad_on_is_refused() -> None:
+    x = torch.randn(3, 8, requires_grad=True)
+    for route in (_inference_mode_off, _inference_mode_off_by_keyword, _grad_set_on):
+        assert route(x).requires_grad, route.__name__  # the premise: eager gives a graph
+        assert not body_without_grad(route), route.__name__
+
+
+def _on_by_a_parameters_attribute(x: torch.Tensor, lib: Any = torch) -> torch.Tensor:
+    with torch.no_grad():
+        with lib.enable_grad():  # a parameter: not resolved among the globals
+            return x * 2
+
+
+def _inference_mode_by_a_parameters_attribute(x: torch.Tensor, lib: Any = torch) -> Any:
+    with torch.no_grad():
+        with lib.inference_mode(False):
+            return x * 2
+
+
+def _on_by_a_parameter_named_so(x: torch.Tensor, enable_grad: Any = torch.enable_grad) -> Any:
+    with torch.no_grad():
+        with enable_grad():
+            return x * 2
+
+
+def _on_by_a_string(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        with getattr(torch, "enable_grad")():  # noqa: B009
+            return x * 2
+
+
+def _on_by_a_private_string(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        getattr(torch._C, "_set_grad_enabled")(True)  # noqa: B009  (no_grad's exit restores)
+        return x * 2
+
+
+def _on_by_a_private_alias(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        _private_switch(True)  # torch._C._set_grad_enabled under another name
+        y = x * 2
+        _private_switch(False)
+        return y
+
+
+def _on_in_a_second_managers_argument(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast("cpu", enabled=torch.set_grad_enabled(True) is None):
+        return x * 2
+
+
+def test_grad_turned_back_on_by_a_name_the_globals_do_not_resolve_keeps_the_refusal() -> None:
+    for route in (_on_by_a_parameters_attribute, _inference_mode_by_a_parameters_attribute,
+                  _on_by_a_parameter_named_so, _on_by_a_string, _on_by_a_private_string,
+                  _on_by_a_private_alias, _on_in_a_second_managers_argument):
+        with torch.enable_grad():
+            assert route(torch.randn(3, requires_grad=True)).requires_grad, route.__name__
+        assert not body_without_grad(route), route.__name__
+
+
+def _same_named(fn: Any) -> Any:
+    """A decorator whose wrapper bears the function's name: its own code runs outside the
+    block (here computing with grad), where the wrapped function's source has the block."""
+    scale = torch.ones(1, requires_grad=True)
+
+    @functools.wraps(fn)
+    def _route_wrapped_by_its_own_name(x: torch.Tensor) -> torch.Tensor:
+        return fn(x) * scale
+    return _route_wrapped_by_its_own_name
+
+
+@_same_named
+def _route_wrapped_by_its_own_name(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return x * 2
+
+
+def _route_with_a_lambda_default(x: torch.Tensor, scale: Any = lambda t: t * 2) -> Any:
+    with torch.no_grad():
+        return x * 2
+
+
+class _Holder:
+    no_grad = torch.no_grad
+
+
+_holder = _Holder()
+
+
+def _under_an_objects_attribute(x: torch.Tensor) -> torch.Tensor:
+    with _holder.no_grad():  # read through modules only: an object's lookup may run code
+        return x * 2
+
+
+def test_a_wrapper_of_the_same_name_a_lambda_on_the_def_line_or_an_objects_switch_is_refused(
+        ) -> None:
+    x = torch.randn(3, requires_grad=True)
+    assert _route_wrapped_by_its_own_name(x).requires_grad  # the premise: the wrapper's graph
+    lam = _route_with_a_lambda_default.__defaults__[0]  # its source: the def's whole block
+    assert lam(x).requires_grad and lam.__code__.co_name == "<lambda>"
+    for route in (_route_wrapped_by_its_own_name, lam, _under_an_objects_attribute):
+        assert not body_without_grad(route)
