@@ -503,8 +503,9 @@ class MadeNumbers:
 # [what the replay writes into is put back after it]). A dict the boundary does not read (a
 # global one passed in) is put back for the replay as the first such call found it, as a
 # module outside the call's is (``with_reused_calls``); another container so is read as the
-# forward left it; either gets what it held when the replay began back after it. One the call fills with anything else (a tensor) is not made again: as a
-# float a reused fn stores, it is not told (replay.md).
+# forward left it; either gets what it held when the replay began back after it. One the
+# call fills with anything else (a tensor) is not made again: as a float a reused fn stores,
+# it is not told (replay.md).
 ArgumentContents = list[tuple[int | str, Any, Any]]
 
 
