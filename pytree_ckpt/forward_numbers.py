@@ -496,16 +496,17 @@ class MadeNumbers:
 # forward began: the replay read the count before the call (helper HZ: every gradient 0; a key
 # the call adds first, a KeyError). So a reused call's top-level arguments and keyword
 # arguments that are small containers of plain values (``_plain_container``) are read by their
-# entries before the call and after it; one the call changed is given, in the replay, what
-# the call left where the replay's argument at that place holds what the call found (a dict
-# key by key: the forward may change another key before the call; one changed otherwise is
-# left), and gets what it held when the replay began back after it (NOTE
-# [what the replay writes into is put back after it]). A dict the boundary does not read (a
-# global one passed in) is put back for the replay as the first such call found it, as a
-# module outside the call's is (``with_reused_calls``); another container so is read as the
-# forward left it; either gets what it held when the replay began back after it. One the
-# call fills with anything else (a tensor) is not made again: as a float a reused fn stores,
-# it is not told (replay.md).
+# entries before the call and after it; one the call changed is given, in the replay, at the
+# call, the entries the call left, as eager's held them after the call, whatever the replay's
+# forward did to it before (a key the forward logs in changed again, helper IC; its order
+# alone changed, helper ID), and gets what it held when the replay began back after it (NOTE
+# [what the replay writes into is put back after it]; where none of that runs, nothing is
+# written: the caller's list kept the replay's append, helper IE). One the boundary does not
+# read (a global passed in) is put back for the replay as the first such call found it, as a
+# module outside the call's is (``with_reused_calls``), so code before the call reads what the
+# call found (but what the forward itself changed there, which the replay changes again). One
+# the call fills with anything else (a tensor) is not made again: as a float a reused fn
+# stores, it is not told (replay.md).
 ArgumentContents = list[tuple[int | str, Any, Any]]
 
 
@@ -538,51 +539,19 @@ class MadeContents:
         return MadeContents(changed) if changed else None
 
     def make_again(self, args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
-        """In the replay's arguments at the same places, each change made again where the
-        container holds what the call found: a dict's by key (the forward may change another
-        key of it before the call, a token count it logs, which the replay changes again:
-        helper IC), another container's as a whole."""
-        for key, held, before, after in self.changed:
+        """In the replay's arguments at the same places, each container given what the call
+        left: what eager's held after the call, whatever the replay's forward did to it before
+        (changed again another key the call did not touch, a token count it logs, appended
+        again to a log: helper IC; its order alone changed, a round robin's `move_to_end`:
+        helper ID). Only where it gets what it holds back after the replay (where no put-back
+        runs, the caller's list, emptied before backward, kept the replay's append: helper
+        IE)."""
+        for key, held, _, after in self.changed:
             target = kwargs.get(key) if isinstance(key, str) else \
                 args[key] if key < len(args) else None
-            if type(target) is not type(held) or \
-                    not _plain_container(target, most=float("inf")):
-                continue
-            if isinstance(target, dict):
-                found, left = dict(before), dict(after)
-                keys = [*left, *(k for k in found if k not in left)]
-                # The keys the call changed, where the replay's dict holds what it found.
-                writes = [(k, left.get(k, _ABSENT)) for k in keys
-                          if _differs(left.get(k, _ABSENT), found.get(k, _ABSENT))
-                          and not _differs(target.get(k, _ABSENT), found.get(k, _ABSENT))]
-                # A round robin's `move_to_end` changes no value, only the order (helper ID):
-                # the keys the call kept, in the order it left them, where the replay's dict
-                # holds them in the order the call found them.
-                kept = [k for k, _ in after if k in found]
-                reorder = kept != [k for k, _ in before if k in left] and \
-                    [k for k in target if k in left and k in found] == \
-                    [k for k, _ in before if k in left]
-                if (writes or reorder) and _restore_after_replay(target):
-                    for k, value in writes:
-                        if value is _ABSENT:
-                            del target[k]
-                        else:
-                            target[k] = value
-                    if reorder:
-                        for k in left:  # each to the end, in the order the call left
-                            if k in target:
-                                target[k] = target.pop(k)
-            elif _entries(target) == before and _restore_after_replay(target):
-                # Only where it gets its entries back after the replay (where no put-back runs,
-                # the caller's list, emptied before backward, kept the replay's append: helper
-                # IE).
+            if type(target) is type(held) and _plain_container(target, most=float("inf")) \
+                    and _restore_after_replay(target):
                 _put(target, after)
-
-
-def _differs(a: Any, b: Any, /) -> bool:
-    """Two plain values (``_ABSENT``: no such key) differ, NaN equal to NaN."""
-    return (a is _ABSENT) is not (b is _ABSENT) or \
-        a is not _ABSENT and value_differs(a, b)
 
 
 class NumbersGlance:
@@ -1027,14 +996,7 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
                 held_ids.add(id(held))
                 # Its own dict, for the put-back's entries (which name what they hold).
                 d = {"argument": held}
-                # A dict is put back as the call found it: its change is made again key by
-                # key. Another container the forward also changed before the call (a log it
-                # appends to) would not match what the call found (helper IC): it is read as
-                # the forward left it, but gets what it held when the replay began back after
-                # it, as a name rebound is, for a change made again there (helper IE: the
-                # caller's list, emptied before backward, kept the replay's append).
-                found[id(d)] = (d, [("argument", _Contents(held, before))], []) \
-                    if isinstance(held, dict) else (d, [], ["argument"])
+                found[id(d)] = (d, [("argument", _Contents(held, before))], [])
     for change in made:
         for name, was, _ in change.made:
             if (id(change.d), name) in covered:

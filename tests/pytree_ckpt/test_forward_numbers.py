@@ -3761,3 +3761,77 @@ def test_a_class_a_reused_call_binds_on_its_module_is_bound_in_the_replay_as_it_
         grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
         assert ours.router.chosen is eager.router.chosen
         assert _same(*grads), f"step {step}"
+
+
+_LOG_OFF_THE_MODEL: list[int] = []
+
+
+def _logs_its_call(scores: torch.Tensor, log: list[int]) -> torch.Tensor:
+    log.append(-1)
+    return scores.topk(2, -1).indices
+
+
+class _LogsThenCallsWithTheSameGlobalList(nn.Module):
+    """Appends to a module-level list, then passes it to a reused call that appends too, and
+    scales by its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _LOG_OFF_THE_MODEL.append(x.shape[0])
+        h = self.lin(x)
+        ids = reuse_during_recompute(_logs_its_call, h.detach(), _LOG_OFF_THE_MODEL)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * len(_LOG_OFF_THE_MODEL)
+
+
+def test_a_global_list_the_forward_appends_to_before_a_reused_call_appends_is_read_as_left(
+        ) -> None:
+    # The replay's own append before the call makes the list differ from what the call found
+    # (helper IC's case, for a list): the call's entries are given all the same, so the
+    # replay reads a length of 2, as eager did after its call; after the replay the list is
+    # as the forward left it, not appended to again.
+    torch.manual_seed(0)
+    eager, ours = _twins(_LogsThenCallsWithTheSameGlobalList())
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            _LOG_OFF_THE_MODEL.clear()
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert _LOG_OFF_THE_MODEL == [4, -1]
+        assert _same(*grads), f"step {step}"
+
+
+class _CountsTwiceInTheSameGlobalKey(nn.Module):
+    """Adds 10 to a key of a module-level dict, then a reused call adds 1 to the same key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _COUNTS_OFF_THE_MODEL["n"] = _COUNTS_OFF_THE_MODEL.get("n", 0) + 10
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_from_nothing, h.detach(), _COUNTS_OFF_THE_MODEL)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * _COUNTS_OFF_THE_MODEL["n"]
+
+
+def test_a_global_key_the_forward_and_then_a_reused_call_change_is_read_as_the_call_left_it(
+        ) -> None:
+    # Put back as the call found it (10), the replay's forward adds 10 again (20): the call's
+    # 11 is given all the same (a key-by-key check of what the call found skipped it: helper
+    # IE's mutant F06), and the dict ends the step at eager's 11.
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsTwiceInTheSameGlobalKey())
+    for step in range(2):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            _COUNTS_OFF_THE_MODEL.clear()
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert _COUNTS_OFF_THE_MODEL == {"n": 11}
+        assert _same(*grads), f"step {step}"
