@@ -12,6 +12,7 @@ import collections
 import contextvars
 import copy
 import enum
+import functools
 import types
 import warnings
 import weakref
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from .eager import user_stacklevel
+from .function_reach import unwrap_partials
 from .module_state import ModuleDicts, torch_nn_class
 from .state_changes import REPLAY_COPY_MARK
 from .tree import dunder, instance_dict
@@ -112,6 +114,17 @@ def _restore_after_replay(held: Any, /) -> bool:
         pending.append((held, snapshot))
         return True
     return False
+
+
+class _AsLeft:
+    """A container the replay reads as the forward left it, which gets what it held when the
+    replay began back after it (one given to a reused call, holding tensors, that no module
+    of the boundary holds: NOTE [a container a reused call is given and counts in])."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: Any, /) -> None:
+        self.held = held
 
 
 class _Object:
@@ -494,64 +507,112 @@ class MadeNumbers:
 # state off the call's module), and the forward read it after the call. The replay skips the
 # call, and the forward's put-back gives the layer's container the entries it held as the
 # forward began: the replay read the count before the call (helper HZ: every gradient 0; a key
-# the call adds first, a KeyError). So a reused call's top-level arguments and keyword
-# arguments that are small containers of plain values (``_plain_container``) are read by their
-# entries before the call and after it; one the call changed is given, in the replay, at the
-# call, the entries the call left, as eager's held them after the call, whatever the replay's
-# forward did to it before (a key the forward logs in changed again, helper IC; its order
-# alone changed, helper ID), and gets what it held when the replay began back after it (NOTE
-# [what the replay writes into is put back after it]; where none of that runs, nothing is
-# written: the caller's list kept the replay's append, helper IE). One the boundary does not
-# read (a global passed in) is put back for the replay as the first such call found it, as a
-# module outside the call's is (``with_reused_calls``), so code before the call reads what the
-# call found (but what the forward itself changed there, which the replay changes again). One
-# the call fills with anything else (a tensor) is not made again: as a float a reused fn
-# stores, it is not told (replay.md).
-ArgumentContents = list[tuple[int | str, Any, Any]]
+# the call adds first, a KeyError). So the containers among a reused call's top-level
+# arguments, keyword arguments and the values a ``functools.partial`` binds (``_CONTAINERS``,
+# at most 64 entries, holding anything: a count beside a tensor, helper IJ) are read by their
+# entries before the call and after it (a tensor by identity). One the call changed is given,
+# in the replay, at the call, what the call left, as eager's held it after the call: a dict
+# the keys the call changed, and its order where the call changed that (a round robin's
+# `move_to_end`, helper ID), whatever the replay's forward did to them before (a key the
+# forward logs in changed again, helper IC), its other keys as the replay has them (a count
+# made only under grad, in the replay, helper IJ); another container, all its entries. And it
+# gets what it held when the replay began back after it (NOTE [what the replay writes into is
+# put back after it]; where none of that runs, nothing is written: the caller's list kept the
+# replay's append, helper IE). One the boundary does not read (a global passed in) is put back
+# for the replay as the first such call found it, as a module outside the call's is
+# (``with_reused_calls``), so code before the call reads what the call found (but what the
+# forward itself changed there, which the replay changes again). A tensor the call puts in one
+# is given to the replay as it is: a float one has no graph (as a float a reused fn stores, not
+# told: replay.md).
+ArgumentContents = list[tuple[int | str | None, Any, Any]]
 
 
-def argument_contents(args: tuple[Any, ...], kwargs: dict[str, Any], /
+def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
                       ) -> ArgumentContents | None:
-    """The small containers of plain values among a reused call's top-level arguments, each
-    with its place and a copy of its entries, read before the call (NOTE above)."""
-    places: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-    read = [(key, value, _entries(value)) for key, value in places if _plain_container(value)]
+    """The small containers among a reused call's top-level arguments (the place ``None``: one
+    a partial binds, the same object in the replay), each with its place and a copy of its
+    entries, read before the call (NOTE above)."""
+    places: list[tuple[int | str | None, Any]] = [*enumerate(args), *kwargs.items()]
+    if isinstance(fn, functools.partial):
+        places += [(None, value) for _, value in unwrap_partials(fn)[1]]
+    read = [(key, value, _entries(value)) for key, value in places
+            if type(value) in _CONTAINERS and len(value) <= _MOST_ENTRIES]
     return read or None
 
 
 class MadeContents:
     """The argument containers a reused call changed, each with its place, what it held as
-    the call began and what the call left (NOTE [a container a reused call is given and
-    counts in])."""
+    the call began where it held plain values only (for ``with_reused_calls``; else ``None``),
+    and the call's change (NOTE [a container a reused call is given and counts in])."""
 
     __slots__ = ("changed",)
 
-    def __init__(self, changed: list[tuple[int | str, Any, Any, Any]], /) -> None:
+    def __init__(self, changed: list[tuple[int | str | None, Any, Any, _Change]], /) -> None:
         self.changed = changed
 
     @staticmethod
     def of(read: ArgumentContents, /) -> MadeContents | None:
         """What the call changed of the containers ``read`` before it; ``None`` for nothing
-        (the usual case), and for a container it filled with anything else."""
-        changed = [(key, held, before, after) for key, held, before in read
-                   if _plain_container(held, most=float("inf"))
-                   and (after := _entries(held)) != before]
+        (the usual case)."""
+        changed = []
+        for key, held, before in read:
+            after = _entries(held)
+            if _same_entries(after, before):
+                continue
+            plain = all(_immutable(v) for v in (before if not isinstance(held, dict) else
+                                                [v for kv in before for v in kv]))
+            change = _Change.of(held, before, after)
+            if change is not None:
+                changed.append((key, held, before if plain else None, change))
         return MadeContents(changed) if changed else None
 
     def make_again(self, args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
         """In the replay's arguments at the same places, each container given what the call
-        left: what eager's held after the call, whatever the replay's forward did to it before
-        (changed again another key the call did not touch, a token count it logs, appended
-        again to a log: helper IC; its order alone changed, a round robin's `move_to_end`:
-        helper ID). Only where it gets what it holds back after the replay (where no put-back
-        runs, the caller's list, emptied before backward, kept the replay's append: helper
-        IE)."""
-        for key, held, _, after in self.changed:
-            target = kwargs.get(key) if isinstance(key, str) else \
+        left (NOTE above), where it gets what it holds back after the replay."""
+        for key, held, _, change in self.changed:
+            target = held if key is None else kwargs.get(key) if isinstance(key, str) else \
                 args[key] if key < len(args) else None
-            if type(target) is type(held) and _plain_container(target, most=float("inf")) \
-                    and _restore_after_replay(target):
-                _put(target, after)
+            if type(target) is type(held) and _restore_after_replay(target):
+                change.write_into(target)
+
+
+class _Change:
+    """What a reused call changed of a container, without holding a tensor it put there (one
+    the caller lets go of would live until backward): a dict's keys it deleted, the plain
+    values it set, and its order where the call changed that; another container's entries,
+    where they are all plain."""
+
+    __slots__ = ("deleted", "written", "order", "entries")
+
+    def __init__(self, deleted: list[Any], written: list[tuple[Any, Any]],
+                 order: list[Any] | None, entries: Any, /) -> None:
+        self.deleted, self.written, self.order, self.entries = deleted, written, order, entries
+
+    @staticmethod
+    def of(held: Any, before: Any, after: Any, /) -> _Change | None:
+        if not isinstance(held, dict):
+            plain = all(map(_immutable, after))
+            return _Change([], [], None, after) if plain else None
+        found, left = dict(before), dict(after)
+        deleted = [k for k in found if k not in left]
+        written = [(k, v) for k, v in after if (k not in found or not _same_entry(v, found[k]))
+                   and _immutable(v)]
+        moved = [k for k, _ in after if k in found] != [k for k, _ in before if k in left]
+        if not (deleted or written or moved):
+            return None  # it put tensors there only: not made again
+        return _Change(deleted, written, list(left) if moved else None, None)
+
+    def write_into(self, target: Any, /) -> None:
+        if self.entries is not None:
+            _put(target, self.entries)
+            return
+        for k in self.deleted:
+            target.pop(k, None)
+        for k, value in self.written:
+            target[k] = value
+        for k in self.order or ():  # each to the end, in the order the call left them
+            if k in target:
+                target[k] = target.pop(k)
 
 
 class NumbersGlance:
@@ -829,15 +890,19 @@ class ChangedNumbers:
     """What a forward changed of its modules' plain values and attributes (NOTE [numbers and
     flags as the forward began]), for its replay."""
 
-    __slots__ = ("found",)
+    __slots__ = ("found", "as_calls_found")
 
     def __init__(self, found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]],
-                 /) -> None:
+                 /, as_calls_found: frozenset[int] = frozenset()) -> None:
         self.found = found
+        # The ids of the containers' entries put back as a reused call found them, not as the
+        # forward began (``with_reused_calls``; NOTE [a key only the replay changes]).
+        self.as_calls_found = as_calls_found
 
     def joined(self, other: ChangedNumbers | None, /) -> ChangedNumbers:
         """This and ``other`` (changes of other dicts) as one."""
-        return self if other is None else ChangedNumbers([*self.found, *other.found])
+        return self if other is None else ChangedNumbers(
+            [*self.found, *other.found], self.as_calls_found | other.as_calls_found)
 
     def snapshots(self) -> list[torch.Tensor]:
         """The small tensor attributes held from the forward to the replay (NOTE [small
@@ -861,14 +926,18 @@ class ChangedNumbers:
                          for name in [*(name for name, _ in values), *rebound]])
                     for d, values, rebound in self.found]
         # A container the forward changed in place also gets its entries back after the block
-        # (the object is the same, so putting it back as an object would not).
-        entries_at_start = []
+        # (the object is the same, so putting it back as an object would not), with what it
+        # held as the forward began: a dict's keys the forward left alone keep what the block
+        # made of them (NOTE [a key only the replay changes]).
+        entries_at_start: list[tuple[Any, Any, Any]] = []
         for d, values, _ in self.found:
             for name, value in values:
                 held = d.get(name)
-                if (type(value) is _Contents and held is value.held) or \
+                if (type(value) in (_Contents, _AsLeft) and held is value.held) or \
                         (type(value) is _Refilled and value.holds(held)):
-                    entries_at_start.append((held, _entries(held)))
+                    began = None if type(value) is _AsLeft or \
+                        id(value) in self.as_calls_found else value.entries
+                    entries_at_start.append((held, _entries(held), began))
         # A small tensor attribute changed in place: a fresh copy of its values as read, for
         # this block alone (NOTE [small tensor attributes as the forward read them]), one per
         # tensor, whatever number of modules hold it.
@@ -888,10 +957,15 @@ class ChangedNumbers:
             yield
         finally:
             _AFTER_REPLAY.reset(token)
+            restored = {id(held) for held, _, _ in entries_at_start}
             for held, snapshot in reversed(pending):  # the NOTE at _AFTER_REPLAY
-                _put(held, snapshot)
-            for held, entries in entries_at_start:
-                _put(held, entries)
+                if id(held) not in restored:
+                    _put(held, snapshot)
+            for held, entries, began in entries_at_start:
+                if began is not None and isinstance(held, dict):
+                    _put(held, _merged(entries, began, _entries(held)))
+                else:
+                    _put(held, entries)
             # What the replay read there: a small tensor put back, else what it held.
             _warn_graph_tensors_kept([(d, [(name, put.get((id(d), name), left))
                                            for name, left in named])
@@ -903,6 +977,29 @@ class ChangedNumbers:
                 _set(d, [(name, value) for name, value in named
                          if not (isinstance(now := d.get(name), torch.Tensor) and
                                  now.requires_grad and now.grad_fn is None)])
+
+
+# NOTE [a key only the replay changes]: a dict the forward changed in place gets what it held
+# when the replay began back after it; but code run only under grad (`if
+# torch.is_grad_enabled(): self.stats["steps"] += 1`, as written for torch's reentrant
+# checkpoint) changes it in the replay alone, as eager's forward did, and that change was
+# dropped with the rest (helper IJ: the step count stayed 0, other gradients from the second
+# step). So a key the forward left as it began (the replay's change is the only one) keeps what
+# the replay made of it, as a name only the replay sets does; a key the forward changed, or the
+# caller since, gets its value at the replay's start back. A key both change keeps the
+# forward's value only (documented).
+def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
+            after: list[tuple[Any, Any]], /) -> list[tuple[Any, Any]]:
+    """A dict's items after the replay: a key whose value at the replay's start is the one
+    the forward began with keeps the replay's (or stays deleted), any other its start value."""
+    start, first, now = dict(at_start), dict(began), dict(after)
+
+    def untouched(k: Any) -> bool:  # by the forward or the caller
+        a, b = start.get(k, _ABSENT), first.get(k, _ABSENT)
+        return a is b or a is not _ABSENT and b is not _ABSENT and _same_entry(a, b)
+    merged = [(k, now[k] if untouched(k) else v) for k, v in at_start
+              if not (untouched(k) and k not in now)]
+    return merged + [(k, v) for k, v in after if k not in start and untouched(k)]
 
 
 def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],
@@ -954,6 +1051,8 @@ def _set(d: dict[str, Any], named: list[tuple[str, Any]],
     for name, value in named:
         if value is _ABSENT:
             d.pop(name, None)
+        elif type(value) is _AsLeft:
+            continue  # read as it is
         elif type(value) is _Contents:
             if d.get(name) is value.held:  # changed in place: its entries as they were read
                 _put(value.held, value.entries)
@@ -994,9 +1093,12 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
                 if id(held) in held_ids:
                     continue
                 held_ids.add(id(held))
-                # Its own dict, for the put-back's entries (which name what they hold).
+                # Its own dict, for the put-back's entries (which name what they hold); one
+                # holding tensors is read as the forward left it (a local one the replay makes
+                # again, helper IJ), and gets what it held when the replay began back after it.
                 d = {"argument": held}
-                found[id(d)] = (d, [("argument", _Contents(held, before))], [])
+                found[id(d)] = (d, [("argument", _Contents(held, before) if before is not None
+                                     else _AsLeft(held))], [])
     for change in made:
         for name, was, _ in change.made:
             if (id(change.d), name) in covered:
@@ -1015,4 +1117,7 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
                  else was[1]))
     if not found:
         return changed
-    return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()])
+    return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()],
+                          (changed.as_calls_found if changed is not None else frozenset()) |
+                          {id(value) for _, values, _ in found.values() for _, value in values
+                           if type(value) is _Contents})

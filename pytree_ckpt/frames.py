@@ -35,7 +35,7 @@ import types
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -414,6 +414,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         invocation = invocation.parent
     rng_after = None
     generators_after: GeneratorStates = ()
+    raised: Exception | None = None  # NOTE [a reused call that raises]
     if invocation is None:
         devices, generators = _restored_by(recorders)
         # The replay will not run these ops, nor the RNG comparison (torch.equal dispatches
@@ -422,7 +423,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         call, versions = argument_versions(args, kwargs)
         buffers = buffer_versions(fn)
         numbers = numbers_watch(fn)
-        contents = argument_contents(args, kwargs)  # NOTE in forward_numbers.py
+        contents = argument_contents(fn, args, kwargs)  # NOTE in forward_numbers.py
         held = held_tensors(fn)  # NOTE [floats a reused fn stores on its module] (frozen.py)
         try:
             before = rng_state(devices) if devices is not None else None
@@ -432,7 +433,10 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             # its module] (frozen.py)
             probe = probe_for(fn, call, stores=held is not None and stores_floats(fn))
             with probe if probe is not None else nullcontext():
-                result = fn(*args, **kwargs)
+                try:
+                    result = fn(*args, **kwargs)
+                except Exception as error:  # NOTE [a reused call that raises]
+                    raised, result = error, cast(T, _Raised(error))
             if before is not None and devices is not None:
                 # NOTE [skipped work keeps the RNG in step]
                 after = rng_state(devices)
@@ -445,10 +449,11 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # NOTE [state a reused call changes] (frozen.py)
         changes = state_after(call, versions, buffers, numbers, contents)
         # NOTE [differentiable results are refused where grad is on] in frozen.py
-        checks = as_recorded(callable_name(fn), result, args, kwargs,
-                             graph=None if probe is None else probe.found(result),
-                             stored=() if held is None else stored_floats(fn, held, probe),
-                             probed=probe is not None)
+        checks = _UNCHECKED if raised is not None else as_recorded(
+            callable_name(fn), result, args, kwargs,
+            graph=None if probe is None else probe.found(result),
+            stored=() if held is None else stored_floats(fn, held, probe),
+            probed=probe is not None)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after, checks = invocation.frame.take_with_rng(fn)
         if recorders:
@@ -460,13 +465,47 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
                 apply_state_after(fn, args, kwargs, changes)
             finally:
                 IN_REUSE.reset(token)
-        if not recorders:  # the replay itself (a nested original pass checks in its replay)
+        if not recorders and type(result) is not _Raised:  # the replay itself (a nested
+            # original pass checks in its replay)
             refuse_in_replay(fn, callable_name(fn), checks, result, args, kwargs)
             warn_grad_mode_read(fn, callable_name(fn))  # NOTE in frozen.py
+        if isinstance(result, _Raised):
+            raised = result.again()
     for recorder in recorders:
         recorder.frame.record(fn, result, rng_after=rng_after, checks=checks,
                               state_after=changes, generators_after=generators_after)
+    if raised is not None:
+        raise raised
     return result
+
+
+class _Raised:
+    """NOTE [a reused call that raises]: a layer may catch what its reused function raises
+    and fall back (`except CapacityError: ids = fallback(h)`), after the function changed what
+    it was given (a count). Nothing was recorded for such a call, so the replay asked for a
+    result the original pass never recorded and was refused, where eager runs (helper IJ).
+    The call is recorded as raised: its type and arguments (not the exception itself, whose
+    traceback holds the forward's frames and their tensors until backward), with what it
+    changed and the random numbers it drew, and the replay, skipping the call, makes those
+    again and raises an exception of that type with those arguments, for the layer to catch
+    as in eager. One whose type cannot be made again from its arguments is a ``ReuseError``
+    naming it."""
+
+    __slots__ = ("kind", "args", "name")
+
+    def __init__(self, error: Exception, /) -> None:
+        self.kind, self.args, self.name = type(error), error.args, repr(error)
+
+    def again(self) -> Exception:
+        try:
+            return self.kind(*self.args)
+        except Exception:  # a constructor that takes other arguments than it keeps
+            return ReuseError(
+                f"the original pass's call raised {self.name}, and the replay, which skips the "
+                "call, cannot raise it again: its type takes other arguments than it keeps",
+                expected=f"{self.kind.__name__}(*error.args) to make one", got="an error",
+                tip="raise an exception whose arguments make it again (a ValueError with a "
+                    "message), or return a flag the layer checks instead of raising")
 
 
 def _restored_by(invocations: list[Any], /

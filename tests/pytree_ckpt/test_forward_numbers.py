@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import copy
 import enum
+import functools
 import gc
 import types
 import warnings
@@ -3834,4 +3835,148 @@ def test_a_global_key_the_forward_and_then_a_reused_call_change_is_read_as_the_c
             model(x).sum().backward()
             grads.append(_grads(model))
             assert _COUNTS_OFF_THE_MODEL == {"n": 11}
+        assert _same(*grads), f"step {step}"
+
+
+def _counts_then_refuses_a_large_batch(scores: torch.Tensor, stats: dict[str, int]
+                                       ) -> torch.Tensor:
+    stats["n"] += 1
+    if scores.shape[0] > 2:
+        raise ValueError("too many tokens for this router")
+    return scores.topk(2, -1).indices
+
+
+class _FallsBackWhereTheReusedCallRaises(nn.Module):
+    """A reused call counts in a dict it is given, then raises; the layer catches the error,
+    routes by a fallback and scales by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        stats = {"n": 0}
+        try:
+            ids = reuse_during_recompute(_counts_then_refuses_a_large_batch, h.detach(), stats)
+        except ValueError:
+            ids = h.detach().argsort(-1)[..., :2]
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * (stats["n"] + 1)
+
+
+# Guards against (helper IJ), as it was found:
+def test_a_reused_call_that_counts_then_raises_into_the_layers_fallback_replays_as_eager(
+        ) -> None:
+    # Eager: the call counts (n = 1), raises, the layer falls back; the gradient reads n + 1.
+    # The original pass records nothing for a call that raised, so the replay (which asks for
+    # the call's result) raises ReuseError "recorded 0" with a tip that does not apply.
+    torch.manual_seed(0)
+    eager, ours = _twins(_FallsBackWhereTheReusedCallRaises())
+    assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8)))
+
+
+def _counts_tokens(scores: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
+    info["tokens"] += scores.shape[0]
+    return scores.topk(2, -1).indices
+
+
+class _CountsInALocalDictHoldingMore(nn.Module):
+    """Makes a small dict of its own that holds a count beside a tensor (or a list), passes
+    it to a reused call that counts in it, and scales by the count."""
+
+    def __init__(self, beside: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.beside = beside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        info: dict[str, Any] = {"tokens": 0, "extra": torch.zeros(2) if self.beside == "tensor"
+                                else []}
+        ids = reuse_during_recompute(_counts_tokens, h.detach(), info)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * info["tokens"]
+
+
+# Guards against (helper IJ), as it was found:
+@pytest.mark.parametrize("beside", ["tensor", "list"])
+def test_a_count_a_reused_call_keeps_in_a_local_dict_beside_a_tensor_is_read_as_eager(
+        beside: str) -> None:
+    # Only dicts of plain values are read around the call (argument_contents); this one holds
+    # a tensor (or a list) too, so the replay, which skips the call, reads tokens = 0 where
+    # eager read 4: every gradient is 0, silently (limits.md lists no such case for arguments).
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsInALocalDictHoldingMore(beside))
+    assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8)))
+
+
+def _counts_calls(scores: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
+    stats["calls"] += 1
+    return scores.topk(2, -1).indices
+
+
+class _CountsTrainingStepsBesideAReusedCall(nn.Module):
+    """Reads a step count, counts it only under grad (the guard limits.md advises: made once,
+    in the replay), and passes the same dict to a reused call that counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.stats = {"calls": 0, "steps": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * (1 + self.stats["steps"])
+        if torch.is_grad_enabled():
+            self.stats["steps"] += 1
+        ids = reuse_during_recompute(_counts_calls, h.detach(), self.stats)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+
+
+# Guards against (helper IJ), as it was found:
+def test_a_count_made_under_grad_in_a_dict_a_reused_call_counts_in_persists_as_eager(
+        ) -> None:
+    # Without the reused call the guarded count is made once, in the replay, and kept (limits.md:
+    # a forward that changes state only if torch.is_grad_enabled()). With it, the replay's
+    # steps += 1 is overwritten by the call's entries (steps 0, as the original pass, under
+    # no-grad, left it), and the dict gets what it held when the replay began back after it:
+    # steps stays 0 (eager: 1, 2, 3) and from the second step the gradients differ.
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsTrainingStepsBesideAReusedCall())
+    for step in range(3):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert ours.stats == eager.stats, f"step {step}"
+        assert _same(*grads), f"step {step}"
+
+
+class _CountsThroughAPartialBindingItsDict(nn.Module):
+    """Its router is a partial made once that binds the layer's own dict of counts as the
+    keyword the function counts in; the layer scales by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.stats = {"n": 0}
+        self.route = functools.partial(_counts_from_nothing_in, stats=self.stats)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(self.route, h.detach())
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * self.stats["n"]
+
+
+def _counts_from_nothing_in(scores: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
+    stats["n"] += 1
+    return scores.topk(2, -1).indices
+
+
+# Guards against (helper IJ), as it was found:
+def test_a_dict_a_reused_partial_binds_as_its_argument_is_read_as_the_call_left_it() -> None:
+    # reuse_during_recompute(fn, h, self.stats) is exact; the same dict bound by a partial
+    # made once (partial(fn, stats=self.stats)) is not among the call's arguments, and a
+    # partial has no module: the layer's dict is put back as the forward began (n = 0 at the
+    # first step), so the replay scales by the count before the call, silently.
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsThroughAPartialBindingItsDict())
+    for step in range(2):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert ours.stats == eager.stats, f"step {step}"
         assert _same(*grads), f"step {step}"

@@ -3396,3 +3396,63 @@ class _DelegatingToScorerNamespace:
 
 def test_a_namespace_classs_classmethod_reading_its_metaclass_gate_is_refused() -> None:
     _refused_in_eager_and_under_checkpointing(_DelegatingToScorerNamespace().route)
+
+
+class _TooManyTokens(Exception):
+    def __init__(self, *, tokens: int) -> None:  # takes other arguments than it keeps
+        super().__init__(f"{tokens} tokens")
+
+
+def _refuses_with_a_keyword_only_error(scores: torch.Tensor) -> torch.Tensor:
+    raise _TooManyTokens(tokens=scores.shape[0])
+
+
+def test_a_reused_call_whose_error_cannot_be_made_again_is_refused_in_backward_naming_it(
+        ) -> None:
+    # NOTE [a reused call that raises] (frames.py): the replay raises an error of the type and
+    # arguments the call raised; one whose type takes other arguments than it keeps cannot be
+    # made again, and the replay says so, with the fix.
+    lin = nn.Linear(8, 8)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        try:
+            ids = reuse_during_recompute(_refuses_with_a_keyword_only_error, h.detach())
+        except _TooManyTokens:
+            ids = h.detach().argsort(-1)[..., :2]
+        return torch.gather(h, -1, ids)
+
+    out = checkpoint(layer, torch.randn(4, 8, requires_grad=True)).sum()
+    with pytest.raises(ReuseError, match=r"(?s)_TooManyTokens.*return a flag"):
+        out.backward()
+
+
+def _raises_after_drawing(scores: torch.Tensor) -> torch.Tensor:
+    torch.rand(3)  # a draw the replay must skip too
+    raise ValueError("no route")
+
+
+def test_a_reused_call_that_raises_is_raised_again_in_the_replay_with_the_random_state_after_it(
+        ) -> None:
+    # The layer catches the error and falls back to dropout: eager's mask follows the call's
+    # draw, and so must the replay's, which skips the call and raises a ValueError again.
+    lin = nn.Linear(8, 8)
+    calls = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        try:
+            reuse_during_recompute(_raises_after_drawing, h.detach())
+        except ValueError as error:
+            calls.append(str(error))
+        return torch.nn.functional.dropout(h, 0.5)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(0)
+    layer(x).sum().backward()
+    eager = [x.grad.clone(), lin.weight.grad.clone()]
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    torch.manual_seed(0)
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+    assert calls == ["no route"] * 3  # eager's, the original pass's, the replay's
