@@ -116,17 +116,6 @@ def _restore_after_replay(held: Any, /) -> bool:
     return False
 
 
-class _AsLeft:
-    """A container the replay reads as the forward left it, which gets what it held when the
-    replay began back after it (one given to a reused call, holding tensors, that no module
-    of the boundary holds: NOTE [a container a reused call is given and counts in])."""
-
-    __slots__ = ("held",)
-
-    def __init__(self, held: Any, /) -> None:
-        self.held = held
-
-
 class _Object:
     """An object a reused call bound on its module, or changed in place (NOTE [an object a
     reused call leaves where a value was]), and what it held as the call left it (``_snapshot``:
@@ -331,6 +320,7 @@ class NumbersWatch:
         """The entries the forward changed, each with what it held before the forward;
         ``None`` when it changed none."""
         found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = []
+        ends: dict[int, Any] = {}  # NOTE [a key only the replay changes]
         for d, before in zip(self.dicts, self.before):
             now = _read(d)
             if now == before:  # the usual case: one C-level comparison
@@ -353,6 +343,8 @@ class NumbersWatch:
                     elif type(entry[1]) is _Contents or d[name] is not was[1].held or \
                             _plain_container(d[name], most=float("inf")):
                         values.append((name, was[1]))  # its entries changed, or rebound
+                        if type(entry[1]) is _Contents and entry[1].held is was[1].held:
+                            ends[id(was[1])] = entry[1].entries  # as the forward left it
                     else:  # filled in place with something else (tensors): not held
                         values.append((name, _Refilled(was[1])))
             for name, was in before.items():
@@ -365,7 +357,7 @@ class NumbersWatch:
                         rebound.append(name)
             if values or rebound:
                 found.append((d, values, rebound))
-        return ChangedNumbers(found) if found else None
+        return ChangedNumbers(found, ends=ends) if found else None
 
     def made(self) -> MadeNumbers | None:
         """What the call changed of the values and small containers of the one ``__dict__``
@@ -541,13 +533,16 @@ def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
 
 
 class MadeContents:
-    """The argument containers a reused call changed, each with its place, what it held as
-    the call began where it held plain values only (for ``with_reused_calls``; else ``None``),
-    and the call's change (NOTE [a container a reused call is given and counts in])."""
+    """The argument containers a reused call changed, each with its place, its kind, the
+    container and what it held as the call began where it held plain values only (for
+    ``with_reused_calls``; else ``None`` twice: one holding tensors is not held until the
+    replay, helper IK, but for one a partial binds, which the partial holds anyway), and the
+    call's change (NOTE [a container a reused call is given and counts in])."""
 
     __slots__ = ("changed",)
 
-    def __init__(self, changed: list[tuple[int | str | None, Any, Any, _Change]], /) -> None:
+    def __init__(self, changed: list[tuple[int | str | None, type, Any, Any, _Change]], /
+                 ) -> None:
         self.changed = changed
 
     @staticmethod
@@ -563,16 +558,17 @@ class MadeContents:
                                                 [v for kv in before for v in kv]))
             change = _Change.of(held, before, after)
             if change is not None:
-                changed.append((key, held, before if plain else None, change))
+                changed.append((key, type(held), held if plain or key is None else None,
+                                before if plain else None, change))
         return MadeContents(changed) if changed else None
 
     def make_again(self, args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
         """In the replay's arguments at the same places, each container given what the call
         left (NOTE above), where it gets what it holds back after the replay."""
-        for key, held, _, change in self.changed:
+        for key, kind, held, _, change in self.changed:
             target = held if key is None else kwargs.get(key) if isinstance(key, str) else \
                 args[key] if key < len(args) else None
-            if type(target) is type(held) and _restore_after_replay(target):
+            if type(target) is kind and _restore_after_replay(target):
                 change.write_into(target)
 
 
@@ -890,19 +886,19 @@ class ChangedNumbers:
     """What a forward changed of its modules' plain values and attributes (NOTE [numbers and
     flags as the forward began]), for its replay."""
 
-    __slots__ = ("found", "as_calls_found")
+    __slots__ = ("found", "ends")
 
     def __init__(self, found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]],
-                 /, as_calls_found: frozenset[int] = frozenset()) -> None:
+                 /, *, ends: dict[int, Any] | None = None) -> None:
         self.found = found
-        # The ids of the containers' entries put back as a reused call found them, not as the
-        # forward began (``with_reused_calls``; NOTE [a key only the replay changes]).
-        self.as_calls_found = as_calls_found
+        # By the id of a dict's entries as the forward began, its entries as the forward left
+        # it (NOTE [a key only the replay changes]).
+        self.ends = {} if ends is None else ends
 
     def joined(self, other: ChangedNumbers | None, /) -> ChangedNumbers:
         """This and ``other`` (changes of other dicts) as one."""
         return self if other is None else ChangedNumbers(
-            [*self.found, *other.found], self.as_calls_found | other.as_calls_found)
+            [*self.found, *other.found], ends={**self.ends, **other.ends})
 
     def snapshots(self) -> list[torch.Tensor]:
         """The small tensor attributes held from the forward to the replay (NOTE [small
@@ -933,11 +929,11 @@ class ChangedNumbers:
         for d, values, _ in self.found:
             for name, value in values:
                 held = d.get(name)
-                if (type(value) in (_Contents, _AsLeft) and held is value.held) or \
+                if (type(value) is _Contents and held is value.held) or \
                         (type(value) is _Refilled and value.holds(held)):
-                    began = None if type(value) is _AsLeft or \
-                        id(value) in self.as_calls_found else value.entries
-                    entries_at_start.append((held, _entries(held), began))
+                    ended = self.ends.get(id(value))
+                    entries_at_start.append((held, _entries(held), None if ended is None
+                                             else (value.entries, ended)))
         # A small tensor attribute changed in place: a fresh copy of its values as read, for
         # this block alone (NOTE [small tensor attributes as the forward read them]), one per
         # tensor, whatever number of modules hold it.
@@ -961,9 +957,9 @@ class ChangedNumbers:
             for held, snapshot in reversed(pending):  # the NOTE at _AFTER_REPLAY
                 if id(held) not in restored:
                     _put(held, snapshot)
-            for held, entries, began in entries_at_start:
-                if began is not None and isinstance(held, dict):
-                    _put(held, _merged(entries, began, _entries(held)))
+            for held, entries, forward in entries_at_start:
+                if forward is not None and isinstance(held, dict):
+                    _put(held, _merged(entries, forward[0], forward[1], _entries(held)))
                 else:
                     _put(held, entries)
             # What the replay read there: a small tensor put back, else what it held.
@@ -984,22 +980,32 @@ class ChangedNumbers:
 # torch.is_grad_enabled(): self.stats["steps"] += 1`, as written for torch's reentrant
 # checkpoint) changes it in the replay alone, as eager's forward did, and that change was
 # dropped with the rest (helper IJ: the step count stayed 0, other gradients from the second
-# step). So a key the forward left as it began (the replay's change is the only one) keeps what
-# the replay made of it, as a name only the replay sets does; a key the forward changed, or the
-# caller since, gets its value at the replay's start back. A key both change keeps the
-# forward's value only (documented).
+# step). So a key the forward left as it began, and the replay changed, keeps the replay's
+# change, as a name only the replay sets does: made on the value at the replay's start where
+# that is a number the caller, or another micro-batch's replay, changed since (helper IK: two
+# micro-batches counted 1, a caller's += 10 was dropped), else as the replay left it. Any
+# other key gets its value at the replay's start back; a key both the forward and the replay
+# change keeps the forward's change only (documented).
 def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
-            after: list[tuple[Any, Any]], /) -> list[tuple[Any, Any]]:
-    """A dict's items after the replay: a key whose value at the replay's start is the one
-    the forward began with keeps the replay's (or stays deleted), any other its start value."""
-    start, first, now = dict(at_start), dict(began), dict(after)
+            ended: list[tuple[Any, Any]], after: list[tuple[Any, Any]], /
+            ) -> list[tuple[Any, Any]]:
+    """A dict's items after the replay (NOTE above), from its items at the replay's start, as
+    the forward began and left it, and as the replay left it."""
+    start, first, last, now = dict(at_start), dict(began), dict(ended), dict(after)
 
-    def untouched(k: Any) -> bool:  # by the forward or the caller
-        a, b = start.get(k, _ABSENT), first.get(k, _ABSENT)
+    def same(a: Any, b: Any) -> bool:
         return a is b or a is not _ABSENT and b is not _ABSENT and _same_entry(a, b)
-    merged = [(k, now[k] if untouched(k) else v) for k, v in at_start
-              if not (untouched(k) and k not in now)]
-    return merged + [(k, v) for k, v in after if k not in start and untouched(k)]
+
+    merged = []
+    for k in [*start, *(k for k in now if k not in start)]:
+        s, b, r = start.get(k, _ABSENT), first.get(k, _ABSENT), now.get(k, _ABSENT)
+        value = s
+        if same(b, last.get(k, _ABSENT)) and not same(r, b):  # the replay's change alone
+            value = r if same(s, b) else s + (r - b) if all(
+                type(v) in (int, float) for v in (s, b, r)) else r
+        if value is not _ABSENT:
+            merged.append((k, value))
+    return merged
 
 
 def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],
@@ -1051,8 +1057,6 @@ def _set(d: dict[str, Any], named: list[tuple[str, Any]],
     for name, value in named:
         if value is _ABSENT:
             d.pop(name, None)
-        elif type(value) is _AsLeft:
-            continue  # read as it is
         elif type(value) is _Contents:
             if d.get(name) is value.held:  # changed in place: its entries as they were read
                 _put(value.held, value.entries)
@@ -1089,16 +1093,15 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
             for _, values, _ in changed.found for _, value in values
             if type(value) in (_Contents, _Refilled)}
         for given in contents:
-            for _, held, before, _ in given.changed:
-                if id(held) in held_ids:
+            for _, _, held, before, _ in given.changed:
+                # One holding tensors is read as the forward left it (a local one the replay
+                # makes again, helper IJ), and gets what it held when the replay began back
+                # after it from the replay's own put-back (made below, however empty).
+                if before is None or id(held) in held_ids:
                     continue
                 held_ids.add(id(held))
-                # Its own dict, for the put-back's entries (which name what they hold); one
-                # holding tensors is read as the forward left it (a local one the replay makes
-                # again, helper IJ), and gets what it held when the replay began back after it.
-                d = {"argument": held}
-                found[id(d)] = (d, [("argument", _Contents(held, before) if before is not None
-                                     else _AsLeft(held))], [])
+                d = {"argument": held}  # its own dict, for the put-back's entries
+                found[id(d)] = (d, [("argument", _Contents(held, before))], [])
     for change in made:
         for name, was, _ in change.made:
             if (id(change.d), name) in covered:
@@ -1115,9 +1118,7 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
                  # a container holding tensors too: its entries put back, as a plain one's
                  _Contents(was[1].held, was[1].entries) if type(was[1]) is _Mixed
                  else was[1]))
-    if not found:
+    if not found and (changed is not None or not contents):
         return changed
     return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()],
-                          (changed.as_calls_found if changed is not None else frozenset()) |
-                          {id(value) for _, values, _ in found.values() for _, value in values
-                           if type(value) is _Contents})
+                          ends=changed.ends if changed is not None else None)

@@ -414,7 +414,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         invocation = invocation.parent
     rng_after = None
     generators_after: GeneratorStates = ()
-    raised: Exception | None = None  # NOTE [a reused call that raises]
+    raised: BaseException | None = None  # NOTE [a reused call that raises]
     if invocation is None:
         devices, generators = _restored_by(recorders)
         # The replay will not run these ops, nor the RNG comparison (torch.equal dispatches
@@ -484,28 +484,45 @@ class _Raised:
     and fall back (`except CapacityError: ids = fallback(h)`), after the function changed what
     it was given (a count). Nothing was recorded for such a call, so the replay asked for a
     result the original pass never recorded and was refused, where eager runs (helper IJ).
-    The call is recorded as raised: its type and arguments (not the exception itself, whose
-    traceback holds the forward's frames and their tensors until backward), with what it
-    changed and the random numbers it drew, and the replay, skipping the call, makes those
-    again and raises an exception of that type with those arguments, for the layer to catch
-    as in eager. One whose type cannot be made again from its arguments is a ``ReuseError``
-    naming it."""
+    The call is recorded as raised: the exception's type, arguments and attributes (the
+    handler may read `e.tokens`), and its cause and context so recorded (`raise X from Y`,
+    helper IK), three deep; not the exception itself, whose traceback holds the forward's
+    frames and their tensors until backward. With what the call changed and the random
+    numbers it drew, the replay, skipping the call, makes those again and raises an exception
+    so made again (without calling its ``__init__``, which may take other arguments than it
+    keeps), for the layer to catch as in eager. One that cannot be made so is a
+    ``ReuseError`` naming it."""
 
-    __slots__ = ("kind", "args", "name")
+    __slots__ = ("kind", "args", "attributes", "cause", "context", "suppress", "name")
 
-    def __init__(self, error: Exception, /) -> None:
+    def __init__(self, error: BaseException, /, depth: int = 0) -> None:
         self.kind, self.args, self.name = type(error), error.args, repr(error)
+        self.attributes = dict(getattr(error, "__dict__", {}))  # __notes__ too
+        deeper = depth < 2
+        self.cause = _Raised(error.__cause__, depth + 1) \
+            if deeper and error.__cause__ is not None else None
+        self.context = _Raised(error.__context__, depth + 1) \
+            if deeper and error.__context__ is not None else None
+        self.suppress = error.__suppress_context__
 
-    def again(self) -> Exception:
+    def again(self) -> BaseException:
         try:
-            return self.kind(*self.args)
-        except Exception:  # a constructor that takes other arguments than it keeps
+            error = self.kind.__new__(self.kind, *self.args)
+            error.args = self.args
+            error.__dict__.update(self.attributes)
+        except Exception:  # a type whose __new__ takes other arguments, or without a __dict__
             return ReuseError(
                 f"the original pass's call raised {self.name}, and the replay, which skips the "
-                "call, cannot raise it again: its type takes other arguments than it keeps",
-                expected=f"{self.kind.__name__}(*error.args) to make one", got="an error",
-                tip="raise an exception whose arguments make it again (a ValueError with a "
-                    "message), or return a flag the layer checks instead of raising")
+                "call, cannot raise it again: its type cannot be made from the arguments and "
+                "attributes it keeps", expected=f"{self.kind.__name__}.__new__(*error.args)",
+                got="an error",
+                tip="raise an exception of a plain type (a ValueError with a message, or a "
+                    "subclass keeping what it needs as attributes), or return a flag the layer "
+                    "checks instead of raising")
+        error.__cause__ = self.cause.again() if self.cause is not None else None
+        error.__context__ = self.context.again() if self.context is not None else None
+        error.__suppress_context__ = self.suppress
+        return error
 
 
 def _restored_by(invocations: list[Any], /

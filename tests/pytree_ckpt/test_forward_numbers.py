@@ -3980,3 +3980,97 @@ def test_a_dict_a_reused_partial_binds_as_its_argument_is_read_as_the_call_left_
         grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
         assert ours.stats == eager.stats, f"step {step}"
         assert _same(*grads), f"step {step}"
+
+
+class _CountsCallsAndGradOnlySteps(nn.Module):
+    """Counts its calls in a dict, and its training steps in the same dict only under grad
+    (made once, in the replay, under checkpointing: limits.md)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.stats = {"calls": 0, "steps": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats["calls"] += 1
+        if torch.is_grad_enabled():
+            self.stats["steps"] += 1
+        return self.lin(x)
+
+
+# Guards against (helper IK), as it was found:
+def test_a_count_made_under_grad_beside_one_the_forward_makes_counts_each_micro_batch(
+        ) -> None:
+    # NOTE [a key only the replay changes]: the later micro-batch's replay (run first) keeps
+    # steps = 1; the earlier one's forward put-back gives the whole dict its entries as that
+    # forward began (steps 0), its replay makes 1, and _merged sees steps changed since the
+    # forward began (0 -> 1) so keeps the start value 1. Eager counts 2 (before the commit: 0).
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsCallsAndGradOnlySteps())
+    xs = [torch.randn(4, 8), torch.randn(4, 8)]
+    grads = []
+    for model in (eager, ours):
+        outs = [model(x).sum() for x in xs]
+        for out in reversed(outs):
+            out.backward()
+        grads.append(_grads(model))
+    assert _same(*grads)
+    assert ours.stats == eager.stats == {"calls": 2, "steps": 2}
+
+
+def _counts_in(scores: torch.Tensor, info: dict[str, Any]) -> torch.Tensor:
+    info["n"] += 1
+    return scores.topk(2, -1).indices
+
+
+class _CountsInALocalDictBesideALargeTensor(nn.Module):
+    """Gives a reused call a dict of its own holding a count beside a large tensor (a mask it
+    lets go of after the call), and scales by the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.masks: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        mask = torch.ones(1 << 16)
+        self.masks.append(weakref.ref(mask))
+        info = {"n": 0, "mask": mask}
+        del mask
+        ids = reuse_during_recompute(_counts_in, h.detach(), info)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * info["n"]
+
+
+# Guards against (helper IK), as it was found:
+def test_a_tensor_beside_a_count_in_a_dict_given_to_a_reused_call_is_not_held_until_backward(
+        ) -> None:
+    # Eager frees the mask when the forward returns; the record of the call's change holds the
+    # dict itself (MadeContents.changed's `held`, _AsLeft), so every micro-batch's mask lives
+    # until its backward (before the commit a dict holding a tensor was not read: not held).
+    layer = pytree_ckpt.apply_activation_checkpointing(_CountsInALocalDictBesideALargeTensor())
+    out = layer(torch.randn(4, 8))
+    gc.collect()
+    held = layer.masks[-1]() is not None
+    out.sum().backward()
+    assert not held
+
+
+# Guards against (helper IK), as it was found:
+def test_a_count_made_under_grad_on_a_key_the_caller_changes_before_backward_is_kept(
+        ) -> None:
+    # limits.md: "a dict's key the forward left as it began keeps what the replay made of
+    # it"; the code (NOTE [a key only the replay changes], _merged's `untouched`) gives a key
+    # the caller changed since its value at the replay's start back, so the replay's
+    # steps += 1 is dropped, silently: eager's 0 -> 1 (forward) -> 11 (caller).
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsCallsAndGradOnlySteps())
+    x = torch.randn(4, 8)
+    grads = []
+    for model in (eager, ours):
+        out = model(x).sum()
+        model.stats["steps"] += 10
+        out.backward()
+        grads.append(_grads(model))
+    assert _same(*grads)
+    assert ours.stats == eager.stats == {"calls": 1, "steps": 11}

@@ -3401,29 +3401,62 @@ def test_a_namespace_classs_classmethod_reading_its_metaclass_gate_is_refused() 
 class _TooManyTokens(Exception):
     def __init__(self, *, tokens: int) -> None:  # takes other arguments than it keeps
         super().__init__(f"{tokens} tokens")
+        self.tokens = tokens
+
+
+class _MadeOnlyByKeyword(Exception):
+    def __new__(cls, *, code: int) -> _MadeOnlyByKeyword:
+        return super().__new__(cls)
+
+    def __init__(self, *, code: int) -> None:
+        super().__init__()
 
 
 def _refuses_with_a_keyword_only_error(scores: torch.Tensor) -> torch.Tensor:
     raise _TooManyTokens(tokens=scores.shape[0])
 
 
-def test_a_reused_call_whose_error_cannot_be_made_again_is_refused_in_backward_naming_it(
-        ) -> None:
-    # NOTE [a reused call that raises] (frames.py): the replay raises an error of the type and
-    # arguments the call raised; one whose type takes other arguments than it keeps cannot be
-    # made again, and the replay says so, with the fix.
+def _refuses_with_an_error_made_by_keyword(scores: torch.Tensor) -> torch.Tensor:
+    raise _MadeOnlyByKeyword(code=3)
+
+
+def test_a_reused_calls_error_whose_init_takes_keywords_is_raised_again_as_it_was() -> None:
+    # NOTE [a reused call that raises] (frames.py): made again without its __init__, its
+    # message and attributes as raised; the handler scales by what it reads of it.
     lin = nn.Linear(8, 8)
 
     def layer(x: torch.Tensor) -> torch.Tensor:
         h = lin(x)
         try:
             ids = reuse_during_recompute(_refuses_with_a_keyword_only_error, h.detach())
-        except _TooManyTokens:
+            scale = 1
+        except _TooManyTokens as error:
+            ids = h.detach().argsort(-1)[..., :2]
+            scale = error.tokens * int(str(error).split()[0])
+        return torch.gather(h, -1, ids) * scale
+
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).sum().backward()
+    eager = [x.grad.clone(), lin.weight.grad.clone()]
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+
+
+def test_a_reused_calls_error_that_cannot_be_made_again_is_refused_in_backward_naming_it(
+        ) -> None:
+    lin = nn.Linear(8, 8)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        try:
+            ids = reuse_during_recompute(_refuses_with_an_error_made_by_keyword, h.detach())
+        except _MadeOnlyByKeyword:
             ids = h.detach().argsort(-1)[..., :2]
         return torch.gather(h, -1, ids)
 
     out = checkpoint(layer, torch.randn(4, 8, requires_grad=True)).sum()
-    with pytest.raises(ReuseError, match=r"(?s)_TooManyTokens.*return a flag"):
+    with pytest.raises(ReuseError, match=r"(?s)_MadeOnlyByKeyword.*return a flag"):
         out.backward()
 
 
@@ -3456,3 +3489,74 @@ def test_a_reused_call_that_raises_is_raised_again_in_the_replay_with_the_random
     checkpoint(layer, x).sum().backward()
     assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
     assert calls == ["no route"] * 3  # eager's, the original pass's, the replay's
+
+
+class _OverCapacity(Exception):
+    """A router's error carrying the count it saw, as an attribute (its args: the message)."""
+
+    def __init__(self, message: str, tokens: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+
+
+def _refuses_with_the_count_it_saw(scores: torch.Tensor) -> torch.Tensor:
+    raise _OverCapacity("over capacity", tokens=scores.shape[0])
+
+
+# Guards against (helper IK), as it was found:
+def test_a_reused_calls_error_attribute_the_layers_handler_reads_is_eagers_in_the_replay(
+        ) -> None:
+    # NOTE [a reused call that raises] (frames.py) keeps the type and args only; the replay's
+    # _OverCapacity("over capacity") is made with tokens=0 (no ReuseError: the constructor
+    # accepts the args), so the handler scales by 0 in the replay where eager scaled by 4.
+    lin = nn.Linear(8, 8)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        try:
+            reuse_during_recompute(_refuses_with_the_count_it_saw, h.detach())
+            scale = 1
+        except _OverCapacity as error:
+            scale = error.tokens
+        return h * scale
+
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).sum().backward()
+    eager = [x.grad.clone(), lin.weight.grad.clone()]
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+
+
+class _NoRoute(Exception):
+    pass
+
+
+def _refuses_from_a_missing_expert(scores: torch.Tensor) -> torch.Tensor:
+    try:
+        {}["expert"]
+    except KeyError as missing:
+        raise _NoRoute("no route") from missing
+    return scores
+
+
+# Guards against (helper IK), as it was found:
+def test_a_reused_calls_chained_error_keeps_its_cause_for_the_layers_handler_in_the_replay(
+        ) -> None:
+    lin = nn.Linear(8, 8)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        try:
+            reuse_during_recompute(_refuses_from_a_missing_expert, h.detach())
+            scale = 1.0
+        except _NoRoute as error:
+            scale = 2.0 if isinstance(error.__cause__, KeyError) else 3.0
+        return h * scale
+
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).sum().backward()
+    eager = [x.grad.clone(), lin.weight.grad.clone()]
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
