@@ -980,12 +980,12 @@ class ChangedNumbers:
 # torch.is_grad_enabled(): self.stats["steps"] += 1`, as written for torch's reentrant
 # checkpoint) changes it in the replay alone, as eager's forward did, and that change was
 # dropped with the rest (helper IJ: the step count stayed 0, other gradients from the second
-# step). So a key the forward left as it began, and the replay changed, keeps the replay's
-# change, as a name only the replay sets does: made on the value at the replay's start where
-# that is a number the caller, or another micro-batch's replay, changed since (helper IK: two
-# micro-batches counted 1, a caller's += 10 was dropped), else as the replay left it. Any
-# other key gets its value at the replay's start back; a key both the forward and the replay
-# change keeps the forward's change only (documented).
+# step). So a key the forward left as it began, and the replay changed, keeps what the replay
+# made of it, as a name only the replay sets does, where nothing changed it since the forward
+# began (the caller, another micro-batch's replay, a first backward of a retained graph: a
+# change made on top of theirs counted twice, helper IL). Any other key gets its value at the
+# replay's start back; so a key both the forward and the replay change keeps the forward's
+# change only, and a second micro-batch's replay-only change is dropped (documented).
 def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
             ended: list[tuple[Any, Any]], after: list[tuple[Any, Any]], /
             ) -> list[tuple[Any, Any]]:
@@ -999,10 +999,8 @@ def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
     merged = []
     for k in [*start, *(k for k in now if k not in start)]:
         s, b, r = start.get(k, _ABSENT), first.get(k, _ABSENT), now.get(k, _ABSENT)
-        value = s
-        if same(b, last.get(k, _ABSENT)) and not same(r, b):  # the replay's change alone
-            value = r if same(s, b) else s + (r - b) if all(
-                type(v) in (int, float) for v in (s, b, r)) else r
+        # the replay's change alone, on the value the forward began with
+        value = r if same(b, last.get(k, _ABSENT)) and same(s, b) else s
         if value is not _ABSENT:
             merged.append((k, value))
     return merged

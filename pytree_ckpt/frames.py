@@ -479,6 +479,15 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     return result
 
 
+def _slot_names(kind: type, /) -> list[str]:
+    """The attribute names the classes of ``kind`` keep in ``__slots__``."""
+    names = []
+    for cls in kind.__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return [name for name in names if name not in ("__dict__", "__weakref__")]
+
+
 class _Raised:
     """NOTE [a reused call that raises]: a layer may catch what its reused function raises
     and fall back (`except CapacityError: ids = fallback(h)`), after the function changed what
@@ -487,17 +496,21 @@ class _Raised:
     The call is recorded as raised: the exception's type, arguments and attributes (the
     handler may read `e.tokens`), and its cause and context so recorded (`raise X from Y`,
     helper IK), three deep; not the exception itself, whose traceback holds the forward's
-    frames and their tensors until backward. With what the call changed and the random
+    frames and their tensors until backward (what its attributes hold is held until then).
+    With what the call changed and the random
     numbers it drew, the replay, skipping the call, makes those again and raises an exception
     so made again (without calling its ``__init__``, which may take other arguments than it
     keeps), for the layer to catch as in eager. One that cannot be made so is a
     ``ReuseError`` naming it."""
 
-    __slots__ = ("kind", "args", "attributes", "cause", "context", "suppress", "name")
+    __slots__ = ("kind", "args", "attributes", "slots", "cause", "context", "suppress", "name")
 
     def __init__(self, error: BaseException, /, depth: int = 0) -> None:
         self.kind, self.args, self.name = type(error), error.args, repr(error)
         self.attributes = dict(getattr(error, "__dict__", {}))  # __notes__ too
+        # Those a subclass keeps in __slots__ (helper IL: the handler read another value).
+        self.slots = [(name, getattr(error, name)) for name in _slot_names(type(error))
+                      if hasattr(error, name)]
         deeper = depth < 2
         self.cause = _Raised(error.__cause__, depth + 1) \
             if deeper and error.__cause__ is not None else None
@@ -510,6 +523,8 @@ class _Raised:
             error = self.kind.__new__(self.kind, *self.args)
             error.args = self.args
             error.__dict__.update(self.attributes)
+            for name, value in self.slots:
+                setattr(error, name, value)
         except Exception:  # a type whose __new__ takes other arguments, or without a __dict__
             return ReuseError(
                 f"the original pass's call raised {self.name}, and the replay, which skips the "
