@@ -479,13 +479,12 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     return result
 
 
-def _slot_names(kind: type, /) -> list[str]:
-    """The attribute names the classes of ``kind`` keep in ``__slots__``."""
-    names = []
-    for cls in kind.__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else list(slots)
-    return [name for name in names if name not in ("__dict__", "__weakref__")]
+def _member_names(kind: type, /) -> list[str]:
+    """The attributes the classes of ``kind`` keep outside a ``__dict__`` (``__slots__``, a
+    built-in type's members), but the exception's context flag, set apart."""
+    return [name for cls in kind.__mro__ for name, attribute in vars(cls).items()
+            if isinstance(attribute, types.MemberDescriptorType)
+            and name != "__suppress_context__"]
 
 
 class _Raised:
@@ -508,8 +507,10 @@ class _Raised:
     def __init__(self, error: BaseException, /, depth: int = 0) -> None:
         self.kind, self.args, self.name = type(error), error.args, repr(error)
         self.attributes = dict(getattr(error, "__dict__", {}))  # __notes__ too
-        # Those a subclass keeps in __slots__ (helper IL: the handler read another value).
-        self.slots = [(name, getattr(error, name)) for name in _slot_names(type(error))
+        # Those a subclass keeps in __slots__ (helper IL: the handler read another value), and
+        # those a built-in type's __init__ sets (`AttributeError.name`, `OSError.filename`,
+        # `StopIteration.value`: helper IN): member descriptors both.
+        self.slots = [(name, getattr(error, name)) for name in _member_names(type(error))
                       if hasattr(error, name)]
         deeper = depth < 2
         self.cause = _Raised(error.__cause__, depth + 1) \

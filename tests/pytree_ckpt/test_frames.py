@@ -3654,3 +3654,29 @@ def test_a_tensor_a_reused_calls_error_holds_is_not_held_until_backward() -> Non
     alive = [ref() is not None for ref in _MASKS]
     out.backward()
     assert alive == [False]
+
+
+# Guards against (helper IN), as it was found:
+def test_a_builtin_exception_a_reused_call_raises_keeps_its_attributes_in_the_replay() -> None:
+    def lookup(h: torch.Tensor) -> torch.Tensor:
+        raise AttributeError("no table", name="table", obj=7)
+
+    caught: list[tuple[Any, ...]] = []
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            try:
+                reuse_during_recompute(lookup, h.detach())
+            except AttributeError as error:
+                caught.append((error.args, error.name, error.obj))
+            return h * 2
+
+    layer = Layer()
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    layer(torch.randn(2, 4)).sum().backward()
+    assert caught == [(("no table",), "table", 7)] * 2  # the replay's: name None, obj None
