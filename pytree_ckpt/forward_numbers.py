@@ -259,14 +259,14 @@ class NumbersWatch:
     began for the replay, and get what they held when the replay began back after it (a
     later micro-batch's forward, or the caller, may have changed them since). A container is the
     same object throughout: one changed in place (a dict's order too: a round robin's
-    ``move_to_end``) gets its entries
-    put back, in place, and its entries at the replay's start back after it (so entries only
-    the replay adds, a log it appends to, are dropped, as eager never made them); one the
-    forward rebound or deleted is put back as a new container holding the entries read (the
-    object read may have other holders, and stays as it is). One the forward filled in place
-    with anything else (tensors it collects, a cache of projections the caller empties each
-    step) gets its entries put back all the same, but is known by id only (``_Refilled``):
-    held until the replay, it would keep those tensors alive after the caller let go of it.
+    ``move_to_end``) gets its entries put back, in place, and its entries at the replay's start back
+    after it (so entries only the replay adds, a log it appends to, are dropped, as eager never made
+    them; but a dict's key only the replay changes: NOTE [a key only the replay changes]); one the
+    forward rebound or deleted is put back as a new container holding the entries
+    read (the object read may have other holders, and stays as it is). One the forward filled in
+    place with anything else (tensors it collects, a cache of projections the caller empties each
+    step) gets its entries put back all the same, but is known by id only (``_Refilled``): held
+    until the replay, it would keep those tensors alive after the caller let go of it.
     Those holding another object that the
     forward rebound (a cache kept as a plain tensor attribute, rebuilt with its length; a
     tensor it consumed, set to None) are read by the replay as they are (no tensor over 64

@@ -492,15 +492,13 @@ class _Raised:
     and fall back (`except CapacityError: ids = fallback(h)`), after the function changed what
     it was given (a count). Nothing was recorded for such a call, so the replay asked for a
     result the original pass never recorded and was refused, where eager runs (helper IJ).
-    The call is recorded as raised: the exception's type, arguments and attributes (the
-    handler may read `e.tokens`), and its cause and context so recorded (`raise X from Y`,
-    helper IK), three deep; not the exception itself, whose traceback holds the forward's
-    frames and their tensors until backward (what its attributes hold is held until then).
-    With what the call changed and the random
-    numbers it drew, the replay, skipping the call, makes those again and raises an exception
-    so made again (without calling its ``__init__``, which may take other arguments than it
-    keeps), for the layer to catch as in eager. One that cannot be made so is a
-    ``ReuseError`` naming it."""
+    The call is recorded as raised: the exception's type, arguments and attributes (the handler may
+    read `e.tokens`), and its cause and context so recorded (`raise X from Y`, helper IK), three
+    deep; not the exception itself, whose traceback holds the forward's frames and their tensors
+    until backward (what its attributes hold is held until then). With what the call changed and the
+    random numbers it drew, the replay, skipping the call, makes those again and raises an exception
+    so made again (without calling its ``__init__``, which may take other arguments than it keeps),
+    for the layer to catch as in eager. One that cannot be made so is a ``ReuseError`` naming it."""
 
     __slots__ = ("kind", "args", "attributes", "slots", "cause", "context", "suppress", "name")
 
