@@ -959,7 +959,8 @@ class ChangedNumbers:
                     _put(held, snapshot)
             for held, entries, forward in entries_at_start:
                 if forward is not None and isinstance(held, dict):
-                    _put(held, _merged(entries, forward[0], forward[1], _entries(held)))
+                    _put(held, _merged(entries, forward[0], forward[1], _entries(held),
+                                       getattr(held, "default_factory", None)))
                 else:
                     _put(held, entries)
             # What the replay read there: a small tensor put back, else what it held.
@@ -987,14 +988,20 @@ class ChangedNumbers:
 # replay's start back; so a key both the forward and the replay change keeps the forward's
 # change only, and a second micro-batch's replay-only change is dropped (documented).
 def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
-            ended: list[tuple[Any, Any]], after: list[tuple[Any, Any]], /
-            ) -> list[tuple[Any, Any]]:
+            ended: list[tuple[Any, Any]], after: list[tuple[Any, Any]],
+            factory: Any = None, /) -> list[tuple[Any, Any]]:
     """A dict's items after the replay (NOTE above), from its items at the replay's start, as
-    the forward began and left it, and as the replay left it."""
+    the forward began and left it, and as the replay left it; ``factory``: a defaultdict's."""
     start, first, last, now = dict(at_start), dict(began), dict(ended), dict(after)
+    # A defaultdict's key the forward only read is made holding the default (helper IO: a
+    # count under grad in a defaultdict(int) read by the no-grad forward stayed 0): as absent.
+    default = factory() if callable(factory) else _ABSENT
 
     def same(a: Any, b: Any) -> bool:
-        return a is b or a is not _ABSENT and b is not _ABSENT and _same_entry(a, b)
+        if a is _ABSENT or b is _ABSENT:
+            other = b if a is _ABSENT else a
+            return other is _ABSENT or default is not _ABSENT and _same_entry(other, default)
+        return _same_entry(a, b)
 
     merged = []
     for k in [*start, *(k for k in now if k not in start)]:
@@ -1003,6 +1010,13 @@ def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
         value = r if same(b, last.get(k, _ABSENT)) and same(s, b) else s
         if value is not _ABSENT:
             merged.append((k, value))
+    # Its order too, where only the replay changed it (a `move_to_end` under grad: helper IO).
+    order = [k for k, _ in at_start]
+    if order == [k for k, _ in began] == [k for k, _ in ended]:
+        replayed = [k for k, _ in after if k in start]
+        if replayed != [k for k in order if k in now]:
+            rank = {k: i for i, k in enumerate(k for k, _ in after)}
+            merged.sort(key=lambda item: rank.get(item[0], len(rank)))
     return merged
 
 

@@ -470,7 +470,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             refuse_in_replay(fn, callable_name(fn), checks, result, args, kwargs)
             warn_grad_mode_read(fn, callable_name(fn))  # NOTE in frozen.py
         if isinstance(result, _Raised):
-            raised = result.again()
+            raised = result.again(refuse_floats=torch.is_grad_enabled() and not recorders)
     for recorder in recorders:
         recorder.frame.record(fn, result, rng_after=rng_after, checks=checks,
                               state_after=changes, generators_after=generators_after)
@@ -517,13 +517,31 @@ class _Raised:
             if deeper and error.__context__ is not None else None
         self.suppress = error.__suppress_context__
 
-    def again(self) -> BaseException:
+    def again(self, *, refuse_floats: bool = False) -> BaseException:
+        """The exception made again; ``refuse_floats``: a ``ReuseError`` instead where it holds
+        a floating tensor (in its arguments or attributes, a level deep): eager's may carry a
+        graph (`e.probs = h.softmax(-1)`), which the original pass, under no-grad, did not make
+        (helper IO: the handler's gradient through it was missing, silently), as a float result
+        is refused (NOTE [differentiable results are refused where grad is on] in frozen.py)."""
+        if refuse_floats and (where := self._float_held()) is not None:
+            return ReuseError(
+                f"the original pass's call raised {self.name}, which holds a floating tensor "
+                f"({where}); the replay skips the call and raises it again with that tensor "
+                "as the original pass, under no-grad, made it: without the graph eager's had",
+                expected="an exception holding no floating tensor", got=where,
+                tip="keep floats out of the exception (ids, counts, Python numbers), and "
+                    "compute what the handler needs from the layer's own tensors after "
+                    "catching it")
         try:
             error = self.kind.__new__(self.kind, *self.args)
             error.args = self.args
             error.__dict__.update(self.attributes)
             for name, value in self.slots:
-                setattr(error, name, value)
+                try:
+                    setattr(error, name, value)
+                except AttributeError:  # read-only: an ExceptionGroup's exceptions (helper IO)
+                    if getattr(error, name, None) != value:  # set by __new__ from the args
+                        raise
         except Exception:  # a type whose __new__ takes other arguments, or without a __dict__
             return ReuseError(
                 f"the original pass's call raised {self.name}, and the replay, which skips the "
@@ -537,6 +555,18 @@ class _Raised:
         error.__context__ = self.context.again() if self.context is not None else None
         error.__suppress_context__ = self.suppress
         return error
+
+    def _float_held(self) -> str | None:
+        """Where the exception holds a floating tensor: an argument, an attribute, or an item
+        of a list or tuple in either (``None``: nowhere)."""
+        named = [*((f"args[{i}]", v) for i, v in enumerate(self.args)),
+                 *self.attributes.items(), *self.slots]
+        for name, value in named:
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.Tensor) and (item.is_floating_point() or
+                                                       item.is_complex()):
+                    return name
+        return None
 
 
 def _restored_by(invocations: list[Any], /

@@ -4166,3 +4166,62 @@ def test_a_count_made_under_grad_in_a_dict_two_layers_of_one_block_share_is_eage
     assert _same(*grads)
     assert ours[0].stats is ours[1].stats
     assert ours[0].stats == eager[0].stats == {"calls": 4, "steps": 4}
+
+
+class _MovesAKeyToTheEndUnderGrad(nn.Module):
+    """Counts its calls in an OrderedDict, and moves a key to its end only under grad (made
+    once, in the replay, under checkpointing); scales by that key's position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.order = collections.OrderedDict(a=0, b=0, c=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.order["a"] += 1
+        if torch.is_grad_enabled():
+            self.order.move_to_end("b")
+        return self.lin(x) * (1 + list(self.order).index("b"))
+
+
+# Guards against (helper IO), as it was found:
+def test_an_order_only_the_replay_changes_in_a_dict_the_forward_changes_persists_as_eager(
+        ) -> None:
+    # _merged keeps a replay-only change of a key's value, but lists the keys in their order
+    # at the replay's start: eager ends step 0 with a, c, b; here a, b, c, and from step 1
+    # the scale (b's position) and so the gradients differ.
+    torch.manual_seed(0)
+    eager, ours = _twins(_MovesAKeyToTheEndUnderGrad())
+    for step in range(2):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert list(ours.order.items()) == list(eager.order.items()), f"step {step}"
+        assert _same(*grads), f"step {step}"
+
+
+class _CountsStepsInADefaultdictUnderGrad(nn.Module):
+    """Counts its calls in a defaultdict(int), and its training steps only under grad (the
+    guard limits.md advises), reading the step count after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.stats: collections.defaultdict[str, int] = collections.defaultdict(int)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats["calls"] += 1
+        if torch.is_grad_enabled():
+            self.stats["steps"] += 1
+        return self.lin(x) * (1 + self.stats["steps"])
+
+
+# Guards against (helper IO), as it was found:
+def test_a_count_made_under_grad_in_a_defaultdict_the_forward_reads_persists_as_eager() -> None:
+    # The original pass (no grad) only reads stats["steps"], which makes it (0); the replay
+    # makes 1; _merged sees the key changed by the forward (absent -> 0) and keeps the start
+    # value 0. Eager: steps 1, 2; here 0, 0, and from step 1 the gradients differ.
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsStepsInADefaultdictUnderGrad())
+    for step in range(2):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert dict(ours.stats) == dict(eager.stats), f"step {step}"
+        assert _same(*grads), f"step {step}"

@@ -3680,3 +3680,84 @@ def test_a_builtin_exception_a_reused_call_raises_keeps_its_attributes_in_the_re
     pytree_ckpt.apply_activation_checkpointing(layer)
     layer(torch.randn(2, 4)).sum().backward()
     assert caught == [(("no table",), "table", 7)] * 2  # the replay's: name None, obj None
+
+
+class _ProbsOverCapacity(Exception):
+    """Raised by a router over its capacity, carrying the gate's probabilities."""
+
+
+def _routes_or_raises_with_probs(h: torch.Tensor) -> torch.Tensor:
+    probs = h.softmax(-1)
+    error = _ProbsOverCapacity("over capacity")
+    error.probs = probs  # type: ignore[attr-defined]
+    raise error
+
+
+class _FallsBackOnTheRaisedProbs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        try:
+            ids = reuse_during_recompute(_routes_or_raises_with_probs, h)
+        except _ProbsOverCapacity as error:
+            return h * error.probs  # type: ignore[attr-defined]
+        return torch.gather(h, -1, ids)
+
+
+# Guards against (helper IO), as it was found:
+def test_a_tensor_with_grad_a_reused_call_raises_gives_eager_gradients_or_is_refused() -> None:
+    # A result computed with grad is refused (NOTE [differentiable results are refused where
+    # grad is on]); a raised exception is unchecked (_UNCHECKED), so the handler's
+    # `h * error.probs` reads the original pass's probs (no graph): no gradient through them.
+    torch.manual_seed(0)
+    eager = _FallsBackOnTheRaisedProbs()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    grads = []
+    for model in (eager, ours):
+        try:
+            model(x).sum().backward()
+        except ReuseError:
+            return  # refused with a tip: fine
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def _routes_or_raises_a_group(h: torch.Tensor) -> torch.Tensor:
+    raise ExceptionGroup("routing", [ValueError(2), KeyError(3)])
+
+
+class _CatchesAGroupWithExceptStar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        scale = [0]
+        try:
+            reuse_during_recompute(_routes_or_raises_a_group, h.detach())
+        except* ValueError as group:
+            scale[0] += group.exceptions[0].args[0]
+        except* KeyError as group:
+            scale[0] += 10 * group.exceptions[0].args[0]
+        return h * scale[0]
+
+
+# Guards against (helper IO), as it was found:
+def test_an_exception_group_a_reused_call_raises_is_caught_by_except_star_as_eager() -> None:
+    # ExceptionGroup.__new__(cls, *args) makes it whole, but _member_names lists
+    # BaseExceptionGroup's read-only `message` and `exceptions`, setattr raises
+    # AttributeError('readonly attribute'), and the replay raises ReuseError where eager runs.
+    torch.manual_seed(0)
+    eager = _CatchesAGroupWithExceptStar()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    grads = []
+    for model in (eager, ours):
+        model(x).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
