@@ -995,7 +995,9 @@ def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
     start, first, last, now = dict(at_start), dict(began), dict(ended), dict(after)
     # A defaultdict's key the forward only read is made holding the default (helper IO: a
     # count under grad in a defaultdict(int) read by the no-grad forward stayed 0): as absent.
-    default = factory() if callable(factory) else _ABSENT
+    default = _ABSENT
+    if factory in (int, float, bool, str, list, dict, set, tuple):  # a plain default only: a
+        default = factory()  # factory of the user's may have side effects, or raise
 
     def same(a: Any, b: Any) -> bool:
         if a is _ABSENT or b is _ABSENT:
