@@ -479,6 +479,22 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     return result
 
 
+def _holds_float(value: Any, depth: int, /) -> bool:
+    """``value`` is, or holds within ``depth`` levels, a floating (or complex) tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() or value.is_complex()
+    if depth == 0 or isinstance(value, (str, bytes, int, float, type)):
+        return False
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        own = dunder(value, "__dict__")  # not through a user's __getattr__
+        items = own.values() if type(own) is dict else ()
+    return any(_holds_float(item, depth - 1) for item in list(items)[:64])
+
+
 def _member_names(kind: type, /) -> list[str]:
     """The attributes the classes of ``kind`` keep outside a ``__dict__`` (``__slots__``, a
     built-in type's members), but the exception's context flag, set apart."""
@@ -527,7 +543,8 @@ class _Raised:
             return ReuseError(
                 f"the original pass's call raised {self.name}, which holds a floating tensor "
                 f"({where}); the replay skips the call and raises it again with that tensor "
-                "as the original pass, under no-grad, made it: without the graph eager's had",
+                "as the original pass, under no-grad, made it: without a graph, where eager's "
+                "may have had one (a detached statistic would not: one is not told apart)",
                 expected="an exception holding no floating tensor", got=where,
                 tip="keep floats out of the exception (ids, counts, Python numbers), and "
                     "compute what the handler needs from the layer's own tensors after "
@@ -557,15 +574,18 @@ class _Raised:
         return error
 
     def _float_held(self) -> str | None:
-        """Where the exception holds a floating tensor: an argument, an attribute, or an item
-        of a list or tuple in either (``None``: nowhere)."""
+        """Where the exception, its cause or its context holds a floating tensor: in an
+        argument or attribute, or inside one (a container, an object's attributes), three
+        levels deep (helper IP: `e.info = {"probs": ...}`, `raise X from Y(probs)`); ``None``:
+        nowhere."""
         named = [*((f"args[{i}]", v) for i, v in enumerate(self.args)),
                  *self.attributes.items(), *self.slots]
         for name, value in named:
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, torch.Tensor) and (item.is_floating_point() or
-                                                       item.is_complex()):
-                    return name
+            if _holds_float(value, 3):
+                return name
+        for link, raised in (("__cause__", self.cause), ("__context__", self.context)):
+            if raised is not None and (where := raised._float_held()) is not None:
+                return f"{link}: {where}"
         return None
 
 

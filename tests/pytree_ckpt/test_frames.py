@@ -3761,3 +3761,83 @@ def test_an_exception_group_a_reused_call_raises_is_caught_by_except_star_as_eag
         model(x).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def _raises_with_probs_in_a_dict(h: torch.Tensor) -> torch.Tensor:
+    error = _ProbsOverCapacity("over capacity")
+    error.info = {"probs": h.softmax(-1)}  # type: ignore[attr-defined]
+    raise error
+
+
+class _FallsBackOnProbsInADictAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        try:
+            reuse_during_recompute(_raises_with_probs_in_a_dict, h)
+        except _ProbsOverCapacity as error:
+            return h * error.info["probs"]  # type: ignore[attr-defined]
+        return h
+
+
+# Guards against (helper IP), as it was found:
+def test_a_float_tensor_in_a_dict_attribute_of_a_raised_exception_gives_eager_gradients_or_is_refused(
+        ) -> None:
+    # _Raised._float_held looks one level into lists and tuples only: `e.info = {"probs": p}`
+    # (or `raise E("cap", ([p],))`, two levels) is re-raised with the no-grad pass's probs.
+    torch.manual_seed(0)
+    eager = _FallsBackOnProbsInADictAttribute()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    grads = []
+    for model in (eager, ours):
+        try:
+            model(x).sum().backward()
+        except ReuseError:
+            return  # refused with a tip: fine
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _InnerWithProbs(Exception):
+    """The cause a router's error is raised from, carrying the gate's probabilities."""
+
+
+def _raises_from_a_cause_with_probs(h: torch.Tensor) -> torch.Tensor:
+    raise _ProbsOverCapacity("over capacity") from _InnerWithProbs(h.softmax(-1))
+
+
+class _FallsBackOnTheCausesProbs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        try:
+            reuse_during_recompute(_raises_from_a_cause_with_probs, h)
+        except _ProbsOverCapacity as error:
+            return h * error.__cause__.args[0]  # type: ignore[union-attr]
+        return h
+
+
+# Guards against (helper IP), as it was found:
+def test_a_float_tensor_in_the_cause_of_a_raised_exception_gives_eager_gradients_or_is_refused(
+        ) -> None:
+    # _Raised.again checks only the exception itself; its cause and context, made again
+    # three deep by cause.again() without refuse_floats, keep the no-grad pass's tensor.
+    torch.manual_seed(0)
+    eager = _FallsBackOnTheCausesProbs()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    grads = []
+    for model in (eager, ours):
+        try:
+            model(x).sum().backward()
+        except ReuseError:
+            return  # refused with a tip: fine
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
