@@ -520,7 +520,7 @@ class _Raised:
 
     def __init__(self, error: BaseException, /, depth: int = 0) -> None:
         self.kind, self.args, self.name = type(error), error.args, repr(error)
-        self.attributes = dict(getattr(error, "__dict__", {}))  # __notes__ too
+        self.attributes = dict(dunder(error, "__dict__", {}))  # __notes__ too
         # Those a subclass keeps in __slots__ (helper IL: the handler read another value), and
         # those a built-in type's __init__ sets (`AttributeError.name`, `OSError.filename`,
         # `StopIteration.value`: helper IN): member descriptors both.
@@ -535,7 +535,7 @@ class _Raised:
 
     def again(self, *, refuse_floats: bool = False) -> BaseException:
         """The exception made again; ``refuse_floats``: a ``ReuseError`` instead where it holds
-        a floating tensor (in its arguments or attributes, a level deep): eager's may carry a
+        a floating tensor (``_float_held``): eager's may carry a
         graph (`e.probs = h.softmax(-1)`), which the original pass, under no-grad, did not make
         (helper IO: the handler's gradient through it was missing, silently), as a float result
         is refused (NOTE [differentiable results are refused where grad is on] in frozen.py)."""
