@@ -501,8 +501,9 @@ class MadeNumbers:
 # forward began: the replay read the count before the call (helper HZ: every gradient 0; a key
 # the call adds first, a KeyError). So the containers among a reused call's top-level
 # arguments, keyword arguments and the values a ``functools.partial`` binds (``_CONTAINERS``,
-# at most 64 entries, holding anything: a count beside a tensor, helper IJ) are read by their
-# entries before the call and after it (a tensor by identity). One the call changed is given,
+# at most 64 entries, holding anything: a count beside a tensor, helper IJ; and plain objects,
+# a namespace or dataclass of counts, by their attributes, as a dict by its items) are read by
+# their entries before the call and after it (a tensor by identity). One the call changed is given,
 # in the replay, at the call, what the call left, as eager's held it after the call: a dict
 # the keys the call changed, and its order where the call changed that (a round robin's
 # `move_to_end`, helper ID), whatever the replay's forward did to them before (a key the
@@ -528,7 +529,7 @@ def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
     if isinstance(fn, functools.partial):
         places += [(None, value) for _, value in unwrap_partials(fn)[1]]
     read = [(key, value, _entries(value)) for key, value in places
-            if type(value) in _CONTAINERS and len(value) <= _MOST_ENTRIES]
+            if _read_by_entries(value)]  # a container, or a plain object by its attributes
     return read or None
 
 
@@ -554,8 +555,9 @@ class MadeContents:
             after = _entries(held)
             if _same_entries(after, before):
                 continue
-            plain = all(_immutable(v) for v in (before if not isinstance(held, dict) else
-                                                [v for kv in before for v in kv]))
+            keyed = isinstance(held, dict) or type(held) not in _CONTAINERS  # items
+            plain = all(_immutable(v) for v in ([v for kv in before for v in kv] if keyed
+                                                else before))
             change = _Change.of(held, before, after)
             if change is not None:
                 changed.append((key, type(held), held if plain or key is None else None,
@@ -586,14 +588,16 @@ class _Change:
 
     @staticmethod
     def of(held: Any, before: Any, after: Any, /) -> _Change | None:
-        if not isinstance(held, dict):
+        if type(held) in _CONTAINERS and not isinstance(held, dict):
             plain = all(map(_immutable, after))
             return _Change([], [], None, after) if plain else None
+        # A dict's items, or a plain object's attributes (a namespace a router counts in).
         found, left = dict(before), dict(after)
         deleted = [k for k in found if k not in left]
         written = [(k, v) for k, v in after if (k not in found or not _same_entry(v, found[k]))
                    and _immutable(v)]
-        moved = [k for k, _ in after if k in found] != [k for k, _ in before if k in left]
+        moved = isinstance(held, dict) and \
+            [k for k, _ in after if k in found] != [k for k, _ in before if k in left]
         if not (deleted or written or moved):
             return None  # it put tensors there only: not made again
         return _Change(deleted, written, list(left) if moved else None, None)
@@ -602,13 +606,14 @@ class _Change:
         if self.entries is not None:
             _put(target, self.entries)
             return
+        own = target if isinstance(target, dict) else instance_dict(target)
         for k in self.deleted:
-            target.pop(k, None)
+            own.pop(k, None)
         for k, value in self.written:
-            target[k] = value
+            own[k] = value
         for k in self.order or ():  # each to the end, in the order the call left them
-            if k in target:
-                target[k] = target.pop(k)
+            if k in own:
+                own[k] = own.pop(k)
 
 
 class NumbersGlance:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import enum
 import functools
 import gc
@@ -4224,4 +4225,51 @@ def test_a_count_made_under_grad_in_a_defaultdict_the_forward_reads_persists_as_
     for step in range(2):
         grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
         assert dict(ours.stats) == dict(eager.stats), f"step {step}"
+        assert _same(*grads), f"step {step}"
+
+
+def _counts_in_a_namespace(scores: torch.Tensor, stats: Any) -> torch.Tensor:
+    stats.n += 1
+    return scores.topk(2, -1).indices
+
+
+class _CountsInTheNamespaceItGives(nn.Module):
+    """Gives a reused call a plain object of counts (shared by every layer of the model) and
+    scales by the count after the call."""
+
+    def __init__(self, stats: Any) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_in_a_namespace, h.detach(), self.stats)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * self.stats.n
+
+
+@pytest.mark.parametrize("kind", ["namespace", "dataclass"])
+def test_a_plain_object_every_layer_shares_that_a_reused_call_counts_in_is_read_as_left(
+        kind: str) -> None:
+    # NOTE [a container a reused call is given and counts in]: a plain object given as an
+    # argument is read by its attributes, as a container by its entries: each layer's replay
+    # reads what its own call left (1, then 2), where it read the step's last (2) for both.
+    @dataclasses.dataclass
+    class Stats:
+        n: int = 0
+
+    torch.manual_seed(0)
+    shared = types.SimpleNamespace(n=0) if kind == "namespace" else Stats()
+    eager = nn.Sequential(*(_CountsInTheNamespaceItGives(shared) for _ in range(2)))
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    assert ours[0].stats is ours[1].stats
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            model[0].stats.n = 0
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert model[0].stats.n == 2
         assert _same(*grads), f"step {step}"
