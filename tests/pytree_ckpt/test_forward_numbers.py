@@ -77,6 +77,21 @@ def _grads_after_a_step(models: tuple[nn.Module, ...], x: torch.Tensor, /
     return grads
 
 
+def _twin_steps(eager: nn.Module, ours: nn.Module, /, *, steps: int, rows: int = 4,
+                before: Callable[[Any], Any], check: Callable[[Any], bool]) -> None:
+    """``steps`` steps of both twins on one random input each: ``before(model)`` ahead of the
+    forward, ``check(model)`` true once its backward ran, their gradients equal at each step."""
+    for step in range(steps):
+        x = torch.randn(rows, 8)
+        grads = []
+        for model in (eager, ours):
+            before(model)
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert check(model), f"step {step}"
+        assert _same(*grads), f"step {step}"
+
+
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -3181,15 +3196,9 @@ def test_a_count_dict_the_layer_passes_to_a_reused_call_is_read_after_it_as_the_
     # the child-module row ("pass it as an argument") runs into this.
     torch.manual_seed(0)
     eager, ours = _twins(_ScaledByTheCountItPassedIn())
-    for step in range(3):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            model.stats["n"] = 0
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert model.stats == {"n": 1}
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=3,
+                before=lambda model: model.stats.update(n=0),
+                check=lambda model: model.stats == {"n": 1})
 
 
 class _WindowRouter(nn.Module):
@@ -3320,15 +3329,9 @@ def test_a_dict_no_module_holds_that_a_reused_call_counts_in_is_read_as_each_cal
     # keyword argument. The dict ends the step as the forward left it.
     torch.manual_seed(0)
     eager, ours = _twins(_CountsInAGlobalPerChunk())
-    for step in range(3):
-        x = torch.randn(6, 8)
-        grads = []
-        for model in (eager, ours):
-            _COUNTS_OFF_THE_MODEL.clear()
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert _COUNTS_OFF_THE_MODEL == {"n": 2}
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=3, rows=6,
+                before=lambda model: _COUNTS_OFF_THE_MODEL.clear(),
+                check=lambda model: _COUNTS_OFF_THE_MODEL == {"n": 2})
 
 
 class _CountsBeforeAndInTheCall(nn.Module):
@@ -3417,15 +3420,9 @@ def test_a_global_dict_the_forward_logs_in_before_a_reused_call_counts_in_it_rea
     # the count the forward left (1) and the gradients were eager's.
     torch.manual_seed(0)
     eager, ours = _twins(_LogsTokensThenCountsInTheSameGlobal())
-    for step in range(2):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            _LOGGED_AND_COUNTED.update(tokens=0, calls=0)
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert _LOGGED_AND_COUNTED == {"tokens": 4, "calls": 1}
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=2,
+                before=lambda model: _LOGGED_AND_COUNTED.update(tokens=0, calls=0),
+                check=lambda model: _LOGGED_AND_COUNTED == {"tokens": 4, "calls": 1})
 
 
 def _serves_the_first_in_turn(scores: torch.Tensor, turn: collections.OrderedDict[int, float]
@@ -3489,15 +3486,9 @@ def test_a_dict_a_reused_call_grows_past_64_entries_is_read_after_it_as_the_call
         ) -> None:
     torch.manual_seed(0)
     eager, ours = _twins(_GrowsItsDictPast64())
-    for step in range(2):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            model.stats = {f"k{k}": k for k in range(60)}
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert len(model.stats) == 70
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=2,
+                before=lambda model: setattr(model, "stats", {f"k{k}": k for k in range(60)}),
+                check=lambda model: len(model.stats) == 70)
 
 
 def _takes_the_pending_flag(scores: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
@@ -3520,15 +3511,9 @@ class _ScaledByAKeyTheCallDeletes(nn.Module):
 def test_a_key_a_reused_call_deletes_from_a_dict_it_is_given_is_absent_in_the_replay() -> None:
     torch.manual_seed(0)
     eager, ours = _twins(_ScaledByAKeyTheCallDeletes())
-    for step in range(2):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            model.stats["pending"] = 1
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert model.stats == {"n": 0}
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=2,
+                before=lambda model: model.stats.update(pending=1),
+                check=lambda model: model.stats == {"n": 0})
 
 
 _LOGS_OFF_THE_MODEL: dict[str, Any] = {"list": [], "deque": collections.deque(maxlen=4)}
@@ -3601,15 +3586,9 @@ class _CountsInAGlobalPerThirdChunk(nn.Module):
 def test_a_global_dict_three_reused_calls_count_in_is_read_as_each_call_left_it() -> None:
     torch.manual_seed(0)
     eager, ours = _twins(_CountsInAGlobalPerThirdChunk())
-    for step in range(2):
-        x = torch.randn(6, 8)
-        grads = []
-        for model in (eager, ours):
-            _COUNTS_OVER_THREE_CHUNKS.clear()
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert _COUNTS_OVER_THREE_CHUNKS == {"n": 3}
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=2, rows=6,
+                before=lambda model: _COUNTS_OVER_THREE_CHUNKS.clear(),
+                check=lambda model: _COUNTS_OVER_THREE_CHUNKS == {"n": 3})
 
 
 def _caches_a_tensor(scores: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
@@ -3796,15 +3775,9 @@ def test_a_global_list_the_forward_appends_to_before_a_reused_call_appends_is_re
     # as the forward left it, not appended to again.
     torch.manual_seed(0)
     eager, ours = _twins(_LogsThenCallsWithTheSameGlobalList())
-    for step in range(2):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            _LOG_OFF_THE_MODEL.clear()
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert _LOG_OFF_THE_MODEL == [4, -1]
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=2,
+                before=lambda model: _LOG_OFF_THE_MODEL.clear(),
+                check=lambda model: _LOG_OFF_THE_MODEL == [4, -1])
 
 
 class _CountsTwiceInTheSameGlobalKey(nn.Module):
@@ -3828,15 +3801,9 @@ def test_a_global_key_the_forward_and_then_a_reused_call_change_is_read_as_the_c
     # IE's mutant F06), and the dict ends the step at eager's 11.
     torch.manual_seed(0)
     eager, ours = _twins(_CountsTwiceInTheSameGlobalKey())
-    for step in range(2):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            _COUNTS_OFF_THE_MODEL.clear()
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert _COUNTS_OFF_THE_MODEL == {"n": 11}
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=2,
+                before=lambda model: _COUNTS_OFF_THE_MODEL.clear(),
+                check=lambda model: _COUNTS_OFF_THE_MODEL == {"n": 11})
 
 
 def _counts_then_refuses_a_large_batch(scores: torch.Tensor, stats: dict[str, int]
@@ -4061,7 +4028,8 @@ def test_a_tensor_beside_a_count_in_a_dict_given_to_a_reused_call_is_not_held_un
 
 @pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Module state: a "
                    "dict key only the replay changes keeps that change where nothing changed it "
-                   "since the forward began) (helper IK): the count on a key the caller changed is dropped")
+                   "since the forward began) (helper IK): the count on a key the caller "
+                   "changed is dropped")
 def test_a_count_made_under_grad_on_a_key_the_caller_changes_before_backward_is_kept(
         ) -> None:
     # limits.md: "a dict's key the forward left as it began keeps what the replay made of
@@ -4264,12 +4232,6 @@ def test_a_plain_object_every_layer_shares_that_a_reused_call_counts_in_is_read_
     for layer in ours:
         pytree_ckpt.apply_activation_checkpointing(layer)
     assert ours[0].stats is ours[1].stats
-    for step in range(3):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            model[0].stats.n = 0
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert model[0].stats.n == 2
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=3,
+                before=lambda model: setattr(model[0].stats, "n", 0),
+                check=lambda model: model[0].stats.n == 2)

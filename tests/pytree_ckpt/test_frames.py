@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import gc
+import re
 import threading
 import warnings
 import weakref
@@ -3619,7 +3620,7 @@ _MASKS: list[weakref.ref[torch.Tensor]] = []
 
 
 def _raises_with_a_large_mask(scores: torch.Tensor) -> torch.Tensor:
-    mask = torch.ones(1 << 16)
+    mask = torch.ones(1 << 16, dtype=torch.bool)  # not a float: that one is refused
     _MASKS.append(weakref.ref(mask))
     raise _OverCapacityWithMask("over capacity", mask)
 
@@ -3679,51 +3680,72 @@ def test_a_builtin_exception_a_reused_call_raises_keeps_its_attributes_in_the_re
     layer = Layer()
     pytree_ckpt.apply_activation_checkpointing(layer)
     layer(torch.randn(2, 4)).sum().backward()
-    assert caught == [(("no table",), "table", 7)] * 2  # the replay's: name None, obj None
+    assert caught == [(("no table",), "table", 7)] * 2  # the forward's, then the replay's
 
 
 class _ProbsOverCapacity(Exception):
     """Raised by a router over its capacity, carrying the gate's probabilities."""
 
 
-def _routes_or_raises_with_probs(h: torch.Tensor) -> torch.Tensor:
-    probs = h.softmax(-1)
+class _InnerWithProbs(Exception):
+    """The cause a router's error is raised from, carrying the gate's probabilities."""
+
+
+def _raises_with_probs(h: torch.Tensor) -> torch.Tensor:
     error = _ProbsOverCapacity("over capacity")
-    error.probs = probs  # type: ignore[attr-defined]
+    error.probs = h.softmax(-1)  # type: ignore[attr-defined]
     raise error
 
 
+def _raises_with_probs_in_a_dict(h: torch.Tensor) -> torch.Tensor:
+    error = _ProbsOverCapacity("over capacity")
+    error.info = {"probs": h.softmax(-1)}  # type: ignore[attr-defined]
+    raise error
+
+
+def _raises_from_a_cause_with_probs(h: torch.Tensor) -> torch.Tensor:
+    raise _ProbsOverCapacity("over capacity") from _InnerWithProbs(h.softmax(-1))
+
+
 class _FallsBackOnTheRaisedProbs(nn.Module):
-    def __init__(self) -> None:
+    """Its handler scales by the probabilities the router's error carries (computed with
+    grad in eager)."""
+
+    def __init__(self, raises: Callable[[torch.Tensor], torch.Tensor],
+                 probs_of: Callable[[Any], torch.Tensor]) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.lin, self.raises, self.probs_of = nn.Linear(8, 8), raises, probs_of
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
         try:
-            ids = reuse_during_recompute(_routes_or_raises_with_probs, h)
+            reuse_during_recompute(self.raises, h)
         except _ProbsOverCapacity as error:
-            return h * error.probs  # type: ignore[attr-defined]
-        return torch.gather(h, -1, ids)
+            return h * self.probs_of(error)
+        return h
 
 
-# Guards against (helper IO), as it was found:
-def test_a_tensor_with_grad_a_reused_call_raises_gives_eager_gradients_or_is_refused() -> None:
-    # A result computed with grad is refused (NOTE [differentiable results are refused where
-    # grad is on]); a raised exception is unchecked (_UNCHECKED), so the handler's
-    # `h * error.probs` reads the original pass's probs (no graph): no gradient through them.
+# Guards against (helpers IO, IP), as they were found: the replay raised the error again with
+# the no-grad original pass's probabilities, and the gradient through them was lost, silently.
+@pytest.mark.parametrize("raises, probs_of, where", [
+    (_raises_with_probs, lambda e: e.probs, "probs"),
+    (_raises_with_probs_in_a_dict, lambda e: e.info["probs"], "info"),
+    (_raises_from_a_cause_with_probs, lambda e: e.__cause__.args[0], "__cause__: args[0]"),
+], ids=["attribute", "in a dict attribute", "in its cause"])
+def test_a_reused_calls_error_holding_a_float_tensor_is_refused_in_backward_naming_where(
+        raises: Callable[[torch.Tensor], torch.Tensor], probs_of: Callable[[Any], torch.Tensor],
+        where: str) -> None:
+    # NOTE [a reused call that raises] (frames.py): eager's tensor carries a graph (the lin
+    # gets a gradient through it), which the original pass, under no-grad, did not make.
     torch.manual_seed(0)
-    eager = _FallsBackOnTheRaisedProbs()
+    eager = _FallsBackOnTheRaisedProbs(raises, probs_of)
     ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     x = torch.randn(4, 8)
-    grads = []
-    for model in (eager, ours):
-        try:
-            model(x).sum().backward()
-        except ReuseError:
-            return  # refused with a tip: fine
-        grads.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    eager(x).sum().backward()
+    assert eager.lin.weight.grad is not None and eager.lin.weight.grad.abs().sum() > 0
+    out = ours(x).sum()
+    with pytest.raises(ReuseError, match=r"holds a floating tensor \(" + re.escape(where)):
+        out.backward()
 
 
 def _routes_or_raises_a_group(h: torch.Tensor) -> torch.Tensor:
@@ -3763,81 +3785,3 @@ def test_an_exception_group_a_reused_call_raises_is_caught_by_except_star_as_eag
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def _raises_with_probs_in_a_dict(h: torch.Tensor) -> torch.Tensor:
-    error = _ProbsOverCapacity("over capacity")
-    error.info = {"probs": h.softmax(-1)}  # type: ignore[attr-defined]
-    raise error
-
-
-class _FallsBackOnProbsInADictAttribute(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        try:
-            reuse_during_recompute(_raises_with_probs_in_a_dict, h)
-        except _ProbsOverCapacity as error:
-            return h * error.info["probs"]  # type: ignore[attr-defined]
-        return h
-
-
-# Guards against (helper IP), as it was found:
-def test_a_float_tensor_in_a_dict_attribute_of_a_raised_exception_gives_eager_gradients_or_is_refused(
-        ) -> None:
-    # _Raised._float_held looks one level into lists and tuples only: `e.info = {"probs": p}`
-    # (or `raise E("cap", ([p],))`, two levels) is re-raised with the no-grad pass's probs.
-    torch.manual_seed(0)
-    eager = _FallsBackOnProbsInADictAttribute()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    x = torch.randn(4, 8)
-    grads = []
-    for model in (eager, ours):
-        try:
-            model(x).sum().backward()
-        except ReuseError:
-            return  # refused with a tip: fine
-        grads.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
-class _InnerWithProbs(Exception):
-    """The cause a router's error is raised from, carrying the gate's probabilities."""
-
-
-def _raises_from_a_cause_with_probs(h: torch.Tensor) -> torch.Tensor:
-    raise _ProbsOverCapacity("over capacity") from _InnerWithProbs(h.softmax(-1))
-
-
-class _FallsBackOnTheCausesProbs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        try:
-            reuse_during_recompute(_raises_from_a_cause_with_probs, h)
-        except _ProbsOverCapacity as error:
-            return h * error.__cause__.args[0]  # type: ignore[union-attr]
-        return h
-
-
-# Guards against (helper IP), as it was found:
-def test_a_float_tensor_in_the_cause_of_a_raised_exception_gives_eager_gradients_or_is_refused(
-        ) -> None:
-    # _Raised.again checks only the exception itself; its cause and context, made again
-    # three deep by cause.again() without refuse_floats, keep the no-grad pass's tensor.
-    torch.manual_seed(0)
-    eager = _FallsBackOnTheCausesProbs()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    x = torch.randn(4, 8)
-    grads = []
-    for model in (eager, ours):
-        try:
-            model(x).sum().backward()
-        except ReuseError:
-            return  # refused with a tip: fine
-        grads.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
