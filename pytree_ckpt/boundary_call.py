@@ -17,7 +17,7 @@ from torch import nn
 from .changed_in_place import ParameterVersions
 from .errors import ReplayMismatchError, validate_bool
 from .forward_modules import ForwardModules
-from .forward_numbers import ChangedNumbers
+from .changed_numbers import ChangedNumbers
 from .frames import Frame
 from .hook_outputs import HookedOutputs
 from .hook_tables import HookTables

@@ -25,8 +25,7 @@ from .changed_in_place import (ParameterVersions, grad_switched, raise_input_cha
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
 from .forward_modules import ForwardModules
-from .forward_numbers import (NumbersGlance, NumbersWatch, glanced_dicts, numbers_read,
-                              with_reused_calls)
+from .forward_numbers import NumbersGlance, NumbersWatch, glanced_dicts, numbers_read
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
@@ -40,6 +39,7 @@ from .recompute import replay_backward
 from .refusals import (check_made_leaves, fn_name, raise_replay_reentered,
                        refuse_double_backward)
 from .replay_values import OutputPrints
+from .reused_numbers import with_reused_calls
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
                             versions)

@@ -70,7 +70,7 @@ from .eager import DISCARD_REASON, runs_eagerly
 from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError, require_callable,
                      validate_bool)
 from .forward_modules import ForwardModules
-from .forward_numbers import ChangedNumbers
+from .changed_numbers import ChangedNumbers
 from .frames import callable_name
 from .generator_sets import replay_watch
 from .kept_replay import note_discard

@@ -46,7 +46,7 @@ from .frozen import (AsRecorded, StateAfter, apply_state_after, argument_version
                      buffer_versions, held_tensors, numbers_watch, refuse_in_plain_call,
                      refuse_in_replay, state_after, stored_floats, stores_floats,
                      warn_changed_arguments, warn_grad_mode_read)
-from .forward_numbers import argument_contents
+from .reused_numbers import argument_contents
 from .grad_probe import probe_for
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
@@ -423,7 +423,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         call, versions = argument_versions(args, kwargs)
         buffers = buffer_versions(fn)
         numbers = numbers_watch(fn)
-        contents = argument_contents(fn, args, kwargs)  # NOTE in forward_numbers.py
+        contents = argument_contents(fn, args, kwargs)  # NOTE in reused_numbers.py
         held = held_tensors(fn)  # NOTE [floats a reused fn stores on its module] (frozen.py)
         try:
             before = rng_state(devices) if devices is not None else None

@@ -51,11 +51,12 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .errors import ReuseError
-from .forward_numbers import ArgumentContents, MadeContents, NumbersWatch
-from .module_state import owning_module
+from .forward_numbers import NumbersWatch
 from .function_reach import cell_contents, code_reading, unwrap_partials
 from .grad_blocks import body_without_grad
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
+from .module_state import owning_module
+from .reused_numbers import ArgumentContents, MadeContents
 from .state_changes import REPLAY_COPY_MARK
 from .tree import FlatTree, dunder, flatten, flatten_call, hidden_tensor, leaf_paths
 
@@ -379,7 +380,7 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     as a reassigned one);
     one found otherwise (changed since) is left; the call's values are put back as it found
     them for the replay even on a module outside the boundary's (``with_reused_calls`` in
-    forward_numbers.py). Cost: two reads of the module's ``__dict__`` per reused call in the
+    reused_numbers.py). Cost: two reads of the module's ``__dict__`` per reused call in the
     original pass (on the 2-core CI machine 9 to 11 us for a Linear; helper CP measured 64 us
     for a module holding 30 ints and a list the call changes). ``None`` when nothing changed
     (the usual case)."""
@@ -405,7 +406,7 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
     if numbers is not None and (made := numbers.made()) is not None:
         changed.append(("numbers", None, None, made))
     if contents is not None and (given := MadeContents.of(contents)) is not None:
-        # NOTE [a container a reused call is given and counts in] (forward_numbers.py)
+        # NOTE [a container a reused call is given and counts in] (reused_numbers.py)
         changed.append(("contents", None, None, given))
     return tuple(changed) if changed else None
 

@@ -412,7 +412,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # state_changes.py) served this replay only: freed now, not with the graph's nodes (a
         # loss kept for logging keeps those), as the census reads them (module state, held
         # by the frame). So are the values put back for it (NOTE [small tensor attributes as
-        # the forward read them] in forward_numbers.py: a tensor it held).
+        # the forward read them] in plain_values.py: a tensor it held).
         call.changed_state = None
         call.changed_numbers = None
         call.prints = None  # verify_replay's, compared above (helper HA: held with the graph)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .eager import Told, user_stacklevel
-from .forward_numbers import plain_entries, value_differs
+from .plain_values import plain_entries, value_differs
 from .changed_in_place import parameter_path
 from .refusals import fn_name
 from .state_changes import mark_stateful

@@ -1846,7 +1846,7 @@ def test_a_key_value_cache_kept_on_the_module_and_trained_through_is_warned_of()
     # the module, and the second chunk's replay reads those, so the first chunk's keys get no
     # gradient through it. Nothing tells a cache from a tensor kept for logging: the replay's
     # graph tensor stored on the module is warned of, once per module and attribute (NOTE [a
-    # graph tensor kept on a module] in forward_numbers.py).
+    # graph tensor kept on a module] in changed_numbers.py).
     torch.manual_seed(0)
     eager = AttentionCachingOnItself()
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))

@@ -2575,7 +2575,7 @@ def test_a_count_beside_logged_ids_that_the_caller_snapshots_before_backward_rep
     # (`snapshot, router.stats = router.stats, dict(router.stats)`). From the second step the
     # dict holds the last step's ids as the forward begins (a mixed container): the replay
     # puts it back as a fresh copy (the name was rebound), and MadeNumbers.make_again's
-    # _same_as compares a _Mixed entry by identity, so it does not make the call's count again:
+    # same_as compares a Mixed entry by identity, so it does not make the call's count again:
     # the layer's replay reads the count before the call (gradients scaled by 1 where eager's
     # are by 2), silently. Before d46f127 the replay read eager's count.
     torch.manual_seed(0)
@@ -2599,9 +2599,9 @@ def test_a_count_dict_the_caller_resets_to_a_fresh_one_before_backward_stays_as_
     # The trainer logs the router's stats after each forward and resets them to a fresh dict
     # equal to the one the router starts with (`router.stats = {"calls": 0, "last_ids":
     # None}`), before backward. Eager's backward touches neither dict. make_again finds the
-    # caller's new dict holding the entries the call found (by entries: _same_as), and puts
-    # the call's entries into it (`_put(d[name], after.entries)`); nothing restores them after
-    # the replay (the forward's put-back is a _Refilled of the old dict, which no longer
+    # caller's new dict holding the entries the call found (by entries: same_as), and puts
+    # the call's entries into it (`put_entries(d[name], after.entries)`); nothing restores them after
+    # the replay (the forward's put-back is a Refilled of the old dict, which no longer
     # holds the name). So the caller's fresh dict ends the step at {"calls": 1, "last_ids":
     # ids} (a tensor kept too), and the next step counts 2 where eager counts 1: gradients
     # scaled by 2, silently.
@@ -2642,7 +2642,7 @@ def test_a_count_beside_logged_ids_the_caller_copies_before_backward_replays_per
     # As the snapshot test above, with two reused calls in one forward (a chunked layer), in
     # the first step: the forward begins with {"calls": 0, "last_ids": None}; the caller
     # copies the dict before backward (`router.stats = dict(router.stats)`: calls 2, the
-    # second call's ids). The forward's put-back (_Refilled) skips the copy (the name holds
+    # second call's ids). The forward's put-back (Refilled) skips the copy (the name holds
     # another dict), and make_again of the first call finds it holding neither what that call
     # found nor anything it binds, so it is left: the first chunk's replay reads count 2 where
     # eager's forward read 1 (its gradients doubled), silently.
@@ -2689,8 +2689,8 @@ class _MemoisesInRouterNamespace(nn.Module):
 # Guards against (helper HR), as it was found:
 def test_a_projection_memoised_in_a_namespace_the_reused_call_binds_gets_its_gradient() -> None:
     # The dict form of this (helper HL) is exact: make_again binds the call's dict with the
-    # entries the call left (_Object.entries). A plain object the call binds is held as the
-    # forward left it (_Object.entries is None for anything but _CONTAINERS, a dict subclass
+    # entries the call left (BoundObject.entries). A plain object the call binds is held as the
+    # forward left it (BoundObject.entries is None for anything but CONTAINERS, a dict subclass
     # too): the replay finds `proj` the original pass computed under no-grad, reuses it, and
     # self.proj gets no gradient where eager gives one, silently (no warning; not in
     # docs/limits.md; replay.md says the replay is given "the object and the entries the
@@ -2733,7 +2733,7 @@ def test_a_shared_log_of_tensors_the_caller_replaces_before_backward_stays_one_l
         ) -> None:
     # No reused call. The trainer takes the log after each forward and puts one new empty list
     # on both modules (`model.log = model.inner.log = []`). Since 118fefa _set gives each
-    # module's dict a fresh list of its own (_Refilled.fresh, once per dict): the submodule's
+    # module's dict a fresh list of its own (Refilled.fresh, once per dict): the submodule's
     # append does not reach the layer's list, which the replay reads empty (scale 1 where
     # eager's forward scaled by 2), silently. Before 118fefa the caller's one list was left,
     # and the replay read eager's count (but appended to the caller's list: helper HR).
@@ -2781,7 +2781,7 @@ class _ScaledByGroupCalls(nn.Module):
 def test_an_object_others_hold_that_a_reused_call_binds_keeps_what_later_calls_changed(
         ) -> None:
     # The first of two chunk calls binds the router's own group object where None was
-    # (_Object), and both count in it. Since 118fefa make_again's put_back writes the
+    # (BoundObject), and both count in it. Since 118fefa make_again's put_back writes the
     # object's attributes back as the first call left them (calls 1), in the object itself,
     # which the router holds too: the layer's replay reads 1 where eager's forward read 2
     # (gradients halved), and nothing gives the object its count back after the replay: the
@@ -3020,7 +3020,7 @@ class _ScaledByLargeNamespaceCalls(nn.Module):
                    "counts in is read by identity: the replay reads the forward's last count")
 def test_a_count_a_reused_call_keeps_in_a_namespace_of_many_attributes_replays_as_eager(
         ) -> None:
-    # As helper HS's group router, with a stats object of 71 attributes: _read_by_entries
+    # As helper HS's group router, with a stats object of 71 attributes: read_by_entries
     # reads a plain object by its attributes only up to 64 of them, else by id, so the call's
     # count is not seen; the replay's first chunk reads calls == 2 where eager's read 1.
     torch.manual_seed(0)
@@ -3231,7 +3231,7 @@ class _ScaledByTheWindow(nn.Module):
 def test_a_deque_a_reused_call_appends_to_is_read_after_each_call_as_the_call_left_it(
         ) -> None:
     # The router appends to a small deque (a window of recent loads) at each of two chunk
-    # calls, and the layer reads it after each call. _snapshot/_entries know dict, list, set
+    # calls, and the layer reads it after each call. _snapshot/entries_of know dict, list, set
     # and a plain object's __dict__: a deque is none of them, so neither the forward's
     # put-back nor MadeNumbers gives the replay what each skipped call left, and each chunk's
     # replay reads the deque as the whole forward left it: gradients differ, silently.
@@ -3450,7 +3450,7 @@ class _ScaledByWhoseTurnItIs(nn.Module):
 # Guards against (helper ID), as it was found:
 def test_a_round_robin_a_reused_call_moves_to_the_end_is_read_in_the_order_the_call_left(
         ) -> None:
-    # MadeContents.of sees the order change (_entries: items in order), but make_again (since
+    # MadeContents.of sees the order change (entries_of: items in order), but make_again (since
     # 46c3522) only writes keys whose value changed: none did, so the replay reads the turn as
     # the forward began (weight 1.0 first, not 2.0). 7ea013a put the whole entries back: exact.
     torch.manual_seed(0)
@@ -3538,8 +3538,8 @@ class _ScaledByAGlobalLog(nn.Module):
 
 # Helper IE finding: with_reused_calls adds only a dict argument to the put-back; for a list
 # or deque no module holds, changed_numbers stays None, so the replay runs outside
-# as_forward_began, _AFTER_REPLAY is None, and MadeContents.make_again's
-# _restore_after_replay(target) records nothing: the call's append, made again in the
+# as_forward_began, AFTER_REPLAY is None, and MadeContents.make_again's
+# restore_after_replay(target) records nothing: the call's append, made again in the
 # caller's emptied log, stays there after backward (eager's log stays empty). Gradients agree.
 # Guards against (helper IE), as it was found:
 @pytest.mark.parametrize("kind", ["list", "deque"])
@@ -3625,7 +3625,7 @@ def test_a_dict_a_reused_call_fills_with_a_tensor_does_not_keep_it_alive_until_b
 
 class _WindowOfTensors(nn.Module):
     """A deque window of at most two entries, zeros as it starts, the forward appends a
-    detached statistic to (a tensor: known by id only, ``_Refilled``), scaled by its length."""
+    detached statistic to (a tensor: known by id only, ``Refilled``), scaled by its length."""
 
     def __init__(self) -> None:
         super().__init__()

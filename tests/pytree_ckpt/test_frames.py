@@ -1468,7 +1468,7 @@ def test_a_dict_each_reused_call_binds_anew_nobody_empties_is_read_per_call_in_e
     # As above ("bound"), without the caller emptying the cache between steps: the router
     # just binds `self.cache = {"ids": ids}` at each call. From the second step the first
     # call finds the last step's dict there (an object, by id), so with_reused_calls puts
-    # nothing back and make_again's _same_as finds the second call's dict in the replay, not
+    # nothing back and make_again's same_as finds the second call's dict in the replay, not
     # the one the first call found: the first chunk's replay gathers with the second chunk's
     # ids, silently. replay.md: "a dict bound anew ... also one the next call of the same
     # forward changes again ... so code after the call reads what eager read".
@@ -1496,7 +1496,7 @@ class MemoisesInRouterCache(nn.Module):
 
 
 # Helper HL: NOTE [an object a reused call leaves where a value was] holds the object itself
-# (_Object), not what it held when the call returned, so the replay gets the dict as the rest
+# (BoundObject), not what it held when the call returned, so the replay gets the dict as the rest
 # of the original pass left it: with the projection the forward memoised in it (computed under
 # the boundary's no-grad), which the replay reuses instead of computing it: lin and proj get
 # no gradient, silently (before 593a9c0: TypeError in backward).

@@ -1,0 +1,224 @@
+"""What a forward changed of its modules' plain values, put back as the forward began for its
+replay and as the replay began after it (``ChangedNumbers``, made by ``forward_numbers.py``'s
+watch): NOTE [a key only the replay changes], NOTE [a graph tensor kept on a module].
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .eager import user_stacklevel
+from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, ValuesRead,
+                           entries_of, fresh_values, put_entries, same_entry)
+
+__all__ = ["ChangedNumbers"]
+
+
+class ChangedNumbers:
+    """What a forward changed of its modules' plain values and attributes (NOTE [numbers and
+    flags as the forward began]), for its replay."""
+
+    __slots__ = ("found", "ends")
+
+    def __init__(self, found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]],
+                 /, *, ends: dict[int, Any] | None = None) -> None:
+        self.found = found
+        # By the id of a dict's entries as the forward began, its entries as the forward left
+        # it (NOTE [a key only the replay changes]).
+        self.ends = {} if ends is None else ends
+
+    def joined(self, other: ChangedNumbers | None, /) -> ChangedNumbers:
+        """This and ``other`` (changes of other dicts) as one."""
+        return self if other is None else ChangedNumbers(
+            [*self.found, *other.found], ends={**self.ends, **other.ends})
+
+    def snapshots(self) -> list[torch.Tensor]:
+        """The small tensor attributes held from the forward to the replay (NOTE [small
+        tensor attributes as the forward read them]), and the copies of the values of those
+        changed in place, for the census (Mechanism.MODULE_STATE)."""
+        found: list[torch.Tensor] = []
+        for _, values, _ in self.found:
+            for _, value in values:
+                if type(value) is ValuesRead:
+                    found.append(value.values)
+                elif isinstance(value, torch.Tensor):
+                    found.append(value)
+        return found
+
+    @contextmanager
+    def as_forward_began(self, where: str = "the layer", /) -> Iterator[None]:
+        """The changed values as the forward began, for the block; the values, and the objects
+        the forward rebound, as the block began, after it. ``where`` names the call for
+        NOTE [a graph tensor kept on a module]."""
+        at_start = [(d, [(name, d.get(name, ABSENT))
+                         for name in [*(name for name, _ in values), *rebound]])
+                    for d, values, rebound in self.found]
+        # A container the forward changed in place also gets its entries back after the block
+        # (the object is the same, so putting it back as an object would not), with what it
+        # held as the forward began: a dict's keys the forward left alone keep what the block
+        # made of them (NOTE [a key only the replay changes]).
+        entries_at_start: list[tuple[Any, Any, Any]] = []
+        for d, values, _ in self.found:
+            for name, value in values:
+                held = d.get(name)
+                if (type(value) is Contents and held is value.held) or \
+                        (type(value) is Refilled and value.holds(held)):
+                    ended = self.ends.get(id(value))
+                    entries_at_start.append((held, entries_of(held), None if ended is None
+                                             else (value.entries, ended)))
+        # A small tensor attribute changed in place: a fresh copy of its values as read, for
+        # this block alone (NOTE [small tensor attributes as the forward read them]), one per
+        # tensor, whatever number of modules hold it.
+        fresh: dict[int, torch.Tensor] = {}
+        found = [(d, [(name, fresh_values(value, fresh) if type(value) is ValuesRead else value)
+                      for name, value in values]) for d, values, _ in self.found]
+        # One new container per container read, whatever number of names held it (a log a
+        # layer shares with its submodule stays one list in the replay: helper HS).
+        made: dict[int, Any] = {}
+        for d, values in found:
+            _set(d, values, made)
+        put = {(id(d), name): value for d, values in found for name, value in values
+               if isinstance(value, torch.Tensor)}
+        pending: list[tuple[Any, Any]] = []
+        token = AFTER_REPLAY.set(pending)
+        try:
+            yield
+        finally:
+            AFTER_REPLAY.reset(token)
+            restored = {id(held) for held, _, _ in entries_at_start}
+            for held, snapshot in reversed(pending):  # the NOTE at AFTER_REPLAY
+                if id(held) not in restored:
+                    put_entries(held, snapshot)
+            for held, entries, forward in entries_at_start:
+                if forward is not None and isinstance(held, dict):
+                    put_entries(held, _merged(entries, forward[0], forward[1], entries_of(held),
+                                       getattr(held, "default_factory", None)))
+                else:
+                    put_entries(held, entries)
+            # What the replay read there: a small tensor put back, else what it held.
+            _warn_graph_tensors_kept([(d, [(name, put.get((id(d), name), left))
+                                           for name, left in named])
+                                      for d, named in at_start], where)
+            for d, named in at_start:
+                # A leaf requiring grad that the replay stored stays (`self.last = leaf`, made
+                # in the forward): the check that reads it once the replay's graph is gone
+                # (NOTE [leaves the call makes] in refusals.py) must find it held, and refuse.
+                _set(d, [(name, value) for name, value in named
+                         if not (isinstance(now := d.get(name), torch.Tensor) and
+                                 now.requires_grad and now.grad_fn is None)])
+
+
+# NOTE [a key only the replay changes]: a dict the forward changed in place gets what it held
+# when the replay began back after it; but code run only under grad (`if
+# torch.is_grad_enabled(): self.stats["steps"] += 1`, as written for torch's reentrant
+# checkpoint) changes it in the replay alone, as eager's forward did, and that change was
+# dropped with the rest (helper IJ: the step count stayed 0, other gradients from the second
+# step). So a key the forward left as it began, and the replay changed, keeps what the replay
+# made of it, as a name only the replay sets does, where nothing changed it since the forward
+# began (the caller, another micro-batch's replay, a first backward of a retained graph: a
+# change made on top of theirs counted twice, helper IL). Any other key gets its value at the
+# replay's start back; so a key both the forward and the replay change keeps the forward's
+# change only, and a second micro-batch's replay-only change is dropped (documented).
+def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
+            ended: list[tuple[Any, Any]], after: list[tuple[Any, Any]],
+            factory: Any = None, /) -> list[tuple[Any, Any]]:
+    """A dict's items after the replay (NOTE above), from its items at the replay's start, as
+    the forward began and left it, and as the replay left it; ``factory``: a defaultdict's."""
+    start, first, last, now = dict(at_start), dict(began), dict(ended), dict(after)
+    # A defaultdict's key the forward only read is made holding the default (helper IO: a
+    # count under grad in a defaultdict(int) read by the no-grad forward stayed 0): as absent.
+    default = ABSENT
+    if factory in (int, float, bool, str, list, dict, set, tuple):  # a plain default only: a
+        default = factory()  # factory of the user's may have side effects, or raise
+
+    def same(a: Any, b: Any) -> bool:
+        if a is ABSENT or b is ABSENT:
+            other = b if a is ABSENT else a
+            return other is ABSENT or default is not ABSENT and same_entry(other, default)
+        return same_entry(a, b)
+
+    merged = []
+    for k in [*start, *(k for k in now if k not in start)]:
+        s, b, r = start.get(k, ABSENT), first.get(k, ABSENT), now.get(k, ABSENT)
+        # the replay's change alone, on the value the forward began with
+        value = r if same(b, last.get(k, ABSENT)) and same(s, b) else s
+        if value is not ABSENT:
+            merged.append((k, value))
+    # Its order too, where only the replay changed it (a `move_to_end` under grad: helper IO).
+    order = [k for k, _ in at_start]
+    if order == [k for k, _ in began] == [k for k, _ in ended]:
+        replayed = [k for k, _ in after if k in start]
+        if replayed != [k for k in order if k in now]:
+            rank = {k: i for i, k in enumerate(k for k, _ in after)}
+            merged.sort(key=lambda item: rank.get(item[0], len(rank)))
+    return merged
+
+
+def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],
+                             where: str, /) -> None:
+    """NOTE [a graph tensor kept on a module]: a forward that keeps on its module a tensor it
+    computed with grad and reads it in a later call (Meta's reference Llama keeps its
+    key/value cache so: ``self.kv = torch.cat([self.kv, keys])``) stored it without a graph
+    in the original pass, which runs under no-grad, and the later call's replay computes with
+    that one: the gradients through it are missing, silently (a small one is put back for
+    each replay as its forward read it: NOTE [small tensor attributes as the forward read
+    them]; a larger one, read as the last call left it, gives the replay another function
+    still: helper ES). Seen after a replay that stored
+    there a tensor with a graph larger than the one it read (the one put back, else what the
+    attribute held: it extended it, a cache growing or a sliding window not yet full), and
+    warned of once per module and
+    attribute. A tensor kept for logging (``self.last = out``, the same size each call) or set
+    by a pre-hook (a weight-norm's ``weight``) is not told; scalars are told by NOTE [results
+    stored on a module] (stored_state.py). Not refused: a cache only read after backward is
+    fine."""
+    for d, named in at_start:
+        for name, left in named:
+            now = d.get(name)
+            if isinstance(now, torch.Tensor) and now.grad_fn is not None and now.dim() and \
+                    isinstance(left, torch.Tensor) and now.numel() > left.numel():
+                told = _TOLD_GRAPH + name
+                if d.get(told):
+                    continue
+                d[told] = True
+                warnings.warn(
+                    f"pytree_ckpt: the forward of {where} extends a tensor it keeps in the "
+                    f"module attribute {name!r} with one computed with grad (a key/value cache "
+                    "kept on the module); the original pass, which runs under no-grad, stored "
+                    "it without a graph, so the gradients through it are missing, silently "
+                    "(and one over 64 KiB is read by each replay as the last call left it, not "
+                    "as its forward read it). Tip: keep no such cache while grad is enabled "
+                    "(use_cache=False in training), or pass it in and return it (`out, cache = "
+                    "layer(x, cache)`) (docs/limits.md, 'State the forward changes')",
+                    stacklevel=user_stacklevel())
+
+
+_TOLD_GRAPH = OURS + "_told_graph_"
+
+
+def _set(d: dict[str, Any], named: list[tuple[str, Any]],
+         made: dict[int, Any] | None = None, /) -> None:
+    """``d``'s names given the values read; ``made``: the new containers made so far, by the
+    id of the one read (one per container, whatever number of names held it)."""
+    made = {} if made is None else made
+    for name, value in named:
+        if value is ABSENT:
+            d.pop(name, None)
+        elif type(value) is Contents:
+            if d.get(name) is value.held:  # changed in place: its entries as they were read
+                put_entries(value.held, value.entries)
+            else:  # rebound or deleted: a new one, so the object read is not changed
+                key = id(value.held)
+                d[name] = made[key] if key in made else made.setdefault(key, value.fresh())
+        elif type(value) is Refilled:
+            if value.holds(held := d.get(name)):
+                put_entries(held, value.entries)
+            else:  # the caller replaced it: a new one for the replay, theirs left as it is
+                key = value.ident
+                d[name] = made[key] if key in made else made.setdefault(key, value.fresh())
+        else:
+            d[name] = value
