@@ -6,6 +6,7 @@ watch): NOTE [a key only the replay changes], NOTE [a graph tensor kept on a mod
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,7 +17,18 @@ from .eager import user_stacklevel
 from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, ValuesRead,
                            entries_of, fresh_values, put_entries, same_entry)
 
-__all__ = ["ChangedNumbers"]
+__all__ = ["ChangedNumbers", "EndedAfterACall"]
+
+
+class EndedAfterACall:
+    """What a container or object a reused call counts in held as the forward ended, where it
+    was read from the call on (``with_reused_calls``), not as the forward began (NOTE [a key
+    only the replay changes])."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: Any, /) -> None:
+        self.entries = entries
 
 
 class ChangedNumbers:
@@ -29,7 +41,8 @@ class ChangedNumbers:
                  /, *, ends: dict[int, Any] | None = None) -> None:
         self.found = found
         # By the id of a dict's entries as the forward began, its entries as the forward left
-        # it (NOTE [a key only the replay changes]).
+        # it (NOTE [a key only the replay changes]); ``EndedAfterACall`` where the entries
+        # were read at a reused call (with_reused_calls).
         self.ends = {} if ends is None else ends
 
     def joined(self, other: ChangedNumbers | None, /) -> ChangedNumbers:
@@ -94,10 +107,21 @@ class ChangedNumbers:
             for held, snapshot in reversed(pending):  # the NOTE at AFTER_REPLAY
                 if id(held) not in restored:
                     put_entries(held, snapshot)
+            at_calls: dict[int, Any] = {}  # what each held at the replay's first call
+            for held, snapshot in pending:
+                at_calls.setdefault(id(held), snapshot)
             for held, entries, forward in entries_at_start:
-                if forward is not None and isinstance(held, dict):
-                    put_entries(held, _merged(entries, forward[0], forward[1], entries_of(held),
-                                       getattr(held, "default_factory", None)))
+                ended = forward[1] if forward is not None else None
+                at_call = None
+                if type(ended) is EndedAfterACall:
+                    ended, at_call = ended.entries, at_calls.get(id(held))
+                    if at_call is None:  # no call found it in the replay: nothing to tell by
+                        ended = None
+                if ended is not None and not isinstance(held, (list, set, deque)):
+                    # a dict's items, or a plain object's attributes (helper IR)
+                    factory = held.default_factory if isinstance(held, defaultdict) else None
+                    put_entries(held, _merged(entries, forward[0], ended, entries_of(held),
+                                              factory, at_call))
                 else:
                     put_entries(held, entries)
             # What the replay read there: a small tensor put back, else what it held.
@@ -113,8 +137,9 @@ class ChangedNumbers:
                                  now.requires_grad and now.grad_fn is None)])
 
 
-# NOTE [a key only the replay changes]: a dict the forward changed in place gets what it held
-# when the replay began back after it; but code run only under grad (`if
+# NOTE [a key only the replay changes]: a dict the forward changed in place (or a plain object
+# a reused call counts in, by its attributes: helper IR) gets what it held when the replay began
+# back after it; but code run only under grad (`if
 # torch.is_grad_enabled(): self.stats["steps"] += 1`, as written for torch's reentrant
 # checkpoint) changes it in the replay alone, as eager's forward did, and that change was
 # dropped with the rest (helper IJ: the step count stayed 0, other gradients from the second
@@ -123,13 +148,20 @@ class ChangedNumbers:
 # began (the caller, another micro-batch's replay, a first backward of a retained graph: a
 # change made on top of theirs counted twice, helper IL). Any other key gets its value at the
 # replay's start back; so a key both the forward and the replay change keeps the forward's
-# change only, and a second micro-batch's replay-only change is dropped (documented).
+# change only, and a second micro-batch's replay-only change is dropped (documented). One a
+# reused call counts in that no module's entry holds (a global, an object argument) was read
+# from the call on, not as the forward began (``EndedAfterACall``): a key the replay changed
+# before the call is the forward's change made again (a log line, helper IC), so the replay's
+# change is kept only for a key the replay left as the call found it until the call.
 def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
             ended: list[tuple[Any, Any]], after: list[tuple[Any, Any]],
-            factory: Any = None, /) -> list[tuple[Any, Any]]:
+            factory: Any = None, at_call: list[tuple[Any, Any]] | None = None, /
+            ) -> list[tuple[Any, Any]]:
     """A dict's items after the replay (NOTE above), from its items at the replay's start, as
-    the forward began and left it, and as the replay left it; ``factory``: a defaultdict's."""
+    the forward began (or a reused call found them) and left it, and as the replay left it;
+    ``factory``: a defaultdict's; ``at_call``: what it held when the replay reached the call."""
     start, first, last, now = dict(at_start), dict(began), dict(ended), dict(after)
+    call = None if at_call is None else dict(at_call)
     # A defaultdict's key the forward only read is made holding the default (helper IO: a
     # count under grad in a defaultdict(int) read by the no-grad forward stayed 0): as absent.
     default = ABSENT
@@ -146,7 +178,8 @@ def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
     for k in [*start, *(k for k in now if k not in start)]:
         s, b, r = start.get(k, ABSENT), first.get(k, ABSENT), now.get(k, ABSENT)
         # the replay's change alone, on the value the forward began with
-        value = r if same(b, last.get(k, ABSENT)) and same(s, b) else s
+        value = r if same(b, last.get(k, ABSENT)) and same(s, b) and \
+            (call is None or same(call.get(k, ABSENT), b)) else s
         if value is not ABSENT:
             merged.append((k, value))
     # Its order too, where only the replay changed it (a `move_to_end` under grad: helper IO).

@@ -46,10 +46,10 @@ from .frozen import (AsRecorded, StateAfter, apply_state_after, argument_version
                      buffer_versions, held_tensors, numbers_watch, refuse_in_plain_call,
                      refuse_in_replay, state_after, stored_floats, stores_floats,
                      warn_changed_arguments, warn_grad_mode_read)
-from .reused_numbers import argument_contents
 from .grad_probe import probe_for
 from .keep import IN_REUSE, RECOMPUTE
 from .phase import ACTIVE, Phase
+from .reused_numbers import argument_contents, refuse_iterator_arguments
 from .rng import GeneratorStates, RngState, generators_moved, rng_changed, rng_state, set_rng_state
 from .saved import Unchanged
 from .tree import NAMESPACE, dunder, flatten, leaf_paths, unflatten
@@ -416,6 +416,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     generators_after: GeneratorStates = ()
     raised: BaseException | None = None  # NOTE [a reused call that raises]
     if invocation is None:
+        refuse_iterator_arguments(fn, callable_name(fn), args, kwargs)
         devices, generators = _restored_by(recorders)
         # The replay will not run these ops, nor the RNG comparison (torch.equal dispatches
         # aten::equal): a save unit keeping everything a callable dispatches must not keep them.

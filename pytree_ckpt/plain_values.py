@@ -133,11 +133,11 @@ class BoundObject:
 
 def _snapshot(held: Any, /) -> Any:
     """What ``BoundObject.put_back`` restores (``entries_of``): a dict's, list's or set's entries
-    (subclasses too), else the attributes in the object's ``__dict__``; ``None`` for anything
-    else (slots, a tensor, a module: rebound as it is)."""
+    (subclasses too), else the attributes in the object's ``__dict__`` and slots; ``None`` for
+    anything else (a tensor, a module, an object of neither: rebound as it is)."""
     if isinstance(held, (torch.Tensor, nn.Module)) or \
             not isinstance(held, (dict, list, set, collections.deque)) and \
-            type(instance_dict(held)) is not dict:
+            type(instance_dict(held)) is not dict and not _slots(type(held)):
         return None
     return entries_of(held)
 
@@ -180,14 +180,22 @@ def entries_of(held: Any, /) -> Any:
     """A copy of a container's entries: a list, a deque (as a list), a set, or a dict's items
     in their order (a round robin that only moves an entry to the end, ``move_to_end``,
     changes the order); of another object (a reused call's watch reads plain objects too:
-    ``Mixed``), the items of its ``__dict__``."""
+    ``Mixed``), the items of its ``__dict__``, then its set slots (a ``@dataclass(slots=True)``,
+    helper IR)."""
     if isinstance(held, (list, collections.deque)):  # a window of recent loads (helper HZ)
         return list(held)
     if isinstance(held, set):
         return set(held)
     if isinstance(held, dict):
         return list(held.items())
-    return list(instance_dict(held).items())
+    own = instance_dict(held)
+    found = list(own.items()) if type(own) is dict else []
+    for name in _slots(type(held)):
+        try:  # the slot itself: not a __getattr__ the class may have for an unset one
+            found.append((name, object.__getattribute__(held, name)))
+        except AttributeError:
+            pass  # unset
+    return found
 
 
 def put_entries(held: Any, entries: Any, /) -> None:
@@ -204,10 +212,37 @@ def put_entries(held: Any, entries: Any, /) -> None:
         held.clear()              # would add counts)
         for key, value in entries:
             held[key] = value
-    else:  # a plain object's attributes
+    else:  # a plain object's attributes, as __dict__ entries and slots do it (not through a
+        # __setattr__ that validates, or a frozen dataclass's, which refuses)
+        slots = _slots(type(held))
         own = instance_dict(held)
-        own.clear()
-        own.update(entries)
+        if type(own) is dict:
+            own.clear()
+            own.update((name, value) for name, value in entries if name not in slots)
+        given = dict(entries)
+        for name in slots:
+            if name in given:
+                object.__setattr__(held, name, given[name])
+            else:
+                try:
+                    object.__delattr__(held, name)
+                except AttributeError:
+                    pass  # unset already
+
+
+# By class: the slots its Python classes declare (their member descriptors: a name mangled as
+# Python stores it), or () for none. Not step state: a class's slots never change.
+_SLOTS: dict[type, tuple[str, ...]] = {}
+
+
+def _slots(kind: type, /) -> tuple[str, ...]:
+    names = _SLOTS.get(kind)
+    if names is None:
+        names = _SLOTS[kind] = tuple(
+            name for cls in kind.__mro__ if "__slots__" in vars(cls)
+            for name, attribute in vars(cls).items()
+            if isinstance(attribute, types.MemberDescriptorType))
+    return names
 
 
 def plain_entries(value: Any, /) -> Any:
@@ -390,13 +425,16 @@ def _object_entry(value: Any, clones: dict[int, torch.Tensor] | None = None, /, 
 
 def read_by_entries(value: Any, /) -> bool:
     """A reused call's watch reads a small container holding anything, and a plain object by
-    the attributes in its ``__dict__`` (a namespace a router counts in), by their entries."""
+    the attributes in its ``__dict__`` and its slots (a namespace or dataclass a router counts
+    in), by their entries."""
     if type(value) in CONTAINERS:
         return len(value) <= _MOST_ENTRIES
     if isinstance(value, _NOT_PLAIN_OBJECTS):
         return False
-    own = instance_dict(value)
-    return type(own) is dict and len(own) <= _MOST_ENTRIES
+    own, slots = instance_dict(value), _slots(type(value))
+    if type(own) is not dict:
+        return bool(slots) and len(slots) <= _MOST_ENTRIES
+    return len(own) + len(slots) <= _MOST_ENTRIES
 
 
 # Objects a reused call's watch does not read by their attributes: modules and tensors (state

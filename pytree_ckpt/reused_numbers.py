@@ -5,20 +5,23 @@ call changes] in frozen.py; NOTE [a container a reused call is given and counts 
 
 from __future__ import annotations
 
+import collections
 import functools
+import types
 from collections.abc import Sequence
 from typing import Any
 
-from .changed_numbers import ChangedNumbers
+from .changed_numbers import ChangedNumbers, EndedAfterACall
+from .errors import ReuseError
 from .function_reach import unwrap_partials
 from .plain_values import (ABSENT, CONTAINERS, BoundObject, Contents, InPlace, Mixed, Refilled,
-                           TensorHeld, entries_of, entry_of, immutable, put_entries,
-                           read_by_entries, restore_after_replay, same_as, same_entries,
-                           same_entry)
-from .tree import instance_dict
+                           TensorHeld, entries_of, entry_of, immutable, plain_container,
+                           put_entries, read_by_entries, restore_after_replay, same_as,
+                           same_entries, same_entry)
+from .tree import ITERATOR, leaf_kind
 
 __all__ = ["ArgumentContents", "MadeContents", "MadeNumbers", "argument_contents",
-           "with_reused_calls"]
+           "argument_places", "refuse_iterator_arguments", "with_reused_calls"]
 
 
 class MadeNumbers:
@@ -93,21 +96,90 @@ class MadeNumbers:
 # (``with_reused_calls``), so code before the call reads what the call found (but what the
 # forward itself changed there, which the replay changes again). A tensor the call puts in one
 # is given to the replay as it is: a float one has no graph (as a float a reused fn stores, not
-# told: replay.md).
-ArgumentContents = list[tuple[int | str | None, Any, Any]]
+# told: replay.md). Also read: the plain object a reused bound method belongs to (a tracker
+# counting on itself, `reuse_during_recompute(self.tracker.route, h)`: the same object in the
+# replay, as a value a partial binds), and one level down, the containers and plain objects such
+# a container or object holds (an MoE router's stats dataclass holding a load per expert, a
+# namespace in a list: helper IR), found in the replay by the same path; an attribute or key the
+# call rebinds to a new small container of plain values gets a copy of it in the replay.
+ArgumentContents = list[tuple[tuple[Any, ...], Any, Any]]
 
 
 def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
                       ) -> ArgumentContents | None:
-    """The small containers among a reused call's top-level arguments (the place ``None``: one
-    a partial binds, the same object in the replay), each with its place and a copy of its
-    entries, read before the call (NOTE above)."""
-    places: list[tuple[int | str | None, Any]] = [*enumerate(args), *kwargs.items()]
-    if isinstance(fn, functools.partial):
-        places += [(None, value) for _, value in unwrap_partials(fn)[1]]
-    read = [(key, value, entries_of(value)) for key, value in places
-            if read_by_entries(value)]  # a container, or a plain object by its attributes
+    """The small containers and plain objects among a reused call's top-level arguments and
+    one level down in them, each with its path (its argument's place: ``None`` for one a
+    partial binds or the method's object, the same object in the replay; then the key, index
+    or attribute name where it is held) and a copy of its entries, read before the call (NOTE
+    above)."""
+    read: ArgumentContents = []
+    for key, value, _ in argument_places(fn, args, kwargs):
+        if not read_by_entries(value):  # a container, or a plain object by its attributes
+            continue
+        entries = entries_of(value)
+        read.append(((key,), value, entries))
+        if type(entries) is not set:
+            for name, held in entries if _keyed(value) else enumerate(entries):
+                if not immutable(held) and read_by_entries(held):
+                    read.append(((key, name), held, entries_of(held)))
     return read or None
+
+
+def argument_places(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
+                    ) -> list[tuple[int | str | None, Any, str]]:
+    """A reused call's top-level arguments, each with its place (``None`` for a value a
+    partial binds and a bound method's object, the same objects in the replay) and a name for
+    messages."""
+    places: list[tuple[int | str | None, Any, str]] = [
+        *((i, value, f"args[{i}]") for i, value in enumerate(args)),
+        *((key, value, f"kwargs[{key!r}]") for key, value in kwargs.items())]
+    inner = fn
+    if isinstance(fn, functools.partial):
+        inner, bound = unwrap_partials(fn)
+        places += [(None, value, name) for name, value in bound]
+    if isinstance(inner, types.MethodType):  # a module's is the module watch's (not read here)
+        places.append((None, inner.__self__, "the object of the bound method"))
+    return places
+
+
+def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
+                              kwargs: dict[str, Any], /) -> None:
+    """An iterator among a reused call's arguments is a ``ReuseError``: the replay skips the
+    call, so the items the call took are not taken there, and the code after it reads others
+    than eager's (helper IR), as the boundary refuses an iterator among its inputs. Told in
+    the original pass, before the call."""
+    for _, value, where in argument_places(fn, args, kwargs):
+        if leaf_kind(value) is ITERATOR:
+            raise ReuseError(
+                f"reuse_during_recompute({name}, ...) was given an iterator at {where}; the "
+                "call may take items from it, and the replay in backward, which skips the "
+                "call, would not, so the code after the call would read other items than "
+                "eager's",
+                expected="arguments the replay can find as the call left them (a list, a "
+                         "tuple, tensors, a container or object the call counts in)",
+                got=f"{type(value).__name__} {value!r:.60}",
+                tip="take the items the call needs before it and pass those "
+                    "(reuse_during_recompute(fn, h, next(widths))), or pass a list")
+
+
+def _keyed(held: Any, /) -> bool:
+    """Whether ``entries_of(held)`` are (key, value) items: a dict's, an object's."""
+    return not isinstance(held, (list, set, collections.deque))
+
+
+def _at(path: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], /) -> Any:
+    """What the replay's call holds at ``path`` (``argument_contents``), else ``None``."""
+    key = path[0]
+    found = kwargs.get(key) if isinstance(key, str) else args[key] if key < len(args) else None
+    for name in path[1:]:
+        if not read_by_entries(found):
+            return None
+        entries = entries_of(found)
+        if _keyed(found):
+            found = dict(entries).get(name)
+        else:
+            found = entries[name] if name < len(entries) else None
+    return found
 
 
 class MadeContents:
@@ -119,7 +191,7 @@ class MadeContents:
 
     __slots__ = ("changed",)
 
-    def __init__(self, changed: list[tuple[int | str | None, type, Any, Any, _Change]], /
+    def __init__(self, changed: list[tuple[tuple[Any, ...], type, Any, Any, _Change]], /
                  ) -> None:
         self.changed = changed
 
@@ -128,25 +200,23 @@ class MadeContents:
         """What the call changed of the containers ``read`` before it; ``None`` for nothing
         (the usual case)."""
         changed = []
-        for key, held, before in read:
+        for path, held, before in read:
             after = entries_of(held)
             if same_entries(after, before):
                 continue
-            keyed = isinstance(held, dict) or type(held) not in CONTAINERS  # items
-            plain = all(immutable(v) for v in ([v for kv in before for v in kv] if keyed
-                                                else before))
+            plain = all(immutable(v) for v in ([v for kv in before for v in kv]
+                                                if _keyed(held) else before))
             change = _Change.of(held, before, after)
             if change is not None:
-                changed.append((key, type(held), held if plain or key is None else None,
+                changed.append((path, type(held), held if plain or path[0] is None else None,
                                 before if plain else None, change))
         return MadeContents(changed) if changed else None
 
     def make_again(self, args: tuple[Any, ...], kwargs: dict[str, Any], /) -> None:
         """In the replay's arguments at the same places, each container given what the call
         left (NOTE above), where it gets what it holds back after the replay."""
-        for key, kind, held, _, change in self.changed:
-            target = held if key is None else kwargs.get(key) if isinstance(key, str) else \
-                args[key] if key < len(args) else None
+        for path, kind, held, _, change in self.changed:
+            target = held if path[0] is None else _at(path, args, kwargs)
             if type(target) is kind and restore_after_replay(target):
                 change.write_into(target)
 
@@ -154,8 +224,9 @@ class MadeContents:
 class _Change:
     """What a reused call changed of a container, without holding a tensor it put there (one
     the caller lets go of would live until backward): a dict's keys it deleted, the plain
-    values it set, and its order where the call changed that; another container's entries,
-    where they are all plain."""
+    values it set (a small container of plain values it bound there, as a copy), and its
+    order where the call changed that; another container's entries, where they are all
+    plain."""
 
     __slots__ = ("deleted", "written", "order", "entries")
 
@@ -171,8 +242,9 @@ class _Change:
         # A dict's items, or a plain object's attributes (a namespace a router counts in).
         found, left = dict(before), dict(after)
         deleted = [k for k in found if k not in left]
-        written = [(k, v) for k, v in after if (k not in found or not same_entry(v, found[k]))
-                   and immutable(v)]
+        written = [(k, v if immutable(v) else Contents(v)) for k, v in after
+                   if (k not in found or not same_entry(v, found[k]))
+                   and (immutable(v) or plain_container(v))]
         moved = isinstance(held, dict) and \
             [k for k, _ in after if k in found] != [k for k, _ in before if k in left]
         if not (deleted or written or moved):
@@ -183,14 +255,17 @@ class _Change:
         if self.entries is not None:
             put_entries(target, self.entries)
             return
-        own = target if isinstance(target, dict) else instance_dict(target)
+        # An object's attributes as a dict, written back whole (its slots too: put_entries).
+        own = target if isinstance(target, dict) else dict(entries_of(target))
         for k in self.deleted:
             own.pop(k, None)
-        for k, value in self.written:
-            own[k] = value
+        for k, value in self.written:  # a container bound: a copy of its own for each replay
+            own[k] = value.fresh() if type(value) is Contents else value
         for k in self.order or ():  # each to the end, in the order the call left them
             if k in own:
                 own[k] = own.pop(k)
+        if own is not target:
+            put_entries(target, list(own.items()))
 
 
 def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers],
@@ -207,6 +282,7 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
         (id(d), name) for d, values, rebound in changed.found
         for name in [*(name for name, _ in values), *rebound]}
     found: dict[int, tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = {}
+    ends = {} if changed is None else dict(changed.ends)
     if contents:
         held_ids = set() if changed is None else {
             value.ident if type(value) is Refilled else id(value.held)
@@ -221,7 +297,12 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
                     continue
                 held_ids.add(id(held))
                 d = {"argument": held}  # its own dict, for the put-back's entries
-                found[id(d)] = (d, [("argument", Contents(held, before))], [])
+                read = Contents(held, before)
+                found[id(d)] = (d, [("argument", read)], [])
+                # As the forward left it (this runs as the forward ends), for NOTE [a key only
+                # the replay changes] (changed_numbers.py): a count made only under grad, in
+                # the replay, in an object or dict a reused call counts in (helper IR).
+                ends[id(read)] = EndedAfterACall(entries_of(held))
     for change in made:
         for name, was, _ in change.made:
             if (id(change.d), name) in covered:
@@ -241,4 +322,4 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
     if not found and (changed is not None or not contents):
         return changed
     return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()],
-                          ends=changed.ends if changed is not None else None)
+                          ends=ends)

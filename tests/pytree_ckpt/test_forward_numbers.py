@@ -2900,16 +2900,19 @@ class _MemoisesInItsState(nn.Module):
         return torch.gather(state.proj, -1, state.ids).sum(-1, keepdim=True) * h
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
-                   "changes: what a reused call binds is put back one level deep) (helper HS): "
-                   "slots, and a dict subclass's attributes, are not put back")
-@pytest.mark.parametrize("how", ["slots", "dataclass slots", "dict mirroring attributes"])
+@pytest.mark.parametrize("how", [
+    "slots", "dataclass slots",
+    pytest.param("dict mirroring attributes", marks=pytest.mark.xfail(
+        strict=True, reason="documented limit (docs/limits.md, State the forward changes: what "
+        "a reused call binds is put back one level deep) (helper HS): a dict subclass's "
+        "attributes are not put back"))])
 def test_a_projection_memoised_in_a_slotted_or_mirrored_state_a_reused_call_binds_gets_its_gradient(
         how: str) -> None:
     # Helper HR's namespace memo test with the routing state in `__slots__` (a class of one's
     # own, `@dataclass(slots=True)`), or in a dict subclass that mirrors each attribute as an
-    # item (transformers' ModelOutput): _snapshot gives None for slots, and a dict's items
-    # only (the attribute keeps the projection), so the replay finds `proj` the original pass
+    # item (transformers' ModelOutput). The slots were not read (_snapshot gave None) until
+    # helper IR's slotted argument: they are put back now, exact. A dict subclass's items only
+    # are (the attribute keeps the projection), so the replay finds `proj` the original pass
     # computed under no-grad and reuses it: proj gets no gradient, silently. replay.md: the
     # replay is given "the object and what it held when the call left it".
     import dataclasses
@@ -4235,3 +4238,256 @@ def test_a_plain_object_every_layer_shares_that_a_reused_call_counts_in_is_read_
     _twin_steps(eager, ours, steps=3,
                 before=lambda model: setattr(model[0].stats, "n", 0),
                 check=lambda model: model[0].stats.n == 2)
+
+
+@dataclasses.dataclass
+class _LoadBalancingStats:
+    """An MoE router's load-balancing statistics: a call count and a token count per expert."""
+
+    calls: int = 0
+    load: dict = dataclasses.field(default_factory=dict)
+
+
+def _counts_load_per_expert(scores: torch.Tensor, stats: _LoadBalancingStats) -> torch.Tensor:
+    ids = scores.topk(2, -1).indices
+    stats.calls += 1
+    for expert in ids.flatten().tolist():
+        stats.load[expert] = stats.load.get(expert, 0) + 1
+    return ids
+
+
+class _ScalesByTheBusiestExpert(nn.Module):
+    """Gives a reused call the stats dataclass every layer shares, and scales by the busiest
+    expert's load after the call."""
+
+    def __init__(self, stats: _LoadBalancingStats) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_load_per_expert, h.detach(), self.stats)
+        busiest = max(self.stats.load.values())
+        return torch.tanh(h + 0.01 * busiest * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper IR), as it was found:
+def test_a_per_expert_load_dict_inside_a_stats_dataclass_a_reused_call_counts_in_is_read_as_left(
+        ) -> None:
+    # The dataclass is read by its attributes, one level deep: `load` is the same dict before
+    # and after the call, so the call's change is not seen, and each layer's replay reads the
+    # load the whole forward left (layer 0's counts layer 1's tokens too).
+    torch.manual_seed(0)
+    shared = _LoadBalancingStats()
+    eager = nn.Sequential(*(_ScalesByTheBusiestExpert(shared) for _ in range(2)))
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            model[0].stats.calls, model[0].stats.load = 0, {}
+            model(x).sum().backward()
+            grads.append(_grads(model))
+        assert ours[0].stats == eager[0].stats, f"step {step}"
+        assert _same(*grads), f"step {step}"
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedCount:
+    n: int = 0
+
+
+# Guards against (helper IR), as it was found:
+def test_a_slotted_dataclass_every_layer_shares_that_a_reused_call_counts_in_is_read_as_left(
+        ) -> None:
+    # As test_a_plain_object_every_layer_shares_that_a_reused_call_counts_in_is_read_as_left
+    # with `@dataclass(slots=True)`: it has no `__dict__`, so `_read_by_entries` passes it by,
+    # and layer 0's replay reads n == 2 where its forward read 1.
+    torch.manual_seed(0)
+    shared = _SlottedCount()
+    eager = nn.Sequential(*(_CountsInTheNamespaceItGives(shared) for _ in range(2)))
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            model[0].stats.n = 0
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert model[0].stats.n == 2
+        assert _same(*grads), f"step {step}"
+
+
+class _Schedule:
+    """A plain schedule object: a reused call counts its calls, the layer its training steps."""
+
+    def __init__(self) -> None:
+        self.calls, self.steps = 0, 0
+
+
+def _counts_the_schedules_calls(scores: torch.Tensor, schedule: _Schedule) -> torch.Tensor:
+    schedule.calls += 1
+    return scores.topk(2, -1).indices
+
+
+class _DropoutOnASchedule(nn.Module):
+    """Dropout whose p grows with a step count made only under grad (so once per step under
+    reentrant checkpointing too), in the schedule object a reused call also counts in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.schedule = nn.Linear(8, 8), _Schedule()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(self.lin(x), p=min(0.5, 0.1 * self.schedule.steps))
+        ids = reuse_during_recompute(_counts_the_schedules_calls, h.detach(), self.schedule)
+        if torch.is_grad_enabled():
+            self.schedule.steps += 1
+        return torch.tanh(h + 0.01 * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper IR), as it was found:
+def test_a_step_count_made_under_grad_in_an_object_a_reused_call_counts_in_persists_as_in_eager(
+        ) -> None:
+    # NOTE [a key only the replay changes] keeps a dict's count made only in the replay; an
+    # object's attribute gets its value at the call back after the replay (the snapshot
+    # make_again takes), so `steps` stays 0 and the next step's dropout p differs.
+    torch.manual_seed(0)
+    eager, ours = _twins(_DropoutOnASchedule())
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            torch.manual_seed(step)
+            model(x).sum().backward()
+            grads.append(_grads(model))
+        assert vars(ours.schedule) == vars(eager.schedule), f"step {step}"
+        assert _same(*grads), f"step {step}"
+
+
+def _top_k_of_the_schedule(scores: torch.Tensor, widths: Any) -> torch.Tensor:
+    return scores.topk(next(widths), -1).indices
+
+
+class _WidthsFromAnIterator(nn.Module):
+    """Gives a reused call an iterator over its top-k widths, then scales by the next one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.widths = nn.Linear(8, 8), [2, 3]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        widths = iter(self.widths)
+        ids = reuse_during_recompute(_top_k_of_the_schedule, h.detach(), widths)
+        scale = next(widths)  # eager: 3, the call took 2
+        return torch.tanh(h + 0.01 * scale * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper IR), as it was found:
+def test_an_iterator_a_reused_call_is_given_is_refused_in_the_forward() -> None:
+    # The boundary refuses an iterator among its inputs (the replay would read other items);
+    # one a reused call was given was neither refused nor advanced for the replay: the layer's
+    # `next(widths)` after the call read 2 in the replay where its forward read 3. The replay
+    # cannot know how many items the call took, so it is refused at the call, in the forward.
+    torch.manual_seed(0)
+    eager, ours = _twins(_WidthsFromAnIterator())
+    x = torch.randn(4, 8)
+    eager(x).sum().backward()
+    with pytest.raises(pytree_ckpt.ReuseError, match=r"an iterator at args\[1\]") as caught:
+        ours(x)
+    assert "next(widths)" in str(caught.value)  # the tip
+
+
+class _CapacityTracker:
+    """A plain (not a module) expert-capacity tracker whose routing method counts the tokens
+    it routed on itself."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, -1).indices
+        self.tokens += ids.numel()
+        return ids
+
+
+class _RoutesChunksThroughItsTracker(nn.Module):
+    def __init__(self, bound: bool) -> None:
+        super().__init__()
+        self.lin, self.tracker, self.bound = nn.Linear(8, 8), _CapacityTracker(), bound
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(self.tracker.route, h.detach()) if self.bound else \
+                reuse_during_recompute(_CapacityTracker.route, self.tracker, h.detach())
+            scale = 0.01 * self.tracker.tokens
+            outs.append(torch.tanh(h + scale * torch.gather(h, -1, ids).sum(-1, keepdim=True)))
+        return torch.cat(outs)
+
+
+# Guards against (helper IR), as it was found (bound=True):
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_count_a_reused_method_of_a_plain_helper_makes_on_it_is_read_as_left(
+        bound: bool) -> None:
+    # The same tracker given as an argument (`Tracker.route, tracker`) is read by its
+    # attributes around the call (NOTE [a container a reused call is given and counts in]), as
+    # a value a functools.partial binds is; bound as the method's instance it is not, so the
+    # first chunk's replay reads the count both chunks left (8, where its forward read 4).
+    torch.manual_seed(0)
+    eager, ours = _twins(_RoutesChunksThroughItsTracker(bound))
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            model.tracker.tokens = 0
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert model.tracker.tokens == 8
+        assert _same(*grads), f"step {step}"
+
+
+def _keeps_the_last_widths(scores: torch.Tensor, held: Any) -> torch.Tensor:
+    stats = held[0] if isinstance(held, list) else held
+    stats.recent = [*stats.recent, int(scores.argmax())][-3:]  # rebound to a new list
+    return scores.topk(2, -1).indices
+
+
+class _ScalesByTheRecentWidths(nn.Module):
+    """Gives a reused call a namespace every layer shares (as it is, or inside a list made at
+    each call) whose list attribute the call rebinds; scales by that list after the call."""
+
+    def __init__(self, stats: Any, in_a_list: bool) -> None:
+        super().__init__()
+        self.lin, self.stats, self.in_a_list = nn.Linear(8, 8), stats, in_a_list
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        held = [self.stats] if self.in_a_list else self.stats
+        ids = reuse_during_recompute(_keeps_the_last_widths, h.detach(), held)
+        scale = 1 + 0.01 * sum(self.stats.recent)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * scale
+
+
+@pytest.mark.parametrize("in_a_list", [False, True])
+def test_a_list_a_reused_call_binds_on_a_namespace_it_is_given_is_read_as_the_call_left_it(
+        in_a_list: bool) -> None:
+    # Helper IR: the attribute rebound to a new list (not a plain value) was not written in
+    # the replay, and a namespace inside a list argument was not read at all: each layer's
+    # replay read the list the whole forward left. Now the rebound list is given to the replay
+    # as a copy, and the namespace is read one level down, by the same path in the replay's
+    # list.
+    torch.manual_seed(0)
+    shared = types.SimpleNamespace(recent=[])
+    eager = nn.Sequential(*(_ScalesByTheRecentWidths(shared, in_a_list) for _ in range(2)))
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    _twin_steps(eager, ours, steps=3, before=lambda model: setattr(model[0].stats, "recent", []),
+                check=lambda model: len(model[0].stats.recent) == 2)
+    assert ours[0].stats.recent == eager[0].stats.recent
