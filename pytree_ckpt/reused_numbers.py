@@ -11,11 +11,13 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+from torch import nn
+
 from .changed_numbers import ChangedNumbers, EndedAfterACall
 from .errors import ReuseError
 from .function_reach import unwrap_partials
-from .plain_values import (ABSENT, CONTAINERS, BoundObject, Contents, InPlace, Mixed, Refilled,
-                           TensorHeld, entries_of, entry_of, immutable, plain_container,
+from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, BoundObject, Contents, InPlace, Mixed,
+                           Refilled, TensorHeld, entries_of, entry_of, immutable, plain_container,
                            put_entries, read_by_entries, restore_after_replay, same_as,
                            same_entries, same_entry)
 from .tree import ITERATOR, leaf_kind
@@ -98,7 +100,8 @@ class MadeNumbers:
 # is given to the replay as it is: a float one has no graph (as a float a reused fn stores, not
 # told: replay.md). Also read: the plain object a reused bound method belongs to (a tracker
 # counting on itself, `reuse_during_recompute(self.tracker.route, h)`: the same object in the
-# replay, as a value a partial binds), and one level down, the containers and plain objects such
+# replay, as a value a partial binds), the plain objects of the module a reused call runs
+# (``_objects_of_its_module``), and one level down, the containers and plain objects such
 # a container or object holds (an MoE router's stats dataclass holding a load per expert, a
 # namespace in a list: helper IR), found in the replay by the same path; an attribute or key the
 # call rebinds to a new small container of plain values gets a copy of it in the replay.
@@ -113,7 +116,8 @@ def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
     or attribute name where it is held) and a copy of its entries, read before the call (NOTE
     above)."""
     read: ArgumentContents = []
-    for key, value, _ in argument_places(fn, args, kwargs):
+    places = [(key, value) for key, value, _ in argument_places(fn, args, kwargs)]
+    for key, value in [*places, *((None, value) for value in _objects_of_its_module(fn))]:
         if not read_by_entries(value):  # a container, or a plain object by its attributes
             continue
         entries = entries_of(value)
@@ -140,6 +144,21 @@ def argument_places(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
     if isinstance(inner, types.MethodType):  # a module's is the module watch's (not read here)
         places.append((None, inner.__self__, "the object of the bound method"))
     return places
+
+
+def _objects_of_its_module(fn: Any, /) -> list[Any]:
+    """The plain objects (not containers: the module watch reads those by their entries) the
+    module a reused call runs holds (its forward, or a method of it): a stats dataclass a
+    router counts in, holding a load per expert (helper IR). The module watch reads such an
+    object by its attributes, one level deep; read here as an argument, the containers it
+    holds are read too (NOTE above)."""
+    owner = unwrap_partials(fn)[0]
+    owner = owner.__self__ if isinstance(owner, types.MethodType) else owner
+    if not isinstance(owner, nn.Module):
+        return []
+    return [value for name, value in vars(owner).items()
+            if name not in NOT_STATE and type(value) not in CONTAINERS and
+            not immutable(value) and read_by_entries(value)]
 
 
 def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],

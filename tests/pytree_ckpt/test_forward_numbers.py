@@ -4491,3 +4491,54 @@ def test_a_list_a_reused_call_binds_on_a_namespace_it_is_given_is_read_as_the_ca
     _twin_steps(eager, ours, steps=3, before=lambda model: setattr(model[0].stats, "recent", []),
                 check=lambda model: len(model[0].stats.recent) == 2)
     assert ours[0].stats.recent == eager[0].stats.recent
+
+
+class _RouterCountingInItsStats(nn.Module):
+    """A router module whose method counts its calls and its load per expert in a stats
+    dataclass it holds (not a container: the module watch reads it by its attributes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = _LoadBalancingStats()
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        return _counts_load_per_expert(scores, self.stats)
+
+
+class _RoutesChunksByItsBusiestExpert(nn.Module):
+    def __init__(self, router: _RouterCountingInItsStats) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), router
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(self.router.route, h.detach())
+            busiest = max(self.router.stats.load.values())
+            outs.append(torch.tanh(h + 0.01 * busiest *
+                                   torch.gather(h, -1, ids).sum(-1, keepdim=True)))
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_load_dict_in_the_stats_object_of_a_reused_routers_module_is_read_as_the_call_left_it(
+        shared: bool) -> None:
+    # Helper IR: the module watch reads the router's stats dataclass by its attributes, one
+    # level deep, so the load dict it holds (the same object) was not seen changed: each
+    # chunk's replay read the load the whole forward left. The plain objects of the module a
+    # reused call runs are now read as its arguments are, one level down too.
+    torch.manual_seed(0)
+    routers = [_RouterCountingInItsStats()] * 2 if shared else \
+        [_RouterCountingInItsStats() for _ in range(2)]
+    eager = nn.Sequential(*(_RoutesChunksByItsBusiestExpert(r) for r in routers))
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+
+    def reset(model: nn.Module) -> None:
+        for layer in model:
+            layer.router.stats.calls, layer.router.stats.load = 0, {}
+
+    _twin_steps(eager, ours, steps=3, before=reset,
+                check=lambda model: model[0].router.stats.calls == (4 if shared else 2))
+    assert [layer.router.stats for layer in ours] == [layer.router.stats for layer in eager]
