@@ -116,15 +116,18 @@ def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
     or attribute name where it is held) and a copy of its entries, read before the call (NOTE
     above)."""
     read: ArgumentContents = []
+    seen: set[int] = set()  # one read per object, at the first path found (the same object)
     places = [(key, value) for key, value, _ in argument_places(fn, args, kwargs)]
     for key, value in [*places, *((None, value) for value in _objects_of_its_module(fn))]:
-        if not read_by_entries(value):  # a container, or a plain object by its attributes
+        if id(value) in seen or not read_by_entries(value):  # a container, or a plain object
             continue
+        seen.add(id(value))
         entries = entries_of(value)
         read.append(((key,), value, entries))
         if type(entries) is not set:
             for name, held in entries if _keyed(value) else enumerate(entries):
-                if not immutable(held) and read_by_entries(held):
+                if id(held) not in seen and not immutable(held) and read_by_entries(held):
+                    seen.add(id(held))
                     read.append(((key, name), held, entries_of(held)))
     return read or None
 

@@ -3707,6 +3707,30 @@ def _raises_from_a_cause_with_probs(h: torch.Tensor) -> torch.Tensor:
     raise _ProbsOverCapacity("over capacity") from _InnerWithProbs(h.softmax(-1))
 
 
+class _SlottedProbs(_ProbsOverCapacity):
+    __slots__ = ("probs",)
+
+
+def _raises_slotted_probs(h: torch.Tensor) -> torch.Tensor:
+    error = _SlottedProbs("over capacity")
+    error.probs = h.softmax(-1)
+    raise error
+
+
+class _Holder:
+    def __init__(self, probs: torch.Tensor) -> None:
+        self.probs = probs
+
+
+def _raises_with_info(wrap: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """A reused function raising the error with ``wrap(probs)`` as its ``info`` attribute."""
+    def raises(h: torch.Tensor) -> torch.Tensor:
+        error = _ProbsOverCapacity("over capacity")
+        error.info = wrap(h.softmax(-1))  # type: ignore[attr-defined]
+        raise error
+    return raises
+
+
 class _FallsBackOnTheRaisedProbs(nn.Module):
     """Its handler scales by the probabilities the router's error carries (computed with
     grad in eager)."""
@@ -3731,7 +3755,17 @@ class _FallsBackOnTheRaisedProbs(nn.Module):
     (_raises_with_probs, lambda e: e.probs, "probs"),
     (_raises_with_probs_in_a_dict, lambda e: e.info["probs"], "info"),
     (_raises_from_a_cause_with_probs, lambda e: e.__cause__.args[0], "__cause__: args[0]"),
-], ids=["attribute", "in a dict attribute", "in its cause"])
+    # Helper IS's mutants of _holds_float: each place a float may hide is looked in.
+    (_raises_with_info(lambda p: p.to(torch.complex64)), lambda e: e.info.real, "info"),
+    (_raises_with_info(lambda p: {"a": [{"probs": p}]}), lambda e: e.info["a"][0]["probs"],
+     "info"),
+    (_raises_with_info(lambda p: [0, p]), lambda e: e.info[1], "info"),
+    (_raises_with_info(lambda p: {p}), lambda e: next(iter(e.info)), "info"),
+    (_raises_with_info(lambda p: frozenset([p])), lambda e: next(iter(e.info)), "info"),
+    (_raises_with_info(lambda p: _Holder(p)), lambda e: e.info.probs, "info"),
+    (_raises_slotted_probs, lambda e: e.probs, "probs"),
+], ids=["attribute", "in a dict attribute", "in its cause", "complex", "three containers deep",
+        "second in a list", "in a set", "in a frozenset", "in an objects attribute", "in a slot"])
 def test_a_reused_calls_error_holding_a_float_tensor_is_refused_in_backward_naming_where(
         raises: Callable[[torch.Tensor], torch.Tensor], probs_of: Callable[[Any], torch.Tensor],
         where: str) -> None:
@@ -3785,3 +3819,90 @@ def test_an_exception_group_a_reused_call_raises_is_caught_by_except_star_as_eag
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+
+
+# Helper IS's mutation tests of _Raised and _member_names: what the handler reads of the
+# error made again is eager's.
+class _SubOfSlottedOverCapacity(_SlottedOverCapacity):
+    """Keeps its `tokens` in its base class's slot."""
+
+
+def _raises_a_subclass_of_slotted(scores: torch.Tensor) -> torch.Tensor:
+    raise _SubOfSlottedOverCapacity("over capacity", tokens=scores.shape[0])
+
+
+def _raises_three_deep(scores: torch.Tensor) -> torch.Tensor:
+    try:
+        try:
+            raise KeyError(float(scores.shape[0]))
+        except KeyError as missing:
+            raise LookupError("no expert") from missing
+    except LookupError as lookup:
+        raise _NoRoute("no route") from lookup
+
+
+def _raises_in_a_handler(scores: torch.Tensor) -> torch.Tensor:
+    try:
+        raise KeyError(float(scores.shape[0]))
+    except KeyError:
+        raise _NoRoute("no route")  # noqa: B904 (the context is the point)
+
+
+def _raises_from_none(scores: torch.Tensor) -> torch.Tensor:
+    try:
+        raise KeyError(1.0)
+    except KeyError:
+        raise _NoRoute("no route") from None
+
+
+class _UnsetSlot(Exception):
+    __slots__ = ("tokens",)
+
+
+def _raises_with_an_unset_slot(scores: torch.Tensor) -> torch.Tensor:
+    raise _UnsetSlot("over capacity")
+
+
+class _NewDropsItsArgs(Exception):
+    def __new__(cls, *args: Any) -> _NewDropsItsArgs:
+        return super().__new__(cls)
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(tokens)
+
+
+def _raises_with_new_dropping_its_args(scores: torch.Tensor) -> torch.Tensor:
+    raise _NewDropsItsArgs(scores.shape[0])
+
+
+@pytest.mark.parametrize("raises, scale_of", [
+    (_raises_a_subclass_of_slotted, lambda e: float(getattr(e, "tokens", 1))),
+    (_raises_three_deep, lambda e: getattr(e.__cause__.__cause__, "args", (1.0,))[0]),
+    (_raises_in_a_handler, lambda e: getattr(e.__context__, "args", (1.0,))[0] +
+     (0.5 if e.__suppress_context__ else 0.0)),
+    (_raises_from_none, lambda e: 2.0 if e.__suppress_context__ else 3.0),
+    (_raises_with_an_unset_slot, lambda e: float(getattr(e, "tokens", 5))),
+    (_raises_with_new_dropping_its_args, lambda e: float(e.args[0]) if e.args else 5.0),
+], ids=["a slot of its base class", "its cause's cause", "its context", "context suppressed",
+        "an unset slot", "a __new__ dropping its args"])
+def test_what_the_handler_reads_of_a_reused_calls_error_is_eagers_in_the_replay(
+        raises: Callable[[torch.Tensor], torch.Tensor],
+        scale_of: Callable[[BaseException], float]) -> None:
+    lin = nn.Linear(8, 8)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        try:
+            reuse_during_recompute(raises, h.detach())
+            scale = 1.0
+        except (_SlottedOverCapacity, _NoRoute, _UnsetSlot, _NewDropsItsArgs) as error:
+            scale = scale_of(error)
+        return h * scale
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).sum().backward()
+    eager = [x.grad.clone(), lin.weight.grad.clone()]
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
