@@ -145,8 +145,11 @@ def argument_places(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
         inner, bound = unwrap_partials(fn)
         places += [(None, value, name) for name, value in bound]
     if isinstance(inner, types.MethodType):  # a module's is the module watch's (not read here)
-        places.append((None, inner.__self__, "the object of the bound method"))
+        places.append((None, inner.__self__, _METHODS_OBJECT))
     return places
+
+
+_METHODS_OBJECT = "the object of the bound method"
 
 
 def _objects_of_its_module(fn: Any, /) -> list[Any]:
@@ -171,7 +174,12 @@ def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
     than eager's (helper IR), as the boundary refuses an iterator among its inputs. Told in
     the original pass, before the call."""
     for _, value, where in argument_places(fn, args, kwargs):
-        if leaf_kind(value) is ITERATOR:
+        # Python's own iterators and generators only, given to the call (not a bound method's
+        # object): a file or StringIO the call logs to, a proxy or mock, is an iterator by its
+        # methods and is rarely iterated (helper IW: refused, where eager and the replay agree);
+        # an iterator class of the user's is read by its attributes (argument_contents).
+        if where != _METHODS_OBJECT and leaf_kind(value) is ITERATOR and \
+                type(value).__module__ in ("builtins", "itertools"):
             raise ReuseError(
                 f"reuse_during_recompute({name}, ...) was given an iterator at {where}; the "
                 "call may take items from it, and the replay in backward, which skips the "
@@ -305,6 +313,7 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
         for name in [*(name for name, _ in values), *rebound]}
     found: dict[int, tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = {}
     ends = {} if changed is None else dict(changed.ends)
+    held_ids: set[int] = set()
     if contents:
         held_ids = set() if changed is None else {
             value.ident if type(value) is Refilled else id(value.held)
@@ -330,6 +339,12 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
             if (id(change.d), name) in covered:
                 continue
             covered.add((id(change.d), name))
+            if was is not None and type(was[1]) is Mixed and id(was[1].held) in held_ids:
+                # a plain object of the module read as an argument too (_objects_of_its_module):
+                # put back once, by that entry, which keeps a count only the replay makes
+                # (NOTE [a key only the replay changes]); a second, unmerged put-back after it
+                # dropped that count (helper IW)
+                continue
             if was is not None and not was[0] and type(was[1]) is int:
                 # an object by id: read as it is, and what it held when the replay began put
                 # back after it (the call's object is bound in the replay: the NOTE in made())

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import functools
 import gc
+import io
 import types
 import warnings
 import weakref
@@ -4793,4 +4794,111 @@ def test_a_count_made_under_grad_persists_in_the_step_a_submodule_first_rebinds_
         grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
         assert ours.stats == eager.stats, f"step {step}"
         assert ours.late.k == eager.late.k, f"step {step}"
+        assert _same(*grads), f"step {step}"
+
+
+def _route_and_log(scores: torch.Tensor, log: Any) -> torch.Tensor:
+    ids = scores.topk(2, -1).indices
+    print("top-2 experts", ids[0].tolist(), file=log)  # a routing log, written, never read
+    return ids
+
+
+class _LogsItsRoutingToAFile(nn.Module):
+    """Gives a reused call the log file (a StringIO here, an `open(...)` file alike) it
+    prints its routing to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.log = nn.Linear(8, 8), io.StringIO()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_route_and_log, h.detach(), self.log)
+        return torch.tanh(h + 0.01 * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper IW), as it was found:
+def test_a_log_file_a_reused_call_prints_to_is_not_refused_as_an_iterator() -> None:
+    # io.StringIO and open() files are collections.abc.Iterators (they have __next__), so
+    # refuse_iterator_arguments refuses them by type, though the call only writes to them.
+    torch.manual_seed(0)
+    eager, ours = _twins(_LogsItsRoutingToAFile())
+    for _ in range(3):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8)))
+    assert eager.log.getvalue() == ours.log.getvalue()  # one line per forward, as eager
+
+
+class _DropoutOnAScheduleItsRouterMethodCounts(_DropoutOnASchedule):
+    """The same, where the reused call is the layer's own routing method, counting in the
+    schedule the layer holds (the module's plain object, read as an argument since helper IR)."""
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        self.schedule.calls += 1
+        return scores.topk(2, -1).indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(self.lin(x), p=min(0.5, 0.1 * self.schedule.steps))
+        ids = reuse_during_recompute(self.route, h.detach())
+        if torch.is_grad_enabled():
+            self.schedule.steps += 1
+        return torch.tanh(h + 0.01 * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper IW), as it was found:
+def test_a_step_count_made_under_grad_in_the_object_of_the_reused_methods_module_persists(
+        ) -> None:
+    # Passed as an argument, the schedule keeps the replay's `steps += 1` (EndedAfterACall);
+    # held by the module whose method is reused, the merge keeps it too, but a later put-back
+    # gives the object what it held at the replay's start: steps stays 0, and from the second
+    # step the dropout p and the gradients differ.
+    torch.manual_seed(0)
+    eager, ours = _twins(_DropoutOnAScheduleItsRouterMethodCounts())
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            torch.manual_seed(step)
+            model(x).sum().backward()
+            grads.append(_grads(model))
+        assert vars(ours.schedule) == vars(eager.schedule), f"step {step}"
+        assert _same(*grads), f"step {step}"
+
+
+class _Widths:
+    """An iterator class of the user's over top-k widths: its position is an attribute."""
+
+    def __init__(self, widths: list[int]) -> None:
+        self.widths, self.at = widths, 0
+
+    def __iter__(self) -> _Widths:
+        return self
+
+    def __next__(self) -> int:
+        self.at += 1
+        return self.widths[self.at - 1]
+
+
+class _WidthsFromAnIteratorOfItsOwn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        widths = _Widths([2, 3])
+        ids = reuse_during_recompute(_top_k_of_the_schedule, h.detach(), widths)
+        scale = next(widths)  # eager: 3, the call took 2
+        return torch.tanh(h + 0.01 * scale * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+def test_an_iterator_class_of_the_users_a_reused_call_advances_is_advanced_for_the_replay(
+        ) -> None:
+    # Python's own iterators are refused (test_an_iterator_a_reused_call_is_given_is_refused_
+    # in_the_forward); one of the user's keeps its position in an attribute, which the replay
+    # is given as the call left it (NOTE [a container a reused call is given and counts in]),
+    # so the layer's next() after the call reads eager's width.
+    torch.manual_seed(0)
+    eager, ours = _twins(_WidthsFromAnIteratorOfItsOwn())
+    for step in range(2):
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
         assert _same(*grads), f"step {step}"
