@@ -104,7 +104,7 @@ class ChangedNumbers:
         finally:
             AFTER_REPLAY.reset(token)
             restored = {id(held) for held, _, _ in entries_at_start}
-            for held, snapshot in reversed(pending):  # the NOTE at AFTER_REPLAY
+            for held, snapshot in reversed(pending):  # the NOTE at AFTER_REPLAY (plain_values.py)
                 if id(held) not in restored:
                     put_entries(held, snapshot)
             at_calls: dict[int, Any] = {}  # what each held at the replay's first call

@@ -358,7 +358,7 @@ def fresh_values(read: ValuesRead, fresh: dict[int, torch.Tensor], /) -> torch.T
 
 class InPlace:
     """The values a reused call left in a small tensor attribute it changed in place, for the
-    replay's copy of it (NOTE in ``NumbersWatch.made``)."""
+    replay's copy of it (NOTE in ``NumbersWatch.made``, forward_numbers.py)."""
 
     __slots__ = ("values",)
 

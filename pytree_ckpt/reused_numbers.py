@@ -347,7 +347,8 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
                 continue
             if was is not None and not was[0] and type(was[1]) is int:
                 # an object by id: read as it is, and what it held when the replay began put
-                # back after it (the call's object is bound in the replay: the NOTE in made())
+                # back after it (the call's object is bound in the replay: the NOTE in
+                # NumbersWatch.made, forward_numbers.py)
                 found.setdefault(id(change.d), (change.d, [], []))[2].append(name)
                 continue
             found.setdefault(id(change.d), (change.d, [], []))[1].append(
