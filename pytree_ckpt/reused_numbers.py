@@ -119,17 +119,31 @@ def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
     seen: set[int] = set()  # one read per object, at the first path found (the same object)
     places = [(key, value) for key, value, _ in argument_places(fn, args, kwargs)]
     for key, value in [*places, *((None, value) for value in _objects_of_its_module(fn))]:
-        if id(value) in seen or not read_by_entries(value):  # a container, or a plain object
-            continue
-        seen.add(id(value))
-        entries = entries_of(value)
-        read.append(((key,), value, entries))
-        if type(entries) is not set:
-            for name, held in entries if _keyed(value) else enumerate(entries):
-                if id(held) not in seen and not immutable(held) and read_by_entries(held):
-                    seen.add(id(held))
-                    read.append(((key, name), held, entries_of(held)))
+        # A tuple's items as arguments of their own (`fn(h, (stats, config))`, helper IX): a
+        # tuple cannot change, what it holds may.
+        for path, held in [((key, i), v) for i, v in enumerate(value)] \
+                if type(value) is tuple and len(value) <= _TUPLE_ITEMS else [((key,), value)]:
+            _read_into(read, seen, path, held)
     return read or None
+
+
+_TUPLE_ITEMS = 16  # a tuple of arguments, not a shape or a table of values
+
+
+def _read_into(read: ArgumentContents, seen: set[int], path: tuple[Any, ...], value: Any,
+               /) -> None:
+    """``value`` (a container, or a plain object by its attributes) and, one level down, the
+    containers and plain objects it holds, each read once (``seen``)."""
+    if id(value) in seen or not read_by_entries(value):
+        return
+    seen.add(id(value))
+    entries = entries_of(value)
+    read.append((path, value, entries))
+    if type(entries) is not set:
+        for name, held in entries if _keyed(value) else enumerate(entries):
+            if id(held) not in seen and not immutable(held) and read_by_entries(held):
+                seen.add(id(held))
+                read.append(((*path, name), held, entries_of(held)))
 
 
 def argument_places(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
@@ -192,6 +206,15 @@ def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
                     "(reuse_during_recompute(fn, h, next(widths))), or pass a list")
 
 
+def _plain_inside(value: Any, /) -> bool:
+    """A container or plain object read by its entries, holding plain values only."""
+    if not read_by_entries(value):
+        return False
+    entries = entries_of(value)
+    return all(immutable(v) for v in ([v for kv in entries for v in kv] if _keyed(value)
+                                      else entries))
+
+
 def _keyed(held: Any, /) -> bool:
     """Whether ``entries_of(held)`` are (key, value) items: a dict's, an object's."""
     return not isinstance(held, (list, set, collections.deque))
@@ -202,6 +225,9 @@ def _at(path: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], /)
     key = path[0]
     found = kwargs.get(key) if isinstance(key, str) else args[key] if key < len(args) else None
     for name in path[1:]:
+        if type(found) is tuple:
+            found = found[name] if name < len(found) else None
+            continue
         if not read_by_entries(found):
             return None
         entries = entries_of(found)
@@ -234,8 +260,10 @@ class MadeContents:
             after = entries_of(held)
             if same_entries(after, before):
                 continue
-            plain = all(immutable(v) for v in ([v for kv in before for v in kv]
-                                                if _keyed(held) else before))
+            # Plain values only, one level down too (an object holding a load dict beside its
+            # counts, helper IX): nothing held until the replay holds a tensor (helper IK).
+            plain = all(immutable(v) or _plain_inside(v)
+                        for v in ([v for kv in before for v in kv] if _keyed(held) else before))
             change = _Change.of(held, before, after)
             if change is not None:
                 changed.append((path, type(held), held if plain or path[0] is None else None,

@@ -4902,3 +4902,99 @@ def test_an_iterator_class_of_the_users_a_reused_call_advances_is_advanced_for_t
     for step in range(2):
         grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
         assert _same(*grads), f"step {step}"
+
+
+def _counts_in_the_first_object_of_a_tuple(scores: torch.Tensor, pair: tuple[Any, ...]
+                                           ) -> torch.Tensor:
+    pair[0].n += 1
+    return scores.topk(2, -1).indices
+
+
+class _CountsInANamespaceItGivesInATuple(nn.Module):
+    """Two chunks, each routed by a reused call given ``(stats, config)`` as one tuple
+    argument; the layer reads the count after each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.stats, self.config = types.SimpleNamespace(n=0), types.SimpleNamespace(k=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = self.lin(x), []
+        for chunk in h.chunk(2):
+            ids = reuse_during_recompute(_counts_in_the_first_object_of_a_tuple, chunk.detach(),
+                                         (self.stats, self.config))
+            out.append(torch.tanh(chunk + 0.01 * self.stats.n *
+                                  torch.gather(chunk, -1, ids).sum(-1, keepdim=True)))
+        return torch.cat(out)
+
+
+# Guards against (helper IX), as it was found:
+def test_a_namespace_a_reused_call_counts_in_given_inside_a_tuple_is_read_as_the_call_left_it(
+        ) -> None:
+    # Eager: chunk 0 reads n == 1, chunk 1 reads n == 2. argument_contents reads containers
+    # and objects one level down in a list or dict argument, but a tuple is not read by its
+    # entries (read_by_entries: tuple is in _NOT_PLAIN_OBJECTS), so the namespace in it is not
+    # read: each chunk's replay reads n == 2, the count the whole forward left.
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsInANamespaceItGivesInATuple())
+    for step in range(3):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert vars(ours.stats) == vars(eager.stats), f"step {step}"
+
+
+@dataclasses.dataclass
+class _StatsWithALoadPerExpert:
+    calls: int = 0
+    steps: int = 0
+    load: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+class _CountingRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = _StatsWithALoadPerExpert()
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, -1).indices
+        self.stats.calls += 1
+        for e in ids.flatten().tolist():
+            self.stats.load[e] = self.stats.load.get(e, 0) + 1
+        return ids
+
+
+class _DropoutOnTheRoutersStepCount(nn.Module):
+    """Dropout whose p grows with a step count the layer makes only under grad, after the
+    reused router call, in the router's stats dataclass (calls and a load per expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _CountingRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(self.lin(x), p=min(0.5, 0.1 * self.router.stats.steps))
+        ids = reuse_during_recompute(self.router, h.detach())
+        if torch.is_grad_enabled():
+            self.router.stats.steps += 1
+        return torch.tanh(h + 0.01 * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper IX), as it was found:
+def test_a_step_count_made_under_grad_in_a_stats_dataclass_holding_a_load_dict_persists(
+        ) -> None:
+    # The same without the `load` dict passes (EndedAfterACall, _merged). with_reused_calls
+    # skips an object whose entries are not all immutable (`before is None`: the dict
+    # attribute), so it gets no merged put-back, and the replay's put-back gives it what it
+    # held when the replay reached the call: steps stays 0, and from the second step the
+    # dropout p and the gradients differ.
+    torch.manual_seed(0)
+    eager, ours = _twins(_DropoutOnTheRoutersStepCount())
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            torch.manual_seed(step)
+            model(x).sum().backward()
+            grads.append(_grads(model))
+        assert ours.router.stats == eager.router.stats, f"step {step}"
+        assert _same(*grads), f"step {step}"
