@@ -139,11 +139,14 @@ def _read_into(read: ArgumentContents, seen: set[int], path: tuple[Any, ...], va
     seen.add(id(value))
     entries = entries_of(value)
     read.append((path, value, entries))
-    if type(entries) is not set:
-        for name, held in entries if _keyed(value) else enumerate(entries):
-            if id(held) not in seen and not immutable(held) and read_by_entries(held):
-                seen.add(id(held))
-                read.append(((*path, name), held, entries_of(held)))
+    # A set's members have no place to be found by in the replay: by identity, as a value a
+    # partial binds (a set of trackers a call counts in, helper IY).
+    inner = [((None,), held) for held in entries] if type(entries) is set else \
+        [((*path, name), held) for name, held in (entries if _keyed(value) else enumerate(entries))]
+    for at, held in inner:
+        if id(held) not in seen and not immutable(held) and read_by_entries(held):
+            seen.add(id(held))
+            read.append((at, held, entries_of(held)))
 
 
 def argument_places(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /

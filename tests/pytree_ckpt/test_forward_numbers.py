@@ -11,6 +11,7 @@ import enum
 import functools
 import gc
 import io
+import itertools
 import types
 import warnings
 import weakref
@@ -4998,3 +4999,374 @@ def test_a_step_count_made_under_grad_in_a_stats_dataclass_holding_a_load_dict_p
             grads.append(_grads(model))
         assert ours.router.stats == eager.router.stats, f"step {step}"
         assert _same(*grads), f"step {step}"
+
+
+# Helper IY's mutation tests (argument_contents, refuse_iterator_arguments, slots, at_call).
+class _WidthsFromAnItertoolsIterator(nn.Module):
+    """Gives a reused call an itertools iterator over its top-k widths, then scales by the
+    next one (as _WidthsFromAnIterator, with `itertools.cycle`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        widths = itertools.cycle([2, 3])
+        ids = reuse_during_recompute(_top_k_of_the_schedule, h.detach(), widths=widths)
+        scale = next(widths)  # eager: 3, the call took 2
+        return torch.tanh(h + 0.01 * scale * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+def test_an_itertools_iterator_a_reused_call_is_given_by_keyword_is_refused_in_the_forward(
+        ) -> None:
+    # refuse_iterator_arguments: itertools' iterators are Python's own too (a file or a mock
+    # is not refused), so the replay's `next(widths)` after the call cannot read 2 where the
+    # forward read 3.
+    torch.manual_seed(0)
+    eager, ours = _twins(_WidthsFromAnItertoolsIterator())
+    eager(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(pytree_ckpt.ReuseError, match=r"an iterator at kwargs\['widths'\]"):
+        ours(torch.randn(4, 8))
+
+
+class _SlottedLastExpert:
+    """Slots only: a count of calls, and the last call's top expert, unset until a call."""
+
+    __slots__ = ("calls", "last")
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+def _notes_the_top_expert(scores: torch.Tensor, stats: Any) -> torch.Tensor:
+    stats.calls += 1
+    stats.last = int(scores[0].argmax())
+    return scores.topk(2, -1).indices
+
+
+class _ScalesByTheLastExpertNoted(nn.Module):
+    """Reads the slot an earlier layer's reused call set (unset for the first layer) before
+    its own call sets it."""
+
+    def __init__(self, stats: Any) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        before = getattr(self.stats, "last", -1)
+        ids = reuse_during_recompute(_notes_the_top_expert, h.detach(), self.stats)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * (2 + before)
+
+
+def _unset_the_last_expert(model: Any) -> None:
+    stats = model[0].stats
+    stats.calls = 0
+    if hasattr(stats, "last"):
+        del stats.last
+
+
+@pytest.mark.parametrize("kind", ["slots", "namespace"])
+def test_an_attribute_unset_when_a_reused_call_first_sets_it_is_unset_again_for_the_replay(
+        kind: str) -> None:
+    # put_entries: a slot or attribute the entries lack is deleted, so the first layer's
+    # replay reads it unset before the call, as its forward did (not the top expert the last
+    # layer noted).
+    torch.manual_seed(0)
+    shared = _SlottedLastExpert() if kind == "slots" else types.SimpleNamespace(calls=0)
+    eager = nn.Sequential(*(_ScalesByTheLastExpertNoted(shared) for _ in range(2)))
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    _twin_steps(eager, ours, steps=3, before=_unset_the_last_expert,
+                check=lambda model: model[0].stats.calls == 2)
+    assert ours[0].stats.last == eager[0].stats.last  # type: ignore[union-attr]
+
+
+def _trims_the_window(scores: torch.Tensor, stats: Any) -> torch.Tensor:
+    stats.recent = stats.recent[-2:]  # rebound to a new, shorter list
+    return scores.topk(2, -1).indices
+
+
+class _AppendsToTheWindowAfterTheCall(nn.Module):
+    """A reused call trims a window of recent top experts (rebinding the list); the layer
+    then appends its own top expert to that list in place and scales by the window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), types.SimpleNamespace(recent=[1, 2, 3])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_trims_the_window, h.detach(), self.stats)
+        self.stats.recent.append(int(h[0].argmax()))
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * (1 + sum(self.stats.recent))
+
+
+def test_a_list_a_reused_call_binds_that_the_layer_appends_to_is_a_copy_as_the_call_left_it(
+        ) -> None:
+    # _Change.of keeps a copy of a small container the call binds (Contents), not the list
+    # itself: the forward's append after the call would otherwise be in the list the replay
+    # is given, and the replay's own append made a window of four.
+    torch.manual_seed(0)
+    eager, ours = _twins(_AppendsToTheWindowAfterTheCall())
+    _twin_steps(eager, ours, steps=3, before=lambda model: None,
+                check=lambda model: len(model.stats.recent) == 3)
+    assert ours.stats.recent == eager.stats.recent
+
+
+class _TrackerHoldingATensor:
+    """A plain capacity tracker (as _CapacityTracker) that also holds a tensor, so it is not
+    all plain values: its own count is made again in the replay by the bound method's
+    object, not put back as an argument's entries."""
+
+    def __init__(self) -> None:
+        self.tokens, self.capacity = 0, torch.full((), 8.0)
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        ids = scores.topk(2, -1).indices
+        self.tokens += ids.numel()
+        return ids
+
+
+_TRACKER = _TrackerHoldingATensor()
+
+
+class _RoutesChunksThroughAGlobalTracker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(_TRACKER.route, h.detach())
+            scale = 0.01 * _TRACKER.tokens / float(_TRACKER.capacity)
+            outs.append(torch.tanh(h + scale * torch.gather(h, -1, ids).sum(-1, keepdim=True)))
+        return torch.cat(outs)
+
+
+def test_a_count_a_reused_method_makes_on_a_tracker_holding_a_tensor_is_read_as_left() -> None:
+    # MadeContents.made keeps the object of a bound method (the place None) even where it
+    # holds a tensor: the replay writes the call's change into it, so the first chunk's
+    # replay reads 4 tokens, not the 8 both chunks left.
+    torch.manual_seed(0)
+    eager, ours = _twins(_RoutesChunksThroughAGlobalTracker())
+    for step in range(3):
+        x = torch.randn(4, 8)
+        grads = []
+        for model in (eager, ours):
+            _TRACKER.tokens = 0
+            model(x).sum().backward()
+            grads.append(_grads(model))
+            assert _TRACKER.tokens == 8
+        assert _same(*grads), f"step {step}"
+
+
+@dataclasses.dataclass
+class _RoutingStatsWithATensor:
+    calls: int = 0
+    ema: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
+
+
+class _RouterCountingBesideATensor(nn.Module):
+    """A router whose method counts its calls in a stats object that also holds a tensor (not
+    all plain: the module watch puts it back, as no argument's entry does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = _RoutingStatsWithATensor()
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        self.stats.calls += 1
+        return scores.topk(2, -1).indices
+
+
+_ROUTER_BESIDE_A_TENSOR = _RouterCountingBesideATensor()
+
+
+class _ReadsTheRoutersCountBeforeEachRoute(nn.Module):
+    """Routes through a router outside the checkpointed layer (a global: the layer's own
+    state watch does not reach it), reading its count before each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        router = _ROUTER_BESIDE_A_TENSOR
+        for h in self.lin(x).chunk(2):
+            scale = 1 + router.stats.calls  # before the call: 0, then 1
+            ids = reuse_during_recompute(router.route, h.detach())
+            outs.append(torch.gather(h, -1, ids).sum(-1, keepdim=True) * h * scale)
+        return torch.cat(outs)
+
+
+def test_a_count_in_a_routers_stats_holding_a_tensor_is_read_before_the_call_as_eager() -> None:
+    # with_reused_calls skips the module watch's put-back of a mixed object only where it is
+    # read as an argument too; this one holds a tensor (not read so), so the replay must begin
+    # with it as the first call found it: the first chunk reads 0 calls, not the 2 the forward
+    # left.
+    torch.manual_seed(0)
+    eager, ours = _twins(_ReadsTheRoutersCountBeforeEachRoute())
+    _twin_steps(eager, ours, steps=3,
+                before=lambda model: setattr(_ROUTER_BESIDE_A_TENSOR.stats, "calls", 0),
+                check=lambda model: _ROUTER_BESIDE_A_TENSOR.stats.calls == 2)
+
+
+class _SlottedCountBase:
+    __slots__ = ("n",)
+
+
+class _CountsWithADictToo(_SlottedCountBase):
+    """A subclass without __slots__: `n` is its base's slot, `steps` is in its __dict__."""
+
+    def __init__(self) -> None:
+        self.n, self.steps = 0, 0
+
+
+def test_a_slot_of_a_base_class_is_put_back_as_a_slot_not_into_the_instance_dict() -> None:
+    # put_entries writes a slot's entry through the slot alone: written into the __dict__
+    # too, the object's vars() after the replay had an `n` eager's has not.
+    torch.manual_seed(0)
+    shared = _CountsWithADictToo()
+    eager = nn.Sequential(*(_CountsInTheNamespaceItGives(shared) for _ in range(2)))
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    _twin_steps(eager, ours, steps=2, before=lambda model: setattr(model[0].stats, "n", 0),
+                check=lambda model: model[0].stats.n == 2)
+    assert vars(ours[0].stats) == vars(eager[0].stats) == {"steps": 0}
+
+
+class _CountsItsWrites:
+    """Slots only, with a __setattr__ that counts each write of another attribute."""
+
+    __slots__ = ("count", "n")  # CPython lays slots out by name: put_entries sets `count` first
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "count", 0)
+        self.n = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name != "count":
+            object.__setattr__(self, "count", self.count + 1)  # type: ignore[attr-defined]
+
+
+def test_a_slotted_objects_own_setattr_is_not_called_by_the_put_back() -> None:
+    # put_entries sets slots as the slot does (object.__setattr__), so a __setattr__ that
+    # counts writes counts the forward's alone, as eager's. (Twins built alike, not by
+    # deepcopy: its copy of the slots goes through that __setattr__ too.)
+    def built() -> nn.Sequential:
+        torch.manual_seed(0)
+        shared = _CountsItsWrites()
+        return nn.Sequential(*(_CountsInTheNamespaceItGives(shared) for _ in range(2)))
+
+    eager, ours = built(), built()
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    _twin_steps(eager, ours, steps=2, before=lambda model: setattr(model[0].stats, "n", 0),
+                check=lambda model: model[0].stats.n == 2)
+    assert ours[0].stats.count == eager[0].stats.count == 7  # type: ignore[union-attr]
+
+
+class _CountsStepsUnderGradBetweenTwoCalls(nn.Module):
+    """Two reused calls count in one namespace; between them, a step count made under grad
+    only (once per step under reentrant checkpointing too); reads both after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), types.SimpleNamespace(n=0, steps=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.lin(x).chunk(2)
+        ids = [reuse_during_recompute(_counts_n_in_a_namespace, first.detach(), self.stats)]
+        if torch.is_grad_enabled():
+            self.stats.steps += 1
+        ids.append(reuse_during_recompute(_counts_n_in_a_namespace, second.detach(),
+                                          self.stats))
+        scale = self.stats.n + self.stats.steps
+        return torch.cat([torch.gather(h, -1, i).sum(-1, keepdim=True) * h * scale
+                          for h, i in zip((first, second), ids)])
+
+
+def test_a_count_made_under_grad_between_two_reused_calls_in_one_namespace_persists() -> None:
+    # The merge tells a key the replay changed from the forward's change made again by what
+    # the object held at the replay's FIRST call (at_calls keeps the first snapshot): judged
+    # at the last call, `steps` (changed between the calls) was dropped, staying 0.
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsStepsUnderGradBetweenTwoCalls())
+    for step in range(3):
+        for model in (eager, ours):
+            model.stats.n = 0
+        grads = _grads_after_a_step((eager, ours), torch.randn(4, 8))
+        assert vars(ours.stats) == vars(eager.stats) == {"n": 2, "steps": step + 1}
+        assert _same(*grads), f"step {step}"
+
+
+def _routes_through_each_tracker(scores: torch.Tensor, trackers: Any) -> torch.Tensor:
+    ids = scores.topk(2, -1).indices
+    for tracker in trackers:
+        tracker.tokens += ids.numel()
+    return ids
+
+
+class _GivesASetOfTrackers(nn.Module):
+    """Gives a reused call a set of plain trackers to count in (reads them after the step
+    only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.trackers = nn.Linear(8, 8), [_CapacityTracker(), _CapacityTracker()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(_routes_through_each_tracker, h.detach(),
+                                         set(self.trackers))
+            outs.append(torch.tanh(h + 0.01 * torch.gather(h, -1, ids).sum(-1, keepdim=True)))
+        return torch.cat(outs)
+
+
+def test_a_set_of_plain_objects_a_reused_call_counts_in_replays_without_an_error() -> None:
+    # argument_contents reads a set's entries, not the objects in it (a set has no index
+    # the replay's set could be looked up by: _at): read one level down, the replay's
+    # lookup failed with a TypeError.
+    torch.manual_seed(0)
+    eager, ours = _twins(_GivesASetOfTrackers())
+    _twin_steps(eager, ours, steps=2, before=lambda model: None, check=lambda model: True)
+    assert [t.tokens for t in ours.trackers] == [t.tokens for t in eager.trackers] == [16, 16]
+
+
+class _ScalesByATrackerInTheSetItGives(_GivesASetOfTrackers):
+    """The same, reading the first tracker's count after each call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for h in self.lin(x).chunk(2):
+            ids = reuse_during_recompute(_routes_through_each_tracker, h.detach(),
+                                         set(self.trackers))
+            scale = 0.01 * self.trackers[0].tokens  # 4, then 8
+            outs.append(torch.tanh(h + scale * torch.gather(h, -1, ids).sum(-1, keepdim=True)))
+        return torch.cat(outs)
+
+
+# Guards against (helper IY), as it was found:
+def test_a_count_a_reused_call_makes_in_plain_objects_of_a_set_it_is_given_is_read_as_left(
+        ) -> None:
+    # As test_a_list_a_reused_call_binds_on_a_namespace_it_is_given_..._[True] with a set of
+    # trackers for the list: argument_contents skips a set's entries one level down (`if
+    # type(entries) is not set`), so the first chunk's replay reads 8 tokens where its
+    # forward read 4; with a list, the gradients are eager's.
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScalesByATrackerInTheSetItGives())
+
+    def reset(model: Any) -> None:
+        for tracker in model.trackers:
+            tracker.tokens = 0
+
+    _twin_steps(eager, ours, steps=2, before=reset,
+                check=lambda model: model.trackers[0].tokens == 8)
