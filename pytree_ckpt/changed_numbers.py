@@ -110,7 +110,15 @@ class ChangedNumbers:
             at_calls: dict[int, Any] = {}  # what each held at the replay's first call
             for held, snapshot in pending:
                 at_calls.setdefault(id(held), snapshot)
+            done: set[int] = set()
             for held, entries, forward in entries_at_start:
+                # Each object once, by its first entry: a plain object of a reused call's module
+                # is read as an argument too (with_reused_calls puts that entry first), and a
+                # second, unmerged put-back after it dropped a count only the replay made
+                # (helper IW)
+                if id(held) in done:
+                    continue
+                done.add(id(held))
                 ended = forward[1] if forward is not None else None
                 at_call = None
                 if type(ended) is EndedAfterACall:

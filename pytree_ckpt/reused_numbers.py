@@ -344,7 +344,6 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
         for name in [*(name for name, _ in values), *rebound]}
     found: dict[int, tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = {}
     ends = {} if changed is None else dict(changed.ends)
-    held_ids: set[int] = set()
     if contents:
         held_ids = set() if changed is None else {
             value.ident if type(value) is Refilled else id(value.held)
@@ -370,12 +369,6 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
             if (id(change.d), name) in covered:
                 continue
             covered.add((id(change.d), name))
-            if was is not None and type(was[1]) is Mixed and id(was[1].held) in held_ids:
-                # a plain object of the module read as an argument too (_objects_of_its_module):
-                # put back once, by that entry, which keeps a count only the replay makes
-                # (NOTE [a key only the replay changes]); a second, unmerged put-back after it
-                # dropped that count (helper IW)
-                continue
             if was is not None and not was[0] and type(was[1]) is int:
                 # an object by id: read as it is, and what it held when the replay began put
                 # back after it (the call's object is bound in the replay: the NOTE in
