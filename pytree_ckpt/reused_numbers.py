@@ -119,15 +119,20 @@ def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
     seen: set[int] = set()  # one read per object, at the first path found (the same object)
     places = [(key, value) for key, value, _ in argument_places(fn, args, kwargs)]
     for key, value in [*places, *((None, value) for value in _objects_of_its_module(fn))]:
-        # A tuple's items as arguments of their own (`fn(h, (stats, config))`, helper IX): a
-        # tuple cannot change, what it holds may.
-        for path, held in [((key, i), v) for i, v in enumerate(value)] \
-                if type(value) is tuple and len(value) <= _TUPLE_ITEMS else [((key,), value)]:
+        # A tuple's items (a namedtuple's too) as arguments of their own (`fn(h, (stats,
+        # config))`, helpers IX, JA): a tuple cannot change, what it holds may; a frozenset's
+        # members by identity, as a set's (_read_into).
+        items: list[tuple[tuple[Any, ...], Any]] = [((key,), value)]
+        if isinstance(value, tuple) and len(value) <= _MOST_ITEMS:
+            items = [((key, i), v) for i, v in enumerate(value)]
+        elif type(value) is frozenset and len(value) <= _MOST_ITEMS:
+            items = [((None,), v) for v in value]
+        for path, held in items:
             _read_into(read, seen, path, held)
     return read or None
 
 
-_TUPLE_ITEMS = 16  # a tuple of arguments, not a shape or a table of values
+_MOST_ITEMS = 64  # as for containers (plain_values.py)
 
 
 def _read_into(read: ArgumentContents, seen: set[int], path: tuple[Any, ...], value: Any,
@@ -228,7 +233,7 @@ def _at(path: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], /)
     key = path[0]
     found = kwargs.get(key) if isinstance(key, str) else args[key] if key < len(args) else None
     for name in path[1:]:
-        if type(found) is tuple:
+        if isinstance(found, tuple):
             found = found[name] if name < len(found) else None
             continue
         if not read_by_entries(found):
