@@ -25,12 +25,9 @@ from torch import nn
 
 import pytree_ckpt
 from pytree_ckpt import reuse_during_recompute
-from tests.pytree_ckpt.twins import grads as _grads
-from tests.pytree_ckpt.twins import grads_after_a_step as _grads_after_a_step
-from tests.pytree_ckpt.twins import same as _same
-from tests.pytree_ckpt.twins import step_alike as _step_alike
-from tests.pytree_ckpt.twins import twin_steps as _twin_steps
-from tests.pytree_ckpt.twins import twins as _twins
+from tests.pytree_ckpt.twins import (grads as _grads, grads_after_a_step as _grads_after_a_step,
+                                     same as _same, step_alike as _step_alike,
+                                     twin_steps as _twin_steps, twins as _twins)
 
 
 @pytest.mark.parametrize("kind", ["list", "int"])
