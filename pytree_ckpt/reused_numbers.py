@@ -119,20 +119,26 @@ def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
     seen: set[int] = set()  # one read per object, at the first path found (the same object)
     places = [(key, value) for key, value, _ in argument_places(fn, args, kwargs)]
     for key, value in [*places, *((None, value) for value in _objects_of_its_module(fn))]:
-        # A tuple's items (a namedtuple's too) as arguments of their own (`fn(h, (stats,
-        # config))`, helpers IX, JA): a tuple cannot change, what it holds may; a frozenset's
-        # members by identity, as a set's (_read_into).
-        items: list[tuple[tuple[Any, ...], Any]] = [((key,), value)]
-        if isinstance(value, tuple) and len(value) <= _MOST_ITEMS:
-            items = [((key, i), v) for i, v in enumerate(value)]
-        elif type(value) is frozenset and len(value) <= _MOST_ITEMS:
-            items = [((None,), v) for v in value]
-        for path, held in items:
+        for path, held in _unpacked((key,), value):
             _read_into(read, seen, path, held)
     return read or None
 
 
 _MOST_ITEMS = 64  # as for containers (plain_values.py)
+
+
+def _unpacked(path: tuple[Any, ...], value: Any, /, depth: int = 0
+              ) -> list[tuple[tuple[Any, ...], Any]]:
+    """A tuple's items (a namedtuple's too, and a tuple's in a tuple, four deep) as arguments
+    of their own (`fn(h, (stats, config))`, helpers IX, JA, JE): a tuple cannot change, what it
+    holds may; a frozenset's members by identity, as a set's (``_read_into``); anything else
+    as it is."""
+    if isinstance(value, tuple) and len(value) <= _MOST_ITEMS and depth < 4:
+        return [found for i, v in enumerate(value)
+                for found in _unpacked((*path, i), v, depth + 1)]
+    if type(value) is frozenset and len(value) <= _MOST_ITEMS:
+        return [((None,), v) for v in value]
+    return [(path, value)]
 
 
 def _read_into(read: ArgumentContents, seen: set[int], path: tuple[Any, ...], value: Any,
@@ -195,13 +201,27 @@ def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
     call, so the items the call took are not taken there, and the code after it reads others
     than eager's (helper IR), as the boundary refuses an iterator among its inputs. Told in
     the original pass, before the call."""
-    for _, value, where in argument_places(fn, args, kwargs):
-        # Python's own iterators and generators only, given to the call (not a bound method's
-        # object): a file or StringIO the call logs to, a proxy or mock, is an iterator by its
-        # methods and is rarely iterated (helper IW: refused, where eager and the replay agree);
-        # an iterator class of the user's is read by its attributes (argument_contents).
-        if where != _METHODS_OBJECT and leaf_kind(value) is ITERATOR and \
-                type(value).__module__ in ("builtins", "itertools"):
+    for _, given, place in argument_places(fn, args, kwargs):
+        if place == _METHODS_OBJECT:
+            continue
+        # Where argument_contents looks: in tuples, and one level down in a container
+        # (`fn(h, (widths,))`, `fn(h, {"src": it})`: not refused before, helper JE).
+        found = [(place + "".join(f"[{i}]" for i in path), value)
+                 for path, value in _unpacked((), given)]
+        found += [(f"{where}[{name!r}]", inner) for where, value in found
+                  if type(value) in CONTAINERS and len(value) <= _MOST_ITEMS
+                  and not isinstance(value, (set, frozenset))
+                  for name, inner in (value.items() if isinstance(value, dict)
+                                      else enumerate(value))]
+        for where, value in found:
+            # Python's own iterators and generators only, given to the call (not a bound
+            # method's object): a file or StringIO the call logs to, a proxy or mock, is an
+            # iterator by its methods and is rarely iterated (helper IW: refused, where eager
+            # and the replay agree); an iterator class of the user's is read by its attributes
+            # (argument_contents).
+            if leaf_kind(value) is not ITERATOR or \
+                    type(value).__module__ not in ("builtins", "itertools"):
+                continue
             raise ReuseError(
                 f"reuse_during_recompute({name}, ...) was given an iterator at {where}; the "
                 "call may take items from it, and the replay in backward, which skips the "

@@ -2903,3 +2903,69 @@ def test_a_namespace_a_reused_call_counts_in_given_last_in_a_long_tuple_is_read_
     for step in range(3):
         assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
         assert vars(ours.stats) == vars(eager.stats), f"step {step}"
+
+
+_RouterStats = collections.namedtuple("_RouterStats", "counts")
+
+
+# Guards against (helper JE), as it was found:
+def test_a_count_in_a_namedtuple_given_in_a_tuple_to_a_reused_call_gives_eager_gradients(
+        ) -> None:
+    def route(h: torch.Tensor, pack: Any) -> torch.Tensor:
+        stats = pack[0]
+        stats.counts["n"] = stats.counts.get("n", 0) + 1
+        return h.topk(2, dim=-1).indices
+
+    class Layer(nn.Module):
+        def __init__(self, stats: Any) -> None:
+            super().__init__()
+            self.lin, self.stats = nn.Linear(8, 8), stats  # shared by both layers
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            ids = pytree_ckpt.reuse_during_recompute(route, h.detach(), (self.stats,))
+            return h.gather(-1, ids).sum(-1, keepdim=True) * h * self.stats.counts["n"]
+
+    torch.manual_seed(0)
+    stats = _RouterStats({})
+    layers = nn.Sequential(Layer(stats), Layer(stats))
+    twin = copy.deepcopy(layers)
+    for layer in layers:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(4, 8)
+    layers(x).sum().backward()
+    twin(x).sum().backward()
+    assert layers[0].stats.counts == twin[0].stats.counts == {"n": 2}
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(layers.parameters(), twin.parameters()))
+
+
+def _take_width(h: torch.Tensor, pack: Any) -> torch.Tensor:
+    widths = pack[0] if isinstance(pack, tuple) else pack["widths"]
+    return h.topk(next(widths), dim=-1).indices
+
+
+class _TakesWidthsFromAnIteratorItWraps(nn.Module):
+    def __init__(self, wrap: str) -> None:
+        super().__init__()
+        self.lin, self.wrap = nn.Linear(8, 8), wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        widths = iter([2, 3])
+        pack = (widths,) if self.wrap == "tuple" else {"widths": widths}
+        ids = pytree_ckpt.reuse_during_recompute(_take_width, h.detach(), pack)
+        return h.gather(-1, ids).sum(-1, keepdim=True) * next(widths)  # eager: 3
+
+
+# Guards against (helper JE), as it was found: an iterator inside a tuple or a dict given to a
+# reused call was neither refused nor advanced for the replay (eager's next() read 3, the
+# replay's 2).
+@pytest.mark.parametrize("wrap, where", [("tuple", r"args\[1\]\[0\]"),
+                                         ("dict", r"args\[1\]\['widths'\]")])
+def test_an_iterator_given_in_a_tuple_or_a_dict_to_a_reused_call_is_refused_naming_where(
+        wrap: str, where: str) -> None:
+    torch.manual_seed(0)
+    layer = _TakesWidthsFromAnIteratorItWraps(wrap)
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(pytree_ckpt.ReuseError, match="an iterator at " + where):
+        layer(torch.randn(4, 8))
