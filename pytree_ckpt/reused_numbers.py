@@ -204,15 +204,21 @@ def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
     for _, given, place in argument_places(fn, args, kwargs):
         if place == _METHODS_OBJECT:
             continue
-        # Where argument_contents looks: in tuples, and one level down in a container
-        # (`fn(h, (widths,))`, `fn(h, {"src": it})`: not refused before, helper JE).
-        found = [(place + "".join(f"[{i}]" for i in path), value)
+        # Where argument_contents looks: in tuples, and one level down in a container or a
+        # plain object (`fn(h, (widths,))`, `fn(h, {"src": it})`, a namespace holding one: not
+        # refused before, helpers JE, JF).
+        found = [(f"a member of {place}" if path[-1:] == (None,) else
+                  place + "".join(f"[{i}]" for i in path), value)
                  for path, value in _unpacked((), given)]
-        found += [(f"{where}[{name!r}]", inner) for where, value in found
-                  if type(value) in CONTAINERS and len(value) <= _MOST_ITEMS
-                  and not isinstance(value, (set, frozenset))
-                  for name, inner in (value.items() if isinstance(value, dict)
-                                      else enumerate(value))]
+        for where, value in list(found):
+            if not read_by_entries(value):
+                continue
+            entries = entries_of(value)
+            found += [(f"a member of {where}", inner) for inner in entries] \
+                if type(entries) is set else \
+                [(f"{where}[{name!r}]" if isinstance(value, dict) else f"{where}.{name}", inner)
+                 for name, inner in entries] if _keyed(value) else \
+                [(f"{where}[{i}]", inner) for i, inner in enumerate(entries)]
         for where, value in found:
             # Python's own iterators and generators only, given to the call (not a bound
             # method's object): a file or StringIO the call logs to, a proxy or mock, is an
