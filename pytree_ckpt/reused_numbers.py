@@ -103,8 +103,10 @@ class MadeNumbers:
 # replay, as a value a partial binds), the plain objects of the module a reused call runs
 # (``_objects_of_its_module``), and one level down, the containers and plain objects such
 # a container or object holds (an MoE router's stats dataclass holding a load per expert, a
-# namespace in a list: helper IR), found in the replay by the same path; an attribute or key the
-# call rebinds to a new small container of plain values gets a copy of it in the replay.
+# namespace in a list: helper IR), found in the replay by the same path, a tuple's items as
+# arguments of their own (``_unpacked``) and a set's members by identity; an attribute or key
+# the call rebinds to a new small container of plain values gets a copy of it in the replay.
+# Python's own iterators among or in them are refused (``refuse_iterator_arguments``).
 ArgumentContents = list[tuple[tuple[Any, ...], Any, Any]]
 
 
@@ -197,9 +199,10 @@ def _objects_of_its_module(fn: Any, /) -> list[Any]:
 
 def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
                               kwargs: dict[str, Any], /) -> None:
-    """An iterator among a reused call's arguments is a ``ReuseError``: the replay skips the
-    call, so the items the call took are not taken there, and the code after it reads others
-    than eager's (helper IR), as the boundary refuses an iterator among its inputs. Told in
+    """An iterator among a reused call's arguments, or held by one, is a ``ReuseError``: the
+    replay skips the call, so the items the call took are not taken there, and the code after
+    it reads others than eager's (helper IR), as the boundary refuses an iterator among its
+    inputs. Told in
     the original pass, before the call."""
     for _, given, place in argument_places(fn, args, kwargs):
         if place == _METHODS_OBJECT:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import gc
 import re
 import threading
@@ -3436,12 +3437,7 @@ def test_a_reused_calls_error_whose_init_takes_keywords_is_raised_again_as_it_wa
             scale = error.tokens * int(str(error).split()[0])
         return torch.gather(h, -1, ids) * scale
 
-    x = torch.randn(4, 8, requires_grad=True)
-    layer(x).sum().backward()
-    eager = [x.grad.clone(), lin.weight.grad.clone()]
-    x.grad = lin.weight.grad = lin.bias.grad = None
-    checkpoint(layer, x).sum().backward()
-    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+    assert _checkpointed_like_eager(layer, lin)
 
 
 def test_a_reused_calls_error_that_cannot_be_made_again_is_refused_in_backward_naming_it(
@@ -3459,6 +3455,22 @@ def test_a_reused_calls_error_that_cannot_be_made_again_is_refused_in_backward_n
     out = checkpoint(layer, torch.randn(4, 8, requires_grad=True)).sum()
     with pytest.raises(ReuseError, match=r"(?s)_MadeOnlyByKeyword.*return a flag"):
         out.backward()
+
+
+def _checkpointed_like_eager(layer: Callable[[torch.Tensor], torch.Tensor], lin: nn.Linear, /,
+                             *, seed: int | None = None) -> bool:
+    """``layer`` (a function over ``lin``) run eagerly, then through ``checkpoint``, on one
+    input: whether the input's and ``lin.weight``'s gradients are equal (``seed``: set before
+    each run, for a layer that draws)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    found = []
+    for run in (layer, functools.partial(checkpoint, layer)):
+        x.grad = lin.weight.grad = lin.bias.grad = None
+        if seed is not None:
+            torch.manual_seed(seed)
+        run(x).sum().backward()
+        found.append((x.grad, lin.weight.grad))
+    return all(torch.equal(a, b) for a, b in zip(*found))
 
 
 def _raises_after_drawing(scores: torch.Tensor) -> torch.Tensor:
@@ -3481,14 +3493,7 @@ def test_a_reused_call_that_raises_is_raised_again_in_the_replay_with_the_random
             calls.append(str(error))
         return torch.nn.functional.dropout(h, 0.5)
 
-    x = torch.randn(4, 8, requires_grad=True)
-    torch.manual_seed(0)
-    layer(x).sum().backward()
-    eager = [x.grad.clone(), lin.weight.grad.clone()]
-    x.grad = lin.weight.grad = lin.bias.grad = None
-    torch.manual_seed(0)
-    checkpoint(layer, x).sum().backward()
-    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+    assert _checkpointed_like_eager(layer, lin, seed=0)
     assert calls == ["no route"] * 3  # eager's, the original pass's, the replay's
 
 
@@ -3521,12 +3526,7 @@ def test_a_reused_calls_error_attribute_the_layers_handler_reads_is_eagers_in_th
             scale = error.tokens
         return h * scale
 
-    x = torch.randn(4, 8, requires_grad=True)
-    layer(x).sum().backward()
-    eager = [x.grad.clone(), lin.weight.grad.clone()]
-    x.grad = lin.weight.grad = lin.bias.grad = None
-    checkpoint(layer, x).sum().backward()
-    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+    assert _checkpointed_like_eager(layer, lin)
 
 
 class _NoRoute(Exception):
@@ -3555,12 +3555,7 @@ def test_a_reused_calls_chained_error_keeps_its_cause_for_the_layers_handler_in_
             scale = 2.0 if isinstance(error.__cause__, KeyError) else 3.0
         return h * scale
 
-    x = torch.randn(4, 8, requires_grad=True)
-    layer(x).sum().backward()
-    eager = [x.grad.clone(), lin.weight.grad.clone()]
-    x.grad = lin.weight.grad = lin.bias.grad = None
-    checkpoint(layer, x).sum().backward()
-    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+    assert _checkpointed_like_eager(layer, lin)
 
 
 class _SlottedOverCapacity(Exception):
@@ -3900,9 +3895,4 @@ def test_what_the_handler_reads_of_a_reused_calls_error_is_eagers_in_the_replay(
         return h * scale
 
     torch.manual_seed(0)
-    x = torch.randn(4, 8, requires_grad=True)
-    layer(x).sum().backward()
-    eager = [x.grad.clone(), lin.weight.grad.clone()]
-    x.grad = lin.weight.grad = lin.bias.grad = None
-    checkpoint(layer, x).sum().backward()
-    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+    assert _checkpointed_like_eager(layer, lin)

@@ -465,15 +465,14 @@ def test_a_count_beside_logged_ids_that_the_caller_snapshots_before_backward_rep
 # Guards against (helper HR), as it was found:
 def test_a_count_dict_the_caller_resets_to_a_fresh_one_before_backward_stays_as_the_caller_set_it(
         ) -> None:
-    # The trainer logs the router's stats after each forward and resets them to a fresh dict
-    # equal to the one the router starts with (`router.stats = {"calls": 0, "last_ids":
-    # None}`), before backward. Eager's backward touches neither dict. make_again finds the
-    # caller's new dict holding the entries the call found (by entries: same_as), and puts
-    # the call's entries into it (`put_entries(d[name], after.entries)`); nothing restores them after
-    # the replay (the forward's put-back is a Refilled of the old dict, which no longer
-    # holds the name). So the caller's fresh dict ends the step at {"calls": 1, "last_ids":
-    # ids} (a tensor kept too), and the next step counts 2 where eager counts 1: gradients
-    # scaled by 2, silently.
+    # The trainer logs the router's stats after each forward and resets them to a fresh dict equal
+    # to the one the router starts with (`router.stats = {"calls": 0, "last_ids": None}`), before
+    # backward. Eager's backward touches neither dict. make_again finds the caller's new dict
+    # holding the entries the call found (by entries: same_as), and puts the call's entries into it
+    # (`put_entries(d[name], after.entries)`); nothing restores them after the replay (the forward's
+    # put-back is a Refilled of the old dict, which no longer holds the name). So the caller's fresh
+    # dict ends the step at {"calls": 1, "last_ids": ids} (a tensor kept too), and the next step
+    # counts 2 where eager counts 1: gradients scaled by 2, silently.
     torch.manual_seed(0)
     eager = _ScaledByCalls()
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
@@ -1796,15 +1795,8 @@ def test_a_slotted_dataclass_every_layer_shares_that_a_reused_call_counts_in_is_
     ours = copy.deepcopy(eager)
     for layer in ours:
         pytree_ckpt.apply_activation_checkpointing(layer)
-    for step in range(3):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            model[0].stats.n = 0
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert model[0].stats.n == 2
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=3, before=lambda model: setattr(model[0].stats, "n", 0),
+                check=lambda model: model[0].stats.n == 2)
 
 
 class _Schedule:
@@ -1829,20 +1821,40 @@ class _DropoutOnASchedule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = nn.functional.dropout(self.lin(x), p=min(0.5, 0.1 * self.schedule.steps))
-        ids = reuse_during_recompute(_counts_the_schedules_calls, h.detach(), self.schedule)
+        ids = self.reused(h.detach())
         if torch.is_grad_enabled():
             self.schedule.steps += 1
         return torch.tanh(h + 0.01 * torch.gather(h, -1, ids).sum(-1, keepdim=True))
 
+    def reused(self, h: torch.Tensor) -> torch.Tensor:
+        """The reused call, given the schedule as an argument."""
+        return reuse_during_recompute(_counts_the_schedules_calls, h, self.schedule)
 
-# Guards against (helper IR), as it was found:
+
+class _DropoutOnAScheduleItsRouterMethodCounts(_DropoutOnASchedule):
+    """The same, where the reused call is the layer's own routing method, counting in the
+    schedule the layer holds (the module's plain object, read as an argument since helper IR)."""
+
+    def route(self, scores: torch.Tensor) -> torch.Tensor:
+        self.schedule.calls += 1
+        return scores.topk(2, -1).indices
+
+    def reused(self, h: torch.Tensor) -> torch.Tensor:
+        return reuse_during_recompute(self.route, h)
+
+
+# Guards against (helper IR), as it was found (the argument), and (helper IW) (the method's
+# module's object):
+@pytest.mark.parametrize("layer", [_DropoutOnASchedule, _DropoutOnAScheduleItsRouterMethodCounts])
 def test_a_step_count_made_under_grad_in_an_object_a_reused_call_counts_in_persists_as_in_eager(
-        ) -> None:
+        layer: type[nn.Module]) -> None:
     # NOTE [a key only the replay changes] keeps a dict's count made only in the replay; an
-    # object's attribute gets its value at the call back after the replay (the snapshot
-    # make_again takes), so `steps` stays 0 and the next step's dropout p differs.
+    # object's attribute got its value at the call back after the replay (the snapshot
+    # make_again takes), so `steps` stayed 0 and the next step's dropout p differed. Held by
+    # the module whose method is reused, the merge kept it too, but a later put-back gave the
+    # object what it held at the replay's start (helper IW).
     torch.manual_seed(0)
-    eager, ours = _twins(_DropoutOnASchedule())
+    eager, ours = _twins(layer())
     for step in range(3):
         x = torch.randn(4, 8)
         grads = []
@@ -1926,15 +1938,8 @@ def test_a_count_a_reused_method_of_a_plain_helper_makes_on_it_is_read_as_left(
     # first chunk's replay reads the count both chunks left (8, where its forward read 4).
     torch.manual_seed(0)
     eager, ours = _twins(_RoutesChunksThroughItsTracker(bound))
-    for step in range(3):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            model.tracker.tokens = 0
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert model.tracker.tokens == 8
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=3, before=lambda model: setattr(model.tracker, "tokens", 0),
+                check=lambda model: model.tracker.tokens == 8)
 
 
 def _keeps_the_last_widths(scores: torch.Tensor, held: Any) -> torch.Tensor:
@@ -2196,42 +2201,6 @@ def test_a_log_file_a_reused_call_prints_to_is_not_refused_as_an_iterator() -> N
     for _ in range(3):
         assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8)))
     assert eager.log.getvalue() == ours.log.getvalue()  # one line per forward, as eager
-
-
-class _DropoutOnAScheduleItsRouterMethodCounts(_DropoutOnASchedule):
-    """The same, where the reused call is the layer's own routing method, counting in the
-    schedule the layer holds (the module's plain object, read as an argument since helper IR)."""
-
-    def route(self, scores: torch.Tensor) -> torch.Tensor:
-        self.schedule.calls += 1
-        return scores.topk(2, -1).indices
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.dropout(self.lin(x), p=min(0.5, 0.1 * self.schedule.steps))
-        ids = reuse_during_recompute(self.route, h.detach())
-        if torch.is_grad_enabled():
-            self.schedule.steps += 1
-        return torch.tanh(h + 0.01 * torch.gather(h, -1, ids).sum(-1, keepdim=True))
-
-
-# Guards against (helper IW), as it was found:
-def test_a_step_count_made_under_grad_in_the_object_of_the_reused_methods_module_persists(
-        ) -> None:
-    # Passed as an argument, the schedule keeps the replay's `steps += 1` (EndedAfterACall);
-    # held by the module whose method is reused, the merge keeps it too, but a later put-back
-    # gives the object what it held at the replay's start: steps stays 0, and from the second
-    # step the dropout p and the gradients differ.
-    torch.manual_seed(0)
-    eager, ours = _twins(_DropoutOnAScheduleItsRouterMethodCounts())
-    for step in range(3):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            torch.manual_seed(step)
-            model(x).sum().backward()
-            grads.append(_grads(model))
-        assert vars(ours.schedule) == vars(eager.schedule), f"step {step}"
-        assert _same(*grads), f"step {step}"
 
 
 class _Widths:
@@ -2522,15 +2491,8 @@ def test_a_count_a_reused_method_makes_on_a_tracker_holding_a_tensor_is_read_as_
     # replay reads 4 tokens, not the 8 both chunks left.
     torch.manual_seed(0)
     eager, ours = _twins(_RoutesChunksThroughAGlobalTracker())
-    for step in range(3):
-        x = torch.randn(4, 8)
-        grads = []
-        for model in (eager, ours):
-            _TRACKER.tokens = 0
-            model(x).sum().backward()
-            grads.append(_grads(model))
-            assert _TRACKER.tokens == 8
-        assert _same(*grads), f"step {step}"
+    _twin_steps(eager, ours, steps=3, before=lambda model: setattr(_TRACKER, "tokens", 0),
+                check=lambda model: _TRACKER.tokens == 8)
 
 
 @dataclasses.dataclass
