@@ -31,6 +31,7 @@ from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators
+from .keep import IN_KEPT_CALLABLE, kept_region
 from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaves, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
@@ -62,6 +63,15 @@ class DiscardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
+        region = IN_KEPT_CALLABLE.get()
+        if region:  # NOTE [the library's own ops in a kept method's region] (keep.py)
+            with kept_region(frozenset()):
+                return DiscardFunction._forward(ctx, owner, inputs, region)
+        return DiscardFunction._forward(ctx, owner, inputs, region)
+
+    @staticmethod
+    def _forward(ctx: Any, owner: CheckpointWithoutOutput, inputs: tuple[Any, ...],
+                 region: frozenset[str], /) -> Any:
         args = inputs[: owner.n_args]  # the rest are fn's parameters (as in the boundary)
         # NOTE [generators passed in] (rng.py): among the other arguments, as at the boundary;
         # and those fn's modules hold (NOTE [generators held as attributes] in
@@ -94,7 +104,8 @@ class DiscardFunction(torch.autograd.Function):
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         sets = forward_watch(owner.fn, None) if owner.preserve_rng_state else None
         try:
-            with torch.no_grad(), IsolatedPass(), sets if sets is not None else nullcontext():
+            with torch.no_grad(), IsolatedPass(), sets if sets is not None else nullcontext(), \
+                    kept_region(region) if region else nullcontext():
                 outputs = owner.fn(*args, **owner.kwargs)
         except Exception as error:
             note_no_grad_pass(error, f"the original pass of {owner._name()}")

@@ -35,7 +35,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from types import FrameType
 from typing import Any
@@ -57,7 +58,8 @@ from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
 from .tree import dunder
 from .unit_use import UnitUse
 
-__all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept", "op_name"]
+__all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "kept_region", "never_kept",
+           "op_name"]
 
 
 # The kept callables running now ("Class.method" names; KeptCallables), and whether
@@ -66,6 +68,23 @@ __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "never_kept
 IN_KEPT_CALLABLE: ContextVar[frozenset[str]] = ContextVar("pytree_ckpt_in_kept_callable",
                                                           default=frozenset())
 IN_REUSE: ContextVar[bool] = ContextVar("pytree_ckpt_in_reuse", default=False)
+
+
+@contextmanager
+def kept_region(names: frozenset[str], /) -> Iterator[None]:
+    """Within: the kept callables ``names`` are running (``IN_KEPT_CALLABLE``).
+
+    NOTE [the library's own ops in a kept method's region]: a boundary or an output discard
+    nested in a kept method is a pass-through in the original pass (no grad) and real in the
+    replay, where its own bookkeeping (snapshots of frozen parameters and buffers, their
+    comparisons) dispatches ops the original pass never did: counted as the method's, the replay
+    would ask for records that do not exist (a ReuseError; helper JJ). So their ``forward`` runs
+    its bookkeeping outside the region and re-enters it for the user's function alone."""
+    token = IN_KEPT_CALLABLE.set(names)
+    try:
+        yield
+    finally:
+        IN_KEPT_CALLABLE.reset(token)
 
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                     "_dtensor"})
