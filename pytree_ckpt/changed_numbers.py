@@ -130,6 +130,9 @@ class ChangedNumbers:
                     factory = held.default_factory if isinstance(held, defaultdict) else None
                     put_entries(held, _merged(entries, forward[0], ended, entries_of(held),
                                               factory, at_call))
+                elif ended is not None and _only_added(entries, forward[0], ended,
+                                                       entries_of(held), at_call):
+                    pass  # the replay's additions kept (NOTE [a key only the replay changes])
                 else:
                     put_entries(held, entries)
             # What the replay read there: a small tensor put back, else what it held.
@@ -198,6 +201,19 @@ def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
             rank = {k: i for i, k in enumerate(k for k, _ in after)}
             merged.sort(key=lambda item: rank.get(item[0], len(rank)))
     return merged
+
+
+def _only_added(at_start: Any, began: Any, ended: Any, after: Any, at_call: Any, /) -> bool:
+    """Whether a list, deque or set, as the replay left it (``after``), is as the forward left
+    it (``ended``) with entries the replay alone added after it (a list appended to, a set
+    added to: the replay's grad-gated `window.append(-1)` after a reused call, helper JG),
+    where nothing changed it since the forward ended (``at_start``) and the replay reached the
+    call as the call found it (``at_call``, NOTE [a key only the replay changes])."""
+    if at_start != ended or after == ended or at_call is not None and at_call != began:
+        return False
+    if isinstance(after, set):
+        return after > ended
+    return len(after) > len(ended) and after[:len(ended)] == ended
 
 
 def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],

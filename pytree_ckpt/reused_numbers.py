@@ -101,9 +101,11 @@ class MadeNumbers:
 # told: replay.md). Also read: the plain object a reused bound method belongs to (a tracker
 # counting on itself, `reuse_during_recompute(self.tracker.route, h)`: the same object in the
 # replay, as a value a partial binds), the plain objects of the module a reused call runs
-# (``_objects_of_its_module``), and one level down, the containers and plain objects such
+# (``_objects_of_its_module``), and two levels down, the containers and plain objects such
 # a container or object holds (an MoE router's stats dataclass holding a load per expert, a
-# namespace in a list: helper IR), found in the replay by the same path, a tuple's items as
+# namespace in a list: helper IR; its list of counts per expert, helper JG), found in the
+# replay by the same path, what a function made once closes over (helper JG), a dict subclass
+# keeping dict's item methods as a dict, a tuple's items as
 # arguments of their own (``_unpacked``) and a set's members by identity; an attribute or key
 # the call rebinds to a new small container of plain values gets a copy of it in the replay.
 # Python's own iterators among or in them are refused (``refuse_iterator_arguments``).
@@ -113,7 +115,7 @@ ArgumentContents = list[tuple[tuple[Any, ...], Any, Any]]
 def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
                       ) -> ArgumentContents | None:
     """The small containers and plain objects among a reused call's top-level arguments and
-    one level down in them, each with its path (its argument's place: ``None`` for one a
+    two levels down in them, each with its path (its argument's place: ``None`` for one a
     partial binds or the method's object, the same object in the replay; then the key, index
     or attribute name where it is held) and a copy of its entries, read before the call (NOTE
     above)."""
@@ -143,23 +145,42 @@ def _unpacked(path: tuple[Any, ...], value: Any, /, depth: int = 0
     return [(path, value)]
 
 
+_DEEPEST = 2  # levels below an argument: a router's stats.per_expert.counts (helper JG)
+_MOST_READ = 256  # objects read for one call, at most
+
+
 def _read_into(read: ArgumentContents, seen: set[int], path: tuple[Any, ...], value: Any,
                /) -> None:
-    """``value`` (a container, or a plain object by its attributes) and, one level down, the
-    containers and plain objects it holds, each read once (``seen``)."""
-    if id(value) in seen or not read_by_entries(value):
-        return
-    seen.add(id(value))
-    entries = entries_of(value)
-    read.append((path, value, entries))
-    # A set's members have no place to be found by in the replay: by identity, as a value a
-    # partial binds (a set of trackers a call counts in, helper IY).
-    inner = [((None,), held) for held in entries] if type(entries) is set else \
-        [((*path, name), held) for name, held in (entries if _keyed(value) else enumerate(entries))]
-    for at, held in inner:
-        if id(held) not in seen and not immutable(held) and read_by_entries(held):
+    """``value`` (a container, or a plain object by its attributes) and, two levels down,
+    the containers and plain objects it holds, each read once (``seen``), nearest first."""
+    level = [(path, value)]
+    for depth in range(_DEEPEST + 1):
+        below: list[tuple[tuple[Any, ...], Any]] = []
+        for at, held in level:
+            if id(held) in seen or immutable(held) or not readable(held) or \
+                    len(read) >= _MOST_READ:
+                continue
             seen.add(id(held))
-            read.append((at, held, entries_of(held)))
+            entries = entries_of(held)
+            read.append((at, held, entries))
+            if depth < _DEEPEST:
+                # A set's members have no place to be found by in the replay: by identity,
+                # as a value a partial binds (a set of trackers a call counts in, helper IY).
+                below += [((None,), inner) for inner in entries] if type(entries) is set \
+                    else [((*at, name), inner) for name, inner in
+                          (entries if _keyed(held) else enumerate(entries))]
+        level = below
+
+
+def readable(value: Any, /) -> bool:
+    """``read_by_entries``, and a dict subclass that keeps dict's own item methods (a typed
+    stats dict, an attribute dict: helper JG), read and written as a dict."""
+    return read_by_entries(value) or isinstance(value, dict) and \
+        type(value) not in CONTAINERS and len(value) <= _MOST_ITEMS and \
+        all(getattr(type(value), name) is getattr(dict, name) for name in _DICT_WRITES)
+
+
+_DICT_WRITES = ("__setitem__", "__delitem__", "clear", "update", "pop")
 
 
 def argument_places(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
@@ -176,6 +197,14 @@ def argument_places(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
         places += [(None, value, name) for name, value in bound]
     if isinstance(inner, types.MethodType):  # a module's is the module watch's (not read here)
         places.append((None, inner.__self__, _METHODS_OBJECT))
+    elif isinstance(inner, types.FunctionType) and inner.__closure__:
+        # What a lambda or nested function made once closes over (`lambda h: count(h,
+        # stats)`): the same objects in the replay, as a partial's (helper JG).
+        for name, cell in zip(inner.__code__.co_freevars, inner.__closure__):
+            try:
+                places.append((None, cell.cell_contents, f"the closure's {name}"))
+            except ValueError:  # a cell not yet filled
+                continue
     return places
 
 
@@ -194,7 +223,7 @@ def _objects_of_its_module(fn: Any, /) -> list[Any]:
         return []
     return [value for name, value in vars(owner).items()
             if name not in NOT_STATE and type(value) not in CONTAINERS and
-            not immutable(value) and read_by_entries(value)]
+            not immutable(value) and readable(value)]
 
 
 def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
@@ -207,21 +236,26 @@ def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
     for _, given, place in argument_places(fn, args, kwargs):
         if place == _METHODS_OBJECT:
             continue
-        # Where argument_contents looks: in tuples, and one level down in a container or a
+        # Where argument_contents looks: in tuples, and two levels down in a container or a
         # plain object (`fn(h, (widths,))`, `fn(h, {"src": it})`, a namespace holding one: not
         # refused before, helpers JE, JF).
         found = [(f"a member of {place}" if path[-1:] == (None,) else
                   place + "".join(f"[{i}]" for i in path), value)
                  for path, value in _unpacked((), given)]
-        for where, value in list(found):
-            if not read_by_entries(value):
-                continue
-            entries = entries_of(value)
-            found += [(f"a member of {where}", inner) for inner in entries] \
-                if type(entries) is set else \
-                [(f"{where}[{name!r}]" if isinstance(value, dict) else f"{where}.{name}", inner)
-                 for name, inner in entries] if _keyed(value) else \
-                [(f"{where}[{i}]", inner) for i, inner in enumerate(entries)]
+        level = found
+        for _ in range(_DEEPEST):
+            below: list[tuple[str, Any]] = []
+            for where, value in level:
+                if immutable(value) or not readable(value):
+                    continue
+                entries = entries_of(value)
+                below += [(f"a member of {where}", inner) for inner in entries] \
+                    if type(entries) is set else \
+                    [(f"{where}[{name!r}]" if isinstance(value, dict) else f"{where}.{name}",
+                      inner) for name, inner in entries] if _keyed(value) else \
+                    [(f"{where}[{i}]", inner) for i, inner in enumerate(entries)]
+            found += below
+            level = below
         for where, value in found:
             # Python's own iterators and generators only, given to the call (not a bound
             # method's object): a file or StringIO the call logs to, a proxy or mock, is an
@@ -245,7 +279,7 @@ def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
 
 def _plain_inside(value: Any, /) -> bool:
     """A container or plain object read by its entries, holding plain values only."""
-    if not read_by_entries(value):
+    if not readable(value):
         return False
     entries = entries_of(value)
     return all(immutable(v) for v in ([v for kv in entries for v in kv] if _keyed(value)
@@ -265,7 +299,7 @@ def _at(path: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], /)
         if isinstance(found, tuple):
             found = found[name] if name < len(found) else None
             continue
-        if not read_by_entries(found):
+        if not readable(found):
             return None
         entries = entries_of(found)
         if _keyed(found):
@@ -280,11 +314,12 @@ class MadeContents:
     container and what it held as the call began where it held plain values only (for
     ``with_reused_calls``; else ``None`` twice: one holding tensors is not held until the
     replay, helper IK, but for one a partial binds, which the partial holds anyway), and the
-    call's change (NOTE [a container a reused call is given and counts in])."""
+    call's change (NOTE [a container a reused call is given and counts in]); and those of
+    plain values it left as they were, with the change ``None``."""
 
     __slots__ = ("changed",)
 
-    def __init__(self, changed: list[tuple[tuple[Any, ...], type, Any, Any, _Change]], /
+    def __init__(self, changed: list[tuple[tuple[Any, ...], type, Any, Any, _Change | None]], /
                  ) -> None:
         self.changed = changed
 
@@ -295,12 +330,17 @@ class MadeContents:
         changed = []
         for path, held, before in read:
             after = entries_of(held)
-            if same_entries(after, before):
-                continue
             # Plain values only, one level down too (an object holding a load dict beside its
             # counts, helper IX): nothing held until the replay holds a tensor (helper IK).
             plain = all(immutable(v) or _plain_inside(v)
                         for v in ([v for kv in before for v in kv] if _keyed(held) else before))
+            if same_entries(after, before):
+                # Left as it was (a peak the call found higher, a member already in the set):
+                # still read by the replay as the call found it, not as a later layer sharing
+                # it left it (helper JG), by with_reused_calls' put-back; nothing to make again.
+                if plain:
+                    changed.append((path, type(held), held, before, None))
+                continue
             change = _Change.of(held, before, after)
             if change is not None:
                 changed.append((path, type(held), held if plain or path[0] is None else None,
@@ -311,6 +351,8 @@ class MadeContents:
         """In the replay's arguments at the same places, each container given what the call
         left (NOTE above), where it gets what it holds back after the replay."""
         for path, kind, held, _, change in self.changed:
+            if change is None:  # left as it was
+                continue
             target = held if path[0] is None else _at(path, args, kwargs)
             if type(target) is kind and restore_after_replay(target):
                 change.write_into(target)

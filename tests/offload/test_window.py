@@ -938,3 +938,91 @@ def test_a_dtype_view_saved_beside_its_tensor_shares_the_one_copy_of_the_storage
         out = _SaveAll.apply(x, x, x[2:], x.view(torch.int32))
     assert m.stats()["offloaded_bytes"] == nbytes
     out.sum().backward()
+
+
+@pytest.mark.xfail(strict=True, reason="helper JI: the pass keeps one shared copy per storage; a "
+                   "detach alias saved beside the table replaces it, so the table is copied again "
+                   "in every window")
+def test_a_table_every_window_gets_is_copied_once_per_pass_when_a_detached_alias_is_saved_too(
+        ) -> None:
+    # docs/offload.md: a storage already offloaded by an earlier window of the same pass, still
+    # alive and unmodified ("the same tensor or a view of it, at the same version"), is shared,
+    # not copied again; only "a fresh .data or .detach() alias per layer is copied per layer".
+    # Here the same table is passed to every window, and each window also saves a fresh
+    # ``cos.detach()`` (defensive code in an attention block). ``pass_.shared`` holds one copy
+    # per storage key: the alias's copy replaces the table's, and the table's next save fails
+    # ``same_counter`` against it, so the table is copied again in every window (8 copies of
+    # the table for 4 windows, not 1 + 4).
+    m = manager()
+    torch.manual_seed(0)
+    weights = [torch.randn(32, 32, requires_grad=True) for _ in range(4)]
+    cos = torch.randn(64, 32)
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def forward(offloaded: bool) -> torch.Tensor:
+        h = x * 1.0
+        for w in weights:
+            with m.window([h, cos]) if offloaded else nullcontext():
+                q = h @ w
+                h = q * cos + q * cos.detach()
+        return h
+
+    forward(False).sum().backward()
+    eager = [x.grad, *(w.grad for w in weights)]
+    x.grad = None
+    for w in weights:
+        w.grad = None
+    out = forward(True)
+    table, inputs = cos.untyped_storage().nbytes(), 4 * 64 * 32 * 4
+    offloaded = m.stats()["offloaded_bytes"]
+    out.sum().backward()
+    assert_same_grads(eager, [x.grad, *(w.grad for w in weights)])
+    # the inputs, the table once, and one copy of each window's fresh detached alias
+    assert offloaded == inputs + table + 4 * table
+
+
+class _GradIntoSaved(torch.autograd.Function):
+    """y = x * x; its backward builds the gradient in the saved tensor's memory (a memory trick
+    of fused kernels), which changes the saved tensor in place."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return x.mul_(2).mul_(grad)
+
+
+@pytest.mark.xfail(strict=True, reason="helper JI: a saved tensor changed in place through its "
+                   "restored alias in backward is not seen: each rebuilt alias has a counter of "
+                   "its own; eager refuses, offload gives wrong gradients silently")
+@pytest.mark.parametrize("schedule", ["two nodes save it", "retain_graph twice"])
+def test_a_saved_tensor_a_backward_changed_in_place_is_refused_like_eager(schedule: str) -> None:
+    # Eager: the first backward's ``mul_`` moves the saved tensor's version, and the next unpack
+    # of it (another node's, or the second backward's) raises "modified by an inplace
+    # operation". With offload, every unpack rebuilds its alias on the one restored buffer with
+    # a fresh version counter (Handle.rebuild), and check_unmodified reads the caller's tensor,
+    # which did not change: the second reader gets the changed bytes, with no error.
+    x0 = torch.randn(8, 16)
+
+    def run(m: offload.OffloadManager | None) -> None:
+        x = x0.clone().requires_grad_()
+        h = x * 1.0
+        with m.window([h]) if m is not None else nullcontext():
+            if schedule == "two nodes save it":
+                loss = (_GradIntoSaved.apply(h) + _GradIntoSaved.apply(h)).sum()
+            else:
+                loss = _GradIntoSaved.apply(h).sum()
+        if schedule == "two nodes save it":
+            loss.backward()
+        else:
+            loss.backward(retain_graph=True)
+            loss.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(None)
+    with pytest.raises(RuntimeError, match="modified"):  # CheckpointError is a RuntimeError
+        run(manager())

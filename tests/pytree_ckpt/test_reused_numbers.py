@@ -3057,3 +3057,203 @@ def test_an_iterator_held_by_a_namespace_given_to_a_reused_call_is_refused_in_th
     ours = _twins(_TakesWidthsFromAnIteratorInANamespace())[1]
     with pytest.raises(pytree_ckpt.ReuseError, match=r"an iterator at args\[1\]\.\w+"):
         ours(torch.randn(4, 8))
+
+
+# Helper JG: the state a reused call reads and changes, the cases earlier rounds did not reach.
+class _RoutesIntoPerExpertCounts(nn.Module):
+    """A router module whose stats dataclass holds a per-expert namespace holding a list of
+    counts (``self.stats.per_expert.counts[e] += 1``: two levels below the module's object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+        self.stats = _RouterStatsWithPerExpert(types.SimpleNamespace(counts=[0] * 8))
+
+    def route(self, h: torch.Tensor) -> torch.Tensor:
+        ids = self.gate(h).topk(2, dim=-1).indices
+        for e in ids.flatten().tolist():
+            self.stats.per_expert.counts[e] += 1
+        return ids
+
+
+@dataclasses.dataclass
+class _RouterStatsWithPerExpert:
+    per_expert: Any
+    tokens: int = 0
+
+
+class _ScalesEachChunkByItsBusiestExpert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _RoutesIntoPerExpertCounts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = self.lin(x), []
+        for chunk in h.chunk(2):
+            ids = reuse_during_recompute(self.router.route, chunk.detach())
+            busiest = max(self.router.stats.per_expert.counts)
+            out.append(torch.tanh(chunk + 0.01 * busiest *
+                                  torch.gather(chunk, -1, ids).sum(-1, keepdim=True)))
+        return torch.cat(out)
+
+
+# Guards against (helper JG), as it was found:
+def test_per_expert_counts_two_levels_below_a_routers_stats_are_read_per_chunk_as_eager(
+        ) -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScalesEachChunkByItsBusiestExpert())
+    for step in range(2):
+        for _ in range(2):  # two micro-batches, one after another
+            assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours.router.stats == eager.router.stats, f"step {step}"
+
+
+def _layer_twins(eager: nn.Sequential) -> tuple[Any, Any]:
+    """``eager`` and a copy of it whose layers are checkpointed each on its own (two
+    boundaries, where ``_twins`` makes the whole stack one)."""
+    ours = copy.deepcopy(eager)
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    return eager, ours
+
+
+def _tracks_the_peak_load(h: torch.Tensor, capacity: dict[str, int], k: int) -> torch.Tensor:
+    ids = h.topk(k, dim=-1).indices
+    capacity["peak"] = max(capacity["peak"], ids.numel())  # the most assignments routed
+    return ids
+
+
+class _ScalesByThePeakLoadOfEveryLayer(nn.Module):
+    """Layers sharing one capacity tracker: a reused call keeps the peak load seen."""
+
+    def __init__(self, capacity: dict[str, int], k: int) -> None:
+        super().__init__()
+        self.lin, self.capacity, self.k = nn.Linear(8, 8), capacity, k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_tracks_the_peak_load, h.detach(), self.capacity, self.k)
+        return torch.tanh(h + 0.01 * self.capacity["peak"] *
+                          torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper JG), as it was found:
+def test_a_capacity_tracker_a_reused_call_leaves_as_it_was_is_read_as_eager_by_its_replay(
+        ) -> None:
+    # Two checkpointed layers, top-1 and top-2, micro-batches of 4 then 6 rows: the peak goes
+    # 4, 8, then the first layer's call finds 8 and writes it back unchanged (6 < 8), and the
+    # second layer's raises it to 12. The first layer's replay must read 8, as eager's forward.
+    torch.manual_seed(0)
+    capacity = {"peak": 0}
+    eager, ours = _layer_twins(nn.Sequential(_ScalesByThePeakLoadOfEveryLayer(capacity, 1),
+                                             _ScalesByThePeakLoadOfEveryLayer(capacity, 2)))
+    for step in range(2):
+        for rows in (4, 6):  # two micro-batches, one after another
+            x = torch.randn(rows, 8)
+            assert _same(*_grads_after_a_step((eager, ours), x)), f"step {step}, {rows} rows"
+        assert ours[0].capacity == eager[0].capacity, f"step {step}"
+
+
+def _logs_its_load(h: torch.Tensor, window: Any) -> torch.Tensor:
+    ids = h.topk(2, dim=-1).indices
+    window.append(int(ids.sum()))
+    return ids
+
+
+class _LogsItsLoadAndTrainingSteps(nn.Module):
+    """A window of recent loads a reused call appends to; the layer marks the training steps in
+    it after the call, under grad (replay.md's pattern for a count made only in training)."""
+
+    def __init__(self, window: Any) -> None:
+        super().__init__()
+        self.lin, self.window = nn.Linear(8, 8), window
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_logs_its_load, h.detach(), self.window)
+        if torch.is_grad_enabled():
+            self.window.append(-1)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+
+
+# Guards against (helper JG), as it was found:
+@pytest.mark.parametrize("window", [list, functools.partial(collections.deque, maxlen=8)],
+                         ids=["list", "deque"])
+def test_a_window_a_reused_call_appends_to_keeps_what_the_layer_appends_under_grad_as_eager(
+        window: Callable[[], Any]) -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_LogsItsLoadAndTrainingSteps(window()))
+    for step in range(2):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert list(ours.window) == list(eager.window), f"step {step}"
+
+
+class _ExpertLoad(dict):
+    """A dict subclass of counts (an attribute-dict config, a typed stats dict)."""
+
+
+def _counts_tokens_in_the_load(h: torch.Tensor, load: dict[str, int]) -> torch.Tensor:
+    ids = h.topk(2, dim=-1).indices
+    load["tokens"] = load.get("tokens", 0) + int(ids.sum())
+    return ids
+
+
+class _ScalesByTheTokensCounted(nn.Module):
+    def __init__(self, load: dict[str, int]) -> None:
+        super().__init__()
+        self.lin, self.load = nn.Linear(8, 8), load
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_tokens_in_the_load, h.detach(), self.load)
+        return torch.tanh(h + 0.001 * self.load["tokens"] *
+                          torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper JG), as it was found:
+def test_a_dict_subclass_every_layer_gives_a_reused_call_to_count_in_replays_as_eager() -> None:
+    # replay.md's `Counting` example, the shared dict a subclass of dict.
+    torch.manual_seed(0)
+    load = _ExpertLoad()
+    eager, ours = _layer_twins(nn.Sequential(_ScalesByTheTokensCounted(load),
+                                       _ScalesByTheTokensCounted(load)))
+    for step in range(2):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours[0].load == eager[0].load, f"step {step}"
+
+
+def _counts_tokens_in_stats(h: torch.Tensor, stats: types.SimpleNamespace) -> torch.Tensor:
+    ids = h.topk(2, dim=-1).indices
+    stats.tokens += int(ids.sum())
+    return ids
+
+
+class _CountsThroughAClosure(nn.Module):
+    """The reused function a lambda made once, closing over the stats namespace the layers
+    share (where a functools.partial binding it replays as eager)."""
+
+    def __init__(self, stats: types.SimpleNamespace) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), stats
+        self.count = lambda h: _counts_tokens_in_stats(h, stats)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(self.count, h.detach())
+        return torch.tanh(h + 0.001 * self.stats.tokens *
+                          torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper JG), as it was found:
+def test_stats_a_reused_lambda_closes_over_replay_as_eager() -> None:
+    def model() -> nn.Sequential:  # made twice: a deep copy would share the closure's stats
+        torch.manual_seed(0)
+        stats = types.SimpleNamespace(tokens=0)
+        return nn.Sequential(_CountsThroughAClosure(stats), _CountsThroughAClosure(stats))
+
+    eager, ours = model(), model()
+    for layer in ours:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    for step in range(2):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours[0].stats == eager[0].stats, f"step {step}"
