@@ -324,7 +324,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
                                      slots)
             # The module's parameters: a detached alias of one passed in stays resident.
             resident = [*params, *frozen] if params is not None else ()
-            with manager.window(unique, name=name, resident=resident) as window:
+            with manager.eager_window(unique, name=name, resident=resident) as window:
                 out_tensors = apply_function(call, anchor, inputs)
             call.marks = dynamo_marks(unique)  # NOTE [dynamo's marks reach the replay]
             if call.frame.results:  # frozen results (top-k ids) go to host with the inputs

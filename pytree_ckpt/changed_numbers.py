@@ -25,10 +25,15 @@ class EndedAfterACall:
     was read from the call on (``with_reused_calls``), not as the forward began (NOTE [a key
     only the replay changes])."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "left")
 
-    def __init__(self, entries: Any, /) -> None:
+    def __init__(self, entries: Any, /, *, left: bool = False) -> None:
         self.entries = entries
+        # Given to reused calls that all left it as they found it (a tracker read, a peak
+        # not passed): read as the call found it for the replay, so that a later layer's
+        # change is not read (helper JG); a change the replay makes before the call is then
+        # its own (a count made only under grad), kept as one it makes after the call.
+        self.left = left
 
 
 class ChangedNumbers:
@@ -121,7 +126,9 @@ class ChangedNumbers:
                 done.add(id(held))
                 ended = forward[1] if forward is not None else None
                 at_call = None
-                if type(ended) is EndedAfterACall:
+                if type(ended) is EndedAfterACall and ended.left:
+                    ended = ended.entries
+                elif type(ended) is EndedAfterACall:
                     ended, at_call = ended.entries, at_calls.get(id(held))
                     if at_call is None:  # no call found it in the replay: nothing to tell by
                         ended = None

@@ -3257,3 +3257,35 @@ def test_stats_a_reused_lambda_closes_over_replay_as_eager() -> None:
     for step in range(2):
         assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
         assert ours[0].stats == eager[0].stats, f"step {step}"
+
+
+def _routes_by_the_capacity(h: torch.Tensor, stats: dict[str, int]) -> torch.Tensor:
+    return h.topk(2 if stats["capacity"] > 0 else 1, dim=-1).indices
+
+
+class _CountsTrainingCallsBeforeARouterThatReadsItsStats(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.stats = nn.Linear(8, 8), {"capacity": 3, "train_calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if torch.is_grad_enabled():
+            self.stats["train_calls"] += 1
+        ids = reuse_during_recompute(_routes_by_the_capacity, h.detach(), self.stats)
+        return torch.gather(h, -1, ids).sum(-1, keepdim=True) * h
+
+
+def test_a_count_made_under_grad_before_a_reused_call_that_only_reads_the_dict_is_kept() -> None:
+    # The dict the call is given and leaves as it was is read by the replay as the call found
+    # it (helper JG's capacity tracker); the count the replay alone makes before the call is
+    # then its own, as eager's forward made it, not the call's change made again (it was
+    # dropped by the first version of that fix: the state, not the numbers, is compared, as
+    # the count does not reach the output).
+    torch.manual_seed(0)
+    eager, ours = _layer_twins(nn.Sequential(_CountsTrainingCallsBeforeARouterThatReadsItsStats(),
+                                             _CountsTrainingCallsBeforeARouterThatReadsItsStats()))
+    for step in range(3):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert [layer.stats for layer in ours] == [layer.stats for layer in eager], f"step {step}"
+        assert ours[0].stats["train_calls"] == step + 1
