@@ -25,16 +25,18 @@ XTUNER_ACTIVATION_OFFLOAD mean (defaults.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
 from pytree_ckpt.census import Mechanism, census_active, report_held
+from pytree_ckpt.eager import runs_eagerly
 from pytree_ckpt.errors import CheckpointConfigError, require_callable, validate_bool
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
@@ -61,6 +63,16 @@ log = logging.getLogger(__name__)
 _COUNTERS = ("offloaded_bytes", "restored_bytes", "reused_bytes", "prefetch_hits",
              "prefetch_oom", "alive_elsewhere_bytes", "discarded_bytes", "below_min_bytes",
              "other_device_bytes", "windows")
+
+
+# NOTE [a window in compiled code]: dynamo would trace a window opened inside a compiled
+# function, and its pack hook, and replay their side effects with the weak references a copy
+# holds rebuilt as the objects (backward raised TypeError: helper JI). The window is opened and
+# closed eagerly instead (a graph break on each side; the block between compiles).
+WINDOW_REASON = (
+    "offload's OffloadManager.window opens and closes eagerly: it installs saved-tensor hooks "
+    "that copy to host memory, outside any graph. Open the window outside the compiled "
+    "function, or compile the block inside it, to avoid the graph break")
 
 
 def _device(device: object, /) -> torch.device:
@@ -313,10 +325,10 @@ class OffloadManager:
         """The tensor behind a handle from ``offload_into`` (restoring it if needed)."""
         return self._unpack(packed)
 
-    @contextmanager
+    @runs_eagerly(WINDOW_REASON)
     def window(self, tensors: Sequence[torch.Tensor], /, *,
                name: Callable[[int], str] | None = None,
-               resident: Sequence[torch.Tensor] = ()) -> Iterator[Window]:
+               resident: Sequence[torch.Tensor] = ()) -> _WindowContext:
         """Offload what autograd saves on the storages of ``tensors`` while the block runs.
 
         ``name(i)``, if given, says where ``tensors[i]`` came from in error messages (the
@@ -324,6 +336,13 @@ class OffloadManager:
         storages stay on the device even when a window tensor shares them (the boundary passes
         its module's parameters, so that a ``.detach()`` alias of one is not copied).
         """
+        return _WindowContext(self.eager_window(tensors, name=name, resident=resident))
+
+    @contextmanager
+    def eager_window(self, tensors: Sequence[torch.Tensor], /, *,
+                     name: Callable[[int], str] | None = None,
+                     resident: Sequence[torch.Tensor] = ()) -> Iterator[Window]:
+        """``window`` for a caller that runs eagerly already (the boundary: no wrapper)."""
         refuse_non_tensors(tensors)
         refuse_non_tensors(resident, name="resident")
         if name is not None:
@@ -335,20 +354,10 @@ class OffloadManager:
         with self._lock:  # NOTE [one thread at a time]
             window = self._open(tensors, name, resident)
 
-        def pack(tensor: torch.Tensor) -> Any:
-            with self._lock:
-                packed = self._pack(window, tensor)
-            if type(packed) in (Unchanged, Flattened) and census_active():
-                # Left on the device, held as autograd holds it. These hooks shadow an
-                # ActivationCensus's own: it hears of the save from here, as a plain autograd
-                # save (a boundary's input it already has under the boundary stays filed
-                # there); a wrapper copied in part, of the inner tensors it left. What
-                # offload_into leaves, its caller reports (a replay frame).
-                for held in ([packed] if type(packed) is Unchanged else packed.left_on_device()):
-                    report_held([held.tensor], Mechanism.AUTOGRAD, holder=held)
-            return packed
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+        # NOTE [a window in compiled code]: a partial of a method dynamo skips, not a closure
+        # (a closure wrapped per window was kept alive by dynamo's wrapper).
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self._pack_saved, window), self._unpack)
         try:
             hooks.__enter__()
         except RuntimeError as error:
@@ -366,6 +375,21 @@ class OffloadManager:
         # completed, and the caller has dropped its own reference to the window's inputs, so
         # "still alive elsewhere" means something really keeps them.
 
+    @runs_eagerly(WINDOW_REASON)
+    def _pack_saved(self, window: Window, tensor: torch.Tensor, /) -> Any:
+        """The window's pack hook."""
+        with self._lock:
+            packed = self._pack(window, tensor)
+        if type(packed) in (Unchanged, Flattened) and census_active():
+            # Left on the device, held as autograd holds it. These hooks shadow an
+            # ActivationCensus's own: it hears of the save from here, as a plain autograd
+            # save (a boundary's input it already has under the boundary stays filed
+            # there); a wrapper copied in part, of the inner tensors it left. What
+            # offload_into leaves, its caller reports (a replay frame).
+            for held in ([packed] if type(packed) is Unchanged else packed.left_on_device()):
+                report_held([held.tensor], Mechanism.AUTOGRAD, holder=held)
+        return packed
+
     # -- backward ----------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Flattened):
@@ -375,6 +399,24 @@ class OffloadManager:
             return packed.get()  # Unchanged
         with self._lock:  # NOTE [one thread at a time]
             return unpack_handle(self, packed)
+
+
+class _WindowContext:
+    """What ``OffloadManager.window`` returns: its context, entered and left eagerly (NOTE
+    [a window in compiled code])."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: AbstractContextManager[Window], /) -> None:
+        self._inner = inner
+
+    @runs_eagerly(WINDOW_REASON)
+    def __enter__(self) -> Window:
+        return self._inner.__enter__()
+
+    @runs_eagerly(WINDOW_REASON)
+    def __exit__(self, *raised: Any) -> bool | None:
+        return self._inner.__exit__(*raised)
 
 
 def _new_manager(config: OffloadConfig, device: str) -> OffloadManager:

@@ -2056,8 +2056,7 @@ def test_a_manager_for_an_indexed_cpu_device_offloads_as_one_for_the_cpu(device:
     assert expected[1] == expected[0]
 
 
-@pytest.mark.xfail(strict=True, reason="helper JI: a window opened inside torch.compile is traced "
-                   "by dynamo; its weakrefs come back as the objects, backward raises TypeError")
+# Guards against (helper JI), as it was found:
 def test_a_block_that_opens_its_own_window_runs_under_torch_compile_with_eager_gradients(
         ) -> None:
     # manager.window is public ("for code of your own"); compiling a block that uses it (per
