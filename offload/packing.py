@@ -59,10 +59,15 @@ def pack_saved(manager: OffloadManager, window: Window, tensor: torch.Tensor, /)
         return Unchanged(tensor)
     copy = window.copies.get(key)
     if copy is None or not copy.holds(tensor) or not copy.same_counter(tensor):
-        copy = window.pass_.shared.get(key)
+        # By storage and the tensor whose counter the copy checks (NOTE [one counter per
+        # shared copy] in window.py): a table every window gets, saved beside a `.detach()`
+        # alias of it, kept one copy for the pass, where one entry per storage let the
+        # alias's copy replace the table's, copied again in every window (helper JI).
+        base = tensor._base if tensor._base is not None else tensor
+        copy = window.pass_.shared.get((*key, id(base)))
         if copy is None or not copy.holds(tensor) or not copy.same_counter(tensor):
             copy = Copy(manager, window, tensor)
-            window.pass_.shared[key] = copy
+            window.pass_.shared[(*key, id(base))] = copy
             _report_offload(copy, tensor)
         else:
             # This window's boundary has just reported the storage as its input; what

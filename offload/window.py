@@ -384,7 +384,8 @@ class Pass:
         self.events: list[tuple[str, int]] = []
         self.prefetched: set[int] = set()
         # Storages offloaded by an earlier window of this pass (RoPE tables): copied once.
-        self.shared: weakref.WeakValueDictionary[tuple[str, int], Copy] = (
+        # By storage key and the id of the tensor (a view's base) whose counter it checks.
+        self.shared: weakref.WeakValueDictionary[tuple[str, int, int], Copy] = (
             weakref.WeakValueDictionary())
         self.backward = False  # a window was restored: new windows belong to a new pass
         # A prefetch ran out of device memory: the rest of the pass restores on demand (NOTE

@@ -940,9 +940,7 @@ def test_a_dtype_view_saved_beside_its_tensor_shares_the_one_copy_of_the_storage
     out.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="helper JI: the pass keeps one shared copy per storage; a "
-                   "detach alias saved beside the table replaces it, so the table is copied again "
-                   "in every window")
+# Guards against (helper JI), as it was found:
 def test_a_table_every_window_gets_is_copied_once_per_pass_when_a_detached_alias_is_saved_too(
         ) -> None:
     # docs/offload.md: a storage already offloaded by an earlier window of the same pass, still
