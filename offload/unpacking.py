@@ -59,5 +59,7 @@ def unpack_handle(manager: OffloadManager, packed: Handle, /) -> torch.Tensor:
     copy.restore()  # no-op unless the window no longer lists it (replaced after a change)
     manager.engine.wait(copy.h2d_event)
     assert copy.restored is not None
+    if copy.restored_version is None:  # NOTE [a change in backward through a restored alias]
+        copy.restored_version = copy.restored._version  # (window.py): the bytes landed
     manager.engine.use_here(copy.restored, allocated_on=copy.restored_on)
     return packed.rebuild(copy.restored)

@@ -45,7 +45,7 @@ class Copy:
     __slots__ = ("manager", "pass_ref", "seq", "stream", "host", "nbytes", "device", "version",
                  "storage_ref", "data_ptr", "device_bytes", "alias", "d2h_event", "restored",
                  "reused", "restored_on", "h2d_event", "host_holder", "restored_holder",
-                 "seen_version", "source", "watch", "__weakref__")
+                 "seen_version", "source", "watch", "restored_version", "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor, /) -> None:
         storage = tensor.untyped_storage()
@@ -72,6 +72,9 @@ class Copy:
         self.restored_holder: RestoredHolder | None = None  # for the census, while restored
         self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
         self.restored_on: Any = None  # the stream whose pool ``restored``'s memory came from
+        # ``restored``'s version once its bytes landed (NOTE [a change in backward through a
+        # restored alias]): the copy back moves it, when it runs.
+        self.restored_version: int | None = None
         self.d2h_event: Any = None
         self.h2d_event: Any = None
         # NOTE [stream rules] 1: we keep the device bytes until the copy's event completes, or
@@ -195,6 +198,7 @@ class Copy:
             self.restored, self.h2d_event = self.manager.engine.to_device(
                 self.host, self.nbytes, self.d2h_event)
         counters["restored_bytes"] += self.nbytes
+        self.restored_version = None  # read once the copy back landed (unpack_handle)
         if census_active() and not self.reused:
             # Held for backward from now until the handles are dropped (a retained graph's
             # second backward reads them: helper FM, the census counted none of them). Bytes
@@ -335,9 +339,15 @@ class Handle:
         self.version = tensor._version
 
     def rebuild(self, restored: torch.Tensor, /) -> torch.Tensor:
-        """This alias, on ``restored`` (its copy's storage, back on the device)."""
-        tensor = torch.empty(0, dtype=self.dtype, device=self.copy.device).set_(
-            restored.untyped_storage(), self.offset, self.size, self.stride)
+        """This alias, on ``restored`` (its copy's storage, back on the device): a view of
+        it, so that every alias restored from one copy counts its versions on one counter
+        (NOTE [a change in backward through a restored alias])."""
+        try:
+            whole = restored if restored.dtype == self.dtype else restored.view(self.dtype)
+            tensor = whole.as_strided(self.size, self.stride, self.offset)
+        except RuntimeError:  # bytes not a whole number of elements: an alias of its own
+            tensor = torch.empty(0, dtype=self.dtype, device=self.copy.device).set_(
+                restored.untyped_storage(), self.offset, self.size, self.stride)
         # NOTE [lazy bits]: the layout does not carry a conj or neg bit.
         if self.conj:
             tensor = tensor.conj()
@@ -346,6 +356,25 @@ class Handle:
         return as_kind(tensor, self.subclass)  # NOTE [subclasses come back as themselves]
 
     def check_unmodified(self) -> None:
+        # NOTE [a change in backward through a restored alias]: a backward that writes into
+        # a tensor it saved (a custom Function's memory trick) changes it for every later
+        # reader, whom eager refuses ("modified by an inplace operation": the saved tensor's
+        # counter moved). Restored aliases are views of their copy's restored bytes, so such a
+        # write moves that counter, read here (helper JI: each alias had a counter of its
+        # own, and a second node, or a retained graph's second backward, read the written
+        # bytes silently).
+        copy = self.copy
+        if copy.restored is not None and copy.restored_version is not None and \
+                copy.restored._version != copy.restored_version:
+            window = self.window
+            raise CheckpointError(
+                f"{window.describe(self.key)} (offload window {window.id}, "
+                f"{self.dtype}{list(self.size)}) was modified in place in backward, through a "
+                "restored tensor, after it was saved for backward",
+                expected=f"version {copy.restored_version} (when restored)",
+                got=f"version {copy.restored._version}",
+                tip="write into a clone in the backward that changes it (x.clone().mul_(2)), "
+                    "or keep the tensor out of the offload window")
         source = self.source()
         if source is None:  # dropped by the caller: the copy's alias shares its counter
             source = self.copy.alias
