@@ -73,6 +73,7 @@ from .forward_modules import ForwardModules
 from .changed_numbers import ChangedNumbers
 from .frames import callable_name
 from .generator_sets import replay_watch
+from .keep import kept_region
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
 from .replay_values import OutputPrints, check_rebuilt
@@ -303,7 +304,10 @@ class CheckpointWithoutOutput:
         # Detached aliases: the same storages, without a grad_fn pointing back at our node.
         self.outputs = tuple(o.detach() for o in outputs)
         if self.verify_replay:
-            self.prints = OutputPrints.of(self.outputs, self._paths, fn=self._name())
+            # Outside a kept method's region, as the Function's own bookkeeping (NOTE [the
+            # library's own ops in a kept method's region] in keep.py; helper JM).
+            with kept_region(frozenset()):
+                self.prints = OutputPrints.of(self.outputs, self._paths, fn=self._name())
         self.versions = [o._version for o in self.outputs]  # they share the outputs' counters
         self.checkpointed = True
         # fn's own container: a list of outputs comes back a list (the Function returns a tuple)

@@ -486,6 +486,11 @@ class KeepMode(TorchDispatchMode):
                 tuple((g, g.get_state()) for g in frame.generators) \
                 if devices is not None and frame.generators else ()
             args, kwargs = for_backward(func, args, kwargs)
+            # Printed before the op runs, as the replay prints it: a kernel that writes an
+            # argument its schema does not mark (a batch norm's running statistics) would
+            # otherwise be printed as it left them (helper JM: a false ReplayMismatchError).
+            prints = arguments_print(_tensors((args, kwargs)), op=func, fn=self.layer) \
+                if self.verify else None
             out = func(*args, **kwargs)
             rng_after = None
             generators_after: GeneratorStates = ()
@@ -505,10 +510,8 @@ class KeepMode(TorchDispatchMode):
             # back (rule 3), or cleared with the frame, lets go of its holder.
             holder = _RecordHolder()
             frame.record(func, (kept, [t._version for t in _tensors(kept)], holder,
-                                call_arguments(func, args, kwargs),
-                                arguments_print(_tensors((args, kwargs)), op=func,
-                                                fn=self.layer) if self.verify
-                                else None), rng_after=rng_after,
+                                call_arguments(func, args, kwargs), prints),
+                         rng_after=rng_after,
                          generators_after=generators_after)
             position = len(frame.results[func]) - 1
             if not self.policy.use.settled:
