@@ -25,15 +25,10 @@ class EndedAfterACall:
     was read from the call on (``with_reused_calls``), not as the forward began (NOTE [a key
     only the replay changes])."""
 
-    __slots__ = ("entries", "left")
+    __slots__ = ("entries",)
 
-    def __init__(self, entries: Any, /, *, left: bool = False) -> None:
+    def __init__(self, entries: Any, /) -> None:
         self.entries = entries
-        # Given to reused calls that all left it as they found it (a tracker read, a peak
-        # not passed): read as the call found it for the replay, so that a later layer's
-        # change is not read (helper JG); a change the replay makes before the call is then
-        # its own (a count made only under grad), kept as one it makes after the call.
-        self.left = left
 
 
 class ChangedNumbers:
@@ -126,9 +121,7 @@ class ChangedNumbers:
                 done.add(id(held))
                 ended = forward[1] if forward is not None else None
                 at_call = None
-                if type(ended) is EndedAfterACall and ended.left:
-                    ended = ended.entries
-                elif type(ended) is EndedAfterACall:
+                if type(ended) is EndedAfterACall:
                     ended, at_call = ended.entries, at_calls.get(id(held))
                     if at_call is None:  # no call found it in the replay: nothing to tell by
                         ended = None
@@ -137,8 +130,9 @@ class ChangedNumbers:
                     factory = held.default_factory if isinstance(held, defaultdict) else None
                     put_entries(held, _merged(entries, forward[0], ended, entries_of(held),
                                               factory, at_call))
-                elif ended is not None and _only_added(entries, forward[0], ended,
-                                                       entries_of(held), at_call):
+                elif ended is not None and _only_added(
+                        entries, forward[0], ended, entries_of(held), at_call,
+                        held.maxlen if isinstance(held, deque) else None):
                     pass  # the replay's additions kept (NOTE [a key only the replay changes])
                 else:
                     put_entries(held, entries)
@@ -210,7 +204,8 @@ def _merged(at_start: list[tuple[Any, Any]], began: list[tuple[Any, Any]],
     return merged
 
 
-def _only_added(at_start: Any, began: Any, ended: Any, after: Any, at_call: Any, /) -> bool:
+def _only_added(at_start: Any, began: Any, ended: Any, after: Any, at_call: Any,
+                maxlen: int | None, /) -> bool:
     """Whether a list, deque or set, as the replay left it (``after``), is as the forward left
     it (``ended``) with entries the replay alone added after it (a list appended to, a set
     added to: the replay's grad-gated `window.append(-1)` after a reused call, helper JG),
@@ -220,7 +215,13 @@ def _only_added(at_start: Any, began: Any, ended: Any, after: Any, at_call: Any,
         return False
     if isinstance(after, set):
         return after > ended
-    return len(after) > len(ended) and after[:len(ended)] == ended
+    if len(after) > len(ended) and after[:len(ended)] == ended:
+        return True
+    # A full rolling window (a deque with a maxlen): the additions pushed its first entries
+    # out (helper JK).
+    return maxlen is not None and len(after) == maxlen and any(
+        after[:maxlen - added] == ended[len(ended) - (maxlen - added):]
+        for added in range(max(1, maxlen - len(ended) + 1), maxlen + 1))
 
 
 def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],

@@ -124,7 +124,7 @@ def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
     places = [(key, value) for key, value, _ in argument_places(fn, args, kwargs)]
     for key, value in [*places, *((None, value) for value in _objects_of_its_module(fn))]:
         for path, held in _unpacked((key,), value):
-            _read_into(read, seen, path, held)
+            _read_into(read, seen, path, held)  # each with a budget of its own (helper JK)
     return read or None
 
 
@@ -146,19 +146,19 @@ def _unpacked(path: tuple[Any, ...], value: Any, /, depth: int = 0
 
 
 _DEEPEST = 2  # levels below an argument: a router's stats.per_expert.counts (helper JG)
-_MOST_READ = 256  # objects read for one call, at most
+_MOST_READ = 256  # objects read for one argument, at most
 
 
 def _read_into(read: ArgumentContents, seen: set[int], path: tuple[Any, ...], value: Any,
                /) -> None:
     """``value`` (a container, or a plain object by its attributes) and, two levels down,
     the containers and plain objects it holds, each read once (``seen``), nearest first."""
-    level = [(path, value)]
+    level, most = [(path, value)], len(read) + _MOST_READ
     for depth in range(_DEEPEST + 1):
         below: list[tuple[tuple[Any, ...], Any]] = []
         for at, held in level:
             if id(held) in seen or immutable(held) or not readable(held) or \
-                    len(read) >= _MOST_READ:
+                    len(read) >= most:
                 continue
             seen.add(id(held))
             entries = entries_of(held)
@@ -202,13 +202,14 @@ def argument_places(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
         # stats)`): the same objects in the replay, as a partial's (helper JG).
         for name, cell in zip(inner.__code__.co_freevars, inner.__closure__):
             try:
-                places.append((None, cell.cell_contents, f"the closure's {name}"))
+                places.append((None, cell.cell_contents, f"{_CLOSURES}{name}"))
             except ValueError:  # a cell not yet filled
                 continue
     return places
 
 
 _METHODS_OBJECT = "the object of the bound method"
+_CLOSURES = "the closure's "
 
 
 def _objects_of_its_module(fn: Any, /) -> list[Any]:
@@ -239,7 +240,9 @@ def refuse_iterator_arguments(fn: Any, name: str, args: tuple[Any, ...],
     inputs. Told in
     the original pass, before the call."""
     for _, given, place in argument_places(fn, args, kwargs):
-        if place == _METHODS_OBJECT:
+        if place == _METHODS_OBJECT or place.startswith(_CLOSURES):
+            # Not given: only the function reads it (a private `itertools.count()` for call
+            # ids, helper JK), the code after the call does not.
             continue
         # Where argument_contents looks: in tuples, and two levels down in a container or a
         # plain object (`fn(h, (widths,))`, `fn(h, {"src": it})`, a namespace holding one: not
@@ -314,17 +317,23 @@ def _at(path: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any], /)
     return found
 
 
+# NOTE [a container a reused call left as it was]: is not put back for the replay. Put back as
+# the call found it, a tracker several layers share was read by an earlier layer's replay as
+# the call found it (helper JG: a later layer raised the peak); but a count the layer makes in
+# it under grad after the call then had nothing to be told from (a list changed in place was
+# reset, every count 0; a dict two layers count in kept one layer's count: helper JK), where
+# leaving it as the replay finds it is exact. Documented: a container a call only reads is read
+# as it is when the replay runs (docs/limits.md, Module state).
 class MadeContents:
     """The argument containers a reused call changed, each with its place, its kind, the
     container and what it held as the call began where it held plain values only (for
     ``with_reused_calls``; else ``None`` twice: one holding tensors is not held until the
     replay, helper IK, but for one a partial binds, which the partial holds anyway), and the
-    call's change (NOTE [a container a reused call is given and counts in]); and those of
-    plain values it left as they were, with the change ``None``."""
+    call's change (NOTE [a container a reused call is given and counts in])."""
 
     __slots__ = ("changed",)
 
-    def __init__(self, changed: list[tuple[tuple[Any, ...], type, Any, Any, _Change | None]], /
+    def __init__(self, changed: list[tuple[tuple[Any, ...], type, Any, Any, _Change]], /
                  ) -> None:
         self.changed = changed
 
@@ -340,13 +349,7 @@ class MadeContents:
             plain = all(immutable(v) or _plain_inside(v)
                         for v in ([v for kv in before for v in kv] if _keyed(held) else before))
             if same_entries(after, before):
-                # Given as an argument and left as it was (a peak the call found higher, a
-                # member already in the set): still read by the replay as the call found it,
-                # not as a later layer sharing it left it (helper JG), by with_reused_calls'
-                # put-back; nothing to make again. (Not what the call's module or a partial
-                # holds: a log of the phases a test harness keeps kept the replay's lines.)
-                if plain and path[0] is not None:
-                    changed.append((path, type(held), held, before, None))
+                # NOTE [a container a reused call left as it was]
                 continue
             change = _Change.of(held, before, after)
             if change is not None:
@@ -358,8 +361,6 @@ class MadeContents:
         """In the replay's arguments at the same places, each container given what the call
         left (NOTE above), where it gets what it holds back after the replay."""
         for path, kind, held, _, change in self.changed:
-            if change is None:  # left as it was: put back by with_reused_calls alone
-                continue
             target = held if path[0] is None else _at(path, args, kwargs)
             if type(target) is kind and restore_after_replay(target):
                 change.write_into(target)
@@ -432,10 +433,6 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
             value.ident if type(value) is Refilled else id(value.held)
             for _, values, _ in changed.found for _, value in values
             if type(value) in (Contents, Refilled)}
-        # Those no call changed: the replay's changes before the call are its own (a count
-        # made only under grad), not the call's made again (EndedAfterACall.left).
-        changing = {id(held) for given in contents
-                    for _, _, held, _, change in given.changed if change is not None}
         for given in contents:
             for _, _, held, before, _ in given.changed:
                 # One holding tensors is read as the forward left it (a local one the replay
@@ -450,8 +447,7 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
                 # As the forward left it (this runs as the forward ends), for NOTE [a key only
                 # the replay changes] (changed_numbers.py): a count made only under grad, in
                 # the replay, in an object or dict a reused call counts in (helper IR).
-                ends[id(read)] = EndedAfterACall(entries_of(held),
-                                                 left=id(held) not in changing)
+                ends[id(read)] = EndedAfterACall(entries_of(held))
     for change in made:
         for name, was, _ in change.made:
             if (id(change.d), name) in covered:

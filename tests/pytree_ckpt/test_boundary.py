@@ -2899,3 +2899,40 @@ def test_a_callable_config_object_taking_kwargs_runs_given_a_torch_option_keywor
     assert torch.equal(got, expected)
     got.sum().backward()
     assert torch.equal(x.grad, grad)
+
+
+class _GradIsSavedInput(torch.autograd.Function):
+    """(x * x).sum() / 2, whose backward hands back the saved input itself as the gradient
+    when the gradient coming in is 1 (as Liger's fused losses return a saved tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return (x * x).sum() / 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return x if bool(grad == 1) else x * grad
+
+
+@pytest.mark.xfail(strict=True, reason="helper JL: the replay's gradient is its alias of the "
+                   "caller's leaf input, which AccumulateGrad steals: .grad aliases the input")
+@pytest.mark.parametrize("offloaded", [False, True], ids=["no offload", "offload"])
+def test_a_leaf_inputs_grad_does_not_share_its_memory_when_the_replay_returns_the_saved_input(
+        offloaded: bool) -> None:
+    # Eager: the saved tensor is the leaf itself, held by the graph, so AccumulateGrad copies
+    # the gradient it gets. The replay's input is a non-leaf alias of the caller's leaf (or,
+    # with offload, a view of the copy's bytes reused at the turn: the leaf's own storage);
+    # nothing else holds the gradient, so AccumulateGrad steals it, and x.grad shares x's
+    # memory. A second micro-batch then adds its gradient into x itself (x doubles), and
+    # ``x.grad.zero_()`` (zero_grad(set_to_none=False)) zeroes x.
+    x0 = torch.randn(8, 16)
+    x = x0.clone().requires_grad_()
+    m = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    layer = pytree_ckpt.checkpointed(_GradIsSavedInput.apply, offload=m if offloaded else False)
+    for _ in range(2):  # gradient accumulation over two micro-batches
+        layer(x).backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, 2 * x0)
+    assert torch.equal(x.detach(), x0)  # got 2 * x0: the second micro-batch's += landed in x

@@ -3137,7 +3137,10 @@ class _ScalesByThePeakLoadOfEveryLayer(nn.Module):
                           torch.gather(h, -1, ids).sum(-1, keepdim=True))
 
 
-# Guards against (helper JG), as it was found:
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/limits.md, state outside the call's modules; replay.md) (helper "
+    "JG): a container a reused call left as it was is read as it is when the replay runs; put "
+    "back as the call found it, grad-gated counts made there were lost (helper JK)"))
 def test_a_capacity_tracker_a_reused_call_leaves_as_it_was_is_read_as_eager_by_its_replay(
         ) -> None:
     # Two checkpointed layers, top-1 and top-2, micro-batches of 4 then 6 rows: the peak goes
@@ -3277,11 +3280,9 @@ class _CountsTrainingCallsBeforeARouterThatReadsItsStats(nn.Module):
 
 
 def test_a_count_made_under_grad_before_a_reused_call_that_only_reads_the_dict_is_kept() -> None:
-    # The dict the call is given and leaves as it was is read by the replay as the call found
-    # it (helper JG's capacity tracker); the count the replay alone makes before the call is
-    # then its own, as eager's forward made it, not the call's change made again (it was
-    # dropped by the first version of that fix: the state, not the numbers, is compared, as
-    # the count does not reach the output).
+    # NOTE [a container a reused call left as it was] (reused_numbers.py): not put back, so
+    # the count the replay alone makes is kept, as eager's forward made it (a put-back as the
+    # call found it dropped it, in a first fix for helper JG's capacity tracker).
     torch.manual_seed(0)
     eager, ours = _layer_twins(nn.Sequential(_CountsTrainingCallsBeforeARouterThatReadsItsStats(),
                                              _CountsTrainingCallsBeforeARouterThatReadsItsStats()))
@@ -3289,3 +3290,140 @@ def test_a_count_made_under_grad_before_a_reused_call_that_only_reads_the_dict_i
         assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
         assert [layer.stats for layer in ours] == [layer.stats for layer in eager], f"step {step}"
         assert ours[0].stats["train_calls"] == step + 1
+
+
+def _routes_reading_the_load(h: torch.Tensor, load: Any) -> torch.Tensor:
+    _ = sum(load) if isinstance(load, list) else load["tokens"]  # read (a tie-break), not changed
+    return h.topk(2, dim=-1).indices
+
+
+class _CountsTheLoadUnderGradAfterARouterThatReadsIt(nn.Module):
+    """limits.md's tip for a count made only in training: the layer counts after the reused
+    call, on the ids it returns, `if torch.is_grad_enabled()`; the router is given the load and
+    only reads it."""
+
+    def __init__(self, load: Any) -> None:
+        super().__init__()
+        self.lin, self.load = nn.Linear(8, 8), load
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_routes_reading_the_load, h.detach(), self.load)
+        if torch.is_grad_enabled():
+            if isinstance(self.load, list):
+                for e in ids.flatten().tolist():
+                    self.load[e] += 1
+            else:
+                self.load["tokens"] += ids.numel()
+        return torch.tanh(h + torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper JK), as it was found:
+def test_a_per_expert_load_list_the_layer_counts_in_under_grad_after_a_reading_router_keeps_eagers_counts(
+        ) -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_CountsTheLoadUnderGradAfterARouterThatReadsIt([0] * 8))
+    for step in range(2):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours.load == eager.load, f"step {step}: {ours.load} != {eager.load}"
+
+
+# Guards against (helper JK), as it was found:
+def test_a_token_count_two_layers_make_under_grad_after_a_router_that_reads_their_shared_dict_is_eagers(
+        ) -> None:
+    torch.manual_seed(0)
+    load = {"tokens": 0}
+    eager, ours = _layer_twins(nn.Sequential(_CountsTheLoadUnderGradAfterARouterThatReadsIt(load),
+                                             _CountsTheLoadUnderGradAfterARouterThatReadsIt(load)))
+    for step in range(2):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours[0].load == eager[0].load, f"step {step}: {ours[0].load} != {eager[0].load}"
+
+
+def _counts_tokens_beside_a_table(h: torch.Tensor, table: list[Any], stats: dict[str, int]
+                                  ) -> torch.Tensor:
+    ids = h.topk(2, dim=-1).indices
+    stats["tokens"] += int(ids.sum())
+    return ids
+
+
+class _CountsBesideAPerExpertTable(nn.Module):
+    """A reused call given a table of 60 experts (each a namespace of four short lists: 60
+    entries, 4 attributes, 1 item, all within the 64 replay.md allows) before the stats it
+    counts in."""
+
+    def __init__(self, table: list[Any], stats: dict[str, int]) -> None:
+        super().__init__()
+        self.lin, self.table, self.stats = nn.Linear(8, 8), table, stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_counts_tokens_beside_a_table, h.detach(), self.table,
+                                     self.stats)
+        return torch.tanh(h + 0.001 * self.stats["tokens"] *
+                          torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper JK), as it was found:
+def test_stats_given_to_a_reused_call_after_a_table_of_sixty_experts_are_read_as_eager() -> None:
+    torch.manual_seed(0)
+    table = [types.SimpleNamespace(hist=[0], caps=[1], w=[2], z=[3]) for _ in range(60)]
+    stats = {"tokens": 0}
+    eager, ours = _layer_twins(nn.Sequential(_CountsBesideAPerExpertTable(table, stats),
+                                             _CountsBesideAPerExpertTable(table, stats)))
+    for step in range(2):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours[0].stats == eager[0].stats, f"step {step}"
+
+
+class _TagsEachCallFromACounterItClosesOver(nn.Module):
+    """A reused function made once that closes over an `itertools.count` it draws a call id
+    from (nothing else reads the counter): the replay skips the call, so the counter advances
+    once per forward, as eager's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        ids = itertools.count()
+        self.tag = lambda h: (h.topk(2, dim=-1).indices, next(ids))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids, call = reuse_during_recompute(self.tag, h.detach())
+        return torch.tanh(h + 0.01 * call * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper JK), as it was found:
+def test_a_call_id_a_reused_lambda_draws_from_a_counter_it_closes_over_is_eagers() -> None:
+    def model() -> nn.Module:  # made twice: a deep copy would share the closure's counter
+        torch.manual_seed(0)
+        return _TagsEachCallFromACounterItClosesOver()
+
+    eager, ours = model(), model()
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    for step in range(3):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+
+
+class _ScalesByARecentLoadWindowMarkedUnderGrad(_LogsItsLoadAndTrainingSteps):
+    """JG's window of recent loads, a `deque(maxlen=4)` (a rolling window), read by the layer
+    before the call: the reused call appends a load, the layer marks the training step after
+    it under grad."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        recent = sum(self.window)
+        ids = reuse_during_recompute(_logs_its_load, h.detach(), self.window)
+        if torch.is_grad_enabled():
+            self.window.append(-1)
+        return torch.tanh(h + 0.01 * recent * torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper JK), as it was found:
+def test_a_full_rolling_window_keeps_the_mark_the_layer_appends_under_grad_after_a_reused_call(
+        ) -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_ScalesByARecentLoadWindowMarkedUnderGrad(collections.deque(maxlen=4)))
+    for step in range(4):  # two entries a step: full from the second
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert list(ours.window) == list(eager.window), f"step {step}"
