@@ -146,6 +146,30 @@ def _inputs_without_gradient(saved: Sequence[torch.Tensor], grads: Sequence[Any]
             skip_no_gradient(tensor)
 
 
+def _own_memory(saved: Sequence[torch.Tensor], grads: list[Any], /) -> None:
+    """NOTE [a gradient on an input's memory]: a backward may hand back a tensor it saved as
+    the gradient (``return x`` where the gradient coming in is 1, as fused losses return a
+    saved one). Eager's saved tensor is the caller's leaf, which the graph holds, so
+    AccumulateGrad copies it; the replay's is an alias of that leaf (or, under offload, a view
+    of its reused bytes) that nothing else holds, and AccumulateGrad stole it: ``.grad``
+    shared the input's memory, and the next micro-batch's ``+=`` changed the input (helper
+    JL). Such a gradient is copied (a storage comparison per input otherwise)."""
+    memories = {_memory(t) for t in saved if isinstance(t, torch.Tensor)}
+    memories.discard(0)  # empty storages, and tensors without one
+    for i, grad in enumerate(grads):
+        if grad is not None and _memory(grad) in memories:
+            grads[i] = grad.clone()
+
+
+def _memory(tensor: torch.Tensor, /) -> int:
+    """Where ``tensor``'s storage begins; 0 for one without a plain storage (sparse, nested,
+    a wrapper subclass's)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def _refuse_leaves_reached(call: BoundaryCall, outs: Sequence[torch.Tensor],
                            inputs: Sequence[torch.Tensor], /) -> None:
     """Refuse a replay whose graph reaches a leaf that requires grad other than the call's
@@ -427,6 +451,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         if release:
             call.frame.clear()
         from_inputs = [d.grad if need else None for d, need in zip(detached, needs)]
+        _own_memory(saved, from_inputs)
         _inputs_without_gradient(saved, from_inputs, needs)
         return (None, None, *from_inputs)
     assert call.params is not None
@@ -480,6 +505,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # no hook call] (parameter_hooks.py) holds here too.
         ParameterHooksPaused(call.params)  # wraps them
     accumulated_nothing(call.params, result[n:], needs[n:])
+    if outs and wanted:
+        _own_memory(saved[:n], result)  # NOTE [a gradient on an input's memory]
     _inputs_without_gradient(saved, result[:n], needs)
     if release:
         call.frame.clear()
@@ -608,6 +635,8 @@ def _from_kept(ctx: Any, call: BoundaryCall, kept: KeptReplay,
     elif call.params:
         ParameterHooksPaused(call.params)  # NOTE [unused parameters get no hook call]
     accumulated_nothing(call.params, result[n:], needs[n:])
+    if outs and wanted:
+        _own_memory(saved[:n], result)  # NOTE [a gradient on an input's memory]
     _inputs_without_gradient(saved, result[:n], needs)
     kept.taken.update(wanted)  # in place: threads taking gradients at once each add theirs
     if (not keep_graph or kept.taken.issuperset(needed)) and call.kept is kept:

@@ -1024,9 +1024,11 @@ def test_a_saved_tensor_a_backward_changed_in_place_is_refused_like_eager(schedu
         run(manager())
 
 
-@pytest.mark.xfail(strict=True, reason="helper JL: a replay's backward writes into the reused "
-                   "input storage without moving the caller's counter; another node reads it")
-def test_a_replay_that_writes_into_its_restored_input_is_refused_where_another_node_saved_it_like_eager(
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Inputs and outputs: a "
+                   "backward writing into what it saved, under offload) (helper JL): a replay's "
+                   "backward writes into the reused input storage without moving the caller's "
+                   "counter; another node reads it")
+def test_a_replay_writing_into_its_restored_input_is_refused_where_another_node_saved_it(
         ) -> None:
     # A checkpointed layer whose custom Function builds its gradient in the saved input's
     # memory (_GradIntoSaved), and an op outside the layer that saved the same tensor and runs
@@ -1057,8 +1059,10 @@ def test_a_replay_that_writes_into_its_restored_input_is_refused_where_another_n
         assert torch.equal(w_grad, x0)  # h as the forward used it (got 2 * h)
 
 
-@pytest.mark.xfail(strict=True, reason="helper JL: a backward's write through one copy's "
-                   "restored alias is not seen by a .data or .detach() alias's own copy")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Inputs and outputs: a "
+                   "backward writing into what it saved, under offload) (helper JL): a "
+                   "backward's write through one copy's restored alias is not seen by a .data "
+                   "or .detach() alias's own copy")
 @pytest.mark.parametrize("alias", ["data", "detach"])
 def test_a_write_a_backward_makes_into_a_saved_tensor_reaches_an_alias_saved_beside_it_like_eager(
         alias: str) -> None:

@@ -3319,7 +3319,7 @@ class _CountsTheLoadUnderGradAfterARouterThatReadsIt(nn.Module):
 
 
 # Guards against (helper JK), as it was found:
-def test_a_per_expert_load_list_the_layer_counts_in_under_grad_after_a_reading_router_keeps_eagers_counts(
+def test_a_load_list_counted_under_grad_after_a_reading_router_keeps_eagers_counts(
         ) -> None:
     torch.manual_seed(0)
     eager, ours = _twins(_CountsTheLoadUnderGradAfterARouterThatReadsIt([0] * 8))
@@ -3329,7 +3329,7 @@ def test_a_per_expert_load_list_the_layer_counts_in_under_grad_after_a_reading_r
 
 
 # Guards against (helper JK), as it was found:
-def test_a_token_count_two_layers_make_under_grad_after_a_router_that_reads_their_shared_dict_is_eagers(
+def test_a_count_two_layers_make_under_grad_after_a_reading_router_is_eagers(
         ) -> None:
     torch.manual_seed(0)
     load = {"tokens": 0}
