@@ -68,7 +68,7 @@ _COUNTERS = ("offloaded_bytes", "restored_bytes", "reused_bytes", "prefetch_hits
 # NOTE [a window in compiled code]: dynamo would trace a window opened inside a compiled
 # function, and its pack hook, and replay their side effects with the weak references a copy
 # holds rebuilt as the objects (backward raised TypeError: helper JI). The window is opened and
-# closed eagerly instead (a graph break on each side; the block between compiles).
+# closed eagerly instead: a graph break, after which dynamo runs the rest of that frame eagerly.
 WINDOW_REASON = (
     "offload's OffloadManager.window opens and closes eagerly: it installs saved-tensor hooks "
     "that copy to host memory, outside any graph. Open the window outside the compiled "
