@@ -48,6 +48,7 @@ from .frozen import (AsRecorded, StateAfter, apply_state_after, argument_version
                      warn_changed_arguments, warn_grad_mode_read)
 from .grad_probe import probe_for
 from .keep import IN_REUSE, RECOMPUTE
+from .module_state import with_its_module
 from .phase import ACTIVE, Phase
 from .reused_numbers import argument_contents, refuse_iterator_arguments
 from .rng import GeneratorStates, RngState, generators_moved, rng_changed, rng_state, set_rng_state
@@ -422,17 +423,18 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # aten::equal): a save unit keeping everything a callable dispatches must not keep them.
         token = IN_REUSE.set(True)
         call, versions = argument_versions(args, kwargs)
-        buffers = buffer_versions(fn)
-        numbers = numbers_watch(fn)
-        contents = argument_contents(fn, args, kwargs)  # NOTE in reused_numbers.py
-        held = held_tensors(fn)  # NOTE [floats a reused fn stores on its module] (frozen.py)
+        watched = with_its_module(fn, args)  # `Router.route, self.router, h`: the router's
+        buffers = buffer_versions(watched)
+        numbers = numbers_watch(watched)
+        contents = argument_contents(watched, args, kwargs)  # NOTE in reused_numbers.py
+        held = held_tensors(watched)  # NOTE [floats a reused fn stores on its module] (frozen.py)
         try:
             before = rng_state(devices) if devices is not None else None
             generators_before = tuple((g, g.get_state()) for g in generators) \
                 if generators else ()
             # NOTE [the grad probe] (grad_probe.py), and NOTE [floats a reused fn stores on
             # its module] (frozen.py)
-            probe = probe_for(fn, call, stores=held is not None and stores_floats(fn))
+            probe = probe_for(fn, call, stores=held is not None and stores_floats(watched))
             with probe if probe is not None else nullcontext():
                 try:
                     result = fn(*args, **kwargs)
@@ -453,7 +455,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         checks = _UNCHECKED if raised is not None else as_recorded(
             callable_name(fn), result, args, kwargs,
             graph=None if probe is None else probe.found(result),
-            stored=() if held is None else stored_floats(fn, held, probe),
+            stored=() if held is None else stored_floats(watched, held, probe),
             probed=probe is not None)
     else:  # a nested boundary's original pass inside a replay records the jump it took too
         result, rng_after, checks = invocation.frame.take_with_rng(fn)
@@ -463,7 +465,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         if changes is not None:  # made here as the skipped call made them in the forward
             token = IN_REUSE.set(True)
             try:
-                apply_state_after(fn, args, kwargs, changes)
+                apply_state_after(with_its_module(fn, args), args, kwargs, changes)
             finally:
                 IN_REUSE.reset(token)
         if not recorders and type(result) is not _Raised:  # the replay itself (a nested

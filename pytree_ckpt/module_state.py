@@ -35,7 +35,7 @@ __all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argu
            "ever_verified", "foreign_leaves", "graph_attributes", "graph_reaches", "is_verified",
            "mark_verified", "module_buffers", "module_dicts", "owning_module",
            "structure_generation", "submodules_now", "torch_nn_class", "trainable_parameters",
-           "warn_forward_hooks", "watch_module_structure", "watch_tree"]
+           "warn_forward_hooks", "watch_module_structure", "watch_tree", "with_its_module"]
 
 
 def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
@@ -58,6 +58,18 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
         return fn
     owner = dunder(fn, "__self__")
     return owner if isinstance(owner, nn.Module) else None
+
+
+def with_its_module(fn: Callable[..., Any], args: tuple[Any, ...], /) -> Callable[..., Any]:
+    """``fn`` as a method of the module given first, where it is a function of that module's
+    class (`reuse_during_recompute(Router.route, self.router, h)`): bound by a partial (NOTE
+    [a method bound by a partial]), so the watches of a reused call read that module's state
+    as for `self.router.route` (helper JG: each chunk's replay read the count the whole
+    forward left); else ``fn``."""
+    if args and isinstance(args[0], nn.Module) and not isinstance(fn, nn.Module) and \
+            dunder(fn, "__self__") is None and _method_of(args[0], fn):
+        return functools.partial(fn, args[0])
+    return fn
 
 
 # NOTE [a method bound by a partial]: transformers 5.24's GradientCheckpointingLayer wraps each

@@ -16,6 +16,7 @@ from torch import nn
 from .changed_numbers import ChangedNumbers, EndedAfterACall
 from .errors import ReuseError
 from .function_reach import unwrap_partials
+from .module_state import owning_module
 from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, BoundObject, Contents, InPlace, Mixed,
                            Refilled, TensorHeld, entries_of, entry_of, immutable, plain_container,
                            put_entries, read_by_entries, restore_after_replay, same_as,
@@ -218,9 +219,8 @@ def _objects_of_its_module(fn: Any, /) -> list[Any]:
     router counts in, holding a load per expert (helper IR). The module watch reads such an
     object by its attributes, one level deep; read here as an argument, the containers it
     holds are read too (NOTE above)."""
-    owner = unwrap_partials(fn)[0]
-    owner = owner.__self__ if isinstance(owner, types.MethodType) else owner
-    if not isinstance(owner, nn.Module):
+    owner = owning_module(fn)  # a method bound by a partial too (with_its_module)
+    if owner is None:
         return []
     return [value for name, value in vars(owner).items()
             if name not in NOT_STATE and type(value) not in CONTAINERS and
