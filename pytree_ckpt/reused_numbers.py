@@ -11,7 +11,6 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
 
 from .changed_numbers import ChangedNumbers, EndedAfterACall
 from .errors import ReuseError
