@@ -156,7 +156,7 @@ def _own_memory(saved: Sequence[torch.Tensor], grads: list[Any], /) -> None:
     JL). Such a gradient is copied (a storage comparison per input otherwise)."""
     memories = {_memory(t) for t in saved if isinstance(t, torch.Tensor)}
     memories.discard(0)  # empty storages, and tensors without one
-    for i, grad in enumerate(grads):
+    for i, grad in enumerate(grads[:len(saved)]):  # the inputs' (a parameter's is its own)
         if grad is not None and _memory(grad) in memories:
             grads[i] = grad.clone()
 
