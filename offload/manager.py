@@ -405,13 +405,21 @@ class _WindowContext:
     """What ``OffloadManager.window`` returns: its context, entered and left eagerly (NOTE
     [a window in compiled code])."""
 
-    __slots__ = ("_inner",)
+    __slots__ = ("_inner", "_entered")
 
     def __init__(self, inner: AbstractContextManager[Window], /) -> None:
         self._inner = inner
+        self._entered = False
 
     @runs_eagerly(WINDOW_REASON)
     def __enter__(self) -> Window:
+        if self._entered:  # a window is one block: its storages and ids are that block's
+            raise CheckpointConfigError(
+                "an OffloadManager.window(...) was entered a second time",
+                expected="a new window for each block: with manager.window(tensors): ...",
+                got="the object one window(...) call returned, used in a second with",
+                tip="call manager.window(tensors) again for the next block")
+        self._entered = True
         return self._inner.__enter__()
 
     @runs_eagerly(WINDOW_REASON)

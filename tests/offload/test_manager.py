@@ -2092,3 +2092,16 @@ def test_a_block_that_opens_its_own_window_runs_under_torch_compile_with_eager_g
         torch._dynamo.reset()
     assert m.stats()["offloaded_bytes"] == 3 * 8 * 16 * 4
     assert_same_grads(*grads)
+
+
+def test_a_window_entered_a_second_time_is_refused_naming_the_fix() -> None:
+    # Helper JN: contextlib's AttributeError ('_GeneratorContextManager' object has no
+    # attribute 'args') said nothing of the cause.
+    m = manager()
+    window = m.window([torch.randn(8, 16)])
+    with window:
+        pass
+    with pytest.raises(CheckpointConfigError, match="entered a second time") as refused:
+        with window:
+            pass
+    assert "call manager.window(tensors) again" in str(refused.value)
