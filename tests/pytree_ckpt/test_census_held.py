@@ -10,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import OffloadConfig, OffloadManager
 from pytree_ckpt import (ActivationCensus, KeptOps, RecomputeConfig, SaveUnit,
-                         apply_recompute_config)
+                         apply_recompute_config, checkpoint_layers)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -134,3 +134,27 @@ def test_a_dropped_graphs_last_copies_go_with_it_and_the_census_counts_none() ->
     assert manager.pool.checked_out == 0  # before any call of the manager's
     assert manager.stats()["host_buffers_in_use"] == 0
     assert census.total_bytes == 0
+
+
+# helper JP: census.md said "the last window of each forward whose graph lives".
+def test_two_live_forwards_on_cpu_hold_the_latest_forwards_last_window_in_flight(
+        ) -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    checkpoint_layers(layers, offload=manager)
+    lasts: list[StorageWeakRef] = []
+    layers[3].register_forward_pre_hook(
+        lambda _m, args: lasts.append(StorageWeakRef(args[0].untyped_storage())))
+    xs = [torch.randn(32, 64, requires_grad=True) for _ in range(2)]
+    with ActivationCensus(layers) as census:
+        losses = [layers(x).square().sum() for x in xs]  # two micro-batches, graphs alive
+        gc.collect()
+        in_flight = census.bytes_by("mechanism").get("offload in flight", 0)
+        first_last_alive = not lasts[0].expired()
+        for loss in losses:
+            loss.backward()
+    # docs/census.md, `offload in flight`: "on the CPU, where copies land at once, that is the
+    # last window of the latest forward on the thread": the second forward's first window let
+    # go of the first forward's last one, which is freed, not held.
+    assert (in_flight, first_last_alive) == (32 * 64 * 4, False)
