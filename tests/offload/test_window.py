@@ -1110,3 +1110,33 @@ def test_a_write_a_backward_makes_into_a_saved_tensor_reaches_an_alias_saved_bes
         for stats_between in (False, True):
             with pytest.raises(RuntimeError, match="modified"):
                 run(manager(), stats_between)
+
+
+# Mutation test (helper JO): the shared copy is found by its view's base (packing.py).
+def test_a_table_every_window_saves_a_fresh_view_of_is_copied_once_per_pass() -> None:
+    # docs/offload.md: "the same tensor or a view of it, at the same version" is shared.
+    m = manager()
+    torch.manual_seed(0)
+    weights = [torch.randn(32, 32, requires_grad=True) for _ in range(4)]
+    cos = torch.randn(64, 32)
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def forward(offloaded: bool) -> torch.Tensor:
+        h = x * 1.0
+        for w in weights:
+            with m.window([h, cos]) if offloaded else nullcontext():
+                q = h @ w
+                h = q * cos[1] + q * cos  # a fresh view of the table, saved first
+        return h
+
+    forward(False).sum().backward()
+    eager = [x.grad, *(w.grad for w in weights)]
+    x.grad = None
+    for w in weights:
+        w.grad = None
+    out = forward(True)
+    table, inputs = cos.untyped_storage().nbytes(), 4 * 64 * 32 * 4
+    offloaded = m.stats()["offloaded_bytes"]
+    out.sum().backward()
+    assert_same_grads(eager, [x.grad, *(w.grad for w in weights)])
+    assert offloaded == inputs + table  # the table once, its views sharing that copy

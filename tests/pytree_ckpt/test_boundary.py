@@ -2935,3 +2935,47 @@ def test_a_leaf_inputs_grad_does_not_share_its_memory_when_the_replay_returns_th
     assert x.grad is not None
     assert torch.equal(x.grad, 2 * x0)
     assert torch.equal(x.detach(), x0)  # got 2 * x0: the second micro-batch's += landed in x
+
+
+class _ScaledSavedInputLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GradIsSavedInput.apply(x) + self.scale
+
+
+# Mutation test (helper JO): the copy in the replay of a module with parameters.
+@pytest.mark.parametrize("offloaded", [False, True], ids=["no offload", "offload"])
+def test_a_leaf_inputs_grad_does_not_share_its_memory_when_a_module_with_parameters_returns_it(
+        offloaded: bool) -> None:
+    x0 = torch.randn(8, 16)
+    x = x0.clone().requires_grad_()
+    m = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    module = _ScaledSavedInputLoss()
+    layer = pytree_ckpt.checkpointed(module, offload=m if offloaded else False)
+    for _ in range(2):  # gradient accumulation over two micro-batches
+        layer(x).backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, 2 * x0)
+    assert torch.equal(x.detach(), x0)
+    assert torch.equal(module.scale.grad, torch.tensor(2.0))
+
+
+# Mutation test (helper JO): the copy where the gradients come from a replay kept between
+# restricted backwards (recompute.py's _from_kept).
+def test_a_leaf_inputs_grad_does_not_share_its_memory_when_a_kept_replay_returns_the_saved_input(
+        ) -> None:
+    x0 = torch.randn(8, 16)
+    x = x0.clone().requires_grad_()
+    module = _ScaledSavedInputLoss()
+    layer = pytree_ckpt.checkpointed(module)
+    for _ in range(2):  # gradient accumulation over two micro-batches
+        out = layer(x)
+        (scale_grad,) = torch.autograd.grad(out, [module.scale], retain_graph=True)
+        assert torch.equal(scale_grad, torch.tensor(1.0))
+        out.backward(inputs=[x])  # from the replay the restricted backward kept
+    assert x.grad is not None
+    assert torch.equal(x.grad, 2 * x0)
+    assert torch.equal(x.detach(), x0)
