@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.discard import DISCARDED_MARK
-from pytree_ckpt.errors import CheckpointError
+from pytree_ckpt.errors import CheckpointConfigError, CheckpointError
 from pytree_ckpt.changed_in_place import CHANGED_AFTER_CALL_TIP
 from pytree_ckpt.saved import Unchanged
 from pytree_ckpt.subclass import SubclassKind, as_kind, kind_of
@@ -370,9 +370,11 @@ class Handle:
             raise CheckpointError(
                 f"{window.describe(self.key)} (offload window {window.id}, "
                 f"{self.dtype}{list(self.size)}) was modified in place in backward, through a "
-                "restored tensor, after it was saved for backward",
-                expected=f"version {copy.restored_version} (when restored)",
-                got=f"version {copy.restored._version}",
+                "restored tensor, after it was restored (a backward writing into what it saved)",
+                expected=f"its version when restored ({copy.restored_version}: the restore's "
+                         "own copy)",
+                got=f"version {copy.restored._version} "
+                    f"({copy.restored._version - copy.restored_version} change(s) since)",
                 tip="write into a clone in the backward that changes it (x.clone().mul_(2)), "
                     "or keep the tensor out of the offload window")
         source = self.source()
@@ -471,6 +473,19 @@ class Window:
         self.open_copies: dict[tuple[str, int], Copy] | None = {}
         self.restored = False
         self.small: set[tuple[str, int]] = set()  # left alone: below min_bytes, or elsewhere
+
+    def __enter__(self) -> None:
+        # What `with manager.window(t) as window` binds is no block of its own: refused naming
+        # the fix (helper JQ: Python's TypeError said nothing of the cause).
+        raise CheckpointConfigError(
+            "an offload Window (what `with manager.window(tensors) as window` binds) was "
+            "used in a `with` of its own",
+            expected="a new window for each block: with manager.window(tensors): ...",
+            got=f"window {self.id} itself in a with statement",
+            tip="call manager.window(tensors) again for the next block")
+
+    def __exit__(self, *raised: Any) -> None:  # with needs both; __enter__ refuses first
+        return None
 
     def describe(self, key: tuple[str, int], /) -> str:
         """Where a storage of this window came from, for messages (e.g. ``args[0]``)."""

@@ -2105,3 +2105,12 @@ def test_a_window_entered_a_second_time_is_refused_naming_the_fix() -> None:
         with window:
             pass
     assert "call manager.window(tensors) again" in str(refused.value)
+
+
+def test_the_window_a_with_binds_used_in_a_with_of_its_own_is_refused_naming_the_fix() -> None:
+    # Helper JQ: Python's TypeError ("does not support the context manager protocol").
+    m = manager()
+    with m.window([torch.randn(8, 16)]) as window:
+        with pytest.raises(CheckpointConfigError, match="used in a `with` of its own"):
+            with window:
+                pass
