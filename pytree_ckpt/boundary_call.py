@@ -80,7 +80,7 @@ class BoundaryCall:
                  "switches", "inference", "saved_versions", "unviewed", "kept_aliases", "marks",
                  "hook_dicts", "hook_tables", "hook_epoch", "replaying",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
-                 "generator_sets", "prints")
+                 "generator_sets", "prints", "replayed_versions")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -151,6 +151,10 @@ class BoundaryCall:
         # torch has no SavedTensor.unpack() (before 2.12; raise_changed_after_call in
         # changed_in_place.py).
         self.saved_versions: Sequence[int | None] = ()
+        # Their versions after a replay whose graph the backward kept (retain_graph): a
+        # second backward that finds one moved names the first backward's write (NOTE [a
+        # backward that wrote into an input] in changed_in_place.py).
+        self.replayed_versions: Sequence[int | None] | None = None
         # The trainable parameters' versions as the original pass (or the last replay) left
         # them (NOTE [parameters changed in place] in changed_in_place.py).
         self.param_versions: ParameterVersions | None = None

@@ -161,6 +161,21 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
     else:
         found = _AUTOGRAD_VERSIONS.search(str(error))
         versions = (found[2], found[1]) if found else ("?", "?")
+    # NOTE [a backward that wrote into an input]: the replay's inputs are the caller's tensors
+    # (aliases sharing their version counters), so a backward that writes into what it saved
+    # (a custom Function's memory trick) changes the input itself; eager refuses a retained
+    # graph's second backward too, but the change was no caller's (helper JQ: the message
+    # said "after the call" and sent them to pos = pos + 4).
+    replayed = call.replayed_versions
+    if replayed is not None and any(
+            after != before for after, before in zip(replayed, call.saved_versions)):
+        raise CheckpointError(
+            f"{where} of {fn_name(call.fn)} was changed in place by an earlier backward of this "
+            f"call (a backward that writes into a tensor it saved), and the replay in backward "
+            f"needs it as it was{views}", expected=f"version {versions[0]} (when saved)",
+            got=f"version {versions[1]}",
+            tip="write into a clone in that backward (x.clone().mul_(2)), as eager refuses "
+                "this second backward too") from error
     raise CheckpointError(
         f"{where} of {fn_name(call.fn)} was changed in place after the call, and the replay in "
         f"backward needs it as it was{views}", expected=f"version {versions[0]} (when saved)",

@@ -37,7 +37,7 @@ from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tenso
 from .rebound import refuse_rebound
 from .rng import IsolatedPass, Replaying
 from .saved import Unchanged
-from .state_changes import refuse_graph_read
+from .state_changes import refuse_graph_read, versions
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
 from .subclass import as_kind, detached as alias_of
@@ -453,6 +453,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         from_inputs = [d.grad if need else None for d, need in zip(detached, needs)]
         _own_memory(saved, from_inputs)
         _inputs_without_gradient(saved, from_inputs, needs)
+        if keep_graph:  # NOTE [a backward that wrote into an input] (changed_in_place.py)
+            call.replayed_versions = versions(saved)
         return (None, None, *from_inputs)
     assert call.params is not None
     if pure:
@@ -510,6 +512,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     _inputs_without_gradient(saved, result[:n], needs)
     if release:
         call.frame.clear()
+    if keep_graph:  # NOTE [a backward that wrote into an input] (changed_in_place.py)
+        call.replayed_versions = versions(saved)
     return (None, None, *result)
 
 

@@ -2519,3 +2519,50 @@ def test_a_callable_config_object_given_a_cache_gets_the_cache_refusal() -> None
     Attend(scale=2.0)(x, TransformersCache())  # eager runs
     with pytest.raises(CheckpointError, match="cache"):
         checkpoint(Attend(scale=2.0), x, TransformersCache())
+
+
+class _DoublesWhatItSavedInBackward(torch.autograd.Function):
+    """x * x, whose backward writes into the x it saved (a fused kernel's memory trick)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * x.mul_(2)
+
+
+class _Doubles(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DoublesWhatItSavedInBackward.apply(x)
+
+
+def test_a_second_backward_after_the_first_wrote_into_the_input_names_that_backward() -> None:
+    # NOTE [a backward that wrote into an input] (changed_in_place.py): eager refuses the
+    # second backward too; the message said "changed in place after the call" and sent the
+    # user to pos = pos + 4, where no caller changed anything (helper JQ).
+    eager_loss = _Doubles()(torch.randn(4, 8, requires_grad=True) * 1.0).sum()
+    eager_loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager_loss.backward()
+    layer = pytree_ckpt.apply_activation_checkpointing(_Doubles())
+    loss = layer(torch.randn(4, 8, requires_grad=True) * 1.0).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(CheckpointError, match="by an earlier backward of this call") as refused:
+        loss.backward()
+    assert "x.clone().mul_(2)" in str(refused.value)
+
+
+def test_an_input_the_caller_changed_between_two_backwards_is_named_as_changed_after_the_call(
+        ) -> None:
+    layer = pytree_ckpt.apply_activation_checkpointing(nn.Tanh())
+    h = torch.randn(4, 8, requires_grad=True) * 1.0
+    loss = layer(h).sum()
+    loss.backward(retain_graph=True)
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(CheckpointError, match="was changed in place after the call"):
+        loss.backward()
