@@ -940,17 +940,18 @@ def test_a_dtype_view_saved_beside_its_tensor_shares_the_one_copy_of_the_storage
     out.sum().backward()
 
 
-# Guards against (helper JI), as it was found:
-def test_a_table_every_window_gets_is_copied_once_per_pass_when_a_detached_alias_is_saved_too(
-        ) -> None:
+# Guards against (helper JI), as it was found; the view's case is helper JO's mutation test
+# (the shared copy is found by its view's base, packing.py).
+@pytest.mark.parametrize("beside", ["a fresh detached alias", "a fresh view"])
+def test_a_table_every_window_gets_is_copied_once_per_pass_beside_a_fresh_alias_or_view(
+        beside: str) -> None:
     # docs/offload.md: a storage already offloaded by an earlier window of the same pass, still
     # alive and unmodified ("the same tensor or a view of it, at the same version"), is shared,
     # not copied again; only "a fresh .data or .detach() alias per layer is copied per layer".
     # Here the same table is passed to every window, and each window also saves a fresh
-    # ``cos.detach()`` (defensive code in an attention block). ``pass_.shared`` holds one copy
-    # per storage key: the alias's copy replaces the table's, and the table's next save fails
-    # ``same_counter`` against it, so the table is copied again in every window (8 copies of
-    # the table for 4 windows, not 1 + 4).
+    # ``cos.detach()`` (defensive code in an attention block), or a fresh view of it. One
+    # shared copy per storage key let the alias's copy replace the table's, and the table was
+    # copied again in every window (8 copies of the table for 4 windows, not 1 + 4).
     m = manager()
     torch.manual_seed(0)
     weights = [torch.randn(32, 32, requires_grad=True) for _ in range(4)]
@@ -962,7 +963,8 @@ def test_a_table_every_window_gets_is_copied_once_per_pass_when_a_detached_alias
         for w in weights:
             with m.window([h, cos]) if offloaded else nullcontext():
                 q = h @ w
-                h = q * cos + q * cos.detach()
+                h = q * cos + q * cos.detach() if beside == "a fresh detached alias" else \
+                    q * cos[1] + q * cos  # the view saved first
         return h
 
     forward(False).sum().backward()
@@ -975,8 +977,9 @@ def test_a_table_every_window_gets_is_copied_once_per_pass_when_a_detached_alias
     offloaded = m.stats()["offloaded_bytes"]
     out.sum().backward()
     assert_same_grads(eager, [x.grad, *(w.grad for w in weights)])
-    # the inputs, the table once, and one copy of each window's fresh detached alias
-    assert offloaded == inputs + table + 4 * table
+    # the inputs, the table once, and one copy of each window's fresh detached alias (a view
+    # shares the table's)
+    assert offloaded == inputs + table + (4 * table if beside == "a fresh detached alias" else 0)
 
 
 class _GradIntoSaved(torch.autograd.Function):
@@ -1112,31 +1115,3 @@ def test_a_write_a_backward_makes_into_a_saved_tensor_reaches_an_alias_saved_bes
                 run(manager(), stats_between)
 
 
-# Mutation test (helper JO): the shared copy is found by its view's base (packing.py).
-def test_a_table_every_window_saves_a_fresh_view_of_is_copied_once_per_pass() -> None:
-    # docs/offload.md: "the same tensor or a view of it, at the same version" is shared.
-    m = manager()
-    torch.manual_seed(0)
-    weights = [torch.randn(32, 32, requires_grad=True) for _ in range(4)]
-    cos = torch.randn(64, 32)
-    x = torch.randn(64, 32, requires_grad=True)
-
-    def forward(offloaded: bool) -> torch.Tensor:
-        h = x * 1.0
-        for w in weights:
-            with m.window([h, cos]) if offloaded else nullcontext():
-                q = h @ w
-                h = q * cos[1] + q * cos  # a fresh view of the table, saved first
-        return h
-
-    forward(False).sum().backward()
-    eager = [x.grad, *(w.grad for w in weights)]
-    x.grad = None
-    for w in weights:
-        w.grad = None
-    out = forward(True)
-    table, inputs = cos.untyped_storage().nbytes(), 4 * 64 * 32 * 4
-    offloaded = m.stats()["offloaded_bytes"]
-    out.sum().backward()
-    assert_same_grads(eager, [x.grad, *(w.grad for w in weights)])
-    assert offloaded == inputs + table  # the table once, its views sharing that copy

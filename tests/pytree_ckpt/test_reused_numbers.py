@@ -3572,32 +3572,15 @@ class _DictCountingItsWrites(dict):
         super().__setitem__(key, value)
 
 
-def _counts_tokens_in_a_dict(h: torch.Tensor, stats: Any) -> torch.Tensor:
-    ids = h.topk(2, dim=-1).indices
-    stats["tokens"] += int(ids.sum())
-    return ids
-
-
-class _CountsInItsStats(nn.Module):
-    def __init__(self, stats: Any) -> None:
-        super().__init__()
-        self.lin, self.stats = nn.Linear(8, 8), stats
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        ids = reuse_during_recompute(_counts_tokens_in_a_dict, h.detach(), self.stats)
-        return torch.tanh(h + 0.001 * self.stats["tokens"] *
-                          torch.gather(h, -1, ids).sum(-1, keepdim=True))
-
-
 # Mutation test (helper JO): a dict subclass's own `__setitem__` is not called by a put-back.
 def test_a_dict_subclass_with_its_own_item_assignment_sees_only_eagers_writes() -> None:
     torch.manual_seed(0)
-    eager, ours = _twins(_CountsInItsStats(_DictCountingItsWrites({"tokens": 0, "steps": 0})))
-    ours.stats.writes = 0  # deepcopy's own writes
+    eager, ours = _twins(_ScalesByTheTokensCounted(
+        _DictCountingItsWrites({"tokens": 0, "steps": 0})))
+    ours.load.writes = 0  # deepcopy's own writes
     for step in range(2):
         _grads_after_a_step((eager, ours), torch.randn(4, 8))
-        assert ours.stats.writes == eager.stats.writes == step + 1, f"step {step}"
+        assert ours.load.writes == eager.load.writes == step + 1, f"step {step}"
 
 
 # Mutation test (helper JO): a dict subclass is read as a dict within the same 64 entries
@@ -3610,7 +3593,8 @@ def test_a_dict_subclass_of_sixty_five_entries_replays_as_a_plain_dict_of_as_man
     for kind in (dict, _Stats):
         torch.manual_seed(0)
         stats = kind({"tokens": 0, **{f"expert {i}": i for i in range(64)}})
-        ours = _layer_twins(nn.Sequential(_CountsInItsStats(stats), _CountsInItsStats(stats)))[1]
+        ours = _layer_twins(nn.Sequential(_ScalesByTheTokensCounted(stats),
+                                          _ScalesByTheTokensCounted(stats)))[1]
         got.append([_grads_after_a_step((ours,), x)[0]
                     for x in (torch.randn(4, 8), torch.randn(4, 8))])
     assert all(_same(a, b) for a, b in zip(*got))
