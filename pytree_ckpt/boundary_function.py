@@ -29,7 +29,7 @@ from .forward_numbers import NumbersGlance, NumbersWatch, glanced_dicts, numbers
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
-from .keep import IN_KEPT_CALLABLE, KeepMode, kept_region, refuse_compiled_under_keep
+from .keep import KeepMode, kept_region, outside_kept_region, refuse_compiled_under_keep
 from .kernel_written import remember, remembered
 from .made_before import leaving_tensors, on_kept_storages, unviewed
 from .module_state import ever_verified
@@ -58,11 +58,8 @@ class _BoundaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: BoundaryCall, anchor: torch.Tensor | None,
                 *inputs: torch.Tensor) -> Any:
-        region = IN_KEPT_CALLABLE.get()
-        if region:  # NOTE [the library's own ops in a kept method's region] (keep.py)
-            with kept_region(frozenset()):
-                return _BoundaryFunction._forward(ctx, call, inputs, region)
-        return _BoundaryFunction._forward(ctx, call, inputs, region)
+        # NOTE [the library's own ops in a kept method's region] (keep.py)
+        return outside_kept_region(_BoundaryFunction._forward, ctx, call, inputs)
 
     @staticmethod
     def _forward(ctx: Any, call: BoundaryCall, inputs: tuple[torch.Tensor, ...],

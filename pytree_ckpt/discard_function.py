@@ -31,7 +31,7 @@ from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators
-from .keep import IN_KEPT_CALLABLE, kept_region
+from .keep import kept_region, outside_kept_region
 from .kernel_written import compared, mark_compared, remember, remembered
 from .module_state import foreign_leaves, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
@@ -63,11 +63,8 @@ class DiscardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
-        region = IN_KEPT_CALLABLE.get()
-        if region:  # NOTE [the library's own ops in a kept method's region] (keep.py)
-            with kept_region(frozenset()):
-                return DiscardFunction._forward(ctx, owner, inputs, region)
-        return DiscardFunction._forward(ctx, owner, inputs, region)
+        # NOTE [the library's own ops in a kept method's region] (keep.py)
+        return outside_kept_region(DiscardFunction._forward, ctx, owner, inputs)
 
     @staticmethod
     def _forward(ctx: Any, owner: CheckpointWithoutOutput, inputs: tuple[Any, ...],

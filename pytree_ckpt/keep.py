@@ -35,11 +35,11 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
 import torch
@@ -59,7 +59,7 @@ from .tree import dunder
 from .unit_use import UnitUse
 
 __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "kept_region", "never_kept",
-           "op_name"]
+           "op_name", "outside_kept_region"]
 
 
 # The kept callables running now ("Class.method" names; KeptCallables), and whether
@@ -68,6 +68,7 @@ __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "kept_regio
 IN_KEPT_CALLABLE: ContextVar[frozenset[str]] = ContextVar("pytree_ckpt_in_kept_callable",
                                                           default=frozenset())
 IN_REUSE: ContextVar[bool] = ContextVar("pytree_ckpt_in_reuse", default=False)
+T = TypeVar("T")
 
 
 @contextmanager
@@ -85,6 +86,17 @@ def kept_region(names: frozenset[str], /) -> Iterator[None]:
         yield
     finally:
         IN_KEPT_CALLABLE.reset(token)
+
+
+def outside_kept_region(forward: Callable[..., T], /, *args: Any) -> T:
+    """``forward(*args, region)`` outside the kept callables' region ``region`` running now
+    (empty, the usual case: called as it is), for it to re-enter around the user's function
+    alone (NOTE [the library's own ops in a kept method's region])."""
+    region = IN_KEPT_CALLABLE.get()
+    if not region:
+        return forward(*args, region)
+    with kept_region(frozenset()):
+        return forward(*args, region)
 
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                     "_dtensor"})

@@ -12,7 +12,7 @@ from torch import nn
 
 import offload
 import pytree_ckpt
-from tests.conftest import assert_same_grads
+from tests.conftest import GradIntoSaved, assert_same_grads
 from tests.offload.blocks import grads_with_last_input_changed, manager
 from tests.offload.simulated import POISON
 
@@ -982,21 +982,6 @@ def test_a_table_every_window_gets_is_copied_once_per_pass_beside_a_fresh_alias_
     assert offloaded == inputs + table + (4 * table if beside == "a fresh detached alias" else 0)
 
 
-class _GradIntoSaved(torch.autograd.Function):
-    """y = x * x; its backward builds the gradient in the saved tensor's memory (a memory trick
-    of fused kernels), which changes the saved tensor in place."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return x.mul_(2).mul_(grad)
-
-
 # Guards against (helper JI), as it was found:
 @pytest.mark.parametrize("schedule", ["two nodes save it", "retain_graph twice"])
 def test_a_saved_tensor_a_backward_changed_in_place_is_refused_like_eager(schedule: str) -> None:
@@ -1012,9 +997,9 @@ def test_a_saved_tensor_a_backward_changed_in_place_is_refused_like_eager(schedu
         h = x * 1.0
         with m.window([h]) if m is not None else nullcontext():
             if schedule == "two nodes save it":
-                loss = (_GradIntoSaved.apply(h) + _GradIntoSaved.apply(h)).sum()
+                loss = (GradIntoSaved.apply(h) + GradIntoSaved.apply(h)).sum()
             else:
-                loss = _GradIntoSaved.apply(h).sum()
+                loss = GradIntoSaved.apply(h).sum()
         if schedule == "two nodes save it":
             loss.backward()
         else:
@@ -1034,7 +1019,7 @@ def test_a_saved_tensor_a_backward_changed_in_place_is_refused_like_eager(schedu
 def test_a_replay_writing_into_its_restored_input_is_refused_where_another_node_saved_it(
         ) -> None:
     # A checkpointed layer whose custom Function builds its gradient in the saved input's
-    # memory (_GradIntoSaved), and an op outside the layer that saved the same tensor and runs
+    # memory (GradIntoSaved), and an op outside the layer that saved the same tensor and runs
     # its backward later. Eager, and the boundary without offload, refuse ("modified by an
     # inplace operation": the replay's alias shares the caller's counter). With offload, the
     # window's bytes are reused at the turn: the replay's input is a view of the copy's uint8
@@ -1047,7 +1032,7 @@ def test_a_replay_writing_into_its_restored_input_is_refused_where_another_node_
         w = torch.ones(8, 16, requires_grad=True)
         h = leaf * 1.0
         b = h * w  # saves h, outside the layer; its backward runs after the layer's
-        a = pytree_ckpt.checkpointed(_GradIntoSaved.apply, offload=offloaded)(h)
+        a = pytree_ckpt.checkpointed(GradIntoSaved.apply, offload=offloaded)(h)
         (a + b).sum().backward()
         assert w.grad is not None
         return w.grad
@@ -1069,7 +1054,7 @@ def test_a_replay_writing_into_its_restored_input_is_refused_where_another_node_
 @pytest.mark.parametrize("alias", ["data", "detach"])
 def test_a_write_a_backward_makes_into_a_saved_tensor_reaches_an_alias_saved_beside_it_like_eager(
         alias: str) -> None:
-    # Two nodes in one window: one saves h and writes into it in backward (_GradIntoSaved,
+    # Two nodes in one window: one saves h and writes into it in backward (GradIntoSaved,
     # runs first), the other saves an alias of h. Eager: a ``.data`` alias (a counter of its
     # own, the same memory) reads the written bytes, x.grad = 4 * x0; a ``.detach()`` alias
     # (the same counter) is refused. With offload each alias has a copy of its own (NOTE
@@ -1094,7 +1079,7 @@ def test_a_write_a_backward_makes_into_a_saved_tensor_reaches_an_alias_saved_bes
         h = x * 1.0
         with m.window([h]) if m is not None else nullcontext():
             second = ReadAlias.apply(h, h.data if alias == "data" else h.detach())
-            first = _GradIntoSaved.apply(h)  # made later: its backward runs first
+            first = GradIntoSaved.apply(h)  # made later: its backward runs first
             loss = (first + second).sum()
         if m is not None and stats_between:
             m.stats()  # lets go of the device bytes: copied back, not reused

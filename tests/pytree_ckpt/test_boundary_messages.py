@@ -18,7 +18,7 @@ from torch import nn
 
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
-from tests.conftest import assert_same_grads, grads_of
+from tests.conftest import GradIntoSaved, assert_same_grads, grads_of
 
 
 def test_a_leaf_that_becomes_a_tensor_in_the_replay_is_named_at_the_first_such_key() -> None:
@@ -2521,23 +2521,9 @@ def test_a_callable_config_object_given_a_cache_gets_the_cache_refusal() -> None
         checkpoint(Attend(scale=2.0), x, TransformersCache())
 
 
-class _DoublesWhatItSavedInBackward(torch.autograd.Function):
-    """x * x, whose backward writes into the x it saved (a fused kernel's memory trick)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return grad * x.mul_(2)
-
-
 class _Doubles(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DoublesWhatItSavedInBackward.apply(x)
+        return GradIntoSaved.apply(x)
 
 
 def test_a_second_backward_after_the_first_wrote_into_the_input_names_that_backward() -> None:

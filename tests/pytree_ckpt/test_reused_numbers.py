@@ -380,9 +380,11 @@ class _LoadRouter(nn.Module):
 
 
 class _RoutedLayer(nn.Module):
-    def __init__(self) -> None:
+    """A layer whose ids come from its router's reused ``route``."""
+
+    def __init__(self, router: nn.Module) -> None:
         super().__init__()
-        self.lin, self.router = nn.Linear(8, 8), _LoadRouter()
+        self.lin, self.router = nn.Linear(8, 8), router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
@@ -399,7 +401,7 @@ def test_a_count_dict_the_caller_swaps_out_before_backward_is_left_as_the_caller
     # entries the call left: the caller's dict loses its annotation (before d46f127 the
     # replay refilled a fresh copy, and the caller's dict was left alone).
     torch.manual_seed(0)
-    eager = _RoutedLayer()
+    eager = _RoutedLayer(_LoadRouter())
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     x = torch.randn(4, 8)
     taken_by = []
@@ -540,16 +542,18 @@ class _NamespaceRouter(nn.Module):
         return ids
 
 
-class _MemoisesInRouterNamespace(nn.Module):
-    def __init__(self) -> None:
+class _MemoisesInItsState(nn.Module):
+    """Memoises a projection in the routing state its router's reused call binds."""
+
+    def __init__(self, router: nn.Module) -> None:
         super().__init__()
-        self.lin, self.proj, self.router = nn.Linear(8, 8), nn.Linear(8, 8), _NamespaceRouter()
+        self.lin, self.proj, self.router = nn.Linear(8, 8), nn.Linear(8, 8), router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
         reuse_during_recompute(self.router.route, h.detach())
         state = self.router.state
-        if state.proj is None:  # memoised in the routing state the call bound
+        if state.proj is None:
             state.proj = self.proj(h)
         return torch.gather(state.proj, -1, state.ids).sum(-1, keepdim=True) * h
 
@@ -564,7 +568,7 @@ def test_a_projection_memoised_in_a_namespace_the_reused_call_binds_gets_its_gra
     # docs/limits.md; replay.md says the replay is given "the object and the entries the
     # call left").
     torch.manual_seed(0)
-    eager = _MemoisesInRouterNamespace()
+    eager = _MemoisesInItsState(_NamespaceRouter())
     wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     x = torch.randn(4, 8)
     grads = []
@@ -710,20 +714,6 @@ class _BindsItsState(nn.Module):
         return ids
 
 
-class _MemoisesInItsState(nn.Module):
-    def __init__(self, make: Callable[[torch.Tensor], Any]) -> None:
-        super().__init__()
-        self.lin, self.proj, self.router = nn.Linear(8, 8), nn.Linear(8, 8), _BindsItsState(make)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        reuse_during_recompute(self.router.route, h.detach())
-        state = self.router.state
-        if state.proj is None:
-            state.proj = self.proj(h)
-        return torch.gather(state.proj, -1, state.ids).sum(-1, keepdim=True) * h
-
-
 @pytest.mark.parametrize("how", [
     "slots", "dataclass slots",
     pytest.param("dict mirroring attributes", marks=pytest.mark.xfail(
@@ -749,7 +739,7 @@ def test_a_projection_memoised_in_a_slotted_or_mirrored_state_a_reused_call_bind
     make = {"slots": _SlotsState, "dataclass slots": _DataState,
             "dict mirroring attributes": _mirrored}[how]
     torch.manual_seed(0)
-    eager, ours = _twins(_MemoisesInItsState(make))
+    eager, ours = _twins(_MemoisesInItsState(_BindsItsState(make)))
     x = torch.randn(4, 8)
     grads = []
     for model in (eager, ours):
@@ -777,16 +767,6 @@ class _LogsItsRecords(nn.Module):
         return ids
 
 
-class _RoutesAndLogs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.router = nn.Linear(8, 8), _LogsItsRecords()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        return torch.gather(h, -1, reuse_during_recompute(self.router.route, h.detach()))
-
-
 # Guards against (helper HS), as it was found:
 def test_a_record_a_reused_call_binds_keeps_what_the_trainer_wrote_into_it_before_backward(
         ) -> None:
@@ -797,7 +777,7 @@ def test_a_record_a_reused_call_binds_keeps_what_the_trainer_wrote_into_it_befor
     # is gone, silently (helper HP's fix kept a filled container's annotation; a bound one's
     # is still lost).
     torch.manual_seed(0)
-    eager, ours = _twins(_RoutesAndLogs())
+    eager, ours = _twins(_RoutedLayer(_LogsItsRecords()))
     x = torch.randn(4, 8)
     for model in (eager, ours):
         _ROUTING_LOG.clear()
