@@ -423,7 +423,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         # aten::equal): a save unit keeping everything a callable dispatches must not keep them.
         token = IN_REUSE.set(True)
         call, versions = argument_versions(args, kwargs)
-        watched = with_its_module(fn, args)  # `Router.route, self.router, h`: the router's
+        watched = with_its_module(fn, args, kwargs)  # NOTE [a module given to a reused call]
         buffers = buffer_versions(watched)
         numbers = numbers_watch(watched)
         contents = argument_contents(watched, args, kwargs)  # NOTE in reused_numbers.py
@@ -465,7 +465,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         if changes is not None:  # made here as the skipped call made them in the forward
             token = IN_REUSE.set(True)
             try:
-                apply_state_after(with_its_module(fn, args), args, kwargs, changes)
+                apply_state_after(with_its_module(fn, args, kwargs), args, kwargs, changes)
             finally:
                 IN_REUSE.reset(token)
         if not recorders and type(result) is not _Raised:  # the replay itself (a nested

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import functools
 import operator
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -60,16 +61,32 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
-def with_its_module(fn: Callable[..., Any], args: tuple[Any, ...], /) -> Callable[..., Any]:
-    """``fn`` as a method of the module given first, where it is a function of that module's
-    class (`reuse_during_recompute(Router.route, self.router, h)`): bound by a partial (NOTE
-    [a method bound by a partial]), so the watches of a reused call read that module's state
-    as for `self.router.route` (helper JG: each chunk's replay read the count the whole
-    forward left); else ``fn``."""
-    if args and isinstance(args[0], nn.Module) and not isinstance(fn, nn.Module) and \
-            dunder(fn, "__self__") is None and _method_of(args[0], fn):
-        return functools.partial(fn, args[0])
-    return fn
+def with_its_module(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                    /) -> Callable[..., Any]:
+    """``fn`` as a method of the module it is given, for the watches of a reused call where
+    ``fn`` has no module of its own (NOTE [a module given to a reused call]); else ``fn``."""
+    if isinstance(fn, nn.Module) or dunder(fn, "__self__") is not None:
+        return fn
+    if args and isinstance(args[0], nn.Module) and _method_of(args[0], fn):
+        return functools.partial(fn, args[0])  # NOTE [a method bound by a partial]
+    given = next((value for value in (*args, *kwargs.values()) if isinstance(value, nn.Module)),
+                 None)
+    return fn if given is None else types.MethodType(fn, given)
+
+
+# NOTE [a module given to a reused call]: `reuse_during_recompute(Router.route, self.router,
+# h)`, or a free function's `reuse_during_recompute(route, h, self.router)`: what the call
+# changes of that module (a count, a buffer) is the watches' to record and to put back for the
+# replay, as for `self.router.route` (helper JG). A module is not read as an argument is (its
+# attributes are its state), so a free function's `router.calls += 1` was neither recorded nor
+# undone: the replay read the count as before the forward (0, not 1) and the gradients differed
+# from eager's, silently. The binding is for the watches only (the call runs ``fn`` as given),
+# to the first module given (a positional argument, then a keyword's; not one held inside a
+# container): one module's state per reused call, as a bound method's. A class's function is
+# bound by a partial, which owning_module reads as the module's method anywhere; any other
+# function by ``MethodType``, whose ``__self__`` is the module: the boundary never sees this
+# binding, so a helper given a module is still not taken for that module's forward where it
+# is the checkpointed function.
 
 
 # NOTE [a method bound by a partial]: transformers 5.24's GradientCheckpointingLayer wraps each

@@ -3469,6 +3469,59 @@ def test_a_class_function_given_its_module_first_counts_on_that_module_as_its_me
         assert ours.router.tokens == eager.router.tokens, f"step {step}"
 
 
+def _route_counting_on(router: _RouterCountingTokens, h: torch.Tensor) -> torch.Tensor:
+    """A free function given the router: counts on it, and in a buffer it registers."""
+    ids = router.gate(h).topk(2, dim=-1).indices
+    router.tokens += int(ids.sum())
+    if "hits" not in router._buffers:
+        router.register_buffer("hits", torch.zeros(4, dtype=torch.long))
+    router.hits += torch.bincount(ids.flatten(), minlength=4)
+    return ids
+
+
+def _route_counting_after(h: torch.Tensor, router: _RouterCountingTokens) -> torch.Tensor:
+    return _route_counting_on(router, h)
+
+
+class _RoutesThroughAFreeFunction(nn.Module):
+    """``reuse_during_recompute(route, ...)`` with the router given first, later, or by
+    keyword; the layer reads the count and the buffer after the call, per chunk."""
+
+    def __init__(self, given: str) -> None:
+        super().__init__()
+        self.lin, self.router, self.given = nn.Linear(8, 8), _RouterCountingTokens(), given
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = self.lin(x), []
+        for chunk in h.chunk(2):
+            if self.given == "first":
+                ids = reuse_during_recompute(_route_counting_on, self.router, chunk.detach())
+            elif self.given == "later":
+                ids = reuse_during_recompute(_route_counting_after, chunk.detach(), self.router)
+            else:
+                ids = reuse_during_recompute(_route_counting_on, h=chunk.detach(),
+                                             router=self.router)
+            scale = 0.001 * self.router.tokens + 0.01 * self.router.hits.float().mean()
+            out.append(torch.tanh(chunk + scale * torch.gather(chunk, -1, ids).sum(-1,
+                                                                                 keepdim=True)))
+        return torch.cat(out)
+
+
+@pytest.mark.parametrize("given", ["first", "later", "by keyword"])
+def test_a_free_function_given_a_module_counts_on_that_module_as_its_method_does(
+        given: str) -> None:
+    # Without the watch of the module given, the replay read the count as before the forward
+    # (0) and the buffer as the whole forward left it: other gradients, silently (NOTE [a module
+    # given to a reused call]).
+    torch.manual_seed(0)
+    eager, ours = _twins(_RoutesThroughAFreeFunction(given))
+    for step in range(2):
+        for _ in range(2):  # two micro-batches, one after another
+            assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours.router.tokens == eager.router.tokens, f"step {step}"
+        assert torch.equal(ours.router.hits, eager.router.hits), f"step {step}"
+
+
 class _MarksTwiceUnderGradAfterAReusedCall(_LogsItsLoadAndTrainingSteps):
     """Two marks under grad after the reused call: a `deque(maxlen=2)` has none of the forward's
     entries left after them."""
