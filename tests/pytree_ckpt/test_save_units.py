@@ -1683,3 +1683,21 @@ def test_a_kept_method_that_discards_with_verify_replay_gets_eager_gradients(
         assert torch.equal(p.grad, q.grad)
     # The kept method's matmuls were kept: the replay adds only the outer Linear's forward.
     assert flops[1] - flops[0] == 2 * 8 * 16 * 16
+
+
+def test_apply_recompute_config_logs_at_info_what_each_selected_unit_keeps(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 6: "An info log says what each selection keeps" (helper JR: no test read the log).
+    with caplog.at_level("INFO", logger="pytree_ckpt.save_units"):
+        apply_recompute_config([Block(), Block()], RecomputeConfig(1.0, save=True), TARGETS)
+    infos = [r.getMessage() for r in caplog.records
+             if r.name == "pytree_ckpt.save_units" and r.levelname == "INFO"]
+    assert len(infos) == 2, infos
+    ops_line, = (m for m in infos if m.startswith("save unit attn"))
+    assert "aten.mm" in ops_line and "nonexistent_ns" not in ops_line  # resolved ops only
+    callables_line, = (m for m in infos if m.startswith("save unit moe_gate"))
+    assert "Gate.project" in callables_line
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pytree_ckpt.save_units"):  # nothing selected: no log
+        apply_recompute_config([Block()], RecomputeConfig(1.0, save=None), TARGETS)
+    assert not [r for r in caplog.records if r.name == "pytree_ckpt.save_units"]
