@@ -97,11 +97,23 @@ class OffloadManager:
     def __init__(self, config: OffloadConfig | None = None, /, *,
                  device: torch.device | str | None = None, min_offload_size: None = None,
                  use_pin_memory: None = None, use_streams: None = None,
-                 max_fwd_stash_size: None = None) -> None:
+                 max_fwd_stash_size: None = None, min_bytes: None = None,
+                 prefetch: None = None, pin_memory: None = None) -> None:
         # torchtune's OffloadActivations options, refused with what each is here.
         refuse_torchtune_options("OffloadManager", {
             "min_offload_size": min_offload_size, "use_pin_memory": use_pin_memory,
             "use_streams": use_streams, "max_fwd_stash_size": max_fwd_stash_size})
+        # OffloadConfig's own fields, the likelier slip: refused naming the config (helper JT:
+        # Python's bare "unexpected keyword argument" named no fix).
+        fields = {name: value for name, value in (("min_bytes", min_bytes),
+                  ("prefetch", prefetch), ("pin_memory", pin_memory)) if value is not None}
+        if fields:
+            given = ", ".join(f"{name}={value!r}" for name, value in fields.items())
+            raise CheckpointConfigError(
+                f"OffloadManager takes {' and '.join(fields)} in its OffloadConfig",
+                expected="OffloadManager(OffloadConfig(...), device=...)",
+                got=f"OffloadManager({given})",
+                tip=f"OffloadManager(OffloadConfig({given}))")
         if config is not None and not isinstance(config, OffloadConfig):
             raise CheckpointConfigError(
                 "OffloadManager takes an OffloadConfig", expected="OffloadConfig or None",
@@ -231,7 +243,8 @@ class OffloadManager:
     # -- forward -----------------------------------------------------------------------------
 
     def _open(self, tensors: Sequence[torch.Tensor], name: Callable[[int], str] | None,
-              resident: Sequence[torch.Tensor] = ()) -> Window:
+              resident: Sequence[torch.Tensor] = (), changed_tip: str | None = None
+              ) -> Window:
         # The window opening now is the lane's number ``lane.opened``; its predecessor's copy
         # may still run (it overlaps this window's compute), older ones must be done.
         lane = self._lanes.mine()
@@ -244,7 +257,7 @@ class OffloadManager:
         keys = window_keys(tensors, resident, self._plain_storage_key)
         self._counters["windows"] += 1
         lane.opened += 1
-        return Window(lane.current, keys, name, seq=lane.opened - 1)
+        return Window(lane.current, keys, name, seq=lane.opened - 1, changed_tip=changed_tip)
 
     def _check_pass_offloaded(self, pass_: Pass) -> None:
         self._check_offloaded(pass_.offloaded, pass_.largest_small)
@@ -338,10 +351,14 @@ class OffloadManager:
         """
         return _WindowContext(self.eager_window(tensors, name=name, resident=resident))
 
+    # The boundary's window names its inputs and gives its own tip for one changed after the
+    # call (``changed_tip``: the boundary keeps every input for the replay).
+
     @contextmanager
     def eager_window(self, tensors: Sequence[torch.Tensor], /, *,
                      name: Callable[[int], str] | None = None,
-                     resident: Sequence[torch.Tensor] = ()) -> Iterator[Window]:
+                     resident: Sequence[torch.Tensor] = (),
+                     changed_tip: str | None = None) -> Iterator[Window]:
         """``window`` for a caller that runs eagerly already (the boundary: no wrapper)."""
         refuse_non_tensors(tensors)
         refuse_non_tensors(resident, name="resident")
@@ -352,7 +369,7 @@ class OffloadManager:
                              "f'block.args[{i}]', or leave it out ('window tensor #i')",
                              role="a function from a tensor's index to its name in messages")
         with self._lock:  # NOTE [one thread at a time]
-            window = self._open(tensors, name, resident)
+            window = self._open(tensors, name, resident, changed_tip)
 
         # NOTE [a window in compiled code]: a partial of a method dynamo skips, not a closure
         # (a closure wrapped per window was kept alive by dynamo's wrapper).

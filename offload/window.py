@@ -28,7 +28,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.discard import DISCARDED_MARK
 from pytree_ckpt.errors import CheckpointConfigError, CheckpointError
-from pytree_ckpt.changed_in_place import CHANGED_AFTER_CALL_TIP
 from pytree_ckpt.saved import Unchanged
 from pytree_ckpt.subclass import SubclassKind, as_kind, kind_of
 
@@ -389,9 +388,15 @@ class Handle:
             f"{window.describe(self.key)} (offload window {window.id}, "
             f"{self.dtype}{list(self.size)}) was modified in place after it was saved for "
             "backward", expected=f"version {self.version} (when saved)", got=f"version {now}",
-            tip=CHANGED_AFTER_CALL_TIP if from_input else
+            tip=(self.window.changed_tip or _CHANGED_AFTER_SAVE_TIP) if from_input else
                 "a tensor given to offload_into must stay as it was until restore(): change "
                 "a clone instead")
+
+
+# A manual window's: eager refuses such a change too, where an op saved the tensor (helper JT:
+# the boundary's tip, about the inputs it keeps for the replay, was given here).
+_CHANGED_AFTER_SAVE_TIP = ("change a clone after the block (h = h + 1, not h += 1), or make the "
+                           "change before it, as eager needs where an op saved the tensor")
 
 
 class Pass:
@@ -449,11 +454,12 @@ class Window:
     Exported for type annotations: ``with manager.window(tensors) as window`` gives one; it is
     not built directly (its pass belongs to the manager)."""
 
-    __slots__ = ("pass_", "id", "seq", "keys", "name", "copies", "open_copies", "restored",
-                 "small", "__weakref__")
+    __slots__ = ("pass_", "id", "seq", "keys", "name", "changed_tip", "copies", "open_copies",
+                 "restored", "small", "__weakref__")
 
     def __init__(self, pass_: Pass, keys: dict[tuple[str, int], int | None],
-                 name: Callable[[int], str] | None, /, *, seq: int) -> None:
+                 name: Callable[[int], str] | None, /, *, seq: int,
+                 changed_tip: str | None = None) -> None:
         self.pass_ = pass_  # strong: the pass lives as long as one of its windows
         self.id = pass_.next_id
         pass_.next_id += 1
@@ -461,6 +467,7 @@ class Window:
         self.seq = seq  # opening order across passes, for NOTE [copies in flight]
         self.keys = keys  # storage key -> index of the first window tensor on it (None: frames)
         self.name = name
+        self.changed_tip = changed_tip  # for a window tensor changed after its save
         # Weak: handles hold their window and copy; the window holds no copy (no cycle).
         self.copies: weakref.WeakValueDictionary[tuple[str, int], Copy] = (
             weakref.WeakValueDictionary())

@@ -97,6 +97,7 @@ from torch import nn
 # (``pytree_ckpt.boundary``).
 from .boundary_call import BoundaryCall, BoundaryOptions
 from .boundary_function import apply_function
+from .changed_in_place import CHANGED_AFTER_CALL_TIP
 from .errors import CheckpointError
 from .hook_outputs import held_tensors, hooked_modules
 from .hook_tables import HookTables, backward_or_global_hooks, registered
@@ -324,7 +325,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
                                      slots)
             # The module's parameters: a detached alias of one passed in stays resident.
             resident = [*params, *frozen] if params is not None else ()
-            with manager.eager_window(unique, name=name, resident=resident) as window:
+            with manager.eager_window(unique, name=name, resident=resident,
+                                      changed_tip=CHANGED_AFTER_CALL_TIP) as window:
                 out_tensors = apply_function(call, anchor, inputs)
             call.marks = dynamo_marks(unique)  # NOTE [dynamo's marks reach the replay]
             if call.frame.results:  # frozen results (top-k ids) go to host with the inputs

@@ -132,7 +132,7 @@ class BoundaryCall:
         self.unviewed: list[tuple[int, Any, int]] | None = None
         # Outputs on a storage a save unit keeps, with their versions and the op kept there
         # (NOTE [outputs on a kept storage] in made_before.py).
-        self.kept_aliases: list[tuple[int, Any, int, str]] | None = None
+        self.kept_aliases: list[tuple[int, Any, int, str, str]] | None = None
         # Dynamo's marks of inputs a window offloaded, by input position (NOTE [dynamo's marks
         # reach the replay] in recompute.py): the restored tensor is a new object.
         self.marks: dict[int, dict[str, Any]] | None = None

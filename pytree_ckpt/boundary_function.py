@@ -245,7 +245,8 @@ class _BoundaryFunction(torch.autograd.Function):
                                                   (*extra, *call.frame.tensors()))
         if keeping is not None and keeping.kept_storages():
             # NOTE [outputs on a kept storage] (made_before.py)
-            call.kept_aliases = on_kept_storages(out_tensors, keeping.kept_storages())
+            call.kept_aliases = on_kept_storages(out_tensors, keeping.kept_storages(),
+                                                 keeping.what_to_drop)
         if state:
             # A buffer's rows returned untouched (marked non-differentiable below) and changed
             # in place by the caller: a replay that reads the buffer would read the changed

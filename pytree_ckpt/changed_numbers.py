@@ -134,7 +134,7 @@ class ChangedNumbers:
                         entries, forward[0], ended, entries_of(held), at_call,
                         held.maxlen if isinstance(held, deque) else None):
                     pass  # the replay's additions kept (NOTE [a key only the replay changes])
-                else:
+                elif not _holds_a_leaf_it_made(held, entries):
                     put_entries(held, entries)
             # What the replay read there: a small tensor put back, else what it held.
             _warn_graph_tensors_kept([(d, [(name, put.get((id(d), name), left))
@@ -222,6 +222,22 @@ def _only_added(at_start: Any, began: Any, ended: Any, after: Any, at_call: Any,
     return maxlen is not None and len(after) == maxlen and any(
         after[:maxlen - added] == ended[len(ended) - (maxlen - added):]
         for added in range(max(1, maxlen - len(ended) + 1), maxlen + 1))
+
+
+def _holds_a_leaf_it_made(held: Any, entries: Any, /) -> bool:
+    """Whether ``held`` holds a leaf requiring grad that it did not hold as the replay began
+    (``entries``): one the replay made and kept there (`self.kept.append(w)`, ``w`` made to
+    require grad in the forward). As for a plain attribute (below), the container stays as the
+    replay left it, for the made-leaf check to find the leaf held and refuse (NOTE [leaves the
+    call makes] in refusals.py): put back, the original pass's leaf, made under no-grad with no
+    graph to give it a gradient, would be what the caller reads, and eager's `.grad` silently
+    None (helper JT)."""
+    def values(found: Any) -> list[Any]:  # a list's, deque's or set's entries; else pairs
+        return list(found) if isinstance(held, (list, deque, set)) else [v for _, v in found]
+
+    before = {id(v) for v in values(entries)}
+    return any(isinstance(v, torch.Tensor) and v.requires_grad and v.grad_fn is None and
+               id(v) not in before for v in values(entries_of(held)))
 
 
 def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],

@@ -357,10 +357,10 @@ class CheckpointWithoutOutput:
             raise CheckpointError(f"the output of {self._name()} was already discarded",
                                   expected="one discard", got="a second discard",
                                   tip="discard each checkpoint once (a manager discards all)")
-        for index, (out, version) in enumerate(zip(self.outputs, self.versions)):
+        for path, out, version in zip(self._paths(), self.outputs, self.versions):
             if out._version != version:
                 raise CheckpointError(
-                    f"output[{index}] of {self._name()} was changed in place before its discard",
+                    f"{path} of {self._name()} was changed in place before its discard",
                     expected="the output as the op made it", got="an in-place change (relu_, "
                     "mul_, ...) by a consumer", tip="the rebuild would write the op's own "
                     "result back under the consumer: make the consumer out of place, or do not "

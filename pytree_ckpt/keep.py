@@ -259,6 +259,9 @@ class KeepPolicy:
     def __hash__(self) -> int:
         return hash(self._key())
 
+    def keeps_by_op(self, func: Any, /) -> bool:
+        return func.overloadpacket in self.ops or bool(self.overloads) and func in self.overloads
+
     def keeps(self, func: Any, /) -> bool:
         if func.namespace in _COLLECTIVE_NAMESPACES or func.is_view or \
                 func.overloadpacket is _CLONE:
@@ -271,8 +274,7 @@ class KeepPolicy:
             # never made (a ReuseError), or hand autograd's clone the output of another clone.
             # A clone is a copy, cheap to redo from its input.
             return False
-        by_op = func.overloadpacket in self.ops or \
-            bool(self.overloads) and func in self.overloads
+        by_op = self.keeps_by_op(func)
         # NOTE [autocast casts are never kept]: nor any cast by a kept callable's region, where
         # the layer may enter autocast itself (read only as the pass starts: helper HH).
         by_region = bool(self.callables) and func is not _TO_COPY and \
@@ -456,6 +458,9 @@ class KeepMode(TorchDispatchMode):
         # then aten._unsafe_view of the clone, a new tensor (its own version counter) on the
         # clone's storage. A write through either changes both, so all are taken back.
         self._kept_at: dict[int, list[tuple[Any, int]]] = {}
+        # The kept methods' regions each record was kept in, by (op, position): for the tip of
+        # refuse_changed_kept (made_before.py), which must name what the user can drop.
+        self._kept_in: dict[tuple[Any, int], frozenset[str]] = {}
         # The records this pass kept (op, position, kept methods running), counted for their
         # units when the pass ends, once rule 3 had its chance to take them back (NOTE [a unit
         # that keeps nothing at run time] in unit_use.py).
@@ -526,12 +531,15 @@ class KeepMode(TorchDispatchMode):
                          rng_after=rng_after,
                          generators_after=generators_after)
             position = len(frame.results[func]) - 1
+            regions = IN_KEPT_CALLABLE.get()
             if not self.policy.use.settled:
-                self._unit_records.append((func, position, IN_KEPT_CALLABLE.get()))
+                self._unit_records.append((func, position, regions))
             for tensor in _tensors(kept):
                 key = _storage_id(tensor)
                 if key is not None:
                     self._kept_at.setdefault(key, []).append((func, position))
+                    if regions:
+                        self._kept_in[(func, position)] = regions
             if census_active():
                 report_held(_tensors(kept), Mechanism.SAVE_UNIT, holder=holder)
             return out
@@ -571,6 +579,15 @@ class KeepMode(TorchDispatchMode):
         address, each with its (op, position) records (NOTE [outputs on a kept storage] in
         made_before.py)."""
         return self._kept_at
+
+    def what_to_drop(self, func: Any, position: int, /) -> str:
+        """The tip's words for a kept record the caller changed: the op where a unit names it,
+        else the kept method whose region kept it (a ``KeptCallables`` unit names no op)."""
+        if self.policy.keeps_by_op(func):
+            return f"drop {func} from the unit that keeps it"
+        methods = sorted(self.policy.callables & self._kept_in.get((func, position), set()))
+        return f"keep another method than {' or '.join(methods) or 'the kept one'} (its unit " \
+            f"keeps every op the method runs, {func} here)"
 
     def _unit_kept(self, func: Any, regions: frozenset[str], /) -> None:
         # NOTE [a unit that keeps nothing at run time] (unit_use.py)

@@ -209,7 +209,8 @@ def refuse_changed_views(fn: Callable[..., Any], noted: list[tuple[int, Any, int
 
 
 def on_kept_storages(outputs: Sequence[torch.Tensor], kept: dict[int, list[tuple[Any, int]]],
-                     /) -> list[tuple[int, Any, int, str]] | None:
+                     what_to_drop: Callable[[Any, int], str], /
+                     ) -> list[tuple[int, Any, int, str, str]] | None:
     """NOTE [outputs on a kept storage]: an output may share its storage with a result a save
     unit keeps without sharing its version counter: ``aten._unsafe_view`` makes a new tensor
     (a counter of its own) on its argument's storage, and torch returns ``nn.Linear`` on a 3-D
@@ -229,15 +230,16 @@ def on_kept_storages(outputs: Sequence[torch.Tensor], kept: dict[int, list[tuple
         key = _storage_key(t)
         records = kept.get(key) if key is not None else None
         if records:
-            noted.append((position, t.detach(), t._version, str(records[0][0])))
+            op, at = records[0]
+            noted.append((position, t.detach(), t._version, str(op), what_to_drop(op, at)))
     return noted or None
 
 
-def refuse_changed_kept(fn: Callable[..., Any], noted: list[tuple[int, Any, int, str]],
+def refuse_changed_kept(fn: Callable[..., Any], noted: list[tuple[int, Any, int, str, str]],
                         names: Callable[[int], str], /) -> None:
     """NOTE [outputs on a kept storage]: refuse an output changed in place since the call
     whose storage a save unit's record holds. ``names`` gives an output's path by position."""
-    for position, out, version, op in noted:
+    for position, out, version, op, drop in noted:
         if out._version != version:
             raise CheckpointError(
                 f"{names(position)} of {fn_name(fn)} shares its memory with the result of "
@@ -247,4 +249,4 @@ def refuse_changed_kept(fn: Callable[..., Any], noted: list[tuple[int, Any, int,
                 expected="an output left unchanged until backward, or no unit keeping that op",
                 got=f"its version {out._version}, {version} when the call returned",
                 tip="change a clone (`out = out.clone()`, or `out = out + residual` instead "
-                    f"of `out += residual`), or drop {op} from the unit that keeps it")
+                    f"of `out += residual`), or {drop}")

@@ -59,6 +59,11 @@ _keep_graph: Any = torch._C._autograd._get_current_graph_task_keep_graph
 _RECOMPUTE = Phase.RECOMPUTE  # an enum member's lookup costs about five plain ones
 
 
+# NOTE [containers a plain function fills]: a plain function has no module to remember a
+# first replay by, so the lists and dicts given to it are read at each replay (where none is
+# given, the usual case, that is one isinstance check per argument): `checkpoint(fn, x, aux)`
+# with `aux.append(loss)` inside lost the loss's gradient silently where the same body as a
+# module was refused (helper JT). The other first-replay checks read a module's state.
 class _FirstReplay:
     """What a module's first replay with a switch (NOTE [verified per switch] in
     module_state.py) reads around ``fn``: the containers passed in (NOTE [containers filled by
@@ -83,11 +88,14 @@ class _FirstReplay:
     @classmethod
     def of(cls, call: BoundaryCall, args: tuple[Any, ...], kwargs: dict[str, Any],
            aliases: tuple[torch.Tensor, ...]) -> _FirstReplay | None:
-        if call.owner is None or call.forward_modules is None or \
-                is_verified(call.owner, call.switches):
+        known = {id(t) for t in (*aliases, *(call.params or ()))}
+        if call.owner is None or call.forward_modules is None:
+            # NOTE [containers a plain function fills]
+            containers = open_containers(args, kwargs)
+            return None if containers is None else cls(containers, known, [], [], True)
+        if is_verified(call.owner, call.switches):
             return None
         modules = list(call.forward_modules.roots)
-        known = {id(t) for t in (*aliases, *(call.params or ()))}
         return cls(open_containers(args, kwargs), known, modules,
                    [*(m.__dict__ for m in modules), *call.forward_modules.submodules],
                    call.numbers_saved)
@@ -95,6 +103,8 @@ class _FirstReplay:
     def check(self, call: BoundaryCall) -> None:
         if self.containers is not None:
             refuse_filled_containers(call, self.containers, self.known)
+        if not self.modules:  # a plain function's
+            return
         owner = self.modules[0]
         warn_stacked_checkpointing(owner, call.fn)
         warn_stored_scalars(owner, self.modules, self.dicts, self.tensors)

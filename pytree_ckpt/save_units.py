@@ -265,12 +265,18 @@ def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) ->
     checkpointed on its own) and a compiled callable (NOTE [save units need eager bodies])
     cannot run inside a kept region."""
     qualname = f"{type(module).__qualname__}.{name}"
-    if name == "forward" and any(module is layer for layer in layers):
+    index = next((i for i, layer in enumerate(layers) if module is layer), None)
+    if name == "forward" and index is not None:
+        child = next(iter(module.children()), None)
+        example = f'KeptCallables("{type(child).__qualname__}.forward")' \
+            if child is not None else "a method of a submodule"
         raise CheckpointConfigError(
-            f"a save unit keeps {qualname}, the forward of a checkpointed layer: everything "
-            "in it would be kept", expected="methods of the layer's submodules (or its "
-            "other methods)", got=f"{qualname} on a layer the ratio checkpoints",
-            tip="leave such layers out of the checkpointed ones (a lower ratio) instead")
+            f"a save unit keeps {qualname}, the forward of checkpointed layer {index}: "
+            "everything in it would be kept", expected="methods of the layer's submodules "
+            "(or its other methods)", got=f"{qualname} on a layer the ratio checkpoints",
+            tip=f"keep the part of it you mean, a method of one of its submodules "
+                f"({example}); a layer meant to keep all it computes is one left "
+                "uncheckpointed (a layer the ratio leaves out)")
     if name == "forward" and is_checkpointed(module):
         raise CheckpointConfigError(
             f"{qualname} is kept by a save unit, but {type(module).__name__} is checkpointed on "

@@ -2114,3 +2114,9 @@ def test_the_window_a_with_binds_used_in_a_with_of_its_own_is_refused_naming_the
         with pytest.raises(CheckpointConfigError, match="used in a `with` of its own"):
             with window:
                 pass
+
+
+# Guards against (helper JT), as it was found:
+def test_offload_config_fields_given_to_the_manager_are_refused_naming_offload_config() -> None:
+    with pytest.raises(CheckpointError, match=r"OffloadConfig\(min_bytes=0"):
+        OffloadManager(min_bytes=0, prefetch=2)  # type: ignore[call-arg]

@@ -556,8 +556,9 @@ def test_a_frozen_result_on_a_window_tensors_storage_changed_in_place_is_named_a
     # offload_into adds the storage of what it is given to the window's keys only where the
     # window has none for it: a frozen result that is a view of the layer's input (a reused
     # function that returns a slice of its argument) shares the input's copy, and a change of
-    # the input after the call is named as the input, with the boundary's tip; overwritten, it
-    # was named as "a tensor given to offload_into", whose tip speaks of restore().
+    # the input after the call is named as the input, with a window tensor's tip (the
+    # boundary's own where it opened the window); overwritten, it was named as "a tensor given
+    # to offload_into", whose tip speaks of restore().
     m = manager()
     x = torch.randn(8, 8, requires_grad=True)
     h = x * 1.0
@@ -569,7 +570,7 @@ def test_a_frozen_result_on_a_window_tensors_storage_changed_in_place_is_named_a
         with pytest.raises(pytree_ckpt.CheckpointError) as refused:
             read()
         assert str(refused.value).startswith("args[0] (offload window 0, ")
-        assert "the boundary keeps each input for the replay" in str(refused.value)
+        assert "change a clone after the block" in str(refused.value)
 
 
 def test_a_view_made_inside_an_op_and_changed_through_its_base_later_is_refused_like_eager(
@@ -1100,3 +1101,22 @@ def test_a_write_a_backward_makes_into_a_saved_tensor_reaches_an_alias_saved_bes
                 run(manager(), stats_between)
 
 
+
+
+# Guards against (helper JT), as it was found:
+def test_a_manual_window_tensor_changed_after_its_save_gets_a_tip_without_a_boundary() -> None:
+    lin = nn.Linear(8, 8)
+    h = torch.randn(4, 8, requires_grad=True) * 1.0
+    eager = lin(h)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager.sum().backward()  # eager refuses it too: the linear saved h
+    h = torch.randn(4, 8, requires_grad=True) * 1.0
+    with manager().window([h]):
+        y = lin(h)
+    h.add_(1)
+    with pytest.raises(pytree_ckpt.CheckpointError) as refused:
+        y.sum().backward()
+    message = str(refused.value)
+    assert "window tensor #0" in message  # the right tensor, both versions
+    assert "boundary" not in message and "replay" not in message

@@ -2552,3 +2552,34 @@ def test_an_input_the_caller_changed_between_two_backwards_is_named_as_changed_a
         h.add_(1)
     with pytest.raises(CheckpointError, match="was changed in place after the call"):
         loss.backward()
+
+
+def _appends_aux_loss(lin: nn.Linear) -> Callable[..., torch.Tensor]:
+    def fn(x: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        y = lin(x)
+        aux.append(y.pow(2).mean())
+        return y
+    return fn
+
+
+# Guards against (helper JT), as it was found: only a module's first replay checked.
+def test_a_plain_function_that_puts_an_aux_loss_into_a_list_passed_in_is_refused(
+        ) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    fn = _appends_aux_loss(lin)
+    x = torch.randn(2, 4, requires_grad=True)
+    aux: list[torch.Tensor] = []
+    y = fn(x, aux)
+    (y.sum() + aux[0]).backward()
+    eager = lin.weight.grad.clone()
+    lin.weight.grad = None
+    aux = []
+    y = checkpoint(fn, x, aux)
+    assert eager.abs().sum() > 0
+    # Refused as for a module (docs/limits.md, aux losses): the original pass's loss has no
+    # graph, so eager's gradient cannot be had.
+    with pytest.raises(CheckpointError, match=r"put a tensor that requires grad into the list "
+                                              r"passed as args\[1\]"):
+        (y.sum() + aux[0]).backward()
+    assert lin.weight.grad is None

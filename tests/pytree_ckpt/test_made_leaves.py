@@ -742,3 +742,31 @@ def test_the_refusal_of_a_tensor_read_through_a_bound_method_argument_names_it()
     with pytest.raises(CheckpointError, match="neither an input nor a parameter") as err:
         layer(x, _BiasHolder(bias).get).sum().backward()
     assert "reached through args[1].__self__.bias" in str(err.value), str(err.value)
+
+
+class _KeepsLeavesInAList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.ones(4, requires_grad=True)
+        self.kept.append(w)
+        return self.lin(x) * w
+
+
+# Guards against (helper JT), as it was found: the list was put back, the leaf unseen.
+def test_a_leaf_the_forward_keeps_in_a_list_attribute_is_refused_as_one_it_stores_is() -> None:
+    torch.manual_seed(0)
+    eager = _KeepsLeavesInAList()
+    layer = copy.deepcopy(eager)
+    x = torch.randn(3, 4)
+    eager(x).sum().backward()
+    assert eager.kept[0].grad is not None  # what the original pass's leaf cannot get
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(pytree_ckpt.CheckpointError, match="uses a tensor that requires grad") \
+            as refused:
+        layer(x).sum().backward()
+    assert "kept" in str(refused.value)  # named where it is held
+    assert layer.lin.weight.grad is None  # refused before any gradient is accumulated

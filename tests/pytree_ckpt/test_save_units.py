@@ -1701,3 +1701,78 @@ def test_apply_recompute_config_logs_at_info_what_each_selected_unit_keeps(
     with caplog.at_level("INFO", logger="pytree_ckpt.save_units"):  # nothing selected: no log
         apply_recompute_config([Block()], RecomputeConfig(1.0, save=None), TARGETS)
     assert not [r for r in caplog.records if r.name == "pytree_ckpt.save_units"]
+
+
+class _JTAttn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.q(h).tanh()
+
+
+class _JTBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _JTAttn()
+        self.mlp = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.attn(h))
+
+
+# Guards against (helper JT), as it was found: the tip said "a lower ratio", refused again.
+def test_the_tip_for_a_unit_keeping_the_layers_own_forward_names_a_fix_that_works() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_JTBlock() for _ in range(2))
+    eager = copy.deepcopy(layers)
+    with pytest.raises(CheckpointConfigError, match="checkpointed layer 0") as refused:
+        pytree_ckpt.apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                                           {"attn": KeptCallables("_JTBlock.forward")})
+    tip = str(refused.value).split("tip:")[1]
+    assert 'KeptCallables("_JTAttn.forward")' in tip
+    # Followed: the submodule's method is kept, and the gradients are eager's.
+    pytree_ckpt.apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                                       {"attn": KeptCallables("_JTAttn.forward")})
+    x = torch.randn(3, 4)
+    for model in (eager, layers):
+        h = x
+        for layer in model:
+            h = layer(h)
+        h.square().sum().backward()
+    for p, q in zip(eager.parameters(), layers.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+# Guards against (helper JT), as it was found:
+def test_the_tip_for_a_changed_output_kept_by_a_method_unit_names_the_method_not_an_op() -> None:
+    layers = nn.ModuleList([_JTBlockReturningKept()])
+    pytree_ckpt.apply_recompute_config(layers, RecomputeConfig(1.0, save=["attn"]),
+                                       {"attn": KeptCallables("_JTProjecting.project")})
+    out = layers[0](torch.randn(3, 4))
+    out += 1
+    with pytest.raises(CheckpointError) as refused:
+        out.relu().sum().backward()
+    tip = str(refused.value).split("tip:")[1]
+    # The unit holds no op to drop: the tip should name what the user can change.
+    assert "drop aten.addmm.default" not in tip and \
+        "keep another method than _JTProjecting.project" in tip
+
+
+class _JTProjecting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return self.q(h)
+
+
+class _JTBlockReturningKept(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _JTProjecting()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.attn.project(h)
