@@ -281,7 +281,8 @@ def refuse_filled_containers(call: BoundaryCall,
     caller has itself (``known``: the replay's inputs and parameters; an input kept in a list
     of hidden states, a tied weight, inputs repackaged in a tuple), whose gradient the
     caller's own tensor carries. Checked at a module's first replay with each switch (NOTE
-    [verified per switch] in module_state.py). A global list is not seen (docs/limits.md)."""
+    [verified per switch] in module_state.py), a plain function's at each (NOTE [containers a
+    plain function fills] in recompute.py). A global list is not seen (docs/limits.md)."""
     for path, container, ids in found:
         for element in container_elements(container):
             if id(element) not in ids and _carries_grad(element, known):
