@@ -346,6 +346,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         call.hook_epoch = registered()
     if plain is not None:
         call.plain_state = plain.after_forward()  # kept for the replay when it changed state
+    if call.returned_attributes is not None:  # NOTE [an input returned keeps its attributes]
+        for position, held in call.returned_attributes:
+            vars(out_tensors[position]).update(held)
+        call.returned_attributes = None
     if call.as_is:
         out_tensors = list(out_tensors)
         for position, tensor in call.as_is:

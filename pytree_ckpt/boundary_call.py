@@ -74,7 +74,8 @@ class BoundaryCall:
     __slots__ = ("fn", "options", "in_spec", "in_leaves", "in_tensor_index", "in_slots",
                  "in_shared", "n_inputs", "params", "owner", "out_spec", "out_leaves",
                  "out_tensor_index", "out_meta", "frame", "env", "original_call", "reported",
-                 "before", "as_is", "attributes", "buffer_dicts", "frozen", "frozen_at_call",
+                 "before", "as_is", "returned_attributes", "attributes", "buffer_dicts",
+                 "frozen", "frozen_at_call",
                  "changed_state", "changed_numbers", "numbers_saved", "modules",
                  "forward_modules", "hooked", "hooked_outputs", "held", "subclasses",
                  "switches", "inference", "saved_versions", "unviewed", "kept_aliases", "marks",
@@ -127,6 +128,9 @@ class BoundaryCall:
         # Inputs the original pass returned as they are, by output position; for run_boundary
         # only (then dropped).
         self.as_is: list[tuple[int, torch.Tensor]] | None = None
+        # The attributes of inputs that require grad, returned as they are, by output position
+        # (NOTE [an input returned keeps its attributes] in boundary_function.py); then dropped.
+        self.returned_attributes: list[tuple[int, dict[str, Any]]] | None = None
         # Outputs left as detach() aliases of views, with their versions (NOTE [outputs that
         # view fn's own results] in made_before.py).
         self.unviewed: list[tuple[int, Any, int]] | None = None

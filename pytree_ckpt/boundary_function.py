@@ -225,10 +225,18 @@ class _BoundaryFunction(torch.autograd.Function):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         if flat.spec.num_nodes > flat.spec.num_leaves:  # NOTE [tensors in a node's metadata]
             refuse_metadata_tensors(call.fn, flat.spec, root="output")
+        leaves = flat.leaves if len(flat.tensor_index) == len(flat.leaves) else \
+            [flat.leaves[i] for i in flat.tensor_index]
+        # NOTE [an input returned keeps its attributes]: autograd hands the caller an input the
+        # Function returns as a new alias carrying the node (the class survives, through a
+        # subclass's __torch_function__), not the input itself as eager does, so what the
+        # caller set on it (`x.meta`, a tagged tensor's tag) was gone: `out.meta` raised where
+        # eager's ran (helper JS). The alias gets the input's attributes, by reference.
+        returned = [(k, vars(t)) for k, t in enumerate(leaves)
+                    if t.requires_grad and any(t is x for x in tensors)]
+        call.returned_attributes = [(k, held) for k, held in returned if held] or None
         # NOTE [outputs made before the call] (made_before.py)
-        out_tensors, as_is, views, state = leaving_tensors(
-            flat.leaves if len(flat.tensor_index) == len(flat.leaves) else
-            [flat.leaves[i] for i in flat.tensor_index], tensors, call.before, watch)
+        out_tensors, as_is, views, state = leaving_tensors(leaves, tensors, call.before, watch)
         extra: tuple[torch.Tensor, ...] = ()
         if recorded:
             known = {id(t) for t in (*tensors, *(call.before or {}).values(), *out_tensors,

@@ -452,8 +452,8 @@ class CheckpointWithoutOutput:
                 watched, self.params, self._name,
                 self.forward_modules.roots if self.forward_modules is not None else [])
         saved_tensors = ctx.saved_tensors
-        for t in saved_tensors:
-            if t.numel() and not t.untyped_storage().nbytes():
+        for t in saved_tensors:  # a sparse input has no storage, and is never discarded
+            if t.layout is torch.strided and t.numel() and not t.untyped_storage().nbytes():
                 # NOTE [chained discards in any order]: discards of chained ops, each its own
                 # object, registered on one tensor: hooks run in their registration order, so
                 # a later op's rebuild may run first and find its input, the earlier op's

@@ -57,7 +57,7 @@ from .grad_blocks import body_without_grad
 from .grad_reach import Reach, argument_path, grad_reach, reach_short, reach_words
 from .module_state import owning_module
 from .reused_numbers import ArgumentContents, MadeContents
-from .state_changes import REPLAY_COPY_MARK
+from .state_changes import is_replay_copy, mark_replay_copy
 from .tree import FlatTree, dunder, flatten, flatten_call, hidden_tensor, leaf_paths
 
 __all__ = ["AsRecorded", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
@@ -396,10 +396,10 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
             if isinstance(now, torch.Tensor) and not now.is_inference() and (
                     now is not b or now._version != version):
                 changed.append(("buffer" if now is b else "reassigned", name,
-                                weakref.ref(now.untyped_storage()), now.detach().clone()))
+                                _storage_ref(now), now.detach().clone()))
         if len(held) > len(entries):  # registered by the call: made again as reassigned
             known = {name for name, _, _ in entries}
-            changed += [("reassigned", name, weakref.ref(now.untyped_storage()),
+            changed += [("reassigned", name, _storage_ref(now),
                          now.detach().clone()) for name, now in held.items()
                         if name not in known and isinstance(now, torch.Tensor)
                         and not now.is_inference()]
@@ -409,6 +409,11 @@ def state_after(call: FlatTree, before: list[int | None], buffers: Buffers | Non
         # NOTE [a container a reused call is given and counts in] (reused_numbers.py)
         changed.append(("contents", None, None, given))
     return tuple(changed) if changed else None
+
+
+def _storage_ref(t: torch.Tensor, /) -> weakref.ref[torch.UntypedStorage] | None:
+    """A buffer's storage, weakly (read for an argument's only); none for a sparse one."""
+    return weakref.ref(t.untyped_storage()) if t.layout is torch.strided else None
 
 
 def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -440,17 +445,17 @@ def apply_state_after(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
                 # forward began there (NOTE [the replay changes copies]): given its copy.
                 target = held.get(key)
                 if target is None or isinstance(target, torch.Tensor) and \
-                        getattr(target.untyped_storage(), REPLAY_COPY_MARK, False):
+                        is_replay_copy(target):
                     copy = value.clone()
-                    setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)
+                    mark_replay_copy(copy)
                     held[key] = copy
                 continue
             else:
                 target = held.get(key)
-                ours = isinstance(target, torch.Tensor) and \
-                    getattr(target.untyped_storage(), REPLAY_COPY_MARK, False)
+                ours = isinstance(target, torch.Tensor) and is_replay_copy(target)
             if ours and isinstance(target, torch.Tensor) and target.shape == value.shape and \
-                    target.dtype == value.dtype and not torch.equal(target, value):
+                    target.dtype == value.dtype and (target.layout is not torch.strided or
+                                                     not torch.equal(target, value)):
                 target.copy_(value)
 
 

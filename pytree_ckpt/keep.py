@@ -264,7 +264,7 @@ class KeepPolicy:
 
     def keeps(self, func: Any, /) -> bool:
         if func.namespace in _COLLECTIVE_NAMESPACES or func.is_view or \
-                func.overloadpacket is _CLONE:
+                func.overloadpacket is _CLONE or not _returns_tensors(func):
             # Views (detach included) hold no memory of their own, and autograd dispatches some
             # (saving an output) only when grad is on, i.e. in the replay alone.
             # NOTE [clones are never kept]: an in-place op whose derivative needs the value it
@@ -272,7 +272,8 @@ class KeepPolicy:
             # makes autograd dispatch ``aten.clone`` of it first, when grad is on: in the replay
             # alone. A kept clone would make the replay ask for a record the original pass
             # never made (a ReuseError), or hand autograd's clone the output of another clone.
-            # A clone is a copy, cheap to redo from its input.
+            # A clone is a copy, cheap to redo from its input. NOTE [ops that return no
+            # tensor are never kept].
             return False
         by_op = self.keeps_by_op(func)
         # NOTE [autocast casts are never kept]: nor any cast by a kept callable's region, where
@@ -309,6 +310,23 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
+# NOTE [ops that return no tensor are never kept]: what an op returns when it returns no tensor
+# (a size, a layout, a flag: `aten.sym_size`, `prim.layout`) holds no memory to keep, and
+# autograd dispatches some of them only with grad on (for a nested tensor's input, in the
+# replay alone): kept in a kept method's region, the replay asked for a record the original
+# pass never made, a ReuseError raised inside C++, which ended the process (helper JS). Read
+# from the op's schema once per op (a cache of torch's own op objects, not step state).
+_RETURNS_TENSORS: dict[Any, bool] = {}
+
+
+def _returns_tensors(func: Any, /) -> bool:
+    found = _RETURNS_TENSORS.get(func)
+    if found is None:
+        found = _RETURNS_TENSORS[func] = any("Tensor" in str(r.type)
+                                             for r in func._schema.returns)
+    return found
+
+
 def _emptied(kept: Any, /) -> bool:
     """NOTE [a kept record emptied by a failed replay]: a replay that takes a kept output and
     gives it to an output discard (a kept method that runs one: the discard is real in the
@@ -318,9 +336,11 @@ def _emptied(kept: Any, /) -> bool:
     ``backward(retain_graph=True)`` on the same graph was handed the empty tensor and torch
     raised "data is not allocated yet" where eager's retry works. An emptied record is taken
     back (rule 3's way: ``Frame.unkeep``, before its RNG jump): the replay runs the op again.
-    Only a discard empties a storage with elements in it, so this is never true otherwise."""
+    Only a discard empties a storage with elements in it, so this is never true otherwise; a
+    discard frees strided outputs only (a sparse result has no storage to read: helper JS)."""
     for tensor in _tensors(kept):
-        if tensor.numel() and not tensor.untyped_storage().nbytes():
+        if tensor.layout is torch.strided and tensor.numel() and \
+                not tensor.untyped_storage().nbytes():
             return True
     return False
 

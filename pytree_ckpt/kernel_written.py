@@ -17,7 +17,7 @@ from torch import nn
 
 from .module_state import structure_generation
 
-__all__ = ["compared", "differs", "mark_compared", "remember", "remembered"]
+__all__ = ["compared", "differs", "mark_compared", "remember", "remembered", "sparse_parts"]
 
 # NOTE [state a kernel writes]: the watch of NOTE [state the forward changes] sees a change in
 # place through a version counter, and a batch norm's whole dict through its counter. Some
@@ -106,6 +106,12 @@ def _same(value: torch.Tensor, t: torch.Tensor, /) -> bool:
     quantized tensor is compared by its own torch.equal."""
     if t.device.type == "meta":
         return True
+    parts = sparse_parts(t)
+    if parts is not None:  # torch.equal has no sparse kernel
+        had = sparse_parts(value) if value.layout == t.layout else None
+        return had is not None and value.shape == t.shape and all(
+            a.dtype == b.dtype and a.shape == b.shape and _same(a, b)
+            for a, b in zip(had, parts))
     if type(t) not in (torch.Tensor, nn.Parameter) or t.is_quantized or \
             t.layout != torch.strided:
         return bool(torch.equal(value, t))
@@ -113,6 +119,25 @@ def _same(value: torch.Tensor, t: torch.Tensor, /) -> bool:
         return False
     a, b = (x.detach().resolve_conj().resolve_neg().contiguous().reshape(-1) for x in (value, t))
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# A sparse tensor's parts, by layout: compared one by one, a sparse buffer (a graph layer's
+# adjacency) written through ``.data`` is seen as a dense one is (helper JS: never saved, it
+# was read one update ahead, silently). Equal values in another layout of parts (uncoalesced)
+# count as changed: copies for nothing, never a wrong value.
+_SPARSE_PARTS = {
+    torch.sparse_coo: lambda t: (t._indices(), t._values()),
+    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+    torch.sparse_bsr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_bsc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+}
+
+
+def sparse_parts(t: torch.Tensor, /) -> tuple[torch.Tensor, ...] | None:
+    """The tensors a sparse ``t`` is made of; ``None`` for any other layout."""
+    parts = _SPARSE_PARTS.get(t.layout)
+    return None if parts is None else parts(t)
 
 
 def _bytes(storage: torch.UntypedStorage, /) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .state_changes import REPLAY_COPY_MARK
+from .state_changes import is_replay_copy, mark_replay_copy
 from .tree import dunder, instance_dict
 
 __all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "BoundObject", "Contents",
@@ -352,7 +352,7 @@ def fresh_values(read: ValuesRead, fresh: dict[int, torch.Tensor], /) -> torch.T
     copy = fresh.get(id(read.values))
     if copy is None:
         copy = fresh[id(read.values)] = read.values.clone()
-        setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)  # the replay's own (InPlace)
+        mark_replay_copy(copy)  # the replay's own (InPlace)
     return copy
 
 
@@ -369,7 +369,7 @@ class InPlace:
         """Into ``target`` where it is the replay's own copy, of the same shape and dtype;
         another tensor (the caller's: no copy was made) is left as it is."""
         if isinstance(target, torch.Tensor) and \
-                getattr(target.untyped_storage(), REPLAY_COPY_MARK, False) and \
+                is_replay_copy(target) and \
                 target.shape == self.values.shape and target.dtype == self.values.dtype:
             with torch.no_grad():
                 target.copy_(self.values)

@@ -18,11 +18,12 @@ from torch import nn
 
 from .errors import CheckpointError
 from .forward_writes import note_forward_write, written_by_a_forward_since, written_since
-from .kernel_written import differs
+from .kernel_written import differs, sparse_parts
 from .module_state import ModuleDicts, ever_verified, graph_reaches
 
-__all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "mark_stateful", "refuse_graph_read",
-           "registered_state", "snapshots_wanted", "versions"]
+__all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "is_replay_copy", "mark_replay_copy",
+           "mark_stateful", "refuse_graph_read", "registered_state", "snapshots_wanted",
+           "versions"]
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
@@ -42,6 +43,22 @@ _Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
 
 # On the storage of each copy a replay runs on (NOTE [the replay changes copies]).
 REPLAY_COPY_MARK = "_pytree_ckpt_replay_copy"
+
+
+def mark_replay_copy(copy: torch.Tensor, /) -> None:
+    """Mark ``copy`` as the replay's own: its storage (its views are the replay's too), or, for
+    a tensor without one (a sparse adjacency a graph layer keeps as a buffer: helper JS), the
+    tensor itself."""
+    if copy.layout is torch.strided:
+        setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)
+    else:
+        setattr(copy, REPLAY_COPY_MARK, True)
+
+
+def is_replay_copy(t: torch.Tensor, /) -> bool:
+    """Whether ``t`` is (a view of) a tensor ``mark_replay_copy`` marked."""
+    return bool(getattr(t.untyped_storage() if t.layout is torch.strided else t,
+                        REPLAY_COPY_MARK, False))
 
 
 _STATEFUL = "_pytree_ckpt_stateful"
@@ -151,6 +168,9 @@ class StateWatch:
             # A small view of a large storage, or a conjugate or negative view (set_ would
             # drop the bit): the buffer alone, its values resolved.
             self.before[id(t)] = (None, t.detach().clone())
+        elif (parts := sparse_parts(t)) is not None and not t.requires_grad and \
+                sum(p.numel() * p.element_size() for p in parts) <= _SMALL_BYTES:
+            self.before[id(t)] = (None, t.detach().clone())  # compared by its parts
 
     def _with_kernel_written(self, buffers: list[tuple[_Buffers, _Moved | None]], /
                              ) -> list[tuple[_Buffers, _Moved | None]]:
@@ -560,7 +580,7 @@ class ChangedState:
                 storage = storages[key] = self.storages[key].clone()
             copy = torch.empty(0, dtype=source.dtype, device=source.device)
             copy.set_(storage, offset, size, stride)
-        setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)
+        mark_replay_copy(copy)
         return copy
 
 

@@ -409,3 +409,90 @@ def test_a_kept_callable_under_an_autocast_the_layer_enters_gives_the_gradients_
         model(x).sum().backward()
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert_same_grads(*grads)
+
+
+_NESTED_INPUT_UNDER_A_KEPT_CALLABLE = """
+import copy, torch
+from torch import nn
+from pytree_ckpt import KeptCallables, RecomputeConfig, SaveUnit, apply_recompute_config
+
+class Projects(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+    def project(self, h):
+        return self.lin(h)
+    def forward(self, nt):
+        return self.project(nt).relu()
+
+torch.manual_seed(0)
+eager = Projects()
+kept = copy.deepcopy(eager)
+apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
+                       {SaveUnit.ATTN: KeptCallables("Projects.project")}, offload=False)
+values = torch.randn(7, 8)
+grads = []
+for model in (eager, kept):
+    v = values.clone().requires_grad_()
+    nt = torch.nested.nested_tensor_from_jagged(v * 1.0, torch.tensor([0, 3, 7]))
+    model(nt).values().square().sum().backward()
+    grads.append([v.grad, *(p.grad for p in model.parameters())])
+print(all(torch.equal(a, b) for a, b in zip(*grads)))
+"""
+
+
+# Guards against (helper JS), as it was found:
+def test_a_jagged_nested_input_through_a_kept_callable_gives_eagers_gradients_without_aborting(
+) -> None:
+    # Jagged nested tensors are documented inputs (limits.md, 'Inputs and outputs of any
+    # PyTree'). Under grad (the replay only) autograd dispatches aten.sym_size.default for the
+    # nested input inside the kept method; Policy.keeps (keep.py) keeps it as part of the
+    # region, so the replay asks for a record the original pass never made: a ReuseError
+    # raised from C++ that cannot propagate, and the process ends in std::terminate (SIGABRT,
+    # exit status -6). Run in a child process: the abort would take pytest down.
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", _NESTED_INPUT_UNDER_A_KEPT_CALLABLE],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, f"exit status {out.returncode}: {out.stderr[-500:]}"
+    assert out.stdout.strip() == "True"
+
+
+class SparseScores(nn.Module):
+    """A graph layer whose kept method makes a sparse matrix (scores kept as COO)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return (h * (h > 0)).to_sparse()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.scores(x), x)
+
+
+# Guards against (helper JS), as it was found:
+def test_a_kept_method_returning_a_sparse_tensor_gives_the_gradients_of_keeping_nothing() -> None:
+    # The replay takes the kept record and asks whether a discard emptied it (_emptied in
+    # keep.py, NOTE [a kept record emptied by a failed replay]): untyped_storage() of a
+    # sparse record raises torch's NotImplementedError in backward. Sparse tensors are
+    # documented leaves (limits.md, 'Inputs and outputs of any PyTree'); eager, the boundary
+    # keeping nothing and offload all run it.
+    torch.manual_seed(0)
+    unkept = SparseScores()
+    wrapped = copy.deepcopy(unkept)
+    pytree_ckpt.apply_activation_checkpointing(unkept, offload=False)
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptCallables("SparseScores.scores")}, offload=False)
+    x = torch.randn(4, 4, requires_grad=True)
+    grads = []
+    for model in (unkept, wrapped):
+        x.grad = None
+        model(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)

@@ -320,3 +320,128 @@ def test_an_edge_index_wrapper_subclass_input_gives_eagers_gradients(offloaded: 
         run(torch.randn(5, 4), edge_index).square().sum().backward()
         grads.append(weight.grad)
     assert torch.equal(*grads)
+
+
+class _Tagged(torch.Tensor):
+    """A ``__torch_function__`` subclass whose instances carry a Python attribute (a tag)."""
+
+
+# Guards against (helper JS), as it was found:
+@pytest.mark.parametrize("tagged", [False, True], ids=["plain", "subclass"])
+def test_an_input_returned_as_it_is_keeps_the_attributes_the_caller_set_on_it(
+        tagged: bool) -> None:
+    # Eager returns the caller's own tensor, its attributes included (a tagged tensor's tag,
+    # x.meta); the boundary returns an alias of it (NOTE in docs/limits.md, 'Tensors made
+    # before the call'), with the subclass but none of its attributes: `out.meta` raises
+    # AttributeError, `getattr(out, "meta", default)` silently takes the default. A tensor
+    # fn computes and tags keeps its tag; the replay's input alias gets the caller's
+    # attributes too (limits.md, 'The function the replay runs'): only the output alias loses
+    # them. Not listed in docs/limits.md.
+    lin = nn.Linear(W, W)
+
+    def layer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return lin(x), x
+
+    leaf = torch.randn(2, W, requires_grad=True)
+    x = leaf * 1.0
+    if tagged:
+        x = x.as_subclass(_Tagged)
+    x.meta = "from the caller"
+    _, eager_x = layer(x)
+    _, ours_x = pytree_ckpt.checkpoint(layer, x)
+    assert type(ours_x) is type(eager_x)
+    assert getattr(eager_x, "meta", None) == "from the caller"
+    assert getattr(ours_x, "meta", None) == "from the caller"
+
+
+_EDGES = torch.tensor([[0, 1, 2, 3, 4], [1, 2, 3, 4, 0]])
+
+
+def _ring() -> torch.Tensor:
+    # check_invariants: torch warns once a process when the checks are left implicit.
+    return torch.sparse_coo_tensor(_EDGES, torch.ones(5), (5, 5), check_invariants=True).coalesce()
+
+
+class _CachesItsGraph(nn.Module):
+    """Builds a sparse adjacency from the features and puts it in its buffer (a ring until
+    then) for the aggregation to read: in a reused call (once per step), or in the forward."""
+
+    def __init__(self, reused: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        self.reused = reused
+        self.adj: torch.Tensor | None
+        ring = _ring()
+        self.register_buffer("adj", ring, persistent=False)
+
+    def build(self, x: torch.Tensor) -> torch.Tensor:
+        d = torch.cdist(x, x)
+        self.adj = (d < d.median()).float().to_sparse()
+        return self.adj.indices()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = pytree_ckpt.reuse_during_recompute(self.build, x.detach()) if self.reused else \
+            self.build(x.detach())
+        assert self.adj is not None
+        return torch.sparse.mm(self.adj, self.lin(x)).relu(), ids
+
+
+# Guards against (helper JS), as it was found:
+@pytest.mark.parametrize("reused", [True, False], ids=["reused-call", "forward"])
+def test_a_sparse_tensor_the_call_puts_in_a_buffer_slot_gives_eagers_outputs_and_gradients(
+        reused: bool) -> None:
+    # Module state a call changes is read by storage: frozen.py takes
+    # weakref.ref(now.untyped_storage()) of a buffer a reused call reassigned
+    # (NotImplementedError in the forward), state_changes.py:563 marks the replay's copy
+    # of a reassigned buffer on its storage (NotImplementedError in backward). A sparse tensor
+    # has no storage. A dense buffer reassigned so is exact.
+    torch.manual_seed(0)
+    eager = _CachesItsGraph(reused)
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin, offload=False)
+    results = []
+    for model in (eager, twin):
+        x = torch.randn(5, W, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out, ids = model(x)
+        out.square().sum().backward()
+        results.append([out, ids, x.grad, *(p.grad for p in model.parameters())])
+    assert_same(*results)
+
+
+class _DecaysItsGraph(nn.Module):
+    """Aggregates over a sparse adjacency buffer, then decays it through ``.data`` (a write
+    no version counter sees), as a dense buffer written so is handled."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        ring = _ring()
+        self.adj: torch.Tensor
+        self.register_buffer("adj", ring if sparse else ring.to_dense())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.adj @ self.lin(x)
+        self.adj.data = self.adj * 2
+        return out
+
+
+# Guards against (helper JS), as it was found: a sparse buffer was never compared.
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_a_buffer_written_through_data_in_the_first_forward_gives_eagers_gradients(
+        sparse: bool) -> None:
+    # docs/limits.md ('a buffer written with no version moving'): seen, and exact, when the
+    # forward writes it before the module's first replay (small buffers are compared bit for
+    # bit there). A dense buffer is; a sparse one was not compared (no storage to read), so
+    # the replay ran on the doubled adjacency: the input's and the weight's gradients were
+    # twice eager's, without an error or a warning. Compared by its parts now.
+    torch.manual_seed(0)
+    eager = _DecaysItsGraph(sparse)
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin, offload=False)
+    results = []
+    for model in (eager, twin):
+        x = torch.randn(5, W, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = model(x)
+        out.square().sum().backward()
+        results.append([out, x.grad, *(p.grad for p in model.parameters())])
+    assert_same(*results)
