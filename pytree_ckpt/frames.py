@@ -426,7 +426,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         watched = with_its_module(fn, args, kwargs)  # NOTE [a module given to a reused call]
         buffers = buffer_versions(watched)
         numbers = numbers_watch(watched)
-        contents = argument_contents(watched, args, kwargs)  # NOTE in reused_numbers.py
+        contents = argument_contents(fn, watched, args, kwargs)  # NOTE in reused_numbers.py
         held = held_tensors(watched)  # NOTE [floats a reused fn stores on its module] (frozen.py)
         try:
             before = rng_state(devices) if devices is not None else None

@@ -171,7 +171,10 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     ``torch.compile``d helper such a call runs is compiled once more under the probe's mode
     (dynamo guards on the mode stack: one more graph, helper GN)."""
     d, before = held
-    found = tuple((name, None if probe is None else probe.source(value))
+    # By the module's class and name (`Router.probs`): the replay, which warns, has the call's
+    # function only, whose module may be one it was given (helper JX: "NoneType.probs").
+    owner = type(owning_module(fn)).__name__
+    found = tuple((f"{owner}.{name}", None if probe is None else probe.source(value))
                   for name, value in d.items()
                   if isinstance(value, torch.Tensor) and before.get(name) != id(value) and
                   _is_float(value) and not value.requires_grad)
@@ -250,7 +253,7 @@ def warn_stored_floats(fn: Callable[..., Any], name: str, recorded: AsRecorded, 
         _WARNED_STORED.add(key)
     except TypeError:  # a builtin takes no weak reference (and lives as long)
         return
-    where = f"{type(owning_module(fn)).__name__}.{attribute}"
+    where = attribute
     warnings.warn(
         f"pytree_ckpt: reuse_during_recompute({name}) stored the float tensor {where} on its "
         f"module in the original pass ({why}): eager gives it a graph there. The replay "

@@ -60,6 +60,8 @@ from __future__ import annotations
 import functools
 import operator
 import threading
+import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -67,6 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .eager import user_stacklevel
 from .errors import ReplayMismatchError
 from .keep import IN_REUSE
 from .parameter_hooks import put_first
@@ -116,7 +119,9 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     # those: a hook keeping outputs on a module run eagerly beside a compiled submodule keeps
     # their graph, helper FJ).
     passes = getattr(_RECORDING, "passes", ())
-    if passes and (torch.compiler.is_compiling() or not IN_REUSE.get()):
+    if passes and not torch.compiler.is_compiling() and IN_REUSE.get():
+        _warn_hooked_in_reuse(module, output)
+    elif passes:
         compiling = torch.compiler.is_compiling()
         # Its submodules' too: a table a child without hooks builds and the hooked module
         # returns (helper FL).
@@ -130,6 +135,34 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
             recorded.outputs.update(id(t) for t in made)
             if compiling:
                 recorded.compiled.append(module)
+
+
+# Module classes warned about by _warn_hooked_in_reuse (a warning's dedupe, not step state).
+_WARNED_IN_REUSE: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+def _warn_hooked_in_reuse(module: nn.Module, output: Any, /) -> None:
+    """NOTE [hooks inside a reused call]: a module with forward hooks, called inside
+    ``reuse_during_recompute`` (a router a free function is given and calls for its top-k), runs
+    only in the no-grad original pass: the replay skips the call, so what a hook keeps of its
+    output (transformers' ``router_logits`` for the load-balancing loss) has no graph, where
+    eager's has one through the module's trainable parameters. No boundary output can give it
+    one (helper JX). Warned once per module class, where the module has trainable parameters
+    and returned a float tensor; a hook that only logs is told too (nothing tells them apart)."""
+    if type(module) in _WARNED_IN_REUSE or not any(
+            isinstance(t, torch.Tensor) and t.is_floating_point()
+            for t in flatten(output).leaves) or \
+            not any(p.requires_grad for p in module.parameters()):
+        return
+    _WARNED_IN_REUSE.add(type(module))
+    warnings.warn(
+        f"pytree_ckpt: {type(module).__name__} has forward hooks and ran inside "
+        "reuse_during_recompute: its output there is computed under the original pass's "
+        "no-grad, and the replay skips the call, so what a hook keeps of it (router logits for "
+        "a load-balancing loss) gets no gradient, where eager's does. Tip: call the module "
+        "outside the reused call and reuse only the frozen part (the top-k of its logits: "
+        "reuse_during_recompute(topk_ids, logits.detach()))",
+        stacklevel=user_stacklevel())
 
 
 # What stops the flow: eager's results of these require no grad.

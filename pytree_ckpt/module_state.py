@@ -63,30 +63,43 @@ def owning_module(fn: Callable[..., Any], /) -> nn.Module | None:
 
 def with_its_module(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                     /) -> Callable[..., Any]:
-    """``fn`` as a method of the module it is given, for the watches of a reused call where
-    ``fn`` has no module of its own (NOTE [a module given to a reused call]); else ``fn``."""
-    if isinstance(fn, nn.Module) or dunder(fn, "__self__") is not None:
+    """``fn`` as a method of the module it is given, for the module watches of a reused call
+    where ``fn`` has no module of its own (NOTE [a module given to a reused call]); else
+    ``fn``."""
+    if owning_module(fn) is not None:  # a module's method, under partials and wrappers too
         return fn
-    if args and isinstance(args[0], nn.Module) and _method_of(args[0], fn):
+    if args and isinstance(args[0], nn.Module) and dunder(fn, "__self__") is None and \
+            _method_of(args[0], fn):
         return functools.partial(fn, args[0])  # NOTE [a method bound by a partial]
-    given = next((value for value in (*args, *kwargs.values()) if isinstance(value, nn.Module)),
-                 None)
+    bound = ()
+    inner = fn
+    for _ in range(8):  # what partials bind: `partial(route, self.router)`
+        if not isinstance(inner, functools.partial):
+            break
+        bound += (*inner.args, *inner.keywords.values())
+        inner = inner.func
+    given = next((value for value in (*args, *kwargs.values(), *bound)
+                  if isinstance(value, nn.Module)), None)
     return fn if given is None else types.MethodType(fn, given)
 
 
 # NOTE [a module given to a reused call]: `reuse_during_recompute(Router.route, self.router,
-# h)`, or a free function's `reuse_during_recompute(route, h, self.router)`: what the call
-# changes of that module (a count, a buffer) is the watches' to record and to put back for the
+# h)`, a free function's `reuse_during_recompute(route, h, self.router)`, or one a partial
+# binds it to (`partial(route, self.router)`): what the call changes of that module (a count, a
+# buffer, a float stored there) is the module watches' to record and to put back for the
 # replay, as for `self.router.route` (helper JG). A module is not read as an argument is (its
 # attributes are its state), so a free function's `router.calls += 1` was neither recorded nor
-# undone: the replay read the count as before the forward (0, not 1) and the gradients differed
-# from eager's, silently. The binding is for the watches only (the call runs ``fn`` as given),
-# to the first module given (a positional argument, then a keyword's; not one held inside a
-# container): one module's state per reused call, as a bound method's. A class's function is
-# bound by a partial, which owning_module reads as the module's method anywhere; any other
-# function by ``MethodType``, whose ``__self__`` is the module: the boundary never sees this
-# binding, so a helper given a module is still not taken for that module's forward where it
-# is the checkpointed function.
+# undone: the replay read the count as before the forward (0, not 1) and the gradients
+# differed from eager's, silently. The first module given is watched (a positional argument,
+# then a keyword's, then what partials bind; not one held inside a container): one module's
+# state per reused call, as a bound method's. A function with a module of its own (a module's
+# method, under partials and wrappers: helper JX) keeps that one. The binding is for the module
+# watches only: the call runs ``fn`` as given, and what ``fn`` binds or closes over (a stats
+# dict a partial binds, a plain helper object's own attributes) is read from ``fn`` itself
+# (``argument_contents``). A class's function is bound by a partial, which owning_module reads
+# as the module's method anywhere; any other callable by ``MethodType``, whose ``__self__``
+# is the module: the boundary never sees this binding, so a helper given a module is not
+# taken for that module's forward where it is the checkpointed function.
 
 
 # NOTE [a method bound by a partial]: transformers 5.24's GradientCheckpointingLayer wraps each

@@ -112,17 +112,18 @@ class MadeNumbers:
 ArgumentContents = list[tuple[tuple[Any, ...], Any, Any]]
 
 
-def argument_contents(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], /
-                      ) -> ArgumentContents | None:
+def argument_contents(fn: Any, watched: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      /) -> ArgumentContents | None:
     """The small containers and plain objects among a reused call's top-level arguments and
     two levels down in them, each with its path (its argument's place: ``None`` for one a
     partial binds or the method's object, the same object in the replay; then the key, index
     or attribute name where it is held) and a copy of its entries, read before the call (NOTE
-    above)."""
+    above); with the plain objects of ``watched``'s module (``with_its_module``: NOTE [a module
+    given to a reused call] in module_state.py)."""
     read: ArgumentContents = []
     seen: set[int] = set()  # one read per object, at the first path found (the same object)
     places = [(key, value) for key, value, _ in argument_places(fn, args, kwargs)]
-    for key, value in [*places, *((None, value) for value in _objects_of_its_module(fn))]:
+    for key, value in [*places, *((None, value) for value in _objects_of_its_module(watched))]:
         for path, held in _unpacked((key,), value):
             _read_into(read, seen, path, held)  # each with a budget of its own (helper JK)
     return read or None
