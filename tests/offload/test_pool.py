@@ -327,3 +327,23 @@ def test_a_class_holds_no_more_than_its_own_and_the_classes_it_serves_most_reque
     assert all(count <= sum(most for served, most in most_in_flight.items()
                             if cls / 2 <= served <= cls)
                for cls, count in held_by_class.items())
+
+
+def test_a_larger_class_whose_free_list_was_emptied_does_not_hide_a_free_buffer_of_the_next() -> None:
+    # Guards against: acquire choosing the smallest larger class among all it has seen
+    # (dropping ``buffers and``): one whose buffers are all checked out gives no buffer, and a
+    # free one of the next class, which serves the request too, was passed over for a miss.
+    request = size_class(1024)
+    nearer = size_class(request + 1)
+    farther = size_class(nearer + 1)
+    assert request < nearer < farther <= 2 * request
+    pool = HostPool(pin_memory=False)
+    pool.release(pool.acquire(nearer))
+    held = pool.acquire(nearer)  # the nearer class's only buffer, checked out: its list is empty
+    pool.release(pool.acquire(farther))
+    host_bytes, hits = pool.host_bytes, pool.hits
+    buffer = pool.acquire(request)
+    assert buffer.numel() == farther
+    assert pool.hits == hits + 1 and pool.host_bytes == host_bytes
+    pool.release(buffer)
+    pool.release(held)

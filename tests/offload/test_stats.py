@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import OffloadConfig, OffloadManager
 from tests.offload.blocks import manager, offloaded_stack, stack
@@ -390,3 +391,30 @@ def test_an_encoder_output_a_head_saves_after_the_decoder_counts_as_alive_elsewh
     loss = forward()
     loss.backward()
     assert m.stats()["alive_elsewhere_bytes"] == 32 * 64 * 4
+
+
+def test_stats_read_after_a_forward_lets_go_of_the_last_windows_device_tensors() -> None:
+    # Guards against: stats() letting go only of copies of passes gone (``everyone=False``):
+    # the last windows' device tensors, whose copies to host are done, stayed held until the
+    # next window or backward.
+    m = manager()
+    x = torch.randn(64, 16, requires_grad=True)
+    h = x * 1.0
+    held = StorageWeakRef(h.untyped_storage())
+    with m.window([h]):
+        out = (h * h).sum()
+    del h
+    assert not held.expired()  # the manager holds it, one window late
+    m.stats()
+    assert held.expired()
+    out.backward()
+
+
+def test_stats_counts_every_window_opened_once() -> None:
+    # Guards against: _open not counting the windows it opens (stats()["windows"]).
+    m = manager()
+    layers = offloaded_stack(m, 3)
+    stack(layers, torch.randn(4, 32, requires_grad=True).clone()).sum().backward()
+    assert m.stats(reset=True)["windows"] == len(layers)
+    stack(layers, torch.randn(4, 32, requires_grad=True).clone()).sum().backward()
+    assert m.stats()["windows"] == len(layers)
