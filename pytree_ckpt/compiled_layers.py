@@ -24,8 +24,11 @@ __all__ = ["check_compiled_wrapper", "compiled_over", "recompile_limit_note",
 
 
 def warn_compiled_over(module: nn.Module, installed: _CheckpointedForward) -> None:
-    if "compiled over" in installed.told or \
-            not compiled_over(module.__dict__.get("forward"), installed):
+    forward = module.__dict__.get("forward")
+    if "compiled over" in installed.told or not compiled_over(forward, installed) or \
+            dunder(forward, "_torchdynamo_disable", False):
+        # torch.compiler.disable over the boundary keeps the layer out of a compile: what the
+        # user meant, and nothing to tell (helper JU: told it "was compiled").
         return
     if installed.options.keep is not None:
         # Compiling the body first is no way out here: save units refuse a compiled body.
@@ -172,7 +175,10 @@ def check_compiled_wrapper(module: nn.Module, installed: _CheckpointedForward) -
 
 def _compiled_name(outer: Any, /) -> str:
     """How the message names what was compiled: the model's class, or the function's name."""
-    for target in (getattr(outer, "_orig_mod", None), dunder(outer, "__self__"), outer):
+    # torch.compile of a torch.nn container (a Sequential) calls dynamo's inline wrapper of it,
+    # whose __wrapped__ is the module (helper JU: named "wrap_inline.<locals>.inner").
+    inner = dunder(outer, "__wrapped__")
+    for target in (getattr(outer, "_orig_mod", None), dunder(outer, "__self__"), inner, outer):
         if isinstance(target, nn.Module):  # torch.compile(model): its call, or the wrapper's
             return type(target).__name__
     name = dunder(outer, "__qualname__")  # train_step, Trainer.step, <lambda>
@@ -186,7 +192,8 @@ def _compiled_name(outer: Any, /) -> str:
 # copy is refused (it would share the wrapper, and so the original's boundary).
 def compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
     """Whether ``forward`` is torch.compile's wrapper of ``installed`` (not any other wrapper:
-    a ``functools.wraps`` one of the user's stays theirs)."""
+    a ``functools.wraps`` one of the user's stays theirs). ``torch.compiler.disable``'s counts:
+    its wrapper is dynamo's too, and a copy would share it all the same."""
     forward = dunder(forward, "_torchdynamo_orig_callable")  # dynamo's wrapper
     for _ in range(3):  # then its inline wrapper of a callable object
         if forward is None or forward is installed:

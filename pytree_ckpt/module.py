@@ -195,9 +195,10 @@ class _CheckpointedForward:
             # compiled_layers.py) is a function, which deepcopy shares: the copy's forward
             # would run the original's boundary, with the original's weights, silently.
             raise CheckpointError(
-                f"cannot copy a checkpointed {type(module).__name__} whose forward was compiled "
-                "after checkpointing", expected="the boundary as the module's forward",
-                got="torch.compile's wrapper of the boundary, which the copy would share "
+                f"cannot copy a checkpointed {type(module).__name__} whose forward was wrapped by "
+                "torch.compile (or torch.compiler.disable) after checkpointing",
+                expected="the boundary as the module's forward",
+                got="dynamo's wrapper of the boundary, which the copy would share "
                 "(computing with the original's weights)",
                 tip="remove_activation_checkpointing(layer) (which drops the compiled wrapper), "
                     "copy, then compile each copy's body and checkpoint it (docs/scaling.md, "
