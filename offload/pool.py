@@ -106,10 +106,18 @@ class HostPool:
             return len(self._handed)
 
     def _take_returned(self) -> None:
-        """Move released buffers to their free lists (the caller holds the lock)."""
+        """Move released buffers to their free lists (the caller holds the lock).
+
+        Each is on its free list before it leaves the returned ones: a KeyboardInterrupt raised
+        as a call returns (helper JW: after ``popleft``) found it in neither, and the pool
+        allocated another for good. Interrupted after the append, the next move finds it there
+        already (nothing takes from a free list before the returned ones are moved)."""
         while self._returned:
-            buffer, event = self._returned.popleft()
-            self._free[buffer.numel()].append((buffer, event))
+            entry = self._returned[0]
+            free = self._free[entry[0].numel()]
+            if not any(held is entry for held in free):
+                free.append(entry)
+            self._returned.popleft()
 
     def reserve(self, nbytes_list: list[int], /) -> None:
         """Allocate buffers up front (e.g. one step's worth) so the first step hits too."""

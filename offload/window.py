@@ -224,43 +224,50 @@ class Copy:
         storage = device_bytes.untyped_storage()
         return storage.nbytes() == self.nbytes and storage.data_ptr() == self.data_ptr
 
+    # NOTE [the host buffer goes back whatever is raised here]: Python prints and drops what a
+    # destructor raises (a KeyboardInterrupt landing in it), and skips the rest: the host
+    # buffer, given back last, stayed checked out for good, and the pool grew by one (helper
+    # JW). It goes back in a ``finally``, after the waits that precede it where they ran.
     def __del__(self) -> None:
-        manager = getattr(self, "manager", None)
-        if manager is None:
-            return
-        device_bytes = getattr(self, "device_bytes", None)
-        # A copy whose copy to host failed (its __init__ raised: no host buffer) offloaded
-        # nothing, and tells nothing (helper GO: counted alive elsewhere).
-        if device_bytes is not None and not getattr(self, "reused", False) and \
-                getattr(self, "host", None) is not None:
-            # NOTE [a copy nobody needs is not held] (in_flight.py): its handles went while the
-            # manager still held its device bytes (a forward dropped without backward). Stream
-            # rule 1: the saving stream waits for the copy to host, which may still read them
-            # (no wait on the host). Then what drop_device_copy tells the liveness record, told
-            # late (NOTE [counted late] in liveness.py): a storage still alive once ours go.
-            if not manager.engine.done(self.d2h_event):
-                manager.engine.wait(self.d2h_event, stream=self.stream)
-            storage = device_bytes.untyped_storage()
-            freed = storage.nbytes() == 0  # in place, by a discard
-            discarded = freed and getattr(storage, DISCARDED_MARK, False)
-            self.device_bytes = self.alias = device_bytes = storage = None  # ours go first
-            if discarded:
-                manager._liveness.copied_and_discarded(self.nbytes, late=True)
-            elif not freed and not self.storage_ref.expired():
-                manager._liveness.suspect_late(self.storage_ref, self.nbytes, self.pass_ref)
-        if getattr(self, "reused", False):
-            # Stream rule 1, for bytes backward reused (NOTE [reuse at the turn]): the saving
-            # stream waits for the copy to host before the memory is let go. Long done by
-            # now, the copy is not waited for at all.
-            if not manager.engine.done(self.d2h_event):
-                manager.engine.wait(self.d2h_event, stream=self.stream)
-            # Ours: anything still holding the storage after these is someone else's.
-            self.restored = self.alias = None
-            manager._liveness.judge(self.storage_ref, self.nbytes, late=True)
-        # The last handle is gone: the host buffer goes back with the last copy that used it.
-        if getattr(self, "host", None) is not None:
-            last = self.h2d_event if self.h2d_event is not None else self.d2h_event
-            manager.pool.release(self.host, event=last)
+        try:  # NOTE [the host buffer goes back whatever is raised here]
+            manager = getattr(self, "manager", None)
+            if manager is None:
+                return
+            device_bytes = getattr(self, "device_bytes", None)
+            # A copy whose copy to host failed (its __init__ raised: no host buffer) offloaded
+            # nothing, and tells nothing (helper GO: counted alive elsewhere).
+            if device_bytes is not None and not getattr(self, "reused", False) and \
+                    getattr(self, "host", None) is not None:
+                # NOTE [a copy nobody needs is not held] (in_flight.py): its handles went while the
+                # manager still held its device bytes (a forward dropped without backward). Stream
+                # rule 1: the saving stream waits for the copy to host, which may still read them
+                # (no wait on the host). Then what drop_device_copy tells the liveness record, told
+                # late (NOTE [counted late] in liveness.py): a storage still alive once ours go.
+                if not manager.engine.done(self.d2h_event):
+                    manager.engine.wait(self.d2h_event, stream=self.stream)
+                storage = device_bytes.untyped_storage()
+                freed = storage.nbytes() == 0  # in place, by a discard
+                discarded = freed and getattr(storage, DISCARDED_MARK, False)
+                self.device_bytes = self.alias = device_bytes = storage = None  # ours go first
+                if discarded:
+                    manager._liveness.copied_and_discarded(self.nbytes, late=True)
+                elif not freed and not self.storage_ref.expired():
+                    manager._liveness.suspect_late(self.storage_ref, self.nbytes, self.pass_ref)
+            if getattr(self, "reused", False):
+                # Stream rule 1, for bytes backward reused (NOTE [reuse at the turn]): the saving
+                # stream waits for the copy to host before the memory is let go. Long done by
+                # now, the copy is not waited for at all.
+                if not manager.engine.done(self.d2h_event):
+                    manager.engine.wait(self.d2h_event, stream=self.stream)
+                # Ours: anything still holding the storage after these is someone else's.
+                self.restored = self.alias = None
+                manager._liveness.judge(self.storage_ref, self.nbytes, late=True)
+        finally:
+            # The last handle is gone: the host buffer goes back with the last copy that used it.
+            host, manager = getattr(self, "host", None), getattr(self, "manager", None)
+            if host is not None and manager is not None:
+                last = self.h2d_event if self.h2d_event is not None else self.d2h_event
+                manager.pool.release(host, event=last)
 
 
 def _source_died(copy_ref: weakref.ref[Copy], _: Any, /) -> None:

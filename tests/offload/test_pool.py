@@ -347,3 +347,36 @@ def test_a_larger_class_whose_free_list_was_emptied_does_not_hide_a_free_buffer_
     assert pool.hits == hits + 1 and pool.host_bytes == host_bytes
     pool.release(buffer)
     pool.release(held)
+
+
+# Guards against (helper JW), as it was found:
+def test_a_keyboard_interrupt_as_a_released_buffer_is_taken_back_loses_no_buffer() -> None:
+    # A Ctrl-C is delivered right after a call returns (NOTE [a buffer handed out under an
+    # interrupt]); here after deque.popleft returns in HostPool._take_returned, before the
+    # buffer reaches its free list.
+    import sys
+
+    pool = HostPool(pin_memory=False)
+    pool.release(pool.acquire(4096))  # one buffer, back in the returned queue
+    held = pool.host_bytes
+    fired: list[bool] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and not fired and frame.f_code.co_name == "_take_returned" \
+                and getattr(arg, "__name__", "") == "popleft":
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C")
+
+    try:
+        sys.setprofile(profile)
+        try:
+            pool.acquire(4096)
+        finally:
+            sys.setprofile(None)
+    except KeyboardInterrupt:
+        pass
+    assert fired
+    buffer = pool.acquire(4096)  # the step after the interrupted one
+    pool.release(buffer)
+    assert pool.checked_out == 0
+    assert pool.host_bytes == held  # the buffer released before is reused, not a new one

@@ -1120,3 +1120,51 @@ def test_a_manual_window_tensor_changed_after_its_save_gets_a_tip_without_a_boun
     message = str(refused.value)
     assert "window tensor #0" in message  # the right tensor, both versions
     assert "boundary" not in message and "replay" not in message
+
+
+# Guards against (helper JW), as it was found:
+def test_a_keyboard_interrupt_in_a_copys_destructor_gives_its_host_buffer_back() -> None:
+    # A Ctrl-C delivered while a destructor runs is printed and dropped by CPython ("Exception
+    # ignored in ..."): training goes on. Here it lands right after Copy.__del__'s first call
+    # returns (where CPython delivers a pending signal), in
+    # a copy that still holds its host buffer.
+    import sys
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
+    mgr = offload.OffloadManager(offload.OffloadConfig(min_bytes=0, prefetch=2), device="cpu")
+    for layer in layers:
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=mgr)
+    fired: list[bool] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and not fired and frame.f_code.co_name == "__del__" and \
+                frame.f_code.co_filename.endswith("window.py") and \
+                getattr(frame.f_locals.get("self"), "host", None) is not None:
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C")
+
+    def step(seed: int) -> None:
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(seed),
+                        requires_grad=True)
+        layers(x).square().mean().backward()
+        layers.zero_grad(set_to_none=True)
+
+    step(0)
+    host_bytes = mgr.stats()["host_bytes"]
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = lambda info: None  # CPython's report of the dropped interrupt
+    try:
+        sys.setprofile(profile)
+        try:
+            step(1)
+        finally:
+            sys.setprofile(None)
+    finally:
+        sys.unraisablehook = unraisable
+    assert fired
+    for seed in (2, 3):
+        step(seed)
+    stats = mgr.stats()
+    assert stats["host_buffers_in_use"] == 0
+    assert stats["host_bytes"] == host_bytes  # the pool does not grow
