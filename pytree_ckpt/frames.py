@@ -421,7 +421,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         devices, generators = _restored_by(recorders)
         # The replay will not run these ops, nor the RNG comparison (torch.equal dispatches
         # aten::equal): a save unit keeping everything a callable dispatches must not keep them.
-        token = IN_REUSE.set(True)
+        token = IN_REUSE.set((fn,))
         call, versions = argument_versions(args, kwargs)
         watched = with_its_module(fn, args, kwargs)  # NOTE [a module given to a reused call]
         buffers = buffer_versions(watched)
@@ -463,7 +463,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             generators_after = invocation.frame.taken_generator_jump(fn)
         changes = invocation.frame.taken_state_after(fn)
         if changes is not None:  # made here as the skipped call made them in the forward
-            token = IN_REUSE.set(True)
+            token = IN_REUSE.set((fn,))
             try:
                 apply_state_after(with_its_module(fn, args, kwargs), args, kwargs, changes)
             finally:

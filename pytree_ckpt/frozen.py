@@ -62,7 +62,7 @@ from .tree import FlatTree, dunder, flatten, flatten_call, hidden_tensor, leaf_p
 
 __all__ = ["AsRecorded", "StateAfter", "apply_state_after", "argument_versions", "as_recorded",
            "buffer_versions", "numbers_watch", "refuse_in_plain_call", "refuse_in_replay",
-           "held_tensors", "state_after", "stored_floats", "stores_floats",
+           "held_tensors", "state_after", "stored_floats", "stores_floats", "switches_grad_off",
            "warn_changed_arguments", "warn_grad_mode_read"]
 
 _SPLIT_TIP = ("return only the frozen part (the top-k ids) from the reused call and compute "
@@ -191,6 +191,13 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     return found
 
 
+def switches_grad_off(fn: Callable[..., Any], /) -> bool:
+    """Whether ``fn`` runs under its own no-grad (decorated, a whole body in a block) or its
+    code (or a helper's of the user's) switches grad off: what it computes may have no graph in
+    eager either (hook_outputs.py's warning of hooked modules inside a reused call asks)."""
+    return _without_grad(fn) or _switches_grad_off(fn)
+
+
 def _switches_grad_off(fn: Callable[..., Any], /) -> bool:
     """fn's code, or a helper or method of the user's it calls, reads ``torch.no_grad``,
     ``inference_mode`` or ``set_grad_enabled``: floats it stores may be statistics computed
@@ -281,8 +288,14 @@ def warned_key(fn: Any, /) -> Any:
     partials and bound methods), or the class of a module or callable object. Not its name:
     two routers of one class name in two model families, or two top-level lambdas, are other
     functions (helper EG: the second was never told)."""
-    called = unwrap_partials(fn)[0]
-    function = dunder(called, "__func__", called)
+    function = fn
+    for _ in range(4):  # through partials and bound methods, in any nesting (`MethodType(
+        # partial(route, router), router)` from with_its_module: helper JZ, all partials one key)
+        function = unwrap_partials(function)[0]
+        inner = dunder(function, "__func__")
+        if inner is None:
+            break
+        function = inner
     code = dunder(function, "__code__")
     if code is not None:
         return code

@@ -119,8 +119,8 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     # those: a hook keeping outputs on a module run eagerly beside a compiled submodule keeps
     # their graph, helper FJ).
     passes = getattr(_RECORDING, "passes", ())
-    if passes and not torch.compiler.is_compiling() and IN_REUSE.get():
-        _warn_hooked_in_reuse(module, output)
+    if passes and not torch.compiler.is_compiling() and (reused := IN_REUSE.get()):
+        _warn_hooked_in_reuse(module, output, reused[0])
     elif passes:
         compiling = torch.compiler.is_compiling()
         # Its submodules' too: a table a child without hooks builds and the hooked module
@@ -141,18 +141,23 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
 _WARNED_IN_REUSE: weakref.WeakSet[type] = weakref.WeakSet()
 
 
-def _warn_hooked_in_reuse(module: nn.Module, output: Any, /) -> None:
+def _warn_hooked_in_reuse(module: nn.Module, output: Any, fn: Any, /) -> None:
     """NOTE [hooks inside a reused call]: a module with forward hooks, called inside
     ``reuse_during_recompute`` (a router a free function is given and calls for its top-k), runs
     only in the no-grad original pass: the replay skips the call, so what a hook keeps of its
     output (transformers' ``router_logits`` for the load-balancing loss) has no graph, where
     eager's has one through the module's trainable parameters. No boundary output can give it
     one (helper JX). Warned once per module class, where the module has trainable parameters
-    and returned a float tensor; a hook that only logs is told too (nothing tells them apart)."""
+    and returned a float tensor, and the function ``fn`` does not switch grad off itself (then
+    eager's has no graph either: helper JZ); a hook that only logs is told too (nothing tells
+    them apart)."""
     if type(module) in _WARNED_IN_REUSE or not any(
             isinstance(t, torch.Tensor) and t.is_floating_point()
             for t in flatten(output).leaves) or \
             not any(p.requires_grad for p in module.parameters()):
+        return
+    from .frozen import switches_grad_off  # a rare path: imported here (frozen imports this)
+    if switches_grad_off(fn):
         return
     _WARNED_IN_REUSE.add(type(module))
     warnings.warn(

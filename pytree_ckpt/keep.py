@@ -67,7 +67,8 @@ __all__ = ["KeepMode", "KeepPolicy", "IN_KEPT_CALLABLE", "IN_REUSE", "kept_regio
 # methods dispatch, not what a nested layer's kept method does (held for nothing until backward).
 IN_KEPT_CALLABLE: ContextVar[frozenset[str]] = ContextVar("pytree_ckpt_in_kept_callable",
                                                           default=frozenset())
-IN_REUSE: ContextVar[bool] = ContextVar("pytree_ckpt_in_reuse", default=False)
+# The reused call running (its function, in a tuple: true whatever the function's truth), or ().
+IN_REUSE: ContextVar[tuple[Any, ...]] = ContextVar("pytree_ckpt_in_reuse", default=())
 T = TypeVar("T")
 
 

@@ -3933,3 +3933,103 @@ def test_a_load_the_layer_tags_under_grad_after_a_reused_call_ends_the_step_as_e
     for step in range(2):
         assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
         assert list(ours.window) == list(eager.window), f"step {step}"  # [40] vs [1040, -1]
+
+
+class _StoresProbsA(_StoresItsProbs):
+    pass
+
+
+class _StoresProbsB(_StoresItsProbs):
+    pass
+
+
+def _route_storing_probs_a(router: _StoresItsProbs, h: torch.Tensor) -> torch.Tensor:
+    scores = router.gate(h)
+    router.probs = scores.softmax(-1)
+    return scores.topk(2, dim=-1).indices
+
+
+def _route_storing_probs_b(router: _StoresItsProbs, h: torch.Tensor) -> torch.Tensor:
+    scores = router.gate(h)
+    router.probs = scores.softmax(-1) * 1.0
+    return scores.topk(2, dim=-1).indices
+
+
+class _StoresProbsThroughAPartialBindingTheRouter(nn.Module):
+    """``reuse_during_recompute(partial(route, self.router), h)``, the layer multiplying by the
+    probabilities the call stored on the router (a graph in eager, none under checkpointing)."""
+
+    def __init__(self, route: Callable[..., torch.Tensor], router: nn.Module) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), router
+        self.route = functools.partial(route, self.router)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(self.route, h.detach())
+        return torch.tanh(h + torch.gather(h, -1, ids).sum(-1, keepdim=True)) * \
+            self.router.probs.sum()
+
+
+# Guards against (helper JZ), as it was found:
+def test_a_second_partial_binding_its_router_that_stores_probs_is_warned_of_as_the_first() -> None:
+    # A partial given a module, or binding one (d4806d2), is watched as MethodType(partial,
+    # router), whose warned_key is type(functools.partial); the replay's warn_stored_floats
+    # judges the function's code. _OPEN/_PROBED under the partial key are never closed: the
+    # first function's calls spend its eight probes, and every later partial storing a float
+    # with a graph in eager loses its gradient without the warning the first one got.
+    torch.manual_seed(0)
+    first = pytree_ckpt.apply_activation_checkpointing(
+        _StoresProbsThroughAPartialBindingTheRouter(_route_storing_probs_a, _StoresProbsA()))
+    second = pytree_ckpt.apply_activation_checkpointing(
+        _StoresProbsThroughAPartialBindingTheRouter(_route_storing_probs_b, _StoresProbsB()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(12):
+            first(torch.randn(4, 8)).sum().backward()
+        for _ in range(4):
+            second(torch.randn(4, 8)).sum().backward()
+    told = [str(w.message) for w in caught if "stored the float tensor" in str(w.message)]
+    assert any("_StoresProbsB.probs" in message for message in told), told
+
+
+class _GateUnderNoGrad(_GateModule):
+    pass
+
+
+def _ids_from_the_router_under_no_grad(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Routes under its own no_grad: eager's hooked output has no graph either."""
+    with torch.no_grad():
+        return router(h).topk(2, dim=-1).indices
+
+
+class _RoutesUnderNoGradThroughAHookedRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _GateUnderNoGrad()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        ids = reuse_during_recompute(_ids_from_the_router_under_no_grad, self.router, h.detach())
+        return torch.tanh(h + torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+
+# Guards against (helper JZ), as it was found:
+def test_a_hooked_router_called_under_the_functions_own_no_grad_is_not_warned_of() -> None:
+    # NOTE [hooks inside a reused call] warns that what the hook keeps "gets no gradient, where
+    # eager's does"; here eager's kept logits have no graph either (the function switches grad
+    # off itself, as NOTE [floats a reused fn stores on its module] treats such functions:
+    # _switches_grad_off), so the warning, and its tip to move the call out, are false.
+    torch.manual_seed(0)
+    eager, ours = _twins(_RoutesUnderNoGradThroughAHookedRouter())
+    x, kept_by = torch.randn(4, 8), []
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        for model in (eager, ours):
+            kept: list[torch.Tensor] = []
+            model.router.register_forward_hook(lambda m, a, out: kept.append(out))
+            model(x).sum().backward()
+            kept_by.append(kept[0])
+    assert not any(k.requires_grad for k in kept_by)  # eager's has no graph either
+    assert [str(w.message) for w in told if "ran inside reuse_during_recompute" in
+            str(w.message)] == []
