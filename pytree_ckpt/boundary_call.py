@@ -130,7 +130,7 @@ class BoundaryCall:
         self.as_is: list[tuple[int, torch.Tensor]] | None = None
         # The attributes of inputs that require grad, returned as they are, by output position
         # (NOTE [an input returned keeps its attributes] in boundary_function.py); then dropped.
-        self.returned_attributes: list[tuple[int, dict[str, Any]]] | None = None
+        self.returned_attributes: list[tuple[int, SubclassKind]] | None = None
         # Outputs left as detach() aliases of views, with their versions (NOTE [outputs that
         # view fn's own results] in made_before.py).
         self.unviewed: list[tuple[int, Any, int]] | None = None

@@ -93,9 +93,11 @@ class _BoundaryFunction(torch.autograd.Function):
         # inputs, after them.
         saved = inputs[: call.n_inputs + len(call.attributes)]
         for t in saved:  # NOTE [loops on the per-call path] (boundary.py): no generator
-            if type(t) is not _Tensor:
-                # Saved-tensor hooks (offload, a census) hand backward a new plain tensor.
-                # NOTE [a subclass's attributes as the forward began]: read now.
+            if type(t) is not _Tensor or t.__dict__:
+                # Saved-tensor hooks (offload, a census) hand backward a new plain tensor, and
+                # the replay's aliases are new objects: a plain tensor's attributes too (a
+                # forward reading `x.meta`, helper JY). NOTE [a subclass's attributes as the
+                # forward began]: read now.
                 call.subclasses = [kind_of(t, as_now=True) for t in saved]
                 break
         param_before = ParameterVersions.read(call.params) if call.params else None
@@ -231,10 +233,11 @@ class _BoundaryFunction(torch.autograd.Function):
         # Function returns as a new alias carrying the node (the class survives, through a
         # subclass's __torch_function__), not the input itself as eager does, so what the
         # caller set on it (`x.meta`, a tagged tensor's tag) was gone: `out.meta` raised where
-        # eager's ran (helper JS). The alias gets the input's attributes, by reference.
-        returned = [(k, vars(t)) for k, t in enumerate(leaves)
+        # eager's ran (helper JS). The alias gets the input's attributes (the values, by
+        # reference) and slots (helper JY).
+        returned = [(k, kind_of(t)) for k, t in enumerate(leaves)
                     if t.requires_grad and any(t is x for x in tensors)]
-        call.returned_attributes = [(k, held) for k, held in returned if held] or None
+        call.returned_attributes = [(k, kind) for k, kind in returned if kind is not None] or None
         # NOTE [outputs made before the call] (made_before.py)
         out_tensors, as_is, views, state = leaving_tensors(leaves, tensors, call.before, watch)
         extra: tuple[torch.Tensor, ...] = ()

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 
 from .eager import user_stacklevel
 from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, ValuesRead,
@@ -236,8 +237,11 @@ def _holds_a_leaf_it_made(held: Any, entries: Any, /) -> bool:
         return list(found) if isinstance(held, (list, deque, set)) else [v for _, v in found]
 
     before = {id(v) for v in values(entries)}
+    # Not a parameter (a module's weight put in a list the caller clears: helper JY), which
+    # the forward did not make.
     return any(isinstance(v, torch.Tensor) and v.requires_grad and v.grad_fn is None and
-               id(v) not in before for v in values(entries_of(held)))
+               not isinstance(v, nn.Parameter) and id(v) not in before
+               for v in values(entries_of(held)))
 
 
 def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str, Any]]]],

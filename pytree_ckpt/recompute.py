@@ -63,7 +63,9 @@ _RECOMPUTE = Phase.RECOMPUTE  # an enum member's lookup costs about five plain o
 # first replay by, so the lists and dicts given to it are read at each replay (where none is
 # given, the usual case, that is one isinstance check per argument): `checkpoint(fn, x, aux)`
 # with `aux.append(loss)` inside lost the loss's gradient silently where the same body as a
-# module was refused (helper JT). The other first-replay checks read a module's state.
+# module was refused (helper JT). Its parameters are not known (a closure's module's), so any
+# leaf counts as the caller's there: only a tensor the replay computed with a graph is refused.
+# The other first-replay checks read a module's state.
 class _FirstReplay:
     """What a module's first replay with a switch (NOTE [verified per switch] in
     module_state.py) reads around ``fn``: the containers passed in (NOTE [containers filled by
@@ -74,10 +76,12 @@ class _FirstReplay:
 
     __slots__ = ("containers", "known", "modules", "dicts", "tensors", "numbers")
 
-    def __init__(self, containers: Any, known: set[int], modules: list[nn.Module],
+    def __init__(self, containers: Any, known: set[int] | None, modules: list[nn.Module],
                  dicts: list[dict[str, Any]], numbers_saved: bool) -> None:
         self.containers = containers
-        self.known = known  # the replay's inputs and parameters: the caller has them
+        # The replay's inputs and parameters (the caller has them); None for a plain function:
+        # every leaf (refuse_filled_containers).
+        self.known = known
         self.modules = modules
         self.dicts = dicts
         self.tensors = stored_tensors(dicts)
@@ -88,13 +92,13 @@ class _FirstReplay:
     @classmethod
     def of(cls, call: BoundaryCall, args: tuple[Any, ...], kwargs: dict[str, Any],
            aliases: tuple[torch.Tensor, ...]) -> _FirstReplay | None:
-        known = {id(t) for t in (*aliases, *(call.params or ()))}
         if call.owner is None or call.forward_modules is None:
             # NOTE [containers a plain function fills]
             containers = open_containers(args, kwargs)
-            return None if containers is None else cls(containers, known, [], [], True)
+            return None if containers is None else cls(containers, None, [], [], True)
         if is_verified(call.owner, call.switches):
             return None
+        known = {id(t) for t in (*aliases, *(call.params or ()))}
         modules = list(call.forward_modules.roots)
         return cls(open_containers(args, kwargs), known, modules,
                    [*(m.__dict__ for m in modules), *call.forward_modules.submodules],

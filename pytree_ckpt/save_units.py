@@ -267,7 +267,10 @@ def _refuse_unkeepable(module: nn.Module, name: str, layers: list[nn.Module]) ->
     qualname = f"{type(module).__qualname__}.{name}"
     index = next((i for i, layer in enumerate(layers) if module is layer), None)
     if name == "forward" and index is not None:
-        child = next(iter(module.children()), None)
+        # One whose class runs a forward of its own (not a ModuleList's, which has none and
+        # whose unit would keep nothing: helper JY).
+        child = next((m for m in module.modules() if m is not module and
+                      type(m).forward is not nn.Module.forward), None)
         example = f'KeptCallables("{type(child).__qualname__}.forward")' \
             if child is not None else "a method of a submodule"
         raise CheckpointConfigError(

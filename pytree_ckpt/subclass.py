@@ -39,8 +39,8 @@ class SubclassKind(NamedTuple):
 
 
 def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | None:
-    """``tensor``'s subclass and attributes; ``None`` for a plain tensor or a subclass of
-    ``nn.Parameter`` (NOTE [subclasses come back as themselves]).
+    """``tensor``'s subclass and attributes; ``None`` for a plain tensor without attributes or
+    a subclass of ``nn.Parameter`` (NOTE [subclasses come back as themselves]).
     ``as_now``: its instance dict as it is now (a shallow copy), not the dict itself (NOTE [a
     subclass's attributes as the forward began]).
 
@@ -51,7 +51,10 @@ def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | 
     DTensor input's device shard alive until backward, and put it back in the restored one.
     """
     cls = type(tensor)
-    if cls is torch.Tensor or (cls is not nn.Parameter and issubclass(cls, nn.Parameter)):
+    if cls is torch.Tensor:  # its attributes only (`x.meta` a forward reads: helper JY)
+        held = tensor.__dict__
+        return SubclassKind(cls, dict(held) if as_now else held, ()) if held else None
+    if cls is not nn.Parameter and issubclass(cls, nn.Parameter):
         return None
     inner = _inner_tensors(tensor) or {}
     slots = []

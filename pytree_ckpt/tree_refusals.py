@@ -254,7 +254,9 @@ def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
     found: list[tuple[str, Any, frozenset[int]]] | None = None
     for where, values in (("args", enumerate(args)), ("kwargs", kwargs.items())):
         for key, value in values:
-            if not isinstance(value, (list, dict)):  # the usual case: a per-argument check
+            # The usual case: a per-argument check. By type: a proxy's __class__ may name a
+            # container it does not implement (helper HF's, given to a plain function).
+            if not issubclass(type(value), (list, dict)):
                 continue
             path = f"{where}[{key!r}]"
             found = found or []
@@ -262,13 +264,13 @@ def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
             found.append((path, value, frozenset(map(id, elements))))
             keys = value.keys() if isinstance(value, dict) else range(len(value))
             found += [(f"{path}[{k!r}]", inner, frozenset(map(id, container_elements(inner))))
-                      for k, inner in zip(keys, elements) if isinstance(inner, (list, dict))]
+                      for k, inner in zip(keys, elements) if issubclass(type(inner), (list, dict))]
     return found
 
 
 def refuse_filled_containers(call: BoundaryCall,
                              found: list[tuple[str, Any, frozenset[int]]],
-                             known: set[int], /) -> None:
+                             known: set[int] | None, /) -> None:
     """NOTE [containers filled by the forward]: a list or dict passed in to collect results
     (an MoE layer appending its load-balancing loss to a tracker) receives, in the original
     pass, a value computed under no-grad: a loss built from it silently loses that term, and
@@ -280,7 +282,10 @@ def refuse_filled_containers(call: BoundaryCall,
     a container (by identity: a pre-keyed ``{"aux": 0.0}`` counts), other than one the
     caller has itself (``known``: the replay's inputs and parameters; an input kept in a list
     of hidden states, a tied weight, inputs repackaged in a tuple), whose gradient the
-    caller's own tensor carries. Checked at a module's first replay with each switch (NOTE
+    caller's own tensor carries; ``None`` for a plain function, whose parameters are not known:
+    any leaf counts as the caller's (a closure's module's weight put in a regulariser list is
+    the same object in both passes: helper JY). Checked at a module's first replay with each
+    switch (NOTE
     [verified per switch] in module_state.py), a plain function's at each (NOTE [containers a
     plain function fills] in recompute.py). A global list is not seen (docs/limits.md)."""
     for path, container, ids in found:
@@ -302,12 +307,15 @@ def container_elements(value: Any, /) -> Any:
     return value.values() if isinstance(value, dict) else value
 
 
-def _carries_grad(value: Any, known: set[int]) -> bool:
+def _carries_grad(value: Any, known: set[int] | None) -> bool:
+    def computed(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.requires_grad and (
+            t.grad_fn is not None if known is None else id(t) not in known)
+
     if isinstance(value, torch.Tensor):
-        return value.requires_grad and id(value) not in known
+        return computed(value)
     return isinstance(value, (list, tuple, dict)) and any(
-        isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in known
-        for t in container_elements(value))
+        computed(t) for t in container_elements(value))
 
 
 def refuse_strided_nested(fn: Callable[..., Any], spec: Any, tensor_index: list[int],

@@ -2583,3 +2583,40 @@ def test_a_plain_function_that_puts_an_aux_loss_into_a_list_passed_in_is_refused
                                               r"passed as args\[1\]"):
         (y.sum() + aux[0]).backward()
     assert lin.weight.grad is None
+
+
+class _CollectsItsWeight(nn.Module):
+    """Puts its own weight into a list passed in (for a penalty the caller adds to the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, reg: list[torch.Tensor]) -> torch.Tensor:
+        reg.append(self.lin.weight)
+        return self.lin(x).tanh()
+
+
+# Guards against (helper JY), as it was found:
+def test_a_plain_function_around_a_module_that_puts_its_own_weight_into_a_list_passed_in_runs(
+        ) -> None:
+    torch.manual_seed(0)
+    block = _CollectsItsWeight()
+
+    def step(call: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        block.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        x = torch.randn(2, 4, requires_grad=True)
+        reg: list[torch.Tensor] = []
+        y = call(x, reg)
+        assert reg[0] is block.lin.weight  # the parameter itself, in both passes: no twin
+        (y.sum() + sum(w.pow(2).sum() for w in reg)).backward()
+        assert block.lin.weight.grad is not None and x.grad is not None
+        return block.lin.weight.grad.clone(), x.grad.clone()
+
+    eager = step(block)
+    # The module itself is accepted (its parameters are known); a plain function around it
+    # (a lambda, as torch's checkpoint is called) is refused at its replay.
+    assert all(map(torch.equal, eager, step(lambda x, reg: checkpoint(block, x, reg))))
+    got = step(lambda x, reg: checkpoint(lambda a, r: block(a, r), x, reg))
+    assert all(map(torch.equal, eager, got))

@@ -468,7 +468,7 @@ def test_a_manager_whose_later_output_was_changed_in_place_frees_nothing() -> No
     # check raised, and no rebuild was registered, so the first stayed empty for good.
     manager, outs = _chain(2, torch.randn(4, requires_grad=True))
     outs[1].mul_(2)  # a consumer changing the block's last output in place
-    with pytest.raises(CheckpointError, match=r"output\[0\] of torch.tanh was changed in place"):
+    with pytest.raises(CheckpointError, match=r"^output of torch.tanh was changed in place"):
         manager.discard_all_outputs_and_register_unified_recompute(outs[1] * 2)
     nbytes = _nbytes(*outs)
     assert nbytes == [4 * 4, 4 * 4]

@@ -770,3 +770,44 @@ def test_a_leaf_the_forward_keeps_in_a_list_attribute_is_refused_as_one_it_store
         layer(x).sum().backward()
     assert "kept" in str(refused.value)  # named where it is held
     assert layer.lin.weight.grad is None  # refused before any gradient is accumulated
+
+
+class _ListsTheWeightsItUses(nn.Module):
+    """Puts the parameters it used into a plain list attribute, which the caller reads for a
+    penalty and clears once read, before backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.used: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.used.append(self.lin.weight)
+        return self.lin(x).tanh()
+
+
+# Guards against (helper JY), as it was found:
+def test_a_list_attribute_of_parameters_the_caller_clears_before_backward_stays_cleared() -> None:
+    def run(checkpointed: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        layer = _ListsTheWeightsItUses()
+        if checkpointed:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        grads = []
+        for step in range(2):
+            layer.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            x = torch.randn(2, 4, requires_grad=True)
+            y = layer(x)
+            loss = y.sum() + sum(w.pow(2).sum() for w in layer.used)
+            layer.used.clear()
+            loss.backward()
+            assert layer.lin.weight.grad is not None
+            grads.append(layer.lin.weight.grad.clone())
+        return grads, len(layer.used)
+
+    eager, left = run(False)
+    got, got_left = run(True)
+    assert left == 0
+    assert got_left == left  # the replay put the weight back into the cleared list
+    assert all(map(torch.equal, eager, got))  # the second step's penalty counted it twice

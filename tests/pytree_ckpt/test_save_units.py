@@ -1776,3 +1776,30 @@ class _JTBlockReturningKept(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.attn.project(h)
+
+
+class _JYExpertsFirst(nn.Module):
+    """A block whose first submodule is a ModuleList (no forward of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        return h + sum(e(h) for e in self.experts)
+
+
+# Guards against (helper JY), as it was found:
+def test_the_tip_for_a_unit_keeping_the_layers_own_forward_names_a_method_that_runs() -> None:
+    layers = nn.ModuleList(_JYExpertsFirst() for _ in range(2))
+    with pytest.raises(CheckpointConfigError, match="checkpointed layer 0") as refused:
+        pytree_ckpt.apply_recompute_config(layers, RecomputeConfig(1.0, save=["moe_gate"]),
+                                           {"moe_gate": KeptCallables("_JYExpertsFirst.forward")})
+    tip = str(refused.value).split("tip:")[1]
+    # A container's forward is nn.Module's unimplemented one: never called, nothing kept.
+    named = re.search(r'KeptCallables\("(\w+)\.forward"\)', tip)
+    assert named is not None, tip
+    classes = {type(m).__qualname__: type(m) for m in layers[0].modules()}
+    assert classes[named.group(1)].forward is not nn.Module.forward, tip

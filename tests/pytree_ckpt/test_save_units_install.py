@@ -177,7 +177,7 @@ def test_a_second_config_keeping_other_methods_is_refused_and_the_same_one_is_a_
 
 def test_keeping_a_checkpointed_layers_own_forward_is_refused() -> None:
     layers = nn.ModuleList([Layer()])
-    with pytest.raises(CheckpointConfigError, match="the forward of a checkpointed layer"):
+    with pytest.raises(CheckpointConfigError, match="the forward of checkpointed layer 0"):
         _apply(layers, "Layer.forward")
     assert not pytree_ckpt.is_checkpointed(layers[0])
 

@@ -445,3 +445,54 @@ def test_a_buffer_written_through_data_in_the_first_forward_gives_eagers_gradien
         out.square().sum().backward()
         results.append([out, x.grad, *(p.grad for p in model.parameters())])
     assert_same(*results)
+
+
+# Guards against (helper JY), as it was found:
+def test_a_forward_that_reads_an_attribute_the_caller_set_on_a_plain_tensor_input_replays(
+        ) -> None:
+    # The subclass input's attributes reach the replay (NOTE [subclasses come back as
+    # themselves]); a plain tensor's are not recorded (kind_of: None), so the replay's detached
+    # alias has none, and `x.meta` raises where eager's forward read it.
+    torch.manual_seed(0)
+    lin = nn.Linear(W, W)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return lin(x) * x.meta["scale"]
+
+    def run(checkpointed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        lin.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        leaf = torch.randn(2, W, requires_grad=True)
+        x = leaf * 1.0
+        x.meta = {"scale": 0.5}
+        out = pytree_ckpt.checkpoint(layer, x) if checkpointed else layer(x)
+        out.sum().backward()
+        assert leaf.grad is not None and lin.weight.grad is not None
+        return leaf.grad, lin.weight.grad.clone()
+
+    eager = run(False)
+    assert all(map(torch.equal, eager, run(True)))
+
+
+class _Labelled(torch.Tensor):
+    """A ``__torch_function__`` subclass that holds its label in a slot."""
+
+    __slots__ = ("label",)
+
+
+# Guards against (helper JY), as it was found:
+def test_an_input_returned_as_it_is_keeps_a_slot_the_caller_set_on_it() -> None:
+    # NOTE [an input returned keeps its attributes] copies the instance dict alone; the replay
+    # (kind_of) gives slots back too, the returned alias does not.
+    lin = nn.Linear(W, W)
+
+    def layer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return lin(x), x
+
+    x = (torch.randn(2, W, requires_grad=True) * 1.0).as_subclass(_Labelled)
+    x.label = "from the caller"
+    _, eager_x = layer(x)
+    _, ours_x = pytree_ckpt.checkpoint(layer, x)
+    assert type(ours_x) is type(eager_x)
+    assert eager_x.label == "from the caller"
+    assert getattr(ours_x, "label", None) == "from the caller"
