@@ -76,11 +76,11 @@ class _FirstReplay:
 
     __slots__ = ("containers", "known", "modules", "dicts", "tensors", "numbers")
 
-    def __init__(self, containers: Any, known: set[int] | None, modules: list[nn.Module],
+    def __init__(self, containers: Any, known: set[int], modules: list[nn.Module],
                  dicts: list[dict[str, Any]], numbers_saved: bool) -> None:
         self.containers = containers
-        # The replay's inputs and parameters (the caller has them); None for a plain function:
-        # every leaf (refuse_filled_containers).
+        # The replay's inputs and parameters (the caller has them); a plain function's inputs,
+        # and every leaf (refuse_filled_containers's leaves_known: no modules).
         self.known = known
         self.modules = modules
         self.dicts = dicts
@@ -95,7 +95,8 @@ class _FirstReplay:
         if call.owner is None or call.forward_modules is None:
             # NOTE [containers a plain function fills]
             containers = open_containers(args, kwargs)
-            return None if containers is None else cls(containers, None, [], [], True)
+            return None if containers is None else \
+                cls(containers, {id(t) for t in aliases}, [], [], True)
         if is_verified(call.owner, call.switches):
             return None
         known = {id(t) for t in (*aliases, *(call.params or ()))}
@@ -106,7 +107,8 @@ class _FirstReplay:
 
     def check(self, call: BoundaryCall) -> None:
         if self.containers is not None:
-            refuse_filled_containers(call, self.containers, self.known)
+            refuse_filled_containers(call, self.containers, self.known,
+                                     leaves_known=not self.modules)
         if not self.modules:  # a plain function's
             return
         owner = self.modules[0]

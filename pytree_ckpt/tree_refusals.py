@@ -270,7 +270,7 @@ def open_containers(args: tuple[Any, ...], kwargs: dict[str, Any], /
 
 def refuse_filled_containers(call: BoundaryCall,
                              found: list[tuple[str, Any, frozenset[int]]],
-                             known: set[int] | None, /) -> None:
+                             known: set[int], /, *, leaves_known: bool = False) -> None:
     """NOTE [containers filled by the forward]: a list or dict passed in to collect results
     (an MoE layer appending its load-balancing loss to a tracker) receives, in the original
     pass, a value computed under no-grad: a loss built from it silently loses that term, and
@@ -282,15 +282,15 @@ def refuse_filled_containers(call: BoundaryCall,
     a container (by identity: a pre-keyed ``{"aux": 0.0}`` counts), other than one the
     caller has itself (``known``: the replay's inputs and parameters; an input kept in a list
     of hidden states, a tied weight, inputs repackaged in a tuple), whose gradient the
-    caller's own tensor carries; ``None`` for a plain function, whose parameters are not known:
-    any leaf counts as the caller's (a closure's module's weight put in a regulariser list is
-    the same object in both passes: helper JY). Checked at a module's first replay with each
-    switch (NOTE
-    [verified per switch] in module_state.py), a plain function's at each (NOTE [containers a
-    plain function fills] in recompute.py). A global list is not seen (docs/limits.md)."""
+    caller's own tensor carries; ``leaves_known`` for a plain function, whose parameters are not
+    known: any leaf counts as the caller's (a closure's module's weight put in a regulariser
+    list is the same object in both passes: helper JY). Checked at a module's first replay with
+    each switch (NOTE [verified per switch] in module_state.py), a plain function's at each
+    (NOTE [containers a plain function fills] in recompute.py). A global list is not seen
+    (docs/limits.md)."""
     for path, container, ids in found:
         for element in container_elements(container):
-            if id(element) not in ids and _carries_grad(element, known):
+            if id(element) not in ids and _carries_grad(element, known, leaves_known):
                 raise CheckpointError(
                     f"{fn_name(call.fn)} put a tensor that requires grad into the "
                     f"{type(container).__name__} passed as {path}: the original pass put in "
@@ -307,10 +307,10 @@ def container_elements(value: Any, /) -> Any:
     return value.values() if isinstance(value, dict) else value
 
 
-def _carries_grad(value: Any, known: set[int] | None) -> bool:
+def _carries_grad(value: Any, known: set[int], leaves_known: bool) -> bool:
     def computed(t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t.requires_grad and (
-            t.grad_fn is not None if known is None else id(t) not in known)
+        return isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in known and \
+            not (leaves_known and t.grad_fn is None)
 
     if isinstance(value, torch.Tensor):
         return computed(value)

@@ -2562,6 +2562,28 @@ def _appends_aux_loss(lin: nn.Linear) -> Callable[..., torch.Tensor]:
     return fn
 
 
+def test_a_plain_function_that_keeps_its_input_in_a_list_passed_in_gives_eager_gradients(
+        ) -> None:
+    # NOTE [containers a plain function fills]: the replay's input alias (a non-leaf) put in
+    # the list is the caller's tensor, not one the replay computed: not refused.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def fn(t: torch.Tensor, hidden: list[torch.Tensor]) -> torch.Tensor:
+        hidden.append(t)
+        return lin(t).tanh()
+
+    grads = []
+    for run in (fn, lambda t, hidden: checkpoint(fn, t, hidden)):
+        x.grad, hidden = None, []
+        lin.zero_grad(set_to_none=True)
+        y = run(x, hidden)
+        (y.sum() + hidden[0].square().sum()).backward()
+        grads.append([x.grad, lin.weight.grad, lin.bias.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 # Guards against (helper JT), as it was found: only a module's first replay checked.
 def test_a_plain_function_that_puts_an_aux_loss_into_a_list_passed_in_is_refused(
         ) -> None:
