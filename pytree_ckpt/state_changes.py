@@ -21,9 +21,8 @@ from .forward_writes import note_forward_write, written_by_a_forward_since, writ
 from .kernel_written import differs, sparse_parts
 from .module_state import ModuleDicts, ever_verified, graph_reaches
 
-__all__ = ["ChangedState", "REPLAY_COPY_MARK", "StateWatch", "is_replay_copy", "mark_replay_copy",
-           "mark_stateful", "refuse_graph_read", "registered_state", "snapshots_wanted",
-           "versions"]
+__all__ = ["ChangedState", "StateWatch", "is_replay_copy", "mark_replay_copy", "mark_stateful",
+           "refuse_graph_read", "registered_state", "snapshots_wanted", "versions"]
 
 
 def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
@@ -42,7 +41,7 @@ def versions(tensors: Sequence[torch.Tensor], /) -> list[int | None]:
 _Buffers = dict[str, "torch.Tensor | None"]  # a module's _buffers dict
 
 # On the storage of each copy a replay runs on (NOTE [the replay changes copies]).
-REPLAY_COPY_MARK = "_pytree_ckpt_replay_copy"
+_REPLAY_COPY_MARK = "_pytree_ckpt_replay_copy"
 
 
 def mark_replay_copy(copy: torch.Tensor, /) -> None:
@@ -50,15 +49,15 @@ def mark_replay_copy(copy: torch.Tensor, /) -> None:
     a tensor without one (a sparse adjacency a graph layer keeps as a buffer: helper JS), the
     tensor itself."""
     if copy.layout is torch.strided:
-        setattr(copy.untyped_storage(), REPLAY_COPY_MARK, True)
+        setattr(copy.untyped_storage(), _REPLAY_COPY_MARK, True)
     else:
-        setattr(copy, REPLAY_COPY_MARK, True)
+        setattr(copy, _REPLAY_COPY_MARK, True)
 
 
 def is_replay_copy(t: torch.Tensor, /) -> bool:
     """Whether ``t`` is (a view of) a tensor ``mark_replay_copy`` marked."""
     return bool(getattr(t.untyped_storage() if t.layout is torch.strided else t,
-                        REPLAY_COPY_MARK, False))
+                        _REPLAY_COPY_MARK, False))
 
 
 _STATEFUL = "_pytree_ckpt_stateful"
