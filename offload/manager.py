@@ -351,15 +351,15 @@ class OffloadManager:
         """
         return _WindowContext(self.eager_window(tensors, name=name, resident=resident))
 
-    # The boundary's window names its inputs and gives its own tip for one changed after the
-    # call (``changed_tip``: the boundary keeps every input for the replay).
-
     @contextmanager
     def eager_window(self, tensors: Sequence[torch.Tensor], /, *,
                      name: Callable[[int], str] | None = None,
                      resident: Sequence[torch.Tensor] = (),
                      changed_tip: str | None = None) -> Iterator[Window]:
-        """``window`` for a caller that runs eagerly already (the boundary: no wrapper)."""
+        """``window`` for a caller that runs eagerly already (the boundary: no wrapper).
+
+        ``changed_tip``: the tip for a window tensor changed in place after its save (the
+        boundary gives its own: it keeps every input for the replay)."""
         refuse_non_tensors(tensors)
         refuse_non_tensors(resident, name="resident")
         if name is not None:
