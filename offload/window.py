@@ -338,8 +338,11 @@ class Handle:
         self.neg = tensor.is_neg()
         # NOTE [subclasses come back as themselves] in pytree_ckpt/subclass.py: a
         # __torch_function__ subclass is restored as that class, with its attributes (a
-        # wrapper subclass is packed by its inner tensors instead: Flattened).
-        self.subclass: SubclassKind | None = kind_of(tensor)
+        # wrapper subclass is packed by its inner tensors instead: Flattened). Not a plain
+        # tensor's attributes: torch hands backward a new object for it whatever the unpack
+        # returns (docs/offload.md), and holding them would keep what they hold alive.
+        self.subclass: SubclassKind | None = \
+            kind_of(tensor) if type(tensor) is not torch.Tensor else None
         base = tensor._base
         self.source = weakref.ref(base if base is not None else tensor)
         self.version = tensor._version
