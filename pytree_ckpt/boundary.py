@@ -112,7 +112,7 @@ from .rebound import NOTHING_BOUND, modules_bound
 from .recompute import dynamo_marks
 from .refusals import input_path_of
 from .shared_containers import shared_containers
-from .subclass import as_kind
+from .subclass import with_attributes_of
 from .tree import dunder, flatten_call
 from .tree_refusals import (refuse_metadata_tensors, refuse_strided_nested,
                             refuse_unreadable_inputs)
@@ -349,8 +349,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         call.plain_state = plain.after_forward()  # kept for the replay when it changed state
     if call.returned_attributes is not None:  # NOTE [an input returned keeps its attributes]
         out_tensors = list(out_tensors)
-        for position, kind in call.returned_attributes:
-            out_tensors[position] = as_kind(out_tensors[position], kind)
+        for position, given in call.returned_attributes:
+            out_tensors[position] = with_attributes_of(out_tensors[position], given)
         call.returned_attributes = None
     if call.as_is:
         out_tensors = list(out_tensors)

@@ -128,9 +128,10 @@ class BoundaryCall:
         # Inputs the original pass returned as they are, by output position; for run_boundary
         # only (then dropped).
         self.as_is: list[tuple[int, torch.Tensor]] | None = None
-        # The attributes of inputs that require grad, returned as they are, by output position
-        # (NOTE [an input returned keeps its attributes] in boundary_function.py); then dropped.
-        self.returned_attributes: list[tuple[int, SubclassKind]] | None = None
+        # Inputs that require grad returned as they are, with attributes or of a subclass, by
+        # output position (NOTE [an input returned keeps its attributes] in
+        # boundary_function.py); dropped once the call returns.
+        self.returned_attributes: list[tuple[int, torch.Tensor]] | None = None
         # Outputs left as detach() aliases of views, with their versions (NOTE [outputs that
         # view fn's own results] in made_before.py).
         self.unviewed: list[tuple[int, Any, int]] | None = None

@@ -234,10 +234,11 @@ class _BoundaryFunction(torch.autograd.Function):
         # subclass's __torch_function__), not the input itself as eager does, so what the
         # caller set on it (`x.meta`, a tagged tensor's tag) was gone: `out.meta` raised where
         # eager's ran (helper JS). The alias gets the input's attributes (the values, by
-        # reference) and slots (helper JY).
-        returned = [(k, kind_of(t)) for k, t in enumerate(leaves)
-                    if t.requires_grad and any(t is x for x in tensors)]
-        call.returned_attributes = [(k, kind) for k, kind in returned if kind is not None] or None
+        # reference) and slots (helper JY), a parameter subclass's too (helper KA).
+        call.returned_attributes = [
+            (k, t) for k, t in enumerate(leaves)
+            if t.requires_grad and (type(t) is not _Tensor or t.__dict__) and
+            any(t is x for x in tensors)] or None
         # NOTE [outputs made before the call] (made_before.py)
         out_tensors, as_is, views, state = leaving_tensors(leaves, tensors, call.before, watch)
         extra: tuple[torch.Tensor, ...] = ()

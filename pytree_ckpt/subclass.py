@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["SubclassKind", "as_kind", "detached", "kind_of", "plain_parts", "rebuilt_by_parts",
-           "rebuilt_parts"]
+           "rebuilt_parts", "with_attributes_of"]
 
 
 class SubclassKind(NamedTuple):
@@ -80,6 +80,16 @@ def as_kind(tensor: torch.Tensor, kind: SubclassKind | None, /, *,
         tensor.__dict__.update(kind.attributes)
         for name, value in kind.slots:
             setattr(tensor, name, value)
+    return tensor
+
+
+def with_attributes_of(tensor: torch.Tensor, given: torch.Tensor, /) -> torch.Tensor:
+    """``tensor`` (the alias autograd returns for an input returned as it is) with ``given``'s
+    attributes and slots, a parameter subclass's too (whose class it does not take)."""
+    kind = kind_of(given)
+    if kind is not None:
+        return as_kind(tensor, kind)
+    tensor.__dict__.update(given.__dict__)  # a parameter subclass (kind_of leaves it out)
     return tensor
 
 
