@@ -386,26 +386,31 @@ class _CachesItsGraph(nn.Module):
         return torch.sparse.mm(self.adj, self.lin(x)).relu(), ids
 
 
-# Guards against (helper JS), as it was found:
-@pytest.mark.parametrize("reused", [True, False], ids=["reused-call", "forward"])
-def test_a_sparse_tensor_the_call_puts_in_a_buffer_slot_gives_eagers_outputs_and_gradients(
-        reused: bool) -> None:
-    # Module state a call changes is read by storage: frozen.py takes
-    # weakref.ref(now.untyped_storage()) of a buffer a reused call reassigned
-    # (NotImplementedError in the forward), state_changes.py:563 marks the replay's copy
-    # of a reassigned buffer on its storage (NotImplementedError in backward). A sparse tensor
-    # has no storage. A dense buffer reassigned so is exact.
-    torch.manual_seed(0)
-    eager = _CachesItsGraph(reused)
+def _one_step_eager_and_checkpointed(eager: nn.Module) -> list[list[Any]]:
+    """One step of ``eager`` and of its checkpointed copy on the same input: the outputs, the
+    input's gradient and the parameters'."""
     twin = copy.deepcopy(eager)
     pytree_ckpt.apply_activation_checkpointing(twin, offload=False)
     results = []
     for model in (eager, twin):
         x = torch.randn(5, W, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        out, ids = model(x)
-        out.square().sum().backward()
-        results.append([out, ids, x.grad, *(p.grad for p in model.parameters())])
-    assert_same(*results)
+        out = model(x)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        outs[0].square().sum().backward()
+        results.append([*outs, x.grad, *(p.grad for p in model.parameters())])
+    return results
+
+
+# Guards against (helper JS), as it was found:
+@pytest.mark.parametrize("reused", [True, False], ids=["reused-call", "forward"])
+def test_a_sparse_tensor_the_call_puts_in_a_buffer_slot_gives_eagers_outputs_and_gradients(
+        reused: bool) -> None:
+    # Module state a call changes was read by storage: frozen.py took a weak reference to the
+    # storage of a buffer a reused call reassigned (NotImplementedError in the forward), and
+    # the replay's copy of a reassigned buffer was marked on its storage (NotImplementedError
+    # in backward). A sparse tensor has none: marked on itself now. A dense buffer is exact.
+    torch.manual_seed(0)
+    assert_same(*_one_step_eager_and_checkpointed(_CachesItsGraph(reused)))
 
 
 class _DecaysItsGraph(nn.Module):
@@ -435,16 +440,7 @@ def test_a_buffer_written_through_data_in_the_first_forward_gives_eagers_gradien
     # the replay ran on the doubled adjacency: the input's and the weight's gradients were
     # twice eager's, without an error or a warning. Compared by its parts now.
     torch.manual_seed(0)
-    eager = _DecaysItsGraph(sparse)
-    twin = copy.deepcopy(eager)
-    pytree_ckpt.apply_activation_checkpointing(twin, offload=False)
-    results = []
-    for model in (eager, twin):
-        x = torch.randn(5, W, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        out = model(x)
-        out.square().sum().backward()
-        results.append([out, x.grad, *(p.grad for p in model.parameters())])
-    assert_same(*results)
+    assert_same(*_one_step_eager_and_checkpointed(_DecaysItsGraph(sparse)))
 
 
 # Guards against (helper JY), as it was found:
