@@ -2646,3 +2646,29 @@ def test_a_plain_function_that_keeps_its_input_in_a_list_of_hidden_states_runs()
 
     eager = step(fn)
     assert all(map(torch.equal, eager, step(lambda a, hs: checkpoint(fn, a, hs))))
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Plain functions: a "
+                   "tensor with a graph it did not compute, stored in a list or dict it is given) "
+                   "(helper KB): refused as an aux loss put there is")
+def test_a_plain_function_may_store_a_tensor_the_caller_computed_in_a_dict_it_is_given() -> None:
+    torch.manual_seed(0)
+    base = torch.randn(4, requires_grad=True)
+
+    def run(checkpointed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        base.grad = None
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        scale = base * 2.0  # computed by the caller before the call: it has its graph
+        cache: dict[str, torch.Tensor] = {}
+
+        def fn(x: torch.Tensor, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+            cache["scale"] = scale  # kept for the caller, not computed with here
+            return x.tanh()
+
+        out = checkpoint(fn, x, cache) if checkpointed else fn(x, cache)
+        assert cache["scale"] is scale
+        (out.sum() + cache["scale"].sum()).backward()
+        assert x.grad is not None and base.grad is not None
+        return x.grad, base.grad
+
+    assert all(map(torch.equal, run(False), run(True)))

@@ -548,3 +548,30 @@ def test_a_forward_that_advances_a_count_in_a_dict_attribute_of_its_plain_input_
         return leaf.grad, lin.weight.grad.clone(), torch.tensor(x.meta["k"])
 
     assert all(map(torch.equal, run(False), run(True)))
+
+
+class _ScaledParameter(nn.Parameter):
+    """A parameter subclass with a method of its own (a quantized weight's kind)."""
+
+    def partition(self) -> int:
+        return int(self.partition_dim)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Inputs and outputs: an "
+                   "argument of a subclass of nn.Parameter returned as it is) (helper KB): the "
+                   "caller gets a plain tensor carrying its attributes")
+def test_a_parameter_subclass_returned_as_it_is_keeps_its_class_as_in_eager() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(W, W)
+    weight = _ScaledParameter(torch.randn(W, W))
+    weight.partition_dim = 1
+
+    def layer(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return lin(x) @ w, w
+
+    x = torch.randn(2, W, requires_grad=True)
+    _, eager_w = layer(x, weight)
+    _, ours_w = pytree_ckpt.checkpoint(layer, x, weight)
+    assert type(eager_w) is _ScaledParameter and eager_w.partition() == 1
+    assert type(ours_w) is type(eager_w)
+    assert ours_w.partition() == 1
