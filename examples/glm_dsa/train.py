@@ -98,6 +98,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--mtp-depth must be >= 0, got {args.mtp_depth}; tip: 0 disables MTP")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if not -2**63 <= args.seed < 2**64:  # torch.manual_seed's range (helper KC: a traceback)
+        parser.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     if not 0.0 <= args.lr < math.inf:  # also refuses nan; AdamW's own check is a traceback
         parser.error(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.save is not None:  # repeated flags add up (helper HE: the last one alone was kept)
@@ -242,11 +244,19 @@ def _train(args: argparse.Namespace, env: DistEnv | None) -> list[float]:
                 + (" (copied, but also held outside the layers, so that copy freed no device "
                    "memory: docs/offload.md, 'Statistics')"
                    if stats["alive_elsewhere_bytes"] and step == 1 else ""))
-    if args.verify_replay and args.ratio == 0 and not args.discard_norms:
-        say("verify_replay: nothing was compared (no layer is checkpointed at --ratio 0, and "
-            "no norm output is discarded without --discard-norms)")
-    elif args.verify_replay:  # a replay that differed would have raised in its backward
-        say("verify_replay: every replay (and norm rebuild) matched its forward, bit for bit")
+    if args.verify_replay:
+        # What was compared: checkpointed layers (decoder layers the ratio picked, and the MTP
+        # layers, wrapped at any ratio > 0) and discarded norm outputs; a ratio too small for
+        # any layer, without MTP, compares nothing (helper KC).
+        compared = [what for what, done in (
+            ("replay", bool(checkpointed) or args.ratio > 0 and args.mtp_depth > 0),
+            ("norm rebuild", args.discard_norms)) if done]
+        if not compared:
+            say(f"verify_replay: nothing was compared (--ratio {args.ratio} checkpoints no "
+                "layer, and no norm output is discarded without --discard-norms)")
+        else:  # one that differed would have raised in its backward
+            say(f"verify_replay: every {' and every '.join(compared)} matched its forward, "
+                "bit for bit")
     return losses
 
 

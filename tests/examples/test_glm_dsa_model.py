@@ -887,3 +887,13 @@ def test_a_decoder_layer_checkpointed_at_ratio_1_of_49_keeps_its_offload_and_sav
         installed = _installed(model.layers[0])
         options[mtp] = (installed.options.offload is manager, installed.options.keep is None)
     assert options[True] == options[False] == (True, False)
+
+
+# Guards against (helper KC), as it was found:
+def test_the_training_script_refuses_a_seed_torch_cannot_take_with_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # torch.manual_seed takes [-2**63, 2**64); --seed 2**64 passed parse_args and crashed in
+    # torch.manual_seed with "Overflow when unpacking long long" (every other range is checked).
+    with pytest.raises(SystemExit) as info:
+        train.main(["--steps", "1", "--seed", str(2**64)])
+    assert info.value.code == 2 and "--seed" in capsys.readouterr().err

@@ -111,7 +111,7 @@ def test_the_training_scripts_verify_replay_reaches_the_norms_output_discards(
     # two norms in each of the 10 layers, discarded for real (and printed) once a step: in the
     # unchecked layers' forward, in the checkpointed ones' replay.
     assert made == Counter({"RMSNorm": 2 * 2 * 10, "DecoderLayer": 2 * 4, "MtpLayer": 2 * 2})
-    assert "verify_replay: every replay (and norm rebuild) matched its forward, bit for bit" \
+    assert "verify_replay: every replay and every norm rebuild matched its forward, bit for bit" \
         in capsys.readouterr().out
 
 
@@ -144,3 +144,19 @@ def test_the_models_checkpoint_layers_verify_replay_reaches_the_norms_output_dis
     # One step: 8 decoder layers and 2 MTP depths, each printed once, and their two norms each,
     # discarded for real (and printed) in the layers' replays.
     assert made == Counter({"RMSNorm": 2 * 10, "DecoderLayer": 8, "MtpLayer": 2})
+
+
+# Guards against (helper KC), as it was found:
+def test_the_training_script_does_not_claim_a_check_at_a_ratio_that_checkpoints_no_layer(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # --ratio 0.1 of 8 layers checkpoints none (the script prints "[]") and --mtp-depth 0 leaves
+    # no MTP layer to wrap: as at --ratio 0, nothing is verified, but the closing line, which
+    # tested args.ratio == 0 rather than what was checkpointed, said every replay matched.
+    from examples.glm_dsa import train
+
+    made = _counted_prints(monkeypatch)
+    train.main(["--steps", "1", "--ratio", "0.1", "--mtp-depth", "0", "--verify-replay"])
+    assert not made  # nothing was verified ...
+    out = capsys.readouterr().out
+    assert "checkpointed decoder layers: []" in out
+    assert "matched its forward" not in out, out  # ... so the script must not claim it
