@@ -2120,3 +2120,11 @@ def test_the_window_a_with_binds_used_in_a_with_of_its_own_is_refused_naming_the
 def test_offload_config_fields_given_to_the_manager_are_refused_naming_offload_config() -> None:
     with pytest.raises(CheckpointError, match=r"OffloadConfig\(min_bytes=0"):
         OffloadManager(min_bytes=0, prefetch=2)  # type: ignore[call-arg]
+
+
+# Mutation test (helper KE): each OffloadConfig field is refused, each alone.
+@pytest.mark.parametrize("field", ["min_bytes", "prefetch", "pin_memory"])
+def test_each_offload_config_field_given_alone_to_the_manager_is_refused_naming_it(
+        field: str) -> None:
+    with pytest.raises(CheckpointError, match=rf"OffloadConfig\({field}=1\)"):
+        OffloadManager(**{field: 1})  # type: ignore[arg-type]

@@ -380,3 +380,37 @@ def test_a_keyboard_interrupt_as_a_released_buffer_is_taken_back_loses_no_buffer
     pool.release(buffer)
     assert pool.checked_out == 0
     assert pool.host_bytes == held  # the buffer released before is reused, not a new one
+
+
+# Mutation test (helper KE): the other half of _take_returned's order (its docstring).
+def test_a_keyboard_interrupt_after_a_released_buffer_reaches_its_free_list_hands_it_out_once(
+        ) -> None:
+    # Interrupted after the append to the free list, before the buffer leaves the returned
+    # queue: the next move finds it on its free list already and does not append it again, so
+    # two acquires are never handed the same host buffer.
+    import sys
+
+    pool = HostPool(pin_memory=False)
+    pool.release(pool.acquire(4096))
+    fired: list[bool] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and not fired and frame.f_code.co_name == "_take_returned" \
+                and getattr(arg, "__name__", "") == "append":
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C")
+
+    try:
+        sys.setprofile(profile)
+        try:
+            pool.acquire(4096)
+        finally:
+            sys.setprofile(None)
+    except KeyboardInterrupt:
+        pass
+    assert fired
+    first, second = pool.acquire(4096), pool.acquire(4096)
+    assert first.data_ptr() != second.data_ptr()  # one buffer is never handed out twice
+    pool.release(first)
+    pool.release(second)
+    assert pool.checked_out == 0

@@ -2672,3 +2672,34 @@ def test_a_plain_function_may_store_a_tensor_the_caller_computed_in_a_dict_it_is
         return x.grad, base.grad
 
     assert all(map(torch.equal, run(False), run(True)))
+
+
+class _PosesAsAList:
+    """A proxy whose ``__class__`` names a container it does not implement (isinstance believes
+    it; it has no ``__iter__`` or ``__len__``), holding a scale."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105
+        return list
+
+
+# Mutation test (helper KE): open_containers checks by type(value), not isinstance.
+def test_a_plain_function_given_a_proxy_posing_as_a_list_runs_as_in_eager() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    proxy = _PosesAsAList(2.0)
+    assert isinstance(proxy, list)
+
+    def fn(h: torch.Tensor, p: Any) -> torch.Tensor:
+        return lin(h) * p.scale
+
+    grads = []
+    for run in (fn, lambda h, p: pytree_ckpt.checkpoint(fn, h, p)):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        run(x, proxy).sum().backward()
+        grads.append([t.grad.clone() for t in (x, *lin.parameters())])
+        lin.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

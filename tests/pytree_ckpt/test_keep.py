@@ -496,3 +496,17 @@ def test_a_kept_method_returning_a_sparse_tensor_gives_the_gradients_of_keeping_
         model(x).square().sum().backward()
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert_same_grads(*grads)
+
+
+# Mutation test (helper KE): NOTE [ops that return no tensor are never kept], read per op from
+# its schema: an op returning nothing at all (an async assert, not mutable, so the mutating-op
+# rule does not catch it) returns no tensor either, as one returning a size does; one
+# returning several tensors is keepable.
+def test_ops_returning_no_tensor_or_nothing_are_never_kept_by_a_policy_naming_them() -> None:
+    from pytree_ckpt.keep import KeepPolicy
+    nothing, size = torch.ops.aten._assert_async, torch.ops.aten.sym_size
+    norm = torch.ops.aten.native_layer_norm
+    policy = KeepPolicy([nothing, size, norm], callables=(), description="t")
+    assert not policy.keeps(nothing.msg)  # returns ()
+    assert not policy.keeps(size.int)  # returns an int
+    assert policy.keeps(norm.default)  # returns three tensors

@@ -4033,3 +4033,153 @@ def test_a_hooked_router_called_under_the_functions_own_no_grad_is_not_warned_of
     assert not any(k.requires_grad for k in kept_by)  # eager's has no graph either
     assert [str(w.message) for w in told if "ran inside reuse_during_recompute" in
             str(w.message)] == []
+
+
+# Mutation tests (helper KE): each condition of _warn_hooked_in_reuse, told apart.
+def _hook_warnings_of(router: nn.Module, route: Any) -> list[str]:
+    """The 'ran inside reuse_during_recompute' warnings of one checkpointed step of a layer that
+    gives ``router`` (hooked) to ``route`` in a reused call."""
+    class _Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.router = nn.Linear(8, 8), router
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            ids = reuse_during_recompute(route, self.router, h.detach())
+            return torch.tanh(h + torch.gather(h, -1, ids).sum(-1, keepdim=True))
+
+    torch.manual_seed(0)
+    layer = _Layer()
+    layer.router.register_forward_hook(lambda m, a, out: None)
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        layer(torch.randn(4, 8)).sum().backward()
+    return [str(w.message) for w in told if "ran inside reuse_during_recompute" in
+            str(w.message)]
+
+
+@torch.no_grad()
+def _ids_under_a_no_grad_decorator(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return router(h).topk(2, dim=-1).indices
+
+
+def test_a_hooked_router_called_by_a_function_decorated_with_no_grad_is_not_warned_of() -> None:
+    # switches_grad_off reads the decorator too (_without_grad), not only a `with` block in
+    # the body: eager's hooked output has no graph either.
+    class _GateDecorated(_GateModule):
+        pass
+
+    assert _hook_warnings_of(_GateDecorated(), _ids_under_a_no_grad_decorator) == []
+
+
+def test_a_hooked_router_without_trainable_parameters_is_not_warned_of() -> None:
+    # A frozen router's logits have no graph in eager either (no parameter requires grad).
+    class _FrozenGate(_GateModule):
+        pass
+
+    router = _FrozenGate().requires_grad_(False)
+    assert _hook_warnings_of(router, _ids_from_the_router_given) == []
+
+
+def test_a_hooked_module_that_returns_only_integer_ids_is_not_warned_of() -> None:
+    # Only a float output can carry a gradient: a module returning top-k ids is not told.
+    class _IdsGate(_GateModule):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.gate(h).topk(2, dim=-1).indices
+
+    def route(router: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return router(h)
+
+    assert _hook_warnings_of(_IdsGate(), route) == []
+
+
+def test_a_hooked_trainable_router_returning_logits_is_warned_of_by_the_same_helper() -> None:
+    # The control of the three above: the helper does see the warning where it is due.
+    class _TrainableGate(_GateModule):
+        pass
+
+    assert len(_hook_warnings_of(_TrainableGate(), _ids_from_the_router_given)) == 1
+
+
+# Mutation tests (helper KE): which module a free function given several is watched by.
+def _route_counting_beside(log: nn.Module, router: _RouterCountingTokens, h: torch.Tensor
+                           ) -> torch.Tensor:
+    """A partial binds ``log`` (a module it does not count on); the router is given."""
+    return _route_counting_on(router, h)
+
+
+class _RoutesWithAnotherModuleBound(nn.Module):
+    """``reuse_during_recompute(partial(route, self.log), self.router, h)``: the router, given
+    as an argument, comes before the module the partial binds (NOTE [a module given to a
+    reused call]: a positional argument, then a keyword's, then what partials bind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router, self.log = nn.Linear(8, 8), _RouterCountingTokens(), nn.Identity()
+        self.route = functools.partial(_route_counting_beside, self.log)  # one callable
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = self.lin(x), []
+        for chunk in h.chunk(2):
+            ids = reuse_during_recompute(self.route, self.router, chunk.detach())
+            scale = 0.001 * self.router.tokens + 0.01 * self.router.hits.float().mean()
+            out.append(torch.tanh(chunk + scale * torch.gather(chunk, -1, ids).sum(-1,
+                                                                                 keepdim=True)))
+        return torch.cat(out)
+
+
+def test_a_module_given_as_an_argument_is_watched_before_one_a_partial_binds() -> None:
+    torch.manual_seed(0)
+    eager, ours = _twins(_RoutesWithAnotherModuleBound())
+    for step in range(2):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours.router.tokens == eager.router.tokens, f"step {step}"
+        assert torch.equal(ours.router.hits, eager.router.hits), f"step {step}"
+
+
+class _LoadPerExpert:
+    """A plain stats object a router holds, its counts in a list (two levels down)."""
+
+    def __init__(self) -> None:
+        self.per_expert = [0, 0, 0, 0]
+
+
+class _RouterWithStats(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.stats = nn.Linear(8, 4), _LoadPerExpert()
+
+
+def _route_counting_in_its_stats(router: _RouterWithStats, h: torch.Tensor) -> torch.Tensor:
+    ids = router.gate(h).topk(2, dim=-1).indices
+    for i in ids.flatten().tolist():
+        router.stats.per_expert[i] += 1
+    return ids
+
+
+class _RoutesCountingInTheStatsOfTheRouterGiven(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(8, 8), _RouterWithStats()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out = self.lin(x), []
+        for chunk in h.chunk(2):
+            ids = reuse_during_recompute(_route_counting_in_its_stats, self.router, chunk.detach())
+            scale = 0.01 * sum(self.router.stats.per_expert)
+            out.append(torch.tanh(chunk + scale * torch.gather(chunk, -1, ids).sum(-1,
+                                                                                 keepdim=True)))
+        return torch.cat(out)
+
+
+def test_a_free_function_given_a_module_counts_in_a_plain_object_of_that_module_as_eager_does(
+        ) -> None:
+    # argument_contents reads the plain objects of the module watched (with_its_module), not
+    # of the function's own module (a free function has none).
+    torch.manual_seed(0)
+    eager, ours = _twins(_RoutesCountingInTheStatsOfTheRouterGiven())
+    for step in range(2):
+        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert ours.router.stats.per_expert == eager.router.stats.per_expert, f"step {step}"

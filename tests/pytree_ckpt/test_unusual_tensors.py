@@ -575,3 +575,30 @@ def test_a_parameter_subclass_returned_as_it_is_keeps_its_class_as_in_eager() ->
     assert type(eager_w) is _ScaledParameter and eager_w.partition() == 1
     assert type(ours_w) is type(eager_w)
     assert ours_w.partition() == 1
+
+
+class _ScalesItsGraphInAReusedCall(nn.Module):
+    """A reused call scales the sparse adjacency buffer in place (its version moves): the replay
+    skips the call and makes the change in its own copy (apply_state_after's "buffer" kind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        self.adj: torch.Tensor
+        self.register_buffer("adj", _ring(), persistent=False)
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        self.adj.mul_(2)
+        return x.sum(-1).argmax()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top = pytree_ckpt.reuse_during_recompute(self.scale, x.detach())
+        return torch.sparse.mm(self.adj, self.lin(x)).relu(), top
+
+
+# Mutation test (helper KE): a sparse buffer a reused call changes in place is compared by
+# layout before torch.equal (which has no sparse kernel) in frozen.apply_state_after.
+def test_a_sparse_buffer_a_reused_call_scales_in_place_gives_eagers_outputs_and_gradients(
+        ) -> None:
+    torch.manual_seed(0)
+    assert_same(*_one_step_eager_and_checkpointed(_ScalesItsGraphInAReusedCall()))
