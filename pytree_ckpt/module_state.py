@@ -66,8 +66,9 @@ def with_its_module(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     """``fn`` as a method of the module it is given, for the module watches of a reused call
     where ``fn`` has no module of its own (NOTE [a module given to a reused call]); else
     ``fn``."""
-    if owning_module(fn) is not None:  # a module's method, under partials and wrappers too
-        return fn
+    if isinstance(fn, nn.Module) or isinstance(dunder(fn, "__self__"), nn.Module) or \
+            owning_module(fn) is not None:  # a module's method, under partials and wrappers
+        return fn  # (the usual case, a bound method, told first)
     if args and isinstance(args[0], nn.Module) and dunder(fn, "__self__") is None and \
             _method_of(args[0], fn):
         return functools.partial(fn, args[0])  # NOTE [a method bound by a partial]
