@@ -76,7 +76,7 @@ from .parameter_hooks import put_first
 from .tree import describe_leaf, dunder, first_difference, flatten, leaf_paths
 
 __all__ = ["GradFlow", "HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
-           "keeps_output_as_is", "recording", "remove_recorder"]
+           "keeps_output_as_is", "ran_only_in_reused_calls", "recording", "remove_recorder"]
 
 # .passes: this thread's recording passes, innermost last (a module output goes to each of
 # them). Not a ContextVar: NOTE [the recorder is traceable].
@@ -120,9 +120,14 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     # their graph, helper FJ).
     passes = getattr(_RECORDING, "passes", ())
     if passes and not torch.compiler.is_compiling() and (reused := IN_REUSE.get()):
+        if module not in _RUN_OUTSIDE_REUSE:
+            _RUN_ONLY_IN_REUSE.add(module)
         _warn_hooked_in_reuse(module, output, reused[0])
     elif passes:
         compiling = torch.compiler.is_compiling()
+        if not compiling:  # (a hooked module's call: two set operations)
+            _RUN_OUTSIDE_REUSE.add(module)
+            _RUN_ONLY_IN_REUSE.discard(module)
         # Its submodules' too: a table a child without hooks builds and the hooked module
         # returns (helper FL).
         held = held_tensors([m.__dict__ for m in module.modules()]) if not compiling else {}
@@ -137,8 +142,18 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
                 recorded.compiled.append(module)
 
 
-# Module classes warned about by _warn_hooked_in_reuse (a warning's dedupe, not step state).
+# Module classes warned about by _warn_hooked_in_reuse (a warning's dedupe, not step state), and
+# the hooked modules seen running only inside reused calls, which the layer's own hooks warning
+# (module_state.warn_forward_hooks) leaves to this one: it would call keeping their output fine
+# (helper KF). Weak: facts about modules, gone with them.
 _WARNED_IN_REUSE: weakref.WeakSet[type] = weakref.WeakSet()
+_RUN_ONLY_IN_REUSE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_RUN_OUTSIDE_REUSE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def ran_only_in_reused_calls(module: nn.Module, /) -> bool:
+    """Whether every recorded call of ``module`` ran inside ``reuse_during_recompute``."""
+    return module in _RUN_ONLY_IN_REUSE
 
 
 def _warn_hooked_in_reuse(module: nn.Module, output: Any, fn: Any, /) -> None:
