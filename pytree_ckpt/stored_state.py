@@ -121,12 +121,15 @@ def _opened_by_transformers(owner: nn.Module, fn: Callable[..., Any], /) -> bool
     as its checkpoint function: ``fn`` is the wrapper's ``partial(forward, self, **kwargs)``
     (5.24: the function it wrapped, not the class's forward, which is the wrapper) or
     ``partial(super().__call__, **kwargs)`` (earlier 5.x: nn.Module's call, not the class's
-    override). Either runs the layer without the wrapper: its only boundary, not a second."""
+    override). Either runs the layer without the wrapper: its only boundary, not a second. So
+    does a partial of the class's forward where that forward is the body itself, no wrapper
+    (a user's own layer wrapper calling ``partial(type(self).forward, self, **kwargs)``:
+    helper KG, told "checkpointed twice", and the tip turned its only checkpointing off)."""
     if not isinstance(fn, functools.partial):
         return False
     func, kind = fn.func, type(owner)
     if fn.args and fn.args[0] is owner and dunder(func, "__self__") is None:
-        return func is not kind.forward
+        return func is not kind.forward or dunder(func, "__wrapped__") is None
     if dunder(func, "__self__") is owner:
         return dunder(func, "__func__") not in (kind.__call__, kind.forward)
     return False

@@ -29,7 +29,7 @@ from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, dunder, hi
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["container_elements", "open_containers", "refuse_filled_containers",
+__all__ = ["container_elements", "is_kv_cache", "open_containers", "refuse_filled_containers",
            "refuse_hidden_outputs", "refuse_metadata_tensors", "refuse_strided_nested",
            "refuse_unreadable_inputs"]
 
@@ -125,7 +125,7 @@ _STATELESS = (bytes, complex, torch.dtype, torch.device, torch.layout, torch.mem
               torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # Tensor.add, aten.mm
 
 
-def _is_kv_cache(leaf: Any, /) -> bool:
+def is_kv_cache(leaf: Any, /) -> bool:
     """A key/value cache, by what it can do: transformers' caches have both methods."""
     kind = type(leaf)
     return callable(getattr(kind, "update", None)) and \
@@ -173,7 +173,7 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
         sort = leaf_kind(leaf)
-        kv_cache = _is_kv_cache(leaf)
+        kv_cache = is_kv_cache(leaf)
         if kv_cache and _reads_caches_only(fn):
             continue  # transformers' opt-in: the layer only reads it, use_cache or not
         if sort is not ITERATOR and (kv_cache or use_cache is True and not _holds_no_state(leaf)):

@@ -713,3 +713,141 @@ def test_a_layer_wrapped_in_place_under_a_transformers_4_model_checkpointing_it_
         model(hidden).backward()
     assert [CALLS[id(layer)] for layer in model.layers] == [3, 3]   # once more than needed
     assert any("checkpointed twice" in str(w.message) for w in caught)
+
+
+class ClassForwardCallWrappingLayer(nn.Module):
+    """A GradientCheckpointingLayer written as the brief of helper KG has it: ``__call__``
+    wrapped, the checkpoint given ``partial(type(self).forward, self, **kwargs)``; the class's
+    forward is the body itself, not a checkpointing wrapper."""
+
+    gradient_checkpointing = False
+    _gradient_checkpointing_func: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(
+                functools.partial(self.__class__.forward, self, **kwargs), *args)
+        return super().__call__(*args, **kwargs)
+
+
+class ClassForwardDecoderLayer(ClassForwardCallWrappingLayer, _Body):
+    pass
+
+
+# Guards against (helper KG), as it was found:
+def test_a_partial_of_a_plain_class_forward_as_the_only_boundary_is_not_told_twice() -> None:
+    # One boundary a layer: each layer's forward runs twice a step (forward and replay), as
+    # with transformers' own conventions above, and the gradients are eager's; yet the layer is
+    # warned "checkpointed twice ... runs its forward once more than needed", whose tip
+    # (activation_checkpointing_disable()) would turn off its only checkpointing.
+    torch.manual_seed(0)
+    eager = nn.ModuleList(ClassForwardDecoderLayer() for _ in range(2)).train()
+    torch.manual_seed(0)
+    ckpt = nn.ModuleList(ClassForwardDecoderLayer() for _ in range(2)).train()
+    for layer in ckpt:
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = pytree_ckpt.checkpoint
+    for layer in (*eager, *ckpt):
+        CALLS[id(layer)] = 0
+    want, _ = _grads_and_warnings(eager)
+    got, caught = _grads_and_warnings(ckpt)
+    assert_same_grads(want, got)
+    assert [CALLS[id(layer)] for layer in ckpt] == [2, 2]  # the forward and one replay
+    assert not [w for w in caught if "checkpointed twice" in str(w.message)]
+
+
+class _KVCache:
+    """transformers' DynamicCache, as the boundary knows one: update() and get_seq_length()."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+    def update(self, keys: torch.Tensor) -> torch.Tensor:
+        self.keys.append(keys)
+        return torch.cat(self.keys, dim=1)
+
+    def get_seq_length(self) -> int:
+        return sum(k.shape[1] for k in self.keys)
+
+
+class _CachedBody(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, hidden_states: torch.Tensor, cache: Any = None,
+                **kwargs: Any) -> torch.Tensor:
+        keys = self.k(hidden_states)
+        if cache is not None:  # transformers' attention: fills the cache whenever given one
+            keys = cache.update(keys)
+        scores = self.q(hidden_states) @ keys.transpose(1, 2)
+        return hidden_states + scores.softmax(-1) @ keys
+
+
+class ForwardWrappedCachedLayer(ForwardWrappingLayer, _CachedBody):
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _CachedBody.forward(self, *args, **kwargs)
+
+
+# Guards against (helper KG), as it was found:
+def test_a_cache_bound_in_the_transformers_partial_is_refused_as_one_passed_in_is() -> None:
+    # docs/boundary.md: a call given a cache under any keyword (Gemma's `cache=`) is refused
+    # with grad enabled, since the replay fills it again and reads what the original pass
+    # stored. Wrapped in place it is; through transformers' calling convention the cache is
+    # bound in partial(forward, self, cache=...), not an input of the boundary, and passes:
+    # the replay attends over the original pass's keys and its own (12 where eager has 6).
+    torch.manual_seed(0)
+    eager = ForwardWrappedCachedLayer().train()
+    ckpt = ForwardWrappedCachedLayer().train()
+    ckpt.load_state_dict(eager.state_dict())
+    ckpt.gradient_checkpointing = True
+    ckpt._gradient_checkpointing_func = pytree_ckpt.checkpoint
+    hidden = torch.randn(2, 6, 16)
+    eager(hidden, cache=_KVCache()).square().sum().backward()
+    # As documented, and as wrapped in place: before the original pass, naming the keyword.
+    with pytest.raises(pytree_ckpt.CheckpointError, match=r"kwargs\['cache'\]"):
+        ckpt(hidden, cache=_KVCache())
+
+
+class _RoutedBody(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, hidden_states: torch.Tensor, router: nn.Module | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        assert router is not None
+        h = self.lin(hidden_states)
+        return h * router(h).softmax(-1).sum(-1, keepdim=True)
+
+
+class ForwardWrappedRoutedLayer(ForwardWrappingLayer, _RoutedBody):
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _RoutedBody.forward(self, *args, **kwargs)
+
+
+# Guards against (helper KG), as it was found:
+def test_a_frozen_hooked_module_passed_through_the_transformers_partial_keeps_its_gradient(
+        ) -> None:
+    # A frozen router shared by the layers, passed as a keyword (hooks on modules passed as
+    # arguments are recorded: docs/boundary.md, 'Forward hooks inside a layer'). Wrapped in
+    # place its hooked output leaves with its gradient (eager's, bit for bit); through
+    # transformers' calling convention the frozen module stays bound in the partial, its
+    # output keeps no graph, and the loss on it gives the layer's Linear no gradient: silent.
+    def step(way: str) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = ForwardWrappedRoutedLayer().train()
+        router = nn.Linear(16, 4).requires_grad_(False)
+        if way == "transformers":
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = pytree_ckpt.checkpoint
+        kept: list[torch.Tensor] = []
+        router.register_forward_hook(lambda m, args, out: kept.append(out))
+        hidden = torch.randn(2, 6, 16)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="pytree_ckpt: forward hooks inside")
+            out = layer(hidden, router=router)
+        (out.square().sum() + kept[0].square().sum()).backward()
+        return grads_of([*layer.parameters()])
+
+    assert_same_grads(step("eager"), step("transformers"))
