@@ -293,17 +293,15 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         if call.hooked:
             call.held = held_tensors([*(m.__dict__ for m in modules),
                                       *(d for tree in trees for d in tree.submodules)])
-    tell_hooks = False
     if owner is not None:
         call.switches = call_switches(flat.spec, leaves, hooked=call.hooked,
                                       only_tensors=len(flat.tensor_index) == len(leaves))
-        # Hooks inside are warned about at the first replay (verify_leaves in refusals.py),
-        # where one removed before backward (registered for one step's forward) is gone, though
-        # what it computed under no-grad has no gradient: said after this forward too, once
-        # (after: a hooked module that ran only inside a reused call is told apart, NOTE
-        # [hooks inside a reused call] in hook_outputs.py).
-        tell_hooks = bool(call.hooked) and torch.is_grad_enabled() and \
-            not is_verified(owner, call.switches)
+        if call.hooked and torch.is_grad_enabled() and not is_verified(owner, call.switches):
+            # Hooks inside are warned about at the first replay (verify_leaves in refusals.py),
+            # where one removed before backward (registered for one step's forward) is gone,
+            # though what it computed under no-grad has no gradient: said here too, once.
+            warn_forward_hooks(owner, [leaf for leaf in leaves if isinstance(leaf, nn.Module)],
+                               own=fn is owner)
     inputs = unique
     if attributes:
         call.attributes = [name for name, _ in attributes]
@@ -341,10 +339,6 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             refuse_strided_nested(fn, flat.spec, flat.tensor_index,
                                   [unique[slot] for slot in slots], root="inputs")
         raise
-    if tell_hooks:
-        assert owner is not None
-        warn_forward_hooks(owner, [leaf for leaf in leaves if isinstance(leaf, nn.Module)],
-                           own=fn is owner)
     if call.hook_dicts is not None and registered() != call.hook_epoch:
         # NOTE [the replay runs the forward's hooks] (hook_tables.py): one the forward
         # registered (a first call installing a hook before its submodule runs) ran in it.

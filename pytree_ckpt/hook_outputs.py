@@ -76,7 +76,7 @@ from .parameter_hooks import put_first
 from .tree import describe_leaf, dunder, first_difference, flatten, leaf_paths
 
 __all__ = ["GradFlow", "HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
-           "keeps_output_as_is", "ran_only_in_reused_calls", "recording", "remove_recorder"]
+           "keeps_output_as_is", "recording", "remove_recorder"]
 
 # .passes: this thread's recording passes, innermost last (a module output goes to each of
 # them). Not a ContextVar: NOTE [the recorder is traceable].
@@ -120,14 +120,9 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
     # their graph, helper FJ).
     passes = getattr(_RECORDING, "passes", ())
     if passes and not torch.compiler.is_compiling() and (reused := IN_REUSE.get()):
-        if module not in _RUN_OUTSIDE_REUSE:
-            _RUN_ONLY_IN_REUSE.add(module)
         _warn_hooked_in_reuse(module, output, reused[0])
     elif passes:
         compiling = torch.compiler.is_compiling()
-        if not compiling:  # (a hooked module's call: two set operations)
-            _RUN_OUTSIDE_REUSE.add(module)
-            _RUN_ONLY_IN_REUSE.discard(module)
         # Its submodules' too: a table a child without hooks builds and the hooked module
         # returns (helper FL).
         held = held_tensors([m.__dict__ for m in module.modules()]) if not compiling else {}
@@ -142,18 +137,8 @@ def _record_output(module: nn.Module, args: Any, kwargs: Any, output: Any) -> No
                 recorded.compiled.append(module)
 
 
-# Module classes warned about by _warn_hooked_in_reuse (a warning's dedupe, not step state), and
-# the hooked modules seen running only inside reused calls, which the layer's own hooks warning
-# (module_state.warn_forward_hooks) leaves to this one: it would call keeping their output fine
-# (helper KF). Weak: facts about modules, gone with them.
+# Module classes warned about by _warn_hooked_in_reuse (a warning's dedupe, not step state).
 _WARNED_IN_REUSE: weakref.WeakSet[type] = weakref.WeakSet()
-_RUN_ONLY_IN_REUSE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_RUN_OUTSIDE_REUSE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def ran_only_in_reused_calls(module: nn.Module, /) -> bool:
-    """Whether every recorded call of ``module`` ran inside ``reuse_during_recompute``."""
-    return module in _RUN_ONLY_IN_REUSE
 
 
 def _warn_hooked_in_reuse(module: nn.Module, output: Any, fn: Any, /) -> None:
@@ -162,7 +147,11 @@ def _warn_hooked_in_reuse(module: nn.Module, output: Any, fn: Any, /) -> None:
     only in the no-grad original pass: the replay skips the call, so what a hook keeps of its
     output (transformers' ``router_logits`` for the load-balancing loss) has no graph, where
     eager's has one through the module's trainable parameters. No boundary output can give it
-    one (helper JX). Warned once per module class, where the module has trainable parameters
+    one (helper JX). The layer's own hooks warning (module_state.warn_forward_hooks), told
+    before the original pass, names such a module too and calls keeping its output fine: this
+    one says that does not hold here (helper KF; leaving the module out of that warning lost the
+    warning of a hook removed during the forward, and of a frozen module fed an activation,
+    helper KH). Warned once per module class, where the module has trainable parameters
     and returned a float tensor, and the function ``fn`` does not switch grad off itself (then
     eager's has no graph either: helper JZ); a hook that only logs is told too (nothing tells
     them apart)."""
@@ -179,7 +168,9 @@ def _warn_hooked_in_reuse(module: nn.Module, output: Any, fn: Any, /) -> None:
         f"pytree_ckpt: {type(module).__name__} has forward hooks and ran inside "
         "reuse_during_recompute: its output there is computed under the original pass's "
         "no-grad, and the replay skips the call, so what a hook keeps of it (router logits for "
-        "a load-balancing loss) gets no gradient, where eager's does. Tip: call the module "
+        "a load-balancing loss) gets no gradient, where eager's does (for this module, the "
+        "layer's 'forward hooks inside' warning, which calls keeping a module's output as it "
+        "is fine, does not hold). Tip: call the module "
         "outside the reused call and reuse only the frozen part (the top-k of its logits: "
         "reuse_during_recompute(topk_ids, logits.detach()))",
         stacklevel=user_stacklevel())

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .eager import HOOK_REASON, Told, runs_eagerly, user_stacklevel
-from .hook_outputs import is_library_hook, keeps_output_as_is, ran_only_in_reused_calls
+from .hook_outputs import is_library_hook, keeps_output_as_is
 from .tree import POSITIONAL_CALL_SPECS, dunder
 
 __all__ = ["DroppedOnCopy", "GENERATORS_CACHE", "ModuleDicts", "any_lazy", "argument_module",
@@ -645,8 +645,6 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
         return names
 
     def module_hooks(sub: nn.Module) -> list[str]:  # pre-hooks run there too, first
-        if ran_only_in_reused_calls(sub):  # told apart (NOTE [hooks inside a reused call])
-            return []
         return user_hooks(sub._forward_pre_hooks) + user_hooks(sub._forward_hooks)
 
     found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()

@@ -1699,3 +1699,44 @@ def test_a_hooked_module_returning_a_blank_table_built_in_its_first_call_is_eage
     assert torch.equal(x.grad, x_twin.grad)
     for p, q in zip(eager.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class _FrozenRouterInReuseLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.router = nn.Linear(8, 4).requires_grad_(False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.lin(h)
+        ids = pytree_ckpt.reuse_during_recompute(self.ids_from, x)  # x: an activation
+        return x * ids.float().mean()
+
+    def ids_from(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router(x).topk(2, -1).indices
+
+
+# Guards against (helper KH), as it was found: a regression of bb35a1b.
+def test_a_frozen_hooked_module_inside_a_reused_call_fed_an_activation_is_warned_of() -> None:
+    # Eager: what the hook keeps of the frozen router's output has a graph through its input
+    # (the layer's activation), so a loss on it trains self.lin. Checkpointed it has none (the
+    # replay skips the reused call). The in-reuse warning looks only for trainable parameters,
+    # and since helper KF's change the layer's hooks warning leaves out modules that ran only
+    # inside reused calls: neither warns, where before the hooks warning named the router.
+    def step(ckpt: bool) -> tuple[list[torch.Tensor | None], list[str]]:
+        torch.manual_seed(0)
+        layer = _FrozenRouterInReuseLayer()
+        kept: list[torch.Tensor] = []
+        layer.router.register_forward_hook(lambda m, args, out: kept.append(out))
+        if ckpt:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        h = torch.randn(2, 5, 8, requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (layer(h).square().sum() + kept[0].square().sum()).backward()
+        return [h.grad, layer.lin.weight.grad], [str(w.message) for w in caught]
+
+    want, _ = step(False)
+    got, told = step(True)
+    same = all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(want, got))
+    assert same or any("router" in m or "Linear has forward hooks" in m for m in told), told
