@@ -1791,16 +1791,27 @@ def test_a_number_first_changed_after_the_first_replay_is_warned_and_saved_from_
     assert ours.calls == [3 + 1]
 
 
-def test_a_layers_own_forward_given_as_a_partial_is_no_transformers_boundary() -> None:
+class _WrappedForwardLinear(torch.nn.Linear):
+    """A layer whose class forward is a wrapper of its body (as transformers 5.24's layer
+    wrapper makes it), the wrapper being what checkpoints when the flag is on."""
+
+    @functools.wraps(torch.nn.Linear.forward)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_a_layers_wrapped_class_forward_given_as_a_partial_is_no_transformers_boundary() -> None:
     # Guards against: every partial whose first argument is the layer taken for the one
     # transformers' wrapper opens (which wraps the function it was given, not the class's
     # forward): checkpoint(partial(type(layer).forward, layer), x) with transformers'
-    # checkpointing on was not warned about, though its layer is checkpointed twice.
-    layer = torch.nn.Linear(4, 4)
+    # checkpointing on, where that forward is the wrapper, was not warned about, though its
+    # layer is checkpointed twice. A class forward that is the body itself is the only boundary
+    # (helper KG: test_hf_calling_convention.py).
+    layer = _WrappedForwardLinear(4, 4)
     layer.gradient_checkpointing = True  # what transformers' enable sets on each layer
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.warns(UserWarning, match="checkpointed twice"):
-        pytree_ckpt.checkpoint(functools.partial(torch.nn.Linear.forward, layer), x).sum(
+        pytree_ckpt.checkpoint(functools.partial(_WrappedForwardLinear.forward, layer), x).sum(
             ).backward()
 
 
