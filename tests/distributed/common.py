@@ -93,3 +93,21 @@ def assert_grads_equal(expected: dict[str, Any], got: dict[str, Any], *,
         else:
             torch.testing.assert_close(got[name], want, rtol=rtol, atol=atol,
                                        msg=lambda m, _name=name: f"{_name}: {m}")
+
+
+def assert_tree_equal(expected: Any, got: Any, where: str) -> None:
+    """``got`` holds what ``expected`` does, dicts and lists by their keys and items, tensors
+    bit for bit (``torch.equal``), ``None`` as ``None``; ``where`` names the place."""
+    if isinstance(expected, dict):
+        assert list(got) == list(expected), where
+        for key in expected:
+            assert_tree_equal(expected[key], got[key], f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert len(got) == len(expected), where
+        for i, (a, b) in enumerate(zip(expected, got)):
+            assert_tree_equal(a, b, f"{where}[{i}]")
+    elif expected is None:
+        assert got is None, where
+    else:
+        assert got is not None and torch.equal(expected, got), \
+            f"{where}: max |d| = {(expected.float() - got.float()).abs().max().item()}"

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from . import state_cases
+from .common import assert_tree_equal
 from .launch import rank_results
 
 pytestmark = pytest.mark.distributed
@@ -32,18 +33,6 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
                         tmp_path_factory.mktemp("module_state"))
 
 
-def _equal(expected: Any, got: Any, where: str) -> None:
-    if isinstance(expected, dict):
-        assert list(got) == list(expected), where
-        for key in expected:
-            _equal(expected[key], got[key], f"{where}.{key}")
-    elif isinstance(expected, list):
-        assert len(got) == len(expected), where
-        for i, (a, b) in enumerate(zip(expected, got)):
-            _equal(a, b, f"{where}[{i}]")
-    else:
-        assert torch.equal(expected, got), \
-            f"{where}: max |d| = {(expected.float() - got.float()).abs().max().item()}"
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -59,7 +48,7 @@ def test_checkpointed_layers_with_module_state_train_as_eager_data_parallel_bit_
     finally:
         torch.set_num_threads(threads)
     for rank, result in enumerate(ranks[name]):
-        _equal(expected[rank], result["steps"], f"{name} rank {rank}")
+        assert_tree_equal(expected[rank], result["steps"], f"{name} rank {rank}")
     if name.startswith("ddp"):
         # The broadcast matters here (it writes rank 1's buffers with no version moving,
         # measured on torch 2.13): without it rank 1's buffers and the gradients would differ.

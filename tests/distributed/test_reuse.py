@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from . import reuse_cases
+from .common import assert_tree_equal
 from .launch import rank_results
 
 pytestmark = pytest.mark.distributed
@@ -32,19 +32,6 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
                         tmp_path_factory.mktemp("reuse"))
 
 
-def _equal(expected: Any, got: Any, where: str) -> None:
-    if isinstance(expected, dict):
-        assert list(got) == list(expected), where
-        for key in expected:
-            _equal(expected[key], got[key], f"{where}.{key}")
-    elif isinstance(expected, list):
-        assert len(got) == len(expected), where
-        for i, (a, b) in enumerate(zip(expected, got)):
-            _equal(a, b, f"{where}[{i}]")
-    elif expected is None:
-        assert got is None, where
-    else:
-        assert got is not None and torch.equal(expected, got), where
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -52,7 +39,7 @@ def test_checkpointed_layers_train_as_their_uncheckpointed_twin_under_the_same_w
         ranks: dict[str, list[Any]], name: str) -> None:
     for rank, result in enumerate(ranks[name]):
         assert result["error"] is None, result["error"]
-        _equal(result["eager"], result["ckpt"], f"{name} rank {rank}")
+        assert_tree_equal(result["eager"], result["ckpt"], f"{name} rank {rank}")
 
 
 def test_a_hooked_router_a_reused_call_runs_is_warned_of_once_per_class_per_rank(

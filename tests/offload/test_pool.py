@@ -349,21 +349,17 @@ def test_a_larger_class_whose_free_list_was_emptied_does_not_hide_a_free_buffer_
     pool.release(held)
 
 
-# Guards against (helper JW), as it was found:
-def test_a_keyboard_interrupt_as_a_released_buffer_is_taken_back_loses_no_buffer() -> None:
-    # A Ctrl-C is delivered right after a call returns (NOTE [a buffer handed out under an
-    # interrupt]); here after deque.popleft returns in HostPool._take_returned, before the
-    # buffer reaches its free list.
+def _acquire_interrupted_after(pool: HostPool, call: str, /) -> None:
+    """An acquire of 4096 bytes with a KeyboardInterrupt raised as ``call`` (a deque's or a
+    list's method) returns inside HostPool._take_returned, where CPython delivers a pending
+    signal."""
     import sys
 
-    pool = HostPool(pin_memory=False)
-    pool.release(pool.acquire(4096))  # one buffer, back in the returned queue
-    held = pool.host_bytes
     fired: list[bool] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "c_return" and not fired and frame.f_code.co_name == "_take_returned" \
-                and getattr(arg, "__name__", "") == "popleft":
+                and getattr(arg, "__name__", "") == call:
             fired.append(True)
             raise KeyboardInterrupt("Ctrl-C")
 
@@ -376,6 +372,17 @@ def test_a_keyboard_interrupt_as_a_released_buffer_is_taken_back_loses_no_buffer
     except KeyboardInterrupt:
         pass
     assert fired
+
+
+# Guards against (helper JW), as it was found:
+def test_a_keyboard_interrupt_as_a_released_buffer_is_taken_back_loses_no_buffer() -> None:
+    # A Ctrl-C is delivered right after a call returns (NOTE [a buffer handed out under an
+    # interrupt]); here after deque.popleft returns in HostPool._take_returned, before the
+    # buffer reaches its free list.
+    pool = HostPool(pin_memory=False)
+    pool.release(pool.acquire(4096))  # one buffer, back in the returned queue
+    held = pool.host_bytes
+    _acquire_interrupted_after(pool, "popleft")
     buffer = pool.acquire(4096)  # the step after the interrupted one
     pool.release(buffer)
     assert pool.checked_out == 0
@@ -388,27 +395,9 @@ def test_a_keyboard_interrupt_after_a_released_buffer_reaches_its_free_list_hand
     # Interrupted after the append to the free list, before the buffer leaves the returned
     # queue: the next move finds it on its free list already and does not append it again, so
     # two acquires are never handed the same host buffer.
-    import sys
-
     pool = HostPool(pin_memory=False)
     pool.release(pool.acquire(4096))
-    fired: list[bool] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_return" and not fired and frame.f_code.co_name == "_take_returned" \
-                and getattr(arg, "__name__", "") == "append":
-            fired.append(True)
-            raise KeyboardInterrupt("Ctrl-C")
-
-    try:
-        sys.setprofile(profile)
-        try:
-            pool.acquire(4096)
-        finally:
-            sys.setprofile(None)
-    except KeyboardInterrupt:
-        pass
-    assert fired
+    _acquire_interrupted_after(pool, "append")
     first, second = pool.acquire(4096), pool.acquire(4096)
     assert first.data_ptr() != second.data_ptr()  # one buffer is never handed out twice
     pool.release(first)
