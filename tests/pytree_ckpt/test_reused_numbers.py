@@ -3441,33 +3441,50 @@ class _RouterCountingTokens(nn.Module):
         return ids
 
 
-class _RoutesThroughTheClassFunction(nn.Module):
-    """``reuse_during_recompute(Router.route, self.router, h)``: the class's function, its
-    module given first, per chunk."""
+class _RoutesPerChunk(nn.Module):
+    """A layer routing each of its two chunks through a reused call (``route(layer, chunk)``),
+    then scaling by what the call counted (``scale(layer)``), read after the call: each chunk's
+    replay must read what its own call left, as eager's forward did."""
 
-    def __init__(self) -> None:
+    def __init__(self, router: nn.Module, route: Callable[[Any, torch.Tensor], torch.Tensor],
+                 scale: Callable[[Any], Any], **held: Any) -> None:
         super().__init__()
-        self.lin, self.router = nn.Linear(8, 8), _RouterCountingTokens()
+        self.lin, self.router, self.route, self.scale = nn.Linear(8, 8), router, route, scale
+        for name, value in held.items():  # what ``route`` reaches: a stats dict, a helper
+            setattr(self, name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, out = self.lin(x), []
         for chunk in h.chunk(2):
-            ids = reuse_during_recompute(_RouterCountingTokens.route, self.router, chunk.detach())
-            out.append(torch.tanh(chunk + 0.001 * self.router.tokens *
+            ids = self.route(self, chunk.detach())
+            out.append(torch.tanh(chunk + self.scale(self) *
                                   torch.gather(chunk, -1, ids).sum(-1, keepdim=True)))
         return torch.cat(out)
+
+
+def _tokens_scale(layer: Any) -> Any:
+    return 0.001 * layer.router.tokens
+
+
+def _counts_as_eager(layer: nn.Module, state: Callable[[Any], Any], /, *,
+                     micro_batches: int = 1) -> None:
+    """Two steps of ``layer`` and its checkpointed twin: gradients, and ``state`` (a count, a
+    list of counts) after each step, as eager's."""
+    torch.manual_seed(0)
+    eager, ours = _twins(layer)
+    for step in range(2):
+        for _ in range(micro_batches):  # one after another
+            assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
+        assert state(ours) == state(eager), f"step {step}: {state(ours)} != {state(eager)}"
 
 
 def test_a_class_function_given_its_module_first_counts_on_that_module_as_its_method_does(
         ) -> None:
     # The module's numbers are watched as for `self.router.route` (helper JG: each chunk's
     # replay read the count the whole forward left).
-    torch.manual_seed(0)
-    eager, ours = _twins(_RoutesThroughTheClassFunction())
-    for step in range(2):
-        for _ in range(2):  # two micro-batches, one after another
-            assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
-        assert ours.router.tokens == eager.router.tokens, f"step {step}"
+    layer = _RoutesPerChunk(_RouterCountingTokens(), lambda layer, h: reuse_during_recompute(
+        _RouterCountingTokens.route, layer.router, h), _tokens_scale)
+    _counts_as_eager(layer, lambda m: m.router.tokens, micro_batches=2)
 
 
 def _route_counting_on(router: _RouterCountingTokens, h: torch.Tensor) -> torch.Tensor:
@@ -3484,43 +3501,26 @@ def _route_counting_after(h: torch.Tensor, router: _RouterCountingTokens) -> tor
     return _route_counting_on(router, h)
 
 
-class _RoutesThroughAFreeFunction(nn.Module):
-    """``reuse_during_recompute(route, ...)`` with the router given first, later, or by
-    keyword; the layer reads the count and the buffer after the call, per chunk."""
-
-    def __init__(self, given: str) -> None:
-        super().__init__()
-        self.lin, self.router, self.given = nn.Linear(8, 8), _RouterCountingTokens(), given
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, out = self.lin(x), []
-        for chunk in h.chunk(2):
-            if self.given == "first":
-                ids = reuse_during_recompute(_route_counting_on, self.router, chunk.detach())
-            elif self.given == "later":
-                ids = reuse_during_recompute(_route_counting_after, chunk.detach(), self.router)
-            else:
-                ids = reuse_during_recompute(_route_counting_on, h=chunk.detach(),
-                                             router=self.router)
-            scale = 0.001 * self.router.tokens + 0.01 * self.router.hits.float().mean()
-            out.append(torch.tanh(chunk + scale * torch.gather(chunk, -1, ids).sum(-1,
-                                                                                 keepdim=True)))
-        return torch.cat(out)
+def _tokens_and_hits_scale(layer: Any) -> Any:
+    return 0.001 * layer.router.tokens + 0.01 * layer.router.hits.float().mean()
 
 
-@pytest.mark.parametrize("given", ["first", "later", "by keyword"])
+_GIVEN = {
+    "first": lambda layer, h: reuse_during_recompute(_route_counting_on, layer.router, h),
+    "later": lambda layer, h: reuse_during_recompute(_route_counting_after, h, layer.router),
+    "by keyword": lambda layer, h: reuse_during_recompute(_route_counting_on, h=h,
+                                                          router=layer.router)}
+
+
+@pytest.mark.parametrize("given", list(_GIVEN))
 def test_a_free_function_given_a_module_counts_on_that_module_as_its_method_does(
         given: str) -> None:
     # Without the watch of the module given, the replay read the count as before the forward
     # (0) and the buffer as the whole forward left it: other gradients, silently (NOTE [a module
     # given to a reused call]).
-    torch.manual_seed(0)
-    eager, ours = _twins(_RoutesThroughAFreeFunction(given))
-    for step in range(2):
-        for _ in range(2):  # two micro-batches, one after another
-            assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
-        assert ours.router.tokens == eager.router.tokens, f"step {step}"
-        assert torch.equal(ours.router.hits, eager.router.hits), f"step {step}"
+    layer = _RoutesPerChunk(_RouterCountingTokens(), _GIVEN[given], _tokens_and_hits_scale)
+    _counts_as_eager(layer, lambda m: (m.router.tokens, m.router.hits.tolist()),
+                     micro_batches=2)
 
 
 def _route_counting_in(router: _RouterCountingTokens, h: torch.Tensor,
@@ -3530,35 +3530,19 @@ def _route_counting_in(router: _RouterCountingTokens, h: torch.Tensor,
     return router.gate(h).topk(2, dim=-1).indices
 
 
-class _CountsInWhatAPartialBindsGivenTheRouter(nn.Module):
-    """``reuse_during_recompute(partial(route, stats=self.stats), self.router, h)``: the dict
-    the partial binds is counted in, the router is only given; the layer reads the count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.router, self.stats = nn.Linear(8, 8), _RouterCountingTokens(), {"n": 1}
-        self.route = functools.partial(_route_counting_in, stats=self.stats)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, out = self.lin(x), []
-        for chunk in h.chunk(2):
-            ids = reuse_during_recompute(self.route, self.router, chunk.detach())
-            out.append(torch.tanh(chunk * self.stats["n"] +
-                                  torch.gather(chunk, -1, ids).sum(-1, keepdim=True)))
-        return torch.cat(out)
-
-
 # Guards against (helper JX), as it was found:
 def test_a_partial_given_a_module_still_counts_in_the_dict_it_binds_as_eager_does() -> None:
     # Exact before 544e446: the dict a partial binds is read as an argument (NOTE [a container
     # a reused call is given and counts in]). Given a module too, the watched callable is
     # MethodType(partial, router), which argument_places takes for a bound method: the replay
     # read another count than the call left, silently.
-    torch.manual_seed(0)
-    eager, ours = _twins(_CountsInWhatAPartialBindsGivenTheRouter())
-    for step in range(2):
-        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
-        assert ours.stats == eager.stats, f"step {step}"
+    stats = {"n": 1}
+    layer = _RoutesPerChunk(
+        _RouterCountingTokens(),
+        lambda layer, h: reuse_during_recompute(layer.counting, layer.router, h),
+        lambda layer: 0.01 * layer.stats["n"], stats=stats,
+        counting=functools.partial(_route_counting_in, stats=stats))  # made once
+    _counts_as_eager(layer, lambda m: dict(m.stats))
 
 
 class _RouterGivenANorm(_RouterCountingTokens):
@@ -3568,24 +3552,6 @@ class _RouterGivenANorm(_RouterCountingTokens):
         return ids
 
 
-class _RoutesThroughAPartialOfItsMethodGivenANorm(nn.Module):
-    """``reuse_during_recompute(partial(self.router.route_normed, k=2), self.norm, h)``: the
-    router's own method, made once; the module given is another (a norm it applies)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.norm, self.router = nn.Linear(8, 8), nn.LayerNorm(8), _RouterGivenANorm()
-        self.route = functools.partial(self.router.route_normed, k=2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, out = self.lin(x), []
-        for chunk in h.chunk(2):
-            ids = reuse_during_recompute(self.route, self.norm, chunk.detach())
-            out.append(torch.tanh(chunk * (1 + 0.001 * self.router.tokens) +
-                                  torch.gather(chunk, -1, ids).sum(-1, keepdim=True)))
-        return torch.cat(out)
-
-
 # Guards against (helper JX), as it was found:
 def test_a_partial_of_a_routers_method_given_another_module_still_counts_on_the_router() -> None:
     # Exact before 544e446: owning_module sees the router through the partial. with_its_module
@@ -3593,11 +3559,12 @@ def test_a_partial_of_a_routers_method_given_another_module_still_counts_on_the_
     # (MethodType(partial, norm)), and the watches read the norm, not the router: the replay
     # read the router's count as before the call, silently (so for torch.compiler.disable or
     # functools.wraps around the bound method).
-    torch.manual_seed(0)
-    eager, ours = _twins(_RoutesThroughAPartialOfItsMethodGivenANorm())
-    for step in range(2):
-        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
-        assert ours.router.tokens == eager.router.tokens, f"step {step}"
+    router = _RouterGivenANorm()
+    layer = _RoutesPerChunk(
+        router, lambda layer, h: reuse_during_recompute(layer.routing, layer.norm, h),
+        _tokens_scale, norm=nn.LayerNorm(8),
+        routing=functools.partial(router.route_normed, k=2))  # the router's method, made once
+    _counts_as_eager(layer, lambda m: m.router.tokens)
 
 
 class _StoresItsProbs(nn.Module):
@@ -3646,25 +3613,6 @@ def _count_tokens_on(router: _RouterCountingTokens, h: torch.Tensor) -> torch.Te
     return ids
 
 
-class _RoutesThroughAPartialBindingTheRouter(nn.Module):
-    """``reuse_during_recompute(partial(route, self.router), h)``: the free function with the
-    router bound by a partial made once, not given at the call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.router = nn.Linear(8, 8), _RouterCountingTokens()
-        self.route = functools.partial(_count_tokens_on, self.router)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, out = self.lin(x), []
-        for chunk in h.chunk(2):
-            ids = reuse_during_recompute(self.route, chunk.detach())
-            scale = 0.001 * self.router.tokens
-            out.append(torch.tanh(chunk + scale * torch.gather(chunk, -1, ids).sum(-1,
-                                                                                 keepdim=True)))
-        return torch.cat(out)
-
-
 # Guards against (helper JX), as it was found:
 def test_a_free_function_with_its_module_bound_by_a_partial_counts_on_it_as_given() -> None:
     # The same call as reuse_during_recompute(route, self.router, h) (exact since 544e446),
@@ -3672,11 +3620,10 @@ def test_a_free_function_with_its_module_bound_by_a_partial_counts_on_it_as_give
     # the replay read the count as before the call, silently (a buffer it registers there:
     # a CheckpointError in backward, "the replay read the buffer 'hits', which its original
     # pass registered").
-    torch.manual_seed(0)
-    eager, ours = _twins(_RoutesThroughAPartialBindingTheRouter())
-    for step in range(2):
-        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
-        assert ours.router.tokens == eager.router.tokens, f"step {step}"
+    router = _RouterCountingTokens()
+    layer = _RoutesPerChunk(router, lambda layer, h: reuse_during_recompute(layer.counting, h),
+                            _tokens_scale, counting=functools.partial(_count_tokens_on, router))
+    _counts_as_eager(layer, lambda m: m.router.tokens)
 
 
 class _PlainRoutingHelper:
@@ -3690,35 +3637,17 @@ class _PlainRoutingHelper:
         return _count_tokens_on(router, h)
 
 
-class _RoutesThroughAPlainHelpersMethod(nn.Module):
-    """``reuse_during_recompute(self.helper.route, self.router, h)`` with a plain helper."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.router, self.helper = nn.Linear(8, 8), _RouterCountingTokens(), \
-            _PlainRoutingHelper()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, out = self.lin(x), []
-        for chunk in h.chunk(2):
-            ids = reuse_during_recompute(self.helper.route, self.router, chunk.detach())
-            out.append(torch.tanh(chunk * (1 + 0.001 * self.router.tokens) +
-                                  torch.gather(chunk, -1, ids).sum(-1, keepdim=True)))
-        return torch.cat(out)
-
-
 # Guards against (helper JX), as it was found:
 def test_a_plain_objects_method_given_a_module_counts_on_that_module_as_eager_does() -> None:
     # docs/replay.md: "for any other function, the first module it is given"; Not covered
     # names only a module given to *another module's* bound method, whose own module is then
     # watched. A plain helper has no module: none is watched, and the replay read the router's
     # count as before the call, silently (the helper's own count is exact).
-    torch.manual_seed(0)
-    eager, ours = _twins(_RoutesThroughAPlainHelpersMethod())
-    for step in range(2):
-        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
-        assert ours.router.tokens == eager.router.tokens, f"step {step}"
-        assert ours.helper.calls == eager.helper.calls, f"step {step}"
+    layer = _RoutesPerChunk(
+        _RouterCountingTokens(),
+        lambda layer, h: reuse_during_recompute(layer.helper.route, layer.router, h),
+        _tokens_scale, helper=_PlainRoutingHelper())
+    _counts_as_eager(layer, lambda m: (m.router.tokens, m.helper.calls))
 
 
 class _GateModule(nn.Module):
@@ -4110,33 +4039,17 @@ def _route_counting_beside(log: nn.Module, router: _RouterCountingTokens, h: tor
     return _route_counting_on(router, h)
 
 
-class _RoutesWithAnotherModuleBound(nn.Module):
-    """``reuse_during_recompute(partial(route, self.log), self.router, h)``: the router, given
-    as an argument, comes before the module the partial binds (NOTE [a module given to a
-    reused call]: a positional argument, then a keyword's, then what partials bind)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.router, self.log = nn.Linear(8, 8), _RouterCountingTokens(), nn.Identity()
-        self.route = functools.partial(_route_counting_beside, self.log)  # one callable
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, out = self.lin(x), []
-        for chunk in h.chunk(2):
-            ids = reuse_during_recompute(self.route, self.router, chunk.detach())
-            scale = 0.001 * self.router.tokens + 0.01 * self.router.hits.float().mean()
-            out.append(torch.tanh(chunk + scale * torch.gather(chunk, -1, ids).sum(-1,
-                                                                                 keepdim=True)))
-        return torch.cat(out)
-
-
 def test_a_module_given_as_an_argument_is_watched_before_one_a_partial_binds() -> None:
-    torch.manual_seed(0)
-    eager, ours = _twins(_RoutesWithAnotherModuleBound())
-    for step in range(2):
-        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
-        assert ours.router.tokens == eager.router.tokens, f"step {step}"
-        assert torch.equal(ours.router.hits, eager.router.hits), f"step {step}"
+    # ``reuse_during_recompute(partial(route, self.log), self.router, h)``: the router, given
+    # as an argument, comes before the module the partial binds (NOTE [a module given to a
+    # reused call]: a positional argument, then a keyword's, then what partials bind).
+    log = nn.Identity()
+    layer = _RoutesPerChunk(
+        _RouterCountingTokens(),
+        lambda layer, h: reuse_during_recompute(layer.counting, layer.router, h),
+        _tokens_and_hits_scale, log=log,
+        counting=functools.partial(_route_counting_beside, log))  # one callable
+    _counts_as_eager(layer, lambda m: (m.router.tokens, m.router.hits.tolist()))
 
 
 class _LoadPerExpert:
@@ -4159,27 +4072,12 @@ def _route_counting_in_its_stats(router: _RouterWithStats, h: torch.Tensor) -> t
     return ids
 
 
-class _RoutesCountingInTheStatsOfTheRouterGiven(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.router = nn.Linear(8, 8), _RouterWithStats()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, out = self.lin(x), []
-        for chunk in h.chunk(2):
-            ids = reuse_during_recompute(_route_counting_in_its_stats, self.router, chunk.detach())
-            scale = 0.01 * sum(self.router.stats.per_expert)
-            out.append(torch.tanh(chunk + scale * torch.gather(chunk, -1, ids).sum(-1,
-                                                                                 keepdim=True)))
-        return torch.cat(out)
-
-
 def test_a_free_function_given_a_module_counts_in_a_plain_object_of_that_module_as_eager_does(
         ) -> None:
     # argument_contents reads the plain objects of the module watched (with_its_module), not
     # of the function's own module (a free function has none).
-    torch.manual_seed(0)
-    eager, ours = _twins(_RoutesCountingInTheStatsOfTheRouterGiven())
-    for step in range(2):
-        assert _same(*_grads_after_a_step((eager, ours), torch.randn(4, 8))), f"step {step}"
-        assert ours.router.stats.per_expert == eager.router.stats.per_expert, f"step {step}"
+    layer = _RoutesPerChunk(
+        _RouterWithStats(),
+        lambda layer, h: reuse_during_recompute(_route_counting_in_its_stats, layer.router, h),
+        lambda layer: 0.01 * sum(layer.router.stats.per_expert))
+    _counts_as_eager(layer, lambda m: list(m.router.stats.per_expert))
