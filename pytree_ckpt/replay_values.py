@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -89,6 +90,29 @@ def _sparse_parts(t: torch.Tensor, /) -> list[torch.Tensor] | None:
     if names is None:
         return None
     return [getattr(t, name)() for name in names] + [t.values()]
+
+
+# NOTE [tensor parallel outputs are compared by their shards]: a tensor-parallel layer's
+# output is a wrapper torch made, not the user: a DTensor (``use_local_output=False``) or an
+# AsyncCollectiveTensor (a RowwiseParallel's reduced output, still in flight). Each rank's
+# replay recomputes its own shard, so each shard is compared on its rank; an in-flight
+# reduction is waited for first, as the next op to read it would (helper KL: both went
+# unchecked, with a tip to return a tensor the user never made). Looked up in sys.modules:
+# no such tensor exists unless torch.distributed's modules were imported, and importing them
+# here would make ``import pytree_ckpt`` pay for them.
+def _rank_local(t: torch.Tensor, /) -> torch.Tensor:
+    """The plain tensor that holds a tensor-parallel wrapper's values on this rank, else ``t``
+    (NOTE [tensor parallel outputs are compared by their shards]); called under no_grad."""
+    while type(t) not in _PLAIN:
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        collectives = sys.modules.get("torch.distributed._functional_collectives")
+        if dtensor is not None and isinstance(t, dtensor.DTensor):
+            t = t.to_local()
+        elif collectives is not None and isinstance(t, collectives.AsyncCollectiveTensor):
+            t = t.trigger_wait()
+        else:
+            break
+    return t
 
 
 def _strided_print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -372,6 +396,7 @@ class OutputPrints:
         unprinted: list[int] = []
         with torch.no_grad():
             for position, t in enumerate(tensors):
+                t = _rank_local(t)
                 dims = _broadcast_dims(t)
                 made = _print(_slice(t, dims) if dims else t)
                 if made is None:
@@ -407,7 +432,7 @@ class OutputPrints:
         with torch.no_grad():
             made, rows = [], []
             for row, position in enumerate(self.positions):
-                t = tensors[position]
+                t = _rank_local(tensors[position])
                 if t.layout is torch.strided and t.numel() and \
                         not t.untyped_storage().nbytes():
                     _check_when_rebuilt(t, self.sums[row], self.values[row],
@@ -444,7 +469,7 @@ class OutputPrints:
         position = self.positions[rows[first]]
         more = sum(differ) - 1
         also = f" (and {more} more output{'s' if more > 1 else ''})" if more else ""
-        _raise_other_values(fn, paths()[position], also, tensors[position],
+        _raise_other_values(fn, paths()[position], also, _rank_local(tensors[position]),
                             self.values[rows[first]], made[first][1], preserve_rng)
 
 
