@@ -478,7 +478,7 @@ class CheckpointWithoutOutput:
         assert self.env is not None and self.fn is not None
         with ExitStack() as stack:
             stack.enter_context(self.env.replaying())
-            stack.enter_context(IsolatedPass())
+            stack.enter_context(IsolatedPass(cached=self.env.parametrize_cached))
             sets = replay_watch(self.generator_sets)
             if sets is not None:  # NOTE [a forward that sets a default generator's state]
                 stack.enter_context(sets)

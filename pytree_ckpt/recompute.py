@@ -258,7 +258,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     invocation = Invocation(_RECOMPUTE, call.frame, ACTIVE.get())
     token = ACTIVE.set(invocation)
     try:
-        with Replaying(call.env), IsolatedPass():
+        with Replaying(call.env), IsolatedPass(cached=call.env.parametrize_cached):
             # Detached here, under the forward's torch-function state: a __torch_function__
             # subclass input stays one (NOTE [the replay sees tensor subclasses as the forward
             # did] in rng.py).

@@ -196,7 +196,7 @@ class ReplayEnvironment:
     device and dtype, and dynamo's stance, captured at the start of an original pass."""
 
     __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "torch_function",
-                 "kernels", "generators", "device", "dtype", "stance")
+                 "kernels", "generators", "device", "dtype", "stance", "parametrize_cached")
 
     def __init__(self, cpu_rng: torch.Tensor | None, cuda_rng: dict[int, torch.Tensor],
                  autocast: tuple[tuple[str, bool, torch.dtype], ...], autocast_cache: bool,
@@ -252,6 +252,8 @@ class ReplayEnvironment:
         self.dtype = _get_default_dtype()
         frame = _modules.get("torch._dynamo.eval_frame")
         self.stance = None if frame is None else frame._stance
+        # NOTE [the replay caches parametrizations as the forward did] (IsolatedPass)
+        self.parametrize_cached = bool(parametrize._cache_enabled)
 
     @classmethod
     def capture(cls, tensors: tuple[torch.Tensor, ...], /, *, preserve_rng: bool,
@@ -462,6 +464,18 @@ class IsolatedPass:
     to float rounding, as for any parameter used several times within calls
     (docs/boundary.md, invariant 4).
 
+    NOTE [the replay caches parametrizations as the forward did]: the replay runs in backward,
+    and torch's own example opens ``cached()`` around the forward only (an RNN loop over a
+    parametrized recurrent kernel): backward runs after the block, so the replay ran
+    uncached, computed the weight again at each use (a spectral norm's power iteration
+    stepped once per timestep: other weights than the forward's, gradients off by up to 0.3;
+    helper KJ), and backpropagated each use through its own copy of the parametrization. So a
+    replay (``cached=`` the original pass's setting, read by ``ReplayEnvironment``) caches
+    iff its original pass did: with a cache of its own where backward runs outside any block,
+    and with caching off where backward runs inside one the forward was outside of. The
+    process-wide count is moved by one for the pass (put back after it), so other threads'
+    parametrizations see caching on or off meanwhile, as with the fast path below.
+
     NOTE [no fast path by grad mode]: ``nn.MultiheadAttention`` and
     ``nn.TransformerEncoderLayer`` (and ``TransformerEncoder``'s nested tensors) in eval mode
     take a fused fast path when grad is disabled, which the original pass always is; eager,
@@ -491,7 +505,13 @@ class IsolatedPass:
     so only threads running one module at once can see each other's weights.
     """
 
-    __slots__ = ("outer_cache", "inner_cache", "fwd_grad_off", "counted")
+    __slots__ = ("outer_cache", "inner_cache", "fwd_grad_off", "counted", "cached",
+                 "count_moved")
+
+    def __init__(self, *, cached: bool | None = None) -> None:
+        # None: as the caller runs (an original pass); a replay passes its original pass's
+        # setting (NOTE [the replay caches parametrizations as the forward did]).
+        self.cached = cached
 
     _swapped: list[IsolatedPass] = []  # passes running with a cache of their own
 
@@ -511,6 +531,7 @@ class IsolatedPass:
         self.outer_cache: dict[Any, Any] | None = None
         self.inner_cache: dict[Any, Any] | None = None
         self.counted = False
+        self.count_moved = 0
         try:
             with _passes_lock:  # NOTE [the lock of passes]
                 passes = _passes
@@ -525,6 +546,12 @@ class IsolatedPass:
                         _mha._is_fastpath_enabled = False
                     else:
                         _mha.set_fastpath_enabled(False)
+                cached = self.cached
+                if cached is not None and cached != bool(parametrize._cache_enabled):
+                    # NOTE [the replay caches parametrizations as the forward did]
+                    moved = 1 if cached else -parametrize._cache_enabled
+                    parametrize._cache_enabled += moved
+                    self.count_moved = moved
                 if parametrize._cache_enabled:  # usually off: nothing to isolate
                     self.outer_cache = parametrize._cache
                     self.inner_cache = parametrize._cache = {}
@@ -568,6 +595,9 @@ class IsolatedPass:
                             if later.outer_cache is inner:
                                 later.outer_cache = self.outer_cache
                     IsolatedPass._swapped.remove(self)
+                if self.count_moved:
+                    parametrize._cache_enabled -= self.count_moved
+                    self.count_moved = 0
 
 
 class _Passes:

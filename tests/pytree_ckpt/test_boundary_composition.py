@@ -697,3 +697,60 @@ def test_the_attention_fast_path_stays_off_in_a_pass_after_another_threads_pass_
     finally:
         other_done.set()
         torch.backends.mha.set_fastpath_enabled(before)
+
+
+class _SpectralCell(nn.Module):
+    """An RNN cell whose recurrent kernel is spectral-normed, unrolled over a few steps: torch's
+    own example for parametrize.cached() (the weight computed once for the whole loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.rec = parametrizations.spectral_norm(nn.Linear(6, 6, bias=False))
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(xs.shape[1], 6)
+        for x in xs:
+            h = torch.tanh(self.inp(x) + self.rec(h))
+        return h
+
+
+@pytest.mark.parametrize("cached_around", ["the forward", "the backward"])
+def test_a_weight_used_several_times_in_one_call_is_cached_in_the_replay_as_in_its_forward(
+        cached_around: str) -> None:
+    # NOTE [the replay caches parametrizations as the forward did] (helper KJ).
+    # parametrize.cached()'s documented use wraps the forward only (`with P.cached(): out =
+    # model(x)`), backward after the block. Eager computes the weight once per block: one power
+    # iteration, one weight for every step of the loop. The replay runs in backward, where
+    # parametrize._cache_enabled is 0 again: it recomputed the weight at each use (each power
+    # iteration moving u on), so the later steps saw another weight than the forward did. The
+    # other way round, a forward outside the block computes the weight at each use, and the
+    # replay inside a block backward runs in must too (it cached it once).
+    torch.manual_seed(0)
+    eager = _SpectralCell()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    seen = []
+    for model in (eager, twin):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses, grads = [], []
+        for step in range(2):
+            xs = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(step))
+            if cached_around == "the forward":
+                with parametrize.cached():
+                    loss = model(xs).square().sum()
+                loss.backward()
+            else:
+                loss = model(xs).square().sum()
+                with parametrize.cached():
+                    loss.backward()
+            assert parametrize._cache_enabled == 0  # the replay put the count back
+            losses.append(loss.detach())
+            grads.append(grads_of(model.parameters()))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        seen.append((losses, grads, [b.clone() for b in model.buffers()]))
+    (eager_losses, eager_grads, eager_buffers), (losses, grads, buffers) = seen
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses))
+    for expected, got in zip(eager_grads, grads):
+        assert_same_grads(expected, got)
+    assert all(torch.equal(a, b) for a, b in zip(eager_buffers, buffers))

@@ -149,6 +149,39 @@ def test_a_parametrized_op_discarded_inside_a_cached_block_gives_eager_gradients
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_a_weight_used_several_times_in_a_discarded_op_is_cached_in_its_replay_as_in_its_forward(
+) -> None:
+    # NOTE [the replay caches parametrizations as the forward did] (helper KJ), for the
+    # discard's replay: cached() around the forward only (torch's own example, an RNN loop over
+    # a spectral-normed kernel), backward after the block. The replay ran uncached: one power
+    # iteration per use, so later steps saw other weights than the forward's.
+    torch.manual_seed(0)
+    rec = torch.nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6, bias=False))
+    twin = copy.deepcopy(rec)
+    xs = torch.randn(4, 3, 6)
+
+    def loop(kernel: nn.Module, xs: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(3, 6)
+        for x in xs:
+            h = torch.tanh(x + kernel(h))
+        return h
+
+    seen = []
+    for kernel, discard in ((rec, False), (twin, True)):
+        with torch.nn.utils.parametrize.cached():
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                h = ckpt.checkpoint(loop, kernel, xs)
+                out = h.exp()
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = loop(kernel, xs).exp()
+        out.sum().backward()
+        seen.append([*grads_of(kernel.parameters()), *(b.clone() for b in kernel.buffers())])
+    for want, got in zip(*seen):
+        assert torch.equal(want, got)
+
+
 def test_an_attention_layer_in_eval_mode_discarded_gives_eager_outputs_and_gradients() -> None:
     # Guards against the discard's no-grad forward taking attention's fused fast path (NOTE
     # [no fast path by grad mode]): its output then differed from eager's by rounding, and the
