@@ -90,7 +90,8 @@ class _Replay(torch.autograd.Function):
 class MoEBlock(nn.Module):
     """Pre-norm MoE feed-forward as transformers writes it (Qwen3-MoE, Mixtral): a router and
     a ``ModuleList`` of SwiGLU experts, each run on the tokens routed to it (top ``top_k`` of
-    ``experts``). Three parameters per expert: 384 in a layer, most of them used each step."""
+    ``experts``). Three parameters per expert: 384 of the layer's 386 (a norm and a router hold
+    the others), most of them used each step."""
 
     def __init__(self, hidden: int, experts: int = 128, top_k: int = 8) -> None:
         super().__init__()
@@ -195,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                      description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--size", default="small", choices=sorted(SIZES))
     parser.add_argument("--layer", default="decoder", choices=LAYER_KINDS,
-                        help="decoder blocks, or MoE blocks of 128 experts (384 parameters)")
+                        help="decoder blocks, or MoE blocks of 128 experts (386 parameters)")
     add_round_options(parser, default_help="500 rounds, 50 warm-up")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: leave as is)")

@@ -65,7 +65,8 @@ def _require_size(nbytes: Any, where: str, /, *, index: int | None = None) -> in
 
 
 def size_class(nbytes: int, /, *, pinned: bool = False) -> int:
-    """Round up to a size class: powers of two split in quarters (at most 25% waste).
+    """Round up to a size class: powers of two split in quarters (at most 25% waste),
+    at least ``512`` bytes (the smallest class).
 
     Pinned buffers come from torch's caching host allocator, which rounds every request up to
     a power of two: there the classes are the powers of two, so ``host_bytes`` counts what is

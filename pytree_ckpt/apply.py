@@ -404,7 +404,8 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
                       preserve_rng_state: bool = True,
                       offload: bool | OffloadManager | None = None,
                       verify_replay: bool = False) -> list[int]:
-    """Checkpoint the first ``int(len(layers) * ratio)`` layers; return their indices.
+    """Checkpoint the first ``int(len(layers) * ratio)`` layers, forgiving float rounding;
+    return their indices.
 
     ``offload`` is resolved once, so every layer shares one manager (one window numbering);
     ``verify_replay`` as in ``apply_activation_checkpointing``.

@@ -1,12 +1,12 @@
 """Selective save units: ``RecomputeConfig(ratio, save=...)`` and a model's ``RecomputeTargetMap``.
 
-``ratio`` decides which layers are checkpointed (the first ``int(n * ratio)``); ``save`` decides
-what stays resident inside them. A ``SaveUnit`` member means *keep this*: its outputs are kept
-from the original pass and returned in the replay instead of being recomputed. Each unit a model
-declares resolves to ``KeptOps`` (by op identity) or ``KeptCallables`` (everything a callable
-dispatches; each in its module, ``kept_ops.py`` and ``kept_callables.py``). Either way the
-layer's body runs eagerly: a compiled body is refused (NOTE [save units need eager bodies]). See
-``keep.py`` for the engine.
+``ratio`` decides which layers are checkpointed (the first ``int(n * ratio)``, forgiving float
+rounding); ``save`` decides what stays resident inside them. A ``SaveUnit`` member means *keep
+this*: its outputs are kept from the original pass and returned in the replay instead of being
+recomputed. Each unit a model declares resolves to ``KeptOps`` (by op identity) or
+``KeptCallables`` (everything a callable dispatches; each in its module, ``kept_ops.py`` and
+``kept_callables.py``). Either way the layer's body runs eagerly: a compiled body is refused
+(NOTE [save units need eager bodies]). See ``keep.py`` for the engine.
 
 ``save`` is tri-state: ``None``/``False`` keep nothing and install no dispatch mode at all;
 ``True`` keeps every unit the model declares (this follows the library and model version: pin an
@@ -154,7 +154,8 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                            targets: RecomputeTargetMap, /, *, preserve_rng_state: bool = True,
                            offload: bool | OffloadManager | None = None,
                            verify_replay: bool = False) -> list[int]:
-    """Checkpoint the first ``int(n * config.ratio)`` layers keeping ``config.save``'s units.
+    """Checkpoint the first ``int(n * config.ratio)`` layers, forgiving float rounding, keeping
+    ``config.save``'s units.
 
     Returns the indices of the checkpointed layers. ``offload`` and ``verify_replay`` as in
     ``apply_activation_checkpointing``.

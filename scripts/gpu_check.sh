@@ -24,8 +24,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-check-out}}
 mkdir -p "$out"
-# optree 0.13 or newer (pyproject.toml); an older one already there is not enough
-if ! python3 -c 'import optree, sys; sys.exit(tuple(map(int, optree.__version__.split(".")[:2])) < (0, 13))' 2>/dev/null; then
+# optree 0.15 or newer (pyproject.toml); an older one already there is not enough
+if ! python3 -c 'import optree, sys; sys.exit(tuple(map(int, optree.__version__.split(".")[:2])) < (0, 15))' 2>/dev/null; then
   if ! ls .whl/*.whl >/dev/null 2>&1; then
     echo "gpu_check: optree is missing here and no wheel was carried in .whl/ (see the header)" >&2
     exit 2

@@ -137,3 +137,12 @@ def test_gpu_check_stops_with_a_tip_when_optree_is_missing_and_no_wheel_was_carr
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "optree is missing here and no wheel was carried in .whl/" in done.stderr
+
+
+def test_gpu_checks_optree_floor_is_the_one_pyproject_declares() -> None:
+    # Guards against the script admitting an optree the project does not support (helper KN:
+    # it checked 0.13, pyproject.toml declares 0.15).
+    declared = re.search(r'"optree>=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    checked = re.search(r"< \((\d+), (\d+)\)", SCRIPT.read_text())
+    assert declared and checked
+    assert declared.groups() == checked.groups()

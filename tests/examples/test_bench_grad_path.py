@@ -5,6 +5,7 @@ No timing is asserted here: timing claims live in the script's output only.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,3 +58,14 @@ def test_a_thread_count_below_one_is_a_usage_error_naming_the_flag(
         bench_grad_path.main(["--threads", "0", "--rounds", "1", "--warmup", "0"])
     assert info.value.code == 2 and "--threads must be >= 1, got 0" in capsys.readouterr().err
     assert torch.get_num_threads() == threads
+
+
+def test_the_moe_layer_has_the_parameter_and_module_counts_the_benchmarks_page_gives() -> None:
+    # Guards against the page's counts drifting from the layer (helper KN: it said 384 and 513,
+    # the experts' alone; the block also holds a norm and a router and is a module itself).
+    page = (Path(__file__).parents[2] / "docs" / "benchmarks.md").read_text()
+    layer = bench_grad_path.MoEBlock(64)
+    parameters, modules = len(list(layer.parameters())), len(list(layer.modules()))
+    assert f"are {parameters} parameters per layer" in page
+    assert f"the layer's {modules} modules" in page
+    assert f"({parameters} parameters)" in Path(bench_grad_path.__file__).read_text()  # --help

@@ -403,3 +403,12 @@ def test_a_keyboard_interrupt_after_a_released_buffer_reaches_its_free_list_hand
     pool.release(first)
     pool.release(second)
     assert pool.checked_out == 0
+
+
+def test_size_class_keeps_the_waste_its_docstring_promises_above_the_floor_it_names() -> None:
+    # Guards against the docstring promising "at most 25% waste" without the 512-byte smallest
+    # class (helper KN: size_class(1) is 512).
+    doc = " ".join((size_class.__doc__ or "").split())
+    assert "(at most 25% waste), at least ``512`` bytes" in doc
+    assert size_class(0) == size_class(1) == size_class(512) == 512
+    assert all(size_class(n) <= 1.25 * n for n in range(512, 1 << 16))
