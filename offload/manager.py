@@ -38,6 +38,7 @@ import torch
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.eager import runs_eagerly
 from pytree_ckpt.errors import CheckpointConfigError, require_callable, validate_bool
+from pytree_ckpt.phase import ACTIVE, Phase
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
 
@@ -368,6 +369,18 @@ class OffloadManager:
             require_callable(name, "OffloadManager.window's name=", "name=lambda i: "
                              "f'block.args[{i}]', or leave it out ('window tensor #i')",
                              role="a function from a tensor's index to its name in messages")
+        active = ACTIVE.get()
+        if active is not None and active.phase is Phase.RECOMPUTE:
+            # NOTE [a window in a replay copies nothing]: a window() of the layer's own, opened
+            # again as a boundary's replay reruns the layer in backward, where what it saves is
+            # read back at once by the replay's own backward: copied to host and straight back
+            # (helper KM: a host round trip per layer, and each replay's window turned the
+            # pass, its events lost). The replay runs it with no hooks, as a boundary nested in
+            # a replay opens no window; the window bound is one of no pass of the manager's.
+            with self._lock:  # NOTE [one thread at a time]
+                idle = Window(Pass(self._lanes.mine(), deque()), {}, name, seq=-1)
+            yield idle
+            return
         with self._lock:  # NOTE [one thread at a time]
             window = self._open(tensors, name, resident, changed_tip)
 

@@ -68,14 +68,20 @@ def plain_storage_key(tensor: torch.Tensor, /) -> Key | None:
 def plain_kind(tensor: torch.Tensor, /) -> str:
     """What a tensor without a plain storage is, for the manager's warning."""
     if _functorch_wrapped(tensor):
-        # Its class is Tensor and its layout strided: named by those, the warning said nothing.
-        return "a torch.func transform's wrapper (vmap's BatchedTensor)"
+        # Its class is Tensor and its layout strided: named by those, the warning said nothing;
+        # named vmap's under every transform, it misled under jvp (helper KM).
+        return "a torch.func transform's wrapper (" + (
+            "vmap's BatchedTensor" if _batched(tensor) else
+            "a jvp, grad or vjp transform's tensor wrapper" if _grad_tracking(tensor) else
+            "a functionalized tensor") + ")"
     return ("nested tensor" if tensor.is_nested else "quantized tensor"
             if tensor.is_quantized else type(tensor).__name__)
 
 
-_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None),
-                             "is_functorch_wrapped_tensor", lambda tensor: False)
+_functorch = getattr(torch._C, "_functorch", None)
+_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", lambda tensor: False)
+_batched = getattr(_functorch, "is_batchedtensor", lambda tensor: False)
+_grad_tracking = getattr(_functorch, "is_gradtrackingtensor", lambda tensor: False)
 
 
 def window_keys(tensors: Sequence[torch.Tensor], resident: Sequence[torch.Tensor],

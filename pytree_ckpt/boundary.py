@@ -316,7 +316,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             out_tensors = apply_function(call, anchor, inputs)
         else:
             # NOTE: the window covers only the save of the inputs (the original pass inside runs
-            # under no-grad and saves nothing), so exactly the boundary's inputs are offloaded.
+            # without its hooks), so exactly the boundary's inputs are offloaded.
             manager = options.offload
             # Named from the callable, the spec and index lists only: the window must not hold
             # `call`, whose frame holds this window's handles (a cycle only the garbage
@@ -328,6 +328,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             resident = [*params, *frozen] if params is not None else ()
             with manager.eager_window(unique, name=name, resident=resident,
                                       changed_tip=CHANGED_AFTER_CALL_TIP) as window:
+                call.window_hooks = True  # NOTE [the body runs without the window's hooks]
                 out_tensors = apply_function(call, anchor, inputs)
             call.marks = dynamo_marks(unique)  # NOTE [dynamo's marks reach the replay]
             if call.frame.results:  # frozen results (top-k ids) go to host with the inputs

@@ -81,7 +81,7 @@ class BoundaryCall:
                  "switches", "inference", "saved_versions", "unviewed", "kept_aliases", "marks",
                  "hook_dicts", "hook_tables", "hook_epoch", "replaying",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
-                 "generator_sets", "prints", "replayed_versions")
+                 "generator_sets", "prints", "replayed_versions", "window_hooks")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -116,6 +116,9 @@ class BoundaryCall:
         self.out_tensor_index: Sequence[int] = ()
         self.out_meta: Sequence[tuple[torch.Size, torch.dtype]] = ()
         self.prints: OutputPrints | None = None  # verify_replay=True: NOTE [output prints]
+        # An offload window's hooks are on top while the original pass runs (NOTE [the body
+        # runs without the window's hooks] in boundary_function.py).
+        self.window_hooks = False
         self.env: ReplayEnvironment | None = None
         # The caller's own args and kwargs, for the original pass only (then dropped): fn sees
         # the very containers it was given, as in eager; the replay gets rebuilt containers,

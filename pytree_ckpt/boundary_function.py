@@ -41,6 +41,7 @@ from .refusals import (check_made_leaves, fn_name, raise_replay_reentered,
 from .replay_values import OutputPrints
 from .reused_numbers import with_reused_calls
 from .rng import IsolatedPass, ReplayEnvironment
+from .saved import resume_saved_hooks, suspend_saved_hooks
 from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
                             versions)
 from .stored_state import warn_parameter_changed, warn_under_torchs_checkpoint
@@ -129,6 +130,7 @@ class _BoundaryFunction(torch.autograd.Function):
         sets = forward_watch(call.fn, call.owner) if preserve_rng else None
         token = ACTIVE.set(invocation)
         keeping: KeepMode | None = None
+        hooks = suspend_saved_hooks() if call.window_hooks else None
         try:
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
             # mode] in rng.py.
@@ -164,6 +166,8 @@ class _BoundaryFunction(torch.autograd.Function):
             raise
         finally:
             ACTIVE.reset(token)
+            if hooks is not None:
+                resume_saved_hooks(hooks)
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
         if grad_switched(tensors, needs, frozen):

@@ -11,12 +11,40 @@ census or a window never turns an error into wrong gradients.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .errors import SavedTensorChanged
 from .notes import add_note
 
-__all__ = ["Unchanged", "note_hooks_disabled"]
+__all__ = ["Unchanged", "note_hooks_disabled", "resume_saved_hooks", "suspend_saved_hooks"]
+
+_top_hooks: Any = torch._C._autograd._top_saved_tensors_default_hooks
+_pop_hooks: Any = torch._C._autograd._pop_saved_tensors_default_hooks
+_push_hooks: Any = torch._C._autograd._push_saved_tensors_default_hooks
+
+
+# NOTE [the body runs without the window's hooks]: a boundary with offload saves its inputs
+# through an offload window's saved-tensor hooks, pushed around the whole call: autograd packs
+# a custom Function's saved tensors after its forward returns. The original pass runs inside,
+# usually under no-grad, saving nothing; but a body that takes a gradient itself (forces as
+# -dE/dpos under enable_grad) saved through the window too: its saves of the input's storage
+# were copied to host and straight back, a second copy of each input, and its inner backward
+# ended the window's pass, so backward prefetched nothing (helper KM); and torch.func.grad in a
+# body refuses to run under any saved-tensor hooks, where eager runs it. So the body runs with
+# the window's hooks taken off the stack (what is under them, a census's or the caller's own,
+# sees its saves, as in eager), and they are put back before the forward returns.
+def suspend_saved_hooks() -> tuple[object, object]:
+    """Take the top saved-tensor hooks off the stack; return them for ``resume_saved_hooks``."""
+    top = _top_hooks(False)
+    assert top is not None  # the boundary's window pushed them
+    _pop_hooks()
+    return top
+
+
+def resume_saved_hooks(hooks: tuple[object, object], /) -> None:
+    _push_hooks(*hooks)
 
 
 def note_hooks_disabled(error: RuntimeError, who: str, tip: str, /) -> None:

@@ -2128,3 +2128,150 @@ def test_each_offload_config_field_given_alone_to_the_manager_is_refused_naming_
         field: str) -> None:
     with pytest.raises(CheckpointError, match=rf"OffloadConfig\({field}=1\)"):
         OffloadManager(**{field: 1})  # type: ignore[arg-type]
+
+
+class _GradInsideForward(nn.Module):
+    """A layer whose forward takes a gradient with ``torch.func.grad`` (a score or force term)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        g = torch.func.grad(lambda r: torch.tanh(r).pow(2).sum())(self.proj(h))
+        return h + g * h
+
+
+def test_a_layer_whose_forward_calls_torch_func_grad_gets_eager_gradients_with_offload_on() -> None:
+    # NOTE [the body runs without the window's hooks] (helper KM): eager and the boundary with
+    # offload=False ran it; the window's saved-tensor hooks were still installed while the
+    # layer's body ran in the original pass, and torch.func.grad refuses any saved-tensor hook.
+    torch.manual_seed(0)
+    m = manager()
+    layer, eager = _GradInsideForward(), _GradInsideForward()
+    eager.load_state_dict(layer.state_dict())
+    apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(8, 32)
+    xe = x.clone().requires_grad_()
+    eager(xe).sum().backward()
+    xl = x.clone().requires_grad_()
+    layer(xl).sum().backward()
+    assert torch.equal(xl.grad, xe.grad)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(layer.parameters(), eager.parameters()))
+    gc.collect()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == x.nbytes
+    assert stats["host_buffers_in_use"] == 0
+
+
+class _ForceLayer(nn.Module):
+    """A layer whose forward takes -dE/dh with torch.autograd.grad under enable_grad (forces),
+    the pattern docs/limits.md lists as exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            p = h.detach().requires_grad_()
+            energy = torch.tanh(self.proj(p)).pow(2).sum()
+            force, = torch.autograd.grad(energy, p)
+        return h + torch.tanh(self.proj(h)) * force
+
+
+def test_layers_taking_a_gradient_in_their_forward_offload_each_input_once_and_prefetch() -> None:
+    # NOTE [the body runs without the window's hooks] (helper KM): with the window's hooks on
+    # while the body ran, an enable_grad block's saves of a detached alias of the input were
+    # offloaded and restored during the forward, and that inner backward marked the pass's
+    # backward as begun, so each next layer opened a pass of its own: backward prefetched
+    # nothing (each restore an exposed copy on a GPU) and events() showed only layer 0.
+    torch.manual_seed(0)
+    m = manager(prefetch=1)
+    layers = nn.ModuleList(_ForceLayer() for _ in range(3))
+    eager = nn.ModuleList(_ForceLayer() for _ in range(3))
+    eager.load_state_dict(layers.state_dict())
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(8, 32)
+    xe = x.clone().requires_grad_()
+    stack(eager, xe).sum().backward()
+    xl = x.clone().requires_grad_()
+    stack(layers, xl).sum().backward()
+    assert torch.equal(xl.grad, xe.grad)  # exact: the gradients are not the problem
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(layers.parameters(), eager.parameters()))
+    assert m.events() == [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1),
+                          ("prefetch", 0), ("prefetch_hit", 0)]
+    gc.collect()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * x.nbytes
+    assert stats["prefetch_hits"] == 2 and stats["host_buffers_in_use"] == 0
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # jvp
+def test_a_window_opened_inside_jvp_gives_eager_results_and_its_warning_names_jvp_not_vmap(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # docs/offload.md rule 4: "the log names the transform". storages.plain_kind named every
+    # functorch-wrapped tensor "vmap's BatchedTensor"; under jvp it is jvp's wrapper (helper KM).
+    m = manager()
+    x, t = torch.randn(8, 32), torch.ones(8, 32)
+
+    def f(h: torch.Tensor, offloaded: bool) -> torch.Tensor:
+        h = h * 1.0
+        if not offloaded:
+            return h.sin() * h
+        with m.window([h]):
+            return h.sin() * h
+
+    expected = torch.func.jvp(lambda h: f(h, False), (x,), (t,))
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        got = torch.func.jvp(lambda h: f(h, True), (x,), (t,))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert m.stats()["offloaded_bytes"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    assert len(warnings) == 1 and "jvp" in warnings[0] and "vmap" not in warnings[0]
+
+
+class _OwnWindow(nn.Module):
+    """A layer that opens a window of its own over an activation (offload written into the
+    model), later wrapped with the boundary and the same manager."""
+
+    def __init__(self, m: OffloadManager) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.m = m
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h2 = h * 2
+        with self.m.window([h2]):
+            return h + torch.tanh(self.proj(h2))
+
+
+def test_a_window_inside_a_checkpointed_layer_copies_nothing_to_host_in_backward() -> None:
+    # NOTE [a window in a replay copies nothing] (helper KM): as a boundary nested in another
+    # opens no window in the outer replay, "since its inputs are needed again at once"
+    # (docs/offload.md), a window() in the layer's body opens none in its replay. It copied to
+    # host during backward the bytes the replay's backward read at once (a device-to-host copy
+    # and a host buffer per layer, for nothing), and each replay's window turned the pass.
+    torch.manual_seed(0)
+    m = manager(prefetch=1)
+    layers = nn.ModuleList(_OwnWindow(m) for _ in range(4))
+    eager = nn.ModuleList(_OwnWindow(manager()) for _ in range(4))
+    eager.load_state_dict(layers.state_dict())
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(8, 32, requires_grad=True)
+    out = stack(layers, x).sum()
+    after_forward = m.stats()["offloaded_bytes"]
+    assert after_forward == 4 * x.nbytes  # the layers' inputs; the original pass saves nothing
+    out.backward()
+    stack(eager, x.detach().requires_grad_()).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(layers.parameters(), eager.parameters()))
+    # The layers' windows are 0, 2, 4, 6; their bodies' own windows (1, 3, 5, 7) opened in the
+    # original passes, which save nothing, and none in the replays.
+    assert m.events() == [("restore", 6), ("prefetch", 4), ("prefetch_hit", 4), ("prefetch", 2),
+                          ("prefetch_hit", 2), ("prefetch", 0), ("prefetch_hit", 0)]
+    gc.collect()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == after_forward
+    assert stats["windows"] == 8 and stats["host_buffers_in_use"] == 0
