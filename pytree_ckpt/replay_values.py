@@ -115,6 +115,19 @@ def _rank_local(t: torch.Tensor, /) -> torch.Tensor:
     return t
 
 
+def _on_this_rank(t: torch.Tensor, /) -> str:
+    """For a tensor-parallel wrapper, what a message says of the shard compared: its rank and
+    the whole tensor (NOTE [tensor parallel outputs are compared by their shards]); else ""."""
+    if _rank_local(t) is t:
+        return ""
+    dist = sys.modules.get("torch.distributed")
+    rank = dist.get_rank() if dist is not None and dist.is_initialized() else 0
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    what = f"shard of a DTensor of shape {tuple(t.shape)}" if dtensor is not None and \
+        isinstance(t, dtensor.DTensor) else type(t).__name__
+    return f", rank {rank}'s {what}, compared on each rank: other ranks may have passed"
+
+
 def _strided_print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(bit sums, value sums)`` of a plain strided ``t``, or None for another tensor.
 
@@ -308,6 +321,7 @@ def arguments_print(tensors: Sequence[torch.Tensor], /, *, op: Any, fn: Any,
     unprinted = []
     with torch.no_grad():
         for position, t in enumerate(tensors):
+            t = _rank_local(t)  # NOTE [tensor parallel outputs are compared by their shards]
             made = _print(_slice(t, _broadcast_dims(t)))
             if made is None:
                 unprinted.append(position)
@@ -346,7 +360,7 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
         return
     differ = [i for i, (a, b) in enumerate(zip(recorded.tolist(), (
         now.tolist() if now is not None else []))) if a != b] or [0]
-    t = tensors[differ[0]] if differ[0] < len(tensors) else None
+    t = _rank_local(tensors[differ[0]]) if differ[0] < len(tensors) else None
     causes = [_STATE, _AROUND, _ROUNDING, _UNWRITTEN_ARGUMENT]
     # Widened first: float8 has no isnan kernel (helper GT); an error path, a copy is fine.
     # NaN, not inf: a mask's -inf is no garbage (helper GX).
@@ -360,12 +374,12 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
         causes.insert(0, _UNWRITTEN_ARGUMENT)
     if not preserve_rng:
         causes.insert(0, _RNG)
+    shard = _on_this_rank(tensors[differ[0]]) if t is not None else ""
     raise ReplayMismatchError(
         f"the replay of {_described(fn)} in backward called {op}, which a save unit keeps, on "
         f"other values than its original pass did (tensor argument {differ[0] + 1} of "
-        f"{len(recorded)}, in call order): verify_replay=True "
-        "compares them bit for bit, and the kept op's backward may read the replay's values "
-        "beside the forward's output",
+        f"{len(recorded)}, in call order{shard}): verify_replay=True compares them bit for bit, "
+        "and the kept op's backward may read the replay's values beside the forward's output",
         expected="the original pass's values", got="other values, of the same shapes and dtypes",
         tip="most likely " + "; else ".join(causes))
 
@@ -469,7 +483,7 @@ class OutputPrints:
         position = self.positions[rows[first]]
         more = sum(differ) - 1
         also = f" (and {more} more output{'s' if more > 1 else ''})" if more else ""
-        _raise_other_values(fn, paths()[position], also, _rank_local(tensors[position]),
+        _raise_other_values(fn, paths()[position], also, tensors[position],
                             self.values[rows[first]], made[first][1], preserve_rng)
 
 
@@ -582,8 +596,11 @@ def _raise_other_values(fn: Any, where: str, also: str, t: torch.Tensor,
     def counted(n: int) -> str:
         return f" ({n} not finite, left out)" if n else ""
 
+    shard = _on_this_rank(t)
+    if shard:
+        t = _rank_local(t)
     raise ReplayMismatchError(
-        what, expected=f"the forward's Tensor(shape={tuple(t.shape)}, dtype={t.dtype}), values "
-                       f"summing to {summed!r}{counted(bad)}",
+        what, expected=f"the forward's Tensor(shape={tuple(t.shape)}, dtype={t.dtype}){shard}, "
+                       f"values summing to {summed!r}{counted(bad)}",
         got=f"the replay's, summing to {again!r}{counted(again_bad)}",
         tip="most likely " + "; else ".join(causes))

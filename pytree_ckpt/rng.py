@@ -473,8 +473,11 @@ class IsolatedPass:
     replay (``cached=`` the original pass's setting, read by ``ReplayEnvironment``) caches
     iff its original pass did: with a cache of its own where backward runs outside any block,
     and with caching off where backward runs inside one the forward was outside of. The
-    process-wide count is moved by one for the pass (put back after it), so other threads'
-    parametrizations see caching on or off meanwhile, as with the fast path below.
+    process-wide count is moved for the pass (up by one, or down to 0) and put back after it,
+    with the cache the caller's block had (a cached() the layer opens itself, inside a replay
+    run with the count down, emptied it at its exit: helper KP), or none where no block is
+    open any more (another thread's ended meanwhile). Other threads' parametrizations see
+    caching on or off meanwhile, as with the fast path below.
 
     NOTE [no fast path by grad mode]: ``nn.MultiheadAttention`` and
     ``nn.TransformerEncoderLayer`` (and ``TransformerEncoder``'s nested tensors) in eval mode
@@ -506,7 +509,7 @@ class IsolatedPass:
     """
 
     __slots__ = ("outer_cache", "inner_cache", "fwd_grad_off", "counted", "cached",
-                 "count_moved")
+                 "count_moved", "lowered_cache")
 
     def __init__(self, *, cached: bool | None = None) -> None:
         # None: as the caller runs (an original pass); a replay passes its original pass's
@@ -532,6 +535,7 @@ class IsolatedPass:
         self.inner_cache: dict[Any, Any] | None = None
         self.counted = False
         self.count_moved = 0
+        self.lowered_cache: dict[Any, Any] | None = None
         try:
             with _passes_lock:  # NOTE [the lock of passes]
                 passes = _passes
@@ -550,6 +554,8 @@ class IsolatedPass:
                 if cached is not None and cached != bool(parametrize._cache_enabled):
                     # NOTE [the replay caches parametrizations as the forward did]
                     moved = 1 if cached else -parametrize._cache_enabled
+                    if moved < 0:  # a cached() the body opens empties the caller's: kept
+                        self.lowered_cache = parametrize._cache
                     parametrize._cache_enabled += moved
                     self.count_moved = moved
                 if parametrize._cache_enabled:  # usually off: nothing to isolate
@@ -597,7 +603,16 @@ class IsolatedPass:
                     IsolatedPass._swapped.remove(self)
                 if self.count_moved:
                     parametrize._cache_enabled -= self.count_moved
+                    # As torch's cached() at its exit: no block open, no cache kept (a block
+                    # of another thread's that ended meanwhile left its weights); else the
+                    # cache of the block the replay ran in, which a cached() inside the replay
+                    # replaced at its exit.
+                    if not parametrize._cache_enabled:
+                        parametrize._cache = {}
+                    elif self.count_moved < 0 and self.lowered_cache is not None:
+                        parametrize._cache = self.lowered_cache
                     self.count_moved = 0
+                    self.lowered_cache = None
 
 
 class _Passes:

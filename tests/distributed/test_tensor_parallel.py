@@ -183,3 +183,81 @@ def test_verify_replay_compares_a_tensor_parallel_layers_output_by_its_shard(
     finally:
         _SCALE[0] = 1.0
         dist.destroy_process_group()
+
+
+
+def test_verify_replay_compares_a_tensor_parallel_layers_kept_op_arguments_by_their_shard(
+) -> None:
+    # NOTE [tensor parallel outputs are compared by their shards], for a kept op's arguments
+    # too (NOTE [the kept ops' arguments are verified too]): every Linear of a
+    # parallelize_module plan takes DTensor arguments (its input and its sharded parameters).
+    # Guards against (helper KP) arguments_print warning "not compared" for them: a stale read
+    # reaching the kept addmm's argument passed verify_replay (the kept op gives the forward's
+    # output, which compares equal), and the kept op's backward read the replay's argument.
+    import os
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    import pytree_ckpt
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        block = _ScaledBlock("in flight", mesh)
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        pytree_ckpt.apply_recompute_config(
+            [block], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+            {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")},
+            verify_replay=True)
+        _SCALE[0] = 1.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "not compared" warning
+            out = block(torch.randn(2, 8))
+        _SCALE[0] = 2.0  # read again by the replay: the kept down addmm's argument differs
+        with pytest.raises(pytree_ckpt.ReplayMismatchError):
+            out.pow(2).sum().backward()
+    finally:
+        _SCALE[0] = 1.0
+        dist.destroy_process_group()
+
+
+def test_a_tensor_parallel_layers_output_mismatch_names_the_shard_it_compared() -> None:
+    # NOTE [tensor parallel outputs are compared by their shards]. Guards against (helper KP)
+    # the message reading "expected: the forward's Tensor(shape=(2, 4), ...)" for a DTensor
+    # output of shape (2, 8) sharded over two ranks (rank 1 alone raised, naming (2, 4)), a
+    # shape the output does not have, with nothing telling that only this rank's shard
+    # differed (another rank went on).
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    import pytree_ckpt
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        block = _ScaledBlock("dtensor", mesh)
+        parallelize_module(block, mesh, {"up": ColwiseParallel(),
+                                         "down": RowwiseParallel(use_local_output=False)})
+        checked = pytree_ckpt.checkpointed(block, verify_replay=True)
+        _SCALE[0] = 1.0
+        out = checked(torch.randn(2, 8))
+        _SCALE[0] = 2.0
+        with pytest.raises(pytree_ckpt.ReplayMismatchError) as raised:
+            out.full_tensor().pow(2).sum().backward()
+        message = str(raised.value)
+        assert "DTensor" in message and "shard" in message and "rank 0" in message, message
+    finally:
+        _SCALE[0] = 1.0
+        dist.destroy_process_group()

@@ -754,3 +754,39 @@ def test_a_weight_used_several_times_in_one_call_is_cached_in_the_replay_as_in_i
     for expected, got in zip(eager_grads, grads):
         assert_same_grads(expected, got)
     assert all(torch.equal(a, b) for a, b in zip(eager_buffers, buffers))
+
+
+class _CellCachingItsLoop(_SpectralCell):
+    """torch's own parametrize.cached() example inside the layer: the forward opens the block
+    around its loop itself."""
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        with parametrize.cached():
+            return super().forward(xs)
+
+
+def test_a_layer_opening_its_own_cached_block_replayed_inside_the_callers_keeps_the_callers_cache(
+) -> None:
+    # NOTE [the replay caches parametrizations as the forward did]: the forward ran outside any
+    # block, so the replay in backward moves the count from the caller's 1 to 0, without a
+    # cache of its own. The layer's own cached() then goes 0 -> 1 -> 0, and torch's exit at 0
+    # rebinds parametrize._cache to {}. Guards against (helper KP) the caller's block losing
+    # the weights it cached before backward: a spectral-normed head read again after backward
+    # in the same block (a GAN's discriminator on real and fake batches) ran its power
+    # iteration twice, where eager runs it once.
+    torch.manual_seed(0)
+    eager = nn.ModuleDict({"cell": _CellCachingItsLoop(),
+                           "head": parametrizations.spectral_norm(nn.Linear(6, 6))})
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin["cell"])
+    xs = torch.randn(4, 3, 6)
+    seen = []
+    for model in (eager, twin):
+        out = model["cell"](xs)  # outside any block: the layer caches inside its forward
+        with parametrize.cached():  # the head's weight once for the whole block
+            model["head"](out).square().sum().backward()
+            again = model["head"](out.detach())  # eager: the cached weight
+        seen.append([again.detach(), *grads_of(model.parameters()),
+                     *(b.clone() for b in model.buffers())])
+    for want, got in zip(*seen):
+        assert torch.equal(want, got)

@@ -481,3 +481,48 @@ def test_a_forward_waiting_for_a_worker_that_takes_gradients_replays_with_a_one_
             for worker in model.workers:
                 worker.join(timeout=10)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_cached_block_ending_while_another_threads_replay_runs_leaves_no_stale_weights(
+) -> None:
+    # NOTE [the replay caches parametrizations as the forward did]: a replay whose forward ran
+    # outside any block moves the process-wide count to 0 for its pass (-1 here, the caller's
+    # block being open) and adds it back when it ends. An evaluation thread's cached() block
+    # that ends meanwhile (the count 0 -> -1) is not seen as the last: torch's exit empties
+    # parametrize._cache only at 0. Guards against (helper KP) the replay's end putting the
+    # count back to 0 with the block's cached weight left in the cache: the next cached()
+    # block, after an optimizer step, read the weight from before the step, silently. Eager
+    # (no replay) empties it, and so does the replay's end now.
+    entered, go = threading.Event(), threading.Event()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        if pytree_ckpt.current_phase() is pytree_ckpt.Phase.RECOMPUTE:
+            entered.set()  # the replay, on the training thread
+            assert go.wait(10)
+        return x * 2
+
+    seen = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        head = torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+        x = torch.randn(2, 4, requires_grad=True)
+        entered.clear()
+        go.clear()
+        loss = (checkpoint(layer, x) if checkpointed else layer(x)).sum()
+        training = threading.Thread(target=loss.backward)
+        with parametrize.cached():  # the evaluation thread's block
+            before = head.weight
+            training.start()
+            if checkpointed:
+                assert entered.wait(10)
+        go.set()
+        training.join(10)
+        with torch.no_grad():
+            head.parametrizations.weight.original0.mul_(2)  # a step
+        with parametrize.cached():
+            after = head.weight
+        seen.append((before.detach(), after.detach()))
+    (eager_before, eager_after), (before, after) = seen
+    assert torch.equal(eager_before, before)
+    assert parametrize._cache_enabled == 0
+    assert torch.equal(eager_after, after)
