@@ -130,8 +130,10 @@ class _BoundaryFunction(torch.autograd.Function):
         sets = forward_watch(call.fn, call.owner) if preserve_rng else None
         token = ACTIVE.set(invocation)
         keeping: KeepMode | None = None
-        hooks = suspend_saved_hooks() if call.window_hooks else None
+        hooks = None
         try:
+            if call.window_hooks:
+                hooks = suspend_saved_hooks()
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
             # mode] in rng.py.
             with IsolatedPass():

@@ -554,8 +554,9 @@ class IsolatedPass:
                 if cached is not None and cached != bool(parametrize._cache_enabled):
                     # NOTE [the replay caches parametrizations as the forward did]
                     moved = 1 if cached else -parametrize._cache_enabled
-                    if moved < 0:  # a cached() the body opens empties the caller's: kept
+                    if moved < 0:  # the caller's, apart from what the body's own blocks cache
                         self.lowered_cache = parametrize._cache
+                        parametrize._cache = {}
                     parametrize._cache_enabled += moved
                     self.count_moved = moved
                 if parametrize._cache_enabled:  # usually off: nothing to isolate

@@ -35,11 +35,15 @@ _push_hooks: Any = torch._C._autograd._push_saved_tensors_default_hooks
 # body refuses to run under any saved-tensor hooks, where eager runs it. So the body runs with
 # the window's hooks taken off the stack (what is under them, a census's or the caller's own,
 # sees its saves, as in eager), and they are put back before the forward returns.
-def suspend_saved_hooks() -> tuple[object, object]:
-    """Take the top saved-tensor hooks off the stack; return them for ``resume_saved_hooks``."""
-    top = _top_hooks(False)
-    assert top is not None  # the boundary's window pushed them
-    _pop_hooks()
+def suspend_saved_hooks() -> tuple[object, object] | None:
+    """Take the top saved-tensor hooks off the stack; return them for ``resume_saved_hooks``
+    (None where there were none)."""
+    # Read as they are while AOT autograd traces, which hides them from the default read (it
+    # refuses saved-tensor hooks in the graphs it makes): they are on the stack all the same
+    # (helper KR: a bare AssertionError under aot_function).
+    top = _top_hooks(True)
+    if top is not None:
+        _pop_hooks()
     return top
 
 

@@ -790,3 +790,54 @@ def test_a_layer_opening_its_own_cached_block_replayed_inside_the_callers_keeps_
                      *(b.clone() for b in model.buffers())])
     for want, got in zip(*seen):
         assert torch.equal(want, got)
+
+
+class _NormedCachingItself(nn.Module):
+    """A weight-normed layer whose forward opens parametrize.cached() itself (torch's example)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = parametrizations.weight_norm(nn.Linear(6, 6))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with parametrize.cached():
+            return torch.tanh(self.lin(h)) * h
+
+
+class _AroundNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.inner = _NormedCachingItself()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.inner(self.proj(h)))
+
+
+@pytest.mark.parametrize("shape", ["nested", "called twice"])
+def test_a_layer_caching_itself_replayed_inside_the_callers_block_gets_its_gradients(
+        shape: str) -> None:
+    # NOTE [the replay caches parametrizations as the forward did]: forward outside any block,
+    # backward inside one, so each replay lowers the count to 0. Guards against (helper KR) a
+    # replay run so without a cache of its own: a cached() its body opens (the inner
+    # boundary's no-grad original pass, or the layer's own block) stored its weight in the
+    # caller's dict, which the replay's exit put back, and the next replay read it there:
+    # nested, weight_norm's original0 and original1 silently got no gradient; one layer called
+    # twice, `m(m(x))`, raised "Trying to backward through the graph a second time".
+    torch.manual_seed(0)
+    eager = _AroundNormed() if shape == "nested" else _NormedCachingItself()
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    if shape == "nested":
+        pytree_ckpt.apply_activation_checkpointing(twin.inner)
+    x = torch.randn(4, 6)
+    grads = []
+    for model in (eager, twin):
+        xi = x.clone().requires_grad_()
+        out = model(xi) if shape == "nested" else model(model(xi))  # outside any block
+        with parametrize.cached():
+            out.sum().backward()
+        grads.append(grads_of([xi, *model.parameters()]))
+    assert all(g is not None for g in grads[1])
+    for want, got in zip(*grads):
+        assert torch.equal(want, got)
