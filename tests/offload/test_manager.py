@@ -2232,6 +2232,34 @@ def test_a_window_opened_inside_jvp_gives_eager_results_and_its_warning_names_jv
     assert len(warnings) == 1 and "jvp" in warnings[0] and "vmap" not in warnings[0]
 
 
+
+def test_a_window_opened_inside_functionalize_gives_eager_results_and_its_warning_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # docs/offload.md rule 4: "the log names the transform". Under functionalize a window
+    # tensor is a functorch wrapper that is neither vmap's nor a grad transform's (helper KT's
+    # mutant naming every non-vmap wrapper a jvp/grad/vjp one passed the vmap and jvp tests).
+    m = manager()
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def f(h: torch.Tensor, offloaded: bool) -> torch.Tensor:
+        h = h * 1.0
+        if not offloaded:
+            return h.sin() * h
+        with m.window([h]):
+            return h.sin() * h
+
+    expected = torch.func.functionalize(lambda h: f(h, False))(x)
+    expected.sum().backward()
+    expected_grad, x.grad = x.grad, None
+    with caplog.at_level("WARNING", logger="offload.manager"):
+        got = torch.func.functionalize(lambda h: f(h, True))(x)
+        got.sum().backward()
+    assert torch.equal(got, expected) and torch.equal(x.grad, expected_grad)
+    assert m.stats()["offloaded_bytes"] == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
+    assert len(warnings) == 1 and "functionalized tensor" in warnings[0], warnings
+    assert "jvp" not in warnings[0] and "vmap" not in warnings[0]
+
 class _OwnWindow(nn.Module):
     """A layer that opens a window of its own over an activation (offload written into the
     model), later wrapped with the boundary and the same manager."""

@@ -841,3 +841,26 @@ def test_a_layer_caching_itself_replayed_inside_the_callers_block_gets_its_gradi
     assert all(g is not None for g in grads[1])
     for want, got in zip(*grads):
         assert torch.equal(want, got)
+
+
+def test_a_replay_in_backward_inside_two_nested_cached_blocks_runs_uncached_as_its_forward(
+) -> None:
+    # NOTE [the replay caches parametrizations as the forward did]: the count is moved down to
+    # 0 however deep the caller's blocks nest (helper KT's mutant moving it down by one left
+    # caching on under two blocks: the replay computed the spectral-normed weight once where
+    # its forward, outside any block, computed it at each step of the loop).
+    torch.manual_seed(0)
+    eager = _SpectralCell()
+    twin = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    seen = []
+    for model in (eager, twin):
+        xs = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(0))
+        loss = model(xs).square().sum()
+        with parametrize.cached(), parametrize.cached():
+            loss.backward()
+            assert parametrize._cache_enabled == 2  # the replay put the count back
+        assert parametrize._cache_enabled == 0
+        seen.append([loss.detach(), *grads_of(model.parameters()),
+                     *(b.clone() for b in model.buffers())])
+    for want, got in zip(*seen):
+        assert torch.equal(want, got)
