@@ -117,7 +117,7 @@ class BoundaryCall:
         self.out_meta: Sequence[tuple[torch.Size, torch.dtype]] = ()
         self.prints: OutputPrints | None = None  # verify_replay=True: NOTE [output prints]
         # An offload window's hooks are on top while the original pass runs (NOTE [the body
-        # runs without the window's hooks] in boundary_function.py).
+        # runs without the window's hooks] in saved.py).
         self.window_hooks = False
         self.env: ReplayEnvironment | None = None
         # The caller's own args and kwargs, for the original pass only (then dropped): fn sees

@@ -205,13 +205,16 @@ def compiled_over(forward: Any, installed: _CheckpointedForward) -> bool:
 
 # NOTE [two entries per variant]: dynamo guards on grad mode, so a compiled body behind the
 # boundary compiles each variant (a shape, an optional input given or not, a module class)
-# twice: once for the original pass (no-grad) and once for the replay (grad). Its
-# recompile_limit (8 by default) counts entries per code object, so the boundary halves the
-# variants a body may compile: a body shared by several layer kinds, with sequence lengths
-# that change between steps, reached it in a replay, where a fullgraph body raised dynamo's
-# "found no compiled frames" in backward (a body without fullgraph silently ran eagerly). The
-# boundary does not raise the limit itself (a process-wide setting, per context on torch
-# 2.13); the error says why and what to raise.
+# twice: once for the original pass (no-grad) and once for the replay (grad). A body whose
+# code also runs inside another checkpointed layer (the GLM-DSA decoder body is the MTP
+# layer's block) compiles it three times: that layer's no-grad pass hands it an input that
+# does not require grad, where a layer's own pass gets one that does, and dynamo guards on
+# that too (helper KV). Its recompile_limit (8 by default) counts entries per code object, so
+# the boundary halves (or thirds) the variants a body may compile: a body shared by several
+# layer kinds, with sequence lengths that change between steps, reached it in a replay, where
+# a fullgraph body raised dynamo's "found no compiled frames" in backward (a body without
+# fullgraph silently ran eagerly). The boundary does not raise the limit itself (a
+# process-wide setting, per context on torch 2.13); the error says why and what to raise.
 # Nested boundaries see the error once each: the innermost one's note (naming the body that
 # could not compile) is the one kept, so an error carrying it is not noted again.
 _LIMIT_SIGNS = ("found no compiled frames", "recompile_limit", "FailOnRecompileLimitHit")
@@ -232,9 +235,11 @@ def recompile_limit_note(error: BaseException, where: str, /) -> str | None:
     return (f"pytree_ckpt: raised in {where}, {_NOTED}: likely "
             "dynamo's recompile_limit, which counts the entries of each code object. Behind "
             "the checkpoint boundary every variant of a body costs two entries, the original "
-            "pass's (no-grad) and the replay's (grad), so the limit allows half the variants "
-            "it allows without checkpointing (the log says 'hit config.recompile_limit'). "
-            "Tip: compile the body with twice the limit, torch.compile(layer.forward, "
-            "recompile_limit=2 * torch._dynamo.config.recompile_limit) (or raise "
+            "pass's (no-grad) and the replay's (grad), three where its code also runs inside "
+            "another checkpointed layer (an input that requires grad or not), so the limit "
+            "allows half (or a third of) the variants it allows without checkpointing (the "
+            "log says 'hit config.recompile_limit'). Tip: compile the body with twice (or "
+            "three times) the limit, torch.compile(layer.forward, "
+            "recompile_limit=3 * torch._dynamo.config.recompile_limit) (or raise "
             "torch._dynamo.config.recompile_limit on a torch without that argument), or give "
             "the body fewer variants (docs/scaling.md, 'torch.compile').")

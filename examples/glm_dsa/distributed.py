@@ -33,11 +33,14 @@ NOTE [the decoder body's variants]: behind the boundary every variant of a compi
 two entries, the original pass's (no-grad) and the replay's (grad), against dynamo's
 ``recompile_limit`` (NOTE [two entries per variant] in pytree_ckpt/compiled_layers.py). The
 decoder body's code is shared by the decoder layers and the MTP layer's block (two classes
-under FSDP2, an input that requires grad or not), called with top-k ids or without: eight
-entries at one sequence length, and a second length (a recompile with dynamic shapes) asked
-for more in its replay, where the fullgraph body raised "found no compiled frames" in
-backward. So ``compile_layer_bodies`` gives each body twice the limit it finds: the variants a
-body may compile are those it would have without checkpointing.
+under FSDP2), called with top-k ids or without: eight entries at one sequence length, and a
+second length (a recompile with dynamic shapes) asked for more in its replay, where the
+fullgraph body raised "found no compiled frames" in backward. The MTP layer's block costs a
+third entry per variant: the MTP layer's own no-grad pass hands it an input that does not
+require grad, where a decoder layer's pass gets one that does (helper KV: packed batches of
+7, 64, 3+4 and 1 tokens failed at the fourth). So ``compile_layer_bodies`` gives each body three
+times the limit it finds: the variants a body may compile are those it would have without
+checkpointing.
 """
 
 from __future__ import annotations
@@ -147,13 +150,13 @@ def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "i
 
     ``fullgraph=None`` uses ``fullgraph=True`` exactly for the bodies that allow it
     (:func:`body_allows_fullgraph`); the calls to ``reuse_during_recompute`` stay eager (NOTE
-    [reuse stays eager]). ``options`` go to ``torch.compile``. Each body may compile twice
-    dynamo's ``recompile_limit`` (NOTE [the decoder body's variants]): as ``torch.compile``'s
+    [reuse stays eager]). ``options`` go to ``torch.compile``. Each body may compile three
+    times dynamo's ``recompile_limit`` (NOTE [the decoder body's variants]): as ``torch.compile``'s
     ``recompile_limit`` where torch has it (unless ``options`` give one), else by raising
     ``torch._dynamo.config.recompile_limit`` itself, once per process (logged). Returns, per
     layer name, the ``fullgraph`` it was compiled with.
     """
-    options = {**_doubled_recompile_limit(options), **options}
+    options = {**_raised_recompile_limit(options), **options}
     chosen: dict[str, bool] = {}
     for name, layer in wrapped_layers(model):
         if pytree_ckpt.is_checkpointed(layer):
@@ -175,13 +178,18 @@ def compile_layer_bodies(model: GlmDsaForCausalLM, /, *, backend: str | Any = "i
     return chosen
 
 
-# The process-wide recompile_limit _doubled_recompile_limit set on a torch whose torch.compile
+# The process-wide recompile_limit _raised_recompile_limit set on a torch whose torch.compile
 # takes none, or None.
 _RAISED_TO: int | None = None
 
 
-def _doubled_recompile_limit(options: dict[str, Any]) -> dict[str, Any]:
-    """The ``torch.compile`` option that lets a body compile both passes of as many variants
+# Entries per variant behind the boundary: a layer's no-grad pass, the MTP block's (its input
+# does not require grad there), and the replay (NOTE [the decoder body's variants]).
+_ENTRIES_PER_VARIANT = 3
+
+
+def _raised_recompile_limit(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``torch.compile`` option that lets a body compile every pass of as many variants
     as it would compile without checkpointing (NOTE [the decoder body's variants])."""
     import torch._dynamo
 
@@ -189,16 +197,17 @@ def _doubled_recompile_limit(options: dict[str, Any]) -> dict[str, Any]:
         return {}
     limit = torch._dynamo.config.recompile_limit
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
-        return {"recompile_limit": 2 * limit}
+        return {"recompile_limit": _ENTRIES_PER_VARIANT * limit}
     # An older torch: only the process-wide limit exists. Raised once: a second model's
-    # bodies (or a second call) would double it again, and again, for the whole process.
+    # bodies (or a second call) would raise it again, and again, for the whole process.
     global _RAISED_TO
     if limit == _RAISED_TO:
         return {}
-    _RAISED_TO = 2 * limit
-    torch._dynamo.config.recompile_limit = 2 * limit
+    _RAISED_TO = _ENTRIES_PER_VARIANT * limit
+    torch._dynamo.config.recompile_limit = _RAISED_TO
     logger.info("torch._dynamo.config.recompile_limit raised from %d to %d: a checkpointed "
-                "body compiles each variant twice (no-grad and grad)", limit, 2 * limit)
+                "body compiles each variant up to three times (no-grad as a layer, no-grad "
+                "as the MTP block, grad)", limit, _RAISED_TO)
     return {}
 
 

@@ -2317,7 +2317,7 @@ class _Stack(nn.Module):
 
 def test_aot_function_tracing_an_offloaded_layer_gives_eager_gradients_as_without_offload(
 ) -> None:
-    # NOTE [the body runs without the window's hooks]: AOT autograd traces under
+    # NOTE [the body runs without the window's hooks], under AOT autograd: it traces under
     # torch._C._autograd._saved_tensors_hooks_set_tracing(True), where
     # _top_saved_tensors_default_hooks(False) answers None though the window pushed its hooks.
     # Guards against (helper KR) the boundary's forward then hitting `assert top is not None`
