@@ -41,7 +41,7 @@ from .refusals import (check_made_leaves, fn_name, raise_replay_reentered,
 from .replay_values import OutputPrints
 from .reused_numbers import with_reused_calls
 from .rng import IsolatedPass, ReplayEnvironment
-from .saved import resume_saved_hooks, suspend_saved_hooks
+from .saved import pop_saved_hooks, push_saved_hooks, top_saved_hooks
 from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
                             versions)
 from .stored_state import warn_parameter_changed, warn_under_torchs_checkpoint
@@ -132,8 +132,10 @@ class _BoundaryFunction(torch.autograd.Function):
         keeping: KeepMode | None = None
         hooks = None
         try:
-            if call.window_hooks:
-                hooks = suspend_saved_hooks()
+            if call.window_hooks:  # NOTE [the body runs without the window's hooks] (saved.py)
+                hooks = top_saved_hooks()
+                if hooks is not None:
+                    pop_saved_hooks()
             # NOTE [each pass caches its own parametrizations] and NOTE [no fast path by grad
             # mode] in rng.py.
             with IsolatedPass():
@@ -167,9 +169,11 @@ class _BoundaryFunction(torch.autograd.Function):
                 add_note(error, limit)  # NOTE [two entries per variant] in compiled_layers.py
             raise
         finally:
-            ACTIVE.reset(token)
-            if hooks is not None:
-                resume_saved_hooks(hooks)
+            try:
+                if hooks is not None:
+                    push_saved_hooks(hooks)
+            finally:
+                ACTIVE.reset(token)
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
         if grad_switched(tensors, needs, frozen):

@@ -525,7 +525,8 @@ class IsolatedPass:
     # left the fast path off for good. So the lock is taken by a with statement (its enter is
     # no call a signal can follow); each change is recorded on the pass, with no call between
     # the two, before the next call; __exit__ undoes what is recorded, and __enter__ calls it
-    # when interrupted itself. The count of passes and the fast path come back before the
+    # when interrupted itself. The parametrize count a replay moved comes back first (left
+    # moved, it outlives every block), then the count of passes and the fast path, then the
     # parametrization cache (a call: interrupted after it, a cache swapped inside
     # parametrize.cached() stays swapped until that block ends).
 
@@ -583,6 +584,22 @@ class IsolatedPass:
                 _set_fwd_grad_enabled(False)
         finally:
             with _passes_lock:
+                moved = self.count_moved
+                if moved:
+                    # Put back first, before any call (NOTE [a pass interrupted at any point]:
+                    # interrupted after the fast path's setter or the list's remove below, a
+                    # count left raised kept every parametrization in the process cached for
+                    # good, helper KW). As torch's cached() at its exit: no block open, no
+                    # cache kept (a block of another thread's that ended meanwhile left its
+                    # weights); else the cache of the block the replay ran in, which a
+                    # cached() inside the replay replaced at its exit.
+                    parametrize._cache_enabled -= moved
+                    self.count_moved = 0
+                    if not parametrize._cache_enabled:
+                        parametrize._cache = {}
+                    elif moved < 0 and self.lowered_cache is not None:
+                        parametrize._cache = self.lowered_cache
+                    self.lowered_cache = None
                 passes = _passes
                 if self.counted:
                     self.counted = False
@@ -602,18 +619,6 @@ class IsolatedPass:
                             if later.outer_cache is inner:
                                 later.outer_cache = self.outer_cache
                     IsolatedPass._swapped.remove(self)
-                if self.count_moved:
-                    parametrize._cache_enabled -= self.count_moved
-                    # As torch's cached() at its exit: no block open, no cache kept (a block
-                    # of another thread's that ended meanwhile left its weights); else the
-                    # cache of the block the replay ran in, which a cached() inside the replay
-                    # replaced at its exit.
-                    if not parametrize._cache_enabled:
-                        parametrize._cache = {}
-                    elif self.count_moved < 0 and self.lowered_cache is not None:
-                        parametrize._cache = self.lowered_cache
-                    self.count_moved = 0
-                    self.lowered_cache = None
 
 
 class _Passes:

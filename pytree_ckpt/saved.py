@@ -18,7 +18,8 @@ import torch
 from .errors import SavedTensorChanged
 from .notes import add_note
 
-__all__ = ["Unchanged", "note_hooks_disabled", "resume_saved_hooks", "suspend_saved_hooks"]
+__all__ = ["Unchanged", "note_hooks_disabled", "pop_saved_hooks", "push_saved_hooks",
+           "top_saved_hooks"]
 
 _top_hooks: Any = torch._C._autograd._top_saved_tensors_default_hooks
 _pop_hooks: Any = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -34,20 +35,22 @@ _push_hooks: Any = torch._C._autograd._push_saved_tensors_default_hooks
 # ended the window's pass, so backward prefetched nothing (helper KM); and torch.func.grad in a
 # body refuses to run under any saved-tensor hooks, where eager runs it. So the body runs with
 # the window's hooks taken off the stack (what is under them, a census's or the caller's own,
-# sees its saves, as in eager), and they are put back before the forward returns.
-def suspend_saved_hooks() -> tuple[object, object] | None:
-    """Take the top saved-tensor hooks off the stack; return them for ``resume_saved_hooks``
-    (None where there were none)."""
+# sees its saves, as in eager), and they are put back before the forward returns. Read, then
+# popped, each by one call, and pushed back first in the forward's finally (NOTE [a pass
+# interrupted at any point] in rng.py: a KeyboardInterrupt right after the pop, or after the
+# phase's reset, left the caller's hooks popped or torch's stack asserting: helper KW).
+def top_saved_hooks() -> tuple[object, object] | None:
+    """The top saved-tensor hooks, None where there are none."""
     # Read as they are while AOT autograd traces, which hides them from the default read (it
     # refuses saved-tensor hooks in the graphs it makes): they are on the stack all the same
     # (helper KR: a bare AssertionError under aot_function).
-    top = _top_hooks(True)
-    if top is not None:
-        _pop_hooks()
-    return top
+    return _top_hooks(True)
 
 
-def resume_saved_hooks(hooks: tuple[object, object], /) -> None:
+pop_saved_hooks: Any = _pop_hooks
+
+
+def push_saved_hooks(hooks: tuple[object, object], /) -> None:
     _push_hooks(*hooks)
 
 

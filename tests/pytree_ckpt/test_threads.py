@@ -526,3 +526,59 @@ def test_a_cached_block_ending_while_another_threads_replay_runs_leaves_no_stale
     assert torch.equal(eager_before, before)
     assert parametrize._cache_enabled == 0
     assert torch.equal(eager_after, after)
+
+
+class _CountedDouble(nn.Module):
+    """A parametrization that counts how often the weight is computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return weight * 2
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, parametrize.cached()'s "
+                   "switch is process-wide too): another thread's plain forward runs cached while "
+                   "a cached forward's replay runs (helper KW)")
+def test_a_plain_forward_in_another_thread_while_a_cached_forwards_replay_runs_computes_each_use(
+) -> None:
+    # NOTE [the replay caches parametrizations as the forward did] (helper KJ): a replay whose
+    # forward ran inside parametrize.cached() (torch's own example: around the forward only)
+    # moves parametrize._cache_enabled from 0 to 1 for its pass. The count is process-wide: an
+    # evaluation thread beside training, outside any block, then computes its parametrized
+    # weights once and reads them from the replay's cache (a spectral norm's power iteration
+    # once where eager runs it at each use). Eager (no replay) computes each use afresh.
+    entered, go = threading.Event(), threading.Event()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        if pytree_ckpt.current_phase() is pytree_ckpt.Phase.RECOMPUTE:
+            entered.set()  # the replay, on the training thread
+            assert go.wait(10)
+        return x * 2
+
+    seen = []
+    for checkpointed in (False, True):
+        head = nn.Linear(4, 4)
+        counted = _CountedDouble()
+        parametrize.register_parametrization(head, "weight", counted)
+        x = torch.randn(2, 4, requires_grad=True)
+        entered.clear()
+        go.clear()
+        with parametrize.cached():  # the training step's forward
+            loss = (checkpoint(layer, x) if checkpointed else layer(x)).sum()
+        training = threading.Thread(target=loss.backward)
+        training.start()
+        if checkpointed:
+            assert entered.wait(10)
+        try:
+            counted.calls = 0
+            first, second = head.weight, head.weight  # the evaluation thread, outside any block
+        finally:
+            go.set()
+            training.join(10)
+        seen.append((counted.calls, first is second))
+    assert parametrize._cache_enabled == 0
+    assert seen[1] == seen[0] == (2, False)
