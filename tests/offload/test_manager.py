@@ -2257,6 +2257,104 @@ def test_a_gradient_through_a_nested_offloaded_layer_in_a_forward_offloads_once_
     assert stats["prefetch_hits"] == 2 and stats["host_buffers_in_use"] == 0
 
 
+class _ForceThroughOwnWindow(nn.Module):
+    """_ForceThroughBlock with a window() of the layer's own around the block in place of a
+    checkpointed block."""
+
+    def __init__(self, m: OffloadManager) -> None:
+        super().__init__()
+        self.block = Layer()
+        self.proj = nn.Linear(32, 32)
+        self.m = m
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            p = h.detach().requires_grad_()
+            with self.m.window([p]):
+                energy = self.block(p).pow(2).sum()
+            force, = torch.autograd.grad(energy, p)
+        return h + torch.tanh(self.proj(h)) * force
+
+
+def test_a_gradient_through_a_window_of_the_layers_own_in_a_forward_offloads_once_and_prefetches(
+) -> None:
+    # As test_a_gradient_through_a_nested_offloaded_layer_in_a_forward_... (helper KW), with
+    # the layer's own window() (docs/offload.md, "The window rule") in place of the nested
+    # boundary. Guards against (helper KY) the manager's eager_window opening a real one where
+    # ACTIVE is an original pass (it idled only in a replay, NOTE [a window in a replay copies
+    # nothing]): the body's autograd.grad read the block's input back from host at once, that
+    # inner backward turned the pass, and backward prefetched nothing.
+    torch.manual_seed(0)
+    m = manager(prefetch=1)
+    layers = nn.ModuleList(_ForceThroughOwnWindow(m) for _ in range(3))
+    eager = nn.ModuleList(_ForceThroughOwnWindow(manager()) for _ in range(3))
+    eager.load_state_dict(layers.state_dict())
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+    x = torch.randn(8, 32)
+    xe = x.clone().requires_grad_()
+    stack(eager, xe).sum().backward()
+    xl = x.clone().requires_grad_()
+    stack(layers, xl).sum().backward()
+    assert torch.equal(xl.grad, xe.grad)  # exact: the gradients are not the problem
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
+    gc.collect()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * x.nbytes
+    assert stats["prefetch_hits"] == 2 and stats["host_buffers_in_use"] == 0
+
+
+class _DiscardedBlock(nn.Module):
+    """A layer discarding the output of a block of its own (CheckpointWithoutOutput), the block
+    checkpointed too (with the same manager)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Layer()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        discard = pytree_ckpt.CheckpointWithoutOutput()
+        normed = discard.checkpoint(self.block, h)
+        out = self.proj(normed)
+        discard.discard_output_and_register_recompute(out)
+        return h + out
+
+
+@pytest.mark.xfail(strict=True, reason="documented (docs/offload.md, a boundary nested in "
+                   "another): a boundary in a discard's rebuild opens a window in backward, "
+                   "ACTIVE being unset there (helper KY)")
+def test_a_checkpointed_block_inside_a_discard_of_an_offloaded_layer_opens_no_window_in_backward(
+) -> None:
+    # docs/offload.md: "A boundary nested inside another one runs again in the outer replay,
+    # in backward; there it opens no window, since its inputs are needed again at once." A
+    # block whose output the layer discards runs under no-grad in the replay (no boundary),
+    # and is rebuilt by the discard's gradient hook during the replay's own backward, which
+    # recompute.py runs after ACTIVE.reset: the block's boundary sees no active invocation and
+    # opens a real window in backward, its input copied to host and straight back (a host
+    # round trip per layer), and each such window turns the pass (the events are lost).
+    torch.manual_seed(0)
+    m = manager(prefetch=1)
+    layers = nn.ModuleList(_DiscardedBlock() for _ in range(3))
+    eager = copy.deepcopy(layers)
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+        apply_activation_checkpointing(layer.block, offload=m)
+    x = torch.randn(8, 32)
+    xe = x.clone().requires_grad_()
+    stack(eager, xe).sum().backward()
+    xl = x.clone().requires_grad_()
+    stack(layers, xl).sum().backward()
+    assert torch.equal(xl.grad, xe.grad)
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
+    assert m.events() == [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1),
+                          ("prefetch", 0), ("prefetch_hit", 0)]
+    gc.collect()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * x.nbytes
+    assert stats["windows"] == 3 and stats["host_buffers_in_use"] == 0
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # jvp
 def test_a_window_opened_inside_jvp_gives_eager_results_and_its_warning_names_jvp_not_vmap(
         caplog: pytest.LogCaptureFixture) -> None:
@@ -2344,14 +2442,14 @@ def test_a_window_inside_a_checkpointed_layer_copies_nothing_to_host_in_backward
     out.backward()
     stack(eager, x.detach().requires_grad_()).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(layers.parameters(), eager.parameters()))
-    # The layers' windows are 0, 2, 4, 6; their bodies' own windows (1, 3, 5, 7) opened in the
-    # original passes, which save nothing, and none in the replays.
-    assert m.events() == [("restore", 6), ("prefetch", 4), ("prefetch_hit", 4), ("prefetch", 2),
-                          ("prefetch_hit", 2), ("prefetch", 0), ("prefetch_hit", 0)]
+    # The layers' windows, 0 to 3: their bodies' own windows open none in the original passes
+    # nor in the replays.
+    assert m.events() == [("restore", 3), ("prefetch", 2), ("prefetch_hit", 2), ("prefetch", 1),
+                          ("prefetch_hit", 1), ("prefetch", 0), ("prefetch_hit", 0)]
     gc.collect()
     stats = m.stats()
     assert stats["offloaded_bytes"] == stats["restored_bytes"] == after_forward
-    assert stats["windows"] == 8 and stats["host_buffers_in_use"] == 0
+    assert stats["windows"] == 4 and stats["host_buffers_in_use"] == 0
 
 
 
