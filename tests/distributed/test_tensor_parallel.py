@@ -10,6 +10,9 @@ replay); the replay reruns exactly the forward's collectives, in backward.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,25 +149,34 @@ class _ScaledBlock(nn.Module):
 _SCALE = [1.0]
 
 
+@contextlib.contextmanager
+def _one_rank() -> Iterator[Any]:
+    """A one-rank gloo group in this process and its 1-D mesh; ``_SCALE`` put back after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        _SCALE[0] = 1.0
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("returns", ["dtensor", "in flight"])
 def test_verify_replay_compares_a_tensor_parallel_layers_output_by_its_shard(
         returns: str) -> None:
     # NOTE [tensor parallel outputs are compared by their shards] (helper KL): both kinds were
     # only warned about, "not compared", with a tip to return a tensor torch made, not the user.
-    import os
     import warnings
 
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
     import pytree_ckpt
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    with _one_rank() as mesh:
         torch.manual_seed(0)
         blocks = [_ScaledBlock(returns, mesh) for _ in range(2)]
         blocks[1].load_state_dict(blocks[0].state_dict())
@@ -192,107 +204,22 @@ def test_verify_replay_compares_a_tensor_parallel_layers_output_by_its_shard(
         _SCALE[0] = 2.0  # read again by the replay: other values than the forward's
         with pytest.raises(pytree_ckpt.ReplayMismatchError, match="other values"):
             loss(out).backward()
-    finally:
-        _SCALE[0] = 1.0
-        dist.destroy_process_group()
 
-
-
-def test_verify_replay_compares_a_tensor_parallel_layers_kept_op_arguments_by_their_shard(
-) -> None:
-    # NOTE [tensor parallel outputs are compared by their shards], for a kept op's arguments
-    # too (NOTE [the kept ops' arguments are verified too]): every Linear of a
-    # parallelize_module plan takes DTensor arguments (its input and its sharded parameters).
-    # Guards against (helper KP) arguments_print warning "not compared" for them: a stale read
-    # reaching the kept addmm's argument passed verify_replay (the kept op gives the forward's
-    # output, which compares equal), and the kept op's backward read the replay's argument.
-    import os
-    import warnings
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    import pytree_ckpt
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(0)
-        block = _ScaledBlock("in flight", mesh)
-        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        pytree_ckpt.apply_recompute_config(
-            [block], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
-            {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::addmm")},
-            verify_replay=True)
-        _SCALE[0] = 1.0
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no "not compared" warning
-            out = block(torch.randn(2, 8))
-        _SCALE[0] = 2.0  # read again by the replay: the kept down addmm's argument differs
-        with pytest.raises(pytree_ckpt.ReplayMismatchError):
-            out.pow(2).sum().backward()
-    finally:
-        _SCALE[0] = 1.0
-        dist.destroy_process_group()
-
-
-def test_a_tensor_parallel_layers_output_mismatch_names_the_shard_it_compared() -> None:
-    # NOTE [tensor parallel outputs are compared by their shards]. Guards against (helper KP)
-    # the message reading "expected: the forward's Tensor(shape=(2, 4), ...)" for a DTensor
-    # output of shape (2, 8) sharded over two ranks (rank 1 alone raised, naming (2, 4)), a
-    # shape the output does not have, with nothing telling that only this rank's shard
-    # differed (another rank went on).
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    import pytree_ckpt
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(0)
-        block = _ScaledBlock("dtensor", mesh)
-        parallelize_module(block, mesh, {"up": ColwiseParallel(),
-                                         "down": RowwiseParallel(use_local_output=False)})
-        checked = pytree_ckpt.checkpointed(block, verify_replay=True)
-        _SCALE[0] = 1.0
-        out = checked(torch.randn(2, 8))
-        _SCALE[0] = 2.0
-        with pytest.raises(pytree_ckpt.ReplayMismatchError) as raised:
-            out.full_tensor().pow(2).sum().backward()
-        message = str(raised.value)
-        assert "DTensor" in message and "shard" in message and "rank 0" in message, message
-    finally:
-        _SCALE[0] = 1.0
-        dist.destroy_process_group()
 
 
 def _one_rank_mismatch(returns: str, *, kept: bool, rank: int | None = None) -> str:
     """The message of a verify_replay mismatch of a one-rank tensor-parallel _ScaledBlock
     (its output's, or with ``kept`` its kept down addmm's argument's); ``rank``: what
     torch.distributed.get_rank says while backward runs."""
-    import os
+    from unittest import mock
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
     import pytree_ckpt
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one process: loopback only
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    get_rank = dist.get_rank
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    with _one_rank() as mesh, contextlib.ExitStack() as stack:
         torch.manual_seed(0)
         block = _ScaledBlock(returns, mesh)
         parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel(
@@ -308,24 +235,39 @@ def _one_rank_mismatch(returns: str, *, kept: bool, rank: int | None = None) -> 
         out = block(torch.randn(2, 8))
         _SCALE[0] = 2.0
         if rank is not None:
-            dist.get_rank = lambda *args, **kwargs: rank  # type: ignore[assignment]
+            stack.enter_context(mock.patch.object(dist, "get_rank", lambda *_, **__: rank))
         with pytest.raises(pytree_ckpt.ReplayMismatchError) as raised:
             (out.full_tensor() if returns == "dtensor" else out.to_local()
              if returns == "half of a dtensor" else out).pow(2).sum().backward()
-        return str(raised.value)
-    finally:
-        dist.get_rank = get_rank
-        _SCALE[0] = 1.0
-        dist.destroy_process_group()
+    return str(raised.value)
 
 
-def test_a_tensor_parallel_layers_kept_op_argument_mismatch_names_the_dtensor_shard_it_compared(
+def test_verify_replay_compares_a_tensor_parallel_layers_kept_op_arguments_by_their_shard(
 ) -> None:
-    # NOTE [tensor parallel outputs are compared by their shards], in check_arguments' message
-    # (helper KT's mutant: the message left the shard out and no test saw it).
-    message = _one_rank_mismatch("in flight", kept=True)
+    # NOTE [tensor parallel outputs are compared by their shards], for a kept op's arguments
+    # too (NOTE [the kept ops' arguments are verified too]): every Linear of a
+    # parallelize_module plan takes DTensor arguments (its input and its sharded parameters).
+    # Guards against (helper KP) arguments_print warning "not compared" for them: a stale read
+    # reaching the kept addmm's argument passed verify_replay (the kept op gives the forward's
+    # output, which compares equal), and the kept op's backward read the replay's argument;
+    # and (helper KT's mutant) the message leaving the shard out.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not compared" warning
+        message = _one_rank_mismatch("in flight", kept=True)
     assert "tensor argument" in message and "rank 0's shard of a DTensor of shape" in message, \
         message
+
+
+def test_a_tensor_parallel_layers_output_mismatch_names_the_shard_it_compared() -> None:
+    # NOTE [tensor parallel outputs are compared by their shards]. Guards against (helper KP)
+    # the message reading "expected: the forward's Tensor(shape=(2, 4), ...)" for a DTensor
+    # output of shape (2, 8) sharded over two ranks (rank 1 alone raised, naming (2, 4)), a
+    # shape the output does not have, with nothing telling that only this rank's shard
+    # differed (another rank went on).
+    message = _one_rank_mismatch("dtensor", kept=False)
+    assert "DTensor" in message and "shard" in message and "rank 0" in message, message
 
 
 def test_a_tensor_parallel_mismatch_names_the_rank_torch_distributed_gives() -> None:

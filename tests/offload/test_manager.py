@@ -2180,6 +2180,27 @@ class _ForceLayer(nn.Module):
         return h + torch.tanh(self.proj(h)) * force
 
 
+def _copies_each_layer_input_once_and_prefetches(layers: nn.ModuleList, eager: nn.ModuleList,
+                                                  m: OffloadManager) -> None:
+    """Three offloaded layers train as their eager twin (torch.equal; a block's parameters get
+    None where eager's do), each layer's input copied to host once, in one window, and
+    backward prefetches each next one."""
+    x = torch.randn(8, 32)
+    xe = x.clone().requires_grad_()
+    stack(eager, xe).sum().backward()
+    xl = x.clone().requires_grad_()
+    stack(layers, xl).sum().backward()
+    assert torch.equal(xl.grad, xe.grad)  # exact: the gradients are not the problem
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
+    assert m.events() == [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1),
+                          ("prefetch", 0), ("prefetch_hit", 0)]
+    gc.collect()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * x.nbytes
+    assert stats["windows"] == 3 and stats["prefetch_hits"] == 2
+    assert stats["host_buffers_in_use"] == 0
+
+
 def test_layers_taking_a_gradient_in_their_forward_offload_each_input_once_and_prefetch() -> None:
     # NOTE [the body runs without the window's hooks] (helper KM): with the window's hooks on
     # while the body ran, an enable_grad block's saves of a detached alias of the input were
@@ -2193,19 +2214,7 @@ def test_layers_taking_a_gradient_in_their_forward_offload_each_input_once_and_p
     eager.load_state_dict(layers.state_dict())
     for layer in layers:
         apply_activation_checkpointing(layer, offload=m)
-    x = torch.randn(8, 32)
-    xe = x.clone().requires_grad_()
-    stack(eager, xe).sum().backward()
-    xl = x.clone().requires_grad_()
-    stack(layers, xl).sum().backward()
-    assert torch.equal(xl.grad, xe.grad)  # exact: the gradients are not the problem
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(layers.parameters(), eager.parameters()))
-    assert m.events() == [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1),
-                          ("prefetch", 0), ("prefetch_hit", 0)]
-    gc.collect()
-    stats = m.stats()
-    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * x.nbytes
-    assert stats["prefetch_hits"] == 2 and stats["host_buffers_in_use"] == 0
+    _copies_each_layer_input_once_and_prefetches(layers, eager, m)
 
 
 class _ForceThroughBlock(nn.Module):
@@ -2241,20 +2250,8 @@ def test_a_gradient_through_a_nested_offloaded_layer_in_a_forward_offloads_once_
     for layer in layers:
         apply_activation_checkpointing(layer, offload=m)
         apply_activation_checkpointing(layer.block, offload=m)
-    x = torch.randn(8, 32)
-    xe = x.clone().requires_grad_()
-    stack(eager, xe).sum().backward()
-    xl = x.clone().requires_grad_()
-    stack(layers, xl).sum().backward()
-    assert torch.equal(xl.grad, xe.grad)  # exact: the gradients are not the problem
-    # The blocks' parameters get none (the forces are taken without create_graph), as in eager.
-    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
-    assert m.events() == [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1),
-                          ("prefetch", 0), ("prefetch_hit", 0)]
-    gc.collect()
-    stats = m.stats()
-    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * x.nbytes
-    assert stats["prefetch_hits"] == 2 and stats["host_buffers_in_use"] == 0
+    # The blocks' parameters get none where the forces are taken without create_graph.
+    _copies_each_layer_input_once_and_prefetches(layers, eager, m)
 
 
 class _ForceThroughOwnWindow(nn.Module):
@@ -2291,17 +2288,7 @@ def test_a_gradient_through_a_window_of_the_layers_own_in_a_forward_offloads_onc
     eager.load_state_dict(layers.state_dict())
     for layer in layers:
         apply_activation_checkpointing(layer, offload=m)
-    x = torch.randn(8, 32)
-    xe = x.clone().requires_grad_()
-    stack(eager, xe).sum().backward()
-    xl = x.clone().requires_grad_()
-    stack(layers, xl).sum().backward()
-    assert torch.equal(xl.grad, xe.grad)  # exact: the gradients are not the problem
-    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
-    gc.collect()
-    stats = m.stats()
-    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * x.nbytes
-    assert stats["prefetch_hits"] == 2 and stats["host_buffers_in_use"] == 0
+    _copies_each_layer_input_once_and_prefetches(layers, eager, m)
 
 
 class _DiscardedBlock(nn.Module):
@@ -2340,19 +2327,7 @@ def test_a_checkpointed_block_inside_a_discard_of_an_offloaded_layer_opens_no_wi
     for layer in layers:
         apply_activation_checkpointing(layer, offload=m)
         apply_activation_checkpointing(layer.block, offload=m)
-    x = torch.randn(8, 32)
-    xe = x.clone().requires_grad_()
-    stack(eager, xe).sum().backward()
-    xl = x.clone().requires_grad_()
-    stack(layers, xl).sum().backward()
-    assert torch.equal(xl.grad, xe.grad)
-    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
-    assert m.events() == [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1),
-                          ("prefetch", 0), ("prefetch_hit", 0)]
-    gc.collect()
-    stats = m.stats()
-    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * x.nbytes
-    assert stats["windows"] == 3 and stats["host_buffers_in_use"] == 0
+    _copies_each_layer_input_once_and_prefetches(layers, eager, m)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # jvp
