@@ -128,10 +128,13 @@ class _BoundaryFunction(torch.autograd.Function):
             glance = NumbersGlance(every)
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         sets = forward_watch(call.fn, call.owner) if preserve_rng else None
-        token = ACTIVE.set(invocation)
         keeping: KeepMode | None = None
         hooks = None
         try:
+            # Set inside the try, put back as the parent, not by a token: a KeyboardInterrupt
+            # as the set returned left the pass active for good (helper KZ: offload windows
+            # idle, current_phase() wrong; NOTE [a pass interrupted at any point] in rng.py).
+            ACTIVE.set(invocation)
             if call.window_hooks:  # NOTE [the body runs without the window's hooks] (saved.py)
                 hooks = top_saved_hooks()
                 if hooks is not None:
@@ -173,7 +176,7 @@ class _BoundaryFunction(torch.autograd.Function):
                 if hooks is not None:
                     push_saved_hooks(hooks)
             finally:
-                ACTIVE.reset(token)
+                ACTIVE.set(invocation.parent)
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
         if grad_switched(tensors, needs, frozen):

@@ -256,8 +256,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     call.frame.start_replay()
     assert call.env is not None
     invocation = Invocation(_RECOMPUTE, call.frame, ACTIVE.get())
-    token = ACTIVE.set(invocation)
     try:
+        ACTIVE.set(invocation)  # inside the try, as the original pass's (boundary_function.py)
         with Replaying(call.env), IsolatedPass(cached=call.env.parametrize_cached):
             # Detached here, under the forward's torch-function state: a __torch_function__
             # subclass input stays one (NOTE [the replay sees tensor subclasses as the forward
@@ -390,7 +390,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 "checkpointed call.")
         raise
     finally:
-        ACTIVE.reset(token)
+        ACTIVE.set(invocation.parent)
     if plain is not None:  # outside the try: a warning made an error gets no replay note
         assert call.plain_state is not None
         call.plain_state.after_replay(plain)

@@ -295,18 +295,18 @@ def test_a_keyboard_interrupt_after_any_call_of_a_pass_leaves_the_lock_and_switc
 
 @pytest.mark.parametrize("caller_hooks", [False, True], ids=["no-hooks-of-its-own",
                                                              "under-the-callers-hooks"])
-@pytest.mark.parametrize("point", [("top_saved_hooks", "_top_saved_tensors_default_hooks"),
-                                   ("_forward", "_pop_saved_tensors_default_hooks"),
-                                   ("push_saved_hooks", "_push_saved_tensors_default_hooks"),
-                                   ("_forward", "reset")],
+@pytest.mark.parametrize("point", [("top_saved_hooks", "_top_saved_tensors_default_hooks", 1),
+                                   ("_forward", "_pop_saved_tensors_default_hooks", 1),
+                                   ("push_saved_hooks", "_push_saved_tensors_default_hooks", 1),
+                                   ("_forward", "set", 2)],
                          ids=["as-the-read-returns", "as-the-pop-returns",
                               "as-the-push-returns", "as-the-forward-resets-its-phase"])
 def test_a_keyboard_interrupt_as_the_window_hooks_are_taken_off_leaves_the_callers_hooks(
-        caller_hooks: bool, point: tuple[str, str]) -> None:
+        caller_hooks: bool, point: tuple[str, str, int]) -> None:
     # NOTE [the body runs without the window's hooks] (saved.py). Guards against (helper KW) a
     # Ctrl-C delivered as the pop returned (as _interrupt_at stands for it) leaving the hooks
-    # popped and unrecorded, and one delivered as ACTIVE.reset returned in the forward's
-    # finally skipping the push after it: either way nothing was pushed back, and the window's
+    # popped and unrecorded, and one delivered as the phase's reset returned in the forward's
+    # finally (its second ACTIVE.set now) skipping the push after it: either way nothing was pushed back, and the window's
     # own exit then popped one pair too many: the caller's hooks (a save_on_cpu(), a
     # census's), silently, or, with none under them, torch's "INTERNAL ASSERT FAILED ...
     # please report a bug to PyTorch", raised in place of the KeyboardInterrupt.
@@ -316,14 +316,17 @@ def test_a_keyboard_interrupt_as_the_window_hooks_are_taken_off_leaves_the_calle
     for layer in model.layers:
         pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
     fired: list[bool] = []
+    seen = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        # The read or the pop in the boundary's forward, the push back or ACTIVE.reset in its
-        # finally.
+        # The read or the pop in the boundary's forward, the push back or the phase's reset in
+        # its finally (the point[2]-th such return).
         if event == "c_return" and not fired and frame.f_code.co_name == point[0] \
                 and getattr(arg, "__name__", "") == point[1]:
-            fired.append(True)
-            raise KeyboardInterrupt("Ctrl-C")
+            seen[0] += 1
+            if seen[0] == point[2]:
+                fired.append(True)
+                raise KeyboardInterrupt("Ctrl-C")
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         return t
@@ -392,6 +395,63 @@ def _interrupted_cached_replays() -> None:
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(layer.parameters(),
                                                                eager.parameters())), (n, seen)
     assert points >= 2
+
+
+def _top_ids(h: torch.Tensor) -> torch.Tensor:
+    return h.topk(2, dim=-1).indices
+
+
+class _ReusingLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ids = reuse_during_recompute(_top_ids, h)
+        return self.proj(h).gather(-1, ids).sum(-1, keepdim=True) + h
+
+
+@pytest.mark.parametrize("point", [("_forward", "boundary_function.py"),
+                                   ("replay_backward", "recompute.py")],
+                         ids=["in-the-original-pass", "in-the-replay"])
+def test_a_keyboard_interrupt_as_a_pass_sets_its_phase_leaves_no_pass_active(
+        point: tuple[str, str]) -> None:
+    # NOTE [a pass interrupted at any point] in rng.py, for the boundary's phase. Guards
+    # against (helper KZ) both passes calling ACTIVE.set one statement before the try whose
+    # finally resets it (boundary_function.py _forward, recompute.py replay_backward): a
+    # Ctrl-C delivered as it returned (as _interrupt_at stands for it) left the dead
+    # invocation in the thread's context: current_phase() answered "forward" or "recompute" for the rest of the program,
+    # every later window() of the manager's (NOTE [a window in a replay copies nothing],
+    # since helper KY any pass) and every boundary copied nothing to host, silently, and a
+    # plain reuse_during_recompute call outside any boundary returned the interrupted step's
+    # recorded ids without calling its function.
+    from pytree_ckpt.phase import ACTIVE
+    torch.manual_seed(0)
+    layer = _ReusingLayer()
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+    fired: list[bool] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and not fired and frame.f_code.co_name == point[0] and \
+                frame.f_code.co_filename.endswith(point[1]) and \
+                getattr(arg, "__name__", "") == "set":
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C")
+
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    try:
+        sys.setprofile(profile)
+        try:
+            layer(x).sum().backward()
+        finally:
+            sys.setprofile(None)
+    except KeyboardInterrupt:
+        pass
+    leaked = ACTIVE.get()
+    ACTIVE.set(None)  # not to leak into later tests
+    assert fired
+    assert leaked is None
 
 
 def test_a_keyboard_interrupt_as_a_host_buffer_is_handed_out_leaves_none_checked_out() -> None:
