@@ -99,11 +99,12 @@ class ChangedNumbers:
         put = {(id(d), name): value for d, values in found for name, value in values
                if isinstance(value, torch.Tensor)}
         pending: list[tuple[Any, Any]] = []
-        token = AFTER_REPLAY.set(pending)
+        outer = AFTER_REPLAY.get()
         try:
+            AFTER_REPLAY.set(pending)  # NOTE [context variables set inside the try] (keep.py)
             yield
         finally:
-            AFTER_REPLAY.reset(token)
+            AFTER_REPLAY.set(outer)
             restored = {id(held) for held, _, _ in entries_at_start}
             for held, snapshot in reversed(pending):  # the NOTE at AFTER_REPLAY (plain_values.py)
                 if id(held) not in restored:

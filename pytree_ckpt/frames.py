@@ -421,14 +421,18 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
         devices, generators = _restored_by(recorders)
         # The replay will not run these ops, nor the RNG comparison (torch.equal dispatches
         # aten::equal): a save unit keeping everything a callable dispatches must not keep them.
-        token = IN_REUSE.set((fn,))
-        call, versions = argument_versions(args, kwargs)
-        watched = with_its_module(fn, args, kwargs)  # NOTE [a module given to a reused call]
-        buffers = buffer_versions(watched)
-        numbers = numbers_watch(watched)
-        contents = argument_contents(fn, watched, args, kwargs)  # NOTE in reused_numbers.py
-        held = held_tensors(watched)  # NOTE [floats a reused fn stores on its module] (frozen.py)
+        outer = IN_REUSE.get()
         try:
+            # Set inside the try, put back as it was (NOTE [context variables set inside the
+            # try] in keep.py).
+            IN_REUSE.set((fn,))
+            call, versions = argument_versions(args, kwargs)
+            watched = with_its_module(fn, args, kwargs)  # NOTE [a module given to a reused call]
+            buffers = buffer_versions(watched)
+            numbers = numbers_watch(watched)
+            contents = argument_contents(fn, watched, args, kwargs)  # NOTE in reused_numbers.py
+            # NOTE [floats a reused fn stores on its module] (frozen.py)
+            held = held_tensors(watched)
             before = rng_state(devices) if devices is not None else None
             generators_before = tuple((g, g.get_state()) for g in generators) \
                 if generators else ()
@@ -447,7 +451,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             if generators_before:
                 generators_after = generators_moved(generators_before)
         finally:
-            IN_REUSE.reset(token)
+            IN_REUSE.set(outer)
         warn_changed_arguments(fn, callable_name(fn), call, versions)  # NOTE in frozen.py
         # NOTE [state a reused call changes] (frozen.py)
         changes = state_after(call, versions, buffers, numbers, contents)
@@ -463,11 +467,12 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
             generators_after = invocation.frame.taken_generator_jump(fn)
         changes = invocation.frame.taken_state_after(fn)
         if changes is not None:  # made here as the skipped call made them in the forward
-            token = IN_REUSE.set((fn,))
+            outer = IN_REUSE.get()
             try:
+                IN_REUSE.set((fn,))  # NOTE [context variables set inside the try] (keep.py)
                 apply_state_after(with_its_module(fn, args, kwargs), args, kwargs, changes)
             finally:
-                IN_REUSE.reset(token)
+                IN_REUSE.set(outer)
         if not recorders and type(result) is not _Raised:  # the replay itself (a nested
             # original pass checks in its replay)
             refuse_in_replay(fn, callable_name(fn), checks, result, args, kwargs)

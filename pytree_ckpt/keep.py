@@ -69,6 +69,13 @@ IN_KEPT_CALLABLE: ContextVar[frozenset[str]] = ContextVar("pytree_ckpt_in_kept_c
                                                           default=frozenset())
 # The reused call running (its function, in a tuple: true whatever the function's truth), or ().
 IN_REUSE: ContextVar[tuple[Any, ...]] = ContextVar("pytree_ckpt_in_reuse", default=())
+# NOTE [context variables set inside the try]: a pass, a reused call, a kept method or region
+# sets its context variable inside the try whose finally puts back the value read before it,
+# not by ``reset(token)`` of a set made before the try: a KeyboardInterrupt lands right after
+# a call returns (NOTE [a pass interrupted at any point] in rng.py), and one as the set (or a
+# call between it and the try) returned left the variable set for the rest of the thread:
+# every later reused call a plain call, its function run again in each replay (helper LA), a
+# boundary pass active for good (helper KZ).
 T = TypeVar("T")
 
 
@@ -82,11 +89,12 @@ def kept_region(names: frozenset[str], /) -> Iterator[None]:
     comparisons) dispatches ops the original pass never did: counted as the method's, the replay
     would ask for records that do not exist (a ReuseError; helper JJ). So their ``forward`` runs
     its bookkeeping outside the region and re-enters it for the user's function alone."""
-    token = IN_KEPT_CALLABLE.set(names)
+    outer = IN_KEPT_CALLABLE.get()
     try:
+        IN_KEPT_CALLABLE.set(names)  # NOTE [context variables set inside the try]
         yield
     finally:
-        IN_KEPT_CALLABLE.reset(token)
+        IN_KEPT_CALLABLE.set(outer)
 
 
 def outside_kept_region(forward: Callable[..., T], /, *args: Any) -> T:

@@ -123,17 +123,20 @@ class _KeptMethod:
                 got="a method kept after its module was freed",
                 tip=f"call {self.name} through the module (module.{self.name}(...)), not a "
                     "method taken from it")
-        token = IN_KEPT_CALLABLE.set(IN_KEPT_CALLABLE.get() | {self.kept_as})
-        running = KEPT_METHOD.set(self)  # named if the replay is refused inside (kept_calls.py)
-        try:
+        kept, running = IN_KEPT_CALLABLE.get(), KEPT_METHOD.get()
+        try:  # NOTE [context variables set inside the try] (keep.py)
+            IN_KEPT_CALLABLE.set(kept | {self.kept_as})
+            KEPT_METHOD.set(self)  # named if the replay is refused inside (kept_calls.py)
             if self.inner is not None:
                 return self.inner(*args, **kwargs)
             if self.bound:
                 return getattr(type(module), self.name)(module, *args, **kwargs)
             return getattr(type(module), self.name)(*args, **kwargs)
         finally:
-            KEPT_METHOD.reset(running)
-            IN_KEPT_CALLABLE.reset(token)
+            try:
+                KEPT_METHOD.set(running)
+            finally:
+                IN_KEPT_CALLABLE.set(kept)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _KeptMethod:
         # copy.deepcopy(module) registers the new module in memo before copying its __dict__

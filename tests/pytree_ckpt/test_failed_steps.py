@@ -454,6 +454,66 @@ def test_a_keyboard_interrupt_as_a_pass_sets_its_phase_leaves_no_pass_active(
     assert leaked is None
 
 
+def test_a_keyboard_interrupt_as_a_reused_call_marks_itself_running_leaves_later_calls_recorded(
+        ) -> None:
+    # NOTE [context variables set inside the try] in keep.py, for reuse_during_recompute's
+    # own ContextVar: the sibling of helper KZ's ACTIVE. Guards against (helper LA) a Ctrl-C
+    # delivered as IN_REUSE.set returned (or in any of the watches made before the try)
+    # leaving the thread's IN_REUSE set for good: every later reused call was a plain call (NOTE [reuse inside reuse]), its
+    # result no longer recorded, its function called again in each replay, not "once per
+    # step"; a save unit kept nothing more (keep.py reads IN_REUSE).
+    from pytree_ckpt.keep import IN_REUSE
+    calls = [0]
+
+    def top_ids(h: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return h.topk(2, dim=-1).indices
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            ids = reuse_during_recompute(top_ids, h)
+            return self.proj(h).gather(-1, ids).sum(-1, keepdim=True) + h
+
+    torch.manual_seed(0)
+    layer = Layer()
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    fired: list[bool] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and not fired and \
+                frame.f_code.co_name == "reuse_during_recompute" and \
+                getattr(arg, "__name__", "") == "set":
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C")
+
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    try:
+        sys.setprofile(profile)
+        try:
+            layer(x).sum().backward()
+        finally:
+            sys.setprofile(None)
+    except KeyboardInterrupt:
+        pass
+    leaked = IN_REUSE.get()
+    if leaked:  # the next step, as the rest of the program would run it
+        calls[0] = 0
+        layer(x).sum().backward()
+        once = calls[0]
+        IN_REUSE.set(())  # not to leak into later tests
+    else:
+        calls[0] = 0
+        layer(x).sum().backward()
+        once = calls[0]
+    assert fired
+    assert leaked == ()
+    assert once == 1  # called in the forward, its result replayed
+
+
 def test_a_keyboard_interrupt_as_a_host_buffer_is_handed_out_leaves_none_checked_out() -> None:
     # Helper EJ: raised as HostPool.acquire returned to Copy.__init__, the buffer stayed checked
     # out for good. NOTE [a buffer handed out under an interrupt] in offload/pool.py.
@@ -491,3 +551,52 @@ def test_a_keyboard_interrupt_as_a_host_buffer_is_handed_out_leaves_none_checked
         x = None  # type: ignore[assignment]
     assert interrupted and fired
     assert manager.stats()["host_buffers_in_use"] == 0  # eager holds nothing after a step
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(WIDTH, WIDTH)
+        self.outer = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.tanh(self.inner(h))) + h
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["as-the-region-is-set", "as-the-method-is-set"])
+def test_a_keyboard_interrupt_as_a_kept_method_marks_itself_running_leaves_no_region_open(
+        nth: int) -> None:
+    # NOTE [context variables set inside the try] in keep.py, for a kept method's two
+    # variables (helper LA, by reading: both were set before the try that reset them, so a
+    # Ctrl-C as either set returned left a kept callable's region open for the thread).
+    from pytree_ckpt.keep import IN_KEPT_CALLABLE
+    from pytree_ckpt.kept_calls import KEPT_METHOD
+    torch.manual_seed(0)
+    layer, eager = _TwoLinears(), _TwoLinears()
+    eager.load_state_dict(layer.state_dict())
+    pytree_ckpt.apply_recompute_config(
+        [layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+        {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptCallables("Linear.forward")})
+    seen = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and frame.f_code.co_name == "__call__" and \
+                frame.f_code.co_filename.endswith("kept_callables.py") and \
+                getattr(arg, "__name__", "") == "set":
+            seen[0] += 1
+            if seen[0] == nth:
+                raise KeyboardInterrupt("Ctrl-C")
+
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    with pytest.raises(KeyboardInterrupt):
+        sys.setprofile(profile)
+        try:
+            layer(x).sum().backward()
+        finally:
+            sys.setprofile(None)
+    assert seen[0] == nth
+    assert IN_KEPT_CALLABLE.get() == frozenset() and KEPT_METHOD.get() is None
+    layer.zero_grad(set_to_none=True)
+    for net in (layer, eager):  # the next step trains as eager
+        net(x.detach()).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(layer.parameters(), eager.parameters()))
