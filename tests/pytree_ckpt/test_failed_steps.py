@@ -600,3 +600,28 @@ def test_a_keyboard_interrupt_as_a_kept_method_marks_itself_running_leaves_no_re
     for net in (layer, eager):  # the next step trains as eager
         net(x.detach()).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(layer.parameters(), eager.parameters()))
+
+
+@pytest.mark.parametrize("watch", ["argument_versions", "with_its_module", "held_tensors"])
+def test_an_error_in_a_reused_calls_own_watches_leaves_later_calls_recorded(
+        watch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [context variables set inside the try] in keep.py: the watches a reused call makes
+    # after marking itself running sit inside the try that puts IN_REUSE back, so an error in
+    # one (here made to raise) leaves no reused call marked running (helper LB: before, it
+    # stayed set, every later reused call a plain call).
+    import pytree_ckpt.frames as frames
+    from pytree_ckpt.keep import IN_REUSE
+
+    def top_ids(h: torch.Tensor) -> torch.Tensor:
+        return h.topk(2, dim=-1).indices
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a watch that fails")
+
+    real = getattr(frames, watch)
+    monkeypatch.setattr(frames, watch, broken)
+    h = torch.randn(4, WIDTH)
+    with pytest.raises(RuntimeError, match="a watch that fails"):
+        pytree_ckpt.checkpoint(lambda x: reuse_during_recompute(top_ids, x).float() * x, h)
+    assert IN_REUSE.get() == ()
+    monkeypatch.setattr(frames, watch, real)
