@@ -882,6 +882,21 @@ def test_an_error_a_boundary_named_past_the_recompile_limit_is_not_named_again()
     assert recompile_limit_note(RuntimeError("shape mismatch"), "anywhere") is None
 
 
+def test_compile_layer_bodies_gives_each_body_three_times_the_limit_it_finds() -> None:
+    # NOTE [the decoder body's variants]: a layer's no-grad pass, the MTP block's (its input
+    # requiring no grad there) and the replay are three entries per variant the unwrapped body
+    # compiles once (helper KV: twice the limit failed on packed batches of 7, 64, 3+4, 1).
+    import inspect
+
+    import examples.glm_dsa.distributed as distributed
+
+    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        pytest.skip("this torch's torch.compile takes no recompile_limit (the next test's path)")
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert distributed._raised_recompile_limit({}) == {"recompile_limit": 24}
+        assert distributed._raised_recompile_limit({"recompile_limit": 5}) == {}
+
+
 def test_compile_layer_bodies_on_a_torch_without_the_option_raises_the_process_limit_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # On a torch whose torch.compile takes no recompile_limit, compile_layer_bodies triples

@@ -237,17 +237,35 @@ def test_a_failed_post_accumulate_grad_hook_holds_host_buffers_until_an_empty_ba
 # call made by IsolatedPass.__enter__ or __exit__ (rng.py) stands for the signal (helper EJ: the
 # passes' lock taken before a try was left held, and every later pass waited for ever; one
 # interrupted between its changes and their count left the fast path off for good).
-def _interrupt_at(caller: str, n: int) -> tuple[Callable[..., None], list[str]]:
+def _interrupt_at(caller: str, n: int, *, file: str = "rng.py", called: str | None = None
+                  ) -> tuple[Callable[..., None], list[str]]:
+    """A profile function that raises KeyboardInterrupt as the ``n``-th (from 0) C call made by
+    ``caller`` (a function of ``file``; of a callable named ``called`` only, if given) returns:
+    where CPython delivers a pending SIGINT. ``seen``: the names of those returns so far."""
     seen: list[str] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_return" and frame.f_code.co_name == caller and \
-                frame.f_code.co_filename.endswith("rng.py"):
+        if event == "c_return" and len(seen) <= n and frame.f_code.co_name == caller and \
+                frame.f_code.co_filename.endswith(file) and \
+                called in (None, getattr(arg, "__name__", None)):
             seen.append(getattr(arg, "__qualname__", getattr(arg, "__name__", repr(arg))))
             if len(seen) == n + 1:
                 raise KeyboardInterrupt("Ctrl-C")
 
     return profile, seen
+
+
+def _interrupted(profile: Callable[..., None], step: Callable[[], Any], /) -> bool:
+    """Run ``step`` under ``profile``; whether a KeyboardInterrupt ended it."""
+    try:
+        sys.setprofile(profile)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+    except KeyboardInterrupt:
+        return True
+    return False
 
 
 @pytest.mark.parametrize("caller", ["__enter__", "__exit__"])
@@ -264,16 +282,7 @@ def test_a_keyboard_interrupt_after_any_call_of_a_pass_leaves_the_lock_and_switc
             pytree_ckpt.apply_activation_checkpointing(layer)
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0), requires_grad=True)
         profile, seen = _interrupt_at(caller, n)
-        interrupted = False
-        try:
-            sys.setprofile(profile)
-            try:
-                model(x).backward()
-            finally:
-                sys.setprofile(None)
-        except KeyboardInterrupt:
-            interrupted = True
-        if not interrupted:
+        if not _interrupted(profile, lambda: model(x).backward()):
             break  # past the last call of the first pass's enter or exit
         points += 1
         assert not rng._passes_lock.locked(), (n, seen)
@@ -295,38 +304,32 @@ def test_a_keyboard_interrupt_after_any_call_of_a_pass_leaves_the_lock_and_switc
 
 @pytest.mark.parametrize("caller_hooks", [False, True], ids=["no-hooks-of-its-own",
                                                              "under-the-callers-hooks"])
-@pytest.mark.parametrize("point", [("top_saved_hooks", "_top_saved_tensors_default_hooks", 1),
-                                   ("_forward", "_pop_saved_tensors_default_hooks", 1),
-                                   ("push_saved_hooks", "_push_saved_tensors_default_hooks", 1),
-                                   ("_forward", "set", 2)],
+@pytest.mark.parametrize("point", [
+    ("saved.py", "top_saved_hooks", "_top_saved_tensors_default_hooks", 0),
+    ("boundary_function.py", "_forward", "_pop_saved_tensors_default_hooks", 0),
+    ("saved.py", "push_saved_hooks", "_push_saved_tensors_default_hooks", 0),
+    ("boundary_function.py", "_forward", "set", 1)],
                          ids=["as-the-read-returns", "as-the-pop-returns",
                               "as-the-push-returns", "as-the-forward-resets-its-phase"])
 def test_a_keyboard_interrupt_as_the_window_hooks_are_taken_off_leaves_the_callers_hooks(
-        caller_hooks: bool, point: tuple[str, str, int]) -> None:
+        caller_hooks: bool, point: tuple[str, str, str, int]) -> None:
     # NOTE [the body runs without the window's hooks] (saved.py). Guards against (helper KW) a
     # Ctrl-C delivered as the pop returned (as _interrupt_at stands for it) leaving the hooks
     # popped and unrecorded, and one delivered as the phase's reset returned in the forward's
-    # finally (its second ACTIVE.set now) skipping the push after it: either way nothing was pushed back, and the window's
-    # own exit then popped one pair too many: the caller's hooks (a save_on_cpu(), a
-    # census's), silently, or, with none under them, torch's "INTERNAL ASSERT FAILED ...
-    # please report a bug to PyTorch", raised in place of the KeyboardInterrupt.
+    # finally (its second ACTIVE.set now) skipping the push after it: either way nothing was
+    # pushed back, and the window's own exit then popped one pair too many: the caller's
+    # hooks (a save_on_cpu(), a census's), silently, or, with none under them, torch's
+    # "INTERNAL ASSERT FAILED ... please report a bug to PyTorch", raised in place of the
+    # KeyboardInterrupt.
     torch.manual_seed(1)
     model = _Net()
     manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
     for layer in model.layers:
         pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
-    fired: list[bool] = []
-    seen = [0]
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        # The read or the pop in the boundary's forward, the push back or the phase's reset in
-        # its finally (the point[2]-th such return).
-        if event == "c_return" and not fired and frame.f_code.co_name == point[0] \
-                and getattr(arg, "__name__", "") == point[1]:
-            seen[0] += 1
-            if seen[0] == point[2]:
-                fired.append(True)
-                raise KeyboardInterrupt("Ctrl-C")
+    # The read or the pop in the boundary's forward, the push back or the phase's reset in its
+    # finally.
+    file, caller, called, n = point
+    profile, seen = _interrupt_at(caller, n, file=file, called=called)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         return t
@@ -334,16 +337,10 @@ def test_a_keyboard_interrupt_as_the_window_hooks_are_taken_off_leaves_the_calle
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0), requires_grad=True)
     own = torch.autograd.graph.saved_tensors_hooks(pack, pack)
     with own if caller_hooks else contextlib.nullcontext():
-        try:
-            sys.setprofile(profile)
-            try:
-                model(x).backward()
-            finally:
-                sys.setprofile(None)
-        except KeyboardInterrupt:
-            pass  # raised as it was: no RuntimeError in its place
+        # Raised as it was: no RuntimeError in its place.
+        assert _interrupted(profile, lambda: model(x).backward()) and len(seen) == n + 1
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        assert fired and (top is not None and top[0] is pack) is caller_hooks
+        assert (top is not None and top[0] is pack) is caller_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
 
 
@@ -373,16 +370,7 @@ def _interrupted_cached_replays() -> None:
         with nn.utils.parametrize.cached():
             loss = layer(x).square().sum()
         profile, seen = _interrupt_at("__exit__", n)
-        interrupted = False
-        try:
-            sys.setprofile(profile)
-            try:
-                loss.backward()
-            finally:
-                sys.setprofile(None)
-        except KeyboardInterrupt:
-            interrupted = True
-        if not interrupted:
+        if not _interrupted(profile, loss.backward):
             break  # past the last call of the replay's pass's exit
         points += 1
         assert nn.utils.parametrize._cache_enabled == 0, (n, seen)
@@ -397,7 +385,11 @@ def _interrupted_cached_replays() -> None:
     assert points >= 2
 
 
+_TOP_ID_CALLS = [0]
+
+
 def _top_ids(h: torch.Tensor) -> torch.Tensor:
+    _TOP_ID_CALLS[0] += 1
     return h.topk(2, dim=-1).indices
 
 
@@ -420,37 +412,22 @@ def test_a_keyboard_interrupt_as_a_pass_sets_its_phase_leaves_no_pass_active(
     # against (helper KZ) both passes calling ACTIVE.set one statement before the try whose
     # finally resets it (boundary_function.py _forward, recompute.py replay_backward): a
     # Ctrl-C delivered as it returned (as _interrupt_at stands for it) left the dead
-    # invocation in the thread's context: current_phase() answered "forward" or "recompute" for the rest of the program,
-    # every later window() of the manager's (NOTE [a window in a replay copies nothing],
-    # since helper KY any pass) and every boundary copied nothing to host, silently, and a
-    # plain reuse_during_recompute call outside any boundary returned the interrupted step's
-    # recorded ids without calling its function.
+    # invocation in the thread's context: current_phase() answered "forward" or "recompute"
+    # for the rest of the program, every later window() of the manager's (NOTE [a window in
+    # a replay copies nothing], since helper KY any pass) and every boundary copied nothing to
+    # host, silently, and a plain reuse_during_recompute call outside any boundary returned
+    # the interrupted step's recorded ids without calling its function.
     from pytree_ckpt.phase import ACTIVE
     torch.manual_seed(0)
     layer = _ReusingLayer()
     manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
     pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
-    fired: list[bool] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_return" and not fired and frame.f_code.co_name == point[0] and \
-                frame.f_code.co_filename.endswith(point[1]) and \
-                getattr(arg, "__name__", "") == "set":
-            fired.append(True)
-            raise KeyboardInterrupt("Ctrl-C")
-
+    profile, _ = _interrupt_at(point[0], 0, file=point[1], called="set")
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    try:
-        sys.setprofile(profile)
-        try:
-            layer(x).sum().backward()
-        finally:
-            sys.setprofile(None)
-    except KeyboardInterrupt:
-        pass
+    interrupted = _interrupted(profile, lambda: layer(x).sum().backward())
     leaked = ACTIVE.get()
     ACTIVE.set(None)  # not to leak into later tests
-    assert fired
+    assert interrupted
     assert leaked is None
 
 
@@ -459,57 +436,23 @@ def test_a_keyboard_interrupt_as_a_reused_call_marks_itself_running_leaves_later
     # NOTE [context variables set inside the try] in keep.py, for reuse_during_recompute's
     # own ContextVar: the sibling of helper KZ's ACTIVE. Guards against (helper LA) a Ctrl-C
     # delivered as IN_REUSE.set returned (or in any of the watches made before the try)
-    # leaving the thread's IN_REUSE set for good: every later reused call was a plain call (NOTE [reuse inside reuse]), its
-    # result no longer recorded, its function called again in each replay, not "once per
-    # step"; a save unit kept nothing more (keep.py reads IN_REUSE).
+    # leaving the thread's IN_REUSE set for good: every later reused call was a plain call
+    # (NOTE [reuse inside reuse]), its result no longer recorded, its function called again
+    # in each replay, not "once per step"; a save unit kept nothing more (keep.py reads
+    # IN_REUSE).
     from pytree_ckpt.keep import IN_REUSE
-    calls = [0]
-
-    def top_ids(h: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        return h.topk(2, dim=-1).indices
-
-    class Layer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(WIDTH, WIDTH)
-
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            ids = reuse_during_recompute(top_ids, h)
-            return self.proj(h).gather(-1, ids).sum(-1, keepdim=True) + h
-
     torch.manual_seed(0)
-    layer = Layer()
+    layer = _ReusingLayer()
     pytree_ckpt.apply_activation_checkpointing(layer)
-    fired: list[bool] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_return" and not fired and \
-                frame.f_code.co_name == "reuse_during_recompute" and \
-                getattr(arg, "__name__", "") == "set":
-            fired.append(True)
-            raise KeyboardInterrupt("Ctrl-C")
-
+    profile, _ = _interrupt_at("reuse_during_recompute", 0, file="frames.py", called="set")
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    try:
-        sys.setprofile(profile)
-        try:
-            layer(x).sum().backward()
-        finally:
-            sys.setprofile(None)
-    except KeyboardInterrupt:
-        pass
+    interrupted = _interrupted(profile, lambda: layer(x).sum().backward())
     leaked = IN_REUSE.get()
-    if leaked:  # the next step, as the rest of the program would run it
-        calls[0] = 0
-        layer(x).sum().backward()
-        once = calls[0]
-        IN_REUSE.set(())  # not to leak into later tests
-    else:
-        calls[0] = 0
-        layer(x).sum().backward()
-        once = calls[0]
-    assert fired
+    _TOP_ID_CALLS[0] = 0
+    layer(x).sum().backward()  # the next step, as the rest of the program would run it
+    once = _TOP_ID_CALLS[0]
+    IN_REUSE.set(())  # not to leak into later tests
+    assert interrupted
     assert leaked == ()
     assert once == 1  # called in the forward, its result replayed
 
@@ -577,24 +520,9 @@ def test_a_keyboard_interrupt_as_a_kept_method_marks_itself_running_leaves_no_re
     pytree_ckpt.apply_recompute_config(
         [layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
         {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptCallables("Linear.forward")})
-    seen = [0]
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_return" and frame.f_code.co_name == "__call__" and \
-                frame.f_code.co_filename.endswith("kept_callables.py") and \
-                getattr(arg, "__name__", "") == "set":
-            seen[0] += 1
-            if seen[0] == nth:
-                raise KeyboardInterrupt("Ctrl-C")
-
+    profile, _ = _interrupt_at("__call__", nth - 1, file="kept_callables.py", called="set")
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    with pytest.raises(KeyboardInterrupt):
-        sys.setprofile(profile)
-        try:
-            layer(x).sum().backward()
-        finally:
-            sys.setprofile(None)
-    assert seen[0] == nth
+    assert _interrupted(profile, lambda: layer(x).sum().backward())
     assert IN_KEPT_CALLABLE.get() == frozenset() and KEPT_METHOD.get() is None
     layer.zero_grad(set_to_none=True)
     for net in (layer, eager):  # the next step trains as eager
@@ -618,10 +546,8 @@ def test_an_error_in_a_reused_calls_own_watches_leaves_later_calls_recorded(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a watch that fails")
 
-    real = getattr(frames, watch)
     monkeypatch.setattr(frames, watch, broken)
     h = torch.randn(4, WIDTH)
     with pytest.raises(RuntimeError, match="a watch that fails"):
         pytree_ckpt.checkpoint(lambda x: reuse_during_recompute(top_ids, x).float() * x, h)
     assert IN_REUSE.get() == ()
-    monkeypatch.setattr(frames, watch, real)
