@@ -38,7 +38,7 @@ import torch
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.eager import runs_eagerly
 from pytree_ckpt.errors import CheckpointConfigError, require_callable, validate_bool
-from pytree_ckpt.phase import ACTIVE
+from pytree_ckpt.phase import ACTIVE, REBUILDING
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
 
@@ -369,15 +369,17 @@ class OffloadManager:
             require_callable(name, "OffloadManager.window's name=", "name=lambda i: "
                              "f'block.args[{i}]', or leave it out ('window tensor #i')",
                              role="a function from a tensor's index to its name in messages")
-        if ACTIVE.get() is not None:
+        if ACTIVE.get() is not None or REBUILDING.get():
             # NOTE [a window in a replay copies nothing]: a window() of the layer's own, opened
             # again as a boundary's replay reruns the layer in backward, where what it saves is
             # read back at once by the replay's own backward: copied to host and straight back
             # (helper KM: a host round trip per layer, and each replay's window turned the
             # pass, its events lost). Likewise in a boundary's original pass, where only an
             # enable_grad region saves anything, for a backward of its own before the pass ends
-            # (helper KY). The pass runs it with no hooks, as a boundary nested in another
-            # opens no window; the window bound is one of no pass of the manager's.
+            # (helper KY), and in an output discard's rebuild (NOTE [a discard's rebuild opens
+            # no window] in pytree_ckpt/phase.py). The pass runs it with no hooks, as a
+            # boundary nested in another opens no window; the window bound is one of no pass
+            # of the manager's.
             with self._lock:  # NOTE [one thread at a time]
                 idle = Window(Pass(self._lanes.mine(), deque()), {}, name, seq=-1)
             yield idle

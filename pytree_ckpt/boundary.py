@@ -106,7 +106,7 @@ from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches
                            collect_parameters, ever_verified, graph_attributes, is_verified,
                            module_dicts, owning_module, warn_forward_hooks)
 from .parameter_hooks import skip_no_gradient
-from .phase import ACTIVE
+from .phase import ACTIVE, REBUILDING
 from .plain_state import NOTHING_HELD, watch_plain_state
 from .rebound import NOTHING_BOUND, modules_bound
 from .recompute import dynamo_marks
@@ -310,7 +310,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         inputs = [*unique, *params]
     active = ACTIVE.get()
     try:
-        if options.offload is None or active is not None:
+        # NOTE [a discard's rebuild opens no window] (phase.py) too
+        if options.offload is None or active is not None or REBUILDING.get():
             # NOTE: a boundary nested in another's replay runs in backward, where its inputs are
             # needed again at once: copying them to host and straight back would only cost time.
             # So does one nested in another's original pass (a body taking a gradient under

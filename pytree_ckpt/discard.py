@@ -79,6 +79,7 @@ from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_
 from .replay_values import OutputPrints, check_rebuilt
 from .rebound import Bound, modules_bound_now, refuse_rebound
 from .refusals import refuse_container, refuse_double_backward
+from .phase import rebuilding
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
@@ -479,6 +480,7 @@ class CheckpointWithoutOutput:
         with ExitStack() as stack:
             stack.enter_context(self.env.replaying())
             stack.enter_context(IsolatedPass(cached=self.env.parametrize_cached))
+            stack.enter_context(rebuilding())  # NOTE [a discard's rebuild opens no window]
             sets = replay_watch(self.generator_sets)
             if sets is not None:  # NOTE [a forward that sets a default generator's state]
                 stack.enter_context(sets)

@@ -10,6 +10,8 @@ two asyncio tasks) from seeing each other's invocations.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
@@ -50,6 +52,25 @@ class Invocation:
 
 # The innermost active invocation; each one links to its enclosing invocation.
 ACTIVE: ContextVar[Invocation | None] = ContextVar("pytree_ckpt_active_invocation", default=None)
+
+# NOTE [a discard's rebuild opens no window]: an output discard rebuilds its output in backward
+# (discard.py ``_replay``), outside every boundary pass (``ACTIVE`` unset there: its phase, as
+# ``current_phase()`` reads it, is the caller's). What a checkpointed block or a window() of the
+# user's own saves there is read back by the rebuild's own backward at once: an offload window
+# would copy it to host and straight back, and turn its manager's pass (helper KY). Set while
+# a rebuild runs; read where a window would open (boundary.py, offload's eager_window).
+REBUILDING: ContextVar[bool] = ContextVar("pytree_ckpt_discard_rebuilding", default=False)
+
+
+@contextmanager
+def rebuilding() -> Iterator[None]:
+    """Within: an output discard's rebuild runs (NOTE [a discard's rebuild opens no window])."""
+    outer = REBUILDING.get()
+    try:
+        REBUILDING.set(True)  # NOTE [context variables set inside the try] (keep.py)
+        yield
+    finally:
+        REBUILDING.set(outer)
 
 
 def current_phase() -> Phase:

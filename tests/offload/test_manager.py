@@ -2308,18 +2308,13 @@ class _DiscardedBlock(nn.Module):
         return h + out
 
 
-@pytest.mark.xfail(strict=True, reason="documented (docs/offload.md, a boundary nested in "
-                   "another): a boundary in a discard's rebuild opens a window in backward, "
-                   "ACTIVE being unset there (helper KY)")
 def test_a_checkpointed_block_inside_a_discard_of_an_offloaded_layer_opens_no_window_in_backward(
 ) -> None:
-    # docs/offload.md: "A boundary nested inside another one runs again in the outer replay,
-    # in backward; there it opens no window, since its inputs are needed again at once." A
-    # block whose output the layer discards runs under no-grad in the replay (no boundary),
-    # and is rebuilt by the discard's gradient hook during the replay's own backward, which
-    # recompute.py runs after ACTIVE.reset: the block's boundary sees no active invocation and
-    # opens a real window in backward, its input copied to host and straight back (a host
-    # round trip per layer), and each such window turns the pass (the events are lost).
+    # Guards against (helper KY) a block whose output the layer discards being rebuilt by the
+    # discard's gradient hook during the replay's own backward, after the replay's pass ended:
+    # its boundary saw no active invocation and opened a real window in backward, its input
+    # copied to host and straight back (a host round trip per layer), each such window turning
+    # the pass (the events lost). NOTE [a discard's rebuild opens no window] (phase.py).
     torch.manual_seed(0)
     m = manager(prefetch=1)
     layers = nn.ModuleList(_DiscardedBlock() for _ in range(3))
@@ -2328,6 +2323,65 @@ def test_a_checkpointed_block_inside_a_discard_of_an_offloaded_layer_opens_no_wi
         apply_activation_checkpointing(layer, offload=m)
         apply_activation_checkpointing(layer.block, offload=m)
     _copies_each_layer_input_once_and_prefetches(layers, eager, m)
+
+
+class _BlockInOwnWindow(nn.Module):
+    """A function an output discard runs: a window of its own over a scaled input, around a
+    block checkpointed with the same manager (with a frozen result, its routing ids)."""
+
+    def __init__(self, m: OffloadManager) -> None:
+        super().__init__()
+        self.block = Routed()
+        self.m = m
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h2 = h * 2
+        with self.m.window([h2]):
+            return self.block(torch.sin(h2))
+
+
+def _residual_tanh(layers: nn.ModuleList, x: torch.Tensor, *, discarded: bool) -> torch.Tensor:
+    """``x + tanh(layer(x))`` layer after layer; ``discarded``: each layer run through an output
+    discard outside any checkpointed layer, its output discarded once the tanh read it."""
+    for layer in layers:
+        if not discarded:
+            x = x + torch.tanh(layer(x))
+            continue
+        discard = pytree_ckpt.CheckpointWithoutOutput()
+        y = discard.checkpoint(layer, x)
+        x = x + torch.tanh(y)
+        discard.discard_output_and_register_recompute(x)
+    return x
+
+
+def test_an_output_discard_rebuilding_an_offloaded_block_or_a_window_copies_nothing_to_host(
+) -> None:
+    # NOTE [a discard's rebuild opens no window] (phase.py): a discard outside any checkpointed
+    # layer runs its function under no-grad in forward (nothing saved, no window), and again in
+    # backward to rebuild its output, whose own backward runs at once: the block's boundary and
+    # the function's own window() there copied each saved input (and the block's routing ids)
+    # to host and straight back (helper KY's case, without the outer layer).
+    torch.manual_seed(0)
+    m = manager(prefetch=1)
+    layers = nn.ModuleList(_BlockInOwnWindow(m) for _ in range(3))
+    eager = nn.ModuleList(_BlockInOwnWindow(manager()) for _ in range(3))
+    eager.load_state_dict(layers.state_dict())
+    for layer in layers:
+        apply_activation_checkpointing(layer.block, offload=m)
+    x = torch.randn(8, 32)
+    xe = x.clone().requires_grad_()
+    _residual_tanh(eager, xe, discarded=False).sum().backward()
+    xl = x.clone().requires_grad_()
+    out = _residual_tanh(layers, xl, discarded=True).sum()
+    # The no-grad forward's windows (the function's own, the block's) save nothing.
+    forward_windows = m.stats()["windows"]
+    out.backward()
+    assert torch.equal(xl.grad, xe.grad)
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in layers.parameters()])
+    gc.collect()
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 0
+    assert stats["windows"] == forward_windows and m.events() == []
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # jvp
