@@ -157,6 +157,8 @@ def _anchor() -> torch.Tensor:
 _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
 _is_tracing: Any = torch._C._is_tracing  # torch.jit.trace records (torch.jit.is_tracing's test)
 _compiler = torch.compiler  # _is_exporting_flag: torch.compiler.is_exporting()'s, read as is
+# _is_fx_tracing_flag: torch.fx.symbolic_trace records (is_fx_tracing()'s, without its warning)
+_fx_trace: Any = torch.fx._symbolic_trace
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -167,14 +169,16 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     """
     if not torch.is_grad_enabled() or _functorch_transforms_active() \
             or _forward_ad._current_level >= 0 or _is_tracing() \
-            or getattr(_compiler, "_is_exporting_flag", False):
+            or getattr(_compiler, "_is_exporting_flag", False) \
+            or getattr(_fx_trace, "_is_fx_tracing_flag", False):
         # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
         # jacrev) too: the Function has no setup_context, and torch's error would name no fix
         # (read as Function.apply reads it: see _functorch_transforms_active);
         # and inside forward-mode AD's dual_level(): the no-grad original pass drops the
         # tangents of dual tensors it reaches other than as inputs (parameters swapped in by
-        # functional_call), silently; and while torch.jit.trace or torch.export (non-strict)
-        # records the forward.
+        # functional_call), silently; and while torch.jit.trace, torch.export (non-strict) or
+        # torch.fx.symbolic_trace records the forward (helper LE: fx's proxies ran the boundary,
+        # offload windows opened, and that pass counted as a save unit's first forward).
         return fn(*args, **kwargs)
     flat = flatten_call(args, kwargs)
     leaves = flat.leaves

@@ -110,6 +110,8 @@ _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
 # torch.jit's, not torch._C._is_tracing, which boundary.py reads: dynamo, which traced this
 # method before NOTE [discard stays eager], knew torch.jit.is_tracing, not the C function.
 _is_tracing = torch.jit.is_tracing
+_compiler = torch.compiler  # _is_exporting_flag, read as boundary.py reads it
+_fx_trace: Any = torch.fx._symbolic_trace  # _is_fx_tracing_flag, likewise
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
@@ -256,7 +258,8 @@ class CheckpointWithoutOutput:
         needs_grad = bool(self.params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         transformed = _functorch_transforms_active() or _forward_ad._current_level >= 0 \
-            or _is_tracing()
+            or _is_tracing() or getattr(_compiler, "_is_exporting_flag", False) \
+            or getattr(_fx_trace, "_is_fx_tracing_flag", False)
         # NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint
         # (transformers' gradient checkpointing, torchtune, torchtitan) runs the body with
         # grad on under its own saved-tensor hooks, which keep nothing, and runs it again in
@@ -271,8 +274,10 @@ class CheckpointWithoutOutput:
             # that needs a gradient): nothing to discard; a boundary's replay runs this again.
             # Under a torch.func transform or forward-mode AD, which build their own graph (and
             # where the Function, with no setup_context or jvp, is refused), and while
-            # torch.jit.trace records (it would record the Python Function), it is a plain call
-            # too, as the boundary is (NOTE [when there is no boundary] in boundary.py).
+            # torch.jit.trace, torch.export or torch.fx records (they would record the Python
+            # Function, or the no-grad region around the op: helper LE's export, whose program
+            # gave the op's input no gradient), it is a plain call too, as the boundary is
+            # (NOTE [when there is no boundary] in boundary.py).
             if torch.is_grad_enabled() and not transformed and not inside_torchs and \
                     self._name() not in _INERT_LOGGED:
                 _INERT_LOGGED.add(self._name())  # once per op: a step would repeat it

@@ -47,12 +47,16 @@ BOUNDARY_REASON = (
 REUSE_REASON = (
     "pytree_ckpt.reuse_during_recompute runs eagerly: it records its result in the boundary's "
     "frame, which traced code would not follow, so a compiled body graph-breaks at the call. "
-    "Compile such a body without fullgraph=True (see docs/scaling.md)")
+    "Compile such a body without fullgraph=True (see docs/scaling.md). To export a model that "
+    "calls it, use torch.export's default strict=False, where it is a plain call "
+    "(docs/boundary.md, 'Shipping a trained model')")
 DISCARD_REASON = (
     "pytree_ckpt's output discard (CheckpointWithoutOutput) runs eagerly: it frees outputs in "
     "place and hangs their rebuild on a gradient hook, which traced code would not follow, so "
     "a compiled body graph-breaks at each discarded op. Compile such a body without "
-    "fullgraph=True (see docs/scaling.md)")
+    "fullgraph=True (see docs/scaling.md). To export a model that discards outputs, use "
+    "torch.export's default strict=False, where each discard is a plain call (docs/boundary.md, "
+    "'Shipping a trained model')")
 PHASE_REASON = (
     "pytree_ckpt.current_phase() runs eagerly: it reads which pass of a checkpoint boundary is "
     "running from a ContextVar, which dynamo can neither trace nor guard on, so a compiled body "

@@ -76,6 +76,8 @@ def rebuilding() -> Iterator[None]:
 def current_phase() -> Phase:
     """The phase of the innermost active boundary: ``"plain"``, ``"forward"`` or ``"recompute"``."""
     if _is_compiling():
+        if _is_exporting():  # no boundary is built while torch.export records (boundary.py)
+            return Phase.PLAIN
         # Opaque to dynamo, with the reason, where it traces: a fullgraph body failed with
         # dynamo's bare "does not know how to trace method get of class ContextVar" and a
         # plea to report it. Not in eager, where the opaque wrapper would cost about 3 us.
@@ -90,3 +92,4 @@ def _phase() -> Phase:
 
 _phase_opaque = runs_eagerly(PHASE_REASON)(_phase)
 _is_compiling = torch.compiler.is_compiling
+_is_exporting = torch.compiler.is_exporting

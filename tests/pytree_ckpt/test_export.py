@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -128,3 +129,119 @@ def test_exporting_a_model_with_an_offloading_layer_opens_no_window_and_warns_of
     assert torch.equal(program.module()(x), twin(x))
     assert [r.getMessage() for r in caplog.records if r.name.startswith("offload")] == []
     assert manager.stats()["windows"] == 0
+
+
+class _Indexed(nn.Module):
+    """A layer that computes its top-k ids through reuse_during_recompute (the DSA pattern) and
+    discards its activation's output (CheckpointWithoutOutput), or calls each plainly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.indexer = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+        self.reuse = self.discard = False
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        return self.indexer(x).topk(2, dim=-1).indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = pytree_ckpt.reuse_during_recompute(self.select, x) if self.reuse else self.select(x)
+        if self.discard:
+            discard = pytree_ckpt.CheckpointWithoutOutput()
+            h = self.out(discard.checkpoint(torch.tanh, x))
+            discard.discard_output_and_register_recompute(h)
+        else:
+            h = self.out(torch.tanh(x))
+        return x + torch.gather(h, -1, ids).sum(-1, True)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_forward_calling_the_library_itself_exports_non_strict_and_a_strict_export_names_it(
+        grad: bool) -> None:
+    # Guards against (helper LE) docs/boundary.md's "Shipping a trained model" promising a
+    # strict export after remove_activation_checkpointing, where a forward that calls
+    # reuse_during_recompute or an output discard itself still runs them: dynamo refused each
+    # with a tip about compiling without fullgraph=True only. Non-strict export (the default)
+    # records each as the plain call (the discard's no-grad region was recorded around its op,
+    # whose input then got no gradient from the program); a strict one names strict=False.
+    torch.manual_seed(0)
+    twin = nn.Sequential(nn.Linear(8, 8), _Indexed(), nn.Linear(8, 2))
+    model = copy.deepcopy(twin)
+    model[1].reuse = model[1].discard = True
+    pytree_ckpt.apply_activation_checkpointing(model[1])
+    x = torch.randn(2, 8)
+    model(x).sum().backward()  # trained
+    pytree_ckpt.remove_activation_checkpointing(model)
+    model.eval()
+    twin.eval()
+    with torch.set_grad_enabled(grad):
+        program = torch.export.export(model, (x,))
+        assert call_targets(program) == call_targets(torch.export.export(twin, (x,)))
+        assert torch.equal(program.module()(x), twin(x))
+        for reuse, name in [(True, "reuse_during_recompute"), (False, "CheckpointWithoutOutput")]:
+            model[1].reuse = reuse
+            with pytest.raises(Exception, match="strict=False") as refused:
+                torch.export.export(model, (x,), strict=True)
+            assert name in str(refused.value)
+
+
+def test_fx_symbolic_trace_of_a_model_with_a_save_unit_layer_opens_no_window_and_warns_of_nothing(
+        ) -> None:
+    # Guards against (helper LE) the fx tracer calling each checkpointed layer's boundary with
+    # its proxies (docs/boundary.md: an fx trace records the plain forward): the offload manager
+    # opened a window per layer, that proxy pass counted as the layers' first original pass (the
+    # save unit warned of as keeping nothing in the real first forward), and the graph held a
+    # dead getattr node per parameter the boundary collected.
+    twin, model = twin_and_model()
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    apply_recompute_config([model[1]], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptCallables("Proj.project")}, offload=manager)
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.fx.symbolic_trace(model)
+        assert manager.stats()["windows"] == 0
+        assert traced.code == torch.fx.symbolic_trace(twin).code
+        assert torch.equal(traced(x), twin(x))
+        model(x).sum().backward()  # the first training step, after the trace
+    assert [str(w.message)[:80] for w in caught if "pytree_ckpt" in str(w.message)] == []
+    assert manager.stats()["windows"] == 1  # the training step's only
+
+
+class _Discarding(nn.Module):
+    """A linear whose output is discarded after its tanh (a module with parameters: the
+    discard's graph path), or the same ops plainly; the scale follows current_phase()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.discard = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 2.0 if pytree_ckpt.current_phase() == "plain" else 3.0
+        if not self.discard:
+            return self.b(torch.tanh(self.a(x))) * scale
+        discard = pytree_ckpt.CheckpointWithoutOutput()
+        y = torch.tanh(discard.checkpoint(self.a, x))
+        discard.discard_output_and_register_recompute(y)
+        return self.b(y) * scale
+
+
+def test_fx_and_strict_export_of_a_forward_reading_current_phase_and_discarding_record_plain_ops(
+        ) -> None:
+    # Guards against (helper LE's fx finding, for output discard) the discard running its
+    # Function on fx proxies (refused: "needs Linear to return a tensor", got Proxy), and
+    # current_phase() refused by a strict export (opaque to dynamo): no boundary is built while
+    # either records, so the phase is "plain" there.
+    torch.manual_seed(0)
+    twin = _Discarding()
+    model = copy.deepcopy(twin)
+    model.discard = True
+    x = torch.randn(2, 8)
+    traced = torch.fx.symbolic_trace(model)
+    assert traced.code == torch.fx.symbolic_trace(twin).code
+    assert torch.equal(traced(x), twin(x))
+    model.discard = False
+    program = torch.export.export(model, (x,), strict=True)
+    assert torch.equal(program.module()(x), twin(x))
