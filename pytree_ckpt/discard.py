@@ -84,7 +84,7 @@ from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
-from .tree import dunder, flatten
+from .tree import dunder, flatten, holds_fx_proxy
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 
@@ -111,7 +111,7 @@ _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
 # method before NOTE [discard stays eager], knew torch.jit.is_tracing, not the C function.
 _is_tracing = torch.jit.is_tracing
 _compiler = torch.compiler  # _is_exporting_flag, read as boundary.py reads it
-_fx_trace: Any = torch.fx._symbolic_trace  # _is_fx_tracing_flag, likewise
+_fx_trace: Any = torch.fx._symbolic_trace  # NOTE [a call torch.fx records] (tree.py)
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
@@ -259,7 +259,7 @@ class CheckpointWithoutOutput:
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         transformed = _functorch_transforms_active() or _forward_ad._current_level >= 0 \
             or _is_tracing() or getattr(_compiler, "_is_exporting_flag", False) \
-            or getattr(_fx_trace, "_is_fx_tracing_flag", False)
+            or getattr(_fx_trace, "_is_fx_tracing_flag", False) and holds_fx_proxy((args, kwargs))
         # NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint
         # (transformers' gradient checkpointing, torchtune, torchtitan) runs the body with
         # grad on under its own saved-tensor hooks, which keep nothing, and runs it again in
