@@ -40,7 +40,7 @@ from .saved import Unchanged
 from .state_changes import refuse_graph_read, versions
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
-from .subclass import as_kind, detached as alias_of
+from .subclass import alias_as_kind, as_kind, detached as alias_of
 from .tree import FlatTree, alias_all, flatten, leaf_paths
 from .tree_refusals import open_containers, refuse_filled_containers
 
@@ -286,7 +286,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 for position, marks in call.marks.items():
                     _copy_dynamo_marks(marks, aliases[position])
             if call.subclasses is not None:
-                aliases = tuple(as_kind(a, kind) for a, kind in zip(aliases, call.subclasses))
+                aliases = tuple(alias_as_kind(a, d, kind)  # NOTE [a subclass whose view is plain]
+                                for a, d, kind in zip(aliases, detached, call.subclasses))
             args, kwargs = call.inputs(aliases)
             if call.kept_aliases is not None:  # NOTE [outputs on a kept storage]
                 refuse_changed_kept(call.fn, call.kept_aliases, lambda position: leaf_paths(

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["SubclassKind", "as_kind", "detached", "kind_of", "plain_parts", "rebuilt_by_parts",
-           "rebuilt_parts", "with_attributes_of"]
+__all__ = ["SubclassKind", "alias_as_kind", "as_kind", "detached", "kind_of", "plain_parts",
+           "rebuilt_by_parts", "rebuilt_parts", "with_attributes_of"]
 
 
 class SubclassKind(NamedTuple):
@@ -81,6 +81,21 @@ def as_kind(tensor: torch.Tensor, kind: SubclassKind | None, /, *,
         for name, value in kind.slots:
             setattr(tensor, name, value)
     return tensor
+
+
+def alias_as_kind(alias: torch.Tensor, leaf: torch.Tensor, kind: SubclassKind | None, /
+                  ) -> torch.Tensor:
+    """``alias`` (a view of the detached input ``leaf``) as ``kind``'s class, with its attributes.
+
+    NOTE [a subclass whose view is plain]: a wrapper subclass whose ops other than ``detach``
+    run on its inner value (a float8 activation that dequantizes: helper LD) gives a plain
+    tensor for the view; ``as_subclass`` would give that the class without its inner tensors
+    (the layer's first read of one raised AttributeError in backward). ``leaf``, detached with
+    its class kept, serves as it is: a leaf where the replay prefers a non-leaf alias
+    (recompute.py), for that input alone."""
+    if kind is not None and type(alias) is not kind.cls:
+        return as_kind(leaf, kind)
+    return as_kind(alias, kind)
 
 
 def with_attributes_of(tensor: torch.Tensor, given: torch.Tensor, /) -> torch.Tensor:

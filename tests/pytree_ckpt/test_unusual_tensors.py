@@ -602,3 +602,69 @@ def test_a_sparse_buffer_a_reused_call_scales_in_place_gives_eagers_outputs_and_
         ) -> None:
     torch.manual_seed(0)
     assert_same(*_one_step_eager_and_checkpointed(_ScalesItsGraphInAReusedCall()))
+
+
+class _Float8Like(torch.Tensor):
+    """A hand-written fp8 activation (as a torchao or TransformerEngine recipe passes between
+    layers): a traceable wrapper subclass holding float8 bytes and a scale, whose ops other than
+    ``detach`` and ``t`` run on its dequantized value and return plain tensors."""
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor) -> _Float8Like:
+        out = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32,
+                                                  device=data.device, strides=data.stride())
+        out._data, out._scale = data, scale
+        return out
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_data", "_scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: None, size: Any,
+                             stride: Any) -> _Float8Like:
+        return _Float8Like(inner["_data"], inner["_scale"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.t.default):
+            return _Float8Like(func(args[0]._data), args[0]._scale)
+        unwrap = (lambda t: t._data.float() / t._scale if isinstance(t, _Float8Like) else t)
+        return func(*torch.utils._pytree.tree_map(unwrap, args),
+                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+class _ToFloat8Like(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return _Float8Like((x * scale).to(torch.float8_e4m3fn), scale)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None                                     # straight through
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["recompute", "offload"])
+def test_a_float8_wrapper_subclass_input_that_requires_grad_gives_eagers_gradients(
+        offloaded: bool) -> None:
+    # Guards against (helper LD) the float, trainable sibling of the edge-index case above:
+    # the replay's detach keeps the class (subclass.detached), but alias_all's view_as
+    # (tree.py) dispatches to the inner value and returns a plain tensor, which as_kind gave
+    # the class back by as_subclass alone: AttributeError '_data' in backward, where eager
+    # trains. NOTE [a subclass whose view is plain] (subclass.py).
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def layer(xf: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.mm(xf, weight))
+
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for run in (layer, pytree_ckpt.checkpointed(layer, offload=manager if offloaded else False)):
+        weight.grad, x.grad = None, None
+        run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0))).square().sum().backward()
+        grads.append((weight.grad, x.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
