@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 import pytree_ckpt
 from pytree_ckpt import apply_activation_checkpointing, reuse_during_recompute
-from pytree_ckpt.rng import ReplayEnvironment, rng_changed, rng_state, set_rng_state
+from pytree_ckpt.rng import IsolatedPass, ReplayEnvironment, rng_changed, rng_state, set_rng_state
 from tests.conftest import assert_same_grads, grads_of
 from tests.pytree_ckpt.models import JitteredOnly, jittered_topk
 
@@ -480,3 +481,62 @@ def test_every_kernel_switch_set_around_the_forward_only_is_set_again_for_the_re
             out = layer(x)
         out.float().square().sum().backward()
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in twin.parameters()])
+
+
+# Helper LG (mutation round over rng.py): one test per surviving mutant.
+
+
+def test_a_pass_that_ends_before_a_later_one_hands_the_callers_cache_on_to_it() -> None:
+    # Mutant (helper LG): the first pass to end, its cache swapped out by a later pass still
+    # running (passes of two threads overlap without nesting), not handing its outer cache
+    # on: the later pass then put back the first pass's own cache, and the caller's block
+    # lost its cache.
+    with parametrize.cached():
+        caller = parametrize._cache
+        first, second = IsolatedPass(), IsolatedPass()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        second.__exit__(None, None, None)
+        assert parametrize._cache is caller
+
+
+def _counted(x: torch.Tensor) -> torch.Tensor:
+    return (x * torch.arange(3.0)).square()  # a table made without naming a device
+
+
+def test_the_replay_runs_under_the_innermost_default_device_of_the_forward() -> None:
+    # Mutant (helper LG): _default_device reading the outermost DeviceContext: the replay
+    # made its table on the meta device (an error in backward) where the forward's was on
+    # the CPU.
+    x = torch.randn(3, requires_grad=True)
+    grads = []
+    for wrap in (False, True):
+        with torch.device("meta"), torch.device("cpu"):
+            out = pytree_ckpt.checkpoint(_counted, x) if wrap else _counted(x)
+        out.sum().backward()
+        grads.append(x.grad)
+        x.grad = None
+    assert torch.equal(*grads)
+
+
+def test_a_replay_entered_under_another_default_device_runs_under_the_forwards() -> None:
+    # Mutant (helper LG): the replay entering the forward's default device only where no
+    # mode at all is active (not where another default device is): a replay run outside
+    # backward under torch.device("meta") made its tensors there.
+    with torch.device("cpu"):
+        env = ReplayEnvironment.capture((), preserve_rng=False)
+    with torch.device("meta"):
+        with env.replaying():
+            assert torch.empty(1).device == torch.device("cpu")
+        assert torch.empty(1).device == torch.device("meta")
+
+
+def test_a_replay_puts_the_callers_grad_mode_back() -> None:
+    # Mutant (helper LG): Replaying's exit not restoring grad mode: a replay entered under
+    # no_grad (enabled for the replay) left grad enabled after it.
+    env = ReplayEnvironment.capture((), preserve_rng=True)
+    with torch.no_grad():
+        with env.replaying():
+            assert torch.is_grad_enabled()
+        assert not torch.is_grad_enabled()

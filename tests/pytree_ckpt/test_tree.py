@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import torch
 from pytree_ckpt import (CheckpointError, ReplayMismatchError, apply_activation_checkpointing,
                          checkpoint, current_phase,
                          reuse_during_recompute)
+from pytree_ckpt.tree import can_look_into, hidden_tensor
 from tests.pytree_ckpt.models import MappingOutput
 
 
@@ -1618,3 +1620,98 @@ def test_a_dataclass_input_with_an_unset_field_and_a_keyerror_getattr_keeps_eage
     assert torch.equal(got, expected)
     got.sum().backward()
     assert torch.equal(x.grad, grad)
+
+
+# Helper LG (mutation round over tree.py): one test per surviving mutant.
+
+
+@dataclasses.dataclass
+class SizedOutput(MappingOutput):
+    logits: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.vocab = self.logits.shape[-1]  # type: ignore[union-attr]  # reads a defaulted field
+
+
+def test_a_mapping_dataclass_whose_post_init_reads_a_defaulted_field_is_rebuilt_with_it(
+        ) -> None:
+    # Mutant (helper LG): the mapping dataclass rebuilt through __init__ with only its
+    # required fields (not the defaulted ones that are keys): __post_init__ then reads None
+    # (AttributeError at the call, where eager passes).
+    x = torch.randn(2, 5, requires_grad=True)
+    grads = []
+    for out in (SizedOutput(logits=x * 2), checkpoint(lambda t: SizedOutput(logits=t * 2), x)):
+        assert type(out) is SizedOutput and out.vocab == 5 and list(out.keys()) == ["logits"]
+        out["logits"].square().sum().backward()
+        grads.append(x.grad)
+        x.grad = None
+    assert torch.equal(*grads)
+
+
+def test_a_tensor_in_a_functions_default_is_named_by_its_own_parameter() -> None:
+    # Mutant (helper LG): the defaults' names taken one parameter early: the tensor in c's
+    # default was reported as b's (the message sends the user to the wrong parameter).
+    t = torch.ones(1)
+
+    def f(a: Any, b: Any = 1, c: Any = t) -> Any:
+        return a
+
+    found = hidden_tensor(f, lambda _: True)
+    assert found is not None and found[0] == "<default of c>" and found[1] is t
+
+
+def test_a_module_inside_a_namespace_argument_is_not_refused_and_gets_eager_gradients() -> None:
+    # Mutant (helper LG): hidden_tensor not skipping modules looked into the module's
+    # _parameters through a SimpleNamespace argument and refused the call (a parameter that
+    # requires grad "hidden" in a container), where eager runs.
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def fn(t: torch.Tensor, ns: types.SimpleNamespace) -> torch.Tensor:
+        return ns.proj(t).tanh()
+
+    grads = []
+    for wrap in (False, True):
+        ns = types.SimpleNamespace(proj=lin)
+        out = checkpoint(fn, x, ns) if wrap else fn(x, ns)
+        out.sum().backward()
+        grads.append((x.grad, lin.weight.grad, lin.bias.grad))
+        x.grad = lin.weight.grad = lin.bias.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _WeakIterator:
+    __slots__ = ("__weakref__",)
+
+    def __iter__(self) -> _WeakIterator:
+        return self
+
+    def __next__(self) -> int:
+        raise StopIteration
+
+
+def test_an_iterator_whose_only_slot_is_weakref_cannot_be_looked_into() -> None:
+    # Mutant (helper LG): _slot_names keeping __weakref__ made an iterator with nothing to
+    # see count as one the bridge can look into.
+    assert not can_look_into(_WeakIterator())
+
+
+def test_a_tree_too_deep_for_optree_but_not_for_python_stays_a_recursion_error() -> None:
+    # Mutant (helper LG): flatten going on to the cycle refusal where _cycle_path found no
+    # cycle (a tree deeper than optree's own limit, about 1000 levels, under a raised Python
+    # recursion limit): an AttributeError from _at(None) instead of Python's RecursionError.
+    x = torch.randn(3, requires_grad=True)
+    deep: list[Any] = []
+    cur = deep
+    for _ in range(1500):
+        nxt: list[Any] = []
+        cur.append(nxt)
+        cur = nxt
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)
+    try:
+        with pytest.raises(RecursionError):
+            checkpoint(lambda t, d: t * 2, x, deep)
+    finally:
+        sys.setrecursionlimit(limit)
