@@ -12,7 +12,7 @@ from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError
                      SavedTensorChanged)
 from .frames import reuse_during_recompute
 from .kept_callables import KeptCallables
-from .kept_ops import KeptOps
+from .kept_ops import KeptOps, RecomputeTarget
 from .apply import apply_activation_checkpointing, checkpoint_layers, resolve_offload
 from .module import is_checkpointed, remove_activation_checkpointing
 from .phase import Phase, current_phase
@@ -30,6 +30,7 @@ __all__ = [
     "Mechanism",
     "Phase",
     "RecomputeConfig",
+    "RecomputeTarget",
     "RecomputeTargetMap",
     "ReplayMismatchError",
     "ResidualStreamRecomputeContext",

@@ -11,7 +11,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from torch import nn
 
@@ -30,6 +30,8 @@ OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_layers", "resolve_offload",
            "layer_count", "refuse_checkpointed_beyond", "validate_ratio", "warn_offload_unused"]
+
+M = TypeVar("M", bound=nn.Module)  # the module given is the one returned, changed in place
 
 
 def warn_offload_unused(offload: bool | OffloadManager | None, count: int, total: int,
@@ -79,12 +81,12 @@ def resolve_offload(offload: bool | OffloadManager | None, /) -> OffloadManager 
 
 
 @refuses_torch_options
-def apply_activation_checkpointing(module: nn.Module, /, *, preserve_rng_state: bool = True,
+def apply_activation_checkpointing(module: M, /, *, preserve_rng_state: bool = True,
                                    offload: bool | OffloadManager | None = None,
                                    verify_replay: bool = False,
                                    check_fn: Callable[[nn.Module], bool] | None = None,
                                    checkpoint_wrapper_fn: None = None,
-                                   auto_wrap_policy: None = None) -> nn.Module:
+                                   auto_wrap_policy: None = None) -> M:
     """Route ``module``'s forward through the boundary, in place; returns ``module``.
 
     ``offload``: ``None`` reads ``XTUNER_ACTIVATION_OFFLOAD`` (``1``/``true`` on, ``0``/

@@ -55,7 +55,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -132,6 +132,8 @@ _INERT_LOGGED: set[str] = set()
 # reason: the body breaks its graph at each, holds a real object across the breaks, and
 # compiles what comes between them.
 _eager = runs_eagerly(DISCARD_REASON)
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class CheckpointWithoutOutput:
@@ -198,7 +200,7 @@ class CheckpointWithoutOutput:
         self.changed_numbers: ChangedNumbers | None = None
 
     @_eager
-    def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    def checkpoint(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)`` under no-grad; inputs saved through autograd; returns its
         output. Keyword arguments take plain values only (``eps=1e-6``)."""
         if self.fn is not None:
@@ -317,7 +319,7 @@ class CheckpointWithoutOutput:
         self.versions = [o._version for o in self.outputs]  # they share the outputs' counters
         self.checkpointed = True
         # fn's own container: a list of outputs comes back a list (the Function returns a tuple)
-        return outputs[0] if self.single else list(outputs) if self.as_list else outputs
+        return cast(T, outputs[0] if self.single else list(outputs) if self.as_list else outputs)
 
     def _paths(self) -> list[str]:
         """How a message names each output."""

@@ -7,7 +7,7 @@ residual-stream plan (residual_plan.py) gives each block of layers one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -21,6 +21,8 @@ from .refusals import refuse_double_backward
 __all__ = ["CheckpointWithoutOutputManager"]
 
 _eager = runs_eagerly(DISCARD_REASON)  # NOTE [discard stays eager] (discard.py)
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class CheckpointWithoutOutputManager:
@@ -40,7 +42,7 @@ class CheckpointWithoutOutputManager:
         self.registered = False
 
     @_eager
-    def checkpoint(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    def checkpoint(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)`` through a new ``CheckpointWithoutOutput`` of this manager, in
         forward order; returns its output."""
         if self.registered:

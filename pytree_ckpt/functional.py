@@ -10,7 +10,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ __all__ = ["checkpoint", "checkpointed"]
 _ABSENT = object()  # a name functools.wraps would copy, not there
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def _whose(names: list[str], /, *, short: bool = False) -> str:
@@ -215,7 +216,7 @@ def _tell_env_offload_unused(fn: Callable[..., Any], /) -> None:
 
 
 @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py, for calls too
-def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+def checkpoint(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
     """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
 
     Every keyword goes to ``fn``; set boundary options with :func:`checkpointed`.
@@ -266,9 +267,9 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
 
 @refuses_torch_options
-def checkpointed(fn: Callable[..., T], /, *, preserve_rng_state: bool = True,
+def checkpointed(fn: Callable[P, T], /, *, preserve_rng_state: bool = True,
                  offload: bool | OffloadManager | None = None,
-                 verify_replay: bool = False) -> Callable[..., T]:
+                 verify_replay: bool = False) -> Callable[P, T]:
     """Return ``fn`` wrapped in a boundary with the given options.
 
     ``offload`` as in ``apply_activation_checkpointing``: ``None`` reads

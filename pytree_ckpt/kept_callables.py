@@ -21,12 +21,13 @@ from .eager import KEPT_CALLABLE_REASON, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
 from .keep import IN_KEPT_CALLABLE
 from .kept_calls import KEPT_METHOD
+from .kept_ops import RecomputeTarget
 from .tree import dunder
 
 __all__ = ["KeptCallables", "kept_methods", "near_misses"]
 
 
-class KeptCallables:
+class KeptCallables(RecomputeTarget):
     """Keep everything these callables dispatch: methods (functions or ``"Class.method"``).
 
     Each matching method of a checkpointed layer's submodules is wrapped so the ops it runs

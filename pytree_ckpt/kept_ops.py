@@ -20,10 +20,18 @@ from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .keep import never_kept, op_name
 
-__all__ = ["KeptOps"]
+__all__ = ["KeptOps", "RecomputeTarget"]
 
 
-class KeptOps:
+class RecomputeTarget:
+    """What a save unit keeps: the base of ``KeptOps`` and ``KeptCallables``, the values of a
+    ``RecomputeTargetMap``, for annotations (a dict holding both is typed by it, where their
+    common type was ``object``: helper LJ). Not made itself."""
+
+    __slots__ = ()
+
+
+class KeptOps(RecomputeTarget):
     """Keep the outputs of ops, by qualified name (``"aten::mm"``, ``"glm_dsa::topk"``), one
     overload (``"aten::addmm.default"``, as torch's selective checkpoint and torchtitan list
     ops), or op object (``torch.ops.aten.mm``, ``torch.ops.aten.mm.default``).

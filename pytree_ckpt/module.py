@@ -32,7 +32,7 @@ import inspect
 import logging
 import types
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["remove_activation_checkpointing", "is_checkpointed", "body_forward",
            "install_boundary", "refuse_other_options"]
+
+M = TypeVar("M", bound=nn.Module)  # the module given is the one returned, changed in place
 
 _INSTALLED = "_pytree_ckpt_installed"
 _MARKS = "_pytree_ckpt_"  # the prefix of every attribute the library sets on a module
@@ -243,8 +245,8 @@ def is_checkpointed(module: nn.Module, /) -> bool:
     return _installed(module) is not None
 
 
-def install_boundary(module: nn.Module, options: BoundaryOptions, /, *,
-                     label: str | None = None) -> nn.Module:
+def install_boundary(module: M, options: BoundaryOptions, /, *,
+                     label: str | None = None) -> M:
     """Install a boundary with ``options`` on ``module``; ``apply_activation_checkpointing``'s
     core, also used by ``apply_recompute_config``. ``label``: where the caller found the
     module (``#3 of the layers given to ...``), kept for messages (a boundary already there
@@ -325,7 +327,7 @@ def _describe_options(options: BoundaryOptions, fields: list[str], /) -> str:
     return ", ".join(parts)
 
 
-def remove_activation_checkpointing(module: nn.Module, /) -> nn.Module:
+def remove_activation_checkpointing(module: M, /) -> M:
     """Undo ``apply_activation_checkpointing`` or ``apply_recompute_config`` on ``module``.
 
     On a module that is not checkpointed itself (the model or list given to

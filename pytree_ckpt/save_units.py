@@ -22,7 +22,7 @@ import json
 import logging
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -34,7 +34,7 @@ from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .keep import KeepPolicy, op_name
 from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misses
-from .kept_ops import KeptOps
+from .kept_ops import KeptOps, RecomputeTarget
 from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
 from .torch_options import refuses_torch_options
 from .tree import describe_leaf, dunder
@@ -59,8 +59,9 @@ class SaveUnit(str, enum.Enum):
         return self.value
 
 
-RecomputeTarget = Union[KeptOps, KeptCallables]
-RecomputeTargetMap = Mapping[SaveUnit, RecomputeTarget]
+# Keys: a unit or its name. Any, as Mapping's key type is invariant: no union of the two would
+# take both a dict of units and a dict of names.
+RecomputeTargetMap = Mapping[Any, RecomputeTarget]
 
 
 def _unit(value: object, /) -> SaveUnit:
@@ -211,6 +212,7 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                 unit_targets.append((unit.value, [op_name(op) for op in found], []))
             log.info("save unit %s keeps ops %s", unit.value, [str(op) for op in found])
         else:
+            assert isinstance(target, KeptCallables)  # refused above otherwise
             found_methods = kept_methods(chosen, target)
             kept.extend(found_methods)
             names = [f"{type(module).__qualname__}.{name}" for module, name in found_methods]

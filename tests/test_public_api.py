@@ -1,0 +1,188 @@
+"""The typed public API as a user's type checker sees it: ``mypy --strict`` on user code written
+the way docs/*.md writes it (helper LJ). Skipped where mypy is not installed (`.[dev]` installs it).
+
+One mypy run checks every snippet (a file each); its cache lives in the system temp folder, so
+only the first run on a machine pays for reading torch's annotations (about half a minute).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SNIPPETS = {
+    # The control: what the checker must see for the API's context managers and functions
+    # that are typed well; it also proves that mypy resolved this checkout's packages.
+    "control": """
+        import torch
+        from torch import nn
+
+        import offload
+        import pytree_ckpt
+
+        def mlp(x: torch.Tensor, *, scale: float) -> torch.Tensor:
+            return torch.tanh(x) * scale
+
+        model = nn.Sequential(nn.Linear(8, 8))
+        manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+        with pytree_ckpt.ActivationCensus(model) as census:
+            reveal_type(census)
+        with manager.window([torch.randn(2)]) as window:
+            reveal_type(window)
+        reveal_type(pytree_ckpt.checkpoint(mlp, torch.randn(2), scale=2.0))
+        reveal_type(pytree_ckpt.reuse_during_recompute(mlp, torch.randn(2), scale=2.0))
+        reveal_type(pytree_ckpt.current_phase())
+        reveal_type(pytree_ckpt.build_residual_stream_recompute_plan(4, 2)[0].checkpoint(
+            mlp, torch.randn(2), scale=1.0))
+    """,
+    # docs/replay.md and docs/limits.md: `ckpt_router = apply_activation_checkpointing(
+    # copy.deepcopy(eager_router))`, then `ckpt_router.e_score_correction_bias`.
+    "same_module_back": """
+        import copy
+
+        from torch import nn
+
+        import pytree_ckpt
+
+        class Router(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.proj = nn.Linear(8, 4)
+
+        eager_router = Router()
+        ckpt_router = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager_router))
+        proj: nn.Linear = ckpt_router.proj
+        for router in (eager_router, ckpt_router):
+            router.zero_grad()
+        plain = pytree_ckpt.remove_activation_checkpointing(ckpt_router)
+        also: nn.Linear = plain.proj
+    """,
+    # docs/boundary.md: `pytree_ckpt.checkpointed(layer, offload=manager)(batches, scale=scale)`.
+    "checkpointed_signature": """
+        import torch
+
+        import pytree_ckpt
+
+        def mlp(x: torch.Tensor, *, scale: float) -> torch.Tensor:
+            return torch.tanh(x) * scale
+
+        wrapped = pytree_ckpt.checkpointed(mlp, verify_replay=True)
+        wrapped("not a tensor", scale="not a float")  # WRONG ARGUMENTS
+        pytree_ckpt.checkpoint(mlp, torch.randn(2), scale="no")  # WRONG ARGUMENTS
+        pytree_ckpt.reuse_during_recompute(mlp, torch.randn(2), size=2)  # WRONG ARGUMENTS
+        pytree_ckpt.CheckpointWithoutOutput().checkpoint(mlp, 1, scale=1.0)  # WRONG ARGUMENTS
+        pytree_ckpt.CheckpointWithoutOutputManager().checkpoint(mlp)  # WRONG ARGUMENTS
+        pytree_ckpt.checkpoint(mlp, torch.randn(2), scale=2.0)
+    """,
+    # docs/discard.md: `normed = ckpt.checkpoint(norm, x)`, here with a typed function.
+    "discard_return_type": """
+        import torch
+
+        from pytree_ckpt import CheckpointWithoutOutput, CheckpointWithoutOutputManager
+
+        def norm(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.layer_norm(x, (64,))
+
+        def normed(x: torch.Tensor) -> torch.Tensor:
+            return CheckpointWithoutOutput().checkpoint(norm, x)
+
+        def normed_in_a_block(x: torch.Tensor) -> torch.Tensor:
+            return CheckpointWithoutOutputManager().checkpoint(norm, x)
+    """,
+    # docs/save_units.md: `targets = {SaveUnit.ATTN: KeptOps(...), SaveUnit.MOE_GATE:
+    # KeptCallables("Router.forward")}`, then `apply_recompute_config(kept, RecomputeConfig(...),
+    # targets)`.
+    "targets_map": """
+        from torch import nn
+
+        from pytree_ckpt import (KeptCallables, KeptOps, RecomputeConfig, SaveUnit,
+                                 apply_recompute_config)
+
+        targets = {
+            SaveUnit.ATTN: KeptOps("aten::_scaled_dot_product_flash_attention_for_cpu"),
+            SaveUnit.MOE_GATE: KeptCallables("Router.forward"),
+        }
+        kept = nn.Sequential(nn.Linear(8, 8))
+        chosen = apply_recompute_config(kept, RecomputeConfig(1.0, save=["attn", "moe_gate"]),
+                                        targets)
+        by_name = {"attn": KeptOps("aten::mm")}  # a unit's name as the key
+        apply_recompute_config(kept, RecomputeConfig(1.0, save=["attn"]), by_name)
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def mypy_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """mypy --strict's lines for each snippet, as ``<line>: <severity>: <message>``."""
+    api = pytest.importorskip("mypy.api")
+    folder = tmp_path_factory.mktemp("typed_user_code")
+    for name, code in SNIPPETS.items():
+        (folder / f"{name}.py").write_text(textwrap.dedent(code).lstrip())
+    # mypy_path: this checkout's packages, ahead of any installed copy.
+    # silent: the packages' own code is not what is checked here, only what users see of it.
+    (folder / "mypy.ini").write_text(f"[mypy]\nmypy_path = {ROOT}\n\n"
+                                     "[mypy-pytree_ckpt,pytree_ckpt.*,offload,offload.*]\n"
+                                     "follow_imports = silent\n")
+    cache = Path(tempfile.gettempdir()) / "pytree_ckpt_mypy_cache"
+    out, err, status = api.run(["--strict", "--config-file", str(folder / "mypy.ini"),
+                                "--cache-dir", str(cache), "--no-error-summary",
+                                "--show-absolute-path",
+                                *(str(folder / f"{name}.py") for name in SNIPPETS)])
+    assert status in (0, 1), (out, err)
+    report: dict[str, list[str]] = {name: [] for name in SNIPPETS}
+    for line in out.splitlines():
+        match = re.match(r"(.*?)\.py:(\d+): (.*)", line)
+        assert match, line
+        report[Path(match.group(1)).name].append(f"{match.group(2)}: {match.group(3)}")
+    return report
+
+
+def _errors(lines: list[str]) -> list[str]:
+    return [line for line in lines if ": error: " in line]
+
+
+def test_mypy_strict_sees_the_typed_values_of_the_api_context_managers_and_functions(
+        mypy_report: dict[str, list[str]]) -> None:
+    lines = mypy_report["control"]
+    assert not _errors(lines), lines
+    revealed = [line.split('Revealed type is ', 1)[1] for line in lines if "Revealed" in line]
+    assert revealed == ['"pytree_ckpt.census.ActivationCensus"', '"offload.window.Window"',
+                        '"torch._tensor.Tensor"', '"torch._tensor.Tensor"',
+                        '"pytree_ckpt.phase.Phase"', '"torch._tensor.Tensor"'], lines
+
+
+def test_apply_and_remove_activation_checkpointing_keep_the_type_of_the_module_they_return(
+        mypy_report: dict[str, list[str]]) -> None:
+    # Guards against (helper LJ) both typed -> nn.Module: the docs' `ckpt_router.proj` and a
+    # loop over the eager and checkpointed twins failed --strict.
+    assert not _errors(mypy_report["same_module_back"]), mypy_report["same_module_back"]
+
+
+def test_checkpointed_keeps_the_parameters_of_the_function_it_wraps_for_a_type_checker(
+        mypy_report: dict[str, list[str]]) -> None:
+    # Guards against (helper LJ) Callable[..., T] in and out: checkpointed(fn) took any
+    # arguments; checkpoint, reuse_during_recompute and the discards' checkpoint likewise.
+    lines = mypy_report["checkpointed_signature"]
+    code = textwrap.dedent(SNIPPETS["checkpointed_signature"]).lstrip().splitlines()
+    wrong = [i for i, line in enumerate(code, 1) if "WRONG ARGUMENTS" in line]
+    flagged = sorted({int(line.split(":", 1)[0]) for line in _errors(lines)})
+    assert len(wrong) == 5 and flagged == wrong, lines
+
+
+def test_output_discard_checkpoint_returns_the_type_of_what_fn_returns(
+        mypy_report: dict[str, list[str]]) -> None:
+    # Guards against (helper LJ) both discards' checkpoint typed -> Any (no-any-return).
+    assert not _errors(mypy_report["discard_return_type"]), mypy_report["discard_return_type"]
+
+
+def test_the_targets_dict_the_save_units_page_builds_type_checks_as_a_recompute_target_map(
+        mypy_report: dict[str, list[str]]) -> None:
+    # Guards against (helper LJ) KeptOps and KeptCallables sharing no base: a dict of both was
+    # a dict of object, not a RecomputeTargetMap; and a map keyed by units' names.
+    assert not _errors(mypy_report["targets_map"]), mypy_report["targets_map"]
