@@ -39,6 +39,7 @@ from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.eager import runs_eagerly
 from pytree_ckpt.errors import CheckpointConfigError, require_callable, validate_bool
 from pytree_ckpt.phase import ACTIVE, REBUILDING
+from pytree_ckpt.recording import tracer_records
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
 
@@ -73,7 +74,9 @@ _COUNTERS = ("offloaded_bytes", "restored_bytes", "reused_bytes", "prefetch_hits
 WINDOW_REASON = (
     "offload's OffloadManager.window opens and closes eagerly: it installs saved-tensor hooks "
     "that copy to host memory, outside any graph. Open the window outside the compiled "
-    "function, or compile the block inside it, to avoid the graph break")
+    "function, or compile the block inside it, to avoid the graph break. To export a model "
+    "that opens one, use torch.export's default strict=False, where the window copies "
+    "nothing (docs/offload.md)")
 
 
 def _device(device: object, /) -> torch.device:
@@ -361,6 +364,15 @@ class OffloadManager:
 
         ``changed_tip``: the tip for a window tensor changed in place after its save (the
         boundary gives its own: it keeps every input for the replay)."""
+        if tracer_records():
+            # NOTE [a tracer records the plain forward] (pytree_ckpt/recording.py): the program
+            # holds the block's ops, not the window's hooks (helper LI: fx's proxies refused as
+            # "not tensors"; a non-strict export and jit.trace opened real windows over fake or
+            # traced tensors). Before the refusals, which a Proxy would fail.
+            with self._lock:  # NOTE [one thread at a time]
+                traced = Window(Pass(self._lanes.mine(), deque()), {}, name, seq=-1)
+            yield traced
+            return
         refuse_non_tensors(tensors)
         refuse_non_tensors(resident, name="resident")
         if name is not None:

@@ -109,11 +109,12 @@ from .parameter_hooks import skip_no_gradient
 from .phase import ACTIVE, REBUILDING
 from .plain_state import NOTHING_HELD, watch_plain_state
 from .rebound import NOTHING_BOUND, modules_bound
+from .recording import symbolic_tracing
 from .recompute import dynamo_marks
 from .refusals import input_path_of
 from .shared_containers import shared_containers
 from .subclass import with_attributes_of
-from .tree import dunder, flatten_call, holds_fx_proxy
+from .tree import dunder, flatten_call
 from .tree_refusals import (refuse_metadata_tensors, refuse_strided_nested,
                             refuse_unreadable_inputs)
 
@@ -155,10 +156,11 @@ def _anchor() -> torch.Tensor:
 # capture) then deep-copies: about 100,000 instructions a layer call at the small size of
 # examples.bench_instructions, in the caller's own autograd work as much as in the boundary's.
 _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
+# NOTE [a tracer records the plain forward] (recording.py): read inline, as the other tests
+# here, the fx flag first (symbolic_tracing only where it is set).
 _is_tracing: Any = torch._C._is_tracing  # torch.jit.trace records (torch.jit.is_tracing's test)
 _compiler = torch.compiler  # _is_exporting_flag: torch.compiler.is_exporting()'s, read as is
-# _is_fx_tracing_flag: a torch.fx tracer records (NOTE [a call torch.fx records] in tree.py)
-_fx_trace: Any = torch.fx._symbolic_trace
+_fx_trace: Any = torch.fx._symbolic_trace  # _is_fx_tracing_flag
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -170,7 +172,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     if not torch.is_grad_enabled() or _functorch_transforms_active() \
             or _forward_ad._current_level >= 0 or _is_tracing() \
             or getattr(_compiler, "_is_exporting_flag", False) \
-            or getattr(_fx_trace, "_is_fx_tracing_flag", False) and holds_fx_proxy((args, kwargs)):
+            or getattr(_fx_trace, "_is_fx_tracing_flag", False) and symbolic_tracing():
         # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
         # jacrev) too: the Function has no setup_context, and torch's error would name no fix
         # (read as Function.apply reads it: see _functorch_transforms_active);

@@ -52,6 +52,7 @@ and discarding is a no-op: nothing was saved; the boundary's replay discards for
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -80,11 +81,12 @@ from .replay_values import OutputPrints, check_rebuilt
 from .rebound import Bound, modules_bound_now, refuse_rebound
 from .refusals import refuse_container, refuse_double_backward
 from .phase import rebuilding
+from .recording import tracer_records
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
-from .tree import dunder, flatten, holds_fx_proxy
+from .tree import dunder, flatten
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 
@@ -107,11 +109,6 @@ _WARNED_WRAPPERS: set[type] = set()  # output classes a discard kept, warned of 
 
 # Read at each discarded op, as boundary.py reads them (without a Python frame).
 _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
-# torch.jit's, not torch._C._is_tracing, which boundary.py reads: dynamo, which traced this
-# method before NOTE [discard stays eager], knew torch.jit.is_tracing, not the C function.
-_is_tracing = torch.jit.is_tracing
-_compiler = torch.compiler  # _is_exporting_flag, read as boundary.py reads it
-_fx_trace: Any = torch.fx._symbolic_trace  # NOTE [a call torch.fx records] (tree.py)
 
 # Ops whose inert discard was logged (a warning once per op name, not once per step).
 _INERT_LOGGED: set[str] = set()
@@ -134,6 +131,26 @@ _INERT_LOGGED: set[str] = set()
 _eager = runs_eagerly(DISCARD_REASON)
 T = TypeVar("T")
 P = ParamSpec("P")
+
+
+def _refuse_compiled_autograd(name: str, error: RuntimeError, /) -> None:
+    """Raise a ``CheckpointError`` where compiled autograd runs this backward: it takes every
+    node's saved tensors when it captures the graph and frees them before it runs, so a rebuild
+    hook can no longer read the discarded op's inputs from the op's node (helper LI: torch's
+    "backward through the graph a second time" and its retain_graph tip). Inside a checkpointed
+    layer the rebuild runs in the boundary's eager replay, under no compiled autograd."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is None or not getattr(compiled_autograd, "in_compiled_autograd_region",
+                                                False):
+        return
+    raise CheckpointError(
+        f"the output-discard checkpoint of {name} cannot rebuild its output under compiled "
+        "autograd: it reads the op's inputs from the op's autograd node, whose saved tensors "
+        "compiled autograd took and freed before running the rebuild",
+        expected="a backward that runs the discard's rebuild hook with the op's node intact",
+        got="a backward under torch._dynamo.compiled_autograd",
+        tip="run the discard inside a checkpointed layer (apply_activation_checkpointing: its "
+            "replay rebuilds eagerly), or this backward without compiled autograd") from error
 
 
 class CheckpointWithoutOutput:
@@ -260,8 +277,7 @@ class CheckpointWithoutOutput:
         needs_grad = bool(self.params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         transformed = _functorch_transforms_active() or _forward_ad._current_level >= 0 \
-            or _is_tracing() or getattr(_compiler, "_is_exporting_flag", False) \
-            or getattr(_fx_trace, "_is_fx_tracing_flag", False) and holds_fx_proxy((args, kwargs))
+            or tracer_records()  # NOTE [a tracer records the plain forward] (recording.py)
         # NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint
         # (transformers' gradient checkpointing, torchtune, torchtitan) runs the body with
         # grad on under its own saved-tensor hooks, which keep nothing, and runs it again in
@@ -422,7 +438,10 @@ class CheckpointWithoutOutput:
         if not self.passthrough:
             register_rebuild(hook_tensor, self._hook)  # NOTE [a hook tensor that is a view]
 
+    @_eager
     def _hook(self, grad: torch.Tensor) -> None:
+        # Eager, as the boundary's replay (_backward_opaque in boundary_function.py): under
+        # compiled autograd dynamo traced it, to a graph break that hid the refusal below.
         # A create_graph backward reaching the consumer (a penalty on its weight's gradient)
         # would build its gradient's graph on the rebuilt output: the penalty's own backward
         # then needs a second replay. Refused here, naming create_graph, not there.
@@ -459,7 +478,11 @@ class CheckpointWithoutOutput:
             param_before = refuse_parameters_changed(
                 watched, self.params, self._name,
                 self.forward_modules.roots if self.forward_modules is not None else [])
-        saved_tensors = ctx.saved_tensors
+        try:
+            saved_tensors = ctx.saved_tensors
+        except RuntimeError as error:
+            _refuse_compiled_autograd(self._name(), error)
+            raise
         for t in saved_tensors:  # a sparse input has no storage, and is never discarded
             if t.layout is torch.strided and t.numel() and not t.untyped_storage().nbytes():
                 # NOTE [chained discards in any order]: discards of chained ops, each its own

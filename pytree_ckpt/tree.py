@@ -183,17 +183,6 @@ def _flatten(tree: Any, /) -> FlatTree:
     return _tuple_new(FlatTree, (leaves, spec, tensor_index))
 
 
-def holds_fx_proxy(tree: Any, /) -> bool:
-    """NOTE [a call torch.fx records]: whether a leaf of ``tree`` is a ``torch.fx.Proxy``.
-
-    Read where torch.fx's tracing flag is set, which make_fx sets too (AOT autograd, compiled
-    autograd, a non-strict export: real or fake tensors, for a boundary to handle as ever);
-    torch.fx.symbolic_trace calls the layer with proxies, which only the plain forward takes.
-    optree's leaves: a Proxy answers any attribute asked of it with another Proxy."""
-    return any(isinstance(leaf, torch.fx.Proxy)
-               for leaf in optree.tree_leaves(tree, namespace=NAMESPACE))
-
-
 def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
     """Flatten a call's ``(args, kwargs)``; see NOTE [fast paths]."""
     if not kwargs:

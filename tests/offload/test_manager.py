@@ -2520,3 +2520,43 @@ def test_aot_function_tracing_an_offloaded_layer_gives_eager_gradients_as_withou
     assert leaked is None
     assert torch.equal(xl.grad, xe.grad)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))
+
+
+class _OwnWindowOverScaled(nn.Module):
+    """A layer whose forward opens a window() of its own over a scaled input (docs/offload.md)."""
+
+    def __init__(self, m: OffloadManager) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.m = m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        with self.m.window([h]):
+            return torch.tanh(self.lin(h))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.trace
+def test_a_tracer_recording_a_forward_that_opens_its_own_window_records_its_ops_and_opens_none(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Guards against (helper LI) a window() of the layer's own under tracers (NOTE [a tracer
+    # records the plain forward] in pytree_ckpt/recording.py): fx.symbolic_trace refused its
+    # Proxy ("window takes tensors"), a non-strict export opened a real window over fake
+    # tensors (and logged that they have no plain storage), jit.trace opened three; a strict
+    # export's refusal did not name strict=False.
+    torch.manual_seed(0)
+    m = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    layer = _OwnWindowOverScaled(m)
+    x = torch.randn(2, 8)
+    expected = layer(x)
+    windows = m.stats()["windows"]  # the eager call's
+    with caplog.at_level("WARNING", logger="offload"):
+        traced = torch.fx.symbolic_trace(layer)
+        assert torch.equal(traced(x), expected)
+        program = torch.export.export(layer, (x,))
+        assert torch.equal(program.module()(x), expected)
+        assert torch.equal(torch.jit.trace(layer, (x,))(x), expected)
+    assert m.stats()["windows"] == windows + 1  # jit.trace's check, a plain call of the forward
+    assert not [r for r in caplog.records if r.name.startswith("offload")]
+    with pytest.raises(Exception, match="strict=False"):
+        torch.export.export(layer, (x,), strict=True)

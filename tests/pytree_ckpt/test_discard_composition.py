@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from pytree_ckpt import CheckpointWithoutOutput
+import pytree_ckpt
+from pytree_ckpt import CheckpointError, CheckpointWithoutOutput
 from tests.conftest import assert_same_grads, grads_of
 from tests.pytree_ckpt.models import RmsNorm as _Norm
 from tests.pytree_ckpt.models import project_norm
@@ -636,3 +637,52 @@ def test_a_discard_registered_before_the_manager_whose_output_it_reads_gives_eag
     manager.discard_all_outputs_and_register_unified_recompute(out)
     out.square().sum().backward()
     assert_same_grads(expected, grads_of(params))
+
+
+class _DiscardedLinear(nn.Module):
+    """A linear whose output is discarded once its sine read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        discard = CheckpointWithoutOutput()
+        y = torch.sin(discard.checkpoint(self.lin, x))
+        discard.discard_output_and_register_recompute(y)
+        return y
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "in_a_checkpointed_layer"])
+def test_a_discard_under_compiled_autograd_is_refused_naming_it_or_gives_eagers_gradients(
+        checkpointed: bool) -> None:
+    # Guards against (helper LI) a discard outside any checkpointed layer under compiled
+    # autograd: its rebuild hook read the op's inputs from the op's node, whose saved tensors
+    # compiled autograd had taken and freed: torch's "backward through the graph a second
+    # time" with its retain_graph tip. Refused now, naming compiled autograd; inside a
+    # checkpointed layer the rebuild runs in the boundary's eager replay: eager's gradients.
+    from torch._dynamo import compiled_autograd
+
+    enable = getattr(compiled_autograd, "enable", None) or compiled_autograd._enable
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        layer = _DiscardedLinear()
+        twin = copy.deepcopy(layer)
+        if checkpointed:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(4, 8)
+        xe, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.sin(twin.lin(xe)).sum().backward()
+        y = layer(xl)
+        with enable(torch.compile(backend="eager")):
+            if not checkpointed:
+                with pytest.raises(CheckpointError, match="under compiled autograd") as refused:
+                    y.sum().backward()
+                assert "inside a checkpointed layer" in str(refused.value)
+                return
+            y.sum().backward()
+        assert torch.equal(xl.grad, xe.grad)
+        assert_same_grads(grads_of(list(twin.parameters())), grads_of(list(layer.parameters())))
+    finally:
+        torch._dynamo.reset()

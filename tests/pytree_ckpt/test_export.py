@@ -245,3 +245,34 @@ def test_fx_and_strict_export_of_a_forward_reading_current_phase_and_discarding_
     model.discard = False
     program = torch.export.export(model, (x,), strict=True)
     assert torch.equal(program.module()(x), twin(x))
+
+
+class _BufferFed(nn.Module):
+    """A layer fed from a buffer (a positional table): fx's tracer hands it the real buffer, not
+    a Proxy (the layer's parameters become proxies only inside its body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pos", torch.randn(2, 8))
+        self.pe = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.pe(self.pos)
+
+
+def test_fx_symbolic_trace_of_a_checkpointed_layer_fed_a_buffer_records_the_twins_code(
+        ) -> None:
+    # Guards against (helper LI) 3139664's test of fx by the call's leaves: symbolic_trace hands
+    # a layer fed from a buffer the real buffer, no Proxy, so its boundary ran (a window
+    # opened, dead getattr nodes): NOTE [a tracer records the plain forward] (recording.py).
+    torch.manual_seed(0)
+    twin = _BufferFed()
+    model = copy.deepcopy(twin)
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    pytree_ckpt.apply_activation_checkpointing(model.pe, offload=manager)
+    x = torch.randn(2, 8)
+    traced = torch.fx.symbolic_trace(model)
+    assert torch.equal(traced(x), twin(x))
+    assert manager.stats()["windows"] == 0
+    assert traced.code == torch.fx.symbolic_trace(twin).code
