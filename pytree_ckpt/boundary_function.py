@@ -316,7 +316,8 @@ class _BoundaryFunction(torch.autograd.Function):
             in_frame = {id(t) for t in call.frame.tensors()}
             floats = [t for t in out_tensors if (t.is_floating_point() or t.is_complex())
                       and not t.requires_grad and id(t) in in_frame]
-            if floats and all(any(t is u for u in (*frozen, *floats, *as_is))
+            float_ids = {id(t) for t in floats}
+            if floats and all(id(t) in float_ids or any(t is u for u in (*frozen, *as_is))
                               for t in out_tensors):  # (an int input returned is in two)
                 # NOTE [a call that returns only frozen results]: then nothing would ever reach
                 # this node, so the replay, which decides whether eager computes those floats
@@ -326,14 +327,14 @@ class _BoundaryFunction(torch.autograd.Function):
                 # that carry the node (the recorded tensors stay clean), so a backward through
                 # them runs the replay, which refuses them or, where eager computes them
                 # without grad, gives them no gradient. Unlike eager, they require grad.
-                out_tensors = tuple(t.detach() if any(t is f for f in floats) else t
+                out_tensors = tuple(t.detach() if id(t) in float_ids else t
                                     for t in out_tensors)
             else:
                 frozen += floats
         # Autograd returns an input as a view of it even so: the caller gets the input itself.
-        if as_is:
-            call.as_is = [(k, t) for k, t in enumerate(out_tensors)
-                          if any(t is x for x in as_is) and any(t is x for x in tensors)]
+        if as_is:  # by id, not a scan per output (helper LK: quadratic in a PyTree's leaves)
+            as_is_ids = {id(x) for x in as_is}.intersection(id(x) for x in tensors)
+            call.as_is = [(k, t) for k, t in enumerate(out_tensors) if id(t) in as_is_ids]
             if any(t.layout != torch.strided for _, t in call.as_is):
                 # A sparse input has no view, and autograd's view_as of it raised
                 # NotImplementedError at the call (`return x, adj`, helper ET): a dense

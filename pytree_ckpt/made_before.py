@@ -41,13 +41,18 @@ __all__ = ["leaving_tensors", "on_kept_storages", "refuse_changed_kept",
            "refuse_changed_views", "unviewed"]
 
 
-def _of_an_input(root: torch.Tensor, inputs: Sequence[torch.Tensor], /) -> bool:
-    """Whether ``root`` is an input that requires no grad, or the base of one (a loop: NOTE
-    [loops on the per-call path] in boundary.py)."""
+def _no_grad_inputs(inputs: Sequence[torch.Tensor], /) -> set[int]:
+    """The ids of the inputs that require no grad and of their bases (a loop: NOTE [loops on
+    the per-call path] in boundary.py), held alive by the call. One set per call, not a scan
+    of the inputs per output: that was quadratic in a PyTree passed through a layer (helper
+    LK: 101 ms a call for 1,000 leaves)."""
+    found = set()
     for x in inputs:
-        if not x.requires_grad and (root is x or root is x._base):
-            return True
-    return False
+        if not x.requires_grad:
+            found.add(id(x))
+            if x._base is not None:
+                found.add(id(x._base))
+    return found
 
 
 def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -65,12 +70,15 @@ def leaving_tensors(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
     as_is = []
     views = []
     state = []
+    no_grad_inputs: set[int] | None = None  # made at the first output that needs it
     for position, t in enumerate(out):
         if t.requires_grad:
             continue
         base = t._base
         root = t if base is None else base
-        if _of_an_input(root, inputs):
+        if no_grad_inputs is None:
+            no_grad_inputs = _no_grad_inputs(inputs)
+        if id(root) in no_grad_inputs:
             as_is.append(t)  # changed in place, an input is refused (raise_input_changed)
             continue
         if before is None:

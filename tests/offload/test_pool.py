@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -412,3 +413,37 @@ def test_size_class_keeps_the_waste_its_docstring_promises_above_the_floor_it_na
     assert "(at most 25% waste), at least ``512`` bytes" in doc
     assert size_class(0) == size_class(1) == size_class(512) == 512
     assert all(size_class(n) <= 1.25 * n for n in range(512, 1 << 16))
+
+
+def _pool_lines_run(count: int) -> int:
+    """Python lines run in offload/pool.py by the one acquire that takes back ``count``
+    buffers of one size class released since (a step's windows, freed by its backward)."""
+    pool = HostPool(pin_memory=False)
+    buffers = [pool.acquire(4096) for _ in range(count)]
+    for buffer in buffers:
+        pool.release(buffer)
+    lines = [0]
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.endswith("offload/pool.py"):
+            return None
+        if event == "line":
+            lines[0] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        pool.acquire(4096)
+    finally:
+        sys.settrace(None)
+    return lines[0]
+
+
+def test_taking_back_a_steps_released_buffers_costs_work_linear_in_their_number() -> None:
+    # Guards against (helper LK) a quadratic take-back of released buffers.
+    # 96 layers x 32 micro-batches open 3,072 windows of one size class a step; backward
+    # releases them all and the next forward's first acquire takes them back: each one is
+    # compared with every buffer already on its free list (pool.py, _take_returned), about
+    # 4.7 million comparisons, 177 ms on CPU for that one acquire.
+    small, large = _pool_lines_run(100), _pool_lines_run(800)
+    assert large <= 8 * small * 1.5, (small, large)
