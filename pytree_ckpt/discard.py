@@ -77,11 +77,11 @@ from .generator_sets import replay_watch
 from .keep import kept_region
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
+from .phase import rebuilding
 from .replay_values import OutputPrints, check_rebuilt
 from .rebound import Bound, modules_bound_now, refuse_rebound
-from .refusals import refuse_container, refuse_double_backward
-from .phase import rebuilding
 from .recording import tracer_records
+from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
