@@ -4,11 +4,13 @@ torch.fx.symbolic_trace.
 NOTE [a tracer records the plain forward]: the program a tracer records is the forward's ops,
 to run or train later without this library: a boundary, an output discard and an offload window
 are plain calls while one records (boundary.py, discard.py, offload's eager_window), as they
-are under no-grad. torch.fx's tracing flag is set by make_fx too, which AOT autograd, compiled
-autograd and a non-strict export trace with: there a boundary is built as ever (a replay's
-nested boundaries stay boundaries), so the flag counts only with no make_fx proxy mode active.
+are under no-grad. torch.fx's tracing flag is set by make_fx too, which AOT autograd and
+compiled autograd trace with: there a boundary is built as ever (a replay's nested boundaries
+stay boundaries), so the flag counts only with no make_fx proxy mode active.
 symbolic_trace calls a layer with proxies, or with real tensors where it reads a buffer (helper
-LI: a call's leaves alone do not tell the two apart); make_fx always has its proxy mode on.
+LI: a call's leaves alone do not tell the two apart); make_fx has its proxy mode on, but for
+make_fx(pre_dispatch=True), whose mode sits on another stack (helper LM): a non-strict export's
+tracer, told by the export flag anyway, and one a user runs by hand records the plain forward.
 """
 
 from __future__ import annotations
