@@ -56,7 +56,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -130,7 +130,6 @@ _INERT_LOGGED: set[str] = set()
 # compiles what comes between them.
 _eager = runs_eagerly(DISCARD_REASON)
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
 def _refuse_compiled_autograd(name: str, error: RuntimeError, /) -> None:
@@ -216,8 +215,9 @@ class CheckpointWithoutOutput:
         # in forward_numbers.py), for the rebuild.
         self.changed_numbers: ChangedNumbers | None = None
 
+    # Callable[..., T] as pytree_ckpt.checkpoint is (functional.py says why)
     @_eager
-    def checkpoint(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    def checkpoint(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` under no-grad; inputs saved through autograd; returns its
         output. Keyword arguments take plain values only (``eps=1e-6``)."""
         if self.fn is not None:

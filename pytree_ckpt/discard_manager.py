@@ -7,7 +7,7 @@ residual-stream plan (residual_plan.py) gives each block of layers one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,7 +22,6 @@ __all__ = ["CheckpointWithoutOutputManager"]
 
 _eager = runs_eagerly(DISCARD_REASON)  # NOTE [discard stays eager] (discard.py)
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
 class CheckpointWithoutOutputManager:
@@ -41,8 +40,9 @@ class CheckpointWithoutOutputManager:
         self.replay_order: list[int] = []  # indices, in the order replays happened
         self.registered = False
 
+    # Callable[..., T] as pytree_ckpt.checkpoint is (functional.py says why)
     @_eager
-    def checkpoint(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    def checkpoint(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` through a new ``CheckpointWithoutOutput`` of this manager, in
         forward order; returns its output."""
         if self.registered:

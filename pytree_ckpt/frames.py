@@ -35,7 +35,7 @@ import types
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -58,7 +58,6 @@ from .tree import NAMESPACE, dunder, flatten, leaf_paths, unflatten
 __all__ = ["Frame", "callable_name", "reuse_during_recompute"]
 
 T = TypeVar("T")
-P = ParamSpec("P")
 _UNCHECKED = AsRecorded()  # a save unit's kept outputs: checked by the keep mode
 
 
@@ -371,8 +370,9 @@ class Frame:
 
 # Opaque to dynamo (eager.py): a compiled body graph-breaks here, since the frame lives in a
 # ContextVar that traced code would not follow (the replay then found nothing recorded).
+# Typed Callable[..., T] as checkpoint is (functional.py says why).
 @runs_eagerly(REUSE_REASON)
-def reuse_during_recompute(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Call ``fn(*args, **kwargs)`` once per step and replay its result during recompute.
 
     Outside any boundary this is a plain call. In a boundary's original pass the result (any

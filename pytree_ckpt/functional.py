@@ -215,8 +215,10 @@ def _tell_env_offload_unused(fn: Callable[..., Any], /) -> None:
         stacklevel=user_stacklevel())
 
 
+# Callable[..., T], not a ParamSpec: mypy cannot solve one from a lambda with defaults, the
+# form docs/limits.md gives for a layer bound in a loop (helper LN); checkpointed keeps one.
 @runs_eagerly(BOUNDARY_REASON)  # NOTE [the boundary stays eager] in module.py, for calls too
-def checkpoint(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)`` behind a PyTree-aware reentrant checkpoint boundary.
 
     Every keyword goes to ``fn``; set boundary options with :func:`checkpointed`.

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .eager import user_stacklevel
 from .errors import ReplayMismatchError
@@ -126,6 +127,13 @@ def _on_this_rank(t: torch.Tensor, /) -> str:
     what = f"shard of a DTensor of shape {tuple(t.shape)}" if dtensor is not None and \
         isinstance(t, dtensor.DTensor) else type(t).__name__
     return f", rank {rank}'s {what}, compared on each rank: other ranks may have passed"
+
+
+def _on_its_own_data(t: torch.Tensor, /) -> bool:
+    """A subclass that is not a traceable wrapper (a ``__torch_function__`` tag): its values
+    are its plain view's, as ``as_subclass(torch.Tensor)`` gives it."""
+    return type(t) not in _PLAIN and t.layout is torch.strided \
+        and not is_traceable_wrapper_subclass(t)
 
 
 def _strided_print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -387,7 +395,7 @@ def check_arguments(recorded: torch.Tensor, tensors: Sequence[torch.Tensor], /, 
 class OutputPrints:
     """The prints of one call's output tensors (NOTE [output prints])."""
 
-    __slots__ = ("positions", "sums", "values", "broadcast")
+    __slots__ = ("positions", "sums", "values", "broadcast", "inputs_as_is")
 
     def __init__(self, positions: list[int], sums: torch.Tensor | None,
                  values: list[torch.Tensor], broadcast: dict[int, tuple[int, ...]]) -> None:
@@ -398,6 +406,10 @@ class OutputPrints:
         # slice it repeats, not by a copy of every place (a mask expanded to heads x tokens**2:
         # about 1 GiB and 28 s on this CPU, helper GR); by place in the tensor leaves.
         self.broadcast = broadcast
+        # Places of inputs the call returned as they are, or views of them (set by the
+        # boundary), printed by the plain alias the forward returned where the replay's input
+        # has its class back (its view of a subclass input made plain by the class's own ops).
+        self.inputs_as_is: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
@@ -458,6 +470,12 @@ class OutputPrints:
                     _raise_other_values(fn, paths()[position], "", t, None, None,
                                         preserve_rng, broadcast=dims)
                 m = _print(_slice(t, dims) if dims else t)
+                if m is None and position in self.inputs_as_is and _on_its_own_data(t):
+                    # An input returned as it is: the forward's print is of the plain alias
+                    # the boundary returned (its class's view is plain), the replay's output
+                    # has the class back (helper LN): the same values, on the same data.
+                    plain = t.as_subclass(torch.Tensor)
+                    m = _print(_slice(plain, dims) if dims else plain)
                 if m is not None and dims:
                     m = m[0], m[1] * math.prod(t.shape[d] for d in dims)
                 if m is None:  # shapes and dtypes agree (the structure check): not the kind

@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (is_traceable_wrapper_subclass,
+                                          is_traceable_wrapper_subclass_type)
 
 __all__ = ["SubclassKind", "alias_as_kind", "as_kind", "detached", "kind_of", "plain_parts",
            "rebuilt_by_parts", "rebuilt_parts", "with_attributes_of"]
@@ -92,8 +93,12 @@ def alias_as_kind(alias: torch.Tensor, leaf: torch.Tensor, kind: SubclassKind | 
     tensor for the view; ``as_subclass`` would give that the class without its inner tensors
     (the layer's first read of one raised AttributeError in backward). ``leaf``, detached with
     its class kept, serves as it is: a leaf where the replay prefers a non-leaf alias
-    (recompute.py), for that input alone."""
-    if kind is not None and type(alias) is not kind.cls:
+    (recompute.py), for that input alone. Only a traceable wrapper subclass: any other class
+    (a ``__torch_function__`` subclass, an ``nn.Parameter`` given as an argument) lives on the
+    alias's own data, and ``as_subclass`` of the alias keeps the non-leaf a module tracker's
+    multi-grad hook needs (helper LN: FlopCounterMode around backward raised on the leaf)."""
+    if kind is not None and type(alias) is not kind.cls \
+            and is_traceable_wrapper_subclass_type(kind.cls):
         return as_kind(leaf, kind)
     return as_kind(alias, kind)
 

@@ -3064,3 +3064,38 @@ def test_a_call_passing_leaves_through_costs_work_linear_in_their_number() -> No
     # mapping L grad-requiring inputs to L outputs was quadratic the same way.
     small, large = _library_lines_of_one_call(50), _library_lines_of_one_call(400)
     assert large <= 8 * small * 1.5, (small, large)
+
+
+def test_a_flop_counter_around_backward_counts_a_module_given_a_parameter_as_an_argument(
+        ) -> None:
+    # Guards against (helper LN, a regression of 32882c0)
+    # checkpoint(self.attn, x, self.bias): the parameter input's kind is nn.Parameter, whose
+    # view_as is a plain tensor, so alias_as_kind (subclass.py, NOTE [a subclass whose view is
+    # plain]) hands the replay the detached leaf, not an aliased view; FlopCounterMode's module
+    # tracker registers a multi-grad hook on attn's inputs, and torch raises 'A leaf node was
+    # passed to _will_engine_execute_node' in backward. Before 32882c0: exact.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return (self.q(x) + bias).tanh()
+
+    attn, bias = Attn(), nn.Parameter(torch.randn(8))
+    data = torch.randn(4, 8)
+    flops, grads = [], []
+    for run in (lambda t: pytree_ckpt.checkpoint(attn, t, bias),
+                lambda t: torch.utils.checkpoint.checkpoint(attn, t, bias, use_reentrant=True)):
+        attn.zero_grad()
+        bias.grad = None
+        x = data.clone().requires_grad_()
+        loss = run(x * 2).sum()
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        flops.append(counter.get_total_flops())
+        grads.append((x.grad, bias.grad, attn.q.weight.grad.clone()))
+    assert flops[0] == flops[1]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -2009,3 +2009,32 @@ def test_verify_replay_finds_a_gradient_scale_a_later_micro_batch_backward_chang
     except ReplayMismatchError:
         return                                          # found, as the docs say
     assert_same_grads(grads_of(eager.parameters()), grads_of(ours.parameters()))
+
+
+class _UnwrapsOnEveryOp(torch.Tensor):
+    """A ``__torch_function__`` subclass whose ops return plain tensors (a hand-written tag)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_verify_replay_takes_an_input_returned_as_it_is_whose_subclass_views_as_plain() -> None:
+    # Guards against (helper LN) verify_replay refusing this. Eager and the boundary both
+    # return the input as a _UnwrapsOnEveryOp (output[1]); the
+    # forward's print was taken of its plain alias, the replay's output gets the class back,
+    # and check() (replay_values.py) raises ReplayMismatchError 'returned another kind of
+    # tensor ... expected: a plain strided or sparse tensor, as the forward returned', though
+    # fn returns the same in both passes. A subclass without __torch_function__ passes.
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x
+
+    grads = []
+    for run in (fn, checkpointed(fn, verify_replay=True)):
+        w = torch.arange(3.0, requires_grad=True)
+        out = run((w * 1).as_subclass(_UnwrapsOnEveryOp))
+        assert type(out[1]) is _UnwrapsOnEveryOp
+        (out[0].sum() + 3 * out[1].sum()).backward()
+        grads.append(w.grad)
+    assert torch.equal(grads[0], grads[1])

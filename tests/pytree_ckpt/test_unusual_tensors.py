@@ -668,3 +668,43 @@ def test_a_float8_wrapper_subclass_input_that_requires_grad_gives_eagers_gradien
         run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0))).square().sum().backward()
         grads.append((weight.grad, x.grad))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _UnwrapsOnEveryOp(torch.Tensor):
+    """A ``__torch_function__`` subclass whose ops (``view_as`` and ``detach`` among them) return
+    plain tensors: a tag a caller puts on a layer's input, the usual hand-written form."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_a_flop_counter_around_backward_counts_a_layer_whose_input_subclass_views_as_plain(
+        ) -> None:
+    # Guards against (helper LN) 32882c0 (NOTE [a subclass whose view is plain]) giving the
+    # replay the detached leaf for any
+    # input whose view_as is not of its class, not only for wrapper subclasses: a
+    # __torch_function__ subclass that returns plain tensors reached the replay as an
+    # as_subclass'd alias before it, and now as a leaf, on which FlopCounterMode's module
+    # tracker registers a multi-grad hook: torch's RuntimeError 'A leaf node was passed to
+    # _will_engine_execute_node' in backward (recompute.py's comment on why fn sees aliases).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    block = nn.Sequential(nn.Linear(W, 16), nn.Tanh(), nn.Linear(16, W))
+    wrapped = copy.deepcopy(block)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    data = torch.randn(4, W)
+    flops, grads = [], []
+    for run in (lambda t: wrapped(t),
+                lambda t: torch.utils.checkpoint.checkpoint(block, t, use_reentrant=True)):
+        x = data.clone().requires_grad_()
+        loss = run((x * 2).as_subclass(_UnwrapsOnEveryOp)).sum()
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        flops.append(counter.get_total_flops())
+        grads.append(x.grad)
+    assert flops[0] == flops[1]
+    assert torch.equal(grads[0], grads[1])
+    for mine, theirs in zip(wrapped.parameters(), block.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
