@@ -447,3 +447,20 @@ def test_taking_back_a_steps_released_buffers_costs_work_linear_in_their_number(
     # 4.7 million comparisons, 177 ms on CPU for that one acquire.
     small, large = _pool_lines_run(100), _pool_lines_run(800)
     assert large <= 8 * small * 1.5, (small, large)
+
+
+def test_a_reservation_after_an_interrupted_take_back_hands_no_buffer_out_twice() -> None:
+    # Guards against (helper LO, mutation of HostPool.reserve: its _take_returned dropped): a
+    # buffer an interrupt left both on its free list (last) and among the returned ones, then a
+    # reservation of its class appended after it: the next take-back no longer found it last,
+    # appended it again, and two acquires handed out the same buffer.
+    pool = HostPool(pin_memory=False)
+    first = pool.acquire(600)
+    cls = first.numel()
+    pool.release(first)
+    # As _take_returned leaves it when interrupted after its append, before its popleft.
+    pool._free[cls].append(pool._returned[0])
+    pool.reserve([600])
+    handed = [pool.acquire(600) for _ in range(3)]
+    assert len({id(b) for b in handed}) == 3
+    assert pool.checked_out == 3
