@@ -41,9 +41,11 @@ BOUNDARY_REASON = (
     "compiled at all (dynamo skips a frame with a graph break in a loop). To export or serve "
     "a trained model (torch.export with strict=True, a fullgraph compile for inference), call "
     "pytree_ckpt.remove_activation_checkpointing on its layers first (docs/boundary.md, "
-    "'Shipping a trained model'). Inside a branch or body of torch.cond, while_loop, scan or "
-    "map (higher-order ops that compile their own call, even uncompiled), checkpoint the "
-    "module that calls the op instead of the modules it calls")
+    "'Shipping a trained model'); a forward that calls pytree_ckpt.checkpoint itself exports "
+    "with torch.export's default strict=False, which records the plain call. Inside a branch "
+    "or body of torch.cond, while_loop, scan or map (higher-order ops that compile their own "
+    "call, even uncompiled), checkpoint the module that calls the op instead of the modules it "
+    "calls")
 REUSE_REASON = (
     "pytree_ckpt.reuse_during_recompute runs eagerly: it records its result in the boundary's "
     "frame, which traced code would not follow, so a compiled body graph-breaks at the call. "

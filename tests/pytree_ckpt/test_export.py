@@ -185,6 +185,31 @@ def test_a_forward_calling_the_library_itself_exports_non_strict_and_a_strict_ex
             assert name in str(refused.value)
 
 
+class _CallsCheckpoint(nn.Module):
+    """A layer whose forward calls pytree_ckpt.checkpoint itself (no module to un-apply)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return pytree_ckpt.checkpoint(self.lin, x).tanh()
+
+
+def test_a_strict_export_of_a_forward_calling_checkpoint_itself_names_strict_false() -> None:
+    # Guards against (helper LS) the boundary's refusal under a strict export naming only
+    # remove_activation_checkpointing, which cannot undo a call the forward makes itself.
+    torch.manual_seed(0)
+    model = _CallsCheckpoint()
+    x = torch.randn(2, 8)
+    pytree_ckpt.remove_activation_checkpointing(model)          # nothing to undo: still calls it
+    with torch.no_grad():
+        assert torch.equal(torch.export.export(model, (x,)).module()(x), model(x))  # non-strict
+    with pytest.raises(Exception) as refused:
+        torch.export.export(model, (x,), strict=True)
+    assert "strict=False" in str(refused.value)
+
+
 def test_fx_symbolic_trace_of_a_model_with_a_save_unit_layer_opens_no_window_and_warns_of_nothing(
         ) -> None:
     # Guards against (helper LE) the fx tracer calling each checkpointed layer's boundary with
