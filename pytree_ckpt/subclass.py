@@ -88,26 +88,48 @@ def alias_as_kind(alias: torch.Tensor, leaf: torch.Tensor, kind: SubclassKind | 
                   ) -> torch.Tensor:
     """``alias`` (a view of the detached input ``leaf``) as ``kind``'s class, with its attributes.
 
-    NOTE [a subclass whose view is plain]: a wrapper subclass whose ops other than ``detach``
-    run on its inner value (a float8 activation that dequantizes: helper LD) gives a plain
-    tensor for the view; ``as_subclass`` would give that the class without its inner tensors
-    (the layer's first read of one raised AttributeError in backward). ``leaf``, detached with
-    its class kept, serves as it is: a leaf where the replay prefers a non-leaf alias
-    (recompute.py), for that input alone. Only a traceable wrapper subclass: any other class
-    (a ``__torch_function__`` subclass, an ``nn.Parameter`` given as an argument) lives on the
-    alias's own data, and ``as_subclass`` of the alias keeps the non-leaf a module tracker's
-    multi-grad hook needs (helper LN: FlopCounterMode around backward raised on the leaf)."""
+    NOTE [a subclass whose view is plain]: a traceable wrapper subclass whose ops other than
+    ``detach`` run on its inner value (a float8 activation that dequantizes: helper LD) gives
+    a plain tensor for the view; ``as_subclass`` would give that the class without its inner
+    tensors (the layer's first read of one raised AttributeError in backward). It gets a
+    wrapper of its own class around ``leaf``'s inner tensors instead, on a node of its own
+    that passes the gradient to ``leaf`` (``_Rewrapped``): the non-leaf the replay wants
+    (recompute.py: a module tracker's multi-grad hook, autocast casting at each use; helper LP
+    found both broken on ``leaf`` itself). Any other class (a ``__torch_function__``
+    subclass, an ``nn.Parameter`` given as an argument) lives on the alias's own data, and
+    ``as_subclass`` of the alias serves (helper LN)."""
     if kind is not None and type(alias) is not kind.cls \
             and is_traceable_wrapper_subclass_type(kind.cls):
-        return as_kind(leaf, kind)
+        return as_kind(_Rewrapped.apply(leaf, (leaf,)), kind)
     return as_kind(alias, kind)
+
+
+class _Rewrapped(torch.autograd.Function):
+    """A new wrapper of ``like``'s class around ``like``'s inner tensors, on a node that passes
+    its gradient to ``source`` (NOTE [a subclass whose view is plain])."""
+
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, like: tuple[torch.Tensor], /) -> torch.Tensor:
+        wrapper = like[0]
+        names, meta = wrapper.__tensor_flatten__()  # type: ignore[attr-defined]
+        return type(wrapper).__tensor_unflatten__(  # type: ignore[attr-defined,no-any-return]
+            {name: getattr(wrapper, name) for name in names}, meta, wrapper.size(),
+            wrapper.stride())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def with_attributes_of(tensor: torch.Tensor, given: torch.Tensor, /) -> torch.Tensor:
     """``tensor`` (the alias autograd returns for an input returned as it is) with ``given``'s
-    attributes and slots, a parameter subclass's too (whose class it does not take)."""
+    attributes and slots, a parameter subclass's too (whose class it does not take); a
+    traceable wrapper subclass's plain alias as a wrapper around ``given``'s inner tensors
+    (NOTE [a subclass whose view is plain]: it reached the caller without them, helper LP)."""
     kind = kind_of(given)
     if kind is not None:
+        if type(tensor) is not kind.cls and is_traceable_wrapper_subclass_type(kind.cls):
+            return as_kind(_Rewrapped.apply(tensor, (given,)), kind)
         return as_kind(tensor, kind)
     tensor.__dict__.update(given.__dict__)  # a parameter subclass (kind_of leaves it out)
     return tensor

@@ -708,3 +708,77 @@ def test_a_flop_counter_around_backward_counts_a_layer_whose_input_subclass_view
     assert torch.equal(grads[0], grads[1])
     for mine, theirs in zip(wrapped.parameters(), block.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_a_flop_counter_around_backward_counts_a_layer_given_a_float8_wrapper_subclass_input(
+        ) -> None:
+    # Guards against (helper LP) the traceable-wrapper sibling of the flop-counter test above:
+    # alias_as_kind (subclass.py, NOTE [a subclass whose view is plain]) handed the replay the
+    # detached leaf for a _Float8Like input, and the module tracker's multi-grad hook on it
+    # raised torch's 'A leaf node was passed to _will_engine_execute_node' in backward, where
+    # torch's reentrant checkpoint counts.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4))
+    wrapped = copy.deepcopy(block)
+    pytree_ckpt.apply_activation_checkpointing(wrapped)
+    data = torch.randn(3, 4)
+    flops, grads = [], []
+    for run in (lambda t: wrapped(t),
+                lambda t: torch.utils.checkpoint.checkpoint(block, t, use_reentrant=True)):
+        x = data.clone().requires_grad_()
+        loss = run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0))).square().sum()
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        flops.append(counter.get_total_flops())
+        grads.append(x.grad)
+    assert flops[0] == flops[1]
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_a_float8_wrapper_subclass_input_returned_as_it_is_gives_eagers_gradients() -> None:
+    # Guards against (helper LP) the output side of NOTE [a subclass whose view is plain]: the
+    # boundary returns the input through its view_as alias (plain, dequantized), and
+    # with_attributes_of (boundary.py) gave it the class by as_subclass alone (kind_of leaves
+    # the inner tensors out of the attributes): the caller's first op on it raised
+    # AttributeError '_data', where eager gets the _Float8Like itself back.
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def layer(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(torch.mm(xf, weight)), xf
+
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for run in (layer, pytree_ckpt.checkpointed(layer)):
+        weight.grad, x.grad = None, None
+        out, passed = run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0)))
+        (out.square().sum() + (passed * 3).sum()).backward()
+        grads.append((weight.grad, x.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_float8_wrapper_subclass_input_used_twice_under_autocast_gives_eagers_gradients(
+        ) -> None:
+    # Guards against (helper LP) alias_as_kind (subclass.py) handing the replay a _Float8Like
+    # input's detached leaf: autocast caches one cast of a leaf that requires grad, so the
+    # replay summed the two uses' gradients in bfloat16 and cast back once, where eager (a
+    # non-leaf input, cast at each use) sums them in float32: x.grad differed (0.0625 seen),
+    # silently. docs/limits.md says the replay's inputs are non-leaf aliases autocast never
+    # caches. A plain input: exact.
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+
+    def layer(xf: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.mm(xf, w1)) + torch.mm(xf, w2).sin()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for run in (layer, pytree_ckpt.checkpointed(layer)):
+        w1.grad = w2.grad = x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0)))
+            out.float().square().sum().backward()
+        grads.append((w1.grad, w2.grad, x.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
