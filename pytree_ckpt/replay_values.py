@@ -129,11 +129,16 @@ def _on_this_rank(t: torch.Tensor, /) -> str:
     return f", rank {rank}'s {what}, compared on each rank: other ranks may have passed"
 
 
-def _on_its_own_data(t: torch.Tensor, /) -> bool:
-    """A subclass that is not a traceable wrapper (a ``__torch_function__`` tag): its values
-    are its plain view's, as ``as_subclass(torch.Tensor)`` gives it."""
-    return type(t) not in _PLAIN and t.layout is torch.strided \
-        and not is_traceable_wrapper_subclass(t)
+def _plain_view(t: torch.Tensor, /) -> torch.Tensor | None:
+    """``t``'s values as a plain tensor where its class gives one: a subclass that is not a
+    traceable wrapper (a ``__torch_function__`` tag) by ``as_subclass(torch.Tensor)``, a
+    wrapper whose view is plain (a float8 activation that dequantizes) by its view."""
+    if type(t) in _PLAIN or t.layout is not torch.strided:
+        return None
+    if not is_traceable_wrapper_subclass(t):
+        return t.as_subclass(torch.Tensor)
+    view = t.view_as(t)
+    return view if type(view) in _PLAIN else None
 
 
 def _strided_print(t: torch.Tensor, /) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -470,11 +475,12 @@ class OutputPrints:
                     _raise_other_values(fn, paths()[position], "", t, None, None,
                                         preserve_rng, broadcast=dims)
                 m = _print(_slice(t, dims) if dims else t)
-                if m is None and position in self.inputs_as_is and _on_its_own_data(t):
+                plain = _plain_view(t) if m is None and position in self.inputs_as_is else None
+                if plain is not None:
                     # An input returned as it is: the forward's print is of the plain alias
                     # the boundary returned (its class's view is plain), the replay's output
-                    # has the class back (helper LN): the same values, on the same data.
-                    plain = t.as_subclass(torch.Tensor)
+                    # has the class back (helper LN; a wrapper subclass's, helper LT): the
+                    # same values, read as the forward's view read them.
                     m = _print(_slice(plain, dims) if dims else plain)
                 if m is not None and dims:
                     m = m[0], m[1] * math.prod(t.shape[d] for d in dims)
