@@ -1740,3 +1740,33 @@ def test_a_frozen_hooked_module_inside_a_reused_call_fed_an_activation_is_warned
     got, told = step(True)
     same = all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(want, got))
     assert same or any("router" in m or "Linear has forward hooks" in m for m in told), told
+
+
+class _SwapsItsRoutersInTheReplay(nn.Module):
+    """Calls two routers of one shape; where grad is enabled (the replay's mode, never the
+    original pass's), in the other order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Router(), Router()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routers = (self.first, self.second)
+        if torch.is_grad_enabled():
+            routers = routers[::-1]
+        return sum(router(x)[1] for router in routers)
+
+
+def test_a_replay_that_calls_its_hooked_modules_in_another_order_is_refused() -> None:
+    # Helper LU's mutant H13 (the replay's hooked calls checked by their number only, not by
+    # module): the first router's kept logits silently got the second's gradient.
+    layer = pytree_ckpt.apply_activation_checkpointing(_SwapsItsRoutersInTheReplay())
+    kept: list[torch.Tensor] = []
+    for router in (layer.first, layer.second):
+        router.register_forward_hook(lambda m, a, out: kept.append(out[0]))
+    x = torch.randn(6, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = layer(x).sum() + kept[0].square().sum()
+    with pytest.raises(ReplayMismatchError, match="another number of times, or in another order"):
+        loss.backward()

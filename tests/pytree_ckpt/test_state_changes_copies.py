@@ -1053,3 +1053,109 @@ def test_a_view_buffer_the_replay_left_alone_keeps_its_version_for_a_graph_that_
         loss.backward()
         results.append([x.grad, *(p.grad for p in module.parameters()), module.step.clone()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+class ScalesByAStepOfExactlyTheLimitInALargeStorage(nn.Module):
+    """A step counter of exactly 64 KiB (the size limit of NOTE [small state as it was before
+    the forward]) viewing a storage twice as large: saved alone before the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros(32 * 1024)[:16 * 1024])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        return self.lin(x) * self.step[:4]
+
+
+def test_a_small_view_of_exactly_the_size_limit_in_a_large_storage_replays_as_it_was() -> None:
+    # Helper LU's mutant S06 (a view saved alone only below the limit, not up to it): the
+    # replay's copy was made from what the forward left, counted once more, and the output
+    # it scales got the next step's gradient.
+    module = ScalesByAStepOfExactlyTheLimitInALargeStorage()
+    assert module.step.numel() * module.step.element_size() == 64 * 1024
+    assert module.step.untyped_storage().nbytes() > 64 * 1024
+    _assert_same_runs(_twins(ScalesByAStepOfExactlyTheLimitInALargeStorage, _trained((3, 4)),
+                             steps=2))
+
+
+class CountsAndKeepsAnEmaThroughData(nn.Module):
+    """A step counter moved in place beside an EMA written through ``.data`` (no version
+    moves), which the output reads after the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.step += 1
+        self.ema.data.mul_(0.5).add_(h.detach().mean(0) * 0.5)
+        return h * self.ema
+
+
+def test_an_ema_written_through_data_beside_a_step_counter_is_updated_once_as_in_eager() -> None:
+    # Helper LU's mutant S19 (a dict a kernel wrote where a version moved on another name:
+    # only the moved name copied, not the rest): the replay wrote the EMA a second time into
+    # the module's own buffer, and the output it scales read that.
+    _assert_same_runs(_twins(CountsAndKeepsAnEmaThroughData, _trained((3, 4)), steps=2))
+
+
+class ScalesByABufferViewingAPlainTable(nn.Module):
+    """A buffer registered as a view of a plain tensor attribute, which the forward counts into
+    in place; the output reads the buffer after the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.table = torch.zeros(6)
+        self.register_buffer("head", self.table[:2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.table.add_(1)
+        return self.lin(x) * self.head.sum()
+
+
+class ScalesByABufferAPlainViewCountsInto(ViewOfABuffer):
+    """``ViewOfABuffer`` (a plain attribute views the buffer, counted into in place) whose
+    output reads the buffer after the count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.calls.add_(1)
+        return self.lin(x) * self.stats.sum()
+
+
+@pytest.mark.parametrize("make", [ScalesByABufferViewingAPlainTable,
+                                  ScalesByABufferAPlainViewCountsInto],
+                         ids=["buffer views the attribute", "attribute views the buffer"])
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a buffer and a plain tensor attribute on one storage) (helper LU)")
+def test_a_buffer_viewing_a_plain_attribute_the_forward_writes_replays_as_the_forward_read_it(
+        make: Callable[[], nn.Module]) -> None:
+    # Helper LU. The forward writes the buffer's storage through a plain attribute (its base,
+    # or a view of it), which moves the buffer's version: the replay runs on a copy of the
+    # buffer as it was before the forward (over a clone of its storage), while its own write
+    # goes through the attribute to the module's storage, so the replay reads the count before
+    # the forward (0 where the forward read 1): the weight's gradient differs from eager's.
+    _assert_same_runs(_twins(make, _trained((3, 4)), steps=2))
+
+
+class ScalesByABufferViewingABufferTable(ScalesByABufferViewingAPlainTable):
+    """The row's fix: the tensor the buffer views registered as a buffer too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        table = self.table
+        del self.table
+        self.register_buffer("table", table)
+
+
+def test_a_buffer_viewing_another_buffer_the_forward_writes_replays_as_the_forward_read_it(
+        ) -> None:
+    # docs/limits.md's fix for the row above: buffers on one storage are copied together.
+    _assert_same_runs(_twins(ScalesByABufferViewingABufferTable, _trained((3, 4)), steps=2))
