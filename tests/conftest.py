@@ -47,6 +47,27 @@ class GradIntoSaved(torch.autograd.Function):
         return x.mul_(2).mul_(grad)
 
 
+def lines_run(folder: str, call: Callable[[], Any], /) -> tuple[int, Any]:
+    """The Python lines ``call()`` runs in files under ``folder`` (a path fragment such as
+    ``"offload/pool.py"`` or ``"pytree_ckpt"``), and what it returns: work counted, not
+    timed, for tests of how a cost scales."""
+    lines = [0]
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if folder not in frame.f_code.co_filename:
+            return None
+        if event == "line":
+            lines[0] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        result = call()
+    finally:
+        sys.settrace(None)
+    return lines[0], result
+
+
 def grads_of(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor | None]:
     return [None if t.grad is None else t.grad.clone() for t in tensors]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 
 from offload import HostPool, size_class
 from pytree_ckpt import CheckpointConfigError
+from tests.conftest import lines_run
 
 
 @pytest.fixture
@@ -422,21 +422,7 @@ def _pool_lines_run(count: int) -> int:
     buffers = [pool.acquire(4096) for _ in range(count)]
     for buffer in buffers:
         pool.release(buffer)
-    lines = [0]
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.endswith("offload/pool.py"):
-            return None
-        if event == "line":
-            lines[0] += 1
-        return trace
-
-    sys.settrace(trace)
-    try:
-        pool.acquire(4096)
-    finally:
-        sys.settrace(None)
-    return lines[0]
+    return lines_run("offload/pool.py", lambda: pool.acquire(4096))[0]
 
 
 def test_taking_back_a_steps_released_buffers_costs_work_linear_in_their_number() -> None:

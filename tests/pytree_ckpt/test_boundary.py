@@ -6,7 +6,6 @@ import collections
 import copy
 import dataclasses
 import gc
-import sys
 import warnings
 import weakref
 from typing import Any, TypedDict
@@ -19,7 +18,7 @@ from torch import nn
 import offload
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
-from tests.conftest import MatrixProducts, assert_same_grads, grads_of, run_twice
+from tests.conftest import MatrixProducts, assert_same_grads, grads_of, lines_run, run_twice
 from tests.pytree_ckpt.models import DictSettings, Log, MappingOutput, Stack
 
 Pair = collections.namedtuple("Pair", "left right")
@@ -3038,22 +3037,9 @@ def _library_lines_of_one_call(leaves: int) -> int:
     batch = {"h": torch.randn(4, requires_grad=True),
              "meta": {f"k{i}": torch.randn(2) for i in range(leaves)}}
     layer(batch)["h"].sum().backward()  # first call's one-off work out of the count
-    lines = [0]
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        if "pytree_ckpt" not in frame.f_code.co_filename:
-            return None
-        if event == "line":
-            lines[0] += 1
-        return trace
-
-    sys.settrace(trace)
-    try:
-        out = layer(batch)
-    finally:
-        sys.settrace(None)
+    lines, out = lines_run("pytree_ckpt", lambda: layer(batch))
     out["h"].sum().backward()
-    return lines[0]
+    return lines
 
 
 def test_a_call_passing_leaves_through_costs_work_linear_in_their_number() -> None:

@@ -737,12 +737,16 @@ def test_a_flop_counter_around_backward_counts_a_layer_given_a_float8_wrapper_su
     assert torch.equal(grads[0], grads[1])
 
 
-def test_a_float8_wrapper_subclass_input_returned_as_it_is_gives_eagers_gradients() -> None:
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify_replay"])
+def test_a_float8_wrapper_subclass_input_returned_as_it_is_gives_eagers_gradients(verify: bool
+                                                                                 ) -> None:
     # Guards against (helper LP) the output side of NOTE [a subclass whose view is plain]: the
     # boundary returns the input through its view_as alias (plain, dequantized), and
     # with_attributes_of (boundary.py) gave it the class by as_subclass alone (kind_of leaves
     # the inner tensors out of the attributes): the caller's first op on it raised
-    # AttributeError '_data', where eager gets the _Float8Like itself back.
+    # AttributeError '_data', where eager gets the _Float8Like itself back. With verify_replay
+    # (helper LT): the replay returns the class (a _Rewrapped wrapper) where the forward's
+    # print was of the plain view_as alias, and was refused as 'another kind of tensor'.
     torch.manual_seed(0)
     weight = torch.randn(4, 4, requires_grad=True)
 
@@ -751,7 +755,7 @@ def test_a_float8_wrapper_subclass_input_returned_as_it_is_gives_eagers_gradient
 
     x = torch.randn(3, 4, requires_grad=True)
     grads = []
-    for run in (layer, pytree_ckpt.checkpointed(layer)):
+    for run in (layer, pytree_ckpt.checkpointed(layer, verify_replay=verify)):
         weight.grad, x.grad = None, None
         out, passed = run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0)))
         (out.square().sum() + (passed * 3).sum()).backward()
@@ -781,28 +785,6 @@ def test_a_float8_wrapper_subclass_input_used_twice_under_autocast_gives_eagers_
             out = run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0)))
             out.float().square().sum().backward()
         grads.append((w1.grad, w2.grad, x.grad))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
-def test_verify_replay_compares_a_float8_wrapper_subclass_input_returned_as_it_is() -> None:
-    # Guards against (helper LT) the replay returning the class (a _Rewrapped wrapper) where
-    # the forward's print was of the plain view_as alias: the inputs_as_is exception in
-    # OutputPrints.check (replay_values.py) covered only a __torch_function__ subclass, and a
-    # ReplayMismatchError ('another kind of tensor') was raised in backward, where eager and
-    # verify_replay=False train.
-    torch.manual_seed(0)
-    weight = torch.randn(4, 4, requires_grad=True)
-
-    def layer(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tanh(torch.mm(xf, weight)), xf
-
-    x = torch.randn(3, 4, requires_grad=True)
-    grads = []
-    for run in (layer, pytree_ckpt.checkpointed(layer, verify_replay=True)):
-        weight.grad, x.grad = None, None
-        out, passed = run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0)))
-        (out.square().sum() + (passed * 3).sum()).backward()
-        grads.append((weight.grad, x.grad))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
