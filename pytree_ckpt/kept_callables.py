@@ -166,6 +166,19 @@ def near_misses(layers: list[nn.Module], target: KeptCallables, /) -> str:
     candidates = sorted(methods - {f"{cls.__qualname__}.forward" for layer in layers
                                    for cls in type(layer).__mro__})
     hints = []
+    for given in (t for t in target.targets if not isinstance(t, str)):
+        # A Function's own method given as such (KeptCallables(QuantFn.apply), helper LQ): the
+        # same hint as for its name below.
+        owner_class = dunder(given, "__self__")
+        if not isinstance(owner_class, type):
+            owner_class = _autograd_function(layers, str(dunder(given, "__qualname__", ""))
+                                             .rpartition(".")[0] or "<none>")
+        if isinstance(owner_class, type) and issubclass(owner_class, torch.autograd.Function):
+            owner = owner_class.__qualname__
+            hints.append(f"{owner}.{dunder(given, '__name__', '?')}: {owner!r} is a "
+                         "torch.autograd.Function, whose methods autograd calls, not a module: "
+                         f"keep the module method that calls {owner}.apply "
+                         "(KeptCallables('Class.method'))")
     for wanted in (t for t in target.targets if isinstance(t, str)):
         owner, _, method = wanted.rpartition(".")
         function = _autograd_function(layers, owner)

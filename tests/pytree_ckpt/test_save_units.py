@@ -1156,6 +1156,22 @@ def test_kept_callable_near_miss_never_suggests_the_layers_own_forward() -> None
             "calls, not a module: keep the module method that calls QuantFn.apply") in told
 
 
+@pytest.mark.parametrize("given", [QuantFn.apply, QuantFn.forward], ids=["apply", "forward"])
+def test_a_functions_own_method_given_as_a_kept_callable_is_told_what_to_keep_instead(
+        given: Any) -> None:
+    # Helper LQ: KeptCallables(QuantFn.apply) warned "keeps nothing" with no hint, where the
+    # same method named as a string gets the one above.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([QuantBlock()], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptCallables(given)})
+    told = " ".join(str(w.message) for w in caught)
+    assert "keeps nothing" in told
+    assert (f"QuantFn.{given.__name__}: 'QuantFn' is a torch.autograd.Function, whose methods "
+            "autograd calls, not a module: keep the module method that calls QuantFn.apply "
+            "(KeptCallables('Class.method'))") in told
+
+
 def test_kept_callable_near_miss_suggests_no_checkpointed_layers_forward() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
