@@ -171,8 +171,13 @@ def near_misses(layers: list[nn.Module], target: KeptCallables, /) -> str:
         # same hint as for its name below.
         owner_class = dunder(given, "__self__")
         if not isinstance(owner_class, type):
-            owner_class = _autograd_function(layers, str(dunder(given, "__qualname__", ""))
-                                             .rpartition(".")[0] or "<none>")
+            # By its qualified name's class, where that class really holds it (helper LZ: a
+            # method of another class named alike got the hint).
+            owner_name = str(dunder(given, "__qualname__", "")).rpartition(".")[0]
+            owner_class = _autograd_function(layers, owner_name) if owner_name else None
+            if owner_class is not None and \
+                    getattr(owner_class, str(dunder(given, "__name__", "")), None) is not given:
+                owner_class = None
         if isinstance(owner_class, type) and issubclass(owner_class, torch.autograd.Function):
             owner = owner_class.__qualname__
             hints.append(f"{owner}.{dunder(given, '__name__', '?')}: {owner!r} is a "
@@ -200,11 +205,19 @@ def _autograd_function(layers: list[nn.Module], owner: str, /) -> type | None:
     the globals of the layers' modules' forwards, if any."""
     head, *rest = owner.split(".")
     for module in (m for layer in layers for m in layer.modules()):
-        # Unwrapped: a decorated forward's globals are its decorator's module's (helper EX)
-        forward = inspect.unwrap(type(module).forward)
+        # Unwrapped: a decorated forward's globals are its decorator's module's (helper EX).
+        # Read statically: a scripted submodule's class attribute raises on access (helper LZ:
+        # an AttributeError out of the warning's hint, out of apply_recompute_config).
+        forward = inspect.getattr_static(type(module), "forward", None)
+        if isinstance(forward, staticmethod | classmethod):
+            forward = forward.__func__
+        try:
+            forward = inspect.unwrap(forward) if forward is not None else None
+        except Exception:  # a __wrapped__ cycle, a descriptor that raises: no hint from it
+            continue
         found: Any = dunder(forward, "__globals__", {}).get(head)
         for part in rest:
-            found = getattr(found, part, None)
+            found = dunder(found, part)
         if isinstance(found, type) and issubclass(found, torch.autograd.Function):
             return found
     return None

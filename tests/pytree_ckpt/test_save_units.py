@@ -1172,6 +1172,59 @@ def test_a_functions_own_method_given_as_a_kept_callable_is_told_what_to_keep_in
             "(KeptCallables('Class.method'))") in told
 
 
+class _Scripted(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class _BlockWithScripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.post = torch.jit.script(_Scripted())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.lin(x))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.parametrize("given", [lambda x: x, torch.tanh, "_BlockWithScripted.helpr"],
+                         ids=["lambda", "builtin", "mistyped name"])
+def test_a_callable_that_keeps_nothing_only_warns_when_a_layer_holds_a_scripted_submodule(
+        given: Any) -> None:
+    # Guards against (helper LZ) the Function hint of the 'keeps nothing' warning reading
+    # every module's type(m).forward, which a RecursiveScriptModule's _CachedForward
+    # descriptor answers with AttributeError, raised out of apply_recompute_config (for a
+    # mistyped "Class.method" name too, before efbfb13).
+    layer, twin = _BlockWithScripted(), _BlockWithScripted()
+    twin.load_state_dict(layer.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptCallables(given)})
+    assert "keeps nothing" in " ".join(str(w.message) for w in caught)
+    x = torch.randn(2, 8)
+    assert torch.equal(layer(x), twin(x))
+
+
+def test_a_method_of_a_class_named_like_a_function_is_not_called_a_functions_method() -> None:
+    # Guards against (helper LZ) a class QuantFn of another file (an nn.Module helper), not
+    # the torch.autograd.Function QuantFn that QuantBlock.forward calls, told it is that
+    # Function's method: the callable is at hand, its owner need not be guessed by name.
+    namespace: dict[str, Any] = {}
+    exec("class QuantFn(nn.Module):\n    def scale(self, x):\n        return x * 2\n",
+         {"nn": nn, "__name__": "other_file"}, namespace)
+    given = namespace["QuantFn"].scale
+    assert given.__qualname__ == "QuantFn.scale"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_recompute_config([QuantBlock()], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptCallables(given)})
+    told = " ".join(str(w.message) for w in caught)
+    assert "keeps nothing" in told
+    assert "is a torch.autograd.Function" not in told
+
+
 def test_kept_callable_near_miss_suggests_no_checkpointed_layers_forward() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
