@@ -15,6 +15,7 @@ import re
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -2201,6 +2202,19 @@ def _copies_each_layer_input_once_and_prefetches(layers: nn.ModuleList, eager: n
     assert stats["host_buffers_in_use"] == 0
 
 
+def _copies_each_input_once_with_its_block_offloaded(make: Callable[[], nn.Module]) -> None:
+    """Three layers made by ``make``, each checkpointed with offload and its ``block`` too
+    (one manager), against their eager twin: ``_copies_each_layer_input_once_and_prefetches``."""
+    torch.manual_seed(0)
+    m = manager(prefetch=1)
+    layers = nn.ModuleList(make() for _ in range(3))
+    eager = copy.deepcopy(layers)
+    for layer in layers:
+        apply_activation_checkpointing(layer, offload=m)
+        apply_activation_checkpointing(layer.block, offload=m)
+    _copies_each_layer_input_once_and_prefetches(layers, eager, m)
+
+
 def test_layers_taking_a_gradient_in_their_forward_offload_each_input_once_and_prefetch() -> None:
     # NOTE [the body runs without the window's hooks] (helper KM): with the window's hooks on
     # while the body ran, an enable_grad block's saves of a detached alias of the input were
@@ -2243,15 +2257,8 @@ def test_a_gradient_through_a_nested_offloaded_layer_in_a_forward_offloads_once_
     # host and read back at once by the body's autograd.grad, and that inner backward marked
     # the pass's backward begun: backward prefetched nothing. A boundary nested in another's
     # original pass opens no window, as one nested in a replay (docs/offload.md).
-    torch.manual_seed(0)
-    m = manager(prefetch=1)
-    layers = nn.ModuleList(_ForceThroughBlock() for _ in range(3))
-    eager = copy.deepcopy(layers)
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
-        apply_activation_checkpointing(layer.block, offload=m)
     # The blocks' parameters get none where the forces are taken without create_graph.
-    _copies_each_layer_input_once_and_prefetches(layers, eager, m)
+    _copies_each_input_once_with_its_block_offloaded(_ForceThroughBlock)
 
 
 class _ForceThroughOwnWindow(nn.Module):
@@ -2315,14 +2322,7 @@ def test_a_checkpointed_block_inside_a_discard_of_an_offloaded_layer_opens_no_wi
     # its boundary saw no active invocation and opened a real window in backward, its input
     # copied to host and straight back (a host round trip per layer), each such window turning
     # the pass (the events lost). NOTE [a discard's rebuild opens no window] (phase.py).
-    torch.manual_seed(0)
-    m = manager(prefetch=1)
-    layers = nn.ModuleList(_DiscardedBlock() for _ in range(3))
-    eager = copy.deepcopy(layers)
-    for layer in layers:
-        apply_activation_checkpointing(layer, offload=m)
-        apply_activation_checkpointing(layer.block, offload=m)
-    _copies_each_layer_input_once_and_prefetches(layers, eager, m)
+    _copies_each_input_once_with_its_block_offloaded(_DiscardedBlock)
 
 
 class _BlockInOwnWindow(nn.Module):

@@ -483,6 +483,20 @@ def test_a_forward_waiting_for_a_worker_that_takes_gradients_replays_with_a_one_
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def _doubling_held_in_its_replay(entered: threading.Event, go: threading.Event
+                                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x * 2``, whose replay sets ``entered`` and waits for ``go`` (on the training thread,
+    while the test's other thread acts)."""
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        if pytree_ckpt.current_phase() is pytree_ckpt.Phase.RECOMPUTE:
+            entered.set()
+            assert go.wait(10)
+        return x * 2
+
+    return layer
+
+
 def test_a_cached_block_ending_while_another_threads_replay_runs_leaves_no_stale_weights(
 ) -> None:
     # NOTE [the replay caches parametrizations as the forward did]: a replay whose forward ran
@@ -494,12 +508,7 @@ def test_a_cached_block_ending_while_another_threads_replay_runs_leaves_no_stale
     # block, after an optimizer step, read the weight from before the step, silently. Eager
     # (no replay) empties it, and so does the replay's end now.
     entered, go = threading.Event(), threading.Event()
-
-    def layer(x: torch.Tensor) -> torch.Tensor:
-        if pytree_ckpt.current_phase() is pytree_ckpt.Phase.RECOMPUTE:
-            entered.set()  # the replay, on the training thread
-            assert go.wait(10)
-        return x * 2
+    layer = _doubling_held_in_its_replay(entered, go)
 
     seen = []
     for checkpointed in (False, True):
@@ -552,12 +561,7 @@ def test_a_plain_forward_in_another_thread_while_a_cached_forwards_replay_runs_c
     # weights once and reads them from the replay's cache (a spectral norm's power iteration
     # once where eager runs it at each use). Eager (no replay) computes each use afresh.
     entered, go = threading.Event(), threading.Event()
-
-    def layer(x: torch.Tensor) -> torch.Tensor:
-        if pytree_ckpt.current_phase() is pytree_ckpt.Phase.RECOMPUTE:
-            entered.set()  # the replay, on the training thread
-            assert go.wait(10)
-        return x * 2
+    layer = _doubling_held_in_its_replay(entered, go)
 
     seen = []
     for checkpointed in (False, True):

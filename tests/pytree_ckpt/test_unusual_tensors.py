@@ -622,15 +622,15 @@ class _Float8Like(torch.Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], None]:
         return ["_data", "_scale"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: None, size: Any,
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], ctx: None, size: Any,
                              stride: Any) -> _Float8Like:
-        return _Float8Like(inner["_data"], inner["_scale"])
+        return cls(inner["_data"], inner["_scale"])
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in (torch.ops.aten.detach.default, torch.ops.aten.t.default):
-            return _Float8Like(func(args[0]._data), args[0]._scale)
+            return cls(func(args[0]._data), args[0]._scale)
         unwrap = (lambda t: t._data.float() / t._scale if isinstance(t, _Float8Like) else t)
         return func(*torch.utils._pytree.tree_map(unwrap, args),
                     **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
@@ -638,12 +638,13 @@ class _Float8Like(torch.Tensor):
 
 class _ToFloat8Like(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return _Float8Like((x * scale).to(torch.float8_e4m3fn), scale)
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor,
+                kind: type[_Float8Like] = _Float8Like) -> torch.Tensor:
+        return kind((x * scale).to(torch.float8_e4m3fn), scale)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return g, None                                     # straight through
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return g, None, None                               # straight through
 
 
 @pytest.mark.parametrize("offloaded", [False, True], ids=["recompute", "offload"])
@@ -792,25 +793,9 @@ class _Float8InPlace(_Float8Like):
     """_Float8Like whose in-place ops requantize into its own ``_data`` (as a wrapper that keeps
     a residual stream in float8 and scales it in place)."""
 
-    @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor) -> _Float8InPlace:
-        out = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32,
-                                                  device=data.device, strides=data.stride())
-        out._data, out._scale = data, scale
-        return out
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: None, size: Any,
-                             stride: Any) -> _Float8InPlace:
-        return _Float8InPlace(inner["_data"], inner["_scale"])
-
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.t.default):
-            return _Float8InPlace(func(args[0]._data), args[0]._scale)
-        unwrap = (lambda t: t._data.float() / t._scale if isinstance(t, _Float8Like) else t)
-        out = func(*torch.utils._pytree.tree_map(unwrap, args),
-                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         if func._schema.name.endswith("_") and isinstance(args[0], _Float8InPlace):
             args[0]._data.copy_((out * args[0]._scale).to(args[0]._data.dtype))
             return args[0]
@@ -834,18 +819,9 @@ def test_a_float8_wrapper_input_returned_as_it_is_then_changed_in_place_is_refus
     def layer(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tanh(torch.mm(xf, weight)), xf
 
-    class ToFloat8InPlace(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            return _Float8InPlace((x * scale).to(torch.float8_e4m3fn), scale)
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-            return g, None
-
     x = torch.randn(3, 4, requires_grad=True)
     for run in (layer, pytree_ckpt.checkpointed(layer)):
-        out, passed = run(ToFloat8InPlace.apply(x * 2, torch.tensor(16.0)))
+        out, passed = run(_ToFloat8Like.apply(x * 2, torch.tensor(16.0), _Float8InPlace))
         with torch.no_grad():
             passed.mul_(0.5)
         with pytest.raises(RuntimeError):  # eager: "modified by an inplace operation"
