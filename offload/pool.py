@@ -132,6 +132,7 @@ class HostPool:
             buffer = self._allocate(cls)
             with self._lock:
                 self._take_returned()  # first (_take_returned says why)
+                self.host_bytes += cls
                 self._free[cls].append((buffer, None))
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
@@ -150,9 +151,7 @@ class HostPool:
                 expected="pin_memory=None (pins where CUDA is available) or False",
                 got=f"pin_memory=True with torch.cuda.is_available() False ({error})",
                 tip="leave pin_memory at None") from error
-        with self._lock:
-            self.host_bytes += nbytes  # counted once allocated: a failed allocation holds nothing
-        return buffer
+        return buffer  # counted in host_bytes by the caller, as the pool takes it in
 
     def acquire(self, nbytes: int, /, *, into: Any = None) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes, checked out until ``release``: the pool holds
@@ -164,32 +163,51 @@ class HostPool:
         attribute unset, and the buffer stayed checked out for good (helper EJ). With
         ``into``, whoever holds the buffer can give it back."""
         cls = _size_class(_require_size(nbytes, "HostPool.acquire"), self.pin_memory)
-        with self._lock:
-            self._take_returned()
-            free = self._free.get(cls)
-            if not free:
-                # Lengths that vary from step to step would otherwise add buffers in every class
-                # they touch: a free buffer of a larger class, up to twice this one, serves too
-                # (copies use its front; it goes back to its own class).
-                larger = [c for c, buffers in self._free.items() if buffers and cls < c <= 2 * cls]
-                free = self._free[min(larger)] if larger else None
-            entry = free.pop(0) if free else None  # released first: NOTE [host buffer lifetime]
-        if entry is None:
-            log.debug("host pool miss: allocating %d bytes (pinned=%s)", cls, self.pin_memory)
-            buffer = self._allocate(cls)
-        else:
-            buffer, event = entry
-            if event is not None:
-                event.synchronize()  # the copy that last used it must be done (backward ran)
-        with self._lock:  # checked out only once the caller gets it
+        # NOTE [a buffer taken but not handed out]: from the moment a free buffer leaves its
+        # list until it is among those checked out, an interrupt (raised as any call returns)
+        # would lose it: neither free nor checked out, the pool allocated another for good
+        # (helper LM: after free.pop returned). It is taken with no call between the read and
+        # the delete, and the handler below gives it back, its event with it, unless the
+        # assignment marking it handed out ran. A new buffer is counted in host_bytes only
+        # there, so one lost before is no byte held.
+        entry: tuple[torch.Tensor, Any] | None = None
+        handed_out = False
+        try:
+            with self._lock:
+                self._take_returned()
+                free = self._free.get(cls)
+                if not free:
+                    # Lengths that vary from step to step would otherwise add buffers in every
+                    # class they touch: a free buffer of a larger class, up to twice this one,
+                    # serves too (copies use its front; it goes back to its own class).
+                    larger = [c for c, buffers in self._free.items()
+                              if buffers and cls < c <= 2 * cls]
+                    free = self._free[min(larger)] if larger else None
+                if free:
+                    entry = free[0]  # released first: NOTE [host buffer lifetime]
+                    del free[0]
             if entry is None:
-                self.misses += 1
+                log.debug("host pool miss: allocating %d bytes (pinned=%s)", cls, self.pin_memory)
+                buffer = self._allocate(cls)
             else:
-                self.hits += 1
-            self._handed[id(buffer)] = buffer
-            if into is not None:
-                into.host = buffer
-        return buffer
+                buffer, event = entry
+                if event is not None:
+                    event.synchronize()  # the copy that last used it is done (backward ran)
+            with self._lock:  # checked out only once the caller gets it
+                self._handed[id(buffer)] = buffer
+                handed_out = True
+                if entry is None:
+                    self.misses += 1
+                    self.host_bytes += cls
+                else:
+                    self.hits += 1
+                if into is not None:
+                    into.host = buffer
+            return buffer
+        except BaseException:
+            if entry is not None and not handed_out:
+                self._returned.append(entry)  # as release does: the next acquire takes it back
+            raise
 
     def release(self, buffer: torch.Tensor, /, *, event: Any = None) -> None:
         """Give ``buffer`` back; ``event`` marks the last device copy that uses it.

@@ -406,6 +406,67 @@ def test_a_keyboard_interrupt_after_a_released_buffer_reaches_its_free_list_hand
     assert pool.checked_out == 0
 
 
+def _acquire_interrupted_at(pool: HostPool, index: int, /, *, into: Any) -> bool:
+    """An acquire of 4096 bytes into ``into`` with a KeyboardInterrupt raised as the
+    ``index``-th call made from offload/pool.py's own code returns; False if it ran to the end
+    first."""
+    import sys
+
+    import offload.pool
+
+    calls: list[None] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and frame.f_code.co_filename == offload.pool.__file__:
+            calls.append(None)
+            if len(calls) == index + 1:
+                raise KeyboardInterrupt("Ctrl-C")
+
+    try:
+        sys.setprofile(profile)
+        try:
+            pool.acquire(4096, into=into)
+        finally:
+            sys.setprofile(None)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("released", "with_event"), [(False, False), (True, False), (True, True)],
+                         ids=["a new buffer", "a released buffer", "a released buffer and event"])
+def test_an_interrupt_as_any_call_in_acquire_returns_loses_no_buffer_and_skips_no_wait(
+        released: bool, with_event: bool) -> None:
+    # Guards against (helper LM) a buffer lost as free.pop returned: taken from its free list,
+    # not yet checked out, the pool allocated another for good. NOTE [a buffer taken but not
+    # handed out] (offload/pool.py). Each run interrupts one more call than the last.
+    cls = size_class(4096)
+    index = 0
+    while True:
+        pool = HostPool(pin_memory=False)
+        waits = [None] * 4  # a copy's event: each synchronize() pops one (a builtin call)
+        if released:
+            event = type("Event", (), {"synchronize": staticmethod(waits.pop)})() \
+                if with_event else None
+            pool.release(pool.acquire(4096), event=event)
+        holder = type("Holder", (), {"host": None})()
+        if not _acquire_interrupted_at(pool, index, into=holder):
+            break
+        index += 1
+        if holder.host is not None:  # handed out as the interrupt came: its holder gives it back
+            pool.release(holder.host)
+        assert pool.checked_out == 0
+        # A buffer allocated and dropped before the pool took it in is no byte held.
+        assert pool.host_bytes == (cls if released or holder.host is not None else 0)
+        first, second = pool.acquire(4096), pool.acquire(4096)
+        assert first.data_ptr() != second.data_ptr()  # never handed out twice
+        if released:
+            assert pool.host_bytes == 2 * cls  # the released buffer reused, not lost
+        if with_event:
+            assert len(waits) < 4  # its copy waited on before it was handed out again
+    assert index >= 4  # the interrupts reached acquire's calls
+
+
 def test_size_class_keeps_the_waste_its_docstring_promises_above_the_floor_it_names() -> None:
     # Guards against the docstring promising "at most 25% waste" without the 512-byte smallest
     # class (helper KN: size_class(1) is 512).
