@@ -160,6 +160,8 @@ class ActivationCensus(CensusReading):
         self._paths: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
         self._lock = threading.RLock()  # NOTE [one lock per census]
         self._ended = False  # its with-block is over (for the message of a second one)
+        self._counted = False  # counted in _OPEN by an _enter not undone (NOTE [an entry undone])
+        self._active_before: ActivationCensus | None = None  # _ACTIVE's value it replaced
 
     # -- recording ---------------------------------------------------------------------------
     def __enter__(self) -> ActivationCensus:
@@ -171,11 +173,39 @@ class ActivationCensus(CensusReading):
                 tip="make a new ActivationCensus for each measurement")
         try:
             return self._enter()
-        except BaseException:  # nothing may stay registered on the model
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
+        except BaseException:
+            self._undo_enter()
             raise
+
+    def _undo_enter(self) -> None:
+        """Undo what an ``_enter`` that raised had done.
+
+        NOTE [an entry undone]: torch can refuse the saved-tensor hooks, and an interrupt is
+        raised as any call returns: each step of ``_enter`` done by then is undone here, found
+        by the state it left, not by a mark set after it (the interrupt can come between the
+        two). Left as it was, the model kept the census's module hooks, the thread its pack
+        hook (every later save recorded into a census never ended) and ``_OPEN`` its count.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._running.clear()
+        self._paths = {}
+        if self._counted:
+            if _recording() is self:
+                _set_recording(self._parent)
+            with _OPEN_LOCK:
+                _OPEN[0] -= 1
+            self._counted = False
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+        elif _ACTIVE.get() is self:  # set, and interrupted before its token was stored
+            _ACTIVE.set(self._active_before)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if self._hooks is not None and top is not None and top[0] is self._hooks.pack_hook:
+            self._hooks.__exit__(None, None, None)
+        self._hooks = None
 
     def _enter(self) -> ActivationCensus:
         if self._model is not None:
@@ -220,8 +250,10 @@ class ActivationCensus(CensusReading):
         self._thread = threading.get_ident()
         with _OPEN_LOCK:
             _OPEN[0] += 1
+            self._counted = True  # no call between: NOTE [an entry undone]
         self._parent = _recording()
         _set_recording(self)
+        self._active_before = _ACTIVE.get()
         self._token = _ACTIVE.set(self)
         return self
 
