@@ -319,6 +319,20 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
+# NOTE [outputs made only with grad]: some ops return a tensor their backward needs only when
+# grad is on: oneDNN's LSTM on CPU (aten::mkldnn_rnn_layer, torch's default there) leaves its
+# workspace undefined (None) under no-grad, where the original pass runs. Kept, that record was
+# handed to the op in the replay, which runs with grad on, and its backward failed inside torch
+# ("Expected a proper Tensor but got None ... 'workspace'"; helper ME). Such a call is not kept:
+# the replay runs the op again, with grad on, as it runs an op the unit does not name.
+def _made_only_with_grad(func: Any, out: Any, /) -> bool:
+    """Whether ``out`` has None where ``func``'s schema returns a Tensor (not an optional one)."""
+    returns = func._schema.returns
+    values = out if type(out) is tuple and len(returns) > 1 else (out,)
+    return any(value is None and isinstance(ret.type, torch.TensorType)
+               for ret, value in zip(returns, values))
+
+
 # NOTE [ops that return no tensor are never kept]: what an op returns when it returns no tensor
 # (a size, a layout, a flag: `aten.sym_size`, `prim.layout`) holds no memory to keep, and
 # autograd dispatches some of them only with grad on (for a nested tensor's input, in the
@@ -546,9 +560,10 @@ class KeepMode(TorchDispatchMode):
                 rng_after = after if rng_changed(before, after) else None
                 if generators_before:
                     generators_after = generators_moved(generators_before)
-            if any(t.is_inference() for t in _tensors(out)):
+            if any(t.is_inference() for t in _tensors(out)) or _made_only_with_grad(func, out):
                 # Made under torch.inference_mode() inside the layer: no version to check, and
-                # nothing to save for backward; the replay runs the op again.
+                # nothing to save for backward; the replay runs the op again (as it does for an
+                # op that left out what its backward needs: NOTE [outputs made only with grad]).
                 frame.record(func, RECOMPUTE)
                 return out
             kept = optree.tree_map(_tracking_alias, out)

@@ -510,3 +510,39 @@ def test_ops_returning_no_tensor_or_nothing_are_never_kept_by_a_policy_naming_th
     assert not policy.keeps(nothing.msg)  # returns ()
     assert not policy.keeps(size.int)  # returns an int
     assert policy.keeps(norm.default)  # returns three tensors
+
+
+class KeepsItsLstm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.out = nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 8)
+
+    def recur(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lstm(h)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.recur(x))
+
+
+def test_a_kept_method_running_an_lstm_with_onednn_gives_the_gradients_of_keeping_nothing(
+) -> None:
+    # Guards against (helper ME) oneDNN's LSTM (CPU's default kernel, torch.backends.mkldnn on):
+    # NOTE [outputs made only with grad] (pytree_ckpt/keep.py). It returns its workspace only
+    # with grad enabled; the original pass runs under no-grad, so the record it keeps for
+    # aten::mkldnn_rnn_layer has None there, and the replay hands that to the op's backward:
+    # "Expected a proper Tensor but got None ... for argument #22 'workspace'". The same
+    # boundary keeping nothing runs (its output is the no-grad kernel's, docs/limits.md).
+    torch.manual_seed(0)
+    unkept = KeepsItsLstm()
+    kept = copy.deepcopy(unkept)
+    pytree_ckpt.apply_activation_checkpointing(unkept, offload=False)
+    apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptCallables("KeepsItsLstm.recur")}, offload=False)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    grads = []
+    assert torch.backends.mkldnn.enabled  # the default (flags() would warn about TF32)
+    for model in (unkept, kept):
+        x.grad = None
+        model(x).sum().backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)
