@@ -86,7 +86,7 @@ from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
-from .tree import dunder, flatten
+from .tree import alias, dunder, flatten
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 
@@ -530,8 +530,9 @@ class CheckpointWithoutOutput:
                 t = next(saved)
                 d = t.detach().requires_grad_(t.requires_grad)
                 self.detached.append(d)
-                # a non-leaf alias, as in the boundary's replay (module input-gradient hooks)
-                args.append(d.view_as(d) if d.requires_grad else d)
+                # a non-leaf alias, as in the boundary's replay (module input-gradient hooks;
+                # NOTE [tensors of other layouts] in tree.py)
+                args.append(alias(d) if d.requires_grad else d)
             outputs = self.fn(*args, **self.kwargs)
         # One replay per forward: the buffers' snapshots served it (freed now, as the census
         # reads them: module state, held until the outputs are rebuilt and handed over).

@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 from torch.autograd.graph import Node
 
-from .tree import dunder
+from .tree import alias, dunder
 
 __all__ = ["ParameterHook", "ParameterHooksPaused", "SkipsNoGradAccumulated",
            "SkipsNoGradient", "accumulated_nothing", "put_first", "skip_no_gradient"]
@@ -82,8 +82,8 @@ class ParameterHooksPaused:
         if not self.hooked:
             return self.outputs
         with torch.enable_grad():  # (backward runs without)
-            outputs = [out if out.grad_fn is not None and not self.shared else out.view_as(out)
-                       for out in self.outputs]
+            outputs = [out if out.grad_fn is not None and not self.shared else alias(out)
+                       for out in self.outputs]  # NOTE [tensors of other layouts] (tree.py)
         # (Each has a node: it requires grad, or is a view of a leaf output that does.)
         self.marks = [cast(Node, out.grad_fn).register_prehook(self._mark) for out in outputs]
         return outputs

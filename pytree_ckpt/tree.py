@@ -401,25 +401,30 @@ def describe_leaf(leaf: Any, /) -> str:
 # wants a new tensor object on a leaf's data for autograd to attach a node to (a detached input
 # in the replay, an output that existed before the call), such a tensor gets a clone instead:
 # its backward passes the gradient on as it is, so gradients stay eager's, at the price of one
-# copy. A nested tensor of the strided layout cannot cross any autograd Function (torch raises
+# copy. A strided tensor gets ``t[...]``, torch's alias, whose backward passes the gradient on
+# as it is too: a sparse gradient reaches a dense input (``F.embedding(ids, table,
+# sparse=True)`` of a table passed in), where ``view_as``'s backward reshapes it, which torch
+# refuses for a sparse tensor (helper MD). A jagged nested tensor has no alias: a view. A nested tensor of the strided layout cannot cross any autograd Function (torch raises
 # "NestedTensorImpl doesn't support sizes"): it is refused (tree_refusals.refuse_strided_nested).
 
 
 def alias(tensor: torch.Tensor, /) -> torch.Tensor:
     """A new tensor object with ``tensor``'s values and a graph to it (NOTE [tensors of other
-    layouts]): a view where the layout has views, a clone otherwise."""
-    if tensor.layout is torch.strided or tensor.layout is torch.jagged:
+    layouts]): an alias where the layout has views, a clone otherwise."""
+    if tensor.layout is torch.strided:
+        return tensor[...]
+    if tensor.layout is torch.jagged:
         return tensor.view_as(tensor)
     return tensor.clone()
 
 
 def alias_all(tensors: Sequence[torch.Tensor], /) -> tuple[torch.Tensor, ...]:
-    """``alias`` of each tensor that requires grad, the others as they are. Views are tried
-    first for all: the usual, strided case pays no layout check per tensor."""
+    """``alias`` of each tensor that requires grad, the others as they are. Strided aliases are
+    tried first for all: the usual case pays no layout check per tensor."""
     aliased = []
     try:
         for t in tensors:  # NOTE [loops on the per-call path] (boundary.py)
-            aliased.append(t.view_as(t) if t.requires_grad else t)
+            aliased.append(t[...] if t.requires_grad else t)
     except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts]
         aliased = [alias(t) if t.requires_grad else t for t in tensors]
     return tuple(aliased)

@@ -1669,3 +1669,32 @@ def test_a_discarded_sparse_aggregation_rebuilds_with_eagers_gradients(layout: s
         out.square().sum().backward()
         grads.append([x.grad, *(p.grad for p in proj.parameters())])
     assert_same_grads(*grads)
+
+
+def test_a_discarded_embedding_with_a_sparse_gradient_to_a_table_passed_in_gives_eagers(
+        ) -> None:
+    # Guards against the rebuild handing fn view_as views of its inputs: the sparse gradient
+    # F.embedding(..., sparse=True) gives the table was reshaped by the view's backward, which
+    # torch refuses (NOTE [tensors of other layouts] in pytree_ckpt/tree.py; helper MD found it
+    # in the boundary's replay).
+    proj = nn.Linear(16, 16)
+    ids = torch.tensor([[1, 4, 4], [0, 7, 1]])
+    grads = []
+    for discard in (False, True):
+        table = nn.Parameter(torch.randn(10, 16, generator=torch.Generator().manual_seed(0)))
+        proj.zero_grad(set_to_none=True)
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            looked_up = ckpt.checkpoint(torch.nn.functional.embedding, ids, table, sparse=True)
+            out = proj(looked_up)
+            ckpt.discard_output_and_register_recompute(out)
+            assert looked_up.untyped_storage().nbytes() == 0
+        else:
+            out = proj(torch.nn.functional.embedding(ids, table, sparse=True))
+        out.square().sum().backward()
+        assert table.grad is not None and table.grad.layout == torch.sparse_coo
+        grads.append([table.grad.coalesce(), proj.weight.grad, proj.bias.grad])
+    (eager_table, *eager), (got_table, *got) = grads
+    assert torch.equal(eager_table.indices(), got_table.indices())
+    assert torch.equal(eager_table.values(), got_table.values())
+    assert_same_grads(eager, got)

@@ -927,3 +927,39 @@ def test_router_logits_a_block_keeps_on_itself_for_the_aux_loss_are_warned_or_ke
                 (out.sum() + 4 * (load * load).sum()).backward()
     warned = any("router_logits" in str(w.message) for w in told)
     assert warned or torch.equal(eager.gate.weight.grad, ckpt.gate.weight.grad)
+
+
+class _Gather(nn.Module):
+    """A gather by advanced indexing (a GNN's ``h[src]``, an MoE's ``x[token_ids]``): its
+    backward is ``index_put_(accumulate=True)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[src]
+
+
+def test_a_gather_by_advanced_indexing_under_deterministic_algorithms_gives_eagers_gradients(
+        ) -> None:
+    # docs/limits.md, Float rounding, a kernel that sums in no fixed order: on CPU with two
+    # threads index_put_(accumulate=True) (this gather's backward) gave eager's own gradients
+    # other roundings from run to run (helper MD); the row's tip makes them bit for bit.
+    torch.manual_seed(0)
+    eager = _Gather()
+    ckpt = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), offload=False)
+    src = torch.arange(50_000) % 4  # many edges into a few hub nodes (or tokens to an expert)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, weights = torch.randn(4, D, generator=g), torch.randn(50_000, D, generator=g)
+            for model in (eager, ckpt):
+                model.zero_grad(set_to_none=True)
+                (model(x, src) * weights).sum().backward()
+            assert torch.equal(eager.lin.weight.grad, ckpt.lin.weight.grad)
+            assert torch.equal(eager.lin.bias.grad, ckpt.lin.bias.grad)
+    finally:
+        torch.use_deterministic_algorithms(was)
