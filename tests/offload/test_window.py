@@ -536,6 +536,51 @@ def test_a_wrapper_subclass_holding_its_inner_tensors_in_slots_frees_them_once_o
     assert stats["host_buffers_in_use"] == 0
 
 
+def test_a_wrapper_subclass_holding_its_inner_tensors_as_attributes_frees_them_once_offloaded(
+        ) -> None:
+    # The instance-dict twin of the test above (helper MB): TwoTensor keeps a and b in its
+    # __dict__, and kind_of (pytree_ckpt/subclass.py) leaves them out of the attributes it
+    # records. Recorded, the offloaded frozen result's kind held its device inner tensors
+    # alive until backward and put them back in the restored wrapper.
+    import copy
+    import gc
+    import weakref
+
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from pytree_ckpt import apply_activation_checkpointing, reuse_during_recompute
+
+    seen: list[tuple[type, bool, weakref.ref[torch.Tensor]]] = []
+
+    def two_sin_cos(t: torch.Tensor) -> torch.Tensor:
+        return TwoTensor(t.sin(), t.cos())
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            scale = reuse_during_recompute(two_sin_cos, h.detach())
+            seen.append((type(scale), torch.is_grad_enabled(), weakref.ref(scale.a)))
+            return h * scale
+
+    torch.manual_seed(0)
+    eager = Scaled()
+    m = manager(min_bytes=0)
+    wrapped = apply_activation_checkpointing(copy.deepcopy(eager), offload=m)
+    x = torch.randn(4, 8)
+    eager(x).sum().backward()
+    loss = wrapped(x).sum()
+    gc.collect()
+    assert seen[1][2]() is None  # the original pass's inner tensor: offloaded and freed
+    loss.backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in wrapped.parameters()])
+    assert [s[:2] for s in seen] == [(TwoTensor, True), (TwoTensor, False), (TwoTensor, True)]
+    assert m.stats()["host_buffers_in_use"] == 0
+
+
 def test_a_change_in_place_is_named_by_the_first_window_tensor_on_its_storage() -> None:
     # window_keys keeps, per storage, the index of the first window tensor on it (for the
     # message): a window given a tensor and a view of it names the tensor, as the caller

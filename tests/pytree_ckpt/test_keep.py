@@ -546,3 +546,162 @@ def test_a_kept_method_running_an_lstm_with_onednn_gives_the_gradients_of_keepin
         model(x).sum().backward()
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert_same_grads(*grads)
+
+
+# Mutation round MC: tests that kill mutants of keep.py, kept_ops.py and kept_callables.py that
+# no other test killed.
+
+
+def test_a_kept_output_stashed_on_the_module_and_changed_before_backward_is_refused_at_the_replay(
+        ) -> None:
+    # Not a layer output (no alias check at the boundary): only the replay's version check
+    # (keep.py, rule 3) sees the change; without it the replay used the changed product.
+    class Stashing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.mm(x, self.w)
+            self.last = h
+            return h.tanh()
+
+    layer = Stashing()
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::mm")})
+    out = layer(torch.randn(2, 4, requires_grad=True))
+    with torch.no_grad():
+        layer.last.mul_(3)
+    with pytest.raises(pytree_ckpt.CheckpointError, match="mutated between the original pass"):
+        out.sum().backward()
+
+
+class _OverloadCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that really execute, per phase and overload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        key = (current_phase().value, str(func))
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+# An op with a decomposition and a CUDA kernel of its own (as CUDA's aten::_fused_rms_norm):
+# registered here so that a CPU build has it too (the kernel is never run).
+_MC_LIBRARY = torch.library.Library("mc_mutants", "DEF")
+_MC_LIBRARY.define("fused_on_cuda(Tensor x) -> Tensor")
+_MC_LIBRARY.impl("fused_on_cuda", lambda x: x * 2, "CompositeImplicitAutograd")
+_MC_LIBRARY.impl("fused_on_cuda", lambda x: x * 2, "CUDA")
+_MC_LIBRARY.define("composite_only(Tensor x) -> Tensor")
+_MC_LIBRARY.impl("composite_only", lambda x: x * 2, "CompositeImplicitAutograd")
+
+
+def test_an_op_with_a_cuda_kernel_of_its_own_is_kept_and_one_only_decomposed_is_skipped() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert KeptOps("mc_mutants::fused_on_cuda").resolve() == \
+            [torch.ops.mc_mutants.fused_on_cuda]
+    with pytest.warns(UserWarning, match="torch decomposes mc_mutants::composite_only"):
+        assert KeptOps("mc_mutants::composite_only").resolve() == []
+
+
+@pytest.mark.parametrize("backward_under_autocast", [False, True])
+def test_a_cast_kept_by_name_under_an_autocast_entered_outside_the_layer_is_not_kept(
+        backward_under_autocast: bool) -> None:
+    # NOTE [autocast casts are never kept] for KeptOps("aten::_to_copy") (docs/save_units.md,
+    # rule 2): autocast caches its casts of x and the weight, so which casts a pass dispatches
+    # depends on the cache; kept, the replay asked for another record or took w's cast for x.
+    # The twin is the same boundary keeping nothing (bit-identical whatever is kept).
+    from tests.pytree_ckpt.test_save_units import TwiceProjected
+
+    torch.manual_seed(0)
+    unkept = TwiceProjected()
+    wrapped = copy.deepcopy(unkept)
+    pytree_ckpt.apply_activation_checkpointing(unkept, offload=False)
+    apply_recompute_config([wrapped], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::_to_copy", "aten::mm")}, offload=False)
+    x = torch.randn(8, 8, requires_grad=True)
+    grads = []
+    for model in (unkept, wrapped):
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+            if backward_under_autocast:
+                loss.backward()
+        if not backward_under_autocast:
+            loss.backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert_same_grads(*grads)
+
+
+def test_an_output_on_a_kept_product_taken_back_in_the_forward_may_change_in_place_later(
+        ) -> None:
+    # The layer changes the kept product in place (rule 3: taken back, recomputed), and the
+    # caller changes the output after the call, as eager allows: no record holds that storage
+    # any more, so nothing is refused (NOTE [outputs on a kept storage] in made_before.py).
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.mm(x, self.w)
+            h.mul_(2)
+            return h
+
+    torch.manual_seed(0)
+    eager = Scaled()
+    layer = copy.deepcopy(eager)
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::mm")})
+    x = torch.randn(2, 4)
+    grads = []
+    for model in (eager, layer):
+        with warnings.catch_warnings():  # taken back, the unit kept nothing: warned (rule 3)
+            warnings.filterwarnings("ignore", "pytree_ckpt: save unit 'attn' kept nothing")
+            out = model(x)
+        out.add_(1)
+        out.square().sum().backward()
+        grads.append(model.w.grad)
+    assert torch.equal(*grads)
+
+
+class _McGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.w)
+
+
+class _McGated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = _McGate()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.gate.project(x)
+        return h.tanh(), h
+
+
+def test_a_kept_class_instance_assigned_into_the_layer_after_its_first_call_is_kept_at_the_next(
+        ) -> None:
+    # NOTE [kept methods of modules added later] (keep.py): the layer's tree changes after the
+    # first call (which already marked the layer as looked at): the next call wraps the new
+    # gate's method too, or its product is recomputed in the replay.
+    torch.manual_seed(0)
+    layer = _McGated()
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["moe_gate"]),
+                           {SaveUnit.MOE_GATE: KeptCallables("_McGate.project")})
+    x = torch.randn(2, 4, requires_grad=True)
+    sum(t.sum() for t in layer(x)).backward()
+    layer.gate = _McGate()  # a replaced router, a LoRA adapter injected as peft does
+    with _OverloadCounter() as counter:
+        out, h = layer(x)
+        (out.sum() + h.sum()).backward()
+    assert counter.counts[("forward", "aten.mm.default")] == 1
+    assert counter.counts.get(("recompute", "aten.mm.default"), 0) == 0  # kept, not recomputed
