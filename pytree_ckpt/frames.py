@@ -65,6 +65,8 @@ def callable_name(fn: Callable[..., Any], /) -> str:
     """A readable name for ``fn`` in messages (``DsaIndexer.forward``, ``aten.mm.default``)."""
     if isinstance(fn, torch._ops.OpOverload):
         return str(fn)
+    if isinstance(fn, functools.partial):  # its function's name, not "partial" (helper MA)
+        return f"partial({callable_name(fn.func)})"
     owner = dunder(fn, "__self__")
     func = dunder(fn, "__func__", fn)
     name = dunder(func, "__qualname__") or type(func).__name__
