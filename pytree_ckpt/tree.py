@@ -397,14 +397,15 @@ def describe_leaf(leaf: Any, /) -> str:
     return f"{type(leaf).__name__} {leaf!r:.60}"
 
 
-# NOTE [tensors of other layouts]: a sparse tensor (COO, CSR) has no view. Where the boundary
-# wants a new tensor object on a leaf's data for autograd to attach a node to (a detached input
-# in the replay, an output that existed before the call), such a tensor gets a clone instead:
-# its backward passes the gradient on as it is, so gradients stay eager's, at the price of one
-# copy. A strided tensor gets ``t[...]``, torch's alias, whose backward passes the gradient on
-# as it is too: a sparse gradient reaches a dense input (``F.embedding(ids, table,
-# sparse=True)`` of a table passed in), where ``view_as``'s backward reshapes it, which torch
-# refuses for a sparse tensor (helper MD). A jagged nested tensor has no alias: a view. A nested tensor of the strided layout cannot cross any autograd Function (torch raises
+# NOTE [tensors of other layouts]: where the boundary wants a new tensor object on a leaf's data
+# for autograd to attach a node to (a detached input in the replay, an output that existed
+# before the call), a strided tensor gets ``t[...]``, torch's alias, whose backward passes the
+# gradient on as it is: a sparse gradient reaches a dense input (``F.embedding(ids, table,
+# sparse=True)`` of a table passed in), where a ``view_as`` view's backward reshaped it, which
+# torch refuses for a sparse tensor (helper MD). A jagged nested tensor has no alias: it gets a
+# view. A sparse tensor (COO, CSR) has neither: it gets a clone, whose backward passes the
+# gradient on as it is too, so gradients stay eager's, at the price of one copy. A nested
+# tensor of the strided layout cannot cross any autograd Function (torch raises
 # "NestedTensorImpl doesn't support sizes"): it is refused (tree_refusals.refuse_strided_nested).
 
 
