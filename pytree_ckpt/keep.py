@@ -319,18 +319,16 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-# NOTE [outputs made only with grad]: some ops return a tensor their backward needs only when
-# grad is on: oneDNN's LSTM on CPU (aten::mkldnn_rnn_layer, torch's default there) leaves its
-# workspace undefined (None) under no-grad, where the original pass runs. Kept, that record was
-# handed to the op in the replay, which runs with grad on, and its backward failed inside torch
-# ("Expected a proper Tensor but got None ... 'workspace'"; helper ME). Such a call is not kept:
-# the replay runs the op again, with grad on, as it runs an op the unit does not name.
-def _made_only_with_grad(func: Any, out: Any, /) -> bool:
-    """Whether ``out`` has None where ``func``'s schema returns a Tensor (not an optional one)."""
-    returns = func._schema.returns
-    values = out if type(out) is tuple and len(returns) > 1 else (out,)
-    return any(value is None and isinstance(ret.type, torch.TensorType)
-               for ret, value in zip(returns, values))
+# NOTE [kernels chosen by grad mode]: the original pass runs under no-grad, the replay and an
+# eager step with grad on, and some kernels read grad mode: oneDNN's LSTM on CPU
+# (aten::mkldnn_rnn_layer, torch's default there) makes the workspace its backward needs only
+# with grad on, and rounds otherwise. Kept from a no-grad call, its record held None there, and
+# the replay handed that to the op's backward, which failed inside torch ("Expected a proper
+# Tensor but got None ... 'workspace'"; helper ME). So a kept op runs with grad on, as the replay
+# would run it: below autograd (this mode dispatches under torch's guard that skips it), grad
+# mode makes no graph, and the record is what an eager step computes. Not a check of outputs
+# left undefined: CUDA's flash and cuDNN attention leave two in either mode (helper MH).
+_set_grad = torch._C._set_grad_enabled
 
 
 # NOTE [ops that return no tensor are never kept]: what an op returns when it returns no tensor
@@ -551,7 +549,12 @@ class KeepMode(TorchDispatchMode):
             # otherwise be printed as it left them (helper JM: a false ReplayMismatchError).
             prints = arguments_print(_tensors((args, kwargs)), op=func, fn=self.layer) \
                 if self.verify else None
-            out = func(*args, **kwargs)
+            grad_was = torch.is_grad_enabled()
+            _set_grad(True)  # NOTE [kernels chosen by grad mode]
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                _set_grad(grad_was)
             rng_after = None
             generators_after: GeneratorStates = ()
             if before is not None and devices is not None:
@@ -560,10 +563,9 @@ class KeepMode(TorchDispatchMode):
                 rng_after = after if rng_changed(before, after) else None
                 if generators_before:
                     generators_after = generators_moved(generators_before)
-            if any(t.is_inference() for t in _tensors(out)) or _made_only_with_grad(func, out):
+            if any(t.is_inference() for t in _tensors(out)):
                 # Made under torch.inference_mode() inside the layer: no version to check, and
-                # nothing to save for backward; the replay runs the op again (as it does for an
-                # op that left out what its backward needs: NOTE [outputs made only with grad]).
+                # nothing to save for backward; the replay runs the op again.
                 frame.record(func, RECOMPUTE)
                 return out
             kept = optree.tree_map(_tracking_alias, out)

@@ -524,30 +524,6 @@ class KeepsItsLstm(nn.Module):
         return self.out(self.recur(x))
 
 
-def test_a_kept_method_running_an_lstm_with_onednn_gives_the_gradients_of_keeping_nothing(
-) -> None:
-    # Guards against (helper ME) oneDNN's LSTM (CPU's default kernel, torch.backends.mkldnn on):
-    # NOTE [outputs made only with grad] (pytree_ckpt/keep.py). It returns its workspace only
-    # with grad enabled; the original pass runs under no-grad, so the record it keeps for
-    # aten::mkldnn_rnn_layer has None there, and the replay hands that to the op's backward:
-    # "Expected a proper Tensor but got None ... for argument #22 'workspace'". The same
-    # boundary keeping nothing runs (its output is the no-grad kernel's, docs/limits.md).
-    torch.manual_seed(0)
-    unkept = KeepsItsLstm()
-    kept = copy.deepcopy(unkept)
-    pytree_ckpt.apply_activation_checkpointing(unkept, offload=False)
-    apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptCallables("KeepsItsLstm.recur")}, offload=False)
-    x = torch.randn(2, 5, 8, requires_grad=True)
-    grads = []
-    assert torch.backends.mkldnn.enabled  # the default (flags() would warn about TF32)
-    for model in (unkept, kept):
-        x.grad = None
-        model(x).sum().backward()
-        grads.append([x.grad, *(p.grad for p in model.parameters())])
-    assert_same_grads(*grads)
-
-
 # Mutation round MC: tests that kill mutants of keep.py, kept_ops.py and kept_callables.py that
 # no other test killed.
 
@@ -591,21 +567,21 @@ class _OverloadCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 # An op with a decomposition and a CUDA kernel of its own (as CUDA's aten::_fused_rms_norm):
 # registered here so that a CPU build has it too (the kernel is never run).
-_MC_LIBRARY = torch.library.Library("mc_mutants", "DEF")
-_MC_LIBRARY.define("fused_on_cuda(Tensor x) -> Tensor")
-_MC_LIBRARY.impl("fused_on_cuda", lambda x: x * 2, "CompositeImplicitAutograd")
-_MC_LIBRARY.impl("fused_on_cuda", lambda x: x * 2, "CUDA")
-_MC_LIBRARY.define("composite_only(Tensor x) -> Tensor")
-_MC_LIBRARY.impl("composite_only", lambda x: x * 2, "CompositeImplicitAutograd")
+_LIBRARY = torch.library.Library("keep_tests", "DEF")
+_LIBRARY.define("fused_on_cuda(Tensor x) -> Tensor")
+_LIBRARY.impl("fused_on_cuda", lambda x: x * 2, "CompositeImplicitAutograd")
+_LIBRARY.impl("fused_on_cuda", lambda x: x * 2, "CUDA")
+_LIBRARY.define("composite_only(Tensor x) -> Tensor")
+_LIBRARY.impl("composite_only", lambda x: x * 2, "CompositeImplicitAutograd")
 
 
 def test_an_op_with_a_cuda_kernel_of_its_own_is_kept_and_one_only_decomposed_is_skipped() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert KeptOps("mc_mutants::fused_on_cuda").resolve() == \
-            [torch.ops.mc_mutants.fused_on_cuda]
-    with pytest.warns(UserWarning, match="torch decomposes mc_mutants::composite_only"):
-        assert KeptOps("mc_mutants::composite_only").resolve() == []
+        assert KeptOps("keep_tests::fused_on_cuda").resolve() == \
+            [torch.ops.keep_tests.fused_on_cuda]
+    with pytest.warns(UserWarning, match="torch decomposes keep_tests::composite_only"):
+        assert KeptOps("keep_tests::composite_only").resolve() == []
 
 
 @pytest.mark.parametrize("backward_under_autocast", [False, True])
@@ -705,3 +681,88 @@ def test_a_kept_class_instance_assigned_into_the_layer_after_its_first_call_is_k
         (out.sum() + h.sum()).backward()
     assert counter.counts[("forward", "aten.mm.default")] == 1
     assert counter.counts.get(("recompute", "aten.mm.default"), 0) == 0  # kept, not recomputed
+
+
+def test_an_op_whose_output_is_undefined_with_grad_too_is_kept_like_cuda_flash_attention(
+) -> None:
+    # Guards against (helper MH) a check that took any None in a Tensor return for a workspace
+    # made only with grad: torch's CUDA kernels of aten::_scaled_dot_product_flash_attention
+    # and _scaled_dot_product_cudnn_attention return Tensor() (None) for cum_seq_q and
+    # cum_seq_k whatever the grad mode, so the docs' ATTN unit kept nothing on CUDA (NOTE
+    # [kernels chosen by grad mode] in pytree_ckpt/keep.py). Modelled on CPU by an op of the
+    # same shape: its kernel runs once, in the original pass only (with grad on, as eager's).
+    calls: list[bool] = []
+    lib = torch.library.Library("keep_tests_undefined", "DEF")
+    lib.define("attn(Tensor x) -> (Tensor out, Tensor cum_seq)")
+
+    def kernel(x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        calls.append(torch.is_grad_enabled())
+        return x.exp(), None  # undefined in both grad modes
+
+    class Attn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> Any:
+            with torch._C._AutoDispatchBelowAutograd():
+                out, cum_seq = torch.ops.keep_tests_undefined.attn(x)
+            ctx.save_for_backward(out)
+            return out, cum_seq
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor, _: Any) -> torch.Tensor:
+            return grad * ctx.saved_tensors[0]
+
+    lib.impl("attn", kernel, "CPU")
+    lib.impl("attn", Attn.apply, "Autograd")
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.keep_tests_undefined.attn(self.lin(x))[0].sum(-1)
+
+    torch.manual_seed(0)
+    eager = Layer()
+    layer = copy.deepcopy(eager)
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("keep_tests_undefined::attn")}, offload=False)
+    x = torch.randn(2, 8)
+    eager(x).sum().backward()
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "save unit 'attn' kept nothing" where it is not kept
+        layer(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), layer.parameters()))
+    assert calls == [True]  # kept: the replay takes the record, the kernel runs once
+
+
+@pytest.mark.parametrize("unit", [KeptOps("aten::mkldnn_rnn_layer"),
+                                  KeptCallables("KeepsItsLstm.recur")], ids=["op", "method"])
+def test_a_kept_lstm_with_onednn_is_kept_and_gives_eagers_gradients_bit_for_bit(
+        unit: KeptOps | KeptCallables) -> None:
+    # Guards against (helper ME) oneDNN's LSTM (CPU's default kernel, torch.backends.mkldnn on)
+    # kept from the no-grad original pass: it makes its workspace only with grad on, so the
+    # record held None there and the op's backward failed inside torch ("Expected a proper
+    # Tensor but got None ... for argument #22 'workspace'"). A kept op runs with grad on, as
+    # eager's does (NOTE [kernels chosen by grad mode] in pytree_ckpt/keep.py): the record is
+    # eager's, and so are the gradients, where the boundary keeping nothing rounds otherwise
+    # (docs/limits.md). A first fix recomputed such a call, and a unit naming the op was told
+    # it "kept nothing" for reasons that did not apply (helper MH).
+    assert torch.backends.mkldnn.enabled  # the default (flags() would warn about TF32)
+    torch.manual_seed(0)
+    eager = KeepsItsLstm()
+    kept = copy.deepcopy(eager)
+    apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]), {SaveUnit.ATTN: unit},
+                           offload=False)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    grads = []
+    for model in (eager, kept):
+        x.grad = None
+        loss = model(x).sum()
+        with OpCounter() as counter, warnings.catch_warnings():
+            warnings.simplefilter("error")  # "save unit 'attn' kept nothing"
+            loss.backward()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert counter.counts["recompute", "aten.mkldnn_rnn_layer"] == 0  # the record was taken
+    assert_same_grads(*grads)
