@@ -256,6 +256,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     call.frame.start_replay()
     assert call.env is not None
     invocation = Invocation(_RECOMPUTE, call.frame, ACTIVE.get())
+    args: tuple[Any, ...] = ()  # the error note reads it: an error before fn's are made too
     try:
         ACTIVE.set(invocation)  # inside the try, as the original pass's (boundary_function.py)
         with Replaying(call.env), IsolatedPass(cached=call.env.parametrize_cached):

@@ -399,33 +399,40 @@ def describe_leaf(leaf: Any, /) -> str:
 
 # NOTE [tensors of other layouts]: where the boundary wants a new tensor object on a leaf's data
 # for autograd to attach a node to (a detached input in the replay, an output that existed
-# before the call), a strided tensor gets ``t[...]``, torch's alias, whose backward passes the
-# gradient on as it is: a sparse gradient reaches a dense input (``F.embedding(ids, table,
+# before the call), a plain strided tensor gets ``t[...]``, torch's alias, whose backward passes
+# the gradient on as it is: a sparse gradient reaches a dense input (``F.embedding(ids, table,
 # sparse=True)`` of a table passed in), where a ``view_as`` view's backward reshaped it, which
-# torch refuses for a sparse tensor (helper MD). A jagged nested tensor has no alias: it gets a
-# view. A sparse tensor (COO, CSR) has neither: it gets a clone, whose backward passes the
-# gradient on as it is too, so gradients stay eager's, at the price of one copy. A nested
-# tensor of the strided layout cannot cross any autograd Function (torch raises
-# "NestedTensorImpl doesn't support sizes"): it is refused (tree_refusals.refuse_strided_nested).
+# torch refuses for a sparse tensor (helper MD). A subclass gets a view, as before: an op table
+# may serve ``aten.view`` and not ``aten.alias`` (torch.masked.MaskedTensor, float8 wrappers:
+# helper MG); so does a jagged nested tensor, which has no alias. A sparse tensor (COO, CSR)
+# has neither: it gets a clone, whose backward passes the gradient on as it is too, so
+# gradients stay eager's, at the price of one copy. A nested tensor of the strided layout
+# cannot cross any autograd Function (torch raises "NestedTensorImpl doesn't support sizes"):
+# it is refused (tree_refusals.refuse_strided_nested).
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # aliased by t[...]: NOTE [tensors of other layouts]
 
 
 def alias(tensor: torch.Tensor, /) -> torch.Tensor:
     """A new tensor object with ``tensor``'s values and a graph to it (NOTE [tensors of other
-    layouts]): an alias where the layout has views, a clone otherwise."""
-    if tensor.layout is torch.strided:
+    layouts]): an alias of a plain strided tensor, a view of another tensor where the layout
+    has views, a clone otherwise."""
+    if tensor.layout is torch.strided and type(tensor) in _PLAIN:
         return tensor[...]
-    if tensor.layout is torch.jagged:
+    if tensor.layout is torch.strided or tensor.layout is torch.jagged:
         return tensor.view_as(tensor)
     return tensor.clone()
 
 
 def alias_all(tensors: Sequence[torch.Tensor], /) -> tuple[torch.Tensor, ...]:
-    """``alias`` of each tensor that requires grad, the others as they are. Strided aliases are
-    tried first for all: the usual case pays no layout check per tensor."""
+    """``alias`` of each tensor that requires grad, the others as they are. A plain tensor's
+    alias is tried first: the usual, strided case pays no layout check per tensor."""
     aliased = []
     try:
         for t in tensors:  # NOTE [loops on the per-call path] (boundary.py)
-            aliased.append(t[...] if t.requires_grad else t)
+            aliased.append((t[...] if type(t) is torch.Tensor else alias(t)) if t.requires_grad
+                           else t)
     except (NotImplementedError, RuntimeError):  # NOTE [tensors of other layouts]
         aliased = [alias(t) if t.requires_grad else t for t in tensors]
     return tuple(aliased)
