@@ -6,6 +6,7 @@ rebound before the replay], NOTE [a tensor rebound before the replay]).
 from __future__ import annotations
 
 import dis
+import enum
 import functools
 import types
 import warnings
@@ -81,8 +82,9 @@ _Tensor = torch.Tensor
 # is refused. Weak references, not ids: a mask made in each iteration is freed when the next takes
 # its name, and a new tensor may take its id; one freed since cannot be the one there now. A float
 # is noted the same way, by value (`for scale in scales: h = checkpoint(lambda t: shared(t) *
-# scale, h)`; NaN equal to NaN). An int (or bool) in a cell the code does not index with is
-# noted by value too, but another one at the replay is warned of, once per code, not refused:
+# scale, h)`; NaN equal to NaN). An int (or bool), a str or an Enum member in a cell the code
+# does not index with is noted by value too (a hybrid stack's `kind` a shared block branches on:
+# helper MI), but another one at the replay is warned of, once per code, not refused:
 # `lambda t: shared(t) / math.sqrt(i + 1)` computes with it, while a `layer_idx=i` only passed
 # on (a key/value cache's index, unused in training) changes nothing, and the two cannot be told
 # apart (one it indexes with is NOTE [an index rebound before the replay]'s, refused). A cell
@@ -112,7 +114,8 @@ _Places = tuple[tuple[int, ...], tuple[str, ...]]  # closure cells by index, glo
 # The module places, per place (id(module) or _NO_MODULE, its class or None, a weak reference
 # to it or None: an id alone passed a new module made at a dead one's address), the index places
 # and per place its int or str (_NOT_NOTED for any other value), the tensor places and per
-# place a weak reference to its tensor (None where it held none).
+# place a weak reference to its tensor (None where it held none), a float in a 1-tuple, or a
+# _LateValue.
 Bound = tuple[_Places, tuple[tuple[int, type | None, Any], ...], _Places, tuple[Any, ...],
               _Places, tuple[Any, ...]]
 _NO_MODULE = 0  # noted for a place holding no module at the original pass (no object's id)
@@ -133,25 +136,27 @@ _WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL", "DELETE_GLOB
 _READS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_GLOBAL", "LOAD_NAME"})
 _LATE_INDICES: dict[int, tuple[Any, _Places]] = {}
 # What a tensor place may hold and have noted: a tensor (by weak reference), a float (by value,
-# in a 1-tuple: `for scale in scales: h = checkpoint(lambda t: shared(t) * scale, h)`), an int
-# or bool where the code does not index with it (by value, in a _LateInt: warned of, not
-# refused; NOTE [a tensor rebound before the replay]).
-_NOTED_VALUES = (_Tensor, float, int)
+# in a 1-tuple: `for scale in scales: h = checkpoint(lambda t: shared(t) * scale, h)`), an int,
+# bool, str or Enum member where the code does not index with it (by value, in a _LateValue:
+# warned of, not refused; NOTE [a tensor rebound before the replay]). Not a tuple, a dict or
+# another object (a per-depth config read late is silent: docs/limits.md).
+_LATE_VALUES = (int, str, enum.Enum)
+_NOTED_VALUES = (_Tensor, float, *_LATE_VALUES)
 
 
-class _LateInt:
-    """An int (or bool) a tensor place held at the original pass: another one at the replay
-    is warned of."""
+class _LateValue:
+    """An int, bool, str or Enum member a tensor place held at the original pass: another
+    one at the replay is warned of."""
 
     __slots__ = ("value",)
 
-    def __init__(self, value: int, /) -> None:
+    def __init__(self, value: int | str | enum.Enum, /) -> None:
         self.value = value
 
 
-# The codes warned of for an int read late, by id (holding the code, so its id is not reused):
-# once per code, as a lambda written in a loop is one code.
-_WARNED_INTS: dict[int, Any] = {}
+# The codes warned of for a _LateValue read late, by id (holding the code, so its id is not
+# reused): once per code, as a lambda written in a loop is one code.
+_WARNED_VALUES: dict[int, Any] = {}
 
 
 def _written(code: Any, /) -> frozenset[str]:
@@ -207,7 +212,7 @@ def _tensor_cells(fn: Any, code: Any, /) -> _Places:
     return (tuple(i for i, cell in enumerate(closure)
                   if (isinstance(value := cell_contents(cell), _NOTED_VALUES) or value is None)
                   and not (i < len(free) and free[i] in written)
-                  and not (type(value) in (int, bool) and i in indexed)), ())
+                  and not (type(value) in (int, bool, str) and i in indexed)), ())
 
 
 def _tensor_places(fn: Any, code: Any, /) -> _Places:
@@ -341,7 +346,7 @@ def _note(fn: Any, places: _Places, indices: _Places, tensors: _Places, /) -> Bo
         for value in _values_now(fn, tensors):
             refs.append(weakref.ref(value) if isinstance(value, _Tensor) else
                         (value,) if isinstance(value, float) else
-                        _LateInt(value) if isinstance(value, int) else None)
+                        _LateValue(value) if isinstance(value, _LATE_VALUES) else None)
     if not noted and not values and not refs:
         return None
     return places, tuple(noted), indices, tuple(values), tensors, tuple(refs)
@@ -413,8 +418,8 @@ def _refuse_other_tensors(fn: Any, called: Any, tensors: _Places, refs: tuple[An
         if type(ref) is tuple:
             _refuse_another_float(fn, called, tensors, k, ref[0], value, what)
             continue
-        if type(ref) is _LateInt:
-            _warn_another_int(fn, called, tensors, k, ref.value, value, what)
+        if type(ref) is _LateValue:
+            _warn_another_value(fn, called, tensors, k, ref.value, value, what)
             continue
         then = None if ref is None else ref()
         if ref is None and not isinstance(value, _Tensor) or then is not None and then is value:
@@ -459,23 +464,24 @@ def _refuse_another_float(fn: Any, called: Any, tensors: _Places, k: int, then: 
             f"..., h), or pass it as an argument, checkpoint(fn, h, {variable})")
 
 
-def _warn_another_int(fn: Any, called: Any, tensors: _Places, k: int, then: int, value: Any,
-                      what: str, /) -> None:
-    """NOTE [a tensor rebound before the replay]: an int the function closes over (not as an
-    index) that holds another value at the replay: warned of once per code."""
+def _warn_another_value(fn: Any, called: Any, tensors: _Places, k: int, then: Any, value: Any,
+                        what: str, /) -> None:
+    """NOTE [a tensor rebound before the replay]: an int, str or Enum member the function closes
+    over (not as an index) that holds another value at the replay: warned of once per code."""
     if type(value) is type(then) and value == then:
         return
     code = dunder(called, "__code__")
-    if id(code) in _WARNED_INTS:
+    if id(code) in _WARNED_VALUES:
         return
-    _WARNED_INTS[id(code)] = code
+    _WARNED_VALUES[id(code)] = code
     name, where, variable = _words(fn, called, tensors, k, "i")
     warnings.warn(
         f"pytree_ckpt: the replay of {what}({name}) in backward reads its {where} = "
         f"{_short(value)}, where its original pass read {_short(then)} (Python closures bind "
         "late: a function made in a loop reads the loop variable's last value). If the "
-        "function computes with it (a per-depth scale), the replay computes, and returns the "
-        "gradients of, something else; if it only passes it on (a layer_idx that a key/value "
-        "cache uses, unused in training), nothing changes. Tip: bind it when the function is "
+        "function computes with it (a per-depth scale, a kind a block branches on), the "
+        "replay computes, and returns the gradients of, something else; if it only passes "
+        "it on (a layer_idx that a key/value cache uses, unused in training), nothing "
+        "changes. Tip: bind it when the function is "
         f"made, checkpoint(lambda t, {variable}={variable}: ..., h), or pass it as an "
         "argument. Said once per function", stacklevel=user_stacklevel())
