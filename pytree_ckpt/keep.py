@@ -319,16 +319,30 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-# NOTE [kernels chosen by grad mode]: the original pass runs under no-grad, the replay and an
-# eager step with grad on, and some kernels read grad mode: oneDNN's LSTM on CPU
-# (aten::mkldnn_rnn_layer, torch's default there) makes the workspace its backward needs only
-# with grad on, and rounds otherwise. Kept from a no-grad call, its record held None there, and
-# the replay handed that to the op's backward, which failed inside torch ("Expected a proper
-# Tensor but got None ... 'workspace'"; helper ME). So a kept op runs with grad on, as the replay
-# would run it: below autograd (this mode dispatches under torch's guard that skips it), grad
-# mode makes no graph, and the record is what an eager step computes. Not a check of outputs
-# left undefined: CUDA's flash and cuDNN attention leave two in either mode (helper MH).
-_set_grad = torch._C._set_grad_enabled
+# NOTE [outputs made only with grad]: the original pass runs under no-grad, the replay (and an
+# eager step) with grad on, and oneDNN's LSTM on CPU (aten::mkldnn_rnn_layer, torch's default
+# kernel there) makes the workspace its backward needs only with grad on. Kept from the no-grad
+# pass, its record held None there, and the replay handed that to the op's backward, which
+# failed inside torch ("Expected a proper Tensor but got None ... 'workspace'"; helper ME). Such
+# a call is not kept: the replay runs the op again, as one no unit names. Known ops only: CUDA's
+# flash and cuDNN attention leave two Tensor outputs undefined in either mode and are kept (a
+# check of every op's outputs kept nothing of them: helper MH). Not by running the kept op with
+# grad on either: the layer's own no_grad, an autograd.Function's forward and a custom op's
+# kernel run under no-grad in eager, and got another kernel's numbers (helper MJ).
+_MADE_ONLY_WITH_GRAD = frozenset(
+    op for op in (getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None),)
+    if op is not None)
+
+
+def _made_only_with_grad(func: Any, out: Any, /) -> bool:
+    """Whether ``func`` is known to make, only with grad on, a tensor ``out`` lacks (None where
+    its schema returns a Tensor): NOTE [outputs made only with grad]."""
+    if func not in _MADE_ONLY_WITH_GRAD:
+        return False
+    returns = func._schema.returns
+    values = out if type(out) is tuple and len(returns) > 1 else (out,)
+    return any(value is None and isinstance(ret.type, torch.TensorType)
+               for ret, value in zip(returns, values))
 
 
 # NOTE [ops that return no tensor are never kept]: what an op returns when it returns no tensor
@@ -549,12 +563,7 @@ class KeepMode(TorchDispatchMode):
             # otherwise be printed as it left them (helper JM: a false ReplayMismatchError).
             prints = arguments_print(_tensors((args, kwargs)), op=func, fn=self.layer) \
                 if self.verify else None
-            grad_was = torch.is_grad_enabled()
-            _set_grad(True)  # NOTE [kernels chosen by grad mode]
-            try:
-                out = func(*args, **kwargs)
-            finally:
-                _set_grad(grad_was)
+            out = func(*args, **kwargs)
             rng_after = None
             generators_after: GeneratorStates = ()
             if before is not None and devices is not None:
@@ -563,9 +572,10 @@ class KeepMode(TorchDispatchMode):
                 rng_after = after if rng_changed(before, after) else None
                 if generators_before:
                     generators_after = generators_moved(generators_before)
-            if any(t.is_inference() for t in _tensors(out)):
+            if any(t.is_inference() for t in _tensors(out)) or _made_only_with_grad(func, out):
                 # Made under torch.inference_mode() inside the layer: no version to check, and
-                # nothing to save for backward; the replay runs the op again.
+                # nothing to save for backward; the replay runs the op again (as it does an op
+                # that left out what its backward needs: NOTE [outputs made only with grad]).
                 frame.record(func, RECOMPUTE)
                 return out
             kept = optree.tree_map(_tracking_alias, out)

@@ -60,7 +60,8 @@ class UnitUse:
                 continue
             what = (f"none of its ops {sorted(ops)} was kept there (not dispatched; or only "
                     "as views, clones, in-place ops, under inference_mode, or casts under "
-                    "autocast, never kept)"
+                    "autocast, never kept; or an op that makes what its backward needs only "
+                    "with grad on, oneDNN's LSTM: aten::mkldnn_rnn_layer, run again)"
                     if ops else
                     f"the methods {sorted(methods)} kept nothing there (not called inside a "
                     "checkpointed layer, or dispatching no op that can be kept)")
