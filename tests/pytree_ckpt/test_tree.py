@@ -1805,3 +1805,26 @@ def test_a_wrapper_subclass_input_whose_op_table_lacks_alias_replays_as_before_w
         assert type(x.grad) is type(x)
         grads.append(x.grad.inner if kind == "a tabled wrapper" else x.grad.get_data())
     assert torch.equal(grads[0], grads[1])
+
+
+class _TracedTable(torch.Tensor):
+    """A __torch_function__ subclass (torch's default handler): aten.alias is served."""
+
+
+def test_a_sparse_embedding_of_a_torch_function_subclass_table_passed_in_gets_eagers_grad(
+        ) -> None:
+    # Guards against (helper MJ) view_as for a __torch_function__ subclass (NOTE [tensors of
+    # other layouts] in pytree_ckpt/tree.py): its backward reshapes the gradient, which torch
+    # refuses for the sparse gradient of F.embedding(..., sparse=True) ("reshape is not
+    # implemented for sparse tensors").
+    def f(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, table, sparse=True).sum(0)
+
+    ids = torch.tensor([1, 3, 1])
+    base = torch.randn(5, 4)
+    eager = base.clone().as_subclass(_TracedTable).requires_grad_()
+    table = base.clone().as_subclass(_TracedTable).requires_grad_()
+    f(ids, eager).sum().backward()
+    checkpoint(f, ids, table).sum().backward()
+    assert table.grad is not None and eager.grad is not None
+    assert torch.equal(table.grad.to_dense(), eager.grad.to_dense())
