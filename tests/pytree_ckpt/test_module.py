@@ -9,6 +9,7 @@ import inspect
 import pickle
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -1411,3 +1412,121 @@ def test_a_class_forward_that_delegates_its_attributes_runs_wrapped_with_eagers_
     x = torch.randn(3, requires_grad=True)
     apply_activation_checkpointing(layer)
     assert_same_grads(*grads_per_model([twin, layer], x, seed=0))
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Inputs and outputs: "
+                   "a module that calls itself, wrapped in place) (helper MI): each self-call is "
+                   "a nested boundary, 7 frames a level")
+def test_a_recursive_tree_module_as_deep_as_eager_runs_gives_eagers_gradients() -> None:
+    # A recursive neural network over a parse tree (a tree-LSTM, SPINN on a right-branching
+    # parse) calls itself on each child. Wrapped, each level costs 7 Python frames (the
+    # torch.compiler.disable wrapper's two, _CheckpointedForward.__call__, run_boundary, the
+    # module's two and forward) where eager's costs 3: under the default limit a chain of 200
+    # levels runs in eager and raises RecursionError in the wrapped twin's forward (from
+    # about 110 levels on).
+    import sys
+
+    class RecTree(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.W, self.U = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+
+        def forward(self, node: dict) -> torch.Tensor:
+            h = self.W(node["x"])
+            for kid in node["kids"]:
+                h = h + self.U(self(kid))
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    eager = RecTree()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    emb = torch.randn(5, 2, 4)
+    node: dict = {"x": emb[0], "kids": []}
+    for depth in range(200):
+        node = {"x": emb[depth % 5], "kids": [node]}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # Python's default, whatever the runner set
+    try:
+        eager(node).sum().backward()
+        ours(node).sum().backward()
+    finally:
+        sys.setrecursionlimit(limit)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), ours.parameters()))
+
+
+def test_a_recursive_tree_module_wrapped_in_place_forwards_as_often_as_its_limits_row_says(
+        ) -> None:
+    # docs/limits.md, a module that calls itself, wrapped in place: "41 forwards against 902
+    # at depth 40" (each self-call a nested boundary, replayed again by each replay above it).
+    forwards: list[None] = []
+
+    class RecTree(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.W, self.U = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+
+        def forward(self, node: dict) -> torch.Tensor:
+            forwards.append(None)
+            h = self.W(node["x"])
+            for kid in node["kids"]:
+                h = h + self.U(self(kid))
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    eager = RecTree()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    emb = torch.randn(5, 2, 4)
+    node: dict = {"x": emb[0], "kids": []}
+    for depth in range(40):
+        node = {"x": emb[depth % 5], "kids": [node]}
+    counts = []
+    for model in (eager, ours):
+        forwards.clear()
+        model(node).sum().backward()
+        counts.append(len(forwards))
+    assert counts == [41, 902]
+    limits = (Path(__file__).parents[2] / "docs" / "limits.md").read_text()
+    assert "(41 forwards against 902 at depth 40)" in limits
+    assert all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)  # the rounding row
+               for a, b in zip(eager.parameters(), ours.parameters()))
+
+
+def test_a_recursive_tree_module_checkpointed_at_its_root_runs_eagers_depth_with_one_more_forward(
+        ) -> None:
+    # docs/limits.md, a module that calls itself: the row's tip. One boundary around the root
+    # call: its self-calls run plainly (no nested boundaries), so a chain as deep as eager's
+    # runs, each level forwarded twice (the original pass and the one replay), gradients exact.
+    import sys
+
+    forwards: list[None] = []
+
+    class RecTree(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.W, self.U = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+
+        def forward(self, node: dict) -> torch.Tensor:
+            forwards.append(None)
+            h = self.W(node["x"])
+            for kid in node["kids"]:
+                h = h + self.U(self(kid))
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    eager = RecTree()
+    ours = copy.deepcopy(eager)
+    emb = torch.randn(5, 2, 4)
+    node: dict = {"x": emb[0], "kids": []}
+    for depth in range(200):
+        node = {"x": emb[depth % 5], "kids": [node]}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # Python's default, whatever the runner set
+    try:
+        eager(node).sum().backward()
+        assert len(forwards) == 201
+        forwards.clear()
+        pytree_ckpt.checkpoint(ours, node).sum().backward()
+    finally:
+        sys.setrecursionlimit(limit)
+    assert len(forwards) == 2 * 201
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), ours.parameters()))
