@@ -68,6 +68,30 @@ def lines_run(folder: str, call: Callable[[], Any], /) -> tuple[int, Any]:
     return lines[0], result
 
 
+def interrupted_at(files: Iterable[str], index: int, call: Callable[[], Any], /) -> bool:
+    """``call()`` with a KeyboardInterrupt raised as the ``index``-th call made from the code of
+    ``files`` (module ``__file__`` paths) returns: where CPython delivers a pending signal (a
+    Ctrl-C). True if it was raised, False if ``call`` returned first."""
+    ours = set(files)
+    calls = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and frame.f_code.co_filename in ours:
+            calls[0] += 1
+            if calls[0] == index + 1:
+                raise KeyboardInterrupt("Ctrl-C")
+
+    try:
+        sys.setprofile(profile)
+        try:
+            call()
+        finally:
+            sys.setprofile(None)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
 def grads_of(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor | None]:
     return [None if t.grad is None else t.grad.clone() for t in tensors]
 

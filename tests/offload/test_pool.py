@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+import offload.pool
 from offload import HostPool, size_class
 from pytree_ckpt import CheckpointConfigError
-from tests.conftest import lines_run
+from tests.conftest import interrupted_at, lines_run
 
 
 @pytest.fixture
@@ -406,33 +407,6 @@ def test_a_keyboard_interrupt_after_a_released_buffer_reaches_its_free_list_hand
     assert pool.checked_out == 0
 
 
-def _acquire_interrupted_at(pool: HostPool, index: int, /, *, into: Any) -> bool:
-    """An acquire of 4096 bytes into ``into`` with a KeyboardInterrupt raised as the
-    ``index``-th call made from offload/pool.py's own code returns; False if it ran to the end
-    first."""
-    import sys
-
-    import offload.pool
-
-    calls: list[None] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_return" and frame.f_code.co_filename == offload.pool.__file__:
-            calls.append(None)
-            if len(calls) == index + 1:
-                raise KeyboardInterrupt("Ctrl-C")
-
-    try:
-        sys.setprofile(profile)
-        try:
-            pool.acquire(4096, into=into)
-        finally:
-            sys.setprofile(None)
-    except KeyboardInterrupt:
-        return True
-    return False
-
-
 @pytest.mark.parametrize(("released", "with_event"), [(False, False), (True, False), (True, True)],
                          ids=["a new buffer", "a released buffer", "a released buffer and event"])
 def test_an_interrupt_as_any_call_in_acquire_returns_loses_no_buffer_and_skips_no_wait(
@@ -450,7 +424,8 @@ def test_an_interrupt_as_any_call_in_acquire_returns_loses_no_buffer_and_skips_n
                 if with_event else None
             pool.release(pool.acquire(4096), event=event)
         holder = type("Holder", (), {"host": None})()
-        if not _acquire_interrupted_at(pool, index, into=holder):
+        if not interrupted_at([offload.pool.__file__], index,
+                              lambda: pool.acquire(4096, into=holder)):  # noqa: B023
             break
         index += 1
         if holder.host is not None:  # handed out as the interrupt came: its holder gives it back

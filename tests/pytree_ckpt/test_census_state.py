@@ -13,6 +13,7 @@ from torch import nn
 import pytree_ckpt
 from pytree_ckpt import ActivationCensus, CheckpointError, checkpoint_layers
 
+from tests.conftest import interrupted_at
 from tests.pytree_ckpt.models import NormedLayer
 
 
@@ -438,31 +439,6 @@ def test_a_plain_tensor_the_forward_replaces_counts_the_one_held_for_the_replay(
     assert layer.steps.tolist() == [3.0, 3.0]
 
 
-def _enter_interrupted_at(census: ActivationCensus, index: int, /) -> bool:
-    """``census.__enter__()`` with a KeyboardInterrupt raised as the ``index``-th call made from
-    the census's own code (census.py, census_threads.py) returns; False if it entered first."""
-    import sys
-
-    ours = {pytree_ckpt.census.__file__, pytree_ckpt.census_threads.__file__}
-    calls: list[None] = []
-
-    def profile(frame: object, event: str, arg: object) -> None:
-        if event == "c_return" and frame.f_code.co_filename in ours:  # type: ignore[attr-defined]
-            calls.append(None)
-            if len(calls) == index + 1:
-                raise KeyboardInterrupt("Ctrl-C")
-
-    try:
-        sys.setprofile(profile)
-        try:
-            census.__enter__()
-        finally:
-            sys.setprofile(None)
-    except KeyboardInterrupt:
-        return True
-    return False
-
-
 def test_a_census_interrupted_while_it_enters_leaves_nothing_recording_and_can_enter_again(
         ) -> None:
     # Guards against an interrupt inside __enter__ (NOTE [an entry undone], census.py): after
@@ -478,7 +454,8 @@ def test_a_census_interrupted_while_it_enters_leaves_nothing_recording_and_can_e
     index = 0
     while True:
         census = ActivationCensus(layers)
-        if not _enter_interrupted_at(census, index):
+        if not interrupted_at([pytree_ckpt.census.__file__, pytree_ckpt.census_threads.__file__],
+                              index, census.__enter__):
             census.__exit__(None, None, None)
             break
         index += 1

@@ -9,6 +9,7 @@ import inspect
 import pickle
 import warnings
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1414,43 +1415,65 @@ def test_a_class_forward_that_delegates_its_attributes_runs_wrapped_with_eagers_
     assert_same_grads(*grads_per_model([twin, layer], x, seed=0))
 
 
+# Each forward of a _RecTree, logged outside the module (a list the module held would be its
+# state, which the replay leaves as the forward left it).
+_REC_FORWARDS: list[None] = []
+
+
+class _RecTree(nn.Module):
+    """A recursive net over a parse tree (a tree-LSTM, SPINN on a right-branching parse): it
+    calls itself on each child; each forward is logged in ``_REC_FORWARDS``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W, self.U = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+
+    def forward(self, node: dict) -> torch.Tensor:
+        _REC_FORWARDS.append(None)
+        h = self.W(node["x"])
+        for kid in node["kids"]:
+            h = h + self.U(self(kid))
+        return torch.tanh(h)
+
+
+def _rec_trees_and_chain(depth: int, /) -> tuple[_RecTree, _RecTree, dict, list[None]]:
+    """An eager tree net, its copy, a chain ``depth`` levels deep and their forwards' log."""
+    torch.manual_seed(0)
+    _REC_FORWARDS.clear()
+    eager = _RecTree()
+    emb = torch.randn(5, 2, 4)
+    node: dict = {"x": emb[0], "kids": []}
+    for level in range(depth):
+        node = {"x": emb[level % 5], "kids": [node]}
+    return eager, copy.deepcopy(eager), node, _REC_FORWARDS
+
+
+@pytest.fixture
+def python_default_recursion_limit() -> Iterator[None]:
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # Python's default, whatever the runner set
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 @pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Inputs and outputs: "
                    "a module that calls itself, wrapped in place) (helper MI): each self-call is "
                    "a nested boundary, 7 frames a level")
+@pytest.mark.usefixtures("python_default_recursion_limit")
 def test_a_recursive_tree_module_as_deep_as_eager_runs_gives_eagers_gradients() -> None:
-    # A recursive neural network over a parse tree (a tree-LSTM, SPINN on a right-branching
-    # parse) calls itself on each child. Wrapped, each level costs 7 Python frames (the
+    # Wrapped, each level of a self-calling module costs 7 Python frames (the
     # torch.compiler.disable wrapper's two, _CheckpointedForward.__call__, run_boundary, the
     # module's two and forward) where eager's costs 3: under the default limit a chain of 200
     # levels runs in eager and raises RecursionError in the wrapped twin's forward (from
     # about 110 levels on).
-    import sys
-
-    class RecTree(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.W, self.U = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
-
-        def forward(self, node: dict) -> torch.Tensor:
-            h = self.W(node["x"])
-            for kid in node["kids"]:
-                h = h + self.U(self(kid))
-            return torch.tanh(h)
-
-    torch.manual_seed(0)
-    eager = RecTree()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    emb = torch.randn(5, 2, 4)
-    node: dict = {"x": emb[0], "kids": []}
-    for depth in range(200):
-        node = {"x": emb[depth % 5], "kids": [node]}
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(1000)  # Python's default, whatever the runner set
-    try:
-        eager(node).sum().backward()
-        ours(node).sum().backward()
-    finally:
-        sys.setrecursionlimit(limit)
+    eager, ours, node, _ = _rec_trees_and_chain(200)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    eager(node).sum().backward()
+    ours(node).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), ours.parameters()))
 
 
@@ -1458,27 +1481,8 @@ def test_a_recursive_tree_module_wrapped_in_place_forwards_as_often_as_its_limit
         ) -> None:
     # docs/limits.md, a module that calls itself, wrapped in place: "41 forwards against 902
     # at depth 40" (each self-call a nested boundary, replayed again by each replay above it).
-    forwards: list[None] = []
-
-    class RecTree(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.W, self.U = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
-
-        def forward(self, node: dict) -> torch.Tensor:
-            forwards.append(None)
-            h = self.W(node["x"])
-            for kid in node["kids"]:
-                h = h + self.U(self(kid))
-            return torch.tanh(h)
-
-    torch.manual_seed(0)
-    eager = RecTree()
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    emb = torch.randn(5, 2, 4)
-    node: dict = {"x": emb[0], "kids": []}
-    for depth in range(40):
-        node = {"x": emb[depth % 5], "kids": [node]}
+    eager, ours, node, forwards = _rec_trees_and_chain(40)
+    pytree_ckpt.apply_activation_checkpointing(ours)
     counts = []
     for model in (eager, ours):
         forwards.clear()
@@ -1491,42 +1495,16 @@ def test_a_recursive_tree_module_wrapped_in_place_forwards_as_often_as_its_limit
                for a, b in zip(eager.parameters(), ours.parameters()))
 
 
+@pytest.mark.usefixtures("python_default_recursion_limit")
 def test_a_recursive_tree_module_checkpointed_at_its_root_runs_eagers_depth_with_one_more_forward(
         ) -> None:
     # docs/limits.md, a module that calls itself: the row's tip. One boundary around the root
     # call: its self-calls run plainly (no nested boundaries), so a chain as deep as eager's
     # runs, each level forwarded twice (the original pass and the one replay), gradients exact.
-    import sys
-
-    forwards: list[None] = []
-
-    class RecTree(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.W, self.U = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
-
-        def forward(self, node: dict) -> torch.Tensor:
-            forwards.append(None)
-            h = self.W(node["x"])
-            for kid in node["kids"]:
-                h = h + self.U(self(kid))
-            return torch.tanh(h)
-
-    torch.manual_seed(0)
-    eager = RecTree()
-    ours = copy.deepcopy(eager)
-    emb = torch.randn(5, 2, 4)
-    node: dict = {"x": emb[0], "kids": []}
-    for depth in range(200):
-        node = {"x": emb[depth % 5], "kids": [node]}
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(1000)  # Python's default, whatever the runner set
-    try:
-        eager(node).sum().backward()
-        assert len(forwards) == 201
-        forwards.clear()
-        pytree_ckpt.checkpoint(ours, node).sum().backward()
-    finally:
-        sys.setrecursionlimit(limit)
+    eager, ours, node, forwards = _rec_trees_and_chain(200)
+    eager(node).sum().backward()
+    assert len(forwards) == 201
+    forwards.clear()
+    pytree_ckpt.checkpoint(ours, node).sum().backward()
     assert len(forwards) == 2 * 201
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), ours.parameters()))
