@@ -35,9 +35,13 @@ def unpack_handle(manager: OffloadManager, packed: Handle, /) -> torch.Tensor:
     # None once that thread ended.
     lane = pass_.lane()
     if restore_now:
-        pass_.backward = True
-        if lane is not None:
-            lane.recent = pass_
+        if not pass_.backward:
+            # Its backward begins: events() reads this pass now, until another's begins (not
+            # at each restore: with prefetch=0, the outer backward's restores took it back
+            # from a backward run inside one of its hooks; helper MF).
+            pass_.backward = True
+            if lane is not None:
+                lane.recent = pass_
     elif moved_on:
         pass_.prefetched.discard(window.id)
         pass_.events.append(("prefetch_hit", window.id))

@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -2560,3 +2561,63 @@ def test_a_tracer_recording_a_forward_that_opens_its_own_window_records_its_ops_
     assert not [r for r in caplog.records if r.name.startswith("offload")]
     with pytest.raises(Exception, match="strict=False"):
         torch.export.export(layer, (x,), strict=True)
+
+
+def test_events_name_the_pass_whose_backward_began_last_when_a_hook_backward_runs_inside_another(
+        ) -> None:
+    # Guards against (helper MF) events() taken back by the outer backward's later restores
+    # with prefetch=0 (offload/unpacking.py: "recent" set at each restore, not at the first).
+    # docs/offload.md: events() is the log "of the pass whose backward began most recently".
+    # A gradient taken inside a backward hook through a window of the same manager begins a
+    # second pass's backward in the middle of the first's. With prefetch=1 events() is that
+    # second pass's; with prefetch=0 every later restore of the first pass (on demand) makes
+    # it "recent" again (unpacking.py sets lane.recent at each restore, not at the first).
+    m = manager(prefetch=0)
+    layers = offloaded_stack(m, 3)
+    z = torch.randn(4, 32)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            zz = (z * 1.0).requires_grad_()
+            with m.window([zz]):
+                inner = (zz * zz.sin()).sum()
+            torch.autograd.grad(inner, zz)  # the inner pass's backward begins here
+        return grad
+
+    x = torch.randn(4, 32, requires_grad=True)
+    h = layers[0](x)
+    h.register_hook(hook)  # runs after window 2 and 1 restored, before window 0
+    h = layers[2](layers[1](h))
+    h.sum().backward()
+    assert m.events() == [("restore", 0)]  # the inner pass's, as with prefetch=1
+
+
+def test_a_forward_run_in_a_backward_hook_before_any_restore_joins_the_pass_as_its_docs_say(
+        ) -> None:
+    # docs/offload.md, Prefetch: a forward run from a hook of a backward that has not restored
+    # a window yet (a hook on the loss) joins that pass with the next ids, and no prefetch
+    # crosses into its windows. The docs said "after a backward began" (helper MF): a pass is
+    # marked as in backward at its first restore, which such a hook runs before.
+    m = manager(prefetch=1)
+    layers = offloaded_stack(m, 3)
+    losses: list[torch.Tensor] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return stack(layers, x.requires_grad_()).sum()
+
+    def next_forward(grad: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            losses.append(forward(torch.randn(4, 32)))
+        return grad
+
+    first = forward(torch.randn(4, 32))
+    first.register_hook(next_forward)
+    first.backward()
+    own = [("restore", 2), ("prefetch", 1), ("prefetch_hit", 1), ("prefetch", 0),
+           ("prefetch_hit", 0)]
+    assert m.events() == own  # the first micro-batch's windows only: none crossed into 3-5
+    losses.pop().backward()
+    assert m.events() == own + [("restore", 5), ("prefetch", 4), ("prefetch_hit", 4),
+                                ("prefetch", 3), ("prefetch_hit", 3)]
+    docs = (Path(__file__).parents[2] / "docs" / "offload.md").read_text()
+    assert "(a hook on the loss) joins the pass," in " ".join(docs.split())
