@@ -402,11 +402,13 @@ def describe_leaf(leaf: Any, /) -> str:
 # before the call), a plain strided tensor gets ``t[...]``, torch's alias, whose backward passes
 # the gradient on as it is: a sparse gradient reaches a dense input (``F.embedding(ids, table,
 # sparse=True)`` of a table passed in), where a ``view_as`` view's backward reshaped it, which
-# torch refuses for a sparse tensor (helper MD). So does a ``__torch_function__`` subclass
-# (helper MJ), unless its ``t[...]`` raises. A subclass that dispatches in Python (a wrapper
-# subclass, ``__torch_dispatch__``) gets a view, as before: an op table may serve ``aten.view``
-# and not ``aten.alias`` (torch.masked.MaskedTensor, float8 wrappers: helper MG); so does a
-# jagged nested tensor, which has no alias. A sparse tensor (COO, CSR)
+# torch refuses for a sparse tensor (helper MD). A ``__torch_function__`` subclass gets torch's
+# alias too (helper MJ), through ``as_subclass`` of its own class: no code of the class runs (its
+# ``__getitem__`` may return a plain tensor, and a discard's rebuild then ran fn without the
+# subclass: helper MK), as eager calls none there. A subclass that dispatches in Python (a
+# wrapper subclass, ``__torch_dispatch__``) gets a view, as before: an op table may serve
+# ``aten.view`` and not ``aten.alias`` (torch.masked.MaskedTensor, float8 wrappers: helper MG);
+# so does a jagged nested tensor, which has no alias. A sparse tensor (COO, CSR)
 # has neither: it gets a clone, whose backward passes the gradient on as it is too, so
 # gradients stay eager's, at the price of one copy. A nested tensor of the strided layout
 # cannot cross any autograd Function (torch raises "NestedTensorImpl doesn't support sizes"):
@@ -420,16 +422,13 @@ _PYTHON_KEY = torch._C.DispatchKey.Python  # set on a tensor whose class has __t
 
 def alias(tensor: torch.Tensor, /) -> torch.Tensor:
     """A new tensor object with ``tensor``'s values and a graph to it (NOTE [tensors of other
-    layouts]): an alias of a plain strided tensor, a view of another tensor where the layout
-    has views, a clone otherwise."""
+    layouts]): torch's alias of a strided tensor that dispatches in C++, a view of another
+    tensor where the layout has views, a clone otherwise."""
     if tensor.layout is torch.strided:
-        if type(tensor) in _PLAIN:
-            return tensor[...]
+        if type(tensor) in _PLAIN or isinstance(tensor, torch.nn.Parameter):
+            return tensor[...]  # a Parameter subclass's gives a plain tensor, as its view did
         if not _dispatch_keys(tensor).has(_PYTHON_KEY):
-            try:
-                return tensor[...]
-            except Exception:  # its own __getitem__ refused it: NOTE [tensors of other layouts]
-                pass
+            return tensor.as_subclass(type(tensor))  # NOTE [tensors of other layouts]
         return tensor.view_as(tensor)
     if tensor.layout is torch.jagged:
         return tensor.view_as(tensor)

@@ -1698,3 +1698,45 @@ def test_a_discarded_embedding_with_a_sparse_gradient_to_a_table_passed_in_gives
     assert torch.equal(eager_table.indices(), got_table.indices())
     assert torch.equal(eager_table.values(), got_table.values())
     assert_same_grads(eager, got)
+
+
+class _RoundsItsMatmulInputs(torch.Tensor):
+    """A __torch_function__ subclass (a fake quantization): F.linear rounds its input to a 1/8
+    grid; indexing hands out the raw values as a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x = args[0].as_subclass(torch.Tensor)
+            x = x + ((x * 8).round() / 8 - x).detach()
+            return torch.nn.functional.linear(x, *args[1:], **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return super().__getitem__(index).as_subclass(torch.Tensor)
+
+
+def test_a_discarded_output_of_a_subclass_input_whose_indexing_is_plain_is_rebuilt_as_eager(
+        ) -> None:
+    # Guards against (helper MK) the rebuild's alias of a __torch_function__ subclass input
+    # made by its own __getitem__, which returns a plain tensor: fn ran without the subclass
+    # (NOTE [tensors of other layouts] in pytree_ckpt/tree.py).
+    torch.manual_seed(0)
+    norm, proj = nn.Linear(8, 8), nn.Linear(8, 8)
+    base = torch.randn(4, 8)
+    grads = []
+    for discard in (False, True):
+        x = base.as_subclass(_RoundsItsMatmulInputs).requires_grad_()
+        zero_grads([*norm.parameters(), *proj.parameters()])
+        if discard:
+            ckpt = pytree_ckpt.CheckpointWithoutOutput()
+            h = ckpt.checkpoint(norm, x)
+            out = proj(h)
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = proj(norm(x))
+        out.as_subclass(torch.Tensor).pow(2).sum().backward()
+        grads.append([x.grad, norm.weight.grad, proj.weight.grad])
+    assert_same_grads(*grads)

@@ -606,3 +606,59 @@ def test_a_kind_a_hybrid_layer_branches_on_read_late_is_warned_of_naming_both_va
     assert len(told) == 1  # once per function
     assert f"= {kinds[-1]!r}, where its original pass read {kinds[-2]!r}" in told[0]
     assert "checkpoint(lambda t, kind=kind: ..., h)" in told[0]
+
+
+def _masks_built_by_a_sibling() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    mask = None
+
+    def build(n: int) -> None:  # a cache a helper rebuilds: the replay's own call sets it again
+        nonlocal mask
+        mask = torch.tril(torch.ones(n, n))
+
+    def layer(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        build(t.shape[0])
+        return (t @ w) * mask
+
+    return layer
+
+
+def test_a_closure_mask_a_sibling_helper_rebuilds_before_each_read_gives_eagers_gradients(
+        ) -> None:
+    # Guards against (helper MK) a closure cell a helper beside the function sets before the
+    # function reads it, refused as a late-bound tensor (rebound.py _written_by_helpers).
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    xs = [torch.randn(4, 4) for _ in range(2)]
+    grads = []
+    for wrap in (False, True):
+        layer = _masks_built_by_a_sibling()
+        w.grad = None
+        outs = [checkpoint(layer, x, w) if wrap else layer(x, w) for x in xs]
+        sum(o.sum() for o in outs).backward()
+        grads.append(w.grad)
+    assert torch.equal(*grads)
+
+
+def test_a_closure_mode_a_sibling_helper_sets_before_each_read_is_not_warned_of() -> None:
+    # Guards against (helper MK) a false warning for a str cell a helper beside the function
+    # sets before the function reads it (rebound.py _written_by_helpers).
+    def make() -> Callable[[torch.Tensor], torch.Tensor]:
+        mode = "init"
+
+        def set_mode(m: str) -> None:
+            nonlocal mode
+            mode = m
+
+        def layer(t: torch.Tensor) -> torch.Tensor:
+            set_mode("train")
+            return t * 2 if mode == "train" else t * 3
+
+        return layer
+
+    layer = make()
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = checkpoint(layer, x)
+        y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
