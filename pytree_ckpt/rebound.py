@@ -132,7 +132,6 @@ NOTHING_BOUND: dict[int, Any] = {}
 # so their ids are not reused.
 _TENSOR_PLACES: dict[int, tuple[Any, _Places]] = {}
 _WRITTEN: dict[int, tuple[Any, frozenset[str]]] = {}
-_ASSIGNED: dict[int, tuple[Any, frozenset[str]]] = {}  # by id(code): the cells it writes anywhere
 _WRITES = frozenset({"STORE_DEREF", "DELETE_DEREF", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _READS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_GLOBAL", "LOAD_NAME"})
 _LATE_INDICES: dict[int, tuple[Any, _Places]] = {}
@@ -208,43 +207,12 @@ def _tensor_cells(fn: Any, code: Any, /) -> _Places:
     written = _written(code)
     free = getattr(code, "co_freevars", ())
     indexed = _late_indices(code)[0]  # an int there is the index check's (refused)
-    by_helpers = _written_by_helpers(closure)
     # A cell holding None may hold a tensor at later calls (`prev = None` before a loop that
     # sets `prev = h`).
     return (tuple(i for i, cell in enumerate(closure)
                   if (isinstance(value := cell_contents(cell), _NOTED_VALUES) or value is None)
-                  and not (i < len(free) and free[i] in written) and i not in by_helpers
+                  and not (i < len(free) and free[i] in written)
                   and not (type(value) in (int, bool, str) and i in indexed)), ())
-
-
-def _written_by_helpers(closure: tuple[Any, ...], /) -> set[int]:
-    """The cells of ``closure`` that a function held in another of its cells assigns (a
-    ``nonlocal mask; mask = ...`` in a ``build`` made beside the function, which the function
-    calls before it reads ``mask``): the replay's own call sets them again, as it does a global
-    cache, so another value there at the replay is no late binding (helper MK: a tensor there
-    was refused, a str warned of)."""
-    where = {id(cell): i for i, cell in enumerate(closure)}
-    found: set[int] = set()
-    for cell in closure:
-        helper = cell_contents(cell)
-        if not isinstance(helper, _Function):
-            continue
-        names = _written(helper.__code__) | _assigned(helper.__code__)
-        for name, shared in zip(helper.__code__.co_freevars, helper.__closure__ or ()):
-            if name in names and id(shared) in where:
-                found.add(where[id(shared)])
-    return found
-
-
-def _assigned(code: Any, /) -> frozenset[str]:
-    """The closure variables ``code`` assigns or deletes anywhere (a helper that sets a cell
-    for its caller may read it first, ``if mask is None: mask = ...``)."""
-    entry = _ASSIGNED.get(id(code))
-    if entry is None:
-        entry = _ASSIGNED[id(code)] = (code, frozenset(
-            i.argval for i in dis.get_instructions(code)
-            if i.opname in ("STORE_DEREF", "DELETE_DEREF")))
-    return entry[1]
 
 
 def _tensor_places(fn: Any, code: Any, /) -> _Places:
