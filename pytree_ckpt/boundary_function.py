@@ -295,18 +295,17 @@ class _BoundaryFunction(torch.autograd.Function):
         if call.options.verify_replay:  # NOTE [output prints] (replay_values.py)
             spec, places, kept_hooks, owner = flat.spec, flat.tensor_index, \
                 call.hooked_outputs, call.owner
-            call.prints = OutputPrints.of(
-                (*out_tensors, *extra), lambda: [
-                    *(leaf_paths(spec, root="output")[i] for i in places),
-                    *(kept_hooks.names(owner) if kept_hooks is not None else ())],
-                fn=call.fn)
             # (a view's _base is its root's: an input that views another tensor, as
             # as_subclass makes one, is reached through that root)
             input_ids = {id(t) for t in tensors} | {id(t._base) for t in tensors
                                                      if t._base is not None}
-            call.prints.inputs_as_is = frozenset(
-                k for k, t in enumerate(out_tensors)
-                if id(t) in input_ids or t._base is not None and id(t._base) in input_ids)
+            call.prints = OutputPrints.of(
+                (*out_tensors, *extra), lambda: [
+                    *(leaf_paths(spec, root="output")[i] for i in places),
+                    *(kept_hooks.names(owner) if kept_hooks is not None else ())],
+                fn=call.fn, inputs_as_is=frozenset(
+                    k for k, t in enumerate(out_tensors)
+                    if id(t) in input_ids or t._base is not None and id(t._base) in input_ids))
         out_leaves = call.out_leaves = flat.leaves
         for index in flat.tensor_index:
             out_leaves[index] = None

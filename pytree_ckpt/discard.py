@@ -84,7 +84,7 @@ from .recording import tracer_records
 from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
-from .subclass import rebuilt_by_parts
+from .subclass import as_kind, kind_of, rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
 from .tree import alias, dunder, flatten
 
@@ -528,7 +528,12 @@ class CheckpointWithoutOutput:
                     args.append(other)
                     continue
                 t = next(saved)
-                d = t.detach().requires_grad_(t.requires_grad)
+                d = t.detach()
+                if type(d) is not type(t) and (kind := kind_of(t)) is not None:
+                    # its own __torch_function__ made the detach plain (NOTE [subclasses come
+                    # back as themselves] in subclass.py): fn computes with its class, as eager
+                    d = as_kind(d, kind, attributes=False)
+                d.requires_grad_(t.requires_grad)
                 self.detached.append(d)
                 # a non-leaf alias, as in the boundary's replay (module input-gradient hooks;
                 # NOTE [tensors of other layouts] in tree.py)

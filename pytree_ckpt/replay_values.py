@@ -418,8 +418,10 @@ class OutputPrints:
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
-           fn: Any) -> OutputPrints:
-        """The original pass's prints; warns, naming them, about outputs that have none."""
+           fn: Any, inputs_as_is: frozenset[int] = frozenset()) -> OutputPrints:
+        """The original pass's prints; warns, naming them, about outputs that have none.
+        ``inputs_as_is``: the places of inputs returned as they are (the ``inputs_as_is``
+        attribute), printed by their plain view where their class has one."""
         positions: list[int] = []
         sums: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -430,6 +432,9 @@ class OutputPrints:
                 t = _rank_local(t)
                 dims = _broadcast_dims(t)
                 made = _print(_slice(t, dims) if dims else t)
+                plain = _plain_view(t) if made is None and position in inputs_as_is else None
+                if plain is not None:  # read as check() reads the replay's
+                    made = _print(_slice(plain, dims) if dims else plain)
                 if made is None:
                     unprinted.append(position)
                     continue
@@ -450,7 +455,9 @@ class OutputPrints:
                 "return the plain tensor (a subclass's local tensor, a nested tensor's values) "
                 "to have it compared, or leave verify_replay off for this layer",
                 stacklevel=user_stacklevel())
-        return cls(positions, _stacked(sums) if sums else None, values, broadcast)
+        prints = cls(positions, _stacked(sums) if sums else None, values, broadcast)
+        prints.inputs_as_is = inputs_as_is
+        return prints
 
     def check(self, tensors: Sequence[torch.Tensor], paths: Callable[[], list[str]], /, *,
               fn: Any, preserve_rng: bool) -> None:

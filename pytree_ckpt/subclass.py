@@ -9,7 +9,10 @@ object's own, as eager autograd hands back the tensor it saved), and ``__slots__
 they were. A plain ``nn.Parameter`` passed as an argument comes back as one too (a forward
 may branch on ``isinstance(w, nn.Parameter)``: the replay took the other branch, silently);
 its subclasses (a quantized parameter with its own ``__new__`` and state) stay what the
-boundary makes of them: detached aliases of class ``torch.Tensor``.
+boundary makes of them, detached aliases of class ``torch.Tensor``, unless they have a
+``__torch_function__`` of their own (nn.Parameter disables it): then the ops they run
+depend on their class, and it is given back as to any other subclass (helper MN: a
+fake-quantized weight passed in computed without its rounding in the replay, silently).
 
 NOTE [a subclass's attributes as the forward began]: the replay runs the forward again, so its
 inputs carry the attributes the original pass saw, read when it began (``kind_of(...,
@@ -39,6 +42,9 @@ class SubclassKind(NamedTuple):
     slots: tuple[tuple[str, Any], ...]
 
 
+_DISABLED = torch._C._disabled_torch_function_impl  # nn.Parameter's __torch_function__
+
+
 def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | None:
     """``tensor``'s subclass and attributes; ``None`` for a plain tensor without attributes or
     a subclass of ``nn.Parameter`` (NOTE [subclasses come back as themselves]).
@@ -55,7 +61,8 @@ def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | 
     if cls is torch.Tensor:  # its attributes only (`x.meta` a forward reads: helper JY)
         held = tensor.__dict__
         return SubclassKind(cls, dict(held) if as_now else held, ()) if held else None
-    if cls is not nn.Parameter and issubclass(cls, nn.Parameter):
+    if cls is not nn.Parameter and issubclass(cls, nn.Parameter) and \
+            cls.__torch_function__ is _DISABLED:  # NOTE [subclasses come back as themselves]
         return None
     inner = _inner_tensors(tensor) or {}
     slots = []

@@ -416,6 +416,7 @@ def describe_leaf(leaf: Any, /) -> str:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # aliased by t[...]: NOTE [tensors of other layouts]
+_DISABLED = torch._C._disabled_torch_function_impl  # a Parameter subclass's __torch_function__
 _dispatch_keys = torch._C._dispatch_keys
 _PYTHON_KEY = torch._C.DispatchKey.Python  # set on a tensor whose class has __torch_dispatch__
 
@@ -425,11 +426,13 @@ def alias(tensor: torch.Tensor, /) -> torch.Tensor:
     layouts]): torch's alias of a strided tensor that dispatches in C++, a view of another
     tensor where the layout has views, a clone otherwise."""
     if tensor.layout is torch.strided:
-        if type(tensor) in _PLAIN or isinstance(tensor, torch.nn.Parameter):
-            return tensor[...]  # a Parameter subclass's gives a plain tensor, as its view did
-        if not _dispatch_keys(tensor).has(_PYTHON_KEY):
-            return tensor.as_subclass(type(tensor))  # NOTE [tensors of other layouts]
-        return tensor.view_as(tensor)
+        if type(tensor) in _PLAIN:
+            return tensor[...]
+        if _dispatch_keys(tensor).has(_PYTHON_KEY):
+            return tensor.view_as(tensor)
+        if type(tensor).__torch_function__ is _DISABLED:
+            return tensor[...]  # a Parameter subclass's (torch functions off): plain, as its view
+        return tensor.as_subclass(type(tensor))  # NOTE [tensors of other layouts]
     if tensor.layout is torch.jagged:
         return tensor.view_as(tensor)
     return tensor.clone()

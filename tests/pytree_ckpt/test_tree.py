@@ -18,8 +18,8 @@ import optree
 import pytest
 import torch
 
-from pytree_ckpt import (CheckpointError, ReplayMismatchError, apply_activation_checkpointing,
-                         checkpoint, current_phase,
+from pytree_ckpt import (CheckpointError, CheckpointWithoutOutput, ReplayMismatchError,
+                         apply_activation_checkpointing, checkpoint, current_phase,
                          reuse_during_recompute)
 from pytree_ckpt.tree import can_look_into, hidden_tensor
 from tests.pytree_ckpt.models import MappingOutput
@@ -1775,8 +1775,6 @@ def test_a_wrapper_subclass_input_whose_op_table_lacks_alias_replays_as_before_w
     # leaving_tensors: alias_all of fn's outputs).
     from torch.masked import masked_tensor
 
-    from pytree_ckpt import CheckpointWithoutOutput
-
     def body(x: torch.Tensor) -> torch.Tensor:
         return x.sin() * x
 
@@ -1846,13 +1844,12 @@ class _FakeQuantWeight(torch.nn.Parameter):
             return func(*args, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="helper MN: a Parameter subclass input with its own "
-                   "__torch_function__ is aliased by t[...], which runs its code: the replay "
-                   "gets a plain tensor and computes without the class")
-def test_a_parameter_subclass_input_with_its_own_torch_function_gives_eagers_gradients() -> None:
-    # tree.py alias(): `isinstance(tensor, nn.Parameter)` -> tensor[...] goes through the
-    # class's __torch_function__ (here a plain result), while a __torch_function__ subclass
-    # that is no Parameter gets as_subclass(type(t)) with none of its code run (helper MK).
+@pytest.mark.parametrize("where", ["boundary", "discard"])
+def test_a_parameter_subclass_input_with_its_own_torch_function_gives_eagers_gradients(
+        where: str) -> None:
+    # Guards against (helper MN) a Parameter subclass with its own __torch_function__ reaching
+    # the replay as a plain tensor (its alias by t[...], its kind never recorded), computing
+    # without its rounding: NOTE [subclasses come back as themselves] (pytree_ckpt/subclass.py).
     torch.manual_seed(0)
     w0, x0 = torch.randn(8, 8), torch.randn(4, 8)
     grads = []
@@ -1860,7 +1857,14 @@ def test_a_parameter_subclass_input_with_its_own_torch_function_gives_eagers_gra
         w = _FakeQuantWeight(w0.clone())
         x = x0.clone().requires_grad_()
         f = lambda t, w: torch.nn.functional.linear(t, w).tanh()  # noqa: E731
-        out = checkpoint(f, x, w) if wrap else f(x, w)
+        if not wrap:
+            out = f(x, w)
+        elif where == "boundary":
+            out = checkpoint(f, x, w)
+        else:  # the rebuild's detach of it was plain too
+            ckpt = CheckpointWithoutOutput()
+            out = ckpt.checkpoint(f, x, w) * 1.0
+            ckpt.discard_output_and_register_recompute(out)
         out.square().sum().backward()
         grads.append((x.grad, w.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
