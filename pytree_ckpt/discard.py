@@ -84,7 +84,7 @@ from .recording import tracer_records
 from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
-from .subclass import as_kind, kind_of, rebuilt_by_parts
+from .subclass import SubclassKind, as_kind, rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
 from .tree import alias, dunder, flatten
 
@@ -182,6 +182,8 @@ class CheckpointWithoutOutput:
         self.single = True
         self.as_list = False  # fn returned a list of tensors
         self.arg_kinds: list[bool] = []
+        self.tensor_kinds: list[SubclassKind | None] = []  # NOTE [a subclass's attributes as
+        # the forward began] (subclass.py): each tensor argument's, read in forward
         self.non_tensor_args: list[Any] = []
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.sizes: list[int] = []   # bytes of each freed storage (0: kept); set by the discard
@@ -523,21 +525,24 @@ class CheckpointWithoutOutput:
             if self.changed_numbers is not None:  # NOTE [numbers and flags as the forward began]
                 stack.enter_context(self.changed_numbers.as_forward_began(self._name()))
             args = []
+            kinds = iter(self.tensor_kinds)
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
                 if not is_tensor:
                     args.append(other)
                     continue
-                t = next(saved)
+                t, kind = next(saved), next(kinds)
                 d = t.detach()
-                if type(d) is not type(t) and (kind := kind_of(t)) is not None:
+                if kind is not None and type(d) is not kind.cls:
                     # its own __torch_function__ made the detach plain (NOTE [subclasses come
                     # back as themselves] in subclass.py): fn computes with its class, as eager
                     d = as_kind(d, kind, attributes=False)
                 d.requires_grad_(t.requires_grad)
                 self.detached.append(d)
                 # a non-leaf alias, as in the boundary's replay (module input-gradient hooks;
-                # NOTE [tensors of other layouts] in tree.py)
-                args.append(alias(d) if d.requires_grad else d)
+                # NOTE [tensors of other layouts] in tree.py), with its class and attributes as
+                # the forward began (discard_function.py)
+                a = alias(d) if d.requires_grad else d
+                args.append(a if kind is None else as_kind(a, kind))
             outputs = self.fn(*args, **self.kwargs)
         # One replay per forward: the buffers' snapshots served it (freed now, as the census
         # reads them: module state, held until the outputs are rebuilt and handed over).

@@ -40,6 +40,7 @@ from .notes import note_no_grad_pass
 from .refusals import refuse_double_backward, refuse_module_tensor
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import StateWatch, versions
+from .subclass import kind_of
 from .tree import flatten
 
 if TYPE_CHECKING:  # discard.py imports this module
@@ -154,6 +155,10 @@ class DiscardFunction(torch.autograd.Function):
         owner.as_list = isinstance(outputs_given, list)
         owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]
         owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
+        # NOTE [a subclass's attributes as the forward began] (subclass.py): the rebuild's
+        # inputs get their class and attributes back from these (helper MP: dropped, a
+        # Parameter subclass's scale or a plain input's `x.meta` read by fn was missing).
+        owner.tensor_kinds = [kind_of(t, as_now=True) for t in tensors]
         ctx.owner = owner
         # Which outputs live on storages from outside fn, read now: in forward,
         # ctx.saved_tensors would run an ambient unpack hook (an offload restore) and hand

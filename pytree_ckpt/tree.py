@@ -430,7 +430,7 @@ def alias(tensor: torch.Tensor, /) -> torch.Tensor:
             return tensor[...]
         if _dispatch_keys(tensor).has(_PYTHON_KEY):
             return tensor.view_as(tensor)
-        if type(tensor).__torch_function__ is _DISABLED:
+        if type(tensor).__torch_function__ is _DISABLED and isinstance(tensor, torch.nn.Parameter):
             return tensor[...]  # a Parameter subclass's (torch functions off): plain, as its view
         return tensor.as_subclass(type(tensor))  # NOTE [tensors of other layouts]
     if tensor.layout is torch.jagged:

@@ -1740,3 +1740,67 @@ def test_a_discarded_output_of_a_subclass_input_whose_indexing_is_plain_is_rebui
         out.as_subclass(torch.Tensor).pow(2).sum().backward()
         grads.append([x.grad, norm.weight.grad, proj.weight.grad])
     assert_same_grads(*grads)
+
+
+class _ScaledFakeQuantWeight(nn.Parameter):
+    """A Parameter subclass whose ``__new__`` takes a scale, kept in its ``__dict__``, that its
+    own ``__torch_function__`` reads (a fake-quantized weight with its grid: 1/scale)."""
+
+    def __new__(cls, data: torch.Tensor, scale: float = 8.0,
+                requires_grad: bool = True) -> _ScaledFakeQuantWeight:
+        self = super().__new__(cls, data, requires_grad)
+        self.scale = scale
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            scale = getattr(args[1], "scale", 8.0)  # (the class's default when it has none)
+            w = args[1].as_subclass(torch.Tensor)
+            w = w + ((w * scale).round() / scale - w).detach()
+            return torch.nn.functional.linear(args[0], w, *args[2:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def test_a_discards_rebuild_gives_a_parameter_subclass_input_its_attributes_as_eager() -> None:
+    # Guards against (helper MP) a rebuild input of the class but without its __dict__ state
+    # (NOTE [a subclass's attributes as the forward began] in pytree_ckpt/subclass.py).
+    torch.manual_seed(0)
+    w0, x0 = torch.randn(8, 8), torch.randn(4, 8)
+    grads = []
+    for wrap in (False, True):
+        w = _ScaledFakeQuantWeight(w0.clone(), scale=2.0)
+        x = x0.clone().requires_grad_()
+        f = lambda t, w: torch.nn.functional.linear(t, w).tanh()  # noqa: E731
+        if wrap:
+            ckpt = CheckpointWithoutOutput()
+            out = ckpt.checkpoint(f, x, w) * 1.0
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = f(x, w) * 1.0
+        out.square().sum().backward()
+        grads.append((x.grad, w.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_a_discards_rebuild_gives_a_plain_input_the_attributes_set_on_it_as_eager() -> None:
+    # Guards against (helper MP) the rebuild handing fn t.detach(), without `x.meta`.
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return t * getattr(t, "meta", 1.0)
+
+    grads = []
+    for wrap in (False, True):
+        x = torch.arange(3.0).requires_grad_()
+        x.meta = 2.0
+        if wrap:
+            ckpt = CheckpointWithoutOutput()
+            out = ckpt.checkpoint(f, x) * 1.0
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = f(x) * 1.0
+        out.square().sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])

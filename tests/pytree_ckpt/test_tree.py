@@ -1868,3 +1868,31 @@ def test_a_parameter_subclass_input_with_its_own_torch_function_gives_eagers_gra
         out.square().sum().backward()
         grads.append((x.grad, w.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+class _TaggedNoTorchFunction(torch.Tensor):
+    """A tensor subclass (no Parameter) with torch functions off: a tag on a tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def test_a_tagged_subclass_input_with_torch_functions_off_returned_as_is_passes_verify_replay(
+        ) -> None:
+    # Guards against (helper MP) t[...] for a non-Parameter subclass with torch functions off.
+    from pytree_ckpt import checkpointed
+
+    def g(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, t
+
+    grads = []
+    for wrap in (False, True):
+        x = torch.arange(3.0).requires_grad_()
+        t = torch.arange(3.0).as_subclass(_TaggedNoTorchFunction).requires_grad_()
+        t.tag = "in"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the 'not compared' warning of output[1])
+            out = checkpointed(g, verify_replay=True)(x, t) if wrap else g(x, t)
+        assert type(out[1]) is _TaggedNoTorchFunction and out[1].tag == "in"
+        (out[0].square().sum() + (out[1] * 3).sum()).backward()
+        grads.append((x.grad, t.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
