@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -471,3 +472,64 @@ def test_a_census_interrupted_while_it_enters_leaves_nothing_recording_and_can_e
             layers(x).sum().backward()
         assert census.to_dict() == whole.to_dict()
     assert index >= 8  # the interrupts reached the hooks, the count and the context variable
+
+
+def test_a_census_interrupted_twice_while_it_enters_inside_another_leaves_the_outer_as_it_was(
+        ) -> None:
+    # Mutation round MO on NOTE [an entry undone]: the tests above enter with no census around
+    # and interrupt once. Inside an outer census, the undo must leave the outer recording, the
+    # outer's pack hook on top (not pop it as if it were the census's own), the context variable
+    # at the outer (not None) and _OPEN at one; a second interrupt, earlier, of the same census
+    # must undo no count and reset no token twice.
+    layers = _layers()
+    x = torch.randn(16, 64)
+    files = [pytree_ckpt.census.__file__, pytree_ckpt.census_threads.__file__]
+    with ActivationCensus(layers) as whole:
+        layers(x).sum().backward()
+    index = 0
+    with ActivationCensus() as outer:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        while True:
+            census = ActivationCensus(layers)
+            if not interrupted_at(files, index, census.__enter__):
+                census.__exit__(None, None, None)
+                break
+            index += 1
+            for again in (0, 1, 2):  # the same census, interrupted before its count
+                assert interrupted_at(files, again, census.__enter__)
+                assert torch._C._autograd._top_saved_tensors_default_hooks(False) == top
+                assert pytree_ckpt.census.active_census() is outer
+                assert pytree_ckpt.census_threads._ACTIVE.get() is outer
+                assert pytree_ckpt.census_threads._OPEN == [1]
+            with census:
+                layers(x).sum().backward()
+            assert census.to_dict() == whole.to_dict()
+    assert index >= 8
+    assert pytree_ckpt.census_threads._OPEN == [0]
+
+
+
+def test_a_census_interrupted_inside_torchs_hook_entry_leaves_the_outer_hooks_in_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mutation round MO (NOTE [an entry undone]: the undo popped the top hooks without checking
+    # they were the census's own): an interrupt inside saved_tensors_hooks.__enter__, before
+    # its push (a Ctrl-C in torch's Python code), left the census's hooks unpushed, and the
+    # undo popped the user's outer hooks instead (the step then ran without them).
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def interrupted(self: Any) -> None:
+        raise KeyboardInterrupt("Ctrl-C")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.autograd.graph.saved_tensors_hooks, "__enter__", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                ActivationCensus().__enter__()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) == top
+        assert pytree_ckpt.census_threads._OPEN == [0]
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

@@ -3896,3 +3896,18 @@ def test_what_the_handler_reads_of_a_reused_calls_error_is_eagers_in_the_replay(
 
     torch.manual_seed(0)
     assert _checkpointed_like_eager(layer, lin)
+
+
+def test_a_partial_of_a_bound_method_or_a_module_is_named_by_what_it_wraps() -> None:
+    # Mutation round MO (frames.callable_name's partial branch named fn.func.__name__): a
+    # partial of a bound method lost its class, and one of a module (no __name__) raised
+    # AttributeError while a message was being written.
+    from pytree_ckpt.frames import callable_name
+
+    class Block(nn.Module):
+        def route(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    block = Block()
+    assert callable_name(functools.partial(block.route)) == "partial(Block.route)"
+    assert callable_name(functools.partial(nn.Linear(2, 2))) == "partial(Linear)"

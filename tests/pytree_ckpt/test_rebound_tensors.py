@@ -777,3 +777,60 @@ def test_a_closure_mask_a_helper_rebuilds_through_another_helper_gives_eagers_gr
         sum(o.sum() for o in outs).backward()
         grads.append(w.grad)
     assert torch.equal(*grads)
+
+
+def test_a_kind_a_sibling_helper_only_reads_is_still_warned_of_when_read_late() -> None:
+    # Mutation round MO: a late kind that the lambda and a helper beside it both read is warned
+    # of (a helper that only reads a cell sets nothing: every replay ran the last kind).
+    def run(kinds: list[str], h: torch.Tensor) -> torch.Tensor:
+        kind = kinds[0]
+
+        def helper(t: torch.Tensor) -> torch.Tensor:
+            return t.sin() if kind == "sin" else t.cos()
+
+        for kind in kinds:  # noqa: B007
+            h = checkpoint(lambda t: helper(t) * (2.0 if kind == "sin" else 1.0), h)  # noqa: B023
+        return h
+
+    h = run(["sin", "cos"], torch.randn(3, requires_grad=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.sum().backward()
+    told = [str(w.message) for w in caught if "closure variable 'kind'" in str(w.message)]
+    assert len(told) == 1
+    assert "= 'cos', where its original pass read 'sin'" in told[0]
+
+
+def test_a_flag_read_late_as_an_int_where_the_original_pass_read_a_bool_is_warned_of() -> None:
+    # Mutation round MO (_warn_another_value compared values only): True and 1 are equal, but a
+    # function testing `flag is True` branches on the type; the replay of the first call read 1
+    # and returned another gradient (3 where eager's is 2) with no warning.
+    x = torch.ones(3, requires_grad=True)
+    h = x
+    for flag in (True, 1):
+        h = checkpoint(lambda t: t * 2.0 if flag is True else t * 3.0, h)  # noqa: B023
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.sum().backward()
+    told = [str(w.message) for w in caught if "closure variable 'flag'" in str(w.message)]
+    assert len(told) == 1
+    assert "= 1, where its original pass read True" in told[0]
+
+
+def test_a_str_key_read_late_is_refused_by_the_index_check_alone_with_no_warning_before() -> None:
+    # Mutation round MO (_tensor_cells noted a str it indexes with): a str cell used as a key
+    # (`table[kind]`) is the index check's, refused; noted as a late value too, the refusal
+    # came after a warning that the replay would read another value.
+    def run() -> torch.Tensor:
+        table = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+        h = torch.randn(2, 3)
+        for kind in ("a", "b"):
+            h = checkpoint(lambda t: table[kind](t), h)  # noqa: B023
+        return h
+
+    h = run()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match="would index another element"):
+            h.sum().backward()
+    assert [str(w.message) for w in caught if "pytree_ckpt" in str(w.message)] == []

@@ -1896,3 +1896,32 @@ def test_a_tagged_subclass_input_with_torch_functions_off_returned_as_is_passes_
         (out[0].square().sum() + (out[1] * 3).sum()).backward()
         grads.append((x.grad, t.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_a_parameter_subclass_input_returned_as_it_is_comes_back_a_plain_tensor_as_a_parameters(
+        ) -> None:
+    # Mutation round MO (tree.alias without its Parameter clause): a
+    # Parameter subclass's alias came from as_subclass, a non-leaf Parameter, which nn.Module
+    # refuses to take as an attribute ("Cannot assign non-leaf Tensor to parameter"); a plain
+    # Parameter's alias, as a view before it, is a plain tensor.
+    class Scale(torch.nn.Parameter):
+        pass
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, requires_grad=True)
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(1)
+        w = Scale(torch.randn(3, 3))
+
+        def fn(t: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return (t @ v).tanh(), v
+
+        y, back = checkpoint(fn, x, w) if wrap else fn(x, w)
+        if wrap:
+            assert type(back) is torch.Tensor and not back.is_leaf
+            holder = torch.nn.Module()
+            holder.w = back  # a plain attribute, as a plain Parameter's alias is
+        (y.sum() + (back * 2).sum()).backward()
+        grads.append(w.grad)
+    assert torch.equal(*grads)
