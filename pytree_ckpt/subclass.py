@@ -47,7 +47,8 @@ _DISABLED = torch._C._disabled_torch_function_impl  # nn.Parameter's __torch_fun
 
 def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | None:
     """``tensor``'s subclass and attributes; ``None`` for a plain tensor without attributes or
-    a subclass of ``nn.Parameter`` (NOTE [subclasses come back as themselves]).
+    a subclass of ``nn.Parameter`` with torch functions off, nn.Parameter's own way (NOTE
+    [subclasses come back as themselves]).
     ``as_now``: its instance dict as it is now (a shallow copy), not the dict itself (NOTE [a
     subclass's attributes as the forward began]).
 

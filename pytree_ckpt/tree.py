@@ -408,11 +408,11 @@ def describe_leaf(leaf: Any, /) -> str:
 # subclass: helper MK), as eager calls none there. A subclass that dispatches in Python (a
 # wrapper subclass, ``__torch_dispatch__``) gets a view, as before: an op table may serve
 # ``aten.view`` and not ``aten.alias`` (torch.masked.MaskedTensor, float8 wrappers: helper MG);
-# so does a jagged nested tensor, which has no alias. A sparse tensor (COO, CSR)
-# has neither: it gets a clone, whose backward passes the gradient on as it is too, so
-# gradients stay eager's, at the price of one copy. A nested tensor of the strided layout
-# cannot cross any autograd Function (torch raises "NestedTensorImpl doesn't support sizes"):
-# it is refused (tree_refusals.refuse_strided_nested).
+# so does a jagged nested tensor, which has no alias. A sparse tensor (COO, CSR) has neither:
+# it gets a clone, whose backward passes the gradient on as it is too, so gradients stay
+# eager's, at the price of one copy. A nested tensor of the strided layout cannot cross any
+# autograd Function (torch raises "NestedTensorImpl doesn't support sizes"): it is refused
+# (tree_refusals.refuse_strided_nested).
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # aliased by t[...]: NOTE [tensors of other layouts]
