@@ -84,7 +84,7 @@ from .recording import tracer_records
 from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
-from .subclass import SubclassKind, as_kind, rebuilt_by_parts
+from .subclass import SubclassKind, alias_as_kind, as_kind, rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
 from .tree import alias, dunder, flatten
 
@@ -542,11 +542,12 @@ class CheckpointWithoutOutput:
                 # NOTE [tensors of other layouts] in tree.py), with its class and attributes as
                 # the forward began (discard_function.py)
                 a = alias(d) if d.requires_grad else d
-                args.append(a if kind is None else as_kind(a, kind))
+                args.append(a if kind is None else alias_as_kind(a, d, kind))
             outputs = self.fn(*args, **self.kwargs)
         # One replay per forward: the buffers' snapshots served it (freed now, as the census
         # reads them: module state, held until the outputs are rebuilt and handed over).
         self.changed_state = self.changed_numbers = None
+        self.tensor_kinds = []  # attributes may hold tensors (helper MQ)
         if watched is not None and param_before is not None:  # its own moves, counted
             assert self.params is not None
             watched.replayed(self.params, param_before)

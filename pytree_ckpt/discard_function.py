@@ -56,6 +56,7 @@ def _graph_freed(owner_ref: weakref.ref[CheckpointWithoutOutput], _: Any) -> Non
     if owner is not None:
         owner.recomputed = owner.detached = None
         owner.outputs = ()
+        owner.tensor_kinds = []  # attributes may hold tensors (helper MQ)
 
 
 class DiscardFunction(torch.autograd.Function):
@@ -83,6 +84,11 @@ class DiscardFunction(torch.autograd.Function):
             if owner.preserve_rng_state and owner.modules and owner.state is not None else ())
         assert owner.fn is not None  # set by checkpoint() before the Function runs
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        # NOTE [a subclass's attributes as the forward began] (subclass.py): the rebuild's
+        # inputs get their class and attributes back from these, read before fn runs (helper
+        # MP: dropped, a Parameter subclass's scale or a plain input's `x.meta` read by fn was
+        # missing; helper MQ: read after fn, one fn set anew reached the rebuild).
+        owner.tensor_kinds = [kind_of(t, as_now=True) for t in tensors]
         input_versions = versions(tensors)
         needs = requires_grad_flags(tensors)  # NOTE [requires_grad switched inside the call]
         frozen = owner.state[1] if owner.state is not None else ()
@@ -155,10 +161,6 @@ class DiscardFunction(torch.autograd.Function):
         owner.as_list = isinstance(outputs_given, list)
         owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]
         owner.non_tensor_args = [None if isinstance(t, torch.Tensor) else t for t in args]
-        # NOTE [a subclass's attributes as the forward began] (subclass.py): the rebuild's
-        # inputs get their class and attributes back from these (helper MP: dropped, a
-        # Parameter subclass's scale or a plain input's `x.meta` read by fn was missing).
-        owner.tensor_kinds = [kind_of(t, as_now=True) for t in tensors]
         ctx.owner = owner
         # Which outputs live on storages from outside fn, read now: in forward,
         # ctx.saved_tensors would run an ambient unpack hook (an offload restore) and hand
