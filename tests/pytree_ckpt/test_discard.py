@@ -1742,6 +1742,23 @@ def test_a_discarded_output_of_a_subclass_input_whose_indexing_is_plain_is_rebui
     assert_same_grads(*grads)
 
 
+def _eager_and_discarded(f: Any, make: Any, read: Any, /) -> list[Any]:
+    """``read(*args)`` after ``(f(*args) * 1.0).square().sum().backward()``, eager then through
+    an output discard of ``f``, with ``args = make()`` made anew for each."""
+    got = []
+    for discard in (False, True):
+        args = make()
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = ckpt.checkpoint(f, *args) * 1.0
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = f(*args) * 1.0
+        out.square().sum().backward()
+        got.append(read(*args))
+    return got
+
+
 class _ScaledFakeQuantWeight(nn.Parameter):
     """A Parameter subclass whose ``__new__`` takes a scale, kept in its ``__dict__``, that its
     own ``__torch_function__`` reads (a fake-quantized weight with its grid: 1/scale)."""
@@ -1770,19 +1787,14 @@ def test_a_discards_rebuild_gives_a_parameter_subclass_input_its_attributes_as_e
     # (NOTE [a subclass's attributes as the forward began] in pytree_ckpt/subclass.py).
     torch.manual_seed(0)
     w0, x0 = torch.randn(8, 8), torch.randn(4, 8)
-    grads = []
-    for wrap in (False, True):
-        w = _ScaledFakeQuantWeight(w0.clone(), scale=2.0)
-        x = x0.clone().requires_grad_()
-        f = lambda t, w: torch.nn.functional.linear(t, w).tanh()  # noqa: E731
-        if wrap:
-            ckpt = CheckpointWithoutOutput()
-            out = ckpt.checkpoint(f, x, w) * 1.0
-            ckpt.discard_output_and_register_recompute(out)
-        else:
-            out = f(x, w) * 1.0
-        out.square().sum().backward()
-        grads.append((x.grad, w.grad))
+
+    def f(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(t, w).tanh()
+
+    def make() -> tuple[Any, ...]:
+        return x0.clone().requires_grad_(), _ScaledFakeQuantWeight(w0.clone(), scale=2.0)
+
+    grads = _eager_and_discarded(f, make, lambda x, w: (x.grad, w.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
@@ -1791,18 +1803,12 @@ def test_a_discards_rebuild_gives_a_plain_input_the_attributes_set_on_it_as_eage
     def f(t: torch.Tensor) -> torch.Tensor:
         return t * getattr(t, "meta", 1.0)
 
-    grads = []
-    for wrap in (False, True):
+    def make() -> tuple[Any, ...]:
         x = torch.arange(3.0).requires_grad_()
         x.meta = 2.0
-        if wrap:
-            ckpt = CheckpointWithoutOutput()
-            out = ckpt.checkpoint(f, x) * 1.0
-            ckpt.discard_output_and_register_recompute(out)
-        else:
-            out = f(x) * 1.0
-        out.square().sum().backward()
-        grads.append(x.grad)
+        return (x,)
+
+    grads = _eager_and_discarded(f, make, lambda x: x.grad)
     assert torch.equal(grads[0], grads[1])
 
 
@@ -1819,18 +1825,12 @@ def test_a_discards_rebuild_reads_an_attribute_fn_assigns_on_its_input_as_the_fo
         t.meta = t.meta + 1.0
         return out
 
-    grads = []
-    for wrap in (False, True):
+    def make() -> tuple[Any, ...]:
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         x.meta = 2.0
-        if wrap:
-            ckpt = CheckpointWithoutOutput()
-            out = ckpt.checkpoint(f, x, w) * 1.0
-            ckpt.discard_output_and_register_recompute(out)
-        else:
-            out = f(x, w) * 1.0
-        out.square().sum().backward()
-        grads.append((x.grad, w.grad))
+        return x, w
+
+    grads = _eager_and_discarded(f, make, lambda x, w: (x.grad, w.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
@@ -1848,18 +1848,12 @@ def test_a_discards_rebuild_of_a_float8_wrapper_input_whose_view_is_plain_gives_
     def f(xf: torch.Tensor) -> torch.Tensor:
         return torch.tanh(torch.mm(xf, weight))
 
-    grads = []
-    for wrap in (False, True):
+    def make() -> tuple[Any, ...]:
         weight.grad, x.grad = None, None
         xf = _ToFloat8Like.apply(x * 2, torch.tensor(16.0))
-        if wrap:
-            ckpt = CheckpointWithoutOutput()
-            out = ckpt.checkpoint(f, xf) * 1.0
-            ckpt.discard_output_and_register_recompute(out)
-        else:
-            out = f(xf) * 1.0
-        out.square().sum().backward()
-        grads.append((x.grad, weight.grad))
+        return (xf,)
+
+    grads = _eager_and_discarded(f, make, lambda xf: (x.grad, weight.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
@@ -1883,17 +1877,11 @@ def test_a_discards_rebuild_gives_a_plain_parameter_subclass_input_its_attribute
     def f(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (t @ w).tanh() * getattr(w, "scale", 1.0)
 
-    grads = []
-    for wrap in (False, True):
+    def make() -> tuple[Any, ...]:
         x, w = x0.clone().requires_grad_(), _QuantParam(w0.clone(), scale=2.0)
-        if wrap:
-            ckpt = CheckpointWithoutOutput()
-            out = ckpt.checkpoint(f, x, w) * 1.0
-            ckpt.discard_output_and_register_recompute(out)
-        else:
-            out = f(x, w) * 1.0
-        out.square().sum().backward()
-        grads.append((x.grad, w.grad))
+        return x, w
+
+    grads = _eager_and_discarded(f, make, lambda x, w: (x.grad, w.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
