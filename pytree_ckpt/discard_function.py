@@ -86,8 +86,9 @@ class DiscardFunction(torch.autograd.Function):
         tensors = [t for t in args if isinstance(t, torch.Tensor)]
         # NOTE [a subclass's attributes as the forward began] (subclass.py): the rebuild's
         # inputs get their class and attributes back from these, read before fn runs (helper
-        # MP: dropped, a Parameter subclass's scale or a plain input's `x.meta` read by fn was
-        # missing; helper MQ: read after fn, one fn set anew reached the rebuild).
+        # MP: dropped, the scale of a Parameter subclass with a __torch_function__ of its own,
+        # or a plain input's `x.meta`, read by fn, was missing; one with torch functions off
+        # still is: docs/limits.md; helper MQ: read after fn, one fn set anew reached it).
         owner.tensor_kinds = [kind_of(t, as_now=True) for t in tensors]
         input_versions = versions(tensors)
         needs = requires_grad_flags(tensors)  # NOTE [requires_grad switched inside the call]

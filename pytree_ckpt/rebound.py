@@ -198,7 +198,8 @@ def _late_indices(code: Any, /) -> _Places:
 
 
 def _tensor_cells(fn: Any, code: Any, /) -> _Places:
-    """The closure cells holding a tensor, a float or None now that ``code`` does not write
+    """The closure cells holding a tensor, a float, an int, bool, str or Enum member
+    (NOTE [a tensor rebound before the replay]), or None now, that ``code`` does not write
     before reading. Not globals: a global cache a helper the function calls builds or rebuilds
     (`global _mask; _mask = ...` in `make_mask`, called by the function) is set again by the
     replay's own call, so another tensor there is no late binding (NOTE [a tensor rebound
@@ -206,7 +207,7 @@ def _tensor_cells(fn: Any, code: Any, /) -> _Places:
     closure = dunder(fn, "__closure__") or ()
     written = _written(code)
     free = getattr(code, "co_freevars", ())
-    indexed = _late_indices(code)[0]  # an int there is the index check's (refused)
+    indexed = _late_indices(code)[0]  # an int or str there is the index check's (refused)
     # A cell holding None may hold a tensor at later calls (`prev = None` before a loop that
     # sets `prev = h`).
     return (tuple(i for i, cell in enumerate(closure)

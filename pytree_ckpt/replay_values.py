@@ -411,9 +411,10 @@ class OutputPrints:
         # slice it repeats, not by a copy of every place (a mask expanded to heads x tokens**2:
         # about 1 GiB and 28 s on this CPU, helper GR); by place in the tensor leaves.
         self.broadcast = broadcast
-        # Places of inputs the call returned as they are, or views of them (set by the
-        # boundary), printed by the plain alias the forward returned where the replay's input
-        # has its class back (its view of a subclass input made plain by the class's own ops).
+        # Places of inputs the call returned as they are, or views of them (given to ``of`` by
+        # the boundary), printed in both passes by their plain view where their class has one
+        # (a subclass input whose view the class's own ops make plain, or its as_subclass
+        # alias: NOTE [tensors of other layouts] in tree.py).
         self.inputs_as_is: frozenset[int] = frozenset()
 
     @classmethod

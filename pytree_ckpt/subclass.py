@@ -32,8 +32,9 @@ from torch import nn
 from torch.utils._python_dispatch import (is_traceable_wrapper_subclass,
                                           is_traceable_wrapper_subclass_type)
 
-__all__ = ["SubclassKind", "alias_as_kind", "as_kind", "detached", "kind_of", "plain_parts",
-           "rebuilt_by_parts", "rebuilt_parts", "with_attributes_of"]
+__all__ = ["SubclassKind", "alias_as_kind", "as_kind", "detached", "kind_of",
+           "plain_parameter_class", "plain_parts", "rebuilt_by_parts", "rebuilt_parts",
+           "with_attributes_of"]
 
 
 class SubclassKind(NamedTuple):
@@ -43,6 +44,13 @@ class SubclassKind(NamedTuple):
 
 
 _DISABLED = torch._C._disabled_torch_function_impl  # nn.Parameter's __torch_function__
+
+
+def plain_parameter_class(cls: type, /) -> bool:
+    """Whether ``cls`` is a subclass of ``nn.Parameter`` with torch functions off, as
+    nn.Parameter's own: its instances reach the replay as plain tensors (NOTE [subclasses
+    come back as themselves]); tree.py's alias and ``kind_of`` must agree on it."""
+    return issubclass(cls, nn.Parameter) and cls.__torch_function__ is _DISABLED
 
 
 def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | None:
@@ -62,8 +70,7 @@ def kind_of(tensor: torch.Tensor, /, *, as_now: bool = False) -> SubclassKind | 
     if cls is torch.Tensor:  # its attributes only (`x.meta` a forward reads: helper JY)
         held = tensor.__dict__
         return SubclassKind(cls, dict(held) if as_now else held, ()) if held else None
-    if cls is not nn.Parameter and issubclass(cls, nn.Parameter) and \
-            cls.__torch_function__ is _DISABLED:  # NOTE [subclasses come back as themselves]
+    if cls is not nn.Parameter and plain_parameter_class(cls):
         return None
     inner = _inner_tensors(tensor) or {}
     slots = []

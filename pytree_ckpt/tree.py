@@ -22,6 +22,8 @@ from typing import Any, NamedTuple, cast
 import optree
 import torch
 
+from .subclass import plain_parameter_class
+
 __all__ = ["FlatTree", "LEAF_SPEC", "POSITIONAL_CALL_SPECS", "flatten", "flatten_call",
            "unflatten", "leaf_paths", "describe_leaf", "first_difference", "hidden_tensor",
            "can_look_into", "leaf_kind", "CONTAINER", "ITERATOR", "PLAIN", "alias", "alias_all",
@@ -416,7 +418,6 @@ def describe_leaf(leaf: Any, /) -> str:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # aliased by t[...]: NOTE [tensors of other layouts]
-_DISABLED = torch._C._disabled_torch_function_impl  # a Parameter subclass's __torch_function__
 _dispatch_keys = torch._C._dispatch_keys
 _PYTHON_KEY = torch._C.DispatchKey.Python  # set on a tensor whose class has __torch_dispatch__
 
@@ -430,7 +431,7 @@ def alias(tensor: torch.Tensor, /) -> torch.Tensor:
             return tensor[...]
         if _dispatch_keys(tensor).has(_PYTHON_KEY):
             return tensor.view_as(tensor)
-        if type(tensor).__torch_function__ is _DISABLED and isinstance(tensor, torch.nn.Parameter):
+        if plain_parameter_class(type(tensor)):
             return tensor[...]  # a Parameter subclass's (torch functions off): plain, as its view
         return tensor.as_subclass(type(tensor))  # NOTE [tensors of other layouts]
     if tensor.layout is torch.jagged:

@@ -225,3 +225,20 @@ def test_the_objects_per_live_call_the_boundary_page_gives_are_what_a_call_keeps
         written = {"torch reentrant": 14, "pytree-ckpt": 36, "pytree-ckpt with offload": 76}
         assert all(abs(counts[k] - written[k]) <= 0.25 * written[k] for k in written), counts
     assert counts["torch reentrant"] < counts["pytree-ckpt"] < counts["pytree-ckpt with offload"]
+
+
+def test_the_verify_replay_ratios_the_small_size_bullet_gives_are_its_tables() -> None:
+    # benchmarks.md's "Small size" bullet gives verify_replay's ratio on, against torch
+    # reentrant and against the same call without it; the instruction-count table below gives
+    # the same two numbers (its verify_replay row's ratio, and that row over `ours`).
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = {m.group(1): (int(m.group(2).replace(",", "")), m.group(3)) for m in re.finditer(
+        r"^\| (pytree-ckpt `[^|]*`|torch reentrant) \| ([\d,]+) \| [\d,]+ \| ([\d.]+) \|$",
+        text, re.M)}
+    verify, ours = (rows[k] for k in ("pytree-ckpt `checkpointed(layer, verify_replay=True)`",
+                                      "pytree-ckpt `checkpoint(layer, x)`"))
+    bullet = " ".join(text.split("- **Small size:", 1)[1].split("\n- ", 1)[0].split())
+    said = re.search(r"on, it reads ([\d.]+)x torch reentrant, ([\d.]+)x the same call", bullet)
+    assert said is not None
+    assert said.group(1) == verify[1]
+    assert said.group(2) == f"{verify[0] / ours[0]:.3f}"
