@@ -1479,18 +1479,21 @@ def test_a_recursive_tree_module_as_deep_as_eager_runs_gives_eagers_gradients() 
 
 def test_a_recursive_tree_module_wrapped_in_place_forwards_as_often_as_its_limits_row_says(
         ) -> None:
-    # docs/limits.md, a module that calls itself, wrapped in place: "41 forwards against 902
-    # at depth 40" (each self-call a nested boundary, replayed again by each replay above it).
+    # docs/limits.md, a module that calls itself, wrapped in place: "at depth 40 a step runs
+    # the forward 902 times, eager 41 times" (each self-call a nested boundary, replayed again
+    # by each replay above it).
     eager, ours, node, forwards = _rec_trees_and_chain(40)
+    root = copy.deepcopy(eager)  # the row's tip: the root call checkpointed, the module not
     pytree_ckpt.apply_activation_checkpointing(ours)
     counts = []
-    for model in (eager, ours):
+    for run in (eager, ours, lambda n: pytree_ckpt.checkpoint(root, n)):
         forwards.clear()
-        model(node).sum().backward()
+        run(node).sum().backward()
         counts.append(len(forwards))
-    assert counts == [41, 902]
+    assert counts == [41, 902, 82]
     limits = (Path(__file__).parents[2] / "docs" / "limits.md").read_text()
-    assert "(41 forwards against 902 at depth 40)" in limits
+    assert "(at depth 40 a step runs the forward 902 times, eager 41 times, the root " \
+        "checkpointed as below 82)" in " ".join(limits.split())
     assert all(torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)  # the rounding row
                for a, b in zip(eager.parameters(), ours.parameters()))
 
