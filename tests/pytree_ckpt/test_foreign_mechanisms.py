@@ -663,7 +663,7 @@ def test_a_learnable_fake_quant_scale_ends_two_micro_batches_as_the_last_forward
 
 
 @pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
-                   "changes: a buffer written with no version moving, its tip) (helper ML): a "
+                   "changes: a buffer written with no version moving, also silent) (helper ML): a "
                    "FakeQuantize's observer switched off before backward is skipped by its replay")
 def test_observers_switched_off_before_a_backward_leave_a_fake_quant_replay_as_its_forward(
         ) -> None:
