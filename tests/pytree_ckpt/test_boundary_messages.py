@@ -19,6 +19,7 @@ from torch import nn
 import pytree_ckpt
 from pytree_ckpt import CheckpointError, ReplayMismatchError, checkpoint, current_phase
 from tests.conftest import GradIntoSaved, assert_same_grads, grads_of
+from tests.pytree_ckpt.test_tree import _TabledWrapper
 
 
 def test_a_leaf_that_becomes_a_tensor_in_the_replay_is_named_at_the_first_such_key() -> None:
@@ -2716,43 +2717,11 @@ def test_a_plain_function_given_a_proxy_posing_as_a_list_runs_as_in_eager() -> N
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-class _ViewlessWrapper(torch.Tensor):
+class _ViewlessWrapper(_TabledWrapper):
     """A wrapper subclass whose op table serves neither ``aten.view`` nor ``aten.alias``
     (NotImplementedError for any op outside it), as a tabled float8 or quantized wrapper may."""
 
-    TABLE = frozenset({torch.ops.aten.detach.default, torch.ops.aten.sin.default,
-                       torch.ops.aten.cos.default, torch.ops.aten.mul.Tensor,
-                       torch.ops.aten.sum.default, torch.ops.aten.ones_like.default,
-                       torch.ops.aten.expand.default, torch.ops.aten.add.Tensor})
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor) -> _ViewlessWrapper:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[return-value]
-            cls, inner.shape, dtype=inner.dtype, strides=inner.stride(),
-            requires_grad=inner.requires_grad)
-
-    def __init__(self, inner: torch.Tensor) -> None:
-        self.inner = inner
-
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["inner"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: Any, size: Any,
-                             stride: Any) -> _ViewlessWrapper:
-        return _ViewlessWrapper(inner["inner"])
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
-        if func not in cls.TABLE:
-            raise NotImplementedError(f"_ViewlessWrapper: {func}")
-        unwrap = lambda t: t.inner if isinstance(t, _ViewlessWrapper) else t  # noqa: E731
-        out = func(*[unwrap(a) for a in args],
-                   **{k: unwrap(v) for k, v in (kwargs or {}).items()})
-        return _ViewlessWrapper(out) if isinstance(out, torch.Tensor) else out
+    TABLE = _TabledWrapper.TABLE - {torch.ops.aten.view.default}
 
 
 def test_an_error_raised_while_the_replay_aliases_its_inputs_reaches_the_caller_as_itself(

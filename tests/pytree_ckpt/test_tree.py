@@ -1742,10 +1742,10 @@ class _TabledWrapper(torch.Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], None]:
         return ["inner"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: Any, size: Any,
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict[str, torch.Tensor], ctx: Any, size: Any,
                              stride: Any) -> _TabledWrapper:
-        return _TabledWrapper(inner["inner"])
+        return cls(inner["inner"])
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -1753,12 +1753,11 @@ class _TabledWrapper(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         if func not in cls.TABLE:
-            raise NotImplementedError(f"_TabledWrapper: {func}")
-        unwrap = lambda t: t.inner if isinstance(t, _TabledWrapper) else t  # noqa: E731
+            raise NotImplementedError(f"{cls.__name__}: {func}")
+        unwrap = lambda t: t.inner if isinstance(t, cls) else t  # noqa: E731
         out = func(*optree.tree_map(unwrap, tuple(args)),
                    **optree.tree_map(unwrap, dict(kwargs or {})))
-        return optree.tree_map(
-            lambda t: _TabledWrapper(t) if isinstance(t, torch.Tensor) else t, out)
+        return optree.tree_map(lambda t: cls(t) if isinstance(t, torch.Tensor) else t, out)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of MaskedTensors is in prototype stage")
