@@ -622,6 +622,22 @@ def _masks_built_by_a_sibling() -> Callable[[torch.Tensor, torch.Tensor], torch.
     return layer
 
 
+def _two_calls_eager_and_checkpointed(make: Callable[[], Any], /) -> list[torch.Tensor]:
+    """w's gradient through two calls of a layer ``make()`` gives, ``layer(x, w)``, eager and
+    each call checkpointed (a new layer, so a new closure, for each)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    xs = [torch.randn(4, 4) for _ in range(2)]
+    grads = []
+    for wrap in (False, True):
+        layer = make()
+        w.grad = None
+        outs = [checkpoint(layer, x, w) if wrap else layer(x, w) for x in xs]
+        sum(o.sum() for o in outs).backward()
+        grads.append(w.grad)
+    return grads
+
+
 @pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, A lambda made in a "
                    "loop: details, a cell a helper beside the function sets) (helpers MK, MN): "
                    "not told from a helper setting it after the read")
@@ -629,17 +645,7 @@ def test_a_closure_mask_a_sibling_helper_rebuilds_before_each_read_gives_eagers_
         ) -> None:
     # A closure cell a helper beside the function sets before the function reads it is
     # refused as a late-bound tensor (helper MK): eager runs it.
-    torch.manual_seed(0)
-    w = torch.randn(4, 4, requires_grad=True)
-    xs = [torch.randn(4, 4) for _ in range(2)]
-    grads = []
-    for wrap in (False, True):
-        layer = _masks_built_by_a_sibling()
-        w.grad = None
-        outs = [checkpoint(layer, x, w) if wrap else layer(x, w) for x in xs]
-        sum(o.sum() for o in outs).backward()
-        grads.append(w.grad)
-    assert torch.equal(*grads)
+    assert torch.equal(*_two_calls_eager_and_checkpointed(_masks_built_by_a_sibling))
 
 
 @pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, A lambda made in a "
@@ -767,17 +773,7 @@ def test_a_closure_mask_a_helper_rebuilds_through_another_helper_gives_eagers_gr
 
         return layer
 
-    torch.manual_seed(0)
-    w = torch.randn(4, 4, requires_grad=True)
-    xs = [torch.randn(4, 4) for _ in range(2)]
-    grads = []
-    for wrap in (False, True):
-        layer = make()
-        w.grad = None
-        outs = [checkpoint(layer, x, w) if wrap else layer(x, w) for x in xs]
-        sum(o.sum() for o in outs).backward()
-        grads.append(w.grad)
-    assert torch.equal(*grads)
+    assert torch.equal(*_two_calls_eager_and_checkpointed(make))
 
 
 def test_a_kind_a_sibling_helper_only_reads_is_still_warned_of_when_read_late() -> None:
