@@ -65,8 +65,17 @@ class DiscardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, owner: CheckpointWithoutOutput, *inputs: Any) -> Any:
-        # NOTE [the library's own ops in a kept method's region] (keep.py)
-        return outside_kept_region(DiscardFunction._forward, ctx, owner, inputs)
+        try:
+            # NOTE [the library's own ops in a kept method's region] (keep.py)
+            return outside_kept_region(DiscardFunction._forward, ctx, owner, inputs)
+        except BaseException:
+            # A failed call (fn raised, or its output was refused) is not used again
+            # (discard.md: a new object per call), but a layer's self.ckpt or a traceback
+            # may keep the object: it lets go of the inputs it holds (helper MR's note: they
+            # lived on with it, in the kinds read for the rebuild and the tensors fn reaches).
+            owner.tensor_kinds = []
+            owner.reachable = None
+            raise
 
     @staticmethod
     def _forward(ctx: Any, owner: CheckpointWithoutOutput, inputs: tuple[Any, ...],

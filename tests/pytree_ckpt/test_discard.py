@@ -1049,6 +1049,32 @@ def test_a_kept_checkpoint_object_holds_none_of_its_ops_inputs(how: str) -> None
     assert ref() is None
 
 
+@pytest.mark.parametrize("fails", ["inside fn", "on fn's output"])
+def test_a_checkpoint_object_whose_call_failed_holds_none_of_its_ops_inputs(fails: str) -> None:
+    # Guards against (helper MR's note) a failed call keeping its input alive with the object
+    # (a layer's self.ckpt, or one held by a traceback): what the forward recorded for the
+    # rebuild (the input's kind, with its attributes; the RNG and module state) is let go.
+    ckpt = CheckpointWithoutOutput()
+    norm = nn.LayerNorm(16)
+    x = torch.randn(8, 16, requires_grad=True)
+    h = x * 2
+    h.meta = torch.ones(3)  # an attribute fn reads: the kind recorded for the rebuild keeps it
+    refs = [weakref.ref(h), weakref.ref(h.meta)]
+
+    def op(t: torch.Tensor) -> Any:
+        assert t.meta is not None
+        if fails == "inside fn":
+            raise ValueError("fn failed")
+        return {"out": norm(t)}  # refused: a dict of outputs
+
+    with pytest.raises(ValueError if fails == "inside fn" else CheckpointError):
+        ckpt.checkpoint(op, h)
+    del h
+    assert [r() for r in refs] == [None, None]
+    with pytest.raises(CheckpointError, match="already used"):  # discard.md: a new object
+        ckpt.checkpoint(op, x)
+
+
 def test_a_loss_kept_after_backward_keeps_neither_the_rebuilt_output_nor_the_refilled_one(
         ) -> None:
     # A loop that keeps its loss for logging (losses.append(loss)) keeps the graph's nodes
