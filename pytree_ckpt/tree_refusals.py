@@ -126,10 +126,21 @@ _STATELESS = (bytes, complex, torch.dtype, torch.device, torch.layout, torch.mem
 
 
 def is_kv_cache(leaf: Any, /) -> bool:
-    """A key/value cache, by what it can do: transformers' caches have both methods."""
+    """A key/value cache, by what it can do: transformers' caches have both methods; or a
+    state-space model's cache, which a forward reads and fills in place (transformers'
+    MambaCache and its hybrids: ``update_conv_state``, ``update_ssm_state``; helper MV)."""
+    return _cache_kind(leaf) is not None
+
+
+def _cache_kind(leaf: Any, /) -> str | None:
     kind = type(leaf)
-    return callable(getattr(kind, "update", None)) and \
-        callable(getattr(kind, "get_seq_length", None))
+    if callable(getattr(kind, "update", None)) and \
+            callable(getattr(kind, "get_seq_length", None)):
+        return "key/value"
+    if any(callable(getattr(kind, name, None))
+           for name in ("update_conv_state", "update_ssm_state")):
+        return "state"
+    return None
 
 
 def _reads_caches_only(fn: Callable[..., Any], /) -> bool:
@@ -185,13 +196,15 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
             # (an object with update() and get_seq_length(), as transformers' are) under any
             # name (Gemma, Olmo pass `cache=` with no use_cache keyword), unless the layer's
             # class says it only reads caches (transformers' _can_checkpoint_with_cache); and
-            # any other object with use_cache=True. Immutable values (a dtype, a device, an
+            # any other object with use_cache=True. A state-space model's cache (helper MV:
+            # the replay read the state its original pass wrote, and wrote it again) is one
+            # too: `is_kv_cache`. Immutable values (a dtype, a device, an
             # enum, a function) cannot be filled and pass: such a call (a GPT-2 style layer
             # returning its new keys) is legitimate.
             path = readable_path(leaf_paths(spec, root="inputs")[index])
             raise CheckpointError(
                 f"{fn_name(fn)} was called with grad enabled and "
-                + (f"a key/value cache at {path}" if kv_cache else
+                + (f"a {_cache_kind(leaf)} cache at {path}" if kv_cache else
                    f"use_cache=True and an object at {path}")
                 + f" ({type(leaf).__name__}); the original pass fills that cache and the replay "
                 "in backward fills it again, and may read what the no-grad original pass stored "
