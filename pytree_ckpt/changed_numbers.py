@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from .eager import user_stacklevel
-from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, ValuesRead,
-                           entries_of, fresh_values, put_entries, same_entry)
+from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, TupleHeld,
+                           ValuesRead, entries_of, fresh_values, put_entries, same_entry)
 
 __all__ = ["ChangedNumbers", "EndedAfterACall"]
 
@@ -62,6 +62,8 @@ class ChangedNumbers:
                     found.append(value.values)
                 elif isinstance(value, torch.Tensor):
                     found.append(value)
+                elif isinstance(value, tuple):  # a tuple of them (TupleHeld)
+                    found.extend(TupleHeld(value).tensors())
         return found
 
     @contextmanager

@@ -19,11 +19,13 @@ from torch import nn
 from .changed_numbers import ChangedNumbers
 from .module_state import ModuleDicts, torch_nn_class
 from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, OURS, BoundObject, Contents, InPlace,
-                           Mixed, Refilled, TensorHeld, immutable, plain_container, plain_entry,
-                           read_entries, small_detached, value_differs)
+                           Mixed, Refilled, TensorHeld, TupleHeld, immutable, plain_container,
+                           plain_entry, read_entries, small_detached, small_tuple, value_differs)
 from .reused_numbers import MadeNumbers
 
 __all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read"]
+
+_HELD = (TensorHeld, TupleHeld)  # put back for the replay as the forward read them
 
 
 class NumbersWatch:
@@ -124,8 +126,9 @@ class NumbersWatch:
                     if not entry[0] or value_differs(entry[1], was[1]):
                         values.append((name, was[1]))  # a value changed, or replaced
                 elif entry != was:
-                    if type(was[1]) is TensorHeld and (kept := was[1].as_read()) is not None:
-                        # NOTE [small tensor attributes as the forward read them]
+                    if type(was[1]) in _HELD and (kept := was[1].as_read()) is not None:
+                        # NOTE [small tensor attributes as the forward read them]; a tuple of
+                        # them (TupleHeld)
                         values.append((name, kept))
                     elif type(was[1]) is not Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is
@@ -140,7 +143,7 @@ class NumbersWatch:
                 if name not in now:  # deleted by the forward
                     if was[0] or type(was[1]) is Contents:
                         values.append((name, was[1]))
-                    elif type(was[1]) is TensorHeld and (kept := was[1].as_read()) is not None:
+                    elif type(was[1]) in _HELD and (kept := was[1].as_read()) is not None:
                         values.append((name, kept))
                     else:
                         rebound.append(name)
@@ -260,8 +263,8 @@ class NumbersGlance:
                 elif immutable(was):
                     if now is ABSENT or not immutable(now) or value_differs(now, was):
                         changed.append((name, was))
-                elif isinstance(was, torch.Tensor) and small_detached(was):
-                    # NOTE [small tensor attributes as the forward read them]
+                elif isinstance(was, torch.Tensor) and small_detached(was) or small_tuple(was):
+                    # NOTE [small tensor attributes as the forward read them] (TupleHeld)
                     changed.append((name, was))
                 else:
                     rebound.append(name)  # an object rebound or deleted: read as it is

@@ -25,10 +25,10 @@ from .state_changes import is_replay_copy, mark_replay_copy
 from .tree import dunder, instance_dict
 
 __all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "BoundObject", "Contents",
-           "InPlace", "Mixed", "Refilled", "TensorHeld", "ValuesRead", "entries_of", "entry_of",
-           "fresh_values", "immutable", "plain_container", "plain_entries", "plain_entry",
+           "InPlace", "Mixed", "Refilled", "TensorHeld", "TupleHeld", "ValuesRead", "entries_of",
+           "entry_of", "fresh_values", "immutable", "plain_container", "plain_entries", "plain_entry",
            "put_entries", "read_by_entries", "read_entries", "restore_after_replay", "same_as",
-           "same_entries", "same_entry", "small_detached", "value_differs"]
+           "same_entries", "same_entry", "small_detached", "small_tuple", "value_differs"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
 # members, tuples of such values (a shape key) and NumPy scalars (immutable).
@@ -348,6 +348,64 @@ class TensorHeld:
     __hash__ = None  # type: ignore[assignment]
 
 
+class TupleHeld:
+    """A tuple (or namedtuple) of small tensors without a graph and plain values, held as a
+    small tensor is (NOTE [small tensor attributes as the forward read them]): a recurrent
+    state kept as a pair, ``self.state = (ssm.detach(), conv.detach())``, read by the next
+    chunk (helper MV: by id, it was read by each replay as the last chunk left it, gradients
+    off by 4.7, silently). The tuple cannot change; its tensors' versions are read, and one
+    changed in place is read as it is then (no clone: documented)."""
+
+    __slots__ = ("kept", "versions")
+
+    def __init__(self, value: tuple[Any, ...], /) -> None:
+        self.kept = value
+        self.versions = _versions(value)
+
+    def as_read(self) -> tuple[Any, ...] | None:
+        """The tuple held, where nothing changed its tensors in place since it was read."""
+        return self.kept if _versions(self.kept) == self.versions else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in _leaves(self.kept) if isinstance(t, torch.Tensor)]
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is TupleHeld and other.kept is self.kept and \
+            self.versions == other.versions
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def small_tuple(value: Any, /, depth: int = 0) -> bool:
+    """A tuple or namedtuple (its class holds no state: ``__slots__ = ()``) of at most 64
+    entries, each a small tensor without a graph (``small_detached``), a value that cannot
+    change in place, or such a tuple (4 deep), with a tensor among them."""
+    kind = type(value)
+    if not isinstance(value, tuple) or len(value) > _MOST_ENTRIES or depth > 3 or \
+            kind is not tuple and not (kind.__bases__ == (tuple,) and hasattr(kind, "_fields")
+                                       and vars(kind).get("__slots__") == ()):
+        return False
+    found = False
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            if not small_detached(v):
+                return False
+            found = True
+        elif isinstance(v, tuple) and small_tuple(v, depth + 1):
+            found = True
+        elif not immutable(v):
+            return False
+    return found
+
+
+def _leaves(value: tuple[Any, ...], /) -> list[Any]:
+    return [leaf for v in value for leaf in (_leaves(v) if isinstance(v, tuple) else (v,))]
+
+
+def _versions(value: tuple[Any, ...], /) -> tuple[int, ...]:
+    return tuple(t._version for t in _leaves(value) if isinstance(t, torch.Tensor))
+
+
 def fresh_values(read: ValuesRead, fresh: dict[int, torch.Tensor], /) -> torch.Tensor:
     copy = fresh.get(id(read.values))
     if copy is None:
@@ -419,6 +477,7 @@ def read_entries(d: dict[str, Any], clones: dict[int, torch.Tensor] | None = Non
 def _object_entry(value: Any, clones: dict[int, torch.Tensor] | None = None, /, *,
                   mixed: bool = False) -> tuple[Any, ...]:
     return (False, TensorHeld(value, clones) if isinstance(value, torch.Tensor) else
+            TupleHeld(value) if small_tuple(value) else
             Contents(value) if plain_container(value) else
             Mixed(value) if mixed and read_by_entries(value) else id(value))
 

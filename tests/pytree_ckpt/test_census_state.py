@@ -440,6 +440,26 @@ def test_a_plain_tensor_the_forward_replaces_counts_the_one_held_for_the_replay(
     assert layer.steps.tolist() == [3.0, 3.0]
 
 
+class ReplacesAPlainTensorPair(nn.Module):
+    """As ReplacesAPlainTensor, the count kept in a (count, count) tuple (TupleHeld)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.steps = (torch.zeros(2), torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * (1 + 0.125 * self.steps[0].sum())
+        self.steps = (self.steps[0] + 1, self.steps[1] + 1)
+        return out
+
+
+def test_a_plain_tensor_pair_the_forward_replaces_counts_both_held_for_the_replay() -> None:
+    # The tuple held from the forward to its replay (helper MV's pair) counts both tensors.
+    layer = _three_steps_counting_module_state(ReplacesAPlainTensorPair, lambda m: 3 * 4)
+    assert layer.steps[0].tolist() == [3.0, 3.0]
+
+
 def test_a_census_interrupted_while_it_enters_leaves_nothing_recording_and_can_enter_again(
         ) -> None:
     # Guards against an interrupt inside __enter__ (NOTE [an entry undone], census.py): after

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -290,6 +290,11 @@ def test_reuse_verify_offload_and_discard_on_a_chunked_gated_scan_give_eager_gra
         assert stats["offloaded_bytes"] == stats["restored_bytes"] > 0
 
 
+class _State(NamedTuple):
+    ssm: torch.Tensor
+    conv: tuple[torch.Tensor, int]
+
+
 class _StatefulScan(nn.Module):
     """A streaming scan that keeps its last (detached) state on itself and reads it at the
     next call (truncated backpropagation through time)."""
@@ -297,17 +302,20 @@ class _StatefulScan(nn.Module):
     def __init__(self, kind: str, batch: int) -> None:
         super().__init__()
         self.kind = kind
+        self.streaming = kind != "tuple, streaming from step 2"  # set by the caller
         self.lin, self.B, self.C = nn.Linear(D, D), nn.Linear(D, N), nn.Linear(D, N)
         zeros = torch.zeros(batch, D, N)
         if kind == "buffer":
             self.register_buffer("state", zeros, persistent=False)
-        elif kind == "tuple":
+        elif kind.startswith("tuple"):
             self.state = (zeros, torch.zeros(batch, D))  # (ssm, conv), as Mamba caches pair them
+        elif kind == "namedtuple":
+            self.state = _State(zeros, (torch.zeros(batch, D), 1))
         else:
             self.state = zeros
 
     def read(self) -> torch.Tensor:
-        return self.state[0] if self.kind == "tuple" else self.state
+        return self.state[0] if "tuple" in self.kind else self.state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.read()
@@ -316,8 +324,12 @@ class _StatefulScan(nn.Module):
         for t in range(x.shape[1]):
             s = torch.tanh(0.9 * s + u[:, t, :, None] * b[:, t, None, :])
             ys.append((s * c[:, t, None, :]).sum(-1))
-        if self.kind == "tuple":
+        if not self.streaming:
+            pass
+        elif self.kind.startswith("tuple"):
             self.state = (s.detach(), x[:, -1].detach())
+        elif self.kind == "namedtuple":
+            self.state = _State(s.detach(), (x[:, -1].detach(), self.state.conv[1] + 1))
         elif self.kind == "in-place":
             self.state.copy_(s.detach())
         else:
@@ -335,6 +347,7 @@ def _stream(kind: str, batch: int, steps: int = 2, chunks: int = 3
     for model in (eager, wrapped):
         losses = []
         for step in range(steps):
+            model.streaming = model.streaming or step == 1
             loss = sum(model(chunk).square().sum() for chunk in x[step].split(9 // chunks, 1))
             loss.backward()
             losses.append(loss.detach())
@@ -348,11 +361,14 @@ def test_a_small_state_kept_on_the_module_and_read_by_the_next_chunk_gives_eager
     assert_same_grads(*_stream(kind, batch=2))
 
 
-@pytest.mark.xfail(strict=True, reason="helper MV: a small (conv, ssm) tuple kept on the module "
-                   "is read by each replay as the last chunk left it (docs name dicts and lists)")
+@pytest.mark.parametrize("kind", ["tuple", "namedtuple", "tuple, streaming from step 2"])
 def test_a_small_state_tuple_kept_on_the_module_and_read_by_the_next_chunk_gives_eager_gradients(
-        ) -> None:
-    assert_same_grads(*_stream("tuple", batch=2))
+        kind: str) -> None:
+    # Guards against (helper MV) a (ssm, conv) pair kept on the module being read by each
+    # replay as the last chunk left it (gradients 4.7 off, silently): held as a small tensor
+    # is, also as a namedtuple nesting a tuple, and when first rebound after the module's
+    # first replay (the glance: NOTE [a number first changed after the first replay]).
+    assert_same_grads(*_stream(kind, batch=2, steps=3))
 
 
 @pytest.mark.xfail(strict=True, reason="helper MV: a state attribute over 64 KiB written in place "
