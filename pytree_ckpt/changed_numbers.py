@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from .eager import user_stacklevel
-from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, TupleHeld,
-                           ValuesRead, entries_of, fresh_values, put_entries, same_entry)
+from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, Rewritten,
+                           TupleHeld, ValuesRead, entries_of, fresh_values, put_entries,
+                           same_entry)
 
 __all__ = ["ChangedNumbers", "EndedAfterACall"]
 
@@ -91,7 +92,13 @@ class ChangedNumbers:
         # this block alone (NOTE [small tensor attributes as the forward read them]), one per
         # tensor, whatever number of modules hold it.
         fresh: dict[int, torch.Tensor] = {}
-        found = [(d, [(name, fresh_values(value, fresh) if type(value) is ValuesRead else value)
+        # One changed in place that was not held: a copy of its values as they are now, for
+        # this block alone too (NOTE [a tensor attribute changed in place, not held] in
+        # plain_values.py).
+        copies: dict[int, torch.Tensor] = {}
+        found = [(d, [(name, fresh_values(value, fresh) if type(value) is ValuesRead else
+                       value.for_replay(d.get(name, ABSENT), copies) if type(value) is Rewritten
+                       else value)
                       for name, value in values]) for d, values, _ in self.found]
         # One new container per container read, whatever number of names held it (a log a
         # layer shares with its submodule stays one list in the replay: helper HS).

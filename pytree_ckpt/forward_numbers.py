@@ -130,6 +130,10 @@ class NumbersWatch:
                         # NOTE [small tensor attributes as the forward read them]; a tuple of
                         # them (TupleHeld)
                         values.append((name, kept))
+                    elif type(was[1]) is TensorHeld and \
+                            (rewritten := was[1].rewritten(entry[1])) is not None:
+                        values.append((name, rewritten))  # NOTE [a tensor attribute changed
+                        # in place, not held] (plain_values.py)
                     elif type(was[1]) is not Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is
                     elif type(entry[1]) is Contents or d[name] is not was[1].held or \

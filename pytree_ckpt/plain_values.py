@@ -25,10 +25,11 @@ from .state_changes import is_replay_copy, mark_replay_copy
 from .tree import dunder, instance_dict
 
 __all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "BoundObject", "Contents",
-           "InPlace", "Mixed", "Refilled", "TensorHeld", "TupleHeld", "ValuesRead", "entries_of",
-           "entry_of", "fresh_values", "immutable", "plain_container", "plain_entries", "plain_entry",
-           "put_entries", "read_by_entries", "read_entries", "restore_after_replay", "same_as",
-           "same_entries", "same_entry", "small_detached", "small_tuple", "value_differs"]
+           "InPlace", "Mixed", "Refilled", "Rewritten", "TensorHeld", "TupleHeld", "ValuesRead",
+           "entries_of", "entry_of", "fresh_values", "immutable", "plain_container",
+           "plain_entries", "plain_entry", "put_entries", "read_by_entries", "read_entries",
+           "restore_after_replay", "same_as", "same_entries", "same_entry", "small_detached",
+           "small_tuple", "value_differs"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
 # members, tuples of such values (a shape key) and NumPy scalars (immutable).
@@ -323,7 +324,8 @@ class TensorHeld:
                  clones: dict[int, torch.Tensor] | None = None) -> None:
         self.ref = weakref.ref(tensor)
         self.kept = tensor if small_detached(tensor) else None
-        self.version = tensor._version if self.kept is not None else 0
+        # Of a larger one too: NOTE [a tensor attribute changed in place, not held]
+        self.version = 0 if tensor.is_inference() else tensor._version
         self.values: torch.Tensor | None = None
         if clones is not None and self.kept is not None:  # one clone per tensor
             self.values = clones.get(id(tensor))
@@ -341,9 +343,54 @@ class TensorHeld:
             return kept
         return None if self.values is None else ValuesRead(self.values)
 
+    def rewritten(self, now: Any, /) -> Rewritten | None:
+        """NOTE [a tensor attribute changed in place, not held]: a ``Rewritten`` where the
+        attribute holds the same tensor, changed in place since this was read (``now``: it
+        read again), and neither it nor its values were held."""
+        tensor = self.ref()
+        if type(now) is not TensorHeld or tensor is None or now.ref() is not tensor or \
+                now.version == self.version or self.as_read() is not None or \
+                tensor.requires_grad or tensor.layout != torch.strided or \
+                type(tensor) is not torch.Tensor:
+            return None
+        return Rewritten(self.ref)
+
     def __eq__(self, other: object) -> bool:
         return type(other) is TensorHeld and (held := self.ref()) is not None and \
             held is other.ref() and self.version == other.version
+
+
+# NOTE [a tensor attribute changed in place, not held]: a plain tensor attribute over 64 KiB
+# (or a smaller one whose values were not cloned before the forward: NOTE [small tensor
+# attributes as the forward read them]) that the forward changes in place (a recurrent state
+# written back, `self.st.copy_(h.detach())`) has no copy of what the forward read, so its
+# replay reads it as it is then (documented); but the replay wrote it again too, on the
+# module's own tensor: the state ended each step as the replay left it, and the next step's
+# forward, its loss included, differed from eager's (helper MV). So, as for a buffer the
+# forward changed in place (NOTE [the replay changes copies] in state_changes.py), the replay
+# runs on a copy of its values as they are when the replay begins, and the attribute holds its
+# own tensor, as the forward left it, again after the replay. Told by its version, read where
+# a module's attributes are (not by the glance: documented); the copy lives for the replay
+# alone. A tensor requiring grad, or of another layout or class, is left as it is.
+class Rewritten:
+    """A tensor attribute the forward changed in place, by weak reference (NOTE above)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: weakref.ref[torch.Tensor], /) -> None:
+        self.ref = ref
+
+    def for_replay(self, now: Any, copies: dict[int, torch.Tensor], /) -> Any:
+        """A copy of the tensor's values as they are now, where the attribute still holds it
+        (``now``), one per tensor; else what it holds."""
+        tensor = self.ref()
+        if tensor is None or now is not tensor:
+            return now
+        copy = copies.get(id(tensor))
+        if copy is None:
+            with torch.no_grad():
+                copy = copies[id(tensor)] = tensor.clone()
+        return copy
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -371,8 +371,6 @@ def test_a_small_state_tuple_kept_on_the_module_and_read_by_the_next_chunk_gives
     assert_same_grads(*_stream(kind, batch=2, steps=3))
 
 
-@pytest.mark.xfail(strict=True, reason="helper MV: a state attribute over 64 KiB written in place "
-                   "is written again by the replays, so the next step's forward loss differs")
 @pytest.mark.parametrize("chunks", [1, 3], ids=["one-call-a-step", "three-chunks-a-step"])
 def test_a_large_state_changed_in_place_on_the_module_leaves_eager_losses_for_the_next_step(
         chunks: int) -> None:
