@@ -2621,3 +2621,17 @@ def test_a_forward_run_in_a_backward_hook_before_any_restore_joins_the_pass_as_i
                                 ("prefetch", 3), ("prefetch_hit", 3)]
     docs = (Path(__file__).parents[2] / "docs" / "offload.md").read_text()
     assert "(a hook on the loss) joins the pass," in " ".join(docs.split())
+
+
+def test_forwards_whose_graphs_are_dropped_at_once_leave_no_record_of_their_copies() -> None:
+    # Guards against: InFlight.let_go keeping the weak references of copies gone since (its
+    # ``continue`` for a dead one turned into a keep): a grad-enabled evaluation loop that
+    # drops each output at once (its last window's copy dies with the graph, before the next
+    # window lets it go) grew the manager's record of copies in flight by one entry per
+    # forward, for as long as the loop ran.
+    m = manager()
+    layers = offloaded_stack(m, 3)
+    for _ in range(50):
+        stack(layers, torch.randn(8, 32)).sum()  # dropped at once
+    assert len(m._pending.copies) <= 2
+    assert m.stats()["host_buffers_in_use"] == 0

@@ -679,3 +679,44 @@ def test_a_prefetch_restores_every_storage_of_the_window_before_backward_reaches
     assert at_layer_1 == [2]
     assert copies_back == [4]  # then window 0, prefetched by layer 1's backward
     assert manager.stats()["prefetch_hits"] == 2
+
+
+def test_a_prefetched_window_whose_storage_was_freed_lets_go_of_it_before_backward_moves_on(
+) -> None:
+    # Guards against: unpack_handle's second let_go without ``force_before`` (unpacking.py):
+    # a window prefetched from host (its device storage freed in place by the caller, so not
+    # reused) whose copy to host had not landed yet was held on the device until backward
+    # reached that window, a layer later, where it is let go once the saving stream waited.
+    # Seen only with the device lagging behind the host (the simulated engine, never ahead).
+    class SnapshotStreams(SimulatedStreams):
+        # A copy to host reads its source as it was when queued (the real engine keeps a
+        # source freed meanwhile for the copy stream: record_stream), so a storage freed in
+        # place after forward can be modelled; the device never runs ahead.
+        def to_host(self, host: torch.Tensor, device_bytes: torch.Tensor) -> object:
+            target, snapshot = host[: device_bytes.numel()], device_bytes.clone()
+            target.fill_(POISON)
+            return self._enqueue("d2h", lambda: target.copy_(snapshot))
+
+    m = manager(prefetch=1)
+    m.engine = streams = SnapshotStreams(m.device, seed=None)  # type: ignore[assignment]
+    x = torch.randn(16, 32, requires_grad=True)
+    h0 = x * 1.0
+    with m.window([h0]):
+        a = h0 * h0
+    h1 = a * 1.0
+    with m.window([h1]):
+        out = torch.sin(h1).sum()  # one save: one unpack of window 1
+    freed = StorageWeakRef(h0.untyped_storage())
+    h0.untyped_storage().resize_(0)  # freed in place: restored from host, not reused
+    del h0, h1
+    seen: list[bool] = []
+    a.register_hook(lambda grad: seen.append(freed.expired()))  # between the two windows
+    out.backward()
+    assert seen == [True]
+    twin = x.detach().clone().requires_grad_()
+    e0 = twin * 1.0
+    e1 = (e0 * e0) * 1.0
+    torch.sin(e1).sum().backward()
+    assert torch.equal(x.grad, twin.grad)
+    streams.finish()
+    assert streams.violations == []

@@ -1213,3 +1213,33 @@ def test_a_keyboard_interrupt_in_a_copys_destructor_gives_its_host_buffer_back()
     stats = mgr.stats()
     assert stats["host_buffers_in_use"] == 0
     assert stats["host_bytes"] == host_bytes  # the pool does not grow
+
+
+def test_a_data_alias_made_again_at_a_dead_aliass_address_after_a_change_gives_eager_gradients(
+) -> None:
+    # Guards against: pack_saved's lookup of the pass's shared copies (packing.py, the second
+    # ``holds``/``same_counter`` test) without ``same_counter``: the registry is keyed by
+    # ``id(base)``, and a fresh ``.data`` alias made where a dead one lived has its id and its
+    # version (0, its own counter) and the same storage, so it took the copy made before the
+    # table changed in place: backward read bytes its forward never used.
+    m = manager()
+    table = torch.randn(16, 32)
+    x = torch.randn(16, 32, requires_grad=True)
+    with m.window([table]):
+        alias = table.data
+        first = id(alias)
+        kept = (x * alias).sum()  # saves the alias: the window's copy is of it
+        del alias
+    table.add_(1.0)  # through the table itself: its counter, not the dead alias's
+    spare = []
+    alias = table.data
+    while id(alias) != first and len(spare) < 10_000:  # the dead alias's address, made again
+        spare.append(alias)
+        alias = table.data
+    assert id(alias) == first
+    with m.window([table]):
+        out = (x * alias).sum()
+    del alias, spare
+    out.backward()
+    assert torch.equal(x.grad, table)  # eager: d(x * table)/dx is the table as it is now
+    del kept
