@@ -58,6 +58,15 @@ def _zero_state(batch: int) -> dict[str, torch.Tensor]:
     return {"conv": torch.zeros(batch, D, 2), "ssm": torch.zeros(batch, D, N)}
 
 
+def _stack_and_wrapped_twin(block: type[nn.Module]) -> tuple[nn.ModuleList, nn.ModuleList]:
+    """Two blocks, and a copy with each block checkpointed."""
+    eager = nn.ModuleList(block() for _ in range(2))
+    wrapped = copy.deepcopy(eager)
+    for layer in wrapped:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    return eager, wrapped
+
+
 def _chunked_loss(layers: nn.ModuleList, x: torch.Tensor, *, detach: bool) -> torch.Tensor:
     states = [_zero_state(x.shape[0]) for _ in layers]
     loss = x.new_zeros(())
@@ -74,10 +83,7 @@ def _chunked_loss(layers: nn.ModuleList, x: torch.Tensor, *, detach: bool) -> to
 def test_a_selective_scan_stack_carrying_its_state_dict_between_chunks_gives_eager_gradients(
         detach: bool) -> None:
     torch.manual_seed(0)
-    eager = nn.ModuleList(_MambaBlock() for _ in range(2))
-    wrapped = copy.deepcopy(eager)
-    for layer in wrapped:
-        pytree_ckpt.apply_activation_checkpointing(layer)
+    eager, wrapped = _stack_and_wrapped_twin(_MambaBlock)
     x = torch.randn(2, 12, D)
     losses = []
     for model in (eager, wrapped):
@@ -161,10 +167,7 @@ class _FunctionBlock(nn.Module):
 def test_a_custom_scan_function_with_non_differentiable_outputs_gives_eager_gradients(
         use: str) -> None:
     torch.manual_seed(0)
-    eager = nn.ModuleList(_FunctionBlock() for _ in range(2))
-    wrapped = copy.deepcopy(eager)
-    for layer in wrapped:
-        pytree_ckpt.apply_activation_checkpointing(layer)
+    eager, wrapped = _stack_and_wrapped_twin(_FunctionBlock)
     x = torch.randn(2, 7, D)
     for model in (eager, wrapped):
         h, loss = x, x.new_zeros(())
