@@ -18,9 +18,10 @@ from torch import nn
 
 from .changed_numbers import ChangedNumbers
 from .module_state import ModuleDicts, torch_nn_class
-from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, OURS, BoundObject, Contents, InPlace,
-                           Mixed, Refilled, TensorHeld, TupleHeld, immutable, plain_container,
-                           plain_entry, read_entries, small_detached, small_tuple, value_differs)
+from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, OURS, REWRITTEN, BoundObject,
+                           Contents, InPlace, Mixed, Refilled, TensorHeld, TupleHeld, immutable,
+                           plain_container, plain_entry, read_entries, small_detached,
+                           small_tuple, value_differs)
 from .reused_numbers import MadeNumbers
 
 __all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read"]
@@ -130,9 +131,8 @@ class NumbersWatch:
                         # NOTE [small tensor attributes as the forward read them]; a tuple of
                         # them (TupleHeld)
                         values.append((name, kept))
-                    elif type(was[1]) is TensorHeld and \
-                            (rewritten := was[1].rewritten(entry[1])) is not None:
-                        values.append((name, rewritten))  # NOTE [a tensor attribute changed
+                    elif type(was[1]) in _HELD and was[1].changed_in_place(entry[1]):
+                        values.append((name, REWRITTEN))  # NOTE [a tensor attribute changed
                         # in place, not held] (plain_values.py)
                     elif type(was[1]) is not Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is

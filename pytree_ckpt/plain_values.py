@@ -24,9 +24,9 @@ from torch import nn
 from .state_changes import is_replay_copy, mark_replay_copy
 from .tree import dunder, instance_dict
 
-__all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "BoundObject", "Contents",
-           "InPlace", "Mixed", "Refilled", "Rewritten", "TensorHeld", "TupleHeld", "ValuesRead",
-           "entries_of", "entry_of", "fresh_values", "immutable", "plain_container",
+__all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "REWRITTEN", "BoundObject",
+           "Contents", "InPlace", "Mixed", "Refilled", "Rewritten", "TensorHeld", "TupleHeld",
+           "ValuesRead", "entries_of", "entry_of", "fresh_values", "immutable", "plain_container",
            "plain_entries", "plain_entry", "put_entries", "read_by_entries", "read_entries",
            "restore_after_replay", "same_as", "same_entries", "same_entry", "small_detached",
            "small_tuple", "value_differs"]
@@ -343,56 +343,62 @@ class TensorHeld:
             return kept
         return None if self.values is None else ValuesRead(self.values)
 
-    def rewritten(self, now: Any, /) -> Rewritten | None:
-        """NOTE [a tensor attribute changed in place, not held]: a ``Rewritten`` where the
-        attribute holds the same tensor, changed in place since this was read (``now``: it
-        read again), and neither it nor its values were held."""
+    def changed_in_place(self, now: Any, /) -> bool:
+        """NOTE [a tensor attribute changed in place, not held]: whether the attribute holds
+        the same tensor, changed in place since this was read (``now``: it read again)."""
         tensor = self.ref()
-        if type(now) is not TensorHeld or tensor is None or now.ref() is not tensor or \
-                now.version == self.version or self.as_read() is not None or \
-                tensor.requires_grad or tensor.layout != torch.strided or \
-                type(tensor) is not torch.Tensor:
-            return None
-        return Rewritten(self.ref)
+        return type(now) is TensorHeld and tensor is not None and now.ref() is tensor and \
+            now.version != self.version
 
     def __eq__(self, other: object) -> bool:
         return type(other) is TensorHeld and (held := self.ref()) is not None and \
             held is other.ref() and self.version == other.version
 
+    __hash__ = None  # type: ignore[assignment]
+
 
 # NOTE [a tensor attribute changed in place, not held]: a plain tensor attribute over 64 KiB
 # (or a smaller one whose values were not cloned before the forward: NOTE [small tensor
-# attributes as the forward read them]) that the forward changes in place (a recurrent state
-# written back, `self.st.copy_(h.detach())`) has no copy of what the forward read, so its
-# replay reads it as it is then (documented); but the replay wrote it again too, on the
-# module's own tensor: the state ended each step as the replay left it, and the next step's
-# forward, its loss included, differed from eager's (helper MV). So, as for a buffer the
-# forward changed in place (NOTE [the replay changes copies] in state_changes.py), the replay
-# runs on a copy of its values as they are when the replay begins, and the attribute holds its
-# own tensor, as the forward left it, again after the replay. Told by its version, read where
-# a module's attributes are (not by the glance: documented); the copy lives for the replay
-# alone. A tensor requiring grad, or of another layout or class, is left as it is.
+# attributes as the forward read them]), or a tensor of a tuple attribute (TupleHeld), that the
+# forward changes in place (a recurrent state written back, `self.st.copy_(h.detach())`) has
+# no copy of what the forward read, so its replay reads it as it is then (documented); but the
+# replay wrote it again too, on the module's own tensor: the state ended each step as the
+# replay left it, and the next step's forward, its loss included, differed from eager's
+# (helper MV). So, as for a buffer the forward changed in place (NOTE [the replay changes
+# copies] in state_changes.py), the replay runs on a copy of the values the attribute holds
+# when the replay begins (whatever tensor it is then: one the caller reset it to by
+# assignment, or the one an outer boundary's replay left: helper MY), one copy per tensor, and
+# the attribute holds its own object again after the replay. Told by its version where a
+# module's attributes are read (not by the glance, which keeps no version: documented); the
+# copy lives for the replay alone. A tensor requiring grad, or of another layout or class, is
+# left as it is.
 class Rewritten:
-    """A tensor attribute the forward changed in place, by weak reference (NOTE above)."""
+    """An attribute whose tensors the forward changed in place (NOTE above)."""
 
-    __slots__ = ("ref",)
+    __slots__ = ()
 
-    def __init__(self, ref: weakref.ref[torch.Tensor], /) -> None:
-        self.ref = ref
+    def for_replay(self, now: Any, copies: dict[int, torch.Tensor], /, depth: int = 0) -> Any:
+        """``now`` (what the attribute holds as the replay begins) with each plain tensor
+        without a graph in it, or in a tuple of it, copied (``copies``: one per tensor)."""
+        if isinstance(now, torch.Tensor):
+            if now.requires_grad or now.layout != torch.strided or \
+                    type(now) is not torch.Tensor or now.is_inference():
+                return now
+            copy = copies.get(id(now))
+            if copy is None:
+                with torch.no_grad():
+                    copy = copies[id(now)] = now.clone()
+            return copy
+        if isinstance(now, tuple) and depth < 4:
+            items = [self.for_replay(v, copies, depth + 1) for v in now]
+            if all(a is b for a, b in zip(items, now)):
+                return now
+            kind = type(now)
+            return kind._make(items) if hasattr(kind, "_make") else tuple(items)
+        return now
 
-    def for_replay(self, now: Any, copies: dict[int, torch.Tensor], /) -> Any:
-        """A copy of the tensor's values as they are now, where the attribute still holds it
-        (``now``), one per tensor; else what it holds."""
-        tensor = self.ref()
-        if tensor is None or now is not tensor:
-            return now
-        copy = copies.get(id(tensor))
-        if copy is None:
-            with torch.no_grad():
-                copy = copies[id(tensor)] = tensor.clone()
-        return copy
 
-    __hash__ = None  # type: ignore[assignment]
+REWRITTEN = Rewritten()
 
 
 class TupleHeld:
@@ -416,6 +422,12 @@ class TupleHeld:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in _leaves(self.kept) if isinstance(t, torch.Tensor)]
 
+    def changed_in_place(self, now: Any, /) -> bool:
+        """NOTE [a tensor attribute changed in place, not held]: whether the attribute holds
+        the same tuple, a tensor of it changed in place since this was read."""
+        return type(now) is TupleHeld and now.kept is self.kept and \
+            now.versions != self.versions
+
     def __eq__(self, other: object) -> bool:
         return type(other) is TupleHeld and other.kept is self.kept and \
             self.versions == other.versions
@@ -424,13 +436,14 @@ class TupleHeld:
 
 
 def small_tuple(value: Any, /, depth: int = 0) -> bool:
-    """A tuple or namedtuple (its class holds no state: ``__slots__ = ()``) of at most 64
-    entries, each a small tensor without a graph (``small_detached``), a value that cannot
-    change in place, or such a tuple (4 deep), with a tensor among them."""
+    """A tuple or namedtuple (a subclass of one too: helper MY; each class up to ``tuple``
+    with ``__slots__ = ()``, so it holds nothing more) of at most 64 entries, each a small
+    tensor without a graph (``small_detached``), a value that cannot change in place, or such
+    a tuple (4 deep), with a tensor among them."""
     kind = type(value)
     if not isinstance(value, tuple) or len(value) > _MOST_ENTRIES or depth > 3 or \
-            kind is not tuple and not (kind.__bases__ == (tuple,) and hasattr(kind, "_fields")
-                                       and vars(kind).get("__slots__") == ()):
+            kind is not tuple and not (hasattr(kind, "_fields") and all(
+                vars(cls).get("__slots__") == () for cls in kind.__mro__[:-2])):
         return False
     found = False
     for v in value:

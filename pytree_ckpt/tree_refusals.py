@@ -202,18 +202,27 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
             # enum, a function) cannot be filled and pass: such a call (a GPT-2 style layer
             # returning its new keys) is legitimate.
             path = readable_path(leaf_paths(spec, root="inputs")[index])
+            state = kv_cache and _cache_kind(leaf) == "state"
             raise CheckpointError(
                 f"{fn_name(fn)} was called with grad enabled and "
                 + (f"a {_cache_kind(leaf)} cache at {path}" if kv_cache else
                    f"use_cache=True and an object at {path}")
                 + f" ({type(leaf).__name__}); the original pass fills that cache and the replay "
-                "in backward fills it again, and may read what the no-grad original pass stored "
-                "(transformers' attention does): gradients through it would be silently "
-                "missing",
+                "in backward fills it again, and "
+                + ("reads the state the no-grad original pass wrote there: its gradients "
+                   "would be silently wrong" if state else
+                   "may read what the no-grad original pass stored (transformers' attention "
+                   "does): gradients through it would be silently missing"),
                 expected="no cache object while grad is enabled (use_cache=False, and none "
                          "passed)",
                 got=type(leaf).__name__ if kv_cache else "use_cache=True",
-                tip=("pass no cache object while grad is enabled: use_cache=False does not "
+                tip=("pass no cache object while grad is enabled (a state-space layer fills "
+                     "the cache it is given, use_cache=False or not). To carry the state "
+                     "across chunks, pass it as tensors and return the new one (`out, state = "
+                     "layer(x, state)`), which the boundary saves as inputs; run generation "
+                     "under torch.no_grad(), where the cache works as usual"
+                     if state else
+                     "pass no cache object while grad is enabled: use_cache=False does not "
                      "stop the attention filling a cache it is given. To train a continuation "
                      "on a prompt computed under no-grad, pass the prompt's keys and values "
                      "as tensors (a tuple per layer), which the boundary saves as inputs; or "

@@ -1937,3 +1937,39 @@ def test_a_tensor_attribute_of_a_discards_input_is_freed_with_the_input_after_ba
     del x
     gc.collect()
     assert held() is None
+
+
+@pytest.mark.parametrize("fails", ["an integer output", "KeyboardInterrupt in fn",
+                                   "a module with a buffer raising"])
+def test_a_checkpoint_object_whose_call_failed_elsewhere_holds_none_of_its_ops_inputs(
+        fails: str) -> None:
+    # Helper MY, beside the test above: the integer-output refusal is raised after the
+    # Function returned (outside its try), a KeyboardInterrupt is no Exception, and a module
+    # fn is read for its state (buffers, attributes) before it fails.
+    class Counts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            assert t.meta is not None
+            self.calls.add_(1)
+            raise ValueError("fn failed")
+
+    def op(t: torch.Tensor) -> torch.Tensor:
+        assert t.meta is not None
+        if fails == "KeyboardInterrupt in fn":
+            raise KeyboardInterrupt
+        return t.argmax(-1)
+
+    ckpt = CheckpointWithoutOutput()
+    h = torch.randn(8, 16, requires_grad=True) * 2
+    h.meta = torch.ones(3)
+    refs = [weakref.ref(h), weakref.ref(h.meta)]
+    raised = {"an integer output": CheckpointConfigError, "KeyboardInterrupt in fn":
+              KeyboardInterrupt, "a module with a buffer raising": ValueError}[fails]
+    with pytest.raises(raised):
+        ckpt.checkpoint(Counts() if fails.startswith("a module") else op, h)
+    del h
+    assert [r() for r in refs] == [None, None]
