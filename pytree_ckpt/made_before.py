@@ -149,13 +149,16 @@ def unviewed(outputs: tuple[torch.Tensor, ...], views: list[int],
     return tuple(out), noted
 
 
-def _storage_key(t: torch.Tensor, /) -> int | None:
+def _storage_key(t: torch.Tensor, /) -> object:
     """The address of a plain strided tensor's storage (``None`` for others: a sparse tensor
-    has none, and a subclass is left as it is)."""
+    has none, and a subclass is left as it is). An empty storage shares no element with any
+    other, whatever its address: a key equal to no other (helper MW: an output with no
+    elements, `nn.Linear` of an empty batch, stayed a view, and `out += residual` raised where
+    eager's passes)."""
     if type(t) is not torch.Tensor or t.layout is not torch.strided:
         return None
     storage = t.untyped_storage()
-    return storage.data_ptr() if storage.nbytes() else None
+    return storage.data_ptr() if storage.nbytes() else object()
 
 
 def _references(outputs: tuple[Any, ...], position: int, /) -> int:
@@ -236,7 +239,7 @@ def on_kept_storages(outputs: Sequence[torch.Tensor], kept: dict[int, list[tuple
     noted = []
     for position, t in enumerate(outputs):
         key = _storage_key(t)
-        records = kept.get(key) if key is not None else None
+        records = kept.get(key) if isinstance(key, int) else None
         if records:
             op, at = records[0]
             noted.append((position, t.detach(), t._version, str(op), what_to_drop(op, at)))

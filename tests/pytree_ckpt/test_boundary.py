@@ -3139,3 +3139,53 @@ def test_make_fx_tracing_a_checkpoint_call_still_runs_it_as_a_boundary() -> None
 
     make_fx(f)(torch.randn(3, requires_grad=True))
     assert phases and phases[0] == "forward"
+
+
+# Helper MW's mutation round (made_before.py): each test below kills a hand-made mutant the
+# tests above let live; its comment names the mutant.
+
+
+class _GradBufferRows(nn.Module):
+    """Returns rows of a buffer registered with requires_grad=True."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(4, 8, requires_grad=True))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.table[:3]
+
+
+def test_rows_of_a_buffer_that_requires_grad_leave_requiring_grad_as_in_eager() -> None:
+    # (checked in helper MW's round, mutant `if known.requires_grad: continue` dropped, which
+    # it does not kill: a view of such a buffer requires grad under no-grad too, and leaves
+    # by the first `continue`) the rows carry the buffer's graph as in eager, and the replay
+    # refuses the buffer, which would get no gradient there
+    torch.manual_seed(0)
+    layer = _GradBufferRows()
+    x = torch.randn(3, 8, requires_grad=True)
+    assert layer(x)[1].requires_grad  # eager
+    out, rows = checkpoint(layer, x)
+    assert rows.requires_grad
+    with pytest.raises(CheckpointError, match="the buffer table requires grad"):
+        (out * rows).sum().backward()
+
+
+def test_an_empty_output_viewing_the_layers_own_result_can_be_changed_in_place_as_in_eager(
+) -> None:
+    # Guards against (helper MW) an output with no elements (nn.Linear on a 3-D input with an
+    # empty batch) staying a view, so `out += residual` raised in torch where eager (and the
+    # same layer on a non-empty batch) changes it in place.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(0, 3, 8, requires_grad=True)
+    residual = torch.randn(0, 3, 8)
+
+    def step(ckpt: bool) -> torch.Tensor:
+        out = checkpoint(lin, x) if ckpt else lin(x)
+        out += residual  # eager: a view of the matmul, changed in place
+        out.sum().backward()
+        return out
+
+    assert_same_grads(*run_twice(step, [x, *lin.parameters()]))

@@ -694,3 +694,60 @@ def test_observers_switched_off_before_a_backward_leave_a_fake_quant_replay_as_i
     assert torch.equal(loss, loss2)
     assert_same_grads(grads, grads2)
     assert all(torch.equal(a, b) for a, b in zip(buffers, buffers2))
+
+
+# Helper MW's mutation round (kernel_written.py): each test below kills a hand-made mutant the
+# tests above let live; its comment names the mutant.
+
+
+class _MetaBesideEma(nn.Module):
+    """A meta buffer beside a counter the forward moves (its dict is compared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shape_only", torch.empty(8, device="meta"))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return h * 2
+
+
+@pytest.mark.parametrize("make", [_MetaBuffer, _MetaBesideEma])
+def test_a_meta_buffer_is_not_taken_for_one_a_kernel_wrote(make: Any) -> None:
+    # mutant: kernel_written._same calling a meta buffer changed (it has no values to
+    # compare): the layer's dict counted as written by a kernel at every call, its small
+    # buffers cloned before every forward and copied for every replay, for nothing
+    torch.manual_seed(0)
+    eager = nn.Sequential(make(), nn.Linear(8, 2))
+    model = copy.deepcopy(eager)
+    layer = model[0]
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    expected = _steps(eager, eager)  # type: ignore[arg-type]
+    got = _steps(model, model)  # type: ignore[arg-type]
+    for step, ((loss, grads, _), (loss2, grads2, _)) in enumerate(zip(expected, got)):
+        assert torch.equal(loss, loss2), step
+        assert_same_grads(grads, grads2)
+    assert torch.equal(eager[0].count, layer.count) if hasattr(layer, "count") else True
+    assert remembered([layer]) == frozenset()
+
+
+def test_a_kernel_written_dict_is_remembered_only_on_the_module_whose_tree_holds_it() -> None:
+    # mutant: kernel_written.remember giving every root of the call all the places found (not
+    # only those of its own tree): the layer, whose tree holds no buffer, kept the
+    # quantizers' places, each later call of it copying buffers for nothing
+    torch.manual_seed(0)
+    layer, still, observing = (_Quantized(), tq.FusedMovingAvgObsFakeQuantize(),
+                               tq.FusedMovingAvgObsFakeQuantize())
+    still.disable_observer()
+    twin = copy.deepcopy((layer, still, observing))
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    for step in range(2):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        twin[0](x, twin[1], twin[2]).square().sum().backward()
+        expected, x.grad = x.grad, None
+        layer(x, still, observing).square().sum().backward()
+        assert torch.equal(x.grad, expected), step
+    assert all(torch.equal(a, b) for a, b in zip(observing.buffers(), twin[2].buffers()))
+    assert remembered([observing]) != frozenset()
+    assert remembered([layer]) == frozenset()  # its own tree holds no buffer

@@ -564,3 +564,80 @@ def test_a_decorated_fn_whose_closure_holds_a_config_object_returns_floats_from_
     assert torch.equal(got, expected)
     got.backward()
     assert_same_grads(grads, [x.grad, lin.weight.grad, lin.bias.grad])
+
+
+# Helper MW's mutation round (grad_reach.py): each test below kills a hand-made mutant the
+# tests above let live; its comment names the mutant.
+
+
+def test_library_functions_a_router_reaches_are_not_opened() -> None:
+    # mutant: _Look._helper opening torch's and the standard library's functions as the
+    # user's (their defaults, closure cells and the globals their code reads): nothing of the
+    # user's is there, and the look spent its budget on them before the user's own places
+    import json
+
+    from pytree_ckpt import grad_reach
+
+    for function in (nn.functional.gumbel_softmax, nn.functional.dropout, json.dumps):
+        look = grad_reach._Look(frozenset({"softmax"}))
+        assert look("global", "", function, 4) is None
+        assert look.budget == grad_reach._VALUES - 1  # the function itself, nothing inside
+    gate = nn.Linear(2, 2)
+    user = lambda x, g=gate: g(x)  # noqa: E731  (the user's: its default is looked at)
+    assert grad_reach._Look(frozenset())("global 'route'", "", user, 4) is not None
+
+
+def test_a_generated_routers_global_gate_read_by_name_is_refused_naming_it() -> None:
+    # mutant: globals_read taking LOAD_GLOBAL only, not LOAD_NAME (code compiled in "eval" or
+    # "exec" mode, made a function: a generated router): the look missed the global gate and
+    # only the probe refused, naming no place fn reaches it from
+    gate = nn.Linear(8, 4)
+    route = types.FunctionType(compile("gate.weight.sum(0)", "<generated router>", "eval"),
+                               {"gate": gate})
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x * reuse_during_recompute(route)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(ReuseError, match="which requires grad"):
+        layer(x)  # eager: the result carries the gate's graph
+    out = checkpoint(layer, x)
+    with pytest.raises(ReuseError, match=r"reaches a module with trainable parameters "
+                                         r"\(Linear, global 'gate'\)"):
+        out.sum().backward()
+
+
+class _CountingRouter:
+    """A callable router whose class counts the reads of its attributes (a proxy, a lazy
+    config): the look must read its instance dict, not run its ``__getattribute__``."""
+
+    def __init__(self, gate: nn.Module) -> None:
+        self.gate = gate
+        self.__dict__["reads"] = []
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "gate":
+            object.__getattribute__(self, "__dict__")["reads"].append(name)
+        return object.__getattribute__(self, name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x).softmax(-1)
+
+
+def test_the_look_reads_a_callable_objects_attributes_without_running_its_getattribute() -> None:
+    # mutant: function_reach.attribute reading every attribute with getattr (its instance-dict
+    # read dropped): the look ran the object's __getattribute__ once more per call, user code
+    # the eager call does not run
+    router = _CountingRouter(nn.Linear(8, 4).requires_grad_(False))
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :4] * reuse_during_recompute(router, x.detach())
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    expected, x.grad = x.grad, None
+    assert router.__dict__["reads"] == ["gate"]  # eager: fn's own read only
+    router.__dict__["reads"].clear()
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert router.__dict__["reads"] == ["gate"]  # the original pass's call; the replay reuses

@@ -1030,7 +1030,7 @@ def test_an_opaque_kernel_function_given_a_weakref_gate_is_refused_as_in_eager()
 # test below kills a hand-made mutant the tests above let live; its comment names the mutant.
 
 
-def _refused_as_in_eager(route: Any, *, path: str = "result") -> None:
+def _refused_as_in_eager(route: Any, *, path: str = "result", match: str = PROBED) -> None:
     """A layer scaling its input by ``route``'s results, reused: eager refuses the call (a float
     result carries the gate's graph), and so does the checkpointed replay, by the probe's mark,
     naming ``path``."""
@@ -1043,7 +1043,7 @@ def _refused_as_in_eager(route: Any, *, path: str = "result") -> None:
     with pytest.raises(ReuseError, match="which requires grad"):
         layer(x)  # eager: the result carries the gate's graph
     out = checkpoint(layer, x)
-    with pytest.raises(ReuseError, match=PROBED) as caught:
+    with pytest.raises(ReuseError, match=match) as caught:
         out.sum().backward()
     assert f"returned {path} (" in str(caught.value)
 
@@ -1390,3 +1390,66 @@ def test_a_reused_callable_whose_getattr_raises_key_error_runs_as_in_eager_in_a_
     checkpoint(fn, x).sum().backward()
     assert all(torch.equal(a, b)
                for a, b in zip(expected, (x.grad, *(p.grad for p in lin.parameters()))))
+
+
+# Helper MW's mutation round (grad_probe.py): each test below kills a hand-made mutant the tests
+# above let live; its comment names the mutant.
+
+
+@pytest.mark.parametrize("op", ["broadcast_tensors", "meshgrid", "atleast_2d"])
+@pytest.mark.parametrize("kept", ["gates", "detached"])
+def test_a_per_input_ops_outputs_are_judged_by_their_own_input_whatever_the_order(
+        op: str, kept: str) -> None:
+    # mutant: a per-input op marking every output from its first input's source (source =
+    # self.source(inputs[0])): with the gate's tensor second, its output went unmarked and the
+    # gate silently got no gradient; with it first, the detached input's output was refused
+    gate, holder = _weak_gate()
+
+    def route(x: torch.Tensor) -> torch.Tensor:
+        w = holder.ref().weight  # type: ignore[union-attr]
+        given = (w[:, :1].T, x[:1, :4]) if op == "broadcast_tensors" else \
+            (w[:, 0], x[0, :4]) if op == "meshgrid" else (w[0, 0], x[0, :4])
+        if kept == "gates":  # the gate's tensor given second: eager gives its output a graph
+            given = given[::-1]
+        if op == "broadcast_tensors":
+            outputs = torch.broadcast_tensors(*given)
+        elif op == "meshgrid":
+            outputs = torch.meshgrid(*given, indexing="ij")
+        else:
+            outputs = torch.atleast_2d(*given)
+        return outputs[1].expand(4, 4)[:3] * 1.0  # the second output only
+
+    if kept == "gates":
+        _refused_as_in_eager(route, match="computed from a tensor that requires grad")
+    else:
+        _replayed_as_in_eager(route, gate)
+
+
+def test_a_function_given_an_argument_that_requires_grad_is_not_probed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # mutant: probe_for probing a call whose tensor argument requires grad (rule 2 judges its
+    # floats without the probe; NOTE [the grad probe]: "where ... no tensor argument requires
+    # grad"): same refusals, a Python call per op of every such call
+    from pytree_ckpt.grad_probe import GradProbe
+
+    watched: list[Any] = []
+    original = GradProbe.__torch_function__
+
+    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        watched.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(GradProbe, "__torch_function__", counting)
+
+    def route(h: torch.Tensor) -> torch.Tensor:
+        return (h * 2).softmax(-1).topk(2, dim=-1).indices
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(-1, reuse_during_recompute(route, x))
+
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(layer, x).sum().backward()
+    assert torch.equal(x.grad, expected)
+    assert watched == []
