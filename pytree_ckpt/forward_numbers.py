@@ -131,7 +131,7 @@ class NumbersWatch:
                         # NOTE [small tensor attributes as the forward read them]; a tuple of
                         # them (TupleHeld)
                         values.append((name, kept))
-                    elif type(was[1]) in _HELD and was[1].changed_in_place(entry[1]):
+                    elif type(was[1]) in _HELD and was[1].moved():
                         values.append((name, REWRITTEN))  # NOTE [a tensor attribute changed
                         # in place, not held] (plain_values.py)
                     elif type(was[1]) is not Contents:

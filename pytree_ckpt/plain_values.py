@@ -343,12 +343,12 @@ class TensorHeld:
             return kept
         return None if self.values is None else ValuesRead(self.values)
 
-    def changed_in_place(self, now: Any, /) -> bool:
-        """NOTE [a tensor attribute changed in place, not held]: whether the attribute holds
-        the same tensor, changed in place since this was read (``now``: it read again)."""
+    def moved(self) -> bool:
+        """NOTE [a tensor attribute changed in place, not held]: whether the tensor read was
+        changed in place since (the attribute may hold another by now: helper NA)."""
         tensor = self.ref()
-        return type(now) is TensorHeld and tensor is not None and now.ref() is tensor and \
-            now.version != self.version
+        return tensor is not None and not tensor.is_inference() and \
+            tensor._version != self.version
 
     def __eq__(self, other: object) -> bool:
         return type(other) is TensorHeld and (held := self.ref()) is not None and \
@@ -368,10 +368,12 @@ class TensorHeld:
 # copies] in state_changes.py), the replay runs on a copy of the values the attribute holds
 # when the replay begins (whatever tensor it is then: one the caller reset it to by
 # assignment, or the one an outer boundary's replay left: helper MY), one copy per tensor, and
-# the attribute holds its own object again after the replay. Told by its version where a
-# module's attributes are read (not by the glance, which keeps no version: documented); the
-# copy lives for the replay alone. A tensor requiring grad, or of another layout or class, is
-# left as it is.
+# the attribute holds its own object again after the replay. Told by the version of the tensor
+# read, whatever the attribute holds at the forward's end (written, then replaced: helper NA;
+# one over 64 KiB, not held, is gone by then), where a module's attributes are read (not by
+# the glance, which keeps no version: documented); the copy lives for the replay alone. A
+# tensor requiring grad, or of another layout or class, is left as it is; a tuple of another
+# class is made with its attributes, not through its constructor.
 class Rewritten:
     """An attribute whose tensors the forward changed in place (NOTE above)."""
 
@@ -394,7 +396,21 @@ class Rewritten:
             if all(a is b for a, b in zip(items, now)):
                 return now
             kind = type(now)
-            return kind._make(items) if hasattr(kind, "_make") else tuple(items)
+            if kind is tuple:
+                return tuple(items)
+            if _plain_tuple_class(kind):
+                return getattr(kind, "_make")(items)
+            # Another tuple class (the caller's, bound since) may take other arguments, or
+            # hold attributes (helper NA): made as it is, with its attributes, not through its
+            # own constructor; one that refuses that (a structseq) is left as it is.
+            try:
+                made = tuple.__new__(kind, items)
+            except TypeError:
+                return now
+            own = instance_dict(now)
+            if type(own) is dict:
+                made.__dict__.update(own)
+            return made
         return now
 
 
@@ -422,11 +438,10 @@ class TupleHeld:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in _leaves(self.kept) if isinstance(t, torch.Tensor)]
 
-    def changed_in_place(self, now: Any, /) -> bool:
-        """NOTE [a tensor attribute changed in place, not held]: whether the attribute holds
-        the same tuple, a tensor of it changed in place since this was read."""
-        return type(now) is TupleHeld and now.kept is self.kept and \
-            now.versions != self.versions
+    def moved(self) -> bool:
+        """NOTE [a tensor attribute changed in place, not held]: whether a tensor of the tuple
+        read was changed in place since."""
+        return _versions(self.kept) != self.versions
 
     def __eq__(self, other: object) -> bool:
         return type(other) is TupleHeld and other.kept is self.kept and \
@@ -440,10 +455,8 @@ def small_tuple(value: Any, /, depth: int = 0) -> bool:
     with ``__slots__ = ()``, so it holds nothing more) of at most 64 entries, each a small
     tensor without a graph (``small_detached``), a value that cannot change in place, or such
     a tuple (4 deep), with a tensor among them."""
-    kind = type(value)
     if not isinstance(value, tuple) or len(value) > _MOST_ENTRIES or depth > 3 or \
-            kind is not tuple and not (hasattr(kind, "_fields") and all(
-                vars(cls).get("__slots__") == () for cls in kind.__mro__[:-2])):
+            type(value) is not tuple and not _plain_tuple_class(type(value)):
         return False
     found = False
     for v in value:
@@ -456,6 +469,13 @@ def small_tuple(value: Any, /, depth: int = 0) -> bool:
         elif not immutable(v):
             return False
     return found
+
+
+def _plain_tuple_class(kind: type, /) -> bool:
+    """A namedtuple's class, or a subclass of one, each class up to ``tuple`` with
+    ``__slots__ = ()``: it holds nothing more than its entries."""
+    return hasattr(kind, "_fields") and callable(getattr(kind, "_make", None)) and all(
+        vars(cls).get("__slots__") == () for cls in kind.__mro__[:-2])
 
 
 def _leaves(value: tuple[Any, ...], /) -> list[Any]:
