@@ -423,7 +423,8 @@ class TupleHeld:
     state kept as a pair, ``self.state = (ssm.detach(), conv.detach())``, read by the next
     chunk (helper MV: by id, it was read by each replay as the last chunk left it, gradients
     off by 4.7, silently). The tuple cannot change; its tensors' versions are read, and one
-    changed in place is read as it is then (no clone: documented)."""
+    changed in place is read as it is then (no clone: documented), and written by the replay
+    on a copy (NOTE [a tensor attribute changed in place, not held])."""
 
     __slots__ = ("kept", "versions")
 

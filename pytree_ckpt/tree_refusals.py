@@ -198,9 +198,9 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
             # class says it only reads caches (transformers' _can_checkpoint_with_cache); and
             # any other object with use_cache=True. A state-space model's cache (helper MV:
             # the replay read the state its original pass wrote, and wrote it again) is one
-            # too: `is_kv_cache`. Immutable values (a dtype, a device, an
-            # enum, a function) cannot be filled and pass: such a call (a GPT-2 style layer
-            # returning its new keys) is legitimate.
+            # too (`is_kv_cache`). Immutable values (a dtype, a device, an enum, a function)
+            # cannot be filled and pass: such a call (a GPT-2 style layer returning its new
+            # keys) is legitimate.
             path = readable_path(leaf_paths(spec, root="inputs")[index])
             state = kv_cache and _cache_kind(leaf) == "state"
             raise CheckpointError(
