@@ -373,7 +373,7 @@ class TensorHeld:
 # one over 64 KiB, not held, is gone by then), where a module's attributes are read (not by
 # the glance, which keeps no version: documented); the copy lives for the replay alone. A
 # tensor requiring grad, or of another layout or class, is left as it is; a tuple of another
-# class is made with its attributes, not through its constructor.
+# class is made with its attributes, not through its constructor (a structseq from its items).
 class Rewritten:
     """An attribute whose tensors the forward changed in place (NOTE above)."""
 
@@ -402,11 +402,15 @@ class Rewritten:
                 return getattr(kind, "_make")(items)
             # Another tuple class (the caller's, bound since) may take other arguments, or
             # hold attributes (helper NA): made as it is, with its attributes, not through its
-            # own constructor; one that refuses that (a structseq) is left as it is.
+            # own constructor; a structseq (torch.return_types.max), which refuses that, from
+            # the sequence, as it is made (helper NB).
             try:
                 made = tuple.__new__(kind, items)
             except TypeError:
-                return now
+                try:
+                    return kind(items)
+                except Exception:  # noqa: BLE001 (a class made otherwise: left as it is)
+                    return now
             own = instance_dict(now)
             if type(own) is dict:
                 made.__dict__.update(own)

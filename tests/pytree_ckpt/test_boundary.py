@@ -3189,3 +3189,31 @@ def test_an_empty_output_viewing_the_layers_own_result_can_be_changed_in_place_a
         return out
 
     assert_same_grads(*run_twice(step, [x, *lin.parameters()]))
+
+
+@pytest.mark.parametrize("returns", ["two views of one result", "a view and its empty slice",
+                                     "two results", "with offload"])
+def test_empty_outputs_changed_in_place_by_the_caller_give_eager_gradients(returns: str) -> None:
+    # Helper NB (a review of cef6164, an empty storage's key equals no other): several outputs
+    # with no elements (an empty batch) each leave as an alias the caller can change in place,
+    # as eager's views can; gradients (None or empty alike) are eager's.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(0, 3, 8, requires_grad=True)
+    residual = torch.randn(0, 3, 8, requires_grad=True)
+
+    def fn(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = lin(h)
+        if returns == "two results":
+            return y, lin(h) * 2
+        return (y, y.transpose(0, 1)) if returns != "a view and its empty slice" else (y, y[:, :0])
+
+    def step(ckpt: bool) -> None:
+        call = pytree_ckpt.checkpointed(fn, offload=offload.OffloadManager()) \
+            if returns == "with offload" else (lambda h: checkpoint(fn, h))
+        a, b = call(x) if ckpt else fn(x)
+        a += residual
+        b.mul_(2)
+        (a.sum() + b.sum() * 3).backward()
+
+    assert_same_grads(*run_twice(step, [x, residual, *lin.parameters()]))

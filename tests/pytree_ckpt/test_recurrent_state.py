@@ -989,3 +989,92 @@ def test_a_state_written_in_place_then_reset_to_a_parameter_before_backward_repl
         loss.backward()
         got.append([loss.detach(), model.state.detach().clone(), *grads_of([model.lin.weight])])
     assert torch.equal(got[0][1], got[1][1]), "the state after backward differs"
+
+
+# Helper NB (an adversarial review of f770b04): what the caller binds before backward, what
+# the forward does with a small state after writing it, and the cost of the replay's copies.
+def test_a_state_tuple_reset_to_a_structseq_before_backward_leaves_eager_state() -> None:
+    # Guards against (helper NB) the forward writing a tensor of its namedtuple state in place
+    # (Rewritten), the caller binding a fresh `torch.return_types` pair (a structseq, as
+    # `torch.max(..., dim)` returns) before backward: `tuple.__new__` refuses a structseq, and
+    # the replay wrote the caller's fresh state in place.
+    expected, got = _written_state_steps("namedtuple", between=_reset_to(torch.return_types.max))
+    assert torch.equal(expected[1], got[1]), "the module's state after step 1 differs"
+
+
+class _Consumed(nn.Module):
+    """A small state the caller sets before each call, written in place, then consumed."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state.mul_(0.5)
+        y = self.lin(x) * self.state[0].clone()
+        if self.how == "set to None":
+            self.state = None
+        else:
+            del self.state
+        return y
+
+
+@pytest.mark.parametrize("how", ["set to None", "deleted"])
+def test_a_small_state_written_in_place_then_consumed_gives_eager_gradients_and_state(
+        how: str) -> None:
+    # Helper NB: moved() now tells a tensor written and then rebound; one written and then set
+    # to None or deleted is put back from its clone (ValuesRead): the replay reads the values
+    # the forward read, and the caller's tensors are halved once per call, as in eager.
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, D)
+    got = []
+    for model in (_Consumed(how), pytree_ckpt.apply_activation_checkpointing(_Consumed(how))):
+        torch.manual_seed(1)
+        model.lin.reset_parameters()
+        states, loss = [], torch.zeros(())
+        for chunk in x.split(1, 1):
+            states.append(torch.ones(2, D))
+            model.state = states[-1]
+            loss = loss + model(chunk).square().sum()
+        loss.backward()
+        got.append([loss.detach(), *states, *grads_of(list(model.parameters()))])
+    assert_same_grads(*got)
+
+
+class _LogsAttention(nn.Module):
+    """Keeps its last (large) attention map for logging: rebinds it, never writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.last = torch.zeros(200, 200)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).softmax(-1)
+        self.last = torch.zeros(200, 200) + y.detach().mean()
+        return y
+
+
+def test_a_large_attribute_only_rebound_is_not_copied_by_the_replay() -> None:
+    # Helper NB: moved() reads the version of the tensor read, whatever the attribute holds
+    # at the forward's end; one only rebound (an attention map kept for logging) must not
+    # become Rewritten, whose replay clones the attribute's tensor at every replay.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Clones(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.large = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default) and \
+                    args[0].numel() >= 40000:
+                self.large += 1
+            return func(*args, **(kwargs or {}))
+
+    model = pytree_ckpt.apply_activation_checkpointing(_LogsAttention())
+    for _ in range(3):
+        loss = sum(model(chunk).sum() for chunk in torch.randn(2, 3, D).split(1, 1))
+        with Clones() as counted:
+            loss.backward()
+        assert counted.large == 0

@@ -169,6 +169,27 @@ def test_a_kept_output_mutated_before_the_replay_raises_naming_the_op() -> None:
         out.sum().backward()
 
 
+def test_an_empty_kept_output_changed_in_place_by_the_caller_gives_eager_gradients() -> None:
+    # Guards against (helper NB) an empty batch's output viewing a kept op's result, changed
+    # in place by the caller (`out += residual`), being refused in backward as a kept output
+    # mutated: it has no element a change could have changed, and eager passes.
+    torch.manual_seed(0)
+    eager = nn.Linear(8, 8)
+    layer = copy.deepcopy(eager)
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::addmm", "aten::mm")})
+    x = torch.randn(0, 3, 8, requires_grad=True)
+    residual = torch.randn(0, 3, 8)
+    grads = []
+    for model in (eager, layer):
+        out = model(x)
+        out += residual
+        out.sum().backward()
+        grads.append(grads_of([x, *model.parameters()]))
+        x.grad = None
+    assert_same_grads(*grads)
+
+
 def test_the_in_place_op_warning_inside_a_kept_callable_names_the_users_line() -> None:
     class Scaling(nn.Module):
         def __init__(self) -> None:
