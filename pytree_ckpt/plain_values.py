@@ -383,8 +383,9 @@ class Rewritten:
         """``now`` (what the attribute holds as the replay begins) with each plain tensor
         without a graph in it, or in a tuple of it, copied (``copies``: one per tensor)."""
         if isinstance(now, torch.Tensor):
-            if now.requires_grad or now.layout != torch.strided or \
-                    type(now) is not torch.Tensor or now.is_inference():
+            # An inference tensor too (the caller's reset, made under inference_mode: the
+            # replay's write into it raised, helper MZ): its clone here is a plain tensor.
+            if now.requires_grad or now.layout != torch.strided or type(now) is not torch.Tensor:
                 return now
             copy = copies.get(id(now))
             if copy is None:
