@@ -1302,3 +1302,101 @@ def test_a_state_tuple_the_forward_deletes_is_put_back_for_its_replay() -> None:
         got.append([loss.detach(), *grads_of(model.parameters())])
         assert "carry" not in vars(model)
     assert_same_grads(*got)
+
+
+# Helper NE (an adversarial review of b92ebea and 0df0d3d): Rewritten.for_replay's copies of
+# what the caller binds before backward (structseqs, tuple classes that count or validate,
+# inference tensors in tuples, views of one), and the containers it does not reach.
+def _inference_zeros(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():  # eval code's reset
+        return torch.zeros_like(t)
+
+
+@pytest.mark.parametrize("how, batch", [("dict, in place", 2), ("list, in place", 2),
+                                        ("tuple, in place", 3000)])
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="documented limit (docs/limits.md, "
+                   "State the forward changes: one written again by each replay that the caller "
+                   "resets to tensors made under inference mode) (helper NE)")
+def test_a_state_container_reset_under_inference_mode_before_backward_replays_as_eager(
+        how: str, batch: int) -> None:
+    # 0df0d3d copies an inference tensor the caller binds, where the attribute is Rewritten (a
+    # plain tensor, a small tuple); a dict or list, or a tuple holding a tensor over 64 KiB,
+    # is written again by each replay (documented: silent, the state differs), but into an
+    # inference tensor that write raises in torch (eager: none, the state stays zeros).
+    torch.manual_seed(0)
+    eager = _KeptState(how, batch)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(batch, 9, D)
+    got = []
+    for model in (eager, wrapped):
+        loss = sum(model(chunk).square().sum() for chunk in x.split(3, 1))
+        state = model.state
+        model.state = {k: _inference_zeros(v) for k, v in state.items()} \
+            if isinstance(state, dict) else type(state)(_inference_zeros(v) for v in state)
+        loss.backward()
+        got.append(model.read().clone())
+    assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("kind", [torch.return_types.topk, torch.return_types.sort,
+                                  torch.return_types.aminmax, torch.return_types.slogdet])
+def test_a_state_tuple_reset_to_structseqs_of_several_kinds_before_backward_leaves_eager_state(
+        kind: type) -> None:
+    # Helper NE: b92ebea's `kind(items)` for a structseq, over other torch.return_types.
+    expected, got = _written_state_steps("namedtuple", between=_reset_to(kind))
+    assert torch.equal(expected[1], got[1]), "the module's state after step 1 differs"
+    assert torch.equal(expected[2], got[2]), "step 2's loss (a forward value) differs"
+
+
+class _CountedPair(tuple):  # type: ignore[type-arg]
+    """A tuple class whose constructor validates and counts: the replay's copy must not run
+    it (made with tuple.__new__)."""
+
+    made = 0
+
+    def __new__(cls, items: Any) -> _CountedPair:
+        items = tuple(items)
+        if len(items) != 2 or not all(isinstance(t, torch.Tensor) for t in items):
+            raise ValueError("a pair of tensors")
+        cls.made += 1
+        return super().__new__(cls, items)
+
+    def __init__(self, items: Any) -> None:
+        type(self).made += 100
+
+    @property
+    def ssm(self) -> torch.Tensor:
+        return self[0]
+
+
+def test_a_state_tuple_reset_to_a_validating_tuple_class_is_copied_without_its_constructor(
+        ) -> None:
+    _CountedPair.made = 0
+    expected, got = _written_state_steps("namedtuple, read by name",
+                                         between=_reset_to(_CountedPair))
+    assert torch.equal(expected[1], got[1]), "the module's state after step 1 differs"
+    assert _CountedPair.made == 4 * 101, "the replay's copy ran the class's constructor"
+
+
+@pytest.mark.parametrize("what", ["tuple of an inference tensor and a plain one",
+                                  "view of an inference tensor", "large view of one"])
+def test_a_state_reset_to_inference_tensors_before_backward_stays_reset(what: str) -> None:
+    # Helper NE, around 0df0d3d: a tuple holding an inference tensor beside a plain one, and a
+    # view of an inference tensor (small and over 64 KiB), bound before backward.
+    batch = 3000 if what.startswith("large") else 2
+    torch.manual_seed(0)
+    how = "tuple" if what.startswith("tuple") else "tensor"
+    eager = _WrittenState(how, batch)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(batch, 9, D)
+    got = []
+    for model in (eager, wrapped):
+        loss = sum(model(chunk).square().sum() for chunk in x.split(3, 1))
+        if how == "tuple":
+            model.state = (_inference_zeros(model.state[0]), torch.zeros_like(model.state[1]))
+        else:
+            with torch.inference_mode():
+                model.state = torch.zeros(2 * batch, D)[::2]
+        loss.backward()
+        got.append([loss.detach(), model.read().clone()])
+    assert_same_grads(*got)
