@@ -266,10 +266,12 @@ def _weights(start: int, count: int, device: torch.device, /) -> torch.Tensor:
     return z ^ (z >> 27)
 
 
-_STATE = ("the forward read something that changed before backward outside its inputs and its "
-          "modules' state (a call counter or flag in a global or a shared config object): keep "
-          "it on the layer, or pass it in as an input (docs/limits.md, 'State the forward "
-          "changes')")
+_STATE = ("the forward read something that changed before backward: outside its inputs and "
+          "its modules' state (a call counter or flag in a global or a shared config object), "
+          "or state of its modules the replay cannot put back (a buffer or attribute over 64 "
+          "KiB changed in place, a MoCo queue; a frozen parameter written through .data, a "
+          "momentum encoder): keep it on the layer, pass it in as an input, or change it "
+          "outside the checkpointed call (docs/limits.md, 'State the forward changes')")
 _ROUNDING = ("the passes rounded otherwise: a kernel chosen by grad mode, which the original "
              "pass runs without (docs/limits.md, 'Float rounding and other kernels': inductor "
              "in low precision, a padded LSTM on CPU), or a nondeterministic one (atomic adds: "
@@ -622,9 +624,10 @@ def _raise_other_values(fn: Any, where: str, also: str, t: torch.Tensor,
     elif close:
         causes.remove(rounding)
         causes.insert(0, rounding)
-    if close:
+    if close:  # a few changed values of many look the same (helper ND: a MoCo queue)
         what += (f"; the sums differ by {abs(summed - again):.3g}, within 1e-3 of the values' "
-                 f"absolute sum ({absolute:.6g}), as float rounding does")
+                 f"absolute sum ({absolute:.6g}), as float rounding does (and as a change to a "
+                 "few of many values can)")
     def counted(n: int) -> str:
         return f" ({n} not finite, left out)" if n else ""
 

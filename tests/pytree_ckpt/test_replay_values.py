@@ -2038,3 +2038,43 @@ def test_verify_replay_takes_an_input_returned_as_it_is_whose_subclass_views_as_
         (out[0].sum() + 3 * out[1].sum()).backward()
         grads.append(w.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+# ------------------------------------------------------------- helper ND's review
+
+class _MocoQueueHead(nn.Module):
+    """MoCo's logits against a queue of keys, enqueued in place (`queue[:, ptr:ptr + B] =
+    keys.T`, `ptr` an int buffer): 16 x 1200 floats, over the 64 KiB a buffer is copied under."""
+
+    def __init__(self, dim: int = 16, size: int = 1200) -> None:
+        super().__init__()
+        self.register_buffer("queue", nn.functional.normalize(torch.randn(dim, size), dim=0))
+        self.register_buffer("ptr", torch.zeros(1, dtype=torch.long))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        q = nn.functional.normalize(self.proj(q), dim=-1)
+        logits = torch.cat([(q * k).sum(-1, keepdim=True), q @ self.queue.clone()], 1) / 0.07
+        ptr = int(self.ptr)
+        self.queue[:, ptr:ptr + k.shape[0]] = k.T
+        self.ptr[0] = (ptr + k.shape[0]) % self.queue.shape[1]
+        return logits
+
+
+def test_a_moco_queue_written_in_place_is_not_called_only_float_rounding() -> None:
+    # Guards against (helper ND) the message calling a few changed values float rounding, and
+    # its state cause excluding the module's own state. The queue is over 64 KiB, so the
+    # replay reads it as the forward left it (documented, docs/limits.md 'State the forward
+    # changes'), and verify_replay=True refuses it: the 4 enqueued columns change 16 of 4804
+    # logits, by up to ~28, and the sums differ by 1.3, within 1e-3 of the absolute sum
+    # (13696), as rounding with TF32 kernels (cuDNN's fp32 default) can also move them.
+    torch.manual_seed(0)
+    head = _MocoQueueHead()
+    apply_activation_checkpointing(head, verify_replay=True)
+    keys = nn.functional.normalize(torch.randn(4, 16), dim=-1)
+    logits = head(torch.randn(4, 16, requires_grad=True), keys)
+    with pytest.raises(ReplayMismatchError) as raised:
+        nn.functional.cross_entropy(logits, torch.zeros(4, dtype=torch.long)).backward()
+    message = str(raised.value)
+    assert "as float rounding does (and as a change to a few of many values can)" in message
+    assert "a buffer or attribute over 64 KiB changed in place, a MoCo queue" in message
