@@ -16,8 +16,8 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, Rewritten,
-                           TupleHeld, ValuesRead, entries_of, fresh_values, put_entries,
-                           same_entry)
+                           ValuesRead, entries_of, fresh_values, put_entries, same_entry,
+                           tuple_tensors)
 
 __all__ = ["ChangedNumbers", "EndedAfterACall"]
 
@@ -53,9 +53,10 @@ class ChangedNumbers:
             [*self.found, *other.found], ends={**self.ends, **other.ends})
 
     def snapshots(self) -> list[torch.Tensor]:
-        """The small tensor attributes held from the forward to the replay (NOTE [small
-        tensor attributes as the forward read them]), and the copies of the values of those
-        changed in place, for the census (Mechanism.MODULE_STATE)."""
+        """The small tensor attributes held from the forward to the replay, alone or in a
+        tuple (NOTE [small tensor attributes as the forward read them]; TupleHeld), and the
+        copies of the values of those changed in place, for the census
+        (Mechanism.MODULE_STATE)."""
         found: list[torch.Tensor] = []
         for _, values, _ in self.found:
             for _, value in values:
@@ -64,7 +65,7 @@ class ChangedNumbers:
                 elif isinstance(value, torch.Tensor):
                     found.append(value)
                 elif isinstance(value, tuple):  # a tuple of them (TupleHeld)
-                    found.extend(TupleHeld(value).tensors())
+                    found.extend(tuple_tensors(value))
         return found
 
     @contextmanager

@@ -132,8 +132,8 @@ class NumbersWatch:
                         # them (TupleHeld)
                         values.append((name, kept))
                     elif type(was[1]) in _HELD and was[1].moved():
-                        values.append((name, REWRITTEN))  # NOTE [a tensor attribute changed
-                        # in place, not held] (plain_values.py)
+                        # NOTE [a tensor attribute changed in place, not held] (plain_values.py)
+                        values.append((name, REWRITTEN))
                     elif type(was[1]) is not Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is
                     elif type(entry[1]) is Contents or d[name] is not was[1].held or \
@@ -267,7 +267,7 @@ class NumbersGlance:
                 elif immutable(was):
                     if now is ABSENT or not immutable(now) or value_differs(now, was):
                         changed.append((name, was))
-                elif isinstance(was, torch.Tensor) and small_detached(was) or small_tuple(was):
+                elif (isinstance(was, torch.Tensor) and small_detached(was)) or small_tuple(was):
                     # NOTE [small tensor attributes as the forward read them] (TupleHeld)
                     changed.append((name, was))
                 else:

@@ -26,7 +26,7 @@ from .refusals import fn_name, refuse_container
 from .torch_options import (BOUNDARY_OPTIONS, TORCH_OPTIONS, refuses_torch_options,
                             torch_options_tip)
 from .tree import dunder, flatten
-from .tree_refusals import is_kv_cache
+from .tree_refusals import is_cache_object
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
     from offload import OffloadManager
@@ -82,7 +82,7 @@ _FLAGS = (bool, int, float, str)
 
 
 def _grad_leaves(value: Any, /) -> list[Any]:
-    """The tensors requiring grad, the modules and the key/value caches ``value`` holds. What a
+    """The tensors requiring grad, the modules and the cache objects ``value`` holds. What a
     layer's partial usually binds (None, flags, a mask, a (cos, sin) pair) is looked at
     directly: a PyTree flatten costs microseconds a keyword, at every layer call."""
     if value is None or type(value) in _FLAGS:
@@ -93,11 +93,11 @@ def _grad_leaves(value: Any, /) -> list[Any]:
         return [v for v in value if v.requires_grad]
     return [leaf for leaf in flatten(value).leaves
             if (leaf.requires_grad if isinstance(leaf, torch.Tensor) else
-                isinstance(leaf, nn.Module) or is_kv_cache(leaf))]
+                isinstance(leaf, nn.Module) or is_cache_object(leaf))]
 
 
 def _trainable(value: Any, owner: nn.Module, /) -> bool:
-    """Whether ``value`` holds a tensor requiring grad, a module or a key/value cache, other
+    """Whether ``value`` holds a tensor requiring grad, a module or a cache object, other
     than the owner's own (a parameter of it, or a submodule, stays bound: known as they are)."""
     leaves = _grad_leaves(value)
     if not leaves:  # the usual case: a mask, cos/sin, None, flags
@@ -117,7 +117,7 @@ def _bound_inputs(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str,
     backward, as it would get no gradient. Those are made the call's inputs (keywords the call
     itself passes win, as in the partial), and so are a module of any kind (a frozen router
     passed by keyword: its hooks recorded and its state watched, as any module passed in) and a
-    key/value cache (refused, as under any keyword: NOTE [a cache filled twice]; helper KG:
+    cache object (refused, as under any keyword: NOTE [a cache filled twice]; helper KG:
     both stayed bound, silently wrong); what needs no gradient (the mask, rotary cos/sin)
     stays bound, neither saved nor offloaded.
     Positional arguments bound after the layer move together, to keep their order. The same

@@ -29,7 +29,7 @@ __all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "REWRITT
            "ValuesRead", "entries_of", "entry_of", "fresh_values", "immutable", "plain_container",
            "plain_entries", "plain_entry", "put_entries", "read_by_entries", "read_entries",
            "restore_after_replay", "same_as", "same_entries", "same_entry", "small_detached",
-           "small_tuple", "value_differs"]
+           "small_tuple", "tuple_tensors", "value_differs"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
 # members, tuples of such values (a shape key) and NumPy scalars (immutable).
@@ -304,7 +304,7 @@ class TensorHeld:
     recurrent state carried detached, ``self.h = out.detach()``; a short memory, ``self.mem =
     torch.cat([self.mem, out.detach()])``) gets it put back for its replay, which read the
     last call's state before (gradients off by up to 0.25, silently: helper ES). A larger
-    one is read by the replay as it is then, as before: holding it from every forward to its
+    one is read by the replay as it is then: holding it from every forward to its
     replay could cost what checkpointing saves (an attention map kept for logging); a buffer
     holds any size (documented). One the forward changes in place (a step count kept as a
     plain tensor, ``self.steps += 1``, which the replay counted again and computed with:
@@ -316,7 +316,8 @@ class TensorHeld:
     calls, about 2.6 us each on this machine's CPU; nothing for modules keeping none, the
     usual case). Where they were not cloned (first changed in place after the module's first
     replay, as for buffers; or under the glance, which keeps no version) it is read as it
-    is then (documented)."""
+    is then (documented), and the replay writes it on a copy where the change is seen (NOTE
+    [a tensor attribute changed in place, not held])."""
 
     __slots__ = ("ref", "kept", "version", "values")
 
@@ -441,8 +442,6 @@ class TupleHeld:
         """The tuple held, where nothing changed its tensors in place since it was read."""
         return self.kept if _versions(self.kept) == self.versions else None
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in _leaves(self.kept) if isinstance(t, torch.Tensor)]
 
     def moved(self) -> bool:
         """NOTE [a tensor attribute changed in place, not held]: whether a tensor of the tuple
@@ -482,6 +481,11 @@ def _plain_tuple_class(kind: type, /) -> bool:
     ``__slots__ = ()``: it holds nothing more than its entries."""
     return hasattr(kind, "_fields") and callable(getattr(kind, "_make", None)) and all(
         vars(cls).get("__slots__") == () for cls in kind.__mro__[:-2])
+
+
+def tuple_tensors(value: tuple[Any, ...], /) -> list[torch.Tensor]:
+    """The tensors of a tuple (of nested tuples too), in order."""
+    return [t for t in _leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _leaves(value: tuple[Any, ...], /) -> list[Any]:

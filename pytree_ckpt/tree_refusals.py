@@ -29,7 +29,7 @@ from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, dunder, hi
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
-__all__ = ["container_elements", "is_kv_cache", "open_containers", "refuse_filled_containers",
+__all__ = ["container_elements", "is_cache_object", "open_containers", "refuse_filled_containers",
            "refuse_hidden_outputs", "refuse_metadata_tensors", "refuse_strided_nested",
            "refuse_unreadable_inputs"]
 
@@ -125,14 +125,16 @@ _STATELESS = (bytes, complex, torch.dtype, torch.device, torch.layout, torch.mem
               torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # Tensor.add, aten.mm
 
 
-def is_kv_cache(leaf: Any, /) -> bool:
-    """A key/value cache, by what it can do: transformers' caches have both methods; or a
-    state-space model's cache, which a forward reads and fills in place (transformers'
-    MambaCache and its hybrids: ``update_conv_state``, ``update_ssm_state``; helper MV)."""
+def is_cache_object(leaf: Any, /) -> bool:
+    """A cache object, by what it can do: a key/value cache (transformers' caches have both
+    ``update`` and ``get_seq_length``), or a state-space model's cache, which a forward reads
+    and fills in place (transformers' MambaCache and its hybrids: ``update_conv_state``,
+    ``update_ssm_state``; helper MV)."""
     return _cache_kind(leaf) is not None
 
 
 def _cache_kind(leaf: Any, /) -> str | None:
+    """``"key/value"``, ``"state"`` (``is_cache_object``), or ``None``."""
     kind = type(leaf)
     if callable(getattr(kind, "update", None)) and \
             callable(getattr(kind, "get_seq_length", None)):
@@ -175,8 +177,9 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
     Function: not saved (nor offloaded), and its gradient comes, if at all, from the replay's
     own backward into its graph (for a module a foreign-tensor error; for a tensor with a
     graph torch's "backward through the graph a second time"). Plain objects are passed as
-    they are, as documented, except a key/value cache (an object with ``update()`` and
-    ``get_seq_length()``) under any keyword, unless the layer's class sets
+    they are, as documented, except a cache object (a key/value cache, with ``update()`` and
+    ``get_seq_length()``, or a state-space model's, with ``update_conv_state`` or
+    ``update_ssm_state``: ``is_cache_object``) under any keyword, unless the layer's class sets
     ``_can_checkpoint_with_cache``, and any stateful object when ``use_cache=True`` is among
     the keywords: NOTE [a cache filled twice]. ``use_cache``: the ``use_cache`` keyword as
     given (``None`` when absent); with ``False`` the tip says what else to do."""
@@ -184,10 +187,11 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
         sort = leaf_kind(leaf)
-        kv_cache = is_kv_cache(leaf)
-        if kv_cache and _reads_caches_only(fn):
+        cache = _cache_kind(leaf)
+        if cache is not None and _reads_caches_only(fn):
             continue  # transformers' opt-in: the layer only reads it, use_cache or not
-        if sort is not ITERATOR and (kv_cache or use_cache is True and not _holds_no_state(leaf)):
+        if sort is not ITERATOR and (cache is not None or
+                                     use_cache is True and not _holds_no_state(leaf)):
             # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
             # is appended to by the original pass and again by the replay. The replay's
             # attention then reads the keys the no-grad original pass stored (same values,
@@ -198,14 +202,14 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
             # class says it only reads caches (transformers' _can_checkpoint_with_cache); and
             # any other object with use_cache=True. A state-space model's cache (helper MV:
             # the replay read the state its original pass wrote, and wrote it again) is one
-            # too (`is_kv_cache`). Immutable values (a dtype, a device, an enum, a function)
+            # too (`is_cache_object`). Immutable values (a dtype, a device, an enum, a function)
             # cannot be filled and pass: such a call (a GPT-2 style layer returning its new
             # keys) is legitimate.
             path = readable_path(leaf_paths(spec, root="inputs")[index])
-            state = kv_cache and _cache_kind(leaf) == "state"
+            state = cache == "state"
             raise CheckpointError(
                 f"{fn_name(fn)} was called with grad enabled and "
-                + (f"a {_cache_kind(leaf)} cache at {path}" if kv_cache else
+                + (f"a {cache} cache at {path}" if cache is not None else
                    f"use_cache=True and an object at {path}")
                 + f" ({type(leaf).__name__}); the original pass fills that cache and the replay "
                 "in backward fills it again, and "
@@ -215,7 +219,7 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
                    "does): gradients through it would be silently missing"),
                 expected="no cache object while grad is enabled (use_cache=False, and none "
                          "passed)",
-                got=type(leaf).__name__ if kv_cache else "use_cache=True",
+                got=type(leaf).__name__ if cache is not None else "use_cache=True",
                 tip=("pass no cache object while grad is enabled (a state-space layer fills "
                      "the cache it is given, use_cache=False or not). To carry the state "
                      "across chunks, pass it as tensors and return the new one (`out, state = "

@@ -3141,8 +3141,8 @@ def test_make_fx_tracing_a_checkpoint_call_still_runs_it_as_a_boundary() -> None
     assert phases and phases[0] == "forward"
 
 
-# Helper MW's mutation round (made_before.py): each test below kills a hand-made mutant the
-# tests above let live; its comment names the mutant.
+# Helper MW's mutation round (made_before.py): each test below but the first kills a hand-made
+# mutant the tests above let live; its comment names the mutant.
 
 
 class _GradBufferRows(nn.Module):
@@ -3158,10 +3158,10 @@ class _GradBufferRows(nn.Module):
 
 
 def test_rows_of_a_buffer_that_requires_grad_leave_requiring_grad_as_in_eager() -> None:
-    # (checked in helper MW's round, mutant `if known.requires_grad: continue` dropped, which
-    # it does not kill: a view of such a buffer requires grad under no-grad too, and leaves
-    # by the first `continue`) the rows carry the buffer's graph as in eager, and the replay
-    # refuses the buffer, which would get no gradient there
+    # The rows carry the buffer's graph as in eager, and the replay refuses the buffer, which
+    # would get no gradient there. (Kills no mutant: helper MW's `if known.requires_grad:
+    # continue` dropped lives, since a view of such a buffer requires grad under no-grad too
+    # and leaves by the first `continue`.)
     torch.manual_seed(0)
     layer = _GradBufferRows()
     x = torch.randn(3, 8, requires_grad=True)

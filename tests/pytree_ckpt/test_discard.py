@@ -1943,7 +1943,8 @@ def test_a_tensor_attribute_of_a_discards_input_is_freed_with_the_input_after_ba
                                    "a module with a buffer raising"])
 def test_a_checkpoint_object_whose_call_failed_elsewhere_holds_none_of_its_ops_inputs(
         fails: str) -> None:
-    # Helper MY, beside the test above: the integer-output refusal is raised after the
+    # Helper MY, beside test_a_checkpoint_object_whose_call_failed_holds_none_of_its_ops_inputs
+    # (which its set-up repeats): the integer-output refusal is raised after the
     # Function returned (outside its try), a KeyboardInterrupt is no Exception, and a module
     # fn is read for its state (buffers, attributes) before it fails.
     class Counts(nn.Module):

@@ -1905,7 +1905,7 @@ class _EmptyAndFull(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         h = torch.mm(x, self.w)
-        if self.mode == "slice":  # an expert's share of the output with no rows
+        if self.mode == "slice":  # an empty slice of the output (no columns)
             return h.tanh(), h[:, :0]
         if self.mode == "as_strided":
             return h.tanh(), h.as_strided((0, 8), (8, 1), 8)
@@ -1935,8 +1935,8 @@ def _empty_and_full_grads(mode: str, change: Any) -> list[list[torch.Tensor]]:
 
 @pytest.mark.parametrize("mode", ["slice", "as_strided"])
 @pytest.mark.xfail(strict=True, raises=CheckpointError, reason="documented limit "
-                   "(docs/save_units.md, rule 4: an empty view of a non-empty kept output "
-                   "changed in place) (helper NE)")
+                   "(docs/limits.md, Inputs and outputs: an output sharing a kept op's result "
+                   "changed in place by the caller; save_units.md rule 4) (helper NE)")
 def test_an_empty_view_of_a_kept_output_changed_in_place_gives_eager_gradients(mode: str) -> None:
     # b92ebea skips the kept record's check where the kept tensor has no elements; here the
     # kept product has elements and the output viewing it has none: `out += r` changes no
