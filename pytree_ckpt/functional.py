@@ -135,8 +135,11 @@ def _bound_inputs(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str,
     if owner is None:
         return fn, args, kwargs
     first = 1 if fn.args and fn.args[0] is owner else 0
-    if not first and dunder(fn.func, "__self__") is not owner:
-        return fn, args, kwargs  # a wrapper or a nested partial: left as it is
+    # The owner's bound method, or the module itself (`partial(layer, cache=c)`: helper NG,
+    # the cache it bound was never seen, so never refused); a wrapper or a nested partial is
+    # left as it is.
+    if not first and fn.func is not owner and dunder(fn.func, "__self__") is not owner:
+        return fn, args, kwargs
     lifted = {k: v for k, v in fn.keywords.items()
               if k not in kwargs and _trainable(v, owner)}
     extra = fn.args[first:]

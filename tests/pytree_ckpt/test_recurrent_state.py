@@ -7,6 +7,7 @@ cache object (helper MV)."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import weakref
 from typing import Any, NamedTuple
@@ -1394,3 +1395,85 @@ def test_a_state_reset_to_inference_tensors_before_backward_stays_reset(what: st
         loss.backward()
         got.append([loss.detach(), model.read().clone()])
     assert_same_grads(*got)
+
+
+def test_a_state_cache_bound_by_a_partial_of_the_module_is_refused() -> None:
+    # Guards against (helper NG) what partial(layer, cache=c) binds staying bound: functional.py's
+    # _bound_inputs lifted what partial(forward, self, ...) and partial(self.__call__, ...)
+    # bind, not what a partial of the module itself binds, and the replay read the state its
+    # original pass wrote (gradients 0.92 off, silently).
+    with pytest.raises(CheckpointError, match=r"a state cache at kwargs\['cache'\]"):
+        pytree_ckpt.checkpoint(functools.partial(_CachedMixer(), cache=_SSMCache(2)),
+                               torch.randn(2, 6, D))
+
+
+def test_a_trainable_tensor_bound_by_a_partial_of_the_module_gets_eager_gradients() -> None:
+    # The same lift gives a trainable tensor that partial(layer, ...) binds eager's gradient
+    # (it was refused in backward as neither an input nor a parameter).
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x: torch.Tensor, *, pos: torch.Tensor) -> torch.Tensor:
+            return self.lin(x + pos).tanh()
+
+    torch.manual_seed(0)
+    eager = Shifted()
+    ours = copy.deepcopy(eager)
+    x, pos = torch.randn(2, D), torch.randn(2, D, requires_grad=True)
+    eager(x, pos=pos).square().sum().backward()
+    expected = [pos.grad, *grads_of(eager.parameters())]
+    pos.grad = None
+    pytree_ckpt.checkpoint(functools.partial(ours, pos=pos), x).square().sum().backward()
+    assert_same_grads(expected, [pos.grad, *grads_of(ours.parameters())])
+
+
+@pytest.mark.parametrize("how", ["partial(forward, self)", "partial(self.__call__)"])
+def test_a_state_cache_bound_by_transformers_partials_is_refused_naming_it(how: str) -> None:
+    # The is_cache_object rename (7f9ee07) kept _bound_inputs lifting a state cache bound by
+    # transformers' two partials, so it is refused as under any keyword (helper NG).
+    layer = _CachedMixer()
+    cache = _SSMCache(2)
+    fn = (functools.partial(_CachedMixer.forward, layer, cache=cache)
+          if how == "partial(forward, self)" else functools.partial(layer.__call__, cache=cache))
+    with pytest.raises(CheckpointError, match=r"a state cache at kwargs\['cache'\] \(_SSMCache\)"
+                       r"(?s:.*)pass it as tensors and return the new one"):
+        pytree_ckpt.checkpoint(fn, torch.randn(2, 6, D))
+
+
+class _WideTupleState(nn.Module):
+    """A detached state kept as a tuple of ``n`` small tensors (per-head or per-layer states
+    in one tuple), the first replaced by each forward and read by the next chunk."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.state = tuple(torch.zeros(2, D) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, ys = self.state[0], []
+        for t in range(x.shape[1]):
+            s = torch.tanh(0.5 * s + self.lin(x[:, t]))
+            ys.append(s)
+        self.state = (s.detach(), *self.state[1:])
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("n", [
+    64, pytest.param(65, marks=pytest.mark.xfail(strict=True, reason=(
+        "documented limit (docs/limits.md, State the forward changes: a tuple of more than "
+        "64 entries, read as the last call left it) (helper NG)")))])
+def test_a_state_tuple_of_many_small_tensors_read_by_the_next_chunk_gives_eager_gradients(
+        n: int) -> None:
+    torch.manual_seed(0)
+    eager = _WideTupleState(n)
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 3 * N, D)
+    grads = []
+    for model in (eager, ours):
+        losses = [model(chunk).square().sum() for chunk in x.split(N, 1)]  # micro-batches
+        for loss in losses:
+            loss.backward()
+        grads.append(grads_of(list(model.parameters())))
+    assert_same_grads(*grads)

@@ -2002,3 +2002,46 @@ def test_an_empty_kept_output_resized_and_filled_by_the_caller_gives_eager_gradi
         grads.append([*grads_of([x, *model.parameters()]), alias.clone()])
         x.grad = None
     assert_same_grads(*grads)
+
+
+class _MatmulOf3D(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.w)  # the kept mm's product, through aten._unsafe_view
+
+
+@pytest.mark.parametrize("how", ["in place", "out of place", "on a clone"])
+def test_a_residual_added_to_an_output_sharing_a_kept_product_follows_rule_4(how: str) -> None:
+    # save_units.md rule 4 and limits.md's Inputs and outputs row: `out += residual` on such an
+    # output is refused at the replay naming the output and the op; the tips (add out of place,
+    # or change a clone) give eager's gradients bit for bit (helper NG).
+    torch.manual_seed(0)
+    eager = _MatmulOf3D()
+    layer = copy.deepcopy(eager)
+    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::mm")})
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    residual = torch.randn(2, 3, 8)
+    grads = []
+    for model in (eager, layer):
+        out = model(x)
+        if how == "in place":
+            out += residual
+        elif how == "out of place":
+            out = out + residual
+        else:
+            out = out.clone()
+            out += residual
+        loss = out.tanh().square().sum()
+        if how == "in place" and model is layer:
+            with pytest.raises(CheckpointError, match=r"(?s)output of _MatmulOf3D shares its "
+                               r"memory with the result of aten\.mm.*changed in place"):
+                loss.backward()
+            return
+        loss.backward()
+        grads.append(grads_of([x, *model.parameters()]))
+        x.grad = None
+    assert_same_grads(*grads)

@@ -1215,3 +1215,38 @@ def test_a_momentum_encoder_updated_through_data_in_the_forward_moves_once_a_ste
             model(x).square().sum().backward()
         assert torch.equal(eager.key.weight, ours.key.weight), step
         assert torch.equal(eager.query.weight.grad, ours.query.weight.grad), step
+
+
+class _MomentumKeyEncoderTip(_MomentumKeyEncoder):
+    """docs/limits.md's first fix for the row above: the same update written on the frozen
+    parameters themselves under no-grad (their versions move), not through ``.data``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for q, k in zip(self.query.parameters(), self.key.parameters()):
+                k.mul_(0.9).add_(q.detach() * 0.1)
+            key = self.key(x)
+        return (self.query(x) * key).sum(-1)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_momentum_encoder_updated_in_place_under_no_grad_in_the_forward_trains_as_eager(
+        micro_batches: int) -> None:
+    # The tip limits.md gives for a momentum encoder written through .data in the forward:
+    # param_k.mul_(m).add_(...) under torch.no_grad() is exact, the key moving once a call,
+    # with micro-batches' forwards all before their backwards too (helper NG).
+    torch.manual_seed(0)
+    eager = _MomentumKeyEncoderTip("in_place")
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    for step in range(3):
+        xs = [torch.randn(3, 4) for _ in range(micro_batches)]
+        for model in (eager, ours):
+            losses = [model(x).square().sum() for x in xs]
+            for loss in losses:
+                loss.backward()
+            with torch.no_grad():
+                for p in model.query.parameters():
+                    p -= 0.1 * p.grad
+            model.query.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), ours.parameters())), step
