@@ -191,7 +191,7 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
         if cache is not None and _reads_caches_only(fn):
             continue  # transformers' opt-in: the layer only reads it, use_cache or not
         if sort is not ITERATOR and (cache is not None or
-                                     use_cache is True and not _holds_no_state(leaf)):
+                                     (use_cache is True and not _holds_no_state(leaf))):
             # NOTE [a cache filled twice]: a key/value cache object (transformers' DynamicCache)
             # is appended to by the original pass and again by the replay. The replay's
             # attention then reads the keys the no-grad original pass stored (same values,
