@@ -810,13 +810,22 @@ def _written_state_steps(how: str, batch: int = 2, *, chunks: int = 3,
     step's loss and the state after it, eager's and the checkpointed twin's."""
     torch.manual_seed(0)
     eager = _WrittenState(how, batch)
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     x = torch.randn(2, batch, 9, D)
+    return _steps_against_eager(eager, [x[step].split(9 // chunks, 1) for step in range(2)],
+                                between=between)
+
+
+def _steps_against_eager(eager: nn.Module, steps: list[Any], *, between: Any = None
+                         ) -> tuple[list[Any], list[Any]]:
+    """For ``eager`` and its checkpointed copy: a step per list of chunks in ``steps``, its
+    forwards summed, then backward (``between(model)`` before it); each step's loss and the
+    module's state (``read()``) after it."""
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     got = []
     for model in (eager, wrapped):
         found: list[Any] = []
-        for step in range(2):
-            loss = sum(model(chunk).square().sum() for chunk in x[step].split(9 // chunks, 1))
+        for chunks in steps:
+            loss = sum(model(chunk).square().sum() for chunk in chunks)
             if between is not None:
                 between(model)
             loss.backward()
@@ -1120,17 +1129,8 @@ class _DecayedThenReplaced(nn.Module):
 def _decayed_steps(kind: str, batch: int) -> tuple[list[Any], list[Any]]:
     torch.manual_seed(0)
     eager = _DecayedThenReplaced(kind, batch)
-    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
     x = torch.randn(2, batch, D)
-    got = []
-    for model in (eager, wrapped):
-        found: list[Any] = []
-        for step in range(2):
-            loss = model(x[step]).square().sum()
-            loss.backward()
-            found += [loss.detach(), model.read().clone()]
-        got.append(found)
-    return got[0], got[1]
+    return _steps_against_eager(eager, [[x[step]] for step in range(2)])
 
 
 @pytest.mark.parametrize("kind, batch", [
