@@ -32,7 +32,7 @@ __all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "REWRITT
            "small_tuple", "tuple_tensors", "value_differs"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
-# members, tuples of such values (a shape key) and NumPy scalars (immutable).
+# members, tuples and namedtuples of such values (a shape key) and NumPy scalars (immutable).
 _PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None), torch.Size, torch.dtype,
                     torch.device})
 
@@ -54,7 +54,10 @@ def immutable(value: Any, /, depth: int = 0) -> bool:
     kind = type(value)
     if kind in _PLAIN or isinstance(value, enum.Enum):
         return True
-    if kind is tuple:
+    # A namedtuple too (a `__slots__ = ()` class: it holds nothing more; helper NJ: one of
+    # numbers the forward rebinds, `self.cfg = Scale(self.cfg.scale + 1, ...)`, was read by
+    # each replay as the last call left it).
+    if kind is tuple or isinstance(value, tuple) and _plain_tuple_class(kind):
         return depth < 4 and all(immutable(v, depth + 1) for v in value)
     # A NumPy scalar (np.bool_, np.float32; an array is unhashable), without importing NumPy.
     return kind.__module__ == "numpy" and dunder(kind, "__hash__") is not None

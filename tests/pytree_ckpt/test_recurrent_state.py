@@ -1477,3 +1477,165 @@ def test_a_state_tuple_of_many_small_tensors_read_by_the_next_chunk_gives_eager_
             loss.backward()
         grads.append(grads_of(list(model.parameters())))
     assert_same_grads(*grads)
+
+
+# Helper NJ (a mutation round over TupleHeld / small_tuple): a state tuple whose only tensors
+# are nested (LSTM-style per-layer (h, c) pairs), and one nested exactly 4 deep, the most the
+# docs hold (docs/limits.md, State the forward changes).
+def _nested(s: torch.Tensor, how: str) -> Any:
+    if how == "per-layer pairs":
+        return ((s, s * 0), (s * 0, s))  # no tensor at the outer level
+    return (((( s, 1),),),)  # 4 deep, a plain count beside it
+
+
+def _innermost(state: Any, how: str) -> torch.Tensor:
+    if how == "per-layer pairs":
+        return state[0][0] + state[1][1]
+    return state[0][0][0][0]
+
+
+class _NestedOnlyState(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(D, D)
+        self.state: Any = _nested(torch.zeros(2, D), how)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, ys = _innermost(self.state, self.how), []
+        for t in range(x.shape[1]):
+            s = torch.tanh(0.5 * s + self.lin(x[:, t]))
+            ys.append(s)
+        self.state = _nested(s.detach(), self.how)
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("how", ["per-layer pairs", "four deep"])
+def test_a_state_tuple_with_tensors_only_in_nested_tuples_read_by_the_next_chunk_gives_eager_grads(
+        how: str) -> None:
+    torch.manual_seed(0)
+    eager = _NestedOnlyState(how)
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 9, D)
+    grads = []
+    for model in (eager, ours):
+        losses = [model(chunk).square().sum() for chunk in x.split(3, 1)]
+        for loss in losses:
+            loss.backward()
+        grads.append(grads_of(list(model.parameters())))
+    assert_same_grads(*grads)
+
+
+class _Scale(NamedTuple):
+    scale: float
+    calls: int
+
+
+class _RebindsANamedTupleOfNumbers(nn.Module):
+    """A namedtuple of plain numbers (no tensor) the forward reads and rebinds each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.cfg = _Scale(1.0, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x) * self.cfg.scale)
+        self.cfg = _Scale(self.cfg.scale + 1.0, self.cfg.calls + 1)
+        return y
+
+
+def test_a_namedtuple_of_plain_numbers_the_forward_rebinds_gives_eager_gradients() -> None:
+    # Guards against (helper NJ) a namedtuple of plain numbers the forward rebinds being
+    # neither immutable (an exact tuple only) nor held (small_tuple asks for a tensor): each
+    # replay read the last call's.
+    torch.manual_seed(0)
+    eager = _RebindsANamedTupleOfNumbers()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(3, 2, D)
+    grads = []
+    for model in (eager, ours):
+        sum(model(chunk).square().sum() for chunk in x).backward()
+        grads.append([*grads_of(list(model.parameters())), torch.tensor(model.cfg.calls)])
+    assert_same_grads(*grads)
+
+
+class _StateGain(NamedTuple):
+    ssm: torch.Tensor
+    conv: torch.Tensor
+    gain: float
+
+
+class _GainPair(tuple):  # type: ignore[type-arg]
+    """A tuple subclass holding ``gain`` in its ``__dict__`` (not an item), ``.ssm`` by property."""
+
+    @property
+    def ssm(self) -> torch.Tensor:
+        return self[0]
+
+
+class _WrittenGainState(nn.Module):
+    """Reads ``self.state.ssm`` and ``self.state.gain``, writes ssm in place (Rewritten)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.state: Any = _StateGain(torch.zeros(2, D), torch.zeros(2, D), 1.0)
+
+    def read(self) -> torch.Tensor:
+        return self.state.ssm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, ys, s = self.lin(x), [], self.state.ssm
+        for t in range(x.shape[1]):
+            s = torch.tanh(0.5 * s * self.state.gain + u[:, t])
+            ys.append(s)
+        self.state.ssm.copy_(s.detach())
+        return torch.stack(ys, 1)
+
+
+def test_a_state_reset_to_a_tuple_subclass_with_attributes_keeps_them_in_the_replays_copy() -> None:
+    # Helper NJ (mutation of Rewritten.for_replay): the replay's copy of a tuple of another
+    # class is made with the instance's own attributes (its __dict__), which the forward reads.
+    def reset(model: nn.Module) -> None:
+        fresh = _GainPair((torch.zeros(2, D), torch.zeros(2, D)))
+        fresh.gain = 1.0  # type: ignore[attr-defined]
+        model.state = fresh
+
+    torch.manual_seed(0)
+    # One step: at the next, the tensors of a tuple of another class written in place are
+    # written again by the replay (documented).
+    x = torch.randn(2, 9, D)
+    expected, got = _steps_against_eager(_WrittenGainState(), [x.split(3, 1)], between=reset)
+    assert torch.equal(expected[1], got[1]), "the module's state after the step differs"
+
+
+class _ReadsStateCacheOnly(nn.Module):
+    _can_checkpoint_with_cache = True  # transformers' opt-in: this layer only reads caches
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, cache: _SSMCache) -> torch.Tensor:
+        s, ys = cache.ssm_states[0], []
+        for t in range(x.shape[1]):
+            s = torch.tanh(0.5 * s + self.lin(x[:, t]))
+            ys.append(s)
+        return torch.stack(ys, 1)
+
+
+def test_a_state_cache_given_to_a_layer_that_opts_in_to_reading_caches_gives_eager_gradients(
+        ) -> None:
+    # Helper NJ (mutation of refuse_unreadable_inputs): the opt-in covers a state cache as it
+    # does a key/value cache.
+    torch.manual_seed(0)
+    eager = _ReadsStateCacheOnly()
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x, cache = torch.randn(2, 6, D), _SSMCache(2)
+    cache.ssm_states[0].normal_()
+    grads = []
+    for model in (eager, wrapped):
+        model(x, cache).square().sum().backward()
+        grads.append(grads_of(list(model.parameters())))
+    assert_same_grads(*grads)
