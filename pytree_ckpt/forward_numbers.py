@@ -47,8 +47,8 @@ class NumbersWatch:
     (``immutable``: an int, float, bool, str, None, an enum member, a ``torch.Size`` or a
     tuple or namedtuple of such, a NumPy scalar) by value, a small container of such values
     (a list, dict, set, defaultdict, Counter, OrderedDict or deque of at most 64 entries: a
-    count per expert, the lengths seen, a window of recent loads) by its entries, tensors by weak reference,
-    others by id. Those the forward set anew, deleted, or changed from such a value (to
+    count per expert, the lengths seen, a window of recent loads) by its entries, tensors by
+    weak reference, others by id. Those the forward set anew, deleted, or changed from such a value (to
     another value or to an object: a number replaced by a tensor) are put back as the forward
     began for the replay, and get what they held when the replay began back after it (a
     later micro-batch's forward, or the caller, may have changed them since). A container is the
