@@ -48,9 +48,9 @@ class NumbersWatch:
     tuple or namedtuple of such, a NumPy scalar) by value, a small container of such values
     (a list, dict, set, defaultdict, Counter, OrderedDict or deque of at most 64 entries: a
     count per expert, the lengths seen, a window of recent loads) by its entries, tensors by
-    weak reference, others by id. Those the forward set anew, deleted, or changed from such a value (to
-    another value or to an object: a number replaced by a tensor) are put back as the forward
-    began for the replay, and get what they held when the replay began back after it (a
+    weak reference, others by id. Those the forward set anew, deleted, or changed from such a
+    value (to another value or to an object: a number replaced by a tensor) are put back as the
+    forward began for the replay, and get what they held when the replay began back after it (a
     later micro-batch's forward, or the caller, may have changed them since). A container is the
     same object throughout: one changed in place (a dict's order too: a round robin's
     ``move_to_end``) gets its entries put back, in place, and its entries at the replay's start back
