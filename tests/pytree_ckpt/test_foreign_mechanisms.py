@@ -342,12 +342,12 @@ class _NanTable(nn.Module):
         return self.lin(h) + self.bias_table.nan_to_num(0.0)
 
 
-def test_a_buffer_holding_nan_is_not_taken_for_one_a_kernel_wrote() -> None:
-    # NaN != NaN: compared with torch.equal, the unchanged table counted as written by a
-    # kernel, so the layer cloned its small buffers before every forward and copied them for
-    # every replay, for nothing. Compared bit for bit, it is unchanged.
+def _first_layer_checkpointed_gives_eager_steps(first: nn.Module
+                                               ) -> tuple[nn.Sequential, nn.Module]:
+    """``first`` and a linear head, eager and with ``first`` checkpointed: each step's loss
+    and gradients bit for bit (``_steps``); the eager model and the checkpointed layer."""
     torch.manual_seed(0)
-    eager = nn.Sequential(_NanTable(), nn.Linear(8, 2))
+    eager = nn.Sequential(first, nn.Linear(8, 2))
     model = copy.deepcopy(eager)
     layer = model[0]
     pytree_ckpt.apply_activation_checkpointing(layer)
@@ -356,6 +356,14 @@ def test_a_buffer_holding_nan_is_not_taken_for_one_a_kernel_wrote() -> None:
     for step, ((loss, grads, _), (loss2, grads2, _)) in enumerate(zip(expected, got)):
         assert torch.equal(loss, loss2), step
         assert_same_grads(grads, grads2)
+    return eager, layer
+
+
+def test_a_buffer_holding_nan_is_not_taken_for_one_a_kernel_wrote() -> None:
+    # NaN != NaN: compared with torch.equal, the unchanged table counted as written by a
+    # kernel, so the layer cloned its small buffers before every forward and copied them for
+    # every replay, for nothing. Compared bit for bit, it is unchanged.
+    eager, layer = _first_layer_checkpointed_gives_eager_steps(_NanTable())
     assert remembered([layer]) == frozenset()
     assert not snapshots_wanted(layer)  # later calls clone nothing before the forward
 
@@ -718,16 +726,7 @@ def test_a_meta_buffer_is_not_taken_for_one_a_kernel_wrote(make: Any) -> None:
     # mutant: kernel_written._same calling a meta buffer changed (it has no values to
     # compare): the layer's dict counted as written by a kernel at every call, its small
     # buffers cloned before every forward and copied for every replay, for nothing
-    torch.manual_seed(0)
-    eager = nn.Sequential(make(), nn.Linear(8, 2))
-    model = copy.deepcopy(eager)
-    layer = model[0]
-    pytree_ckpt.apply_activation_checkpointing(layer)
-    expected = _steps(eager, eager)  # type: ignore[arg-type]
-    got = _steps(model, model)  # type: ignore[arg-type]
-    for step, ((loss, grads, _), (loss2, grads2, _)) in enumerate(zip(expected, got)):
-        assert torch.equal(loss, loss2), step
-        assert_same_grads(grads, grads2)
+    eager, layer = _first_layer_checkpointed_gives_eager_steps(make())
     assert torch.equal(eager[0].count, layer.count) if hasattr(layer, "count") else True
     assert remembered([layer]) == frozenset()
 

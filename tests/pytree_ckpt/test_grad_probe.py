@@ -1237,10 +1237,9 @@ def test_a_weakref_gates_float_under_fns_own_no_grad_made_frozen_by_requires_gra
     _replayed_as_in_eager(route, gate)
 
 
-def test_a_function_whose_trainable_gate_the_look_finds_is_not_probed(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # mutant: probe_for probing whatever the static look finds (NOTE [the grad probe]: "none
-    # where the look finds a trainable module"): same refusals, a Python call per op
+def _probed_ops(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The torch functions the grad probe's mode sees from now on (GradProbe patched to count
+    them, for this test)."""
     from pytree_ckpt.grad_probe import GradProbe
 
     watched: list[Any] = []
@@ -1251,6 +1250,14 @@ def test_a_function_whose_trainable_gate_the_look_finds_is_not_probed(
         return original(self, func, types, args, kwargs)
 
     monkeypatch.setattr(GradProbe, "__torch_function__", counting)
+    return watched
+
+
+def test_a_function_whose_trainable_gate_the_look_finds_is_not_probed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # mutant: probe_for probing whatever the static look finds (NOTE [the grad probe]: "none
+    # where the look finds a trainable module"): same refusals, a Python call per op
+    watched = _probed_ops(monkeypatch)
     gate = nn.Linear(8, 4)
 
     def route(x: torch.Tensor) -> torch.Tensor:
@@ -1324,16 +1331,7 @@ def test_a_compiled_router_is_not_probed(kind: str, monkeypatch: pytest.MonkeyPa
     # as with the check), but the probe's mode still ran per op of the compiled call
     import functools
 
-    from pytree_ckpt.grad_probe import GradProbe
-
-    watched: list[Any] = []
-    original = GradProbe.__torch_function__
-
-    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        watched.append(func)
-        return original(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(GradProbe, "__torch_function__", counting)
+    watched = _probed_ops(monkeypatch)
     torch._dynamo.reset()
     router = _FrozenTableRouter()
 
@@ -1430,16 +1428,7 @@ def test_a_function_given_an_argument_that_requires_grad_is_not_probed(
     # mutant: probe_for probing a call whose tensor argument requires grad (rule 2 judges its
     # floats without the probe; NOTE [the grad probe]: "where ... no tensor argument requires
     # grad"): same refusals, a Python call per op of every such call
-    from pytree_ckpt.grad_probe import GradProbe
-
-    watched: list[Any] = []
-    original = GradProbe.__torch_function__
-
-    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        watched.append(func)
-        return original(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(GradProbe, "__torch_function__", counting)
+    watched = _probed_ops(monkeypatch)
 
     def route(h: torch.Tensor) -> torch.Tensor:
         return (h * 2).softmax(-1).topk(2, dim=-1).indices

@@ -800,17 +800,24 @@ def test_a_kept_lstm_under_the_layers_own_no_grad_gives_eagers_output_and_gradie
     # of NOTE [outputs made only with grad] (pytree_ckpt/keep.py): under the layer's own
     # no_grad eager's oneDNN kernel sees grad off, and the record was the training kernel's.
     torch.manual_seed(0)
-    eager = LstmUnderItsOwnNoGrad()
+    _assert_kept_gives_eagers_output_and_gradients(
+        LstmUnderItsOwnNoGrad(), KeptOps("aten::mkldnn_rnn_layer"), torch.randn(3, 5, 8))
+
+
+def _assert_kept_gives_eagers_output_and_gradients(eager: nn.Module, kept_by: Any,
+                                                    x: torch.Tensor) -> None:
+    """``eager`` and a copy whose ``attn`` unit keeps ``kept_by``: the same output, and the
+    same gradients of ``x`` (where it requires grad) and of ``out``'s parameters."""
     kept = copy.deepcopy(eager)
     apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptOps("aten::mkldnn_rnn_layer")}, offload=False)
-    x = torch.randn(3, 5, 8)
+                           {SaveUnit.ATTN: kept_by}, offload=False)
     outs, grads = [], []
     for model in (eager, kept):
+        x.grad = None
         y = model(x)
         y.sum().backward()
         outs.append(y.detach())
-        grads.append([model.out.weight.grad, model.out.bias.grad])
+        grads.append([x.grad, model.out.weight.grad, model.out.bias.grad])
     assert torch.equal(*outs)
     assert_same_grads(*grads)
 
@@ -851,20 +858,9 @@ def test_a_kept_custom_op_with_register_autograd_gives_eagers_output_and_gradien
     # autograd kernel of a custom_op (register_autograd) runs the op's forward under no-grad,
     # so eager's kernel sees grad off, and oneDNN's stacked LSTM inside rounded otherwise.
     torch.manual_seed(0)
-    eager = EncodesByCustomOp()
-    kept = copy.deepcopy(eager)
-    apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptOps("keep_tests_mj::encode")}, offload=False)
-    x = torch.randn(3, 5, 8, requires_grad=True)
-    outs, grads = [], []
-    for model in (eager, kept):
-        x.grad = None
-        y = model(x)
-        y.sum().backward()
-        outs.append(y.detach())
-        grads.append([x.grad, model.out.weight.grad, model.out.bias.grad])
-    assert torch.equal(*outs)
-    assert_same_grads(*grads)
+    _assert_kept_gives_eagers_output_and_gradients(
+        EncodesByCustomOp(), KeptOps("keep_tests_mj::encode"),
+        torch.randn(3, 5, 8, requires_grad=True))
 
 
 class _EncodeByFunction(torch.autograd.Function):
@@ -893,21 +889,9 @@ def test_a_kept_method_calling_an_autograd_function_gives_eagers_output_and_grad
     # Guards against (helper MJ) a kept op run with grad on in the original pass: an
     # autograd.Function's forward runs under no-grad in eager (oneDNN's no-grad kernel).
     torch.manual_seed(0)
-    eager = EncodesByFunction()
-    kept = copy.deepcopy(eager)
-    apply_recompute_config([kept], RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptCallables("EncodesByFunction.encode")},
-                           offload=False)
-    x = torch.randn(3, 5, 8, requires_grad=True)
-    outs, grads = [], []
-    for model in (eager, kept):
-        x.grad = None
-        y = model(x)
-        y.sum().backward()
-        outs.append(y.detach())
-        grads.append([x.grad, model.out.weight.grad, model.out.bias.grad])
-    assert torch.equal(*outs)
-    assert_same_grads(*grads)
+    _assert_kept_gives_eagers_output_and_gradients(
+        EncodesByFunction(), KeptCallables("EncodesByFunction.encode"),
+        torch.randn(3, 5, 8, requires_grad=True))
 
 
 class KeepsItsDroppedOutLstm(nn.Module):

@@ -1468,11 +1468,16 @@ def test_a_state_tuple_of_many_small_tensors_read_by_the_next_chunk_gives_eager_
         n: int) -> None:
     torch.manual_seed(0)
     eager = _WideTupleState(n)
+    _assert_micro_batches_give_eager_grads(eager, torch.randn(2, 3 * N, D).split(N, 1))
+
+
+def _assert_micro_batches_give_eager_grads(eager: nn.Module, chunks: Any) -> None:
+    """Every chunk's forward, then each backward (micro-batches), for ``eager`` and its
+    checkpointed copy: the parameters' gradients bit for bit."""
     ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    x = torch.randn(2, 3 * N, D)
     grads = []
     for model in (eager, ours):
-        losses = [model(chunk).square().sum() for chunk in x.split(N, 1)]  # micro-batches
+        losses = [model(chunk).square().sum() for chunk in chunks]
         for loss in losses:
             loss.backward()
         grads.append(grads_of(list(model.parameters())))
@@ -1515,15 +1520,7 @@ def test_a_state_tuple_with_tensors_only_in_nested_tuples_read_by_the_next_chunk
         how: str) -> None:
     torch.manual_seed(0)
     eager = _NestedOnlyState(how)
-    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
-    x = torch.randn(2, 9, D)
-    grads = []
-    for model in (eager, ours):
-        losses = [model(chunk).square().sum() for chunk in x.split(3, 1)]
-        for loss in losses:
-            loss.backward()
-        grads.append(grads_of(list(model.parameters())))
-    assert_same_grads(*grads)
+    _assert_micro_batches_give_eager_grads(eager, torch.randn(2, 9, D).split(3, 1))
 
 
 class _Scale(NamedTuple):

@@ -173,19 +173,30 @@ def test_an_empty_kept_output_changed_in_place_by_the_caller_gives_eager_gradien
     # Guards against (helper NB) an empty batch's output viewing a kept op's result, changed
     # in place by the caller (`out += residual`), being refused in backward as a kept output
     # mutated: it has no element a change could have changed, and eager passes.
+    residual = torch.randn(0, 3, 8)
+
+    def use(out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out += residual
+        return out.sum(), []
+
+    _empty_batch_through_a_kept_linear_gives_eager_gradients(use)
+
+
+def _empty_batch_through_a_kept_linear_gives_eager_gradients(use: Any) -> None:
+    """An ``nn.Linear`` on an empty batch, eager and with its ``addmm``/``mm`` kept by a save
+    unit; ``use(out)`` gives the loss and more tensors to compare: the gradients of the input
+    and the parameters, and those tensors, bit for bit."""
     torch.manual_seed(0)
     eager = nn.Linear(8, 8)
     layer = copy.deepcopy(eager)
     apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
                            {SaveUnit.ATTN: KeptOps("aten::addmm", "aten::mm")})
     x = torch.randn(0, 3, 8, requires_grad=True)
-    residual = torch.randn(0, 3, 8)
     grads = []
     for model in (eager, layer):
-        out = model(x)
-        out += residual
-        out.sum().backward()
-        grads.append(grads_of([x, *model.parameters()]))
+        loss, more = use(model(x))
+        loss.backward()
+        grads.append([*grads_of([x, *model.parameters()]), *more])
         x.grad = None
     assert_same_grads(*grads)
 
@@ -1986,22 +1997,13 @@ def test_an_empty_kept_output_resized_and_filled_by_the_caller_gives_eager_gradi
     # Helper NE: b92ebea reads the kept tensor's elements at the replay; the caller's resize of
     # the output (through a detached alias: one requiring grad cannot be resized) grows the
     # shared storage and moves the counter, but the record's own tensor keeps its no elements.
-    torch.manual_seed(0)
-    eager = nn.Linear(8, 8)
-    layer = copy.deepcopy(eager)
-    apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
-                           {SaveUnit.ATTN: KeptOps("aten::addmm", "aten::mm")})
-    x = torch.randn(0, 3, 8, requires_grad=True)
-    grads = []
-    for model in (eager, layer):
-        out = model(x)
+    def use(out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         alias = out.detach()
         alias.resize_(2, 3, 8)
         alias.fill_(1.0)
-        (out.tanh().sum() + alias.sum()).backward()
-        grads.append([*grads_of([x, *model.parameters()]), alias.clone()])
-        x.grad = None
-    assert_same_grads(*grads)
+        return out.tanh().sum() + alias.sum(), [alias.clone()]
+
+    _empty_batch_through_a_kept_linear_gives_eager_gradients(use)
 
 
 class _MatmulOf3D(nn.Module):
