@@ -679,6 +679,36 @@ def test_a_large_state_reset_before_backward_stays_reset(reset: str) -> None:
     assert torch.equal(got[0], got[1]), "the reset state was written by the replays"
 
 
+@pytest.mark.parametrize("batch", [2, 3000])
+def test_a_state_reset_to_a_tensor_with_a_graph_before_backward_is_exact_or_refused_naming_it(
+        batch: int) -> None:
+    # A learned initial state set as a new sequence begins, between the forward and backward
+    # (`m.state = m.h0 * 1`): a small state is held and put back, exact; one over 64 KiB is
+    # read by each replay as it is then, backpropagating into the caller's graph (eager gives
+    # h0 no gradient), which the second replay finds freed. Refused, and the message said only
+    # "a graph kept between calls" (helper NJ's M12): it names the reset now.
+    torch.manual_seed(0)
+    eager = _KeptState("in place", batch)
+    eager.h0 = nn.Parameter(torch.randn(batch, D))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(batch, 9, D)
+    got = []
+    for model in (eager, wrapped):
+        loss = sum(model(chunk).square().sum() for chunk in x.split(3, 1))
+        model.state = model.h0 * 1
+        if batch > 2 and model is wrapped:
+            with pytest.raises(pytree_ckpt.CheckpointError, match=r"through the module "
+                               r"attribute 'state', which holds a tensor with a graph: .* or "
+                               r"one set between the forward and backward") as refused:
+                loss.backward()
+            assert "reset a state after backward" in str(refused.value)
+            return
+        loss.backward()
+        got.append([model.state.detach().clone(), *grads_of(model.parameters())])
+    assert eager.h0.grad is None
+    assert_same_grads(*got)
+
+
 class _Wraps(nn.Module):
     def __init__(self, batch: int) -> None:
         super().__init__()
