@@ -17,7 +17,8 @@ from torch import nn
 
 from .module_state import structure_generation
 
-__all__ = ["compared", "differs", "mark_compared", "remember", "remembered", "sparse_parts"]
+__all__ = ["compared", "differs", "mark_compared", "remember", "remembered", "sparse_parts",
+           "view_of"]
 
 # NOTE [state a kernel writes]: the watch of NOTE [state the forward changes] sees a change in
 # place through a version counter, and a batch norm's whole dict through its counter. Some
@@ -83,7 +84,8 @@ def remember(roots: Sequence[nn.Module], places: frozenset[tuple[int, int]], /) 
 def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any, Any]],
             storages: dict[Any, torch.UntypedStorage], /) -> bool:
     """Whether one of ``tensors`` holds other bytes than were saved before the forward (see
-    ``StateWatch._save``: a storage clone by key, or the tensor's own clone)."""
+    ``StateWatch._save``: a storage clone by key with the tensor's view of it, or the tensor's
+    own clone), or reads its storage another way."""
     for t in tensors:
         saved = None if t is None else before.get(id(t))
         if saved is None:
@@ -93,9 +95,17 @@ def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any,
         if key is None:  # the tensor alone
             if not _same(value, t):
                 return True
-        elif not torch.equal(_bytes(storages[key]), _bytes(t.untyped_storage())):
+        elif value != view_of(t) or t.is_conj() or t.is_neg() or \
+                not torch.equal(_bytes(storages[key]), _bytes(t.untyped_storage())):
             return True
     return False
+
+
+def view_of(t: torch.Tensor, /) -> tuple[Any, torch.Size, tuple[int, ...], torch.dtype]:
+    """How ``t`` reads its storage: saved beside a storage's clone, compared with it, and
+    made again over the replay's copy of that storage. (Saved so, ``t`` had neither the
+    conjugate nor the negative bit: ``differs`` counts one set since as a change.)"""
+    return t.storage_offset(), t.size(), t.stride(), t.dtype
 
 
 def _same(value: torch.Tensor, t: torch.Tensor, /) -> bool:

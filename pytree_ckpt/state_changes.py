@@ -18,7 +18,7 @@ from torch import nn
 
 from .errors import CheckpointError
 from .forward_writes import note_forward_write, written_by_a_forward_since, written_since
-from .kernel_written import differs, sparse_parts
+from .kernel_written import differs, sparse_parts, view_of
 from .module_state import ModuleDicts, ever_verified, graph_reaches
 
 __all__ = ["ChangedState", "StateWatch", "is_replay_copy", "mark_replay_copy", "mark_stateful",
@@ -128,7 +128,7 @@ class StateWatch:
         # NOTE [state read, then changed by a later call]). A larger buffer's copy is made
         # from what the forward left (documented); so is a small one whose module first
         # changed state after its first replay (nothing was saved).
-        self.before: dict[int, tuple[Any, Any]] = {}  # by buffer id: (storage key, layout)
+        self.before: dict[int, tuple[Any, Any]] = {}  # by buffer id: (storage key, view_of)
         self.storages: dict[Any, torch.UntypedStorage] = {}
         if not any(dicts):  # the usual layer: no buffer at all (one C-level pass)
             self.empty = list(dicts)
@@ -161,7 +161,9 @@ class StateWatch:
         if key is not None and key[2] <= _SMALL_BYTES:
             if key not in self.storages:
                 self.storages[key] = t.untyped_storage().clone()
-            self.before[id(t)] = (key, (t.storage_offset(), t.size(), t.stride()))
+            # Its view as well as its bytes: `.data = .data.view(...)` moves no version and
+            # leaves the bytes as they were (helper MW's :118; NOTE [state a kernel writes]).
+            self.before[id(t)] = (key, view_of(t))
         elif t.layout == torch.strided and not t.is_nested and not t.requires_grad and \
                 not t.is_inference() and t.numel() * t.element_size() <= _SMALL_BYTES:
             # A small view of a large storage, or a conjugate or negative view (set_ would
@@ -573,11 +575,11 @@ class ChangedState:
         elif saved[0] is None:
             copy = saved[1].clone()  # the buffer alone
         else:
-            key, (offset, size, stride) = saved
+            key, (offset, size, stride, dtype) = saved
             storage = storages.get(key)
             if storage is None:
                 storage = storages[key] = self.storages[key].clone()
-            copy = torch.empty(0, dtype=source.dtype, device=source.device)
+            copy = torch.empty(0, dtype=dtype, device=source.device)
             copy.set_(storage, offset, size, stride)
         mark_replay_copy(copy)
         return copy

@@ -368,6 +368,59 @@ def test_a_buffer_holding_nan_is_not_taken_for_one_a_kernel_wrote() -> None:
     assert not snapshots_wanted(layer)  # later calls clone nothing before the forward
 
 
+class _ViewedAnew(nn.Module):
+    """A Linear scaled by what a small buffer holds, which the forward then views anew through
+    ``.data`` (no version moves, the bytes stay): ``how`` says which way."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(8, 8)
+        large = torch.arange(20_000.0) / 16  # over 64 KiB: its small view is saved alone
+        table = (large[:16].view(2, 8) if how.startswith("reshaped") else
+                 large[:8] if how == "reinterpreted" else torch.tensor([0.6 + 0.8j, 1j]))
+        if how in ("reshaped", "reinterpreted"):  # a storage of its own
+            table = table.clone()
+        self.table: torch.Tensor
+        self.register_buffer("table", table if how in ("conjugated", "reinterpreted") or
+                             how.startswith("reshaped") else table.conj())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        if self.how.startswith("reshaped"):  # (2, 8), (8, 2) by turns: row 1 is other numbers
+            scale, anew = t[1].sum(), t.data.view(t.shape[::-1])
+        elif self.how == "reinterpreted":  # float32 and int32 by turns, over the same bytes
+            scale = t.sum() if t.dtype == torch.float32 else (t % 7).sum().float()
+            anew = t.data.view(torch.int32 if t.dtype == torch.float32 else torch.float32)
+        elif self.how == "conjugate, rotated":  # new values, the conjugate bit kept
+            scale, anew = (t * t[0]).imag.sum(), (t.data.conj() * 1j).conj()
+        else:  # the conjugate bit set and cleared by turns
+            scale, anew = (t * t[0]).imag.sum(), t.data.conj()
+        self.table.data = anew
+        return self.lin(h) * scale
+
+
+@pytest.mark.parametrize("how", ["reshaped", "reshaped, a view of a large table",
+                                 "reinterpreted", "conjugated", "conjugated back",
+                                 "conjugate, rotated"])
+def test_a_buffer_viewed_anew_through_data_at_a_first_call_gives_eager_steps(how: str) -> None:
+    # Guards against (helper MW's kernel_written.py mutants) a buffer whose view changed at a
+    # first call with its bytes as they were: compared by its storage's bytes alone, it was
+    # taken as unchanged, and each replay read it one view ahead (gradients off by up to 10,
+    # silently; its conjugate bit set: by 1.1). Each model is made (not deep-copied: that
+    # resolves the conjugate bit, which "conjugated back" sets before the first call).
+    got = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(_ViewedAnew(how), nn.Linear(8, 2))
+        if checkpointed:
+            pytree_ckpt.apply_activation_checkpointing(model[0])
+        got.append(_steps(model, model))  # type: ignore[arg-type]
+    for step, ((loss, grads, table), (loss2, grads2, table2)) in enumerate(zip(*got)):
+        assert torch.equal(loss, loss2), step
+        assert_same_grads(grads, grads2)
+        assert table[0].dtype == table2[0].dtype and torch.equal(table[0], table2[0]), step
+
+
 class _Quantized(nn.Module):
     """A Linear between two fake-quantizers passed as arguments."""
 
