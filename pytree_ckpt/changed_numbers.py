@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .eager import user_stacklevel
+from .errors import CheckpointError
 from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, Rewritten,
                            ValuesRead, entries_of, fresh_values, put_entries, same_entry,
                            tuple_tensors)
@@ -97,6 +98,10 @@ class ChangedNumbers:
         # this block alone too (NOTE [a tensor attribute changed in place, not held] in
         # plain_values.py).
         copies: dict[int, torch.Tensor] = {}
+        for d, values, _ in self.found:
+            for name, value in values:
+                if type(value) is Rewritten and value.set_since_with_grad(d.get(name)):
+                    _refuse_a_graph_set_since(where, name, d[name])
         found = [(d, [(name, fresh_values(value, fresh) if type(value) is ValuesRead else
                        value.for_replay(d.get(name, ABSENT), copies) if type(value) is Rewritten
                        else value)
@@ -294,6 +299,24 @@ def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str
 
 
 _TOLD_GRAPH = OURS + "_told_graph_"
+
+
+def _refuse_a_graph_set_since(where: str, name: str, now: torch.Tensor, /) -> None:
+    """``Rewritten.set_since_with_grad``: the replay would read, and backpropagate into, a
+    tensor with a graph the forward never read."""
+    made = "a leaf" if now.grad_fn is None else type(now.grad_fn).__name__
+    raise CheckpointError(
+        f"the replay of {where} reads the module attribute {name!r}, which its forward changed "
+        "in place without a copy of what it read (over 64 KiB, or not cloned), and which "
+        "holds a tensor requiring grad set since, between the forward and backward (a learned "
+        "initial state, `self.h = self.h0 * 1`): the replay would read it and backpropagate "
+        "into it, where the forward read a tensor without grad (eager gives that graph no "
+        "gradient)",
+        expected=f"{name!r} holding the tensor the forward read, or one without grad, until "
+                 "backward",
+        got=f"{name!r} holding a tensor requiring grad ({made}) that the forward did not read",
+        tip="reset the state after backward, or pass it in and return the new one (`out, h = "
+            "cell(x, h)`) (docs/limits.md, 'State the forward changes')")
 
 
 def _set(d: dict[str, Any], named: list[tuple[str, Any]],

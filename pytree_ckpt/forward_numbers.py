@@ -18,8 +18,8 @@ from torch import nn
 
 from .changed_numbers import ChangedNumbers
 from .module_state import ModuleDicts, torch_nn_class
-from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, OURS, REWRITTEN, BoundObject,
-                           Contents, InPlace, Mixed, Refilled, TensorHeld, TupleHeld, immutable,
+from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, OURS, BoundObject, Contents,
+                           InPlace, Mixed, Refilled, Rewritten, TensorHeld, TupleHeld, immutable,
                            plain_container, plain_entry, read_entries, small_detached,
                            small_tuple, value_differs)
 from .reused_numbers import MadeNumbers
@@ -133,7 +133,8 @@ class NumbersWatch:
                         values.append((name, kept))
                     elif type(was[1]) in _HELD and was[1].moved():
                         # NOTE [a tensor attribute changed in place, not held] (plain_values.py)
-                        values.append((name, REWRITTEN))
+                        values.append((name, Rewritten(
+                            was[1].ref if type(was[1]) is TensorHeld else None)))
                     elif type(was[1]) is not Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is
                     elif type(entry[1]) is Contents or d[name] is not was[1].held or \

@@ -24,7 +24,7 @@ from torch import nn
 from .state_changes import is_replay_copy, mark_replay_copy
 from .tree import dunder, instance_dict
 
-__all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "REWRITTEN", "BoundObject",
+__all__ = ["ABSENT", "AFTER_REPLAY", "CONTAINERS", "NOT_STATE", "OURS", "BoundObject",
            "Contents", "InPlace", "Mixed", "Refilled", "Rewritten", "TensorHeld", "TupleHeld",
            "ValuesRead", "entries_of", "entry_of", "fresh_values", "immutable", "plain_container",
            "plain_entries", "plain_entry", "put_entries", "read_by_entries", "read_entries",
@@ -381,7 +381,20 @@ class TensorHeld:
 class Rewritten:
     """An attribute whose tensors the forward changed in place (NOTE above)."""
 
-    __slots__ = ()
+    __slots__ = ("read",)
+
+    def __init__(self, read: weakref.ref[torch.Tensor] | None = None, /) -> None:
+        self.read = read  # the tensor the forward read (of a tuple's: None)
+
+    def set_since_with_grad(self, now: Any, /) -> bool:
+        """Whether the attribute holds, as the replay begins, a tensor requiring grad other
+        than the one the forward read: one the caller set between the forward and backward
+        (a learned initial state, ``self.h = self.h0 * 1``). Its replay would backpropagate
+        into it, where the forward read a tensor without a graph: gradients eager never
+        gives (its parameter's, silently with one call; refused only where a second call's
+        replay found the graph freed: helper NJ's M12)."""
+        return isinstance(now, torch.Tensor) and now.requires_grad and \
+            (self.read is None or now is not self.read())
 
     def for_replay(self, now: Any, copies: dict[int, torch.Tensor], /, depth: int = 0) -> Any:
         """``now`` (what the attribute holds as the replay begins) with each plain tensor
@@ -422,8 +435,6 @@ class Rewritten:
             return made
         return now
 
-
-REWRITTEN = Rewritten()
 
 
 class TupleHeld:
