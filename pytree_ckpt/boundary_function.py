@@ -44,7 +44,8 @@ from .rng import IsolatedPass, ReplayEnvironment
 from .saved import pop_saved_hooks, push_saved_hooks, top_saved_hooks
 from .state_changes import (StateWatch, mark_stateful, registered_state, snapshots_wanted,
                             versions)
-from .stored_state import warn_parameter_changed, warn_under_torchs_checkpoint
+from .stored_state import (warn_first_change_unsaved, warn_parameter_changed,
+                           warn_under_torchs_checkpoint)
 from .subclass import kind_of
 from .tree import dunder, flatten, leaf_paths, object_children
 from .tree_refusals import refuse_hidden_outputs, refuse_metadata_tensors, refuse_strided_nested
@@ -198,6 +199,10 @@ class _BoundaryFunction(torch.autograd.Function):
                 remember(call.modules[0], watch.kernel_written)
             if call.changed_state is not None and call.changed_state.changes:
                 assert call.owner is not None  # a watch has one, and buffer dicts
+                if not wanted:  # NOTE [a small buffer first changed after the first replay]
+                    assert call.modules is not None
+                    warn_first_change_unsaved(call.owner, call.modules[0],
+                                              call.changed_state.small_unsaved())
                 mark_stateful(call.owner)
         if numbers is not None or glance is not None:
             call.numbers_saved = wanted

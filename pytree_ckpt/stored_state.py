@@ -28,8 +28,8 @@ if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
 __all__ = ["stored_numbers", "stored_tensors", "warn_changed_numbers",
-           "warn_parameter_changed", "warn_stacked_checkpointing", "warn_stored_scalars",
-           "warn_under_torchs_checkpoint"]
+           "warn_first_change_unsaved", "warn_parameter_changed", "warn_stacked_checkpointing",
+           "warn_stored_scalars", "warn_under_torchs_checkpoint"]
 
 _WARNED_STORED = "_pytree_ckpt_warned_stored"
 _WARNED_NUMBERS = "_pytree_ckpt_warned_numbers"
@@ -111,6 +111,43 @@ def _attribute_names(owner: nn.Module, modules: Sequence[nn.Module],
              for path, m in root.named_modules(prefix="" if root is owner else
                                                f"({type(root).__name__})")}
     return [f"{names.get(id(dicts[i]), '?')}.{name}".lstrip(".") for i, name in found]
+
+
+# NOTE [a small buffer first changed after the first replay]: a module's small buffers (and
+# frozen parameters) are cloned before its forward at its first calls and once a forward of it
+# changed state (snapshots_wanted in state_changes.py), not at every call: that would cost a
+# clone per buffer per call to every layer holding one (a rotary table's inv_freq). One first
+# changed in place after the layer's first replay (in a branch the first calls skipped: an
+# early exit, a LayerDrop decided outside; an update gated on data) has no copy of what the
+# forward read: that call's replay reads it as the forward left it, one update ahead, and where
+# the output reads it (an EMA updated, then used) the call's gradients differ from eager's,
+# silently before (helper NL); the layer is stateful from then on, so later calls are exact.
+# Warned once per layer, naming the buffers; verify_replay=True finds such a call.
+_WARNED_UNSAVED = "_pytree_ckpt_warned_unsaved"
+
+
+def warn_first_change_unsaved(owner: nn.Module, roots: Sequence[nn.Module],
+                              found: list[tuple[dict[str, Any], str]], /) -> None:
+    """NOTE above: ``found`` is ``ChangedState.small_unsaved()`` of a call made without
+    snapshots, ``roots`` the modules whose trees hold its dicts."""
+    if not found or owner.__dict__.get(_WARNED_UNSAVED):
+        return
+    owner.__dict__[_WARNED_UNSAVED] = Told()  # a copy is told anew
+    paths = {id(d): path for root in roots
+             for path, m in root.named_modules(prefix="" if root is owner else
+                                               f"({type(root).__name__})")
+             for d in (m._buffers, m._parameters)}
+    names = ", ".join(f"{paths.get(id(d), '?')}.{name}".lstrip(".") for d, name in found)
+    warnings.warn(
+        f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} changed {names} "
+        "in place for the first time after the layer's first replay (a branch its first calls "
+        "skipped: an early exit, LayerDrop; an update gated on data), when its small buffers "
+        "are no longer copied before each call: this call's replay reads them as the forward "
+        "left them, one update ahead, so where the output reads them its gradients differ from "
+        "eager's (later calls are exact). Tip: let the first step run every branch that "
+        "changes state, or keep such state outside the checkpointed call; verify_replay=True "
+        "finds the call (docs/limits.md, 'State the forward changes')",
+        stacklevel=user_stacklevel())
 
 
 _WARNED_STACKED = "_pytree_ckpt_warned_stacked"

@@ -1,0 +1,409 @@
+"""Data-dependent compute through the boundary, bit for bit against an eager twin (helper NL):
+mixture-of-depths routing (top-k, gather, scatter / index_put_ / index_add_), early exit and
+adaptive computation (a branch on ``.item()``, ACT's halting loop, PonderNet's sampled halting),
+LayerDrop and stochastic depth drawn inside and outside the layer, ToMe token merging and token
+dropping with shapes that change every step (offload on and off)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+import pytree_ckpt
+from pytree_ckpt import KeptCallables, RecomputeConfig, SaveUnit, apply_recompute_config
+
+D = 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(D, 16), nn.Linear(16, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, make: Callable[[], nn.Module], n: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([make() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class MixtureOfDepths(nn.Module):
+    """A router scores tokens, top-k picks a capacity per sequence, only those run the block,
+    scaled by the router weight and put back with ``mode``."""
+
+    def __init__(self, mode: str, reuse: bool, ties: bool) -> None:
+        super().__init__()
+        self.router, self.block = nn.Linear(D, 1), Block()
+        self.mode, self.reuse, self.ties = mode, reuse, ties
+
+    def pick(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.topk(scores, 3, dim=-1).indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        w = self.router(x).squeeze(-1)
+        scores = (w.round() if self.ties else w).detach()  # round: many ties
+        idx = pytree_ckpt.reuse_during_recompute(self.pick, scores) if self.reuse \
+            else self.pick(scores)
+        idx = idx.sort(-1).values
+        gather_at = idx.unsqueeze(-1).expand(b, 3, D)
+        y = self.block(torch.gather(x, 1, gather_at)) * \
+            torch.gather(w, 1, idx).sigmoid().unsqueeze(-1)
+        if self.mode == "scatter":
+            return x.scatter(1, gather_at, torch.gather(x, 1, gather_at) + y)
+        flat = x.reshape(b * t, D)
+        rows = (idx + torch.arange(b).unsqueeze(1) * t).reshape(-1)
+        out = flat.clone()
+        if self.mode == "index_add":
+            out.index_add_(0, rows, y.reshape(-1, D))
+        else:
+            out.index_put_((rows,), y.reshape(-1, D), accumulate=self.mode == "index_put_acc")
+        return out.view(b, t, D)
+
+
+class EarlyExit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Block(), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.a(x)
+        if h.norm().item() > 3.0 * x.shape[0]:
+            return h
+        return h + self.b(h)
+
+
+class AdaptiveComputation(nn.Module):
+    """ACT: a while loop on a halting probability, halted samples no longer updated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.halt = Block(), nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        h, cum, out, n = x, torch.zeros(b), torch.zeros_like(x), 0
+        running = torch.ones(b, dtype=torch.bool)
+        while running.any() and n < 6:
+            h = h + self.cell(h)
+            p = torch.sigmoid(self.halt(h)).squeeze(-1)
+            new = cum + p * running
+            halting = (new > 0.95) & running
+            out = out + (torch.where(halting, 1 - cum, p) * running).unsqueeze(-1) * h
+            cum = torch.where(running, new, cum)
+            running = running & ~halting
+            n += 1
+        return out
+
+
+class PonderNet(nn.Module):
+    """Halting sampled with ``torch.bernoulli`` at each step of a data-dependent loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.lam = Block(), nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, out, going, n = x, torch.zeros_like(x), torch.ones(x.shape[0], 1), 0
+        while n < 6 and going.sum().item() > 0:
+            h = h + self.cell(h)
+            lam = torch.sigmoid(self.lam(h))
+            stop = torch.bernoulli(lam.detach()) * going
+            out = out + stop * h * lam
+            going = going * (1 - stop)
+            n += 1
+        return out + going * h
+
+
+class DropPath(nn.Module):
+    """timm's drop_path written by hand, the keep mask drawn inside the layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = x.new_empty((x.shape[0], 1)).bernoulli_(0.5)
+        return x + self.b(x) * keep / 0.5
+
+
+class LayerDropInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b, self.drop = Block(), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.rand(()).item() < 0.5:
+            return self.drop(x)
+        return self.drop(x + self.b(x))
+
+
+class LayerDropOutside(Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand(()).item() < 0.4:
+                continue
+            x = layer(x)
+        return x
+
+
+def bipartite_merge(x: torch.Tensor, r: int, keys: torch.Tensor) -> torch.Tensor:
+    """ToMe's bipartite soft matching: merge the r most similar tokens of one half into the
+    other with ``scatter_reduce(..., "mean")``."""
+    a, b = x[:, ::2], x[:, 1::2]
+    ka, kb = keys[:, ::2], keys[:, 1::2]
+    ka, kb = ka / ka.norm(dim=-1, keepdim=True), kb / kb.norm(dim=-1, keepdim=True)
+    node_max, node_idx = (ka @ kb.transpose(-1, -2)).max(dim=-1)
+    edge_idx = node_max.argsort(dim=-1, descending=True)[..., None]
+    unm_idx, src_idx = edge_idx[:, r:], edge_idx[:, :r]
+    dst_idx = node_idx[..., None].gather(dim=-2, index=src_idx)
+    n, t1, c = a.shape
+    unm = a.gather(dim=-2, index=unm_idx.expand(n, t1 - r, c))
+    src = a.gather(dim=-2, index=src_idx.expand(n, r, c))
+    dst = b.scatter_reduce(-2, dst_idx.expand(n, r, c), src, reduce="mean")
+    return torch.cat([unm, dst], dim=1)
+
+
+class TokenMerging(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b, self.k = Block(), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.b(x)
+        return bipartite_merge(x, 2, self.k(x).detach())
+
+
+def count(ids: torch.Tensor) -> int:
+    return int(ids.numel())
+
+
+class TokenDropping(nn.Module):
+    """Keeps the tokens a scorer picks (how many depends on the data), frozen or recomputed."""
+
+    def __init__(self, reuse: bool) -> None:
+        super().__init__()
+        self.b, self.score, self.reuse = Block(), nn.Linear(D, 1), reuse
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        return (scores > 0).nonzero().squeeze(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.score(x).squeeze(-1)
+        if self.reuse:
+            ids = pytree_ckpt.reuse_during_recompute(self.select, s.detach())
+            k = pytree_ckpt.reuse_during_recompute(count, ids)
+        else:
+            ids, k = self.select(s.detach()), 0
+        y = self.b(x[ids]) * torch.sigmoid(s[ids]).unsqueeze(-1) * (1 + k / x.shape[0])
+        return x.index_add(0, ids, y)
+
+
+def run(model: nn.Module, xs: list[torch.Tensor]) -> list[Any]:
+    """Per step: the loss, every parameter's gradient (None kept); then the buffers and the
+    default generator's state."""
+    torch.manual_seed(123)
+    seen: list[Any] = []
+    for x in xs:
+        loss = model(x.clone().requires_grad_()).square().sum()
+        loss.backward()
+        seen.append(loss.detach())
+        seen.extend(p.grad for p in model.parameters())
+        model.zero_grad(set_to_none=True)
+    seen.extend(b.clone() for b in model.buffers())
+    seen.append(torch.get_rng_state())
+    return seen
+
+
+def same(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b))
+
+
+def per_layer(**options: Any) -> Callable[[nn.Module], nn.Module]:
+    def wrap(model: nn.Module) -> nn.Module:
+        for layer in model.layers:  # type: ignore[union-attr]
+            pytree_ckpt.apply_activation_checkpointing(layer, **options)
+        return model
+    return wrap
+
+
+def cpu_offload() -> offload.OffloadManager:
+    return offload.OffloadManager(offload.OffloadConfig(min_bytes=0, prefetch=1), device="cpu")
+
+
+def assert_like_eager(make: Callable[[], nn.Module], wrap: Callable[[nn.Module], nn.Module],
+                      xs: list[torch.Tensor]) -> None:
+    torch.manual_seed(0)
+    eager = make()
+    ours = wrap(copy.deepcopy(eager))
+    assert same(run(eager, xs), run(ours, xs))
+
+
+WRAPS = {"plain": lambda: per_layer(), "verify_replay": lambda: per_layer(verify_replay=True),
+         "offload": lambda: per_layer(offload=cpu_offload())}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+@pytest.mark.parametrize("mode", ["scatter", "index_add", "index_put", "index_put_acc"])
+@pytest.mark.parametrize("reuse", [False, True], ids=["recomputed", "reused"])
+def test_mixture_of_depths_routing_gives_eager_gradients(mode: str, reuse: bool,
+                                                         wrap: str) -> None:
+    xs = [torch.randn(2, 6, D) for _ in range(2)]
+    assert_like_eager(lambda: Stack(lambda: MixtureOfDepths(mode, reuse, ties=True)),
+                      WRAPS[wrap](), xs)
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+@pytest.mark.parametrize("layer", [EarlyExit, AdaptiveComputation, PonderNet, DropPath,
+                                   LayerDropInside])
+def test_data_dependent_branches_and_draws_in_the_layer_give_eager_gradients(
+        layer: type[nn.Module], wrap: str) -> None:
+    xs = [torch.randn(5, D) * s for s in (0.5, 2.0, 3.0)]
+    assert_like_eager(lambda: Stack(layer), WRAPS[wrap](), xs)
+
+
+def test_layer_drop_decided_in_the_parent_gives_eager_gradients() -> None:
+    assert_like_eager(lambda: LayerDropOutside(DropPath, n=4), per_layer(),
+                      [torch.randn(6, D) for _ in range(3)])
+
+
+def test_a_layer_called_a_data_dependent_number_of_times_gives_eager_gradients() -> None:
+    class Universal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers, self.halt = nn.ModuleList([Block()]), nn.Linear(D, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            acc = torch.zeros_like(x)
+            for _ in range(6):
+                x = x + self.layers[0](x)
+                p = torch.sigmoid(self.halt(x)).mean()
+                acc = acc + p * x
+                if p.item() > 0.55:
+                    break
+            return acc
+
+    assert_like_eager(Universal, per_layer(offload=cpu_offload()),
+                      [torch.randn(4, D) for _ in range(3)])
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_token_merging_with_changing_lengths_gives_eager_gradients(wrap: str) -> None:
+    xs = [torch.randn(2, n, D) for n in (12, 8, 16, 12)]
+    assert_like_eager(lambda: Stack(TokenMerging), WRAPS[wrap](), xs)
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS) + ["save_unit"])
+@pytest.mark.parametrize("reuse", [False, True], ids=["recomputed", "reused"])
+def test_token_dropping_with_changing_counts_gives_eager_gradients(reuse: bool,
+                                                                   wrap: str) -> None:
+    def save_unit(model: nn.Module) -> nn.Module:
+        apply_recompute_config(model.layers, RecomputeConfig(1.0, save=["moe_gate"]),  # type: ignore[arg-type]
+                               {SaveUnit.MOE_GATE: KeptCallables("Block.forward")},
+                               offload=cpu_offload())
+        return model
+
+    xs = [torch.randn(n, D) for n in (12, 9, 20, 12, 7)]
+    assert_like_eager(lambda: Stack(lambda: TokenDropping(reuse)),
+                      save_unit if wrap == "save_unit" else WRAPS[wrap](), xs)
+
+
+def test_offload_pool_stops_growing_once_the_token_counts_repeat() -> None:
+    manager = cpu_offload()
+    torch.manual_seed(0)
+    model = per_layer(offload=manager)(Stack(lambda: TokenDropping(True), n=4))
+    inputs = [torch.randn(n, D) for n in (40, 20, 64, 33, 7)]
+    sizes = []
+    for x in inputs * 3:  # the kept counts repeat with the inputs
+        model(x.clone().requires_grad_()).square().sum().backward()
+        stats = manager.stats()
+        assert stats["host_buffers_in_use"] == 0
+        sizes.append(stats["host_bytes"])
+    assert sizes[10:] == [sizes[9]] * 5
+
+
+class EmaNorm(nn.Module):
+    """Divides by an EMA of its inputs' magnitude that it updates first (a small buffer)."""
+
+    ema: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.ones(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.abs().mean(0))
+        return x / self.ema
+
+
+class ExitBeforeTheNormedBlock(nn.Module):
+    """Early exit on small inputs: the second block, with its EMA, runs only on large ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Block(), nn.Sequential(EmaNorm(), Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.a(x)
+        if x.abs().mean().item() < 1.0:
+            return h
+        return h + self.b(h)
+
+
+_LATE = "changed b.0.ema in place for the first time after the layer's first replay"
+
+
+@pytest.mark.filterwarnings(f"ignore:.*{_LATE}")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Module state: a small "
+                   "buffer first changed after the layer's first replay, warned) (helper NL)")
+def test_early_exit_whose_skipped_branch_first_runs_later_gives_eager_gradients() -> None:
+    # the first two steps exit early (EmaNorm never runs), the third runs it for the first time
+    xs = [torch.randn(6, D) * 0.3, torch.randn(6, D) * 0.3, torch.randn(6, D) * 3]
+    assert_like_eager(lambda: Stack(ExitBeforeTheNormedBlock, n=2), per_layer(), xs)
+
+
+def test_a_small_buffer_first_changed_after_the_first_replay_is_warned_of_once_per_layer(
+        ) -> None:
+    # Helper NL: the case above was silent; each layer's forward sees the EMA's version move
+    # with no copy saved, and says so once, naming the buffer by its path in the layer.
+    xs = [torch.randn(6, D) * 0.3, torch.randn(6, D) * 0.3, *[torch.randn(6, D) * 3] * 2]
+    torch.manual_seed(0)
+    model = per_layer()(Stack(ExitBeforeTheNormedBlock, n=2))
+    with pytest.warns(UserWarning, match=_LATE) as told:
+        run(model, xs)
+    assert [str(w.message).count("b.0.ema") for w in told] == [1, 1]  # once each layer
+
+
+def test_early_exit_whose_branch_runs_from_the_first_call_gives_eager_gradients() -> None:
+    # Its first call copies the small buffers and finds the EMA changed: no warning.
+    xs = [torch.randn(6, D) * 3, torch.randn(6, D) * 0.3, torch.randn(6, D) * 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_like_eager(lambda: Stack(ExitBeforeTheNormedBlock, n=2), per_layer(), xs)
+
+
+@pytest.mark.filterwarnings(f"ignore:.*{_LATE}")
+def test_verify_replay_finds_the_late_first_update_of_a_skipped_branch() -> None:
+    xs = [torch.randn(6, D) * 0.3, torch.randn(6, D) * 0.3, torch.randn(6, D) * 3]
+    torch.manual_seed(0)
+    model = per_layer(verify_replay=True)(Stack(ExitBeforeTheNormedBlock, n=2))
+    with pytest.raises(pytree_ckpt.ReplayMismatchError):
+        run(model, xs)
