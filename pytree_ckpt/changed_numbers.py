@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,10 +70,12 @@ class ChangedNumbers:
         return found
 
     @contextmanager
-    def as_forward_began(self, where: str = "the layer", /) -> Iterator[None]:
+    def as_forward_began(self, where: str = "the layer", roots: Sequence[nn.Module] = (), /
+                         ) -> Iterator[None]:
         """The changed values as the forward began, for the block; the values, and the objects
         the forward rebound, as the block began, after it. ``where`` names the call for
-        NOTE [a graph tensor kept on a module]."""
+        NOTE [a graph tensor kept on a module], and ``roots`` (the call's modules) the paths
+        of attributes in refusals."""
         at_start = [(d, [(name, d.get(name, ABSENT))
                          for name in [*(name for name, _ in values), *rebound]])
                     for d, values, rebound in self.found]
@@ -100,8 +102,8 @@ class ChangedNumbers:
         copies: dict[int, torch.Tensor] = {}
         for d, values, _ in self.found:
             for name, value in values:
-                if type(value) is Rewritten and value.set_since_with_grad(d.get(name)):
-                    _refuse_a_graph_set_since(where, name, d[name])
+                if type(value) is Rewritten and (why := value.graph_read(d.get(name))):
+                    _refuse_a_graph_rewritten(where, _path(roots, d, name), why)
         found = [(d, [(name, fresh_values(value, fresh) if type(value) is ValuesRead else
                        value.for_replay(d.get(name, ABSENT), copies) if type(value) is Rewritten
                        else value)
@@ -301,22 +303,39 @@ def _warn_graph_tensors_kept(at_start: list[tuple[dict[str, Any], list[tuple[str
 _TOLD_GRAPH = OURS + "_told_graph_"
 
 
-def _refuse_a_graph_set_since(where: str, name: str, now: torch.Tensor, /) -> None:
-    """``Rewritten.set_since_with_grad``: the replay would read, and backpropagate into, a
-    tensor with a graph the forward never read."""
-    made = "a leaf" if now.grad_fn is None else type(now.grad_fn).__name__
+def _path(roots: Sequence[nn.Module], d: dict[str, Any], name: str, /) -> str:
+    """``name`` of the module whose ``__dict__`` is ``d``, by its path from ``roots``."""
+    for root in roots:
+        for path, module in root.named_modules():
+            if vars(module) is d:
+                return f"{path}.{name}" if path else name
+    return name
+
+
+def _refuse_a_graph_rewritten(where: str, path: str, why: str, /) -> None:
+    """``Rewritten.graph_read``: no replay runs as its forward did."""
+    if why == "read":
+        what = (f"the forward of {where} read the module attribute {path!r} holding a tensor "
+                "requiring grad (a state carried with its graph, or set to one: `self.h = "
+                "self.h0 * 1`) and changed it in place: the original pass wrote its values, so "
+                "no replay reads them as the forward did, and each replay backpropagates into a "
+                "graph made outside the call")
+        got = f"{path!r} holding a tensor requiring grad, changed in place by the forward"
+    else:
+        what = (f"the replay of {where} reads the module attribute {path!r}, which its forward "
+                "changed in place without a copy of what it read, and which holds, as the "
+                "replay begins, a tensor requiring grad the forward did not read (set between "
+                "the forward and backward: a learned initial state, `self.h = self.h0 * 1`): "
+                "the replay would backpropagate into it, where eager gives that graph no "
+                "gradient from this call")
+        got = f"{path!r} holding a tensor requiring grad that the forward did not read"
     raise CheckpointError(
-        f"the replay of {where} reads the module attribute {name!r}, which its forward changed "
-        "in place without a copy of what it read (over 64 KiB, or not cloned), and which "
-        "holds a tensor requiring grad set since, between the forward and backward (a learned "
-        "initial state, `self.h = self.h0 * 1`): the replay would read it and backpropagate "
-        "into it, where the forward read a tensor without grad (eager gives that graph no "
-        "gradient)",
-        expected=f"{name!r} holding the tensor the forward read, or one without grad, until "
-                 "backward",
-        got=f"{name!r} holding a tensor requiring grad ({made}) that the forward did not read",
-        tip="reset the state after backward, or pass it in and return the new one (`out, h = "
-            "cell(x, h)`) (docs/limits.md, 'State the forward changes')")
+        what, expected="a state with a graph passed in and returned; on the module, only "
+                       "tensors without grad",
+        got=got,
+        tip="pass the state in and return the new one (`out, h = cell(x, h)`; a learned initial "
+            "state as an argument: `cell(x, h0.expand(b, -1))`), or keep it detached on the "
+            "module (`.detach()`) (docs/limits.md, 'State the forward changes')")
 
 
 def _set(d: dict[str, Any], named: list[tuple[str, Any]],

@@ -133,8 +133,7 @@ class NumbersWatch:
                         values.append((name, kept))
                     elif type(was[1]) in _HELD and was[1].moved():
                         # NOTE [a tensor attribute changed in place, not held] (plain_values.py)
-                        values.append((name, Rewritten(
-                            was[1].ref if type(was[1]) is TensorHeld else None)))
+                        values.append((name, Rewritten(was[1].tensors())))
                     elif type(was[1]) is not Contents:
                         rebound.append(name)  # an object rebound (or consumed): read as it is
                     elif type(entry[1]) is Contents or d[name] is not was[1].held or \

@@ -347,6 +347,11 @@ class TensorHeld:
             return kept
         return None if self.values is None else ValuesRead(self.values)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensor read, while it lives."""
+        tensor = self.ref()
+        return [] if tensor is None else [tensor]
+
     def moved(self) -> bool:
         """NOTE [a tensor attribute changed in place, not held]: whether the tensor read was
         changed in place since (the attribute may hold another by now: helper NA)."""
@@ -381,20 +386,27 @@ class TensorHeld:
 class Rewritten:
     """An attribute whose tensors the forward changed in place (NOTE above)."""
 
-    __slots__ = ("read",)
+    __slots__ = ("read", "read_grad")
 
-    def __init__(self, read: weakref.ref[torch.Tensor] | None = None, /) -> None:
-        self.read = read  # the tensor the forward read (of a tuple's: None)
+    def __init__(self, read: list[torch.Tensor], /) -> None:
+        self.read = [weakref.ref(t) for t in read]  # the attribute's tensor, or its tuple's
+        self.read_grad = any(t.requires_grad for t in read)
 
-    def set_since_with_grad(self, now: Any, /) -> bool:
-        """Whether the attribute holds, as the replay begins, a tensor requiring grad other
-        than the one the forward read: one the caller set between the forward and backward
-        (a learned initial state, ``self.h = self.h0 * 1``). Its replay would backpropagate
-        into it, where the forward read a tensor without a graph: gradients eager never
-        gives (its parameter's, silently with one call; refused only where a second call's
-        replay found the graph freed: helper NJ's M12)."""
-        return isinstance(now, torch.Tensor) and now.requires_grad and \
-            (self.read is None or now is not self.read())
+    def graph_read(self, now: Any, /) -> str | None:
+        """Why the replay cannot run on ``now`` (what the attribute holds as the replay
+        begins), or ``None``: ``"read"``, the forward read a tensor requiring grad there (a
+        state carried with its graph, or set to one before the forward: the original pass
+        wrote its values, so no replay reads them as the forward did, and each backpropagates
+        into a graph made outside the call: helper NO); ``"set since"``, it holds a tensor
+        requiring grad the forward did not read (the caller's learned initial state, ``self.h
+        = self.h0 * 1``, set between the forward and backward: the replay backpropagated into
+        it, and with one call its parameter got a gradient eager never gives, silently:
+        helper NJ's M12; of a tuple too: helper NO)."""
+        if self.read_grad:
+            return "read"
+        read = {id(t) for ref in self.read if (t := ref()) is not None}
+        return "set since" if any(t.requires_grad and id(t) not in read
+                                  for t in _tensors_of(now)) else None
 
     def for_replay(self, now: Any, copies: dict[int, torch.Tensor], /, depth: int = 0) -> Any:
         """``now`` (what the attribute holds as the replay begins) with each plain tensor
@@ -457,6 +469,9 @@ class TupleHeld:
         return self.kept if _versions(self.kept) == self.versions else None
 
 
+    def tensors(self) -> list[torch.Tensor]:
+        return tuple_tensors(self.kept)
+
     def moved(self) -> bool:
         """NOTE [a tensor attribute changed in place, not held]: whether a tensor of the tuple
         read was changed in place since."""
@@ -500,6 +515,16 @@ def _plain_tuple_class(kind: type, /) -> bool:
 def tuple_tensors(value: tuple[Any, ...], /) -> list[torch.Tensor]:
     """The tensors of a tuple (of nested tuples too), in order."""
     return [t for t in _leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _tensors_of(value: Any, /, depth: int = 0) -> list[torch.Tensor]:
+    """``value`` if a tensor, else the tensors of a tuple of it, 4 deep at most (what
+    ``Rewritten.for_replay`` copies)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple) and depth < 4:
+        return [t for v in value for t in _tensors_of(v, depth + 1)]
+    return []
 
 
 def _leaves(value: tuple[Any, ...], /) -> list[Any]:

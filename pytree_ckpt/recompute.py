@@ -308,7 +308,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # first replay's checks too, which read what the replay stored (an aux loss) before
             # the forward's objects are put back.
             numbers = _NOTHING if call.changed_numbers is None else \
-                call.changed_numbers.as_forward_began(fn_name(call.fn))
+                call.changed_numbers.as_forward_began(
+                    fn_name(call.fn), [call.owner] if call.owner is not None else ())
             # NOTE [a forward that sets a default generator's state] (generator_sets.py)
             sets = replay_watch(call.generator_sets)
             # NOTE [the replay runs the forward's hooks] (hook_tables.py)

@@ -165,9 +165,9 @@ def raise_freed_graph_reached(call: BoundaryCall, error: RuntimeError, /) -> Non
     with a graph kept on a module between calls (a state carried with its gradient, in an
     attribute, dict or list: ``self.cache["h"] = out``), which the replay reads as the last
     call, or the last replay, left it, and whose graph another call's backward freed (helper
-    ES: torch's bare error named nothing), or one the caller set there between the forward
-    and backward (helper NJ). Refused naming such attributes where the modules hold one;
-    otherwise torch's error stands."""
+    ES: torch's bare error named nothing), one the caller set there between the forward and
+    backward (helper NJ), or one computed once and read by several calls (helper NO). Refused
+    naming such attributes where the modules hold one; otherwise torch's error stands."""
     if _FREED_GRAPH not in str(error):
         return
     held = [f"{path}.{name}" if path else name
@@ -200,16 +200,17 @@ def raise_freed_graph_reached(call: BoundaryCall, error: RuntimeError, /) -> Non
     what = f"the module attribute{'s' if len(held) > 1 else ''} {', '.join(map(repr, held))}"
     raise CheckpointError(
         f"the replay of {fn_name(call.fn)} reached a graph already freed through {what}, which "
-        "holds a tensor with a graph: one kept between calls (a state carried with its "
-        "gradient), or one set between the forward and backward (a learned initial state, "
-        "`self.h = self.h0 * 1`, as a new sequence begins); the replay reads it as "
-        "it is then, not as its forward did, and backpropagates into a graph not its call's",
-        expected="state carried between calls passed in and returned, or kept detached, and "
-                 "reset after backward",
+        "holds a tensor with a graph made outside the call: a state carried between calls with "
+        "its gradient, one set between the forward and backward (a learned initial state, "
+        "`self.h = self.h0 * 1`), or one computed once and read by several calls (`self.scale "
+        "= self.s0.exp()`): each call's replay backpropagates into that graph itself (module "
+        "state is no input of the call), and another call's replay freed it",
+        expected="tensors with a graph made outside the call passed as arguments, and states "
+                 "returned; on the module, only tensors without grad",
         got=f"{what} holding a tensor with a graph (torch: {_FREED_GRAPH})",
-        tip="pass the state as an argument and return the new one (`out, h = cell(x, h)`), "
-            "or keep it detached (`.detach()`: truncated backpropagation); reset a state after "
-            "backward, not between the forward and backward") from error
+        tip="pass it as an argument (`layer(x, scale)`) and return a new state (`out, h = "
+            "cell(x, h)`), or keep it detached on the module (`.detach()`: truncated "
+            "backpropagation)") from error
 
 
 def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> NoReturn:

@@ -803,3 +803,84 @@ def test_a_kernel_written_dict_is_remembered_only_on_the_module_whose_tree_holds
     assert all(torch.equal(a, b) for a, b in zip(observing.buffers(), twin[2].buffers()))
     assert remembered([observing]) != frozenset()
     assert remembered([layer]) == frozenset()  # its own tree holds no buffer
+
+
+class _ViewedAnewMore(nn.Module):
+    """More ways a forward views a small buffer anew through ``.data`` (or resizes it in place)
+    without moving a version: a view of a tied buffer's storage, a transpose, int8 read as
+    bool, bf16 as int16, the negative bit, ``resize_``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(8, 8)
+        base = torch.arange(16.0) / 16
+        table = {"tied": base, "transposed": base.view(4, 4),
+                 "int8 as bool": torch.tensor([0, 1, 2, 0, 1, 1, 0, 3], dtype=torch.int8),
+                 "bf16 as int16": (torch.arange(8.0) / 3).bfloat16()}.get(how, base[:8].clone())
+        self.register_buffer("a", table)
+        if how == "tied":
+            self.register_buffer("b", base[8:])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        a, how = self.a, self.how
+        if how == "tied":  # b, a view of a's second half, viewed anew over its first half
+            scale = a[:8].sum() + 2 * self.b.sum()
+            self.b.data = a.data[:8]
+        elif how == "transposed":
+            scale = a[0].sum() + 2 * a[:, 0].sum()
+            self.a.data = a.data.t()
+        elif how == "int8 as bool":
+            scale = ((a.float() * torch.arange(8.0)).sum() if a.dtype == torch.int8 else
+                     3 * a.float().sum())
+            self.a.data = a.data.view(torch.bool if a.dtype == torch.int8 else torch.int8)
+        elif how == "bf16 as int16":
+            scale = (a.float().sum() if a.dtype == torch.bfloat16 else
+                     (a % 5).float().sum())
+            self.a.data = a.data.view(
+                torch.int16 if a.dtype == torch.bfloat16 else torch.bfloat16)
+        elif how == "negative bit":
+            scale = (a * torch.arange(8.0)).sum()
+            self.a.data = torch._neg_view(a.data) if not a.is_neg() else a.data.resolve_neg()
+        else:  # resized in place
+            scale = a.sum() + a.numel()
+            with torch.no_grad():
+                self.a.resize_(4 if a.numel() == 8 else 8)
+        return self.lin(h) * scale
+
+
+@pytest.mark.parametrize("mode", ["module", "discard"])
+@pytest.mark.parametrize("how", ["tied", "transposed", "int8 as bool", "bf16 as int16",
+                                 "negative bit", "resized"])
+def test_a_buffer_viewed_anew_more_ways_with_micro_batches_gives_eager_steps(
+        how: str, mode: str) -> None:
+    # helper NO (7262292's view comparison): all but "resized" read one view ahead before it.
+    got = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        layer, proj = _ViewedAnewMore(how), nn.Linear(8, 2)
+        if checkpointed and mode == "module":
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        optimizer = torch.optim.SGD([*layer.parameters(), *proj.parameters()], lr=0.01)
+        seen = []
+        for step in range(3):
+            loss = torch.zeros(())
+            for micro in range(2):
+                x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2 * step + micro))
+                if checkpointed and mode == "discard":
+                    ckpt = pytree_ckpt.CheckpointWithoutOutput()
+                    out = proj(ckpt.checkpoint(layer, x))
+                    ckpt.discard_output_and_register_recompute(out)
+                else:
+                    out = proj(layer(x))
+                loss = loss + out.square().sum()
+            loss.backward()
+            seen.append((loss.detach(), grads_of([*layer.parameters(), *proj.parameters()]),
+                         [b.clone() for b in layer.buffers()]))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        got.append(seen)
+    for step, ((loss, grads, bufs), (loss2, grads2, bufs2)) in enumerate(zip(*got)):
+        assert torch.equal(loss, loss2), step
+        assert_same_grads(grads, grads2)
+        assert all(b.dtype == b2.dtype and b.is_neg() == b2.is_neg() and torch.equal(b, b2)
+                   for b, b2 in zip(bufs, bufs2)), step

@@ -1702,7 +1702,7 @@ def test_a_state_read_from_an_earlier_call_kept_with_grad_on_the_module_is_refus
     with pytest.raises(pytree_ckpt.CheckpointError, match="the replay of ReadsTheFirst reached "
                        "a graph already freed through the module attribute 'cache'") as refused:
         loss.backward()
-    assert "tip: pass the state as an argument and return the new one" in str(refused.value)
+    assert "and return a new state (`out, h = cell(x, h)`)" in str(refused.value)
 
 
 _KEYS_READ: list[tuple[str, int]] = []
