@@ -27,13 +27,14 @@ container attribute (a list of generators), nor one a closure holds.
 
 A generator made during the checkpointed call itself (``if self.gen is None: self.gen =
 torch.Generator(x.device)`` in the forward) cannot be restored for that call's replay: its
-state before the call was never seen. The replay then draws other numbers than the forward
-did, and the generator ends that step further on than in eager; the boundary warns once per
-module (``warn_made_during``), naming the fix: make it before the first call. One made as a
-new attribute of a submodule (not of the call's module) in that call is warned of only where
-the call's trees already hold a generator or a None-valued name (the after-check reads the
-submodules' dict sizes only then, to keep the usual layer at one ``len``); it is restored
-from the next call on either way.
+state before the call was never seen. The replay finds the name as the forward did (None),
+makes another, and draws other numbers than the forward did unless the forward seeds it the
+same way each time (a fixed seed: exact, helper NK); the boundary warns once per module
+(``warn_made_during``, which cannot tell), naming the fix: make it before the first call. One
+made as a new attribute of a submodule (not of the call's module) in that call is warned of
+only where the call's trees already hold a generator or a None-valued name (the after-check
+reads the submodules' dict sizes only then, to keep the usual layer at one ``len``); it is
+restored from the next call on either way.
 """
 
 from __future__ import annotations
@@ -176,8 +177,9 @@ def warn_made_during(modules: Sequence[nn.Module], trees: Sequence[ModuleDicts],
     warnings.warn(
         f"pytree_ckpt: a torch.Generator that {type(owner).__name__} (or a submodule) holds as "
         "an attribute was made or assigned during its checkpointed call: the replay cannot "
-        "restore a state it never saw, so this call's replay draws other numbers than its "
-        "forward did (its gradients differ from eager's) and the generator ends the step "
-        "further on than in eager. Later calls restore it. Tip: make the generator before the "
-        "first checkpointed call (in __init__, or on the device once the model is moved), not "
-        "lazily in forward.", stacklevel=user_stacklevel())
+        "restore a state it never saw, so, unless the forward makes it the same way at each "
+        "call (a fixed seed, `torch.Generator().manual_seed(1234)`, which the replay runs "
+        "again), this call's replay draws other numbers than its forward did (its gradients "
+        "differ from eager's; verify_replay=True tells). Later calls restore it. Tip: make the "
+        "generator before the first checkpointed call (in __init__, or on the device once the "
+        "model is moved), not lazily in forward.", stacklevel=user_stacklevel())

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,7 @@ from .errors import CheckpointError
 from .module_state import owning_module
 from .refusals import fn_name, readable_path
 from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, dunder, hidden_tensor,
-                   leaf_kind, leaf_paths, metadata_tensor)
+                   leaf_kind, leaf_paths, metadata_tensor, object_children)
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -163,6 +164,25 @@ def _holds_no_state(leaf: Any, /) -> bool:
     return False
 
 
+def _cache_inside(leaf: Any, /) -> tuple[str | None, str, Any]:
+    """A cache object one level inside a leaf the bridge does not open (``_cache_kind``, its
+    path step from the leaf, the object), else ``(None, "", leaf)``: an attribute or slot of a
+    plain object (a per-step ``SimpleNamespace(cache=...)`` passed to a decoder layer), or an
+    item of a mapping it does not open (a ``dict`` subclass): filled twice there too, silently
+    (helper NK: the key/value projection got half its gradient). One level, as generators and
+    hidden tensors are looked for; not a function's closure (a partial's bound arguments are
+    lifted: functional.py)."""
+    if callable(leaf) or isinstance(leaf, (set, frozenset)):
+        return None, "", leaf
+    children = ((f"[{key!r}]", value) for key, value in leaf.items()) \
+        if isinstance(leaf, Mapping) else iter(object_children(leaf))
+    for step, value in itertools.islice(children, 64):
+        cache = _cache_kind(value)
+        if cache is not None:
+            return cache, step, value
+    return None, "", leaf
+
+
 def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any], /, *,
                               use_cache: Any = None) -> None:
     """Input leaves the boundary cannot hand to the replay as the forward had them, refused
@@ -187,7 +207,9 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
         if leaf is None or isinstance(leaf, (torch.Tensor, nn.Module, int, float, str)):
             continue
         sort = leaf_kind(leaf)
-        cache = _cache_kind(leaf)
+        cache, step, shown = _cache_kind(leaf), "", leaf
+        if cache is None and sort is not ITERATOR and not _holds_no_state(leaf):
+            cache, step, shown = _cache_inside(leaf)
         if cache is not None and _reads_caches_only(fn):
             continue  # transformers' opt-in: the layer only reads it, use_cache or not
         if sort is not ITERATOR and (cache is not None or
@@ -205,13 +227,13 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
             # too (`is_cache_object`). Immutable values (a dtype, a device, an enum, a function)
             # cannot be filled and pass: such a call (a GPT-2 style layer returning its new
             # keys) is legitimate.
-            path = readable_path(leaf_paths(spec, root="inputs")[index])
+            path = readable_path(leaf_paths(spec, root="inputs")[index]) + step
             state = cache == "state"
             raise CheckpointError(
                 f"{fn_name(fn)} was called with grad enabled and "
                 + (f"a {cache} cache at {path}" if cache is not None else
                    f"use_cache=True and an object at {path}")
-                + f" ({type(leaf).__name__}); the original pass fills that cache and the replay "
+                + f" ({type(shown).__name__}); the original pass fills that cache and the replay "
                 "in backward fills it again, and "
                 + ("reads the state the no-grad original pass wrote there: its gradients "
                    "would be silently wrong" if state else
@@ -219,7 +241,7 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
                    "does): gradients through it would be silently missing"),
                 expected="no cache object while grad is enabled (use_cache=False, and none "
                          "passed)",
-                got=type(leaf).__name__ if cache is not None else "use_cache=True",
+                got=type(shown).__name__ if cache is not None else "use_cache=True",
                 tip=("pass no cache object while grad is enabled (a state-space layer fills "
                      "the cache it is given, use_cache=False or not). To carry the state "
                      "across chunks, pass it as tensors and return the new one (`out, state = "
