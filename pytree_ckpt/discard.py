@@ -106,6 +106,7 @@ _DISCARDED_BY = "_pytree_ckpt_discarded_by"
 log = logging.getLogger(__name__)
 
 _WARNED_WRAPPERS: set[type] = set()  # output classes a discard kept, warned of once
+_WARNED_LAYOUTS: set[torch.layout] = set()  # sparse output layouts a discard kept, likewise
 
 # Read at each discarded op, as boundary.py reads them (without a Python frame).
 _functorch_transforms_active: Any = torch._C._are_functorch_transforms_active
@@ -413,6 +414,17 @@ class CheckpointWithoutOutput:
                                 "inner tensors': kept, nothing freed; discard the op on its "
                                 "local tensor (DTensor.to_local()) to free them",
                                 self._name(), type(out).__name__)
+                self.sizes.append(0)
+                continue
+            if outside and out.layout != torch.strided:
+                # A sparse output (a learned adjacency built with sparse_coo_tensor) has no
+                # storage of its own either (helper NM: the debug line below called it an
+                # alias, and nothing said it was kept). Warned once per layout.
+                if out.layout not in _WARNED_LAYOUTS:
+                    _WARNED_LAYOUTS.add(out.layout)
+                    log.warning("output of %s is a %s tensor, which has no storage of its own "
+                                "to free: kept, nothing freed; discard the op that makes its "
+                                "values instead", self._name(), out.layout)
                 self.sizes.append(0)
                 continue
             if outside:

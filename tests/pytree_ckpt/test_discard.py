@@ -1974,3 +1974,40 @@ def test_a_checkpoint_object_whose_call_failed_elsewhere_holds_none_of_its_ops_i
         ckpt.checkpoint(Counts() if fails.startswith("a module") else op, h)
     del h
     assert [r() for r in refs] == [None, None]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_discarding_a_learned_sparse_adjacency_frees_it_or_says_so(
+        layout: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GNN's learned adjacency (edge weights through a sigmoid, built into a sparse tensor) is
+    # a cheap op whose output torch.sparse.mm saves: what output discard is for. Nothing is
+    # freed (a sparse tensor has no storage of its own), and the only word of it was a debug
+    # line saying the output "aliases an input or state outside it", which it does not (helper
+    # NM): a warning, once per layout, says what is kept and why.
+    from pytree_ckpt import discard
+    monkeypatch.setattr(discard, "_WARNED_LAYOUTS", set())  # warned once per process
+    n = 10
+    edge_index = torch.randint(0, n, (2, 30), generator=torch.Generator().manual_seed(0))
+
+    def adjacency(logits: torch.Tensor) -> torch.Tensor:
+        adj = torch.sparse_coo_tensor(edge_index.flip(0), torch.sigmoid(logits), (n, n))
+        adj = adj.coalesce()
+        return adj.to_sparse_csr() if layout == "csr" else adj
+
+    lin = nn.Linear(8, 8)
+    logits = torch.randn(30, requires_grad=True)
+    x = torch.randn(n, 8)
+    eager = torch.autograd.grad(torch.sparse.mm(adjacency(logits), lin(x)).tanh().sum(),
+                                [logits, *lin.parameters()])
+    ckpt = CheckpointWithoutOutput()
+    with caplog.at_level("WARNING", logger="pytree_ckpt.discard"):
+        adj = ckpt.checkpoint(adjacency, logits)
+        out = torch.sparse.mm(adj, lin(x)).tanh()
+        ckpt.discard_output_and_register_recompute(out)
+    freed = adj.values().untyped_storage().nbytes() == 0
+    said = any("adjacency" in r.getMessage() and "no storage of its own" in r.getMessage()
+               for r in caplog.records)
+    got = torch.autograd.grad(out.sum(), [logits, *lin.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(eager, got))   # numbers are eager's
+    assert freed or said
