@@ -530,3 +530,66 @@ def test_a_large_gather_under_deterministic_algorithms_gives_eager_gradients() -
     finally:
         torch.use_deterministic_algorithms(before)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+class _ReturnsItsIds(nn.Module):
+    """Gathers each point's kNN features with ids it computes, and returns the ids too."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(D, D), how
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = (_knn(x.detach(), 4) if self.how == "computed" else
+               reuse_during_recompute(_knn, x.detach(), 4))
+        h = self.lin(x)
+        return torch.gather(h.unsqueeze(0).expand(len(x), -1, -1), 1,
+                            idx[..., None].expand(-1, -1, D)).sum(1), idx
+
+
+@pytest.mark.parametrize("how", ["computed", "reused"])
+def test_ids_a_layer_returns_changed_in_place_by_the_caller_give_the_forwards_gradients(
+        how: str) -> None:
+    # limits.md row (helper NM): DGCNN's `idx += idx_base` on the ids a layer returns. Eager
+    # refuses it in backward (the gather saved idx); the boundary's replay computes the ids
+    # again, so the gradients are those of what the forward computed; a reused call's result
+    # changed so is refused.
+    torch.manual_seed(0)
+    eager = _ReturnsItsIds(how)
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(10, D)
+    out, idx = eager(x)
+    idx += 10
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.square().sum().backward()
+    eager.zero_grad()
+    eager(x)[0].square().sum().backward()  # the twin left as it is
+    out, idx = wrapped(x)
+    idx += 10
+    if how == "reused":
+        with pytest.raises(pytree_ckpt.ReuseError, match="modified in place after it was "
+                           "returned"):
+            out.square().sum().backward()
+        return
+    out.square().sum().backward()
+    for p, q in zip(eager.parameters(), wrapped.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
+
+
+class _ReusesALambda(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = reuse_during_recompute(lambda: _knn(x.detach(), 4))
+        return self.lin(x)[idx].sum(1)
+
+
+def test_a_callable_made_anew_at_each_call_for_a_reused_call_is_refused_in_backward() -> None:
+    # limits.md row (helper NM): calls are keyed by the callable object, and a lambda made in
+    # the forward is another object in the replay.
+    model = pytree_ckpt.apply_activation_checkpointing(_ReusesALambda())
+    loss = model(torch.randn(10, D)).square().sum()
+    with pytest.raises(pytree_ckpt.ReuseError, match="another callable of the same code"):
+        loss.backward()
