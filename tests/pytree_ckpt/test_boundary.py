@@ -3217,3 +3217,25 @@ def test_empty_outputs_changed_in_place_by_the_caller_give_eager_gradients(retur
         (a.sum() + b.sum() * 3).backward()
 
     assert_same_grads(*run_twice(step, [x, residual, *lin.parameters()]))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_an_output_the_caller_drops_before_backward_is_let_go_as_in_eager(
+        checkpointed: bool) -> None:
+    # Helper NN, mutant B07 (boundary_call.py, BoundaryCall.outputs filling self.out_leaves in
+    # place, not a copy): the call then held the forward's output tensors, and through their
+    # grad_fn its own node, until gc; eager lets an output go once the caller drops it (sum
+    # saves nothing of its input).
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    run = (lambda x: {"h": lin(x).relu() * 2}) if not checkpointed else \
+        pytree_ckpt.checkpointed(lambda x: {"h": lin(x).relu() * 2})
+    x = torch.randn(3, 4, requires_grad=True)
+    out = run(x)
+    gone = weakref.ref(out["h"])
+    loss = out["h"].sum()
+    del out
+    assert gone() is None
+    loss.backward()
+    expected = torch.autograd.grad((lin(x).relu() * 2).sum(), [x, lin.weight])
+    assert torch.equal(x.grad, expected[0]) and torch.equal(lin.weight.grad, expected[1])

@@ -30,6 +30,7 @@ class _Router(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.gate = nn.Linear(8, 4)
+        self.held: list[torch.Tensor] = []
 
     def whole_body(self, x: torch.Tensor) -> Any:
         """Top-2 weights and ids, all under no-grad."""
@@ -68,6 +69,20 @@ class _Router(nn.Module):
         with torch.no_grad():
             with torch.enable_grad():
                 return self.gate(x).softmax(-1).max(-1).values
+
+    def appended_before(self, x: torch.Tensor) -> Any:
+        # A statement before the block that is an expression, not a docstring (helper NN,
+        # mutant G14: any leading expression was skipped as the docstring).
+        self.held.append(self.gate(x).softmax(-1).max(-1).values)
+        with torch.no_grad():
+            return self.held.pop()
+
+    def keyed_after(self, x: torch.Tensor) -> Any:
+        # A dict returned after the block whose key is computed there (helper NN, mutant G09:
+        # only the values were read for names).
+        with torch.no_grad():
+            ids = self.gate(x).argmax(-1)
+        return {self.gate(x).softmax(-1).max(-1).values: ids}
 
 @contextlib.contextmanager
 def _grad_on() -> Any:
@@ -150,7 +165,8 @@ def test_each_way_of_switching_grad_off_around_the_body_is_read(name: str) -> No
     assert torch.equal(x.grad, expected)
 
 
-@pytest.mark.parametrize("name", ["computed_before", "computed_after", "enabled_again"])
+@pytest.mark.parametrize("name", ["computed_before", "computed_after", "enabled_again",
+                                  "appended_before"])
 def test_a_body_partly_outside_the_block_is_refused_as_before(name: str) -> None:
     router = _Router()
     route = getattr(router, name)
@@ -553,3 +569,31 @@ def test_a_wrapper_of_the_same_name_a_lambda_on_the_def_line_or_an_objects_switc
     assert lam(x).requires_grad and lam.__code__.co_name == "<lambda>"
     for route in (_route_wrapped_by_its_own_name, lam, _under_an_objects_attribute):
         assert not body_without_grad(route)
+
+
+def test_a_dict_returned_after_the_block_with_a_key_computed_there_is_not_read_as_no_grad(
+        ) -> None:
+    # Helper NN, mutant G09: the key is computed after the block, with grad in eager.
+    router = _Router()
+    assert not body_without_grad(router.keyed_after)
+    (key,) = router.keyed_after(torch.randn(5, 8))
+    assert key.requires_grad  # the premise: eager gives it a graph
+
+
+def test_a_code_objects_shape_cached_under_a_reused_id_is_not_taken_for_its_own() -> None:
+    # Helper NN, mutant G02: _SHAPES is keyed by id(code) and checks the code it holds, as a
+    # freed code object's id may be reused by another's; with the check dropped, a stale
+    # entry's block (here a no-grad one) judged another function.
+    from pytree_ckpt import grad_blocks
+
+    router = _Router()
+    fresh = types.FunctionType(_Router.computed_before.__code__.replace(),
+                               _Router.computed_before.__globals__, "computed_before")
+    stale = (_Router.whole_body.__code__,
+             grad_blocks._block_around_body(_Router.whole_body))
+    assert stale[1] is not None
+    grad_blocks._SHAPES[id(fresh.__code__)] = stale
+    try:
+        assert not body_without_grad(types.MethodType(fresh, router))
+    finally:
+        grad_blocks._SHAPES.pop(id(fresh.__code__), None)

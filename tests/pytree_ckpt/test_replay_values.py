@@ -2078,3 +2078,193 @@ def test_a_moco_queue_written_in_place_is_not_called_only_float_rounding() -> No
     message = str(raised.value)
     assert "as float rounding does (and as a change to a few of many values can)" in message
     assert "a buffer or attribute over 64 KiB changed in place, a MoCo queue" in message
+
+
+# ------------------------------------------------------------- helper NN's mutation round
+
+def _kept_window_grads(verify: bool | None, swap: bool) -> list[torch.Tensor | None]:
+    """test_a_kept_op_whose_inputs_differ_in_the_replay_is_refused's Window, whose replay
+    swaps two tokens of q (same values, same sums: only their places differ)."""
+    class Window(nn.Module):
+        def __init__(self, shared: Config) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.config = shared
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            self.config.calls += 1
+            q = self.proj(h)
+            if swap and self.config.calls > 1:
+                q = q[:, [1, 0, *range(2, q.shape[1])]]
+            return h + (q @ q.transpose(-1, -2)).softmax(-1) @ h
+
+    torch.manual_seed(0)
+    window = Window(Config())
+    if verify is not None:
+        apply_recompute_config([window], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+                               {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::bmm")},
+                               verify_replay=verify)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    window(x).pow(2).sum().backward()
+    return grads_of([x, *window.parameters()])
+
+
+def test_a_kept_ops_argument_whose_replay_only_swaps_two_rows_is_refused() -> None:
+    # Helper NN, mutant R24: the kept op's arguments compared by their value sums, not their
+    # bit prints, passed this replay (the same values in other places), silently with other
+    # gradients than eager's (the premise, unverified).
+    expected = _kept_window_grads(None, swap=False)
+    assert any(not torch.equal(a, b) for a, b in
+               zip(expected, _kept_window_grads(False, swap=True)) if a is not None)
+    assert all(torch.equal(a, b) for a, b in
+               zip(expected, _kept_window_grads(True, swap=False)) if a is not None)
+    with pytest.raises(ReplayMismatchError, match="tensor argument 1 of 2"):
+        _kept_window_grads(True, swap=True)
+
+
+def test_a_kept_sparse_argument_whose_replay_moves_its_entries_is_refused() -> None:
+    # Helper NN, mutant R01: a sparse argument printed by its values alone (all ones here)
+    # missed an adjacency whose replay links other nodes: the indices differ, the values not.
+    class Graph(nn.Module):
+        def __init__(self, shared: Config) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.config = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.config.calls += 1
+            adj = torch.eye(5).roll(self.config.calls, dims=1).to_sparse()
+            return torch.sparse.mm(adj, self.lin(x))
+
+    def step(verify: bool | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = Graph(Config())
+        if verify is not None:
+            apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]), {
+                pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::_sparse_addmm")},
+                verify_replay=verify)
+        layer(torch.randn(5, 4)).pow(2).sum().backward()
+        return layer.lin.weight.grad
+
+    assert not torch.equal(step(None), step(False))  # silent without verify_replay
+    with pytest.raises(ReplayMismatchError, match="tensor argument 2 of 3"):
+        step(True)
+
+
+def test_a_replay_materializing_one_of_two_broadcast_dimensions_is_compared_along_it() -> None:
+    # Helper NN, mutant R16: _repeats taking one stride-0 dimension of two for all of them
+    # passed a replay that materializes dimension 0 with other values and keeps dimension 1
+    # broadcast.
+    base = torch.randn(1, 1, 5)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if pytree_ckpt.current_phase() != "recompute":
+            return x * 2, base.expand(4, 3, 5)
+        rows = base + torch.tensor([0.0, 0.0, 1.0, 0.0]).view(4, 1, 1)  # (4, 1, 5)
+        made = rows.expand(4, 3, 5)  # dimension 1 broadcast (stride 0), dimension 0 not
+        assert made.stride(1) == 0 and made.stride(0) != 0
+        return x * 2, made
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpointed(fn, verify_replay=True)(x)
+    with pytest.raises(ReplayMismatchError, match=r"at output\[1\]"):
+        out[0].sum().backward()
+
+
+def test_an_output_whose_replay_holds_a_nan_leads_with_unwritten_memory_not_rounding() -> None:
+    # Helper NN, mutants R17, R18: a replay whose output holds a NaN where the forward's held
+    # a tiny finite value has sums within 1e-3 of each other, but other counts of values not
+    # finite: the tip leads with uninitialized memory and does not call it float rounding.
+    values = torch.linspace(1.0, 2.0, 64)
+    values[5] = 1e-7
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        made = values.clone()
+        if pytree_ckpt.current_phase() == "recompute":
+            made[5] = float("nan")
+        return x * 2, made
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpointed(fn, verify_replay=True)(x)
+    with pytest.raises(ReplayMismatchError) as raised:
+        out[0].sum().backward()
+    message = str(raised.value)
+    assert "(1 not finite, left out)" in message
+    assert "as float rounding does" not in message
+    assert "tip: most likely an output holding uninitialized memory" in message.lower()
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_a_kept_ops_refusal_leads_with_the_rng_option_or_a_nan_argument(nan: bool) -> None:
+    # Helper NN, mutants R07 (preserve_rng=False not named first) and R08 (a NaN argument not
+    # leading with the unwritten buffer).
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            q = nn.functional.dropout(self.proj(h), 0.5, training=True)
+            if nan:  # NaN where this pass's draw dropped a value: other places in each pass
+                q = torch.where(q == 0, float("nan"), q)
+            return h + (q @ q.transpose(-1, -2)) @ h
+
+    torch.manual_seed(0)
+    layer = Noisy()
+    apply_recompute_config([layer], pytree_ckpt.RecomputeConfig(1.0, save=["attn"]),
+                           {pytree_ckpt.SaveUnit.ATTN: pytree_ckpt.KeptOps("aten::bmm")},
+                           verify_replay=True, preserve_rng_state=False)
+    with pytest.raises(ReplayMismatchError) as raised:
+        layer(torch.randn(2, 4, 8, requires_grad=True)).sum().backward()
+    tip = str(raised.value).split("most likely ", 1)[1]
+    assert tip.startswith("preserve_rng_state=False")
+    assert tip.split("; else ")[1].startswith("a buffer the kept op fills" if nan else
+                                              "the forward read something")
+
+
+def test_a_broadcast_outputs_message_gives_the_replays_sums_of_its_values_too() -> None:
+    # Helper NN, mutant R19: the replay's value sums of a broadcast output left as its one
+    # slice's ("summing to 6.0" for five repeated rows of 6.0: 30.0).
+    scale = torch.ones(1, 4)
+    layer = checkpointed(lambda x: (x * 2, (x[:1] * scale).expand(5, 4)), verify_replay=True)
+    y = layer(torch.ones(3, 4, requires_grad=True))
+    scale += 0.5
+    with pytest.raises(ReplayMismatchError) as raised:
+        (y[0].sum() + y[1].sum()).backward()
+    assert "the replay's, summing to 30.0\n" in str(raised.value) + "\n"
+
+
+class _Tagged(torch.Tensor):
+    """A subclass that only tags its tensors (torch's default __torch_function__)."""
+
+
+def test_an_input_of_a_tag_subclass_returned_as_it_is_is_compared_without_a_warning() -> None:
+    # Helper NN, mutant R03: a subclass that is no traceable wrapper, returned as it is, is
+    # printed by its as_subclass(torch.Tensor) alias; without it, it was named in a warning as
+    # not compared. Gradients as eager's.
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.as_subclass(torch.Tensor) * 2, x
+
+    grads = []
+    for run in (fn, checkpointed(fn, verify_replay=True)):
+        w = torch.arange(3.0, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = run((w * 1).as_subclass(_Tagged))
+            (out[0].sum() + 3 * out[1].sum()).backward()
+        grads.append(w.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_quantized_output_is_named_as_not_compared_and_the_rest_keeps_eager_gradients(
+        ) -> None:
+    # Helper NN, mutant R20: without _strided_print's is_quantized test, a quantized output's
+    # int8 view was summed: a segmentation fault of the process on torch 2.13 (CPU).
+    packed = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    x = torch.randn(4, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"output\[1\] \(Tensor, torch.strided, torch.qint8\) "
+                                         "not compared"):
+        out = checkpointed(lambda x: (x * 2, packed), verify_replay=True)(x)
+    out[0].pow(2).sum().backward()
+    assert torch.equal(x.grad, 8 * x.detach())
