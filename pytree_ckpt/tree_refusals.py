@@ -172,10 +172,11 @@ def _cache_inside(leaf: Any, /) -> tuple[str | None, str, Any]:
     (helper NK: the key/value projection got half its gradient). One level, as generators and
     hidden tensors are looked for; not a function's closure (a partial's bound arguments are
     lifted: functional.py)."""
-    if callable(leaf) or isinstance(leaf, (set, frozenset)):
+    kind = type(leaf)  # not isinstance: a proxy's __class__ may name a dict it is not
+    if callable(leaf) or issubclass(kind, (set, frozenset)):
         return None, "", leaf
     children = ((f"[{key!r}]", value) for key, value in leaf.items()) \
-        if isinstance(leaf, Mapping) else iter(object_children(leaf))
+        if issubclass(kind, Mapping) else iter(object_children(leaf))
     for step, value in itertools.islice(children, 64):
         cache = _cache_kind(value)
         if cache is not None:
