@@ -455,11 +455,12 @@ class ChangedState:
         """The small buffers and frozen parameters the forward changed in place with nothing
         saved of them (its module's small state was not cloned before this call: NOTE [a
         small buffer first changed after the first replay] in stored_state.py), by dict and
-        name; not a batch norm's, whose output in training does not read what it changes."""
-        return [(d, name) for d, moved in (*self.buffers, *self.parameters) if moved is not None
-                for name, previous in moved if previous is None and
-                (t := d.get(name)) is not None and id(t) not in self.before and
-                t.layout == torch.strided and t.numel() * t.element_size() <= _SMALL_BYTES]
+        name; a batch norm's dict (all of it counted changed) with its running statistics."""
+        return [(d, name) for d, moved in (*self.buffers, *self.parameters)
+                for name, previous in ([(n, None) for n in d] if moved is None else moved)
+                if previous is None and (t := d.get(name)) is not None and
+                id(t) not in self.before and t.layout == torch.strided and
+                t.numel() * t.element_size() <= _SMALL_BYTES]
 
     def _changed_since(self) -> list[tuple[_Buffers, _Moved | None]]:
         """NOTE [state read, then changed by a later call]: a call may read state it leaves

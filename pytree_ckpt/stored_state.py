@@ -127,17 +127,28 @@ _WARNED_UNSAVED = "_pytree_ckpt_warned_unsaved"
 
 
 def warn_first_change_unsaved(owner: nn.Module, roots: Sequence[nn.Module],
-                              found: list[tuple[dict[str, Any], str]], /) -> None:
+                              found: list[tuple[dict[str, Any], str]],
+                              reused: set[int], /) -> None:
     """NOTE above: ``found`` is ``ChangedState.small_unsaved()`` of a call made without
-    snapshots, ``roots`` the modules whose trees hold its dicts."""
+    snapshots, ``roots`` the modules whose trees hold its dicts, ``reused`` the ids of the
+    storages reused calls changed (NOTE [state a reused call changes] in frozen.py: the replay,
+    which skips such a call, is given what it left: helper NP). Not a batch norm of torch's own
+    (its output in training does not read its running statistics: exact), but one of another
+    class whose forward reads them (batch renorm; QAT's ConvBn: helper NP)."""
     if not found or owner.__dict__.get(_WARNED_UNSAVED):
         return
+    modules = {id(d): (path, m) for root in roots
+               for path, m in root.named_modules(prefix="" if root is owner else
+                                                 f"({type(root).__name__})")
+               for d in (m._buffers, m._parameters)}
+    found = [(d, name) for d, name in found
+             if not _torchs_batch_norm(modules.get(id(d), ("", None))[1]) and
+             id(d[name].untyped_storage()) not in reused]
+    if not found:
+        return
     owner.__dict__[_WARNED_UNSAVED] = Told()  # a copy is told anew
-    paths = {id(d): path for root in roots
-             for path, m in root.named_modules(prefix="" if root is owner else
-                                               f"({type(root).__name__})")
-             for d in (m._buffers, m._parameters)}
-    names = ", ".join(f"{paths.get(id(d), '?')}.{name}".lstrip(".") for d, name in found)
+    names = ", ".join(f"{modules.get(id(d), ('?', None))[0]}.{name}".lstrip(".")
+                      for d, name in found)
     warnings.warn(
         f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} changed {names} "
         "in place for the first time after the layer's first replay (a branch its first calls "
@@ -148,6 +159,12 @@ def warn_first_change_unsaved(owner: nn.Module, roots: Sequence[nn.Module],
         "changes state, or keep such state outside the checkpointed call; verify_replay=True "
         "finds the call (docs/limits.md, 'State the forward changes')",
         stacklevel=user_stacklevel())
+
+
+def _torchs_batch_norm(module: nn.Module | None, /) -> bool:
+    """A torch.nn batch norm (or SyncBatchNorm) whose forward its class does not override."""
+    return isinstance(module, nn.modules.batchnorm._NormBase) and \
+        type(module).forward.__module__ == "torch.nn.modules.batchnorm"
 
 
 _WARNED_STACKED = "_pytree_ckpt_warned_stacked"

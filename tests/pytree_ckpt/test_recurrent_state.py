@@ -1849,3 +1849,76 @@ def test_a_small_state_reset_to_a_graph_after_backward_is_refused_at_the_next_st
     with pytest.raises(CheckpointError, match="read the module attribute 'state' holding a "
                        "tensor requiring grad"):
         loss.backward()
+
+
+def test_a_learned_initial_state_two_modules_down_written_in_place_is_refused_by_its_path(
+        ) -> None:
+    # Helper NP (review of 3f842e4): the refusal names the attribute from the checkpointed
+    # layer, through a submodule of a submodule.
+    class Cell(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.h0 = nn.Linear(4, 4), nn.Parameter(torch.randn(3, 4))
+            self.st = torch.zeros(3, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.lin(x) + self.st)
+            self.st.copy_(h.detach())
+            return h
+
+    class Deep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Module()
+            self.a.b = Cell()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a.b(x)
+
+    model = Deep()
+    pytree_ckpt.apply_activation_checkpointing(model)
+    model.a.b.st = model.a.b.h0 * 1
+    out = model(torch.randn(3, 4, requires_grad=True))
+    with pytest.raises(pytree_ckpt.CheckpointError, match=r"read the module attribute 'a\.b\.st'"):
+        out.sum().backward()
+
+
+class _LstmPairState(nn.Module):
+    """An LSTM cell keeping its (h, c) pair as a tuple on the module, written back in place,
+    with a learned initial pair the caller sets as a sequence begins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(4, 4)
+        self.h0, self.c0 = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 4))
+        self.state = (torch.zeros(3, 4), torch.zeros(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, c = self.state
+        h2, c2 = self.cell(x, (h * 1, c * 1))
+        h.copy_(h2.detach())
+        c.copy_(c2.detach())
+        return h2
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a plain attribute holding a tensor with a graph made outside the "
+                   "call, in a tuple not held: one holding a tensor that requires grad) "
+                   "(helper NP)")
+def test_a_learned_initial_state_pair_written_in_place_gives_eager_gradients_or_is_refused(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = _LstmPairState()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    x = torch.randn(3, 4)
+    grads = []
+    for model in (eager, ours):
+        model.state = (model.h0 * 1, model.c0 * 1)  # a new sequence, before its one forward
+        loss = model(x).square().sum()
+        try:
+            loss.backward()
+        except CheckpointError:
+            return  # refused, as a plain tensor so set is
+        grads.append(grads_of(list(model.parameters())))
+    assert_same_grads(*grads)
