@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple, cast
@@ -626,6 +627,9 @@ PLAIN = "plain"
 _LEAF_KINDS: dict[type, str] = {}
 
 
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+
+
 def leaf_kind(leaf: Any, /) -> str:
     """``CONTAINER`` for a leaf that is a container by its type (a ``dict`` or ``list``
     subclass, a set, a ``UserDict``, a ``SimpleNamespace``) that optree left unopened,
@@ -637,7 +641,9 @@ def leaf_kind(leaf: Any, /) -> str:
         if issubclass(cls, (Mapping, AbstractSet, types.SimpleNamespace)) or (
                 issubclass(cls, Sequence) and not issubclass(cls, (str, bytes, bytearray))):
             kind = CONTAINER
-        elif issubclass(cls, Iterator):
+        elif issubclass(cls, Iterator) and not issubclass(cls, _PROXIES):
+            # A weakref.proxy's type forwards __next__ to whatever it refers to: a proxy to a
+            # config was refused as an iterator (helper NP); it is passed as it is.
             kind = ITERATOR
         else:
             kind = PLAIN

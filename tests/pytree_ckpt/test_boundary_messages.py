@@ -9,6 +9,7 @@ import enum
 import functools
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -664,6 +665,23 @@ def test_an_iterator_among_the_inputs_is_refused_naming_its_path() -> None:
     message = str(err.value)
     assert "args[0]" in message and "list_iterator" in message
     assert "expected: " in message and "tip: " in message and "list(" in message
+
+
+def test_a_weakref_proxy_to_a_config_among_the_inputs_is_passed_with_eagers_gradients() -> None:
+    # Guards against (helper NP's aside) a weakref.proxy refused as an iterator: its type
+    # forwards __next__ to what it refers to, so it counted as one.
+    class Config:
+        scale = 0.5
+
+    def scaled(x: torch.Tensor, config: Any) -> torch.Tensor:
+        return torch.tanh(x) * config.scale
+
+    config = Config()
+    x = torch.randn(3, requires_grad=True)
+    scaled(x, weakref.proxy(config)).sum().backward()
+    expected, x.grad = x.grad, None
+    checkpoint(scaled, x, weakref.proxy(config)).sum().backward()
+    assert torch.equal(x.grad, expected)
 
 
 @pytest.mark.parametrize("value", [None, "no", 0, 1.0])
