@@ -24,7 +24,7 @@ from .kept_calls import KEPT_METHOD
 from .kept_ops import RecomputeTarget
 from .tree import dunder
 
-__all__ = ["KeptCallables", "kept_methods", "near_misses"]
+__all__ = ["KeptCallables", "kept_methods", "near_misses", "unmatched"]
 
 
 class KeptCallables(RecomputeTarget):
@@ -228,3 +228,12 @@ def kept_methods(layers: list[nn.Module], target: KeptCallables
     """The (module, method name) pairs of ``layers`` that ``target`` keeps."""
     return [(module, name) for layer in layers for module in layer.modules()
             for name in target.matches(module)]
+
+
+def unmatched(layers: list[nn.Module], target: KeptCallables, /) -> KeptCallables | None:
+    """The targets of ``target`` no method of ``layers`` matches (a name mistyped beside one
+    that matches was not told: helper NQ), as a ``KeptCallables`` for ``near_misses``."""
+    modules = [module for layer in layers for module in layer.modules()]
+    missing = [t for t in target.targets
+               if not any(KeptCallables(t).matches(module) for module in modules)]
+    return KeptCallables(*missing) if missing else None

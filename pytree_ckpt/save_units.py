@@ -33,7 +33,8 @@ from .boundary_call import BoundaryOptions
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .keep import KeepPolicy, op_name
-from .kept_callables import KeptCallables, _KeptMethod, kept_methods, near_misses
+from .kept_callables import (KeptCallables, _KeptMethod, kept_methods, near_misses,
+                             unmatched)
 from .kept_ops import KeptOps, RecomputeTarget
 from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
 from .torch_options import refuses_torch_options
@@ -220,6 +221,12 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                 warnings.warn(f"save unit {unit.value!r} keeps nothing: no checkpointed layer "
                               f"has a method matching {list(target.targets)}"
                               f"{near_misses(chosen, target)}", stacklevel=user_stacklevel())
+            elif (stray := unmatched(chosen, target)) is not None:
+                # Told per name, as KeptOps tells a mistyped op beside one that exists.
+                warnings.warn(f"save unit {unit.value!r} keeps {sorted(set(names))} but no "
+                              "checkpointed layer has a method matching "
+                              f"{list(stray.targets)}{near_misses(chosen, stray)}: those "
+                              "are recomputed", stacklevel=user_stacklevel())
             wrapped.extend(names)
             if names:
                 unit_targets.append((unit.value, [], names))

@@ -58,19 +58,25 @@ class UnitUse:
         for name, ops, methods in self.units:
             if name in self._kept:
                 continue
-            what = (f"none of its ops {sorted(ops)} was kept there (not dispatched; or only "
-                    "as views, clones, in-place ops, under inference_mode, or casts under "
-                    "autocast, never kept; or an op that makes what its backward needs only "
-                    "with grad on, oneDNN's LSTM: aten::mkldnn_rnn_layer, run again)"
+            what = (f"none of its ops {sorted(ops)} was kept there (not dispatched; or its "
+                    "results changed in place later in the forward, by a ReLU(inplace=True) "
+                    "or `h += x`, which takes a kept result back; or only as views, clones, "
+                    "in-place ops, under inference_mode, or casts under autocast, never kept; "
+                    "or an op that makes what its backward needs only with grad on, oneDNN's "
+                    "LSTM: aten::mkldnn_rnn_layer, run again)"
                     if ops else
                     f"the methods {sorted(methods)} kept nothing there (not called inside a "
-                    "checkpointed layer, or dispatching no op that can be kept)")
+                    "checkpointed layer; dispatching no op that can be kept; or their results "
+                    "changed in place later in the forward, by a ReLU(inplace=True) or `h += "
+                    "x`, which takes a kept result back)")
             warnings.warn(
                 f"pytree_ckpt: save unit {name!r} kept nothing in the first forward of its "
                 f"checkpointed layers: {what}. The replay recomputes that part: the numbers "
                 "are unchanged, but the memory and time the unit is for are lost. SDPA takes "
                 "its math path (aten::bmm and a softmax, not the fused kernels) on CPU with "
-                "dropout, and on CUDA for some masks and dtypes. Tip: name the ops the layer "
+                "dropout, and on CUDA for some masks and dtypes. Tip: an op whose result is "
+                "changed in place after it (a conv before ReLU(inplace=True)) cannot be kept: "
+                "use ReLU(inplace=False) or `h = h + x`; name the ops the layer "
                 "dispatches (list them with torch.utils.flop_counter.FlopCounterMode or a "
                 "TorchDispatchMode), or keep the method instead: KeptCallables('Attn.forward') "
                 "keeps whatever it dispatches (docs/save_units.md)",
