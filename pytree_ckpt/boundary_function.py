@@ -201,11 +201,8 @@ class _BoundaryFunction(torch.autograd.Function):
                 assert call.owner is not None  # a watch has one, and buffer dicts
                 if not wanted:  # NOTE [a small buffer first changed after the first replay]
                     assert call.modules is not None
-                    reused = {id(storage) for changes in call.frame.state_after.values()
-                              for _, _, ref, _ in changes
-                              if ref is not None and (storage := ref()) is not None}
                     warn_first_change_unsaved(call.owner, call.modules[0],
-                                              call.changed_state.small_unsaved(), reused)
+                                              call.changed_state.small_unsaved())
                 mark_stateful(call.owner)
         if numbers is not None or glance is not None:
             call.numbers_saved = wanted

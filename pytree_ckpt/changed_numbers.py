@@ -334,8 +334,9 @@ def _refuse_a_graph_rewritten(where: str, path: str, why: str, /) -> None:
                        "tensors without grad",
         got=got,
         tip="pass the state in and return the new one (`out, h = cell(x, h)`; a learned initial "
-            "state as an argument: `cell(x, h0.expand(b, -1))`), or keep it detached on the "
-            "module (`.detach()`) (docs/limits.md, 'State the forward changes')")
+            "state as an argument: `cell(x, h0.expand(b, -1))`); a state carried between calls "
+            "may be kept detached on the module (`.detach()`), but a learned one then gets no "
+            "gradient (docs/limits.md, 'State the forward changes')")
 
 
 def _set(d: dict[str, Any], named: list[tuple[str, Any]],

@@ -209,8 +209,9 @@ def raise_freed_graph_reached(call: BoundaryCall, error: RuntimeError, /) -> Non
                  "returned; on the module, only tensors without grad",
         got=f"{what} holding a tensor with a graph (torch: {_FREED_GRAPH})",
         tip="pass it as an argument (`layer(x, scale)`) and return a new state (`out, h = "
-            "cell(x, h)`), or keep it detached on the module (`.detach()`: truncated "
-            "backpropagation)") from error
+            "cell(x, h)`); a state carried between calls may be kept detached on the module "
+            "(`.detach()`: truncated backpropagation), but a value computed from parameters "
+            "(`s0.exp()`, a learned initial state) then gets no gradient") from error
 
 
 def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> NoReturn:

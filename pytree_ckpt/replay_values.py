@@ -270,9 +270,10 @@ _STATE = ("the forward read something that changed before backward: outside its 
           "its modules' state (a call counter or flag in a global or a shared config object), "
           "or state of its modules the replay cannot put back (a buffer or attribute over 64 "
           "KiB changed in place, a MoCo queue; a frozen parameter written through .data, a "
-          "momentum encoder): keep such a global on the layer or pass it in as an input; change "
-          "the module's own state outside the checkpointed call (docs/limits.md, 'State the "
-          "forward changes')")
+          "momentum encoder; a small buffer first changed after the layer's first replay, "
+          "warned of 'for the first time after the layer's first replay'): keep such a global "
+          "on the layer or pass it in as an input; change the module's own state outside the "
+          "checkpointed call (docs/limits.md, 'State the forward changes')")
 _ROUNDING = ("the passes rounded otherwise: a kernel chosen by grad mode, which the original "
              "pass runs without (docs/limits.md, 'Float rounding and other kernels': inductor "
              "in low precision, a padded LSTM on CPU), or a nondeterministic one (atomic adds: "

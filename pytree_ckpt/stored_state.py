@@ -127,23 +127,24 @@ _WARNED_UNSAVED = "_pytree_ckpt_warned_unsaved"
 
 
 def warn_first_change_unsaved(owner: nn.Module, roots: Sequence[nn.Module],
-                              found: list[tuple[dict[str, Any], str]],
-                              reused: set[int], /) -> None:
+                              found: list[tuple[dict[str, Any], str]], /) -> None:
     """NOTE above: ``found`` is ``ChangedState.small_unsaved()`` of a call made without
-    snapshots, ``roots`` the modules whose trees hold its dicts, ``reused`` the ids of the
-    storages reused calls changed (NOTE [state a reused call changes] in frozen.py: the replay,
-    which skips such a call, is given what it left: helper NP). Not a batch norm of torch's own
-    (its output in training does not read its running statistics: exact), but one of another
-    class whose forward reads them (batch renorm; QAT's ConvBn: helper NP)."""
+    snapshots, ``roots`` the modules whose trees hold its dicts. Not a torch.nn batch or
+    instance norm read by nothing else (its output in training does not read its running
+    statistics: exact), but one of another class whose forward reads them (batch renorm), one
+    given a forward or forward hooks, or one held by a fused QAT module that reads them
+    (``ConvBn2d``: helpers NP, NS). One a reused call changed is told too (NOTE [state a reused
+    call changes] in frozen.py gives the replay what the call left, for what reads it after
+    the call; a read before it gets that too: helper NS)."""
     if not found or owner.__dict__.get(_WARNED_UNSAVED):
         return
-    modules = {id(d): (path, m) for root in roots
-               for path, m in root.named_modules(prefix="" if root is owner else
-                                                 f"({type(root).__name__})")
+    paths = {path: m for root in roots
+             for path, m in root.named_modules(prefix="" if root is owner else
+                                               f"({type(root).__name__})")}
+    modules = {id(d): (path, m) for path, m in paths.items()
                for d in (m._buffers, m._parameters)}
     found = [(d, name) for d, name in found
-             if not _torchs_batch_norm(modules.get(id(d), ("", None))[1]) and
-             id(d[name].untyped_storage()) not in reused]
+             if not _a_norm_read_by_nothing(*modules.get(id(d), ("", None)), paths)]
     if not found:
         return
     owner.__dict__[_WARNED_UNSAVED] = Told()  # a copy is told anew
@@ -161,10 +162,23 @@ def warn_first_change_unsaved(owner: nn.Module, roots: Sequence[nn.Module],
         stacklevel=user_stacklevel())
 
 
-def _torchs_batch_norm(module: nn.Module | None, /) -> bool:
-    """A torch.nn batch norm (or SyncBatchNorm) whose forward its class does not override."""
-    return isinstance(module, nn.modules.batchnorm._NormBase) and \
-        type(module).forward.__module__ == "torch.nn.modules.batchnorm"
+_NORM_FORWARDS = (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward,
+                  nn.modules.instancenorm._InstanceNorm.forward)
+
+
+def _a_norm_read_by_nothing(path: str, module: nn.Module | None,
+                            paths: dict[str, nn.Module], /) -> bool:
+    """A torch.nn batch (or sync batch, or instance) norm run by torch's own forward, with no
+    forward of its own nor hooks, whose parent is no fused QAT module (``ConvBn2d`` reads its
+    ``bn.running_var``: helper NS)."""
+    if not isinstance(module, nn.modules.batchnorm._NormBase) or \
+            type(module).forward not in _NORM_FORWARDS or "forward" in module.__dict__ or \
+            module._forward_hooks or module._forward_pre_hooks or \
+            nn.modules.module._global_forward_hooks or \
+            nn.modules.module._global_forward_pre_hooks:
+        return False
+    parent = paths.get(path.rpartition(".")[0])  # the root's for a child of it
+    return parent is None or not type(parent).__module__.startswith("torch.ao.nn.intrinsic")
 
 
 _WARNED_STACKED = "_pytree_ckpt_warned_stacked"

@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import optree
 import torch
 from torch import nn
 
@@ -170,10 +171,13 @@ def _cache_inside(leaf: Any, /) -> tuple[str | None, str, Any]:
     plain object (a per-step ``SimpleNamespace(cache=...)`` passed to a decoder layer), or an
     item of a mapping it does not open (a ``dict`` subclass): filled twice there too, silently
     (helper NK: the key/value projection got half its gradient). One level, as generators and
-    hidden tensors are looked for; not a function's closure (a partial's bound arguments are
-    lifted: functional.py)."""
+    hidden tensors are looked for; not a function's closure, nor a method's instance (a
+    partial's bound arguments are lifted: functional.py)."""
     kind = type(leaf)  # not isinstance: a proxy's __class__ may name a dict it is not
-    if callable(leaf) or issubclass(kind, (set, frozenset)):
+    # A function, method or partial is not looked into (a closure may hold anything); an
+    # object with __call__ holding a cache is (an attention object filling its own cache:
+    # helper NS).
+    if issubclass(kind, (*_FUNCTIONS, set, frozenset)):
         return None, "", leaf
     if issubclass(kind, Mapping):
         children: Iterator[tuple[str, Any]] = ((f"[{key!r}]", value)
@@ -191,6 +195,8 @@ def _cache_inside(leaf: Any, /) -> tuple[str | None, str, Any]:
     return None, "", leaf
 
 
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial, types.BuiltinMethodType,
+              types.MethodWrapperType)
 _NO_CACHE = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, complex, str,
                        bytes, tuple, list, dict})
 
@@ -239,7 +245,13 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
             # too (`is_cache_object`). Immutable values (a dtype, a device, an enum, a function)
             # cannot be filled and pass: such a call (a GPT-2 style layer returning its new
             # keys) is legitimate.
-            path = readable_path(leaf_paths(spec, root="inputs")[index]) + step
+            accessor = optree.treespec_accessors(spec)[index]
+            path = readable_path(accessor.codify("inputs")) + step
+            # Held by something the call was given (an object, or a dict, list or dataclass
+            # argument the bridge opens): the tip says to take it out (use_cache=False does
+            # not: helpers NP, NS).
+            holder = readable_path(accessor.codify("inputs")) if step else \
+                readable_path(accessor[:-1].codify("inputs")) if len(accessor) > 2 else ""
             state = cache == "state"
             raise CheckpointError(
                 f"{fn_name(fn)} was called with grad enabled and "
@@ -260,11 +272,11 @@ def refuse_unreadable_inputs(fn: Callable[..., Any], spec: Any, leaves: list[Any
                      "layer(x, state)`), which the boundary saves as inputs; run generation "
                      "under torch.no_grad(), where the cache works as usual"
                      if state else
-                     f"pass no cache object while grad is enabled (take it out of "
-                     f"{path[:len(path) - len(step)]}): use_cache=False does not stop the "
-                     "attention filling a cache it is given; run generation under "
-                     "torch.no_grad(), where the cache works as usual"
-                     if step else
+                     f"pass no cache object while grad is enabled (take it out of {holder}): "
+                     "use_cache=False does not stop the attention filling a cache it is "
+                     "given; run generation under torch.no_grad(), where the cache works as "
+                     "usual"
+                     if holder else
                      "pass no cache object while grad is enabled: use_cache=False does not "
                      "stop the attention filling a cache it is given. To train a continuation "
                      "on a prompt computed under no-grad, pass the prompt's keys and values "

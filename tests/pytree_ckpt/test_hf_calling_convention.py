@@ -967,3 +967,116 @@ def test_a_cache_inside_a_plain_object_is_refused_with_a_tip_that_fixes_it() -> 
     with pytest.raises(pytree_ckpt.CheckpointError):  # the tip followed: refused again
         layer(x, ctx=types.SimpleNamespace(cache=_NPCache()), use_cache=False)
     assert "pass no cache object" in str(first.value).split("tip:")[-1]
+
+
+# Helper NS (review of 1892cec, 033a3f3): _cache_inside's holders, adversarially.
+class _NSCatCache(_NPCache):
+    def update(self, k: torch.Tensor, v: torch.Tensor, index: int) -> tuple[Any, Any]:
+        self.keys.append(k)
+        return torch.cat(self.keys), v
+
+
+class _NSAttend:
+    """A callable attention implementation holding the cache it fills (an object, not a
+    function: its attributes are as reachable as a namespace's)."""
+
+    def __init__(self) -> None:
+        self.cache = _NSCatCache()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        keys, _ = self.cache.update(k, k, 0)
+        return (q @ keys.T).softmax(-1) @ keys
+
+
+class _NSAttendLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, attend: Any) -> torch.Tensor:
+        return attend(self.q(x), self.k(x))
+
+
+def test_a_cache_held_by_a_callable_object_argument_gives_eager_gradients_or_is_refused() -> None:
+    torch.manual_seed(0)
+    eager = _NSAttendLayer()
+    ours = copy_of(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    x = torch.randn(3, 4)
+    got = []
+    for model in (eager, ours):
+        try:
+            model(x, _NSAttend()).square().sum().backward()
+        except pytree_ckpt.CheckpointError:
+            return  # refused, as a namespace holding it is
+        got.append(grads_of(model.parameters()))
+    assert_same_grads(*got)
+
+
+class _NSSlotsAndDict:
+    __slots__ = ("a", "__dict__")
+
+
+class _NSIntCache(int):
+    def update(self, *args: Any) -> None:
+        pass
+
+    def get_seq_length(self, index: int = 0) -> int:
+        return 0
+
+
+class _NSOrdered(collections.OrderedDict):  # type: ignore[type-arg]
+    pass
+
+
+def _ns_slot() -> Any:
+    holder = _NSSlotsAndDict()
+    holder.a = _NPCache()
+    return holder
+
+
+def _ns_dict_beside_slots() -> Any:
+    holder = _NSSlotsAndDict()
+    holder.c = _NPCache()  # type: ignore[attr-defined]
+    return holder
+
+
+@pytest.mark.parametrize("make, step", [
+    (_ns_slot, ".a"), (_ns_dict_beside_slots, ".c"),
+    (lambda: types.MappingProxyType({"c": _NPCache()}), "['c']"),
+    (lambda: _NSOrdered(c=_NPCache()), "['c']"),
+    (lambda: types.SimpleNamespace(c=_NSIntCache(3)), ".c"),
+], ids=["slot", "dict_beside_slots", "mapping_proxy", "ordered_dict_subclass", "int_subclass"])
+def test_a_cache_one_level_down_is_refused_with_a_tip_naming_its_holder(make: Any, step: str
+                                                                        ) -> None:
+    layer = _NPLayer()
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(pytree_ckpt.CheckpointError) as refused:
+        layer(torch.randn(2, 4, requires_grad=True), ctx=make())
+    message = str(refused.value)
+    assert f"cache at kwargs['ctx']{step} " in message
+    assert "take it out of kwargs['ctx'])" in message.split("tip:")[-1]
+
+
+def test_a_cache_in_a_namespace_in_a_dataclass_is_refused_naming_the_namespace() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Step:
+        extra: Any
+        t: torch.Tensor
+
+    layer = _NPLayer()
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(pytree_ckpt.CheckpointError) as refused:
+        layer(torch.randn(2, 4, requires_grad=True),
+              ctx=Step(types.SimpleNamespace(cache=_NPCache()), torch.zeros(1)))
+    assert "take it out of kwargs['ctx'].extra)" in str(refused.value).split("tip:")[-1]
+
+
+def test_a_cache_in_a_dict_argument_is_refused_with_a_tip_naming_its_holder() -> None:
+    layer = _NPLayer()
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(pytree_ckpt.CheckpointError) as refused:
+        layer(torch.randn(2, 4, requires_grad=True), ctx={"cache": _NPCache(), "step": 1})
+    assert "kwargs['ctx']" in str(refused.value).split("tip:")[-1]

@@ -1922,3 +1922,88 @@ def test_a_learned_initial_state_pair_written_in_place_gives_eager_gradients_or_
             return  # refused, as a plain tensor so set is
         grads.append(grads_of(list(model.parameters())))
     assert_same_grads(*grads)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a plain attribute holding a tensor with a graph made outside the "
+                   "call, set so on a state first written after the layer's first replay) "
+                   "(helper NT)")
+@pytest.mark.parametrize("batch", [2, 3000])
+def test_a_state_first_written_after_the_first_replay_and_reset_to_a_graph_before_backward_gives_eager_gradients_or_is_refused(
+        batch: int) -> None:
+    # limits.md, 'State the forward changes', the row "a plain attribute holding a tensor with
+    # a graph made outside the call": "refused in backward, naming the attribute, for a plain
+    # tensor ... that the forward writes in place", of a state set "as the replay begins, one it
+    # did not read (set between the forward and backward)". The forward writes its state in
+    # place from step 1 on (a branch step 0 skipped), after the layer's first replay.
+    torch.manual_seed(0)
+    eager = _KeptState("in place", batch, start=1)
+    eager.h0 = nn.Parameter(torch.randn(batch, D))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    xs = torch.randn(2, batch, 3, D)
+    got = []
+    for model in (eager, wrapped):
+        for step in range(2):
+            model.step = step
+            model.zero_grad()
+            loss = model(xs[step]).square().sum()
+            if step == 1:
+                model.state = model.h0 * 1  # a new sequence begins, before backward
+            try:
+                loss.backward()
+            except CheckpointError as refused:  # what the row promises
+                assert "'state'" in str(refused)
+                return
+        got.append(grads_of(model.parameters()))
+    assert eager.h0.grad is None
+    assert_same_grads(*got)
+
+
+def test_the_refusal_of_a_scale_read_by_two_calls_does_not_tip_detaching_it_unqualified(
+        ) -> None:
+    # The message names this very case ("one computed once and read by several calls
+    # (`self.scale = self.s0.exp()`)") and tips "pass it as an argument ... or keep it detached
+    # on the module (`.detach()`: truncated backpropagation)". Detached, the scale is eager's
+    # values but s0 gets no gradient (eager: it does): the second option changes the model.
+    torch.manual_seed(0)
+    model = pytree_ckpt.apply_activation_checkpointing(_ReadsAScale())
+    model.scale = model.s0.exp()
+    loss = sum(model(chunk).square().sum() for chunk in torch.randn(2, 4, D))
+    with pytest.raises(CheckpointError) as refused:
+        loss.backward()
+    tip = str(refused.value).split("tip:", 1)[1]
+    assert ".detach()" not in tip or "no gradient" in tip
+
+
+def test_a_held_tuple_state_reset_to_a_graph_between_forward_and_backward_is_refused_naming_it(
+        ) -> None:
+    # limits.md (helper NT checked): a held tuple of small detached tensors, written in place
+    # from the first call, set to `(h0 * 1, h0 * 2)` between the forward and backward.
+    torch.manual_seed(0)
+    model = pytree_ckpt.apply_activation_checkpointing(_KeptState("tuple, in place", 2))
+    model.h0 = nn.Parameter(torch.randn(2, D))
+    loss = model(torch.randn(2, 3, D)).square().sum()
+    model.state = (model.h0 * 1, model.h0 * 2)
+    with pytest.raises(CheckpointError, match="reads the module attribute 'state', which its "
+                       "forward changed in place"):
+        loss.backward()
+
+
+def test_a_small_state_written_in_place_from_the_first_call_and_reset_to_a_graph_is_exact(
+        ) -> None:
+    # limits.md's row says "refused ... for a plain tensor"; a small one written in place from
+    # the first call is cloned before each forward, so its replay reads the clone and h0 gets
+    # no gradient, as in eager (helper NT: exact, not refused).
+    torch.manual_seed(0)
+    eager = _KeptState("in place", 2)
+    eager.h0 = nn.Parameter(torch.randn(2, D))
+    wrapped = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    x = torch.randn(2, 3, D)
+    got = []
+    for model in (eager, wrapped):
+        loss = model(x).square().sum()
+        model.state = model.h0 * 1
+        loss.backward()
+        got.append(grads_of(model.parameters()))
+    assert eager.h0.grad is None
+    assert_same_grads(*got)
