@@ -448,7 +448,6 @@ class Rewritten:
         return now
 
 
-
 class TupleHeld:
     """A tuple (or namedtuple) of small tensors without a graph and plain values, held as a
     small tensor is (NOTE [small tensor attributes as the forward read them]): a recurrent
@@ -468,8 +467,8 @@ class TupleHeld:
         """The tuple held, where nothing changed its tensors in place since it was read."""
         return self.kept if _versions(self.kept) == self.versions else None
 
-
     def tensors(self) -> list[torch.Tensor]:
+        """The tuple's tensors."""
         return tuple_tensors(self.kept)
 
     def moved(self) -> bool:

@@ -2057,7 +2057,6 @@ def test_an_output_sharing_a_kept_result_changed_through_a_detached_alias_is_ref
     assert x.grad is None
 
 
-
 class _CountThenProject(_ProjectThenRelu):
     """``_ProjectThenRelu`` with a number before its tensors: output[1] and output[2]."""
 
