@@ -315,7 +315,8 @@ def test_token_merging_with_changing_lengths_gives_eager_gradients(wrap: str) ->
 def test_token_dropping_with_changing_counts_gives_eager_gradients(reuse: bool,
                                                                    wrap: str) -> None:
     def save_unit(model: nn.Module) -> nn.Module:
-        apply_recompute_config(model.layers, RecomputeConfig(1.0, save=["moe_gate"]),  # type: ignore[arg-type]
+        apply_recompute_config(model.layers,  # type: ignore[arg-type]
+                               RecomputeConfig(1.0, save=["moe_gate"]),
                                {SaveUnit.MOE_GATE: KeptCallables("Block.forward")},
                                offload=cpu_offload())
         return model
@@ -803,7 +804,7 @@ class _ObservedLinear(nn.Module):
         return self.fq(self.lin(x))
 
 
-def test_a_fake_quantize_observer_switched_on_after_the_first_step_is_warned_and_gives_eager_numbers(
+def test_a_fake_quantize_observer_switched_on_late_is_warned_and_gives_eager_numbers(
         ) -> None:
     # limits.md (helper NT checked): "an observer switched on later" changes a submodule's small
     # buffers for the first time after the layer's first replay: warned once, naming them; a

@@ -319,7 +319,8 @@ def test_qlora_packed_base_with_adapter_toggled_and_no_grad_evals_gives_eager_nu
         pytree_ckpt.apply_recompute_config(ours.layers, RecomputeConfig(1.0, save=["attn"]),
                                            {"attn": KeptCallables("QLoraLinear.forward")})
     else:
-        options = {"offload": _manager(), "verify_replay": True} if variant == "verify_offload" else {}
+        options = ({"offload": _manager(), "verify_replay": True}
+                   if variant == "verify_offload" else {})
         for layer in ours.layers:
             pytree_ckpt.apply_activation_checkpointing(layer, **options)
     evals: dict[int, list[torch.Tensor]] = {id(eager): [], id(ours): []}
@@ -481,4 +482,5 @@ def test_fp8_weight_cached_at_the_first_micro_batch_gives_eager_numbers(as_buffe
             model.zero_grad(set_to_none=True)
     for le, lo in zip(eager.modules(), ours.modules()):
         if isinstance(le, CachedFp8WeightLinear):
-            assert torch.equal(le.w8.view(torch.uint8), lo.w8.view(torch.uint8))  # type: ignore[union-attr]
+            ours_w8 = lo.w8.view(torch.uint8)  # type: ignore[union-attr]
+            assert torch.equal(le.w8.view(torch.uint8), ours_w8)  # type: ignore[union-attr]
