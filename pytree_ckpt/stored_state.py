@@ -173,9 +173,9 @@ def _a_norm_read_by_nothing(path: str, module: nn.Module | None,
     ``bn.running_var``: helper NS)."""
     if not isinstance(module, nn.modules.batchnorm._NormBase) or \
             type(module).forward not in _NORM_FORWARDS or "forward" in module.__dict__ or \
-            module._forward_hooks or module._forward_pre_hooks or \
-            nn.modules.module._global_forward_hooks or \
-            nn.modules.module._global_forward_pre_hooks:
+            module._forward_hooks or module._forward_pre_hooks:
+        # (Global hooks are not asked: a profiler's, FlopCounterMode's, would make every
+        # batch norm warned of, falsely: helper NU.)
         return False
     parent = paths.get(path.rpartition(".")[0])  # the root's for a child of it
     return parent is None or not type(parent).__module__.startswith("torch.ao.nn.intrinsic")

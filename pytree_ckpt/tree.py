@@ -154,7 +154,7 @@ def flatten(tree: Any, /, *, root: str = "the tree") -> FlatTree:
     if type(tree) is torch.Tensor:
         return _tuple_new(FlatTree, ([tree], LEAF_SPEC, [0]))
     try:
-        return _flatten(tree)
+        return _flatten(tree, root)
     except RecursionError:
         where = _cycle_path(tree, root, set())
         if where is None:
@@ -170,11 +170,13 @@ def flatten(tree: Any, /, *, root: str = "the tree") -> FlatTree:
                 "or as a weakref.ref, or pass the nodes' tensors as a list") from None
 
 
-def _flatten(tree: Any, /) -> FlatTree:
+def _flatten(tree: Any, root: str, /) -> FlatTree:
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     while True:
         pending = {type(leaf) for leaf in leaves
-                   if type(leaf) is not torch.Tensor and _is_unregistered_dataclass(leaf)}
+                   if type(leaf) is not torch.Tensor and
+                   (type(leaf) in _PROXIES and _refuse_proxy(root, spec, leaves, leaf) or
+                    _is_unregistered_dataclass(leaf))}
         if not pending:
             break
         with _register_lock:
@@ -184,6 +186,35 @@ def _flatten(tree: Any, /) -> FlatTree:
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     return _tuple_new(FlatTree, (leaves, spec, tensor_index))
+
+
+# NOTE [a weakref.proxy leaf]: isinstance and __class__ look through a proxy to what it
+# refers to, its type does not: a proxy to a tensor was taken for a tensor and crashed the
+# process in autograd's C++, one to a module failed deep in the boundary, a dead one raised
+# ReferenceError, and one to an iterator or a cache passed as a plain object where the object
+# itself is refused (helpers NP, NU). Refused wherever the tree bridge meets one.
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+
+
+def _refuse_proxy(root: str, spec: optree.PyTreeSpec, leaves: list[Any], leaf: Any, /) -> bool:
+    from .errors import CheckpointError  # errors.py imports this module
+
+    index = next(i for i, x in enumerate(leaves) if x is leaf)
+    path = leaf_paths(spec, root="inputs" if root == _CALL else root)[index]
+    for start, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
+        if root == _CALL and path.startswith(start):
+            path = readable + path[len(start):]
+    try:
+        what = f"a weakref.proxy to a {leaf.__class__.__name__}"
+    except ReferenceError:
+        what = "a dead weakref.proxy"
+    raise CheckpointError(
+        f"{what} at {path}: the boundary reads its inputs and outputs by their type, and a "
+        "proxy's type is not that of what it refers to (isinstance says it is), so neither "
+        "what it refers to (a tensor, a module, an iterator, a cache) nor whether it lives can "
+        "be told",
+        expected="the object itself (or a weakref.ref, called inside the function)",
+        got=what, tip="pass the object the proxy refers to, or a weakref.ref to it")
 
 
 def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
@@ -627,9 +658,6 @@ PLAIN = "plain"
 _LEAF_KINDS: dict[type, str] = {}
 
 
-_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
-
-
 def leaf_kind(leaf: Any, /) -> str:
     """``CONTAINER`` for a leaf that is a container by its type (a ``dict`` or ``list``
     subclass, a set, a ``UserDict``, a ``SimpleNamespace``) that optree left unopened,
@@ -641,9 +669,7 @@ def leaf_kind(leaf: Any, /) -> str:
         if issubclass(cls, (Mapping, AbstractSet, types.SimpleNamespace)) or (
                 issubclass(cls, Sequence) and not issubclass(cls, (str, bytes, bytearray))):
             kind = CONTAINER
-        elif issubclass(cls, Iterator) and not issubclass(cls, _PROXIES):
-            # A weakref.proxy's type forwards __next__ to whatever it refers to: a proxy to a
-            # config was refused as an iterator (helper NP); it is passed as it is.
+        elif issubclass(cls, Iterator):
             kind = ITERATOR
         else:
             kind = PLAIN

@@ -171,17 +171,24 @@ def _cache_inside(leaf: Any, /) -> tuple[str | None, str, Any]:
     plain object (a per-step ``SimpleNamespace(cache=...)`` passed to a decoder layer), or an
     item of a mapping it does not open (a ``dict`` subclass): filled twice there too, silently
     (helper NK: the key/value projection got half its gradient). One level, as generators and
-    hidden tensors are looked for; not a function's closure, nor a method's instance (a
-    partial's bound arguments are lifted: functional.py)."""
+    hidden tensors are looked for (a method's instance, a partial's bound arguments); not a
+    function's closure."""
     kind = type(leaf)  # not isinstance: a proxy's __class__ may name a dict it is not
-    # A function, method or partial is not looked into (a closure may hold anything); an
-    # object with __call__ holding a cache is (an attention object filling its own cache:
-    # helper NS).
-    if issubclass(kind, (*_FUNCTIONS, set, frozenset)):
+    # A function's closure is not looked into (it may hold anything); an object with __call__
+    # holding a cache is (an attention object filling its own cache: helper NS), and so are a
+    # method's instance and a partial's bound arguments (`Attend().run`, `cache.update`:
+    # helper NU), the instance's attributes too.
+    if issubclass(kind, (types.FunctionType, set, frozenset)):
         return None, "", leaf
-    if issubclass(kind, Mapping):
-        children: Iterator[tuple[str, Any]] = ((f"[{key!r}]", value)
-                                               for key, value in leaf.items())
+    children: Iterator[tuple[str, Any]]
+    if issubclass(kind, _FUNCTIONS):
+        children = iter(object_children(leaf))
+        bound = dunder(leaf, "__self__")
+        if isinstance(leaf, types.MethodType) and not isinstance(bound, (nn.Module, type)):
+            children = itertools.chain(children, ((f".__self__{step}", value)
+                                                  for step, value in object_children(bound)))
+    elif issubclass(kind, Mapping):
+        children = ((f"[{key!r}]", value) for key, value in leaf.items())
     else:
         own = instance_dict(leaf)  # read lazily: a namespace may hold many attributes
         children = ((f".{name}", value) for name, value in own.items()) \

@@ -667,9 +667,10 @@ def test_an_iterator_among_the_inputs_is_refused_naming_its_path() -> None:
     assert "expected: " in message and "tip: " in message and "list(" in message
 
 
-def test_a_weakref_proxy_to_a_config_among_the_inputs_is_passed_with_eagers_gradients() -> None:
-    # Guards against (helper NP's aside) a weakref.proxy refused as an iterator: its type
-    # forwards __next__ to what it refers to, so it counted as one.
+def test_a_weakref_proxy_among_the_inputs_is_refused_naming_its_path() -> None:
+    # Helpers NP, NU: a proxy's type forwards __next__, so a proxy to a config was refused as
+    # an iterator; treated as a plain object, a proxy to an iterator or a cache passed
+    # silently, one to a tensor crashed the process. Refused, naming what it refers to.
     class Config:
         scale = 0.5
 
@@ -678,10 +679,10 @@ def test_a_weakref_proxy_to_a_config_among_the_inputs_is_passed_with_eagers_grad
 
     config = Config()
     x = torch.randn(3, requires_grad=True)
-    scaled(x, weakref.proxy(config)).sum().backward()
-    expected, x.grad = x.grad, None
-    checkpoint(scaled, x, weakref.proxy(config)).sum().backward()
-    assert torch.equal(x.grad, expected)
+    with pytest.raises(CheckpointError, match=r"a weakref.proxy to a Config at args\[1\]") \
+            as refused:
+        checkpoint(scaled, x, weakref.proxy(config))
+    assert "pass the object the proxy refers to" in str(refused.value)
 
 
 @pytest.mark.parametrize("value", [None, "no", 0, 1.0])
@@ -2762,3 +2763,125 @@ def test_an_error_raised_while_the_replay_aliases_its_inputs_reaches_the_caller_
             checkpoint(body, x).sum().backward()
         except (NotImplementedError, CheckpointError) as error:
             assert "_ViewlessWrapper" in str(error) or isinstance(error, CheckpointError)
+
+
+# Helper NU (review of 74e04cd): weakref.proxy leaves, adversarially.
+class _NUProxiedCache:
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, index: int) -> tuple[Any, Any]:
+        self.keys.append(k)
+        return torch.cat(self.keys), v
+
+    def get_seq_length(self, index: int = 0) -> int:
+        return 0
+
+
+def _nu_attend(x: torch.Tensor, w: torch.Tensor, cache: Any) -> torch.Tensor:
+    k = x @ w
+    keys, _ = cache.update(k, k, 0)
+    return (x @ keys.T).softmax(-1) @ keys
+
+
+def test_a_weakref_proxy_to_a_cache_gives_eagers_gradients_or_is_refused() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    cache = _NUProxiedCache()
+    _nu_attend(x, w, weakref.proxy(cache)).square().sum().backward()
+    expected, w.grad = w.grad, None
+    cache = _NUProxiedCache()
+    try:
+        checkpoint(_nu_attend, x, w, weakref.proxy(cache)).square().sum().backward()
+    except CheckpointError:
+        return  # refused, as the cache itself is
+    assert torch.equal(w.grad, expected)
+
+
+class _NUCounter:
+    def __init__(self, values: list[float]) -> None:
+        self.values = list(values)
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __next__(self) -> float:
+        if not self.values:
+            raise StopIteration
+        return self.values.pop(0)
+
+
+@pytest.mark.parametrize("make", [lambda: _NUCounter([2.0, 5.0]),
+                                  lambda: (v for v in (2.0, 5.0))], ids=["object", "generator"])
+def test_a_weakref_proxy_to_an_iterator_gives_eagers_gradients_or_is_refused(make: Any) -> None:
+    def scaled(x: torch.Tensor, it: Any) -> torch.Tensor:
+        return x * next(it)
+
+    x = torch.randn(3, requires_grad=True)
+    held = make()
+    scaled(x, weakref.proxy(held)).sum().backward()
+    expected, x.grad = x.grad, None
+    held = make()
+    try:
+        checkpoint(scaled, x, weakref.proxy(held)).sum().backward()
+    except CheckpointError:
+        return  # refused, as the iterator itself is
+    assert torch.equal(x.grad, expected)
+
+
+_NU_PROXY_TENSOR = """
+import weakref, torch
+from pytree_ckpt import checkpoint
+x = torch.randn(3, requires_grad=True)
+t = torch.randn(3, requires_grad=True)
+(x * weakref.proxy(t)).sum().backward()
+expected, x.grad, t.grad = (x.grad, t.grad), None, None
+try:
+    checkpoint(lambda a, s: a * s, x, weakref.proxy(t)).sum().backward()
+except Exception as error:  # a refusal is fine; a crash of the process is not
+    print(type(error).__name__)
+else:
+    assert torch.equal(x.grad, expected[0]) and torch.equal(t.grad, expected[1])
+"""
+
+
+def test_a_weakref_proxy_to_a_tensor_does_not_crash_the_process() -> None:
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _NU_PROXY_TENSOR], env=env,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_weakref_proxy_to_a_module_is_refused_naming_it() -> None:
+    # Guards against (helper NU) a TypeError deep in the boundary (plain_state.py): refused at
+    # the call, naming what it refers to.
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def run(a: torch.Tensor, m: Any) -> torch.Tensor:
+        return m(a).tanh()
+
+    with pytest.raises(CheckpointError, match=r"a weakref.proxy to a Linear at args\[1\]"):
+        checkpoint(run, x, weakref.proxy(lin))
+
+
+def test_a_dead_weakref_proxy_the_function_never_reads_is_refused_naming_it() -> None:
+    # Guards against (helper NU) a ReferenceError out of the tree bridge's dataclass check.
+    class Config:
+        pass
+
+    config = Config()
+    dead = weakref.proxy(config)
+    del config
+    x = torch.randn(3, requires_grad=True)
+
+    def doubled(a: torch.Tensor, unused: Any) -> torch.Tensor:
+        return a * 2
+
+    doubled(x, dead).sum().backward()  # eager runs
+    with pytest.raises(CheckpointError, match=r"a dead weakref.proxy at args\[1\]"):
+        checkpoint(doubled, x, dead)

@@ -1080,3 +1080,63 @@ def test_a_cache_in_a_dict_argument_is_refused_with_a_tip_naming_its_holder() ->
     with pytest.raises(pytree_ckpt.CheckpointError) as refused:
         layer(torch.randn(2, 4, requires_grad=True), ctx={"cache": _NPCache(), "step": 1})
     assert "kwargs['ctx']" in str(refused.value).split("tip:")[-1]
+
+
+# Helper NU (review of cd39704): a cache reached through a callable argument other than an
+# object with __call__ (docs/limits.md excludes only a function's closure).
+class _NUAttend(_NSAttend):
+    def run(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return self(q, k)
+
+
+def _nu_attend_with(q: torch.Tensor, k: torch.Tensor, cache: Any) -> torch.Tensor:
+    keys, _ = cache.update(k, k, 0)
+    return (q @ keys.T).softmax(-1) @ keys
+
+
+class _NUFillLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, fill: Any) -> torch.Tensor:
+        keys, _ = fill(self.k(x), self.k(x), 0)
+        return (self.q(x) @ keys.T).softmax(-1) @ keys
+
+
+@pytest.mark.parametrize("make", [lambda: _NUAttend().run, lambda: _NUAttend().__call__,
+                                  lambda: functools.partial(_nu_attend_with,
+                                                            cache=_NSCatCache())],
+                         ids=["bound_method", "dunder_call", "partial"])
+def test_a_cache_behind_a_method_or_partial_argument_gives_eager_gradients_or_is_refused(
+        make: Any) -> None:
+    torch.manual_seed(0)
+    eager = _NSAttendLayer()
+    ours = copy_of(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    x = torch.randn(3, 4)
+    got = []
+    for model in (eager, ours):
+        try:
+            model(x, make()).square().sum().backward()
+        except pytree_ckpt.CheckpointError:
+            return  # refused, as the object with __call__ is
+        got.append(grads_of(model.parameters()))
+    assert_same_grads(*got)
+
+
+def test_a_caches_bound_update_passed_as_an_argument_gives_eager_gradients_or_is_refused(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = _NUFillLayer()
+    ours = copy_of(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    x = torch.randn(3, 4)
+    got = []
+    for model in (eager, ours):
+        try:
+            model(x, _NSCatCache().update).square().sum().backward()
+        except pytree_ckpt.CheckpointError:
+            return
+        got.append(grads_of(model.parameters()))
+    assert_same_grads(*got)
