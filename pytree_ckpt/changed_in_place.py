@@ -52,12 +52,20 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
     # which PyG's to_edge_index calls on an adjacency already coalesced): no value changed,
     # and nothing tells that apart; the fix is in the caller's hands (helper ET).
     coo = any(tensors[slot].layout == torch.sparse_coo for slot in moved)
+    # A trainable input (an embedding table passed in and looked up with max_norm, which
+    # renorms it in place): a clone drops the change eager makes to the caller's tensor
+    # (helper NV: a row kept its norm of 5.06 where eager's was 1.0).
+    trainable = any(tensors[slot].requires_grad and tensors[slot].is_leaf for slot in moved)
     raise CheckpointError(
         f"{fn_name(call.fn)} changed its {where} in place{shared}; the replay would run on "
         "the changed tensor and give wrong gradients",
         expected="inputs left as they are", got="a version counter moved by the original pass",
-        tip="clone the input inside the layer before changing it (x = x.clone()), or make the "
-            "change outside the checkpointed call" + (
+        tip=("make the change outside the checkpointed call, before it: for max_norm, "
+             "torch.embedding_renorm_(table, ids, max_norm, norm_type) under torch.no_grad(), "
+             "then the lookup without max_norm (a clone inside the layer would drop the change "
+             "eager makes to the caller's tensor)" if trainable else
+             "clone the input inside the layer before changing it (x = x.clone()), or make the "
+             "change outside the checkpointed call") + (
                 "; a sparse COO input's counter also moves when code only marks it coalesced "
                 "(`_coalesced_(True)`, as PyG's GCNConv does with a COO `adj_t`): pass it as "
                 "CSR (`adj.to_sparse_csr()`)" if coo else ""))

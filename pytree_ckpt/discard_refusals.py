@@ -35,7 +35,10 @@ def refuse_input_changed(name: str, args: tuple[Any, ...], tensor: torch.Tensor)
         expected="inputs left as they are",
         got="a version counter moved by the op (mul_, relu_, an inplace=True module)",
         tip="make the op out of place (nn.ReLU() rather than nn.ReLU(inplace=True); "
-            "x = x * s rather than x.mul_(s)), or call it without discarding its output")
+            "x = x * s rather than x.mul_(s)); for an embedding lookup with max_norm, "
+            "torch.embedding_renorm_(table, ids, max_norm, norm_type) under torch.no_grad() "
+            "before it, and the lookup without max_norm; or call it without discarding its "
+            "output")
 
 
 def refuse_grad_switched(name: str, args: tuple[Any, ...], tensors: list[torch.Tensor],
