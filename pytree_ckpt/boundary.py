@@ -169,11 +169,14 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.
     """
-    if not torch.is_grad_enabled() or _functorch_transforms_active() \
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or \
+            _functorch_transforms_active() \
             or _forward_ad._current_level >= 0 or _is_tracing() \
             or getattr(_compiler, "_is_exporting_flag", False) \
             or getattr(_fx_trace, "_is_fx_tracing_flag", False) and symbolic_tracing():
-        # NOTE [when there is no boundary]; under a torch.func transform (grad, vmap, vjp,
+        # NOTE [when there is no boundary]; under inference mode, grad enabled inside it too
+        # (helper NW: a boundary ran, its output had a grad_fn eager's has not, and it held the
+        # inputs); under a torch.func transform (grad, vmap, vjp,
         # jacrev) too: the Function has no setup_context, and torch's error would name no fix
         # (read as Function.apply reads it: see _functorch_transforms_active);
         # and inside forward-mode AD's dual_level(): the no-grad original pass drops the

@@ -34,7 +34,7 @@ from .kernel_written import remember, remembered
 from .made_before import leaving_tensors, on_kept_storages, unviewed
 from .module_state import ever_verified
 from .notes import add_note, note_no_grad_pass
-from .phase import ACTIVE, Invocation, Phase
+from .phase import ACTIVE, Invocation, Phase, outside_inference_mode
 from .recompute import replay_backward
 from .refusals import (check_made_leaves, fn_name, raise_replay_reentered,
                        refuse_double_backward)
@@ -390,6 +390,9 @@ class _BoundaryFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         if _is_compiling():  # NOTE [the replay stays eager]: only code dynamo traces
             return _backward_opaque(ctx, grad_outputs)
+        if torch.is_inference_mode_enabled():  # NOTE [a backward run under inference mode]
+            with outside_inference_mode():
+                return _BoundaryFunction._backward(ctx, grad_outputs)
         return _BoundaryFunction._backward(ctx, grad_outputs)
 
     @staticmethod

@@ -77,7 +77,7 @@ from .generator_sets import replay_watch
 from .keep import kept_region
 from .kept_replay import note_discard
 from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
-from .phase import rebuilding
+from .phase import outside_inference_mode, rebuilding
 from .replay_values import OutputPrints, check_rebuilt
 from .rebound import Bound, modules_bound_now, refuse_rebound
 from .recording import tracer_records
@@ -468,6 +468,9 @@ class CheckpointWithoutOutput:
 
     def _replay(self) -> bool:
         """Rebuild the outputs; ``False`` when the node is gone (nothing to rebuild for)."""
+        if torch.is_inference_mode_enabled():  # NOTE [a backward run under inference mode]
+            with outside_inference_mode():
+                return self._replay()
         if self.replayed:
             raise CheckpointError(f"the output of {self._name()} was already replayed",
                                   expected="one replay per forward", got="a second replay",

@@ -22,7 +22,7 @@ from .eager import PHASE_REASON, runs_eagerly
 if TYPE_CHECKING:
     from .frames import Frame
 
-__all__ = ["Invocation", "Phase", "current_phase"]
+__all__ = ["Invocation", "Phase", "current_phase", "outside_inference_mode"]
 
 
 class Phase(str, enum.Enum):
@@ -93,3 +93,16 @@ def _phase() -> Phase:
 _phase_opaque = runs_eagerly(PHASE_REASON)(_phase)
 _is_compiling = torch.compiler.is_compiling
 _is_exporting = torch.compiler.is_exporting
+
+
+@contextmanager
+def outside_inference_mode() -> Iterator[None]:
+    """NOTE [a backward run under inference mode]: eager's ``loss.backward()`` called inside
+    ``torch.inference_mode()`` computes every gradient (autograd's engine runs the recorded
+    graph whatever the mode); a replay run so recorded no graph, so the layer's parameters
+    and everything before it got ``None``, silently, and offload's unpacking raised on
+    inference tensors (helper NW). A boundary's backward and a discard's rebuild run outside
+    inference mode, in the grad mode they were called in (a ``create_graph`` backward's on)."""
+    grad = torch.is_grad_enabled()
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        yield

@@ -2635,3 +2635,25 @@ def test_forwards_whose_graphs_are_dropped_at_once_leave_no_record_of_their_copi
         stack(layers, torch.randn(8, 32)).sum()  # dropped at once
     assert len(m._pending.copies) <= 2
     assert m.stats()["host_buffers_in_use"] == 0
+
+
+def test_a_backward_under_inference_mode_through_offloaded_layers_gives_eager_gradients() -> None:
+    # Eager computes every gradient; here the restore of an offloaded input runs under the
+    # caller's inference mode, makes an inference tensor and reads its _version
+    # (offload/unpacking.py): "Inference tensors do not track version counter".
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    twin = copy.deepcopy(eager)
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    for layer in twin:
+        apply_activation_checkpointing(layer, offload=manager)
+    x0 = torch.randn(4, 8)
+    got = []
+    for m in (eager, twin):
+        x = x0.clone().requires_grad_()
+        loss = m(x).pow(2).sum()
+        with torch.inference_mode():
+            loss.backward()
+        got.append([x.grad, *(p.grad for p in m.parameters())])
+    assert all(a is not None for a in got[0])
+    assert all(b is not None and torch.equal(a, b) for a, b in zip(*got))

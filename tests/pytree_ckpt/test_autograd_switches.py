@@ -331,3 +331,23 @@ def test_an_error_raised_with_saved_tensor_hooks_on_gets_no_note_about_them() ->
     with torch.autograd.graph.disable_saved_tensors_hooks("a framework's own reason"):
         note_hooks_disabled(error, "offload", "run this call outside that context")
     assert "offload needs saved-tensor hooks" in _notes(error)
+
+
+def test_a_backward_run_under_inference_mode_gives_eager_gradients() -> None:
+    # Eager computes every gradient when loss.backward() runs inside torch.inference_mode();
+    # the replay enables grad but stays in inference mode, so it builds no graph, and the
+    # wrapped layer's parameters and the input get None (torch's two checkpoints raise).
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 1))
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin[0])
+    x0 = torch.randn(5, 4)
+    got = []
+    for m in (eager, twin):
+        x = x0.clone().requires_grad_()
+        loss = m(x).pow(2).sum()
+        with torch.inference_mode():
+            loss.backward()
+        got.append([x.grad, *(p.grad for p in m.parameters())])
+    assert all(a is not None for a in got[0])
+    assert all(b is not None and torch.equal(a, b) for a, b in zip(*got))

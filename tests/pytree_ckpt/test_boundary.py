@@ -3238,3 +3238,23 @@ def test_an_output_the_caller_drops_before_backward_is_let_go_as_in_eager(
     loss.backward()
     expected = torch.autograd.grad((lin(x).relu() * 2).sum(), [x, lin.weight])
     assert torch.equal(x.grad, expected[0]) and torch.equal(lin.weight.grad, expected[1])
+
+
+def test_a_layer_called_under_inference_mode_with_grad_enabled_inside_runs_plain_as_eager() -> None:
+    # docs/boundary.md: under torch.inference_mode() a checkpointed layer is its plain forward.
+    # An enable_grad() nested inside turns grad mode on but not inference mode off: eager's
+    # output has no graph (an inference tensor, requires_grad False); run_boundary tests only
+    # is_grad_enabled(), so it builds a boundary, fn sees the "forward" phase, the inputs are
+    # held, and the output leaves with _BoundaryFunctionBackward and requires_grad True.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    x = torch.randn(3, 4)
+    outs = []
+    for m in (eager, twin):
+        with torch.inference_mode(), torch.enable_grad():
+            outs.append(m(x))
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[1].requires_grad, outs[1].grad_fn) == (outs[0].requires_grad, outs[0].grad_fn) \
+        == (False, None)

@@ -2011,3 +2011,31 @@ def test_discarding_a_learned_sparse_adjacency_frees_it_or_says_so(
     got = torch.autograd.grad(out.sum(), [logits, *lin.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(eager, got))   # numbers are eager's
     assert freed or said
+
+
+def test_a_discard_rebuilt_by_a_backward_under_inference_mode_gives_eager_gradients() -> None:
+    # The rebuild (and the discarded op's backward) runs with grad enabled but inside the
+    # caller's inference mode: no graph, so every gradient upstream of the discarded norm is
+    # None where eager computes them.
+    torch.manual_seed(0)
+    first, norm, last = nn.Linear(2, 16), nn.LayerNorm(16), nn.Linear(16, 1)
+    x0 = torch.randn(8, 2)
+    got = []
+    for discard in (False, True):
+        for p in (*first.parameters(), *norm.parameters(), *last.parameters()):
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        h = first(x)
+        if discard:
+            ckpt = pytree_ckpt.CheckpointWithoutOutput()
+            out = last(torch.tanh(ckpt.checkpoint(norm, h)))
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = last(torch.tanh(norm(h)))
+        loss = out.pow(2).sum()
+        with torch.inference_mode():
+            loss.backward()
+        got.append([x.grad, *(p.grad for p in (*first.parameters(), *norm.parameters(),
+                                               *last.parameters()))])
+    assert all(a is not None for a in got[0])
+    assert all(b is not None and torch.equal(a, b) for a, b in zip(*got))
