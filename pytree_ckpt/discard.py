@@ -86,7 +86,7 @@ from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import SubclassKind, alias_as_kind, as_kind, rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
-from .tree import alias, dunder, flatten
+from .tree import alias, dunder, flatten, is_proxy, proxy_refused
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 
@@ -230,6 +230,9 @@ class CheckpointWithoutOutput:
         require_callable(fn, "CheckpointWithoutOutput.checkpoint", "ckpt.checkpoint(norm, x) or "
                          "ckpt.checkpoint(fn, x, ...): the op first, then its arguments",
                          role="the op whose output is discarded and rebuilt")
+        for i, arg in enumerate(args):  # NOTE [a weakref.proxy leaf] (tree.py): helper NY
+            if is_proxy(arg):
+                raise proxy_refused(arg, f"args[{i}] of {callable_name(fn)}")
         if isinstance(fn, nn.Module):
             # torch's own "missing the required forward function" otherwise, naming no fix
             refuse_container(fn, "checkpoint would have nothing to run",
@@ -290,7 +293,11 @@ class CheckpointWithoutOutput:
         # (a segfault: helper HO). Torch's checkpoint frees what the body saves already, so
         # the discard is a plain call under its hooks, in both runs (torch_checkpoints.py).
         inside_torchs = torch.is_grad_enabled() and inside_torchs_checkpoint()
-        if not torch.is_grad_enabled() or not needs_grad or transformed or inside_torchs:
+        # Under inference mode, grad enabled inside it too, nothing can be saved (helper NY:
+        # torch's "Inference tensors cannot be saved for backward"): a plain call, as at a
+        # boundary (run_boundary).
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or \
+                not needs_grad or transformed or inside_torchs:
             # Nothing will be saved (no_grad, a checkpoint boundary's original pass, or nothing
             # that needs a gradient): nothing to discard; a boundary's replay runs this again.
             # Under a torch.func transform or forward-mode AD, which build their own graph (and
@@ -538,7 +545,9 @@ class CheckpointWithoutOutput:
             if self.changed_state is not None:  # NOTE [discard lifetimes] 5
                 stack.enter_context(self.changed_state.on_copies())
             if self.changed_numbers is not None:  # NOTE [numbers and flags as the forward began]
-                stack.enter_context(self.changed_numbers.as_forward_began(self._name()))
+                stack.enter_context(self.changed_numbers.as_forward_began(
+                    self._name(),
+                    self.forward_modules.roots if self.forward_modules is not None else ()))
             args = []
             kinds = iter(self.tensor_kinds)
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):

@@ -308,6 +308,15 @@ def registered_state(dicts: Sequence[dict[str, torch.Tensor | None]], /
 _SMALL_BYTES = 64 * 1024
 
 
+def _small(t: torch.Tensor, /) -> bool:
+    """Small state, as ``StateWatch._save`` copies it: a strided tensor's own bytes, or a
+    sparse one's parts (one first changed late was not warned of: helper NX)."""
+    if t.layout == torch.strided:
+        return t.numel() * t.element_size() <= _SMALL_BYTES
+    parts = sparse_parts(t)
+    return parts is not None and sum(p.numel() * p.element_size() for p in parts) <= _SMALL_BYTES
+
+
 class _Absent:
     """An entry the forward registered: the replay runs without it, as the forward began."""
 
@@ -459,8 +468,7 @@ class ChangedState:
         return [(d, name) for d, moved in (*self.buffers, *self.parameters)
                 for name, previous in ([(n, None) for n in d] if moved is None else moved)
                 if previous is None and (t := d.get(name)) is not None and
-                id(t) not in self.before and t.layout == torch.strided and
-                t.numel() * t.element_size() <= _SMALL_BYTES]
+                id(t) not in self.before and _small(t)]
 
     def _changed_since(self) -> list[tuple[_Buffers, _Moved | None]]:
         """NOTE [state read, then changed by a later call]: a call may read state it leaves

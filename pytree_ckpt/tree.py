@@ -197,19 +197,29 @@ _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
 def _refuse_proxy(root: str, spec: optree.PyTreeSpec, leaves: list[Any], leaf: Any, /) -> bool:
-    from .errors import CheckpointError  # errors.py imports this module
-
     index = next(i for i, x in enumerate(leaves) if x is leaf)
     path = leaf_paths(spec, root="inputs" if root == _CALL else root)[index]
     for start, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
         if root == _CALL and path.startswith(start):
             path = readable + path[len(start):]
+    raise proxy_refused(leaf, path)
+
+
+def is_proxy(value: Any, /) -> bool:
+    """NOTE [a weakref.proxy leaf]: whether ``value`` is a weakref.proxy (by its type)."""
+    return type(value) in _PROXIES
+
+
+def proxy_refused(proxy: Any, where: str, /) -> Exception:
+    """The ``CheckpointError`` refusing ``proxy`` at ``where`` (NOTE [a weakref.proxy leaf])."""
+    from .errors import CheckpointError  # errors.py imports this module
+
     try:
-        what = f"a weakref.proxy to a {leaf.__class__.__name__}"
+        what = f"a weakref.proxy to a {proxy.__class__.__name__}"
     except ReferenceError:
         what = "a dead weakref.proxy"
-    raise CheckpointError(
-        f"{what} at {path}: the boundary reads its inputs and outputs by their type, and a "
+    return CheckpointError(
+        f"{what} at {where}: the boundary reads its inputs and outputs by their type, and a "
         "proxy's type is not that of what it refers to (isinstance says it is), so neither "
         "what it refers to (a tensor, a module, an iterator, a cache) nor whether it lives can "
         "be told",
@@ -377,11 +387,12 @@ def object_children(obj: Any, /) -> list[tuple[str, Any]]:
     """What a plain object holds (its attributes and slots), or a function (its closure's
     variables and defaults; a bound method's instance; a partial's bound arguments), each
     with its path from it: where ``hidden_tensor`` looks, one level."""
-    if isinstance(obj, _CALLABLES):
+    kind = type(obj)  # not isinstance: __class__ may be a property that raises (helper NY)
+    if issubclass(kind, _CALLABLES):
         return _callable_children(obj)
     attributes = instance_dict(obj)
     return [*((f".{name}", value) for name, value in attributes.items()), *_slot_children(obj)] \
-        if isinstance(attributes, dict) and not isinstance(obj, types.ModuleType) else \
+        if type(attributes) is dict and not issubclass(kind, types.ModuleType) else \
         _slot_children(obj)
 
 

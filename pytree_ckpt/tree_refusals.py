@@ -26,7 +26,8 @@ from .errors import CheckpointError
 from .module_state import owning_module
 from .refusals import fn_name, readable_path
 from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, dunder, hidden_tensor,
-                   instance_dict, leaf_kind, leaf_paths, metadata_tensor, object_children)
+                   instance_dict, is_proxy, leaf_kind, leaf_paths, metadata_tensor,
+                   object_children)
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -136,8 +137,14 @@ def is_cache_object(leaf: Any, /) -> bool:
 
 
 def _cache_kind(leaf: Any, /) -> str | None:
-    """``"key/value"``, ``"state"`` (``is_cache_object``), or ``None``."""
+    """``"key/value"``, ``"state"`` (``is_cache_object``), or ``None``; of what a
+    weakref.proxy refers to (one in a namespace passed a cache: helper NY)."""
     kind = type(leaf)
+    if is_proxy(leaf):
+        try:
+            kind = leaf.__class__
+        except ReferenceError:  # a dead one: nothing to fill
+            return None
     if callable(getattr(kind, "update", None)) and \
             callable(getattr(kind, "get_seq_length", None)):
         return "key/value"
@@ -184,7 +191,9 @@ def _cache_inside(leaf: Any, /) -> tuple[str | None, str, Any]:
     if issubclass(kind, _FUNCTIONS):
         children = iter(object_children(leaf))
         bound = dunder(leaf, "__self__")
-        if isinstance(leaf, types.MethodType) and not isinstance(bound, (nn.Module, type)):
+        # By type: an instance's __class__ may be a property that raises (helper NY).
+        if issubclass(kind, types.MethodType) and \
+                not issubclass(type(bound), (nn.Module, type)):
             children = itertools.chain(children, ((f".__self__{step}", value)
                                                   for step, value in object_children(bound)))
     elif issubclass(kind, Mapping):

@@ -351,3 +351,88 @@ def test_a_backward_run_under_inference_mode_gives_eager_gradients() -> None:
         got.append([x.grad, *(p.grad for p in m.parameters())])
     assert all(a is not None for a in got[0])
     assert all(b is not None and torch.equal(a, b) for a, b in zip(*got))
+
+
+# Helper NY (review of 75e0099): backwards under inference mode, more ways.
+
+
+def _ny_stack() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh()),
+                         nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Tanh()),
+                         nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("how", ["retain_twice", "autograd_grad", "micro_batches", "nested",
+                                 "verify_replay", "inputs"])
+def test_a_backward_under_inference_mode_gives_eager_gradients_every_way(how: str) -> None:
+    x0 = torch.randn(5, 4)
+    got = []
+    for wrap in (False, True):
+        model = _ny_stack()
+        if wrap:
+            if how == "nested":
+                pytree_ckpt.apply_activation_checkpointing(model[0][0])
+            for layer in model[:2]:
+                pytree_ckpt.apply_activation_checkpointing(
+                    layer, **({"verify_replay": True} if how == "verify_replay" else {}))
+        xs = [(x0 + i).requires_grad_() for i in range(3 if how == "micro_batches" else 1)]
+        losses = []
+        for i, x in enumerate(xs):
+            torch.manual_seed(10 + i)
+            losses.append(model(x).pow(2).sum())
+        params = list(model.parameters())
+        with torch.inference_mode():
+            if how == "autograd_grad":
+                got.append(list(torch.autograd.grad(losses[0], [xs[0], *params])))
+                continue
+            for loss in reversed(losses):
+                if how == "inputs":
+                    loss.backward(inputs=[params[0], xs[0]])
+                else:
+                    loss.backward(retain_graph=how == "retain_twice")
+                if how == "retain_twice":
+                    loss.backward()
+        got.append([*(x.grad for x in xs), *(p.grad for p in params)])
+    assert [a is None for a in got[0]] == [b is None for b in got[1]]
+    assert all(a is None or torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_a_backward_hook_returning_an_inference_tensor_gives_eager_gradients() -> None:
+    # The boundary's backward is handed a gradient made under inference mode (outside it).
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return grad * 2
+
+    x0 = torch.randn(5, 4)
+    got = []
+    for wrap in (False, True):
+        model = _ny_stack()[:1].append(nn.Linear(8, 1))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model[0])
+        x = x0.clone().requires_grad_()
+        h = model[0](x)
+        h.register_hook(hook)
+        model[1](h).pow(2).sum().backward()
+        got.append([x.grad, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_the_boundary_asks_inference_mode_once_a_call_and_once_a_backward(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch.is_inference_mode_enabled
+    asked = [0]
+
+    def counting() -> bool:
+        asked[0] += 1
+        return real()
+
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(3, 4, requires_grad=True)
+    layer(x).sum().backward()  # first-call work out of the way
+    monkeypatch.setattr(torch, "is_inference_mode_enabled", counting)
+    out = layer(x)
+    assert asked[0] == 1
+    out.sum().backward()
+    assert asked[0] == 2

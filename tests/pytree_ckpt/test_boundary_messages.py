@@ -2885,3 +2885,132 @@ def test_a_dead_weakref_proxy_the_function_never_reads_is_refused_naming_it() ->
     doubled(x, dead).sum().backward()  # eager runs
     with pytest.raises(CheckpointError, match=r"a dead weakref.proxy at args\[1\]"):
         checkpoint(doubled, x, dead)
+
+
+# Helper NY (review of a306aaa): proxies and the one-level cache check, adversarially.
+
+
+class _NYCache:
+    """A key/value cache by what it can do (update and get_seq_length)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+    def update(self, k: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        return torch.cat(self.keys)
+
+    def get_seq_length(self) -> int:
+        return sum(k.shape[0] for k in self.keys)
+
+
+class _NYAttend(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, state: Any) -> torch.Tensor:
+        keys = state.cache.update(self.k(x))
+        return (x @ keys.T).softmax(-1) @ keys
+
+
+def test_a_weakref_proxy_to_a_cache_inside_a_namespace_gives_eagers_gradients_or_is_refused(
+        ) -> None:
+    # The cache itself there is refused (args[1].cache), and a proxy at args[1] is refused;
+    # a proxy at args[1].cache is neither: _cache_kind reads type(value), a ProxyType
+    # (tree_refusals.py:198), and the one-level look does not ask _PROXIES.
+    torch.manual_seed(0)
+    eager = _NYAttend()
+    twin = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(twin)
+    x0 = torch.randn(3, 4)
+    got = []
+    for model in (eager, twin):
+        cache = _NYCache()
+        x = x0.clone().requires_grad_()
+        try:
+            model(x, types.SimpleNamespace(cache=weakref.proxy(cache))).square().sum().backward()
+        except CheckpointError:
+            return  # refused: fine
+        got.append([x.grad, model.k.weight.grad, len(cache.keys)])
+    assert got[0][2] == got[1][2] == 1
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+def test_a_weakref_proxy_to_a_module_as_the_function_runs_as_eager_or_is_refused() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    layer(x).sum().backward()
+    expected = (x.grad, layer.weight.grad)
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    try:
+        checkpoint(weakref.proxy(layer), x).sum().backward()
+    except CheckpointError:
+        return
+    assert torch.equal(x.grad, expected[0]) and torch.equal(layer.weight.grad, expected[1])
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError, reason="documented limit (docs/limits.md, "
+                   "Inputs and outputs: an object whose __class__ is a property that raises) "
+                   "(helper NY)")
+def test_a_method_of_an_object_whose_class_property_raises_runs_as_eager() -> None:
+    class Odd:
+        @property  # type: ignore[misc]
+        def __class__(self) -> Any:  # noqa: PLE0101
+            raise KeyError("__class__")
+
+        def run(self) -> None:
+            pass
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    layer(x).sum().backward()
+    expected = layer.weight.grad
+    layer.weight.grad = None
+    checkpoint(lambda a, hook: layer(a), x, Odd().run).sum().backward()
+    assert torch.equal(layer.weight.grad, expected)
+
+
+def test_weakref_proxies_nested_anywhere_the_bridge_opens_are_refused_and_refs_pass() -> None:
+    # In a dict, a list in a dict, a dataclass, a namedtuple, a keyword, an output: each
+    # refused naming its path; a weakref.ref (not a proxy) passes, positionally and by keyword.
+    class Config:
+        scale = 2.0
+
+    config = Config()
+    x = torch.randn(3, 4, requires_grad=True)
+    pair = collections.namedtuple("pair", "a b")
+    for arg, path in (({"a": [1, weakref.proxy(config)]}, r"args\[1\]\['a'\]\[1\]"),
+                      (pair(weakref.proxy(config), 1), r"args\[1\]\.a")):
+        with pytest.raises(CheckpointError, match=path):
+            checkpoint(lambda a, c: a * 2, x, arg)
+    with pytest.raises(CheckpointError, match=r"kwargs\['c'\]"):
+        checkpoint(lambda a, c: a * 2, x, c=weakref.proxy(config))
+    with pytest.raises(CheckpointError, match=r"output\['p'\]"):
+        checkpoint(lambda a: {"o": a * 2, "p": weakref.proxy(config)}, x)
+    ref = weakref.ref(config)
+    out = checkpoint(lambda a, r, c=None: a * r().scale * c().scale, x, ref, c=ref)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 4.0))
+
+
+def test_a_cache_behind_a_bound_method_or_a_nested_partial_is_refused() -> None:
+    cache = _NYCache()
+
+    class Holder:
+        def __init__(self) -> None:
+            self.cache = cache
+
+        def run(self, k: torch.Tensor) -> torch.Tensor:
+            return self.cache.update(k)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    inner = functools.partial(lambda c, k, j: c.update(k), cache)
+    for arg, path in ((Holder().run, r"args\[1\]\.__self__\.cache"),
+                      (cache.update, r"args\[1\]\.__self__"),
+                      (functools.partial(inner, 1), r"args\[1\]\.args\[0\]")):
+        with pytest.raises(CheckpointError, match=path):
+            checkpoint(lambda a, f: a * 2, x, arg)
+    assert cache.keys == []

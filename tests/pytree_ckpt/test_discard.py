@@ -2039,3 +2039,91 @@ def test_a_discard_rebuilt_by_a_backward_under_inference_mode_gives_eager_gradie
                                                *last.parameters()))])
     assert all(a is not None for a in got[0])
     assert all(b is not None and torch.equal(a, b) for a, b in zip(*got))
+
+
+# Helper NY (review of 75e0099, a306aaa): inference mode and weakref.proxy at the discard.
+
+
+def test_a_discard_called_under_inference_mode_with_grad_enabled_runs_plain_as_eager() -> None:
+    # 75e0099 made a boundary called under inference_mode() + enable_grad() its plain forward;
+    # the discard's checkpoint tests only is_grad_enabled() (discard.py:292) and applies its
+    # Function to an inference tensor: torch refuses to save it.
+    torch.manual_seed(0)
+    first, norm, last = nn.Linear(4, 16), nn.LayerNorm(16), nn.Linear(16, 1)
+    x = torch.randn(5, 4)
+    outs = []
+    for discard in (False, True):
+        with torch.inference_mode(), torch.enable_grad():
+            h = first(x)
+            if discard:
+                ckpt = pytree_ckpt.CheckpointWithoutOutput()
+                out = last(torch.tanh(ckpt.checkpoint(norm, h)))
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = last(torch.tanh(norm(h)))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[1].requires_grad, outs[1].grad_fn) == (outs[0].requires_grad, None) == \
+        (False, None)
+
+
+def test_a_discard_inside_a_checkpointed_layer_under_an_inference_mode_backward_is_exact() -> None:
+    # The boundary's backward leaves inference mode (75e0099); a discard in its body then
+    # rebuilds in the replay's own backward: every gradient as eager's.
+    class Block(nn.Module):
+        def __init__(self, discard: bool) -> None:
+            super().__init__()
+            self.a, self.n, self.b = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4)
+            self.discard = discard
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if not self.discard:
+                return self.b(torch.tanh(self.n(h)))
+            ckpt = pytree_ckpt.CheckpointWithoutOutput()
+            out = self.b(torch.tanh(ckpt.checkpoint(self.n, h)))
+            ckpt.discard_output_and_register_recompute(out)
+            return out
+
+    x0 = torch.randn(5, 4)
+    got = []
+    for discard in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(discard), Block(discard))
+        if discard:
+            for layer in model:
+                pytree_ckpt.apply_activation_checkpointing(layer)
+        x = x0.clone().requires_grad_()
+        loss = model(x).pow(2).sum()
+        with torch.inference_mode():
+            loss.backward()
+        got.append([x.grad, *(p.grad for p in model.parameters())])
+    assert all(a is not None for a in got[0])
+    assert all(b is not None and torch.equal(a, b) for a, b in zip(*got))
+
+
+_NY_DISCARD_PROXY = """
+import weakref, torch
+from pytree_ckpt import CheckpointWithoutOutput
+x = torch.randn(3, 4, requires_grad=True)
+w = torch.randn(4, requires_grad=True)
+try:
+    ckpt = CheckpointWithoutOutput()
+    y = ckpt.checkpoint(lambda a, b: a * b, x, weakref.proxy(w))
+    z = (y * y).sum()
+    ckpt.discard_output_and_register_recompute(z)
+    z.backward()
+except Exception as error:  # a refusal is fine; a crash of the process is not
+    print(type(error).__name__)
+"""
+
+
+def test_a_weakref_proxy_to_a_tensor_given_to_a_discard_does_not_crash_the_process() -> None:
+    # Eager (x * weakref.proxy(w)) computes both gradients.
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _NY_DISCARD_PROXY], env=env,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
