@@ -18,6 +18,7 @@ from torch import nn
 import offload
 import pytree_ckpt
 from pytree_ckpt import KeptCallables, RecomputeConfig, SaveUnit, apply_recompute_config
+from tests.pytree_ckpt.twins import late_change_steps
 
 D = 8
 
@@ -473,28 +474,7 @@ def _late_steps() -> list[torch.Tensor]:
 
 def _eager_and_ours(make: Callable[[], nn.Module], xs: list[torch.Tensor],
                     no_grad_from: int = 99) -> tuple[bool, list[str]]:
-    torch.manual_seed(0)
-    eager = make()
-    ours = copy.deepcopy(eager)
-    pytree_ckpt.apply_activation_checkpointing(ours)
-    grads: list[list[torch.Tensor | None]] = [[], []]
-    with warnings.catch_warnings(record=True) as told:
-        warnings.simplefilter("always")
-        for i, model in enumerate((eager, ours)):
-            for step, x in enumerate(xs):
-                model.zero_grad(set_to_none=True)
-                x = x.clone().requires_grad_(True)
-                if step >= no_grad_from:
-                    with torch.no_grad():
-                        model(x)
-                    continue
-                model(x).square().sum().backward()
-                grads[i] += [p.grad for p in model.parameters()] + [x.grad]
-    alike = all((a is None) == (b is None) and (a is None or torch.equal(a, b))
-                for a, b in zip(*grads)) and \
-        all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(),
-                                              ours.state_dict().values()))
-    return alike, [str(w.message) for w in told if "first time after" in str(w.message)]
+    return late_change_steps(make, xs, no_grad_from=no_grad_from)
 
 
 def test_a_counter_changed_late_inside_a_reused_call_gives_eager_gradients_and_is_warned_of(
@@ -750,23 +730,11 @@ class _AroundReusedIndexer(nn.Module):
 
 
 def _nested_eager_and_ours(make: Callable[[], nn.Module]) -> tuple[bool, list[str]]:
-    torch.manual_seed(0)
-    eager = make()
-    ours = copy.deepcopy(eager)
-    pytree_ckpt.apply_activation_checkpointing(ours.inner)
-    pytree_ckpt.apply_activation_checkpointing(ours, check_fn=lambda m: m is ours)
-    grads: list[list[torch.Tensor | None]] = [[], []]
-    with warnings.catch_warnings(record=True) as told:
-        warnings.simplefilter("always")
-        for i, model in enumerate((eager, ours)):
-            for x in _late_steps():
-                model.zero_grad(set_to_none=True)
-                x = x.clone().requires_grad_(True)
-                model(x).square().sum().backward()
-                grads[i] += [p.grad for p in model.parameters()] + [x.grad]
-    alike = all((a is None) == (b is None) and (a is None or torch.equal(a, b))
-                for a, b in zip(*grads))
-    return alike, [str(w.message) for w in told if "first time after" in str(w.message)]
+    def wrap(ours: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(ours.inner)
+        pytree_ckpt.apply_activation_checkpointing(ours, check_fn=lambda m: m is ours)
+
+    return late_change_steps(make, _late_steps(), wrap=wrap)
 
 
 def test_a_counter_changed_late_inside_a_reused_call_of_a_nested_layer_is_told_as_unnested(

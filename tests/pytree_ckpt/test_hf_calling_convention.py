@@ -997,20 +997,17 @@ class _NSAttendLayer(nn.Module):
         return attend(self.q(x), self.k(x))
 
 
-def test_a_cache_held_by_a_callable_object_argument_gives_eager_gradients_or_is_refused() -> None:
-    torch.manual_seed(0)
-    eager = _NSAttendLayer()
-    ours = copy_of(eager)
-    pytree_ckpt.apply_activation_checkpointing(ours)
-    x = torch.randn(3, 4)
-    got = []
-    for model in (eager, ours):
-        try:
-            model(x, _NSAttend()).square().sum().backward()
-        except pytree_ckpt.CheckpointError:
-            return  # refused, as a namespace holding it is
-        got.append(grads_of(model.parameters()))
-    assert_same_grads(*got)
+def _refused_as_a_cache_holder(attend: Any, /) -> None:
+    """The layer given ``attend`` (something that fills a cache it holds) is refused, where it
+    filled the cache twice, silently: the key projection got half its gradient."""
+    ours = pytree_ckpt.apply_activation_checkpointing(_NSAttendLayer())
+    with pytest.raises(pytree_ckpt.CheckpointError, match="a key/value cache at args"):
+        ours(torch.randn(3, 4), attend)
+
+
+def test_a_cache_held_by_a_callable_object_argument_is_refused() -> None:
+    # Guards against (helper NS) an object with __call__ skipped as a callable.
+    _refused_as_a_cache_holder(_NSAttend())
 
 
 class _NSSlotsAndDict:
@@ -1108,21 +1105,9 @@ class _NUFillLayer(nn.Module):
                                   lambda: functools.partial(_nu_attend_with,
                                                             cache=_NSCatCache())],
                          ids=["bound_method", "dunder_call", "partial"])
-def test_a_cache_behind_a_method_or_partial_argument_gives_eager_gradients_or_is_refused(
-        make: Any) -> None:
-    torch.manual_seed(0)
-    eager = _NSAttendLayer()
-    ours = copy_of(eager)
-    pytree_ckpt.apply_activation_checkpointing(ours)
-    x = torch.randn(3, 4)
-    got = []
-    for model in (eager, ours):
-        try:
-            model(x, make()).square().sum().backward()
-        except pytree_ckpt.CheckpointError:
-            return  # refused, as the object with __call__ is
-        got.append(grads_of(model.parameters()))
-    assert_same_grads(*got)
+def test_a_cache_behind_a_method_or_partial_argument_is_refused(make: Any) -> None:
+    # Guards against (helper NU) a method's instance and a partial's arguments not looked into.
+    _refused_as_a_cache_holder(make())
 
 
 def test_a_caches_bound_update_passed_as_an_argument_gives_eager_gradients_or_is_refused(

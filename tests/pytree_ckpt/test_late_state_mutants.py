@@ -14,6 +14,7 @@ from torch import nn
 
 import pytree_ckpt
 from pytree_ckpt import CheckpointWithoutOutput, KeptCallables, RecomputeConfig, SaveUnit
+from tests.pytree_ckpt.twins import late_change_steps
 
 _N = 4
 _LATE = "for the first time after the layer's first replay"
@@ -24,31 +25,10 @@ def _late_steps() -> list[torch.Tensor]:
     return [torch.randn(3, _N, generator=g) * s for s in (0.1, 0.1, 50.0, 50.0)]
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t.to_dense() if t.layout != torch.strided else t
-
-
 def _eager_and_ours(make: Callable[[], nn.Module]) -> tuple[bool, list[str]]:
-    """Whether the checkpointed copy's gradients and state match eager's bit for bit over
-    steps whose first two skip the state change, and the late-first-change warnings given."""
-    torch.manual_seed(0)
-    eager = make()
-    ours = copy.deepcopy(eager)
-    pytree_ckpt.apply_activation_checkpointing(ours)
-    grads: list[list[torch.Tensor | None]] = [[], []]
-    with warnings.catch_warnings(record=True) as told:
-        warnings.simplefilter("always")
-        for i, model in enumerate((eager, ours)):
-            for x in _late_steps():
-                model.zero_grad(set_to_none=True)
-                x = x.clone().requires_grad_(True)
-                model(x).square().sum().backward()
-                grads[i] += [p.grad for p in model.parameters()] + [x.grad]
-    alike = all((a is None) == (b is None) and (a is None or torch.equal(a, b))
-                for a, b in zip(*grads)) and \
-        all(torch.equal(_dense(a), _dense(b)) for a, b in zip(eager.state_dict().values(),
-                                                             ours.state_dict().values()))
-    return alike, [str(w.message) for w in told if _LATE in str(w.message)]
+    """Gradients and state alike over steps whose first two skip the state change, and the
+    late-first-change warnings given."""
+    return late_change_steps(make, _late_steps())
 
 
 class _LateFrozenParameter(nn.Module):

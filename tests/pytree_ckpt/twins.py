@@ -1,9 +1,11 @@
 """A module and its checkpointed twin, stepped alike, their gradients compared bit for bit:
-the helpers test_forward_numbers.py and test_reused_numbers.py share."""
+the helpers test_forward_numbers.py, test_reused_numbers.py, test_dynamic_compute.py and
+test_late_state_mutants.py share."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +14,8 @@ from torch import nn
 
 import pytree_ckpt
 
-__all__ = ["grads", "grads_after_a_step", "same", "step_alike", "twin_steps", "twins"]
+__all__ = ["grads", "grads_after_a_step", "late_change_steps", "same", "step_alike",
+           "twin_steps", "twins"]
 
 
 def twins(eager: nn.Module) -> tuple[Any, Any]:
@@ -63,3 +66,38 @@ def step_alike(eager: nn.Module, ours: nn.Module) -> None:
     for module in (eager, ours):
         module(x).square().sum().backward()
     assert same(grads(eager), grads(ours))
+
+
+def late_change_steps(make: Callable[[], nn.Module], xs: list[torch.Tensor], /, *,
+                      wrap: Callable[[nn.Module], Any] = pytree_ckpt.apply_activation_checkpointing,
+                      no_grad_from: int = 99) -> tuple[bool, list[str]]:
+    """Whether ``make()`` and a copy ``wrap`` checkpoints give the same gradients (of the
+    parameters and input) and state bit for bit over steps ``xs`` (from step ``no_grad_from``
+    on, forwards under no-grad), and the late-first-change warnings given (NOTE [a small
+    buffer first changed after the first replay] in stored_state.py)."""
+    torch.manual_seed(0)
+    eager = make()
+    ours = copy.deepcopy(eager)
+    wrap(ours)
+    found: list[list[torch.Tensor | None]] = [[], []]
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        for i, model in enumerate((eager, ours)):
+            for step, x in enumerate(xs):
+                model.zero_grad(set_to_none=True)
+                x = x.clone().requires_grad_(True)
+                if step >= no_grad_from:
+                    with torch.no_grad():
+                        model(x)
+                    continue
+                model(x).square().sum().backward()
+                found[i] += [p.grad for p in model.parameters()] + [x.grad]
+    alike = all((a is None) == (b is None) and (a is None or torch.equal(a, b))
+                for a, b in zip(*found)) and \
+        all(torch.equal(_dense(a), _dense(b)) for a, b in zip(eager.state_dict().values(),
+                                                             ours.state_dict().values()))
+    return alike, [str(w.message) for w in told if "first time after" in str(w.message)]
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.layout != torch.strided else t
