@@ -240,7 +240,8 @@ class CheckpointWithoutOutput:
                                  "CheckpointWithoutOutput per op (ckpt.checkpoint(norm, x)), "
                                  "or one CheckpointWithoutOutputManager for the block")
         for key, value in kwargs.items():
-            if any(isinstance(x, (torch.Tensor, nn.Module)) for x in flatten(value).leaves):
+            if any(isinstance(x, (torch.Tensor, nn.Module))
+                   for x in flatten(value, root=f"kwargs[{key!r}]").leaves):
                 raise CheckpointConfigError(
                     f"CheckpointWithoutOutput takes tensors and modules as positional arguments; "
                     f"{callable_name(fn)} got one as keyword {key!r}",
@@ -248,9 +249,9 @@ class CheckpointWithoutOutput:
                     got=f"{key}={type(value).__name__}",
                     tip="pass it positionally (a lambda or a method can reorder arguments: "
                         "ckpt.checkpoint(lambda x, w: F.layer_norm(x, (64,), weight=w), x, w))")
-        for arg in args:
+        for i, arg in enumerate(args):
             if isinstance(arg, (list, tuple, dict)) and any(
-                    isinstance(x, torch.Tensor) for x in flatten(arg).leaves):
+                    isinstance(x, torch.Tensor) for x in flatten(arg, root=f"args[{i}]").leaves):
                 raise CheckpointConfigError(
                     "CheckpointWithoutOutput takes tensors as plain arguments; "
                     f"{callable_name(fn)} got a container of tensors",
@@ -306,8 +307,8 @@ class CheckpointWithoutOutput:
             # Function, or the no-grad region around the op: helper LE's export, whose program
             # gave the op's input no gradient), it is a plain call too, as the boundary is
             # (NOTE [when there is no boundary] in boundary.py).
-            if torch.is_grad_enabled() and not transformed and not inside_torchs and \
-                    self._name() not in _INERT_LOGGED:
+            if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and \
+                    not transformed and not inside_torchs and self._name() not in _INERT_LOGGED:
                 _INERT_LOGGED.add(self._name())  # once per op: a step would repeat it
                 why = ("its parameters are unknown (a lambda or function reaching a module's: "
                        "pass the module or its method instead)" if self.params is None else

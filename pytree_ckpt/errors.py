@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tree import describe_leaf, is_proxy, proxy_refused  # tree.py imports nothing of
+from .tree import describe_leaf, proxy_refused, proxy_to_state  # tree.py imports nothing of
 # this package at import time: no cycle
 
 __all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError",
@@ -72,9 +72,10 @@ def validate_bool(value: object, /, *, name: str, default: bool | None = True) -
 def require_callable(fn: Any, where: str, tip: str, /, *,
                      role: str = "the function (or module) to run behind the boundary") -> None:
     """A ``CheckpointConfigError`` unless ``fn`` is callable: ``where`` takes ``role``; a
-    ``CheckpointError`` for a weakref.proxy (NOTE [a weakref.proxy leaf] in tree.py: one to a
-    module failed with an AttributeError on its type, helper NY)."""
-    if is_proxy(fn):
+    ``CheckpointError`` for a weakref.proxy to a module or a tensor, or a dead one (NOTE [a
+    weakref.proxy leaf] in tree.py: one to a module failed with an AttributeError on its type,
+    helper NY; one to a plain function is called as it is, helper NZ)."""
+    if proxy_to_state(fn):
         raise proxy_refused(fn, f"the function given to {where}")
     if not callable(fn):
         raise CheckpointConfigError(f"{where} takes {role}", expected="a callable",

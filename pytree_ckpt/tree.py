@@ -210,6 +210,17 @@ def is_proxy(value: Any, /) -> bool:
     return type(value) in _PROXIES
 
 
+def proxy_to_state(value: Any, /) -> bool:
+    """Whether ``value`` is a weakref.proxy the boundary cannot take as a function: a dead one,
+    or one to a module or a tensor (a proxy to a plain function is called as it is)."""
+    if not is_proxy(value):
+        return False
+    try:
+        return issubclass(value.__class__, (torch.nn.Module, torch.Tensor))
+    except ReferenceError:
+        return True
+
+
 def proxy_refused(proxy: Any, where: str, /) -> Exception:
     """The ``CheckpointError`` refusing ``proxy`` at ``where`` (NOTE [a weakref.proxy leaf])."""
     from .errors import CheckpointError  # errors.py imports this module
@@ -219,10 +230,9 @@ def proxy_refused(proxy: Any, where: str, /) -> Exception:
     except ReferenceError:
         what = "a dead weakref.proxy"
     return CheckpointError(
-        f"{what} at {where}: the boundary reads its inputs and outputs by their type, and a "
-        "proxy's type is not that of what it refers to (isinstance says it is), so neither "
-        "what it refers to (a tensor, a module, an iterator, a cache) nor whether it lives can "
-        "be told",
+        f"{what} at {where}: the boundary tells tensors, modules, iterators and caches by "
+        "their type, and a proxy's type is not that of what it refers to (isinstance says it "
+        "is), so neither what this one refers to nor whether it lives can be told",
         expected="the object itself (or a weakref.ref, called inside the function)",
         got=what, tip="pass the object the proxy refers to, or a weakref.ref to it")
 
@@ -392,7 +402,7 @@ def object_children(obj: Any, /) -> list[tuple[str, Any]]:
         return _callable_children(obj)
     attributes = instance_dict(obj)
     return [*((f".{name}", value) for name, value in attributes.items()), *_slot_children(obj)] \
-        if type(attributes) is dict and not issubclass(kind, types.ModuleType) else \
+        if isinstance(attributes, dict) and not issubclass(kind, types.ModuleType) else \
         _slot_children(obj)
 
 

@@ -201,7 +201,7 @@ def _cache_inside(leaf: Any, /) -> tuple[str | None, str, Any]:
     else:
         own = instance_dict(leaf)  # read lazily: a namespace may hold many attributes
         children = ((f".{name}", value) for name, value in own.items()) \
-            if type(own) is dict and not hasattr(kind, "__slots__") else \
+            if isinstance(own, dict) and not hasattr(kind, "__slots__") else \
             iter(object_children(leaf))
     for step, value in itertools.islice(children, 64):
         # Most attributes are tensors, numbers or strings: no class lookups for those (a

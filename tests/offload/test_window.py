@@ -1243,3 +1243,23 @@ def test_a_data_alias_made_again_at_a_dead_aliass_address_after_a_change_gives_e
     out.backward()
     assert torch.equal(x.grad, table)  # eager: d(x * table)/dx is the table as it is now
     del kept
+
+
+def test_a_window_named_by_a_proxy_to_a_function_gives_eager_gradients() -> None:
+    import weakref
+
+    def namer(i: int) -> str:
+        return f"block.args[{i}]"
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x0 = torch.randn(2, 4)
+    x = x0.clone().requires_grad_()
+    lin(x).relu().sum().backward()
+    eager = (x.grad, lin.weight.grad.clone())
+    lin.zero_grad()
+    x = x0.clone().requires_grad_()
+    with offload.OffloadManager().window([x], name=weakref.proxy(namer)):
+        y = lin(x).relu().sum()
+    y.backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])

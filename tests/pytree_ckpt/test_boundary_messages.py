@@ -3014,3 +3014,41 @@ def test_a_cache_behind_a_bound_method_or_a_nested_partial_is_refused() -> None:
         with pytest.raises(CheckpointError, match=path):
             checkpoint(lambda a, f: a * 2, x, arg)
     assert cache.keys == []
+
+
+# Helper NZ: 9ff8ee1's require_callable refuses every weakref.proxy given as the function.
+# A proxy to a plain function (a CallableProxyType: callable, and the boundary called it as it
+# is) ran with eager's numbers before; it is now refused with a message about "inputs and
+# outputs", and docs/limits.md's proxy row names only inputs and outputs.
+
+def _proxy_function_case() -> tuple[Callable[[torch.Tensor], torch.Tensor], nn.Linear,
+                                    torch.Tensor]:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(lin(x).relu(), 0.3)
+
+    return f, lin, torch.randn(2, 4)
+
+
+def test_checkpoint_of_a_proxy_to_a_plain_function_gives_eager_gradients() -> None:
+    f, lin, x0 = _proxy_function_case()
+    proxy = weakref.proxy(f)
+    runs = []
+    for run in (f, lambda x: checkpoint(proxy, x), lambda x: pytree_ckpt.checkpointed(proxy)(x)):
+        lin.zero_grad()
+        torch.manual_seed(1)
+        x = x0.clone().requires_grad_()
+        run(x).sum().backward()
+        runs.append((x.grad, lin.weight.grad.clone()))
+    assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
+
+
+def test_a_proxy_function_refusal_is_a_checkpoint_error_in_reuse_during_recompute() -> None:
+    # reuse_during_recompute refuses a proxy to a function as it did before (not hashable: its
+    # results are recorded by callable), with a CheckpointError.
+    f, _, x0 = _proxy_function_case()
+    proxy = weakref.proxy(f)
+    with pytest.raises(CheckpointError, match="not hashable"):
+        checkpoint(lambda x: pytree_ckpt.reuse_during_recompute(proxy, x).sum(), x0)

@@ -2127,3 +2127,57 @@ def test_a_weakref_proxy_to_a_tensor_given_to_a_discard_does_not_crash_the_proce
     done = subprocess.run([sys.executable, "-c", _NY_DISCARD_PROXY], env=env,
                           capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+class _NZInferenceNorm(nn.LayerNorm):
+    """A class of its own: the discard's 'frees nothing' note is logged once per op name."""
+
+
+def test_a_discard_under_inference_mode_with_grad_on_logs_no_false_reason(
+        caplog: pytest.LogCaptureFixture) -> None:
+    norm = _NZInferenceNorm(4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with torch.no_grad():
+        eager = norm(x)
+    with caplog.at_level("WARNING", logger="pytree_ckpt.discard"), torch.inference_mode(), \
+            torch.enable_grad():
+        ckpt = CheckpointWithoutOutput()
+        out = ckpt.checkpoint(norm, x)
+        ckpt.discard_output_and_register_recompute(out.sum())
+    assert torch.equal(out, eager) and not out.requires_grad  # eager's numbers, no graph
+    assert not [r for r in caplog.records if "no input needs grad" in r.getMessage()]
+
+
+def test_a_discard_of_a_proxy_to_a_plain_function_gives_eager_gradients() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x0 = torch.randn(2, 4)
+
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return lin(x).relu()
+
+    proxy = weakref.proxy(op)
+    x = x0.clone().requires_grad_()
+    h = op(x)
+    (h * h).sum().backward()
+    eager = (x.grad, lin.weight.grad.clone())
+    lin.zero_grad()
+    x = x0.clone().requires_grad_()
+    ckpt = CheckpointWithoutOutput()
+    h = ckpt.checkpoint(proxy, x)
+    y = (h * h).sum()
+    ckpt.discard_output_and_register_recompute(y)
+    y.backward()
+    assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+
+
+def test_a_dead_proxy_in_a_discards_keyword_is_named_by_its_keyword() -> None:
+    class Config:
+        pass
+
+    config = Config()
+    dead = weakref.proxy(config)
+    del config
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"kwargs\['opts'\]\['p'\]"):
+        CheckpointWithoutOutput().checkpoint(lambda t, opts=None: t * 2, x, opts={"p": dead})
