@@ -86,7 +86,8 @@ from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import SubclassKind, alias_as_kind, as_kind, rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
-from .tree import alias, dunder, flatten, is_proxy, proxy_refused
+from .tree import (alias, dunder, flatten, is_proxy, proxy_refused, refuse_proxies,
+                   refuse_proxy_function)
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 
@@ -230,6 +231,7 @@ class CheckpointWithoutOutput:
         require_callable(fn, "CheckpointWithoutOutput.checkpoint", "ckpt.checkpoint(norm, x) or "
                          "ckpt.checkpoint(fn, x, ...): the op first, then its arguments",
                          role="the op whose output is discarded and rebuilt")
+        refuse_proxy_function(fn, "CheckpointWithoutOutput.checkpoint")
         for i, arg in enumerate(args):  # NOTE [a weakref.proxy leaf] (tree.py): helper NY
             if is_proxy(arg):
                 raise proxy_refused(arg, f"args[{i}] of {callable_name(fn)}")
@@ -240,8 +242,9 @@ class CheckpointWithoutOutput:
                                  "CheckpointWithoutOutput per op (ckpt.checkpoint(norm, x)), "
                                  "or one CheckpointWithoutOutputManager for the block")
         for key, value in kwargs.items():
-            if any(isinstance(x, (torch.Tensor, nn.Module))
-                   for x in flatten(value, root=f"kwargs[{key!r}]").leaves):
+            flat = flatten(value, root=f"kwargs[{key!r}]")
+            refuse_proxies(flat, root=f"kwargs[{key!r}]")  # NOTE [a weakref.proxy leaf]
+            if any(isinstance(x, (torch.Tensor, nn.Module)) for x in flat.leaves):
                 raise CheckpointConfigError(
                     f"CheckpointWithoutOutput takes tensors and modules as positional arguments; "
                     f"{callable_name(fn)} got one as keyword {key!r}",
@@ -250,8 +253,11 @@ class CheckpointWithoutOutput:
                     tip="pass it positionally (a lambda or a method can reorder arguments: "
                         "ckpt.checkpoint(lambda x, w: F.layer_norm(x, (64,), weight=w), x, w))")
         for i, arg in enumerate(args):
-            if isinstance(arg, (list, tuple, dict)) and any(
-                    isinstance(x, torch.Tensor) for x in flatten(arg, root=f"args[{i}]").leaves):
+            if not isinstance(arg, (list, tuple, dict)):
+                continue
+            flat = flatten(arg, root=f"args[{i}]")
+            refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
+            if any(isinstance(x, torch.Tensor) for x in flat.leaves):
                 raise CheckpointConfigError(
                     "CheckpointWithoutOutput takes tensors as plain arguments; "
                     f"{callable_name(fn)} got a container of tensors",

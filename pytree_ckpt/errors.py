@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tree import describe_leaf, proxy_refused, proxy_to_state  # tree.py imports nothing of
-# this package at import time: no cycle
+from .tree import describe_leaf  # tree.py imports nothing of this package: no cycle
 
 __all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError",
            "SavedTensorChanged", "require_callable", "validate_bool"]
@@ -71,12 +70,7 @@ def validate_bool(value: object, /, *, name: str, default: bool | None = True) -
 
 def require_callable(fn: Any, where: str, tip: str, /, *,
                      role: str = "the function (or module) to run behind the boundary") -> None:
-    """A ``CheckpointConfigError`` unless ``fn`` is callable: ``where`` takes ``role``; a
-    ``CheckpointError`` for a weakref.proxy to a module or a tensor, or a dead one (NOTE [a
-    weakref.proxy leaf] in tree.py: one to a module failed with an AttributeError on its type,
-    helper NY; one to a plain function is called as it is, helper NZ)."""
-    if proxy_to_state(fn):
-        raise proxy_refused(fn, f"the function given to {where}")
+    """A ``CheckpointConfigError`` unless ``fn`` is callable: ``where`` takes ``role``."""
     if not callable(fn):
         raise CheckpointConfigError(f"{where} takes {role}", expected="a callable",
                                     got=describe_leaf(fn), tip=tip)

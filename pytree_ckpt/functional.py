@@ -25,7 +25,7 @@ from .phase import Phase, current_phase
 from .refusals import fn_name, refuse_container
 from .torch_options import (BOUNDARY_OPTIONS, TORCH_OPTIONS, refuses_torch_options,
                             torch_options_tip)
-from .tree import dunder, flatten
+from .tree import dunder, flatten, refuse_proxy_function
 from .tree_refusals import is_cache_object
 
 if TYPE_CHECKING:  # offload imports this package's errors: no import cycle at run time
@@ -228,6 +228,7 @@ def checkpoint(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """
     require_callable(fn, "checkpoint", "checkpoint(layer, x) or checkpoint(fn, x, ...): the "
                       "function (or module) first, then its arguments")
+    refuse_proxy_function(fn, "checkpoint")  # NOTE [a weakref.proxy leaf] (tree.py)
     if isinstance(fn, nn.Module) and type(fn).forward is nn.Module.forward:
         # torch's own "missing the required forward function" otherwise, naming no fix
         refuse_container(fn, "checkpoint would have nothing to run")
@@ -287,6 +288,7 @@ def checkpointed(fn: Callable[P, T], /, *, preserve_rng_state: bool = True,
     # Refused now, not at the first call, far from where it was made.
     require_callable(fn, "checkpointed", "checkpointed(layer) or checkpointed(fn, "
                       "preserve_rng_state=False); the arguments go to the wrapper it returns")
+    refuse_proxy_function(fn, "checkpointed")  # NOTE [a weakref.proxy leaf] (tree.py)
     if isinstance(fn, nn.Module):
         refuse_container(fn, "the wrapper would have nothing to run")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state,

@@ -154,7 +154,7 @@ def flatten(tree: Any, /, *, root: str = "the tree") -> FlatTree:
     if type(tree) is torch.Tensor:
         return _tuple_new(FlatTree, ([tree], LEAF_SPEC, [0]))
     try:
-        return _flatten(tree, root)
+        return _flatten(tree)
     except RecursionError:
         where = _cycle_path(tree, root, set())
         if where is None:
@@ -170,13 +170,12 @@ def flatten(tree: Any, /, *, root: str = "the tree") -> FlatTree:
                 "or as a weakref.ref, or pass the nodes' tensors as a list") from None
 
 
-def _flatten(tree: Any, root: str, /) -> FlatTree:
+def _flatten(tree: Any, /) -> FlatTree:
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     while True:
-        pending = {type(leaf) for leaf in leaves
-                   if type(leaf) is not torch.Tensor and
-                   (type(leaf) in _PROXIES and _refuse_proxy(root, spec, leaves, leaf) or
-                    _is_unregistered_dataclass(leaf))}
+        pending = {type(leaf) for leaf in leaves  # (a dead proxy raises on is_dataclass)
+                   if type(leaf) is not torch.Tensor and type(leaf) not in _PROXIES and
+                   _is_unregistered_dataclass(leaf)}
         if not pending:
             break
         with _register_lock:
@@ -184,7 +183,10 @@ def _flatten(tree: Any, root: str, /) -> FlatTree:
                 _register_dataclass(cls)
                 _registered.add(cls)
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    # A proxy is no tensor, whatever isinstance says (and a dead one raises there).
+    tensor_index = [i for i, leaf in enumerate(leaves)
+                    if type(leaf) is torch.Tensor or
+                    (type(leaf) not in _PROXIES and isinstance(leaf, torch.Tensor))]
     return _tuple_new(FlatTree, (leaves, spec, tensor_index))
 
 
@@ -192,17 +194,25 @@ def _flatten(tree: Any, root: str, /) -> FlatTree:
 # refers to, its type does not: a proxy to a tensor was taken for a tensor and crashed the
 # process in autograd's C++, one to a module failed deep in the boundary, a dead one raised
 # ReferenceError, and one to an iterator or a cache passed as a plain object where the object
-# itself is refused (helpers NP, NU). Refused wherever the tree bridge meets one.
+# itself is refused (helpers NP, NU). Refused among a boundary's inputs and outputs and an
+# output discard's arguments (``refuse_proxies``), and as the function they run where it
+# refers to a module or a tensor, or is dead (``refuse_proxy_function``); elsewhere (a reused
+# call's arguments and result, a hook's output, a partial's bound arguments) passed as eager
+# passes it (helper OA).
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
-def _refuse_proxy(root: str, spec: optree.PyTreeSpec, leaves: list[Any], leaf: Any, /) -> bool:
-    index = next(i for i, x in enumerate(leaves) if x is leaf)
-    path = leaf_paths(spec, root="inputs" if root == _CALL else root)[index]
-    for start, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
-        if root == _CALL and path.startswith(start):
-            path = readable + path[len(start):]
-    raise proxy_refused(leaf, path)
+def refuse_proxies(flat: FlatTree, /, *, root: str | None = None) -> None:
+    """NOTE [a weakref.proxy leaf]: refuse one among a boundary's inputs (``root`` None: a
+    call's, named ``args[i]``, ``kwargs[...]``) or outputs, or an output discard's arguments;
+    other flattenings (a reused call's, a hook's) pass them as eager does (helper OA)."""
+    for index, leaf in enumerate(flat.leaves):  # NOTE [loops on the per-call path]
+        if type(leaf) in _PROXIES:
+            path = leaf_paths(flat.spec, root="inputs" if root is None else root)[index]
+            for start, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
+                if root is None and path.startswith(start):
+                    path = readable + path[len(start):]
+            raise proxy_refused(leaf, path)
 
 
 def is_proxy(value: Any, /) -> bool:
@@ -221,6 +231,15 @@ def proxy_to_state(value: Any, /) -> bool:
         return True
 
 
+def refuse_proxy_function(fn: Any, where: str, /) -> None:
+    """A weakref.proxy given as the function to run behind a boundary or a discard, where it
+    refers to a module or a tensor, or is dead (``proxy_to_state``: one to a module failed with
+    an AttributeError on its type, helper NY), refused; not by reuse_during_recompute, which
+    runs it as eager does outside a boundary (helper OA)."""
+    if proxy_to_state(fn):
+        raise proxy_refused(fn, f"the function given to {where}")
+
+
 def proxy_refused(proxy: Any, where: str, /) -> Exception:
     """The ``CheckpointError`` refusing ``proxy`` at ``where`` (NOTE [a weakref.proxy leaf])."""
     from .errors import CheckpointError  # errors.py imports this module
@@ -237,17 +256,27 @@ def proxy_refused(proxy: Any, where: str, /) -> Exception:
         got=what, tip="pass the object the proxy refers to, or a weakref.ref to it")
 
 
-def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /) -> FlatTree:
-    """Flatten a call's ``(args, kwargs)``; see NOTE [fast paths]."""
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /, *,
+                 proxies: bool = True) -> FlatTree:
+    """Flatten a call's ``(args, kwargs)``; see NOTE [fast paths]. ``proxies=False``: a
+    weakref.proxy among them is refused (a boundary's call: NOTE [a weakref.proxy leaf]; the
+    fast path's leaves are all plain tensors)."""
     if not kwargs:
         for arg in args:  # NOTE [loops on the per-call path] (boundary.py): no generator
             if type(arg) is not _Tensor:
-                return flatten((args, kwargs), root=_CALL)
+                return _slow_call(args, kwargs, proxies)
         spec = POSITIONAL_CALL_SPECS.get(len(args))
         if spec is None:
             spec = POSITIONAL_CALL_SPECS[len(args)] = flatten((args, kwargs)).spec
         return _tuple_new(FlatTree, ([*args], spec, list(range(len(args)))))
-    return flatten((args, kwargs), root=_CALL)
+    return _slow_call(args, kwargs, proxies)
+
+
+def _slow_call(args: tuple[Any, ...], kwargs: dict[str, Any], proxies: bool, /) -> FlatTree:
+    flat = flatten((args, kwargs), root=_CALL)
+    if not proxies:
+        refuse_proxies(flat)
+    return flat
 
 
 _UNSET = object()

@@ -3911,3 +3911,78 @@ def test_a_partial_of_a_bound_method_or_a_module_is_named_by_what_it_wraps() -> 
     block = Block()
     assert callable_name(functools.partial(block.route)) == "partial(Block.route)"
     assert callable_name(functools.partial(nn.Linear(2, 2))) == "partial(Linear)"
+
+
+# Helper OA: the weakref.proxy refusals of 9ff8ee1/6836526 reach reuse_during_recompute, which
+# they were not meant for (limits.md's row names the boundary's inputs and outputs, an output
+# discard and the function to checkpoint). At 5ad0190 each of these ran with eager's numbers.
+class _OAIndexer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h).detach().topk(2, -1).indices
+
+
+class _OACfg:
+    def __init__(self) -> None:
+        self.scale = 0.5
+
+
+def _oa_twin_grads(body: Callable[[nn.Linear, torch.Tensor], torch.Tensor]) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = body(lin, x).sum()
+    out.backward()
+    return out.detach(), x.grad, lin.weight.grad, lin.bias.grad
+
+
+def test_reuse_of_a_proxy_to_a_module_outside_a_boundary_gives_eager_numbers() -> None:
+    indexer = _OAIndexer()
+    proxy = weakref.proxy(indexer)
+
+    def eager(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return lin(x).gather(-1, indexer(x))
+
+    def ours(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return lin(x).gather(-1, reuse_during_recompute(proxy, x))
+
+    for a, b in zip(_oa_twin_grads(eager), _oa_twin_grads(ours)):
+        assert torch.equal(a, b)
+
+
+def test_reuse_whose_result_holds_a_proxy_gives_eager_numbers() -> None:
+    cfg = _OACfg()
+    proxy = weakref.proxy(cfg)
+
+    def top(h: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return h.detach().topk(2, -1).indices, proxy
+
+    def layer(lin: nn.Linear, x: torch.Tensor, reuse: bool) -> torch.Tensor:
+        ids, c = reuse_during_recompute(top, x) if reuse else top(x)
+        return lin(x).gather(-1, ids) * c.scale
+
+    eager = _oa_twin_grads(lambda lin, x: layer(lin, x, False))
+    plain = _oa_twin_grads(lambda lin, x: layer(lin, x, True))
+    ours = _oa_twin_grads(lambda lin, x: checkpoint(lambda y: layer(lin, y, True), x))
+    for a, b, c in zip(eager, plain, ours):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_reuse_given_a_proxy_argument_inside_a_boundary_gives_eager_numbers() -> None:
+    cfg = _OACfg()
+    proxy = weakref.proxy(cfg)
+
+    def top(h: torch.Tensor, c: Any) -> torch.Tensor:
+        return (h * c.scale).detach().topk(2, -1).indices
+
+    def layer(lin: nn.Linear, x: torch.Tensor, reuse: bool) -> torch.Tensor:
+        ids = reuse_during_recompute(top, x, proxy) if reuse else top(x, cfg)
+        return lin(x).gather(-1, ids)
+
+    eager = _oa_twin_grads(lambda lin, x: layer(lin, x, False))
+    ours = _oa_twin_grads(lambda lin, x: checkpoint(lambda y: layer(lin, y, True), x))
+    for a, b in zip(eager, ours):
+        assert torch.equal(a, b)

@@ -9,6 +9,7 @@ same layers run eagerly."""
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import types
 import warnings
@@ -1125,3 +1126,39 @@ def test_a_caches_bound_update_passed_as_an_argument_gives_eager_gradients_or_is
             return
         got.append(grads_of(model.parameters()))
     assert_same_grads(*got)
+
+
+def test_a_read_only_cache_in_a_namespace_under_the_opt_in_gives_eager_gradients() -> None:
+    """Helper OA: `_cache_inside` finds a cache one level inside a plain object; a layer whose
+    class sets transformers' `_can_checkpoint_with_cache` only reads it and passes, as a cache
+    passed directly does."""
+
+    class Cache:
+        def __init__(self) -> None:
+            self.k = torch.randn(3, 4)
+
+        def update(self, k: torch.Tensor) -> None:
+            raise AssertionError("read only")
+
+        def get_seq_length(self) -> int:
+            return 3
+
+    class Layer(nn.Module):
+        _can_checkpoint_with_cache = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+            return self.lin(x) + ctx.cache.k
+
+    torch.manual_seed(0)
+    ours = Layer()
+    eager = copy.deepcopy(ours)
+    ctx = types.SimpleNamespace(cache=Cache())
+    x = torch.randn(3, 4)
+    eager(x, ctx).sum().backward()
+    pytree_ckpt.checkpoint(ours, x, ctx).sum().backward()
+    for p, q in zip(ours.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -1770,3 +1770,43 @@ def test_a_replay_that_calls_its_hooked_modules_in_another_order_is_refused() ->
         loss = layer(x).sum() + kept[0].square().sum()
     with pytest.raises(ReplayMismatchError, match="another number of times, or in another order"):
         loss.backward()
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # the hook only reads
+def test_a_hooked_submodule_returning_a_proxy_inside_the_call_gives_eager_gradients() -> None:
+    import weakref
+
+    class Cfg:
+        scale = 0.5
+
+    cfg = Cfg()
+
+    class Sub(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            return self.lin(x), weakref.proxy(cfg)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sub = Sub()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y, c = self.sub(x)
+            return y * c.scale
+
+    def make() -> Layer:
+        torch.manual_seed(0)
+        layer = Layer()
+        layer.sub.register_forward_hook(lambda module, args, output: None)
+        return layer
+
+    ours, eager = make(), make()
+    x = torch.randn(3, 4)
+    eager(x).sum().backward()
+    pytree_ckpt.checkpoint(ours, x).sum().backward()
+    for p, q in zip(ours.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)

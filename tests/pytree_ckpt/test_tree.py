@@ -2041,3 +2041,33 @@ def test_a_generator_in_an_attrdict_config_gives_eager_gradients() -> None:
         out.backward()
         results.append((out.detach(), x.grad, lin.weight.grad.clone(), cfg.gen.get_state()))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("api", ["checkpoint", "checkpointed"])
+def test_a_partial_binding_a_proxy_to_a_config_gives_eager_gradients(api: str) -> None:
+    import functools
+    import weakref
+
+    import pytree_ckpt
+
+    class Cfg:
+        scale = 0.5
+
+    cfg = Cfg()
+    proxy = weakref.proxy(cfg)
+
+    def layer(x: torch.Tensor, w: torch.Tensor, c: Any) -> torch.Tensor:
+        return (x @ w).tanh() * c.scale
+
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    eager = layer(x, w, cfg).sum()
+    eager.backward()
+    expected = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    fn = functools.partial(layer, c=proxy)
+    out = (pytree_ckpt.checkpoint(fn, x, w) if api == "checkpoint"
+           else pytree_ckpt.checkpointed(fn)(x, w)).sum()
+    out.backward()
+    assert torch.equal(out, eager)
+    assert torch.equal(x.grad, expected[0]) and torch.equal(w.grad, expected[1])
