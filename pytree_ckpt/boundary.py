@@ -185,7 +185,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         # torch.fx.symbolic_trace records the forward (helper LE: fx's proxies ran the boundary,
         # offload windows opened, and that pass counted as a save unit's first forward).
         return fn(*args, **kwargs)
-    flat = flatten_call(args, kwargs, proxies=False)  # NOTE [a weakref.proxy leaf] (tree.py)
+    flat = flatten_call(args, kwargs, at_boundary=True)  # NOTE [a weakref.proxy leaf] (tree.py)
     leaves = flat.leaves
     if flat.spec.num_nodes - flat.spec.num_leaves > 3:  # more than (args, kwargs): NOTE
         refuse_metadata_tensors(fn, flat.spec, root="inputs")  # [tensors in a node's metadata]

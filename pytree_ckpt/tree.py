@@ -257,24 +257,25 @@ def proxy_refused(proxy: Any, where: str, /) -> Exception:
 
 
 def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any], /, *,
-                 proxies: bool = True) -> FlatTree:
-    """Flatten a call's ``(args, kwargs)``; see NOTE [fast paths]. ``proxies=False``: a
-    weakref.proxy among them is refused (a boundary's call: NOTE [a weakref.proxy leaf]; the
-    fast path's leaves are all plain tensors)."""
+                 at_boundary: bool = False) -> FlatTree:
+    """Flatten a call's ``(args, kwargs)``; see NOTE [fast paths]. ``at_boundary``: a
+    boundary's call, where a weakref.proxy among them is refused (NOTE [a weakref.proxy leaf];
+    the fast path's leaves are all plain tensors)."""
     if not kwargs:
         for arg in args:  # NOTE [loops on the per-call path] (boundary.py): no generator
             if type(arg) is not _Tensor:
-                return _slow_call(args, kwargs, proxies)
+                return _slow_call(args, kwargs, at_boundary)
         spec = POSITIONAL_CALL_SPECS.get(len(args))
         if spec is None:
             spec = POSITIONAL_CALL_SPECS[len(args)] = flatten((args, kwargs)).spec
         return _tuple_new(FlatTree, ([*args], spec, list(range(len(args)))))
-    return _slow_call(args, kwargs, proxies)
+    return _slow_call(args, kwargs, at_boundary)
 
 
-def _slow_call(args: tuple[Any, ...], kwargs: dict[str, Any], proxies: bool, /) -> FlatTree:
+def _slow_call(args: tuple[Any, ...], kwargs: dict[str, Any], at_boundary: bool, /
+               ) -> FlatTree:
     flat = flatten((args, kwargs), root=_CALL)
-    if not proxies:
+    if at_boundary:
         refuse_proxies(flat)
     return flat
 
