@@ -374,8 +374,9 @@ _LATE = "changed b.0.ema in place for the first time after the layer's first rep
 
 
 @pytest.mark.filterwarnings(f"ignore:.*{_LATE}")
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Module state: a small "
-                   "buffer first changed after the layer's first replay, warned) (helper NL)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a small buffer first changed after the layer's first replay, "
+                   "warned) (helper NL)")
 def test_early_exit_whose_skipped_branch_first_runs_later_gives_eager_gradients() -> None:
     # the first two steps exit early (EmaNorm never runs), the third runs it for the first time
     xs = [torch.randn(6, D) * 0.3, torch.randn(6, D) * 0.3, torch.randn(6, D) * 3]
