@@ -242,7 +242,7 @@ class _BoundaryFunction(torch.autograd.Function):
         call.buffer_dicts, call.frozen, call.modules = (), (), None
         flat = flatten(output, root="output")
         if type(output) is not torch.Tensor:  # NOTE [a weakref.proxy leaf] (tree.py)
-            refuse_proxies(flat, root="output")
+            refuse_proxies(flat, root="output", states_only=True)
         if len(flat.tensor_index) < len(flat.leaves):
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         if flat.spec.num_nodes > flat.spec.num_leaves:  # NOTE [tensors in a node's metadata]

@@ -202,12 +202,15 @@ def _flatten(tree: Any, /) -> FlatTree:
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
-def refuse_proxies(flat: FlatTree, /, *, root: str | None = None) -> None:
+def refuse_proxies(flat: FlatTree, /, *, root: str | None = None,
+                   states_only: bool = False) -> None:
     """NOTE [a weakref.proxy leaf]: refuse one among a boundary's inputs (``root`` None: a
     call's, named ``args[i]``, ``kwargs[...]``) or outputs, or an output discard's arguments;
-    other flattenings (a reused call's, a hook's) pass them as eager does (helper OA)."""
+    other flattenings (a reused call's, a hook's) pass them as eager does (helper OA).
+    ``states_only`` (outputs): only one to a module or a tensor, or a dead one; one to a config
+    leaves as it did (a nested call's output is checked in backward only: helper OB)."""
     for index, leaf in enumerate(flat.leaves):  # NOTE [loops on the per-call path]
-        if type(leaf) in _PROXIES:
+        if type(leaf) in _PROXIES and (not states_only or proxy_to_state(leaf)):
             path = leaf_paths(flat.spec, root="inputs" if root is None else root)[index]
             for start, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
                 if root is None and path.startswith(start):
