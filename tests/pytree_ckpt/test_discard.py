@@ -2014,9 +2014,9 @@ def test_discarding_a_learned_sparse_adjacency_frees_it_or_says_so(
 
 
 def test_a_discard_rebuilt_by_a_backward_under_inference_mode_gives_eager_gradients() -> None:
-    # The rebuild (and the discarded op's backward) runs with grad enabled but inside the
-    # caller's inference mode: no graph, so every gradient upstream of the discarded norm is
-    # None where eager computes them.
+    # Guards against (helper NW) the rebuild (and the discarded op's backward) running inside
+    # the caller's inference mode: no graph, so every gradient upstream of the discarded norm
+    # was None where eager computes them.
     torch.manual_seed(0)
     first, norm, last = nn.Linear(2, 16), nn.LayerNorm(16), nn.Linear(16, 1)
     x0 = torch.randn(8, 2)
@@ -2045,9 +2045,9 @@ def test_a_discard_rebuilt_by_a_backward_under_inference_mode_gives_eager_gradie
 
 
 def test_a_discard_called_under_inference_mode_with_grad_enabled_runs_plain_as_eager() -> None:
-    # 75e0099 made a boundary called under inference_mode() + enable_grad() its plain forward;
-    # the discard's checkpoint tests only is_grad_enabled() (discard.py:292) and applies its
-    # Function to an inference tensor: torch refuses to save it.
+    # Guards against (helper NY) the discard applying its Function to an inference tensor
+    # under inference_mode() + enable_grad() (torch refused to save it), where 75e0099 made a
+    # boundary so called its plain forward: both are plain calls now.
     torch.manual_seed(0)
     first, norm, last = nn.Linear(4, 16), nn.LayerNorm(16), nn.Linear(16, 1)
     x = torch.randn(5, 4)
