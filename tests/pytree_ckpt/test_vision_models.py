@@ -1061,3 +1061,5 @@ def test_a_unit_whose_kept_conv_outputs_a_relu_changes_in_place_says_so_when_it_
     # after it, which it names now, with the fix.
     assert "changed in place" in kept_nothing[0], kept_nothing[0]
     assert "use ReLU(inplace=False)" in kept_nothing[0]
+    # The cause itself, not only the tip, in both branches (helper NX's UU2).
+    assert "changed in place later in the forward" in kept_nothing[0], kept_nothing[0]
