@@ -47,7 +47,7 @@ from .state_changes import (StateWatch, mark_stateful, registered_state, snapsho
 from .stored_state import (warn_first_change_unsaved, warn_parameter_changed,
                            warn_under_torchs_checkpoint)
 from .subclass import kind_of
-from .tree import dunder, flatten, leaf_paths, object_children, refuse_proxies
+from .tree import dunder, flatten, leaf_paths, object_children
 from .tree_refusals import refuse_hidden_outputs, refuse_metadata_tensors, refuse_strided_nested
 
 __all__ = ["apply_function"]
@@ -241,9 +241,7 @@ class _BoundaryFunction(torch.autograd.Function):
         call.frozen_at_call = call.frozen
         call.buffer_dicts, call.frozen, call.modules = (), (), None
         flat = flatten(output, root="output")
-        if type(output) is not torch.Tensor:  # NOTE [a weakref.proxy leaf] (tree.py)
-            refuse_proxies(flat, root="output", states_only=True)
-        if len(flat.tensor_index) < len(flat.leaves):
+        if len(flat.tensor_index) < len(flat.leaves):  # NOTE [a weakref.proxy leaf] there too
             refuse_hidden_outputs(call, flat.spec, flat.leaves, flat.tensor_index, tensors)
         if flat.spec.num_nodes > flat.spec.num_leaves:  # NOTE [tensors in a node's metadata]
             refuse_metadata_tensors(call.fn, flat.spec, root="output")

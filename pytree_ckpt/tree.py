@@ -194,28 +194,49 @@ def _flatten(tree: Any, /) -> FlatTree:
 # refers to, its type does not: a proxy to a tensor was taken for a tensor and crashed the
 # process in autograd's C++, one to a module failed deep in the boundary, a dead one raised
 # ReferenceError, and one to an iterator or a cache passed as a plain object where the object
-# itself is refused (helpers NP, NU). Refused among a boundary's inputs and outputs and an
-# output discard's arguments (``refuse_proxies``), and as the function they run where it
-# refers to a module or a tensor, or is dead (``refuse_proxy_function``); elsewhere (a reused
-# call's arguments and result, a hook's output, a partial's bound arguments) passed as eager
-# passes it (helper OA).
+# itself is refused (helpers NP, NU). Refused among a boundary's inputs and an output
+# discard's arguments (``refuse_proxies``: the function is handed what the caller passed, and
+# would read a cache or tensor through it), and as the function they run where it refers to a
+# module or a tensor, or is dead (``refuse_proxy_function``). Among a boundary's outputs, a
+# live one is looked through (``proxy_referent``) and what it refers to is checked as that
+# object would be (a tensor fn computed, or one held by a closure, refused as a hidden
+# output; a module, a config, a known tensor passed), and a dead one passes: each refusal by
+# type there was a regression (helpers OB, OC: a nested call's output was refused in
+# backward). Elsewhere (a reused call's arguments and result, a hook's output, a partial's
+# bound arguments) passed as eager passes it (helper OA).
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
-def refuse_proxies(flat: FlatTree, /, *, root: str | None = None,
-                   states_only: bool = False) -> None:
+def refuse_proxies(flat: FlatTree, /, *, root: str | None = None) -> None:
     """NOTE [a weakref.proxy leaf]: refuse one among a boundary's inputs (``root`` None: a
-    call's, named ``args[i]``, ``kwargs[...]``) or outputs, or an output discard's arguments;
-    other flattenings (a reused call's, a hook's) pass them as eager does (helper OA).
-    ``states_only`` (outputs): only one to a module or a tensor, or a dead one; one to a config
-    leaves as it did (a nested call's output is checked in backward only: helper OB)."""
+    call's, named ``args[i]``, ``kwargs[...]``) or an output discard's arguments; other
+    flattenings (outputs, a reused call's, a hook's) do not refuse them."""
     for index, leaf in enumerate(flat.leaves):  # NOTE [loops on the per-call path]
-        if type(leaf) in _PROXIES and (not states_only or proxy_to_state(leaf)):
+        if type(leaf) in _PROXIES:
             path = leaf_paths(flat.spec, root="inputs" if root is None else root)[index]
             for start, readable in (("inputs[0]", "args"), ("inputs[1]", "kwargs")):
                 if root is None and path.startswith(start):
                     path = readable + path[len(start):]
             raise proxy_refused(leaf, path)
+
+
+def proxy_referent(proxy: Any, where: str | None, /) -> Any:
+    """What a live weakref.proxy refers to, ``None`` for a dead one (NOTE [a weakref.proxy
+    leaf]). A proxy gives no API for it: its ``__init__`` is the referent's own, bound to it,
+    and the candidate is checked to be the object the proxy is a weak reference to. One whose
+    referent cannot be told so (a class whose ``__init__`` is no bound method) is refused at
+    ``where``, or taken as ``None`` where that is ``None``."""
+    try:
+        candidate = proxy.__init__.__self__
+    except ReferenceError:
+        return None
+    except Exception:
+        candidate = None
+    if candidate is None or not any(ref is proxy for ref in weakref.getweakrefs(candidate)):
+        if where is None:
+            return None
+        raise proxy_refused(proxy, where)
+    return candidate
 
 
 def is_proxy(value: Any, /) -> bool:
@@ -224,8 +245,8 @@ def is_proxy(value: Any, /) -> bool:
 
 
 def proxy_to_state(value: Any, /) -> bool:
-    """Whether ``value`` is a weakref.proxy the boundary cannot take as a function: a dead one,
-    or one to a module or a tensor (a proxy to a plain function is called as it is)."""
+    """Whether ``value`` is a weakref.proxy the boundary cannot take as the function it runs:
+    a dead one, or one to a module or a tensor (one to a plain function is called as it is)."""
     if not is_proxy(value):
         return False
     try:
@@ -251,10 +272,12 @@ def proxy_refused(proxy: Any, where: str, /) -> Exception:
         what = f"a weakref.proxy to a {proxy.__class__.__name__}"
     except ReferenceError:
         what = "a dead weakref.proxy"
+    except Exception:  # a __class__ property that raises
+        what = "a weakref.proxy"
     return CheckpointError(
         f"{what} at {where}: the boundary tells tensors, modules, iterators and caches by "
         "their type, and a proxy's type is not that of what it refers to (isinstance says it "
-        "is), so neither what this one refers to nor whether it lives can be told",
+        "is): a tensor, a module or a cache behind it would pass unseen",
         expected="the object itself (or a weakref.ref, called inside the function)",
         got=what, tip="pass the object the proxy refers to, or a weakref.ref to it")
 
@@ -560,6 +583,8 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
 
     def search(obj: Any, level: int) -> tuple[str, torch.Tensor] | None:
         budget[0] -= 1
+        if type(obj) in _PROXIES:  # NOTE [a weakref.proxy leaf]: what it refers to, if alive
+            obj = proxy_referent(obj, None)
         if isinstance(obj, torch.Tensor):
             return ("", obj) if wanted(obj) else None
         if level == 0 or budget[0] <= 0 or obj is None or \

@@ -27,7 +27,7 @@ from .module_state import owning_module
 from .refusals import fn_name, readable_path
 from .tree import (CONTAINER, ITERATOR, can_look_into, describe_leaf, dunder, hidden_tensor,
                    instance_dict, is_proxy, leaf_kind, leaf_paths, metadata_tensor,
-                   object_children)
+                   object_children, proxy_referent)
 
 if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
@@ -73,8 +73,15 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
     tensors = set(tensor_index)
     known: dict[int, torch.Tensor] | None = None
     for index, leaf in enumerate(leaves):
-        if index in tensors or leaf is None or id(leaf) in passed or \
-                isinstance(leaf, (int, float, str, bool)):
+        if index in tensors or leaf is None or id(leaf) in passed:
+            continue
+        named = type(leaf).__name__
+        if is_proxy(leaf):  # NOTE [a weakref.proxy leaf] (tree.py): what it refers to
+            leaf = proxy_referent(leaf, leaf_paths(spec, root="output")[index])
+            if leaf is None or id(leaf) in passed:  # dead, or an input passed on
+                continue
+            named = f"weakref.proxy to a {type(leaf).__name__}"
+        if isinstance(leaf, (int, float, str, bool)):
             continue
         if known is None:  # built once, and only for a leaf that needs looking into
             known = dict(call.before or {})
@@ -83,7 +90,9 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             # that very object, so a leaf holding one reaches it with its gradient (`return h,
             # h.size`; helper FJ).
             known.update((id(leaves[i]), leaves[i]) for i in tensor_index)
-        found = hidden_tensor(leaf, functools.partial(_fresh_float, known))
+        found = ("", leaf) if isinstance(leaf, torch.Tensor) and _fresh_float(known, leaf) \
+            else None if isinstance(leaf, torch.Tensor) else \
+            hidden_tensor(leaf, functools.partial(_fresh_float, known))
         if found is None:
             if isinstance(leaf, Iterator) and not can_look_into(leaf):
                 # itertools' chain or islice, an iterator class without attributes: what
@@ -103,13 +112,21 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             continue
         where, tensor = found
         path = leaf_paths(spec, root="output")[index]
+        if tensor is leaf:  # a proxy to it
+            raise CheckpointError(
+                f"{fn_name(call.fn)} returned a {named} at {path}, to a tensor that "
+                "requires no grad and is none of its inputs or state: the tree bridge sees "
+                "the proxy, not the tensor, so a tensor fn computed would leave the boundary "
+                "without gradient",
+                expected="the tensor itself among the outputs", got=named,
+                tip="return the tensor, and make the proxy after the call")
         raise CheckpointError(
-            f"{fn_name(call.fn)} returned a {type(leaf).__name__} at {path} that holds a "
-            f"tensor at {path}{where}; the tree bridge does not open a {type(leaf).__name__}, "
-            "so that tensor would leave the boundary without gradient",
+            f"{fn_name(call.fn)} returned a {named} at {path} that holds a tensor at "
+            f"{path}{where}; the tree bridge does not open a {named}, so that tensor would "
+            "leave the boundary without gradient",
             expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or types "
                      "registered with optree in namespace 'pytree_ckpt'",
-            got=f"{type(leaf).__name__} holding {describe_leaf(tensor)}",
+            got=f"{named} holding {describe_leaf(tensor)}",
             tip="return list(...) of it instead (a plain container the boundary opens), or "
                 "build the iterator after the call" if isinstance(leaf, Iterator) else
                 "return the tensor itself as an output, and build the function after the "

@@ -3056,3 +3056,64 @@ def test_a_proxy_function_refusal_is_a_checkpoint_error_in_reuse_during_recomput
     proxy = weakref.proxy(f)
     with pytest.raises(CheckpointError, match="not hashable"):
         checkpoint(lambda x: pytree_ckpt.reuse_during_recompute(proxy, x).sum(), x0)
+
+
+class _Temporary:
+    """An object nothing keeps: a proxy to it dies as the function returns."""
+
+
+class _InitNotBound:
+    """A class whose ``__init__`` is no bound method: what a proxy to it refers to cannot be
+    told (tree.proxy_referent)."""
+
+    __init__ = staticmethod(lambda: None)
+
+
+_NOT_BOUND = _InitNotBound()
+
+
+@pytest.mark.parametrize("case", ["dead", "to a parameter", "to the module", "module, nested"])
+def test_a_proxy_among_the_outputs_to_a_state_or_a_dead_one_gives_eager_gradients(
+        case: str) -> None:
+    # NOTE [a weakref.proxy leaf] (tree.py): among the outputs a live proxy is looked through,
+    # and one to a parameter or a module passes as the object would (helper OC: a nested
+    # call's proxy to a module was refused in backward), as does a dead one.
+    def make(lin: nn.Linear, ck: bool) -> Callable[[torch.Tensor], Any]:
+        def f(a: torch.Tensor) -> Any:
+            extra = {"dead": lambda: weakref.proxy(_Temporary()),
+                     "to a parameter": lambda: weakref.proxy(lin.weight)}.get(
+                         case, lambda: weakref.proxy(lin))()
+            return lin(a), extra
+
+        if case != "module, nested":
+            return (lambda a: checkpoint(f, a)) if ck else f
+
+        def outer(a: torch.Tensor) -> Any:
+            y, again = (checkpoint(f, a) if ck else f(a))
+            return again(y).tanh()
+
+        return (lambda a: checkpoint(outer, a)) if ck else outer
+
+    def use(out: Any) -> torch.Tensor:
+        if case == "to a parameter":
+            return out[0].sum() + (out[1] * 2).square().sum()
+        if case == "to the module":
+            return out[1](out[0]).sum()
+        return (out[0] if case == "dead" else out).sum()
+
+    grads = []
+    for ck in (False, True):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        x = torch.randn(3, 4, requires_grad=True)
+        use(make(lin, ck)(x)).backward()
+        grads.append((x.grad, lin.weight.grad, lin.bias.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_proxy_among_the_outputs_whose_referent_cannot_be_told_is_refused_naming_its_path(
+        ) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"a weakref.proxy to a _InitNotBound at "
+                       r"output\[1\]\['cfg'\]"):
+        checkpoint(lambda a: (a * 2, {"cfg": weakref.proxy(_NOT_BOUND)}), x)

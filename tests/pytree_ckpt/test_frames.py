@@ -8,6 +8,7 @@ import functools
 import gc
 import re
 import threading
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable
@@ -4109,6 +4110,159 @@ def test_a_proxy_held_by_a_plain_argument_object_or_the_layer_gives_eager_gradie
         y.sum().backward()
         assert x.grad is not None and m.lin.weight.grad is not None
         return [y.detach(), x.grad, m.lin.weight.grad]
+
+    for u, v in zip(run(False), run(True)):
+        assert torch.equal(u, v)
+
+
+# Helper OC: regressions of 978a9ec (a weakref.proxy among the outputs refused only where it
+# refers to a module or a tensor, or is dead).
+def _oc_twin(make: Callable[[nn.Linear, torch.Tensor, list[Any]], Any],
+             use: Callable[[Any], torch.Tensor], ck: bool) -> list[torch.Tensor | None]:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    keep: list[Any] = []  # the proxies' referents live as long as the twin
+
+    def f(h: torch.Tensor) -> Any:
+        return make(lin, h, keep)
+
+    loss = use(checkpoint(f, x) if ck else f(x))
+    loss.backward()
+    return [loss.detach(), x.grad, lin.weight.grad]
+
+
+def _oc_closure(lin: nn.Linear, h: torch.Tensor, keep: list[Any]) -> Any:
+    y = lin(h)
+
+    def read() -> torch.Tensor:
+        return y
+
+    keep.append(read)
+    return h * 2, weakref.proxy(read)
+
+
+def _oc_partial(lin: nn.Linear, h: torch.Tensor, keep: list[Any]) -> Any:
+    bound = functools.partial(torch.add, lin(h))
+    keep.append(bound)
+    return h * 2, weakref.proxy(bound)
+
+
+@pytest.mark.parametrize("make,use", [
+    (_oc_closure, lambda out: out[0].sum() + out[1]().sum()),
+    (_oc_partial, lambda out: out[0].sum() + out[1](1.0).sum())], ids=["closure", "partial"])
+def test_a_callable_proxy_output_holding_a_computed_tensor_gives_eager_gradients_or_is_refused(
+        make: Any, use: Any) -> None:
+    eager = _oc_twin(make, use, False)
+    try:
+        ours = _oc_twin(make, use, True)
+    except pytree_ckpt.CheckpointError:
+        return  # refused at the call, as 5ad0190 did naming the closure's tensor
+    for a, b in zip(eager, ours):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+def test_a_nested_boundary_returning_a_proxy_to_a_module_is_not_refused_in_backward() -> None:
+    def body(lin: nn.Linear, x: torch.Tensor, ck: bool) -> torch.Tensor:
+        inner = (lambda h: (lin(h), weakref.proxy(lin)))
+        y, again = checkpoint(inner, x) if ck else inner(x)
+        return again(y).tanh().sum()
+
+    eager = _ob_twin(lambda lin, x: body(lin, x, False))
+    try:
+        ours = _ob_twin(lambda lin, x: checkpoint(lambda h: body(lin, h, True), x))
+    except pytree_ckpt.CheckpointError as e:
+        assert "backward" not in "".join(
+            str(f.name) for f in traceback.extract_tb(e.__traceback__))
+        return
+    for a, b in zip(eager, ours):
+        assert torch.equal(a, b)
+
+
+class _OCSlottedCfg:
+    __slots__ = ("scale", "__weakref__")
+
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+
+def test_a_proxy_to_a_slotted_config_among_the_outputs_leaves_as_it_is() -> None:
+    cfg = _OCSlottedCfg()
+
+    def make(lin: nn.Linear, h: torch.Tensor, keep: list[Any]) -> Any:
+        return lin(h), weakref.proxy(cfg)
+
+    def use(out: Any) -> torch.Tensor:
+        return (out[0] * out[1].scale).tanh().sum()
+
+    for a, b in zip(_oc_twin(make, use, False), _oc_twin(make, use, True)):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+def test_a_nested_boundary_returning_one_proxy_to_a_config_twice_gives_eager_gradients(
+        ) -> None:
+    cfg = _OBCfg()
+    proxy = weakref.proxy(cfg)
+
+    def body(lin: nn.Linear, x: torch.Tensor, ck: bool) -> torch.Tensor:
+        inner = (lambda h: (lin(h), proxy, {"again": proxy}))
+        y, c, d = checkpoint(inner, x) if ck else inner(x)
+        return (y * c.scale * d["again"].scale).tanh().sum()
+
+    eager = _ob_twin(lambda lin, x: body(lin, x, False))
+    ours = _ob_twin(lambda lin, x: checkpoint(lambda h: body(lin, h, True), x))
+    for a, b in zip(eager, ours):
+        assert torch.equal(a, b)
+
+
+def test_a_proxy_output_to_an_object_or_dict_subclass_holding_a_computed_tensor_is_refused(
+        ) -> None:
+    class Obj:
+        pass
+
+    class DSub(dict):  # type: ignore[type-arg]
+        pass
+
+    def obj(lin: nn.Linear, h: torch.Tensor, keep: list[Any]) -> Any:
+        o = Obj()
+        o.t = lin(h)  # type: ignore[attr-defined]
+        keep.append(o)
+        return h * 2, weakref.proxy(o)
+
+    def dsub(lin: nn.Linear, h: torch.Tensor, keep: list[Any]) -> Any:
+        o = DSub(t=lin(h))
+        keep.append(o)
+        return h * 2, weakref.proxy(o)
+
+    for make, path in ((obj, r"output\[1\]\.t"), (dsub, r"output\[1\]\['t'\]")):
+        with pytest.raises(pytree_ckpt.CheckpointError, match=path):
+            _oc_twin(make, lambda out: out[0].sum(), True)
+
+
+def test_a_wrapped_layer_returning_a_proxy_to_a_config_in_a_dict_with_kwargs_gives_eager_grads(
+        ) -> None:
+    cfg = _OBCfg()
+    proxy = weakref.proxy(cfg)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, *, opts: Any = None) -> Any:
+            return self.lin(x), {"cfg": proxy, "o": opts}
+
+    def run(ck: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        m = Layer()
+        if ck:
+            pytree_ckpt.apply_activation_checkpointing(m)
+        x = torch.randn(3, 4, requires_grad=True)
+        y, d = m(x, opts=cfg)
+        loss = (y * d["cfg"].scale * d["o"].scale).tanh().sum()
+        loss.backward()
+        assert x.grad is not None and m.lin.weight.grad is not None
+        return [loss.detach(), x.grad, m.lin.weight.grad]
 
     for u, v in zip(run(False), run(True)):
         assert torch.equal(u, v)
