@@ -198,10 +198,11 @@ def _flatten(tree: Any, /) -> FlatTree:
 # discard's arguments (``refuse_proxies``: the function is handed what the caller passed, and
 # would read a cache or tensor through it), and as the function they run where it refers to a
 # module or a tensor, or is dead (``refuse_proxy_function``). Among a boundary's outputs, a
-# live one is looked through (``proxy_referent``) and what it refers to is checked as that
-# object would be (a tensor fn computed, or one held by a closure, refused as a hidden
-# output; a module, a config, a known tensor passed), and a dead one passes: each refusal by
-# type there was a regression (helpers OB, OC: a nested call's output was refused in
+# live one is looked through (``proxy_referent``; where what it refers to cannot be found, the
+# proxy itself, through what it forwards) and what it refers to is checked as that object
+# would be (a tensor fn computed, or one held by a closure, refused as a hidden output; a
+# module, a config, a class, a known tensor passed), and a dead one passes: each refusal by
+# type there was a regression (helpers OB, OC, OG: a nested call's output was refused in
 # backward). Elsewhere (a reused call's arguments and result, a hook's output, a partial's
 # bound arguments) passed as eager passes it (helper OA).
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
@@ -220,23 +221,27 @@ def refuse_proxies(flat: FlatTree, /, *, root: str | None = None) -> None:
             raise proxy_refused(leaf, path)
 
 
-def proxy_referent(proxy: Any, where: str | None, /) -> Any:
+def proxy_referent(proxy: Any, /) -> Any:
     """What a live weakref.proxy refers to, ``None`` for a dead one (NOTE [a weakref.proxy
-    leaf]). A proxy gives no API for it: its ``__init__`` is the referent's own, bound to it,
-    and the candidate is checked to be the object the proxy is a weak reference to. One whose
-    referent cannot be told so (a class whose ``__init__`` is no bound method) is refused at
-    ``where``, or taken as ``None`` where that is ``None``."""
-    try:
-        candidate = proxy.__init__.__self__
-    except ReferenceError:
-        return None
-    except Exception:
-        candidate = None
-    if candidate is None or not any(ref is proxy for ref in weakref.getweakrefs(candidate)):
-        if where is None:
+    leaf]). A proxy gives no API for it: one of the referent's own methods reached through it
+    is bound to it (``__init__``; ``__sizeof__`` and others where a class set ``__init__`` as
+    a static method; ``__init_subclass__`` for a class), and each candidate is checked to be
+    the object the proxy is a weak reference to. Where none is, the proxy itself, looked into
+    through what it forwards (helper OG)."""
+    for name in _BOUND_TO_IT:
+        try:
+            candidate = getattr(proxy, name).__self__
+        except ReferenceError:
             return None
-        raise proxy_refused(proxy, where)
-    return candidate
+        except Exception:
+            continue
+        if any(ref is proxy for ref in weakref.getweakrefs(candidate)):
+            return candidate
+    return proxy
+
+
+_BOUND_TO_IT = ("__init__", "__sizeof__", "__dir__", "__format__", "__reduce_ex__",
+                "__init_subclass__")
 
 
 def is_proxy(value: Any, /) -> bool:
@@ -584,7 +589,7 @@ def hidden_tensor(leaf: Any, wanted: Callable[[torch.Tensor], bool], /, *,
     def search(obj: Any, level: int) -> tuple[str, torch.Tensor] | None:
         budget[0] -= 1
         if type(obj) in _PROXIES:  # NOTE [a weakref.proxy leaf]: what it refers to, if alive
-            obj = proxy_referent(obj, None)
+            obj = proxy_referent(obj)
         if isinstance(obj, torch.Tensor):
             return ("", obj) if wanted(obj) else None
         if level == 0 or budget[0] <= 0 or obj is None or \

@@ -77,10 +77,10 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             continue
         named = type(leaf).__name__
         if is_proxy(leaf):  # NOTE [a weakref.proxy leaf] (tree.py): what it refers to
-            leaf = proxy_referent(leaf, leaf_paths(spec, root="output")[index])
+            leaf = proxy_referent(leaf)
             if leaf is None or id(leaf) in passed:  # dead, or an input passed on
                 continue
-            named = f"weakref.proxy to a {type(leaf).__name__}"
+            named = f"weakref.proxy to a {dunder(leaf, '__class__', type(leaf)).__name__}"
         if isinstance(leaf, (int, float, str, bool)):
             continue
         if known is None:  # built once, and only for a leaf that needs looking into
