@@ -22,6 +22,7 @@ from .census import Mechanism, census_active, report_held
 from .changed_in_place import (ParameterVersions, grad_switched, raise_input_changed,
                                refuse_grad_switched, refuse_parameters_changed,
                                requires_grad_flags)
+from .changed_numbers import ChangedNumbers
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
 from .forward_modules import ForwardModules
@@ -217,6 +218,11 @@ class _BoundaryFunction(torch.autograd.Function):
                     # A trainable parameter changed in place: not put back (NOTE [numbers
                     # and flags as the forward began]).
                     call.changed_numbers = None
+                    numbers = None
+            if numbers is not None and (only_read := numbers.read_held()):
+                # NOTE [a small tensor attribute read, then replaced by a later call]
+                call.changed_numbers = ChangedNumbers([], read=only_read).joined(
+                    call.changed_numbers)
         if call.frame.state_after:  # NOTE [state a reused call changes] (frozen.py)
             made = [value for changes in call.frame.state_after.values()
                     for kind, _, _, value in changes if kind == "numbers"]

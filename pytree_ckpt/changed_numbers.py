@@ -38,20 +38,25 @@ class ChangedNumbers:
     """What a forward changed of its modules' plain values and attributes (NOTE [numbers and
     flags as the forward began]), for its replay."""
 
-    __slots__ = ("found", "ends")
+    __slots__ = ("found", "ends", "read")
 
     def __init__(self, found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]],
-                 /, *, ends: dict[int, Any] | None = None) -> None:
+                 /, *, ends: dict[int, Any] | None = None,
+                 read: list[tuple[dict[str, Any], str, Any]] | None = None) -> None:
         self.found = found
         # By the id of a dict's entries as the forward began, its entries as the forward left
         # it (NOTE [a key only the replay changes]); ``EndedAfterACall`` where the entries
         # were read at a reused call (with_reused_calls).
         self.ends = {} if ends is None else ends
+        # NOTE [a small tensor attribute read, then replaced by a later call]
+        # (forward_numbers.py): (dict, name, what the forward read there).
+        self.read = [] if read is None else read
 
     def joined(self, other: ChangedNumbers | None, /) -> ChangedNumbers:
         """This and ``other`` (changes of other dicts) as one."""
         return self if other is None else ChangedNumbers(
-            [*self.found, *other.found], ends={**self.ends, **other.ends})
+            [*self.found, *other.found], ends={**self.ends, **other.ends},
+            read=[*self.read, *other.read])
 
     def snapshots(self) -> list[torch.Tensor]:
         """The small tensor attributes held from the forward to the replay, alone or in a
@@ -59,6 +64,7 @@ class ChangedNumbers:
         copies of the values of those changed in place, for the census
         (Mechanism.MODULE_STATE)."""
         found: list[torch.Tensor] = []
+        # (Not those only read: the module holds them too, as the call ends.)
         for _, values, _ in self.found:
             for _, value in values:
                 if type(value) is ValuesRead:
@@ -69,22 +75,35 @@ class ChangedNumbers:
                     found.extend(tuple_tensors(value))
         return found
 
+    def _found(self, *, since: bool = False) -> list[tuple[dict[str, Any],
+                                                            list[tuple[str, Any]], list[str]]]:
+        """``found`` with the small tensor attributes the forward only read (all of them, or
+        ``since``: those rebound since, which alone the replay must be given back)."""
+        if not self.read:
+            return self.found
+        return [*self.found, *((d, [(name, value)], []) for d, name, value in self.read
+                               if not since or d.get(name, ABSENT) is not value)]
+
     @contextmanager
     def as_forward_began(self, where: str = "the layer", roots: Sequence[nn.Module] = (), /
                          ) -> Iterator[None]:
         """The changed values as the forward began, for the block; the values, and the objects
         the forward rebound, as the block began, after it. ``where`` names the call for
         NOTE [a graph tensor kept on a module], and ``roots`` (the call's modules) the paths
-        of attributes in refusals."""
+        of attributes in refusals. A small tensor attribute the forward only read, rebound
+        since, is given back too (NOTE [a small tensor attribute read, then replaced by a
+        later call] in forward_numbers.py); one still as read is left alone, so a change only
+        the replay makes stays (NOTE [a key only the replay changes])."""
+        changes = self._found(since=True)
         at_start = [(d, [(name, d.get(name, ABSENT))
                          for name in [*(name for name, _ in values), *rebound]])
-                    for d, values, rebound in self.found]
+                    for d, values, rebound in changes]
         # A container the forward changed in place also gets its entries back after the block
         # (the object is the same, so putting it back as an object would not), with what it
         # held as the forward began: a dict's keys the forward left alone keep what the block
         # made of them (NOTE [a key only the replay changes]).
         entries_at_start: list[tuple[Any, Any, Any]] = []
-        for d, values, _ in self.found:
+        for d, values, _ in changes:
             for name, value in values:
                 held = d.get(name)
                 if (type(value) is Contents and held is value.held) or \
@@ -100,14 +119,14 @@ class ChangedNumbers:
         # this block alone too (NOTE [a tensor attribute changed in place, not held] in
         # plain_values.py).
         copies: dict[int, torch.Tensor] = {}
-        for d, values, _ in self.found:
+        for d, values, _ in changes:
             for name, value in values:
                 if type(value) is Rewritten and (why := value.graph_read(d.get(name))):
                     _refuse_a_graph_rewritten(where, _path(roots, d, name), why)
         found = [(d, [(name, fresh_values(value, fresh) if type(value) is ValuesRead else
                        value.for_replay(d.get(name, ABSENT), copies) if type(value) is Rewritten
                        else value)
-                      for name, value in values]) for d, values, _ in self.found]
+                      for name, value in values]) for d, values, _ in changes]
         # One new container per container read, whatever number of names held it (a log a
         # layer shares with its submodule stays one list in the replay: helper HS).
         made: dict[int, Any] = {}

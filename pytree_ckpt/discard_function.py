@@ -24,6 +24,7 @@ import torch
 
 from .census import Mechanism, census_active, report_held
 from .changed_in_place import ParameterVersions, grad_switched, requires_grad_flags
+from .changed_numbers import ChangedNumbers
 from .discard_aliases import made_outside
 from .discard_refusals import refuse_grad_switched, refuse_input_changed, refuse_output
 from .errors import CheckpointError
@@ -134,6 +135,10 @@ class DiscardFunction(torch.autograd.Function):
                 # A trainable parameter changed in place: not put back (NOTE [numbers and
                 # flags as the forward began] in forward_numbers.py).
                 owner.changed_numbers = None
+            elif read := numbers.read_held():
+                # NOTE [a small tensor attribute read, then replaced by a later call]
+                owner.changed_numbers = ChangedNumbers([], read=read).joined(
+                    owner.changed_numbers)
             if owner.changed_numbers is not None and census_active():  # held by the discard
                 report_held(owner.changed_numbers.snapshots(), Mechanism.MODULE_STATE,
                             holder=owner)

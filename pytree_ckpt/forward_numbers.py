@@ -29,6 +29,16 @@ __all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read"]
 _HELD = (TensorHeld, TupleHeld)  # put back for the replay as the forward read them
 
 
+# NOTE [a small tensor attribute read, then replaced by a later call]: a call that only reads
+# a small tensor attribute (RevIN's denormalisation reading the `self.mean` and `self.stdev`
+# its normalisation call set) changes nothing, so nothing of it was put back for its replay;
+# with two micro-batches before one backward, the first one's replay read the second one's
+# statistics, every gradient off, silently (helper OD; a buffer is snapshotted there: NOTE
+# [state read, then changed by a later call] in state_changes.py). So each such attribute the
+# forward read and left as it was (the one it held, ``TensorHeld.kept``, or a tuple of them) is
+# kept by reference with the call's changes (``ChangedNumbers.read``), and given back for the
+# replay where the attribute holds another object by then, with what it held then back after.
+# Nothing is copied: the reference keeps at most 64 KiB alive once the module lets it go.
 class NumbersWatch:
     """NOTE [numbers and flags as the forward began]: a forward may set plain values on its
     modules that decide what it computes: the length a rotary cache was built for (``if
@@ -154,6 +164,17 @@ class NumbersWatch:
             if values or rebound:
                 found.append((d, values, rebound))
         return ChangedNumbers(found, ends=ends) if found else None
+
+    def read_held(self) -> list[tuple[dict[str, Any], str, Any]]:
+        """NOTE [a small tensor attribute read, then replaced by a later call]: the small
+        tensor attributes (and tuples of them) the forward read and left as they were."""
+        found = []
+        for d, before in zip(self.dicts, self.before):
+            for name, was in before.items():
+                if type(was[1]) in _HELD and (kept := was[1].as_read()) is not None and \
+                        d.get(name) is kept:
+                    found.append((d, name, kept))
+        return found
 
     def made(self) -> MadeNumbers | None:
         """What the call changed of the values and small containers of the one ``__dict__``

@@ -468,4 +468,4 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
     if not found and (changed is not None or not contents):
         return changed
     return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()],
-                          ends=ends)
+                          ends=ends, read=None if changed is None else changed.read)

@@ -155,8 +155,6 @@ def test_revin_statistics_in_buffers_over_two_micro_batches_gives_eager_gradient
                   _revin_micro_batches)
 
 
-@pytest.mark.xfail(strict=True, reason="helper OD: a small plain tensor attribute replaced by "
-                   "one call and read by a later call is not held for the reader's replay")
 def test_revin_statistics_as_plain_attributes_over_two_micro_batches_gives_eager_gradients(
         ) -> None:
     # norm1, denorm1, norm2, denorm2, then backward: denorm1's replay reads norm2's mean and
