@@ -31,7 +31,7 @@ from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode, kept_region, outside_kept_region, refuse_compiled_under_keep
-from .kernel_written import remember, remembered
+from .kernel_written import parameter_sums, remember, remembered, sums_moved
 from .made_before import leaving_tensors, on_kept_storages, unviewed
 from .module_state import ever_verified
 from .notes import add_note, note_no_grad_pass
@@ -111,6 +111,9 @@ class _BoundaryFunction(torch.autograd.Function):
             snapshots_wanted(call.owner)
         if wanted and call.owner is not None:  # its first calls: torch's checkpoint around?
             warn_under_torchs_checkpoint(call.owner)
+        # NOTE [a parameter written through .data] (kernel_written.py), before its first replay
+        param_sums = parameter_sums(call.params) if call.params and call.owner is not None \
+            and not ever_verified(call.owner) else None
         watch = StateWatch(call.buffer_dicts, call.frozen, call.modules[1],
                            snapshot=wanted, compare=not ever_verified(call.owner),
                            written=remembered(call.modules[0])) \
@@ -213,8 +216,9 @@ class _BoundaryFunction(torch.autograd.Function):
             if call.changed_numbers is not None:
                 assert call.owner is not None  # modules
                 mark_stateful(call.owner)
-                if call.param_versions is not None and param_before is not None and \
-                        call.param_versions.versions != param_before[0]:
+                if call.param_versions is not None and param_before is not None and (
+                        call.param_versions.versions != param_before[0] or
+                        (param_sums is not None and sums_moved(call.params or [], param_sums))):
                     # A trainable parameter changed in place: not put back (NOTE [numbers
                     # and flags as the forward began]).
                     call.changed_numbers = None

@@ -33,7 +33,8 @@ from .forward_numbers import NumbersWatch, numbers_read
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators
 from .keep import kept_region, outside_kept_region
-from .kernel_written import compared, mark_compared, remember, remembered
+from .kernel_written import (compared, mark_compared, parameter_sums, remember, remembered,
+                             sums_moved)
 from .module_state import foreign_leaves, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .recompute import used_by_this_backward
@@ -111,6 +112,9 @@ class DiscardFunction(torch.autograd.Function):
         roots = owner.modules or []
         watch = StateWatch(*owner.state, snapshot=True, compare=not compared(roots),
                            written=remembered(roots)) if owner.state is not None else None
+        # NOTE [a parameter written through .data] (kernel_written.py), at its first calls too
+        param_sums = parameter_sums(owner.params) if owner.params and roots and \
+            not compared(roots) else None
         # NOTE [numbers and flags as the forward began] (forward_numbers.py), at each call too.
         numbers = NumbersWatch(numbers_read(roots, owner.state[2], every=True), clone=True) \
             if owner.state is not None else None
@@ -131,7 +135,10 @@ class DiscardFunction(torch.autograd.Function):
             refuse_grad_switched(owner._name(), args, tensors, needs, frozen, roots)
         if numbers is not None:
             owner.changed_numbers = numbers.changed()
-            if param_before is not None and versions(owner.params or []) != param_before[0]:
+            if param_before is not None and (
+                    versions(owner.params or []) != param_before[0] or
+                    (owner.changed_numbers is not None and param_sums is not None and
+                     sums_moved(owner.params or [], param_sums))):
                 # A trainable parameter changed in place: not put back (NOTE [numbers and
                 # flags as the forward began] in forward_numbers.py).
                 owner.changed_numbers = None

@@ -17,8 +17,8 @@ from torch import nn
 
 from .module_state import structure_generation
 
-__all__ = ["compared", "differs", "mark_compared", "remember", "remembered", "sparse_parts",
-           "view_of"]
+__all__ = ["compared", "differs", "mark_compared", "parameter_sums", "remember", "remembered",
+           "sparse_parts", "sums_moved", "view_of"]
 
 # NOTE [state a kernel writes]: the watch of NOTE [state the forward changes] sees a change in
 # place through a version counter, and a batch norm's whole dict through its counter. Some
@@ -99,6 +99,31 @@ def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any,
                 not torch.equal(_bytes(storages[key]), _bytes(t.untyped_storage())):
             return True
     return False
+
+
+# NOTE [a parameter written through .data]: a one-time initialisation keyed on a flag (Glow's
+# ActNorm as most ports write it: `self.loc.data.copy_(-mean)`, `w.data.mul_(scale)`, `w.data =
+# w.data * s`) moves no version of the parameter, so the flag was put back for the replay
+# (NOTE [numbers and flags as the forward began] in forward_numbers.py: not for a call whose
+# forward changed a trainable parameter in place) and the replay initialised again: a rescale
+# applied twice, a random draw made twice, silently (helper OE). So at a module's first calls
+# (before its first replay, as buffers are compared above), where the forward changed a plain
+# value, its trainable parameters' sums before and after the forward are compared bit for bit
+# (one reduction per parameter, and a device sync, then only): a parameter whose sum moved
+# counts as changed in place. A write that keeps the sum (a permutation) is not seen; a
+# parameter of a tensor subclass (a DTensor) or another layout is not summed.
+def parameter_sums(params: Sequence[torch.Tensor], /) -> list[torch.Tensor | None]:
+    """NOTE above: each parameter's sum, where it is a plain dense one with values."""
+    return [p.detach().sum() if type(p) in (torch.Tensor, nn.Parameter) and
+            p.layout == torch.strided and p.device.type != "meta" and not p.is_quantized
+            else None for p in params]
+
+
+def sums_moved(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor | None], /
+               ) -> bool:
+    """Whether a parameter's sum is not what ``parameter_sums`` read (a NaN equals itself)."""
+    return any(was is not None and not _same(was, p.detach().sum())
+               for p, was in zip(params, before))
 
 
 def view_of(t: torch.Tensor, /) -> tuple[Any, torch.Size, tuple[int, ...], torch.dtype]:

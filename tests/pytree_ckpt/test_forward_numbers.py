@@ -2611,3 +2611,63 @@ def test_a_count_made_under_grad_persists_in_the_step_a_submodule_first_rebinds_
         assert ours.stats == eager.stats, f"step {step}"
         assert ours.late.k == eager.late.k, f"step {step}"
         assert _same(*grads), f"step {step}"
+
+
+class DataActNorm(nn.Module):
+    """Glow's ActNorm as PyTorch ports write it: a one-time initialisation keyed on a plain
+    flag, writing the trainable parameters through ``.data`` (no version moves)."""
+
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.write, self.initialized = write, False
+        self.lin, self.loc = nn.Linear(8, 8), nn.Parameter(torch.zeros(8))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            with torch.no_grad():
+                if self.write == "normal":
+                    self.loc.data.normal_()
+                elif self.write == "rebind":  # `.data =`, as some ActNorm ports write
+                    self.lin.weight.data = self.lin.weight.data * 2.0
+                else:  # a data-dependent rescale that is not idempotent
+                    self.lin.weight.data.mul_(2.0 / self.lin(h).abs().mean())
+            self.initialized = True
+        return self.lin(h) + self.loc
+
+
+@pytest.mark.parametrize("write", ["normal", "rescale", "rebind"])
+def test_a_flag_keyed_initialisation_through_data_is_not_run_again_by_the_replay(
+        write: str) -> None:
+    # limits.md ("Nothing is put back for a call whose forward changed a trainable parameter
+    # in place ... as Glow's ActNorm does: the replay ... does not initialise again") holds for
+    # a write that moves the parameter's version; through .data none moves, so the flag is put
+    # back and the replay initialises again, silently: the parameter ends changed twice.
+    torch.manual_seed(0)
+    eager = DataActNorm(write)
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager),
+                                                      preserve_rng_state=write != "normal")
+    x = torch.randn(4, 8)
+    for module in (eager, ours):
+        torch.manual_seed(1)
+        module(x).square().sum().backward()
+    assert torch.equal(ours.loc, eager.loc) and torch.equal(ours.lin.weight, eager.lin.weight)
+    assert _same(_grads(eager), _grads(ours))
+
+
+@pytest.mark.parametrize("write", ["rescale", "rebind"])
+def test_a_flag_keyed_initialisation_through_data_is_not_run_again_by_an_output_discard(
+        write: str) -> None:
+    # NOTE [a parameter written through .data] (kernel_written.py), for the op an output
+    # discard runs: its rebuild in backward must not initialise again.
+    torch.manual_seed(0)
+    eager = DataActNorm(write)
+    ours = copy.deepcopy(eager)
+    x = torch.randn(4, 8)
+    eager(x).tanh().square().sum().backward()
+    ckpt = pytree_ckpt.CheckpointWithoutOutput()
+    y = ckpt.checkpoint(ours, x)
+    out = y.tanh()
+    ckpt.discard_output_and_register_recompute(out)
+    out.square().sum().backward()
+    assert torch.equal(ours.loc, eager.loc) and torch.equal(ours.lin.weight, eager.lin.weight)
+    assert _same(_grads(eager), _grads(ours))

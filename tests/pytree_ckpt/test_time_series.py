@@ -169,8 +169,9 @@ def test_revin_normalize_output_discarded_with_detached_stats_gives_eager_gradie
                   _revin_step)
 
 
-@pytest.mark.xfail(strict=True, reason="helper OD: statistics a discarded op stores on its "
-                   "module are computed under no-grad: their gradient is silently dropped")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a forward, or the op an output discard runs, that keeps a tensor it "
+                   "computes with grad on its module) (helper OD)")
 def test_revin_normalize_output_discarded_with_undetached_stats_gives_eager_gradients(
         ) -> None:
     _assert_twins(lambda: _RevINModel(True, False), lambda c: setattr(c, "discard", True),

@@ -1,0 +1,431 @@
+"""Generative models (VAE, IWAE, VQ-VAE with an EMA codebook, GAN, RealNVP/Glow flows, gated
+PixelCNN) against eager twins, bit for bit in fp32: loss, every gradient, buffers, parameters
+after an optimizer step, and the default generator's state (helper OE)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+import offload
+import pytree_ckpt
+
+
+def _state(m: nn.Module) -> list[torch.Tensor]:
+    grads = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    return grads + [b.clone() for b in m.buffers()] + [p.detach().clone() for p in m.parameters()]
+
+
+def _twin_steps(make: Callable[[], nn.Module], wrap: Callable[[nn.Module], Any],
+                step: Callable[[nn.Module, torch.optim.Optimizer], list[torch.Tensor]], *,
+                steps: int = 3) -> None:
+    torch.manual_seed(0)
+    eager = make()
+    ours = copy.deepcopy(eager)
+    wrap(ours)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (eager, ours)]
+    for s in range(steps):
+        taken = []
+        for m, opt in zip((eager, ours), opts):
+            torch.manual_seed(100 + s)
+            out = step(m, opt)
+            taken.append([*out, *_state(m), torch.get_rng_state()])
+        assert len(taken[0]) == len(taken[1])
+        assert all(torch.equal(a, b) for a, b in zip(*taken)), f"step {s}"
+
+
+# VAE and IWAE: the reparameterisation's randn_like inside the checkpointed encoder.
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1))
+        self.mu, self.logvar = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.net(x)
+        mu, logvar = self.mu(h), self.logvar(h)
+        return mu + torch.randn_like(mu) * (0.5 * logvar).exp(), mu, logvar
+
+
+class _VAE(nn.Module):
+    def __init__(self, k: int = 1) -> None:
+        super().__init__()
+        self.k, self.enc = k, _Encoder()
+        self.dec = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.beta = 0.0                                      # warm-up kept as a plain float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        self.beta = min(1.0, self.beta + 0.25)
+        xs = x.repeat(self.k, 1)
+        z, mu, logvar = self.enc(xs)
+        xr = self.dec(z)
+        if self.k == 1:
+            kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).sum(-1).mean()
+            return F.mse_loss(xr, xs) + self.beta * kl
+        log_w = -((xr - xs) ** 2).sum(-1) - 0.5 * (z ** 2).sum(-1) \
+            + 0.5 * (((z - mu) ** 2) / logvar.exp() + logvar).sum(-1)
+        return -(torch.logsumexp(log_w.view(self.k, -1), 0)).mean()
+
+
+def _vae_step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    opt.zero_grad()
+    loss = m(torch.randn(6, 8))
+    loss.backward()
+    opt.step()
+    return [loss.detach()]
+
+
+def _encoder_and_decoder(m: nn.Module) -> None:
+    pytree_ckpt.apply_activation_checkpointing(m.enc)
+    pytree_ckpt.apply_activation_checkpointing(m.dec)
+
+
+def test_a_vae_with_beta_warm_up_and_an_iwae_give_eager_numbers() -> None:
+    _twin_steps(_VAE, _encoder_and_decoder, _vae_step)
+    _twin_steps(lambda: _VAE(k=5), _encoder_and_decoder, _vae_step)
+    _twin_steps(_VAE, pytree_ckpt.apply_activation_checkpointing, _vae_step)
+
+
+# VQ-VAE: nearest-code lookup, straight-through estimator, commitment loss, an EMA codebook
+# updated in forward under no-grad, and dead codes reset at random.
+
+class _EMAQuantizer(nn.Module):
+    def __init__(self, codes: int = 8, dim: int = 4, decay: float = 0.9) -> None:
+        super().__init__()
+        self.decay = decay
+        self.register_buffer("embed", torch.randn(codes, dim))
+        self.register_buffer("cluster_size", torch.zeros(codes))
+        self.register_buffer("embed_sum", self.embed.clone())
+
+    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx = torch.cdist(z, self.embed).argmin(-1)
+        q = self.embed[idx]
+        if self.training:
+            with torch.no_grad():
+                onehot = F.one_hot(idx, self.embed.shape[0]).to(z.dtype)
+                self.cluster_size.mul_(self.decay).add_(onehot.sum(0), alpha=1 - self.decay)
+                self.embed_sum.mul_(self.decay).add_(onehot.t() @ z, alpha=1 - self.decay)
+                self.embed.copy_(self.embed_sum / (self.cluster_size + 1e-5).unsqueeze(1))
+                dead = self.cluster_size < 0.3
+                if dead.any():                               # reset dead codes at random
+                    rows = z[torch.randint(0, z.shape[0], (int(dead.sum()),))]
+                    self.embed[dead] = rows
+                    self.embed_sum[dead] = rows
+                    self.cluster_size[dead] = 1.0
+        return z + (q - z).detach(), F.mse_loss(z, q.detach()), idx
+
+
+class _VQVAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.quantizer = _EMAQuantizer()
+        self.dec = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, commit, idx = self.quantizer(self.enc(x))
+        return F.mse_loss(self.dec(q), x) + 0.25 * commit, idx
+
+
+def _vq_step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    opt.zero_grad()
+    loss, idx = m(torch.randn(12, 8))
+    loss.backward()
+    opt.step()
+    return [loss.detach(), idx]
+
+
+def test_a_vq_vae_with_an_ema_codebook_and_random_dead_code_resets_gives_eager_numbers() -> None:
+    def each(m: nn.Module) -> None:
+        for part in (m.enc, m.quantizer, m.dec):
+            pytree_ckpt.apply_activation_checkpointing(part, verify_replay=True)
+
+    _twin_steps(_VQVAE, each, _vq_step, steps=4)
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    _twin_steps(_VQVAE, lambda m: pytree_ckpt.apply_activation_checkpointing(
+        m.quantizer, offload=manager), _vq_step, steps=4)
+
+
+# GAN: one checkpointed discriminator called on real, detached fake and fake batches; two
+# optimizers; a retained graph read by two backwards.
+
+class _GAN(nn.Module):
+    def __init__(self, sn: bool) -> None:
+        super().__init__()
+        wrap = spectral_norm if sn else (lambda m: m)
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(wrap(nn.Linear(8, 16)), nn.BatchNorm1d(16), nn.LeakyReLU(0.2),
+                               nn.Dropout(0.3), wrap(nn.Linear(16, 1)))
+
+
+def test_a_discriminator_read_by_two_backwards_of_a_retained_graph_gives_eager_numbers() -> None:
+    def step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        fake = m.G(torch.randn(6, 4))
+        d_fake = m.D(fake)
+        opt.zero_grad()
+        d_loss = F.softplus(d_fake).mean() + F.softplus(-m.D(torch.randn(6, 8))).mean()
+        d_loss.backward(retain_graph=True)
+        d_grads = [p.grad.clone() for p in m.D.parameters()]
+        m.G.zero_grad()
+        g_loss = F.softplus(-d_fake).mean()
+        g_loss.backward()
+        opt.step()
+        return [d_loss.detach(), g_loss.detach(), *d_grads]
+
+    manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+    _twin_steps(lambda: _GAN(sn=False), lambda m: (
+        pytree_ckpt.apply_activation_checkpointing(m.D, offload=manager),
+        pytree_ckpt.apply_activation_checkpointing(m.G, offload=manager)), step)
+
+
+def test_a_spectral_norm_discriminator_called_once_per_step_gives_eager_numbers() -> None:
+    # Called once per step: exact, the power iteration's _u and _v included (called on real
+    # and fake in one step, the weight read twice per call gives float rounding, as
+    # limits.md's row on a parameter used several times says).
+    def step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        opt.zero_grad()
+        m.D.train()
+        loss = F.softplus(-m.D(m.G(torch.randn(6, 4)))).mean()
+        loss.backward()
+        opt.step()
+        m.D.eval()
+        return [loss.detach(), m.D(torch.randn(3, 8)).detach()]
+
+    _twin_steps(lambda: _GAN(sn=True), lambda m: pytree_ckpt.apply_activation_checkpointing(m.D),
+                step)
+
+
+def test_an_r1_penalty_through_torch_func_on_a_checkpointed_discriminator_is_eager_s() -> None:
+    # create_graph=True through the boundary is refused (limits.md); torch.func.grad, the
+    # documented route, builds no boundary and gives eager's torch.func numbers.
+    def step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        opt.zero_grad()
+        real = torch.randn(6, 8)
+        grad = torch.func.grad(lambda x: m.D(x).sum())(real)
+        loss = F.softplus(-m.D(real)).mean() + 5 * grad.pow(2).sum(1).mean()
+        loss.backward()
+        opt.step()
+        return [loss.detach()]
+
+    def no_bn(m: nn.Module) -> None:
+        m.D[1] = nn.Identity()
+
+    def make() -> nn.Module:
+        m = _GAN(sn=False)
+        no_bn(m)
+        return m
+
+    _twin_steps(make, lambda m: pytree_ckpt.apply_activation_checkpointing(m.D), step)
+
+
+# Flows: ActNorm with data-dependent initialisation keyed on a buffer flag, an invertible 1x1
+# map with slogdet, affine coupling with a mask buffer, log-dets returned beside the output,
+# sampling through the inverse pass.
+
+class _ActNorm(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.loc, self.logs = nn.Parameter(torch.zeros(c)), nn.Parameter(torch.zeros(c))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.initialized.item() == 0:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0))
+                self.logs.data.copy_(-torch.log(x.std(0) + 1e-6))
+                self.initialized.fill_(1)
+        return (x + self.loc) * self.logs.exp(), self.logs.sum().expand(x.shape[0])
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        return y * (-self.logs).exp() - self.loc
+
+
+class _Inv1x1(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linalg.qr(torch.randn(c, c))[0])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ self.w.t(), torch.slogdet(self.w)[1].expand(x.shape[0])
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        return y @ torch.inverse(self.w).t()
+
+
+class _Coupling(nn.Module):
+    def __init__(self, c: int, parity: int) -> None:
+        super().__init__()
+        mask = torch.zeros(c)
+        mask[parity::2] = 1
+        self.register_buffer("mask", mask)
+        self.net = nn.Sequential(nn.Linear(c, 16), nn.ReLU(), nn.Linear(16, 2 * c))
+
+    def _st(self, xm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, t = self.net(xm).chunk(2, -1)
+        return torch.tanh(s) * (1 - self.mask), t * (1 - self.mask)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xm = x * self.mask
+        s, t = self._st(xm)
+        return xm + (1 - self.mask) * (x * s.exp() + t), s.sum(-1)
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        ym = y * self.mask
+        s, t = self._st(ym)
+        return ym + (1 - self.mask) * ((y - t) * (-s).exp())
+
+
+class _Flow(nn.Module):
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for i in range(3):
+            self.layers.extend([_ActNorm(c), _Inv1x1(c), _Coupling(c, i % 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logdet = torch.zeros(())
+        for layer in self.layers:
+            x, d = layer(x)
+            logdet = logdet + d
+        return -(-0.5 * (x ** 2).sum(-1) + logdet).mean()
+
+    def sample(self, n: int) -> torch.Tensor:
+        z = torch.randn(n, 4)
+        for layer in reversed(self.layers):
+            z = layer.inverse(z)
+        return z
+
+
+def test_a_glow_style_flow_with_actnorm_initialised_on_its_first_call_gives_eager_numbers() -> None:
+    def step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        opt.zero_grad()
+        loss = m(torch.randn(16, 4) * 3 + 1)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            samples = m.sample(5)
+        return [loss.detach(), samples]
+
+    _twin_steps(_Flow, lambda m: pytree_ckpt.checkpoint_layers(m.layers, verify_replay=True), step)
+
+
+# Gated PixelCNN: masked convolutions (weight times a mask buffer), vertical and horizontal
+# stacks passed as a dict, a class label by keyword (None on some steps), sampling after.
+
+class _MaskedConv(nn.Conv2d):
+    def __init__(self, kind: str, *args: Any, vertical: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        mask = torch.ones_like(self.weight)
+        kh, kw = self.weight.shape[-2:]
+        if vertical:
+            mask[:, :, kh // 2 + (kind == "B"):] = 0
+        else:
+            mask[:, :, kh // 2, kw // 2 + (kind == "B"):] = 0
+            mask[:, :, kh // 2 + 1:] = 0
+        self.register_buffer("mask", mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.weight * self.mask, self.bias, padding=self.padding)
+
+
+class _GatedBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.v = _MaskedConv("B", c, 2 * c, 3, padding=1, vertical=True)
+        self.h = _MaskedConv("B", c, 2 * c, 3, padding=1)
+        self.v2h, self.out = nn.Conv2d(2 * c, 2 * c, 1), nn.Conv2d(c, c, 1)
+        self.emb = nn.Embedding(3, 2 * c)
+
+    @staticmethod
+    def _gate(x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, 1)
+        return torch.tanh(a) * torch.sigmoid(b)
+
+    def forward(self, stacks: dict[str, torch.Tensor], *, cond: torch.Tensor | None = None,
+                skip: bool = True) -> dict[str, torch.Tensor]:
+        vo = self.v(stacks["v"])
+        c = self.emb(cond)[:, :, None, None] if cond is not None else 0
+        hn = self.out(self._gate(self.h(stacks["h"]) + self.v2h(vo) + c))
+        return {"v": self._gate(vo + c), "h": stacks["h"] + hn if skip else hn}
+
+
+class _PixelCNN(nn.Module):
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.inp = _MaskedConv("A", 1, c, 5, padding=2)
+        self.blocks = nn.ModuleList(_GatedBlock(c) for _ in range(3))
+        self.head = nn.Conv2d(c, 4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.inp(x)
+        stacks = {"v": h, "h": h}
+        for i, block in enumerate(self.blocks):
+            stacks = block(stacks, cond=y, skip=i > 0)
+        return self.head(F.relu(stacks["h"]))
+
+
+def test_a_gated_pixelcnn_with_dict_stacks_and_a_keyword_label_gives_eager_numbers() -> None:
+    calls = iter(range(100))
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        opt.zero_grad()
+        x = torch.randint(0, 4, (2, 1, 5, 5))
+        y = torch.tensor([0, 2]) if next(calls) // 2 % 2 == 0 else None
+        logits = m(x.float() / 3, y)
+        loss = F.cross_entropy(logits, x[:, 0])
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            img = torch.zeros(1, 1, 5, 5)
+            for j in range(2):
+                p = m(img, torch.tensor([1]))[:, :, 0, j].softmax(-1)
+                img[:, 0, 0, j] = torch.multinomial(p, 1).float()[:, 0] / 3
+        return [loss.detach(), img]
+
+    _twin_steps(_PixelCNN, lambda m: [pytree_ckpt.apply_activation_checkpointing(b)
+                                      for b in m.blocks], step, steps=2)
+
+
+class _LargeCodebook(nn.Module):
+    """An EMA codebook over 64 KiB (1024 x 32), read before its in-place update: the lookup is
+    frozen with reuse_during_recompute, so the replay reads the forward's codes (limits.md's
+    row on a buffer over 64 KiB changed in place; without the reuse the replay reads the
+    updated codebook, and verify_replay refuses it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("embed", torch.randn(1024, 32))
+
+    def lookup(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.cdist(z, self.embed).argmin(-1)
+        return idx, self.embed[idx]
+
+    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx, q = pytree_ckpt.reuse_during_recompute(self.lookup, z.detach())
+        with torch.no_grad():
+            self.embed[idx] = 0.9 * self.embed[idx] + 0.1 * z
+        return z + (q - z).detach(), F.mse_loss(z, q), idx
+
+
+class _ReusedLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.quantizer, self.dec = nn.Linear(8, 32), _LargeCodebook(), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, commit, idx = self.quantizer(self.enc(x))
+        return F.mse_loss(self.dec(q), x) + commit, idx
+
+
+def test_a_large_ema_codebook_whose_lookup_is_reused_gives_eager_numbers() -> None:
+    _twin_steps(_ReusedLookup, lambda m: pytree_ckpt.apply_activation_checkpointing(
+        m.quantizer, verify_replay=True), _vq_step, steps=2)
