@@ -356,6 +356,38 @@ def check_made_leaves(call: BoundaryCall, /) -> None:
     mark_verified(call.owner, call.switches)
 
 
+def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
+    """Where a forward hook (or pre-hook) on a module inside the layer holds ``leaf``: as a
+    bound method of a module outside the layer (a ReFT intervention, a steering vector: its
+    parameters, or a tensor attribute with a graph to it), or in its closure or defaults;
+    "" if none (helper OF: the refusal guessed a forward bound to another instance)."""
+    def reaches(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and (value is leaf or (
+            value.grad_fn is not None and graph_reaches([value.grad_fn], leaf)))
+
+    for path, module in owner.named_modules():
+        for kind, hooks in (("forward pre-hook", module._forward_pre_hooks),
+                            ("forward hook", module._forward_hooks)):
+            for hook in list(hooks.values()):
+                holder = dunder(hook, "__self__")
+                func = dunder(hook, "__func__", hook)
+                label = dunder(func, "__qualname__", type(hook).__name__)
+                if isinstance(holder, nn.Module):
+                    held = [*holder.parameters(), *(v for v in vars(holder).values()
+                                                    if isinstance(v, torch.Tensor))]
+                else:
+                    held = [cell_contents(cell) for cell in dunder(func, "__closure__") or ()]
+                    held += [*(dunder(func, "__defaults__") or ()),
+                             *(dunder(func, "__kwdefaults__") or {}).values()]
+                if any(reaches(value) for value in held):
+                    return (f", by {label}, a {kind} on {path or 'the layer'} that holds it "
+                            "from outside the layer (register its module under the layer, "
+                            "`layer.intervention = ...`, so its parameters are the layer's; "
+                            "or hook the checkpointed layer itself, whose hooks run outside "
+                            "the boundary)")
+    return ""
+
+
 def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     """Where a foreign leaf is held, for the refusal to name (", by layer.cache[2]", ", by
     the closure variable 'table' of Lookup.forward"), or "": the modules' own attributes (and
@@ -422,6 +454,9 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     if key is not None:
         return (f", used as a key of the dict at {readable_path(key)} (keys are not inputs of "
                 "the boundary: pass it as a value)")
+    hooked = _held_by_a_hook(leaf, owner)
+    if hooked:
+        return hooked
     if isinstance(leaf, nn.Parameter):  # helper EM: a forward bound to another instance
         return (", an nn.Parameter of no module passed in (is the forward bound to another "
                 "instance? `m.forward = torch.compile(m.forward)` before a deepcopy leaves "

@@ -3119,3 +3119,60 @@ def test_a_proxy_among_the_outputs_to_an_object_with_a_static_init_is_looked_thr
 
     with pytest.raises(CheckpointError, match=r"output\[1\]\['cfg'\]\.t"):
         checkpoint(holding, x)
+
+
+class _Intervention(nn.Module):
+    """A ReFT-style intervention (pyreft): trainable parameters of its own, applied to a
+    submodule's output by a forward hook that is a bound method of this module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(8) * 0.1)
+
+    def hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + self.shift
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.out(self.mlp(h))
+
+
+def test_a_hook_inside_a_layer_bound_to_a_module_outside_it_is_refused_naming_the_hook(
+) -> None:
+    block, intervention = _Block(), _Intervention()
+    block.mlp.register_forward_hook(intervention.hook)
+    pytree_ckpt.apply_activation_checkpointing(block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning about hooks inside the layer
+        out = block(torch.randn(2, 8, requires_grad=True))
+        with pytest.raises(CheckpointError) as err:
+            out.square().sum().backward()
+    message = str(err.value)
+    # Eager gives intervention.shift a gradient. The refusal is right, but its message should
+    # say where the parameter comes from (the forward hook _Intervention.hook on mlp) and how to
+    # fix it (register the intervention under the layer, or hook the layer itself), not guess
+    # "is the forward bound to another instance? torch.compile before a deepcopy".
+    assert "another instance" not in message
+    assert "_Intervention.hook" in message and "mlp" in message
+
+
+def test_an_intervention_registered_under_the_layer_gives_its_hook_eager_gradients() -> None:
+    torch.manual_seed(0)
+    eager, intervention = _Block(), _Intervention()
+    eager.mlp.register_forward_hook(intervention.hook)
+    eager.intervention = intervention  # its parameters are the layer's: inputs of the boundary
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning about hooks inside the layer
+        for model in (eager, ours):
+            model(x).square().sum().backward()
+    assert_same_grads(grads_of(eager.parameters()), grads_of(ours.parameters()))
+    assert ours.intervention.shift.grad is not None
