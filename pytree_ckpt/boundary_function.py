@@ -19,9 +19,9 @@ import torch
 
 from .boundary_call import NO_HELD, BoundaryCall
 from .census import Mechanism, census_active, report_held
-from .changed_in_place import (ParameterVersions, grad_switched, raise_input_changed,
-                               refuse_grad_switched, refuse_parameters_changed,
-                               requires_grad_flags)
+from .changed_in_place import (ParameterVersions, grad_switched, parameter_path,
+                               raise_input_changed, refuse_grad_switched,
+                               refuse_parameters_changed, requires_grad_flags)
 from .changed_numbers import ChangedNumbers
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
@@ -31,7 +31,8 @@ from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode, kept_region, outside_kept_region, refuse_compiled_under_keep
-from .kernel_written import parameter_sums, remember, remembered, sums_moved
+from .kernel_written import (WrittenThroughData, parameter_sums, remember, remembered,
+                             sums_moved)
 from .made_before import leaving_tensors, on_kept_storages, unviewed
 from .module_state import ever_verified
 from .notes import add_note, note_no_grad_pass
@@ -216,16 +217,19 @@ class _BoundaryFunction(torch.autograd.Function):
             if call.changed_numbers is not None:
                 assert call.owner is not None  # modules
                 mark_stateful(call.owner)
-                if call.param_versions is not None and param_before is not None and (
-                        call.param_versions.versions != param_before[0] or
-                        (param_sums is not None and sums_moved(call.params or [], param_sums))):
+                if call.param_versions is not None and param_before is not None and \
+                        call.param_versions.versions != param_before[0]:
                     # A trainable parameter changed in place: not put back (NOTE [numbers
                     # and flags as the forward began]).
                     call.changed_numbers = None
-                    numbers = None
-            if numbers is not None and (only_read := numbers.read_held()):
-                # NOTE [a small tensor attribute read, then replaced by a later call]
-                call.changed_numbers = ChangedNumbers([], read=only_read).joined(
+                elif param_sums is not None and \
+                        (written := sums_moved(call.params or [], param_sums)):
+                    # NOTE [a parameter written through .data] (kernel_written.py)
+                    roots = call.modules[0] if call.modules is not None else []
+                    call.changed_numbers.written = WrittenThroughData(
+                        written, [parameter_path(roots, p) for p, _ in written])
+            if numbers is not None:  # NOTE [values read, then changed by a later call]
+                call.changed_numbers = ChangedNumbers([], read=numbers.read()).joined(
                     call.changed_numbers)
         if call.frame.state_after:  # NOTE [state a reused call changes] (frozen.py)
             made = [value for changes in call.frame.state_after.values()

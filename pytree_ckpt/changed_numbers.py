@@ -16,11 +16,14 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .errors import CheckpointError
+from .kernel_written import WrittenThroughData
 from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, Rewritten,
-                           ValuesRead, entries_of, fresh_values, put_entries, same_entry,
-                           tuple_tensors)
+                           TensorHeld, TupleHeld, ValuesRead, entries_of, fresh_values,
+                           put_entries, same_entry, tuple_tensors)
 
 __all__ = ["ChangedNumbers", "EndedAfterACall"]
+
+_HELD = (TensorHeld, TupleHeld)
 
 
 class EndedAfterACall:
@@ -38,25 +41,29 @@ class ChangedNumbers:
     """What a forward changed of its modules' plain values and attributes (NOTE [numbers and
     flags as the forward began]), for its replay."""
 
-    __slots__ = ("found", "ends", "read")
+    __slots__ = ("found", "ends", "read", "written", "gave_back")
 
     def __init__(self, found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]],
                  /, *, ends: dict[int, Any] | None = None,
-                 read: list[tuple[dict[str, Any], str, Any]] | None = None) -> None:
+                 read: list[tuple[dict[str, Any], dict[str, Any]]] | None = None,
+                 written: WrittenThroughData | None = None) -> None:
         self.found = found
         # By the id of a dict's entries as the forward began, its entries as the forward left
         # it (NOTE [a key only the replay changes]); ``EndedAfterACall`` where the entries
         # were read at a reused call (with_reused_calls).
         self.ends = {} if ends is None else ends
-        # NOTE [a small tensor attribute read, then replaced by a later call]
-        # (forward_numbers.py): (dict, name, what the forward read there).
+        # NOTE [values read, then changed by a later call] (forward_numbers.py): each dict
+        # with its entries as the forward read them.
         self.read = [] if read is None else read
+        # NOTE [a parameter written through .data] (kernel_written.py)
+        self.written = written
+        self.gave_back = False  # whether a replay was given back a value only read
 
     def joined(self, other: ChangedNumbers | None, /) -> ChangedNumbers:
         """This and ``other`` (changes of other dicts) as one."""
         return self if other is None else ChangedNumbers(
             [*self.found, *other.found], ends={**self.ends, **other.ends},
-            read=[*self.read, *other.read])
+            read=[*self.read, *other.read], written=self.written or other.written)
 
     def snapshots(self) -> list[torch.Tensor]:
         """The small tensor attributes held from the forward to the replay, alone or in a
@@ -75,14 +82,30 @@ class ChangedNumbers:
                     found.extend(tuple_tensors(value))
         return found
 
-    def _found(self, *, since: bool = False) -> list[tuple[dict[str, Any],
-                                                            list[tuple[str, Any]], list[str]]]:
-        """``found`` with the small tensor attributes the forward only read (all of them, or
-        ``since``: those rebound since, which alone the replay must be given back)."""
+    def _found(self) -> list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]]:
+        """``found``, with the small tensors (or tuples of them) the forward only read that
+        hold another object by now, or were changed in place since (their values as read,
+        where they were cloned): NOTE [values read, then changed by a later call] in
+        forward_numbers.py."""
         if not self.read:
             return self.found
-        return [*self.found, *((d, [(name, value)], []) for d, name, value in self.read
-                               if not since or d.get(name, ABSENT) is not value)]
+        covered = {(id(d), name) for d, values, rebound in self.found
+                   for name in [*(name for name, _ in values), *rebound]}
+        given: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = []
+        for d, before in self.read:
+            values = []
+            for name, was in before.items():
+                if (id(d), name) in covered:
+                    continue
+                if not was[0] and type(was[1]) in _HELD and \
+                        (kept := was[1].as_read()) is not None and d.get(name) is not kept:
+                    values.append((name, kept))
+            if values:
+                given.append((d, values, []))
+        if not given:
+            return self.found
+        self.gave_back = True
+        return [*self.found, *given]
 
     @contextmanager
     def as_forward_began(self, where: str = "the layer", roots: Sequence[nn.Module] = (), /
@@ -90,11 +113,12 @@ class ChangedNumbers:
         """The changed values as the forward began, for the block; the values, and the objects
         the forward rebound, as the block began, after it. ``where`` names the call for
         NOTE [a graph tensor kept on a module], and ``roots`` (the call's modules) the paths
-        of attributes in refusals. A small tensor attribute the forward only read, rebound
-        since, is given back too (NOTE [a small tensor attribute read, then replaced by a
-        later call] in forward_numbers.py); one still as read is left alone, so a change only
-        the replay makes stays (NOTE [a key only the replay changes])."""
-        changes = self._found(since=True)
+        of attributes in refusals. A value the forward only read, changed since, is given
+        back too (NOTE [values read, then changed by a later call] in forward_numbers.py);
+        one still as read is left alone, so a change only the replay makes stays (NOTE [a key
+        only the replay changes]). After the block: NOTE [a parameter written through .data]
+        in kernel_written.py."""
+        changes = self._found()
         at_start = [(d, [(name, d.get(name, ABSENT))
                          for name in [*(name for name, _ in values), *rebound]])
                     for d, values, rebound in changes]
@@ -139,6 +163,8 @@ class ChangedNumbers:
         try:
             AFTER_REPLAY.set(pending)  # NOTE [context variables set inside the try] (keep.py)
             yield
+            if self.written is not None:
+                self.written.refuse_written_again(where)
         finally:
             AFTER_REPLAY.set(outer)
             restored = {id(held) for held, _, _ in entries_at_start}

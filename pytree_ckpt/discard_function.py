@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .census import Mechanism, census_active, report_held
-from .changed_in_place import ParameterVersions, grad_switched, requires_grad_flags
+from .changed_in_place import (ParameterVersions, grad_switched, parameter_path,
+                               requires_grad_flags)
 from .changed_numbers import ChangedNumbers
 from .discard_aliases import made_outside
 from .discard_refusals import refuse_grad_switched, refuse_input_changed, refuse_output
@@ -33,8 +34,8 @@ from .forward_numbers import NumbersWatch, numbers_read
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators
 from .keep import kept_region, outside_kept_region
-from .kernel_written import (compared, mark_compared, parameter_sums, remember, remembered,
-                             sums_moved)
+from .kernel_written import (WrittenThroughData, compared, mark_compared, parameter_sums,
+                             remember, remembered, sums_moved)
 from .module_state import foreign_leaves, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .recompute import used_by_this_backward
@@ -135,17 +136,18 @@ class DiscardFunction(torch.autograd.Function):
             refuse_grad_switched(owner._name(), args, tensors, needs, frozen, roots)
         if numbers is not None:
             owner.changed_numbers = numbers.changed()
-            if param_before is not None and (
-                    versions(owner.params or []) != param_before[0] or
-                    (owner.changed_numbers is not None and param_sums is not None and
-                     sums_moved(owner.params or [], param_sums))):
+            if param_before is not None and versions(owner.params or []) != param_before[0]:
                 # A trainable parameter changed in place: not put back (NOTE [numbers and
                 # flags as the forward began] in forward_numbers.py).
                 owner.changed_numbers = None
-            elif read := numbers.read_held():
-                # NOTE [a small tensor attribute read, then replaced by a later call]
-                owner.changed_numbers = ChangedNumbers([], read=read).joined(
-                    owner.changed_numbers)
+            elif owner.changed_numbers is not None and param_sums is not None and \
+                    (written := sums_moved(owner.params or [], param_sums)):
+                # NOTE [a parameter written through .data] (kernel_written.py)
+                owner.changed_numbers.written = WrittenThroughData(
+                    written, [parameter_path(roots, p) for p, _ in written])
+            # NOTE [values read, then changed by a later call] (forward_numbers.py)
+            owner.changed_numbers = ChangedNumbers([], read=numbers.read()).joined(
+                owner.changed_numbers)
             if owner.changed_numbers is not None and census_active():  # held by the discard
                 report_held(owner.changed_numbers.snapshots(), Mechanism.MODULE_STATE,
                             holder=owner)

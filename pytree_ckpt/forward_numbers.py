@@ -29,16 +29,21 @@ __all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read"]
 _HELD = (TensorHeld, TupleHeld)  # put back for the replay as the forward read them
 
 
-# NOTE [a small tensor attribute read, then replaced by a later call]: a call that only reads
-# a small tensor attribute (RevIN's denormalisation reading the `self.mean` and `self.stdev`
-# its normalisation call set) changes nothing, so nothing of it was put back for its replay;
-# with two micro-batches before one backward, the first one's replay read the second one's
-# statistics, every gradient off, silently (helper OD; a buffer is snapshotted there: NOTE
-# [state read, then changed by a later call] in state_changes.py). So each such attribute the
-# forward read and left as it was (the one it held, ``TensorHeld.kept``, or a tuple of them) is
-# kept by reference with the call's changes (``ChangedNumbers.read``), and given back for the
-# replay where the attribute holds another object by then, with what it held then back after.
-# Nothing is copied: the reference keeps at most 64 KiB alive once the module lets it go.
+# NOTE [values read, then changed by a later call]: a call that only reads a small tensor
+# attribute (RevIN's denormalisation reading the `self.mean` and `self.stdev` its normalisation
+# call set) changes nothing of it, so nothing was put back for its replay; with two
+# micro-batches before one backward, the first one's replay read the second one's statistics,
+# every gradient off, silently (helpers OD, OH; a buffer is snapshotted there: NOTE [state
+# read, then changed by a later call] in state_changes.py). So a watched call keeps the small
+# tensors (and tuples of them) its forward read, by reference (``ChangedNumbers.read``: already
+# read, nothing copied; at most 64 KiB kept alive per tensor the module lets go), and its replay
+# is given back each that the attribute no longer holds by then, or whose values changed in
+# place since (its values as read, where they were cloned), with what the attribute held then
+# back after the replay. A layer whose replay was given one back is watched at every call from
+# then on, as a stateful one (a head reading statistics an unwrapped call sets, helper OH):
+# before that, only at its first calls. Not numbers (a float statistic): giving back one that
+# changed since the forward would undo a later replay's own change (a count made only under
+# grad: NOTE [a key only the replay changes] in changed_numbers.py); read as it is (documented).
 class NumbersWatch:
     """NOTE [numbers and flags as the forward began]: a forward may set plain values on its
     modules that decide what it computes: the length a rotary cache was built for (``if
@@ -165,15 +170,16 @@ class NumbersWatch:
                 found.append((d, values, rebound))
         return ChangedNumbers(found, ends=ends) if found else None
 
-    def read_held(self) -> list[tuple[dict[str, Any], str, Any]]:
-        """NOTE [a small tensor attribute read, then replaced by a later call]: the small
-        tensor attributes (and tuples of them) the forward read and left as they were."""
+    def read(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """NOTE [values read, then changed by a later call]: each dict with the small tensors
+        (and tuples of them) the forward read there; nothing else of what was read is kept (a
+        list the forward fills, which the caller replaces, is not held: helper CN)."""
         found = []
         for d, before in zip(self.dicts, self.before):
-            for name, was in before.items():
-                if type(was[1]) in _HELD and (kept := was[1].as_read()) is not None and \
-                        d.get(name) is kept:
-                    found.append((d, name, kept))
+            held = {name: was for name, was in before.items()
+                    if not was[0] and type(was[1]) in _HELD}
+            if held:
+                found.append((d, held))
         return found
 
     def made(self) -> MadeNumbers | None:

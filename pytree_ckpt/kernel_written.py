@@ -17,8 +17,8 @@ from torch import nn
 
 from .module_state import structure_generation
 
-__all__ = ["compared", "differs", "mark_compared", "parameter_sums", "remember", "remembered",
-           "sparse_parts", "sums_moved", "view_of"]
+__all__ = ["WrittenThroughData", "compared", "differs", "mark_compared", "parameter_sums",
+           "remember", "remembered", "sparse_parts", "sums_moved", "view_of"]
 
 # NOTE [state a kernel writes]: the watch of NOTE [state the forward changes] sees a change in
 # place through a version counter, and a batch norm's whole dict through its counter. Some
@@ -101,29 +101,84 @@ def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any,
     return False
 
 
-# NOTE [a parameter written through .data]: a one-time initialisation keyed on a flag (Glow's
-# ActNorm as most ports write it: `self.loc.data.copy_(-mean)`, `w.data.mul_(scale)`, `w.data =
-# w.data * s`) moves no version of the parameter, so the flag was put back for the replay
-# (NOTE [numbers and flags as the forward began] in forward_numbers.py: not for a call whose
-# forward changed a trainable parameter in place) and the replay initialised again: a rescale
-# applied twice, a random draw made twice, silently (helper OE). So at a module's first calls
-# (before its first replay, as buffers are compared above), where the forward changed a plain
-# value, its trainable parameters' sums before and after the forward are compared bit for bit
-# (one reduction per parameter, and a device sync, then only): a parameter whose sum moved
-# counts as changed in place. A write that keeps the sum (a permutation) is not seen; a
-# parameter of a tensor subclass (a DTensor) or another layout is not summed.
+# NOTE [a parameter written through .data]: a write through `.data` moves no version of the
+# parameter, so the boundary sees no change in place and puts the forward's plain values
+# (flags, counts) back for the replay, as for any call (NOTE [numbers and flags as the forward
+# began] in forward_numbers.py), and the replay writes the parameter again. That is right for
+# a write that gives the same values when repeated (a PixelCNN or MADE mask applied each call,
+# `self.weight.data.mul_(self.mask)`; weight clipping; Glow's ActNorm copying its input's
+# statistics): the count beside it must be put back (helper OH: dropping the put-back for it
+# gave every gradient off, silently). It is wrong for a one-time initialisation keyed on a
+# flag whose write does not repeat so (a rescale by a statistic of the output, `w.data.mul_(1 /
+# std(x @ w.t()))`; a random draw with preserve_rng_state=False): the replay initialised a
+# second time, silently (helper OE). No copy of the parameters is made to tell the two apart
+# (that could cost a layer's weights per call); so at a module's first calls (before its first
+# replay, as buffers are compared above), where the forward changed a plain value, its
+# trainable parameters' sums before and after the forward are compared bit for bit (one
+# reduction per parameter, and a device sync, then only), and for one whose sum moved, the
+# replay's sum after its forward is compared with the forward's: refused in backward where
+# they differ. A write that keeps the sum (a permutation) is not seen; a parameter of a
+# tensor subclass with its own dispatch (a DTensor) or of another layout is not summed.
 def parameter_sums(params: Sequence[torch.Tensor], /) -> list[torch.Tensor | None]:
-    """NOTE above: each parameter's sum, where it is a plain dense one with values."""
-    return [p.detach().sum() if type(p) in (torch.Tensor, nn.Parameter) and
-            p.layout == torch.strided and p.device.type != "meta" and not p.is_quantized
-            else None for p in params]
+    """NOTE above: each parameter's sum, where it is a dense one with values whose class has
+    no dispatch of its own (a plain ``nn.Parameter`` subclass is summed)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return [p.detach().sum() if type(p).__torch_dispatch__ is _PLAIN_DISPATCH and
+                p.layout == torch.strided and p.device.type != "meta" and not p.is_quantized
+                else None for p in params]
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
 def sums_moved(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor | None], /
-               ) -> bool:
-    """Whether a parameter's sum is not what ``parameter_sums`` read (a NaN equals itself)."""
-    return any(was is not None and not _same(was, p.detach().sum())
-               for p, was in zip(params, before))
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The parameters whose sum is not what ``parameter_sums`` read (a NaN equals itself),
+    each with its sum now."""
+    moved = []
+    with torch._C.DisableTorchFunctionSubclass():
+        for p, was in zip(params, before):
+            if was is not None and not _same(was, now := p.detach().sum()):
+                moved.append((p, now))
+    return moved
+
+
+class WrittenThroughData:
+    """NOTE above: the parameters a forward wrote through ``.data`` at a first call where it
+    changed a plain value, each with its sum after the forward and its name."""
+
+    __slots__ = ("moved", "names")
+
+    def __init__(self, moved: list[tuple[torch.Tensor, torch.Tensor]], names: list[str],
+                 /) -> None:
+        self.moved, self.names = moved, names
+
+    def refuse_written_again(self, where: str, /) -> None:
+        """After the replay's forward: refuse where it left a parameter other values than the
+        forward did."""
+        from .errors import CheckpointError  # errors.py imports tree.py only, but lazily here
+
+        with torch._C.DisableTorchFunctionSubclass():
+            for (p, was), name in zip(self.moved, self.names):
+                if _same(was, p.detach().sum()):
+                    continue
+                raise CheckpointError(
+                    f"the replay of {where} wrote its parameter {name} through .data again, "
+                    "with other values than its forward left there: a write the forward made "
+                    "once, keyed on a flag or number it changed (a one-time initialisation: "
+                    "a rescale by a statistic of the output), made a second time by the "
+                    "replay, which reads that flag as the forward began; the layer's "
+                    "gradients would not be eager's, and the parameter would end written "
+                    "twice",
+                    expected="a write through .data that repeats to the same values (a mask, "
+                             "a clip, a copy of the input's statistics: exact), or none",
+                    got=f"{name} written again, its sum now {p.detach().sum().item()!r} where "
+                        f"the forward left {was.item()!r}",
+                    tip="run the initialisation before the first training step (one forward "
+                        "under torch.no_grad(), which runs the layer without a boundary), or "
+                        "write the parameter under torch.no_grad() without .data "
+                        "(`self.w.mul_(s)`: the boundary sees that and does not put the flag "
+                        "back for the replay)")
 
 
 def view_of(t: torch.Tensor, /) -> tuple[Any, torch.Size, tuple[int, ...], torch.dtype]:

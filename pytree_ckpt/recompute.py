@@ -37,7 +37,7 @@ from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tenso
 from .rebound import refuse_rebound
 from .rng import IsolatedPass, Replaying
 from .saved import Unchanged
-from .state_changes import refuse_graph_read, versions
+from .state_changes import mark_stateful, refuse_graph_read, versions
 from .stored_state import (stored_numbers, stored_tensors, warn_changed_numbers,
                            warn_stacked_checkpointing, warn_stored_scalars)
 from .subclass import alias_as_kind, as_kind, detached as alias_of
@@ -350,6 +350,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                         output = call.fn(*args, **kwargs)
                 if first is not None:
                     first.check(call)
+            if call.changed_numbers is not None and call.changed_numbers.gave_back and \
+                    call.owner is not None:  # NOTE [values read, then changed by a later call]
+                mark_stateful(call.owner)
     except CheckpointError:
         raise
     except Exception as error:

@@ -468,4 +468,5 @@ def with_reused_calls(changed: ChangedNumbers | None, made: Sequence[MadeNumbers
     if not found and (changed is not None or not contents):
         return changed
     return ChangedNumbers([*(changed.found if changed is not None else ()), *found.values()],
-                          ends=ends, read=None if changed is None else changed.read)
+                          ends=ends, read=None if changed is None else changed.read,
+                          written=None if changed is None else changed.written)

@@ -8,6 +8,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -429,3 +430,118 @@ class _ReusedLookup(nn.Module):
 def test_a_large_ema_codebook_whose_lookup_is_reused_gives_eager_numbers() -> None:
     _twin_steps(_ReusedLookup, lambda m: pytree_ckpt.apply_activation_checkpointing(
         m.quantizer, verify_replay=True), _vq_step, steps=2)
+
+
+# helper OH: the parameter-sum check of d6fce63 (NOTE [a parameter written through .data]).
+
+class _MadeMaskedLinear(nn.Linear):
+    """MADE / PixelCNN ports: the mask applied to the weight through ``.data`` at every call."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n)
+        self.register_buffer("mask", torch.tril(torch.ones(n, n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.weight.data.mul_(self.mask)
+        return super().forward(x)
+
+
+class _WarmedMadeBlock(nn.Module):
+    """A masked layer and a warm-up count (``self.calls += 1``) the forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m, self.l = _MadeMaskedLinear(6), nn.Linear(6, 6)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.l(torch.tanh(self.m(x) * min(1.0, self.calls / 4)))
+
+
+class _WarmedMade(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.block = nn.Linear(6, 6), _WarmedMadeBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.pre(x)).square().mean()
+
+
+def _made_step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    opt.zero_grad()
+    loss = m(torch.randn(3, 6))
+    loss.backward()
+    out = [loss.detach(), *(p.grad.clone() for p in m.parameters())]
+    opt.step()
+    return [*out, torch.tensor(float(m.block.calls))]
+
+
+def test_a_made_masked_layer_written_through_data_beside_a_warm_up_count_gives_eager_numbers(
+        ) -> None:
+    _twin_steps(_WarmedMade, lambda m: pytree_ckpt.apply_activation_checkpointing(m.block),
+                _made_step)
+
+
+class _TaggedParameter(nn.Parameter):
+    """A plain Python subclass of nn.Parameter (a tag for an optimizer's parameter groups)."""
+
+
+class _DataInitLinear(nn.Module):
+    """Weight normalisation's data-dependent initialisation (Salimans and Kingma): the weight
+    rescaled through ``.data`` once, keyed on a plain flag."""
+
+    def __init__(self, n: int, param: type = nn.Parameter) -> None:
+        super().__init__()
+        self.w, self.b = param(torch.randn(n, n)), param(torch.zeros(n))
+        self.inited = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.inited:
+            with torch.no_grad():
+                y = x @ self.w.t()
+                s = 1 / (y.std(0) + 1e-6)
+                self.w.data.mul_(s[:, None])
+                self.b.data = -(y * s).mean(0)
+            self.inited = True
+        return torch.tanh(x @ self.w.t() + self.b)
+
+
+class _DataInitModel(nn.Module):
+    def __init__(self, param: type = nn.Parameter) -> None:
+        super().__init__()
+        self.pre, self.a = nn.Linear(5, 5), _DataInitLinear(5, param)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.pre(x)).square().sum()
+
+
+def _data_init_step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    opt.zero_grad()
+    loss = m(torch.randn(7, 5))
+    loss.backward()
+    out = [loss.detach(), *(p.grad.clone() for p in m.parameters())]
+    opt.step()
+    return out
+
+
+@pytest.mark.parametrize("kind", [nn.Parameter, _TaggedParameter], ids=["plain", "subclass"])
+def test_a_data_dependent_rescale_through_data_keyed_on_a_plain_flag_is_refused_naming_it(
+        kind: type) -> None:
+    # NOTE [a parameter written through .data] (kernel_written.py): the rescale does not repeat
+    # to the same values, so the replay, given the flag as the forward began, would rescale a
+    # second time (helper OE); refused in backward naming the parameter, for a plain Parameter
+    # subclass too (helper OH: it was not summed). Eager's numbers where it is made before.
+    with pytest.raises(pytree_ckpt.CheckpointError, match=r"wrote its parameter w through "
+                       r"\.data again"):
+        _twin_steps(lambda: _DataInitModel(kind),
+                    lambda m: pytree_ckpt.apply_activation_checkpointing(m.a), _data_init_step)
+
+    def initialised() -> nn.Module:
+        model = _DataInitModel(kind)
+        with torch.no_grad():  # the tip: one plain forward runs the initialisation
+            model(torch.randn(7, 5))
+        return model
+
+    _twin_steps(initialised, lambda m: pytree_ckpt.apply_activation_checkpointing(m.a),
+                _data_init_step)
