@@ -26,7 +26,8 @@ from .changed_numbers import ChangedNumbers
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
 from .forward_modules import ForwardModules
-from .forward_numbers import NumbersGlance, NumbersWatch, glanced_dicts, numbers_read
+from .forward_numbers import (NumbersGlance, NumbersWatch, glanced_dicts, numbers_read,
+                              reads_changed_state)
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
@@ -229,7 +230,10 @@ class _BoundaryFunction(torch.autograd.Function):
                     call.changed_numbers.written = WrittenThroughData(
                         written, [parameter_path(roots, p) for p, _ in written])
             if numbers is not None:  # NOTE [values read, then changed by a later call]
-                call.changed_numbers = ChangedNumbers([], read=numbers.read()).joined(
+                tensors_read = numbers.read()
+                if tensors_read and call.owner is not None and reads_changed_state(tensors_read):
+                    mark_stateful(call.owner)
+                call.changed_numbers = ChangedNumbers([], read=tensors_read).joined(
                     call.changed_numbers)
         if call.frame.state_after:  # NOTE [state a reused call changes] (frozen.py)
             made = [value for changes in call.frame.state_after.values()

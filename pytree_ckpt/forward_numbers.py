@@ -24,7 +24,8 @@ from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, OURS, BoundObject, Con
                            small_tuple, value_differs)
 from .reused_numbers import MadeNumbers
 
-__all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read"]
+__all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read",
+           "reads_changed_state"]
 
 _HELD = (TensorHeld, TupleHeld)  # put back for the replay as the forward read them
 
@@ -39,9 +40,11 @@ _HELD = (TensorHeld, TupleHeld)  # put back for the replay as the forward read t
 # read, nothing copied; at most 64 KiB kept alive per tensor the module lets go), and its replay
 # is given back each that the attribute no longer holds by then, or whose values changed in
 # place since (its values as read, where they were cloned), with what the attribute held then
-# back after the replay. A layer whose replay was given one back is watched at every call from
-# then on, as a stateful one (a head reading statistics an unwrapped call sets, helper OH):
-# before that, only at its first calls. Not numbers (a float statistic): giving back one that
+# back after the replay. A layer whose replay was given one back, or that read one of a module
+# where a checkpointed call replaced one (``CHANGED_BY_A_CALL``: a rotary table one layer
+# rebuilds, which the others only read, helper OK), is watched at every call from then on, as a
+# stateful one (a head reading statistics an unwrapped call sets, helper OH): before that, only
+# at its first calls. Not numbers (a float statistic): giving back one that
 # changed since the forward would undo a later replay's own change (a count made only under
 # grad: NOTE [a key only the replay changes] in changed_numbers.py); read as it is (documented).
 class NumbersWatch:
@@ -146,6 +149,7 @@ class NumbersWatch:
                         # NOTE [small tensor attributes as the forward read them]; a tuple of
                         # them (TupleHeld)
                         values.append((name, kept))
+                        d[CHANGED_BY_A_CALL] = True  # NOTE [values read, then changed by ...]
                     elif type(was[1]) in _HELD and was[1].moved():
                         # NOTE [a tensor attribute changed in place, not held] (plain_values.py)
                         values.append((name, Rewritten(was[1].tensors())))
@@ -320,3 +324,13 @@ def numbers_read(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /, *,
         return [*(m.__dict__ for m in roots), *(d for tree in trees for d in tree.submodules)]
     return [d for root, tree in zip(roots, trees)
             for d, buffers in zip((root.__dict__, *tree.submodules), tree.buffers) if buffers]
+
+
+def reads_changed_state(read: list[tuple[dict[str, Any], dict[str, Any]]], /) -> bool:
+    """Whether a call read small tensors of a module some call's forward replaced them in
+    (NOTE [values read, then changed by a later call]: a rotary table one layer rebuilds,
+    which another layer only reads, helper OK)."""
+    return any(d.get(CHANGED_BY_A_CALL) for d, _ in read)
+
+
+CHANGED_BY_A_CALL = OURS + "_replaced_by_a_call"

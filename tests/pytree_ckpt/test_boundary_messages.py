@@ -3176,3 +3176,60 @@ def test_an_intervention_registered_under_the_layer_gives_its_hook_eager_gradien
             model(x).square().sum().backward()
     assert_same_grads(grads_of(eager.parameters()), grads_of(ours.parameters()))
     assert ours.intervention.shift.grad is not None
+
+
+# Mutation checks of refusals._held_by_a_hook (helper OI): each way a hook inside the layer can
+# hold a parameter from outside it is named in the refusal, not guessed as a forward bound to
+# another instance.
+class _OIPreIntervention(_Intervention):
+    def pre(self, module: nn.Module, args: Any) -> Any:
+        return (args[0] + self.shift,)
+
+
+class _OIDerived(nn.Module):
+    """Holds a tensor computed from the parameter (a graph to it), not the parameter itself."""
+
+    def __init__(self, shift: nn.Parameter) -> None:
+        super().__init__()
+        self.derived = shift * 2
+
+    def hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + self.derived
+
+
+@pytest.mark.parametrize("how", ["pre_hook", "closure", "default", "kwdefault", "derived"])
+def test_a_hook_inside_a_layer_holding_an_outside_parameter_is_refused_naming_the_hook(
+        how: str) -> None:
+    block = _Block()
+    shift = nn.Parameter(torch.randn(8) * 0.1)
+    label = {"pre_hook": "_OIPreIntervention.pre", "derived": "_OIDerived.hook"}.get(how, "hook")
+    if how == "pre_hook":
+        keep: Any = _OIPreIntervention()
+        block.mlp.register_forward_pre_hook(keep.pre)
+    elif how == "closure":
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            return output + shift
+        block.mlp.register_forward_hook(hook)
+    elif how == "default":
+        def hook(module: nn.Module, args: Any, output: torch.Tensor,  # type: ignore[misc]
+                 s: torch.Tensor = shift) -> torch.Tensor:
+            return output + s
+        block.mlp.register_forward_hook(hook)
+    elif how == "kwdefault":
+        def hook(module: nn.Module, args: Any, output: torch.Tensor,  # type: ignore[misc]
+                 *, s: torch.Tensor = shift) -> torch.Tensor:
+            return output + s
+        block.mlp.register_forward_hook(hook)
+    else:
+        keep = _OIDerived(shift)
+        block.mlp.register_forward_hook(keep.hook)
+    pytree_ckpt.apply_activation_checkpointing(block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning about hooks inside the layer
+        out = block(torch.randn(2, 8, requires_grad=True))
+        with pytest.raises(CheckpointError) as err:
+            out.square().sum().backward()
+    message = str(err.value)
+    assert "another instance" not in message
+    kind = "forward pre-hook" if how == "pre_hook" else "forward hook"
+    assert f"{label}, a {kind} on mlp that holds it from outside the layer" in message, message

@@ -2687,3 +2687,194 @@ def test_a_flag_keyed_initialisation_through_data_is_exact_or_refused_by_an_outp
     out.square().sum().backward()
     assert torch.equal(ours.loc, eager.loc) and torch.equal(ours.lin.weight, eager.lin.weight)
     assert _same(_grads(eager), _grads(ours))
+
+
+# Mutation checks of NumbersWatch.read and ChangedNumbers.read (helper OI): a small
+# tensor attribute (or a tuple of them) a call only reads, replaced by the caller before the
+# backward of two micro-batches, at a boundary and at an output discard.
+class _OIReader(nn.Module):
+    def __init__(self, as_tuple: bool, count: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.as_tuple, self.count, self.calls = as_tuple, count, 0
+
+    def set_stats(self, h: torch.Tensor) -> None:  # called outside the checkpointed call
+        mean, std = h.mean(0).detach(), h.std(0).detach() + 1
+        if self.as_tuple:
+            self.stats = (mean, std)
+        else:
+            self.mean, self.std = mean, std
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mean, std = self.stats if self.as_tuple else (self.mean, self.std)
+        if self.count:  # a plain value changed too: the call's changes are joined with it
+            self.calls += 1
+        return ((h - mean) / std * self.w).tanh()
+
+
+class _OIModel(nn.Module):
+    def __init__(self, as_tuple: bool, how: str, count: bool) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.reader = _OIReader(as_tuple, count)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.reader.set_stats(h)
+        if self.how == "discard":
+            ckpt = CheckpointWithoutOutput()
+            r = ckpt.checkpoint(self.reader, h)
+            z = self.out(r)
+            ckpt.discard_output_and_register_recompute(z)
+            return z
+        return self.out(self.reader(h))
+
+
+@pytest.mark.parametrize("count", [False, True])
+@pytest.mark.parametrize("how", ["boundary", "discard"])
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_a_small_tensor_attribute_only_read_and_replaced_before_backward_gives_eager_numbers(
+        as_tuple: bool, how: str, count: bool) -> None:
+    def run(ck: bool) -> tuple[list[Any], _OIModel]:
+        torch.manual_seed(0)
+        m = _OIModel(as_tuple, how if ck else "eager", count)
+        if ck and how == "boundary":
+            pytree_ckpt.apply_activation_checkpointing(m.reader)
+        loss = sum((m(torch.randn(5, 4) * 3 + 1) ** 2).sum() for _ in range(2))
+        loss.backward()  # type: ignore[union-attr]
+        return [loss.detach(), *(p.grad for p in m.parameters())], m  # type: ignore[union-attr]
+
+    (eager, em), (ours, om) = run(False), run(True)
+    for a, b in zip(eager, ours):
+        assert a is not None and b is not None and torch.equal(a, b)
+    # the attributes after the backward are the second micro-batch's, as in eager
+    assert em.reader.calls == om.reader.calls
+    names = ("stats",) if as_tuple else ("mean", "std")
+    for name in names:
+        ea, oa = getattr(em.reader, name), getattr(om.reader, name)
+        for a, b in zip(ea if as_tuple else (ea,), oa if as_tuple else (oa,)):
+            assert torch.equal(a, b)
+
+
+class _OIGradOnly(nn.Module):
+    """Reads a small tensor attribute; rebinds it only under grad (written for torch's
+    reentrant checkpoint), so the original pass only reads it and the replay rebinds it."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.tensor(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.scale
+        if torch.is_grad_enabled():
+            self.scale = self.scale * 0.5
+        return y.tanh()
+
+
+def test_a_small_tensor_attribute_only_the_replay_rebinds_keeps_the_replays_value() -> None:
+    def run(ck: bool) -> tuple[list[Any], nn.Module]:
+        torch.manual_seed(0)
+        m = _OIGradOnly()
+        if ck:
+            pytree_ckpt.apply_activation_checkpointing(m)
+        loss = torch.zeros(())
+        for _ in range(2):  # a step each: forward, backward
+            step = m(torch.randn(3, 4)).sum()
+            step.backward()
+            loss = loss + step.detach()
+        return [loss, *(p.grad for p in m.parameters())], m
+
+    (eager, em), (ours, om) = run(False), run(True)
+    for a, b in zip(eager, ours):
+        assert a is not None and b is not None and torch.equal(a, b)
+    assert torch.equal(em.scale, om.scale)
+
+
+class _OIInitReader(nn.Module):
+    """An ActNorm-style one-time initialisation through `.data` (a parameter changed in place
+    at the first call) that also reads statistics its caller sets before each call."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(4)), nn.Parameter(torch.zeros(4))
+        self.initialised = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.initialised:
+            self.b.data.copy_(-h.mean(0))
+            self.initialised = True
+        return ((h - self.mean) / self.std * self.w + self.b).tanh()
+
+
+@pytest.mark.parametrize("how", ["boundary", "discard"])
+def test_a_one_time_init_reading_stats_replaced_before_backward_gives_eager_gradients(
+        how: str) -> None:
+    def run(ck: bool) -> list[Any]:
+        torch.manual_seed(0)
+        lin, out, r = nn.Linear(4, 4), nn.Linear(4, 4), _OIInitReader()
+        if ck and how == "boundary":
+            pytree_ckpt.apply_activation_checkpointing(r)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            h = lin(x)
+            r.mean, r.std = h.mean(0).detach(), h.std(0).detach() + 1
+            if ck and how == "discard":
+                ckpt = CheckpointWithoutOutput()
+                z = out(ckpt.checkpoint(r, h))
+                ckpt.discard_output_and_register_recompute(z)
+                return (z ** 2).sum()
+            return (out(r(h)) ** 2).sum()
+
+        loss = step(torch.randn(5, 4) * 3 + 1) + step(torch.randn(5, 4) * 3 + 1)
+        loss.backward()
+        return [loss.detach(), *(p.grad for m in (lin, out, r) for p in m.parameters())]
+
+    for a, b in zip(run(False), run(True)):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+class _OICountingScorer(nn.Module):
+    """Reached by a reused call that counts in a plain value (NOTE [state a reused call
+    changes])."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return h.softmax(-1)
+
+
+class _OIReusingReader(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        scorer = _OICountingScorer()  # outside the layer: its bound method is held
+        self.scores, self.scorer_calls = scorer.scores, lambda: scorer.calls
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        s = pytree_ckpt.reuse_during_recompute(self.scores, h.detach())
+        return ((h - self.mean) / self.std * self.w * s).tanh()
+
+
+def test_a_small_tensor_attribute_only_read_beside_a_counting_reused_call_gives_eager_numbers(
+        ) -> None:
+    def run(ck: bool) -> tuple[list[Any], _OIReusingReader]:
+        torch.manual_seed(0)
+        lin, r = nn.Linear(4, 4), _OIReusingReader()
+        if ck:
+            pytree_ckpt.apply_activation_checkpointing(r)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            h = lin(x)
+            r.mean, r.std = h.mean(0).detach(), h.std(0).detach() + 1
+            return (r(h) ** 2).sum()
+
+        loss = step(torch.randn(5, 4) * 3 + 1) + step(torch.randn(5, 4) * 3 + 1)
+        loss.backward()
+        return [loss.detach(), *(p.grad for m in (lin, r) for p in m.parameters())], r
+
+    (eager, er), (ours, our) = run(False), run(True)
+    for a, b in zip(eager, ours):
+        assert a is not None and b is not None and torch.equal(a, b)
+    assert er.scorer_calls() == our.scorer_calls()

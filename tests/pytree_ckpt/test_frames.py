@@ -4417,3 +4417,75 @@ def test_a_wrapped_layer_with_kwargs_returning_a_proxy_to_its_submodule_gives_ea
 
     for u, v in zip(run(False), run(True)):
         assert torch.equal(u, v)
+
+
+# Mutation checks of proxy_referent and refuse_hidden_outputs' proxy branch (helper OI).
+class _OIAllStatic:
+    """Every method proxy_referent tries is static: none is bound to the referent."""
+    __init__ = staticmethod(lambda *args: None)
+    __sizeof__ = staticmethod(lambda *args: 0)
+    __dir__ = staticmethod(lambda *args: [])
+    __format__ = staticmethod(lambda *args: "")
+    __reduce_ex__ = staticmethod(lambda *args: None)
+    __init_subclass__ = staticmethod(lambda *args, **kwargs: None)
+
+
+class _OIClassInit:
+    """``__init__`` bound to the class, not the instance: the weak-reference check skips it."""
+    @classmethod
+    def __init__(cls, *args: Any) -> None:
+        pass
+
+
+def _oi_grads_or_refused(make: Callable[[nn.Linear, torch.Tensor, list[Any]], Any],
+                         use: Callable[[Any], torch.Tensor]) -> None:
+    eager = _oc_twin(make, use, False)
+    try:
+        ours = _oc_twin(make, use, True)
+    except pytree_ckpt.CheckpointError:
+        return
+    for a, b in zip(eager, ours):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("holder", ["all_static", "class_init"])
+def test_a_proxy_output_to_an_unusual_holder_of_a_computed_tensor_gives_eager_grads_or_is_refused(
+        holder: str) -> None:
+    def make(lin: nn.Linear, h: torch.Tensor, keep: list[Any]) -> Any:
+        o = _OIAllStatic() if holder == "all_static" else _OIClassInit()
+        o.t = lin(h)  # type: ignore[attr-defined]
+        keep.append(o)
+        return h * 2, weakref.proxy(o)
+
+    _oi_grads_or_refused(make, lambda out: out[0].sum() + out[1].t.sum())
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Inputs and outputs: "
+                   "a class among the outputs holding a tensor fn computed as a class attribute) "
+                   "(helper OI)")
+@pytest.mark.parametrize("proxy", [False, True])
+def test_a_class_among_the_outputs_holding_a_computed_tensor_gives_eager_grads_or_is_refused(
+        proxy: bool) -> None:
+    def make(lin: nn.Linear, h: torch.Tensor, keep: list[Any]) -> Any:
+        cls = type("Holder", (), {"t": lin(h)})
+        keep.append(cls)
+        return h * 2, weakref.proxy(cls) if proxy else cls
+
+    _oi_grads_or_refused(make, lambda out: out[0].sum() + out[1].t.sum())
+
+
+def test_a_proxy_output_to_a_fresh_tensor_the_layer_keeps_is_refused_naming_the_proxy() -> None:
+    def make(lin: nn.Linear, h: torch.Tensor, keep: list[Any]) -> Any:
+        y = lin(h)
+        t = y * 2
+        keep.append(t)
+        return y, weakref.proxy(t)
+
+    def use(out: Any) -> torch.Tensor:
+        return out[0].sum() + (out[1] * 3).tanh().sum()
+
+    _oc_twin(make, use, False)  # eager: the proxy's tensor carries the layer's gradient
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=r"weakref\.proxy to a Tensor at output\[1\], to a tensor that "
+                             r"requires no grad"):
+        _oc_twin(make, use, True)
