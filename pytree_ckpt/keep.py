@@ -49,8 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .census import Mechanism, census_active, report_held
 from .eager import user_stacklevel
-from .errors import CheckpointConfigError, CheckpointError
-from .kept_calls import call_arguments, for_backward, replay_may_take
+from .errors import CheckpointConfigError, CheckpointError, ReuseError
+from .kept_calls import call_arguments, for_backward, kept_count_changed, replay_may_take
 from . import module_state  # read at call time: module_state imports this module's users
 from .phase import Invocation, Phase
 from .replay_values import arguments_print, check_arguments
@@ -610,7 +610,10 @@ class KeepMode(TorchDispatchMode):
                                         position=position, count=len(frame.results[func]),
                                         layer=self.layer):
                 frame.unkeep(func, position)
-        record = frame.take(func)
+        try:
+            record = frame.take(func)
+        except ReuseError as error:
+            raise kept_count_changed(error, self.layer, self.policy) from None
         if record is RECOMPUTE:  # changed in place later in the original pass (rule 3), or
             return func(*args, **kwargs)  # called otherwise (rule 5)
         kept, versions, _, _, prints = record

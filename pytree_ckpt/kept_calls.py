@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from .eager import user_stacklevel
-from .errors import ReplayMismatchError
+from .errors import ReplayMismatchError, ReuseError
 
-__all__ = ["KEPT_METHOD", "call_arguments", "for_backward", "replay_may_take"]
+__all__ = ["KEPT_METHOD", "call_arguments", "for_backward", "kept_count_changed",
+           "replay_may_take"]
 
 # The innermost kept method running now (a ``_KeptMethod``, kept_callables.py), named when the
 # replay is refused inside it (NOTE [kept ops called on other tensors in the replay]).
@@ -208,3 +209,28 @@ def _warn_called_otherwise(func: Any, difference: str, *, generator: bool) -> No
         f"than the original pass did ({difference}): its record was not used, and the op ran "
         f"again in the replay (right numbers, its memory not saved). {why}",
         stacklevel=user_stacklevel())
+
+
+def kept_count_changed(error: ReuseError, layer: Any, policy: Any, /) -> ReuseError:
+    """A replay that called a kept op another number of times than its original pass (the
+    frame's refusal, ``error``), told with the layer, the methods its save units keep and the
+    usual cause: state the forward reads, changed between forward and backward, took the
+    replay down another branch (helper OK: a dynamic-NTK rotary grown by a later micro-batch
+    compared a tensor with a tensor where its forward compared it with a number; the frame's
+    words named grad-dependent kernels only)."""
+    from .frames import KEPT_OP_TIP  # an error path: imported here, no cycle
+    from .refusals import fn_name
+
+    methods = sorted({m for _, _, names in getattr(getattr(policy, "use", None), "units", ())
+                      for m in names})
+    kept = f" (its save units keep {', '.join(methods)})" if methods else ""
+    return ReuseError(
+        f"the replay of {fn_name(layer)}{kept} did not call the ops a save unit kept as its "
+        f"original pass did: {str(error).splitlines()[0]}",
+        tip="the replay must dispatch the same kept ops, in the same order, as the original "
+            "pass. Usually state the forward reads (a Python attribute, a global, a config "
+            "value, a cached length) changed between forward and backward, so the replay took "
+            "another branch: change such state only after backward, or pass it to the layer "
+            "as an argument; or the code branches on grad mode or current_phase() (branch on "
+            "inputs or self.training instead). "
+            + KEPT_OP_TIP[KEPT_OP_TIP.index("torch itself"):])

@@ -114,8 +114,9 @@ def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any,
 # second time, silently (helper OE). No copy of the parameters is made to tell the two apart
 # (that could cost a layer's weights per call); so at a module's first calls (before its first
 # replay, as buffers are compared above), where the forward changed a plain value, its
-# trainable parameters' sums before and after the forward are compared bit for bit (one
-# reduction per parameter, and a device sync, then only), and for one whose sum moved, the
+# trainable parameters' sums before and after the forward are compared bit for bit (the sums
+# before are taken at every first call: one reduction per parameter; the device sync only
+# where a plain value changed), and for one whose sum moved, the
 # replay's sum after its forward is compared with the forward's: refused in backward where
 # they differ. A write that keeps the sum (a permutation) is not seen; a parameter of a
 # tensor subclass with its own dispatch (a DTensor) or of another layout is not summed.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import functools
 import operator
+import sys
 import types
 import warnings
 import weakref
@@ -638,7 +639,10 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
     def user_hooks(hooks: Any) -> list[str]:
         names = []
         for hook in hooks.values():
-            if is_library_hook(hook) or keeps_output_as_is(hook):
+            if is_library_hook(hook) or keeps_output_as_is(hook) or _pruning_method(hook):
+                # (A pruning method of the user's, a BasePruningMethod subclass, computes
+                # its attribute from parameters and buffers, taken as the call's inputs:
+                # NOTE [only attributes a pre-hook names]; helper OJ: warned falsely.)
                 continue
             fn = hook.func if isinstance(hook, functools.partial) else hook
             names.append(dunder(fn, "__qualname__", type(fn).__qualname__))
@@ -681,6 +685,13 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
             "warnings.filterwarnings(\"ignore\", message=\"pytree_ckpt: forward hooks "
             "inside\") (docs/boundary.md, 'Forward hooks inside a layer').",
             stacklevel=user_stacklevel())
+
+
+def _pruning_method(hook: Any, /) -> bool:
+    """Whether ``hook`` is a ``torch.nn.utils.prune`` pruning method (of a subclass of the
+    user's too); that module imported only where one exists."""
+    prune = sys.modules.get("torch.nn.utils.prune")
+    return prune is not None and isinstance(hook, prune.BasePruningMethod)
 
 
 def any_lazy(trees: Sequence[ModuleDicts], /) -> bool:

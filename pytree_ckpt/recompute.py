@@ -23,6 +23,7 @@ from .hook_outputs import recording
 from .hook_tables import HookTables
 from .keep import KeepMode
 from .kept_replay import KeptReplay
+from .kept_calls import kept_count_changed
 from .kept_weights import WeightCapture
 from .made_before import refuse_changed_kept, refuse_changed_views
 from .module_state import is_verified
@@ -405,6 +406,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         call.frame.check_consumed()
     except ReuseError as error:
         _refuse_removed_between(call, error)
+        if call.options.keep is not None and "by a save unit" in str(error):
+            raise kept_count_changed(error, call.fn, call.options.keep) from None
         raise
     flat = flatten(output)
     call.check_replay(flat.spec, flat.leaves, flat.tensor_index)

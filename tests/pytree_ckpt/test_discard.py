@@ -2181,3 +2181,27 @@ def test_a_dead_proxy_in_a_discards_keyword_is_named_by_its_keyword() -> None:
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(CheckpointError, match=r"kwargs\['opts'\]\['p'\]"):
         CheckpointWithoutOutput().checkpoint(lambda t, opts=None: t * 2, x, opts={"p": dead})
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: pruning or weight norm applied or removed between a call's "
+                   "forward and its backward, or started inside the forward) (helper OJ)")
+def test_prune_remove_before_a_discarded_pruned_linears_rebuild_gives_eager_gradients() -> None:
+    from torch.nn.utils import prune
+
+    def run(discard: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        fc, proj = nn.Linear(4, 4), nn.Linear(4, 4)
+        prune.l1_unstructured(fc, "weight", amount=0.5)
+        x = torch.randn(3, 4, requires_grad=True)
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = proj(torch.tanh(ckpt.checkpoint(fc, x)))
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = proj(torch.tanh(fc(x)))
+        prune.remove(fc, "weight")  # made permanent before backward: eager's grad stays masked
+        out.sum().backward()
+        return grads_of([*fc.parameters(), x])
+
+    assert_same_grads(run(False), run(True))

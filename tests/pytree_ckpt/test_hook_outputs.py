@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import pytree_ckpt
 from offload import OffloadConfig, OffloadManager
@@ -1810,3 +1811,115 @@ def test_a_hooked_submodule_returning_a_proxy_inside_the_call_gives_eager_gradie
     pytree_ckpt.checkpoint(ours, x).sum().backward()
     for p, q in zip(ours.parameters(), eager.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+# Helper OJ (model compression): torch.nn.utils.prune's forward pre-hooks are torch's
+# (is_library_hook), so the hook tables a call's forward ran with are not put back for its
+# replay, while the module's `weight` attribute and parameter dicts are; pruning changed
+# between a call's forward and its backward leaves the replay on another function.
+
+
+class _PrunedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def _prune_changed_before_backward(wrap: bool, setup: Callable[[nn.Linear], Any],
+                                   change: Callable[[nn.Linear], Any]) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    block = _PrunedBlock()
+    setup(block.fc)
+    if wrap:
+        pytree_ckpt.apply_activation_checkpointing(block)
+    loss = block(torch.randn(3, 4)).sum()
+    change(block.fc)  # between the forward and its backward
+    loss.backward()
+    return [p.grad.clone() for p in block.parameters()]
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: pruning or weight norm applied or removed between a call's "
+                   "forward and its backward, or started inside the forward) (helper OJ)")
+def test_prune_remove_between_forward_and_backward_inside_a_layer_gives_eager_gradients(
+        ) -> None:
+    def setup(fc: nn.Linear) -> None:
+        prune.l1_unstructured(fc, "weight", amount=0.5)
+
+    def change(fc: nn.Linear) -> None:
+        prune.remove(fc, "weight")  # makes the pruning permanent (eager: masked gradient)
+
+    eager = _prune_changed_before_backward(False, setup, change)
+    ours = _prune_changed_before_backward(True, setup, change)
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: pruning or weight norm applied or removed between a call's "
+                   "forward and its backward, or started inside the forward) (helper OJ)")
+def test_pruning_applied_between_forward_and_backward_inside_a_layer_gives_eager_gradients(
+        ) -> None:
+    def change(fc: nn.Linear) -> None:
+        prune.l1_unstructured(fc, "weight", amount=0.5)
+
+    eager = _prune_changed_before_backward(False, lambda fc: None, change)
+    ours = _prune_changed_before_backward(True, lambda fc: None, change)
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+class _EveryOther(prune.BasePruningMethod):
+    """A user's pruning method (its hook is the user's, not torch's)."""
+
+    PRUNING_TYPE = "unstructured"
+
+    def compute_mask(self, t: torch.Tensor, default_mask: torch.Tensor) -> torch.Tensor:
+        mask = default_mask.clone()
+        mask.view(-1)[::2] = 0
+        return mask
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: pruning or weight norm applied or removed between a call's "
+                   "forward and its backward, or started inside the forward) (helper OJ)")
+def test_custom_pruning_removed_between_forward_and_backward_inside_a_layer_gives_eager_gradients(
+        ) -> None:
+    def setup(fc: nn.Linear) -> None:
+        _EveryOther.apply(fc, "weight")
+
+    eager = _prune_changed_before_backward(False, setup, lambda fc: prune.remove(fc, "weight"))
+    ours = _prune_changed_before_backward(True, setup, lambda fc: prune.remove(fc, "weight"))
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: pruning or weight norm applied or removed between a call's "
+                   "forward and its backward, or started inside the forward) (helper OJ)")
+def test_custom_pruning_applied_between_forward_and_backward_inside_a_layer_gives_eager_gradients(
+        ) -> None:
+    def change(fc: nn.Linear) -> None:
+        _EveryOther.apply(fc, "weight")
+
+    eager = _prune_changed_before_backward(False, lambda fc: None, change)
+    ours = _prune_changed_before_backward(True, lambda fc: None, change)
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: pruning or weight norm applied or removed between a call's "
+                   "forward and its backward, or started inside the forward) (helper OJ)")
+def test_a_checkpointed_linear_pruned_between_forward_and_backward_gives_eager_gradients(
+        ) -> None:
+    def run(wrap: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        loss = layer(torch.randn(3, 4)).sum()
+        prune.l1_unstructured(layer, "weight", amount=0.5)  # the forward used the dense weight
+        loss.backward()
+        return layer.weight_orig.grad.clone()
+
+    assert torch.equal(run(False), run(True))
