@@ -149,7 +149,8 @@ class NumbersWatch:
                         # NOTE [small tensor attributes as the forward read them]; a tuple of
                         # them (TupleHeld)
                         values.append((name, kept))
-                        d[CHANGED_BY_A_CALL] = True  # NOTE [values read, then changed by ...]
+                        # NOTE [values read, then changed by a later call]
+                        d[CHANGED_BY_A_CALL] = True
                     elif type(was[1]) in _HELD and was[1].moved():
                         # NOTE [a tensor attribute changed in place, not held] (plain_values.py)
                         values.append((name, Rewritten(was[1].tensors())))

@@ -583,8 +583,8 @@ def test_decomposition_layers_with_fft_and_complex_weights_give_eager_gradients(
         lambda m: _informer_step(m) + _informer_step(m))
 
 
-# helper OH: f85252f's small tensor attributes only read (NOTE [a small tensor attribute read,
-# then replaced by a later call]) around other things.
+# helper OH: small tensor attributes only read (NOTE [values read, then changed by a later
+# call] in forward_numbers.py) around other things.
 
 class _RevINTuple(_RevIN):
     """The statistics kept as one tuple attribute."""
