@@ -215,26 +215,32 @@ class _BoundaryFunction(torch.autograd.Function):
             call.changed_numbers = numbers.changed() if numbers is not None else None
             if glance is not None and (glanced := glance.changed()) is not None:
                 call.changed_numbers = glanced.joined(call.changed_numbers)
+            version_moved = call.param_versions is not None and param_before is not None \
+                and call.param_versions.versions != param_before[0]
+            flag_changed = call.changed_numbers is not None or (
+                call.changed_state is not None and bool(call.changed_state.changes))
             if call.changed_numbers is not None:
                 assert call.owner is not None  # modules
                 mark_stateful(call.owner)
-                if call.param_versions is not None and param_before is not None and \
-                        call.param_versions.versions != param_before[0]:
+                if version_moved:
                     # A trainable parameter changed in place: not put back (NOTE [numbers
                     # and flags as the forward began]).
                     call.changed_numbers = None
-                elif param_sums is not None and \
-                        (written := sums_moved(call.params or [], param_sums)):
-                    # NOTE [a parameter written through .data] (kernel_written.py)
-                    roots = call.modules[0] if call.modules is not None else []
-                    call.changed_numbers.written = WrittenThroughData(
-                        written, [parameter_path(roots, p) for p, _ in written])
+            # NOTE [a parameter written through .data] (kernel_written.py): a flag changed, as
+            # a plain value or a buffer, both put back for the replay
+            written = sums_moved(call.params or [], param_sums) \
+                if param_sums is not None and flag_changed and not version_moved else None
             if numbers is not None:  # NOTE [values read, then changed by a later call]
                 tensors_read = numbers.read()
                 if tensors_read and call.owner is not None and reads_changed_state(tensors_read):
                     mark_stateful(call.owner)
                 call.changed_numbers = ChangedNumbers([], read=tensors_read).joined(
                     call.changed_numbers)
+            if written:
+                roots = call.modules[0] if call.modules is not None else []
+                call.changed_numbers = (call.changed_numbers or ChangedNumbers([]))
+                call.changed_numbers.written = WrittenThroughData(
+                    written, [parameter_path(roots, p) for p, _ in written])
         if call.frame.state_after:  # NOTE [state a reused call changes] (frozen.py)
             made = [value for changes in call.frame.state_after.values()
                     for kind, _, _, value in changes if kind == "numbers"]

@@ -104,6 +104,9 @@ class ChangedNumbers:
                 given.append((d, values, []))
         if not given:
             return self.found
+        # The layer is watched from then on, whoever rebound it (an unwrapped call, as a
+        # RevIN's normalisation outside the layer, helper OH; or a logging hook, whose cost
+        # that is: helper OL)
         self.gave_back = True
         return [*self.found, *given]
 

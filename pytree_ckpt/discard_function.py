@@ -134,17 +134,16 @@ class DiscardFunction(torch.autograd.Function):
             owner.generator_sets = learned(owner.fn, None, sets)
         if grad_switched(tensors, needs, frozen):
             refuse_grad_switched(owner._name(), args, tensors, needs, frozen, roots)
+        version_moved = param_before is not None and \
+            versions(owner.params or []) != param_before[0]
+        numbers_changed = False
         if numbers is not None:
             owner.changed_numbers = numbers.changed()
-            if param_before is not None and versions(owner.params or []) != param_before[0]:
+            numbers_changed = owner.changed_numbers is not None
+            if version_moved:
                 # A trainable parameter changed in place: not put back (NOTE [numbers and
                 # flags as the forward began] in forward_numbers.py).
                 owner.changed_numbers = None
-            elif owner.changed_numbers is not None and param_sums is not None and \
-                    (written := sums_moved(owner.params or [], param_sums)):
-                # NOTE [a parameter written through .data] (kernel_written.py)
-                owner.changed_numbers.written = WrittenThroughData(
-                    written, [parameter_path(roots, p) for p, _ in written])
             # NOTE [values read, then changed by a later call] (forward_numbers.py)
             owner.changed_numbers = ChangedNumbers([], read=numbers.read()).joined(
                 owner.changed_numbers)
@@ -166,6 +165,14 @@ class DiscardFunction(torch.autograd.Function):
             if watch.compare:
                 remember(roots, watch.kernel_written)
                 mark_compared(roots)
+        # NOTE [a parameter written through .data] (kernel_written.py): a flag changed, as a
+        # plain value or a buffer, both put back for the rebuild
+        if param_sums is not None and not version_moved and (numbers_changed or (
+                owner.changed_state is not None and bool(owner.changed_state.changes))) and \
+                (written := sums_moved(owner.params or [], param_sums)):
+            owner.changed_numbers = owner.changed_numbers or ChangedNumbers([])
+            owner.changed_numbers.written = WrittenThroughData(
+                written, [parameter_path(roots, p) for p, _ in written])
         if param_before is not None:  # NOTE [parameters changed in place] (changed_in_place.py)
             assert owner.params is not None
             owner.param_versions = ParameterVersions(owner.params, param_before)

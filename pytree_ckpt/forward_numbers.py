@@ -10,6 +10,7 @@ Buffers the forward changes are ``state_changes.py``'s; the modes and entries of
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,10 +19,10 @@ from torch import nn
 
 from .changed_numbers import ChangedNumbers
 from .module_state import ModuleDicts, torch_nn_class
-from .plain_values import (ABSENT, CONTAINERS, NOT_STATE, OURS, BoundObject, Contents,
-                           InPlace, Mixed, Refilled, Rewritten, TensorHeld, TupleHeld, immutable,
-                           plain_container, plain_entry, read_entries, small_detached,
-                           small_tuple, value_differs)
+from .plain_values import (ABSENT, CHANGED_BY_A_CALL, CONTAINERS, NOT_STATE, OURS, BoundObject,
+                           Contents, InPlace, Mixed, Refilled, Rewritten, TensorHeld, TupleHeld,
+                           immutable, plain_container, plain_entry, read_entries,
+                           small_detached, small_tuple, value_differs)
 from .reused_numbers import MadeNumbers
 
 __all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read",
@@ -38,15 +39,18 @@ _HELD = (TensorHeld, TupleHeld)  # put back for the replay as the forward read t
 # read, then changed by a later call] in state_changes.py). So a watched call keeps the small
 # tensors (and tuples of them) its forward read, by reference (``ChangedNumbers.read``: already
 # read, nothing copied; at most 64 KiB kept alive per tensor the module lets go), and its replay
-# is given back each that the attribute no longer holds by then, or whose values changed in
-# place since (its values as read, where they were cloned), with what the attribute held then
-# back after the replay. A layer whose replay was given one back, or that read one of a module
-# where a checkpointed call replaced one (``CHANGED_BY_A_CALL``: a rotary table one layer
-# rebuilds, which the others only read, helper OK), is watched at every call from then on, as a
-# stateful one (a head reading statistics an unwrapped call sets, helper OH): before that, only
-# at its first calls. Not numbers (a float statistic): giving back one that
-# changed since the forward would undo a later replay's own change (a count made only under
-# grad: NOTE [a key only the replay changes] in changed_numbers.py); read as it is (documented).
+# is given back each that the attribute no longer holds by then, with what the attribute held
+# then back after the replay (one changed in place since is read as it is: the clone of its
+# values taken at such calls is not kept, it would hold a copy of every small tensor a call
+# only read, helper OL). A layer whose replay was given one back (whoever rebound it: a head
+# reading statistics an unwrapped call sets, helper OH; a forward hook logging a norm there,
+# which costs that layer its small buffers' clones at every call, helper OL), or that read one
+# a checkpointed call replaced (``CHANGED_BY_A_CALL``: a rotary table one layer rebuilds, which
+# the others only read, helper OK), is watched at every call from then on, as a stateful one:
+# before that, only at its first calls (a table first rebuilt after them is read as it is
+# then). Not numbers (a float statistic): giving back one that changed since the forward would
+# undo a later replay's own change (a count made only under grad: NOTE [a key only the replay
+# changes] in changed_numbers.py); read as it is (documented).
 class NumbersWatch:
     """NOTE [numbers and flags as the forward began]: a forward may set plain values on its
     modules that decide what it computes: the length a rotary cache was built for (``if
@@ -150,7 +154,7 @@ class NumbersWatch:
                         # them (TupleHeld)
                         values.append((name, kept))
                         # NOTE [values read, then changed by a later call]
-                        d[CHANGED_BY_A_CALL] = True
+                        d.setdefault(CHANGED_BY_A_CALL, set()).add(name)
                     elif type(was[1]) in _HELD and was[1].moved():
                         # NOTE [a tensor attribute changed in place, not held] (plain_values.py)
                         values.append((name, Rewritten(was[1].tensors())))
@@ -181,7 +185,7 @@ class NumbersWatch:
         list the forward fills, which the caller replaces, is not held: helper CN)."""
         found = []
         for d, before in zip(self.dicts, self.before):
-            held = {name: was for name, was in before.items()
+            held = {name: (False, _without_clone(was[1])) for name, was in before.items()
                     if not was[0] and type(was[1]) in _HELD}
             if held:
                 found.append((d, held))
@@ -328,10 +332,22 @@ def numbers_read(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts], /, *,
 
 
 def reads_changed_state(read: list[tuple[dict[str, Any], dict[str, Any]]], /) -> bool:
-    """Whether a call read small tensors of a module some call's forward replaced them in
-    (NOTE [values read, then changed by a later call]: a rotary table one layer rebuilds,
-    which another layer only reads, helper OK)."""
-    return any(d.get(CHANGED_BY_A_CALL) for d, _ in read)
+    """Whether a call read a small tensor attribute that some checkpointed call's forward
+    replaced (NOTE [values read, then changed by a later call]: a rotary table one layer
+    rebuilds, which another layer only reads, helper OK)."""
+    return any(not d.get(CHANGED_BY_A_CALL, _NONE).isdisjoint(held) for d, held in read)
 
 
-CHANGED_BY_A_CALL = OURS + "_replaced_by_a_call"
+_NONE: frozenset[str] = frozenset()
+
+
+def _without_clone(held: Any, /) -> Any:
+    """A ``TensorHeld`` without the clone of its values (taken at calls where small buffers
+    are cloned): kept from the forward to the replay, it would hold a copy of every small
+    tensor the call only read, uncounted (helper OL); one changed in place since is then
+    read as it is. A ``TupleHeld`` holds no copy."""
+    if type(held) is not TensorHeld or held.values is None:
+        return held
+    light = copy.copy(held)
+    light.values = None
+    return light

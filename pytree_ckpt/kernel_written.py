@@ -113,33 +113,44 @@ def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any,
 # std(x @ w.t()))`; a random draw with preserve_rng_state=False): the replay initialised a
 # second time, silently (helper OE). No copy of the parameters is made to tell the two apart
 # (that could cost a layer's weights per call); so at a module's first calls (before its first
-# replay, as buffers are compared above), where the forward changed a plain value, its
-# trainable parameters' sums before and after the forward are compared bit for bit (the sums
-# before are taken at every first call: one reduction per parameter; the device sync only
-# where a plain value changed), and for one whose sum moved, the
-# replay's sum after its forward is compared with the forward's: refused in backward where
-# they differ. A write that keeps the sum (a permutation) is not seen; a parameter of a
-# tensor subclass with its own dispatch (a DTensor) or of another layout is not summed.
+# replay, as buffers are compared above), where the forward changed a flag (a plain value or a
+# buffer), its trainable parameters' sums (of their elements' bits read as integers: exact and
+# moved by a one-bit change) before and after the forward are compared (the sums before are
+# taken at every first call: one reduction per parameter; the device sync only where a flag
+# changed), and for one whose sum moved, the replay's sum after its forward is compared with
+# the forward's: refused in backward where they differ. A write that keeps the bits' sum (a
+# permutation) is not seen; a parameter of a tensor subclass with its own dispatch (a DTensor)
+# or of another layout is not summed.
 def parameter_sums(params: Sequence[torch.Tensor], /) -> list[torch.Tensor | None]:
     """NOTE above: each parameter's sum, where it is a dense one with values whose class has
     no dispatch of its own (a plain ``nn.Parameter`` subclass is summed)."""
     with torch._C.DisableTorchFunctionSubclass():
-        return [p.detach().sum() if type(p).__torch_dispatch__ is _PLAIN_DISPATCH and
+        return [_bit_sum(p) if type(p).__torch_dispatch__ is _PLAIN_DISPATCH and
                 p.layout == torch.strided and p.device.type != "meta" and not p.is_quantized
                 else None for p in params]
 
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_sum(p: torch.Tensor, /) -> torch.Tensor:
+    """The sum of ``p``'s elements read as integers of their width: exact, in any order, and
+    moved by a change of one bit (a write repeating to values other by rounding, with an
+    equal float sum: `F.normalize` applied twice, helper OL)."""
+    t = p.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
 
 
 def sums_moved(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor | None], /
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The parameters whose sum is not what ``parameter_sums`` read (a NaN equals itself),
-    each with its sum now."""
+    """The parameters whose sum is not what ``parameter_sums`` read, each with its sum now."""
     moved = []
     with torch._C.DisableTorchFunctionSubclass():
         for p, was in zip(params, before):
-            if was is not None and not _same(was, now := p.detach().sum()):
+            if was is not None and not torch.equal(was, now := _bit_sum(p)):
                 moved.append((p, now))
     return moved
 
@@ -161,7 +172,7 @@ class WrittenThroughData:
 
         with torch._C.DisableTorchFunctionSubclass():
             for (p, was), name in zip(self.moved, self.names):
-                if _same(was, p.detach().sum()):
+                if torch.equal(was, _bit_sum(p)):
                     continue
                 raise CheckpointError(
                     f"the replay of {where} wrote its parameter {name} through .data again, "
@@ -173,8 +184,8 @@ class WrittenThroughData:
                     "twice",
                     expected="a write through .data that repeats to the same values (a mask, "
                              "a clip, a copy of the input's statistics: exact), or none",
-                    got=f"{name} written again, its sum now {p.detach().sum().item()!r} where "
-                        f"the forward left {was.item()!r}",
+                    got=f"{name} written again (its elements' bits summed: "
+                        f"{_bit_sum(p).item()} where the forward left {was.item()})",
                     tip="run the initialisation before the first training step (one forward "
                         "under torch.no_grad(), which runs the layer without a boundary), or "
                         "write the parameter under torch.no_grad() without .data "

@@ -545,3 +545,153 @@ def test_a_data_dependent_rescale_through_data_keyed_on_a_plain_flag_is_refused_
 
     _twin_steps(initialised, lambda m: pytree_ckpt.apply_activation_checkpointing(m.a),
                 _data_init_step)
+
+
+# helper OL: NOTE [a parameter written through .data] compares sums, so a write repeating to
+# values other by rounding whose sum happens to be equal is neither exact nor refused.
+
+class _CosineHead(nn.Module):
+    """A cosine classifier (NormFace / CosFace ports) renormalising its weight through
+    ``.data`` at every call, beside a warm-up count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 4))
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        self.weight.data = F.normalize(self.weight.data, dim=1)
+        return 10 * F.normalize(x, dim=1) @ self.weight.t() * min(1.0, self.step / 5)
+
+
+class _CosineModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.head = nn.Linear(4, 4), _CosineHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.pre(x)), torch.arange(5) % 6)
+
+
+def _cosine_step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    opt.zero_grad()
+    loss = m(torch.randn(5, 4))
+    loss.backward()
+    out = [loss.detach(), *(p.grad.clone() for p in m.parameters())]
+    opt.step()
+    return out
+
+
+def test_a_cosine_head_renormalising_through_data_each_call_gives_eager_numbers_or_is_refused(
+        ) -> None:
+    torch.manual_seed(0)
+    w = F.normalize(torch.randn(6, 4), dim=1)
+    assert not torch.equal(F.normalize(w, dim=1), w)  # not idempotent bit for bit
+    try:
+        _twin_steps(_CosineModel, lambda m: pytree_ckpt.apply_activation_checkpointing(m.head),
+                    _cosine_step, steps=2)
+    except pytree_ckpt.CheckpointError:
+        pass  # refused naming the parameter: what limits.md says of such a write
+
+
+class _FlagActNorm(nn.Module):
+    """Glow's ActNorm keyed on a plain flag, the statistics copied in through ``.data``."""
+
+    def __init__(self, c: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(c, dtype=dtype))
+        self.logs = nn.Parameter(torch.zeros(c, dtype=dtype))
+        self.inited = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.inited:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0))
+                self.logs.data.copy_(-torch.log(x.std(0) + 1e-6))
+            self.inited = True
+        return (x + self.loc) * self.logs.exp()
+
+
+class _FlagActNormBlock(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.an, self.lin = _FlagActNorm(4, dtype), nn.Linear(4, 4, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(self.an(x)))
+
+
+class _FlagActNormModel(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4, dtype=dtype)
+        self.b1, self.b2 = _FlagActNormBlock(dtype), _FlagActNormBlock(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b2(self.b1(self.pre(x))).square().mean()
+
+
+@pytest.mark.parametrize(("nested", "retain", "dtype"), [
+    (True, False, torch.float32), (False, True, torch.float32), (False, False, torch.bfloat16)])
+def test_a_data_init_copy_keyed_on_a_plain_flag_over_two_micro_batches_gives_eager_numbers(
+        nested: bool, retain: bool, dtype: torch.dtype) -> None:
+    # NOTE [a parameter written through .data]: the copy repeats to the same values, so the
+    # replay's sums equal the forward's (no false refusal), with nested boundaries, two
+    # backwards (retain_graph=True) and bf16 parameters (helper OL).
+    def wrap(m: nn.Module) -> None:
+        if nested:
+            pytree_ckpt.apply_activation_checkpointing(
+                m, check_fn=lambda c: isinstance(c, _FlagActNorm))
+        pytree_ckpt.apply_activation_checkpointing(
+            m, check_fn=lambda c: isinstance(c, _FlagActNormBlock))
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        opt.zero_grad()
+        loss = sum(m(torch.randn(5, 4, dtype=dtype) * 3 + 1) for _ in range(2))
+        if retain:
+            loss.backward(retain_graph=True)
+        loss.backward()
+        out = [loss.detach(), *(p.grad.clone() for p in m.parameters())]
+        opt.step()
+        return out
+    _twin_steps(lambda: _FlagActNormModel(dtype), wrap, step, steps=2)
+
+
+class _BufferFlagDataInit(_DataInitLinear):
+    """Weight normalisation's data-dependent rescale through ``.data``, keyed on a buffer flag
+    (as Glow ports key ActNorm: ``register_buffer("initialized", ...)``)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        del self.inited
+        self.register_buffer("initialized", torch.tensor(False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(self.initialized):
+            with torch.no_grad():
+                y = x @ self.w.t()
+                s = 1 / (y.std(0) + 1e-6)
+                self.w.data.mul_(s[:, None])
+                self.b.data = -(y * s).mean(0)
+                self.initialized.fill_(True)
+        return torch.tanh(x @ self.w.t() + self.b)
+
+
+class _BufferFlagDataInitModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.a = nn.Linear(5, 5), _BufferFlagDataInit(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.pre(x)).square().sum()
+
+
+def test_a_data_dependent_rescale_through_data_keyed_on_a_buffer_flag_is_exact_or_refused(
+        ) -> None:
+    try:
+        _twin_steps(_BufferFlagDataInitModel,
+                    lambda m: pytree_ckpt.apply_activation_checkpointing(m.a), _data_init_step,
+                    steps=2)
+    except pytree_ckpt.CheckpointError as error:  # what the plain flag gets (limits.md)
+        assert "wrote its parameter w through .data again" in str(error)

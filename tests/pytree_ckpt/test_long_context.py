@@ -397,3 +397,37 @@ def test_small_table_of_a_shared_rotary_replaced_by_a_later_micro_batch_gives_ea
     for lens in ([4], [3, 5]):  # the second step: a short micro-batch, then a longer one
         want, got = _table_grads(eager, lens), _table_grads(ours, lens)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+class _PrebuiltTable(_Table):
+    """The table built in ``__init__`` for 8 rows (max_position_embeddings), rebuilt only when
+    a longer sequence comes: the first rebuild after the layers' first replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t, self.n = torch.arange(8 * 4.0).view(8, 4).sin() * 8, 8
+
+
+class _PrebuiltTableModel(_TableModel):
+    def __init__(self) -> None:
+        super().__init__(False)
+        table = _PrebuiltTable()
+        self.layers = nn.ModuleList([_TableLayer(table) for _ in range(2)])
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a small tensor attribute a call only reads, at calls no watch "
+                   "reads) (helper OL)")
+def test_a_shared_prebuilt_table_first_rebuilt_at_a_later_step_gives_eager_gradients() -> None:
+    torch.manual_seed(0)
+    eager = _PrebuiltTableModel()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours,
+                                               check_fn=lambda m: isinstance(m, _TableLayer))
+    for lens in ([4], [3, 5], [4, 10]):  # no rebuild, no rebuild, then a short and a long one
+        want = _table_grads(eager, lens)
+        try:
+            got = _table_grads(ours, lens)
+        except pytree_ckpt.CheckpointError:
+            return  # refused naming the table: acceptable too
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), lens

@@ -735,3 +735,52 @@ def test_a_head_with_a_data_init_over_one_micro_batch_gives_eager_gradients(how:
     _assert_twins(lambda: _DataInitRevINModel(how),
                   lambda c: pytree_ckpt.apply_activation_checkpointing(c.head), _revin_step,
                   steps=2)
+
+
+# helper OL: the statistics given back (NOTE [values read, then changed by a later call]) where a
+# reused call reads them too, under offload and verify_replay, and in an aot_eager body.
+
+class _StatsGate(nn.Module):
+    """A frozen decision reading the shared RevIN's statistics, reused in the replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def forward(self, h: torch.Tensor, rev: nn.Module) -> torch.Tensor:
+        self.count += 1
+        return (h * rev.stdev + rev.mean).detach().sign().long()
+
+
+class _ReusedGateHead(_DenormHead):
+    def __init__(self, rev: nn.Module) -> None:
+        super().__init__(rev)
+        self.gate = _StatsGate()
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        g = pytree_ckpt.reuse_during_recompute(self.gate, normed, self.rev)
+        return self.rev(self.enc(normed * (1 + 0.1 * g)), "denorm")
+
+
+class _ReusedGateModel(_SharedRevINModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = _ReusedGateHead(self.rev)
+
+
+@pytest.mark.parametrize(("offload", "verify"), [(False, False), (True, True)])
+def test_a_head_reading_revin_statistics_beside_a_reused_call_gives_eager_gradients(
+        offload: bool, verify: bool) -> None:
+    _assert_twins(_ReusedGateModel, lambda c: pytree_ckpt.apply_activation_checkpointing(
+        c.head, offload=offload, verify_replay=verify),
+        lambda m: _revin_micro_batches(m) + _revin_step(m), steps=3)
+
+
+def test_revin_with_an_aot_eager_body_over_micro_batches_gives_the_compiled_twins_gradients(
+        ) -> None:
+    def make() -> nn.Module:
+        m = _RevINModel(True, True)
+        m.rev.forward = torch.compile(m.rev.forward, backend="aot_eager")
+        return m
+    _assert_twins(make, lambda c: pytree_ckpt.apply_activation_checkpointing(c.rev, offload=True),
+                  _revin_micro_batches, steps=3)
