@@ -20,9 +20,9 @@ from torch import nn
 from .changed_numbers import ChangedNumbers
 from .module_state import ModuleDicts, torch_nn_class
 from .plain_values import (ABSENT, CHANGED_BY_A_CALL, CONTAINERS, NOT_STATE, OURS, BoundObject,
-                           Contents, InPlace, Mixed, Refilled, Rewritten, TensorHeld, TupleHeld,
-                           immutable, plain_container, plain_entry, read_entries,
-                           small_detached, small_tuple, value_differs)
+                           Contents, InPlace, Mixed, Refilled, ReplacedNames, Rewritten,
+                           TensorHeld, TupleHeld, immutable, plain_container, plain_entry,
+                           read_entries, small_detached, small_tuple, value_differs)
 from .reused_numbers import MadeNumbers
 
 __all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read",
@@ -154,7 +154,7 @@ class NumbersWatch:
                         # them (TupleHeld)
                         values.append((name, kept))
                         # NOTE [values read, then changed by a later call]
-                        d.setdefault(CHANGED_BY_A_CALL, set()).add(name)
+                        d.setdefault(CHANGED_BY_A_CALL, ReplacedNames()).names.add(name)
                     elif type(was[1]) in _HELD and was[1].moved():
                         # NOTE [a tensor attribute changed in place, not held] (plain_values.py)
                         values.append((name, Rewritten(was[1].tensors())))
@@ -335,10 +335,10 @@ def reads_changed_state(read: list[tuple[dict[str, Any], dict[str, Any]]], /) ->
     """Whether a call read a small tensor attribute that some checkpointed call's forward
     replaced (NOTE [values read, then changed by a later call]: a rotary table one layer
     rebuilds, which another layer only reads, helper OK)."""
-    return any(not d.get(CHANGED_BY_A_CALL, _NONE).isdisjoint(held) for d, held in read)
+    return any((replaced := d.get(CHANGED_BY_A_CALL)) is not None and
+               not replaced.names.isdisjoint(held) for d, held in read)
 
 
-_NONE: frozenset[str] = frozenset()
 
 
 def _without_clone(held: Any, /) -> Any:

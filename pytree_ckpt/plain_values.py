@@ -25,8 +25,9 @@ from .state_changes import is_replay_copy, mark_replay_copy
 from .tree import dunder, instance_dict
 
 __all__ = ["ABSENT", "AFTER_REPLAY", "CHANGED_BY_A_CALL", "CONTAINERS", "NOT_STATE", "OURS",
-           "BoundObject", "Contents", "InPlace", "Mixed", "Refilled", "Rewritten", "TensorHeld",
-           "TupleHeld", "ValuesRead", "entries_of", "entry_of", "fresh_values", "immutable",
+           "BoundObject", "Contents", "InPlace", "Mixed", "Refilled", "ReplacedNames", "Rewritten",
+           "TensorHeld", "TupleHeld", "ValuesRead", "entries_of", "entry_of", "fresh_values",
+           "immutable",
            "plain_container", "plain_entries", "plain_entry", "put_entries", "read_by_entries",
            "read_entries", "restore_after_replay", "same_as", "same_entries", "same_entry",
            "small_detached", "small_tuple", "tuple_tensors", "value_differs"]
@@ -42,9 +43,24 @@ _PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None), torch.Siz
 NOT_STATE = frozenset(nn.Module().__dict__) - {"training"}
 OURS = "_pytree_ckpt"
 # In a module's ``__dict__``: the names of the small tensor attributes a checkpointed call's
-# forward replaced there, a set (NOTE [values read, then changed by a later call] in
-# forward_numbers.py; read_entries leaves this library's entries out).
+# forward replaced there (NOTE [values read, then changed by a later call] in
+# forward_numbers.py), as ``ReplacedNames``: an object, not a set, which the watches of plain
+# values would read as one of the module's containers.
 CHANGED_BY_A_CALL = OURS + "_replaced_by_a_call"
+
+
+class ReplacedNames:
+    """NOTE [values read, then changed by a later call] (forward_numbers.py)."""
+
+    __slots__ = ("names",)
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def __deepcopy__(self, memo: dict[int, Any], /) -> ReplacedNames:
+        copied = ReplacedNames()
+        copied.names = set(self.names)
+        return copied
 
 # Containers of such values read by their contents (a count per expert, a set of lengths seen),
 # by exact type; up to _MOST_ENTRIES entries, so that a read stays a small copy (a history

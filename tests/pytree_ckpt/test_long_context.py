@@ -431,3 +431,63 @@ def test_a_shared_prebuilt_table_first_rebuilt_at_a_later_step_gives_eager_gradi
         except pytree_ckpt.CheckpointError:
             return  # refused naming the table: acceptable too
         assert all(torch.equal(a, b) for a, b in zip(want, got)), lens
+
+
+class _OMScaledTableLayer(_TableLayer):
+    """A layer reading the shared table and a small tensor attribute of its own (a per-layer
+    scale no call changes)."""
+
+    def __init__(self, table: nn.Module) -> None:
+        super().__init__(table)
+        self.scale = torch.linspace(0.5, 1.5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def test_a_shared_table_read_beside_a_small_tensor_of_the_layers_own_gives_eager_gradients(
+        ) -> None:
+    # reads_changed_state (forward_numbers.py) asks whether any dict the call read small
+    # tensors in had one replaced by a call; the layer's own dict, holding a small tensor no
+    # call replaces, is read too (helper OM: a mutant asking whether all of them had survived).
+    torch.manual_seed(0)
+    table = _Table()
+    eager = nn.Sequential(_OMScaledTableLayer(table), _OMScaledTableLayer(table))
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(
+        ours, check_fn=lambda m: isinstance(m, _OMScaledTableLayer))
+    for lens in ([4], [3, 5]):  # the second step: a short micro-batch, then a longer one
+        want, got = _table_grads(eager, lens), _table_grads(ours, lens)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+class _OMRoutedGatedBlock(nn.Module):
+    """A block kept by a save unit whose forward also makes a reuse_during_recompute call,
+    only while a plain flag (changed between forward and backward, held in a list: not put
+    back) is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.route = _Gate(), [True]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.route[0]:
+            e = pytree_ckpt.reuse_during_recompute(lambda h: int(h.sum() > 0), x)
+            x = x * (1 + e)
+        return self.gate(x).tanh()
+
+
+def test_a_reused_call_skipped_by_a_save_units_replay_is_not_called_a_kept_op_count(
+        ) -> None:
+    # recompute.py rewords a consumed check's refusal as a kept op count changed only where a
+    # save unit's op was left over (helper OM: a mutant rewording every such refusal under a
+    # keep policy, a reuse_during_recompute result left over too, survived).
+    blocks = nn.ModuleList([_OMRoutedGatedBlock()])
+    apply_recompute_config(blocks, RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptCallables("_Gate.forward")})
+    y = blocks[0](torch.randn(2, 4, requires_grad=True))
+    blocks[0].route[0] = False          # changed between forward and backward
+    with pytest.raises(pytree_ckpt.CheckpointError) as caught:
+        y.sum().backward()
+    message = str(caught.value)
+    assert "reuse_during_recompute" in message and "save unit" not in message

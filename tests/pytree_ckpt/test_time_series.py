@@ -4,6 +4,7 @@ torch's RNG state after the step (helper OD)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Callable
@@ -784,3 +785,93 @@ def test_revin_with_an_aot_eager_body_over_micro_batches_gives_the_compiled_twin
         return m
     _assert_twins(make, lambda c: pytree_ckpt.apply_activation_checkpointing(c.rev, offload=True),
                   _revin_micro_batches, steps=3)
+
+
+class _OMInPlaceStats(nn.Module):
+    """RevIN's statistics as plain tensor attributes written in place (``copy_``) by the
+    normalisation, which runs outside any checkpointed call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean, self.std = torch.zeros(4), torch.ones(4)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        mean, std = x.mean(0).detach(), x.std(0).detach() + 1
+        with torch.no_grad():
+            self.mean.copy_(mean)
+            self.std.copy_(std)
+        return (x - mean) / std
+
+
+class _OMDenormHead(nn.Module):
+    def __init__(self, stats: _OMInPlaceStats) -> None:
+        super().__init__()
+        self.stats, self.lin = stats, nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # a copy of the statistics: eager saves no tensor a later micro-batch writes
+        return self.lin(h) * self.stats.std.clone() + self.stats.mean
+
+
+class _OMInPlaceRevIN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.stats = nn.Linear(4, 4), _OMInPlaceStats()
+        self.head = _OMDenormHead(self.stats)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stats.norm(self.pre(x)))
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a small tensor attribute a call only reads, changed in place since, "
+                   "not replaced) (helper OM; its clone is not kept: helper OL)")
+def test_revin_statistics_written_in_place_by_a_later_micro_batch_give_eager_gradients(
+        ) -> None:
+    # NOTE [values read, then changed by a later call] (forward_numbers.py): the head only
+    # reads the statistics; the second micro-batch's normalisation writes them in place before
+    # the one backward, so the first one's replay is given its values as read (cloned at the
+    # head's first calls). Helper OM: a mutant that gave back only rebound ones survived.
+    torch.manual_seed(0)
+    eager = _OMInPlaceRevIN()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours.head)
+    for step in range(2):
+        xs = [torch.randn(6, 4) * 3 + 1, torch.randn(6, 4) - 2]
+        grads = []
+        for model in (eager, ours):
+            model.zero_grad()
+            sum(model(x).square().sum() for x in xs).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), f"step {step}"
+        assert torch.equal(ours.stats.mean, eager.stats.mean)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a plain attribute of at most 64 KiB a call only reads is put back "
+                   "where a watch reads that call) (helper OM)")
+@pytest.mark.parametrize("rebind", [False, True])
+def test_revin_statistics_read_by_a_head_first_stepped_with_one_micro_batch_give_eager_gradients(
+        rebind: bool) -> None:
+    # The head's first step has one micro-batch: nothing is given back to its replay, so it is
+    # not watched from then on; a later step of two micro-batches gives the first one's replay
+    # the second one's statistics: every gradient off, silently.
+    class Rebound(_OMInPlaceStats):
+        def norm(self, x: torch.Tensor) -> torch.Tensor:
+            self.mean, self.std = x.mean(0).detach(), x.std(0).detach() + 1
+            return (x - self.mean) / self.std
+
+    torch.manual_seed(0)
+    eager = _OMInPlaceRevIN()
+    if rebind:
+        eager.stats = eager.head.stats = Rebound()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours.head)
+    for step, n in enumerate([1, 2]):
+        xs = [torch.randn(6, 4) * (3 + i) + i for i in range(n)]
+        grads = []
+        for model in (eager, ours):
+            model.zero_grad()
+            sum(model(x).square().sum() for x in xs).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), f"step {step}"
