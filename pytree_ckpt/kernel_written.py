@@ -176,21 +176,23 @@ class WrittenThroughData:
                     continue
                 raise CheckpointError(
                     f"the replay of {where} wrote its parameter {name} through .data again, "
-                    "with other values than its forward left there: a write the forward made "
-                    "once, keyed on a flag or number it changed (a one-time initialisation: "
-                    "a rescale by a statistic of the output), made a second time by the "
-                    "replay, which reads that flag as the forward began; the layer's "
-                    "gradients would not be eager's, and the parameter would end written "
-                    "twice",
+                    "with other values than its forward left there: the replay runs the "
+                    "forward from the flags and numbers it began with, so a write made once "
+                    "and keyed on a flag (a one-time initialisation: a rescale by a statistic "
+                    "of the output) or one made at every call that does not repeat to the "
+                    "same values (a momentum encoder's update) is made a second time; the "
+                    "layer's gradients would not be eager's, and the parameter would end "
+                    "written twice",
                     expected="a write through .data that repeats to the same values (a mask, "
                              "a clip, a copy of the input's statistics: exact), or none",
                     got=f"{name} written again (its elements' bits summed: "
                         f"{_bit_sum(p).item()} where the forward left {was.item()})",
-                    tip="run the initialisation before the first training step (one forward "
-                        "under torch.no_grad(), which runs the layer without a boundary), or "
-                        "write the parameter under torch.no_grad() without .data "
-                        "(`self.w.mul_(s)`: the boundary sees that and does not put the flag "
-                        "back for the replay)")
+                    tip="make such a write outside the checkpointed call: a one-time "
+                        "initialisation before the first training step (one forward under "
+                        "torch.no_grad(), which runs the layer without a boundary), an update "
+                        "made at every call before or after the layer's call; or keep a "
+                        "module that takes no gradient frozen (requires_grad_(False)): the "
+                        "replay then writes a copy")
 
 
 def view_of(t: torch.Tensor, /) -> tuple[Any, torch.Size, tuple[int, ...], torch.dtype]:

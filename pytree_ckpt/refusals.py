@@ -372,6 +372,9 @@ def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
                 holder = dunder(hook, "__self__")
                 func = dunder(hook, "__func__", hook)
                 label = dunder(func, "__qualname__", type(hook).__name__)
+                if isinstance(holder, nn.Module) and \
+                        any(m is owner for m in holder.modules()):
+                    continue  # the model around the layer (a logging hook): holds it all
                 if isinstance(holder, nn.Module):
                     held = [*holder.parameters(), *(v for v in vars(holder).values()
                                                     if isinstance(v, torch.Tensor))]

@@ -3233,3 +3233,45 @@ def test_a_hook_inside_a_layer_holding_an_outside_parameter_is_refused_naming_th
     assert "another instance" not in message
     kind = "forward pre-hook" if how == "pre_hook" else "forward hook"
     assert f"{label}, a {kind} on mlp that holds it from outside the layer" in message, message
+
+
+# helper ON (regression review of 6c33360..8cf54ea): a parent model's logging hook, a bound
+# method of the model, holds every parameter of the model, the foreign one too; the refusal must
+# not name it as what holds the foreign tensor (the layer reads it through a tuple attribute).
+class _TiedByReference(nn.Module):
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.emb_ref = (emb,)  # a tied weight read by reference, not registered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + x @ self.emb_ref[0].weight[:8].t()
+
+
+class _LoggingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.layers = nn.ModuleList([_TiedByReference(self.emb)])
+        self.norms: list[float] = []
+        for layer in self.layers:
+            layer.proj.register_forward_hook(self._log)  # activation logging
+
+    def _log(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        self.norms.append(out.detach().norm().item())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_parent_models_logging_hook_is_not_named_as_holding_a_weight_read_by_reference(
+        ) -> None:
+    model = _LoggingModel()
+    pytree_ckpt.apply_activation_checkpointing(model.layers[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning about hooks inside the layer
+        with pytest.raises(CheckpointError) as info:
+            model(torch.randn(3, 8)).sum().backward()
+    assert "_LoggingModel._log" not in str(info.value), str(info.value)

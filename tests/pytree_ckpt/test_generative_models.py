@@ -5,6 +5,7 @@ after an optimizer step, and the default generator's state (helper OE)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -791,3 +792,91 @@ def test_a_sparse_parameter_beside_a_count_at_a_first_call_gives_eager_gradients
     for a, b in zip(eager.parameters(), ours.parameters()):
         assert a.grad is not None and b.grad is not None
         assert torch.equal(a.grad.to_dense(), b.grad.to_dense())
+
+
+# helper ON (regression review of 6c33360..8cf54ea): the refusal of a one-time rescale written
+# through .data, keyed on a buffer flag (armed there by 9a65c60), tips "write the parameter under
+# torch.no_grad() without .data (`self.w.mul_(s)`: the boundary ... does not put the flag back)";
+# with a buffer flag the boundary does put it back, and the replay rescales again.
+class _RescaledOnce(nn.Module):
+    def __init__(self, through_data: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.through_data = through_data
+        self.register_buffer("initialized", torch.tensor(False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(self.initialized):
+            with torch.no_grad():
+                if self.through_data:
+                    self.lin.weight.data.mul_(2.0)
+                else:
+                    self.lin.weight.mul_(2.0)  # what the refusal's tip says to write
+            self.initialized.fill_(True)
+        return x + torch.tanh(self.lin(x))
+
+
+def _rescaled_twin_grads(through_data: bool) -> tuple[list[Any], list[Any]]:
+    torch.manual_seed(0)
+    eager = nn.Sequential(_RescaledOnce(through_data), _RescaledOnce(through_data))
+    wrapped = copy.deepcopy(eager)
+    for layer in wrapped:
+        pytree_ckpt.apply_activation_checkpointing(layer)
+    x = torch.randn(4, 8)
+    got = []
+    for model in (eager, wrapped):
+        model(x).pow(2).sum().backward()
+        got.append([p.grad.clone() for p in model.parameters()])
+    return got[0], got[1]
+
+
+def test_a_one_time_rescale_through_data_keyed_on_a_buffer_flag_is_refused_with_the_tip() -> None:
+    with pytest.raises(pytree_ckpt.CheckpointError, match=r"one forward under "
+                       r"torch\.no_grad\(\)"):
+        _rescaled_twin_grads(through_data=True)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: a trainable parameter the forward changes in place, warned) (helper "
+                   "ON: a buffer flag is put back, so the replay rescales again; the .data "
+                   "refusal's tip no longer offers this)")
+def test_a_one_time_rescale_keyed_on_a_buffer_flag_written_as_the_tip_says_gives_eager_grads(
+        ) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, got = _rescaled_twin_grads(through_data=False)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+class _MomentumKey(nn.Module):
+    """A MoCo-style layer whose key encoder is not frozen (a common slip): an update through
+    .data at every call, beside a queue pointer buffer."""
+
+    def __init__(self, as_tip_says: bool) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.k.load_state_dict(self.q.state_dict())
+        self.as_tip_says = as_tip_says
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for pq, pk in zip(self.q.parameters(), self.k.parameters()):
+                if self.as_tip_says:
+                    pk.mul_(0.9).add_(pq * 0.1)
+                else:
+                    pk.data = pk.data * 0.9 + pq.data * 0.1
+            key = self.k(x)
+            self.ptr.add_(1)
+        return (self.q(x) * key).sum(-1)
+
+
+def test_a_momentum_update_through_data_at_every_call_is_refused_as_what_it_is() -> None:
+    torch.manual_seed(0)
+    layer = _MomentumKey(as_tip_says=False)
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(pytree_ckpt.CheckpointError) as info:
+        layer(torch.randn(4, 8)).pow(2).sum().backward()
+    # Helper ON: it was told as "a write the forward made once, keyed on a flag" only.
+    assert "at every call" in str(info.value) and "momentum" in str(info.value), str(info.value)
