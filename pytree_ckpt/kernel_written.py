@@ -191,8 +191,9 @@ class WrittenThroughData:
                         "initialisation before the first training step (one forward under "
                         "torch.no_grad(), which runs the layer without a boundary), an update "
                         "made at every call before or after the layer's call; or keep a "
-                        "module that takes no gradient frozen (requires_grad_(False)): the "
-                        "replay then writes a copy")
+                        "module that takes no gradient frozen (requires_grad_(False)) and "
+                        "update it in place under torch.no_grad(), not through .data "
+                        "(`p.mul_(m).add_(q, alpha=1 - m)`): the replay then updates a copy")
 
 
 def view_of(t: torch.Tensor, /) -> tuple[Any, torch.Size, tuple[int, ...], torch.dtype]:

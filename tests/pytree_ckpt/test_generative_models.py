@@ -880,3 +880,22 @@ def test_a_momentum_update_through_data_at_every_call_is_refused_as_what_it_is()
         layer(torch.randn(4, 8)).pow(2).sum().backward()
     # Helper ON: it was told as "a write the forward made once, keyed on a flag" only.
     assert "at every call" in str(info.value) and "momentum" in str(info.value), str(info.value)
+
+
+def test_a_frozen_momentum_encoder_updated_in_place_as_the_refusal_tips_gives_eager_numbers(
+        ) -> None:
+    # The .data refusal's last tip: the key encoder frozen, updated in place under no-grad.
+    torch.manual_seed(0)
+    eager = _MomentumKey(as_tip_says=True)
+    eager.k.requires_grad_(False)
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        for m in (eager, ours):
+            m.zero_grad()
+            m(x).pow(2).sum().backward()
+        assert all(torch.equal(a.grad, b.grad)
+                   for a, b in zip(eager.q.parameters(), ours.q.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(eager.k.parameters(), ours.k.parameters()))
+        assert torch.equal(eager.ptr, ours.ptr)
