@@ -12,6 +12,7 @@ may hold is refused in ``tree_refusals.py``; inputs and parameters changed in pl
 
 from __future__ import annotations
 
+import functools
 import gc
 import types
 import weakref
@@ -372,16 +373,25 @@ def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
                 holder = dunder(hook, "__self__")
                 func = dunder(hook, "__func__", hook)
                 label = dunder(func, "__qualname__", type(hook).__name__)
-                if isinstance(holder, nn.Module) and \
-                        any(m is owner for m in holder.modules()):
-                    continue  # the model around the layer (a logging hook): holds it all
                 if isinstance(holder, nn.Module):
-                    held = [*holder.parameters(), *(v for v in vars(holder).values()
-                                                    if isinstance(v, torch.Tensor))]
-                else:
-                    held = [cell_contents(cell) for cell in dunder(func, "__closure__") or ()]
-                    held += [*(dunder(func, "__defaults__") or ()),
-                             *(dunder(func, "__kwdefaults__") or {}).values()]
+                    bound = [holder]
+                else:  # a function's closure and defaults; a partial's bound arguments
+                    inner = dunder(func, "func") if isinstance(func, functools.partial) else None
+                    bound = [*(func.args if inner is not None else ()),
+                             *(func.keywords.values() if inner is not None else ())]
+                    code = inner if inner is not None else func
+                    bound += [cell_contents(cell) for cell in dunder(code, "__closure__") or ()]
+                    bound += [*(dunder(code, "__defaults__") or ()),
+                              *(dunder(code, "__kwdefaults__") or {}).values()]
+                held: list[Any] = []
+                for value in bound:
+                    if isinstance(value, nn.Module):
+                        if any(m is owner for m in value.modules()):
+                            continue  # the model around the layer (a logging hook's): all
+                        held += [*value.parameters(), *(v for v in vars(value).values()
+                                                        if isinstance(v, torch.Tensor))]
+                    else:
+                        held.append(value)
                 if any(reaches(value) for value in held):
                     return (f", by {label}, a {kind} on {path or 'the layer'} that holds it "
                             "from outside the layer (register its module under the layer, "

@@ -127,7 +127,10 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             expected="tensors in dicts, lists, tuples, namedtuples, dataclasses or types "
                      "registered with optree in namespace 'pytree_ckpt'",
             got=f"{named} holding {describe_leaf(tensor)}",
-            tip="return list(...) of it instead (a plain container the boundary opens), or "
+            tip="return the object itself, not a weakref.proxy to it (a dict, list or "
+                "dataclass, or a class registered with optree in namespace 'pytree_ckpt', is "
+                "opened), and make the proxy after the call" if named.startswith("weakref") else
+                "return list(...) of it instead (a plain container the boundary opens), or "
                 "build the iterator after the call" if isinstance(leaf, Iterator) else
                 "return the tensor itself as an output, and build the function after the "
                 "call from it" if isinstance(leaf, (types.FunctionType, types.MethodType,

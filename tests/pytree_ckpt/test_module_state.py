@@ -1705,3 +1705,35 @@ def test_snip_gradients_of_pruning_mask_buffers_through_checkpointed_layers_equa
         return list(torch.autograd.grad(h.square().sum(), masks, allow_unused=True))
 
     assert_same_grads(run(False), run(True))
+
+
+def test_snip_saliency_on_the_checkpointed_module_itself_is_eager_op() -> None:
+    """helper OP: prune's pre-hook on the wrapped module runs outside the boundary, so a
+    weight_mask made to require grad gets eager's gradient (limits.md's SNIP row is about a
+    module inside the layer, where it is refused)."""
+    import torch.nn.utils.prune as prune
+
+    grads = []
+    x = torch.randn(8, 4)
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        prune.identity(model[0], "weight")
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(model[0])
+        model[0].weight_mask.requires_grad_()
+        model(x).pow(2).sum().backward()
+        grads.append(model[0].weight_mask.grad)
+    assert torch.equal(*grads)
+
+
+def test_snip_saliency_inside_a_checkpointed_layer_is_refused_in_backward_naming_the_mask() -> None:
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    prune.identity(layer[0], "weight")
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    layer[0].weight_mask.requires_grad_()
+    with pytest.raises(pytree_ckpt.CheckpointError, match="0.weight_mask requires grad"):
+        layer(torch.randn(8, 4)).sum().backward()

@@ -1,0 +1,107 @@
+"""The refusal of a tensor a forward hook holds from outside the layer (docs/limits.md, the row
+on tensors reached other than as an input; refusals.py _held_by_a_hook)."""
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import pytree_ckpt
+from pytree_ckpt import CheckpointError
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _Steering(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(4))
+
+    def attach(self, module: nn.Module) -> None:  # the usual way: a lambda over self
+        module.register_forward_pre_hook(lambda mod, args: (args[0] + self.v,))
+
+
+def _refusal(attach) -> str:
+    torch.manual_seed(0)
+    layer, steer = _Layer(), _Steering()
+    attach(layer, steer)
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(CheckpointError) as refused, pytest.warns(UserWarning):
+        layer(torch.randn(8, 4)).sum().backward()
+    return str(refused.value)
+
+
+def test_a_bound_method_hook_from_outside_is_named_and_its_tip_gives_eager_gradients() -> None:
+    assert "by _Bound.hook, a forward hook on a" in _refusal(
+        lambda layer, s: layer.a.register_forward_hook(_Bound(s).hook))
+    x, grads = torch.randn(8, 4), []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer, bound = _Layer(), _Bound(_Steering())
+        layer.intervention = bound  # the tip: register its module under the layer
+        layer.a.register_forward_hook(bound.hook)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+            with pytest.warns(UserWarning):
+                layer(x).pow(2).sum().backward()
+        else:
+            layer(x).pow(2).sum().backward()
+        grads.append([p.grad for p in layer.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*grads))
+
+
+class _Bound(nn.Module):
+    def __init__(self, steer: _Steering) -> None:
+        super().__init__()
+        self.v = steer.v
+
+    def hook(self, mod, inp, out):
+        return out + self.v
+
+
+def test_a_pre_hook_closing_over_a_steering_module_is_named_by_the_refusal() -> None:
+    text = _refusal(lambda layer, s: s.attach(layer.a))
+    assert "pre-hook" in text and "torch.compile" not in text
+
+
+def test_a_partial_hook_binding_a_steering_vector_is_named_by_the_refusal() -> None:
+    text = _refusal(lambda layer, s: layer.a.register_forward_hook(
+        functools.partial(lambda v, m, i, o: o + v, s.v)))
+    assert "forward hook" in text and "torch.compile" not in text
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, State the forward "
+                   "changes: pruning or weight norm applied between a call's forward and its "
+                   "backward: a CheckpointError naming a parameter of no module) (helper OP)")
+def test_weight_norm_applied_before_backward_is_refused_with_a_message_naming_the_cause() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    pytree_ckpt.apply_activation_checkpointing(lin)
+    loss = lin(torch.randn(8, 4)).pow(2).sum()
+    with pytest.warns(FutureWarning):
+        torch.nn.utils.weight_norm(lin)
+    with pytest.raises((CheckpointError, AttributeError)) as refused:
+        loss.backward()
+    assert "torch.compile" not in str(refused.value)
+
+
+def test_a_steering_hook_on_the_checkpointed_layer_itself_gives_eager_gradients() -> None:
+    """The row's other tip: hook the checkpointed layer itself (its hooks run outside)."""
+    v, grads = nn.Parameter(torch.randn(4)), []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = _Layer()
+        layer.register_forward_hook(lambda m, i, o: o + v)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        v.grad = None
+        layer(torch.ones(2, 4)).pow(2).sum().backward()
+        grads.append([v.grad, *(p.grad for p in layer.parameters())])
+    assert all(torch.equal(p, q) for p, q in zip(*grads))
