@@ -53,7 +53,7 @@ class ChangedNumbers:
         # were read at a reused call (with_reused_calls).
         self.ends = {} if ends is None else ends
         # NOTE [values read, then changed by a later call] (forward_numbers.py): each dict
-        # with its entries as the forward read them.
+        # with the small tensors the forward read there.
         self.read = [] if read is None else read
         # NOTE [a parameter written through .data] (kernel_written.py)
         self.written = written
@@ -83,10 +83,9 @@ class ChangedNumbers:
         return found
 
     def _found(self) -> list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]]:
-        """``found``, with the small tensors (or tuples of them) the forward only read that
-        hold another object by now, or were changed in place since (their values as read,
-        where they were cloned): NOTE [values read, then changed by a later call] in
-        forward_numbers.py."""
+        """``found``, with the small tensors (or tuples of them) the forward only read where
+        the attribute holds another object by now: NOTE [values read, then changed by a later
+        call] in forward_numbers.py."""
         if not self.read:
             return self.found
         covered = {(id(d), name) for d, values, rebound in self.found
@@ -116,8 +115,8 @@ class ChangedNumbers:
         """The changed values as the forward began, for the block; the values, and the objects
         the forward rebound, as the block began, after it. ``where`` names the call for
         NOTE [a graph tensor kept on a module], and ``roots`` (the call's modules) the paths
-        of attributes in refusals. A value the forward only read, changed since, is given
-        back too (NOTE [values read, then changed by a later call] in forward_numbers.py);
+        of attributes in refusals. A small tensor the forward only read, replaced since, is
+        given back too (NOTE [values read, then changed by a later call] in forward_numbers.py);
         one still as read is left alone, so a change only the replay makes stays (NOTE [a key
         only the replay changes]). After the block: NOTE [a parameter written through .data]
         in kernel_written.py."""

@@ -339,8 +339,6 @@ def reads_changed_state(read: list[tuple[dict[str, Any], dict[str, Any]]], /) ->
                not replaced.names.isdisjoint(held) for d, held in read)
 
 
-
-
 def _without_clone(held: Any, /) -> Any:
     """A ``TensorHeld`` without the clone of its values (taken at calls where small buffers
     are cloned): kept from the forward to the replay, it would hold a copy of every small

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import CheckpointError
 from .module_state import structure_generation
 
 __all__ = ["WrittenThroughData", "compared", "differs", "mark_compared", "parameter_sums",
@@ -157,7 +158,7 @@ def sums_moved(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor | N
 
 class WrittenThroughData:
     """NOTE above: the parameters a forward wrote through ``.data`` at a first call where it
-    changed a plain value, each with its sum after the forward and its name."""
+    changed a flag, each with its bits' sum after the forward and its name."""
 
     __slots__ = ("moved", "names")
 
@@ -168,8 +169,6 @@ class WrittenThroughData:
     def refuse_written_again(self, where: str, /) -> None:
         """After the replay's forward: refuse where it left a parameter other values than the
         forward did."""
-        from .errors import CheckpointError  # errors.py imports tree.py only, but lazily here
-
         with torch._C.DisableTorchFunctionSubclass():
             for (p, was), name in zip(self.moved, self.names):
                 if torch.equal(was, _bit_sum(p)):

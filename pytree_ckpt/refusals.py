@@ -360,8 +360,10 @@ def check_made_leaves(call: BoundaryCall, /) -> None:
 def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
     """Where a forward hook (or pre-hook) on a module inside the layer holds ``leaf``: as a
     bound method of a module outside the layer (a ReFT intervention, a steering vector: its
-    parameters, or a tensor attribute with a graph to it), or in its closure or defaults;
-    "" if none (helper OF: the refusal guessed a forward bound to another instance)."""
+    parameters, or a tensor attribute with a graph to it), or in its closure or defaults, or
+    a partial's bound arguments, directly or as such a module's (helper OP); "" if none
+    (helper OF: the refusal guessed a forward bound to another instance). A module holding
+    the layer (the model, whose logging hook it is) proves nothing: helper ON."""
     def reaches(value: Any) -> bool:
         return isinstance(value, torch.Tensor) and (value is leaf or (
             value.grad_fn is not None and graph_reaches([value.grad_fn], leaf)))
