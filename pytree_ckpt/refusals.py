@@ -381,19 +381,28 @@ def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
                     inner = dunder(func, "func") if isinstance(func, functools.partial) else None
                     bound = [*(func.args if inner is not None else ()),
                              *(func.keywords.values() if inner is not None else ())]
+                    if (instance := dunder(inner, "__self__")) is not None:  # a method's
+                        bound.append(instance)
+                        label = dunder(dunder(inner, "__func__"), "__qualname__", label)
                     code = inner if inner is not None else func
                     bound += [cell_contents(cell) for cell in dunder(code, "__closure__") or ()]
                     bound += [*(dunder(code, "__defaults__") or ()),
                               *(dunder(code, "__kwdefaults__") or {}).values()]
                 held: list[Any] = []
+                inside = {id(m) for m in owner.modules()}
                 for value in bound:
-                    if isinstance(value, nn.Module):
-                        if any(m is owner for m in value.modules()):
-                            continue  # the model around the layer (a logging hook's): all
+                    if not isinstance(value, nn.Module):
+                        held.append(value)
+                        continue
+                    try:  # a refusal's search: a module that cannot be walked is skipped
+                        if id(value) in inside or any(m is owner for m in value.modules()):
+                            # inside the layer (a logging hook's submodule, helper OQ), or
+                            # around it (the model, whose parameters are all: helper ON)
+                            continue
                         held += [*value.parameters(), *(v for v in vars(value).values()
                                                         if isinstance(v, torch.Tensor))]
-                    else:
-                        held.append(value)
+                    except Exception:
+                        continue
                 if any(reaches(value) for value in held):
                     return (f", by {label}, a {kind} on {path or 'the layer'} that holds it "
                             "from outside the layer (register its module under the layer, "

@@ -129,7 +129,8 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             got=f"{named} holding {describe_leaf(tensor)}",
             tip="return the object itself, not a weakref.proxy to it (a dict, list or "
                 "dataclass, or a class registered with optree in namespace 'pytree_ckpt', is "
-                "opened), and make the proxy after the call" if named.startswith("weakref") else
+                "opened), and make the proxy after the call"
+                if named.startswith("weakref") and not isinstance(leaf, _TOLD_BELOW) else
                 "return list(...) of it instead (a plain container the boundary opens), or "
                 "build the iterator after the call" if isinstance(leaf, Iterator) else
                 "return the tensor itself as an output, and build the function after the "
@@ -139,6 +140,10 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
                 f"register {type(leaf).__name__} with optree.register_pytree_node(..., "
                 "namespace='pytree_ckpt')")
 
+
+# A proxy to one of these among the outputs is tipped as the object itself would be (helper
+# OQ: returning the object itself is refused again).
+_TOLD_BELOW = (Iterator, types.FunctionType, types.MethodType, functools.partial)
 
 # Leaves that cannot be a cache the original pass fills: immutable values (NOTE [a cache
 # filled twice] refuses only objects that may hold state).

@@ -105,3 +105,93 @@ def test_a_steering_hook_on_the_checkpointed_layer_itself_gives_eager_gradients(
         layer(torch.ones(2, 4)).pow(2).sum().backward()
         grads.append([v.grad, *(p.grad for p in layer.parameters())])
     assert all(torch.equal(p, q) for p, q in zip(*grads))
+
+
+# Helper OQ: regressions of the hook refusal's search into closures, defaults and partials.
+def _refusal_of(layer: nn.Module) -> str:
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(CheckpointError) as refused, pytest.warns(UserWarning):
+        layer(torch.randn(8, 4)).sum().backward()
+    return str(refused.value)
+
+
+class _Cached(_Layer):
+    """Reads a plain attribute of its submodule with a graph to a tensor from outside."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) + self.a.cached
+
+
+def test_a_logging_hook_over_a_module_inside_the_layer_is_not_blamed_by_the_refusal() -> None:
+    outside = torch.randn(4, requires_grad=True)
+    torch.manual_seed(0)
+    eager = _Cached()
+    eager.a.cached = outside * 2
+    eager(torch.randn(8, 4)).sum().backward()  # eager runs: outside.grad is filled
+    assert outside.grad is not None
+    torch.manual_seed(0)
+    layer, seen = _Cached(), []
+    layer.a.cached = outside * 2
+    for name, sub in layer.named_children():  # a per-module logging hook, `m=m` as usual
+        sub.register_forward_hook(lambda mod, i, o, sub=sub, name=name: seen.append(name))
+    text = _refusal_of(layer)
+    assert "forward hook" not in text and "register its module under the layer" not in text
+
+
+class _RaisingModules(nn.Module):
+    def modules(self):  # a wrapper whose module walk is not to be called here
+        raise RuntimeError("modules() is not available on this wrapper")
+
+
+def test_a_hook_closing_over_a_module_whose_walk_raises_still_gets_the_refusal() -> None:
+    torch.manual_seed(0)
+    layer, steer, other = _Layer(), _Steering(), _RaisingModules()
+    layer.a.register_forward_hook(lambda m, i, o: o + steer.v if other is not None else o)
+    _refusal_of(layer)
+
+
+def test_a_partial_of_a_steering_modules_bound_method_is_named_by_the_refusal() -> None:
+    torch.manual_seed(0)
+    layer, steer = _Layer(), _Bound(_Steering())
+    layer.a.register_forward_hook(functools.partial(steer.hook))
+    text = _refusal_of(layer)
+    assert "forward hook" in text and "torch.compile" not in text
+
+
+def test_a_hook_closure_with_an_unfilled_cell_and_a_steering_vector_is_named() -> None:
+    torch.manual_seed(0)
+    layer, steer = _Layer(), _Steering()
+
+    def hook(m, i, o):
+        return o + steer.v if True else later  # noqa: F821 (assigned after, never read)
+
+    layer.a.register_forward_hook(hook)
+    text = _refusal_of(layer)
+    assert "forward hook" in text and "torch.compile" not in text
+    later = None  # noqa: F841
+
+
+def test_a_partial_binding_a_steering_vector_by_keyword_is_named_by_the_refusal() -> None:
+    torch.manual_seed(0)
+    layer, steer = _Layer(), _Steering()
+    layer.a.register_forward_hook(functools.partial(lambda m, i, o, v=None: o + v, v=steer.v))
+    text = _refusal_of(layer)
+    assert "forward hook" in text and "torch.compile" not in text
+
+
+def test_a_lazy_module_in_a_hook_closure_does_not_break_the_refusal() -> None:
+    torch.manual_seed(0)
+    layer, steer, lazy = _Layer(), _Steering(), nn.LazyLinear(3)
+    layer.a.register_forward_hook(lambda m, i, o: o + steer.v if lazy is not None else o)
+    assert "forward hook" in _refusal_of(layer)
+
+
+def test_a_partial_binding_the_model_around_the_layer_is_not_blamed() -> None:
+    torch.manual_seed(0)
+    outside = torch.randn(4, requires_grad=True)
+    model = nn.Sequential(_Cached())  # a leaf reached through layer.a.cached, not the hook
+    layer = model[0]
+    layer.a.cached = outside * 2
+    layer.b.register_forward_hook(functools.partial(lambda mdl, m, i, o: None, model))
+    text = _refusal_of(layer)
+    assert "forward hook" not in text

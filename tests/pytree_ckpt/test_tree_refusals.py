@@ -68,3 +68,45 @@ def test_the_refusal_of_a_proxy_to_an_object_gives_a_tip_that_works_when_followe
     with pytest.raises(CheckpointError) as refused:
         pytree_ckpt.checkpoint(fn, x)
     assert "register _Holder" not in str(refused.value)
+
+
+_KEPT: list = []  # keeps the proxies' referents alive
+
+
+def test_a_proxy_to_a_closure_among_the_outputs_is_tipped_to_return_the_tensor() -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def fn(h: torch.Tensor):
+        with torch.no_grad():
+            t = h.sum() * 2
+        f = lambda: t  # noqa: E731
+        _KEPT.append(f)
+        return h * 2, weakref.proxy(f)
+
+    with pytest.raises(CheckpointError) as refused:
+        pytree_ckpt.checkpoint(fn, x)
+    assert "return the tensor itself" in str(refused.value)
+
+
+def test_a_proxy_to_an_iterator_among_the_outputs_is_tipped_to_return_a_list() -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+
+    class _It:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            raise StopIteration
+
+    def fn(h: torch.Tensor):
+        with torch.no_grad():
+            it = _It(h.sum() * 2)
+        _KEPT.append(it)
+        return h * 2, weakref.proxy(it)
+
+    with pytest.raises(CheckpointError) as refused:
+        pytree_ckpt.checkpoint(fn, x)
+    assert "list(...)" in str(refused.value)
