@@ -11,6 +11,7 @@ these.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import itertools
@@ -130,7 +131,8 @@ def refuse_hidden_outputs(call: BoundaryCall, spec: Any, leaves: list[Any], tens
             tip="return the object itself, not a weakref.proxy to it (a dict, list or "
                 "dataclass, or a class registered with optree in namespace 'pytree_ckpt', is "
                 "opened), and make the proxy after the call"
-                if named.startswith("weakref") and not isinstance(leaf, _TOLD_BELOW) else
+                if named.startswith("weakref") and (dataclasses.is_dataclass(leaf) or
+                                                    not isinstance(leaf, _TOLD_BELOW)) else
                 "return list(...) of it instead (a plain container the boundary opens), or "
                 "build the iterator after the call" if isinstance(leaf, Iterator) else
                 "return the tensor itself as an output, and build the function after the "

@@ -1,4 +1,5 @@
 """Outputs a weakref.proxy refers to (docs/limits.md, the weakref.proxy and class rows)."""
+import dataclasses
 import weakref
 
 import optree
@@ -110,3 +111,35 @@ def test_a_proxy_to_an_iterator_among_the_outputs_is_tipped_to_return_a_list() -
     with pytest.raises(CheckpointError) as refused:
         pytree_ckpt.checkpoint(fn, x)
     assert "list(...)" in str(refused.value)
+
+
+@dataclasses.dataclass
+class _Stream:
+    """A dataclass that is also an iterator (a cursor): the tree bridge opens it."""
+    t: torch.Tensor
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise StopIteration
+
+
+def test_the_tip_for_a_proxy_to_an_iterator_dataclass_gives_eager_gradients() -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def fn(h: torch.Tensor):
+        s = _Stream(h * 2)
+        _KEPT.append(s)
+        return h * 3, weakref.proxy(s)
+
+    with pytest.raises(CheckpointError) as refused:
+        pytree_ckpt.checkpoint(fn, x)
+    assert "return the object itself" in str(refused.value)  # the tip that works:
+    a, s = pytree_ckpt.checkpoint(lambda h: (h * 3, _Stream(h * 2)), x)
+    (a.sum() + s.t.pow(2).sum()).backward()
+    wrapped, x.grad = x.grad, None
+    a, s = x * 3, _Stream(x * 2)
+    (a.sum() + s.t.pow(2).sum()).backward()
+    assert torch.equal(wrapped, x.grad)
+    assert list(_Stream(x * 2)) == []  # while list(...) of it holds no tensor at all
