@@ -457,14 +457,6 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     for path, buffer in owner.named_buffers():
         if buffer.grad_fn is not None and graph_reaches([buffer.grad_fn], leaf):
             return f", reached through the buffer {path} (a tensor with a graph to it)"
-    # Or a plain tensor attribute of one (a steering vector scaled and kept there, read by a
-    # hook inside the layer: helper OR).
-    for path, module in owner.named_modules():
-        for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and value.grad_fn is not None and \
-                    graph_reaches([value.grad_fn], leaf):
-                at = f"{path}.{name}" if path else name
-                return f", reached through {at} (a module attribute with a graph to it)"
     # Or through an attribute of a plain object passed in, which the tree bridge does not open
     # (a graph batch, `data.x` the encoder's output; helper ET: the encoder's weight was named
     # as a parameter of another instance).
@@ -489,6 +481,15 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     hooked = _held_by_a_hook(leaf, owner)
     if hooked:
         return hooked
+    # Or a plain tensor attribute of a module inside the layer, with a graph to it (a steering
+    # vector scaled and kept there, read by a hook inside the layer: helper OR); asked last,
+    # since an activation a submodule keeps has one too (helper OS).
+    for path, module in owner.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None and \
+                    graph_reaches([value.grad_fn], leaf):
+                at = f"{path}.{name}" if path else name
+                return f", reached through {at} (a module attribute with a graph to it)"
     if isinstance(leaf, nn.Parameter):  # helper EM: a forward bound to another instance
         return (", an nn.Parameter of no module passed in (is the forward bound to another "
                 "instance? `m.forward = torch.compile(m.forward)` before a deepcopy leaves "

@@ -213,3 +213,57 @@ def test_a_hook_reading_a_tensor_derived_from_a_steering_vector_on_a_module_insi
         text = _refusal_of(layer)
     assert eager_grads[0] is not None
     assert "torch.compile" not in text and ("forward hook" in text or "scaled" in text)
+
+
+# Helper OS: regressions of 65e9ae7 (the plain-attribute scan runs before the hook search).
+class _KeepsForAuxLoss(_Layer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if torch.is_grad_enabled():  # kept for an auxiliary loss or logging, as MoE routers do
+            self.b.kept = h
+        return self.b(torch.tanh(h))
+
+
+def test_a_hook_from_outside_is_named_even_when_a_submodule_keeps_an_activation() -> None:
+    eager_grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer, steer = _KeepsForAuxLoss(), _Steering()
+        layer.a.register_forward_hook(functools.partial(lambda v, m, i, o: o + v, steer.v))
+        if not wrap:
+            layer(torch.randn(8, 4)).sum().backward()  # eager: the vector gets its gradient
+            eager_grads.append(steer.v.grad)
+            continue
+        text = _refusal_of(layer)
+    assert eager_grads[0] is not None
+    assert "forward hook" in text and "b.kept" not in text
+
+
+class _Batch:
+    """A plain object (not opened by the boundary) carrying the encoder's output."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class _KeepsFromBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, data: _Batch) -> torch.Tensor:
+        h = self.a(data.x)
+        if torch.is_grad_enabled():  # kept for an auxiliary loss or logging
+            self.a.kept = h
+        return h
+
+
+def test_a_plain_input_object_is_named_even_when_a_submodule_keeps_an_activation() -> None:
+    torch.manual_seed(0)
+    enc, layer = nn.Linear(4, 4), _KeepsFromBatch()
+    layer(_Batch(enc(torch.randn(8, 4)))).sum().backward()  # eager: the encoder gets gradients
+    assert enc.weight.grad is not None
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(CheckpointError) as refused:
+        layer(_Batch(enc(torch.randn(8, 4)))).sum().backward()
+    assert "args[0].x" in str(refused.value) and "a.kept" not in str(refused.value)
