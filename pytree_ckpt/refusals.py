@@ -357,6 +357,19 @@ def check_made_leaves(call: BoundaryCall, /) -> None:
     mark_verified(call.owner, call.switches)
 
 
+def _reaches_from_outside(value: Any, leaf: torch.Tensor, owner: nn.Module, /) -> bool:
+    """Whether ``value`` is ``leaf``, or a tensor with a graph to it that is no activation of
+    the layer (a graph reaching the layer's own parameters too: an output a probe hook or a
+    cache object kept, which the replay made from the refused tensor, helper OT)."""
+    if value is leaf:
+        return True
+    if not isinstance(value, torch.Tensor) or value.grad_fn is None or \
+            not graph_reaches([value.grad_fn], leaf):
+        return False
+    return not any(graph_reaches([value.grad_fn], p) for p in owner.parameters()
+                   if p.requires_grad)
+
+
 def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
     """Where a forward hook (or pre-hook) on a module inside the layer holds ``leaf``: as a
     bound method of a module outside the layer (a ReFT intervention, a steering vector: its
@@ -364,10 +377,6 @@ def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
     a partial's bound arguments, directly or as such a module's (helper OP); "" if none
     (helper OF: the refusal guessed a forward bound to another instance). A module holding
     the layer (the model, whose logging hook it is) proves nothing: helper ON."""
-    def reaches(value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and (value is leaf or (
-            value.grad_fn is not None and graph_reaches([value.grad_fn], leaf)))
-
     for path, module in owner.named_modules():
         for kind, hooks in (("forward pre-hook", module._forward_pre_hooks),
                             ("forward hook", module._forward_hooks)):
@@ -403,7 +412,7 @@ def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
                                                         if isinstance(v, torch.Tensor))]
                     except Exception:
                         continue
-                if any(reaches(value) for value in held):
+                if any(_reaches_from_outside(value, leaf, owner) for value in held):
                     return (f", by {label}, a {kind} on {path or 'the layer'} that holds it "
                             "from outside the layer (register its module under the layer, "
                             "`layer.intervention = ...`, so its parameters are the layer's; "
@@ -460,8 +469,7 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     # Or through an attribute of a plain object passed in, which the tree bridge does not open
     # (a graph batch, `data.x` the encoder's output; helper ET: the encoder's weight was named
     # as a parameter of another instance).
-    found = _in_input_objects(call, lambda value: isinstance(value, torch.Tensor) and (
-        value is leaf or value.grad_fn is not None and graph_reaches([value.grad_fn], leaf)))
+    found = _in_input_objects(call, lambda value: _reaches_from_outside(value, leaf, owner))
     if found is not None and "<" in found:  # a closure's variable or a default
         return (f", reached through {found} (held by a function passed as an argument, which "
                 "the boundary does not open: build the function inside the forward from "

@@ -267,3 +267,70 @@ def test_a_plain_input_object_is_named_even_when_a_submodule_keeps_an_activation
     with pytest.raises(CheckpointError) as refused:
         layer(_Batch(enc(torch.randn(8, 4)))).sum().backward()
     assert "args[0].x" in str(refused.value) and "a.kept" not in str(refused.value)
+
+
+# Helper OT: regressions of 6a3c1c0 (the plain-attribute scan asked after the hook search and
+# the plain input objects, which also accept a tensor with a graph to the leaf: an activation
+# kept by a hook's outside module, or written into a cache object passed in, has one too).
+class _Probe(nn.Module):
+    """Outside the layer: keeps the last activation of the module it hooks (a probe)."""
+
+    def hook(self, m: nn.Module, i: tuple, o: torch.Tensor) -> None:
+        self.last = o
+
+
+class _PlainCache:
+    """A plain cache object passed in, which the layer writes into (as HF's Cache)."""
+
+    def __init__(self) -> None:
+        self.h = None
+
+
+class _WritesCache(_Layer):
+    def forward(self, x: torch.Tensor, cache: _PlainCache) -> torch.Tensor:
+        h = self.a(x)
+        cache.h = h
+        return self.b(torch.tanh(h))
+
+
+def _steered(layer: _Layer, steer: _Steering) -> None:
+    layer.steer = _Steering()
+    layer.steer.scaled = steer.v * 2  # a plain attribute with a graph to a foreign leaf
+    layer.a.register_forward_hook(
+        functools.partial(lambda st, m, i, o: o + st.scaled, layer.steer))
+
+
+def test_a_steering_vector_kept_inside_is_named_even_when_a_probe_from_outside_keeps_an_output(
+) -> None:
+    steer, eager_grads = _Steering(), []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = _Layer()
+        _steered(layer, steer)
+        layer.b.register_forward_hook(_Probe().hook)
+        if not wrap:
+            layer(torch.randn(8, 4)).sum().backward()  # eager: the vector gets its gradient
+            eager_grads.append(steer.v.grad)
+            continue
+        text = _refusal_of(layer)
+    assert eager_grads[0] is not None
+    assert "steer.scaled" in text and "Probe.hook" not in text
+
+
+def test_a_steering_vector_kept_inside_is_named_even_when_the_layer_writes_a_plain_cache(
+) -> None:
+    steer, eager_grads = _Steering(), []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer = _WritesCache()
+        _steered(layer, steer)
+        if not wrap:
+            layer(torch.randn(8, 4), _PlainCache()).sum().backward()
+            eager_grads.append(steer.v.grad)
+            continue
+        pytree_ckpt.apply_activation_checkpointing(layer)
+        with pytest.raises(CheckpointError) as refused, pytest.warns(UserWarning):
+            layer(torch.randn(8, 4), _PlainCache()).sum().backward()
+        text = str(refused.value)
+    assert eager_grads[0] is not None
+    assert "steer.scaled" in text and "args[1].h" not in text
