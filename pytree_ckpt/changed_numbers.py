@@ -18,12 +18,10 @@ from .eager import user_stacklevel
 from .errors import CheckpointError
 from .kernel_written import WrittenThroughData
 from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, Rewritten,
-                           TensorHeld, TupleHeld, ValuesRead, entries_of, fresh_values,
-                           put_entries, same_entry, tuple_tensors)
+                           ValuesRead, entries_of, fresh_values, put_entries, same_entry,
+                           tuple_tensors)
 
 __all__ = ["ChangedNumbers", "EndedAfterACall"]
-
-_HELD = (TensorHeld, TupleHeld)
 
 
 class EndedAfterACall:
@@ -96,8 +94,8 @@ class ChangedNumbers:
             for name, was in before.items():
                 if (id(d), name) in covered:
                     continue
-                if not was[0] and type(was[1]) in _HELD and \
-                        (kept := was[1].as_read()) is not None and d.get(name) is not kept:
+                # (Each a TensorHeld or TupleHeld: NumbersWatch.read keeps no other entry.)
+                if (kept := was[1].as_read()) is not None and d.get(name) is not kept:
                     values.append((name, kept))
             if values:
                 given.append((d, values, []))
