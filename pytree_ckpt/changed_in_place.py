@@ -367,13 +367,21 @@ def raise_parameter_changed_after_call(where: str,
             expected="trainable parameters left as the forward used them until its backward",
             got=f"{paths[0]}: version {version} at the forward, {now} now",
             tip="convert the model between steps (after backward), as eager requires")
+    # register_parametrization moves its original's version (it sets the parameter's data
+    # in place), so one registered between a call's forward and backward lands here too
+    # (helper OJ: the message spoke only of optimizer steps).
+    parametrized = any(".parametrizations." in f".{path}" and ".original" in path
+                       for path in paths)
     raise CheckpointError(
         f"{where}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
         f"{'were' if len(paths) > 1 else 'was'} changed in place between the forward and this "
-        "backward (an optimizer step, an in-place update under no_grad): the replay would run "
-        "on the new values and give other gradients than the forward's",
+        "backward (an optimizer step, an in-place update under no_grad"
+        f"{', a parametrization registered since' if parametrized else ''}): the replay "
+        "would run on the new values and give other gradients than the forward's",
         expected="trainable parameters left as the forward used them until its backward",
         got=f"{paths[0]}: version {version} at the forward, {now} now",
         tip="run backward before changing the parameters (step the optimizer after "
             "backward), or keep a detached copy for the forward (torch.func.functional_call "
-            "with cloned parameters)")
+            "with cloned parameters)" + ("; register parametrizations between steps, after "
+                                         "backward (register_parametrization sets the "
+                                         "original in place)" if parametrized else ""))

@@ -171,15 +171,16 @@ def raise_freed_graph_reached(call: BoundaryCall, error: RuntimeError, /) -> Non
     naming such attributes where the modules hold one; otherwise torch's error stands."""
     if _FREED_GRAPH not in str(error):
         return
-    held = [f"{path}.{name}" if path else name
-            for module in ([call.owner] if call.owner is not None else [])
-            for path, sub in module.named_modules()
-            for name, value in vars(sub).items()
-            if name not in ("_parameters", "_buffers", "_modules") and any(
-                isinstance(t, torch.Tensor) and t.grad_fn is not None
-                for t in ([value] if isinstance(value, torch.Tensor) else
-                          value.values() if isinstance(value, dict) else
-                          value if isinstance(value, (list, tuple)) else ()))]
+    holders = [(f"{path}.{name}" if path else name, sub, name)
+               for module in ([call.owner] if call.owner is not None else [])
+               for path, sub in module.named_modules()
+               for name, value in vars(sub).items()
+               if name not in ("_parameters", "_buffers", "_modules") and any(
+                   isinstance(t, torch.Tensor) and t.grad_fn is not None
+                   for t in ([value] if isinstance(value, torch.Tensor) else
+                             value.values() if isinstance(value, dict) else
+                             value if isinstance(value, (list, tuple)) else ()))]
+    held = [label for label, _, _ in holders]
     if not held:
         # A tensor with a graph from outside the call, held by a function passed in (a
         # score_mod closure over a bias computed once and shared by every layer: helper FC):
@@ -212,7 +213,25 @@ def raise_freed_graph_reached(call: BoundaryCall, error: RuntimeError, /) -> Non
         tip="pass it as an argument (`layer(x, scale)`) and return a new state (`out, h = "
             "cell(x, h)`); a state carried between calls may be kept detached on the module "
             "(`.detach()`: truncated backpropagation), but a value computed from parameters "
-            "(`s0.exp()`, a learned initial state) then gets no gradient") from error
+            "(`s0.exp()`, a learned initial state) then gets no gradient"
+            + _unnamed_pre_hooks(call.owner, holders)) from error
+
+
+def _unnamed_pre_hooks(owner: nn.Module | None,
+                       holders: Sequence[tuple[str, nn.Module, str]], /) -> str:
+    """A tip for an attribute of the checkpointed module that a user's forward pre-hook may
+    set each call (a hand-written mask or DropConnect: ``module.weight = module.weight_orig *
+    module.mask``; the hook runs outside the call): such a hook with a ``name`` naming it
+    makes the attribute an input of each call (NOTE [only attributes a pre-hook names] in
+    module_state.py), the way that works (helper OJ: the refusal named neither the hook nor
+    that). A pre-hook of a module inside runs in the replay too, and is not the cause."""
+    tips = [f"if {callable_name(hook)}, a forward pre-hook of {type(sub).__name__}, sets "
+            f"{label!r} each call, give it the attribute `name = {name!r}` (as torch's "
+            "weight_norm and pruning hooks have): that attribute is then an input of each call"
+            for label, sub, name in holders if sub is owner
+            for hook in sub._forward_pre_hooks.values()
+            if not isinstance(dunder(hook, "name", dunder(hook, "_tensor_name")), str)]
+    return "".join(f"; {tip}" for tip in tips[:3])
 
 
 def raise_torch_reentrant_inside(call: BoundaryCall, error: RuntimeError, /) -> NoReturn:

@@ -334,3 +334,56 @@ def test_a_steering_vector_kept_inside_is_named_even_when_the_layer_writes_a_pla
         text = str(refused.value)
     assert eager_grads[0] is not None
     assert "steer.scaled" in text and "args[1].h" not in text
+
+
+def _masked_linear(*, named: bool) -> nn.Linear:
+    """A hand-written mask (DropConnect, a user's pruning): a forward pre-hook sets the plain
+    attribute `weight` from a trainable `weight_orig` each call."""
+    torch.manual_seed(0)
+    fc = nn.Linear(4, 4)
+    fc.weight_orig = nn.Parameter(fc.weight.detach().clone())
+    del fc.weight
+    fc.register_buffer("mask", (torch.rand(4, 4) > 0.5).float())
+
+    def mask_weight(module: nn.Module, args: tuple) -> None:
+        module.weight = module.weight_orig * module.mask
+
+    if named:
+        mask_weight.name = "weight"  # type: ignore[attr-defined]
+    fc.register_forward_pre_hook(mask_weight)
+    fc.weight = fc.weight_orig * fc.mask
+    return fc
+
+
+def _two_calls_then_backward(fc: nn.Module) -> list[torch.Tensor]:
+    xs = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(1))
+    (fc(xs[0]).tanh().sum() + fc(xs[1]).tanh().sum()).backward()
+    return [p.grad for p in fc.parameters()]
+
+
+def test_an_unnamed_pre_hook_setting_the_attribute_is_named_with_the_tip_that_works() -> None:
+    fc = pytree_ckpt.apply_activation_checkpointing(_masked_linear(named=False))
+    with pytest.raises(CheckpointError, match="through the module attribute 'weight'") as refused:
+        _two_calls_then_backward(fc)
+    assert ("if _masked_linear.<locals>.mask_weight, a forward pre-hook of Linear, sets 'weight' "
+            "each call, give it the attribute `name = 'weight'`") in str(refused.value)
+    eager = _two_calls_then_backward(_masked_linear(named=True))
+    wrapped = _two_calls_then_backward(
+        pytree_ckpt.apply_activation_checkpointing(_masked_linear(named=True)))
+    assert all(torch.equal(p, q) for p, q in zip(eager, wrapped, strict=True))
+
+
+def test_a_value_computed_once_on_a_module_without_pre_hooks_gets_no_pre_hook_tip() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.s0 = nn.Linear(4, 4), nn.Parameter(torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * self.scale
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Scaled())
+    layer.scale = layer.s0.exp()  # computed once, read by both calls
+    with pytest.raises(CheckpointError, match="module attribute 'scale'") as refused:
+        (layer(torch.randn(4)).sum() + layer(torch.randn(4)).sum()).backward()
+    assert "pre-hook" not in str(refused.value)

@@ -991,3 +991,28 @@ def test_a_batch_norm_first_trained_after_its_first_replay_updates_its_stats_onc
             model.train()
         seen.append([*model.state_dict().values(), *(p.grad for p in model.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*seen))
+
+
+def test_a_parametrization_registered_between_forward_and_backward_is_named_as_a_cause() -> None:
+    """register_parametrization sets its original in place, so the refusal of a parameter
+    changed since the forward names that cause and its fix too (helper OJ); an optimizer
+    step's refusal does not."""
+    class Symmetric(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w + w.T
+
+    model = pytree_ckpt.apply_activation_checkpointing(
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    loss = model(torch.randn(3, 4)).sum()
+    torch.nn.utils.parametrize.register_parametrization(model[2], "weight", Symmetric())
+    with pytest.raises(pytree_ckpt.CheckpointError,
+                       match=r"(?s)parameter 2\.parametrizations\.weight\.original was changed "
+                             r"in place .*a parametrization registered since\).*tip: .*"
+                             r"register parametrizations between steps, after backward"):
+        loss.backward()
+    loss = model(torch.randn(3, 4)).sum()
+    with torch.no_grad():
+        model[0].weight.add_(0.5)
+    with pytest.raises(pytree_ckpt.CheckpointError, match="parameter 0.weight was") as refused:
+        loss.backward()
+    assert "parametrization" not in str(refused.value)
