@@ -376,26 +376,31 @@ def check_made_leaves(call: BoundaryCall, /) -> None:
     mark_verified(call.owner, call.switches)
 
 
-def _reaches_from_outside(value: Any, leaf: torch.Tensor, owner: nn.Module, /) -> bool:
+def _reaches_from_outside(value: Any, leaf: torch.Tensor, owner: nn.Module, /, *,
+                          any_graph: bool) -> bool:
     """Whether ``value`` is ``leaf``, or a tensor with a graph to it that is no activation of
     the layer (a graph reaching the layer's own parameters too: an output a probe hook or a
-    cache object kept, which the replay made from the refused tensor, helper OT)."""
+    cache object kept, which the replay made from the refused tensor, helper OT). With
+    ``any_graph``, the search's second round, any graph to it counts: a tensor made outside
+    from it and a parameter the layer shares (tied weights, ``v + layer.a.bias``) reaches
+    both (helper OU: the first round alone named no holder for those)."""
     if value is leaf:
         return True
     if not isinstance(value, torch.Tensor) or value.grad_fn is None or \
             not graph_reaches([value.grad_fn], leaf):
         return False
-    return not any(graph_reaches([value.grad_fn], p) for p in owner.parameters()
-                   if p.requires_grad)
+    return any_graph or not any(graph_reaches([value.grad_fn], p) for p in owner.parameters()
+                                if p.requires_grad)
 
 
-def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
+def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /, *, any_graph: bool) -> str:
     """Where a forward hook (or pre-hook) on a module inside the layer holds ``leaf``: as a
     bound method of a module outside the layer (a ReFT intervention, a steering vector: its
     parameters, or a tensor attribute with a graph to it), or in its closure or defaults, or
     a partial's bound arguments, directly or as such a module's (helper OP); "" if none
     (helper OF: the refusal guessed a forward bound to another instance). A module holding
-    the layer (the model, whose logging hook it is) proves nothing: helper ON."""
+    the layer (the model, whose logging hook it is) proves nothing: helper ON.
+    ``any_graph``: as ``_reaches_from_outside`` takes it."""
     for path, module in owner.named_modules():
         for kind, hooks in (("forward pre-hook", module._forward_pre_hooks),
                             ("forward hook", module._forward_hooks)):
@@ -431,7 +436,8 @@ def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /) -> str:
                                                         if isinstance(v, torch.Tensor))]
                     except Exception:
                         continue
-                if any(_reaches_from_outside(value, leaf, owner) for value in held):
+                if any(_reaches_from_outside(value, leaf, owner, any_graph=any_graph)
+                       for value in held):
                     return (f", by {label}, a {kind} on {path or 'the layer'} that holds it "
                             "from outside the layer (register its module under the layer, "
                             "`layer.intervention = ...`, so its parameters are the layer's; "
@@ -445,7 +451,8 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     the closure variable 'table' of Lookup.forward"), or "": the modules' own attributes (and
     the lists, tuples and dicts in them), then the globals and closure variables of the code
     that ran, then tensors with a graph to it on the modules' buffers or on plain objects
-    among the inputs. Searched only when refusing, so its cost is of no matter."""
+    among the inputs, then hooks; a tensor whose graph reaches a parameter of the layer too
+    last. Searched only when refusing, so its cost is of no matter."""
     owner, fn = call.owner, call.fn
     assert owner is not None
     for path, module in owner.named_modules():
@@ -488,16 +495,10 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     # Or through an attribute of a plain object passed in, which the tree bridge does not open
     # (a graph batch, `data.x` the encoder's output; helper ET: the encoder's weight was named
     # as a parameter of another instance).
-    found = _in_input_objects(call, lambda value: _reaches_from_outside(value, leaf, owner))
-    if found is not None and "<" in found:  # a closure's variable or a default
-        return (f", reached through {found} (held by a function passed as an argument, which "
-                "the boundary does not open: build the function inside the forward from "
-                "tensors passed as arguments)")
+    found = _in_input_objects(call, lambda value: _reaches_from_outside(value, leaf, owner,
+                                                                        any_graph=False))
     if found is not None:
-        return (f", reached through {found} (an attribute of a plain object, which the "
-                "boundary does not open: pass a dataclass, or register its class with optree "
-                "in namespace 'pytree_ckpt', and its tensors are inputs; where it holds a "
-                "tensor also passed as an argument, read that argument instead)")
+        return _through_input_object(found)
     # Or as a key of a dict passed in (optree keeps keys in the spec, not among the leaves).
     key = node_path(call.in_spec, lambda node_type, data: isinstance(data, (list, tuple)) and
                     isinstance(node_type, type) and issubclass(node_type, dict) and
@@ -505,7 +506,7 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     if key is not None:
         return (f", used as a key of the dict at {readable_path(key)} (keys are not inputs of "
                 "the boundary: pass it as a value)")
-    hooked = _held_by_a_hook(leaf, owner)
+    hooked = _held_by_a_hook(leaf, owner, any_graph=False)
     if hooked:
         return hooked
     # Or a plain tensor attribute of a module inside the layer, with a graph to it (a steering
@@ -517,11 +518,32 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
                     graph_reaches([value.grad_fn], leaf):
                 at = f"{path}.{name}" if path else name
                 return f", reached through {at} (a module attribute with a graph to it)"
+    # The second round: a tensor with a graph to it and to a parameter of the layer's own (an
+    # input object's tensor made by an encoder tied to the layer, a hook's vector made
+    # relative to its bias: helper OU), asked after all else.
+    found = _in_input_objects(call, lambda value: _reaches_from_outside(value, leaf, owner,
+                                                                        any_graph=True))
+    if found is not None:
+        return _through_input_object(found)
+    hooked = _held_by_a_hook(leaf, owner, any_graph=True)
+    if hooked:
+        return hooked
     if isinstance(leaf, nn.Parameter):  # helper EM: a forward bound to another instance
         return (", an nn.Parameter of no module passed in (is the forward bound to another "
                 "instance? `m.forward = torch.compile(m.forward)` before a deepcopy leaves "
                 "the copy's forward on the original)")
     return ""
+
+
+def _through_input_object(found: str, /) -> str:
+    if "<" in found:  # a closure's variable or a default
+        return (f", reached through {found} (held by a function passed as an argument, which "
+                "the boundary does not open: build the function inside the forward from "
+                "tensors passed as arguments)")
+    return (f", reached through {found} (an attribute of a plain object, which the boundary "
+            "does not open: pass a dataclass, or register its class with optree in namespace "
+            "'pytree_ckpt', and its tensors are inputs; where it holds a tensor also passed as "
+            "an argument, read that argument instead)")
 
 
 def refuse_module_tensor(foreign: torch.Tensor, modules: Sequence[nn.Module], /) -> None:

@@ -2980,3 +2980,81 @@ def test_a_logging_attribute_a_forward_hook_rebinds_does_not_make_the_layer_clon
         assert all(torch.equal(a, b) for a, b in zip(*grads))
         clones.append(count.clones)
     assert clones[1:] == [0, 0], clones  # after the first step, as before 811d1a1
+
+
+# Helper OU: 6b25919 (ChangedNumbers._found trusts NumbersWatch.read to keep only TensorHeld and
+# TupleHeld entries): statistics only read, in the other shapes a small tuple or tensor takes,
+# replaced by the caller before backward.
+class _OUSub(torch.Tensor):
+    pass
+
+
+_OU_Stats = collections.namedtuple("_OU_Stats", "mean std")
+
+
+def _ou_pack(kind: str, mean: torch.Tensor, std: torch.Tensor) -> Any:
+    if kind == "mixed":
+        return (mean, 2.0, std, None)
+    if kind == "nested":
+        return ((mean,), (std, 1))
+    if kind == "named":
+        return _OU_Stats(mean, std)
+    if kind == "zero_dim":
+        return (mean.mean(), std.mean())
+    if kind == "subclass":
+        return (mean.as_subclass(_OUSub), std.as_subclass(_OUSub))
+    return ((), mean, std)  # an empty tuple among them
+
+
+def _ou_unpack(kind: str, s: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "mixed":
+        return s[0] * s[1] / 2, s[2]
+    if kind == "nested":
+        return s[0][0], s[1][0] * s[1][1]
+    if kind == "empty":
+        return s[1], s[2]
+    return s[0], s[1]
+
+
+class _OUReader(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.kind = kind
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mean, std = _ou_unpack(self.kind, self.stats)
+        return ((h - mean) / std * self.w).tanh()
+
+
+@pytest.mark.parametrize("how", ["boundary", "discard"])
+@pytest.mark.parametrize("kind", ["mixed", "nested", "named", "zero_dim", pytest.param(
+    "subclass", marks=pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, "
+                                        "State the forward changes: a detached state the "
+                                        "forward replaces: a tensor subclass is read by the "
+                                        "replay as the last call left it) (helper OU)")),
+    "empty"])
+def test_small_stats_of_any_tuple_shape_only_read_and_replaced_give_eager_numbers(
+        kind: str, how: str) -> None:
+    def run(ck: bool) -> list[Any]:
+        torch.manual_seed(0)
+        lin, out, reader = nn.Linear(4, 4), nn.Linear(4, 4), _OUReader(kind)
+        if ck and how == "boundary":
+            pytree_ckpt.apply_activation_checkpointing(reader)
+        loss = torch.zeros(())
+        for _ in range(2):
+            h = lin(torch.randn(5, 4) * 3 + 1)
+            reader.stats = _ou_pack(kind, h.mean(0).detach(), h.std(0).detach() + 1)
+            if ck and how == "discard":
+                c = CheckpointWithoutOutput()
+                r = c.checkpoint(reader, h)
+                z = out(r)
+                c.discard_output_and_register_recompute(z)
+            else:
+                z = out(reader(h))
+            loss = loss + (z ** 2).sum()
+        loss.backward()
+        return [loss.detach(), *(p.grad for m in (lin, out, reader) for p in m.parameters())]
+
+    for a, b in zip(run(False), run(True)):
+        assert a is not None and b is not None and torch.equal(a, b)

@@ -387,3 +387,74 @@ def test_a_value_computed_once_on_a_module_without_pre_hooks_gets_no_pre_hook_ti
     with pytest.raises(CheckpointError, match="module attribute 'scale'") as refused:
         (layer(torch.randn(4)).sum() + layer(torch.randn(4)).sum()).backward()
     assert "pre-hook" not in str(refused.value)
+
+
+# Helper OU: regressions of bffb61a (a tensor with a graph to the refused one is taken only
+# where that graph does not reach the layer's own parameters too).
+class _Graph:
+    """A plain batch object passed in (as a graph batch), which the boundary does not open."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class _ReadsGraph(_Layer):
+    def forward(self, data: _Graph) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(data.x)))
+
+
+def test_a_plain_input_object_made_by_an_encoder_tied_to_the_layer_is_named() -> None:
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer, enc = _ReadsGraph(), nn.Linear(4, 4)
+        enc.weight = layer.a.weight  # tied: the encoder's bias alone is from outside
+        x = torch.randn(8, 4)
+        if not wrap:
+            layer(_Graph(enc(x))).sum().backward()  # eager: the bias gets its gradient
+            grads.append(enc.bias.grad)
+            continue
+        pytree_ckpt.apply_activation_checkpointing(layer)
+        with pytest.raises(CheckpointError) as refused:
+            layer(_Graph(enc(x))).sum().backward()
+        text = str(refused.value)
+    assert grads[0] is not None
+    assert "still held after the replay, reached through args[0].x (an attribute of a plain " \
+        "object" in text and "torch.compile" not in text
+
+
+def test_a_hook_closure_over_a_vector_made_with_a_layer_parameter_is_named() -> None:
+    torch.manual_seed(0)
+    layer, steer = _Layer(), _Steering()
+    scaled = steer.v + layer.a.bias  # relative to the layer's own bias
+    layer.a.register_forward_hook(lambda m, i, o: o + scaled)
+    text = _refusal_of(layer)
+    assert "<lambda>, a forward hook on a that holds it from outside the layer" in text
+    assert "torch.compile" not in text
+
+
+def test_a_plain_input_object_read_by_a_layer_without_parameters_gives_eager_gradients(
+) -> None:
+    class _Plain(nn.Module):
+        def forward(self, data: _Graph) -> torch.Tensor:
+            return torch.tanh(data.x) * 2
+
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        layer, enc = _Plain(), nn.Linear(4, 4)
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        layer(_Graph(enc(torch.randn(8, 4)))).pow(2).sum().backward()
+        grads.append([p.grad for p in enc.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*grads))
+
+
+def test_a_steering_vector_made_with_another_layers_parameter_is_named_by_its_hook() -> None:
+    torch.manual_seed(0)
+    layer, other, steer = _Layer(), _Layer(), _Steering()
+    pytree_ckpt.apply_activation_checkpointing(other)
+    scaled = steer.v * other.a.bias  # another checkpointed layer's parameter
+    layer.a.register_forward_hook(lambda m, i, o: o + scaled)
+    text = _refusal_of(layer)
+    assert "forward hook" in text and "torch.compile" not in text
