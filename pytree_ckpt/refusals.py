@@ -26,6 +26,7 @@ from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .fsdp_units import refuse_fsdp_units_inside, refuse_flat_parameter
 from .function_reach import cell_contents, globals_of
+from .hook_outputs import is_library_hook
 from .module_state import (foreign_leaves, graph_reaches, mark_verified, owning_module,
                            warn_forward_hooks)
 from .tree import describe_leaf, dunder, leaf_paths, node_path, object_children
@@ -229,8 +230,8 @@ def _unnamed_pre_hooks(owner: nn.Module | None,
             f"{label!r} each call, give it the attribute `name = {name!r}` (as torch's "
             "weight_norm and pruning hooks have): that attribute is then an input of each call"
             for label, sub, name in holders if sub is owner
-            for hook in sub._forward_pre_hooks.values()
-            if not isinstance(dunder(hook, "name", dunder(hook, "_tensor_name")), str)]
+            for hook in sub._forward_pre_hooks.values() if not is_library_hook(hook)
+            and not isinstance(dunder(hook, "name", dunder(hook, "_tensor_name")), str)]
     return "".join(f"; {tip}" for tip in tips[:3])
 
 
