@@ -102,7 +102,7 @@ from .errors import CheckpointError
 from .hook_outputs import held_tensors, hooked_modules
 from .hook_tables import HookTables, backward_or_global_hooks, registered
 from .fsdp_units import refuse_fsdp1_units
-from .module_state import (ModuleDicts, any_lazy, argument_module, call_switches,
+from .module_state import (ModuleDicts, any_expanded, any_lazy, argument_module, call_switches,
                            collect_parameters, ever_verified, graph_attributes, is_verified,
                            module_dicts, owning_module, warn_forward_hooks)
 from .parameter_hooks import skip_no_gradient
@@ -123,6 +123,7 @@ __all__ = ["run_boundary"]
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _STILL_LAZY = "_pytree_ckpt_still_lazy"  # a module warned about lazy state its call left lazy
+_EXPANDED = "_pytree_ckpt_expanded"  # a module told that its per-sample calls run plainly
 
 
 # NOTE [loops on the per-call path]: Python 3.11 makes a function object and a frame for every
@@ -223,7 +224,23 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             keep.install_late(owner)
         # Not skipping inputs: a parameter also passed as an argument is used both ways, and
         # each use needs its gradient (the argument's comes through its input slot).
-        params = collect_parameters(trees, set(), frozen=before)
+        try:
+            params = collect_parameters(trees, set(), frozen=before)
+        except RuntimeError:
+            if not any_expanded(trees):
+                raise
+            # NOTE [expanded weights]: torch's per-sample gradients (call_for_per_sample_grads,
+            # Opacus's grad_sample_mode="ew") swap ExpandedWeight tensors in for one call,
+            # which refuse every op they do not know, `requires_grad` too (helper OV: torch's
+            # "cannot handle function __get__" came from here). They compute each sample's
+            # gradient in their own backward from what their ops save: the call runs as
+            # eager does, without a boundary (not checkpointed; told once per module).
+            if _EXPANDED not in owner.__dict__:
+                owner.__dict__[_EXPANDED] = True
+                logger.warning("%s runs with torch's ExpandedWeight parameters (per-sample "
+                               "gradients): such calls run without checkpointing",
+                               type(owner).__name__)
+            return fn(*args, **kwargs)
         frozen = list(before)
         if not ever_verified(owner):
             refuse_fsdp1_units(owner, fn)  # NOTE [FSDP1 around a boundary] (fsdp_units.py)

@@ -694,6 +694,15 @@ def _pruning_method(hook: Any, /) -> bool:
     return prune is not None and isinstance(hook, prune.BasePruningMethod)
 
 
+def any_expanded(trees: Sequence[ModuleDicts], /) -> bool:
+    """Whether a parameter of ``trees`` is one of torch's ``ExpandedWeight`` (per-sample
+    gradients: ``call_for_per_sample_grads`` swaps them in for one call); that module is
+    looked up only where it was imported."""
+    impl = sys.modules.get("torch.nn.utils._expanded_weights.expanded_weights_impl")
+    return impl is not None and any(isinstance(t, impl.ExpandedWeight) for tree in trees
+                                    for d in tree.parameters for t in d.values())
+
+
 def any_lazy(trees: Sequence[ModuleDicts], /) -> bool:
     """Whether a parameter or buffer of ``trees`` is still uninitialized (a lazy module's)."""
     return any(t is not None and is_lazy(t) for tree in trees
