@@ -554,10 +554,16 @@ _FAST_CALL_KEYS: dict[int, int] = {}  # call_switches' keys of the fast-path spe
 
 def is_verified(module: nn.Module, switches: Any, /) -> bool:
     """Whether ``module``'s graph was checked (``foreign_leaves``) for calls with ``switches``
-    since its tree last changed (NOTE [verified per switch])."""
+    since its tree last changed (NOTE [verified per switch]), and no plain tensor attribute
+    that was frozen then requires grad now (NOTE [attributes unfrozen after the check])."""
     verified = module.__dict__.get(_VERIFIED)
-    return verified is not None and verified[0] == _structure_generation and \
-        (switches in verified[1] or len(verified[1]) >= _MOST_SWITCHES)
+    if verified is None or verified[0] != _structure_generation or \
+            not (switches in verified[1] or len(verified[1]) >= _MOST_SWITCHES):
+        return False
+    if verified[2] and _unfrozen(verified[2]):
+        module.__dict__[_VERIFIED] = (_structure_generation, set(), ())
+        return False
+    return True
 
 
 # A module called with a new string each call (a request id) would be verified at every call,
@@ -573,9 +579,45 @@ def ever_verified(module: nn.Module, /) -> bool:
 
 def mark_verified(module: nn.Module, switches: Any, /) -> None:
     verified = module.__dict__.get(_VERIFIED)
-    if verified is None or verified[0] != _structure_generation:
-        module.__dict__[_VERIFIED] = verified = (_structure_generation, set())
+    if verified is None or verified[0] != _structure_generation or not verified[1]:
+        module.__dict__[_VERIFIED] = verified = (_structure_generation, set(),
+                                                 _frozen_attributes(module))
     verified[1].add(switches)
+
+
+# NOTE [attributes unfrozen after the check]: a leaf tensor that requires grad, held by a
+# module as a plain attribute (not a parameter), is no input of the boundary, so a module's
+# first replay refuses it (``foreign_leaves``). One frozen then and made to require grad later
+# (DARTS's architecture weights held as plain tensors, unfrozen after a warm-up: helper OY)
+# was never seen again: the module was verified, and its gradient was lost, silently. So the
+# check notes the attributes holding frozen leaf tensors (directly, or in a list, tuple or
+# dict), and ``is_verified`` looks at them again at each replay: one that requires grad now
+# makes the next replays check again (it is refused, naming the attribute). A few dict reads
+# a replay, for modules that hold such tensors.
+def _frozen_attributes(module: nn.Module, /) -> tuple[tuple[weakref.ref[nn.Module], str], ...]:
+    return tuple((weakref.ref(sub), name) for sub in module.modules()
+                 for name, value in vars(sub).items()
+                 if name not in _NOT_ATTRIBUTES and not name.startswith("_pytree_ckpt")
+                 and any(not t.requires_grad and t.grad_fn is None
+                         for t in _tensors_in(value)))
+
+
+_NOT_ATTRIBUTES = frozenset(("_parameters", "_buffers", "_modules"))
+
+
+def _tensors_in(value: Any, /) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else \
+        value if isinstance(value, (list, tuple)) else ()
+    # A larger container (a cache of every step's tensors) would cost each replay its length.
+    return [t for t in items if isinstance(t, torch.Tensor)] if len(items) <= 64 else []
+
+
+def _unfrozen(attributes: Sequence[tuple[weakref.ref[nn.Module], str]], /) -> bool:
+    return any(t.requires_grad and t.grad_fn is None for ref, name in attributes
+               if (sub := ref()) is not None
+               for t in _tensors_in(sub.__dict__.get(name)))
 
 
 def foreign_leaves(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /

@@ -266,23 +266,27 @@ def _weights(start: int, count: int, device: torch.device, /) -> torch.Tensor:
     return z ^ (z >> 27)
 
 
-_STATE = ("the forward read something that changed before backward: outside its inputs and "
-          "its modules' state (a call counter or flag in a global or a shared config object), "
-          "or state of its modules the replay cannot put back (a buffer or attribute over 64 "
-          "KiB changed in place, a MoCo queue; a frozen parameter written through .data, a "
-          "momentum encoder; a small buffer first changed after the layer's first replay, "
-          "warned of 'for the first time after the layer's first replay'): keep such a global "
-          "on the layer or pass it in as an input; change the module's own state outside the "
-          "checkpointed call (docs/limits.md, 'State the forward changes')")
+_STATE = ("the forward read something that changed before backward: state your code set "
+          "between the call and its backward (an attribute set on the layer between "
+          "micro-batches, a sub-network's width or a flag: the replay reads it as it is now; "
+          "pass it as an argument, or change it after backward), state outside its inputs and "
+          "its modules (a call counter or flag in a global or a shared config object: keep it "
+          "on the layer or pass it in), or state of its modules the replay cannot put back (a "
+          "buffer or attribute over 64 KiB changed in place, a MoCo queue; a frozen parameter "
+          "written through .data, a momentum encoder; a small buffer first changed after the "
+          "layer's first replay, warned of 'for the first time after the layer's first "
+          "replay'): change it outside the checkpointed call (docs/limits.md, 'State the "
+          "forward changes')")
 _ROUNDING = ("the passes rounded otherwise: a kernel chosen by grad mode, which the original "
              "pass runs without (docs/limits.md, 'Float rounding and other kernels': inductor "
              "in low precision, a padded LSTM on CPU), or a nondeterministic one (atomic adds: "
              "index_add_, scatter_add_ on CUDA; index_put_(accumulate=True), a gather's "
              "backward, on CPU with threads: torch.use_deterministic_algorithms(True))")
 _AROUND = ("a mode or generator the replay runs without, or a branch on grad mode (a "
-           "TorchFunctionMode entered around the forward, a generator neither passed in nor "
-           "held by the layer, `if torch.is_grad_enabled():`): docs/limits.md, 'Random "
-           "numbers and modes around the call'")
+           "TorchFunctionMode entered around the forward, a torch.Generator neither passed in "
+           "nor held by the layer, Python's random or NumPy drawn inside the forward: draw "
+           "outside and pass the choice in; `if torch.is_grad_enabled():`): docs/limits.md, "
+           "'Random numbers and modes around the call'")
 _RNG = ("preserve_rng_state=False, which lets the replay draw other random numbers than the "
         "forward (dropout): leave it True")
 _UNWRITTEN_ARGUMENT = ("a buffer the kept op fills, made uninitialized (torch.scatter into "
