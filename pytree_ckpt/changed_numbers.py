@@ -16,12 +16,29 @@ from torch import nn
 
 from .eager import user_stacklevel
 from .errors import CheckpointError
+from .forward_modules import REINSTATED
 from .kernel_written import WrittenThroughData
 from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, Rewritten,
                            ValuesRead, entries_of, fresh_values, put_entries, same_entry,
                            tuple_tensors)
 
 __all__ = ["ChangedNumbers", "EndedAfterACall"]
+
+# NOTE [a key read beside a table given back]: a cache keyed by a plain value (ultralytics'
+# Detect head rebuilds `self.anchors` where `self.shape != p.shape`; a position table keyed by
+# `self.hw`, as a small attribute or a buffer) that one call only reads and a later call, before
+# the first one's backward, rebuilds for another size: the first call's replay is given back
+# the table it read (NOTE [values read, then changed by a later call] in forward_numbers.py; a
+# buffer bound anew since, by NOTE [the replay sees the forward's modules] in
+# forward_modules.py), but it read the key as the later call left it, rebuilt the table, and
+# kept its rebinding of the key (a change only the replay makes), while the table got what it
+# held as the replay began back after it: key and table ended the step apart, and the next
+# step used a table of another size (a wrong loss, or a size mismatch; helper OX). So where a
+# replay is given back a small tensor the forward only read, or reads a buffer bound anew
+# since, the plain values the forward read in that module's ``__dict__`` (kept by value from
+# the forward) are given back too where they changed since, and get what they held as the
+# replay began back after it. A count a replay alone makes there (under grad) is then
+# dropped, as for a key both passes change.
 
 
 class EndedAfterACall:
@@ -83,7 +100,8 @@ class ChangedNumbers:
     def _found(self) -> list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]]:
         """``found``, with the small tensors (or tuples of them) the forward only read where
         the attribute holds another object by now: NOTE [values read, then changed by a later
-        call] in forward_numbers.py."""
+        call] in forward_numbers.py; and beside them the plain values read there: NOTE [a key
+        read beside a table given back]."""
         if not self.read:
             return self.found
         covered = {(id(d), name) for d, values, rebound in self.found
@@ -91,12 +109,19 @@ class ChangedNumbers:
         given: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = []
         for d, before in self.read:
             values = []
+            plain = []
             for name, was in before.items():
                 if (id(d), name) in covered:
                     continue
-                # (Each a TensorHeld or TupleHeld: NumbersWatch.read keeps no other entry.)
-                if (kept := was[1].as_read()) is not None and d.get(name) is not kept:
+                elif was[0]:  # a plain value, by value
+                    plain.append((name, was[1]))
+                # (Else a TensorHeld or TupleHeld: NumbersWatch.read keeps no other entry.)
+                elif (kept := was[1].as_read()) is not None and d.get(name) is not kept:
                     values.append((name, kept))
+            # A buffer bound anew since: the replay reads the forward's (REINSTATED).
+            if values or plain and id(d.get("_buffers")) in REINSTATED.get():
+                values += [(name, value) for name, value in plain
+                           if not same_entry(d.get(name, ABSENT), value)]
             if values:
                 given.append((d, values, []))
         if not given:

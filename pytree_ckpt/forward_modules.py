@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from torch import nn
@@ -18,7 +19,13 @@ from torch import nn
 from .errors import CheckpointError
 from .module_state import ModuleDicts, changed_submodule, structure_generation, submodules_now
 
-__all__ = ["Changes", "ForwardModules"]
+__all__ = ["Changes", "ForwardModules", "REINSTATED"]
+
+# The ids of the dicts a replay (or an output discard's rebuild) got the forward's entries of
+# back, while it runs: NOTE [a key read beside a table given back] in changed_numbers.py reads
+# which buffer dicts were bound anew since the forward.
+REINSTATED: ContextVar[frozenset[int]] = ContextVar("pytree_ckpt_reinstated",
+                                                    default=frozenset())
 
 
 def _refuse_replaced_in_forward(roots: Sequence[nn.Module], trees: Sequence[ModuleDicts],
@@ -145,9 +152,15 @@ class ForwardModules:
         for d, entries, _ in swapped:
             d.clear()
             d.update(entries)
+        # NOTE [context variables set inside the try] (keep.py)
+        token = None
         try:
+            if swapped:
+                token = REINSTATED.set(REINSTATED.get() | {id(d) for d, _, _ in swapped})
             yield
         finally:
+            if token is not None:
+                REINSTATED.reset(token)
             self._set_modes(modes)
             for d, _, now in swapped:
                 d.clear()

@@ -50,7 +50,8 @@ _HELD = (TensorHeld, TupleHeld)  # put back for the replay as the forward read t
 # before that, only at its first calls (a table first rebuilt after them is read as it is
 # then). Not numbers (a float statistic): giving back one that changed since the forward would
 # undo a later replay's own change (a count made only under grad: NOTE [a key only the replay
-# changes] in changed_numbers.py); read as it is (documented).
+# changes] in changed_numbers.py); read as it is (documented), but beside a tensor given back,
+# the key of a table (NOTE [a key read beside a table given back] in changed_numbers.py).
 class NumbersWatch:
     """NOTE [numbers and flags as the forward began]: a forward may set plain values on its
     modules that decide what it computes: the length a rotary cache was built for (``if
@@ -181,12 +182,17 @@ class NumbersWatch:
 
     def read(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """NOTE [values read, then changed by a later call]: each dict with the small tensors
-        (and tuples of them) the forward read there; nothing else of what was read is kept (a
-        list the forward fills, which the caller replaces, is not held: helper CN)."""
+        (and tuples of them) the forward read there; with them, or where the module holds
+        buffers, the plain values read there, by value (NOTE [a key read beside a table given
+        back] in changed_numbers.py).
+        Nothing else of what was read is kept (a list the forward fills, which the caller
+        replaces, is not held: helper CN)."""
         found = []
         for d, before in zip(self.dicts, self.before):
             held = {name: (False, _without_clone(was[1])) for name, was in before.items()
                     if not was[0] and type(was[1]) in _HELD}
+            if held or d.get("_buffers"):
+                held.update((name, was) for name, was in before.items() if was[0])
             if held:
                 found.append((d, held))
         return found

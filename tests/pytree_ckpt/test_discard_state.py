@@ -738,3 +738,44 @@ def test_revin_statistics_stored_detached_by_a_discarded_op_give_eager_gradients
 
 def test_revin_statistics_stored_with_a_graph_by_a_discarded_op_miss_gradients_as_documented() -> None:
     assert not _revin_steps(detach=False)
+
+
+class _PositionTable(nn.Module):
+    """A sine position table kept as a non-persistent buffer, rebuilt when the feature map's
+    ``(h, w)`` (a plain tuple attribute) changes: DETR-style position embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+        self.hw: tuple[int, int] | None = None
+        self.register_buffer("pos", torch.empty(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        if self.hw != (h, w):
+            ys, xs = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
+            self.pos = torch.stack((xs.sin(), ys.cos()))
+            self.hw = (h, w)
+        return self.conv(x) * self.pos
+
+
+def test_a_discarded_position_table_keyed_by_size_over_micro_batches_gives_eager_losses() -> None:
+    torch.manual_seed(0)
+    table, conv = _PositionTable(), nn.Conv2d(2, 2, 1)
+    ours_table, ours_conv = copy.deepcopy(table), copy.deepcopy(conv)
+
+    def discarded(x: torch.Tensor) -> torch.Tensor:
+        ckpt = CheckpointWithoutOutput()
+        out = ours_conv(ckpt.checkpoint(ours_table, x))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+
+    for sizes in ([(4, 4), (2, 3)], [(2, 3), (3, 2)], [(2, 3)]):
+        losses = []
+        for model in (lambda x: conv(table(x)), discarded):
+            torch.manual_seed(1)
+            loss = sum(model(torch.randn(1, 2, *hw)).square().sum() for hw in sizes)
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(*losses), sizes
+    assert ours_table.hw == table.hw and torch.equal(ours_table.pos, table.pos)
