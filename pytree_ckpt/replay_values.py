@@ -279,7 +279,8 @@ _STATE = ("the forward read something that changed before backward: state your c
           "forward changes')")
 _ROUNDING = ("the passes rounded otherwise: a kernel chosen by grad mode, which the original "
              "pass runs without (docs/limits.md, 'Float rounding and other kernels': inductor "
-             "in low precision, a padded LSTM on CPU), or a nondeterministic one (atomic adds: "
+             "in low precision, a padded LSTM on CPU, torch.linalg.eigvalsh or svdvals: use "
+             "eigh(A).eigenvalues, svd(A).S), or a nondeterministic one (atomic adds: "
              "index_add_, scatter_add_ on CUDA; index_put_(accumulate=True), a gather's "
              "backward, on CPU with threads: torch.use_deterministic_algorithms(True))")
 _AROUND = ("a mode or generator the replay runs without, or a branch on grad mode (a "

@@ -593,3 +593,119 @@ def test_a_callable_made_anew_at_each_call_for_a_reused_call_is_refused_in_backw
     loss = model(torch.randn(10, D)).square().sum()
     with pytest.raises(pytree_ckpt.ReuseError, match="another callable of the same code"):
         loss.backward()
+
+
+def _rotation(q: torch.Tensor) -> torch.Tensor:
+    w, x, y, z = q / q.norm()
+    return torch.stack([
+        torch.stack([1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)]),
+        torch.stack([2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)]),
+        torch.stack([2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)])])
+
+
+class PosedEdgeConv(nn.Module):
+    """Points given sequence-first, rotated by a learned pose (a quaternion parameter), then a
+    kNN graph on the rotated points: ``p.transpose(0, 1) @ R.T`` with ``R`` computed in the
+    call is docs/limits.md's "a Linear whose weight the call computes applied to a
+    non-contiguous input" row, followed by a selection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.tensor([1.0, 0.1, 0.2, 0.3]))
+        self.mlp = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, pts: torch.Tensor) -> torch.Tensor:
+        p = pts.transpose(0, 1) @ _rotation(self.q).T
+        idx = torch.cdist(p, p).topk(6, -1, largest=False).indices
+        b, n, _ = p.shape
+        nb = torch.gather(p[:, None].expand(b, n, n, 3), 2, idx[..., None].expand(b, n, 6, 3))
+        e = torch.cat([p[:, :, None].expand_as(nb), nb - p[:, :, None]], -1)
+        return self.mlp(e).max(2).values
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/limits.md, Float rounding and other kernels: a Linear whose weight "
+    "the call computes applied to a non-contiguous input: a selection made from the result "
+    "can choose otherwise) (helper OW)"))
+def test_a_knn_graph_on_points_posed_by_a_learned_rotation_differs_from_eager_only_by_rounding(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = PosedEdgeConv()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    # points on a small grid, sequence-first: many equal distances for the kNN to choose among
+    pts = torch.randint(0, 4, (40, 2, 3), generator=torch.Generator().manual_seed(0)).float() / 2
+    results = []
+    for model in (eager, ours):
+        out = model(pts)
+        out.square().sum().backward()
+        results.append([out.detach(), *(p.grad for p in model.parameters())])
+    # what the row promises: equal to float rounding (1.9e-6 seen there)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(*results))
+
+
+def test_a_knn_graph_on_posed_points_made_contiguous_first_gives_eager_gradients() -> None:
+    # The row's fix (make the input contiguous before the projection) is exact.
+    class Contiguous(PosedEdgeConv):
+        def forward(self, pts: torch.Tensor) -> torch.Tensor:
+            return super().forward(pts.transpose(0, 1).contiguous().transpose(0, 1))
+
+    torch.manual_seed(0)
+    eager = PosedEdgeConv()
+    ours = pytree_ckpt.apply_activation_checkpointing(Contiguous(), verify_replay=True)
+    ours.load_state_dict(eager.state_dict())
+    pts = torch.randint(0, 4, (40, 2, 3), generator=torch.Generator().manual_seed(0)).float() / 2
+    results = []
+    for model in (eager, ours):
+        out = model(pts)
+        out.square().sum().backward()
+        results.append([out.detach(), *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+class SurfaceVariation(nn.Module):
+    """Per-point surface variation (normal estimation's PCA) of a learned deformation of the
+    cloud: the eigenvalues of each point's kNN covariance."""
+
+    def __init__(self, spectrum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.offset, self.head = nn.Linear(3, 3), nn.Linear(3, 4)
+        self.spectrum = spectrum
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        p = pos + 0.1 * self.offset(pos)
+        idx = torch.cdist(p, p).topk(8, -1, largest=False).indices
+        b, n, _ = p.shape
+        nb = torch.gather(p[:, None].expand(b, n, n, 3), 2, idx[..., None].expand(b, n, 8, 3))
+        c = nb - nb.mean(2, keepdim=True)
+        ev = self.spectrum(c.transpose(-1, -2) @ c / 8)
+        return self.head(ev / ev.sum(-1, keepdim=True))
+
+
+def _surface_variation_results(spectrum: Callable[[torch.Tensor], torch.Tensor]
+                               ) -> list[list[torch.Tensor]]:
+    torch.manual_seed(0)
+    eager = SurfaceVariation(spectrum)
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    pos = torch.randn(2, 32, 3, generator=torch.Generator().manual_seed(0))
+    results = []
+    for model in (eager, ours):
+        out = model(pos)
+        out.square().sum().backward()
+        results.append([out.detach(), *(p.grad for p in model.parameters())])
+    return results
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/limits.md, Float rounding and other kernels: torch.linalg.eigvalsh, "
+    "svdvals on a tensor that requires grad in eager) (helper OW)"))
+@pytest.mark.parametrize("spectrum", [torch.linalg.eigvalsh, torch.linalg.svdvals],
+                         ids=["eigvalsh", "svdvals"])
+def test_eigenvalues_of_local_covariances_give_the_eager_twins_outputs_and_gradients(
+        spectrum: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(*_surface_variation_results(spectrum)))
+
+
+def test_eigenvalues_taken_from_eigh_give_the_eager_twins_outputs_and_gradients() -> None:
+    # eigh computes the vectors in both passes: the same kernel, exact.
+    results = _surface_variation_results(lambda cov: torch.linalg.eigh(cov).eigenvalues)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -929,3 +929,58 @@ def test_a_kept_method_running_a_two_layer_lstm_with_dropout_gives_keeping_nothi
         model(x).sum().backward()
         grads.append([x.grad, *(p.grad for p in model.parameters())])
     assert_same_grads(*grads)
+
+
+class _Spectrum(nn.Module):
+    """Eigenvalues of covariance matrices given as data (no grad), beside a trainable branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head, self.lin = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, cov: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.linalg.eigvalsh(cov)) + self.lin(x)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "documented limit (docs/limits.md, Float rounding and other kernels: torch.linalg.eigvalsh "
+    "with save units, also on one that does not require grad; docs/save_units.md, rule 1) "
+    "(helper OW)"))
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify_replay"])
+def test_a_unit_kept_beside_eigenvalues_of_a_data_input_gives_the_eager_twins_numbers(
+        verify: bool) -> None:
+    torch.manual_seed(0)
+    eager = _Spectrum()
+    ours = copy.deepcopy(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytree_ckpt.apply_recompute_config([ours], RecomputeConfig(1.0, save=["attn"]),
+                                           {SaveUnit.ATTN: KeptOps("aten::addmm")},
+                                           verify_replay=verify)
+    g = torch.Generator().manual_seed(0)
+    points = torch.randn(64, 12, 3, generator=g)
+    cov = points.transpose(1, 2) @ points                  # data: requires no grad
+    x = torch.randn(64, 3, generator=g)
+    results = []
+    for model in (eager, ours):
+        out = model(cov, x)
+        out.square().sum().backward()
+        results.append([out.detach(), *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_eigenvalues_of_a_data_input_in_a_layer_without_units_give_the_eager_twins_numbers(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = _Spectrum()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager), verify_replay=True)
+    g = torch.Generator().manual_seed(0)
+    points = torch.randn(64, 12, 3, generator=g)
+    cov = points.transpose(1, 2) @ points
+    x = torch.randn(64, 3, generator=g)
+    results = []
+    for model in (eager, ours):
+        out = model(cov, x)
+        out.square().sum().backward()
+        results.append([out.detach(), *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
