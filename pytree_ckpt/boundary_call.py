@@ -81,7 +81,8 @@ class BoundaryCall:
                  "switches", "inference", "saved_versions", "unviewed", "kept_aliases", "marks",
                  "hook_dicts", "hook_tables", "hook_epoch", "replaying",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
-                 "generator_sets", "prints", "replayed_versions", "window_hooks")
+                 "generator_sets", "prints", "replayed_versions", "window_hooks",
+                 "held_before_replay")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -152,6 +153,9 @@ class BoundaryCall:
         # NOTE [leaves the call makes] (refusals.py): weak references to the leaves the first
         # replay reached that are neither inputs nor parameters, checked once its graph is gone.
         self.made_leaves: list[weakref.ref[torch.Tensor]] | None = None
+        # What hooks and input objects held as a first replay began (refusals.py's
+        # held_before_replay), for a refusal's search.
+        self.held_before_replay: frozenset[int] | None = None
         # The threads running this call's backward now (NOTE [a replay that reaches its own
         # node] in refusals.py).
         self.replaying: set[int] = set()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, SavedTensorChanged
+from .module_state import structure_generation
 from .refusals import fn_name, input_path
 from .state_changes import versions
 
@@ -227,7 +228,7 @@ class ParameterVersions:
     caller's; those our passes make (the same layer's next micro-batch, another call's
     replay) are counted on the parameter and told apart."""
 
-    __slots__ = ("versions", "own")
+    __slots__ = ("versions", "own", "generation")
 
     # Read four times per layer call (around the forward, around the replay): the versions
     # (read directly; versions() where asking raises: the parameters of a module built under
@@ -255,6 +256,9 @@ class ParameterVersions:
         if self.versions != before[0]:
             _count_own_moves(params, before, self.versions)
         self.own = _own_moves(params) if _own_moves_seen else None
+        # Which module trees were as now: a parametrization registered since moved its
+        # original's version (raise_parameter_changed_after_call names it).
+        self.generation = structure_generation()
 
     def changed_since(self, params: Sequence[torch.Tensor], now: list[int | None], /
                       ) -> list[tuple[torch.Tensor, int, int]]:
@@ -324,13 +328,16 @@ def refuse_parameters_changed(watched: ParameterVersions, params: Sequence[torch
     before = watched.read(params)
     changed = watched.changed_since(params, before[0])
     if changed:
-        raise_parameter_changed_after_call(where(), changed, modules)
+        raise_parameter_changed_after_call(where(), changed, modules,
+                                           restructured=watched.generation
+                                           != structure_generation())
     return before
 
 
 def raise_parameter_changed_after_call(where: str,
                                        changed: Sequence[tuple[torch.Tensor, int, int]],
-                                       modules: Sequence[nn.Module], /) -> NoReturn:
+                                       modules: Sequence[nn.Module], /, *,
+                                       restructured: bool = False) -> NoReturn:
     """NOTE [parameters changed in place]: the replay runs on the parameters as they are in
     backward. One changed in place between a call's forward and its backward (an optimizer
     step on a GAN's discriminator before the generator's backward through it, ``p.add_()``
@@ -350,7 +357,9 @@ def raise_parameter_changed_after_call(where: str,
     rebuild (discard.py) checks its op's parameters the same way. ``where`` names the
     function, ``changed`` the parameters with their versions then and now (a move our own
     passes made, the same layer's next micro-batch changing it again, is not counted:
-    ``ParameterVersions``); ``modules`` hold them, for their paths."""
+    ``ParameterVersions``); ``modules`` hold them, for their paths; ``restructured``: a
+    submodule was registered since the forward (a parametrization, whose registration sets
+    its original in place)."""
     paths = [parameter_path(modules, p) for p, _, _ in changed]
     _, version, now = changed[0]
     if any(n < v for _, v, n in changed):
@@ -369,9 +378,11 @@ def raise_parameter_changed_after_call(where: str,
             tip="convert the model between steps (after backward), as eager requires")
     # register_parametrization moves its original's version (it sets the parameter's data
     # in place), so one registered between a call's forward and backward lands here too
-    # (helper OJ: the message spoke only of optimizer steps).
-    parametrized = any(".parametrizations." in f".{path}" and ".original" in path
-                       for path in paths)
+    # (helper OJ: the message spoke only of optimizer steps); only where a submodule was
+    # registered since (helper PB: an optimizer step on a model parametrized from the start
+    # was blamed on it).
+    parametrized = restructured and any(".parametrizations." in f".{path}" and
+                                        ".original" in path for path in paths)
     raise CheckpointError(
         f"{where}'s parameter{'s' if len(paths) > 1 else ''} {', '.join(paths)} "
         f"{'were' if len(paths) > 1 else 'was'} changed in place between the forward and this "

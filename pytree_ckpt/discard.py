@@ -76,7 +76,8 @@ from .frames import callable_name
 from .generator_sets import replay_watch
 from .keep import kept_region
 from .kept_replay import note_discard
-from .module_state import ModuleDicts, collect_parameters, module_dicts, owning_module
+from .module_state import (ModuleDicts, any_expanded, collect_parameters, module_dicts,
+                           owning_module)
 from .phase import outside_inference_mode, rebuilding
 from .replay_values import OutputPrints, check_rebuilt
 from .rebound import Bound, modules_bound_now, refuse_rebound
@@ -276,7 +277,23 @@ class CheckpointWithoutOutput:
             frozen: list[torch.Tensor] = []
             # Tensor arguments not skipped: a parameter the module also receives as an argument
             # is used both ways, and each use needs its gradient (as in the boundary).
-            self.params = collect_parameters(trees, set(), frozen=frozen)
+            try:
+                self.params = collect_parameters(trees, set(), frozen=frozen)
+            except RuntimeError:
+                if not any_expanded(trees):
+                    raise
+                # NOTE [expanded weights] (boundary.py): a plain call, nothing discarded
+                # (helper PB: torch's "cannot handle function __get__" came from here too).
+                if self._name() not in _INERT_LOGGED:
+                    _INERT_LOGGED.add(self._name())
+                    log.warning("output discard of %s runs with torch's ExpandedWeight "
+                                "parameters (per-sample gradients): its output is kept",
+                                self._name())
+                self.passthrough = True
+                self.reachable = None
+                output = fn(*args, **kwargs)
+                self.checkpointed = True
+                return output
             self.state = ([d for tree in trees for d in tree.buffers], frozen, trees)
         elif not any(t.requires_grad and not any(t is a for a in args)
                      for t in self._found_reachable(fn, args)):

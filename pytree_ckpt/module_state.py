@@ -590,34 +590,56 @@ def mark_verified(module: nn.Module, switches: Any, /) -> None:
 # first replay refuses it (``foreign_leaves``). One frozen then and made to require grad later
 # (DARTS's architecture weights held as plain tensors, unfrozen after a warm-up: helper OY)
 # was never seen again: the module was verified, and its gradient was lost, silently. So the
-# check notes the attributes holding frozen leaf tensors (directly, or in a list, tuple or
-# dict), and ``is_verified`` looks at them again at each replay: one that requires grad now
-# makes the next replays check again (it is refused, naming the attribute). A few dict reads
-# a replay, for modules that hold such tensors.
-def _frozen_attributes(module: nn.Module, /) -> tuple[tuple[weakref.ref[nn.Module], str], ...]:
-    return tuple((weakref.ref(sub), name) for sub in module.modules()
-                 for name, value in vars(sub).items()
-                 if name not in _NOT_ATTRIBUTES and not name.startswith("_pytree_ckpt")
-                 and any(not t.requires_grad and t.grad_fn is None
-                         for t in _tensors_in(value)))
+# check notes the attributes holding frozen leaf tensors (directly, or as entries of a list,
+# tuple or dict of at most 64), by name and entry, and ``is_verified`` looks at those entries
+# again at each replay: one that requires grad now makes the next replays check again (it is
+# refused, naming the attribute). Only the entries frozen then: a dict holding one tensor
+# unfrozen beside a frozen one would be checked again at every replay (helper PB). A few dict
+# reads a replay, for modules that hold such tensors. The submodules are held strongly (they
+# are the module's own; a weak reference made the module unpicklable: torch.save(model)).
+_Frozen = tuple[nn.Module, str, tuple[Any, ...]]
+
+
+def _frozen_attributes(module: nn.Module, /) -> tuple[_Frozen, ...]:
+    found = []
+    for sub in module.modules():
+        for name, value in vars(sub).items():
+            if name in _NOT_ATTRIBUTES or name.startswith("_pytree_ckpt"):
+                continue
+            keys = tuple(key for key, t in _entries(value)
+                         if not t.requires_grad and t.grad_fn is None)
+            if keys:
+                found.append((sub, name, keys))
+    return tuple(found)
 
 
 _NOT_ATTRIBUTES = frozenset(("_parameters", "_buffers", "_modules"))
 
 
-def _tensors_in(value: Any, /) -> list[torch.Tensor]:
+def _entries(value: Any, /) -> list[tuple[Any, torch.Tensor]]:
+    """The tensors of an attribute's value, by entry (``None`` for the value itself)."""
     if isinstance(value, torch.Tensor):
-        return [value]
-    items = value.values() if isinstance(value, dict) else \
-        value if isinstance(value, (list, tuple)) else ()
+        return [(None, value)]
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, (list, tuple)) else ()
     # A larger container (a cache of every step's tensors) would cost each replay its length.
-    return [t for t in items if isinstance(t, torch.Tensor)] if len(items) <= 64 else []
+    return [(k, t) for k, t in items if isinstance(t, torch.Tensor)] \
+        if items and len(value) <= 64 else []
 
 
-def _unfrozen(attributes: Sequence[tuple[weakref.ref[nn.Module], str]], /) -> bool:
-    return any(t.requires_grad and t.grad_fn is None for ref, name in attributes
-               if (sub := ref()) is not None
-               for t in _tensors_in(sub.__dict__.get(name)))
+def _unfrozen(attributes: Sequence[_Frozen], /) -> bool:
+    for sub, name, keys in attributes:
+        value = sub.__dict__.get(name)
+        if value is None:
+            continue
+        for key in keys:
+            try:
+                t = value if key is None else value[key]
+            except (LookupError, TypeError):  # gone since, or no longer a container
+                continue
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None:
+                return True
+    return False
 
 
 def foreign_leaves(outs: list[torch.Tensor], known: Sequence[torch.Tensor], /

@@ -32,9 +32,9 @@ from .parameter_hooks import ParameterHooksPaused, accumulated_nothing, skip_no_
 from .phase import ACTIVE, Invocation, Phase
 from .changed_in_place import raise_changed_after_call
 from .compiled_layers import recompile_limit_note, recompile_limit_noted
-from .refusals import (TORCH_REENTRANT, fn_name, raise_attached_to_outside_tensor,
-                       raise_freed_graph_reached, raise_hooked_outside_tensor,
-                       raise_torch_reentrant_inside, verify_leaves)
+from .refusals import (TORCH_REENTRANT, fn_name, held_before_replay,
+                       raise_attached_to_outside_tensor, raise_freed_graph_reached,
+                       raise_hooked_outside_tensor, raise_torch_reentrant_inside, verify_leaves)
 from .rebound import refuse_rebound
 from .rng import IsolatedPass, Replaying
 from .saved import Unchanged
@@ -301,6 +301,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                     lambda position: leaf_paths(call.out_spec, root="output")[
                         call.out_tensor_index[position]])
             first = _FirstReplay.of(call, args, kwargs, aliases)  # None but at a first replay
+            if first is not None and first.modules and \
+                    (call.hooked or len(call.in_tensor_index) < len(call.in_leaves)):
+                call.held_before_replay = held_before_replay(call)  # for a refusal's search
             shadow = _top_saved_hooks(False) is not None
             recorded = None
             # NOTE [state a plain function changes] in plain_state.py

@@ -16,7 +16,7 @@ import functools
 import gc
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the boundary imports this module
     from .boundary_call import BoundaryCall
 
 __all__ = ["TORCH_REENTRANT", "check_made_leaves", "fn_name", "input_path", "input_path_of",
-           "raise_attached_to_outside_tensor", "raise_hooked_outside_tensor",
+           "held_before_replay", "raise_attached_to_outside_tensor", "raise_hooked_outside_tensor",
            "raise_torch_reentrant_inside", "readable_path", "refuse_container",
            "refuse_double_backward", "refuse_module_tensor", "require_module", "verify_leaves"]
 
@@ -394,14 +394,33 @@ def _reaches_from_outside(value: Any, leaf: torch.Tensor, owner: nn.Module, /, *
                                 if p.requires_grad)
 
 
-def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /, *, any_graph: bool) -> str:
+def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /, *,
+                    before: frozenset[int] | None = None) -> str:
     """Where a forward hook (or pre-hook) on a module inside the layer holds ``leaf``: as a
     bound method of a module outside the layer (a ReFT intervention, a steering vector: its
     parameters, or a tensor attribute with a graph to it), or in its closure or defaults, or
     a partial's bound arguments, directly or as such a module's (helper OP); "" if none
     (helper OF: the refusal guessed a forward bound to another instance). A module holding
-    the layer (the model, whose logging hook it is) proves nothing: helper ON.
-    ``any_graph``: as ``_reaches_from_outside`` takes it."""
+    the layer (the model, whose logging hook it is) proves nothing: helper ON. With
+    ``before`` (the search's second round), a tensor with any graph to it counts where it
+    was held before the replay began (``held_before_replay``)."""
+    for label, kind, path, held in _hook_holdings(owner):
+        if any(_reaches_from_outside(value, leaf, owner, any_graph=False) if before is None
+               else id(value) in before and
+               _reaches_from_outside(value, leaf, owner, any_graph=True) for value in held):
+            return (f", by {label}, a {kind} on {path or 'the layer'} that holds it "
+                    "from outside the layer (register its module under the layer, "
+                    "`layer.intervention = ...`, so its parameters are the layer's; "
+                    "or hook the checkpointed layer itself, whose hooks run outside "
+                    "the boundary)")
+    return ""
+
+
+def _hook_holdings(owner: nn.Module, /) -> Iterator[tuple[str, str, str, list[Any]]]:
+    """Each forward hook (or pre-hook) on a module inside the layer, with what it holds: its
+    label, kind, the module's path, and the values (a bound method's module outside the layer
+    gives its parameters and tensor attributes)."""
+    inside = {id(m) for m in owner.modules()}
     for path, module in owner.named_modules():
         for kind, hooks in (("forward pre-hook", module._forward_pre_hooks),
                             ("forward hook", module._forward_hooks)):
@@ -423,7 +442,6 @@ def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /, *, any_graph: bool)
                     bound += [*(dunder(code, "__defaults__") or ()),
                               *(dunder(code, "__kwdefaults__") or {}).values()]
                 held: list[Any] = []
-                inside = {id(m) for m in owner.modules()}
                 for value in bound:
                     if not isinstance(value, nn.Module):
                         held.append(value)
@@ -437,14 +455,32 @@ def _held_by_a_hook(leaf: torch.Tensor, owner: nn.Module, /, *, any_graph: bool)
                                                         if isinstance(v, torch.Tensor))]
                     except Exception:
                         continue
-                if any(_reaches_from_outside(value, leaf, owner, any_graph=any_graph)
-                       for value in held):
-                    return (f", by {label}, a {kind} on {path or 'the layer'} that holds it "
-                            "from outside the layer (register its module under the layer, "
-                            "`layer.intervention = ...`, so its parameters are the layer's; "
-                            "or hook the checkpointed layer itself, whose hooks run outside "
-                            "the boundary)")
-    return ""
+                yield label, kind, path, held
+
+
+def held_before_replay(call: BoundaryCall, /) -> frozenset[int]:
+    """The ids of the tensors with a graph that the plain objects among a call's inputs and
+    the hooks inside its layer hold as its first replay begins: the refusal's second round
+    (``_held_at``) takes only those, so an activation the replay made (a probe hook keeping a
+    submodule's output, a cache object) is not named as the holder of a tensor the replay
+    reached (helper PB). At first replays only, with hooks inside or objects among the
+    inputs."""
+    found: set[int] = set()
+
+    def note(value: Any) -> bool:
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            found.add(id(value))
+        return False
+
+    _in_input_objects(call, note)
+    if call.hooked and call.owner is not None:
+        try:  # a refusal's search: what cannot be walked is skipped
+            for _, _, _, held in _hook_holdings(call.owner):
+                for value in held:
+                    note(value)
+        except Exception:
+            pass
+    return frozenset(found)
 
 
 def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
@@ -507,7 +543,7 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     if key is not None:
         return (f", used as a key of the dict at {readable_path(key)} (keys are not inputs of "
                 "the boundary: pass it as a value)")
-    hooked = _held_by_a_hook(leaf, owner, any_graph=False)
+    hooked = _held_by_a_hook(leaf, owner)
     if hooked:
         return hooked
     # Or a plain tensor attribute of a module inside the layer, with a graph to it (a steering
@@ -521,14 +557,17 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
                 return f", reached through {at} (a module attribute with a graph to it)"
     # The second round: a tensor with a graph to it and to a parameter of the layer's own (an
     # input object's tensor made by an encoder tied to the layer, a hook's vector made
-    # relative to its bias: helper OU), asked after all else.
-    found = _in_input_objects(call, lambda value: _reaches_from_outside(value, leaf, owner,
-                                                                        any_graph=True))
-    if found is not None:
-        return _through_input_object(found)
-    hooked = _held_by_a_hook(leaf, owner, any_graph=True)
-    if hooked:
-        return hooked
+    # relative to its bias: helper OU), asked after all else, and only one held before the
+    # replay began (not an activation it made: helper PB).
+    before = call.held_before_replay
+    if before:
+        found = _in_input_objects(call, lambda value: id(value) in before and
+                                  _reaches_from_outside(value, leaf, owner, any_graph=True))
+        if found is not None:
+            return _through_input_object(found)
+        hooked = _held_by_a_hook(leaf, owner, before=before)
+        if hooked:
+            return hooked
     if isinstance(leaf, nn.Parameter):  # helper EM: a forward bound to another instance
         return (", an nn.Parameter of no module passed in (is the forward bound to another "
                 "instance? `m.forward = torch.compile(m.forward)` before a deepcopy leaves "

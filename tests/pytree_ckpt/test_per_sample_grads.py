@@ -463,3 +463,83 @@ def test_a_parametrization_that_is_a_network_shared_by_checkpointed_layers_gives
         return out
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+# --- helper PB: ExpandedWeight with nesting, modules passed in, offload, output discard ---
+
+class _PBInner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l(x))
+
+
+class _PBOuter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.inner = nn.Linear(8, 8), _PBInner()
+
+    def forward(self, x: torch.Tensor, other: nn.Module) -> torch.Tensor:
+        return other(self.inner(self.a(x)))
+
+
+class _PBModel(nn.Module):
+    def __init__(self, discard: bool = False) -> None:
+        super().__init__()
+        self.inp, self.outer, self.shared = nn.Linear(6, 8), _PBOuter(), nn.Linear(8, 8)
+        self.last, self.head, self.discard = nn.Linear(8, 8), nn.Linear(8, 2), discard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.outer(self.inp(x), self.shared)
+        if self.discard:
+            ck = pytree_ckpt.CheckpointWithoutOutput()
+            out = torch.sigmoid(ck.checkpoint(self.last, h))
+            ck.discard_output_and_register_recompute(out)
+        else:
+            out = torch.sigmoid(self.last(h))
+        return self.head(out)
+
+
+def _pb_per_sample(model: nn.Module) -> list:
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+    out = []
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad_sample = None
+        x, y = torch.randn(5, 6), torch.randint(0, 2, (5,))
+        F.cross_entropy(call_for_per_sample_grads(model)(x), y, reduction="sum").backward()
+        out += [p.grad_sample for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return [*out, loss.detach(), *[p.grad for p in model.parameters()]]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_expanded_weights_through_nested_wrapped_layers_with_a_module_passed_in_are_eager(
+        offload: bool) -> None:
+    torch.manual_seed(0)
+    eager = _PBModel()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours.outer.inner, offload=offload)
+    pytree_ckpt.apply_activation_checkpointing(ours.outer, offload=offload)
+    torch.manual_seed(1)
+    want = _pb_per_sample(eager)
+    torch.manual_seed(1)
+    got = _pb_per_sample(ours)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_expanded_weights_through_an_output_discard_give_eager_per_sample_gradients() -> None:
+    torch.manual_seed(0)
+    eager = _PBModel()
+    ours = copy.deepcopy(eager)
+    ours.discard = True
+    torch.manual_seed(1)
+    want = _pb_per_sample(eager)
+    torch.manual_seed(1)
+    got = _pb_per_sample(ours)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))

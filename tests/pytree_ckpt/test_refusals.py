@@ -458,3 +458,38 @@ def test_a_steering_vector_made_with_another_layers_parameter_is_named_by_its_ho
     layer.a.register_forward_hook(lambda m, i, o: o + scaled)
     text = _refusal_of(layer)
     assert "forward hook" in text and "torch.compile" not in text
+
+
+class _PBConfig:
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+
+class _PBReadsConfig(nn.Module):
+    def __init__(self, config: _PBConfig) -> None:
+        super().__init__()
+        self.lin, self.config = nn.Linear(4, 4), config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * self.config.table)
+
+
+def test_a_probe_hook_keeping_an_activation_is_not_named_for_a_table_a_config_holds() -> None:
+    """The table is held by a plain config object on the layer; a logging probe on lin keeps
+    lin's output, made by the replay from the table and lin's parameters (bffb61a's
+    exclusion): the second round (any_graph=True) names the probe as holding the table
+    'from outside the layer' and tips registering its module under the layer."""
+    def make_probe():
+        last = None
+
+        def probe(module, args, out):
+            nonlocal last
+            last = out
+        return probe
+
+    layer = _PBReadsConfig(_PBConfig(torch.ones(4, requires_grad=True)))
+    layer.lin.register_forward_hook(make_probe())
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError) as refused:
+        layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert "probe" not in str(refused.value)

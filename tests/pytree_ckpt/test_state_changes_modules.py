@@ -1016,3 +1016,22 @@ def test_a_parametrization_registered_between_forward_and_backward_is_named_as_a
     with pytest.raises(pytree_ckpt.CheckpointError, match="parameter 0.weight was") as refused:
         loss.backward()
     assert "parametrization" not in str(refused.value)
+
+
+def test_an_optimizer_step_on_a_layer_parametrized_from_the_start_is_not_blamed_on_registering(
+        ) -> None:
+    """bf05ea7 names register_parametrization wherever a changed parameter's path holds
+    '.parametrizations.' and '.original', also where the parametrization was there at the
+    forward (weight_norm from the start) and an optimizer step changed it."""
+    from torch.nn.utils.parametrizations import weight_norm
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    weight_norm(model[2])
+    pytree_ckpt.apply_activation_checkpointing(model)
+    model(torch.randn(3, 4)).sum().backward()
+    loss = model(torch.randn(3, 4)).sum()
+    with torch.no_grad():
+        model[2].parametrizations.weight.original1.add_(0.5)  # an optimizer step's update
+    with pytest.raises(pytree_ckpt.CheckpointError, match="original1 was changed") as refused:
+        loss.backward()
+    assert "registered since" not in str(refused.value)
+    assert "register parametrizations" not in str(refused.value)

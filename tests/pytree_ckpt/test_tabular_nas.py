@@ -508,3 +508,105 @@ def test_verify_replay_tip_names_python_random_for_a_path_drawn_with_random_choi
         h.square().sum().backward()
     message = _replay_mismatch_message(blocks, step).lower()
     assert "numpy" in message or "python's random" in message
+
+
+# --- helper PB: attributes unfrozen after the check: cost, odd attributes ---
+
+class _PBBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.arch = torch.zeros(3)  # held, never read by the forward
+        self.odd = {1: torch.zeros(2), (2, 3): torch.zeros(1)}
+        self.many = tuple(torch.zeros(1) for _ in range(100))
+        self.meta_t = torch.empty(3, device="meta")
+        self.sparse = torch.zeros(3, 3).to_sparse()
+
+    def forward(self, x):
+        self.last = x
+        return torch.tanh(self.lin(x))
+
+
+class _PBModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = _PBBlock(), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.block(x)).sum()
+
+
+def test_an_unread_attribute_unfrozen_later_is_checked_again_once_and_odd_attributes_pass(
+        monkeypatch: pytest.MonkeyPatch):
+    import pytree_ckpt.recompute as recompute
+    count = [0]
+    verify = recompute.verify_leaves
+
+    def counted(*args):
+        count[0] += 1
+        return verify(*args)
+
+    monkeypatch.setattr(recompute, "verify_leaves", counted)
+
+    def step(model, i):
+        if i == 3:
+            b = model.block
+            for t in (b.arch, b.odd[1], b.odd[(2, 3)], b.many[0], b.meta_t, b.sparse):
+                t.requires_grad_()
+        x = torch.randn(3, 4).requires_grad_(i >= 5)  # an input the forward also keeps
+        loss = model(x)
+        loss.backward()
+        return loss
+
+    want, got = _twin_run(_PBModel, lambda m: pytree_ckpt.apply_activation_checkpointing(m.block),
+                          step, steps=10)
+    assert _equal(want, got)
+    assert count[0] == 3  # the first replay, once after the thaw, once after the input's
+
+
+class _PBMixedBlock(nn.Module):
+    """A GDAS-like cell holding its architecture state in a dict: alpha (thawed after a
+    warm-up, passed in as an argument, as the refusal tips) beside a fixed temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.arch = {"alpha": torch.zeros(4), "tau": torch.tensor(1.0)}
+
+    def forward(self, x, alpha):
+        return torch.tanh(self.lin(x)) * (alpha / self.arch["tau"]).softmax(0)
+
+
+class _PBMixedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = _PBMixedBlock(), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.block(x, self.block.arch["alpha"])).sum()
+
+
+def test_a_dict_attribute_with_one_tensor_unfrozen_is_checked_again_only_once(
+        monkeypatch: pytest.MonkeyPatch):
+    import pytree_ckpt.recompute as recompute
+    count = [0]
+    verify = recompute.verify_leaves
+
+    def counted(*args):
+        count[0] += 1
+        return verify(*args)
+
+    monkeypatch.setattr(recompute, "verify_leaves", counted)
+
+    def step(model, i):
+        if i == 3:
+            model.block.arch["alpha"].requires_grad_()
+        loss = model(torch.randn(3, 4))
+        loss.backward()
+        return loss
+
+    want, got = _twin_run(_PBMixedModel,
+                          lambda m: pytree_ckpt.apply_activation_checkpointing(m.block),
+                          step, steps=10)
+    assert _equal(want, got)
+    assert count[0] == 2  # the first replay and once after the thaw (measured: 8, every replay)
