@@ -18,9 +18,9 @@ from .eager import user_stacklevel
 from .errors import CheckpointError
 from .forward_modules import REINSTATED
 from .kernel_written import WrittenThroughData
-from .plain_values import (ABSENT, AFTER_REPLAY, OURS, Contents, Refilled, Rewritten,
-                           ValuesRead, entries_of, fresh_values, put_entries, same_entry,
-                           tuple_tensors)
+from .plain_values import (ABSENT, AFTER_REPLAY, CHANGED_BY_A_CALL, OURS, Contents, Refilled,
+                           Rewritten, ValuesRead, entries_of, fresh_values, put_entries,
+                           same_entry, tuple_tensors)
 
 __all__ = ["ChangedNumbers", "EndedAfterACall"]
 
@@ -35,10 +35,12 @@ __all__ = ["ChangedNumbers", "EndedAfterACall"]
 # held as the replay began back after it: key and table ended the step apart, and the next
 # step used a table of another size (a wrong loss, or a size mismatch; helper OX). So where a
 # replay is given back a small tensor the forward only read, or reads a buffer bound anew
-# since, the plain values the forward read in that module's ``__dict__`` (kept by value from
-# the forward) are given back too where they changed since, and get what they held as the
-# replay began back after it. A count a replay alone makes there (under grad) is then
-# dropped, as for a key both passes change.
+# since, the plain values the forward read and left in that module's ``__dict__`` (kept by
+# value from the forward) are given back too where a later watched forward changed them
+# (``ReplacedNames.stamps``: a count only replays make, under grad, is the module's own, and
+# was dropped where a streaming state buffer is bound anew each call: helper PA), and get
+# what they held as the replay began back after it. A change made by an unwatched call (a
+# rollout under no_grad: no boundary) is not seen: read as it is (documented).
 
 
 class EndedAfterACall:
@@ -110,11 +112,16 @@ class ChangedNumbers:
         for d, before in self.read:
             values = []
             plain = []
+            marks = d.get(CHANGED_BY_A_CALL)
             for name, was in before.items():
                 if (id(d), name) in covered:
                     continue
-                elif was[0]:  # a plain value, by value
-                    plain.append((name, was[1]))
+                elif name == CHANGED_BY_A_CALL:  # how many forwards had changed the dict
+                    continue
+                elif was[0]:  # a plain value, by value: only one a later forward changed
+                    if marks is not None and \
+                            marks.stamps.get(name, 0) > before[CHANGED_BY_A_CALL][1]:
+                        plain.append((name, was[1]))
                 # (Else a TensorHeld or TupleHeld: NumbersWatch.read keeps no other entry.)
                 elif (kept := was[1].as_read()) is not None and d.get(name) is not kept:
                     values.append((name, kept))

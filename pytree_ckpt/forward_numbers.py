@@ -22,7 +22,8 @@ from .module_state import ModuleDicts, torch_nn_class
 from .plain_values import (ABSENT, CHANGED_BY_A_CALL, CONTAINERS, NOT_STATE, OURS, BoundObject,
                            Contents, InPlace, Mixed, Refilled, ReplacedNames, Rewritten,
                            TensorHeld, TupleHeld, immutable, plain_container, plain_entry,
-                           read_entries, small_detached, small_tuple, value_differs)
+                           read_entries, same_entry, small_detached, small_tuple,
+                           value_differs)
 from .reused_numbers import MadeNumbers
 
 __all__ = ["NumbersGlance", "NumbersWatch", "glanced_dicts", "numbers_read",
@@ -178,21 +179,32 @@ class NumbersWatch:
                         rebound.append(name)
             if values or rebound:
                 found.append((d, values, rebound))
+                # NOTE [a key read beside a table given back] (changed_numbers.py)
+                d.setdefault(CHANGED_BY_A_CALL, ReplacedNames()).note(
+                    [*(name for name, _ in values), *rebound])
         return ChangedNumbers(found, ends=ends) if found else None
 
     def read(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """NOTE [values read, then changed by a later call]: each dict with the small tensors
         (and tuples of them) the forward read there; with them, or where the module holds
-        buffers, the plain values read there, by value (NOTE [a key read beside a table given
-        back] in changed_numbers.py).
-        Nothing else of what was read is kept (a list the forward fills, which the caller
-        replaces, is not held: helper CN)."""
+        buffers, the plain values it read and left as they were, by value, and the count of
+        watched forwards that changed that dict by then (NOTE [a key read beside a table given
+        back] in changed_numbers.py). Nothing else of what was read is kept (a list the
+        forward fills, which the caller replaces, is not held: helper CN)."""
         found = []
         for d, before in zip(self.dicts, self.before):
-            held = {name: (False, _without_clone(was[1])) for name, was in before.items()
-                    if not was[0] and type(was[1]) in _HELD}
+            held: dict[str, Any] = {name: (False, _without_clone(was[1]))
+                                    for name, was in before.items()
+                                    if not was[0] and type(was[1]) in _HELD}
             if held or d.get("_buffers"):
-                held.update((name, was) for name, was in before.items() if was[0])
+                # Not one the forward changed (helper PA: a one-time init flag given back
+                # where the forward's changes were dropped ran the init again).
+                plain = [(name, was) for name, was in before.items()
+                         if was[0] and same_entry(d.get(name, ABSENT), was[1])]
+                if plain:
+                    marks = d.get(CHANGED_BY_A_CALL)
+                    held.update(plain)
+                    held[CHANGED_BY_A_CALL] = (None, 0 if marks is None else marks.count)
             if held:
                 found.append((d, held))
         return found

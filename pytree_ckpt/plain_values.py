@@ -16,6 +16,7 @@ import copy
 import enum
 import types
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,22 +45,35 @@ NOT_STATE = frozenset(nn.Module().__dict__) - {"training"}
 OURS = "_pytree_ckpt"
 # In a module's ``__dict__``: the names of the small tensor attributes a checkpointed call's
 # forward replaced there (NOTE [values read, then changed by a later call] in
-# forward_numbers.py), as ``ReplacedNames``: an object, not a set, which the watches of plain
-# values would read as one of the module's containers.
+# forward_numbers.py), and of the entries watched forwards changed, by when, as
+# ``ReplacedNames``: an object, not a set, which the watches of plain values would read as one
+# of the module's containers.
 CHANGED_BY_A_CALL = OURS + "_replaced_by_a_call"
 
 
 class ReplacedNames:
-    """NOTE [values read, then changed by a later call] (forward_numbers.py)."""
+    """NOTE [values read, then changed by a later call] (forward_numbers.py): ``names``; and
+    NOTE [a key read beside a table given back] (changed_numbers.py): ``count``, the watched
+    forwards that changed an entry of this dict, and ``stamps``, by name, the count at the
+    last forward that changed it."""
 
-    __slots__ = ("names",)
+    __slots__ = ("names", "count", "stamps")
 
     def __init__(self) -> None:
         self.names: set[str] = set()
+        self.count = 0
+        self.stamps: dict[str, int] = {}
+
+    def note(self, names: Sequence[str], /) -> None:
+        """A watched forward changed ``names``."""
+        self.count += 1
+        for name in names:
+            self.stamps[name] = self.count
 
     def __deepcopy__(self, memo: dict[int, Any], /) -> ReplacedNames:
         copied = ReplacedNames()
         copied.names = set(self.names)
+        copied.count, copied.stamps = self.count, dict(self.stamps)
         return copied
 
 # Containers of such values read by their contents (a count per expert, a set of lengths seen),

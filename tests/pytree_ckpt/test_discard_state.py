@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any
 
 import pytest
@@ -779,3 +780,39 @@ def test_a_discarded_position_table_keyed_by_size_over_micro_batches_gives_eager
             losses.append(loss.detach())
         assert torch.equal(*losses), sizes
     assert ours_table.hw == table.hw and torch.equal(ours_table.pos, table.pos)
+
+
+class _InitOnceTable(_PositionTable):
+    """A one-time data-dependent initialisation keyed on a plain flag (LSUV-style: the weight
+    scaled in place by the output's std) beside the position buffer keyed by ``self.hw``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ready:
+            with torch.no_grad():
+                self.conv.weight.div_(self.conv(x).std())
+            self.ready = True
+        return super().forward(x)
+
+
+def test_a_discarded_one_time_init_beside_a_position_buffer_over_micro_batches_is_not_redone(
+        ) -> None:
+    torch.manual_seed(0)
+    table, conv = _InitOnceTable(), nn.Conv2d(2, 2, 1)
+    ours_table, ours_conv = copy.deepcopy(table), copy.deepcopy(conv)
+
+    def discarded(x: torch.Tensor) -> torch.Tensor:
+        ckpt = CheckpointWithoutOutput()
+        out = ours_conv(ckpt.checkpoint(ours_table, x))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (lambda x: conv(table(x)), discarded):
+            torch.manual_seed(1)
+            sum(model(torch.randn(1, 2, *hw)).square().sum() for hw in [(4, 4), (2, 3)]).backward()
+    assert torch.equal(table.conv.weight, ours_table.conv.weight)
