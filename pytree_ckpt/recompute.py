@@ -694,6 +694,17 @@ def _saved_unchanged(ctx: Any, call: BoundaryCall, /) -> tuple[torch.Tensor, ...
                 not isinstance(error, CheckpointError) and
                 "modified by an inplace operation" in str(error)):
             raise_changed_after_call(call, ctx._raw_saved_tensors, error)
+        if "backward through the graph a second time" in str(error):
+            # Every output of a call shares this one node: in eager, a second backward
+            # through another output (a critic's head reading detached features, after the
+            # actor's loss) reaches only nodes the first left alone (helper PC).
+            add_note(error, f"pytree_ckpt: every output of the checkpointed call "
+                     f"{fn_name(call.fn)} shares one autograd node, and an earlier backward "
+                     "through one of them freed what that node saved; eager may run this "
+                     "second backward where the outputs' graphs share nothing. Pass "
+                     "retain_graph=True to the first backward, sum the losses into one "
+                     "backward, or checkpoint only the shared part (docs/limits.md, 'Gradient "
+                     "hooks and DDP')")
         raise
 
 
