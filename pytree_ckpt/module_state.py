@@ -700,20 +700,22 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
     rewrite; transformers' output capturing hook keeps the output as it is: neither is warned
     about.
     """
-    def user_hooks(hooks: Any) -> list[str]:
+    def user_hooks(hooks: Any, *, pre: bool = False) -> list[str]:
         names = []
         for hook in hooks.values():
-            if is_library_hook(hook) or keeps_output_as_is(hook) or _pruning_method(hook):
+            if is_library_hook(hook) or keeps_output_as_is(hook) or _pruning_method(hook) or \
+                    pre and isinstance(dunder(hook, "name", dunder(hook, "_tensor_name")), str):
                 # (A pruning method of the user's, a BasePruningMethod subclass, computes
                 # its attribute from parameters and buffers, taken as the call's inputs:
-                # NOTE [only attributes a pre-hook names]; helper OJ: warned falsely.)
+                # NOTE [only attributes a pre-hook names]; helper OJ: warned falsely. So
+                # does a pre-hook of the user's naming the attribute it sets: helper PD.)
                 continue
             fn = hook.func if isinstance(hook, functools.partial) else hook
             names.append(dunder(fn, "__qualname__", type(fn).__qualname__))
         return names
 
     def module_hooks(sub: nn.Module) -> list[str]:  # pre-hooks run there too, first
-        return user_hooks(sub._forward_pre_hooks) + user_hooks(sub._forward_hooks)
+        return user_hooks(sub._forward_pre_hooks, pre=True) + user_hooks(sub._forward_hooks)
 
     found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()
              if own or sub is not owner

@@ -7,6 +7,7 @@ replay (``_FirstReplay`` in recompute.py) reads these; what is refused is in tre
 
 from __future__ import annotations
 
+import enum
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from .changed_in_place import parameter_path
 from .refusals import fn_name
 from .state_changes import mark_stateful
 from .torch_checkpoints import torchs_checkpoint_around
-from .tree import dunder
+from .tree import dunder, object_children
 from .tree_refusals import container_elements
 
 if TYPE_CHECKING:  # the boundary imports this module
@@ -37,11 +38,24 @@ _WARNED_NUMBERS = "_pytree_ckpt_warned_numbers"
 
 def stored_tensors(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
     """Per module ``__dict__``, the id of each tensor attribute, and the ids of the tensors in
-    each dict, list or tuple attribute: read before an original pass of a module not yet
-    verified (NOTE [results stored on a module])."""
-    return [{name: id(value) if isinstance(value, torch.Tensor) else _element_ids(value)
+    each dict, list or tuple attribute, and the id of each plain object: read before an
+    original pass of a module not yet verified (NOTE [results stored on a module])."""
+    return [{name: id(value) if isinstance(value, torch.Tensor) or _plain_object(value) else
+             _element_ids(value)
              for name, value in d.items() if isinstance(value, torch.Tensor) or
-             (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS)} for d in dicts]
+             (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS) or
+             _plain_object(value)} for d in dicts]
+
+
+def _plain_object(value: Any, /) -> bool:
+    """An object of the user's, or torch.distributions', that may hold a result: not a
+    tensor, container, module, class, function or plain value."""
+    return not isinstance(value, (torch.Tensor, nn.Module, type, *_HOLDERS, *_NOT_OBJECTS)) \
+        and not callable(value) and hasattr(value, "__dict__")
+
+
+_NOT_OBJECTS = (int, float, bool, str, bytes, complex, enum.Enum, torch.dtype, torch.device,
+                torch.Size, set, frozenset)
 
 
 _HOLDERS = (dict, list, tuple)
@@ -51,6 +65,14 @@ _MODULE_DICTS = frozenset(nn.Module().__dict__)
 
 def _element_ids(value: Any) -> frozenset[int]:
     return frozenset(id(t) for t in container_elements(value) if isinstance(t, torch.Tensor))
+
+
+def _holds_a_result(value: Any, /) -> bool:
+    try:  # a warning's search: an object that cannot be walked holds nothing told
+        return any(isinstance(t, torch.Tensor) and t.grad_fn is not None and
+                   t.is_floating_point() for _, t in object_children(value))
+    except Exception:
+        return False
 
 
 def _scalar_result(value: Any) -> bool:
@@ -250,7 +272,10 @@ def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
     module, when its replay stores a new floating scalar that requires grad (read around a
     module's first replay with each switch), as an attribute or in a dict, list or tuple
     attribute (``self.stats = {"aux": loss}``): a constant cached per length needs no grad,
-    and is not told; nor is a cache (a rotary table): scalars only."""
+    and is not told; nor is a cache (a rotary table): scalars only. A plain object the replay
+    stores anew (a posterior ``Normal`` kept for the KL taken after the model, a dataclass
+    holding the KL: helper PD) is told where an attribute of it is a floating tensor computed
+    with grad, of any shape."""
     if owner.__dict__.get(_WARNED_STORED):
         return
     found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
@@ -258,7 +283,8 @@ def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
              if (_scalar_result(value) and old.get(name) != id(value)) or
              (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS and any(
                  _scalar_result(t) and id(t) not in old.get(name, ())
-                 for t in container_elements(value)))]
+                 for t in container_elements(value))) or
+             (_plain_object(value) and old.get(name) != id(value) and _holds_a_result(value))]
     _warn_naming(owner, _WARNED_STORED, modules, dicts, found, lambda where: (
         f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} stored {where} "
         "on a module: computed in the no-grad original pass, it has no gradient, and a loss "
