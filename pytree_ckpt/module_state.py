@@ -687,10 +687,12 @@ _WARNED_HOOKS = "_pytree_ckpt_warned_hooks"
 
 
 def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
-                       own: bool = False) -> None:
+                       own: bool = False, ran: bool = True) -> None:
     """Warn about forward hooks inside the boundary (the boundary calls this once per module
     and structure, at its first replay); ``own``: the module's own hooks run inside it too;
-    ``passed``: modules passed as arguments, whose own hooks run inside when ``fn`` calls them.
+    ``passed``: modules passed as arguments, whose own hooks run inside when ``fn`` calls them;
+    ``ran``: the hooks ran already (a replay's), so a pre-hook naming the attribute it sets
+    is told by that attribute, not by its name alone.
 
     Such a hook (a forward pre-hook too) runs in the original pass, under no-grad, and again in
     the replay, in backward. The module inputs and output it receives leave the boundary with
@@ -700,22 +702,28 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
     rewrite; transformers' output capturing hook keeps the output as it is: neither is warned
     about.
     """
-    def user_hooks(hooks: Any, *, pre: bool = False) -> list[str]:
+    def user_hooks(hooks: Any, sub: nn.Module | None = None) -> list[str]:
         names = []
         for hook in hooks.values():
             if is_library_hook(hook) or keeps_output_as_is(hook) or _pruning_method(hook) or \
-                    pre and isinstance(dunder(hook, "name", dunder(hook, "_tensor_name")), str):
+                    sub is not None and isinstance(
+                        named := dunder(hook, "name", dunder(hook, "_tensor_name")), str) and \
+                    (isinstance(sub.__dict__.get(named), torch.Tensor) or not ran and
+                     named.isidentifier() and named not in sub.__dict__):
                 # (A pruning method of the user's, a BasePruningMethod subclass, computes
                 # its attribute from parameters and buffers, taken as the call's inputs:
                 # NOTE [only attributes a pre-hook names]; helper OJ: warned falsely. So
-                # does a pre-hook of the user's naming the attribute it sets: helper PD.)
+                # does a pre-hook of the user's naming the tensor attribute it sets there,
+                # helper PD; not one whose name is only for display, helper PG: before the
+                # hooks ran, a name that could be such an attribute is asked again at the
+                # first replay.)
                 continue
             fn = hook.func if isinstance(hook, functools.partial) else hook
             names.append(dunder(fn, "__qualname__", type(fn).__qualname__))
         return names
 
     def module_hooks(sub: nn.Module) -> list[str]:  # pre-hooks run there too, first
-        return user_hooks(sub._forward_pre_hooks, pre=True) + user_hooks(sub._forward_hooks)
+        return user_hooks(sub._forward_pre_hooks, sub) + user_hooks(sub._forward_hooks)
 
     found = [f"{name or '(itself)'}: {hook}" for name, sub in owner.named_modules()
              if own or sub is not owner

@@ -694,10 +694,12 @@ def _saved_unchanged(ctx: Any, call: BoundaryCall, /) -> tuple[torch.Tensor, ...
                 not isinstance(error, CheckpointError) and
                 "modified by an inplace operation" in str(error)):
             raise_changed_after_call(call, ctx._raw_saved_tensors, error)
-        if "backward through the graph a second time" in str(error):
+        if "backward through the graph a second time" in str(error) and \
+                len(call.out_tensor_index) > 1:
             # Every output of a call shares this one node: in eager, a second backward
             # through another output (a critic's head reading detached features, after the
-            # actor's loss) reaches only nodes the first left alone (helper PC).
+            # actor's loss) reaches only nodes the first left alone (helper PC). A call with
+            # one output is refused as eager refuses it (helper PG: the note misled there).
             add_note(error, f"pytree_ckpt: every output of the checkpointed call "
                      f"{fn_name(call.fn)} shares one autograd node, and an earlier backward "
                      "through one of them freed what that node saved; eager may run this "

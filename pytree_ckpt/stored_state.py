@@ -22,7 +22,7 @@ from .changed_in_place import parameter_path
 from .refusals import fn_name
 from .state_changes import mark_stateful
 from .torch_checkpoints import torchs_checkpoint_around
-from .tree import dunder, object_children
+from .tree import dunder, instance_dict, object_children
 from .tree_refusals import container_elements
 
 if TYPE_CHECKING:  # the boundary imports this module
@@ -49,9 +49,15 @@ def stored_tensors(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
 
 def _plain_object(value: Any, /) -> bool:
     """An object of the user's, or torch.distributions', that may hold a result: not a
-    tensor, container, module, class, function or plain value."""
-    return not isinstance(value, (torch.Tensor, nn.Module, type, *_HOLDERS, *_NOT_OBJECTS)) \
-        and not callable(value) and hasattr(value, "__dict__")
+    tensor, container, module, class, function or plain value. Its ``__dict__`` is read as
+    ``dunder`` reads it (a slotted class's ``__getattr__`` raising KeyError for it crashed
+    the backward: helper PG); an object that cannot be asked is none."""
+    try:
+        return not isinstance(value, (torch.Tensor, nn.Module, type, *_HOLDERS,
+                                      *_NOT_OBJECTS)) \
+            and not callable(value) and isinstance(instance_dict(value), dict)
+    except Exception:
+        return False
 
 
 _NOT_OBJECTS = (int, float, bool, str, bytes, complex, enum.Enum, torch.dtype, torch.device,
@@ -285,13 +291,21 @@ def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
                  _scalar_result(t) and id(t) not in old.get(name, ())
                  for t in container_elements(value))) or
              (_plain_object(value) and old.get(name) != id(value) and _holds_a_result(value))]
+    # An object is no PyTree to return as it is (a posterior Normal is refused among the
+    # outputs): its tensors are (helper PH).
+    objects = any(_plain_object(dicts[index].get(name)) for index, name in found)
     _warn_naming(owner, _WARNED_STORED, modules, dicts, found, lambda where: (
         f"pytree_ckpt: the forward of the checkpointed {type(owner).__name__} stored {where} "
         "on a module: computed in the no-grad original pass, it has no gradient, and a loss "
-        "built from it (an auxiliary load-balancing loss) silently loses that term. Tip: "
-        "return it as an output of the layer (any PyTree), or keep the router's output with "
-        "a forward hook and compute the loss from it after the layer's call "
-        "(docs/boundary.md, 'Forward hooks inside a layer')"))
+        "built from it (an auxiliary load-balancing loss, a KL term) silently loses that "
+        "term. Tip: " + ("return the tensors the loss needs as outputs of the layer (a "
+                         "posterior's loc and scale, or the KL itself; any PyTree), or "
+                         "register the object's class with optree in namespace 'pytree_ckpt' "
+                         "and return it" if objects else
+                         "return it as an output of the layer (any PyTree), or keep the "
+                         "router's output with a forward hook and compute the loss from it "
+                         "after the layer's call (docs/boundary.md, 'Forward hooks inside a "
+                         "layer')")))
 
 
 def warn_changed_numbers(owner: nn.Module, modules: Sequence[nn.Module],

@@ -551,3 +551,136 @@ def test_a_scalar_kl_the_forward_keeps_in_a_dataclass_attribute_is_warned_of() -
         return [p.grad for p in m.parameters()], [str(w.message) for w in told]
     (eager, _), (ours, told) = run(False), run(True)
     assert _same(eager, ours) or any("stats" in t and "no gradient" in t for t in told)
+
+
+# ---- helper PH: the stored-posterior warning's tip ----
+
+class _PosteriorOut(nn.Module):
+    """The warning's tip for an object: return the tensors the loss needs (a Normal itself is
+    no PyTree, and is refused among the outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m = self.mu(x)
+        return m.tanh(), m, torch.ones_like(m)
+
+
+def test_a_posterior_returned_by_its_tensors_as_the_warning_says_gives_eager_gradients() -> None:
+    results = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        m = _PosteriorOut()
+        if wrapped:
+            pytree_ckpt.apply_activation_checkpointing(m)
+        y, loc, scale = m(torch.randn(2, 4))
+        loss = y.sum() + kl_divergence(Normal(loc, scale), PRIOR).sum()
+        loss.backward()
+        results.append(_taken(m, loss))
+    assert _same(*results)
+
+
+# --- helper PG: review of 943f147 (plain objects stored anew; named pre-hooks) ---
+
+class _SlottedConfig:
+    """A config whose ``__getattr__`` reads a dict and raises ``KeyError`` for a missing name
+    (``hasattr(cfg, "__dict__")`` then raises ``KeyError``, not ``AttributeError``)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        return self._values[name]
+
+
+class _HoldsSlottedConfig(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cfg = _SlottedConfig({"scale": 2.0})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.cfg.scale
+
+
+def test_a_module_holding_a_config_whose_getattr_raises_key_error_gives_eager_gradients() -> None:
+    taken = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        m = _HoldsSlottedConfig()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(m)
+        loss = m(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).sum()
+        loss.backward()
+        taken.append([loss.detach(), *[p.grad for p in m.parameters()]])
+    assert _same(*taken)
+
+
+class _Penalty:
+    """A logging pre-hook object with a display ``name``: it computes an activation penalty
+    from the submodule's input, added to the loss after the model (not an attribute setter)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.value: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.value = args[0].square().mean()
+
+
+def _penalised(wrap: bool) -> tuple[list[torch.Tensor], list[str]]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    hook = _Penalty("input_l2 of the second linear")
+    m[2].register_forward_pre_hook(hook)
+    if wrap:
+        pytree_ckpt.apply_activation_checkpointing(m)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        assert hook is not None
+        out = m(torch.randn(3, 4, generator=torch.Generator().manual_seed(1)))
+        loss = out.sum() + hook.value
+        loss.backward()
+    return [loss.detach(), *[p.grad for p in m.parameters()]], [str(w.message) for w in told]
+
+
+def test_a_pre_hook_with_a_display_name_computing_a_penalty_is_warned_of_or_gives_eager_gradients(
+) -> None:
+    (eager, _), (ours, told) = _penalised(False), _penalised(True)
+    assert _same(eager, ours) or any("forward hooks inside" in t for t in told)
+
+
+@dataclasses.dataclass
+class _LoggedOutputs:
+    logits: torch.Tensor
+
+
+class _StoresDetached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.last = _LoggedOutputs(y.detach())  # a new object each call, detached
+        return y
+
+
+def test_an_object_of_detached_outputs_stored_each_call_is_not_warned_of_and_is_eager() -> None:
+    taken = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        m = _StoresDetached()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(m)
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            loss = sum(m(torch.randn(3, 4)).square().sum() for _ in range(2))
+            loss.backward()
+        assert not [w for w in told if "pytree_ckpt" in str(w.message)]
+        taken.append([loss.detach(), *[p.grad for p in m.parameters()], m.last.logits])
+    assert _same(*taken)

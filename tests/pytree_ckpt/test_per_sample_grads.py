@@ -543,3 +543,33 @@ def test_expanded_weights_through_an_output_discard_give_eager_per_sample_gradie
     torch.manual_seed(1)
     got = _pb_per_sample(ours)
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+# --- helper PG: ExpandedWeight over a model mixing checkpointed and plain layers ---
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_expanded_weights_over_mixed_checkpointed_and_plain_layers_then_a_plain_step_are_eager(
+        batch: int, reduction: str) -> None:
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+    taken = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3),
+                          nn.Linear(6, 5)), nn.LayerNorm(5), nn.Linear(5, 2))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(m[1])
+            pytree_ckpt.apply_activation_checkpointing(m[3])
+        x = torch.randn(batch, 4, generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(5)
+        out = call_for_per_sample_grads(m, loss_reduction=reduction)(x)
+        (out.mean() if reduction == "mean" else out.sum()).backward()
+        got = [out.detach(), *[p.grad_sample.clone() for p in m.parameters()]]
+        for p in m.parameters():
+            del p.grad_sample
+        out = m(torch.randn(3, 4))           # a plain step after: checkpointed again
+        out.sum().backward()
+        taken.append([*got, out.detach(), *[p.grad for p in m.parameters()],
+                      torch.get_rng_state()])
+    assert len(taken[0]) == len(taken[1])
+    assert all(torch.equal(a, b) for a, b in zip(*taken))

@@ -493,3 +493,86 @@ def td3(form: str | None) -> list[torch.Tensor]:
 @pytest.mark.parametrize("form", FORMS)
 def test_td3_noise_from_passed_and_held_generators_gives_eager_numbers(form: str) -> None:
     assert_twins(td3, form)
+
+
+# ---- helper PH: the tips of the cached-transform row (docs/limits.md, Aux losses) ----
+
+class RebuiltSquashedActor(nn.Module):
+    """``cache``: the transform's cache size; ``rebuild``: the forward builds the transform anew
+    each call (still held on the module, where the caller's log_prob reads it)."""
+
+    def __init__(self, cache: int, rebuild: bool) -> None:
+        super().__init__()
+        self.lin, self.cache, self.rebuild = nn.Linear(5, 4), cache, rebuild
+        self.tanh = TanhTransform(cache_size=cache)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.rebuild:
+            self.tanh = TanhTransform(cache_size=self.cache)
+        mu, log_std = self.lin(obs).chunk(2, -1)
+        return TransformedDistribution(Normal(mu, log_std.exp()), [self.tanh]).rsample(), mu, log_std
+
+
+def squashed_after(cache: int, rebuild: bool) -> Callable[[str | None], list[torch.Tensor]]:
+    def run(form: str | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        actor = RebuiltSquashedActor(cache, rebuild)
+        wrap([actor], form)
+        action, mu, log_std = actor(torch.randn(8, 5))
+        logp = TransformedDistribution(Normal(mu, log_std.exp()), [actor.tanh]).log_prob(action).sum(-1)
+        (action.square().sum(-1) + logp).mean().backward()
+        return state([logp.detach()], actor)
+    return run
+
+
+@pytest.mark.parametrize("form", ["plain"])
+def test_squashed_gaussian_log_prob_after_the_call_with_an_uncached_transform_gives_eager_numbers(
+        form: str) -> None:
+    assert_twins(squashed_after(0, False), form)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Aux losses and "
+                   "forward hooks: a torch.distributions transform with a cache: not one the call "
+                   "used, wherever it was built) (helper PH)")
+@pytest.mark.parametrize("form", ["plain"])
+def test_squashed_gaussian_with_the_transform_built_in_each_call_gives_eager_gradients(
+        form: str) -> None:
+    assert_twins(squashed_after(1, True), form)
+
+
+# --- helper PG: review of 9875d9b (the note on a second backward) ---
+
+def test_a_second_backward_through_the_same_output_gets_eagers_error_without_the_shared_node_note(
+) -> None:
+    errors = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(m)
+        loss = m(torch.randn(3, 4)).sum()
+        loss.backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time") as got:
+            loss.backward()
+        errors.append(got.value)
+    assert not any("eager may run" in n for n in getattr(errors[1], "__notes__", []))
+
+
+def test_a_second_backward_through_another_output_is_noted_only_on_that_error() -> None:
+    # A call with one output (h, then sliced): eager refuses the second backward too, and the
+    # note is not added (helper PG); a call with two outputs gets it.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    pytree_ckpt.apply_activation_checkpointing(m)
+    h = m(torch.randn(3, 4))
+    a, b = h[:, :2].sum(), h[:, 2:].sum()
+    a.backward()
+    with pytest.raises(RuntimeError, match="second time") as got:
+        b.backward()
+    assert not any("shares one autograd node" in n for n in getattr(got.value, "__notes__", []))
+    with pytest.raises(RuntimeError, match="second time") as got:
+        separate_actor_and_critic_backwards("plain")
+    assert any("shares one autograd node" in n for n in got.value.__notes__)
+    with pytest.raises(RuntimeError) as other:   # another error: no note
+        m(torch.randn(3, 5))
+    assert not any("shares one autograd node" in n for n in getattr(other.value, "__notes__", []))
