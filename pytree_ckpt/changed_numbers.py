@@ -19,8 +19,8 @@ from .errors import CheckpointError
 from .forward_modules import REINSTATED
 from .kernel_written import WrittenThroughData
 from .plain_values import (ABSENT, AFTER_REPLAY, CHANGED_BY_A_CALL, OURS, Contents, Refilled,
-                           Rewritten, ValuesRead, entries_of, fresh_values, put_entries,
-                           same_entry, tuple_tensors)
+                           ReplacedNames, Rewritten, ValuesRead, entries_of, fresh_values,
+                           put_entries, same_entry, tuple_tensors)
 
 __all__ = ["ChangedNumbers", "EndedAfterACall"]
 
@@ -36,11 +36,12 @@ __all__ = ["ChangedNumbers", "EndedAfterACall"]
 # step used a table of another size (a wrong loss, or a size mismatch; helper OX). So where a
 # replay is given back a small tensor the forward only read, or reads a buffer bound anew
 # since, the plain values the forward read and left in that module's ``__dict__`` (kept by
-# value from the forward) are given back too where a later watched forward changed them
-# (``ReplacedNames.stamps``: a count only replays make, under grad, is the module's own, and
-# was dropped where a streaming state buffer is bound anew each call: helper PA), and get
-# what they held as the replay began back after it. A change made by an unwatched call (a
-# rollout under no_grad: no boundary) is not seen: read as it is (documented).
+# value from the forward) are given back too where they changed since, but not where a replay
+# changed them (``ReplacedNames.stamps``, noted after each watched replay: a count only replays
+# make, under grad, is the module's own, and was dropped where a streaming state buffer is bound
+# anew each call: helper PA; a change by a call outside any boundary, a head using the table
+# or a rollout under no_grad, is given back: helper PF), and get what they held as the replay
+# began back after it.
 
 
 class EndedAfterACall:
@@ -118,9 +119,9 @@ class ChangedNumbers:
                     continue
                 elif name == CHANGED_BY_A_CALL:  # how many forwards had changed the dict
                     continue
-                elif was[0]:  # a plain value, by value: only one a later forward changed
-                    if marks is not None and \
-                            marks.stamps.get(name, 0) > before[CHANGED_BY_A_CALL][1]:
+                elif was[0]:  # a plain value, by value: not one a replay changed since
+                    if marks is None or \
+                            marks.stamps.get(name, 0) <= before[CHANGED_BY_A_CALL][1]:
                         plain.append((name, was[1]))
                 # (Else a TensorHeld or TupleHeld: NumbersWatch.read keeps no other entry.)
                 elif (kept := was[1].as_read()) is not None and d.get(name) is not kept:
@@ -154,6 +155,11 @@ class ChangedNumbers:
         at_start = [(d, [(name, d.get(name, ABSENT))
                          for name in [*(name for name, _ in values), *rebound]])
                     for d, values, rebound in changes]
+        # NOTE [a key read beside a table given back]: the plain values read, as the replay
+        # begins, to tell which the replay changes (and keeps).
+        plain_at_start = [(d, [(name, d.get(name, ABSENT)) for name, was in before.items()
+                               if was[0]])
+                          for d, before in self.read if CHANGED_BY_A_CALL in before]
         # A container the forward changed in place also gets its entries back after the block
         # (the object is the same, so putting it back as an object would not), with what it
         # held as the forward began: a dict's keys the forward left alone keep what the block
@@ -243,6 +249,11 @@ class ChangedNumbers:
                 _set(d, [(name, value) for name, value in named
                          if not (isinstance(now := d.get(name), torch.Tensor) and
                                  now.requires_grad and now.grad_fn is None)])
+            for d, named in plain_at_start:  # what the replay changed and kept: its own
+                moved = [name for name, value in named
+                         if not same_entry(d.get(name, ABSENT), value)]
+                if moved:
+                    d.setdefault(CHANGED_BY_A_CALL, ReplacedNames()).note(moved)
 
 
 # NOTE [a key only the replay changes]: a dict the forward changed in place (or a plain object

@@ -179,17 +179,14 @@ class NumbersWatch:
                         rebound.append(name)
             if values or rebound:
                 found.append((d, values, rebound))
-                # NOTE [a key read beside a table given back] (changed_numbers.py)
-                d.setdefault(CHANGED_BY_A_CALL, ReplacedNames()).note(
-                    [*(name for name, _ in values), *rebound])
         return ChangedNumbers(found, ends=ends) if found else None
 
     def read(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """NOTE [values read, then changed by a later call]: each dict with the small tensors
         (and tuples of them) the forward read there; with them, or where the module holds
         buffers, the plain values it read and left as they were, by value, and the count of
-        watched forwards that changed that dict by then (NOTE [a key read beside a table given
-        back] in changed_numbers.py). Nothing else of what was read is kept (a list the
+        replays that changed that dict by then (NOTE [a key read beside a table given back] in
+        changed_numbers.py). Nothing else of what was read is kept (a list the
         forward fills, which the caller replaces, is not held: helper CN)."""
         found = []
         for d, before in zip(self.dicts, self.before):

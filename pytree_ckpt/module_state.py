@@ -633,10 +633,10 @@ def _unfrozen(attributes: Sequence[_Frozen], /) -> bool:
         if value is None:
             continue
         for key in keys:
-            try:
-                t = value if key is None else value[key]
-            except (LookupError, TypeError):  # gone since, or no longer a container
-                continue
+            # Read without side effects: a defaultdict's missing key is not made (helper PF).
+            t = value if key is None else value.get(key) if isinstance(value, dict) else \
+                value[key] if isinstance(value, (list, tuple)) and type(key) is int and \
+                0 <= key < len(value) else None
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None:
                 return True
     return False

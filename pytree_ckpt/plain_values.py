@@ -45,7 +45,7 @@ NOT_STATE = frozenset(nn.Module().__dict__) - {"training"}
 OURS = "_pytree_ckpt"
 # In a module's ``__dict__``: the names of the small tensor attributes a checkpointed call's
 # forward replaced there (NOTE [values read, then changed by a later call] in
-# forward_numbers.py), and of the entries watched forwards changed, by when, as
+# forward_numbers.py), and of the entries watched replays changed, by when, as
 # ``ReplacedNames``: an object, not a set, which the watches of plain values would read as one
 # of the module's containers.
 CHANGED_BY_A_CALL = OURS + "_replaced_by_a_call"
@@ -54,8 +54,8 @@ CHANGED_BY_A_CALL = OURS + "_replaced_by_a_call"
 class ReplacedNames:
     """NOTE [values read, then changed by a later call] (forward_numbers.py): ``names``; and
     NOTE [a key read beside a table given back] (changed_numbers.py): ``count``, the watched
-    forwards that changed an entry of this dict, and ``stamps``, by name, the count at the
-    last forward that changed it."""
+    replays that changed (and kept) a plain value of this dict, and ``stamps``, by name, the
+    count at the last replay that changed it."""
 
     __slots__ = ("names", "count", "stamps")
 
@@ -65,7 +65,7 @@ class ReplacedNames:
         self.stamps: dict[str, int] = {}
 
     def note(self, names: Sequence[str], /) -> None:
-        """A watched forward changed ``names``."""
+        """A watched replay changed ``names``."""
         self.count += 1
         for name in names:
             self.stamps[name] = self.count

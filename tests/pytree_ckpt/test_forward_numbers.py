@@ -1313,12 +1313,8 @@ def test_a_count_only_grad_mode_makes_counts_every_micro_batch_once_as_eager() -
 # A number the forward left alone but a later call changed (a rollout under no_grad, a longer
 # micro-batch) was read by the replay, which took the reset branch; the buffer it re-registers
 # was put back, the number was not (helper EN). Given back beside the buffer bound anew since
-# where a later checkpointed call's forward changed it (NOTE [a key read beside a table given
-# back] in changed_numbers.py), it is the forward's; a rollout's change is not seen.
-@pytest.mark.parametrize("between", [pytest.param("rollout_under_no_grad", marks=pytest.mark.xfail(
-    strict=True, reason="documented limit (docs/limits.md, State the forward changes: state a "
-    "call reads without changing it, changed before its backward: a dynamic-NTK rotary grown "
-    "by a rollout under no_grad) (helper EN)")), "longer_micro_batch"])
+# (NOTE [a key read beside a table given back] in changed_numbers.py), it is the forward's.
+@pytest.mark.parametrize("between", ["rollout_under_no_grad", "longer_micro_batch"])
 def test_a_dynamic_ntk_rotary_grown_before_a_short_calls_backward_ends_the_step_as_eager(
         between: str) -> None:
     eager, ours = _twins(DynamicNtkRotary())
@@ -3338,3 +3334,32 @@ def test_a_position_buffer_keyed_by_a_size_numpy_or_enum_key_over_micro_batches_
                     total.backward()
         assert _same(_grads(eager), _grads(ours)), sizes
         assert eager.key == ours.key and torch.equal(eager.pos, ours.pos), sizes
+
+
+class _TableInBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.conv = PositionTable(), nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.table(x))
+
+
+def test_a_position_table_also_called_outside_its_checkpointed_block_ends_the_step_as_eager(
+        ) -> None:
+    # DETR-style: the block's table also serves a head outside the checkpointed block
+    torch.manual_seed(0)
+    eager = _TableInBlock()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for a, b in ([(4, 4), (2, 3)], [(2, 3), (4, 4)], [(2, 3), (2, 3)]):
+            for model in (eager, ours):
+                torch.manual_seed(1)
+                loss = model(torch.randn(1, 2, *a)).square().sum() + \
+                    model.table(torch.randn(1, 2, *b)).sum()
+                loss.backward()
+            assert _same(_grads(eager), _grads(ours)), (a, b)
+            assert eager.table.hw == ours.table.hw, (a, b)
+            assert torch.equal(eager.table.pos, ours.table.pos), (a, b)

@@ -1035,3 +1035,32 @@ def test_an_optimizer_step_on_a_layer_parametrized_from_the_start_is_not_blamed_
         loss.backward()
     assert "registered since" not in str(refused.value)
     assert "register parametrizations" not in str(refused.value)
+
+
+def test_a_defaultdict_of_frozen_masks_whose_entry_is_deleted_gives_eager_gradients() -> None:
+    import collections
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.masks: collections.defaultdict[str, object] = collections.defaultdict(int)
+            self.masks["drop"] = torch.ones(4)  # a frozen plain tensor, seen by the check
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.masks.get("drop", 1)
+
+    torch.manual_seed(0)
+    eager = Masked()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    for step in range(3):
+        grads = []
+        for model in (eager, ours):
+            torch.manual_seed(step)
+            model(torch.randn(2, 4)).square().sum().backward()
+            grads.append(grads_of(model.parameters()))
+            model.zero_grad(set_to_none=True)
+            if step == 0:
+                del model.masks["drop"]  # switched off after the first step
+        assert dict(eager.masks) == dict(ours.masks), step
+        assert_same_grads(*grads)
