@@ -327,7 +327,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
             # where one removed before backward (registered for one step's forward) is gone,
             # though what it computed under no-grad has no gradient: said here too, once.
             warn_forward_hooks(owner, [leaf for leaf in leaves if isinstance(leaf, nn.Module)],
-                               own=fn is owner, ran=False)
+                               own=fn is owner)
     inputs = unique
     if attributes:
         call.attributes = [name for name, _ in attributes]

@@ -41,7 +41,11 @@ __all__ = ["ChangedNumbers", "EndedAfterACall"]
 # make, under grad, is the module's own, and was dropped where a streaming state buffer is bound
 # anew each call: helper PA; a change by a call outside any boundary, a head using the table
 # or a rollout under no_grad, is given back: helper PF), and get what they held as the replay
-# began back after it.
+# began back after it; a number given back that the replay changed (a count made only under
+# grad, which a direct call changed too) gets the replay's change on top of that (helper PI).
+
+
+_COUNTS = (int, float)  # by exact type: not a bool flag
 
 
 class EndedAfterACall:
@@ -59,7 +63,7 @@ class ChangedNumbers:
     """What a forward changed of its modules' plain values and attributes (NOTE [numbers and
     flags as the forward began]), for its replay."""
 
-    __slots__ = ("found", "ends", "read", "written", "gave_back")
+    __slots__ = ("found", "ends", "read", "written", "gave_back", "given_plain")
 
     def __init__(self, found: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]],
                  /, *, ends: dict[int, Any] | None = None,
@@ -76,6 +80,9 @@ class ChangedNumbers:
         # NOTE [a parameter written through .data] (kernel_written.py)
         self.written = written
         self.gave_back = False  # whether a replay was given back a value only read
+        # The plain values the last replay was given back, by dict id and name (NOTE [a key
+        # read beside a table given back])
+        self.given_plain: dict[tuple[int, str], Any] = {}
 
     def joined(self, other: ChangedNumbers | None, /) -> ChangedNumbers:
         """This and ``other`` (changes of other dicts) as one."""
@@ -110,6 +117,7 @@ class ChangedNumbers:
         covered = {(id(d), name) for d, values, rebound in self.found
                    for name in [*(name for name, _ in values), *rebound]}
         given: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = []
+        self.given_plain = {}
         for d, before in self.read:
             values = []
             plain = []
@@ -117,7 +125,7 @@ class ChangedNumbers:
             for name, was in before.items():
                 if (id(d), name) in covered:
                     continue
-                elif name == CHANGED_BY_A_CALL:  # how many forwards had changed the dict
+                elif name == CHANGED_BY_A_CALL:  # how many replays had changed the dict
                     continue
                 elif was[0]:  # a plain value, by value: not one a replay changed since
                     if marks is None or \
@@ -128,8 +136,10 @@ class ChangedNumbers:
                     values.append((name, kept))
             # A buffer bound anew since: the replay reads the forward's (REINSTATED).
             if values or plain and id(d.get("_buffers")) in REINSTATED.get():
-                values += [(name, value) for name, value in plain
-                           if not same_entry(d.get(name, ABSENT), value)]
+                for name, value in plain:
+                    if not same_entry(d.get(name, ABSENT), value):
+                        values.append((name, value))
+                        self.given_plain[(id(d), name)] = value
             if values:
                 given.append((d, values, []))
         if not given:
@@ -139,6 +149,19 @@ class ChangedNumbers:
         # that is: helper OL)
         self.gave_back = True
         return [*self.found, *given]
+
+    def _counted(self, d: dict[str, Any], name: str, at_start: Any, /) -> Any:
+        """What ``name`` gets after the replay: its value at the replay's start, or, for a
+        number given back that the replay changed (a count made only under grad, beside a
+        direct call of the module that changed it too: helper PI), the replay's change on top
+        of it, as the replay made it on the value given (NOTE [a key read beside a table
+        given back])."""
+        given = self.given_plain.get((id(d), name), ABSENT) if self.given_plain else ABSENT
+        end = d.get(name, ABSENT)
+        if given is ABSENT or type(end) not in _COUNTS or type(given) not in _COUNTS or \
+                type(at_start) not in _COUNTS or end == given:
+            return at_start
+        return at_start + (end - given)
 
     @contextmanager
     def as_forward_began(self, where: str = "the layer", roots: Sequence[nn.Module] = (), /
@@ -246,7 +269,7 @@ class ChangedNumbers:
                 # A leaf requiring grad that the replay stored stays (`self.last = leaf`, made
                 # in the forward): the check that reads it once the replay's graph is gone
                 # (NOTE [leaves the call makes] in refusals.py) must find it held, and refuse.
-                _set(d, [(name, value) for name, value in named
+                _set(d, [(name, self._counted(d, name, value)) for name, value in named
                          if not (isinstance(now := d.get(name), torch.Tensor) and
                                  now.requires_grad and now.grad_fn is None)])
             for d, named in plain_at_start:  # what the replay changed and kept: its own

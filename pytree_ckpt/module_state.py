@@ -687,12 +687,10 @@ _WARNED_HOOKS = "_pytree_ckpt_warned_hooks"
 
 
 def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
-                       own: bool = False, ran: bool = True) -> None:
+                       own: bool = False) -> None:
     """Warn about forward hooks inside the boundary (the boundary calls this once per module
     and structure, at its first replay); ``own``: the module's own hooks run inside it too;
-    ``passed``: modules passed as arguments, whose own hooks run inside when ``fn`` calls them;
-    ``ran``: the hooks ran already (a replay's), so a pre-hook naming the attribute it sets
-    is told by that attribute, not by its name alone.
+    ``passed``: modules passed as arguments, whose own hooks run inside when ``fn`` calls them.
 
     Such a hook (a forward pre-hook too) runs in the original pass, under no-grad, and again in
     the replay, in backward. The module inputs and output it receives leave the boundary with
@@ -708,15 +706,15 @@ def warn_forward_hooks(owner: nn.Module, passed: Sequence[nn.Module] = (), /, *,
             if is_library_hook(hook) or keeps_output_as_is(hook) or _pruning_method(hook) or \
                     sub is not None and isinstance(
                         named := dunder(hook, "name", dunder(hook, "_tensor_name")), str) and \
-                    (isinstance(sub.__dict__.get(named), torch.Tensor) or not ran and
-                     named.isidentifier() and named not in sub.__dict__):
+                    isinstance(sub.__dict__.get(named), torch.Tensor):
                 # (A pruning method of the user's, a BasePruningMethod subclass, computes
                 # its attribute from parameters and buffers, taken as the call's inputs:
                 # NOTE [only attributes a pre-hook names]; helper OJ: warned falsely. So
                 # does a pre-hook of the user's naming the tensor attribute it sets there,
-                # helper PD; not one whose name is only for display, helper PG: before the
-                # hooks ran, a name that could be such an attribute is asked again at the
-                # first replay.)
+                # helper PD; not one whose name is only for display, helper PG, nor one whose
+                # attribute holds no tensor yet, a None placeholder: whether it will cannot be
+                # told before it runs, and a hook removed before backward is not asked again,
+                # helper PI.)
                 continue
             fn = hook.func if isinstance(hook, functools.partial) else hook
             names.append(dunder(fn, "__qualname__", type(fn).__qualname__))

@@ -694,19 +694,24 @@ def _saved_unchanged(ctx: Any, call: BoundaryCall, /) -> tuple[torch.Tensor, ...
                 not isinstance(error, CheckpointError) and
                 "modified by an inplace operation" in str(error)):
             raise_changed_after_call(call, ctx._raw_saved_tensors, error)
-        if "backward through the graph a second time" in str(error) and \
-                len(call.out_tensor_index) > 1:
-            # Every output of a call shares this one node: in eager, a second backward
-            # through another output (a critic's head reading detached features, after the
-            # actor's loss) reaches only nodes the first left alone (helper PC). A call with
-            # one output is refused as eager refuses it (helper PG: the note misled there).
+        if "backward through the graph a second time" in str(error):
+            # Every output of a call shares this one node, which saved the call's inputs: in
+            # eager, a second backward through another output (a critic's head reading
+            # detached features, after the actor's loss) reaches only nodes the first left
+            # alone (helper PC), and one through the same output reaches ops that may have
+            # saved nothing (a bias add: helper PI); said as it applies (helper PG).
             add_note(error, f"pytree_ckpt: every output of the checkpointed call "
                      f"{fn_name(call.fn)} shares one autograd node, and an earlier backward "
                      "through one of them freed what that node saved; eager may run this "
                      "second backward where the outputs' graphs share nothing. Pass "
                      "retain_graph=True to the first backward, sum the losses into one "
                      "backward, or checkpoint only the shared part (docs/limits.md, 'Gradient "
-                     "hooks and DDP')")
+                     "hooks and DDP')" if len(call.out_tensor_index) > 1 else
+                     f"pytree_ckpt: the checkpointed call {fn_name(call.fn)} saved its inputs "
+                     "for its replay, and an earlier backward through its output freed them; "
+                     "eager runs this second backward only where its ops saved nothing (a bias "
+                     "add). Pass retain_graph=True to the first backward (docs/limits.md, "
+                     "'Gradient hooks and DDP')")
         raise
 
 

@@ -3363,3 +3363,50 @@ def test_a_position_table_also_called_outside_its_checkpointed_block_ends_the_st
             assert _same(_grads(eager), _grads(ours)), (a, b)
             assert eager.table.hw == ours.table.hw, (a, b)
             assert torch.equal(eager.table.pos, ours.table.pos), (a, b)
+
+
+class _StreamingCounter(nn.Module):
+    """A streaming buffer bound anew each call, and a count made only under grad (as written
+    for torch's reentrant checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steps = 0
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.ema = 0.9 * self.ema + 0.1 * y.detach().mean(0)
+        if torch.is_grad_enabled():
+            self.steps += 1
+        return y - self.ema
+
+
+class _CounterInBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.lin = _StreamingCounter(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.inner(x))
+
+
+def test_a_count_made_only_under_grad_beside_a_direct_call_of_its_module_ends_the_step_as_eager(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = _CounterInBlock()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            for model in (eager, ours):
+                torch.manual_seed(step)
+                loss = model(torch.randn(2, 4)).square().sum() + \
+                    model.inner(torch.randn(2, 4)).sum()
+                loss.backward()
+            assert _same(_grads(eager), _grads(ours)), step
+            assert torch.equal(eager.inner.ema, ours.inner.ema), step
+            assert eager.inner.steps == ours.inner.steps, (step, eager.inner.steps,
+                                                            ours.inner.steps)

@@ -576,3 +576,54 @@ def test_a_second_backward_through_another_output_is_noted_only_on_that_error() 
     with pytest.raises(RuntimeError) as other:   # another error: no note
         m(torch.randn(3, 5))
     assert not any("shares one autograd node" in n for n in getattr(other.value, "__notes__", []))
+
+class _BiasOnly(nn.Module):
+    """A one-output layer whose eager graph saves no tensor (a bias add)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks and "
+                   "DDP: a second backward without retain_graph through a call whose eager ops "
+                   "saved nothing) (helper PI)")
+def test_a_second_backward_through_a_one_output_layer_saving_nothing_gives_eager_gradients(
+        ) -> None:
+    torch.manual_seed(0)
+    eager = _BiasOnly()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    got = []
+    for m in (eager, ours):
+        torch.manual_seed(1)
+        x = torch.randn(2, 4, requires_grad=True)
+        out = m(x)
+        out.sum().backward()
+        (out * 3).sum().backward()  # no retain_graph: eager's graph saved nothing
+        got.append([m.b.grad, x.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_a_second_backward_through_a_one_output_layer_is_noted_with_the_fix_that_is_eager() -> None:
+    torch.manual_seed(0)
+    m = pytree_ckpt.apply_activation_checkpointing(_BiasOnly())
+    out = m(torch.randn(2, 4, requires_grad=True))
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="second time") as got:
+        (out * 3).sum().backward()
+    assert any("saved its inputs for its replay" in n for n in got.value.__notes__)
+    taken = []
+    for wrap in (False, True):  # the note's fix
+        torch.manual_seed(0)
+        m = _BiasOnly()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(m)
+        x = torch.randn(2, 4, requires_grad=True)
+        out = m(x)
+        out.sum().backward(retain_graph=True)
+        (out * 3).sum().backward()
+        taken.append([m.b.grad, x.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*taken))
