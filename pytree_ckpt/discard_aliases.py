@@ -92,7 +92,9 @@ def root_key(tensor: torch.Tensor) -> tuple[int, int] | None:
             return None
         # A wrapper subclass (DTensor) gets a storage object, whose address raises: its bytes
         # live in inner tensors (NOTE [a wrapper subclass's bytes are its inner tensors']).
-        return tensor.get_device(), storage.data_ptr()
+        # One with bytes but no address (the meta device's: every one is at 0) by the storage
+        # itself, or every meta output aliased the input and nothing was freed (helper PJ).
+        return tensor.get_device(), storage.data_ptr() or storage._cdata
     except RuntimeError:
         return None
 

@@ -403,9 +403,28 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
 
 
+def _on_nested(args: Any, kwargs: dict[str, Any], /) -> bool:
+    """Whether an op reads a nested tensor: never kept, in either pass, nor one making one
+    (helper PJ). A strided one (torch's jagged attention makes them inside a kept unit) has no
+    sizes to compare, and the replay reads its sizes more often than the original pass (under
+    grad): a record asked for there raised inside torch's C++, which aborted the process. A
+    jagged one made in the replay from offsets has a new ragged symbol, and the forward's
+    record handed to autograd there failed ("got [2, j2, 16] but expected ... [2, j3, 16]").
+    Arguments one level deep (a list of tensors): a check on every kept op, in both passes."""
+    for value in (*args, *kwargs.values()):
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor) and t.is_nested:
+                return True
+    return False
+
+
 def _storage_id(tensor: torch.Tensor) -> int | None:
     try:
-        return tensor.untyped_storage().data_ptr()
+        storage = tensor.untyped_storage()
+        # A storage without an address (the meta device's, a memory estimate: every one is
+        # at 0) by the storage itself, or a write to any meta tensor took back every kept
+        # result (helper PJ; as census_records' _record_key files them).
+        return storage.data_ptr() or storage._cdata
     except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor), a sparse tensor
         return None
 
@@ -546,7 +565,8 @@ class KeepMode(TorchDispatchMode):
             if not self.policy.use.settled:  # replayed, not recomputed: what a unit asks for
                 self._unit_kept(func, IN_KEPT_CALLABLE.get())
             return func(*args, **kwargs)
-        if not self.policy.keeps(func) or (func is _TO_COPY and self._autocast_cast(args)):
+        if not self.policy.keeps(func) or (func is _TO_COPY and self._autocast_cast(args)) \
+                or _on_nested(args, kwargs):
             return func(*args, **kwargs)
         invocation = self.invocation
         frame = invocation.frame
@@ -572,10 +592,12 @@ class KeepMode(TorchDispatchMode):
                 rng_after = after if rng_changed(before, after) else None
                 if generators_before:
                     generators_after = generators_moved(generators_before)
-            if any(t.is_inference() for t in _tensors(out)) or _made_only_with_grad(func, out):
+            if any(t.is_inference() for t in _tensors(out)) or _made_only_with_grad(func, out) \
+                    or _on_nested(out if isinstance(out, tuple) else (out,), {}):
                 # Made under torch.inference_mode() inside the layer: no version to check, and
                 # nothing to save for backward; the replay runs the op again (as it does an op
                 # that left out what its backward needs: NOTE [outputs made only with grad]).
+                # So does one making a nested tensor (_on_nested).
                 frame.record(func, RECOMPUTE)
                 return out
             kept = optree.tree_map(_tracking_alias, out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -450,3 +451,59 @@ def test_a_discarded_record_its_keeper_still_holds_outlives_the_pruning_of_dead_
         assert census.discarded_bytes == 1024 * 4
         del outs, keeper
     assert census.discarded_bytes == 0
+
+
+class _KeptLinearThenDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # dropout writes in place on a tensor of its own (bernoulli_, div_): not the kept result
+        return torch.nn.functional.dropout(self.lin(x).tanh(), 0.1) + x
+
+
+def test_a_save_unit_memory_estimate_on_meta_counts_the_kept_bytes_the_real_device_counts(
+        ) -> None:
+    # census.md: 'A model on the meta device is counted by its tensors' sizes ... a memory
+    # estimate of a model too large to run'. Under save units, KeepMode files each kept result
+    # by _storage_id = untyped_storage().data_ptr() (keep.py:406), which is 0 for every meta
+    # storage; _unkeep_written (keep.py:~686) then takes back every kept result when any meta
+    # tensor is written in place (dropout's bernoulli_): the estimate misses the kept bytes, and
+    # the unit warns it "kept nothing", where on CPU the same layer keeps the addmm result.
+    from pytree_ckpt import KeptOps, RecomputeConfig, SaveUnit, apply_recompute_config
+    counted = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        layer = _KeptLinearThenDropout().to(device)
+        apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptOps("aten::addmm")}, offload=False)
+        x = torch.empty(32, 64, device=device).normal_().requires_grad_()
+        with ActivationCensus(layer) as census:
+            out = layer(x * 1.0)
+            counted[device] = census.bytes_by("mechanism")
+        out.sum().backward()
+    assert counted["cpu"].get("save unit")  # the kept addmm output
+    assert counted["meta"] == counted["cpu"]
+
+
+def test_an_output_discard_memory_estimate_on_meta_counts_the_bytes_the_real_device_frees(
+        ) -> None:
+    # docs/discard.md's first example under a census, on CPU and on meta (census.md: a model on
+    # meta is a memory estimate). On meta, made_outside (discard_aliases.py) keys storages by
+    # root_key = (get_device(), data_ptr()), which is (-1, 0) for every meta storage: the norm's
+    # output matches its input x, is filed as made outside fn, and is never freed: the estimate
+    # shows 0 discarded bytes and counts the norm output under autograd (8192 vs CPU's 4096).
+    counted = {}
+    for device in ("cpu", "meta"):
+        norm = nn.LayerNorm(64, device=device)
+        proj = nn.Linear(64, 64, device=device)
+        x = torch.empty(16, 64, device=device).normal_().requires_grad_()
+        with ActivationCensus(nn.ModuleList([norm, proj])) as census:
+            ckpt = CheckpointWithoutOutput()
+            out = proj(ckpt.checkpoint(norm, x))
+            ckpt.discard_output_and_register_recompute(out)
+            counted[device] = (census.discarded_bytes, census.bytes_by("mechanism"))
+        (x + out).sum().backward()
+    assert counted["cpu"][0] == 16 * 64 * 4
+    assert counted["meta"] == counted["cpu"]

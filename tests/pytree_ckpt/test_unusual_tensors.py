@@ -826,3 +826,205 @@ def test_a_float8_wrapper_input_returned_as_it_is_then_changed_in_place_is_refus
             passed.mul_(0.5)
         with pytest.raises(RuntimeError):  # eager: "modified by an inplace operation"
             (out.square().sum() + (passed * 3).sum()).backward()
+
+
+# Helper PJ: jagged nested tensors (packed sequences), complex and sparse tensors against eager.
+class _JaggedAttention(nn.Module):
+    """Self-attention over a jagged batch (B, j, W): SDPA takes torch's jagged math path, which
+    calls aten ops on strided nested tensors it makes from the jagged ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:  # kept by KeptCallables
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.unflatten(-1, (2, 8)).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)),
+                                                             heads(self.v(x)), dropout_p=0.1)
+        return a.transpose(1, 2).flatten(-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.attend(x)) + x
+
+
+def _jagged_attention_results(wrap: Any) -> list[list[torch.Tensor]]:
+    torch.manual_seed(0)
+    eager = _JaggedAttention()
+    twin = copy.deepcopy(eager)
+    wrap(twin)
+    values = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (eager, twin):
+        v = values.clone().requires_grad_()
+        nt = torch.nested.nested_tensor_from_jagged(v * 1.0, torch.tensor([0, 3, 8]))
+        torch.manual_seed(5)  # dropout
+        out = model(nt)
+        loss = out.values().square().sum()
+        loss.backward()
+        results.append([loss, out.values(), v.grad, *(p.grad for p in model.parameters())])
+    return results
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_jagged_attention_with_dropout_checkpointed_and_offloaded_gives_eager_gradients(
+        verify: bool) -> None:
+    expected, got = _jagged_attention_results(lambda m: pytree_ckpt.apply_activation_checkpointing(
+        m, offload=manager(), verify_replay=verify))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_a_kept_callable_running_sdpa_over_a_jagged_batch_gives_eager_gradients() -> None:
+    # Eager and the plain boundary run it; under save units the kept method's SDPA goes through
+    # torch's jagged math path, which calls aten._scaled_dot_product_attention_math on strided
+    # nested tensors; KeepMode.__torch_dispatch__ (keep.py) records the call's arguments with
+    # call_arguments -> _plain (kept_calls.py), which reads value.shape: RuntimeError
+    # "Internal error: NestedTensorImpl doesn't support sizes" in the forward.
+    expected, got = _jagged_attention_results(lambda m: apply_recompute_config(
+        [m], RecomputeConfig(1.0, save=["attn"]),
+        {SaveUnit.ATTN: KeptCallables("_JaggedAttention.attend")}, offload=manager()))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+class _PackedAttention(nn.Module):
+    """Packed-sequence attention: the kept method views the packed (T, W) hidden states as a
+    jagged batch from the cu_seqlens it is given (a plain tensor), attends, and returns the
+    packed values: no nested tensor crosses the boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.o = nn.Linear(16, 16)
+
+    def attend(self, h: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        q, k, v = (torch.nested.nested_tensor_from_jagged(t.contiguous(), cu_seqlens)
+                   .unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(h).chunk(3, -1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return a.transpose(1, 2).flatten(-2).values()
+
+    def forward(self, h: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return self.o(self.attend(h, cu_seqlens)) + h
+
+
+def _packed_attention_results(wrap: Any) -> list[list[torch.Tensor]]:
+    torch.manual_seed(0)
+    eager = _PackedAttention()
+    twin = copy.deepcopy(eager)
+    wrap(twin)
+    hidden = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    cu_seqlens = torch.tensor([0, 3, 8])
+    results = []
+    for model in (eager, twin):
+        h = hidden.clone().requires_grad_()
+        out = model(h * 1.0, cu_seqlens)
+        loss = out.square().sum()
+        loss.backward()
+        results.append([loss, out, h.grad, *(p.grad for p in model.parameters())])
+    return results
+
+
+def test_packed_attention_over_a_jagged_view_made_inside_the_layer_gives_eager_gradients() -> None:
+    expected, got = _packed_attention_results(lambda m: pytree_ckpt.apply_activation_checkpointing(
+        m, offload=manager(), verify_replay=True))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+class _PackedSoftmax(nn.Module):
+    """A softmax over each packed sequence: the kept method views the packed (T, W) states as a
+    jagged batch from the cu_seqlens it is given (a plain tensor) and returns the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.o = nn.Linear(16, 16)
+
+    def mix(self, h: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        nt = torch.nested.nested_tensor_from_jagged(self.lin(h), cu_seqlens)
+        return nt.softmax(dim=1).values()
+
+    def forward(self, h: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return self.o(self.mix(h, cu_seqlens)) + h
+
+
+def test_a_kept_method_making_a_jagged_view_from_cu_seqlens_gives_eager_gradients() -> None:
+    # Eager and the plain boundary (verify_replay too) run it. Under save units the replay's
+    # nested_tensor_from_jagged makes a new ragged symbol (j4 for the forward's j3), so
+    # KeepMode compares the kept softmax's arguments (call_arguments: shape (2, j3, 16) vs
+    # (2, j4, 16)) as other tensors and refuses the replay in backward with a
+    # ReplayMismatchError whose tip blames grad-mode branches or state changed since the
+    # forward (save_units.md rule 7). No nested tensor crosses the boundary.
+    torch.manual_seed(0)
+    eager = _PackedSoftmax()
+    twin = copy.deepcopy(eager)
+    apply_recompute_config([twin], RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptCallables("_PackedSoftmax.mix")}, offload=False)
+    hidden = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (eager, twin):
+        h = hidden.clone().requires_grad_()
+        out = model(h * 1.0, torch.tensor([0, 3, 8]))
+        out.square().sum().backward()
+        results.append([out, h.grad, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+class _SparseWeight(nn.Module):
+    """A graph propagation with a learned sparse adjacency parameter (COO or CSR)."""
+
+    def __init__(self, layout: torch.layout) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        dense = torch.randn(5, 5, generator=g) * (torch.rand(5, 5, generator=g) > 0.5)
+        self.adj = nn.Parameter(dense.to_sparse() if layout == torch.sparse_coo
+                                else dense.to_sparse_csr())
+        self.emb = nn.Embedding(10, W, sparse=True)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.adj, x + self.emb(ids)).tanh()
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+@pytest.mark.parametrize("mode", ["checkpoint", "offload and verify"])
+def test_sparse_parameters_accumulate_eagers_gradients_over_two_micro_batches(
+        layout: torch.layout, mode: str) -> None:
+    results = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        model = _SparseWeight(layout)
+        if wrapped and mode == "checkpoint":
+            def run(*a: Any) -> Any:
+                return pytree_ckpt.checkpoint(model, *a)
+        else:
+            if wrapped:
+                pytree_ckpt.apply_activation_checkpointing(model, offload=manager(),
+                                                           verify_replay=True)
+            run = model
+        x = torch.randn(5, W, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        for ids in (torch.tensor([1, 3, 3, 7, 0]), torch.tensor([2, 2, 9, 7, 1])):
+            run(x * 1.0, ids).square().sum().backward()
+        results.append([x.grad, model.adj.grad.to_dense(), model.emb.weight.grad.to_dense()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_a_masked_tensor_input_gives_eagers_gradients_checkpointed_offloaded_and_verified(
+        ) -> None:
+    from torch.masked import masked_tensor
+
+    class Layer(nn.Module):
+        def forward(self, x: Any) -> Any:
+            return (x * 2.0).exp().sum()
+
+    results = []
+    for wrap in (None, {}, {"offload": manager(), "verify_replay": True}):
+        g = torch.Generator().manual_seed(1)
+        data, mask = torch.randn(4, W, generator=g), torch.rand(4, W, generator=g) > 0.3
+        with pytest.warns(UserWarning, match="prototype"):
+            x = masked_tensor(data, mask, requires_grad=True)
+        layer = Layer()
+        if wrap is not None:
+            pytree_ckpt.apply_activation_checkpointing(layer, **wrap)
+        loss = layer(x)
+        loss.get_data().backward()
+        results.append([loss.get_data(), x.grad.get_data(), x.grad.get_mask()])
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], got, strict=True))
