@@ -115,7 +115,7 @@ class ChangedNumbers:
         if not self.read:
             return self.found
         covered = {(id(d), name) for d, values, rebound in self.found
-                   for name in [*(name for name, _ in values), *rebound]}
+                   for name in [*(name for name, _ in values), *rebound, None]}
         given: list[tuple[dict[str, Any], list[tuple[str, Any]], list[str]]] = []
         self.given_plain = {}
         for d, before in self.read:
@@ -134,8 +134,12 @@ class ChangedNumbers:
                 # (Else a TensorHeld or TupleHeld: NumbersWatch.read keeps no other entry.)
                 elif (kept := was[1].as_read()) is not None and d.get(name) is not kept:
                     values.append((name, kept))
-            # A buffer bound anew since: the replay reads the forward's (REINSTATED).
-            if values or plain and id(d.get("_buffers")) in REINSTATED.get():
+            # A buffer bound anew since: the replay reads the forward's (REINSTATED); or a
+            # value the forward changed there, put back as it began: the flag it read beside
+            # it too (helper PK: a warm-up count put back, its freeze flag read as a later
+            # micro-batch flipped it).
+            if values or plain and (id(d.get("_buffers")) in REINSTATED.get() or
+                                    (id(d), None) in covered):
                 for name, value in plain:
                     if not same_entry(d.get(name, ABSENT), value):
                         values.append((name, value))

@@ -118,7 +118,7 @@ class NumbersWatch:
     left the rotary layer's count unchanged within 0.3%).
     """
 
-    __slots__ = ("dicts", "before")
+    __slots__ = ("dicts", "before", "changed_dicts")
 
     def __init__(self, dicts: Sequence[dict[str, Any]], /, *, clone: bool = False,
                  mixed: bool = False) -> None:
@@ -131,6 +131,7 @@ class NumbersWatch:
         # one copy in the replay, as they read one tensor in the forward (helper FG).
         clones: dict[int, torch.Tensor] | None = {} if clone else None
         self.before = [read_entries(d, clones, mixed=mixed) for d in dicts]
+        self.changed_dicts: set[int] = set()  # those changed() found changed, by id
 
     def changed(self) -> ChangedNumbers | None:
         """The entries the forward changed, each with what it held before the forward;
@@ -179,21 +180,24 @@ class NumbersWatch:
                         rebound.append(name)
             if values or rebound:
                 found.append((d, values, rebound))
+                self.changed_dicts.add(id(d))  # read() keeps its plain values then
         return ChangedNumbers(found, ends=ends) if found else None
 
     def read(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """NOTE [values read, then changed by a later call]: each dict with the small tensors
-        (and tuples of them) the forward read there; with them, or where the module holds
-        buffers, the plain values it read and left as they were, by value, and the count of
+        (and tuples of them) the forward read there; with them, where the module holds
+        buffers, or where the forward changed that dict, the plain values it read and left as
+        they were, by value, and the count of
         replays that changed that dict by then (NOTE [a key read beside a table given back] in
         changed_numbers.py). Nothing else of what was read is kept (a list the
         forward fills, which the caller replaces, is not held: helper CN)."""
         found = []
         for d, before in zip(self.dicts, self.before):
+            changed = id(d) in self.changed_dicts
             held: dict[str, Any] = {name: (False, _without_clone(was[1]))
                                     for name, was in before.items()
                                     if not was[0] and type(was[1]) in _HELD}
-            if held or d.get("_buffers"):
+            if held or d.get("_buffers") or changed:
                 # Not one the forward changed (helper PA: a one-time init flag given back
                 # where the forward's changes were dropped ran the init again).
                 plain = [(name, was) for name, was in before.items()
