@@ -154,11 +154,13 @@ def _storage_key(t: torch.Tensor, /) -> object:
     has none, and a subclass is left as it is). An empty storage shares no element with any
     other, whatever its address: a key equal to no other (helper MW: an output with no
     elements, `nn.Linear` of an empty batch, stayed a view, and `out += residual` raised where
-    eager's passes)."""
+    eager's passes). A storage without an address (the meta device's) by the storage itself,
+    as keep.py's ``_storage_id`` files kept results (helper PM: a meta estimate ran a step
+    the real device refuses)."""
     if type(t) is not torch.Tensor or t.layout is not torch.strided:
         return None
     storage = t.untyped_storage()
-    return storage.data_ptr() if storage.nbytes() else object()
+    return (storage.data_ptr() or storage._cdata) if storage.nbytes() else object()
 
 
 def _references(outputs: tuple[Any, ...], position: int, /) -> int:

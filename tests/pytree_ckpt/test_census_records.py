@@ -507,3 +507,37 @@ def test_an_output_discard_memory_estimate_on_meta_counts_the_bytes_the_real_dev
         (x + out).sum().backward()
     assert counted["cpu"][0] == 16 * 64 * 4
     assert counted["meta"] == counted["cpu"]
+
+
+class _KeptMatmul3d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, self.w)  # a 3-D input: aten.mm, then _unsafe_view on its storage
+
+
+def test_a_meta_estimate_refuses_an_output_on_a_kept_storage_changed_in_place_as_cpu_does(
+        ) -> None:
+    # NOTE [outputs on a kept storage]: on CPU, `out += 1` on matmul's _unsafe_view of the kept
+    # mm is refused in backward (the replay would compute on with the changed result). Before
+    # d82b948 meta refused it too (both keys 0); now the kept dict is keyed by storage._cdata
+    # on meta while on_kept_storages looks the output up by data_ptr() (0): never found.
+    from pytree_ckpt import CheckpointError, KeptOps, RecomputeConfig, SaveUnit, \
+        apply_recompute_config
+    refused = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        layer = _KeptMatmul3d().to(device)
+        apply_recompute_config([layer], RecomputeConfig(1.0, save=["attn"]),
+                               {SaveUnit.ATTN: KeptOps("aten::mm")}, offload=False)
+        x = torch.empty(2, 4, 8, device=device).normal_().requires_grad_()
+        out = layer(x * 1.0)
+        out += 1
+        try:
+            out.tanh().sum().backward()
+            refused[device] = False
+        except CheckpointError as error:
+            refused[device] = "shares its memory with the result of aten.mm" in str(error)
+    assert refused == {"cpu": True, "meta": True}

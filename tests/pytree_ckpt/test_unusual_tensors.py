@@ -24,7 +24,7 @@ from torch import nn
 import offload
 import pytree_ckpt
 from offload import size_class
-from pytree_ckpt import (ActivationCensus, KeptCallables, RecomputeConfig, SaveUnit,
+from pytree_ckpt import (ActivationCensus, KeptCallables, KeptOps, RecomputeConfig, SaveUnit,
                          apply_recompute_config, current_phase)
 from tests.pytree_ckpt.models import Log, project_norm
 
@@ -866,6 +866,15 @@ def _jagged_attention_results(wrap: Any) -> list[list[torch.Tensor]]:
     return results
 
 
+# torch's own notices of prototype APIs, and verify_replay's note that a nested output is
+# not compared (these tests compare it against eager themselves).
+_PROTOTYPES = pytest.mark.filterwarnings(
+    "ignore:The PyTorch API of:UserWarning", "ignore:Sparse CSR tensor support is in beta",
+    "ignore:It is not recommended to create a MaskedTensor",
+    "ignore:verify_replay=True compares the replay's outputs")
+
+
+@_PROTOTYPES
 @pytest.mark.parametrize("verify", [False, True])
 def test_jagged_attention_with_dropout_checkpointed_and_offloaded_gives_eager_gradients(
         verify: bool) -> None:
@@ -983,6 +992,7 @@ class _SparseWeight(nn.Module):
         return torch.sparse.mm(self.adj, x + self.emb(ids)).tanh()
 
 
+@_PROTOTYPES
 @pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
 @pytest.mark.parametrize("mode", ["checkpoint", "offload and verify"])
 def test_sparse_parameters_accumulate_eagers_gradients_over_two_micro_batches(
@@ -1006,6 +1016,7 @@ def test_sparse_parameters_accumulate_eagers_gradients_over_two_micro_batches(
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
+@_PROTOTYPES
 def test_a_masked_tensor_input_gives_eagers_gradients_checkpointed_offloaded_and_verified(
         ) -> None:
     from torch.masked import masked_tensor
@@ -1028,3 +1039,39 @@ def test_a_masked_tensor_input_gives_eagers_gradients_checkpointed_offloaded_and
         results.append([loss.get_data(), x.grad.get_data(), x.grad.get_mask()])
     for got in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], got, strict=True))
+
+
+class _UnbindJagged(nn.Module):
+    """A jagged batch made inside the kept region from a list of plain tensors, unbound again,
+    each part through a kept addmm and tanh: kept plain ops after nested ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def mix(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        nt = torch.nested.as_nested_tensor([self.lin(t) for t in xs], layout=torch.jagged)
+        return [self.lin2(p).tanh() for p in torch.nn.functional.gelu(nt).unbind()]
+
+    def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        return sum(o.square().sum() for o in self.mix(xs))
+
+
+@pytest.mark.parametrize("by", ["ops", "callable"])
+def test_kept_plain_ops_after_a_jagged_batch_unbound_in_the_layer_give_eager_gradients(
+        by: str) -> None:
+    torch.manual_seed(0)
+    eager = _UnbindJagged()
+    twin = copy.deepcopy(eager)
+    unit = KeptOps("aten::addmm", "aten::tanh") if by == "ops" \
+        else KeptCallables("_UnbindJagged.mix")
+    apply_recompute_config([twin], RecomputeConfig(1.0, save=["attn"]), {SaveUnit.ATTN: unit},
+                           offload=False, verify_replay=True)
+    xs = [torch.randn(3, 8), torch.randn(5, 8)]
+    results = []
+    for model in (eager, twin):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        loss = model([x * 1.0 for x in leaves])
+        loss.backward()
+        results.append([loss, *(x.grad for x in leaves), *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
