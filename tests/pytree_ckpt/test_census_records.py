@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import weakref
 
-import pytest
 import torch
 from torch import nn
 
