@@ -27,22 +27,25 @@ __all__ = ["ChangedNumbers", "EndedAfterACall"]
 # NOTE [a key read beside a table given back]: a cache keyed by a plain value (ultralytics'
 # Detect head rebuilds `self.anchors` where `self.shape != p.shape`; a position table keyed by
 # `self.hw`, as a small attribute or a buffer) that one call only reads and a later call, before
-# the first one's backward, rebuilds for another size: the first call's replay is given back
-# the table it read (NOTE [values read, then changed by a later call] in forward_numbers.py; a
+# the first one's backward, rebuilds for another size: the first call's replay is given back the
+# table it read (NOTE [values read, then changed by a later call] in forward_numbers.py; a
 # buffer bound anew since, by NOTE [the replay sees the forward's modules] in
 # forward_modules.py), but it read the key as the later call left it, rebuilt the table, and
 # kept its rebinding of the key (a change only the replay makes), while the table got what it
-# held as the replay began back after it: key and table ended the step apart, and the next
-# step used a table of another size (a wrong loss, or a size mismatch; helper OX). So where a
-# replay is given back a small tensor the forward only read, or reads a buffer bound anew
-# since, the plain values the forward read and left in that module's ``__dict__`` (kept by
-# value from the forward) are given back too where they changed since, but not where a replay
-# changed them (``ReplacedNames.stamps``, noted after each watched replay: a count only replays
-# make, under grad, is the module's own, and was dropped where a streaming state buffer is bound
-# anew each call: helper PA; a change by a call outside any boundary, a head using the table
-# or a rollout under no_grad, is given back: helper PF), and get what they held as the replay
-# began back after it; a number given back that the replay changed (a count made only under
-# grad, which a direct call changed too) gets the replay's change on top of that (helper PI).
+# held as the replay began back after it: key and table ended the step apart, and the next step
+# used a table of another size (a wrong loss, or a size mismatch; helper OX). So where a replay
+# is given back a small tensor the forward only read, reads a buffer bound anew since, or is
+# given back a value its forward changed in that ``__dict__`` (a warm-up count, beside the
+# freeze flag it sets: helper PK), the plain values the forward read and left in that
+# ``__dict__`` (kept by value from the forward) are given back too where they changed since, but
+# not where a replay changed them (``ReplacedNames.stamps``, noted after each watched replay: a
+# count only replays make, under grad, is the module's own, and was dropped where a streaming
+# state buffer is bound anew each call: helper PA; a change by a call outside any boundary, a
+# head using the table or a rollout under no_grad, is given back: helper PF), and get what they
+# held as the replay began back after it; a number given back that the replay changed (a count
+# made only under grad, which a direct call changed too) gets the replay's change on top of that
+# (helper PI; a number a replay alone assigns is taken so too, and a float's sums come in
+# another order: documented, helper PL).
 
 
 _COUNTS = (int, float)  # by exact type: not a bool flag

@@ -187,10 +187,10 @@ class NumbersWatch:
         """NOTE [values read, then changed by a later call]: each dict with the small tensors
         (and tuples of them) the forward read there; with them, where the module holds
         buffers, or where the forward changed that dict, the plain values it read and left as
-        they were, by value, and the count of
-        replays that changed that dict by then (NOTE [a key read beside a table given back] in
-        changed_numbers.py). Nothing else of what was read is kept (a list the
-        forward fills, which the caller replaces, is not held: helper CN)."""
+        they were, by value, and the count of replays that changed that dict by then (NOTE [a
+        key read beside a table given back] in changed_numbers.py). Nothing else of what was
+        read is kept (a list the forward fills, which the caller replaces, is not held: helper
+        CN)."""
         found = []
         for d, before in zip(self.dicts, self.before):
             changed = id(d) in self.changed_dicts
