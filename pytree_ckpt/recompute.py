@@ -700,18 +700,17 @@ def _saved_unchanged(ctx: Any, call: BoundaryCall, /) -> tuple[torch.Tensor, ...
             # detached features, after the actor's loss) reaches only nodes the first left
             # alone (helper PC), and one through the same output reaches ops that may have
             # saved nothing (a bias add: helper PI); said as it applies (helper PG).
-            add_note(error, f"pytree_ckpt: every output of the checkpointed call "
-                     f"{fn_name(call.fn)} shares one autograd node, and an earlier backward "
-                     "through one of them freed what that node saved; eager may run this "
-                     "second backward where the outputs' graphs share nothing. Pass "
-                     "retain_graph=True to the first backward, sum the losses into one "
-                     "backward, or checkpoint only the shared part (docs/limits.md, 'Gradient "
-                     "hooks and DDP')" if len(call.out_tensor_index) > 1 else
-                     f"pytree_ckpt: the checkpointed call {fn_name(call.fn)} saved its inputs "
-                     "for its replay, and an earlier backward through its output freed them; "
-                     "eager runs this second backward only where its ops saved nothing (a bias "
-                     "add). Pass retain_graph=True to the first backward (docs/limits.md, "
-                     "'Gradient hooks and DDP')")
+            several = len(call.out_tensor_index) > 1
+            add_note(error, f"pytree_ckpt: the checkpointed call {fn_name(call.fn)} saved its "
+                     "inputs for its replay on one autograd node" +
+                     (" that all its outputs share" if several else "") + ", and an earlier "
+                     "backward freed them; eager runs this second backward only where its own "
+                     "ops on the way saved nothing (a bias add" +
+                     (", or another output whose graph shares nothing with the first's"
+                      if several else "") + "). Pass retain_graph=True to the first backward" +
+                     (" (or sum the losses into one backward, or checkpoint only the shared "
+                      "part)" if several else "") +
+                     " (docs/limits.md, 'Gradient hooks and DDP')")
         raise
 
 

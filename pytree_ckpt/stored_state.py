@@ -184,9 +184,12 @@ def warn_first_change_unsaved(owner: nn.Module, roots: Sequence[nn.Module],
         "skipped: an early exit, LayerDrop; an update gated on data), when its small buffers "
         "are no longer copied before each call: this call's replay reads them as the forward "
         "left them, one update ahead, so where the output reads them its gradients differ from "
-        "eager's (later calls are exact). Tip: let the first step run every branch that "
-        "changes state, or keep such state outside the checkpointed call; verify_replay=True "
-        "finds the call (docs/limits.md, 'State the forward changes')",
+        "eager's (later calls are exact, but for buffers a kernel writes beside them without "
+        "moving their versions, as F.batch_norm's running statistics where no "
+        "num_batches_tracked buffer moves: those are updated twice at every later call). Tip: "
+        "let the first step run every branch that changes state, or keep such state outside "
+        "the checkpointed call; name a hand-written batch norm's counter num_batches_tracked; "
+        "verify_replay=True finds the call (docs/limits.md, 'State the forward changes')",
         stacklevel=user_stacklevel())
 
 

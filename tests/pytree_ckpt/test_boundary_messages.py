@@ -3275,3 +3275,57 @@ def test_a_parent_models_logging_hook_is_not_named_as_holding_a_weight_read_by_r
         with pytest.raises(CheckpointError) as info:
             model(torch.randn(3, 8)).sum().backward()
     assert "_LoggingModel._log" not in str(info.value), str(info.value)
+
+
+class _TwoBiasAdds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + self.b, x - self.b
+
+
+def test_a_second_backward_through_a_one_output_bias_add_is_refused_with_the_retain_graph_note(
+        ) -> None:
+    # limits.md, Gradient hooks and DDP: eager runs it (its ops saved nothing); the boundary
+    # refuses it with a note, and retain_graph=True on the first backward gives eager's grads.
+    class _BiasAdd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Parameter(torch.randn(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.b
+    x = torch.randn(3, 4)
+    eager = _BiasAdd()
+    ours = copy.deepcopy(eager)
+    out = eager(x)
+    out.sum().backward()
+    out.sum().backward()
+    y = checkpoint(ours, x)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as error:
+        y.sum().backward()
+    assert any("retain_graph=True" in n and "a bias add" in n
+               for n in getattr(error.value, "__notes__", []))
+    ours.b.grad = None
+    y = checkpoint(ours, x)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert torch.equal(eager.b.grad, ours.b.grad)
+
+
+def test_a_second_backward_through_the_same_output_of_a_two_output_call_is_noted_as_such(
+        ) -> None:
+    x = torch.randn(3, 4)
+    eager = _TwoBiasAdds()
+    a, _ = eager(x)
+    a.sum().backward()
+    a.sum().backward()  # eager runs it: the bias add saved nothing
+    a, _ = checkpoint(copy.deepcopy(eager), x)
+    a.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as error:
+        a.sum().backward()
+    notes = getattr(error.value, "__notes__", [])
+    assert notes and not any("share nothing" in n for n in notes)

@@ -3666,3 +3666,32 @@ def test_values_the_caller_changes_between_micro_batches_are_read_as_eager_reads
             for name in ("scale", "gscale", "calls", "frozen"):
                 assert getattr(eager.inner, name) == getattr(ours.inner, name), (step, name)
             assert torch.equal(eager.inner.ema, ours.inner.ema), step
+
+
+@pytest.mark.parametrize("warmup", [1, 2, 3])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_warmup_then_freeze_batch_norm_over_three_micro_batches_and_two_steps_gives_eager_numbers(
+        warmup: int, reverse: bool) -> None:
+    # limits.md (state a call reads): the warm-up count and the freeze flag it sets, flipped by
+    # a later micro-batch, exact (helper PO: flipped at each of the three calls, backwards in
+    # either order, an SGD step between steps).
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), _WarmupThenFreezeBN(8, warmup), nn.Tanh(),
+                          nn.Linear(8, 1))
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    steps = [[torch.randn(6, 8) for _ in range(3)] for _ in range(2)]
+    per_model = []
+    for model in (eager, ours):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen: list[torch.Tensor] = []
+        for xs in steps:
+            losses = [model(x).square().mean() for x in xs]
+            for loss in (reversed(losses) if reverse else losses):
+                loss.backward()
+            seen += [p.grad.clone() for p in model.parameters()]
+            seen += [b.clone() for b in model.buffers()]
+            seen += [torch.tensor(model[1].calls), torch.tensor(model[1].frozen)]
+            optimizer.step()
+            optimizer.zero_grad()
+        per_model.append(seen)
+    assert all(torch.equal(a, b) for a, b in zip(*per_model, strict=True))

@@ -383,8 +383,9 @@ def test_a_second_backward_through_another_output_of_a_call_is_told_why_and_the_
         ) -> None:
     with pytest.raises(RuntimeError, match="backward through the graph a second time") as told:
         separate_actor_and_critic_backwards("plain")
-    assert "every output of the checkpointed call SharedTrunkDetachedCritic shares one " \
-        "autograd node" in "\n".join(getattr(told.value, "__notes__", []))
+    assert "the checkpointed call SharedTrunkDetachedCritic saved its inputs for its replay on " \
+        "one autograd node that all its outputs share" in \
+        "\n".join(getattr(told.value, "__notes__", []))
 
     def with_retained_graph(form: str | None) -> list[torch.Tensor]:  # the note's first fix
         torch.manual_seed(0)
@@ -569,13 +570,13 @@ def test_a_second_backward_through_another_output_is_noted_only_on_that_error() 
     a.backward()
     with pytest.raises(RuntimeError, match="second time") as got:
         b.backward()
-    assert not any("shares one autograd node" in n for n in getattr(got.value, "__notes__", []))
+    assert not any("all its outputs share" in n for n in getattr(got.value, "__notes__", []))
     with pytest.raises(RuntimeError, match="second time") as got:
         separate_actor_and_critic_backwards("plain")
-    assert any("shares one autograd node" in n for n in got.value.__notes__)
+    assert any("all its outputs share" in n for n in got.value.__notes__)
     with pytest.raises(RuntimeError) as other:   # another error: no note
         m(torch.randn(3, 5))
-    assert not any("shares one autograd node" in n for n in getattr(other.value, "__notes__", []))
+    assert not any("autograd node" in n for n in getattr(other.value, "__notes__", []))
 
 class _BiasOnly(nn.Module):
     """A one-output layer whose eager graph saves no tensor (a bias add)."""

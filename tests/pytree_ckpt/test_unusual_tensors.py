@@ -1075,3 +1075,17 @@ def test_kept_plain_ops_after_a_jagged_batch_unbound_in_the_layer_give_eager_gra
         loss.backward()
         results.append([loss, *(x.grad for x in leaves), *(p.grad for p in model.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@_PROTOTYPES
+@pytest.mark.parametrize("ops", [("aten::bmm", "aten::mm", "aten::addmm"),
+                                 ("aten::_nested_view_from_jagged", "aten::_nested_get_values",
+                                  "aten::transpose", "aten::view")])
+@pytest.mark.parametrize("results", [_jagged_attention_results, _packed_attention_results])
+def test_kept_ops_on_nested_tensors_or_making_one_are_recomputed_and_give_eager_gradients(
+        ops: tuple[str, ...], results: Any) -> None:
+    # save_units.md rule 2 (helper PO): ops on nested tensors, or making one, named by KeptOps,
+    # are never kept; the replay recomputes them: exact.
+    expected, got = results(lambda m: apply_recompute_config(
+        [m], RecomputeConfig(1.0, save=["attn"]), {SaveUnit.ATTN: KeptOps(*ops)}))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))

@@ -553,3 +553,53 @@ class ReusedMatchingViT(ToMeViT):
 def test_tome_matching_frozen_with_reuse_during_recompute_gives_eager_numbers(option):
     eager, ours = _twins(ReusedMatchingViT, ReusedMatchingBlock, option)
     _steps_alike(eager, ours, lambda m, s: m(_tokens_with_ties(s)))
+
+
+class _TimmToMeBlock(ToMeBlock):
+    """ToMe's timm patch: the sizes and the merge schedule in one dict every block shares."""
+
+    def forward(self, x):  # type: ignore[override]
+        size = self._tome_info["size"]
+        if size is None:
+            size = torch.ones_like(x[..., :1])
+        y, metric, _ = self.attn(self.n1(x), size)
+        x = x + y
+        r = self._tome_info["r"].pop(0)
+        if r > 0:
+            merge = bipartite_soft_matching(metric, r)
+            x = merge(x * size)
+            size = merge(size)
+            x = x / size
+        self._tome_info["size"] = size
+        return x + self.mlp(self.n2(x))
+
+
+class _TimmToMeViT(nn.Module):
+    def __init__(self, schedule: list[int]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_TimmToMeBlock() for _ in range(4))
+        self.head, self.info, self.schedule = nn.Linear(D, 3), {}, schedule
+        for block in self.blocks:
+            block._tome_info = self.info
+
+    def forward(self, x):
+        self.info["r"], self.info["size"] = list(self.schedule), None
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x[:, 0]).square().sum()
+
+
+@pytest.mark.parametrize("schedule,error,match", [([3, 2, 1, 2], RuntimeError, "size of tensor"),
+                                                  ([0, 0, 0, 0], IndexError, "pop from empty")])
+def test_tome_timm_patch_state_in_a_shared_dict_fails_in_backward_with_a_note(
+        schedule, error, match) -> None:
+    # limits.md (helper PO): a shape error or 'pop from empty list', with a note naming such
+    # state (an object the forward changed), not silent.
+    torch.manual_seed(0)
+    model = _TimmToMeViT(schedule)
+    for block in model.blocks:
+        pytree_ckpt.apply_activation_checkpointing(block)
+    with pytest.raises(error, match=match) as raised:
+        model(torch.randn(2, 17, D)).backward()
+    assert any("an object the forward changed" in note
+               for note in getattr(raised.value, "__notes__", []))
