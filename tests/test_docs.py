@@ -242,3 +242,42 @@ def test_the_verify_replay_ratios_the_small_size_bullet_gives_are_its_tables() -
     assert said is not None
     assert said.group(1) == verify[1]
     assert said.group(2) == f"{verify[0] / ours[0]:.3f}"
+
+
+def test_the_two_limits_rows_on_a_number_a_call_only_reads_agree_with_the_code() -> None:
+    import copy
+    import warnings
+
+    import torch
+    from torch import nn
+
+    import pytree_ckpt
+
+    class Counting(nn.Module):  # its forward changes a count; it reads a scale the caller sets
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.scale, self.calls = nn.Linear(4, 4), 1.0, 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    eager = Counting()
+    ours = pytree_ckpt.apply_activation_checkpointing(copy.deepcopy(eager))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (eager, ours):
+            losses = []
+            for i in range(3):
+                losses.append(model(torch.ones(2, 4) * (i + 1)).square().sum())
+                model.scale += 0.5
+            sum(losses).backward()
+    assert torch.equal(eager.lin.weight.grad, ours.lin.weight.grad)  # given back: exact
+    row = next(line for line in (ROOT / "docs" / "limits.md").read_text().splitlines()
+               if line.startswith("| a detached state the forward replaces"))
+    said = row[row.index("a Python number a call only reads"):]
+    said = said[:said.index("A layer given one back")]
+    # The row names the give-back beside a value the forward changed (helper PR: it named only
+    # a small tensor or buffer given back there).
+    assert "or beside a plain value its forward changed there" in said, said
