@@ -48,8 +48,9 @@ this call's tensors in their place: their gradients leave through the boundary i
 graphs, as in eager. One without a graph (``spectral_norm`` over a frozen ``weight_orig``: its
 power iteration still changes it every call) is saved the same way: with several calls before
 backward (micro-batches), each replay reads its own call's tensor, not the last one. A custom
-pre-hook that sets such an attribute is not recognized and behaves as before this note (one
-call per backward works).
+pre-hook that sets such an attribute is taken the same way where it carries a ``name`` naming
+it; without one it is not recognized (one call per backward works, and a second call's backward
+is refused naming the hook: ``raise_freed_graph_reached`` in refusals.py).
 
 NOTE [unknown callables]: for any other callable the parameters it closes over cannot be known,
 so the replay accumulates every leaf's gradient with ``torch.autograd.backward``, as torch's

@@ -51,8 +51,9 @@ _HELD = (TensorHeld, TupleHeld)  # put back for the replay as the forward read t
 # before that, only at its first calls (a table first rebuilt after them is read as it is
 # then). Not numbers (a float statistic): giving back one that changed since the forward would
 # undo a later replay's own change (a count made only under grad: NOTE [a key only the replay
-# changes] in changed_numbers.py); read as it is (documented), but beside a tensor given back,
-# the key of a table (NOTE [a key read beside a table given back] in changed_numbers.py).
+# changes] in changed_numbers.py); read as it is (documented), but where it sits beside a
+# tensor or buffer given back (the key of a table) or a value the forward changed (NOTE [a key
+# read beside a table given back] in changed_numbers.py).
 class NumbersWatch:
     """NOTE [numbers and flags as the forward began]: a forward may set plain values on its
     modules that decide what it computes: the length a rotary cache was built for (``if

@@ -28,10 +28,9 @@ from .tree import dunder, instance_dict
 __all__ = ["ABSENT", "AFTER_REPLAY", "CHANGED_BY_A_CALL", "CONTAINERS", "NOT_STATE", "OURS",
            "BoundObject", "Contents", "InPlace", "Mixed", "Refilled", "ReplacedNames", "Rewritten",
            "TensorHeld", "TupleHeld", "ValuesRead", "entries_of", "entry_of", "fresh_values",
-           "immutable",
-           "plain_container", "plain_entries", "plain_entry", "put_entries", "read_by_entries",
-           "read_entries", "restore_after_replay", "same_as", "same_entries", "same_entry",
-           "small_detached", "small_tuple", "tuple_tensors", "value_differs"]
+           "immutable", "plain_container", "plain_entries", "plain_entry", "put_entries",
+           "read_by_entries", "read_entries", "restore_after_replay", "same_as", "same_entries",
+           "same_entry", "small_detached", "small_tuple", "tuple_tensors", "value_differs"]
 
 # Values that cannot change in place, by exact type (a subclass may carry state); also enum
 # members, tuples and namedtuples of such values (a shape key) and NumPy scalars (immutable).

@@ -3179,30 +3179,21 @@ def test_a_count_made_under_grad_beside_a_position_buffer_rebuilt_by_a_later_cal
     assert ours.tokens == eager.tokens == 3
 
 
-class _InitOnceTable(nn.Module):
+class _InitOnceTable(PositionTable):
     """A one-time data-dependent initialisation keyed on a plain flag (LSUV-style: the weight
     scaled in place by the output's std on the first call) beside a position buffer keyed by
     the feature size (``self.hw``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(2, 2, 1)
         self.ready = False
-        self.hw: tuple[int, int] | None = None
-        self.register_buffer("pos", torch.empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.ready:
             with torch.no_grad():
                 self.conv.weight.div_(self.conv(x).std())
             self.ready = True
-        p = self.conv(x)
-        h, w = p.shape[-2:]
-        if self.hw != (h, w):
-            ys, xs = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
-            self.pos = torch.stack((xs.sin(), ys.cos()))
-            self.hw = (h, w)
-        return p * self.pos
+        return super().forward(x)
 
 
 def test_a_one_time_init_flag_beside_a_position_buffer_rebuilt_by_a_later_micro_batch_is_not_redone(
